@@ -1,0 +1,59 @@
+"""kfac_jax: K-FAC (Kronecker-factored approximate curvature) for JAX, as optax transforms.
+
+Mark the loss with a tag inside your ordinary loss function; layers are found automatically.
+
+    def loss_fn(params, batch):
+      logits = model.apply(params, batch["x"])
+      kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, damping=1e-3)
+    opt_state = tx.init(params)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+"""
+
+from kfac_jax._curvature import CurvatureStats, value_and_grad
+from kfac_jax._estimator import CurvatureEstimator, EstimatorState
+from kfac_jax._scanner import (
+    LayerSpec,
+    RegistrationError,
+    UncoveredParametersWarning,
+)
+from kfac_jax._summary import scan_layers, summary
+from kfac_jax._tags import (
+    register_categorical_predictive_distribution,
+    register_dense,
+    register_generic,
+    register_multi_bernoulli_predictive_distribution,
+    register_normal_predictive_distribution,
+    register_sigmoid_cross_entropy_loss,
+    register_softmax_cross_entropy_loss,
+    register_squared_error_loss,
+)
+from kfac_jax._transform import ScaleByKfacState, kfac, scale_by_kfac
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "CurvatureEstimator",
+    "CurvatureStats",
+    "EstimatorState",
+    "LayerSpec",
+    "RegistrationError",
+    "ScaleByKfacState",
+    "UncoveredParametersWarning",
+    "kfac",
+    "register_categorical_predictive_distribution",
+    "register_dense",
+    "register_generic",
+    "register_multi_bernoulli_predictive_distribution",
+    "register_normal_predictive_distribution",
+    "register_sigmoid_cross_entropy_loss",
+    "register_softmax_cross_entropy_loss",
+    "register_squared_error_loss",
+    "scale_by_kfac",
+    "scan_layers",
+    "summary",
+    "value_and_grad",
+]

@@ -1,0 +1,82 @@
+"""Every JAX-internal name kfac_jax uses, in one place.
+
+A JAX upgrade that moves or changes an internal API should only need edits here. Supported:
+jax/jaxlib 0.10 (Python 3.11) and 0.11/0.12 (Python 3.12).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend import core as _jex_core
+from jax.interpreters import ad, batching, mlir
+
+Primitive = _jex_core.Primitive
+ClosedJaxpr = _jex_core.ClosedJaxpr
+Jaxpr = _jex_core.Jaxpr
+JaxprEqn = _jex_core.JaxprEqn
+Literal = _jex_core.Literal
+Var = _jex_core.Var
+DropVar = _jex_core.DropVar
+
+# Symbolic zero tangents; pass-through JVP rules hand them on untouched.
+Zero = ad.Zero
+
+__all__ = [
+    "ClosedJaxpr",
+    "DropVar",
+    "Jaxpr",
+    "JaxprEqn",
+    "Literal",
+    "Primitive",
+    "Var",
+    "Zero",
+    "ad",
+    "batching",
+    "bind_eqn",
+    "call_jaxpr_of",
+    "mlir",
+]
+
+# Primitives that only call a closed sub-jaxpr with the same inputs and outputs (nested `jax.jit`,
+# `closed_call`). The scanner and the tapped interpreter inline them; their semantics do not change.
+_INLINE_CALL_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
+  """The keyword arguments with which `eqn.primitive.bind` re-creates `eqn`.
+
+  `Primitive.get_bind_params` returned `(subfuns, params)` before jax 0.9.2 and returns only
+  `params` since; both forms are accepted here.
+  """
+  out = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+    subfuns, params = out
+    if subfuns:  # Old-style call primitives; never produced by the versions we support.
+      raise NotImplementedError(f"cannot re-bind {eqn.primitive.name} with sub-functions")
+    return params
+  return out
+
+
+def bind_eqn(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+  """Evaluates one equation on `invals` (arrays or tracers), returning a list of outputs."""
+  ans = eqn.primitive.bind(*invals, **bind_params(eqn))
+  return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def call_jaxpr_of(eqn: JaxprEqn) -> ClosedJaxpr | None:
+  """The closed sub-jaxpr of an inlinable call equation (nested jit), else None."""
+  if eqn.primitive.name not in _INLINE_CALL_NAMES:
+    return None
+  sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  if sub is None:
+    return None
+  if isinstance(sub, ClosedJaxpr):
+    return sub
+  return ClosedJaxpr(sub, ())
+
+
+def make_jaxpr(fun, *args) -> ClosedJaxpr:
+  """`jax.make_jaxpr(fun)(*args)`, accepting arrays, tracers or ShapeDtypeStructs."""
+  return jax.make_jaxpr(fun)(*args)

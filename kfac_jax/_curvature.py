@@ -1,0 +1,147 @@
+"""One forward pass for the loss, its gradient and the curvature statistics.
+
+The traced loss function is evaluated once with a zero perturbation ε_l added to each dense
+layer's output s_l and the layer inputs recorded. `jax.vjp` of that evaluation with respect to
+(params, ε) gives one linearisation; it is pulled back twice:
+
+  * with cotangent 1 on the loss: the parameter gradient;
+  * with the sampled (or empirical) vectors at the loss tags: ∂/∂ε_l = per-layer output
+    gradients g_l, and parameter gradients only for leaves in generic blocks.
+
+Inside `jit`, XLA drops the parameter-gradient products of the second pull-back that nothing
+reads, so the sampled backward pass computes activation gradients only. (Stacking both cotangents
+in one vmapped pull-back would compute the parameter gradient of the sampled loss too.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax import _compat, _graph, _losses, _scanner
+
+Array = jax.Array
+EstimationMode = Literal["gradients", "empirical"]
+ESTIMATION_MODES = ("gradients", "empirical")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CurvatureStats:
+  """Raw per-layer data for one batch, as `value_and_grad` returns it.
+
+  Attributes:
+    data: one entry per layer, in registration order: `(x [rows, in], g [samples, rows, out])`
+      for dense layers; the per-leaf sampled gradients `[samples, *leaf.shape]` for generic ones.
+    layer_names: static; the layers the entries belong to.
+    batch_size: static; N, the loss tags' leading axis.
+  """
+  data: tuple[Any, ...]
+  layer_names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+  batch_size: int = dataclasses.field(metadata=dict(static=True))
+
+
+def check_mode(estimation_mode: str, num_samples: int) -> None:
+  if estimation_mode not in ESTIMATION_MODES:
+    raise ValueError(
+        f"unknown estimation_mode {estimation_mode!r}; choose one of {ESTIMATION_MODES}.")
+  if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+    raise ValueError(f"num_samples must be a positive int, got {num_samples!r}.")
+
+
+def _read(atom, seen):
+  return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
+
+
+def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
+            estimation_mode: str, num_samples: int, with_grads: bool):
+  """Loss, gradient (or None) and `CurvatureStats` from one forward pass."""
+  leaves = jax.tree_util.tree_leaves(params)
+  batch_leaves = jax.tree_util.tree_leaves(batch)
+  dense = [i for i, s in enumerate(reg.layers) if s.kind == "dense"]
+  out_keys = {reg.layer_outputs[i]: n for n, i in enumerate(dense)}
+  in_atoms = [reg.layer_inputs[i] for i in dense]
+  watch = set(out_keys)
+  watch.update(a for a in in_atoms if _graph.is_key(a))
+  for ops in reg.loss_operands:
+    watch.update(a for a in ops if _graph.is_key(a))
+  watch = frozenset(watch)
+
+  def f(p_leaves, eps):
+    def perturb(key, value):
+      n = out_keys.get(key)
+      return value if n is None else value + eps[n]
+
+    outs, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
+    preds = [_read(ops[0], seen) for ops in reg.loss_operands]
+    xs = [_read(a, seen) for a in in_atoms]
+    others = [[_read(a, seen) for a in ops[1:]] for ops in reg.loss_operands]
+    return (outs[0], preds), (xs, others)
+
+  eps0 = [jnp.zeros(k[1].aval.shape, k[1].aval.dtype) for k in out_keys]
+  (loss, preds), vjp_fn, (xs, others) = jax.vjp(f, leaves, eps0, has_aux=True)
+
+  grads = None
+  if with_grads:
+    g_leaves, _ = vjp_fn((jnp.ones_like(loss), [jnp.zeros_like(p) for p in preds]))
+    grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_leaves)
+
+  if estimation_mode == "gradients" and rng is None:
+    raise ValueError("estimation_mode='gradients' samples targets from the model: pass `rng`.")
+  keys = (jax.random.split(rng, len(reg.losses)) if rng is not None
+          else [None] * len(reg.losses))
+  cts = [
+      _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)
+      for spec, p, o, key in zip(reg.losses, preds, others, keys)]
+
+  def pull_back(ct):
+    return vjp_fn((jnp.zeros_like(loss), ct))
+
+  p_ct, eps_ct = jax.vmap(pull_back)(cts)
+
+  data = []
+  for i, spec in enumerate(reg.layers):
+    if spec.kind == "dense":
+      n = dense.index(i)
+      info = spec.dense
+      x = xs[n].transpose(info.x_perm).reshape(info.rows, info.in_dim)
+      g = eps_ct[n]
+      g = g.transpose((0,) + tuple(d + 1 for d in info.out_perm))
+      data.append((x, g.reshape(g.shape[0], info.rows, info.out_dim)))
+    else:
+      data.append(tuple(p_ct[j] for j in spec.leaf_indices))
+  stats = CurvatureStats(tuple(data), tuple(s.name for s in reg.layers),
+                         reg.losses[0].batch_size)
+  return loss, grads, stats
+
+
+def value_and_grad(loss_fn: Callable, *, estimation_mode: EstimationMode = "gradients",
+                   num_samples: int = 1, strict: bool = False) -> Callable:
+  """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
+
+  `curvature_stats` is what `scale_by_kfac`'s update takes as `curvature_stats=`. Call the
+  returned function inside your jitted train step, like `jax.value_and_grad`.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output.
+    estimation_mode: "gradients" (targets sampled from the model: the Fisher) or "empirical"
+      (the data's targets: the empirical Fisher).
+    num_samples: sampled targets per example in "gradients" mode.
+    strict: raise instead of warning when parameters are outside every recognised layer.
+
+  Example:
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+  """
+  check_mode(estimation_mode, num_samples)
+
+  def fn(params, batch, rng=None):
+    reg = _scanner.scan(loss_fn, params, batch, strict=strict, warn=False)
+    return compute(reg, params, batch, rng, estimation_mode=estimation_mode,
+                   num_samples=num_samples, with_grads=True)
+
+  return fn

@@ -1,0 +1,356 @@
+"""CurvatureEstimator: the block-diagonal curvature of a tagged loss, as pure functions.
+
+Mirrors TF K-FAC's FisherEstimator. The estimate is the Fisher of the mean per-example negative
+log-likelihood of the tagged predictive distribution(s),
+
+    F = (1/N) Σₙ E_y[∇ log p(y|xₙ) ∇ log p(y|xₙ)ᵀ],
+
+N being the loss tags' leading axis, approximated block-diagonally (one block per layer) and
+averaged over batches with a bias-corrected exponential moving average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax import _curvature, _scanner
+from kfac_jax import blocks as _blocks
+
+Array = jax.Array
+
+
+class EstimatorState(NamedTuple):
+  """All numbers of the estimator; static structure lives on the estimator object.
+
+  Attributes:
+    factors: per block name, the EMA statistics (e.g. `a: [in+1, in+1]`, `g: [out, out]`).
+    cache: per block name, powers/decompositions and the damping `[]` they were built with.
+    ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
+  """
+  factors: dict[str, dict[str, Array]]
+  cache: dict[str, dict[str, Array]]
+  ema_weight: Array
+
+
+def _is_concrete(x) -> bool:
+  try:
+    np.asarray(x)
+    return True
+  except Exception:  # Tracers cannot be converted.
+    return False
+
+
+def check_unit_interval(value, name: str) -> None:
+  """ema_decay-style check: 0 <= value < 1 (only when the value is concrete)."""
+  if _is_concrete(value):
+    v = np.asarray(value)
+    if v.shape != () or not np.isfinite(v) or not 0 <= v < 1:
+      raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
+
+
+def check_damping(value, name: str = "damping") -> None:
+  if callable(value):
+    return
+  if _is_concrete(value):
+    v = np.asarray(value)
+    if v.shape != () or not np.isfinite(v) or v < 0:
+      raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+
+
+def _all_finite(tree) -> Array:
+  leaves = jax.tree_util.tree_leaves(tree)
+  if not leaves:
+    return jnp.asarray(True)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
+  names, seen = [], {}
+  for s in specs:
+    n = s.name
+    if n in seen:
+      seen[n] += 1
+      n = f"{n}#{seen[s.name]}"
+    else:
+      seen[n] = 1
+    names.append(n)
+  return names
+
+
+class CurvatureEstimator:
+  """Block-diagonal K-FAC curvature estimate of `loss_fn`, with pure state updates.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output.
+    example_batch: a batch with the shapes used for training (arrays or ShapeDtypeStructs).
+    estimation_mode: "gradients" (sampled targets, the Fisher) or "empirical".
+    exps: matrix powers `multiply_matpower` must support (1 always is).
+    num_samples: sampled targets per example in "gradients" mode.
+    damping_mode: "factored" (π-adjusted factored Tikhonov) or "eigen" (exact damping).
+    compute_cholesky: cache Cholesky factors of the damped blocks.
+    compute_cholesky_inverse: cache their inverses.
+    strict: raise, instead of warning, when parameters are outside every recognised layer.
+
+  Example:
+    >>> est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+    >>> state = est.init(params)
+    >>> state = est.update_curvature(state, params, batch, rng, ema_decay=0.95)
+    >>> state = est.update_inverses(state, damping=1e-3)
+    >>> nat_grads = est.multiply_matpower(state, grads, -1)
+  """
+
+  def __init__(self, loss_fn: Callable, example_batch: Any, *,
+               estimation_mode: _curvature.EstimationMode = "gradients",
+               exps: Sequence[float] = (-1,), num_samples: int = 1,
+               damping_mode: _blocks.DampingMode = "factored", compute_cholesky: bool = False,
+               compute_cholesky_inverse: bool = False, strict: bool = False):
+    if not callable(loss_fn):
+      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    _curvature.check_mode(estimation_mode, num_samples)
+    if damping_mode not in ("factored", "eigen"):
+      raise ValueError(f"unknown damping_mode {damping_mode!r}; choose 'factored' or 'eigen'.")
+    exps = tuple(float(e) for e in exps)
+    for e in exps:
+      if not np.isfinite(e) or e == 0:
+        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps}.")
+    self.loss_fn = loss_fn
+    self.example_batch = example_batch
+    self.estimation_mode = estimation_mode
+    self.num_samples = num_samples
+    self.strict = strict
+    dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    self.config = _blocks.BlockConfig(
+        exps=exps, damping_mode=damping_mode, cholesky=compute_cholesky,
+        cholesky_inverse=compute_cholesky_inverse, dtype=dtype)
+    self._layers: tuple[_scanner.LayerSpec, ...] | None = None
+    self._blocks: tuple[_blocks.Block, ...] = ()
+    self._names: tuple[str, ...] = ()
+    self._param_sig = None
+
+  # -- structure -------------------------------------------------------------------------------
+
+  @staticmethod
+  def _signature(params):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+
+  def _scan(self, params, batch, warn: bool) -> _scanner.Registration:
+    return _scanner.scan(self.loss_fn, params, batch, strict=self.strict, warn=warn)
+
+  def _ensure_layers(self, params) -> None:
+    """Scans `loss_fn` with `example_batch` the first time; checks `params` later."""
+    sig = self._signature(params)
+    if self._layers is None:
+      reg = self._scan(params, self.example_batch, warn=True)
+      self._layers = reg.layers
+      self._names = tuple(_unique_names(reg.layers))
+      self._blocks = tuple(_blocks.make_block(s, self.config) for s in reg.layers)
+      self._param_sig = sig
+      return
+    if sig != self._param_sig:
+      raise ValueError(
+          "the params pytree differs from the one this estimator was initialised with "
+          "(structure, shapes or dtypes changed). Create a new estimator/optimizer for the new "
+          "model, or pass params with the original structure.")
+
+  @property
+  def layers(self) -> tuple[_scanner.LayerSpec, ...]:
+    """The registered layers (after `init`)."""
+    if self._layers is None:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
+    return self._layers
+
+  @property
+  def blocks(self) -> tuple[_blocks.Block, ...]:
+    self.layers  # noqa: B018 - raises before init.
+    return self._blocks
+
+  # -- state -----------------------------------------------------------------------------------
+
+  def init(self, params) -> EstimatorState:
+    """Zero statistics and identity caches for `params` (scans `loss_fn` on first use)."""
+    self._ensure_layers(params)
+    return EstimatorState(
+        factors={n: b.init_factors() for n, b in zip(self._names, self._blocks)},
+        cache={n: b.init_cache() for n, b in zip(self._names, self._blocks)},
+        ema_weight=jnp.zeros((), self.config.dtype))
+
+  def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
+    """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
+    self._ensure_layers(params)
+    reg = self._scan(params, batch, warn=False)
+    self._check_layers(reg.layers)
+    _, _, stats = _curvature.compute(
+        reg, params, batch, rng, estimation_mode=self.estimation_mode,
+        num_samples=self.num_samples, with_grads=False)
+    return stats
+
+  def _check_layers(self, layers) -> None:
+    if tuple(l.name for l in layers) != tuple(l.name for l in self._layers):
+      raise ValueError(
+          "loss_fn registers different layers for this batch than for `example_batch`: "
+          f"{[l.name for l in layers]} vs {[l.name for l in self._layers]}.")
+
+  def batch_factors(self, stats: _curvature.CurvatureStats,
+                    axis_name: str | None = None) -> dict[str, dict[str, Array]]:
+    """Per-block statistics of one batch, averaged over `axis_name` devices if given."""
+    if stats.layer_names != tuple(s.name for s in self.layers):
+      raise ValueError(
+          "curvature_stats were computed for layers "
+          f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
+          "Compute them with kfac_jax.value_and_grad of the same loss_fn.")
+    out = {n: b.batch_factors(d, stats.batch_size)
+           for n, b, d in zip(self._names, self._blocks, stats.data)}
+    if axis_name is not None:
+      out = jax.lax.pmean(out, axis_name)
+    return out
+
+  def update_curvature_from_stats(self, state: EstimatorState, stats: _curvature.CurvatureStats,
+                                  ema_decay, axis_name: str | None = None) -> EstimatorState:
+    """EMA update of the statistics with this batch's; a non-finite batch is skipped entirely.
+
+    With decay ρ and w ← ρ w + 1, the factors become F ← F + (F_batch − F) / w: a bias-corrected
+    average, exactly F_batch after the first update (and always with ρ = 0).
+    """
+    check_unit_interval(ema_decay, "ema_decay")
+    new = self.batch_factors(stats, axis_name)
+    dtype = self.config.dtype
+    decay = jnp.asarray(ema_decay, dtype)
+    weight = decay * state.ema_weight + 1
+    factors = jax.tree_util.tree_map(lambda old, b: old + (b - old) / weight, state.factors, new)
+    ok = _all_finite(new)
+    factors = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), factors, state.factors)
+    return state._replace(factors=factors, ema_weight=jnp.where(ok, weight, state.ema_weight))
+
+  def update_curvature(self, state: EstimatorState, params, batch, rng, ema_decay,
+                       axis_name: str | None = None) -> EstimatorState:
+    """`update_curvature_from_stats` with statistics computed from `batch`."""
+    stats = self.curvature_stats(params, batch, rng)
+    return self.update_curvature_from_stats(state, stats, ema_decay, axis_name)
+
+  def update_inverses(self, state: EstimatorState, damping) -> EstimatorState:
+    """Recomputes every block's cache for damping λ; blocks of one shape are vmapped together.
+
+    A block whose new cache is not finite keeps its previous cache.
+    """
+    check_damping(damping)
+    damping = jnp.asarray(damping, self.config.dtype)
+    groups: dict[tuple, list[int]] = {}
+    for i, b in enumerate(self.blocks):
+      groups.setdefault(b.group_key(), []).append(i)
+    cache = dict(state.cache)
+    for idx in groups.values():
+      block = self._blocks[idx[0]]
+      names = [self._names[i] for i in idx]
+      if len(idx) == 1:
+        new = [block.compute_cache(state.factors[names[0]], damping)]
+      else:
+        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
+                                         *[state.factors[n] for n in names])
+        out = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)
+        new = [jax.tree_util.tree_map(lambda x, k=k: x[k], out) for k in range(len(idx))]
+      for n, c in zip(names, new):
+        ok = _all_finite(c)
+        cache[n] = jax.tree_util.tree_map(lambda a, b, ok=ok: jnp.where(ok, a, b), c,
+                                          state.cache[n])
+    return state._replace(cache=cache)
+
+  # -- products --------------------------------------------------------------------------------
+
+  def _apply(self, state: EstimatorState, vector, fn) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(vector)
+    if treedef != self._param_sig[0]:
+      raise ValueError(
+          "the vector's pytree structure differs from the params this estimator was built for: "
+          f"got {treedef}, expected {self._param_sig[0]}.")
+    for (shape, _), x, path in zip(self._param_sig[1], leaves, self._paths()):
+      if tuple(np.shape(x)) != shape:
+        raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
+    out = list(leaves)
+    for n, b in zip(self._names, self._blocks):
+      vecs = [leaves[j] for j in b.spec.leaf_indices]
+      res = fn(b, state.factors[n], state.cache[n], vecs)
+      for j, r in zip(b.spec.leaf_indices, res):
+        out[j] = r
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def _paths(self) -> list[str]:
+    paths = [""] * self._param_sig[0].num_leaves
+    for s in self.layers:
+      for j, p in zip(s.leaf_indices, s.param_paths):
+        paths[j] = p
+    return paths
+
+  def multiply_matpower(self, state: EstimatorState, vector, exp: float):
+    """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`."""
+    exp = float(exp)
+    if exp != 1 and exp not in self.config.exps:
+      raise ValueError(
+          f"matrix power {exp:g} was not prepared: this estimator has exps="
+          f"{self.config.exps} (1 is always available).")
+    return self._apply(state, vector, lambda b, f, c, v: b.multiply_matpower(f, c, v, exp))
+
+  def multiply(self, state: EstimatorState, vector):
+    return self.multiply_matpower(state, vector, 1)
+
+  def multiply_inverse(self, state: EstimatorState, vector):
+    return self.multiply_matpower(state, vector, -1)
+
+  def multiply_cholesky(self, state: EstimatorState, vector, *, transpose: bool = False):
+    """C·v (or Cᵀ·v) for the block-diagonal factor C with C Cᵀ = damped curvature."""
+    return self._apply(state, vector, lambda b, f, c, v: b.multiply_cholesky(
+        f, c, v, transpose=transpose, inverse=False))
+
+  def multiply_cholesky_inverse(self, state: EstimatorState, vector, *, transpose: bool = False):
+    """C⁻¹·v (or C⁻ᵀ·v)."""
+    return self._apply(state, vector, lambda b, f, c, v: b.multiply_cholesky(
+        f, c, v, transpose=transpose, inverse=True))
+
+  def to_dense(self, state: EstimatorState) -> Array:
+    """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""
+    sizes = [int(np.prod(s)) for s, _ in self._param_sig[1]]
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    total = int(offsets[-1])
+    out = jnp.zeros((total, total), self.config.dtype)
+    for n, b in zip(self._names, self._blocks):
+      idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
+      out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n]))
+    return out
+
+  def summary(self) -> str:
+    """The registered layers as a table (see `kfac_jax.summary`)."""
+    return format_table(self.layers, self._blocks)
+
+
+def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block]) -> str:
+  rows = [("layer", "kind", "approx", "parameters", "factor shapes", "memory")]
+  total = 0
+  for s, b in zip(layers, blocks):
+    nbytes = b.state_bytes()
+    total += nbytes
+    shapes = " ".join("x".join(map(str, f)) for f in s.factor_shapes)
+    rows.append((s.name, s.kind + ("" if s.source == "auto" else f" ({s.source})"), s.approx,
+                 ", ".join(p.rsplit("/", 1)[-1] if p.startswith(s.name + "/") else p
+                           for p in s.param_paths), shapes, _fmt_bytes(nbytes)))
+  rows.append(("total", "", "", f"{sum(s.num_params for s in layers)} values", "",
+               _fmt_bytes(total)))
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  lines = []
+  for k, r in enumerate(rows):
+    lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    if k == 0 or k == len(rows) - 2:
+      lines.append("  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n} B"

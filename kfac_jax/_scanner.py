@@ -1,0 +1,537 @@
+"""The scanner: trace `loss_fn(params, batch)`, find loss tags and layers, describe them statically.
+
+How layers are found. Every parameter leaf is followed forward through layout-only operations
+(`convert_element_type`, `reshape`, `transpose`, `broadcast_in_dim`, `copy`, `squeeze`) to the
+operations that really use it. Only uses on the backward slice of the loss tags count, so an L2
+term written into the loss does not make a kernel "used twice". A leaf whose single real use is a
+`dot_general` against an activation (no batch dimensions) is a dense kernel; a leaf whose single
+real use is an `add` to that product, aligned with its output features, is the bias. Manual layer
+tags take precedence over matching. Leaves left over get a diagonal generic block and a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from kfac_jax import _compat, _graph, _tags
+
+# Operations that only move, reshape or cast a parameter.
+_VIEW_OPS = frozenset({
+    "convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim",
+    "squeeze"})
+# View operations that can be undone exactly (everything but broadcasting).
+_INVERTIBLE_VIEW_OPS = frozenset({"convert_element_type", "copy", "copy_p", "reshape",
+                                  "transpose", "squeeze"})
+
+KINDS = ("dense", "generic")
+APPROXIMATIONS = {"dense": ("kron",), "generic": ("diagonal", "full")}
+DEFAULT_APPROX = {"dense": "kron", "generic": "diagonal"}
+
+
+class RegistrationError(ValueError):
+  """A loss or layer registration problem, found while scanning `loss_fn`."""
+
+
+class UncoveredParametersWarning(UserWarning):
+  """Parameters not in any recognised layer; they get a diagonal generic block."""
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter paths and views.
+
+
+def path_to_str(path) -> str:
+  parts = []
+  for k in path:
+    if isinstance(k, jax.tree_util.DictKey):
+      parts.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      parts.append(str(k.name))
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      parts.append(str(k.idx))
+    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+      parts.append(str(k.key))
+    else:
+      parts.append(str(k))
+  # nnx.State leaves end in a `value` attribute: drop it from the human-readable name.
+  if len(parts) > 1 and parts[-1] == "value":
+    parts = parts[:-1]
+  return "/".join(parts) if parts else "<root>"
+
+
+def param_paths(params) -> tuple[str, ...]:
+  leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
+  return tuple(path_to_str(p) for p, _ in leaves_with_paths)
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewStep:
+  """One layout operation applied to a parameter on its way to the consuming operation."""
+  op: str  # "reshape" | "transpose" | "cast" | "broadcast"
+  in_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  perm: tuple[int, ...] = ()
+
+
+def _view_step(fe: _graph.FlatEqn) -> ViewStep:
+  in_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  if fe.name == "transpose":
+    return ViewStep("transpose", in_shape, out_shape, tuple(fe.params["permutation"]))
+  if fe.name in ("reshape", "squeeze"):
+    return ViewStep("reshape", in_shape, out_shape)
+  if fe.name == "broadcast_in_dim":
+    if math.prod(in_shape) == math.prod(out_shape):
+      return ViewStep("reshape", in_shape, out_shape)  # Only inserts unit dimensions.
+    return ViewStep("broadcast", in_shape, out_shape)
+  return ViewStep("cast", in_shape, out_shape)
+
+
+def apply_view(chain: Sequence[ViewStep], x):
+  """Maps a parameter-shaped array to the operand layout (casts are skipped)."""
+  for s in chain:
+    if s.op == "transpose":
+      x = x.transpose(s.perm)
+    elif s.op == "reshape":
+      x = x.reshape(s.out_shape)
+    elif s.op == "broadcast":
+      raise ValueError("a broadcast view cannot be applied to a parameter vector")
+  return x
+
+
+def undo_view(chain: Sequence[ViewStep], x):
+  """Inverse of `apply_view`."""
+  for s in reversed(chain):
+    if s.op == "transpose":
+      x = x.transpose(np.argsort(s.perm))
+    elif s.op == "reshape":
+      x = x.reshape(s.in_shape)
+  return x
+
+
+# --------------------------------------------------------------------------------------------
+# Static descriptions.
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """One loss tag: which distribution, and where its operands live in the graph."""
+  kind: str
+  var: float
+  has_targets: bool
+  has_weight: bool
+  batch_size: int
+  prediction_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseInfo:
+  """How a dense layer's kernel, input and output map to matrices.
+
+  The kernel operand (after `kernel_view`) is transposed by `kernel_perm` and reshaped to
+  `[in, out]`; the input operand by `x_perm` to `[rows, in]`; the output by `out_perm` to
+  `[rows, out]`.
+  """
+  kernel_view: tuple[ViewStep, ...]
+  kernel_perm: tuple[int, ...]
+  x_perm: tuple[int, ...]
+  out_perm: tuple[int, ...]
+  in_dim: int
+  out_dim: int
+  rows: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+  """A layer the scanner found (or a manual tag registered), as static facts.
+
+  Attributes:
+    name: the layer's name, the common prefix of its parameter paths (e.g. `params/Dense_0`).
+    kind: "dense" or "generic".
+    param_paths: the paths of its parameter leaves, e.g. `("params/Dense_0/kernel", ...)`.
+    leaf_indices: positions of those leaves in `jax.tree_util.tree_leaves(params)`.
+    approx: the curvature approximation ("kron", "diagonal", "full").
+    factor_shapes: shapes of the curvature factors the block keeps.
+    source: "auto", "manual" or "fallback".
+    dense: matching details for dense layers.
+  """
+  name: str
+  kind: str
+  param_paths: tuple[str, ...]
+  leaf_indices: tuple[int, ...]
+  approx: str
+  factor_shapes: tuple[tuple[int, ...], ...]
+  source: str = "auto"
+  dense: DenseInfo | None = None
+  param_shapes: tuple[tuple[int, ...], ...] = ()
+
+  @property
+  def has_bias(self) -> bool:
+    return self.kind == "dense" and len(self.leaf_indices) == 2
+
+  @property
+  def num_params(self) -> int:
+    return sum(math.prod(s) for s in self.param_shapes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Registration:
+  """The result of one scan: static specs plus the graph keys the curvature pass taps."""
+  graph: _graph.FlatGraph
+  layers: tuple[LayerSpec, ...]
+  losses: tuple[LossSpec, ...]
+  loss_operands: tuple[tuple[_graph.Atom, ...], ...]  # per loss: (prediction, targets?, weight?)
+  layer_outputs: tuple[_graph.Key | None, ...]  # per layer: where the perturbation is added
+  layer_inputs: tuple[_graph.Atom | None, ...]  # per layer: the input operand
+  num_param_leaves: int
+
+
+# --------------------------------------------------------------------------------------------
+# Scanning.
+
+
+def _common_prefix(paths: Sequence[str]) -> str:
+  split = [p.split("/") for p in paths]
+  prefix = []
+  for parts in zip(*split):
+    if all(x == parts[0] for x in parts):
+      prefix.append(parts[0])
+    else:
+      break
+  if len(paths) == 1 and len(split[0]) > 1:
+    prefix = split[0][:-1]
+  return "/".join(prefix) if prefix else paths[0]
+
+
+def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int]:
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
+
+  def flat_fn(*flat):
+    p = jax.tree_util.tree_unflatten(treedef, flat[:len(leaves)])
+    b = jax.tree_util.tree_unflatten(batch_def, flat[len(leaves):])
+    return loss_fn(p, b)
+
+  closed = _compat.make_jaxpr(flat_fn, *leaves, *batch_leaves)
+  return closed, len(leaves)
+
+
+def scan(loss_fn: Callable, params, batch, *, strict: bool = False,
+         warn: bool = True) -> Registration:
+  """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
+
+  Raises:
+    RegistrationError: no loss tag, a malformed manual tag, or (with `strict`) parameters
+      outside any recognised layer.
+  """
+  for i, leaf in enumerate(jax.tree_util.tree_leaves(params)):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+      raise RegistrationError(
+          f"parameter `{param_paths(params)[i]}` has dtype {dtype}; K-FAC needs floating-point "
+          "parameters. Keep integer state out of `params` (pass it in the batch instead).")
+  closed, n_params = trace(loss_fn, params, batch)
+  out_avals = [a.aval for a in closed.jaxpr.outvars]
+  if len(out_avals) != 1 or out_avals[0].shape != ():
+    raise RegistrationError(
+        "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
+        f"{[tuple(a.shape) for a in out_avals]}.")
+  graph = _graph.FlatGraph.from_closed_jaxpr(closed)
+  paths = param_paths(params)
+  shapes = tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))
+  return _Scanner(graph, n_params, paths, shapes, strict, warn).run()
+
+
+class _Scanner:
+
+  def __init__(self, graph, n_params, paths, shapes, strict, warn):
+    self.g = graph
+    self.n_params = n_params
+    self.paths = paths
+    self.shapes = shapes
+    self.strict = strict
+    self.warn = warn
+
+  def run(self) -> Registration:
+    g = self.g
+    self.leaf_of_key = {k: i for i, k in enumerate(g.invars[:self.n_params])}
+    loss_eqns = [i for i, fe in enumerate(g.eqns) if fe.eqn.primitive is _tags.loss_tag_p]
+    if not loss_eqns:
+      raise RegistrationError(
+          "no loss tag found in loss_fn: K-FAC needs to know the model's predictive "
+          "distribution. Call one of kfac_jax.register_softmax_cross_entropy_loss(logits, "
+          "labels), register_sigmoid_cross_entropy_loss(logits, targets) or "
+          "register_squared_error_loss(prediction, targets) on the model output inside "
+          "loss_fn(params, batch).")
+    losses, loss_operands = self._losses(loss_eqns)
+    self._origins()
+    in_slice = self._loss_slice([ops[0] for ops in loss_operands])
+    self._uses(in_slice)
+
+    specs: list[tuple[LayerSpec, Any, Any]] = []
+    claimed: dict[int, str] = {}
+    for i, fe in enumerate(g.eqns):
+      if fe.eqn.primitive is _tags.layer_tag_p:
+        specs.append(self._manual(i, fe, claimed))
+    for i in sorted(self.uses_by_eqn):
+      found = self._match_dense(i, claimed)
+      if found is not None:
+        specs.append(found)
+
+    uncovered = [j for j in range(self.n_params) if j not in claimed]
+    if uncovered:
+      names = ", ".join(f"`{self.paths[j]}`" for j in uncovered)
+      msg = (f"{len(uncovered)} parameter(s) are not in any recognised layer and get a diagonal "
+             f"curvature block: {names}. Register them with a manual layer tag "
+             "(kfac_jax.register_dense / register_generic) to choose their block.")
+      if self.strict:
+        raise RegistrationError(msg + " (strict=True turns this into an error.)")
+      if self.warn:
+        warnings.warn(msg, UncoveredParametersWarning, stacklevel=4)
+      for j in uncovered:
+        specs.append((self._generic_spec((j,), "diagonal", "fallback"), None, None))
+
+    specs.sort(key=lambda s: min(s[0].leaf_indices))
+    return Registration(
+        graph=g,
+        layers=tuple(s[0] for s in specs),
+        losses=tuple(losses),
+        loss_operands=tuple(loss_operands),
+        layer_outputs=tuple(s[1] for s in specs),
+        layer_inputs=tuple(s[2] for s in specs),
+        num_param_leaves=self.n_params,
+    )
+
+  # -- losses ----------------------------------------------------------------------------------
+
+  def _losses(self, loss_eqns):
+    losses, operands = [], []
+    for i in loss_eqns:
+      fe = self.g.eqns[i]
+      p = fe.params
+      pred_aval = _graph.aval_of(fe.ins[0])
+      losses.append(LossSpec(p["kind"], p["var"], p["has_targets"], p["has_weight"],
+                             int(pred_aval.shape[0]), tuple(pred_aval.shape)))
+      operands.append(fe.ins)
+    sizes = {l.batch_size for l in losses}
+    if len(sizes) > 1:
+      raise RegistrationError(
+          f"loss tags disagree on the batch size (leading axis): {sorted(sizes)}. All tagged "
+          "predictions must share the leading batch axis.")
+    return losses, operands
+
+  # -- parameter views -------------------------------------------------------------------------
+
+  def _origins(self):
+    """For each key computed from one parameter leaf by view ops only: (leaf, chain)."""
+    self.origin: dict[Any, tuple[int, tuple[ViewStep, ...]]] = {
+        k: (j, ()) for k, j in self.leaf_of_key.items()}
+    for fe in self.g.eqns:
+      if fe.name in _VIEW_OPS and fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in self.origin:
+        leaf, chain = self.origin[fe.ins[0]]
+        self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
+
+  def _loss_slice(self, roots) -> set[int]:
+    needed = {a for a in roots if _graph.is_key(a)}
+    in_slice = set()
+    for i in range(len(self.g.eqns) - 1, -1, -1):
+      fe = self.g.eqns[i]
+      if any(k in needed for k in fe.outs):
+        in_slice.add(i)
+        needed.update(a for a in fe.ins if _graph.is_key(a))
+    self.in_slice = in_slice
+    return in_slice
+
+  def _uses(self, in_slice):
+    """Real (non-view, non-tag) uses of each leaf on the loss slice."""
+    self.uses: dict[int, list[tuple[int, int]]] = {}
+    self.uses_by_eqn: dict[int, list[tuple[int, int]]] = {}
+    for i in sorted(in_slice):
+      fe = self.g.eqns[i]
+      if fe.name in _VIEW_OPS or fe.eqn.primitive in (_tags.layer_tag_p,):
+        continue
+      for pos, a in enumerate(fe.ins):
+        if _graph.is_key(a) and a in self.origin:
+          leaf = self.origin[a][0]
+          self.uses.setdefault(leaf, []).append((i, pos))
+          self.uses_by_eqn.setdefault(i, []).append((leaf, pos))
+    consumers: dict[Any, list[tuple[int, int]]] = {}
+    for i in sorted(in_slice):
+      for pos, a in enumerate(self.g.eqns[i].ins):
+        if _graph.is_key(a):
+          consumers.setdefault(a, []).append((i, pos))
+    self.slice_consumers = consumers
+
+  # -- manual tags -----------------------------------------------------------------------------
+
+  def _leaf_for_operand(self, atom, what: str, tag: str) -> tuple[int, tuple[ViewStep, ...]]:
+    if not _graph.is_key(atom) or atom not in self.origin:
+      raise RegistrationError(
+          f"{tag}: `{what}` is not a parameter leaf of `params` (nor a cast/reshape of one). "
+          "Pass the parameter array itself, as read from the params pytree inside loss_fn.")
+    return self.origin[atom]
+
+  def _claim(self, claimed, leaves, name):
+    for j in leaves:
+      if j in claimed:
+        raise RegistrationError(
+            f"parameter `{self.paths[j]}` is registered twice: in `{claimed[j]}` and in "
+            f"`{name}`. Each parameter belongs to exactly one curvature block.")
+      claimed[j] = name
+
+  def _manual(self, i, fe, claimed):
+    kind, approx = fe.params["kind"], fe.params["approx"]
+    if kind == "generic":
+      leaves = tuple(self._leaf_for_operand(a, f"params[{p}]", "register_generic")[0]
+                     for p, a in enumerate(fe.ins))
+      if len(set(leaves)) != len(leaves):
+        raise RegistrationError(
+            "register_generic: the same parameter appears twice: "
+            f"{[self.paths[j] for j in leaves]}.")
+      approx = self._check_approx("generic", approx, [self.paths[j] for j in leaves])
+      spec = self._generic_spec(leaves, approx, "manual")
+      self._claim(claimed, leaves, spec.name)
+      return spec, None, None
+    # Dense: operands (y, x, kernel, bias?).
+    y, x, kernel = fe.ins[:3]
+    k_leaf, k_chain = self._leaf_for_operand(kernel, "kernel", "register_dense")
+    path = self.paths[k_leaf]
+    if any(s.op == "broadcast" for s in k_chain):
+      raise RegistrationError(f"register_dense: kernel `{path}` is broadcast before the tag.")
+    leaves = [k_leaf]
+    if len(fe.ins) > 3:
+      b_leaf, b_chain = self._leaf_for_operand(fe.ins[3], "bias", "register_dense")
+      if math.prod(self.shapes[b_leaf]) != _graph.aval_of(kernel).shape[1]:
+        raise RegistrationError(
+            f"register_dense: bias `{self.paths[b_leaf]}` has shape {self.shapes[b_leaf]}, "
+            f"which does not match the {_graph.aval_of(kernel).shape[1]} outputs of kernel "
+            f"`{path}`.")
+      leaves.append(b_leaf)
+    if not _graph.is_key(y):
+      raise RegistrationError(f"register_dense: the output of layer `{path}` is a constant.")
+    approx = self._check_approx("dense", approx, [self.paths[j] for j in leaves])
+    x_aval, k_shape = _graph.aval_of(x), _graph.aval_of(kernel).shape
+    rows = math.prod(x_aval.shape[:-1])
+    info = DenseInfo(
+        kernel_view=k_chain, kernel_perm=(0, 1), x_perm=tuple(range(x_aval.ndim)),
+        out_perm=tuple(range(x_aval.ndim)), in_dim=int(k_shape[0]), out_dim=int(k_shape[1]),
+        rows=int(rows))
+    spec = self._dense_spec(leaves, info, approx, "manual")
+    self._claim(claimed, leaves, spec.name)
+    return spec, y, x
+
+  def _check_approx(self, kind, approx, paths):
+    if approx is None:
+      return DEFAULT_APPROX[kind]
+    if approx not in APPROXIMATIONS[kind]:
+      raise RegistrationError(
+          f"approximation {approx!r} does not fit the {kind} layer with parameters {paths}; "
+          f"choose one of {APPROXIMATIONS[kind]}.")
+    return approx
+
+  # -- automatic dense matching ----------------------------------------------------------------
+
+  def _match_dense(self, i, claimed):
+    fe = self.g.eqns[i]
+    if fe.name != "dot_general":
+      return None
+    param_ops = self.uses_by_eqn.get(i, [])
+    if len(param_ops) != 1:
+      return None  # No parameter, or a product of two parameters.
+    k_leaf, k_pos = param_ops[0]
+    if k_leaf in claimed or len(self.uses.get(k_leaf, [])) != 1:
+      return None
+    k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
+    _, k_chain = self.origin[k_atom]
+    if any(s.op not in ("reshape", "transpose", "cast") for s in k_chain):
+      return None
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
+    if lhs_b or rhs_b:
+      return None  # Batched products (e.g. per-head weights) are not dense layers.
+    k_contract, x_contract = (tuple(rhs_c), tuple(lhs_c)) if k_pos == 1 else (
+        tuple(lhs_c), tuple(rhs_c))
+    k_shape = tuple(_graph.aval_of(k_atom).shape)
+    x_shape = tuple(_graph.aval_of(x_atom).shape)
+    k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
+    x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
+    if not k_free or not k_contract:
+      return None
+    in_dim = math.prod(k_shape[d] for d in k_contract)
+    out_dim = math.prod(k_shape[d] for d in k_free)
+    rows = math.prod(x_shape[d] for d in x_free)
+    n_xf, n_kf = len(x_free), len(k_free)
+    if k_pos == 1:  # out = (x_free..., k_free...)
+      out_perm = tuple(range(n_xf + n_kf))
+    else:  # out = (k_free..., x_free...)
+      out_perm = tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf))
+    info = DenseInfo(
+        kernel_view=k_chain, kernel_perm=k_contract + k_free, x_perm=x_free + x_contract,
+        out_perm=out_perm, in_dim=int(in_dim), out_dim=int(out_dim), rows=int(rows))
+    leaves = [k_leaf]
+    out_key = fe.outs[0]
+    bias = self._match_bias(out_key, k_pos, k_shape, k_free, claimed)
+    if bias is not None:
+      b_leaf, out_key = bias
+      leaves.append(b_leaf)
+    spec = self._dense_spec(leaves, info, DEFAULT_APPROX["dense"], "auto")
+    self._claim(claimed, leaves, spec.name)
+    return spec, out_key, x_atom
+
+  def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed):
+    if k_pos != 1:
+      return None
+    cons = self.slice_consumers.get(s_key, [])
+    if len(cons) != 1:
+      return None
+    j, pos = cons[0]
+    fe = self.g.eqns[j]
+    if fe.name != "add":
+      return None
+    other = fe.ins[1 - pos]
+    if not _graph.is_key(other) or other not in self.origin:
+      return None
+    b_leaf, b_chain = self.origin[other]
+    if b_leaf in claimed or len(self.uses.get(b_leaf, [])) != 1:
+      return None
+    if any(s.op == "transpose" for s in b_chain):
+      return None
+    free_shape = tuple(k_shape[d] for d in k_free)
+    if math.prod(self.shapes[b_leaf]) != math.prod(free_shape):
+      return None
+    b_shape = tuple(_graph.aval_of(other).shape)
+    out_shape = tuple(fe.outs[0][1].aval.shape)
+    s_shape = tuple(s_key[1].aval.shape)
+    if out_shape != s_shape or len(b_shape) < len(free_shape):
+      return None
+    if b_shape[len(b_shape) - len(free_shape):] != free_shape:
+      return None
+    if math.prod(b_shape[:len(b_shape) - len(free_shape)]) not in (1, math.prod(
+        s_shape[:len(s_shape) - len(free_shape)])):
+      return None
+    return b_leaf, fe.outs[0]
+
+  # -- specs -----------------------------------------------------------------------------------
+
+  def _dense_spec(self, leaves, info: DenseInfo, approx, source) -> LayerSpec:
+    paths = tuple(self.paths[j] for j in leaves)
+    a_dim = info.in_dim + (1 if len(leaves) == 2 else 0)
+    return LayerSpec(
+        name=_common_prefix(paths), kind="dense", param_paths=paths, leaf_indices=tuple(leaves),
+        approx=approx, factor_shapes=((a_dim, a_dim), (info.out_dim, info.out_dim)),
+        source=source, dense=info, param_shapes=tuple(self.shapes[j] for j in leaves))
+
+  def _generic_spec(self, leaves, approx, source) -> LayerSpec:
+    paths = tuple(self.paths[j] for j in leaves)
+    n = sum(math.prod(self.shapes[j]) for j in leaves)
+    factor = ((n,),) if approx == "diagonal" else ((n, n),)
+    name = paths[0] if len(paths) == 1 else _common_prefix(paths)
+    return LayerSpec(
+        name=name, kind="generic", param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
+        factor_shapes=factor, source=source, param_shapes=tuple(self.shapes[j] for j in leaves))

@@ -1,0 +1,236 @@
+"""Tag primitives: no-op JAX primitives that mark losses and layers in a traced function.
+
+A tag returns its first operand(s) unchanged. It lowers to nothing, passes tangents straight
+through (so it never appears in a derivative), and batches trivially, so it survives `jit`,
+`grad`/`vjp`/`jvp`, `vmap`, `pmap`, `checkpoint` and `lax.scan` and costs nothing when no K-FAC
+machinery reads the jaxpr.
+
+Loss tags mark the model's predictive distribution (categorical, multi-Bernoulli, normal).
+Convention, as in TF K-FAC: the tagged loss is the **sum over all non-leading axes and the mean
+over the leading (batch) axis** of `weight * nll(prediction, target)`. A per-token mean therefore
+needs `weight=1/num_tokens`. Layer tags mark what the scanner cannot find by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal as TypingLiteral
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax import _compat
+
+Array = jax.Array
+LossKind = TypingLiteral["categorical", "bernoulli", "normal"]
+LOSS_KINDS = ("categorical", "bernoulli", "normal")
+
+
+def _make_tag_primitive(name: str) -> _compat.Primitive:
+  """A primitive whose first `n_out` operands are its outputs."""
+  prim = _compat.Primitive(name)
+  prim.multiple_results = True
+
+  def impl(*args, n_out, **_):
+    return list(args[:n_out])
+
+  def abstract_eval(*avals, n_out, **_):
+    return list(avals[:n_out])
+
+  def jvp(primals, tangents, *, n_out, **params):
+    return prim.bind(*primals, n_out=n_out, **params), list(tangents[:n_out])
+
+  def batch(args, dims, *, n_out, **params):
+    return prim.bind(*args, n_out=n_out, **params), list(dims[:n_out])
+
+  def lower(ctx, *args, n_out, **_):
+    del ctx
+    return list(args[:n_out])
+
+  prim.def_impl(impl)
+  prim.def_abstract_eval(abstract_eval)
+  _compat.ad.primitive_jvps[prim] = jvp
+  _compat.batching.primitive_batchers[prim] = batch
+  _compat.mlir.register_lowering(prim, lower)
+  return prim
+
+
+loss_tag_p = _make_tag_primitive("kfac_loss_tag")
+layer_tag_p = _make_tag_primitive("kfac_layer_tag")
+
+
+def _check_array(value: Any, arg: str, fn: str) -> Array:
+  if not isinstance(value, (jax.Array, np.ndarray, np.generic)) and not hasattr(value, "aval"):
+    raise TypeError(f"{fn}: `{arg}` must be an array, got {type(value).__name__}.")
+  return jnp.asarray(value)
+
+
+def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float = 1.0) -> Array:
+  prediction = _check_array(prediction, "prediction", fn)
+  if not jnp.issubdtype(prediction.dtype, jnp.floating):
+    raise TypeError(f"{fn}: the prediction must be floating point, got dtype {prediction.dtype}.")
+  if prediction.ndim < 1:
+    raise ValueError(
+        f"{fn}: the prediction needs a leading batch axis, got a scalar; the tagged loss is the "
+        "mean over the leading axis.")
+  if kind == "categorical" and prediction.ndim < 2:
+    raise ValueError(
+        f"{fn}: logits must have shape [batch, ..., num_classes], got {prediction.shape}.")
+  operands = [prediction]
+  if targets is not None:
+    targets = _check_array(targets, "targets", fn)
+    ok_shapes = [prediction.shape]
+    if kind == "categorical":
+      ok_shapes.append(prediction.shape[:-1])
+    if targets.shape not in ok_shapes:
+      expect = " or ".join(str(s) for s in ok_shapes)
+      raise ValueError(f"{fn}: `targets` has shape {targets.shape}, expected {expect}.")
+    if kind == "categorical" and targets.shape == prediction.shape[:-1]:
+      if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"{fn}: class-index `targets` must be integers, got {targets.dtype}.")
+    operands.append(targets)
+  if weight is not None:
+    weight = _check_array(weight, "weight", fn)
+    event_shape = prediction.shape[:-1] if kind == "categorical" else prediction.shape
+    try:
+      jnp.broadcast_shapes(weight.shape, event_shape)
+      ok = len(weight.shape) <= len(event_shape)
+    except ValueError:
+      ok = False
+    if not ok:
+      raise ValueError(
+          f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape}.")
+    operands.append(weight.astype(prediction.dtype))
+  if not (isinstance(var, (int, float)) and var > 0 and math.isfinite(var)):
+    raise ValueError(f"{fn}: `var` must be a positive finite Python number, got {var!r}.")
+  outs = loss_tag_p.bind(
+      *operands, n_out=1, kind=kind, has_targets=targets is not None,
+      has_weight=weight is not None, var=float(var))
+  return outs[0]
+
+
+def register_categorical_predictive_distribution(logits, targets=None, weight=None) -> Array:
+  """Tags `logits` as the parameters of a categorical distribution (softmax cross-entropy).
+
+  Args:
+    logits: `[batch, ..., num_classes]` unnormalised log-probabilities.
+    targets: optional class indices `[batch, ...]` (integers) or probabilities/one-hot of the
+      same shape as `logits`; needed only for the empirical Fisher.
+    weight: optional per-position weight, broadcastable to `logits.shape[:-1]`.
+
+  Returns:
+    `logits`, unchanged.
+
+  Example:
+    >>> def loss_fn(params, batch):
+    ...   logits = model.apply(params, batch["x"])
+    ...   kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    ...   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  """
+  return _bind_loss(
+      "categorical", "register_softmax_cross_entropy_loss", logits, targets, weight)
+
+
+def register_multi_bernoulli_predictive_distribution(logits, targets=None, weight=None) -> Array:
+  """Tags `logits` as independent Bernoulli logits (sigmoid cross-entropy, summed over units).
+
+  Args:
+    logits: `[batch, ...]` logits.
+    targets: optional `{0, 1}` (or probability) targets of the same shape.
+    weight: optional weight, broadcastable to `logits.shape`.
+
+  Returns:
+    `logits`, unchanged.
+  """
+  return _bind_loss(
+      "bernoulli", "register_sigmoid_cross_entropy_loss", logits, targets, weight)
+
+
+def register_normal_predictive_distribution(mean, targets=None, var: float = 0.5,
+                                            weight=None) -> Array:
+  """Tags `mean` as the mean of a normal with fixed scalar variance `var`.
+
+  The negative log-likelihood is `|t - mean|² / (2 var)` (+ const), so the default `var=0.5`
+  gives the plain squared error `(t - y)²` summed over non-batch axes, whose Fisher is `2 I`.
+
+  Args:
+    mean: `[batch, ...]` predictions.
+    targets: optional targets of the same shape.
+    var: the variance, a positive Python float (static).
+    weight: optional weight, broadcastable to `mean.shape`.
+
+  Returns:
+    `mean`, unchanged.
+  """
+  return _bind_loss(
+      "normal", "register_normal_predictive_distribution", mean, targets, weight, var=var)
+
+
+def register_squared_error_loss(prediction, targets=None, weight=None) -> Array:
+  """Tags `prediction` for the squared error `(t - y)²`: a normal with variance 0.5."""
+  return _bind_loss(
+      "normal", "register_squared_error_loss", prediction, targets, weight, var=0.5)
+
+
+register_softmax_cross_entropy_loss = register_categorical_predictive_distribution
+register_sigmoid_cross_entropy_loss = register_multi_bernoulli_predictive_distribution
+
+
+def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
+  """Tags `y = x @ kernel (+ bias)` as a dense layer the scanner cannot find by itself.
+
+  Args:
+    y: the layer output, `[..., out]`.
+    x: the layer input, `[..., in]` (same leading axes as `y`).
+    kernel: `[in, out]` (Flax layout), a parameter leaf (possibly cast).
+    bias: optional `[out]` parameter leaf.
+    approx: curvature approximation for this layer (default: the estimator's default, "kron").
+
+  Returns:
+    `y`, unchanged.
+  """
+  fn = "register_dense"
+  y, x, kernel = (_check_array(v, n, fn) for v, n in ((y, "y"), (x, "x"), (kernel, "kernel")))
+  if kernel.ndim != 2:
+    raise ValueError(f"{fn}: `kernel` must have shape [in, out], got {kernel.shape}.")
+  if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+    raise ValueError(
+        f"{fn}: `x` of shape {x.shape} does not match `kernel` of shape {kernel.shape}: "
+        f"expected x.shape[-1] == {kernel.shape[0]}.")
+  if y.shape != x.shape[:-1] + (kernel.shape[1],):
+    raise ValueError(
+        f"{fn}: `y` has shape {y.shape}, expected {x.shape[:-1] + (kernel.shape[1],)} from x "
+        f"{x.shape} and kernel {kernel.shape}.")
+  operands = [y, x, kernel]
+  if bias is not None:
+    bias = _check_array(bias, "bias", fn)
+    if bias.shape != (kernel.shape[1],):
+      raise ValueError(f"{fn}: `bias` has shape {bias.shape}, expected ({kernel.shape[1]},).")
+    operands.append(bias)
+  _check_approx(approx, fn)
+  return layer_tag_p.bind(*operands, n_out=1, kind="dense", approx=approx)[0]
+
+
+def register_generic(params, approx: str | None = None):
+  """Gives the leaves of `params` (one leaf or a pytree) one generic curvature block.
+
+  Args:
+    params: a parameter leaf or a pytree of parameter leaves, as used in the loss function.
+    approx: "diagonal" (default) or "full".
+
+  Returns:
+    `params`, unchanged.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  if not leaves:
+    raise ValueError("register_generic: `params` has no array leaves.")
+  leaves = [_check_array(v, "params", "register_generic") for v in leaves]
+  _check_approx(approx, "register_generic")
+  outs = layer_tag_p.bind(*leaves, n_out=len(leaves), kind="generic", approx=approx)
+  return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _check_approx(approx, fn):
+  if approx is not None and not isinstance(approx, str):
+    raise TypeError(f"{fn}: `approx` must be a string or None, got {approx!r}.")

@@ -1,0 +1,144 @@
+"""K-FAC as optax gradient transformations.
+
+`scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates), `kfac` chains it with an
+optional momentum and a learning rate. All curvature state (factors, inverses, counters) is in the
+optax state; everything happens inside the caller's `jit`/`pmap`: the periodic inverse update is a
+`lax.cond` on the step counter, so the program compiles once and never syncs with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kfac_jax import _curvature, _estimator
+from kfac_jax import blocks as _blocks
+
+Array = jax.Array
+ScalarOrSchedule = float | Array | Callable[[Array], Array]
+
+
+class ScaleByKfacState(NamedTuple):
+  """State of `scale_by_kfac`.
+
+  Attributes:
+    count: `[]` int32, number of updates so far.
+    curvature: the estimator's factors, caches and EMA weight.
+  """
+  count: Array
+  curvature: _estimator.EstimatorState
+
+
+def _check_positive_int(value, name: str) -> None:
+  if isinstance(value, (jax.Array, np.ndarray)) and not _estimator._is_concrete(value):
+    return  # A traced hyperparameter (e.g. under optax.inject_hyperparams).
+  v = np.asarray(value)
+  if v.shape != () or not np.issubdtype(v.dtype, np.number) or v != int(v) or v < 1:
+    raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+def scale_by_kfac(
+    loss_fn: Callable,
+    example_batch: Any,
+    *,
+    damping: ScalarOrSchedule = 1e-3,
+    ema_decay: float = 0.95,
+    inverse_every: int = 5,
+    estimation_mode: _curvature.EstimationMode = "gradients",
+    num_samples: int = 1,
+    damping_mode: _blocks.DampingMode = "factored",
+    axis_name: str | None = None,
+    strict: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
+
+  `F̂` is the block-diagonal Kronecker-factored Fisher of the tagged loss (see
+  `CurvatureEstimator`), averaged with a bias-corrected EMA; its inverse is refreshed every
+  `inverse_every` updates (first at update 0) with the current damping λ.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
+    example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    damping: λ ≥ 0, a number or a schedule `count -> λ`.
+    ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
+    inverse_every: refresh the inverses every this many updates.
+    estimation_mode: "gradients" (sampled targets) or "empirical" (data targets).
+    num_samples: sampled targets per example ("gradients" mode).
+    damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
+    axis_name: average the statistics over this pmap/shard_map axis.
+    strict: error instead of warning for parameters outside every recognised layer.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`. Its `update(updates, state, params, *,
+    curvature_stats=None, batch=None, rng=None)` needs `params`, and either `curvature_stats`
+    from `kfac_jax.value_and_grad` (one forward pass for everything) or `batch` and `rng`
+    (an extra forward and backward pass).
+
+  Example:
+    >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
+    ...                  optax.scale_by_learning_rate(0.1))
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+  """
+  _estimator.check_damping(damping)
+  _estimator.check_unit_interval(ema_decay, "ema_decay")
+  _check_positive_int(inverse_every, "inverse_every")
+  if axis_name is not None and not isinstance(axis_name, str):
+    raise TypeError(f"`axis_name` must be a string or None, got {axis_name!r}.")
+  est = _estimator.CurvatureEstimator(
+      loss_fn, example_batch, estimation_mode=estimation_mode, exps=(-1,),
+      num_samples=num_samples, damping_mode=damping_mode, strict=strict)
+
+  def init_fn(params) -> ScaleByKfacState:
+    return ScaleByKfacState(count=jnp.zeros([], jnp.int32), curvature=est.init(params))
+
+  def update_fn(updates, state: ScaleByKfacState, params=None, *, curvature_stats=None,
+                batch=None, rng=None, **extra_args):
+    del extra_args  # Other transforms' extra arguments (optax.chain forwards them all).
+    if params is None:
+      raise ValueError("scale_by_kfac: `params` is required: tx.update(grads, state, params, ...).")
+    est._ensure_layers(params)
+    if curvature_stats is None:
+      if batch is None:
+        raise ValueError(
+            "scale_by_kfac: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
+            "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated.")
+      curvature_stats = est.curvature_stats(params, batch, rng)
+    curv = est.update_curvature_from_stats(state.curvature, curvature_stats, ema_decay,
+                                           axis_name=axis_name)
+    lam = damping(state.count) if callable(damping) else damping
+    curv = jax.lax.cond(
+        state.count % jnp.asarray(inverse_every, state.count.dtype) == 0,
+        lambda c: est.update_inverses(c, lam), lambda c: c, curv)
+    new_updates = est.multiply_matpower(curv, updates, -1)
+    new_updates = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), new_updates, updates)
+    return new_updates, ScaleByKfacState(count=optax.safe_increment(state.count), curvature=curv)
+
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return tx
+
+
+def kfac(
+    loss_fn: Callable,
+    example_batch: Any,
+    learning_rate: ScalarOrSchedule,
+    *,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    **kwargs,
+) -> optax.GradientTransformationExtraArgs:
+  """K-FAC with a fixed (or scheduled) learning rate and optional heavy-ball momentum.
+
+  `optax.chain(scale_by_kfac(loss_fn, example_batch, **kwargs), trace(momentum),
+  scale_by_learning_rate(learning_rate))`. See `scale_by_kfac` for the other arguments.
+  """
+  parts = [scale_by_kfac(loss_fn, example_batch, **kwargs)]
+  if momentum is not None:
+    parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+  parts.append(optax.scale_by_learning_rate(learning_rate))
+  return optax.chain(*parts)

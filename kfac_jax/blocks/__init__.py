@@ -1,0 +1,27 @@
+"""Curvature blocks: one per layer, chosen from the layer kind and its approximation."""
+
+from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
+from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
+from kfac_jax.blocks._kronecker import KroneckerDenseBlock
+
+_BLOCKS = {
+    ("dense", "kron"): KroneckerDenseBlock,
+    ("generic", "diagonal"): DiagonalBlock,
+    ("generic", "full"): FullBlock,
+}
+
+
+def make_block(spec, config: BlockConfig) -> Block:
+  """The block class for `spec.kind` and `spec.approx`."""
+  try:
+    cls = _BLOCKS[(spec.kind, spec.approx)]
+  except KeyError:
+    choices = sorted(a for k, a in _BLOCKS if k == spec.kind)
+    raise ValueError(
+        f"layer `{spec.name}` ({spec.kind}) has no block for approximation {spec.approx!r}; "
+        f"choose one of {choices}.") from None
+  return cls(spec, config)
+
+
+__all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "FullBlock",
+           "KroneckerDenseBlock", "make_block"]

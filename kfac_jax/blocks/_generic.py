@@ -1,0 +1,139 @@
+"""Generic blocks (diagonal and full) for parameters outside any structured layer.
+
+Statistics come from `h`, the gradient of the sampled per-example losses summed over the batch
+(one backward pass, no per-example gradients). For sampled targets E[g_n] = 0, so the cross terms
+vanish in expectation and F ≈ h hᵀ / N is unbiased for the Fisher of the mean loss; for the
+empirical Fisher it is exact only at batch size 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax.blocks import _linalg
+from kfac_jax.blocks._base import Block
+
+Array = jax.Array
+
+
+def _flat(vecs: Sequence[Array], dtype) -> Array:
+  return jnp.concatenate([jnp.ravel(v).astype(dtype) for v in vecs])
+
+
+def _unflat(flat: Array, like: Sequence[Array]) -> list[Array]:
+  out, off = [], 0
+  for v in like:
+    size = math.prod(v.shape)
+    out.append(flat[off:off + size].reshape(v.shape).astype(v.dtype))
+    off += size
+  return out
+
+
+def _sampled_grads(data, dtype) -> Array:
+  """`[samples, n]`: each sample's batch-summed gradient, leaves raveled and concatenated."""
+  return jnp.concatenate([d.reshape(d.shape[0], -1).astype(dtype) for d in data], axis=1)
+
+
+class DiagonalBlock(Block):
+  """F ≈ diag(E[h²] / N). Any power and Cholesky factor is elementwise."""
+
+  def _n(self) -> int:
+    return self.spec.factor_shapes[0][0]
+
+  def init_factors(self):
+    return {"diag": jnp.zeros((self._n(),), self.config.dtype)}
+
+  def batch_factors(self, data, batch_size):
+    h = _sampled_grads(data, self.config.dtype)
+    return {"diag": jnp.mean(h * h, axis=0) / batch_size}
+
+  def init_cache(self):
+    return {"damping": jnp.zeros((), self.config.dtype)}
+
+  def compute_cache(self, factors, damping):
+    return {"damping": jnp.asarray(damping, self.config.dtype)}
+
+  def _damped(self, factors, cache):
+    return factors["diag"] + cache["damping"]
+
+  def multiply_matpower(self, factors, cache, vecs, exp):
+    self.check_exp(exp)
+    d = self._damped(factors, cache)
+    return _unflat(d ** exp * _flat(vecs, d.dtype), vecs)
+
+  def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
+    del transpose  # Diagonal: C = Cᵀ.
+    d = jnp.sqrt(self._damped(factors, cache))
+    v = _flat(vecs, d.dtype)
+    return _unflat(v / d if inverse else v * d, vecs)
+
+  def multiply_undamped(self, factors, vecs):
+    return _unflat(factors["diag"] * _flat(vecs, factors["diag"].dtype), vecs)
+
+
+class FullBlock(Block):
+  """F ≈ E[h hᵀ] / N as a dense matrix; damped block F + λ I."""
+
+  def _n(self) -> int:
+    return self.spec.factor_shapes[0][0]
+
+  def init_factors(self):
+    n = self._n()
+    return {"f": jnp.zeros((n, n), self.config.dtype)}
+
+  def batch_factors(self, data, batch_size):
+    h = _sampled_grads(data, self.config.dtype)
+    return {"f": h.T @ h / (h.shape[0] * batch_size)}
+
+  def _cache_keys(self):
+    keys = [f"pow{e:g}" for e in self.config.exps if e != 1]
+    if self.config.cholesky:
+      keys.append("chol")
+    if self.config.cholesky_inverse:
+      keys.append("chol_inv")
+    return keys
+
+  def init_cache(self):
+    eye = jnp.eye(self._n(), dtype=self.config.dtype)
+    cache = {k: eye for k in self._cache_keys()}
+    cache["damping"] = jnp.zeros((), self.config.dtype)
+    return cache
+
+  def compute_cache(self, factors, damping):
+    damping = jnp.asarray(damping, self.config.dtype)
+    m = factors["f"] + damping * jnp.eye(self._n(), dtype=self.config.dtype)
+    cache = {f"pow{e:g}": _linalg.spd_power(m, e) for e in self.config.exps if e != 1}
+    if self.config.cholesky or self.config.cholesky_inverse:
+      chol = _linalg.cholesky(m)
+      if self.config.cholesky:
+        cache["chol"] = chol
+      if self.config.cholesky_inverse:
+        cache["chol_inv"] = _linalg.lower_inverse(chol)
+    cache["damping"] = damping
+    return cache
+
+  def multiply_matpower(self, factors, cache, vecs, exp):
+    self.check_exp(exp)
+    v = _flat(vecs, self.config.dtype)
+    if exp == 1:
+      out = factors["f"] @ v + cache["damping"] * v
+    else:
+      out = cache[f"pow{exp:g}"] @ v
+    return _unflat(out, vecs)
+
+  def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
+    key = "chol_inv" if inverse else "chol"
+    if key not in cache:
+      raise ValueError(
+          f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
+          f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator.")
+    c = cache[key]
+    # With C = L: Cᵀ = Lᵀ; with C = L⁻¹ as the inverse factor, C⁻ᵀ = L⁻ᵀ.
+    return _unflat((c.T if transpose else c) @ _flat(vecs, c.dtype), vecs)
+
+  def multiply_undamped(self, factors, vecs):
+    return _unflat(factors["f"] @ _flat(vecs, factors["f"].dtype), vecs)
