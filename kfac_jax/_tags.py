@@ -91,6 +91,8 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
         raise TypeError(f"{fn}: class-index `targets` must be integers, got {targets.dtype}.")
     operands.append(targets)
   if weight is not None:
+    if isinstance(weight, (int, float)) and not isinstance(weight, bool):
+      weight = np.asarray(weight, prediction.dtype)
     weight = _check_array(weight, "weight", fn)
     event_shape = prediction.shape[:-1] if kind == "categorical" else prediction.shape
     try:

@@ -1,0 +1,69 @@
+"""Small models and loss functions shared by the tests."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import kfac_jax
+
+
+class LinenMLP(nn.Module):
+  sizes: tuple = (5, 3)
+
+  @nn.compact
+  def __call__(self, x):
+    for i, s in enumerate(self.sizes):
+      x = nn.Dense(s)(x)
+      if i < len(self.sizes) - 1:
+        x = jnp.tanh(x)
+    return x
+
+
+class NnxMLP(nnx.Module):
+
+  def __init__(self, din, dhidden, dout, rngs):
+    self.linear1 = nnx.Linear(din, dhidden, rngs=rngs)
+    self.linear2 = nnx.Linear(dhidden, dout, rngs=rngs)
+
+  def __call__(self, x):
+    return self.linear2(jnp.tanh(self.linear1(x)))
+
+
+def jnp_mlp_init(key, sizes, dtype=jnp.float32):
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    key, k = jax.random.split(key)
+    params[f"layer{i}"] = {"w": jax.random.normal(k, (a, b), dtype) / jnp.sqrt(a),
+                           "b": jnp.zeros((b,), dtype)}
+  return params
+
+
+def jnp_mlp_apply(params, x):
+  n = sum(1 for k in params if k.startswith("layer"))
+  for i in range(n):
+    p = params[f"layer{i}"]
+    x = x @ p["w"] + p["b"]
+    if i < n - 1:
+      x = jnp.tanh(x)
+  return x
+
+
+def softmax_loss(apply_fn):
+  def loss_fn(params, batch):
+    logits = apply_fn(params, batch["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss_fn
+
+
+def classification_batch(key, n=16, din=4, classes=3, dtype=jnp.float32):
+  kx, ky = jax.random.split(key)
+  x = jax.random.normal(kx, (n, din), dtype)
+  y = jax.random.randint(ky, (n,), 0, classes)
+  return {"x": x, "y": y}
+
+
+def to_dtype(tree, dtype):
+  return jax.tree_util.tree_map(lambda p: p.astype(dtype), tree)

@@ -1,0 +1,283 @@
+"""The estimator against exact computations on tiny models (float64 where it matters)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import kfac_jax
+from tests import _models
+
+
+def _linen_setup(n=1, dtype=jnp.float64, sizes=(5, 3), din=4):
+  model = _models.LinenMLP(sizes)
+  batch = _models.classification_batch(jax.random.key(0), n=n, din=din, dtype=dtype)
+  params = _models.to_dtype(model.init(jax.random.key(1), batch["x"]), dtype)
+  return model, _models.softmax_loss(model.apply), params, batch
+
+
+def _block_mask(est, params):
+  sizes = [x.size for x in jax.tree_util.tree_leaves(params)]
+  off = np.concatenate([[0], np.cumsum(sizes)])
+  mask = np.zeros((off[-1], off[-1]), bool)
+  for b in est.blocks:
+    idx = np.concatenate([np.arange(off[j], off[j + 1]) for j in b.spec.leaf_indices])
+    mask[np.ix_(idx, idx)] = True
+  return mask
+
+
+def _update(est, params, batch, rng=None, ema_decay=0.0, state=None):
+  state = est.init(params) if state is None else state
+  return jax.jit(lambda s: est.update_curvature(s, params, batch, rng, ema_decay))(state)
+
+
+def test_batch_of_one_empirical_equals_gradient_outer_product(x64):
+  _, loss_fn, params, batch = _linen_setup()
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
+  dense = est.to_dense(_update(est, params, batch))
+  g = ravel_pytree(jax.grad(loss_fn)(params, batch))[0]
+  mask = _block_mask(est, params)
+  exact = np.outer(g, g)
+  rel = np.abs(np.asarray(dense) - exact * mask).max() / np.abs(exact).max()
+  assert rel < 1e-10
+  assert np.all(np.asarray(dense)[~mask] == 0)  # Off-diagonal blocks are exactly zero.
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "squared", "normal_var", "weighted_softmax"])
+def test_batch_of_one_empirical_other_losses(x64, loss):
+  params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (3, 4, 2)), jnp.float64)
+  params["gen"] = jnp.linspace(0.5, 1.5, 2)
+  x = jnp.array([[0.3, -1.2, 0.7]])
+  t = jnp.array([[1.0, 0.0]])
+  w, var = 0.3, 2.0
+
+  def loss_fn(p, b):
+    z = _models.jnp_mlp_apply(p, b["x"]) * kfac_jax.register_generic(p["gen"], approx="full")
+    if loss == "sigmoid":
+      kfac_jax.register_sigmoid_cross_entropy_loss(z, b["t"])
+      return optax.sigmoid_binary_cross_entropy(z, b["t"]).sum(-1).mean()
+    if loss == "squared":
+      kfac_jax.register_squared_error_loss(z, b["t"])
+      return ((z - b["t"]) ** 2).sum(-1).mean()
+    if loss == "normal_var":
+      kfac_jax.register_normal_predictive_distribution(z, b["t"], var=var)
+      return ((z - b["t"]) ** 2 / (2 * var)).sum(-1).mean()
+    labels = jnp.argmax(b["t"], -1)
+    kfac_jax.register_softmax_cross_entropy_loss(z, labels, weight=w)
+    return w * optax.softmax_cross_entropy_with_integer_labels(z, labels).mean()
+
+  batch = {"x": x, "t": t}
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
+  dense = np.asarray(est.to_dense(_update(est, params, batch)))
+  g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
+  # The empirical Fisher of a weighted loss w·ℓ is w ∇ℓ ∇ℓᵀ = (∇(wℓ))(∇(wℓ))ᵀ / w.
+  exact = np.outer(g, g) / (w if loss == "weighted_softmax" else 1.0)
+  mask = _block_mask(est, params)
+  np.testing.assert_allclose(dense, exact * mask, rtol=1e-10, atol=1e-12 * np.abs(exact).max())
+
+
+def test_factor_normalisation_on_a_batch(x64):
+  """A = mean āāᵀ and G = mean ggᵀ with g the per-example loss gradient at the outputs."""
+  params = {"w": jax.random.normal(jax.random.key(0), (3, 4), jnp.float64),
+            "b": jnp.zeros((4,), jnp.float64)}
+  batch = _models.classification_batch(jax.random.key(1), n=7, din=3, classes=4,
+                                       dtype=jnp.float64)
+  loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"] + p["b"])
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
+  state = _update(est, params, batch)
+  (f,) = state.factors.values()
+  x = np.concatenate([np.asarray(batch["x"]), np.ones((7, 1))], axis=1)
+  logits = np.asarray(batch["x"] @ params["w"])
+  p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+  g = p - np.eye(4)[np.asarray(batch["y"])]
+  np.testing.assert_allclose(f["a"], x.T @ x / 7, rtol=1e-12)
+  np.testing.assert_allclose(f["g"], g.T @ g / 7, rtol=1e-12)
+
+
+def test_sampled_fisher_converges_to_exact_fisher(x64):
+  """Linear softmax, one example: E[A ⊗ G] = Jᵀ (diag p − p pᵀ) J."""
+  params = {"w": jax.random.normal(jax.random.key(0), (3, 4), jnp.float64) * 0.7,
+            "b": jnp.array([0.1, -0.2, 0.3, 0.0], jnp.float64)}
+  batch = {"x": jnp.array([[0.5, -1.0, 2.0]]), "y": jnp.array([1])}
+  apply = lambda p, x: x @ p["w"] + p["b"]
+  loss_fn = _models.softmax_loss(apply)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, num_samples=40000)
+  dense = np.asarray(est.to_dense(_update(est, params, batch, jax.random.key(3))))
+  flat, unravel = ravel_pytree(params)
+  jac = jax.jacobian(lambda v: apply(unravel(v), batch["x"])[0])(flat)
+  p = jax.nn.softmax(apply(params, batch["x"])[0])
+  exact = np.asarray(jac.T @ (jnp.diag(p) - jnp.outer(p, p)) @ jac)
+  rel = np.linalg.norm(dense - exact) / np.linalg.norm(exact)
+  assert rel < 0.03, rel
+  # A single sample is far off: the test can tell an estimator from the exact matrix.
+  est1 = kfac_jax.CurvatureEstimator(loss_fn, batch, num_samples=1)
+  one = np.asarray(est1.to_dense(_update(est1, params, batch, jax.random.key(3))))
+  assert np.linalg.norm(one - exact) / np.linalg.norm(exact) > 0.1
+
+
+def _random_state(est, params, batch, key):
+  state = _update(est, params, batch, key)
+  return jax.jit(lambda s: est.update_inverses(s, 0.05))(state)
+
+
+def _basis_matrix(est, state, params, fn):
+  flat, unravel = ravel_pytree(params)
+  cols = [ravel_pytree(fn(state, unravel(e)))[0] for e in np.eye(flat.size)]
+  return np.stack(cols, axis=1)
+
+
+@pytest.mark.parametrize("damping_mode", ["factored", "eigen"])
+def test_matpower_roundtrip_and_cholesky(x64, damping_mode):
+  model, _, params, batch = _linen_setup(n=6, sizes=(4, 3), din=3)
+  params["gen"] = jnp.linspace(0.5, 1.5, 3)
+  params["gen_full"] = jnp.linspace(-1.0, 1.0, 3)
+
+  def loss_fn(p, b):
+    z = model.apply({"params": p["params"]}, b["x"])
+    z = z * kfac_jax.register_generic(p["gen"]) + kfac_jax.register_generic(p["gen_full"],
+                                                                            approx="full")
+    kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
+
+  est = kfac_jax.CurvatureEstimator(
+      loss_fn, batch, exps=(-1, -0.5, 2), damping_mode=damping_mode, compute_cholesky=True,
+      compute_cholesky_inverse=True)
+  state = _random_state(est, params, batch, jax.random.key(5))
+  v = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.key(9), x.shape, x.dtype),
+                             params)
+  back = est.multiply_matpower(state, est.multiply_matpower(state, v, 1), -1)
+  np.testing.assert_allclose(ravel_pytree(back)[0], ravel_pytree(v)[0], rtol=1e-8, atol=1e-10)
+  half = est.multiply_matpower(state, est.multiply_matpower(state, v, -0.5), -0.5)
+  np.testing.assert_allclose(ravel_pytree(half)[0],
+                             ravel_pytree(est.multiply_inverse(state, v))[0], rtol=1e-8)
+  sq = est.multiply_matpower(state, v, 2)
+  np.testing.assert_allclose(ravel_pytree(sq)[0],
+                             ravel_pytree(est.multiply(state, est.multiply(state, v)))[0],
+                             rtol=1e-8)
+
+  damped = _basis_matrix(est, state, params, est.multiply)
+  chol = _basis_matrix(est, state, params, est.multiply_cholesky)
+  chol_t = _basis_matrix(est, state, params,
+                         lambda s, x: est.multiply_cholesky(s, x, transpose=True))
+  chol_inv = _basis_matrix(est, state, params, est.multiply_cholesky_inverse)
+  chol_inv_t = _basis_matrix(est, state, params,
+                             lambda s, x: est.multiply_cholesky_inverse(s, x, transpose=True))
+  np.testing.assert_allclose(chol @ chol.T, damped, rtol=1e-8, atol=1e-10)
+  np.testing.assert_allclose(chol_t, chol.T, atol=1e-10)
+  np.testing.assert_allclose(chol_inv @ chol, np.eye(len(damped)), atol=1e-8)
+  np.testing.assert_allclose(chol_inv_t, chol_inv.T, atol=1e-10)
+
+
+def test_damped_block_formulas(x64):
+  params = {"w": jax.random.normal(jax.random.key(0), (3, 2), jnp.float64)}
+  batch = _models.classification_batch(jax.random.key(1), n=5, din=3, classes=2,
+                                       dtype=jnp.float64)
+  loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"])
+  lam = 0.3
+  for mode in ("factored", "eigen"):
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, damping_mode=mode)
+    state = jax.jit(lambda s: est.update_inverses(s, lam))(
+        _update(est, params, batch, jax.random.key(2)))
+    a, g = (np.asarray(state.factors["w"][k]) for k in ("a", "g"))
+    if mode == "factored":
+      pi = np.sqrt((np.trace(a) / 3) / (np.trace(g) / 2))
+      expected = np.kron(a + pi * np.sqrt(lam) * np.eye(3), g + np.sqrt(lam) / pi * np.eye(2))
+    else:
+      expected = np.kron(a, g) + lam * np.eye(6)
+    np.testing.assert_allclose(_basis_matrix(est, state, params, est.multiply), expected,
+                               rtol=1e-10)
+    np.testing.assert_allclose(_basis_matrix(est, state, params, est.multiply_inverse),
+                               np.linalg.inv(expected), rtol=1e-8)
+
+
+def test_equal_shape_blocks_are_vmapped_with_identical_results(x64):
+  params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (4, 4, 4, 3)), jnp.float64)
+  batch = _models.classification_batch(jax.random.key(1), n=9, dtype=jnp.float64)
+  est = kfac_jax.CurvatureEstimator(_models.softmax_loss(_models.jnp_mlp_apply), batch)
+  state = _update(est, params, batch, jax.random.key(2))
+  keys = [b.group_key() for b in est.blocks]
+  assert keys[0] == keys[1] != keys[2]
+  new = est.update_inverses(state, 0.1)
+  for name, b in zip(state.factors, est.blocks):
+    ref = b.compute_cache(state.factors[name], jnp.asarray(0.1))
+    for k in ref:
+      np.testing.assert_allclose(new.cache[name][k], ref[k], rtol=1e-12)
+
+
+def test_ema_is_bias_corrected_and_skips_non_finite_batches(x64):
+  params = {"w": jnp.ones((2, 2), jnp.float64)}
+  loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"])
+  b1 = {"x": jnp.array([[1.0, 0.0]]), "y": jnp.array([0])}
+  b2 = {"x": jnp.array([[0.0, 2.0]]), "y": jnp.array([1])}
+  est = kfac_jax.CurvatureEstimator(loss_fn, b1, estimation_mode="empirical")
+  s1 = _update(est, params, b1, ema_decay=0.9)
+  a1 = np.asarray(s1.factors["w"]["a"])
+  np.testing.assert_allclose(a1, [[1, 0], [0, 0]])  # Not shrunk by (1 - decay).
+  s2 = _update(est, params, b2, ema_decay=0.9, state=s1)
+  np.testing.assert_allclose(s2.factors["w"]["a"], (0.9 * a1 + [[0, 0], [0, 4]]) / 1.9)
+  s0 = _update(est, params, b2, ema_decay=0.0, state=s1)
+  np.testing.assert_allclose(s0.factors["w"]["a"], [[0, 0], [0, 4]])
+  bad = {"x": jnp.array([[jnp.nan, 1.0]]), "y": jnp.array([0])}
+  s3 = _update(est, params, bad, ema_decay=0.9, state=s2)
+  for u, v in zip(jax.tree_util.tree_leaves(s3), jax.tree_util.tree_leaves(s2)):
+    np.testing.assert_array_equal(u, v)
+
+
+def test_one_forward_pass_flops():
+  """value_and_grad costs one forward, one backward and one activation-only backward."""
+  sizes = (256, 512, 512, 256, 10)
+  params = _models.jnp_mlp_init(jax.random.key(0), sizes)
+  batch = _models.classification_batch(jax.random.key(1), n=128, din=256, classes=10)
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+  key = jax.random.key(2)
+
+  def flops(f, *args):
+    return jax.jit(f).lower(*args).compile().cost_analysis()["flops"]
+
+  matmul = 2 * 128 * sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))  # One forward pass.
+  first = 2 * 128 * sizes[0] * sizes[1]  # No gradient flows into the data.
+  kfac = flops(lambda p, b, k: kfac_jax.value_and_grad(loss_fn)(p, b, k), params, batch, key)
+  adam_like = flops(jax.value_and_grad(loss_fn), params, batch)
+  assert adam_like == pytest.approx(3 * matmul - first, rel=0.02)
+  # On top of forward + backward: the sampled loss's activation gradients, i.e. the dx products
+  # of every layer but the first (matmul - first), and no dW products. A second forward and
+  # backward would add 3 * matmul - first; a vmapped pull-back of both cotangents would add
+  # 2 * matmul - first.
+  extra = kfac - adam_like
+  assert extra < 1.05 * (matmul - first), extra / matmul
+
+
+def test_estimator_errors_leave_state_untouched():
+  _, loss_fn, params, batch = _linen_setup(n=4, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="estimation_mode.*choose one of"):
+    kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exactish")
+  with pytest.raises(ValueError, match="num_samples"):
+    kfac_jax.CurvatureEstimator(loss_fn, batch, num_samples=0)
+  with pytest.raises(ValueError, match="damping_mode"):
+    kfac_jax.CurvatureEstimator(loss_fn, batch, damping_mode="tikhonov")
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+  state = est.init(params)
+  with pytest.raises(ValueError, match="ema_decay"):
+    est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=1.0)
+  with pytest.raises(ValueError, match="pass `rng`"):
+    est.update_curvature(state, params, batch, None, ema_decay=0.5)
+  with pytest.raises(ValueError, match="damping"):
+    est.update_inverses(state, -1.0)
+  with pytest.raises(ValueError, match=r"matrix power -0.5 was not prepared"):
+    est.multiply_matpower(state, params, -0.5)
+  with pytest.raises(ValueError, match="pytree structure differs"):
+    est.multiply_matpower(state, {"params": params["params"], "extra": 1.0}, -1)
+  with pytest.raises(ValueError, match="params pytree differs"):
+    est.init({"params": {**params["params"], "new": jnp.ones(2)}})
+
+  def no_targets(p, b):
+    logits = _models.LinenMLP().apply(p, b["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  emp = kfac_jax.CurvatureEstimator(no_targets, batch, estimation_mode="empirical")
+  s = emp.init(params)
+  with pytest.raises(ValueError, match="needs the data's targets"):
+    emp.update_curvature(s, params, batch, None, ema_decay=0.5)

@@ -1,0 +1,212 @@
+"""The scanner finds dense layers in linen, nnx and plain-jnp models, and reports problems."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import kfac_jax
+from tests import _models
+
+
+def _kinds(layers):
+  return [(l.name, l.kind, l.param_paths) for l in layers]
+
+
+def test_linen_mlp():
+  model = _models.LinenMLP((5, 3))
+  batch = _models.classification_batch(jax.random.key(0))
+  params = model.init(jax.random.key(1), batch["x"])
+  layers = kfac_jax.scan_layers(_models.softmax_loss(model.apply), params, batch)
+  assert _kinds(layers) == [
+      ("params/Dense_0", "dense", ("params/Dense_0/kernel", "params/Dense_0/bias")),
+      ("params/Dense_1", "dense", ("params/Dense_1/kernel", "params/Dense_1/bias")),
+  ]
+  assert layers[0].factor_shapes == ((5, 5), (5, 5))  # 4 inputs + homogeneous coordinate.
+  assert layers[1].factor_shapes == ((6, 6), (3, 3))
+  assert all(l.approx == "kron" and l.source == "auto" for l in layers)
+
+
+def test_nnx_mlp():
+  model = _models.NnxMLP(4, 6, 3, nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  params = nnx.to_pure_dict(params)
+
+  def apply(p, x):
+    m = nnx.merge(graphdef, p)
+    return m(x)
+
+  batch = _models.classification_batch(jax.random.key(0))
+  layers = kfac_jax.scan_layers(_models.softmax_loss(apply), params, batch)
+  assert _kinds(layers) == [
+      ("linear1", "dense", ("linear1/kernel", "linear1/bias")),
+      ("linear2", "dense", ("linear2/kernel", "linear2/bias")),
+  ]
+
+
+def test_plain_jnp_mlp_with_l2_term():
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 7, 3))
+  batch = _models.classification_batch(jax.random.key(1))
+  base = _models.softmax_loss(_models.jnp_mlp_apply)
+
+  def loss_fn(p, b):  # The L2 term uses every parameter a second time, outside the loss slice.
+    return base(p, b) + 1e-4 * optax.tree.norm(p, squared=True)
+
+  layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  assert _kinds(layers) == [
+      ("layer0", "dense", ("layer0/w", "layer0/b")),
+      ("layer1", "dense", ("layer1/w", "layer1/b")),
+  ]
+
+
+def test_leading_batch_dims_and_nested_jit():
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 7, 3))
+
+  @jax.jit
+  def apply(p, x):  # x: [batch, time, features]
+    return _models.jnp_mlp_apply(p, x)
+
+  def loss_fn(p, b):
+    logits = apply(p, b["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"], weight=1 / 5)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  batch = {"x": jnp.ones((2, 5, 4)), "y": jnp.zeros((2, 5), jnp.int32)}
+  layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  assert [l.kind for l in layers] == ["dense", "dense"]
+  assert layers[0].dense.rows == 10
+
+
+def test_dense_general_multi_axis_kernels():
+  class Attn(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      q = nn.DenseGeneral((2, 3), name="q")(x)  # kernel [4, 2, 3]
+      return nn.DenseGeneral(5, axis=(-2, -1), name="out")(q)  # kernel [2, 3, 5]
+
+  model = Attn()
+  batch = _models.classification_batch(jax.random.key(0), n=6)
+  batch["y"] = jnp.zeros((6,), jnp.int32)
+  params = model.init(jax.random.key(1), batch["x"])
+  layers = kfac_jax.scan_layers(_models.softmax_loss(model.apply), params, batch)
+  assert _kinds(layers) == [
+      ("params/out", "dense", ("params/out/kernel", "params/out/bias")),
+      ("params/q", "dense", ("params/q/kernel", "params/q/bias")),
+  ]
+  by_name = {l.name: l for l in layers}
+  assert by_name["params/q"].factor_shapes == ((5, 5), (6, 6))
+  assert by_name["params/out"].factor_shapes == ((7, 7), (5, 5))
+
+
+def test_transposed_kernel_and_kernel_as_lhs():
+  def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["w_t"].T)  # PyTorch layout [out, in].
+    logits = (p["v"] @ h.T).T  # Kernel on the left.
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  params = {"w_t": jnp.ones((6, 4)), "v": jnp.ones((3, 6))}
+  batch = _models.classification_batch(jax.random.key(0))
+  layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  assert [(l.param_paths, l.factor_shapes) for l in layers] == [
+      (("v",), ((6, 6), (3, 3))), (("w_t",), ((4, 4), (6, 6)))]
+
+
+def test_uncovered_parameters_warn_once_or_raise_when_strict():
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 7, 3))
+  params["scale"] = jnp.ones((7,))
+  params["unused"] = jnp.ones((2,))
+
+  def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["layer0"]["w"] + p["layer0"]["b"]) * p["scale"]
+    logits = h @ p["layer1"]["w"] + p["layer1"]["b"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  batch = _models.classification_batch(jax.random.key(1))
+  with pytest.warns(kfac_jax.UncoveredParametersWarning) as record:
+    layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  assert len(record) == 1
+  assert "`scale`" in str(record[0].message) and "`unused`" in str(record[0].message)
+  generic = [l for l in layers if l.kind == "generic"]
+  assert [(l.param_paths, l.approx, l.source) for l in generic] == [
+      (("scale",), "diagonal", "fallback"), (("unused",), "diagonal", "fallback")]
+  with pytest.raises(kfac_jax.RegistrationError, match="`scale`.*`unused`"):
+    kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+
+
+def test_manual_tags_take_precedence():
+  params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,)), "s": jnp.ones((3,))}
+
+  def loss_fn(p, b):
+    y = b["x"] @ p["w"] + p["b"]
+    y = kfac_jax.register_dense(y, b["x"], p["w"], p["b"])
+    logits = y * kfac_jax.register_generic(p["s"], approx="full")
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  batch = _models.classification_batch(jax.random.key(1))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  assert [(l.kind, l.param_paths, l.approx, l.source) for l in layers] == [
+      ("dense", ("w", "b"), "kron", "manual"), ("generic", ("s",), "full", "manual")]
+
+
+def test_summary_table():
+  model = _models.LinenMLP((5, 3))
+  batch = _models.classification_batch(jax.random.key(0))
+  params = model.init(jax.random.key(1), batch["x"])
+  table = kfac_jax.summary(_models.softmax_loss(model.apply), params, batch)
+  lines = table.splitlines()
+  assert lines[0].split() == ["layer", "kind", "approx", "parameters", "factor", "shapes", "memory"]
+  assert "params/Dense_0  dense  kron    kernel, bias  5x5 5x5" in table
+  # Factors plus cached inverses plus the damping scalar, float32: 4 * (2 * (25 + 25) + 1).
+  assert "404 B" in lines[2]
+  assert "43 values" in lines[-1]
+
+
+def test_no_loss_tag_error_says_how_to_add_one():
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 3))
+
+  def loss_fn(p, b):
+    return jnp.mean(_models.jnp_mlp_apply(p, b["x"]) ** 2)
+
+  with pytest.raises(kfac_jax.RegistrationError, match="register_softmax_cross_entropy_loss"):
+    kfac_jax.scan_layers(loss_fn, params, _models.classification_batch(jax.random.key(1)))
+
+
+@pytest.mark.parametrize("case", ["twice", "not_param", "bad_approx", "int_param",
+                                  "non_scalar", "bias_mismatch"])
+def test_registration_errors_name_the_parameter(case):
+  params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,)), "c": jnp.zeros((5,))}
+  batch = _models.classification_batch(jax.random.key(1))
+
+  def loss_fn(p, b):
+    y = b["x"] @ p["w"] + p["b"]
+    if case == "twice":
+      kfac_jax.register_generic(p["w"])
+      kfac_jax.register_dense(y, b["x"], p["w"], p["b"])
+    elif case == "not_param":
+      kfac_jax.register_dense(y, b["x"], jnp.ones((4, 3)))
+    elif case == "bad_approx":
+      kfac_jax.register_generic(p["b"], approx="kron")
+    elif case == "bias_mismatch":
+      y2 = kfac_jax.register_dense(y, b["x"], p["w"], p["b"])
+      return y2.sum() + kfac_jax.register_generic(p["c"]).sum()
+    kfac_jax.register_softmax_cross_entropy_loss(y, b["y"])
+    out = optax.softmax_cross_entropy_with_integer_labels(y, b["y"])
+    return out if case == "non_scalar" else out.mean()
+
+  if case == "int_param":
+    params["n"] = jnp.ones((2,), jnp.int32)
+  expected = {"twice": "`w` is registered twice", "not_param": "not a parameter leaf",
+              "bad_approx": r"approximation 'kron' does not fit the generic layer.*\['b'\]",
+              "int_param": "parameter `n` has dtype int32", "non_scalar": "one scalar loss",
+              "bias_mismatch": "no loss tag"}[case]
+  with pytest.raises(kfac_jax.RegistrationError, match=expected):
+    kfac_jax.scan_layers(loss_fn, params, batch)
