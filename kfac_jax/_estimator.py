@@ -136,8 +136,10 @@ class CurvatureEstimator:
 
   @staticmethod
   def _signature(params):
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+    """Parameter paths, shapes and dtypes: equal for `nnx.State`s with or without Variables."""
+    leaves = jax.tree_util.tree_leaves(params)
+    return _scanner.param_paths(params), tuple(
+        (tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
 
   def _scan(self, params, batch, warn: bool) -> _scanner.Registration:
     return _scanner.scan(self.loss_fn, params, batch, strict=self.strict, warn=warn)
@@ -264,11 +266,12 @@ class CurvatureEstimator:
 
   def _apply(self, state: EstimatorState, vector, fn) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(vector)
-    if treedef != self._param_sig[0]:
+    paths = _scanner.param_paths(vector)
+    if paths != self._param_sig[0]:
       raise ValueError(
           "the vector's pytree structure differs from the params this estimator was built for: "
-          f"got {treedef}, expected {self._param_sig[0]}.")
-    for (shape, _), x, path in zip(self._param_sig[1], leaves, self._paths()):
+          f"got leaves {list(paths)}, expected {list(self._param_sig[0])}.")
+    for (shape, _), x, path in zip(self._param_sig[1], leaves, paths):
       if tuple(np.shape(x)) != shape:
         raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
     out = list(leaves)
@@ -278,13 +281,6 @@ class CurvatureEstimator:
       for j, r in zip(b.spec.leaf_indices, res):
         out[j] = r
     return jax.tree_util.tree_unflatten(treedef, out)
-
-  def _paths(self) -> list[str]:
-    paths = [""] * self._param_sig[0].num_leaves
-    for s in self.layers:
-      for j, p in zip(s.leaf_indices, s.param_paths):
-        paths[j] = p
-    return paths
 
   def multiply_matpower(self, state: EstimatorState, vector, exp: float):
     """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`."""

@@ -50,7 +50,7 @@ def scale_by_kfac(
     ema_decay: float = 0.95,
     inverse_every: int = 5,
     estimation_mode: _curvature.EstimationMode = "gradients",
-    num_samples: int = 1,
+    num_samples: int | None = None,
     damping_mode: _blocks.DampingMode = "factored",
     axis_name: str | None = None,
     strict: bool = False,
@@ -68,10 +68,17 @@ def scale_by_kfac(
     ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
     inverse_every: refresh the inverses every this many updates.
     estimation_mode: "gradients" (sampled targets) or "empirical" (data targets).
-    num_samples: sampled targets per example ("gradients" mode).
+    num_samples: sampled targets per example ("gradients" mode); None means 1. It fixes array
+      shapes, so it must be a Python int (with `optax.inject_hyperparams`, list it in
+      `static_args`).
     damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
     axis_name: average the statistics over this pmap/shard_map axis.
     strict: error instead of warning for parameters outside every recognised layer.
+
+  With `optax.inject_hyperparams`, declare the non-numeric arguments static (optax treats any
+  callable as a schedule): `optax.inject_hyperparams(kfac_jax.scale_by_kfac,
+  static_args=("loss_fn", "example_batch"))(loss_fn=..., example_batch=..., damping=1e-3)`;
+  `damping`, `ema_decay` and `inverse_every` can then change between steps without a recompile.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. Its `update(updates, state, params, *,
@@ -88,6 +95,12 @@ def scale_by_kfac(
   _estimator.check_damping(damping)
   _estimator.check_unit_interval(ema_decay, "ema_decay")
   _check_positive_int(inverse_every, "inverse_every")
+  if num_samples is None:
+    num_samples = 1
+  elif isinstance(num_samples, jax.Array):
+    raise TypeError(
+        "`num_samples` fixes array shapes and must be a Python int, got a JAX array. With "
+        "optax.inject_hyperparams, pass static_args=('loss_fn', 'example_batch', 'num_samples').")
   if axis_name is not None and not isinstance(axis_name, str):
     raise TypeError(f"`axis_name` must be a string or None, got {axis_name!r}.")
   est = _estimator.CurvatureEstimator(
