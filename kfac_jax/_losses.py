@@ -35,23 +35,27 @@ def _grad_nll(spec: LossSpec, z: Array, y: Array) -> Array:
 
 def _sample(spec: LossSpec, z: Array, rng: Array, num_samples: int) -> Array:
   shape = (num_samples,) + z.shape
+  zs = jnp.broadcast_to(z[None], shape)
   if spec.kind == "categorical":
-    labels = jax.random.categorical(rng, z, axis=-1, shape=shape[:-1])
+    labels = jax.random.categorical(rng, zs, axis=-1)
     return jax.nn.one_hot(labels, z.shape[-1], dtype=z.dtype)
   if spec.kind == "bernoulli":
-    return jax.random.bernoulli(rng, jax.nn.sigmoid(z), shape=shape).astype(z.dtype)
+    return jax.random.bernoulli(rng, jax.nn.sigmoid(zs)).astype(z.dtype)
   if spec.kind == "normal":
-    return z + jnp.sqrt(spec.var) * jax.random.normal(rng, shape, z.dtype)
+    return zs + jnp.sqrt(spec.var).astype(z.dtype) * jax.random.normal(rng, shape, z.dtype)
   raise ValueError(f"unknown loss kind {spec.kind!r}")
 
 
 def _sqrt_weight(spec: LossSpec, weight: Array | None, z: Array) -> Array | float:
+  """√w with a leading sample axis, broadcastable to `[samples, *z.shape]` at equal rank."""
   if weight is None:
     return 1.0
   w = jnp.sqrt(jnp.maximum(weight.astype(z.dtype), 0.0))
   if spec.kind == "categorical":
-    w = w[..., None]
-  return w
+    w = jnp.broadcast_to(w, z.shape[:-1])[..., None]
+  else:
+    w = jnp.broadcast_to(w, z.shape)
+  return w[None]
 
 
 def output_cotangents(spec: LossSpec, operands: tuple[Array, ...], mode: str, rng: Array | None,

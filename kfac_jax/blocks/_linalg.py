@@ -21,7 +21,7 @@ def eigh_psd(m: Array) -> tuple[Array, Array]:
 
 def power_from_eigh(s: Array, u: Array, p: float) -> Array:
   """`U diag(s^p) Uᵀ`, for eigenvalues `s > 0`."""
-  return (u * s ** p) @ u.T
+  return (u * (s ** p)[None, :]) @ u.T
 
 
 def spd_inverse(m: Array) -> Array:
