@@ -281,3 +281,15 @@ def test_estimator_errors_leave_state_untouched():
   s = emp.init(params)
   with pytest.raises(ValueError, match="needs the data's targets"):
     emp.update_curvature(s, params, batch, None, ema_decay=0.5)
+
+
+def test_failed_factorisation_keeps_the_previous_inverse():
+  params = {"w": jnp.ones((3, 2))}
+  batch = {"x": jnp.array([[1.0, 2.0, 3.0]]), "y": jnp.array([1])}  # A has rank 1: singular.
+  est = kfac_jax.CurvatureEstimator(_models.softmax_loss(lambda p, x: x @ p["w"]), batch,
+                                    estimation_mode="empirical")
+  state = est.update_inverses(_update(est, params, batch), 0.5)
+  again = jax.jit(lambda s: est.update_inverses(s, 0.0))(state)  # Cholesky of a singular A.
+  for a, b in zip(jax.tree_util.tree_leaves(again.cache), jax.tree_util.tree_leaves(state.cache)):
+    np.testing.assert_array_equal(a, b)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(again))

@@ -27,20 +27,13 @@ def power_from_eigh(s: Array, u: Array, p: float) -> Array:
 def spd_inverse(m: Array) -> Array:
   """Inverse of a symmetric positive-definite matrix by Cholesky.
 
-  If the factorisation breaks down (non-finite result), falls back to an eigen-decomposition
-  with eigenvalues floored at a tiny multiple of the largest one, so the result stays finite.
+  A matrix that is not numerically positive definite gives a non-finite result; the estimator
+  then keeps the block's previous inverse (see `CurvatureEstimator.update_inverses`). There is no
+  in-graph eigen-decomposition fallback: it would triple compile time for every factor.
   """
   m = symmetrize(m)
-  eye = jnp.eye(m.shape[-1], dtype=m.dtype)
   chol = jnp.linalg.cholesky(m)
-  inv = jsl.cho_solve((chol, True), eye)
-
-  def fallback(_):
-    s, u = jnp.linalg.eigh(m)
-    floor = jnp.maximum(jnp.max(jnp.abs(s)), 1.0) * jnp.finfo(m.dtype).eps
-    return power_from_eigh(jnp.maximum(s, floor), u, -1.0)
-
-  return jax.lax.cond(jnp.all(jnp.isfinite(inv)), lambda _: inv, fallback, None)
+  return jsl.cho_solve((chol, True), jnp.eye(m.shape[-1], dtype=m.dtype))
 
 
 def spd_power(m: Array, p: float) -> Array:
