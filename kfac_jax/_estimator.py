@@ -169,7 +169,9 @@ class CurvatureEstimator:
 
   @property
   def blocks(self) -> tuple[_blocks.Block, ...]:
-    self.layers  # noqa: B018 - raises before init.
+    """One curvature block per layer (after `init`)."""
+    if self._layers is None:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
     return self._blocks
 
   # -- state -----------------------------------------------------------------------------------

@@ -26,11 +26,7 @@ from kfac_jax import _compat, _graph, _tags
 _VIEW_OPS = frozenset({
     "convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim",
     "squeeze"})
-# View operations that can be undone exactly (everything but broadcasting).
-_INVERTIBLE_VIEW_OPS = frozenset({"convert_element_type", "copy", "copy_p", "reshape",
-                                  "transpose", "squeeze"})
 
-KINDS = ("dense", "generic")
 APPROXIMATIONS = {"dense": ("kron",), "generic": ("diagonal", "full")}
 DEFAULT_APPROX = {"dense": "kron", "generic": "diagonal"}
 
@@ -190,7 +186,6 @@ class Registration:
   loss_operands: tuple[tuple[_graph.Atom, ...], ...]  # per loss: (prediction, targets?, weight?)
   layer_outputs: tuple[_graph.Key | None, ...]  # per layer: where the perturbation is added
   layer_inputs: tuple[_graph.Atom | None, ...]  # per layer: the input operand
-  num_param_leaves: int
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +301,6 @@ class _Scanner:
         loss_operands=tuple(loss_operands),
         layer_outputs=tuple(s[1] for s in specs),
         layer_inputs=tuple(s[2] for s in specs),
-        num_param_leaves=self.n_params,
     )
 
   # -- losses ----------------------------------------------------------------------------------
