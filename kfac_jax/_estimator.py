@@ -294,9 +294,11 @@ class CurvatureEstimator:
     return self._apply(state, vector, lambda b, f, c, v: b.multiply_matpower(f, c, v, exp))
 
   def multiply(self, state: EstimatorState, vector):
+    """The damped curvature times `vector` (power 1)."""
     return self.multiply_matpower(state, vector, 1)
 
   def multiply_inverse(self, state: EstimatorState, vector):
+    """The inverse damped curvature times `vector` (needs -1 in `exps`, the default)."""
     return self.multiply_matpower(state, vector, -1)
 
   def multiply_cholesky(self, state: EstimatorState, vector, *, transpose: bool = False):
