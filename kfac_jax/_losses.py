@@ -82,3 +82,39 @@ def output_cotangents(spec: LossSpec, operands: tuple[Array, ...], mode: str, rn
     raise ValueError(f"unsupported estimation mode {mode!r}")
   vec = vec * _sqrt_weight(spec, weight, zf)
   return vec.astype(z.dtype)
+
+
+def _weight(spec: LossSpec, weight: Array | None, z: Array) -> Array | float:
+  """w broadcastable to `z.shape` at equal rank (1 when there is no weight)."""
+  if weight is None:
+    return 1.0
+  w = jnp.maximum(weight.astype(z.dtype), 0.0)
+  if spec.kind == "categorical":
+    return jnp.broadcast_to(w, z.shape[:-1])[..., None]
+  return jnp.broadcast_to(w, z.shape)
+
+
+def output_curvature_product(spec: LossSpec, operands: tuple[Array, ...], v: Array) -> Array:
+  """H_z v: the Hessian of the tagged loss with respect to its prediction `z`, times `v`.
+
+  The tagged loss is `(1/N) Σₙ wₙ ℓ(zₙ, yₙ)`; for these canonical-link losses its Hessian in `z`
+  does not depend on the targets and equals the Fisher, so `H_z = (1/N) w F_z` per example with
+  `F_z` from the module docstring. This is the output-space factor of the Gauss-Newton matrix
+  `Jᵀ H_z J` (the quadratic model of the optimizer). `v` has the prediction's shape.
+  """
+  z = operands[0]
+  weight = operands[1 + spec.has_targets] if spec.has_weight else None
+  zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+  vf = v.astype(zf.dtype)
+  if spec.kind == "categorical":
+    p = jax.nn.softmax(zf, axis=-1)
+    out = p * vf - p * jnp.sum(p * vf, axis=-1, keepdims=True)
+  elif spec.kind == "bernoulli":
+    p = jax.nn.sigmoid(zf)
+    out = p * (1 - p) * vf
+  elif spec.kind == "normal":
+    out = vf / spec.var
+  else:
+    raise ValueError(f"unknown loss kind {spec.kind!r}")
+  out = out * _weight(spec, weight, zf) / spec.batch_size
+  return out.astype(v.dtype)
