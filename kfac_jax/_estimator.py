@@ -63,10 +63,18 @@ def check_damping(value, name: str = "damping") -> None:
 
 
 def _all_finite(tree) -> Array:
+  """True when every entry of every leaf is finite.
+
+  Tested through each leaf's sum, which is finite exactly when no entry is NaN or ±Inf (barring
+  a sum that overflows: ~1e38 in float32, then the leaf counts as non-finite, which errs on the
+  safe side). A sum compiles to one reduction that XLA fuses with the producer; an elementwise
+  `isfinite` followed by `all` over every factor and inverse cost ~0.5 s more XLA compile time
+  on the autoencoder (benchmarks/profile/compile_breakdown.py).
+  """
   leaves = jax.tree_util.tree_leaves(tree)
   if not leaves:
     return jnp.asarray(True)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x)) for x in leaves]))
 
 
 def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
@@ -227,9 +235,11 @@ class CurvatureEstimator:
     decay = jnp.asarray(ema_decay, dtype)
     weight = decay * state.ema_weight + 1
     factors = jax.tree_util.tree_map(lambda old, b: old + (b - old) / weight, state.factors, new)
-    ok = _all_finite(new)
-    factors = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), factors, state.factors)
-    return state._replace(factors=factors, ema_weight=jnp.where(ok, weight, state.ema_weight))
+    # A select on the scalar flag (`lax.cond`) rather than an elementwise `where` over every
+    # factor: same result, half the XLA compile time of this function.
+    factors, weight = jax.lax.cond(_all_finite(new), lambda: (factors, weight),
+                                   lambda: (state.factors, state.ema_weight))
+    return state._replace(factors=factors, ema_weight=weight)
 
   def update_curvature(self, state: EstimatorState, params, batch, rng, ema_decay,
                        axis_name: str | None = None) -> EstimatorState:

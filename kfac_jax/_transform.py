@@ -125,9 +125,12 @@ def scale_by_kfac(
     curv = est.update_curvature_from_stats(state.curvature, curvature_stats, ema_decay,
                                            axis_name=axis_name)
     lam = damping(state.count) if callable(damping) else damping
-    curv = jax.lax.cond(
+    # Only the cache goes through the branch: passing the whole state would make XLA copy
+    # every factor matrix in and out of the conditional.
+    cache = jax.lax.cond(
         state.count % jnp.asarray(inverse_every, state.count.dtype) == 0,
-        lambda c: est.update_inverses(c, lam), lambda c: c, curv)
+        lambda: est.update_inverses(curv, lam).cache, lambda: curv.cache)
+    curv = curv._replace(cache=cache)
     new_updates = est.multiply_matpower(curv, updates, -1)
     new_updates = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), new_updates, updates)
     return new_updates, ScaleByKfacState(count=optax.safe_increment(state.count), curvature=curv)

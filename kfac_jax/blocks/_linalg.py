@@ -1,4 +1,13 @@
-"""Small, robust linear algebra for symmetric positive (semi-)definite factors."""
+"""Small, robust linear algebra for symmetric positive (semi-)definite factors.
+
+Size buckets. XLA compiles a Cholesky factorisation or triangular solve once per distinct
+matrix size, and a model has many factor sizes (the autoencoder has 16, from 30 to 1001): 16
+distinct sizes compile in ~0.8 s, 16 of one size in ~0.13 s (CPU). So the factorisations below
+run on the matrix embedded in a slightly larger one of a bucket size, `diag(M, I)`, and slice the
+answer: the inverse, any power and the Cholesky factor of `diag(M, I)` are `diag(f(M), I)`
+exactly, so the result is unchanged. Buckets are 4 per octave (…, 512, 640, 768, 896, 1024, …),
+so the padding costs at most (5/4)³ ≈ 2x FLOPs on a factorisation and ~1.3x typically.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +33,25 @@ def power_from_eigh(s: Array, u: Array, p: float) -> Array:
   return (u * (s ** p)[None, :]) @ u.T
 
 
+def bucket_size(n: int) -> int:
+  """The smallest size ≥ n of the form k·2^(⌊log2 n⌋ - 2): four buckets per octave."""
+  if n <= 8:
+    return n
+  step = 1 << (n.bit_length() - 3)
+  return -(-n // step) * step
+
+
+def _bucketed(fn, m: Array) -> Array:
+  """fn(diag(m, I))[:n, :n], for functions f with f(diag(M, I)) = diag(f(M), f(I))."""
+  n = m.shape[-1]
+  b = bucket_size(n)
+  if b == n:
+    return fn(m)
+  pad = jnp.pad(m, ((0, b - n), (0, b - n)))
+  pad = pad + jnp.diag(jnp.concatenate([jnp.zeros((n,), m.dtype), jnp.ones((b - n,), m.dtype)]))
+  return fn(pad)[:n, :n]
+
+
 def spd_inverse(m: Array) -> Array:
   """Inverse of a symmetric positive-definite matrix by Cholesky.
 
@@ -31,9 +59,11 @@ def spd_inverse(m: Array) -> Array:
   then keeps the block's previous inverse (see `CurvatureEstimator.update_inverses`). There is no
   in-graph eigen-decomposition fallback: it would triple compile time for every factor.
   """
-  m = symmetrize(m)
-  chol = jnp.linalg.cholesky(m)
-  return jsl.cho_solve((chol, True), jnp.eye(m.shape[-1], dtype=m.dtype))
+  def inv(x):
+    chol = jnp.linalg.cholesky(x)
+    return jsl.cho_solve((chol, True), jnp.eye(x.shape[-1], dtype=x.dtype))
+
+  return _bucketed(inv, symmetrize(m))
 
 
 def spd_power(m: Array, p: float) -> Array:
@@ -42,18 +72,23 @@ def spd_power(m: Array, p: float) -> Array:
     return spd_inverse(m)
   if p == 1:
     return m
-  s, u = jnp.linalg.eigh(symmetrize(m))
-  floor = jnp.maximum(jnp.max(jnp.abs(s)), 1.0) * jnp.finfo(m.dtype).eps
-  return power_from_eigh(jnp.maximum(s, floor), u, p)
+  def power(x):
+    s, u = jnp.linalg.eigh(x)
+    floor = jnp.maximum(jnp.max(jnp.abs(s)), 1.0) * jnp.finfo(x.dtype).eps
+    return power_from_eigh(jnp.maximum(s, floor), u, p)
+
+  return _bucketed(power, symmetrize(m))
 
 
 def cholesky(m: Array) -> Array:
-  return jnp.linalg.cholesky(symmetrize(m))
+  return _bucketed(jnp.linalg.cholesky, symmetrize(m))
 
 
 def lower_inverse(chol: Array) -> Array:
-  eye = jnp.eye(chol.shape[-1], dtype=chol.dtype)
-  return jsl.solve_triangular(chol, eye, lower=True)
+  def inv(x):
+    return jsl.solve_triangular(x, jnp.eye(x.shape[-1], dtype=x.dtype), lower=True)
+
+  return _bucketed(inv, chol)
 
 
 def pi_adjustment(a: Array, g: Array) -> Array:
