@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _curvature, _scanner
+from kfac_jax import _curvature, _parallel, _scanner
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -247,32 +247,63 @@ class CurvatureEstimator:
     stats = self.curvature_stats(params, batch, rng)
     return self.update_curvature_from_stats(state, stats, ema_decay, axis_name)
 
-  def update_inverses(self, state: EstimatorState, damping) -> EstimatorState:
+  def update_inverses(self, state: EstimatorState, damping, *, axis_name: str | None = None,
+                      mesh: tuple[Any, str] | None = None) -> EstimatorState:
     """Recomputes every block's cache for damping λ; blocks of one shape are vmapped together.
 
     A block whose new cache is not finite keeps its previous cache.
+
+    Args:
+      state: the estimator state.
+      damping: λ ≥ 0.
+      axis_name: inside `pmap` / `shard_map`, split the work over this axis: each device
+        factorises its share of the blocks (balanced by cost) and the caches are summed over
+        the axis (see `kfac_jax._parallel`). The result equals the unsplit one exactly.
+      mesh: under plain `jit` with sharded data, `(mesh, axis)` splits the work over that mesh
+        axis the same way (through `shard_map`).
     """
     check_damping(damping)
+    if axis_name is not None and mesh is not None:
+      raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     damping = jnp.asarray(damping, self.config.dtype)
+    if axis_name is None and mesh is None:
+      new = self._compute_caches(range(len(self.blocks)), state.factors, damping)
+    else:
+      costs = [_parallel.factorisation_cost(b.spec.factor_shapes) for b in self._blocks]
+      zeros = jax.tree_util.tree_map(jnp.zeros_like, state.cache)
+
+      def split(factors, lam, axis):
+        return _parallel.split_over_axis(
+            lambda idx: self._compute_caches(idx, factors, lam), zeros, costs, axis)
+
+      if axis_name is not None:
+        new = split(state.factors, damping, axis_name)
+      else:
+        new = _parallel.over_mesh_axis(split, mesh, state.factors, damping)
+    cache = {}
+    for n in self._names:
+      # A select on the scalar flag: an elementwise `where` fused with the factorisations
+      # costs several times more XLA compile time.
+      cache[n] = jax.lax.cond(_all_finite(new[n]), lambda n=n: new[n], lambda n=n: state.cache[n])
+    return state._replace(cache=cache)
+
+  def _compute_caches(self, indices, factors, damping) -> dict[str, dict[str, Array]]:
+    """Caches of the given blocks; blocks of one group (equal shapes) share one vmapped call."""
     groups: dict[tuple, list[int]] = {}
-    for i, b in enumerate(self.blocks):
-      groups.setdefault(b.group_key(), []).append(i)
-    cache = dict(state.cache)
+    for i in indices:
+      groups.setdefault(self._blocks[i].group_key(), []).append(i)
+    out = {}
     for idx in groups.values():
       block = self._blocks[idx[0]]
       names = [self._names[i] for i in idx]
       if len(idx) == 1:
-        new = [block.compute_cache(state.factors[names[0]], damping)]
-      else:
-        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
-                                         *[state.factors[n] for n in names])
-        out = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)
-        new = [jax.tree_util.tree_map(lambda x, k=k: x[k], out) for k in range(len(idx))]
-      for n, c in zip(names, new):
-        # A select on the scalar flag: an elementwise `where` fused with the factorisations
-        # costs several times more XLA compile time.
-        cache[n] = jax.lax.cond(_all_finite(c), lambda c=c: c, lambda n=n: state.cache[n])
-    return state._replace(cache=cache)
+        out[names[0]] = block.compute_cache(factors[names[0]], damping)
+        continue
+      stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[factors[n] for n in names])
+      res = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)
+      for k, n in enumerate(names):
+        out[n] = jax.tree_util.tree_map(lambda x, k=k: x[k], res)
+    return out
 
   # -- products --------------------------------------------------------------------------------
 

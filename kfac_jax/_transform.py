@@ -53,6 +53,7 @@ def scale_by_kfac(
     num_samples: int | None = None,
     damping_mode: _blocks.DampingMode = "factored",
     axis_name: str | None = None,
+    inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
     strict: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
@@ -72,7 +73,11 @@ def scale_by_kfac(
       shapes, so it must be a Python int (with `optax.inject_hyperparams`, list it in
       `static_args`).
     damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
-    axis_name: average the statistics over this pmap/shard_map axis.
+    axis_name: inside `pmap` / `shard_map`: average the statistics over this axis, and split
+      the inverse work over it (each device factorises its share of the blocks, balanced by
+      cost; the caches are then summed over the axis, an exact operation).
+    inverse_mesh: under plain `jit` with data sharded over a mesh (statistics are then reduced
+      by XLA, no `axis_name`): `(mesh, axis)` splits the inverse work over that mesh axis.
     strict: error instead of warning for parameters outside every recognised layer.
 
   With `optax.inject_hyperparams`, declare the non-numeric arguments static (optax treats any
@@ -103,6 +108,17 @@ def scale_by_kfac(
         "optax.inject_hyperparams, pass static_args=('loss_fn', 'example_batch', 'num_samples').")
   if axis_name is not None and not isinstance(axis_name, str):
     raise TypeError(f"`axis_name` must be a string or None, got {axis_name!r}.")
+  if inverse_mesh is not None:
+    if axis_name is not None:
+      raise ValueError(
+          "pass `axis_name` (inside pmap/shard_map) or `inverse_mesh` (under jit with sharded "
+          "data), not both: with `axis_name` the inverse work is already split over that axis.")
+    if (not isinstance(inverse_mesh, tuple) or len(inverse_mesh) != 2
+        or not isinstance(inverse_mesh[0], jax.sharding.Mesh)
+        or inverse_mesh[1] not in inverse_mesh[0].axis_names):
+      raise ValueError(
+          "`inverse_mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the "
+          f"mesh's axes, got {inverse_mesh!r}.")
   est = _estimator.CurvatureEstimator(
       loss_fn, example_batch, estimation_mode=estimation_mode, exps=(-1,),
       num_samples=num_samples, damping_mode=damping_mode, strict=strict)
@@ -129,7 +145,8 @@ def scale_by_kfac(
     # every factor matrix in and out of the conditional.
     cache = jax.lax.cond(
         state.count % jnp.asarray(inverse_every, state.count.dtype) == 0,
-        lambda: est.update_inverses(curv, lam).cache, lambda: curv.cache)
+        lambda: est.update_inverses(curv, lam, axis_name=axis_name, mesh=inverse_mesh).cache,
+        lambda: curv.cache)
     curv = curv._replace(cache=cache)
     new_updates = est.multiply_matpower(curv, updates, -1)
     new_updates = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), new_updates, updates)

@@ -1,0 +1,208 @@
+"""Data-parallel K-FAC on 8 fake CPU devices: pmap, shard_map, jit + NamedSharding, split inverses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kfac_jax
+from kfac_jax import _parallel
+from tests import _models
+
+SIZES = (6, 10, 10, 10, 3)  # Blocks (in+1, out): (7, 10), (11, 10), (11, 10), (11, 3).
+
+
+def _problem(n=32):
+  """A 4-layer MLP; float64 when x64 is on (the step tests compare to 1e-6 relative error)."""
+  dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+  params = _models.jnp_mlp_init(jax.random.key(0), SIZES, dtype)
+  batch = _models.classification_batch(jax.random.key(1), n=n, din=SIZES[0], classes=SIZES[-1],
+                                       dtype=dtype)
+  return _models.softmax_loss(_models.jnp_mlp_apply), params, batch
+
+
+def _split(tree, n):
+  return jax.tree_util.tree_map(lambda x: x.reshape((n, -1) + x.shape[1:]), tree)
+
+
+# -- the assignment ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3, 8, 16])
+def test_assignment_is_balanced_and_covers_every_block_once(num_devices):
+  costs = [1000.0] * 5 + [8.0] * 7 + [27.0] * 3  # Three cost classes, 15 blocks.
+  shares = _parallel.assign(costs, num_devices)
+  assert len(shares) == num_devices
+  assert sorted(i for s in shares for i in s) == list(range(len(costs)))
+  loads = [sum(costs[i] for i in s) for s in shares]
+  assert max(loads) - min(loads) <= max(costs)
+  # The most expensive class spreads round-robin: its counts differ by at most one.
+  big = [sum(costs[i] == 1000.0 for i in s) for s in shares]
+  assert max(big) - min(big) <= 1
+  assert shares == _parallel.assign(costs, num_devices)  # Deterministic.
+
+
+def test_assignment_of_equal_blocks_differs_by_at_most_one():
+  for n_blocks in range(1, 20):
+    shares = _parallel.assign([5.0] * n_blocks, 8)
+    counts = [len(s) for s in shares]
+    assert max(counts) - min(counts) <= 1, (n_blocks, counts)
+
+
+def test_factorisation_cost():
+  assert _parallel.factorisation_cost(((3, 3), (4, 4))) == 27 + 64
+  assert _parallel.factorisation_cost(((10,),)) == 10
+
+
+# -- split == replicated -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_devices", [3, 8])
+def test_split_inverses_equal_replicated_ones_exactly(num_devices):
+  """4 blocks over 3 devices (not a multiple) and over 8 (more devices than blocks)."""
+  loss_fn, params, batch = _problem()
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, exps=(-1, -0.5), compute_cholesky=True,
+                                    compute_cholesky_inverse=True)
+  state = est.update_curvature(est.init(params), params, batch, jax.random.key(2), 0.0)
+  replicated = jax.jit(lambda s: est.update_inverses(s, 1e-2))(state)
+  devices = jax.devices()[:num_devices]
+  stacked = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), state)
+  split = jax.pmap(lambda s: est.update_inverses(s, 1e-2, axis_name="i"), axis_name="i",
+                   devices=devices)(stacked)
+  leaves_r = jax.tree_util.tree_leaves_with_path(replicated.cache)
+  leaves_s = jax.tree_util.tree_leaves(split.cache)
+  assert len(leaves_r) == len(leaves_s)
+  for (path, r), s in zip(leaves_r, leaves_s):
+    for d in range(num_devices):
+      np.testing.assert_array_equal(np.asarray(s)[d], np.asarray(r), err_msg=str(path))
+
+
+# -- whole training steps ------------------------------------------------------------------------
+
+
+def _kfac(loss_fn, batch, **kw):
+  return kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, damping=1e-2, ema_decay=0.8,
+                       inverse_every=3, estimation_mode="empirical", **kw)
+
+
+def _reference_run(loss_fn, params, batch, steps):
+  tx = _kfac(loss_fn, batch)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
+
+
+def _assert_close(got, want):
+  got_leaves = jax.tree_util.tree_leaves_with_path(got)
+  for (path, a), b in zip(got_leaves, jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+STEPS = 7  # Inverse updates at steps 0, 3 and 6.
+
+
+def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
+  loss_fn, params, batch = _problem()
+  n = jax.local_device_count()
+  sharded = _split(batch, n)
+  tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data")
+
+  def step(params, state, b):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  pstep = jax.pmap(step, axis_name="data")
+  p, s = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape),
+                                (params, tx.init(params)))
+  for _ in range(STEPS):
+    p, s = pstep(p, s, sharded)
+  want_p, want_s = _reference_run(loss_fn, params, batch, STEPS)
+  _assert_close(jax.tree_util.tree_map(lambda x: x[0], (p, s)), (want_p, want_s))
+  for leaf in jax.tree_util.tree_leaves((p, s)):  # Every replica holds the same numbers.
+    np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[-1])
+
+
+def _mesh():
+  # Auto axes: XLA propagates the batch sharding and inserts the reductions (explicit-sharding
+  # meshes are not supported yet: the factor contractions over the sharded batch axis would
+  # need an `out_sharding`).
+  return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
+
+
+def test_shard_map_equals_one_device_on_the_whole_batch(x64):
+  loss_fn, params, batch = _problem()
+  mesh = _mesh()
+  n = mesh.size
+  local = jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch)
+  tx = _kfac(loss_fn, local, axis_name="data")
+
+  def step(params, state, b):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  sstep = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                out_specs=(P(), P()), check_vma=False))
+  data = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  p = params
+  for _ in range(STEPS):
+    p, state = sstep(p, state, data)
+  _assert_close((p, state), _reference_run(loss_fn, params, batch, STEPS))
+
+
+def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
+  loss_fn, params, batch = _problem()
+  mesh = _mesh()
+  tx = _kfac(loss_fn, batch, inverse_mesh=(mesh, "data"))
+
+  @jax.jit
+  def step(params, state, b):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  data = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  p = jax.device_put(params, NamedSharding(mesh, P()))
+  state = tx.init(params)
+  for _ in range(STEPS):
+    p, state = step(p, state, data)
+  _assert_close((p, state), _reference_run(loss_fn, params, batch, STEPS))
+  # The factorisations are split: each device computes its share, an all-reduce shares them
+  # (without `inverse_mesh` the lowered program has no collective: XLA adds only the
+  # statistics' reductions later, when it partitions the program).
+  assert "all_reduce" in step.lower(p, state, data).as_text()
+  plain = _kfac(loss_fn, batch)
+
+  @jax.jit
+  def plain_step(params, state, b):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    return plain.update(grads, state, params, curvature_stats=stats)
+
+  assert "all_reduce" not in plain_step.lower(p, plain.init(params), data).as_text()
+
+
+def test_parallel_arguments_are_checked():
+  loss_fn, _, batch = _problem()
+  mesh = _mesh()
+  with pytest.raises(ValueError, match="not both"):
+    kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data", inverse_mesh=(mesh, "data"))
+  with pytest.raises(ValueError, match="inverse_mesh"):
+    kfac_jax.scale_by_kfac(loss_fn, batch, inverse_mesh=(mesh, "model"))
+  with pytest.raises(ValueError, match="inverse_mesh"):
+    kfac_jax.scale_by_kfac(loss_fn, batch, inverse_mesh=mesh)
