@@ -256,3 +256,25 @@ def test_exact_stack_size_is_the_output_size(x64):
   _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="curvature_prop",
                                         num_samples=5)(params, batch, jax.random.key(0))
   assert stats.data[0][1].shape == (5, 3, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exact_generic_full_block_batch_of_one(x64, kind):
+  """A generic full block next to a dense one, exact mode, one example: both blocks are exact.
+
+  (On a batch the generic block sees the batch-summed gradient of each column and keeps cross
+  terms between examples, as documented in blocks/_generic.py.)
+  """
+  _, params, batch = _setup(kind, "linear")
+  params["gen"] = jnp.linspace(0.5, 1.5, 4)
+  apply = lambda p, x: _models.jnp_mlp_apply(
+      {"layer0": p["layer0"]}, x) * kfac_jax.register_generic(p["gen"], approx="full")
+  loss_fn = lambda p, b: _tagged(kind, apply(p, b["x"]), b)
+  flat, unravel = ravel_pytree(params)
+  z = apply(params, batch["x"])
+  jac = np.asarray(jax.jacobian(lambda v: apply(unravel(v), batch["x"]))(flat)).reshape(z.size, -1)
+  hess = np.asarray(jax.hessian(lambda zz: _tagged(kind, zz, batch))(z)).reshape(z.size, -1)
+  est, dense = _dense(loss_fn, params, batch, "exact")
+  assert sorted(blk.spec.kind for blk in est.blocks) == ["dense", "generic"]
+  expected = jac.T @ hess @ jac * _block_mask(est, params)
+  assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) < 1e-10
