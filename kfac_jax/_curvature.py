@@ -5,8 +5,10 @@ layer's output s_l and the layer inputs recorded. `jax.vjp` of that evaluation w
 (params, ε) gives one linearisation; it is pulled back twice:
 
   * with cotangent 1 on the loss: the parameter gradient;
-  * with the sampled (or empirical) vectors at the loss tags: ∂/∂ε_l = per-layer output
-    gradients g_l, and parameter gradients only for leaves in generic blocks.
+  * with the estimation mode's stack of output vectors at the loss tags (sampled-target
+    gradients, data-target gradients, Rademacher vectors or every column of a square-root factor,
+    see `kfac_jax._losses`), vmapped over the stack: ∂/∂ε_l = per-layer output gradients g_l,
+    and parameter gradients only for leaves in generic blocks.
 
 Inside `jit`, XLA drops the parameter-gradient products of the second pull-back that nothing
 reads, so the sampled backward pass computes activation gradients only. (Stacking both cotangents
@@ -25,14 +27,23 @@ import jax.numpy as jnp
 from kfac_jax import _compat, _graph, _losses, _scanner
 
 Array = jax.Array
-EstimationMode = Literal["gradients", "empirical"]
-ESTIMATION_MODES = ("gradients", "empirical")
+EstimationMode = Literal["gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact",
+                         "exact_GGN"]
+ESTIMATION_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact",
+                    "exact_GGN")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CurvatureStats:
   """Raw per-layer data for one batch, as `value_and_grad` returns it.
+
+  The leading `samples` axis S of `g` holds the pulled-back output vectors of the estimation
+  mode (see `kfac_jax._losses`); it is an average: `(1/S) Σ_s` of the outer products estimates
+  the curvature, in expectation for the random modes and exactly for "exact" / "exact_GGN"
+  (whose vectors carry a factor √S so that the average, not the sum, is the curvature). S is
+  `num_samples` for "gradients" and "curvature_prop(_GGN)", 1 for "empirical", and the number of
+  non-batch output coordinates, summed over the loss tags, for the exact modes.
 
   Attributes:
     data: one entry per layer, in registration order: `(x [rows, in], g [samples, rows, out])`
@@ -46,11 +57,42 @@ class CurvatureStats:
 
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
+  """Validates the mode and `num_samples` (which the exact modes do not take)."""
   if estimation_mode not in ESTIMATION_MODES:
     raise ValueError(
         f"unknown estimation_mode {estimation_mode!r}; choose one of {ESTIMATION_MODES}.")
   if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}.")
+  if estimation_mode in _losses.EXACT_MODES and num_samples != 1:
+    raise ValueError(
+        f"estimation_mode={estimation_mode!r} uses every output coordinate, not samples, so "
+        f"num_samples does not apply; got num_samples={num_samples}. Leave it at 1, or use "
+        "'curvature_prop' to trade exactness for fewer backward passes.")
+
+
+def check_rng(estimation_mode: str, rng) -> None:
+  if estimation_mode in _losses.RANDOM_MODES and rng is None:
+    raise ValueError(
+        f"estimation_mode={estimation_mode!r} draws random vectors (sampled targets or "
+        "Rademacher signs): pass `rng`, a jax.random key.")
+
+
+def _join_exact(cts: list[Array]) -> list[Array]:
+  """One stack for several loss tags in an exact mode, without cross terms between tags.
+
+  Tag ℓ's stack has K_ℓ entries with `(1/K_ℓ) Σ v vᵀ = F_ℓ`. The joint stack has K = Σ K_ℓ
+  entries; tag ℓ's vectors sit in its own K_ℓ of them, rescaled by √(K / K_ℓ), and are zero in
+  the others, so the pulled-back average is `(1/K) Σ = Σ_ℓ Jᵀ F_ℓ J` exactly.
+  """
+  sizes = [c.shape[0] for c in cts]
+  total = sum(sizes)
+  out, before = [], 0
+  for c, k in zip(cts, sizes):
+    c = c * jnp.sqrt(jnp.asarray(total / k, c.dtype))
+    pad = [(before, total - before - k)] + [(0, 0)] * (c.ndim - 1)
+    out.append(jnp.pad(c, pad))
+    before += k
+  return out
 
 
 def _read(atom, seen):
@@ -60,6 +102,7 @@ def _read(atom, seen):
 def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
             estimation_mode: str, num_samples: int, with_grads: bool):
   """Loss, gradient (or None) and `CurvatureStats` from one forward pass."""
+  check_rng(estimation_mode, rng)
   leaves = jax.tree_util.tree_leaves(params)
   batch_leaves = jax.tree_util.tree_leaves(batch)
   dense = [i for i, s in enumerate(reg.layers) if s.kind == "dense"]
@@ -90,13 +133,13 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
     g_leaves, _ = vjp_fn((jnp.ones_like(loss), [jnp.zeros_like(p) for p in preds]))
     grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_leaves)
 
-  if estimation_mode == "gradients" and rng is None:
-    raise ValueError("estimation_mode='gradients' samples targets from the model: pass `rng`.")
   keys = (jax.random.split(rng, len(reg.losses)) if rng is not None
           else [None] * len(reg.losses))
   cts = [
       _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)
       for spec, p, o, key in zip(reg.losses, preds, others, keys)]
+  if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
+    cts = _join_exact(cts)
 
   def pull_back(ct):
     return vjp_fn((jnp.zeros_like(loss), ct))
@@ -128,9 +171,15 @@ def value_and_grad(loss_fn: Callable, *, estimation_mode: EstimationMode = "grad
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output.
-    estimation_mode: "gradients" (targets sampled from the model: the Fisher) or "empirical"
-      (the data's targets: the empirical Fisher).
-    num_samples: sampled targets per example in "gradients" mode.
+    estimation_mode: "gradients" (targets sampled from the model: the Fisher), "empirical"
+      (the data's targets: the empirical Fisher), "curvature_prop" / "curvature_prop_GGN"
+      (Rademacher vectors times a square-root factor of the output Fisher / loss Hessian: the
+      Fisher / the generalised Gauss-Newton), or "exact" / "exact_GGN" (every output coordinate:
+      no sampling noise, at the cost of K backward passes, K = the prediction's non-batch size).
+      For the canonical-link losses here the Fisher and the GGN coincide. The random modes
+      need `rng`. Formulas: `kfac_jax._losses`.
+    num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
+      "empirical" ignores it, the exact modes require it to be 1.
     strict: raise instead of warning when parameters are outside every recognised layer.
 
   Example:

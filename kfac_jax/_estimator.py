@@ -3,10 +3,13 @@
 Mirrors TF K-FAC's FisherEstimator. The estimate is the Fisher of the mean per-example negative
 log-likelihood of the tagged predictive distribution(s),
 
-    F = (1/N) Σₙ E_y[∇ log p(y|xₙ) ∇ log p(y|xₙ)ᵀ],
+    F = (1/N) Σₙ E_y[∇ log p(y|xₙ) ∇ log p(y|xₙ)ᵀ] = (1/N) Σₙ Jₙᵀ F_z Jₙ,
 
 N being the loss tags' leading axis, approximated block-diagonally (one block per layer) and
-averaged over batches with a bias-corrected exponential moving average.
+averaged over batches with a bias-corrected exponential moving average. The estimation mode
+chooses how the output factor F_z is represented (sampled, Rademacher or exact square-root
+vectors; or, for "empirical", the data's gradient); the "_GGN" modes use the loss Hessian in z,
+giving the generalised Gauss-Newton Jᵀ H_z J (the same matrix for the tags' canonical losses).
 """
 
 from __future__ import annotations
@@ -96,9 +99,18 @@ class CurvatureEstimator:
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output.
     example_batch: a batch with the shapes used for training (arrays or ShapeDtypeStructs).
-    estimation_mode: "gradients" (sampled targets, the Fisher) or "empirical".
+    estimation_mode: how the output-space curvature is estimated (formulas in
+      `kfac_jax._losses`): "gradients" (targets sampled from the model: the Fisher),
+      "empirical" (the data's targets: the empirical Fisher), "curvature_prop" /
+      "curvature_prop_GGN" (Rademacher vectors times a square-root factor of the output Fisher /
+      loss Hessian), or "exact" / "exact_GGN" (every output coordinate, no sampling noise; K
+      backward passes, K = the prediction's non-batch size). The GGN variants estimate
+      Jᵀ (∂²ℓ/∂z²) J, which equals the Fisher for the canonical-link losses of the loss tags.
+      The random modes need an `rng` in `update_curvature`; the exact modes and "empirical"
+      take `rng=None`.
     exps: matrix powers `multiply_matpower` must support (1 always is).
-    num_samples: sampled targets per example in "gradients" mode.
+    num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
+      ignored by "empirical"; must be 1 with the exact modes.
     damping_mode: "factored" (π-adjusted factored Tikhonov) or "eigen" (exact damping).
     compute_cholesky: cache Cholesky factors of the damped blocks.
     compute_cholesky_inverse: cache their inverses.

@@ -5,12 +5,40 @@ weight `w`, the per-example loss is `w ℓ`. Its Fisher with respect to `z` is `
   categorical:     F_z = diag(p) - p pᵀ,      p = softmax(z),    ∇_z ℓ = p - onehot(y)
   multi-Bernoulli: F_z = diag(p (1 - p)),     p = sigmoid(z),    ∇_z ℓ = p - y
   normal(var):     F_z = I / var,                                ∇_z ℓ = (z - y) / var
-Backpropagating `√w ∇_z ℓ(z, y)` with `y` drawn from the model gives a vector whose outer product
-is, in expectation, this Fisher ("gradients" mode); with the data's `y` it gives the empirical
-Fisher ("empirical" mode). Vectors are per example: they are *not* divided by the batch size.
+(for a categorical with extra axes, `[..., T, C]`, F_z is block-diagonal over the positions T).
+These are canonical-link losses, so the Hessian of `ℓ` in `z` (the Gauss-Newton factor) is the
+same matrix: `H_z ℓ = F_z`, independent of `y`.
+
+Square-root factors `B` with `B Bᵀ = F_z` (per position for the categorical, coordinate-wise
+otherwise):
+  categorical:     B = diag(√p) - p √pᵀ        (column c is √p_c (e_c - p))
+  multi-Bernoulli: B = diag(√(p (1 - p)))
+  normal(var):     B = I / √var
+
+Estimation modes. Each builds a stack `v_1 .. v_S` of per-example output vectors (leading axis S,
+then the prediction's shape) that the estimator pulls back through the network. The convention,
+for every mode, is that the stack is an **average**:
+
+    (1/S) Σ_s v_s v_sᵀ ≈ w F_z     (per example; "≈" is "in expectation" for random modes)
+
+so that the blocks divide their sums over the leading axis by S (e.g. G = Σ_s Σ_rows g gᵀ / (S N)).
+  "gradients":          v_s = √w ∇_z ℓ(z, y_s), y_s ~ p(y|z), S = num_samples: the Fisher.
+  "empirical":          v = √w ∇_z ℓ(z, y) with the data's y, S = 1: the empirical Fisher.
+  "curvature_prop":     v_s = √w B r_s, r_s Rademacher (±1 per example and output coordinate),
+                        S = num_samples: the Fisher, E[r rᵀ] = I (Martens, Sutskever & Swersky
+                        2012, "Estimating the Hessian by back-propagating curvature").
+  "curvature_prop_GGN": the same with the square-root factor of the loss Hessian (the GGN).
+  "exact":              v_k = √K √w B e_k for every non-batch output coordinate k, S = K =
+                        prod(z.shape[1:]): (1/K) Σ_k v_k v_kᵀ = w B Bᵀ exactly. `num_samples`
+                        does not apply (it must be 1). The stack holds K vectors of the
+                        prediction's size, and the estimator runs K backward passes.
+  "exact_GGN":          the same with the GGN factor.
+Vectors are per example: they are *not* divided by the batch size.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -58,16 +86,85 @@ def _sqrt_weight(spec: LossSpec, weight: Array | None, z: Array) -> Array | floa
   return w[None]
 
 
+def fisher_sqrt_product(spec: LossSpec, z: Array, r: Array) -> Array:
+  """`B r` for the per-example Fisher square-root factor `B` (`B Bᵀ = F_z`), at prediction `z`.
+
+  `r` has `z`'s shape (one vector per example and, for the categorical, per position). Weights
+  are not applied here. See the module docstring for `B`.
+  """
+  if spec.kind == "categorical":
+    p = jax.nn.softmax(z, axis=-1)
+    sqrt_p = jnp.sqrt(p)
+    # (diag(√p) - p √pᵀ) r = √p ⊙ r - p (√p · r), per position.
+    return sqrt_p * r - p * jnp.sum(sqrt_p * r, axis=-1, keepdims=True)
+  if spec.kind == "bernoulli":
+    p = jax.nn.sigmoid(z)
+    return jnp.sqrt(p * (1 - p)) * r
+  if spec.kind == "normal":
+    return r / jnp.sqrt(jnp.asarray(spec.var, z.dtype))
+  raise ValueError(f"unknown loss kind {spec.kind!r}")
+
+
+def ggn_sqrt_product(spec: LossSpec, z: Array, r: Array) -> Array:
+  """`C r` for a square-root factor `C` of the loss Hessian in `z` (`C Cᵀ = ∂²ℓ/∂z²`).
+
+  This is the output factor of the generalised Gauss-Newton matrix `Jᵀ H_z J`. It is derived from
+  the Hessian rather than from the predictive distribution:
+    categorical:     ∂²ℓ/∂z² = diag(p) - p pᵀ = (I - p 1ᵀ) diag(p) (I - 1 pᵀ),
+                     so C = (I - p 1ᵀ) diag(√p);
+    multi-Bernoulli: ∂²ℓ/∂z² = diag(σ'(z)), σ'(z) = σ(z) σ(-z), so C = diag(√σ'(z));
+    normal(var):     ∂²ℓ/∂z² = I / var, so C = I / √var.
+  All three losses use the canonical link, so `C` coincides with the Fisher factor of
+  `fisher_sqrt_product` (tests/test_losses.py checks both against jax.hessian); the separate
+  function is where a non-canonical loss would differ.
+  """
+  if spec.kind == "categorical":
+    p = jax.nn.softmax(z, axis=-1)
+    u = jnp.sqrt(p) * r  # diag(√p) r
+    return u - p * jnp.sum(u, axis=-1, keepdims=True)  # (I - p 1ᵀ) u
+  if spec.kind == "bernoulli":
+    return jnp.sqrt(jax.nn.sigmoid(z) * jax.nn.sigmoid(-z)) * r
+  if spec.kind == "normal":
+    return r * jax.lax.rsqrt(jnp.asarray(spec.var, z.dtype))
+  raise ValueError(f"unknown loss kind {spec.kind!r}")
+
+
+RANDOM_MODES = ("gradients", "curvature_prop", "curvature_prop_GGN")
+EXACT_MODES = ("exact", "exact_GGN")
+SQRT_PRODUCTS = {
+    "curvature_prop": fisher_sqrt_product,
+    "curvature_prop_GGN": ggn_sqrt_product,
+    "exact": fisher_sqrt_product,
+    "exact_GGN": ggn_sqrt_product,
+}
+
+
+def _exact_columns(spec: LossSpec, z: Array, sqrt_product) -> Array:
+  """`[K, *z.shape]`: the columns `B e_k` over all K non-batch coordinates, for every example."""
+  event = z.shape[1:]
+  k = math.prod(event)
+  basis = jnp.eye(k, dtype=z.dtype).reshape((k, 1) + event)  # e_k, the same for every example.
+  basis = jnp.broadcast_to(basis, (k,) + z.shape)
+  return jax.vmap(lambda e: sqrt_product(spec, z, e))(basis)
+
+
 def output_cotangents(spec: LossSpec, operands: tuple[Array, ...], mode: str, rng: Array | None,
                       num_samples: int) -> Array:
-  """Per-example vectors `√w ∇_z ℓ`, with a leading axis of `num_samples` (1 for empirical).
+  """The stack `[S, *z.shape]` of per-example output vectors for `mode` (module docstring).
 
+  `(1/S) Σ_s v_s v_sᵀ` is (in expectation, or exactly for the exact modes) `w F_z` per example.
   Computed in float32 (or float64 with x64) and returned in the prediction's dtype.
+
+  Raises:
+    ValueError: "empirical" for a tag registered without targets; a random mode (RANDOM_MODES)
+      without `rng`.
   """
   z = operands[0]
   targets = operands[1] if spec.has_targets else None
   weight = operands[1 + spec.has_targets] if spec.has_weight else None
   zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+  if mode in RANDOM_MODES and rng is None:
+    raise ValueError(f"estimation_mode={mode!r} draws random vectors: pass `rng`.")
   if mode == "empirical":
     if targets is None:
       raise ValueError(
@@ -78,6 +175,12 @@ def output_cotangents(spec: LossSpec, operands: tuple[Array, ...], mode: str, rn
   elif mode == "gradients":
     y = _sample(spec, zf, rng, num_samples)
     vec = jax.vmap(lambda yy: _grad_nll(spec, zf, yy))(y)
+  elif mode in ("curvature_prop", "curvature_prop_GGN"):
+    r = jax.random.rademacher(rng, (num_samples,) + zf.shape, zf.dtype)
+    vec = jax.vmap(lambda rr: SQRT_PRODUCTS[mode](spec, zf, rr))(r)
+  elif mode in EXACT_MODES:
+    cols = _exact_columns(spec, zf, SQRT_PRODUCTS[mode])
+    vec = cols * jnp.sqrt(jnp.asarray(cols.shape[0], zf.dtype))  # Average over K, not sum.
   else:
     raise ValueError(f"unsupported estimation mode {mode!r}")
   vec = vec * _sqrt_weight(spec, weight, zf)

@@ -68,10 +68,14 @@ def scale_by_kfac(
     damping: λ ≥ 0, a number or a schedule `count -> λ`.
     ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
     inverse_every: refresh the inverses every this many updates.
-    estimation_mode: "gradients" (sampled targets) or "empirical" (data targets).
-    num_samples: sampled targets per example ("gradients" mode); None means 1. It fixes array
-      shapes, so it must be a Python int (with `optax.inject_hyperparams`, list it in
-      `static_args`).
+    estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),
+      "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a square-root factor of
+      the output Fisher / loss Hessian) or "exact" / "exact_GGN" (every output coordinate; K
+      backward passes for K non-batch output coordinates). See `CurvatureEstimator`. The
+      random modes need `rng` when `update` computes the statistics from `batch`.
+    num_samples: random vectors per example ("gradients" and "curvature_prop(_GGN)" modes);
+      None means 1; the exact modes accept only None or 1. It fixes array shapes, so it must
+      be a Python int (with `optax.inject_hyperparams`, list it in `static_args`).
     damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
     axis_name: inside `pmap` / `shard_map`: average the statistics over this axis, and split
       the inverse work over it (each device factorises its share of the blocks, balanced by

@@ -1,9 +1,12 @@
 """Generic blocks (diagonal and full) for parameters outside any structured layer.
 
 Statistics come from `h`, the gradient of the sampled per-example losses summed over the batch
-(one backward pass, no per-example gradients). For sampled targets E[g_n] = 0, so the cross terms
-vanish in expectation and F ≈ h hᵀ / N is unbiased for the Fisher of the mean loss; for the
-empirical Fisher it is exact only at batch size 1.
+(one backward pass, no per-example gradients). For sampled targets and for curvature
+propagation the per-example vectors are independent with mean zero, so the cross terms between
+examples vanish in expectation and F ≈ h hᵀ / N is unbiased for the Fisher (or GGN) of the mean
+loss. For the empirical Fisher and for the exact modes (whose k-th vector is the same column of
+the square-root factor for every example, so the cross terms do not vanish) it is exact only at
+batch size 1; Kronecker blocks keep rows apart and have no such cross terms.
 """
 
 from __future__ import annotations
