@@ -311,6 +311,13 @@ class _Scanner:
       fe = self.g.eqns[i]
       p = fe.params
       pred_aval = _graph.aval_of(fe.ins[0])
+      if p.get("under_vmap"):
+        raise RegistrationError(
+            f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
+            f"batch (the tagged loss is the mean over its leading axis), but it saw one vmapped "
+            f"slice. Call the register_*_loss function outside the vmap, on the batched "
+            "prediction, e.g. `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss("
+            "logits, y)`.")
       losses.append(LossSpec(p["kind"], p["var"], p["has_targets"], p["has_weight"],
                              int(pred_aval.shape[0]), tuple(pred_aval.shape)))
       operands.append(fe.ins)

@@ -42,6 +42,9 @@ def _make_tag_primitive(name: str) -> _compat.Primitive:
     return prim.bind(*primals, n_out=n_out, **params), list(tangents[:n_out])
 
   def batch(args, dims, *, n_out, **params):
+    # Marks the tag as bound under `jax.vmap`, so the scanner can reject a loss tag that only
+    # saw one example (a vmapped per-example loss) instead of misreading its axes.
+    params = dict(params, under_vmap=True)
     return prim.bind(*args, n_out=n_out, **params), list(dims[:n_out])
 
   def lower(ctx, *args, n_out, **_):
