@@ -13,6 +13,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
+from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
 from kfac_jax._curvature import CurvatureStats, value_and_grad
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._scanner import (
@@ -43,6 +44,7 @@ __all__ = [
     "RegistrationError",
     "ScaleByKfacState",
     "UncoveredParametersWarning",
+    "check_restored_state",
     "kfac",
     "register_categorical_predictive_distribution",
     "register_dense",
@@ -54,6 +56,8 @@ __all__ = [
     "register_squared_error_loss",
     "scale_by_kfac",
     "scan_layers",
+    "state_from_bytes",
+    "state_to_bytes",
     "summary",
     "value_and_grad",
 ]
