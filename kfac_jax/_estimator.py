@@ -34,10 +34,16 @@ class EstimatorState(NamedTuple):
     factors: per block name, the EMA statistics (e.g. `a: [in+1, in+1]`, `g: [out, out]`).
     cache: per block name, powers/decompositions and the damping `[]` they were built with.
     ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
+    skipped_batches: `[]` int32, statistics updates skipped because the batch's statistics
+      were not finite (the factors were left as they were).
+    failed_inverses: `[]` int32, block factorisations that were not finite (the block kept its
+      previous cache).
   """
   factors: dict[str, dict[str, Array]]
   cache: dict[str, dict[str, Array]]
   ema_weight: Array
+  skipped_batches: Array
+  failed_inverses: Array
 
 
 def _is_concrete(x) -> bool:
@@ -202,7 +208,9 @@ class CurvatureEstimator:
     return EstimatorState(
         factors={n: b.init_factors() for n, b in zip(self._names, self._blocks)},
         cache={n: b.init_cache() for n, b in zip(self._names, self._blocks)},
-        ema_weight=jnp.zeros((), self.config.dtype))
+        ema_weight=jnp.zeros((), self.config.dtype),
+        skipped_batches=jnp.zeros((), jnp.int32),
+        failed_inverses=jnp.zeros((), jnp.int32))
 
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
@@ -249,9 +257,11 @@ class CurvatureEstimator:
     factors = jax.tree_util.tree_map(lambda old, b: old + (b - old) / weight, state.factors, new)
     # A select on the scalar flag (`lax.cond`) rather than an elementwise `where` over every
     # factor: same result, half the XLA compile time of this function.
-    factors, weight = jax.lax.cond(_all_finite(new), lambda: (factors, weight),
+    ok = _all_finite(new)
+    factors, weight = jax.lax.cond(ok, lambda: (factors, weight),
                                    lambda: (state.factors, state.ema_weight))
-    return state._replace(factors=factors, ema_weight=weight)
+    return state._replace(factors=factors, ema_weight=weight,
+                          skipped_batches=state.skipped_batches + (~ok).astype(jnp.int32))
 
   def update_curvature(self, state: EstimatorState, params, batch, rng, ema_decay,
                        axis_name: str | None = None) -> EstimatorState:
@@ -292,12 +302,14 @@ class CurvatureEstimator:
         new = split(state.factors, damping, axis_name)
       else:
         new = _parallel.over_mesh_axis(split, mesh, state.factors, damping)
-    cache = {}
+    cache, failed = {}, state.failed_inverses
     for n in self._names:
       # A select on the scalar flag: an elementwise `where` fused with the factorisations
       # costs several times more XLA compile time.
-      cache[n] = jax.lax.cond(_all_finite(new[n]), lambda n=n: new[n], lambda n=n: state.cache[n])
-    return state._replace(cache=cache)
+      ok = _all_finite(new[n])
+      cache[n] = jax.lax.cond(ok, lambda n=n: new[n], lambda n=n: state.cache[n])
+      failed = failed + (~ok).astype(jnp.int32)
+    return state._replace(cache=cache, failed_inverses=failed)
 
   def _compute_caches(self, indices, factors, damping) -> dict[str, dict[str, Array]]:
     """Caches of the given blocks; blocks of one group (equal shapes) share one vmapped call."""

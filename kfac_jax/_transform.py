@@ -147,11 +147,14 @@ def scale_by_kfac(
     lam = damping(state.count) if callable(damping) else damping
     # Only the cache goes through the branch: passing the whole state would make XLA copy
     # every factor matrix in and out of the conditional.
-    cache = jax.lax.cond(
+    def refresh():
+      new = est.update_inverses(curv, lam, axis_name=axis_name, mesh=inverse_mesh)
+      return new.cache, new.failed_inverses
+
+    cache, failed = jax.lax.cond(
         state.count % jnp.asarray(inverse_every, state.count.dtype) == 0,
-        lambda: est.update_inverses(curv, lam, axis_name=axis_name, mesh=inverse_mesh).cache,
-        lambda: curv.cache)
-    curv = curv._replace(cache=cache)
+        refresh, lambda: (curv.cache, curv.failed_inverses))
+    curv = curv._replace(cache=cache, failed_inverses=failed)
     new_updates = est.multiply_matpower(curv, updates, -1)
     new_updates = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), new_updates, updates)
     return new_updates, ScaleByKfacState(count=optax.safe_increment(state.count), curvature=curv)

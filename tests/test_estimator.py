@@ -221,6 +221,8 @@ def test_ema_is_bias_corrected_and_skips_non_finite_batches(x64):
   np.testing.assert_allclose(s0.factors["w"]["a"], [[0, 0], [0, 4]])
   bad = {"x": jnp.array([[jnp.nan, 1.0]]), "y": jnp.array([0])}
   s3 = _update(est, params, bad, ema_decay=0.9, state=s2)
+  assert int(s3.skipped_batches) == int(s2.skipped_batches) + 1  # The event is counted ...
+  s3 = s3._replace(skipped_batches=s2.skipped_batches)  # ... and nothing else changes.
   for u, v in zip(jax.tree_util.tree_leaves(s3), jax.tree_util.tree_leaves(s2)):
     np.testing.assert_array_equal(u, v)
 
@@ -292,4 +294,5 @@ def test_failed_factorisation_keeps_the_previous_inverse():
   again = jax.jit(lambda s: est.update_inverses(s, 0.0))(state)  # Cholesky of a singular A.
   for a, b in zip(jax.tree_util.tree_leaves(again.cache), jax.tree_util.tree_leaves(state.cache)):
     np.testing.assert_array_equal(a, b)
+  assert int(again.failed_inverses) == int(state.failed_inverses) + 1
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(again))
