@@ -5,8 +5,11 @@ How layers are found. Every parameter leaf is followed forward through layout-on
 operations that really use it. Only uses on the backward slice of the loss tags count, so an L2
 term written into the loss does not make a kernel "used twice". A leaf whose single real use is a
 `dot_general` against an activation (no batch dimensions) is a dense kernel; a leaf whose single
-real use is an `add` to that product, aligned with its output features, is the bias. Manual layer
-tags take precedence over matching. Leaves left over get a diagonal generic block and a warning.
+real use is an `add` to that product, aligned with its output features, is the bias. Convolution,
+embedding and scale-and-shift layers are matched the same way (`_matchers`), in three passes:
+kernels (dense, conv, with their biases), then gathers, then elementwise scales and shifts, so a
+bias is never mistaken for a shift. Manual layer tags take precedence over matching. Leaves left
+over get a diagonal generic block and a warning.
 """
 
 from __future__ import annotations

@@ -472,7 +472,8 @@ def test_jitted_kfac_step_on_small_cnn_is_a_descent_direction():
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return loss, grads, updates, state
 
-  loss, grads, updates, state = step(params, state, jax.random.key(2))
+  with jax.numpy_rank_promotion("raise"):  # The library's own code never relies on it.
+    loss, grads, updates, state = step(params, state, jax.random.key(2))
   kinds = sorted(l.kind for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
   assert kinds == ["conv", "conv", "dense", "scale_and_shift"]
   inner = sum(jnp.vdot(g, u) for g, u in zip(jax.tree_util.tree_leaves(grads),
@@ -538,3 +539,24 @@ def test_malformed_manual_tags():
   with pytest.raises(kfac_jax.RegistrationError, match="register_conv: `kernel` is not a param"):
     kfac_jax.scan_layers(loss_fn, {"v": jnp.ones((36, 2))},
                          {"x": x, "w": w, "y": jnp.array([0, 1])})
+
+
+def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
+  k = jax.random.split(jax.random.key(0), 2)
+  params = {"w": jax.random.normal(k[0], (3, 4)), "b": jnp.zeros(4), "s": jnp.ones(4),
+            "t": jnp.zeros(4), "u": jnp.zeros((5, 4)), "alpha": jnp.ones(())}
+
+  def loss_fn(p, b):
+    h = b["x"] @ p["w"] + p["b"]  # A dense layer with its bias.
+    h = jnp.tanh(h) * p["s"] + p["t"]  # Scale and shift over the feature axis.
+    h = jnp.tanh(h) + p["u"]  # A shift spanning the (time, feature) axes.
+    h = h * p["alpha"]  # A scalar scale.
+    return _ce_seq(h, b["y"])
+
+  batch = {"x": jax.random.normal(k[1], (2, 5, 3)), "y": jnp.zeros((2, 5), jnp.int32)}
+  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  got = sorted((l.kind, l.param_paths, getattr(l.info, "feature_shape", None)) for l in layers)
+  assert got == [("dense", ("w", "b"), None),
+                 ("scale_and_shift", ("alpha",), ()),
+                 ("scale_and_shift", ("s", "t"), (4,)),
+                 ("scale_and_shift", ("u",), (5, 4))]
