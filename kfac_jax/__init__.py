@@ -22,14 +22,14 @@ from kfac_jax._scanner import (
 )
 from kfac_jax._summary import scan_layers, summary
 from kfac_jax._tags import (
-    register_conv,
-    register_embedding,
-    register_scale_and_shift,
     register_categorical_predictive_distribution,
+    register_conv,
     register_dense,
+    register_embedding,
     register_generic,
     register_multi_bernoulli_predictive_distribution,
     register_normal_predictive_distribution,
+    register_scale_and_shift,
     register_sigmoid_cross_entropy_loss,
     register_softmax_cross_entropy_loss,
     register_squared_error_loss,

@@ -159,7 +159,7 @@ def test_conv_diagonal_and_full_equal_exact_empirical_fisher(x64, approx):
 
 def _patches_brute_force(x, kh, kw, stride, pads):
   """[N·L, kh·kw·C] patches, (channel, window) row-major, by explicit loops."""
-  n, h, w, c = x.shape
+  n = x.shape[0]
   xp = np.pad(np.asarray(x), ((0, 0), pads[0], pads[1], (0, 0)))
   rows = []
   for i in range(n):
@@ -514,7 +514,8 @@ def test_malformed_manual_tags():
   x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
   dn = ("NHWC", "HWIO", "NHWC")
   y = lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=dn)
-  with pytest.raises(ValueError, match=r"register_conv: `y` has shape \(2, 3, 3, 4\).*\(2, 5, 5, 4\)"):
+  with pytest.raises(ValueError,
+                     match=r"register_conv: `y` has shape \(2, 3, 3, 4\).*\(2, 5, 5, 4\)"):
     kfac_jax.register_conv(y, x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=dn)
   with pytest.raises(ValueError, match="register_conv: `window_strides` must be 2 positive"):
     kfac_jax.register_conv(y, x, w, window_strides=(1,), padding="VALID", dimension_numbers=dn)
@@ -560,3 +561,47 @@ def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
                  ("scale_and_shift", ("alpha",), ()),
                  ("scale_and_shift", ("s", "t"), (4,)),
                  ("scale_and_shift", ("u",), (5, 4))]
+
+
+@pytest.mark.parametrize("approx", ["diagonal", "full"])
+def test_dense_diagonal_and_full_equal_exact_empirical_fisher(x64, approx):
+  k = jax.random.split(jax.random.key(4), 4)
+  params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64),
+            "b": jax.random.normal(k[1], (4,), jnp.float64)}
+  batch = {"x": jax.random.normal(k[2], (3, 2, 3), jnp.float64),
+           "y": jax.random.randint(k[3], (3, 2), 0, 4)}
+
+  def apply(p, x):
+    return kfac_jax.register_dense(x @ p["w"] + p["b"], x, p["w"], p["b"], approx=approx)
+
+  est, _, dense = _estimate(lambda p, b: _ce_seq(apply(p, b["x"]), b["y"]), params, batch)
+  assert est.layers[0].approx == approx
+  exact = _exact_empirical(
+      lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]).sum(-1), params, batch)
+  want = exact if approx == "full" else np.diag(np.diag(exact))
+  np.testing.assert_allclose(dense, want, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("damping_mode", ["factored", "eigen"])
+@pytest.mark.parametrize("approx", ["kron", "kron_sua"])
+def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
+  apply, params, batch = _conv_model(approx, groups=2, cin=4, cout=6)
+  loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, damping_mode=damping_mode,
+                                    compute_cholesky=True, compute_cholesky_inverse=True)
+  state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
+  assert est.layers[0].factor_shapes[1] == (2, 3, 3)
+  state = est.update_inverses(state, 0.05)
+  v = jax.tree_util.tree_map(lambda p: jax.random.normal(jax.random.key(7), p.shape, p.dtype),
+                             params)
+  for back in (est.multiply(state, est.multiply_inverse(state, v)),
+               est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v)),
+               est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v, transpose=True),
+                                             transpose=True)):
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(v)):
+      np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-9)
+  if damping_mode == "eigen":  # The damped block is exactly to_dense + λ I.
+    flat_v = ravel_pytree(v)[0]
+    got = np.asarray(ravel_pytree(est.multiply(state, v))[0])
+    dense = np.asarray(est.to_dense(state))
+    np.testing.assert_allclose(got, dense @ flat_v + 0.05 * flat_v, rtol=1e-9)

@@ -154,12 +154,9 @@ class KroneckerBlock(Block):
   def init_cache(self):
     cache = {}
     for k, shape in self._cache_shapes().items():
-      if k.endswith("_evals"):
-        cache[k] = jnp.ones(shape, self.config.dtype)
-      elif k.startswith("a_") and len(self.spec.factor_shapes[0]) == 1:
-        cache[k] = jnp.ones(shape, self.config.dtype)
-      else:
-        cache[k] = _identity(shape, self.config.dtype)
+      # Eigenvalues, and every entry of a diagonal factor, are vectors of ones.
+      evals = k.endswith("_evals")
+      cache[k] = jnp.ones(shape, self.config.dtype) if evals else _identity(shape, self.config.dtype)
     cache["damping"] = jnp.zeros((), self.config.dtype)
     return cache
 
