@@ -1,7 +1,7 @@
 """One forward pass for the loss, its gradient and the curvature statistics.
 
-The traced loss function is evaluated once with a zero perturbation ε_l added to each dense
-layer's output s_l and the layer inputs recorded. `jax.vjp` of that evaluation with respect to
+The traced loss function is evaluated once with a zero perturbation ε_l added to each structured
+(non-generic) layer's output s_l and the layer's input operands recorded. `jax.vjp` of that evaluation with respect to
 (params, ε) gives one linearisation; it is pulled back twice:
 
   * with cotangent 1 on the loss: the parameter gradient;
@@ -46,8 +46,10 @@ class CurvatureStats:
   non-batch output coordinates, summed over the loss tags, for the exact modes.
 
   Attributes:
-    data: one entry per layer, in registration order: `(x [rows, in], g [samples, rows, out])`
-      for dense layers; the per-leaf sampled gradients `[samples, *leaf.shape]` for generic ones.
+    data: one entry per layer, in registration order: `(inputs, g)` for structured layers,
+      with `inputs` the tuple of raw input operands the scanner recorded (e.g. `(x,)`) and
+      `g: [samples, *output.shape]` the output gradients; each block reshapes them itself. For
+      generic layers, the per-leaf sampled gradients `[samples, *leaf.shape]`.
     layer_names: static; the layers the entries belong to.
     batch_size: static; N, the loss tags' leading axis.
   """
@@ -105,11 +107,11 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
   check_rng(estimation_mode, rng)
   leaves = jax.tree_util.tree_leaves(params)
   batch_leaves = jax.tree_util.tree_leaves(batch)
-  dense = [i for i, s in enumerate(reg.layers) if s.kind == "dense"]
-  out_keys = {reg.layer_outputs[i]: n for n, i in enumerate(dense)}
-  in_atoms = [reg.layer_inputs[i] for i in dense]
+  tapped = [i for i, k in enumerate(reg.layer_outputs) if k is not None]
+  out_keys = {reg.layer_outputs[i]: n for n, i in enumerate(tapped)}
+  in_atoms = [reg.layer_inputs[i] for i in tapped]
   watch = set(out_keys)
-  watch.update(a for a in in_atoms if _graph.is_key(a))
+  watch.update(a for atoms in in_atoms for a in atoms if _graph.is_key(a))
   for ops in reg.loss_operands:
     watch.update(a for a in ops if _graph.is_key(a))
   watch = frozenset(watch)
@@ -121,7 +123,7 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
 
     outs, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
     preds = [_read(ops[0], seen) for ops in reg.loss_operands]
-    xs = [_read(a, seen) for a in in_atoms]
+    xs = [tuple(_read(a, seen) for a in atoms) for atoms in in_atoms]
     others = [[_read(a, seen) for a in ops[1:]] for ops in reg.loss_operands]
     return (outs[0], preds), (xs, others)
 
@@ -148,13 +150,9 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
 
   data = []
   for i, spec in enumerate(reg.layers):
-    if spec.kind == "dense":
-      n = dense.index(i)
-      info = spec.dense
-      x = xs[n].transpose(info.x_perm).reshape(info.rows, info.in_dim)
-      g = eps_ct[n]
-      g = g.transpose((0,) + tuple(d + 1 for d in info.out_perm))
-      data.append((x, g.reshape(g.shape[0], info.rows, info.out_dim)))
+    if reg.layer_outputs[i] is not None:
+      n = tapped.index(i)
+      data.append((xs[n], eps_ct[n]))
     else:
       data.append(tuple(p_ct[j] for j in spec.leaf_indices))
   stats = CurvatureStats(tuple(data), tuple(s.name for s in reg.layers),

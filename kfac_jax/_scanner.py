@@ -5,13 +5,17 @@ How layers are found. Every parameter leaf is followed forward through layout-on
 operations that really use it. Only uses on the backward slice of the loss tags count, so an L2
 term written into the loss does not make a kernel "used twice". A leaf whose single real use is a
 `dot_general` against an activation (no batch dimensions) is a dense kernel; a leaf whose single
-real use is an `add` to that product, aligned with its output features, is the bias. Manual layer
-tags take precedence over matching. Leaves left over get a diagonal generic block and a warning.
+real use is an `add` to that product, aligned with its output features, is the bias. Convolution,
+embedding and scale-and-shift layers are matched the same way (`_matchers`), in three passes:
+kernels (dense, conv, with their biases), then gathers, then elementwise scales and shifts, so a
+bias is never mistaken for a shift. Manual layer tags take precedence over matching. Leaves left
+over get a diagonal generic block and a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,15 +24,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph, _tags
+from kfac_jax import _compat, _graph, _matchers, _tags
 
 # Operations that only move, reshape or cast a parameter.
 _VIEW_OPS = frozenset({
     "convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim",
     "squeeze"})
 
-APPROXIMATIONS = {"dense": ("kron",), "generic": ("diagonal", "full")}
-DEFAULT_APPROX = {"dense": "kron", "generic": "diagonal"}
+APPROXIMATIONS = {
+    "dense": ("kron", "diagonal", "full"),
+    "conv": ("kron", "kron_sua", "diagonal", "full"),
+    "scale_and_shift": ("full", "diagonal"),
+    "embedding": ("kron",),
+    "generic": ("diagonal", "full"),
+}
+DEFAULT_APPROX = {"dense": "kron", "conv": "kron", "scale_and_shift": "full",
+                  "embedding": "kron", "generic": "diagonal"}
 
 
 class RegistrationError(ValueError):
@@ -73,7 +84,7 @@ class ViewStep:
   op: str  # "reshape" | "transpose" | "cast" | "broadcast"
   in_shape: tuple[int, ...]
   out_shape: tuple[int, ...]
-  perm: tuple[int, ...] = ()
+  perm: tuple[int, ...] = ()  # transpose: the permutation; broadcast: broadcast_dimensions.
 
 
 def _view_step(fe: _graph.FlatEqn) -> ViewStep:
@@ -86,7 +97,7 @@ def _view_step(fe: _graph.FlatEqn) -> ViewStep:
   if fe.name == "broadcast_in_dim":
     if math.prod(in_shape) == math.prod(out_shape):
       return ViewStep("reshape", in_shape, out_shape)  # Only inserts unit dimensions.
-    return ViewStep("broadcast", in_shape, out_shape)
+    return ViewStep("broadcast", in_shape, out_shape, tuple(fe.params["broadcast_dimensions"]))
   return ViewStep("cast", in_shape, out_shape)
 
 
@@ -150,13 +161,15 @@ class LayerSpec:
 
   Attributes:
     name: the layer's name, the common prefix of its parameter paths (e.g. `params/Dense_0`).
-    kind: "dense" or "generic".
+    kind: "dense", "conv", "scale_and_shift", "embedding" or "generic".
     param_paths: the paths of its parameter leaves, e.g. `("params/Dense_0/kernel", ...)`.
     leaf_indices: positions of those leaves in `jax.tree_util.tree_leaves(params)`.
     approx: the curvature approximation ("kron", "diagonal", "full").
     factor_shapes: shapes of the curvature factors the block keeps.
     source: "auto", "manual" or "fallback".
-    dense: matching details for dense layers.
+    info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
+      `EmbeddingInfo`); None for generic layers.
+    param_shapes: shapes of the parameter leaves.
   """
   name: str
   kind: str
@@ -165,12 +178,17 @@ class LayerSpec:
   approx: str
   factor_shapes: tuple[tuple[int, ...], ...]
   source: str = "auto"
-  dense: DenseInfo | None = None
+  info: Any = None
   param_shapes: tuple[tuple[int, ...], ...] = ()
 
   @property
+  def dense(self) -> DenseInfo | None:
+    return self.info if isinstance(self.info, DenseInfo) else None
+
+  @property
   def has_bias(self) -> bool:
-    return self.kind == "dense" and len(self.leaf_indices) == 2
+    """Dense and conv layers: whether a bias leaf follows the kernel."""
+    return self.kind in ("dense", "conv") and len(self.leaf_indices) == 2
 
   @property
   def num_params(self) -> int:
@@ -185,7 +203,8 @@ class Registration:
   losses: tuple[LossSpec, ...]
   loss_operands: tuple[tuple[_graph.Atom, ...], ...]  # per loss: (prediction, targets?, weight?)
   layer_outputs: tuple[_graph.Key | None, ...]  # per layer: where the perturbation is added
-  layer_inputs: tuple[_graph.Atom | None, ...]  # per layer: the input operand
+  # Per layer: the input operands the block's statistics need (None for generic layers).
+  layer_inputs: tuple[tuple[_graph.Atom, ...] | None, ...]
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,6 +285,7 @@ class _Scanner:
           "register_squared_error_loss(prediction, targets) on the model output inside "
           "loss_fn(params, batch).")
     losses, loss_operands = self._losses(loss_eqns)
+    self.batch_size = losses[0].batch_size
     self._origins()
     in_slice = self._loss_slice([ops[0] for ops in loss_operands])
     self._uses(in_slice)
@@ -275,17 +295,25 @@ class _Scanner:
     for i, fe in enumerate(g.eqns):
       if fe.eqn.primitive is _tags.layer_tag_p:
         specs.append(self._manual(i, fe, claimed))
-    for i in sorted(self.uses_by_eqn):
-      found = self._match_dense(i, claimed)
-      if found is not None:
-        specs.append(found)
+    # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
+    passes = ((self._match_dense, functools.partial(_matchers.match_conv, self)),
+              (functools.partial(_matchers.match_embedding, self),),
+              (functools.partial(_matchers.match_scale_and_shift, self),))
+    for matchers in passes:
+      for i in sorted(self.uses_by_eqn):
+        for match in matchers:
+          found = match(i, claimed)
+          if found is not None:
+            specs.append(found)
+            break
 
     uncovered = [j for j in range(self.n_params) if j not in claimed]
     if uncovered:
       names = ", ".join(f"`{self.paths[j]}`" for j in uncovered)
       msg = (f"{len(uncovered)} parameter(s) are not in any recognised layer and get a diagonal "
              f"curvature block: {names}. Register them with a manual layer tag "
-             "(kfac_jax.register_dense / register_generic) to choose their block.")
+             "(kfac_jax.register_dense / register_conv / register_scale_and_shift / "
+             "register_embedding / register_generic) to choose their block.")
       if self.strict:
         raise RegistrationError(msg + " (strict=True turns this into an error.)")
       if self.warn:
@@ -400,6 +428,8 @@ class _Scanner:
       spec = self._generic_spec(leaves, approx, "manual")
       self._claim(claimed, leaves, spec.name)
       return spec, None, None
+    if kind != "dense":
+      return _matchers.manual(self, fe, claimed)
     # Dense: operands (y, x, kernel, bias?).
     y, x, kernel = fe.ins[:3]
     k_leaf, k_chain = self._leaf_for_operand(kernel, "kernel", "register_dense")
@@ -426,7 +456,10 @@ class _Scanner:
         rows=int(rows))
     spec = self._dense_spec(leaves, info, approx, "manual")
     self._claim(claimed, leaves, spec.name)
-    return spec, y, x
+    return spec, y, (x,)
+
+  def error(self, msg: str) -> RegistrationError:
+    return RegistrationError(msg)
 
   def _check_approx(self, kind, approx, paths):
     if approx is None:
@@ -483,7 +516,7 @@ class _Scanner:
       leaves.append(b_leaf)
     spec = self._dense_spec(leaves, info, DEFAULT_APPROX["dense"], "auto")
     self._claim(claimed, leaves, spec.name)
-    return spec, out_key, x_atom
+    return spec, out_key, (x_atom,)
 
   def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed):
     if k_pos != 1:
@@ -521,12 +554,24 @@ class _Scanner:
   # -- specs -----------------------------------------------------------------------------------
 
   def _dense_spec(self, leaves, info: DenseInfo, approx, source) -> LayerSpec:
-    paths = tuple(self.paths[j] for j in leaves)
     a_dim = info.in_dim + (1 if len(leaves) == 2 else 0)
+    return self.layer_spec("dense", leaves, info, approx, source,
+                           ((a_dim, a_dim), (info.out_dim, info.out_dim)))
+
+  def layer_spec(self, kind, leaves, info, approx, source, kron_shapes) -> LayerSpec:
+    """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations."""
+    paths = tuple(self.paths[j] for j in leaves)
+    n = sum(math.prod(self.shapes[j]) for j in leaves)
+    if approx == "diagonal":
+      shapes = ((n,),)
+    elif approx == "full":
+      shapes = ((n, n),)
+    else:
+      shapes = kron_shapes
     return LayerSpec(
-        name=_common_prefix(paths), kind="dense", param_paths=paths, leaf_indices=tuple(leaves),
-        approx=approx, factor_shapes=((a_dim, a_dim), (info.out_dim, info.out_dim)),
-        source=source, dense=info, param_shapes=tuple(self.shapes[j] for j in leaves))
+        name=_common_prefix(paths), kind=kind, param_paths=paths, leaf_indices=tuple(leaves),
+        approx=approx, factor_shapes=shapes, source=source, info=info,
+        param_shapes=tuple(self.shapes[j] for j in leaves))
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
     paths = tuple(self.paths[j] for j in leaves)

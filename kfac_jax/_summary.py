@@ -12,7 +12,8 @@ def scan_layers(loss_fn: Callable, params, batch, *,
                 strict: bool = False) -> tuple[_scanner.LayerSpec, ...]:
   """Traces `loss_fn(params, batch)` and returns the layers K-FAC will use, in parameter order.
 
-  Each `LayerSpec` has `name`, `kind` ("dense", "generic"), `param_paths` (e.g.
+  Each `LayerSpec` has `name`, `kind` ("dense", "conv", "scale_and_shift", "embedding",
+  "generic"), `param_paths` (e.g.
   `params/Dense_0/kernel`), `approx` and `factor_shapes`. Parameters outside every recognised
   layer get a diagonal generic block and one `UncoveredParametersWarning` naming them all
   (an error with `strict=True`).

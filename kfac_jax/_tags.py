@@ -239,3 +239,168 @@ def register_generic(params, approx: str | None = None):
 def _check_approx(approx, fn):
   if approx is not None and not isinstance(approx, str):
     raise TypeError(f"{fn}: `approx` must be a string or None, got {approx!r}.")
+
+
+def register_conv(y, x, kernel, bias=None, *, window_strides, padding, lhs_dilation=None,
+                  rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
+                  approx: str | None = None) -> Array:
+  """Tags `y = lax.conv_general_dilated(x, kernel, ...) (+ bias)` as a convolution layer.
+
+  The keyword arguments are those of `jax.lax.conv_general_dilated` for the same call; the tag
+  checks that they reproduce `y.shape`.
+
+  Args:
+    y: the layer output (bias included, if any).
+    x: the layer input.
+    kernel: the kernel, a parameter leaf (possibly cast/reshaped), laid out as
+      `dimension_numbers` says (Flax: `[*window, in / groups, out]`, i.e. "HWIO").
+    bias: optional `[out]` parameter leaf, added along the output feature axis.
+    window_strides: strides, one per spatial axis.
+    padding: "SAME", "VALID", "SAME_LOWER" or explicit `(lo, hi)` pairs.
+    lhs_dilation: input dilation (transposed convolutions), default 1.
+    rhs_dilation: kernel (atrous) dilation, default 1.
+    dimension_numbers: as for `conv_general_dilated` (default NCHW / OIHW / NCHW).
+    feature_group_count: groups (`in` channels for a depthwise convolution).
+    approx: "kron" (default; "diagonal" for depthwise), "kron_sua", "diagonal" or "full".
+
+  Returns:
+    `y`, unchanged.
+  """
+  fn = "register_conv"
+  y, x, kernel = (_check_array(v, n, fn) for v, n in ((y, "y"), (x, "x"), (kernel, "kernel")))
+  if x.ndim < 3 or kernel.ndim != x.ndim:
+    raise ValueError(
+        f"{fn}: `x` (shape {x.shape}) and `kernel` (shape {kernel.shape}) must have the same "
+        "rank, at least 3 (batch, feature and one or more spatial axes).")
+  nsp = x.ndim - 2
+  try:
+    dn = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, dimension_numbers)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{fn}: bad `dimension_numbers` {dimension_numbers!r}: {e}") from None
+
+  def spatial(value, name):
+    value = (1,) * nsp if value is None else value
+    try:
+      value = tuple(int(v) for v in value)
+    except TypeError:
+      raise TypeError(f"{fn}: `{name}` must be a sequence of ints, got {value!r}.") from None
+    if len(value) != nsp or any(v < 1 for v in value):
+      raise ValueError(f"{fn}: `{name}` must be {nsp} positive ints, got {value!r}.")
+    return value
+
+  strides = spatial(window_strides, "window_strides")
+  lhs_d, rhs_d = spatial(lhs_dilation, "lhs_dilation"), spatial(rhs_dilation, "rhs_dilation")
+  if isinstance(feature_group_count, bool) or not isinstance(feature_group_count, int) or (
+      feature_group_count < 1):
+    raise ValueError(
+        f"{fn}: `feature_group_count` must be a positive int, got {feature_group_count!r}.")
+  in_sp = [(x.shape[d] - 1) * s + 1 for d, s in zip(dn.lhs_spec[2:], lhs_d)]
+  win = [(kernel.shape[d] - 1) * s + 1 for d, s in zip(dn.rhs_spec[2:], rhs_d)]
+  if isinstance(padding, str):
+    try:
+      pads = tuple(tuple(p) for p in jax.lax.padtype_to_pads(in_sp, win, strides, padding))
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{fn}: bad `padding` {padding!r}: {e}") from None
+  else:
+    try:
+      pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+    except (TypeError, ValueError):
+      raise ValueError(
+          f"{fn}: `padding` must be a string or {nsp} (lo, hi) pairs, got {padding!r}.") from None
+  if len(pads) != nsp:
+    raise ValueError(f"{fn}: `padding` must have {nsp} (lo, hi) pairs, got {padding!r}.")
+  try:
+    expected = jax.eval_shape(
+        lambda a, k: jax.lax.conv_general_dilated(
+            a, k, strides, pads, lhs_d, rhs_d, dn, feature_group_count), x, kernel).shape
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{fn}: `x` {x.shape} and `kernel` {kernel.shape} do not form a "
+                     f"convolution with these arguments: {e}") from None
+  if tuple(y.shape) != tuple(expected):
+    raise ValueError(
+        f"{fn}: `y` has shape {y.shape}, but the convolution of x {x.shape} with kernel "
+        f"{kernel.shape} gives {tuple(expected)}; check the strides, padding and layout.")
+  operands = [y, x, kernel]
+  if bias is not None:
+    bias = _check_array(bias, "bias", fn)
+    out = kernel.shape[dn.rhs_spec[0]]
+    if bias.shape != (out,):
+      raise ValueError(f"{fn}: `bias` has shape {bias.shape}, expected ({out},).")
+    operands.append(bias)
+  _check_approx(approx, fn)
+  return layer_tag_p.bind(
+      *operands, n_out=1, kind="conv", approx=approx, window_strides=strides, padding=pads,
+      lhs_dilation=lhs_d, rhs_dilation=rhs_d, dimension_numbers=dn,
+      feature_group_count=feature_group_count)[0]
+
+
+def register_scale_and_shift(y, x, scale=None, shift=None, approx: str | None = None) -> Array:
+  """Tags `y = x * scale + shift` (either parameter optional) as a scale-and-shift layer.
+
+  `scale` and `shift` span the trailing axes of `y` and are broadcast over the leading ones
+  (the first of which is the batch), as in the affine part of LayerNorm / BatchNorm.
+
+  Args:
+    y: the layer output `[batch, ...]`.
+    x: the input the scale multiplies (the normalised activations), broadcastable to `y`.
+    scale: optional parameter leaf whose shape is a trailing part of `y.shape`.
+    shift: optional parameter leaf of the same kind.
+    approx: "full" (default) or "diagonal".
+
+  Returns:
+    `y`, unchanged.
+  """
+  fn = "register_scale_and_shift"
+  y, x = _check_array(y, "y", fn), _check_array(x, "x", fn)
+  if scale is None and shift is None:
+    raise ValueError(f"{fn}: give `scale`, `shift` or both.")
+  if y.ndim < 1:
+    raise ValueError(f"{fn}: `y` needs a leading batch axis, got shape {y.shape}.")
+  try:
+    ok = jnp.broadcast_shapes(x.shape, y.shape) == y.shape
+  except ValueError:
+    ok = False
+  if not ok:
+    raise ValueError(f"{fn}: `x` of shape {x.shape} does not broadcast to `y` {y.shape}.")
+  operands = [y, x]
+  for name, p in (("scale", scale), ("shift", shift)):
+    if p is None:
+      continue
+    p = _check_array(p, name, fn)
+    core = tuple(p.shape)
+    while core and core[0] == 1:
+      core = core[1:]
+    if len(core) >= y.ndim or (core and tuple(y.shape[y.ndim - len(core):]) != core):
+      raise ValueError(
+          f"{fn}: `{name}` has shape {p.shape}; it must match trailing axes of y {y.shape} "
+          "(not the batch axis).")
+    operands.append(p)
+  _check_approx(approx, fn)
+  return layer_tag_p.bind(*operands, n_out=1, kind="scale_and_shift", approx=approx,
+                          has_scale=scale is not None, has_shift=shift is not None)[0]
+
+
+def register_embedding(y, ids, table, approx: str | None = None) -> Array:
+  """Tags `y = table[ids]` as an embedding lookup.
+
+  Args:
+    y: `[*ids.shape, dim]`, the looked-up rows.
+    ids: integer ids of any shape (leading axis the batch).
+    table: `[vocab, dim]` parameter leaf (possibly cast).
+    approx: "kron" (the default and only choice: diagonal input factor, full output factor).
+
+  Returns:
+    `y`, unchanged.
+  """
+  fn = "register_embedding"
+  y, ids, table = (_check_array(v, n, fn) for v, n in ((y, "y"), (ids, "ids"), (table, "table")))
+  if table.ndim != 2:
+    raise ValueError(f"{fn}: `table` must have shape [vocab, dim], got {table.shape}.")
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"{fn}: `ids` must be integers, got dtype {ids.dtype}.")
+  if ids.ndim < 1 or y.shape != ids.shape + (table.shape[1],):
+    raise ValueError(
+        f"{fn}: `y` has shape {y.shape}, expected ids.shape + (dim,) = "
+        f"{ids.shape + (table.shape[1],)} (ids need a leading batch axis).")
+  _check_approx(approx, fn)
+  return layer_tag_p.bind(y, ids, table, n_out=1, kind="embedding", approx=approx)[0]

@@ -251,7 +251,7 @@ def test_exact_stack_size_is_the_output_size(x64):
   """The exact stack has K = prod(non-batch prediction shape) vectors, whatever the batch."""
   loss_fn, params, batch = _setup("bernoulli", "linear", n=3)
   _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="exact")(params, batch)
-  (x, g), = stats.data
+  ((x,), g), = stats.data  # Raw layer input and output gradients (see blocks/_layouts.py).
   assert x.shape == (3, 3) and g.shape == (4, 3, 4)
   _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="curvature_prop",
                                         num_samples=5)(params, batch, jax.random.key(0))

@@ -122,7 +122,7 @@ def test_uncovered_parameters_warn_once_or_raise_when_strict():
   params["unused"] = jnp.ones((2,))
 
   def loss_fn(p, b):
-    h = jnp.tanh(b["x"] @ p["layer0"]["w"] + p["layer0"]["b"]) * p["scale"]
+    h = jnp.tanh(b["x"] @ p["layer0"]["w"] + p["layer0"]["b"]) * p["scale"] ** 2
     logits = h @ p["layer1"]["w"] + p["layer1"]["b"]
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()

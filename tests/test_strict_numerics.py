@@ -32,7 +32,7 @@ def test_full_step_under_rank_promotion_raise(strict_rank, loss, mode, damping_m
   t = jax.nn.one_hot(y, 3)
 
   def loss_fn(p, b):
-    z = (b["x"] @ p["w"] + p["b"][None, None, :]) * p["s"][None, None, :]
+    z = (b["x"] @ p["w"] + p["b"][None, None, :]) * (p["s"] ** 2)[None, None, :]
     w = jnp.full((6, 5), 0.2)
     if loss == "softmax":
       kfac_jax.register_softmax_cross_entropy_loss(z, b["y"], weight=w)

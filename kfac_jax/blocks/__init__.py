@@ -2,10 +2,19 @@
 
 from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
-from kfac_jax.blocks._kronecker import KroneckerDenseBlock
+from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 
 _BLOCKS = {
-    ("dense", "kron"): KroneckerDenseBlock,
+    ("dense", "kron"): KroneckerBlock,
+    ("dense", "diagonal"): DiagonalBlock,
+    ("dense", "full"): FullBlock,
+    ("conv", "kron"): KroneckerBlock,
+    ("conv", "kron_sua"): KroneckerBlock,
+    ("conv", "diagonal"): DiagonalBlock,
+    ("conv", "full"): FullBlock,
+    ("embedding", "kron"): KroneckerBlock,
+    ("scale_and_shift", "full"): FullBlock,
+    ("scale_and_shift", "diagonal"): DiagonalBlock,
     ("generic", "diagonal"): DiagonalBlock,
     ("generic", "full"): FullBlock,
 }
@@ -23,5 +32,5 @@ def make_block(spec, config: BlockConfig) -> Block:
   return cls(spec, config)
 
 
-__all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "FullBlock",
+__all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "FullBlock", "KroneckerBlock",
            "KroneckerDenseBlock", "make_block"]

@@ -1,12 +1,17 @@
-"""Generic blocks (diagonal and full) for parameters outside any structured layer.
+"""Diagonal and full blocks: generic parameters, and the "diagonal"/"full" layer approximations.
 
-Statistics come from `h`, the gradient of the sampled per-example losses summed over the batch
-(one backward pass, no per-example gradients). For sampled targets and for curvature
-propagation the per-example vectors are independent with mean zero, so the cross terms between
-examples vanish in expectation and F ≈ h hᵀ / N is unbiased for the Fisher (or GGN) of the mean
-loss. For the empirical Fisher and for the exact modes (whose k-th vector is the same column of
-the square-root factor for every example, so the cross terms do not vanish) it is exact only at
-batch size 1; Kronecker blocks keep rows apart and have no such cross terms.
+Generic layers: statistics come from `h`, the gradient of the sampled per-example losses summed
+over the batch (one backward pass, no per-example gradients). For sampled targets and for
+curvature propagation the per-example vectors are independent with mean zero, so the cross terms
+between examples vanish in expectation and F ≈ h hᵀ / N is unbiased for the Fisher (or GGN) of
+the mean loss. For the empirical Fisher and for the exact modes (whose k-th vector is the same
+column of the square-root factor for every example, so the cross terms do not vanish) it is exact
+only at batch size 1.
+
+Dense, conv and scale-and-shift layers: the per-example gradients are rebuilt exactly from the
+layer's recorded inputs and output gradients (see `_layouts.per_example_grads`), so
+F = (1/(S N)) Σ_{s,n} J_sn J_snᵀ (or its diagonal) is the exact Fisher block of the mode's
+vectors for any batch size.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.blocks import _linalg
+from kfac_jax.blocks import _layouts, _linalg
 from kfac_jax.blocks._base import Block
 
 Array = jax.Array
@@ -36,9 +41,19 @@ def _unflat(flat: Array, like: Sequence[Array]) -> list[Array]:
   return out
 
 
-def _sampled_grads(data, dtype) -> Array:
-  """`[samples, n]`: each sample's batch-summed gradient, leaves raveled and concatenated."""
-  return jnp.concatenate([d.reshape(d.shape[0], -1).astype(dtype) for d in data], axis=1)
+def _gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
+  """Rows h and a divisor c with F ≈ Σ h hᵀ / c, leaves raveled and concatenated.
+
+  Generic layers: each sample's batch-summed gradient `[samples, n]`, c = samples · N.
+  Structured layers (dense, conv, scale-and-shift): per-example gradients `[samples · N, n]`
+  rebuilt from the layer's inputs and output gradients, c = samples · N (exact per-example
+  Fisher of the sampled or empirical targets).
+  """
+  if spec.kind == "generic":
+    h = jnp.concatenate([d.reshape(d.shape[0], -1).astype(dtype) for d in data], axis=1)
+    return h, h.shape[0] * batch_size
+  h = _layouts.per_example_grads(spec, data, batch_size, dtype)
+  return h, h.shape[0]
 
 
 class DiagonalBlock(Block):
@@ -51,8 +66,8 @@ class DiagonalBlock(Block):
     return {"diag": jnp.zeros((self._n(),), self.config.dtype)}
 
   def batch_factors(self, data, batch_size):
-    h = _sampled_grads(data, self.config.dtype)
-    return {"diag": jnp.mean(h * h, axis=0) / batch_size}
+    h, c = _gradient_rows(self.spec, data, batch_size, self.config.dtype)
+    return {"diag": jnp.sum(h * h, axis=0) / c}
 
   def init_cache(self):
     return {"damping": jnp.zeros((), self.config.dtype)}
@@ -89,8 +104,8 @@ class FullBlock(Block):
     return {"f": jnp.zeros((n, n), self.config.dtype)}
 
   def batch_factors(self, data, batch_size):
-    h = _sampled_grads(data, self.config.dtype)
-    return {"f": h.T @ h / (h.shape[0] * batch_size)}
+    h, c = _gradient_rows(self.spec, data, batch_size, self.config.dtype)
+    return {"f": h.T @ h / c}
 
   def _cache_keys(self):
     keys = [f"pow{e:g}" for e in self.config.exps if e != 1]

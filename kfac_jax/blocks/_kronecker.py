@@ -1,175 +1,255 @@
-"""Kronecker-factored block for dense layers (K-FAC, Martens & Grosse 2015).
+"""Kronecker-factored blocks: dense (K-FAC), convolution (KFC) and embedding layers.
 
-A dense layer `s = x W (+ b)` with kernel viewed as a matrix `W: [in, out]` (Flax layout; other
-layouts are transposed/reshaped into it, see `DenseInfo`) and the bias appended as a last row,
-`M = [W; b]: [in+1, out]`. With ā = [x, 1] per row (a row is one example, or one position of an
-example for sequence inputs) and g = ∂(per-example loss)/∂s,
+Every such layer is a product `s = x̄ M` per row (see `_layouts`): dense layers with the kernel
+`W: [in, out]` (Flax layout) and bias appended as a last row, `M = [W; b]`, one row per example
+(or per position of an example for sequence inputs); convolutions with input patches as rows and
+the kernel as a `[window · in, out]` matrix, one row per example and output location (Grosse &
+Martens 2016); embeddings with one-hot rows and the table as M. With g = ∂(per-example loss)/∂s,
 
-    F ≈ A ⊗ G,   A = (1/R) Σ_r ā_r ā_rᵀ,   G = (1/N) Σ_r g_r g_rᵀ
+    F ≈ A ⊗ G,   A = (1/R) Σ_r x̄_r x̄_rᵀ,   G = (1/N) Σ_r g_r g_rᵀ
 
-over R rows and N examples (R = N for a plain MLP, giving the usual E[āāᵀ] ⊗ E[ggᵀ]). Vectors
-are matrices M; with row-major vec, (A ⊗ G) vec(M) = vec(A M G).
+over R rows and N examples (averaged over sampled targets too). For an MLP R = N and this is
+E[x̄x̄ᵀ] ⊗ E[ggᵀ]; for a convolution R = N·L with L output locations, so a 1×1 stride-1
+convolution has exactly the dense block. Variants: convolutions with "kron_sua" take A from the
+spatially-uncorrelated-activations model (`ConvLayout.sua_input_factor`); embeddings keep A as its
+diagonal (a vector of id counts / R: exact, since one-hot rows have a diagonal second moment),
+so their state is O(vocab + dim²). Grouped convolutions keep one (A, G) pair per feature group,
+stacked on a leading axis and processed with vmap. Vectors are matrices M; with row-major vec,
+(A ⊗ G) vec(M) = vec(A M G).
 
 Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G)),
 and the block multiplies by A_λ^p ⊗ G_λ^p. ("eigen"): exact (A ⊗ G + λ I)^p through the factors'
-eigen-decompositions.
+eigen-decompositions (a diagonal A is its own).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from kfac_jax import _scanner
-from kfac_jax.blocks import _linalg
+from kfac_jax.blocks import _layouts, _linalg
 from kfac_jax.blocks._base import Block
 
 Array = jax.Array
 
+# -- one factor, a matrix or (for a diagonal factor) a vector ---------------------------------
 
-class KroneckerDenseBlock(Block):
-  """K-FAC block of a dense layer (kernel, optional bias)."""
 
-  # -- layout ----------------------------------------------------------------------------------
+def _identity(shape, dtype) -> Array:
+  if len(shape) == 1:
+    return jnp.ones(shape, dtype)
+  eye = jnp.eye(shape[-1], dtype=dtype)
+  return jnp.broadcast_to(eye, shape)
+
+
+def _add_identity(f: Array, c) -> Array:
+  return f + c if f.ndim == 1 else f + c * jnp.eye(f.shape[0], dtype=f.dtype)
+
+
+def _left(a: Array, m: Array) -> Array:
+  """a · m for a factor acting on the rows of m."""
+  return a[:, None] * m if a.ndim == 1 else a @ m
+
+
+def _power(f: Array, e: float) -> Array:
+  return f ** e if f.ndim == 1 else _linalg.spd_power(f, e)
+
+
+def _chol(f: Array) -> Array:
+  return jnp.sqrt(f) if f.ndim == 1 else _linalg.cholesky(f)
+
+
+def _chol_inverse(c: Array) -> Array:
+  return 1.0 / c if c.ndim == 1 else _linalg.lower_inverse(c)
+
+
+def _t(f: Array) -> Array:
+  return f if f.ndim == 1 else f.T
+
+
+def _mean_diag(f: Array) -> Array:
+  return jnp.mean(f) if f.ndim == 1 else jnp.trace(f) / f.shape[0]
+
+
+def _pi(a: Array, g: Array) -> Array:
+  """π = sqrt(mean diag A / mean diag G); 1 when either is not positive and finite."""
+  ta, tg = _mean_diag(a), _mean_diag(g)
+  ok = (ta > 0) & (tg > 0) & jnp.isfinite(ta) & jnp.isfinite(tg)
+  return jnp.where(ok, jnp.sqrt(jnp.where(ok, ta / jnp.where(ok, tg, 1.0), 1.0)), 1.0)
+
+
+def _damped(a: Array, g: Array, damping: Array) -> tuple[Array, Array]:
+  pi = _pi(a, g)
+  root = jnp.sqrt(damping)
+  return _add_identity(a, pi * root), _add_identity(g, root / pi)
+
+
+class KroneckerBlock(Block):
+  """A ⊗ G block of a dense, conv or embedding layer (kernel/table and optional bias)."""
+
+  @functools.cached_property
+  def layout(self):
+    return _layouts.layout_for(self.spec)
 
   @property
-  def _info(self) -> _scanner.DenseInfo:
-    return self.spec.dense
+  def _grouped(self) -> bool:
+    return len(self.spec.factor_shapes[1]) == 3
 
-  def _kernel_operand_shape(self) -> tuple[int, ...]:
-    chain = self._info.kernel_view
-    return chain[-1].out_shape if chain else self.spec.param_shapes[0]
+  def _map(self, fn, *args):
+    """`fn` on one group's arrays; vmapped over the leading group axis for grouped layers."""
+    return jax.vmap(fn)(*args) if self._grouped else fn(*args)
 
   def _to_matrix(self, vecs) -> Array:
-    info = self._info
-    k = _scanner.apply_view(info.kernel_view, vecs[0].astype(self.config.dtype))
-    m = k.transpose(info.kernel_perm).reshape(info.in_dim, info.out_dim)
-    if self.spec.has_bias:
-      m = jnp.concatenate([m, vecs[1].astype(self.config.dtype).reshape(1, info.out_dim)])
-    return m
+    m = self.layout.to_matrix(vecs, self.config.dtype)
+    return m if self._grouped else m[0]
 
   def _from_matrix(self, m: Array, like) -> list[Array]:
-    info = self._info
-    op_shape = self._kernel_operand_shape()
-    permuted = tuple(op_shape[d] for d in info.kernel_perm)
-    k = m[:info.in_dim].reshape(permuted).transpose(np.argsort(info.kernel_perm))
-    out = [_scanner.undo_view(info.kernel_view, k).reshape(like[0].shape).astype(like[0].dtype)]
-    if self.spec.has_bias:
-      out.append(m[info.in_dim].reshape(like[1].shape).astype(like[1].dtype))
-    return out
+    out = self.layout.from_matrix(m if self._grouped else m[None])
+    return [o.astype(v.dtype) for o, v in zip(out, like)]
 
   # -- statistics ------------------------------------------------------------------------------
 
   def init_factors(self):
-    (da, _), (dg, _) = self.spec.factor_shapes
-    return {"a": jnp.zeros((da, da), self.config.dtype), "g": jnp.zeros((dg, dg), self.config.dtype)}
+    sa, sg = self.spec.factor_shapes
+    return {"a": jnp.zeros(sa, self.config.dtype), "g": jnp.zeros(sg, self.config.dtype)}
 
   def batch_factors(self, data, batch_size):
-    x, g = data  # x: [rows, in]; g: [samples, rows, out]
-    x = x.astype(self.config.dtype)
-    g = g.astype(self.config.dtype)
-    rows = x.shape[0]
-    if self.spec.has_bias:
-      x = jnp.concatenate([x, jnp.ones((rows, 1), x.dtype)], axis=1)
-    a = x.T @ x / rows
-    g2 = g.reshape(-1, g.shape[-1])
-    gg = g2.T @ g2 / (g.shape[0] * batch_size)
+    dtype = self.config.dtype
+    x, g = self.layout.rows(data, dtype)  # x: [R, groups, in] (ids [R]); g: [S, R, groups, out]
+    if self.spec.kind == "embedding":
+      a = jnp.zeros((self.layout.in_dim,), dtype).at[x].add(1.0, mode="drop")[None] / x.shape[0]
+    elif self.spec.approx == "kron_sua":
+      a = self.layout.sua_input_factor(data, dtype, self.spec.has_bias)
+    else:
+      if self.spec.has_bias:
+        x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
+      a = jnp.einsum("rgi,rgj->gij", x, x) / x.shape[0]
+    gg = jnp.einsum("srgi,srgj->gij", g, g) / (g.shape[0] * batch_size)
+    if not self._grouped:
+      a, gg = a[0], gg[0]
     return {"a": a, "g": gg}
 
   # -- inverses --------------------------------------------------------------------------------
 
-  def _damped_factors(self, factors, damping):
-    a, g = factors["a"], factors["g"]
-    pi = _linalg.pi_adjustment(a, g)
-    root = jnp.sqrt(damping)
-    a_d = a + (pi * root) * jnp.eye(a.shape[0], dtype=a.dtype)
-    g_d = g + (root / pi) * jnp.eye(g.shape[0], dtype=g.dtype)
-    return a_d, g_d
-
-  def _cache_keys(self):
+  def _cache_shapes(self) -> dict[str, tuple[int, ...]]:
+    sa, sg = self.spec.factor_shapes
+    shapes = {}
     if self.config.damping_mode == "eigen":
-      return ["a_evecs", "g_evecs"], ["a_evals", "g_evals"]
-    mats = []
+      shapes["a_evals"], shapes["g_evals"] = sa[:-1] if len(sa) > 1 else sa, sg[:-1]
+      if len(sa) > 1:
+        shapes["a_evecs"] = sa
+      shapes["g_evecs"] = sg
+      return shapes
     for e in self.config.exps:
       if e != 1:
-        mats += [f"a_pow{e:g}", f"g_pow{e:g}"]
+        shapes[f"a_pow{e:g}"], shapes[f"g_pow{e:g}"] = sa, sg
     if self.config.cholesky:
-      mats += ["a_chol", "g_chol"]
+      shapes["a_chol"], shapes["g_chol"] = sa, sg
     if self.config.cholesky_inverse:
-      mats += ["a_chol_inv", "g_chol_inv"]
-    return mats, []
+      shapes["a_chol_inv"], shapes["g_chol_inv"] = sa, sg
+    return shapes
 
   def init_cache(self):
-    (da, _), (dg, _) = self.spec.factor_shapes
-    mats, vecs = self._cache_keys()
-    dims = {"a": da, "g": dg}
-    cache = {k: jnp.eye(dims[k[0]], dtype=self.config.dtype) for k in mats}
-    cache.update({k: jnp.ones((dims[k[0]],), self.config.dtype) for k in vecs})
+    cache = {}
+    for k, shape in self._cache_shapes().items():
+      # Eigenvalues, and every entry of a diagonal factor, are vectors of ones.
+      evals = k.endswith("_evals")
+      cache[k] = jnp.ones(shape, self.config.dtype) if evals else _identity(shape, self.config.dtype)
     cache["damping"] = jnp.zeros((), self.config.dtype)
     return cache
 
   def compute_cache(self, factors, damping):
     damping = jnp.asarray(damping, self.config.dtype)
-    cache = {"damping": damping}
-    if self.config.damping_mode == "eigen":
-      for f in ("a", "g"):
-        s, u = _linalg.eigh_psd(factors[f])
-        cache[f"{f}_evals"], cache[f"{f}_evecs"] = s, u
-      return cache
-    a_d, g_d = self._damped_factors(factors, damping)
-    for e in self.config.exps:
-      if e != 1:
-        cache[f"a_pow{e:g}"] = _linalg.spd_power(a_d, e)
-        cache[f"g_pow{e:g}"] = _linalg.spd_power(g_d, e)
-    if self.config.cholesky or self.config.cholesky_inverse:
-      for f, m in (("a", a_d), ("g", g_d)):
-        chol = _linalg.cholesky(m)
-        if self.config.cholesky:
-          cache[f"{f}_chol"] = chol
-        if self.config.cholesky_inverse:
-          cache[f"{f}_chol_inv"] = _linalg.lower_inverse(chol)
+    config = self.config
+
+    def one(a, g):
+      out = {}
+      if config.damping_mode == "eigen":
+        for f, m in (("a", a), ("g", g)):
+          if m.ndim == 1:
+            out[f"{f}_evals"] = jnp.maximum(m, 0.0)
+          else:
+            out[f"{f}_evals"], out[f"{f}_evecs"] = _linalg.eigh_psd(m)
+        return out
+      a_d, g_d = _damped(a, g, damping)
+      for e in config.exps:
+        if e != 1:
+          out[f"a_pow{e:g}"], out[f"g_pow{e:g}"] = _power(a_d, e), _power(g_d, e)
+      if config.cholesky or config.cholesky_inverse:
+        for f, m in (("a", a_d), ("g", g_d)):
+          chol = _chol(m)
+          if config.cholesky:
+            out[f"{f}_chol"] = chol
+          if config.cholesky_inverse:
+            out[f"{f}_chol_inv"] = _chol_inverse(chol)
+      return out
+
+    cache = self._map(one, factors["a"], factors["g"])
+    cache["damping"] = damping
     return cache
 
   # -- products --------------------------------------------------------------------------------
 
-  def _eigen_scaled(self, cache, m, fn):
-    ua, ug = cache["a_evecs"], cache["g_evecs"]
-    sigma = cache["a_evals"][:, None] * cache["g_evals"][None, :] + cache["damping"]
-    return ua @ ((ua.T @ m @ ug) * fn(sigma)) @ ug.T
+  @staticmethod
+  def _eigen_scaled(c, damping, m, fn):
+    """U_a ((U_aᵀ M U_g) ⊙ fn(s_a s_gᵀ + λ)) U_gᵀ for one group (U_a = I for a diagonal A)."""
+    ua, ug = c.get("a_evecs"), c["g_evecs"]
+    sigma = c["a_evals"][:, None] * c["g_evals"][None, :] + damping
+    inner = (m if ua is None else ua.T @ m) @ ug
+    out = inner * fn(sigma)
+    return (out if ua is None else ua @ out) @ ug.T
+
+  def _per_group(self, cache):
+    return {k: v for k, v in cache.items() if k != "damping"}
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
     m = self._to_matrix(vecs)
-    if exp == 1:
-      if self.config.damping_mode == "eigen":
-        out = factors["a"] @ m @ factors["g"] + cache["damping"] * m
-      else:
-        a_d, g_d = self._damped_factors(factors, cache["damping"])
-        out = a_d @ m @ g_d
-    elif self.config.damping_mode == "eigen":
-      out = self._eigen_scaled(cache, m, lambda s: s ** exp)
-    else:
-      out = cache[f"a_pow{exp:g}"] @ m @ cache[f"g_pow{exp:g}"]
+    damping = cache["damping"]
+    eigen = self.config.damping_mode == "eigen"
+
+    def one(a, g, c, m):
+      if exp == 1:
+        if eigen:
+          return _left(a, m) @ g + damping * m
+        a_d, g_d = _damped(a, g, damping)
+        return _left(a_d, m) @ g_d
+      if eigen:
+        return self._eigen_scaled(c, damping, m, lambda s: s ** exp)
+      return _left(c[f"a_pow{exp:g}"], m) @ c[f"g_pow{exp:g}"]
+
+    out = self._map(one, factors["a"], factors["g"], self._per_group(cache), m)
     return self._from_matrix(out, vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
     m = self._to_matrix(vecs)
+    damping = cache["damping"]
     if self.config.damping_mode == "eigen":
       # The symmetric square root: C = Cᵀ = (A ⊗ G + λ I)^½.
-      out = self._eigen_scaled(cache, m, (lambda s: s ** -0.5) if inverse else jnp.sqrt)
+      fn = (lambda s: s ** -0.5) if inverse else jnp.sqrt
+      out = self._map(lambda c, m: self._eigen_scaled(c, damping, m, fn),
+                      self._per_group(cache), m)
       return self._from_matrix(out, vecs)
     key = "chol_inv" if inverse else "chol"
     if f"a_{key}" not in cache:
       raise ValueError(
           f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
           f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator.")
-    la, lg = cache[f"a_{key}"], cache[f"g_{key}"]
-    # C = La ⊗ Lg acts as M ↦ La M Lgᵀ; Cᵀ as M ↦ Laᵀ M Lg.
-    out = la.T @ m @ lg if transpose else la @ m @ lg.T
+
+    def one(la, lg, m):
+      # C = La ⊗ Lg acts as M ↦ La M Lgᵀ; Cᵀ as M ↦ Laᵀ M Lg.
+      return _left(_t(la), m) @ lg if transpose else _left(la, m) @ lg.T
+
+    out = self._map(one, cache[f"a_{key}"], cache[f"g_{key}"], m)
     return self._from_matrix(out, vecs)
 
   def multiply_undamped(self, factors, vecs):
     m = self._to_matrix(vecs)
-    return self._from_matrix(factors["a"] @ m @ factors["g"], vecs)
+    out = self._map(lambda a, g, m: _left(a, m) @ g, factors["a"], factors["g"], m)
+    return self._from_matrix(out, vecs)
 
+
+# The name the first release used for the dense block; the class now serves every kron layer.
+KroneckerDenseBlock = KroneckerBlock

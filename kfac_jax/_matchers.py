@@ -1,0 +1,386 @@
+"""Matching convolution, embedding and scale-and-shift layers (automatic and manual tags).
+
+Each matcher looks at one equation that really uses a parameter leaf (see `_scanner`) and, when
+the pattern fits, returns `(LayerSpec, output key, input atoms)`: the curvature pass adds its
+zero perturbation at the output key and records the input atoms; the block turns both into
+statistics. Patterns:
+
+  conv              `conv_general_dilated(x, kernel)` with the kernel a (viewed) parameter leaf, any
+                    spatial rank, strides, padding, dilations, dimension numbers and feature groups
+                    (`batch_group_count` must be 1), and an optional bias `add` aligned with the
+                    output feature axis.
+  embedding         `gather(table, ids)` taking whole rows of a 2-d parameter `[vocab, dim]`
+                    (`jnp.take(table, ids, axis=0)`, `table[ids]`, Flax `Embed`).
+  scale_and_shift   `x * scale (+ shift)` and `x + shift` with the parameters broadcast over the
+                    leading axes of the output; a second multiplication by an activation right
+                    after the scale is folded in, which covers Flax's normalisation layers
+                    (`y = (x - mean) * (rsqrt(var + eps) * scale) + bias`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kfac_jax import _graph
+
+# --------------------------------------------------------------------------------------------
+# Static descriptions.
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvInfo:
+  """A convolution `out = conv_general_dilated(x, kernel, ...)`, as the primitive describes it.
+
+  `lhs_spec`, `rhs_spec`, `out_spec` are `ConvDimensionNumbers` fields: for the input, the
+  positions of (batch, feature, spatial...); for the kernel, (out feature, in feature,
+  spatial...); for the output, (batch, feature, spatial...). `padding` is explicit `(lo, hi)`
+  pairs. The kernel operand is the parameter leaf after `kernel_view`.
+  """
+  kernel_view: tuple[Any, ...]
+  lhs_spec: tuple[int, ...]
+  rhs_spec: tuple[int, ...]
+  out_spec: tuple[int, ...]
+  window_strides: tuple[int, ...]
+  padding: tuple[tuple[int, int], ...]
+  lhs_dilation: tuple[int, ...]
+  rhs_dilation: tuple[int, ...]
+  feature_group_count: int
+  in_channels: int  # C, all groups
+  out_channels: int  # O, all groups
+  kernel_spatial: tuple[int, ...]
+  input_shape: tuple[int, ...]
+  output_shape: tuple[int, ...]
+
+  @property
+  def groups(self) -> int:
+    return self.feature_group_count
+
+  @property
+  def depthwise(self) -> bool:
+    return self.groups > 1 and self.groups == self.in_channels
+
+  @property
+  def patch_dim(self) -> int:
+    """Inputs of one group's patch: (C / groups) · prod(kernel_spatial)."""
+    return self.in_channels // self.groups * math.prod(self.kernel_spatial)
+
+  @property
+  def out_per_group(self) -> int:
+    return self.out_channels // self.groups
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleShiftInfo:
+  """`out = x̂ * scale + shift`, the parameters spanning the trailing `feature_shape` of `out`.
+
+  x̂ is the product of the layer's input operands (one, or two when a following multiplication
+  was folded in), broadcast to `output_shape`; its leading axis is the batch.
+  """
+  has_scale: bool
+  has_shift: bool
+  feature_shape: tuple[int, ...]
+  output_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingInfo:
+  """`out[..., :] = table[ids[...], :]` with `table` (after `table_view`) of shape [vocab, dim]."""
+  table_view: tuple[Any, ...]
+  vocab_size: int
+  dim: int
+
+
+def conv_kron_shapes(info: ConvInfo, has_bias: bool):
+  a = info.patch_dim + (1 if has_bias else 0)
+  o = info.out_per_group
+  if info.groups == 1:
+    return ((a, a), (o, o))
+  return ((info.groups, a, a), (info.groups, o, o))
+
+
+def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
+  dn = params["dimension_numbers"]
+  lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+  return ConvInfo(
+      kernel_view=tuple(chain), lhs_spec=lhs, rhs_spec=rhs, out_spec=out,
+      window_strides=tuple(int(s) for s in params["window_strides"]),
+      padding=tuple((int(a), int(b)) for a, b in params["padding"]),
+      lhs_dilation=tuple(int(s) for s in params["lhs_dilation"]),
+      rhs_dilation=tuple(int(s) for s in params["rhs_dilation"]),
+      feature_group_count=int(params["feature_group_count"]),
+      in_channels=int(x_shape[lhs[1]]), out_channels=int(k_shape[rhs[0]]),
+      kernel_spatial=tuple(int(k_shape[d]) for d in rhs[2:]),
+      input_shape=tuple(x_shape), output_shape=tuple(out_shape))
+
+
+def _default_conv_approx(info: ConvInfo) -> str:
+  return "diagonal" if info.depthwise else "kron"
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers on the scanner's tables.
+
+
+def _single_use_leaf(sc, atom, claimed):
+  """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice."""
+  if not _graph.is_key(atom) or atom not in sc.origin:
+    return None
+  leaf, chain = sc.origin[atom]
+  if leaf in claimed or len(sc.uses.get(leaf, [])) != 1:
+    return None
+  return leaf, chain
+
+
+def _only_consumer(sc, key):
+  cons = sc.slice_consumers.get(key, [])
+  return cons[0] if len(cons) == 1 else None
+
+
+def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
+  """The trailing axes of `out_shape` a parameter spans when broadcast over the leading ones.
+
+  Returns None when the parameter is transposed or broadcast along a trailing axis.
+  """
+  n = math.prod(leaf_shape)
+  nd = len(out_shape)
+  if len(view_shape) > nd or any(s.op == "transpose" for s in chain):
+    return None
+  for s in chain:
+    if s.op == "broadcast":  # Must broadcast along leading axes only (numpy-style).
+      k = len(s.in_shape)
+      if s.perm != tuple(range(len(s.out_shape) - k, len(s.out_shape))):
+        return None
+      if any(a not in (1, b) for a, b in zip(s.in_shape, s.out_shape[-k:] if k else ())):
+        return None
+  view = (1,) * (nd - len(view_shape)) + tuple(view_shape)
+  for k in range(nd + 1):
+    size = math.prod(out_shape[nd - k:])
+    if size > n:
+      return None
+    if (size == n and view[nd - k:] == tuple(out_shape[nd - k:])
+        and all(v in (1, o) for v, o in zip(view[:nd - k], out_shape[:nd - k]))):
+      return tuple(out_shape[nd - k:])
+  return None
+
+
+def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed):
+  """A single-use parameter added to `key` along `feature_axis` (size `size`) only."""
+  use = _only_consumer(sc, key)
+  if use is None or sc.g.eqns[use[0]].name != "add":
+    return None
+  fe = sc.g.eqns[use[0]]
+  found = _single_use_leaf(sc, fe.ins[1 - use[1]], claimed)
+  if found is None:
+    return None
+  leaf, chain = found
+  if math.prod(sc.shapes[leaf]) != size or any(s.op == "transpose" for s in chain):
+    return None
+  if tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
+    return None
+  b_shape = tuple(_graph.aval_of(fe.ins[1 - use[1]]).shape)
+  b_shape = (1,) * (len(out_shape) - len(b_shape)) + b_shape
+  if len(b_shape) != len(out_shape) or b_shape[feature_axis] != size:
+    return None
+  if any(s.op == "broadcast" for s in chain):
+    return None
+  return leaf, fe.outs[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Automatic matching.
+
+
+def match_conv(sc, i, claimed):
+  fe = sc.g.eqns[i]
+  if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
+    return None
+  ops = sc.uses_by_eqn.get(i, [])
+  if len(ops) != 1 or ops[0][1] != 1:
+    return None
+  found = _single_use_leaf(sc, fe.ins[1], claimed)
+  if found is None:
+    return None
+  k_leaf, chain = found
+  if any(s.op not in ("reshape", "transpose", "cast") for s in chain):
+    return None
+  x_atom, k_atom = fe.ins[0], fe.ins[1]
+  out_key = fe.outs[0]
+  out_shape = tuple(out_key[1].aval.shape)
+  info = _conv_info(chain, fe.params, _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape,
+                    out_shape)
+  leaves = [k_leaf]
+  bias = _match_bias_add(sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed)
+  if bias is not None:
+    leaves.append(bias[0])
+    out_key = bias[1]
+  spec = sc.layer_spec("conv", leaves, info, _default_conv_approx(info), "auto",
+                       conv_kron_shapes(info, bias is not None))
+  sc._claim(claimed, leaves, spec.name)
+  return spec, out_key, (x_atom,)
+
+
+def match_embedding(sc, i, claimed):
+  fe = sc.g.eqns[i]
+  if fe.name != "gather":
+    return None
+  ops = sc.uses_by_eqn.get(i, [])
+  if len(ops) != 1 or ops[0][1] != 0:
+    return None
+  found = _single_use_leaf(sc, fe.ins[0], claimed)
+  if found is None:
+    return None
+  leaf, chain = found
+  t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
+  if any(s.op != "cast" for s in chain) or len(t_shape) != 2:
+    return None
+  idx_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  dn = fe.params["dimension_numbers"]
+  if (tuple(dn.offset_dims) != (len(out_shape) - 1,) or tuple(dn.collapsed_slice_dims) != (0,)
+      or tuple(dn.start_index_map) != (0,) or tuple(dn.operand_batching_dims)
+      or tuple(fe.params["slice_sizes"]) != (1, t_shape[1]) or not idx_shape
+      or idx_shape[-1] != 1 or out_shape != idx_shape[:-1] + (t_shape[1],)):
+    return None
+  info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
+  spec = sc.layer_spec("embedding", [leaf], info, "kron", "auto",
+                       ((info.vocab_size,), (info.dim, info.dim)))
+  sc._claim(claimed, [leaf], spec.name)
+  return spec, fe.outs[0], (fe.ins[1],)
+
+
+def match_scale_and_shift(sc, i, claimed):
+  fe = sc.g.eqns[i]
+  if fe.name not in ("mul", "add") or len(fe.ins) != 2:
+    return None
+  ops = sc.uses_by_eqn.get(i, [])
+  if len(ops) != 1:
+    return None
+  leaf, pos = ops[0]
+  found = _single_use_leaf(sc, fe.ins[pos], claimed)
+  other = fe.ins[1 - pos]
+  if found is None or not _graph.is_key(other) or other in sc.origin:
+    return None
+  chain = found[1]
+  view_shape = tuple(_graph.aval_of(fe.ins[pos]).shape)
+  out_key = fe.outs[0]
+  inputs: tuple = ()
+  if fe.name == "mul":
+    inputs = (other,)
+    use = _only_consumer(sc, out_key)
+    if use is not None and sc.g.eqns[use[0]].name == "mul":
+      nxt = sc.g.eqns[use[0]]
+      y = nxt.ins[1 - use[1]]
+      if _graph.is_key(y) and y not in sc.origin:
+        inputs, out_key = (other, y), nxt.outs[0]
+  elif tuple(_graph.aval_of(other).shape) != tuple(out_key[1].aval.shape):
+    return None  # A shift must not broadcast the activation.
+  out_shape = tuple(out_key[1].aval.shape)
+  if not out_shape or out_shape[0] != sc.batch_size:
+    return None
+  feat = _trailing_feature_shape(sc.shapes[leaf], chain, view_shape, out_shape)
+  if feat is None or len(feat) == len(out_shape):
+    return None
+  leaves = [leaf]
+  has_shift = fe.name == "add"
+  if not has_shift:
+    shift = _match_shift(sc, out_key, out_shape, feat, claimed)
+    if shift is not None:
+      leaves.append(shift[0])
+      out_key = shift[1]
+      has_shift = True
+  info = ScaleShiftInfo(has_scale=fe.name == "mul", has_shift=has_shift, feature_shape=feat,
+                        output_shape=out_shape)
+  spec = sc.layer_spec("scale_and_shift", leaves, info, "full", "auto", ())
+  sc._claim(claimed, leaves, spec.name)
+  return spec, out_key, inputs
+
+
+def _match_shift(sc, key, out_shape, feat, claimed):
+  use = _only_consumer(sc, key)
+  if use is None or sc.g.eqns[use[0]].name != "add":
+    return None
+  fe = sc.g.eqns[use[0]]
+  atom = fe.ins[1 - use[1]]
+  found = _single_use_leaf(sc, atom, claimed)
+  if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
+    return None
+  leaf, chain = found
+  f = _trailing_feature_shape(sc.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape),
+                              out_shape)
+  if f != feat:
+    return None
+  return leaf, fe.outs[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Manual tags.
+
+
+def manual(sc, fe, claimed):
+  """The LayerSpec of a `register_conv` / `register_scale_and_shift` / `register_embedding` tag."""
+  kind, approx = fe.params["kind"], fe.params["approx"]
+  fn = f"register_{kind}"
+  y = fe.ins[0]
+  if not _graph.is_key(y):
+    raise sc.error(f"{fn}: the layer output `y` is a constant, not computed from the input.")
+  y_shape = tuple(_graph.aval_of(y).shape)
+
+  def leaf(atom, what):
+    j, chain = sc._leaf_for_operand(atom, what, fn)
+    if any(s.op == "broadcast" for s in chain) and kind != "scale_and_shift":
+      raise sc.error(f"{fn}: `{what}` (`{sc.paths[j]}`) is broadcast before the tag; pass the "
+                     "parameter itself.")
+    return j, chain
+
+  if kind == "conv":
+    x, kernel = fe.ins[1], fe.ins[2]
+    k_leaf, chain = leaf(kernel, "kernel")
+    leaves = [k_leaf]
+    if len(fe.ins) > 3:
+      leaves.append(leaf(fe.ins[3], "bias")[0])
+    info = _conv_info(chain, fe.params, _graph.aval_of(x).shape, _graph.aval_of(kernel).shape,
+                      y_shape)
+    approx = sc._check_approx("conv", approx, [sc.paths[j] for j in leaves]) if approx else (
+        _default_conv_approx(info))
+    spec = sc.layer_spec("conv", leaves, info, approx, "manual",
+                         conv_kron_shapes(info, len(leaves) == 2))
+    inputs = (x,)
+  elif kind == "embedding":
+    ids, table = fe.ins[1], fe.ins[2]
+    t_leaf, chain = leaf(table, "table")
+    if any(s.op != "cast" for s in chain):
+      raise sc.error(f"{fn}: `table` (`{sc.paths[t_leaf]}`) is reshaped or transposed before "
+                     "the tag; pass the [vocab, dim] parameter itself.")
+    t_shape = _graph.aval_of(table).shape
+    info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
+    approx = sc._check_approx("embedding", approx, [sc.paths[t_leaf]])
+    spec = sc.layer_spec("embedding", [t_leaf], info, approx, "manual",
+                         ((info.vocab_size,), (info.dim, info.dim)))
+    leaves, inputs = [t_leaf], (ids,)
+  else:  # scale_and_shift: (y, x, scale?, shift?)
+    if y_shape[0] != sc.batch_size:
+      raise sc.error(
+          f"{fn}: `y` has shape {y_shape}, but its leading axis must be the batch of the loss "
+          f"tags ({sc.batch_size}).")
+    leaves, feats = [], []
+    for atom, what in zip(fe.ins[2:], [n for n, h in (("scale", fe.params["has_scale"]),
+                                                       ("shift", fe.params["has_shift"])) if h]):
+      j, chain = leaf(atom, what)
+      f = _trailing_feature_shape(sc.shapes[j], chain, tuple(_graph.aval_of(atom).shape),
+                                  y_shape)
+      if f is None or len(f) == len(y_shape):
+        raise sc.error(f"{fn}: `{what}` (`{sc.paths[j]}`, shape {sc.shapes[j]}) does not span "
+                       f"trailing axes of y {y_shape}.")
+      leaves.append(j)
+      feats.append(f)
+    if len(set(feats)) > 1:
+      raise sc.error(f"{fn}: `scale` and `shift` span different axes of y: {feats}.")
+    info = ScaleShiftInfo(has_scale=fe.params["has_scale"], has_shift=fe.params["has_shift"],
+                          feature_shape=feats[0], output_shape=y_shape)
+    approx = sc._check_approx("scale_and_shift", approx, [sc.paths[j] for j in leaves])
+    spec = sc.layer_spec("scale_and_shift", leaves, info, approx, "manual", ())
+    inputs = (fe.ins[1],) if info.has_scale else ()
+  sc._claim(claimed, leaves, spec.name)
+  return spec, y, inputs

@@ -1,0 +1,222 @@
+"""How each layer kind's parameters, inputs and output gradients map to matrices.
+
+A layout turns a layer's parameter leaves into a stack of matrices `M: [groups, in(+1), out]`
+(one per feature group; one group except for grouped convolutions) and the curvature pass's raw
+data `(inputs, g)` into rows: `x: [R, groups, in]` (inputs of the product, one row per example
+and position) and `g: [S, R, groups, out]` (output gradients, `S` sampled targets). With these, a
+layer's output is `s_r = x_r M` per group, and the gradient of the per-example loss of example n
+with respect to M is `Σ_{r ∈ n} x̄_r g_rᵀ`, x̄ = [x, 1] with a bias. The blocks build their
+statistics from these rows only.
+
+  dense      x = the input reshaped to [rows, in] (`DenseInfo` perms); M = the kernel as [in, out].
+  conv       x = input patches (`lax.conv_general_dilated_patches`), flattened (in channel, window
+             position) in row-major order, one row per example and output location; M = the kernel
+             transposed to (in channel, window..., out) and reshaped the same way, so a patch row
+             times M is exactly the convolution at that location.
+  embedding  x = the ids (a one-hot row per id, never materialised); M = the table [vocab, dim].
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kfac_jax import _matchers, _scanner
+
+Array = jax.Array
+
+
+def _operand_shape(chain, param_shape) -> tuple[int, ...]:
+  return tuple(chain[-1].out_shape) if chain else tuple(param_shape)
+
+
+class DenseLayout:
+  """`s = x W (+ b)` with W viewed as [in, out] (see `DenseInfo`)."""
+
+  def __init__(self, spec):
+    self.spec = spec
+    self.info: _scanner.DenseInfo = spec.info
+    self.groups = 1
+    self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
+
+  def rows(self, data, dtype):
+    (x,), g = data
+    info = self.info
+    x = x.astype(dtype).transpose(info.x_perm).reshape(info.rows, 1, info.in_dim)
+    g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in info.out_perm))
+    return x, g.reshape(g.shape[0], info.rows, 1, info.out_dim)
+
+  def to_matrix(self, vecs, dtype) -> Array:
+    info = self.info
+    k = _scanner.apply_view(info.kernel_view, vecs[0].astype(dtype))
+    m = k.transpose(info.kernel_perm).reshape(1, info.in_dim, info.out_dim)
+    if self.spec.has_bias:
+      m = jnp.concatenate([m, vecs[1].astype(dtype).reshape(1, 1, info.out_dim)], axis=1)
+    return m
+
+  def from_matrix(self, m: Array) -> list[Array]:
+    info = self.info
+    op_shape = _operand_shape(info.kernel_view, self.spec.param_shapes[0])
+    permuted = tuple(op_shape[d] for d in info.kernel_perm)
+    k = m[0, :info.in_dim].reshape(permuted).transpose(np.argsort(info.kernel_perm))
+    out = [_scanner.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
+    if self.spec.has_bias:
+      out.append(m[0, info.in_dim].reshape(self.spec.param_shapes[1]))
+    return out
+
+
+class ConvLayout:
+  """A convolution as a product of input patches with the kernel matrix (see module doc)."""
+
+  def __init__(self, spec):
+    self.spec = spec
+    self.info: _matchers.ConvInfo = spec.info
+    self.groups = self.info.groups
+    self.in_dim, self.out_dim = self.info.patch_dim, self.info.out_per_group
+    rhs = self.info.rhs_spec
+    self._kernel_perm = (rhs[1], *rhs[2:], rhs[0])  # operand -> (in, window..., out)
+
+  def _input_nc(self, x):
+    """The input as [N, C, *spatial]."""
+    return x.transpose(self.info.lhs_spec)
+
+  def rows(self, data, dtype):
+    (x,), g = data
+    info = self.info
+    p = lax.conv_general_dilated_patches(
+        self._input_nc(x.astype(dtype)), info.kernel_spatial, info.window_strides, info.padding,
+        info.lhs_dilation, info.rhs_dilation, precision=lax.Precision.HIGHEST)
+    p = jnp.moveaxis(p, 1, -1)  # [N, *out_spatial, C·W], (channel, window) row-major.
+    x_rows = p.reshape(-1, self.groups, self.in_dim)
+    o = info.out_spec
+    g = g.astype(dtype).transpose((0, o[0] + 1, *(d + 1 for d in o[2:]), o[1] + 1))
+    return x_rows, g.reshape(g.shape[0], -1, self.groups, self.out_dim)
+
+  def sua_input_factor(self, data, dtype, has_bias: bool) -> Array:
+    """The input factor under spatially uncorrelated activations (Grosse & Martens 2016, §3).
+
+    With a_t the input channels (of one group) at spatial location t, M = mean_t a_t a_tᵀ and
+    μ = mean_t a_t over all examples and input locations, and activations assumed uncorrelated
+    across distinct locations (and homogeneous in space), the second moment of a patch, indexed
+    by (channel c, window offset δ), is
+
+        Ω[(c, δ), (c', δ')] = M[c, c'] if δ = δ' else μ_c μ_c',
+
+    i.e. Ω = (M − μμᵀ) ⊗ I_W + μμᵀ ⊗ 1_W 1_Wᵀ, with the homogeneous row [μ ⊗ 1_W, 1] when
+    there is a bias. Boundary (padding) and input-dilation zeros are ignored.
+    """
+    (x,), _ = data
+    info = self.info
+    a = jnp.moveaxis(self._input_nc(x.astype(dtype)), 1, -1)
+    a = a.reshape(-1, self.groups, info.in_channels // self.groups)  # [N·T, G, Cg]
+    m2 = jnp.einsum("tgi,tgj->gij", a, a) / a.shape[0]
+    mu = jnp.mean(a, axis=0)
+    w = math.prod(info.kernel_spatial)
+    ones = jnp.ones((w, w), dtype)
+
+    def one_group(m2, mu):
+      mm = jnp.outer(mu, mu)
+      om = jnp.kron(m2 - mm, jnp.eye(w, dtype=dtype)) + jnp.kron(mm, ones)
+      if has_bias:
+        col = jnp.repeat(mu, w)[:, None]
+        om = jnp.block([[om, col], [col.T, jnp.ones((1, 1), dtype)]])
+      return om
+
+    return jax.vmap(one_group)(m2, mu)
+
+  def to_matrix(self, vecs, dtype) -> Array:
+    k = _scanner.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
+    k = k.transpose(self._kernel_perm).reshape(self.in_dim, self.groups, self.out_dim)
+    m = k.transpose(1, 0, 2)
+    if self.spec.has_bias:
+      b = vecs[1].astype(dtype).reshape(self.groups, 1, self.out_dim)
+      m = jnp.concatenate([m, b], axis=1)
+    return m
+
+  def from_matrix(self, m: Array) -> list[Array]:
+    info = self.info
+    op_shape = _operand_shape(info.kernel_view, self.spec.param_shapes[0])
+    permuted = tuple(op_shape[d] for d in self._kernel_perm)
+    k = m[:, :self.in_dim].transpose(1, 0, 2).reshape(permuted)
+    k = k.transpose(np.argsort(self._kernel_perm))
+    out = [_scanner.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
+    if self.spec.has_bias:
+      out.append(m[:, self.in_dim].reshape(self.spec.param_shapes[1]))
+    return out
+
+
+class EmbeddingLayout:
+  """`s = onehot(id) T` with the table T: [vocab, dim]; x holds the ids, not one-hot rows."""
+
+  def __init__(self, spec):
+    self.spec = spec
+    self.info: _matchers.EmbeddingInfo = spec.info
+    self.groups = 1
+    self.in_dim, self.out_dim = self.info.vocab_size, self.info.dim
+
+  def rows(self, data, dtype):
+    (ids,), g = data
+    g = g.astype(dtype)
+    return ids.reshape(-1), g.reshape(g.shape[0], -1, 1, self.out_dim)
+
+  def to_matrix(self, vecs, dtype) -> Array:
+    t = _scanner.apply_view(self.info.table_view, vecs[0].astype(dtype))
+    return t.reshape(1, self.in_dim, self.out_dim)
+
+  def from_matrix(self, m: Array) -> list[Array]:
+    return [m[0].reshape(self.spec.param_shapes[0])]
+
+
+_LAYOUTS = {"dense": DenseLayout, "conv": ConvLayout, "embedding": EmbeddingLayout}
+
+
+def layout_for(spec):
+  return _LAYOUTS[spec.kind](spec)
+
+
+def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
+  """`[S·N, n]`: the gradient of each example's loss for each sampled target, leaves raveled.
+
+  Computed from the recorded inputs and output gradients, without a per-example backward pass:
+  for dense and conv layers J_n = Σ_{r ∈ n} x̄_r g_rᵀ (rows grouped by example, the leading
+  axis of the rows being the batch); for scale-and-shift layers Σ_positions x̂ ⊙ g (scale) and
+  Σ_positions g (shift), positions being all axes but the batch and the parameter's own.
+  """
+  if spec.kind == "scale_and_shift":
+    return _scale_shift_grads(spec, data, dtype)
+  layout = layout_for(spec)
+  x, g = layout.rows(data, dtype)
+  rows = x.shape[0]
+  if rows % batch_size:
+    raise ValueError(
+        f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
+        f"{spec.approx!r} approximation needs the batch as the leading axis of the input.")
+  if spec.has_bias:
+    x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
+  x = x.reshape(batch_size, rows // batch_size, *x.shape[1:])
+  g = g.reshape(g.shape[0], batch_size, rows // batch_size, *g.shape[2:])
+  j = jnp.einsum("nlgi,snlgo->sngio", x, g, precision=lax.Precision.HIGHEST)
+  j = j.reshape(-1, *j.shape[2:])
+  leaves = jax.vmap(layout.from_matrix)(j)
+  return jnp.concatenate([v.reshape(v.shape[0], -1) for v in leaves], axis=1)
+
+
+def _scale_shift_grads(spec, data, dtype) -> Array:
+  info: _matchers.ScaleShiftInfo = spec.info
+  inputs, g = data
+  g = g.astype(dtype)
+  nd = len(info.output_shape)
+  axes = tuple(range(2, 2 + nd - 1 - len(info.feature_shape)))
+  out = []
+  if info.has_scale:
+    xhat = jnp.ones(info.output_shape, dtype)
+    for v in inputs:
+      xhat = xhat * jnp.broadcast_to(v.astype(dtype), info.output_shape)
+    out.append(jnp.sum(g * xhat[None], axis=axes))
+  if info.has_shift:
+    out.append(jnp.sum(g, axis=axes))
+  return jnp.concatenate([o.reshape(-1, math.prod(info.feature_shape)) for o in out], axis=1)

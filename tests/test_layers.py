@@ -1,0 +1,607 @@
+"""Convolution, scale-and-shift and embedding layers against exact Fisher blocks (float64)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+from jax.flatten_util import ravel_pytree
+
+import kfac_jax
+
+
+def _ce(logits, y):
+  kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _per_example_ce(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+def _estimate(loss_fn, params, batch, rng=None, mode="empirical"):
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode)
+  state = est.init(params)
+  state = jax.jit(lambda s: est.update_curvature(s, params, batch, rng, ema_decay=0.0))(state)
+  return est, state, np.asarray(est.to_dense(state))
+
+
+def _exact_empirical(per_example_fn, params, batch):
+  """(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ from per-example gradients (jax.jacobian)."""
+  flat, unravel = ravel_pytree(params)
+  jac = jax.jacobian(lambda f: per_example_fn(unravel(f), batch))(flat)
+  jac = np.asarray(jac)
+  return jac.T @ jac / jac.shape[0]
+
+
+def _group_mask(sizes_and_groups):
+  groups = np.concatenate([g for g in sizes_and_groups])
+  return groups[:, None] == groups[None, :]
+
+
+# -- convolutions --------------------------------------------------------------------------------
+
+
+def test_one_by_one_conv_equals_dense(x64):
+  k = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(k[0], (3, 4, 5, 2), jnp.float64)
+  y = jax.random.randint(k[1], (3, 4, 5), 0, 3)
+  w = jax.random.normal(k[2], (2, 3), jnp.float64)
+  b = jax.random.normal(k[3], (3,), jnp.float64)
+
+  def conv_loss(p, batch):
+    out = lax.conv_general_dilated(batch["x"], p["w"], (1, 1), "VALID",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+    return _ce(out, batch["y"])
+
+  def dense_loss(p, batch):
+    return _ce(batch["x"] @ p["w"] + p["b"], batch["y"])
+
+  batch = {"x": x, "y": y}
+  conv_p, dense_p = {"w": w.reshape(1, 1, 2, 3), "b": b}, {"w": w, "b": b}
+  assert [l.kind for l in kfac_jax.scan_layers(conv_loss, conv_p, batch, strict=True)] == ["conv"]
+  _, _, conv_f = _estimate(conv_loss, conv_p, batch)
+  _, _, dense_f = _estimate(dense_loss, dense_p, batch)
+  np.testing.assert_allclose(conv_f, dense_f, rtol=1e-12, atol=1e-14)
+  _, _, conv_g = _estimate(conv_loss, conv_p, batch, jax.random.key(3), "gradients")
+  _, _, dense_g = _estimate(dense_loss, dense_p, batch, jax.random.key(3), "gradients")
+  np.testing.assert_allclose(conv_g, dense_g, rtol=1e-12, atol=1e-14)
+
+
+# Each case has one output location, so K-FAC for one example is the exact outer product.
+_CONV_CASES = {
+    "1d_dilated": dict(x=(1, 5, 2), k=(3, 2, 4), strides=(1,), padding="VALID",
+                       rhs_dilation=(2,), dn=("NWC", "WIO", "NWC")),
+    "1d_lhs_dilated": dict(x=(1, 2, 3), k=(3, 3, 2), strides=(1,), padding=((0, 0),),
+                           lhs_dilation=(2,), dn=("NWC", "WIO", "NWC")),
+    "2d_strided_same": dict(x=(1, 2, 2, 3), k=(3, 3, 3, 2), strides=(2, 2), padding="SAME",
+                            dn=("NHWC", "HWIO", "NHWC")),
+    "2d_dilated_nchw": dict(x=(1, 2, 3, 3), k=(3, 2, 2, 2), strides=(1, 1), padding="VALID",
+                            rhs_dilation=(2, 2), dn=("NCHW", "OIHW", "NCHW")),
+    "2d_explicit_pad": dict(x=(1, 3, 2, 2), k=(2, 2, 3, 3), strides=(2, 1),
+                            padding=((1, 0), (0, 0)), dn=("NCHW", "HWIO", "NHWC")),
+    "3d": dict(x=(1, 2, 2, 2, 2), k=(2, 2, 2, 2, 3), strides=(1, 1, 1), padding="VALID",
+               dn=("NDHWC", "DHWIO", "NDHWC")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CONV_CASES))
+def test_conv_single_location_equals_gradient_outer_product(x64, case):
+  c = _CONV_CASES[case]
+  k = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(k[0], c["x"], jnp.float64)
+  params = {"w": jax.random.normal(k[1], c["k"], jnp.float64),
+            "b": jax.random.normal(k[2], (c["k"][c["dn"][1].index("O")],), jnp.float64)}
+
+  def loss_fn(p, batch):
+    out = lax.conv_general_dilated(
+        batch["x"], p["w"], c["strides"], c["padding"], lhs_dilation=c.get("lhs_dilation"),
+        rhs_dilation=c.get("rhs_dilation"), dimension_numbers=c["dn"])
+    feat = c["dn"][2].index("C")
+    assert np.prod(out.shape) == out.shape[feat], out.shape  # One output location.
+    bias_shape = [1] * out.ndim
+    bias_shape[feat] = -1
+    logits = (out + p["b"].reshape(bias_shape)).reshape(1, -1)
+    return _ce(logits, batch["y"])
+
+  batch = {"x": x, "y": jnp.array([1])}
+  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert [(l.kind, l.param_paths) for l in layers] == [("conv", ("w", "b"))]
+  _, _, dense = _estimate(loss_fn, params, batch)
+  g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
+  np.testing.assert_allclose(dense, np.outer(g, g), rtol=1e-10, atol=1e-12)
+
+
+def _conv_model(approx=None, groups=1, cin=4, cout=4, bias=True, use_tag=True):
+  """A strided 2-d conv (NHWC, SAME) then a dense readout, the conv optionally tagged by hand."""
+  def apply(p, x):
+    kw = dict(window_strides=(2, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+              feature_group_count=groups)
+    y = lax.conv_general_dilated(x, p["conv"]["w"], **kw)
+    if bias:
+      y = y + p["conv"]["b"]
+    if use_tag:
+      y = kfac_jax.register_conv(y, x, p["conv"]["w"], p["conv"]["b"] if bias else None,
+                                 approx=approx, **kw)
+    return jnp.tanh(y).reshape(x.shape[0], -1) @ p["out"]["w"]
+
+  k = jax.random.split(jax.random.key(2), 3)
+  params = {"conv": {"w": 0.5 * jax.random.normal(k[0], (2, 3, cin // groups, cout))},
+            "out": {"w": jax.random.normal(k[1], (2 * 3 * cout, 3)) / 5}}
+  if bias:
+    params["conv"]["b"] = 0.1 * jax.random.normal(k[2], (cout,))
+  params = jax.tree_util.tree_map(lambda v: v.astype(jnp.float64), params)
+  kx, ky = jax.random.split(jax.random.key(3))
+  batch = {"x": jax.random.normal(kx, (3, 4, 3, cin), jnp.float64),
+           "y": jax.random.randint(ky, (3,), 0, 3)}
+  return apply, params, batch
+
+
+def _conv_block(params, dense):
+  n = sum(v.size for v in jax.tree_util.tree_leaves(params["conv"]))
+  return dense[:n, :n]
+
+
+@pytest.mark.parametrize("approx", ["diagonal", "full"])
+def test_conv_diagonal_and_full_equal_exact_empirical_fisher(x64, approx):
+  apply, params, batch = _conv_model(approx)
+  loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
+  est, _, dense = _estimate(loss_fn, params, batch)
+  assert est.layers[0].approx == approx
+  exact = _exact_empirical(lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]), params, batch)
+  n = _conv_block(params, dense).shape[0]
+  want = exact[:n, :n] if approx == "full" else np.diag(np.diag(exact[:n, :n]))
+  np.testing.assert_allclose(_conv_block(params, dense), want, rtol=1e-10, atol=1e-13)
+
+
+def _patches_brute_force(x, kh, kw, stride, pads):
+  """[N·L, kh·kw·C] patches, (channel, window) row-major, by explicit loops."""
+  n = x.shape[0]
+  xp = np.pad(np.asarray(x), ((0, 0), pads[0], pads[1], (0, 0)))
+  rows = []
+  for i in range(n):
+    for oh in range(0, xp.shape[1] - kh + 1, stride[0]):
+      for ow in range(0, xp.shape[2] - kw + 1, stride[1]):
+        win = xp[i, oh:oh + kh, ow:ow + kw, :]  # [kh, kw, C]
+        rows.append(win.transpose(2, 0, 1).reshape(-1))
+  return np.stack(rows)
+
+
+def test_conv_kron_factors_by_brute_force(x64):
+  apply, params, batch = _conv_model("kron")
+  loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
+  est, state, _ = _estimate(loss_fn, params, batch)
+  f = state.factors[est.layers[0].name]
+  # SAME padding, strides (2, 1), window (2, 3) on a 4x3 input: pads ((0, 0), (1, 1)).
+  p = _patches_brute_force(batch["x"], 2, 3, (2, 1), ((0, 0), (1, 1)))
+  p = np.concatenate([p, np.ones((p.shape[0], 1))], axis=1)
+  np.testing.assert_allclose(f["a"], p.T @ p / p.shape[0], rtol=1e-12)
+
+
+def test_conv_kron_sua_factor_by_definition(x64):
+  apply, params, batch = _conv_model("kron_sua")
+  loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
+  est, state, _ = _estimate(loss_fn, params, batch)
+  est_k, state_k, _ = _estimate(lambda p, b: _ce(_conv_model("kron")[0](p, b["x"]), b["y"]),
+                                params, batch)
+  f, fk = state.factors[est.layers[0].name], state_k.factors[est_k.layers[0].name]
+  np.testing.assert_allclose(f["g"], fk["g"], rtol=1e-12)  # Same output factor as "kron".
+  a = np.asarray(batch["x"]).reshape(-1, 4)  # All input locations of all examples.
+  m2, mu = a.T @ a / a.shape[0], a.mean(0)
+  w = 2 * 3
+  d = 4 * w
+  want = np.ones((d + 1, d + 1))
+  for i in range(d):
+    for j in range(d):
+      (ci, di), (cj, dj) = divmod(i, w), divmod(j, w)
+      want[i, j] = m2[ci, cj] if di == dj else mu[ci] * mu[cj]
+    want[i, d] = want[d, i] = mu[i // w]
+  np.testing.assert_allclose(f["a"], want, rtol=1e-12, atol=1e-14)
+
+
+def test_depthwise_conv_defaults_to_exact_diagonal(x64):
+  apply, params, batch = _conv_model(groups=4, cin=4, cout=8, use_tag=False)
+  loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
+  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert [(l.kind, l.approx) for l in layers] == [("conv", "diagonal"), ("dense", "kron")]
+  _, _, dense = _estimate(loss_fn, params, batch)
+  exact = _exact_empirical(lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]), params, batch)
+  n = _conv_block(params, dense).shape[0]
+  np.testing.assert_allclose(_conv_block(params, dense), np.diag(np.diag(exact[:n, :n])),
+                             rtol=1e-10, atol=1e-13)
+
+
+def test_grouped_conv_per_group_kronecker_single_example(x64):
+  """Batch 1, one output location: each group's block is that group's exact outer product."""
+  groups, cin, cout = 2, 4, 6
+  k = jax.random.split(jax.random.key(5), 3)
+  params = {"w": jax.random.normal(k[0], (2, 2, cin // groups, cout), jnp.float64),
+            "b": jax.random.normal(k[1], (cout,), jnp.float64)}
+  batch = {"x": jax.random.normal(k[2], (1, 2, 2, cin), jnp.float64), "y": jnp.array([2])}
+
+  def loss_fn(p, b):
+    y = lax.conv_general_dilated(b["x"], p["w"], (1, 1), "VALID", feature_group_count=groups,
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+    return _ce(y.reshape(1, -1), b["y"])
+
+  est, _, dense = _estimate(loss_fn, params, batch)
+  assert est.layers[0].factor_shapes == ((2, 9, 9), (2, 3, 3))
+  g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
+  out_group = np.arange(cout) // (cout // groups)
+  mask = _group_mask([np.broadcast_to(out_group, (2, 2, 2, cout)).ravel(), out_group])
+  np.testing.assert_allclose(dense, np.outer(g, g) * mask, rtol=1e-10, atol=1e-12)
+
+
+# -- scale and shift -----------------------------------------------------------------------------
+
+
+class _NormMLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(5)(x)
+    h = nn.LayerNorm()(h)
+    return nn.Dense(3)(jnp.tanh(h))
+
+
+@pytest.mark.parametrize("approx", ["full", "diagonal"])
+def test_scale_and_shift_equals_exact_fisher_block(x64, approx):
+  kx, ky = jax.random.split(jax.random.key(0))
+  batch = {"x": jax.random.normal(kx, (4, 2, 3), jnp.float64),  # A time axis, too.
+           "y": jax.random.randint(ky, (4, 2), 0, 3)}
+  model = _NormMLP()
+  params = jax.tree_util.tree_map(lambda v: v.astype(jnp.float64),
+                                  model.init(jax.random.key(1), batch["x"]))
+  params = jax.tree_util.tree_map(lambda v: v + 0.3, params)  # Non-trivial scale and bias.
+
+  def per_example(p, b):
+    return _per_example_ce(model.apply(p, b["x"]), b["y"]).sum(-1)
+
+  def loss_fn(p, b):
+    logits = model.apply(p, b["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).sum(-1).mean()
+
+  if approx == "diagonal":  # The same layer, tagged by hand.
+    def apply(p, x):
+      h = x @ p["params"]["Dense_0"]["kernel"] + p["params"]["Dense_0"]["bias"]
+      mean = h.mean(-1, keepdims=True)
+      xhat = (h - mean) * lax.rsqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-6)
+      ln = p["params"]["LayerNorm_0"]
+      h = kfac_jax.register_scale_and_shift(xhat * ln["scale"] + ln["bias"], xhat, ln["scale"],
+                                            ln["bias"], approx="diagonal")
+      d = p["params"]["Dense_1"]
+      return jnp.tanh(h) @ d["kernel"] + d["bias"]
+    np.testing.assert_allclose(apply(params, batch["x"]), model.apply(params, batch["x"]),
+                               rtol=1e-6)
+    per_example = lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]).sum(-1)
+    loss_fn = lambda p, b: _ce_seq(apply(p, b["x"]), b["y"])
+
+  est, _, dense = _estimate(loss_fn, params, batch)
+  ln = [l for l in est.layers if l.kind == "scale_and_shift"]
+  assert [(l.name, l.approx) for l in ln] == [("params/LayerNorm_0", approx)]
+  exact = _exact_empirical(per_example, params, batch)
+  sizes = [v.size for v in jax.tree_util.tree_leaves(params)]
+  off = np.concatenate([[0], np.cumsum(sizes)])
+  idx = np.concatenate([np.arange(off[j], off[j + 1]) for j in ln[0].leaf_indices])
+  want = exact[np.ix_(idx, idx)]
+  if approx == "diagonal":
+    want = np.diag(np.diag(want))
+  np.testing.assert_allclose(dense[np.ix_(idx, idx)], want, rtol=1e-10, atol=1e-13)
+
+
+def _ce_seq(logits, y):
+  kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum(-1).mean()
+
+
+# -- embeddings ----------------------------------------------------------------------------------
+
+
+def test_embedding_one_id_equals_gradient_outer_product(x64):
+  k = jax.random.split(jax.random.key(0), 2)
+  params = {"table": jax.random.normal(k[0], (6, 3), jnp.float64),
+            "w": jax.random.normal(k[1], (3, 4), jnp.float64)}
+
+  def loss_fn(p, b):
+    return _ce(jnp.take(p["table"], b["ids"], axis=0) @ p["w"], b["y"])
+
+  batch = {"ids": jnp.array([4]), "y": jnp.array([1])}
+  est, _, dense = _estimate(loss_fn, params, batch)
+  assert [l.kind for l in est.layers] == ["embedding", "dense"]
+  g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
+  n = 18
+  np.testing.assert_allclose(dense[:n, :n], np.outer(g[:n], g[:n]), rtol=1e-10, atol=1e-13)
+
+
+def test_embedding_equals_dense_block_on_one_hot_inputs(x64):
+  """Diagonal input factor = the dense block's (diagonal) E[one-hot one-hotᵀ], with sequences."""
+  k = jax.random.split(jax.random.key(1), 3)
+  vocab = 7
+  table = jax.random.normal(k[0], (vocab, 3), jnp.float64)
+  w = jax.random.normal(k[1], (3, 4), jnp.float64)
+  batch = {"ids": jax.random.randint(k[2], (5, 3), 0, vocab), "y": jnp.zeros((5, 3), jnp.int32)}
+
+  def gather_loss(p, b):
+    return _ce_seq(p["table"][b["ids"]] @ p["w"], b["y"])
+
+  def one_hot_loss(p, b):
+    return _ce_seq(jax.nn.one_hot(b["ids"], vocab, dtype=jnp.float64) @ p["table"] @ p["w"],
+                   b["y"])
+
+  params = {"table": table, "w": w}
+  kinds = [l.kind for l in kfac_jax.scan_layers(one_hot_loss, params, batch)]
+  assert kinds == ["dense", "dense"]  # A one-hot matmul stays a dense layer.
+  est, state, emb = _estimate(gather_loss, params, batch, jax.random.key(0), "gradients")
+  assert est.layers[0].kind == "embedding" and est.layers[0].factor_shapes == ((7,), (3, 3))
+  _, _, dense = _estimate(one_hot_loss, params, batch, jax.random.key(0), "gradients")
+  np.testing.assert_allclose(emb, dense, rtol=1e-10, atol=1e-13)
+  counts = np.bincount(np.asarray(batch["ids"]).ravel(), minlength=vocab) / 15
+  np.testing.assert_allclose(state.factors[est.layers[0].name]["a"], counts, rtol=1e-12)
+
+
+@pytest.mark.parametrize("damping_mode", ["factored", "eigen"])
+def test_embedding_inverse_is_inverse_of_damped_block(x64, damping_mode):
+  params = {"table": jax.random.normal(jax.random.key(0), (5, 3), jnp.float64)}
+  batch = {"ids": jnp.array([[0, 1], [1, 3], [4, 4]]), "y": jnp.array([[0, 1], [2, 1], [0, 0]])}
+
+  def loss_fn(p, b):
+    return _ce_seq(kfac_jax.register_embedding(p["table"][b["ids"]], b["ids"], p["table"]),
+                   b["y"])
+
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, damping_mode=damping_mode,
+                                    compute_cholesky=True, compute_cholesky_inverse=True)
+  state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
+  state = est.update_inverses(state, 0.1)
+  v = {"table": jax.random.normal(jax.random.key(2), (5, 3), jnp.float64)}
+  back = est.multiply(state, est.multiply_inverse(state, v))
+  np.testing.assert_allclose(back["table"], v["table"], rtol=1e-8)
+  c = est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v))
+  np.testing.assert_allclose(c["table"], v["table"], rtol=1e-8)
+
+
+# -- scanner on Flax layers ----------------------------------------------------------------------
+
+
+class _LinenAll(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, ids, train: bool = True):
+    h = nn.Conv(4, (3, 3), strides=2, padding="SAME", name="conv")(x)
+    h = nn.LayerNorm(name="ln")(h)
+    h = nn.GroupNorm(num_groups=2, name="gn")(h)
+    h = nn.RMSNorm(name="rms")(h)
+    h = nn.BatchNorm(use_running_average=not train, name="bn")(h)
+    h = nn.Conv(8, (1, 3), feature_group_count=4, name="dw")(h)
+    e = nn.Embed(10, 8, name="emb")(ids)
+    return nn.Dense(3, name="out")(h.mean((1, 2)) + e)
+
+
+_EXPECTED = [
+    ("bn", "scale_and_shift", ("scale", "bias")),
+    ("conv", "conv", ("kernel", "bias")),
+    ("dw", "conv", ("kernel", "bias")),
+    ("emb", "embedding", ("embedding",)),
+    ("gn", "scale_and_shift", ("scale", "bias")),
+    ("ln", "scale_and_shift", ("scale", "bias")),
+    ("out", "dense", ("kernel", "bias")),
+    ("rms", "scale_and_shift", ("scale",)),
+]
+
+
+def _flax_batch():
+  kx, ky = jax.random.split(jax.random.key(0))
+  return {"x": jax.random.normal(kx, (2, 5, 5, 3)), "ids": jnp.array([3, 7]),
+          "y": jax.random.randint(ky, (2,), 0, 3)}
+
+
+def test_scanner_finds_linen_layers():
+  model, batch = _LinenAll(), _flax_batch()
+  variables = model.init(jax.random.key(1), batch["x"], batch["ids"])
+
+  def loss_fn(params, b):
+    logits, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                            b["x"], b["ids"], mutable=["batch_stats"])
+    return _ce(logits, b["y"])
+
+  layers = kfac_jax.scan_layers(loss_fn, variables["params"], batch, strict=True)
+  got = [(l.name, l.kind, tuple(p.rsplit("/", 1)[1] for p in l.param_paths)) for l in layers]
+  assert sorted(got) == _EXPECTED
+  assert {l.name: l.approx for l in layers}["dw"] == "diagonal"  # Depthwise.
+
+
+class _NnxAll(nnx.Module):
+
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(3, 4, (3, 3), strides=2, padding="SAME", rngs=rngs)
+    self.ln = nnx.LayerNorm(4, rngs=rngs)
+    self.gn = nnx.GroupNorm(4, num_groups=2, rngs=rngs)
+    self.rms = nnx.RMSNorm(4, rngs=rngs)
+    self.bn = nnx.BatchNorm(4, rngs=rngs)
+    self.dw = nnx.Conv(4, 8, (1, 3), feature_group_count=4, rngs=rngs)
+    self.emb = nnx.Embed(10, 8, rngs=rngs)
+    self.out = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x, ids):
+    h = self.dw(self.bn(self.rms(self.gn(self.ln(self.conv(x))))))
+    return self.out(h.mean((1, 2)) + self.emb(ids))
+
+
+def test_scanner_finds_nnx_layers():
+  graphdef, params, rest = nnx.split(_NnxAll(nnx.Rngs(0)), nnx.Param, ...)
+  params = nnx.to_pure_dict(params)
+
+  def loss_fn(p, b):
+    model = nnx.merge(graphdef, p, rest, copy=True)
+    return _ce(model(b["x"], b["ids"]), b["y"])
+
+  layers = kfac_jax.scan_layers(loss_fn, params, _flax_batch(), strict=True)
+  got = [(l.name, l.kind, tuple(p.rsplit("/", 1)[1] for p in l.param_paths)) for l in layers]
+  assert sorted(got) == [(n, k, tuple("embedding" if p == "embedding" else p for p in ps))
+                         for n, k, ps in _EXPECTED]
+
+
+# -- a full step -----------------------------------------------------------------------------------
+
+
+class _SmallCNN(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(4, (3, 3), padding="SAME")(x)
+    h = jax.nn.relu(nn.LayerNorm()(h))
+    h = nn.Conv(4, (3, 3), strides=2)(h)
+    return nn.Dense(3)(h.reshape(h.shape[0], -1))
+
+
+def test_jitted_kfac_step_on_small_cnn_is_a_descent_direction():
+  model = _SmallCNN()
+  kx, ky = jax.random.split(jax.random.key(0))
+  batch = {"x": jax.random.normal(kx, (8, 6, 6, 2)), "y": jax.random.randint(ky, (8,), 0, 3)}
+  params = model.init(jax.random.key(1), batch["x"])
+  loss_fn = lambda p, b: _ce(model.apply(p, b["x"]), b["y"])
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, damping=1e-2, inverse_every=1)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, rng):
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return loss, grads, updates, state
+
+  with jax.numpy_rank_promotion("raise"):  # The library's own code never relies on it.
+    loss, grads, updates, state = step(params, state, jax.random.key(2))
+  kinds = sorted(l.kind for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  assert kinds == ["conv", "conv", "dense", "scale_and_shift"]
+  inner = sum(jnp.vdot(g, u) for g, u in zip(jax.tree_util.tree_leaves(grads),
+                                             jax.tree_util.tree_leaves(updates)))
+  assert np.isfinite(float(loss)) and float(inner) < 0
+  new_loss = loss_fn(optax.apply_updates(params, updates), batch)
+  assert float(new_loss) < float(loss)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_approx_that_does_not_fit_the_kind_names_the_parameter():
+  params = {"table": jnp.ones((5, 3))}
+
+  def loss_fn(p, b):
+    y = kfac_jax.register_embedding(p["table"][b["ids"]], b["ids"], p["table"], approx="full")
+    return _ce(y, b["y"])
+
+  batch = {"ids": jnp.array([0, 1]), "y": jnp.array([0, 1])}
+  with pytest.raises(kfac_jax.RegistrationError, match=r"'full'.*embedding.*table.*'kron'"):
+    kfac_jax.scan_layers(loss_fn, params, batch)
+
+  conv_p = {"w": jnp.ones((1, 1, 2, 2))}
+
+  def conv_loss(p, b):
+    y = lax.conv_general_dilated(b["x"], p["w"], (1, 1), "VALID",
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = kfac_jax.register_conv(y, b["x"], p["w"], window_strides=(1, 1), padding="VALID",
+                               dimension_numbers=("NHWC", "HWIO", "NHWC"), approx="eigen")
+    return _ce(y.reshape(2, -1), b["y"])
+
+  with pytest.raises(kfac_jax.RegistrationError, match=r"'eigen'.*conv.*`?w"):
+    kfac_jax.scan_layers(conv_loss, conv_p, {"x": jnp.ones((2, 1, 1, 2)), "y": jnp.array([0, 1])})
+
+
+def test_malformed_manual_tags():
+  x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
+  dn = ("NHWC", "HWIO", "NHWC")
+  y = lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=dn)
+  with pytest.raises(ValueError,
+                     match=r"register_conv: `y` has shape \(2, 3, 3, 4\).*\(2, 5, 5, 4\)"):
+    kfac_jax.register_conv(y, x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=dn)
+  with pytest.raises(ValueError, match="register_conv: `window_strides` must be 2 positive"):
+    kfac_jax.register_conv(y, x, w, window_strides=(1,), padding="VALID", dimension_numbers=dn)
+  with pytest.raises(ValueError, match=r"register_conv: `bias` has shape \(3,\), expected \(4,\)"):
+    kfac_jax.register_conv(y, x, w, jnp.ones(3), window_strides=(1, 1), padding="VALID",
+                           dimension_numbers=dn)
+  with pytest.raises(ValueError, match="register_scale_and_shift: give `scale`, `shift`"):
+    kfac_jax.register_scale_and_shift(y, y)
+  with pytest.raises(ValueError, match=r"register_scale_and_shift: `scale` has shape \(3,\)"):
+    kfac_jax.register_scale_and_shift(y, y, jnp.ones(3))
+  with pytest.raises(TypeError, match="register_embedding: `ids` must be integers"):
+    kfac_jax.register_embedding(jnp.ones((2, 3)), jnp.ones((2,)), jnp.ones((5, 3)))
+  with pytest.raises(ValueError, match=r"register_embedding: `y` has shape \(2, 4\)"):
+    kfac_jax.register_embedding(jnp.ones((2, 4)), jnp.ones((2,), jnp.int32), jnp.ones((5, 3)))
+
+  def loss_fn(p, b):  # The kernel is not a parameter.
+    out = lax.conv_general_dilated(b["x"], b["w"], (1, 1), "VALID", dimension_numbers=dn)
+    out = kfac_jax.register_conv(out, b["x"], b["w"], window_strides=(1, 1), padding="VALID",
+                                 dimension_numbers=dn)
+    return _ce(out.reshape(2, -1) @ p["v"], b["y"])
+
+  with pytest.raises(kfac_jax.RegistrationError, match="register_conv: `kernel` is not a param"):
+    kfac_jax.scan_layers(loss_fn, {"v": jnp.ones((36, 2))},
+                         {"x": x, "w": w, "y": jnp.array([0, 1])})
+
+
+def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
+  k = jax.random.split(jax.random.key(0), 2)
+  params = {"w": jax.random.normal(k[0], (3, 4)), "b": jnp.zeros(4), "s": jnp.ones(4),
+            "t": jnp.zeros(4), "u": jnp.zeros((5, 4)), "alpha": jnp.ones(())}
+
+  def loss_fn(p, b):
+    h = b["x"] @ p["w"] + p["b"]  # A dense layer with its bias.
+    h = jnp.tanh(h) * p["s"] + p["t"]  # Scale and shift over the feature axis.
+    h = jnp.tanh(h) + p["u"]  # A shift spanning the (time, feature) axes.
+    h = h * p["alpha"]  # A scalar scale.
+    return _ce_seq(h, b["y"])
+
+  batch = {"x": jax.random.normal(k[1], (2, 5, 3)), "y": jnp.zeros((2, 5), jnp.int32)}
+  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  got = sorted((l.kind, l.param_paths, getattr(l.info, "feature_shape", None)) for l in layers)
+  assert got == [("dense", ("w", "b"), None),
+                 ("scale_and_shift", ("alpha",), ()),
+                 ("scale_and_shift", ("s", "t"), (4,)),
+                 ("scale_and_shift", ("u",), (5, 4))]
+
+
+@pytest.mark.parametrize("approx", ["diagonal", "full"])
+def test_dense_diagonal_and_full_equal_exact_empirical_fisher(x64, approx):
+  k = jax.random.split(jax.random.key(4), 4)
+  params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64),
+            "b": jax.random.normal(k[1], (4,), jnp.float64)}
+  batch = {"x": jax.random.normal(k[2], (3, 2, 3), jnp.float64),
+           "y": jax.random.randint(k[3], (3, 2), 0, 4)}
+
+  def apply(p, x):
+    return kfac_jax.register_dense(x @ p["w"] + p["b"], x, p["w"], p["b"], approx=approx)
+
+  est, _, dense = _estimate(lambda p, b: _ce_seq(apply(p, b["x"]), b["y"]), params, batch)
+  assert est.layers[0].approx == approx
+  exact = _exact_empirical(
+      lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]).sum(-1), params, batch)
+  want = exact if approx == "full" else np.diag(np.diag(exact))
+  np.testing.assert_allclose(dense, want, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("damping_mode", ["factored", "eigen"])
+@pytest.mark.parametrize("approx", ["kron", "kron_sua"])
+def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
+  apply, params, batch = _conv_model(approx, groups=2, cin=4, cout=6)
+  loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, damping_mode=damping_mode,
+                                    compute_cholesky=True, compute_cholesky_inverse=True)
+  state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
+  assert est.layers[0].factor_shapes[1] == (2, 3, 3)
+  state = est.update_inverses(state, 0.05)
+  v = jax.tree_util.tree_map(lambda p: jax.random.normal(jax.random.key(7), p.shape, p.dtype),
+                             params)
+  for back in (est.multiply(state, est.multiply_inverse(state, v)),
+               est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v)),
+               est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v, transpose=True),
+                                             transpose=True)):
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(v)):
+      np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-9)
+  if damping_mode == "eigen":  # The damped block is exactly to_dense + λ I.
+    flat_v = ravel_pytree(v)[0]
+    got = np.asarray(ravel_pytree(est.multiply(state, v))[0])
+    dense = np.asarray(est.to_dense(state))
+    np.testing.assert_allclose(got, dense @ flat_v + 0.05 * flat_v, rtol=1e-9)
