@@ -15,6 +15,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
 
 from kfac_jax._curvature import CurvatureStats, value_and_grad
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
+from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
 from kfac_jax._scanner import (
     LayerSpec,
     RegistrationError,
@@ -39,7 +40,11 @@ __all__ = [
     "CurvatureEstimator",
     "CurvatureStats",
     "EstimatorState",
+    "KfacOptaxState",
     "LayerSpec",
+    "Optimizer",
+    "OptimizerConfig",
+    "OptimizerState",
     "RegistrationError",
     "ScaleByKfacState",
     "UncoveredParametersWarning",
