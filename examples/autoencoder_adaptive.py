@@ -10,7 +10,7 @@ Both start from the same parameters; each train step is jit-compiled ahead of ti
 writes a PNG with the loss against steps and against wall-clock seconds, and prints a table of
 final losses and step times, plus the last α, μ, λ and ρ of K-FAC.
 
-    python examples/autoencoder_adaptive.py                  # about 2 minutes on 2 cores
+    python examples/autoencoder_adaptive.py      # about 5 minutes on 2 busy CPU cores
     python examples/autoencoder_adaptive.py --fast --out /tmp/ae_adaptive.png
 """
 

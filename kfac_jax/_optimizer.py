@@ -263,6 +263,11 @@ class Optimizer:
 
   Schedules are called with `state.step` (burn-in steps included).
 
+  Cost of a step beyond the gradient: the sampled backward pass of the statistics (on curvature
+  steps), one linearised forward pass with two tangents when α or μ comes from the model (or, with
+  both fixed, only on damping-adaptation steps), and one forward pass for `h(θ + δ)` on
+  damping-adaptation steps. Burn-in steps compute the statistics only.
+
   Raises:
     ValueError: an invalid hyperparameter (named in the message), before any state is created.
 
