@@ -224,8 +224,11 @@ def _read(atom, seen):
 
 
 def _vdot(a, b) -> Array:
-  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a),
-                                            jax.tree_util.tree_leaves(b)))
+  """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params)."""
+  def up(x):
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return sum(jnp.vdot(up(x), up(y)) for x, y in zip(jax.tree_util.tree_leaves(a),
+                                                    jax.tree_util.tree_leaves(b)))
 
 
 def _all_finite(tree) -> Array:

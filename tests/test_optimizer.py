@@ -53,16 +53,17 @@ def _ggn(loss_fn, apply_fn, params, batch):
   return jac.T @ hz @ jac
 
 
-@pytest.mark.parametrize("sizes", [(4, 3), (4, 5, 3)], ids=["linear", "mlp"])
-def test_alpha_mu_match_closed_form_2x2(x64, sizes):
+@pytest.mark.parametrize("sizes, momentum", [((4, 3), None), ((4, 5, 3), None), ((4, 3), 0.5)],
+                         ids=["linear", "mlp", "linear-fixed-momentum"])
+def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   params, batch, loss_fn = _mlp_problem(jnp.float64, sizes)
   eta, lam = 0.01, 0.3
   opt = kfac_jax.Optimizer(loss_fn, batch, damping=lam, use_adaptive_damping=False, l2_reg=eta,
-                           inverse_every=1)
+                           momentum=momentum, inverse_every=1)
   (p0, s0, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
 
-  # First step: δ_prev = 0, so the 1-D solve: μ = 0 and α = −∇hᵀΔ / ΔᵀĜΔ.
-  assert float(i0["momentum"]) == 0.0
+  # First step: δ_prev = 0, so the 1-D solve: α = −∇hᵀΔ / ΔᵀĜΔ (and μ = 0 unless fixed).
+  assert float(i0["momentum"]) == (momentum or 0.0)
   flat0, unravel = ravel_pytree(p0)
   flat1, _ = ravel_pytree(p1)
   grad_h = lambda f: jax.grad(lambda q: loss_fn(unravel(q), batch))(f) + eta * f
@@ -84,7 +85,10 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes):
   v = np.stack([delta, prev])
   c = v @ g_hat @ v.T
   b = v @ g1
-  x = np.linalg.solve(c, -b)
+  if momentum is None:
+    x = np.linalg.solve(c, -b)
+  else:  # α minimises the model with μ held: −(b_1 + μ C_12) / C_11.
+    x = np.array([-(b[0] + momentum * c[0, 1]) / c[0, 0], momentum])
   np.testing.assert_allclose([i1["learning_rate"], i1["momentum"]], x, rtol=1e-7)
   np.testing.assert_allclose(i1["quad_model_change"], b @ x + 0.5 * x @ c @ x, rtol=1e-7)
   np.testing.assert_allclose(ravel_pytree(p2)[0], flat1 + x @ v, rtol=1e-9, atol=1e-12)
@@ -259,6 +263,13 @@ def test_thirty_steps_compile_once():
   assert changed == [False] * 3 + [True] * 27  # burn-in, then real steps
   assert len(set(dampings)) > 3  # adapted several times
   assert int(state.step) == 30 and int(state.skipped) == 0
+  # Statistics on the 3 burn-in steps and on every 2nd step after (k_run = 0, 2, ..., 26).
+  np.testing.assert_allclose(state.curvature.ema_weight, sum(0.95 ** j for j in range(17)),
+                             rtol=1e-6)
+  # The last inverse update was at k_run = 24 (step 27), with the damping of that step.
+  cache_damping = float(state.curvature.cache["layer0"]["damping"])
+  np.testing.assert_allclose(cache_damping, dampings[26], rtol=1e-6)
+  assert cache_damping != dampings[-1]  # adapted at step 28 (k_run = 25), after it
 
 
 def test_nan_batch_leaves_everything_bit_identical():
