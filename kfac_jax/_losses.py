@@ -30,7 +30,8 @@ so that the blocks divide their sums over the leading axis by S (e.g. G = Σ_s �
   "curvature_prop_GGN": the same with the square-root factor of the loss Hessian (the GGN).
   "exact":              v_k = √K √w B e_k for every non-batch output coordinate k, S = K =
                         prod(z.shape[1:]): (1/K) Σ_k v_k v_kᵀ = w B Bᵀ exactly. `num_samples`
-                        does not apply (it must be 1).
+                        does not apply (it must be 1). The stack holds K vectors of the
+                        prediction's size, and the estimator runs K backward passes.
   "exact_GGN":          the same with the GGN factor.
 Vectors are per example: they are *not* divided by the batch size.
 """
@@ -136,15 +137,6 @@ SQRT_PRODUCTS = {
     "exact": fisher_sqrt_product,
     "exact_GGN": ggn_sqrt_product,
 }
-
-
-def num_cotangents(spec: LossSpec, mode: str, num_samples: int) -> int:
-  """S, the length of the stack `output_cotangents` returns for this tag and mode."""
-  if mode == "empirical":
-    return 1
-  if mode in EXACT_MODES:
-    return math.prod(spec.prediction_shape[1:])
-  return num_samples
 
 
 def _exact_columns(spec: LossSpec, z: Array, sqrt_product) -> Array:

@@ -1,0 +1,280 @@
+"""The six estimation modes against exact Fisher / GGN references on tiny models (float64)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import kfac_jax
+from tests import _models
+
+KINDS = ["categorical", "bernoulli", "normal"]
+VAR = 0.3
+ALL_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact",
+             "exact_GGN")
+
+
+def _tagged(kind, z, b):
+  """Registers a weighted loss tag on `z` and returns the matching loss (a mean over the batch)."""
+  w = b["w"]
+  if kind == "categorical":
+    kfac_jax.register_softmax_cross_entropy_loss(z, b["y"], weight=w)
+    return jnp.mean(w * optax.softmax_cross_entropy_with_integer_labels(z, b["y"]))
+  if kind == "bernoulli":
+    kfac_jax.register_sigmoid_cross_entropy_loss(z, b["t"], weight=w)
+    return jnp.mean(jnp.sum(w * optax.sigmoid_binary_cross_entropy(z, b["t"]), -1))
+  kfac_jax.register_normal_predictive_distribution(z, b["t"], var=VAR, weight=w)
+  return jnp.mean(jnp.sum(w * (z - b["t"]) ** 2 / (2 * VAR), -1))
+
+
+def _setup(kind, model, n=1):
+  din, dout = 3, 4
+  kx, kp, kt, kw = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(kx, (n, din), jnp.float64)
+  # Per-example weights for the categorical, per-coordinate weights for the others.
+  wshape = (n,) if kind == "categorical" else (n, dout)
+  batch = {"x": x, "y": jnp.arange(n) % dout,
+           "t": (jax.random.uniform(kt, (n, dout), jnp.float64) > 0.5).astype(jnp.float64),
+           "w": jax.random.uniform(kw, wshape, jnp.float64, 0.3, 2.0)}
+  if kind == "normal":
+    batch["t"] = jax.random.normal(kt, (n, dout), jnp.float64)
+  sizes = (din, dout) if model == "linear" else (din, 5, dout)
+  params = _models.to_dtype(_models.jnp_mlp_init(kp, sizes), jnp.float64)
+  params = jax.tree_util.tree_map(lambda p: p + 0.3 * jnp.cos(jnp.arange(p.size)).reshape(p.shape),
+                                  params)  # Non-zero biases.
+
+  def loss_fn(p, b):
+    return _tagged(kind, _models.jnp_mlp_apply(p, b["x"]), b)
+
+  return loss_fn, params, batch
+
+
+def _block_mask(est, params):
+  sizes = [x.size for x in jax.tree_util.tree_leaves(params)]
+  off = np.concatenate([[0], np.cumsum(sizes)])
+  mask = np.zeros((off[-1], off[-1]), bool)
+  for b in est.blocks:
+    idx = np.concatenate([np.arange(off[j], off[j + 1]) for j in b.spec.leaf_indices])
+    mask[np.ix_(idx, idx)] = True
+  return mask
+
+
+def _dense(loss_fn, params, batch, mode, rng=None, num_samples=1):
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode, num_samples=num_samples)
+  state = est.init(params)
+  state = jax.jit(lambda s, r: est.update_curvature(s, params, batch, r, ema_decay=0.0))(state, rng)
+  return est, np.asarray(est.to_dense(state))
+
+
+@pytest.mark.parametrize("model", ["linear", "mlp"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["exact", "exact_GGN", "empirical"])
+def test_batch_of_one_matches_jacobian_reference(x64, model, kind, mode):
+  """One example: each block is exactly Jᵀ H_z J (or Jᵀ u uᵀ J for "empirical") restricted to it.
+
+  For one example a dense layer's Jacobian is ā ⊗ ∂z/∂s, so its block (ā āᵀ) ⊗ (…) is exactly
+  Kronecker: the K-FAC block must equal the reference to rounding.
+  """
+  loss_fn, params, batch = _setup(kind, model)
+  flat, unravel = ravel_pytree(params)
+  z = _models.jnp_mlp_apply(params, batch["x"])
+  jac = jax.jacobian(lambda v: _models.jnp_mlp_apply(unravel(v), batch["x"]))(flat)
+  jac = np.asarray(jac).reshape(z.size, -1)
+  loss_in_z = lambda zz: _tagged(kind, zz, batch)
+  if mode == "empirical":
+    # The per-example vector is √w ∇_z ℓ = ∇_z(w ℓ) / √w (N = 1, weights per coordinate).
+    w = np.broadcast_to(np.asarray(batch["w"])[..., None] if kind == "categorical"
+                        else np.asarray(batch["w"]), z.shape)
+    u = np.asarray(jax.grad(loss_in_z)(z)).ravel() / np.sqrt(w.ravel())
+    out = np.outer(u, u)
+  else:
+    out = np.asarray(jax.hessian(loss_in_z)(z)).reshape(z.size, z.size)
+  reference = jac.T @ out @ jac
+  est, dense = _dense(loss_fn, params, batch, mode)
+  mask = _block_mask(est, params)
+  assert len(est.blocks) == (1 if model == "linear" else 2)
+  assert [b.spec.kind for b in est.blocks] == ["dense"] * len(est.blocks)
+  expected = reference * mask
+  rel = np.linalg.norm(dense - expected) / np.linalg.norm(expected)
+  assert rel < 1e-10, rel
+  assert np.all(dense[~mask] == 0)
+
+
+def test_exact_and_exact_ggn_agree_on_a_batch(x64):
+  """On a batch, exact and exact_GGN give the same factors (canonical links), and G is the
+  batch mean of the per-example output curvature pulled back to the last layer."""
+  loss_fn, params, batch = _setup("categorical", "linear", n=5)
+  _, fisher = _dense(loss_fn, params, batch, "exact")
+  _, ggn = _dense(loss_fn, params, batch, "exact_GGN")
+  np.testing.assert_allclose(fisher, ggn, rtol=1e-12, atol=1e-14)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  z = _models.jnp_mlp_apply(params, batch["x"])
+  hess = jax.hessian(lambda zz: _tagged("categorical", zz, batch))(z)  # [N, C, N, C]
+  g_ref = sum(np.asarray(hess[n, :, n, :]) for n in range(5))  # (1/N) Σₙ wₙ F(zₙ)
+  (factors,) = state.factors.values()
+  np.testing.assert_allclose(factors["g"], g_ref, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["gradients", "curvature_prop", "curvature_prop_GGN"])
+def test_random_modes_converge_to_exact(x64, kind, mode):
+  """The error against the exact mode shrinks like 1/√S."""
+  loss_fn, params, batch = _setup(kind, "mlp")
+  _, exact = _dense(loss_fn, params, batch, "exact")
+  errs = {}
+  for s in (10, 10000):
+    _, est = _dense(loss_fn, params, batch, mode, rng=jax.random.key(7), num_samples=s)
+    errs[s] = np.linalg.norm(est - exact) / np.linalg.norm(exact)
+  assert errs[10000] < 0.05, errs
+  assert errs[10000] < errs[10] / 5, errs  # Expected ratio √1000 ≈ 32.
+  assert errs[10] > 1e-2, errs  # Random: not the exact matrix by accident.
+
+
+def test_sequence_prediction_exact_matches_reference(x64):
+  """`[N, T, C]` logits from per-position weights: the exact mode is the full Fisher block."""
+  n, d, t, c = 1, 3, 2, 3
+  k = jax.random.split(jax.random.key(1), 4)
+  params = {"w": jax.random.normal(k[0], (d, t, c), jnp.float64)}
+  batch = {"x": jax.random.normal(k[1], (n, d), jnp.float64),
+           "y": jax.random.randint(k[2], (n, t), 0, c),
+           "w": jax.random.uniform(k[3], (n, t), jnp.float64, 0.5, 1.5)}
+  apply = lambda p, x: jnp.einsum("nd,dtc->ntc", x, p["w"])
+
+  def loss_in_z(z, b):
+    kfac_jax.register_softmax_cross_entropy_loss(z, b["y"], weight=b["w"])
+    nll = optax.softmax_cross_entropy_with_integer_labels(z, b["y"])
+    return jnp.mean(jnp.sum(b["w"] * nll, -1))
+
+  loss_fn = lambda p, b: loss_in_z(apply(p, b["x"]), b)
+  z = apply(params, batch["x"])
+  flat, unravel = ravel_pytree(params)
+  jac = np.asarray(jax.jacobian(lambda v: apply(unravel(v), batch["x"]))(flat)).reshape(z.size, -1)
+  hess = np.asarray(jax.hessian(lambda zz: loss_in_z(zz, batch))(z)).reshape(z.size, z.size)
+  for mode in ("exact", "exact_GGN"):
+    est, dense = _dense(loss_fn, params, batch, mode)
+    assert [b.spec.kind for b in est.blocks] == ["dense"]
+    reference = jac.T @ hess @ jac
+    assert np.linalg.norm(dense - reference) / np.linalg.norm(reference) < 1e-10
+
+
+def test_sequence_prediction_shared_kernel_factors(x64):
+  """`[N, T, C]` logits from a kernel shared over positions: column (t, c) of the exact stack is
+  non-zero only at position t, so G = (1/N) Σ_{n,t} w_{nt} F(z_{nt}) and A = mean ā āᵀ."""
+  n, t, d, c = 2, 3, 4, 3
+  k = jax.random.split(jax.random.key(2), 5)
+  params = {"w": jax.random.normal(k[0], (d, c), jnp.float64),
+            "b": jax.random.normal(k[4], (c,), jnp.float64)}
+  batch = {"x": jax.random.normal(k[1], (n, t, d), jnp.float64),
+           "y": jax.random.randint(k[2], (n, t), 0, c),
+           "w": jax.random.uniform(k[3], (n, t), jnp.float64, 0.5, 1.5)}
+  apply = lambda p, x: x @ p["w"] + p["b"]
+
+  def loss_in_z(z, b):
+    kfac_jax.register_softmax_cross_entropy_loss(z, b["y"], weight=b["w"])
+    nll = optax.softmax_cross_entropy_with_integer_labels(z, b["y"])
+    return jnp.mean(jnp.sum(b["w"] * nll, -1))
+
+  loss_fn = lambda p, b: loss_in_z(apply(p, b["x"]), b)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(est.init(params))
+  (factors,) = state.factors.values()
+  z = apply(params, batch["x"])
+  hess = np.asarray(jax.hessian(lambda zz: loss_in_z(zz, batch))(z))  # [N, T, C, N, T, C]
+  g_ref = sum(hess[i, j, :, i, j, :] for i in range(n) for j in range(t))
+  xa = np.concatenate([np.asarray(batch["x"]).reshape(n * t, d), np.ones((n * t, 1))], 1)
+  np.testing.assert_allclose(factors["g"], g_ref, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(factors["a"], xa.T @ xa / (n * t), rtol=1e-12)
+
+
+def test_exact_with_two_loss_tags(x64):
+  """Two tags on two heads: the joint exact stack has no cross terms between the tags."""
+  k = jax.random.split(jax.random.key(3), 3)
+  params = _models.to_dtype(_models.jnp_mlp_init(k[0], (3, 5, 6)), jnp.float64)
+  batch = {"x": jax.random.normal(k[1], (1, 3), jnp.float64), "y": jnp.array([2]),
+           "t": jax.random.normal(k[2], (1, 2), jnp.float64)}
+
+  def heads(z, b):
+    logits, mean = z[:, :4], z[:, 4:]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    kfac_jax.register_normal_predictive_distribution(mean, b["t"], var=VAR)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    return ce + jnp.mean(jnp.sum((mean - b["t"]) ** 2 / (2 * VAR), -1))
+
+  loss_fn = lambda p, b: heads(_models.jnp_mlp_apply(p, b["x"]), b)
+  z = _models.jnp_mlp_apply(params, batch["x"])
+  flat, unravel = ravel_pytree(params)
+  jac = np.asarray(jax.jacobian(lambda v: _models.jnp_mlp_apply(unravel(v), batch["x"]))(flat))
+  jac = jac.reshape(z.size, -1)
+  hess = np.asarray(jax.hessian(lambda zz: heads(zz, batch))(z)).reshape(z.size, z.size)
+  est, dense = _dense(loss_fn, params, batch, "exact")
+  expected = jac.T @ hess @ jac * _block_mask(est, params)
+  assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) < 1e-10
+
+
+def test_mode_errors(x64):
+  loss_fn, params, batch = _setup("categorical", "linear")
+  with pytest.raises(ValueError, match="estimation_mode") as info:
+    kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="curvature-prop")
+  for mode in ALL_MODES:
+    assert repr(mode) in str(info.value)
+  with pytest.raises(ValueError, match="choose one of"):
+    kfac_jax.value_and_grad(loss_fn, estimation_mode="Exact")
+  for mode in ("exact", "exact_GGN"):
+    with pytest.raises(ValueError, match="num_samples does not apply; got num_samples=4"):
+      kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode, num_samples=4)
+    with pytest.raises(ValueError, match="num_samples does not apply"):
+      kfac_jax.value_and_grad(loss_fn, estimation_mode=mode, num_samples=2)
+    with pytest.raises(ValueError, match="num_samples does not apply"):
+      kfac_jax.scale_by_kfac(loss_fn, batch, estimation_mode=mode, num_samples=3)
+  for mode in ("gradients", "curvature_prop", "curvature_prop_GGN"):
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode)
+    state = est.init(params)
+    with pytest.raises(ValueError, match=f"estimation_mode='{mode}'.*pass `rng`"):
+      est.update_curvature(state, params, batch, None, ema_decay=0.5)
+    with pytest.raises(ValueError, match="pass `rng`"):
+      kfac_jax.value_and_grad(loss_fn, estimation_mode=mode)(params, batch)
+  # The exact modes and "empirical" need no rng; num_samples=None means 1 for scale_by_kfac.
+  for mode in ("exact", "exact_GGN", "empirical"):
+    loss, _, _ = kfac_jax.value_and_grad(loss_fn, estimation_mode=mode)(params, batch)
+    assert np.isfinite(float(loss))
+    tx = kfac_jax.scale_by_kfac(loss_fn, batch, estimation_mode=mode, num_samples=None)
+    state = tx.init(params)
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, _ = tx.update(grads, state, params, batch=batch)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree_util.tree_leaves(updates))
+
+
+def test_exact_stack_size_is_the_output_size(x64):
+  """The exact stack has K = prod(non-batch prediction shape) vectors, whatever the batch."""
+  loss_fn, params, batch = _setup("bernoulli", "linear", n=3)
+  _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="exact")(params, batch)
+  (x, g), = stats.data
+  assert x.shape == (3, 3) and g.shape == (4, 3, 4)
+  _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="curvature_prop",
+                                        num_samples=5)(params, batch, jax.random.key(0))
+  assert stats.data[0][1].shape == (5, 3, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exact_generic_full_block_batch_of_one(x64, kind):
+  """A generic full block next to a dense one, exact mode, one example: both blocks are exact.
+
+  (On a batch the generic block sees the batch-summed gradient of each column and keeps cross
+  terms between examples, as documented in blocks/_generic.py.)
+  """
+  _, params, batch = _setup(kind, "linear")
+  params["gen"] = jnp.linspace(0.5, 1.5, 4)
+  apply = lambda p, x: _models.jnp_mlp_apply(
+      {"layer0": p["layer0"]}, x) * kfac_jax.register_generic(p["gen"], approx="full")
+  loss_fn = lambda p, b: _tagged(kind, apply(p, b["x"]), b)
+  flat, unravel = ravel_pytree(params)
+  z = apply(params, batch["x"])
+  jac = np.asarray(jax.jacobian(lambda v: apply(unravel(v), batch["x"]))(flat)).reshape(z.size, -1)
+  hess = np.asarray(jax.hessian(lambda zz: _tagged(kind, zz, batch))(z)).reshape(z.size, -1)
+  est, dense = _dense(loss_fn, params, batch, "exact")
+  assert sorted(blk.spec.kind for blk in est.blocks) == ["dense", "generic"]
+  expected = jac.T @ hess @ jac * _block_mask(est, params)
+  assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) < 1e-10
