@@ -60,7 +60,7 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   eta, lam = 0.01, 0.3
   opt = kfac_jax.Optimizer(loss_fn, batch, damping=lam, use_adaptive_damping=False, l2_reg=eta,
                            momentum=momentum, inverse_every=1)
-  (p0, s0, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
+  (p0, _, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
 
   # First step: δ_prev = 0, so the 1-D solve: α = −∇hᵀΔ / ΔᵀĜΔ (and μ = 0 unless fixed).
   assert float(i0["momentum"]) == (momentum or 0.0)
@@ -223,7 +223,7 @@ def test_weight_decay_l2_and_schedules(x64):
     g = jax.grad(loss_fn)(p0, batch)
     grad_h = jax.tree_util.tree_map(lambda a, p: a + eta * p, g, p0)
     delta = opt.estimator.multiply_inverse(s1.curvature, grad_h)
-    expect = jax.tree_util.tree_map(lambda p, d: p - 0.1 / (1 + t) * d - wd * p, p0, delta)
+    expect = jax.tree_util.tree_map(lambda p, d, t=t: p - 0.1 / (1 + t) * d - wd * p, p0, delta)
     for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(expect)):
       np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(s1.curvature.cache["layer0"]["damping"], lam + eta)
@@ -251,7 +251,7 @@ def test_thirty_steps_compile_once():
   dampings, changed = [], []
   for _ in range(30):
     rng, sub = jax.random.split(rng)
-    new_params, state, info = step(params, state, batch, sub)
+    new_params, state, _ = step(params, state, batch, sub)
     changed.append(not all(np.array_equal(a, b) for a, b in zip(
         jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(new_params))))
     params = new_params
@@ -376,7 +376,7 @@ def test_pmap_matches_single_device(x64):
     (dict(damping=1e-9), "config.min_damping"),
 ])
 def test_invalid_arguments_are_named(kwargs, match):
-  params, batch, loss_fn = _mlp_problem()
+  _, batch, loss_fn = _mlp_problem()
   with pytest.raises(ValueError, match=match):
     kfac_jax.Optimizer(loss_fn, batch, **kwargs)
 
