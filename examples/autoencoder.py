@@ -211,7 +211,7 @@ def plot(results: Sequence[RunResult], out: str, title: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
-  colors = {"K-FAC": "tab:red", "Adam": "tab:blue"}
+  colors = {"K-FAC": "tab:red", "K-FAC (adaptive)": "tab:red", "Adam": "tab:blue"}
   for r in results:
     c = colors.get(r.name)
     steps = np.arange(1, len(r.losses) + 1)

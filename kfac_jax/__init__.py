@@ -16,6 +16,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
 from kfac_jax._curvature import CurvatureStats, value_and_grad
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
+from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
 from kfac_jax._scanner import (
     LayerSpec,
     RegistrationError,
@@ -43,7 +44,11 @@ __all__ = [
     "CurvatureEstimator",
     "CurvatureStats",
     "EstimatorState",
+    "KfacOptaxState",
     "LayerSpec",
+    "Optimizer",
+    "OptimizerConfig",
+    "OptimizerState",
     "RegistrationError",
     "ScaleByKfacState",
     "UncoveredParametersWarning",

@@ -38,3 +38,33 @@ def test_autoencoder_demo_fast(tmp_path):
     assert row is not None, output
     assert float(row.group(1)) < 1e4, output  # finite and not diverged
   assert "non-finite" not in output
+
+
+_ADAPTIVE_SCRIPT = os.path.join(_ROOT, "examples", "autoencoder_adaptive.py")
+
+
+def test_autoencoder_adaptive_demo_fast(tmp_path):
+  """examples/autoencoder_adaptive.py: full-batch adaptive K-FAC beside Adam, PNG written."""
+  empty = tmp_path / "no_data"
+  empty.mkdir()
+  out = tmp_path / "ae_adaptive.png"
+  env = dict(os.environ, KFAC_DATA_DIR=str(empty), MPLBACKEND="Agg")
+  flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+  if flags.strip():
+    env["XLA_FLAGS"] = flags.strip()
+  else:
+    env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, _ADAPTIVE_SCRIPT, "--fast", "--no-progress", "--out", str(out)],
+      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, output
+  assert out.is_file() and out.stat().st_size > 1000, output
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  initial = float(re.search(r"^initial loss: ([0-9.]+)$", proc.stdout, re.M).group(1))
+  for name in ("K-FAC (adaptive)", "Adam"):
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", proc.stdout, re.M)
+    assert row is not None, output
+    assert float(row.group(1)) < initial, output  # both made progress
+  assert re.search(r"skipped steps: 0$", proc.stdout, re.M), output
+  assert "non-finite" not in output

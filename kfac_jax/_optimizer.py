@@ -1,0 +1,578 @@
+"""The full K-FAC optimizer (Martens & Grosse 2015, §6–7): learning rate, momentum and damping
+chosen each step from an exact quadratic model of the objective.
+
+The objective is `h(θ) = L(θ) + (η/2)‖θ‖²`, L the tagged loss and η the L2 coefficient. Each step:
+
+  1. one forward pass gives `L`, `∇L` and the curvature statistics (statistics every
+     `curvature_every` steps; a plain value-and-grad pass otherwise);
+  2. every `inverse_every` steps the estimator's inverses are rebuilt with damping `λ + η`;
+  3. the proposal `Δ = −(F̂ + (λ + η) I)⁻¹ ∇h`, with `∇h = ∇L + η θ` and F̂ the K-FAC estimate;
+  4. the step `δ = α Δ + μ δ_prev`, with α, μ minimising the quadratic model
+
+         M(δ) = ∇hᵀ δ + ½ δᵀ (G + (λ + η) I) δ,      G = Σ_losses Jᵀ H_z J
+
+     (G the Gauss-Newton matrix of the tagged losses: J the Jacobian of a tag's prediction, H_z
+     the loss Hessian in that prediction). Writing `C_ij = v_iᵀ (G + (λ + η) I) v_j` and
+     `b_i = ∇hᵀ v_i` for `(v_1, v_2) = (Δ, δ_prev)`, M is `bᵀx + ½ xᵀ C x` in `x = (α, μ)` and
+     the minimiser is `x = −C⁻¹ b`. The products `J v_i` are one forward-mode pass (`jax.jvp`
+     vmapped over the two vectors) through the prediction function;
+  5. every `damping_adaptation_interval` steps, Levenberg–Marquardt: with
+     `ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass, only on those steps; ρ = −∞ when
+     h(θ + δ) is not finite or when a fixed α or μ makes M(δ) > 0, NaN (no change) if M(δ) = 0),
+     `λ ← ω λ` if ρ > 3/4, `λ ← λ / ω` if ρ < 1/4, ω = `damping_adaptation_decay` to the power
+     of the interval (the paper's (19/20)^T), clipped to `[min_damping, max_damping]`.
+
+Which of α and μ come from the model:
+
+  * `learning_rate=None, momentum=None`: both, from the 2×2 system. When `δ_prev = 0` (first
+    step) or C is numerically singular, the 1-D solve `α = −b_1 / C_11, μ = 0` is used instead.
+  * `learning_rate=None`, fixed μ: μ is kept and α minimises M along Δ with the momentum term
+    fixed: `α = −(b_1 + μ C_12) / C_11` (the exact line search in α of `α Δ + μ δ_prev`).
+  * fixed α, `momentum=None`: symmetrically `μ = −(b_2 + α C_12) / C_22` (0 when `δ_prev = 0`).
+  * both fixed: plain `δ = α Δ + μ δ_prev`; the model is then only evaluated for ρ.
+
+With a fixed learning rate, `norm_constraint=c` rescales α so that `α² Δᵀ F̂_λ Δ ≤ c` (KL
+clipping, Ba et al. 2017; F̂_λ the damped K-FAC matrix the estimator multiplies by).
+
+All decisions are `lax.cond` / `jnp.where` on the step counter in the state, so one jitted step
+function compiles once and never syncs with the host. A step whose loss, gradient or update is
+not finite changes nothing but the `skipped` counter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kfac_jax import _compat, _curvature, _estimator, _graph, _losses, _scanner
+from kfac_jax import blocks as _blocks
+
+Array = jax.Array
+ScalarOrSchedule = float | Callable[[Array], Array]
+
+_INFO_KEYS = ("loss", "learning_rate", "momentum", "damping", "rho", "quad_model_change",
+              "update_norm", "skipped")
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and state.
+
+
+def _is_number(v) -> bool:
+  return isinstance(v, (int, float, np.number)) and not isinstance(v, bool) or (
+      isinstance(v, (np.ndarray, jax.Array)) and np.shape(v) == () and _estimator._is_concrete(v))
+
+
+def _check_number(value, name: str, *, low: float = 0.0, low_open: bool = False,
+                  high: float = math.inf, high_open: bool = False) -> None:
+  ok = _is_number(value)
+  if ok:
+    v = float(value)
+    ok = math.isfinite(v) and (v > low if low_open else v >= low) and (
+        v < high if high_open else v <= high)
+  if not ok:
+    lo, hi = ("(" if low_open else "[") + f"{low:g}", f"{high:g}" + (")" if high_open else "]")
+    raise ValueError(f"`{name}` must be a finite number in {lo}, {hi}, got {value!r}.")
+
+
+def _check_int(value, name: str, *, low: int) -> None:
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+    raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """Rarely changed knobs of `Optimizer` (validated on construction).
+
+  Attributes:
+    ema_decay: decay of the curvature statistics' moving average, in [0, 1).
+    estimation_mode: how the estimator represents the output curvature (see
+      `CurvatureEstimator`): "gradients", "empirical", "curvature_prop(_GGN)", "exact(_GGN)".
+    num_samples: random vectors per example for the random estimation modes.
+    damping_mode: "factored" (π-adjusted Tikhonov) or "eigen" (exact damping).
+    min_damping: lower clip of the adapted damping λ.
+    max_damping: upper clip of the adapted damping λ.
+    damping_adaptation_interval: T, adapt λ every T steps.
+    damping_adaptation_decay: per-step factor ω₁ in (0, 1); λ is multiplied or divided by
+      ω = ω₁^T (the paper: ω₁ = 19/20).
+    burn_in_steps: the first this many steps only accumulate curvature statistics.
+    weight_decay: decoupled weight decay d: `θ ← θ + δ − d θ` (not part of h, the model or ρ).
+    strict: raise, instead of warning, for parameters outside every recognised layer.
+  """
+  ema_decay: float = 0.95
+  estimation_mode: _curvature.EstimationMode = "gradients"
+  num_samples: int = 1
+  damping_mode: _blocks.DampingMode = "factored"
+  min_damping: float = 1e-8
+  max_damping: float = 1e8
+  damping_adaptation_interval: int = 5
+  damping_adaptation_decay: float = 0.95
+  burn_in_steps: int = 0
+  weight_decay: float = 0.0
+  strict: bool = False
+
+  def __post_init__(self):
+    _check_number(self.ema_decay, "config.ema_decay", high=1.0, high_open=True)
+    _curvature.check_mode(self.estimation_mode, self.num_samples)
+    if self.damping_mode not in ("factored", "eigen"):
+      raise ValueError(f"unknown `config.damping_mode` {self.damping_mode!r}; choose 'factored' "
+                       "or 'eigen'.")
+    _check_number(self.min_damping, "config.min_damping")
+    _check_number(self.max_damping, "config.max_damping", low=self.min_damping)
+    _check_int(self.damping_adaptation_interval, "config.damping_adaptation_interval", low=1)
+    _check_number(self.damping_adaptation_decay, "config.damping_adaptation_decay", low_open=True,
+                  high=1.0, high_open=True)
+    _check_int(self.burn_in_steps, "config.burn_in_steps", low=0)
+    _check_number(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
+
+
+class OptimizerState(NamedTuple):
+  """State of `Optimizer`.
+
+  Attributes:
+    step: `[]` int32, steps taken (burn-in included, skipped steps not).
+    skipped: `[]` int32, steps skipped because the loss, gradient or update was not finite.
+    curvature: the estimator's factors, inverses and EMA weight.
+    damping: `[]` float, λ: the adapted value with adaptive damping, else the last one used.
+    rho: `[]` float, the latest reduction ratio ρ (NaN before the first adaptation).
+    velocity: the previous step δ_prev (params-shaped, params dtypes).
+  """
+  step: Array
+  skipped: Array
+  curvature: _estimator.EstimatorState
+  damping: Array
+  rho: Array
+  velocity: Any
+
+
+class KfacOptaxState(NamedTuple):
+  """State of the optax form: the optimizer's state and the latest diagnostics."""
+  optimizer: OptimizerState
+  info: dict[str, Array]
+
+
+# --------------------------------------------------------------------------------------------
+# Pure helpers (also used directly by tests).
+
+
+def adapt_damping(damping: Array, rho: Array, *, omega: float, min_damping: float,
+                  max_damping: float) -> Array:
+  """One Levenberg–Marquardt update: `λω` if ρ > 3/4, `λ/ω` if ρ < 1/4, clipped.
+
+  A NaN ρ (no model decrease to compare with) leaves λ unchanged, apart from the clip.
+  """
+  new = jnp.where(rho > 0.75, damping * omega, jnp.where(rho < 0.25, damping / omega, damping))
+  return jnp.clip(new, min_damping, max_damping)
+
+
+def solve_quadratic_model(c: Array, b: Array, learning_rate: Array | None = None,
+                          momentum: Array | None = None) -> tuple[Array, Array, Array]:
+  """Minimises `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)`, some coordinates possibly fixed.
+
+  Args:
+    c: `[2, 2]` symmetric, `C_ij = v_iᵀ (G + (λ+η) I) v_j` for `(v_1, v_2) = (Δ, δ_prev)`.
+    b: `[2]`, `b_i = ∇hᵀ v_i`.
+    learning_rate: a fixed α, or None to choose it.
+    momentum: a fixed μ, or None to choose it.
+
+  Returns:
+    `(α, μ, M(α, μ))`. The joint solve falls back to the 1-D solve (`μ = 0`) when `δ_prev = 0`
+    or C is singular to working precision; a non-positive curvature along a vector gives a zero
+    coefficient for it.
+  """
+  c00, c01, c11 = c[0, 0], c[0, 1], c[1, 1]
+  b0, b1 = b[0], b[1]
+  zero = jnp.zeros_like(c00)
+
+  def safe_div(num, den):
+    ok = den > 0
+    return jnp.where(ok, num / jnp.where(ok, den, 1), zero)
+
+  if learning_rate is None and momentum is None:
+    det = c00 * c11 - c01 * c01
+    tol = 100 * jnp.finfo(c.dtype).eps
+    joint = (c00 > 0) & (c11 > 0) & (det > tol * c00 * c11)
+    safe_det = jnp.where(joint, det, 1)
+    alpha2 = (c01 * b1 - c11 * b0) / safe_det
+    mu2 = (c01 * b0 - c00 * b1) / safe_det
+    joint = joint & jnp.isfinite(alpha2) & jnp.isfinite(mu2)
+    alpha = jnp.where(joint, alpha2, safe_div(-b0, c00))
+    mu = jnp.where(joint, mu2, zero)
+  elif learning_rate is None:
+    mu = jnp.asarray(momentum, c.dtype)
+    alpha = safe_div(-(b0 + mu * c01), c00)
+  elif momentum is None:
+    alpha = jnp.asarray(learning_rate, c.dtype)
+    mu = safe_div(-(b1 + alpha * c01), c11)
+  else:
+    alpha = jnp.asarray(learning_rate, c.dtype)
+    mu = jnp.asarray(momentum, c.dtype)
+  x = jnp.stack([alpha, mu])
+  change = b @ x + 0.5 * x @ (c @ x)
+  return alpha, mu, change
+
+
+def _read(atom, seen):
+  return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
+
+
+def _vdot(a, b) -> Array:
+  """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params)."""
+  def up(x):
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return sum(jnp.vdot(up(x), up(y)) for x, y in zip(jax.tree_util.tree_leaves(a),
+                                                    jax.tree_util.tree_leaves(b)))
+
+
+def _all_finite(tree) -> Array:
+  return _estimator._all_finite(tree)
+
+
+def _schedule_value(value, count, dtype):
+  return jnp.asarray(value(count) if callable(value) else value, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The optimizer.
+
+
+class Optimizer:
+  """K-FAC with learning rate, momentum and damping adapted from the quadratic model.
+
+  `init` and `step` are pure functions: jit (or pmap / shard_map with `axis_name`) them yourself.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output.
+    example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
+    momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule.
+    damping: λ ≥ 0: the initial value with adaptive damping; otherwise a number or a schedule.
+    use_adaptive_damping: adapt λ by the Levenberg–Marquardt rule (module docstring).
+    l2_reg: η ≥ 0: `h = L + (η/2)‖θ‖²`; η is added to the gradient, to the damping of the
+      preconditioner and to the quadratic model.
+    norm_constraint: c > 0 for KL clipping `α² Δᵀ F̂_λ Δ ≤ c`; needs a fixed learning rate.
+    inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
+    curvature_every: update the curvature statistics every this many steps (and every burn-in
+      step).
+    axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over.
+    config: an `OptimizerConfig` with the rarer knobs.
+
+  Schedules are called with `state.step` (burn-in steps included).
+
+  Cost of a step beyond the gradient: the sampled backward pass of the statistics (on curvature
+  steps), one linearised forward pass with two tangents when α or μ comes from the model (or, with
+  both fixed, only on damping-adaptation steps), and one forward pass for `h(θ + δ)` on
+  damping-adaptation steps. Burn-in steps compute the statistics only.
+
+  Raises:
+    ValueError: an invalid hyperparameter (named in the message), before any state is created.
+
+  Example:
+    >>> opt = kfac_jax.Optimizer(loss_fn, batch)
+    >>> state = opt.init(params)
+    >>> step = jax.jit(opt.step)
+    >>> params, state, info = step(params, state, batch, jax.random.key(0))
+  """
+
+  def __init__(self, loss_fn: Callable, example_batch: Any, *,
+               learning_rate: ScalarOrSchedule | None = None,
+               momentum: ScalarOrSchedule | None = None,
+               damping: ScalarOrSchedule = 1e-3,
+               use_adaptive_damping: bool = True,
+               l2_reg: float = 0.0,
+               norm_constraint: float | None = None,
+               inverse_every: int = 5,
+               curvature_every: int = 1,
+               axis_name: str | None = None,
+               config: OptimizerConfig | None = None):
+    if not callable(loss_fn):
+      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    if learning_rate is not None and not callable(learning_rate):
+      _check_number(learning_rate, "learning_rate", low_open=True)
+    if momentum is not None and not callable(momentum):
+      _check_number(momentum, "momentum", high=1.0, high_open=True)
+    if not isinstance(use_adaptive_damping, bool):
+      raise TypeError(f"`use_adaptive_damping` must be a bool, got {use_adaptive_damping!r}.")
+    if callable(damping):
+      if use_adaptive_damping:
+        raise ValueError(
+            "`damping` is a schedule, but use_adaptive_damping=True adapts λ itself from an "
+            "initial number: pass a number, or use_adaptive_damping=False to follow the schedule.")
+    else:
+      _check_number(damping, "damping")
+    _check_number(l2_reg, "l2_reg")
+    if norm_constraint is not None:
+      _check_number(norm_constraint, "norm_constraint", low_open=True)
+      if learning_rate is None:
+        raise ValueError(
+            "`norm_constraint` (KL clipping) rescales a fixed learning rate, but "
+            "learning_rate=None chooses it from the quadratic model: pass a learning_rate, or "
+            "norm_constraint=None.")
+    _check_int(inverse_every, "inverse_every", low=1)
+    _check_int(curvature_every, "curvature_every", low=1)
+    if axis_name is not None and not isinstance(axis_name, str):
+      raise TypeError(f"`axis_name` must be a string or None, got {axis_name!r}.")
+    config = OptimizerConfig() if config is None else config
+    if not isinstance(config, OptimizerConfig):
+      raise TypeError(f"`config` must be a kfac_jax.OptimizerConfig, got {type(config).__name__}.")
+    if use_adaptive_damping and config.min_damping > float(damping):
+      raise ValueError(
+          f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
+          "damping would be clipped up at once; lower min_damping or raise damping.")
+
+    self.loss_fn = loss_fn
+    self.learning_rate = learning_rate
+    self.momentum = momentum
+    self.damping = damping
+    self.use_adaptive_damping = use_adaptive_damping
+    self.l2_reg = float(l2_reg)
+    self.norm_constraint = norm_constraint
+    self.inverse_every = int(inverse_every)
+    self.curvature_every = int(curvature_every)
+    self.axis_name = axis_name
+    self.config = config
+    self.estimator = _estimator.CurvatureEstimator(
+        loss_fn, example_batch, estimation_mode=config.estimation_mode, exps=(-1,),
+        num_samples=config.num_samples, damping_mode=config.damping_mode, strict=config.strict)
+
+  # -- state -----------------------------------------------------------------------------------
+
+  def init(self, params, rng: Array | None = None) -> OptimizerState:
+    """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0.
+
+    `rng` is accepted for symmetry with `step` and not used.
+    """
+    del rng
+    curvature = self.estimator.init(params)
+    dtype = self.estimator.config.dtype
+    lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
+    return OptimizerState(
+        step=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32), curvature=curvature,
+        damping=jnp.asarray(lam, dtype), rho=jnp.full([], jnp.nan, dtype),
+        velocity=jax.tree_util.tree_map(jnp.zeros_like, params))
+
+  # -- one step --------------------------------------------------------------------------------
+
+  def step(self, params, state: OptimizerState, batch, rng: Array | None = None):
+    """One K-FAC step. Returns `(new_params, new_state, info)`.
+
+    `info` holds scalars: loss (at the old params), learning_rate (α), momentum (μ), damping
+    (the λ used), rho (the latest ρ), quad_model_change (M(δ); NaN when not computed),
+    update_norm (‖θ_new − θ‖), skipped (bool). A skipped step returns `params` and `state`
+    bit-identical, except `state.skipped` + 1.
+    """
+    updates, new_state, info = self._update(params, state, batch, rng)
+    ok = ~info["skipped"]
+    new_params = jax.tree_util.tree_map(
+        lambda p, u: jnp.where(ok, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p),
+        params, updates)
+    return new_params, new_state, info
+
+  def _pmean(self, x):
+    return x if self.axis_name is None else jax.lax.pmean(x, self.axis_name)
+
+  def _gram(self, reg: _scanner.Registration, leaves, batch_leaves, vecs, shift) -> Array:
+    """`C_ij = v_iᵀ (G + shift I) v_j` for the param-leaf lists `vecs`, by one vmapped jvp."""
+    watch = frozenset(a for ops in reg.loss_operands for a in ops if _graph.is_key(a))
+
+    def predictions(p_leaves):
+      _, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, None, watch)
+      ops = [tuple(_read(a, seen) for a in o) for o in reg.loss_operands]
+      return [o[0] for o in ops], [o[1:] for o in ops]
+
+    preds, jvp_fn, others = jax.linearize(predictions, leaves, has_aux=True)
+    stacked = [jnp.stack(xs) for xs in zip(*vecs)]
+    jv = jax.vmap(jvp_fn)(stacked)  # per loss: [k, *prediction.shape]
+    k = len(vecs)
+    dtype = self.estimator.config.dtype
+    c = jnp.zeros((k, k), dtype)
+    for spec, z, o, u in zip(reg.losses, preds, others, jv):
+      hu = jax.vmap(lambda v, spec=spec, z=z, o=o: _losses.output_curvature_product(
+          spec, (z, *o), v))(u)
+      c = c + u.reshape(k, -1).astype(dtype) @ hu.reshape(k, -1).astype(dtype).T
+    c = self._pmean(c)
+    flat = [jnp.concatenate([x.ravel().astype(dtype) for x in v]) for v in vecs]
+    c = c + shift * jnp.stack(flat) @ jnp.stack(flat).T
+    return 0.5 * (c + c.T)
+
+  def _update(self, params, state: OptimizerState, batch, rng):
+    """The shared core: `(updates, new_state, info)`; `params + updates` are the new params."""
+    est, cfg = self.estimator, self.config
+    est._ensure_layers(params)
+    reg = est._scan(params, batch, warn=False)
+    est._check_layers(reg.layers)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    batch_leaves = jax.tree_util.tree_leaves(batch)
+    sdtype = est.config.dtype
+    eta = self.l2_reg
+    k = state.step
+    k_run = k - cfg.burn_in_steps  # Steps after burn-in (negative during it).
+    in_burn = k_run < 0
+
+    def loss_at(p_leaves):
+      return reg.graph.evaluate(list(p_leaves) + batch_leaves)[0][0]
+
+    # 1. Loss, gradient and (on curvature steps) the statistics, from one forward pass.
+    def with_stats(curv):
+      loss, grads, stats = _curvature.compute(
+          reg, params, batch, rng, estimation_mode=cfg.estimation_mode,
+          num_samples=cfg.num_samples, with_grads=True)
+      curv = est.update_curvature_from_stats(curv, stats, cfg.ema_decay, self.axis_name)
+      return loss, jax.tree_util.tree_leaves(grads), curv
+
+    def without_stats(curv):
+      loss, g = jax.value_and_grad(loss_at)(leaves)
+      return loss, list(g), curv
+
+    if self.curvature_every == 1:
+      loss, g_leaves, curv = with_stats(state.curvature)
+    else:
+      curv_now = in_burn | (k_run % self.curvature_every == 0)
+      loss, g_leaves, curv = jax.lax.cond(curv_now, with_stats, without_stats, state.curvature)
+    loss, g_leaves = self._pmean((loss, g_leaves))
+    grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
+    grad_h = grads if eta == 0 else jax.tree_util.tree_map(
+        lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
+
+    # 2. Damping and the periodic inverse update.
+    if self.use_adaptive_damping:
+      lam = state.damping
+    else:
+      lam = _schedule_value(self.damping, k, sdtype)
+    inv_now = (~in_burn) & (k_run % self.inverse_every == 0)
+    curv = jax.lax.cond(inv_now, lambda c: est.update_inverses(c, lam + eta), lambda c: c, curv)
+
+    # 3.-5. Direction, α and μ, damping adaptation.
+    nan = jnp.full([], jnp.nan, sdtype)
+    model_lr = self.learning_rate is None
+    model_mom = self.momentum is None
+    need_model = model_lr or model_mom
+
+    def run(_):
+      delta = est.multiply_matpower(curv, grad_h, -1)
+      delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), delta, params)
+      vel = state.velocity
+      vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(vel)]
+      b = jnp.stack([_vdot(grad_h, delta), _vdot(grad_h, vel)]).astype(sdtype)
+      alpha = None if model_lr else _schedule_value(self.learning_rate, k, sdtype)
+      mu = None if model_mom else _schedule_value(self.momentum, k, sdtype)
+      if self.norm_constraint is not None:
+        quad = _vdot(delta, est.multiply(curv, delta)).astype(sdtype)
+        limit = jnp.asarray(self.norm_constraint, sdtype)
+        ok = (quad > 0) & (alpha * alpha * quad > limit)
+        alpha = alpha * jnp.where(ok, jnp.sqrt(limit / jnp.where(ok, alpha * alpha * quad, 1)), 1)
+      shift = lam + eta
+
+      def model(alpha, mu):
+        c = self._gram(reg, leaves, batch_leaves, vecs, shift)
+        return solve_quadratic_model(c, b, alpha, mu)
+
+      if need_model:
+        alpha, mu, change = model(alpha, mu)
+      else:
+        change = nan
+      update = jax.tree_util.tree_map(
+          lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, vel)
+
+      if self.use_adaptive_damping:
+        adapt_now = k_run % cfg.damping_adaptation_interval == 0
+
+        def adapt(_):
+          m = change if need_model else model(alpha, mu)[2]
+          new_leaves = [p + u for p, u in zip(leaves, jax.tree_util.tree_leaves(update))]
+          h_old, h_new = loss, self._pmean(loss_at(new_leaves))
+          if eta:
+            h_old = h_old + 0.5 * eta * _vdot(params, params)
+            h_new = h_new + 0.5 * eta * sum(jnp.vdot(x, x) for x in new_leaves)
+          ratio = (h_new - h_old).astype(sdtype) / jnp.where(m < 0, m, -1)
+          rho = jnp.where(jnp.isfinite(h_new), ratio, -jnp.inf)
+          # M(δ) > 0: a fixed α (or μ) overshoots even the model: as bad as it gets.
+          rho = jnp.where(m < 0, rho, jnp.where(m > 0, -jnp.inf, jnp.nan))
+          omega = cfg.damping_adaptation_decay ** cfg.damping_adaptation_interval
+          new_lam = adapt_damping(lam, rho, omega=omega, min_damping=cfg.min_damping,
+                                  max_damping=cfg.max_damping)
+          return new_lam.astype(sdtype), rho.astype(sdtype), m.astype(sdtype)
+
+        def keep(_):
+          return lam, state.rho, change
+
+        new_lam, rho, change = jax.lax.cond(adapt_now, adapt, keep, None)
+      else:
+        new_lam, rho = lam, state.rho
+      return update, update, new_lam, rho, alpha, mu, change
+
+    def burn(_):
+      zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+      z = jnp.zeros([], sdtype)
+      return zeros, state.velocity, lam, state.rho, z, z, nan
+
+    if cfg.burn_in_steps == 0:
+      update, velocity, new_lam, rho, alpha, mu, change = run(None)
+    else:
+      update, velocity, new_lam, rho, alpha, mu, change = jax.lax.cond(in_burn, burn, run, None)
+
+    if cfg.weight_decay:
+      wd = jnp.where(in_burn, 0, cfg.weight_decay)
+      update = jax.tree_util.tree_map(
+          lambda u, p: (u - wd.astype(p.dtype) * p).astype(p.dtype), update, params)
+
+    # A non-finite loss, gradient or update: nothing changes but the skip counter.
+    ok = jnp.isfinite(loss) & _all_finite(g_leaves) & _all_finite(update)
+    new_state = OptimizerState(
+        step=k + 1, skipped=state.skipped, curvature=curv, damping=jnp.asarray(new_lam, sdtype),
+        rho=rho, velocity=velocity)
+    new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+    new_state = new_state._replace(skipped=state.skipped + (~ok).astype(state.skipped.dtype))
+    update = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), update)
+    info = {
+        "loss": loss,
+        "learning_rate": alpha,
+        "momentum": mu,
+        "damping": jnp.asarray(lam, sdtype),
+        "rho": rho,
+        "quad_model_change": change,
+        "update_norm": jnp.sqrt(_vdot(update, update)),
+        "skipped": ~ok,
+    }
+    return update, new_state, info
+
+  # -- optax form ------------------------------------------------------------------------------
+
+  def as_optax(self) -> optax.GradientTransformationExtraArgs:
+    """This optimizer as an optax transformation.
+
+    `update(updates, state, params, *, batch, rng=None)` runs `step` and returns
+    `new_params − params` as the updates (computed as the step itself, so
+    `optax.apply_updates(params, updates)` gives exactly the params `step` returns; on a skipped
+    step the updates are zero). The incoming `updates` (gradients) are not read: the optimizer
+    computes loss, gradient and curvature statistics itself from `batch` in one pass, so pass
+    the gradients or None. The state is a `KfacOptaxState`: the `OptimizerState` and the latest
+    `info`. Chaining further transforms after it changes the step the model chose.
+    """
+
+    def init_fn(params):
+      opt_state = self.init(params)
+      dtype = self.estimator.config.dtype
+      info = {k: jnp.zeros([], dtype) for k in _INFO_KEYS}
+      info["loss"] = jnp.zeros([], jnp.result_type(float))
+      info["skipped"] = jnp.zeros([], bool)
+      return KfacOptaxState(opt_state, info)
+
+    def update_fn(updates, state: KfacOptaxState, params=None, *, batch=None, rng=None,
+                  **extra_args):
+      del updates, extra_args
+      if params is None or batch is None:
+        raise ValueError("the K-FAC optimizer's optax update needs `params` and `batch=`: "
+                         "tx.update(grads, state, params, batch=batch, rng=rng).")
+      new_updates, opt_state, info = self._update(params, state.optimizer, batch, rng)
+      info = {k: jnp.asarray(info[k]).astype(state.info[k].dtype) for k in _INFO_KEYS}
+      return new_updates, KfacOptaxState(opt_state, info)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,410 @@
+"""Tests for kfac_jax.Optimizer: the quadratic model against jax.hessian, damping adaptation,
+one compilation across every period, bit-identical skipping, convergence, the optax form."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import kfac_jax
+from kfac_jax import _optimizer
+from tests import _models
+
+
+def _mlp_problem(dtype=jnp.float32, sizes=(4, 6, 3), n=32):
+  params = _models.jnp_mlp_init(jax.random.key(0), sizes, dtype)
+  batch = _models.classification_batch(jax.random.key(1), n=n, din=sizes[0], classes=sizes[-1],
+                                       dtype=dtype)
+  return params, batch, _models.softmax_loss(_models.jnp_mlp_apply)
+
+
+def _run(opt, params, batch, steps, seed=2):
+  state = opt.init(params)
+  step = jax.jit(opt.step)
+  rng = jax.random.key(seed)
+  history = []
+  for _ in range(steps):
+    rng, sub = jax.random.split(rng)
+    new_params, new_state, info = step(params, state, batch, sub)
+    history.append((params, state, new_params, new_state, info))
+    params, state = new_params, new_state
+  return history
+
+
+# --------------------------------------------------------------------------------------------
+# The quadratic model.
+
+
+def _ggn(loss_fn, apply_fn, params, batch):
+  """Jᵀ H_z J from jax.jacobian / jax.hessian, on raveled params."""
+  flat, unravel = ravel_pytree(params)
+  logits = apply_fn(params, batch["x"])
+  jac = jax.jacobian(lambda f: apply_fn(unravel(f), batch["x"]).ravel())(flat)
+
+  def loss_of_logits(z):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        z.reshape(logits.shape), batch["y"]).mean()
+
+  hz = jax.hessian(loss_of_logits)(logits.ravel())
+  return jac.T @ hz @ jac
+
+
+@pytest.mark.parametrize("sizes, momentum", [((4, 3), None), ((4, 5, 3), None), ((4, 3), 0.5)],
+                         ids=["linear", "mlp", "linear-fixed-momentum"])
+def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
+  params, batch, loss_fn = _mlp_problem(jnp.float64, sizes)
+  eta, lam = 0.01, 0.3
+  opt = kfac_jax.Optimizer(loss_fn, batch, damping=lam, use_adaptive_damping=False, l2_reg=eta,
+                           momentum=momentum, inverse_every=1)
+  (p0, _, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
+
+  # First step: δ_prev = 0, so the 1-D solve: α = −∇hᵀΔ / ΔᵀĜΔ (and μ = 0 unless fixed).
+  assert float(i0["momentum"]) == (momentum or 0.0)
+  flat0, unravel = ravel_pytree(p0)
+  flat1, _ = ravel_pytree(p1)
+  grad_h = lambda f: jax.grad(lambda q: loss_fn(unravel(q), batch))(f) + eta * f
+
+  if len(sizes) == 2:
+    # A linear model: the loss Hessian is the Gauss-Newton matrix.
+    curv = jax.hessian(lambda f: loss_fn(unravel(f), batch))(flat1)
+    np.testing.assert_allclose(curv, _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch),
+                               atol=1e-12)
+  else:
+    curv = _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch)
+  g_hat = curv + (lam + eta) * np.eye(flat1.size)
+
+  # Second step: Δ from the inverses in the returned state, δ_prev from the first step.
+  g1 = grad_h(flat1)
+  delta = -ravel_pytree(opt.estimator.multiply_inverse(s2.curvature, unravel(g1)))[0]
+  prev = ravel_pytree(s1.velocity)[0]
+  np.testing.assert_allclose(prev, flat1 - flat0, rtol=1e-10, atol=1e-14)
+  v = np.stack([delta, prev])
+  c = v @ g_hat @ v.T
+  b = v @ g1
+  if momentum is None:
+    x = np.linalg.solve(c, -b)
+  else:  # α minimises the model with μ held: −(b_1 + μ C_12) / C_11.
+    x = np.array([-(b[0] + momentum * c[0, 1]) / c[0, 0], momentum])
+  np.testing.assert_allclose([i1["learning_rate"], i1["momentum"]], x, rtol=1e-7)
+  np.testing.assert_allclose(i1["quad_model_change"], b @ x + 0.5 * x @ c @ x, rtol=1e-7)
+  np.testing.assert_allclose(ravel_pytree(p2)[0], flat1 + x @ v, rtol=1e-9, atol=1e-12)
+  assert abs(x[1]) > 1e-3  # The momentum term really is used.
+
+
+def test_solve_quadratic_model_variants(x64):
+  c = jnp.array([[2.0, 0.5], [0.5, 1.0]])
+  b = jnp.array([-1.0, 0.3])
+  alpha, mu, change = _optimizer.solve_quadratic_model(c, b)
+  x = np.linalg.solve(c, -b)
+  np.testing.assert_allclose([alpha, mu], x, rtol=1e-12)
+  np.testing.assert_allclose(change, -0.5 * b @ np.linalg.solve(c, b), rtol=1e-12)
+  # Fixed momentum: α minimises M with μ held.
+  alpha, mu, _ = _optimizer.solve_quadratic_model(c, b, momentum=0.9)
+  np.testing.assert_allclose(alpha, -(b[0] + 0.9 * c[0, 1]) / c[0, 0], rtol=1e-12)
+  assert float(mu) == 0.9
+  # Fixed learning rate: μ minimises M with α held.
+  alpha, mu, _ = _optimizer.solve_quadratic_model(c, b, learning_rate=0.5)
+  np.testing.assert_allclose(mu, -(b[1] + 0.5 * c[0, 1]) / c[1, 1], rtol=1e-12)
+  # Both fixed: the model value of that step.
+  _, _, change = _optimizer.solve_quadratic_model(c, b, 0.5, 0.2)
+  xx = np.array([0.5, 0.2])
+  np.testing.assert_allclose(change, b @ xx + 0.5 * xx @ c @ xx, rtol=1e-12)
+  # δ_prev = 0 (first step) and δ_prev ∥ Δ (singular): the 1-D solve along Δ.
+  for c2, b2 in ((jnp.array([[2.0, 0.0], [0.0, 0.0]]), jnp.array([-1.0, 0.0])),
+                 (jnp.array([[2.0, 4.0], [4.0, 8.0]]), jnp.array([-1.0, -2.0]))):
+    alpha, mu, change = _optimizer.solve_quadratic_model(c2, b2)
+    assert float(alpha) == 0.5 and float(mu) == 0.0
+    np.testing.assert_allclose(change, -0.25, rtol=1e-12)
+  # Zero gradient and zero curvature: no step, not NaN.
+  alpha, mu, change = _optimizer.solve_quadratic_model(jnp.zeros((2, 2)), jnp.zeros(2))
+  assert float(alpha) == 0.0 and float(mu) == 0.0 and float(change) == 0.0
+
+
+def test_linear_least_squares_lands_on_minimiser(x64):
+  """Exact curvature of a dense layer with a normal loss is Kronecker: K-FAC = Newton."""
+  kx, kw, ky = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(kx, (40, 5), jnp.float64)
+  y = x @ jax.random.normal(kw, (5, 2), jnp.float64) + 0.3 * jax.random.normal(
+      ky, (40, 2), jnp.float64) + 1.0
+  batch = {"x": x, "y": y}
+
+  def loss_fn(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"]
+    kfac_jax.register_squared_error_loss(pred, batch["y"])
+    return jnp.mean(jnp.sum((pred - batch["y"]) ** 2, axis=-1))
+
+  params = {"w": jnp.zeros((5, 2), jnp.float64), "b": jnp.zeros((2,), jnp.float64)}
+  opt = kfac_jax.Optimizer(loss_fn, batch, damping=0.0, use_adaptive_damping=False,
+                           config=kfac_jax.OptimizerConfig(estimation_mode="exact"))
+  state = opt.init(params)
+  new_params, _, info = jax.jit(opt.step)(params, state, batch, None)
+  xb = np.concatenate([x, np.ones((40, 1))], axis=1)
+  sol = np.linalg.lstsq(xb, y, rcond=None)[0]
+  np.testing.assert_allclose(new_params["w"], sol[:5], rtol=1e-9, atol=1e-10)
+  np.testing.assert_allclose(new_params["b"], sol[5], rtol=1e-9, atol=1e-10)
+  np.testing.assert_allclose(info["learning_rate"], 1.0, rtol=1e-9)
+  assert float(info["momentum"]) == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Damping, norm constraint, weight decay, schedules.
+
+
+def test_adapt_damping_rule():
+  adapt = functools.partial(_optimizer.adapt_damping, omega=0.5, min_damping=1e-3,
+                            max_damping=10.0)
+  lam = jnp.asarray(1.0)
+  assert float(adapt(lam, jnp.asarray(0.1))) == 2.0  # poor model: more damping
+  assert float(adapt(lam, jnp.asarray(-jnp.inf))) == 2.0  # h(θ+δ) not finite
+  assert float(adapt(lam, jnp.asarray(0.9))) == 0.5  # good model: less damping
+  assert float(adapt(lam, jnp.asarray(0.5))) == 1.0
+  assert float(adapt(lam, jnp.asarray(jnp.nan))) == 1.0
+  assert float(adapt(jnp.asarray(8.0), jnp.asarray(0.0))) == 10.0  # clipped above
+  assert float(adapt(jnp.asarray(1.5e-3), jnp.asarray(1.0))) == np.float32(1e-3)  # clipped below
+
+
+def test_adaptive_damping_end_to_end():
+  params, batch, loss_fn = _mlp_problem()
+  cfg = kfac_jax.OptimizerConfig(damping_adaptation_interval=1, damping_adaptation_decay=0.5)
+
+  # A term the model does not see (no loss tag on it): the model's step overshoots badly, the
+  # reduction ratio is small (negative) and the damping doubles.
+  def quartic_loss(p, b):
+    return loss_fn(p, b) + sum(jnp.sum(x ** 4) for x in jax.tree_util.tree_leaves(p))
+
+  opt = kfac_jax.Optimizer(quartic_loss, batch, damping=1e-2, config=cfg)
+  (_, _, _, s1, info), = _run(opt, params, batch, 1)
+  assert float(info["quad_model_change"]) < 0 and float(info["rho"]) < 0.25
+  np.testing.assert_allclose(s1.damping, 2e-2, rtol=1e-6)
+  # A fixed step so large that even the model goes up (M(δ) > 0): ρ = -inf, damping doubles.
+  opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=50.0, momentum=0.0, damping=1e-2,
+                           config=cfg)
+  (_, _, _, s1, info), = _run(opt, params, batch, 1)
+  assert float(info["quad_model_change"]) > 0 and float(info["rho"]) == -np.inf
+  np.testing.assert_allclose(s1.damping, 2e-2, rtol=1e-6)
+  # The model's own α on the tagged loss alone: ρ near 1 > 3/4, damping halves.
+  opt = kfac_jax.Optimizer(loss_fn, batch, damping=1e-2, config=cfg)
+  (_, _, _, s1, info), = _run(opt, params, batch, 1)
+  assert 0.75 < float(info["rho"]) < 1.5
+  np.testing.assert_allclose(s1.damping, 5e-3, rtol=1e-6)
+
+
+def test_norm_constraint_caps_the_step():
+  params, batch, loss_fn = _mlp_problem()
+  c = 1e-4
+  opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=10.0, momentum=0.0, damping=1e-2,
+                           use_adaptive_damping=False, norm_constraint=c)
+  (p0, _, p1, s1, info), = _run(opt, params, batch, 1)
+  alpha = float(info["learning_rate"])
+  assert alpha < 10.0
+  step = jax.tree_util.tree_map(lambda a, b: (a - b) / alpha, p1, p0)  # Δ
+  quad = sum(jnp.vdot(a, b) for a, b in zip(
+      jax.tree_util.tree_leaves(step),
+      jax.tree_util.tree_leaves(opt.estimator.multiply(s1.curvature, step))))
+  np.testing.assert_allclose(alpha ** 2 * quad, c, rtol=1e-3)
+
+
+def test_weight_decay_l2_and_schedules(x64):
+  params, batch, loss_fn = _mlp_problem(jnp.float64)
+  lr = lambda count: 0.1 / (1.0 + count)
+  wd, eta, lam = 0.01, 0.05, 0.2
+  opt = kfac_jax.Optimizer(
+      loss_fn, batch, learning_rate=lr, momentum=0.0, damping=lambda count: lam + 0 * count,
+      use_adaptive_damping=False, l2_reg=eta, inverse_every=1,
+      config=kfac_jax.OptimizerConfig(weight_decay=wd, estimation_mode="exact"))
+  history = _run(opt, params, batch, 2)
+  for t, (p0, _, p1, s1, info) in enumerate(history):
+    np.testing.assert_allclose(info["learning_rate"], 0.1 / (1 + t))
+    np.testing.assert_allclose(info["damping"], lam)
+    g = jax.grad(loss_fn)(p0, batch)
+    grad_h = jax.tree_util.tree_map(lambda a, p: a + eta * p, g, p0)
+    delta = opt.estimator.multiply_inverse(s1.curvature, grad_h)
+    expect = jax.tree_util.tree_map(lambda p, d, t=t: p - 0.1 / (1 + t) * d - wd * p, p0, delta)
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(expect)):
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(s1.curvature.cache["layer0"]["damping"], lam + eta)
+
+
+# --------------------------------------------------------------------------------------------
+# One program, skipping, convergence, optax form, pmap.
+
+
+def test_thirty_steps_compile_once():
+  params, batch, loss_fn = _mlp_problem()
+  traces = []
+
+  def counted_loss(p, b):
+    traces.append(1)
+    return loss_fn(p, b)
+
+  cfg = kfac_jax.OptimizerConfig(burn_in_steps=3, damping_adaptation_interval=5)
+  opt = kfac_jax.Optimizer(counted_loss, batch, damping=0.1, inverse_every=4, curvature_every=2,
+                           config=cfg)
+  state = opt.init(params)
+  n_init = len(traces)
+  step = jax.jit(opt.step)
+  rng = jax.random.key(0)
+  dampings, changed = [], []
+  for _ in range(30):
+    rng, sub = jax.random.split(rng)
+    new_params, state, _ = step(params, state, batch, sub)
+    changed.append(not all(np.array_equal(a, b) for a, b in zip(
+        jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(new_params))))
+    params = new_params
+    dampings.append(float(state.damping))
+  assert step._cache_size() == 1
+  n_traces = len(traces) - n_init
+  # `step` was traced once (it scans loss_fn once per trace): no retrace after the first step.
+  assert n_traces == 1, n_traces
+  assert changed == [False] * 3 + [True] * 27  # burn-in, then real steps
+  assert len(set(dampings)) > 3  # adapted several times
+  assert int(state.step) == 30 and int(state.skipped) == 0
+  # Statistics on the 3 burn-in steps and on every 2nd step after (k_run = 0, 2, ..., 26).
+  np.testing.assert_allclose(state.curvature.ema_weight, sum(0.95 ** j for j in range(17)),
+                             rtol=1e-6)
+  # The last inverse update was at k_run = 24 (step 27), with the damping of that step.
+  cache_damping = float(state.curvature.cache["layer0"]["damping"])
+  np.testing.assert_allclose(cache_damping, dampings[26], rtol=1e-6)
+  assert cache_damping != dampings[-1]  # adapted at step 28 (k_run = 25), after it
+
+
+def test_nan_batch_leaves_everything_bit_identical():
+  params, batch, loss_fn = _mlp_problem()
+  opt = kfac_jax.Optimizer(loss_fn, batch, damping=0.1, inverse_every=2,
+                           config=kfac_jax.OptimizerConfig(damping_adaptation_interval=1))
+  history = _run(opt, params, batch, 3)
+  params, state = history[-1][2], history[-1][3]
+  bad = dict(batch, x=batch["x"].at[3, 1].set(jnp.nan))
+  new_params, new_state, info = jax.jit(opt.step)(params, state, bad, jax.random.key(9))
+  assert bool(info["skipped"])
+  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(new_params)):
+    assert np.array_equal(a, b)
+  # Every leaf of the state, counters included; only `skipped` (not compared here) moves.
+  old = state._replace(skipped=None)
+  new = new_state._replace(skipped=None)
+  old_leaves, old_def = jax.tree_util.tree_flatten(old)
+  new_leaves, new_def = jax.tree_util.tree_flatten(new)
+  assert old_def == new_def
+  for a, b in zip(old_leaves, new_leaves):
+    assert np.array_equal(a, b, equal_nan=True)
+  assert int(new_state.skipped) == int(state.skipped) + 1 == 1
+  # Training continues from there.
+  _, s2, info2 = jax.jit(opt.step)(new_params, new_state, batch, jax.random.key(9))
+  assert not bool(info2["skipped"]) and int(s2.step) == int(state.step) + 1
+
+
+def test_converges_with_adaptive_everything():
+  params, batch, loss_fn = _mlp_problem(sizes=(4, 16, 3), n=64)
+  opt = kfac_jax.Optimizer(loss_fn, batch, damping=1.0, inverse_every=3,
+                           config=kfac_jax.OptimizerConfig(damping_adaptation_interval=3))
+  history = _run(opt, params, batch, 40)
+  losses = [float(h[4]["loss"]) for h in history]
+  assert losses[-1] < 0.5 * losses[0], losses
+  assert not any(bool(h[4]["skipped"]) for h in history)
+  assert float(history[-1][3].damping) < 1.0  # the damping came down
+
+
+def test_optax_form_matches_class_form():
+  params, batch, loss_fn = _mlp_problem()
+  opt = kfac_jax.Optimizer(loss_fn, batch, damping=0.1, inverse_every=2,
+                           config=kfac_jax.OptimizerConfig(damping_adaptation_interval=2))
+  history = _run(opt, params, batch, 4)
+  tx = opt.as_optax()
+  state = tx.init(params)
+
+  @jax.jit
+  def optax_step(p, s, b, rng):
+    updates, s = tx.update(None, s, p, batch=b, rng=rng)
+    return optax.apply_updates(p, updates), s
+
+  rng = jax.random.key(2)
+  p = params
+  for _, _, p_ref, s_ref, info in history:
+    rng, sub = jax.random.split(rng)
+    p, state = optax_step(p, state, batch, sub)
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(p_ref)):
+      assert np.array_equal(a, b)
+    np.testing.assert_array_equal(state.optimizer.damping, s_ref.damping)
+    np.testing.assert_array_equal(state.info["learning_rate"], info["learning_rate"])
+
+
+def test_pmap_matches_single_device(x64):
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  params, batch, loss_fn = _mlp_problem(jnp.float64, n=16)
+  kw = dict(damping=0.1, inverse_every=1,
+            config=kfac_jax.OptimizerConfig(estimation_mode="exact",
+                                             damping_adaptation_interval=1))
+  single = kfac_jax.Optimizer(loss_fn, batch, **kw)
+  (_, _, p_ref, s_ref, i_ref), = _run(single, params, batch, 1)
+
+  shards = jax.tree_util.tree_map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
+  half = jax.tree_util.tree_map(lambda x: x[0], shards)
+  multi = kfac_jax.Optimizer(loss_fn, half, axis_name="d", **kw)
+  state = multi.init(params)
+  rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)
+  p, s, info = jax.pmap(lambda p, s, b: multi.step(p, s, b, None), axis_name="d")(
+      rep(params), rep(state), shards)
+  for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(p_ref)):
+    np.testing.assert_allclose(a[0], b, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(a[1], b, rtol=1e-9, atol=1e-12)
+  for k in ("loss", "learning_rate", "rho", "quad_model_change"):
+    np.testing.assert_allclose(info[k][0], i_ref[k], rtol=1e-8)
+  np.testing.assert_allclose(s.damping[0], s_ref.damping)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument validation.
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(learning_rate=-0.1), "`learning_rate`"),
+    (dict(learning_rate=float("nan")), "`learning_rate`"),
+    (dict(momentum=1.5), "`momentum`"),
+    (dict(damping=float("nan")), "`damping`"),
+    (dict(damping=-1.0, use_adaptive_damping=False), "`damping`"),
+    (dict(damping=lambda c: 1.0), "`damping` is a schedule"),
+    (dict(l2_reg=-1e-3), "`l2_reg`"),
+    (dict(norm_constraint=1e-3), "`norm_constraint`"),
+    (dict(learning_rate=0.1, norm_constraint=0.0), "`norm_constraint`"),
+    (dict(inverse_every=0), "`inverse_every`"),
+    (dict(curvature_every=2.5), "`curvature_every`"),
+    (dict(damping=1e-9), "config.min_damping"),
+])
+def test_invalid_arguments_are_named(kwargs, match):
+  _, batch, loss_fn = _mlp_problem()
+  with pytest.raises(ValueError, match=match):
+    kfac_jax.Optimizer(loss_fn, batch, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ema_decay=1.0), "config.ema_decay"),
+    (dict(estimation_mode="fisher"), "estimation_mode"),
+    (dict(damping_adaptation_interval=0), "config.damping_adaptation_interval"),
+    (dict(damping_adaptation_decay=1.0), "config.damping_adaptation_decay"),
+    (dict(min_damping=1.0, max_damping=0.5), "config.max_damping"),
+    (dict(burn_in_steps=-1), "config.burn_in_steps"),
+    (dict(weight_decay=float("inf")), "config.weight_decay"),
+])
+def test_invalid_config_is_named(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    kfac_jax.OptimizerConfig(**kwargs)
+
+
+def test_unknown_keyword_and_bad_types():
+  params, batch, loss_fn = _mlp_problem()
+  with pytest.raises(TypeError, match="learning_rte"):
+    kfac_jax.Optimizer(loss_fn, batch, learning_rte=0.1)
+  with pytest.raises(TypeError, match="positional"):
+    kfac_jax.Optimizer(loss_fn, batch, 0.1)
+  with pytest.raises(TypeError, match="`config`"):
+    kfac_jax.Optimizer(loss_fn, batch, config={"ema_decay": 0.9})
+  with pytest.raises(TypeError, match="`axis_name`"):
+    kfac_jax.Optimizer(loss_fn, batch, axis_name=3)
+  tx = kfac_jax.Optimizer(loss_fn, batch).as_optax()
+  with pytest.raises(ValueError, match="batch="):
+    tx.update(None, tx.init(params), params)
