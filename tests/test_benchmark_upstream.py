@@ -118,6 +118,7 @@ def test_reach_lines():
   assert lines[0].startswith("time to reach up's final training loss 12.35 (")
   assert "trailing mean of 5 steps" in lines[0]
   assert lines[1:] == ["- a: step 3, 1.23 s", "- b: not reached"]
+  assert "(minibatch loss, unsmoothed;" in compare.reach_lines("up", 1.0, {}, window=1)[0]
 
 
 def test_worker_refuses_this_projects_kfac_jax(tmp_path):

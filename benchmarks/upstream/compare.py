@@ -234,9 +234,10 @@ def markdown_table(results: Sequence[Mapping[str, Any]],
 def reach_lines(target_name: str, target: float, reached: Mapping[str, tuple[int, float] | None],
                 window: int) -> list[str]:
   """Sentences for "time to reach `target`" per optimizer (None: not reached)."""
+  smoothing = "unsmoothed" if window == 1 else f"trailing mean of {window} steps"
   out = [(f"time to reach {target_name}'s final training loss {target:.2f} (minibatch loss, "
-          f"trailing mean of {window} steps; seconds of training steps, first step's one-off "
-          "costs and compilation excluded):")]
+          f"{smoothing}; seconds of training steps, first step's one-off costs and compilation "
+          "excluded):")]
   for name, hit in reached.items():
     out.append(f"- {name}: " + ("not reached" if hit is None else
                                  f"step {hit[0]}, {hit[1]:.2f} s"))
