@@ -19,8 +19,20 @@ For each optimizer, on the same init and the same minibatch sequence, measures:
 The curvature statistics are updated every step. Prints a Markdown table with absolute numbers
 and the K-FAC / Adam ratios, plus the jax version, CPU count and the exact command.
 
+With `--with-upstream`, DeepMind's kfac-jax 0.0.8 is a third contestant: it runs in its own
+virtualenv (`.venv-upstream/`, created by `benchmarks/upstream/setup_venv.sh` if missing) as a
+subprocess (`benchmarks/upstream/worker.py`), from the same initial parameters on the same
+minibatches, with its adaptive features off and our learning rate, momentum, damping, EMA decay and
+inverse period. Its compile time is its first step's wall time minus a typical inverse-update step
+(its `step` compiles on first call; there is no public lower/compile); its final parameters are
+evaluated here, by the same code as ours. The table then gains a kfac_jax / upstream ratio row,
+the output says how long each optimizer needs to reach upstream's final training loss, and
+`--plot` (default `out/autoencoder_upstream.png`) gets the three loss curves against steps and
+against seconds. See `benchmarks/upstream/README.md` for what could not be matched exactly.
+
     python benchmarks/autoencoder.py                       # defaults: about 1-2 minutes on 2 CPUs
     python benchmarks/autoencoder.py --steps 50 --json out/ae_bench.json
+    python benchmarks/autoencoder.py --with-upstream --steps 5 --warmup 1 --compile-repeats 1
 """
 
 from __future__ import annotations
@@ -42,8 +54,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from benchmarks.upstream import compare  # noqa: E402
 from examples import autoencoder as ae  # noqa: E402
 from examples import data as data_lib  # noqa: E402
+
+DEFAULT_UPSTREAM_PLOT = os.path.join("out", "autoencoder_upstream.png")
 
 
 def parse_args(argv=None):
@@ -64,9 +79,26 @@ def parse_args(argv=None):
   p.add_argument("--compile-repeats", type=int, default=3,
                  help="compilations per optimizer for the compile time (minimum reported)")
   p.add_argument("--json", metavar="OUT", default=None, help="also write the results as JSON")
+  p.add_argument("--with-upstream", action="store_true",
+                 help="add DeepMind kfac-jax 0.0.8 (own venv, subprocess) as a third contestant")
+  p.add_argument("--upstream-python", default=None,
+                 help="python of a venv with kfac-jax 0.0.8 (default: .venv-upstream/bin/python, "
+                      "created by benchmarks/upstream/setup_venv.sh if missing)")
+  p.add_argument("--plot", metavar="PNG", default=None,
+                 help="write loss-vs-steps and loss-vs-seconds curves (default with "
+                      f"--with-upstream: {DEFAULT_UPSTREAM_PLOT})")
+  p.add_argument("--reach-window", type=int, default=5,
+                 help="with --with-upstream: trailing-mean window of the minibatch losses used "
+                      "for the time to reach upstream's final loss (at most a tenth of the run)")
   args = p.parse_args(argv)
   if args.steps < 1 or args.warmup < 0:
     p.error("--steps must be >= 1 and --warmup >= 0")
+  if args.with_upstream and args.warmup < 1:
+    p.error("--with-upstream needs --warmup >= 1: upstream's first step includes its compilation")
+  if args.reach_window < 1:
+    p.error("--reach-window must be >= 1")
+  if args.with_upstream and args.plot is None:
+    args.plot = DEFAULT_UPSTREAM_PLOT
   return args
 
 
@@ -78,20 +110,9 @@ def run_one(name, make_tx, make_step, loss_fn, params0, images, idx, warmup, see
   setup = time.perf_counter() - t0
   r = ae.train(name, make_step(loss_fn, tx), params, opt_state, images, idx, seed, eval_fn,
                progress=False)
-  timed = r.step_times[warmup:]
-  return {
-      "optimizer": name,
-      "setup_s": setup,
-      "compile_first_s": r.compile_time,
-      "median_step_ms": 1e3 * float(np.median(timed)),
-      "mean_step_ms": 1e3 * float(np.mean(timed)),
-      "min_step_ms": 1e3 * float(np.min(timed)),
-      "timed_steps": int(len(timed)),
-      "loss_steps": int(len(r.step_times)),
-      "final_eval_loss": r.final_loss,
-      "last_minibatch_loss": float(r.losses[-1]),
-      "finite": bool(np.all(np.isfinite(r.losses))),
-  }
+  summary = compare.summarize(name, r.step_times, r.losses, warmup, setup_s=setup,
+                              compile_first_s=r.compile_time, final_eval_loss=r.final_loss)
+  return summary, r
 
 
 def compile_times(optimizers, loss_fn, params, example, repeats):
@@ -134,12 +155,14 @@ def main(argv=None) -> int:
   print(f"data: {ds.source}", flush=True)
   print(f"model: {n_params:,} parameters; {args.warmup} warm-up + {args.steps} timed steps of "
         f"batch {idx.shape[1]}", flush=True)
-  results = []
+  results, runs = [], []
   for name, make_tx, make_step in (("kfac_jax", make_kfac, ae.make_kfac_step),
                                    ("Adam", lambda: optax.adam(args.adam_lr), ae.make_adam_step)):
     print(f"running {name} ...", flush=True)
-    results.append(run_one(name, make_tx, make_step, loss_fn, params0, images, idx, args.warmup,
-                           args.seed, eval_fn))
+    summary, run = run_one(name, make_tx, make_step, loss_fn, params0, images, idx, args.warmup,
+                           args.seed, eval_fn)
+    results.append(summary)
+    runs.append(run)
   compile_s = compile_times(
       [(make_kfac(), ae.make_kfac_step), (optax.adam(args.adam_lr), ae.make_adam_step)],
       loss_fn, params0, example, args.compile_repeats)
@@ -152,6 +175,12 @@ def main(argv=None) -> int:
       "mean_step": kfac["mean_step_ms"] / adam["mean_step_ms"],
       "compile": kfac["compile_s"] / adam["compile_s"],
   }
+  upstream = None
+  if args.with_upstream:
+    upstream, upstream_run = run_upstream(args, model, params0, images, idx, eval_fn)
+    results.append(upstream)
+    runs.append(upstream_run)
+    ratios_upstream = compare.ratios(kfac, upstream)
   env = {
       "jax": jax.__version__,
       "backend": jax.default_backend(),
@@ -174,26 +203,91 @@ def main(argv=None) -> int:
         f"statistics every step")
   print(f"command: `{command}`")
   print()
-  print(f"| optimizer | setup (s) | compile (s) | median step (ms) | mean step (ms) | "
-        f"loss after {total} steps |")
-  print("|---|---:|---:|---:|---:|---:|")
-  for r in results:
-    loss = f"{r['final_eval_loss']:.2f}" + ("" if r["finite"] else " (non-finite)")
-    print(f"| {r['optimizer']} | {r['setup_s']:.2f} | {r['compile_s']:.2f} | "
-          f"{r['median_step_ms']:.1f} | {r['mean_step_ms']:.1f} | {loss} |")
-  print(f"| **kfac/adam** | | {ratios['compile']:.2f}x | {ratios['median_step']:.2f}x | "
-        f"{ratios['mean_step']:.2f}x | |")
+  # Loss curves against training seconds: every run's first step (one-off costs; upstream's
+  # compilation) is replaced by its median same-phase step, see compare.curve_times.
+  curves = {r.name: (r.losses, compare.curve_times(r.step_times, args.inverse_every))
+            for r in runs}
+  ratio_rows = [("kfac/adam", ratios)]
+  if upstream is not None:
+    ratio_rows.append(("kfac_jax/upstream", ratios_upstream))
+  print(compare.markdown_table(results, ratio_rows, total))
   print()
   print(f"compile = minimum over {args.compile_repeats} interleaved runs of "
         "jax.jit(step).lower(...).compile() after a warm-up compilation; steps exclude "
         "compilation; loss = mean over 10,000 training images.")
-
+  out = {"env": env, "results": results, "ratios": ratios}
+  if upstream is not None:
+    print(f"{upstream['optimizer']} (jax {upstream['upstream_env']['jax']}, own venv): compile = "
+          f"min over {len(upstream['first_step_all_s'])} first step(s) on a fresh optimizer "
+          f"minus the {upstream['compile_baseline']} ({1e3 * upstream['compile_baseline_s']:.0f}"
+          " ms; its step compiles on first call); setup = its init (graph matching + "
+          "compiled init). kfac_jax/upstream loss column = ratio of the final losses after "
+          "the same steps.")
+    print()
+    reach = reach_to_upstream(curves, upstream["optimizer"], args.reach_window)
+    print("\n".join(compare.reach_lines(upstream["optimizer"], reach["target"], reach["reached"],
+                                        reach["window"])))
+    hit_ours, hit_up = reach["reached"]["kfac_jax"], reach["reached"][upstream["optimizer"]]
+    if hit_ours is not None and hit_up is not None and hit_up[1] > 0:
+      print(f"- kfac_jax / upstream time to that loss: {hit_ours[1] / hit_up[1]:.2f}x")
+    out["ratios_upstream"] = ratios_upstream
+    out["time_to_upstream_final_loss"] = reach
+  if args.plot:
+    title = (f"{n_params:,}-parameter autoencoder on {ds.name}, batch {idx.shape[1]}; K-FAC lr="
+             f"{args.kfac_lr} momentum={args.kfac_momentum} damping={args.damping}, Adam lr="
+             f"{args.adam_lr}")
+    compare.plot_curves(curves, args.plot, title)
+    print(f"wrote {args.plot}")
   if args.json:
+    out["curves"] = {r.name: {"losses": [float(x) for x in r.losses],
+                              "step_times_s": [float(x) for x in r.step_times]} for r in runs}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-      json.dump({"env": env, "results": results, "ratios": ratios}, f, indent=2)
+      json.dump(out, f, indent=2)
     print(f"wrote {args.json}")
   return 0
+
+
+def run_upstream(args, model, params0, images, idx, eval_fn):
+  """DeepMind kfac-jax 0.0.8 in its own venv: (summary row, RunResult for the plot)."""
+  python = compare.ensure_venv(args.upstream_python)
+  n_layers = len(params0["params"])
+  code_layer = len(model.encoder) - 1
+  config = {
+      "activations": ["linear" if i in (code_layer, n_layers - 1) else "tanh"
+                      for i in range(n_layers)],
+      "learning_rate": args.kfac_lr, "momentum": args.kfac_momentum, "damping": args.damping,
+      "ema_decay": args.ema_decay, "inverse_every": args.inverse_every, "seed": args.seed,
+      "compile_repeats": args.compile_repeats,
+  }
+  print(f"running upstream kfac-jax ({python}) ...", flush=True)
+  report, final = compare.run_worker(python, jax.device_get(params0), images, idx, config)
+  name = report["optimizer"]
+  final_loss = eval_fn(jax.tree.map(jnp.asarray, final))
+  summary = compare.summarize(
+      name, report["step_times_s"], report["losses"], args.warmup, setup_s=report["init_s"],
+      compile_s=report["compile_s"], first_step_all_s=report["first_step_s"],
+      compile_baseline=report["compile_baseline"],
+      compile_baseline_s=report["compile_baseline_s"], final_eval_loss=final_loss,
+      registrations=report["registrations"],
+      upstream_env={k: report[k] for k in ("upstream_version", "jax", "python", "backend")})
+  run = ae.RunResult(name=name, losses=np.asarray(report["losses"], dtype=float),
+                     step_times=np.asarray(report["step_times_s"], dtype=float),
+                     compile_time=report["compile_s"], final_loss=final_loss)
+  return summary, run
+
+
+def reach_to_upstream(curves, upstream_name, window):
+  """Per run, the first (step, seconds) where its smoothed loss reaches upstream's final one.
+
+  The window shrinks to a tenth of the run for short runs (at least 1 step).
+  """
+  losses = curves[upstream_name][0]
+  w = max(1, min(window, len(losses) // 10))
+  target = float(compare.smoothed(losses, w)[-1])
+  reached = {name: compare.time_to_reach(losses_, times, target, w)
+             for name, (losses_, times) in curves.items()}
+  return {"target": target, "window": w, "reached": reached}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Benchmark scripts (not part of the installed package)."""

@@ -1,0 +1,244 @@
+"""Parent-side helpers for the upstream kfac-jax contestant of `benchmarks/autoencoder.py`.
+
+`run_worker` writes the inputs, starts `worker.py` in the upstream virtualenv and reads its
+report back. The rest is pure Python + numpy (no JAX, no upstream package), so it is unit-tested
+in `tests/test_benchmark_upstream.py`: per-run summaries, ratios, "time to reach a loss", and the
+Markdown table the benchmark prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "worker.py")
+SETUP = os.path.join(HERE, "setup_venv.sh")
+DEFAULT_PYTHON = os.path.join(ROOT, ".venv-upstream", "bin", "python")
+
+
+# -- parameters <-> npz ----------------------------------------------------------------------------
+
+def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+  """`{"params": {"dense_0": {"kernel": w}}}` -> `{"param:params/dense_0/kernel": w}`."""
+  out = {}
+  for key, value in tree.items():
+    if "/" in str(key):
+      raise ValueError(f"parameter key {key!r} under {prefix or '<root>'!r} contains '/', which "
+                       "the npz exchange format uses as its path separator.")
+    path = f"{prefix}/{key}" if prefix else str(key)
+    if isinstance(value, Mapping):
+      out.update(flatten_params(value, path))
+    else:
+      out[f"param:{path}"] = np.asarray(value)
+  return out
+
+
+def unflatten_params(arrays: Mapping[str, np.ndarray]) -> dict:
+  """Inverse of `flatten_params` (keys without the `param:` prefix are ignored)."""
+  tree: dict = {}
+  for key, value in arrays.items():
+    if not key.startswith("param:"):
+      continue
+    *parents, leaf = key[len("param:"):].split("/")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = np.asarray(value)
+  return tree
+
+
+# -- running the worker ----------------------------------------------------------------------------
+
+def ensure_venv(python: str | None) -> str:
+  """The upstream venv's python: `python` if given, else the default one (created if missing)."""
+  if python:
+    if not os.path.isfile(python):
+      raise FileNotFoundError(f"--upstream-python {python!r} does not exist; run "
+                              f"`bash {os.path.relpath(SETUP, ROOT)}` or pass an existing "
+                              "interpreter that has kfac-jax 0.0.8 installed.")
+    return python
+  proc = subprocess.run(["bash", SETUP], capture_output=True, text=True, check=False)
+  sys.stderr.write(proc.stderr)
+  if proc.returncode != 0:
+    raise RuntimeError(f"{SETUP} failed (exit {proc.returncode}); see the messages above.")
+  return proc.stdout.strip().splitlines()[-1]
+
+
+def run_worker(python: str, params, images: np.ndarray, idx: np.ndarray,
+               config: Mapping[str, Any], timeout: float | None = None) -> tuple[dict, dict]:
+  """Trains with upstream kfac-jax in a subprocess; returns (report, final params tree).
+
+  Only the images that `idx` uses are sent (`batches` index into them), so a short run does not
+  write the whole training set to disk.
+  """
+  used, inverse = np.unique(idx, return_inverse=True)
+  with tempfile.TemporaryDirectory(prefix="kfac_upstream_") as tmp:
+    inputs = os.path.join(tmp, "inputs.npz")
+    np.savez(inputs, images=np.asarray(images[used], np.float32),
+             batches=inverse.reshape(idx.shape).astype(np.int64), **flatten_params(params))
+    cfg_path = os.path.join(tmp, "config.json")
+    with open(cfg_path, "w") as f:
+      json.dump(dict(config), f)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([python, WORKER, inputs, cfg_path, tmp], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+      tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+      raise RuntimeError(f"the upstream worker failed (exit {proc.returncode}):\n{tail}")
+    with open(os.path.join(tmp, "result.json")) as f:
+      report = json.load(f)
+    with np.load(os.path.join(tmp, "final_params.npz")) as z:
+      final = unflatten_params({k: z[k] for k in z.files})
+  return report, final
+
+
+# -- summaries -------------------------------------------------------------------------------------
+
+def summarize(name: str, step_times: Sequence[float], losses: Sequence[float], warmup: int,
+              **extra) -> dict:
+  """Step-time statistics over the timed steps (after `warmup`), as the benchmark reports them."""
+  times = np.asarray(step_times, dtype=float)
+  losses = np.asarray(losses, dtype=float)
+  if warmup >= len(times):
+    raise ValueError(f"warmup={warmup} leaves no timed step out of {len(times)}.")
+  timed = times[warmup:]
+  out = {
+      "optimizer": name,
+      "median_step_ms": 1e3 * float(np.median(timed)),
+      "mean_step_ms": 1e3 * float(np.mean(timed)),
+      "min_step_ms": 1e3 * float(np.min(timed)),
+      "timed_steps": len(timed),
+      "loss_steps": len(times),
+      "last_minibatch_loss": float(losses[-1]),
+      "finite": bool(np.all(np.isfinite(losses))),
+  }
+  out.update(extra)
+  return out
+
+
+def ratios(num: Mapping[str, Any], den: Mapping[str, Any]) -> dict[str, float]:
+  """`num / den` for median step, mean step, compile time and final evaluation loss."""
+  keys = {"median_step": "median_step_ms", "mean_step": "mean_step_ms", "compile": "compile_s",
+          "loss": "final_eval_loss"}
+  out = {}
+  for name, key in keys.items():
+    a, b = num.get(key), den.get(key)
+    out[name] = float(a) / float(b) if a is not None and b not in (None, 0) else float("nan")
+  return out
+
+
+def smoothed(losses: Sequence[float], window: int) -> np.ndarray:
+  """Trailing moving average: entry t is the mean of losses[max(0, t-window+1) : t+1]."""
+  if window < 1:
+    raise ValueError(f"window must be >= 1, got {window}.")
+  x = np.asarray(losses, dtype=float)
+  c = np.concatenate([[0.0], np.cumsum(x)])
+  t = np.arange(len(x))
+  lo = np.maximum(0, t - window + 1)
+  return (c[t + 1] - c[lo]) / (t + 1 - lo)
+
+
+def time_to_reach(losses: Sequence[float], step_times: Sequence[float], target: float,
+                  window: int) -> tuple[int, float] | None:
+  """First (step, seconds) at which the smoothed loss is <= `target`, or None if never.
+
+  The loss at step t is measured on the parameters after t updates (before update t), so it is
+  available after `sum(step_times[:t])` seconds of training: the returned seconds.
+  """
+  s = smoothed(losses, window)
+  hits = np.nonzero(s <= target)[0]
+  if hits.size == 0:
+    return None
+  t = int(hits[0])
+  return t, float(np.sum(np.asarray(step_times, dtype=float)[:t]))
+
+
+def curve_times(step_times: Sequence[float], period: int) -> np.ndarray:
+  """Step times for the loss-vs-seconds curves: the first step's time replaced by the median of
+  the later steps in the same phase (`t % period == 0`, i.e. the other inverse-update steps),
+  or of all later steps if there is none.
+
+  The first step carries one-off costs: upstream's compilation (its step compiles on first
+  call), buffer allocation and thread-pool start-up for every contestant. Replacing it the same
+  way for all runs keeps the time axis about training only.
+  """
+  t = np.asarray(step_times, dtype=float).copy()
+  if t.size < 2:
+    return t
+  same_phase = t[period::period] if period >= 1 else t[1:]
+  t[0] = float(np.median(same_phase if same_phase.size else t[1:]))
+  return t
+
+
+def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], out: str,
+                title: str) -> None:
+  """PNG with the minibatch loss against steps and against seconds, one line per optimizer.
+
+  `curves` maps a name to (losses, step_times); the loss at step t is plotted at
+  `sum(step_times[:t])` seconds, when the parameters it was measured on became available.
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for k, (name, (losses, times)) in enumerate(curves.items()):
+    losses = np.asarray(losses, dtype=float)
+    elapsed = np.concatenate([[0.0], np.cumsum(np.asarray(times, dtype=float))[:-1]])
+    style = {"color": f"C{k}", "lw": 1.2, "label": name}
+    ax_steps.plot(np.arange(1, len(losses) + 1), losses, **style)
+    ax_time.plot(elapsed, losses, **style)
+  ax_steps.set_xlabel("step")
+  ax_time.set_xlabel("seconds of training steps (compilation and first-step costs excluded)")
+  for ax in (ax_steps, ax_time):
+    ax.set_yscale("log")
+    ax.set_ylabel("training loss (minibatch)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+
+
+# -- Markdown --------------------------------------------------------------------------------------
+
+def markdown_table(results: Sequence[Mapping[str, Any]],
+                   ratio_rows: Sequence[tuple[str, Mapping[str, float]]],
+                   total_steps: int) -> str:
+  """The benchmark's table: one row per optimizer, then one row per `(label, ratios)`."""
+  lines = [(f"| optimizer | setup (s) | compile (s) | median step (ms) | mean step (ms) | "
+            f"loss after {total_steps} steps |"),
+           "|---|---:|---:|---:|---:|---:|"]
+  for r in results:
+    loss = f"{r['final_eval_loss']:.2f}" + ("" if r["finite"] else " (non-finite)")
+    lines.append(f"| {r['optimizer']} | {r['setup_s']:.2f} | {r['compile_s']:.2f} | "
+                 f"{r['median_step_ms']:.1f} | {r['mean_step_ms']:.1f} | {loss} |")
+  for label, q in ratio_rows:
+    loss = f"{q['loss']:.3f}x" if "loss" in q else ""
+    lines.append(f"| **{label}** | | {q['compile']:.2f}x | {q['median_step']:.2f}x | "
+                 f"{q['mean_step']:.2f}x | {loss} |")
+  return "\n".join(lines)
+
+
+def reach_lines(target_name: str, target: float, reached: Mapping[str, tuple[int, float] | None],
+                window: int) -> list[str]:
+  """Sentences for "time to reach `target`" per optimizer (None: not reached)."""
+  smoothing = "unsmoothed" if window == 1 else f"trailing mean of {window} steps"
+  out = [(f"time to reach {target_name}'s final training loss {target:.2f} (minibatch loss, "
+          f"{smoothing}; seconds of training steps, first step's one-off costs and compilation "
+          "excluded):")]
+  for name, hit in reached.items():
+    out.append(f"- {name}: " + ("not reached" if hit is None else
+                                 f"step {hit[0]}, {hit[1]:.2f} s"))
+  return out
