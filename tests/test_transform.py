@@ -125,7 +125,8 @@ def test_dtypes_preserved(dtype):
   updates, state = jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st))(
       grads, state, params, stats)
   assert [u.dtype for u in jax.tree_util.tree_leaves(updates)] == [dtype] * 4
-  factors = jax.tree_util.tree_leaves(state.curvature)
+  factors = jax.tree_util.tree_leaves((state.curvature.factors, state.curvature.cache,
+                                       state.curvature.ema_weight))
   assert {f.dtype for f in factors} == {jnp.dtype(jnp.float32)}  # Statistics stay float32.
   assert all(bool(jnp.all(jnp.isfinite(u.astype(jnp.float32))))
              for u in jax.tree_util.tree_leaves(updates))
