@@ -13,10 +13,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = os.path.join(_ROOT, "examples", "autoencoder.py")
 
 
-def test_autoencoder_demo_fast(tmp_path):
+def _run_fast(script, tmp_path, png_name):
+  """Runs an example with `--fast` on the digits fallback; returns (stdout, all output, png)."""
   empty = tmp_path / "no_data"
   empty.mkdir()
-  out = tmp_path / "ae.png"
+  out = tmp_path / png_name
   env = dict(os.environ, KFAC_DATA_DIR=str(empty), MPLBACKEND="Agg")
   # conftest.py asks XLA for 8 fake CPU devices; the demo should run as a user would run it.
   flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
@@ -25,19 +26,24 @@ def test_autoencoder_demo_fast(tmp_path):
   else:
     env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, _SCRIPT, "--fast", "--no-progress", "--out", str(out)],
+      [sys.executable, script, "--fast", "--no-progress", "--out", str(out)],
       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output
   assert out.is_file() and out.stat().st_size > 1000, output
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "non-finite" not in output
+  return proc.stdout, output
+
+
+def test_autoencoder_demo_fast(tmp_path):
+  stdout, output = _run_fast(_SCRIPT, tmp_path, "ae.png")
   assert "K-FAC" in output and "Adam" in output, output
   assert "falling back" in output  # the empty KFAC_DATA_DIR forced the digits fallback
   for name in ("K-FAC", "Adam"):
-    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", proc.stdout, re.M)
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
     assert row is not None, output
     assert float(row.group(1)) < 1e4, output  # finite and not diverged
-  assert "non-finite" not in output
 
 
 _ADAPTIVE_SCRIPT = os.path.join(_ROOT, "examples", "autoencoder_adaptive.py")
@@ -45,26 +51,10 @@ _ADAPTIVE_SCRIPT = os.path.join(_ROOT, "examples", "autoencoder_adaptive.py")
 
 def test_autoencoder_adaptive_demo_fast(tmp_path):
   """examples/autoencoder_adaptive.py: full-batch adaptive K-FAC beside Adam, PNG written."""
-  empty = tmp_path / "no_data"
-  empty.mkdir()
-  out = tmp_path / "ae_adaptive.png"
-  env = dict(os.environ, KFAC_DATA_DIR=str(empty), MPLBACKEND="Agg")
-  flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-  if flags.strip():
-    env["XLA_FLAGS"] = flags.strip()
-  else:
-    env.pop("XLA_FLAGS", None)
-  proc = subprocess.run(
-      [sys.executable, _ADAPTIVE_SCRIPT, "--fast", "--no-progress", "--out", str(out)],
-      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-  output = proc.stdout + proc.stderr
-  assert proc.returncode == 0, output
-  assert out.is_file() and out.stat().st_size > 1000, output
-  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  initial = float(re.search(r"^initial loss: ([0-9.]+)$", proc.stdout, re.M).group(1))
+  stdout, output = _run_fast(_ADAPTIVE_SCRIPT, tmp_path, "ae_adaptive.png")
+  initial = float(re.search(r"^initial loss: ([0-9.]+)$", stdout, re.M).group(1))
   for name in ("K-FAC (adaptive)", "Adam"):
-    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", proc.stdout, re.M)
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
     assert row is not None, output
     assert float(row.group(1)) < initial, output  # both made progress
-  assert re.search(r"skipped steps: 0$", proc.stdout, re.M), output
-  assert "non-finite" not in output
+  assert re.search(r"skipped steps: 0$", stdout, re.M), output
