@@ -89,7 +89,7 @@ def check_restored_state(expected: Any, restored: Any) -> None:
 
 def state_to_bytes(state: Any) -> bytes:
   """Serialises an optimizer state with flax.serialization (msgpack)."""
-  from flax import serialization  # noqa: PLC0415 (flax is an optional dependency)
+  from flax import serialization  # flax is an optional dependency.
   return serialization.to_bytes(state)
 
 
@@ -99,7 +99,7 @@ def state_from_bytes(expected: Any, data: bytes) -> Any:
   Raises:
     ValueError: the saved state does not fit `expected` (see `check_restored_state`).
   """
-  from flax import serialization  # noqa: PLC0415 (flax is an optional dependency)
+  from flax import serialization  # flax is an optional dependency.
   raw = serialization.msgpack_restore(data)
   template = serialization.to_state_dict(expected)
   check_restored_state(template, raw)

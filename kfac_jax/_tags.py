@@ -14,7 +14,8 @@ needs `weight=1/num_tokens`. Layer tags mark what the scanner cannot find by its
 from __future__ import annotations
 
 import math
-from typing import Any, Literal as TypingLiteral
+from typing import Any
+from typing import Literal as TypingLiteral
 
 import jax
 import jax.numpy as jnp
