@@ -52,10 +52,15 @@ class CurvatureStats:
       generic layers, the per-leaf sampled gradients `[samples, *leaf.shape]`.
     layer_names: static; the layers the entries belong to.
     batch_size: static; N, the loss tags' leading axis.
+    params_stats: with `compute_params_stats=True`, the first-order version of the statistics
+      (TF K-FAC's `params_stats`): `(1/(S N)) Σ_s Σ_n J_nᵀ v_sn`, params-shaped, where `v_sn`
+      are the mode's output vectors; for the empirical mode without weights this is the
+      gradient of the loss. None otherwise.
   """
   data: tuple[Any, ...]
-  layer_names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
-  batch_size: int = dataclasses.field(metadata=dict(static=True))
+  layer_names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
+  batch_size: int = dataclasses.field(metadata={"static": True})
+  params_stats: Any = None
 
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
@@ -102,8 +107,13 @@ def _read(atom, seen):
 
 
 def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
-            estimation_mode: str, num_samples: int, with_grads: bool):
-  """Loss, gradient (or None) and `CurvatureStats` from one forward pass."""
+            estimation_mode: str, num_samples: int, with_grads: bool,
+            with_params_stats: bool = False):
+  """Loss, gradient (or None) and `CurvatureStats` from one forward pass.
+
+  With `with_params_stats`, the sampled pull-back also forms every parameter's product (one
+  more set of weight-gradient matmuls); without it XLA drops those for the tapped layers.
+  """
   check_rng(estimation_mode, rng)
   leaves = jax.tree_util.tree_leaves(params)
   batch_leaves = jax.tree_util.tree_leaves(batch)
@@ -155,13 +165,19 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
       data.append((xs[n], eps_ct[n]))
     else:
       data.append(tuple(p_ct[j] for j in spec.leaf_indices))
+  params_stats = None
+  if with_params_stats:
+    n = reg.losses[0].batch_size
+    params_stats = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(params), [jnp.mean(x, axis=0) / n for x in p_ct])
   stats = CurvatureStats(tuple(data), tuple(s.name for s in reg.layers),
-                         reg.losses[0].batch_size)
+                         reg.losses[0].batch_size, params_stats)
   return loss, grads, stats
 
 
 def value_and_grad(loss_fn: Callable, *, estimation_mode: EstimationMode = "gradients",
-                   num_samples: int = 1, strict: bool = False) -> Callable:
+                   num_samples: int = 1, strict: bool = False,
+                   compute_params_stats: bool = False) -> Callable:
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
 
   `curvature_stats` is what `scale_by_kfac`'s update takes as `curvature_stats=`. Call the
@@ -179,6 +195,8 @@ def value_and_grad(loss_fn: Callable, *, estimation_mode: EstimationMode = "grad
     num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
       "empirical" ignores it, the exact modes require it to be 1.
     strict: raise instead of warning when parameters are outside every recognised layer.
+    compute_params_stats: also return `curvature_stats.params_stats`, the first-order
+      statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
 
   Example:
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
@@ -189,6 +207,7 @@ def value_and_grad(loss_fn: Callable, *, estimation_mode: EstimationMode = "grad
   def fn(params, batch, rng=None):
     reg = _scanner.scan(loss_fn, params, batch, strict=strict, warn=False)
     return compute(reg, params, batch, rng, estimation_mode=estimation_mode,
-                   num_samples=num_samples, with_grads=True)
+                   num_samples=num_samples, with_grads=True,
+                   with_params_stats=compute_params_stats)
 
   return fn

@@ -121,6 +121,8 @@ class CurvatureEstimator:
     compute_cholesky: cache Cholesky factors of the damped blocks.
     compute_cholesky_inverse: cache their inverses.
     strict: raise, instead of warning, when parameters are outside every recognised layer.
+    compute_params_stats: `curvature_stats` also returns the first-order statistics
+      (`CurvatureStats.params_stats`, TF K-FAC's `params_stats`).
 
   Example:
     >>> est = kfac_jax.CurvatureEstimator(loss_fn, batch)
@@ -134,7 +136,8 @@ class CurvatureEstimator:
                estimation_mode: _curvature.EstimationMode = "gradients",
                exps: Sequence[float] = (-1,), num_samples: int = 1,
                damping_mode: _blocks.DampingMode = "factored", compute_cholesky: bool = False,
-               compute_cholesky_inverse: bool = False, strict: bool = False):
+               compute_cholesky_inverse: bool = False, strict: bool = False,
+               compute_params_stats: bool = False):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
     _curvature.check_mode(estimation_mode, num_samples)
@@ -149,6 +152,7 @@ class CurvatureEstimator:
     self.estimation_mode = estimation_mode
     self.num_samples = num_samples
     self.strict = strict
+    self.compute_params_stats = compute_params_stats
     dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
     self.config = _blocks.BlockConfig(
         exps=exps, damping_mode=damping_mode, cholesky=compute_cholesky,
@@ -219,7 +223,8 @@ class CurvatureEstimator:
     self._check_layers(reg.layers)
     _, _, stats = _curvature.compute(
         reg, params, batch, rng, estimation_mode=self.estimation_mode,
-        num_samples=self.num_samples, with_grads=False)
+        num_samples=self.num_samples, with_grads=False,
+        with_params_stats=self.compute_params_stats)
     return stats
 
   def _check_layers(self, layers) -> None:

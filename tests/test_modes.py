@@ -278,3 +278,30 @@ def test_exact_generic_full_block_batch_of_one(x64, kind):
   assert sorted(blk.spec.kind for blk in est.blocks) == ["dense", "generic"]
   expected = jac.T @ hess @ jac * _block_mask(est, params)
   assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) < 1e-10
+
+
+def test_params_stats_are_the_first_order_statistics(x64):
+  """Empirical mode: the loss gradient; sampled modes: mean-zero, S=many averages to ~0."""
+  loss_fn, params, batch = _setup("categorical", "mlp", n=5)
+  batch = dict(batch, w=jnp.ones_like(batch["w"]))  # Unit weights: √w ∇ℓ = w ∇ℓ.
+  _, grads, stats = kfac_jax.value_and_grad(
+      loss_fn, estimation_mode="empirical", compute_params_stats=True)(params, batch)
+  for a, b in zip(jax.tree_util.tree_leaves(stats.params_stats), jax.tree_util.tree_leaves(grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
+  _, _, sampled = kfac_jax.value_and_grad(
+      loss_fn, estimation_mode="gradients", num_samples=4000, compute_params_stats=True)(
+          params, batch, jax.random.key(0))
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grads))
+  for a in jax.tree_util.tree_leaves(sampled.params_stats):
+    assert float(jnp.max(jnp.abs(a))) < 0.1 * scale  # E_y[∇ log p(y|x)] = 0.
+  _, _, plain = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
+  assert plain.params_stats is None
+
+
+def test_estimator_offers_params_stats(x64):
+  loss_fn, params, batch = _setup("normal", "linear", n=3)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical",
+                                    compute_params_stats=True)
+  est.init(params)
+  stats = est.curvature_stats(params, batch, None)
+  assert jax.tree_util.tree_structure(stats.params_stats) == jax.tree_util.tree_structure(params)
