@@ -1,0 +1,36 @@
+"""The README's Python code blocks run verbatim (the quickstart and the optimizer section)."""
+
+import os
+import re
+
+import jax
+import numpy as np
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def _blocks(section):
+  with open(README, encoding="utf-8") as f:
+    text = f.read()
+  start = text.index(f"\n## {section}\n")
+  end = text.find("\n## ", start + 1)
+  return re.findall(r"```python\n(.*?)```", text[start:end if end > 0 else None], re.S)
+
+
+def test_quickstart_runs_verbatim_and_trains():
+  (code,) = _blocks("Quickstart")
+  scope = {}
+  exec(compile(code, "README.md:Quickstart", "exec"), scope)  # noqa: S102
+  assert np.isfinite(float(scope["loss"]))
+  first = scope["loss_fn"](scope["model"].init(jax.random.key(0), scope["batch"]), scope["batch"])
+  assert float(scope["loss"]) < float(first)  # Ten K-FAC steps lowered the loss.
+
+
+def test_optimizer_section_runs_verbatim_after_the_quickstart():
+  scope = {}
+  exec(compile(_blocks("Quickstart")[0], "README.md:Quickstart", "exec"), scope)  # noqa: S102
+  blocks = _blocks("The full optimizer")
+  assert blocks
+  for i, code in enumerate(blocks):
+    exec(compile(code, f"README.md:The full optimizer:{i}", "exec"), scope)  # noqa: S102
+  assert np.isfinite(float(scope["info"]["loss"]))
