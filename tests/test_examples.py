@@ -58,3 +58,34 @@ def test_autoencoder_adaptive_demo_fast(tmp_path):
     assert row is not None, output
     assert float(row.group(1)) < initial, output  # both made progress
   assert re.search(r"skipped steps: 0$", stdout, re.M), output
+
+
+def test_cnn_example_fast(tmp_path):
+  """examples/cnn.py: conv + LayerNorm + dense found without tags; K-FAC and Adam train."""
+  stdout, output = _run_fast(os.path.join(_ROOT, "examples", "cnn.py"), tmp_path, "cnn.png")
+  for kind in ("conv", "scale_and_shift", "dense"):
+    assert kind in stdout, output  # the summary table
+  assert "generic" not in stdout, output
+  for name in ("K-FAC", "Adam"):
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \| ([0-9.]+) \|", stdout, re.M)
+    assert row is not None, output
+    assert float(row.group(1)) < 10.0, output  # finite, not diverged
+
+
+def test_data_parallel_example_fast(tmp_path):
+  """examples/data_parallel.py: 4 fake devices under pmap agree with one device to round-off."""
+  empty = tmp_path / "no_data"
+  empty.mkdir()
+  env = dict(os.environ, KFAC_DATA_DIR=str(empty), MPLBACKEND="Agg")
+  env.pop("XLA_FLAGS", None)  # The example sets its own device count.
+  out = tmp_path / "dp.png"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "examples", "data_parallel.py"), "--fast",
+       "--devices", "4", "--batch-size", "128", "--no-progress", "--out", str(out)],
+      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, output
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "4 devices" in proc.stdout, output
+  rel = float(re.search(r"/ max \|params\|: ([0-9.e+-]+)", proc.stdout).group(1))
+  assert rel < 1e-5, output
