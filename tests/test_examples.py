@@ -89,3 +89,29 @@ def test_data_parallel_example_fast(tmp_path):
   assert "4 devices" in proc.stdout, output
   rel = float(re.search(r"/ max \|params\|: ([0-9.e+-]+)", proc.stdout).group(1))
   assert rel < 1e-5, output
+
+
+_RUN_NOTEBOOK = """
+import json, os, sys
+nb = json.load(open(sys.argv[1]))
+os.chdir(sys.argv[2])
+scope = {}
+for i, cell in enumerate(nb["cells"]):
+  if cell["cell_type"] == "code":
+    exec(compile("".join(cell["source"]), f"walkthrough.ipynb cell {i}", "exec"), scope)
+print("final loss", scope["losses"][-1], "first", scope["losses"][0])
+"""
+
+
+def test_walkthrough_notebook_runs(tmp_path):
+  """Every code cell of examples/walkthrough.ipynb, in order, in a fresh process."""
+  env = dict(os.environ, MPLBACKEND="Agg")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-c", _RUN_NOTEBOOK, os.path.join(_ROOT, "examples", "walkthrough.ipynb"),
+       str(tmp_path)], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, output  # The notebook asserts K-FAC == exact Fisher itself.
+  last, first = map(float, re.search(r"final loss (\S+) first (\S+)", proc.stdout).groups())
+  assert last < 0.5 * first, output
+  assert (tmp_path / "walkthrough.png").is_file()
