@@ -115,3 +115,14 @@ def test_walkthrough_notebook_runs(tmp_path):
   last, first = map(float, re.search(r"final loss (\S+) first (\S+)", proc.stdout).groups())
   assert last < 0.5 * first, output
   assert (tmp_path / "walkthrough.png").is_file()
+
+
+def test_transformer_lm_example_fast(tmp_path):
+  """examples/transformer_lm.py: attention, LayerNorm, tied embeddings; K-FAC and Adam train."""
+  stdout, output = _run_fast(os.path.join(_ROOT, "examples", "transformer_lm.py"), tmp_path,
+                             "lm.png")
+  assert "MultiHeadDotProductAttention_0/query" in stdout, output
+  for name in ("K-FAC", "Adam"):
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
+    assert row is not None, output
+    assert float(row.group(1)) < 4.5, output  # below log(82) = 4.41 + slack: it learned
