@@ -125,4 +125,4 @@ def test_transformer_lm_example_fast(tmp_path):
   for name in ("K-FAC", "Adam"):
     row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
     assert row is not None, output
-    assert float(row.group(1)) < 4.5, output  # below log(82) = 4.41 + slack: it learned
+    assert float(row.group(1)) < 4.2, output  # below the uniform log(vocab) ≈ 4.4: it learned
