@@ -1,4 +1,4 @@
-"""Dense kron_*_diag approximations, LayerConfig (defaults, patterns, linked) and check_registration."""
+"""kron_*_diag approximations, LayerConfig (defaults, patterns, links), check_registration."""
 
 import jax
 import jax.numpy as jnp
