@@ -164,7 +164,7 @@ class LayerSpec:
     kind: "dense", "conv", "scale_and_shift", "embedding" or "generic".
     param_paths: the paths of its parameter leaves, e.g. `("params/Dense_0/kernel", ...)`.
     leaf_indices: positions of those leaves in `jax.tree_util.tree_leaves(params)`.
-    approx: the curvature approximation ("kron", "diagonal", "full").
+    approx: the curvature approximation (see `APPROXIMATIONS`; chosen by `LayerConfig`).
     factor_shapes: shapes of the curvature factors the block keeps.
     source: "auto", "manual", "fallback" or "linked" (a `LayerConfig.linked` group).
     info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
