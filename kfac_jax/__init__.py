@@ -16,13 +16,15 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
 from kfac_jax._curvature import CurvatureStats, value_and_grad
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
+from kfac_jax._layer_config import LayerConfig
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
 from kfac_jax._scanner import (
     LayerSpec,
+    RegistrationCheckError,
     RegistrationError,
     UncoveredParametersWarning,
 )
-from kfac_jax._summary import scan_layers, summary
+from kfac_jax._summary import check_registration, scan_layers, summary
 from kfac_jax._tags import (
     register_categorical_predictive_distribution,
     register_conv,
@@ -45,13 +47,16 @@ __all__ = [
     "CurvatureStats",
     "EstimatorState",
     "KfacOptaxState",
+    "LayerConfig",
     "LayerSpec",
     "Optimizer",
     "OptimizerConfig",
     "OptimizerState",
+    "RegistrationCheckError",
     "RegistrationError",
     "ScaleByKfacState",
     "UncoveredParametersWarning",
+    "check_registration",
     "check_restored_state",
     "kfac",
     "register_categorical_predictive_distribution",

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _curvature, _parallel, _scanner
+from kfac_jax import _curvature, _layer_config, _parallel, _scanner
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -123,6 +123,8 @@ class CurvatureEstimator:
     strict: raise, instead of warning, when parameters are outside every recognised layer.
     compute_params_stats: `curvature_stats` also returns the first-order statistics
       (`CurvatureStats.params_stats`, TF K-FAC's `params_stats`).
+    layers: a `kfac_jax.LayerConfig` choosing approximations per layer kind, per parameter-path
+      pattern, and linked parameter groups (None: the defaults).
 
   Example:
     >>> est = kfac_jax.CurvatureEstimator(loss_fn, batch)
@@ -137,7 +139,8 @@ class CurvatureEstimator:
                exps: Sequence[float] = (-1,), num_samples: int = 1,
                damping_mode: _blocks.DampingMode = "factored", compute_cholesky: bool = False,
                compute_cholesky_inverse: bool = False, strict: bool = False,
-               compute_params_stats: bool = False):
+               compute_params_stats: bool = False,
+               layers: _layer_config.LayerConfig | None = None):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
     _curvature.check_mode(estimation_mode, num_samples)
@@ -153,6 +156,7 @@ class CurvatureEstimator:
     self.num_samples = num_samples
     self.strict = strict
     self.compute_params_stats = compute_params_stats
+    self.layer_config = _layer_config.check(layers)
     dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
     self.config = _blocks.BlockConfig(
         exps=exps, damping_mode=damping_mode, cholesky=compute_cholesky,
@@ -172,7 +176,8 @@ class CurvatureEstimator:
         (tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
 
   def _scan(self, params, batch, warn: bool) -> _scanner.Registration:
-    return _scanner.scan(self.loss_fn, params, batch, strict=self.strict, warn=warn)
+    return _scanner.scan(self.loss_fn, params, batch, strict=self.strict, warn=warn,
+                         layers=self.layer_config)
 
   def _ensure_layers(self, params) -> None:
     """Scans `loss_fn` with `example_batch` the first time; checks `params` later."""

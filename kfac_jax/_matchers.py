@@ -115,7 +115,7 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
       input_shape=tuple(x_shape), output_shape=tuple(out_shape))
 
 
-def _default_conv_approx(info: ConvInfo) -> str:
+def default_conv_approx(info: ConvInfo) -> str:
   return "diagonal" if info.depthwise else "kron"
 
 
@@ -215,7 +215,7 @@ def match_conv(sc, i, claimed):
   if bias is not None:
     leaves.append(bias[0])
     out_key = bias[1]
-  spec = sc.layer_spec("conv", leaves, info, _default_conv_approx(info), "auto",
+  spec = sc.layer_spec("conv", leaves, info, None, "auto",
                        conv_kron_shapes(info, bias is not None))
   sc._claim(claimed, leaves, spec.name)
   return spec, out_key, (x_atom,)
@@ -244,7 +244,7 @@ def match_embedding(sc, i, claimed):
       or idx_shape[-1] != 1 or out_shape != idx_shape[:-1] + (t_shape[1],)):
     return None
   info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
-  spec = sc.layer_spec("embedding", [leaf], info, "kron", "auto",
+  spec = sc.layer_spec("embedding", [leaf], info, None, "auto",
                        ((info.vocab_size,), (info.dim, info.dim)))
   sc._claim(claimed, [leaf], spec.name)
   return spec, fe.outs[0], (fe.ins[1],)
@@ -292,7 +292,7 @@ def match_scale_and_shift(sc, i, claimed):
       has_shift = True
   info = ScaleShiftInfo(has_scale=fe.name == "mul", has_shift=has_shift, feature_shape=feat,
                         output_shape=out_shape)
-  spec = sc.layer_spec("scale_and_shift", leaves, info, "full", "auto", ())
+  spec = sc.layer_spec("scale_and_shift", leaves, info, None, "auto", ())
   sc._claim(claimed, leaves, spec.name)
   return spec, out_key, inputs
 
@@ -342,8 +342,7 @@ def manual(sc, fe, claimed):
       leaves.append(leaf(fe.ins[3], "bias")[0])
     info = _conv_info(chain, fe.params, _graph.aval_of(x).shape, _graph.aval_of(kernel).shape,
                       y_shape)
-    approx = sc._check_approx("conv", approx, [sc.paths[j] for j in leaves]) if approx else (
-        _default_conv_approx(info))
+    approx = sc._check_approx("conv", approx, [sc.paths[j] for j in leaves])
     spec = sc.layer_spec("conv", leaves, info, approx, "manual",
                          conv_kron_shapes(info, len(leaves) == 2))
     inputs = (x,)

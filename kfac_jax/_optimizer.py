@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kfac_jax import _compat, _curvature, _estimator, _graph, _losses, _scanner
+from kfac_jax import _compat, _curvature, _estimator, _graph, _layer_config, _losses, _scanner
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -105,6 +105,8 @@ class OptimizerConfig:
     burn_in_steps: the first this many steps only accumulate curvature statistics.
     weight_decay: decoupled weight decay d: `θ ← θ + δ − d θ` (not part of h, the model or ρ).
     strict: raise, instead of warning, for parameters outside every recognised layer.
+    layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
+      pattern, and linked parameter groups (None: the defaults).
   """
   ema_decay: float = 0.95
   estimation_mode: _curvature.EstimationMode = "gradients"
@@ -117,8 +119,10 @@ class OptimizerConfig:
   burn_in_steps: int = 0
   weight_decay: float = 0.0
   strict: bool = False
+  layers: _layer_config.LayerConfig | None = None
 
   def __post_init__(self):
+    _layer_config.check(self.layers)
     _check_number(self.ema_decay, "config.ema_decay", high=1.0, high_open=True)
     _curvature.check_mode(self.estimation_mode, self.num_samples)
     if self.damping_mode not in ("factored", "eigen"):
@@ -340,7 +344,8 @@ class Optimizer:
     self.config = config
     self.estimator = _estimator.CurvatureEstimator(
         loss_fn, example_batch, estimation_mode=config.estimation_mode, exps=(-1,),
-        num_samples=config.num_samples, damping_mode=config.damping_mode, strict=config.strict)
+        num_samples=config.num_samples, damping_mode=config.damping_mode, strict=config.strict,
+        layers=config.layers)
 
   # -- state -----------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph, _matchers, _tags
+from kfac_jax import _compat, _graph, _layer_config, _matchers, _tags
 
 # Operations that only move, reshape or cast a parameter.
 _VIEW_OPS = frozenset({
@@ -32,7 +32,7 @@ _VIEW_OPS = frozenset({
     "squeeze"})
 
 APPROXIMATIONS = {
-    "dense": ("kron", "diagonal", "full"),
+    "dense": ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal", "full"),
     "conv": ("kron", "kron_sua", "diagonal", "full"),
     "scale_and_shift": ("full", "diagonal"),
     "embedding": ("kron",),
@@ -164,9 +164,9 @@ class LayerSpec:
     kind: "dense", "conv", "scale_and_shift", "embedding" or "generic".
     param_paths: the paths of its parameter leaves, e.g. `("params/Dense_0/kernel", ...)`.
     leaf_indices: positions of those leaves in `jax.tree_util.tree_leaves(params)`.
-    approx: the curvature approximation ("kron", "diagonal", "full").
+    approx: the curvature approximation (see `APPROXIMATIONS`; chosen by `LayerConfig`).
     factor_shapes: shapes of the curvature factors the block keeps.
-    source: "auto", "manual" or "fallback".
+    source: "auto", "manual", "fallback" or "linked" (a `LayerConfig.linked` group).
     info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
       `EmbeddingInfo`); None for generic layers.
     param_shapes: shapes of the parameter leaves.
@@ -237,14 +237,20 @@ def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int]:
   return closed, len(leaves)
 
 
-def scan(loss_fn: Callable, params, batch, *, strict: bool = False,
-         warn: bool = True) -> Registration:
+def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool = True,
+         layers: _layer_config.LayerConfig | None = None, collect: bool = False) -> Registration:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
+  `layers` chooses approximations and linked groups (see `LayerConfig`). With `collect`, every
+  coverage problem (a parameter uncovered or registered twice, a pattern matching nothing) is
+  gathered and raised as one `RegistrationCheckError` at the end.
+
   Raises:
-    RegistrationError: no loss tag, a malformed manual tag, or (with `strict`) parameters
-      outside any recognised layer.
+    RegistrationError: no loss tag, a malformed manual tag, an approximation that does not fit
+      its layer, a bad linked group, a pattern that matches no parameter, or (with `strict`)
+      parameters outside any recognised layer.
   """
+  layers = _layer_config.check(layers)
   for i, leaf in enumerate(jax.tree_util.tree_leaves(params)):
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
@@ -260,18 +266,34 @@ def scan(loss_fn: Callable, params, batch, *, strict: bool = False,
   graph = _graph.FlatGraph.from_closed_jaxpr(closed)
   paths = param_paths(params)
   shapes = tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))
-  return _Scanner(graph, n_params, paths, shapes, strict, warn).run()
+  return _Scanner(graph, n_params, paths, shapes, strict, warn, layers, collect).run()
+
+
+class RegistrationCheckError(RegistrationError):
+  """Every coverage problem of one registration, listed together (`check_registration`).
+
+  Attributes:
+    problems: one line per problem, each naming the parameter path(s).
+  """
+
+  def __init__(self, problems: Sequence[str]):
+    self.problems = tuple(problems)
+    lines = "\n".join(f"  - {p}" for p in self.problems)
+    super().__init__(f"{len(self.problems)} registration problem(s):\n{lines}")
 
 
 class _Scanner:
 
-  def __init__(self, graph, n_params, paths, shapes, strict, warn):
+  def __init__(self, graph, n_params, paths, shapes, strict, warn, layer_config=None,
+               collect=False):
     self.g = graph
     self.n_params = n_params
     self.paths = paths
     self.shapes = shapes
     self.strict = strict
     self.warn = warn
+    self.layer_config = _layer_config.check(layer_config)
+    self.problems: list[str] | None = [] if collect else None
 
   def run(self) -> Registration:
     g = self.g
@@ -307,7 +329,15 @@ class _Scanner:
             specs.append(found)
             break
 
+    specs = self._link(specs, claimed)
+    self._check_patterns(specs)
     uncovered = [j for j in range(self.n_params) if j not in claimed]
+    if self.problems is not None:
+      self.problems.extend(
+          f"`{self.paths[j]}` is not in any layer (it would get a diagonal fallback block)"
+          for j in uncovered)
+      if self.problems:
+        raise RegistrationCheckError(self.problems)
     if uncovered:
       names = ", ".join(f"`{self.paths[j]}`" for j in uncovered)
       msg = (f"{len(uncovered)} parameter(s) are not in any recognised layer and get a diagonal "
@@ -410,10 +440,82 @@ class _Scanner:
   def _claim(self, claimed, leaves, name):
     for j in leaves:
       if j in claimed:
-        raise RegistrationError(
-            f"parameter `{self.paths[j]}` is registered twice: in `{claimed[j]}` and in "
-            f"`{name}`. Each parameter belongs to exactly one curvature block.")
+        msg = (f"parameter `{self.paths[j]}` is registered twice: in `{claimed[j]}` and in "
+               f"`{name}`. Each parameter belongs to exactly one curvature block.")
+        if self.problems is None:
+          raise RegistrationError(msg)
+        self.problems.append(msg)
+        continue
       claimed[j] = name
+
+  # -- layer configuration ---------------------------------------------------------------------
+
+  def _approx(self, kind, paths, name, approx, source, builtin):
+    """The approximation of a layer: an explicit manual `approx=`, else the `LayerConfig`."""
+    if source == "manual" and approx is not None:
+      return approx
+    chosen, pattern = _layer_config.resolve(
+        self.layer_config, kind, (name,) + tuple(paths), builtin if approx is None else approx)
+    if chosen not in APPROXIMATIONS[kind]:
+      raise RegistrationError(
+          f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
+          f"`{name}` (parameters {list(paths)}); choose one of {APPROXIMATIONS[kind]}, or "
+          "narrow the pattern so that it does not match this layer.")
+    return chosen
+
+  def _link(self, specs, claimed):
+    """Replaces the layers inside each `LayerConfig.linked` group by one generic block."""
+    owner: dict[int, tuple[str, ...]] = {}
+    for group, approx in self.layer_config.linked.items():
+      leaves = []
+      for pattern in group:
+        found = [j for j, p in enumerate(self.paths) if _layer_config.matches(pattern, (p,))]
+        if not found:
+          self._pattern_problem(f"LayerConfig.linked: pattern {pattern!r} of group {group} "
+                                "matches no parameter path")
+        leaves.extend(j for j in found if j not in leaves)
+      if not leaves:
+        continue
+      for j in leaves:
+        if j in owner:
+          raise RegistrationError(
+              f"LayerConfig.linked: parameter `{self.paths[j]}` is in two linked groups, "
+              f"{owner[j]} and {group}; each parameter belongs to exactly one block.")
+        owner[j] = group
+      inside = set(leaves)
+      kept = []
+      for s in specs:
+        overlap = inside.intersection(s[0].leaf_indices)
+        if not overlap:
+          kept.append(s)
+          continue
+        missing = [self.paths[j] for j in s[0].leaf_indices if j not in inside]
+        if missing:
+          raise RegistrationError(
+              f"LayerConfig.linked group {group} splits the {s[0].kind} layer `{s[0].name}`: it "
+              f"holds {[self.paths[j] for j in sorted(overlap)]} but not {missing}. A linked "
+              "group must hold whole layers; add the missing parameters to the group.")
+        for j in s[0].leaf_indices:
+          claimed.pop(j, None)
+      leaves = sorted(leaves)
+      spec = self._generic_spec(tuple(leaves), approx, "linked")
+      self._claim(claimed, leaves, spec.name)
+      specs = kept + [(spec, None, None)]
+    return specs
+
+  def _pattern_problem(self, msg):
+    msg += "; fix the pattern (globs: `*` matches any characters, slashes included)."
+    if self.problems is None:
+      raise RegistrationError(msg)
+    self.problems.append(msg)
+
+  def _check_patterns(self, specs):
+    names = set(self.paths) | {s[0].name for s in specs}
+    for pattern in self.layer_config.overrides:
+      if not _layer_config.matches(pattern, tuple(names)):
+        self._pattern_problem(
+            f"LayerConfig.overrides: pattern {pattern!r} matches no layer name or parameter "
+            f"path (paths: {list(self.paths)[:8]}{' ...' if len(self.paths) > 8 else ''})")
 
   def _manual(self, i, fe, claimed):
     kind, approx = fe.params["kind"], fe.params["approx"]
@@ -463,7 +565,7 @@ class _Scanner:
 
   def _check_approx(self, kind, approx, paths):
     if approx is None:
-      return DEFAULT_APPROX[kind]
+      return None  # `layer_spec` applies the LayerConfig and the defaults.
     if approx not in APPROXIMATIONS[kind]:
       raise RegistrationError(
           f"approximation {approx!r} does not fit the {kind} layer with parameters {paths}; "
@@ -514,7 +616,7 @@ class _Scanner:
     if bias is not None:
       b_leaf, out_key = bias
       leaves.append(b_leaf)
-    spec = self._dense_spec(leaves, info, DEFAULT_APPROX["dense"], "auto")
+    spec = self._dense_spec(leaves, info, None, "auto")
     self._claim(claimed, leaves, spec.name)
     return spec, out_key, (x_atom,)
 
@@ -561,23 +663,32 @@ class _Scanner:
   def layer_spec(self, kind, leaves, info, approx, source, kron_shapes) -> LayerSpec:
     """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations."""
     paths = tuple(self.paths[j] for j in leaves)
+    name = _common_prefix(paths)
+    builtin = (_matchers.default_conv_approx(info) if kind == "conv" else DEFAULT_APPROX[kind])
+    approx = self._approx(kind, paths, name, approx, source, builtin)
     n = sum(math.prod(self.shapes[j]) for j in leaves)
     if approx == "diagonal":
       shapes = ((n,),)
     elif approx == "full":
       shapes = ((n, n),)
+    elif approx in ("kron_in_diag", "kron_out_diag", "kron_both_diag"):
+      (sa, sg), both = kron_shapes, approx == "kron_both_diag"
+      shapes = (sa[:-1] if approx == "kron_in_diag" or both else sa,
+                sg[:-1] if approx == "kron_out_diag" or both else sg)
     else:
       shapes = kron_shapes
     return LayerSpec(
-        name=_common_prefix(paths), kind=kind, param_paths=paths, leaf_indices=tuple(leaves),
+        name=name, kind=kind, param_paths=paths, leaf_indices=tuple(leaves),
         approx=approx, factor_shapes=shapes, source=source, info=info,
         param_shapes=tuple(self.shapes[j] for j in leaves))
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
     paths = tuple(self.paths[j] for j in leaves)
     n = sum(math.prod(self.shapes[j]) for j in leaves)
-    factor = ((n,),) if approx == "diagonal" else ((n, n),)
     name = paths[0] if len(paths) == 1 else _common_prefix(paths)
+    if source != "linked":
+      approx = self._approx("generic", paths, name, approx, source, DEFAULT_APPROX["generic"])
+    factor = ((n,),) if approx == "diagonal" else ((n, n),)
     return LayerSpec(
         name=name, kind="generic", param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
         factor_shapes=factor, source=source, param_shapes=tuple(self.shapes[j] for j in leaves))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kfac_jax import _curvature, _estimator
+from kfac_jax import _curvature, _estimator, _layer_config
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -55,6 +55,7 @@ def scale_by_kfac(
     axis_name: str | None = None,
     inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
     strict: bool = False,
+    layers: _layer_config.LayerConfig | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
 
@@ -83,6 +84,8 @@ def scale_by_kfac(
     inverse_mesh: under plain `jit` with data sharded over a mesh (statistics are then reduced
       by XLA, no `axis_name`): `(mesh, axis)` splits the inverse work over that mesh axis.
     strict: error instead of warning for parameters outside every recognised layer.
+    layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
+      pattern, and linked parameter groups (None: the defaults).
 
   With `optax.inject_hyperparams`, declare the non-numeric arguments static (optax treats any
   callable as a schedule): `optax.inject_hyperparams(kfac_jax.scale_by_kfac,
@@ -125,7 +128,7 @@ def scale_by_kfac(
           f"mesh's axes, got {inverse_mesh!r}.")
   est = _estimator.CurvatureEstimator(
       loss_fn, example_batch, estimation_mode=estimation_mode, exps=(-1,),
-      num_samples=num_samples, damping_mode=damping_mode, strict=strict)
+      num_samples=num_samples, damping_mode=damping_mode, strict=strict, layers=layers)
 
   def init_fn(params) -> ScaleByKfacState:
     return ScaleByKfacState(count=jnp.zeros([], jnp.int32), curvature=est.init(params))

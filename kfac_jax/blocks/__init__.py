@@ -6,6 +6,9 @@ from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 
 _BLOCKS = {
     ("dense", "kron"): KroneckerBlock,
+    ("dense", "kron_in_diag"): KroneckerBlock,
+    ("dense", "kron_out_diag"): KroneckerBlock,
+    ("dense", "kron_both_diag"): KroneckerBlock,
     ("dense", "diagonal"): DiagonalBlock,
     ("dense", "full"): FullBlock,
     ("conv", "kron"): KroneckerBlock,

@@ -13,7 +13,10 @@ E[x̄x̄ᵀ] ⊗ E[ggᵀ]; for a convolution R = N·L with L output locations, s
 convolution has exactly the dense block. Variants: convolutions with "kron_sua" take A from the
 spatially-uncorrelated-activations model (`ConvLayout.sua_input_factor`); embeddings keep A as its
 diagonal (a vector of id counts / R: exact, since one-hot rows have a diagonal second moment),
-so their state is O(vocab + dim²). Grouped convolutions keep one (A, G) pair per feature group,
+so their state is O(vocab + dim²). Dense layers also offer "kron_in_diag", "kron_out_diag" and
+"kron_both_diag": A, G or both replaced by their diagonals, diag(A) ⊗ G, A ⊗ diag(G) or
+diag(A) ⊗ diag(G) (the same statistics, off-diagonal terms dropped; a diagonal factor is stored
+as a vector and its powers, Cholesky factor and eigen-decomposition are elementwise). Grouped convolutions keep one (A, G) pair per feature group,
 stacked on a leading axis and processed with vmap. Vectors are matrices M; with row-major vec,
 (A ⊗ G) vec(M) = vec(A M G).
 
@@ -33,6 +36,10 @@ from kfac_jax.blocks import _layouts, _linalg
 from kfac_jax.blocks._base import Block
 
 Array = jax.Array
+
+# Approximations that keep only the diagonal of the input factor A / the output factor G.
+DIAG_A = frozenset({"kron_in_diag", "kron_both_diag"})
+DIAG_G = frozenset({"kron_out_diag", "kron_both_diag"})
 
 # -- one factor, a matrix or (for a diagonal factor) a vector ---------------------------------
 
@@ -63,6 +70,11 @@ def _chol(f: Array) -> Array:
 
 def _chol_inverse(c: Array) -> Array:
   return 1.0 / c if c.ndim == 1 else _linalg.lower_inverse(c)
+
+
+def _right(m: Array, g: Array) -> Array:
+  """m · g for a factor acting on the columns of m."""
+  return m * g[None, :] if g.ndim == 1 else m @ g
 
 
 def _t(f: Array) -> Array:
@@ -97,6 +109,14 @@ class KroneckerBlock(Block):
   def _grouped(self) -> bool:
     return len(self.spec.factor_shapes[1]) == 3
 
+  @property
+  def _diag_a(self) -> bool:
+    return self.spec.kind == "embedding" or self.spec.approx in DIAG_A
+
+  @property
+  def _diag_g(self) -> bool:
+    return self.spec.approx in DIAG_G
+
   def _map(self, fn, *args):
     """`fn` on one group's arrays; vmapped over the leading group axis for grouped layers."""
     return jax.vmap(fn)(*args) if self._grouped else fn(*args)
@@ -125,8 +145,9 @@ class KroneckerBlock(Block):
     else:
       if self.spec.has_bias:
         x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
-      a = jnp.einsum("rgi,rgj->gij", x, x) / x.shape[0]
-    gg = jnp.einsum("srgi,srgj->gij", g, g) / (g.shape[0] * batch_size)
+      a = jnp.einsum("rgi,rgi->gi" if self._diag_a else "rgi,rgj->gij", x, x) / x.shape[0]
+    g_eq = "srgi,srgi->gi" if self._diag_g else "srgi,srgj->gij"
+    gg = jnp.einsum(g_eq, g, g) / (g.shape[0] * batch_size)
     if not self._grouped:
       a, gg = a[0], gg[0]
     return {"a": a, "g": gg}
@@ -137,10 +158,10 @@ class KroneckerBlock(Block):
     sa, sg = self.spec.factor_shapes
     shapes = {}
     if self.config.damping_mode == "eigen":
-      shapes["a_evals"], shapes["g_evals"] = sa[:-1] if len(sa) > 1 else sa, sg[:-1]
-      if len(sa) > 1:
-        shapes["a_evecs"] = sa
-      shapes["g_evecs"] = sg
+      for f, shape, diag in (("a", sa, self._diag_a), ("g", sg, self._diag_g)):
+        shapes[f"{f}_evals"] = shape if diag else shape[:-1]
+        if not diag:
+          shapes[f"{f}_evecs"] = shape
       return shapes
     for e in self.config.exps:
       if e != 1:
@@ -194,12 +215,14 @@ class KroneckerBlock(Block):
 
   @staticmethod
   def _eigen_scaled(c, damping, m, fn):
-    """U_a ((U_aᵀ M U_g) ⊙ fn(s_a s_gᵀ + λ)) U_gᵀ for one group (U_a = I for a diagonal A)."""
-    ua, ug = c.get("a_evecs"), c["g_evecs"]
+    """U_a ((U_aᵀ M U_g) ⊙ fn(s_a s_gᵀ + λ)) U_gᵀ for one group (U = I for a diagonal factor)."""
+    ua, ug = c.get("a_evecs"), c.get("g_evecs")
     sigma = c["a_evals"][:, None] * c["g_evals"][None, :] + damping
-    inner = (m if ua is None else ua.T @ m) @ ug
+    inner = m if ua is None else ua.T @ m
+    inner = inner if ug is None else inner @ ug
     out = inner * fn(sigma)
-    return (out if ua is None else ua @ out) @ ug.T
+    out = out if ua is None else ua @ out
+    return out if ug is None else out @ ug.T
 
   def _per_group(self, cache):
     return {k: v for k, v in cache.items() if k != "damping"}
@@ -213,12 +236,12 @@ class KroneckerBlock(Block):
     def one(a, g, c, m):
       if exp == 1:
         if eigen:
-          return _left(a, m) @ g + damping * m
+          return _right(_left(a, m), g) + damping * m
         a_d, g_d = _damped(a, g, damping)
-        return _left(a_d, m) @ g_d
+        return _right(_left(a_d, m), g_d)
       if eigen:
         return self._eigen_scaled(c, damping, m, lambda s: s ** exp)
-      return _left(c[f"a_pow{exp:g}"], m) @ c[f"g_pow{exp:g}"]
+      return _right(_left(c[f"a_pow{exp:g}"], m), c[f"g_pow{exp:g}"])
 
     out = self._map(one, factors["a"], factors["g"], self._per_group(cache), m)
     return self._from_matrix(out, vecs)
@@ -240,14 +263,14 @@ class KroneckerBlock(Block):
 
     def one(la, lg, m):
       # C = La ⊗ Lg acts as M ↦ La M Lgᵀ; Cᵀ as M ↦ Laᵀ M Lg.
-      return _left(_t(la), m) @ lg if transpose else _left(la, m) @ lg.T
+      return _right(_left(_t(la), m), lg) if transpose else _right(_left(la, m), _t(lg))
 
     out = self._map(one, cache[f"a_{key}"], cache[f"g_{key}"], m)
     return self._from_matrix(out, vecs)
 
   def multiply_undamped(self, factors, vecs):
     m = self._to_matrix(vecs)
-    out = self._map(lambda a, g, m: _left(a, m) @ g, factors["a"], factors["g"], m)
+    out = self._map(lambda a, g, m: _right(_left(a, m), g), factors["a"], factors["g"], m)
     return self._from_matrix(out, vecs)
 
 

@@ -1,0 +1,66 @@
+"""Scan and compile time of one K-FAC step for each model of the zoo (tests/_zoo.py).
+
+For each model, in Flax linen and nnx: "scan" is `scan_layers` (tracing `loss_fn` and
+matching the layers); "init" is `scale_by_kfac(...).init(params)` (a second scan plus creating
+the state: zero factors and identity caches, built eagerly, so a factor shape not seen before in
+the process pays a small XLA compile per array op, which is why the first flavour of a model
+takes longer); "compile" is lowering and compiling the jitted step (value_and_grad
+with curvature statistics, then the transform's update, inverses included), timed once, cold.
+Prints a Markdown table.
+
+    python benchmarks/zoo.py          # from the repository root
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+import kfac_jax  # noqa: E402
+from tests import _zoo  # noqa: E402
+
+
+def measure(name: str, flavour: str) -> dict:
+  z = _zoo.MODELS[name](flavour)
+  t0 = time.perf_counter()
+  kfac_jax.scan_layers(z.loss_fn, z.params, z.batch, strict=True)
+  scan_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  tx = kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-3, strict=True)
+  state = tx.init(z.params)
+  jax.block_until_ready(state)
+  init_s = time.perf_counter() - t0
+
+  def step(params, state, batch, rng):
+    loss, grads, stats = kfac_jax.value_and_grad(z.loss_fn)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return loss, updates, state
+
+  t0 = time.perf_counter()
+  jax.jit(step).lower(z.params, state, z.batch, jax.random.key(0)).compile()
+  compile_s = time.perf_counter() - t0
+  n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(z.params))
+  kinds = sorted({k for k, _, _ in z.expected})
+  return {"layers": len(z.expected), "params": n_params, "kinds": ", ".join(kinds),
+          "scan": scan_s, "init": init_s, "compile": compile_s}
+
+
+def main() -> None:
+  print("| model | flavour | layers | params | kinds | scan (s) | init (s) | compile step (s) |")
+  print("|---|---|---:|---:|---|---:|---:|---:|")
+  for name in _zoo.MODELS:
+    for flavour in ("linen", "nnx"):
+      r = measure(name, flavour)
+      print(f"| {name} | {flavour} | {r['layers']} | {r['params']} | {r['kinds']} | "
+            f"{r['scan']:.2f} | {r['init']:.2f} | {r['compile']:.2f} |", flush=True)
+  print(f"\njax {jax.__version__}, backend {jax.default_backend()}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,139 @@
+"""Choosing each layer's curvature approximation: defaults per kind, path patterns, linked groups.
+
+Precedence, highest first, for a layer the scanner registers:
+
+  1. a manual layer tag's explicit `approx=` (the tag sits next to the layer's code, so it is the
+     most specific statement there is);
+  2. the first pattern of `LayerConfig.overrides`, in mapping order, that matches the layer;
+  3. `LayerConfig.defaults[kind]`;
+  4. the library default (`_scanner.DEFAULT_APPROX`; depthwise convolutions "diagonal").
+
+Patterns are shell-style globs (`fnmatch.fnmatchcase`: `*` matches any run of characters,
+slashes included; `?` one character; `[ab]` a set), matched against the whole layer name (e.g.
+`params/Dense_0`) and against each of its parameter paths (`params/Dense_0/kernel`); a layer
+matches when any of them does. Globs were chosen over regexes because parameter paths are
+slash-separated names, for which `params/*/kernel` reads naturally and needs no escaping.
+
+Linked groups (TF K-FAC's `define_linked_parameters`) put every parameter leaf matched by a
+group's patterns into one generic block, "full" (the exact Fisher block of those parameters, the
+default) or "diagonal". A group must hold whole layers: a group holding the kernel of a dense
+layer but not its bias is an error, as is a group pattern that matches nothing or a leaf in two
+groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import types
+from collections.abc import Mapping, Sequence
+
+
+def _approximations():
+  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
+  return _scanner.APPROXIMATIONS
+
+
+def _frozen(mapping, name: str) -> Mapping[str, str]:
+  if mapping is None:
+    return types.MappingProxyType({})
+  if not isinstance(mapping, Mapping):
+    raise TypeError(f"LayerConfig: `{name}` must be a mapping, got {type(mapping).__name__}.")
+  return types.MappingProxyType(dict(mapping))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+  """Which curvature approximation each layer gets; accepted as `layers=` everywhere.
+
+  Attributes:
+    defaults: per layer kind ("dense", "conv", "embedding", "scale_and_shift", "generic"), the
+      approximation used when nothing more specific is said, e.g. `{"dense": "kron_in_diag"}`.
+    overrides: glob pattern → approximation, e.g. `{"params/Dense_0/*": "full"}`; the first
+      matching pattern wins. Every pattern must match some layer. A manual tag's explicit
+      `approx=` wins over patterns.
+    linked: tuple of patterns → "full" or "diagonal": the matched leaves share one generic
+      block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
+
+  Example:
+    >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
+    ...                               overrides={"params/head/*": "kron"})
+    >>> tx = kfac_jax.scale_by_kfac(loss_fn, batch, layers=layers)
+  """
+  defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  overrides: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  linked: Mapping[tuple[str, ...], str] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    approximations = _approximations()
+    defaults = _frozen(self.defaults, "defaults")
+    for kind, approx in defaults.items():
+      if kind not in approximations:
+        raise ValueError(
+            f"LayerConfig.defaults: unknown layer kind {kind!r}; choose from "
+            f"{sorted(approximations)}.")
+      if approx not in approximations[kind]:
+        raise ValueError(
+            f"LayerConfig.defaults[{kind!r}] = {approx!r} does not fit {kind} layers; choose one "
+            f"of {approximations[kind]}.")
+    overrides = _frozen(self.overrides, "overrides")
+    every = sorted({a for v in approximations.values() for a in v})
+    for pattern, approx in overrides.items():
+      if not isinstance(pattern, str) or not pattern:
+        raise TypeError(f"LayerConfig.overrides: patterns must be non-empty strings, got "
+                        f"{pattern!r}.")
+      if approx not in every:
+        raise ValueError(
+            f"LayerConfig.overrides[{pattern!r}] = {approx!r} is not an approximation; choose "
+            f"one of {every}.")
+    linked = _frozen(self.linked, "linked")
+    groups = {}
+    for patterns, approx in linked.items():
+      group = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+      if not group or not all(isinstance(p, str) and p for p in group):
+        raise TypeError(f"LayerConfig.linked: each key must be a tuple of glob patterns, got "
+                        f"{patterns!r}.")
+      if approx not in approximations["generic"]:
+        raise ValueError(
+            f"LayerConfig.linked[{patterns!r}] = {approx!r}: a linked group is one generic "
+            f"block; choose one of {approximations['generic']}.")
+      groups[group] = approx
+    object.__setattr__(self, "defaults", defaults)
+    object.__setattr__(self, "overrides", overrides)
+    object.__setattr__(self, "linked", types.MappingProxyType(groups))
+
+  def __hash__(self):
+    return hash((tuple(self.defaults.items()), tuple(self.overrides.items()),
+                 tuple(self.linked.items())))
+
+  def __eq__(self, other):
+    return isinstance(other, LayerConfig) and (
+        dict(self.defaults), dict(self.overrides), dict(self.linked)) == (
+            dict(other.defaults), dict(other.overrides), dict(other.linked))
+
+
+def check(layers) -> LayerConfig:
+  """`layers=` argument: None or a LayerConfig."""
+  if layers is None:
+    return LayerConfig()
+  if not isinstance(layers, LayerConfig):
+    raise TypeError(
+        f"`layers` must be a kfac_jax.LayerConfig or None, got {type(layers).__name__}: wrap "
+        "mappings as kfac_jax.LayerConfig(defaults=..., overrides=..., linked=...).")
+  return layers
+
+
+def matches(pattern: str, names: Sequence[str]) -> bool:
+  return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+def resolve(config: LayerConfig, kind: str, names: Sequence[str],
+            builtin: str) -> tuple[str, str | None]:
+  """(approximation, the pattern that chose it or None) for a layer without an explicit one.
+
+  `names` are the layer's name and parameter paths.
+  """
+  for pattern, approx in config.overrides.items():
+    if matches(pattern, names):
+      return approx, pattern
+  return config.defaults.get(kind, builtin), None

@@ -1,0 +1,226 @@
+"""kron_*_diag approximations, LayerConfig (defaults, patterns, links), check_registration."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.linalg
+from jax.flatten_util import ravel_pytree
+
+import kfac_jax
+from tests import _models
+
+_VARIANTS = ("kron_in_diag", "kron_out_diag", "kron_both_diag")
+
+
+def _setup(n=6):
+  dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+  params = _models.jnp_mlp_init(jax.random.key(0), (3, 4, 3), dtype)
+  batch = _models.classification_batch(jax.random.key(1), n=n, din=3, classes=3, dtype=dtype)
+  return params, batch, _models.softmax_loss(_models.jnp_mlp_apply)
+
+
+def _estimator(loss_fn, batch, params, layers, **kw):
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers,
+                                    **kw)
+  state = est.init(params)
+  state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(state)
+  return est, state
+
+
+def _basis_matrix(fn, params):
+  flat, unravel = ravel_pytree(params)
+  return np.stack([ravel_pytree(fn(unravel(e)))[0] for e in np.eye(flat.size)], axis=1)
+
+
+def _param_order(m, n_in, n_out):
+  """A block over M = [W; b] (row-major vec) reordered to the params' leaf order (b, then w)."""
+  perm = np.concatenate([n_in * n_out + np.arange(n_out), np.arange(n_in * n_out)])
+  return m[np.ix_(perm, perm)]
+
+
+def _diag_variant(approx, a, g):
+  a = np.diag(np.diag(a)) if approx in ("kron_in_diag", "kron_both_diag") else a
+  g = np.diag(np.diag(g)) if approx in ("kron_out_diag", "kron_both_diag") else g
+  return a, g
+
+
+@pytest.mark.parametrize("approx", _VARIANTS)
+def test_diag_variants_match_their_definition(x64, approx):
+  params, batch, loss_fn = _setup()
+  _, ref = _estimator(loss_fn, batch, params, None)
+  lam = 0.2
+  layers = kfac_jax.LayerConfig(defaults={"dense": approx})
+  for mode in ("factored", "eigen"):
+    est, state = _estimator(loss_fn, batch, params, layers, damping_mode=mode, exps=(-1, -0.5),
+                            compute_cholesky=mode == "factored",
+                            compute_cholesky_inverse=mode == "factored")
+    assert [b.spec.approx for b in est.blocks] == [approx, approx]
+    assert type(est.blocks[0]) is kfac_jax.blocks.KroneckerBlock
+    state = est.update_inverses(state, lam)
+    blocks, damped_blocks = [], []
+    for name in ("layer0", "layer1"):
+      a, g = _diag_variant(approx, *(np.asarray(ref.factors[name][k]) for k in ("a", "g")))
+      # The stored factors are the diagonals (vectors) or the full matrices of the "kron" block.
+      for key, full in (("a", a), ("g", g)):
+        got = np.asarray(state.factors[name][key])
+        np.testing.assert_allclose(got, np.diag(full) if got.ndim == 1 else full, rtol=1e-12)
+      order = lambda m: _param_order(m, len(a) - 1, len(g))  # noqa: E731
+      blocks.append(order(np.kron(a, g)))
+      if mode == "factored":
+        pi = np.sqrt((np.trace(a) / len(a)) / (np.trace(g) / len(g)))
+        damped_blocks.append(order(np.kron(a + pi * np.sqrt(lam) * np.eye(len(a)),
+                                           g + np.sqrt(lam) / pi * np.eye(len(g)))))
+      else:
+        damped_blocks.append(order(np.kron(a, g) + lam * np.eye(len(a) * len(g))))
+    undamped = scipy.linalg.block_diag(*blocks)
+    damped = scipy.linalg.block_diag(*damped_blocks)
+    np.testing.assert_allclose(np.asarray(est.to_dense(state)), undamped, rtol=1e-10,
+                               atol=1e-12)
+    mult = lambda fn: _basis_matrix(lambda v: fn(state, v), params)  # noqa: E731
+    np.testing.assert_allclose(mult(est.multiply), damped, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(mult(est.multiply_inverse), np.linalg.inv(damped), rtol=1e-8,
+                               atol=1e-10)
+    half = mult(lambda s, v: est.multiply_matpower(s, v, -0.5))
+    np.testing.assert_allclose(half @ half, np.linalg.inv(damped), rtol=1e-8, atol=1e-10)
+    if mode == "factored":
+      chol = mult(est.multiply_cholesky)
+      np.testing.assert_allclose(chol @ chol.T, damped, rtol=1e-10, atol=1e-12)
+      np.testing.assert_allclose(mult(lambda s, v: est.multiply_cholesky(s, v, transpose=True)),
+                                 chol.T, atol=1e-12)
+      np.testing.assert_allclose(mult(est.multiply_cholesky_inverse) @ chol,
+                                 np.eye(len(damped)), atol=1e-8)
+
+
+def test_diag_variant_state_is_smaller():
+  params, batch, loss_fn = _setup()
+  sizes = {}
+  for approx in ("kron",) + _VARIANTS:
+    specs = kfac_jax.scan_layers(loss_fn, params, batch,
+                                 layers=kfac_jax.LayerConfig(defaults={"dense": approx}))
+    sizes[approx] = specs[0].factor_shapes
+  assert sizes["kron"] == ((4, 4), (4, 4))
+  assert sizes["kron_in_diag"] == ((4,), (4, 4))
+  assert sizes["kron_out_diag"] == ((4, 4), (4,))
+  assert sizes["kron_both_diag"] == ((4,), (4,))
+
+
+def test_precedence_manual_tag_then_pattern_then_default():
+  params, batch, _ = _setup()
+
+  def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["layer0"]["w"] + p["layer0"]["b"])
+    z = kfac_jax.register_dense(h @ p["layer1"]["w"] + p["layer1"]["b"], h, p["layer1"]["w"],
+                                p["layer1"]["b"], approx="full")
+    kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
+
+  def approxes(layers):
+    return [s.approx for s in kfac_jax.scan_layers(loss_fn, params, batch, layers=layers)]
+
+  assert approxes(None) == ["kron", "full"]
+  assert approxes(kfac_jax.LayerConfig(defaults={"dense": "diagonal"})) == ["diagonal", "full"]
+  # The first matching pattern wins; the manual tag's explicit approx wins over every pattern.
+  layers = kfac_jax.LayerConfig(defaults={"dense": "diagonal"},
+                                overrides={"layer0/*": "kron_out_diag", "layer*": "kron"})
+  assert approxes(layers) == ["kron_out_diag", "full"]
+  # A pattern may name the layer itself rather than one of its parameter paths.
+  assert approxes(kfac_jax.LayerConfig(overrides={"layer0": "diagonal"})) == ["diagonal", "full"]
+
+
+def test_layers_accepted_by_transform_optimizer_and_summary():
+  params, batch, loss_fn = _setup()
+  layers = kfac_jax.LayerConfig(overrides={"layer1/*": "kron_both_diag"})
+  tx = kfac_jax.kfac(loss_fn, batch, 0.1, layers=layers)
+  state = tx.init(params)
+  est_state = state[0].curvature
+  assert est_state.factors["layer1"]["a"].shape == (5,)
+  assert est_state.factors["layer0"]["a"].shape == (4, 4)
+  opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.OptimizerConfig(layers=layers))
+  opt.init(params, jax.random.key(0))
+  assert [s.approx for s in opt.estimator.layers] == ["kron", "kron_both_diag"]
+  table = kfac_jax.summary(loss_fn, params, batch, layers=layers)
+  assert "kron_both_diag" in table
+  with pytest.raises(TypeError, match="kfac_jax.LayerConfig"):
+    kfac_jax.scale_by_kfac(loss_fn, batch, layers={"dense": "kron"})
+
+
+def test_linked_group_is_one_generic_block(x64):
+  # Generic blocks estimate F from the batch gradient (h hᵀ / N, see blocks/_generic.py): exact
+  # for the empirical Fisher at batch size 1.
+  params, batch, loss_fn = _setup(n=1)
+  layers = kfac_jax.LayerConfig(linked={("layer0/*", "layer1/*"): "full"})
+  est, state = _estimator(loss_fn, batch, params, layers)
+  (spec,) = est.layers
+  assert (spec.kind, spec.approx, spec.source) == ("generic", "full", "linked")
+  assert spec.param_paths == ("layer0/b", "layer0/w", "layer1/b", "layer1/w")
+  # One full block over every parameter: the exact empirical Fisher (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ.
+  flat, unravel = ravel_pytree(params)
+  per_example = lambda f: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+      _models.jnp_mlp_apply(unravel(f), batch["x"]), batch["y"])
+  jac = np.asarray(jax.jacobian(per_example)(flat))
+  np.testing.assert_allclose(np.asarray(est.to_dense(state)), jac.T @ jac / len(jac),
+                             rtol=1e-10, atol=1e-12)
+  # A "diagonal" group over one whole layer leaves the other layer's Kronecker block alone.
+  layers = kfac_jax.LayerConfig(linked={("layer1/*",): "diagonal"})
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=layers)
+  assert [(s.kind, s.approx, s.factor_shapes) for s in specs] == [
+      ("dense", "kron", ((4, 4), (4, 4))), ("generic", "diagonal", ((15,),))]
+
+
+def test_bad_layer_config_errors():
+  params, batch, loss_fn = _setup()
+  with pytest.raises(ValueError, match=r"defaults\['embedding'\] = 'diagonal'"):
+    kfac_jax.LayerConfig(defaults={"embedding": "diagonal"})
+  with pytest.raises(ValueError, match="unknown layer kind 'dens'"):
+    kfac_jax.LayerConfig(defaults={"dens": "kron"})
+  with pytest.raises(ValueError, match="not an approximation"):
+    kfac_jax.LayerConfig(overrides={"layer0/*": "kronn"})
+  # A valid approximation of another kind: the error names the layer and its parameters.
+  with pytest.raises(kfac_jax.RegistrationError,
+                     match=r"'kron_sua' does not fit the dense layer `layer0`.*layer0/w"):
+    kfac_jax.scan_layers(loss_fn, params, batch,
+                         layers=kfac_jax.LayerConfig(overrides={"layer0/*": "kron_sua"}))
+  with pytest.raises(kfac_jax.RegistrationError, match="'encoder/\\*' matches no layer"):
+    kfac_jax.scan_layers(loss_fn, params, batch,
+                         layers=kfac_jax.LayerConfig(overrides={"encoder/*": "kron"}))
+  with pytest.raises(kfac_jax.RegistrationError,
+                     match=r"splits the dense layer `layer1`.*'layer1/w'.*not \['layer1/b'\]"):
+    kfac_jax.scan_layers(loss_fn, params, batch,
+                         layers=kfac_jax.LayerConfig(linked={("layer1/w",): "full"}))
+  with pytest.raises(kfac_jax.RegistrationError, match="`layer0/b` is in two linked groups"):
+    kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
+        linked={("layer0/*",): "full", ("layer0/b",): "full"}))
+  with pytest.raises(kfac_jax.RegistrationError, match="'nothing/\\*' of group"):
+    kfac_jax.scan_layers(loss_fn, params, batch,
+                         layers=kfac_jax.LayerConfig(linked={("nothing/*",): "full"}))
+
+
+def test_check_registration_lists_every_problem():
+  params, batch, _ = _setup()
+  params["extra"] = jnp.ones((3,))
+  params["extra2"] = jnp.ones((3,))
+
+  def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["layer0"]["w"] + p["layer0"]["b"])
+    z = h @ p["layer1"]["w"] + p["layer1"]["b"]
+    z = kfac_jax.register_generic(p["layer1"]["b"]) + z + jnp.sin(p["extra"]) + p["extra2"] ** 2
+    kfac_jax.register_generic(p["layer1"]["b"])
+    kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
+
+  layers = kfac_jax.LayerConfig(overrides={"decoder/*": "kron"})
+  with pytest.raises(kfac_jax.RegistrationCheckError) as info:
+    kfac_jax.check_registration(loss_fn, params, batch, layers=layers)
+  problems = info.value.problems
+  assert len(problems) == 4, problems
+  assert "`layer1/b` is registered twice" in problems[0]
+  assert "'decoder/*' matches no layer" in problems[1]
+  assert "`extra` is not in any layer" in problems[2]
+  assert "`extra2` is not in any layer" in problems[3]
+  assert isinstance(info.value, kfac_jax.RegistrationError)
+  # A clean registration returns the layers.
+  p2 = {k: v for k, v in params.items() if k.startswith("layer")}
+  specs = kfac_jax.check_registration(_models.softmax_loss(_models.jnp_mlp_apply), p2, batch)
+  assert [s.name for s in specs] == ["layer0", "layer1"]
