@@ -10,6 +10,15 @@ embedding and scale-and-shift layers are matched the same way (`_matchers`), in 
 kernels (dense, conv, with their biases), then gathers, then elementwise scales and shifts, so a
 bias is never mistaken for a shift. Manual layer tags take precedence over matching. Leaves left
 over get a diagonal generic block and a warning.
+
+Shared parameters. Before those passes, a leaf with several real uses becomes ONE layer with
+`num_uses` uses when every use is a dense product of the same `[in, out]` kernel matrix (with
+one shared bias or none), or an embedding lookup of the same table, possibly mixed with products
+by the table or its transpose (tied input/output embeddings). A `lax.scan` over parameters is
+unrolled by `_graph.FlatGraph`, so a recurrent cell's kernels have one use per time step. Each
+use keeps its own output key and inputs (`Registration.extra_uses`). `register_dense` called at
+every use of one kernel registers one multi-use layer; a tag count that differs from the graph's
+use count is an error naming the kernel.
 """
 
 from __future__ import annotations
@@ -511,8 +520,6 @@ class _Scanner:
     paths = [self.paths[j] for j in leaves]
     if len(tags) == 1:
       approx = self._check_approx("dense", approx, paths)
-      if approx in SHARED_APPROXIMATIONS[1:]:
-        raise self._single_use_series(approx, paths)
       spec = self._dense_spec(leaves, tags[0][1], approx, "manual")
       self._claim(claimed, leaves, spec.name)
       return spec, tags[0][3], tags[0][4]
@@ -670,12 +677,11 @@ class _Scanner:
   def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
     paths = [self.paths[j] for j in leaves]
     approx = self._check_approx(kind, approx, paths, shared=True)
-    if approx != "kron_indep":
-      if kind != "dense" or len({inf.rows for inf in infos}) != 1:
-        raise RegistrationError(
-            f"approximation {approx!r} needs the uses of layer {paths} to be dense products "
-            f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
-            f"{[getattr(inf, 'rows', None) for inf in infos]}. Use \"kron_indep\".")
+    if approx != "kron_indep" and (kind != "dense" or len({inf.rows for inf in infos}) != 1):
+      raise RegistrationError(
+          f"approximation {approx!r} needs the uses of layer {paths} to be dense products "
+          f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
+          f"{[getattr(inf, 'rows', None) for inf in infos]}. Use \"kron_indep\".")
     if kind == "dense":
       info = infos[0]
       spec = self._dense_spec(leaves, info, "kron", source)

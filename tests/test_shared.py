@@ -352,3 +352,73 @@ def test_series_block_refuses_other_powers_and_eigen_damping():
     kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(exps=(-0.5,)))
   with pytest.raises(ValueError, match="damping_mode='factored'"):
     kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(damping_mode="eigen"))
+
+
+@pytest.mark.parametrize("approx", ["kron_series_1", "kron_series_2"])
+def test_rnn_with_series_tags_inside_the_scan_body_takes_a_descent_step(approx):
+  """register_dense inside a plain lax.scan body: one tag per unrolled step, one layer."""
+  kx, ky, kw, ku = jax.random.split(jax.random.key(4), 4)
+  params = {"w_in": 0.5 * jax.random.normal(kw, (D, 3)), "w_h": 0.5 * jax.random.normal(ku, (3, 3)),
+            "b": jnp.zeros(3), "w_out": jax.random.normal(kx, (3, V))}
+  batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, V)}
+
+  def loss_fn(p, b):
+    def step(h, x):
+      pre_h = kfac_jax.register_dense(h @ p["w_h"] + p["b"], h, p["w_h"], p["b"], approx=approx)
+      h = jnp.tanh(x @ p["w_in"] + pre_h)
+      return h, h
+    _, hs = jax.lax.scan(step, jnp.zeros((N, 3)), b["x"].transpose(1, 0, 2))
+    return _ce(hs.transpose(1, 0, 2) @ p["w_out"], b["y"])
+
+  layers = {l.param_paths: l for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True)}
+  rec = layers[("w_h", "b")]
+  assert (rec.num_uses, rec.approx, rec.source) == (L, approx, "manual")
+  assert layers[("w_in",)].num_uses == L and layers[("w_in",)].approx == "kron_indep"
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  assert inner < 0 and new_loss < loss
+
+
+def test_series_approx_on_uses_with_different_rows_is_refused():
+  def loss_fn(p, b):
+    h = kfac_jax.register_dense(b["x"] @ p["w"], b["x"], p["w"], approx="kron_series_1")
+    h2 = jnp.concatenate([h, h]).reshape(N, 2, D)  # The second use sees 2N rows.
+    y = kfac_jax.register_dense(h2 @ p["w"], h2, p["w"], approx="kron_series_1")
+    return _ce(y.sum(1), b["y"])
+
+  _, params, batch = _two_use_loss(0)
+  with pytest.raises(kfac_jax.RegistrationError, match=r"equal row counts.*rows \[3, 6\]"):
+    kfac_jax.scan_layers(loss_fn, params, batch)
+
+
+def test_tied_embedding_factors_match_the_definition(x64):
+  """Lookup term X_e ⊗ Y_e plus logits term X_d ⊗ Y_d, balanced, then mean(X) and sum(Y)."""
+  kt, ki, ky = jax.random.split(jax.random.key(5), 3)
+  params = {"t": jax.random.normal(kt, (V, D))}
+  batch = {"ids": jax.random.randint(ki, (N,), 0, V), "y": jax.random.randint(ky, (N,), 0, V)}
+
+  def model(p, ids, e_emb=0.0, e_out=0.0):
+    h = jnp.tanh(p["t"][ids] + e_emb)
+    return h, h @ p["t"].T + e_out
+
+  loss_fn = lambda p, b: _ce(model(p, b["ids"])[1], b["y"])
+  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
+  reg = _scanner.scan(loss_fn, params, batch)
+  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
+                                   num_samples=1, with_grads=False)
+  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  got = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], N)
+
+  ce = lambda e1, e2: N * optax.softmax_cross_entropy_with_integer_labels(
+      model(params, batch["ids"], e1, e2)[1], batch["y"]).mean()
+  g_emb, g_out = jax.grad(ce, argnums=(0, 1))(jnp.zeros((N, D)), jnp.zeros((N, V)))
+  h = model(params, batch["ids"])[0]
+  terms = [(jnp.zeros(V).at[batch["ids"]].add(1.0) / N, g_emb.T @ g_emb / N),
+           (jnp.sum(g_out ** 2, 0) / N, h.T @ h / N)]
+  xs, ys = [], []
+  for x, y in terms:
+    c = jnp.sqrt(jnp.trace(y) / D / jnp.mean(x))
+    xs.append(c * x)
+    ys.append(y / c)
+  np.testing.assert_allclose(got["a"], (xs[0] + xs[1]) / 2, rtol=1e-10)
+  np.testing.assert_allclose(got["g"], ys[0] + ys[1], rtol=1e-10)
