@@ -111,7 +111,7 @@ class FlatGraph:
           key = (instance, _SynthVar(aval))
           eqns.append(FlatEqn(_SynthEqn(_SCAN_SLICE, {"index": t}), (x,), (key,),
                               fn=functools.partial(_slice_fn, t)))
-          if x in dep:
+          if is_key(x) and x in dep:
             dep.add(key)
           x_t.append(key)
         counter[0] += 1

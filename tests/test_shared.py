@@ -422,3 +422,29 @@ def test_tied_embedding_factors_match_the_definition(x64):
     ys.append(y / c)
   np.testing.assert_allclose(got["a"], (xs[0] + xs[1]) / 2, rtol=1e-10)
   np.testing.assert_allclose(got["g"], ys[0] + ys[1], rtol=1e-10)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
+  """The flat graph unrolls scans over parameters exactly, also reversed ones and scans whose
+  `xs` are stacked parameters (those stay generic: a slice is not a layer use)."""
+  kx, ky, kw, ks = jax.random.split(jax.random.key(6), 4)
+  params = {"w": 0.5 * jax.random.normal(kw, (D, D)), "stack": jax.random.normal(ks, (L, D))}
+  batch = {"x": jax.random.normal(kx, (L, N, D)), "y": jax.random.randint(ky, (N,), 0, D)}
+
+  def loss_fn(p, b):
+    def step(h, xs):
+      x, s = xs
+      h = jnp.tanh((h + x) @ p["w"]) * s
+      return h, h.sum()
+    h, ys = jax.lax.scan(step, jnp.zeros((N, D)), (b["x"], p["stack"]), reverse=reverse)
+    return _ce(h + ys.sum(), b["y"])
+
+  with pytest.warns(_scanner.UncoveredParametersWarning, match="`stack`"):
+    layers = {l.param_paths: l for l in kfac_jax.scan_layers(loss_fn, params, batch)}
+  assert layers[("w",)].num_uses == L and layers[("stack",)].source == "fallback"
+  loss, grads, _ = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
+  ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+  for k in params:
+    np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-10, atol=1e-12)
