@@ -46,7 +46,8 @@ class CurvatureStats:
   non-batch output coordinates, summed over the loss tags, for the exact modes.
 
   Attributes:
-    data: one entry per layer, in registration order: `(inputs, g)` for structured layers,
+    data: one entry per layer, in registration order: `(inputs, g)` for structured layers
+      (a tuple of such pairs, one per use, for a layer with `num_uses > 1`),
       with `inputs` the tuple of raw input operands the scanner recorded (e.g. `(x,)`) and
       `g: [samples, *output.shape]` the output gradients; each block reshapes them itself. For
       generic layers, the per-leaf sampled gradients `[samples, *leaf.shape]`.
@@ -118,8 +119,12 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
   leaves = jax.tree_util.tree_leaves(params)
   batch_leaves = jax.tree_util.tree_leaves(batch)
   tapped = [i for i, k in enumerate(reg.layer_outputs) if k is not None]
-  out_keys = {reg.layer_outputs[i]: n for n, i in enumerate(tapped)}
-  in_atoms = [reg.layer_inputs[i] for i in tapped]
+  # One tap per use: a multi-use layer (tied weights, unrolled scan) has one per application.
+  extra = reg.extra_uses or ((),) * len(reg.layers)
+  taps = [(i, reg.layer_outputs[i], reg.layer_inputs[i]) for i in tapped]
+  taps += [(i, k, ins) for i in tapped for k, ins in extra[i]]
+  out_keys = {k: n for n, (_, k, _) in enumerate(taps)}
+  in_atoms = [ins for _, _, ins in taps]
   watch = set(out_keys)
   watch.update(a for atoms in in_atoms for a in atoms if _graph.is_key(a))
   for ops in reg.loss_operands:
@@ -161,8 +166,8 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
   data = []
   for i, spec in enumerate(reg.layers):
     if reg.layer_outputs[i] is not None:
-      n = tapped.index(i)
-      data.append((xs[n], eps_ct[n]))
+      uses = [(xs[n], eps_ct[n]) for n, tap in enumerate(taps) if tap[0] == i]
+      data.append(tuple(uses) if spec.num_uses > 1 else uses[0])
     else:
       data.append(tuple(p_ct[j] for j in spec.leaf_indices))
   params_stats = None

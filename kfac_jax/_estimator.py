@@ -403,16 +403,17 @@ class CurvatureEstimator:
 
 
 def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block]) -> str:
-  rows = [("layer", "kind", "approx", "parameters", "factor shapes", "memory")]
+  rows = [("layer", "kind", "uses", "approx", "parameters", "factor shapes", "memory")]
   total = 0
   for s, b in zip(layers, blocks):
     nbytes = b.state_bytes()
     total += nbytes
     shapes = " ".join("x".join(map(str, f)) for f in s.factor_shapes)
-    rows.append((s.name, s.kind + ("" if s.source == "auto" else f" ({s.source})"), s.approx,
+    rows.append((s.name, s.kind + ("" if s.source == "auto" else f" ({s.source})"),
+                 str(s.num_uses), s.approx,
                  ", ".join(p.rsplit("/", 1)[-1] if p.startswith(s.name + "/") else p
                            for p in s.param_paths), shapes, _fmt_bytes(nbytes)))
-  rows.append(("total", "", "", f"{sum(s.num_params for s in layers)} values", "",
+  rows.append(("total", "", "", "", f"{sum(s.num_params for s in layers)} values", "",
                _fmt_bytes(total)))
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   lines = []

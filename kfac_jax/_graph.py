@@ -2,8 +2,14 @@
 
 The scanner matches layers on this list and the curvature pass evaluates it with taps (a zero
 perturbation added to each layer output, the layer inputs recorded). Inlining a nested `jit`
-does not change what is computed; other higher-order primitives (`scan`, `cond`, `custom_jvp`,
-`checkpoint`) stay opaque equations and are re-bound as they are.
+does not change what is computed. A `lax.scan` whose operands depend on the parameters (an RNN
+over time: linen `nn.scan` / `nn.RNN`, nnx `nnx.scan` / `nnx.RNN`, plain `lax.scan`) is unrolled:
+its static `length` T gives T copies of the body, each step's `xs` slice and the stacking of the
+`ys` become small synthetic equations, so a parameter used in the body is seen with T uses, each
+with its own output key. Cost: the graph (and the program XLA compiles from the tapped function)
+grows T-fold, so trace and compile time grow linearly in T; the arithmetic is unchanged. Other
+higher-order primitives (`cond`, `while`, `custom_jvp`, `checkpoint`) and scans that touch no
+parameter stay opaque equations and are re-bound as they are.
 
 Values are keyed by `(instance, Var)`: the same inner jaxpr object can be called twice (JAX
 caches traces), so each inlined call gets its own instance number.
@@ -12,8 +18,11 @@ caches traces), so each inlined call gets its own instance number.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import jax.numpy as jnp
 
 from kfac_jax import _compat
 
@@ -23,9 +32,11 @@ Atom = Any  # Key or _compat.Literal
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FlatEqn:
-  eqn: _compat.JaxprEqn
+  """One equation. Synthetic ones (from unrolling a scan) carry `fn` and a stand-in `eqn`."""
+  eqn: Any
   ins: tuple[Atom, ...]
   outs: tuple[Key, ...]
+  fn: Callable[..., list[Any]] | None = None
 
   @property
   def name(self) -> str:
@@ -34,6 +45,31 @@ class FlatEqn:
   @property
   def params(self) -> Mapping[str, Any]:
     return self.eqn.params
+
+
+class _SynthVar:
+  """A variable created while unrolling a scan (compared by identity, like jax's Var)."""
+
+  def __init__(self, aval):
+    self.aval = aval
+
+  def __repr__(self):
+    return f"synth{self.aval.str_short()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _SynthPrimitive:
+  name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _SynthEqn:
+  primitive: _SynthPrimitive
+  params: Mapping[str, Any]
+
+
+_SCAN_SLICE = _SynthPrimitive("scan_slice")
+_SCAN_STACK = _SynthPrimitive("scan_stack")
 
 
 def is_key(atom: Atom) -> bool:
@@ -54,10 +90,46 @@ class FlatGraph:
   eqns: tuple[FlatEqn, ...]
 
   @classmethod
-  def from_closed_jaxpr(cls, closed: _compat.ClosedJaxpr) -> FlatGraph:
+  def from_closed_jaxpr(cls, closed: _compat.ClosedJaxpr, n_params: int = 0) -> FlatGraph:
+    """Flattens `closed`; scans reading any of its first `n_params` inputs are unrolled."""
     counter = [0]
     consts: list[tuple[Key, Any]] = []
     eqns: list[FlatEqn] = []
+    dep: set[Key] = {(0, v) for v in closed.jaxpr.invars[:n_params]}
+
+    def unroll_scan(eqn, ins, instance, alias, walk):
+      p = eqn.params
+      body = p["jaxpr"]
+      nc, ncar, length = p["num_consts"], p["num_carry"], int(p["length"])
+      consts_in, carry = list(ins[:nc]), list(ins[nc:nc + ncar])
+      xs = ins[nc + ncar:]
+      ys_steps: list[list[Atom]] = [None] * length  # type: ignore[list-item]
+      for t in (reversed(range(length)) if p["reverse"] else range(length)):
+        x_t = []
+        for x in xs:
+          aval = aval_of(x).update(shape=aval_of(x).shape[1:])
+          key = (instance, _SynthVar(aval))
+          eqns.append(FlatEqn(_SynthEqn(_SCAN_SLICE, {"index": t}), (x,), (key,),
+                              fn=functools.partial(_slice_fn, t)))
+          if is_key(x) and x in dep:
+            dep.add(key)
+          x_t.append(key)
+        counter[0] += 1
+        inner = counter[0]
+        inner_alias = dict(zip(body.jaxpr.invars, consts_in + carry + x_t))
+        walk(body.jaxpr, inner, body.consts, inner_alias)
+        outs = [a if isinstance(a, _compat.Literal) else inner_alias.get(a, (inner, a))
+                for a in body.jaxpr.outvars]
+        carry, ys_steps[t] = outs[:ncar], outs[ncar:]
+      for v, a in zip(eqn.outvars[:ncar], carry):
+        alias[v] = a
+      for n, v in enumerate(eqn.outvars[ncar:]):
+        parts = tuple(ys_steps[t][n] for t in range(length))
+        key = (instance, v)
+        eqns.append(FlatEqn(_SynthEqn(_SCAN_STACK, {"length": length}), parts, (key,),
+                            fn=functools.partial(_stack_fn, v.aval)))
+        if any(a in dep for a in parts if is_key(a)):
+          dep.add(key)
 
     def walk(jaxpr, instance: int, const_vals, alias: dict[Any, Atom]) -> None:
       def resolve(atom):
@@ -69,6 +141,10 @@ class FlatGraph:
         consts.append(((instance, v), c))
       for eqn in jaxpr.eqns:
         ins = tuple(resolve(a) for a in eqn.invars)
+        if (eqn.primitive.name == "scan" and int(eqn.params["length"]) > 0
+            and any(is_key(a) and a in dep for a in ins)):
+          unroll_scan(eqn, ins, instance, alias, walk)
+          continue
         sub = _compat.call_jaxpr_of(eqn)
         if sub is not None:
           counter[0] += 1
@@ -81,7 +157,10 @@ class FlatGraph:
                 inner_atom, (inner, inner_atom))
             alias[outer_v] = r
           continue
-        eqns.append(FlatEqn(eqn, ins, tuple((instance, v) for v in eqn.outvars)))
+        outs = tuple((instance, v) for v in eqn.outvars)
+        if any(is_key(a) and a in dep for a in ins):
+          dep.update(outs)
+        eqns.append(FlatEqn(eqn, ins, outs))
 
     top_alias: dict[Any, Atom] = {}
     walk(closed.jaxpr, 0, closed.consts, top_alias)
@@ -135,7 +214,16 @@ class FlatGraph:
       return a.val if isinstance(a, _compat.Literal) else env[a]
 
     for fe in self.eqns:
-      outs = _compat.bind_eqn(fe.eqn, [read(a) for a in fe.ins])
+      vals = [read(a) for a in fe.ins]
+      outs = fe.fn(*vals) if fe.fn is not None else _compat.bind_eqn(fe.eqn, vals)
       for k, v in zip(fe.outs, outs):
         write(k, v)
     return [read(a) for a in self.outvars], seen
+
+
+def _slice_fn(t: int, x):
+  return [x[t]]
+
+
+def _stack_fn(aval, *parts):
+  return [jnp.stack([jnp.broadcast_to(jnp.asarray(p, aval.dtype), aval.shape[1:]) for p in parts])]

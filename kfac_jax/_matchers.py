@@ -231,7 +231,23 @@ def match_embedding(sc, i, claimed):
   found = _single_use_leaf(sc, fe.ins[0], claimed)
   if found is None:
     return None
-  leaf, chain = found
+  use = embedding_use(sc, i)
+  if use is None:
+    return None
+  info, ids, out_key = use
+  spec = sc.layer_spec("embedding", [found[0]], info, None, "auto",
+                       ((info.vocab_size,), (info.dim, info.dim)))
+  sc._claim(claimed, [found[0]], spec.name)
+  return spec, out_key, (ids,)
+
+
+def embedding_use(sc, i):
+  """`(EmbeddingInfo, ids atom, output key)` if equation i takes whole rows of a [vocab, dim]
+  parameter table (its operand 0), else None."""
+  fe = sc.g.eqns[i]
+  if fe.name != "gather" or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in sc.origin:
+    return None
+  chain = sc.origin[fe.ins[0]][1]
   t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
   if any(s.op != "cast" for s in chain) or len(t_shape) != 2:
     return None
@@ -243,11 +259,7 @@ def match_embedding(sc, i, claimed):
       or tuple(fe.params["slice_sizes"]) != (1, t_shape[1]) or not idx_shape
       or idx_shape[-1] != 1 or out_shape != idx_shape[:-1] + (t_shape[1],)):
     return None
-  info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
-  spec = sc.layer_spec("embedding", [leaf], info, None, "auto",
-                       ((info.vocab_size,), (info.dim, info.dim)))
-  sc._claim(claimed, [leaf], spec.name)
-  return spec, fe.outs[0], (fe.ins[1],)
+  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
 
 
 def match_scale_and_shift(sc, i, claimed):

@@ -10,6 +10,15 @@ embedding and scale-and-shift layers are matched the same way (`_matchers`), in 
 kernels (dense, conv, with their biases), then gathers, then elementwise scales and shifts, so a
 bias is never mistaken for a shift. Manual layer tags take precedence over matching. Leaves left
 over get a diagonal generic block and a warning.
+
+Shared parameters. Before those passes, a leaf with several real uses becomes ONE layer with
+`num_uses` uses when every use is a dense product of the same `[in, out]` kernel matrix (with
+one shared bias or none), or an embedding lookup of the same table, possibly mixed with products
+by the table or its transpose (tied input/output embeddings). A `lax.scan` over parameters is
+unrolled by `_graph.FlatGraph`, so a recurrent cell's kernels have one use per time step. Each
+use keeps its own output key and inputs (`Registration.extra_uses`). `register_dense` called at
+every use of one kernel registers one multi-use layer; a tag count that differs from the graph's
+use count is an error naming the kernel.
 """
 
 from __future__ import annotations
@@ -32,14 +41,19 @@ _VIEW_OPS = frozenset({
     "squeeze"})
 
 APPROXIMATIONS = {
-    "dense": ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal", "full"),
+    "dense": ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal", "full",
+              "expand", "reduce", "kron_indep"),
     "conv": ("kron", "kron_sua", "diagonal", "full"),
     "scale_and_shift": ("full", "diagonal"),
-    "embedding": ("kron",),
+    "embedding": ("kron", "kron_indep"),
     "generic": ("diagonal", "full"),
 }
 DEFAULT_APPROX = {"dense": "kron", "conv": "kron", "scale_and_shift": "full",
                   "embedding": "kron", "generic": "diagonal"}
+
+
+# Approximations of a layer whose parameters are used several times (see `kfac_jax.blocks._shared`).
+SHARED_APPROXIMATIONS = ("kron_indep", "kron_series_1", "kron_series_2")
 
 
 class RegistrationError(ValueError):
@@ -155,6 +169,13 @@ class DenseInfo:
   rows: int
 
 
+def kernel_index_matrix(info: DenseInfo, param_shape) -> np.ndarray:
+  """Which parameter entry (flat index) each entry of the `[in, out]` kernel matrix reads."""
+  idx = np.arange(math.prod(param_shape)).reshape(param_shape)
+  k = apply_view(info.kernel_view, idx)
+  return k.transpose(info.kernel_perm).reshape(info.in_dim, info.out_dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
   """A layer the scanner found (or a manual tag registered), as static facts.
@@ -170,6 +191,11 @@ class LayerSpec:
     info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
       `EmbeddingInfo`); None for generic layers.
     param_shapes: shapes of the parameter leaves.
+    num_uses: how many times the layer is applied (a shared / tied / recurrent layer: one leaf
+      used by several matching equations, e.g. the T steps of an unrolled scan). Each use has its
+      own output key and inputs in the registration.
+    use_infos: for `num_uses > 1`, the matching details of every use (`info` is the first one,
+      or the embedding use of a tied embedding).
   """
   name: str
   kind: str
@@ -180,6 +206,8 @@ class LayerSpec:
   source: str = "auto"
   info: Any = None
   param_shapes: tuple[tuple[int, ...], ...] = ()
+  num_uses: int = 1
+  use_infos: tuple[Any, ...] = ()
 
   @property
   def dense(self) -> DenseInfo | None:
@@ -205,6 +233,8 @@ class Registration:
   layer_outputs: tuple[_graph.Key | None, ...]  # per layer: where the perturbation is added
   # Per layer: the input operands the block's statistics need (None for generic layers).
   layer_inputs: tuple[tuple[_graph.Atom, ...] | None, ...]
+  # Per layer: the further uses `((output key, inputs), ...)` of a multi-use layer, else ().
+  extra_uses: tuple[tuple[tuple[_graph.Key, tuple[_graph.Atom, ...]], ...], ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +293,7 @@ def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool =
     raise RegistrationError(
         "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
         f"{[tuple(a.shape) for a in out_avals]}.")
-  graph = _graph.FlatGraph.from_closed_jaxpr(closed)
+  graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
   paths = param_paths(params)
   shapes = tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))
   return _Scanner(graph, n_params, paths, shapes, strict, warn, layers, collect).run()
@@ -314,9 +344,20 @@ class _Scanner:
 
     specs: list[tuple[LayerSpec, Any, Any]] = []
     claimed: dict[int, str] = {}
+    self.manual_dense: dict[int, list[Any]] = {}
     for i, fe in enumerate(g.eqns):
       if fe.eqn.primitive is _tags.layer_tag_p:
-        specs.append(self._manual(i, fe, claimed))
+        found = self._manual(i, fe, claimed)
+        if found is not None:
+          specs.append(found)
+    for k_leaf, tags in self.manual_dense.items():
+      specs.append(self._manual_dense_layer(k_leaf, tags, claimed))
+    # Leaves used several times (tied weights, unrolled scans) first: one layer with k uses.
+    for leaf in sorted(self.uses):
+      if leaf not in claimed and len(self.uses[leaf]) > 1:
+        found = self._match_shared(leaf, claimed)
+        if found is not None:
+          specs.append(found)
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
     passes = ((self._match_dense, functools.partial(_matchers.match_conv, self)),
               (functools.partial(_matchers.match_embedding, self),),
@@ -352,13 +393,15 @@ class _Scanner:
         specs.append((self._generic_spec((j,), "diagonal", "fallback"), None, None))
 
     specs.sort(key=lambda s: min(s[0].leaf_indices))
+    multi = [s[0].num_uses > 1 for s in specs]
     return Registration(
         graph=g,
         layers=tuple(s[0] for s in specs),
         losses=tuple(losses),
         loss_operands=tuple(loss_operands),
-        layer_outputs=tuple(s[1] for s in specs),
-        layer_inputs=tuple(s[2] for s in specs),
+        layer_outputs=tuple(s[1][0] if m else s[1] for s, m in zip(specs, multi)),
+        layer_inputs=tuple(s[2][0] if m else s[2] for s, m in zip(specs, multi)),
+        extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
     )
 
   # -- losses ----------------------------------------------------------------------------------
@@ -549,23 +592,69 @@ class _Scanner:
       leaves.append(b_leaf)
     if not _graph.is_key(y):
       raise RegistrationError(f"register_dense: the output of layer `{path}` is a constant.")
-    approx = self._check_approx("dense", approx, [self.paths[j] for j in leaves])
     x_aval, k_shape = _graph.aval_of(x), _graph.aval_of(kernel).shape
     rows = math.prod(x_aval.shape[:-1])
     info = DenseInfo(
         kernel_view=k_chain, kernel_perm=(0, 1), x_perm=tuple(range(x_aval.ndim)),
         out_perm=tuple(range(x_aval.ndim)), in_dim=int(k_shape[0]), out_dim=int(k_shape[1]),
         rows=int(rows))
-    spec = self._dense_spec(leaves, info, approx, "manual")
+    # Tags of one kernel are collected and become one layer (one use per tag) after the loop.
+    self.manual_dense.setdefault(k_leaf, []).append((tuple(leaves), info, approx, y, (x,)))
+    return None
+
+  def _manual_dense_layer(self, k_leaf, tags, claimed):
+    """One dense layer from the `register_dense` tags of kernel `k_leaf` (one use per tag)."""
+    path = self.paths[k_leaf]
+    leaves = tags[0][0]
+    approxes = {t[2] for t in tags}
+    if any(t[0] != leaves for t in tags) or len(approxes) > 1:
+      raise RegistrationError(
+          f"register_dense: kernel `{path}` is registered {len(tags)} times with different "
+          f"biases or approximations ({[[self.paths[j] for j in t[0]] for t in tags]}, "
+          f"{sorted(map(str, approxes))}); register every use with the same bias and `approx`.")
+    graph_uses = len(self.uses.get(k_leaf, []))
+    if graph_uses and graph_uses != len(tags):
+      raise RegistrationError(
+          f"layer `{path}` is used {graph_uses} times in loss_fn but registered with "
+          f"{len(tags)} register_dense tag(s); call register_dense at every use of the kernel "
+          "(each with the same `approx`, e.g. approx=\"kron_indep\"), or let the scanner detect "
+          "the shared use by removing the tags.")
+    approx = tags[0][2]
+    paths = [self.paths[j] for j in leaves]
+    if len(tags) == 1:
+      approx = self._check_approx("dense", approx, paths)
+      spec = self._dense_spec(leaves, tags[0][1], approx, "manual")
+      self._claim(claimed, leaves, spec.name)
+      return spec, tags[0][3], tags[0][4]
+    infos = tuple(t[1] for t in tags)
+    spec = self._shared_spec("dense", leaves, infos, approx, "manual")
     self._claim(claimed, leaves, spec.name)
-    return spec, y, (x,)
+    return spec, tuple(t[3] for t in tags), tuple(t[4] for t in tags)
 
   def error(self, msg: str) -> RegistrationError:
     return RegistrationError(msg)
 
-  def _check_approx(self, kind, approx, paths):
+  def _single_use_series(self, approx, paths):
+    return RegistrationError(
+        f"approximation {approx!r} models correlations between successive uses of a shared "
+        f"layer, but the layer with parameters {paths} is used once; use \"kron\" (or "
+        "\"kron_indep\", which equals it for one use).")
+
+  def _check_approx(self, kind, approx, paths, *, shared: bool = False):
     if approx is None:
-      return None  # `layer_spec` applies the LayerConfig and the defaults.
+      # Shared layers default to kron_indep; single-use ones are resolved by `layer_spec`
+      # (the LayerConfig, then the kind's default).
+      return "kron_indep" if shared else None
+    if shared:
+      if approx == "kron":
+        return "kron_indep"
+      if approx not in SHARED_APPROXIMATIONS:
+        raise RegistrationError(
+            f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
+            f"{paths}; a layer used several times takes one of {SHARED_APPROXIMATIONS}.")
+      return approx
+    if approx in SHARED_APPROXIMATIONS[1:]:
+      raise self._single_use_series(approx, paths)
     if approx not in APPROXIMATIONS[kind]:
       raise RegistrationError(
           f"approximation {approx!r} does not fit the {kind} layer with parameters {paths}; "
@@ -574,16 +663,9 @@ class _Scanner:
 
   # -- automatic dense matching ----------------------------------------------------------------
 
-  def _match_dense(self, i, claimed):
+  def _dense_use(self, i, k_pos):
+    """`(info, x_atom, k_shape, k_free)` if equation i is a dense product with the kernel at k_pos."""
     fe = self.g.eqns[i]
-    if fe.name != "dot_general":
-      return None
-    param_ops = self.uses_by_eqn.get(i, [])
-    if len(param_ops) != 1:
-      return None  # No parameter, or a product of two parameters.
-    k_leaf, k_pos = param_ops[0]
-    if k_leaf in claimed or len(self.uses.get(k_leaf, [])) != 1:
-      return None
     k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
     _, k_chain = self.origin[k_atom]
     if any(s.op not in ("reshape", "transpose", "cast") for s in k_chain):
@@ -610,6 +692,22 @@ class _Scanner:
     info = DenseInfo(
         kernel_view=k_chain, kernel_perm=k_contract + k_free, x_perm=x_free + x_contract,
         out_perm=out_perm, in_dim=int(in_dim), out_dim=int(out_dim), rows=int(rows))
+    return info, x_atom, k_shape, k_free
+
+  def _match_dense(self, i, claimed):
+    fe = self.g.eqns[i]
+    if fe.name != "dot_general":
+      return None
+    param_ops = self.uses_by_eqn.get(i, [])
+    if len(param_ops) != 1:
+      return None  # No parameter, or a product of two parameters.
+    k_leaf, k_pos = param_ops[0]
+    if k_leaf in claimed or len(self.uses.get(k_leaf, [])) != 1:
+      return None
+    found = self._dense_use(i, k_pos)
+    if found is None:
+      return None
+    info, x_atom, k_shape, k_free = found
     leaves = [k_leaf]
     out_key = fe.outs[0]
     bias = self._match_bias(out_key, k_pos, k_shape, k_free, claimed)
@@ -620,7 +718,85 @@ class _Scanner:
     self._claim(claimed, leaves, spec.name)
     return spec, out_key, (x_atom,)
 
-  def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed):
+  # -- shared (multi-use) layers ---------------------------------------------------------------
+
+  def _match_shared(self, leaf, claimed):
+    """One layer for a leaf whose uses are all dense products (with one shared bias) or
+    embedding lookups; a tied embedding mixes lookups with products by the transposed table.
+
+    Returns `(spec, out_keys, inputs)` with one entry per use, or None.
+    """
+    uses = self.uses[leaf]
+    found = []  # (kind, info, inputs, out_key, bias leaf or None)
+    for i, pos in uses:
+      fe = self.g.eqns[i]
+      if len(self.uses_by_eqn.get(i, [])) != 1:
+        return None
+      if fe.name == "dot_general":
+        d = self._dense_use(i, pos)
+        if d is None:
+          return None
+        info, x_atom, k_shape, k_free = d
+        bias = self._match_bias(fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
+        b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
+        found.append(("dense", info, (x_atom,), out_key, b_leaf))
+      elif fe.name == "gather" and pos == 0:
+        e = _matchers.embedding_use(self, i)
+        if e is None:
+          return None
+        info, ids, out_key = e
+        found.append(("embedding", info, (ids,), out_key, None))
+      else:
+        return None
+    kinds = {f[0] for f in found}
+    biases = {f[4] for f in found}
+    if len(biases) != 1:
+      return None
+    (b_leaf,) = biases
+    if b_leaf is not None and (b_leaf in claimed or len(self.uses[b_leaf]) != len(uses)):
+      return None
+    infos = tuple(f[1] for f in found)
+    shape = self.shapes[leaf]
+    if kinds == {"dense"}:  # Every use must read the kernel as the same [in, out] matrix.
+      first = kernel_index_matrix(infos[0], shape)
+      if any(not np.array_equal(kernel_index_matrix(inf, shape), first) for inf in infos[1:]):
+        return None
+      kind = "dense"
+    else:  # A table [vocab, dim]: products read it as itself or as its transpose.
+      emb = next(inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo))
+      idx = np.arange(math.prod(shape)).reshape(shape)
+      for inf in infos:
+        if isinstance(inf, _matchers.EmbeddingInfo):
+          if inf != emb:
+            return None
+          continue
+        m = kernel_index_matrix(inf, shape)
+        if not (np.array_equal(m, idx) or np.array_equal(m, idx.T)):
+          return None
+      kind = "embedding"
+    leaves = [leaf] + ([b_leaf] if b_leaf is not None else [])
+    spec = self._shared_spec(kind, leaves, infos, None, "auto")
+    self._claim(claimed, leaves, spec.name)
+    return spec, tuple(f[3] for f in found), tuple(f[2] for f in found)
+
+  def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
+    paths = [self.paths[j] for j in leaves]
+    approx = self._check_approx(kind, approx, paths, shared=True)
+    if approx != "kron_indep" and (kind != "dense" or len({inf.rows for inf in infos}) != 1):
+      raise RegistrationError(
+          f"approximation {approx!r} needs the uses of layer {paths} to be dense products "
+          f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
+          f"{[getattr(inf, 'rows', None) for inf in infos]}. Use \"kron_indep\".")
+    if kind == "dense":
+      info = infos[0]
+      spec = self._dense_spec(leaves, info, "kron", source)
+    else:
+      info = next(inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo))
+      spec = self.layer_spec("embedding", leaves, info, "kron", source,
+                             ((info.vocab_size,), (info.dim, info.dim)))
+    return dataclasses.replace(spec, approx=approx, num_uses=len(infos), use_infos=infos)
+
+  def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
     if k_pos != 1:
       return None
     cons = self.slice_consumers.get(s_key, [])
@@ -634,7 +810,7 @@ class _Scanner:
     if not _graph.is_key(other) or other not in self.origin:
       return None
     b_leaf, b_chain = self.origin[other]
-    if b_leaf in claimed or len(self.uses.get(b_leaf, [])) != 1:
+    if b_leaf in claimed or (not shared and len(self.uses.get(b_leaf, [])) != 1):
       return None
     if any(s.op == "transpose" for s in b_chain):
       return None

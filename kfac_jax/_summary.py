@@ -15,7 +15,8 @@ def scan_layers(loss_fn: Callable, params, batch, *, strict: bool = False,
 
   Each `LayerSpec` has `name`, `kind` ("dense", "conv", "scale_and_shift", "embedding",
   "generic"), `param_paths` (e.g.
-  `params/Dense_0/kernel`), `approx` and `factor_shapes`. Parameters outside every recognised
+  `params/Dense_0/kernel`), `approx`, `factor_shapes` and `num_uses` (how many times the layer
+  is applied: tied weights, the steps of a scan). Parameters outside every recognised
   layer get a diagonal generic block and one `UncoveredParametersWarning` naming them all
   (an error with `strict=True`). `layers` (a `kfac_jax.LayerConfig`) chooses approximations and
   linked groups as in the estimator.

@@ -163,8 +163,9 @@ def test_summary_table():
   params = model.init(jax.random.key(1), batch["x"])
   table = kfac_jax.summary(_models.softmax_loss(model.apply), params, batch)
   lines = table.splitlines()
-  assert lines[0].split() == ["layer", "kind", "approx", "parameters", "factor", "shapes", "memory"]
-  assert "params/Dense_0  dense  kron    kernel, bias  5x5 5x5" in table
+  assert lines[0].split() == ["layer", "kind", "uses", "approx", "parameters", "factor", "shapes",
+                              "memory"]
+  assert "params/Dense_0  dense  1     kron    kernel, bias  5x5 5x5" in table
   # Factors plus cached inverses plus the damping scalar, float32: 4 * (2 * (25 + 25) + 1).
   assert "404 B" in lines[2]
   assert "43 values" in lines[-1]

@@ -3,6 +3,7 @@
 from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
 from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
+from kfac_jax.blocks._shared import SeriesKroneckerBlock
 
 _BLOCKS = {
     ("dense", "kron"): KroneckerBlock,
@@ -11,6 +12,12 @@ _BLOCKS = {
     ("dense", "kron_both_diag"): KroneckerBlock,
     ("dense", "diagonal"): DiagonalBlock,
     ("dense", "full"): FullBlock,
+    ("dense", "expand"): KroneckerBlock,
+    ("dense", "reduce"): KroneckerBlock,
+    ("dense", "kron_indep"): KroneckerBlock,
+    ("dense", "kron_series_1"): SeriesKroneckerBlock,
+    ("dense", "kron_series_2"): SeriesKroneckerBlock,
+    ("embedding", "kron_indep"): KroneckerBlock,
     ("conv", "kron"): KroneckerBlock,
     ("conv", "kron_sua"): KroneckerBlock,
     ("conv", "diagonal"): DiagonalBlock,
@@ -36,4 +43,4 @@ def make_block(spec, config: BlockConfig) -> Block:
 
 
 __all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "FullBlock", "KroneckerBlock",
-           "KroneckerDenseBlock", "make_block"]
+           "KroneckerDenseBlock", "SeriesKroneckerBlock", "make_block"]

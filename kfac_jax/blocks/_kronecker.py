@@ -20,6 +20,11 @@ as a vector and its powers, Cholesky factor and eigen-decomposition are elementw
 stacked on a leading axis and processed with vmap. Vectors are matrices M; with row-major vec,
 (A ⊗ G) vec(M) = vec(A M G).
 
+Dense layers over sequences ([N, L, in] inputs): "kron" and "expand" take the N·L positions as
+rows (K-FAC-expand, Eschenhagen et al. 2023); "reduce" averages x and sums g over each example's
+positions first (K-FAC-reduce, `_reduce_rows`). Layers used several times ("kron_indep") take
+their statistics from `_shared.indep_factors`.
+
 Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G)),
 and the block multiplies by A_λ^p ⊗ G_λ^p. ("eigen"): exact (A ⊗ G + λ I)^p through the factors'
 eigen-decompositions (a diagonal A is its own).
@@ -32,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.blocks import _layouts, _linalg
+from kfac_jax.blocks import _layouts, _linalg, _shared
 from kfac_jax.blocks._base import Block
 
 Array = jax.Array
@@ -98,6 +103,21 @@ def _damped(a: Array, g: Array, damping: Array) -> tuple[Array, Array]:
   return _add_identity(a, pi * root), _add_identity(g, root / pi)
 
 
+def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]:
+  """K-FAC-reduce rows (Eschenhagen et al. 2023): one row per example, x averaged and g summed
+  over the example's L positions, so A = (1/N) Σ_n x̃_n x̃_nᵀ (with x̃ = [mean_l x, 1] when
+  there is a bias) and G = (1/N) Σ_n (Σ_l g)(Σ_l g)ᵀ."""
+  rows = x.shape[0]
+  if rows % batch_size:
+    raise ValueError(
+        f"layer `{spec.name}`: approx='reduce' needs rows = batch x positions, but the input has "
+        f"{rows} rows for a batch of {batch_size}.")
+  n_pos = rows // batch_size
+  x = x.reshape(batch_size, n_pos, *x.shape[1:]).mean(axis=1)
+  g = g.reshape(g.shape[0], batch_size, n_pos, *g.shape[2:]).sum(axis=2)
+  return x, g
+
+
 class KroneckerBlock(Block):
   """A ⊗ G block of a dense, conv or embedding layer (kernel/table and optional bias)."""
 
@@ -137,7 +157,11 @@ class KroneckerBlock(Block):
 
   def batch_factors(self, data, batch_size):
     dtype = self.config.dtype
-    x, g = self.layout.rows(data, dtype)  # x: [R, groups, in] (ids [R]); g: [S, R, groups, out]
+    if self.spec.num_uses > 1:
+      return _shared.indep_factors(self.spec, data, batch_size, dtype)
+    x, g = self.layout.rows(data, dtype)
+    if self.spec.approx == "reduce":
+      x, g = _reduce_rows(self.spec, x, g, batch_size)  # x: [R, groups, in] (ids [R]); g: [S, R, groups, out]
     if self.spec.kind == "embedding":
       a = jnp.zeros((self.layout.in_dim,), dtype).at[x].add(1.0, mode="drop")[None] / x.shape[0]
     elif self.spec.approx == "kron_sua":

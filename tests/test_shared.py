@@ -1,0 +1,450 @@
+"""Shared (multi-use) parameters: tied embeddings, repeated dense layers, RNNs through lax.scan."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import kfac_jax
+from kfac_jax import _curvature, _scanner
+from kfac_jax.blocks import _shared
+
+V, D, N, L = 7, 4, 3, 3
+
+
+def _ce(logits, y):
+  kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _seq_batch(key=0):
+  kx, ky = jax.random.split(jax.random.key(key))
+  return {"ids": jax.random.randint(kx, (N, L), 0, V), "y": jax.random.randint(ky, (N, L), 0, V)}
+
+
+def _by_name(layers):
+  return {l.name: l for l in layers}
+
+
+def _descent_step(loss_fn, params, batch):
+  """One jitted kfac step; returns <grad, update> and the losses before and after."""
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.05, damping=1e-1, inverse_every=1)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, rng):
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, strict=True)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return loss, grads, updates
+
+  loss, grads, updates = step(params, state, jax.random.key(3))
+  inner = sum(jnp.vdot(g, u) for g, u in zip(jax.tree_util.tree_leaves(grads),
+                                             jax.tree_util.tree_leaves(updates)))
+  new_loss = loss_fn(optax.apply_updates(params, updates), batch)
+  return float(inner), float(loss), float(new_loss)
+
+
+# -- models ----------------------------------------------------------------------------------
+
+
+class _LinenTiedLM(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    emb = nn.Embed(V, D)
+    h = nn.LayerNorm()(emb(ids))
+    h = nn.Dense(D)(h)
+    return emb.attend(h)
+
+
+class _LinenLSTM(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    h = nn.Embed(V, D)(ids)
+    h = nn.RNN(nn.LSTMCell(3))(h)
+    return nn.Dense(V)(h)
+
+
+class _NnxTiedLM(nnx.Module):
+  def __init__(self, rngs):
+    self.emb = nnx.Embed(V, D, rngs=rngs)
+    self.ln = nnx.LayerNorm(D, rngs=rngs)
+    self.dense = nnx.Linear(D, D, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.emb.attend(self.dense(self.ln(self.emb(ids))))
+
+
+class _NnxGRU(nnx.Module):
+  def __init__(self, rngs):
+    self.emb = nnx.Embed(V, D, rngs=rngs)
+    self.rnn = nnx.RNN(nnx.GRUCell(D, 3, rngs=rngs))
+    self.out = nnx.Linear(3, V, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.out(self.rnn(self.emb(ids)))
+
+
+def _linen(model_cls):
+  model = model_cls()
+  batch = _seq_batch()
+  params = model.init(jax.random.key(1), batch["ids"])
+  return (lambda p, b: _ce(model.apply(p, b["ids"]), b["y"])), params, batch
+
+
+def _nnx(model_cls):
+  graphdef, params, rest = nnx.split(model_cls(nnx.Rngs(0)), nnx.Param, ...)
+  params = nnx.to_pure_dict(params)
+
+  def loss_fn(p, b):
+    return _ce(nnx.merge(graphdef, p, rest, copy=True)(b["ids"]), b["y"])
+
+  return loss_fn, params, _seq_batch()
+
+
+TIED = {"linen": (lambda: _linen(_LinenTiedLM), "params/Embed_0"),
+        "nnx": (lambda: _nnx(_NnxTiedLM), "emb")}
+RNNS = {"linen_lstm": (lambda: _linen(_LinenLSTM), "params/LSTMCell_0/hi", 8),
+        "nnx_gru": (lambda: _nnx(_NnxGRU), "rnn/cell/dense_h", 2)}
+
+
+@pytest.mark.parametrize("flavour", sorted(TIED))
+def test_tied_embedding_lm_is_one_two_use_layer_and_a_step_descends(flavour):
+  make, emb_name = TIED[flavour]
+  loss_fn, params, batch = make()
+  layers = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  emb = layers[emb_name]
+  assert (emb.kind, emb.num_uses, emb.approx) == ("embedding", 2, "kron_indep")
+  assert emb.factor_shapes == ((V,), (D, D))  # The vocabulary side stays diagonal.
+  assert all(l.num_uses == 1 for n, l in layers.items() if n != emb_name)
+  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  line = next(r for r in table.splitlines() if r.startswith(emb_name + " "))
+  assert line.split()[1:4] == ["embedding", "2", "kron_indep"]
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  assert inner < 0 and new_loss < loss
+
+
+@pytest.mark.parametrize("flavour", sorted(RNNS))
+def test_rnn_through_scan_is_found_with_uses_per_step_and_a_step_descends(flavour):
+  make, cell_name, expected_layers = RNNS[flavour]
+  loss_fn, params, batch = make()
+  layers = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  cell = [l for n, l in layers.items() if "Cell" in n or "cell" in n]
+  assert len(cell) == expected_layers
+  assert all(l.kind == "dense" and l.num_uses == L and l.approx == "kron_indep" for l in cell)
+  assert cell_name in layers
+  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  line = next(r for r in table.splitlines() if r.startswith(cell_name + " "))
+  assert line.split()[1:4] == ["dense", str(L), "kron_indep"]
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  assert inner < 0 and new_loss < loss
+
+
+def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
+  """kron_indep: A = mean over uses and rows of x̄x̄ᵀ, G = Σ_uses (1/N) Σ_rows g gᵀ."""
+  kx, ky, kw = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (N, D))
+  params = {"w": 0.5 * jax.random.normal(kw, (D, D)), "b": jnp.zeros(D)}
+  batch = {"x": x, "y": jax.random.randint(ky, (N,), 0, D)}
+
+  def model(p, x, eps=(0.0, 0.0)):
+    h1 = jnp.tanh(x @ p["w"] + p["b"] + eps[0])
+    return h1, h1 @ p["w"] + p["b"] + eps[1]
+
+  loss_fn = lambda p, b: _ce(model(p, b["x"])[1], b["y"])
+  (layer,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert (layer.kind, layer.num_uses, layer.param_paths) == ("dense", 2, ("w", "b"))
+  reg = _scanner.scan(loss_fn, params, batch)
+  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
+                                   num_samples=1, with_grads=False)
+  block = kfac_jax.blocks.make_block(layer, kfac_jax.blocks.BlockConfig(dtype=jnp.float64))
+  got = block.batch_factors(stats.data[0], N)
+  # Reference: inputs and per-example output gradients from jax.grad of the summed loss.
+  h1 = model(params, x)[0]
+  per_ex = lambda e0, e1: N * optax.softmax_cross_entropy_with_integer_labels(
+      model(params, x, (e0, e1))[1], batch["y"]).mean()
+  g0, g1 = jax.grad(per_ex, argnums=(0, 1))(jnp.zeros((N, D)), jnp.zeros((N, D)))
+  xb = [jnp.concatenate([v, jnp.ones((N, 1))], 1) for v in (x, h1)]
+  a = sum(v.T @ v for v in xb) / (2 * N)
+  g = sum(v.T @ v for v in (g0, g1)) / N
+  np.testing.assert_allclose(got["a"], a, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(got["g"], g, rtol=1e-10, atol=1e-12)
+
+
+def _single_use_dense():
+  kx, ky, kw = jax.random.split(jax.random.key(1), 3)
+  params = {"w": jax.random.normal(kw, (D, 3)), "b": jnp.zeros(3)}
+  batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, 3)}
+  loss_fn = lambda p, b: _ce(b["x"] @ p["w"] + p["b"], b["y"])
+  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  reg = _scanner.scan(loss_fn, params, batch)
+  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
+                                   num_samples=1, with_grads=False)
+  return spec, stats.data[0], params, batch, loss_fn
+
+
+def test_kron_indep_on_a_single_use_equals_the_single_use_block(x64):
+  spec, data, *_ = _single_use_dense()
+  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  single = kfac_jax.blocks.make_block(spec, config).batch_factors(data, N)
+  one_use = dataclasses.replace(spec, approx="kron_indep", num_uses=1, use_infos=(spec.info,))
+  indep = _shared.indep_factors(one_use, (data,), N, jnp.float64)
+  np.testing.assert_allclose(indep["a"], single["a"], rtol=1e-12)
+  np.testing.assert_allclose(indep["g"], single["g"], rtol=1e-12)
+  # A two-use layer whose uses see the same data: A unchanged, G doubled.
+  two = dataclasses.replace(one_use, num_uses=2, use_infos=(spec.info, spec.info))
+  indep2 = _shared.indep_factors(two, (data, data), N, jnp.float64)
+  np.testing.assert_allclose(indep2["a"], single["a"], rtol=1e-12)
+  np.testing.assert_allclose(indep2["g"], 2 * single["g"], rtol=1e-12)
+
+
+def test_expand_and_reduce_match_their_definitions(x64):
+  spec, data, params, batch, _ = _single_use_dense()
+  x = batch["x"]
+  logits = x @ params["w"] + params["b"]
+  # g[n, l] = ∂(per-example loss of n)/∂s[n, l], per-example loss = Σ_l CE (the tag convention).
+  g = jax.grad(lambda s: optax.softmax_cross_entropy_with_integer_labels(
+      s, batch["y"]).sum())(logits)
+  xb = jnp.concatenate([x, jnp.ones((N, L, 1))], -1)
+  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  expand = kfac_jax.blocks.make_block(dataclasses.replace(spec, approx="expand"), config)
+  reduce = kfac_jax.blocks.make_block(dataclasses.replace(spec, approx="reduce"), config)
+  fe, fr = expand.batch_factors(data, N), reduce.batch_factors(data, N)
+  # Expand: the N·L positions are rows; A averaged over them, G summed per example.
+  np.testing.assert_allclose(fe["a"], jnp.einsum("nli,nlj->ij", xb, xb) / (N * L), rtol=1e-10)
+  np.testing.assert_allclose(fe["g"], jnp.einsum("nli,nlj->ij", g, g) / N, rtol=1e-10)
+  # Reduce: x̄ averaged over positions, g summed, then one row per example.
+  xm, gs = xb.mean(1), g.sum(1)
+  np.testing.assert_allclose(fr["a"], xm.T @ xm / N, rtol=1e-10)
+  np.testing.assert_allclose(fr["g"], gs.T @ gs / N, rtol=1e-10)
+  assert not np.allclose(fe["g"], fr["g"])
+
+
+# -- series approximations -----------------------------------------------------------------
+
+
+def _scan_spec(bias: bool):
+  """A dense kernel used at every step of a plain lax.scan (no recurrence through W)."""
+  params = {"w": jnp.ones((4, 3))} | ({"b": jnp.zeros(3)} if bias else {})
+  batch = {"x": jnp.ones((L, N, 4)), "y": jnp.zeros((L, N), jnp.int32)}
+
+  def loss_fn(p, b):
+    def step(c, x):
+      y = x @ p["w"] + (p["b"] if bias else 0.0)
+      return c, y
+    _, ys = jax.lax.scan(step, 0.0, b["x"])
+    return _ce(ys.transpose(1, 0, 2), b["y"].T)
+
+  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert spec.num_uses == L and spec.approx == "kron_indep"
+  return spec
+
+
+def _series_data(key, correlated: bool):
+  kx, kg = jax.random.split(jax.random.key(key))
+  x = jax.random.normal(kx, (L, N * 2, 4))
+  if not correlated:
+    # Rows come in pairs (x_t, s_t x_t) with s_t = (-1)^t, so Σ_r x_{t,r} x_{t+1,r}ᵀ = 0.
+    sign = jnp.where(jnp.arange(L) % 2 == 0, 1.0, -1.0)[:, None, None]
+    x = jnp.concatenate([x, sign * x], axis=1)
+  else:
+    x = jnp.concatenate([x, x], axis=1)
+    x = x.at[1:].set(0.7 * x[:-1] + 0.3 * x[1:])
+  g = jax.random.normal(kg, (L, 2, N * 4, 3))
+  return tuple(((x[t],), g[t]) for t in range(L))
+
+
+@pytest.mark.parametrize("approx", ["kron_series_1", "kron_series_2"])
+def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
+  base = dataclasses.replace(_scan_spec(bias=False), use_infos=(
+      dataclasses.replace(_scan_spec(False).info, rows=N * 4, x_perm=(0, 1),
+                          out_perm=(0, 1)),) * L)
+  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64, cholesky=True, cholesky_inverse=True)
+  indep = kfac_jax.blocks.make_block(base, config)
+  series = kfac_jax.blocks.make_block(dataclasses.replace(base, approx=approx), config)
+  assert isinstance(series, kfac_jax.blocks.SeriesKroneckerBlock)
+  v = [jax.random.normal(jax.random.key(9), (4, 3))]
+  for correlated in (False, True):
+    data = _series_data(0, correlated)
+    fi, fs = indep.batch_factors(data, N), series.batch_factors(data, N)
+    np.testing.assert_allclose(fs["a"], fi["a"], rtol=1e-12)
+    np.testing.assert_allclose(fs["g"], fi["g"], rtol=1e-12)
+    ci, cs = indep.compute_cache(fi, 1e-2), series.compute_cache(fs, 1e-2)
+    inv_i = indep.multiply_matpower(fi, ci, v, -1)[0]
+    inv_s = series.multiply_matpower(fs, cs, v, -1)[0]
+    fwd_s = series.multiply_matpower(fs, cs, series.multiply_matpower(fs, cs, v, -1), 1)[0]
+    np.testing.assert_allclose(fwd_s, v[0], rtol=1e-8, atol=1e-10)  # F_λ F_λ⁻¹ = I.
+    # C Cᵀ = F_λ and C⁻ᵀ C⁻¹ = F_λ⁻¹.
+    c = series.multiply_cholesky(fs, cs, series.multiply_cholesky(
+        fs, cs, v, transpose=True, inverse=False), transpose=False, inverse=False)[0]
+    np.testing.assert_allclose(c, series.multiply_matpower(fs, cs, v, 1)[0], rtol=1e-8)
+    ci_ = series.multiply_cholesky(fs, cs, series.multiply_cholesky(
+        fs, cs, v, transpose=False, inverse=True), transpose=True, inverse=True)[0]
+    np.testing.assert_allclose(ci_, inv_s, rtol=1e-8)
+    if correlated:
+      assert float(jnp.max(jnp.abs(fs["a1"]))) > 0.1
+      assert not np.allclose(inv_s, inv_i, rtol=1e-3)
+    else:
+      np.testing.assert_allclose(fs["a1"], 0.0, atol=1e-12)
+      np.testing.assert_allclose(inv_s, inv_i, rtol=1e-8, atol=1e-10)
+
+
+def test_series_zeta_is_the_lag_sum():
+  for t in (1, 2, 5):
+    for psi in (-0.5, 0.0, 0.3, 0.9):
+      lag_sum = sum((t - abs(d)) * psi ** abs(d) for d in range(-t + 1, t)) / t
+      np.testing.assert_allclose(_shared._zeta(jnp.float32(psi), "kron_series_2", t), lag_sum,
+                                 rtol=1e-5)
+  np.testing.assert_allclose(_shared._zeta(jnp.float32(0.5), "kron_series_1", 3), 3.0, rtol=1e-6)
+
+
+# -- manual tags and bad input --------------------------------------------------------------
+
+
+def _two_use_loss(tags: int, approx=None):
+  def loss_fn(p, b):
+    h = b["x"] @ p["w"]
+    if tags >= 1:
+      h = kfac_jax.register_dense(h, b["x"], p["w"], approx=approx)
+    y = jnp.tanh(h) @ p["w"]
+    if tags >= 2:
+      y = kfac_jax.register_dense(y, jnp.tanh(h), p["w"], approx=approx)
+    return _ce(y, b["y"])
+
+  params = {"w": jnp.eye(D)}
+  batch = {"x": jnp.ones((N, D)), "y": jnp.zeros((N,), jnp.int32)}
+  return loss_fn, params, batch
+
+
+def test_manual_tag_at_each_use_gives_one_multi_use_layer():
+  loss_fn, params, batch = _two_use_loss(2, approx="kron_series_1")
+  (layer,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert (layer.num_uses, layer.approx, layer.source) == (2, "kron_series_1", "manual")
+  # Without tags the scanner finds the same two uses by itself.
+  (auto,) = kfac_jax.scan_layers(*_two_use_loss(0), strict=True)
+  assert (auto.num_uses, auto.approx, auto.source) == (2, "kron_indep", "auto")
+
+
+def test_use_count_mismatch_names_the_parameter():
+  loss_fn, params, batch = _two_use_loss(1)
+  with pytest.raises(kfac_jax.RegistrationError,
+                     match=r"`w` is used 2 times .* registered with 1 register_dense"):
+    kfac_jax.scan_layers(loss_fn, params, batch)
+
+
+def test_series_approx_on_a_single_use_layer_is_refused():
+  def loss_fn(p, b):
+    y = kfac_jax.register_dense(b["x"] @ p["w"], b["x"], p["w"], approx="kron_series_2")
+    return _ce(y, b["y"])
+
+  _, params, batch = _two_use_loss(0)
+  with pytest.raises(kfac_jax.RegistrationError, match=r"'kron_series_2'.*\['w'\] is used once"):
+    kfac_jax.scan_layers(loss_fn, params, batch)
+
+
+def test_series_block_refuses_other_powers_and_eigen_damping():
+  spec = dataclasses.replace(_scan_spec(bias=True), approx="kron_series_1")
+  with pytest.raises(ValueError, match=r"only the powers -1 and 1.*exps=\(-0.5,\)"):
+    kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(exps=(-0.5,)))
+  with pytest.raises(ValueError, match="damping_mode='factored'"):
+    kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(damping_mode="eigen"))
+
+
+@pytest.mark.parametrize("approx", ["kron_series_1", "kron_series_2"])
+def test_rnn_with_series_tags_inside_the_scan_body_takes_a_descent_step(approx):
+  """register_dense inside a plain lax.scan body: one tag per unrolled step, one layer."""
+  kx, ky, kw, ku = jax.random.split(jax.random.key(4), 4)
+  params = {"w_in": 0.5 * jax.random.normal(kw, (D, 3)), "w_h": 0.5 * jax.random.normal(ku, (3, 3)),
+            "b": jnp.zeros(3), "w_out": jax.random.normal(kx, (3, V))}
+  batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, V)}
+
+  def loss_fn(p, b):
+    def step(h, x):
+      pre_h = kfac_jax.register_dense(h @ p["w_h"] + p["b"], h, p["w_h"], p["b"], approx=approx)
+      h = jnp.tanh(x @ p["w_in"] + pre_h)
+      return h, h
+    _, hs = jax.lax.scan(step, jnp.zeros((N, 3)), b["x"].transpose(1, 0, 2))
+    return _ce(hs.transpose(1, 0, 2) @ p["w_out"], b["y"])
+
+  layers = {l.param_paths: l for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True)}
+  rec = layers[("w_h", "b")]
+  assert (rec.num_uses, rec.approx, rec.source) == (L, approx, "manual")
+  assert layers[("w_in",)].num_uses == L and layers[("w_in",)].approx == "kron_indep"
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  assert inner < 0 and new_loss < loss
+
+
+def test_series_approx_on_uses_with_different_rows_is_refused():
+  def loss_fn(p, b):
+    h = kfac_jax.register_dense(b["x"] @ p["w"], b["x"], p["w"], approx="kron_series_1")
+    h2 = jnp.concatenate([h, h]).reshape(N, 2, D)  # The second use sees 2N rows.
+    y = kfac_jax.register_dense(h2 @ p["w"], h2, p["w"], approx="kron_series_1")
+    return _ce(y.sum(1), b["y"])
+
+  _, params, batch = _two_use_loss(0)
+  with pytest.raises(kfac_jax.RegistrationError, match=r"equal row counts.*rows \[3, 6\]"):
+    kfac_jax.scan_layers(loss_fn, params, batch)
+
+
+def test_tied_embedding_factors_match_the_definition(x64):
+  """Lookup term X_e ⊗ Y_e plus logits term X_d ⊗ Y_d, balanced, then mean(X) and sum(Y)."""
+  kt, ki, ky = jax.random.split(jax.random.key(5), 3)
+  params = {"t": jax.random.normal(kt, (V, D))}
+  batch = {"ids": jax.random.randint(ki, (N,), 0, V), "y": jax.random.randint(ky, (N,), 0, V)}
+
+  def model(p, ids, e_emb=0.0, e_out=0.0):
+    h = jnp.tanh(p["t"][ids] + e_emb)
+    return h, h @ p["t"].T + e_out
+
+  loss_fn = lambda p, b: _ce(model(p, b["ids"])[1], b["y"])
+  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
+  reg = _scanner.scan(loss_fn, params, batch)
+  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
+                                   num_samples=1, with_grads=False)
+  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  got = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], N)
+
+  ce = lambda e1, e2: N * optax.softmax_cross_entropy_with_integer_labels(
+      model(params, batch["ids"], e1, e2)[1], batch["y"]).mean()
+  g_emb, g_out = jax.grad(ce, argnums=(0, 1))(jnp.zeros((N, D)), jnp.zeros((N, V)))
+  h = model(params, batch["ids"])[0]
+  terms = [(jnp.zeros(V).at[batch["ids"]].add(1.0) / N, g_emb.T @ g_emb / N),
+           (jnp.sum(g_out ** 2, 0) / N, h.T @ h / N)]
+  xs, ys = [], []
+  for x, y in terms:
+    c = jnp.sqrt(jnp.trace(y) / D / jnp.mean(x))
+    xs.append(c * x)
+    ys.append(y / c)
+  np.testing.assert_allclose(got["a"], (xs[0] + xs[1]) / 2, rtol=1e-10)
+  np.testing.assert_allclose(got["g"], ys[0] + ys[1], rtol=1e-10)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
+  """The flat graph unrolls scans over parameters exactly, also reversed ones and scans whose
+  `xs` are stacked parameters (those stay generic: a slice is not a layer use)."""
+  kx, ky, kw, ks = jax.random.split(jax.random.key(6), 4)
+  params = {"w": 0.5 * jax.random.normal(kw, (D, D)), "stack": jax.random.normal(ks, (L, D))}
+  batch = {"x": jax.random.normal(kx, (L, N, D)), "y": jax.random.randint(ky, (N,), 0, D)}
+
+  def loss_fn(p, b):
+    def step(h, xs):
+      x, s = xs
+      h = jnp.tanh((h + x) @ p["w"]) * s
+      return h, h.sum()
+    h, ys = jax.lax.scan(step, jnp.zeros((N, D)), (b["x"], p["stack"]), reverse=reverse)
+    return _ce(h + ys.sum(), b["y"])
+
+  with pytest.warns(_scanner.UncoveredParametersWarning, match="`stack`"):
+    layers = {l.param_paths: l for l in kfac_jax.scan_layers(loss_fn, params, batch)}
+  assert layers[("w",)].num_uses == L and layers[("stack",)].source == "fallback"
+  loss, grads, _ = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
+  ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+  for k in params:
+    np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-10, atol=1e-12)
