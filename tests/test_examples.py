@@ -122,7 +122,22 @@ def test_transformer_lm_example_fast(tmp_path):
   stdout, output = _run_fast(os.path.join(_ROOT, "examples", "transformer_lm.py"), tmp_path,
                              "lm.png")
   assert "MultiHeadDotProductAttention_0/query" in stdout, output
+  # The tied table is one embedding layer used twice, not a generic fallback.
+  assert re.search(r"^params/Embed_0\s+embedding\s+2\s+kron_indep", stdout, re.M), output
+  assert "fallback" not in stdout, output
   for name in ("K-FAC", "Adam"):
     row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
     assert row is not None, output
     assert float(row.group(1)) < 4.2, output  # below the uniform log(vocab) ≈ 4.4: it learned
+
+
+def test_rnn_example_fast(tmp_path):
+  """examples/rnn.py: the recurrent kernel is one layer with T uses and a series block."""
+  stdout, output = _run_fast(os.path.join(_ROOT, "examples", "rnn.py"), tmp_path, "rnn.png")
+  assert re.search(r"^W_h\s+dense \(manual\)\s+8\s+kron_series_1", stdout, re.M), output
+  assert "fallback" not in stdout, output
+  # Below the uniform log(82) = 4.41 for K-FAC (6 steps suffice); Adam only has to stay sane.
+  for name, bound in (("K-FAC (series)", 4.2), ("K-FAC (indep)", 4.2), ("Adam", 4.6)):
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
+    assert row is not None, output
+    assert float(row.group(1)) < bound, output
