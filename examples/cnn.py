@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -30,6 +29,7 @@ import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
 from examples import autoencoder as ae  # noqa: E402
+from examples import common  # noqa: E402
 from examples import data as data_lib  # noqa: E402
 
 
@@ -53,42 +53,6 @@ def make_loss_fn(model):
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
   return loss_fn
-
-
-def run(name, tx, loss_fn, params, data, idx, seed, progress):
-  """Trains with `tx` on `data[idx[t]]`; returns (RunResult, params)."""
-  from tqdm.auto import tqdm
-
-  is_kfac = name.startswith("K-FAC")
-
-  def step(params, state, batch, rng):
-    if is_kfac:
-      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-      updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    else:
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  state = tx.init(params)
-  rng = jax.random.key(seed + 1)
-  first = {k: jnp.asarray(v[idx[0]]) for k, v in data.items()}
-  t0 = time.perf_counter()
-  compiled = jax.jit(step).lower(params, state, first, rng).compile()
-  compile_time = time.perf_counter() - t0
-  losses, times = [], []
-  for t in tqdm(range(len(idx)), desc=f"{name:>5}", disable=not progress, mininterval=0.5,
-                file=sys.stderr):
-    batch = {k: jax.device_put(v[idx[t]]) for k, v in data.items()}
-    rng, sub = jax.random.split(rng)
-    start = time.perf_counter()
-    params, state, loss = compiled(params, state, batch, sub)
-    jax.block_until_ready((params, loss))
-    times.append(time.perf_counter() - start)
-    losses.append(float(loss))
-  result = ae.RunResult(name=name, losses=np.asarray(losses), step_times=np.asarray(times),
-                        compile_time=compile_time, final_loss=float("nan"))
-  return result, params
 
 
 def evaluate(model, loss_fn, params, data) -> tuple[float, float]:
@@ -140,7 +104,9 @@ def main(argv=None) -> int:
   print("| optimizer | held-out loss | held-out accuracy | median step (ms) | compile (s) |")
   print("|---|---:|---:|---:|---:|")
   for name, tx in (("K-FAC", kfac_tx), ("Adam", optax.adam(args.adam_lr))):
-    r, final = run(name, tx, loss_fn, params, train, idx, args.seed, not args.no_progress)
+    r, final = common.train(name, tx, loss_fn, params,
+                            lambda t: {k: v[idx[t]] for k, v in train.items()}, args.steps,
+                            args.seed, not args.no_progress)
     loss, acc = evaluate(model, loss_fn, final, test)
     r.final_loss = loss
     results.append(r)

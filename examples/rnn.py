@@ -29,6 +29,7 @@ import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
 from examples import autoencoder as ae  # noqa: E402
+from examples import common  # noqa: E402
 from examples import transformer_lm as tlm  # noqa: E402
 
 
@@ -105,8 +106,9 @@ def main(argv=None) -> int:
     tx = (kfac_jax.kfac(loss_fn, example, learning_rate=args.kfac_lr, momentum=0.9,
                         damping=args.damping, inverse_every=10)
           if kind == "kfac" else optax.adam(args.adam_lr))
-    r, final = tlm.run(name, tx, loss_fn, params, ids, starts, length, args.seed,
-                       not args.no_progress)
+    r, final = common.train(name, tx, loss_fn, params,
+                            lambda i: tlm.windows(ids, starts[i], length), steps, args.seed,
+                            not args.no_progress, loss_scale=1 / length)
     r.final_loss = float(jax.jit(loss_fn)(final, jax.tree_util.tree_map(jnp.asarray, held)))
     r.final_loss /= length
     results.append(r)

@@ -20,7 +20,6 @@ import glob
 import os
 import sys
 import sysconfig
-import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -34,6 +33,7 @@ import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
 from examples import autoencoder as ae  # noqa: E402
+from examples import common  # noqa: E402
 
 
 def load_text(max_chars: int) -> tuple[str, str]:
@@ -101,40 +101,6 @@ def windows(ids: np.ndarray, starts: np.ndarray, length: int) -> dict[str, np.nd
   return {"x": w[:, :-1], "y": w[:, 1:]}
 
 
-def run(name, tx, loss_fn, params, ids, starts, length, seed, progress):
-  from tqdm.auto import tqdm
-
-  kfac = name.startswith("K-FAC")
-
-  def step(params, state, batch, rng):
-    if kfac:
-      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-      updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    else:
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  state = tx.init(params)
-  rng = jax.random.key(seed + 1)
-  first = jax.tree_util.tree_map(jnp.asarray, windows(ids, starts[0], length))
-  t0 = time.perf_counter()
-  compiled = jax.jit(step).lower(params, state, first, rng).compile()
-  compile_time = time.perf_counter() - t0
-  losses, times = [], []
-  for t in tqdm(range(len(starts)), desc=f"{name:>5}", disable=not progress, mininterval=0.5,
-                file=sys.stderr):
-    batch = jax.tree_util.tree_map(jnp.asarray, windows(ids, starts[t], length))
-    rng, sub = jax.random.split(rng)
-    t1 = time.perf_counter()
-    params, state, loss = compiled(params, state, batch, sub)
-    jax.block_until_ready((params, loss))
-    times.append(time.perf_counter() - t1)
-    losses.append(float(loss) / length)  # nats per character
-  return ae.RunResult(name, np.asarray(losses), np.asarray(times), compile_time,
-                      float("nan")), params
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -172,8 +138,9 @@ def main(argv=None) -> int:
   print("| optimizer | held-out loss (nats/char) | median step (ms) | compile (s) |")
   print("|---|---:|---:|---:|")
   for name, t in (("K-FAC", tx), ("Adam", optax.adam(args.adam_lr))):
-    r, final = run(name, t, loss_fn, params, ids, starts, length, args.seed,
-                   not args.no_progress)
+    r, final = common.train(name, t, loss_fn, params,
+                            lambda i: windows(ids, starts[i], length), steps, args.seed,
+                            not args.no_progress, loss_scale=1 / length)
     r.final_loss = float(jax.jit(loss_fn)(final, jax.tree_util.tree_map(jnp.asarray, held)))
     r.final_loss /= length
     results.append(r)
