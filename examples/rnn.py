@@ -82,18 +82,11 @@ def main(argv=None) -> int:
   steps = args.steps or (6 if args.fast else 150)
   length = 8 if args.fast else args.length
   hidden = 16 if args.fast else args.hidden
-  text, source = tlm.load_text(40_000 if args.fast else 400_000)
-  chars = sorted(set(text))
-  lookup = {c: i for i, c in enumerate(chars)}
-  ids = np.fromiter((lookup[c] for c in text), np.int32, len(text))
-  split = int(0.9 * len(ids))
-  rng = np.random.default_rng(args.seed)
-  starts = rng.integers(0, split - length - 1, size=(steps, args.batch_size))
-  held = tlm.windows(ids[split:], rng.integers(0, len(ids) - split - length - 1, size=256),
-                     length)
+  ids, chars, starts, held, about = tlm.char_data(args.fast, length, steps, args.batch_size,
+                                                 args.seed)
   params = init(jax.random.key(args.seed), len(chars), hidden)
   example = jax.tree_util.tree_map(jnp.asarray, tlm.windows(ids, starts[0], length))
-  print(f"data: {len(text):,} characters of {source}, vocabulary {len(chars)}")
+  print(about)
   series_loss = make_loss_fn("kron_series_1")
   print(kfac_jax.summary(series_loss, params, example))
   runs = [("K-FAC (series)", series_loss, "kfac"),

@@ -101,6 +101,23 @@ def windows(ids: np.ndarray, starts: np.ndarray, length: int) -> dict[str, np.nd
   return {"x": w[:, :-1], "y": w[:, 1:]}
 
 
+def char_data(fast: bool, length: int, steps: int, batch_size: int, seed: int):
+  """Character ids of the offline text, per-step window starts (first 90%) and a held-out batch.
+
+  Returns `(ids, chars, starts [steps, batch_size], held {"x", "y"}, description)`.
+  """
+  text, source = load_text(40_000 if fast else 400_000)
+  chars = sorted(set(text))
+  lookup = {c: i for i, c in enumerate(chars)}
+  ids = np.fromiter((lookup[c] for c in text), np.int32, len(text))
+  split = int(0.9 * len(ids))
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, split - length - 1, size=(steps, batch_size))
+  held = windows(ids[split:], rng.integers(0, len(ids) - split - length - 1, size=256), length)
+  return ids, chars, starts, held, (
+      f"data: {len(text):,} characters of {source}, vocabulary {len(chars)}")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -117,20 +134,14 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   steps = args.steps or (6 if args.fast else 150)
   length = 16 if args.fast else args.length
-  text, source = load_text(40_000 if args.fast else 400_000)
-  chars = sorted(set(text))
-  lookup = {c: i for i, c in enumerate(chars)}
-  ids = np.fromiter((lookup[c] for c in text), np.int32, len(text))
-  split = int(0.9 * len(ids))
-  rng = np.random.default_rng(args.seed)
-  starts = rng.integers(0, split - length - 1, size=(steps, args.batch_size))
-  held = windows(ids[split:], rng.integers(0, len(ids) - split - length - 1, size=256), length)
+  ids, chars, starts, held, about = char_data(args.fast, length, steps, args.batch_size,
+                                             args.seed)
   model = LM(vocab=len(chars), d=32 if args.fast else 64, layers=1 if args.fast else 2,
              length=length)
   params = model.init(jax.random.key(args.seed), jnp.zeros((1, length), jnp.int32))
   loss_fn = make_loss_fn(model)
   example = jax.tree_util.tree_map(jnp.asarray, windows(ids, starts[0], length))
-  print(f"data: {len(text):,} characters of {source}, vocabulary {len(chars)}")
+  print(about)
   print(kfac_jax.summary(loss_fn, params, example))
   tx = kfac_jax.kfac(loss_fn, example, learning_rate=args.kfac_lr, momentum=0.9,
                      damping=args.damping, inverse_every=10)

@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -67,3 +68,14 @@ def classification_batch(key, n=16, din=4, classes=3, dtype=jnp.float32):
 
 def to_dtype(tree, dtype):
   return jax.tree_util.tree_map(lambda p: p.astype(dtype), tree)
+
+
+def block_mask(est, params):
+  """Boolean [n, n] mask of the estimator's diagonal blocks, in `ravel_pytree(params)` order."""
+  sizes = [x.size for x in jax.tree_util.tree_leaves(params)]
+  off = np.concatenate([[0], np.cumsum(sizes)])
+  mask = np.zeros((off[-1], off[-1]), bool)
+  for b in est.blocks:
+    idx = np.concatenate([np.arange(off[j], off[j + 1]) for j in b.spec.leaf_indices])
+    mask[np.ix_(idx, idx)] = True
+  return mask

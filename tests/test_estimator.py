@@ -18,16 +18,6 @@ def _linen_setup(n=1, dtype=jnp.float64, sizes=(5, 3), din=4):
   return model, _models.softmax_loss(model.apply), params, batch
 
 
-def _block_mask(est, params):
-  sizes = [x.size for x in jax.tree_util.tree_leaves(params)]
-  off = np.concatenate([[0], np.cumsum(sizes)])
-  mask = np.zeros((off[-1], off[-1]), bool)
-  for b in est.blocks:
-    idx = np.concatenate([np.arange(off[j], off[j + 1]) for j in b.spec.leaf_indices])
-    mask[np.ix_(idx, idx)] = True
-  return mask
-
-
 def _update(est, params, batch, rng=None, ema_decay=0.0, state=None):
   state = est.init(params) if state is None else state
   return jax.jit(lambda s: est.update_curvature(s, params, batch, rng, ema_decay))(state)
@@ -38,7 +28,7 @@ def test_batch_of_one_empirical_equals_gradient_outer_product(x64):
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
   dense = est.to_dense(_update(est, params, batch))
   g = ravel_pytree(jax.grad(loss_fn)(params, batch))[0]
-  mask = _block_mask(est, params)
+  mask = _models.block_mask(est, params)
   exact = np.outer(g, g)
   rel = np.abs(np.asarray(dense) - exact * mask).max() / np.abs(exact).max()
   assert rel < 1e-10
@@ -74,7 +64,7 @@ def test_batch_of_one_empirical_other_losses(x64, loss):
   g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
   # The empirical Fisher of a weighted loss w·ℓ is w ∇ℓ ∇ℓᵀ = (∇(wℓ))(∇(wℓ))ᵀ / w.
   exact = np.outer(g, g) / (w if loss == "weighted_softmax" else 1.0)
-  mask = _block_mask(est, params)
+  mask = _models.block_mask(est, params)
   np.testing.assert_allclose(dense, exact * mask, rtol=1e-10, atol=1e-12 * np.abs(exact).max())
 
 

@@ -51,16 +51,6 @@ def _setup(kind, model, n=1):
   return loss_fn, params, batch
 
 
-def _block_mask(est, params):
-  sizes = [x.size for x in jax.tree_util.tree_leaves(params)]
-  off = np.concatenate([[0], np.cumsum(sizes)])
-  mask = np.zeros((off[-1], off[-1]), bool)
-  for b in est.blocks:
-    idx = np.concatenate([np.arange(off[j], off[j + 1]) for j in b.spec.leaf_indices])
-    mask[np.ix_(idx, idx)] = True
-  return mask
-
-
 def _dense(loss_fn, params, batch, mode, rng=None, num_samples=1):
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode, num_samples=num_samples)
   state = est.init(params)
@@ -93,7 +83,7 @@ def test_batch_of_one_matches_jacobian_reference(x64, model, kind, mode):
     out = np.asarray(jax.hessian(loss_in_z)(z)).reshape(z.size, z.size)
   reference = jac.T @ out @ jac
   est, dense = _dense(loss_fn, params, batch, mode)
-  mask = _block_mask(est, params)
+  mask = _models.block_mask(est, params)
   assert len(est.blocks) == (1 if model == "linear" else 2)
   assert [b.spec.kind for b in est.blocks] == ["dense"] * len(est.blocks)
   expected = reference * mask
@@ -210,7 +200,7 @@ def test_exact_with_two_loss_tags(x64):
   jac = jac.reshape(z.size, -1)
   hess = np.asarray(jax.hessian(lambda zz: heads(zz, batch))(z)).reshape(z.size, z.size)
   est, dense = _dense(loss_fn, params, batch, "exact")
-  expected = jac.T @ hess @ jac * _block_mask(est, params)
+  expected = jac.T @ hess @ jac * _models.block_mask(est, params)
   assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) < 1e-10
 
 
@@ -276,7 +266,7 @@ def test_exact_generic_full_block_batch_of_one(x64, kind):
   hess = np.asarray(jax.hessian(lambda zz: _tagged(kind, zz, batch))(z)).reshape(z.size, -1)
   est, dense = _dense(loss_fn, params, batch, "exact")
   assert sorted(blk.spec.kind for blk in est.blocks) == ["dense", "generic"]
-  expected = jac.T @ hess @ jac * _block_mask(est, params)
+  expected = jac.T @ hess @ jac * _models.block_mask(est, params)
   assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) < 1e-10
 
 
