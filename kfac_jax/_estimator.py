@@ -83,7 +83,31 @@ def _all_finite(tree) -> Array:
   leaves = jax.tree_util.tree_leaves(tree)
   if not leaves:
     return jnp.asarray(True)
-  return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x)) for x in leaves]))
+  return jnp.all(jnp.stack([
+      jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))) for x in leaves]))
+
+
+_STATS_DTYPES = ("bfloat16", "float16", "float32", "float64")
+_INVERSE_DTYPES = ("float32", "float64")
+
+
+def resolve_dtype(value, name: str) -> Any:
+  """`stats_dtype` / `inverse_dtype` as a numpy dtype: None → float32 (float64 under x64)."""
+  allowed = _STATS_DTYPES if name.endswith("stats_dtype") else _INVERSE_DTYPES
+  if value is None:
+    return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.name not in allowed:
+    raise ValueError(f"`{name}` must be one of {', '.join(allowed)} (or None for the default), "
+                     f"got {value!r}.")
+  if dtype == np.float64 and not jax.config.jax_enable_x64:
+    raise ValueError(f"`{name}`=float64 needs 64-bit JAX: set "
+                     "`jax.config.update('jax_enable_x64', True)` before creating arrays, or "
+                     "use float32.")
+  return dtype
 
 
 def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
@@ -125,6 +149,13 @@ class CurvatureEstimator:
       (`CurvatureStats.params_stats`, TF K-FAC's `params_stats`).
     layers: a `kfac_jax.LayerConfig` choosing approximations per layer kind, per parameter-path
       pattern, and linked parameter groups (None: the defaults).
+    stats_dtype: dtype the factors (moving averages of the statistics) are stored in: None
+      (float32; float64 under x64), "float32", "float64", or "bfloat16" / "float16" to halve
+      their memory. Batch statistics are always accumulated in at least float32, whatever the
+      model's dtype, and cast to `stats_dtype` when they enter the moving average.
+    inverse_dtype: dtype of the inverses / decompositions and of the products with them: None
+      (float32; float64 under x64), "float32" or "float64". Preconditioned vectors come back in
+      the dtype they came in (a bfloat16 model gets bfloat16 updates).
 
   Example:
     >>> est = kfac_jax.CurvatureEstimator(loss_fn, batch)
@@ -140,7 +171,8 @@ class CurvatureEstimator:
                damping_mode: _blocks.DampingMode = "factored", compute_cholesky: bool = False,
                compute_cholesky_inverse: bool = False, strict: bool = False,
                compute_params_stats: bool = False,
-               layers: _layer_config.LayerConfig | None = None):
+               layers: _layer_config.LayerConfig | None = None,
+               stats_dtype: Any = None, inverse_dtype: Any = None):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
     _curvature.check_mode(estimation_mode, num_samples)
@@ -157,10 +189,11 @@ class CurvatureEstimator:
     self.strict = strict
     self.compute_params_stats = compute_params_stats
     self.layer_config = _layer_config.check(layers)
-    dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
     self.config = _blocks.BlockConfig(
         exps=exps, damping_mode=damping_mode, cholesky=compute_cholesky,
-        cholesky_inverse=compute_cholesky_inverse, dtype=dtype)
+        cholesky_inverse=compute_cholesky_inverse,
+        stats_dtype=resolve_dtype(stats_dtype, "stats_dtype"),
+        inverse_dtype=resolve_dtype(inverse_dtype, "inverse_dtype"))
     self._layers: tuple[_scanner.LayerSpec, ...] | None = None
     self._blocks: tuple[_blocks.Block, ...] = ()
     self._names: tuple[str, ...] = ()
@@ -217,7 +250,7 @@ class CurvatureEstimator:
     return EstimatorState(
         factors={n: b.init_factors() for n, b in zip(self._names, self._blocks)},
         cache={n: b.init_cache() for n, b in zip(self._names, self._blocks)},
-        ema_weight=jnp.zeros((), self.config.dtype),
+        ema_weight=jnp.zeros((), self.config.accum_dtype),
         skipped_batches=jnp.zeros((), jnp.int32),
         failed_inverses=jnp.zeros((), jnp.int32))
 
@@ -261,13 +294,20 @@ class CurvatureEstimator:
     """
     check_unit_interval(ema_decay, "ema_decay")
     new = self.batch_factors(stats, axis_name)
-    dtype = self.config.dtype
-    decay = jnp.asarray(ema_decay, dtype)
+    acc = self.config.accum_dtype
+    decay = jnp.asarray(ema_decay, acc)
     weight = decay * state.ema_weight + 1
-    factors = jax.tree_util.tree_map(lambda old, b: old + (b - old) / weight, state.factors, new)
+
+    def average(old, b):  # In at least float32, stored in stats_dtype.
+      old_acc = old.astype(acc)
+      return (old_acc + (b.astype(acc) - old_acc) / weight).astype(old.dtype)
+
+    factors = jax.tree_util.tree_map(average, state.factors, new)
     # A select on the scalar flag (`lax.cond`) rather than an elementwise `where` over every
     # factor: same result, half the XLA compile time of this function.
-    ok = _all_finite(new)
+    # Tested after the cast to `stats_dtype`, so a statistic that overflows it (float16) is
+    # skipped too; the old factors are finite, so this tests the batch.
+    ok = _all_finite(factors)
     factors, weight = jax.lax.cond(ok, lambda: (factors, weight),
                                    lambda: (state.factors, state.ema_weight))
     return state._replace(factors=factors, ema_weight=weight,
@@ -297,7 +337,7 @@ class CurvatureEstimator:
     check_damping(damping)
     if axis_name is not None and mesh is not None:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
-    damping = jnp.asarray(damping, self.config.dtype)
+    damping = jnp.asarray(damping, self.config.inverse_dtype)
     if axis_name is None and mesh is None:
       new = self._compute_caches(range(len(self.blocks)), state.factors, damping)
     else:
@@ -323,6 +363,7 @@ class CurvatureEstimator:
 
   def _compute_caches(self, indices, factors, damping) -> dict[str, dict[str, Array]]:
     """Caches of the given blocks; blocks of one group (equal shapes) share one vmapped call."""
+    factors = self._in_inverse_dtype(factors)
     groups: dict[tuple, list[int]] = {}
     for i in indices:
       groups.setdefault(self._blocks[i].group_key(), []).append(i)
@@ -341,6 +382,11 @@ class CurvatureEstimator:
 
   # -- products --------------------------------------------------------------------------------
 
+  def _in_inverse_dtype(self, factors):
+    """Factors cast to `inverse_dtype` (no-op when the two dtypes agree)."""
+    dtype = self.config.inverse_dtype
+    return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), factors)
+
   def _apply(self, state: EstimatorState, vector, fn) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(vector)
     paths = _scanner.param_paths(vector)
@@ -354,7 +400,7 @@ class CurvatureEstimator:
     out = list(leaves)
     for n, b in zip(self._names, self._blocks):
       vecs = [leaves[j] for j in b.spec.leaf_indices]
-      res = fn(b, state.factors[n], state.cache[n], vecs)
+      res = fn(b, self._in_inverse_dtype(state.factors[n]), state.cache[n], vecs)
       for j, r in zip(b.spec.leaf_indices, res):
         out[j] = r
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -391,7 +437,7 @@ class CurvatureEstimator:
     sizes = [int(np.prod(s)) for s, _ in self._param_sig[1]]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])
-    out = jnp.zeros((total, total), self.config.dtype)
+    out = jnp.zeros((total, total), self.config.inverse_dtype)
     for n, b in zip(self._names, self._blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
       out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n]))

@@ -107,6 +107,10 @@ class OptimizerConfig:
     strict: raise, instead of warning, for parameters outside every recognised layer.
     layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
       pattern, and linked parameter groups (None: the defaults).
+    stats_dtype: dtype of the stored curvature statistics (see `CurvatureEstimator`): None
+      (float32; float64 under x64), "float32", "float64", "bfloat16" or "float16".
+    inverse_dtype: dtype of the inverses, the quadratic model and the damping: None (float32;
+      float64 under x64), "float32" or "float64".
   """
   ema_decay: float = 0.95
   estimation_mode: _curvature.EstimationMode = "gradients"
@@ -120,9 +124,13 @@ class OptimizerConfig:
   weight_decay: float = 0.0
   strict: bool = False
   layers: _layer_config.LayerConfig | None = None
+  stats_dtype: Any = None
+  inverse_dtype: Any = None
 
   def __post_init__(self):
     _layer_config.check(self.layers)
+    _estimator.resolve_dtype(self.stats_dtype, "config.stats_dtype")
+    _estimator.resolve_dtype(self.inverse_dtype, "config.inverse_dtype")
     _check_number(self.ema_decay, "config.ema_decay", high=1.0, high_open=True)
     _curvature.check_mode(self.estimation_mode, self.num_samples)
     if self.damping_mode not in ("factored", "eigen"):
@@ -345,7 +353,7 @@ class Optimizer:
     self.estimator = _estimator.CurvatureEstimator(
         loss_fn, example_batch, estimation_mode=config.estimation_mode, exps=(-1,),
         num_samples=config.num_samples, damping_mode=config.damping_mode, strict=config.strict,
-        layers=config.layers)
+        layers=config.layers, stats_dtype=config.stats_dtype, inverse_dtype=config.inverse_dtype)
 
   # -- state -----------------------------------------------------------------------------------
 
@@ -356,7 +364,7 @@ class Optimizer:
     """
     del rng
     curvature = self.estimator.init(params)
-    dtype = self.estimator.config.dtype
+    dtype = self.estimator.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(
         step=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32), curvature=curvature,
@@ -396,7 +404,7 @@ class Optimizer:
     stacked = [jnp.stack(xs) for xs in zip(*vecs)]
     jv = jax.vmap(jvp_fn)(stacked)  # per loss: [k, *prediction.shape]
     k = len(vecs)
-    dtype = self.estimator.config.dtype
+    dtype = self.estimator.config.inverse_dtype
     c = jnp.zeros((k, k), dtype)
     for spec, z, o, u in zip(reg.losses, preds, others, jv):
       hu = jax.vmap(lambda v, spec=spec, z=z, o=o: _losses.output_curvature_product(
@@ -415,7 +423,7 @@ class Optimizer:
     est._check_layers(reg.layers)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
-    sdtype = est.config.dtype
+    sdtype = est.config.inverse_dtype
     eta = self.l2_reg
     k = state.step
     k_run = k - cfg.burn_in_steps  # Steps after burn-in (negative during it).
@@ -564,7 +572,7 @@ class Optimizer:
 
     def init_fn(params):
       opt_state = self.init(params)
-      dtype = self.estimator.config.dtype
+      dtype = self.estimator.config.inverse_dtype
       info = {k: jnp.zeros([], dtype) for k in _INFO_KEYS}
       info["loss"] = jnp.zeros([], jnp.result_type(float))
       info["skipped"] = jnp.zeros([], bool)

@@ -56,6 +56,8 @@ def scale_by_kfac(
     inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
     strict: bool = False,
     layers: _layer_config.LayerConfig | None = None,
+    stats_dtype: Any = None,
+    inverse_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
 
@@ -86,6 +88,11 @@ def scale_by_kfac(
     strict: error instead of warning for parameters outside every recognised layer.
     layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
       pattern, and linked parameter groups (None: the defaults).
+    stats_dtype: dtype of the stored statistics: None (float32, float64 under x64), "float32",
+      "float64", "bfloat16" or "float16". Statistics are accumulated in at least float32.
+    inverse_dtype: dtype of the inverses and of the preconditioning products: None (float32,
+      float64 under x64), "float32" or "float64". The updates come back in the parameters'
+      dtype, so a bfloat16 model gets bfloat16 updates from float32 curvature.
 
   With `optax.inject_hyperparams`, declare the non-numeric arguments static (optax treats any
   callable as a schedule): `optax.inject_hyperparams(kfac_jax.scale_by_kfac,
@@ -128,7 +135,8 @@ def scale_by_kfac(
           f"mesh's axes, got {inverse_mesh!r}.")
   est = _estimator.CurvatureEstimator(
       loss_fn, example_batch, estimation_mode=estimation_mode, exps=(-1,),
-      num_samples=num_samples, damping_mode=damping_mode, strict=strict, layers=layers)
+      num_samples=num_samples, damping_mode=damping_mode, strict=strict, layers=layers,
+      stats_dtype=stats_dtype, inverse_dtype=inverse_dtype)
 
   def init_fn(params) -> ScaleByKfacState:
     return ScaleByKfacState(count=jnp.zeros([], jnp.int32), curvature=est.init(params))

@@ -93,3 +93,103 @@ def test_bfloat16_training_tracks_the_float32_run():
   assert f32[-1] < 0.5 * f32[0]
   assert np.all(np.isfinite(bf16))
   assert abs(bf16[-1] - f32[-1]) < 0.05 + 0.1 * f32[-1], (f32[-1], bf16[-1])
+
+
+def _leaf_dtypes(tree):
+  return {x.dtype for x in jax.tree_util.tree_leaves(tree)}
+
+
+def _one_update(loss_fn, params, batch, **kwargs):
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, ema_decay=0.5, **kwargs)
+  state = tx.init(params)
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  step = jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st))
+  for _ in range(2):  # The second update uses the inverses of the first's statistics.
+    updates, state = step(grads, state, params, stats)
+  return updates, state
+
+
+def test_bfloat16_statistics_store_half_the_bytes_and_track_float32():
+  params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (8, 16, 4)), jnp.bfloat16)
+  data = _models.classification_batch(jax.random.key(1), n=64, din=8, classes=4)
+  batch = {"x": data["x"].astype(jnp.bfloat16), "y": data["y"]}
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+  ref_updates, ref = _one_update(loss_fn, params, batch)
+  updates, state = _one_update(loss_fn, params, batch, stats_dtype="bfloat16")
+  curv = state.curvature
+  assert _leaf_dtypes(curv.factors) == {jnp.dtype(jnp.bfloat16)}
+  assert _leaf_dtypes(curv.cache) == {jnp.dtype(jnp.float32)}
+  assert curv.ema_weight.dtype == jnp.float32  # The average's weight stays exact.
+  assert _leaf_dtypes(updates) == {jnp.dtype(jnp.bfloat16)}
+  nbytes = lambda t: sum(x.nbytes for x in jax.tree_util.tree_leaves(t))  # noqa: E731
+  assert nbytes(curv.factors) * 2 == nbytes(ref.curvature.factors)
+  for a, b in zip(jax.tree_util.tree_leaves(curv.factors),
+                  jax.tree_util.tree_leaves(ref.curvature.factors)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=1e-2, atol=1e-3)
+  for u, r in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(ref_updates)):
+    u, r = np.asarray(u, np.float32), np.asarray(r, np.float32)
+    assert np.linalg.norm(u - r) < 0.05 * np.linalg.norm(r)
+
+
+def test_float16_statistics_that_overflow_skip_the_batch():
+  params = _models.jnp_mlp_init(jax.random.key(0), (6, 8, 3))
+  batch = _models.classification_batch(jax.random.key(1), n=16, din=6, classes=3)
+  loss_fn = _models.softmax_loss(_relu_mlp)
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, stats_dtype="float16")
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, b, k: tx.update(jax.grad(loss_fn)(p, b), s, p, batch=b, rng=k))
+  _, state = step(params, state, batch, jax.random.key(0))
+  assert int(state.curvature.skipped_batches) == 0
+  # Inputs at 1e3 give second moments ~1e6, beyond float16's largest value (65504).
+  _, after = step(params, state, {"x": 1e3 * batch["x"], "y": batch["y"]}, jax.random.key(1))
+  assert int(after.curvature.skipped_batches) == 1
+  for a, b in zip(jax.tree_util.tree_leaves(after.curvature.factors),
+                  jax.tree_util.tree_leaves(state.curvature.factors)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_float64_inverses_of_float32_statistics(x64):
+  params = _models.jnp_mlp_init(jax.random.key(0), (6, 8, 3))  # float32 under x64 too.
+  params = _models.to_dtype(params, jnp.float32)
+  data = _models.classification_batch(jax.random.key(1), n=16, din=6, classes=3)
+  batch = {"x": data["x"].astype(jnp.float32), "y": data["y"]}
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+  updates, state = _one_update(loss_fn, params, batch, stats_dtype="float32",
+                               inverse_dtype="float64")
+  assert _leaf_dtypes(state.curvature.factors) == {jnp.dtype(jnp.float32)}
+  assert _leaf_dtypes(state.curvature.cache) == {jnp.dtype(jnp.float64)}
+  assert _leaf_dtypes(updates) == {jnp.dtype(jnp.float32)}
+  ref_updates, _ = _one_update(loss_fn, params, batch)  # float64 everything under x64.
+  for u, r in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(ref_updates)):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(r, np.float32), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"stats_dtype": "int32"}, "`stats_dtype` must be one of bfloat16, float16, float32"),
+    ({"stats_dtype": "complex64"}, "`stats_dtype` must be one of"),
+    ({"inverse_dtype": "bfloat16"}, "`inverse_dtype` must be one of float32, float64"),
+    ({"inverse_dtype": "float8"}, "`inverse_dtype` must be one of"),
+    ({"inverse_dtype": "float64"}, "`inverse_dtype`=float64 needs 64-bit JAX"),
+])
+def test_bad_dtype_arguments_name_the_argument(kwargs, match):
+  if jax.config.jax_enable_x64:
+    pytest.skip("the float64 case needs x64 off")
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+  batch = _models.classification_batch(jax.random.key(1), n=4, din=6, classes=3)
+  with pytest.raises(ValueError, match=match):
+    kfac_jax.scale_by_kfac(loss_fn, batch, **kwargs)
+  with pytest.raises(ValueError, match=match.replace("`", "`config.", 1)):
+    kfac_jax.OptimizerConfig(**kwargs)
+
+
+def test_optimizer_keeps_statistics_in_the_configured_dtype():
+  params = _models.jnp_mlp_init(jax.random.key(0), (6, 8, 3))
+  batch = _models.classification_batch(jax.random.key(1), n=16, din=6, classes=3)
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+  opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.OptimizerConfig(
+      stats_dtype="bfloat16"), inverse_every=1)
+  state = opt.init(params)
+  new_params, state, info = jax.jit(opt.step)(params, state, batch, jax.random.key(0))
+  assert _leaf_dtypes(state.curvature.factors) == {jnp.dtype(jnp.bfloat16)}
+  assert _leaf_dtypes(state.curvature.cache) == {jnp.dtype(jnp.float32)}
+  assert not bool(info["skipped"]) and _finite(new_params)

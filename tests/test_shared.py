@@ -17,6 +17,10 @@ from kfac_jax.blocks import _shared
 V, D, N, L = 7, 4, 3, 3
 
 
+def _f64_config(**kwargs):
+  return kfac_jax.blocks.BlockConfig(stats_dtype=jnp.float64, inverse_dtype=jnp.float64, **kwargs)
+
+
 def _ce(logits, y):
   kfac_jax.register_softmax_cross_entropy_loss(logits, y)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
@@ -161,7 +165,7 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
   reg = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
                                    num_samples=1, with_grads=False)
-  block = kfac_jax.blocks.make_block(layer, kfac_jax.blocks.BlockConfig(dtype=jnp.float64))
+  block = kfac_jax.blocks.make_block(layer, _f64_config())
   got = block.batch_factors(stats.data[0], N)
   # Reference: inputs and per-example output gradients from jax.grad of the summed loss.
   h1 = model(params, x)[0]
@@ -189,7 +193,7 @@ def _single_use_dense():
 
 def test_kron_indep_on_a_single_use_equals_the_single_use_block(x64):
   spec, data, *_ = _single_use_dense()
-  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  config = _f64_config()
   single = kfac_jax.blocks.make_block(spec, config).batch_factors(data, N)
   one_use = dataclasses.replace(spec, approx="kron_indep", num_uses=1, use_infos=(spec.info,))
   indep = _shared.indep_factors(one_use, (data,), N, jnp.float64)
@@ -210,7 +214,7 @@ def test_expand_and_reduce_match_their_definitions(x64):
   g = jax.grad(lambda s: optax.softmax_cross_entropy_with_integer_labels(
       s, batch["y"]).sum())(logits)
   xb = jnp.concatenate([x, jnp.ones((N, L, 1))], -1)
-  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  config = _f64_config()
   expand = kfac_jax.blocks.make_block(dataclasses.replace(spec, approx="expand"), config)
   reduce = kfac_jax.blocks.make_block(dataclasses.replace(spec, approx="reduce"), config)
   fe, fr = expand.batch_factors(data, N), reduce.batch_factors(data, N)
@@ -263,7 +267,7 @@ def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
   base = dataclasses.replace(_scan_spec(bias=False), use_infos=(
       dataclasses.replace(_scan_spec(False).info, rows=N * 4, x_perm=(0, 1),
                           out_perm=(0, 1)),) * L)
-  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64, cholesky=True, cholesky_inverse=True)
+  config = _f64_config(cholesky=True, cholesky_inverse=True)
   indep = kfac_jax.blocks.make_block(base, config)
   series = kfac_jax.blocks.make_block(dataclasses.replace(base, approx=approx), config)
   assert isinstance(series, kfac_jax.blocks.SeriesKroneckerBlock)
@@ -406,7 +410,7 @@ def test_tied_embedding_factors_match_the_definition(x64):
   reg = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
                                    num_samples=1, with_grads=False)
-  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  config = _f64_config()
   got = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], N)
 
   ce = lambda e1, e2: N * optax.softmax_cross_entropy_with_integer_labels(

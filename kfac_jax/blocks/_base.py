@@ -40,13 +40,24 @@ class BlockConfig:
       "eigen" (exact `A ⊗ G + λ I` through eigen-decompositions of the factors).
     cholesky: also cache Cholesky factors (for `multiply_cholesky`).
     cholesky_inverse: also cache inverse Cholesky factors.
-    dtype: dtype of factors and inverses (float32, or float64 with x64 on).
+    stats_dtype: dtype in which batch statistics are computed and the factors (their moving
+      averages) are stored: float32 by default, float64 under x64, or bfloat16 / float16 to
+      halve the factors' memory.
+    inverse_dtype: dtype of everything `update_inverses` derives (powers, eigen-decompositions,
+      Cholesky factors, the damping) and of the products: float32 or float64. Factors are cast
+      to it before they are factorised.
   """
   exps: tuple[float, ...] = (-1.0,)
   damping_mode: DampingMode = "factored"
   cholesky: bool = False
   cholesky_inverse: bool = False
-  dtype: Any = jnp.float32
+  stats_dtype: Any = jnp.float32
+  inverse_dtype: Any = jnp.float32
+
+  @property
+  def accum_dtype(self):
+    """The dtype batch statistics are accumulated in: `stats_dtype`, at least float32."""
+    return jnp.promote_types(self.stats_dtype, jnp.float32)
 
 
 class Block(abc.ABC):
@@ -113,7 +124,8 @@ class Block(abc.ABC):
         off += size
       return jnp.concatenate([v.ravel() for v in self.multiply_undamped(factors, vecs)])
 
-    return jax.vmap(column, out_axes=1)(jnp.eye(n, dtype=self.config.dtype))
+    factors = jax.tree_util.tree_map(lambda x: x.astype(self.config.inverse_dtype), factors)
+    return jax.vmap(column, out_axes=1)(jnp.eye(n, dtype=self.config.inverse_dtype))
 
   def state_bytes(self) -> int:
     shapes = jax.eval_shape(lambda: (self.init_factors(), self.init_cache()))

@@ -63,17 +63,17 @@ class DiagonalBlock(Block):
     return self.spec.factor_shapes[0][0]
 
   def init_factors(self):
-    return {"diag": jnp.zeros((self._n(),), self.config.dtype)}
+    return {"diag": jnp.zeros((self._n(),), self.config.stats_dtype)}
 
   def batch_factors(self, data, batch_size):
-    h, c = _gradient_rows(self.spec, data, batch_size, self.config.dtype)
+    h, c = _gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
     return {"diag": jnp.sum(h * h, axis=0) / c}
 
   def init_cache(self):
-    return {"damping": jnp.zeros((), self.config.dtype)}
+    return {"damping": jnp.zeros((), self.config.inverse_dtype)}
 
   def compute_cache(self, factors, damping):
-    return {"damping": jnp.asarray(damping, self.config.dtype)}
+    return {"damping": jnp.asarray(damping, self.config.inverse_dtype)}
 
   def _damped(self, factors, cache):
     return factors["diag"] + cache["damping"]
@@ -101,10 +101,10 @@ class FullBlock(Block):
 
   def init_factors(self):
     n = self._n()
-    return {"f": jnp.zeros((n, n), self.config.dtype)}
+    return {"f": jnp.zeros((n, n), self.config.stats_dtype)}
 
   def batch_factors(self, data, batch_size):
-    h, c = _gradient_rows(self.spec, data, batch_size, self.config.dtype)
+    h, c = _gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
     return {"f": h.T @ h / c}
 
   def _cache_keys(self):
@@ -116,14 +116,14 @@ class FullBlock(Block):
     return keys
 
   def init_cache(self):
-    eye = jnp.eye(self._n(), dtype=self.config.dtype)
+    eye = jnp.eye(self._n(), dtype=self.config.inverse_dtype)
     cache = {k: eye for k in self._cache_keys()}
-    cache["damping"] = jnp.zeros((), self.config.dtype)
+    cache["damping"] = jnp.zeros((), self.config.inverse_dtype)
     return cache
 
   def compute_cache(self, factors, damping):
-    damping = jnp.asarray(damping, self.config.dtype)
-    m = factors["f"] + damping * jnp.eye(self._n(), dtype=self.config.dtype)
+    damping = jnp.asarray(damping, self.config.inverse_dtype)
+    m = factors["f"] + damping * jnp.eye(self._n(), dtype=self.config.inverse_dtype)
     cache = {f"pow{e:g}": _linalg.spd_power(m, e) for e in self.config.exps if e != 1}
     if self.config.cholesky or self.config.cholesky_inverse:
       chol = _linalg.cholesky(m)
@@ -136,7 +136,7 @@ class FullBlock(Block):
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
-    v = _flat(vecs, self.config.dtype)
+    v = _flat(vecs, self.config.inverse_dtype)
     if exp == 1:
       out = factors["f"] @ v + cache["damping"] * v
     else:

@@ -142,7 +142,7 @@ class KroneckerBlock(Block):
     return jax.vmap(fn)(*args) if self._grouped else fn(*args)
 
   def _to_matrix(self, vecs) -> Array:
-    m = self.layout.to_matrix(vecs, self.config.dtype)
+    m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
     return m if self._grouped else m[0]
 
   def _from_matrix(self, m: Array, like) -> list[Array]:
@@ -153,10 +153,11 @@ class KroneckerBlock(Block):
 
   def init_factors(self):
     sa, sg = self.spec.factor_shapes
-    return {"a": jnp.zeros(sa, self.config.dtype), "g": jnp.zeros(sg, self.config.dtype)}
+    dtype = self.config.stats_dtype
+    return {"a": jnp.zeros(sa, dtype), "g": jnp.zeros(sg, dtype)}
 
   def batch_factors(self, data, batch_size):
-    dtype = self.config.dtype
+    dtype = self.config.accum_dtype
     if self.spec.num_uses > 1:
       return _shared.indep_factors(self.spec, data, batch_size, dtype)
     x, g = self.layout.rows(data, dtype)
@@ -201,12 +202,13 @@ class KroneckerBlock(Block):
     for k, shape in self._cache_shapes().items():
       # Eigenvalues, and every entry of a diagonal factor, are vectors of ones.
       evals = k.endswith("_evals")
-      cache[k] = jnp.ones(shape, self.config.dtype) if evals else _identity(shape, self.config.dtype)
-    cache["damping"] = jnp.zeros((), self.config.dtype)
+      dtype = self.config.inverse_dtype
+      cache[k] = jnp.ones(shape, dtype) if evals else _identity(shape, dtype)
+    cache["damping"] = jnp.zeros((), self.config.inverse_dtype)
     return cache
 
   def compute_cache(self, factors, damping):
-    damping = jnp.asarray(damping, self.config.dtype)
+    damping = jnp.asarray(damping, self.config.inverse_dtype)
     config = self.config
 
     def one(a, g):

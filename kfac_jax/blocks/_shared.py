@@ -149,12 +149,12 @@ class SeriesKroneckerBlock(Block):
 
   def init_factors(self):
     sa, sg = self.spec.factor_shapes
-    z = self.config.dtype
+    z = self.config.stats_dtype
     return {"a": jnp.zeros(sa, z), "g": jnp.zeros(sg, z), "a1": jnp.zeros(sa, z),
             "g1": jnp.zeros(sg, z)}
 
   def batch_factors(self, data, batch_size):
-    dtype = self.config.dtype
+    dtype = self.config.accum_dtype
     xs, gs = [], []
     for (layout, _), d in zip(self.layouts, data):
       x, g = layout.rows(d, dtype)
@@ -183,19 +183,19 @@ class SeriesKroneckerBlock(Block):
 
   def init_cache(self):
     sa, sg = self.spec.factor_shapes
-    eye_a, eye_g = jnp.eye(sa[0], dtype=self.config.dtype), jnp.eye(sg[0], dtype=self.config.dtype)
+    dtype = self.config.inverse_dtype
+    eye_a, eye_g = jnp.eye(sa[0], dtype=dtype), jnp.eye(sg[0], dtype=dtype)
     return {"qa": eye_a, "pa": eye_a, "qg": eye_g, "pg": eye_g,
-            "zeta": jnp.ones((sa[0], sg[0]), self.config.dtype),
-            "damping": jnp.zeros((), self.config.dtype)}
+            "zeta": jnp.ones((sa[0], sg[0]), dtype), "damping": jnp.zeros((), dtype)}
 
   def compute_cache(self, factors, damping):
-    damping = jnp.asarray(damping, self.config.dtype)
+    damping = jnp.asarray(damping, self.config.inverse_dtype)
     cache = self._parts(factors, damping)
     cache["damping"] = damping
     return cache
 
   def _matrix(self, vecs):
-    return self.layout.to_matrix(vecs, self.config.dtype)[0]
+    return self.layout.to_matrix(vecs, self.config.inverse_dtype)[0]
 
   def _back(self, m, vecs):
     out = self.layout.from_matrix(m[None])
