@@ -71,7 +71,7 @@ def _mesh_size(mesh) -> int:
 
 def _check_buffers(lay: _parallel.PackedLayout, cache, per_device: bool, method: str) -> None:
   if not isinstance(cache, _parallel.ShardedCache):
-    raise ValueError(
+    raise TypeError(
         f"`{method}`: the state's cache is a {type(cache).__name__}, not the ShardedCache that "
         "inverse_storage='sharded' keeps; initialise the state with this estimator's `init`.")
   d = 1 if per_device else lay.num_devices
