@@ -440,3 +440,41 @@ def test_sharded_storage_orbax_round_trip_keeps_the_sharding(tmp_path, x64):
   grads = jax.grad(loss_fn)(params, batch)
   _assert_close(est.multiply_matpower(restored, grads, -1, mesh=mesh),
                 est.multiply_matpower(state, grads, -1, mesh=mesh))
+
+
+def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
+  """The full optimizer (adaptive damping, model momentum, KL clipping through `multiply`).
+
+  A 3-layer MLP (3 blocks) on 2 devices, to keep the two compilations short.
+  """
+  loss_fn, _, batch = _problem()
+  params = _models.jnp_mlp_init(jax.random.key(0), (6, 5, 4, 3), jnp.float64)
+  n = 2
+  devices = jax.devices()[:n]
+  sharded = _split(batch, n)
+  local = jax.tree_util.tree_map(lambda x: x[0], sharded)
+  p0 = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), params)
+
+  def run(storage):
+    opt = kfac_jax.Optimizer(
+        loss_fn, local, learning_rate=0.1, norm_constraint=1e-3, damping=0.1, inverse_every=2,
+        axis_name="data", config=kfac_jax.OptimizerConfig(
+            estimation_mode="empirical", damping_adaptation_interval=1,
+            inverse_storage=storage))
+    state = jax.pmap(opt.init, axis_name="data", devices=devices)(p0)
+    step = jax.pmap(lambda p, s, b: opt.step(p, s, b)[:2], axis_name="data", devices=devices)
+    p = p0
+    for _ in range(4):
+      p, state = step(p, state, sharded)
+    return p, state
+
+  p_rep, s_rep = run("replicated")
+  p_sh, s_sh = run("sharded")
+  assert isinstance(s_sh.curvature.cache, kfac_jax.ShardedCache)
+  _assert_close((p_sh, s_sh.damping, s_sh.velocity), (p_rep, s_rep.damping, s_rep.velocity))
+  assert int(s_sh.skipped[0]) == 0 and float(s_sh.damping[0]) != 0.1  # Steps taken, λ adapted.
+  with pytest.raises(ValueError, match="inverse_storage='sharded'.*axis_name"):
+    kfac_jax.Optimizer(loss_fn, batch,
+                       config=kfac_jax.OptimizerConfig(inverse_storage="sharded"))
+  with pytest.raises(ValueError, match="config.inverse_storage"):
+    kfac_jax.OptimizerConfig(inverse_storage="kaisa")
