@@ -10,6 +10,10 @@ Shares are balanced by estimated cost (Σ n³ over a block's matrix factors) wit
 longest-processing-time rule: blocks in decreasing cost, each to the least-loaded device. Equal
 blocks therefore spread round-robin (counts differ by at most one) and the most- and
 least-loaded devices differ by at most one block's cost.
+
+The second half of the module lays the caches out for `inverse_storage="sharded"` (each device
+keeps only its own blocks' caches; see `kfac_jax._sharded`): shares balanced by cache bytes,
+packed into flat per-device buffers at static offsets.
 """
 
 from __future__ import annotations
