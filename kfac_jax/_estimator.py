@@ -26,7 +26,6 @@ from kfac_jax import blocks as _blocks
 
 Array = jax.Array
 InverseStorage = Literal["replicated", "sharded"]
-ShardedCache = _parallel.ShardedCache
 
 
 class EstimatorState(NamedTuple):
