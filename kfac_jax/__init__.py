@@ -18,6 +18,7 @@ from kfac_jax._curvature import CurvatureStats, value_and_grad
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._layer_config import LayerConfig
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
+from kfac_jax._parallel import ShardedCache
 from kfac_jax._scanner import (
     LayerSpec,
     RegistrationCheckError,
@@ -55,6 +56,7 @@ __all__ = [
     "RegistrationCheckError",
     "RegistrationError",
     "ScaleByKfacState",
+    "ShardedCache",
     "UncoveredParametersWarning",
     "check_registration",
     "check_restored_state",

@@ -38,6 +38,8 @@ def _describe(path) -> tuple[str, str | None]:
   for i, n in enumerate(names[:-1]):
     if n in _BLOCK_FIELDS:
       block = names[i + 1]
+  if block == "buffers" and "cache" in names:
+    block = None  # A ShardedCache (inverse_storage="sharded"): no per-block leaves to name.
   return "/".join(names), block
 
 

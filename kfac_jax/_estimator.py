@@ -15,16 +15,17 @@ giving the generalised Gauss-Newton Jᵀ H_z J (the same matrix for the tags' ca
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _curvature, _layer_config, _parallel, _scanner
+from kfac_jax import _curvature, _layer_config, _parallel, _scanner, _sharded
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
+InverseStorage = Literal["replicated", "sharded"]
 
 
 class EstimatorState(NamedTuple):
@@ -32,7 +33,8 @@ class EstimatorState(NamedTuple):
 
   Attributes:
     factors: per block name, the EMA statistics (e.g. `a: [in+1, in+1]`, `g: [out, out]`).
-    cache: per block name, powers/decompositions and the damping `[]` they were built with.
+    cache: per block name, powers/decompositions and the damping `[]` they were built with;
+      with `inverse_storage="sharded"`, a `ShardedCache` holding only this device's blocks.
     ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
     skipped_batches: `[]` int32, statistics updates skipped because the batch's statistics
       were not finite (the factors were left as they were).
@@ -156,6 +158,13 @@ class CurvatureEstimator:
     inverse_dtype: dtype of the inverses / decompositions and of the products with them: None
       (float32; float64 under x64), "float32" or "float64". Preconditioned vectors come back in
       the dtype they came in (a bfloat16 model gets bfloat16 updates).
+    inverse_storage: where the caches live on a data-parallel axis. "replicated" (default):
+      every device holds every block's cache. "sharded" (KAISA's memory-optimised strategy,
+      see `kfac_jax._sharded`): each device stores and refreshes only its share of the blocks
+      (balanced by cache bytes: at most total/D + one block per device) and preconditions
+      their leaves; the products are summed over the axis. `init`, `update_inverses` and the
+      `multiply*` methods then need `axis_name=` (inside pmap / shard_map; call `init` there
+      too) or `mesh=(mesh, axis)` (under jit). Factors stay replicated either way.
 
   Example:
     >>> est = kfac_jax.CurvatureEstimator(loss_fn, batch)
@@ -172,12 +181,16 @@ class CurvatureEstimator:
                compute_cholesky_inverse: bool = False, strict: bool = False,
                compute_params_stats: bool = False,
                layers: _layer_config.LayerConfig | None = None,
-               stats_dtype: Any = None, inverse_dtype: Any = None):
+               stats_dtype: Any = None, inverse_dtype: Any = None,
+               inverse_storage: InverseStorage = "replicated"):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
     _curvature.check_mode(estimation_mode, num_samples)
     if damping_mode not in ("factored", "eigen"):
       raise ValueError(f"unknown damping_mode {damping_mode!r}; choose 'factored' or 'eigen'.")
+    if inverse_storage not in ("replicated", "sharded"):
+      raise ValueError(f"unknown inverse_storage {inverse_storage!r}; choose 'replicated' or "
+                       "'sharded'.")
     exps = tuple(float(e) for e in exps)
     for e in exps:
       if not np.isfinite(e) or e == 0:
@@ -189,6 +202,7 @@ class CurvatureEstimator:
     self.strict = strict
     self.compute_params_stats = compute_params_stats
     self.layer_config = _layer_config.check(layers)
+    self.inverse_storage = inverse_storage
     self.config = _blocks.BlockConfig(
         exps=exps, damping_mode=damping_mode, cholesky=compute_cholesky,
         cholesky_inverse=compute_cholesky_inverse,
@@ -244,12 +258,22 @@ class CurvatureEstimator:
 
   # -- state -----------------------------------------------------------------------------------
 
-  def init(self, params) -> EstimatorState:
-    """Zero statistics and identity caches for `params` (scans `loss_fn` on first use)."""
+  def init(self, params, *, axis_name: str | None = None,
+           mesh: tuple[Any, str] | None = None) -> EstimatorState:
+    """Zero statistics and identity caches for `params` (scans `loss_fn` on first use).
+
+    With `inverse_storage="sharded"`, pass `axis_name` and call `init` inside pmap / shard_map
+    (each device's cache differs), or pass `mesh=(mesh, axis)` to get the cache as a global
+    array sharded over that mesh axis. Replicated storage ignores both.
+    """
     self._ensure_layers(params)
+    if self.inverse_storage == "sharded":
+      cache = _sharded.init_cache(self, axis_name, mesh)
+    else:
+      cache = {n: b.init_cache() for n, b in zip(self._names, self._blocks)}
     return EstimatorState(
         factors={n: b.init_factors() for n, b in zip(self._names, self._blocks)},
-        cache={n: b.init_cache() for n, b in zip(self._names, self._blocks)},
+        cache=cache,
         ema_weight=jnp.zeros((), self.config.accum_dtype),
         skipped_batches=jnp.zeros((), jnp.int32),
         failed_inverses=jnp.zeros((), jnp.int32))
@@ -335,11 +359,19 @@ class CurvatureEstimator:
         the axis (see `kfac_jax._parallel`). The result equals the unsplit one exactly.
       mesh: under plain `jit` with sharded data, `(mesh, axis)` splits the work over that mesh
         axis the same way (through `shard_map`).
+
+    With `inverse_storage="sharded"` one of the two is required, and each device refreshes and
+    keeps only its own blocks' caches (no caches are communicated; the failure count is summed
+    over the axis).
     """
     check_damping(damping)
     if axis_name is not None and mesh is not None:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     damping = jnp.asarray(damping, self.config.inverse_dtype)
+    if self.inverse_storage == "sharded":
+      cache, failed = _sharded.update_inverses(self, state.cache, state.factors, damping,
+                                               axis_name, mesh, _all_finite)
+      return state._replace(cache=cache, failed_inverses=state.failed_inverses + failed)
     if axis_name is None and mesh is None:
       new = self._compute_caches(range(len(self.blocks)), state.factors, damping)
     else:
@@ -389,7 +421,8 @@ class CurvatureEstimator:
     dtype = self.config.inverse_dtype
     return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), factors)
 
-  def _apply(self, state: EstimatorState, vector, fn) -> Any:
+  def _apply(self, state: EstimatorState, vector, fn, axis_name=None, mesh=None,
+             method: str = "multiply_matpower") -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(vector)
     paths = _scanner.param_paths(vector)
     if paths != self._param_sig[0]:
@@ -399,6 +432,10 @@ class CurvatureEstimator:
     for (shape, _), x, path in zip(self._param_sig[1], leaves, paths):
       if tuple(np.shape(x)) != shape:
         raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
+    if self.inverse_storage == "sharded":
+      out = _sharded.apply(self, self._in_inverse_dtype(state.factors), state.cache, leaves, fn,
+                           axis_name, mesh, method)
+      return jax.tree_util.tree_unflatten(treedef, out)
     out = list(leaves)
     for n, b in zip(self._names, self._blocks):
       vecs = [leaves[j] for j in b.spec.leaf_indices]
@@ -407,32 +444,45 @@ class CurvatureEstimator:
         out[j] = r
     return jax.tree_util.tree_unflatten(treedef, out)
 
-  def multiply_matpower(self, state: EstimatorState, vector, exp: float):
-    """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`."""
+  def multiply_matpower(self, state: EstimatorState, vector, exp: float, *,
+                        axis_name: str | None = None, mesh: tuple[Any, str] | None = None):
+    """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`.
+
+    With `inverse_storage="sharded"`, `axis_name` (inside pmap / shard_map) or `mesh` (under
+    jit) is required: each device multiplies its own blocks, and the results are summed over
+    the axis (one vector-sized `psum`). The other methods below take them the same way.
+    """
     exp = float(exp)
     if exp != 1 and exp not in self.config.exps:
       raise ValueError(
           f"matrix power {exp:g} was not prepared: this estimator has exps="
           f"{self.config.exps} (1 is always available).")
-    return self._apply(state, vector, lambda b, f, c, v: b.multiply_matpower(f, c, v, exp))
+    return self._apply(state, vector, lambda b, f, c, v: b.multiply_matpower(f, c, v, exp),
+                       axis_name, mesh, "multiply_matpower")
 
-  def multiply(self, state: EstimatorState, vector):
+  def multiply(self, state: EstimatorState, vector, *, axis_name: str | None = None,
+               mesh: tuple[Any, str] | None = None):
     """The damped curvature times `vector` (power 1)."""
-    return self.multiply_matpower(state, vector, 1)
+    return self.multiply_matpower(state, vector, 1, axis_name=axis_name, mesh=mesh)
 
-  def multiply_inverse(self, state: EstimatorState, vector):
+  def multiply_inverse(self, state: EstimatorState, vector, *, axis_name: str | None = None,
+                       mesh: tuple[Any, str] | None = None):
     """The inverse damped curvature times `vector` (needs -1 in `exps`, the default)."""
-    return self.multiply_matpower(state, vector, -1)
+    return self.multiply_matpower(state, vector, -1, axis_name=axis_name, mesh=mesh)
 
-  def multiply_cholesky(self, state: EstimatorState, vector, *, transpose: bool = False):
+  def multiply_cholesky(self, state: EstimatorState, vector, *, transpose: bool = False,
+                        axis_name: str | None = None, mesh: tuple[Any, str] | None = None):
     """C·v (or Cᵀ·v) for the block-diagonal factor C with C Cᵀ = damped curvature."""
     return self._apply(state, vector, lambda b, f, c, v: b.multiply_cholesky(
-        f, c, v, transpose=transpose, inverse=False))
+        f, c, v, transpose=transpose, inverse=False), axis_name, mesh, "multiply_cholesky")
 
-  def multiply_cholesky_inverse(self, state: EstimatorState, vector, *, transpose: bool = False):
+  def multiply_cholesky_inverse(self, state: EstimatorState, vector, *, transpose: bool = False,
+                                axis_name: str | None = None,
+                                mesh: tuple[Any, str] | None = None):
     """C⁻¹·v (or C⁻ᵀ·v)."""
     return self._apply(state, vector, lambda b, f, c, v: b.multiply_cholesky(
-        f, c, v, transpose=transpose, inverse=True))
+        f, c, v, transpose=transpose, inverse=True), axis_name, mesh,
+        "multiply_cholesky_inverse")
 
   def to_dense(self, state: EstimatorState) -> Array:
     """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""

@@ -111,6 +111,10 @@ class OptimizerConfig:
       (float32; float64 under x64), "float32", "float64", "bfloat16" or "float16".
     inverse_dtype: dtype of the inverses, the quadratic model and the damping: None (float32;
       float64 under x64), "float32" or "float64".
+    inverse_storage: "replicated" (every device keeps every inverse) or "sharded" (each device
+      keeps and applies only its share of the blocks; the preconditioned gradients and curvature
+      products are summed over `axis_name`, which it needs; call `init` inside the pmap /
+      shard_map). See `scale_by_kfac`.
   """
   ema_decay: float = 0.95
   estimation_mode: _curvature.EstimationMode = "gradients"
@@ -126,11 +130,15 @@ class OptimizerConfig:
   layers: _layer_config.LayerConfig | None = None
   stats_dtype: Any = None
   inverse_dtype: Any = None
+  inverse_storage: _estimator.InverseStorage = "replicated"
 
   def __post_init__(self):
     _layer_config.check(self.layers)
     _estimator.resolve_dtype(self.stats_dtype, "config.stats_dtype")
     _estimator.resolve_dtype(self.inverse_dtype, "config.inverse_dtype")
+    if self.inverse_storage not in ("replicated", "sharded"):
+      raise ValueError(f"unknown `config.inverse_storage` {self.inverse_storage!r}; choose "
+                       "'replicated' or 'sharded'.")
     _check_number(self.ema_decay, "config.ema_decay", high=1.0, high_open=True)
     _curvature.check_mode(self.estimation_mode, self.num_samples)
     if self.damping_mode not in ("factored", "eigen"):
@@ -334,6 +342,11 @@ class Optimizer:
     config = OptimizerConfig() if config is None else config
     if not isinstance(config, OptimizerConfig):
       raise TypeError(f"`config` must be a kfac_jax.OptimizerConfig, got {type(config).__name__}.")
+    if config.inverse_storage == "sharded" and axis_name is None:
+      raise ValueError(
+          "config.inverse_storage='sharded' splits the inverses over the devices of a "
+          "data-parallel axis: pass `axis_name=` (and run init/step inside pmap/shard_map), or "
+          "keep inverse_storage='replicated'.")
     if use_adaptive_damping and config.min_damping > float(damping):
       raise ValueError(
           f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
@@ -353,17 +366,21 @@ class Optimizer:
     self.estimator = _estimator.CurvatureEstimator(
         loss_fn, example_batch, estimation_mode=config.estimation_mode, exps=(-1,),
         num_samples=config.num_samples, damping_mode=config.damping_mode, strict=config.strict,
-        layers=config.layers, stats_dtype=config.stats_dtype, inverse_dtype=config.inverse_dtype)
+        layers=config.layers, stats_dtype=config.stats_dtype, inverse_dtype=config.inverse_dtype,
+        inverse_storage=config.inverse_storage)
+    # The axis the estimator's caches are split over (sharded storage only).
+    self._cache_axis = axis_name if config.inverse_storage == "sharded" else None
 
   # -- state -----------------------------------------------------------------------------------
 
   def init(self, params, rng: Array | None = None) -> OptimizerState:
     """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0.
 
-    `rng` is accepted for symmetry with `step` and not used.
+    `rng` is accepted for symmetry with `step` and not used. With
+    `config.inverse_storage="sharded"`, call it inside the pmap / shard_map over `axis_name`.
     """
     del rng
-    curvature = self.estimator.init(params)
+    curvature = self.estimator.init(params, axis_name=self._cache_axis)
     dtype = self.estimator.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(
@@ -460,7 +477,9 @@ class Optimizer:
     else:
       lam = _schedule_value(self.damping, k, sdtype)
     inv_now = (~in_burn) & (k_run % self.inverse_every == 0)
-    curv = jax.lax.cond(inv_now, lambda c: est.update_inverses(c, lam + eta), lambda c: c, curv)
+    curv = jax.lax.cond(
+        inv_now, lambda c: est.update_inverses(c, lam + eta, axis_name=self._cache_axis),
+        lambda c: c, curv)
 
     # 3.-5. Direction, α and μ, damping adaptation.
     nan = jnp.full([], jnp.nan, sdtype)
@@ -469,7 +488,7 @@ class Optimizer:
     need_model = model_lr or model_mom
 
     def run(_):
-      delta = est.multiply_matpower(curv, grad_h, -1)
+      delta = est.multiply_matpower(curv, grad_h, -1, axis_name=self._cache_axis)
       delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), delta, params)
       vel = state.velocity
       vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(vel)]
@@ -477,7 +496,8 @@ class Optimizer:
       alpha = None if model_lr else _schedule_value(self.learning_rate, k, sdtype)
       mu = None if model_mom else _schedule_value(self.momentum, k, sdtype)
       if self.norm_constraint is not None:
-        quad = _vdot(delta, est.multiply(curv, delta)).astype(sdtype)
+        quad = _vdot(delta, est.multiply(curv, delta, axis_name=self._cache_axis))
+        quad = quad.astype(sdtype)
         limit = jnp.asarray(self.norm_constraint, sdtype)
         ok = (quad > 0) & (alpha * alpha * quad > limit)
         alpha = alpha * jnp.where(ok, jnp.sqrt(limit / jnp.where(ok, alpha * alpha * quad, 1)), 1)

@@ -10,16 +10,22 @@ Shares are balanced by estimated cost (Σ n³ over a block's matrix factors) wit
 longest-processing-time rule: blocks in decreasing cost, each to the least-loaded device. Equal
 blocks therefore spread round-robin (counts differ by at most one) and the most- and
 least-loaded devices differ by at most one block's cost.
+
+The second half of the module lays the caches out for `inverse_storage="sharded"` (each device
+keeps only its own blocks' caches; see `kfac_jax._sharded`): shares balanced by cache bytes,
+packed into flat per-device buffers at static offsets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -100,3 +106,159 @@ def over_mesh_axis(split: Callable[..., Any], mesh: tuple[Any, str], factors, da
   fn = jax.shard_map(lambda f, d: split(f, d, axis), mesh=m, in_specs=(spec, spec),
                      out_specs=spec, axis_names=frozenset({axis}), check_vma=False)
   return fn(factors, damping)
+
+
+# -- sharded storage: each device keeps only its own blocks' caches ------------------------------
+#
+# SPMD programs need one shape on every device, while the shares differ. Each device therefore
+# stores its blocks' cache arrays raveled and concatenated, at static offsets, in one flat buffer
+# per dtype, zero-padded to the longest share's length L. The device's index selects (lax.switch)
+# the branch that knows its offsets. Under `pmap` the global buffer is `[D, L]`; under `jit` with
+# a mesh it is `[D·L]`, sharded over the mesh axis; inside the mapped function it is `[L]`.
+
+
+class ShardedCache(NamedTuple):
+  """The block caches under `inverse_storage="sharded"`: each device holds only its share.
+
+  Attributes:
+    buffers: per dtype name (e.g. "float32"), the device's block caches packed into one flat
+      buffer: `[L]` inside pmap / shard_map, `[D, L]` as a pmap output, `[D·L]` sharded over
+      the mesh axis under jit. L is the largest device share's size, so every device stores at
+      most `total/D + one block's cache`.
+  """
+  buffers: dict[str, Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """Where one cache array of one block sits in its device's buffer."""
+  block: int
+  key: str
+  dtype: str
+  offset: int
+  shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+  """Static placement of every block's cache on `len(shares)` devices.
+
+  Attributes:
+    shares: block indices per device (balanced by cache bytes with `assign`).
+    slots: per device, the `Slot`s of its blocks' cache arrays.
+    lengths: per dtype name, the buffer length L (the longest share; at least 1).
+  """
+  shares: tuple[tuple[int, ...], ...]
+  slots: tuple[tuple[Slot, ...], ...]
+  lengths: tuple[tuple[str, int], ...]
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.shares)
+
+  def device_bytes(self) -> int:
+    """Bytes of one device's buffers (every device stores the same, padded length)."""
+    return sum(n * np.dtype(d).itemsize for d, n in self.lengths)
+
+
+def packed_layout(cache_shapes: Sequence[dict[str, Any]], num_devices: int) -> PackedLayout:
+  """Assigns blocks to devices by cache bytes and places their arrays in per-dtype buffers.
+
+  Args:
+    cache_shapes: per block, `{key: jax.ShapeDtypeStruct}` of its cache.
+    num_devices: D, the size of the mapped axis.
+
+  Balancing the bytes with the greedy rule bounds the largest share by `total/D + the largest
+  block's bytes` (the share that receives its last block was the least loaded, at most the
+  average, before it).
+  """
+  nbytes = [float(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in c.values()))
+            for c in cache_shapes]
+  shares = assign(nbytes, num_devices)
+  slots, lengths = [], {}
+  for share in shares:
+    offsets: dict[str, int] = {}
+    mine = []
+    for i in share:
+      for key in sorted(cache_shapes[i]):
+        s = cache_shapes[i][key]
+        dtype = np.dtype(s.dtype).name
+        off = offsets.get(dtype, 0)
+        mine.append(Slot(i, key, dtype, off, tuple(s.shape)))
+        offsets[dtype] = off + math.prod(s.shape)
+    slots.append(tuple(mine))
+    for dtype, n in offsets.items():
+      lengths[dtype] = max(lengths.get(dtype, 0), n)
+  dtypes = sorted({np.dtype(s.dtype).name for c in cache_shapes for s in c.values()})
+  return PackedLayout(shares, tuple(slots),
+                      tuple((d, max(lengths.get(d, 0), 1)) for d in dtypes))
+
+
+def pack(layout: PackedLayout, device: int,
+         caches: dict[int, dict[str, Array]]) -> dict[str, Array]:
+  """Device `device`'s buffers from its blocks' caches (`{block index: cache}`), zero-padded."""
+  parts: dict[str, list[Array]] = {d: [] for d, _ in layout.lengths}
+  for s in layout.slots[device]:
+    parts[s.dtype].append(jnp.ravel(caches[s.block][s.key]).astype(s.dtype))
+  out = {}
+  for dtype, length in layout.lengths:
+    used = sum(p.size for p in parts[dtype])
+    parts[dtype].append(jnp.zeros((length - used,), dtype))
+    out[dtype] = jnp.concatenate(parts[dtype])
+  return out
+
+
+def unpack(layout: PackedLayout, device: int,
+           buffers: dict[str, Array]) -> dict[int, dict[str, Array]]:
+  """Inverse of `pack`: `{block index: cache}` for device `device`'s blocks."""
+  out: dict[int, dict[str, Array]] = {i: {} for i in layout.shares[device]}
+  for s in layout.slots[device]:
+    size = math.prod(s.shape)
+    out[s.block][s.key] = buffers[s.dtype][s.offset:s.offset + size].reshape(s.shape)
+  return out
+
+
+def on_own_share(fn: Callable[[int], Any], layout: PackedLayout, axis_name: str) -> Any:
+  """`fn(device)` on each device of `axis_name`, with `device` static inside `fn`.
+
+  Devices without blocks share one branch, so the program holds each block's code once.
+  """
+  size = jax.lax.axis_size(axis_name)
+  if size != layout.num_devices:
+    raise ValueError(
+        f"the sharded cache was laid out for {layout.num_devices} devices, but axis "
+        f"{axis_name!r} has {size}. Initialise the state on the axis it is used with.")
+  busy = [d for d in range(size) if layout.shares[d]]
+  idle = [d for d in range(size) if not layout.shares[d]]
+  branches = [lambda d=d: fn(d) for d in busy + idle[:1]]
+  table = jnp.asarray([busy.index(d) if d in busy else len(busy) for d in range(size)],
+                      jnp.int32)
+  if len(branches) == 1:
+    return branches[0]()
+  return jax.lax.switch(table[jax.lax.axis_index(axis_name)], branches)
+
+
+def mesh_axis(mesh) -> tuple[Any, str]:
+  """Checks a `(jax.sharding.Mesh, axis_name)` pair."""
+  try:
+    m, axis = mesh
+  except (TypeError, ValueError):
+    raise TypeError(f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}.") from None
+  if axis not in m.axis_names:
+    raise ValueError(f"mesh axis {axis!r} is not in the mesh, whose axes are {m.axis_names}.")
+  return m, axis
+
+
+def over_mesh(fn: Callable[..., Any], mesh: tuple[Any, str], args: tuple, sharded: tuple[bool, ...],
+              out_sharded) -> Any:
+  """`fn(axis, *args)` inside a `shard_map` over one axis of `mesh`.
+
+  Arguments flagged in `sharded` (and outputs in the `out_sharded` prefix tree) are split over
+  the axis along their first dimension; the others are replicated.
+  """
+  m, axis = mesh_axis(mesh)
+  rep, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(axis)
+  in_specs = tuple(split if s else rep for s in sharded)
+  out_specs = jax.tree_util.tree_map(lambda s: split if s else rep, out_sharded)
+  return jax.shard_map(lambda *a: fn(axis, *a), mesh=m, in_specs=in_specs, out_specs=out_specs,
+                       axis_names=frozenset({axis}), check_vma=False)(*args)

@@ -54,6 +54,7 @@ def scale_by_kfac(
     damping_mode: _blocks.DampingMode = "factored",
     axis_name: str | None = None,
     inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
+    inverse_storage: _estimator.InverseStorage = "replicated",
     strict: bool = False,
     layers: _layer_config.LayerConfig | None = None,
     stats_dtype: Any = None,
@@ -85,6 +86,15 @@ def scale_by_kfac(
       cost; the caches are then summed over the axis, an exact operation).
     inverse_mesh: under plain `jit` with data sharded over a mesh (statistics are then reduced
       by XLA, no `axis_name`): `(mesh, axis)` splits the inverse work over that mesh axis.
+    inverse_storage: "replicated" (default): every device keeps every block's inverse and
+      preconditions the whole gradient itself. "sharded" (KAISA's memory-optimised strategy):
+      each device keeps only its share of the inverses (about 1/D of the total, balanced by
+      bytes) and preconditions only their gradient leaves; the preconditioned gradient is
+      summed over the axis, one gradient-sized `psum` more per step. Needs `axis_name` or
+      `inverse_mesh`; with `axis_name`, call `init` inside the pmap / shard_map (each device's
+      state differs): `jax.pmap(tx.init, axis_name="data")(replicated_params)`. With
+      `inverse_mesh`, `init` returns the inverses as a global array sharded over the mesh
+      axis. The factors stay replicated. The updates equal the replicated strategy's.
     strict: error instead of warning for parameters outside every recognised layer.
     layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
       pattern, and linked parameter groups (None: the defaults).
@@ -133,13 +143,22 @@ def scale_by_kfac(
       raise ValueError(
           "`inverse_mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the "
           f"mesh's axes, got {inverse_mesh!r}.")
+  if inverse_storage not in ("replicated", "sharded"):
+    raise ValueError(
+        f"unknown inverse_storage {inverse_storage!r}; choose 'replicated' or 'sharded'.")
+  if inverse_storage == "sharded" and axis_name is None and inverse_mesh is None:
+    raise ValueError(
+        "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
+        "axis: pass `axis_name=` (inside pmap/shard_map) or `inverse_mesh=(mesh, axis)` (under "
+        "jit with sharded data), or keep inverse_storage='replicated' on one device.")
   est = _estimator.CurvatureEstimator(
       loss_fn, example_batch, estimation_mode=estimation_mode, exps=(-1,),
       num_samples=num_samples, damping_mode=damping_mode, strict=strict, layers=layers,
-      stats_dtype=stats_dtype, inverse_dtype=inverse_dtype)
+      stats_dtype=stats_dtype, inverse_dtype=inverse_dtype, inverse_storage=inverse_storage)
 
   def init_fn(params) -> ScaleByKfacState:
-    return ScaleByKfacState(count=jnp.zeros([], jnp.int32), curvature=est.init(params))
+    return ScaleByKfacState(count=jnp.zeros([], jnp.int32),
+                            curvature=est.init(params, axis_name=axis_name, mesh=inverse_mesh))
 
   def update_fn(updates, state: ScaleByKfacState, params=None, *, curvature_stats=None,
                 batch=None, rng=None, **extra_args):
@@ -166,7 +185,8 @@ def scale_by_kfac(
         state.count % jnp.asarray(inverse_every, state.count.dtype) == 0,
         refresh, lambda: (curv.cache, curv.failed_inverses))
     curv = curv._replace(cache=cache, failed_inverses=failed)
-    new_updates = est.multiply_matpower(curv, updates, -1)
+    new_updates = est.multiply_matpower(curv, updates, -1, axis_name=axis_name,
+                                        mesh=inverse_mesh)
     new_updates = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), new_updates, updates)
     return new_updates, ScaleByKfacState(count=optax.safe_increment(state.count), curvature=curv)
 

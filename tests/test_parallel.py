@@ -206,3 +206,279 @@ def test_parallel_arguments_are_checked():
     kfac_jax.scale_by_kfac(loss_fn, batch, inverse_mesh=(mesh, "model"))
   with pytest.raises(ValueError, match="inverse_mesh"):
     kfac_jax.scale_by_kfac(loss_fn, batch, inverse_mesh=mesh)
+
+
+# -- sharded inverse storage (KAISA's memory-optimised strategy) ---------------------------------
+
+
+def _pmap_run(loss_fn, params, batch, num_devices, steps, **kw):
+  """`steps` pmapped steps on `num_devices` devices; `tx.init` runs inside the pmap too."""
+  devices = jax.devices()[:num_devices]
+  sharded = _split(batch, num_devices)
+  tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data", **kw)
+
+  def step(params, state, b):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  p = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), params)
+  s = jax.pmap(tx.init, axis_name="data", devices=devices)(p)
+  pstep = jax.pmap(step, axis_name="data", devices=devices)
+  for _ in range(steps):
+    p, s = pstep(p, s, sharded)
+  return tx, p, s
+
+
+def _kfac_state(opt_state) -> kfac_jax.ScaleByKfacState:
+  return opt_state[0]
+
+
+def _block_cache_bytes(est):
+  return [sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
+      jax.eval_shape(b.init_cache))) for b in est.blocks]
+
+
+@pytest.mark.parametrize("num_devices", [3, 8])
+def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
+  """4 blocks on 3 devices (not a multiple) and on 8 (idle devices), 7 steps, 3 inverse updates.
+
+  The parameters are bit-for-bit the replicated strategy's (each entry of the summed update has
+  one non-zero term), every other state field equal, and each device's buffer holds the
+  replicated caches of its own blocks.
+  """
+  loss_fn, params, batch = _problem(n=48)
+  _, p_rep, s_rep = _pmap_run(loss_fn, params, batch, num_devices, STEPS)
+  _, p_sh, s_sh = _pmap_run(loss_fn, params, batch, num_devices, STEPS,
+                            inverse_storage="sharded")
+  got = jax.tree_util.tree_leaves_with_path(p_sh)
+  for (path, a), b in zip(got, jax.tree_util.tree_leaves(p_rep)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+  rep, sh = _kfac_state(s_rep), _kfac_state(s_sh)
+  assert isinstance(sh.curvature.cache, kfac_jax.ShardedCache)
+  _assert_close((sh.count, sh.curvature.factors, sh.curvature.ema_weight,
+                 sh.curvature.failed_inverses),
+                (rep.count, rep.curvature.factors, rep.curvature.ema_weight,
+                 rep.curvature.failed_inverses))
+  from kfac_jax import _sharded
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
+  est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
+  lay = _sharded.layout(est, num_devices)
+  names = [s.name for s in est.layers]
+  seen = []
+  for d in range(num_devices):
+    local = {k: np.asarray(v)[d] for k, v in sh.curvature.cache.buffers.items()}
+    for i, cache in _parallel.unpack(lay, d, local).items():
+      seen.append(i)
+      for key, value in cache.items():
+        np.testing.assert_allclose(value, np.asarray(rep.curvature.cache[names[i]][key])[d],
+                                   rtol=1e-6, atol=1e-9, err_msg=f"{names[i]}/{key}")
+  assert sorted(seen) == list(range(len(names)))
+  per_block = _block_cache_bytes(est)
+  for dev in range(num_devices):  # The bytes each device actually holds.
+    held = sum(b.addressable_shards[dev].data.nbytes for b in sh.curvature.cache.buffers.values())
+    assert held <= sum(per_block) / num_devices + max(per_block), (held, per_block)
+
+
+def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device(x64):
+  loss_fn, params, batch = _problem()
+  mesh = _mesh()
+  data = jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+  def run(**kw):
+    tx = _kfac(loss_fn, batch, inverse_mesh=(mesh, "data"), **kw)
+
+    @jax.jit
+    def step(params, state, b):
+      _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+      updates, state = tx.update(grads, state, params, curvature_stats=stats)
+      return optax.apply_updates(params, updates), state
+
+    p, state = jax.device_put(params, NamedSharding(mesh, P())), tx.init(params)
+    for _ in range(STEPS):
+      p, state = step(p, state, data)
+    return p, state
+
+  p_rep, s_rep = run()
+  p_sh, s_sh = run(inverse_storage="sharded")
+  _assert_close(p_sh, p_rep)  # (p_rep equals the one-device run: the test above.)
+  assert int(_kfac_state(s_sh).curvature.failed_inverses) == 0
+  # Memory: each device's shard of the cache is at most total/D + the largest block's cache,
+  # while with replicated storage every device holds the total.
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+  est.init(params)
+  per_block = _block_cache_bytes(est)
+  total, d = sum(per_block), mesh.size
+  sh_bytes = [sum(s.data.nbytes for buf in _kfac_state(s_sh).curvature.cache.buffers.values()
+                  for s in buf.addressable_shards if s.device == dev) for dev in mesh.devices.flat]
+  rep_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(_kfac_state(s_rep).curvature.cache))
+  assert rep_bytes == total
+  assert max(sh_bytes) <= total / d + max(per_block), (sh_bytes, total, per_block)
+  assert max(sh_bytes) < total
+
+
+def test_sharded_storage_under_shard_map(x64):
+  """`init` inside shard_map; the cache's out_spec splits it over the axis."""
+  loss_fn, params, batch = _problem()
+  mesh = _mesh()
+  n = mesh.size
+  tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch),
+             axis_name="data", inverse_storage="sharded")
+
+  def specs(state):
+    return jax.tree_util.tree_map(
+        lambda x: P("data") if isinstance(x, kfac_jax.ShardedCache) else P(), state,
+        is_leaf=lambda x: isinstance(x, kfac_jax.ShardedCache))
+
+  shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(),
+                                        check_vma=False), params)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs(shapes),
+                                check_vma=False))(params)
+
+  def step(params, state, b):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  sstep = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs(shapes), P("data")),
+                                out_specs=(P(), specs(shapes)), check_vma=False))
+  data = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  p = params
+  for _ in range(STEPS):
+    p, state = sstep(p, state, data)
+  _assert_close(p, _reference_run(loss_fn, params, batch, STEPS)[0])
+
+
+def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
+  """A block whose factors are not finite keeps its cache and counts once, on every device."""
+  loss_fn, params, batch = _problem()
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
+  sest = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical",
+                                     inverse_storage="sharded")
+  grads = jax.grad(loss_fn)(params, batch)
+  n = 3
+
+  def run(e, axis):
+    s = e.init(params, **axis)
+    s = e.update_curvature(s, params, batch, None, 0.0)
+    s = e.update_inverses(s, 1e-2, **axis)
+    bad = dict(s.factors)
+    bad["layer1"] = jax.tree_util.tree_map(lambda x: x.at[0, 0].set(jnp.nan), bad["layer1"])
+    s = e.update_inverses(s._replace(factors=bad), 1.0, **axis)
+    return s.failed_inverses, e.multiply_matpower(s._replace(factors=bad), grads, -1, **axis)
+
+  failed_r, want = jax.jit(lambda: run(est, {}))()
+  failed_s, got = jax.pmap(lambda _: run(sest, {"axis_name": "i"}), axis_name="i",
+                           devices=jax.devices()[:n])(jnp.zeros(n))
+  assert int(failed_r) == 1
+  np.testing.assert_array_equal(np.asarray(failed_s), [1] * n)
+  _assert_close(jax.tree_util.tree_map(lambda x: x[0], got), want)
+
+
+def test_sharded_storage_checkpoint_round_trip(x64):
+  loss_fn, params, batch = _problem(n=48)
+  _, _, state = _pmap_run(loss_fn, params, batch, 8, 1, inverse_storage="sharded")
+  restored = kfac_jax.state_from_bytes(state, kfac_jax.state_to_bytes(state))
+  for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The same transform's state on 3 devices (shapes only): a checkpoint from 8 does not fit.
+  tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[:16], batch), axis_name="data",
+             inverse_storage="sharded")
+  p3 = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (3,) + x.shape), params)
+  other = jax.eval_shape(jax.pmap(tx.init, axis_name="data", devices=jax.devices()[:3]), p3)
+  with pytest.raises(ValueError, match="buffers"):
+    kfac_jax.check_restored_state(other, state)
+
+
+def test_sharded_storage_arguments_are_checked():
+  loss_fn, params, batch = _problem()
+  with pytest.raises(ValueError, match="inverse_storage='sharded'.*axis_name"):
+    kfac_jax.scale_by_kfac(loss_fn, batch, inverse_storage="sharded")
+  with pytest.raises(ValueError, match="unknown inverse_storage 'kaisa'"):
+    kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data", inverse_storage="kaisa")
+  with pytest.raises(ValueError, match="unknown inverse_storage"):
+    kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="memory")
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data", inverse_storage="sharded")
+  with pytest.raises(ValueError, match="inside pmap/shard_map over 'data'"):
+    tx.init(params)  # Outside the pmap: the axis is not bound.
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
+  with pytest.raises(ValueError, match="`init`: .*pass `axis_name=`"):
+    est.init(params)
+  state = est.init(params, mesh=(_mesh(), "data"))
+  with pytest.raises(ValueError, match="`update_inverses`: .*pass `axis_name=`"):
+    est.update_inverses(state, 1e-2)
+  with pytest.raises(ValueError, match="`multiply_matpower`: .*pass `axis_name=`"):
+    est.multiply_matpower(state, params, -1)
+  with pytest.raises(ValueError, match="not both"):
+    est.multiply_matpower(state, params, -1, axis_name="data", mesh=(_mesh(), "data"))
+  # A state laid out for 8 devices, used on a mesh of 3, or a replicated cache.
+  mesh3 = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,),
+                        devices=jax.devices()[:3])
+  with pytest.raises(ValueError, match="initialised for another number of devices"):
+    est.update_inverses(state, 1e-2, mesh=(mesh3, "data"))
+  replicated = kfac_jax.CurvatureEstimator(loss_fn, batch).init(params)
+  with pytest.raises(TypeError, match="not the ShardedCache"):
+    est.multiply_matpower(replicated, params, -1, mesh=(_mesh(), "data"))
+
+
+def test_sharded_storage_orbax_round_trip_keeps_the_sharding(tmp_path, x64):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  loss_fn, params, batch = _problem()
+  mesh = (_mesh(), "data")
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical",
+                                    inverse_storage="sharded")
+  state = est.update_curvature(est.init(params, mesh=mesh), params, batch, None, 0.0)
+  state = jax.jit(lambda s: est.update_inverses(s, 1e-2, mesh=mesh))(state)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "state", state)
+  ckpt.wait_until_finished()
+  template = jax.eval_shape(lambda: est.init(params, mesh=mesh))
+  restored = ckpt.restore(tmp_path / "state", template)
+  kfac_jax.check_restored_state(template, restored)
+  for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for buf in restored.cache.buffers.values():
+    assert buf.sharding.spec == P("data"), buf.sharding
+  grads = jax.grad(loss_fn)(params, batch)
+  _assert_close(est.multiply_matpower(restored, grads, -1, mesh=mesh),
+                est.multiply_matpower(state, grads, -1, mesh=mesh))
+
+
+def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
+  """The full optimizer (adaptive damping, model momentum, KL clipping through `multiply`).
+
+  A 3-layer MLP (3 blocks) on 2 devices, to keep the two compilations short.
+  """
+  loss_fn, _, batch = _problem()
+  params = _models.jnp_mlp_init(jax.random.key(0), (6, 5, 4, 3), jnp.float64)
+  n = 2
+  devices = jax.devices()[:n]
+  sharded = _split(batch, n)
+  local = jax.tree_util.tree_map(lambda x: x[0], sharded)
+  p0 = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), params)
+
+  def run(storage):
+    opt = kfac_jax.Optimizer(
+        loss_fn, local, learning_rate=0.1, norm_constraint=1e-3, damping=0.1, inverse_every=2,
+        axis_name="data", config=kfac_jax.OptimizerConfig(
+            estimation_mode="empirical", damping_adaptation_interval=1,
+            inverse_storage=storage))
+    state = jax.pmap(opt.init, axis_name="data", devices=devices)(p0)
+    step = jax.pmap(lambda p, s, b: opt.step(p, s, b)[:2], axis_name="data", devices=devices)
+    p = p0
+    for _ in range(4):
+      p, state = step(p, state, sharded)
+    return p, state
+
+  p_rep, s_rep = run("replicated")
+  p_sh, s_sh = run("sharded")
+  assert isinstance(s_sh.curvature.cache, kfac_jax.ShardedCache)
+  _assert_close((p_sh, s_sh.damping, s_sh.velocity), (p_rep, s_rep.damping, s_rep.velocity))
+  assert int(s_sh.skipped[0]) == 0 and float(s_sh.damping[0]) != 0.1  # Steps taken, λ adapted.
+  with pytest.raises(ValueError, match="inverse_storage='sharded'.*axis_name"):
+    kfac_jax.Optimizer(loss_fn, batch,
+                       config=kfac_jax.OptimizerConfig(inverse_storage="sharded"))
+  with pytest.raises(ValueError, match="config.inverse_storage"):
+    kfac_jax.OptimizerConfig(inverse_storage="kaisa")
