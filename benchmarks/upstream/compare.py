@@ -73,18 +73,25 @@ def ensure_venv(python: str | None) -> str:
   return proc.stdout.strip().splitlines()[-1]
 
 
-def run_worker(python: str, params, images: np.ndarray, idx: np.ndarray,
-               config: Mapping[str, Any], timeout: float | None = None) -> tuple[dict, dict]:
+def run_worker(python: str, params, images: np.ndarray | Mapping[str, np.ndarray],
+               idx: np.ndarray, config: Mapping[str, Any],
+               timeout: float | None = None) -> tuple[dict, dict]:
   """Trains with upstream kfac-jax in a subprocess; returns (report, final params tree).
 
-  Only the images that `idx` uses are sent (`batches` index into them), so a short run does not
-  write the whole training set to disk.
+  `images` is the example pool: an array (the batch is `images[idx[t]]`) or a dict of arrays
+  with a common first axis (the batch is `{k: v[idx[t]]}`). Only the examples that `idx` uses
+  are sent (`batches` index into them), so a short run does not write the whole training set to
+  disk.
   """
   used, inverse = np.unique(idx, return_inverse=True)
+  if isinstance(images, Mapping):
+    pool = {f"data:{k}": np.asarray(v)[used] for k, v in images.items()}
+  else:
+    pool = {"images": np.asarray(images[used], np.float32)}
   with tempfile.TemporaryDirectory(prefix="kfac_upstream_") as tmp:
     inputs = os.path.join(tmp, "inputs.npz")
-    np.savez(inputs, images=np.asarray(images[used], np.float32),
-             batches=inverse.reshape(idx.shape).astype(np.int64), **flatten_params(params))
+    np.savez(inputs, batches=inverse.reshape(idx.shape).astype(np.int64), **pool,
+             **flatten_params(params))
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path, "w") as f:
       json.dump(dict(config), f)
