@@ -340,12 +340,14 @@ def run_upstream(workload: Workload, args, steps_total: int) -> Run | dict:
     print(f"running upstream kfac-jax ({python}) ...", flush=True)
     report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx,
                                        config)
-  except (RuntimeError, FileNotFoundError, OSError) as e:
-    msg = str(e).strip().splitlines()
-    # The worker's last line is the exception itself; keep it and say where the rest is.
-    last = next((ln for ln in reversed(msg) if ln.strip()), repr(e))
+  except compare.UpstreamFailed as e:
     print(f"upstream failed:\n{e}", flush=True)
-    return {"optimizer": UPSTREAM_NAME, "family": "upstream", "error": last.strip()}
+    return {"optimizer": UPSTREAM_NAME, "family": "upstream",
+            "error": e.exception or "the worker failed (see the log above)",
+            "registrations": e.registrations}
+  except (RuntimeError, OSError) as e:  # No venv, or it could not be created.
+    print(f"upstream failed:\n{e}", flush=True)
+    return {"optimizer": UPSTREAM_NAME, "family": "upstream", "error": str(e).splitlines()[0]}
   final_loss = workload.eval_fn(jax.tree.map(jnp.asarray, final))
   summary = compare.summarize(
       report["optimizer"], report["step_times_s"], report["losses"], args.warmup,
@@ -500,12 +502,14 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
         f"{rows[0].get('peak_source')}; target = the tuned Adam's final training loss "
         f"(minibatch, trailing mean of {window}); seconds exclude compilation and the first "
         "step's one-off costs.")
+  ours = registrations(workload)
+  print(f"kfac_jax layer registrations: {_count(ours)}{_odd(ours)}.")
   if isinstance(upstream, Run):
     u = upstream.summary
     print(f"{u['optimizer']} (jax {u['upstream_env']['jax']}, own venv): compile = min first "
           f"step minus the {u['compile_baseline']}; its layer registrations: "
-          f"{_count(u['registrations'])}.")
-  out = {"env": env, "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
+          f"{_count(u['registrations'])}{_odd(u['registrations'])}.")
+  out = {"env": env, "kfac_jax_registrations": ours, "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
          "adam_grid": grid, "adam_tuned": tuned["optimizer"], "target_loss": target,
          "target_window": window, "results": rows, "adam_grid_results":
          [r.summary for r in adam], "ratios": dict(ratio_rows),
@@ -525,11 +529,27 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
   return out
 
 
-def _count(kinds: Sequence[str]) -> str:
+def registrations(workload: Workload) -> list[dict]:
+  """kfac_jax's layers for the workload, in the worker's format (`{"kind", "params"}`)."""
+  example = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  specs = kfac_jax.scan_layers(workload.loss_fn, workload.params0, example)
+  return [{"kind": s.kind + ("" if s.num_uses == 1 else f" ({s.num_uses} uses)"),
+           "params": list(s.param_paths)} for s in specs]
+
+
+def _count(regs: Sequence[Mapping[str, Any]]) -> str:
   counts: dict[str, int] = {}
-  for k in kinds:
-    counts[k] = counts.get(k, 0) + 1
+  for r in regs:
+    counts[r["kind"]] = counts.get(r["kind"], 0) + 1
   return ", ".join(f"{n} {k}" for k, n in counts.items()) or "none"
+
+
+def _odd(regs: Sequence[Mapping[str, Any]]) -> str:
+  """The parameters of generic / embedding / multi-use registrations (the interesting ones)."""
+  odd = [f"{'+'.join(r['params'])} as {r['kind']}" for r in regs
+         if not r["kind"].split(" ")[0] in ("dense", "conv", "conv2d", "scale_and_shift",
+                                            "repeated_dense")]
+  return "" if not odd else " (" + "; ".join(odd) + ")"
 
 
 def _json_default(x):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,33 @@ def ensure_venv(python: str | None) -> str:
   return proc.stdout.strip().splitlines()[-1]
 
 
+class UpstreamFailed(RuntimeError):
+  """The worker exited with an error: `exception` is its exception line (e.g. `ValueError:
+  ...`), `registrations` upstream's layer registrations if it got that far."""
+
+  def __init__(self, returncode: int, tail: str, exception: str | None,
+               registrations: str | None):
+    super().__init__(f"the upstream worker failed (exit {returncode}):\n{tail}")
+    self.exception = exception
+    self.registrations = registrations
+
+
+def exception_line(stderr: str) -> str | None:
+  """The last `SomeError: message` line of a Python traceback (None if there is none)."""
+  for line in reversed(stderr.splitlines()):
+    if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line.strip()):
+      return line.strip()
+  return None
+
+
+def registrations_line(stdout: str) -> str | None:
+  """The worker's `upstream registrations: [...]` line, without the label."""
+  for line in stdout.splitlines():
+    if line.startswith("upstream registrations:"):
+      return line[len("upstream registrations:"):].strip()
+  return None
+
+
 def run_worker(python: str, params, images: np.ndarray | Mapping[str, np.ndarray],
                idx: np.ndarray, config: Mapping[str, Any],
                timeout: float | None = None) -> tuple[dict, dict]:
@@ -100,7 +128,8 @@ def run_worker(python: str, params, images: np.ndarray | Mapping[str, np.ndarray
                           capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
       tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-      raise RuntimeError(f"the upstream worker failed (exit {proc.returncode}):\n{tail}")
+      raise UpstreamFailed(proc.returncode, tail, exception_line(proc.stderr),
+                           registrations_line(proc.stdout))
     with open(os.path.join(tmp, "result.json")) as f:
       report = json.load(f)
     with np.load(os.path.join(tmp, "final_params.npz")) as z:

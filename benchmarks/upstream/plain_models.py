@@ -3,8 +3,9 @@
 Each function computes exactly what the Flax model of the same name computes in
 `examples/autoencoder.py`, `examples/cnn.py` and `examples/transformer_lm.py`, on the same
 parameter tree (Flax names, `[in, out]` kernels), written the way a plain-jax user would write it:
-`x @ kernel + bias`, `lax.conv_general_dilated`, `einsum` for the attention projections, an index
-into the embedding table and `x @ table.T` for the tied output. Upstream's graph matcher sees
+`x @ kernel + bias`, `lax.conv_general_dilated`, an index into the embedding table and
+`x @ table.T` for the tied output. The attention projections take their kernels as 2-D matrices
+(`attention_to_2d`; the worker converts the parameters on the way in and back on the way out). Upstream's graph matcher sees
 these jaxprs, so what it registers is what it would register for such a user.
 `tests/test_benchmark_harness.py` checks them against the Flax models.
 
@@ -58,31 +59,80 @@ def cnn(params: Mapping[str, Any], x: jax.Array, num_convs: int):
   return x @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
 
 
-def _attention(p: Mapping[str, Any], x: jax.Array) -> jax.Array:
-  """Causal multi-head self-attention with Flax's `[d, heads, head_dim]` projection kernels."""
-  q = jnp.einsum("bld,dhk->blhk", x, p["query"]["kernel"]) + p["query"]["bias"]
-  k = jnp.einsum("bld,dhk->blhk", x, p["key"]["kernel"]) + p["key"]["bias"]
-  v = jnp.einsum("bld,dhk->blhk", x, p["value"]["kernel"]) + p["value"]["bias"]
+def attention_to_2d(params: Mapping[str, Any]) -> dict:
+  """Flax's attention projections `[d, heads, head_dim]` / `[heads, head_dim, d]` as 2-D
+  `[d, heads·head_dim]` / `[heads·head_dim, d]` matrices (biases flattened alike).
+
+  The plain-jax Transformer computes its projections as `x @ W + b` on these, the form a
+  plain-jax user writes and upstream's dense matcher handles (its repeated-dense block assumes
+  one output feature axis). Same numbers, same Kronecker factors (d and heads·head_dim).
+  """
+  def convert(tree, name=""):
+    if not isinstance(tree, Mapping):
+      return tree
+    if name.startswith("MultiHeadDotProductAttention"):
+      out = {}
+      for proj, p in tree.items():
+        k, b = np.asarray(p["kernel"]), np.asarray(p["bias"])
+        if proj == "out":
+          out[proj] = {"kernel": k.reshape(-1, k.shape[-1]), "bias": b}
+        else:
+          out[proj] = {"kernel": k.reshape(k.shape[0], -1), "bias": b.reshape(-1)}
+      return out
+    return {k: convert(v, k) for k, v in tree.items()}
+  return convert(params)
+
+
+def attention_from_2d(params: Mapping[str, Any], heads: int) -> dict:
+  """The inverse of `attention_to_2d` for `heads` attention heads."""
+  def convert(tree, name=""):
+    if not isinstance(tree, Mapping):
+      return tree
+    if name.startswith("MultiHeadDotProductAttention"):
+      out = {}
+      for proj, p in tree.items():
+        k, b = np.asarray(p["kernel"]), np.asarray(p["bias"])
+        if proj == "out":
+          out[proj] = {"kernel": k.reshape(heads, -1, k.shape[-1]), "bias": b}
+        else:
+          out[proj] = {"kernel": k.reshape(k.shape[0], heads, -1), "bias": b.reshape(heads, -1)}
+      return out
+    return {k: convert(v, k) for k, v in tree.items()}
+  return convert(params)
+
+
+def _attention(p: Mapping[str, Any], x: jax.Array, heads: int) -> jax.Array:
+  """Causal multi-head self-attention on the 2-D projections of `attention_to_2d`."""
+  b, length, _ = x.shape
+  split = lambda y: y.reshape(b, length, heads, -1)  # noqa: E731
+  q = split(x @ p["query"]["kernel"] + p["query"]["bias"])
+  k = split(x @ p["key"]["kernel"] + p["key"]["bias"])
+  v = split(x @ p["value"]["kernel"] + p["value"]["bias"])
   q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
   logits = jnp.einsum("bqhk,bshk->bhqs", q, k)
-  length = x.shape[1]
   causal = np.tril(np.ones((length, length), bool))
   logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
   weights = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bhqs,bshk->bqhk", weights, v)
-  return jnp.einsum("bqhk,hkd->bqd", out, p["out"]["kernel"]) + p["out"]["bias"]
+  out = jnp.einsum("bhqs,bshk->bqhk", weights, v).reshape(b, length, -1)
+  return out @ p["out"]["kernel"] + p["out"]["bias"]
 
 
-def transformer(params: Mapping[str, Any], ids: jax.Array, num_layers: int):
-  """Pre-LayerNorm blocks (attention, then a gelu MLP), tied output `x @ embedding.T`."""
+def transformer(params: Mapping[str, Any], ids: jax.Array, num_layers: int, heads: int):
+  """Pre-LayerNorm blocks (attention, then a gelu MLP), tied output `x @ embedding.T`.
+
+  `params` in the layout of `attention_to_2d`.
+  """
   p = params["params"]
   table = p["Embed_0"]["embedding"]
   x = table[ids] + p["pos"][:ids.shape[1]]
   for i in range(num_layers):
     blk = p[f"Block_{i}"]
-    x = x + _attention(blk["MultiHeadDotProductAttention_0"], layer_norm(blk["LayerNorm_0"], x))
+    x = x + _attention(blk["MultiHeadDotProductAttention_0"], layer_norm(blk["LayerNorm_0"], x),
+                       heads)
     h = layer_norm(blk["LayerNorm_1"], x) @ blk["Dense_0"]["kernel"] + blk["Dense_0"]["bias"]
-    x = x + jax.nn.gelu(h, approximate=True) @ blk["Dense_1"]["kernel"] + blk["Dense_1"]["bias"]
+    # Parenthesised as in Flax: the bias belongs to the dense output, not to the residual sum.
+    x = x + (jax.nn.gelu(h, approximate=True) @ blk["Dense_1"]["kernel"]
+             + blk["Dense_1"]["bias"])
   return layer_norm(p["LayerNorm_0"], x) @ table.T
 
 
@@ -94,6 +144,6 @@ def apply(config: Mapping[str, Any], params, inputs):
   if model == "cnn":
     return cnn(params, inputs, config["num_convs"])
   if model == "transformer":
-    return transformer(params, inputs, config["num_layers"])
+    return transformer(params, inputs, config["num_layers"], config["heads"])
   raise ValueError(f"config['model'] must be 'autoencoder', 'cnn' or 'transformer', got "
                    f"{model!r}.")

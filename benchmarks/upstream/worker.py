@@ -130,13 +130,17 @@ def _peak_bytes():
   return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def layer_registrations(loss_fn, params, batch) -> list[str]:
-  """Layer kinds upstream's graph matcher assigns (one entry per layer tag), via its public
-  `auto_register_tags`."""
+def layer_registrations(loss_fn, params, batch) -> list[dict]:
+  """What upstream's graph matcher registers, via its public `auto_register_tags`: one
+  `{"kind": variant, "params": [parameter paths]}` per layer tag, in graph order."""
   tagged = kfac_jax.auto_register_tags(loss_fn, (params, batch))
-  jaxpr = jax.make_jaxpr(tagged)(params, batch)
-  return [str(e.params["meta"].variant) for e in jaxpr.jaxpr.eqns
-          if e.primitive.name == "layer_tag"]
+  jaxpr = jax.make_jaxpr(tagged)(params, batch).jaxpr
+  leaves = jax.tree_util.tree_flatten_with_path((params, batch))[0]
+  names = {v: "/".join(str(getattr(k, "key", k)) for k in path[1:])
+           for v, (path, _) in zip(jaxpr.invars, leaves)}
+  return [{"kind": str(e.params["meta"].variant),
+           "params": [names[v] for v in e.invars if v in names]}
+          for e in jaxpr.eqns if e.primitive.name == "layer_tag"]
 
 
 def make_optimizer(loss_fn, cfg):
@@ -170,13 +174,17 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
     pool = {k[len("data:"):]: np.asarray(data[k]) for k in data.files if k.startswith("data:")}
   batches = np.asarray(data["batches"])
   params0 = _load_params(data)
+  if cfg.get("model") == "transformer":
+    params0 = jax.tree_util.tree_map(jnp.asarray, plain_models.attention_to_2d(params0))
   loss_fn = make_loss_fn(cfg)
   example = jax.tree_util.tree_map(jnp.asarray, _batch(pool, batches[0]))
 
   registrations = layer_registrations(loss_fn, params0, example)
+  print(f"upstream registrations: {json.dumps(registrations)}", flush=True)
   want = len(cfg.get("activations", ()))
-  if cfg.get("model", "autoencoder") == "autoencoder" and registrations != ["dense"] * want:
-    raise RuntimeError(f"upstream's graph matcher registered {registrations}, expected {want} "
+  kinds = [r["kind"] for r in registrations]
+  if cfg.get("model", "autoencoder") == "autoencoder" and kinds != ["dense"] * want:
+    raise RuntimeError(f"upstream's graph matcher registered {kinds}, expected {want} "
                        "dense layers; the comparison would not be K-FAC on every layer.")
 
   jax.jit(lambda x: x + 1).lower(1.0).compile()  # One-off JIT start-up, as in the parent.
@@ -213,6 +221,8 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
     jax.block_until_ready((params, state, stats))
     times.append(time.perf_counter() - t0)
     losses.append(float(stats["loss"]))
+  if cfg.get("model") == "transformer":
+    params = plain_models.attention_from_2d(params, cfg["heads"])
   np.savez(os.path.join(out_dir, "final_params.npz"), **_flatten(params))
   peak_bytes = _peak_bytes()
 
