@@ -510,7 +510,8 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
           f"step minus the {u['compile_baseline']}; its layer registrations: "
           f"{_count(u['registrations'])}{_odd(u['registrations'])}.")
   out = {"env": env, "kfac_jax_registrations": ours, "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
-         "adam_grid": grid, "adam_tuned": tuned["optimizer"], "target_loss": target,
+         "adam_grid": grid, "adam_tuned": tuned["optimizer"], "adam_tuned_run": best.name,
+         "target_loss": target,
          "target_window": window, "results": rows, "adam_grid_results":
          [r.summary for r in adam], "ratios": dict(ratio_rows),
          "curves": {r.name: {"losses": [float(x) for x in r.losses],
