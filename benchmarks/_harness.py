@@ -477,7 +477,8 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
     r.summary["time_to_target"] = hit
     r.summary["time_to_target_s"] = None if hit is None else hit[1]
 
-  tuned = dict(best.summary, optimizer=f"Adam (tuned, lr={grid[adam.index(best)]['learning_rate']:g})")
+  best_lr = best.summary["hyperparameters"]["learning_rate"]
+  tuned = dict(best.summary, optimizer=f"Adam (tuned, lr={best_lr:g})")
   others = [r.summary for r in runs if r.summary["family"] != "adam"]
   rows = [tuned, *others] + ([upstream.summary if isinstance(upstream, Run) else upstream]
                              if upstream is not None else [])
@@ -496,7 +497,7 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
   print()
   print("Adam grid (final loss per learning rate): " + ", ".join(
       f"lr={g['learning_rate']:g}: {_fmt(g['final_eval_loss'], '.4g')}" for g in grid)
-        + f"; tuned = lr={grid[adam.index(best)]['learning_rate']:g}")
+        + f"; tuned = lr={best_lr:g}")
   print(f"loss = {workload.eval_description}; compile = min over {args.compile_repeats} of "
         "jax.jit(step).lower(...).compile(); steps exclude compilation; peak memory = "
         f"{rows[0].get('peak_source')}; target = the tuned Adam's final training loss "
@@ -509,7 +510,8 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
     print(f"{u['optimizer']} (jax {u['upstream_env']['jax']}, own venv): compile = min first "
           f"step minus the {u['compile_baseline']}; its layer registrations: "
           f"{_count(u['registrations'])}{_odd(u['registrations'])}.")
-  out = {"env": env, "kfac_jax_registrations": ours, "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
+  out = {"env": env, "kfac_jax_registrations": ours,
+         "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
          "adam_grid": grid, "adam_tuned": tuned["optimizer"], "adam_tuned_run": best.name,
          "target_loss": target,
          "target_window": window, "results": rows, "adam_grid_results":
@@ -548,7 +550,7 @@ def _count(regs: Sequence[Mapping[str, Any]]) -> str:
 def _odd(regs: Sequence[Mapping[str, Any]]) -> str:
   """The parameters of generic / embedding / multi-use registrations (the interesting ones)."""
   odd = [f"{'+'.join(r['params'])} as {r['kind']}" for r in regs
-         if not r["kind"].split(" ")[0] in ("dense", "conv", "conv2d", "scale_and_shift",
+         if r["kind"].split(" ")[0] not in ("dense", "conv", "conv2d", "scale_and_shift",
                                             "repeated_dense")]
   return "" if not odd else " (" + "; ".join(odd) + ")"
 

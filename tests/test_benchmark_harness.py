@@ -85,7 +85,8 @@ def test_ratios_and_table():
   assert lines[0].endswith("| loss after 10 steps | steps to 1.25 | seconds to 1.25 |")
   assert lines[2] == ("| Adam (tuned, lr=0.001) | 0.10 | 1.00 | 10.0 | 12.0 | 2.0 | 1.00 | 2 "
                       "| 9 | 3.00 |")
-  assert lines[3] == "| kfac_jax (optax) | 0.10 | 3.00 | 25.0 | 30.0 | <=6.0 | 4.00 | 1.5 | 4 | 1.50 |"
+  assert lines[3] == ("| kfac_jax (optax) | 0.10 | 3.00 | 25.0 | 30.0 | <=6.0 | 4.00 | 1.5 | 4 "
+                      "| 1.50 |")
   assert lines[4].endswith("| n/a | 1.00 | 2 | not reached | not reached |")
   assert lines[5].startswith("| upstream | failed: ValueError: shapes a / b |")
   assert lines[6] == ("| **kfac_jax (optax) / Adam (tuned)** | | 3.00x | 2.50x | 2.50x | "
@@ -227,7 +228,8 @@ def test_transformer_benchmark_quick(tmp_path):
   report, stdout, output = _run(tmp_path, "transformer.py", "--steps", "3", "--adam-lrs",
                                 "3e-3,1e-2")
   _check_report(report, stdout, output, _ALL, [3e-3, 1e-2])
-  tied = [r for r in report["kfac_jax_registrations"] if r["params"] == ["params/Embed_0/embedding"]]
+  tied = [r for r in report["kfac_jax_registrations"]
+          if r["params"] == ["params/Embed_0/embedding"]]
   assert [r["kind"] for r in tied] == ["embedding (2 uses)"], report["kfac_jax_registrations"]
 
 

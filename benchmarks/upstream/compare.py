@@ -1,9 +1,10 @@
-"""Parent-side helpers for the upstream kfac-jax contestant of `benchmarks/autoencoder.py`.
+"""Parent-side helpers for the upstream kfac-jax contestant of the benchmarks.
 
 `run_worker` writes the inputs, starts `worker.py` in the upstream virtualenv and reads its
-report back. The rest is pure Python + numpy (no JAX, no upstream package), so it is unit-tested
-in `tests/test_benchmark_upstream.py`: per-run summaries, ratios, "time to reach a loss", and the
-Markdown table the benchmark prints.
+report back (or raises `UpstreamFailed` with the worker's exception line). The rest is pure
+Python + numpy (no JAX, no upstream package), used by `benchmarks/_harness.py` for every
+contestant and unit-tested in `tests/test_benchmark_upstream.py`: per-run summaries, loss
+smoothing, "time to reach a loss", the curves' time axis and the plot.
 """
 
 from __future__ import annotations
@@ -161,17 +162,6 @@ def summarize(name: str, step_times: Sequence[float], losses: Sequence[float], w
   return out
 
 
-def ratios(num: Mapping[str, Any], den: Mapping[str, Any]) -> dict[str, float]:
-  """`num / den` for median step, mean step, compile time and final evaluation loss."""
-  keys = {"median_step": "median_step_ms", "mean_step": "mean_step_ms", "compile": "compile_s",
-          "loss": "final_eval_loss"}
-  out = {}
-  for name, key in keys.items():
-    a, b = num.get(key), den.get(key)
-    out[name] = float(a) / float(b) if a is not None and b not in (None, 0) else float("nan")
-  return out
-
-
 def smoothed(losses: Sequence[float], window: int) -> np.ndarray:
   """Trailing moving average: entry t is the mean of losses[max(0, t-window+1) : t+1]."""
   if window < 1:
@@ -245,36 +235,3 @@ def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], o
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   fig.savefig(out, dpi=110)
   plt.close(fig)
-
-
-# -- Markdown --------------------------------------------------------------------------------------
-
-def markdown_table(results: Sequence[Mapping[str, Any]],
-                   ratio_rows: Sequence[tuple[str, Mapping[str, float]]],
-                   total_steps: int) -> str:
-  """The benchmark's table: one row per optimizer, then one row per `(label, ratios)`."""
-  lines = [(f"| optimizer | setup (s) | compile (s) | median step (ms) | mean step (ms) | "
-            f"loss after {total_steps} steps |"),
-           "|---|---:|---:|---:|---:|---:|"]
-  for r in results:
-    loss = f"{r['final_eval_loss']:.2f}" + ("" if r["finite"] else " (non-finite)")
-    lines.append(f"| {r['optimizer']} | {r['setup_s']:.2f} | {r['compile_s']:.2f} | "
-                 f"{r['median_step_ms']:.1f} | {r['mean_step_ms']:.1f} | {loss} |")
-  for label, q in ratio_rows:
-    loss = f"{q['loss']:.3f}x" if "loss" in q else ""
-    lines.append(f"| **{label}** | | {q['compile']:.2f}x | {q['median_step']:.2f}x | "
-                 f"{q['mean_step']:.2f}x | {loss} |")
-  return "\n".join(lines)
-
-
-def reach_lines(target_name: str, target: float, reached: Mapping[str, tuple[int, float] | None],
-                window: int) -> list[str]:
-  """Sentences for "time to reach `target`" per optimizer (None: not reached)."""
-  smoothing = "unsmoothed" if window == 1 else f"trailing mean of {window} steps"
-  out = [(f"time to reach {target_name}'s final training loss {target:.2f} (minibatch loss, "
-          f"{smoothing}; seconds of training steps, first step's one-off costs and compilation "
-          "excluded):")]
-  for name, hit in reached.items():
-    out.append(f"- {name}: " + ("not reached" if hit is None else
-                                 f"step {hit[0]}, {hit[1]:.2f} s"))
-  return out

@@ -5,8 +5,9 @@ Each function computes exactly what the Flax model of the same name computes in
 parameter tree (Flax names, `[in, out]` kernels), written the way a plain-jax user would write it:
 `x @ kernel + bias`, `lax.conv_general_dilated`, an index into the embedding table and
 `x @ table.T` for the tied output. The attention projections take their kernels as 2-D matrices
-(`attention_to_2d`; the worker converts the parameters on the way in and back on the way out). Upstream's graph matcher sees
-these jaxprs, so what it registers is what it would register for such a user.
+(`attention_to_2d`; the worker converts the parameters on the way in and back on the way out).
+Upstream's graph matcher sees these jaxprs, so what it registers is what it would register for
+such a user.
 `tests/test_benchmark_harness.py` checks them against the Flax models.
 
 Imports only jax and numpy: this module is loaded by the worker in upstream's venv and by the
