@@ -442,6 +442,46 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
                      *(sys.argv[1:] if argv is None else argv)])
 
 
+def compare_runs(runs: Sequence[Run], upstream: Run | dict | None, reach_window: int,
+                 total_steps: int) -> dict:
+  """Picks the tuned Adam, the target loss and each run's time to it; builds rows and ratios.
+
+  The tuned Adam is the grid run with the lowest finite final evaluation loss. The target is
+  its final training loss, smoothed by a trailing mean of `reach_window` steps (at most a
+  tenth of the run). Mutates each run's summary (`time_to_target`, `time_to_target_s`) and
+  returns `best` (the Run), `grid`, `tuned` (its row), `rows` (tuned Adam, the other
+  contestants, upstream or its error row), `ratio_rows`, `curves`, `target`, `window`.
+  """
+  adam = [r for r in runs if r.summary["family"] == "adam"]
+  if not adam:
+    raise ValueError("compare_runs needs at least one Adam run (family 'adam'), got the "
+                     f"families {[r.summary['family'] for r in runs]}.")
+  finite = [r for r in adam if math.isfinite(r.summary["final_eval_loss"])]
+  best = min(finite or adam, key=lambda r: r.summary["final_eval_loss"])
+  grid = [{"learning_rate": r.summary["hyperparameters"]["learning_rate"],
+           "final_eval_loss": r.summary["final_eval_loss"]} for r in adam]
+  all_runs = list(runs) + ([upstream] if isinstance(upstream, Run) else [])
+  curves = {r.name: (r.losses, compare.curve_times(r.step_times, r.period)) for r in all_runs}
+  window = max(1, min(reach_window, total_steps // 10))
+  target = float(compare.smoothed(best.losses, window)[-1])
+  for r in all_runs:
+    hit = compare.time_to_reach(*curves[r.name], target, window)
+    r.summary["time_to_target"] = hit
+    r.summary["time_to_target_s"] = None if hit is None else hit[1]
+  best_lr = best.summary["hyperparameters"]["learning_rate"]
+  tuned = dict(best.summary, optimizer=f"Adam (tuned, lr={best_lr:g})")
+  others = [r.summary for r in runs if r.summary["family"] != "adam"]
+  rows = [tuned, *others] + ([upstream.summary if isinstance(upstream, Run) else upstream]
+                             if upstream is not None else [])
+  ratio_rows = [(f"{r['optimizer']} / Adam (tuned)", ratios(r, tuned))
+                for r in rows[1:] if "error" not in r]
+  if isinstance(upstream, Run):
+    ratio_rows += [(f"{r['optimizer']} / upstream", ratios(r, upstream.summary))
+                   for r in others if r["family"] in ("kfac", "kfac_optimizer")]
+  return {"best": best, "grid": grid, "tuned": tuned, "rows": rows, "ratio_rows": ratio_rows,
+          "curves": curves, "target": target, "window": window}
+
+
 def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
                   command: str) -> dict:
   """Runs everything, prints the report, writes JSON / PNG; returns the JSON object."""
@@ -462,31 +502,13 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
     else:
       upstream = run_upstream(workload, args, total)
 
-  adam = [r for r in runs if r.summary["family"] == "adam"]
-  finite = [r for r in adam if math.isfinite(r.summary["final_eval_loss"])]
-  best = min(finite or adam, key=lambda r: (not math.isfinite(r.summary["final_eval_loss"]),
-                                            r.summary["final_eval_loss"]))
-  grid = [{"learning_rate": r.summary["hyperparameters"]["learning_rate"],
-           "final_eval_loss": r.summary["final_eval_loss"]} for r in adam]
-  all_runs = runs + ([upstream] if isinstance(upstream, Run) else [])
-  curves = {r.name: (r.losses, compare.curve_times(r.step_times, r.period)) for r in all_runs}
-  window = max(1, min(args.reach_window, total // 10))
-  target = float(compare.smoothed(best.losses, window)[-1])
-  for r in all_runs:
-    hit = compare.time_to_reach(*curves[r.name], target, window)
-    r.summary["time_to_target"] = hit
-    r.summary["time_to_target_s"] = None if hit is None else hit[1]
-
+  rep = compare_runs(runs, upstream, args.reach_window, total)
+  best, grid, tuned, rows = rep["best"], rep["grid"], rep["tuned"], rep["rows"]
+  ratio_rows, curves, target, window = (rep["ratio_rows"], rep["curves"], rep["target"],
+                                        rep["window"])
   best_lr = best.summary["hyperparameters"]["learning_rate"]
-  tuned = dict(best.summary, optimizer=f"Adam (tuned, lr={best_lr:g})")
-  others = [r.summary for r in runs if r.summary["family"] != "adam"]
-  rows = [tuned, *others] + ([upstream.summary if isinstance(upstream, Run) else upstream]
-                             if upstream is not None else [])
-  ratio_rows = [(f"{r['optimizer']} / Adam (tuned)", ratios(r, tuned))
-                for r in rows[1:] if "error" not in r]
-  if isinstance(upstream, Run):
-    ratio_rows += [(f"{r['optimizer']} / upstream", ratios(r, upstream.summary))
-                   for r in others if r["family"] in ("kfac", "kfac_optimizer")]
+  adam = [r for r in runs if r.summary["family"] == "adam"]
+  all_runs = runs + ([upstream] if isinstance(upstream, Run) else [])
   env = environment(command, workload)
   print()
   print(f"jax {env['jax']} on {env['device']} ({env['cpu_count']} CPUs), Python "

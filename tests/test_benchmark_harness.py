@@ -7,6 +7,7 @@ The upstream runs need kfac-jax 0.0.8 in its own venv (`.venv-upstream/`, or the
 `$KFAC_UPSTREAM_PYTHON`) and are skipped without one.
 """
 
+import argparse
 import json
 import math
 import os
@@ -91,6 +92,40 @@ def test_ratios_and_table():
   assert lines[5].startswith("| upstream | failed: ValueError: shapes a / b |")
   assert lines[6] == ("| **kfac_jax (optax) / Adam (tuned)** | | 3.00x | 2.50x | 2.50x | "
                       "3.00x | 4.00x | 0.750x | | 0.50x |")
+
+
+def _fake_run(name, family, losses, times, final, lr=None):
+  summary = {"optimizer": name, "family": family, "final_eval_loss": final,
+             "hyperparameters": {} if lr is None else {"learning_rate": lr},
+             "compile_s": 1.0, "median_step_ms": 1.0, "mean_step_ms": 1.0}
+  return _harness.Run(name, np.asarray(losses, float), np.asarray(times, float), 1, summary)
+
+
+def test_compare_runs_picks_tuned_adam_and_times_to_its_loss():
+  runs = [
+      _fake_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
+      _fake_run("Adam lr=0.001", "adam", [10, 9, 8, 7], [5, 2, 2, 2], 7.0, lr=0.001),
+      _fake_run("Adam lr=1", "adam", [10, float("nan")] * 2, [5, 2, 2, 2], float("nan"), lr=1.0),
+      _fake_run("SGD+momentum", "sgd", [10, 9.5, 9, 8.5], [1, 1, 1, 1], 8.0),
+      _fake_run("kfac_jax (optax)", "kfac", [10, 5, 4, 3], [9, 1, 1, 1], 2.5),
+  ]
+  failed = {"optimizer": "up", "family": "upstream", "error": "ValueError: no"}
+  rep = _harness.compare_runs(runs, failed, reach_window=5, total_steps=4)
+  assert rep["best"] is runs[0] and rep["tuned"]["optimizer"] == "Adam (tuned, lr=0.01)"
+  assert [g["learning_rate"] for g in rep["grid"]] == [0.01, 0.001, 1.0]
+  assert rep["window"] == 1 and rep["target"] == 5.0  # 4 steps: no smoothing
+  # Adam reaches 5 at step 3; its first step (5 s) counts as a typical one (2 s): 6 s.
+  assert rep["tuned"]["time_to_target"] == (3, 6.0)
+  assert runs[4].summary["time_to_target"] == (1, 1.0)  # K-FAC: step 1, after 1 s
+  assert runs[3].summary["time_to_target"] is None  # SGD never gets there
+  assert [r["optimizer"] for r in rep["rows"]] == [
+      "Adam (tuned, lr=0.01)", "SGD+momentum", "kfac_jax (optax)", "up"]
+  labels = [label for label, _ in rep["ratio_rows"]]
+  assert labels == ["SGD+momentum / Adam (tuned)", "kfac_jax (optax) / Adam (tuned)"]
+  assert rep["ratio_rows"][1][1]["time_to_target"] == pytest.approx(1 / 6)
+  assert rep["ratio_rows"][1][1]["loss"] == pytest.approx(2.5 / 5.5)
+  with pytest.raises(ValueError, match="needs at least one Adam run"):
+    _harness.compare_runs(runs[3:], None, reach_window=5, total_steps=4)
 
 
 def test_worker_output_parsing():
@@ -250,15 +285,22 @@ def test_bad_flags_are_named(capsys):
                                                                             [3e-4, 1e-3, 3e-3])
 
 
-def test_upstream_failure_is_a_table_row(tmp_path):
-  """A missing upstream interpreter gives a `failed:` row with the reason, never a number."""
-  report, stdout, output = _run(tmp_path, "autoencoder.py", "--steps", "2", "--adam-lrs", "1e-3",
-                                "--no-sgd", "--no-optimizer", "--with-upstream",
-                                "--upstream-python", str(tmp_path / "missing" / "python"))
-  row = report["results"][-1]
-  assert row["optimizer"] == _harness.UPSTREAM_NAME and "does not exist" in row["error"], row
-  assert f"| {_harness.UPSTREAM_NAME} | failed: --upstream-python" in stdout, output
-  assert not any("upstream" in k for k in report["ratios"]), report["ratios"]
+def test_upstream_failure_is_a_row_with_the_reason(tmp_path):
+  """A missing upstream interpreter gives an error row (the table prints `failed: ...`)."""
+  params = {"params": {"dense_0": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)}}}
+  workload = _harness.Workload(
+      name="tiny", description="", loss_fn=None, params0=params,
+      batch_at=lambda t: np.zeros((1, 2), np.float32), eval_fn=lambda p: 0.0,
+      eval_description="", upstream={"model": "autoencoder", "activations": ["linear"]},
+      upstream_data=lambda steps: (np.zeros((1, 2), np.float32), np.zeros((steps, 1), int)))
+  missing = str(tmp_path / "missing" / "python")
+  args = argparse.Namespace(upstream_python=missing, kfac_lr=0.1, kfac_momentum=0.9, damping=1.0,
+                            ema_decay=0.95, inverse_every=5, seed=0, compile_repeats=1)
+  row = _harness.run_upstream(workload, args, 2)
+  assert row["optimizer"] == _harness.UPSTREAM_NAME and row["family"] == "upstream", row
+  assert f"--upstream-python {missing!r} does not exist" in row["error"], row
+  table = _harness.markdown_table([row], [], 2, None)
+  assert f"| {_harness.UPSTREAM_NAME} | failed: --upstream-python" in table, table
 
 
 def _upstream_python():
