@@ -38,6 +38,7 @@ import os
 import platform
 import shlex
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -544,7 +545,8 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
   if args.plot:
     plot_curves = {(tuned["optimizer"] if r is best else r.name): curves[r.name]
                    for r in all_runs if r.summary["family"] != "adam" or r is best}
-    compare.plot_curves(plot_curves, args.plot, f"{workload.name}: {workload.description}")
+    title = f"{workload.name}: {workload.description.split('; data:')[0]}"
+    compare.plot_curves(plot_curves, args.plot, textwrap.fill(title, 150))
     print(f"wrote {args.plot}")
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

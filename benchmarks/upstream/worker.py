@@ -13,7 +13,7 @@ benchmarks' `--with-upstream` writes the inputs and starts it as a subprocess:
   (float32 [M, 784]: the batch is `images[idx]`, the autoencoder) or arrays `data:x`, `data:y`
   (the batch is `{"x": x[idx], "y": y[idx]}`).
 * `CONFIG.json`: `model` ("autoencoder", default, with `activations`: "tanh"/"linear" per layer
-  `dense_0 ... dense_{L-1}`; "cnn" with `num_convs`; "transformer" with `num_layers`; see
+  `dense_0 ... dense_{L-1}`; "cnn" with `num_convs`; "transformer" with `num_layers`, `heads`; see
   `plain_models.py`), `learning_rate`, `momentum`, `damping`, `ema_decay`, `inverse_every`,
   `seed`, `compile_repeats`.
 * `OUT_DIR` receives `result.json` and `final_params.npz` (same keys as the input), so the
