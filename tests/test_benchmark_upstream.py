@@ -1,11 +1,11 @@
 """Tests for the pure helpers of benchmarks/upstream/compare.py (the upstream kfac-jax contestant).
 
 None of this needs the upstream virtualenv or any network: parameter exchange format, step-time
-summaries, ratios, loss smoothing and time-to-reach, the curve time axis and the Markdown table.
+summaries, loss smoothing and time-to-reach, and the curve time axis (the table and ratios of the
+benchmarks are tested in tests/test_benchmark_harness.py).
 The last test checks that the worker refuses to run with this project's `kfac_jax`.
 """
 
-import math
 import os
 import subprocess
 import sys
@@ -51,16 +51,6 @@ def test_summarize_excludes_warmup():
     compare.summarize("x", [1.0, 1.0], [1.0, 1.0], warmup=2)
 
 
-def test_ratios():
-  num = {"median_step_ms": 30.0, "mean_step_ms": 40.0, "compile_s": 2.0, "final_eval_loss": 99.0}
-  den = {"median_step_ms": 10.0, "mean_step_ms": 20.0, "compile_s": 8.0, "final_eval_loss": 100.0}
-  q = compare.ratios(num, den)
-  assert q == pytest.approx({"median_step": 3.0, "mean_step": 2.0, "compile": 0.25,
-                             "loss": 0.99})
-  q = compare.ratios({"median_step_ms": 1.0}, {"median_step_ms": 0.0})
-  assert all(math.isnan(v) for v in q.values())
-
-
 def test_smoothed_is_trailing_mean():
   x = np.array([5.0, 1.0, 3.0, 10.0, 2.0, 4.0])
   for w in (1, 2, 3, 10):
@@ -88,37 +78,6 @@ def test_curve_times_replaces_first_step_by_same_phase_median():
   assert t[0] == 30.0  # input untouched
   np.testing.assert_allclose(compare.curve_times([30.0, 1.0, 2.0], period=5), [1.5, 1.0, 2.0])
   np.testing.assert_allclose(compare.curve_times([30.0], period=5), [30.0])
-
-
-def _row(name, loss=1.5, finite=True):
-  return {"optimizer": name, "setup_s": 0.123, "compile_s": 4.5, "median_step_ms": 211.64,
-          "mean_step_ms": 266.81, "final_eval_loss": loss, "finite": finite}
-
-
-def test_markdown_table():
-  table = compare.markdown_table(
-      [_row("kfac_jax"), _row("up", loss=float("nan"), finite=False)],
-      [("kfac/adam", {"compile": 7.2, "median_step": 2.96, "mean_step": 3.684}),
-       ("kfac_jax/upstream", {"compile": 0.5, "median_step": 1.0, "mean_step": 1.25,
-                              "loss": 0.9996})],
-      total_steps=33)
-  assert table.splitlines() == [
-      ("| optimizer | setup (s) | compile (s) | median step (ms) | mean step (ms) | "
-       "loss after 33 steps |"),
-      "|---|---:|---:|---:|---:|---:|",
-      "| kfac_jax | 0.12 | 4.50 | 211.6 | 266.8 | 1.50 |",
-      "| up | 0.12 | 4.50 | 211.6 | 266.8 | nan (non-finite) |",
-      "| **kfac/adam** | | 7.20x | 2.96x | 3.68x |  |",
-      "| **kfac_jax/upstream** | | 0.50x | 1.00x | 1.25x | 1.000x |",
-  ]
-
-
-def test_reach_lines():
-  lines = compare.reach_lines("up", 12.345, {"a": (3, 1.234), "b": None}, window=5)
-  assert lines[0].startswith("time to reach up's final training loss 12.35 (")
-  assert "trailing mean of 5 steps" in lines[0]
-  assert lines[1:] == ["- a: step 3, 1.23 s", "- b: not reached"]
-  assert "(minibatch loss, unsmoothed;" in compare.reach_lines("up", 1.0, {}, window=1)[0]
 
 
 def test_worker_refuses_this_projects_kfac_jax(tmp_path):

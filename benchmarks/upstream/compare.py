@@ -1,15 +1,17 @@
-"""Parent-side helpers for the upstream kfac-jax contestant of `benchmarks/autoencoder.py`.
+"""Parent-side helpers for the upstream kfac-jax contestant of the benchmarks.
 
 `run_worker` writes the inputs, starts `worker.py` in the upstream virtualenv and reads its
-report back. The rest is pure Python + numpy (no JAX, no upstream package), so it is unit-tested
-in `tests/test_benchmark_upstream.py`: per-run summaries, ratios, "time to reach a loss", and the
-Markdown table the benchmark prints.
+report back (or raises `UpstreamFailed` with the worker's exception line). The rest is pure
+Python + numpy (no JAX, no upstream package), used by `benchmarks/_harness.py` for every
+contestant and unit-tested in `tests/test_benchmark_upstream.py`: per-run summaries, loss
+smoothing, "time to reach a loss", the curves' time axis and the plot.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -73,18 +75,52 @@ def ensure_venv(python: str | None) -> str:
   return proc.stdout.strip().splitlines()[-1]
 
 
-def run_worker(python: str, params, images: np.ndarray, idx: np.ndarray,
-               config: Mapping[str, Any], timeout: float | None = None) -> tuple[dict, dict]:
+class UpstreamFailed(RuntimeError):
+  """The worker exited with an error: `exception` is its exception line (e.g. `ValueError:
+  ...`), `registrations` upstream's layer registrations if it got that far."""
+
+  def __init__(self, returncode: int, tail: str, exception: str | None,
+               registrations: str | None):
+    super().__init__(f"the upstream worker failed (exit {returncode}):\n{tail}")
+    self.exception = exception
+    self.registrations = registrations
+
+
+def exception_line(stderr: str) -> str | None:
+  """The last `SomeError: message` line of a Python traceback (None if there is none)."""
+  for line in reversed(stderr.splitlines()):
+    if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line.strip()):
+      return line.strip()
+  return None
+
+
+def registrations_line(stdout: str) -> str | None:
+  """The worker's `upstream registrations: [...]` line, without the label."""
+  for line in stdout.splitlines():
+    if line.startswith("upstream registrations:"):
+      return line[len("upstream registrations:"):].strip()
+  return None
+
+
+def run_worker(python: str, params, images: np.ndarray | Mapping[str, np.ndarray],
+               idx: np.ndarray, config: Mapping[str, Any],
+               timeout: float | None = None) -> tuple[dict, dict]:
   """Trains with upstream kfac-jax in a subprocess; returns (report, final params tree).
 
-  Only the images that `idx` uses are sent (`batches` index into them), so a short run does not
-  write the whole training set to disk.
+  `images` is the example pool: an array (the batch is `images[idx[t]]`) or a dict of arrays
+  with a common first axis (the batch is `{k: v[idx[t]]}`). Only the examples that `idx` uses
+  are sent (`batches` index into them), so a short run does not write the whole training set to
+  disk.
   """
   used, inverse = np.unique(idx, return_inverse=True)
+  if isinstance(images, Mapping):
+    pool = {f"data:{k}": np.asarray(v)[used] for k, v in images.items()}
+  else:
+    pool = {"images": np.asarray(images[used], np.float32)}
   with tempfile.TemporaryDirectory(prefix="kfac_upstream_") as tmp:
     inputs = os.path.join(tmp, "inputs.npz")
-    np.savez(inputs, images=np.asarray(images[used], np.float32),
-             batches=inverse.reshape(idx.shape).astype(np.int64), **flatten_params(params))
+    np.savez(inputs, batches=inverse.reshape(idx.shape).astype(np.int64), **pool,
+             **flatten_params(params))
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path, "w") as f:
       json.dump(dict(config), f)
@@ -93,7 +129,8 @@ def run_worker(python: str, params, images: np.ndarray, idx: np.ndarray,
                           capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
       tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-      raise RuntimeError(f"the upstream worker failed (exit {proc.returncode}):\n{tail}")
+      raise UpstreamFailed(proc.returncode, tail, exception_line(proc.stderr),
+                           registrations_line(proc.stdout))
     with open(os.path.join(tmp, "result.json")) as f:
       report = json.load(f)
     with np.load(os.path.join(tmp, "final_params.npz")) as z:
@@ -122,17 +159,6 @@ def summarize(name: str, step_times: Sequence[float], losses: Sequence[float], w
       "finite": bool(np.all(np.isfinite(losses))),
   }
   out.update(extra)
-  return out
-
-
-def ratios(num: Mapping[str, Any], den: Mapping[str, Any]) -> dict[str, float]:
-  """`num / den` for median step, mean step, compile time and final evaluation loss."""
-  keys = {"median_step": "median_step_ms", "mean_step": "mean_step_ms", "compile": "compile_s",
-          "loss": "final_eval_loss"}
-  out = {}
-  for name, key in keys.items():
-    a, b = num.get(key), den.get(key)
-    out[name] = float(a) / float(b) if a is not None and b not in (None, 0) else float("nan")
   return out
 
 
@@ -209,36 +235,3 @@ def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], o
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   fig.savefig(out, dpi=110)
   plt.close(fig)
-
-
-# -- Markdown --------------------------------------------------------------------------------------
-
-def markdown_table(results: Sequence[Mapping[str, Any]],
-                   ratio_rows: Sequence[tuple[str, Mapping[str, float]]],
-                   total_steps: int) -> str:
-  """The benchmark's table: one row per optimizer, then one row per `(label, ratios)`."""
-  lines = [(f"| optimizer | setup (s) | compile (s) | median step (ms) | mean step (ms) | "
-            f"loss after {total_steps} steps |"),
-           "|---|---:|---:|---:|---:|---:|"]
-  for r in results:
-    loss = f"{r['final_eval_loss']:.2f}" + ("" if r["finite"] else " (non-finite)")
-    lines.append(f"| {r['optimizer']} | {r['setup_s']:.2f} | {r['compile_s']:.2f} | "
-                 f"{r['median_step_ms']:.1f} | {r['mean_step_ms']:.1f} | {loss} |")
-  for label, q in ratio_rows:
-    loss = f"{q['loss']:.3f}x" if "loss" in q else ""
-    lines.append(f"| **{label}** | | {q['compile']:.2f}x | {q['median_step']:.2f}x | "
-                 f"{q['mean_step']:.2f}x | {loss} |")
-  return "\n".join(lines)
-
-
-def reach_lines(target_name: str, target: float, reached: Mapping[str, tuple[int, float] | None],
-                window: int) -> list[str]:
-  """Sentences for "time to reach `target`" per optimizer (None: not reached)."""
-  smoothing = "unsmoothed" if window == 1 else f"trailing mean of {window} steps"
-  out = [(f"time to reach {target_name}'s final training loss {target:.2f} (minibatch loss, "
-          f"{smoothing}; seconds of training steps, first step's one-off costs and compilation "
-          "excluded):")]
-  for name, hit in reached.items():
-    out.append(f"- {name}: " + ("not reached" if hit is None else
-                                 f"step {hit[0]}, {hit[1]:.2f} s"))
-  return out

@@ -1,19 +1,21 @@
-"""Worker: trains the benchmark autoencoder with DeepMind's kfac-jax 0.0.8 and reports JSON.
+"""Worker: trains a benchmark model with DeepMind's kfac-jax 0.0.8 and reports JSON.
 
 Runs INSIDE the upstream virtualenv (`benchmarks/upstream/setup_venv.sh`), where `import kfac_jax`
 is the upstream package (this repository's `kfac_jax` is never on `sys.path` here: the script
-only imports jax, numpy, optax and the upstream package). `benchmarks/autoencoder.py
---with-upstream` writes the inputs and starts it as a subprocess:
+only imports jax, numpy, optax, the upstream package and `plain_models.py` next to it). The
+benchmarks' `--with-upstream` writes the inputs and starts it as a subprocess:
 
     .venv-upstream/bin/python benchmarks/upstream/worker.py IN.npz CONFIG.json OUT_DIR
 
 * `IN.npz`: the initial parameters (keys `param:<path>` with `/`-joined Flax paths, e.g.
-  `param:params/dense_0/kernel`), `images` (float32 [M, 784], only the images the run uses) and
-  `batches` (int [steps, batch] indices into `images`, the same sequence the other contestants
-  see).
-* `CONFIG.json`: `activations` (one of "tanh"/"linear" per layer `dense_0 ... dense_{L-1}`),
-  `learning_rate`, `momentum`, `damping`, `ema_decay`, `inverse_every`, `seed`,
-  `compile_repeats`.
+  `param:params/dense_0/kernel`), the example pool and `batches` (int [steps, batch] indices
+  into the pool, the same sequence the other contestants see). The pool is either `images`
+  (float32 [M, 784]: the batch is `images[idx]`, the autoencoder) or arrays `data:x`, `data:y`
+  (the batch is `{"x": x[idx], "y": y[idx]}`).
+* `CONFIG.json`: `model` ("autoencoder", default, with `activations`: "tanh"/"linear" per layer
+  `dense_0 ... dense_{L-1}`; "cnn" with `num_convs`; "transformer" with `num_layers`, `heads`; see
+  `plain_models.py`), `learning_rate`, `momentum`, `damping`, `ema_decay`, `inverse_every`,
+  `seed`, `compile_repeats`.
 * `OUT_DIR` receives `result.json` and `final_params.npz` (same keys as the input), so the
   parent evaluates the final loss with exactly the code it uses for the other contestants.
 
@@ -21,9 +23,14 @@ Upstream's optimizer is configured with everything adaptive switched off: consta
 learning-rate, momentum and damping schedules, `l2_reg=0`, no burn-in, curvature statistics every
 step from one sampled-target backward pass (`estimation_mode="fisher_gradients"`), EMA decay and
 inverse period as given, pi-adjusted factored damping (its default), `multi_device=False`. The
-loss is the one the parent uses: sigmoid cross-entropy summed over pixels, mean over the batch,
-registered with `kfac_jax.register_sigmoid_cross_entropy_loss`, whose documented convention is
-exactly that normalisation.
+loss is the one the parent uses: for the autoencoder, sigmoid cross-entropy summed over pixels,
+mean over the batch, registered with `kfac_jax.register_sigmoid_cross_entropy_loss`; for the CNN,
+softmax cross-entropy averaged over the batch; for the Transformer, softmax cross-entropy summed
+over positions and averaged over the batch (both registered with
+`register_softmax_cross_entropy_loss`, whose convention is a sum over every axis but the first,
+the batch axis, averaged over that). `opt_state_bytes` is the sum of `nbytes` over the leaves of
+upstream's state after `init`; `peak_bytes` is the device's `peak_bytes_in_use` after training
+(None on CPU, which does not report it).
 
 Compile time: `Optimizer.step` has no public lower/compile; it jit-compiles on its first call.
 We report `first step wall time - median wall time of the later inverse-update steps` (step 0
@@ -47,6 +54,7 @@ import numpy as np
 import optax
 
 import kfac_jax  # The upstream package (DeepMind kfac-jax 0.0.8) in this venv.
+import plain_models  # benchmarks/upstream/plain_models.py (the script's directory is on sys.path).
 
 # This project's package has the same import name (it could come first on PYTHONPATH); it has
 # `scale_by_kfac` and no `Optimizer`.
@@ -82,30 +90,57 @@ def _flatten(tree, prefix="") -> dict:
   return out
 
 
-def make_loss_fn(activations):
-  """The benchmark's autoencoder in plain jax: `x @ kernel + bias` per layer ([in, out] kernels,
-  as in Flax), tanh or identity after each, and the registered sigmoid cross-entropy."""
+def make_loss_fn(cfg):
+  """The parent's model in plain jax (`plain_models.py`) with upstream's loss tag."""
+  model = cfg.get("model", "autoencoder")
 
   def loss_fn(params, batch):
-    x = batch
-    for i, act in enumerate(activations):
-      layer = params["params"][f"dense_{i}"]
-      x = x @ layer["kernel"] + layer["bias"]
-      if act == "tanh":
-        x = jnp.tanh(x)
-    kfac_jax.register_sigmoid_cross_entropy_loss(x, batch)
-    return optax.sigmoid_binary_cross_entropy(x, batch).sum(-1).mean()
+    if model == "autoencoder":
+      logits = plain_models.apply(cfg, params, batch)
+      kfac_jax.register_sigmoid_cross_entropy_loss(logits, batch)
+      return optax.sigmoid_binary_cross_entropy(logits, batch).sum(-1).mean()
+    logits = plain_models.apply(cfg, params, batch["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return ce.mean() if model == "cnn" else ce.sum(-1).mean()
 
   return loss_fn
 
 
-def layer_registrations(loss_fn, params, batch) -> list[str]:
-  """Layer kinds upstream's graph matcher assigns (one entry per layer tag), via its public
-  `auto_register_tags`."""
+def _batch(pool, idx):
+  if isinstance(pool, dict):
+    return {k: v[idx] for k, v in pool.items()}
+  return pool[idx]
+
+
+def _tree_bytes(tree) -> int:
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    total += int(np.asarray(leaf).nbytes)
+  return total
+
+
+def _peak_bytes():
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except Exception:  # noqa: BLE001
+    return None
+  return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def layer_registrations(loss_fn, params, batch) -> list[dict]:
+  """What upstream's graph matcher registers, via its public `auto_register_tags`: one
+  `{"kind": variant, "params": [parameter paths]}` per layer tag, in graph order."""
   tagged = kfac_jax.auto_register_tags(loss_fn, (params, batch))
-  jaxpr = jax.make_jaxpr(tagged)(params, batch)
-  return [str(e.params["meta"].variant) for e in jaxpr.jaxpr.eqns
-          if e.primitive.name == "layer_tag"]
+  jaxpr = jax.make_jaxpr(tagged)(params, batch).jaxpr
+  leaves = jax.tree_util.tree_flatten_with_path((params, batch))[0]
+  names = {v: "/".join(str(getattr(k, "key", k)) for k in path[1:])
+           for v, (path, _) in zip(jaxpr.invars, leaves)}
+  return [{"kind": str(e.params["meta"].variant),
+           "params": [names[v] for v in e.invars if v in names]}
+          for e in jaxpr.eqns if e.primitive.name == "layer_tag"]
 
 
 def make_optimizer(loss_fn, cfg):
@@ -133,16 +168,23 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
   with open(config_path) as f:
     cfg = json.load(f)
   data = np.load(inputs_path)
-  images = np.asarray(data["images"], np.float32)
+  if "images" in data.files:
+    pool = np.asarray(data["images"], np.float32)
+  else:
+    pool = {k[len("data:"):]: np.asarray(data[k]) for k in data.files if k.startswith("data:")}
   batches = np.asarray(data["batches"])
   params0 = _load_params(data)
-  loss_fn = make_loss_fn(cfg["activations"])
-  example = jnp.asarray(images[batches[0]])
+  if cfg.get("model") == "transformer":
+    params0 = jax.tree_util.tree_map(jnp.asarray, plain_models.attention_to_2d(params0))
+  loss_fn = make_loss_fn(cfg)
+  example = jax.tree_util.tree_map(jnp.asarray, _batch(pool, batches[0]))
 
   registrations = layer_registrations(loss_fn, params0, example)
-  want = len(cfg["activations"])
-  if registrations != ["dense"] * want:
-    raise RuntimeError(f"upstream's graph matcher registered {registrations}, expected {want} "
+  print(f"upstream registrations: {json.dumps(registrations)}", flush=True)
+  want = len(cfg.get("activations", ()))
+  kinds = [r["kind"] for r in registrations]
+  if cfg.get("model", "autoencoder") == "autoencoder" and kinds != ["dense"] * want:
+    raise RuntimeError(f"upstream's graph matcher registered {kinds}, expected {want} "
                        "dense layers; the comparison would not be K-FAC on every layer.")
 
   jax.jit(lambda x: x + 1).lower(1.0).compile()  # One-off JIT start-up, as in the parent.
@@ -159,18 +201,19 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
     state = jax.block_until_ready(opt.init(params, init_rng, example))
     init_s = time.perf_counter() - t0
     batch = jax.device_put(example)
+    state_bytes = _tree_bytes(state)
     rng, sub = jax.random.split(rng)
     jax.block_until_ready((batch, sub))
     t0 = time.perf_counter()
     params, state, stats = opt.step(params, state, sub, batch=batch, global_step_int=0)
     jax.block_until_ready((params, state, stats))
-    return opt, init_s, time.perf_counter() - t0, params, state, rng, stats
+    return opt, init_s, time.perf_counter() - t0, params, state, rng, stats, state_bytes
 
-  opt, init_s, first_s, params, state, rng, stats = first_step_and_state()
+  opt, init_s, first_s, params, state, rng, stats, state_bytes = first_step_and_state()
   losses = [float(stats["loss"])]
   times = [first_s]
   for t in range(1, len(batches)):
-    batch = jax.device_put(images[batches[t]])
+    batch = jax.device_put(_batch(pool, batches[t]))
     rng, sub = jax.random.split(rng)
     jax.block_until_ready((batch, sub))
     t0 = time.perf_counter()
@@ -178,7 +221,10 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
     jax.block_until_ready((params, state, stats))
     times.append(time.perf_counter() - t0)
     losses.append(float(stats["loss"]))
+  if cfg.get("model") == "transformer":
+    params = plain_models.attention_from_2d(params, cfg["heads"])
   np.savez(os.path.join(out_dir, "final_params.npz"), **_flatten(params))
+  peak_bytes = _peak_bytes()
 
   first_times = [first_s]
   for r in range(1, max(1, int(cfg.get("compile_repeats", 1)))):
@@ -201,6 +247,8 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
                           ("median step" if plain_steps else "none (a single step)"),
       "compile_baseline_s": baseline_s,
       "compile_s": max(0.0, min(first_times) - baseline_s),
+      "opt_state_bytes": state_bytes,
+      "peak_bytes": peak_bytes,
       "step_times_s": times,
       "losses": losses,
   }

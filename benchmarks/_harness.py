@@ -1,0 +1,587 @@
+"""The shared harness of the three issue-6 benchmarks (autoencoder, CNN, Transformer LM).
+
+A benchmark script builds a `Workload` (initial parameters, the per-step batches, an evaluation
+function) and hands it to `run_benchmark` with its parsed arguments. The harness then trains every
+contestant from the same initial parameters on the same batches and measures, in one process and
+one run:
+
+* setup: wall time of the contestant's `init(params)` (for K-FAC this scans the loss for layers);
+* compile: wall time of `jax.jit(step, donate_argnums=(0, 1)).lower(...).compile()`, minimum over
+  `--compile-repeats` compilations, `jax.clear_caches()` before each, after one warm-up
+  compilation of a trivial function (so nobody pays the process's one-off JIT start-up);
+* median and mean step time over the timed steps (after `--warmup` untimed ones), each step
+  followed by `jax.block_until_ready`; the mean includes the amortised inverse updates;
+* peak memory: with a device that reports `memory_stats()` (GPU, TPU) the allocator's
+  `peak_bytes_in_use`, see `DevicePeak`; always, the compiled step's own footprint from
+  `compiled.memory_analysis()`: `argument + output + temp − alias` bytes, i.e. the parameters,
+  optimizer state and batch it reads, the new parameters and state it writes (minus the donated
+  buffers it writes in place) and XLA's scratch buffers. On CPU this is the only number: it is
+  what XLA's buffer assignment plans for one step, not a measured resident-set peak;
+* optimizer-state bytes: the sum of `nbytes` over the leaves of the state `init` returns;
+* loss curves against steps and against seconds of training (first step's one-off costs
+  replaced by a typical step, `compare.curve_times`), the final evaluation loss, and the steps and
+  seconds each contestant needs to reach the best Adam's final (smoothed) training loss.
+
+Adam runs once per learning rate of `--adam-lrs`; the run with the lowest final evaluation loss
+is "Adam (tuned)", the reference of the ratio rows; the grid is listed in the output. Upstream
+kfac-jax 0.0.8 (`--with-upstream`) runs in its own virtualenv through `benchmarks/upstream/`;
+when it fails on a model, the table says so with its error instead of a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kfac_jax
+from benchmarks.upstream import compare
+
+_MIB = 2.0 ** 20
+
+
+# -- what a benchmark provides -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Contestant:
+  """One optimizer: `init(params) -> state`, `step(params, state, batch, rng) -> (params,
+  state, loss)` with `loss` measured at the incoming params. `period` is the inverse period
+  (1 for first-order methods): the phase of the steps the curve time axis compares with."""
+  name: str
+  family: str  # "adam" | "sgd" | "kfac" | "kfac_optimizer"
+  init: Callable[[Any], Any]
+  step: Callable[[Any, Any, Any, jax.Array], tuple[Any, Any, jax.Array]]
+  hyperparameters: Mapping[str, Any]
+  period: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A model and its data. `batch_at(t)` returns step t's batch (numpy or device arrays);
+  `eval_fn(params)` the evaluation loss; `upstream` the worker's model config (None: the
+  workload has no upstream version)."""
+  name: str
+  description: str
+  loss_fn: Callable
+  params0: Any
+  batch_at: Callable[[int], Any]
+  eval_fn: Callable[[Any], float]
+  eval_description: str
+  upstream: Mapping[str, Any] | None = None
+  upstream_data: Callable[[int], tuple[dict[str, np.ndarray], np.ndarray]] | None = None
+
+
+# -- command line shared by the benchmarks ----------------------------------------------------
+
+def add_common_args(p: argparse.ArgumentParser, *, steps: int, warmup: int, adam_lrs: str,
+                    sgd_lr: float, kfac_lr: float, kfac_momentum: float, damping: float,
+                    optimizer_damping: float, inverse_every: int, plot: str) -> None:
+  """Flags every benchmark has; the defaults are the workload's (see its `--help`)."""
+  p.add_argument("--steps", type=int, default=steps, help="timed steps per contestant")
+  p.add_argument("--warmup", type=int, default=warmup, help="untimed steps before the timed ones")
+  p.add_argument("--quick", action="store_true",
+                 help="a tiny model and a few steps (smoke test; overrides the sizes)")
+  p.add_argument("--adam-lrs", default=adam_lrs,
+                 help="comma-separated Adam learning-rate grid; the best final loss is 'Adam "
+                      "(tuned)'")
+  p.add_argument("--sgd", action=argparse.BooleanOptionalAction, default=True,
+                 help="include SGD with (heavy-ball) momentum")
+  p.add_argument("--sgd-lr", type=float, default=sgd_lr)
+  p.add_argument("--sgd-momentum", type=float, default=0.9)
+  p.add_argument("--kfac-lr", type=float, default=kfac_lr, help="kfac_jax transform")
+  p.add_argument("--kfac-momentum", type=float, default=kfac_momentum,
+                 help="kfac_jax transform (0 disables it)")
+  p.add_argument("--damping", type=float, default=damping, help="kfac_jax transform, upstream")
+  p.add_argument("--ema-decay", type=float, default=0.95)
+  p.add_argument("--inverse-every", type=int, default=inverse_every)
+  p.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
+                 help="include the full kfac_jax.Optimizer (adaptive lr, momentum, damping)")
+  p.add_argument("--optimizer-damping", type=float, default=optimizer_damping,
+                 help="the Optimizer's initial damping (then adapted)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--compile-repeats", type=int, default=3,
+                 help="compilations per contestant (minimum reported)")
+  p.add_argument("--reach-window", type=int, default=5,
+                 help="trailing-mean window of the minibatch losses for the time to reach the "
+                      "best Adam loss (at most a tenth of the run)")
+  p.add_argument("--json", metavar="OUT", default=None, help="also write the results as JSON")
+  p.add_argument("--plot", metavar="PNG", default=plot, help="loss curves ('' to skip)")
+  p.add_argument("--with-upstream", action="store_true",
+                 help="add DeepMind kfac-jax 0.0.8 (own venv, subprocess)")
+  p.add_argument("--upstream-python", default=None,
+                 help="python of a venv with kfac-jax 0.0.8 (default: .venv-upstream/bin/python, "
+                      "created by benchmarks/upstream/setup_venv.sh if missing)")
+
+
+def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Validates the common flags (`p.error` names the flag and the value)."""
+  if args.steps < 1 or args.warmup < 0:
+    p.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+  if args.with_upstream and args.warmup < 1:
+    p.error("--with-upstream needs --warmup >= 1: upstream's first step includes its compilation")
+  if args.compile_repeats < 1 or args.reach_window < 1 or args.inverse_every < 1:
+    p.error("--compile-repeats, --reach-window and --inverse-every must be >= 1")
+  try:
+    args.adam_lr_grid = [float(x) for x in args.adam_lrs.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--adam-lrs must be comma-separated numbers, got {args.adam_lrs!r}")
+  if not args.adam_lr_grid or any(not lr > 0 for lr in args.adam_lr_grid):
+    p.error(f"--adam-lrs needs at least one learning rate > 0, got {args.adam_lrs!r}")
+
+
+# -- contestants --------------------------------------------------------------------------------
+
+def _first_order_step(loss_fn, tx):
+  def step(params, state, batch, rng):
+    del rng
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+  return step
+
+
+def first_order(name: str, family: str, loss_fn, tx, **hyperparameters) -> Contestant:
+  return Contestant(name, family, tx.init, _first_order_step(loss_fn, tx), hyperparameters)
+
+
+def kfac_transform(loss_fn, example_batch, *, learning_rate: float, momentum: float,
+                   damping: float, ema_decay: float, inverse_every: int) -> Contestant:
+  """`kfac_jax.kfac` (the optax transform) with a fixed learning rate, momentum and damping;
+  loss, gradients and curvature statistics from one `kfac_jax.value_and_grad` pass."""
+  momentum_ = momentum if momentum > 0 else None
+  tx = kfac_jax.kfac(loss_fn, example_batch, learning_rate=learning_rate, momentum=momentum_,
+                     damping=damping, ema_decay=ema_decay, inverse_every=inverse_every,
+                     estimation_mode="gradients", num_samples=1)
+
+  def step(params, state, batch, rng):
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  return Contestant("kfac_jax (optax)", "kfac", tx.init, step,
+                    {"learning_rate": learning_rate, "momentum": momentum, "damping": damping,
+                     "ema_decay": ema_decay, "inverse_every": inverse_every},
+                    period=inverse_every)
+
+
+def kfac_optimizer(loss_fn, example_batch, *, damping: float, ema_decay: float,
+                   inverse_every: int) -> Contestant:
+  """The full `kfac_jax.Optimizer`: α and μ from the quadratic model each step, damping adapted
+  by Levenberg–Marquardt from `damping`."""
+  opt = kfac_jax.Optimizer(
+      loss_fn, example_batch, learning_rate=None, momentum=None, damping=damping,
+      use_adaptive_damping=True, inverse_every=inverse_every,
+      config=kfac_jax.OptimizerConfig(ema_decay=ema_decay, min_damping=min(1e-4, damping)))
+
+  def step(params, state, batch, rng):
+    params, state, info = opt.step(params, state, batch, rng)
+    return params, state, info["loss"]
+
+  return Contestant("kfac_jax Optimizer", "kfac_optimizer", opt.init, step,
+                    {"learning_rate": "adaptive", "momentum": "adaptive",
+                     "initial_damping": damping, "ema_decay": ema_decay,
+                     "inverse_every": inverse_every}, period=inverse_every)
+
+
+def standard_contestants(workload: Workload, args: argparse.Namespace) -> list[Contestant]:
+  """Adam over the grid, SGD+momentum, the kfac_jax transform and Optimizer (per the flags)."""
+  loss_fn = workload.loss_fn
+  example = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  out = [first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr), learning_rate=lr)
+         for lr in args.adam_lr_grid]
+  if args.sgd:
+    out.append(first_order("SGD+momentum", "sgd", loss_fn,
+                           optax.sgd(args.sgd_lr, momentum=args.sgd_momentum or None),
+                           learning_rate=args.sgd_lr, momentum=args.sgd_momentum))
+  out.append(kfac_transform(loss_fn, example, learning_rate=args.kfac_lr,
+                            momentum=args.kfac_momentum, damping=args.damping,
+                            ema_decay=args.ema_decay, inverse_every=args.inverse_every))
+  if args.optimizer:
+    out.append(kfac_optimizer(loss_fn, example, damping=args.optimizer_damping,
+                              ema_decay=args.ema_decay, inverse_every=args.inverse_every))
+  return out
+
+
+# -- measuring one contestant --------------------------------------------------------------------
+
+def tree_bytes(tree) -> int:
+  """Sum of `nbytes` over the array leaves of `tree` (PRNG keys by their key data)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    total += int(getattr(leaf, "nbytes", np.asarray(leaf).nbytes))
+  return total
+
+
+def compiled_footprint(compiled) -> dict[str, int] | None:
+  """`argument + output + temp − alias` bytes of a compiled step (None if not reported)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001  (backends without the analysis raise various errors)
+    return None
+  if m is None:
+    return None
+  parts = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+           for k in ("argument", "output", "temp", "alias")}
+  parts["total"] = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
+  return parts
+
+
+class DevicePeak:
+  """The allocator's `peak_bytes_in_use` of the first local device, where it is reported.
+
+  JAX cannot reset the peak, so a contestant's own peak is known exactly only when the process's
+  peak rises during its run (the maximum then lies in that run); otherwise it is at most the
+  earlier peak and is reported as such ("<="). Contestants run one after the other and drop their
+  buffers in between; the dataset and the initial parameters stay resident throughout and are
+  included.
+  """
+
+  def __init__(self):
+    self.device = jax.local_devices()[0]
+
+  def read(self) -> int | None:
+    try:
+      stats = self.device.memory_stats()
+    except Exception:  # noqa: BLE001
+      return None
+    if not stats or "peak_bytes_in_use" not in stats:
+      return None
+    return int(stats["peak_bytes_in_use"])
+
+
+@dataclasses.dataclass
+class Run:
+  """One contestant's measurements (`summary` is its JSON row)."""
+  name: str
+  losses: np.ndarray
+  step_times: np.ndarray
+  period: int
+  summary: dict
+
+
+def run_contestant(c: Contestant, workload: Workload, steps: int, warmup: int, seed: int,
+                   compile_repeats: int, peak: DevicePeak) -> Run:
+  total = warmup + steps
+  params = jax.tree.map(jnp.copy, workload.params0)
+  before = peak.read()
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(c.init(params))
+  setup_s = time.perf_counter() - t0
+  state_bytes = tree_bytes(state)
+  rng = jax.random.key(seed + 1)
+  example = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  compile_all = []
+  for _ in range(compile_repeats):
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    compiled = jax.jit(c.step, donate_argnums=(0, 1)).lower(params, state, example, rng).compile()
+    compile_all.append(time.perf_counter() - t0)
+  footprint = compiled_footprint(compiled)
+  losses, times = [], []
+  for t in range(total):
+    batch = jax.tree.map(jax.device_put, workload.batch_at(t))
+    rng, sub = jax.random.split(rng)
+    jax.block_until_ready((batch, sub))
+    start = time.perf_counter()
+    params, state, loss = compiled(params, state, batch, sub)
+    jax.block_until_ready((params, state, loss))
+    times.append(time.perf_counter() - start)
+    losses.append(float(loss))
+  final = workload.eval_fn(params)
+  after = peak.read()
+  del params, state, compiled
+  summary = compare.summarize(
+      c.name, times, losses, warmup, family=c.family, hyperparameters=dict(c.hyperparameters),
+      setup_s=setup_s, compile_s=min(compile_all), compile_all_s=compile_all,
+      final_eval_loss=final, opt_state_bytes=state_bytes, compiled_footprint=footprint,
+      **_peak_fields(before, after, footprint))
+  return Run(c.name, np.asarray(losses), np.asarray(times), c.period, summary)
+
+
+def _peak_fields(before: int | None, after: int | None, footprint) -> dict:
+  if after is not None:
+    exact = before is None or after > before
+    return {"peak_bytes": after, "peak_exact": exact,
+            "peak_source": "device memory_stats()['peak_bytes_in_use']" + (
+                "" if exact else " (process peak did not rise in this run: an upper bound)")}
+  return {"peak_bytes": None if footprint is None else footprint["total"], "peak_exact": True,
+          "peak_source": "compiled.memory_analysis(): argument + output + temp - alias"}
+
+
+# -- upstream ------------------------------------------------------------------------------------
+
+UPSTREAM_NAME = "kfac-jax 0.0.8 (upstream)"
+
+
+def run_upstream(workload: Workload, args, steps_total: int) -> Run | dict:
+  """Upstream kfac-jax in its venv: a `Run`, or a row `{"optimizer", "error"}` if it failed."""
+  try:
+    python = compare.ensure_venv(args.upstream_python)
+    pools, idx = workload.upstream_data(steps_total)
+    config = dict(workload.upstream, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
+                  damping=args.damping, ema_decay=args.ema_decay,
+                  inverse_every=args.inverse_every, seed=args.seed,
+                  compile_repeats=args.compile_repeats)
+    print(f"running upstream kfac-jax ({python}) ...", flush=True)
+    report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx,
+                                       config)
+  except compare.UpstreamFailed as e:
+    print(f"upstream failed:\n{e}", flush=True)
+    return {"optimizer": UPSTREAM_NAME, "family": "upstream",
+            "error": e.exception or "the worker failed (see the log above)",
+            "registrations": e.registrations}
+  except (RuntimeError, OSError) as e:  # No venv, or it could not be created.
+    print(f"upstream failed:\n{e}", flush=True)
+    return {"optimizer": UPSTREAM_NAME, "family": "upstream", "error": str(e).splitlines()[0]}
+  final_loss = workload.eval_fn(jax.tree.map(jnp.asarray, final))
+  summary = compare.summarize(
+      report["optimizer"], report["step_times_s"], report["losses"], args.warmup,
+      family="upstream", setup_s=report["init_s"], compile_s=report["compile_s"],
+      first_step_all_s=report["first_step_s"], compile_baseline=report["compile_baseline"],
+      compile_baseline_s=report["compile_baseline_s"], final_eval_loss=final_loss,
+      opt_state_bytes=report.get("opt_state_bytes"), registrations=report["registrations"],
+      peak_bytes=report.get("peak_bytes"), peak_exact=report.get("peak_bytes") is not None,
+      peak_source=("device memory_stats()['peak_bytes_in_use'] in the worker process"
+                   if report.get("peak_bytes") is not None else
+                   "not available (its step has no public lower/compile; no device stats)"),
+      upstream_env={k: report[k] for k in ("upstream_version", "jax", "python", "backend")})
+  return Run(report["optimizer"], np.asarray(report["losses"], float),
+             np.asarray(report["step_times_s"], float), args.inverse_every, summary)
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+def _fmt(x, spec: str, missing: str = "n/a") -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return missing
+  return format(x, spec)
+
+
+def _ratio(a, b):
+  if a is None or b is None or b == 0 or (isinstance(a, float) and math.isnan(a)):
+    return None
+  return float(a) / float(b)
+
+
+RATIO_KEYS = {"compile": "compile_s", "median_step": "median_step_ms",
+              "mean_step": "mean_step_ms", "peak_memory": "peak_bytes",
+              "opt_state": "opt_state_bytes", "loss": "final_eval_loss",
+              "time_to_target": "time_to_target_s"}
+
+
+def ratios(num: Mapping[str, Any], den: Mapping[str, Any]) -> dict[str, float | None]:
+  """`num / den` per metric of `RATIO_KEYS` (None where either side is missing)."""
+  return {k: _ratio(num.get(v), den.get(v)) for k, v in RATIO_KEYS.items()}
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]],
+                   ratio_rows: Sequence[tuple[str, Mapping[str, float | None]]],
+                   total_steps: int, target: float | None) -> str:
+  """One row per contestant (a failed one shows its error), then the ratio rows."""
+  tgt = "n/a" if target is None else f"{target:.4g}"
+  lines = [("| optimizer | setup (s) | compile (s) | median step (ms) | mean step (ms) | peak "
+            f"memory (MiB) | opt state (MiB) | loss after {total_steps} steps | steps to "
+            f"{tgt} | seconds to {tgt} |"),
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['optimizer']} | failed: {r['error'].replace('|', '/')} "
+                   "| | | | | | | | |")
+      continue
+    peak = _fmt(None if r.get("peak_bytes") is None else r["peak_bytes"] / _MIB, ".1f")
+    if r.get("peak_bytes") is not None and not r.get("peak_exact", True):
+      peak = "<=" + peak
+    state = _fmt(None if r.get("opt_state_bytes") is None else r["opt_state_bytes"] / _MIB,
+                 ".2f")
+    loss = _fmt(r["final_eval_loss"], ".4g") + ("" if r["finite"] else " (non-finite)")
+    hit = r.get("time_to_target")
+    lines.append(
+        f"| {r['optimizer']} | {r['setup_s']:.2f} | {r['compile_s']:.2f} | "
+        f"{r['median_step_ms']:.1f} | {r['mean_step_ms']:.1f} | {peak} | {state} | {loss} | "
+        f"{'not reached' if hit is None else hit[0]} | "
+        f"{'not reached' if hit is None else format(hit[1], '.2f')} |")
+  for label, q in ratio_rows:
+    cells = [_fmt(q.get(k), ".2f", "") + ("x" if q.get(k) is not None else "")
+             for k in ("compile", "median_step", "mean_step", "peak_memory", "opt_state")]
+    loss = _fmt(q.get("loss"), ".3f", "") + ("x" if q.get("loss") is not None else "")
+    tt = _fmt(q.get("time_to_target"), ".2f", "") + (
+        "x" if q.get("time_to_target") is not None else "")
+    lines.append(f"| **{label}** | | {' | '.join(cells)} | {loss} | | {tt} |")
+  return "\n".join(lines)
+
+
+def environment(command: str, workload: Workload) -> dict:
+  dev = jax.local_devices()[0]
+  return {
+      "jax": jax.__version__, "backend": jax.default_backend(),
+      "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
+      "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
+      "python": platform.python_version(), "machine": platform.machine(), "command": command,
+      "workload": workload.name, "description": workload.description,
+      "eval": workload.eval_description,
+  }
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+  return shlex.join(["python", os.path.relpath(os.path.abspath(script), os.getcwd()),
+                     *(sys.argv[1:] if argv is None else argv)])
+
+
+def compare_runs(runs: Sequence[Run], upstream: Run | dict | None, reach_window: int,
+                 total_steps: int) -> dict:
+  """Picks the tuned Adam, the target loss and each run's time to it; builds rows and ratios.
+
+  The tuned Adam is the grid run with the lowest finite final evaluation loss. The target is
+  its final training loss, smoothed by a trailing mean of `reach_window` steps (at most a
+  tenth of the run). Mutates each run's summary (`time_to_target`, `time_to_target_s`) and
+  returns `best` (the Run), `grid`, `tuned` (its row), `rows` (tuned Adam, the other
+  contestants, upstream or its error row), `ratio_rows`, `curves`, `target`, `window`.
+  """
+  adam = [r for r in runs if r.summary["family"] == "adam"]
+  if not adam:
+    raise ValueError("compare_runs needs at least one Adam run (family 'adam'), got the "
+                     f"families {[r.summary['family'] for r in runs]}.")
+  finite = [r for r in adam if math.isfinite(r.summary["final_eval_loss"])]
+  best = min(finite or adam, key=lambda r: r.summary["final_eval_loss"])
+  grid = [{"learning_rate": r.summary["hyperparameters"]["learning_rate"],
+           "final_eval_loss": r.summary["final_eval_loss"]} for r in adam]
+  all_runs = list(runs) + ([upstream] if isinstance(upstream, Run) else [])
+  curves = {r.name: (r.losses, compare.curve_times(r.step_times, r.period)) for r in all_runs}
+  window = max(1, min(reach_window, total_steps // 10))
+  target = float(compare.smoothed(best.losses, window)[-1])
+  for r in all_runs:
+    hit = compare.time_to_reach(*curves[r.name], target, window)
+    r.summary["time_to_target"] = hit
+    r.summary["time_to_target_s"] = None if hit is None else hit[1]
+  best_lr = best.summary["hyperparameters"]["learning_rate"]
+  tuned = dict(best.summary, optimizer=f"Adam (tuned, lr={best_lr:g})")
+  others = [r.summary for r in runs if r.summary["family"] != "adam"]
+  rows = [tuned, *others] + ([upstream.summary if isinstance(upstream, Run) else upstream]
+                             if upstream is not None else [])
+  ratio_rows = [(f"{r['optimizer']} / Adam (tuned)", ratios(r, tuned))
+                for r in rows[1:] if "error" not in r]
+  if isinstance(upstream, Run):
+    ratio_rows += [(f"{r['optimizer']} / upstream", ratios(r, upstream.summary))
+                   for r in others if r["family"] in ("kfac", "kfac_optimizer")]
+  return {"best": best, "grid": grid, "tuned": tuned, "rows": rows, "ratio_rows": ratio_rows,
+          "curves": curves, "target": target, "window": window}
+
+
+def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
+                  command: str) -> dict:
+  """Runs everything, prints the report, writes JSON / PNG; returns the JSON object."""
+  total = args.warmup + args.steps
+  print(f"{workload.name}: {workload.description}", flush=True)
+  jax.jit(lambda x: x + 1).lower(1.0).compile()  # One-off JIT start-up, paid by nobody below.
+  peak = DevicePeak()
+  runs: list[Run] = []
+  for c in contestants:
+    print(f"running {c.name} ...", flush=True)
+    runs.append(run_contestant(c, workload, args.steps, args.warmup, args.seed,
+                               args.compile_repeats, peak))
+  upstream: Run | dict | None = None
+  if args.with_upstream:
+    if workload.upstream is None:
+      upstream = {"optimizer": UPSTREAM_NAME, "family": "upstream",
+                  "error": f"no upstream version of the {workload.name} workload"}
+    else:
+      upstream = run_upstream(workload, args, total)
+
+  rep = compare_runs(runs, upstream, args.reach_window, total)
+  best, grid, tuned, rows = rep["best"], rep["grid"], rep["tuned"], rep["rows"]
+  ratio_rows, curves, target, window = (rep["ratio_rows"], rep["curves"], rep["target"],
+                                        rep["window"])
+  best_lr = best.summary["hyperparameters"]["learning_rate"]
+  adam = [r for r in runs if r.summary["family"] == "adam"]
+  all_runs = runs + ([upstream] if isinstance(upstream, Run) else [])
+  env = environment(command, workload)
+  print()
+  print(f"jax {env['jax']} on {env['device']} ({env['cpu_count']} CPUs), Python "
+        f"{env['python']}; {args.warmup} warm-up + {args.steps} timed steps")
+  print(f"command: `{command}`")
+  print()
+  print(markdown_table(rows, ratio_rows, total, target))
+  print()
+  print("Adam grid (final loss per learning rate): " + ", ".join(
+      f"lr={g['learning_rate']:g}: {_fmt(g['final_eval_loss'], '.4g')}" for g in grid)
+        + f"; tuned = lr={best_lr:g}")
+  print(f"loss = {workload.eval_description}; compile = min over {args.compile_repeats} of "
+        "jax.jit(step).lower(...).compile(); steps exclude compilation; peak memory = "
+        f"{rows[0].get('peak_source')}; target = the tuned Adam's final training loss "
+        f"(minibatch, trailing mean of {window}); seconds exclude compilation and the first "
+        "step's one-off costs.")
+  ours = registrations(workload)
+  print(f"kfac_jax layer registrations: {_count(ours)}{_odd(ours)}.")
+  if isinstance(upstream, Run):
+    u = upstream.summary
+    print(f"{u['optimizer']} (jax {u['upstream_env']['jax']}, own venv): compile = min first "
+          f"step minus the {u['compile_baseline']}; its layer registrations: "
+          f"{_count(u['registrations'])}{_odd(u['registrations'])}.")
+  out = {"env": env, "kfac_jax_registrations": ours,
+         "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
+         "adam_grid": grid, "adam_tuned": tuned["optimizer"], "adam_tuned_run": best.name,
+         "target_loss": target,
+         "target_window": window, "results": rows, "adam_grid_results":
+         [r.summary for r in adam], "ratios": dict(ratio_rows),
+         "curves": {r.name: {"losses": [float(x) for x in r.losses],
+                             "step_times_s": [float(x) for x in r.step_times]}
+                    for r in all_runs}}
+  if args.plot:
+    plot_curves = {(tuned["optimizer"] if r is best else r.name): curves[r.name]
+                   for r in all_runs if r.summary["family"] != "adam" or r is best}
+    title = f"{workload.name}: {workload.description.split('; data:')[0]}"
+    compare.plot_curves(plot_curves, args.plot, textwrap.fill(title, 150))
+    print(f"wrote {args.plot}")
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=2, default=_json_default)
+    print(f"wrote {args.json}")
+  return out
+
+
+def registrations(workload: Workload) -> list[dict]:
+  """kfac_jax's layers for the workload, in the worker's format (`{"kind", "params"}`)."""
+  example = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  specs = kfac_jax.scan_layers(workload.loss_fn, workload.params0, example)
+  return [{"kind": s.kind + ("" if s.num_uses == 1 else f" ({s.num_uses} uses)"),
+           "params": list(s.param_paths)} for s in specs]
+
+
+def _count(regs: Sequence[Mapping[str, Any]]) -> str:
+  counts: dict[str, int] = {}
+  for r in regs:
+    counts[r["kind"]] = counts.get(r["kind"], 0) + 1
+  return ", ".join(f"{n} {k}" for k, n in counts.items()) or "none"
+
+
+def _odd(regs: Sequence[Mapping[str, Any]]) -> str:
+  """The parameters of generic / embedding / multi-use registrations (the interesting ones)."""
+  odd = [f"{'+'.join(r['params'])} as {r['kind']}" for r in regs
+         if r["kind"].split(" ")[0] not in ("dense", "conv", "conv2d", "scale_and_shift",
+                                            "repeated_dense")]
+  return "" if not odd else " (" + "; ".join(odd) + ")"
+
+
+def _json_default(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  raise TypeError(f"not JSON-serialisable: {type(x).__name__}")

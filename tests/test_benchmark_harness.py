@@ -1,0 +1,328 @@
+"""Tests for the issue-6 benchmarks: the shared harness, the plain-jax models of the upstream
+worker, and each benchmark script run tiny (`--quick`) on CPU.
+
+The script runs use the scikit-learn digits fallback (KFAC_DATA_DIR points at an empty
+directory) and check that the JSON and the printed table have every contestant and every metric.
+The upstream runs need kfac-jax 0.0.8 in its own venv (`.venv-upstream/`, or the interpreter in
+`$KFAC_UPSTREAM_PYTHON`) and are skipped without one.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from benchmarks import _harness  # noqa: E402
+from benchmarks.upstream import compare, plain_models  # noqa: E402
+from examples import autoencoder as ae  # noqa: E402
+from examples import cnn as cnn_lib  # noqa: E402
+from examples import transformer_lm as lm  # noqa: E402
+
+_METRICS = ("setup_s", "compile_s", "median_step_ms", "mean_step_ms", "peak_bytes",
+            "opt_state_bytes", "final_eval_loss")
+
+
+# -- pure helpers ---------------------------------------------------------------------------------
+
+def test_tree_bytes_counts_every_leaf_including_keys():
+  tree = {"a": jnp.zeros((3, 4), jnp.float32), "b": (jnp.zeros(5, jnp.int8),),
+          "k": jax.random.key(0), "n": np.zeros(2, np.float64)}
+  want = 48 + 5 + jax.random.key_data(jax.random.key(0)).nbytes + 16
+  assert _harness.tree_bytes(tree) == want
+
+
+def test_compiled_footprint_is_argument_output_temp_minus_alias():
+  x = jnp.ones((64, 32), jnp.float32)
+  fp = _harness.compiled_footprint(jax.jit(lambda a: a * 2.0).lower(x).compile())
+  assert fp["argument"] == x.nbytes and fp["output"] == x.nbytes
+  assert fp["total"] == fp["argument"] + fp["output"] + fp["temp"] - fp["alias"]
+  donated = _harness.compiled_footprint(
+      jax.jit(lambda a: a * 2.0, donate_argnums=0).lower(x).compile())
+  assert donated["total"] < fp["total"]  # the output reuses the donated input buffer
+
+
+def test_peak_fields():
+  exact = _harness._peak_fields(100, 250, None)
+  assert exact["peak_bytes"] == 250 and exact["peak_exact"]
+  bound = _harness._peak_fields(300, 300, None)  # the peak did not rise: only an upper bound
+  assert bound["peak_bytes"] == 300 and not bound["peak_exact"]
+  proxy = _harness._peak_fields(None, None, {"total": 42})
+  assert proxy["peak_bytes"] == 42 and "memory_analysis" in proxy["peak_source"]
+
+
+def test_ratios_and_table():
+  base = {"optimizer": "Adam (tuned, lr=0.001)", "setup_s": 0.1, "compile_s": 1.0,
+          "median_step_ms": 10.0, "mean_step_ms": 12.0, "peak_bytes": 2 * 2 ** 20,
+          "peak_exact": True, "opt_state_bytes": 2 ** 20, "final_eval_loss": 2.0,
+          "finite": True, "time_to_target": (9, 3.0), "time_to_target_s": 3.0}
+  kfac = dict(base, optimizer="kfac_jax (optax)", compile_s=3.0, median_step_ms=25.0,
+              mean_step_ms=30.0, peak_bytes=6 * 2 ** 20, peak_exact=False,
+              opt_state_bytes=4 * 2 ** 20, final_eval_loss=1.5, time_to_target=(4, 1.5),
+              time_to_target_s=1.5)
+  slow = dict(base, optimizer="SGD+momentum", time_to_target=None, time_to_target_s=None,
+              peak_bytes=None)
+  failed = {"optimizer": "upstream", "error": "ValueError: shapes a | b"}
+  q = _harness.ratios(kfac, base)
+  assert q == pytest.approx({"compile": 3.0, "median_step": 2.5, "mean_step": 2.5,
+                             "peak_memory": 3.0, "opt_state": 4.0, "loss": 0.75,
+                             "time_to_target": 0.5})
+  assert _harness.ratios(slow, base)["time_to_target"] is None
+  assert _harness.ratios(slow, base)["peak_memory"] is None
+  table = _harness.markdown_table([base, kfac, slow, failed],
+                                  [("kfac_jax (optax) / Adam (tuned)", q)], 10, 1.25)
+  lines = table.splitlines()
+  assert lines[0].endswith("| loss after 10 steps | steps to 1.25 | seconds to 1.25 |")
+  assert lines[2] == ("| Adam (tuned, lr=0.001) | 0.10 | 1.00 | 10.0 | 12.0 | 2.0 | 1.00 | 2 "
+                      "| 9 | 3.00 |")
+  assert lines[3] == ("| kfac_jax (optax) | 0.10 | 3.00 | 25.0 | 30.0 | <=6.0 | 4.00 | 1.5 | 4 "
+                      "| 1.50 |")
+  assert lines[4].endswith("| n/a | 1.00 | 2 | not reached | not reached |")
+  assert lines[5].startswith("| upstream | failed: ValueError: shapes a / b |")
+  assert lines[6] == ("| **kfac_jax (optax) / Adam (tuned)** | | 3.00x | 2.50x | 2.50x | "
+                      "3.00x | 4.00x | 0.750x | | 0.50x |")
+
+
+def _fake_run(name, family, losses, times, final, lr=None):
+  summary = {"optimizer": name, "family": family, "final_eval_loss": final,
+             "hyperparameters": {} if lr is None else {"learning_rate": lr},
+             "compile_s": 1.0, "median_step_ms": 1.0, "mean_step_ms": 1.0}
+  return _harness.Run(name, np.asarray(losses, float), np.asarray(times, float), 1, summary)
+
+
+def test_compare_runs_picks_tuned_adam_and_times_to_its_loss():
+  runs = [
+      _fake_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
+      _fake_run("Adam lr=0.001", "adam", [10, 9, 8, 7], [5, 2, 2, 2], 7.0, lr=0.001),
+      _fake_run("Adam lr=1", "adam", [10, float("nan")] * 2, [5, 2, 2, 2], float("nan"), lr=1.0),
+      _fake_run("SGD+momentum", "sgd", [10, 9.5, 9, 8.5], [1, 1, 1, 1], 8.0),
+      _fake_run("kfac_jax (optax)", "kfac", [10, 5, 4, 3], [9, 1, 1, 1], 2.5),
+  ]
+  failed = {"optimizer": "up", "family": "upstream", "error": "ValueError: no"}
+  rep = _harness.compare_runs(runs, failed, reach_window=5, total_steps=4)
+  assert rep["best"] is runs[0] and rep["tuned"]["optimizer"] == "Adam (tuned, lr=0.01)"
+  assert [g["learning_rate"] for g in rep["grid"]] == [0.01, 0.001, 1.0]
+  assert rep["window"] == 1 and rep["target"] == 5.0  # 4 steps: no smoothing
+  # Adam reaches 5 at step 3; its first step (5 s) counts as a typical one (2 s): 6 s.
+  assert rep["tuned"]["time_to_target"] == (3, 6.0)
+  assert runs[4].summary["time_to_target"] == (1, 1.0)  # K-FAC: step 1, after 1 s
+  assert runs[3].summary["time_to_target"] is None  # SGD never gets there
+  assert [r["optimizer"] for r in rep["rows"]] == [
+      "Adam (tuned, lr=0.01)", "SGD+momentum", "kfac_jax (optax)", "up"]
+  labels = [label for label, _ in rep["ratio_rows"]]
+  assert labels == ["SGD+momentum / Adam (tuned)", "kfac_jax (optax) / Adam (tuned)"]
+  assert rep["ratio_rows"][1][1]["time_to_target"] == pytest.approx(1 / 6)
+  assert rep["ratio_rows"][1][1]["loss"] == pytest.approx(2.5 / 5.5)
+  with pytest.raises(ValueError, match="needs at least one Adam run"):
+    _harness.compare_runs(runs[3:], None, reach_window=5, total_steps=4)
+
+
+def test_worker_output_parsing():
+  err = "Traceback (most recent call last):\n  File x\n    y\nValueError: Incompatible shapes\n"
+  assert compare.exception_line(err) == "ValueError: Incompatible shapes"
+  assert compare.exception_line("no traceback here") is None
+  out = 'hello\nupstream registrations: [{"kind": "dense", "params": ["a"]}]\nbye'
+  assert json.loads(compare.registrations_line(out)) == [{"kind": "dense", "params": ["a"]}]
+  assert compare.registrations_line("nothing") is None
+
+
+# -- the upstream worker's plain-jax models equal the Flax ones -----------------------------------
+
+def _perturbed(params, seed):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [p + 0.1 * jax.random.normal(k, p.shape)
+                                      for p, k in zip(leaves, keys)])
+
+
+def test_plain_autoencoder_matches_flax(x64):
+  model = ae.make_model(12, (8, 6, 3))
+  x = jax.random.uniform(jax.random.key(1), (5, 12), jnp.float64)
+  params = _perturbed(model.init(jax.random.key(0), x), 2)
+  acts = ["linear" if i in (2, 5) else "tanh" for i in range(6)]
+  np.testing.assert_allclose(plain_models.autoencoder(params, x, acts), model.apply(params, x),
+                             rtol=1e-12, atol=1e-12)
+  with pytest.raises(ValueError, match=r"activations\[0\] must be 'tanh' or 'linear', got 'relu'"):
+    plain_models.autoencoder(params, x, ["relu"] * 6)
+
+
+def test_plain_cnn_matches_flax(x64):
+  model = cnn_lib.CNN(channels=(3, 5))
+  x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1), jnp.float64)
+  params = _perturbed(model.init(jax.random.key(0), x), 2)
+  np.testing.assert_allclose(plain_models.cnn(params, x, 2), model.apply(params, x), rtol=1e-10,
+                             atol=1e-10)
+
+
+def test_plain_transformer_matches_flax_and_layout_round_trips(x64):
+  model = lm.LM(vocab=11, d=8, layers=2, heads=2, length=6)
+  ids = jax.random.randint(jax.random.key(1), (3, 6), 0, 11)
+  params = _perturbed(model.init(jax.random.key(0), ids), 2)
+  flat = plain_models.attention_to_2d(params)
+  q = flat["params"]["Block_1"]["MultiHeadDotProductAttention_0"]
+  assert q["query"]["kernel"].shape == (8, 8) and q["query"]["bias"].shape == (8,)
+  assert q["out"]["kernel"].shape == (8, 8)
+  np.testing.assert_allclose(plain_models.transformer(flat, ids, 2, 2), model.apply(params, ids),
+                             rtol=1e-10, atol=1e-10)
+  back = plain_models.attention_from_2d(flat, heads=2)
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+
+
+# -- the scripts, tiny ----------------------------------------------------------------------------
+
+def _env(tmp_path):
+  empty = tmp_path / "no_data"
+  empty.mkdir(exist_ok=True)
+  env = dict(os.environ, KFAC_DATA_DIR=str(empty), MPLBACKEND="Agg")
+  flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+  if flags.strip():
+    env["XLA_FLAGS"] = flags.strip()
+  else:
+    env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _run(tmp_path, script, *flags):
+  out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "benchmarks", script), "--quick", "--json",
+       str(out_json), "--plot", str(out_png), *flags],
+      cwd=str(tmp_path), env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, output
+  assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with open(out_json) as f:
+    return json.load(f), proc.stdout, output
+
+
+def _check_report(report, stdout, output, names, adam_lrs):
+  rows = {r["optimizer"]: r for r in report["results"]}
+  tuned = report["adam_tuned"]
+  assert tuned.startswith("Adam (tuned, lr=") and tuned in rows, output
+  assert [g["learning_rate"] for g in report["adam_grid"]] == adam_lrs
+  assert len(report["adam_grid_results"]) == len(adam_lrs)
+  best = min(report["adam_grid"], key=lambda g: g["final_eval_loss"])
+  assert tuned == f"Adam (tuned, lr={best['learning_rate']:g})"
+  for name in (tuned, *names):
+    row = rows[name]
+    assert "error" not in row, row
+    for key in _METRICS:
+      assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (name, key, row)
+      assert row[key] >= 0, (name, key, row)
+    assert row["peak_bytes"] > 0 and row["opt_state_bytes"] > 0, row
+    assert row["finite"], row
+    assert "time_to_target" in row, row
+    assert re.search(rf"^\| {re.escape(name)} \| [0-9.]+ \| [0-9.]+ \|", stdout, re.M), output
+    curve = report["curves"][report["adam_tuned_run"] if name == tuned else name]
+    assert len(curve["losses"]) == len(curve["step_times_s"]) == row["loss_steps"]
+  # Adam (tuned) reaches its own final loss by definition.
+  assert rows[tuned]["time_to_target"] is not None
+  for name in names:
+    assert f"{name} / Adam (tuned)" in report["ratios"], report["ratios"].keys()
+    assert f"| **{name} / Adam (tuned)** |" in stdout, output
+  assert "Adam grid (final loss per learning rate): " in stdout
+  env = report["env"]
+  assert env["backend"] == "cpu" and env["device"].startswith("cpu") and env["jax"]
+  assert "--quick" in env["command"]
+
+
+_ALL = ["SGD+momentum", "kfac_jax (optax)", "kfac_jax Optimizer"]
+
+
+def test_autoencoder_benchmark_full_batch_quick(tmp_path):
+  report, stdout, output = _run(tmp_path, "autoencoder.py", "--full-batch", "--steps", "3",
+                                "--adam-lrs", "1e-3,3e-3")
+  _check_report(report, stdout, output, _ALL, [1e-3, 3e-3])
+  assert "full batch of 256 images" in report["env"]["description"], output
+  assert report["results"][0]["loss_steps"] == 4  # 1 warm-up + 3 timed
+  kinds = {r["kind"] for r in report["kfac_jax_registrations"]}
+  assert kinds == {"dense"}, report["kfac_jax_registrations"]
+
+
+def test_cnn_benchmark_quick(tmp_path):
+  report, stdout, output = _run(tmp_path, "cnn.py", "--steps", "3", "--adam-lrs", "2e-3,5e-3")
+  _check_report(report, stdout, output, _ALL, [2e-3, 5e-3])
+  kinds = {r["kind"] for r in report["kfac_jax_registrations"]}
+  assert kinds == {"conv", "scale_and_shift", "dense"}, report["kfac_jax_registrations"]
+
+
+def test_transformer_benchmark_quick(tmp_path):
+  report, stdout, output = _run(tmp_path, "transformer.py", "--steps", "3", "--adam-lrs",
+                                "3e-3,1e-2")
+  _check_report(report, stdout, output, _ALL, [3e-3, 1e-2])
+  tied = [r for r in report["kfac_jax_registrations"]
+          if r["params"] == ["params/Embed_0/embedding"]]
+  assert [r["kind"] for r in tied] == ["embedding (2 uses)"], report["kfac_jax_registrations"]
+
+
+def test_bad_flags_are_named(capsys):
+  from benchmarks import autoencoder, transformer
+  for argv, message in (
+      (["--adam-lrs", "1e-3,x"], "--adam-lrs must be comma-separated numbers, got '1e-3,x'"),
+      (["--adam-lrs", "0"], "--adam-lrs needs at least one learning rate > 0, got '0'"),
+      (["--with-upstream", "--warmup", "0"], "--with-upstream needs --warmup >= 1")):
+    with pytest.raises(SystemExit):
+      autoencoder.parse_args(argv)
+    assert message in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    transformer.parse_args(["--width", "10", "--heads", "4"])
+  assert "--width 10 must be a multiple of --heads 4" in capsys.readouterr().err
+  args = autoencoder.parse_args(["--quick"])
+  assert (args.steps, args.warmup, args.batch_size, args.adam_lr_grid) == (6, 1, 128,
+                                                                            [3e-4, 1e-3, 3e-3])
+
+
+def test_upstream_failure_is_a_row_with_the_reason(tmp_path):
+  """A missing upstream interpreter gives an error row (the table prints `failed: ...`)."""
+  params = {"params": {"dense_0": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)}}}
+  workload = _harness.Workload(
+      name="tiny", description="", loss_fn=None, params0=params,
+      batch_at=lambda t: np.zeros((1, 2), np.float32), eval_fn=lambda p: 0.0,
+      eval_description="", upstream={"model": "autoencoder", "activations": ["linear"]},
+      upstream_data=lambda steps: (np.zeros((1, 2), np.float32), np.zeros((steps, 1), int)))
+  missing = str(tmp_path / "missing" / "python")
+  args = argparse.Namespace(upstream_python=missing, kfac_lr=0.1, kfac_momentum=0.9, damping=1.0,
+                            ema_decay=0.95, inverse_every=5, seed=0, compile_repeats=1)
+  row = _harness.run_upstream(workload, args, 2)
+  assert row["optimizer"] == _harness.UPSTREAM_NAME and row["family"] == "upstream", row
+  assert f"--upstream-python {missing!r} does not exist" in row["error"], row
+  table = _harness.markdown_table([row], [], 2, None)
+  assert f"| {_harness.UPSTREAM_NAME} | failed: --upstream-python" in table, table
+
+
+def _upstream_python():
+  python = os.environ.get("KFAC_UPSTREAM_PYTHON") or compare.DEFAULT_PYTHON
+  return python if os.path.isfile(python) else None
+
+
+@pytest.mark.skipif(_upstream_python() is None,
+                    reason="no upstream venv (bash benchmarks/upstream/setup_venv.sh, or "
+                           "KFAC_UPSTREAM_PYTHON=/path/to/python)")
+def test_transformer_benchmark_with_upstream(tmp_path):
+  """Upstream kfac-jax 0.0.8 trains the tied-embedding Transformer beside ours."""
+  report, stdout, output = _run(tmp_path, "transformer.py", "--steps", "2", "--adam-lrs", "1e-2",
+                                "--no-sgd", "--no-optimizer", "--with-upstream",
+                                "--upstream-python", _upstream_python())
+  up = report["results"][-1]
+  assert up["family"] == "upstream" and "error" not in up, up
+  assert up["optimizer"] == _harness.UPSTREAM_NAME
+  for key in ("compile_s", "median_step_ms", "opt_state_bytes", "final_eval_loss"):
+    assert math.isfinite(up[key]) and up[key] > 0, (key, up)
+  kinds = {r["kind"] for r in up["registrations"]}
+  assert "repeated_dense" in kinds and "scale_and_shift" in kinds, up["registrations"]
+  assert "kfac_jax (optax) / upstream" in report["ratios"]
+  assert "| **kfac_jax (optax) / upstream** |" in stdout, output
+  assert "its layer registrations:" in stdout, output
