@@ -10,7 +10,14 @@ statistics. Patterns:
                     (`batch_group_count` must be 1), and an optional bias `add` aligned with the
                     output feature axis.
   embedding         `gather(table, ids)` taking whole rows of a 2-d parameter `[vocab, dim]`
-                    (`jnp.take(table, ids, axis=0)`, `table[ids]`, Flax `Embed`).
+                    (`jnp.take(table, ids, axis=0)`, `table[ids]`, Flax `Embed`), and the same
+                    lookup written as a product `one_hot(ids, vocab) @ table` (`jax.nn.one_hot`,
+                    `(ids[..., None] == jnp.arange(vocab)).astype(...)`, through `jnp.dot`,
+                    `jnp.einsum` or `@`, with casts of either operand): the one-hot operand is
+                    traced back through casts to `eq(ids, iota)` along the contracted axis. Only
+                    the ids are recorded, so the block never forms a vocab × vocab factor. The
+                    table must be read as itself (`[vocab, dim]`, casts only) and stand on the
+                    right of the product; other one-hot products stay dense layers.
   scale_and_shift   `x * scale (+ shift)` and `x + shift` with the parameters broadcast over the
                     leading axes of the output; a second multiplication by an activation right
                     after the scale is folded in, which covers Flax's normalisation layers
@@ -23,7 +30,10 @@ import dataclasses
 import math
 from typing import Any
 
-from kfac_jax import _graph
+import jax
+import numpy as np
+
+from kfac_jax import _compat, _graph
 
 # --------------------------------------------------------------------------------------------
 # Static descriptions.
@@ -260,6 +270,112 @@ def embedding_use(sc, i):
       or idx_shape[-1] != 1 or out_shape != idx_shape[:-1] + (t_shape[1],)):
     return None
   return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
+
+
+def _producer(sc, atom):
+  """The equation computing `atom`, or None for inputs, constants and literals."""
+  if not _graph.is_key(atom):
+    return None
+  i = sc.producer.get(atom)
+  return None if i is None else sc.g.eqns[i]
+
+
+def _constant_value(sc, atom):
+  """The value of a literal or closed-over constant as a numpy array; None otherwise (also for a
+  constant that is a tracer, e.g. closed over inside an outer `jit`)."""
+  if isinstance(atom, _compat.Literal):
+    value = atom.val
+  elif _graph.is_key(atom) and atom in sc.const_values:
+    value = sc.const_values[atom]
+  else:
+    return None
+  try:
+    return np.asarray(value)
+  except jax.errors.JAXTypeError:  # A tracer.
+    return None
+
+
+def _iota_axis(sc, atom) -> tuple[int, int] | None:
+  """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others.
+
+  Follows casts and `broadcast_in_dim` back to an `iota` (or a constant such as `np.arange`).
+  """
+  value = _constant_value(sc, atom)
+  if value is not None:
+    if not np.issubdtype(value.dtype, np.number):
+      return None
+    for axis, n in enumerate(value.shape):
+      if n > 1:
+        ramp = np.arange(n).reshape([n if d == axis else 1 for d in range(value.ndim)])
+        return (axis, n) if np.array_equal(value, np.broadcast_to(ramp, value.shape)) else None
+    return None
+  fe = _producer(sc, atom)
+  if fe is None:
+    return None
+  if fe.name == "iota":
+    shape, axis = tuple(fe.params["shape"]), int(fe.params["dimension"])
+    return axis, int(shape[axis])
+  if fe.name in ("convert_element_type", "copy", "copy_p"):
+    return _iota_axis(sc, fe.ins[0])
+  if fe.name == "broadcast_in_dim":
+    inner = _iota_axis(sc, fe.ins[0])
+    if inner is None:
+      return None
+    axis, n = inner
+    return int(fe.params["broadcast_dimensions"][axis]), n
+  return None
+
+
+def one_hot_ids(sc, atom, axis: int, vocab: int):
+  """The integer ids atom if `atom` is `cast(ids == iota)` with the iota along `axis` (size
+  `vocab`), i.e. a one-hot encoding with the vocabulary on `axis`; else None.
+
+  The ids atom returned has the one-hot's shape with `axis` dropped or of size 1, so its
+  row-major order is that of the one-hot's other axes.
+  """
+  fe = _producer(sc, atom)
+  while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
+    fe = _producer(sc, fe.ins[0])
+  if fe is None or fe.name != "eq":
+    return None
+  shape = tuple(fe.outs[0][1].aval.shape)
+  if axis >= len(shape) or shape[axis] != vocab:
+    return None
+  squeezed = shape[:axis] + (1,) + shape[axis + 1:]
+  for pos in (0, 1):
+    if _iota_axis(sc, fe.ins[pos]) != (axis, vocab):
+      continue
+    ids = fe.ins[1 - pos]
+    ids_shape = tuple(_graph.aval_of(ids).shape)
+    if ids_shape != squeezed:  # Broadcast along the vocabulary: look through the broadcast.
+      b = _producer(sc, ids)
+      if (ids_shape != shape or b is None or b.name != "broadcast_in_dim"
+          or tuple(b.params["broadcast_dimensions"]) != tuple(
+              d for d in range(len(shape)) if d != axis)):
+        return None
+      ids = b.ins[0]
+    if not np.issubdtype(_graph.aval_of(ids).dtype, np.integer):
+      return None
+    return ids
+  return None
+
+
+def one_hot_embedding_use(sc, i):
+  """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
+  `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
+  fe = sc.g.eqns[i]
+  if fe.name != "dot_general" or not _graph.is_key(fe.ins[1]) or fe.ins[1] not in sc.origin:
+    return None
+  (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
+  chain = sc.origin[fe.ins[1]][1]
+  t_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
+  if (lhs_b or rhs_b or len(t_shape) != 2 or tuple(rhs_c) != (0,) or len(lhs_c) != 1
+      or any(s.op != "cast" for s in chain)):
+    return None
+  ids = one_hot_ids(sc, fe.ins[0], int(lhs_c[0]), t_shape[0])
+  if ids is None:
+    return None
+  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), ids, fe.outs[0]
 
 
 def match_scale_and_shift(sc, i, claimed):

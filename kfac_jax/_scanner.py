@@ -8,7 +8,8 @@ term written into the loss does not make a kernel "used twice". A leaf whose sin
 real use is an `add` to that product, aligned with its output features, is the bias. Convolution,
 embedding and scale-and-shift layers are matched the same way (`_matchers`), in three passes:
 kernels (dense, conv, with their biases), then gathers, then elementwise scales and shifts, so a
-bias is never mistaken for a shift. Manual layer tags take precedence over matching. Leaves left
+bias is never mistaken for a shift. A `dot_general` whose activation operand is a one-hot
+encoding of integer ids (`jax.nn.one_hot`) is an embedding lookup, not a dense layer. Manual layer tags take precedence over matching. Leaves left
 over get a diagonal generic block and a warning.
 
 Shared parameters. Before those passes, a leaf with several real uses becomes ONE layer with
@@ -339,6 +340,8 @@ class _Scanner:
     losses, loss_operands = self._losses(loss_eqns)
     self.batch_size = losses[0].batch_size
     self._origins()
+    self.producer = {k: i for i, fe in enumerate(g.eqns) for k in fe.outs}
+    self.const_values = dict(g.consts)
     in_slice = self._loss_slice([ops[0] for ops in loss_operands])
     self._uses(in_slice)
 
@@ -704,6 +707,13 @@ class _Scanner:
     k_leaf, k_pos = param_ops[0]
     if k_leaf in claimed or len(self.uses.get(k_leaf, [])) != 1:
       return None
+    emb = _matchers.one_hot_embedding_use(self, i) if k_pos == 1 else None
+    if emb is not None:  # `one_hot(ids) @ table`: an embedding lookup written as a product.
+      info, ids, out_key = emb
+      spec = self.layer_spec("embedding", [k_leaf], info, None, "auto",
+                             ((info.vocab_size,), (info.dim, info.dim)))
+      self._claim(claimed, [k_leaf], spec.name)
+      return spec, out_key, (ids,)
     found = self._dense_use(i, k_pos)
     if found is None:
       return None
@@ -732,7 +742,10 @@ class _Scanner:
       fe = self.g.eqns[i]
       if len(self.uses_by_eqn.get(i, [])) != 1:
         return None
-      if fe.name == "dot_general":
+      emb = _matchers.one_hot_embedding_use(self, i) if pos == 1 else None
+      if emb is not None:
+        found.append(("embedding", emb[0], (emb[1],), emb[2], None))
+      elif fe.name == "dot_general":
         d = self._dense_use(i, pos)
         if d is None:
           return None

@@ -334,7 +334,7 @@ def test_embedding_equals_dense_block_on_one_hot_inputs(x64):
 
   params = {"table": table, "w": w}
   kinds = [l.kind for l in kfac_jax.scan_layers(one_hot_loss, params, batch)]
-  assert kinds == ["dense", "dense"]  # A one-hot matmul stays a dense layer.
+  assert kinds == ["embedding", "dense"]  # A one-hot matmul is a lookup (tests/test_embeddings).
   est, state, emb = _estimate(gather_loss, params, batch, jax.random.key(0), "gradients")
   assert est.layers[0].kind == "embedding" and est.layers[0].factor_shapes == ((7,), (3, 3))
   _, _, dense = _estimate(one_hot_loss, params, batch, jax.random.key(0), "gradients")

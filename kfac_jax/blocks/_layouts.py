@@ -163,6 +163,15 @@ class EmbeddingLayout:
     g = g.astype(dtype)
     return ids.reshape(-1), g.reshape(g.shape[0], -1, 1, self.out_dim)
 
+  def id_counts(self, ids: Array, dtype) -> Array:
+    """`[vocab]`: how many rows hold each id (the diagonal of Σ_r onehot_r onehot_rᵀ).
+
+    Ids outside `[0, vocab)` select no row of the table (a one-hot row of zeros; the gather
+    primitive does not wrap negative indices), so they are not counted.
+    """
+    ids = jnp.where(ids < 0, self.in_dim, ids)
+    return jnp.zeros((self.in_dim,), dtype).at[ids].add(1.0, mode="drop")
+
   def to_matrix(self, vecs, dtype) -> Array:
     t = _scanner.apply_view(self.info.table_view, vecs[0].astype(dtype))
     return t.reshape(1, self.in_dim, self.out_dim)

@@ -92,7 +92,7 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
     x, g = layout.rows(d, dtype)
     gg = jnp.einsum("srgi,srgj->ij", g, g) / (g.shape[0] * batch_size)
     if isinstance(layout, _layouts.EmbeddingLayout):
-      xs.append(jnp.zeros((layout.in_dim,), dtype).at[x].add(1.0, mode="drop") / x.shape[0])
+      xs.append(layout.id_counts(x, dtype) / x.shape[0])
       ys.append(gg)
     elif transposed:  # logits = h Mᵀ: rows of M are its outputs.
       xs.append(jnp.diagonal(gg))
