@@ -509,5 +509,9 @@ def manual(sc, fe, claimed):
     approx = sc._check_approx("scale_and_shift", approx, [sc.paths[j] for j in leaves])
     spec = sc.layer_spec("scale_and_shift", leaves, info, approx, "manual", ())
     inputs = (fe.ins[1],) if info.has_scale else ()
+  for j in leaves:  # One tag registers one use: a parameter used again elsewhere is miscounted.
+    sc.check_use_count(
+        j, 1, fn, "remove the tag so that the scanner registers the uses together as one "
+        "shared layer, or cover the parameter with register_generic")
   sc._claim(claimed, leaves, spec.name)
   return spec, y, inputs

@@ -273,8 +273,9 @@ def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool =
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
   `layers` chooses approximations and linked groups (see `LayerConfig`). With `collect`, every
-  coverage problem (a parameter uncovered or registered twice, a pattern matching nothing) is
-  gathered and raised as one `RegistrationCheckError` at the end.
+  coverage problem (a parameter uncovered or registered twice, a manual tag whose use count
+  differs from the graph's, a pattern matching nothing) is gathered and raised as one
+  `RegistrationCheckError` at the end.
 
   Raises:
     RegistrationError: no loss tag, a malformed manual tag, an approximation that does not fit
@@ -615,13 +616,10 @@ class _Scanner:
           f"register_dense: kernel `{path}` is registered {len(tags)} times with different "
           f"biases or approximations ({[[self.paths[j] for j in t[0]] for t in tags]}, "
           f"{sorted(map(str, approxes))}); register every use with the same bias and `approx`.")
-    graph_uses = len(self.uses.get(k_leaf, []))
-    if graph_uses and graph_uses != len(tags):
-      raise RegistrationError(
-          f"layer `{path}` is used {graph_uses} times in loss_fn but registered with "
-          f"{len(tags)} register_dense tag(s); call register_dense at every use of the kernel "
-          "(each with the same `approx`, e.g. approx=\"kron_indep\"), or let the scanner detect "
-          "the shared use by removing the tags.")
+    self.check_use_count(
+        k_leaf, len(tags), "register_dense",
+        "call register_dense at every use of the kernel (each with the same `approx`, e.g. "
+        "approx=\"kron_indep\"), or let the scanner detect the shared use by removing the tags")
     approx = tags[0][2]
     paths = [self.paths[j] for j in leaves]
     if len(tags) == 1:
@@ -636,6 +634,20 @@ class _Scanner:
 
   def error(self, msg: str) -> RegistrationError:
     return RegistrationError(msg)
+
+  def check_use_count(self, leaf: int, registered: int, tag: str, fix: str) -> None:
+    """A manual tag's use count against the graph's: raised, or collected with `collect`.
+
+    A leaf the loss does not reach (no use on the loss slice) is not counted as a mismatch.
+    """
+    graph_uses = len(self.uses.get(leaf, []))
+    if not graph_uses or graph_uses == registered:
+      return
+    msg = (f"layer `{self.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
+           f"with {registered} {tag} tag(s); {fix}.")
+    if self.problems is None:
+      raise RegistrationError(msg)
+    self.problems.append(msg)
 
   def _single_use_series(self, approx, paths):
     return RegistrationError(
