@@ -133,12 +133,13 @@ def default_conv_approx(info: ConvInfo) -> str:
 # Helpers on the scanner's tables.
 
 
-def _single_use_leaf(sc, atom, claimed):
-  """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice."""
+def _single_use_leaf(sc, atom, claimed, shared: bool = False):
+  """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice (or,
+  with `shared`, any number of times: one use of a shared layer)."""
   if not _graph.is_key(atom) or atom not in sc.origin:
     return None
   leaf, chain = sc.origin[atom]
-  if leaf in claimed or len(sc.uses.get(leaf, [])) != 1:
+  if leaf in claimed or (not shared and len(sc.uses.get(leaf, [])) != 1):
     return None
   return leaf, chain
 
@@ -175,13 +176,14 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
   return None
 
 
-def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed):
-  """A single-use parameter added to `key` along `feature_axis` (size `size`) only."""
+def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed, shared: bool = False):
+  """A single-use (or, with `shared`, any) parameter added to `key` along `feature_axis` (size
+  `size`) only."""
   use = _only_consumer(sc, key)
   if use is None or sc.g.eqns[use[0]].name != "add":
     return None
   fe = sc.g.eqns[use[0]]
-  found = _single_use_leaf(sc, fe.ins[1 - use[1]], claimed)
+  found = _single_use_leaf(sc, fe.ins[1 - use[1]], claimed, shared)
   if found is None:
     return None
   leaf, chain = found
@@ -202,14 +204,17 @@ def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed):
 # Automatic matching.
 
 
-def match_conv(sc, i, claimed):
+def conv_use(sc, i, claimed, shared: bool = False):
+  """`(ConvInfo, kernel leaf, x atom, output key, bias leaf or None)` if equation i convolves an
+  activation with a (viewed) parameter kernel, else None. With `shared`, the kernel and the bias
+  may have other uses (one use of a shared layer)."""
   fe = sc.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
   ops = sc.uses_by_eqn.get(i, [])
   if len(ops) != 1 or ops[0][1] != 1:
     return None
-  found = _single_use_leaf(sc, fe.ins[1], claimed)
+  found = _single_use_leaf(sc, fe.ins[1], claimed, shared)
   if found is None:
     return None
   k_leaf, chain = found
@@ -220,13 +225,27 @@ def match_conv(sc, i, claimed):
   out_shape = tuple(out_key[1].aval.shape)
   info = _conv_info(chain, fe.params, _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape,
                     out_shape)
-  leaves = [k_leaf]
-  bias = _match_bias_add(sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed)
-  if bias is not None:
-    leaves.append(bias[0])
-    out_key = bias[1]
+  bias = _match_bias_add(sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed,
+                         shared)
+  b_leaf, out_key = bias if bias is not None else (None, out_key)
+  return info, k_leaf, x_atom, out_key, b_leaf
+
+
+def conv_kernel_layout(info: ConvInfo) -> tuple[Any, ...]:
+  """What fixes how a convolution reads its kernel as the `[window · in, out]` matrix: uses of
+  a shared kernel must agree on it (strides, padding and input shapes may differ)."""
+  return (info.kernel_view, info.rhs_spec, info.feature_group_count, info.kernel_spatial,
+          info.in_channels, info.out_channels)
+
+
+def match_conv(sc, i, claimed):
+  found = conv_use(sc, i, claimed)
+  if found is None:
+    return None
+  info, k_leaf, x_atom, out_key, b_leaf = found
+  leaves = [k_leaf] + ([b_leaf] if b_leaf is not None else [])
   spec = sc.layer_spec("conv", leaves, info, None, "auto",
-                       conv_kron_shapes(info, bias is not None))
+                       conv_kron_shapes(info, b_leaf is not None))
   sc._claim(claimed, leaves, spec.name)
   return spec, out_key, (x_atom,)
 
@@ -379,6 +398,21 @@ def one_hot_embedding_use(sc, i):
 
 
 def match_scale_and_shift(sc, i, claimed):
+  found = scale_shift_use(sc, i, claimed)
+  if found is None:
+    return None
+  info, leaf, inputs, out_key, shift_leaf = found
+  leaves = [leaf] + ([shift_leaf] if shift_leaf is not None else [])
+  spec = sc.layer_spec("scale_and_shift", leaves, info, None, "auto", ())
+  sc._claim(claimed, leaves, spec.name)
+  return spec, out_key, inputs
+
+
+def scale_shift_use(sc, i, claimed, shared: bool = False):
+  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` if equation i
+  multiplies an activation by a parameter (then `leaf` is the scale, and a following shift is
+  matched too) or adds one to it (`leaf` is the shift); else None. With `shared`, the
+  parameters may have other uses (one use of a shared layer)."""
   fe = sc.g.eqns[i]
   if fe.name not in ("mul", "add") or len(fe.ins) != 2:
     return None
@@ -386,7 +420,7 @@ def match_scale_and_shift(sc, i, claimed):
   if len(ops) != 1:
     return None
   leaf, pos = ops[0]
-  found = _single_use_leaf(sc, fe.ins[pos], claimed)
+  found = _single_use_leaf(sc, fe.ins[pos], claimed, shared)
   other = fe.ins[1 - pos]
   if found is None or not _graph.is_key(other) or other in sc.origin:
     return None
@@ -410,28 +444,25 @@ def match_scale_and_shift(sc, i, claimed):
   feat = _trailing_feature_shape(sc.shapes[leaf], chain, view_shape, out_shape)
   if feat is None or len(feat) == len(out_shape):
     return None
-  leaves = [leaf]
+  shift_leaf = None
   has_shift = fe.name == "add"
   if not has_shift:
-    shift = _match_shift(sc, out_key, out_shape, feat, claimed)
+    shift = _match_shift(sc, out_key, out_shape, feat, claimed, shared)
     if shift is not None:
-      leaves.append(shift[0])
-      out_key = shift[1]
+      shift_leaf, out_key = shift
       has_shift = True
   info = ScaleShiftInfo(has_scale=fe.name == "mul", has_shift=has_shift, feature_shape=feat,
                         output_shape=out_shape)
-  spec = sc.layer_spec("scale_and_shift", leaves, info, None, "auto", ())
-  sc._claim(claimed, leaves, spec.name)
-  return spec, out_key, inputs
+  return info, leaf, inputs, out_key, shift_leaf
 
 
-def _match_shift(sc, key, out_shape, feat, claimed):
+def _match_shift(sc, key, out_shape, feat, claimed, shared: bool = False):
   use = _only_consumer(sc, key)
   if use is None or sc.g.eqns[use[0]].name != "add":
     return None
   fe = sc.g.eqns[use[0]]
   atom = fe.ins[1 - use[1]]
-  found = _single_use_leaf(sc, atom, claimed)
+  found = _single_use_leaf(sc, atom, claimed, shared)
   if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
   leaf, chain = found

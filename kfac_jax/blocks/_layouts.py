@@ -18,6 +18,7 @@ statistics from these rows only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -193,8 +194,15 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   Computed from the recorded inputs and output gradients, without a per-example backward pass:
   for dense and conv layers J_n = Σ_{r ∈ n} x̄_r g_rᵀ (rows grouped by example, the leading
   axis of the rows being the batch); for scale-and-shift layers Σ_positions x̂ ⊙ g (scale) and
-  Σ_positions g (shift), positions being all axes but the batch and the parameter's own.
+  Σ_positions g (shift), positions being all axes but the batch and the parameter's own. For a
+  layer used several times (`spec.num_uses > 1`, `data` one entry per use) the per-example
+  gradient is the sum of the uses' (each use's output gradient is that of the whole loss).
   """
+  if spec.num_uses > 1:
+    return sum(
+        per_example_grads(dataclasses.replace(spec, info=info, num_uses=1, use_infos=()), d,
+                          batch_size, dtype)
+        for info, d in zip(spec.use_infos, data))
   if spec.kind == "scale_and_shift":
     return _scale_shift_grads(spec, data, dtype)
   layout = layout_for(spec)
