@@ -492,6 +492,28 @@ def test_shared_conv_and_norm_are_found_as_multi_use_layers():
   assert inner < 0 and new_loss < loss
 
 
+class _LinenSharedModules(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    conv, ln = nn.Conv(3, (3, 3), name="conv"), nn.LayerNorm(name="ln")
+    h = ln(jnp.tanh(conv(x)))
+    h = ln(jnp.tanh(conv(h)))
+    return nn.Dense(4, name="out")(h.mean((1, 2)))
+
+
+def test_linen_conv_and_layer_norm_called_twice_are_shared_layers():
+  model = _LinenSharedModules()
+  batch = {"x": jnp.ones((2, 5, 5, 3)), "y": jnp.array([0, 1])}
+  params = model.init(jax.random.key(0), batch["x"])
+  loss_fn = lambda p, b: _ce(model.apply(p, b["x"]), b["y"])
+  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  rows = {r.split()[0]: r.split()[1:] for r in table.splitlines()[2:5]}
+  assert rows["params/conv"][:4] == ["conv", "2", "kron_indep", "kernel,"]
+  assert rows["params/conv"][5:7] == ["28x28", "3x3"]
+  assert rows["params/ln"][:4] == ["scale_and_shift", "2", "full", "scale,"]
+  assert rows["params/out"][:3] == ["dense", "1", "kron"]
+
+
 def _patches(x, k, pads):
   """[N·L, C·k·k] patches of an NHWC input, (channel, window) row-major, stride 1, by loops."""
   xp = np.pad(np.asarray(x), ((0, 0), pads, pads, (0, 0)))
