@@ -576,6 +576,46 @@ def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, 
     assert np.abs(want).max() > 1e-3
 
 
+def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
+  """Two uses seeing the same data: A per group unchanged, G per group doubled."""
+  params = {"k": jax.random.normal(jax.random.key(12), (3, 3, 2, 4))}
+  batch = {"x": jax.random.normal(jax.random.key(13), (2, 5, 5, 4)),
+           "y": jnp.array([0, 3])}
+
+  def loss_fn(p, b):
+    h = jax.lax.conv_general_dilated(b["x"], p["k"], (1, 1), "SAME", feature_group_count=2,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return _ce(h.mean((1, 2)), b["y"])
+
+  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  reg = _scanner.scan(loss_fn, params, batch)
+  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
+                                   num_samples=1, with_grads=False)
+  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  single = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], 2)
+  two = dataclasses.replace(spec, approx="kron_indep", num_uses=2, use_infos=(spec.info,) * 2)
+  got = kfac_jax.blocks.make_block(two, config).batch_factors((stats.data[0],) * 2, 2)
+  assert got["a"].shape == (2, 18, 18) and got["g"].shape == (2, 2, 2)
+  np.testing.assert_allclose(got["a"], single["a"], rtol=1e-12)
+  np.testing.assert_allclose(got["g"], 2 * single["g"], rtol=1e-12)
+
+
+def test_shared_shift_alone_and_shared_dense_bias_are_told_apart():
+  """A shift added twice is a two-use scale_and_shift layer; a bias shared by one kernel's two
+  uses stays with the kernel (kernels are matched before shifts)."""
+  params = {"w": jnp.eye(D), "b": jnp.zeros(D), "t": jnp.ones(D)}
+  batch = {"x": jnp.ones((N, D)), "y": jnp.zeros((N,), jnp.int32)}
+
+  def loss_fn(p, b):
+    h = jnp.tanh(b["x"] + p["t"])
+    h = jnp.tanh(h @ p["w"] + p["b"]) + p["t"]
+    return _ce(h @ p["w"] + p["b"], b["y"])
+
+  layers = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  assert [(n, l.kind, l.num_uses, l.param_paths) for n, l in layers.items()] == [
+      ("w", "dense", 2, ("w", "b")), ("t", "scale_and_shift", 2, ("t",))]
+
+
 def test_shared_conv_with_different_kernel_layouts_is_not_one_layer():
   """The same leaf read as an HWIO kernel by one conv and as an OIHW kernel by the other is not
   one matrix: it stays uncovered (a diagonal fallback with a warning)."""

@@ -10,8 +10,9 @@ per-example gradient
     F ≈ A ⊗ G,   A = (Σ_u Σ_r x̄ x̄ᵀ) / (Σ_u R_u),   G = (1/N) Σ_u Σ_r g gᵀ
 
 (averaged over sampled targets), i.e. A the mean over uses and rows, G the sum over uses of the
-single-use output factor. A shared convolution takes its rows (input patches) from every use, its
-uses may differ in strides, padding and input size; grouped ones keep one (A, G) per group. For k = 1 this is exactly the single-use Kronecker block. When the uses
+single-use output factor. For k = 1 this is exactly the single-use Kronecker block. A shared
+convolution takes its rows (input patches) from every use, which may differ in strides, padding
+and input size; a grouped one keeps one (A, G) pair per group. When the uses
 see the table in different orientations (a tied embedding: lookups `onehot(id) M` and logits
 `h Mᵀ`), use u contributes `X_u ⊗ Y_u` in M's own layout (rows of M ⊗ columns of M: for the
 lookup X = id counts / R, Y = its G; for the transposed product X = diag of its G, Y = its A);
