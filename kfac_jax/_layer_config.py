@@ -14,6 +14,13 @@ slashes included; `?` one character; `[ab]` a set), matched against the whole la
 matches when any of them does. Globs were chosen over regexes because parameter paths are
 slash-separated names, for which `params/*/kernel` reads naturally and needs no escaping.
 
+Shared layers (a parameter used several times: tied weights, the steps of an unrolled scan, see
+`_scanner.SHARED_BY_KIND`) take their approximation from a manual tag's `approx=`, else from the
+first matching `overrides` pattern (which may name "kron_series_1" / "kron_series_2" for a
+recurrence), else their kind's shared default ("kron_indep"; "full" for scale-and-shift).
+`defaults` do not apply to them: those name single-use approximations. A pattern choosing an
+approximation that a matched layer cannot take is an error naming the pattern and the layer.
+
 Linked groups (TF K-FAC's `define_linked_parameters`) put every parameter leaf matched by a
 group's patterns into one generic block, "full" (the exact Fisher block of those parameters, the
 default) or "diagonal". A group must hold whole layers: a group holding the kernel of a dense
@@ -34,6 +41,11 @@ def _approximations():
   return _scanner.APPROXIMATIONS
 
 
+def _shared_approximations():
+  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
+  return _scanner.SHARED_BY_KIND
+
+
 def _frozen(mapping, name: str) -> Mapping[str, str]:
   if mapping is None:
     return types.MappingProxyType({})
@@ -51,7 +63,8 @@ class LayerConfig:
       approximation used when nothing more specific is said, e.g. `{"dense": "kron_in_diag"}`.
     overrides: glob pattern → approximation, e.g. `{"params/Dense_0/*": "full"}`; the first
       matching pattern wins. Every pattern must match some layer. A manual tag's explicit
-      `approx=` wins over patterns.
+      `approx=` wins over patterns. Patterns also choose the approximation of shared layers,
+      e.g. `{"params/RNN_0/*": "kron_series_2"}` (module docstring).
     linked: tuple of patterns → "full" or "diagonal": the matched leaves share one generic
       block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
 
@@ -77,7 +90,8 @@ class LayerConfig:
             f"LayerConfig.defaults[{kind!r}] = {approx!r} does not fit {kind} layers; choose one "
             f"of {approximations[kind]}.")
     overrides = _frozen(self.overrides, "overrides")
-    every = sorted({a for v in approximations.values() for a in v})
+    every = sorted({a for table in (approximations, _shared_approximations())
+                    for v in table.values() for a in v})
     for pattern, approx in overrides.items():
       if not isinstance(pattern, str) or not pattern:
         raise TypeError(f"LayerConfig.overrides: patterns must be non-empty strings, got "

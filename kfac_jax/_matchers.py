@@ -10,7 +10,14 @@ statistics. Patterns:
                     (`batch_group_count` must be 1), and an optional bias `add` aligned with the
                     output feature axis.
   embedding         `gather(table, ids)` taking whole rows of a 2-d parameter `[vocab, dim]`
-                    (`jnp.take(table, ids, axis=0)`, `table[ids]`, Flax `Embed`).
+                    (`jnp.take(table, ids, axis=0)`, `table[ids]`, Flax `Embed`), and the same
+                    lookup written as a product `one_hot(ids, vocab) @ table` (`jax.nn.one_hot`,
+                    `(ids[..., None] == jnp.arange(vocab)).astype(...)`, through `jnp.dot`,
+                    `jnp.einsum` or `@`, with casts of either operand): the one-hot operand is
+                    traced back through casts to `eq(ids, iota)` along the contracted axis. Only
+                    the ids are recorded, so the block never forms a vocab × vocab factor. The
+                    table must be read as itself (`[vocab, dim]`, casts only) and stand on the
+                    right of the product; other one-hot products stay dense layers.
   scale_and_shift   `x * scale (+ shift)` and `x + shift` with the parameters broadcast over the
                     leading axes of the output; a second multiplication by an activation right
                     after the scale is folded in, which covers Flax's normalisation layers
@@ -23,7 +30,10 @@ import dataclasses
 import math
 from typing import Any
 
-from kfac_jax import _graph
+import jax
+import numpy as np
+
+from kfac_jax import _compat, _graph
 
 # --------------------------------------------------------------------------------------------
 # Static descriptions.
@@ -123,12 +133,13 @@ def default_conv_approx(info: ConvInfo) -> str:
 # Helpers on the scanner's tables.
 
 
-def _single_use_leaf(sc, atom, claimed):
-  """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice."""
+def _single_use_leaf(sc, atom, claimed, shared: bool = False):
+  """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice (or,
+  with `shared`, any number of times: one use of a shared layer)."""
   if not _graph.is_key(atom) or atom not in sc.origin:
     return None
   leaf, chain = sc.origin[atom]
-  if leaf in claimed or len(sc.uses.get(leaf, [])) != 1:
+  if leaf in claimed or (not shared and len(sc.uses.get(leaf, [])) != 1):
     return None
   return leaf, chain
 
@@ -165,13 +176,14 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
   return None
 
 
-def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed):
-  """A single-use parameter added to `key` along `feature_axis` (size `size`) only."""
+def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed, shared: bool = False):
+  """A single-use (or, with `shared`, any) parameter added to `key` along `feature_axis` (size
+  `size`) only."""
   use = _only_consumer(sc, key)
   if use is None or sc.g.eqns[use[0]].name != "add":
     return None
   fe = sc.g.eqns[use[0]]
-  found = _single_use_leaf(sc, fe.ins[1 - use[1]], claimed)
+  found = _single_use_leaf(sc, fe.ins[1 - use[1]], claimed, shared)
   if found is None:
     return None
   leaf, chain = found
@@ -192,14 +204,17 @@ def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed):
 # Automatic matching.
 
 
-def match_conv(sc, i, claimed):
+def conv_use(sc, i, claimed, shared: bool = False):
+  """`(ConvInfo, kernel leaf, x atom, output key, bias leaf or None)` if equation i convolves an
+  activation with a (viewed) parameter kernel, else None. With `shared`, the kernel and the bias
+  may have other uses (one use of a shared layer)."""
   fe = sc.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
   ops = sc.uses_by_eqn.get(i, [])
   if len(ops) != 1 or ops[0][1] != 1:
     return None
-  found = _single_use_leaf(sc, fe.ins[1], claimed)
+  found = _single_use_leaf(sc, fe.ins[1], claimed, shared)
   if found is None:
     return None
   k_leaf, chain = found
@@ -210,13 +225,27 @@ def match_conv(sc, i, claimed):
   out_shape = tuple(out_key[1].aval.shape)
   info = _conv_info(chain, fe.params, _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape,
                     out_shape)
-  leaves = [k_leaf]
-  bias = _match_bias_add(sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed)
-  if bias is not None:
-    leaves.append(bias[0])
-    out_key = bias[1]
+  bias = _match_bias_add(sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed,
+                         shared)
+  b_leaf, out_key = bias if bias is not None else (None, out_key)
+  return info, k_leaf, x_atom, out_key, b_leaf
+
+
+def conv_kernel_layout(info: ConvInfo) -> tuple[Any, ...]:
+  """What fixes how a convolution reads its kernel as the `[window · in, out]` matrix: uses of
+  a shared kernel must agree on it (strides, padding and input shapes may differ)."""
+  return (info.kernel_view, info.rhs_spec, info.feature_group_count, info.kernel_spatial,
+          info.in_channels, info.out_channels)
+
+
+def match_conv(sc, i, claimed):
+  found = conv_use(sc, i, claimed)
+  if found is None:
+    return None
+  info, k_leaf, x_atom, out_key, b_leaf = found
+  leaves = [k_leaf] + ([b_leaf] if b_leaf is not None else [])
   spec = sc.layer_spec("conv", leaves, info, None, "auto",
-                       conv_kron_shapes(info, bias is not None))
+                       conv_kron_shapes(info, b_leaf is not None))
   sc._claim(claimed, leaves, spec.name)
   return spec, out_key, (x_atom,)
 
@@ -262,7 +291,128 @@ def embedding_use(sc, i):
   return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
 
 
+def _producer(sc, atom):
+  """The equation computing `atom`, or None for inputs, constants and literals."""
+  if not _graph.is_key(atom):
+    return None
+  i = sc.producer.get(atom)
+  return None if i is None else sc.g.eqns[i]
+
+
+def _constant_value(sc, atom):
+  """The value of a literal or closed-over constant as a numpy array; None otherwise (also for a
+  constant that is a tracer, e.g. closed over inside an outer `jit`)."""
+  if isinstance(atom, _compat.Literal):
+    value = atom.val
+  elif _graph.is_key(atom) and atom in sc.const_values:
+    value = sc.const_values[atom]
+  else:
+    return None
+  try:
+    return np.asarray(value)
+  except jax.errors.JAXTypeError:  # A tracer.
+    return None
+
+
+def _iota_axis(sc, atom) -> tuple[int, int] | None:
+  """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others.
+
+  Follows casts and `broadcast_in_dim` back to an `iota` (or a constant such as `np.arange`).
+  """
+  value = _constant_value(sc, atom)
+  if value is not None:
+    if not np.issubdtype(value.dtype, np.number):
+      return None
+    for axis, n in enumerate(value.shape):
+      if n > 1:
+        ramp = np.arange(n).reshape([n if d == axis else 1 for d in range(value.ndim)])
+        return (axis, n) if np.array_equal(value, np.broadcast_to(ramp, value.shape)) else None
+    return None
+  fe = _producer(sc, atom)
+  if fe is None:
+    return None
+  if fe.name == "iota":
+    shape, axis = tuple(fe.params["shape"]), int(fe.params["dimension"])
+    return axis, int(shape[axis])
+  if fe.name in ("convert_element_type", "copy", "copy_p"):
+    return _iota_axis(sc, fe.ins[0])
+  if fe.name == "broadcast_in_dim":
+    inner = _iota_axis(sc, fe.ins[0])
+    if inner is None:
+      return None
+    axis, n = inner
+    return int(fe.params["broadcast_dimensions"][axis]), n
+  return None
+
+
+def one_hot_ids(sc, atom, axis: int, vocab: int):
+  """The integer ids atom if `atom` is `cast(ids == iota)` with the iota along `axis` (size
+  `vocab`), i.e. a one-hot encoding with the vocabulary on `axis`; else None.
+
+  The ids atom returned has the one-hot's shape with `axis` dropped or of size 1, so its
+  row-major order is that of the one-hot's other axes.
+  """
+  fe = _producer(sc, atom)
+  while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
+    fe = _producer(sc, fe.ins[0])
+  if fe is None or fe.name != "eq":
+    return None
+  shape = tuple(fe.outs[0][1].aval.shape)
+  if axis >= len(shape) or shape[axis] != vocab:
+    return None
+  squeezed = shape[:axis] + (1,) + shape[axis + 1:]
+  for pos in (0, 1):
+    if _iota_axis(sc, fe.ins[pos]) != (axis, vocab):
+      continue
+    ids = fe.ins[1 - pos]
+    ids_shape = tuple(_graph.aval_of(ids).shape)
+    if ids_shape != squeezed:  # Broadcast along the vocabulary: look through the broadcast.
+      b = _producer(sc, ids)
+      if (ids_shape != shape or b is None or b.name != "broadcast_in_dim"
+          or tuple(b.params["broadcast_dimensions"]) != tuple(
+              d for d in range(len(shape)) if d != axis)):
+        return None
+      ids = b.ins[0]
+    if not np.issubdtype(_graph.aval_of(ids).dtype, np.integer):
+      return None
+    return ids
+  return None
+
+
+def one_hot_embedding_use(sc, i):
+  """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
+  `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
+  fe = sc.g.eqns[i]
+  if fe.name != "dot_general" or not _graph.is_key(fe.ins[1]) or fe.ins[1] not in sc.origin:
+    return None
+  (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
+  chain = sc.origin[fe.ins[1]][1]
+  t_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
+  if (lhs_b or rhs_b or len(t_shape) != 2 or tuple(rhs_c) != (0,) or len(lhs_c) != 1
+      or any(s.op != "cast" for s in chain)):
+    return None
+  ids = one_hot_ids(sc, fe.ins[0], int(lhs_c[0]), t_shape[0])
+  if ids is None:
+    return None
+  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), ids, fe.outs[0]
+
+
 def match_scale_and_shift(sc, i, claimed):
+  found = scale_shift_use(sc, i, claimed)
+  if found is None:
+    return None
+  info, leaf, inputs, out_key, shift_leaf = found
+  leaves = [leaf] + ([shift_leaf] if shift_leaf is not None else [])
+  spec = sc.layer_spec("scale_and_shift", leaves, info, None, "auto", ())
+  sc._claim(claimed, leaves, spec.name)
+  return spec, out_key, inputs
+
+
+def scale_shift_use(sc, i, claimed, shared: bool = False):
+  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` if equation i
+  multiplies an activation by a parameter (then `leaf` is the scale, and a following shift is
+  matched too) or adds one to it (`leaf` is the shift); else None. With `shared`, the
+  parameters may have other uses (one use of a shared layer)."""
   fe = sc.g.eqns[i]
   if fe.name not in ("mul", "add") or len(fe.ins) != 2:
     return None
@@ -270,7 +420,7 @@ def match_scale_and_shift(sc, i, claimed):
   if len(ops) != 1:
     return None
   leaf, pos = ops[0]
-  found = _single_use_leaf(sc, fe.ins[pos], claimed)
+  found = _single_use_leaf(sc, fe.ins[pos], claimed, shared)
   other = fe.ins[1 - pos]
   if found is None or not _graph.is_key(other) or other in sc.origin:
     return None
@@ -294,28 +444,25 @@ def match_scale_and_shift(sc, i, claimed):
   feat = _trailing_feature_shape(sc.shapes[leaf], chain, view_shape, out_shape)
   if feat is None or len(feat) == len(out_shape):
     return None
-  leaves = [leaf]
+  shift_leaf = None
   has_shift = fe.name == "add"
   if not has_shift:
-    shift = _match_shift(sc, out_key, out_shape, feat, claimed)
+    shift = _match_shift(sc, out_key, out_shape, feat, claimed, shared)
     if shift is not None:
-      leaves.append(shift[0])
-      out_key = shift[1]
+      shift_leaf, out_key = shift
       has_shift = True
   info = ScaleShiftInfo(has_scale=fe.name == "mul", has_shift=has_shift, feature_shape=feat,
                         output_shape=out_shape)
-  spec = sc.layer_spec("scale_and_shift", leaves, info, None, "auto", ())
-  sc._claim(claimed, leaves, spec.name)
-  return spec, out_key, inputs
+  return info, leaf, inputs, out_key, shift_leaf
 
 
-def _match_shift(sc, key, out_shape, feat, claimed):
+def _match_shift(sc, key, out_shape, feat, claimed, shared: bool = False):
   use = _only_consumer(sc, key)
   if use is None or sc.g.eqns[use[0]].name != "add":
     return None
   fe = sc.g.eqns[use[0]]
   atom = fe.ins[1 - use[1]]
-  found = _single_use_leaf(sc, atom, claimed)
+  found = _single_use_leaf(sc, atom, claimed, shared)
   if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
   leaf, chain = found
@@ -393,5 +540,9 @@ def manual(sc, fe, claimed):
     approx = sc._check_approx("scale_and_shift", approx, [sc.paths[j] for j in leaves])
     spec = sc.layer_spec("scale_and_shift", leaves, info, approx, "manual", ())
     inputs = (fe.ins[1],) if info.has_scale else ()
+  for j in leaves:  # One tag registers one use: a parameter used again elsewhere is miscounted.
+    sc.check_use_count(
+        j, 1, fn, "remove the tag so that the scanner registers the uses together as one "
+        "shared layer, or cover the parameter with register_generic")
   sc._claim(claimed, leaves, spec.name)
   return spec, y, inputs

@@ -8,17 +8,24 @@ term written into the loss does not make a kernel "used twice". A leaf whose sin
 real use is an `add` to that product, aligned with its output features, is the bias. Convolution,
 embedding and scale-and-shift layers are matched the same way (`_matchers`), in three passes:
 kernels (dense, conv, with their biases), then gathers, then elementwise scales and shifts, so a
-bias is never mistaken for a shift. Manual layer tags take precedence over matching. Leaves left
+bias is never mistaken for a shift. A `dot_general` whose activation operand is a one-hot
+encoding of integer ids (`jax.nn.one_hot`) is an embedding lookup, not a dense layer. Manual layer tags take precedence over matching. Leaves left
 over get a diagonal generic block and a warning.
 
 Shared parameters. Before those passes, a leaf with several real uses becomes ONE layer with
 `num_uses` uses when every use is a dense product of the same `[in, out]` kernel matrix (with
-one shared bias or none), or an embedding lookup of the same table, possibly mixed with products
-by the table or its transpose (tied input/output embeddings). A `lax.scan` over parameters is
+one shared bias or none), an embedding lookup of the same table (by gather or one-hot product),
+possibly mixed with products by the table or its transpose (tied input/output embeddings), a
+convolution reading the kernel as the same matrix (same kernel layout and groups; strides,
+padding and input sizes may differ; one shared bias or none), or a scale (with one shared shift
+or none) or shift of activations over the same trailing axes. Kernels, tables and scales are
+matched before shifts, so that a scale claims its shift. A `lax.scan` over parameters is
 unrolled by `_graph.FlatGraph`, so a recurrent cell's kernels have one use per time step. Each
-use keeps its own output key and inputs (`Registration.extra_uses`). `register_dense` called at
-every use of one kernel registers one multi-use layer; a tag count that differs from the graph's
-use count is an error naming the kernel.
+use keeps its own output key and inputs (`Registration.extra_uses`). Shared layers take the
+approximations of `SHARED_BY_KIND`, chosen by a manual tag's `approx=` or a
+`LayerConfig.overrides` pattern. `register_dense` called at every use of one kernel registers
+one multi-use layer; a manual tag count that differs from the graph's use count is an error
+naming the parameter (collected with the other problems by `check_registration`).
 """
 
 from __future__ import annotations
@@ -54,6 +61,15 @@ DEFAULT_APPROX = {"dense": "kron", "conv": "kron", "scale_and_shift": "full",
 
 # Approximations of a layer whose parameters are used several times (see `kfac_jax.blocks._shared`).
 SHARED_APPROXIMATIONS = ("kron_indep", "kron_series_1", "kron_series_2")
+# Per kind, the approximations of a shared layer (default first; "kron" is read as "kron_indep").
+# "diagonal" and "full" are exact per-example Fisher blocks, the per-example gradient being the
+# sum over uses (`blocks._layouts.per_example_grads`).
+SHARED_BY_KIND = {
+    "dense": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
+    "conv": ("kron_indep", "diagonal", "full"),
+    "embedding": ("kron_indep",),
+    "scale_and_shift": ("full", "diagonal"),
+}
 
 
 class RegistrationError(ValueError):
@@ -272,8 +288,9 @@ def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool =
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
   `layers` chooses approximations and linked groups (see `LayerConfig`). With `collect`, every
-  coverage problem (a parameter uncovered or registered twice, a pattern matching nothing) is
-  gathered and raised as one `RegistrationCheckError` at the end.
+  coverage problem (a parameter uncovered or registered twice, a manual tag whose use count
+  differs from the graph's, a pattern matching nothing) is gathered and raised as one
+  `RegistrationCheckError` at the end.
 
   Raises:
     RegistrationError: no loss tag, a malformed manual tag, an approximation that does not fit
@@ -339,6 +356,8 @@ class _Scanner:
     losses, loss_operands = self._losses(loss_eqns)
     self.batch_size = losses[0].batch_size
     self._origins()
+    self.producer = {k: i for i, fe in enumerate(g.eqns) for k in fe.outs}
+    self.const_values = dict(g.consts)
     in_slice = self._loss_slice([ops[0] for ops in loss_operands])
     self._uses(in_slice)
 
@@ -353,11 +372,13 @@ class _Scanner:
     for k_leaf, tags in self.manual_dense.items():
       specs.append(self._manual_dense_layer(k_leaf, tags, claimed))
     # Leaves used several times (tied weights, unrolled scans) first: one layer with k uses.
-    for leaf in sorted(self.uses):
-      if leaf not in claimed and len(self.uses[leaf]) > 1:
-        found = self._match_shared(leaf, claimed)
-        if found is not None:
-          specs.append(found)
+    # Kernels, tables and scales before shifts, so that a scale claims its shift.
+    for shifts in (False, True):
+      for leaf in sorted(self.uses):
+        if leaf not in claimed and len(self.uses[leaf]) > 1:
+          found = self._match_shared(leaf, claimed, shifts)
+          if found is not None:
+            specs.append(found)
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
     passes = ((self._match_dense, functools.partial(_matchers.match_conv, self)),
               (functools.partial(_matchers.match_embedding, self),),
@@ -612,13 +633,10 @@ class _Scanner:
           f"register_dense: kernel `{path}` is registered {len(tags)} times with different "
           f"biases or approximations ({[[self.paths[j] for j in t[0]] for t in tags]}, "
           f"{sorted(map(str, approxes))}); register every use with the same bias and `approx`.")
-    graph_uses = len(self.uses.get(k_leaf, []))
-    if graph_uses and graph_uses != len(tags):
-      raise RegistrationError(
-          f"layer `{path}` is used {graph_uses} times in loss_fn but registered with "
-          f"{len(tags)} register_dense tag(s); call register_dense at every use of the kernel "
-          "(each with the same `approx`, e.g. approx=\"kron_indep\"), or let the scanner detect "
-          "the shared use by removing the tags.")
+    self.check_use_count(
+        k_leaf, len(tags), "register_dense",
+        "call register_dense at every use of the kernel (each with the same `approx`, e.g. "
+        "approx=\"kron_indep\"), or let the scanner detect the shared use by removing the tags")
     approx = tags[0][2]
     paths = [self.paths[j] for j in leaves]
     if len(tags) == 1:
@@ -634,6 +652,20 @@ class _Scanner:
   def error(self, msg: str) -> RegistrationError:
     return RegistrationError(msg)
 
+  def check_use_count(self, leaf: int, registered: int, tag: str, fix: str) -> None:
+    """A manual tag's use count against the graph's: raised, or collected with `collect`.
+
+    A leaf the loss does not reach (no use on the loss slice) is not counted as a mismatch.
+    """
+    graph_uses = len(self.uses.get(leaf, []))
+    if not graph_uses or graph_uses == registered:
+      return
+    msg = (f"layer `{self.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
+           f"with {registered} {tag} tag(s); {fix}.")
+    if self.problems is None:
+      raise RegistrationError(msg)
+    self.problems.append(msg)
+
   def _single_use_series(self, approx, paths):
     return RegistrationError(
         f"approximation {approx!r} models correlations between successive uses of a shared "
@@ -641,18 +673,20 @@ class _Scanner:
         "\"kron_indep\", which equals it for one use).")
 
   def _check_approx(self, kind, approx, paths, *, shared: bool = False):
-    if approx is None:
-      # Shared layers default to kron_indep; single-use ones are resolved by `layer_spec`
-      # (the LayerConfig, then the kind's default).
-      return "kron_indep" if shared else None
-    if shared:
-      if approx == "kron":
+    if shared:  # None: the kind's shared default (kron_indep; "full" for scale-and-shift).
+      choices = SHARED_BY_KIND.get(kind, ())
+      if approx is None:
+        return choices[0]
+      if approx == "kron" and "kron_indep" in choices:
         return "kron_indep"
-      if approx not in SHARED_APPROXIMATIONS:
+      if approx not in choices:
         raise RegistrationError(
             f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
-            f"{paths}; a layer used several times takes one of {SHARED_APPROXIMATIONS}.")
+            f"{paths}; a {kind} layer used several times takes one of {choices}.")
       return approx
+    if approx is None:
+      # Single-use layers are resolved by `layer_spec` (the LayerConfig, then the kind's default).
+      return None
     if approx in SHARED_APPROXIMATIONS[1:]:
       raise self._single_use_series(approx, paths)
     if approx not in APPROXIMATIONS[kind]:
@@ -704,6 +738,13 @@ class _Scanner:
     k_leaf, k_pos = param_ops[0]
     if k_leaf in claimed or len(self.uses.get(k_leaf, [])) != 1:
       return None
+    emb = _matchers.one_hot_embedding_use(self, i) if k_pos == 1 else None
+    if emb is not None:  # `one_hot(ids) @ table`: an embedding lookup written as a product.
+      info, ids, out_key = emb
+      spec = self.layer_spec("embedding", [k_leaf], info, None, "auto",
+                             ((info.vocab_size,), (info.dim, info.dim)))
+      self._claim(claimed, [k_leaf], spec.name)
+      return spec, out_key, (ids,)
     found = self._dense_use(i, k_pos)
     if found is None:
       return None
@@ -720,19 +761,24 @@ class _Scanner:
 
   # -- shared (multi-use) layers ---------------------------------------------------------------
 
-  def _match_shared(self, leaf, claimed):
-    """One layer for a leaf whose uses are all dense products (with one shared bias) or
-    embedding lookups; a tied embedding mixes lookups with products by the transposed table.
+  def _match_shared(self, leaf, claimed, shifts: bool = False):
+    """One layer for a leaf whose uses are all dense products (with one shared bias), embedding
+    lookups, convolutions (with one shared bias) or scales / shifts of activations; a tied
+    embedding mixes lookups with products by the transposed table. Leaves added to activations
+    (shifts) are matched only with `shifts`, after the scales have claimed theirs.
 
     Returns `(spec, out_keys, inputs)` with one entry per use, or None.
     """
     uses = self.uses[leaf]
-    found = []  # (kind, info, inputs, out_key, bias leaf or None)
+    found = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
     for i, pos in uses:
       fe = self.g.eqns[i]
       if len(self.uses_by_eqn.get(i, [])) != 1:
         return None
-      if fe.name == "dot_general":
+      emb = _matchers.one_hot_embedding_use(self, i) if pos == 1 else None
+      if emb is not None:
+        found.append(("embedding", emb[0], (emb[1],), emb[2], None))
+      elif fe.name == "dot_general":
         d = self._dense_use(i, pos)
         if d is None:
           return None
@@ -746,6 +792,18 @@ class _Scanner:
           return None
         info, ids, out_key = e
         found.append(("embedding", info, (ids,), out_key, None))
+      elif fe.name == "conv_general_dilated":
+        c = _matchers.conv_use(self, i, claimed, shared=True)
+        if c is None:
+          return None
+        info, _, x_atom, out_key, b_leaf = c
+        found.append(("conv", info, (x_atom,), out_key, b_leaf))
+      elif fe.name == "mul" or (fe.name == "add" and shifts):
+        m = _matchers.scale_shift_use(self, i, claimed, shared=True)
+        if m is None:
+          return None
+        info, _, inputs, out_key, shift_leaf = m
+        found.append(("scale_and_shift", info, inputs, out_key, shift_leaf))
       else:
         return None
     kinds = {f[0] for f in found}
@@ -762,7 +820,16 @@ class _Scanner:
       if any(not np.array_equal(kernel_index_matrix(inf, shape), first) for inf in infos[1:]):
         return None
       kind = "dense"
-    else:  # A table [vocab, dim]: products read it as itself or as its transpose.
+    elif kinds == {"conv"}:  # ... and as the same [window · in, out] matrix.
+      if len({_matchers.conv_kernel_layout(inf) for inf in infos}) != 1:
+        return None
+      kind = "conv"
+    elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
+      if len({(inf.has_scale, inf.has_shift, inf.feature_shape) for inf in infos}) != 1:
+        return None
+      kind = "scale_and_shift"
+    elif kinds <= {"dense", "embedding"}:
+      # A table [vocab, dim]: products read it as itself or as its transpose.
       emb = next(inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo))
       idx = np.arange(math.prod(shape)).reshape(shape)
       for inf in infos:
@@ -774,27 +841,60 @@ class _Scanner:
         if not (np.array_equal(m, idx) or np.array_equal(m, idx.T)):
           return None
       kind = "embedding"
+    else:
+      return None
     leaves = [leaf] + ([b_leaf] if b_leaf is not None else [])
     spec = self._shared_spec(kind, leaves, infos, None, "auto")
     self._claim(claimed, leaves, spec.name)
     return spec, tuple(f[3] for f in found), tuple(f[2] for f in found)
 
+  def _shared_override(self, kind, name, paths, num_uses):
+    """The approximation a `LayerConfig.overrides` pattern chooses for a shared layer, or None.
+
+    `defaults` do not apply: they name single-use approximations of a kind.
+    """
+    for pattern, chosen in self.layer_config.overrides.items():
+      if not _layer_config.matches(pattern, (name,) + tuple(paths)):
+        continue
+      choices = SHARED_BY_KIND.get(kind, ())
+      if chosen not in choices and not (chosen == "kron" and "kron_indep" in choices):
+        raise RegistrationError(
+            f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
+            f"`{name}` (parameters {list(paths)}), which is used {num_uses} times; a shared "
+            f"{kind} layer takes one of {choices}. Choose one of those, or narrow the pattern "
+            "so that it does not match this layer.")
+      return chosen
+    return None
+
   def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
-    paths = [self.paths[j] for j in leaves]
-    approx = self._check_approx(kind, approx, paths, shared=True)
-    if approx != "kron_indep" and (kind != "dense" or len({inf.rows for inf in infos}) != 1):
+    paths = tuple(self.paths[j] for j in leaves)
+    name = _common_prefix(paths)
+    if approx is None:
+      approx = self._shared_override(kind, name, paths, len(infos))
+    approx = self._check_approx(kind, approx, list(paths), shared=True)
+    if approx in SHARED_APPROXIMATIONS[1:] and (kind != "dense"
+                                                or len({inf.rows for inf in infos}) != 1):
       raise RegistrationError(
-          f"approximation {approx!r} needs the uses of layer {paths} to be dense products "
+          f"approximation {approx!r} needs the uses of layer {list(paths)} to be dense products "
           f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
           f"{[getattr(inf, 'rows', None) for inf in infos]}. Use \"kron_indep\".")
-    if kind == "dense":
-      info = infos[0]
-      spec = self._dense_spec(leaves, info, "kron", source)
+    info = next((inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo)), infos[0])
+    n = sum(math.prod(self.shapes[j]) for j in leaves)
+    if approx == "diagonal":
+      shapes = ((n,),)
+    elif approx == "full":
+      shapes = ((n, n),)
+    elif kind == "dense":
+      a = info.in_dim + (1 if len(leaves) == 2 else 0)
+      shapes = ((a, a), (info.out_dim, info.out_dim))
+    elif kind == "conv":
+      shapes = _matchers.conv_kron_shapes(info, len(leaves) == 2)
     else:
-      info = next(inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo))
-      spec = self.layer_spec("embedding", leaves, info, "kron", source,
-                             ((info.vocab_size,), (info.dim, info.dim)))
-    return dataclasses.replace(spec, approx=approx, num_uses=len(infos), use_infos=infos)
+      shapes = ((info.vocab_size,), (info.dim, info.dim))
+    return LayerSpec(
+        name=name, kind=kind, param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
+        factor_shapes=shapes, source=source, info=info,
+        param_shapes=tuple(self.shapes[j] for j in leaves), num_uses=len(infos), use_infos=infos)
 
   def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
     if k_pos != 1:

@@ -48,9 +48,10 @@ def check_registration(loss_fn: Callable, params, batch, *,
 
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
   layer covers (it would get a diagonal fallback block), every parameter registered twice (two
-  manual tags, or a tag and a linked group), and every `layers.overrides` / `layers.linked`
-  pattern that matches no parameter. (Use counts of shared parameters are not checked yet: the
-  scanner registers only single-use layers.)
+  manual tags, or a tag and a linked group), every manually tagged parameter whose number of
+  tags differs from the number of times `loss_fn` uses it (a kernel applied twice but tagged
+  once: its second use would be missing from the curvature; the message gives both counts), and
+  every `layers.overrides` / `layers.linked` pattern that matches no parameter.
 
   Returns:
     The registered layers, as `scan_layers` returns them, when there is no problem.

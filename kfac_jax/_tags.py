@@ -192,6 +192,9 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
     kernel: `[in, out]` (Flax layout), a parameter leaf (possibly cast).
     bias: optional `[out]` parameter leaf.
     approx: curvature approximation for this layer (default: the estimator's default, "kron").
+      A kernel used several times is tagged at every use, each tag with the same `approx`, one
+      of "kron_indep" (the default), "kron_series_1", "kron_series_2", "diagonal" or "full"
+      (`_scanner.SHARED_BY_KIND`); the number of tags must equal the number of uses.
 
   Returns:
     `y`, unchanged.

@@ -224,3 +224,40 @@ def test_check_registration_lists_every_problem():
   p2 = {k: v for k, v in params.items() if k.startswith("layer")}
   specs = kfac_jax.check_registration(_models.softmax_loss(_models.jnp_mlp_apply), p2, batch)
   assert [s.name for s in specs] == ["layer0", "layer1"]
+
+
+def _miscounted_tags():
+  """A dense kernel applied twice but tagged once, a conv kernel applied twice but tagged once,
+  and a norm scale used in two places but tagged once."""
+  params = {"w": jnp.eye(3), "k": jnp.ones((2, 1, 3)), "s": jnp.ones(3), "extra": jnp.ones(3)}
+  batch = {"x": jnp.ones((2, 4, 1)), "y": jnp.zeros((2,), jnp.int32)}
+
+  def loss_fn(p, b):
+    conv = lambda x: jax.lax.conv_general_dilated(x, p["k"], (1,), "SAME", dimension_numbers=(
+        "NWC", "WIO", "NWC"))
+    h = kfac_jax.register_conv(conv(b["x"]), b["x"], p["k"], window_strides=(1,),
+                               padding=((0, 1),), dimension_numbers=("NWC", "WIO", "NWC"))
+    h = conv(h[..., :1]).mean(1)
+    h = kfac_jax.register_scale_and_shift(h * p["s"], h, p["s"])
+    h = kfac_jax.register_dense(h @ p["w"], h, p["w"])
+    z = (jnp.tanh(h) * p["s"]) @ p["w"] + jnp.sin(p["extra"])
+    kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
+
+  return loss_fn, params, batch
+
+
+def test_check_registration_lists_wrong_use_counts_with_the_other_problems():
+  loss_fn, params, batch = _miscounted_tags()
+  with pytest.raises(kfac_jax.RegistrationCheckError) as info:
+    kfac_jax.check_registration(loss_fn, params, batch)
+  problems = info.value.problems
+  assert len(problems) == 4, problems
+  assert "`k` is used 2 times in loss_fn but registered with 1 register_conv tag" in problems[0]
+  assert "`s` is used 2 times in loss_fn but registered with 1 register_scale_and_shift" in (
+      problems[1])
+  assert "`w` is used 2 times in loss_fn but registered with 1 register_dense tag" in problems[2]
+  assert "`extra` is not in any layer" in problems[3]
+  # Without collect, the scan stops at the first one.
+  with pytest.raises(kfac_jax.RegistrationError, match=r"`k` is used 2 times .* 1 register_conv"):
+    kfac_jax.scan_layers(loss_fn, params, batch)

@@ -329,12 +329,13 @@ def test_embedding_equals_dense_block_on_one_hot_inputs(x64):
     return _ce_seq(p["table"][b["ids"]] @ p["w"], b["y"])
 
   def one_hot_loss(p, b):
-    return _ce_seq(jax.nn.one_hot(b["ids"], vocab, dtype=jnp.float64) @ p["table"] @ p["w"],
-                   b["y"])
+    # Tagged by hand: found automatically, a one-hot product is an embedding (test_embeddings).
+    oh = jax.nn.one_hot(b["ids"], vocab, dtype=jnp.float64)
+    return _ce_seq(kfac_jax.register_dense(oh @ p["table"], oh, p["table"]) @ p["w"], b["y"])
 
   params = {"table": table, "w": w}
   kinds = [l.kind for l in kfac_jax.scan_layers(one_hot_loss, params, batch)]
-  assert kinds == ["dense", "dense"]  # A one-hot matmul stays a dense layer.
+  assert kinds == ["dense", "dense"]
   est, state, emb = _estimate(gather_loss, params, batch, jax.random.key(0), "gradients")
   assert est.layers[0].kind == "embedding" and est.layers[0].factor_shapes == ((7,), (3, 3))
   _, _, dense = _estimate(one_hot_loss, params, batch, jax.random.key(0), "gradients")

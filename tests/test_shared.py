@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.flatten_util import ravel_pytree
 
 import kfac_jax
 from kfac_jax import _curvature, _scanner
@@ -452,3 +453,215 @@ def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
   for k in params:
     np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-10, atol=1e-12)
+
+
+# -- shared convolutions and scale-and-shift layers -------------------------------------------
+
+
+def _conv(p, x, stride=1, padding="VALID"):
+  y = jax.lax.conv_general_dilated(x, p["k"], (stride, stride), padding,
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return y + p["b"]
+
+
+def _shared_conv_norm_model(params, x, eps=(0.0, 0.0, 0.0, 0.0)):
+  """One conv kernel (with its bias) applied twice, one norm scale and shift applied twice."""
+  h1 = _conv(params, x) + eps[0]
+  h2 = _conv(params, jnp.tanh(h1), padding="SAME") + eps[1]
+  z = h2.mean((1, 2))
+  z = z * params["s"] + params["sh"] + eps[2]
+  z = jnp.tanh(z) * params["s"] + params["sh"] + eps[3]
+  return (x, jnp.tanh(h1)), z @ params["w"]
+
+
+def _shared_conv_setup(n):
+  kk, kx, ky, kw, ks = jax.random.split(jax.random.key(11), 5)
+  params = {"k": 0.5 * jax.random.normal(kk, (2, 2, 2, 2)), "b": jnp.array([0.1, -0.2]),
+            "s": 1.0 + 0.3 * jax.random.normal(ks, (2,)), "sh": jnp.array([0.2, 0.1]),
+            "w": jax.random.normal(kw, (2, 3))}
+  batch = {"x": jax.random.normal(kx, (n, 4, 4, 2)), "y": jax.random.randint(ky, (n,), 0, 3)}
+  loss_fn = lambda p, b: _ce(_shared_conv_norm_model(p, b["x"])[1], b["y"])
+  return params, batch, loss_fn
+
+
+def test_shared_conv_and_norm_are_found_as_multi_use_layers():
+  params, batch, loss_fn = _shared_conv_setup(2)
+  layers = {l.name: l for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True)}
+  assert [(n, l.kind, l.num_uses, l.approx, l.param_paths) for n, l in layers.items()] == [
+      ("k", "conv", 2, "kron_indep", ("k", "b")),
+      ("s", "scale_and_shift", 2, "full", ("s", "sh")),
+      ("w", "dense", 1, "kron", ("w",))]
+  assert layers["k"].factor_shapes == ((2 * 2 * 2 + 1,) * 2, (2, 2))
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  assert inner < 0 and new_loss < loss
+
+
+class _LinenSharedModules(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    conv, ln = nn.Conv(3, (3, 3), name="conv"), nn.LayerNorm(name="ln")
+    h = ln(jnp.tanh(conv(x)))
+    h = ln(jnp.tanh(conv(h)))
+    return nn.Dense(4, name="out")(h.mean((1, 2)))
+
+
+def test_linen_conv_and_layer_norm_called_twice_are_shared_layers():
+  model = _LinenSharedModules()
+  batch = {"x": jnp.ones((2, 5, 5, 3)), "y": jnp.array([0, 1])}
+  params = model.init(jax.random.key(0), batch["x"])
+  loss_fn = lambda p, b: _ce(model.apply(p, b["x"]), b["y"])
+  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  rows = {r.split()[0]: r.split()[1:] for r in table.splitlines()[2:5]}
+  assert rows["params/conv"][:4] == ["conv", "2", "kron_indep", "kernel,"]
+  assert rows["params/conv"][5:7] == ["28x28", "3x3"]
+  assert rows["params/ln"][:4] == ["scale_and_shift", "2", "full", "scale,"]
+  assert rows["params/out"][:3] == ["dense", "1", "kron"]
+
+
+def _patches(x, k, pads):
+  """[N·L, C·k·k] patches of an NHWC input, (channel, window) row-major, stride 1, by loops."""
+  xp = np.pad(np.asarray(x), ((0, 0), pads, pads, (0, 0)))
+  rows = [xp[i, a:a + k, b:b + k, :].transpose(2, 0, 1).reshape(-1)
+          for i in range(xp.shape[0]) for a in range(xp.shape[1] - k + 1)
+          for b in range(xp.shape[2] - k + 1)]
+  return np.stack(rows)
+
+
+def test_shared_conv_kron_indep_matches_the_definition(x64):
+  """Batch 1, empirical: A = Σ_uses Σ_rows x̄x̄ᵀ / Σ_uses rows over both uses' patches (the uses
+  see different input sizes and paddings), G = Σ_uses (1/N) Σ_rows g gᵀ."""
+  params, batch, loss_fn = _shared_conv_setup(1)
+  spec = next(l for l in kfac_jax.scan_layers(loss_fn, params, batch) if l.name == "k")
+  reg = _scanner.scan(loss_fn, params, batch)
+  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
+                                   num_samples=1, with_grads=False)
+  block = kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(dtype=jnp.float64))
+  got = block.batch_factors(stats.data[reg.layers.index(spec)], 1)
+
+  x0, x1 = _shared_conv_norm_model(params, batch["x"])[0]
+  patches = [_patches(x0, 2, (0, 0)), _patches(x1, 2, (0, 1))]  # VALID; SAME for an even kernel.
+  xb = [np.concatenate([p, np.ones((p.shape[0], 1))], 1) for p in patches]
+  a = sum(v.T @ v for v in xb) / sum(v.shape[0] for v in xb)
+  zeros = [jnp.zeros((1, 3, 3, 2)), jnp.zeros((1, 3, 3, 2)), jnp.zeros((1, 2)), jnp.zeros((1, 2))]
+  ce = lambda *e: optax.softmax_cross_entropy_with_integer_labels(
+      _shared_conv_norm_model(params, batch["x"], e)[1], batch["y"]).sum()
+  gs = jax.grad(ce, argnums=(0, 1))(*zeros)
+  g = sum(np.asarray(v).reshape(-1, 2).T @ np.asarray(v).reshape(-1, 2) for v in gs)
+  assert xb[0].shape[0] == 9 and xb[1].shape[0] == 9
+  np.testing.assert_allclose(got["a"], a, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(got["g"], g, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("approx", ["full", "diagonal"])
+def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, approx):
+  """"full" / "diagonal" of a shared layer: the per-example gradient summed over uses, so the
+  block is the exact per-example (empirical) Fisher block for any batch size."""
+  params, batch, loss_fn = _shared_conv_setup(3)
+  layers = kfac_jax.LayerConfig(overrides={"k": approx, "s": approx})
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
+  state = est.init(params)
+  assert [(l.name, l.num_uses, l.approx) for l in est.layers] == [
+      ("k", 2, approx), ("s", 2, approx), ("w", 1, "kron")]
+  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+  dense = np.asarray(est.to_dense(state))
+  flat, unravel = ravel_pytree(params)
+  per_example = lambda f: optax.softmax_cross_entropy_with_integer_labels(
+      _shared_conv_norm_model(unravel(f), batch["x"])[1], batch["y"])
+  jac = np.asarray(jax.jacobian(per_example)(flat))
+  exact = jac.T @ jac / 3
+  sizes = [v.size for v in jax.tree_util.tree_leaves(params)]  # b, k, s, sh, w
+  off = np.concatenate([[0], np.cumsum(sizes)])
+  for leaves in ((0, 1), (2, 3)):
+    idx = np.concatenate([np.arange(off[j], off[j + 1]) for j in leaves])
+    want = exact[np.ix_(idx, idx)]
+    if approx == "diagonal":
+      want = np.diag(np.diag(want))
+    np.testing.assert_allclose(dense[np.ix_(idx, idx)], want, rtol=1e-10, atol=1e-13)
+    assert np.abs(want).max() > 1e-3
+
+
+def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
+  """Two uses seeing the same data: A per group unchanged, G per group doubled."""
+  params = {"k": jax.random.normal(jax.random.key(12), (3, 3, 2, 4))}
+  batch = {"x": jax.random.normal(jax.random.key(13), (2, 5, 5, 4)),
+           "y": jnp.array([0, 3])}
+
+  def loss_fn(p, b):
+    h = jax.lax.conv_general_dilated(b["x"], p["k"], (1, 1), "SAME", feature_group_count=2,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return _ce(h.mean((1, 2)), b["y"])
+
+  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  reg = _scanner.scan(loss_fn, params, batch)
+  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
+                                   num_samples=1, with_grads=False)
+  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  single = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], 2)
+  two = dataclasses.replace(spec, approx="kron_indep", num_uses=2, use_infos=(spec.info,) * 2)
+  got = kfac_jax.blocks.make_block(two, config).batch_factors((stats.data[0],) * 2, 2)
+  assert got["a"].shape == (2, 18, 18) and got["g"].shape == (2, 2, 2)
+  np.testing.assert_allclose(got["a"], single["a"], rtol=1e-12)
+  np.testing.assert_allclose(got["g"], 2 * single["g"], rtol=1e-12)
+
+
+def test_shared_shift_alone_and_shared_dense_bias_are_told_apart():
+  """A shift added twice is a two-use scale_and_shift layer; a bias shared by one kernel's two
+  uses stays with the kernel (kernels are matched before shifts)."""
+  params = {"w": jnp.eye(D), "b": jnp.zeros(D), "t": jnp.ones(D)}
+  batch = {"x": jnp.ones((N, D)), "y": jnp.zeros((N,), jnp.int32)}
+
+  def loss_fn(p, b):
+    h = jnp.tanh(b["x"] + p["t"])
+    h = jnp.tanh(h @ p["w"] + p["b"]) + p["t"]
+    return _ce(h @ p["w"] + p["b"], b["y"])
+
+  layers = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  assert [(n, l.kind, l.num_uses, l.param_paths) for n, l in layers.items()] == [
+      ("w", "dense", 2, ("w", "b")), ("t", "scale_and_shift", 2, ("t",))]
+
+
+def test_shared_conv_with_different_kernel_layouts_is_not_one_layer():
+  """The same leaf read as an HWIO kernel by one conv and as an OIHW kernel by the other is not
+  one matrix: it stays uncovered (a diagonal fallback with a warning)."""
+  params = {"k": jnp.ones((2, 2, 2, 2))}
+  batch = {"x": jnp.ones((1, 3, 3, 2)), "y": jnp.zeros((1,), jnp.int32)}
+
+  def loss_fn(p, b):
+    h = jax.lax.conv_general_dilated(b["x"], p["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = jax.lax.conv_general_dilated(h, p["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "OIHW", "NHWC"))
+    return _ce(h.mean((1, 2)), b["y"])
+
+  with pytest.warns(_scanner.UncoveredParametersWarning, match="`k`"):
+    (layer,) = kfac_jax.scan_layers(loss_fn, params, batch)
+  assert layer.source == "fallback"
+
+
+# -- LayerConfig overrides on shared layers ----------------------------------------------------
+
+
+def test_override_chooses_a_series_approximation_for_a_detected_recurrence():
+  loss_fn, params, batch = _linen(_LinenLSTM)
+  cell = "params/LSTMCell_0/hi"
+  layers = kfac_jax.LayerConfig(defaults={"dense": "kron_in_diag"},
+                                overrides={"params/LSTMCell_0/h*": "kron_series_2"})
+  specs = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True, layers=layers))
+  assert (specs[cell].num_uses, specs[cell].approx, specs[cell].source) == (
+      L, "kron_series_2", "auto")
+  # Defaults name single-use approximations: shared layers keep theirs, single-use ones follow.
+  assert specs["params/LSTMCell_0/ii"].approx == "kron_indep"
+  assert specs["params/Dense_0"].approx == "kron_in_diag"
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, layers=layers)
+  est.init(params)
+  assert isinstance(est.blocks[[l.name for l in est.layers].index(cell)],
+                    kfac_jax.blocks.SeriesKroneckerBlock)
+
+
+def test_override_that_does_not_fit_a_shared_layer_names_pattern_and_layer():
+  loss_fn, params, batch = _linen(_LinenLSTM)
+  layers = kfac_jax.LayerConfig(overrides={"params/LSTMCell_0/hi*": "kron_in_diag"})
+  with pytest.raises(kfac_jax.RegistrationError,
+                     match=r"overrides\['params/LSTMCell_0/hi\*'\] = 'kron_in_diag' does not fit "
+                           r"the dense layer `params/LSTMCell_0/hi` .* used 3 times"):
+    kfac_jax.scan_layers(loss_fn, params, batch, layers=layers)

@@ -20,6 +20,7 @@ _BLOCKS = {
     ("embedding", "kron_indep"): KroneckerBlock,
     ("conv", "kron"): KroneckerBlock,
     ("conv", "kron_sua"): KroneckerBlock,
+    ("conv", "kron_indep"): KroneckerBlock,
     ("conv", "diagonal"): DiagonalBlock,
     ("conv", "full"): FullBlock,
     ("embedding", "kron"): KroneckerBlock,

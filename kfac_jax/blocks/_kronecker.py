@@ -164,7 +164,7 @@ class KroneckerBlock(Block):
     if self.spec.approx == "reduce":
       x, g = _reduce_rows(self.spec, x, g, batch_size)  # x: [R, groups, in] (ids [R]); g: [S, R, groups, out]
     if self.spec.kind == "embedding":
-      a = jnp.zeros((self.layout.in_dim,), dtype).at[x].add(1.0, mode="drop")[None] / x.shape[0]
+      a = self.layout.id_counts(x, dtype)[None] / x.shape[0]
     elif self.spec.approx == "kron_sua":
       a = self.layout.sua_input_factor(data, dtype, self.spec.has_bias)
     else:

@@ -18,6 +18,7 @@ statistics from these rows only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -163,6 +164,15 @@ class EmbeddingLayout:
     g = g.astype(dtype)
     return ids.reshape(-1), g.reshape(g.shape[0], -1, 1, self.out_dim)
 
+  def id_counts(self, ids: Array, dtype) -> Array:
+    """`[vocab]`: how many rows hold each id (the diagonal of Σ_r onehot_r onehot_rᵀ).
+
+    Ids outside `[0, vocab)` select no row of the table (a one-hot row of zeros; the gather
+    primitive does not wrap negative indices), so they are not counted.
+    """
+    ids = jnp.where(ids < 0, self.in_dim, ids)
+    return jnp.zeros((self.in_dim,), dtype).at[ids].add(1.0, mode="drop")
+
   def to_matrix(self, vecs, dtype) -> Array:
     t = _scanner.apply_view(self.info.table_view, vecs[0].astype(dtype))
     return t.reshape(1, self.in_dim, self.out_dim)
@@ -184,8 +194,15 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   Computed from the recorded inputs and output gradients, without a per-example backward pass:
   for dense and conv layers J_n = Σ_{r ∈ n} x̄_r g_rᵀ (rows grouped by example, the leading
   axis of the rows being the batch); for scale-and-shift layers Σ_positions x̂ ⊙ g (scale) and
-  Σ_positions g (shift), positions being all axes but the batch and the parameter's own.
+  Σ_positions g (shift), positions being all axes but the batch and the parameter's own. For a
+  layer used several times (`spec.num_uses > 1`, `data` one entry per use) the per-example
+  gradient is the sum of the uses' (each use's output gradient is that of the whole loss).
   """
+  if spec.num_uses > 1:
+    return sum(
+        per_example_grads(dataclasses.replace(spec, info=info, num_uses=1, use_infos=()), d,
+                          batch_size, dtype)
+        for info, d in zip(spec.use_infos, data))
   if spec.kind == "scale_and_shift":
     return _scale_shift_grads(spec, data, dtype)
   layout = layout_for(spec)

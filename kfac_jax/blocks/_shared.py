@@ -1,7 +1,8 @@
 """Curvature of layers applied several times: tied weights, weight sharing, recurrences.
 
 A layer with parameters M used at k places (k uses u = 1..k: the steps of an unrolled scan, the
-input and output use of a tied embedding, the same dense applied twice) has per-example gradient
+input and output use of a tied embedding, the same dense or convolution applied twice) has
+per-example gradient
 `Σ_u Σ_{r ∈ u} x̄_{u,r} g_{u,r}ᵀ`. With rows and uses as in `_kronecker`:
 
 "kron_indep" (Martens, Ba & Johnson 2018, uses treated as independent and homogeneous):
@@ -9,7 +10,9 @@ input and output use of a tied embedding, the same dense applied twice) has per-
     F ≈ A ⊗ G,   A = (Σ_u Σ_r x̄ x̄ᵀ) / (Σ_u R_u),   G = (1/N) Σ_u Σ_r g gᵀ
 
 (averaged over sampled targets), i.e. A the mean over uses and rows, G the sum over uses of the
-single-use output factor. For k = 1 this is exactly the single-use Kronecker block. When the uses
+single-use output factor. For k = 1 this is exactly the single-use Kronecker block. A shared
+convolution takes its rows (input patches) from every use, which may differ in strides, padding
+and input size; a grouped one keeps one (A, G) pair per group. When the uses
 see the table in different orientations (a tied embedding: lookups `onehot(id) M` and logits
 `h Mᵀ`), use u contributes `X_u ⊗ Y_u` in M's own layout (rows of M ⊗ columns of M: for the
 lookup X = id counts / R, Y = its G; for the transposed product X = diag of its G, Y = its A);
@@ -56,7 +59,8 @@ def use_layouts(spec) -> list[tuple[object, bool]]:
   """For each use: its layout and whether it sees the parameter matrix transposed."""
   out = []
   for info in spec.use_infos:
-    kind = "embedding" if isinstance(info, _matchers.EmbeddingInfo) else "dense"
+    kind = ("embedding" if isinstance(info, _matchers.EmbeddingInfo)
+            else "conv" if isinstance(info, _matchers.ConvInfo) else "dense")
     sub = dataclasses.replace(spec, kind=kind, info=info, num_uses=1, use_infos=())
     if kind == "dense" and spec.kind == "embedding":
       sub = dataclasses.replace(sub, leaf_indices=spec.leaf_indices[:1],
@@ -76,23 +80,26 @@ def _mean_diag(f):
 def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
   """The "kron_indep" statistics of one batch (see the module docstring)."""
   layouts = use_layouts(spec)
-  if spec.kind == "dense":
+  if spec.kind in ("dense", "conv"):  # Per feature group for grouped convolutions.
     a_sum, rows, g_sum = 0.0, 0, 0.0
     for (layout, _), d in zip(layouts, data):
       x, g = layout.rows(d, dtype)
       if spec.has_bias:
         x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
-      a_sum = a_sum + jnp.einsum("rgi,rgj->ij", x, x)
+      a_sum = a_sum + jnp.einsum("rgi,rgj->gij", x, x)
       rows += x.shape[0]
-      g_sum = g_sum + jnp.einsum("srgi,srgj->ij", g, g) / (g.shape[0] * batch_size)
-    return {"a": a_sum / rows, "g": g_sum}
+      g_sum = g_sum + jnp.einsum("srgi,srgj->gij", g, g) / (g.shape[0] * batch_size)
+    a, g = a_sum / rows, g_sum
+    if len(spec.factor_shapes[1]) == 2:  # One group: no group axis.
+      a, g = a[0], g[0]
+    return {"a": a, "g": g}
   # Embedding table [vocab, dim], possibly tied with products by the (transposed) table.
   xs, ys = [], []
   for (layout, transposed), d in zip(layouts, data):
     x, g = layout.rows(d, dtype)
     gg = jnp.einsum("srgi,srgj->ij", g, g) / (g.shape[0] * batch_size)
     if isinstance(layout, _layouts.EmbeddingLayout):
-      xs.append(jnp.zeros((layout.in_dim,), dtype).at[x].add(1.0, mode="drop") / x.shape[0])
+      xs.append(layout.id_counts(x, dtype) / x.shape[0])
       ys.append(gg)
     elif transposed:  # logits = h Mᵀ: rows of M are its outputs.
       xs.append(jnp.diagonal(gg))

@@ -1,0 +1,204 @@
+"""Embeddings written as one-hot products: found as embedding layers, same block as a gather."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import kfac_jax
+from kfac_jax import _curvature, _scanner
+
+V, D, C = 7, 3, 4
+
+
+def _ce_seq(logits, y):
+  kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum(-1).mean()
+
+
+def _params(key=0, dtype=jnp.float64):
+  kt, kw = jax.random.split(jax.random.key(key))
+  return {"table": jax.random.normal(kt, (V, D), dtype), "w": jax.random.normal(kw, (D, C), dtype)}
+
+
+def _seq_batch(key=1, n=5, length=3):
+  ki, ky = jax.random.split(jax.random.key(key))
+  return {"ids": jax.random.randint(ki, (n, length), 0, V),
+          "y": jax.random.randint(ky, (n, length), 0, C)}
+
+
+# Lookups `h = table[ids]` written in several ways; float64 throughout except where cast.
+LOOKUPS = {
+    "gather": lambda t, ids: t[ids],
+    "one_hot_matmul": lambda t, ids: jax.nn.one_hot(ids, V, dtype=t.dtype) @ t,
+    "one_hot_dot_cast": lambda t, ids: jnp.dot(
+        jax.nn.one_hot(ids, V, dtype=jnp.float32).astype(t.dtype), t),
+    "einsum_eq_iota": lambda t, ids: jnp.einsum(
+        "nlv,vd->nld", (ids[..., None] == jnp.arange(V)).astype(t.dtype), t),
+    "numpy_arange": lambda t, ids: (ids[..., None] == np.arange(V)).astype(t.dtype) @ t,
+}
+
+
+def _loss(lookup):
+  return lambda p, b: _ce_seq(LOOKUPS[lookup](p["table"], b["ids"]) @ p["w"], b["y"])
+
+
+def _estimate(loss_fn, params, batch, mode="gradients"):
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode)
+  state = est.init(params)
+  state = jax.jit(lambda s: est.update_curvature(s, params, batch, jax.random.key(0),
+                                                 ema_decay=0.0))(state)
+  return est, state, np.asarray(est.to_dense(state))
+
+
+@pytest.mark.parametrize("lookup", sorted(set(LOOKUPS) - {"gather"}))
+def test_one_hot_product_is_an_embedding_with_the_gather_block(x64, lookup):
+  params, batch = _params(), _seq_batch()
+  layers = kfac_jax.scan_layers(_loss(lookup), params, batch, strict=True)
+  assert [(l.name, l.kind, l.factor_shapes) for l in layers] == [
+      ("table", "embedding", ((V,), (D, D))), ("w", "dense", ((D, D), (C, C)))]
+  _, state_g, want = _estimate(_loss("gather"), params, batch)
+  _, state_o, got = _estimate(_loss(lookup), params, batch)
+  np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-13)
+  counts = np.bincount(np.asarray(batch["ids"]).ravel(), minlength=V) / batch["ids"].size
+  np.testing.assert_allclose(state_o.factors["table"]["a"], counts, rtol=1e-12)
+  np.testing.assert_allclose(state_o.factors["table"]["g"], state_g.factors["table"]["g"],
+                             rtol=1e-10)
+
+
+def test_one_hot_product_in_low_precision_is_an_embedding():
+  """A bf16 one-hot times a bf16 cast of the table, through einsum: still a lookup."""
+  params, batch = _params(dtype=jnp.float32), _seq_batch()
+
+  def loss_fn(p, b):
+    oh = jax.nn.one_hot(b["ids"], V, dtype=jnp.bfloat16)
+    h = jnp.einsum("nlv,vd->nld", oh, p["table"].astype(jnp.bfloat16)).astype(jnp.float32)
+    return _ce_seq(h @ p["w"], b["y"])
+
+  (emb, _) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert (emb.kind, emb.factor_shapes) == ("embedding", ((V,), (D, D)))
+
+
+def test_one_hot_product_equals_the_manual_dense_block(x64):
+  """The diagonal input factor is exact: a one-hot row's second moment is diagonal, so the
+  embedding block equals the dense block of the same product (registered by hand)."""
+  params, batch = _params(2), _seq_batch(3)
+
+  def dense_loss(p, b):
+    oh = jax.nn.one_hot(b["ids"], V, dtype=p["table"].dtype)
+    h = kfac_jax.register_dense(oh @ p["table"], oh, p["table"])
+    return _ce_seq(h @ p["w"], b["y"])
+
+  (manual, _) = kfac_jax.scan_layers(dense_loss, params, batch, strict=True)
+  assert (manual.kind, manual.factor_shapes) == ("dense", ((V, V), (D, D)))
+  _, _, want = _estimate(dense_loss, params, batch)
+  _, _, got = _estimate(_loss("one_hot_matmul"), params, batch)
+  np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-13)
+
+
+def test_one_hot_embedding_block_equals_the_exact_fisher_for_one_example(x64):
+  """One example, one id: F = Jᵀ H J exactly (exact mode), and the K-FAC block is that block."""
+  params = _params(4)
+  batch = {"ids": jnp.array([5]), "y": jnp.array([2])}
+
+  def logits_fn(p, ids):
+    return jax.nn.one_hot(ids, V, dtype=p["table"].dtype) @ p["table"] @ p["w"]
+
+  def loss_fn(p, b):
+    logits = logits_fn(p, b["ids"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  est, _, dense = _estimate(loss_fn, params, batch, mode="exact")
+  assert est.layers[0].kind == "embedding"
+  flat, unravel = ravel_pytree(params)
+  jac = np.asarray(jax.jacobian(lambda f: logits_fn(unravel(f), batch["ids"])[0])(flat))
+  prob = np.asarray(jax.nn.softmax(logits_fn(params, batch["ids"])[0]))
+  fisher = jac.T @ (np.diag(prob) - np.outer(prob, prob)) @ jac
+  n = V * D
+  np.testing.assert_allclose(dense[:n, :n], fisher[:n, :n], rtol=1e-9, atol=1e-12)
+  assert np.abs(fisher[:n, :n]).max() > 1e-3
+
+
+def test_one_hot_embedding_summary_and_memory_are_linear_in_vocab():
+  vocab, dim = 2000, 4
+  params = {"table": jnp.zeros((vocab, dim)), "w": jnp.zeros((dim, C))}
+  batch = {"ids": jnp.array([[1, 2], [3, 1999]]), "y": jnp.zeros((2, 2), jnp.int32)}
+
+  def loss_fn(p, b):
+    return _ce_seq(jax.nn.one_hot(b["ids"], vocab) @ p["table"] @ p["w"], b["y"])
+
+  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  line = next(r for r in table.splitlines() if r.startswith("table "))
+  assert line.split()[1:6] == ["embedding", "1", "kron", "table", f"{vocab}"]
+  assert line.split()[6] == f"{dim}x{dim}"
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, compute_cholesky=True)
+  state = est.init(params)
+  floats = sum(x.size for x in jax.tree_util.tree_leaves((state.factors["table"],
+                                                          state.cache["table"])))
+  # Factors, inverse powers and Cholesky factors: a few vectors of `vocab` and matrices of dim².
+  assert floats <= 4 * (vocab + dim * dim) + 1
+  assert floats < vocab * vocab / 100
+
+
+@pytest.mark.parametrize("case", ["greater_than", "transposed_one_hot", "table_on_the_left",
+                                  "float_ids"])
+def test_products_that_are_not_lookups_stay_dense(case):
+  params = {"table": jnp.ones((V, D)), "w": jnp.ones((D, C))}
+  batch = {"ids": jnp.array([1, 2]), "y": jnp.array([0, 1]),
+           "f": jnp.array([1.0, 2.0])}
+  h = {
+      "greater_than": lambda p, b: (b["ids"][:, None] > jnp.arange(V)).astype(
+          jnp.float32) @ p["table"],
+      "transposed_one_hot": lambda p, b: jax.nn.one_hot(b["ids"], V, axis=0).T @ p["table"],
+      "table_on_the_left": lambda p, b: (p["table"].T @ jax.nn.one_hot(b["ids"], V).T).T,
+      "float_ids": lambda p, b: (b["f"][:, None] == jnp.arange(V)).astype(
+          jnp.float32) @ p["table"],
+  }[case]
+
+  def loss_fn(p, b):
+    logits = h(p, b) @ p["w"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert [(l.name, l.kind) for l in layers] == [("table", "dense"), ("w", "dense")]
+
+
+def test_ids_outside_the_vocabulary_are_not_counted(x64):
+  """`one_hot(-1)` and `one_hot(V)` are zero rows: they add no count to the input factor."""
+  params = _params(5)
+  batch = {"ids": jnp.array([[0, -1, 3], [V, 3, 3]]), "y": jnp.zeros((2, 3), jnp.int32)}
+  _, state, _ = _estimate(_loss("one_hot_matmul"), params, batch, mode="empirical")
+  want = np.zeros(V)
+  want[0], want[3] = 1 / 6, 3 / 6
+  np.testing.assert_allclose(state.factors["table"]["a"], want, rtol=1e-12)
+
+
+def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
+  """One-hot lookup plus logits `h tableᵀ`: one two-use embedding, factors as the gather's."""
+  params = {"table": jax.random.normal(jax.random.key(6), (V, D))}
+  batch = {"ids": jax.random.randint(jax.random.key(7), (4,), 0, V),
+           "y": jax.random.randint(jax.random.key(8), (4,), 0, V)}
+
+  def make(lookup):
+    def loss_fn(p, b):
+      logits = jnp.tanh(LOOKUPS[lookup](p["table"], b["ids"])) @ p["table"].T
+      kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    return loss_fn
+
+  factors = {}
+  for lookup in ("gather", "one_hot_matmul"):
+    loss_fn = make(lookup)
+    (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+    assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
+    reg = _scanner.scan(loss_fn, params, batch)
+    _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
+                                     num_samples=1, with_grads=False)
+    block = kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(dtype=jnp.float64))
+    factors[lookup] = block.batch_factors(stats.data[0], 4)
+  for k in ("a", "g"):
+    np.testing.assert_allclose(factors["one_hot_matmul"][k], factors["gather"][k], rtol=1e-10)
