@@ -198,7 +198,8 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
     reg = _scanner.scan(loss_fn, params, batch)
     _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
                                      num_samples=1, with_grads=False)
-    block = kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(dtype=jnp.float64))
+    config = kfac_jax.blocks.BlockConfig(stats_dtype=jnp.float64, inverse_dtype=jnp.float64)
+    block = kfac_jax.blocks.make_block(spec, config)
     factors[lookup] = block.batch_factors(stats.data[0], 4)
   for k in ("a", "g"):
     np.testing.assert_allclose(factors["one_hot_matmul"][k], factors["gather"][k], rtol=1e-10)

@@ -535,7 +535,7 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
   reg = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
                                    num_samples=1, with_grads=False)
-  block = kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(dtype=jnp.float64))
+  block = kfac_jax.blocks.make_block(spec, _f64_config())
   got = block.batch_factors(stats.data[reg.layers.index(spec)], 1)
 
   x0, x1 = _shared_conv_norm_model(params, batch["x"])[0]
@@ -595,7 +595,7 @@ def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
   reg = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
                                    num_samples=1, with_grads=False)
-  config = kfac_jax.blocks.BlockConfig(dtype=jnp.float64)
+  config = _f64_config()
   single = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], 2)
   two = dataclasses.replace(spec, approx="kron_indep", num_uses=2, use_infos=(spec.info,) * 2)
   got = kfac_jax.blocks.make_block(two, config).batch_factors((stats.data[0],) * 2, 2)
