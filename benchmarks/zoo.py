@@ -6,7 +6,9 @@ the state: zero factors and identity caches, built eagerly, so a factor shape no
 the process pays a small XLA compile per array op, which is why the first flavour of a model
 takes longer); "compile" is lowering and compiling the jitted step (value_and_grad
 with curvature statistics, then the transform's update, inverses included), timed once, cold.
-Prints a Markdown table.
+The recurrent and tied-weight models of tests/test_shared.py follow (a linen LSTM through
+`nn.RNN`, an nnx GRU through `nnx.RNN`, linen and nnx LMs whose embedding is also the output
+projection): their shared layers are listed with the number of uses. Prints a Markdown table.
 
     python benchmarks/zoo.py          # from the repository root
 """
@@ -23,42 +25,57 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-from tests import _zoo  # noqa: E402
+from tests import _zoo, test_shared  # noqa: E402
 
 
-def measure(name: str, flavour: str) -> dict:
-  z = _zoo.MODELS[name](flavour)
+def _models():
+  """(name, flavour, () -> (loss_fn, params, batch)) for every model measured."""
+  for name in _zoo.MODELS:
+    for flavour in ("linen", "nnx"):
+      yield name, flavour, lambda name=name, flavour=flavour: _unpack(_zoo.MODELS[name](flavour))
+  for flavour, (make, _) in sorted(test_shared.TIED.items()):
+    yield "tied-embedding LM", flavour, make
+  for key, (make, _, _) in sorted(test_shared.RNNS.items()):
+    flavour, cell = key.split("_")
+    yield cell.upper() + " (scan)", flavour, make
+
+
+def _unpack(z):
+  return z.loss_fn, z.params, z.batch
+
+
+def measure(make) -> dict:
+  loss_fn, params, batch = make()
   t0 = time.perf_counter()
-  kfac_jax.scan_layers(z.loss_fn, z.params, z.batch, strict=True)
+  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   scan_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  tx = kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-3, strict=True)
-  state = tx.init(z.params)
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3, strict=True)
+  state = tx.init(params)
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
 
   def step(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(z.loss_fn)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return loss, updates, state
 
   t0 = time.perf_counter()
-  jax.jit(step).lower(z.params, state, z.batch, jax.random.key(0)).compile()
+  jax.jit(step).lower(params, state, batch, jax.random.key(0)).compile()
   compile_s = time.perf_counter() - t0
-  n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(z.params))
-  kinds = sorted({k for k, _, _ in z.expected})
-  return {"layers": len(z.expected), "params": n_params, "kinds": ", ".join(kinds),
+  n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+  kinds = sorted({l.kind + (f" x{l.num_uses}" if l.num_uses > 1 else "") for l in layers})
+  return {"layers": len(layers), "params": n_params, "kinds": ", ".join(kinds),
           "scan": scan_s, "init": init_s, "compile": compile_s}
 
 
 def main() -> None:
   print("| model | flavour | layers | params | kinds | scan (s) | init (s) | compile step (s) |")
   print("|---|---|---:|---:|---|---:|---:|---:|")
-  for name in _zoo.MODELS:
-    for flavour in ("linen", "nnx"):
-      r = measure(name, flavour)
-      print(f"| {name} | {flavour} | {r['layers']} | {r['params']} | {r['kinds']} | "
-            f"{r['scan']:.2f} | {r['init']:.2f} | {r['compile']:.2f} |", flush=True)
+  for name, flavour, make in _models():
+    r = measure(make)
+    print(f"| {name} | {flavour} | {r['layers']} | {r['params']} | {r['kinds']} | "
+          f"{r['scan']:.2f} | {r['init']:.2f} | {r['compile']:.2f} |", flush=True)
   print(f"\njax {jax.__version__}, backend {jax.default_backend()}")
 
 
