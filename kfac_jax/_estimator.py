@@ -409,7 +409,14 @@ class CurvatureEstimator:
         out[names[0]] = block.compute_cache(factors[names[0]], damping)
         continue
       stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[factors[n] for n in names])
-      res = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)
+      if jax.default_backend() == "cpu":
+        # A loop over the stack on CPU, not vmap: jaxlib's batched LAPACK kernels split their
+        # batch over the same small thread pool that runs them, and two running at once (A
+        # and G of one group) deadlocked on 2 cores (gdb: both in `ParallelBatchMap`, waiting
+        # on a `BlockingCounter`; the Transformer LM benchmark's first inverse update).
+        res = jax.lax.map(lambda f: block.compute_cache(f, damping), stacked)
+      else:
+        res = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)
       for k, n in enumerate(names):
         out[n] = jax.tree_util.tree_map(lambda x, k=k: x[k], res)
     return out
