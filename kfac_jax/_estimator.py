@@ -396,8 +396,7 @@ class CurvatureEstimator:
     return state._replace(cache=cache, failed_inverses=failed)
 
   def _compute_caches(self, indices, factors, damping) -> dict[str, dict[str, Array]]:
-    """Caches of the given blocks; blocks of one group (equal shapes) share one vmapped call
-    (one call per block on CPU)."""
+    """Caches of the given blocks; blocks of one group (equal shapes) share one vmapped call."""
     factors = self._in_inverse_dtype(factors)
     groups: dict[tuple, list[int]] = {}
     for i in indices:
@@ -406,14 +405,8 @@ class CurvatureEstimator:
     for idx in groups.values():
       block = self._blocks[idx[0]]
       names = [self._names[i] for i in idx]
-      if len(idx) == 1 or jax.default_backend() == "cpu":
-        # One call per block on CPU, not vmap: jaxlib's batched LAPACK kernels split their
-        # batch over the same small thread pool that runs them, and two running at once (A
-        # and G of one group) deadlocked on 2 cores (gdb: both in `ParallelBatchMap`, waiting
-        # on a `BlockingCounter`; the Transformer LM benchmark's first inverse update). One
-        # code path per block also keeps the split-over-devices caches bit-identical.
-        for n in names:
-          out[n] = block.compute_cache(factors[n], damping)
+      if len(idx) == 1:
+        out[names[0]] = block.compute_cache(factors[names[0]], damping)
         continue
       stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[factors[n] for n in names])
       res = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)
