@@ -50,6 +50,7 @@ import optax
 
 import kfac_jax
 from benchmarks.upstream import compare
+from examples import autoencoder as ae
 
 _MIB = 2.0 ** 20
 
@@ -145,17 +146,8 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 # -- contestants --------------------------------------------------------------------------------
 
-def _first_order_step(loss_fn, tx):
-  def step(params, state, batch, rng):
-    del rng
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-  return step
-
-
 def first_order(name: str, family: str, loss_fn, tx, **hyperparameters) -> Contestant:
-  return Contestant(name, family, tx.init, _first_order_step(loss_fn, tx), hyperparameters)
+  return Contestant(name, family, tx.init, ae.make_adam_step(loss_fn, tx), hyperparameters)
 
 
 def kfac_transform(loss_fn, example_batch, *, learning_rate: float, momentum: float,
@@ -585,3 +577,11 @@ def _json_default(x):
   if isinstance(x, np.ndarray):
     return x.tolist()
   raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+
+
+def main(parse_args: Callable, make_workload: Callable, script: str, argv=None) -> int:
+  """A benchmark script's entry point: parse, build the workload, run the standard contestants."""
+  args = parse_args(argv)
+  workload = make_workload(args)
+  run_benchmark(workload, standard_contestants(workload, args), args, command_line(script, argv))
+  return 0

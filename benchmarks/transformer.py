@@ -90,11 +90,7 @@ def make_workload(args) -> _harness.Workload:
 
 
 def main(argv=None) -> int:
-  args = parse_args(argv)
-  workload = make_workload(args)
-  contestants = _harness.standard_contestants(workload, args)
-  _harness.run_benchmark(workload, contestants, args, _harness.command_line(__file__, argv))
-  return 0
+  return _harness.main(parse_args, make_workload, __file__, argv)
 
 
 if __name__ == "__main__":

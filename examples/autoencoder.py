@@ -120,7 +120,8 @@ def make_kfac_step(loss_fn, tx):
 
 
 def make_adam_step(loss_fn, tx):
-  """Train step for Adam (same signature as the K-FAC step; `rng` is unused)."""
+  """Train step for Adam or any first-order optax transformation (the K-FAC step's signature;
+  `rng` is unused)."""
 
   def step(params, opt_state, batch, rng):
     del rng
