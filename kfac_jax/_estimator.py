@@ -405,8 +405,13 @@ class CurvatureEstimator:
     for idx in groups.values():
       block = self._blocks[idx[0]]
       names = [self._names[i] for i in idx]
-      if len(idx) == 1:
-        out[names[0]] = block.compute_cache(factors[names[0]], damping)
+      if len(idx) == 1 or jax.default_backend() == "cpu":
+        # One call per block on CPU, not vmap: jaxlib's batched LAPACK kernels split their
+        # batch over the same small thread pool that runs them, and two running at once (A and
+        # G of one group) deadlocked a 2-core machine (gdb: both threads in
+        # `ParallelBatchMap`, waiting on a `BlockingCounter`). Unbatched LAPACK calls do not.
+        for n in names:
+          out[n] = block.compute_cache(factors[n], damping)
         continue
       stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[factors[n] for n in names])
       res = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)

@@ -42,3 +42,22 @@ def test_bucketed_functions_equal_direct_ones(n, x64):
 def test_failed_factorisation_is_not_finite():
   m = -jnp.eye(20)
   assert not np.isfinite(np.asarray(_linalg.spd_inverse(m))).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 11, 1001])
+def test_ordered_sum_and_mean_diag_are_sums_in_a_fixed_order(n):
+  rng = np.random.default_rng(n)
+  x = rng.normal(size=(3, n)).astype(np.float32)
+  got = np.asarray(_linalg.ordered_sum(jnp.asarray(x)))
+  np.testing.assert_allclose(got, x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-5)
+  # The pairwise tree, written out in numpy float32: the same adds in the same order, so the
+  # same bits, whatever fusion or layout XLA chooses around it.
+  tree = np.pad(x, [(0, 0), (0, (1 << max(0, (n - 1).bit_length())) - n)])
+  while tree.shape[-1] > 1:
+    tree = tree[:, : tree.shape[-1] // 2] + tree[:, tree.shape[-1] // 2:]
+  np.testing.assert_array_equal(got, tree[:, 0])
+  m = rng.normal(size=(n, n)).astype(np.float32)
+  np.testing.assert_allclose(_linalg.mean_diag(jnp.asarray(m)), np.trace(m) / n, rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(_linalg.mean_diag(jnp.asarray(x[0])), x[0].mean(), rtol=1e-5,
+                             atol=1e-6)

@@ -86,19 +86,8 @@ def _t(f: Array) -> Array:
   return f if f.ndim == 1 else f.T
 
 
-def _mean_diag(f: Array) -> Array:
-  return jnp.mean(f) if f.ndim == 1 else jnp.trace(f) / f.shape[0]
-
-
-def _pi(a: Array, g: Array) -> Array:
-  """π = sqrt(mean diag A / mean diag G); 1 when either is not positive and finite."""
-  ta, tg = _mean_diag(a), _mean_diag(g)
-  ok = (ta > 0) & (tg > 0) & jnp.isfinite(ta) & jnp.isfinite(tg)
-  return jnp.where(ok, jnp.sqrt(jnp.where(ok, ta / jnp.where(ok, tg, 1.0), 1.0)), 1.0)
-
-
 def _damped(a: Array, g: Array, damping: Array) -> tuple[Array, Array]:
-  pi = _pi(a, g)
+  pi = _linalg.pi_adjustment(a, g)
   root = jnp.sqrt(damping)
   return _add_identity(a, pi * root), _add_identity(g, root / pi)
 

@@ -100,12 +100,35 @@ def lower_inverse(chol: Array) -> Array:
   return _bucketed(inv, chol)
 
 
+def ordered_sum(x: Array) -> Array:
+  """Σ x over the last axis by a fixed pairwise tree of elementwise adds.
+
+  A `reduce` is free to change its summation order with the layout and fusion XLA picks for
+  it, which differs between otherwise identical programs (e.g. one block's inverse computed
+  alone vs. inside a `lax.switch` branch on one device of a pmap); the sum of a few hundred
+  diagonal entries then differs in the last bit. Elementwise adds are never reassociated, so
+  this sum is bit-identical wherever it runs.
+  """
+  n = x.shape[-1]
+  size = 1 << max(0, (n - 1).bit_length())
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
+def mean_diag(f: Array) -> Array:
+  """tr F / dim F for a dense factor, mean(F) for a diagonal one (a vector), in a fixed order."""
+  d = f if f.ndim == 1 else jnp.diagonal(f)
+  return ordered_sum(d) / d.shape[-1]
+
+
 def pi_adjustment(a: Array, g: Array) -> Array:
   """π = sqrt((tr A / dim A) / (tr G / dim G)), the factored-Tikhonov split (Martens & Grosse).
 
   Returns 1 when either trace is not positive and finite (e.g. before any statistics).
   """
-  ta = jnp.trace(a) / a.shape[-1]
-  tg = jnp.trace(g) / g.shape[-1]
+  ta, tg = mean_diag(a), mean_diag(g)
   ok = (ta > 0) & (tg > 0) & jnp.isfinite(ta) & jnp.isfinite(tg)
   return jnp.where(ok, jnp.sqrt(jnp.where(ok, ta / jnp.where(ok, tg, 1.0), 1.0)), 1.0)

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax import _matchers, _scanner
-from kfac_jax.blocks import _kronecker, _layouts
+from kfac_jax.blocks import _kronecker, _layouts, _linalg
 from kfac_jax.blocks._base import Block
 
 Array = jax.Array
@@ -71,10 +71,6 @@ def use_layouts(spec) -> list[tuple[object, bool]]:
       transposed = not np.array_equal(m, np.arange(m.size).reshape(spec.param_shapes[0]))
     out.append((_layouts.layout_for(sub), transposed))
   return out
-
-
-def _mean_diag(f):
-  return jnp.mean(f) if f.ndim == 1 else jnp.trace(f) / f.shape[0]
 
 
 def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
@@ -109,7 +105,7 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
       ys.append(gg)
   if any(t for _, t in layouts):
     for u in range(len(xs)):
-      tx, ty = _mean_diag(xs[u]), _mean_diag(ys[u])
+      tx, ty = _linalg.mean_diag(xs[u]), _linalg.mean_diag(ys[u])
       ok = (tx > 0) & (ty > 0)
       c = jnp.where(ok, jnp.sqrt(jnp.where(ok, ty, 1.0) / jnp.where(ok, tx, 1.0)), 1.0)
       xs[u], ys[u] = xs[u] * c, ys[u] / c
