@@ -468,11 +468,43 @@ def compare_runs(runs: Sequence[Run], upstream: Run | dict | None, reach_window:
                              if upstream is not None else [])
   ratio_rows = [(f"{r['optimizer']} / Adam (tuned)", ratios(r, tuned))
                 for r in rows[1:] if "error" not in r]
+  vs_upstream = None
   if isinstance(upstream, Run):
     ratio_rows += [(f"{r['optimizer']} / upstream", ratios(r, upstream.summary))
                    for r in others if r["family"] in ("kfac", "kfac_optimizer")]
+    vs_upstream = upstream_budget(upstream, [r for r in runs if r.summary["family"] in
+                                             ("kfac", "kfac_optimizer")], curves, window)
   return {"best": best, "grid": grid, "tuned": tuned, "rows": rows, "ratio_rows": ratio_rows,
-          "curves": curves, "target": target, "window": window}
+          "curves": curves, "target": target, "window": window, "vs_upstream": vs_upstream}
+
+
+def upstream_budget(upstream: Run, ours: Sequence[Run], curves, window: int) -> dict:
+  """Issue 6's third target: the time each of our K-FAC runs needs to reach upstream's final
+  (smoothed) training loss, as a fraction of upstream's whole training time (target <= 0.5).
+
+  Returns `{"loss": upstream's final smoothed loss, "budget_s": its training seconds,
+  "runs": {name: {"time_to_loss": (step, seconds) or None, "fraction": seconds / budget or
+  None}}}`.
+  """
+  losses, times = curves[upstream.name]
+  loss = float(compare.smoothed(losses, window)[-1])
+  budget = float(np.sum(times))
+  out = {}
+  for r in ours:
+    hit = compare.time_to_reach(*curves[r.name], loss, window)
+    out[r.name] = {"time_to_loss": hit,
+                   "fraction": None if hit is None or budget <= 0 else hit[1] / budget}
+  return {"loss": loss, "budget_s": budget, "runs": out}
+
+
+def upstream_budget_line(vs: Mapping[str, Any]) -> str:
+  parts = []
+  for name, v in vs["runs"].items():
+    hit = v["time_to_loss"]
+    parts.append(f"{name} not within its run" if hit is None else
+                 f"{name} at step {hit[0]} after {hit[1]:.2f} s ({v['fraction']:.2f}x)")
+  return (f"upstream's final loss {vs['loss']:.4g} after its {vs['budget_s']:.2f} s of "
+          f"training (target: reach it in <= 0.5x that): " + "; ".join(parts) + ".")
 
 
 def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
@@ -510,6 +542,8 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
   print()
   print(markdown_table(rows, ratio_rows, total, target))
   print()
+  if rep["vs_upstream"] is not None:
+    print(upstream_budget_line(rep["vs_upstream"]))
   print("Adam grid (final loss per learning rate): " + ", ".join(
       f"lr={g['learning_rate']:g}: {_fmt(g['final_eval_loss'], '.4g')}" for g in grid)
         + f"; tuned = lr={best_lr:g}")
@@ -529,7 +563,7 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
          "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
          "adam_grid": grid, "adam_tuned": tuned["optimizer"], "adam_tuned_run": best.name,
          "target_loss": target,
-         "target_window": window, "results": rows, "adam_grid_results":
+         "target_window": window, "vs_upstream": rep["vs_upstream"], "results": rows, "adam_grid_results":
          [r.summary for r in adam], "ratios": dict(ratio_rows),
          "curves": {r.name: {"losses": [float(x) for x in r.losses],
                              "step_times_s": [float(x) for x in r.step_times]}

@@ -128,6 +128,25 @@ def test_compare_runs_picks_tuned_adam_and_times_to_its_loss():
     _harness.compare_runs(runs[3:], None, reach_window=5, total_steps=4)
 
 
+def test_compare_runs_reports_time_to_upstreams_loss_against_its_budget():
+  runs = [
+      _fake_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
+      _fake_run("kfac_jax (optax)", "kfac", [10, 5, 4, 3], [9, 1, 1, 1], 2.5),
+      _fake_run("kfac_jax Optimizer", "kfac_optimizer", [10, 9, 9, 9], [1, 1, 1, 1], 9.0),
+  ]
+  upstream = _fake_run("up", "upstream", [10, 6, 5, 4], [9, 3, 3, 3], 4.0)
+  rep = _harness.compare_runs(runs, upstream, reach_window=5, total_steps=4)
+  vs = rep["vs_upstream"]
+  # Upstream ends at loss 4 after 12 s (its first step counts as a typical 3 s one).
+  assert vs["loss"] == 4.0 and vs["budget_s"] == 12.0
+  assert vs["runs"]["kfac_jax (optax)"] == {"time_to_loss": (2, 2.0), "fraction": 2.0 / 12.0}
+  assert vs["runs"]["kfac_jax Optimizer"] == {"time_to_loss": None, "fraction": None}
+  line = _harness.upstream_budget_line(vs)
+  assert "kfac_jax (optax) at step 2 after 2.00 s (0.17x)" in line
+  assert "kfac_jax Optimizer not within its run" in line
+  assert _harness.compare_runs(runs, None, reach_window=5, total_steps=4)["vs_upstream"] is None
+
+
 def test_worker_output_parsing():
   err = "Traceback (most recent call last):\n  File x\n    y\nValueError: Incompatible shapes\n"
   assert compare.exception_line(err) == "ValueError: Incompatible shapes"
