@@ -125,6 +125,17 @@ def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
   return names
 
 
+def _batched_factorisations() -> bool:
+  """Whether equal-shape blocks share one vmapped (batched) factorisation: not on CPU.
+
+  jaxlib's batched CPU LAPACK kernels split their batch over the same small thread pool that
+  runs them, and two running at once (the A and G factors of one group) deadlocked a 2-core
+  machine (gdb: both threads in `ParallelBatchMap`, waiting on an `absl::BlockingCounter`; the
+  Transformer LM benchmark's first inverse update). One unbatched call per block does not.
+  """
+  return jax.default_backend() != "cpu"
+
+
 class CurvatureEstimator:
   """Block-diagonal K-FAC curvature estimate of `loss_fn`, with pure state updates.
 
@@ -347,7 +358,7 @@ class CurvatureEstimator:
 
   def update_inverses(self, state: EstimatorState, damping, *, axis_name: str | None = None,
                       mesh: tuple[Any, str] | None = None) -> EstimatorState:
-    """Recomputes every block's cache for damping λ; blocks of one shape are vmapped together.
+    """Recomputes every block's cache for damping λ (equal-shape blocks vmapped, except on CPU).
 
     A block whose new cache is not finite keeps its previous cache.
 
@@ -396,7 +407,8 @@ class CurvatureEstimator:
     return state._replace(cache=cache, failed_inverses=failed)
 
   def _compute_caches(self, indices, factors, damping) -> dict[str, dict[str, Array]]:
-    """Caches of the given blocks; blocks of one group (equal shapes) share one vmapped call."""
+    """Caches of the given blocks; blocks of one group (equal shapes) share one vmapped call on
+    GPU / TPU, and get one call each on CPU (see below)."""
     factors = self._in_inverse_dtype(factors)
     groups: dict[tuple, list[int]] = {}
     for i in indices:
@@ -405,11 +417,7 @@ class CurvatureEstimator:
     for idx in groups.values():
       block = self._blocks[idx[0]]
       names = [self._names[i] for i in idx]
-      if len(idx) == 1 or jax.default_backend() == "cpu":
-        # One call per block on CPU, not vmap: jaxlib's batched LAPACK kernels split their
-        # batch over the same small thread pool that runs them, and two running at once (A and
-        # G of one group) deadlocked a 2-core machine (gdb: both threads in
-        # `ParallelBatchMap`, waiting on a `BlockingCounter`). Unbatched LAPACK calls do not.
+      if len(idx) == 1 or not _batched_factorisations():
         for n in names:
           out[n] = block.compute_cache(factors[n], damping)
         continue

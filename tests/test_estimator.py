@@ -8,6 +8,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax
+from kfac_jax import _estimator
 from tests import _models
 
 
@@ -182,7 +183,21 @@ def test_damped_block_formulas(x64):
                                np.linalg.inv(expected), rtol=1e-8)
 
 
-def test_equal_shape_blocks_are_vmapped_with_identical_results(x64):
+def _all_eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for j in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(j, "jaxpr", j)
+        if hasattr(inner, "eqns"):
+          yield from _all_eqns(inner)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, monkeypatch):
+  # On CPU equal-shape blocks get one call each (batched LAPACK can deadlock there); the vmapped
+  # path that GPU / TPU take is forced here on small matrices.
+  monkeypatch.setattr(_estimator, "_batched_factorisations", lambda: batched)
   params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (4, 4, 4, 3)), jnp.float64)
   batch = _models.classification_batch(jax.random.key(1), n=9, dtype=jnp.float64)
   est = kfac_jax.CurvatureEstimator(_models.softmax_loss(_models.jnp_mlp_apply), batch)
@@ -190,6 +205,10 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64):
   keys = [b.group_key() for b in est.blocks]
   assert keys[0] == keys[1] != keys[2]
   new = est.update_inverses(state, 0.1)
+  jaxpr = jax.make_jaxpr(lambda s: est.update_inverses(s, 0.1))(state)
+  ranks = {v.aval.ndim for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "cholesky"
+           for v in e.invars}
+  assert ranks == ({2, 3} if batched else {2})  # A stack of two blocks' factors, or none.
   for name, b in zip(state.factors, est.blocks):
     ref = b.compute_cache(state.factors[name], jnp.asarray(0.1))
     for k in ref:
