@@ -38,7 +38,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   _harness.add_common_args(
-      p, steps=100, warmup=5, adam_lrs="5e-4,2e-3,5e-3", sgd_lr=0.01, kfac_lr=0.2,
+      p, steps=100, warmup=5, adam_lrs="2e-3,5e-3,1e-2,2e-2", sgd_lr=0.01, kfac_lr=0.2,
       kfac_momentum=0.9, damping=1.0, optimizer_damping=1.0, inverse_every=10,
       plot=os.path.join("out", "bench_cnn.png"))
   p.add_argument("--batch-size", type=int, default=256)
