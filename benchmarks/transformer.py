@@ -36,8 +36,8 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   _harness.add_common_args(
-      p, steps=100, warmup=5, adam_lrs="1e-3,3e-3,1e-2", sgd_lr=2e-3, kfac_lr=0.1,
-      kfac_momentum=0.9, damping=1.0, optimizer_damping=1.0, inverse_every=10,
+      p, steps=100, warmup=5, adam_lrs="1e-3,3e-3,1e-2", sgd_lr=2e-3, kfac_lr=0.02,
+      kfac_momentum=0.9, damping=3.0, optimizer_damping=1.0, inverse_every=10,
       plot=os.path.join("out", "bench_transformer.png"))
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--length", type=int, default=64, help="context length (characters)")
