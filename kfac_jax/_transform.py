@@ -49,6 +49,7 @@ def scale_by_kfac(
     damping: ScalarOrSchedule = 1e-3,
     ema_decay: float = 0.95,
     inverse_every: int = 5,
+    curvature_every: int = 1,
     estimation_mode: _curvature.EstimationMode = "gradients",
     num_samples: int | None = None,
     damping_mode: _blocks.DampingMode = "factored",
@@ -63,8 +64,9 @@ def scale_by_kfac(
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
 
   `F̂` is the block-diagonal Kronecker-factored Fisher of the tagged loss (see
-  `CurvatureEstimator`), averaged with a bias-corrected EMA; its inverse is refreshed every
-  `inverse_every` updates (first at update 0) with the current damping λ.
+  `CurvatureEstimator`), averaged with a bias-corrected EMA of the statistics of every
+  `curvature_every`-th update; its inverse is refreshed every `inverse_every` updates (both
+  first at update 0) with the current damping λ.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
@@ -72,6 +74,12 @@ def scale_by_kfac(
     damping: λ ≥ 0, a number or a schedule `count -> λ`.
     ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
     inverse_every: refresh the inverses every this many updates.
+    curvature_every: fold the curvature statistics into the EMA every this many updates (1:
+      every update). Larger values save the statistics' cost on the other updates only when
+      the transform computes them itself: pass `batch=` and `rng=` to `update` (they are then
+      computed inside a `lax.cond`, on due updates only). Statistics passed as
+      `curvature_stats=` were already paid for and are ignored on the other updates. At most
+      `inverse_every` (larger would refresh inverses from unchanged statistics).
     estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),
       "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a square-root factor of
       the output Fisher / loss Hessian) or "exact" / "exact_GGN" (every output coordinate; K
@@ -124,6 +132,13 @@ def scale_by_kfac(
   _estimator.check_damping(damping)
   _estimator.check_unit_interval(ema_decay, "ema_decay")
   _check_positive_int(inverse_every, "inverse_every")
+  _check_positive_int(curvature_every, "curvature_every")
+  if (_estimator._is_concrete(curvature_every) and _estimator._is_concrete(inverse_every)
+      and int(curvature_every) > int(inverse_every)):
+    raise ValueError(
+        f"`curvature_every` ({curvature_every}) must be at most `inverse_every` "
+        f"({inverse_every}): otherwise some inverse refreshes would recompute the inverses of "
+        "unchanged statistics. Raise `inverse_every` instead.")
   if num_samples is None:
     num_samples = 1
   elif isinstance(num_samples, jax.Array):
@@ -166,14 +181,24 @@ def scale_by_kfac(
     if params is None:
       raise ValueError("scale_by_kfac: `params` is required: tx.update(grads, state, params, ...).")
     est._ensure_layers(params)
-    if curvature_stats is None:
-      if batch is None:
-        raise ValueError(
-            "scale_by_kfac: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
-            "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated.")
-      curvature_stats = est.curvature_stats(params, batch, rng)
-    curv = est.update_curvature_from_stats(state.curvature, curvature_stats, ema_decay,
-                                           axis_name=axis_name)
+    if curvature_stats is None and batch is None:
+      raise ValueError(
+          "scale_by_kfac: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
+          "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated.")
+
+    def fold():
+      stats = (est.curvature_stats(params, batch, rng) if curvature_stats is None
+               else curvature_stats)
+      return est.update_curvature_from_stats(state.curvature, stats, ema_decay,
+                                             axis_name=axis_name)
+
+    if isinstance(curvature_every, int) and curvature_every == 1:
+      curv = fold()
+    else:
+      # Statistics only on due updates; the other branch leaves the state untouched.
+      curv = jax.lax.cond(
+          state.count % jnp.asarray(curvature_every, state.count.dtype) == 0,
+          fold, lambda: state.curvature)
     lam = damping(state.count) if callable(damping) else damping
     # Only the cache goes through the branch: passing the whole state would make XLA copy
     # every factor matrix in and out of the conditional.

@@ -53,6 +53,47 @@ def test_stats_path_equals_batch_path():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", ["batch", "curvature_stats"])
+def test_curvature_every_folds_statistics_only_on_due_updates(path):
+  """curvature_every=3: the EMA takes the statistics of updates 0, 3, 6 only, each at the
+  parameters of that update, exactly as an estimator fed just those batches."""
+  loss_fn, params, batch = _problem()
+  batches = [jax.tree_util.tree_map(lambda x, i=i: jnp.roll(x, 5 * i, axis=0), batch)
+             for i in range(7)]
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, damping=1e-2, ema_decay=0.7,
+                     curvature_every=3, inverse_every=3)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+
+  @jax.jit
+  def step(params, opt_state, b, rng):
+    if path == "batch":
+      grads = jax.grad(loss_fn)(params, b)
+      updates, opt_state = tx.update(grads, opt_state, params, batch=b, rng=rng)
+    else:
+      _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, b, rng)
+      updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state, ref = tx.init(params), est.init(params)
+  factors = []
+  for i, b in enumerate(batches):
+    rng = jax.random.key(10 + i)
+    if i % 3 == 0:
+      ref = est.update_curvature(ref, params, b, rng, 0.7)
+    params, opt_state = step(params, opt_state, b, rng)
+    factors.append(opt_state[0].curvature.factors)
+    for got, want in zip(jax.tree_util.tree_leaves(factors[-1]),
+                         jax.tree_util.tree_leaves(ref.factors)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"update {i}")
+  # Non-due updates leave the factors bit-identical.
+  for i in (1, 2, 4, 5):
+    for a, b in zip(jax.tree_util.tree_leaves(factors[i]),
+                    jax.tree_util.tree_leaves(factors[i - 1])):
+      np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(factors[3]["layer0"]["a"], factors[2]["layer0"]["a"])
+  assert int(opt_state[0].count) == 7
+
+
 def test_update_is_the_inverse_of_the_estimator():
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=0.1, ema_decay=0.0)
@@ -175,6 +216,11 @@ def test_bad_arguments_raise_before_any_state_changes():
     kfac_jax.scale_by_kfac(loss_fn, batch, inverse_every=0)
   with pytest.raises(ValueError, match="estimation_mode"):
     kfac_jax.scale_by_kfac(loss_fn, batch, estimation_mode="fisher")
+  with pytest.raises(ValueError, match="`curvature_every` must be a positive integer"):
+    kfac_jax.scale_by_kfac(loss_fn, batch, curvature_every=0)
+  with pytest.raises(ValueError, match=r"`curvature_every` \(6\) must be at most `inverse_every` "
+                                       r"\(5\)"):
+    kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, curvature_every=6, inverse_every=5)
   tx = kfac_jax.scale_by_kfac(loss_fn, batch)
   state = tx.init(params)
   grads = jax.grad(loss_fn)(params, batch)
