@@ -109,6 +109,10 @@ def add_common_args(p: argparse.ArgumentParser, *, steps: int, warmup: int, adam
   p.add_argument("--damping", type=float, default=damping, help="kfac_jax transform, upstream")
   p.add_argument("--ema-decay", type=float, default=0.95)
   p.add_argument("--inverse-every", type=int, default=inverse_every)
+  p.add_argument("--curvature-every", type=int, default=1,
+                 help="curvature statistics every this many steps (kfac_jax transform: "
+                      "`curvature_every`, computed only when due; upstream: "
+                      "`curvature_update_period`); at most --inverse-every")
   p.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
                  help="include the full kfac_jax.Optimizer (adaptive lr, momentum, damping)")
   p.add_argument("--optimizer-damping", type=float, default=optimizer_damping,
@@ -134,8 +138,13 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     p.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
   if args.with_upstream and args.warmup < 1:
     p.error("--with-upstream needs --warmup >= 1: upstream's first step includes its compilation")
-  if args.compile_repeats < 1 or args.reach_window < 1 or args.inverse_every < 1:
-    p.error("--compile-repeats, --reach-window and --inverse-every must be >= 1")
+  if (args.compile_repeats < 1 or args.reach_window < 1 or args.inverse_every < 1
+      or args.curvature_every < 1):
+    p.error("--compile-repeats, --reach-window, --inverse-every and --curvature-every must be "
+            ">= 1")
+  if args.curvature_every > args.inverse_every:
+    p.error(f"--curvature-every ({args.curvature_every}) must be at most --inverse-every "
+            f"({args.inverse_every})")
   try:
     args.adam_lr_grid = [float(x) for x in args.adam_lrs.split(",") if x.strip()]
   except ValueError:
@@ -151,22 +160,35 @@ def first_order(name: str, family: str, loss_fn, tx, **hyperparameters) -> Conte
 
 
 def kfac_transform(loss_fn, example_batch, *, learning_rate: float, momentum: float,
-                   damping: float, ema_decay: float, inverse_every: int) -> Contestant:
-  """`kfac_jax.kfac` (the optax transform) with a fixed learning rate, momentum and damping;
-  loss, gradients and curvature statistics from one `kfac_jax.value_and_grad` pass."""
+                   damping: float, ema_decay: float, inverse_every: int,
+                   curvature_every: int = 1) -> Contestant:
+  """`kfac_jax.kfac` (the optax transform) with a fixed learning rate, momentum and damping.
+
+  With statistics every step, loss, gradients and statistics come from one
+  `kfac_jax.value_and_grad` pass. With `curvature_every` > 1 the step is `jax.value_and_grad`
+  and the transform computes the statistics from `batch=` on due steps only.
+  """
   momentum_ = momentum if momentum > 0 else None
   tx = kfac_jax.kfac(loss_fn, example_batch, learning_rate=learning_rate, momentum=momentum_,
                      damping=damping, ema_decay=ema_decay, inverse_every=inverse_every,
-                     estimation_mode="gradients", num_samples=1)
+                     curvature_every=curvature_every, estimation_mode="gradients",
+                     num_samples=1)
 
   def step(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    if curvature_every == 1:
+      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+      updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch, rng=rng)
     return optax.apply_updates(params, updates), state, loss
 
-  return Contestant("kfac_jax (optax)", "kfac", tx.init, step,
+  name = "kfac_jax (optax)" + (f", statistics every {curvature_every}" if curvature_every > 1
+                               else "")
+  return Contestant(name, "kfac", tx.init, step,
                     {"learning_rate": learning_rate, "momentum": momentum, "damping": damping,
-                     "ema_decay": ema_decay, "inverse_every": inverse_every},
+                     "ema_decay": ema_decay, "inverse_every": inverse_every,
+                     "curvature_every": curvature_every},
                     period=inverse_every)
 
 
@@ -201,7 +223,8 @@ def standard_contestants(workload: Workload, args: argparse.Namespace) -> list[C
                            learning_rate=args.sgd_lr, momentum=args.sgd_momentum))
   out.append(kfac_transform(loss_fn, example, learning_rate=args.kfac_lr,
                             momentum=args.kfac_momentum, damping=args.damping,
-                            ema_decay=args.ema_decay, inverse_every=args.inverse_every))
+                            ema_decay=args.ema_decay, inverse_every=args.inverse_every,
+                            curvature_every=args.curvature_every))
   if args.optimizer:
     out.append(kfac_optimizer(loss_fn, example, damping=args.optimizer_damping,
                               ema_decay=args.ema_decay, inverse_every=args.inverse_every))
@@ -328,7 +351,8 @@ def run_upstream(workload: Workload, args, steps_total: int) -> Run | dict:
     pools, idx = workload.upstream_data(steps_total)
     config = dict(workload.upstream, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
                   damping=args.damping, ema_decay=args.ema_decay,
-                  inverse_every=args.inverse_every, seed=args.seed,
+                  inverse_every=args.inverse_every, curvature_every=args.curvature_every,
+                  seed=args.seed,
                   compile_repeats=args.compile_repeats)
     print(f"running upstream kfac-jax ({python}) ...", flush=True)
     report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx,

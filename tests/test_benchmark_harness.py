@@ -271,9 +271,13 @@ def test_autoencoder_benchmark_full_batch_quick(tmp_path):
   assert kinds == {"dense"}, report["kfac_jax_registrations"]
 
 
-def test_cnn_benchmark_quick(tmp_path):
-  report, stdout, output = _run(tmp_path, "cnn.py", "--steps", "3", "--adam-lrs", "2e-3,5e-3")
-  _check_report(report, stdout, output, _ALL, [2e-3, 5e-3])
+def test_cnn_benchmark_quick_with_statistics_every_second_step(tmp_path):
+  report, stdout, output = _run(tmp_path, "cnn.py", "--steps", "3", "--adam-lrs", "2e-3,5e-3",
+                                "--curvature-every", "2", "--inverse-every", "2")
+  _check_report(report, stdout, output, ["SGD+momentum", "kfac_jax (optax), statistics every 2",
+                                         "kfac_jax Optimizer"], [2e-3, 5e-3])
+  assert report["hyperparameters"]["kfac_jax (optax), statistics every 2"][
+      "curvature_every"] == 2
   kinds = {r["kind"] for r in report["kfac_jax_registrations"]}
   assert kinds == {"conv", "scale_and_shift", "dense"}, report["kfac_jax_registrations"]
 
@@ -292,7 +296,9 @@ def test_bad_flags_are_named(capsys):
   for argv, message in (
       (["--adam-lrs", "1e-3,x"], "--adam-lrs must be comma-separated numbers, got '1e-3,x'"),
       (["--adam-lrs", "0"], "--adam-lrs needs at least one learning rate > 0, got '0'"),
-      (["--with-upstream", "--warmup", "0"], "--with-upstream needs --warmup >= 1")):
+      (["--with-upstream", "--warmup", "0"], "--with-upstream needs --warmup >= 1"),
+      (["--curvature-every", "6", "--inverse-every", "5"],
+       "--curvature-every (6) must be at most --inverse-every (5)")):
     with pytest.raises(SystemExit):
       autoencoder.parse_args(argv)
     assert message in capsys.readouterr().err

@@ -15,6 +15,7 @@ benchmarks' `--with-upstream` writes the inputs and starts it as a subprocess:
 * `CONFIG.json`: `model` ("autoencoder", default, with `activations`: "tanh"/"linear" per layer
   `dense_0 ... dense_{L-1}`; "cnn" with `num_convs`; "transformer" with `num_layers`, `heads`; see
   `plain_models.py`), `learning_rate`, `momentum`, `damping`, `ema_decay`, `inverse_every`,
+  `curvature_every` (optional, default 1: its `curvature_update_period`),
   `seed`, `compile_repeats`.
 * `OUT_DIR` receives `result.json` and `final_params.npz` (same keys as the input), so the
   parent evaluates the final loss with exactly the code it uses for the other contestants.
@@ -157,7 +158,7 @@ def make_optimizer(loss_fn, cfg):
       num_burnin_steps=0,
       estimation_mode="fisher_gradients",
       curvature_ema=cfg["ema_decay"],
-      curvature_update_period=1,
+      curvature_update_period=cfg.get("curvature_every", 1),
       inverse_update_period=cfg["inverse_every"],
       num_estimator_samples=1,
       multi_device=False,
