@@ -144,7 +144,7 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
             ">= 1")
   if args.curvature_every > args.inverse_every:
     p.error(f"--curvature-every ({args.curvature_every}) must be at most --inverse-every "
-            f"({args.inverse_every})")
+            f"({args.inverse_every}) (upstream kfac-jax rejects it otherwise)")
   try:
     args.adam_lr_grid = [float(x) for x in args.adam_lrs.split(",") if x.strip()]
   except ValueError:

@@ -78,8 +78,9 @@ def scale_by_kfac(
       every update). Larger values save the statistics' cost on the other updates only when
       the transform computes them itself: pass `batch=` and `rng=` to `update` (they are then
       computed inside a `lax.cond`, on due updates only). Statistics passed as
-      `curvature_stats=` were already paid for and are ignored on the other updates. At most
-      `inverse_every` (larger would refresh inverses from unchanged statistics).
+      `curvature_stats=` were already paid for and are ignored on the other updates. Same
+      meaning as `Optimizer(curvature_every=)`; a value above `inverse_every` refreshes some
+      inverses from unchanged statistics (useful only when the damping changes).
     estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),
       "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a square-root factor of
       the output Fisher / loss Hessian) or "exact" / "exact_GGN" (every output coordinate; K
@@ -133,12 +134,6 @@ def scale_by_kfac(
   _estimator.check_unit_interval(ema_decay, "ema_decay")
   _check_positive_int(inverse_every, "inverse_every")
   _check_positive_int(curvature_every, "curvature_every")
-  if (_estimator._is_concrete(curvature_every) and _estimator._is_concrete(inverse_every)
-      and int(curvature_every) > int(inverse_every)):
-    raise ValueError(
-        f"`curvature_every` ({curvature_every}) must be at most `inverse_every` "
-        f"({inverse_every}): otherwise some inverse refreshes would recompute the inverses of "
-        "unchanged statistics. Raise `inverse_every` instead.")
   if num_samples is None:
     num_samples = 1
   elif isinstance(num_samples, jax.Array):

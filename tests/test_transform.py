@@ -218,9 +218,8 @@ def test_bad_arguments_raise_before_any_state_changes():
     kfac_jax.scale_by_kfac(loss_fn, batch, estimation_mode="fisher")
   with pytest.raises(ValueError, match="`curvature_every` must be a positive integer"):
     kfac_jax.scale_by_kfac(loss_fn, batch, curvature_every=0)
-  with pytest.raises(ValueError, match=r"`curvature_every` \(6\) must be at most `inverse_every` "
-                                       r"\(5\)"):
-    kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, curvature_every=6, inverse_every=5)
+  with pytest.raises(ValueError, match="`curvature_every` must be a positive integer"):
+    kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, curvature_every=2.5)
   tx = kfac_jax.scale_by_kfac(loss_fn, batch)
   state = tx.init(params)
   grads = jax.grad(loss_fn)(params, batch)
