@@ -66,10 +66,9 @@ def test_ordered_sum_and_mean_diag_are_sums_in_a_fixed_order(n):
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gram_equals_the_rows_outer_products_with_a_ones_column(groups, bias, x64):
-  from kfac_jax.blocks import _kronecker
   x = np.random.default_rng(groups).normal(size=(7, groups, 4))
   rows = np.concatenate([x, np.ones((7, groups, 1))], -1) if bias else x
   want = np.einsum("rgi,rgj->gij", rows, rows)
-  got = _kronecker._gram(jnp.asarray(x), bias)
+  got = _linalg.gram(jnp.asarray(x), bias)
   assert got.shape == (groups, 5 if bias else 4, 5 if bias else 4)
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

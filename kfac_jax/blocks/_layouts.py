@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from kfac_jax import _matchers, _scanner
+from kfac_jax.blocks import _linalg
 
 Array = jax.Array
 
@@ -114,7 +115,7 @@ class ConvLayout:
     info = self.info
     a = jnp.moveaxis(self._input_nc(x.astype(dtype)), 1, -1)
     a = a.reshape(-1, self.groups, info.in_channels // self.groups)  # [N·T, G, Cg]
-    m2 = jnp.einsum("tgi,tgj->gij", a, a) / a.shape[0]
+    m2 = _linalg.gram(a, False) / a.shape[0]
     mu = jnp.mean(a, axis=0)
     w = math.prod(info.kernel_spatial)
     ones = jnp.ones((w, w), dtype)

@@ -100,6 +100,30 @@ def lower_inverse(chol: Array) -> Array:
   return _bucketed(inv, chol)
 
 
+def gram(x: Array, bias: bool) -> Array:
+  """Σ_r x_r x_rᵀ per group for rows `x` [R, groups, n]: [groups, n, n], or [groups, n+1, n+1]
+  for the rows `[x_r, 1]` when `bias`.
+
+  One group (every dense layer, every ungrouped conv) is a plain `xᵀx`: XLA's CPU backend ran
+  the batched-dot form `einsum("rgi,rgj->gij")` 1.5x slower (105 vs 69 ms at 10000 x 1001),
+  and much slower on small factors (the Transformer LM benchmark's step: 77 -> 56 ms).
+  The bias row and column are the column sums and the row count, assembled around `xᵀx`
+  rather than appending a column of ones to x (a copy of all the rows).
+  """
+  if x.shape[1] == 1:
+    x2 = x[:, 0, :]
+    m = (x2.T @ x2)[None]
+  else:
+    m = jnp.einsum("rgi,rgj->gij", x, x)
+  if not bias:
+    return m
+  s = jnp.sum(x, axis=0)[:, :, None]  # [groups, n, 1]
+  n = jnp.full((x.shape[1], 1, 1), x.shape[0], m.dtype)
+  top = jnp.concatenate([m, s], axis=2)
+  bottom = jnp.concatenate([jnp.swapaxes(s, 1, 2), n], axis=2)
+  return jnp.concatenate([top, bottom], axis=1)
+
+
 def ordered_sum(x: Array) -> Array:
   """Σ x over the last axis by a fixed pairwise tree of elementwise adds.
 

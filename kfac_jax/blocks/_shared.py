@@ -80,11 +80,10 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
     a_sum, rows, g_sum = 0.0, 0, 0.0
     for (layout, _), d in zip(layouts, data):
       x, g = layout.rows(d, dtype)
-      if spec.has_bias:
-        x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
-      a_sum = a_sum + jnp.einsum("rgi,rgj->gij", x, x)
+      a_sum = a_sum + _linalg.gram(x, spec.has_bias)
       rows += x.shape[0]
-      g_sum = g_sum + jnp.einsum("srgi,srgj->gij", g, g) / (g.shape[0] * batch_size)
+      g_sum = g_sum + _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (
+          g.shape[0] * batch_size)
     a, g = a_sum / rows, g_sum
     if len(spec.factor_shapes[1]) == 2:  # One group: no group axis.
       a, g = a[0], g[0]
