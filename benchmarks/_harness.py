@@ -587,8 +587,8 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
          "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
          "adam_grid": grid, "adam_tuned": tuned["optimizer"], "adam_tuned_run": best.name,
          "target_loss": target,
-         "target_window": window, "vs_upstream": rep["vs_upstream"], "results": rows, "adam_grid_results":
-         [r.summary for r in adam], "ratios": dict(ratio_rows),
+         "target_window": window, "vs_upstream": rep["vs_upstream"], "results": rows,
+         "adam_grid_results": [r.summary for r in adam], "ratios": dict(ratio_rows),
          "curves": {r.name: {"losses": [float(x) for x in r.losses],
                              "step_times_s": [float(x) for x in r.step_times]}
                     for r in all_runs}}

@@ -190,10 +190,16 @@ def scale_by_kfac(
     if isinstance(curvature_every, int) and curvature_every == 1:
       curv = fold()
     else:
-      # Statistics only on due updates; the other branch leaves the state untouched.
-      curv = jax.lax.cond(
+      # Statistics only on due updates; the other branch leaves the state untouched. The
+      # caches, which the fold never changes, stay out of the branch (no copy of them).
+      def statistics(c):
+        return c.factors, c.ema_weight, c.skipped_batches
+
+      factors, weight, skipped = jax.lax.cond(
           state.count % jnp.asarray(curvature_every, state.count.dtype) == 0,
-          fold, lambda: state.curvature)
+          lambda: statistics(fold()), lambda: statistics(state.curvature))
+      curv = state.curvature._replace(factors=factors, ema_weight=weight,
+                                      skipped_batches=skipped)
     lam = damping(state.count) if callable(damping) else damping
     # Only the cache goes through the branch: passing the whole state would make XLA copy
     # every factor matrix in and out of the conditional.

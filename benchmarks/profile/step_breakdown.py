@@ -1,6 +1,6 @@
 """Step-time breakdown of the autoencoder K-FAC step: each piece jitted and timed on its own.
 
-    python benchmarks/profile/step_breakdown.py
+    python benchmarks/profile/step_breakdown.py [BATCH]     # BATCH rows, default 1000
 """
 import sys, time
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))))
@@ -9,7 +9,7 @@ import kfac_jax
 from examples import autoencoder as ae
 model = ae.make_model(); params = ae.init_params(model); loss_fn = ae.make_loss_fn(model)
 rng = np.random.default_rng(0)
-batch = jnp.asarray(rng.uniform(size=(1000, 784)).astype(np.float32)); key = jax.random.key(0)
+batch = jnp.asarray(rng.uniform(size=(int(sys.argv[1]) if len(sys.argv) > 1 else 1000, 784)).astype(np.float32)); key = jax.random.key(0)
 est = kfac_jax.CurvatureEstimator(loss_fn, batch); es = est.init(params)
 vag = kfac_jax.value_and_grad(loss_fn)
 _, grads, stats = jax.jit(vag)(params, batch, key)
