@@ -34,3 +34,15 @@ def test_optimizer_section_runs_verbatim_after_the_quickstart():
   for i, code in enumerate(blocks):
     exec(compile(code, f"README.md:The full optimizer:{i}", "exec"), scope)  # noqa: S102
   assert np.isfinite(float(scope["info"]["loss"]))
+
+
+def test_checkpoint_snippet_runs_verbatim_after_the_quickstart(tmp_path, monkeypatch):
+  scope = {}
+  exec(compile(_blocks("Quickstart")[0], "README.md:Quickstart", "exec"), scope)  # noqa: S102
+  monkeypatch.chdir(tmp_path)  # The snippet saves under ./checkpoints.
+  code = _blocks("Checkpoints and numerical safety")[0]
+  exec(compile(code, "README.md:Checkpoints", "exec"), scope)  # noqa: S102
+  restored, saved = scope["restored"], scope["opt_state"]
+  assert os.path.isdir(tmp_path / "checkpoints" / "opt_state")
+  same = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(a, b)), restored, saved)
+  assert all(jax.tree_util.tree_leaves(same))
