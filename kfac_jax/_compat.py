@@ -33,8 +33,8 @@ __all__ = [
     "Var",
     "Zero",
     "ad",
-    "batching",
     "axis_env",
+    "batching",
     "bind_eqn",
     "call_jaxpr_of",
     "mlir",
@@ -86,5 +86,5 @@ def make_jaxpr(fun, *args) -> ClosedJaxpr:
 def axis_env(axes):
   """A context binding named axes `[(name, size), ...]` while tracing, as `jax.make_jaxpr(...,
   axis_env=axes)` does: collectives (`psum`, `pmean`) over them trace outside pmap/shard_map."""
-  from jax._src import core as _core  # noqa: PLC0415
+  from jax._src import core as _core
   return _core.extend_axis_env_nd(list(axes))

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _estimator, _layer_config, _scanner
+from kfac_jax import _compat, _curvature, _estimator, _layer_config, _scanner
 from kfac_jax import blocks as _blocks
 
 AxisName = str | tuple[str, ...] | None
@@ -26,14 +26,16 @@ def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
   return names
 
 
-def _scan(loss_fn, params, batch, axis_name, **kw) -> _scanner.Registration:
+def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _scanner.Registration:
+  part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
   with _compat.axis_env([(n, 1) for n in _axis_names(axis_name)]):
-    return _scanner.scan(loss_fn, params, batch, **kw)
+    return _scanner.scan(part, params, batch, has_aux=has_aux, **kw)
 
 
 def scan_layers(loss_fn: Callable, params, batch, *, strict: bool = False,
                 layers: _layer_config.LayerConfig | None = None,
-                axis_name: AxisName = None) -> tuple[_scanner.LayerSpec, ...]:
+                axis_name: AxisName = None, has_aux: bool = False
+                ) -> tuple[_scanner.LayerSpec, ...]:
   """Traces `loss_fn(params, batch)` and returns the layers K-FAC will use, in parameter order.
 
   Each `LayerSpec` has `name`, `kind` ("dense", "conv", "scale_and_shift", "embedding",
@@ -46,18 +48,19 @@ def scan_layers(loss_fn: Callable, params, batch, *, strict: bool = False,
 
   `axis_name` (a name or a tuple of names) is for models with collectives inside, e.g. linen
   `BatchNorm(axis_name="batch")`: `loss_fn` is traced with each named axis bound with size 1,
-  so the scan works outside `pmap` / `shard_map`.
+  so the scan works outside `pmap` / `shard_map`. `has_aux=True`: `loss_fn` returns `(loss,
+  aux)`, as in `kfac_jax.value_and_grad`; only the loss part is scanned.
 
   Raises:
     RegistrationError: no loss tag, a malformed manual tag, or a `layers` entry that does not fit.
     TypeError: `axis_name` is not a string or a tuple of strings.
   """
-  return _scan(loss_fn, params, batch, axis_name, strict=strict, layers=layers).layers
+  return _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, layers=layers).layers
 
 
 def summary(loss_fn: Callable, params, batch, *, strict: bool = False,
             layers: _layer_config.LayerConfig | None = None,
-            axis_name: AxisName = None) -> str:
+            axis_name: AxisName = None, has_aux: bool = False) -> str:
   """A table of the registered layers and a coverage report.
 
   The table lists each layer's kind, approximation, parameters, factor shapes and memory (the
@@ -66,14 +69,15 @@ def summary(loss_fn: Callable, params, batch, *, strict: bool = False,
   state's bytes (the memory column's total) against the parameters' bytes; and, for every
   parameter in a diagonal fallback block, why no layer matched it ("sliced by a scan", "used as
   1 + scale", "concatenated before a matmul", "used 3 times in different ways (dot_general,
-  mul)", "consumed by <primitive> (no matcher)", "not used by the loss", ...). `axis_name` as in
-  `scan_layers`.
+  mul)", "consumed by <primitive> (no matcher)", "not used by the loss", ...). `axis_name` and
+  `has_aux` as in `scan_layers`.
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))
   """
   # No UncoveredParametersWarning: the report below says the same, in full.
-  specs = _scan(loss_fn, params, batch, axis_name, strict=strict, warn=False, layers=layers).layers
+  specs = _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False,
+                layers=layers).layers
   config = _blocks.BlockConfig()
   blocks = [_blocks.make_block(s, config) for s in specs]
   table = _estimator.format_table(_display_names(specs), blocks)
@@ -103,12 +107,14 @@ def coverage_report(specs: Sequence[_scanner.LayerSpec], blocks: Sequence[_block
   param_bytes = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)
   state_bytes = sum(b.state_bytes() for b in blocks)
   share = structured / total if total else 1.0
+  state_line = f"curvature state: {_estimator._fmt_bytes(state_bytes)}"
+  if param_bytes:
+    state_line += (f" ({state_bytes / param_bytes:.2f}x the parameters' "
+                   f"{_estimator._fmt_bytes(param_bytes)})")
   lines = [
-      f"layer blocks (dense, conv, embedding, scale-and-shift) hold {structured} of {total} "
-      f"parameters ({100 * share:.1f}%)",
-      f"curvature state: {_estimator._fmt_bytes(state_bytes)} "
-      f"({state_bytes / param_bytes:.2f}x the parameters' {_estimator._fmt_bytes(param_bytes)})"
-      if param_bytes else f"curvature state: {_estimator._fmt_bytes(state_bytes)}",
+      (f"layer blocks (dense, conv, embedding, scale-and-shift) hold {structured} of {total} "
+       f"parameters ({100 * share:.1f}%)"),
+      state_line,
   ]
   fallbacks = [s for s in specs if s.source == "fallback"]
   if fallbacks:
@@ -121,7 +127,8 @@ def coverage_report(specs: Sequence[_scanner.LayerSpec], blocks: Sequence[_block
 
 def check_registration(loss_fn: Callable, params, batch, *,
                        layers: _layer_config.LayerConfig | None = None,
-                       axis_name: AxisName = None) -> tuple[_scanner.LayerSpec, ...]:
+                       axis_name: AxisName = None, has_aux: bool = False
+                       ) -> tuple[_scanner.LayerSpec, ...]:
   """Checks that every parameter is in exactly one curvature block; lists every problem at once.
 
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
@@ -130,8 +137,8 @@ def check_registration(loss_fn: Callable, params, batch, *,
   manual tags, or a tag and a linked group), every manually tagged parameter whose number of
   tags differs from the number of times `loss_fn` uses it (a kernel applied twice but tagged
   once: its second use would be missing from the curvature; the message gives both counts), and
-  every `layers.overrides` / `layers.linked` pattern that matches no parameter. `axis_name` as
-  in `scan_layers`.
+  every `layers.overrides` / `layers.linked` pattern that matches no parameter. `axis_name` and
+  `has_aux` as in `scan_layers`.
 
   Returns:
     The registered layers, as `scan_layers` returns them, when there is no problem.
@@ -145,4 +152,5 @@ def check_registration(loss_fn: Callable, params, batch, *,
   Example:
     >>> kfac_jax.check_registration(loss_fn, params, batch)  # raises listing every problem
   """
-  return _scan(loss_fn, params, batch, axis_name, warn=False, layers=layers, collect=True).layers
+  return _scan(loss_fn, params, batch, axis_name, has_aux, warn=False, layers=layers,
+               collect=True).layers

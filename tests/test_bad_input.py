@@ -61,7 +61,8 @@ def _update(mutate, jit=False):
     before = jax.tree_util.tree_map(np.asarray, state)
     grads = jax.grad(loss_fn)(params, batch)
     args, kwargs = mutate(grads, params, batch)
-    update = lambda s: tx.update(*args[:1], s, *args[1:], **kwargs)  # noqa: E731
+    def update(s):
+    return tx.update(*args[:1], s, *args[1:], **kwargs)
     try:
       (jax.jit(update) if jit else update)(state)
     finally:

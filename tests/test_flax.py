@@ -113,7 +113,7 @@ def test_plain_flax_train_state_misuse_is_a_clear_error():
 
 
 def test_overwrite_with_gradient_collection_is_refused():
-  model, loss_fn, params, batch, tx = _problem()
+  model, _, params, batch, tx = _problem()
   state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
   grads = {"params": params, flax_train_state.OVERWRITE_WITH_GRADIENT: {}}
   with pytest.raises(ValueError, match="_overwrite_with_gradient"):
@@ -124,5 +124,5 @@ def test_import_kfac_jax_does_not_import_flax():
   code = "import sys, kfac_jax; assert 'flax' not in sys.modules, 'flax imported'"
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=ROOT)
+                       cwd=ROOT, check=False)
   assert out.returncode == 0, out.stderr

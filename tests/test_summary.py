@@ -4,7 +4,6 @@ axis_name for models with collectives, distinguishable row names, the short warn
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -85,8 +84,8 @@ REASON_CASES = [
     ("scan", _scanned, {"stack": jnp.ones((3, N, D)), "w": W}, "stack",
      "sliced by a scan (a stacked layer axis)"),
     ("product of parameters", _product_of_params, {"a": jnp.ones((D, C)), "w": W}, "a",
-     "combined by mul with parameter `w` (a product or sum of two parameters has no layer "
-     "block)"),
+     ("combined by mul with parameter `w` (a product or sum of two parameters has no layer "
+      "block)")),
 ]
 
 
@@ -225,3 +224,17 @@ def test_axis_name_of_the_wrong_type_is_named(bad):
   loss_fn, params, batch = _batchnorm_problem()
   with pytest.raises(TypeError, match="`axis_name` must be a string or a tuple of strings"):
     kfac_jax.summary(loss_fn, params, batch, axis_name=bad)
+
+
+def test_has_aux_scans_the_loss_part_only():
+  def with_aux(p, b):
+    logits = jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]
+    return _ce(logits, b["y"]), {"logits": logits, "extra": p["w1"].sum()}
+
+  params = {"w1": jnp.ones((D, 5)), "w2": jnp.ones((5, C))}
+  layers = kfac_jax.scan_layers(with_aux, params, _batch(), has_aux=True)
+  assert [(l.name, l.kind) for l in layers] == [("w1", "dense"), ("w2", "dense")]
+  assert "(100.0%)" in kfac_jax.summary(with_aux, params, _batch(), has_aux=True)
+  assert kfac_jax.check_registration(with_aux, params, _batch(), has_aux=True) == layers
+  with pytest.raises(kfac_jax.RegistrationError, match="has_aux=True"):
+    kfac_jax.summary(with_aux, params, _batch())
