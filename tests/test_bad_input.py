@@ -62,7 +62,7 @@ def _update(mutate, jit=False):
     grads = jax.grad(loss_fn)(params, batch)
     args, kwargs = mutate(grads, params, batch)
     def update(s):
-    return tx.update(*args[:1], s, *args[1:], **kwargs)
+      return tx.update(*args[:1], s, *args[1:], **kwargs)
     try:
       (jax.jit(update) if jit else update)(state)
     finally:
