@@ -1049,6 +1049,8 @@ def _use_reason(sc: _Scanner, leaf: int, i: int, pos: int) -> str:
     return "consumed by dot_general in a layout no dense matcher fits"
   if name in ("mul", "add"):
     return f"consumed by {name} in a layout no scale-and-shift matcher fits"
+  if name == "conv_general_dilated":
+    return "consumed by conv_general_dilated in a form no conv matcher fits"
   return f"consumed by {name} (no matcher)"
 
 
@@ -1069,10 +1071,15 @@ def fallback_reason(sc: _Scanner, leaf: int) -> str:
   for r in reasons:
     if r.startswith(("sliced by a scan", "indexed by")):
       return r
-  if len(uses) == 1 or len(set(reasons)) == 1:
-    return reasons[0] + (f" (all {len(uses)} uses)" if len(uses) > 1 else "")
-  names = ", ".join(dict.fromkeys(sc.g.eqns[i].name for i, _ in uses))
-  return f"used {len(uses)} times in different ways ({names})"
+  if len(uses) == 1:
+    return reasons[0]
+  names = tuple(dict.fromkeys(sc.g.eqns[i].name for i, _ in uses))
+  if len(set(reasons)) == 1 and not reasons[0].startswith("consumed by"):
+    return f"{reasons[0]} (all {len(uses)} uses)"
+  if len(names) == 1 and names[0] in ("dot_general", "conv_general_dilated", "mul", "add"):
+    return (f"used {len(uses)} times by {names[0]} in ways no one shared layer fits (e.g. "
+            "different kernel layouts, or biases that differ between uses)")
+  return f"used {len(uses)} times in different ways ({', '.join(names)})"
 
 
 def uncovered_message(paths: Sequence[str], reasons: Sequence[str], limit: int = 3) -> str:

@@ -238,3 +238,20 @@ def test_has_aux_scans_the_loss_part_only():
   assert kfac_jax.check_registration(with_aux, params, _batch(), has_aux=True) == layers
   with pytest.raises(kfac_jax.RegistrationError, match="has_aux=True"):
     kfac_jax.summary(with_aux, params, _batch())
+
+
+def test_a_kernel_read_in_two_layouts_is_named_as_such():
+  """The same leaf as an HWIO kernel, then as an OIHW kernel: no one shared conv layer."""
+  params = {"k": jnp.ones((2, 2, 2, 2))}
+  batch = {"x": jnp.ones((1, 3, 3, 2)), "y": jnp.zeros((1,), jnp.int32)}
+
+  def loss_fn(p, b):
+    h = jax.lax.conv_general_dilated(b["x"], p["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = jax.lax.conv_general_dilated(h, p["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "OIHW", "NHWC"))
+    return _ce(h.mean((1, 2)), b["y"])
+
+  assert _reasons(kfac_jax.summary(loss_fn, params, batch))["k"] == (
+      "used 2 times by conv_general_dilated in ways no one shared layer fits (e.g. different "
+      "kernel layouts, or biases that differ between uses)")
