@@ -33,6 +33,7 @@ __all__ = [
     "Var",
     "Zero",
     "ad",
+    "axis_env",
     "batching",
     "bind_eqn",
     "call_jaxpr_of",
@@ -80,3 +81,10 @@ def call_jaxpr_of(eqn: JaxprEqn) -> ClosedJaxpr | None:
 def make_jaxpr(fun, *args) -> ClosedJaxpr:
   """`jax.make_jaxpr(fun)(*args)`, accepting arrays, tracers or ShapeDtypeStructs."""
   return jax.make_jaxpr(fun)(*args)
+
+
+def axis_env(axes):
+  """A context binding named axes `[(name, size), ...]` while tracing, as `jax.make_jaxpr(...,
+  axis_env=axes)` does: collectives (`psum`, `pmean`) over them trace outside pmap/shard_map."""
+  from jax._src import core as _core
+  return _core.extend_axis_env_nd(list(axes))

@@ -140,8 +140,11 @@ class CurvatureEstimator:
   """Block-diagonal K-FAC curvature estimate of `loss_fn`, with pure state updates.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output.
+    loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch with the shapes used for training (arrays or ShapeDtypeStructs).
+    has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned for layers and the
+      estimator never reads the aux.
     estimation_mode: how the output-space curvature is estimated (formulas in
       `kfac_jax._losses`): "gradients" (targets sampled from the model: the Fisher),
       "empirical" (the data's targets: the empirical Fisher), "curvature_prop" /
@@ -185,7 +188,7 @@ class CurvatureEstimator:
     >>> nat_grads = est.multiply_matpower(state, grads, -1)
   """
 
-  def __init__(self, loss_fn: Callable, example_batch: Any, *,
+  def __init__(self, loss_fn: Callable, example_batch: Any, *, has_aux: bool = False,
                estimation_mode: _curvature.EstimationMode = "gradients",
                exps: Sequence[float] = (-1,), num_samples: int = 1,
                damping_mode: _blocks.DampingMode = "factored", compute_cholesky: bool = False,
@@ -194,8 +197,9 @@ class CurvatureEstimator:
                layers: _layer_config.LayerConfig | None = None,
                stats_dtype: Any = None, inverse_dtype: Any = None,
                inverse_storage: InverseStorage = "replicated"):
-    if not callable(loss_fn):
-      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    # Checks `loss_fn` and `has_aux`; the scanner traces this wrapper (loss first, aux after).
+    self.loss_part = _curvature.LossPart(loss_fn, has_aux)
+    self.has_aux = has_aux
     _curvature.check_mode(estimation_mode, num_samples)
     if damping_mode not in ("factored", "eigen"):
       raise ValueError(f"unknown damping_mode {damping_mode!r}; choose 'factored' or 'eigen'.")
@@ -234,8 +238,8 @@ class CurvatureEstimator:
         (tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
 
   def _scan(self, params, batch, warn: bool) -> _scanner.Registration:
-    return _scanner.scan(self.loss_fn, params, batch, strict=self.strict, warn=warn,
-                         layers=self.layer_config)
+    return _scanner.scan(self.loss_part, params, batch, strict=self.strict, warn=warn,
+                         layers=self.layer_config, has_aux=self.has_aux)
 
   def _ensure_layers(self, params) -> None:
     """Scans `loss_fn` with `example_batch` the first time; checks `params` later."""

@@ -284,8 +284,14 @@ def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int]:
 
 
 def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool = True,
-         layers: _layer_config.LayerConfig | None = None, collect: bool = False) -> Registration:
+         layers: _layer_config.LayerConfig | None = None, collect: bool = False,
+         has_aux: bool = False) -> Registration:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
+
+  With `has_aux`, `loss_fn` returns the scalar loss first and further outputs after it (the
+  flattened aux, see `kfac_jax._curvature.split_aux`): they stay outputs of the graph, so one
+  evaluation gives loss and aux, and play no part in the registration (the layers are found on
+  the loss's slice of the graph).
 
   `layers` chooses approximations and linked groups (see `LayerConfig`). With `collect`, every
   coverage problem (a parameter uncovered or registered twice, a manual tag whose use count
@@ -306,10 +312,11 @@ def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool =
           "parameters. Keep integer state out of `params` (pass it in the batch instead).")
   closed, n_params = trace(loss_fn, params, batch)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
-  if len(out_avals) != 1 or out_avals[0].shape != ():
+  if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
     raise RegistrationError(
         "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
-        f"{[tuple(a.shape) for a in out_avals]}.")
+        f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
+        "has_aux=True.")
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
   paths = param_paths(params)
   shapes = tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))
@@ -396,22 +403,23 @@ class _Scanner:
     uncovered = [j for j in range(self.n_params) if j not in claimed]
     if self.problems is not None:
       self.problems.extend(
-          f"`{self.paths[j]}` is not in any layer (it would get a diagonal fallback block)"
+          f"`{self.paths[j]}` is not in any layer ({fallback_reason(self, j)}; it would get a "
+          "diagonal fallback block)"
           for j in uncovered)
       if self.problems:
         raise RegistrationCheckError(self.problems)
     if uncovered:
-      names = ", ".join(f"`{self.paths[j]}`" for j in uncovered)
-      msg = (f"{len(uncovered)} parameter(s) are not in any recognised layer and get a diagonal "
-             f"curvature block: {names}. Register them with a manual layer tag "
-             "(kfac_jax.register_dense / register_conv / register_scale_and_shift / "
-             "register_embedding / register_generic) to choose their block.")
+      reasons = [fallback_reason(self, j) for j in uncovered]
       if self.strict:
-        raise RegistrationError(msg + " (strict=True turns this into an error.)")
+        raise RegistrationError(
+            uncovered_message([self.paths[j] for j in uncovered], reasons, len(uncovered))
+            + " (strict=True turns this into an error.)")
       if self.warn:
-        warnings.warn(msg, UncoveredParametersWarning, stacklevel=4)
-      for j in uncovered:
-        specs.append((self._generic_spec((j,), "diagonal", "fallback"), None, None))
+        warnings.warn(uncovered_message([self.paths[j] for j in uncovered], reasons),
+                      UncoveredParametersWarning, stacklevel=4)
+      for j, reason in zip(uncovered, reasons):
+        spec = self._generic_spec((j,), "diagonal", "fallback")
+        specs.append((dataclasses.replace(spec, info=FallbackInfo(reason)), None, None))
 
     specs.sort(key=lambda s: min(s[0].leaf_indices))
     multi = [s[0].num_uses > 1 for s in specs]
@@ -968,3 +976,117 @@ class _Scanner:
     return LayerSpec(
         name=name, kind="generic", param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
         factor_shapes=factor, source=source, param_shapes=tuple(self.shapes[j] for j in leaves))
+
+
+# --------------------------------------------------------------------------------------------
+# Why a parameter got a fallback block (the warning, `summary`, `check_registration`).
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackInfo:
+  """`LayerSpec.info` of a fallback (generic) layer: why the scanner matched no layer."""
+  reason: str
+
+
+def _constant_operand(sc: _Scanner, atom) -> float | None:
+  """The scalar value of `atom` if it is a constant (a literal, possibly broadcast), else None."""
+  while True:
+    if isinstance(atom, _compat.Literal):
+      val = np.asarray(atom.val)
+    elif atom in sc.const_values:
+      val = np.asarray(sc.const_values[atom])
+    elif atom in sc.producer and sc.g.eqns[sc.producer[atom]].name in _VIEW_OPS:
+      atom = sc.g.eqns[sc.producer[atom]].ins[0]
+      continue
+    else:
+      return None
+    return float(val.reshape(-1)[0]) if val.size and np.all(val == val.reshape(-1)[0]) else None
+
+
+def _feeds(sc: _Scanner, key, names: frozenset[str], depth: int = 4) -> str | None:
+  """The first primitive in `names` that `key` reaches through a few operations, else None."""
+  frontier = [key]
+  for _ in range(depth):
+    nxt = []
+    for k in frontier:
+      for j, _ in sc.slice_consumers.get(k, []):
+        fe = sc.g.eqns[j]
+        if fe.name in names:
+          return fe.name
+        nxt.extend(fe.outs)
+    frontier = nxt
+  return None
+
+
+def _use_reason(sc: _Scanner, leaf: int, i: int, pos: int) -> str:
+  """Why one use (equation `i`, operand `pos`) of `leaf` matched no layer."""
+  fe = sc.g.eqns[i]
+  name = fe.name
+  if name == "scan_slice":
+    return "sliced by a scan (a stacked layer axis)"
+  if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
+    return f"indexed by {name} before use (e.g. one slice of a stacked array)"
+  if name == "concatenate":
+    if _feeds(sc, fe.outs[0], frozenset({"dot_general", "conv_general_dilated"})):
+      return "concatenated before a matmul"
+    return "concatenated with other arrays before use"
+  if name in ("add", "sub") and len(fe.ins) == 2:
+    c = _constant_operand(sc, fe.ins[1 - pos])
+    if c is not None:
+      shown = f"{c:g}"
+      return (f"used as {shown} + scale" if name == "add" else
+              (f"used as {shown} - scale" if pos == 1 else f"used as scale - {shown}"))
+  others = [leaf_ for leaf_, _ in sc.uses_by_eqn.get(i, []) if leaf_ != leaf]
+  if others:
+    return (f"combined by {name} with parameter `{sc.paths[others[0]]}` (a product or sum of "
+            "two parameters has no layer block)")
+  if name == "dot_general":
+    (_, _), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
+    if lhs_b or rhs_b:
+      return "consumed by a batched dot_general (batch dimensions, e.g. per-head weights)"
+    if any(s.op == "broadcast" for s in sc.origin[fe.ins[pos]][1]):
+      return "broadcast before a matmul"
+    return "consumed by dot_general in a layout no dense matcher fits"
+  if name in ("mul", "add"):
+    return f"consumed by {name} in a layout no scale-and-shift matcher fits"
+  if name == "conv_general_dilated":
+    return "consumed by conv_general_dilated in a form no conv matcher fits"
+  return f"consumed by {name} (no matcher)"
+
+
+def fallback_reason(sc: _Scanner, leaf: int) -> str:
+  """Why the scanner matched no layer for `leaf`, from its uses in the traced graph.
+
+  One short phrase: "not used by the loss", "sliced by a scan (a stacked layer axis)", "used as 1
+  + scale", "concatenated before a matmul", "used 3 times in different ways (dot_general, mul)",
+  "consumed by <primitive> (no matcher)", ...
+  """
+  uses = sc.uses.get(leaf, [])
+  if not uses:
+    keys = {k for k, (j, _) in sc.origin.items() if j == leaf}
+    read = any(_graph.is_key(a) and a in keys for fe in sc.g.eqns for a in fe.ins)
+    return ("not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)"
+            if read else "not used by the loss")
+  reasons = [_use_reason(sc, leaf, i, pos) for i, pos in uses]
+  for r in reasons:
+    if r.startswith(("sliced by a scan", "indexed by")):
+      return r
+  if len(uses) == 1:
+    return reasons[0]
+  names = tuple(dict.fromkeys(sc.g.eqns[i].name for i, _ in uses))
+  if len(set(reasons)) == 1 and not reasons[0].startswith("consumed by"):
+    return f"{reasons[0]} (all {len(uses)} uses)"
+  if len(names) == 1 and names[0] in ("dot_general", "conv_general_dilated", "mul", "add"):
+    return (f"used {len(uses)} times by {names[0]} in ways no one shared layer fits (e.g. "
+            "different kernel layouts, or biases that differ between uses)")
+  return f"used {len(uses)} times in different ways ({', '.join(names)})"
+
+
+def uncovered_message(paths: Sequence[str], reasons: Sequence[str], limit: int = 3) -> str:
+  """The short `UncoveredParametersWarning` text: the count, a few paths with reasons, a pointer."""
+  shown = "; ".join(f"`{p}` ({r})" for p, r in list(zip(paths, reasons))[:limit])
+  more = f"; and {len(paths) - limit} more" if len(paths) > limit else ""
+  return (f"{len(paths)} parameter(s) are not in any recognised layer and get a diagonal "
+          f"curvature block: {shown}{more}. `kfac_jax.summary(loss_fn, params, batch)` lists "
+          "each with its reason; a manual layer tag (kfac_jax.register_dense / register_conv / "
+          "register_scale_and_shift / register_embedding / register_generic) chooses its block.")

@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
 
-from kfac_jax import _estimator, _layer_config, _scanner
+import jax
+import numpy as np
+
+from kfac_jax import _compat, _curvature, _estimator, _layer_config, _scanner
 from kfac_jax import blocks as _blocks
+
+AxisName = str | tuple[str, ...] | None
+
+
+def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
+  if axis_name is None:
+    return ()
+  names = (axis_name,) if isinstance(axis_name, str) else axis_name
+  if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
+    raise TypeError(
+        f"`axis_name` must be a string or a tuple of strings (the collective axes the model "
+        f"uses, e.g. \"batch\" for BatchNorm(axis_name=\"batch\")), got {axis_name!r}.")
+  return names
+
+
+def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _scanner.Registration:
+  part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
+  with _compat.axis_env([(n, 1) for n in _axis_names(axis_name)]):
+    return _scanner.scan(part, params, batch, has_aux=has_aux, **kw)
 
 
 def scan_layers(loss_fn: Callable, params, batch, *, strict: bool = False,
-                layers: _layer_config.LayerConfig | None = None
+                layers: _layer_config.LayerConfig | None = None,
+                axis_name: AxisName = None, has_aux: bool = False
                 ) -> tuple[_scanner.LayerSpec, ...]:
   """Traces `loss_fn(params, batch)` and returns the layers K-FAC will use, in parameter order.
 
@@ -21,37 +46,99 @@ def scan_layers(loss_fn: Callable, params, batch, *, strict: bool = False,
   (an error with `strict=True`). `layers` (a `kfac_jax.LayerConfig`) chooses approximations and
   linked groups as in the estimator.
 
+  `axis_name` (a name or a tuple of names) is for models with collectives inside, e.g. linen
+  `BatchNorm(axis_name="batch")`: `loss_fn` is traced with each named axis bound with size 1,
+  so the scan works outside `pmap` / `shard_map`. `has_aux=True`: `loss_fn` returns `(loss,
+  aux)`, as in `kfac_jax.value_and_grad`; only the loss part is scanned.
+
   Raises:
     RegistrationError: no loss tag, a malformed manual tag, or a `layers` entry that does not fit.
+    TypeError: `axis_name` is not a string or a tuple of strings.
   """
-  return _scanner.scan(loss_fn, params, batch, strict=strict, layers=layers).layers
+  return _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, layers=layers).layers
 
 
 def summary(loss_fn: Callable, params, batch, *, strict: bool = False,
-            layers: _layer_config.LayerConfig | None = None) -> str:
-  """A table of the registered layers: kind, approximation, parameters, factor shapes, memory.
+            layers: _layer_config.LayerConfig | None = None,
+            axis_name: AxisName = None, has_aux: bool = False) -> str:
+  """A table of the registered layers and a coverage report.
 
-  Memory is that of the block's state (factors plus the cached inverses for exps=(-1,)).
+  The table lists each layer's kind, approximation, parameters, factor shapes and memory (the
+  block's state: factors plus the cached inverses for exps=(-1,)). The report under it gives
+  the share of the parameters (by count) in structured, non-generic blocks; the curvature
+  state's bytes (the memory column's total) against the parameters' bytes; and, for every
+  parameter in a diagonal fallback block, why no layer matched it ("sliced by a scan", "used as
+  1 + scale", "concatenated before a matmul", "used 3 times in different ways (dot_general,
+  mul)", "consumed by <primitive> (no matcher)", "not used by the loss", ...). `axis_name` and
+  `has_aux` as in `scan_layers`.
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))
   """
-  specs = scan_layers(loss_fn, params, batch, strict=strict, layers=layers)
+  # No UncoveredParametersWarning: the report below says the same, in full.
+  specs = _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False,
+                layers=layers).layers
   config = _blocks.BlockConfig()
-  return _estimator.format_table(specs, [_blocks.make_block(s, config) for s in specs])
+  blocks = [_blocks.make_block(s, config) for s in specs]
+  table = _estimator.format_table(_display_names(specs), blocks)
+  return table + "\n\n" + coverage_report(specs, blocks, params)
+
+
+def _display_names(specs: Sequence[_scanner.LayerSpec]) -> list[_scanner.LayerSpec]:
+  """Specs renamed so that every row is distinguishable.
+
+  A layer is named by the common prefix of its parameter paths; layers whose parameters sit
+  directly in one dict (`{"params": {"w1", "b1", "w2", "b2"}}`) all get that dict's name. Such
+  layers are shown by their first parameter's path (`params/w1`) instead.
+  """
+  counts: dict[str, int] = {}
+  for s in specs:
+    counts[s.name] = counts.get(s.name, 0) + 1
+  return [dataclasses.replace(s, name=s.param_paths[0]) if counts[s.name] > 1 else s
+          for s in specs]
+
+
+def coverage_report(specs: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block],
+                    params) -> str:
+  """The lines `summary` prints under the table (see `summary`)."""
+  total = sum(s.num_params for s in specs)
+  structured = sum(s.num_params for s in specs if s.kind != "generic")
+  leaves = jax.tree_util.tree_leaves(params)
+  param_bytes = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)
+  state_bytes = sum(b.state_bytes() for b in blocks)
+  share = structured / total if total else 1.0
+  state_line = f"curvature state: {_estimator._fmt_bytes(state_bytes)}"
+  if param_bytes:
+    state_line += (f" ({state_bytes / param_bytes:.2f}x the parameters' "
+                   f"{_estimator._fmt_bytes(param_bytes)})")
+  lines = [
+      (f"layer blocks (dense, conv, embedding, scale-and-shift) hold {structured} of {total} "
+       f"parameters ({100 * share:.1f}%)"),
+      state_line,
+  ]
+  fallbacks = [s for s in specs if s.source == "fallback"]
+  if fallbacks:
+    lines.append(f"fallback (diagonal) blocks, {len(fallbacks)}: why no layer matched")
+    for s in fallbacks:
+      reason = s.info.reason if isinstance(s.info, _scanner.FallbackInfo) else "unknown"
+      lines.append(f"  {s.param_paths[0]}: {reason}")
+  return "\n".join(lines)
 
 
 def check_registration(loss_fn: Callable, params, batch, *,
-                       layers: _layer_config.LayerConfig | None = None
+                       layers: _layer_config.LayerConfig | None = None,
+                       axis_name: AxisName = None, has_aux: bool = False
                        ) -> tuple[_scanner.LayerSpec, ...]:
   """Checks that every parameter is in exactly one curvature block; lists every problem at once.
 
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
-  layer covers (it would get a diagonal fallback block), every parameter registered twice (two
+  layer covers (it would get a diagonal fallback block; the line says why no layer matched it),
+  every parameter registered twice (two
   manual tags, or a tag and a linked group), every manually tagged parameter whose number of
   tags differs from the number of times `loss_fn` uses it (a kernel applied twice but tagged
   once: its second use would be missing from the curvature; the message gives both counts), and
-  every `layers.overrides` / `layers.linked` pattern that matches no parameter.
+  every `layers.overrides` / `layers.linked` pattern that matches no parameter. `axis_name` and
+  `has_aux` as in `scan_layers`.
 
   Returns:
     The registered layers, as `scan_layers` returns them, when there is no problem.
@@ -65,4 +152,5 @@ def check_registration(loss_fn: Callable, params, batch, *,
   Example:
     >>> kfac_jax.check_registration(loss_fn, params, batch)  # raises listing every problem
   """
-  return _scanner.scan(loss_fn, params, batch, warn=False, layers=layers, collect=True).layers
+  return _scan(loss_fn, params, batch, axis_name, has_aux, warn=False, layers=layers,
+               collect=True).layers

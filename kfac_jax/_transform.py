@@ -46,6 +46,7 @@ def scale_by_kfac(
     loss_fn: Callable,
     example_batch: Any,
     *,
+    has_aux: bool = False,
     damping: ScalarOrSchedule = 1e-3,
     ema_decay: float = 0.95,
     inverse_every: int = 5,
@@ -69,8 +70,11 @@ def scale_by_kfac(
   first at update 0) with the current damping λ.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    has_aux: `loss_fn` returns `(loss, aux)` (see `kfac_jax.value_and_grad`); only the loss
+      part is scanned. Compute the statistics with `value_and_grad(loss_fn, has_aux=True)`.
     damping: λ ≥ 0, a number or a schedule `count -> λ`.
     ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
     inverse_every: refresh the inverses every this many updates.
@@ -162,7 +166,7 @@ def scale_by_kfac(
         "axis: pass `axis_name=` (inside pmap/shard_map) or `inverse_mesh=(mesh, axis)` (under "
         "jit with sharded data), or keep inverse_storage='replicated' on one device.")
   est = _estimator.CurvatureEstimator(
-      loss_fn, example_batch, estimation_mode=estimation_mode, exps=(-1,),
+      loss_fn, example_batch, has_aux=has_aux, estimation_mode=estimation_mode, exps=(-1,),
       num_samples=num_samples, damping_mode=damping_mode, strict=strict, layers=layers,
       stats_dtype=stats_dtype, inverse_dtype=inverse_dtype, inverse_storage=inverse_storage)
 

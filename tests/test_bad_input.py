@@ -51,8 +51,9 @@ def _est(**kw):
   return lambda: kfac_jax.CurvatureEstimator(loss_fn, batch, **kw)
 
 
-def _update(mutate):
-  """tx.update with the arguments `mutate(grads, params, batch)` returns."""
+def _update(mutate, jit=False):
+  """tx.update with the arguments `mutate(grads, params, batch)` returns (inside `jax.jit` with
+  `jit`: the error must come at trace time, with the same message)."""
   def run():
     loss_fn, params, batch = _problem()
     tx = kfac_jax.scale_by_kfac(loss_fn, batch)
@@ -60,11 +61,14 @@ def _update(mutate):
     before = jax.tree_util.tree_map(np.asarray, state)
     grads = jax.grad(loss_fn)(params, batch)
     args, kwargs = mutate(grads, params, batch)
+    def update(s):
+      return tx.update(*args[:1], s, *args[1:], **kwargs)
     try:
-      tx.update(*args[:1], state, *args[1:], **kwargs)
+      (jax.jit(update) if jit else update)(state)
     finally:
       for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(state)):
         np.testing.assert_array_equal(a, np.asarray(b))
+  run.mutate = mutate
   return run
 
 
@@ -205,8 +209,20 @@ CASES = [
 ]
 
 
-def test_the_table_is_large_enough():
-  assert len(CASES) >= 30
+JIT_CASES = [c for c in CASES if hasattr(c[1], "mutate")]
+
+
+def test_case_names_are_unique():
+  """pytest would silently suffix duplicate ids; a duplicate usually hides a copy-paste case."""
+  names = [c[0] for c in CASES]
+  assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
+
+
+@pytest.mark.parametrize("name,call,exc,match", JIT_CASES, ids=[c[0] for c in JIT_CASES])
+def test_update_errors_are_raised_at_trace_time_under_jit(name, call, exc, match):
+  """Users call tx.update inside their jitted step: the same clear error, not an XLA failure."""
+  with pytest.raises(exc, match=match):
+    _update(call.mutate, jit=True)()
 
 
 @pytest.mark.parametrize("name,call,exc,match", CASES, ids=[c[0] for c in CASES])

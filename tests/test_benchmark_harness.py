@@ -261,6 +261,7 @@ def _check_report(report, stdout, output, names, adam_lrs):
 _ALL = ["SGD+momentum", "kfac_jax (optax)", "kfac_jax Optimizer"]
 
 
+@pytest.mark.slow
 def test_autoencoder_benchmark_full_batch_quick(tmp_path):
   report, stdout, output = _run(tmp_path, "autoencoder.py", "--full-batch", "--steps", "3",
                                 "--adam-lrs", "1e-3,3e-3")
@@ -271,6 +272,7 @@ def test_autoencoder_benchmark_full_batch_quick(tmp_path):
   assert kinds == {"dense"}, report["kfac_jax_registrations"]
 
 
+@pytest.mark.slow
 def test_cnn_benchmark_quick_with_statistics_every_second_step(tmp_path):
   report, stdout, output = _run(tmp_path, "cnn.py", "--steps", "3", "--adam-lrs", "2e-3,5e-3",
                                 "--curvature-every", "2", "--inverse-every", "2")
@@ -282,6 +284,7 @@ def test_cnn_benchmark_quick_with_statistics_every_second_step(tmp_path):
   assert kinds == {"conv", "scale_and_shift", "dense"}, report["kfac_jax_registrations"]
 
 
+@pytest.mark.slow
 def test_transformer_benchmark_quick(tmp_path):
   report, stdout, output = _run(tmp_path, "transformer.py", "--steps", "3", "--adam-lrs",
                                 "3e-3,1e-2")
@@ -336,6 +339,7 @@ def _upstream_python():
 @pytest.mark.skipif(_upstream_python() is None,
                     reason="no upstream venv (bash benchmarks/upstream/setup_venv.sh, or "
                            "KFAC_UPSTREAM_PYTHON=/path/to/python)")
+@pytest.mark.slow
 def test_transformer_benchmark_with_upstream(tmp_path):
   """Upstream kfac-jax 0.0.8 trains the tied-embedding Transformer beside ours."""
   report, stdout, output = _run(tmp_path, "transformer.py", "--steps", "2", "--adam-lrs", "1e-2",

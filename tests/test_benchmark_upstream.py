@@ -80,6 +80,7 @@ def test_curve_times_replaces_first_step_by_same_phase_median():
   np.testing.assert_allclose(compare.curve_times([30.0], period=5), [30.0])
 
 
+@pytest.mark.slow
 def test_worker_refuses_this_projects_kfac_jax(tmp_path):
   env = dict(os.environ, PYTHONPATH=_ROOT)
   proc = subprocess.run([sys.executable, compare.WORKER, "in.npz", "cfg.json", str(tmp_path)],

@@ -9,6 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_sphinx_api_reference_builds_without_warnings(tmp_path):
   pytest.importorskip("sphinx")
   proc = subprocess.run(

@@ -9,6 +9,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # Every test here runs a script in a subprocess.
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = os.path.join(_ROOT, "examples", "autoencoder.py")
 

@@ -9,12 +9,18 @@ import numpy as np
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
-def _blocks(section):
+def _blocks(section, subsection=None):
+  """The ```python blocks of README section `## {section}` (of its `### {subsection}` only)."""
   with open(README, encoding="utf-8") as f:
     text = f.read()
   start = text.index(f"\n## {section}\n")
   end = text.find("\n## ", start + 1)
-  return re.findall(r"```python\n(.*?)```", text[start:end if end > 0 else None], re.S)
+  text = text[start:end if end > 0 else None]
+  if subsection is not None:
+    start = text.index(f"\n### {subsection}\n")
+    end = text.find("\n### ", start + 1)
+    text = text[start:end if end > 0 else None]
+  return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
 def test_quickstart_runs_verbatim_and_trains():

@@ -1,0 +1,69 @@
+"""Optional Flax helpers: K-FAC from the linen `TrainState` training loop.
+
+`import kfac_jax` never imports Flax; this module does (install the `flax` extra).
+
+Flax's `flax.training.train_state.TrainState.apply_gradients(*, grads, **kwargs)` calls
+`tx.update(grads, opt_state, params)` with no extra arguments and takes every other keyword as
+a field to replace, so `state.apply_gradients(grads=g, curvature_stats=s)` never gives the
+statistics to K-FAC: `tx.update` fails with "pass `curvature_stats=` ... or `batch=`".
+`kfac_jax.flax.TrainState` is the same dataclass with an `apply_gradients` that forwards
+`curvature_stats=`, `batch=` and `rng=` to `tx.update`.
+
+Example:
+  >>> state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(state.params, batch, rng)
+  >>> state = state.apply_gradients(grads=grads, curvature_stats=stats)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+try:
+  import optax
+  from flax.training import train_state as _train_state
+except ImportError as e:  # pragma: no cover - depends on the environment.
+  raise ImportError(
+      "kfac_jax.flax needs Flax: `pip install flax` (or `pip install kfac_jax[examples]`).") from e
+
+__all__ = ["TrainState"]
+
+
+class TrainState(_train_state.TrainState):
+  """`flax.training.train_state.TrainState` whose `apply_gradients` feeds K-FAC.
+
+  Create it as Flax's (`TrainState.create(apply_fn=..., params=..., tx=...)`, extra fields by
+  subclassing); `tx` is `kfac_jax.kfac(...)`, `kfac_jax.scale_by_kfac(...)` in an
+  `optax.chain`, or any optax transformation (extra arguments are passed only when given).
+  """
+
+  def apply_gradients(self, *, grads, curvature_stats: Any = None, batch: Any = None,
+                      rng: Any = None, **kwargs):
+    """One optimizer step: `tx.update(grads, opt_state, params, curvature_stats=, batch=, rng=)`.
+
+    Args:
+      grads: gradients with the structure of `params`.
+      curvature_stats: the statistics from `kfac_jax.value_and_grad` (one forward pass), or
+        None to let the transform compute them from `batch` and `rng`.
+      batch: the batch, when `curvature_stats` is None.
+      rng: a PRNG key for the sampled Fisher, with `batch`.
+      **kwargs: other fields of the state to replace, as in Flax (e.g. `batch_stats=`).
+
+    Returns:
+      The state with `step + 1`, updated `params` and `opt_state`, and `kwargs` replaced.
+
+    Raises:
+      ValueError: `params` holds Flax's `overwrite_with_gradient` collection, which this
+        class does not handle.
+    """
+    if isinstance(grads, Mapping) and _train_state.OVERWRITE_WITH_GRADIENT in grads:
+      raise ValueError(
+          f"kfac_jax.flax.TrainState.apply_gradients: `grads` has the "
+          f"{_train_state.OVERWRITE_WITH_GRADIENT!r} collection, which K-FAC does not handle; "
+          "keep those variables outside `params`.")
+    extra = {k: v for k, v in (("curvature_stats", curvature_stats), ("batch", batch),
+                                ("rng", rng)) if v is not None}
+    updates, opt_state = self.tx.update(grads, self.opt_state, self.params, **extra)
+    params = optax.apply_updates(self.params, updates)
+    return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

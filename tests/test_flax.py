@@ -1,0 +1,128 @@
+"""kfac_jax.flax: the linen TrainState loop gives the plain tx.update loop's numbers, bit for bit."""
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state as flax_train_state
+
+import kfac_jax
+import kfac_jax.flax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _MLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Dense(8)(x))
+    return nn.Dense(3)(x)
+
+
+def _problem():
+  model = _MLP()
+  x = jax.random.normal(jax.random.key(0), (16, 4))
+  batch = {"x": x, "y": jax.random.randint(jax.random.key(1), (16,), 0, 3)}
+  params = model.init(jax.random.key(2), x)["params"]
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, damping=1e-2, momentum=0.9,
+                     inverse_every=2)
+  return model, loss_fn, params, batch, tx
+
+
+def _plain_loop(loss_fn, params, batch, tx, steps):
+  @jax.jit
+  def step(params, opt_state, rng):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = tx.init(params)
+  for i in range(steps):
+    params, opt_state = step(params, opt_state, jax.random.key(10 + i))
+  return params, opt_state
+
+
+def _assert_trees_equal(a, b):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("path", ["curvature_stats", "batch"])
+def test_train_state_equals_plain_loop_bit_for_bit(path):
+  model, loss_fn, params, batch, tx = _problem()
+  want_params, want_opt = _plain_loop(loss_fn, params, batch, tx, 5)
+
+  @jax.jit
+  def train_step(state, rng):
+    if path == "curvature_stats":
+      _, grads, stats = kfac_jax.value_and_grad(loss_fn)(state.params, batch, rng)
+      return state.apply_gradients(grads=grads, curvature_stats=stats)
+    grads = jax.grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads, batch=batch, rng=rng)
+
+  state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  for i in range(5):
+    state = train_step(state, jax.random.key(10 + i))
+  assert int(state.step) == 5
+  if path == "curvature_stats":
+    _assert_trees_equal(state.params, want_params)
+    _assert_trees_equal(state.opt_state, want_opt)
+  else:  # The statistics are computed inside tx.update: the same numbers up to rounding.
+    for a, b in zip(jax.tree_util.tree_leaves(state.params),
+                    jax.tree_util.tree_leaves(want_params)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(state.params["Dense_0"]["kernel"], params["Dense_0"]["kernel"])
+
+
+def test_extra_fields_are_replaced_and_other_transforms_get_no_extra_args():
+  class State(kfac_jax.flax.TrainState):
+    note: jax.Array
+
+  model, loss_fn, params, batch, _ = _problem()
+  state = State.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), note=jnp.zeros(()))
+  grads = jax.grad(loss_fn)(params, batch)
+  new = state.apply_gradients(grads=grads, note=jnp.ones(()))  # plain optax: no extra args
+  assert float(new.note) == 1.0
+  want = optax.apply_updates(params, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
+  _assert_trees_equal(new.params, want)
+
+
+def test_plain_flax_train_state_misuse_is_a_clear_error():
+  """Flax's own apply_gradients does not pass the statistics on: the transform says what is
+  missing instead of silently training without curvature."""
+  model, loss_fn, params, batch, tx = _problem()
+  state = flax_train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  with pytest.raises(ValueError, match="curvature_stats="):
+    state.apply_gradients(grads=grads, curvature_stats=stats)
+
+
+def test_overwrite_with_gradient_collection_is_refused():
+  model, _, params, batch, tx = _problem()
+  state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  grads = {"params": params, flax_train_state.OVERWRITE_WITH_GRADIENT: {}}
+  with pytest.raises(ValueError, match="_overwrite_with_gradient"):
+    state.apply_gradients(grads=grads, batch=batch, rng=jax.random.key(0))
+
+
+def test_import_kfac_jax_does_not_import_flax():
+  code = "import sys, kfac_jax; assert 'flax' not in sys.modules, 'flax imported'"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=ROOT, check=False)
+  assert out.returncode == 0, out.stderr

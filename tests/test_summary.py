@@ -1,0 +1,257 @@
+"""summary: the coverage report (share, bytes, why each fallback leaf matched no layer),
+axis_name for models with collectives, distinguishable row names, the short warning."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import kfac_jax
+from tests import _models
+
+N, D, C = 8, 4, 3
+
+
+def _batch():
+  return _models.classification_batch(jax.random.key(1), n=N, din=D, classes=C)
+
+
+def _ce(logits, y):
+  kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _report(table):
+  """The lines after the table's blank line."""
+  return table.split("\n\n", 1)[1].splitlines()
+
+
+def _reasons(table):
+  lines = _report(table)
+  start = next(i for i, l in enumerate(lines) if l.startswith("fallback"))
+  return dict(l.strip().split(": ", 1) for l in lines[start + 1:])
+
+
+# -- one tiny model per reason ----------------------------------------------------------------
+
+
+def _one_plus_scale(p, b):
+  return _ce((b["x"] * (1 + p["s"])) @ p["w"], b["y"])
+
+
+def _concatenated(p, b):
+  return _ce(b["x"] @ jnp.concatenate([p["w_top"], p["w_bottom"]], axis=0), b["y"])
+
+
+def _two_ways(p, b):
+  return _ce((b["x"] @ p["w"]) * jnp.exp(p["w"]).mean(), b["y"])
+
+
+def _no_matcher(p, b):
+  return _ce((b["x"] @ p["w"]) * jnp.exp(p["s3"]), b["y"])
+
+
+def _unused(p, b):
+  return _ce(b["x"] @ p["w"], b["y"])
+
+
+def _regulariser(p, b):
+  return _ce(b["x"] @ p["w"], b["y"]) + 1e-3 * jnp.sum(p["u"] ** 2)
+
+
+def _scanned(p, b):
+  def body(h, w_t):
+    return jnp.sin(w_t) * h, None
+  h, _ = jax.lax.scan(body, b["x"], p["stack"])
+  return _ce(h @ p["w"], b["y"])
+
+
+def _product_of_params(p, b):
+  return _ce(b["x"] @ (p["a"] * p["w"]), b["y"])
+
+
+W = jnp.ones((D, C)) * 0.1
+REASON_CASES = [
+    ("1 + scale", _one_plus_scale, {"s": jnp.ones(D), "w": W}, "s", "used as 1 + scale"),
+    ("concatenated", _concatenated, {"w_top": W[:2], "w_bottom": W[2:]}, "w_top",
+     "concatenated before a matmul"),
+    ("two ways", _two_ways, {"w": W}, "w", "used 2 times in different ways (dot_general, exp)"),
+    ("no matcher", _no_matcher, {"s3": jnp.ones(C), "w": W}, "s3", "consumed by exp (no matcher)"),
+    ("unused", _unused, {"u": jnp.ones(2), "w": W}, "u", "not used by the loss"),
+    ("regulariser", _regulariser, {"u": jnp.ones(2), "w": W}, "u",
+     "not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)"),
+    ("scan", _scanned, {"stack": jnp.ones((3, N, D)), "w": W}, "stack",
+     "sliced by a scan (a stacked layer axis)"),
+    ("product of parameters", _product_of_params, {"a": jnp.ones((D, C)), "w": W}, "a",
+     ("combined by mul with parameter `w` (a product or sum of two parameters has no layer "
+      "block)")),
+]
+
+
+@pytest.mark.parametrize("name,loss_fn,params,leaf,reason", REASON_CASES,
+                         ids=[c[0] for c in REASON_CASES])
+def test_each_fallback_reason(name, loss_fn, params, leaf, reason):
+  table = kfac_jax.summary(loss_fn, params, _batch())
+  assert _reasons(table)[leaf] == reason, table
+  # The warning and check_registration say the same for that leaf.
+  with pytest.warns(kfac_jax.UncoveredParametersWarning) as record:
+    kfac_jax.scan_layers(loss_fn, params, _batch())
+  assert f"`{leaf}` ({reason})" in str(record[0].message)
+  with pytest.raises(kfac_jax.RegistrationCheckError) as err:
+    kfac_jax.check_registration(loss_fn, params, _batch())
+  assert any(p.startswith(f"`{leaf}` is not in any layer ({reason};") for p in err.value.problems)
+
+
+# -- share and bytes --------------------------------------------------------------------------
+
+
+def test_share_and_bytes_against_hand_computed_values():
+  """Dense w [4, 3] + b [3] (15 values) and a diagonal fallback for s [3]: 15 of 18.
+
+  Bytes, float32: the dense block keeps A [5, 5] and G [3, 3] (bias folded into A), their
+  inverses and one damping scalar: 4 · (2 · (25 + 9) + 1) = 276; the diagonal block 3 values
+  and one scalar: 4 · 4 = 16. Parameters: 18 · 4 = 72 bytes.
+  """
+  def loss_fn(p, b):
+    return _ce((b["x"] @ p["w"] + p["b"]) * jnp.exp(p["s"]), b["y"])
+
+  params = {"b": jnp.zeros(C), "s": jnp.zeros(C), "w": W}
+  table = kfac_jax.summary(loss_fn, params, _batch())
+  report = _report(table)
+  assert report[0] == ("layer blocks (dense, conv, embedding, scale-and-shift) hold 15 of 18 "
+                       "parameters (83.3%)")
+  assert report[1] == "curvature state: 292 B (4.06x the parameters' 72 B)"
+  assert report[2:] == ["fallback (diagonal) blocks, 1: why no layer matched",
+                        "  s: consumed by exp (no matcher)"]
+  # The reported state bytes are those of the optimizer state's curvature, leaf for leaf.
+  with pytest.warns(kfac_jax.UncoveredParametersWarning):
+    state = kfac_jax.scale_by_kfac(loss_fn, _batch()).init(params)
+  curv = (state.curvature.factors, state.curvature.cache)
+  assert sum(x.nbytes for x in jax.tree_util.tree_leaves(curv)) == 292
+  assert "276 B" in next(l for l in table.splitlines() if l.startswith("w "))
+
+
+def test_full_coverage_has_no_fallback_section():
+  params = _models.jnp_mlp_init(jax.random.key(0), (D, 5, C))
+  table = kfac_jax.summary(_models.softmax_loss(_models.jnp_mlp_apply), params, _batch())
+  report = _report(table)
+  n = D * 5 + 5 + 5 * C + C
+  assert report[0].endswith(f"hold {n} of {n} parameters (100.0%)")
+  assert len(report) == 2 and "fallback" not in table
+
+
+# -- names, warning -----------------------------------------------------------------------------
+
+
+def test_layers_in_one_flat_dict_get_distinct_row_names():
+  def loss_fn(p, b):
+    q = p["params"]
+    return _ce(jnp.tanh(b["x"] @ q["w1"] + q["b1"]) @ q["w2"] + q["b2"], b["y"])
+
+  params = {"params": {"w1": jnp.ones((D, 5)), "b1": jnp.zeros(5), "w2": jnp.ones((5, C)),
+                       "b2": jnp.zeros(C)}}
+  assert [l.name for l in kfac_jax.scan_layers(loss_fn, params, _batch())] == ["params"] * 2
+  rows = kfac_jax.summary(loss_fn, params, _batch()).splitlines()[2:4]
+  assert [r.split()[0] for r in rows] == ["params/w1", "params/w2"]
+
+
+def test_warning_is_short_and_points_to_summary():
+  params = {f"s{i}": jnp.ones(2) for i in range(5)} | {"w": W}
+  with pytest.warns(kfac_jax.UncoveredParametersWarning) as record:
+    kfac_jax.scan_layers(_unused, params, _batch())
+  msg = str(record[0].message)
+  assert msg.startswith("5 parameter(s) are not in any recognised layer")
+  assert ("`s0` (not used by the loss); `s1` (not used by the loss); `s2` (not used by the "
+          "loss)") in msg
+  assert "; and 2 more." in msg and "`s3`" not in msg
+  assert "kfac_jax.summary(loss_fn, params, batch)" in msg
+  with pytest.raises(kfac_jax.RegistrationError, match="`s4` \\(not used by the loss\\).*strict"):
+    kfac_jax.scan_layers(_unused, params, _batch(), strict=True)  # strict lists every one
+
+
+# -- axis_name ----------------------------------------------------------------------------------
+
+
+class _BatchNormMLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8)(x)
+    x = nn.BatchNorm(use_running_average=False, axis_name="batch")(x)
+    return nn.Dense(C)(nn.relu(x))
+
+
+def _batchnorm_problem():
+  model = _BatchNormMLP()
+  batch = _batch()
+  variables = jax.vmap(lambda x: model.init(jax.random.key(0), x), in_axes=None, axis_size=1,
+                       axis_name="batch")(batch["x"])
+  variables = jax.tree_util.tree_map(lambda a: a[0], variables)
+
+  def loss_fn(params, batch):
+    logits, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                            batch["x"], mutable=["batch_stats"])
+    return _ce(logits, batch["y"])
+
+  return loss_fn, variables["params"], batch
+
+
+def test_axis_name_scans_a_model_with_batchnorm_collectives():
+  loss_fn, params, batch = _batchnorm_problem()
+  with pytest.raises(NameError, match="unbound axis name: batch"):
+    kfac_jax.scan_layers(loss_fn, params, batch)
+  want = [("BatchNorm_0", "scale_and_shift"), ("Dense_0", "dense"), ("Dense_1", "dense")]
+  for axis_name in ("batch", ("batch", "model")):
+    layers = kfac_jax.scan_layers(loss_fn, params, batch, axis_name=axis_name)
+    assert [(l.name, l.kind) for l in layers] == want
+  assert kfac_jax.check_registration(loss_fn, params, batch, axis_name="batch") == layers
+  table = kfac_jax.summary(loss_fn, params, batch, axis_name="batch")
+  assert "BatchNorm_0  scale_and_shift" in table and "(100.0%)" in table
+
+
+def test_axis_name_layers_equal_those_found_inside_pmap():
+  """Inside pmap the estimator scans under the real axis; the inspection agrees with it."""
+  loss_fn, params, batch = _batchnorm_problem()
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="batch")
+  names = [l.name for l in kfac_jax.scan_layers(loss_fn, params, batch, axis_name="batch")]
+  state = jax.pmap(tx.init, axis_name="batch")(jax.tree_util.tree_map(lambda a: a[None], params))
+  assert sorted(state.curvature.factors) == sorted(names)
+
+
+@pytest.mark.parametrize("bad", [3, ("batch", 3), (), ["batch"]])
+def test_axis_name_of_the_wrong_type_is_named(bad):
+  loss_fn, params, batch = _batchnorm_problem()
+  with pytest.raises(TypeError, match="`axis_name` must be a string or a tuple of strings"):
+    kfac_jax.summary(loss_fn, params, batch, axis_name=bad)
+
+
+def test_has_aux_scans_the_loss_part_only():
+  def with_aux(p, b):
+    logits = jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]
+    return _ce(logits, b["y"]), {"logits": logits, "extra": p["w1"].sum()}
+
+  params = {"w1": jnp.ones((D, 5)), "w2": jnp.ones((5, C))}
+  layers = kfac_jax.scan_layers(with_aux, params, _batch(), has_aux=True)
+  assert [(l.name, l.kind) for l in layers] == [("w1", "dense"), ("w2", "dense")]
+  assert "(100.0%)" in kfac_jax.summary(with_aux, params, _batch(), has_aux=True)
+  assert kfac_jax.check_registration(with_aux, params, _batch(), has_aux=True) == layers
+  with pytest.raises(kfac_jax.RegistrationError, match="has_aux=True"):
+    kfac_jax.summary(with_aux, params, _batch())
+
+
+def test_a_kernel_read_in_two_layouts_is_named_as_such():
+  """The same leaf as an HWIO kernel, then as an OIHW kernel: no one shared conv layer."""
+  params = {"k": jnp.ones((2, 2, 2, 2))}
+  batch = {"x": jnp.ones((1, 3, 3, 2)), "y": jnp.zeros((1,), jnp.int32)}
+
+  def loss_fn(p, b):
+    h = jax.lax.conv_general_dilated(b["x"], p["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = jax.lax.conv_general_dilated(h, p["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "OIHW", "NHWC"))
+    return _ce(h.mean((1, 2)), b["y"])
+
+  assert _reasons(kfac_jax.summary(loss_fn, params, batch))["k"] == (
+      "used 2 times by conv_general_dilated in ways no one shared layer fits (e.g. different "
+      "kernel layouts, or biases that differ between uses)")
