@@ -655,8 +655,9 @@ def main(parse_args: Callable, make_workload: Callable, script: str, argv=None) 
 def charged_seconds(step_times: Sequence[float], period: int) -> float:
   """The training seconds the race charges for these steps: each step its measured time, the
   first one (which carries one-off costs) counted as a typical step of its phase
-  (`compare.curve_times`, the same axis the curves and the time to target use)."""
-  if not len(step_times):
+  (`compare.curve_times`, the same axis the curves and the time to target use). A lone first
+  step is charged nothing: its typical cost is known only once a second step has run."""
+  if len(step_times) < 2:
     return 0.0
   return float(np.sum(compare.curve_times(step_times, period)))
 
