@@ -306,16 +306,27 @@ class CurvatureEstimator:
           "loss_fn registers different layers for this batch than for `example_batch`: "
           f"{[l.name for l in layers]} vs {[l.name for l in self._layers]}.")
 
-  def batch_factors(self, stats: _curvature.CurvatureStats,
-                    axis_name: str | None = None) -> dict[str, dict[str, Array]]:
-    """Per-block statistics of one batch, averaged over `axis_name` devices if given."""
+  def batch_factors(self, stats: _curvature.CurvatureStats, axis_name: str | None = None,
+                    cache=None) -> dict[str, dict[str, Array]]:
+    """Per-block statistics of one batch, averaged over `axis_name` devices if given.
+
+    Blocks with `needs_cache_for_statistics` (EKFAC: its scalings live in the eigenbasis of
+    the last inverse update) get their entry of `cache` (the state's, replicated storage).
+    """
     if stats.layer_names != tuple(s.name for s in self.layers):
       raise ValueError(
           "curvature_stats were computed for layers "
           f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
           "Compute them with kfac_jax.value_and_grad of the same loss_fn.")
-    out = {n: b.batch_factors(d, stats.batch_size)
-           for n, b, d in zip(self._names, self._blocks, stats.data)}
+    out = {}
+    for n, b, d in zip(self._names, self._blocks, stats.data):
+      if getattr(b, "needs_cache_for_statistics", False) and cache is not None:
+        if self.inverse_storage == "sharded":
+          raise ValueError(f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the "
+                           "statistics; use inverse_storage='replicated'.")
+        out[n] = b.batch_factors(d, stats.batch_size, cache=cache[n])
+      else:
+        out[n] = b.batch_factors(d, stats.batch_size)
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out
@@ -328,7 +339,7 @@ class CurvatureEstimator:
     average, exactly F_batch after the first update (and always with ρ = 0).
     """
     check_unit_interval(ema_decay, "ema_decay")
-    new = self.batch_factors(stats, axis_name)
+    new = self.batch_factors(stats, axis_name, cache=state.cache)
     acc = self.config.accum_dtype
     decay = jnp.asarray(ema_decay, acc)
     weight = decay * state.ema_weight + 1
@@ -505,7 +516,9 @@ class CurvatureEstimator:
     out = jnp.zeros((total, total), self.config.inverse_dtype)
     for n, b in zip(self._names, self._blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
-      out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n]))
+      extra = ({"cache": state.cache[n]} if getattr(b, "needs_cache_for_statistics", False)
+               else {})
+      out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n], **extra))
     return out
 
   def summary(self) -> str:
