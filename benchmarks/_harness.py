@@ -715,7 +715,6 @@ def run_contestant_for_budget(c: Contestant, workload: Workload, budget_s: float
   times = run_for_budget(prepare, step, budget_s, period=c.period, max_steps=max_steps)
   losses_np = np.asarray([float(x) for x in losses])
   final = workload.eval_fn(carry["params"])
-  del carry, compiled
   summary = race_summary(c.name, c.family, losses_np, times, c.period, budget_s,
                          hyperparameters=dict(c.hyperparameters), setup_s=setup_s,
                          compile_s=compile_s, final_eval_loss=final)
@@ -819,8 +818,8 @@ def race_compare(runs: Sequence[Run], reach_window: int) -> dict:
 
 def race_table(rows: Sequence[Mapping[str, Any]], budget_s: float, target: float) -> str:
   """The markdown table of the race (a failed contestant shows its error)."""
-  lines = [f"| contestant | loss at {budget_s:g} s | seconds to {target:.4g} | vs Adam | steps "
-           "| mean step (ms) | compile (s) |",
+  lines = [(f"| contestant | loss at {budget_s:g} s | seconds to {target:.4g} | vs Adam | steps "
+            "| mean step (ms) | compile (s) |"),
            "|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     if "error" in r:

@@ -55,8 +55,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-from benchmarks import _harness  # noqa: E402
-from benchmarks import autoencoder, cnn, transformer  # noqa: E402
+from benchmarks import _harness, autoencoder, cnn, transformer  # noqa: E402
 from benchmarks.upstream import compare  # noqa: E402
 
 WORKLOADS = {"autoencoder": autoencoder, "cnn": cnn, "transformer": transformer}
@@ -87,6 +86,10 @@ def parse_args(argv=None):
                       + ", ".join(f"{k} {v}" for k, v in MUON_LRS.items()))
   p.add_argument("--ekfac", action=argparse.BooleanOptionalAction, default=True,
                  help="add the kfac transform with LayerConfig(defaults={'dense': 'ekfac'})")
+  p.add_argument("--ekfac-damping", type=float, default=None,
+                 help="the EKFAC contestant's damping, added to its scalings (default: --damping; "
+                      "K-FAC's factored damping splits √λ between the factors, so equal values "
+                      "are not equal strengths)")
   p.add_argument("--data-steps", type=int, default=2000,
                  help="length of the minibatch sequence (it repeats after that)")
   p.add_argument("--max-steps", type=int, default=None, help="cap on each contestant's steps")
@@ -149,8 +152,10 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
   out.append(_harness.kfac_transform(loss_fn, example, **common))
   if args.ekfac:
     if _ekfac_available():
+      ekfac = dict(common, damping=wl.damping if args.ekfac_damping is None
+                   else args.ekfac_damping)
       out.append(_harness.kfac_transform(
-          loss_fn, example, name="kfac_jax (optax), EKFAC dense", **common,
+          loss_fn, example, name="kfac_jax (optax), EKFAC dense", **ekfac,
           layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac"})))
     else:
       print("no 'ekfac' approximation in this kfac_jax: the EKFAC contestant is skipped",
@@ -185,7 +190,7 @@ def _upstream_cap(runs, budget: float, data_steps: int, max_steps: int | None) -
 
 
 def main(argv=None) -> int:
-  args, wl, rest = parse_args(argv)
+  args, wl, _ = parse_args(argv)
   workload = cyclic(WORKLOADS[args.workload].make_workload(wl), wl.warmup + wl.steps)
   command = _harness.command_line(__file__, argv)
   contestants = (sweep_contestants if args.sweep else race_contestants)(workload, args, wl)
