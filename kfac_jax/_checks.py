@@ -57,8 +57,10 @@ def number(value, name: str, *, low: float = -math.inf, low_open: bool = False,
     expected = "a finite number > 0"
   elif low == 0 and high == math.inf:
     expected = "a finite number >= 0"
+  elif low == -math.inf and high == math.inf:
+    expected = "a finite number"
   else:
-    expected = f"a finite number in {lo}, {hi}"
+    expected = f"a number in {lo}, {hi}"
   if schedule:
     expected += " or a schedule `count -> value`"
   v = _as_float(value, name, expected)
@@ -99,7 +101,7 @@ def boolean(value, name: str) -> None:
 def choice(value, name: str, choices: Sequence[Any]) -> None:
   if not isinstance(value, str) or value not in choices:
     raise (ValueError if isinstance(value, str) else TypeError)(
-        f"unknown `{name}` {value!r}; choose one of {', '.join(repr(c) for c in choices)}.")
+        f"unknown {name} {value!r}; choose one of {', '.join(repr(c) for c in choices)}.")
 
 
 def optional_str(value, name: str) -> None:

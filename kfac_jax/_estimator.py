@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _curvature, _layer_config, _parallel, _scanner, _sharded
+from kfac_jax import _checks, _curvature, _layer_config, _parallel, _scanner, _sharded
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -48,29 +48,14 @@ class EstimatorState(NamedTuple):
   failed_inverses: Array
 
 
-def _is_concrete(x) -> bool:
-  try:
-    np.asarray(x)
-    return True
-  except Exception:  # Tracers cannot be converted.
-    return False
-
-
 def check_unit_interval(value, name: str) -> None:
-  """ema_decay-style check: 0 <= value < 1 (only when the value is concrete)."""
-  if _is_concrete(value):
-    v = np.asarray(value)
-    if v.shape != () or not np.isfinite(v) or not 0 <= v < 1:
-      raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
+  """ema_decay-style check: 0 <= value < 1 (a traced value passes unchecked)."""
+  _checks.number(value, name, low=0.0, high=1.0, high_open=True)
 
 
 def check_damping(value, name: str = "damping") -> None:
-  if callable(value):
-    return
-  if _is_concrete(value):
-    v = np.asarray(value)
-    if v.shape != () or not np.isfinite(v) or v < 0:
-      raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+  """A number >= 0 or a schedule (a traced value passes unchecked)."""
+  _checks.number(value, name, low=0.0, schedule=True)
 
 
 def _all_finite(tree) -> Array:
@@ -201,15 +186,19 @@ class CurvatureEstimator:
     self.loss_part = _curvature.LossPart(loss_fn, has_aux)
     self.has_aux = has_aux
     _curvature.check_mode(estimation_mode, num_samples)
-    if damping_mode not in ("factored", "eigen"):
-      raise ValueError(f"unknown damping_mode {damping_mode!r}; choose 'factored' or 'eigen'.")
-    if inverse_storage not in ("replicated", "sharded"):
-      raise ValueError(f"unknown inverse_storage {inverse_storage!r}; choose 'replicated' or "
-                       "'sharded'.")
-    exps = tuple(float(e) for e in exps)
+    _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
+    _checks.choice(inverse_storage, "inverse_storage", ("replicated", "sharded"))
+    for flag in ("compute_cholesky", "compute_cholesky_inverse", "strict",
+                 "compute_params_stats"):
+      _checks.boolean(locals()[flag], flag)
+    if isinstance(exps, (str, bytes)) or not isinstance(exps, (tuple, list)):
+      raise TypeError(f"`exps` must be a tuple of non-zero numbers (matrix powers, e.g. (-1,)), "
+                      f"got {exps!r}.")
     for e in exps:
-      if not np.isfinite(e) or e == 0:
-        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps}.")
+      _checks.number(e, "exps", low=-np.inf)
+      if e == 0:
+        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps!r}.")
+    exps = tuple(float(e) for e in exps)
     self.loss_fn = loss_fn
     self.example_batch = example_batch
     self.estimation_mode = estimation_mode
