@@ -66,10 +66,13 @@ class CurvatureStats:
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
   """Validates the mode and `num_samples` (which the exact modes do not take)."""
-  if estimation_mode not in ESTIMATION_MODES:
-    raise ValueError(
+  if not isinstance(estimation_mode, str) or estimation_mode not in ESTIMATION_MODES:
+    raise (ValueError if isinstance(estimation_mode, str) else TypeError)(
         f"unknown estimation_mode {estimation_mode!r}; choose one of {ESTIMATION_MODES}.")
-  if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+  if not isinstance(num_samples, int) or isinstance(num_samples, bool):
+    raise TypeError(f"num_samples must be a positive int, got {num_samples!r} "
+                    f"({type(num_samples).__name__}).")
+  if num_samples < 1:
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}.")
   if estimation_mode in _losses.EXACT_MODES and num_samples != 1:
     raise ValueError(
@@ -83,6 +86,53 @@ def check_rng(estimation_mode: str, rng) -> None:
     raise ValueError(
         f"estimation_mode={estimation_mode!r} draws random vectors (sampled targets or "
         "Rademacher signs): pass `rng`, a jax.random key.")
+
+
+class LossPart:
+  """`loss_fn` as the scanner traces it: the loss first, then the aux's leaves (with `has_aux`).
+
+  `jax.make_jaxpr` flattens `(loss, aux)` into the outputs `[loss, *aux_leaves]`; the scanner
+  registers layers on the loss's slice of the graph only, and one evaluation of the graph then
+  gives both (no second forward pass for the aux). `aux_tree` is the aux's treedef from the
+  latest trace; `unflatten_aux` rebuilds the aux from the graph's extra outputs.
+
+  Calling it also checks the output against `has_aux`, so a mismatch is an error naming
+  `has_aux` rather than a shape error.
+  """
+
+  def __init__(self, loss_fn: Callable, has_aux: bool):
+    if not callable(loss_fn):
+      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
+    if not isinstance(has_aux, bool):
+      raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    self.loss_fn = loss_fn
+    self.has_aux = has_aux
+    self.aux_tree: Any = None
+
+  def __call__(self, params, batch):
+    out = self.loss_fn(params, batch)
+    if not self.has_aux:
+      if isinstance(out, (tuple, list)):
+        raise _scanner.RegistrationError(
+            f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
+            "not one scalar loss. If it returns `(loss, aux)`, pass has_aux=True.")
+      return out
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      what = (f"a {type(out).__name__} of {len(out)} values" if isinstance(out, (tuple, list))
+              else f"a single {type(out).__name__} of shape {getattr(out, 'shape', '?')}")
+      raise _scanner.RegistrationError(
+          f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
+          f"returned {what}. Return `(loss, aux)`, or drop has_aux=True.")
+    loss, aux = out
+    if getattr(loss, "shape", None) != ():
+      raise _scanner.RegistrationError(
+          "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
+          f"got shape {getattr(loss, 'shape', type(loss).__name__)}.")
+    aux_leaves, self.aux_tree = jax.tree_util.tree_flatten(aux)
+    return (loss, *aux_leaves)
+
+  def unflatten_aux(self, leaves):
+    return jax.tree_util.tree_unflatten(self.aux_tree, list(leaves))
 
 
 def _join_exact(cts: list[Array]) -> list[Array]:
@@ -109,11 +159,15 @@ def _read(atom, seen):
 
 def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
             estimation_mode: str, num_samples: int, with_grads: bool,
-            with_params_stats: bool = False):
+            with_params_stats: bool = False, aux: LossPart | None = None):
   """Loss, gradient (or None) and `CurvatureStats` from one forward pass.
 
   With `with_params_stats`, the sampled pull-back also forms every parameter's product (one
   more set of weight-gradient matmuls); without it XLA drops those for the tapped layers.
+
+  With `aux` (the `LossPart` that `reg` was scanned from, `has_aux=True`), returns
+  `(loss, aux_value, grads, stats)`: the aux comes from the same forward pass, as the graph's
+  extra outputs (not differentiated).
   """
   check_rng(estimation_mode, rng)
   leaves = jax.tree_util.tree_leaves(params)
@@ -140,10 +194,10 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
     preds = [_read(ops[0], seen) for ops in reg.loss_operands]
     xs = [tuple(_read(a, seen) for a in atoms) for atoms in in_atoms]
     others = [[_read(a, seen) for a in ops[1:]] for ops in reg.loss_operands]
-    return (outs[0], preds), (xs, others)
+    return (outs[0], preds), (xs, others, outs[1:])
 
   eps0 = [jnp.zeros(k[1].aval.shape, k[1].aval.dtype) for k in out_keys]
-  (loss, preds), vjp_fn, (xs, others) = jax.vjp(f, leaves, eps0, has_aux=True)
+  (loss, preds), vjp_fn, (xs, others, aux_leaves) = jax.vjp(f, leaves, eps0, has_aux=True)
 
   grads = None
   if with_grads:
@@ -177,19 +231,26 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
         jax.tree_util.tree_structure(params), [jnp.mean(x, axis=0) / n for x in p_ct])
   stats = CurvatureStats(tuple(data), tuple(s.name for s in reg.layers),
                          reg.losses[0].batch_size, params_stats)
+  if aux is not None:
+    return loss, aux.unflatten_aux(aux_leaves), grads, stats
   return loss, grads, stats
 
 
-def value_and_grad(loss_fn: Callable, *, estimation_mode: EstimationMode = "gradients",
-                   num_samples: int = 1, strict: bool = False,
-                   compute_params_stats: bool = False) -> Callable:
+def value_and_grad(loss_fn: Callable, *, has_aux: bool = False,
+                   estimation_mode: EstimationMode = "gradients", num_samples: int = 1,
+                   strict: bool = False, compute_params_stats: bool = False) -> Callable:
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
 
   `curvature_stats` is what `scale_by_kfac`'s update takes as `curvature_stats=`. Call the
   returned function inside your jitted train step, like `jax.value_and_grad`.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output.
+    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
+    has_aux: `loss_fn` returns `(loss, aux)`, aux any pytree of arrays (updated BatchNorm
+      statistics, metrics, logits); like `jax.value_and_grad(has_aux=True)`, `fn` then returns
+      `((loss, aux), grads, curvature_stats)`. The aux comes from the same forward pass and is
+      not differentiated; only the loss is scanned for layers.
     estimation_mode: "gradients" (targets sampled from the model: the Fisher), "empirical"
       (the data's targets: the empirical Fisher), "curvature_prop" / "curvature_prop_GGN"
       (Rademacher vectors times a square-root factor of the output Fisher / loss Hessian: the
@@ -203,16 +264,49 @@ def value_and_grad(loss_fn: Callable, *, estimation_mode: EstimationMode = "grad
     compute_params_stats: also return `curvature_stats.params_stats`, the first-order
       statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
 
+  Returns:
+    `fn(params, batch, rng=None)`, returning `(loss, grads, curvature_stats)`, or
+    `((loss, aux), grads, curvature_stats)` with `has_aux=True`.
+
+  Raises:
+    TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
+      called.
+    RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
+      `has_aux` (a tuple without it, a bare scalar with it).
+
   Example:
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+
+    With BatchNorm statistics (flax linen) coming back through the aux:
+
+    >>> def loss_fn(params, batch):
+    ...   logits, new = model.apply({"params": params, "batch_stats": batch["batch_stats"]},
+    ...                             batch["x"], mutable=["batch_stats"])
+    ...   kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    ...   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    ...   return loss, new["batch_stats"]
+    >>> (loss, batch_stats), grads, stats = kfac_jax.value_and_grad(
+    ...     loss_fn, has_aux=True)(params, batch, rng)
   """
+  part = LossPart(loss_fn, has_aux)
   check_mode(estimation_mode, num_samples)
+  _check_bool(strict, "strict")
+  _check_bool(compute_params_stats, "compute_params_stats")
 
   def fn(params, batch, rng=None):
-    reg = _scanner.scan(loss_fn, params, batch, strict=strict, warn=False)
-    return compute(reg, params, batch, rng, estimation_mode=estimation_mode,
-                   num_samples=num_samples, with_grads=True,
-                   with_params_stats=compute_params_stats)
+    reg = _scanner.scan(part, params, batch, strict=strict, warn=False, has_aux=has_aux)
+    out = compute(reg, params, batch, rng, estimation_mode=estimation_mode,
+                  num_samples=num_samples, with_grads=True,
+                  with_params_stats=compute_params_stats, aux=part if has_aux else None)
+    if has_aux:
+      loss, aux, grads, stats = out
+      return (loss, aux), grads, stats
+    return out
 
   return fn
+
+
+def _check_bool(value, name: str) -> None:
+  if not isinstance(value, bool):
+    raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}.")

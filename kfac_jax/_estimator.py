@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _curvature, _layer_config, _parallel, _scanner, _sharded
+from kfac_jax import _checks, _curvature, _layer_config, _parallel, _scanner, _sharded
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -48,29 +48,14 @@ class EstimatorState(NamedTuple):
   failed_inverses: Array
 
 
-def _is_concrete(x) -> bool:
-  try:
-    np.asarray(x)
-    return True
-  except Exception:  # Tracers cannot be converted.
-    return False
-
-
 def check_unit_interval(value, name: str) -> None:
-  """ema_decay-style check: 0 <= value < 1 (only when the value is concrete)."""
-  if _is_concrete(value):
-    v = np.asarray(value)
-    if v.shape != () or not np.isfinite(v) or not 0 <= v < 1:
-      raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
+  """ema_decay-style check: 0 <= value < 1 (a traced value passes unchecked)."""
+  _checks.number(value, name, low=0.0, high=1.0, high_open=True)
 
 
 def check_damping(value, name: str = "damping") -> None:
-  if callable(value):
-    return
-  if _is_concrete(value):
-    v = np.asarray(value)
-    if v.shape != () or not np.isfinite(v) or v < 0:
-      raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+  """A number >= 0 or a schedule (a traced value passes unchecked)."""
+  _checks.number(value, name, low=0.0, schedule=True)
 
 
 def _all_finite(tree) -> Array:
@@ -140,8 +125,11 @@ class CurvatureEstimator:
   """Block-diagonal K-FAC curvature estimate of `loss_fn`, with pure state updates.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output.
+    loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch with the shapes used for training (arrays or ShapeDtypeStructs).
+    has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned for layers and the
+      estimator never reads the aux.
     estimation_mode: how the output-space curvature is estimated (formulas in
       `kfac_jax._losses`): "gradients" (targets sampled from the model: the Fisher),
       "empirical" (the data's targets: the empirical Fisher), "curvature_prop" /
@@ -185,7 +173,7 @@ class CurvatureEstimator:
     >>> nat_grads = est.multiply_matpower(state, grads, -1)
   """
 
-  def __init__(self, loss_fn: Callable, example_batch: Any, *,
+  def __init__(self, loss_fn: Callable, example_batch: Any, *, has_aux: bool = False,
                estimation_mode: _curvature.EstimationMode = "gradients",
                exps: Sequence[float] = (-1,), num_samples: int = 1,
                damping_mode: _blocks.DampingMode = "factored", compute_cholesky: bool = False,
@@ -194,18 +182,23 @@ class CurvatureEstimator:
                layers: _layer_config.LayerConfig | None = None,
                stats_dtype: Any = None, inverse_dtype: Any = None,
                inverse_storage: InverseStorage = "replicated"):
-    if not callable(loss_fn):
-      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    # Checks `loss_fn` and `has_aux`; the scanner traces this wrapper (loss first, aux after).
+    self.loss_part = _curvature.LossPart(loss_fn, has_aux)
+    self.has_aux = has_aux
     _curvature.check_mode(estimation_mode, num_samples)
-    if damping_mode not in ("factored", "eigen"):
-      raise ValueError(f"unknown damping_mode {damping_mode!r}; choose 'factored' or 'eigen'.")
-    if inverse_storage not in ("replicated", "sharded"):
-      raise ValueError(f"unknown inverse_storage {inverse_storage!r}; choose 'replicated' or "
-                       "'sharded'.")
-    exps = tuple(float(e) for e in exps)
+    _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
+    _checks.choice(inverse_storage, "inverse_storage", ("replicated", "sharded"))
+    for flag in ("compute_cholesky", "compute_cholesky_inverse", "strict",
+                 "compute_params_stats"):
+      _checks.boolean(locals()[flag], flag)
+    if isinstance(exps, (str, bytes)) or not isinstance(exps, (tuple, list)):
+      raise TypeError(f"`exps` must be a tuple of non-zero numbers (matrix powers, e.g. (-1,)), "
+                      f"got {exps!r}.")
     for e in exps:
-      if not np.isfinite(e) or e == 0:
-        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps}.")
+      _checks.number(e, "exps", low=-np.inf)
+      if e == 0:
+        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps!r}.")
+    exps = tuple(float(e) for e in exps)
     self.loss_fn = loss_fn
     self.example_batch = example_batch
     self.estimation_mode = estimation_mode
@@ -234,8 +227,8 @@ class CurvatureEstimator:
         (tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
 
   def _scan(self, params, batch, warn: bool) -> _scanner.Registration:
-    return _scanner.scan(self.loss_fn, params, batch, strict=self.strict, warn=warn,
-                         layers=self.layer_config)
+    return _scanner.scan(self.loss_part, params, batch, strict=self.strict, warn=warn,
+                         layers=self.layer_config, has_aux=self.has_aux)
 
   def _ensure_layers(self, params) -> None:
     """Scans `loss_fn` with `example_batch` the first time; checks `params` later."""

@@ -48,10 +48,18 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from kfac_jax import _compat, _curvature, _estimator, _graph, _layer_config, _losses, _scanner
+from kfac_jax import (
+    _checks,
+    _compat,
+    _curvature,
+    _estimator,
+    _graph,
+    _layer_config,
+    _losses,
+    _scanner,
+)
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -65,26 +73,17 @@ _INFO_KEYS = ("loss", "learning_rate", "momentum", "damping", "rho", "quad_model
 # Configuration and state.
 
 
-def _is_number(v) -> bool:
-  return isinstance(v, (int, float, np.number)) and not isinstance(v, bool) or (
-      isinstance(v, (np.ndarray, jax.Array)) and np.shape(v) == () and _estimator._is_concrete(v))
-
-
 def _check_number(value, name: str, *, low: float = 0.0, low_open: bool = False,
                   high: float = math.inf, high_open: bool = False) -> None:
-  ok = _is_number(value)
-  if ok:
-    v = float(value)
-    ok = math.isfinite(v) and (v > low if low_open else v >= low) and (
-        v < high if high_open else v <= high)
-  if not ok:
-    lo, hi = ("(" if low_open else "[") + f"{low:g}", f"{high:g}" + (")" if high_open else "]")
-    raise ValueError(f"`{name}` must be a finite number in {lo}, {hi}, got {value!r}.")
+  """A concrete finite number in the interval: TypeError for other kinds, ValueError if out."""
+  if _checks.is_traced(value):
+    raise TypeError(f"`{name}` must be a concrete number, got a traced value {value!r}: "
+                    "construct the Optimizer outside jit.")
+  _checks.number(value, name, low=low, low_open=low_open, high=high, high_open=high_open)
 
 
 def _check_int(value, name: str, *, low: int) -> None:
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-    raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+  _checks.static_int(value, name, low=low)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +150,7 @@ class OptimizerConfig:
                   high=1.0, high_open=True)
     _check_int(self.burn_in_steps, "config.burn_in_steps", low=0)
     _check_number(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
+    _checks.boolean(self.strict, "config.strict")
 
 
 class OptimizerState(NamedTuple):
@@ -269,8 +269,11 @@ class Optimizer:
   `init` and `step` are pure functions: jit (or pmap / shard_map with `axis_name`) them yourself.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output.
+    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    has_aux: `loss_fn` returns `(loss, aux)`; only the loss is scanned and optimised, and
+      `step` returns the aux of its forward pass in `info["aux"]` (no extra forward pass).
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
     momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule.
     damping: λ ≥ 0: the initial value with adaptive damping; otherwise a number or a schedule.
@@ -302,6 +305,7 @@ class Optimizer:
   """
 
   def __init__(self, loss_fn: Callable, example_batch: Any, *,
+               has_aux: bool = False,
                learning_rate: ScalarOrSchedule | None = None,
                momentum: ScalarOrSchedule | None = None,
                damping: ScalarOrSchedule = 1e-3,
@@ -312,14 +316,13 @@ class Optimizer:
                curvature_every: int = 1,
                axis_name: str | None = None,
                config: OptimizerConfig | None = None):
-    if not callable(loss_fn):
-      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    _checks.function(loss_fn, "loss_fn")
+    _checks.boolean(has_aux, "has_aux")
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
       _check_number(momentum, "momentum", high=1.0, high_open=True)
-    if not isinstance(use_adaptive_damping, bool):
-      raise TypeError(f"`use_adaptive_damping` must be a bool, got {use_adaptive_damping!r}.")
+    _checks.boolean(use_adaptive_damping, "use_adaptive_damping")
     if callable(damping):
       if use_adaptive_damping:
         raise ValueError(
@@ -337,8 +340,7 @@ class Optimizer:
             "norm_constraint=None.")
     _check_int(inverse_every, "inverse_every", low=1)
     _check_int(curvature_every, "curvature_every", low=1)
-    if axis_name is not None and not isinstance(axis_name, str):
-      raise TypeError(f"`axis_name` must be a string or None, got {axis_name!r}.")
+    _checks.optional_str(axis_name, "axis_name")
     config = OptimizerConfig() if config is None else config
     if not isinstance(config, OptimizerConfig):
       raise TypeError(f"`config` must be a kfac_jax.OptimizerConfig, got {type(config).__name__}.")
@@ -353,6 +355,8 @@ class Optimizer:
           "damping would be clipped up at once; lower min_damping or raise damping.")
 
     self.loss_fn = loss_fn
+    self.has_aux = has_aux
+    self.example_batch = example_batch
     self.learning_rate = learning_rate
     self.momentum = momentum
     self.damping = damping
@@ -364,7 +368,8 @@ class Optimizer:
     self.axis_name = axis_name
     self.config = config
     self.estimator = _estimator.CurvatureEstimator(
-        loss_fn, example_batch, estimation_mode=config.estimation_mode, exps=(-1,),
+        loss_fn, example_batch, has_aux=has_aux, estimation_mode=config.estimation_mode,
+        exps=(-1,),
         num_samples=config.num_samples, damping_mode=config.damping_mode, strict=config.strict,
         layers=config.layers, stats_dtype=config.stats_dtype, inverse_dtype=config.inverse_dtype,
         inverse_storage=config.inverse_storage)
@@ -397,6 +402,10 @@ class Optimizer:
     (the λ used), rho (the latest ρ), quad_model_change (M(δ); NaN when not computed),
     update_norm (‖θ_new − θ‖), skipped (bool). A skipped step returns `params` and `state`
     bit-identical, except `state.skipped` + 1.
+
+    With `has_aux=True`, `info["aux"]` is the aux `loss_fn` returned at the old params, from
+    the step's own forward pass (per device under `axis_name`: not averaged), also on a
+    skipped step. E.g. updated BatchNorm statistics: feed them into the next step's batch.
     """
     updates, new_state, info = self._update(params, state, batch, rng)
     ok = ~info["skipped"]
@@ -449,23 +458,33 @@ class Optimizer:
     def loss_at(p_leaves):
       return reg.graph.evaluate(list(p_leaves) + batch_leaves)[0][0]
 
+    def loss_and_aux_at(p_leaves):  # With has_aux, the graph's further outputs are the aux.
+      outs = reg.graph.evaluate(list(p_leaves) + batch_leaves)[0]
+      return outs[0], est.loss_part.unflatten_aux(outs[1:])
+
     # 1. Loss, gradient and (on curvature steps) the statistics, from one forward pass.
     def with_stats(curv):
-      loss, grads, stats = _curvature.compute(
+      out = _curvature.compute(
           reg, params, batch, rng, estimation_mode=cfg.estimation_mode,
-          num_samples=cfg.num_samples, with_grads=True)
+          num_samples=cfg.num_samples, with_grads=True,
+          aux=est.loss_part if self.has_aux else None)
+      loss, aux, grads, stats = out if self.has_aux else (out[0], None, *out[1:])
       curv = est.update_curvature_from_stats(curv, stats, cfg.ema_decay, self.axis_name)
-      return loss, jax.tree_util.tree_leaves(grads), curv
+      return loss, aux, jax.tree_util.tree_leaves(grads), curv
 
     def without_stats(curv):
-      loss, g = jax.value_and_grad(loss_at)(leaves)
-      return loss, list(g), curv
+      if self.has_aux:
+        (loss, aux), g = jax.value_and_grad(loss_and_aux_at, has_aux=True)(leaves)
+      else:
+        (loss, g), aux = jax.value_and_grad(loss_at)(leaves), None
+      return loss, aux, list(g), curv
 
     if self.curvature_every == 1:
-      loss, g_leaves, curv = with_stats(state.curvature)
+      loss, aux, g_leaves, curv = with_stats(state.curvature)
     else:
       curv_now = in_burn | (k_run % self.curvature_every == 0)
-      loss, g_leaves, curv = jax.lax.cond(curv_now, with_stats, without_stats, state.curvature)
+      loss, aux, g_leaves, curv = jax.lax.cond(curv_now, with_stats, without_stats,
+                                               state.curvature)
     loss, g_leaves = self._pmean((loss, g_leaves))
     grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
     grad_h = grads if eta == 0 else jax.tree_util.tree_map(
@@ -574,6 +593,8 @@ class Optimizer:
         "update_norm": jnp.sqrt(_vdot(update, update)),
         "skipped": ~ok,
     }
+    if self.has_aux:
+      info["aux"] = aux
     return update, new_state, info
 
   # -- optax form ------------------------------------------------------------------------------
@@ -588,6 +609,9 @@ class Optimizer:
     computes loss, gradient and curvature statistics itself from `batch` in one pass, so pass
     the gradients or None. The state is a `KfacOptaxState`: the `OptimizerState` and the latest
     `info`. Chaining further transforms after it changes the step the model chose.
+
+    With `has_aux=True`, `state.info["aux"]` holds the latest step's aux (zeros of its shapes
+    after `init`, which evaluates `loss_fn`'s shapes once with `example_batch`).
     """
 
     def init_fn(params):
@@ -596,6 +620,10 @@ class Optimizer:
       info = {k: jnp.zeros([], dtype) for k in _INFO_KEYS}
       info["loss"] = jnp.zeros([], jnp.result_type(float))
       info["skipped"] = jnp.zeros([], bool)
+      if self.has_aux:
+        shapes = jax.eval_shape(self.estimator.loss_part, params, self.example_batch)
+        aux_shapes = self.estimator.loss_part.unflatten_aux(shapes[1:])
+        info["aux"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
       return KfacOptaxState(opt_state, info)
 
     def update_fn(updates, state: KfacOptaxState, params=None, *, batch=None, rng=None,
@@ -605,7 +633,9 @@ class Optimizer:
         raise ValueError("the K-FAC optimizer's optax update needs `params` and `batch=`: "
                          "tx.update(grads, state, params, batch=batch, rng=rng).")
       new_updates, opt_state, info = self._update(params, state.optimizer, batch, rng)
-      info = {k: jnp.asarray(info[k]).astype(state.info[k].dtype) for k in _INFO_KEYS}
-      return new_updates, KfacOptaxState(opt_state, info)
+      new_info = {k: jnp.asarray(info[k]).astype(state.info[k].dtype) for k in _INFO_KEYS}
+      if self.has_aux:
+        new_info["aux"] = info["aux"]
+      return new_updates, KfacOptaxState(opt_state, new_info)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

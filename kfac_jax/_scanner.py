@@ -284,8 +284,14 @@ def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int]:
 
 
 def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool = True,
-         layers: _layer_config.LayerConfig | None = None, collect: bool = False) -> Registration:
+         layers: _layer_config.LayerConfig | None = None, collect: bool = False,
+         has_aux: bool = False) -> Registration:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
+
+  With `has_aux`, `loss_fn` returns the scalar loss first and further outputs after it (the
+  flattened aux, see `kfac_jax._curvature.split_aux`): they stay outputs of the graph, so one
+  evaluation gives loss and aux, and play no part in the registration (the layers are found on
+  the loss's slice of the graph).
 
   `layers` chooses approximations and linked groups (see `LayerConfig`). With `collect`, every
   coverage problem (a parameter uncovered or registered twice, a manual tag whose use count
@@ -306,10 +312,11 @@ def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool =
           "parameters. Keep integer state out of `params` (pass it in the batch instead).")
   closed, n_params = trace(loss_fn, params, batch)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
-  if len(out_avals) != 1 or out_avals[0].shape != ():
+  if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
     raise RegistrationError(
         "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
-        f"{[tuple(a.shape) for a in out_avals]}.")
+        f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
+        "has_aux=True.")
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
   paths = param_paths(params)
   shapes = tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))
