@@ -19,7 +19,8 @@ initial parameters on the same minibatch sequence until its steps have used `--b
 Contestants: Adam over `--adam-lrs` and Muon (`optax.contrib.muon`, its non-matrix parameters on
 Adam at the middle of the Adam grid) over `--muon-lrs`, each reported by its best final loss
 ("tuned", the whole grid printed); SGD+momentum; `kfac_jax.kfac` (the transform, `--kfac-lr`,
-`--kfac-momentum`, `--damping`); the same with dense layers on EKFAC (`--ekfac`); the full
+`--kfac-momentum`, `--damping`); the same with KL clipping (`--norm-constraint`); the same with
+dense layers on EKFAC (`--ekfac`); the full
 `kfac_jax.Optimizer`; with `--with-upstream`, kfac-jax 0.0.8 in its own venv, configured like
 the transform (fixed learning rate, momentum, damping). Output: a markdown table for RESULTS.md,
 `--json` (default `out/race_<workload>.json`) and `--plot` (default `out/race_<workload>.png`,
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -90,6 +92,9 @@ def parse_args(argv=None):
                  help="the EKFAC contestant's damping, added to its scalings (default: --damping; "
                       "K-FAC's factored damping splits √λ between the factors, so equal values "
                       "are not equal strengths)")
+  p.add_argument("--norm-constraint", type=float, default=1e-3,
+                 help="add the kfac transform with KL clipping at this norm_constraint (0 drops "
+                      "it; KAISA's default kl_clip is 1e-3)")
   p.add_argument("--data-steps", type=int, default=2000,
                  help="length of the minibatch sequence (it repeats after that)")
   p.add_argument("--max-steps", type=int, default=None, help="cap on each contestant's steps")
@@ -97,7 +102,12 @@ def parse_args(argv=None):
                  help="only the kfac transform over --sweep-lrs x --sweep-dampings (+ Adam)")
   p.add_argument("--sweep-lrs", default="0.05,0.1,0.2,0.5")
   p.add_argument("--sweep-dampings", default="1,10,30,100")
+  p.add_argument("--sweep-norm-constraint", type=float, default=0.0,
+                 help="KL clipping for every sweep run (0: none)")
   args, rest = p.parse_known_args(argv)
+  if args.norm_constraint < 0:
+    p.error(f"--norm-constraint must be >= 0 (0 drops the contestant), got "
+            f"{args.norm_constraint}")
   if not args.budget > 0 or args.data_steps < 2 or (args.max_steps is not None
                                                      and args.max_steps < 1):
     p.error(f"--budget must be > 0, --data-steps >= 2 and --max-steps >= 1, got {args.budget}, "
@@ -150,6 +160,13 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
             "ema_decay": wl.ema_decay, "inverse_every": wl.inverse_every,
             "curvature_every": wl.curvature_every}
   out.append(_harness.kfac_transform(loss_fn, example, **common))
+  if args.norm_constraint > 0:
+    if "norm_constraint" in inspect.signature(kfac_jax.kfac).parameters:
+      out.append(_harness.kfac_transform(
+          loss_fn, example, name=f"kfac_jax (optax), norm_constraint={args.norm_constraint:g}",
+          **common, norm_constraint=args.norm_constraint))
+    else:
+      print("kfac_jax.kfac has no norm_constraint: that contestant is skipped", flush=True)
   if args.ekfac:
     if _ekfac_available():
       ekfac = dict(common, damping=wl.damping if args.ekfac_damping is None
@@ -171,12 +188,14 @@ def sweep_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Co
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
   out = [_harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr),
                               learning_rate=lr) for lr in wl.adam_lr_grid]
+  clip = ({"norm_constraint": args.sweep_norm_constraint} if args.sweep_norm_constraint > 0
+          else {})
   for lr in args.sweep_lr_grid:
     for damping in args.sweep_damping_grid:
       out.append(_harness.kfac_transform(
           loss_fn, example, name=f"kfac lr={lr:g} damping={damping:g}", learning_rate=lr,
           momentum=wl.kfac_momentum, damping=damping, ema_decay=wl.ema_decay,
-          inverse_every=wl.inverse_every, curvature_every=wl.curvature_every))
+          inverse_every=wl.inverse_every, curvature_every=wl.curvature_every, **clip))
   return out
 
 
