@@ -382,6 +382,16 @@ def test_charged_seconds_counts_the_first_step_as_a_typical_one():
   assert _harness.charged_seconds([9.0, 1.0, 4.0, 1.0, 6.0], 2) == pytest.approx(5 + 1 + 4 + 1 + 6)
 
 
+@pytest.mark.parametrize("period", [1, 3])
+def test_incremental_charge_equals_charged_seconds(period):
+  times = list(np.random.default_rng(period).exponential(size=40))
+  charger = _harness._Charger(period)
+  for k, dt in enumerate(times):
+    assert charger.seconds() == pytest.approx(_harness.charged_seconds(times[:k], period))
+    charger.add(dt)
+  assert charger.seconds() == pytest.approx(_harness.charged_seconds(times, period))
+
+
 def test_run_for_budget_charges_each_step_and_stops_once_the_budget_is_spent():
   clock = _FakeClock([50.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0])
   times = _harness.run_for_budget(clock.prepare, clock.step, 5.0, period=1, clock=clock)
