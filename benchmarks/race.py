@@ -104,6 +104,8 @@ def parse_args(argv=None):
   p.add_argument("--sweep-dampings", default="1,10,30,100")
   p.add_argument("--sweep-norm-constraint", type=float, default=0.0,
                  help="KL clipping for every sweep run (0: none)")
+  p.add_argument("--sweep-ekfac", action="store_true",
+                 help="sweep the transform with dense layers on EKFAC instead of K-FAC")
   args, rest = p.parse_known_args(argv)
   if args.norm_constraint < 0:
     p.error(f"--norm-constraint must be >= 0 (0 drops the contestant), got "
@@ -188,14 +190,17 @@ def sweep_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Co
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
   out = [_harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr),
                               learning_rate=lr) for lr in wl.adam_lr_grid]
-  clip = ({"norm_constraint": args.sweep_norm_constraint} if args.sweep_norm_constraint > 0
-          else {})
+  extra = ({"norm_constraint": args.sweep_norm_constraint} if args.sweep_norm_constraint > 0
+           else {})
+  if args.sweep_ekfac:
+    extra["layers"] = kfac_jax.LayerConfig(defaults={"dense": "ekfac"})
   for lr in args.sweep_lr_grid:
     for damping in args.sweep_damping_grid:
       out.append(_harness.kfac_transform(
-          loss_fn, example, name=f"kfac lr={lr:g} damping={damping:g}", learning_rate=lr,
+          loss_fn, example, name=f"{'ekfac' if args.sweep_ekfac else 'kfac'} lr={lr:g} "
+          f"damping={damping:g}", learning_rate=lr,
           momentum=wl.kfac_momentum, damping=damping, ema_decay=wl.ema_decay,
-          inverse_every=wl.inverse_every, curvature_every=wl.curvature_every, **clip))
+          inverse_every=wl.inverse_every, curvature_every=wl.curvature_every, **extra))
   return out
 
 
