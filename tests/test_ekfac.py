@@ -263,3 +263,26 @@ def test_transform_and_optimizer_train_with_ekfac_layers():
     first = float(info["loss"]) if first is None else first
   assert np.isfinite(float(info["loss"])) and float(info["loss"]) < first
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(p))
+
+
+def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
+  # Before any inverse update (identity basis) s is the diagonal Fisher of the same vectors:
+  # two sampled targets per example, averaged over samples and examples as "diagonal" does.
+  params, batch = _setup(n=8)
+  rng = jax.random.key(5)
+  states = {}
+  for approx in ("ekfac", "diagonal"):
+    est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="gradients",
+                                      num_samples=2,
+                                      layers=kfac_jax.LayerConfig(defaults={"dense": approx}))
+    states[approx] = (est, est.update_curvature(est.init(params), params, batch, rng,
+                                                ema_decay=0.0))
+  est, state = states["ekfac"]
+  for block in est.blocks:
+    assert [p.rsplit("/", 1)[-1] for p in block.spec.param_paths] == ["w", "b"]
+    s = np.asarray(state.factors[block.name]["s"])
+    diag = np.asarray(states["diagonal"][1].factors[block.name]["diag"])
+    np.testing.assert_allclose(s.ravel(), diag, rtol=1e-10, atol=1e-14)
+  with pytest.raises(ValueError, match=r"block `layer0` \(approx='ekfac'\).*pass `cache=`"):
+    est.blocks[0].multiply_undamped(state.factors["layer0"], [params["layer0"]["w"],
+                                                              params["layer0"]["b"]])
