@@ -20,7 +20,7 @@ Contestants: Adam over `--adam-lrs` and Muon (`optax.contrib.muon`, its non-matr
 Adam at the middle of the Adam grid) over `--muon-lrs`, each reported by its best final loss
 ("tuned", the whole grid printed); SGD+momentum; `kfac_jax.kfac` (the transform, `--kfac-lr`,
 `--kfac-momentum`, `--damping`); the same with KL clipping (`--norm-constraint`); the same with
-dense layers on EKFAC (`--ekfac`); the full
+dense and conv layers on EKFAC (`--ekfac`); the full
 `kfac_jax.Optimizer`; with `--with-upstream`, kfac-jax 0.0.8 in its own venv, configured like
 the transform (fixed learning rate, momentum, damping). Output: a markdown table for RESULTS.md,
 `--json` (default `out/race_<workload>.json`) and `--plot` (default `out/race_<workload>.png`,
@@ -87,7 +87,7 @@ def parse_args(argv=None):
                  help="Muon learning-rate grid ('' drops Muon); default per workload: "
                       + ", ".join(f"{k} {v}" for k, v in MUON_LRS.items()))
   p.add_argument("--ekfac", action=argparse.BooleanOptionalAction, default=True,
-                 help="add the kfac transform with LayerConfig(defaults={'dense': 'ekfac'})")
+                 help="add the kfac transform with dense and conv layers on EKFAC")
   p.add_argument("--ekfac-damping", type=float, default=None,
                  help="the EKFAC contestant's damping, added to its scalings (default: --damping; "
                       "K-FAC's factored damping splits √λ between the factors, so equal values "
@@ -174,8 +174,8 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
       ekfac = dict(common, damping=wl.damping if args.ekfac_damping is None
                    else args.ekfac_damping)
       out.append(_harness.kfac_transform(
-          loss_fn, example, name="kfac_jax (optax), EKFAC dense", **ekfac,
-          layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac"})))
+          loss_fn, example, name="kfac_jax (optax), EKFAC", **ekfac,
+          layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})))
     else:
       print("no 'ekfac' approximation in this kfac_jax: the EKFAC contestant is skipped",
             flush=True)
@@ -193,7 +193,7 @@ def sweep_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Co
   extra = ({"norm_constraint": args.sweep_norm_constraint} if args.sweep_norm_constraint > 0
            else {})
   if args.sweep_ekfac:
-    extra["layers"] = kfac_jax.LayerConfig(defaults={"dense": "ekfac"})
+    extra["layers"] = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
   for lr in args.sweep_lr_grid:
     for damping in args.sweep_damping_grid:
       out.append(_harness.kfac_transform(
