@@ -31,6 +31,7 @@ when it fails on a model, the table says so with its error instead of a number.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import math
@@ -161,18 +162,21 @@ def first_order(name: str, family: str, loss_fn, tx, **hyperparameters) -> Conte
 
 def kfac_transform(loss_fn, example_batch, *, learning_rate: float, momentum: float,
                    damping: float, ema_decay: float, inverse_every: int,
-                   curvature_every: int = 1) -> Contestant:
+                   curvature_every: int = 1, name: str | None = None,
+                   **kfac_kwargs) -> Contestant:
   """`kfac_jax.kfac` (the optax transform) with a fixed learning rate, momentum and damping.
 
   With statistics every step, loss, gradients and statistics come from one
   `kfac_jax.value_and_grad` pass. With `curvature_every` > 1 the step is `jax.value_and_grad`
-  and the transform computes the statistics from `batch=` on due steps only.
+  and the transform computes the statistics from `batch=` on due steps only. `kfac_kwargs`
+  (e.g. `layers=`) go to `kfac_jax.kfac` and are listed in the hyperparameters; `name`
+  replaces the default name.
   """
   momentum_ = momentum if momentum > 0 else None
   tx = kfac_jax.kfac(loss_fn, example_batch, learning_rate=learning_rate, momentum=momentum_,
                      damping=damping, ema_decay=ema_decay, inverse_every=inverse_every,
                      curvature_every=curvature_every, estimation_mode="gradients",
-                     num_samples=1)
+                     num_samples=1, **kfac_kwargs)
 
   def step(params, state, batch, rng):
     if curvature_every == 1:
@@ -183,12 +187,14 @@ def kfac_transform(loss_fn, example_batch, *, learning_rate: float, momentum: fl
       updates, state = tx.update(grads, state, params, batch=batch, rng=rng)
     return optax.apply_updates(params, updates), state, loss
 
-  name = "kfac_jax (optax)" + (f", statistics every {curvature_every}" if curvature_every > 1
-                               else "")
+  if name is None:
+    name = "kfac_jax (optax)" + (f", statistics every {curvature_every}"
+                                 if curvature_every > 1 else "")
   return Contestant(name, "kfac", tx.init, step,
                     {"learning_rate": learning_rate, "momentum": momentum, "damping": damping,
                      "ema_decay": ema_decay, "inverse_every": inverse_every,
-                     "curvature_every": curvature_every},
+                     "curvature_every": curvature_every,
+                     **{k: repr(v) for k, v in kfac_kwargs.items()}},
                     period=inverse_every)
 
 
@@ -290,6 +296,21 @@ class Run:
   summary: dict
 
 
+def _distinct_buffers(tree):
+  """`tree` with a leaf that repeats an earlier leaf's array copied: the step donates the state,
+  and XLA refuses to donate one buffer twice (a state whose `init` puts one zero array in two
+  fields, e.g. a count and a skip counter)."""
+  seen = set()
+
+  def one(x):
+    if isinstance(x, jax.Array) and id(x) in seen:
+      return jnp.copy(x)
+    seen.add(id(x))
+    return x
+
+  return jax.tree.map(one, tree)
+
+
 def run_contestant(c: Contestant, workload: Workload, steps: int, warmup: int, seed: int,
                    compile_repeats: int, peak: DevicePeak) -> Run:
   total = warmup + steps
@@ -299,6 +320,7 @@ def run_contestant(c: Contestant, workload: Workload, steps: int, warmup: int, s
   state = jax.block_until_ready(c.init(params))
   setup_s = time.perf_counter() - t0
   state_bytes = tree_bytes(state)
+  state = _distinct_buffers(state)
   rng = jax.random.key(seed + 1)
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
   compile_all = []
@@ -643,3 +665,218 @@ def main(parse_args: Callable, make_workload: Callable, script: str, argv=None) 
   workload = make_workload(args)
   run_benchmark(workload, standard_contestants(workload, args), args, command_line(script, argv))
   return 0
+
+
+# -- the race (issue 14): a fixed budget of training seconds per contestant ---------------------
+
+def charged_seconds(step_times: Sequence[float], period: int) -> float:
+  """The training seconds the race charges for these steps: each step its measured time, the
+  first one (which carries one-off costs) counted as a typical step of its phase
+  (`compare.curve_times`, the same axis the curves and the time to target use). A lone first
+  step is charged nothing: its typical cost is known only once a second step has run."""
+  if len(step_times) < 2:
+    return 0.0
+  return float(np.sum(compare.curve_times(step_times, period)))
+
+
+def run_for_budget(prepare: Callable[[int], Any], step: Callable[[int, Any], Any],
+                   budget_s: float, *, period: int = 1, max_steps: int | None = None,
+                   clock: Callable[[], float] = time.perf_counter) -> list[float]:
+  """Runs `step(t, prepare(t))` for t = 0, 1, ... while the charged seconds are below the budget.
+
+  Only `step` is timed (it must block until its results are ready); `prepare` (the batch, the
+  rng) is not charged. A step starts only while `charged_seconds` of the steps so far is below
+  `budget_s`, so a run overshoots the budget by less than one step; `max_steps` caps the steps.
+  Returns the measured time of every step.
+  """
+  if not budget_s > 0:
+    raise ValueError(f"the budget must be > 0 seconds, got {budget_s}.")
+  times: list[float] = []
+  charged = _Charger(period)
+  while (max_steps is None or len(times) < max_steps) and charged.seconds() < budget_s:
+    t = len(times)
+    prepared = prepare(t)
+    start = clock()
+    step(t, prepared)
+    times.append(clock() - start)
+    charged.add(times[-1])
+  return times
+
+
+class _Charger:
+  """`charged_seconds` of a growing list of step times in O(log n) per step (a run on a fast
+  device has 10^5 steps): the sum of steps 1... plus the median of the later steps in step 0's
+  phase (of all later steps while there is none), kept sorted."""
+
+  def __init__(self, period: int):
+    self.period, self.n, self.rest = period, 0, 0.0
+    self.phase: list[float] = []
+    self.later: list[float] = []
+
+  def add(self, dt: float) -> None:
+    if self.n:
+      self.rest += dt
+      bisect.insort(self.later, dt)
+      if self.period >= 1 and self.n % self.period == 0:
+        bisect.insort(self.phase, dt)
+    self.n += 1
+
+  def seconds(self) -> float:
+    if self.n < 2:
+      return 0.0
+    xs = self.phase or self.later
+    k = len(xs)
+    median = xs[k // 2] if k % 2 else 0.5 * (xs[k // 2 - 1] + xs[k // 2])
+    return self.rest + median
+
+
+def run_contestant_for_budget(c: Contestant, workload: Workload, budget_s: float, seed: int,
+                              max_steps: int | None = None) -> Run:
+  """One contestant of the race: init, one AOT compilation (timed, not charged), then steps
+  until `budget_s` charged seconds (`run_for_budget`), then the evaluation loss (not charged)."""
+  params = jax.tree.map(jnp.copy, workload.params0)
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(c.init(params))
+  setup_s = time.perf_counter() - t0
+  state = _distinct_buffers(state)
+  rng = jax.random.key(seed + 1)
+  example = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  t0 = time.perf_counter()
+  compiled = jax.jit(c.step, donate_argnums=(0, 1)).lower(params, state, example, rng).compile()
+  compile_s = time.perf_counter() - t0
+  carry = {"params": params, "state": state, "rng": rng}
+  losses: list[jax.Array] = []
+
+  def prepare(t):
+    batch = jax.tree.map(jax.device_put, workload.batch_at(t))
+    carry["rng"], sub = jax.random.split(carry["rng"])
+    return jax.block_until_ready((batch, sub))
+
+  def step(t, prepared):
+    del t
+    out = compiled(carry["params"], carry["state"], *prepared)
+    carry["params"], carry["state"], loss = jax.block_until_ready(out)
+    losses.append(loss)
+
+  times = run_for_budget(prepare, step, budget_s, period=c.period, max_steps=max_steps)
+  losses_np = np.asarray([float(x) for x in losses])
+  final = workload.eval_fn(carry["params"])
+  summary = race_summary(c.name, c.family, losses_np, times, c.period, budget_s,
+                         hyperparameters=dict(c.hyperparameters), setup_s=setup_s,
+                         compile_s=compile_s, final_eval_loss=final)
+  return Run(c.name, losses_np, np.asarray(times), c.period, summary)
+
+
+def race_summary(name: str, family: str, losses, times, period: int, budget_s: float,
+                 **extra) -> dict:
+  """A race row: steps, charged seconds, mean and median step of the charged times."""
+  charged = compare.curve_times(times, period)
+  out = {"optimizer": name, "family": family, "steps": len(times),
+         "charged_s": float(np.sum(charged)), "budget_s": budget_s,
+         "mean_step_ms": 1e3 * float(np.mean(charged)) if len(times) else None,
+         "median_step_ms": 1e3 * float(np.median(charged)) if len(times) else None,
+         "finite": bool(np.all(np.isfinite(losses))),
+         "last_minibatch_loss": float(losses[-1]) if len(losses) else None}
+  out.update(extra)
+  return out
+
+
+def run_upstream_for_budget(workload: Workload, args, budget_s: float,
+                            max_steps: int) -> Run | dict:
+  """Upstream kfac-jax in its venv for `budget_s` charged seconds (the worker's `budget_s`)."""
+  try:
+    python = compare.ensure_venv(args.upstream_python)
+    pools, idx = workload.upstream_data(max_steps)
+    config = dict(workload.upstream, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
+                  damping=args.damping, ema_decay=args.ema_decay,
+                  inverse_every=args.inverse_every, curvature_every=args.curvature_every,
+                  seed=args.seed, compile_repeats=1, budget_s=budget_s)
+    print(f"running upstream kfac-jax ({python}) ...", flush=True)
+    report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx,
+                                       config)
+  except compare.UpstreamFailed as e:
+    print(f"upstream failed:\n{e}", flush=True)
+    return {"optimizer": UPSTREAM_NAME, "family": "upstream",
+            "error": e.exception or "the worker failed (see the log above)"}
+  except (RuntimeError, OSError) as e:  # No venv, or it could not be created.
+    print(f"upstream failed:\n{e}", flush=True)
+    return {"optimizer": UPSTREAM_NAME, "family": "upstream", "error": str(e).splitlines()[0]}
+  final_loss = workload.eval_fn(jax.tree.map(jnp.asarray, final))
+  losses = np.asarray(report["losses"], float)
+  times = np.asarray(report["step_times_s"], float)
+  summary = race_summary(
+      report["optimizer"], "upstream", losses, times, args.inverse_every, budget_s,
+      hyperparameters={"learning_rate": args.kfac_lr, "momentum": args.kfac_momentum,
+                       "damping": args.damping, "ema_decay": args.ema_decay,
+                       "inverse_every": args.inverse_every},
+      setup_s=report["init_s"], compile_s=report["compile_s"], final_eval_loss=final_loss,
+      upstream_env={k: report[k] for k in ("upstream_version", "jax", "python", "backend")})
+  return Run(report["optimizer"], losses, times, args.inverse_every, summary)
+
+
+def best_of(runs: Sequence[Run], family: str) -> Run | None:
+  """The run of `family` with the lowest finite final evaluation loss (None if none ran)."""
+  fam = [r for r in runs if r.summary["family"] == family]
+  finite = [r for r in fam if math.isfinite(r.summary["final_eval_loss"])]
+  return min(finite or fam, key=lambda r: r.summary["final_eval_loss"]) if fam else None
+
+
+def race_compare(runs: Sequence[Run], reach_window: int) -> dict:
+  """The race's reference and each run's time to it.
+
+  The tuned Adam is the Adam run ("adam" family) with the lowest final evaluation loss; the
+  target is its final training loss, smoothed by a trailing mean of `reach_window` steps (at most
+  a tenth of its steps). Each run gets `time_to_target` ((step, charged seconds) or None) and
+  `vs_adam` (its seconds / the tuned Adam's own seconds to the target). Grids ("adam", "muon")
+  are reported by their best run, renamed "<Family> (tuned, lr=...)". Returns `rows` (tuned Adam
+  first), `target`, `window`, `adam_seconds`, `grids` {family: [(lr, loss)]}, `best` (family →
+  Run) and `curves` (name → (losses, charged step times)).
+  """
+  adam = best_of(runs, "adam")
+  if adam is None:
+    raise ValueError("race_compare needs at least one Adam run (family 'adam'), got the "
+                     f"families {[r.summary['family'] for r in runs]}.")
+  window = max(1, min(reach_window, len(adam.losses) // 10))
+  target = float(compare.smoothed(adam.losses, window)[-1])
+  curves = {r.name: (r.losses, compare.curve_times(r.step_times, r.period)) for r in runs}
+  for r in runs:
+    hit = compare.time_to_reach(*curves[r.name], target, window) if len(r.losses) else None
+    r.summary["time_to_target"] = hit
+    r.summary["time_to_target_s"] = None if hit is None else hit[1]
+  adam_s = adam.summary["time_to_target_s"]
+  for r in runs:
+    r.summary["vs_adam"] = _ratio(r.summary["time_to_target_s"], adam_s)
+  grids, best, rows = {}, {}, []
+  for fam in ("adam", "muon"):
+    b = best_of(runs, fam)
+    if b is None:
+      continue
+    best[fam] = b
+    grids[fam] = [(r.summary["hyperparameters"]["learning_rate"],
+                   r.summary["final_eval_loss"]) for r in runs if r.summary["family"] == fam]
+    label = {"adam": "Adam", "muon": "Muon"}[fam]
+    rows.append(dict(b.summary, optimizer=f"{label} (tuned, lr="
+                     f"{b.summary['hyperparameters']['learning_rate']:g})"))
+  rows += [r.summary for r in runs if r.summary["family"] not in ("adam", "muon")]
+  return {"rows": rows, "target": target, "window": window, "adam_seconds": adam_s,
+          "grids": grids, "best": best, "curves": curves}
+
+
+def race_table(rows: Sequence[Mapping[str, Any]], budget_s: float, target: float) -> str:
+  """The markdown table of the race (a failed contestant shows its error)."""
+  lines = [(f"| contestant | loss at {budget_s:g} s | seconds to {target:.4g} | vs Adam | steps "
+            "| mean step (ms) | compile (s) |"),
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['optimizer']} | failed: {r['error'].replace('|', '/')} | | | | | |")
+      continue
+    loss = _fmt(r["final_eval_loss"], ".4g") + ("" if r["finite"] else " (non-finite)")
+    hit = r.get("time_to_target")
+    vs = r.get("vs_adam")
+    lines.append(
+        f"| {r['optimizer']} | {loss} | "
+        f"{'not reached' if hit is None else format(hit[1], '.1f')} | "
+        f"{'' if vs is None else format(vs, '.2f') + 'x'} | {r['steps']:,} | "
+        f"{_fmt(r['mean_step_ms'], '.1f')} | {_fmt(r['compile_s'], '.2f')} |")
+  return "\n".join(lines)

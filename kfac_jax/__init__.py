@@ -39,7 +39,7 @@ from kfac_jax._tags import (
     register_softmax_cross_entropy_loss,
     register_squared_error_loss,
 )
-from kfac_jax._transform import ScaleByKfacState, kfac, scale_by_kfac
+from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
 
 __version__ = "0.1.0.dev0"
 
@@ -48,6 +48,7 @@ __all__ = [
     "CurvatureStats",
     "EstimatorState",
     "KfacOptaxState",
+    "KfacState",
     "LayerConfig",
     "LayerSpec",
     "Optimizer",

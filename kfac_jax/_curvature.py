@@ -66,10 +66,13 @@ class CurvatureStats:
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
   """Validates the mode and `num_samples` (which the exact modes do not take)."""
-  if estimation_mode not in ESTIMATION_MODES:
-    raise ValueError(
+  if not isinstance(estimation_mode, str) or estimation_mode not in ESTIMATION_MODES:
+    raise (ValueError if isinstance(estimation_mode, str) else TypeError)(
         f"unknown estimation_mode {estimation_mode!r}; choose one of {ESTIMATION_MODES}.")
-  if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+  if not isinstance(num_samples, int) or isinstance(num_samples, bool):
+    raise TypeError(f"num_samples must be a positive int, got {num_samples!r} "
+                    f"({type(num_samples).__name__}).")
+  if num_samples < 1:
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}.")
   if estimation_mode in _losses.EXACT_MODES and num_samples != 1:
     raise ValueError(

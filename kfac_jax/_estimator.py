@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _curvature, _layer_config, _parallel, _scanner, _sharded
+from kfac_jax import _checks, _curvature, _layer_config, _parallel, _scanner, _sharded
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -48,29 +48,14 @@ class EstimatorState(NamedTuple):
   failed_inverses: Array
 
 
-def _is_concrete(x) -> bool:
-  try:
-    np.asarray(x)
-    return True
-  except Exception:  # Tracers cannot be converted.
-    return False
-
-
 def check_unit_interval(value, name: str) -> None:
-  """ema_decay-style check: 0 <= value < 1 (only when the value is concrete)."""
-  if _is_concrete(value):
-    v = np.asarray(value)
-    if v.shape != () or not np.isfinite(v) or not 0 <= v < 1:
-      raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
+  """ema_decay-style check: 0 <= value < 1 (a traced value passes unchecked)."""
+  _checks.number(value, name, low=0.0, high=1.0, high_open=True)
 
 
 def check_damping(value, name: str = "damping") -> None:
-  if callable(value):
-    return
-  if _is_concrete(value):
-    v = np.asarray(value)
-    if v.shape != () or not np.isfinite(v) or v < 0:
-      raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+  """A number >= 0 or a schedule (a traced value passes unchecked)."""
+  _checks.number(value, name, low=0.0, schedule=True)
 
 
 def _all_finite(tree) -> Array:
@@ -201,15 +186,19 @@ class CurvatureEstimator:
     self.loss_part = _curvature.LossPart(loss_fn, has_aux)
     self.has_aux = has_aux
     _curvature.check_mode(estimation_mode, num_samples)
-    if damping_mode not in ("factored", "eigen"):
-      raise ValueError(f"unknown damping_mode {damping_mode!r}; choose 'factored' or 'eigen'.")
-    if inverse_storage not in ("replicated", "sharded"):
-      raise ValueError(f"unknown inverse_storage {inverse_storage!r}; choose 'replicated' or "
-                       "'sharded'.")
-    exps = tuple(float(e) for e in exps)
+    _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
+    _checks.choice(inverse_storage, "inverse_storage", ("replicated", "sharded"))
+    for flag in ("compute_cholesky", "compute_cholesky_inverse", "strict",
+                 "compute_params_stats"):
+      _checks.boolean(locals()[flag], flag)
+    if isinstance(exps, (str, bytes)) or not isinstance(exps, (tuple, list)):
+      raise TypeError(f"`exps` must be a tuple of non-zero numbers (matrix powers, e.g. (-1,)), "
+                      f"got {exps!r}.")
     for e in exps:
-      if not np.isfinite(e) or e == 0:
-        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps}.")
+      _checks.number(e, "exps", low=-np.inf)
+      if e == 0:
+        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps!r}.")
+    exps = tuple(float(e) for e in exps)
     self.loss_fn = loss_fn
     self.example_batch = example_batch
     self.estimation_mode = estimation_mode
@@ -310,16 +299,27 @@ class CurvatureEstimator:
           "loss_fn registers different layers for this batch than for `example_batch`: "
           f"{[l.name for l in layers]} vs {[l.name for l in self._layers]}.")
 
-  def batch_factors(self, stats: _curvature.CurvatureStats,
-                    axis_name: str | None = None) -> dict[str, dict[str, Array]]:
-    """Per-block statistics of one batch, averaged over `axis_name` devices if given."""
+  def batch_factors(self, stats: _curvature.CurvatureStats, axis_name: str | None = None,
+                    cache=None) -> dict[str, dict[str, Array]]:
+    """Per-block statistics of one batch, averaged over `axis_name` devices if given.
+
+    Blocks with `needs_cache_for_statistics` (EKFAC: its scalings live in the eigenbasis of
+    the last inverse update) get their entry of `cache` (the state's, replicated storage).
+    """
     if stats.layer_names != tuple(s.name for s in self.layers):
       raise ValueError(
           "curvature_stats were computed for layers "
           f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
           "Compute them with kfac_jax.value_and_grad of the same loss_fn.")
-    out = {n: b.batch_factors(d, stats.batch_size)
-           for n, b, d in zip(self._names, self._blocks, stats.data)}
+    out = {}
+    for n, b, d in zip(self._names, self._blocks, stats.data):
+      if getattr(b, "needs_cache_for_statistics", False) and cache is not None:
+        if self.inverse_storage == "sharded":
+          raise ValueError(f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the "
+                           "statistics; use inverse_storage='replicated'.")
+        out[n] = b.batch_factors(d, stats.batch_size, cache=cache[n])
+      else:
+        out[n] = b.batch_factors(d, stats.batch_size)
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out
@@ -332,7 +332,7 @@ class CurvatureEstimator:
     average, exactly F_batch after the first update (and always with ρ = 0).
     """
     check_unit_interval(ema_decay, "ema_decay")
-    new = self.batch_factors(stats, axis_name)
+    new = self.batch_factors(stats, axis_name, cache=state.cache)
     acc = self.config.accum_dtype
     decay = jnp.asarray(ema_decay, acc)
     weight = decay * state.ema_weight + 1
@@ -509,7 +509,9 @@ class CurvatureEstimator:
     out = jnp.zeros((total, total), self.config.inverse_dtype)
     for n, b in zip(self._names, self._blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
-      out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n]))
+      extra = ({"cache": state.cache[n]} if getattr(b, "needs_cache_for_statistics", False)
+               else {})
+      out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n], **extra))
     return out
 
   def summary(self) -> str:

@@ -48,10 +48,18 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from kfac_jax import _compat, _curvature, _estimator, _graph, _layer_config, _losses, _scanner
+from kfac_jax import (
+    _checks,
+    _compat,
+    _curvature,
+    _estimator,
+    _graph,
+    _layer_config,
+    _losses,
+    _scanner,
+)
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -65,26 +73,17 @@ _INFO_KEYS = ("loss", "learning_rate", "momentum", "damping", "rho", "quad_model
 # Configuration and state.
 
 
-def _is_number(v) -> bool:
-  return isinstance(v, (int, float, np.number)) and not isinstance(v, bool) or (
-      isinstance(v, (np.ndarray, jax.Array)) and np.shape(v) == () and _estimator._is_concrete(v))
-
-
 def _check_number(value, name: str, *, low: float = 0.0, low_open: bool = False,
                   high: float = math.inf, high_open: bool = False) -> None:
-  ok = _is_number(value)
-  if ok:
-    v = float(value)
-    ok = math.isfinite(v) and (v > low if low_open else v >= low) and (
-        v < high if high_open else v <= high)
-  if not ok:
-    lo, hi = ("(" if low_open else "[") + f"{low:g}", f"{high:g}" + (")" if high_open else "]")
-    raise ValueError(f"`{name}` must be a finite number in {lo}, {hi}, got {value!r}.")
+  """A concrete finite number in the interval: TypeError for other kinds, ValueError if out."""
+  if _checks.is_traced(value):
+    raise TypeError(f"`{name}` must be a concrete number, got a traced value {value!r}: "
+                    "construct the Optimizer outside jit.")
+  _checks.number(value, name, low=low, low_open=low_open, high=high, high_open=high_open)
 
 
 def _check_int(value, name: str, *, low: int) -> None:
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-    raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+  _checks.static_int(value, name, low=low)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +150,7 @@ class OptimizerConfig:
                   high=1.0, high_open=True)
     _check_int(self.burn_in_steps, "config.burn_in_steps", low=0)
     _check_number(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
+    _checks.boolean(self.strict, "config.strict")
 
 
 class OptimizerState(NamedTuple):
@@ -316,16 +316,13 @@ class Optimizer:
                curvature_every: int = 1,
                axis_name: str | None = None,
                config: OptimizerConfig | None = None):
-    if not callable(loss_fn):
-      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
-    if not isinstance(has_aux, bool):
-      raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    _checks.function(loss_fn, "loss_fn")
+    _checks.boolean(has_aux, "has_aux")
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
       _check_number(momentum, "momentum", high=1.0, high_open=True)
-    if not isinstance(use_adaptive_damping, bool):
-      raise TypeError(f"`use_adaptive_damping` must be a bool, got {use_adaptive_damping!r}.")
+    _checks.boolean(use_adaptive_damping, "use_adaptive_damping")
     if callable(damping):
       if use_adaptive_damping:
         raise ValueError(
@@ -343,8 +340,7 @@ class Optimizer:
             "norm_constraint=None.")
     _check_int(inverse_every, "inverse_every", low=1)
     _check_int(curvature_every, "curvature_every", low=1)
-    if axis_name is not None and not isinstance(axis_name, str):
-      raise TypeError(f"`axis_name` must be a string or None, got {axis_name!r}.")
+    _checks.optional_str(axis_name, "axis_name")
     config = OptimizerConfig() if config is None else config
     if not isinstance(config, OptimizerConfig):
       raise TypeError(f"`config` must be a kfac_jax.OptimizerConfig, got {type(config).__name__}.")

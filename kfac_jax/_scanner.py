@@ -49,8 +49,8 @@ _VIEW_OPS = frozenset({
 
 APPROXIMATIONS = {
     "dense": ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal", "full",
-              "expand", "reduce", "kron_indep"),
-    "conv": ("kron", "kron_sua", "diagonal", "full"),
+              "expand", "reduce", "kron_indep", "ekfac"),
+    "conv": ("kron", "kron_sua", "diagonal", "full", "ekfac"),
     "scale_and_shift": ("full", "diagonal"),
     "embedding": ("kron", "kron_indep"),
     "generic": ("diagonal", "full"),

@@ -1,9 +1,16 @@
 """K-FAC as optax gradient transformations.
 
-`scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates), `kfac` chains it with an
-optional momentum and a learning rate. All curvature state (factors, inverses, counters) is in the
-optax state; everything happens inside the caller's `jit`/`pmap`: the periodic inverse update is a
-`lax.cond` on the step counter, so the program compiles once and never syncs with the host.
+`scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates), `kfac` adds optional KL
+clipping, heavy-ball momentum and a learning rate. All curvature state (factors, inverses,
+counters) is in the optax state; everything happens inside the caller's `jit`/`pmap`: the
+periodic inverse update is a `lax.cond` on the step counter, so the program compiles once and
+never syncs with the host.
+
+Both skip a non-finite update by default (`skip_nonfinite=True`): when the incoming gradient,
+this batch's curvature statistics or the outgoing update has a NaN or ±Inf, the returned
+updates are zeros and the state is left as it was, apart from the `skipped` counter (and the
+estimator's `skipped_batches` when the statistics were the non-finite part). For `kfac` the
+guard spans the whole chain, so the momentum trace is kept too.
 """
 
 from __future__ import annotations
@@ -13,10 +20,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from kfac_jax import _curvature, _estimator, _layer_config
+from kfac_jax import _checks, _curvature, _estimator, _layer_config
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -27,19 +33,182 @@ class ScaleByKfacState(NamedTuple):
   """State of `scale_by_kfac`.
 
   Attributes:
-    count: `[]` int32, number of updates so far.
+    count: `[]` int32, updates applied so far (skipped ones not counted); schedules are called
+      with it.
     curvature: the estimator's factors, caches and EMA weight.
+    skipped: `[]` int32, updates skipped because the gradient, the statistics or the update
+      were not finite (`skip_nonfinite=True`).
   """
   count: Array
   curvature: _estimator.EstimatorState
+  skipped: Array
 
 
-def _check_positive_int(value, name: str) -> None:
-  if isinstance(value, (jax.Array, np.ndarray)) and not _estimator._is_concrete(value):
-    return  # A traced hyperparameter (e.g. under optax.inject_hyperparams).
-  v = np.asarray(value)
-  if v.shape != () or not np.issubdtype(v.dtype, np.number) or v != int(v) or v < 1:
-    raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+class KfacState(NamedTuple):
+  """State of `kfac`.
+
+  Attributes:
+    preconditioner: the `scale_by_kfac` state (first, so `state[0]` is it, as in a chain): its
+      `count` drives the learning-rate and damping schedules, its `skipped` counts skipped
+      updates.
+    momentum: `optax.TraceState` (the heavy-ball trace, params-shaped and -typed) with
+      `momentum`, else `optax.EmptyState`.
+  """
+  preconditioner: ScaleByKfacState
+  momentum: optax.TraceState | optax.EmptyState
+
+
+def _check_args(*, loss_fn, has_aux, damping, ema_decay, inverse_every, curvature_every,
+                estimation_mode, num_samples, damping_mode, axis_name, inverse_mesh,
+                inverse_storage, strict, skip_nonfinite) -> None:
+  """Every `scale_by_kfac` argument, named in the error, before any state exists."""
+  _checks.function(loss_fn, "loss_fn")
+  _checks.boolean(has_aux, "has_aux")
+  _checks.number(damping, "damping", low=0.0, schedule=True)
+  _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
+  _checks.positive_int(inverse_every, "inverse_every")
+  _checks.positive_int(curvature_every, "curvature_every")
+  _checks.choice(estimation_mode, "estimation_mode", _curvature.ESTIMATION_MODES)
+  if num_samples is not None:
+    _checks.static_int(num_samples, "num_samples", fix=(
+        " With optax.inject_hyperparams, pass static_args=('loss_fn', 'example_batch', "
+        "'num_samples')."))
+  _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
+  _checks.optional_str(axis_name, "axis_name")
+  _checks.choice(inverse_storage, "inverse_storage", ("replicated", "sharded"))
+  _checks.boolean(strict, "strict")
+  _checks.boolean(skip_nonfinite, "skip_nonfinite")
+  if inverse_mesh is not None:
+    if axis_name is not None:
+      raise ValueError(
+          "pass `axis_name` (inside pmap/shard_map) or `inverse_mesh` (under jit with sharded "
+          "data), not both: with `axis_name` the inverse work is already split over that axis.")
+    if (not isinstance(inverse_mesh, tuple) or len(inverse_mesh) != 2
+        or not isinstance(inverse_mesh[0], jax.sharding.Mesh)
+        or inverse_mesh[1] not in inverse_mesh[0].axis_names):
+      raise ValueError(
+          "`inverse_mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the "
+          f"mesh's axes, got {inverse_mesh!r}.")
+  if inverse_storage == "sharded" and axis_name is None and inverse_mesh is None:
+    raise ValueError(
+        "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
+        "axis: pass `axis_name=` (inside pmap/shard_map) or `inverse_mesh=(mesh, axis)` (under "
+        "jit with sharded data), or keep inverse_storage='replicated' on one device.")
+
+
+class _Preconditioner:
+  """The shared step engine of `scale_by_kfac` and `kfac`: statistics, inverses, guard."""
+
+  def __init__(self, loss_fn, example_batch, *, has_aux, damping, ema_decay, inverse_every,
+               curvature_every, estimation_mode, num_samples, damping_mode, axis_name,
+               inverse_mesh, inverse_storage, strict, layers, stats_dtype, inverse_dtype,
+               skip_nonfinite, name):
+    _check_args(loss_fn=loss_fn, has_aux=has_aux, damping=damping, ema_decay=ema_decay,
+                inverse_every=inverse_every, curvature_every=curvature_every,
+                estimation_mode=estimation_mode, num_samples=num_samples,
+                damping_mode=damping_mode, axis_name=axis_name, inverse_mesh=inverse_mesh,
+                inverse_storage=inverse_storage, strict=strict, skip_nonfinite=skip_nonfinite)
+    self.est = _estimator.CurvatureEstimator(
+        loss_fn, example_batch, has_aux=has_aux, estimation_mode=estimation_mode, exps=(-1,),
+        num_samples=1 if num_samples is None else num_samples, damping_mode=damping_mode,
+        strict=strict, layers=layers, stats_dtype=stats_dtype, inverse_dtype=inverse_dtype,
+        inverse_storage=inverse_storage)
+    self.damping = damping
+    self.ema_decay = ema_decay
+    self.inverse_every = inverse_every
+    self.curvature_every = curvature_every
+    self.axis_name = axis_name
+    self.inverse_mesh = inverse_mesh
+    self.skip_nonfinite = skip_nonfinite
+    self.name = name
+
+  def init(self, params) -> ScaleByKfacState:
+    zero = jnp.zeros([], jnp.int32)
+    return ScaleByKfacState(
+        count=zero, skipped=zero,
+        curvature=self.est.init(params, axis_name=self.axis_name, mesh=self.inverse_mesh))
+
+  def update(self, updates, state: ScaleByKfacState, params, curvature_stats, batch, rng,
+             finish=None, finish_state=None):
+    """`(new_updates, new_state, new_finish_state)`.
+
+    `finish(preconditioned, finish_state) -> (updates, finish_state)` maps the preconditioned
+    update to the outgoing one (`kfac`'s clipping, momentum and learning rate); the guard
+    checks and, on a skip, restores what it returns too.
+    """
+    est = self.est
+    if params is None:
+      raise ValueError(f"{self.name}: `params` is required: tx.update(grads, state, params, ...).")
+    if not isinstance(state, ScaleByKfacState):
+      raise TypeError(f"{self.name}: `state` must be the ScaleByKfacState from this "
+                      f"transform's init, got {type(state).__name__}.")
+    est._ensure_layers(params)
+    if curvature_stats is None and batch is None:
+      raise ValueError(
+          f"{self.name}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
+          "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated.")
+    count, old = state.count, state.curvature
+    ok = _estimator._all_finite(updates) if self.skip_nonfinite else None
+
+    def fold():
+      stats = (est.curvature_stats(params, batch, rng) if curvature_stats is None
+               else curvature_stats)
+      return est.update_curvature_from_stats(old, stats, self.ema_decay,
+                                             axis_name=self.axis_name)
+
+    every = self.curvature_every
+    if isinstance(every, int) and every == 1:
+      curv = fold()
+    else:
+      # Statistics only on due updates; the other branch leaves the state untouched. The
+      # caches, which the fold never changes, stay out of the branch (no copy of them).
+      def statistics(c):
+        return c.factors, c.ema_weight, c.skipped_batches
+
+      factors, weight, skipped_batches = jax.lax.cond(
+          count % jnp.asarray(every, count.dtype) == 0,
+          lambda: statistics(fold()), lambda: statistics(old))
+      curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped_batches)
+    if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
+      ok = ok & (curv.skipped_batches == old.skipped_batches)
+
+    lam = self.damping(count) if callable(self.damping) else self.damping
+
+    # Only the cache goes through the branch: passing the whole state would make XLA copy
+    # every factor matrix in and out of the conditional. A skipped update does no refresh.
+    def refresh():
+      new = est.update_inverses(curv, lam, axis_name=self.axis_name, mesh=self.inverse_mesh)
+      return new.cache, new.failed_inverses
+
+    due = count % jnp.asarray(self.inverse_every, count.dtype) == 0
+    cache, failed = jax.lax.cond(due if ok is None else due & ok, refresh,
+                                 lambda: (curv.cache, curv.failed_inverses))
+    curv = curv._replace(cache=cache, failed_inverses=failed)
+    pre = est.multiply_matpower(curv, updates, -1, axis_name=self.axis_name,
+                                mesh=self.inverse_mesh)
+    pre = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, updates)
+    out, new_finish = (pre, finish_state) if finish is None else finish(pre, finish_state)
+    if ok is None:
+      return out, ScaleByKfacState(count=optax.safe_increment(count), curvature=curv,
+                                   skipped=state.skipped), new_finish
+
+    # The guard. `ok` covers the gradient, the statistics and the outgoing update. One
+    # `lax.cond` on that scalar picks the new or the old value of what this update can have
+    # changed: the factors and EMA weight, the caches (refreshed on due updates) and the
+    # caller's own state (the momentum trace). Both sets already exist, so the cost is at
+    # most one copy of them (XLA can reuse the dying new buffers for the result); no
+    # elementwise test runs over the state: finiteness is read from the sums of the
+    # gradient, the statistics (inside the estimator) and the update, one reduction each.
+    ok = ok & _estimator._all_finite(out)
+    changed = (curv.factors, curv.ema_weight, curv.cache, curv.failed_inverses, new_finish)
+    kept = (old.factors, old.ema_weight, old.cache, old.failed_inverses, finish_state)
+    factors, weight, cache, failed, new_finish = jax.lax.cond(ok, lambda: changed, lambda: kept)
+    curv = curv._replace(factors=factors, ema_weight=weight, cache=cache, failed_inverses=failed)
+    out = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), out)
+    new_state = ScaleByKfacState(
+        count=count + ok.astype(count.dtype), curvature=curv,
+        skipped=state.skipped + (~ok).astype(state.skipped.dtype))
+    return out, new_state, new_finish
 
 
 def scale_by_kfac(
@@ -61,6 +230,7 @@ def scale_by_kfac(
     layers: _layer_config.LayerConfig | None = None,
     stats_dtype: Any = None,
     inverse_dtype: Any = None,
+    skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
 
@@ -116,6 +286,11 @@ def scale_by_kfac(
     inverse_dtype: dtype of the inverses and of the preconditioning products: None (float32,
       float64 under x64), "float32" or "float64". The updates come back in the parameters'
       dtype, so a bfloat16 model gets bfloat16 updates from float32 curvature.
+    skip_nonfinite: when the incoming updates, this batch's statistics or the preconditioned
+      updates are not finite, return zero updates and leave the state as it was but for the
+      `skipped` counter (and `curvature.skipped_batches` when the statistics were not
+      finite). False: non-finite statistics are still kept out of the factors (and counted in
+      `curvature.skipped_batches`), but the update goes through as computed.
 
   With `optax.inject_hyperparams`, declare the non-numeric arguments static (optax treats any
   callable as a schedule): `optax.inject_hyperparams(kfac_jax.scale_by_kfac,
@@ -123,105 +298,60 @@ def scale_by_kfac(
   `damping`, `ema_decay` and `inverse_every` can then change between steps without a recompile.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs`. Its `update(updates, state, params, *,
-    curvature_stats=None, batch=None, rng=None)` needs `params`, and either `curvature_stats`
-    from `kfac_jax.value_and_grad` (one forward pass for everything) or `batch` and `rng`
-    (an extra forward and backward pass).
+    An `optax.GradientTransformationExtraArgs` with state `ScaleByKfacState`. Its
+    `update(updates, state, params, *, curvature_stats=None, batch=None, rng=None)` needs
+    `params`, and either `curvature_stats` from `kfac_jax.value_and_grad` (one forward pass for
+    everything) or `batch` and `rng` (an extra forward and backward pass).
+
+  Raises:
+    TypeError / ValueError: a bad argument, named with the value received, before any state
+      is created (e.g. `damping="1e-3"`: "`damping` must be a finite number >= 0 or a
+      schedule `count -> value`, got '1e-3' (str)").
 
   Example:
     >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
     ...                  optax.scale_by_learning_rate(0.1))
+    >>> opt_state = tx.init(params)
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
-  _estimator.check_damping(damping)
-  _estimator.check_unit_interval(ema_decay, "ema_decay")
-  _check_positive_int(inverse_every, "inverse_every")
-  _check_positive_int(curvature_every, "curvature_every")
-  if num_samples is None:
-    num_samples = 1
-  elif isinstance(num_samples, jax.Array):
-    raise TypeError(
-        "`num_samples` fixes array shapes and must be a Python int, got a JAX array. With "
-        "optax.inject_hyperparams, pass static_args=('loss_fn', 'example_batch', 'num_samples').")
-  if axis_name is not None and not isinstance(axis_name, str):
-    raise TypeError(f"`axis_name` must be a string or None, got {axis_name!r}.")
-  if inverse_mesh is not None:
-    if axis_name is not None:
-      raise ValueError(
-          "pass `axis_name` (inside pmap/shard_map) or `inverse_mesh` (under jit with sharded "
-          "data), not both: with `axis_name` the inverse work is already split over that axis.")
-    if (not isinstance(inverse_mesh, tuple) or len(inverse_mesh) != 2
-        or not isinstance(inverse_mesh[0], jax.sharding.Mesh)
-        or inverse_mesh[1] not in inverse_mesh[0].axis_names):
-      raise ValueError(
-          "`inverse_mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the "
-          f"mesh's axes, got {inverse_mesh!r}.")
-  if inverse_storage not in ("replicated", "sharded"):
-    raise ValueError(
-        f"unknown inverse_storage {inverse_storage!r}; choose 'replicated' or 'sharded'.")
-  if inverse_storage == "sharded" and axis_name is None and inverse_mesh is None:
-    raise ValueError(
-        "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
-        "axis: pass `axis_name=` (inside pmap/shard_map) or `inverse_mesh=(mesh, axis)` (under "
-        "jit with sharded data), or keep inverse_storage='replicated' on one device.")
-  est = _estimator.CurvatureEstimator(
-      loss_fn, example_batch, has_aux=has_aux, estimation_mode=estimation_mode, exps=(-1,),
-      num_samples=num_samples, damping_mode=damping_mode, strict=strict, layers=layers,
-      stats_dtype=stats_dtype, inverse_dtype=inverse_dtype, inverse_storage=inverse_storage)
-
-  def init_fn(params) -> ScaleByKfacState:
-    return ScaleByKfacState(count=jnp.zeros([], jnp.int32),
-                            curvature=est.init(params, axis_name=axis_name, mesh=inverse_mesh))
+  engine = _Preconditioner(
+      loss_fn, example_batch, has_aux=has_aux, damping=damping, ema_decay=ema_decay,
+      inverse_every=inverse_every, curvature_every=curvature_every,
+      estimation_mode=estimation_mode, num_samples=num_samples, damping_mode=damping_mode,
+      axis_name=axis_name, inverse_mesh=inverse_mesh, inverse_storage=inverse_storage,
+      strict=strict, layers=layers, stats_dtype=stats_dtype, inverse_dtype=inverse_dtype,
+      skip_nonfinite=skip_nonfinite, name="scale_by_kfac")
 
   def update_fn(updates, state: ScaleByKfacState, params=None, *, curvature_stats=None,
                 batch=None, rng=None, **extra_args):
     del extra_args  # Other transforms' extra arguments (optax.chain forwards them all).
-    if params is None:
-      raise ValueError("scale_by_kfac: `params` is required: tx.update(grads, state, params, ...).")
-    est._ensure_layers(params)
-    if curvature_stats is None and batch is None:
-      raise ValueError(
-          "scale_by_kfac: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
-          "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated.")
+    out, new_state, _ = engine.update(updates, state, params, curvature_stats, batch, rng)
+    return out, new_state
 
-    def fold():
-      stats = (est.curvature_stats(params, batch, rng) if curvature_stats is None
-               else curvature_stats)
-      return est.update_curvature_from_stats(state.curvature, stats, ema_decay,
-                                             axis_name=axis_name)
+  return optax.GradientTransformationExtraArgs(engine.init, update_fn)
 
-    if isinstance(curvature_every, int) and curvature_every == 1:
-      curv = fold()
-    else:
-      # Statistics only on due updates; the other branch leaves the state untouched. The
-      # caches, which the fold never changes, stay out of the branch (no copy of them).
-      def statistics(c):
-        return c.factors, c.ema_weight, c.skipped_batches
 
-      factors, weight, skipped = jax.lax.cond(
-          state.count % jnp.asarray(curvature_every, state.count.dtype) == 0,
-          lambda: statistics(fold()), lambda: statistics(state.curvature))
-      curv = state.curvature._replace(factors=factors, ema_weight=weight,
-                                      skipped_batches=skipped)
-    lam = damping(state.count) if callable(damping) else damping
-    # Only the cache goes through the branch: passing the whole state would make XLA copy
-    # every factor matrix in and out of the conditional.
-    def refresh():
-      new = est.update_inverses(curv, lam, axis_name=axis_name, mesh=inverse_mesh)
-      return new.cache, new.failed_inverses
+def kl_clip_coefficient(preconditioned, grads, learning_rate, norm_constraint) -> Array:
+  """`min(1, √(C / (α² |vᵀg|)))`: the scale that keeps the step's squared Fisher norm ≤ C.
 
-    cache, failed = jax.lax.cond(
-        state.count % jnp.asarray(inverse_every, state.count.dtype) == 0,
-        refresh, lambda: (curv.cache, curv.failed_inverses))
-    curv = curv._replace(cache=cache, failed_inverses=failed)
-    new_updates = est.multiply_matpower(curv, updates, -1, axis_name=axis_name,
-                                        mesh=inverse_mesh)
-    new_updates = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), new_updates, updates)
-    return new_updates, ScaleByKfacState(count=optax.safe_increment(state.count), curvature=curv)
+  TF K-FAC's `norm_constraint` (tf.contrib.kfac.optimizer.KfacOptimizer: "the update is scaled
+  down so that its approximate squared Fisher norm vᵀFv is at most the specified value"), as
+  used by KAISA: with `v = F̂_λ⁻¹ g` the preconditioned gradient, `vᵀ F̂_λ v = vᵀ g`, so the step
+  `α c v` has squared norm `α² c² |vᵀ g| ≤ C` in the damped K-FAC metric. 1 when `vᵀg = 0` or
+  `α = 0`; the inner product is accumulated in at least float32.
+  """
+  def up(x):
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
-  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  return tx
+  vg = sum(jnp.vdot(up(v), up(g)) for v, g in zip(jax.tree_util.tree_leaves(preconditioned),
+                                                  jax.tree_util.tree_leaves(grads)))
+  vg = jnp.abs(jnp.asarray(vg))
+  lr = jnp.asarray(learning_rate, vg.dtype)
+  sq = lr * lr * vg
+  big = sq > jnp.asarray(norm_constraint, vg.dtype)
+  return jnp.where(big, jnp.sqrt(jnp.asarray(norm_constraint, vg.dtype) / jnp.where(big, sq, 1)),
+                   jnp.ones_like(vg))
 
 
 def kfac(
@@ -231,15 +361,107 @@ def kfac(
     *,
     momentum: float | None = None,
     nesterov: bool = False,
-    **kwargs,
+    norm_constraint: float | None = None,
+    has_aux: bool = False,
+    damping: ScalarOrSchedule = 1e-3,
+    ema_decay: float = 0.95,
+    inverse_every: int = 5,
+    curvature_every: int = 1,
+    estimation_mode: _curvature.EstimationMode = "gradients",
+    num_samples: int | None = None,
+    damping_mode: _blocks.DampingMode = "factored",
+    axis_name: str | None = None,
+    inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
+    inverse_storage: _estimator.InverseStorage = "replicated",
+    strict: bool = False,
+    layers: _layer_config.LayerConfig | None = None,
+    stats_dtype: Any = None,
+    inverse_dtype: Any = None,
+    skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
-  """K-FAC with a fixed (or scheduled) learning rate and optional heavy-ball momentum.
+  """K-FAC with a fixed (or scheduled) learning rate, optional KL clipping and momentum.
 
-  `optax.chain(scale_by_kfac(loss_fn, example_batch, **kwargs), trace(momentum),
-  scale_by_learning_rate(learning_rate))`. See `scale_by_kfac` for the other arguments.
+  The update is `u = −α · m`, with `v = (F̂ + λ)⁻¹ g` from `scale_by_kfac`, optionally clipped
+  to `v ← v · min(1, √(C / (α² |vᵀg|)))` (KL clipping, `norm_constraint=C`, see
+  `kl_clip_coefficient`), and `m` the heavy-ball trace `m ← v + μ m` with `momentum=μ`
+  (`optax.trace`; `m = v` without momentum). α and λ schedules are called with the number of
+  applied (not skipped) updates. Every keyword is an explicit parameter, so
+  `optax.inject_hyperparams(kfac_jax.kfac, static_args=("loss_fn", "example_batch"))` can
+  inject any numeric one (`learning_rate`, `momentum`, `damping`, `ema_decay`,
+  `inverse_every`, `norm_constraint`) and change it between steps without a recompile.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
+    example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    learning_rate: α > 0, a number or a schedule `count -> α`.
+    momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
+    nesterov: Nesterov momentum (`optax.trace(nesterov=True)`).
+    norm_constraint: C > 0 for KL clipping (TF K-FAC's `norm_constraint`: the step's squared
+      norm in the damped K-FAC metric, `α² vᵀ F̂_λ v = α² |vᵀg|`, is scaled down to at most C),
+      or None (off, the default for now).
+    skip_nonfinite: skip a non-finite update (zero updates, state unchanged but the
+      `skipped` counter), the momentum trace included. See `scale_by_kfac`.
+    has_aux, damping, ema_decay, inverse_every, curvature_every, estimation_mode, num_samples,
+      damping_mode, axis_name, inverse_mesh, inverse_storage, strict, layers, stats_dtype,
+      inverse_dtype: as for `scale_by_kfac`.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes the
+    same extra arguments as `scale_by_kfac`'s.
+
+  Raises:
+    TypeError / ValueError: a bad argument, named with the value received, before any state
+      is created.
+
+  Example:
+    >>> tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, momentum=0.9, damping=1e-2)
+    >>> opt_state = tx.init(params)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    >>> params = optax.apply_updates(params, updates)
   """
-  parts = [scale_by_kfac(loss_fn, example_batch, **kwargs)]
+  _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
   if momentum is not None:
-    parts.append(optax.trace(decay=momentum, nesterov=nesterov))
-  parts.append(optax.scale_by_learning_rate(learning_rate))
-  return optax.chain(*parts)
+    _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+  _checks.boolean(nesterov, "nesterov")
+  if norm_constraint is not None:
+    _checks.number(norm_constraint, "norm_constraint", low=0.0, low_open=True)
+  engine = _Preconditioner(
+      loss_fn, example_batch, has_aux=has_aux, damping=damping, ema_decay=ema_decay,
+      inverse_every=inverse_every, curvature_every=curvature_every,
+      estimation_mode=estimation_mode, num_samples=num_samples, damping_mode=damping_mode,
+      axis_name=axis_name, inverse_mesh=inverse_mesh, inverse_storage=inverse_storage,
+      strict=strict, layers=layers, stats_dtype=stats_dtype, inverse_dtype=inverse_dtype,
+      skip_nonfinite=skip_nonfinite, name="kfac")
+  trace = None if momentum is None else optax.trace(decay=momentum, nesterov=nesterov)
+
+  def init_fn(params) -> KfacState:
+    return KfacState(preconditioner=engine.init(params),
+                     momentum=optax.EmptyState() if trace is None else trace.init(params))
+
+  def update_fn(updates, state: KfacState, params=None, *, curvature_stats=None, batch=None,
+                rng=None, **extra_args):
+    del extra_args
+    if not isinstance(state, KfacState):
+      raise TypeError(f"kfac: `state` must be the KfacState from this transform's init, got "
+                      f"{type(state).__name__}.")
+    count = state.preconditioner.count
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+
+    def finish(v, trace_state):
+      if norm_constraint is not None:
+        coeff = kl_clip_coefficient(v, updates, lr, norm_constraint)
+        v = jax.tree_util.tree_map(lambda x: (x * coeff.astype(x.dtype)), v)
+      if trace is not None:
+        v, trace_state = trace.update(v, trace_state)
+      v = jax.tree_util.tree_map(
+          lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -lr).astype(x.dtype), v)
+      return v, trace_state
+
+    out, pre, mom = engine.update(updates, state.preconditioner, params, curvature_stats,
+                                  batch, rng, finish, state.momentum)
+    return out, KfacState(preconditioner=pre, momentum=mom)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+

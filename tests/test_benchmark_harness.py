@@ -355,3 +355,131 @@ def test_transformer_benchmark_with_upstream(tmp_path):
   assert "kfac_jax (optax) / upstream" in report["ratios"]
   assert "| **kfac_jax (optax) / upstream** |" in stdout, output
   assert "its layer registrations:" in stdout, output
+
+
+# -- the race (benchmarks/race.py) ---------------------------------------------------------------
+
+class _FakeClock:
+  """`clock()` for `run_for_budget`: time moves only when a fake step spends it."""
+
+  def __init__(self, durations):
+    self.now, self.durations, self.prepared = 0.0, list(durations), []
+
+  def __call__(self):
+    return self.now
+
+  def prepare(self, t):
+    self.now += 100.0  # Preparing a batch is never charged.
+    self.prepared.append(t)
+    return t
+
+  def step(self, t, prepared):
+    assert prepared == t
+    self.now += self.durations[t]
+
+
+def test_charged_seconds_counts_the_first_step_as_a_typical_one():
+  assert _harness.charged_seconds([], 1) == 0.0
+  assert _harness.charged_seconds([9.0], 1) == 0.0  # a lone first step: its cost is unknown
+  assert _harness.charged_seconds([9.0, 1.0, 2.0], 1) == pytest.approx(1.5 + 1.0 + 2.0)
+  # Period 2: the first step is charged as the median of the later steps of its phase (t even).
+  assert _harness.charged_seconds([9.0, 1.0, 4.0, 1.0, 6.0], 2) == pytest.approx(5 + 1 + 4 + 1 + 6)
+
+
+@pytest.mark.parametrize("period", [1, 3])
+def test_incremental_charge_equals_charged_seconds(period):
+  times = list(np.random.default_rng(period).exponential(size=40))
+  charger = _harness._Charger(period)
+  for k, dt in enumerate(times):
+    assert charger.seconds() == pytest.approx(_harness.charged_seconds(times[:k], period))
+    charger.add(dt)
+  assert charger.seconds() == pytest.approx(_harness.charged_seconds(times, period))
+
+
+def test_run_for_budget_charges_each_step_and_stops_once_the_budget_is_spent():
+  clock = _FakeClock([50.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0])
+  times = _harness.run_for_budget(clock.prepare, clock.step, 5.0, period=1, clock=clock)
+  # Charged after each step: 0 (lone first), 2, 4.5 (first = median(1, 2)), 5 -> stop: 4 steps.
+  assert times == [50.0, 1.0, 2.0, 1.0]
+  assert clock.prepared == [0, 1, 2, 3]
+  assert _harness.charged_seconds(times, 1) == pytest.approx(5.0)
+  # A step starts only while the budget is not spent: the last one may overshoot it.
+  clock = _FakeClock([1.0, 1.0, 10.0, 1.0])
+  assert _harness.run_for_budget(clock.prepare, clock.step, 2.5, clock=clock) == [1.0, 1.0, 10.0]
+  clock = _FakeClock([1.0] * 10)
+  assert len(_harness.run_for_budget(clock.prepare, clock.step, 100.0, max_steps=3,
+                                     clock=clock)) == 3
+  with pytest.raises(ValueError, match="budget must be > 0 seconds, got 0"):
+    _harness.run_for_budget(clock.prepare, clock.step, 0.0)
+
+
+def _race_run(name, family, losses, times, final, lr=None, period=1):
+  summary = _harness.race_summary(
+      name, family, np.asarray(losses, float), times, period, 10.0,
+      hyperparameters={} if lr is None else {"learning_rate": lr}, compile_s=1.0,
+      final_eval_loss=final)
+  return _harness.Run(name, np.asarray(losses, float), np.asarray(times, float), period, summary)
+
+
+def test_race_compare_times_every_run_to_the_tuned_adams_loss():
+  runs = [
+      _race_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
+      _race_run("Adam lr=0.1", "adam", [10, 9, 8, 7], [5, 2, 2, 2], 7.0, lr=0.1),
+      _race_run("Muon lr=0.02", "muon", [10, 7, 6, 6], [1, 1, 1, 1], 6.0, lr=0.02),
+      _race_run("Muon lr=0.05", "muon", [10, 4, 3, 2], [1, 1, 1, 1], float("nan"), lr=0.05),
+      _race_run("kfac", "kfac", [10, 5, 4, 3], [9, 3, 3, 3], 2.5),
+      _race_run("sgd", "sgd", [10, 9.5, 9, 8.5], [1, 1, 1, 1], 8.0),
+  ]
+  assert runs[0].summary["steps"] == 4 and runs[0].summary["charged_s"] == 8.0
+  assert runs[0].summary["mean_step_ms"] == pytest.approx(2000.0)
+  assert runs[4].summary["mean_step_ms"] == pytest.approx(3000.0)
+  rep = _harness.race_compare(runs, reach_window=5)
+  assert rep["window"] == 1 and rep["target"] == 5.0
+  # Adam reaches 5 at step 3: 3 steps of 2 s charged (its first one as a typical one).
+  assert runs[0].summary["time_to_target"] == (3, 6.0) and rep["adam_seconds"] == 6.0
+  assert runs[4].summary["time_to_target"] == (1, 3.0)
+  assert runs[4].summary["vs_adam"] == pytest.approx(0.5)
+  assert runs[2].summary["vs_adam"] is None and runs[5].summary["time_to_target"] is None
+  assert runs[3].summary["vs_adam"] == pytest.approx(1 / 6)  # a NaN eval does not hide its curve
+  assert [r["optimizer"] for r in rep["rows"]] == [
+      "Adam (tuned, lr=0.01)", "Muon (tuned, lr=0.02)", "kfac", "sgd"]
+  assert rep["grids"]["muon"][1][0] == 0.05 and math.isnan(rep["grids"]["muon"][1][1])
+  table = _harness.race_table(
+      rep["rows"] + [{"optimizer": "up", "error": "ValueError: a | b"}], 10.0, rep["target"])
+  lines = table.splitlines()
+  assert lines[0] == ("| contestant | loss at 10 s | seconds to 5 | vs Adam | steps | mean step "
+                      "(ms) | compile (s) |")
+  assert lines[2] == "| Adam (tuned, lr=0.01) | 5.5 | 6.0 | 1.00x | 4 | 2000.0 | 1.00 |"
+  assert lines[4] == "| kfac | 2.5 | 3.0 | 0.50x | 4 | 3000.0 | 1.00 |"
+  assert lines[5] == "| sgd | 8 | not reached |  | 4 | 1000.0 | 1.00 |"
+  assert lines[6].startswith("| up | failed: ValueError: a / b |")
+  with pytest.raises(ValueError, match="needs at least one Adam run"):
+    _harness.race_compare(runs[2:], reach_window=5)
+
+
+def test_race_quick(tmp_path):
+  out_json, out_png = tmp_path / "race.json", tmp_path / "race.png"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "benchmarks", "race.py"), "--workload", "autoencoder",
+       "--quick", "--budget", "0.5", "--adam-lrs", "1e-3,3e-3", "--muon-lrs", "0.02",
+       "--no-sgd", "--json", str(out_json), "--plot", str(out_png)],
+      cwd=str(tmp_path), env=_env(tmp_path), capture_output=True, text=True, timeout=600,
+      check=False)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, output
+  assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with open(out_json) as f:
+    report = json.load(f)
+  names = [r["optimizer"] for r in report["results"]]
+  assert names[0].startswith("Adam (tuned, lr=") and names[1] == "Muon (tuned, lr=0.02)", names
+  assert "kfac_jax (optax)" in names and "kfac_jax Optimizer" in names, names
+  for r in report["results"]:
+    assert r["steps"] >= 2 and r["charged_s"] >= 0.5 and math.isfinite(r["final_eval_loss"]), r
+    assert len(report["curves"][r["optimizer"] if r["family"] not in ("adam", "muon") else
+                                next(x["optimizer"] for x in report["all_runs"]
+                                     if x["family"] == r["family"] and
+                                     x["final_eval_loss"] == r["final_eval_loss"])][
+                                         "losses"]) == r["steps"]
+    assert re.search(rf"^\| {re.escape(r['optimizer'])} \| [0-9.]+ \|", proc.stdout,
+                     re.MULTILINE), output
+  assert report["budget_s"] == 0.5 and "--budget 0.5" in report["env"]["command"]

@@ -1,11 +1,14 @@
-"""The optax transform contract: jit, one compile, chain, inject_hyperparams, nnx, pmap."""
+"""What `scale_by_kfac` / `kfac` compute: statistics schedule, damping, NaN guard, KL clipping,
+arguments. The optax contract (jit, one compile, chain, inject_hyperparams, nnx, dtypes,
+checkpoints) is in test_contract.py."""
+
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import kfac_jax
 from tests import _models
@@ -24,20 +27,6 @@ def _make_step(loss_fn, tx):
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state, loss
   return jax.jit(step)
-
-
-def test_jit_init_update_compiles_once_and_converges():
-  loss_fn, params, batch = _problem()
-  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.5, damping=1e-2, inverse_every=3)
-  opt_state = jax.jit(tx.init)(params)
-  step = _make_step(loss_fn, tx)
-  losses = []
-  for i in range(25):
-    params, opt_state, loss = step(params, opt_state, batch, jax.random.key(i))
-    losses.append(float(loss))
-  assert step._cache_size() == 1  # Steps 2..25, across inverse updates, reuse one program.
-  assert losses[-1] < 0.2 * losses[0], losses
-  assert int(opt_state[0].count) == 25
 
 
 def test_stats_path_equals_batch_path():
@@ -100,77 +89,11 @@ def test_update_is_the_inverse_of_the_estimator():
   est = kfac_jax.CurvatureEstimator(loss_fn, batch)
   rng = jax.random.key(3)
   grads = jax.grad(loss_fn)(params, batch)
-  updates, state = tx.update(grads, tx.init(params), params, batch=batch, rng=rng)
+  updates, _ = tx.update(grads, tx.init(params), params, batch=batch, rng=rng)
   es = est.update_inverses(est.update_curvature(est.init(params), params, batch, rng, 0.0), 0.1)
   back = est.multiply(es, updates)
   for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(grads)):
     np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
-
-
-def test_chain_inject_hyperparams_and_schedules():
-  loss_fn, params, batch = _problem()
-  tx = optax.chain(
-      optax.clip_by_global_norm(10.0),
-      # optax treats every callable argument as a schedule: loss_fn must be declared static.
-      optax.inject_hyperparams(kfac_jax.scale_by_kfac, static_args=("loss_fn", "example_batch"))(
-          loss_fn=loss_fn, example_batch=batch, damping=1e-2, ema_decay=0.9),
-      optax.scale_by_learning_rate(optax.linear_schedule(0.5, 0.1, 10)))
-  opt_state = tx.init(params)
-  step = _make_step(loss_fn, tx)
-  for i in range(4):
-    params, opt_state, _ = step(params, opt_state, batch, jax.random.key(i))
-  assert step._cache_size() == 1
-  inject_state = opt_state[1]
-  assert float(inject_state.hyperparams["damping"]) == pytest.approx(1e-2)
-  # Changing the injected damping takes effect without recompiling.
-  inject_state.hyperparams["damping"] = jnp.asarray(0.5, jnp.float32)
-  params, opt_state, _ = step(params, opt_state, batch, jax.random.key(9))
-  assert step._cache_size() == 1
-  sched = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, momentum=0.9,
-                        damping=optax.exponential_decay(1.0, 5, 0.5))
-  s = sched.init(params)
-  _make_step(loss_fn, sched)(params, s, batch, jax.random.key(0))
-
-
-def test_nnx_optimizer_forwards_curvature_stats():
-  model = _models.NnxMLP(4, 8, 3, nnx.Rngs(0))
-  graphdef, _ = nnx.split(model)
-  batch = _models.classification_batch(jax.random.key(1), n=32)
-
-  def loss_fn(params, batch):
-    m = nnx.merge(graphdef, params)
-    logits = m(batch["x"])
-    kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.5, damping=1e-2)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def step(model, optimizer, batch, rng):
-    params = nnx.state(model, nnx.Param)
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-    optimizer.update(model, grads, curvature_stats=stats)
-    return loss
-
-  losses = [float(step(model, optimizer, batch, jax.random.key(i))) for i in range(15)]
-  assert losses[-1] < 0.5 * losses[0], losses
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_dtypes_preserved(dtype):
-  loss_fn, params, batch = _problem(dtype=dtype)
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch)
-  state = tx.init(params)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
-  updates, state = jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st))(
-      grads, state, params, stats)
-  assert [u.dtype for u in jax.tree_util.tree_leaves(updates)] == [dtype] * 4
-  factors = jax.tree_util.tree_leaves((state.curvature.factors, state.curvature.cache,
-                                       state.curvature.ema_weight))
-  assert {f.dtype for f in factors} == {jnp.dtype(jnp.float32)}  # Statistics stay float32.
-  assert all(bool(jnp.all(jnp.isfinite(u.astype(jnp.float32))))
-             for u in jax.tree_util.tree_leaves(updates))
 
 
 def test_pmap_statistics_equal_single_device_on_the_whole_batch():
@@ -204,22 +127,279 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
     np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(a)[-1])  # Replicas agree.
 
 
-def test_bad_arguments_raise_before_any_state_changes():
+
+
+# --------------------------------------------------------------------------------------------
+# Damping.
+
+
+def _inject(factory, loss_fn, batch, **kw):
+  return optax.inject_hyperparams(factory, static_args=("loss_fn", "example_batch"))(
+      loss_fn=loss_fn, example_batch=batch, **kw)
+
+
+def _set(state, name, value):
+  """A copy of an injected state with one hyperparameter replaced (same dtype: no recompile)."""
+  old = state.hyperparams[name]
+  return state._replace(hyperparams={**state.hyperparams, name: jnp.asarray(value, old.dtype)})
+
+
+def test_injected_damping_takes_effect_without_recompiling(x64):
+  """Larger λ: a strictly smaller update; λ → ∞: (F̂ + λ)⁻¹ g → g / λ."""
+  loss_fn, params, batch = _problem(dtype=jnp.float64)
+  tx = _inject(kfac_jax.scale_by_kfac, loss_fn, batch, damping=1e-3, inverse_every=1)
+  state0 = tx.init(params)
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  update = jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])
+  norms = []
+  for lam in (1e-3, 1e-1, 1.0, 10.0, 1e8):
+    u = update(_set(state0, "damping", lam))
+    norms.append(float(optax.tree.norm(u)))
+  assert update._cache_size() == 1
+  assert all(a > b for a, b in itertools.pairwise(norms)), norms
+  # ‖λ u − g‖ = O(‖g‖ ‖F̂‖ / √λ) with factored damping (π√λ and √λ/π added to the factors).
+  diff = jax.tree_util.tree_map(lambda a, g: 1e8 * a - g, u, grads)
+  assert float(optax.tree.norm(diff)) < 1e-3 * float(optax.tree.norm(grads))
+
+
+# --------------------------------------------------------------------------------------------
+# The non-finite guard.
+
+
+def _leaves_with_paths(tree):
+  return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _assert_same_but(new, old, counters):
+  """Every leaf bit-identical, except the named counters, each one more."""
+  new, old = _leaves_with_paths(new), _leaves_with_paths(old)
+  assert new.keys() == old.keys()
+  for k in new:
+    if any(k.endswith(c) for c in counters):
+      assert int(new[k]) == int(old[k]) + 1, k
+    else:
+      np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(old[k]), err_msg=k)
+
+
+def _kfac_step(loss_fn, tx):
+  @jax.jit
+  def step(params, state, batch, rng):
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state, loss, updates
+  return step
+
+
+@pytest.mark.parametrize("where", ["gradient", "batch", "update"])
+def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
+  """A NaN gradient, a NaN batch (statistics and gradient) or an infinite learning rate (the
+  update): params and every state leaf unchanged, momentum trace included, but the counters;
+  training continues finitely."""
   loss_fn, params, batch = _problem()
-  with pytest.raises(ValueError, match="`damping` must be a finite number >= 0"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, damping=-1.0)
-  with pytest.raises(ValueError, match="`ema_decay` must be a number in \\[0, 1\\)"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, ema_decay=1.0)
-  with pytest.raises(ValueError, match="`ema_decay`"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, ema_decay=-0.1)
-  with pytest.raises(ValueError, match="`inverse_every` must be a positive integer"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, inverse_every=0)
-  with pytest.raises(ValueError, match="estimation_mode"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, estimation_mode="fisher")
-  with pytest.raises(ValueError, match="`curvature_every` must be a positive integer"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, curvature_every=0)
-  with pytest.raises(ValueError, match="`curvature_every` must be a positive integer"):
-    kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, curvature_every=2.5)
+  tx = _inject(kfac_jax.kfac, loss_fn, batch, learning_rate=0.3, momentum=0.9, damping=1e-2,
+               inverse_every=1)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, batch, rng, poison):
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    grads = jax.tree_util.tree_map(lambda g: g * poison, grads)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  one = jnp.float32(1.0)
+  for i in range(3):  # A non-zero momentum trace and moved factors.
+    params, state, _ = step(params, state, batch, jax.random.key(i), one)
+  bad_batch, poison, bad_state = batch, one, state
+  if where == "gradient":
+    poison = jnp.float32(jnp.nan)
+  elif where == "batch":
+    bad_batch = {"x": batch["x"].at[2, 1].set(jnp.nan), "y": batch["y"]}
+  else:
+    bad_state = _set(state, "learning_rate", jnp.inf)
+  new_params, new_state, _ = step(params, bad_state, bad_batch, jax.random.key(7), poison)
+  inner, old = new_state.inner_state, bad_state.inner_state
+  counters = ["preconditioner.skipped"] + (
+      ["curvature.skipped_batches"] if where == "batch" else [])
+  _assert_same_but(inner, old, counters)
+  _assert_same_but(new_params, params, [])
+  assert float(optax.tree.norm(inner.momentum.trace)) > 0
+  losses = []
+  state = new_state if where != "update" else _set(new_state, "learning_rate", 0.3)
+  for i in range(4):
+    params, state, loss = step(params, state, batch, jax.random.key(10 + i), one)
+    losses.append(float(loss))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+  assert int(state.inner_state.preconditioner.skipped) == 1
+  assert int(state.inner_state.preconditioner.count) == 7
+  assert step._cache_size() == 1
+
+
+def test_scale_by_kfac_guard_and_switching_it_off():
+  loss_fn, params, batch = _problem()
+  grads = jax.grad(loss_fn)(params, batch)
+  bad = jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
+  outs = {}
+  for skip in (True, False):
+    tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, skip_nonfinite=skip)
+    state = tx.init(params)
+    upd = jax.jit(lambda g, s, tx=tx: tx.update(g, s, params, batch=batch,
+                                                rng=jax.random.key(0)))
+    _, state = upd(grads, state)
+    outs[skip] = upd(bad, state), state
+  (u, new), old = outs[True]
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree_util.tree_leaves(u))
+  _assert_same_but(new, old, ["skipped"])
+  (u, new), old = outs[False]
+  assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(u))
+  assert int(new.skipped) == 0 and int(new.count) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# KL clipping.
+
+
+def test_kl_clip_coefficient_against_numpy(x64):
+  rng = np.random.default_rng(0)
+  v = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
+  g = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
+  vg = abs(np.vdot(v["a"], g["a"]) + np.vdot(v["b"], g["b"]))
+  for lr, c in [(0.5, 1e-3), (0.1, 10.0), (2.0, vg * 4.0 * 0.99)]:
+    want = min(1.0, np.sqrt(c / (lr ** 2 * vg)))
+    got = kfac_jax._transform.kl_clip_coefficient(
+        jax.tree_util.tree_map(jnp.asarray, v), jax.tree_util.tree_map(jnp.asarray, g), lr, c)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+  zero = jax.tree_util.tree_map(jnp.zeros_like, v)
+  assert float(kfac_jax._transform.kl_clip_coefficient(zero, g, 0.5, 1e-3)) == 1.0
+
+
+def test_norm_constraint_scales_the_update_as_tf_kfac(x64):
+  """The clipped update is `c · u` with `c = min(1, √(C / (α² |vᵀg|)))`, v = −u / α the
+  preconditioned gradient, computed here in numpy; a loose constraint changes nothing."""
+  loss_fn, params, batch = _problem(dtype=jnp.float64)
+  lr = 0.5
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+
+  def first_update(**kw):
+    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=lr, damping=1e-2, **kw)
+    return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(
+        tx.init(params))
+
+  free = first_update()
+  v = [-np.asarray(u) / lr for u in jax.tree_util.tree_leaves(free)]
+  vg = abs(sum(np.vdot(a, np.asarray(b)) for a, b in zip(v, jax.tree_util.tree_leaves(grads))))
+  tight = 1e-2 * lr ** 2 * vg
+  clipped = first_update(norm_constraint=tight)
+  coeff = min(1.0, np.sqrt(tight / (lr ** 2 * vg)))
+  assert coeff < 0.2
+  for a, b in zip(jax.tree_util.tree_leaves(clipped), jax.tree_util.tree_leaves(free)):
+    np.testing.assert_allclose(a, coeff * np.asarray(b), rtol=1e-10, atol=1e-14)
+  loose = first_update(norm_constraint=10.0 * lr ** 2 * vg)
+  for a, b in zip(jax.tree_util.tree_leaves(loose), jax.tree_util.tree_leaves(free)):
+    np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments: every error names the argument and shows the value, before any state exists.
+
+
+def _args_problem():
+  return _problem()
+
+
+def _tx(**kw):
+  return lambda: kfac_jax.scale_by_kfac(*_args_problem()[::2], **kw)
+
+
+def _kfac(**kw):
+  kw.setdefault("learning_rate", 0.1)
+  return lambda: kfac_jax.kfac(*_args_problem()[::2], **kw)
+
+
+def _opt(**kw):
+  return lambda: kfac_jax.Optimizer(*_args_problem()[::2], **kw)
+
+
+def _est(**kw):
+  return lambda: kfac_jax.CurvatureEstimator(*_args_problem()[::2], **kw)
+
+
+def _vg(**kw):
+  return lambda: kfac_jax.value_and_grad(_args_problem()[0], **kw)
+
+
+_NAN = float("nan")
+ARG_CASES = [
+    # (call, exception, argument name, bad value)
+    (_tx(damping="1e-3"), TypeError, "damping", "1e-3"),
+    (_tx(damping=None), TypeError, "damping", None),
+    (_tx(damping=-1.0), ValueError, "damping", -1.0),
+    (_tx(damping=True), TypeError, "damping", True),
+    (_tx(ema_decay=1.0), ValueError, "ema_decay", 1.0),
+    (_tx(ema_decay="0.9"), TypeError, "ema_decay", "0.9"),
+    (_tx(inverse_every=0), ValueError, "inverse_every", 0),
+    (_tx(inverse_every=2.5), ValueError, "inverse_every", 2.5),
+    (_tx(inverse_every="5"), TypeError, "inverse_every", "5"),
+    (_tx(curvature_every=None), TypeError, "curvature_every", None),
+    (_tx(curvature_every=-1), ValueError, "curvature_every", -1),
+    (_tx(estimation_mode="fisher"), ValueError, "estimation_mode", "fisher"),
+    (_tx(estimation_mode=None), TypeError, "estimation_mode", None),
+    (_tx(num_samples=0), ValueError, "num_samples", 0),
+    (_tx(num_samples=2.0), TypeError, "num_samples", 2.0),
+    (_tx(damping_mode="tikhonov"), ValueError, "damping_mode", "tikhonov"),
+    (_tx(axis_name=3), TypeError, "axis_name", 3),
+    (_tx(inverse_storage="kaisa"), ValueError, "inverse_storage", "kaisa"),
+    (_tx(strict="yes"), TypeError, "strict", "yes"),
+    (_tx(has_aux=1), TypeError, "has_aux", 1),
+    (_tx(skip_nonfinite=None), TypeError, "skip_nonfinite", None),
+    (_tx(stats_dtype="int8"), ValueError, "stats_dtype", "int8"),
+    (_tx(inverse_dtype="bfloat16"), ValueError, "inverse_dtype", "bfloat16"),
+    (_tx(layers={"dense": "diagonal"}), TypeError, "layers", "dict"),
+    (_kfac(learning_rate="0.1"), TypeError, "learning_rate", "0.1"),
+    (_kfac(learning_rate=0.0), ValueError, "learning_rate", 0.0),
+    (_kfac(learning_rate=None), TypeError, "learning_rate", None),
+    (_kfac(momentum=1.0), ValueError, "momentum", 1.0),
+    (_kfac(momentum="0.9"), TypeError, "momentum", "0.9"),
+    (_kfac(nesterov=1), TypeError, "nesterov", 1),
+    (_kfac(norm_constraint=-1e-3), ValueError, "norm_constraint", -0.001),
+    (_kfac(norm_constraint=_NAN), ValueError, "norm_constraint", _NAN),
+    (_kfac(damping="1e-3"), TypeError, "damping", "1e-3"),
+    (_opt(learning_rate="0.1"), TypeError, "learning_rate", "0.1"),
+    (_opt(momentum=-0.5), ValueError, "momentum", -0.5),
+    (_opt(damping="1e-3"), TypeError, "damping", "1e-3"),
+    (_opt(l2_reg=None), TypeError, "l2_reg", None),
+    (_opt(inverse_every=True), TypeError, "inverse_every", True),
+    (_opt(curvature_every=0), ValueError, "curvature_every", 0),
+    (_opt(use_adaptive_damping="no"), TypeError, "use_adaptive_damping", "no"),
+    (_opt(has_aux=None), TypeError, "has_aux", None),
+    (lambda: kfac_jax.OptimizerConfig(ema_decay="0.9"), TypeError, "config.ema_decay", "0.9"),
+    (lambda: kfac_jax.OptimizerConfig(min_damping=-1.0), ValueError, "config.min_damping", -1.0),
+    (lambda: kfac_jax.OptimizerConfig(burn_in_steps=1.5), TypeError, "config.burn_in_steps",
+     1.5),
+    (lambda: kfac_jax.OptimizerConfig(strict=None), TypeError, "config.strict", None),
+    (_est(exps=(-1, "x")), TypeError, "exps", "x"),
+    (_est(exps=-1), TypeError, "exps", -1),
+    (_est(compute_cholesky="yes"), TypeError, "compute_cholesky", "yes"),
+    (lambda: kfac_jax.CurvatureEstimator("loss", {}), TypeError, "loss_fn", "loss"),
+    (_vg(estimation_mode="sampled"), ValueError, "estimation_mode", "sampled"),
+    (_vg(num_samples=True), TypeError, "num_samples", True),
+    (_vg(strict=0), TypeError, "strict", 0),
+    (_vg(has_aux="True"), TypeError, "has_aux", "True"),
+]
+
+
+@pytest.mark.parametrize("call, exc, name, value", ARG_CASES,
+                         ids=[f"{i}-{c[2]}={c[3]!r}" for i, c in enumerate(ARG_CASES)])
+def test_argument_errors_name_the_argument_and_show_the_value(call, exc, name, value):
+  with pytest.raises(exc) as info:
+    call()
+  msg = str(info.value)
+  assert name in msg, msg
+  assert (value if isinstance(value, str) and value == "dict" else repr(value)) in msg, msg
+
+
+def test_update_errors_are_named():
+  loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch)
   state = tx.init(params)
   grads = jax.grad(loss_fn)(params, batch)
@@ -229,11 +409,10 @@ def test_bad_arguments_raise_before_any_state_changes():
     tx.update(grads, state, params)
   with pytest.raises(ValueError, match="params pytree differs"):
     tx.update(grads, state, {**params, "extra": jnp.ones(2)}, batch=batch, rng=jax.random.key(0))
-  with pytest.raises(ValueError, match="params pytree differs"):
-    tx.update(grads, state, _models.to_dtype(params, jnp.float16), batch=batch,
-              rng=jax.random.key(0))
   other = kfac_jax.value_and_grad(
       _models.softmax_loss(lambda p, x: x @ p["w"]))({"w": jnp.ones((4, 3))}, batch,
                                                         jax.random.key(0))[2]
   with pytest.raises(ValueError, match="curvature_stats were computed for layers"):
     tx.update(grads, state, params, curvature_stats=other)
+  with pytest.raises(TypeError, match="ScaleByKfacState"):
+    tx.update(grads, (state,), params, batch=batch, rng=jax.random.key(0))

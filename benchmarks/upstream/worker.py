@@ -16,7 +16,8 @@ benchmarks' `--with-upstream` writes the inputs and starts it as a subprocess:
   `dense_0 ... dense_{L-1}`; "cnn" with `num_convs`; "transformer" with `num_layers`, `heads`; see
   `plain_models.py`), `learning_rate`, `momentum`, `damping`, `ema_decay`, `inverse_every`,
   `curvature_every` (optional, default 1: its `curvature_update_period`),
-  `seed`, `compile_repeats`.
+  `seed`, `compile_repeats`, `budget_s` (optional, the race: no step starts once the steps'
+  seconds, the first one counted as a later same-phase one, reach it).
 * `OUT_DIR` receives `result.json` and `final_params.npz` (same keys as the input), so the
   parent evaluates the final loss with exactly the code it uses for the other contestants.
 
@@ -211,9 +212,15 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
     return opt, init_s, time.perf_counter() - t0, params, state, rng, stats, state_bytes
 
   opt, init_s, first_s, params, state, rng, stats, state_bytes = first_step_and_state()
+  period = cfg["inverse_every"]
   losses = [float(stats["loss"])]
   times = [first_s]
+  budget_s = cfg.get("budget_s")  # The race: stop once the charged seconds reach it.
   for t in range(1, len(batches)):
+    # Step 0 (it compiles) is charged as the latest same-phase step, as the parent does.
+    if budget_s is not None and len(times) > 1 and (
+        sum(times[1:]) + times[max(1, (len(times) - 1) // period * period)] >= budget_s):
+      break
     batch = jax.device_put(_batch(pool, batches[t]))
     rng, sub = jax.random.split(rng)
     jax.block_until_ready((batch, sub))
@@ -230,7 +237,6 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
   first_times = [first_s]
   for r in range(1, max(1, int(cfg.get("compile_repeats", 1)))):
     first_times.append(first_step_and_state(seed_offset=r)[2])
-  period = cfg["inverse_every"]
   inverse_steps = [times[t] for t in range(1, len(times)) if t % period == 0]
   plain_steps = [times[t] for t in range(1, len(times)) if t % period != 0]
   baseline = inverse_steps or plain_steps

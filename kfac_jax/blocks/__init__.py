@@ -1,6 +1,7 @@
 """Curvature blocks: one per layer, chosen from the layer kind and its approximation."""
 
 from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
+from kfac_jax.blocks._ekfac import EKFACBlock
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
 from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
@@ -15,6 +16,8 @@ _BLOCKS = {
     ("dense", "expand"): KroneckerBlock,
     ("dense", "reduce"): KroneckerBlock,
     ("dense", "kron_indep"): KroneckerBlock,
+    ("dense", "ekfac"): EKFACBlock,
+    ("conv", "ekfac"): EKFACBlock,
     ("dense", "kron_series_1"): SeriesKroneckerBlock,
     ("dense", "kron_series_2"): SeriesKroneckerBlock,
     ("embedding", "kron_indep"): KroneckerBlock,
@@ -43,5 +46,5 @@ def make_block(spec, config: BlockConfig) -> Block:
   return cls(spec, config)
 
 
-__all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "FullBlock", "KroneckerBlock",
+__all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "EKFACBlock", "FullBlock", "KroneckerBlock",
            "KroneckerDenseBlock", "SeriesKroneckerBlock", "make_block"]

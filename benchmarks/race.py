@@ -1,0 +1,301 @@
+"""The race (issue 14): every optimizer gets the same budget of training seconds.
+
+On one of the three benchmark workloads (`--workload autoencoder|cnn|transformer`, built by
+`benchmarks/autoencoder.py`, `cnn.py`, `transformer.py`), every contestant trains from the same
+initial parameters on the same minibatch sequence until its steps have used `--budget` seconds:
+
+* every step is charged its measured time (`jax.block_until_ready` after each); the first step's
+  one-off costs are replaced by a typical step of its phase, as in the other benchmarks;
+  compilation (one AOT `lower(...).compile()`, reported) and evaluation are not charged. A step
+  starts only while the charged seconds are below the budget (`_harness.run_for_budget`);
+* the loss at the budget is the evaluation loss of the final parameters on a fixed subset: the
+  autoencoder's first 5,000 training images, the CNN's 5,000 held-out images, the Transformer's
+  256 held-out windows (all it has);
+* the minibatch sequence has `--data-steps` steps (shuffled epochs) and repeats after that;
+* "seconds to X": X is the tuned Adam's final training loss (trailing mean of `--reach-window`
+  minibatch losses, at most a tenth of its steps); the charged seconds until a contestant's
+  smoothed loss first reaches X, and that time over the tuned Adam's own ("vs Adam").
+
+Contestants: Adam over `--adam-lrs` and Muon (`optax.contrib.muon`, its non-matrix parameters on
+Adam at the middle of the Adam grid) over `--muon-lrs`, each reported by its best final loss
+("tuned", the whole grid printed); SGD+momentum; `kfac_jax.kfac` (the transform, `--kfac-lr`,
+`--kfac-momentum`, `--damping`); the same with KL clipping (`--norm-constraint`); the same with
+dense and conv layers on EKFAC (`--ekfac`); the full
+`kfac_jax.Optimizer`; with `--with-upstream`, kfac-jax 0.0.8 in its own venv, configured like
+the transform (fixed learning rate, momentum, damping). Output: a markdown table for RESULTS.md,
+`--json` (default `out/race_<workload>.json`) and `--plot` (default `out/race_<workload>.png`,
+loss against steps and against charged seconds).
+
+`--sweep` runs only the kfac transform over `--sweep-lrs` x `--sweep-dampings` (and the Adam
+grid as the reference), each for `--budget` seconds, and prints one table: for picking defaults.
+
+    python benchmarks/race.py --workload autoencoder --budget 120 --with-upstream
+    python benchmarks/race.py --workload cnn --budget 120
+    python benchmarks/race.py --workload transformer --budget 120
+    python benchmarks/race.py --workload autoencoder --budget 20 --sweep
+    python benchmarks/race.py --workload cnn --quick --budget 5        # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import sys
+import textwrap
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax  # noqa: E402
+from benchmarks import _harness, autoencoder, cnn, transformer  # noqa: E402
+from benchmarks.upstream import compare  # noqa: E402
+
+WORKLOADS = {"autoencoder": autoencoder, "cnn": cnn, "transformer": transformer}
+MUON_LRS = {"autoencoder": "0.02,0.05", "cnn": "0.02,0.05", "transformer": "0.01,0.03"}
+
+
+def _floats(p, flag: str, text: str) -> list[float]:
+  try:
+    out = [float(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"{flag} must be comma-separated numbers, got {text!r}")
+  if not out or any(not x > 0 for x in out):
+    p.error(f"{flag} needs at least one value > 0, got {text!r}")
+  return out
+
+
+def parse_args(argv=None):
+  """The race's own flags; every other flag goes to the workload's parser (see its --help)."""
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      epilog="Any other flag is the workload's (python benchmarks/<workload>.py --help), e.g. "
+             "--adam-lrs, --kfac-lr, --damping, --inverse-every, --with-upstream, --quick, "
+             "--json, --plot.")
+  p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+  p.add_argument("--budget", type=float, default=120.0, help="charged training seconds each")
+  p.add_argument("--muon-lrs", default=None,
+                 help="Muon learning-rate grid ('' drops Muon); default per workload: "
+                      + ", ".join(f"{k} {v}" for k, v in MUON_LRS.items()))
+  p.add_argument("--ekfac", action=argparse.BooleanOptionalAction, default=True,
+                 help="add the kfac transform with dense and conv layers on EKFAC")
+  p.add_argument("--ekfac-damping", type=float, default=None,
+                 help="the EKFAC contestant's damping, added to its scalings (default: --damping; "
+                      "K-FAC's factored damping splits √λ between the factors, so equal values "
+                      "are not equal strengths)")
+  p.add_argument("--norm-constraint", type=float, default=1e-3,
+                 help="add the kfac transform with KL clipping at this norm_constraint (0 drops "
+                      "it; KAISA's default kl_clip is 1e-3)")
+  p.add_argument("--data-steps", type=int, default=2000,
+                 help="length of the minibatch sequence (it repeats after that)")
+  p.add_argument("--max-steps", type=int, default=None, help="cap on each contestant's steps")
+  p.add_argument("--sweep", action="store_true",
+                 help="only the kfac transform over --sweep-lrs x --sweep-dampings (+ Adam)")
+  p.add_argument("--sweep-lrs", default="0.05,0.1,0.2,0.5")
+  p.add_argument("--sweep-dampings", default="1,10,30,100")
+  p.add_argument("--sweep-norm-constraint", type=float, default=0.0,
+                 help="KL clipping for every sweep run (0: none)")
+  p.add_argument("--sweep-ekfac", action="store_true",
+                 help="sweep the transform with dense layers on EKFAC instead of K-FAC")
+  args, rest = p.parse_known_args(argv)
+  if args.norm_constraint < 0:
+    p.error(f"--norm-constraint must be >= 0 (0 drops the contestant), got "
+            f"{args.norm_constraint}")
+  if not args.budget > 0 or args.data_steps < 2 or (args.max_steps is not None
+                                                     and args.max_steps < 1):
+    p.error(f"--budget must be > 0, --data-steps >= 2 and --max-steps >= 1, got {args.budget}, "
+            f"{args.data_steps} and {args.max_steps}")
+  muon = MUON_LRS[args.workload] if args.muon_lrs is None else args.muon_lrs
+  args.muon_lr_grid = _floats(p, "--muon-lrs", muon) if muon.strip() else []
+  args.sweep_lr_grid = _floats(p, "--sweep-lrs", args.sweep_lrs)
+  args.sweep_damping_grid = _floats(p, "--sweep-dampings", args.sweep_dampings)
+  kind = "sweep" if args.sweep else "race"
+  defaults = ["--json", os.path.join("out", f"{kind}_{args.workload}.json"),
+              "--plot", os.path.join("out", f"{kind}_{args.workload}.png")]
+  if args.workload == "autoencoder":
+    defaults += ["--num-images", "5000"]
+  wl = WORKLOADS[args.workload].parse_args(
+      defaults + list(rest) + ["--steps", str(args.data_steps - 1), "--warmup", "1"])
+  return args, wl, rest
+
+
+def cyclic(workload: _harness.Workload, length: int) -> _harness.Workload:
+  """The workload with its `length`-step minibatch sequence repeated forever."""
+  upstream_data = None
+  if workload.upstream_data is not None:
+    def upstream_data(steps):
+      pool, idx = workload.upstream_data(min(steps, length))
+      return pool, np.resize(idx, (steps, idx.shape[1]))
+  return dataclasses.replace(workload, batch_at=lambda t: workload.batch_at(t % length),
+                             upstream_data=upstream_data)
+
+
+def _ekfac_available() -> bool:
+  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top
+  return "ekfac" in _scanner.APPROXIMATIONS.get("dense", ())
+
+
+def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Contestant]:
+  loss_fn = workload.loss_fn
+  example = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  out = [_harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr),
+                              learning_rate=lr) for lr in wl.adam_lr_grid]
+  adam_mid = sorted(wl.adam_lr_grid)[len(wl.adam_lr_grid) // 2]
+  out += [_harness.first_order(f"Muon lr={lr:g}", "muon", loss_fn,
+                               optax.contrib.muon(lr, adam_learning_rate=adam_mid),
+                               learning_rate=lr, adam_learning_rate=adam_mid)
+          for lr in args.muon_lr_grid]
+  if wl.sgd:
+    out.append(_harness.first_order(
+        "SGD+momentum", "sgd", loss_fn, optax.sgd(wl.sgd_lr, momentum=wl.sgd_momentum or None),
+        learning_rate=wl.sgd_lr, momentum=wl.sgd_momentum))
+  common = {"learning_rate": wl.kfac_lr, "momentum": wl.kfac_momentum, "damping": wl.damping,
+            "ema_decay": wl.ema_decay, "inverse_every": wl.inverse_every,
+            "curvature_every": wl.curvature_every}
+  out.append(_harness.kfac_transform(loss_fn, example, **common))
+  if args.norm_constraint > 0:
+    if "norm_constraint" in inspect.signature(kfac_jax.kfac).parameters:
+      out.append(_harness.kfac_transform(
+          loss_fn, example, name=f"kfac_jax (optax), norm_constraint={args.norm_constraint:g}",
+          **common, norm_constraint=args.norm_constraint))
+    else:
+      print("kfac_jax.kfac has no norm_constraint: that contestant is skipped", flush=True)
+  if args.ekfac:
+    if _ekfac_available():
+      ekfac = dict(common, damping=wl.damping if args.ekfac_damping is None
+                   else args.ekfac_damping)
+      out.append(_harness.kfac_transform(
+          loss_fn, example, name="kfac_jax (optax), EKFAC", **ekfac,
+          layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})))
+    else:
+      print("no 'ekfac' approximation in this kfac_jax: the EKFAC contestant is skipped",
+            flush=True)
+  if wl.optimizer:
+    out.append(_harness.kfac_optimizer(loss_fn, example, damping=wl.optimizer_damping,
+                                       ema_decay=wl.ema_decay, inverse_every=wl.inverse_every))
+  return out
+
+
+def sweep_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Contestant]:
+  loss_fn = workload.loss_fn
+  example = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  out = [_harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr),
+                              learning_rate=lr) for lr in wl.adam_lr_grid]
+  extra = ({"norm_constraint": args.sweep_norm_constraint} if args.sweep_norm_constraint > 0
+           else {})
+  if args.sweep_ekfac:
+    extra["layers"] = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
+  for lr in args.sweep_lr_grid:
+    for damping in args.sweep_damping_grid:
+      out.append(_harness.kfac_transform(
+          loss_fn, example, name=f"{'ekfac' if args.sweep_ekfac else 'kfac'} lr={lr:g} "
+          f"damping={damping:g}", learning_rate=lr,
+          momentum=wl.kfac_momentum, damping=damping, ema_decay=wl.ema_decay,
+          inverse_every=wl.inverse_every, curvature_every=wl.curvature_every, **extra))
+  return out
+
+
+def _upstream_cap(runs, budget: float, data_steps: int, max_steps: int | None) -> int:
+  """Steps to hand the upstream worker: 4x what our transform's mean step allows in the budget
+  (the worker stops at the budget itself)."""
+  ours = [r for r in runs if r.summary["family"] == "kfac" and r.summary["steps"]]
+  cap = (4 * math.ceil(budget / (1e-3 * ours[0].summary["mean_step_ms"])) + 10 if ours
+         else 4 * data_steps)
+  return cap if max_steps is None else min(cap, max_steps)
+
+
+def main(argv=None) -> int:
+  args, wl, _ = parse_args(argv)
+  workload = cyclic(WORKLOADS[args.workload].make_workload(wl), wl.warmup + wl.steps)
+  command = _harness.command_line(__file__, argv)
+  contestants = (sweep_contestants if args.sweep else race_contestants)(workload, args, wl)
+  print(f"{workload.name}: {workload.description}", flush=True)
+  print(f"budget {args.budget:g} s of training per contestant; {len(contestants)} contestants",
+        flush=True)
+  jax.jit(lambda x: x + 1).lower(1.0).compile()  # One-off JIT start-up, paid by nobody below.
+  runs = []
+  for c in contestants:
+    print(f"running {c.name} ...", flush=True)
+    runs.append(_harness.run_contestant_for_budget(c, workload, args.budget, wl.seed,
+                                                   args.max_steps))
+    s = runs[-1].summary
+    print(f"  {s['steps']} steps, {s['charged_s']:.1f} s charged, loss "
+          f"{s['final_eval_loss']:.4g}", flush=True)
+  upstream = None
+  if wl.with_upstream and not args.sweep:
+    if workload.upstream is None:
+      upstream = {"optimizer": _harness.UPSTREAM_NAME, "family": "upstream",
+                  "error": f"no upstream version of the {workload.name} workload"}
+    else:
+      upstream = _harness.run_upstream_for_budget(
+          workload, wl, args.budget, _upstream_cap(runs, args.budget, args.data_steps,
+                                                   args.max_steps))
+  all_runs = runs + ([upstream] if isinstance(upstream, _harness.Run) else [])
+  rep = _harness.race_compare(all_runs, wl.reach_window)
+  rows = rep["rows"] + ([upstream] if isinstance(upstream, dict) else [])
+  env = _harness.environment(command, workload)
+  print()
+  print(f"jax {env['jax']} on {env['device']} ({env['cpu_count']} CPUs), Python "
+        f"{env['python']}; budget {args.budget:g} s of charged training per contestant")
+  print(f"command: `{command}`")
+  print()
+  if args.sweep:
+    print(sweep_table(rep["rows"], args.budget, rep["target"]))
+  else:
+    print(_harness.race_table(rows, args.budget, rep["target"]))
+  print()
+  for fam, grid in rep["grids"].items():
+    print(f"{fam} grid (loss at the budget per learning rate): " + ", ".join(
+        f"lr={lr:g}: {_harness._fmt(loss, '.4g')}" for lr, loss in grid))
+  print(f"loss = {workload.eval_description}; target = the tuned Adam's final training loss "
+        f"(minibatch, trailing mean of {rep['window']}); seconds = charged training seconds "
+        "(compilation, evaluation and the first step's one-off costs excluded); vs Adam = "
+        "seconds to the target / the tuned Adam's own.")
+  out = {"env": env, "budget_s": args.budget, "data_steps": args.data_steps,
+         "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
+         "grids": rep["grids"], "target_loss": rep["target"], "target_window": rep["window"],
+         "adam_seconds_to_target": rep["adam_seconds"], "results": rows,
+         "all_runs": [r.summary for r in runs],
+         "curves": {r.name: {"losses": [float(x) for x in r.losses],
+                             "step_times_s": [float(x) for x in r.step_times]}
+                    for r in all_runs}}
+  if wl.plot:
+    best = {id(b): row["optimizer"] for b, row in zip(rep["best"].values(), rep["rows"])}
+    curves = {best.get(id(r), r.name): rep["curves"][r.name] for r in all_runs
+              if r.summary["family"] not in ("adam", "muon") or id(r) in best}
+    title = f"race, {args.budget:g} s: {workload.name}: {workload.description.split('; ')[0]}"
+    compare.plot_curves(curves, wl.plot, textwrap.fill(title, 150))
+    print(f"wrote {wl.plot}")
+  if wl.json:
+    os.makedirs(os.path.dirname(os.path.abspath(wl.json)), exist_ok=True)
+    with open(wl.json, "w") as f:
+      json.dump(out, f, indent=2, default=_harness._json_default)
+    print(f"wrote {wl.json}")
+  return 0
+
+
+def sweep_table(rows, budget: float, target: float) -> str:
+  """The sweep: one row per (learning rate, damping), sorted by the loss at the budget."""
+  lines = [f"| run | loss at {budget:g} s | seconds to {target:.4g} | vs Adam | steps | finite |",
+           "|---|---:|---:|---:|---:|---|"]
+  for r in sorted(rows, key=lambda r: (not math.isfinite(r["final_eval_loss"]),
+                                       r["final_eval_loss"])):
+    hit = r.get("time_to_target")
+    lines.append(f"| {r['optimizer']} | {_harness._fmt(r['final_eval_loss'], '.4g')} | "
+                 f"{'not reached' if hit is None else format(hit[1], '.1f')} | "
+                 f"{_harness._fmt(r.get('vs_adam'), '.2f', '')} | {r['steps']:,} | "
+                 f"{'yes' if r['finite'] else 'NO'} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,117 @@
+"""Argument checks shared by the public constructors.
+
+Every check names the argument, shows the value received and says what is expected, and runs
+before any state exists. Wrong kinds of value (a string, None, a bool where a number is
+expected) raise `TypeError`; a value of the right kind out of range raises `ValueError`.
+
+Traced values (a hyperparameter injected by `optax.inject_hyperparams` and read inside `jit`)
+cannot be inspected and pass unchecked; their concrete initial values were checked when the
+injected transform was created.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def is_traced(value) -> bool:
+  return isinstance(value, jax.core.Tracer)
+
+
+def _describe(value) -> str:
+  if isinstance(value, (jax.Array, np.ndarray)):
+    return f"{value!r}"
+  return f"{value!r} ({type(value).__name__})"
+
+
+def _as_float(value, name: str, expected: str) -> float | None:
+  """The value as a float; None when traced. TypeError for anything but a real scalar."""
+  if is_traced(value):
+    return None
+  if isinstance(value, (bool, np.bool_)) or value is None or isinstance(value, (str, bytes)):
+    raise TypeError(f"`{name}` must be {expected}, got {_describe(value)}.")
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    return float(value)
+  if isinstance(value, (jax.Array, np.ndarray)):
+    if np.shape(value) != () or not np.issubdtype(value.dtype, np.number) or np.issubdtype(
+        value.dtype, np.complexfloating):
+      raise TypeError(f"`{name}` must be {expected}, got an array of shape {np.shape(value)} "
+                      f"and dtype {value.dtype}: {value!r}.")
+    return float(value)
+  raise TypeError(f"`{name}` must be {expected}, got {_describe(value)}.")
+
+
+def number(value, name: str, *, low: float = -math.inf, low_open: bool = False,
+           high: float = math.inf, high_open: bool = False, schedule: bool = False) -> None:
+  """A finite real scalar in the interval (or, with `schedule`, a callable `count -> value`)."""
+  if schedule and callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
+    return
+  lo = ("(" if low_open else "[") + f"{low:g}"
+  hi = f"{high:g}" + (")" if high_open else "]")
+  if low == 0 and low_open and high == math.inf:
+    expected = "a finite number > 0"
+  elif low == 0 and high == math.inf:
+    expected = "a finite number >= 0"
+  elif low == -math.inf and high == math.inf:
+    expected = "a finite number"
+  else:
+    expected = f"a number in {lo}, {hi}"
+  if schedule:
+    expected += " or a schedule `count -> value`"
+  v = _as_float(value, name, expected)
+  if v is None:
+    return
+  ok = math.isfinite(v) and (v > low if low_open else v >= low) and (
+      v < high if high_open else v <= high)
+  if not ok:
+    raise ValueError(f"`{name}` must be {expected}, got {_describe(value)}.")
+
+
+def positive_int(value, name: str) -> None:
+  """An integer >= 1 (a Python int, a numpy integer or a 0-d integer-valued array)."""
+  expected = "a positive integer"
+  v = _as_float(value, name, expected)
+  if v is None:
+    return
+  if not math.isfinite(v) or v != int(v) or v < 1:
+    raise ValueError(f"`{name}` must be {expected}, got {_describe(value)}.")
+
+
+def static_int(value, name: str, *, low: int = 1, fix: str = "") -> None:
+  """A Python int >= `low` that fixes array shapes (never traced)."""
+  if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
+    raise TypeError(f"`{name}` fixes array shapes and must be a Python int, got a "
+                    f"{type(value).__name__}: {value!r}.{fix}")
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"`{name}` must be an int >= {low}, got {_describe(value)}.{fix}")
+  if value < low:
+    raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+
+
+def boolean(value, name: str) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"`{name}` must be a bool (True or False), got {_describe(value)}.")
+
+
+def choice(value, name: str, choices: Sequence[Any]) -> None:
+  if not isinstance(value, str) or value not in choices:
+    raise (ValueError if isinstance(value, str) else TypeError)(
+        f"unknown {name} {value!r}; choose one of {', '.join(repr(c) for c in choices)}.")
+
+
+def optional_str(value, name: str) -> None:
+  if value is not None and not isinstance(value, str):
+    raise TypeError(f"`{name}` must be a string or None, got {_describe(value)}.")
+
+
+def function(value, name: str) -> None:
+  if not callable(value):
+    raise TypeError(f"`{name}` must be callable, got {_describe(value)}.")
+
+
+Schedule = Callable[[Any], Any]

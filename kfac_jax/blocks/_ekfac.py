@@ -1,0 +1,178 @@
+"""EKFAC: K-FAC's Kronecker eigenbasis with per-coordinate scalings re-estimated every step.
+
+George, Laurent, Bouthillier, Ballas & Vincent (2018), "Fast Approximate Natural Gradient Descent
+in a Kronecker-factored Eigenbasis". With the layer's matrix view `M: [in(+1), out]` (see
+`_layouts`; the bias is the last row) and the per-example gradient of example n under sampled
+target s, `J_sn = Σ_{r ∈ n} x̄_r g_rᵀ` (rows r of that example),
+
+    A = (1/R) Σ_r x̄_r x̄_rᵀ = U_A diag(·) U_Aᵀ,   G = (1/N) Σ_r g_r g_rᵀ = U_G diag(·) U_Gᵀ,
+    s = (1/(S N)) Σ_{s,n} (U_Aᵀ J_sn U_G)²          (elementwise square, [in(+1), out]),
+    F ≈ (U_A ⊗ U_G) diag(vec s) (U_A ⊗ U_G)ᵀ,
+
+so `F^p M = U_A ((U_Aᵀ M U_G) ⊙ (s + λ)^p) U_Gᵀ` (damping λ added to every scaling, i.e.
+`F + λ I`). A and G are the K-FAC factors (the same statistics and EMA as "kron"); their
+eigenbases U_A, U_G are refreshed by `update_inverses` (the cache); s is recomputed from every
+curvature batch in the basis of the current cache and averaged with the same EMA as A and G
+(so `batch_factors` takes the cache: `needs_cache_for_statistics`). Before the first refresh
+the basis is the identity and s is the diagonal Fisher. When the per-example gradients are
+exactly Kronecker (one example, or A and G of rank one), s = eig(A) ⊗ eig(G) and EKFAC equals
+K-FAC with "eigen" damping, `(A ⊗ G + λ I)^p`.
+
+Dense and convolution layers (one row per example and output location for a convolution,
+grouped convolutions per group); sequence inputs sum the positions of an example into J.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax.blocks import _layouts, _linalg
+from kfac_jax.blocks._base import Block
+
+Array = jax.Array
+
+
+def _in_basis(rows: Array, u: Array, grouped: bool) -> Array:
+  """`rows [..., groups, n]` times the basis `u` ([groups, n, n], or [n, n] for one group).
+
+  One group is a plain matrix product (XLA's CPU backend runs the batched-dot form slower, see
+  `_linalg.gram`); default precision, as the factors' own products."""
+  if not grouped:
+    return rows @ u
+  return jnp.einsum("...gi,gij->...gj", rows, u)
+
+
+class EKFACBlock(Block):
+  """EKFAC block of a dense or conv layer (kernel and optional bias). Cache: the eigenbases
+  `a_evecs` [(groups,) in(+1), in(+1)], `g_evecs` [(groups,) out, out] and `damping`; factors:
+  `a`, `g` (as "kron") and `s` [(groups,) in(+1), out], the scalings in that basis."""
+
+  needs_cache_for_statistics = True
+
+  @functools.cached_property
+  def layout(self):
+    return _layouts.layout_for(self.spec)
+
+  @property
+  def _grouped(self) -> bool:
+    return len(self.spec.factor_shapes[1]) == 3
+
+  def _map(self, fn, *args):
+    return jax.vmap(fn)(*args) if self._grouped else fn(*args)
+
+  def _scaling_shape(self) -> tuple[int, ...]:
+    sa, sg = self.spec.factor_shapes
+    return sa[:-1] + sg[-1:]
+
+  # -- statistics ------------------------------------------------------------------------------
+
+  def init_factors(self):
+    sa, sg = self.spec.factor_shapes
+    dtype = self.config.stats_dtype
+    return {"a": jnp.zeros(sa, dtype), "g": jnp.zeros(sg, dtype),
+            "s": jnp.zeros(self._scaling_shape(), dtype)}
+
+  def batch_factors(self, data, batch_size, cache=None):
+    """A, G as the Kronecker block; s in the eigenbasis of `cache` (the identity if None)."""
+    dtype = self.config.accum_dtype
+    x, g = self.layout.rows(data, dtype)  # x: [R, groups, in]; g: [S, R, groups, out]
+    rows, samples = x.shape[0], g.shape[0]
+    if rows % batch_size:
+      raise ValueError(
+          f"layer `{self.spec.name}`: approx='ekfac' needs the batch as the leading axis of the "
+          f"input, but the input has {rows} rows for a batch of {batch_size}.")
+    a = _linalg.gram(x, self.spec.has_bias) / rows
+    gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (samples * batch_size)
+    if self.spec.has_bias:
+      x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
+    if cache is not None:
+      ua, ug = (cache[k].astype(dtype) for k in ("a_evecs", "g_evecs"))
+      x, g = _in_basis(x, ua, self._grouped), _in_basis(g, ug, self._grouped)
+    if rows == batch_size:  # One row per example: J = x̄ gᵀ, so (Uᵀ J U)² = (x̃²)(g̃²)ᵀ.
+      x2, g2 = x * x, jnp.sum(g * g, axis=0)
+      s = (x2[:, 0].T @ g2[:, 0])[None] if x.shape[1] == 1 else jnp.einsum(
+          "rgi,rgo->gio", x2, g2)
+    else:
+      per = rows // batch_size
+      x = x.reshape(batch_size, per, *x.shape[1:])
+      g = g.reshape(samples, batch_size, per, *g.shape[2:])
+      j = jnp.einsum("nlgi,snlgo->sngio", x, g)
+      s = jnp.sum(j * j, axis=(0, 1))
+    s = s / (samples * batch_size)
+    if not self._grouped:
+      a, gg, s = a[0], gg[0], s[0]
+    return {"a": a, "g": gg, "s": s}
+
+  # -- inverses --------------------------------------------------------------------------------
+
+  def init_cache(self):
+    sa, sg = self.spec.factor_shapes
+    dtype = self.config.inverse_dtype
+
+    def eye(shape):
+      return jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
+
+    return {"a_evecs": eye(sa), "g_evecs": eye(sg), "damping": jnp.zeros((), dtype)}
+
+  def compute_cache(self, factors, damping):
+    def one(a, g):
+      return {"a_evecs": _linalg.eigh_psd(a)[1], "g_evecs": _linalg.eigh_psd(g)[1]}
+
+    cache = self._map(one, factors["a"], factors["g"])
+    cache["damping"] = jnp.asarray(damping, self.config.inverse_dtype)
+    return cache
+
+  # -- products --------------------------------------------------------------------------------
+
+  def _scaled(self, factors, cache, vecs, fn, damped: bool = True):
+    """U_A ((U_Aᵀ M U_G) ⊙ fn(s (+ λ))) U_Gᵀ for the matrix view M of `vecs`."""
+    dtype = self.config.inverse_dtype
+    m = self.layout.to_matrix(vecs, dtype)
+    m = m if self._grouped else m[0]
+    lam = cache["damping"].astype(dtype) if damped else 0.0
+
+    def one(ua, ug, s, m):
+      inner = ua.T @ m @ ug
+      return ua @ (inner * fn(s.astype(dtype) + lam)) @ ug.T
+
+    out = self._map(one, cache["a_evecs"], cache["g_evecs"], factors["s"], m)
+    out = self.layout.from_matrix(out if self._grouped else out[None])
+    return [o.astype(v.dtype) for o, v in zip(out, vecs)]
+
+  def multiply_matpower(self, factors, cache, vecs, exp):
+    self.check_exp(exp)
+    return self._scaled(factors, cache, vecs, lambda d: d if exp == 1 else d ** exp)
+
+  def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
+    # The symmetric square root: C = Cᵀ = F_λ^½ (as Kronecker blocks in "eigen" mode).
+    del transpose
+    return self._scaled(factors, cache, vecs, (lambda d: d ** -0.5) if inverse else jnp.sqrt)
+
+  def multiply_undamped(self, factors, vecs, cache=None):
+    """F · vecs in the basis of `cache` (EKFAC's estimate depends on it: the factors alone
+    do not define it, so the cache is required)."""
+    if cache is None:
+      raise ValueError(
+          f"block `{self.name}` (approx='ekfac'): the undamped estimate depends on the eigenbasis "
+          "in the cache; pass `cache=` (the estimator's `to_dense` does).")
+    return self._scaled(factors, cache, vecs, lambda d: d, damped=False)
+
+  def to_dense(self, factors, cache=None):
+    """The undamped block `(U_A ⊗ U_G) diag(s) (U_A ⊗ U_G)ᵀ` as a matrix (see `Block`)."""
+    sizes = [math.prod(s) for s in self.spec.param_shapes]
+    dtype = self.config.inverse_dtype
+    factors = jax.tree_util.tree_map(lambda x: x.astype(dtype), factors)
+
+    def column(e):
+      vecs, off = [], 0
+      for size, shape in zip(sizes, self.spec.param_shapes):
+        vecs.append(e[off:off + size].reshape(shape))
+        off += size
+      out = self.multiply_undamped(factors, vecs, cache)
+      return jnp.concatenate([v.ravel() for v in out])
+
+    return jax.vmap(column, out_axes=1)(jnp.eye(sum(sizes), dtype=dtype))

@@ -1,0 +1,228 @@
+"""The optax contract, run over every K-FAC transformation the library offers.
+
+`scale_by_kfac` (chained with a learning rate), `kfac` and `Optimizer(...).as_optax()` must each:
+jit their init and update; compile once (the second and later steps, inverse refreshes
+included, reuse the program); work inside `optax.chain` next to another transform and inside
+`optax.inject_hyperparams` (the two factories); plug into `nnx.Optimizer`; keep bfloat16
+params bfloat16; continue identically after a `state_to_bytes` / `state_from_bytes` round trip;
+and converge on a least-squares problem.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import kfac_jax
+from tests import _models
+
+KINDS = ["scale_by_kfac", "kfac", "optimizer"]
+
+
+def _least_squares(n=64, din=5, dout=2, dtype=jnp.float32):
+  kx, kw, kn = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (n, din), dtype)
+  w_true = jax.random.normal(kw, (din, dout), dtype)
+  y = x @ w_true + 1.0 + 0.1 * jax.random.normal(kn, (n, dout), dtype)
+  params = {"dense": {"w": jnp.zeros((din, dout), dtype), "b": jnp.zeros((dout,), dtype)}}
+
+  def loss_fn(params, batch):
+    pred = batch["x"] @ params["dense"]["w"] + params["dense"]["b"]
+    kfac_jax.register_squared_error_loss(pred, batch["y"])
+    return jnp.mean(jnp.sum((pred - batch["y"]) ** 2, axis=-1))
+
+  xa = np.concatenate([np.asarray(x, np.float64), np.ones((n, 1))], axis=1)
+  coef = np.linalg.lstsq(xa, np.asarray(y, np.float64), rcond=None)[0]
+  best = float(np.mean(np.sum((xa @ coef - np.asarray(y, np.float64)) ** 2, axis=-1)))
+  return loss_fn, params, {"x": x, "y": y}, best
+
+
+def _make(kind, loss_fn, batch, **kw):
+  """The transformation, and the extra arguments its update takes."""
+  if kind == "scale_by_kfac":
+    lr = kw.pop("learning_rate", 0.5)
+    tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3, inverse_every=3, **kw),
+                     optax.scale_by_learning_rate(lr))
+  elif kind == "kfac":
+    kw = {"learning_rate": 0.5, "momentum": 0.3, **kw}
+    tx = kfac_jax.kfac(loss_fn, batch, damping=1e-3, inverse_every=3, **kw)
+  else:
+    tx = kfac_jax.Optimizer(loss_fn, batch, inverse_every=3, **kw).as_optax()
+  return tx
+
+
+def _extra(kind, loss_fn, params, batch, rng):
+  """`(grads, loss, kwargs for update)`: one forward pass for the transforms; the Optimizer
+  computes everything from the batch."""
+  if kind == "optimizer":
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    return grads, loss, {"batch": batch, "rng": rng}
+  loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+  return grads, loss, {"curvature_stats": stats}
+
+
+def _step_fn(kind, loss_fn, tx, traces=None):
+  """The jitted train step; appends to `traces` each time JAX traces (compiles) it."""
+  @jax.jit
+  def step(params, state, batch, rng):
+    if traces is not None:
+      traces.append(1)
+    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng)
+    updates, state = tx.update(grads, state, params, **kw)
+    return optax.apply_updates(params, updates), state, loss, updates
+  return step
+
+
+def _assert_trees_equal(a, b):
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_jit_compiles_once_and_converges_on_least_squares(kind):
+  loss_fn, params, batch, best = _least_squares()
+  tx = _make(kind, loss_fn, batch)
+  init = jax.jit(tx.init)
+  state = init(params)
+  step = _step_fn(kind, loss_fn, tx)
+  losses = []
+  for i in range(25):
+    params, state, loss, _ = step(params, state, batch, jax.random.key(i))
+    losses.append(float(loss))
+  # Steps 2..25, across inverse refreshes (every 3), reuse the first step's program.
+  assert step._cache_size() == 1 and init._cache_size() == 1
+  final = float(loss_fn(params, batch))
+  assert final - best < 1e-2 * (losses[0] - best), (kind, losses[0], final, best)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inside_optax_chain(kind):
+  """Chained after a (here inactive) gradient clip and before a 0.5 scale: exactly half of
+  the bare transformation's update, with the extra arguments forwarded through the chain."""
+  loss_fn, params, batch, _ = _least_squares()
+  bare = _make(kind, loss_fn, batch)
+  chained = optax.chain(optax.clip_by_global_norm(1e6), _make(kind, loss_fn, batch),
+                        optax.scale(0.5))
+  s_bare, s_chain = bare.init(params), chained.init(params)
+  step_bare, step_chain = _step_fn(kind, loss_fn, bare), _step_fn(kind, loss_fn, chained)
+  p_bare = params
+  for i in range(3):
+    rng = jax.random.key(i)
+    _, s_bare, _, u_bare = step_bare(p_bare, s_bare, batch, rng)
+    _, s_chain, _, u_chain = step_chain(p_bare, s_chain, batch, rng)
+    for a, b in zip(jax.tree_util.tree_leaves(u_chain), jax.tree_util.tree_leaves(u_bare)):
+      np.testing.assert_allclose(a, 0.5 * b, rtol=1e-5, atol=1e-7)
+    p_bare = optax.apply_updates(p_bare, u_bare)
+  assert step_chain._cache_size() == 1
+
+
+@pytest.mark.parametrize("kind", ["scale_by_kfac", "kfac"])
+def test_inside_inject_hyperparams(kind):
+  """Injected hyperparameters change the next update without a recompile: the learning rate
+  scales it exactly; a larger damping makes it smaller."""
+  loss_fn, params, batch, _ = _least_squares()
+  static = ("loss_fn", "example_batch")
+  if kind == "kfac":
+    tx = optax.inject_hyperparams(kfac_jax.kfac, static_args=static)(
+        loss_fn=loss_fn, example_batch=batch, learning_rate=0.1, damping=1e-3)
+  else:
+    tx = optax.chain(
+        optax.inject_hyperparams(kfac_jax.scale_by_kfac, static_args=static)(
+            loss_fn=loss_fn, example_batch=batch, damping=1e-3),
+        optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=0.1))
+  state = tx.init(params)
+  step = _step_fn(kind, loss_fn, tx)
+
+  def with_hp(state, name, value):
+    if kind == "kfac":
+      hp = state.hyperparams
+      return state._replace(hyperparams={**hp, name: jnp.asarray(value, hp[name].dtype)})
+    k = 1 if name == "learning_rate" else 0
+    hp = state[k].hyperparams
+    new = state[k]._replace(hyperparams={**hp, name: jnp.asarray(value, hp[name].dtype)})
+    return tuple(new if j == k else s for j, s in enumerate(state))
+
+  rng = jax.random.key(0)
+  _, _, _, u1 = step(params, state, batch, rng)
+  _, _, _, u3 = step(params, with_hp(state, "learning_rate", 0.3), batch, rng)
+  for a, b in zip(jax.tree_util.tree_leaves(u3), jax.tree_util.tree_leaves(u1)):
+    np.testing.assert_allclose(a, 3.0 * b, rtol=1e-5, atol=1e-8)
+  _, _, _, ud = step(params, with_hp(state, "damping", 10.0), batch, rng)
+  assert float(optax.tree.norm(ud)) < 0.5 * float(optax.tree.norm(u1))
+  assert step._cache_size() == 1
+
+
+def _nnx_loss(graphdef):
+  def loss_fn(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss_fn
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_in_nnx_optimizer(kind):
+  """`nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, grads, **kw)` forwards the extra
+  arguments (flax 0.12: `update(self, model, grads, /, **kwargs)`)."""
+  model = _models.NnxMLP(4, 8, 3, nnx.Rngs(0))
+  graphdef, _ = nnx.split(model)
+  batch = _models.classification_batch(jax.random.key(1), n=32)
+  loss_fn = _nnx_loss(graphdef)
+  tx = _make(kind, loss_fn, batch, **({} if kind == "optimizer" else {"learning_rate": 0.3}))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, batch, rng):
+    params = nnx.state(model, nnx.Param)
+    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng)
+    optimizer.update(model, grads, **kw)
+    return loss
+
+  losses = [float(step(model, optimizer, batch, jax.random.key(i))) for i in range(12)]
+  assert np.all(np.isfinite(losses)) and losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_params_keep_their_dtype(kind):
+  params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (4, 8, 3)), jnp.bfloat16)
+  batch = _models.classification_batch(jax.random.key(1), n=32, dtype=jnp.bfloat16)
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+  tx = _make(kind, loss_fn, batch, **({} if kind == "optimizer" else {"learning_rate": 0.1}))
+  state = tx.init(params)
+  step = _step_fn(kind, loss_fn, tx)
+  for i in range(3):
+    params, state, loss, updates = step(params, state, batch, jax.random.key(i))
+    assert np.isfinite(float(loss))
+  assert {x.dtype for x in jax.tree_util.tree_leaves((params, updates))} == {
+      jnp.dtype(jnp.bfloat16)}
+  curv = jax.tree_util.tree_leaves(
+      [s.curvature.factors for s in jax.tree_util.tree_leaves(
+          state, is_leaf=lambda s: hasattr(s, "curvature")) if hasattr(s, "curvature")])
+  assert curv and {x.dtype for x in curv} == {jnp.dtype(jnp.float32)}  # Statistics stay f32.
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_round_trip_continues_identically(kind):
+  loss_fn, params, batch, _ = _least_squares()
+  tx = _make(kind, loss_fn, batch)
+  traces = []
+  step = _step_fn(kind, loss_fn, tx, traces)
+  state = tx.init(params)
+  for i in range(2):
+    params, state, _, _ = step(params, state, batch, jax.random.key(i))
+  data = kfac_jax.state_to_bytes(state)
+  restored = kfac_jax.state_from_bytes(tx.init(params), data)
+  _assert_trees_equal(restored, state)
+  runs = []
+  for s in (state, restored):
+    p = params
+    for i in range(2, 6):  # Crosses the inverse refresh at update 3.
+      p, s, _, _ = step(p, s, batch, jax.random.key(i))
+    runs.append((p, s))
+  _assert_trees_equal(runs[0], runs[1])
+  # The restored leaves are numpy arrays: JAX keeps a second dispatch-cache entry for them,
+  # but traces (and compiles) the step only once.
+  assert len(traces) == 1

@@ -1,0 +1,288 @@
+"""EKFAC (approx="ekfac") against its definition on tiny models, in float64.
+
+George et al. (2018): with K-FAC's factors A = U_A Λ_A U_Aᵀ, G = U_G Λ_G U_Gᵀ and the
+per-example gradients J_n (as `[in+1, out]` matrices, bias last), the scalings are
+s = (1/N) Σ_n (U_Aᵀ J_n U_G)² and the preconditioned gradient U_A ((U_Aᵀ ∇ U_G) / (s + λ)) U_Gᵀ.
+The references are computed with numpy from per-example gradients (jax.jacobian).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from jax.flatten_util import ravel_pytree
+
+import kfac_jax
+from tests import _models
+
+EKFAC = kfac_jax.LayerConfig(defaults={"dense": "ekfac"})
+SIZES = (4, 5, 3)
+LAMBDA = 0.3
+
+
+def _loss_fn(params, batch):
+  return _models.softmax_loss(_models.jnp_mlp_apply)(params, batch)
+
+
+def _per_example(params, batch):
+  logits = _models.jnp_mlp_apply(params, batch["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+
+def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
+  k = jax.random.split(jax.random.key(seed), 2)
+  params = _models.jnp_mlp_init(k[0], SIZES, dtype)
+  params = jax.tree.map(lambda p: p + 0.1 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape)
+                        / p.size, params)  # non-zero biases
+  batch = _models.classification_batch(k[1], n=n, din=SIZES[0], classes=SIZES[-1],
+                                       dtype=dtype)
+  if same_x:
+    batch["x"] = jnp.broadcast_to(batch["x"][:1], batch["x"].shape)
+  return params, batch
+
+
+def _run(params, batch, layers=None, damping_mode="factored"):
+  """Statistics, an inverse update at LAMBDA, statistics again (EKFAC's s in that basis)."""
+  est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="empirical", layers=layers,
+                                    damping_mode=damping_mode)
+  state = est.init(params)
+  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+  state = est.update_inverses(state, LAMBDA)
+  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+  return est, state
+
+
+def _per_example_matrices(params, batch):
+  """{layer: J [N, in+1, out]}: per-example gradients of each layer as [W; b]."""
+  jac = jax.jacobian(_per_example)(params, batch)
+  return {name: np.concatenate([np.asarray(j["w"]), np.asarray(j["b"])[:, None, :]], axis=1)
+          for name, j in jac.items()}
+
+
+def _reference(params, batch, grads):
+  """numpy EKFAC from the definition: per layer (U_A, U_G, s) and the preconditioned grads."""
+  out, bases = {}, {}
+  for name, j in _per_example_matrices(params, batch).items():
+    n = j.shape[0]
+    # With one row per example, the inputs x̄_n are J_n's rows divided by g_n = J_n's bias row:
+    # A = (1/N) Σ x̄ x̄ᵀ from the activations directly.
+    x = np.asarray(batch["x"]) if name == "layer0" else np.tanh(
+        np.asarray(batch["x"]) @ np.asarray(params["layer0"]["w"])
+        + np.asarray(params["layer0"]["b"]))
+    xb = np.concatenate([x, np.ones((n, 1))], axis=1)
+    a = xb.T @ xb / n
+    g_rows = j[:, -1, :]  # the bias gradient is the output gradient g_n
+    g = g_rows.T @ g_rows / n
+    ua, ug = np.linalg.eigh(a)[1], np.linalg.eigh(g)[1]
+    s = np.mean(np.einsum("ai,naj,jb->nib", ua, j, ug) ** 2, axis=0)
+    m = np.concatenate([np.asarray(grads[name]["w"]), np.asarray(grads[name]["b"])[None]])
+    p = ua @ ((ua.T @ m @ ug) / (s + LAMBDA)) @ ug.T
+    out[name] = {"w": p[:-1], "b": p[-1]}
+    bases[name] = (ua, ug, s, a, g)
+  return out, bases
+
+
+def test_ekfac_is_registered_and_factors_are_kfacs(x64):
+  params, batch = _setup()
+  est, state = _run(params, batch, EKFAC)
+  assert [(l.kind, l.approx) for l in est.layers] == [("dense", "ekfac")] * 2
+  assert type(est.blocks[0]).__name__ == "EKFACBlock"
+  _, bases = _reference(params, batch, jax.tree.map(jnp.zeros_like, params))
+  for name, (_, _, s, a, g) in zip(("layer0", "layer1"), bases.values()):
+    f = state.factors[name]
+    np.testing.assert_allclose(f["a"], a, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(f["g"], g, rtol=1e-10, atol=1e-12)
+    assert f["s"].shape == s.shape == (a.shape[0], g.shape[0])
+
+
+def test_preconditioned_gradient_equals_the_definition(x64):
+  params, batch = _setup()
+  est, state = _run(params, batch, EKFAC)
+  grads = jax.grad(_loss_fn)(params, batch)
+  got = est.multiply_inverse(state, grads)
+  want, bases = _reference(params, batch, grads)
+  for name in want:
+    np.testing.assert_allclose(state.factors[name]["s"], bases[name][2], rtol=1e-8, atol=1e-12)
+    for leaf in ("w", "b"):
+      np.testing.assert_allclose(got[name][leaf], want[name][leaf], rtol=1e-8, atol=1e-12)
+  # Differs from K-FAC here (many examples): the test can tell the two apart.
+  kron_est, kron_state = _run(params, batch, None, damping_mode="eigen")
+  kron = kron_est.multiply_inverse(kron_state, grads)
+  assert not np.allclose(ravel_pytree(kron)[0], ravel_pytree(got)[0], rtol=1e-3)
+  # exp = 1 is the inverse's inverse.
+  back = est.multiply(state, got)
+  np.testing.assert_allclose(ravel_pytree(back)[0], ravel_pytree(grads)[0], rtol=1e-8,
+                             atol=1e-12)
+
+
+def test_to_dense_is_the_eigenbasis_with_the_scalings(x64):
+  params, batch = _setup()
+  est, state = _run(params, batch, EKFAC)
+  _, bases = _reference(params, batch, jax.tree.map(jnp.zeros_like, params))
+  flat, unravel = ravel_pytree(params)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  want = np.zeros((flat.size, flat.size))
+  for name, (ua, ug, s, _, _) in bases.items():
+    for i in range(ua.shape[0]):
+      for j in range(ug.shape[0]):
+        m = np.outer(ua[:, i], ug[:, j])
+        tree = dict(zero, **{name: {"w": jnp.asarray(m[:-1]), "b": jnp.asarray(m[-1])}})
+        q = np.asarray(ravel_pytree(tree)[0])
+        want += s[i, j] * np.outer(q, q)
+  np.testing.assert_allclose(est.to_dense(state), want, rtol=1e-8, atol=1e-12)
+  del unravel
+
+
+@pytest.mark.parametrize("same_x", [False, True], ids=["one_example", "rank_one_inputs"])
+def test_equals_kfac_with_eigen_damping_when_gradients_are_kronecker(x64, same_x):
+  # One example: J = x̄ gᵀ; or every example with the same input (A of rank one, and so the
+  # hidden layer's input too): J_n = x̄ g_nᵀ. Then s = eig(A) ⊗ eig(G) and EKFAC is K-FAC.
+  params, batch = _setup(n=1 if not same_x else 8, same_x=same_x)
+  est, state = _run(params, batch, EKFAC)
+  kron_est, kron_state = _run(params, batch, None, damping_mode="eigen")
+  grads = jax.grad(_loss_fn)(params, batch)
+  got = est.multiply_inverse(state, grads)
+  want = kron_est.multiply_inverse(kron_state, grads)
+  np.testing.assert_allclose(ravel_pytree(got)[0], ravel_pytree(want)[0], rtol=1e-8, atol=1e-10)
+  np.testing.assert_allclose(est.to_dense(state), kron_est.to_dense(kron_state), rtol=1e-8,
+                             atol=1e-10)
+
+
+def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x64):
+  params, batch = _setup()
+  est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  for name, j in _per_example_matrices(params, batch).items():
+    np.testing.assert_allclose(state.factors[name]["s"], np.mean(j ** 2, axis=0), rtol=1e-10)
+
+
+def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
+  k = jax.random.split(jax.random.key(3), 3)
+  params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64), "b": jnp.ones(4, jnp.float64)}
+  batch = {"x": jax.random.normal(k[1], (5, 2, 3), jnp.float64),
+           "y": jax.random.randint(k[2], (5,), 0, 4)}
+
+  def logits(p, x):
+    return (x @ p["w"] + p["b"]).sum(axis=1)
+
+  def loss_fn(p, b):
+    out = logits(p, b["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(out, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(out, b["y"]).mean()
+
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  state = est.update_inverses(state, LAMBDA)
+  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+  jac = jax.jacobian(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+      logits(p, batch["x"]), batch["y"]))(params)
+  j = np.concatenate([np.asarray(jac["w"]), np.asarray(jac["b"])[:, None]], axis=1)
+  (name,) = state.factors
+  cache = state.cache[name]
+  ua, ug = np.asarray(cache["a_evecs"]), np.asarray(cache["g_evecs"])
+  s = np.mean(np.einsum("ai,naj,jb->nib", ua, j, ug) ** 2, axis=0)
+  np.testing.assert_allclose(state.factors[name]["s"], s, rtol=1e-8, atol=1e-12)
+
+
+class _CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Conv(3, (2, 2))(x))
+    return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+
+def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
+  k = jax.random.split(jax.random.key(1), 3)
+  batch = {"x": jax.random.normal(k[0], (6, 3, 3, 2), jnp.float64),
+           "y": jax.random.randint(k[1], (6,), 0, 2)}
+  model = _CNN()
+  params = jax.tree.map(lambda p: p.astype(jnp.float64), model.init(k[2], batch["x"]))
+
+  def loss_fn(p, b):
+    return _models.softmax_loss(model.apply)(p, b)
+
+  layers = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
+  state = est.init(params)
+  assert {(l.kind, l.approx) for l in est.layers} == {("conv", "ekfac"), ("dense", "ekfac")}
+  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+  state = est.update_inverses(state, LAMBDA)
+  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+  # F_EKFAC = Σ s_ij q_ij q_ijᵀ with orthonormal q_ij (the Kronecker eigenbasis in parameter
+  # space), so s_ij = q_ijᵀ F_EKFAC q_ij must equal q_ijᵀ F_exact q_ij, F_exact the empirical
+  # Fisher (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ: the definition of the scalings.
+  flat, unravel = ravel_pytree(params)
+  jac = jax.jacobian(lambda f: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply(unravel(f), batch["x"]), batch["y"]))(flat)
+  exact = np.asarray(jac).T @ np.asarray(jac) / jac.shape[0]
+  dense = np.asarray(est.to_dense(state))
+  mask = _models.block_mask(est, params)
+  q_f = np.linalg.eigh(dense)[1]
+  np.testing.assert_allclose(np.diag(q_f.T @ dense @ q_f), np.diag(q_f.T @ (exact * mask) @ q_f),
+                             rtol=1e-6, atol=1e-10)
+  # ... and it is not the plain K-FAC block (which differs from the exact one on a conv).
+  kron = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
+  ks = kron.update_curvature(kron.init(params), params, batch, None, ema_decay=0.0)
+  kron_dense = np.asarray(kron.to_dense(ks))
+  assert not np.allclose(np.diag(q_f.T @ kron_dense @ q_f), np.diag(q_f.T @ dense @ q_f),
+                         rtol=1e-3)
+
+
+def test_transform_and_optimizer_train_with_ekfac_layers():
+  params, batch = _setup(n=64, dtype=jnp.float32)
+  tx = kfac_jax.kfac(_loss_fn, batch, learning_rate=0.1, momentum=0.9, damping=1e-2,
+                     inverse_every=3, layers=EKFAC)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, rng):
+    loss, grads, stats = kfac_jax.value_and_grad(_loss_fn)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  rng = jax.random.key(0)
+  p = params
+  for _ in range(10):
+    rng, sub = jax.random.split(rng)
+    p, state, loss = step(p, state, sub)
+    losses.append(float(loss))
+  assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+
+  opt = kfac_jax.Optimizer(_loss_fn, batch, learning_rate=None, momentum=None, damping=1e-2,
+                           use_adaptive_damping=True, inverse_every=3,
+                           config=kfac_jax.OptimizerConfig(layers=EKFAC))
+  o_state = opt.init(params)
+  step_fn = jax.jit(opt.step)
+  p, first = params, None
+  for t in range(10):
+    p, o_state, info = step_fn(p, o_state, batch, jax.random.key(t))
+    first = float(info["loss"]) if first is None else first
+  assert np.isfinite(float(info["loss"])) and float(info["loss"]) < first
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(p))
+
+
+def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
+  # Before any inverse update (identity basis) s is the diagonal Fisher of the same vectors:
+  # two sampled targets per example, averaged over samples and examples as "diagonal" does.
+  params, batch = _setup(n=8)
+  rng = jax.random.key(5)
+  states = {}
+  for approx in ("ekfac", "diagonal"):
+    est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="gradients",
+                                      num_samples=2,
+                                      layers=kfac_jax.LayerConfig(defaults={"dense": approx}))
+    states[approx] = (est, est.update_curvature(est.init(params), params, batch, rng,
+                                                ema_decay=0.0))
+  est, state = states["ekfac"]
+  for block in est.blocks:
+    assert [p.rsplit("/", 1)[-1] for p in block.spec.param_paths] == ["w", "b"]
+    s = np.asarray(state.factors[block.name]["s"])
+    diag = np.asarray(states["diagonal"][1].factors[block.name]["diag"])
+    np.testing.assert_allclose(s.ravel(), diag, rtol=1e-10, atol=1e-14)
+  with pytest.raises(ValueError, match=r"block `layer0` \(approx='ekfac'\).*pass `cache=`"):
+    est.blocks[0].multiply_undamped(state.factors["layer0"], [params["layer0"]["w"],
+                                                              params["layer0"]["b"]])
