@@ -1,0 +1,106 @@
+"""Loss after a fixed number of steps for `kfac_jax.kfac` settings (no timing): picks defaults.
+
+The race (`benchmarks/race.py`) compares optimizers at equal wall-clock time, which needs a quiet
+machine. This sweep measures only what a step achieves, so it is valid on a busy one: on one of
+the race's workloads, every configuration trains `--steps` steps from the same initial
+parameters on the same minibatches, and the table lists its evaluation loss (NaN: diverged),
+beside Adam over its grid as the reference. A configuration is `lr:momentum:damping:clip`
+(`clip` is `norm_constraint`, 0 for none; momentum 0 for none); the literal `defaults` is
+`kfac_jax.kfac` with only `--default-lr` given.
+
+    python benchmarks/step_sweep.py --workload autoencoder --steps 300 \
+        --configs 0.2:0.9:30:0,0.3:0.7:0.1:0.01,defaults
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax  # noqa: E402
+from benchmarks import autoencoder, cnn, transformer  # noqa: E402
+
+WORKLOADS = {"autoencoder": autoencoder, "cnn": cnn, "transformer": transformer}
+
+
+def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
+  """`steps` jitted steps; the final parameters, or None once the loss is not finite."""
+
+  def step(params, state, batch, rng):
+    if kfac:
+      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+      updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  step = jax.jit(step)
+  state = tx.init(params)
+  rng = jax.random.key(0)
+  for t in range(steps):
+    rng, key = jax.random.split(rng)
+    params, state, loss = step(params, state, jax.tree.map(jnp.asarray, batch_at(t)), key)
+    if t % 50 == 49 and not np.isfinite(float(loss)):
+      return None
+  return params
+
+
+def _kfac(loss_fn, example, config: str, default_lr: float):
+  if config == "defaults":
+    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr)
+  lr, momentum, damping, clip = (float(v) for v in config.split(":"))
+  return kfac_jax.kfac(loss_fn, example, learning_rate=lr, momentum=momentum or None,
+                       damping=damping, norm_constraint=clip or None)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+  p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--configs", required=True,
+                 help="comma-separated lr:momentum:damping:clip, or 'defaults'")
+  p.add_argument("--default-lr", type=float, default=0.1,
+                 help="the learning rate of the 'defaults' configuration")
+  p.add_argument("--adam-lrs", default=None, help="Adam grid (default: the workload's)")
+  args, rest = p.parse_known_args(argv)
+  wl_args = WORKLOADS[args.workload].parse_args(
+      (["--num-images", "5000"] if args.workload == "autoencoder" else [])
+      + list(rest) + ["--steps", str(args.steps), "--warmup", "0", "--plot", ""])
+  workload = WORKLOADS[args.workload].make_workload(wl_args)
+  loss_fn, params0 = workload.loss_fn, workload.params0
+  example = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  adam_lrs = ([float(v) for v in args.adam_lrs.split(",")] if args.adam_lrs
+              else list(wl_args.adam_lr_grid))
+
+  rows = []
+  for lr in adam_lrs:
+    final = _train(loss_fn, optax.adam(lr), params0, workload.batch_at, args.steps, kfac=False)
+    rows.append((f"Adam lr={lr:g}", math.nan if final is None else workload.eval_fn(final)))
+    print(rows[-1], flush=True)
+  for config in args.configs.split(","):
+    tx = _kfac(loss_fn, example, config.strip(), args.default_lr)
+    final = _train(loss_fn, tx, params0, workload.batch_at, args.steps, kfac=True)
+    rows.append((f"kfac {config.strip()}", math.nan if final is None else workload.eval_fn(final)))
+    print(rows[-1], flush=True)
+
+  print(f"\n{workload.name}, {args.steps} steps; {workload.eval_description}\n")
+  print("| optimizer (lr:momentum:damping:norm_constraint) | eval loss |\n|---|---:|")
+  for name, loss in rows:
+    print(f"| {name} | {loss:.4g} |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
