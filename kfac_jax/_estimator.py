@@ -243,6 +243,7 @@ class CurvatureEstimator:
     if self._layers is None:
       reg = self._scan(params, self.example_batch, warn=True)
       self._layers = reg.layers
+      self._example_batch_size = reg.losses[0].batch_size
       self._names = tuple(_unique_names(reg.layers))
       self._blocks = tuple(_blocks.make_block(s, self.config) for s in reg.layers)
       self._param_sig = sig
@@ -293,18 +294,34 @@ class CurvatureEstimator:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
     self._ensure_layers(params)
     reg = self._scan(params, batch, warn=False)
-    self._check_layers(reg.layers)
+    self._check_layers(reg)
     _, _, stats = _curvature.compute(
         reg, params, batch, rng, estimation_mode=self.estimation_mode,
         num_samples=self.num_samples, with_grads=False,
         with_params_stats=self.compute_params_stats)
     return stats
 
-  def _check_layers(self, layers) -> None:
+  def _check_layers(self, reg: _scanner.Registration) -> None:
+    """The layers found for this batch must be those of `example_batch`, with the same blocks.
+
+    A batch of another leading size is fine (the blocks read row counts from the arrays); a
+    layer whose factor shapes depend on the batch size cannot share one state across sizes.
+    """
+    layers = reg.layers
     if tuple(l.name for l in layers) != tuple(l.name for l in self._layers):
       raise ValueError(
           "loss_fn registers different layers for this batch than for `example_batch`: "
           f"{[l.name for l in layers]} vs {[l.name for l in self._layers]}.")
+    for new, old in zip(layers, self._layers):
+      if (new.kind, new.approx, new.factor_shapes) != (old.kind, old.approx, old.factor_shapes):
+        raise ValueError(
+            f"layer `{old.name}` changes with the batch size: for this batch of "
+            f"{reg.losses[0].batch_size} examples it is a {new.kind} layer ({new.approx!r}) "
+            f"with factor shapes {list(new.factor_shapes)}, for `example_batch` "
+            f"({self._example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
+            f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
+            f"sizes: feed batches of {self._example_batch_size} examples (pad the last one), "
+            "or register the layer with a manual tag whose shapes do not involve the batch.")
 
   def batch_factors(self, stats: _curvature.CurvatureStats,
                     axis_name: str | None = None) -> dict[str, dict[str, Array]]:

@@ -606,3 +606,136 @@ def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
     got = np.asarray(ravel_pytree(est.multiply(state, v))[0])
     dense = np.asarray(est.to_dense(state))
     np.testing.assert_allclose(got, dense @ flat_v + 0.05 * flat_v, rtol=1e-9)
+
+
+# -- any batch size ------------------------------------------------------------------------------
+#
+# Statistics of a batch of another leading size than `example_batch` (a partial last batch) are
+# normalised by that batch: an estimator built with 8 examples and fed 5 holds exactly what one
+# built with those 5 holds, and its "full" blocks are the exact Fisher of the 5 examples.
+
+
+def _exact_fisher(logits_fn, params, batch):
+  """(1/N) Σ_n J_nᵀ (diag(p_n) − p_n p_nᵀ) J_n, the exact Fisher of the categorical loss."""
+  flat, unravel = ravel_pytree(params)
+  logits = np.asarray(logits_fn(params, batch))
+  jac = np.asarray(jax.jacobian(lambda f: logits_fn(unravel(f), batch))(flat))
+  c = logits.shape[-1]
+  logits, jac = logits.reshape(-1, c), jac.reshape(-1, c, flat.size)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  fz = np.einsum("ni,ij->nij", p, np.eye(c)) - p[:, :, None] * p[:, None, :]
+  return np.einsum("nci,ncd,ndj->ij", jac, fz, jac) / batch["y"].shape[0]
+
+
+def _any_batch_model(kind):
+  """(logits_fn, params, make_batch(n, key)) with one `kind` layer feeding a dense head."""
+  k = jax.random.split(jax.random.key(7), 4)
+  if kind == "dense":
+    params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64),
+              "b": jax.random.normal(k[1], (4,), jnp.float64),
+              "h": jax.random.normal(k[2], (4, 3), jnp.float64)}
+
+    def logits_fn(p, b):
+      return jnp.tanh(b["x"] @ p["w"] + p["b"]) @ p["h"]
+
+    def make(n, key):
+      return {"x": jax.random.normal(key, (n, 3), jnp.float64)}
+  elif kind == "conv":
+    params = {"k": 0.5 * jax.random.normal(k[0], (2, 2, 2, 2), jnp.float64),
+              "b": jax.random.normal(k[1], (2,), jnp.float64),
+              "h": jax.random.normal(k[2], (2, 3), jnp.float64)}
+
+    def logits_fn(p, b):
+      y = lax.conv_general_dilated(b["x"], p["k"], (1, 1), "VALID",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+      return jnp.tanh(y).mean(axis=(1, 2)) @ p["h"]
+
+    def make(n, key):
+      return {"x": jax.random.normal(key, (n, 3, 3, 2), jnp.float64)}
+  elif kind == "embedding":
+    params = {"t": jax.random.normal(k[0], (6, 3), jnp.float64),
+              "h": jax.random.normal(k[2], (3, 3), jnp.float64)}
+
+    def logits_fn(p, b):
+      return jnp.tanh(p["t"][b["ids"]]).mean(axis=1) @ p["h"]
+
+    def make(n, key):
+      return {"ids": jax.random.randint(key, (n, 2), 0, 6)}
+  else:  # scale_and_shift
+    params = {"s": jax.random.normal(k[0], (3,), jnp.float64),
+              "o": jax.random.normal(k[1], (3,), jnp.float64),
+              "h": jax.random.normal(k[2], (3, 3), jnp.float64)}
+
+    def logits_fn(p, b):
+      return jnp.tanh(b["x"] * p["s"] + p["o"]).mean(axis=1) @ p["h"]
+
+    def make(n, key):
+      return {"x": jax.random.normal(key, (n, 2, 3), jnp.float64)}
+
+  def make_batch(n, key):
+    b = make(n, key)
+    b["y"] = jax.random.randint(jax.random.fold_in(key, 1), (n,), 0, 3)
+    return b
+
+  return logits_fn, params, make_batch
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv", "embedding", "scale_and_shift"])
+def test_statistics_of_a_smaller_batch(x64, kind):
+  logits_fn, params, make_batch = _any_batch_model(kind)
+
+  def loss_fn(p, b):
+    return _ce(logits_fn(p, b), b["y"])
+
+  big, small = make_batch(8, jax.random.key(1)), make_batch(5, jax.random.key(2))
+  exact = _exact_fisher(logits_fn, params, small)
+  for layers in (None, kfac_jax.LayerConfig(defaults={"dense": "full", "conv": "full"})):
+    dense = []
+    for example in (big, small):
+      est = kfac_jax.CurvatureEstimator(loss_fn, example, estimation_mode="exact", layers=layers)
+      state = est.update_curvature(est.init(params), params, small, None, ema_decay=0.0)
+      dense.append(np.asarray(est.to_dense(state)))
+    np.testing.assert_allclose(dense[0], dense[1], rtol=1e-12, atol=1e-14)
+    assert kind in [s.kind for s in est.layers]
+    if layers is not None:  # Every "full" block is the exact Fisher's block.
+      leaves = jax.tree_util.tree_leaves(params)
+      block = np.zeros(len(leaves), int)
+      for i, spec in enumerate(est.layers):
+        block[list(spec.leaf_indices)] = i if spec.approx == "full" else -1
+      ids = np.concatenate([np.full(x.size, b) for x, b in zip(leaves, block)])
+      mask = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+      assert mask.any()
+      np.testing.assert_allclose(np.where(mask, dense[0], 0), np.where(mask, exact, 0),
+                                 rtol=1e-10, atol=1e-12)
+
+
+def test_entry_points_take_a_partial_batch(x64):
+  logits_fn, params, make_batch = _any_batch_model("dense")
+
+  def loss_fn(p, b):
+    return _ce(logits_fn(p, b), b["y"])
+
+  full, last = make_batch(8, jax.random.key(1)), make_batch(5, jax.random.key(2))
+  rng = jax.random.key(3)
+  results = []
+  for example in (full, last):  # Built for 8 examples vs for the 5 of the last batch.
+    tx = kfac_jax.scale_by_kfac(loss_fn, example, damping=1e-3, estimation_mode="exact")
+    state = tx.init(params)
+    _, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn, estimation_mode="exact"))(
+        params, last, rng)
+    u1, s1 = jax.jit(lambda g, s, st: tx.update(g, s, params, curvature_stats=st))(
+        grads, state, stats)
+    u2, s2 = jax.jit(lambda g, s, b: tx.update(g, s, params, batch=b))(grads, state, last)
+    opt = kfac_jax.Optimizer(loss_fn, example, learning_rate=0.1, momentum=0.0,
+                             use_adaptive_damping=False,
+                             config=kfac_jax.OptimizerConfig(estimation_mode="exact"))
+    p3, _, info = jax.jit(opt.step)(params, opt.init(params), last, rng)
+    results.append((u1, u2, p3))
+    for a, b in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(state)):
+      assert a.shape == b.shape  # The state keeps its shapes.
+  for a, b in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(results[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+  for a, b in zip(jax.tree_util.tree_leaves(results[0][0]),
+                  jax.tree_util.tree_leaves(results[0][1])):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
