@@ -527,11 +527,15 @@ class CurvatureEstimator:
 
   def summary(self) -> str:
     """The registered layers as a table (see `kfac_jax.summary`)."""
-    return format_table(self.layers, self._blocks)
+    param_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                      for shape, dtype in self._param_sig[1])
+    return format_table(self.layers, self._blocks, param_bytes)
 
 
-def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block]) -> str:
-  rows = [("layer", "kind", "uses", "approx", "parameters", "factor shapes", "memory")]
+def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block],
+                 param_bytes: int | None = None) -> str:
+  """The layer table; with `param_bytes`, the total row compares the state with the parameters."""
+  rows = [("layer", "kind", "uses", "approx", "parameters", "factor shapes", "memory", "note")]
   total = 0
   for s, b in zip(layers, blocks):
     nbytes = b.state_bytes()
@@ -540,9 +544,13 @@ def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.
     rows.append((s.name, s.kind + ("" if s.source == "auto" else f" ({s.source})"),
                  str(s.num_uses), s.approx,
                  ", ".join(p.rsplit("/", 1)[-1] if p.startswith(s.name + "/") else p
-                           for p in s.param_paths), shapes, _fmt_bytes(nbytes)))
+                           for p in s.param_paths), shapes, _fmt_bytes(nbytes), s.note))
+  ratio = (f"{total / param_bytes:.2f}x the parameters' {_fmt_bytes(param_bytes)}"
+           if param_bytes else "")
   rows.append(("total", "", "", "", f"{sum(s.num_params for s in layers)} values", "",
-               _fmt_bytes(total)))
+               _fmt_bytes(total), ratio))
+  if not any(s.note for s in layers):  # The last column holds the ratio only: no header.
+    rows[0] = rows[0][:-1] + ("",)
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   lines = []
   for k, r in enumerate(rows):

@@ -129,6 +129,28 @@ def default_conv_approx(info: ConvInfo) -> str:
   return "diagonal" if info.depthwise else "kron"
 
 
+def default_approx(kind: str, info) -> str | None:
+  """The library default for a layer of `kind` that depends on its shape (None: the kind's).
+
+  Depthwise convolutions are "diagonal"; a shift-only table added over the batch, spanning more
+  than one trailing axis (a learned positional embedding `x + pos`, `pos: [1, L, D]`), is
+  "diagonal": its "full" block would be quadratic in L·D (10.6 GiB for ViT-Ti/16).
+  """
+  if kind == "conv" and info is not None:
+    return default_conv_approx(info)
+  if (kind == "scale_and_shift" and isinstance(info, ScaleShiftInfo) and not info.has_scale
+      and len(info.feature_shape) > 1):
+    return "diagonal"
+  return None
+
+
+def default_approx_note(kind: str, info) -> str:
+  if kind == "scale_and_shift":
+    return (f"shift-only table {'x'.join(map(str, info.feature_shape))} (positional "
+            "embedding): diagonal")
+  return ""
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers on the scanner's tables.
 

@@ -50,9 +50,10 @@ _VIEW_OPS = frozenset({
 APPROXIMATIONS = {
     "dense": ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal", "full",
               "expand", "reduce", "kron_indep"),
-    "conv": ("kron", "kron_sua", "diagonal", "full"),
+    "conv": ("kron", "kron_sua", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal",
+             "full"),
     "scale_and_shift": ("full", "diagonal"),
-    "embedding": ("kron", "kron_indep"),
+    "embedding": ("kron", "kron_indep", "kron_out_diag"),
     "generic": ("diagonal", "full"),
 }
 DEFAULT_APPROX = {"dense": "kron", "conv": "kron", "scale_and_shift": "full",
@@ -212,6 +213,9 @@ class LayerSpec:
       own output key and inputs in the registration.
     use_infos: for `num_uses > 1`, the matching details of every use (`info` is the first one,
       or the embedding use of a tied embedding).
+    note: why the approximation differs from the one asked for or the kind's default (the size
+      policy of `LayerConfig.max_factor_dim`, a positional table), "" otherwise; `summary`
+      prints it.
   """
   name: str
   kind: str
@@ -224,6 +228,7 @@ class LayerSpec:
   param_shapes: tuple[tuple[int, ...], ...] = ()
   num_uses: int = 1
   use_infos: tuple[Any, ...] = ()
+  note: str = ""
 
   @property
   def dense(self) -> DenseInfo | None:
@@ -940,9 +945,20 @@ class _Scanner:
     """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations."""
     paths = tuple(self.paths[j] for j in leaves)
     name = _common_prefix(paths)
-    builtin = (_matchers.default_conv_approx(info) if kind == "conv" else DEFAULT_APPROX[kind])
+    builtin, note = _matchers.default_approx(kind, info), ""
+    if builtin is None:
+      builtin = DEFAULT_APPROX[kind]
+    elif builtin != DEFAULT_APPROX[kind]:
+      note = _matchers.default_approx_note(kind, info)
+    explicit = self._explicit(paths, name, approx, source)
     approx = self._approx(kind, paths, name, approx, source, builtin)
+    if approx != builtin:
+      note = ""
     n = sum(math.prod(self.shapes[j]) for j in leaves)
+    if not explicit:
+      approx, why = _layer_config.size_policy(
+          self.layer_config.max_factor_dim, kind, approx, kron_shapes, n, APPROXIMATIONS[kind])
+      note = why or note
     if approx == "diagonal":
       shapes = ((n,),)
     elif approx == "full":
@@ -956,15 +972,29 @@ class _Scanner:
     return LayerSpec(
         name=name, kind=kind, param_paths=paths, leaf_indices=tuple(leaves),
         approx=approx, factor_shapes=shapes, source=source, info=info,
-        param_shapes=tuple(self.shapes[j] for j in leaves))
+        param_shapes=tuple(self.shapes[j] for j in leaves), note=note)
+
+  def _explicit(self, paths, name, approx, source) -> bool:
+    """Whether the layer's approximation is chosen for it by name: a manual tag's `approx=` or
+    a matching `LayerConfig.overrides` pattern (then the size policy does not apply)."""
+    if source == "manual" and approx is not None:
+      return True
+    return any(_layer_config.matches(p, (name,) + tuple(paths))
+               for p in self.layer_config.overrides)
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
     paths = tuple(self.paths[j] for j in leaves)
     n = sum(math.prod(self.shapes[j]) for j in leaves)
     name = paths[0] if len(paths) == 1 else _common_prefix(paths)
+    note = ""
     if source != "linked":
+      explicit = self._explicit(paths, name, approx, source)
       approx = self._approx("generic", paths, name, approx, source, DEFAULT_APPROX["generic"])
+      if not explicit:
+        approx, note = _layer_config.size_policy(
+            self.layer_config.max_factor_dim, "generic", approx, (), n, APPROXIMATIONS["generic"])
     factor = ((n,),) if approx == "diagonal" else ((n, n),)
     return LayerSpec(
         name=name, kind="generic", param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
-        factor_shapes=factor, source=source, param_shapes=tuple(self.shapes[j] for j in leaves))
+        factor_shapes=factor, source=source, param_shapes=tuple(self.shapes[j] for j in leaves),
+        note=note)

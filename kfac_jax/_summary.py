@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from kfac_jax import _estimator, _layer_config, _scanner
 from kfac_jax import blocks as _blocks
 
@@ -31,14 +35,20 @@ def summary(loss_fn: Callable, params, batch, *, strict: bool = False,
             layers: _layer_config.LayerConfig | None = None) -> str:
   """A table of the registered layers: kind, approximation, parameters, factor shapes, memory.
 
-  Memory is that of the block's state (factors plus the cached inverses for exps=(-1,)).
+  Memory is that of the block's state (factors plus the cached inverses for exps=(-1,)); the
+  last line compares the total with the parameters' bytes. The `note` column says why a layer's
+  approximation differs from its kind's default (e.g. a factor side over
+  `LayerConfig.max_factor_dim` kept as its diagonal).
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))
   """
   specs = scan_layers(loss_fn, params, batch, strict=strict, layers=layers)
   config = _blocks.BlockConfig()
-  return _estimator.format_table(specs, [_blocks.make_block(s, config) for s in specs])
+  param_bytes = sum(int(np.size(x)) * np.dtype(jnp.result_type(x)).itemsize
+                    for x in jax.tree_util.tree_leaves(params))
+  return _estimator.format_table(specs, [_blocks.make_block(s, config) for s in specs],
+                                 param_bytes)
 
 
 def check_registration(loss_fn: Callable, params, batch, *,

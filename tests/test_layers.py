@@ -724,13 +724,13 @@ def test_entry_points_take_a_partial_batch(x64):
     state = tx.init(params)
     _, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn, estimation_mode="exact"))(
         params, last, rng)
-    u1, s1 = jax.jit(lambda g, s, st: tx.update(g, s, params, curvature_stats=st))(
+    u1, s1 = jax.jit(lambda g, s, st, tx=tx: tx.update(g, s, params, curvature_stats=st))(
         grads, state, stats)
-    u2, s2 = jax.jit(lambda g, s, b: tx.update(g, s, params, batch=b))(grads, state, last)
+    u2, _ = jax.jit(lambda g, s, b, tx=tx: tx.update(g, s, params, batch=b))(grads, state, last)
     opt = kfac_jax.Optimizer(loss_fn, example, learning_rate=0.1, momentum=0.0,
                              use_adaptive_damping=False,
                              config=kfac_jax.OptimizerConfig(estimation_mode="exact"))
-    p3, _, info = jax.jit(opt.step)(params, opt.init(params), last, rng)
+    p3, _, _ = jax.jit(opt.step)(params, opt.init(params), last, rng)
     results.append((u1, u2, p3))
     for a, b in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(state)):
       assert a.shape == b.shape  # The state keeps its shapes.
