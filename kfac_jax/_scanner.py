@@ -112,7 +112,7 @@ def param_paths(params) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class ViewStep:
   """One layout operation applied to a parameter on its way to the consuming operation."""
-  op: str  # "reshape" | "transpose" | "cast" | "broadcast"
+  op: str  # "reshape" | "transpose" | "cast" | "broadcast" | "shift" (a constant added)
   in_shape: tuple[int, ...]
   out_shape: tuple[int, ...]
   perm: tuple[int, ...] = ()  # transpose: the permutation; broadcast: broadcast_dimensions.
@@ -360,9 +360,9 @@ class _Scanner:
           "loss_fn(params, batch).")
     losses, loss_operands = self._losses(loss_eqns)
     self.batch_size = losses[0].batch_size
+    self.const_values = dict(g.consts)
     self._origins()
     self.producer = {k: i for i, fe in enumerate(g.eqns) for k in fe.outs}
-    self.const_values = dict(g.consts)
     in_slice = self._loss_slice([ops[0] for ops in loss_operands])
     self._uses(in_slice)
 
@@ -458,13 +458,41 @@ class _Scanner:
   # -- parameter views -------------------------------------------------------------------------
 
   def _origins(self):
-    """For each key computed from one parameter leaf by view ops only: (leaf, chain)."""
+    """For each key computed from one parameter leaf by view ops only: (leaf, chain).
+
+    Adding a constant (`1 + scale`, Gemma's RMSNorm) is a view too: the shifted parameter has
+    the parameter's gradient and Fisher (the Jacobian is the identity), so the layer's block is
+    the same as for the shifted parameter itself ("shift" steps are skipped like casts).
+    """
     self.origin: dict[Any, tuple[int, tuple[ViewStep, ...]]] = {
         k: (j, ()) for k, j in self.leaf_of_key.items()}
-    for fe in self.g.eqns:
+    self.view_eqns: set[int] = set()  # Equations that only view a parameter (not real uses).
+    for i, fe in enumerate(self.g.eqns):
       if fe.name in _VIEW_OPS and fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in self.origin:
         leaf, chain = self.origin[fe.ins[0]]
         self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
+      elif fe.name in ("add", "sub") and len(fe.ins) == 2:
+        pos = self._constant_shift(fe)
+        if pos is not None:
+          self.view_eqns.add(i)
+          leaf, chain = self.origin[fe.ins[pos]]
+          shape = tuple(fe.outs[0][1].aval.shape)
+          self.origin[fe.outs[0]] = (leaf, chain + (ViewStep("shift", shape, shape),))
+
+  def _constant_shift(self, fe) -> int | None:
+    """The operand position of the parameter view in `view + c`, `c + view` or `view - c` with
+    `c` a scalar constant (the output has the view's shape); else None."""
+    for pos in ((0, 1) if fe.name == "add" else (0,)):
+      a, c = fe.ins[pos], fe.ins[1 - pos]
+      if not _graph.is_key(a) or a not in self.origin:
+        continue
+      if tuple(_graph.aval_of(a).shape) != tuple(fe.outs[0][1].aval.shape):
+        continue
+      if isinstance(c, _compat.Literal) and np.ndim(c.val) == 0:
+        return pos
+      if _graph.is_key(c) and c in self.const_values and np.size(self.const_values[c]) == 1:
+        return pos
+    return None
 
   def _loss_slice(self, roots) -> set[int]:
     needed = {a for a in roots if _graph.is_key(a)}
@@ -483,7 +511,7 @@ class _Scanner:
     self.uses_by_eqn: dict[int, list[tuple[int, int]]] = {}
     for i in sorted(in_slice):
       fe = self.g.eqns[i]
-      if fe.name in _VIEW_OPS or fe.eqn.primitive in (_tags.layer_tag_p,):
+      if fe.name in _VIEW_OPS or i in self.view_eqns or fe.eqn.primitive in (_tags.layer_tag_p,):
         continue
       for pos, a in enumerate(fe.ins):
         if _graph.is_key(a) and a in self.origin:
@@ -902,6 +930,23 @@ class _Scanner:
         param_shapes=tuple(self.shapes[j] for j in leaves), num_uses=len(infos), use_infos=infos)
 
   def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
+    found = self._match_direct_bias(s_key, k_pos, k_shape, k_free, claimed, shared)
+    if found is not None:
+      return found
+    # A bias behind layout ops (vmap's unit axes, a transposed product) or broadcast to the full
+    # output: matched by where each bias entry lands; the tap stays at the product.
+    free_shape = tuple(k_shape[d] for d in k_free)
+    out_shape = tuple(s_key[1].aval.shape)
+    n_kf = len(free_shape)
+    feat = np.arange(math.prod(free_shape)).reshape(free_shape)
+    if k_pos == 1:  # out = (x_free..., k_free...)
+      feat = np.broadcast_to(feat, out_shape)
+    else:  # out = (k_free..., x_free...)
+      feat = np.broadcast_to(feat.reshape(free_shape + (1,) * (len(out_shape) - n_kf)), out_shape)
+    bias = _matchers.follow_bias(self, s_key, feat, claimed, shared)
+    return None if bias is None else (bias[0], s_key)
+
+  def _match_direct_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
     if k_pos != 1:
       return None
     cons = self.slice_consumers.get(s_key, [])

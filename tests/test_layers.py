@@ -739,3 +739,106 @@ def test_entry_points_take_a_partial_batch(x64):
   for a, b in zip(jax.tree_util.tree_leaves(results[0][0]),
                   jax.tree_util.tree_leaves(results[0][1])):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+# -- small matchers: the model in library style against the same model written plainly ----------
+
+
+def _preconditioned(loss_fn, params, batch, layers=None):
+  """(layers, (F̂ + λ)⁻¹ ∇L): exact mode, one batch, float64."""
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  state = est.update_inverses(state, damping=1e-2)
+  grads = jax.grad(loss_fn)(params, batch)
+  return est.layers, est.multiply_inverse(state, grads)
+
+
+def _plain_cnn_loss(p, b):
+  """conv (HWIO kernel, NHWC) + bias, relu, dense + bias: the reference for Haiku / equinox."""
+  y = lax.conv_general_dilated(b["x"], p["ck"], (1, 1), "VALID",
+                               dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["cb"]
+  h = jax.nn.relu(y).reshape(y.shape[0], -1)
+  return _ce(h @ p["dk"] + p["db"], b["y"])
+
+
+def _cnn_batch():
+  k = jax.random.split(jax.random.key(11), 2)
+  return {"x": jax.random.normal(k[0], (3, 5, 5, 2), jnp.float64),
+          "y": jax.random.randint(k[1], (3,), 0, 4)}
+
+
+def _assert_same(plain_layers, plain_u, layers, u):
+  assert [(s.kind, s.approx, len(s.param_paths)) for s in layers] == [
+      (s.kind, s.approx, len(s.param_paths)) for s in plain_layers]
+  for a, b in zip(plain_u, u):
+    np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_haiku_conv_and_linear_keep_their_bias(x64):
+  hk = pytest.importorskip("haiku")
+
+  def net(x):
+    y = hk.Conv2D(3, 2, padding="VALID")(x)
+    return hk.Linear(4)(jax.nn.relu(y).reshape(y.shape[0], -1))
+
+  f = hk.without_apply_rng(hk.transform(net))
+  batch = _cnn_batch()
+  params = f.init(jax.random.key(0), batch["x"])
+  params = jax.tree_util.tree_map(lambda v: v + 0.1, params)  # Non-zero biases.
+
+  def loss_fn(p, b):
+    return _ce(f.apply(p, b["x"]), b["y"])
+
+  layers, u = _preconditioned(loss_fn, params, batch)
+  assert [s.param_paths for s in layers] == [("conv2_d/w", "conv2_d/b"), ("linear/w", "linear/b")]
+  plain = {"ck": params["conv2_d"]["w"], "cb": params["conv2_d"]["b"],
+           "dk": params["linear"]["w"], "db": params["linear"]["b"]}
+  plain_layers, pu = _preconditioned(_plain_cnn_loss, plain, batch)
+  _assert_same(plain_layers, [pu["cb"], pu["ck"], pu["db"], pu["dk"]], layers,
+               [u["conv2_d"]["b"], u["conv2_d"]["w"], u["linear"]["b"], u["linear"]["w"]])
+
+
+def test_equinox_layers_under_vmap_keep_their_bias(x64):
+  eqx = pytest.importorskip("equinox")
+  k = jax.random.split(jax.random.key(12), 2)
+  model = (eqx.nn.Conv2d(2, 3, 2, key=k[0], dtype=jnp.float64),
+           eqx.nn.Linear(48, 4, key=k[1], dtype=jnp.float64))
+  params, static = eqx.partition(model, eqx.is_array)
+
+  def loss_fn(p, b):
+    conv, lin = eqx.combine(p, static)
+    y = jax.vmap(conv)(b["x"].transpose(0, 3, 1, 2))  # Per example: [C, H, W].
+    h = jax.nn.relu(y).transpose(0, 2, 3, 1).reshape(y.shape[0], -1)
+    return _ce(jax.vmap(lin)(h), b["y"])
+
+  batch = _cnn_batch()
+  layers, u = _preconditioned(loss_fn, params, batch)
+  assert [s.param_paths for s in layers] == [("0/weight", "0/bias"), ("1/weight", "1/bias")]
+  conv, lin = params
+  plain = {"ck": conv.weight.transpose(2, 3, 1, 0), "cb": conv.bias.reshape(-1),
+           "dk": lin.weight.T, "db": lin.bias}
+  plain_layers, pu = _preconditioned(_plain_cnn_loss, plain, batch)
+  _assert_same(plain_layers, [pu["ck"], pu["cb"], pu["dk"], pu["db"]], layers,
+               [u[0].weight.transpose(2, 3, 1, 0), u[0].bias.reshape(-1), u[1].weight.T,
+                u[1].bias])
+
+
+def test_one_plus_scale_is_a_scale_and_shift_layer(x64):
+  k = jax.random.split(jax.random.key(13), 3)
+
+  def rms(x):
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+  def gemma_loss(p, b):  # Gemma's RMSNorm: the parameter is the offset from 1.
+    return _ce((rms(b["x"]) * (1 + p["scale"])).mean(1) @ p["head"], b["y"])
+
+  def plain_loss(p, b):
+    return _ce((rms(b["x"]) * p["scale"]).mean(1) @ p["head"], b["y"])
+
+  params = {"scale": 0.3 * jax.random.normal(k[0], (4,), jnp.float64),
+            "head": jax.random.normal(k[1], (4, 3), jnp.float64)}
+  batch = {"x": jax.random.normal(k[2], (3, 2, 4), jnp.float64), "y": jnp.array([0, 2, 1])}
+  layers, u = _preconditioned(gemma_loss, params, batch)
+  plain_layers, pu = _preconditioned(plain_loss, dict(params, scale=1 + params["scale"]), batch)
+  assert [s.kind for s in layers] == ["dense", "scale_and_shift"]
+  _assert_same(plain_layers, [pu["head"], pu["scale"]], layers, [u["head"], u["scale"]])
