@@ -543,7 +543,7 @@ def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.
     shapes = " ".join("x".join(map(str, f)) for f in s.factor_shapes)
     rows.append((s.name, s.kind + ("" if s.source == "auto" else f" ({s.source})"),
                  str(s.num_uses), s.approx,
-                 ", ".join(p.rsplit("/", 1)[-1] if p.startswith(s.name + "/") else p
+                 ", ".join(p[len(s.name) + 1:] if p.startswith(s.name + "/") else p
                            for p in s.param_paths), shapes, _fmt_bytes(nbytes), s.note))
   ratio = (f"{total / param_bytes:.2f}x the parameters' {_fmt_bytes(param_bytes)}"
            if param_bytes else "")

@@ -154,6 +154,36 @@ def undo_view(chain: Sequence[ViewStep], x):
   return x
 
 
+@dataclasses.dataclass(frozen=True)
+class ConcatView:
+  """Several parameter leaves, each viewed (`chains`), concatenated along `axis` into one operand.
+
+  Flax's `OptimizedLSTMCell` concatenates its four gate kernels (and biases) before one product;
+  a `stack` is read as a concatenation of the operands with a unit axis inserted. The scanner treats the concatenation as
+  one virtual leaf of shape `shape`, matches layers on it, then lists the real leaves in the
+  layer (`LayerSpec.concat`); the block works on the concatenation and splits its results back.
+  """
+  leaves: tuple[int, ...]
+  chains: tuple[tuple[ViewStep, ...], ...]
+  axis: int
+  piece_shapes: tuple[tuple[int, ...], ...]  # The concatenated operands' shapes.
+  shape: tuple[int, ...]
+
+
+def join_pieces(view: ConcatView, pieces):
+  """The concatenation of parameter-shaped `pieces` (casts skipped)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return jnp.concatenate([apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis)
+
+
+def split_pieces(view: ConcatView, x, leaf_shapes):
+  """Inverse of `join_pieces`: the parameter-shaped pieces of a concatenation-shaped `x`."""
+  sizes = np.cumsum([s[view.axis] for s in view.piece_shapes])[:-1]
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  parts = jnp.split(x, [int(k) for k in sizes], axis=view.axis)
+  return [undo_view(c, p).reshape(shape) for c, p, shape in zip(view.chains, parts, leaf_shapes)]
+
+
 # --------------------------------------------------------------------------------------------
 # Static descriptions.
 
@@ -216,6 +246,10 @@ class LayerSpec:
     note: why the approximation differs from the one asked for or the kind's default (the size
       policy of `LayerConfig.max_factor_dim`, a positional table), "" otherwise; `summary`
       prints it.
+    concat: for a layer over concatenated leaves, one entry per logical parameter (kernel,
+      bias): its `ConcatView`, or None for a plain leaf; () otherwise.
+    logical: with `concat`, the layer as matched on the concatenations (one leaf each, with
+      their shapes): the spec its block computes with.
   """
   name: str
   kind: str
@@ -229,6 +263,8 @@ class LayerSpec:
   num_uses: int = 1
   use_infos: tuple[Any, ...] = ()
   note: str = ""
+  concat: tuple[Any, ...] = ()
+  logical: Any = None
 
   @property
   def dense(self) -> DenseInfo | None:
@@ -237,6 +273,8 @@ class LayerSpec:
   @property
   def has_bias(self) -> bool:
     """Dense and conv layers: whether a bias leaf follows the kernel."""
+    if self.logical is not None:
+      return self.logical.has_bias
     return self.kind in ("dense", "conv") and len(self.leaf_indices) == 2
 
   @property
@@ -340,8 +378,8 @@ class _Scanner:
                collect=False):
     self.g = graph
     self.n_params = n_params
-    self.paths = paths
-    self.shapes = shapes
+    self.paths = list(paths)  # Virtual leaves (concatenations) are appended after the params.
+    self.shapes = list(shapes)
     self.strict = strict
     self.warn = warn
     self.layer_config = _layer_config.check(layer_config)
@@ -365,9 +403,11 @@ class _Scanner:
     self.producer = {k: i for i, fe in enumerate(g.eqns) for k in fe.outs}
     in_slice = self._loss_slice([ops[0] for ops in loss_operands])
     self._uses(in_slice)
+    self._check_virtual()
 
     specs: list[tuple[LayerSpec, Any, Any]] = []
-    claimed: dict[int, str] = {}
+    claimed: dict[int, str] = {v: "<a concatenation with other uses>"
+                               for v in self.blocked_virtual}
     self.manual_dense: dict[int, list[Any]] = {}
     for i, fe in enumerate(g.eqns):
       if fe.eqn.primitive is _tags.layer_tag_p:
@@ -396,6 +436,7 @@ class _Scanner:
             specs.append(found)
             break
 
+    specs = self._expand_virtual(specs, claimed)
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
     uncovered = [j for j in range(self.n_params) if j not in claimed]
@@ -467,10 +508,14 @@ class _Scanner:
     self.origin: dict[Any, tuple[int, tuple[ViewStep, ...]]] = {
         k: (j, ()) for k, j in self.leaf_of_key.items()}
     self.view_eqns: set[int] = set()  # Equations that only view a parameter (not real uses).
+    self.virtual: dict[int, ConcatView] = {}  # Virtual leaf -> the concatenation it stands for.
+    self.concat_eqns: dict[int, int] = {}  # Equation -> the virtual leaf it computes.
     for i, fe in enumerate(self.g.eqns):
       if fe.name in _VIEW_OPS and fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in self.origin:
         leaf, chain = self.origin[fe.ins[0]]
         self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
+      elif fe.name in ("concatenate", "stack"):
+        self._concat_origin(i, fe)
       elif fe.name in ("add", "sub") and len(fe.ins) == 2:
         pos = self._constant_shift(fe)
         if pos is not None:
@@ -478,6 +523,75 @@ class _Scanner:
           leaf, chain = self.origin[fe.ins[pos]]
           shape = tuple(fe.outs[0][1].aval.shape)
           self.origin[fe.outs[0]] = (leaf, chain + (ViewStep("shift", shape, shape),))
+
+  def _concat_origin(self, i, fe) -> None:
+    """A concatenation of views of distinct leaves becomes a virtual leaf (one per distinct
+    concatenation: the same one computed at every step of an unrolled scan is one leaf)."""
+    if len(fe.ins) < 2 or not all(_graph.is_key(a) and a in self.origin for a in fe.ins):
+      return
+    origins = [self.origin[a] for a in fe.ins]
+    leaves = tuple(o[0] for o in origins)
+    if (len(set(leaves)) != len(leaves) or any(j >= self.n_params for j in leaves)
+        or any(st.op not in ("reshape", "transpose", "cast") for o in origins for st in o[1])):
+      return
+    shapes = [tuple(_graph.aval_of(a).shape) for a in fe.ins]
+    chains = [o[1] for o in origins]
+    if fe.name == "stack":  # A concatenation of the operands with a unit axis inserted.
+      axis = int(fe.params["axis"])
+      unit = [sh[:axis] + (1,) + sh[axis:] for sh in shapes]
+      chains = [c + (ViewStep("reshape", sh, u),) for c, sh, u in zip(chains, shapes, unit)]
+      shapes = unit
+    else:
+      axis = int(fe.params["dimension"])
+    view = ConcatView(leaves=leaves, chains=tuple(chains), axis=axis,
+                      piece_shapes=tuple(shapes), shape=tuple(fe.outs[0][1].aval.shape))
+    v = next((k for k, w in self.virtual.items() if w == view), None)
+    if v is None:
+      v = len(self.paths)
+      self.virtual[v] = view
+      paths = [self.paths[j] for j in leaves]
+      prefix = _common_prefix(paths) if len(paths) > 1 else ""
+      rest = [p[len(prefix) + 1:] if prefix and p.startswith(prefix + "/") else p for p in paths]
+      self.paths.append((prefix + "/" if prefix and prefix not in paths else "") + "+".join(rest))
+      self.shapes.append(view.shape)
+    self.concat_eqns[i] = v
+    self.origin[fe.outs[0]] = (v, ())
+
+  def _check_virtual(self) -> None:
+    """A concatenation is one leaf only if its pieces have no other real use; otherwise its
+    pieces are used by the concatenation (a generic fallback) and the virtual leaf is blocked."""
+    owner: dict[int, set[int]] = {}
+    for v, view in self.virtual.items():
+      for j in view.leaves:
+        owner.setdefault(j, set()).add(v)
+    self.blocked_virtual = {v for v, view in self.virtual.items()
+                            if any(j in self.uses or len(owner[j]) > 1 for j in view.leaves)}
+    for i, v in self.concat_eqns.items():
+      if v in self.blocked_virtual and i in self.in_slice:
+        for pos, j in enumerate(self.virtual[v].leaves):
+          self.uses.setdefault(j, []).append((i, pos))
+          self.uses_by_eqn.setdefault(i, []).append((j, pos))
+
+  def _expand_virtual(self, specs, claimed):
+    """Layers matched on virtual leaves list the concatenated real leaves instead."""
+    out = []
+    for spec, outs, ins in specs:
+      if not any(j in self.virtual for j in spec.leaf_indices):
+        out.append((spec, outs, ins))
+        continue
+      leaves, views = [], []
+      for j in spec.leaf_indices:
+        view = self.virtual.get(j)
+        views.append(view)
+        leaves.extend(view.leaves if view is not None else (j,))
+      paths = tuple(self.paths[j] for j in leaves)
+      name = _common_prefix(paths)
+      self._claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
+      out.append((dataclasses.replace(
+          spec, name=name, param_paths=paths, leaf_indices=tuple(leaves),
+          param_shapes=tuple(self.shapes[j] for j in leaves), concat=tuple(views),
+          logical=spec), outs, ins))
+    return out
 
   def _constant_shift(self, fe) -> int | None:
     """The operand position of the parameter view in `view + c`, `c + view` or `view - c` with
@@ -511,7 +625,8 @@ class _Scanner:
     self.uses_by_eqn: dict[int, list[tuple[int, int]]] = {}
     for i in sorted(in_slice):
       fe = self.g.eqns[i]
-      if fe.name in _VIEW_OPS or i in self.view_eqns or fe.eqn.primitive in (_tags.layer_tag_p,):
+      if (fe.name in _VIEW_OPS or i in self.view_eqns or i in self.concat_eqns
+          or fe.eqn.primitive in (_tags.layer_tag_p,)):
         continue
       for pos, a in enumerate(fe.ins):
         if _graph.is_key(a) and a in self.origin:
@@ -566,7 +681,8 @@ class _Scanner:
     for group, approx in self.layer_config.linked.items():
       leaves = []
       for pattern in group:
-        found = [j for j, p in enumerate(self.paths) if _layer_config.matches(pattern, (p,))]
+        found = [j for j, p in enumerate(self.paths[:self.n_params])
+                 if _layer_config.matches(pattern, (p,))]
         if not found:
           self._pattern_problem(f"LayerConfig.linked: pattern {pattern!r} of group {group} "
                                 "matches no parameter path")
@@ -612,7 +728,8 @@ class _Scanner:
       if not _layer_config.matches(pattern, tuple(names)):
         self._pattern_problem(
             f"LayerConfig.overrides: pattern {pattern!r} matches no layer name or parameter "
-            f"path (paths: {list(self.paths)[:8]}{' ...' if len(self.paths) > 8 else ''})")
+            f"path (paths: {self.paths[:min(8, self.n_params)]}"
+            f"{' ...' if self.n_params > 8 else ''})")
 
   def _manual(self, i, fe, claimed):
     kind, approx = fe.params["kind"], fe.params["approx"]

@@ -1,6 +1,7 @@
 """Curvature blocks: one per layer, chosen from the layer kind and its approximation."""
 
 from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
+from kfac_jax.blocks._concat import ConcatBlock
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
 from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
@@ -36,7 +37,9 @@ _BLOCKS = {
 
 
 def make_block(spec, config: BlockConfig) -> Block:
-  """The block class for `spec.kind` and `spec.approx`."""
+  """The block class for `spec.kind` and `spec.approx` (wrapped for concatenated leaves)."""
+  if spec.concat:
+    return ConcatBlock(spec, config, make_block(spec.logical, config))
   try:
     cls = _BLOCKS[(spec.kind, spec.approx)]
   except KeyError:
@@ -47,5 +50,5 @@ def make_block(spec, config: BlockConfig) -> Block:
   return cls(spec, config)
 
 
-__all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "FullBlock", "KroneckerBlock",
+__all__ = ["Block", "BlockConfig", "ConcatBlock", "DampingMode", "DiagonalBlock", "FullBlock", "KroneckerBlock",
            "KroneckerDenseBlock", "SeriesKroneckerBlock", "make_block"]
