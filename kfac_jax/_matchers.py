@@ -301,7 +301,7 @@ def follow_bias(sc, key, feature_of: np.ndarray, claimed, shared: bool = False):
   return None
 
 
-def conv_feature_of(info: "ConvInfo") -> np.ndarray:
+def conv_feature_of(info: ConvInfo) -> np.ndarray:
   """The output channel of each entry of a convolution's output."""
   shape = [1] * len(info.output_shape)
   shape[info.out_spec[1]] = info.out_channels

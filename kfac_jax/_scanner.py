@@ -159,9 +159,10 @@ class ConcatView:
   """Several parameter leaves, each viewed (`chains`), concatenated along `axis` into one operand.
 
   Flax's `OptimizedLSTMCell` concatenates its four gate kernels (and biases) before one product;
-  a `stack` is read as a concatenation of the operands with a unit axis inserted. The scanner treats the concatenation as
-  one virtual leaf of shape `shape`, matches layers on it, then lists the real leaves in the
-  layer (`LayerSpec.concat`); the block works on the concatenation and splits its results back.
+  a `stack` is read as a concatenation of the operands with a unit axis inserted. The scanner
+  treats the concatenation as one virtual leaf of shape `shape`, matches layers on it, then
+  lists the real leaves in the layer (`LayerSpec.concat`); the block works on the
+  concatenation and splits its results back.
   """
   leaves: tuple[int, ...]
   chains: tuple[tuple[ViewStep, ...], ...]

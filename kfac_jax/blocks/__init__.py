@@ -50,5 +50,5 @@ def make_block(spec, config: BlockConfig) -> Block:
   return cls(spec, config)
 
 
-__all__ = ["Block", "BlockConfig", "ConcatBlock", "DampingMode", "DiagonalBlock", "FullBlock", "KroneckerBlock",
-           "KroneckerDenseBlock", "SeriesKroneckerBlock", "make_block"]
+__all__ = ["Block", "BlockConfig", "ConcatBlock", "DampingMode", "DiagonalBlock", "FullBlock",
+           "KroneckerBlock", "KroneckerDenseBlock", "SeriesKroneckerBlock", "make_block"]
