@@ -173,15 +173,13 @@ class ConcatView:
 
 def join_pieces(view: ConcatView, pieces):
   """The concatenation of parameter-shaped `pieces` (casts skipped)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jnp.concatenate([apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis)
+  return jax.numpy.concatenate([apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis)
 
 
 def split_pieces(view: ConcatView, x, leaf_shapes):
   """Inverse of `join_pieces`: the parameter-shaped pieces of a concatenation-shaped `x`."""
   sizes = np.cumsum([s[view.axis] for s in view.piece_shapes])[:-1]
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  parts = jnp.split(x, [int(k) for k in sizes], axis=view.axis)
+  parts = jax.numpy.split(x, [int(k) for k in sizes], axis=view.axis)
   return [undo_view(c, p).reshape(shape) for c, p, shape in zip(view.chains, parts, leaf_shapes)]
 
 
@@ -1022,7 +1020,20 @@ class _Scanner:
     name = _common_prefix(paths)
     if approx is None:
       approx = self._shared_override(kind, name, paths, len(infos))
+    explicit = approx is not None
     approx = self._check_approx(kind, approx, list(paths), shared=True)
+    note = ""
+    max_dim = self.layer_config.max_factor_dim
+    if not explicit and max_dim is not None and kind in ("dense", "conv"):
+      # The size policy for shared layers: "kron_indep" has no diagonal-side variant, so a
+      # side above the limit makes the block diagonal (exact per-example diagonal, O(n)).
+      first = infos[0]
+      sides = ((first.in_dim, first.out_dim) if kind == "dense"
+               else (first.patch_dim, first.out_per_group))
+      if max(sides) > max_dim:
+        approx = "diagonal"
+        note = (f"factor side {max(sides)} > max_factor_dim {max_dim} on a layer used "
+                f"{len(infos)} times: diagonal")
     if approx in SHARED_APPROXIMATIONS[1:] and (kind != "dense"
                                                 or len({inf.rows for inf in infos}) != 1):
       raise RegistrationError(
@@ -1045,7 +1056,8 @@ class _Scanner:
     return LayerSpec(
         name=name, kind=kind, param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
         factor_shapes=shapes, source=source, info=info,
-        param_shapes=tuple(self.shapes[j] for j in leaves), num_uses=len(infos), use_infos=infos)
+        param_shapes=tuple(self.shapes[j] for j in leaves), num_uses=len(infos), use_infos=infos,
+        note=note)
 
   def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
     found = self._match_direct_bias(s_key, k_pos, k_shape, k_free, claimed, shared)

@@ -406,3 +406,29 @@ def test_positional_table_gets_a_diagonal_block():
                                layers=kfac_jax.LayerConfig(overrides={"pos": "full"}))
   pos = next(s for s in specs if s.param_paths == ("pos",))
   assert (pos.approx, pos.factor_shapes, pos.note) == ("full", ((20, 20),), "")
+
+
+def test_size_policy_for_a_shared_layer():
+  """A kernel used at every step of an unrolled recurrence keeps no factor side over the limit."""
+  k = jax.random.split(jax.random.key(7), 3)
+  params = {"cell": jax.random.normal(k[0], (4, 4)), "out": jax.random.normal(k[1], (4, 9))}
+
+  def loss_fn(p, b):
+    h, logits = b["x"], []
+    for _ in range(3):
+      h = jnp.tanh(h @ p["cell"])
+      logits.append(h @ p["out"])
+    logits = jnp.stack(logits, axis=1)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  batch = {"x": jax.random.normal(k[2], (2, 4)), "y": jnp.zeros((2, 3), jnp.int32)}
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True,
+                               layers=kfac_jax.LayerConfig(max_factor_dim=8))
+  got = {s.param_paths: (s.num_uses, s.approx, s.factor_shapes) for s in specs}
+  assert got[("cell",)] == (3, "kron_indep", ((4, 4), (4, 4)))
+  assert got[("out",)] == (3, "diagonal", ((36,),))
+  assert "max_factor_dim 8" in next(s.note for s in specs if s.param_paths == ("out",))
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
+      overrides={"out": "kron_indep"}, max_factor_dim=8))
+  assert next(s.approx for s in specs if s.param_paths == ("out",)) == "kron_indep"
