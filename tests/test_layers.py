@@ -610,9 +610,10 @@ def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
 
 # -- any batch size ------------------------------------------------------------------------------
 #
-# Statistics of a batch of another leading size than `example_batch` (a partial last batch) are
-# normalised by that batch: an estimator built with 8 examples and fed 5 holds exactly what one
-# built with those 5 holds, and its "full" blocks are the exact Fisher of the 5 examples.
+# Statistics of a batch of another leading size than `example_batch` (a partial last batch, an
+# eval batch) are normalised by that batch: an estimator built with 8 examples and fed 17 holds
+# exactly what one built with those 17 holds, and its "full" blocks are the exact Fisher of the
+# 17 examples.
 
 
 def _exact_fisher(logits_fn, params, batch):
@@ -682,13 +683,13 @@ def _any_batch_model(kind):
 
 
 @pytest.mark.parametrize("kind", ["dense", "conv", "embedding", "scale_and_shift"])
-def test_statistics_of_a_smaller_batch(x64, kind):
+def test_statistics_of_another_batch_size(x64, kind):
   logits_fn, params, make_batch = _any_batch_model(kind)
 
   def loss_fn(p, b):
     return _ce(logits_fn(p, b), b["y"])
 
-  big, small = make_batch(8, jax.random.key(1)), make_batch(5, jax.random.key(2))
+  big, small = make_batch(8, jax.random.key(1)), make_batch(17, jax.random.key(2))
   exact = _exact_fisher(logits_fn, params, small)
   for layers in (None, kfac_jax.LayerConfig(defaults={"dense": "full", "conv": "full"})):
     dense = []
