@@ -236,6 +236,7 @@ class CurvatureEstimator:
     if self._layers is None:
       reg = self._scan(params, self.example_batch, warn=True)
       self._layers = reg.layers
+      self._example_batch_size = reg.losses[0].batch_size
       self._names = tuple(_unique_names(reg.layers))
       self._blocks = tuple(_blocks.make_block(s, self.config) for s in reg.layers)
       self._param_sig = sig
@@ -286,18 +287,34 @@ class CurvatureEstimator:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
     self._ensure_layers(params)
     reg = self._scan(params, batch, warn=False)
-    self._check_layers(reg.layers)
+    self._check_layers(reg)
     _, _, stats = _curvature.compute(
         reg, params, batch, rng, estimation_mode=self.estimation_mode,
         num_samples=self.num_samples, with_grads=False,
         with_params_stats=self.compute_params_stats)
     return stats
 
-  def _check_layers(self, layers) -> None:
+  def _check_layers(self, reg: _scanner.Registration) -> None:
+    """The layers found for this batch must be those of `example_batch`, with the same blocks.
+
+    A batch of another leading size is fine (the blocks read row counts from the arrays); a
+    layer whose factor shapes depend on the batch size cannot share one state across sizes.
+    """
+    layers = reg.layers
     if tuple(l.name for l in layers) != tuple(l.name for l in self._layers):
       raise ValueError(
           "loss_fn registers different layers for this batch than for `example_batch`: "
           f"{[l.name for l in layers]} vs {[l.name for l in self._layers]}.")
+    for new, old in zip(layers, self._layers):
+      if (new.kind, new.approx, new.factor_shapes) != (old.kind, old.approx, old.factor_shapes):
+        raise ValueError(
+            f"layer `{old.name}` changes with the batch size: for this batch of "
+            f"{reg.losses[0].batch_size} examples it is a {new.kind} layer ({new.approx!r}) "
+            f"with factor shapes {list(new.factor_shapes)}, for `example_batch` "
+            f"({self._example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
+            f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
+            f"sizes: feed batches of {self._example_batch_size} examples (pad the last one), "
+            "or register the layer with a manual tag whose shapes do not involve the batch.")
 
   def batch_factors(self, stats: _curvature.CurvatureStats, axis_name: str | None = None,
                     cache=None) -> dict[str, dict[str, Array]]:
@@ -516,11 +533,15 @@ class CurvatureEstimator:
 
   def summary(self) -> str:
     """The registered layers as a table (see `kfac_jax.summary`)."""
-    return format_table(self.layers, self._blocks)
+    param_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                      for shape, dtype in self._param_sig[1])
+    return format_table(self.layers, self._blocks, param_bytes)
 
 
-def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block]) -> str:
-  rows = [("layer", "kind", "uses", "approx", "parameters", "factor shapes", "memory")]
+def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block],
+                 param_bytes: int | None = None) -> str:
+  """The layer table; with `param_bytes`, the total row compares the state with the parameters."""
+  rows = [("layer", "kind", "uses", "approx", "parameters", "factor shapes", "memory", "note")]
   total = 0
   for s, b in zip(layers, blocks):
     nbytes = b.state_bytes()
@@ -528,10 +549,14 @@ def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.
     shapes = " ".join("x".join(map(str, f)) for f in s.factor_shapes)
     rows.append((s.name, s.kind + ("" if s.source == "auto" else f" ({s.source})"),
                  str(s.num_uses), s.approx,
-                 ", ".join(p.rsplit("/", 1)[-1] if p.startswith(s.name + "/") else p
-                           for p in s.param_paths), shapes, _fmt_bytes(nbytes)))
+                 ", ".join(p[len(s.name) + 1:] if p.startswith(s.name + "/") else p
+                           for p in s.param_paths), shapes, _fmt_bytes(nbytes), s.note))
+  ratio = (f"{total / param_bytes:.2f}x the parameters' {_fmt_bytes(param_bytes)}"
+           if param_bytes else "")
   rows.append(("total", "", "", "", f"{sum(s.num_params for s in layers)} values", "",
-               _fmt_bytes(total)))
+               _fmt_bytes(total), ratio))
+  if not any(s.note for s in layers):  # The last column holds the ratio only: no header.
+    rows[0] = rows[0][:-1] + ("",)
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   lines = []
   for k, r in enumerate(rows):

@@ -21,6 +21,14 @@ recurrence), else their kind's shared default ("kron_indep"; "full" for scale-an
 `defaults` do not apply to them: those name single-use approximations. A pattern choosing an
 approximation that a matched layer cannot take is an error naming the pattern and the layer.
 
+Size policy. A layer whose approximation was not chosen for it by name (no manual `approx=`, no
+matching `overrides` pattern) keeps no factor side larger than `max_factor_dim`: a dense,
+convolution or embedding layer with a larger input / output side keeps that side as its
+diagonal ("kron" becomes "kron_in_diag", "kron_out_diag" or "kron_both_diag"), and a "full"
+block of more than `max_factor_dim` parameters (a large scale-and-shift table) becomes
+"diagonal". The layer's `LayerSpec.note` says why, and `summary` prints it. An explicit
+per-layer choice is taken as asked, whatever its size.
+
 Linked groups (TF K-FAC's `define_linked_parameters`) put every parameter leaf matched by a
 group's patterns into one generic block, "full" (the exact Fisher block of those parameters, the
 default) or "diagonal". A group must hold whole layers: a group holding the kernel of a dense
@@ -67,6 +75,14 @@ class LayerConfig:
       e.g. `{"params/RNN_0/*": "kron_series_2"}` (module docstring).
     linked: tuple of patterns → "full" or "diagonal": the matched leaves share one generic
       block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
+    max_factor_dim: the largest factor side kept as a matrix for layers whose approximation
+      comes from `defaults` or the library default (module docstring); None: no limit. The
+      default, 8192, keeps full input factors for models up to 8k wide (a 8192² float32 factor
+      is 256 MiB; with its inverse, 512 MiB, about a quarter of such a model's 8192 × 32k
+      vocabulary head) and turns the output side of every 32k–256k vocabulary head into a
+      vector: a 65,536-way output factor would be 16 GiB as a matrix (64 GiB with its caches)
+      and is 256 KiB as a diagonal. Hidden layers wider than 8192 (a 4× MLP of a 4k model)
+      also get a diagonal side on their wide side.
 
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
@@ -76,9 +92,14 @@ class LayerConfig:
   defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
   overrides: Mapping[str, str] = dataclasses.field(default_factory=dict)
   linked: Mapping[tuple[str, ...], str] = dataclasses.field(default_factory=dict)
+  max_factor_dim: int | None = 8192
 
   def __post_init__(self):
     approximations = _approximations()
+    m = self.max_factor_dim
+    if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+      raise ValueError(f"LayerConfig.max_factor_dim must be a positive int or None (no limit), "
+                       f"got {m!r}.")
     defaults = _frozen(self.defaults, "defaults")
     for kind, approx in defaults.items():
       if kind not in approximations:
@@ -118,12 +139,13 @@ class LayerConfig:
 
   def __hash__(self):
     return hash((tuple(self.defaults.items()), tuple(self.overrides.items()),
-                 tuple(self.linked.items())))
+                 tuple(self.linked.items()), self.max_factor_dim))
 
   def __eq__(self, other):
     return isinstance(other, LayerConfig) and (
-        dict(self.defaults), dict(self.overrides), dict(self.linked)) == (
-            dict(other.defaults), dict(other.overrides), dict(other.linked))
+        dict(self.defaults), dict(self.overrides), dict(self.linked), self.max_factor_dim) == (
+            dict(other.defaults), dict(other.overrides), dict(other.linked),
+            other.max_factor_dim)
 
 
 def check(layers) -> LayerConfig:
@@ -139,6 +161,38 @@ def check(layers) -> LayerConfig:
 
 def matches(pattern: str, names: Sequence[str]) -> bool:
   return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+_DIAG_SIDES = {  # (kron-family approximation, side made diagonal) -> approximation.
+    ("kron", "in"): "kron_in_diag", ("kron", "out"): "kron_out_diag",
+    ("kron_in_diag", "out"): "kron_both_diag", ("kron_out_diag", "in"): "kron_both_diag",
+    ("kron_in_diag", "in"): "kron_in_diag", ("kron_out_diag", "out"): "kron_out_diag",
+}
+
+
+def size_policy(max_dim: int | None, kind: str, approx: str, kron_shapes, num_params: int,
+                allowed: Sequence[str]) -> tuple[str, str]:
+  """`(approximation, note)` after the size policy (module docstring); note "" if unchanged.
+
+  `kron_shapes` are the layer's (A, G) factor shapes under "kron" (a leading group axis for
+  grouped convolutions; A a vector for embeddings, whose input side is always diagonal).
+  """
+  if max_dim is None:
+    return approx, ""
+  if approx == "full" and num_params > max_dim and "diagonal" in allowed:
+    return "diagonal", (f"{num_params} parameters > max_factor_dim {max_dim}: diagonal instead "
+                        "of a full block")
+  if approx not in ("kron", "kron_in_diag", "kron_out_diag") or not kron_shapes:
+    return approx, ""
+  sa, sg = kron_shapes
+  new, big = approx, []
+  for side, shape, label in (("in", sa, "input"), ("out", sg, "output")):
+    if len(shape) >= 2 and shape[-1] > max_dim and _DIAG_SIDES[(new, side)] != new:
+      new = _DIAG_SIDES[(new, side)]
+      big.append(f"{label} side {shape[-1]}")
+  if new == approx or new not in allowed:
+    return approx, ""
+  return new, (f"{' and '.join(big)} > max_factor_dim {max_dim}: kept as its diagonal")
 
 
 def resolve(config: LayerConfig, kind: str, names: Sequence[str],

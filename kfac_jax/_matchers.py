@@ -129,6 +129,28 @@ def default_conv_approx(info: ConvInfo) -> str:
   return "diagonal" if info.depthwise else "kron"
 
 
+def default_approx(kind: str, info) -> str | None:
+  """The library default for a layer of `kind` that depends on its shape (None: the kind's).
+
+  Depthwise convolutions are "diagonal"; a shift-only table added over the batch, spanning more
+  than one trailing axis (a learned positional embedding `x + pos`, `pos: [1, L, D]`), is
+  "diagonal": its "full" block would be quadratic in L·D (10.6 GiB for ViT-Ti/16).
+  """
+  if kind == "conv" and info is not None:
+    return default_conv_approx(info)
+  if (kind == "scale_and_shift" and isinstance(info, ScaleShiftInfo) and not info.has_scale
+      and len(info.feature_shape) > 1):
+    return "diagonal"
+  return None
+
+
+def default_approx_note(kind: str, info) -> str:
+  if kind == "scale_and_shift":
+    return (f"shift-only table {'x'.join(map(str, info.feature_shape))} (positional "
+            "embedding): diagonal")
+  return ""
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers on the scanner's tables.
 
@@ -200,6 +222,92 @@ def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed, shared: boo
   return leaf, fe.outs[0]
 
 
+# Layout-only operations an output may pass through between its product and its bias: the
+# unit axes `jax.vmap` leaves around a per-example layer (equinox), transposes, casts.
+_OUTPUT_VIEW_OPS = frozenset({"reshape", "squeeze", "transpose", "convert_element_type", "copy",
+                              "copy_p", "broadcast_in_dim"})
+
+
+def _index_view(fe, idx: np.ndarray) -> np.ndarray | None:
+  """`idx` (an integer array of the operand's shape) moved by the layout op `fe`, or None for an
+  op that is not a pure relayout (a real broadcast)."""
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  if fe.name == "transpose":
+    return idx.transpose(tuple(fe.params["permutation"]))
+  if fe.name == "broadcast_in_dim":
+    dims = tuple(fe.params["broadcast_dimensions"])
+    expanded = idx.reshape([idx.shape[dims.index(d)] if d in dims else 1
+                            for d in range(len(out_shape))])
+    return np.broadcast_to(expanded, out_shape)
+  if fe.name in ("reshape", "squeeze"):
+    return idx.reshape(out_shape)
+  return idx  # Casts and copies.
+
+
+def _leaf_index_view(sc, leaf, chain) -> np.ndarray:
+  """Which entry of `leaf` (flat index) each entry of the viewed operand reads."""
+  idx = np.arange(math.prod(sc.shapes[leaf])).reshape(sc.shapes[leaf])
+  for st in chain:
+    if st.op == "transpose":
+      idx = idx.transpose(st.perm)
+    elif st.op == "broadcast":
+      expanded = idx.reshape([idx.shape[st.perm.index(d)] if d in st.perm else 1
+                              for d in range(len(st.out_shape))])
+      idx = np.broadcast_to(expanded, st.out_shape)
+    elif st.op == "reshape":
+      idx = idx.reshape(st.out_shape)
+  return idx
+
+
+def follow_bias(sc, key, feature_of: np.ndarray, claimed, shared: bool = False):
+  """`(bias leaf, key of the sum)` if `key`, through layout-only ops, gets a parameter added whose
+  entry f lands exactly on the entries with `feature_of == f`; else None.
+
+  `feature_of` has `key`'s shape and holds the output feature (column of the layer's matrix)
+  of each entry. This covers a bias broadcast to the full output shape (Haiku's
+  `jnp.broadcast_to(b, out.shape)`), a per-example layer under `jax.vmap` (equinox: unit axes
+  reshaped away, the output transposed before the add), and plain `out + b`. Each op on the way
+  must be the only use of its input on the loss slice, so that the bias's gradient is the sum of
+  the layer output's gradient over the positions.
+  """
+  idx = feature_of
+  for _ in range(16):
+    use = _only_consumer(sc, key)
+    if use is None:
+      return None
+    fe = sc.g.eqns[use[0]]
+    if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
+      out_shape = tuple(fe.outs[0][1].aval.shape)
+      if fe.name == "broadcast_in_dim" and math.prod(out_shape) != idx.size:
+        return None
+      idx, key = _index_view(fe, idx), fe.outs[0]
+      continue
+    if fe.name != "add" or len(fe.ins) != 2:
+      return None
+    found = _single_use_leaf(sc, fe.ins[1 - use[1]], claimed, shared)
+    if found is None:
+      return None
+    leaf, chain = found
+    out_shape = tuple(fe.outs[0][1].aval.shape)
+    n = math.prod(sc.shapes[leaf])
+    b = _leaf_index_view(sc, leaf, chain)
+    if b.ndim == len(out_shape) and all(d in (1, o) for d, o in zip(b.shape, out_shape)):
+      b = np.broadcast_to(b, out_shape)  # Unit axes broadcast by the add (vmap's batching).
+    if b.shape != out_shape or idx.shape != out_shape or n != int(idx.max()) + 1:
+      return None
+    if not np.array_equal(b, idx):
+      return None
+    return leaf, fe.outs[0]
+  return None
+
+
+def conv_feature_of(info: ConvInfo) -> np.ndarray:
+  """The output channel of each entry of a convolution's output."""
+  shape = [1] * len(info.output_shape)
+  shape[info.out_spec[1]] = info.out_channels
+  return np.broadcast_to(np.arange(info.out_channels).reshape(shape), info.output_shape)
+
+
 # --------------------------------------------------------------------------------------------
 # Automatic matching.
 
@@ -227,6 +335,9 @@ def conv_use(sc, i, claimed, shared: bool = False):
                     out_shape)
   bias = _match_bias_add(sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed,
                          shared)
+  if bias is None:  # A broadcast bias, or one behind layout ops; the tap stays at the conv.
+    bias = follow_bias(sc, out_key, conv_feature_of(info), claimed, shared)
+    bias = None if bias is None else (bias[0], out_key)
   b_leaf, out_key = bias if bias is not None else (None, out_key)
   return info, k_leaf, x_atom, out_key, b_leaf
 

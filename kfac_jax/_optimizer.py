@@ -446,7 +446,7 @@ class Optimizer:
     est, cfg = self.estimator, self.config
     est._ensure_layers(params)
     reg = est._scan(params, batch, warn=False)
-    est._check_layers(reg.layers)
+    est._check_layers(reg)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     sdtype = est.config.inverse_dtype

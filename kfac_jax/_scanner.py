@@ -50,9 +50,10 @@ _VIEW_OPS = frozenset({
 APPROXIMATIONS = {
     "dense": ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal", "full",
               "expand", "reduce", "kron_indep", "ekfac"),
-    "conv": ("kron", "kron_sua", "diagonal", "full", "ekfac"),
+    "conv": ("kron", "kron_sua", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal",
+             "full", "ekfac"),
     "scale_and_shift": ("full", "diagonal"),
-    "embedding": ("kron", "kron_indep"),
+    "embedding": ("kron", "kron_indep", "kron_out_diag"),
     "generic": ("diagonal", "full"),
 }
 DEFAULT_APPROX = {"dense": "kron", "conv": "kron", "scale_and_shift": "full",
@@ -111,7 +112,7 @@ def param_paths(params) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class ViewStep:
   """One layout operation applied to a parameter on its way to the consuming operation."""
-  op: str  # "reshape" | "transpose" | "cast" | "broadcast"
+  op: str  # "reshape" | "transpose" | "cast" | "broadcast" | "shift" (a constant added)
   in_shape: tuple[int, ...]
   out_shape: tuple[int, ...]
   perm: tuple[int, ...] = ()  # transpose: the permutation; broadcast: broadcast_dimensions.
@@ -151,6 +152,35 @@ def undo_view(chain: Sequence[ViewStep], x):
     elif s.op == "reshape":
       x = x.reshape(s.in_shape)
   return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcatView:
+  """Several parameter leaves, each viewed (`chains`), concatenated along `axis` into one operand.
+
+  Flax's `OptimizedLSTMCell` concatenates its four gate kernels (and biases) before one product;
+  a `stack` is read as a concatenation of the operands with a unit axis inserted. The scanner
+  treats the concatenation as one virtual leaf of shape `shape`, matches layers on it, then
+  lists the real leaves in the layer (`LayerSpec.concat`); the block works on the
+  concatenation and splits its results back.
+  """
+  leaves: tuple[int, ...]
+  chains: tuple[tuple[ViewStep, ...], ...]
+  axis: int
+  piece_shapes: tuple[tuple[int, ...], ...]  # The concatenated operands' shapes.
+  shape: tuple[int, ...]
+
+
+def join_pieces(view: ConcatView, pieces):
+  """The concatenation of parameter-shaped `pieces` (casts skipped)."""
+  return jax.numpy.concatenate([apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis)
+
+
+def split_pieces(view: ConcatView, x, leaf_shapes):
+  """Inverse of `join_pieces`: the parameter-shaped pieces of a concatenation-shaped `x`."""
+  sizes = np.cumsum([s[view.axis] for s in view.piece_shapes])[:-1]
+  parts = jax.numpy.split(x, [int(k) for k in sizes], axis=view.axis)
+  return [undo_view(c, p).reshape(shape) for c, p, shape in zip(view.chains, parts, leaf_shapes)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,6 +242,13 @@ class LayerSpec:
       own output key and inputs in the registration.
     use_infos: for `num_uses > 1`, the matching details of every use (`info` is the first one,
       or the embedding use of a tied embedding).
+    note: why the approximation differs from the one asked for or the kind's default (the size
+      policy of `LayerConfig.max_factor_dim`, a positional table), "" otherwise; `summary`
+      prints it.
+    concat: for a layer over concatenated leaves, one entry per logical parameter (kernel,
+      bias): its `ConcatView`, or None for a plain leaf; () otherwise.
+    logical: with `concat`, the layer as matched on the concatenations (one leaf each, with
+      their shapes): the spec its block computes with.
   """
   name: str
   kind: str
@@ -224,6 +261,9 @@ class LayerSpec:
   param_shapes: tuple[tuple[int, ...], ...] = ()
   num_uses: int = 1
   use_infos: tuple[Any, ...] = ()
+  note: str = ""
+  concat: tuple[Any, ...] = ()
+  logical: Any = None
 
   @property
   def dense(self) -> DenseInfo | None:
@@ -232,6 +272,8 @@ class LayerSpec:
   @property
   def has_bias(self) -> bool:
     """Dense and conv layers: whether a bias leaf follows the kernel."""
+    if self.logical is not None:
+      return self.logical.has_bias
     return self.kind in ("dense", "conv") and len(self.leaf_indices) == 2
 
   @property
@@ -342,8 +384,8 @@ class _Scanner:
                collect=False):
     self.g = graph
     self.n_params = n_params
-    self.paths = paths
-    self.shapes = shapes
+    self.paths = list(paths)  # Virtual leaves (concatenations) are appended after the params.
+    self.shapes = list(shapes)
     self.strict = strict
     self.warn = warn
     self.layer_config = _layer_config.check(layer_config)
@@ -362,14 +404,16 @@ class _Scanner:
           "loss_fn(params, batch).")
     losses, loss_operands = self._losses(loss_eqns)
     self.batch_size = losses[0].batch_size
+    self.const_values = dict(g.consts)
     self._origins()
     self.producer = {k: i for i, fe in enumerate(g.eqns) for k in fe.outs}
-    self.const_values = dict(g.consts)
     in_slice = self._loss_slice([ops[0] for ops in loss_operands])
     self._uses(in_slice)
+    self._check_virtual()
 
     specs: list[tuple[LayerSpec, Any, Any]] = []
-    claimed: dict[int, str] = {}
+    claimed: dict[int, str] = {v: "<a concatenation with other uses>"
+                               for v in self.blocked_virtual}
     self.manual_dense: dict[int, list[Any]] = {}
     for i, fe in enumerate(g.eqns):
       if fe.eqn.primitive is _tags.layer_tag_p:
@@ -398,6 +442,7 @@ class _Scanner:
             specs.append(found)
             break
 
+    specs = self._expand_virtual(specs, claimed)
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
     uncovered = [j for j in range(self.n_params) if j not in claimed]
@@ -461,13 +506,114 @@ class _Scanner:
   # -- parameter views -------------------------------------------------------------------------
 
   def _origins(self):
-    """For each key computed from one parameter leaf by view ops only: (leaf, chain)."""
+    """For each key computed from one parameter leaf by view ops only: (leaf, chain).
+
+    Adding a constant (`1 + scale`, Gemma's RMSNorm) is a view too: the shifted parameter has
+    the parameter's gradient and Fisher (the Jacobian is the identity), so the layer's block is
+    the same as for the shifted parameter itself ("shift" steps are skipped like casts).
+    """
     self.origin: dict[Any, tuple[int, tuple[ViewStep, ...]]] = {
         k: (j, ()) for k, j in self.leaf_of_key.items()}
-    for fe in self.g.eqns:
+    self.view_eqns: set[int] = set()  # Equations that only view a parameter (not real uses).
+    self.virtual: dict[int, ConcatView] = {}  # Virtual leaf -> the concatenation it stands for.
+    self.concat_eqns: dict[int, int] = {}  # Equation -> the virtual leaf it computes.
+    for i, fe in enumerate(self.g.eqns):
       if fe.name in _VIEW_OPS and fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in self.origin:
         leaf, chain = self.origin[fe.ins[0]]
         self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
+      elif fe.name in ("concatenate", "stack"):
+        self._concat_origin(i, fe)
+      elif fe.name in ("add", "sub") and len(fe.ins) == 2:
+        pos = self._constant_shift(fe)
+        if pos is not None:
+          self.view_eqns.add(i)
+          leaf, chain = self.origin[fe.ins[pos]]
+          shape = tuple(fe.outs[0][1].aval.shape)
+          self.origin[fe.outs[0]] = (leaf, chain + (ViewStep("shift", shape, shape),))
+
+  def _concat_origin(self, i, fe) -> None:
+    """A concatenation of views of distinct leaves becomes a virtual leaf (one per distinct
+    concatenation: the same one computed at every step of an unrolled scan is one leaf)."""
+    if len(fe.ins) < 2 or not all(_graph.is_key(a) and a in self.origin for a in fe.ins):
+      return
+    origins = [self.origin[a] for a in fe.ins]
+    leaves = tuple(o[0] for o in origins)
+    if (len(set(leaves)) != len(leaves) or any(j >= self.n_params for j in leaves)
+        or any(st.op not in ("reshape", "transpose", "cast") for o in origins for st in o[1])):
+      return
+    shapes = [tuple(_graph.aval_of(a).shape) for a in fe.ins]
+    chains = [o[1] for o in origins]
+    if fe.name == "stack":  # A concatenation of the operands with a unit axis inserted.
+      axis = int(fe.params["axis"])
+      unit = [sh[:axis] + (1,) + sh[axis:] for sh in shapes]
+      chains = [c + (ViewStep("reshape", sh, u),) for c, sh, u in zip(chains, shapes, unit)]
+      shapes = unit
+    else:
+      axis = int(fe.params["dimension"])
+    view = ConcatView(leaves=leaves, chains=tuple(chains), axis=axis,
+                      piece_shapes=tuple(shapes), shape=tuple(fe.outs[0][1].aval.shape))
+    v = next((k for k, w in self.virtual.items() if w == view), None)
+    if v is None:
+      v = len(self.paths)
+      self.virtual[v] = view
+      paths = [self.paths[j] for j in leaves]
+      prefix = _common_prefix(paths) if len(paths) > 1 else ""
+      rest = [p[len(prefix) + 1:] if prefix and p.startswith(prefix + "/") else p for p in paths]
+      self.paths.append((prefix + "/" if prefix and prefix not in paths else "") + "+".join(rest))
+      self.shapes.append(view.shape)
+    self.concat_eqns[i] = v
+    self.origin[fe.outs[0]] = (v, ())
+
+  def _check_virtual(self) -> None:
+    """A concatenation is one leaf only if its pieces have no other real use; otherwise its
+    pieces are used by the concatenation (a generic fallback) and the virtual leaf is blocked."""
+    owner: dict[int, set[int]] = {}
+    for v, view in self.virtual.items():
+      for j in view.leaves:
+        owner.setdefault(j, set()).add(v)
+    self.blocked_virtual = {v for v, view in self.virtual.items()
+                            if any(j in self.uses or len(owner[j]) > 1 for j in view.leaves)}
+    for i, v in self.concat_eqns.items():
+      if v in self.blocked_virtual and i in self.in_slice:
+        for pos, j in enumerate(self.virtual[v].leaves):
+          self.uses.setdefault(j, []).append((i, pos))
+          self.uses_by_eqn.setdefault(i, []).append((j, pos))
+
+  def _expand_virtual(self, specs, claimed):
+    """Layers matched on virtual leaves list the concatenated real leaves instead."""
+    out = []
+    for spec, outs, ins in specs:
+      if not any(j in self.virtual for j in spec.leaf_indices):
+        out.append((spec, outs, ins))
+        continue
+      leaves, views = [], []
+      for j in spec.leaf_indices:
+        view = self.virtual.get(j)
+        views.append(view)
+        leaves.extend(view.leaves if view is not None else (j,))
+      paths = tuple(self.paths[j] for j in leaves)
+      name = _common_prefix(paths)
+      self._claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
+      out.append((dataclasses.replace(
+          spec, name=name, param_paths=paths, leaf_indices=tuple(leaves),
+          param_shapes=tuple(self.shapes[j] for j in leaves), concat=tuple(views),
+          logical=spec), outs, ins))
+    return out
+
+  def _constant_shift(self, fe) -> int | None:
+    """The operand position of the parameter view in `view + c`, `c + view` or `view - c` with
+    `c` a scalar constant (the output has the view's shape); else None."""
+    for pos in ((0, 1) if fe.name == "add" else (0,)):
+      a, c = fe.ins[pos], fe.ins[1 - pos]
+      if not _graph.is_key(a) or a not in self.origin:
+        continue
+      if tuple(_graph.aval_of(a).shape) != tuple(fe.outs[0][1].aval.shape):
+        continue
+      if isinstance(c, _compat.Literal) and np.ndim(c.val) == 0:
+        return pos
+      if _graph.is_key(c) and c in self.const_values and np.size(self.const_values[c]) == 1:
+        return pos
+    return None
 
   def _loss_slice(self, roots) -> set[int]:
     needed = {a for a in roots if _graph.is_key(a)}
@@ -486,7 +632,8 @@ class _Scanner:
     self.uses_by_eqn: dict[int, list[tuple[int, int]]] = {}
     for i in sorted(in_slice):
       fe = self.g.eqns[i]
-      if fe.name in _VIEW_OPS or fe.eqn.primitive in (_tags.layer_tag_p,):
+      if (fe.name in _VIEW_OPS or i in self.view_eqns or i in self.concat_eqns
+          or fe.eqn.primitive in (_tags.layer_tag_p,)):
         continue
       for pos, a in enumerate(fe.ins):
         if _graph.is_key(a) and a in self.origin:
@@ -541,7 +688,8 @@ class _Scanner:
     for group, approx in self.layer_config.linked.items():
       leaves = []
       for pattern in group:
-        found = [j for j, p in enumerate(self.paths) if _layer_config.matches(pattern, (p,))]
+        found = [j for j, p in enumerate(self.paths[:self.n_params])
+                 if _layer_config.matches(pattern, (p,))]
         if not found:
           self._pattern_problem(f"LayerConfig.linked: pattern {pattern!r} of group {group} "
                                 "matches no parameter path")
@@ -587,7 +735,8 @@ class _Scanner:
       if not _layer_config.matches(pattern, tuple(names)):
         self._pattern_problem(
             f"LayerConfig.overrides: pattern {pattern!r} matches no layer name or parameter "
-            f"path (paths: {list(self.paths)[:8]}{' ...' if len(self.paths) > 8 else ''})")
+            f"path (paths: {self.paths[:min(8, self.n_params)]}"
+            f"{' ...' if self.n_params > 8 else ''})")
 
   def _manual(self, i, fe, claimed):
     kind, approx = fe.params["kind"], fe.params["approx"]
@@ -879,7 +1028,20 @@ class _Scanner:
     name = _common_prefix(paths)
     if approx is None:
       approx = self._shared_override(kind, name, paths, len(infos))
+    explicit = approx is not None
     approx = self._check_approx(kind, approx, list(paths), shared=True)
+    note = ""
+    max_dim = self.layer_config.max_factor_dim
+    if not explicit and max_dim is not None and kind in ("dense", "conv"):
+      # The size policy for shared layers: "kron_indep" has no diagonal-side variant, so a
+      # side above the limit makes the block diagonal (exact per-example diagonal, O(n)).
+      first = infos[0]
+      sides = ((first.in_dim, first.out_dim) if kind == "dense"
+               else (first.patch_dim, first.out_per_group))
+      if max(sides) > max_dim:
+        approx = "diagonal"
+        note = (f"factor side {max(sides)} > max_factor_dim {max_dim} on a layer used "
+                f"{len(infos)} times: diagonal")
     if approx in SHARED_APPROXIMATIONS[1:] and (kind != "dense"
                                                 or len({inf.rows for inf in infos}) != 1):
       raise RegistrationError(
@@ -902,9 +1064,27 @@ class _Scanner:
     return LayerSpec(
         name=name, kind=kind, param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
         factor_shapes=shapes, source=source, info=info,
-        param_shapes=tuple(self.shapes[j] for j in leaves), num_uses=len(infos), use_infos=infos)
+        param_shapes=tuple(self.shapes[j] for j in leaves), num_uses=len(infos), use_infos=infos,
+        note=note)
 
   def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
+    found = self._match_direct_bias(s_key, k_pos, k_shape, k_free, claimed, shared)
+    if found is not None:
+      return found
+    # A bias behind layout ops (vmap's unit axes, a transposed product) or broadcast to the full
+    # output: matched by where each bias entry lands; the tap stays at the product.
+    free_shape = tuple(k_shape[d] for d in k_free)
+    out_shape = tuple(s_key[1].aval.shape)
+    n_kf = len(free_shape)
+    feat = np.arange(math.prod(free_shape)).reshape(free_shape)
+    if k_pos == 1:  # out = (x_free..., k_free...)
+      feat = np.broadcast_to(feat, out_shape)
+    else:  # out = (k_free..., x_free...)
+      feat = np.broadcast_to(feat.reshape(free_shape + (1,) * (len(out_shape) - n_kf)), out_shape)
+    bias = _matchers.follow_bias(self, s_key, feat, claimed, shared)
+    return None if bias is None else (bias[0], s_key)
+
+  def _match_direct_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
     if k_pos != 1:
       return None
     cons = self.slice_consumers.get(s_key, [])
@@ -948,9 +1128,20 @@ class _Scanner:
     """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations."""
     paths = tuple(self.paths[j] for j in leaves)
     name = _common_prefix(paths)
-    builtin = (_matchers.default_conv_approx(info) if kind == "conv" else DEFAULT_APPROX[kind])
+    builtin, note = _matchers.default_approx(kind, info), ""
+    if builtin is None:
+      builtin = DEFAULT_APPROX[kind]
+    elif builtin != DEFAULT_APPROX[kind]:
+      note = _matchers.default_approx_note(kind, info)
+    explicit = self._explicit(paths, name, approx, source)
     approx = self._approx(kind, paths, name, approx, source, builtin)
+    if approx != builtin:
+      note = ""
     n = sum(math.prod(self.shapes[j]) for j in leaves)
+    if not explicit:
+      approx, why = _layer_config.size_policy(
+          self.layer_config.max_factor_dim, kind, approx, kron_shapes, n, APPROXIMATIONS[kind])
+      note = why or note
     if approx == "diagonal":
       shapes = ((n,),)
     elif approx == "full":
@@ -964,18 +1155,32 @@ class _Scanner:
     return LayerSpec(
         name=name, kind=kind, param_paths=paths, leaf_indices=tuple(leaves),
         approx=approx, factor_shapes=shapes, source=source, info=info,
-        param_shapes=tuple(self.shapes[j] for j in leaves))
+        param_shapes=tuple(self.shapes[j] for j in leaves), note=note)
+
+  def _explicit(self, paths, name, approx, source) -> bool:
+    """Whether the layer's approximation is chosen for it by name: a manual tag's `approx=` or
+    a matching `LayerConfig.overrides` pattern (then the size policy does not apply)."""
+    if source == "manual" and approx is not None:
+      return True
+    return any(_layer_config.matches(p, (name,) + tuple(paths))
+               for p in self.layer_config.overrides)
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
     paths = tuple(self.paths[j] for j in leaves)
     n = sum(math.prod(self.shapes[j]) for j in leaves)
     name = paths[0] if len(paths) == 1 else _common_prefix(paths)
+    note = ""
     if source != "linked":
+      explicit = self._explicit(paths, name, approx, source)
       approx = self._approx("generic", paths, name, approx, source, DEFAULT_APPROX["generic"])
+      if not explicit:
+        approx, note = _layer_config.size_policy(
+            self.layer_config.max_factor_dim, "generic", approx, (), n, APPROXIMATIONS["generic"])
     factor = ((n,),) if approx == "diagonal" else ((n, n),)
     return LayerSpec(
         name=name, kind="generic", param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
-        factor_shapes=factor, source=source, param_shapes=tuple(self.shapes[j] for j in leaves))
+        factor_shapes=factor, source=source, param_shapes=tuple(self.shapes[j] for j in leaves),
+        note=note)
 
 
 # --------------------------------------------------------------------------------------------

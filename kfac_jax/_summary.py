@@ -71,6 +71,8 @@ def summary(loss_fn: Callable, params, batch, *, strict: bool = False,
   1 + scale", "concatenated before a matmul", "used 3 times in different ways (dot_general,
   mul)", "consumed by <primitive> (no matcher)", "not used by the loss", ...). `axis_name` and
   `has_aux` as in `scan_layers`.
+  The `note` column says why a layer's approximation differs from its kind's default (e.g. a
+  factor side over `LayerConfig.max_factor_dim` kept as its diagonal).
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))

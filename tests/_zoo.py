@@ -306,3 +306,199 @@ def separable(flavour: str) -> Zoo:
 
 MODELS = {"mlp": mlp, "cnn": cnn, "resnet": resnet, "transformer": transformer,
           "separable": separable}
+
+
+# ================================================================================================
+# Structure zoo (issue 13, items 3, 4, 7): Haiku and equinox models, a Gemma-style RMSNorm, a
+# ViT-ish model with a learned positional table, a Flax OptimizedLSTMCell, a 32k-vocabulary head.
+# Builders take no flavour; tests/test_zoo.py runs them through `STRUCTURE_MODELS`.
+# ================================================================================================
+
+
+def _hk_zoo(net, batch, expected):
+  import haiku as hk  # pylint: disable=g-import-not-at-top (optional test extra)
+  f = hk.without_apply_rng(hk.transform(net))
+  params = f.init(jax.random.key(1), batch["x"])
+
+  def loss_fn(p, b):
+    return _ce(f.apply(p, b["x"]), b["y"])
+
+  return Zoo(loss_fn, params, batch, expected)
+
+
+def haiku_mlp() -> Zoo:
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  def net(x):
+    x = x.reshape(x.shape[0], -1)
+    return hk.Linear(CLASSES)(jnp.tanh(hk.Linear(16)(x)))
+
+  paths = lambda m: ("dense", "kron", (f"{m}/w", f"{m}/b"))  # noqa: E731
+  return _hk_zoo(net, _images(jax.random.key(0)), [paths("linear"), paths("linear_1")])
+
+
+def haiku_cnn() -> Zoo:
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  def net(x):  # hk.Conv2D adds its bias with `jnp.broadcast_to(b, out.shape)`.
+    x = jax.nn.relu(hk.Conv2D(4, 3)(x))
+    x = jax.nn.relu(hk.Conv2D(6, 3, stride=2, padding="VALID")(x))
+    return hk.Linear(CLASSES)(x.reshape(x.shape[0], -1))
+
+  return _hk_zoo(net, _images(jax.random.key(0)), [
+      ("conv", "kron", ("conv2_d/w", "conv2_d/b")),
+      ("conv", "kron", ("conv2_d_1/w", "conv2_d_1/b")),
+      ("dense", "kron", ("linear/w", "linear/b"))])
+
+
+def _eqx_zoo(model, batch, apply, expected):
+  import equinox as eqx  # pylint: disable=g-import-not-at-top (optional test extra)
+  params, static = eqx.partition(model, eqx.is_array)
+
+  def loss_fn(p, b):
+    return _ce(apply(eqx.combine(p, static), b["x"]), b["y"])
+
+  return Zoo(loss_fn, params, batch, expected)
+
+
+def equinox_mlp() -> Zoo:
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+  k = jax.random.split(jax.random.key(2))
+  model = {"l1": eqx.nn.Linear(8 * 8 * 3, 16, key=k[0]),
+           "l2": eqx.nn.Linear(16, CLASSES, key=k[1])}
+
+  def apply(m, x):
+    def one(x):  # One example: the equinox idiom, batched with vmap.
+      return m["l2"](jnp.tanh(m["l1"](x.reshape(-1))))
+    return jax.vmap(one)(x)
+
+  paths = lambda m: ("dense", "kron", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
+  return _eqx_zoo(model, _images(jax.random.key(0)), apply, [paths("l1"), paths("l2")])
+
+
+def equinox_cnn() -> Zoo:
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+  k = jax.random.split(jax.random.key(3), 3)
+  model = {"c1": eqx.nn.Conv2d(3, 4, 3, padding=1, key=k[0]),
+           "c2": eqx.nn.Conv2d(4, 6, 3, stride=2, key=k[1]),
+           "head": eqx.nn.Linear(6 * 3 * 3, CLASSES, key=k[2])}
+
+  def apply(m, x):
+    def one(x):  # [H, W, C] -> equinox's channel-first layout.
+      x = jax.nn.relu(m["c1"](x.transpose(2, 0, 1)))
+      x = jax.nn.relu(m["c2"](x))
+      return m["head"](x.reshape(-1))
+    return jax.vmap(one)(x)
+
+  return _eqx_zoo(model, _images(jax.random.key(0)), apply, [
+      ("conv", "kron", ("c1/weight", "c1/bias")), ("conv", "kron", ("c2/weight", "c2/bias")),
+      ("dense", "kron", ("head/weight", "head/bias"))])
+
+
+def gemma_rmsnorm() -> Zoo:
+  """A pre-norm residual MLP block with Gemma's RMSNorm, `x̂ * (1 + scale)`, scale init 0."""
+
+  class RMSNorm(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],))
+      x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+      return x * (1 + scale)
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, ids):
+      x = nn.Embed(VOCAB, DIM)(ids)
+      h = nn.Dense(2 * DIM, use_bias=False)(RMSNorm()(x))
+      x = x + nn.Dense(DIM, use_bias=False)(nn.gelu(h))
+      return nn.Dense(VOCAB, use_bias=False)(RMSNorm()(x))
+
+  k1, k2 = jax.random.split(jax.random.key(4))
+  batch = {"x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
+           "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB)}
+  f, p, b = _linen(Model(), batch)
+  dense = lambda m: ("dense", "kron", (f"{m}/kernel",))  # noqa: E731
+  norm = lambda m: ("scale_and_shift", "full", (f"{m}/scale",))  # noqa: E731
+  return Zoo(f, p, b, [dense("Dense_0"), dense("Dense_1"), dense("Dense_2"),
+                       ("embedding", "kron", ("Embed_0/embedding",)), norm("RMSNorm_0"),
+                       norm("RMSNorm_1")])
+
+
+def vit_positional() -> Zoo:
+  """Patch embedding (strided conv), a learned positional table `x + pos`, pos: [1, L, D]."""
+
+  class ViT(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Conv(DIM, (2, 2), strides=(2, 2))(x)  # [N, 4, 4, D]
+      x = x.reshape(x.shape[0], -1, DIM)
+      pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, x.shape[1], DIM))
+      x = x + pos
+      h = nn.Dense(2 * DIM)(nn.LayerNorm()(x))
+      x = x + nn.Dense(DIM)(nn.gelu(h))
+      return nn.Dense(CLASSES)(jnp.mean(nn.LayerNorm()(x), axis=1))
+
+  f, p, b = _linen(ViT(), _images(jax.random.key(0)))
+  return Zoo(f, p, b, [
+      _conv("Conv_0"), _dense("Dense_0"), _dense("Dense_1"), _dense("Dense_2"),
+      _norm("LayerNorm_0"), _norm("LayerNorm_1"),
+      ("scale_and_shift", "diagonal", ("pos_embedding",))])
+
+
+def lstm() -> Zoo:
+  """Flax `nn.OptimizedLSTMCell` (gate kernels concatenated before one product) over T steps."""
+  hidden, steps = 6, 3
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      cell = nn.OptimizedLSTMCell(hidden)
+      carry = cell.initialize_carry(jax.random.key(0), x[:, 0].shape)
+      for t in range(x.shape[1]):
+        carry, y = cell(carry, x[:, t])
+      return nn.Dense(CLASSES)(y)
+
+  k1, k2 = jax.random.split(jax.random.key(5))
+  batch = {"x": jax.random.normal(k1, (N, steps, 4)),
+           "y": jax.random.randint(k2, (N,), 0, CLASSES)}
+  f, p, b = _linen(Model(), batch)
+  c = "OptimizedLSTMCell_0"
+  gates = ("i", "f", "g", "o")  # The cell's concatenation order.
+  return Zoo(f, p, b, [
+      _dense("Dense_0"),
+      ("dense", "kron_indep", tuple(f"{c}/h{g}/kernel" for g in gates)
+       + tuple(f"{c}/h{g}/bias" for g in gates)),
+      ("dense", "kron_indep", tuple(f"{c}/i{g}/kernel" for g in gates))])
+
+
+LM_VOCAB = 32_768
+
+
+def vocab_lm() -> Zoo:
+  """A 16-wide LM with a 32k-vocabulary head: the size policy keeps the head's output factor as
+  its diagonal, so the state stays within a few times the parameters."""
+
+  class LM(nn.Module):
+
+    @nn.compact
+    def __call__(self, ids):
+      x = nn.Embed(LM_VOCAB, 16)(ids)
+      x = x + nn.Dense(16)(nn.gelu(nn.Dense(16)(x)))
+      return nn.Dense(LM_VOCAB)(x)
+
+  k1, k2 = jax.random.split(jax.random.key(6))
+  batch = {"x": jax.random.randint(k1, (N, 4), 0, LM_VOCAB),
+           "y": jax.random.randint(k2, (N, 4), 0, LM_VOCAB)}
+  f, p, b = _linen(LM(), batch)
+  return Zoo(f, p, b, [_dense("Dense_0"), _dense("Dense_1"),
+                       ("dense", "kron_out_diag", ("Dense_2/kernel", "Dense_2/bias")),
+                       ("embedding", "kron", ("Embed_0/embedding",))])
+
+
+STRUCTURE_MODELS = {"haiku_mlp": haiku_mlp, "haiku_cnn": haiku_cnn, "equinox_mlp": equinox_mlp,
+                    "equinox_cnn": equinox_cnn, "gemma_rmsnorm": gemma_rmsnorm,
+                    "vit_positional": vit_positional, "lstm": lstm, "vocab_lm": vocab_lm}

@@ -261,3 +261,174 @@ def test_check_registration_lists_wrong_use_counts_with_the_other_problems():
   # Without collect, the scan stops at the first one.
   with pytest.raises(kfac_jax.RegistrationError, match=r"`k` is used 2 times .* 1 register_conv"):
     kfac_jax.scan_layers(loss_fn, params, batch)
+
+
+# -- size policy (LayerConfig.max_factor_dim) ----------------------------------------------------
+
+
+def _head_model(vocab, width=16, dtype=jnp.float32):
+  k = jax.random.split(jax.random.key(3), 3)
+  params = {"emb": {"table": jax.random.normal(k[0], (50, width), dtype)},
+            "body": {"kernel": 0.3 * jax.random.normal(k[1], (width, width), dtype)},
+            "head": {"kernel": 0.3 * jax.random.normal(k[2], (width, vocab), dtype),
+                     "bias": jnp.zeros((vocab,), dtype)}}
+
+  def loss_fn(p, b):
+    h = jnp.tanh(p["emb"]["table"][b["ids"]] @ p["body"]["kernel"])
+    logits = h @ p["head"]["kernel"] + p["head"]["bias"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  kb = jax.random.split(jax.random.key(4))
+  batch = {"ids": jax.random.randint(kb[0], (6,), 0, 50),
+           "y": jax.random.randint(kb[1], (6,), 0, vocab)}
+  return loss_fn, params, batch
+
+
+def _nbytes(tree):
+  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_vocabulary_head_state_fits_next_to_the_model():
+  loss_fn, params, batch = _head_model(65_536)
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3)
+  state = jax.eval_shape(tx.init, params)  # Shapes only: no 16 GiB allocation if it fails.
+  assert _nbytes(state) < 3 * _nbytes(params), (_nbytes(state), _nbytes(params))
+  specs = kfac_jax.scan_layers(loss_fn, params, batch)
+  head = next(s for s in specs if s.name == "head")
+  assert head.approx == "kron_out_diag" and head.factor_shapes == ((17, 17), (65_536,))
+  assert "65536 > max_factor_dim 8192" in head.note
+  table = kfac_jax.summary(loss_fn, params, batch)
+  assert head.note in table and "x the parameters'" in table
+  # Without the policy the output factor alone is 65,536² floats.
+  big = kfac_jax.scan_layers(loss_fn, params, batch,
+                             layers=kfac_jax.LayerConfig(max_factor_dim=None))
+  assert next(s for s in big if s.name == "head").factor_shapes[1] == (65_536, 65_536)
+
+
+def test_size_policy_equals_the_explicit_approximation(x64):
+  loss_fn, params, batch = _head_model(7, width=4, dtype=jnp.float64)
+  grads = jax.grad(loss_fn)(params, batch)
+  out = {}
+  for name, layers in [
+      ("policy", kfac_jax.LayerConfig(max_factor_dim=6)),
+      ("explicit", kfac_jax.LayerConfig(overrides={"head/*": "kron_out_diag"},
+                                        max_factor_dim=None))]:
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+    state = est.update_inverses(state, damping=1e-2)
+    out[name] = (est.layers, est.multiply_inverse(state, grads))
+  approx = {s.name: (s.approx, s.note) for s in out["policy"][0]}
+  assert approx["head"][0] == "kron_out_diag" and "output side 7" in approx["head"][1]
+  assert approx["body"] == ("kron", "")  # 4 + 0 and 4: under the limit.
+  for a, b in zip(jax.tree_util.tree_leaves(out["policy"][1]),
+                  jax.tree_util.tree_leaves(out["explicit"][1])):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_explicit_choices_win_over_the_size_policy():
+  loss_fn, params, batch = _head_model(7, width=4)
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
+      overrides={"head/*": "kron"}, max_factor_dim=6))
+  assert next(s for s in specs if s.name == "head").approx == "kron"
+  # defaults are not per-layer choices: the policy still applies to them.
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
+      defaults={"dense": "kron_in_diag"}, max_factor_dim=6))
+  assert next(s for s in specs if s.name == "head").approx == "kron_both_diag"
+
+  def tagged(p, b):
+    h = jnp.tanh(p["emb"]["table"][b["ids"]] @ p["body"]["kernel"])
+    logits = kfac_jax.register_dense(h @ p["head"]["kernel"] + p["head"]["bias"], h,
+                                     p["head"]["kernel"], p["head"]["bias"], approx="kron")
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  specs = kfac_jax.scan_layers(tagged, params, batch,
+                               layers=kfac_jax.LayerConfig(max_factor_dim=6))
+  assert next(s for s in specs if s.name == "head").approx == "kron"
+  with pytest.raises(ValueError, match="max_factor_dim"):
+    kfac_jax.LayerConfig(max_factor_dim=0)
+
+
+def test_size_policy_for_conv_embedding_and_full_blocks():
+  k = jax.random.split(jax.random.key(5), 4)
+  params = {"emb": jax.random.normal(k[0], (5, 9)),
+            "conv": {"kernel": jax.random.normal(k[1], (1, 1, 9, 12)), "bias": jnp.zeros(12)},
+            "norm": {"scale": jnp.ones((3, 12)), "bias": jnp.zeros((3, 12))}}
+
+  def loss_fn(p, b):
+    x = p["emb"][b["ids"]][:, :, None, :]  # [N, 3, 1, 9]
+    y = jax.lax.conv_general_dilated(x, p["conv"]["kernel"], (1, 1), "VALID",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["conv"]["bias"]
+    y = y[:, :, 0, :]
+    y = y * p["norm"]["scale"] + p["norm"]["bias"]
+    logits = y.mean(axis=1)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  batch = {"ids": jax.random.randint(k[2], (4, 3), 0, 5),
+           "y": jax.random.randint(k[3], (4,), 0, 12)}
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True,
+                               layers=kfac_jax.LayerConfig(max_factor_dim=8))
+  got = {s.name: (s.kind, s.approx, s.factor_shapes) for s in specs}
+  assert got["emb"] == ("embedding", "kron_out_diag", ((5,), (9,)))
+  assert got["conv"] == ("conv", "kron_both_diag", ((10,), (12,)))
+  assert got["norm"] == ("scale_and_shift", "diagonal", ((72,),))
+  assert all("max_factor_dim 8" in s.note for s in specs)
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3,
+                              layers=kfac_jax.LayerConfig(max_factor_dim=8))
+  state = tx.init(params)
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  updates, _ = jax.jit(lambda g, s, st: tx.update(g, s, params, curvature_stats=st))(
+      grads, state, stats)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree_util.tree_leaves(updates))
+
+
+def test_positional_table_gets_a_diagonal_block():
+  k = jax.random.split(jax.random.key(6), 3)
+  params = {"pos": 0.1 * jax.random.normal(k[0], (1, 5, 4)),
+            "head": {"kernel": jax.random.normal(k[1], (4, 3))}}
+
+  def loss_fn(p, b):
+    h = b["x"] + p["pos"]  # A learned positional embedding (ViT, lm1b).
+    logits = jnp.tanh(h).mean(axis=1) @ p["head"]["kernel"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  batch = {"x": jax.random.normal(k[2], (2, 5, 4)), "y": jnp.array([0, 2])}
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  pos = next(s for s in specs if s.param_paths == ("pos",))
+  assert (pos.kind, pos.approx, pos.factor_shapes) == ("scale_and_shift", "diagonal", ((20,),))
+  assert "positional" in pos.note
+  assert pos.note in kfac_jax.summary(loss_fn, params, batch)
+  # Asked for by name, the full block is kept.
+  specs = kfac_jax.scan_layers(loss_fn, params, batch,
+                               layers=kfac_jax.LayerConfig(overrides={"pos": "full"}))
+  pos = next(s for s in specs if s.param_paths == ("pos",))
+  assert (pos.approx, pos.factor_shapes, pos.note) == ("full", ((20, 20),), "")
+
+
+def test_size_policy_for_a_shared_layer():
+  """A kernel used at every step of an unrolled recurrence keeps no factor side over the limit."""
+  k = jax.random.split(jax.random.key(7), 3)
+  params = {"cell": jax.random.normal(k[0], (4, 4)), "out": jax.random.normal(k[1], (4, 9))}
+
+  def loss_fn(p, b):
+    h, logits = b["x"], []
+    for _ in range(3):
+      h = jnp.tanh(h @ p["cell"])
+      logits.append(h @ p["out"])
+    logits = jnp.stack(logits, axis=1)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  batch = {"x": jax.random.normal(k[2], (2, 4)), "y": jnp.zeros((2, 3), jnp.int32)}
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True,
+                               layers=kfac_jax.LayerConfig(max_factor_dim=8))
+  got = {s.param_paths: (s.num_uses, s.approx, s.factor_shapes) for s in specs}
+  assert got[("cell",)] == (3, "kron_indep", ((4, 4), (4, 4)))
+  assert got[("out",)] == (3, "diagonal", ((36,),))
+  assert "max_factor_dim 8" in next(s.note for s in specs if s.param_paths == ("out",))
+  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
+      overrides={"out": "kron_indep"}, max_factor_dim=8))
+  assert next(s.approx for s in specs if s.param_paths == ("out",)) == "kron_indep"

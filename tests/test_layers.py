@@ -606,3 +606,288 @@ def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
     got = np.asarray(ravel_pytree(est.multiply(state, v))[0])
     dense = np.asarray(est.to_dense(state))
     np.testing.assert_allclose(got, dense @ flat_v + 0.05 * flat_v, rtol=1e-9)
+
+
+# -- any batch size ------------------------------------------------------------------------------
+#
+# Statistics of a batch of another leading size than `example_batch` (a partial last batch, an
+# eval batch) are normalised by that batch: an estimator built with 8 examples and fed 17 holds
+# exactly what one built with those 17 holds, and its "full" blocks are the exact Fisher of the
+# 17 examples.
+
+
+def _exact_fisher(logits_fn, params, batch):
+  """(1/N) Σ_n J_nᵀ (diag(p_n) − p_n p_nᵀ) J_n, the exact Fisher of the categorical loss."""
+  flat, unravel = ravel_pytree(params)
+  logits = np.asarray(logits_fn(params, batch))
+  jac = np.asarray(jax.jacobian(lambda f: logits_fn(unravel(f), batch))(flat))
+  c = logits.shape[-1]
+  logits, jac = logits.reshape(-1, c), jac.reshape(-1, c, flat.size)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  fz = np.einsum("ni,ij->nij", p, np.eye(c)) - p[:, :, None] * p[:, None, :]
+  return np.einsum("nci,ncd,ndj->ij", jac, fz, jac) / batch["y"].shape[0]
+
+
+def _any_batch_model(kind):
+  """(logits_fn, params, make_batch(n, key)) with one `kind` layer feeding a dense head."""
+  k = jax.random.split(jax.random.key(7), 4)
+  if kind == "dense":
+    params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64),
+              "b": jax.random.normal(k[1], (4,), jnp.float64),
+              "h": jax.random.normal(k[2], (4, 3), jnp.float64)}
+
+    def logits_fn(p, b):
+      return jnp.tanh(b["x"] @ p["w"] + p["b"]) @ p["h"]
+
+    def make(n, key):
+      return {"x": jax.random.normal(key, (n, 3), jnp.float64)}
+  elif kind == "conv":
+    params = {"k": 0.5 * jax.random.normal(k[0], (2, 2, 2, 2), jnp.float64),
+              "b": jax.random.normal(k[1], (2,), jnp.float64),
+              "h": jax.random.normal(k[2], (2, 3), jnp.float64)}
+
+    def logits_fn(p, b):
+      y = lax.conv_general_dilated(b["x"], p["k"], (1, 1), "VALID",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+      return jnp.tanh(y).mean(axis=(1, 2)) @ p["h"]
+
+    def make(n, key):
+      return {"x": jax.random.normal(key, (n, 3, 3, 2), jnp.float64)}
+  elif kind == "embedding":
+    params = {"t": jax.random.normal(k[0], (6, 3), jnp.float64),
+              "h": jax.random.normal(k[2], (3, 3), jnp.float64)}
+
+    def logits_fn(p, b):
+      return jnp.tanh(p["t"][b["ids"]]).mean(axis=1) @ p["h"]
+
+    def make(n, key):
+      return {"ids": jax.random.randint(key, (n, 2), 0, 6)}
+  else:  # scale_and_shift
+    params = {"s": jax.random.normal(k[0], (3,), jnp.float64),
+              "o": jax.random.normal(k[1], (3,), jnp.float64),
+              "h": jax.random.normal(k[2], (3, 3), jnp.float64)}
+
+    def logits_fn(p, b):
+      return jnp.tanh(b["x"] * p["s"] + p["o"]).mean(axis=1) @ p["h"]
+
+    def make(n, key):
+      return {"x": jax.random.normal(key, (n, 2, 3), jnp.float64)}
+
+  def make_batch(n, key):
+    b = make(n, key)
+    b["y"] = jax.random.randint(jax.random.fold_in(key, 1), (n,), 0, 3)
+    return b
+
+  return logits_fn, params, make_batch
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv", "embedding", "scale_and_shift"])
+def test_statistics_of_another_batch_size(x64, kind):
+  logits_fn, params, make_batch = _any_batch_model(kind)
+
+  def loss_fn(p, b):
+    return _ce(logits_fn(p, b), b["y"])
+
+  big, small = make_batch(8, jax.random.key(1)), make_batch(17, jax.random.key(2))
+  exact = _exact_fisher(logits_fn, params, small)
+  for layers in (None, kfac_jax.LayerConfig(defaults={"dense": "full", "conv": "full"})):
+    dense = []
+    for example in (big, small):
+      est = kfac_jax.CurvatureEstimator(loss_fn, example, estimation_mode="exact", layers=layers)
+      state = est.update_curvature(est.init(params), params, small, None, ema_decay=0.0)
+      dense.append(np.asarray(est.to_dense(state)))
+    np.testing.assert_allclose(dense[0], dense[1], rtol=1e-12, atol=1e-14)
+    assert kind in [s.kind for s in est.layers]
+    if layers is not None:  # Every "full" block is the exact Fisher's block.
+      leaves = jax.tree_util.tree_leaves(params)
+      block = np.zeros(len(leaves), int)
+      for i, spec in enumerate(est.layers):
+        block[list(spec.leaf_indices)] = i if spec.approx == "full" else -1
+      ids = np.concatenate([np.full(x.size, b) for x, b in zip(leaves, block)])
+      mask = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+      assert mask.any()
+      np.testing.assert_allclose(np.where(mask, dense[0], 0), np.where(mask, exact, 0),
+                                 rtol=1e-10, atol=1e-12)
+
+
+def test_entry_points_take_a_partial_batch(x64):
+  logits_fn, params, make_batch = _any_batch_model("dense")
+
+  def loss_fn(p, b):
+    return _ce(logits_fn(p, b), b["y"])
+
+  full, last = make_batch(8, jax.random.key(1)), make_batch(5, jax.random.key(2))
+  rng = jax.random.key(3)
+  results = []
+  for example in (full, last):  # Built for 8 examples vs for the 5 of the last batch.
+    tx = kfac_jax.scale_by_kfac(loss_fn, example, damping=1e-3, estimation_mode="exact")
+    state = tx.init(params)
+    _, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn, estimation_mode="exact"))(
+        params, last, rng)
+    u1, s1 = jax.jit(lambda g, s, st, tx=tx: tx.update(g, s, params, curvature_stats=st))(
+        grads, state, stats)
+    u2, _ = jax.jit(lambda g, s, b, tx=tx: tx.update(g, s, params, batch=b))(grads, state, last)
+    opt = kfac_jax.Optimizer(loss_fn, example, learning_rate=0.1, momentum=0.0,
+                             use_adaptive_damping=False,
+                             config=kfac_jax.OptimizerConfig(estimation_mode="exact"))
+    p3, _, _ = jax.jit(opt.step)(params, opt.init(params), last, rng)
+    results.append((u1, u2, p3))
+    for a, b in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(state)):
+      assert a.shape == b.shape  # The state keeps its shapes.
+  for a, b in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(results[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+  for a, b in zip(jax.tree_util.tree_leaves(results[0][0]),
+                  jax.tree_util.tree_leaves(results[0][1])):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+# -- small matchers: the model in library style against the same model written plainly ----------
+
+
+def _preconditioned(loss_fn, params, batch, layers=None):
+  """(layers, (F̂ + λ)⁻¹ ∇L): exact mode, one batch, float64."""
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  state = est.update_inverses(state, damping=1e-2)
+  grads = jax.grad(loss_fn)(params, batch)
+  return est.layers, est.multiply_inverse(state, grads)
+
+
+def _plain_cnn_loss(p, b):
+  """conv (HWIO kernel, NHWC) + bias, relu, dense + bias: the reference for Haiku / equinox."""
+  y = lax.conv_general_dilated(b["x"], p["ck"], (1, 1), "VALID",
+                               dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["cb"]
+  h = jax.nn.relu(y).reshape(y.shape[0], -1)
+  return _ce(h @ p["dk"] + p["db"], b["y"])
+
+
+def _cnn_batch():
+  k = jax.random.split(jax.random.key(11), 2)
+  return {"x": jax.random.normal(k[0], (3, 5, 5, 2), jnp.float64),
+          "y": jax.random.randint(k[1], (3,), 0, 4)}
+
+
+def _assert_same(plain_layers, plain_u, layers, u):
+  assert [(s.kind, s.approx) for s in layers] == [(s.kind, s.approx) for s in plain_layers]
+  for a, b in zip(plain_u, u):
+    np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_haiku_conv_and_linear_keep_their_bias(x64):
+  hk = pytest.importorskip("haiku")
+
+  def net(x):
+    y = hk.Conv2D(3, 2, padding="VALID")(x)
+    return hk.Linear(4)(jax.nn.relu(y).reshape(y.shape[0], -1))
+
+  f = hk.without_apply_rng(hk.transform(net))
+  batch = _cnn_batch()
+  params = f.init(jax.random.key(0), batch["x"])
+  params = jax.tree_util.tree_map(lambda v: v + 0.1, params)  # Non-zero biases.
+
+  def loss_fn(p, b):
+    return _ce(f.apply(p, b["x"]), b["y"])
+
+  layers, u = _preconditioned(loss_fn, params, batch)
+  assert [s.param_paths for s in layers] == [("conv2_d/w", "conv2_d/b"), ("linear/w", "linear/b")]
+  plain = {"ck": params["conv2_d"]["w"], "cb": params["conv2_d"]["b"],
+           "dk": params["linear"]["w"], "db": params["linear"]["b"]}
+  plain_layers, pu = _preconditioned(_plain_cnn_loss, plain, batch)
+  _assert_same(plain_layers, [pu["cb"], pu["ck"], pu["db"], pu["dk"]], layers,
+               [u["conv2_d"]["b"], u["conv2_d"]["w"], u["linear"]["b"], u["linear"]["w"]])
+
+
+def test_equinox_layers_under_vmap_keep_their_bias(x64):
+  eqx = pytest.importorskip("equinox")
+  k = jax.random.split(jax.random.key(12), 2)
+  model = (eqx.nn.Conv2d(2, 3, 2, key=k[0], dtype=jnp.float64),
+           eqx.nn.Linear(48, 4, key=k[1], dtype=jnp.float64))
+  params, static = eqx.partition(model, eqx.is_array)
+
+  def loss_fn(p, b):
+    conv, lin = eqx.combine(p, static)
+    y = jax.vmap(conv)(b["x"].transpose(0, 3, 1, 2))  # Per example: [C, H, W].
+    h = jax.nn.relu(y).transpose(0, 2, 3, 1).reshape(y.shape[0], -1)
+    return _ce(jax.vmap(lin)(h), b["y"])
+
+  batch = _cnn_batch()
+  layers, u = _preconditioned(loss_fn, params, batch)
+  assert [s.param_paths for s in layers] == [("0/weight", "0/bias"), ("1/weight", "1/bias")]
+  conv, lin = params
+  plain = {"ck": conv.weight.transpose(2, 3, 1, 0), "cb": conv.bias.reshape(-1),
+           "dk": lin.weight.T, "db": lin.bias}
+  plain_layers, pu = _preconditioned(_plain_cnn_loss, plain, batch)
+  _assert_same(plain_layers, [pu["ck"], pu["cb"], pu["dk"], pu["db"]], layers,
+               [u[0].weight.transpose(2, 3, 1, 0), u[0].bias.reshape(-1), u[1].weight.T,
+                u[1].bias])
+
+
+def test_one_plus_scale_is_a_scale_and_shift_layer(x64):
+  k = jax.random.split(jax.random.key(13), 3)
+
+  def rms(x):
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+  def gemma_loss(p, b):  # Gemma's RMSNorm: the parameter is the offset from 1.
+    return _ce((rms(b["x"]) * (1 + p["scale"])).mean(1) @ p["head"], b["y"])
+
+  def plain_loss(p, b):
+    return _ce((rms(b["x"]) * p["scale"]).mean(1) @ p["head"], b["y"])
+
+  params = {"scale": 0.3 * jax.random.normal(k[0], (4,), jnp.float64),
+            "head": jax.random.normal(k[1], (4, 3), jnp.float64)}
+  batch = {"x": jax.random.normal(k[2], (3, 2, 4), jnp.float64), "y": jnp.array([0, 2, 1])}
+  layers, u = _preconditioned(gemma_loss, params, batch)
+  plain_layers, pu = _preconditioned(plain_loss, dict(params, scale=1 + params["scale"]), batch)
+  assert [s.kind for s in layers] == ["dense", "scale_and_shift"]
+  _assert_same(plain_layers, [pu["head"], pu["scale"]], layers, [u["head"], u["scale"]])
+
+
+@pytest.mark.parametrize("how", ["concatenate", "stack"])
+def test_concatenated_kernels_are_one_dense_layer(x64, how):
+  k = jax.random.split(jax.random.key(14), 7)
+  params = {"gate_a": {"kernel": jax.random.normal(k[0], (3, 2), jnp.float64),
+                       "bias": jax.random.normal(k[1], (2,), jnp.float64)},
+            "gate_b": {"kernel": jax.random.normal(k[2], (3, 2), jnp.float64),
+                       "bias": jax.random.normal(k[3], (2,), jnp.float64)},
+            "head": jax.random.normal(k[4], (4, 3), jnp.float64)}
+
+  def join(a, b):
+    if how == "concatenate":
+      return jnp.concatenate([a, b], axis=-1)
+    return jnp.stack([a, b], axis=-1).reshape(*a.shape[:-1], -1)  # Interleaved columns.
+
+  def logits(kernel, bias, head, x):
+    return jnp.tanh(x @ kernel + bias) @ head
+
+  def loss_fn(p, b):
+    kernel = join(p["gate_a"]["kernel"], p["gate_b"]["kernel"])
+    bias = join(p["gate_a"]["bias"], p["gate_b"]["bias"])
+    return _ce(logits(kernel, bias, p["head"], b["x"]), b["y"])
+
+  def plain_loss(p, b):
+    return _ce(logits(p["kernel"], p["bias"], p["head"], b["x"]), b["y"])
+
+  batch = {"x": jax.random.normal(k[5], (5, 3), jnp.float64),
+           "y": jax.random.randint(k[6], (5,), 0, 3)}
+  layers, u = _preconditioned(loss_fn, params, batch)
+  assert [(s.kind, s.approx, s.param_paths) for s in layers] == [
+      ("dense", "kron", ("gate_a/kernel", "gate_b/kernel", "gate_a/bias", "gate_b/bias")),
+      ("dense", "kron", ("head",))]
+  plain = {"kernel": join(params["gate_a"]["kernel"], params["gate_b"]["kernel"]),
+           "bias": join(params["gate_a"]["bias"], params["gate_b"]["bias"]),
+           "head": params["head"]}
+  plain_layers, pu = _preconditioned(plain_loss, plain, batch)
+  assert [(s.kind, s.approx) for s in plain_layers] == [("dense", "kron"), ("dense", "kron")]
+  _assert_same(plain_layers, [pu["kernel"], pu["bias"], pu["head"]], layers,
+               [join(u["gate_a"]["kernel"], u["gate_b"]["kernel"]),
+                join(u["gate_a"]["bias"], u["gate_b"]["bias"]), u["head"]])
+  # A piece used elsewhere too is not part of a concatenation layer: a generic fallback.
+
+  def also_used(p, b):
+    return loss_fn(p, b) + _ce(b["x"] @ p["gate_a"]["kernel"] @ p["head"][:2], b["y"])
+
+  with pytest.warns(kfac_jax.UncoveredParametersWarning, match="gate_a/kernel"):
+    specs = kfac_jax.scan_layers(also_used, params, batch)
+  assert not any(len(s.param_paths) == 4 for s in specs)

@@ -36,12 +36,15 @@ def _reasons(table):
 # -- one tiny model per reason ----------------------------------------------------------------
 
 
-def _one_plus_scale(p, b):
-  return _ce((b["x"] * (1 + p["s"])) @ p["w"], b["y"])
+def _two_minus_scale(p, b):
+  # `1 + scale` (Gemma) is a scale-and-shift layer; a constant minus the parameter is not.
+  return _ce((b["x"] * (2 - p["s"])) @ p["w"], b["y"])
 
 
 def _concatenated(p, b):
-  return _ce(b["x"] @ jnp.concatenate([p["w_top"], p["w_bottom"]], axis=0), b["y"])
+  # Concatenated kernels are one dense layer, unless a piece is also used on its own.
+  w = jnp.concatenate([p["w_top"], p["w_bottom"]], axis=0)
+  return _ce(b["x"] @ w + b["x"][:, :2] @ p["w_top"], b["y"])
 
 
 def _two_ways(p, b):
@@ -73,8 +76,8 @@ def _product_of_params(p, b):
 
 W = jnp.ones((D, C)) * 0.1
 REASON_CASES = [
-    ("1 + scale", _one_plus_scale, {"s": jnp.ones(D), "w": W}, "s", "used as 1 + scale"),
-    ("concatenated", _concatenated, {"w_top": W[:2], "w_bottom": W[2:]}, "w_top",
+    ("2 - scale", _two_minus_scale, {"s": jnp.ones(D), "w": W}, "s", "used as 2 - scale"),
+    ("concatenated", _concatenated, {"w_top": W[:2], "w_bottom": W[2:]}, "w_bottom",
      "concatenated before a matmul"),
     ("two ways", _two_ways, {"w": W}, "w", "used 2 times in different ways (dot_general, exp)"),
     ("no matcher", _no_matcher, {"s3": jnp.ones(C), "w": W}, "s3", "consumed by exp (no matcher)"),

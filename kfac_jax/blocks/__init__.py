@@ -2,6 +2,7 @@
 
 from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
 from kfac_jax.blocks._ekfac import EKFACBlock
+from kfac_jax.blocks._concat import ConcatBlock
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
 from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
@@ -23,6 +24,10 @@ _BLOCKS = {
     ("embedding", "kron_indep"): KroneckerBlock,
     ("conv", "kron"): KroneckerBlock,
     ("conv", "kron_sua"): KroneckerBlock,
+    ("conv", "kron_in_diag"): KroneckerBlock,
+    ("conv", "kron_out_diag"): KroneckerBlock,
+    ("conv", "kron_both_diag"): KroneckerBlock,
+    ("embedding", "kron_out_diag"): KroneckerBlock,
     ("conv", "kron_indep"): KroneckerBlock,
     ("conv", "diagonal"): DiagonalBlock,
     ("conv", "full"): FullBlock,
@@ -35,7 +40,9 @@ _BLOCKS = {
 
 
 def make_block(spec, config: BlockConfig) -> Block:
-  """The block class for `spec.kind` and `spec.approx`."""
+  """The block class for `spec.kind` and `spec.approx` (wrapped for concatenated leaves)."""
+  if spec.concat:
+    return ConcatBlock(spec, config, make_block(spec.logical, config))
   try:
     cls = _BLOCKS[(spec.kind, spec.approx)]
   except KeyError:
@@ -46,5 +53,6 @@ def make_block(spec, config: BlockConfig) -> Block:
   return cls(spec, config)
 
 
-__all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "EKFACBlock", "FullBlock", "KroneckerBlock",
-           "KroneckerDenseBlock", "SeriesKroneckerBlock", "make_block"]
+__all__ = ["Block", "BlockConfig", "ConcatBlock", "DampingMode", "DiagonalBlock", "EKFACBlock",
+           "FullBlock", "KroneckerBlock", "KroneckerDenseBlock", "SeriesKroneckerBlock",
+           "make_block"]

@@ -46,11 +46,13 @@ class DenseLayout:
     self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
 
   def rows(self, data, dtype):
+    # The row count comes from the arrays, not `info.rows`: statistics of a batch of another
+    # size than `example_batch` (a partial last batch) have other row counts.
     (x,), g = data
     info = self.info
-    x = x.astype(dtype).transpose(info.x_perm).reshape(info.rows, 1, info.in_dim)
+    x = x.astype(dtype).transpose(info.x_perm).reshape(-1, 1, info.in_dim)
     g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in info.out_perm))
-    return x, g.reshape(g.shape[0], info.rows, 1, info.out_dim)
+    return x, g.reshape(g.shape[0], x.shape[0], 1, info.out_dim)
 
   def to_matrix(self, vecs, dtype) -> Array:
     info = self.info
@@ -227,13 +229,14 @@ def _scale_shift_grads(spec, data, dtype) -> Array:
   info: _matchers.ScaleShiftInfo = spec.info
   inputs, g = data
   g = g.astype(dtype)
-  nd = len(info.output_shape)
+  out_shape = g.shape[1:]  # This batch's output shape (`info.output_shape` is example_batch's).
+  nd = len(out_shape)
   axes = tuple(range(2, 2 + nd - 1 - len(info.feature_shape)))
   out = []
   if info.has_scale:
-    xhat = jnp.ones(info.output_shape, dtype)
+    xhat = jnp.ones(out_shape, dtype)
     for v in inputs:
-      xhat = xhat * jnp.broadcast_to(v.astype(dtype), info.output_shape)
+      xhat = xhat * jnp.broadcast_to(v.astype(dtype), out_shape)
     out.append(jnp.sum(g * xhat[None], axis=axes))
   if info.has_shift:
     out.append(jnp.sum(g, axis=axes))

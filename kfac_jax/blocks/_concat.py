@@ -1,0 +1,68 @@
+"""A layer over concatenated parameter leaves: the block of the concatenation, split back.
+
+Flax's `OptimizedLSTMCell` concatenates its gate kernels `[in, H]` (and their biases) into one
+`[in, 4H]` kernel before a single product, so the four leaves are one dense layer over the
+concatenation (`_scanner.ConcatView`). The concatenation is a linear, invertible relayout of the
+leaves, so the block of the concatenated kernel is the block of the leaves: products join the
+pieces into the concatenated operand, multiply with the inner block, and split the result back.
+"""
+
+from __future__ import annotations
+
+from kfac_jax import _scanner
+from kfac_jax.blocks._base import Block
+
+
+class ConcatBlock(Block):
+  """The `inner` block of `spec.logical`, acting on `spec`'s real (concatenated) leaves."""
+
+  def __init__(self, spec, config, inner: Block):
+    self.spec = spec
+    self.config = config
+    self.inner = inner
+
+  def group_key(self) -> tuple:
+    return self.inner.group_key()
+
+  def _join(self, vecs):
+    it, out = iter(vecs), []
+    for view in self.spec.concat:
+      if view is None:
+        out.append(next(it))
+      else:
+        out.append(_scanner.join_pieces(view, [next(it) for _ in view.leaves]))
+    return out
+
+  def _split(self, logical):
+    out, k = [], 0
+    for view, x in zip(self.spec.concat, logical):
+      if view is None:
+        out.append(x)
+        k += 1
+      else:
+        shapes = self.spec.param_shapes[k:k + len(view.leaves)]
+        out.extend(_scanner.split_pieces(view, x, shapes))
+        k += len(view.leaves)
+    return out
+
+  def init_factors(self):
+    return self.inner.init_factors()
+
+  def batch_factors(self, data, batch_size):
+    return self.inner.batch_factors(data, batch_size)
+
+  def init_cache(self):
+    return self.inner.init_cache()
+
+  def compute_cache(self, factors, damping):
+    return self.inner.compute_cache(factors, damping)
+
+  def multiply_matpower(self, factors, cache, vecs, exp):
+    return self._split(self.inner.multiply_matpower(factors, cache, self._join(vecs), exp))
+
+  def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
+    return self._split(self.inner.multiply_cholesky(
+        factors, cache, self._join(vecs), transpose=transpose, inverse=inverse))
+
+  def multiply_undamped(self, factors, vecs):
+    return self._split(self.inner.multiply_undamped(factors, self._join(vecs)))
