@@ -87,7 +87,9 @@ def static_int(value, name: str, *, low: int = 1, fix: str = "") -> None:
   if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
     raise TypeError(f"`{name}` fixes array shapes and must be a Python int, got a "
                     f"{type(value).__name__}: {value!r}.{fix}")
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+  if isinstance(value, (float, np.floating)):  # A number, but not an int: a wrong value.
+    raise ValueError(f"`{name}` must be an int >= {low}, got {_describe(value)}.{fix}")
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"`{name}` must be an int >= {low}, got {_describe(value)}.{fix}")
   if value < low:
     raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")

@@ -165,6 +165,14 @@ class CurvatureEstimator:
       `multiply*` methods then need `axis_name=` (inside pmap / shard_map; call `init` there
       too) or `mesh=(mesh, axis)` (under jit). Factors stay replicated either way.
 
+  Raises:
+    TypeError: an argument of the wrong kind (e.g. `exps=-1`, `strict="yes"`), named with the
+      value received.
+    ValueError: an argument out of range or an unknown mode, named with the value and the
+      choices.
+    RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
+      match `has_aux`.
+
   Example:
     >>> est = kfac_jax.CurvatureEstimator(loss_fn, batch)
     >>> state = est.init(params)

@@ -295,7 +295,12 @@ class Optimizer:
   damping-adaptation steps. Burn-in steps compute the statistics only.
 
   Raises:
-    ValueError: an invalid hyperparameter (named in the message), before any state is created.
+    TypeError: a hyperparameter of the wrong kind (a string, None or a bool for a number; a
+      non-bool flag), named with the value received, before any state is created.
+    ValueError: a hyperparameter out of range (named, with its value and the expected range),
+      before any state is created.
+    RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
+      match `has_aux`.
 
   Example:
     >>> opt = kfac_jax.Optimizer(loss_fn, batch)

@@ -5,7 +5,8 @@ jit their init and update; compile once (the second and later steps, inverse ref
 included, reuse the program); work inside `optax.chain` next to another transform and inside
 `optax.inject_hyperparams` (the two factories); plug into `nnx.Optimizer`; keep bfloat16
 params bfloat16; continue identically after a `state_to_bytes` / `state_from_bytes` round trip;
-and converge on a least-squares problem.
+converge on a least-squares problem; and take a step that donates params and state (an
+eager `init`, whose leaves must be distinct buffers).
 """
 
 import jax
@@ -96,6 +97,29 @@ def test_jit_compiles_once_and_converges_on_least_squares(kind):
   assert step._cache_size() == 1 and init._cache_size() == 1
   final = float(loss_fn(params, batch))
   assert final - best < 1e-2 * (losses[0] - best), (kind, losses[0], final, best)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_donating_params_and_state(kind):
+  loss_fn, params, batch, _ = _least_squares()
+  tx = _make(kind, loss_fn, batch)
+  state = tx.init(params)  # eagerly: the arrays as a training loop would donate them
+  leaves = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+  assert len({id(x) for x in leaves}) == len(leaves)
+
+  def step(params, state, batch, rng):
+    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng)
+    updates, state = tx.update(grads, state, params, **kw)
+    return optax.apply_updates(params, updates), state, loss
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  first = None
+  for i in range(4):
+    old = params
+    params, state, loss = step(params, state, batch, jax.random.key(i))
+    first = float(loss) if first is None else first
+  assert jax.tree_util.tree_leaves(old)[0].is_deleted()  # the buffers were donated
+  assert float(loss_fn(params, batch)) < first
 
 
 @pytest.mark.parametrize("kind", KINDS)
