@@ -296,21 +296,6 @@ class Run:
   summary: dict
 
 
-def _distinct_buffers(tree):
-  """`tree` with a leaf that repeats an earlier leaf's array copied: the step donates the state,
-  and XLA refuses to donate one buffer twice (a state whose `init` puts one zero array in two
-  fields, e.g. a count and a skip counter)."""
-  seen = set()
-
-  def one(x):
-    if isinstance(x, jax.Array) and id(x) in seen:
-      return jnp.copy(x)
-    seen.add(id(x))
-    return x
-
-  return jax.tree.map(one, tree)
-
-
 def run_contestant(c: Contestant, workload: Workload, steps: int, warmup: int, seed: int,
                    compile_repeats: int, peak: DevicePeak) -> Run:
   total = warmup + steps
@@ -320,7 +305,6 @@ def run_contestant(c: Contestant, workload: Workload, steps: int, warmup: int, s
   state = jax.block_until_ready(c.init(params))
   setup_s = time.perf_counter() - t0
   state_bytes = tree_bytes(state)
-  state = _distinct_buffers(state)
   rng = jax.random.key(seed + 1)
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
   compile_all = []
@@ -738,7 +722,6 @@ def run_contestant_for_budget(c: Contestant, workload: Workload, budget_s: float
   t0 = time.perf_counter()
   state = jax.block_until_ready(c.init(params))
   setup_s = time.perf_counter() - t0
-  state = _distinct_buffers(state)
   rng = jax.random.key(seed + 1)
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
   t0 = time.perf_counter()

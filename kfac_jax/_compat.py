@@ -85,6 +85,13 @@ def make_jaxpr(fun, *args) -> ClosedJaxpr:
 
 def axis_env(axes):
   """A context binding named axes `[(name, size), ...]` while tracing, as `jax.make_jaxpr(...,
-  axis_env=axes)` does: collectives (`psum`, `pmean`) over them trace outside pmap/shard_map."""
+  axis_env=axes)` does: collectives (`psum`, `pmean`) over them trace outside pmap/shard_map.
+  Names that are already bound are left as they are."""
   from jax._src import core as _core
-  return _core.extend_axis_env_nd(list(axes))
+  axes = list(axes)
+  try:  # Names already bound (inside pmap / shard_map) keep their real size.
+    env = _core.get_axis_env()
+    axes = [(n, s) for n, s in axes if not env.axis_exists(n)]
+  except AttributeError:  # pragma: no cover - older/newer private API: bind them all.
+    pass
+  return _core.extend_axis_env_nd(axes)

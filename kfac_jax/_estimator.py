@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _checks, _curvature, _layer_config, _parallel, _scanner, _sharded
+from kfac_jax import _checks, _compat, _curvature, _layer_config, _parallel, _scanner, _sharded
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -234,15 +234,20 @@ class CurvatureEstimator:
     return _scanner.param_paths(params), tuple(
         (tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
 
-  def _scan(self, params, batch, warn: bool) -> _scanner.Registration:
-    return _scanner.scan(self.loss_part, params, batch, strict=self.strict, warn=warn,
-                         layers=self.layer_config, has_aux=self.has_aux)
+  def _scan(self, params, batch, warn: bool, axis_name=None) -> _scanner.Registration:
+    # A model with collectives (BatchNorm(axis_name=...)) traces outside pmap / shard_map when
+    # its axis is bound for the trace (size 1; an axis already bound keeps its size).
+    names = () if axis_name is None else (
+        (axis_name,) if isinstance(axis_name, str) else tuple(axis_name))
+    with _compat.axis_env([(n, 1) for n in names]):
+      return _scanner.scan(self.loss_part, params, batch, strict=self.strict, warn=warn,
+                           layers=self.layer_config, has_aux=self.has_aux)
 
-  def _ensure_layers(self, params) -> None:
+  def _ensure_layers(self, params, axis_name=None) -> None:
     """Scans `loss_fn` with `example_batch` the first time; checks `params` later."""
     sig = self._signature(params)
     if self._layers is None:
-      reg = self._scan(params, self.example_batch, warn=True)
+      reg = self._scan(params, self.example_batch, warn=True, axis_name=axis_name)
       self._layers = reg.layers
       self._example_batch_size = reg.losses[0].batch_size
       self._names = tuple(_unique_names(reg.layers))
@@ -277,9 +282,11 @@ class CurvatureEstimator:
 
     With `inverse_storage="sharded"`, pass `axis_name` and call `init` inside pmap / shard_map
     (each device's cache differs), or pass `mesh=(mesh, axis)` to get the cache as a global
-    array sharded over that mesh axis. Replicated storage ignores both.
+    array sharded over that mesh axis. Replicated storage uses `axis_name` only to trace a
+    model whose collectives name it (e.g. `BatchNorm(axis_name=...)`) when `init` runs
+    outside pmap / shard_map.
     """
-    self._ensure_layers(params)
+    self._ensure_layers(params, axis_name)
     if self.inverse_storage == "sharded":
       cache = _sharded.init_cache(self, axis_name, mesh)
     else:

@@ -390,7 +390,7 @@ class Optimizer:
     `config.inverse_storage="sharded"`, call it inside the pmap / shard_map over `axis_name`.
     """
     del rng
-    curvature = self.estimator.init(params, axis_name=self._cache_axis)
+    curvature = self.estimator.init(params, axis_name=self.axis_name)
     dtype = self.estimator.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(

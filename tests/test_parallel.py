@@ -482,3 +482,63 @@ def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
                        config=kfac_jax.OptimizerConfig(inverse_storage="sharded"))
   with pytest.raises(ValueError, match="config.inverse_storage"):
     kfac_jax.OptimizerConfig(inverse_storage="kaisa")
+
+
+# -- models with collectives: init outside pmap ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["kfac", "optimizer"])
+def test_init_outside_pmap_for_a_model_with_cross_device_batch_norm(kind):
+  """`BatchNorm(axis_name="data")` calls `pmean` over the data axis. `init` (which traces the
+  model to find its layers) runs outside pmap, as a user writes it; the pmapped steps then
+  train, and every replica agrees."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(8)(x)
+      x = nn.BatchNorm(use_running_average=False, axis_name="data")(x)
+      return nn.Dense(3)(jnp.tanh(x))
+
+  net = Net()
+  x = jax.random.normal(jax.random.key(0), (64, 5))
+  y = jax.random.randint(jax.random.key(1), (64,), 0, 3)
+  with_stats = net.init(jax.random.key(2), x[:8])  # (linen's init skips the pmean.)
+  params, stats0 = with_stats["params"], with_stats["batch_stats"]
+
+  def loss_fn(params, batch):
+    logits, _ = net.apply({"params": params, "batch_stats": stats0}, batch["x"],
+                          mutable=["batch_stats"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  n = jax.local_device_count()
+  sharded = _split({"x": x, "y": y}, n)
+  example = jax.tree_util.tree_map(lambda a: a[0], sharded)
+  if kind == "kfac":
+    tx = kfac_jax.kfac(loss_fn, example, learning_rate=0.1, damping=1e-2, axis_name="data")
+  else:
+    tx = kfac_jax.Optimizer(loss_fn, example, axis_name="data").as_optax()
+  state = tx.init(params)  # Traces the train-mode apply: the axis is bound for that trace.
+
+  def step(params, state, b, rng):
+    loss, grads = jax.value_and_grad(loss_fn)(params, b)
+    grads = jax.lax.pmean(grads, "data")
+    if kind == "kfac":
+      _, _, stats = kfac_jax.value_and_grad(loss_fn)(params, b, rng)
+      updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    else:
+      updates, state = tx.update(grads, state, params, batch=b, rng=rng)
+    return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
+
+  pstep = jax.pmap(step, axis_name="data")
+  p, s = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), (params, state))
+  rngs = jax.random.split(jax.random.key(3), n)
+  losses = []
+  for _ in range(6):
+    p, s, loss = pstep(p, s, sharded, rngs)
+    losses.append(float(loss[0]))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+  for leaf in jax.tree_util.tree_leaves(p):
+    np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[-1])
