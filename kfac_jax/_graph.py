@@ -1,15 +1,30 @@
-"""A flat view of a traced function: nested `jit` calls inlined, one equation list.
+"""A flat view of a traced function: transformations inlined, one equation list.
 
 The scanner matches layers on this list and the curvature pass evaluates it with taps (a zero
-perturbation added to each layer output, the layer inputs recorded). Inlining a nested `jit`
-does not change what is computed. A `lax.scan` whose operands depend on the parameters (an RNN
-over time: linen `nn.scan` / `nn.RNN`, nnx `nnx.scan` / `nnx.RNN`, plain `lax.scan`) is unrolled:
-its static `length` T gives T copies of the body, each step's `xs` slice and the stacking of the
-`ys` become small synthetic equations, so a parameter used in the body is seen with T uses, each
-with its own output key. Cost: the graph (and the program XLA compiles from the tapped function)
-grows T-fold, so trace and compile time grow linearly in T; the arithmetic is unchanged. Other
-higher-order primitives (`cond`, `while`, `custom_jvp`, `checkpoint`) and scans that touch no
-parameter stay opaque equations and are re-bound as they are.
+perturbation added to each layer output, the layer inputs recorded). What is seen through:
+
+  * nested `jit` / `pjit` / `closed_call`: inlined; nothing changes.
+  * `checkpoint` / remat (`jax.checkpoint` with any policy, linen `nn.remat`, `nnx.remat`) whose
+    inputs include a parameter (or a view of one): inlined, and its equations recorded as a
+    `Region`. `evaluate` runs a region's equations inside a `jax.checkpoint`-wrapped closure with
+    the original policy and `prevent_cse`, whose outputs are the region's values read later plus
+    the watched values made inside it (the taps' perturbed outputs and recorded inputs), so the
+    program that runs rematerialises the block as the user wrote it.
+  * `custom_jvp` / `custom_vjp` calls whose inputs include a parameter (or a view of one):
+    inlined, and differentiated through the primal function (the custom rule is dropped there).
+    Calls that read no parameter (activations such as `jax.nn.relu` / `gelu`, losses) stay
+    opaque, re-bound with their custom rules.
+  * `lax.scan` whose operands depend on the parameters (an RNN over time: linen `nn.scan` /
+    `nn.RNN`, nnx `nnx.scan`, a scan over stacked layers): unrolled. Its static `length` T gives
+    T copies of the body, each step's `xs` slice and the stacking of the `ys` become small
+    synthetic equations, so a parameter closed over by the body is seen with T uses (each with
+    its own output key), and a stacked parameter passed in `xs` is seen as T slices, one per step
+    (the scanner makes them one stacked layer). Cost: the graph (and the program XLA compiles
+    from the tapped function) grows T-fold, so trace and compile time grow linearly in T; the
+    arithmetic is unchanged.
+
+Other higher-order primitives (`cond`, `while`), scans that touch no parameter, and remat or
+custom-derivative calls that read no parameter stay opaque equations and are re-bound as they are.
 
 Values are keyed by `(instance, Var)`: the same inner jaxpr object can be called twice (JAX
 caches traces), so each inlined call gets its own instance number.
@@ -22,6 +37,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from kfac_jax import _compat
@@ -81,13 +97,37 @@ def aval_of(atom: Atom):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Region:
+  """Equations `eqns[start:stop]` inlined from one (outermost) remat call.
+
+  Attributes:
+    start, stop: the equation range.
+    options: the `jax.checkpoint` keyword arguments (`policy`, `prevent_cse`).
+    ins: the keys the range reads but does not compute (constants excluded).
+    outs: the keys the range computes that later equations or the graph's outputs read.
+  """
+  start: int
+  stop: int
+  options: Mapping[str, Any]
+  ins: tuple[Key, ...] = ()
+  outs: tuple[Key, ...] = ()
+
+
+# Operations through which a value stays "a parameter" for deciding what to inline.
+_PARAM_VIEW_OPS = frozenset({
+    "convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim",
+    "squeeze", "slice", "dynamic_slice", "expand_dims", "scan_slice"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class FlatGraph:
-  """The equations of a closed jaxpr with nested `jit` calls inlined."""
+  """The equations of a closed jaxpr with calls, remat and parameter scans inlined."""
 
   invars: tuple[Key, ...]
   outvars: tuple[Atom, ...]
   consts: tuple[tuple[Key, Any], ...]
   eqns: tuple[FlatEqn, ...]
+  regions: tuple[Region, ...] = ()
 
   @classmethod
   def from_closed_jaxpr(cls, closed: _compat.ClosedJaxpr, n_params: int = 0) -> FlatGraph:
@@ -96,6 +136,9 @@ class FlatGraph:
     consts: list[tuple[Key, Any]] = []
     eqns: list[FlatEqn] = []
     dep: set[Key] = {(0, v) for v in closed.jaxpr.invars[:n_params]}
+    pview: set[Key] = set(dep)  # Parameters and their views (slices, casts, reshapes).
+    regions: list[tuple[int, int, Mapping[str, Any]]] = []
+    remat_depth = [0]
 
     def unroll_scan(eqn, ins, instance, alias, walk):
       p = eqn.params
@@ -113,6 +156,8 @@ class FlatGraph:
                               fn=functools.partial(_slice_fn, t)))
           if is_key(x) and x in dep:
             dep.add(key)
+          if is_key(x) and x in pview:
+            pview.add(key)
           x_t.append(key)
         counter[0] += 1
         inner = counter[0]
@@ -145,29 +190,45 @@ class FlatGraph:
             and any(is_key(a) and a in dep for a in ins)):
           unroll_scan(eqn, ins, instance, alias, walk)
           continue
-        sub = _compat.call_jaxpr_of(eqn)
+        sub, kind = _compat.call_jaxpr_of(eqn), "call"
+        if sub is None:
+          found = _compat.transparent_jaxpr_of(eqn)
+          if found is not None and any(is_key(a) and a in pview for a in ins):
+            sub, kind = found
         if sub is not None:
-          counter[0] += 1
-          inner = counter[0]
-          inner_alias = dict(zip(sub.jaxpr.invars, ins))
-          walk(sub.jaxpr, inner, sub.consts, inner_alias)
-          # The call's outputs are the inner jaxpr's outputs.
-          for outer_v, inner_atom in zip(eqn.outvars, sub.jaxpr.outvars):
-            r = inner_atom if isinstance(inner_atom, _compat.Literal) else inner_alias.get(
-                inner_atom, (inner, inner_atom))
-            alias[outer_v] = r
+          start = len(eqns)
+          remat_depth[0] += kind == "remat"
+          inline(eqn, sub, ins, instance, alias, walk)
+          remat_depth[0] -= kind == "remat"
+          if kind == "remat" and not remat_depth[0] and len(eqns) > start:
+            regions.append((start, len(eqns), _compat.remat_options(eqn)))
           continue
         outs = tuple((instance, v) for v in eqn.outvars)
         if any(is_key(a) and a in dep for a in ins):
           dep.update(outs)
+        if eqn.primitive.name in _PARAM_VIEW_OPS and ins and is_key(ins[0]) and ins[0] in pview:
+          pview.update(outs)
         eqns.append(FlatEqn(eqn, ins, outs))
+
+    def inline(eqn, sub, ins, instance, alias, walk):
+      del instance
+      counter[0] += 1
+      inner = counter[0]
+      inner_alias = dict(zip(sub.jaxpr.invars, ins))
+      walk(sub.jaxpr, inner, sub.consts, inner_alias)
+      # The call's outputs are the inner jaxpr's outputs.
+      for outer_v, inner_atom in zip(eqn.outvars, sub.jaxpr.outvars):
+        r = inner_atom if isinstance(inner_atom, _compat.Literal) else inner_alias.get(
+            inner_atom, (inner, inner_atom))
+        alias[outer_v] = r
 
     top_alias: dict[Any, Atom] = {}
     walk(closed.jaxpr, 0, closed.consts, top_alias)
     outvars = tuple(
         a if isinstance(a, _compat.Literal) else top_alias.get(a, (0, a))
         for a in closed.jaxpr.outvars)
-    return cls(tuple((0, v) for v in closed.jaxpr.invars), outvars, tuple(consts), tuple(eqns))
+    return cls(tuple((0, v) for v in closed.jaxpr.invars), outvars, tuple(consts), tuple(eqns),
+               _regions(regions, eqns, outvars, {k for k, _ in consts}))
 
   def consumers(self) -> dict[Key, list[tuple[int, int]]]:
     """Maps each key to the (equation index, operand position) pairs that read it."""
@@ -213,12 +274,82 @@ class FlatGraph:
     def read(a):
       return a.val if isinstance(a, _compat.Literal) else env[a]
 
-    for fe in self.eqns:
+    regions = {r.start: r for r in self.regions}
+    i = 0
+    while i < len(self.eqns):
+      r = regions.get(i)
+      if r is not None:
+        self._evaluate_region(r, env, seen, on_output, watch)
+        i = r.stop
+        continue
+      fe = self.eqns[i]
       vals = [read(a) for a in fe.ins]
       outs = fe.fn(*vals) if fe.fn is not None else _compat.bind_eqn(fe.eqn, vals)
       for k, v in zip(fe.outs, outs):
         write(k, v)
+      i += 1
     return [read(a) for a in self.outvars], seen
+
+  def _evaluate_region(self, r: Region, env, seen, on_output, watch) -> None:
+    """Evaluates `eqns[r.start:r.stop]` under `jax.checkpoint` with the region's options.
+
+    The closure's inputs are the values the region reads; its outputs are the values read after
+    it and the watched values it makes (after `on_output`), so taps inside a rematerialised
+    block work and only what they record is kept beyond the block's own inputs.
+    """
+    made = [k for fe in self.eqns[r.start:r.stop] for k in fe.outs]
+    watched = [k for k in made if k in watch]
+    out_keys = list(dict.fromkeys(list(r.outs) + watched))
+
+    def body(*in_vals):
+      local = dict(zip(r.ins, in_vals))
+
+      def read(a):
+        if isinstance(a, _compat.Literal):
+          return a.val
+        return local[a] if a in local else env[a]
+
+      for fe in self.eqns[r.start:r.stop]:
+        vals = [read(a) for a in fe.ins]
+        outs = fe.fn(*vals) if fe.fn is not None else _compat.bind_eqn(fe.eqn, vals)
+        for k, v in zip(fe.outs, outs):
+          if k in watch and on_output is not None:
+            v = on_output(k, v)
+          local[k] = v
+      return [local[k] for k in out_keys]
+
+    vals = jax.checkpoint(body, **r.options)(*[env[k] for k in r.ins])
+    for k, v in zip(out_keys, vals):
+      env[k] = v
+      if k in watch:
+        seen[k] = v
+
+
+def _regions(ranges, eqns, outvars, const_keys) -> tuple[Region, ...]:
+  """`Region`s with their input and output keys, from `(start, stop, options)` ranges."""
+  last_read: dict[Key, int] = {}
+  for i, fe in enumerate(eqns):
+    for a in fe.ins:
+      if is_key(a):
+        last_read[a] = i
+  for a in outvars:
+    if is_key(a):
+      last_read[a] = len(eqns)
+  out = []
+  for start, stop, options in ranges:
+    made: set[Key] = set()
+    ins: dict[Key, None] = {}
+    outs: dict[Key, None] = {}
+    for fe in eqns[start:stop]:
+      for a in fe.ins:
+        if is_key(a) and a not in made and a not in const_keys:
+          ins[a] = None
+      made.update(fe.outs)
+      for k in fe.outs:
+        if last_read.get(k, -1) >= stop:
+          outs[k] = None
+    out.append(Region(start, stop, options, tuple(ins), tuple(outs)))
+  return tuple(out)
 
 
 def _slice_fn(t: int, x):
