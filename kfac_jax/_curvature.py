@@ -47,7 +47,8 @@ class CurvatureStats:
 
   Attributes:
     data: one entry per layer, in registration order: `(inputs, g)` for structured layers
-      (a tuple of such pairs, one per use, for a layer with `num_uses > 1`),
+      (a tuple of such pairs, one per use, for a layer with `num_uses > 1`, and one per layer
+      for a scanned stack of layers),
       with `inputs` the tuple of raw input operands the scanner recorded (e.g. `(x,)`) and
       `g: [samples, *output.shape]` the output gradients; each block reshapes them itself. For
       generic layers, the per-leaf sampled gradients `[samples, *leaf.shape]`.
@@ -167,7 +168,7 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
   for i, spec in enumerate(reg.layers):
     if reg.layer_outputs[i] is not None:
       uses = [(xs[n], eps_ct[n]) for n, tap in enumerate(taps) if tap[0] == i]
-      data.append(tuple(uses) if spec.num_uses > 1 else uses[0])
+      data.append(tuple(uses) if spec.multi_tap else uses[0])
     else:
       data.append(tuple(p_ct[j] for j in spec.leaf_indices))
   params_stats = None

@@ -520,7 +520,8 @@ def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.
     nbytes = b.state_bytes()
     total += nbytes
     shapes = " ".join("x".join(map(str, f)) for f in s.factor_shapes)
-    rows.append((s.name, s.kind + ("" if s.source == "auto" else f" ({s.source})"),
+    kind = s.kind + (f" (stack of {s.stack_size})" if s.stack_size else "")
+    rows.append((s.name, kind + ("" if s.source == "auto" else f" ({s.source})"),
                  str(s.num_uses), s.approx,
                  ", ".join(p.rsplit("/", 1)[-1] if p.startswith(s.name + "/") else p
                            for p in s.param_paths), shapes, _fmt_bytes(nbytes)))

@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph, _layer_config, _matchers, _tags
+from kfac_jax import _compat, _graph, _layer_config, _matchers, _stacked, _tags
 
 # Operations that only move, reshape or cast a parameter.
 _VIEW_OPS = frozenset({
@@ -212,6 +212,12 @@ class LayerSpec:
       own output key and inputs in the registration.
     use_infos: for `num_uses > 1`, the matching details of every use (`info` is the first one,
       or the embedding use of a tied embedding).
+    stack_size: L > 0 for a stack of L layers of one kind whose parameter leaves carry a
+      leading layer axis (a scan over stacked layers, a vmapped ensemble, an expert-stacked
+      kernel; see `kfac_jax._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
+    stack_inner: for a stack, the spec of one layer of it (leaf shapes without the layer axis).
+    stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
+      input operand and then of the output; empty when each layer has its own tap (a scan).
   """
   name: str
   kind: str
@@ -224,6 +230,14 @@ class LayerSpec:
   param_shapes: tuple[tuple[int, ...], ...] = ()
   num_uses: int = 1
   use_infos: tuple[Any, ...] = ()
+  stack_size: int = 0
+  stack_inner: LayerSpec | None = None
+  stack_axes: tuple[int, ...] = ()
+
+  @property
+  def multi_tap(self) -> bool:
+    """Whether the layer has several taps (uses, or the layers of a scanned stack)."""
+    return self.num_uses > 1 or (self.stack_size > 0 and not self.stack_axes)
 
   @property
   def dense(self) -> DenseInfo | None:
@@ -355,6 +369,8 @@ class _Scanner:
           "loss_fn(params, batch).")
     losses, loss_operands = self._losses(loss_eqns)
     self.batch_size = losses[0].batch_size
+    self._loss_slice([ops[0] for ops in loss_operands])
+    _stacked.add_virtual_leaves(self)
     self._origins()
     self.producer = {k: i for i, fe in enumerate(g.eqns) for k in fe.outs}
     self.const_values = dict(g.consts)
@@ -380,7 +396,8 @@ class _Scanner:
           if found is not None:
             specs.append(found)
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
-    passes = ((self._match_dense, functools.partial(_matchers.match_conv, self)),
+    passes = ((functools.partial(_stacked.match_batched_dense, self), self._match_dense,
+               functools.partial(_matchers.match_conv, self)),
               (functools.partial(_matchers.match_embedding, self),),
               (functools.partial(_matchers.match_scale_and_shift, self),))
     for matchers in passes:
@@ -391,6 +408,7 @@ class _Scanner:
             specs.append(found)
             break
 
+    specs = _stacked.merge(self, specs, claimed)
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
     uncovered = [j for j in range(self.n_params) if j not in claimed]
@@ -414,7 +432,7 @@ class _Scanner:
         specs.append((self._generic_spec((j,), "diagonal", "fallback"), None, None))
 
     specs.sort(key=lambda s: min(s[0].leaf_indices))
-    multi = [s[0].num_uses > 1 for s in specs]
+    multi = [s[0].multi_tap for s in specs]
     return Registration(
         graph=g,
         layers=tuple(s[0] for s in specs),

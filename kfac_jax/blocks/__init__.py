@@ -4,6 +4,7 @@ from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
 from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
+from kfac_jax.blocks._stacked import StackedBlock
 
 _BLOCKS = {
     ("dense", "kron"): KroneckerBlock,
@@ -32,7 +33,9 @@ _BLOCKS = {
 
 
 def make_block(spec, config: BlockConfig) -> Block:
-  """The block class for `spec.kind` and `spec.approx`."""
+  """The block class for `spec.kind` and `spec.approx` (vmapped over a stack of layers)."""
+  if spec.stack_size:
+    return StackedBlock(spec, config, make_block(spec.stack_inner, config))
   try:
     cls = _BLOCKS[(spec.kind, spec.approx)]
   except KeyError:
@@ -44,4 +47,4 @@ def make_block(spec, config: BlockConfig) -> Block:
 
 
 __all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "FullBlock", "KroneckerBlock",
-           "KroneckerDenseBlock", "SeriesKroneckerBlock", "make_block"]
+           "KroneckerDenseBlock", "SeriesKroneckerBlock", "StackedBlock", "make_block"]
