@@ -26,6 +26,12 @@ approximations of `SHARED_BY_KIND`, chosen by a manual tag's `approx=` or a
 `LayerConfig.overrides` pattern. `register_dense` called at every use of one kernel registers
 one multi-use layer; a manual tag count that differs from the graph's use count is an error
 naming the parameter (collected with the other problems by `check_registration`).
+
+Transformations. `_graph.FlatGraph` inlines nested `jit`, remat (`jax.checkpoint`, `nn.remat`,
+`nnx.remat`) and custom-derivative calls that read a parameter, and unrolls scans over
+parameters, so matching sees the layers inside them. Stacked layers (a leaf with a leading layer
+axis sliced per scan step, or read as L kernels by one batched `dot_general`: vmapped ensembles,
+expert-stacked einsums) are registered by `_stacked` as one layer with `stack_size = L`.
 """
 
 from __future__ import annotations

@@ -101,6 +101,12 @@ def test_remat(x64, policy):
   jaxpr = jax.make_jaxpr(lambda p: kfac_jax.value_and_grad(
       _mlp_loss(remat), estimation_mode="exact")(p, batch))(params)
   assert str(jaxpr).count("remat") >= L
+  # The tapped evaluation through the checkpoint regions gives the loss and gradient exactly.
+  loss, grads, _ = kfac_jax.value_and_grad(_mlp_loss(remat), estimation_mode="exact")(
+      params, batch)
+  ref_loss, ref_grads = jax.value_and_grad(_mlp_loss(_block))(params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+  _assert_close(grads, ref_grads)
   plain = jax.make_jaxpr(lambda p: kfac_jax.value_and_grad(
       _mlp_loss(_block), estimation_mode="exact")(p, batch))(params)
   assert "remat" not in str(plain)
