@@ -10,8 +10,9 @@ Two measurements, printed as Markdown tables (not a test; nothing here is timed 
   compile  trace + lower + compile seconds of the same K-FAC step on a stack of L layers applied
            by `lax.scan` over stacked params (L = --layers, default 4 and 32), and on an RNN whose
            kernel is closed over by a scan of T steps (T = --steps, default 64 and 256). The
-           flat graph unrolls scans over parameters, so these grow with L and T (issue 13's
-           third goal, a scan that stays a scan, is not built yet).
+           tapped evaluation re-emits each scan over parameters as one `lax.scan`; what still
+           grows with L and T is the scanner's Python-side matching on the unrolled copy and the
+           per-step slicing / stacking of the taps' values.
 
     python benchmarks/structure.py                       # small sizes, CPU, ~1 minute
     python benchmarks/structure.py --width 512 --batch 256 --layers 4 32 --steps 64 1024

@@ -133,10 +133,7 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
   watch = frozenset(watch)
 
   def f(p_leaves, eps):
-    def perturb(key, value):
-      n = out_keys.get(key)
-      return value if n is None else value + eps[n]
-
+    perturb = {k: eps[n] for k, n in out_keys.items()}
     outs, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
     preds = [_read(ops[0], seen) for ops in reg.loss_operands]
     xs = [tuple(_read(a, seen) for a in atoms) for atoms in in_atoms]

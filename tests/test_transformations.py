@@ -318,3 +318,38 @@ def test_stack_in_scale_by_kfac(x64):
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(updates))
   shapes = {x.shape for x in jax.tree_util.tree_leaves(state) if getattr(x, "ndim", 0) == 3}
   assert (L, D + 1, D + 1) in shapes and (L, D, D) in shapes
+
+
+def _program_size(loss_fn, params, batch):
+  """(scans, dot_generals) in the jaxpr of one `value_and_grad` with statistics."""
+  text = str(jax.make_jaxpr(lambda p: kfac_jax.value_and_grad(loss_fn)(
+      p, batch, jax.random.key(0)))(params))
+  return text.count(" scan["), text.count("dot_general")
+
+
+@pytest.mark.parametrize("kind", ["stacked", "rnn"])
+def test_scan_stays_a_scan(kind):
+  """The tapped evaluation re-emits a scan over parameters: the program does not grow with the
+  number of scanned layers or time steps."""
+  batch = _batch()
+
+  def build(n):
+    if kind == "stacked":
+      layers, out = _layers(n=n)
+
+      def loss_fn(p, b):
+        h, _ = jax.lax.scan(lambda h, l: (_block(l["w"], l["b"], h), None), b["x"], p["stack"])
+        return _head(p["out"], h, b["y"])
+
+      return loss_fn, {"stack": _stack(layers), "out": out}
+    layers, out = _layers()
+
+    def loss_fn(p, b):
+      h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"],
+                          jnp.ones((n, N, D)))
+      return _head(p["out"], h, b["y"])
+
+    return loss_fn, {"w": layers[0]["w"], "out": out}
+
+  small, large = _program_size(*build(2), batch), _program_size(*build(16), batch)
+  assert small[0] >= 1 and small == large
