@@ -314,8 +314,12 @@ class CurvatureEstimator:
           "curvature_stats were computed for layers "
           f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
           "Compute them with kfac_jax.value_and_grad of the same loss_fn.")
-    out = {n: b.batch_factors(d, stats.batch_size)
-           for n, b, d in zip(self._names, self._blocks, stats.data)}
+    def one(b, d):
+      if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
+        d = d.unstack()
+      return b.batch_factors(d, stats.batch_size)
+
+    out = {n: one(b, d) for n, b, d in zip(self._names, self._blocks, stats.data)}
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out

@@ -313,8 +313,10 @@ class FlatGraph:
     Args:
       args: one value per input variable.
       perturb: key → array added to the value that equation produces (the key must be in
-        `watch`); used to add the curvature pass's zero perturbations.
-      watch: the keys to report; their final values (after the perturbation) are returned.
+        `watch`); used to add the curvature pass's zero perturbations. A tuple of keys for which
+        `scan_stacked` holds maps to one stacked `[T, ...]` perturbation of those steps.
+      watch: the keys to report; their final values (after the perturbation) are returned. A
+        tuple of keys for which `scan_stacked` holds is reported as one stacked value.
       unroll: evaluate the unrolled steps instead of a `lax.scan` (for tests and debugging).
 
     Returns:
@@ -332,6 +334,26 @@ class FlatGraph:
       env[k] = v
     self._run(0, len(self.eqns), env, seen, perturb, watch, unroll)
     return [_read_atom(a, env) for a in self.outvars], seen
+
+  @functools.cached_property
+  def _scan_positions(self) -> dict[Key, tuple[int, int, int]]:
+    """Key → (scan group, step, position) for every value computed in a group's steps."""
+    out = {}
+    for n, grp in enumerate(self.scans):
+      for k, keys in enumerate(grp.keys):
+        for p, key in enumerate(keys):
+          out[key] = (n, k, p)
+    return out
+
+  def scan_stacked(self, keys: Sequence[Atom]) -> bool:
+    """Whether `keys` are one position of every step of one scan, in execution order: then the
+    tuple can be watched and perturbed as one stacked `[T, ...]` value (see `evaluate`)."""
+    found = [self._scan_positions.get(k) if is_key(k) else None for k in keys]
+    if not found or any(f is None for f in found):
+      return False
+    n, _, p = found[0]
+    return (len(found) == len(self.scans[n].keys)
+            and all(f == (n, k, p) for k, f in enumerate(found)))
 
   def _run(self, lo, hi, env, seen, perturb, watch, unroll=False, inside=None) -> None:
     """Evaluates `eqns[lo:hi]`, reading and writing `env` (a dict or ChainMap); `inside` is the
@@ -386,8 +408,17 @@ class FlatGraph:
     keys0 = grp.keys[0]
     pos = range(len(keys0))
     # Positions to perturb / watch in some step, and those read after the steps.
-    eps_pos = [p for p in pos if any(grp.keys[k][p] in perturb for k in range(nsteps))]
-    watch_pos = [p for p in pos if any(grp.keys[k][p] in watch for k in range(nsteps))]
+    pos0 = {key: p for p, key in enumerate(keys0)}
+    column = lambda p: tuple(grp.keys[k][p] for k in range(nsteps))  # noqa: E731
+    # Stacked entries: a tuple of every step's key at one position.
+    tuple_eps = {pos0[t[0]]: v for t, v in perturb.items()
+                 if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t}
+    tuple_watch = {pos0[t[0]]: t for t in watch
+                   if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t}
+    eps_pos = [p for p in pos if p in tuple_eps
+               or any(grp.keys[k][p] in perturb for k in range(nsteps))]
+    watch_pos = [p for p in pos if p in tuple_watch
+                 or any(grp.keys[k][p] in watch for k in range(nsteps))]
     final = {}  # Position → carry index, for values needed only from the last step's carry.
     for p, needed in grp.outside:
       if needed == (nsteps - 1,) and keys0[p] in grp.carry_out[0]:
@@ -403,6 +434,9 @@ class FlatGraph:
       xs = [x[::-1] for x in xs]
     eps = []
     for p in eps_pos:
+      if p in tuple_eps:
+        eps.append(tuple_eps[p])
+        continue
       parts = []
       for k in range(nsteps):
         key = grp.keys[k][p]
@@ -433,6 +467,8 @@ class FlatGraph:
         continue
       for k in needed:
         env[grp.keys[k][p]] = ys[p][k]
+    for p, t in tuple_watch.items():
+      seen[t] = ys[p]
     for p in watch_pos:
       for k in range(nsteps):
         key = grp.keys[k][p]
@@ -448,6 +484,10 @@ class FlatGraph:
       if i not in done:
         self._run(i, i + 1, env, seen, perturb, watch)
     return grp.stop
+
+
+def _is_key_tuple(t) -> bool:
+  return isinstance(t, tuple) and bool(t) and isinstance(t[0], tuple)
 
 
 def _as_aval(x, aval):

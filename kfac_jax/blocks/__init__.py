@@ -1,6 +1,6 @@
 """Curvature blocks: one per layer, chosen from the layer kind and its approximation."""
 
-from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
+from kfac_jax.blocks._base import Block, BlockConfig, DampingMode, StackedUses
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
 from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
@@ -47,4 +47,4 @@ def make_block(spec, config: BlockConfig) -> Block:
 
 
 __all__ = ["Block", "BlockConfig", "DampingMode", "DiagonalBlock", "FullBlock", "KroneckerBlock",
-           "KroneckerDenseBlock", "SeriesKroneckerBlock", "StackedBlock", "make_block"]
+           "KroneckerDenseBlock", "SeriesKroneckerBlock", "StackedBlock", "StackedUses", "make_block"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.blocks._base import Block
+from kfac_jax.blocks._base import Block, StackedUses
 
 Array = jax.Array
 
@@ -44,8 +44,14 @@ class StackedBlock(Block):
   def init_factors(self):
     return _broadcast(self.inner.init_factors(), self.size)
 
+  def accepts_stacked_uses(self) -> bool:
+    return True
+
   def batch_factors(self, data, batch_size):
-    if self.spec.stack_axes:  # One batched use: move the layer axis to the front.
+    if isinstance(data, StackedUses):  # One tap per layer, stacked by the scan.
+      inputs, g = data.inputs, jnp.moveaxis(data.g, 1, 0)
+      vmap_axes = (0,) * len(inputs)
+    elif self.spec.stack_axes:  # One batched use: move the layer axis to the front.
       inputs, g = data
       in_axes, out_axis = self.spec.stack_axes[:-1], self.spec.stack_axes[-1]
       # An input axis of -1: the input is shared by every layer of the stack.
