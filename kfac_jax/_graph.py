@@ -409,7 +409,7 @@ class FlatGraph:
     pos = range(len(keys0))
     # Positions to perturb / watch in some step, and those read after the steps.
     pos0 = {key: p for p, key in enumerate(keys0)}
-    column = lambda p: tuple(grp.keys[k][p] for k in range(nsteps))  # noqa: E731
+    column = lambda p: tuple(grp.keys[k][p] for k in range(nsteps))
     # Stacked entries: a tuple of every step's key at one position.
     tuple_eps = {pos0[t[0]]: v for t, v in perturb.items()
                  if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t}

@@ -155,8 +155,8 @@ def test_custom_vjp_layer(x64):
   dense.defvjp(fwd, bwd)
   layers, out = _layers()
   params = {"layers": layers, "out": out}
-  custom = lambda w, b, x: jax.nn.gelu(dense(w, b, x))  # noqa: E731
-  plain = lambda w, b, x: jax.nn.gelu(x @ w + b)  # noqa: E731
+  custom = lambda w, b, x: jax.nn.gelu(dense(w, b, x))
+  plain = lambda w, b, x: jax.nn.gelu(x @ w + b)
   _assert_same((_mlp_loss(custom), params), (_mlp_loss(plain), params), lambda g: g)
 
 

@@ -8,9 +8,9 @@ Scan and compile times are recorded by benchmarks/zoo.py, not here.
 """
 
 import jax
-import optax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import kfac_jax

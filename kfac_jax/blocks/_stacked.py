@@ -73,7 +73,7 @@ class StackedBlock(Block):
   def compute_cache(self, factors, damping):
     # On CPU, batched LAPACK calls can deadlock the thread pool (`_estimator.
     # _batched_factorisations`): there the layers are factorised one after another by a scan.
-    fn = lambda f: self.inner.compute_cache(f, damping)  # noqa: E731
+    fn = lambda f: self.inner.compute_cache(f, damping)
     if jax.default_backend() == "cpu":
       return jax.lax.map(fn, factors)
     return jax.vmap(fn)(factors)
