@@ -38,6 +38,8 @@ __all__ = [
     "bind_eqn",
     "call_jaxpr_of",
     "mlir",
+    "remat_options",
+    "transparent_jaxpr_of",
 ]
 
 # Primitives that only call a closed sub-jaxpr with the same inputs and outputs (nested `jax.jit`,
@@ -76,6 +78,38 @@ def call_jaxpr_of(eqn: JaxprEqn) -> ClosedJaxpr | None:
   if isinstance(sub, ClosedJaxpr):
     return sub
   return ClosedJaxpr(sub, ())
+
+
+# Primitives that evaluate a sub-jaxpr under a differentiation rule of their own: rematerialisation
+# (`jax.checkpoint`, linen `nn.remat`, `nnx.remat`) and custom derivatives (`jax.custom_jvp`,
+# `jax.custom_vjp`). `_graph.FlatGraph` inlines them when they read a parameter (see there).
+REMAT_NAMES = frozenset({"checkpoint", "remat", "remat2"})
+CUSTOM_DERIVATIVE_NAMES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def transparent_jaxpr_of(eqn: JaxprEqn) -> tuple[ClosedJaxpr, str] | None:
+  """`(closed sub-jaxpr, "remat" | "custom")` for a remat or custom-derivative equation whose
+  sub-jaxpr takes exactly the equation's inputs and gives its outputs; else None."""
+  name = eqn.primitive.name
+  if name in REMAT_NAMES:
+    kind = "remat"
+  elif name in CUSTOM_DERIVATIVE_NAMES:
+    kind = "custom"
+  else:
+    return None
+  sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")))
+  if sub is None:
+    return None
+  if not isinstance(sub, ClosedJaxpr):
+    sub = ClosedJaxpr(sub, ())
+  if len(sub.jaxpr.invars) != len(eqn.invars) or len(sub.jaxpr.outvars) != len(eqn.outvars):
+    return None
+  return sub, kind
+
+
+def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
+  """The `jax.checkpoint` keyword arguments a remat equation was built with."""
+  return {"policy": eqn.params.get("policy"), "prevent_cse": eqn.params.get("prevent_cse", True)}
 
 
 def make_jaxpr(fun, *args) -> ClosedJaxpr:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax import _compat, _graph, _losses, _scanner
+from kfac_jax import blocks as _blocks
 
 Array = jax.Array
 EstimationMode = Literal["gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact",
@@ -47,7 +48,8 @@ class CurvatureStats:
 
   Attributes:
     data: one entry per layer, in registration order: `(inputs, g)` for structured layers
-      (a tuple of such pairs, one per use, for a layer with `num_uses > 1`),
+      (a tuple of such pairs, one per use, for a layer with `num_uses > 1`, and one per layer
+      for a scanned stack of layers),
       with `inputs` the tuple of raw input operands the scanner recorded (e.g. `(x,)`) and
       `g: [samples, *output.shape]` the output gradients; each block reshapes them itself. For
       generic layers, the per-leaf sampled gradients `[samples, *leaf.shape]`.
@@ -157,6 +159,18 @@ def _read(atom, seen):
   return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
 
 
+def _stacked_tap(graph: _graph.FlatGraph, uses):
+  """`(output keys, input key tuples)` when a layer's uses are the steps of one scan (each input
+  too), so they are tapped once, stacked; else None."""
+  outs = tuple(k for k, _ in uses)
+  if not graph.scan_stacked(outs) or len({len(ins) for _, ins in uses}) != 1:
+    return None
+  ins = tuple(tuple(ins[j] for _, ins in uses) for j in range(len(uses[0][1])))
+  if not all(graph.scan_stacked(col) for col in ins):
+    return None
+  return outs, ins
+
+
 def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
             estimation_mode: str, num_samples: int, with_grads: bool,
             with_params_stats: bool = False, aux: LossPart | None = None):
@@ -175,28 +189,33 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
   tapped = [i for i, k in enumerate(reg.layer_outputs) if k is not None]
   # One tap per use: a multi-use layer (tied weights, unrolled scan) has one per application.
   extra = reg.extra_uses or ((),) * len(reg.layers)
-  taps = [(i, reg.layer_outputs[i], reg.layer_inputs[i]) for i in tapped]
-  taps += [(i, k, ins) for i in tapped for k, ins in extra[i]]
+  taps, stacked = [], set()
+  for i in tapped:
+    uses = [(reg.layer_outputs[i], reg.layer_inputs[i])] + list(extra[i])
+    tap = _stacked_tap(reg.graph, uses) if len(uses) > 1 else None
+    if tap is not None:  # The uses are the steps of one scan: one stacked tap.
+      stacked.add(i)
+      taps.append((i,) + tap)
+    else:
+      taps += [(i, k, ins) for k, ins in uses]
   out_keys = {k: n for n, (_, k, _) in enumerate(taps)}
   in_atoms = [ins for _, _, ins in taps]
   watch = set(out_keys)
-  watch.update(a for atoms in in_atoms for a in atoms if _graph.is_key(a))
+  watch.update(a for atoms in in_atoms for a in atoms if _graph.is_key(a) or isinstance(a, tuple))
   for ops in reg.loss_operands:
     watch.update(a for a in ops if _graph.is_key(a))
   watch = frozenset(watch)
 
   def f(p_leaves, eps):
-    def perturb(key, value):
-      n = out_keys.get(key)
-      return value if n is None else value + eps[n]
-
+    perturb = {k: eps[n] for k, n in out_keys.items()}
     outs, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
     preds = [_read(ops[0], seen) for ops in reg.loss_operands]
     xs = [tuple(_read(a, seen) for a in atoms) for atoms in in_atoms]
     others = [[_read(a, seen) for a in ops[1:]] for ops in reg.loss_operands]
     return (outs[0], preds), (xs, others, outs[1:])
 
-  eps0 = [jnp.zeros(k[1].aval.shape, k[1].aval.dtype) for k in out_keys]
+  eps0 = [jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype) if isinstance(k[0], tuple)
+          else jnp.zeros(k[1].aval.shape, k[1].aval.dtype) for k in out_keys]
   (loss, preds), vjp_fn, (xs, others, aux_leaves) = jax.vjp(f, leaves, eps0, has_aux=True)
 
   grads = None
@@ -221,7 +240,10 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
   for i, spec in enumerate(reg.layers):
     if reg.layer_outputs[i] is not None:
       uses = [(xs[n], eps_ct[n]) for n, tap in enumerate(taps) if tap[0] == i]
-      data.append(tuple(uses) if spec.num_uses > 1 else uses[0])
+      if i in stacked:
+        data.append(_blocks.StackedUses(*uses[0]))
+      else:
+        data.append(tuple(uses) if spec.multi_tap else uses[0])
     else:
       data.append(tuple(p_ct[j] for j in spec.leaf_indices))
   params_stats = None

@@ -343,15 +343,17 @@ class CurvatureEstimator:
           "curvature_stats were computed for layers "
           f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
           "Compute them with kfac_jax.value_and_grad of the same loss_fn.")
-    out = {}
-    for n, b, d in zip(self._names, self._blocks, stats.data):
+    def one(n, b, d):
+      if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
+        d = d.unstack()
       if getattr(b, "needs_cache_for_statistics", False) and cache is not None:
         if self.inverse_storage == "sharded":
           raise ValueError(f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the "
                            "statistics; use inverse_storage='replicated'.")
-        out[n] = b.batch_factors(d, stats.batch_size, cache=cache[n])
-      else:
-        out[n] = b.batch_factors(d, stats.batch_size)
+        return b.batch_factors(d, stats.batch_size, cache=cache[n])
+      return b.batch_factors(d, stats.batch_size)
+
+    out = {n: one(n, b, d) for n, b, d in zip(self._names, self._blocks, stats.data)}
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out
@@ -562,7 +564,8 @@ def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.
     nbytes = b.state_bytes()
     total += nbytes
     shapes = " ".join("x".join(map(str, f)) for f in s.factor_shapes)
-    rows.append((s.name, s.kind + ("" if s.source == "auto" else f" ({s.source})"),
+    kind = s.kind + (f" (stack of {s.stack_size})" if s.stack_size else "")
+    rows.append((s.name, kind + ("" if s.source == "auto" else f" ({s.source})"),
                  str(s.num_uses), s.approx,
                  ", ".join(p[len(s.name) + 1:] if p.startswith(s.name + "/") else p
                            for p in s.param_paths), shapes, _fmt_bytes(nbytes), s.note))

@@ -1,15 +1,34 @@
-"""A flat view of a traced function: nested `jit` calls inlined, one equation list.
+"""A flat view of a traced function: transformations inlined, one equation list.
 
 The scanner matches layers on this list and the curvature pass evaluates it with taps (a zero
-perturbation added to each layer output, the layer inputs recorded). Inlining a nested `jit`
-does not change what is computed. A `lax.scan` whose operands depend on the parameters (an RNN
-over time: linen `nn.scan` / `nn.RNN`, nnx `nnx.scan` / `nnx.RNN`, plain `lax.scan`) is unrolled:
-its static `length` T gives T copies of the body, each step's `xs` slice and the stacking of the
-`ys` become small synthetic equations, so a parameter used in the body is seen with T uses, each
-with its own output key. Cost: the graph (and the program XLA compiles from the tapped function)
-grows T-fold, so trace and compile time grow linearly in T; the arithmetic is unchanged. Other
-higher-order primitives (`cond`, `while`, `custom_jvp`, `checkpoint`) and scans that touch no
-parameter stay opaque equations and are re-bound as they are.
+perturbation added to each layer output, the layer inputs recorded). What is seen through:
+
+  * nested `jit` / `pjit` / `closed_call`: inlined; nothing changes.
+  * `checkpoint` / remat (`jax.checkpoint` with any policy, linen `nn.remat`, `nnx.remat`) whose
+    inputs include a parameter (or a view of one): inlined, and its equations recorded as a
+    `Region`. `evaluate` runs a region's equations inside a `jax.checkpoint`-wrapped closure with
+    the original policy and `prevent_cse`, whose outputs are the region's values read later plus
+    the watched values made inside it (the taps' perturbed outputs and recorded inputs), so the
+    program that runs rematerialises the block as the user wrote it.
+  * `custom_jvp` / `custom_vjp` calls whose inputs include a parameter (or a view of one):
+    inlined, and differentiated through the primal function (the custom rule is dropped there).
+    Calls that read no parameter (activations such as `jax.nn.relu` / `gelu`, losses) stay
+    opaque, re-bound with their custom rules.
+  * `lax.scan` whose operands depend on the parameters (an RNN over time: linen `nn.scan` /
+    `nn.RNN`, nnx `nnx.scan`, a scan over stacked layers): unrolled *in this list*, for matching.
+    Its static `length` T gives T copies of the body; each step reads its carry through a
+    synthetic identity equation and its `xs` slice through a synthetic slice equation, and the
+    stacking of the `ys` is a synthetic equation too, so a parameter closed over by the body is
+    seen with T uses (each with its own output key), and a stacked parameter passed in `xs` is
+    seen as T slices, one per step (the scanner makes them one stacked layer). The program that
+    runs does not unroll: `evaluate` runs the steps again as one `lax.scan` (`ScanGroup`) whose
+    body is step 0's equations, the steps' perturbations scanned in and the watched values
+    (recorded layer inputs, perturbed outputs) stacked out, then sliced per step. So trace and
+    compile time of the tapped function do not grow with T beyond that glue (T slices and
+    stacks of the taps); the scanner's Python-side matching is linear in T.
+
+Other higher-order primitives (`cond`, `while`), scans that touch no parameter, and remat or
+custom-derivative calls that read no parameter stay opaque equations and are re-bound as they are.
 
 Values are keyed by `(instance, Var)`: the same inner jaxpr object can be called twice (JAX
 caches traces), so each inlined call gets its own instance number.
@@ -17,11 +36,13 @@ caches traces), so each inlined call gets its own instance number.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from kfac_jax import _compat
@@ -69,6 +90,7 @@ class _SynthEqn:
 
 
 _SCAN_SLICE = _SynthPrimitive("scan_slice")
+_SCAN_CARRY = _SynthPrimitive("scan_carry")
 _SCAN_STACK = _SynthPrimitive("scan_stack")
 
 
@@ -81,13 +103,71 @@ def aval_of(atom: Atom):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Region:
+  """Equations `eqns[start:stop]` inlined from one (outermost) remat call.
+
+  Attributes:
+    start, stop: the equation range.
+    options: the `jax.checkpoint` keyword arguments (`policy`, `prevent_cse`).
+    ins: the keys the range reads but does not compute (constants excluded).
+    outs: the keys the range computes that later equations or the graph's outputs read.
+  """
+  start: int
+  stop: int
+  options: Mapping[str, Any]
+  ins: tuple[Key, ...] = ()
+  outs: tuple[Key, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScanGroup:
+  """The T unrolled steps of one scan, evaluated again as a `lax.scan` (see `evaluate`).
+
+  Each step's equations are `[carry identities, xs slices, body...]`, the same sequence in every
+  step (checked). Values are matched across steps by position: `keys[k][p]` is the p-th value
+  computed in step k (execution order).
+
+  Attributes:
+    steps: `(start, stop)` per step, in execution order.
+    ncar, nxs: numbers of carries and of scanned inputs.
+    reverse: the scan's direction (step k has index T-1-k when reversed).
+    keys: per step, the keys its equations compute, in order.
+    carry_out: per step, the atoms the next step's carry identities read.
+    xs: the scanned arrays (outer atoms) read by step 0's slices.
+    outside: `(p, steps)`: position p's values of those steps are read after the steps (or are
+      graph outputs), other than by the recognised stackings.
+    stacks: `(equation index, position p)` of the stacking equations after the steps whose
+      parts are exactly position p of every step: their result is the scan's stacked output.
+    stop: the index after the group's last equation (the steps and their stacking equations).
+  """
+  steps: tuple[tuple[int, int], ...]
+  ncar: int
+  nxs: int
+  reverse: bool
+  keys: tuple[tuple[Key, ...], ...]
+  carry_out: tuple[tuple[Atom, ...], ...]
+  xs: tuple[Atom, ...]
+  outside: tuple[tuple[int, tuple[int, ...]], ...]
+  stacks: tuple[tuple[int, int], ...]
+  stop: int
+
+
+# Operations through which a value stays "a parameter" for deciding what to inline.
+_PARAM_VIEW_OPS = frozenset({
+    "convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim",
+    "squeeze", "slice", "dynamic_slice", "expand_dims", "scan_slice"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class FlatGraph:
-  """The equations of a closed jaxpr with nested `jit` calls inlined."""
+  """The equations of a closed jaxpr with calls, remat and parameter scans inlined."""
 
   invars: tuple[Key, ...]
   outvars: tuple[Atom, ...]
   consts: tuple[tuple[Key, Any], ...]
   eqns: tuple[FlatEqn, ...]
+  regions: tuple[Region, ...] = ()
+  scans: tuple[ScanGroup, ...] = ()
 
   @classmethod
   def from_closed_jaxpr(cls, closed: _compat.ClosedJaxpr, n_params: int = 0) -> FlatGraph:
@@ -96,6 +176,10 @@ class FlatGraph:
     consts: list[tuple[Key, Any]] = []
     eqns: list[FlatEqn] = []
     dep: set[Key] = {(0, v) for v in closed.jaxpr.invars[:n_params]}
+    pview: set[Key] = set(dep)  # Parameters and their views (slices, casts, reshapes).
+    regions: list[tuple[int, int, Mapping[str, Any]]] = []
+    scans: list[tuple[Any, ...]] = []
+    remat_depth = [0]
 
     def unroll_scan(eqn, ins, instance, alias, walk):
       p = eqn.params
@@ -104,7 +188,17 @@ class FlatGraph:
       consts_in, carry = list(ins[:nc]), list(ins[nc:nc + ncar])
       xs = ins[nc + ncar:]
       ys_steps: list[list[Atom]] = [None] * length  # type: ignore[list-item]
+      steps = []  # Per step, in execution order: (start, stop, carry outs).
       for t in (reversed(range(length)) if p["reverse"] else range(length)):
+        start = len(eqns)
+        carry_keys = []
+        for c in carry:  # Each step reads its carry through an identity: the scan's carry.
+          key = (instance, _SynthVar(aval_of(c)))
+          eqns.append(FlatEqn(_SynthEqn(_SCAN_CARRY, {}), (c,), (key,), fn=_identity_fn))
+          if is_key(c) and c in dep:
+            dep.add(key)
+          carry_keys.append(key)
+        carry = carry_keys
         x_t = []
         for x in xs:
           aval = aval_of(x).update(shape=aval_of(x).shape[1:])
@@ -113,6 +207,8 @@ class FlatGraph:
                               fn=functools.partial(_slice_fn, t)))
           if is_key(x) and x in dep:
             dep.add(key)
+          if is_key(x) and x in pview:
+            pview.add(key)
           x_t.append(key)
         counter[0] += 1
         inner = counter[0]
@@ -121,8 +217,10 @@ class FlatGraph:
         outs = [a if isinstance(a, _compat.Literal) else inner_alias.get(a, (inner, a))
                 for a in body.jaxpr.outvars]
         carry, ys_steps[t] = outs[:ncar], outs[ncar:]
+        steps.append((start, len(eqns), tuple(carry)))
       for v, a in zip(eqn.outvars[:ncar], carry):
         alias[v] = a
+      stack_start = len(eqns)
       for n, v in enumerate(eqn.outvars[ncar:]):
         parts = tuple(ys_steps[t][n] for t in range(length))
         key = (instance, v)
@@ -130,6 +228,7 @@ class FlatGraph:
                             fn=functools.partial(_stack_fn, v.aval)))
         if any(a in dep for a in parts if is_key(a)):
           dep.add(key)
+      scans.append((tuple(steps), ncar, len(xs), bool(p["reverse"]), stack_start, len(eqns)))
 
     def walk(jaxpr, instance: int, const_vals, alias: dict[Any, Atom]) -> None:
       def resolve(atom):
@@ -145,29 +244,47 @@ class FlatGraph:
             and any(is_key(a) and a in dep for a in ins)):
           unroll_scan(eqn, ins, instance, alias, walk)
           continue
-        sub = _compat.call_jaxpr_of(eqn)
+        sub, kind = _compat.call_jaxpr_of(eqn), "call"
+        if sub is None:
+          found = _compat.transparent_jaxpr_of(eqn)
+          if found is not None and any(is_key(a) and a in pview for a in ins):
+            sub, kind = found
         if sub is not None:
-          counter[0] += 1
-          inner = counter[0]
-          inner_alias = dict(zip(sub.jaxpr.invars, ins))
-          walk(sub.jaxpr, inner, sub.consts, inner_alias)
-          # The call's outputs are the inner jaxpr's outputs.
-          for outer_v, inner_atom in zip(eqn.outvars, sub.jaxpr.outvars):
-            r = inner_atom if isinstance(inner_atom, _compat.Literal) else inner_alias.get(
-                inner_atom, (inner, inner_atom))
-            alias[outer_v] = r
+          start = len(eqns)
+          remat_depth[0] += kind == "remat"
+          inline(eqn, sub, ins, instance, alias, walk)
+          remat_depth[0] -= kind == "remat"
+          if kind == "remat" and not remat_depth[0] and len(eqns) > start:
+            regions.append((start, len(eqns), _compat.remat_options(eqn)))
           continue
         outs = tuple((instance, v) for v in eqn.outvars)
         if any(is_key(a) and a in dep for a in ins):
           dep.update(outs)
+        if eqn.primitive.name in _PARAM_VIEW_OPS and ins and is_key(ins[0]) and ins[0] in pview:
+          pview.update(outs)
         eqns.append(FlatEqn(eqn, ins, outs))
+
+    def inline(eqn, sub, ins, instance, alias, walk):
+      del instance
+      counter[0] += 1
+      inner = counter[0]
+      inner_alias = dict(zip(sub.jaxpr.invars, ins))
+      walk(sub.jaxpr, inner, sub.consts, inner_alias)
+      # The call's outputs are the inner jaxpr's outputs.
+      for outer_v, inner_atom in zip(eqn.outvars, sub.jaxpr.outvars):
+        r = inner_atom if isinstance(inner_atom, _compat.Literal) else inner_alias.get(
+            inner_atom, (inner, inner_atom))
+        alias[outer_v] = r
 
     top_alias: dict[Any, Atom] = {}
     walk(closed.jaxpr, 0, closed.consts, top_alias)
     outvars = tuple(
         a if isinstance(a, _compat.Literal) else top_alias.get(a, (0, a))
         for a in closed.jaxpr.outvars)
-    return cls(tuple((0, v) for v in closed.jaxpr.invars), outvars, tuple(consts), tuple(eqns))
+    const_keys = {k for k, _ in consts}
+    return cls(tuple((0, v) for v in closed.jaxpr.invars), outvars, tuple(consts), tuple(eqns),
+               _regions(regions, eqns, outvars, const_keys),
+               _scan_groups(scans, eqns, outvars, const_keys))
 
   def consumers(self) -> dict[Key, list[tuple[int, int]]]:
     """Maps each key to the (equation index, operand position) pairs that read it."""
@@ -181,16 +298,26 @@ class FlatGraph:
   def evaluate(
       self,
       args: Sequence[Any],
-      on_output: Callable[[Key, Any], Any] | None = None,
+      perturb: Mapping[Key, Any] | None = None,
       watch: frozenset[Key] = frozenset(),
+      *,
+      unroll: bool = False,
   ) -> tuple[list[Any], dict[Key, Any]]:
     """Evaluates the graph on `args` (arrays or tracers).
 
+    Remat regions run under `jax.checkpoint` (`Region`); the steps of an unrolled scan run again
+    as one `lax.scan` (`ScanGroup`), whose body is step 0's equations: the perturbations of the
+    steps' keys enter as scanned inputs and the watched values leave as stacked outputs, sliced
+    per step. With `unroll`, scans run step by step (as the flat graph lists them).
+
     Args:
       args: one value per input variable.
-      on_output: called as `on_output(key, value)` for every value produced by an equation whose
-        key is in `watch`; its return value replaces the value (used to add perturbations).
-      watch: the keys to report; their final values are also returned.
+      perturb: key → array added to the value that equation produces (the key must be in
+        `watch`); used to add the curvature pass's zero perturbations. A tuple of keys for which
+        `scan_stacked` holds maps to one stacked `[T, ...]` perturbation of those steps.
+      watch: the keys to report; their final values (after the perturbation) are returned. A
+        tuple of keys for which `scan_stacked` holds is reported as one stacked value.
+      unroll: evaluate the unrolled steps instead of a `lax.scan` (for tests and debugging).
 
     Returns:
       The outputs, and the watched values.
@@ -198,27 +325,301 @@ class FlatGraph:
     env: dict[Key, Any] = dict(self.consts)
     if len(args) != len(self.invars):
       raise ValueError(f"expected {len(self.invars)} inputs, got {len(args)}")
+    perturb = perturb or {}
     seen: dict[Key, Any] = {}
-
-    def write(k, v):
+    for k, v in zip(self.invars, args):
       if k in watch:
-        if on_output is not None:
-          v = on_output(k, v)
+        v = v + perturb[k] if k in perturb else v
         seen[k] = v
       env[k] = v
+    self._run(0, len(self.eqns), env, seen, perturb, watch, unroll)
+    return [_read_atom(a, env) for a in self.outvars], seen
 
-    for k, v in zip(self.invars, args):
-      write(k, v)
+  @functools.cached_property
+  def _scan_positions(self) -> dict[Key, tuple[int, int, int]]:
+    """Key → (scan group, step, position) for every value computed in a group's steps."""
+    out = {}
+    for n, grp in enumerate(self.scans):
+      for k, keys in enumerate(grp.keys):
+        for p, key in enumerate(keys):
+          out[key] = (n, k, p)
+    return out
 
-    def read(a):
-      return a.val if isinstance(a, _compat.Literal) else env[a]
+  def scan_stacked(self, keys: Sequence[Atom]) -> bool:
+    """Whether `keys` are one position of every step of one scan, in execution order: then the
+    tuple can be watched and perturbed as one stacked `[T, ...]` value (see `evaluate`)."""
+    found = [self._scan_positions.get(k) if is_key(k) else None for k in keys]
+    if not found or any(f is None for f in found):
+      return False
+    n, _, p = found[0]
+    return (len(found) == len(self.scans[n].keys)
+            and all(f == (n, k, p) for k, f in enumerate(found)))
 
-    for fe in self.eqns:
-      vals = [read(a) for a in fe.ins]
+  def _run(self, lo, hi, env, seen, perturb, watch, unroll=False, inside=None) -> None:
+    """Evaluates `eqns[lo:hi]`, reading and writing `env` (a dict or ChainMap); `inside` is the
+    region being evaluated (not entered again)."""
+    regions = {r.start: r for r in self.regions}
+    scans = {} if unroll else {g.steps[0][0]: g for g in self.scans}
+    i = lo
+    while i < hi:
+      r = regions.get(i)
+      if r is not None and r is not inside:
+        self._evaluate_region(r, env, seen, perturb, watch, unroll)
+        i = r.stop
+        continue
+      if i in scans:
+        i = self._evaluate_scan(scans[i], env, seen, perturb, watch)
+        continue
+      fe = self.eqns[i]
+      vals = [_read_atom(a, env) for a in fe.ins]
       outs = fe.fn(*vals) if fe.fn is not None else _compat.bind_eqn(fe.eqn, vals)
       for k, v in zip(fe.outs, outs):
-        write(k, v)
-    return [read(a) for a in self.outvars], seen
+        if k in watch:
+          v = v + perturb[k] if k in perturb else v
+          seen[k] = v
+        env[k] = v
+      i += 1
+
+  def _evaluate_region(self, r: Region, env, seen, perturb, watch, unroll=False) -> None:
+    """Evaluates `eqns[r.start:r.stop]` under `jax.checkpoint` with the region's options.
+
+    The closure's inputs are the values the region reads; its outputs are the values read after
+    it and the watched values it makes (after their perturbation), so taps inside a
+    rematerialised block work and only what they record is kept beyond the block's own inputs.
+    """
+    made = [k for fe in self.eqns[r.start:r.stop] for k in fe.outs]
+    watched = [k for k in made if k in watch]
+    out_keys = list(dict.fromkeys(list(r.outs) + watched))
+
+    def body(*in_vals):
+      local = collections.ChainMap(dict(zip(r.ins, in_vals)), env)
+      self._run(r.start, r.stop, local, {}, perturb, watch, unroll, inside=r)
+      return [local[k] for k in out_keys]
+
+    vals = jax.checkpoint(body, **r.options)(*[env[k] for k in r.ins])
+    for k, v in zip(out_keys, vals):
+      env[k] = v
+      if k in watch:
+        seen[k] = v
+
+  def _evaluate_scan(self, grp: ScanGroup, env, seen, perturb, watch) -> int:
+    """Evaluates an unrolled scan's steps as one `lax.scan`; returns the index after them."""
+    (s0, e0), nsteps = grp.steps[0], len(grp.steps)
+    keys0 = grp.keys[0]
+    pos = range(len(keys0))
+    # Positions to perturb / watch in some step, and those read after the steps.
+    pos0 = {key: p for p, key in enumerate(keys0)}
+    column = lambda p: tuple(grp.keys[k][p] for k in range(nsteps))
+    # Stacked entries: a tuple of every step's key at one position.
+    tuple_eps = {pos0[t[0]]: v for t, v in perturb.items()
+                 if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t}
+    tuple_watch = {pos0[t[0]]: t for t in watch
+                   if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t}
+    eps_pos = [p for p in pos if p in tuple_eps
+               or any(grp.keys[k][p] in perturb for k in range(nsteps))]
+    watch_pos = [p for p in pos if p in tuple_watch
+                 or any(grp.keys[k][p] in watch for k in range(nsteps))]
+    final = {}  # Position → carry index, for values needed only from the last step's carry.
+    for p, needed in grp.outside:
+      if needed == (nsteps - 1,) and keys0[p] in grp.carry_out[0]:
+        final[p] = grp.carry_out[0].index(keys0[p])
+    ys_pos = sorted(set(watch_pos) | {p for p, _ in grp.outside if p not in final}
+                    | {p for _, p in grp.stacks})
+    watch0 = frozenset(keys0[p] for p in watch_pos)
+    carry_avals = [keys0[j][1].aval for j in range(grp.ncar)]
+    carry_in = [_as_aval(_read_atom(self.eqns[s0 + j].ins[0], env), a)
+                for j, a in enumerate(carry_avals)]
+    xs = [_read_atom(a, env) for a in grp.xs]
+    if grp.reverse:
+      xs = [x[::-1] for x in xs]
+    eps = []
+    for p in eps_pos:
+      if p in tuple_eps:
+        eps.append(tuple_eps[p])
+        continue
+      parts = []
+      for k in range(nsteps):
+        key = grp.keys[k][p]
+        parts.append(perturb[key] if key in perturb else jnp.zeros(key[1].aval.shape,
+                                                                   key[1].aval.dtype))
+      eps.append(jnp.stack(parts))
+    body_lo = s0 + grp.ncar + grp.nxs
+
+    def body(carry, step_in):
+      x_t, eps_t = step_in
+      local = collections.ChainMap({}, env)
+      for j, v in enumerate(carry):
+        local[keys0[j]] = v
+      for j, v in enumerate(x_t):
+        local[keys0[grp.ncar + j]] = v
+      local_perturb = {keys0[p]: e for p, e in zip(eps_pos, eps_t)}
+      self._run(body_lo, e0, local, {}, local_perturb, watch0)
+      new_carry = [_as_aval(_read_atom(a, local), av)
+                   for a, av in zip(grp.carry_out[0], carry_avals)]
+      return new_carry, [local[keys0[p]] for p in ys_pos]
+
+    carry, ys = jax.lax.scan(body, carry_in, (xs, eps), length=nsteps)
+    ys = dict(zip(ys_pos, ys))
+    for p, j in final.items():
+      env[grp.keys[-1][p]] = carry[j]
+    for p, needed in grp.outside:
+      if p in final:
+        continue
+      for k in needed:
+        env[grp.keys[k][p]] = ys[p][k]
+    for p, t in tuple_watch.items():
+      seen[t] = ys[p]
+    for p in watch_pos:
+      for k in range(nsteps):
+        key = grp.keys[k][p]
+        if key in watch:
+          seen[key] = ys[p][k]
+    for i, p in grp.stacks:
+      stacked = ys[p][::-1] if grp.reverse else ys[p]
+      env[self.eqns[i].outs[0]] = stacked.astype(self.eqns[i].outs[0][1].aval.dtype)
+    # The stacking equations not recognised run as usual.
+    done = {i for i, _ in grp.stacks}
+    last = grp.steps[-1][1]
+    for i in range(last, grp.stop):
+      if i not in done:
+        self._run(i, i + 1, env, seen, perturb, watch)
+    return grp.stop
+
+
+def _is_key_tuple(t) -> bool:
+  return isinstance(t, tuple) and bool(t) and isinstance(t[0], tuple)
+
+
+def _as_aval(x, aval):
+  """`x` with exactly `aval`'s shape and dtype (not weakly typed): a scan carry's type."""
+  x = jax.lax.convert_element_type(x, aval.dtype)
+  return x if x.shape == aval.shape else jnp.broadcast_to(x, aval.shape)
+
+
+def _read_atom(a, env):
+  return a.val if isinstance(a, _compat.Literal) else env[a]
+
+
+def _regions(ranges, eqns, outvars, const_keys) -> tuple[Region, ...]:
+  """`Region`s with their input and output keys, from `(start, stop, options)` ranges."""
+  last_read: dict[Key, int] = {}
+  for i, fe in enumerate(eqns):
+    for a in fe.ins:
+      if is_key(a):
+        last_read[a] = i
+  for a in outvars:
+    if is_key(a):
+      last_read[a] = len(eqns)
+  out = []
+  for start, stop, options in ranges:
+    made: set[Key] = set()
+    ins: dict[Key, None] = {}
+    outs: dict[Key, None] = {}
+    for fe in eqns[start:stop]:
+      for a in fe.ins:
+        if is_key(a) and a not in made and a not in const_keys:
+          ins[a] = None
+      made.update(fe.outs)
+      for k in fe.outs:
+        if last_read.get(k, -1) >= stop:
+          outs[k] = None
+    out.append(Region(start, stop, options, tuple(ins), tuple(outs)))
+  return tuple(out)
+
+
+def _scan_groups(scans, eqns, outvars, const_keys) -> tuple[ScanGroup, ...]:
+  """`ScanGroup`s for the unrolled scans whose steps are equal equation sequences."""
+  out = []
+  for steps, ncar, nxs, reverse, stack_start, stop in scans:
+    group = _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars,
+                        const_keys)
+    if group is not None:
+      out.append(group)
+  return tuple(out)
+
+
+def _same_atom(a, b, const_keys) -> bool:
+  if isinstance(a, _compat.Literal) or isinstance(b, _compat.Literal):
+    return isinstance(a, _compat.Literal) and isinstance(b, _compat.Literal)
+  # Constants of the body are keyed per step instance, with the same variable.
+  return a == b or (a in const_keys and b in const_keys and a[1] is b[1])
+
+
+def _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars, const_keys):
+  if not steps:
+    return None
+  s0, e0, _ = steps[0]
+  n = e0 - s0
+  keys0 = [k for fe in eqns[s0:e0] for k in fe.outs]
+  pos0 = {k: p for p, k in enumerate(keys0)}
+  keys = []
+  for s, e, _ in steps:
+    if e - s != n:
+      return None
+    keys_k = [k for fe in eqns[s:e] for k in fe.outs]
+    pos_k = {k: p for p, k in enumerate(keys_k)}
+    for i in range(n):
+      f0, fk = eqns[s0 + i], eqns[s + i]
+      if len(f0.ins) != len(fk.ins) or len(f0.outs) != len(fk.outs):
+        return None
+      if (f0.fn is None) != (fk.fn is None) or (f0.fn is None and f0.eqn is not fk.eqn):
+        return None
+      if f0.fn is not None and f0.name != fk.name:
+        return None
+      for a0, ak in zip(f0.ins, fk.ins):
+        if is_key(a0) and a0 in pos0:
+          if not is_key(ak) or pos_k.get(ak) != pos0[a0]:
+            return None
+        elif i < ncar:  # A carry identity: reads the previous step's carry.
+          continue
+        elif not _same_atom(a0, ak, const_keys):
+          return None
+    keys.append(tuple(keys_k))
+  carry_out = tuple(c for _, _, c in steps)
+  for k in range(len(steps) - 1):  # Step k+1's carry identities read step k's carry outs.
+    s_next = steps[k + 1][0]
+    if tuple(eqns[s_next + j].ins[0] for j in range(ncar)) != tuple(carry_out[k]):
+      return None
+  for c in carry_out[0]:
+    if is_key(c) and c not in pos0 and c not in const_keys:
+      return None  # A carry out computed before the scan: kept unrolled (rare).
+  stacks = []
+  order = list(range(len(steps)))
+  for i in range(stack_start, stop):
+    parts = eqns[i].ins
+    first = parts[order[-1] if reverse else 0] if parts else None
+    p = pos0.get(first) if is_key(first) else None
+    if p is None:
+      continue
+    want = [keys[k][p] for k in (reversed(order) if reverse else order)]
+    if list(parts) == want:
+      stacks.append((i, p))
+  # Which step values are read after the steps, other than by the recognised stackings.
+  stacked = {i for i, _ in stacks}
+  readers: dict[Key, set[int]] = {}
+  for i in range(steps[-1][1], len(eqns)):
+    if i in stacked:
+      continue
+    for a in eqns[i].ins:
+      if is_key(a):
+        readers.setdefault(a, set()).add(i)
+  for a in outvars:
+    if is_key(a):
+      readers.setdefault(a, set()).add(len(eqns))
+  outside = []
+  for p in range(len(keys0)):
+    needed = tuple(k for k in order if keys[k][p] in readers)
+    if needed:
+      outside.append((p, needed))
+  return ScanGroup(
+      steps=tuple((s, e) for s, e, _ in steps), ncar=ncar, nxs=nxs, reverse=reverse,
+      keys=tuple(keys), carry_out=carry_out,
+      xs=tuple(eqns[s0 + ncar + j].ins[0] for j in range(nxs)), outside=tuple(outside),
+      stacks=tuple(stacks), stop=stop)
+
+
+def _identity_fn(x):
+  return [x]
 
 
 def _slice_fn(t: int, x):

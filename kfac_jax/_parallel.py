@@ -31,11 +31,12 @@ Array = jax.Array
 
 
 def factorisation_cost(factor_shapes: Sequence[tuple[int, ...]]) -> float:
-  """Relative cost of refreshing a block's cache: n³ per [n, n] factor, n per vector."""
+  """Relative cost of refreshing a block's cache: n³ per [n, n] factor (times any leading stack
+  or group axes), n per vector."""
   cost = 0.0
   for s in factor_shapes:
-    if len(s) == 2 and s[0] == s[1]:
-      cost += float(s[0]) ** 3
+    if len(s) >= 2 and s[-1] == s[-2]:
+      cost += float(math.prod(s[:-2])) * float(s[-1]) ** 3
     else:
       cost += float(math.prod(s))
   return cost

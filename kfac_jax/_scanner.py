@@ -26,6 +26,12 @@ approximations of `SHARED_BY_KIND`, chosen by a manual tag's `approx=` or a
 `LayerConfig.overrides` pattern. `register_dense` called at every use of one kernel registers
 one multi-use layer; a manual tag count that differs from the graph's use count is an error
 naming the parameter (collected with the other problems by `check_registration`).
+
+Transformations. `_graph.FlatGraph` inlines nested `jit`, remat (`jax.checkpoint`, `nn.remat`,
+`nnx.remat`) and custom-derivative calls that read a parameter, and unrolls scans over
+parameters, so matching sees the layers inside them. Stacked layers (a leaf with a leading layer
+axis sliced per scan step, or read as L kernels by one batched `dot_general`: vmapped ensembles,
+expert-stacked einsums) are registered by `_stacked` as one layer with `stack_size = L`.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph, _layer_config, _matchers, _tags
+from kfac_jax import _compat, _graph, _layer_config, _matchers, _stacked, _tags
 
 # Operations that only move, reshape or cast a parameter.
 _VIEW_OPS = frozenset({
@@ -249,6 +255,12 @@ class LayerSpec:
       bias): its `ConcatView`, or None for a plain leaf; () otherwise.
     logical: with `concat`, the layer as matched on the concatenations (one leaf each, with
       their shapes): the spec its block computes with.
+    stack_size: L > 0 for a stack of L layers of one kind whose parameter leaves carry a
+      leading layer axis (a scan over stacked layers, a vmapped ensemble, an expert-stacked
+      kernel; see `kfac_jax._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
+    stack_inner: for a stack, the spec of one layer of it (leaf shapes without the layer axis).
+    stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
+      input operand and then of the output; empty when each layer has its own tap (a scan).
   """
   name: str
   kind: str
@@ -264,6 +276,14 @@ class LayerSpec:
   note: str = ""
   concat: tuple[Any, ...] = ()
   logical: Any = None
+  stack_size: int = 0
+  stack_inner: LayerSpec | None = None
+  stack_axes: tuple[int, ...] = ()
+
+  @property
+  def multi_tap(self) -> bool:
+    """Whether the layer has several taps (uses, or the layers of a scanned stack)."""
+    return self.num_uses > 1 or (self.stack_size > 0 and not self.stack_axes)
 
   @property
   def dense(self) -> DenseInfo | None:
@@ -405,6 +425,8 @@ class _Scanner:
     losses, loss_operands = self._losses(loss_eqns)
     self.batch_size = losses[0].batch_size
     self.const_values = dict(g.consts)
+    self._loss_slice([ops[0] for ops in loss_operands])
+    _stacked.add_virtual_leaves(self)  # Slices of stacked leaves (indices from n_params on).
     self._origins()
     self.producer = {k: i for i, fe in enumerate(g.eqns) for k in fe.outs}
     in_slice = self._loss_slice([ops[0] for ops in loss_operands])
@@ -431,7 +453,8 @@ class _Scanner:
           if found is not None:
             specs.append(found)
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
-    passes = ((self._match_dense, functools.partial(_matchers.match_conv, self)),
+    passes = ((functools.partial(_stacked.match_batched_dense, self), self._match_dense,
+               functools.partial(_matchers.match_conv, self)),
               (functools.partial(_matchers.match_embedding, self),),
               (functools.partial(_matchers.match_scale_and_shift, self),))
     for matchers in passes:
@@ -442,7 +465,8 @@ class _Scanner:
             specs.append(found)
             break
 
-    specs = self._expand_virtual(specs, claimed)
+    specs = self._expand_virtual(specs, claimed)  # Concatenations first: they index paths.
+    specs = _stacked.merge(self, specs, claimed)  # Truncates paths to the real leaves.
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
     uncovered = [j for j in range(self.n_params) if j not in claimed]
@@ -467,7 +491,7 @@ class _Scanner:
         specs.append((dataclasses.replace(spec, info=FallbackInfo(reason)), None, None))
 
     specs.sort(key=lambda s: min(s[0].leaf_indices))
-    multi = [s[0].num_uses > 1 for s in specs]
+    multi = [s[0].multi_tap for s in specs]
     return Registration(
         graph=g,
         layers=tuple(s[0] for s in specs),

@@ -41,7 +41,9 @@ def scan_layers(loss_fn: Callable, params, batch, *, strict: bool = False,
   Each `LayerSpec` has `name`, `kind` ("dense", "conv", "scale_and_shift", "embedding",
   "generic"), `param_paths` (e.g.
   `params/Dense_0/kernel`), `approx`, `factor_shapes` and `num_uses` (how many times the layer
-  is applied: tied weights, the steps of a scan). Parameters outside every recognised
+  is applied: tied weights, the steps of a scan) and `stack_size` (L for a stack of L layers
+  whose leaves carry a leading layer axis: a scan over stacked layers, a vmapped ensemble; 0
+  otherwise). Parameters outside every recognised
   layer get a diagonal generic block and one `UncoveredParametersWarning` naming them all
   (an error with `strict=True`). `layers` (a `kfac_jax.LayerConfig`) chooses approximations and
   linked groups as in the estimator.

@@ -308,7 +308,7 @@ MODELS = {"mlp": mlp, "cnn": cnn, "resnet": resnet, "transformer": transformer,
           "separable": separable}
 
 
-# ================================================================================================
+# ==============================================================================================
 # Structure zoo (issue 13, items 3, 4, 7): Haiku and equinox models, a Gemma-style RMSNorm, a
 # ViT-ish model with a learned positional table, a Flax OptimizedLSTMCell, a 32k-vocabulary head.
 # Builders take no flavour; tests/test_zoo.py runs them through `STRUCTURE_MODELS`.
@@ -502,3 +502,192 @@ def vocab_lm() -> Zoo:
 STRUCTURE_MODELS = {"haiku_mlp": haiku_mlp, "haiku_cnn": haiku_cnn, "equinox_mlp": equinox_mlp,
                     "equinox_cnn": equinox_cnn, "gemma_rmsnorm": gemma_rmsnorm,
                     "vit_positional": vit_positional, "lstm": lstm, "vocab_lm": vocab_lm}
+
+
+# ==============================================================================================
+# Transformations (issue 13): scan over stacked layers, remat, vmap-created layers.
+# ==============================================================================================
+
+LM_LAYERS, LM_HEADS, LM_KV_HEADS, LM_HEAD_DIM, LM_FF = 3, 4, 2, 4, 24
+LM_DIM = LM_HEADS * LM_HEAD_DIM
+
+
+def _rope(x):
+  """Rotary position embedding over [batch, seq, heads, head_dim] (half-split convention)."""
+  seq, dim = x.shape[1], x.shape[-1]
+  freq = 1.0 / (10000.0 ** (jnp.arange(0, dim // 2) / (dim // 2)))
+  angle = jnp.arange(seq)[:, None] * freq[None, :]  # [seq, dim/2]
+  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _gqa(q, k, v):
+  """Causal grouped-query attention: q [b, s, H, d], k / v [b, s, KV, d]."""
+  rep = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+  mask = jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))
+  logits = jnp.where(mask, logits, -1e9)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+class LinenDecoderBlock(nn.Module):
+  """Pre-norm decoder block: RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU MLP."""
+
+  @nn.compact
+  def __call__(self, x, _):
+    b, s, _ = x.shape
+    h = nn.RMSNorm(name="attn_norm")(x)
+    q = nn.Dense(LM_HEADS * LM_HEAD_DIM, use_bias=False, name="q")(h)
+    k = nn.Dense(LM_KV_HEADS * LM_HEAD_DIM, use_bias=False, name="k")(h)
+    v = nn.Dense(LM_KV_HEADS * LM_HEAD_DIM, use_bias=False, name="v")(h)
+    q = _rope(q.reshape(b, s, LM_HEADS, LM_HEAD_DIM))
+    k = _rope(k.reshape(b, s, LM_KV_HEADS, LM_HEAD_DIM))
+    att = _gqa(q, k, v.reshape(b, s, LM_KV_HEADS, LM_HEAD_DIM)).reshape(b, s, LM_DIM)
+    x = x + nn.Dense(LM_DIM, use_bias=False, name="o")(att)
+    h = nn.RMSNorm(name="mlp_norm")(x)
+    gate = nn.Dense(LM_FF, use_bias=False, name="gate")(h)
+    up = nn.Dense(LM_FF, use_bias=False, name="up")(h)
+    return x + nn.Dense(LM_DIM, use_bias=False, name="down")(nn.silu(gate) * up), None
+
+
+class LinenScannedLM(nn.Module):
+  """Decoder LM: the blocks stacked by `nn.scan` over `nn.remat(block)`, params axis 0."""
+
+  @nn.compact
+  def __call__(self, ids):
+    x = nn.Embed(VOCAB, LM_DIM, name="embed")(ids)
+    blocks = nn.scan(nn.remat(LinenDecoderBlock), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=LM_LAYERS)
+    x, _ = blocks(name="blocks")(x, None)
+    return nn.Dense(VOCAB, use_bias=False, name="head")(nn.RMSNorm(name="final_norm")(x))
+
+
+class NnxDecoderBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
+    self.attn_norm = nnx.RMSNorm(LM_DIM, rngs=rngs)
+    self.q, self.o = lin(LM_DIM, LM_DIM), lin(LM_DIM, LM_DIM)
+    self.k, self.v = lin(LM_DIM, LM_KV_HEADS * LM_HEAD_DIM), lin(LM_DIM, LM_KV_HEADS * LM_HEAD_DIM)
+    self.mlp_norm = nnx.RMSNorm(LM_DIM, rngs=rngs)
+    self.gate, self.up, self.down = lin(LM_DIM, LM_FF), lin(LM_DIM, LM_FF), lin(LM_FF, LM_DIM)
+
+  def __call__(self, x):
+    b, s, _ = x.shape
+    h = self.attn_norm(x)
+    q = _rope(self.q(h).reshape(b, s, LM_HEADS, LM_HEAD_DIM))
+    k = _rope(self.k(h).reshape(b, s, LM_KV_HEADS, LM_HEAD_DIM))
+    v = self.v(h).reshape(b, s, LM_KV_HEADS, LM_HEAD_DIM)
+    x = x + self.o(_gqa(q, k, v).reshape(b, s, LM_DIM))
+    h = self.mlp_norm(x)
+    return x + self.down(nnx.silu(self.gate(h)) * self.up(h))
+
+
+class NnxScannedLM(nnx.Module):
+  """The same LM in nnx: blocks created by `nnx.vmap`, applied by `nnx.scan` of `nnx.remat`."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, LM_DIM, rngs=rngs)
+
+    @nnx.split_rngs(splits=LM_LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NnxDecoderBlock(rngs)
+
+    self.blocks = make(rngs)
+    self.final_norm = nnx.RMSNorm(LM_DIM, rngs=rngs)
+    self.head = nnx.Linear(LM_DIM, VOCAB, use_bias=False, rngs=rngs)
+
+  def __call__(self, ids):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def run(x, block):
+      return block(x)
+
+    return self.head(self.final_norm(run(self.embed(ids), self.blocks)))
+
+
+def scanned_lm(flavour: str) -> Zoo:
+  k1, k2 = jax.random.split(jax.random.key(0))
+  batch = {"x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
+           "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB)}
+  kernel = lambda name: ("dense", "kron", (f"{name}/kernel",))  # noqa: E731
+  rms = lambda name: ("scale_and_shift", "full", (f"{name}/scale",))  # noqa: E731
+  if flavour == "linen":
+    f, p, b = _linen(LinenScannedLM(), batch)
+    blk = "blocks"
+  else:
+    f, p, b = _nnx(NnxScannedLM(nnx.Rngs(0)), batch)
+    blk = "blocks"
+  per_block = sorted([rms(f"{blk}/attn_norm"), rms(f"{blk}/mlp_norm")] + [
+      kernel(f"{blk}/{n}") for n in ("down", "gate", "k", "o", "q", "up", "v")],
+      key=lambda e: e[2])
+  expected = sorted([("embedding", "kron", ("embed/embedding",)), rms("final_norm"),
+                     kernel("head")] + per_block, key=lambda e: e[2])
+  return Zoo(f, p, b, expected)
+
+
+class LinenStackedMLP(nn.Module):
+  """A residual MLP whose layers are stacked by `nn.scan` (params axis 0)."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, name="stem")(x.reshape(x.shape[0], -1))
+
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, h, _):
+        return h + jnp.tanh(nn.Dense(16, name="dense")(nn.LayerNorm(name="norm")(h))), None
+
+    layers = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=LM_LAYERS)
+    x, _ = layers(name="layers")(x, None)
+    return nn.Dense(CLASSES, name="head")(x)
+
+
+class NnxStackedMLP(nnx.Module):
+  """The same MLP in nnx: layers created by `nnx.vmap`, applied by `nnx.scan`."""
+
+  def __init__(self, rngs):
+    self.stem = nnx.Linear(8 * 8 * 3, 16, rngs=rngs)
+
+    class Layer(nnx.Module):
+      def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.dense = nnx.Linear(16, 16, rngs=rngs)
+
+      def __call__(self, h):
+        return h + jnp.tanh(self.dense(self.norm(h)))
+
+    @nnx.split_rngs(splits=LM_LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Layer(rngs)
+
+    self.layers = make(rngs)
+    self.head = nnx.Linear(16, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(h, layer):
+      return layer(h)
+
+    return self.head(run(self.stem(x.reshape(x.shape[0], -1)), self.layers))
+
+
+def stacked_mlp(flavour: str) -> Zoo:
+  batch = _images(jax.random.key(0))
+  if flavour == "linen":
+    f, p, b = _linen(LinenStackedMLP(), batch)
+  else:
+    f, p, b = _nnx(NnxStackedMLP(nnx.Rngs(0)), batch)
+  expected = sorted([_dense("head"), _dense("layers/dense"), _norm("layers/norm"),
+                     _dense("stem")], key=lambda e: e[2])
+  return Zoo(f, p, b, expected)
+
+
+# The zoo models whose layers are stacked (`LayerSpec.stack_size == LM_LAYERS`).
+STACKED_MODELS = {"scanned_lm": scanned_lm, "stacked_mlp": stacked_mlp}
+MODELS.update(STACKED_MODELS)

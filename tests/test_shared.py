@@ -432,7 +432,7 @@ def test_tied_embedding_factors_match_the_definition(x64):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
   """The flat graph unrolls scans over parameters exactly, also reversed ones and scans whose
-  `xs` are stacked parameters (those stay generic: a slice is not a layer use)."""
+  `xs` are stacked parameters (those are a stack of L layers, one per slice)."""
   kx, ky, kw, ks = jax.random.split(jax.random.key(6), 4)
   params = {"w": 0.5 * jax.random.normal(kw, (D, D)), "stack": jax.random.normal(ks, (L, D))}
   batch = {"x": jax.random.normal(kx, (L, N, D)), "y": jax.random.randint(ky, (N,), 0, D)}
@@ -445,9 +445,9 @@ def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
     h, ys = jax.lax.scan(step, jnp.zeros((N, D)), (b["x"], p["stack"]), reverse=reverse)
     return _ce(h + ys.sum(), b["y"])
 
-  with pytest.warns(_scanner.UncoveredParametersWarning, match="`stack`"):
-    layers = {l.param_paths: l for l in kfac_jax.scan_layers(loss_fn, params, batch)}
-  assert layers[("w",)].num_uses == L and layers[("stack",)].source == "fallback"
+  layers = {l.param_paths: l for l in kfac_jax.scan_layers(loss_fn, params, batch)}
+  assert layers[("w",)].num_uses == L
+  assert layers[("stack",)].kind == "scale_and_shift" and layers[("stack",)].stack_size == L
   loss, grads, _ = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
   ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)

@@ -1,11 +1,12 @@
 """Curvature blocks: one per layer, chosen from the layer kind and its approximation."""
 
-from kfac_jax.blocks._base import Block, BlockConfig, DampingMode
-from kfac_jax.blocks._ekfac import EKFACBlock
+from kfac_jax.blocks._base import Block, BlockConfig, DampingMode, StackedUses
 from kfac_jax.blocks._concat import ConcatBlock
+from kfac_jax.blocks._ekfac import EKFACBlock
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
 from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
+from kfac_jax.blocks._stacked import StackedBlock
 
 _BLOCKS = {
     ("dense", "kron"): KroneckerBlock,
@@ -40,9 +41,12 @@ _BLOCKS = {
 
 
 def make_block(spec, config: BlockConfig) -> Block:
-  """The block class for `spec.kind` and `spec.approx` (wrapped for concatenated leaves)."""
+  """The block class for `spec.kind` and `spec.approx` (wrapped for concatenated leaves,
+  vmapped over a stack of layers)."""
   if spec.concat:
     return ConcatBlock(spec, config, make_block(spec.logical, config))
+  if spec.stack_size:
+    return StackedBlock(spec, config, make_block(spec.stack_inner, config))
   try:
     cls = _BLOCKS[(spec.kind, spec.approx)]
   except KeyError:
@@ -55,4 +59,4 @@ def make_block(spec, config: BlockConfig) -> Block:
 
 __all__ = ["Block", "BlockConfig", "ConcatBlock", "DampingMode", "DiagonalBlock", "EKFACBlock",
            "FullBlock", "KroneckerBlock", "KroneckerDenseBlock", "SeriesKroneckerBlock",
-           "make_block"]
+           "StackedBlock", "StackedUses", "make_block"]

@@ -60,6 +60,24 @@ class BlockConfig:
     return jnp.promote_types(self.stats_dtype, jnp.float32)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedUses:
+  """The T taps of one layer inside one scan, stacked along the steps (execution order).
+
+  Attributes:
+    inputs: the recorded input operands, each `[T, ...]`.
+    g: the output gradients, `[samples, T, ...]`.
+  """
+  inputs: tuple[Any, ...]
+  g: Any
+
+  def unstack(self) -> tuple[tuple[tuple[Any, ...], Any], ...]:
+    """The per-use `(inputs, g)` pairs (one slice per step)."""
+    steps = self.g.shape[1]
+    return tuple((tuple(x[t] for x in self.inputs), self.g[:, t]) for t in range(steps))
+
+
 class Block(abc.ABC):
   """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix."""
 
@@ -74,6 +92,10 @@ class Block(abc.ABC):
   def group_key(self) -> tuple:
     """Blocks with equal keys have identically shaped state and are batched with vmap."""
     return (type(self).__name__, self.spec.factor_shapes, self.spec.approx)
+
+  def accepts_stacked_uses(self) -> bool:
+    """Whether `batch_factors` takes a `StackedUses` (else it gets the unstacked uses)."""
+    return False
 
   # -- statistics ------------------------------------------------------------------------------
 

@@ -140,6 +140,11 @@ class KroneckerBlock(Block):
 
   # -- statistics ------------------------------------------------------------------------------
 
+  def accepts_stacked_uses(self) -> bool:
+    infos = self.spec.use_infos
+    return (self.spec.num_uses > 1 and self.spec.kind in ("dense", "conv")
+            and all(inf == infos[0] for inf in infos))
+
   def init_factors(self):
     sa, sg = self.spec.factor_shapes
     dtype = self.config.stats_dtype

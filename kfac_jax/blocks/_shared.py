@@ -49,7 +49,7 @@ import numpy as np
 
 from kfac_jax import _matchers, _scanner
 from kfac_jax.blocks import _kronecker, _layouts, _linalg
-from kfac_jax.blocks._base import Block
+from kfac_jax.blocks._base import Block, StackedUses
 
 Array = jax.Array
 MAX_PSI = 0.99
@@ -76,15 +76,35 @@ def use_layouts(spec) -> list[tuple[object, bool]]:
 def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
   """The "kron_indep" statistics of one batch (see the module docstring)."""
   layouts = use_layouts(spec)
+  if isinstance(data, StackedUses):  # T equal uses inside one scan: rows of every step at once.
+    layout = layouts[0][0]
+    x, g = jax.vmap(lambda xs, gg: layout.rows((xs, gg), dtype), in_axes=(0, 1))(
+        data.inputs, data.g)  # x: [T, R, groups, in]; g: [T, S, R, groups, out]
+    x = x.reshape((-1,) + x.shape[2:])
+    g = jnp.moveaxis(g, 0, 1)
+    g = g.reshape((g.shape[0], -1) + g.shape[3:])
+    a = _linalg.gram(x, spec.has_bias) / x.shape[0]
+    g = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
+    if len(spec.factor_shapes[1]) == 2:
+      a, g = a[0], g[0]
+    return {"a": a, "g": g}
   if spec.kind in ("dense", "conv"):  # Per feature group for grouped convolutions.
-    a_sum, rows, g_sum = 0.0, 0, 0.0
-    for (layout, _), d in zip(layouts, data):
-      x, g = layout.rows(d, dtype)
-      a_sum = a_sum + _linalg.gram(x, spec.has_bias)
-      rows += x.shape[0]
-      g_sum = g_sum + _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (
-          g.shape[0] * batch_size)
-    a, g = a_sum / rows, g_sum
+    rows = [layout.rows(d, dtype) for (layout, _), d in zip(layouts, data)]
+    if len({(x.shape[1:], g.shape[0], g.shape[2:]) for x, g in rows}) == 1:
+      # Rows of every use in one matrix: one product per factor, however many uses (the T
+      # steps of a scan), instead of one per use.
+      x = jnp.concatenate([x for x, _ in rows])
+      g = jnp.concatenate([g for _, g in rows], axis=1)
+      a = _linalg.gram(x, spec.has_bias) / x.shape[0]
+      g = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
+    else:
+      a_sum, n_rows, g_sum = 0.0, 0, 0.0
+      for x, g in rows:
+        a_sum = a_sum + _linalg.gram(x, spec.has_bias)
+        n_rows += x.shape[0]
+        g_sum = g_sum + _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (
+            g.shape[0] * batch_size)
+      a, g = a_sum / n_rows, g_sum
     if len(spec.factor_shapes[1]) == 2:  # One group: no group axis.
       a, g = a[0], g[0]
     return {"a": a, "g": g}

@@ -1,0 +1,262 @@
+"""Stacked layers: a parameter leaf with a leading layer axis is L layers, one block each.
+
+A scan over stacked layers (linen `nn.scan(..., variable_axes={"params": 0})`, `nnx.scan` over
+`nnx.vmap`-created layers, `lax.scan` over a stacked params pytree) passes each stacked leaf
+`[L, ...]` as a scanned input. `_graph.FlatGraph` unrolls the scan, so step t reads the slice
+`leaf[t]` through a synthetic `scan_slice` equation. Here:
+
+  1. `add_virtual_leaves`: each slice of a leaf whose every use on the loss slice is such a
+     `scan_slice` (indices 0..L-1, each once) becomes a *virtual leaf* of shape `leaf.shape[1:]`
+     with the leaf's own path, so the ordinary matchers register one layer per slice;
+  2. `merge`: the L per-slice layers of a group of stacked leaves (e.g. `kernel` and `bias`) are
+     one `LayerSpec` with `stack_size = L`, `stack_inner` the per-slice spec and one tap per
+     layer (`LayerSpec.multi_tap`); its block (`blocks.StackedBlock`) keeps every factor with a
+     leading axis L (`[L, d, d]`) and vmaps the per-layer block over it. The per-slice layers
+     must agree (same kind, approximation, shapes and matching details); otherwise the leaves
+     get the generic fallback, with the usual warning.
+
+A vmapped layer (an ensemble `jax.vmap(layer)(stacked_params, x)`, or a mixture-of-experts
+`einsum("ebd,edf->ebf", x, kernel)`) reads the whole stacked kernel in one `dot_general` whose
+batch dimension is the kernel's leading axis: `match_batched_dense` registers it as a stack with
+`stack_axes` (the layer axis of the input and of the output), with a bias added along the same
+axis when present.
+
+A parameter closed over by a scan (an RNN) is not sliced: it stays one shared layer with T uses
+(`_scanner`'s multi-use matching).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kfac_jax import _graph
+
+
+def add_virtual_leaves(sc) -> None:
+  """Extends the scanner's leaf tables with one virtual leaf per slice of each stacked leaf.
+
+  Sets `sc.stack_of` (virtual leaf → (real leaf, t)) and `sc.stacks` (real leaf → virtual leaves
+  by t); `sc.leaf_of_key`, `sc.paths` and `sc.shapes` gain the virtual leaves.
+  """
+  sc.stack_of, sc.stacks = {}, {}
+  g = sc.g
+  slices: dict[int, dict[int, Any]] = {}
+  other: set[int] = set()
+  real = {k: j for k, j in sc.leaf_of_key.items()}
+  for i, fe in enumerate(g.eqns):
+    for pos, a in enumerate(fe.ins):
+      if not _graph.is_key(a) or a not in real:
+        continue
+      j = real[a]
+      if fe.name == "scan_slice":
+        t = int(fe.params["index"])
+        if t in slices.setdefault(j, {}):
+          other.add(j)  # Sliced twice at one index: two scans read it.
+        slices[j][t] = fe.outs[0]
+      elif i in sc.in_slice:
+        other.add(j)
+  paths, shapes = list(sc.paths), list(sc.shapes)
+  for j, by_t in sorted(slices.items()):
+    shape = sc.shapes[j]
+    if j in other or not shape or sorted(by_t) != list(range(shape[0])):
+      continue
+    virtual = []
+    for t in range(shape[0]):
+      v = len(paths)
+      paths.append(sc.paths[j])
+      shapes.append(tuple(shape[1:]))
+      sc.leaf_of_key[by_t[t]] = v
+      sc.stack_of[v] = (j, t)
+      virtual.append(v)
+    sc.stacks[j] = virtual
+  sc.paths, sc.shapes = list(paths), list(shapes)
+
+
+def _same_layer(a, b) -> bool:
+  return (a.kind, a.approx, a.factor_shapes, a.info, a.source, a.num_uses) == (
+      b.kind, b.approx, b.factor_shapes, b.info, b.source, b.num_uses)
+
+
+def stack_spec(sc, inner, leaves, size: int, axes: tuple[int, ...] = ()):
+  """The spec of a stack of `size` layers like `inner`, over the stacked leaves `leaves`."""
+  return dataclasses.replace(
+      inner, param_paths=tuple(sc.paths[j] for j in leaves), leaf_indices=tuple(leaves),
+      param_shapes=tuple(sc.shapes[j] for j in leaves),
+      factor_shapes=tuple((size,) + tuple(s) for s in inner.factor_shapes), stack_size=size,
+      stack_inner=inner, stack_axes=tuple(axes))
+
+
+def merge(sc, specs, claimed):
+  """Replaces the per-slice layers of stacked leaves by one stacked layer per leaf group.
+
+  Restores the scanner's `paths` / `shapes` to the real leaves afterwards.
+  """
+  if not sc.stack_of:
+    return specs
+  n = sc.n_params
+  kept, groups, failed = [], {}, []
+  for entry in specs:
+    spec = entry[0]
+    virtual = [j for j in spec.leaf_indices if j in sc.stack_of]
+    if not virtual:
+      kept.append(entry)
+      continue
+    reals = tuple(sc.stack_of[j][0] if j in sc.stack_of else None for j in spec.leaf_indices)
+    steps = {sc.stack_of[j][1] for j in virtual}
+    if None in reals or len(steps) != 1 or spec.num_uses != 1:
+      failed.append(entry)
+      continue
+    groups.setdefault(reals, {})[steps.pop()] = entry
+  for reals, by_t in groups.items():
+    size = sc.shapes[reals[0]][0]
+    entries = [by_t.get(t) for t in range(size)]
+    if (any(e is None for e in entries) or any(sc.shapes[j][0] != size for j in reals)
+        or not all(_same_layer(e[0], entries[0][0]) for e in entries)):
+      failed.extend(e for e in entries if e is not None)
+      continue
+    for e in entries:
+      for j in e[0].leaf_indices:
+        claimed.pop(j, None)
+    spec = stack_spec(sc, entries[0][0], reals, size)
+    sc._claim(claimed, list(reals), spec.name)
+    kept.append((spec, tuple(e[1] for e in entries), tuple(e[2] for e in entries)))
+  for entry in failed:  # Its real leaves stay unclaimed: the generic fallback (with a warning).
+    for j in entry[0].leaf_indices:
+      claimed.pop(j, None)
+  for j in list(claimed):
+    if j >= n:
+      del claimed[j]
+  sc.paths, sc.shapes = sc.paths[:n], sc.shapes[:n]
+  return kept
+
+
+def batched_dense_use(sc, i):
+  """A `dot_general` of an activation with a parameter kernel `[L, ...]` read as L kernels.
+
+  Either the kernel's leading axis is the product's only batch dimension (`jax.vmap` of a layer
+  over stacked parameters and batched inputs; a mixture-of-experts `einsum("ebd,edf->ebf")`), or
+  it is a free dimension of a 3-d kernel and the input is shared (`jax.vmap` over the parameters
+  only: an ensemble on one input; only taken with a stacked bias, see `match_batched_dense`).
+  The kernel must be read without reshapes or transposes.
+
+  Returns `(per-layer DenseInfo, x atom, x stack axis or None, kernel leaf, k_shape, k_pos,
+  output stack axis)` or None.
+  """
+  fe = sc.g.eqns[i]
+  if fe.name != "dot_general":
+    return None
+  ops = sc.uses_by_eqn.get(i, [])
+  if len(ops) != 1:
+    return None
+  k_leaf, k_pos = ops[0]
+  if k_leaf >= sc.n_params or len(sc.uses.get(k_leaf, [])) != 1:
+    return None
+  k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
+  _, chain = sc.origin[k_atom]
+  if any(s.op != "cast" for s in chain):
+    return None
+  (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
+  k_c, x_c, k_b, x_b = ((rhs_c, lhs_c, rhs_b, lhs_b) if k_pos == 1 else
+                        (lhs_c, rhs_c, lhs_b, rhs_b))
+  k_shape = tuple(_graph.aval_of(k_atom).shape)
+  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  if tuple(k_b) == (0,) and len(x_b) == 1:
+    x_axis = int(x_b[0])
+    x_c1 = tuple(int(d) - (d > x_axis) for d in x_c)
+    x_shape1 = x_shape[:x_axis] + x_shape[x_axis + 1:]
+  elif not k_b and not x_b and len(k_shape) == 3 and 0 not in k_c:
+    x_axis = None
+    x_c1, x_shape1 = tuple(int(d) for d in x_c), x_shape
+  else:
+    return None
+  # The per-layer product: drop the stack axis from the operands.
+  k_c1 = tuple(int(d) - 1 for d in k_c)
+  k_shape1 = k_shape[1:]
+  k_free = tuple(d for d in range(len(k_shape1)) if d not in k_c1)
+  x_free = tuple(d for d in range(len(x_shape1)) if d not in x_c1)
+  if not k_free or not k_c1:
+    return None
+  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
+  in_dim = math.prod(k_shape1[d] for d in k_c1)
+  out_dim = math.prod(k_shape1[d] for d in k_free)
+  rows = math.prod(x_shape1[d] for d in x_free)
+  n_xf, n_kf = len(x_free), len(k_free)
+  out_perm = (tuple(range(n_xf + n_kf)) if k_pos == 1 else
+              tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf)))
+  if x_axis is not None:
+    out_axis = 0  # dot_general puts batch dimensions first.
+  else:  # The kernel's free axes, in order, after (k_pos == 1) or before the input's.
+    out_axis = len(x_free) if k_pos == 1 else 0
+  info = _scanner.DenseInfo(
+      kernel_view=(), kernel_perm=k_c1 + k_free, x_perm=x_free + x_c1, out_perm=out_perm,
+      in_dim=int(in_dim), out_dim=int(out_dim), rows=int(rows))
+  return info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis
+
+
+def _stacked_bias(sc, out_key, out_axis, k_shape, claimed):
+  """A single-use leaf `[L, out]` added to the product's output, spanning its layer axis and its
+  last axis (broadcast over the others)."""
+  cons = sc.slice_consumers.get(out_key, [])
+  if len(cons) != 1 or sc.g.eqns[cons[0][0]].name != "add":
+    return None
+  fe = sc.g.eqns[cons[0][0]]
+  other = fe.ins[1 - cons[0][1]]
+  if not _graph.is_key(other) or other not in sc.origin:
+    return None
+  b_leaf, chain = sc.origin[other]
+  if b_leaf >= sc.n_params or b_leaf in claimed or len(sc.uses.get(b_leaf, [])) != 1:
+    return None
+  if any(s.op not in ("cast", "reshape") for s in chain):
+    return None
+  size, out_shape = k_shape[0], tuple(out_key[1].aval.shape)
+  b_shape = tuple(_graph.aval_of(other).shape)
+  if sc.shapes[b_leaf] != (size, k_shape[-1]) or tuple(fe.outs[0][1].aval.shape) != out_shape:
+    return None
+  if (len(b_shape) != len(out_shape) or out_axis == len(out_shape) - 1
+      or b_shape[out_axis] != size or b_shape[-1] != out_shape[-1]
+      or math.prod(b_shape) != size * out_shape[-1]):
+    return None
+  return b_leaf, fe.outs[0]
+
+
+def match_batched_dense(sc, i, claimed):
+  """A stack of dense layers applied by one `dot_general` (vmapped layers, experts)."""
+  found = batched_dense_use(sc, i)
+  if found is None:
+    return None
+  info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis = found
+  if k_leaf in claimed:
+    return None
+  leaves = [k_leaf]
+  out_key = sc.g.eqns[i].outs[0]
+  cons = sc.slice_consumers.get(out_key, [])
+  if len(cons) == 1 and sc.g.eqns[cons[0][0]].name == "transpose":
+    # `jax.vmap` moves the layer axis of the output to the front: tap after the transpose.
+    fe = sc.g.eqns[cons[0][0]]
+    perm = tuple(int(d) for d in fe.params["permutation"])
+    kept = [d for d in perm if d != out_axis]
+    per_layer = [d - (d > out_axis) for d in kept]  # The per-layer axes, as laid out now.
+    info = dataclasses.replace(info, out_perm=tuple(
+        per_layer.index(info.out_perm[d]) for d in range(len(per_layer))))
+    out_axis, out_key = perm.index(out_axis), fe.outs[0]
+  bias = None
+  if k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]:
+    bias = _stacked_bias(sc, out_key, out_axis, k_shape, claimed)
+  if bias is not None:
+    leaves.append(bias[0])
+    out_key = bias[1]
+  elif x_axis is None:
+    return None  # A shared input and no stacked bias: one dense layer over all outputs.
+  size = k_shape[0]
+  # The per-layer spec, over per-layer leaf shapes.
+  real_shapes = sc.shapes
+  sc.shapes = tuple(s[1:] if j in leaves else s for j, s in enumerate(real_shapes))
+  try:
+    inner = sc._dense_spec(leaves, info, None, "auto")
+  finally:
+    sc.shapes = real_shapes
+  spec = stack_spec(sc, inner, leaves, size, (-1 if x_axis is None else x_axis, out_axis))
+  sc._claim(claimed, leaves, spec.name)
+  return spec, out_key, (x_atom,)

@@ -1,0 +1,93 @@
+"""A stack of L layers of one kind (see `kfac_jax._stacked`): the per-layer block, vmapped.
+
+Every statistic, cache entry and product of the layer's own block (`spec.stack_inner`) gains a
+leading axis L: a stack of dense layers keeps `a: [L, in+1, in+1]`, `g: [L, out, out]`, and its
+inverses are the per-layer inverses batched over L. The parameter leaves carry the same leading
+axis, so layer l's block acts on `leaf[l]`: the curvature is block-diagonal over the stack.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax.blocks._base import Block, StackedUses
+
+Array = jax.Array
+
+
+def _broadcast(tree, size: int):
+  return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (size,) + x.shape), tree)
+
+
+class StackedBlock(Block):
+  """L copies of the block of `spec.stack_inner`, with state stacked on a leading axis."""
+
+  def __init__(self, spec, config, inner: Block):
+    self.spec = spec
+    self.config = config
+    self.inner = inner
+
+  @property
+  def size(self) -> int:
+    return self.spec.stack_size
+
+  def group_key(self) -> tuple:
+    return ("StackedBlock", self.size) + self.inner.group_key()
+
+  def _map(self, fn, *args):
+    """`fn` per layer of the stack: vmapped, except factorisations on CPU (see below)."""
+    return jax.vmap(fn)(*args)
+
+  # -- statistics ------------------------------------------------------------------------------
+
+  def init_factors(self):
+    return _broadcast(self.inner.init_factors(), self.size)
+
+  def accepts_stacked_uses(self) -> bool:
+    return True
+
+  def batch_factors(self, data, batch_size):
+    if isinstance(data, StackedUses):  # One tap per layer, stacked by the scan.
+      inputs, g = data.inputs, jnp.moveaxis(data.g, 1, 0)
+      vmap_axes = (0,) * len(inputs)
+    elif self.spec.stack_axes:  # One batched use: move the layer axis to the front.
+      inputs, g = data
+      in_axes, out_axis = self.spec.stack_axes[:-1], self.spec.stack_axes[-1]
+      # An input axis of -1: the input is shared by every layer of the stack.
+      inputs = tuple(x if a < 0 else jnp.moveaxis(x, a, 0) for x, a in zip(inputs, in_axes))
+      vmap_axes = tuple(None if a < 0 else 0 for a in in_axes)
+      g = jnp.moveaxis(g, 1 + out_axis, 0)
+    else:  # One tap per layer (a scan over the stack), in layer order.
+      inputs = tuple(jnp.stack(xs) for xs in zip(*[d[0] for d in data]))
+      vmap_axes = (0,) * len(inputs)
+      g = jnp.stack([d[1] for d in data])
+    return jax.vmap(lambda x, gg: self.inner.batch_factors((x, gg), batch_size),
+                    in_axes=(vmap_axes, 0))(inputs, g)
+
+  # -- inverses --------------------------------------------------------------------------------
+
+  def init_cache(self):
+    return _broadcast(self.inner.init_cache(), self.size)
+
+  def compute_cache(self, factors, damping):
+    # On CPU, batched LAPACK calls can deadlock the thread pool (`_estimator.
+    # _batched_factorisations`): there the layers are factorised one after another by a scan.
+    fn = lambda f: self.inner.compute_cache(f, damping)
+    if jax.default_backend() == "cpu":
+      return jax.lax.map(fn, factors)
+    return jax.vmap(fn)(factors)
+
+  # -- products --------------------------------------------------------------------------------
+
+  def multiply_matpower(self, factors, cache, vecs, exp):
+    self.check_exp(exp)
+    return self._map(lambda f, c, v: self.inner.multiply_matpower(f, c, v, exp),
+                     factors, cache, list(vecs))
+
+  def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
+    return self._map(lambda f, c, v: self.inner.multiply_cholesky(
+        f, c, v, transpose=transpose, inverse=inverse), factors, cache, list(vecs))
+
+  def multiply_undamped(self, factors, vecs):
+    return self._map(lambda f, v: self.inner.multiply_undamped(f, v), factors, list(vecs))
