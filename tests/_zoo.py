@@ -475,6 +475,31 @@ def lstm() -> Zoo:
       ("dense", "kron_indep", tuple(f"{c}/i{g}/kernel" for g in gates))])
 
 
+def lstm_rnn() -> Zoo:
+  """The same cell run by `nn.RNN` (a `lax.scan` over time, the cell's params closed over):
+  the gate kernels are concatenated inside the scan body, once a step."""
+  hidden, steps = 6, 5
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      y = nn.RNN(nn.OptimizedLSTMCell(hidden))(x)
+      return nn.Dense(CLASSES)(y[:, -1])
+
+  k1, k2 = jax.random.split(jax.random.key(7))
+  batch = {"x": jax.random.normal(k1, (N, steps, 4)),
+           "y": jax.random.randint(k2, (N,), 0, CLASSES)}
+  f, p, b = _linen(Model(), batch)
+  c = "OptimizedLSTMCell_0"  # nn.RNN adds no scope of its own to the cell params.
+  gates = ("i", "f", "g", "o")
+  return Zoo(f, p, b, [
+      _dense("Dense_0"),
+      ("dense", "kron_indep", tuple(f"{c}/h{g}/kernel" for g in gates)
+       + tuple(f"{c}/h{g}/bias" for g in gates)),
+      ("dense", "kron_indep", tuple(f"{c}/i{g}/kernel" for g in gates))])
+
+
 LM_VOCAB = 32_768
 
 
@@ -501,7 +526,8 @@ def vocab_lm() -> Zoo:
 
 STRUCTURE_MODELS = {"haiku_mlp": haiku_mlp, "haiku_cnn": haiku_cnn, "equinox_mlp": equinox_mlp,
                     "equinox_cnn": equinox_cnn, "gemma_rmsnorm": gemma_rmsnorm,
-                    "vit_positional": vit_positional, "lstm": lstm, "vocab_lm": vocab_lm}
+                    "vit_positional": vit_positional, "lstm": lstm, "lstm_rnn": lstm_rnn,
+                    "vocab_lm": vocab_lm}
 
 
 # ==============================================================================================
