@@ -75,7 +75,8 @@ def _candidate_names(prefix: str, kind: str) -> list[str]:
 
 
 def find_idx_file(data_dir: str, split: str, kind: str) -> str:
-    """Path of the idx file for ``split`` ('train'/'test') and ``kind`` ('images-idx3'/'labels-idx1')."""
+    """Path of the idx file for ``split`` ('train'/'test') and ``kind``
+    ('images-idx3'/'labels-idx1')."""
     if split not in _SPLIT_PREFIX:
         raise ValueError(f"split must be one of {sorted(_SPLIT_PREFIX)}, got {split!r}")
     tried = []

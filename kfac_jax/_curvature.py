@@ -1,8 +1,8 @@
 """One forward pass for the loss, its gradient and the curvature statistics.
 
 The traced loss function is evaluated once with a zero perturbation ε_l added to each structured
-(non-generic) layer's output s_l and the layer's input operands recorded. `jax.vjp` of that evaluation with respect to
-(params, ε) gives one linearisation; it is pulled back twice:
+(non-generic) layer's output s_l and the layer's input operands recorded. `jax.vjp` of that
+evaluation with respect to (params, ε) gives one linearisation; it is pulled back twice:
 
   * with cotangent 1 on the loss: the parameter gradient;
   * with the estimation mode's stack of output vectors at the loss tags (sampled-target

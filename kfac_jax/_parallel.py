@@ -100,7 +100,8 @@ def over_mesh_axis(split: Callable[..., Any], mesh: tuple[Any, str], factors, da
   try:
     m, axis = mesh
   except (TypeError, ValueError):
-    raise TypeError(f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}.") from None
+    raise TypeError(
+        f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}.") from None
   if axis not in m.axis_names:
     raise ValueError(f"mesh axis {axis!r} is not in the mesh, whose axes are {m.axis_names}.")
   spec = jax.sharding.PartitionSpec()
@@ -244,7 +245,8 @@ def mesh_axis(mesh) -> tuple[Any, str]:
   try:
     m, axis = mesh
   except (TypeError, ValueError):
-    raise TypeError(f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}.") from None
+    raise TypeError(
+        f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}.") from None
   if axis not in m.axis_names:
     raise ValueError(f"mesh axis {axis!r} is not in the mesh, whose axes are {m.axis_names}.")
   return m, axis

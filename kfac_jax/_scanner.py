@@ -9,8 +9,8 @@ real use is an `add` to that product, aligned with its output features, is the b
 embedding and scale-and-shift layers are matched the same way (`_matchers`), in three passes:
 kernels (dense, conv, with their biases), then gathers, then elementwise scales and shifts, so a
 bias is never mistaken for a shift. A `dot_general` whose activation operand is a one-hot
-encoding of integer ids (`jax.nn.one_hot`) is an embedding lookup, not a dense layer. Manual layer tags take precedence over matching. Leaves left
-over get a diagonal generic block and a warning.
+encoding of integer ids (`jax.nn.one_hot`) is an embedding lookup, not a dense layer. Manual layer
+tags take precedence over matching. Leaves left over get a diagonal generic block and a warning.
 
 Shared parameters. Before those passes, a leaf with several real uses becomes ONE layer with
 `num_uses` uses when every use is a dense product of the same `[in, out]` kernel matrix (with
@@ -179,7 +179,8 @@ class ConcatView:
 
 def join_pieces(view: ConcatView, pieces):
   """The concatenation of parameter-shaped `pieces` (casts skipped)."""
-  return jax.numpy.concatenate([apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis)
+  return jax.numpy.concatenate([apply_view(c, x) for c, x in zip(view.chains, pieces)],
+                               axis=view.axis)
 
 
 def split_pieces(view: ConcatView, x, leaf_shapes):
@@ -879,7 +880,7 @@ class _Scanner:
   # -- automatic dense matching ----------------------------------------------------------------
 
   def _dense_use(self, i, k_pos):
-    """`(info, x_atom, k_shape, k_free)` if equation i is a dense product with the kernel at k_pos."""
+    """`(info, x_atom, k_shape, k_free)` if equation i is a dense product, kernel at k_pos."""
     fe = self.g.eqns[i]
     k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
     _, k_chain = self.origin[k_atom]

@@ -46,7 +46,7 @@ def add_virtual_leaves(sc) -> None:
   other: set[int] = set()
   real = {k: j for k, j in sc.leaf_of_key.items()}
   for i, fe in enumerate(g.eqns):
-    for pos, a in enumerate(fe.ins):
+    for a in fe.ins:
       if not _graph.is_key(a) or a not in real:
         continue
       j = real[a]

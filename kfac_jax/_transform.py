@@ -136,8 +136,8 @@ class _Preconditioner:
     `finish(preconditioned, finish_state, ok) -> (updates, finish_state)` maps the
     preconditioned update to the outgoing one (`kfac`'s clipping, momentum and learning rate);
     `ok` is the guard's verdict (None with the guard off): `finish` must return zero updates
-    when it is False, and the guard restores `finish_state`. `finish_ok`: a scalar bool the guard also requires (e.g.
-    a finite learning rate).
+    when it is False, and the guard restores `finish_state`. `finish_ok`: a scalar bool the
+    guard also requires (e.g. a finite learning rate).
     """
     est = self.est
     if params is None:

@@ -11,7 +11,8 @@ are split off by `nnx.split` and merged back inside `loss_fn`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -14,7 +14,6 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-
 @pytest.fixture
 def x64():
   """Runs a test with float64 enabled (restored afterwards)."""

@@ -163,7 +163,8 @@ CASES = [
     # -- transform / estimator configuration -------------------------------------------------
     ("negative damping", _tx(damping=-1.0), ValueError, "`damping` must be a finite number >= 0"),
     ("NaN damping", _tx(damping=float("nan")), ValueError, "`damping` must be a finite number"),
-    ("ema_decay of 1", _tx(ema_decay=1.0), ValueError, "`ema_decay` must be a number in \\[0, 1\\)"),
+    ("ema_decay of 1", _tx(ema_decay=1.0), ValueError,
+     "`ema_decay` must be a number in \\[0, 1\\)"),
     ("NaN ema_decay", _tx(ema_decay=float("nan")), ValueError, "`ema_decay`"),
     ("zero inverse period", _tx(inverse_every=0), ValueError,
      "`inverse_every` must be a positive integer"),

@@ -1,4 +1,4 @@
-"""kfac_jax.flax: the linen TrainState loop gives the plain tx.update loop's numbers, bit for bit."""
+"""kfac_jax.flax: the linen TrainState loop gives the plain tx.update loop's numbers, bitwise."""
 
 import os
 import subprocess

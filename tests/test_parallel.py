@@ -1,4 +1,5 @@
-"""Data-parallel K-FAC on 8 fake CPU devices: pmap, shard_map, jit + NamedSharding, split inverses."""
+"""Data-parallel K-FAC on 8 fake CPU devices: pmap, shard_map, jit + NamedSharding, split
+inverses."""
 
 import jax
 import jax.numpy as jnp

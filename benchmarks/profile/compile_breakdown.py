@@ -2,9 +2,15 @@
 
     python benchmarks/profile/compile_breakdown.py
 """
-import os, sys, time
+import os
+import sys
+import time
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import jax, jax.numpy as jnp, numpy as np, optax
+import jax
+import jax.numpy as jnp
+import optax
+
 import kfac_jax
 from examples import autoencoder as ae
 
@@ -28,7 +34,8 @@ def main():
   rng = jax.random.PRNGKey(0)
   jax.jit(lambda x: x + 1)(1.0)
   adam = optax.adam(1e-3)
-  timed_compile("adam step", ae.make_adam_step(loss_fn, adam), params, adam.init(params), batch, rng)
+  timed_compile("adam step", ae.make_adam_step(loss_fn, adam), params, adam.init(params), batch,
+                rng)
   tx = ae.make_kfac(loss_fn, batch)
   st = tx.init(params)
   timed_compile("kfac step", ae.make_kfac_step(loss_fn, tx), params, st, batch, rng)

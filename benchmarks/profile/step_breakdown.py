@@ -2,11 +2,17 @@
 
     python benchmarks/profile/step_breakdown.py [BATCH]     # BATCH rows, default 1000
 """
-import sys, time
+import sys
+import time
+
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))))
-import jax, jax.numpy as jnp, numpy as np, optax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 import kfac_jax
 from examples import autoencoder as ae
+
 model = ae.make_model(); params = ae.init_params(model); loss_fn = ae.make_loss_fn(model)
 rng = np.random.default_rng(0)
 batch = jnp.asarray(rng.uniform(size=(int(sys.argv[1]) if len(sys.argv) > 1 else 1000, 784)).astype(np.float32)); key = jax.random.key(0)

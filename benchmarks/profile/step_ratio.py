@@ -5,11 +5,19 @@ donated and every output awaited each step, as in the benchmark harness.
 
     python benchmarks/profile/step_ratio.py
 """
-import os, sys, time, numpy as np
+import os
+import sys
+import time
+
+import numpy as np
+
 sys.path.insert(0, os.getcwd())
-import jax, jax.numpy as jnp, optax
-import kfac_jax
+import jax
+import jax.numpy as jnp
+import optax
+
 from examples import autoencoder as ae
+
 model = ae.make_model(); params = ae.init_params(model); loss_fn = ae.make_loss_fn(model)
 x = jax.random.uniform(jax.random.key(0), (1000, 784)); rng = jax.random.PRNGKey(0)
 res = {}

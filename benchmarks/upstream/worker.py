@@ -54,17 +54,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import plain_models  # benchmarks/upstream/plain_models.py (the script's directory is on sys.path).
 
 import kfac_jax  # The upstream package (DeepMind kfac-jax 0.0.8) in this venv.
-import plain_models  # benchmarks/upstream/plain_models.py (the script's directory is on sys.path).
 
 # This project's package has the same import name (it could come first on PYTHONPATH); it has
 # `scale_by_kfac` and no `Optimizer`.
 if not hasattr(kfac_jax, "Optimizer") or hasattr(kfac_jax, "scale_by_kfac"):
   raise ImportError(
       f"worker.py needs DeepMind's kfac-jax but imported {kfac_jax.__file__} (version "
-      f"{getattr(kfac_jax, '__version__', '?')}), which is not it; run the worker with the upstream "
-      "venv's python (bash benchmarks/upstream/setup_venv.sh prints its path).")
+      f"{getattr(kfac_jax, '__version__', '?')}), which is not it; run the worker with the "
+      "upstream venv's python (bash benchmarks/upstream/setup_venv.sh prints its path).")
 
 
 def _load_params(npz) -> dict:

@@ -16,8 +16,9 @@ diagonal (a vector of id counts / R: exact, since one-hot rows have a diagonal s
 so their state is O(vocab + dim²). Dense layers also offer "kron_in_diag", "kron_out_diag" and
 "kron_both_diag": A, G or both replaced by their diagonals, diag(A) ⊗ G, A ⊗ diag(G) or
 diag(A) ⊗ diag(G) (the same statistics, off-diagonal terms dropped; a diagonal factor is stored
-as a vector and its powers, Cholesky factor and eigen-decomposition are elementwise). Grouped convolutions keep one (A, G) pair per feature group,
-stacked on a leading axis and processed with vmap. Vectors are matrices M; with row-major vec,
+as a vector and its powers, Cholesky factor and eigen-decomposition are elementwise). Grouped
+convolutions keep one (A, G) pair per feature group, stacked on a leading axis and processed with
+vmap. Vectors are matrices M; with row-major vec,
 (A ⊗ G) vec(M) = vec(A M G).
 
 Dense layers over sequences ([N, L, in] inputs): "kron" and "expand" take the N·L positions as
@@ -156,7 +157,8 @@ class KroneckerBlock(Block):
       return _shared.indep_factors(self.spec, data, batch_size, dtype)
     x, g = self.layout.rows(data, dtype)
     if self.spec.approx == "reduce":
-      x, g = _reduce_rows(self.spec, x, g, batch_size)  # x: [R, groups, in] (ids [R]); g: [S, R, groups, out]
+      # x: [R, groups, in] (ids [R]); g: [S, R, groups, out].
+      x, g = _reduce_rows(self.spec, x, g, batch_size)
     if self.spec.kind == "embedding":
       a = self.layout.id_counts(x, dtype)[None] / x.shape[0]
     elif self.spec.approx == "kron_sua":
