@@ -1,10 +1,14 @@
-"""The README's Python code blocks run verbatim (the quickstart and the optimizer section)."""
+"""The README's Python code blocks run verbatim (quickstart, optimizer, API, checkpoints)."""
 
+import ast
+import inspect
 import os
 import re
 
 import jax
 import numpy as np
+
+import kfac_jax
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
@@ -52,3 +56,42 @@ def test_checkpoint_snippet_runs_verbatim_after_the_quickstart(tmp_path, monkeyp
   assert os.path.isdir(tmp_path / "checkpoints" / "opt_state")
   same = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(a, b)), restored, saved)
   assert all(jax.tree_util.tree_leaves(same))
+
+
+def _call_keywords(code, name):
+  """{keyword: literal value} of the one call to `kfac_jax.{name}(...)` in `code`."""
+  calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)
+           and isinstance(n.func, ast.Attribute) and n.func.attr == name
+           and isinstance(n.func.value, ast.Name) and n.func.value.id == "kfac_jax"]
+  assert len(calls) == 1, f"README API at a glance: expected one kfac_jax.{name}(...) call"
+  return {k.arg: ast.literal_eval(k.value) for k in calls[0].keywords}
+
+
+def test_api_section_runs_and_spells_out_the_transforms_signatures():
+  """The API section's calls run after the quickstart, and list every keyword of
+  `scale_by_kfac` / `kfac` with its default (so the README cannot fall behind a new argument)."""
+  scope = {}
+  exec(compile(_blocks("Quickstart")[0], "README.md:Quickstart", "exec"), scope)  # noqa: S102
+  blocks = _blocks("API at a glance")
+  assert len(blocks) == 2
+  for i, code in enumerate(blocks):
+    exec(compile(code, f"README.md:API at a glance:{i}", "exec"), scope)  # noqa: S102
+  for name in ("scale_by_kfac", "kfac"):
+    params = inspect.signature(getattr(kfac_jax, name)).parameters
+    expected = {p.name: p.default for p in params.values() if p.kind is p.KEYWORD_ONLY}
+    listed = _call_keywords(blocks[0], name)
+    listed.pop("learning_rate", None)  # Positional-or-keyword, no default.
+    assert listed == expected, name
+  state = scope["opt_state"]
+  assert float(state.hyperparams["damping"]) == 1.0
+  assert np.isfinite(float(scope["loss"]))
+
+
+def test_api_table_names_every_public_name():
+  with open(README, encoding="utf-8") as f:
+    text = f.read()
+  start = text.index("\n## API at a glance\n")
+  section = text[start:text.index("\n## ", start + 1)]
+  missing = [n for n in kfac_jax.__all__ if not re.search(rf"`{n}\b", section)]
+  assert not missing, f"README API at a glance does not mention {missing}"
+  assert "kfac_jax.flax.TrainState" in section
