@@ -422,9 +422,11 @@ def kfac(
       or None (off, the default for now).
     skip_nonfinite: skip a non-finite update (zero updates, state unchanged but the
       `skipped` counter), the momentum trace included. See `scale_by_kfac`.
-    has_aux, damping, ema_decay, inverse_every, curvature_every, estimation_mode, num_samples,
-      damping_mode, axis_name, inverse_mesh, inverse_storage, strict, layers, stats_dtype,
-      inverse_dtype: as for `scale_by_kfac`.
+
+  The other arguments, `has_aux`, `damping`, `ema_decay`, `inverse_every`, `curvature_every`,
+  `estimation_mode`, `num_samples`, `damping_mode`, `axis_name`, `inverse_mesh`,
+  `inverse_storage`, `strict`, `layers`, `stats_dtype` and `inverse_dtype`, are those of
+  `scale_by_kfac`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes the
