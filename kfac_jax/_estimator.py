@@ -251,7 +251,15 @@ class CurvatureEstimator:
       self._layers = reg.layers
       self._example_batch_size = reg.losses[0].batch_size
       self._names = tuple(_unique_names(reg.layers))
-      self._blocks = tuple(_blocks.make_block(s, self.config) for s in reg.layers)
+      blocks = tuple(_blocks.make_block(s, self.config) for s in reg.layers)
+      if self.inverse_storage == "sharded":
+        for n, b in zip(self._names, blocks):
+          if getattr(b, "needs_cache_for_statistics", False):
+            raise ValueError(
+                f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, "
+                "which inverse_storage='sharded' keeps on one device; use "
+                "inverse_storage='replicated' or another approximation for it.")
+      self._blocks = blocks
       self._param_sig = sig
       return
     if sig != self._param_sig:

@@ -182,15 +182,17 @@ def size_policy(max_dim: int | None, kind: str, approx: str, kron_shapes, num_pa
   if approx == "full" and num_params > max_dim and "diagonal" in allowed:
     return "diagonal", (f"{num_params} parameters > max_factor_dim {max_dim}: diagonal instead "
                         "of a full block")
-  if approx not in ("kron", "kron_in_diag", "kron_out_diag") or not kron_shapes:
+  if approx not in ("kron", "kron_in_diag", "kron_out_diag", "ekfac") or not kron_shapes:
     return approx, ""
   sa, sg = kron_shapes
-  new, big = approx, []
+  # EKFAC keeps both full eigenbases: over the limit it becomes the kron variant with the big
+  # side(s) diagonal, as "kron" would.
+  new, big = ("kron" if approx == "ekfac" else approx), []
   for side, shape, label in (("in", sa, "input"), ("out", sg, "output")):
     if len(shape) >= 2 and shape[-1] > max_dim and _DIAG_SIDES[(new, side)] != new:
       new = _DIAG_SIDES[(new, side)]
       big.append(f"{label} side {shape[-1]}")
-  if new == approx or new not in allowed:
+  if not big or new == approx or new not in allowed:
     return approx, ""
   return new, (f"{' and '.join(big)} > max_factor_dim {max_dim}: kept as its diagonal")
 

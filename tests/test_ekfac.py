@@ -286,3 +286,40 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
   with pytest.raises(ValueError, match=r"block `layer0` \(approx='ekfac'\).*pass `cache=`"):
     est.blocks[0].multiply_undamped(state.factors["layer0"], [params["layer0"]["w"],
                                                               params["layer0"]["b"]])
+
+
+# -- where EKFAC does not apply: clear errors, the size policy ---------------------------------
+
+
+def test_size_policy_turns_a_huge_ekfac_side_diagonal():
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 40), jnp.float32)
+  batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=40)
+  cfg = kfac_jax.LayerConfig(defaults={"dense": "ekfac"}, max_factor_dim=16)
+  (spec,) = kfac_jax.scan_layers(_loss_fn, params, batch, layers=cfg)
+  assert spec.approx == "kron_out_diag", spec
+  assert "output side 40 > max_factor_dim 16" in spec.note
+  (small,) = kfac_jax.scan_layers(_loss_fn, params, batch,
+                                  layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac"}))
+  assert small.approx == "ekfac" and small.note == ""
+
+
+def test_ekfac_on_stacked_layers_is_an_error_naming_the_layer():
+  def loss_fn(params, batch):
+    def body(h, w):
+      return jnp.tanh(h @ w), None
+    h, _ = jax.lax.scan(body, batch["x"], params["stack"])
+    return _models.softmax_loss(lambda p, x: x)(params, {"x": h, "y": batch["y"]})
+
+  params = {"stack": 0.3 * jax.random.normal(jax.random.key(0), (3, 4, 4))}
+  batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=4)
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, layers=EKFAC)
+  with pytest.raises(ValueError, match=r"layer `stack`: approx='ekfac' is not supported on a "
+                                       r"stack of layers"):
+    tx.init(params)
+
+
+def test_ekfac_with_sharded_inverses_is_an_error_at_init():
+  params, batch = _setup(dtype=jnp.float32)
+  est = kfac_jax.CurvatureEstimator(_loss_fn, batch, layers=EKFAC, inverse_storage="sharded")
+  with pytest.raises(ValueError, match=r"layer `layer0`: approx='ekfac' needs its cache"):
+    est.init(params, axis_name="data")

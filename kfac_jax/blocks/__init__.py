@@ -43,6 +43,13 @@ _BLOCKS = {
 def make_block(spec, config: BlockConfig) -> Block:
   """The block class for `spec.kind` and `spec.approx` (wrapped for concatenated leaves,
   vmapped over a stack of layers)."""
+  inner = spec.logical if spec.concat else spec.stack_inner if spec.stack_size else None
+  if inner is not None and inner.approx == "ekfac":
+    # EKFAC's statistics need its eigenbasis (the cache); the wrappers do not pass it through.
+    what = "concatenated kernels" if spec.concat else "a stack of layers (scan / vmap)"
+    raise ValueError(
+        f"layer `{spec.name}`: approx='ekfac' is not supported on {what}; give it 'kron' "
+        f"(e.g. LayerConfig(overrides={{{spec.name!r}: 'kron'}})).")
   if spec.concat:
     return ConcatBlock(spec, config, make_block(spec.logical, config))
   if spec.stack_size:
