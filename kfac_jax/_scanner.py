@@ -352,7 +352,7 @@ def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool =
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
   With `has_aux`, `loss_fn` returns the scalar loss first and further outputs after it (the
-  flattened aux, see `kfac_jax._curvature.split_aux`): they stay outputs of the graph, so one
+  flattened aux, see `kfac_jax._curvature.LossPart`): they stay outputs of the graph, so one
   evaluation gives loss and aux, and play no part in the registration (the layers are found on
   the loss's slice of the graph).
 
