@@ -95,6 +95,9 @@ def parse_args(argv=None):
   p.add_argument("--norm-constraint", type=float, default=1e-3,
                  help="add the kfac transform with KL clipping at this norm_constraint (0 drops "
                       "it; KAISA's default kl_clip is 1e-3)")
+  p.add_argument("--kfac-configs", default="",
+                 help="more kfac transform contestants, comma-separated lr:momentum:damping:clip "
+                      "(clip: norm_constraint, 0 for none; momentum 0 for none)")
   p.add_argument("--data-steps", type=int, default=2000,
                  help="length of the minibatch sequence (it repeats after that)")
   p.add_argument("--max-steps", type=int, default=None, help="cap on each contestant's steps")
@@ -114,6 +117,16 @@ def parse_args(argv=None):
                                                      and args.max_steps < 1):
     p.error(f"--budget must be > 0, --data-steps >= 2 and --max-steps >= 1, got {args.budget}, "
             f"{args.data_steps} and {args.max_steps}")
+  args.kfac_config_list = []
+  for text in (c.strip() for c in args.kfac_configs.split(",") if c.strip()):
+    try:
+      lr, momentum, damping, clip = (float(v) for v in text.split(":"))
+    except ValueError:
+      p.error(f"--kfac-configs: each entry is lr:momentum:damping:clip, got {text!r}")
+    if not (lr > 0 and damping > 0 and 0 <= momentum < 1 and clip >= 0):
+      p.error(f"--kfac-configs: need lr > 0, damping > 0, 0 <= momentum < 1, clip >= 0; got "
+              f"{text!r}")
+    args.kfac_config_list.append((lr, momentum, damping, clip))
   muon = MUON_LRS[args.workload] if args.muon_lrs is None else args.muon_lrs
   args.muon_lr_grid = _floats(p, "--muon-lrs", muon) if muon.strip() else []
   args.sweep_lr_grid = _floats(p, "--sweep-lrs", args.sweep_lrs)
@@ -169,6 +182,11 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
           **common, norm_constraint=args.norm_constraint))
     else:
       print("kfac_jax.kfac has no norm_constraint: that contestant is skipped", flush=True)
+  for lr, momentum, damping, clip in args.kfac_config_list:
+    extra = {"norm_constraint": clip} if clip > 0 else {}
+    out.append(_harness.kfac_transform(
+        loss_fn, example, name=f"kfac_jax (optax) {lr:g}:{momentum:g}:{damping:g}:{clip:g}",
+        **dict(common, learning_rate=lr, momentum=momentum, damping=damping), **extra))
   if args.ekfac:
     if _ekfac_available():
       ekfac = dict(common, damping=wl.damping if args.ekfac_damping is None

@@ -462,7 +462,8 @@ def test_race_quick(tmp_path):
   proc = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "benchmarks", "race.py"), "--workload", "autoencoder",
        "--quick", "--budget", "0.5", "--adam-lrs", "1e-3,3e-3", "--muon-lrs", "0.02",
-       "--no-sgd", "--json", str(out_json), "--plot", str(out_png)],
+       "--no-sgd", "--kfac-configs", "0.3:0.7:0.1:0.01", "--json", str(out_json), "--plot",
+       str(out_png)],
       cwd=str(tmp_path), env=_env(tmp_path), capture_output=True, text=True, timeout=600,
       check=False)
   output = proc.stdout + proc.stderr
@@ -473,6 +474,7 @@ def test_race_quick(tmp_path):
   names = [r["optimizer"] for r in report["results"]]
   assert names[0].startswith("Adam (tuned, lr=") and names[1] == "Muon (tuned, lr=0.02)", names
   assert "kfac_jax (optax)" in names and "kfac_jax Optimizer" in names, names
+  assert "kfac_jax (optax) 0.3:0.7:0.1:0.01" in names, names
   for r in report["results"]:
     assert r["steps"] >= 2 and r["charged_s"] >= 0.5 and math.isfinite(r["final_eval_loss"]), r
     assert len(report["curves"][r["optimizer"] if r["family"] not in ("adam", "muon") else
