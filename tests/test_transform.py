@@ -281,6 +281,7 @@ def test_norm_constraint_scales_the_update_as_tf_kfac(x64):
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
 
   def first_update(**kw):
+    kw = {"norm_constraint": None, **kw}  # `free`: clipping off (it is on by default).
     tx = kfac_jax.kfac(loss_fn, batch, learning_rate=lr, damping=1e-2, **kw)
     return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(
         tx.init(params))
