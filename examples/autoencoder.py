@@ -11,8 +11,13 @@ Each has its own jit-compiled train step (compiled ahead of time, so compilation
 separately from the steps). The script writes a PNG with the training loss against steps and
 against wall-clock seconds, and prints the final losses and median step times.
 
-    python examples/autoencoder.py                    # full demo (about 2 minutes on 2 cores)
+    python examples/autoencoder.py                    # full demo: 60 s of training each
+    python examples/autoencoder.py --steps 200        # a fixed number of steps each instead
     python examples/autoencoder.py --fast --out /tmp/ae.png
+
+By default each optimizer trains for the same budget of wall-clock seconds (`--seconds`, the
+race protocol of benchmarks/race.py: only the timed steps count, compilation and evaluation do
+not), so the plot against seconds compares them at equal cost.
 """
 
 from __future__ import annotations
@@ -43,15 +48,16 @@ from examples import data as data_lib  # noqa: E402
 PAPER_ENCODER = (1000, 500, 250, 30)
 SMALL_ENCODER = (256, 128, 64, 16)
 
-# Defaults from a short sweep on Fashion-MNIST (40-150 steps, batch 1000). The loss is summed
-# over 784 pixels, so the curvature is large and K-FAC needs a large damping: with damping
-# <= 1 (lr 0.1-1, no momentum) the first steps blow the loss up; damping 10-100 with momentum
-# 0.9 trains stably. K-FAC with these settings roughly matches Adam (lr 1e-3) per step here.
-DEFAULT_STEPS = 200
+# K-FAC settings: `kfac_jax.kfac`'s defaults (KL clipping at 1e-2, damping 0.1) with the
+# momentum of the autoencoder row of the README's hyperparameter table; the step sweeps and the
+# race behind them are in benchmarks/RESULTS.md ("Choosing the defaults", "The race"). Adam's
+# learning rate is the best of the race's grid (3e-4, 1e-3, 3e-3) on this model.
+DEFAULT_SECONDS = 60.0
 DEFAULT_BATCH_SIZE = 1000
-DEFAULT_KFAC_LR = 0.2
+DEFAULT_KFAC_LR = 0.3
 DEFAULT_KFAC_MOMENTUM = 0.9
-DEFAULT_DAMPING = 30.0
+DEFAULT_DAMPING = 0.1
+DEFAULT_NORM_CONSTRAINT = 1e-2
 DEFAULT_ADAM_LR = 1e-3
 DEFAULT_INVERSE_EVERY = 5
 DEFAULT_EMA_DECAY = 0.95
@@ -102,11 +108,14 @@ def make_loss_fn(model: Autoencoder) -> Callable[[Any, jax.Array], jax.Array]:
 
 def make_kfac(loss_fn, example_batch, *, learning_rate=DEFAULT_KFAC_LR,
               momentum=DEFAULT_KFAC_MOMENTUM, damping=DEFAULT_DAMPING,
-              ema_decay=DEFAULT_EMA_DECAY, inverse_every=DEFAULT_INVERSE_EVERY):
+              ema_decay=DEFAULT_EMA_DECAY, inverse_every=DEFAULT_INVERSE_EVERY,
+              norm_constraint=DEFAULT_NORM_CONSTRAINT):
   momentum = momentum if momentum is not None and momentum > 0 else None
+  norm_constraint = norm_constraint if norm_constraint else None
   return kfac_jax.kfac(loss_fn, example_batch, learning_rate=learning_rate, momentum=momentum,
                        damping=damping, ema_decay=ema_decay, inverse_every=inverse_every,
-                       estimation_mode="gradients", num_samples=1)
+                       norm_constraint=norm_constraint, estimation_mode="gradients",
+                       num_samples=1)
 
 
 def make_kfac_step(loss_fn, tx):
@@ -145,6 +154,24 @@ def batch_indices(num_examples: int, batch_size: int, steps: int, seed: int) -> 
   return np.stack(out[:steps])
 
 
+class BatchSequence:
+  """The minibatch index sequence of `batch_indices`, grown an epoch at a time on demand (a
+  time budget does not say in advance how many steps there will be)."""
+
+  def __init__(self, num_examples: int, batch_size: int, seed: int):
+    self.num_examples, self.batch_size = num_examples, min(batch_size, num_examples)
+    self.per_epoch = num_examples // self.batch_size
+    self._rng = np.random.default_rng(seed)
+    self._rows: list[np.ndarray] = []
+
+  def __getitem__(self, t: int) -> np.ndarray:
+    while t >= len(self._rows):
+      perm = self._rng.permutation(self.num_examples)
+      self._rows.extend(perm[i * self.batch_size:(i + 1) * self.batch_size]
+                        for i in range(self.per_epoch))
+    return self._rows[t]
+
+
 @dataclasses.dataclass
 class RunResult:
   name: str
@@ -162,11 +189,15 @@ class RunResult:
     return float(np.median(times))
 
 
-def train(name: str, step_fn, params, opt_state, images: np.ndarray, idx: np.ndarray,
-          seed: int, eval_fn, progress: bool = True) -> RunResult:
-  """Runs `len(idx)` jitted steps on `images[idx[t]]`, timing each one."""
+def train(name: str, step_fn, params, opt_state, images: np.ndarray, idx, seed: int, eval_fn,
+          progress: bool = True, steps: int | None = None,
+          budget_s: float | None = None) -> RunResult:
+  """Jitted steps on `images[idx[t]]`, timing each one: `steps` of them, or (with `budget_s`)
+  as many as start while the timed seconds are below `budget_s`."""
   from tqdm.auto import tqdm
 
+  if steps is None and budget_s is None:
+    steps = len(idx)
   rng = jax.random.key(seed + 1)
   example = jnp.asarray(images[idx[0]])
   t0 = time.perf_counter()
@@ -175,9 +206,15 @@ def train(name: str, step_fn, params, opt_state, images: np.ndarray, idx: np.nda
   compile_time = time.perf_counter() - t0
 
   losses, times = [], []
-  bar = tqdm(range(len(idx)), desc=f"{name:>5}", disable=not progress, dynamic_ncols=True,
-             mininterval=0.5, file=sys.stderr)
-  for t in bar:
+  if budget_s is None:
+    bar = tqdm(total=steps, desc=f"{name:>5}", disable=not progress, dynamic_ncols=True,
+               mininterval=0.5, file=sys.stderr)
+  else:
+    bar = tqdm(total=round(budget_s, 1), desc=f"{name:>5}", unit="s", disable=not progress,
+               dynamic_ncols=True, mininterval=0.5, file=sys.stderr,
+               bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s [{postfix}]")
+  t, spent = 0, 0.0
+  while (t < steps) if budget_s is None else (spent < budget_s):
     batch = jax.device_put(images[idx[t]])
     rng, sub = jax.random.split(rng)
     jax.block_until_ready((batch, sub))
@@ -186,8 +223,11 @@ def train(name: str, step_fn, params, opt_state, images: np.ndarray, idx: np.nda
     jax.block_until_ready((params, opt_state, loss))
     times.append(time.perf_counter() - start)
     losses.append(float(loss))
-    if t % 5 == 0 or t == len(idx) - 1:
-      bar.set_postfix(loss=f"{losses[-1]:.2f}", refresh=False)
+    spent += times[-1]
+    bar.update(1 if budget_s is None else min(times[-1], max(0.0, budget_s - bar.n)))
+    if t % 5 == 0:
+      bar.set_postfix(loss=f"{losses[-1]:.2f}", step=t + 1, refresh=False)
+    t += 1
   bar.close()
   return RunResult(name=name, losses=np.asarray(losses), step_times=np.asarray(times),
                    compile_time=compile_time, final_loss=eval_fn(params), params=params)
@@ -239,8 +279,11 @@ def plot(results: Sequence[RunResult], out: str, title: str) -> None:
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--seconds", type=float, default=None,
+                 help=f"timed training seconds per optimizer (default {DEFAULT_SECONDS:g} unless "
+                      "--steps or --fast is given)")
   p.add_argument("--steps", type=int, default=None,
-                 help=f"train steps per optimizer (default {DEFAULT_STEPS}, 8 with --fast)")
+                 help="train steps per optimizer instead of a time budget (8 with --fast)")
   p.add_argument("--batch-size", type=int, default=None,
                  help=f"minibatch size (default {DEFAULT_BATCH_SIZE}, 128 with --fast)")
   p.add_argument("--data-dir", default=None,
@@ -261,9 +304,18 @@ def parse_args(argv=None):
                  help="K-FAC: decay of the curvature-factor moving averages")
   p.add_argument("--adam-lr", type=float, default=DEFAULT_ADAM_LR)
   p.add_argument("--no-progress", action="store_true", help="hide the tqdm progress bars")
+  p.add_argument("--norm-constraint", type=float, default=DEFAULT_NORM_CONSTRAINT,
+                 help="K-FAC: KL clipping of the step (0 disables it)")
   args = p.parse_args(argv)
-  if args.steps is None:
-    args.steps = 8 if args.fast else DEFAULT_STEPS
+  if args.seconds is not None and args.steps is not None:
+    p.error("give --seconds or --steps, not both")
+  if args.seconds is not None and not args.seconds > 0:
+    p.error(f"--seconds must be > 0, got {args.seconds}")
+  if args.steps is None and args.seconds is None:
+    if args.fast:
+      args.steps = 8
+    else:
+      args.seconds = DEFAULT_SECONDS
   if args.batch_size is None:
     args.batch_size = 128 if args.fast else DEFAULT_BATCH_SIZE
   return args
@@ -283,23 +335,30 @@ def main(argv=None) -> int:
   loss_fn = make_loss_fn(model)
   params0 = init_params(model, args.seed)
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params0))
-  idx = batch_indices(images.shape[0], args.batch_size, args.steps, args.seed)
+  if args.seconds is None:
+    idx = batch_indices(images.shape[0], args.batch_size, args.steps, args.seed)
+  else:
+    idx = BatchSequence(images.shape[0], args.batch_size, args.seed)
+  batch_size = min(args.batch_size, images.shape[0])
+  budget = (f"{args.steps} steps" if args.seconds is None
+            else f"{args.seconds:g} s of timed steps")
   eval_fn = make_eval_fn(loss_fn, eval_images)
   arch = "-".join(str(w) for w in (ds.num_features, *encoder, *reversed(encoder[:-1]),
                                    ds.num_features))
 
   print(f"data: {ds.source}", flush=True)
-  print(f"model: {arch} autoencoder, {n_params:,} parameters; {args.steps} steps of batch "
-        f"{idx.shape[1]} on {images.shape[0]} images; jax {jax.__version__} on "
+  print(f"model: {arch} autoencoder, {n_params:,} parameters; {budget} each, batch "
+        f"{batch_size} on {images.shape[0]} images; jax {jax.__version__} on "
         f"{jax.default_backend()} ({os.cpu_count()} CPUs)", flush=True)
   print(f"K-FAC: lr={args.kfac_lr} momentum={args.kfac_momentum} damping={args.damping} "
-        f"inverse_every={args.inverse_every} ema_decay={args.ema_decay}; "
+        f"norm_constraint={args.norm_constraint} inverse_every={args.inverse_every} "
+        f"ema_decay={args.ema_decay}; "
         f"Adam: lr={args.adam_lr}", flush=True)
 
   example = jnp.asarray(images[idx[0]])
   kfac_tx = make_kfac(loss_fn, example, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
                       damping=args.damping, ema_decay=args.ema_decay,
-                      inverse_every=args.inverse_every)
+                      inverse_every=args.inverse_every, norm_constraint=args.norm_constraint)
   adam_tx = optax.adam(args.adam_lr)
   initial_loss = eval_fn(params0)
 
@@ -309,19 +368,22 @@ def main(argv=None) -> int:
     params = jax.tree.map(jnp.copy, params0)  # both start from the same init (params0 kept)
     opt_state = tx.init(params)
     results.append(train(name, make_step(loss_fn, tx), params, opt_state, images, idx,
-                         args.seed, eval_fn, progress=not args.no_progress))
+                         args.seed, eval_fn, progress=not args.no_progress, steps=args.steps,
+                         budget_s=args.seconds))
 
-  title = (f"{arch} autoencoder on {ds.name} ({images.shape[0]} images), batch {idx.shape[1]}; "
-           f"K-FAC lr={args.kfac_lr} damping={args.damping}, Adam lr={args.adam_lr}")
+  title = (f"{arch} autoencoder on {ds.name} ({images.shape[0]} images), batch {batch_size}, "
+           f"{budget} each; K-FAC lr={args.kfac_lr} momentum={args.kfac_momentum} "
+           f"damping={args.damping} norm_constraint={args.norm_constraint}; "
+           f"Adam lr={args.adam_lr}")
   plot(results, args.out, title)
 
   kfac_r, adam_r = results
   print(f"\ninitial loss (eval set of {eval_images.shape[0]} images): {initial_loss:.3f}")
-  print("| optimizer | final eval loss | last minibatch loss | median step (ms) "
+  print("| optimizer | final eval loss | last minibatch loss | steps | median step (ms) "
         "| compile (s) | total train time (s) |")
-  print("|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|")
   for r in results:
-    print(f"| {r.name} | {r.final_loss:.3f} | {r.losses[-1]:.3f} | "
+    print(f"| {r.name} | {r.final_loss:.3f} | {r.losses[-1]:.3f} | {len(r.losses)} | "
           f"{1e3 * r.median_step_time:.1f} | {r.compile_time:.2f} | {r.step_times.sum():.1f} |")
   ratio = kfac_r.median_step_time / adam_r.median_step_time
   print(f"median step time ratio K-FAC / Adam: {ratio:.2f}x")

@@ -17,7 +17,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = os.path.join(_ROOT, "examples", "autoencoder.py")
 
 
-def _run_fast(script, tmp_path, png_name):
+def _run_fast(script, tmp_path, png_name, extra=()):
   """Runs an example with `--fast` on the digits fallback; returns (stdout, all output, png)."""
   empty = tmp_path / "no_data"
   empty.mkdir()
@@ -30,7 +30,7 @@ def _run_fast(script, tmp_path, png_name):
   else:
     env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, script, "--fast", "--no-progress", "--out", str(out)],
+      [sys.executable, script, "--fast", "--no-progress", "--out", str(out), *extra],
       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output
@@ -48,6 +48,18 @@ def test_autoencoder_demo_fast(tmp_path):
     row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
     assert row is not None, output
     assert float(row.group(1)) < 1e4, output  # finite and not diverged
+
+
+def test_autoencoder_demo_time_budget(tmp_path):
+  """The demo's default mode: each optimizer trains for the same timed seconds."""
+  stdout, output = _run_fast(_SCRIPT, tmp_path, "ae_budget.png", ["--seconds", "1.5"])
+  assert "1.5 s of timed steps each" in output, output
+  for name in ("K-FAC", "Adam"):
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \| [0-9.]+ \| (\d+) \| [0-9.]+ \| "
+                    rf"[0-9.]+ \| ([0-9.]+) \|", stdout, re.M)
+    assert row is not None, output
+    steps, seconds = int(row.group(2)), float(row.group(3))
+    assert steps >= 2 and 1.5 <= seconds < 1.5 + seconds / steps * 3, output
 
 
 _ADAPTIVE_SCRIPT = os.path.join(_ROOT, "examples", "autoencoder_adaptive.py")
