@@ -372,7 +372,7 @@ def main(argv=None) -> int:
                          budget_s=args.seconds))
 
   title = (f"{arch} autoencoder on {ds.name} ({images.shape[0]} images), batch {batch_size}, "
-           f"{budget} each; K-FAC lr={args.kfac_lr} momentum={args.kfac_momentum} "
+           f"{budget} each\nK-FAC lr={args.kfac_lr} momentum={args.kfac_momentum} "
            f"damping={args.damping} norm_constraint={args.norm_constraint}; "
            f"Adam lr={args.adam_lr}")
   plot(results, args.out, title)
