@@ -52,7 +52,8 @@ def test_autoencoder_demo_fast_with_a_time_budget(tmp_path):
     assert row is not None, output
     assert float(row.group(1)) < 1e4, output  # finite and not diverged
     steps, seconds = int(row.group(2)), float(row.group(3))
-    assert steps >= 2 and 1.5 <= seconds < 1.5 + seconds / steps * 3, output
+    # The last step starts below the budget; one step on a loaded machine can take seconds.
+    assert steps >= 2 and 1.5 <= seconds < 6.5, output
 
 
 _ADAPTIVE_SCRIPT = os.path.join(_ROOT, "examples", "autoencoder_adaptive.py")
