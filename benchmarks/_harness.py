@@ -350,16 +350,19 @@ def _peak_fields(before: int | None, after: int | None, footprint) -> dict:
 UPSTREAM_NAME = "kfac-jax 0.0.8 (upstream)"
 
 
+def _upstream_config(workload: Workload, args, **extra) -> dict:
+  """The upstream worker's config: the workload's model settings and the transform's flags."""
+  return dict(workload.upstream, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
+              damping=args.damping, ema_decay=args.ema_decay, inverse_every=args.inverse_every,
+              curvature_every=args.curvature_every, seed=args.seed, **extra)
+
+
 def run_upstream(workload: Workload, args, steps_total: int) -> Run | dict:
   """Upstream kfac-jax in its venv: a `Run`, or a row `{"optimizer", "error"}` if it failed."""
   try:
     python = compare.ensure_venv(args.upstream_python)
     pools, idx = workload.upstream_data(steps_total)
-    config = dict(workload.upstream, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-                  damping=args.damping, ema_decay=args.ema_decay,
-                  inverse_every=args.inverse_every, curvature_every=args.curvature_every,
-                  seed=args.seed,
-                  compile_repeats=args.compile_repeats)
+    config = _upstream_config(workload, args, compile_repeats=args.compile_repeats)
     print(f"running upstream kfac-jax ({python}) ...", flush=True)
     report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx,
                                        config)
@@ -770,10 +773,7 @@ def run_upstream_for_budget(workload: Workload, args, budget_s: float,
   try:
     python = compare.ensure_venv(args.upstream_python)
     pools, idx = workload.upstream_data(max_steps)
-    config = dict(workload.upstream, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-                  damping=args.damping, ema_decay=args.ema_decay,
-                  inverse_every=args.inverse_every, curvature_every=args.curvature_every,
-                  seed=args.seed, compile_repeats=1, budget_s=budget_s)
+    config = _upstream_config(workload, args, compile_repeats=1, budget_s=budget_s)
     print(f"running upstream kfac-jax ({python}) ...", flush=True)
     report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx,
                                        config)

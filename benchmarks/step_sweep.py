@@ -30,6 +30,7 @@ import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
 from benchmarks import autoencoder, cnn, transformer  # noqa: E402
+from examples import autoencoder as ae  # noqa: E402
 
 WORKLOADS = {"autoencoder": autoencoder, "cnn": cnn, "transformer": transformer}
 
@@ -37,16 +38,7 @@ WORKLOADS = {"autoencoder": autoencoder, "cnn": cnn, "transformer": transformer}
 def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
   """`steps` jitted steps; the final parameters, or None once the loss is not finite."""
 
-  def step(params, state, batch, rng):
-    if kfac:
-      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-      updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    else:
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  step = jax.jit(step)
+  step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
   state = tx.init(params)
   rng = jax.random.key(0)
   for t in range(steps):

@@ -485,3 +485,18 @@ def test_race_quick(tmp_path):
     assert re.search(rf"^\| {re.escape(r['optimizer'])} \| [0-9.]+ \|", proc.stdout,
                      re.MULTILINE), output
   assert report["budget_s"] == 0.5 and "--budget 0.5" in report["env"]["command"]
+
+
+def test_step_sweep_quick(tmp_path):
+  """benchmarks/step_sweep.py: one table row per Adam learning rate and per kfac setting."""
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "benchmarks", "step_sweep.py"), "--workload",
+       "autoencoder", "--quick", "--steps", "3", "--adam-lrs", "1e-3",
+       "--configs", "defaults,0.3:0.7:0.1:0.01"],
+      cwd=str(tmp_path), env=_env(tmp_path), capture_output=True, text=True, timeout=600,
+      check=False)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, output
+  for name in ("Adam lr=0.001", "kfac defaults", "kfac 0.3:0.7:0.1:0.01"):
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.e+]+) \|$", proc.stdout, re.MULTILINE)
+    assert row is not None and math.isfinite(float(row.group(1))), output

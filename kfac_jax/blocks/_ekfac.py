@@ -24,14 +24,13 @@ grouped convolutions per group); sequence inputs sum the positions of an example
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.blocks import _layouts, _linalg
-from kfac_jax.blocks._base import Block
+from kfac_jax.blocks import _linalg
+from kfac_jax.blocks._kronecker import LayoutBlock
 
 Array = jax.Array
 
@@ -46,23 +45,12 @@ def _in_basis(rows: Array, u: Array, grouped: bool) -> Array:
   return jnp.einsum("...gi,gij->...gj", rows, u)
 
 
-class EKFACBlock(Block):
+class EKFACBlock(LayoutBlock):
   """EKFAC block of a dense or conv layer (kernel and optional bias). Cache: the eigenbases
   `a_evecs` [(groups,) in(+1), in(+1)], `g_evecs` [(groups,) out, out] and `damping`; factors:
   `a`, `g` (as "kron") and `s` [(groups,) in(+1), out], the scalings in that basis."""
 
   needs_cache_for_statistics = True
-
-  @functools.cached_property
-  def layout(self):
-    return _layouts.layout_for(self.spec)
-
-  @property
-  def _grouped(self) -> bool:
-    return len(self.spec.factor_shapes[1]) == 3
-
-  def _map(self, fn, *args):
-    return jax.vmap(fn)(*args) if self._grouped else fn(*args)
 
   def _scaling_shape(self) -> tuple[int, ...]:
     sa, sg = self.spec.factor_shapes

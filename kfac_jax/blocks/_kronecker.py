@@ -108,8 +108,9 @@ def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Arra
   return x, g
 
 
-class KroneckerBlock(Block):
-  """A ⊗ G block of a dense, conv or embedding layer (kernel/table and optional bias)."""
+class LayoutBlock(Block):
+  """A block over a kernel/table and optional bias laid out as one `[in(+1), out]` matrix per
+  feature group (`_layouts`); grouped layers vmap over the leading group axis."""
 
   @functools.cached_property
   def layout(self):
@@ -119,6 +120,14 @@ class KroneckerBlock(Block):
   def _grouped(self) -> bool:
     return len(self.spec.factor_shapes[1]) == 3
 
+  def _map(self, fn, *args):
+    """`fn` on one group's arrays; vmapped over the leading group axis for grouped layers."""
+    return jax.vmap(fn)(*args) if self._grouped else fn(*args)
+
+
+class KroneckerBlock(LayoutBlock):
+  """A ⊗ G block of a dense, conv or embedding layer (kernel/table and optional bias)."""
+
   @property
   def _diag_a(self) -> bool:
     return self.spec.kind == "embedding" or self.spec.approx in DIAG_A
@@ -126,10 +135,6 @@ class KroneckerBlock(Block):
   @property
   def _diag_g(self) -> bool:
     return self.spec.approx in DIAG_G
-
-  def _map(self, fn, *args):
-    """`fn` on one group's arrays; vmapped over the leading group axis for grouped layers."""
-    return jax.vmap(fn)(*args) if self._grouped else fn(*args)
 
   def _to_matrix(self, vecs) -> Array:
     m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
