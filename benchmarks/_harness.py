@@ -53,16 +53,18 @@ import kfac_jax
 from benchmarks.upstream import compare
 from examples import autoencoder as ae
 
-_MIB = 2.0 ** 20
+_MIB = 2.0**20
 
 
 # -- what a benchmark provides -----------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Contestant:
   """One optimizer: `init(params) -> state`, `step(params, state, batch, rng) -> (params,
   state, loss)` with `loss` measured at the incoming params. `period` is the inverse period
   (1 for first-order methods): the phase of the steps the curve time axis compares with."""
+
   name: str
   family: str  # "adam" | "sgd" | "kfac" | "kfac_optimizer"
   init: Callable[[Any], Any]
@@ -76,6 +78,7 @@ class Workload:
   """A model and its data. `batch_at(t)` returns step t's batch (numpy or device arrays);
   `eval_fn(params)` the evaluation loss; `upstream` the worker's model config (None: the
   workload has no upstream version)."""
+
   name: str
   description: str
   loss_fn: Callable
@@ -89,48 +92,93 @@ class Workload:
 
 # -- command line shared by the benchmarks ----------------------------------------------------
 
-def add_common_args(p: argparse.ArgumentParser, *, steps: int, warmup: int, adam_lrs: str,
-                    sgd_lr: float, kfac_lr: float, kfac_momentum: float, damping: float,
-                    optimizer_damping: float, inverse_every: int, plot: str) -> None:
+
+def add_common_args(
+  p: argparse.ArgumentParser,
+  *,
+  steps: int,
+  warmup: int,
+  adam_lrs: str,
+  sgd_lr: float,
+  kfac_lr: float,
+  kfac_momentum: float,
+  damping: float,
+  optimizer_damping: float,
+  inverse_every: int,
+  plot: str,
+) -> None:
   """Flags every benchmark has; the defaults are the workload's (see its `--help`)."""
   p.add_argument("--steps", type=int, default=steps, help="timed steps per contestant")
   p.add_argument("--warmup", type=int, default=warmup, help="untimed steps before the timed ones")
-  p.add_argument("--quick", action="store_true",
-                 help="a tiny model and a few steps (smoke test; overrides the sizes)")
-  p.add_argument("--adam-lrs", default=adam_lrs,
-                 help="comma-separated Adam learning-rate grid; the best final loss is 'Adam "
-                      "(tuned)'")
-  p.add_argument("--sgd", action=argparse.BooleanOptionalAction, default=True,
-                 help="include SGD with (heavy-ball) momentum")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="a tiny model and a few steps (smoke test; overrides the sizes)",
+  )
+  p.add_argument(
+    "--adam-lrs",
+    default=adam_lrs,
+    help="comma-separated Adam learning-rate grid; the best final loss is 'Adam (tuned)'",
+  )
+  p.add_argument(
+    "--sgd",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="include SGD with (heavy-ball) momentum",
+  )
   p.add_argument("--sgd-lr", type=float, default=sgd_lr)
   p.add_argument("--sgd-momentum", type=float, default=0.9)
   p.add_argument("--kfac-lr", type=float, default=kfac_lr, help="kfac_jax transform")
-  p.add_argument("--kfac-momentum", type=float, default=kfac_momentum,
-                 help="kfac_jax transform (0 disables it)")
+  p.add_argument(
+    "--kfac-momentum", type=float, default=kfac_momentum, help="kfac_jax transform (0 disables it)"
+  )
   p.add_argument("--damping", type=float, default=damping, help="kfac_jax transform, upstream")
   p.add_argument("--ema-decay", type=float, default=0.95)
   p.add_argument("--inverse-every", type=int, default=inverse_every)
-  p.add_argument("--curvature-every", type=int, default=1,
-                 help="curvature statistics every this many steps (kfac_jax transform: "
-                      "`curvature_every`, computed only when due; upstream: "
-                      "`curvature_update_period`); at most --inverse-every")
-  p.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
-                 help="include the full kfac_jax.Optimizer (adaptive lr, momentum, damping)")
-  p.add_argument("--optimizer-damping", type=float, default=optimizer_damping,
-                 help="the Optimizer's initial damping (then adapted)")
+  p.add_argument(
+    "--curvature-every",
+    type=int,
+    default=1,
+    help="curvature statistics every this many steps (kfac_jax transform: "
+    "`curvature_every`, computed only when due; upstream: "
+    "`curvature_update_period`); at most --inverse-every",
+  )
+  p.add_argument(
+    "--optimizer",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="include the full kfac_jax.Optimizer (adaptive lr, momentum, damping)",
+  )
+  p.add_argument(
+    "--optimizer-damping",
+    type=float,
+    default=optimizer_damping,
+    help="the Optimizer's initial damping (then adapted)",
+  )
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--compile-repeats", type=int, default=3,
-                 help="compilations per contestant (minimum reported)")
-  p.add_argument("--reach-window", type=int, default=5,
-                 help="trailing-mean window of the minibatch losses for the time to reach the "
-                      "best Adam loss (at most a tenth of the run)")
+  p.add_argument(
+    "--compile-repeats", type=int, default=3, help="compilations per contestant (minimum reported)"
+  )
+  p.add_argument(
+    "--reach-window",
+    type=int,
+    default=5,
+    help="trailing-mean window of the minibatch losses for the time to reach the "
+    "best Adam loss (at most a tenth of the run)",
+  )
   p.add_argument("--json", metavar="OUT", default=None, help="also write the results as JSON")
   p.add_argument("--plot", metavar="PNG", default=plot, help="loss curves ('' to skip)")
-  p.add_argument("--with-upstream", action="store_true",
-                 help="add DeepMind kfac-jax 0.0.8 (own venv, subprocess)")
-  p.add_argument("--upstream-python", default=None,
-                 help="python of a venv with kfac-jax 0.0.8 (default: .venv-upstream/bin/python, "
-                      "created by benchmarks/upstream/setup_venv.sh if missing)")
+  p.add_argument(
+    "--with-upstream",
+    action="store_true",
+    help="add DeepMind kfac-jax 0.0.8 (own venv, subprocess)",
+  )
+  p.add_argument(
+    "--upstream-python",
+    default=None,
+    help="python of a venv with kfac-jax 0.0.8 (default: .venv-upstream/bin/python, "
+    "created by benchmarks/upstream/setup_venv.sh if missing)",
+  )
 
 
 def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -139,13 +187,18 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     p.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
   if args.with_upstream and args.warmup < 1:
     p.error("--with-upstream needs --warmup >= 1: upstream's first step includes its compilation")
-  if (args.compile_repeats < 1 or args.reach_window < 1 or args.inverse_every < 1
-      or args.curvature_every < 1):
-    p.error("--compile-repeats, --reach-window, --inverse-every and --curvature-every must be "
-            ">= 1")
+  if (
+    args.compile_repeats < 1
+    or args.reach_window < 1
+    or args.inverse_every < 1
+    or args.curvature_every < 1
+  ):
+    p.error("--compile-repeats, --reach-window, --inverse-every and --curvature-every must be >= 1")
   if args.curvature_every > args.inverse_every:
-    p.error(f"--curvature-every ({args.curvature_every}) must be at most --inverse-every "
-            f"({args.inverse_every}) (upstream kfac-jax rejects it otherwise)")
+    p.error(
+      f"--curvature-every ({args.curvature_every}) must be at most --inverse-every "
+      f"({args.inverse_every}) (upstream kfac-jax rejects it otherwise)"
+    )
   try:
     args.adam_lr_grid = [float(x) for x in args.adam_lrs.split(",") if x.strip()]
   except ValueError:
@@ -156,14 +209,24 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 # -- contestants --------------------------------------------------------------------------------
 
+
 def first_order(name: str, family: str, loss_fn, tx, **hyperparameters) -> Contestant:
   return Contestant(name, family, tx.init, ae.make_adam_step(loss_fn, tx), hyperparameters)
 
 
-def kfac_transform(loss_fn, example_batch, *, learning_rate: float, momentum: float,
-                   damping: float, ema_decay: float, inverse_every: int,
-                   curvature_every: int = 1, name: str | None = None,
-                   **kfac_kwargs) -> Contestant:
+def kfac_transform(
+  loss_fn,
+  example_batch,
+  *,
+  learning_rate: float,
+  momentum: float,
+  damping: float,
+  ema_decay: float,
+  inverse_every: int,
+  curvature_every: int = 1,
+  name: str | None = None,
+  **kfac_kwargs,
+) -> Contestant:
   """`kfac_jax.kfac` (the optax transform) with a fixed learning rate, momentum and damping.
 
   With statistics every step, loss, gradients and statistics come from one
@@ -173,10 +236,19 @@ def kfac_transform(loss_fn, example_batch, *, learning_rate: float, momentum: fl
   replaces the default name.
   """
   momentum_ = momentum if momentum > 0 else None
-  tx = kfac_jax.kfac(loss_fn, example_batch, learning_rate=learning_rate, momentum=momentum_,
-                     damping=damping, ema_decay=ema_decay, inverse_every=inverse_every,
-                     curvature_every=curvature_every, estimation_mode="gradients",
-                     num_samples=1, **kfac_kwargs)
+  tx = kfac_jax.kfac(
+    loss_fn,
+    example_batch,
+    learning_rate=learning_rate,
+    momentum=momentum_,
+    damping=damping,
+    ema_decay=ema_decay,
+    inverse_every=inverse_every,
+    curvature_every=curvature_every,
+    estimation_mode="gradients",
+    num_samples=1,
+    **kfac_kwargs,
+  )
 
   def step(params, state, batch, rng):
     if curvature_every == 1:
@@ -188,56 +260,109 @@ def kfac_transform(loss_fn, example_batch, *, learning_rate: float, momentum: fl
     return optax.apply_updates(params, updates), state, loss
 
   if name is None:
-    name = "kfac_jax (optax)" + (f", statistics every {curvature_every}"
-                                 if curvature_every > 1 else "")
-  return Contestant(name, "kfac", tx.init, step,
-                    {"learning_rate": learning_rate, "momentum": momentum, "damping": damping,
-                     "ema_decay": ema_decay, "inverse_every": inverse_every,
-                     "curvature_every": curvature_every,
-                     **{k: repr(v) for k, v in kfac_kwargs.items()}},
-                    period=inverse_every)
+    name = "kfac_jax (optax)" + (
+      f", statistics every {curvature_every}" if curvature_every > 1 else ""
+    )
+  return Contestant(
+    name,
+    "kfac",
+    tx.init,
+    step,
+    {
+      "learning_rate": learning_rate,
+      "momentum": momentum,
+      "damping": damping,
+      "ema_decay": ema_decay,
+      "inverse_every": inverse_every,
+      "curvature_every": curvature_every,
+      **{k: repr(v) for k, v in kfac_kwargs.items()},
+    },
+    period=inverse_every,
+  )
 
 
-def kfac_optimizer(loss_fn, example_batch, *, damping: float, ema_decay: float,
-                   inverse_every: int) -> Contestant:
+def kfac_optimizer(
+  loss_fn, example_batch, *, damping: float, ema_decay: float, inverse_every: int
+) -> Contestant:
   """The full `kfac_jax.Optimizer`: α and μ from the quadratic model each step, damping adapted
   by Levenberg–Marquardt from `damping`."""
   opt = kfac_jax.Optimizer(
-      loss_fn, example_batch, learning_rate=None, momentum=None, damping=damping,
-      use_adaptive_damping=True, inverse_every=inverse_every,
-      config=kfac_jax.OptimizerConfig(ema_decay=ema_decay, min_damping=min(1e-4, damping)))
+    loss_fn,
+    example_batch,
+    learning_rate=None,
+    momentum=None,
+    damping=damping,
+    use_adaptive_damping=True,
+    inverse_every=inverse_every,
+    config=kfac_jax.OptimizerConfig(ema_decay=ema_decay, min_damping=min(1e-4, damping)),
+  )
 
   def step(params, state, batch, rng):
     params, state, info = opt.step(params, state, batch, rng)
     return params, state, info["loss"]
 
-  return Contestant("kfac_jax Optimizer", "kfac_optimizer", opt.init, step,
-                    {"learning_rate": "adaptive", "momentum": "adaptive",
-                     "initial_damping": damping, "ema_decay": ema_decay,
-                     "inverse_every": inverse_every}, period=inverse_every)
+  return Contestant(
+    "kfac_jax Optimizer",
+    "kfac_optimizer",
+    opt.init,
+    step,
+    {
+      "learning_rate": "adaptive",
+      "momentum": "adaptive",
+      "initial_damping": damping,
+      "ema_decay": ema_decay,
+      "inverse_every": inverse_every,
+    },
+    period=inverse_every,
+  )
 
 
 def standard_contestants(workload: Workload, args: argparse.Namespace) -> list[Contestant]:
   """Adam over the grid, SGD+momentum, the kfac_jax transform and Optimizer (per the flags)."""
   loss_fn = workload.loss_fn
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
-  out = [first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr), learning_rate=lr)
-         for lr in args.adam_lr_grid]
+  out = [
+    first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr), learning_rate=lr)
+    for lr in args.adam_lr_grid
+  ]
   if args.sgd:
-    out.append(first_order("SGD+momentum", "sgd", loss_fn,
-                           optax.sgd(args.sgd_lr, momentum=args.sgd_momentum or None),
-                           learning_rate=args.sgd_lr, momentum=args.sgd_momentum))
-  out.append(kfac_transform(loss_fn, example, learning_rate=args.kfac_lr,
-                            momentum=args.kfac_momentum, damping=args.damping,
-                            ema_decay=args.ema_decay, inverse_every=args.inverse_every,
-                            curvature_every=args.curvature_every))
+    out.append(
+      first_order(
+        "SGD+momentum",
+        "sgd",
+        loss_fn,
+        optax.sgd(args.sgd_lr, momentum=args.sgd_momentum or None),
+        learning_rate=args.sgd_lr,
+        momentum=args.sgd_momentum,
+      )
+    )
+  out.append(
+    kfac_transform(
+      loss_fn,
+      example,
+      learning_rate=args.kfac_lr,
+      momentum=args.kfac_momentum,
+      damping=args.damping,
+      ema_decay=args.ema_decay,
+      inverse_every=args.inverse_every,
+      curvature_every=args.curvature_every,
+    )
+  )
   if args.optimizer:
-    out.append(kfac_optimizer(loss_fn, example, damping=args.optimizer_damping,
-                              ema_decay=args.ema_decay, inverse_every=args.inverse_every))
+    out.append(
+      kfac_optimizer(
+        loss_fn,
+        example,
+        damping=args.optimizer_damping,
+        ema_decay=args.ema_decay,
+        inverse_every=args.inverse_every,
+      )
+    )
   return out
 
 
 # -- measuring one contestant --------------------------------------------------------------------
+
 
 def tree_bytes(tree) -> int:
   """Sum of `nbytes` over the array leaves of `tree` (PRNG keys by their key data)."""
@@ -257,8 +382,10 @@ def compiled_footprint(compiled) -> dict[str, int] | None:
     return None
   if m is None:
     return None
-  parts = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-           for k in ("argument", "output", "temp", "alias")}
+  parts = {
+    k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+    for k in ("argument", "output", "temp", "alias")
+  }
   parts["total"] = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
   return parts
 
@@ -289,6 +416,7 @@ class DevicePeak:
 @dataclasses.dataclass
 class Run:
   """One contestant's measurements (`summary` is its JSON row)."""
+
   name: str
   losses: np.ndarray
   step_times: np.ndarray
@@ -296,8 +424,15 @@ class Run:
   summary: dict
 
 
-def run_contestant(c: Contestant, workload: Workload, steps: int, warmup: int, seed: int,
-                   compile_repeats: int, peak: DevicePeak) -> Run:
+def run_contestant(
+  c: Contestant,
+  workload: Workload,
+  steps: int,
+  warmup: int,
+  seed: int,
+  compile_repeats: int,
+  peak: DevicePeak,
+) -> Run:
   total = warmup + steps
   params = jax.tree.map(jnp.copy, workload.params0)
   before = peak.read()
@@ -328,21 +463,37 @@ def run_contestant(c: Contestant, workload: Workload, steps: int, warmup: int, s
   after = peak.read()
   del params, state, compiled
   summary = compare.summarize(
-      c.name, times, losses, warmup, family=c.family, hyperparameters=dict(c.hyperparameters),
-      setup_s=setup_s, compile_s=min(compile_all), compile_all_s=compile_all,
-      final_eval_loss=final, opt_state_bytes=state_bytes, compiled_footprint=footprint,
-      **_peak_fields(before, after, footprint))
+    c.name,
+    times,
+    losses,
+    warmup,
+    family=c.family,
+    hyperparameters=dict(c.hyperparameters),
+    setup_s=setup_s,
+    compile_s=min(compile_all),
+    compile_all_s=compile_all,
+    final_eval_loss=final,
+    opt_state_bytes=state_bytes,
+    compiled_footprint=footprint,
+    **_peak_fields(before, after, footprint),
+  )
   return Run(c.name, np.asarray(losses), np.asarray(times), c.period, summary)
 
 
 def _peak_fields(before: int | None, after: int | None, footprint) -> dict:
   if after is not None:
     exact = before is None or after > before
-    return {"peak_bytes": after, "peak_exact": exact,
-            "peak_source": "device memory_stats()['peak_bytes_in_use']" + (
-                "" if exact else " (process peak did not rise in this run: an upper bound)")}
-  return {"peak_bytes": None if footprint is None else footprint["total"], "peak_exact": True,
-          "peak_source": "compiled.memory_analysis(): argument + output + temp - alias"}
+    return {
+      "peak_bytes": after,
+      "peak_exact": exact,
+      "peak_source": "device memory_stats()['peak_bytes_in_use']"
+      + ("" if exact else " (process peak did not rise in this run: an upper bound)"),
+    }
+  return {
+    "peak_bytes": None if footprint is None else footprint["total"],
+    "peak_exact": True,
+    "peak_source": "compiled.memory_analysis(): argument + output + temp - alias",
+  }
 
 
 # -- upstream ------------------------------------------------------------------------------------
@@ -352,9 +503,17 @@ UPSTREAM_NAME = "kfac-jax 0.0.8 (upstream)"
 
 def _upstream_config(workload: Workload, args, **extra) -> dict:
   """The upstream worker's config: the workload's model settings and the transform's flags."""
-  return dict(workload.upstream, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-              damping=args.damping, ema_decay=args.ema_decay, inverse_every=args.inverse_every,
-              curvature_every=args.curvature_every, seed=args.seed, **extra)
+  return dict(
+    workload.upstream,
+    learning_rate=args.kfac_lr,
+    momentum=args.kfac_momentum,
+    damping=args.damping,
+    ema_decay=args.ema_decay,
+    inverse_every=args.inverse_every,
+    curvature_every=args.curvature_every,
+    seed=args.seed,
+    **extra,
+  )
 
 
 def run_upstream(workload: Workload, args, steps_total: int) -> Run | dict:
@@ -364,33 +523,53 @@ def run_upstream(workload: Workload, args, steps_total: int) -> Run | dict:
     pools, idx = workload.upstream_data(steps_total)
     config = _upstream_config(workload, args, compile_repeats=args.compile_repeats)
     print(f"running upstream kfac-jax ({python}) ...", flush=True)
-    report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx,
-                                       config)
+    report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx, config)
   except compare.UpstreamFailed as e:
     print(f"upstream failed:\n{e}", flush=True)
-    return {"optimizer": UPSTREAM_NAME, "family": "upstream",
-            "error": e.exception or "the worker failed (see the log above)",
-            "registrations": e.registrations}
+    return {
+      "optimizer": UPSTREAM_NAME,
+      "family": "upstream",
+      "error": e.exception or "the worker failed (see the log above)",
+      "registrations": e.registrations,
+    }
   except (RuntimeError, OSError) as e:  # No venv, or it could not be created.
     print(f"upstream failed:\n{e}", flush=True)
     return {"optimizer": UPSTREAM_NAME, "family": "upstream", "error": str(e).splitlines()[0]}
   final_loss = workload.eval_fn(jax.tree.map(jnp.asarray, final))
   summary = compare.summarize(
-      report["optimizer"], report["step_times_s"], report["losses"], args.warmup,
-      family="upstream", setup_s=report["init_s"], compile_s=report["compile_s"],
-      first_step_all_s=report["first_step_s"], compile_baseline=report["compile_baseline"],
-      compile_baseline_s=report["compile_baseline_s"], final_eval_loss=final_loss,
-      opt_state_bytes=report.get("opt_state_bytes"), registrations=report["registrations"],
-      peak_bytes=report.get("peak_bytes"), peak_exact=report.get("peak_bytes") is not None,
-      peak_source=("device memory_stats()['peak_bytes_in_use'] in the worker process"
-                   if report.get("peak_bytes") is not None else
-                   "not available (its step has no public lower/compile; no device stats)"),
-      upstream_env={k: report[k] for k in ("upstream_version", "jax", "python", "backend")})
-  return Run(report["optimizer"], np.asarray(report["losses"], float),
-             np.asarray(report["step_times_s"], float), args.inverse_every, summary)
+    report["optimizer"],
+    report["step_times_s"],
+    report["losses"],
+    args.warmup,
+    family="upstream",
+    setup_s=report["init_s"],
+    compile_s=report["compile_s"],
+    first_step_all_s=report["first_step_s"],
+    compile_baseline=report["compile_baseline"],
+    compile_baseline_s=report["compile_baseline_s"],
+    final_eval_loss=final_loss,
+    opt_state_bytes=report.get("opt_state_bytes"),
+    registrations=report["registrations"],
+    peak_bytes=report.get("peak_bytes"),
+    peak_exact=report.get("peak_bytes") is not None,
+    peak_source=(
+      "device memory_stats()['peak_bytes_in_use'] in the worker process"
+      if report.get("peak_bytes") is not None
+      else "not available (its step has no public lower/compile; no device stats)"
+    ),
+    upstream_env={k: report[k] for k in ("upstream_version", "jax", "python", "backend")},
+  )
+  return Run(
+    report["optimizer"],
+    np.asarray(report["losses"], float),
+    np.asarray(report["step_times_s"], float),
+    args.inverse_every,
+    summary,
+  )
 
 
 # -- reporting -----------------------------------------------------------------------------------
+
 
 def _fmt(x, spec: str, missing: str = "n/a") -> str:
   if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -404,10 +583,15 @@ def _ratio(a, b):
   return float(a) / float(b)
 
 
-RATIO_KEYS = {"compile": "compile_s", "median_step": "median_step_ms",
-              "mean_step": "mean_step_ms", "peak_memory": "peak_bytes",
-              "opt_state": "opt_state_bytes", "loss": "final_eval_loss",
-              "time_to_target": "time_to_target_s"}
+RATIO_KEYS = {
+  "compile": "compile_s",
+  "median_step": "median_step_ms",
+  "mean_step": "mean_step_ms",
+  "peak_memory": "peak_bytes",
+  "opt_state": "opt_state_bytes",
+  "loss": "final_eval_loss",
+  "time_to_target": "time_to_target_s",
+}
 
 
 def ratios(num: Mapping[str, Any], den: Mapping[str, Any]) -> dict[str, float | None]:
@@ -415,38 +599,47 @@ def ratios(num: Mapping[str, Any], den: Mapping[str, Any]) -> dict[str, float | 
   return {k: _ratio(num.get(v), den.get(v)) for k, v in RATIO_KEYS.items()}
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]],
-                   ratio_rows: Sequence[tuple[str, Mapping[str, float | None]]],
-                   total_steps: int, target: float | None) -> str:
+def markdown_table(
+  rows: Sequence[Mapping[str, Any]],
+  ratio_rows: Sequence[tuple[str, Mapping[str, float | None]]],
+  total_steps: int,
+  target: float | None,
+) -> str:
   """One row per contestant (a failed one shows its error), then the ratio rows."""
   tgt = "n/a" if target is None else f"{target:.4g}"
-  lines = [("| optimizer | setup (s) | compile (s) | median step (ms) | mean step (ms) | peak "
-            f"memory (MiB) | opt state (MiB) | loss after {total_steps} steps | steps to "
-            f"{tgt} | seconds to {tgt} |"),
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = [
+    (
+      "| optimizer | setup (s) | compile (s) | median step (ms) | mean step (ms) | peak "
+      f"memory (MiB) | opt state (MiB) | loss after {total_steps} steps | steps to "
+      f"{tgt} | seconds to {tgt} |"
+    ),
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['optimizer']} | failed: {r['error'].replace('|', '/')} "
-                   "| | | | | | | | |")
+      lines.append(f"| {r['optimizer']} | failed: {r['error'].replace('|', '/')} | | | | | | | | |")
       continue
     peak = _fmt(None if r.get("peak_bytes") is None else r["peak_bytes"] / _MIB, ".1f")
     if r.get("peak_bytes") is not None and not r.get("peak_exact", True):
       peak = "<=" + peak
-    state = _fmt(None if r.get("opt_state_bytes") is None else r["opt_state_bytes"] / _MIB,
-                 ".2f")
+    state = _fmt(None if r.get("opt_state_bytes") is None else r["opt_state_bytes"] / _MIB, ".2f")
     loss = _fmt(r["final_eval_loss"], ".4g") + ("" if r["finite"] else " (non-finite)")
     hit = r.get("time_to_target")
     lines.append(
-        f"| {r['optimizer']} | {r['setup_s']:.2f} | {r['compile_s']:.2f} | "
-        f"{r['median_step_ms']:.1f} | {r['mean_step_ms']:.1f} | {peak} | {state} | {loss} | "
-        f"{'not reached' if hit is None else hit[0]} | "
-        f"{'not reached' if hit is None else format(hit[1], '.2f')} |")
+      f"| {r['optimizer']} | {r['setup_s']:.2f} | {r['compile_s']:.2f} | "
+      f"{r['median_step_ms']:.1f} | {r['mean_step_ms']:.1f} | {peak} | {state} | {loss} | "
+      f"{'not reached' if hit is None else hit[0]} | "
+      f"{'not reached' if hit is None else format(hit[1], '.2f')} |"
+    )
   for label, q in ratio_rows:
-    cells = [_fmt(q.get(k), ".2f", "") + ("x" if q.get(k) is not None else "")
-             for k in ("compile", "median_step", "mean_step", "peak_memory", "opt_state")]
+    cells = [
+      _fmt(q.get(k), ".2f", "") + ("x" if q.get(k) is not None else "")
+      for k in ("compile", "median_step", "mean_step", "peak_memory", "opt_state")
+    ]
     loss = _fmt(q.get("loss"), ".3f", "") + ("x" if q.get("loss") is not None else "")
     tt = _fmt(q.get("time_to_target"), ".2f", "") + (
-        "x" if q.get("time_to_target") is not None else "")
+      "x" if q.get("time_to_target") is not None else ""
+    )
     lines.append(f"| **{label}** | | {' | '.join(cells)} | {loss} | | {tt} |")
   return "\n".join(lines)
 
@@ -454,22 +647,33 @@ def markdown_table(rows: Sequence[Mapping[str, Any]],
 def environment(command: str, workload: Workload) -> dict:
   dev = jax.local_devices()[0]
   return {
-      "jax": jax.__version__, "backend": jax.default_backend(),
-      "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
-      "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
-      "python": platform.python_version(), "machine": platform.machine(), "command": command,
-      "workload": workload.name, "description": workload.description,
-      "eval": workload.eval_description,
+    "jax": jax.__version__,
+    "backend": jax.default_backend(),
+    "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
+    "devices": [str(d) for d in jax.devices()],
+    "cpu_count": os.cpu_count(),
+    "python": platform.python_version(),
+    "machine": platform.machine(),
+    "command": command,
+    "workload": workload.name,
+    "description": workload.description,
+    "eval": workload.eval_description,
   }
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
-  return shlex.join(["python", os.path.relpath(os.path.abspath(script), os.getcwd()),
-                     *(sys.argv[1:] if argv is None else argv)])
+  return shlex.join(
+    [
+      "python",
+      os.path.relpath(os.path.abspath(script), os.getcwd()),
+      *(sys.argv[1:] if argv is None else argv),
+    ]
+  )
 
 
-def compare_runs(runs: Sequence[Run], upstream: Run | dict | None, reach_window: int,
-                 total_steps: int) -> dict:
+def compare_runs(
+  runs: Sequence[Run], upstream: Run | dict | None, reach_window: int, total_steps: int
+) -> dict:
   """Picks the tuned Adam, the target loss and each run's time to it; builds rows and ratios.
 
   The tuned Adam is the grid run with the lowest finite final evaluation loss. The target is
@@ -480,12 +684,19 @@ def compare_runs(runs: Sequence[Run], upstream: Run | dict | None, reach_window:
   """
   adam = [r for r in runs if r.summary["family"] == "adam"]
   if not adam:
-    raise ValueError("compare_runs needs at least one Adam run (family 'adam'), got the "
-                     f"families {[r.summary['family'] for r in runs]}.")
+    raise ValueError(
+      "compare_runs needs at least one Adam run (family 'adam'), got the "
+      f"families {[r.summary['family'] for r in runs]}."
+    )
   finite = [r for r in adam if math.isfinite(r.summary["final_eval_loss"])]
   best = min(finite or adam, key=lambda r: r.summary["final_eval_loss"])
-  grid = [{"learning_rate": r.summary["hyperparameters"]["learning_rate"],
-           "final_eval_loss": r.summary["final_eval_loss"]} for r in adam]
+  grid = [
+    {
+      "learning_rate": r.summary["hyperparameters"]["learning_rate"],
+      "final_eval_loss": r.summary["final_eval_loss"],
+    }
+    for r in adam
+  ]
   all_runs = list(runs) + ([upstream] if isinstance(upstream, Run) else [])
   curves = {r.name: (r.losses, compare.curve_times(r.step_times, r.period)) for r in all_runs}
   window = max(1, min(reach_window, total_steps // 10))
@@ -497,18 +708,36 @@ def compare_runs(runs: Sequence[Run], upstream: Run | dict | None, reach_window:
   best_lr = best.summary["hyperparameters"]["learning_rate"]
   tuned = dict(best.summary, optimizer=f"Adam (tuned, lr={best_lr:g})")
   others = [r.summary for r in runs if r.summary["family"] != "adam"]
-  rows = [tuned, *others] + ([upstream.summary if isinstance(upstream, Run) else upstream]
-                             if upstream is not None else [])
-  ratio_rows = [(f"{r['optimizer']} / Adam (tuned)", ratios(r, tuned))
-                for r in rows[1:] if "error" not in r]
+  rows = [tuned, *others] + (
+    [upstream.summary if isinstance(upstream, Run) else upstream] if upstream is not None else []
+  )
+  ratio_rows = [
+    (f"{r['optimizer']} / Adam (tuned)", ratios(r, tuned)) for r in rows[1:] if "error" not in r
+  ]
   vs_upstream = None
   if isinstance(upstream, Run):
-    ratio_rows += [(f"{r['optimizer']} / upstream", ratios(r, upstream.summary))
-                   for r in others if r["family"] in ("kfac", "kfac_optimizer")]
-    vs_upstream = upstream_budget(upstream, [r for r in runs if r.summary["family"] in
-                                             ("kfac", "kfac_optimizer")], curves, window)
-  return {"best": best, "grid": grid, "tuned": tuned, "rows": rows, "ratio_rows": ratio_rows,
-          "curves": curves, "target": target, "window": window, "vs_upstream": vs_upstream}
+    ratio_rows += [
+      (f"{r['optimizer']} / upstream", ratios(r, upstream.summary))
+      for r in others
+      if r["family"] in ("kfac", "kfac_optimizer")
+    ]
+    vs_upstream = upstream_budget(
+      upstream,
+      [r for r in runs if r.summary["family"] in ("kfac", "kfac_optimizer")],
+      curves,
+      window,
+    )
+  return {
+    "best": best,
+    "grid": grid,
+    "tuned": tuned,
+    "rows": rows,
+    "ratio_rows": ratio_rows,
+    "curves": curves,
+    "target": target,
+    "window": window,
+    "vs_upstream": vs_upstream,
+  }
 
 
 def upstream_budget(upstream: Run, ours: Sequence[Run], curves, window: int) -> dict:
@@ -525,8 +754,10 @@ def upstream_budget(upstream: Run, ours: Sequence[Run], curves, window: int) -> 
   out = {}
   for r in ours:
     hit = compare.time_to_reach(*curves[r.name], loss, window)
-    out[r.name] = {"time_to_loss": hit,
-                   "fraction": None if hit is None or budget <= 0 else hit[1] / budget}
+    out[r.name] = {
+      "time_to_loss": hit,
+      "fraction": None if hit is None or budget <= 0 else hit[1] / budget,
+    }
   return {"loss": loss, "budget_s": budget, "runs": out}
 
 
@@ -534,14 +765,20 @@ def upstream_budget_line(vs: Mapping[str, Any]) -> str:
   parts = []
   for name, v in vs["runs"].items():
     hit = v["time_to_loss"]
-    parts.append(f"{name} not within its run" if hit is None else
-                 f"{name} at step {hit[0]} after {hit[1]:.2f} s ({v['fraction']:.2f}x)")
-  return (f"upstream's final loss {vs['loss']:.4g} after its {vs['budget_s']:.2f} s of "
-          f"training (target: reach it in <= 0.5x that): " + "; ".join(parts) + ".")
+    parts.append(
+      f"{name} not within its run"
+      if hit is None
+      else f"{name} at step {hit[0]} after {hit[1]:.2f} s ({v['fraction']:.2f}x)"
+    )
+  return (
+    f"upstream's final loss {vs['loss']:.4g} after its {vs['budget_s']:.2f} s of "
+    f"training (target: reach it in <= 0.5x that): " + "; ".join(parts) + "."
+  )
 
 
-def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
-                  command: str) -> dict:
+def run_benchmark(
+  workload: Workload, contestants: Sequence[Contestant], args, command: str
+) -> dict:
   """Runs everything, prints the report, writes JSON / PNG; returns the JSON object."""
   total = args.warmup + args.steps
   print(f"{workload.name}: {workload.description}", flush=True)
@@ -550,60 +787,91 @@ def run_benchmark(workload: Workload, contestants: Sequence[Contestant], args,
   runs: list[Run] = []
   for c in contestants:
     print(f"running {c.name} ...", flush=True)
-    runs.append(run_contestant(c, workload, args.steps, args.warmup, args.seed,
-                               args.compile_repeats, peak))
+    runs.append(
+      run_contestant(c, workload, args.steps, args.warmup, args.seed, args.compile_repeats, peak)
+    )
   upstream: Run | dict | None = None
   if args.with_upstream:
     if workload.upstream is None:
-      upstream = {"optimizer": UPSTREAM_NAME, "family": "upstream",
-                  "error": f"no upstream version of the {workload.name} workload"}
+      upstream = {
+        "optimizer": UPSTREAM_NAME,
+        "family": "upstream",
+        "error": f"no upstream version of the {workload.name} workload",
+      }
     else:
       upstream = run_upstream(workload, args, total)
 
   rep = compare_runs(runs, upstream, args.reach_window, total)
   best, grid, tuned, rows = rep["best"], rep["grid"], rep["tuned"], rep["rows"]
-  ratio_rows, curves, target, window = (rep["ratio_rows"], rep["curves"], rep["target"],
-                                        rep["window"])
+  ratio_rows, curves, target, window = (
+    rep["ratio_rows"],
+    rep["curves"],
+    rep["target"],
+    rep["window"],
+  )
   best_lr = best.summary["hyperparameters"]["learning_rate"]
   adam = [r for r in runs if r.summary["family"] == "adam"]
   all_runs = runs + ([upstream] if isinstance(upstream, Run) else [])
   env = environment(command, workload)
   print()
-  print(f"jax {env['jax']} on {env['device']} ({env['cpu_count']} CPUs), Python "
-        f"{env['python']}; {args.warmup} warm-up + {args.steps} timed steps")
+  print(
+    f"jax {env['jax']} on {env['device']} ({env['cpu_count']} CPUs), Python "
+    f"{env['python']}; {args.warmup} warm-up + {args.steps} timed steps"
+  )
   print(f"command: `{command}`")
   print()
   print(markdown_table(rows, ratio_rows, total, target))
   print()
   if rep["vs_upstream"] is not None:
     print(upstream_budget_line(rep["vs_upstream"]))
-  print("Adam grid (final loss per learning rate): " + ", ".join(
-      f"lr={g['learning_rate']:g}: {_fmt(g['final_eval_loss'], '.4g')}" for g in grid)
-        + f"; tuned = lr={best_lr:g}")
-  print(f"loss = {workload.eval_description}; compile = min over {args.compile_repeats} of "
-        "jax.jit(step).lower(...).compile(); steps exclude compilation; peak memory = "
-        f"{rows[0].get('peak_source')}; target = the tuned Adam's final training loss "
-        f"(minibatch, trailing mean of {window}); seconds exclude compilation and the first "
-        "step's one-off costs.")
+  print(
+    "Adam grid (final loss per learning rate): "
+    + ", ".join(f"lr={g['learning_rate']:g}: {_fmt(g['final_eval_loss'], '.4g')}" for g in grid)
+    + f"; tuned = lr={best_lr:g}"
+  )
+  print(
+    f"loss = {workload.eval_description}; compile = min over {args.compile_repeats} of "
+    "jax.jit(step).lower(...).compile(); steps exclude compilation; peak memory = "
+    f"{rows[0].get('peak_source')}; target = the tuned Adam's final training loss "
+    f"(minibatch, trailing mean of {window}); seconds exclude compilation and the first "
+    "step's one-off costs."
+  )
   ours = registrations(workload)
   print(f"kfac_jax layer registrations: {_count(ours)}{_odd(ours)}.")
   if isinstance(upstream, Run):
     u = upstream.summary
-    print(f"{u['optimizer']} (jax {u['upstream_env']['jax']}, own venv): compile = min first "
-          f"step minus the {u['compile_baseline']}; its layer registrations: "
-          f"{_count(u['registrations'])}{_odd(u['registrations'])}.")
-  out = {"env": env, "kfac_jax_registrations": ours,
-         "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
-         "adam_grid": grid, "adam_tuned": tuned["optimizer"], "adam_tuned_run": best.name,
-         "target_loss": target,
-         "target_window": window, "vs_upstream": rep["vs_upstream"], "results": rows,
-         "adam_grid_results": [r.summary for r in adam], "ratios": dict(ratio_rows),
-         "curves": {r.name: {"losses": [float(x) for x in r.losses],
-                             "step_times_s": [float(x) for x in r.step_times]}
-                    for r in all_runs}}
+    print(
+      f"{u['optimizer']} (jax {u['upstream_env']['jax']}, own venv): compile = min first "
+      f"step minus the {u['compile_baseline']}; its layer registrations: "
+      f"{_count(u['registrations'])}{_odd(u['registrations'])}."
+    )
+  out = {
+    "env": env,
+    "kfac_jax_registrations": ours,
+    "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
+    "adam_grid": grid,
+    "adam_tuned": tuned["optimizer"],
+    "adam_tuned_run": best.name,
+    "target_loss": target,
+    "target_window": window,
+    "vs_upstream": rep["vs_upstream"],
+    "results": rows,
+    "adam_grid_results": [r.summary for r in adam],
+    "ratios": dict(ratio_rows),
+    "curves": {
+      r.name: {
+        "losses": [float(x) for x in r.losses],
+        "step_times_s": [float(x) for x in r.step_times],
+      }
+      for r in all_runs
+    },
+  }
   if args.plot:
-    plot_curves = {(tuned["optimizer"] if r is best else r.name): curves[r.name]
-                   for r in all_runs if r.summary["family"] != "adam" or r is best}
+    plot_curves = {
+      (tuned["optimizer"] if r is best else r.name): curves[r.name]
+      for r in all_runs
+      if r.summary["family"] != "adam" or r is best
+    }
     title = f"{workload.name}: {workload.description.split('; data:')[0]}"
     compare.plot_curves(plot_curves, args.plot, textwrap.fill(title, 150))
     print(f"wrote {args.plot}")
@@ -619,8 +887,13 @@ def registrations(workload: Workload) -> list[dict]:
   """kfac_jax's layers for the workload, in the worker's format (`{"kind", "params"}`)."""
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
   specs = kfac_jax.scan_layers(workload.loss_fn, workload.params0, example)
-  return [{"kind": s.kind + ("" if s.num_uses == 1 else f" ({s.num_uses} uses)"),
-           "params": list(s.param_paths)} for s in specs]
+  return [
+    {
+      "kind": s.kind + ("" if s.num_uses == 1 else f" ({s.num_uses} uses)"),
+      "params": list(s.param_paths),
+    }
+    for s in specs
+  ]
 
 
 def _count(regs: Sequence[Mapping[str, Any]]) -> str:
@@ -632,9 +905,12 @@ def _count(regs: Sequence[Mapping[str, Any]]) -> str:
 
 def _odd(regs: Sequence[Mapping[str, Any]]) -> str:
   """The parameters of generic / embedding / multi-use registrations (the interesting ones)."""
-  odd = [f"{'+'.join(r['params'])} as {r['kind']}" for r in regs
-         if r["kind"].split(" ")[0] not in ("dense", "conv", "conv2d", "scale_and_shift",
-                                            "repeated_dense")]
+  odd = [
+    f"{'+'.join(r['params'])} as {r['kind']}"
+    for r in regs
+    if r["kind"].split(" ")[0]
+    not in ("dense", "conv", "conv2d", "scale_and_shift", "repeated_dense")
+  ]
   return "" if not odd else " (" + "; ".join(odd) + ")"
 
 
@@ -656,6 +932,7 @@ def main(parse_args: Callable, make_workload: Callable, script: str, argv=None) 
 
 # -- the race (issue 14): a fixed budget of training seconds per contestant ---------------------
 
+
 def charged_seconds(step_times: Sequence[float], period: int) -> float:
   """The training seconds the race charges for these steps: each step its measured time, the
   first one (which carries one-off costs) counted as a typical step of its phase
@@ -666,9 +943,15 @@ def charged_seconds(step_times: Sequence[float], period: int) -> float:
   return float(np.sum(compare.curve_times(step_times, period)))
 
 
-def run_for_budget(prepare: Callable[[int], Any], step: Callable[[int, Any], Any],
-                   budget_s: float, *, period: int = 1, max_steps: int | None = None,
-                   clock: Callable[[], float] = time.perf_counter) -> list[float]:
+def run_for_budget(
+  prepare: Callable[[int], Any],
+  step: Callable[[int, Any], Any],
+  budget_s: float,
+  *,
+  period: int = 1,
+  max_steps: int | None = None,
+  clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
   """Runs `step(t, prepare(t))` for t = 0, 1, ... while the charged seconds are below the budget.
 
   Only `step` is timed (it must block until its results are ready); `prepare` (the batch, the
@@ -717,8 +1000,9 @@ class _Charger:
     return self.rest + median
 
 
-def run_contestant_for_budget(c: Contestant, workload: Workload, budget_s: float, seed: int,
-                              max_steps: int | None = None) -> Run:
+def run_contestant_for_budget(
+  c: Contestant, workload: Workload, budget_s: float, seed: int, max_steps: int | None = None
+) -> Run:
   """One contestant of the race: init, one AOT compilation (timed, not charged), then steps
   until `budget_s` charged seconds (`run_for_budget`), then the evaluation loss (not charged)."""
   params = jax.tree.map(jnp.copy, workload.params0)
@@ -747,40 +1031,58 @@ def run_contestant_for_budget(c: Contestant, workload: Workload, budget_s: float
   times = run_for_budget(prepare, step, budget_s, period=c.period, max_steps=max_steps)
   losses_np = np.asarray([float(x) for x in losses])
   final = workload.eval_fn(carry["params"])
-  summary = race_summary(c.name, c.family, losses_np, times, c.period, budget_s,
-                         hyperparameters=dict(c.hyperparameters), setup_s=setup_s,
-                         compile_s=compile_s, final_eval_loss=final)
+  summary = race_summary(
+    c.name,
+    c.family,
+    losses_np,
+    times,
+    c.period,
+    budget_s,
+    hyperparameters=dict(c.hyperparameters),
+    setup_s=setup_s,
+    compile_s=compile_s,
+    final_eval_loss=final,
+  )
   return Run(c.name, losses_np, np.asarray(times), c.period, summary)
 
 
-def race_summary(name: str, family: str, losses, times, period: int, budget_s: float,
-                 **extra) -> dict:
+def race_summary(
+  name: str, family: str, losses, times, period: int, budget_s: float, **extra
+) -> dict:
   """A race row: steps, charged seconds, mean and median step of the charged times."""
   charged = compare.curve_times(times, period)
-  out = {"optimizer": name, "family": family, "steps": len(times),
-         "charged_s": float(np.sum(charged)), "budget_s": budget_s,
-         "mean_step_ms": 1e3 * float(np.mean(charged)) if len(times) else None,
-         "median_step_ms": 1e3 * float(np.median(charged)) if len(times) else None,
-         "finite": bool(np.all(np.isfinite(losses))),
-         "last_minibatch_loss": float(losses[-1]) if len(losses) else None}
+  out = {
+    "optimizer": name,
+    "family": family,
+    "steps": len(times),
+    "charged_s": float(np.sum(charged)),
+    "budget_s": budget_s,
+    "mean_step_ms": 1e3 * float(np.mean(charged)) if len(times) else None,
+    "median_step_ms": 1e3 * float(np.median(charged)) if len(times) else None,
+    "finite": bool(np.all(np.isfinite(losses))),
+    "last_minibatch_loss": float(losses[-1]) if len(losses) else None,
+  }
   out.update(extra)
   return out
 
 
-def run_upstream_for_budget(workload: Workload, args, budget_s: float,
-                            max_steps: int) -> Run | dict:
+def run_upstream_for_budget(
+  workload: Workload, args, budget_s: float, max_steps: int
+) -> Run | dict:
   """Upstream kfac-jax in its venv for `budget_s` charged seconds (the worker's `budget_s`)."""
   try:
     python = compare.ensure_venv(args.upstream_python)
     pools, idx = workload.upstream_data(max_steps)
     config = _upstream_config(workload, args, compile_repeats=1, budget_s=budget_s)
     print(f"running upstream kfac-jax ({python}) ...", flush=True)
-    report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx,
-                                       config)
+    report, final = compare.run_worker(python, jax.device_get(workload.params0), pools, idx, config)
   except compare.UpstreamFailed as e:
     print(f"upstream failed:\n{e}", flush=True)
-    return {"optimizer": UPSTREAM_NAME, "family": "upstream",
-            "error": e.exception or "the worker failed (see the log above)"}
+    return {
+      "optimizer": UPSTREAM_NAME,
+      "family": "upstream",
+      "error": e.exception or "the worker failed (see the log above)",
+    }
   except (RuntimeError, OSError) as e:  # No venv, or it could not be created.
     print(f"upstream failed:\n{e}", flush=True)
     return {"optimizer": UPSTREAM_NAME, "family": "upstream", "error": str(e).splitlines()[0]}
@@ -788,12 +1090,24 @@ def run_upstream_for_budget(workload: Workload, args, budget_s: float,
   losses = np.asarray(report["losses"], float)
   times = np.asarray(report["step_times_s"], float)
   summary = race_summary(
-      report["optimizer"], "upstream", losses, times, args.inverse_every, budget_s,
-      hyperparameters={"learning_rate": args.kfac_lr, "momentum": args.kfac_momentum,
-                       "damping": args.damping, "ema_decay": args.ema_decay,
-                       "inverse_every": args.inverse_every},
-      setup_s=report["init_s"], compile_s=report["compile_s"], final_eval_loss=final_loss,
-      upstream_env={k: report[k] for k in ("upstream_version", "jax", "python", "backend")})
+    report["optimizer"],
+    "upstream",
+    losses,
+    times,
+    args.inverse_every,
+    budget_s,
+    hyperparameters={
+      "learning_rate": args.kfac_lr,
+      "momentum": args.kfac_momentum,
+      "damping": args.damping,
+      "ema_decay": args.ema_decay,
+      "inverse_every": args.inverse_every,
+    },
+    setup_s=report["init_s"],
+    compile_s=report["compile_s"],
+    final_eval_loss=final_loss,
+    upstream_env={k: report[k] for k in ("upstream_version", "jax", "python", "backend")},
+  )
   return Run(report["optimizer"], losses, times, args.inverse_every, summary)
 
 
@@ -817,8 +1131,10 @@ def race_compare(runs: Sequence[Run], reach_window: int) -> dict:
   """
   adam = best_of(runs, "adam")
   if adam is None:
-    raise ValueError("race_compare needs at least one Adam run (family 'adam'), got the "
-                     f"families {[r.summary['family'] for r in runs]}.")
+    raise ValueError(
+      "race_compare needs at least one Adam run (family 'adam'), got the "
+      f"families {[r.summary['family'] for r in runs]}."
+    )
   window = max(1, min(reach_window, len(adam.losses) // 10))
   target = float(compare.smoothed(adam.losses, window)[-1])
   curves = {r.name: (r.losses, compare.curve_times(r.step_times, r.period)) for r in runs}
@@ -835,21 +1151,39 @@ def race_compare(runs: Sequence[Run], reach_window: int) -> dict:
     if b is None:
       continue
     best[fam] = b
-    grids[fam] = [(r.summary["hyperparameters"]["learning_rate"],
-                   r.summary["final_eval_loss"]) for r in runs if r.summary["family"] == fam]
+    grids[fam] = [
+      (r.summary["hyperparameters"]["learning_rate"], r.summary["final_eval_loss"])
+      for r in runs
+      if r.summary["family"] == fam
+    ]
     label = {"adam": "Adam", "muon": "Muon"}[fam]
-    rows.append(dict(b.summary, optimizer=f"{label} (tuned, lr="
-                     f"{b.summary['hyperparameters']['learning_rate']:g})"))
+    rows.append(
+      dict(
+        b.summary,
+        optimizer=f"{label} (tuned, lr={b.summary['hyperparameters']['learning_rate']:g})",
+      )
+    )
   rows += [r.summary for r in runs if r.summary["family"] not in ("adam", "muon")]
-  return {"rows": rows, "target": target, "window": window, "adam_seconds": adam_s,
-          "grids": grids, "best": best, "curves": curves}
+  return {
+    "rows": rows,
+    "target": target,
+    "window": window,
+    "adam_seconds": adam_s,
+    "grids": grids,
+    "best": best,
+    "curves": curves,
+  }
 
 
 def race_table(rows: Sequence[Mapping[str, Any]], budget_s: float, target: float) -> str:
   """The markdown table of the race (a failed contestant shows its error)."""
-  lines = [(f"| contestant | loss at {budget_s:g} s | seconds to {target:.4g} | vs Adam | steps "
-            "| mean step (ms) | compile (s) |"),
-           "|---|---:|---:|---:|---:|---:|---:|"]
+  lines = [
+    (
+      f"| contestant | loss at {budget_s:g} s | seconds to {target:.4g} | vs Adam | steps "
+      "| mean step (ms) | compile (s) |"
+    ),
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
   for r in rows:
     if "error" in r:
       lines.append(f"| {r['optimizer']} | failed: {r['error'].replace('|', '/')} | | | | | |")
@@ -858,8 +1192,9 @@ def race_table(rows: Sequence[Mapping[str, Any]], budget_s: float, target: float
     hit = r.get("time_to_target")
     vs = r.get("vs_adam")
     lines.append(
-        f"| {r['optimizer']} | {loss} | "
-        f"{'not reached' if hit is None else format(hit[1], '.1f')} | "
-        f"{'' if vs is None else format(vs, '.2f') + 'x'} | {r['steps']:,} | "
-        f"{_fmt(r['mean_step_ms'], '.1f')} | {_fmt(r['compile_s'], '.2f')} |")
+      f"| {r['optimizer']} | {loss} | "
+      f"{'not reached' if hit is None else format(hit[1], '.1f')} | "
+      f"{'' if vs is None else format(vs, '.2f') + 'x'} | {r['steps']:,} | "
+      f"{_fmt(r['mean_step_ms'], '.1f')} | {_fmt(r['compile_s'], '.2f')} |"
+    )
   return "\n".join(lines)

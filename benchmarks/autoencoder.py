@@ -43,19 +43,37 @@ from examples import data as data_lib  # noqa: E402
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   _harness.add_common_args(
-      p, steps=100, warmup=5, adam_lrs="3e-4,1e-3,3e-3", sgd_lr=1e-3,
-      kfac_lr=ae.DEFAULT_KFAC_LR, kfac_momentum=ae.DEFAULT_KFAC_MOMENTUM,
-      damping=ae.DEFAULT_DAMPING, optimizer_damping=10.0, inverse_every=ae.DEFAULT_INVERSE_EVERY,
-      plot=os.path.join("out", "bench_autoencoder.png"))
-  p.add_argument("--batch-size", type=int, default=ae.DEFAULT_BATCH_SIZE,
-                 help="minibatch size (ignored with --full-batch)")
-  p.add_argument("--full-batch", action="store_true",
-                 help="every step on the same --num-images images")
-  p.add_argument("--num-images", type=int, default=10000,
-                 help="with --full-batch: the batch; otherwise: the evaluation set")
+    p,
+    steps=100,
+    warmup=5,
+    adam_lrs="3e-4,1e-3,3e-3",
+    sgd_lr=1e-3,
+    kfac_lr=ae.DEFAULT_KFAC_LR,
+    kfac_momentum=ae.DEFAULT_KFAC_MOMENTUM,
+    damping=ae.DEFAULT_DAMPING,
+    optimizer_damping=10.0,
+    inverse_every=ae.DEFAULT_INVERSE_EVERY,
+    plot=os.path.join("out", "bench_autoencoder.png"),
+  )
+  p.add_argument(
+    "--batch-size",
+    type=int,
+    default=ae.DEFAULT_BATCH_SIZE,
+    help="minibatch size (ignored with --full-batch)",
+  )
+  p.add_argument(
+    "--full-batch", action="store_true", help="every step on the same --num-images images"
+  )
+  p.add_argument(
+    "--num-images",
+    type=int,
+    default=10000,
+    help="with --full-batch: the batch; otherwise: the evaluation set",
+  )
   p.add_argument("--data-dir", default=None, help="MNIST-format idx files (see examples/data.py)")
   args = p.parse_args(argv)
   if args.quick:
@@ -63,8 +81,9 @@ def parse_args(argv=None):
     args.batch_size, args.num_images = min(args.batch_size, 128), min(args.num_images, 256)
   _harness.check_common_args(p, args)
   if args.batch_size < 1 or args.num_images < 1:
-    p.error(f"--batch-size and --num-images must be >= 1, got {args.batch_size} and "
-            f"{args.num_images}")
+    p.error(
+      f"--batch-size and --num-images must be >= 1, got {args.batch_size} and {args.num_images}"
+    )
   return args
 
 
@@ -77,10 +96,11 @@ def make_workload(args) -> _harness.Workload:
   params0 = ae.init_params(model, args.seed)
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params0))
   total = args.warmup + args.steps
-  arch = "-".join(str(w) for w in (ds.num_features, *encoder, *reversed(encoder[:-1]),
-                                   ds.num_features))
+  arch = "-".join(
+    str(w) for w in (ds.num_features, *encoder, *reversed(encoder[:-1]), ds.num_features)
+  )
   if args.full_batch:
-    images = images[:args.num_images]
+    images = images[: args.num_images]
     full = jnp.asarray(images)  # Placed once; every step reuses it.
     idx = np.tile(np.arange(images.shape[0]), (total, 1))
     batch_at = lambda t: full  # noqa: E731
@@ -88,21 +108,29 @@ def make_workload(args) -> _harness.Workload:
   else:
     idx = ae.batch_indices(images.shape[0], args.batch_size, total, args.seed)
     batch_at = lambda t: images[idx[t]]  # noqa: E731
-    eval_images, how = images[:args.num_images], f"batch {idx.shape[1]}"
+    eval_images, how = images[: args.num_images], f"batch {idx.shape[1]}"
   n_layers = len(params0["params"])
   code_layer = len(encoder) - 1
-  upstream = {"model": "autoencoder",
-              "activations": ["linear" if i in (code_layer, n_layers - 1) else "tanh"
-                              for i in range(n_layers)]}
+  upstream = {
+    "model": "autoencoder",
+    "activations": [
+      "linear" if i in (code_layer, n_layers - 1) else "tanh" for i in range(n_layers)
+    ],
+  }
   return _harness.Workload(
-      name="autoencoder" + (" (full batch)" if args.full_batch else ""),
-      description=f"{arch} autoencoder ({n_params:,} parameters) on {ds.name}, {how}; "
-                  f"data: {ds.source}",
-      loss_fn=loss_fn, params0=params0, batch_at=batch_at,
-      eval_fn=ae.make_eval_fn(loss_fn, eval_images),
-      eval_description=(f"sigmoid cross-entropy summed over pixels, mean over "
-                        f"{eval_images.shape[0]} training images"),
-      upstream=upstream, upstream_data=lambda steps: (images, idx[:steps]))
+    name="autoencoder" + (" (full batch)" if args.full_batch else ""),
+    description=f"{arch} autoencoder ({n_params:,} parameters) on {ds.name}, {how}; "
+    f"data: {ds.source}",
+    loss_fn=loss_fn,
+    params0=params0,
+    batch_at=batch_at,
+    eval_fn=ae.make_eval_fn(loss_fn, eval_images),
+    eval_description=(
+      f"sigmoid cross-entropy summed over pixels, mean over {eval_images.shape[0]} training images"
+    ),
+    upstream=upstream,
+    upstream_data=lambda steps: (images, idx[:steps]),
+  )
 
 
 def main(argv=None) -> int:

@@ -35,12 +35,22 @@ from examples import data as data_lib  # noqa: E402
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   _harness.add_common_args(
-      p, steps=100, warmup=5, adam_lrs="2e-3,5e-3,1e-2,2e-2", sgd_lr=0.01, kfac_lr=0.2,
-      kfac_momentum=0.9, damping=1.0, optimizer_damping=1.0, inverse_every=10,
-      plot=os.path.join("out", "bench_cnn.png"))
+    p,
+    steps=100,
+    warmup=5,
+    adam_lrs="2e-3,5e-3,1e-2,2e-2",
+    sgd_lr=0.01,
+    kfac_lr=0.2,
+    kfac_momentum=0.9,
+    damping=1.0,
+    optimizer_damping=1.0,
+    inverse_every=10,
+    plot=os.path.join("out", "bench_cnn.png"),
+  )
   p.add_argument("--batch-size", type=int, default=256)
   p.add_argument("--channels", default="16,32", help="conv channels, comma-separated")
   p.add_argument("--data-dir", default=None, help="MNIST-format idx files (see examples/data.py)")
@@ -54,8 +64,10 @@ def parse_args(argv=None):
   except ValueError:
     p.error(f"--channels must be comma-separated integers, got {args.channels!r}")
   if args.batch_size < 1 or not args.channel_list or min(args.channel_list) < 1:
-    p.error(f"--batch-size and every --channels entry must be >= 1, got {args.batch_size} and "
-            f"{args.channels!r}")
+    p.error(
+      f"--batch-size and every --channels entry must be >= 1, got {args.batch_size} and "
+      f"{args.channels!r}"
+    )
   return args
 
 
@@ -63,8 +75,10 @@ def make_workload(args) -> _harness.Workload:
   ds = data_lib.load_dataset("fashion_mnist", args.data_dir)
   h, w = ds.image_shape
   if h % 2 ** len(args.channel_list) or w % 2 ** len(args.channel_list):
-    raise ValueError(f"--channels {args.channels!r}: {len(args.channel_list)} 2x2 poolings do "
-                     f"not divide the {h}x{w} images; use fewer convolutions.")
+    raise ValueError(
+      f"--channels {args.channels!r}: {len(args.channel_list)} 2x2 poolings do "
+      f"not divide the {h}x{w} images; use fewer convolutions."
+    )
   x = ds.train_images.reshape(-1, h, w, 1)
   y = ds.train_labels.astype(np.int32)
   if args.quick:
@@ -80,15 +94,17 @@ def make_workload(args) -> _harness.Workload:
   idx = ae.batch_indices(train["y"].shape[0], args.batch_size, total, args.seed)
   eval_loss = jax.jit(loss_fn)
   return _harness.Workload(
-      name="cnn",
-      description=f"CNN conv{args.channel_list}+LayerNorm+dense ({n_params:,} parameters) on "
-                  f"{ds.name}, batch {idx.shape[1]}; data: {ds.source}",
-      loss_fn=loss_fn, params0=params0,
-      batch_at=lambda t: {k: v[idx[t]] for k, v in train.items()},
-      eval_fn=lambda params: float(eval_loss(params, test)),
-      eval_description=f"softmax cross-entropy, mean over {held_out} held-out training images",
-      upstream={"model": "cnn", "num_convs": len(args.channel_list)},
-      upstream_data=lambda steps: (train, idx[:steps]))
+    name="cnn",
+    description=f"CNN conv{args.channel_list}+LayerNorm+dense ({n_params:,} parameters) on "
+    f"{ds.name}, batch {idx.shape[1]}; data: {ds.source}",
+    loss_fn=loss_fn,
+    params0=params0,
+    batch_at=lambda t: {k: v[idx[t]] for k, v in train.items()},
+    eval_fn=lambda params: float(eval_loss(params, test)),
+    eval_description=f"softmax cross-entropy, mean over {held_out} held-out training images",
+    upstream={"model": "cnn", "num_convs": len(args.channel_list)},
+    upstream_data=lambda steps: (train, idx[:steps]),
+  )
 
 
 def main(argv=None) -> int:

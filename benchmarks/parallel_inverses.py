@@ -52,21 +52,25 @@ def main() -> int:
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state.cache))
   sharded = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
   memory_only = "--memory-only" in sys.argv
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices "
-        f"({jax.devices()[0].device_kind}); {len(costs)} blocks")
+  print(
+    f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices "
+    f"({jax.devices()[0].device_kind}); {len(costs)} blocks"
+  )
   flags = "".join(f" {a}" for a in sys.argv[1:])
   print(f"command: `python {os.path.relpath(__file__, os.getcwd())}{flags}`\n")
-  print("| devices | inverse update (ms, median of 5) | largest share of the cost | "
-        "state per device, replicated (MiB) | inverses per device, replicated (MiB) | "
-        "inverses per device, sharded (MiB) |")
+  print(
+    "| devices | inverse update (ms, median of 5) | largest share of the cost | "
+    "state per device, replicated (MiB) | inverses per device, replicated (MiB) | "
+    "inverses per device, sharded (MiB) |"
+  )
   print("|---:|---:|---:|---:|---:|---:|")
   counts = [d for d in (1, 2, 4, 8, 16, 32) if d <= jax.device_count()]
   for d in counts:
     devices = jax.devices()[:d]
     # The sharded state's cache, initialised inside the pmap; bytes of device 0's buffers.
-    local = jax.pmap(lambda p: sharded.init(p, axis_name="i").cache, axis_name="i",
-                     devices=devices)(jax.tree_util.tree_map(
-                         lambda x, d=d: jnp.broadcast_to(x, (d,) + x.shape), params))
+    local = jax.pmap(
+      lambda p: sharded.init(p, axis_name="i").cache, axis_name="i", devices=devices
+    )(jax.tree_util.tree_map(lambda x, d=d: jnp.broadcast_to(x, (d,) + x.shape), params))
     sharded_bytes = sum(b[0].nbytes for b in local.buffers.values())
     shares = _parallel.assign(costs, d)
     largest = max(sum(costs[i] for i in s) for s in shares) / sum(costs)
@@ -78,8 +82,9 @@ def main() -> int:
     if d == 1:
       fn = jax.pmap(lambda s: est.update_inverses(s, 1.0), devices=devices)
     else:
-      fn = jax.pmap(lambda s: est.update_inverses(s, 1.0, axis_name="i"), axis_name="i",
-                    devices=devices)
+      fn = jax.pmap(
+        lambda s: est.update_inverses(s, 1.0, axis_name="i"), axis_name="i", devices=devices
+      )
     jax.block_until_ready(fn(stacked))
     times = []
     for _ in range(5):

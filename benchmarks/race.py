@@ -77,46 +77,84 @@ def _floats(p, flag: str, text: str) -> list[float]:
 def parse_args(argv=None):
   """The race's own flags; every other flag goes to the workload's parser (see its --help)."""
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-      epilog="Any other flag is the workload's (python benchmarks/<workload>.py --help), e.g. "
-             "--adam-lrs, --kfac-lr, --damping, --inverse-every, --with-upstream, --quick, "
-             "--json, --plot.")
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    epilog="Any other flag is the workload's (python benchmarks/<workload>.py --help), e.g. "
+    "--adam-lrs, --kfac-lr, --damping, --inverse-every, --with-upstream, --quick, "
+    "--json, --plot.",
+  )
   p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
   p.add_argument("--budget", type=float, default=120.0, help="charged training seconds each")
-  p.add_argument("--muon-lrs", default=None,
-                 help="Muon learning-rate grid ('' drops Muon); default per workload: "
-                      + ", ".join(f"{k} {v}" for k, v in MUON_LRS.items()))
-  p.add_argument("--ekfac", action=argparse.BooleanOptionalAction, default=True,
-                 help="add the kfac transform with dense and conv layers on EKFAC")
-  p.add_argument("--ekfac-damping", type=float, default=None,
-                 help="the EKFAC contestant's damping, added to its scalings (default: --damping; "
-                      "K-FAC's factored damping splits √λ between the factors, so equal values "
-                      "are not equal strengths)")
-  p.add_argument("--norm-constraint", type=float, default=1e-3,
-                 help="add the kfac transform with KL clipping at this norm_constraint (0 drops "
-                      "it; KAISA's default kl_clip is 1e-3)")
-  p.add_argument("--kfac-configs", default="",
-                 help="more kfac transform contestants, comma-separated lr:momentum:damping:clip "
-                      "(clip: norm_constraint, 0 for none; momentum 0 for none)")
-  p.add_argument("--data-steps", type=int, default=2000,
-                 help="length of the minibatch sequence (it repeats after that)")
+  p.add_argument(
+    "--muon-lrs",
+    default=None,
+    help="Muon learning-rate grid ('' drops Muon); default per workload: "
+    + ", ".join(f"{k} {v}" for k, v in MUON_LRS.items()),
+  )
+  p.add_argument(
+    "--ekfac",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="add the kfac transform with dense and conv layers on EKFAC",
+  )
+  p.add_argument(
+    "--ekfac-damping",
+    type=float,
+    default=None,
+    help="the EKFAC contestant's damping, added to its scalings (default: --damping; "
+    "K-FAC's factored damping splits √λ between the factors, so equal values "
+    "are not equal strengths)",
+  )
+  p.add_argument(
+    "--norm-constraint",
+    type=float,
+    default=1e-3,
+    help="add the kfac transform with KL clipping at this norm_constraint (0 drops "
+    "it; KAISA's default kl_clip is 1e-3)",
+  )
+  p.add_argument(
+    "--kfac-configs",
+    default="",
+    help="more kfac transform contestants, comma-separated lr:momentum:damping:clip "
+    "(clip: norm_constraint, 0 for none; momentum 0 for none)",
+  )
+  p.add_argument(
+    "--data-steps",
+    type=int,
+    default=2000,
+    help="length of the minibatch sequence (it repeats after that)",
+  )
   p.add_argument("--max-steps", type=int, default=None, help="cap on each contestant's steps")
-  p.add_argument("--sweep", action="store_true",
-                 help="only the kfac transform over --sweep-lrs x --sweep-dampings (+ Adam)")
+  p.add_argument(
+    "--sweep",
+    action="store_true",
+    help="only the kfac transform over --sweep-lrs x --sweep-dampings (+ Adam)",
+  )
   p.add_argument("--sweep-lrs", default="0.05,0.1,0.2,0.5")
   p.add_argument("--sweep-dampings", default="1,10,30,100")
-  p.add_argument("--sweep-norm-constraint", type=float, default=0.0,
-                 help="KL clipping for every sweep run (0: none)")
-  p.add_argument("--sweep-ekfac", action="store_true",
-                 help="sweep the transform with dense layers on EKFAC instead of K-FAC")
+  p.add_argument(
+    "--sweep-norm-constraint",
+    type=float,
+    default=0.0,
+    help="KL clipping for every sweep run (0: none)",
+  )
+  p.add_argument(
+    "--sweep-ekfac",
+    action="store_true",
+    help="sweep the transform with dense layers on EKFAC instead of K-FAC",
+  )
   args, rest = p.parse_known_args(argv)
   if args.norm_constraint < 0:
-    p.error(f"--norm-constraint must be >= 0 (0 drops the contestant), got "
-            f"{args.norm_constraint}")
-  if not args.budget > 0 or args.data_steps < 2 or (args.max_steps is not None
-                                                     and args.max_steps < 1):
-    p.error(f"--budget must be > 0, --data-steps >= 2 and --max-steps >= 1, got {args.budget}, "
-            f"{args.data_steps} and {args.max_steps}")
+    p.error(f"--norm-constraint must be >= 0 (0 drops the contestant), got {args.norm_constraint}")
+  if (
+    not args.budget > 0
+    or args.data_steps < 2
+    or (args.max_steps is not None and args.max_steps < 1)
+  ):
+    p.error(
+      f"--budget must be > 0, --data-steps >= 2 and --max-steps >= 1, got {args.budget}, "
+      f"{args.data_steps} and {args.max_steps}"
+    )
   args.kfac_config_list = []
   for text in (c.strip() for c in args.kfac_configs.split(",") if c.strip()):
     try:
@@ -124,20 +162,26 @@ def parse_args(argv=None):
     except ValueError:
       p.error(f"--kfac-configs: each entry is lr:momentum:damping:clip, got {text!r}")
     if not (lr > 0 and damping > 0 and 0 <= momentum < 1 and clip >= 0):
-      p.error(f"--kfac-configs: need lr > 0, damping > 0, 0 <= momentum < 1, clip >= 0; got "
-              f"{text!r}")
+      p.error(
+        f"--kfac-configs: need lr > 0, damping > 0, 0 <= momentum < 1, clip >= 0; got {text!r}"
+      )
     args.kfac_config_list.append((lr, momentum, damping, clip))
   muon = MUON_LRS[args.workload] if args.muon_lrs is None else args.muon_lrs
   args.muon_lr_grid = _floats(p, "--muon-lrs", muon) if muon.strip() else []
   args.sweep_lr_grid = _floats(p, "--sweep-lrs", args.sweep_lrs)
   args.sweep_damping_grid = _floats(p, "--sweep-dampings", args.sweep_dampings)
   kind = "sweep" if args.sweep else "race"
-  defaults = ["--json", os.path.join("out", f"{kind}_{args.workload}.json"),
-              "--plot", os.path.join("out", f"{kind}_{args.workload}.png")]
+  defaults = [
+    "--json",
+    os.path.join("out", f"{kind}_{args.workload}.json"),
+    "--plot",
+    os.path.join("out", f"{kind}_{args.workload}.png"),
+  ]
   if args.workload == "autoencoder":
     defaults += ["--num-images", "5000"]
   wl = WORKLOADS[args.workload].parse_args(
-      defaults + list(rest) + ["--steps", str(args.data_steps - 1), "--warmup", "1"])
+    defaults + list(rest) + ["--steps", str(args.data_steps - 1), "--warmup", "1"]
+  )
   return args, wl, rest
 
 
@@ -145,80 +189,140 @@ def cyclic(workload: _harness.Workload, length: int) -> _harness.Workload:
   """The workload with its `length`-step minibatch sequence repeated forever."""
   upstream_data = None
   if workload.upstream_data is not None:
+
     def upstream_data(steps):
       pool, idx = workload.upstream_data(min(steps, length))
       return pool, np.resize(idx, (steps, idx.shape[1]))
-  return dataclasses.replace(workload, batch_at=lambda t: workload.batch_at(t % length),
-                             upstream_data=upstream_data)
+
+  return dataclasses.replace(
+    workload, batch_at=lambda t: workload.batch_at(t % length), upstream_data=upstream_data
+  )
 
 
 def _ekfac_available() -> bool:
   from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top
+
   return "ekfac" in _scanner.APPROXIMATIONS.get("dense", ())
 
 
 def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Contestant]:
   loss_fn = workload.loss_fn
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
-  out = [_harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr),
-                              learning_rate=lr) for lr in wl.adam_lr_grid]
+  out = [
+    _harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr), learning_rate=lr)
+    for lr in wl.adam_lr_grid
+  ]
   adam_mid = sorted(wl.adam_lr_grid)[len(wl.adam_lr_grid) // 2]
-  out += [_harness.first_order(f"Muon lr={lr:g}", "muon", loss_fn,
-                               optax.contrib.muon(lr, adam_learning_rate=adam_mid),
-                               learning_rate=lr, adam_learning_rate=adam_mid)
-          for lr in args.muon_lr_grid]
+  out += [
+    _harness.first_order(
+      f"Muon lr={lr:g}",
+      "muon",
+      loss_fn,
+      optax.contrib.muon(lr, adam_learning_rate=adam_mid),
+      learning_rate=lr,
+      adam_learning_rate=adam_mid,
+    )
+    for lr in args.muon_lr_grid
+  ]
   if wl.sgd:
-    out.append(_harness.first_order(
-        "SGD+momentum", "sgd", loss_fn, optax.sgd(wl.sgd_lr, momentum=wl.sgd_momentum or None),
-        learning_rate=wl.sgd_lr, momentum=wl.sgd_momentum))
-  common = {"learning_rate": wl.kfac_lr, "momentum": wl.kfac_momentum, "damping": wl.damping,
-            "ema_decay": wl.ema_decay, "inverse_every": wl.inverse_every,
-            "curvature_every": wl.curvature_every}
+    out.append(
+      _harness.first_order(
+        "SGD+momentum",
+        "sgd",
+        loss_fn,
+        optax.sgd(wl.sgd_lr, momentum=wl.sgd_momentum or None),
+        learning_rate=wl.sgd_lr,
+        momentum=wl.sgd_momentum,
+      )
+    )
+  common = {
+    "learning_rate": wl.kfac_lr,
+    "momentum": wl.kfac_momentum,
+    "damping": wl.damping,
+    "ema_decay": wl.ema_decay,
+    "inverse_every": wl.inverse_every,
+    "curvature_every": wl.curvature_every,
+  }
   out.append(_harness.kfac_transform(loss_fn, example, **common))
   if args.norm_constraint > 0:
     if "norm_constraint" in inspect.signature(kfac_jax.kfac).parameters:
-      out.append(_harness.kfac_transform(
-          loss_fn, example, name=f"kfac_jax (optax), norm_constraint={args.norm_constraint:g}",
-          **common, norm_constraint=args.norm_constraint))
+      out.append(
+        _harness.kfac_transform(
+          loss_fn,
+          example,
+          name=f"kfac_jax (optax), norm_constraint={args.norm_constraint:g}",
+          **common,
+          norm_constraint=args.norm_constraint,
+        )
+      )
     else:
       print("kfac_jax.kfac has no norm_constraint: that contestant is skipped", flush=True)
   for lr, momentum, damping, clip in args.kfac_config_list:
     extra = {"norm_constraint": clip} if clip > 0 else {}
-    out.append(_harness.kfac_transform(
-        loss_fn, example, name=f"kfac_jax (optax) {lr:g}:{momentum:g}:{damping:g}:{clip:g}",
-        **dict(common, learning_rate=lr, momentum=momentum, damping=damping), **extra))
+    out.append(
+      _harness.kfac_transform(
+        loss_fn,
+        example,
+        name=f"kfac_jax (optax) {lr:g}:{momentum:g}:{damping:g}:{clip:g}",
+        **dict(common, learning_rate=lr, momentum=momentum, damping=damping),
+        **extra,
+      )
+    )
   if args.ekfac:
     if _ekfac_available():
-      ekfac = dict(common, damping=wl.damping if args.ekfac_damping is None
-                   else args.ekfac_damping)
-      out.append(_harness.kfac_transform(
-          loss_fn, example, name="kfac_jax (optax), EKFAC", **ekfac,
-          layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})))
+      ekfac = dict(common, damping=wl.damping if args.ekfac_damping is None else args.ekfac_damping)
+      out.append(
+        _harness.kfac_transform(
+          loss_fn,
+          example,
+          name="kfac_jax (optax), EKFAC",
+          **ekfac,
+          layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"}),
+        )
+      )
     else:
-      print("no 'ekfac' approximation in this kfac_jax: the EKFAC contestant is skipped",
-            flush=True)
+      print(
+        "no 'ekfac' approximation in this kfac_jax: the EKFAC contestant is skipped", flush=True
+      )
   if wl.optimizer:
-    out.append(_harness.kfac_optimizer(loss_fn, example, damping=wl.optimizer_damping,
-                                       ema_decay=wl.ema_decay, inverse_every=wl.inverse_every))
+    out.append(
+      _harness.kfac_optimizer(
+        loss_fn,
+        example,
+        damping=wl.optimizer_damping,
+        ema_decay=wl.ema_decay,
+        inverse_every=wl.inverse_every,
+      )
+    )
   return out
 
 
 def sweep_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Contestant]:
   loss_fn = workload.loss_fn
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
-  out = [_harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr),
-                              learning_rate=lr) for lr in wl.adam_lr_grid]
-  extra = ({"norm_constraint": args.sweep_norm_constraint} if args.sweep_norm_constraint > 0
-           else {})
+  out = [
+    _harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr), learning_rate=lr)
+    for lr in wl.adam_lr_grid
+  ]
+  extra = {"norm_constraint": args.sweep_norm_constraint} if args.sweep_norm_constraint > 0 else {}
   if args.sweep_ekfac:
     extra["layers"] = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
   for lr in args.sweep_lr_grid:
     for damping in args.sweep_damping_grid:
-      out.append(_harness.kfac_transform(
-          loss_fn, example, name=f"{'ekfac' if args.sweep_ekfac else 'kfac'} lr={lr:g} "
-          f"damping={damping:g}", learning_rate=lr,
-          momentum=wl.kfac_momentum, damping=damping, ema_decay=wl.ema_decay,
-          inverse_every=wl.inverse_every, curvature_every=wl.curvature_every, **extra))
+      out.append(
+        _harness.kfac_transform(
+          loss_fn,
+          example,
+          name=f"{'ekfac' if args.sweep_ekfac else 'kfac'} lr={lr:g} damping={damping:g}",
+          learning_rate=lr,
+          momentum=wl.kfac_momentum,
+          damping=damping,
+          ema_decay=wl.ema_decay,
+          inverse_every=wl.inverse_every,
+          curvature_every=wl.curvature_every,
+          **extra,
+        )
+      )
   return out
 
 
@@ -226,8 +330,11 @@ def _upstream_cap(runs, budget: float, data_steps: int, max_steps: int | None) -
   """Steps to hand the upstream worker: 4x what our transform's mean step allows in the budget
   (the worker stops at the budget itself)."""
   ours = [r for r in runs if r.summary["family"] == "kfac" and r.summary["steps"]]
-  cap = (4 * math.ceil(budget / (1e-3 * ours[0].summary["mean_step_ms"])) + 10 if ours
-         else 4 * data_steps)
+  cap = (
+    4 * math.ceil(budget / (1e-3 * ours[0].summary["mean_step_ms"])) + 10
+    if ours
+    else 4 * data_steps
+  )
   return cap if max_steps is None else min(cap, max_steps)
 
 
@@ -237,33 +344,43 @@ def main(argv=None) -> int:
   command = _harness.command_line(__file__, argv)
   contestants = (sweep_contestants if args.sweep else race_contestants)(workload, args, wl)
   print(f"{workload.name}: {workload.description}", flush=True)
-  print(f"budget {args.budget:g} s of training per contestant; {len(contestants)} contestants",
-        flush=True)
+  print(
+    f"budget {args.budget:g} s of training per contestant; {len(contestants)} contestants",
+    flush=True,
+  )
   jax.jit(lambda x: x + 1).lower(1.0).compile()  # One-off JIT start-up, paid by nobody below.
   runs = []
   for c in contestants:
     print(f"running {c.name} ...", flush=True)
-    runs.append(_harness.run_contestant_for_budget(c, workload, args.budget, wl.seed,
-                                                   args.max_steps))
+    runs.append(
+      _harness.run_contestant_for_budget(c, workload, args.budget, wl.seed, args.max_steps)
+    )
     s = runs[-1].summary
-    print(f"  {s['steps']} steps, {s['charged_s']:.1f} s charged, loss "
-          f"{s['final_eval_loss']:.4g}", flush=True)
+    print(
+      f"  {s['steps']} steps, {s['charged_s']:.1f} s charged, loss {s['final_eval_loss']:.4g}",
+      flush=True,
+    )
   upstream = None
   if wl.with_upstream and not args.sweep:
     if workload.upstream is None:
-      upstream = {"optimizer": _harness.UPSTREAM_NAME, "family": "upstream",
-                  "error": f"no upstream version of the {workload.name} workload"}
+      upstream = {
+        "optimizer": _harness.UPSTREAM_NAME,
+        "family": "upstream",
+        "error": f"no upstream version of the {workload.name} workload",
+      }
     else:
       upstream = _harness.run_upstream_for_budget(
-          workload, wl, args.budget, _upstream_cap(runs, args.budget, args.data_steps,
-                                                   args.max_steps))
+        workload, wl, args.budget, _upstream_cap(runs, args.budget, args.data_steps, args.max_steps)
+      )
   all_runs = runs + ([upstream] if isinstance(upstream, _harness.Run) else [])
   rep = _harness.race_compare(all_runs, wl.reach_window)
   rows = rep["rows"] + ([upstream] if isinstance(upstream, dict) else [])
   env = _harness.environment(command, workload)
   print()
-  print(f"jax {env['jax']} on {env['device']} ({env['cpu_count']} CPUs), Python "
-        f"{env['python']}; budget {args.budget:g} s of charged training per contestant")
+  print(
+    f"jax {env['jax']} on {env['device']} ({env['cpu_count']} CPUs), Python "
+    f"{env['python']}; budget {args.budget:g} s of charged training per contestant"
+  )
   print(f"command: `{command}`")
   print()
   if args.sweep:
@@ -272,24 +389,42 @@ def main(argv=None) -> int:
     print(_harness.race_table(rows, args.budget, rep["target"]))
   print()
   for fam, grid in rep["grids"].items():
-    print(f"{fam} grid (loss at the budget per learning rate): " + ", ".join(
-        f"lr={lr:g}: {_harness._fmt(loss, '.4g')}" for lr, loss in grid))
-  print(f"loss = {workload.eval_description}; target = the tuned Adam's final training loss "
-        f"(minibatch, trailing mean of {rep['window']}); seconds = charged training seconds "
-        "(compilation, evaluation and the first step's one-off costs excluded); vs Adam = "
-        "seconds to the target / the tuned Adam's own.")
-  out = {"env": env, "budget_s": args.budget, "data_steps": args.data_steps,
-         "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
-         "grids": rep["grids"], "target_loss": rep["target"], "target_window": rep["window"],
-         "adam_seconds_to_target": rep["adam_seconds"], "results": rows,
-         "all_runs": [r.summary for r in runs],
-         "curves": {r.name: {"losses": [float(x) for x in r.losses],
-                             "step_times_s": [float(x) for x in r.step_times]}
-                    for r in all_runs}}
+    print(
+      f"{fam} grid (loss at the budget per learning rate): "
+      + ", ".join(f"lr={lr:g}: {_harness._fmt(loss, '.4g')}" for lr, loss in grid)
+    )
+  print(
+    f"loss = {workload.eval_description}; target = the tuned Adam's final training loss "
+    f"(minibatch, trailing mean of {rep['window']}); seconds = charged training seconds "
+    "(compilation, evaluation and the first step's one-off costs excluded); vs Adam = "
+    "seconds to the target / the tuned Adam's own."
+  )
+  out = {
+    "env": env,
+    "budget_s": args.budget,
+    "data_steps": args.data_steps,
+    "hyperparameters": {c.name: dict(c.hyperparameters) for c in contestants},
+    "grids": rep["grids"],
+    "target_loss": rep["target"],
+    "target_window": rep["window"],
+    "adam_seconds_to_target": rep["adam_seconds"],
+    "results": rows,
+    "all_runs": [r.summary for r in runs],
+    "curves": {
+      r.name: {
+        "losses": [float(x) for x in r.losses],
+        "step_times_s": [float(x) for x in r.step_times],
+      }
+      for r in all_runs
+    },
+  }
   if wl.plot:
     best = {id(b): row["optimizer"] for b, row in zip(rep["best"].values(), rep["rows"])}
-    curves = {best.get(id(r), r.name): rep["curves"][r.name] for r in all_runs
-              if r.summary["family"] not in ("adam", "muon") or id(r) in best}
+    curves = {
+      best.get(id(r), r.name): rep["curves"][r.name]
+      for r in all_runs
+      if r.summary["family"] not in ("adam", "muon") or id(r) in best
+    }
     title = f"race, {args.budget:g} s: {workload.name}: {workload.description.split('; ')[0]}"
     compare.plot_curves(curves, wl.plot, textwrap.fill(title, 150))
     print(f"wrote {wl.plot}")
@@ -303,15 +438,20 @@ def main(argv=None) -> int:
 
 def sweep_table(rows, budget: float, target: float) -> str:
   """The sweep: one row per (learning rate, damping), sorted by the loss at the budget."""
-  lines = [f"| run | loss at {budget:g} s | seconds to {target:.4g} | vs Adam | steps | finite |",
-           "|---|---:|---:|---:|---:|---|"]
-  for r in sorted(rows, key=lambda r: (not math.isfinite(r["final_eval_loss"]),
-                                       r["final_eval_loss"])):
+  lines = [
+    f"| run | loss at {budget:g} s | seconds to {target:.4g} | vs Adam | steps | finite |",
+    "|---|---:|---:|---:|---:|---|",
+  ]
+  for r in sorted(
+    rows, key=lambda r: (not math.isfinite(r["final_eval_loss"]), r["final_eval_loss"])
+  ):
     hit = r.get("time_to_target")
-    lines.append(f"| {r['optimizer']} | {_harness._fmt(r['final_eval_loss'], '.4g')} | "
-                 f"{'not reached' if hit is None else format(hit[1], '.1f')} | "
-                 f"{_harness._fmt(r.get('vs_adam'), '.2f', '')} | {r['steps']:,} | "
-                 f"{'yes' if r['finite'] else 'NO'} |")
+    lines.append(
+      f"| {r['optimizer']} | {_harness._fmt(r['final_eval_loss'], '.4g')} | "
+      f"{'not reached' if hit is None else format(hit[1], '.1f')} | "
+      f"{_harness._fmt(r.get('vs_adam'), '.2f', '')} | {r['steps']:,} | "
+      f"{'yes' if r['finite'] else 'NO'} |"
+    )
   return "\n".join(lines)
 
 

@@ -71,18 +71,26 @@ def main(argv=None) -> int:
         return 1
       if args.json:  # Progress so far, in case the run is cut short.
         with open(args.json, "w") as f:
-          json.dump({"completed_steps": t + 1, "losses": losses,
-                     "elapsed_s": time.perf_counter() - t0}, f)
+          json.dump(
+            {"completed_steps": t + 1, "losses": losses, "elapsed_s": time.perf_counter() - t0}, f
+          )
   wall = time.perf_counter() - t0
   curv = state[0].curvature
   result = {
-      "command": "python " + " ".join([os.path.relpath(__file__, os.getcwd()), *(
-          sys.argv[1:] if argv is None else argv)]),
-      "steps": args.steps, "batch_size": args.batch_size, "inverse_every": args.inverse_every,
-      "dataset": ds.source, "wall_s": wall, "all_finite": True,
-      "skipped_batches": int(curv.skipped_batches), "failed_inverses": int(curv.failed_inverses),
-      "loss_first": losses[0][1], "loss_last": losses[-1][1],
-      "loss_min": min(v for _, v in losses), "checks": len(losses),
+    "command": "python "
+    + " ".join([os.path.relpath(__file__, os.getcwd()), *(sys.argv[1:] if argv is None else argv)]),
+    "steps": args.steps,
+    "batch_size": args.batch_size,
+    "inverse_every": args.inverse_every,
+    "dataset": ds.source,
+    "wall_s": wall,
+    "all_finite": True,
+    "skipped_batches": int(curv.skipped_batches),
+    "failed_inverses": int(curv.failed_inverses),
+    "loss_first": losses[0][1],
+    "loss_last": losses[-1][1],
+    "loss_min": min(v for _, v in losses),
+    "checks": len(losses),
   }
   print(json.dumps(result, indent=2))
   if args.json:

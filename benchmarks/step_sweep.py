@@ -53,28 +53,42 @@ def _kfac(loss_fn, example, config: str, default_lr: float):
   if config == "defaults":
     return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr)
   lr, momentum, damping, clip = (float(v) for v in config.split(":"))
-  return kfac_jax.kfac(loss_fn, example, learning_rate=lr, momentum=momentum or None,
-                       damping=damping, norm_constraint=clip or None)
+  return kfac_jax.kfac(
+    loss_fn,
+    example,
+    learning_rate=lr,
+    momentum=momentum or None,
+    damping=damping,
+    norm_constraint=clip or None,
+  )
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
   p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--configs", required=True,
-                 help="comma-separated lr:momentum:damping:clip, or 'defaults'")
-  p.add_argument("--default-lr", type=float, default=0.1,
-                 help="the learning rate of the 'defaults' configuration")
+  p.add_argument(
+    "--configs", required=True, help="comma-separated lr:momentum:damping:clip, or 'defaults'"
+  )
+  p.add_argument(
+    "--default-lr",
+    type=float,
+    default=0.1,
+    help="the learning rate of the 'defaults' configuration",
+  )
   p.add_argument("--adam-lrs", default=None, help="Adam grid (default: the workload's)")
   args, rest = p.parse_known_args(argv)
   wl_args = WORKLOADS[args.workload].parse_args(
-      (["--num-images", "5000"] if args.workload == "autoencoder" else [])
-      + list(rest) + ["--steps", str(args.steps), "--warmup", "0", "--plot", ""])
+    (["--num-images", "5000"] if args.workload == "autoencoder" else [])
+    + list(rest)
+    + ["--steps", str(args.steps), "--warmup", "0", "--plot", ""]
+  )
   workload = WORKLOADS[args.workload].make_workload(wl_args)
   loss_fn, params0 = workload.loss_fn, workload.params0
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
-  adam_lrs = ([float(v) for v in args.adam_lrs.split(",")] if args.adam_lrs
-              else list(wl_args.adam_lr_grid))
+  adam_lrs = (
+    [float(v) for v in args.adam_lrs.split(",")] if args.adam_lrs else list(wl_args.adam_lr_grid)
+  )
 
   rows = []
   for lr in adam_lrs:

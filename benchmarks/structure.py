@@ -48,13 +48,21 @@ def mlp_stack(depth, width, batch_size, classes=10, remat=False, seq=16):
   """A residual stack over [batch, seq, width] inputs (a Python loop of blocks)."""
   keys = jax.random.split(jax.random.key(0), 2 * depth + 3)
   params = {
-      "layers": [{"w1": jax.random.normal(keys[2 * i], (width, 2 * width)) / width ** 0.5,
-                  "b1": jnp.zeros(2 * width),
-                  "w2": jax.random.normal(keys[2 * i + 1], (2 * width, width)) / (2 * width) ** 0.5,
-                  "b2": jnp.zeros(width)} for i in range(depth)],
-      "out": jax.random.normal(keys[-1], (width, classes)) / width ** 0.5}
-  batch = {"x": jax.random.normal(keys[-2], (batch_size, seq, width)),
-           "y": jax.random.randint(keys[-3], (batch_size, seq), 0, classes)}
+    "layers": [
+      {
+        "w1": jax.random.normal(keys[2 * i], (width, 2 * width)) / width**0.5,
+        "b1": jnp.zeros(2 * width),
+        "w2": jax.random.normal(keys[2 * i + 1], (2 * width, width)) / (2 * width) ** 0.5,
+        "b2": jnp.zeros(width),
+      }
+      for i in range(depth)
+    ],
+    "out": jax.random.normal(keys[-1], (width, classes)) / width**0.5,
+  }
+  batch = {
+    "x": jax.random.normal(keys[-2], (batch_size, seq, width)),
+    "y": jax.random.randint(keys[-3], (batch_size, seq), 0, classes),
+  }
   block = jax.checkpoint(_block) if remat else _block
 
   def loss_fn(p, b):
@@ -68,15 +76,20 @@ def mlp_stack(depth, width, batch_size, classes=10, remat=False, seq=16):
 
 def scanned_stack(depth, width, batch_size, classes=10):
   keys = jax.random.split(jax.random.key(0), 4)
-  params = {"stack": {"w": jax.random.normal(keys[0], (depth, width, width)) / width ** 0.5,
-                      "b": jnp.zeros((depth, width))},
-            "out": jax.random.normal(keys[1], (width, classes)) / width ** 0.5}
-  batch = {"x": jax.random.normal(keys[2], (batch_size, width)),
-           "y": jax.random.randint(keys[3], (batch_size,), 0, classes)}
+  params = {
+    "stack": {
+      "w": jax.random.normal(keys[0], (depth, width, width)) / width**0.5,
+      "b": jnp.zeros((depth, width)),
+    },
+    "out": jax.random.normal(keys[1], (width, classes)) / width**0.5,
+  }
+  batch = {
+    "x": jax.random.normal(keys[2], (batch_size, width)),
+    "y": jax.random.randint(keys[3], (batch_size,), 0, classes),
+  }
 
   def loss_fn(p, b):
-    h, _ = jax.lax.scan(lambda h, l: (h + jnp.tanh(h @ l["w"] + l["b"]), None), b["x"],
-                        p["stack"])
+    h, _ = jax.lax.scan(lambda h, l: (h + jnp.tanh(h @ l["w"] + l["b"]), None), b["x"], p["stack"])
     return _ce(h @ p["out"], b["y"])
 
   return loss_fn, params, batch
@@ -84,15 +97,20 @@ def scanned_stack(depth, width, batch_size, classes=10):
 
 def rnn(steps, width, batch_size, classes=10):
   keys = jax.random.split(jax.random.key(0), 5)
-  params = {"w": jax.random.normal(keys[0], (width, width)) / width ** 0.5,
-            "u": jax.random.normal(keys[1], (width, width)) / width ** 0.5,
-            "out": jax.random.normal(keys[2], (width, classes)) / width ** 0.5}
-  batch = {"x": jax.random.normal(keys[3], (steps, batch_size, width)),
-           "y": jax.random.randint(keys[4], (batch_size,), 0, classes)}
+  params = {
+    "w": jax.random.normal(keys[0], (width, width)) / width**0.5,
+    "u": jax.random.normal(keys[1], (width, width)) / width**0.5,
+    "out": jax.random.normal(keys[2], (width, classes)) / width**0.5,
+  }
+  batch = {
+    "x": jax.random.normal(keys[3], (steps, batch_size, width)),
+    "y": jax.random.randint(keys[4], (batch_size,), 0, classes),
+  }
 
   def loss_fn(p, b):
     def cell(h, x):
       return jnp.tanh(h @ p["w"] + x @ p["u"]), None
+
     h, _ = jax.lax.scan(cell, jnp.zeros_like(b["x"][0]), b["x"])
     return _ce(h @ p["out"], b["y"])
 
@@ -156,8 +174,10 @@ def main(argv=None):
     return
   print("\n| model | size | trace + compile (s) | vs smallest |")
   print("|---|---|---|---|")
-  for name, build, sizes in (("lax.scan over stacked layers", scanned_stack, args.layers),
-                             ("RNN, kernel closed over by the scan", rnn, args.steps)):
+  for name, build, sizes in (
+    ("lax.scan over stacked layers", scanned_stack, args.layers),
+    ("RNN, kernel closed over by the scan", rnn, args.steps),
+  ):
     base = None
     for size in sizes:
       secs = compile_seconds(*kfac_step(*build(size, args.width, args.batch)))

@@ -33,12 +33,22 @@ from examples import transformer_lm as lm  # noqa: E402
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   _harness.add_common_args(
-      p, steps=100, warmup=5, adam_lrs="1e-3,3e-3,1e-2", sgd_lr=2e-3, kfac_lr=0.02,
-      kfac_momentum=0.9, damping=3.0, optimizer_damping=1.0, inverse_every=10,
-      plot=os.path.join("out", "bench_transformer.png"))
+    p,
+    steps=100,
+    warmup=5,
+    adam_lrs="1e-3,3e-3,1e-2",
+    sgd_lr=2e-3,
+    kfac_lr=0.02,
+    kfac_momentum=0.9,
+    damping=3.0,
+    optimizer_damping=1.0,
+    inverse_every=10,
+    plot=os.path.join("out", "bench_transformer.png"),
+  )
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--length", type=int, default=64, help="context length (characters)")
   p.add_argument("--width", type=int, default=64, help="model width d")
@@ -59,10 +69,12 @@ def parse_args(argv=None):
 
 def make_workload(args) -> _harness.Workload:
   total = args.warmup + args.steps
-  ids, chars, starts, held, about = lm.char_data(args.quick, args.length, total, args.batch_size,
-                                                 args.seed)
-  model = lm.LM(vocab=len(chars), d=args.width, layers=args.layers, heads=args.heads,
-                length=args.length)
+  ids, chars, starts, held, about = lm.char_data(
+    args.quick, args.length, total, args.batch_size, args.seed
+  )
+  model = lm.LM(
+    vocab=len(chars), d=args.width, layers=args.layers, heads=args.heads, length=args.length
+  )
   params0 = model.init(jax.random.key(args.seed), jnp.zeros((1, args.length), jnp.int32))
   loss_fn = lm.make_loss_fn(model)
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params0))
@@ -75,18 +87,22 @@ def make_workload(args) -> _harness.Workload:
     return w, np.arange(steps * args.batch_size).reshape(steps, args.batch_size)
 
   return _harness.Workload(
-      name="transformer",
-      description=f"char-level Transformer LM, {args.layers} block(s), d={args.width}, "
-                  f"{args.heads} heads, tied embeddings ({n_params:,} parameters), batch "
-                  f"{args.batch_size}x{args.length}; {about.removeprefix('data: ')}",
-      loss_fn=loss_fn, params0=params0,
-      batch_at=lambda t: lm.windows(ids, starts[t], args.length),
-      eval_fn=lambda params: float(eval_loss(params, held)),
-      eval_description=(f"softmax cross-entropy summed over {args.length} positions (divide by "
-                        f"{args.length} for nats per character), mean over 256 held-out "
-                        "windows"),
-      upstream={"model": "transformer", "num_layers": args.layers, "heads": args.heads},
-      upstream_data=upstream_data)
+    name="transformer",
+    description=f"char-level Transformer LM, {args.layers} block(s), d={args.width}, "
+    f"{args.heads} heads, tied embeddings ({n_params:,} parameters), batch "
+    f"{args.batch_size}x{args.length}; {about.removeprefix('data: ')}",
+    loss_fn=loss_fn,
+    params0=params0,
+    batch_at=lambda t: lm.windows(ids, starts[t], args.length),
+    eval_fn=lambda params: float(eval_loss(params, held)),
+    eval_description=(
+      f"softmax cross-entropy summed over {args.length} positions (divide by "
+      f"{args.length} for nats per character), mean over 256 held-out "
+      "windows"
+    ),
+    upstream={"model": "transformer", "num_layers": args.layers, "heads": args.heads},
+    upstream_data=upstream_data,
+  )
 
 
 def main(argv=None) -> int:

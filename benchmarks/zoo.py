@@ -65,8 +65,14 @@ def measure(make) -> dict:
   compile_s = time.perf_counter() - t0
   n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
   kinds = sorted({l.kind + (f" x{l.num_uses}" if l.num_uses > 1 else "") for l in layers})
-  return {"layers": len(layers), "params": n_params, "kinds": ", ".join(kinds),
-          "scan": scan_s, "init": init_s, "compile": compile_s}
+  return {
+    "layers": len(layers),
+    "params": n_params,
+    "kinds": ", ".join(kinds),
+    "scan": scan_s,
+    "init": init_s,
+    "compile": compile_s,
+  }
 
 
 def main() -> None:
@@ -74,8 +80,11 @@ def main() -> None:
   print("|---|---|---:|---:|---|---:|---:|---:|")
   for name, flavour, make in _models():
     r = measure(make)
-    print(f"| {name} | {flavour} | {r['layers']} | {r['params']} | {r['kinds']} | "
-          f"{r['scan']:.2f} | {r['init']:.2f} | {r['compile']:.2f} |", flush=True)
+    print(
+      f"| {name} | {flavour} | {r['layers']} | {r['params']} | {r['kinds']} | "
+      f"{r['scan']:.2f} | {r['init']:.2f} | {r['compile']:.2f} |",
+      flush=True,
+    )
   print(f"\njax {jax.__version__}, backend {jax.default_backend()}")
 
 

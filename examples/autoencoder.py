@@ -87,8 +87,10 @@ class Autoencoder(nn.Module):
 
 
 def make_model(num_features: int = 784, encoder: Sequence[int] | None = None) -> Autoencoder:
-  return Autoencoder(num_features=num_features,
-                     encoder=tuple(encoder) if encoder else encoder_sizes_for(num_features))
+  return Autoencoder(
+    num_features=num_features,
+    encoder=tuple(encoder) if encoder else encoder_sizes_for(num_features),
+  )
 
 
 def init_params(model: Autoencoder, seed: int = 0):
@@ -106,16 +108,31 @@ def make_loss_fn(model: Autoencoder) -> Callable[[Any, jax.Array], jax.Array]:
   return loss_fn
 
 
-def make_kfac(loss_fn, example_batch, *, learning_rate=DEFAULT_KFAC_LR,
-              momentum=DEFAULT_KFAC_MOMENTUM, damping=DEFAULT_DAMPING,
-              ema_decay=DEFAULT_EMA_DECAY, inverse_every=DEFAULT_INVERSE_EVERY,
-              norm_constraint=DEFAULT_NORM_CONSTRAINT):
+def make_kfac(
+  loss_fn,
+  example_batch,
+  *,
+  learning_rate=DEFAULT_KFAC_LR,
+  momentum=DEFAULT_KFAC_MOMENTUM,
+  damping=DEFAULT_DAMPING,
+  ema_decay=DEFAULT_EMA_DECAY,
+  inverse_every=DEFAULT_INVERSE_EVERY,
+  norm_constraint=DEFAULT_NORM_CONSTRAINT,
+):
   momentum = momentum if momentum is not None and momentum > 0 else None
   norm_constraint = norm_constraint if norm_constraint else None
-  return kfac_jax.kfac(loss_fn, example_batch, learning_rate=learning_rate, momentum=momentum,
-                       damping=damping, ema_decay=ema_decay, inverse_every=inverse_every,
-                       norm_constraint=norm_constraint, estimation_mode="gradients",
-                       num_samples=1)
+  return kfac_jax.kfac(
+    loss_fn,
+    example_batch,
+    learning_rate=learning_rate,
+    momentum=momentum,
+    damping=damping,
+    ema_decay=ema_decay,
+    inverse_every=inverse_every,
+    norm_constraint=norm_constraint,
+    estimation_mode="gradients",
+    num_samples=1,
+  )
 
 
 def make_kfac_step(loss_fn, tx):
@@ -150,7 +167,7 @@ def batch_indices(num_examples: int, batch_size: int, steps: int, seed: int) -> 
   out = []
   while len(out) < steps:
     perm = rng.permutation(num_examples)
-    out.extend(perm[i * batch_size:(i + 1) * batch_size] for i in range(per_epoch))
+    out.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(per_epoch))
   return np.stack(out[:steps])
 
 
@@ -167,18 +184,19 @@ class BatchSequence:
   def __getitem__(self, t: int) -> np.ndarray:
     while t >= len(self._rows):
       perm = self._rng.permutation(self.num_examples)
-      self._rows.extend(perm[i * self.batch_size:(i + 1) * self.batch_size]
-                        for i in range(self.per_epoch))
+      self._rows.extend(
+        perm[i * self.batch_size : (i + 1) * self.batch_size] for i in range(self.per_epoch)
+      )
     return self._rows[t]
 
 
 @dataclasses.dataclass
 class RunResult:
   name: str
-  losses: np.ndarray       # minibatch loss at each step (before that step's update)
-  step_times: np.ndarray   # seconds per step, block_until_ready'd
-  compile_time: float      # seconds for jit(...).lower(...).compile()
-  final_loss: float        # loss of the final parameters on the evaluation set
+  losses: np.ndarray  # minibatch loss at each step (before that step's update)
+  step_times: np.ndarray  # seconds per step, block_until_ready'd
+  compile_time: float  # seconds for jit(...).lower(...).compile()
+  final_loss: float  # loss of the final parameters on the evaluation set
   params: Any = None
 
   @property
@@ -189,9 +207,19 @@ class RunResult:
     return float(np.median(times))
 
 
-def train(name: str, step_fn, params, opt_state, images: np.ndarray, idx, seed: int, eval_fn,
-          progress: bool = True, steps: int | None = None,
-          budget_s: float | None = None) -> RunResult:
+def train(
+  name: str,
+  step_fn,
+  params,
+  opt_state,
+  images: np.ndarray,
+  idx,
+  seed: int,
+  eval_fn,
+  progress: bool = True,
+  steps: int | None = None,
+  budget_s: float | None = None,
+) -> RunResult:
   """Jitted steps on `images[idx[t]]`, timing each one: `steps` of them, or (with `budget_s`)
   as many as start while the timed seconds are below `budget_s`."""
   from tqdm.auto import tqdm
@@ -201,18 +229,32 @@ def train(name: str, step_fn, params, opt_state, images: np.ndarray, idx, seed: 
   rng = jax.random.key(seed + 1)
   example = jnp.asarray(images[idx[0]])
   t0 = time.perf_counter()
-  compiled = jax.jit(step_fn, donate_argnums=(0, 1)).lower(
-      params, opt_state, example, rng).compile()
+  compiled = (
+    jax.jit(step_fn, donate_argnums=(0, 1)).lower(params, opt_state, example, rng).compile()
+  )
   compile_time = time.perf_counter() - t0
 
   losses, times = [], []
   if budget_s is None:
-    bar = tqdm(total=steps, desc=f"{name:>5}", disable=not progress, dynamic_ncols=True,
-               mininterval=0.5, file=sys.stderr)
+    bar = tqdm(
+      total=steps,
+      desc=f"{name:>5}",
+      disable=not progress,
+      dynamic_ncols=True,
+      mininterval=0.5,
+      file=sys.stderr,
+    )
   else:
-    bar = tqdm(total=round(budget_s, 1), desc=f"{name:>5}", unit="s", disable=not progress,
-               dynamic_ncols=True, mininterval=0.5, file=sys.stderr,
-               bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s [{postfix}]")
+    bar = tqdm(
+      total=round(budget_s, 1),
+      desc=f"{name:>5}",
+      unit="s",
+      disable=not progress,
+      dynamic_ncols=True,
+      mininterval=0.5,
+      file=sys.stderr,
+      bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s [{postfix}]",
+    )
   t, spent = 0, 0.0
   while (t < steps) if budget_s is None else (spent < budget_s):
     batch = jax.device_put(images[idx[t]])
@@ -229,8 +271,14 @@ def train(name: str, step_fn, params, opt_state, images: np.ndarray, idx, seed: 
       bar.set_postfix(loss=f"{losses[-1]:.2f}", step=t + 1, refresh=False)
     t += 1
   bar.close()
-  return RunResult(name=name, losses=np.asarray(losses), step_times=np.asarray(times),
-                   compile_time=compile_time, final_loss=eval_fn(params), params=params)
+  return RunResult(
+    name=name,
+    losses=np.asarray(losses),
+    step_times=np.asarray(times),
+    compile_time=compile_time,
+    final_loss=eval_fn(params),
+    params=params,
+  )
 
 
 def make_eval_fn(loss_fn, images: np.ndarray, chunk: int = 2000):
@@ -240,7 +288,7 @@ def make_eval_fn(loss_fn, images: np.ndarray, chunk: int = 2000):
   def eval_fn(params) -> float:
     total = 0.0
     for start in range(0, images.shape[0], chunk):
-      xb = jnp.asarray(images[start:start + chunk])
+      xb = jnp.asarray(images[start : start + chunk])
       total += float(jitted(params, xb)) * xb.shape[0]
     return total / images.shape[0]
 
@@ -249,6 +297,7 @@ def make_eval_fn(loss_fn, images: np.ndarray, chunk: int = 2000):
 
 def plot(results: Sequence[RunResult], out: str, title: str) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -277,35 +326,70 @@ def plot(results: Sequence[RunResult], out: str, title: str) -> None:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--seconds", type=float, default=None,
-                 help=f"timed training seconds per optimizer (default {DEFAULT_SECONDS:g} unless "
-                      "--steps or --fast is given)")
-  p.add_argument("--steps", type=int, default=None,
-                 help="train steps per optimizer instead of a time budget (8 with --fast)")
-  p.add_argument("--batch-size", type=int, default=None,
-                 help=f"minibatch size (default {DEFAULT_BATCH_SIZE}, 128 with --fast)")
-  p.add_argument("--data-dir", default=None,
-                 help=f"directory with MNIST-format idx files (default: ${data_lib.DATA_DIR_ENV} "
-                      f"or {data_lib.DEFAULT_DATA_DIR}); falls back to sklearn digits")
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
+  p.add_argument(
+    "--seconds",
+    type=float,
+    default=None,
+    help=f"timed training seconds per optimizer (default {DEFAULT_SECONDS:g} unless "
+    "--steps or --fast is given)",
+  )
+  p.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help="train steps per optimizer instead of a time budget (8 with --fast)",
+  )
+  p.add_argument(
+    "--batch-size",
+    type=int,
+    default=None,
+    help=f"minibatch size (default {DEFAULT_BATCH_SIZE}, 128 with --fast)",
+  )
+  p.add_argument(
+    "--data-dir",
+    default=None,
+    help=f"directory with MNIST-format idx files (default: ${data_lib.DATA_DIR_ENV} "
+    f"or {data_lib.DEFAULT_DATA_DIR}); falls back to sklearn digits",
+  )
   p.add_argument("--dataset", choices=["fashion_mnist", "digits"], default="fashion_mnist")
   p.add_argument("--out", default="autoencoder.png", help="PNG path for the loss curves")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--fast", action="store_true",
-                 help="a few steps on a small subset with a small model (for tests)")
+  p.add_argument(
+    "--fast",
+    action="store_true",
+    help="a few steps on a small subset with a small model (for tests)",
+  )
   p.add_argument("--kfac-lr", type=float, default=DEFAULT_KFAC_LR)
-  p.add_argument("--kfac-momentum", type=float, default=DEFAULT_KFAC_MOMENTUM,
-                 help="heavy-ball momentum for K-FAC (0 disables it)")
+  p.add_argument(
+    "--kfac-momentum",
+    type=float,
+    default=DEFAULT_KFAC_MOMENTUM,
+    help="heavy-ball momentum for K-FAC (0 disables it)",
+  )
   p.add_argument("--damping", type=float, default=DEFAULT_DAMPING, help="K-FAC damping")
-  p.add_argument("--inverse-every", type=int, default=DEFAULT_INVERSE_EVERY,
-                 help="K-FAC: recompute the factor inverses every this many steps")
-  p.add_argument("--ema-decay", type=float, default=DEFAULT_EMA_DECAY,
-                 help="K-FAC: decay of the curvature-factor moving averages")
+  p.add_argument(
+    "--inverse-every",
+    type=int,
+    default=DEFAULT_INVERSE_EVERY,
+    help="K-FAC: recompute the factor inverses every this many steps",
+  )
+  p.add_argument(
+    "--ema-decay",
+    type=float,
+    default=DEFAULT_EMA_DECAY,
+    help="K-FAC: decay of the curvature-factor moving averages",
+  )
   p.add_argument("--adam-lr", type=float, default=DEFAULT_ADAM_LR)
   p.add_argument("--no-progress", action="store_true", help="hide the tqdm progress bars")
-  p.add_argument("--norm-constraint", type=float, default=DEFAULT_NORM_CONSTRAINT,
-                 help="K-FAC: KL clipping of the step (0 disables it)")
+  p.add_argument(
+    "--norm-constraint",
+    type=float,
+    default=DEFAULT_NORM_CONSTRAINT,
+    help="K-FAC: KL clipping of the step (0 disables it)",
+  )
   args = p.parse_args(argv)
   if args.seconds is not None and args.steps is not None:
     p.error("give --seconds or --steps, not both")
@@ -340,51 +424,84 @@ def main(argv=None) -> int:
   else:
     idx = BatchSequence(images.shape[0], args.batch_size, args.seed)
   batch_size = min(args.batch_size, images.shape[0])
-  budget = (f"{args.steps} steps" if args.seconds is None
-            else f"{args.seconds:g} s of timed steps")
+  budget = f"{args.steps} steps" if args.seconds is None else f"{args.seconds:g} s of timed steps"
   eval_fn = make_eval_fn(loss_fn, eval_images)
-  arch = "-".join(str(w) for w in (ds.num_features, *encoder, *reversed(encoder[:-1]),
-                                   ds.num_features))
+  arch = "-".join(
+    str(w) for w in (ds.num_features, *encoder, *reversed(encoder[:-1]), ds.num_features)
+  )
 
   print(f"data: {ds.source}", flush=True)
-  print(f"model: {arch} autoencoder, {n_params:,} parameters; {budget} each, batch "
-        f"{batch_size} on {images.shape[0]} images; jax {jax.__version__} on "
-        f"{jax.default_backend()} ({os.cpu_count()} CPUs)", flush=True)
-  print(f"K-FAC: lr={args.kfac_lr} momentum={args.kfac_momentum} damping={args.damping} "
-        f"norm_constraint={args.norm_constraint} inverse_every={args.inverse_every} "
-        f"ema_decay={args.ema_decay}; "
-        f"Adam: lr={args.adam_lr}", flush=True)
+  print(
+    f"model: {arch} autoencoder, {n_params:,} parameters; {budget} each, batch "
+    f"{batch_size} on {images.shape[0]} images; jax {jax.__version__} on "
+    f"{jax.default_backend()} ({os.cpu_count()} CPUs)",
+    flush=True,
+  )
+  print(
+    f"K-FAC: lr={args.kfac_lr} momentum={args.kfac_momentum} damping={args.damping} "
+    f"norm_constraint={args.norm_constraint} inverse_every={args.inverse_every} "
+    f"ema_decay={args.ema_decay}; "
+    f"Adam: lr={args.adam_lr}",
+    flush=True,
+  )
 
   example = jnp.asarray(images[idx[0]])
-  kfac_tx = make_kfac(loss_fn, example, learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-                      damping=args.damping, ema_decay=args.ema_decay,
-                      inverse_every=args.inverse_every, norm_constraint=args.norm_constraint)
+  kfac_tx = make_kfac(
+    loss_fn,
+    example,
+    learning_rate=args.kfac_lr,
+    momentum=args.kfac_momentum,
+    damping=args.damping,
+    ema_decay=args.ema_decay,
+    inverse_every=args.inverse_every,
+    norm_constraint=args.norm_constraint,
+  )
   adam_tx = optax.adam(args.adam_lr)
   initial_loss = eval_fn(params0)
 
   results = []
-  for name, tx, make_step in (("K-FAC", kfac_tx, make_kfac_step), ("Adam", adam_tx,
-                                                                     make_adam_step)):
+  for name, tx, make_step in (
+    ("K-FAC", kfac_tx, make_kfac_step),
+    ("Adam", adam_tx, make_adam_step),
+  ):
     params = jax.tree.map(jnp.copy, params0)  # both start from the same init (params0 kept)
     opt_state = tx.init(params)
-    results.append(train(name, make_step(loss_fn, tx), params, opt_state, images, idx,
-                         args.seed, eval_fn, progress=not args.no_progress, steps=args.steps,
-                         budget_s=args.seconds))
+    results.append(
+      train(
+        name,
+        make_step(loss_fn, tx),
+        params,
+        opt_state,
+        images,
+        idx,
+        args.seed,
+        eval_fn,
+        progress=not args.no_progress,
+        steps=args.steps,
+        budget_s=args.seconds,
+      )
+    )
 
-  title = (f"{arch} autoencoder on {ds.name} ({images.shape[0]} images), batch {batch_size}, "
-           f"{budget} each\nK-FAC lr={args.kfac_lr} momentum={args.kfac_momentum} "
-           f"damping={args.damping} norm_constraint={args.norm_constraint}; "
-           f"Adam lr={args.adam_lr}")
+  title = (
+    f"{arch} autoencoder on {ds.name} ({images.shape[0]} images), batch {batch_size}, "
+    f"{budget} each\nK-FAC lr={args.kfac_lr} momentum={args.kfac_momentum} "
+    f"damping={args.damping} norm_constraint={args.norm_constraint}; "
+    f"Adam lr={args.adam_lr}"
+  )
   plot(results, args.out, title)
 
   kfac_r, adam_r = results
   print(f"\ninitial loss (eval set of {eval_images.shape[0]} images): {initial_loss:.3f}")
-  print("| optimizer | final eval loss | last minibatch loss | steps | median step (ms) "
-        "| compile (s) | total train time (s) |")
+  print(
+    "| optimizer | final eval loss | last minibatch loss | steps | median step (ms) "
+    "| compile (s) | total train time (s) |"
+  )
   print("|---|---|---|---|---|---|---|")
   for r in results:
-    print(f"| {r.name} | {r.final_loss:.3f} | {r.losses[-1]:.3f} | {len(r.losses)} | "
-          f"{1e3 * r.median_step_time:.1f} | {r.compile_time:.2f} | {r.step_times.sum():.1f} |")
+    print(
+      f"| {r.name} | {r.final_loss:.3f} | {r.losses[-1]:.3f} | {len(r.losses)} | "
+      f"{1e3 * r.median_step_time:.1f} | {r.compile_time:.2f} | {r.step_times.sum():.1f} |"
+    )
   ratio = kfac_r.median_step_time / adam_r.median_step_time
   print(f"median step time ratio K-FAC / Adam: {ratio:.2f}x")
   for r in results:

@@ -52,6 +52,7 @@ def make_loss_fn(model):
     logits = model.apply(params, batch["x"])
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
   return loss_fn
 
 
@@ -62,8 +63,9 @@ def evaluate(model, loss_fn, params, data) -> tuple[float, float]:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   p.add_argument("--steps", type=int, default=None, help="default 150 (8 with --fast)")
   p.add_argument("--batch-size", type=int, default=None, help="default 256 (64 with --fast)")
   p.add_argument("--kfac-lr", type=float, default=0.2)
@@ -97,23 +99,36 @@ def main(argv=None) -> int:
   example = {k: jnp.asarray(v[idx[0]]) for k, v in train.items()}
   print(f"data: {ds.source}")
   print(kfac_jax.summary(loss_fn, params, example))
-  kfac_tx = kfac_jax.kfac(loss_fn, example, learning_rate=args.kfac_lr,
-                          momentum=args.kfac_momentum or None, damping=args.damping,
-                          inverse_every=args.inverse_every)
+  kfac_tx = kfac_jax.kfac(
+    loss_fn,
+    example,
+    learning_rate=args.kfac_lr,
+    momentum=args.kfac_momentum or None,
+    damping=args.damping,
+    inverse_every=args.inverse_every,
+  )
   results = []
   print("| optimizer | held-out loss | held-out accuracy | median step (ms) | compile (s) |")
   print("|---|---:|---:|---:|---:|")
   for name, tx in (("K-FAC", kfac_tx), ("Adam", optax.adam(args.adam_lr))):
-    r, final = common.train(name, tx, loss_fn, params,
-                            lambda t: {k: v[idx[t]] for k, v in train.items()}, args.steps,
-                            args.seed, not args.no_progress)
+    r, final = common.train(
+      name,
+      tx,
+      loss_fn,
+      params,
+      lambda t: {k: v[idx[t]] for k, v in train.items()},
+      args.steps,
+      args.seed,
+      not args.no_progress,
+    )
     loss, acc = evaluate(model, loss_fn, final, test)
     r.final_loss = loss
     results.append(r)
     if not np.isfinite(loss):
       print(f"{name}: non-finite loss")
-    print(f"| {name} | {loss:.4f} | {acc:.3f} | {1e3 * r.median_step_time:.1f} | "
-          f"{r.compile_time:.2f} |")
+    print(
+      f"| {name} | {loss:.4f} | {acc:.3f} | {1e3 * r.median_step_time:.1f} | {r.compile_time:.2f} |"
+    )
   ae.plot(results, args.out, f"CNN on {ds.name}, batch {args.batch_size}")
   print(f"wrote {args.out}")
   return 0

@@ -15,8 +15,17 @@ import kfac_jax
 from examples import autoencoder as ae
 
 
-def train(name: str, tx, loss_fn: Callable, params, batch_at: Callable[[int], dict], steps: int,
-          seed: int, progress: bool, loss_scale: float = 1.0):
+def train(
+  name: str,
+  tx,
+  loss_fn: Callable,
+  params,
+  batch_at: Callable[[int], dict],
+  steps: int,
+  seed: int,
+  progress: bool,
+  loss_scale: float = 1.0,
+):
   """Jitted steps of `tx` on `batch_at(t)`, timed; K-FAC when `name` starts with "K-FAC".
 
   K-FAC steps take loss, gradient and curvature statistics from one `kfac_jax.value_and_grad`
@@ -43,8 +52,9 @@ def train(name: str, tx, loss_fn: Callable, params, batch_at: Callable[[int], di
   compiled = jax.jit(step).lower(params, state, first, rng).compile()
   compile_time = time.perf_counter() - t0
   losses, times = [], []
-  for t in tqdm(range(steps), desc=f"{name:>5}", disable=not progress, mininterval=0.5,
-                file=sys.stderr):
+  for t in tqdm(
+    range(steps), desc=f"{name:>5}", disable=not progress, mininterval=0.5, file=sys.stderr
+  ):
     batch = jax.tree_util.tree_map(jax.device_put, batch_at(t))
     rng, sub = jax.random.split(rng)
     start = time.perf_counter()
@@ -52,6 +62,11 @@ def train(name: str, tx, loss_fn: Callable, params, batch_at: Callable[[int], di
     jax.block_until_ready((params, loss))
     times.append(time.perf_counter() - start)
     losses.append(float(loss) * loss_scale)
-  result = ae.RunResult(name=name, losses=np.asarray(losses), step_times=np.asarray(times),
-                        compile_time=compile_time, final_loss=float("nan"))
+  result = ae.RunResult(
+    name=name,
+    losses=np.asarray(losses),
+    step_times=np.asarray(times),
+    compile_time=compile_time,
+    final_loss=float("nan"),
+  )
   return result, params

@@ -22,8 +22,9 @@ if __name__ == "__main__":
   _n = next((a.split("=")[1] for a in sys.argv if a.startswith("--devices=")), None)
   if _n is None and "--devices" in sys.argv:
     _n = sys.argv[sys.argv.index("--devices") + 1]
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={_n or 8}").strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n or 8}"
+  ).strip()
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -65,8 +66,16 @@ MODE = "empirical"
 
 
 def make_tx(example, axis_name=None):
-  return kfac_jax.kfac(loss_fn, example, learning_rate=0.2, momentum=0.9, damping=0.1,
-                       inverse_every=5, estimation_mode=MODE, axis_name=axis_name)
+  return kfac_jax.kfac(
+    loss_fn,
+    example,
+    learning_rate=0.2,
+    momentum=0.9,
+    damping=0.1,
+    inverse_every=5,
+    estimation_mode=MODE,
+    axis_name=axis_name,
+  )
 
 
 def main(argv=None) -> int:
@@ -119,23 +128,29 @@ def main(argv=None) -> int:
   p_par, s_par = rep(params0), rep(tx_p.init(params0))
   p_one, s_one = params0, tx_1.init(params0)
   losses_par, losses_one = [], []
-  print(f"{n} devices, batch {args.batch_size} ({args.batch_size // n} per device), "
-        f"MLP {sizes}, {steps} steps; data: {ds.source}")
+  print(
+    f"{n} devices, batch {args.batch_size} ({args.batch_size // n} per device), "
+    f"MLP {sizes}, {steps} steps; data: {ds.source}"
+  )
   for t in tqdm(range(steps), disable=args.no_progress, file=sys.stderr, mininterval=0.5):
     b, key = batch_at(t), jax.random.key(t)
     p_par, s_par, loss = pfn(p_par, s_par, shard(b), key)
     losses_par.append(float(loss[0]))
     p_one, s_one, loss = step1(p_one, s_one, b, key)
     losses_one.append(float(loss))
-  diff = max(float(jnp.max(jnp.abs(a[0] - b))) for a, b in zip(
-      jax.tree_util.tree_leaves(p_par), jax.tree_util.tree_leaves(p_one)))
+  diff = max(
+    float(jnp.max(jnp.abs(a[0] - b)))
+    for a, b in zip(jax.tree_util.tree_leaves(p_par), jax.tree_util.tree_leaves(p_one))
+  )
   scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree_util.tree_leaves(p_one))
   print(f"final loss: {n} devices {losses_par[-1]:.4f}, one device {losses_one[-1]:.4f}")
   print(f"max |params difference| / max |params|: {diff / scale:.2e}")
-  results = [ae.RunResult(f"K-FAC, {n} devices", np.asarray(losses_par), np.ones(steps), 0.0,
-                          losses_par[-1]),
-             ae.RunResult("K-FAC, 1 device", np.asarray(losses_one), np.ones(steps), 0.0,
-                          losses_one[-1])]
+  results = [
+    ae.RunResult(
+      f"K-FAC, {n} devices", np.asarray(losses_par), np.ones(steps), 0.0, losses_par[-1]
+    ),
+    ae.RunResult("K-FAC, 1 device", np.asarray(losses_one), np.ones(steps), 0.0, losses_one[-1]),
+  ]
   ae.plot(results, args.out, f"data-parallel K-FAC ({n} fake CPU devices) vs one device")
   print(f"wrote {args.out}")
   return 0

@@ -36,12 +36,12 @@ from examples import transformer_lm as tlm  # noqa: E402
 def init(key, vocab, hidden):
   ks = jax.random.split(key, 4)
   return {
-      "embed": jax.random.normal(ks[0], (vocab, hidden)) * 0.1,
-      "W_x": jax.random.normal(ks[1], (hidden, hidden)) / np.sqrt(hidden),
-      "W_h": jax.random.orthogonal(ks[2], hidden) * 0.9,
-      "b": jnp.zeros(hidden),
-      "W_o": jax.random.normal(ks[3], (hidden, vocab)) / np.sqrt(hidden),
-      "b_o": jnp.zeros(vocab),
+    "embed": jax.random.normal(ks[0], (vocab, hidden)) * 0.1,
+    "W_x": jax.random.normal(ks[1], (hidden, hidden)) / np.sqrt(hidden),
+    "W_h": jax.random.orthogonal(ks[2], hidden) * 0.9,
+    "b": jnp.zeros(hidden),
+    "W_o": jax.random.normal(ks[3], (hidden, vocab)) / np.sqrt(hidden),
+    "b_o": jnp.zeros(vocab),
   }
 
 
@@ -61,12 +61,14 @@ def make_loss_fn(recurrent_approx):
     logits = jnp.swapaxes(hs, 0, 1) @ params["W_o"] + params["b_o"]
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).sum(-1).mean()
+
   return loss_fn
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   p.add_argument("--steps", type=int, default=None, help="default 150 (6 with --fast)")
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--length", type=int, default=24)
@@ -82,31 +84,52 @@ def main(argv=None) -> int:
   steps = args.steps or (6 if args.fast else 150)
   length = 8 if args.fast else args.length
   hidden = 16 if args.fast else args.hidden
-  ids, chars, starts, held, about = tlm.char_data(args.fast, length, steps, args.batch_size,
-                                                 args.seed)
+  ids, chars, starts, held, about = tlm.char_data(
+    args.fast, length, steps, args.batch_size, args.seed
+  )
   params = init(jax.random.key(args.seed), len(chars), hidden)
   example = jax.tree_util.tree_map(jnp.asarray, tlm.windows(ids, starts[0], length))
   print(about)
   series_loss = make_loss_fn("kron_series_1")
   print(kfac_jax.summary(series_loss, params, example))
-  runs = [("K-FAC (series)", series_loss, "kfac"),
-          ("K-FAC (indep)", make_loss_fn(None), "kfac"),
-          ("Adam", make_loss_fn(None), "adam")]
+  runs = [
+    ("K-FAC (series)", series_loss, "kfac"),
+    ("K-FAC (indep)", make_loss_fn(None), "kfac"),
+    ("Adam", make_loss_fn(None), "adam"),
+  ]
   results = []
   print("| optimizer | held-out loss (nats/char) | median step (ms) | compile (s) |")
   print("|---|---:|---:|---:|")
   for name, loss_fn, kind in runs:
-    tx = (kfac_jax.kfac(loss_fn, example, learning_rate=args.kfac_lr, momentum=0.9,
-                        damping=args.damping, inverse_every=10)
-          if kind == "kfac" else optax.adam(args.adam_lr))
-    r, final = common.train(name, tx, loss_fn, params,
-                            lambda i: tlm.windows(ids, starts[i], length), steps, args.seed,
-                            not args.no_progress, loss_scale=1 / length)
+    tx = (
+      kfac_jax.kfac(
+        loss_fn,
+        example,
+        learning_rate=args.kfac_lr,
+        momentum=0.9,
+        damping=args.damping,
+        inverse_every=10,
+      )
+      if kind == "kfac"
+      else optax.adam(args.adam_lr)
+    )
+    r, final = common.train(
+      name,
+      tx,
+      loss_fn,
+      params,
+      lambda i: tlm.windows(ids, starts[i], length),
+      steps,
+      args.seed,
+      not args.no_progress,
+      loss_scale=1 / length,
+    )
     r.final_loss = float(jax.jit(loss_fn)(final, jax.tree_util.tree_map(jnp.asarray, held)))
     r.final_loss /= length
     results.append(r)
-    print(f"| {name} | {r.final_loss:.4f} | {1e3 * r.median_step_time:.1f} | "
-          f"{r.compile_time:.2f} |")
+    print(
+      f"| {name} | {r.final_loss:.4f} | {1e3 * r.median_step_time:.1f} | {r.compile_time:.2f} |"
+    )
   ae.plot(results, args.out, f"character RNN, batch {args.batch_size}x{length}, hidden {hidden}")
   print(f"wrote {args.out}")
   return 0

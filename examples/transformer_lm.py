@@ -60,8 +60,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, mask):
     d = x.shape[-1]
-    x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(
-        nn.LayerNorm()(x), mask=mask)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(nn.LayerNorm()(x), mask=mask)
     h = nn.Dense(4 * d)(nn.LayerNorm()(x))
     return x + nn.Dense(d)(nn.gelu(h))
 
@@ -80,7 +79,7 @@ class LM(nn.Module):
     # Found automatically as a "shift" with a full (length·d)² block; a diagonal one is plenty
     # for a positional table. Manual tags take precedence over the scanner.
     pos = kfac_jax.register_generic(pos, approx="diagonal")
-    x = embed(ids) + pos[:ids.shape[1]]
+    x = embed(ids) + pos[: ids.shape[1]]
     mask = nn.make_causal_mask(ids)
     for _ in range(self.layers):
       x = Block(self.heads)(x, mask)
@@ -92,6 +91,7 @@ def make_loss_fn(model):
     logits = model.apply(params, batch["x"])
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).sum(-1).mean()
+
   return loss_fn
 
 
@@ -114,13 +114,19 @@ def char_data(fast: bool, length: int, steps: int, batch_size: int, seed: int):
   rng = np.random.default_rng(seed)
   starts = rng.integers(0, split - length - 1, size=(steps, batch_size))
   held = windows(ids[split:], rng.integers(0, len(ids) - split - length - 1, size=256), length)
-  return ids, chars, starts, held, (
-      f"data: {len(text):,} characters of {source}, vocabulary {len(chars)}")
+  return (
+    ids,
+    chars,
+    starts,
+    held,
+    (f"data: {len(text):,} characters of {source}, vocabulary {len(chars)}"),
+  )
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   p.add_argument("--steps", type=int, default=None, help="default 150 (6 with --fast)")
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--length", type=int, default=64)
@@ -134,29 +140,44 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   steps = args.steps or (6 if args.fast else 150)
   length = 16 if args.fast else args.length
-  ids, chars, starts, held, about = char_data(args.fast, length, steps, args.batch_size,
-                                             args.seed)
-  model = LM(vocab=len(chars), d=32 if args.fast else 64, layers=1 if args.fast else 2,
-             length=length)
+  ids, chars, starts, held, about = char_data(args.fast, length, steps, args.batch_size, args.seed)
+  model = LM(
+    vocab=len(chars), d=32 if args.fast else 64, layers=1 if args.fast else 2, length=length
+  )
   params = model.init(jax.random.key(args.seed), jnp.zeros((1, length), jnp.int32))
   loss_fn = make_loss_fn(model)
   example = jax.tree_util.tree_map(jnp.asarray, windows(ids, starts[0], length))
   print(about)
   print(kfac_jax.summary(loss_fn, params, example))
-  tx = kfac_jax.kfac(loss_fn, example, learning_rate=args.kfac_lr, momentum=0.9,
-                     damping=args.damping, inverse_every=10)
+  tx = kfac_jax.kfac(
+    loss_fn,
+    example,
+    learning_rate=args.kfac_lr,
+    momentum=0.9,
+    damping=args.damping,
+    inverse_every=10,
+  )
   results = []
   print("| optimizer | held-out loss (nats/char) | median step (ms) | compile (s) |")
   print("|---|---:|---:|---:|")
   for name, t in (("K-FAC", tx), ("Adam", optax.adam(args.adam_lr))):
-    r, final = common.train(name, t, loss_fn, params,
-                            lambda i: windows(ids, starts[i], length), steps, args.seed,
-                            not args.no_progress, loss_scale=1 / length)
+    r, final = common.train(
+      name,
+      t,
+      loss_fn,
+      params,
+      lambda i: windows(ids, starts[i], length),
+      steps,
+      args.seed,
+      not args.no_progress,
+      loss_scale=1 / length,
+    )
     r.final_loss = float(jax.jit(loss_fn)(final, jax.tree_util.tree_map(jnp.asarray, held)))
     r.final_loss /= length
     results.append(r)
-    print(f"| {name} | {r.final_loss:.4f} | {1e3 * r.median_step_time:.1f} | "
-          f"{r.compile_time:.2f} |")
+    print(
+      f"| {name} | {r.final_loss:.4f} | {1e3 * r.median_step_time:.1f} | {r.compile_time:.2f} |"
+    )
   ae.plot(results, args.out, f"char-level Transformer LM, batch {args.batch_size}x{length}")
   print(f"wrote {args.out}")
   return 0

@@ -84,14 +84,16 @@ def check_restored_state(expected: Any, restored: Any) -> None:
       problems.append(f"{where}: checkpoint has {gs} {gd}, this model needs {ws} {wd}")
   if problems:
     raise ValueError(
-        "the restored optimizer state does not fit this model (did its layers change?):\n  "
-        + "\n  ".join(problems)
-        + "\nRestore into a state initialised for the same model, or start the optimizer afresh.")
+      "the restored optimizer state does not fit this model (did its layers change?):\n  "
+      + "\n  ".join(problems)
+      + "\nRestore into a state initialised for the same model, or start the optimizer afresh."
+    )
 
 
 def state_to_bytes(state: Any) -> bytes:
   """Serialises an optimizer state with flax.serialization (msgpack)."""
   from flax import serialization  # flax is an optional dependency.
+
   return serialization.to_bytes(state)
 
 
@@ -102,6 +104,7 @@ def state_from_bytes(expected: Any, data: bytes) -> Any:
     ValueError: the saved state does not fit `expected` (see `check_restored_state`).
   """
   from flax import serialization  # flax is an optional dependency.
+
   raw = serialization.msgpack_restore(data)
   template = serialization.to_state_dict(expected)
   check_restored_state(template, raw)

@@ -38,16 +38,29 @@ def _as_float(value, name: str, expected: str) -> float | None:
   if isinstance(value, (int, float, np.integer, np.floating)):
     return float(value)
   if isinstance(value, (jax.Array, np.ndarray)):
-    if np.shape(value) != () or not np.issubdtype(value.dtype, np.number) or np.issubdtype(
-        value.dtype, np.complexfloating):
-      raise TypeError(f"`{name}` must be {expected}, got an array of shape {np.shape(value)} "
-                      f"and dtype {value.dtype}: {value!r}.")
+    if (
+      np.shape(value) != ()
+      or not np.issubdtype(value.dtype, np.number)
+      or np.issubdtype(value.dtype, np.complexfloating)
+    ):
+      raise TypeError(
+        f"`{name}` must be {expected}, got an array of shape {np.shape(value)} "
+        f"and dtype {value.dtype}: {value!r}."
+      )
     return float(value)
   raise TypeError(f"`{name}` must be {expected}, got {_describe(value)}.")
 
 
-def number(value, name: str, *, low: float = -math.inf, low_open: bool = False,
-           high: float = math.inf, high_open: bool = False, schedule: bool = False) -> None:
+def number(
+  value,
+  name: str,
+  *,
+  low: float = -math.inf,
+  low_open: bool = False,
+  high: float = math.inf,
+  high_open: bool = False,
+  schedule: bool = False,
+) -> None:
   """A finite real scalar in the interval (or, with `schedule`, a callable `count -> value`)."""
   if schedule and callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
     return
@@ -66,8 +79,11 @@ def number(value, name: str, *, low: float = -math.inf, low_open: bool = False,
   v = _as_float(value, name, expected)
   if v is None:
     return
-  ok = math.isfinite(v) and (v > low if low_open else v >= low) and (
-      v < high if high_open else v <= high)
+  ok = (
+    math.isfinite(v)
+    and (v > low if low_open else v >= low)
+    and (v < high if high_open else v <= high)
+  )
   if not ok:
     raise ValueError(f"`{name}` must be {expected}, got {_describe(value)}.")
 
@@ -85,8 +101,10 @@ def positive_int(value, name: str) -> None:
 def static_int(value, name: str, *, low: int = 1, fix: str = "") -> None:
   """A Python int >= `low` that fixes array shapes (never traced)."""
   if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
-    raise TypeError(f"`{name}` fixes array shapes and must be a Python int, got a "
-                    f"{type(value).__name__}: {value!r}.{fix}")
+    raise TypeError(
+      f"`{name}` fixes array shapes and must be a Python int, got a "
+      f"{type(value).__name__}: {value!r}.{fix}"
+    )
   if isinstance(value, (float, np.floating)):  # A number, but not an int: a wrong value.
     raise ValueError(f"`{name}` must be an int >= {low}, got {_describe(value)}.{fix}")
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -103,7 +121,8 @@ def boolean(value, name: str) -> None:
 def choice(value, name: str, choices: Sequence[Any]) -> None:
   if not isinstance(value, str) or value not in choices:
     raise (ValueError if isinstance(value, str) else TypeError)(
-        f"unknown {name} {value!r}; choose one of {', '.join(repr(c) for c in choices)}.")
+      f"unknown {name} {value!r}; choose one of {', '.join(repr(c) for c in choices)}."
+    )
 
 
 def optional_str(value, name: str) -> None:

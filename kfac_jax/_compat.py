@@ -24,22 +24,22 @@ DropVar = _jex_core.DropVar
 Zero = ad.Zero
 
 __all__ = [
-    "ClosedJaxpr",
-    "DropVar",
-    "Jaxpr",
-    "JaxprEqn",
-    "Literal",
-    "Primitive",
-    "Var",
-    "Zero",
-    "ad",
-    "axis_env",
-    "batching",
-    "bind_eqn",
-    "call_jaxpr_of",
-    "mlir",
-    "remat_options",
-    "transparent_jaxpr_of",
+  "ClosedJaxpr",
+  "DropVar",
+  "Jaxpr",
+  "JaxprEqn",
+  "Literal",
+  "Primitive",
+  "Var",
+  "Zero",
+  "ad",
+  "axis_env",
+  "batching",
+  "bind_eqn",
+  "call_jaxpr_of",
+  "mlir",
+  "remat_options",
+  "transparent_jaxpr_of",
 ]
 
 # Primitives that only call a closed sub-jaxpr with the same inputs and outputs (nested `jax.jit`,
@@ -122,6 +122,7 @@ def axis_env(axes):
   axis_env=axes)` does: collectives (`psum`, `pmean`) over them trace outside pmap/shard_map.
   Names that are already bound are left as they are."""
   from jax._src import core as _core
+
   axes = list(axes)
   try:  # Names already bound (inside pmap / shard_map) keep their real size.
     env = _core.get_axis_env()

@@ -28,10 +28,17 @@ from kfac_jax import _compat, _graph, _losses, _scanner
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
-EstimationMode = Literal["gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact",
-                         "exact_GGN"]
-ESTIMATION_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact",
-                    "exact_GGN")
+EstimationMode = Literal[
+  "gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN"
+]
+ESTIMATION_MODES = (
+  "gradients",
+  "empirical",
+  "curvature_prop",
+  "curvature_prop_GGN",
+  "exact",
+  "exact_GGN",
+)
 
 
 @jax.tree_util.register_dataclass
@@ -60,6 +67,7 @@ class CurvatureStats:
       are the mode's output vectors; for the empirical mode without weights this is the
       gradient of the loss. None otherwise.
   """
+
   data: tuple[Any, ...]
   layer_names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
   batch_size: int = dataclasses.field(metadata={"static": True})
@@ -70,24 +78,28 @@ def check_mode(estimation_mode: str, num_samples: int) -> None:
   """Validates the mode and `num_samples` (which the exact modes do not take)."""
   if not isinstance(estimation_mode, str) or estimation_mode not in ESTIMATION_MODES:
     raise (ValueError if isinstance(estimation_mode, str) else TypeError)(
-        f"unknown estimation_mode {estimation_mode!r}; choose one of {ESTIMATION_MODES}.")
+      f"unknown estimation_mode {estimation_mode!r}; choose one of {ESTIMATION_MODES}."
+    )
   if not isinstance(num_samples, int) or isinstance(num_samples, bool):
-    raise TypeError(f"num_samples must be a positive int, got {num_samples!r} "
-                    f"({type(num_samples).__name__}).")
+    raise TypeError(
+      f"num_samples must be a positive int, got {num_samples!r} ({type(num_samples).__name__})."
+    )
   if num_samples < 1:
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}.")
   if estimation_mode in _losses.EXACT_MODES and num_samples != 1:
     raise ValueError(
-        f"estimation_mode={estimation_mode!r} uses every output coordinate, not samples, so "
-        f"num_samples does not apply; got num_samples={num_samples}. Leave it at 1, or use "
-        "'curvature_prop' to trade exactness for fewer backward passes.")
+      f"estimation_mode={estimation_mode!r} uses every output coordinate, not samples, so "
+      f"num_samples does not apply; got num_samples={num_samples}. Leave it at 1, or use "
+      "'curvature_prop' to trade exactness for fewer backward passes."
+    )
 
 
 def check_rng(estimation_mode: str, rng) -> None:
   if estimation_mode in _losses.RANDOM_MODES and rng is None:
     raise ValueError(
-        f"estimation_mode={estimation_mode!r} draws random vectors (sampled targets or "
-        "Rademacher signs): pass `rng`, a jax.random key.")
+      f"estimation_mode={estimation_mode!r} draws random vectors (sampled targets or "
+      "Rademacher signs): pass `rng`, a jax.random key."
+    )
 
 
 class LossPart:
@@ -116,20 +128,26 @@ class LossPart:
     if not self.has_aux:
       if isinstance(out, (tuple, list)):
         raise _scanner.RegistrationError(
-            f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
-            "not one scalar loss. If it returns `(loss, aux)`, pass has_aux=True.")
+          f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
+          "not one scalar loss. If it returns `(loss, aux)`, pass has_aux=True."
+        )
       return out
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-      what = (f"a {type(out).__name__} of {len(out)} values" if isinstance(out, (tuple, list))
-              else f"a single {type(out).__name__} of shape {getattr(out, 'shape', '?')}")
+      what = (
+        f"a {type(out).__name__} of {len(out)} values"
+        if isinstance(out, (tuple, list))
+        else f"a single {type(out).__name__} of shape {getattr(out, 'shape', '?')}"
+      )
       raise _scanner.RegistrationError(
-          f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
-          f"returned {what}. Return `(loss, aux)`, or drop has_aux=True.")
+        f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
+        f"returned {what}. Return `(loss, aux)`, or drop has_aux=True."
+      )
     loss, aux = out
     if getattr(loss, "shape", None) != ():
       raise _scanner.RegistrationError(
-          "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
-          f"got shape {getattr(loss, 'shape', type(loss).__name__)}.")
+        "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
+        f"got shape {getattr(loss, 'shape', type(loss).__name__)}."
+      )
     aux_leaves, self.aux_tree = jax.tree_util.tree_flatten(aux)
     return (loss, *aux_leaves)
 
@@ -171,9 +189,18 @@ def _stacked_tap(graph: _graph.FlatGraph, uses):
   return outs, ins
 
 
-def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
-            estimation_mode: str, num_samples: int, with_grads: bool,
-            with_params_stats: bool = False, aux: LossPart | None = None):
+def compute(
+  reg: _scanner.Registration,
+  params,
+  batch,
+  rng: Array | None,
+  *,
+  estimation_mode: str,
+  num_samples: int,
+  with_grads: bool,
+  with_params_stats: bool = False,
+  aux: LossPart | None = None,
+):
   """Loss, gradient (or None) and `CurvatureStats` from one forward pass.
 
   With `with_params_stats`, the sampled pull-back also forms every parameter's product (one
@@ -214,8 +241,12 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
     others = [[_read(a, seen) for a in ops[1:]] for ops in reg.loss_operands]
     return (outs[0], preds), (xs, others, outs[1:])
 
-  eps0 = [jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype) if isinstance(k[0], tuple)
-          else jnp.zeros(k[1].aval.shape, k[1].aval.dtype) for k in out_keys]
+  eps0 = [
+    jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype)
+    if isinstance(k[0], tuple)
+    else jnp.zeros(k[1].aval.shape, k[1].aval.dtype)
+    for k in out_keys
+  ]
   (loss, preds), vjp_fn, (xs, others, aux_leaves) = jax.vjp(f, leaves, eps0, has_aux=True)
 
   grads = None
@@ -223,11 +254,11 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
     g_leaves, _ = vjp_fn((jnp.ones_like(loss), [jnp.zeros_like(p) for p in preds]))
     grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_leaves)
 
-  keys = (jax.random.split(rng, len(reg.losses)) if rng is not None
-          else [None] * len(reg.losses))
+  keys = jax.random.split(rng, len(reg.losses)) if rng is not None else [None] * len(reg.losses)
   cts = [
-      _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)
-      for spec, p, o, key in zip(reg.losses, preds, others, keys)]
+    _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)
+    for spec, p, o, key in zip(reg.losses, preds, others, keys)
+  ]
   if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
     cts = _join_exact(cts)
 
@@ -250,17 +281,25 @@ def compute(reg: _scanner.Registration, params, batch, rng: Array | None, *,
   if with_params_stats:
     n = reg.losses[0].batch_size
     params_stats = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(params), [jnp.mean(x, axis=0) / n for x in p_ct])
-  stats = CurvatureStats(tuple(data), tuple(s.name for s in reg.layers),
-                         reg.losses[0].batch_size, params_stats)
+      jax.tree_util.tree_structure(params), [jnp.mean(x, axis=0) / n for x in p_ct]
+    )
+  stats = CurvatureStats(
+    tuple(data), tuple(s.name for s in reg.layers), reg.losses[0].batch_size, params_stats
+  )
   if aux is not None:
     return loss, aux.unflatten_aux(aux_leaves), grads, stats
   return loss, grads, stats
 
 
-def value_and_grad(loss_fn: Callable, *, has_aux: bool = False,
-                   estimation_mode: EstimationMode = "gradients", num_samples: int = 1,
-                   strict: bool = False, compute_params_stats: bool = False) -> Callable:
+def value_and_grad(
+  loss_fn: Callable,
+  *,
+  has_aux: bool = False,
+  estimation_mode: EstimationMode = "gradients",
+  num_samples: int = 1,
+  strict: bool = False,
+  compute_params_stats: bool = False,
+) -> Callable:
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
 
   `curvature_stats` is what `scale_by_kfac`'s update takes as `curvature_stats=`. Call the
@@ -318,9 +357,17 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False,
 
   def fn(params, batch, rng=None):
     reg = _scanner.scan(part, params, batch, strict=strict, warn=False, has_aux=has_aux)
-    out = compute(reg, params, batch, rng, estimation_mode=estimation_mode,
-                  num_samples=num_samples, with_grads=True,
-                  with_params_stats=compute_params_stats, aux=part if has_aux else None)
+    out = compute(
+      reg,
+      params,
+      batch,
+      rng,
+      estimation_mode=estimation_mode,
+      num_samples=num_samples,
+      with_grads=True,
+      with_params_stats=compute_params_stats,
+      aux=part if has_aux else None,
+    )
     if has_aux:
       loss, aux, grads, stats = out
       return (loss, aux), grads, stats

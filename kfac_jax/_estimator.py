@@ -41,6 +41,7 @@ class EstimatorState(NamedTuple):
     failed_inverses: `[]` int32, block factorisations that were not finite (the block kept its
       previous cache).
   """
+
   factors: dict[str, dict[str, Array]]
   cache: dict[str, dict[str, Array]]
   ema_weight: Array
@@ -70,8 +71,11 @@ def _all_finite(tree) -> Array:
   leaves = jax.tree_util.tree_leaves(tree)
   if not leaves:
     return jnp.asarray(True)
-  return jnp.all(jnp.stack([
-      jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))) for x in leaves]))
+  return jnp.all(
+    jnp.stack(
+      [jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))) for x in leaves]
+    )
+  )
 
 
 _STATS_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -88,12 +92,15 @@ def resolve_dtype(value, name: str) -> Any:
   except TypeError:
     dtype = None
   if dtype is None or dtype.name not in allowed:
-    raise ValueError(f"`{name}` must be one of {', '.join(allowed)} (or None for the default), "
-                     f"got {value!r}.")
+    raise ValueError(
+      f"`{name}` must be one of {', '.join(allowed)} (or None for the default), got {value!r}."
+    )
   if dtype == np.float64 and not jax.config.jax_enable_x64:
-    raise ValueError(f"`{name}`=float64 needs 64-bit JAX: set "
-                     "`jax.config.update('jax_enable_x64', True)` before creating arrays, or "
-                     "use float32.")
+    raise ValueError(
+      f"`{name}`=float64 needs 64-bit JAX: set "
+      "`jax.config.update('jax_enable_x64', True)` before creating arrays, or "
+      "use float32."
+    )
   return dtype
 
 
@@ -181,27 +188,37 @@ class CurvatureEstimator:
     >>> nat_grads = est.multiply_matpower(state, grads, -1)
   """
 
-  def __init__(self, loss_fn: Callable, example_batch: Any, *, has_aux: bool = False,
-               estimation_mode: _curvature.EstimationMode = "gradients",
-               exps: Sequence[float] = (-1,), num_samples: int = 1,
-               damping_mode: _blocks.DampingMode = "factored", compute_cholesky: bool = False,
-               compute_cholesky_inverse: bool = False, strict: bool = False,
-               compute_params_stats: bool = False,
-               layers: _layer_config.LayerConfig | None = None,
-               stats_dtype: Any = None, inverse_dtype: Any = None,
-               inverse_storage: InverseStorage = "replicated"):
+  def __init__(
+    self,
+    loss_fn: Callable,
+    example_batch: Any,
+    *,
+    has_aux: bool = False,
+    estimation_mode: _curvature.EstimationMode = "gradients",
+    exps: Sequence[float] = (-1,),
+    num_samples: int = 1,
+    damping_mode: _blocks.DampingMode = "factored",
+    compute_cholesky: bool = False,
+    compute_cholesky_inverse: bool = False,
+    strict: bool = False,
+    compute_params_stats: bool = False,
+    layers: _layer_config.LayerConfig | None = None,
+    stats_dtype: Any = None,
+    inverse_dtype: Any = None,
+    inverse_storage: InverseStorage = "replicated",
+  ):
     # Checks `loss_fn` and `has_aux`; the scanner traces this wrapper (loss first, aux after).
     self.loss_part = _curvature.LossPart(loss_fn, has_aux)
     self.has_aux = has_aux
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
     _checks.choice(inverse_storage, "inverse_storage", ("replicated", "sharded"))
-    for flag in ("compute_cholesky", "compute_cholesky_inverse", "strict",
-                 "compute_params_stats"):
+    for flag in ("compute_cholesky", "compute_cholesky_inverse", "strict", "compute_params_stats"):
       _checks.boolean(locals()[flag], flag)
     if isinstance(exps, (str, bytes)) or not isinstance(exps, (tuple, list)):
-      raise TypeError(f"`exps` must be a tuple of non-zero numbers (matrix powers, e.g. (-1,)), "
-                      f"got {exps!r}.")
+      raise TypeError(
+        f"`exps` must be a tuple of non-zero numbers (matrix powers, e.g. (-1,)), got {exps!r}."
+      )
     for e in exps:
       _checks.number(e, "exps", low=-np.inf)
       if e == 0:
@@ -216,10 +233,13 @@ class CurvatureEstimator:
     self.layer_config = _layer_config.check(layers)
     self.inverse_storage = inverse_storage
     self.config = _blocks.BlockConfig(
-        exps=exps, damping_mode=damping_mode, cholesky=compute_cholesky,
-        cholesky_inverse=compute_cholesky_inverse,
-        stats_dtype=resolve_dtype(stats_dtype, "stats_dtype"),
-        inverse_dtype=resolve_dtype(inverse_dtype, "inverse_dtype"))
+      exps=exps,
+      damping_mode=damping_mode,
+      cholesky=compute_cholesky,
+      cholesky_inverse=compute_cholesky_inverse,
+      stats_dtype=resolve_dtype(stats_dtype, "stats_dtype"),
+      inverse_dtype=resolve_dtype(inverse_dtype, "inverse_dtype"),
+    )
     self._layers: tuple[_scanner.LayerSpec, ...] | None = None
     self._blocks: tuple[_blocks.Block, ...] = ()
     self._names: tuple[str, ...] = ()
@@ -232,16 +252,27 @@ class CurvatureEstimator:
     """Parameter paths, shapes and dtypes: equal for `nnx.State`s with or without Variables."""
     leaves = jax.tree_util.tree_leaves(params)
     return _scanner.param_paths(params), tuple(
-        (tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+      (tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves
+    )
 
   def _scan(self, params, batch, warn: bool, axis_name=None) -> _scanner.Registration:
     # A model with collectives (BatchNorm(axis_name=...)) traces outside pmap / shard_map when
     # its axis is bound for the trace (size 1; an axis already bound keeps its size).
-    names = () if axis_name is None else (
-        (axis_name,) if isinstance(axis_name, str) else tuple(axis_name))
+    names = (
+      ()
+      if axis_name is None
+      else ((axis_name,) if isinstance(axis_name, str) else tuple(axis_name))
+    )
     with _compat.axis_env([(n, 1) for n in names]):
-      return _scanner.scan(self.loss_part, params, batch, strict=self.strict, warn=warn,
-                           layers=self.layer_config, has_aux=self.has_aux)
+      return _scanner.scan(
+        self.loss_part,
+        params,
+        batch,
+        strict=self.strict,
+        warn=warn,
+        layers=self.layer_config,
+        has_aux=self.has_aux,
+      )
 
   def _ensure_layers(self, params, axis_name=None) -> None:
     """Scans `loss_fn` with `example_batch` the first time; checks `params` later."""
@@ -256,17 +287,19 @@ class CurvatureEstimator:
         for n, b in zip(self._names, blocks):
           if getattr(b, "needs_cache_for_statistics", False):
             raise ValueError(
-                f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, "
-                "which inverse_storage='sharded' keeps on one device; use "
-                "inverse_storage='replicated' or another approximation for it.")
+              f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, "
+              "which inverse_storage='sharded' keeps on one device; use "
+              "inverse_storage='replicated' or another approximation for it."
+            )
       self._blocks = blocks
       self._param_sig = sig
       return
     if sig != self._param_sig:
       raise ValueError(
-          "the params pytree differs from the one this estimator was initialised with "
-          "(structure, shapes or dtypes changed). Create a new estimator/optimizer for the new "
-          "model, or pass params with the original structure.")
+        "the params pytree differs from the one this estimator was initialised with "
+        "(structure, shapes or dtypes changed). Create a new estimator/optimizer for the new "
+        "model, or pass params with the original structure."
+      )
 
   @property
   def layers(self) -> tuple[_scanner.LayerSpec, ...]:
@@ -284,8 +317,9 @@ class CurvatureEstimator:
 
   # -- state -----------------------------------------------------------------------------------
 
-  def init(self, params, *, axis_name: str | None = None,
-           mesh: tuple[Any, str] | None = None) -> EstimatorState:
+  def init(
+    self, params, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None
+  ) -> EstimatorState:
     """Zero statistics and identity caches for `params` (scans `loss_fn` on first use).
 
     With `inverse_storage="sharded"`, pass `axis_name` and call `init` inside pmap / shard_map
@@ -300,11 +334,12 @@ class CurvatureEstimator:
     else:
       cache = {n: b.init_cache() for n, b in zip(self._names, self._blocks)}
     return EstimatorState(
-        factors={n: b.init_factors() for n, b in zip(self._names, self._blocks)},
-        cache=cache,
-        ema_weight=jnp.zeros((), self.config.accum_dtype),
-        skipped_batches=jnp.zeros((), jnp.int32),
-        failed_inverses=jnp.zeros((), jnp.int32))
+      factors={n: b.init_factors() for n, b in zip(self._names, self._blocks)},
+      cache=cache,
+      ema_weight=jnp.zeros((), self.config.accum_dtype),
+      skipped_batches=jnp.zeros((), jnp.int32),
+      failed_inverses=jnp.zeros((), jnp.int32),
+    )
 
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
@@ -312,9 +347,15 @@ class CurvatureEstimator:
     reg = self._scan(params, batch, warn=False)
     self._check_layers(reg)
     _, _, stats = _curvature.compute(
-        reg, params, batch, rng, estimation_mode=self.estimation_mode,
-        num_samples=self.num_samples, with_grads=False,
-        with_params_stats=self.compute_params_stats)
+      reg,
+      params,
+      batch,
+      rng,
+      estimation_mode=self.estimation_mode,
+      num_samples=self.num_samples,
+      with_grads=False,
+      with_params_stats=self.compute_params_stats,
+    )
     return stats
 
   def _check_layers(self, reg: _scanner.Registration) -> None:
@@ -326,21 +367,24 @@ class CurvatureEstimator:
     layers = reg.layers
     if tuple(l.name for l in layers) != tuple(l.name for l in self._layers):
       raise ValueError(
-          "loss_fn registers different layers for this batch than for `example_batch`: "
-          f"{[l.name for l in layers]} vs {[l.name for l in self._layers]}.")
+        "loss_fn registers different layers for this batch than for `example_batch`: "
+        f"{[l.name for l in layers]} vs {[l.name for l in self._layers]}."
+      )
     for new, old in zip(layers, self._layers):
       if (new.kind, new.approx, new.factor_shapes) != (old.kind, old.approx, old.factor_shapes):
         raise ValueError(
-            f"layer `{old.name}` changes with the batch size: for this batch of "
-            f"{reg.losses[0].batch_size} examples it is a {new.kind} layer ({new.approx!r}) "
-            f"with factor shapes {list(new.factor_shapes)}, for `example_batch` "
-            f"({self._example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
-            f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
-            f"sizes: feed batches of {self._example_batch_size} examples (pad the last one), "
-            "or register the layer with a manual tag whose shapes do not involve the batch.")
+          f"layer `{old.name}` changes with the batch size: for this batch of "
+          f"{reg.losses[0].batch_size} examples it is a {new.kind} layer ({new.approx!r}) "
+          f"with factor shapes {list(new.factor_shapes)}, for `example_batch` "
+          f"({self._example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
+          f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
+          f"sizes: feed batches of {self._example_batch_size} examples (pad the last one), "
+          "or register the layer with a manual tag whose shapes do not involve the batch."
+        )
 
-  def batch_factors(self, stats: _curvature.CurvatureStats, axis_name: str | None = None,
-                    cache=None) -> dict[str, dict[str, Array]]:
+  def batch_factors(
+    self, stats: _curvature.CurvatureStats, axis_name: str | None = None, cache=None
+  ) -> dict[str, dict[str, Array]]:
     """Per-block statistics of one batch, averaged over `axis_name` devices if given.
 
     Blocks with `needs_cache_for_statistics` (EKFAC: its scalings live in the eigenbasis of
@@ -348,16 +392,20 @@ class CurvatureEstimator:
     """
     if stats.layer_names != tuple(s.name for s in self.layers):
       raise ValueError(
-          "curvature_stats were computed for layers "
-          f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
-          "Compute them with kfac_jax.value_and_grad of the same loss_fn.")
+        "curvature_stats were computed for layers "
+        f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
+        "Compute them with kfac_jax.value_and_grad of the same loss_fn."
+      )
+
     def one(n, b, d):
       if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
         d = d.unstack()
       if getattr(b, "needs_cache_for_statistics", False) and cache is not None:
         if self.inverse_storage == "sharded":
-          raise ValueError(f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the "
-                           "statistics; use inverse_storage='replicated'.")
+          raise ValueError(
+            f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the "
+            "statistics; use inverse_storage='replicated'."
+          )
         return b.batch_factors(d, stats.batch_size, cache=cache[n])
       return b.batch_factors(d, stats.batch_size)
 
@@ -366,8 +414,13 @@ class CurvatureEstimator:
       out = jax.lax.pmean(out, axis_name)
     return out
 
-  def update_curvature_from_stats(self, state: EstimatorState, stats: _curvature.CurvatureStats,
-                                  ema_decay, axis_name: str | None = None) -> EstimatorState:
+  def update_curvature_from_stats(
+    self,
+    state: EstimatorState,
+    stats: _curvature.CurvatureStats,
+    ema_decay,
+    axis_name: str | None = None,
+  ) -> EstimatorState:
     """EMA update of the statistics with this batch's; a non-finite batch is skipped entirely.
 
     With decay ρ and w ← ρ w + 1, the factors become F ← F + (F_batch − F) / w: a bias-corrected
@@ -391,19 +444,31 @@ class CurvatureEstimator:
     # inside the taken branch, so it writes straight into the new state's buffers (computed
     # before the `cond`, XLA copied all factors, 26 MB a step on the autoencoder).
     factors, weight = jax.lax.cond(
-        ok, lambda: (jax.tree_util.tree_map(average, state.factors, new), weight),
-        lambda: (state.factors, state.ema_weight))
-    return state._replace(factors=factors, ema_weight=weight,
-                          skipped_batches=state.skipped_batches + (~ok).astype(jnp.int32))
+      ok,
+      lambda: (jax.tree_util.tree_map(average, state.factors, new), weight),
+      lambda: (state.factors, state.ema_weight),
+    )
+    return state._replace(
+      factors=factors,
+      ema_weight=weight,
+      skipped_batches=state.skipped_batches + (~ok).astype(jnp.int32),
+    )
 
-  def update_curvature(self, state: EstimatorState, params, batch, rng, ema_decay,
-                       axis_name: str | None = None) -> EstimatorState:
+  def update_curvature(
+    self, state: EstimatorState, params, batch, rng, ema_decay, axis_name: str | None = None
+  ) -> EstimatorState:
     """`update_curvature_from_stats` with statistics computed from `batch`."""
     stats = self.curvature_stats(params, batch, rng)
     return self.update_curvature_from_stats(state, stats, ema_decay, axis_name)
 
-  def update_inverses(self, state: EstimatorState, damping, *, axis_name: str | None = None,
-                      mesh: tuple[Any, str] | None = None) -> EstimatorState:
+  def update_inverses(
+    self,
+    state: EstimatorState,
+    damping,
+    *,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ) -> EstimatorState:
     """Recomputes every block's cache for damping λ (equal-shape blocks vmapped, except on CPU).
 
     A block whose new cache is not finite keeps its previous cache.
@@ -426,8 +491,9 @@ class CurvatureEstimator:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     damping = jnp.asarray(damping, self.config.inverse_dtype)
     if self.inverse_storage == "sharded":
-      cache, failed = _sharded.update_inverses(self, state.cache, state.factors, damping,
-                                               axis_name, mesh, _all_finite)
+      cache, failed = _sharded.update_inverses(
+        self, state.cache, state.factors, damping, axis_name, mesh, _all_finite
+      )
       return state._replace(cache=cache, failed_inverses=state.failed_inverses + failed)
     if axis_name is None and mesh is None:
       new = self._compute_caches(range(len(self.blocks)), state.factors, damping)
@@ -437,7 +503,8 @@ class CurvatureEstimator:
 
       def split(factors, lam, axis):
         return _parallel.split_over_axis(
-            lambda idx: self._compute_caches(idx, factors, lam), zeros, costs, axis)
+          lambda idx: self._compute_caches(idx, factors, lam), zeros, costs, axis
+        )
 
       if axis_name is not None:
         new = split(state.factors, damping, axis_name)
@@ -480,20 +547,36 @@ class CurvatureEstimator:
     dtype = self.config.inverse_dtype
     return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), factors)
 
-  def _apply(self, state: EstimatorState, vector, fn, axis_name=None, mesh=None,
-             method: str = "multiply_matpower") -> Any:
+  def _apply(
+    self,
+    state: EstimatorState,
+    vector,
+    fn,
+    axis_name=None,
+    mesh=None,
+    method: str = "multiply_matpower",
+  ) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(vector)
     paths = _scanner.param_paths(vector)
     if paths != self._param_sig[0]:
       raise ValueError(
-          "the vector's pytree structure differs from the params this estimator was built for: "
-          f"got leaves {list(paths)}, expected {list(self._param_sig[0])}.")
+        "the vector's pytree structure differs from the params this estimator was built for: "
+        f"got leaves {list(paths)}, expected {list(self._param_sig[0])}."
+      )
     for (shape, _), x, path in zip(self._param_sig[1], leaves, paths):
       if tuple(np.shape(x)) != shape:
         raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
     if self.inverse_storage == "sharded":
-      out = _sharded.apply(self, self._in_inverse_dtype(state.factors), state.cache, leaves, fn,
-                           axis_name, mesh, method)
+      out = _sharded.apply(
+        self,
+        self._in_inverse_dtype(state.factors),
+        state.cache,
+        leaves,
+        fn,
+        axis_name,
+        mesh,
+        method,
+      )
       return jax.tree_util.tree_unflatten(treedef, out)
     out = list(leaves)
     for n, b in zip(self._names, self._blocks):
@@ -503,8 +586,15 @@ class CurvatureEstimator:
         out[j] = r
     return jax.tree_util.tree_unflatten(treedef, out)
 
-  def multiply_matpower(self, state: EstimatorState, vector, exp: float, *,
-                        axis_name: str | None = None, mesh: tuple[Any, str] | None = None):
+  def multiply_matpower(
+    self,
+    state: EstimatorState,
+    vector,
+    exp: float,
+    *,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ):
     """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`.
 
     With `inverse_storage="sharded"`, `axis_name` (inside pmap / shard_map) or `mesh` (under
@@ -514,34 +604,77 @@ class CurvatureEstimator:
     exp = float(exp)
     if exp != 1 and exp not in self.config.exps:
       raise ValueError(
-          f"matrix power {exp:g} was not prepared: this estimator has exps="
-          f"{self.config.exps} (1 is always available).")
-    return self._apply(state, vector, lambda b, f, c, v: b.multiply_matpower(f, c, v, exp),
-                       axis_name, mesh, "multiply_matpower")
+        f"matrix power {exp:g} was not prepared: this estimator has exps="
+        f"{self.config.exps} (1 is always available)."
+      )
+    return self._apply(
+      state,
+      vector,
+      lambda b, f, c, v: b.multiply_matpower(f, c, v, exp),
+      axis_name,
+      mesh,
+      "multiply_matpower",
+    )
 
-  def multiply(self, state: EstimatorState, vector, *, axis_name: str | None = None,
-               mesh: tuple[Any, str] | None = None):
+  def multiply(
+    self,
+    state: EstimatorState,
+    vector,
+    *,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ):
     """The damped curvature times `vector` (power 1)."""
     return self.multiply_matpower(state, vector, 1, axis_name=axis_name, mesh=mesh)
 
-  def multiply_inverse(self, state: EstimatorState, vector, *, axis_name: str | None = None,
-                       mesh: tuple[Any, str] | None = None):
+  def multiply_inverse(
+    self,
+    state: EstimatorState,
+    vector,
+    *,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ):
     """The inverse damped curvature times `vector` (needs -1 in `exps`, the default)."""
     return self.multiply_matpower(state, vector, -1, axis_name=axis_name, mesh=mesh)
 
-  def multiply_cholesky(self, state: EstimatorState, vector, *, transpose: bool = False,
-                        axis_name: str | None = None, mesh: tuple[Any, str] | None = None):
+  def multiply_cholesky(
+    self,
+    state: EstimatorState,
+    vector,
+    *,
+    transpose: bool = False,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ):
     """C·v (or Cᵀ·v) for the block-diagonal factor C with C Cᵀ = damped curvature."""
-    return self._apply(state, vector, lambda b, f, c, v: b.multiply_cholesky(
-        f, c, v, transpose=transpose, inverse=False), axis_name, mesh, "multiply_cholesky")
+    return self._apply(
+      state,
+      vector,
+      lambda b, f, c, v: b.multiply_cholesky(f, c, v, transpose=transpose, inverse=False),
+      axis_name,
+      mesh,
+      "multiply_cholesky",
+    )
 
-  def multiply_cholesky_inverse(self, state: EstimatorState, vector, *, transpose: bool = False,
-                                axis_name: str | None = None,
-                                mesh: tuple[Any, str] | None = None):
+  def multiply_cholesky_inverse(
+    self,
+    state: EstimatorState,
+    vector,
+    *,
+    transpose: bool = False,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ):
     """C⁻¹·v (or C⁻ᵀ·v)."""
-    return self._apply(state, vector, lambda b, f, c, v: b.multiply_cholesky(
-        f, c, v, transpose=transpose, inverse=True), axis_name, mesh,
-        "multiply_cholesky_inverse")
+    return self._apply(
+      state,
+      vector,
+      lambda b, f, c, v: b.multiply_cholesky(f, c, v, transpose=transpose, inverse=True),
+      axis_name,
+      mesh,
+      "multiply_cholesky_inverse",
+    )
 
   def to_dense(self, state: EstimatorState) -> Array:
     """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""
@@ -551,20 +684,23 @@ class CurvatureEstimator:
     out = jnp.zeros((total, total), self.config.inverse_dtype)
     for n, b in zip(self._names, self._blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
-      extra = ({"cache": state.cache[n]} if getattr(b, "needs_cache_for_statistics", False)
-               else {})
+      extra = {"cache": state.cache[n]} if getattr(b, "needs_cache_for_statistics", False) else {}
       out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n], **extra))
     return out
 
   def summary(self) -> str:
     """The registered layers as a table (see `kfac_jax.summary`)."""
-    param_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-                      for shape, dtype in self._param_sig[1])
+    param_bytes = sum(
+      int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._param_sig[1]
+    )
     return format_table(self.layers, self._blocks, param_bytes)
 
 
-def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block],
-                 param_bytes: int | None = None) -> str:
+def format_table(
+  layers: Sequence[_scanner.LayerSpec],
+  blocks: Sequence[_blocks.Block],
+  param_bytes: int | None = None,
+) -> str:
   """The layer table; with `param_bytes`, the total row compares the state with the parameters."""
   rows = [("layer", "kind", "uses", "approx", "parameters", "factor shapes", "memory", "note")]
   total = 0
@@ -573,14 +709,33 @@ def format_table(layers: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.
     total += nbytes
     shapes = " ".join("x".join(map(str, f)) for f in s.factor_shapes)
     kind = s.kind + (f" (stack of {s.stack_size})" if s.stack_size else "")
-    rows.append((s.name, kind + ("" if s.source == "auto" else f" ({s.source})"),
-                 str(s.num_uses), s.approx,
-                 ", ".join(p[len(s.name) + 1:] if p.startswith(s.name + "/") else p
-                           for p in s.param_paths), shapes, _fmt_bytes(nbytes), s.note))
-  ratio = (f"{total / param_bytes:.2f}x the parameters' {_fmt_bytes(param_bytes)}"
-           if param_bytes else "")
-  rows.append(("total", "", "", "", f"{sum(s.num_params for s in layers)} values", "",
-               _fmt_bytes(total), ratio))
+    rows.append(
+      (
+        s.name,
+        kind + ("" if s.source == "auto" else f" ({s.source})"),
+        str(s.num_uses),
+        s.approx,
+        ", ".join(p[len(s.name) + 1 :] if p.startswith(s.name + "/") else p for p in s.param_paths),
+        shapes,
+        _fmt_bytes(nbytes),
+        s.note,
+      )
+    )
+  ratio = (
+    f"{total / param_bytes:.2f}x the parameters' {_fmt_bytes(param_bytes)}" if param_bytes else ""
+  )
+  rows.append(
+    (
+      "total",
+      "",
+      "",
+      "",
+      f"{sum(s.num_params for s in layers)} values",
+      "",
+      _fmt_bytes(total),
+      ratio,
+    )
+  )
   if not any(s.note for s in layers):  # The last column holds the ratio only: no header.
     rows[0] = rows[0][:-1] + ("",)
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]

@@ -54,6 +54,7 @@ Atom = Any  # Key or _compat.Literal
 @dataclasses.dataclass(frozen=True, eq=False)
 class FlatEqn:
   """One equation. Synthetic ones (from unrolling a scan) carry `fn` and a stand-in `eqn`."""
+
   eqn: Any
   ins: tuple[Atom, ...]
   outs: tuple[Key, ...]
@@ -112,6 +113,7 @@ class Region:
     ins: the keys the range reads but does not compute (constants excluded).
     outs: the keys the range computes that later equations or the graph's outputs read.
   """
+
   start: int
   stop: int
   options: Mapping[str, Any]
@@ -140,6 +142,7 @@ class ScanGroup:
       parts are exactly position p of every step: their result is the scan's stacked output.
     stop: the index after the group's last equation (the steps and their stacking equations).
   """
+
   steps: tuple[tuple[int, int], ...]
   ncar: int
   nxs: int
@@ -153,9 +156,21 @@ class ScanGroup:
 
 
 # Operations through which a value stays "a parameter" for deciding what to inline.
-_PARAM_VIEW_OPS = frozenset({
-    "convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim",
-    "squeeze", "slice", "dynamic_slice", "expand_dims", "scan_slice"})
+_PARAM_VIEW_OPS = frozenset(
+  {
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "reshape",
+    "transpose",
+    "broadcast_in_dim",
+    "squeeze",
+    "slice",
+    "dynamic_slice",
+    "expand_dims",
+    "scan_slice",
+  }
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -185,11 +200,11 @@ class FlatGraph:
       p = eqn.params
       body = p["jaxpr"]
       nc, ncar, length = p["num_consts"], p["num_carry"], int(p["length"])
-      consts_in, carry = list(ins[:nc]), list(ins[nc:nc + ncar])
-      xs = ins[nc + ncar:]
+      consts_in, carry = list(ins[:nc]), list(ins[nc : nc + ncar])
+      xs = ins[nc + ncar :]
       ys_steps: list[list[Atom]] = [None] * length  # type: ignore[list-item]
       steps = []  # Per step, in execution order: (start, stop, carry outs).
-      for t in (reversed(range(length)) if p["reverse"] else range(length)):
+      for t in reversed(range(length)) if p["reverse"] else range(length):
         start = len(eqns)
         carry_keys = []
         for c in carry:  # Each step reads its carry through an identity: the scan's carry.
@@ -203,8 +218,11 @@ class FlatGraph:
         for x in xs:
           aval = aval_of(x).update(shape=aval_of(x).shape[1:])
           key = (instance, _SynthVar(aval))
-          eqns.append(FlatEqn(_SynthEqn(_SCAN_SLICE, {"index": t}), (x,), (key,),
-                              fn=functools.partial(_slice_fn, t)))
+          eqns.append(
+            FlatEqn(
+              _SynthEqn(_SCAN_SLICE, {"index": t}), (x,), (key,), fn=functools.partial(_slice_fn, t)
+            )
+          )
           if is_key(x) and x in dep:
             dep.add(key)
           if is_key(x) and x in pview:
@@ -214,8 +232,10 @@ class FlatGraph:
         inner = counter[0]
         inner_alias = dict(zip(body.jaxpr.invars, consts_in + carry + x_t))
         walk(body.jaxpr, inner, body.consts, inner_alias)
-        outs = [a if isinstance(a, _compat.Literal) else inner_alias.get(a, (inner, a))
-                for a in body.jaxpr.outvars]
+        outs = [
+          a if isinstance(a, _compat.Literal) else inner_alias.get(a, (inner, a))
+          for a in body.jaxpr.outvars
+        ]
         carry, ys_steps[t] = outs[:ncar], outs[ncar:]
         steps.append((start, len(eqns), tuple(carry)))
       for v, a in zip(eqn.outvars[:ncar], carry):
@@ -224,8 +244,14 @@ class FlatGraph:
       for n, v in enumerate(eqn.outvars[ncar:]):
         parts = tuple(ys_steps[t][n] for t in range(length))
         key = (instance, v)
-        eqns.append(FlatEqn(_SynthEqn(_SCAN_STACK, {"length": length}), parts, (key,),
-                            fn=functools.partial(_stack_fn, v.aval)))
+        eqns.append(
+          FlatEqn(
+            _SynthEqn(_SCAN_STACK, {"length": length}),
+            parts,
+            (key,),
+            fn=functools.partial(_stack_fn, v.aval),
+          )
+        )
         if any(a in dep for a in parts if is_key(a)):
           dep.add(key)
       scans.append((tuple(steps), ncar, len(xs), bool(p["reverse"]), stack_start, len(eqns)))
@@ -240,8 +266,11 @@ class FlatGraph:
         consts.append(((instance, v), c))
       for eqn in jaxpr.eqns:
         ins = tuple(resolve(a) for a in eqn.invars)
-        if (eqn.primitive.name == "scan" and int(eqn.params["length"]) > 0
-            and any(is_key(a) and a in dep for a in ins)):
+        if (
+          eqn.primitive.name == "scan"
+          and int(eqn.params["length"]) > 0
+          and any(is_key(a) and a in dep for a in ins)
+        ):
           unroll_scan(eqn, ins, instance, alias, walk)
           continue
         sub, kind = _compat.call_jaxpr_of(eqn), "call"
@@ -272,19 +301,28 @@ class FlatGraph:
       walk(sub.jaxpr, inner, sub.consts, inner_alias)
       # The call's outputs are the inner jaxpr's outputs.
       for outer_v, inner_atom in zip(eqn.outvars, sub.jaxpr.outvars):
-        r = inner_atom if isinstance(inner_atom, _compat.Literal) else inner_alias.get(
-            inner_atom, (inner, inner_atom))
+        r = (
+          inner_atom
+          if isinstance(inner_atom, _compat.Literal)
+          else inner_alias.get(inner_atom, (inner, inner_atom))
+        )
         alias[outer_v] = r
 
     top_alias: dict[Any, Atom] = {}
     walk(closed.jaxpr, 0, closed.consts, top_alias)
     outvars = tuple(
-        a if isinstance(a, _compat.Literal) else top_alias.get(a, (0, a))
-        for a in closed.jaxpr.outvars)
+      a if isinstance(a, _compat.Literal) else top_alias.get(a, (0, a))
+      for a in closed.jaxpr.outvars
+    )
     const_keys = {k for k, _ in consts}
-    return cls(tuple((0, v) for v in closed.jaxpr.invars), outvars, tuple(consts), tuple(eqns),
-               _regions(regions, eqns, outvars, const_keys),
-               _scan_groups(scans, eqns, outvars, const_keys))
+    return cls(
+      tuple((0, v) for v in closed.jaxpr.invars),
+      outvars,
+      tuple(consts),
+      tuple(eqns),
+      _regions(regions, eqns, outvars, const_keys),
+      _scan_groups(scans, eqns, outvars, const_keys),
+    )
 
   def consumers(self) -> dict[Key, list[tuple[int, int]]]:
     """Maps each key to the (equation index, operand position) pairs that read it."""
@@ -296,12 +334,12 @@ class FlatGraph:
     return out
 
   def evaluate(
-      self,
-      args: Sequence[Any],
-      perturb: Mapping[Key, Any] | None = None,
-      watch: frozenset[Key] = frozenset(),
-      *,
-      unroll: bool = False,
+    self,
+    args: Sequence[Any],
+    perturb: Mapping[Key, Any] | None = None,
+    watch: frozenset[Key] = frozenset(),
+    *,
+    unroll: bool = False,
   ) -> tuple[list[Any], dict[Key, Any]]:
     """Evaluates the graph on `args` (arrays or tracers).
 
@@ -352,8 +390,9 @@ class FlatGraph:
     if not found or any(f is None for f in found):
       return False
     n, _, p = found[0]
-    return (len(found) == len(self.scans[n].keys)
-            and all(f == (n, k, p) for k, f in enumerate(found)))
+    return len(found) == len(self.scans[n].keys) and all(
+      f == (n, k, p) for k, f in enumerate(found)
+    )
 
   def _run(self, lo, hi, env, seen, perturb, watch, unroll=False, inside=None) -> None:
     """Evaluates `eqns[lo:hi]`, reading and writing `env` (a dict or ChainMap); `inside` is the
@@ -387,7 +426,7 @@ class FlatGraph:
     it and the watched values it makes (after their perturbation), so taps inside a
     rematerialised block work and only what they record is kept beyond the block's own inputs.
     """
-    made = [k for fe in self.eqns[r.start:r.stop] for k in fe.outs]
+    made = [k for fe in self.eqns[r.start : r.stop] for k in fe.outs]
     watched = [k for k in made if k in watch]
     out_keys = list(dict.fromkeys(list(r.outs) + watched))
 
@@ -411,24 +450,32 @@ class FlatGraph:
     pos0 = {key: p for p, key in enumerate(keys0)}
     column = lambda p: tuple(grp.keys[k][p] for k in range(nsteps))
     # Stacked entries: a tuple of every step's key at one position.
-    tuple_eps = {pos0[t[0]]: v for t, v in perturb.items()
-                 if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t}
-    tuple_watch = {pos0[t[0]]: t for t in watch
-                   if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t}
-    eps_pos = [p for p in pos if p in tuple_eps
-               or any(grp.keys[k][p] in perturb for k in range(nsteps))]
-    watch_pos = [p for p in pos if p in tuple_watch
-                 or any(grp.keys[k][p] in watch for k in range(nsteps))]
+    tuple_eps = {
+      pos0[t[0]]: v
+      for t, v in perturb.items()
+      if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t
+    }
+    tuple_watch = {
+      pos0[t[0]]: t for t in watch if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t
+    }
+    eps_pos = [
+      p for p in pos if p in tuple_eps or any(grp.keys[k][p] in perturb for k in range(nsteps))
+    ]
+    watch_pos = [
+      p for p in pos if p in tuple_watch or any(grp.keys[k][p] in watch for k in range(nsteps))
+    ]
     final = {}  # Position → carry index, for values needed only from the last step's carry.
     for p, needed in grp.outside:
       if needed == (nsteps - 1,) and keys0[p] in grp.carry_out[0]:
         final[p] = grp.carry_out[0].index(keys0[p])
-    ys_pos = sorted(set(watch_pos) | {p for p, _ in grp.outside if p not in final}
-                    | {p for _, p in grp.stacks})
+    ys_pos = sorted(
+      set(watch_pos) | {p for p, _ in grp.outside if p not in final} | {p for _, p in grp.stacks}
+    )
     watch0 = frozenset(keys0[p] for p in watch_pos)
     carry_avals = [keys0[j][1].aval for j in range(grp.ncar)]
-    carry_in = [_as_aval(_read_atom(self.eqns[s0 + j].ins[0], env), a)
-                for j, a in enumerate(carry_avals)]
+    carry_in = [
+      _as_aval(_read_atom(self.eqns[s0 + j].ins[0], env), a) for j, a in enumerate(carry_avals)
+    ]
     xs = [_read_atom(a, env) for a in grp.xs]
     if grp.reverse:
       xs = [x[::-1] for x in xs]
@@ -440,8 +487,9 @@ class FlatGraph:
       parts = []
       for k in range(nsteps):
         key = grp.keys[k][p]
-        parts.append(perturb[key] if key in perturb else jnp.zeros(key[1].aval.shape,
-                                                                   key[1].aval.dtype))
+        parts.append(
+          perturb[key] if key in perturb else jnp.zeros(key[1].aval.shape, key[1].aval.dtype)
+        )
       eps.append(jnp.stack(parts))
     body_lo = s0 + grp.ncar + grp.nxs
 
@@ -454,8 +502,9 @@ class FlatGraph:
         local[keys0[grp.ncar + j]] = v
       local_perturb = {keys0[p]: e for p, e in zip(eps_pos, eps_t)}
       self._run(body_lo, e0, local, {}, local_perturb, watch0)
-      new_carry = [_as_aval(_read_atom(a, local), av)
-                   for a, av in zip(grp.carry_out[0], carry_avals)]
+      new_carry = [
+        _as_aval(_read_atom(a, local), av) for a, av in zip(grp.carry_out[0], carry_avals)
+      ]
       return new_carry, [local[keys0[p]] for p in ys_pos]
 
     carry, ys = jax.lax.scan(body, carry_in, (xs, eps), length=nsteps)
@@ -531,8 +580,7 @@ def _scan_groups(scans, eqns, outvars, const_keys) -> tuple[ScanGroup, ...]:
   """`ScanGroup`s for the unrolled scans whose steps are equal equation sequences."""
   out = []
   for steps, ncar, nxs, reverse, stack_start, stop in scans:
-    group = _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars,
-                        const_keys)
+    group = _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars, const_keys)
     if group is not None:
       out.append(group)
   return tuple(out)
@@ -612,10 +660,17 @@ def _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars, con
     if needed:
       outside.append((p, needed))
   return ScanGroup(
-      steps=tuple((s, e) for s, e, _ in steps), ncar=ncar, nxs=nxs, reverse=reverse,
-      keys=tuple(keys), carry_out=carry_out,
-      xs=tuple(eqns[s0 + ncar + j].ins[0] for j in range(nxs)), outside=tuple(outside),
-      stacks=tuple(stacks), stop=stop)
+    steps=tuple((s, e) for s, e, _ in steps),
+    ncar=ncar,
+    nxs=nxs,
+    reverse=reverse,
+    keys=tuple(keys),
+    carry_out=carry_out,
+    xs=tuple(eqns[s0 + ncar + j].ins[0] for j in range(nxs)),
+    outside=tuple(outside),
+    stacks=tuple(stacks),
+    stop=stop,
+  )
 
 
 def _identity_fn(x):

@@ -46,11 +46,13 @@ from collections.abc import Mapping, Sequence
 
 def _approximations():
   from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
+
   return _scanner.APPROXIMATIONS
 
 
 def _shared_approximations():
   from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
+
   return _scanner.SHARED_BY_KIND
 
 
@@ -89,6 +91,7 @@ class LayerConfig:
     ...                               overrides={"params/head/*": "kron"})
     >>> tx = kfac_jax.scale_by_kfac(loss_fn, batch, layers=layers)
   """
+
   defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
   overrides: Mapping[str, str] = dataclasses.field(default_factory=dict)
   linked: Mapping[tuple[str, ...], str] = dataclasses.field(default_factory=dict)
@@ -98,54 +101,70 @@ class LayerConfig:
     approximations = _approximations()
     m = self.max_factor_dim
     if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-      raise ValueError(f"LayerConfig.max_factor_dim must be a positive int or None (no limit), "
-                       f"got {m!r}.")
+      raise ValueError(
+        f"LayerConfig.max_factor_dim must be a positive int or None (no limit), got {m!r}."
+      )
     defaults = _frozen(self.defaults, "defaults")
     for kind, approx in defaults.items():
       if kind not in approximations:
         raise ValueError(
-            f"LayerConfig.defaults: unknown layer kind {kind!r}; choose from "
-            f"{sorted(approximations)}.")
+          f"LayerConfig.defaults: unknown layer kind {kind!r}; choose from "
+          f"{sorted(approximations)}."
+        )
       if approx not in approximations[kind]:
         raise ValueError(
-            f"LayerConfig.defaults[{kind!r}] = {approx!r} does not fit {kind} layers; choose one "
-            f"of {approximations[kind]}.")
+          f"LayerConfig.defaults[{kind!r}] = {approx!r} does not fit {kind} layers; choose one "
+          f"of {approximations[kind]}."
+        )
     overrides = _frozen(self.overrides, "overrides")
-    every = sorted({a for table in (approximations, _shared_approximations())
-                    for v in table.values() for a in v})
+    every = sorted(
+      {a for table in (approximations, _shared_approximations()) for v in table.values() for a in v}
+    )
     for pattern, approx in overrides.items():
       if not isinstance(pattern, str) or not pattern:
-        raise TypeError(f"LayerConfig.overrides: patterns must be non-empty strings, got "
-                        f"{pattern!r}.")
+        raise TypeError(
+          f"LayerConfig.overrides: patterns must be non-empty strings, got {pattern!r}."
+        )
       if approx not in every:
         raise ValueError(
-            f"LayerConfig.overrides[{pattern!r}] = {approx!r} is not an approximation; choose "
-            f"one of {every}.")
+          f"LayerConfig.overrides[{pattern!r}] = {approx!r} is not an approximation; choose "
+          f"one of {every}."
+        )
     linked = _frozen(self.linked, "linked")
     groups = {}
     for patterns, approx in linked.items():
       group = (patterns,) if isinstance(patterns, str) else tuple(patterns)
       if not group or not all(isinstance(p, str) and p for p in group):
-        raise TypeError(f"LayerConfig.linked: each key must be a tuple of glob patterns, got "
-                        f"{patterns!r}.")
+        raise TypeError(
+          f"LayerConfig.linked: each key must be a tuple of glob patterns, got {patterns!r}."
+        )
       if approx not in approximations["generic"]:
         raise ValueError(
-            f"LayerConfig.linked[{patterns!r}] = {approx!r}: a linked group is one generic "
-            f"block; choose one of {approximations['generic']}.")
+          f"LayerConfig.linked[{patterns!r}] = {approx!r}: a linked group is one generic "
+          f"block; choose one of {approximations['generic']}."
+        )
       groups[group] = approx
     object.__setattr__(self, "defaults", defaults)
     object.__setattr__(self, "overrides", overrides)
     object.__setattr__(self, "linked", types.MappingProxyType(groups))
 
   def __hash__(self):
-    return hash((tuple(self.defaults.items()), tuple(self.overrides.items()),
-                 tuple(self.linked.items()), self.max_factor_dim))
+    return hash(
+      (
+        tuple(self.defaults.items()),
+        tuple(self.overrides.items()),
+        tuple(self.linked.items()),
+        self.max_factor_dim,
+      )
+    )
 
   def __eq__(self, other):
     return isinstance(other, LayerConfig) and (
-        dict(self.defaults), dict(self.overrides), dict(self.linked), self.max_factor_dim) == (
-            dict(other.defaults), dict(other.overrides), dict(other.linked),
-            other.max_factor_dim)
+      dict(self.defaults),
+      dict(self.overrides),
+      dict(self.linked),
+      self.max_factor_dim,
+    ) == (dict(other.defaults), dict(other.overrides), dict(other.linked), other.max_factor_dim)
 
 
 def check(layers) -> LayerConfig:
@@ -154,8 +173,9 @@ def check(layers) -> LayerConfig:
     return LayerConfig()
   if not isinstance(layers, LayerConfig):
     raise TypeError(
-        f"`layers` must be a kfac_jax.LayerConfig or None, got {type(layers).__name__}: wrap "
-        "mappings as kfac_jax.LayerConfig(defaults=..., overrides=..., linked=...).")
+      f"`layers` must be a kfac_jax.LayerConfig or None, got {type(layers).__name__}: wrap "
+      "mappings as kfac_jax.LayerConfig(defaults=..., overrides=..., linked=...)."
+    )
   return layers
 
 
@@ -164,14 +184,18 @@ def matches(pattern: str, names: Sequence[str]) -> bool:
 
 
 _DIAG_SIDES = {  # (kron-family approximation, side made diagonal) -> approximation.
-    ("kron", "in"): "kron_in_diag", ("kron", "out"): "kron_out_diag",
-    ("kron_in_diag", "out"): "kron_both_diag", ("kron_out_diag", "in"): "kron_both_diag",
-    ("kron_in_diag", "in"): "kron_in_diag", ("kron_out_diag", "out"): "kron_out_diag",
+  ("kron", "in"): "kron_in_diag",
+  ("kron", "out"): "kron_out_diag",
+  ("kron_in_diag", "out"): "kron_both_diag",
+  ("kron_out_diag", "in"): "kron_both_diag",
+  ("kron_in_diag", "in"): "kron_in_diag",
+  ("kron_out_diag", "out"): "kron_out_diag",
 }
 
 
-def size_policy(max_dim: int | None, kind: str, approx: str, kron_shapes, num_params: int,
-                allowed: Sequence[str]) -> tuple[str, str]:
+def size_policy(
+  max_dim: int | None, kind: str, approx: str, kron_shapes, num_params: int, allowed: Sequence[str]
+) -> tuple[str, str]:
   """`(approximation, note)` after the size policy (module docstring); note "" if unchanged.
 
   `kron_shapes` are the layer's (A, G) factor shapes under "kron" (a leading group axis for
@@ -180,8 +204,9 @@ def size_policy(max_dim: int | None, kind: str, approx: str, kron_shapes, num_pa
   if max_dim is None:
     return approx, ""
   if approx == "full" and num_params > max_dim and "diagonal" in allowed:
-    return "diagonal", (f"{num_params} parameters > max_factor_dim {max_dim}: diagonal instead "
-                        "of a full block")
+    return "diagonal", (
+      f"{num_params} parameters > max_factor_dim {max_dim}: diagonal instead of a full block"
+    )
   if approx not in ("kron", "kron_in_diag", "kron_out_diag", "ekfac") or not kron_shapes:
     return approx, ""
   sa, sg = kron_shapes
@@ -197,8 +222,9 @@ def size_policy(max_dim: int | None, kind: str, approx: str, kron_shapes, num_pa
   return new, (f"{' and '.join(big)} > max_factor_dim {max_dim}: kept as its diagonal")
 
 
-def resolve(config: LayerConfig, kind: str, names: Sequence[str],
-            builtin: str) -> tuple[str, str | None]:
+def resolve(
+  config: LayerConfig, kind: str, names: Sequence[str], builtin: str
+) -> tuple[str, str | None]:
   """(approximation, the pattern that chose it or None) for a layer without an explicit one.
 
   `names` are the layer's name and parameter paths.

@@ -132,10 +132,10 @@ def ggn_sqrt_product(spec: LossSpec, z: Array, r: Array) -> Array:
 RANDOM_MODES = ("gradients", "curvature_prop", "curvature_prop_GGN")
 EXACT_MODES = ("exact", "exact_GGN")
 SQRT_PRODUCTS = {
-    "curvature_prop": fisher_sqrt_product,
-    "curvature_prop_GGN": ggn_sqrt_product,
-    "exact": fisher_sqrt_product,
-    "exact_GGN": ggn_sqrt_product,
+  "curvature_prop": fisher_sqrt_product,
+  "curvature_prop_GGN": ggn_sqrt_product,
+  "exact": fisher_sqrt_product,
+  "exact_GGN": ggn_sqrt_product,
 }
 
 
@@ -148,8 +148,9 @@ def _exact_columns(spec: LossSpec, z: Array, sqrt_product) -> Array:
   return jax.vmap(lambda e: sqrt_product(spec, z, e))(basis)
 
 
-def output_cotangents(spec: LossSpec, operands: tuple[Array, ...], mode: str, rng: Array | None,
-                      num_samples: int) -> Array:
+def output_cotangents(
+  spec: LossSpec, operands: tuple[Array, ...], mode: str, rng: Array | None, num_samples: int
+) -> Array:
   """The stack `[S, *z.shape]` of per-example output vectors for `mode` (module docstring).
 
   `(1/S) Σ_s v_s v_sᵀ` is (in expectation, or exactly for the exact modes) `w F_z` per example.
@@ -168,8 +169,9 @@ def output_cotangents(spec: LossSpec, operands: tuple[Array, ...], mode: str, rn
   if mode == "empirical":
     if targets is None:
       raise ValueError(
-          f"estimation_mode='empirical' needs the data's targets, but the {spec.kind} loss tag "
-          "was registered without them: pass `targets` to the register_*_loss call.")
+        f"estimation_mode='empirical' needs the data's targets, but the {spec.kind} loss tag "
+        "was registered without them: pass `targets` to the register_*_loss call."
+      )
     y = targets if jnp.issubdtype(targets.dtype, jnp.integer) else targets.astype(zf.dtype)
     vec = _grad_nll(spec, zf, y)[None]
   elif mode == "gradients":

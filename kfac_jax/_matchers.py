@@ -48,6 +48,7 @@ class ConvInfo:
   spatial...); for the output, (batch, feature, spatial...). `padding` is explicit `(lo, hi)`
   pairs. The kernel operand is the parameter leaf after `kernel_view`.
   """
+
   kernel_view: tuple[Any, ...]
   lhs_spec: tuple[int, ...]
   rhs_spec: tuple[int, ...]
@@ -88,6 +89,7 @@ class ScaleShiftInfo:
   x̂ is the product of the layer's input operands (one, or two when a following multiplication
   was folded in), broadcast to `output_shape`; its leading axis is the batch.
   """
+
   has_scale: bool
   has_shift: bool
   feature_shape: tuple[int, ...]
@@ -97,6 +99,7 @@ class ScaleShiftInfo:
 @dataclasses.dataclass(frozen=True)
 class EmbeddingInfo:
   """`out[..., :] = table[ids[...], :]` with `table` (after `table_view`) of shape [vocab, dim]."""
+
   table_view: tuple[Any, ...]
   vocab_size: int
   dim: int
@@ -114,15 +117,21 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
   dn = params["dimension_numbers"]
   lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
   return ConvInfo(
-      kernel_view=tuple(chain), lhs_spec=lhs, rhs_spec=rhs, out_spec=out,
-      window_strides=tuple(int(s) for s in params["window_strides"]),
-      padding=tuple((int(a), int(b)) for a, b in params["padding"]),
-      lhs_dilation=tuple(int(s) for s in params["lhs_dilation"]),
-      rhs_dilation=tuple(int(s) for s in params["rhs_dilation"]),
-      feature_group_count=int(params["feature_group_count"]),
-      in_channels=int(x_shape[lhs[1]]), out_channels=int(k_shape[rhs[0]]),
-      kernel_spatial=tuple(int(k_shape[d]) for d in rhs[2:]),
-      input_shape=tuple(x_shape), output_shape=tuple(out_shape))
+    kernel_view=tuple(chain),
+    lhs_spec=lhs,
+    rhs_spec=rhs,
+    out_spec=out,
+    window_strides=tuple(int(s) for s in params["window_strides"]),
+    padding=tuple((int(a), int(b)) for a, b in params["padding"]),
+    lhs_dilation=tuple(int(s) for s in params["lhs_dilation"]),
+    rhs_dilation=tuple(int(s) for s in params["rhs_dilation"]),
+    feature_group_count=int(params["feature_group_count"]),
+    in_channels=int(x_shape[lhs[1]]),
+    out_channels=int(k_shape[rhs[0]]),
+    kernel_spatial=tuple(int(k_shape[d]) for d in rhs[2:]),
+    input_shape=tuple(x_shape),
+    output_shape=tuple(out_shape),
+  )
 
 
 def default_conv_approx(info: ConvInfo) -> str:
@@ -138,16 +147,21 @@ def default_approx(kind: str, info) -> str | None:
   """
   if kind == "conv" and info is not None:
     return default_conv_approx(info)
-  if (kind == "scale_and_shift" and isinstance(info, ScaleShiftInfo) and not info.has_scale
-      and len(info.feature_shape) > 1):
+  if (
+    kind == "scale_and_shift"
+    and isinstance(info, ScaleShiftInfo)
+    and not info.has_scale
+    and len(info.feature_shape) > 1
+  ):
     return "diagonal"
   return None
 
 
 def default_approx_note(kind: str, info) -> str:
   if kind == "scale_and_shift":
-    return (f"shift-only table {'x'.join(map(str, info.feature_shape))} (positional "
-            "embedding): diagonal")
+    return (
+      f"shift-only table {'x'.join(map(str, info.feature_shape))} (positional embedding): diagonal"
+    )
   return ""
 
 
@@ -189,12 +203,15 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
         return None
   view = (1,) * (nd - len(view_shape)) + tuple(view_shape)
   for k in range(nd + 1):
-    size = math.prod(out_shape[nd - k:])
+    size = math.prod(out_shape[nd - k :])
     if size > n:
       return None
-    if (size == n and view[nd - k:] == tuple(out_shape[nd - k:])
-        and all(v in (1, o) for v, o in zip(view[:nd - k], out_shape[:nd - k]))):
-      return tuple(out_shape[nd - k:])
+    if (
+      size == n
+      and view[nd - k :] == tuple(out_shape[nd - k :])
+      and all(v in (1, o) for v, o in zip(view[: nd - k], out_shape[: nd - k]))
+    ):
+      return tuple(out_shape[nd - k :])
   return None
 
 
@@ -224,8 +241,9 @@ def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed, shared: boo
 
 # Layout-only operations an output may pass through between its product and its bias: the
 # unit axes `jax.vmap` leaves around a per-example layer (equinox), transposes, casts.
-_OUTPUT_VIEW_OPS = frozenset({"reshape", "squeeze", "transpose", "convert_element_type", "copy",
-                              "copy_p", "broadcast_in_dim"})
+_OUTPUT_VIEW_OPS = frozenset(
+  {"reshape", "squeeze", "transpose", "convert_element_type", "copy", "copy_p", "broadcast_in_dim"}
+)
 
 
 def _index_view(fe, idx: np.ndarray) -> np.ndarray | None:
@@ -236,8 +254,9 @@ def _index_view(fe, idx: np.ndarray) -> np.ndarray | None:
     return idx.transpose(tuple(fe.params["permutation"]))
   if fe.name == "broadcast_in_dim":
     dims = tuple(fe.params["broadcast_dimensions"])
-    expanded = idx.reshape([idx.shape[dims.index(d)] if d in dims else 1
-                            for d in range(len(out_shape))])
+    expanded = idx.reshape(
+      [idx.shape[dims.index(d)] if d in dims else 1 for d in range(len(out_shape))]
+    )
     return np.broadcast_to(expanded, out_shape)
   if fe.name in ("reshape", "squeeze"):
     return idx.reshape(out_shape)
@@ -251,8 +270,9 @@ def _leaf_index_view(sc, leaf, chain) -> np.ndarray:
     if st.op == "transpose":
       idx = idx.transpose(st.perm)
     elif st.op == "broadcast":
-      expanded = idx.reshape([idx.shape[st.perm.index(d)] if d in st.perm else 1
-                              for d in range(len(st.out_shape))])
+      expanded = idx.reshape(
+        [idx.shape[st.perm.index(d)] if d in st.perm else 1 for d in range(len(st.out_shape))]
+      )
       idx = np.broadcast_to(expanded, st.out_shape)
     elif st.op == "reshape":
       idx = idx.reshape(st.out_shape)
@@ -331,10 +351,12 @@ def conv_use(sc, i, claimed, shared: bool = False):
   x_atom, k_atom = fe.ins[0], fe.ins[1]
   out_key = fe.outs[0]
   out_shape = tuple(out_key[1].aval.shape)
-  info = _conv_info(chain, fe.params, _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape,
-                    out_shape)
-  bias = _match_bias_add(sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed,
-                         shared)
+  info = _conv_info(
+    chain, fe.params, _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape, out_shape
+  )
+  bias = _match_bias_add(
+    sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed, shared
+  )
   if bias is None:  # A broadcast bias, or one behind layout ops; the tap stays at the conv.
     bias = follow_bias(sc, out_key, conv_feature_of(info), claimed, shared)
     bias = None if bias is None else (bias[0], out_key)
@@ -345,8 +367,14 @@ def conv_use(sc, i, claimed, shared: bool = False):
 def conv_kernel_layout(info: ConvInfo) -> tuple[Any, ...]:
   """What fixes how a convolution reads its kernel as the `[window · in, out]` matrix: uses of
   a shared kernel must agree on it (strides, padding and input shapes may differ)."""
-  return (info.kernel_view, info.rhs_spec, info.feature_group_count, info.kernel_spatial,
-          info.in_channels, info.out_channels)
+  return (
+    info.kernel_view,
+    info.rhs_spec,
+    info.feature_group_count,
+    info.kernel_spatial,
+    info.in_channels,
+    info.out_channels,
+  )
 
 
 def match_conv(sc, i, claimed):
@@ -355,8 +383,9 @@ def match_conv(sc, i, claimed):
     return None
   info, k_leaf, x_atom, out_key, b_leaf = found
   leaves = [k_leaf] + ([b_leaf] if b_leaf is not None else [])
-  spec = sc.layer_spec("conv", leaves, info, None, "auto",
-                       conv_kron_shapes(info, b_leaf is not None))
+  spec = sc.layer_spec(
+    "conv", leaves, info, None, "auto", conv_kron_shapes(info, b_leaf is not None)
+  )
   sc._claim(claimed, leaves, spec.name)
   return spec, out_key, (x_atom,)
 
@@ -375,8 +404,9 @@ def match_embedding(sc, i, claimed):
   if use is None:
     return None
   info, ids, out_key = use
-  spec = sc.layer_spec("embedding", [found[0]], info, None, "auto",
-                       ((info.vocab_size,), (info.dim, info.dim)))
+  spec = sc.layer_spec(
+    "embedding", [found[0]], info, None, "auto", ((info.vocab_size,), (info.dim, info.dim))
+  )
   sc._claim(claimed, [found[0]], spec.name)
   return spec, out_key, (ids,)
 
@@ -394,10 +424,16 @@ def embedding_use(sc, i):
   idx_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
   out_shape = tuple(fe.outs[0][1].aval.shape)
   dn = fe.params["dimension_numbers"]
-  if (tuple(dn.offset_dims) != (len(out_shape) - 1,) or tuple(dn.collapsed_slice_dims) != (0,)
-      or tuple(dn.start_index_map) != (0,) or tuple(dn.operand_batching_dims)
-      or tuple(fe.params["slice_sizes"]) != (1, t_shape[1]) or not idx_shape
-      or idx_shape[-1] != 1 or out_shape != idx_shape[:-1] + (t_shape[1],)):
+  if (
+    tuple(dn.offset_dims) != (len(out_shape) - 1,)
+    or tuple(dn.collapsed_slice_dims) != (0,)
+    or tuple(dn.start_index_map) != (0,)
+    or tuple(dn.operand_batching_dims)
+    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
+    or not idx_shape
+    or idx_shape[-1] != 1
+    or out_shape != idx_shape[:-1] + (t_shape[1],)
+  ):
     return None
   return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
 
@@ -471,7 +507,7 @@ def one_hot_ids(sc, atom, axis: int, vocab: int):
   shape = tuple(fe.outs[0][1].aval.shape)
   if axis >= len(shape) or shape[axis] != vocab:
     return None
-  squeezed = shape[:axis] + (1,) + shape[axis + 1:]
+  squeezed = shape[:axis] + (1,) + shape[axis + 1 :]
   for pos in (0, 1):
     if _iota_axis(sc, fe.ins[pos]) != (axis, vocab):
       continue
@@ -479,9 +515,13 @@ def one_hot_ids(sc, atom, axis: int, vocab: int):
     ids_shape = tuple(_graph.aval_of(ids).shape)
     if ids_shape != squeezed:  # Broadcast along the vocabulary: look through the broadcast.
       b = _producer(sc, ids)
-      if (ids_shape != shape or b is None or b.name != "broadcast_in_dim"
-          or tuple(b.params["broadcast_dimensions"]) != tuple(
-              d for d in range(len(shape)) if d != axis)):
+      if (
+        ids_shape != shape
+        or b is None
+        or b.name != "broadcast_in_dim"
+        or tuple(b.params["broadcast_dimensions"])
+        != tuple(d for d in range(len(shape)) if d != axis)
+      ):
         return None
       ids = b.ins[0]
     if not np.issubdtype(_graph.aval_of(ids).dtype, np.integer):
@@ -499,8 +539,14 @@ def one_hot_embedding_use(sc, i):
   (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
   chain = sc.origin[fe.ins[1]][1]
   t_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
-  if (lhs_b or rhs_b or len(t_shape) != 2 or tuple(rhs_c) != (0,) or len(lhs_c) != 1
-      or any(s.op != "cast" for s in chain)):
+  if (
+    lhs_b
+    or rhs_b
+    or len(t_shape) != 2
+    or tuple(rhs_c) != (0,)
+    or len(lhs_c) != 1
+    or any(s.op != "cast" for s in chain)
+  ):
     return None
   ids = one_hot_ids(sc, fe.ins[0], int(lhs_c[0]), t_shape[0])
   if ids is None:
@@ -562,8 +608,9 @@ def scale_shift_use(sc, i, claimed, shared: bool = False):
     if shift is not None:
       shift_leaf, out_key = shift
       has_shift = True
-  info = ScaleShiftInfo(has_scale=fe.name == "mul", has_shift=has_shift, feature_shape=feat,
-                        output_shape=out_shape)
+  info = ScaleShiftInfo(
+    has_scale=fe.name == "mul", has_shift=has_shift, feature_shape=feat, output_shape=out_shape
+  )
   return info, leaf, inputs, out_key, shift_leaf
 
 
@@ -577,8 +624,7 @@ def _match_shift(sc, key, out_shape, feat, claimed, shared: bool = False):
   if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
   leaf, chain = found
-  f = _trailing_feature_shape(sc.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape),
-                              out_shape)
+  f = _trailing_feature_shape(sc.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
   if f != feat:
     return None
   return leaf, fe.outs[0]
@@ -600,8 +646,9 @@ def manual(sc, fe, claimed):
   def leaf(atom, what):
     j, chain = sc._leaf_for_operand(atom, what, fn)
     if any(s.op == "broadcast" for s in chain) and kind != "scale_and_shift":
-      raise sc.error(f"{fn}: `{what}` (`{sc.paths[j]}`) is broadcast before the tag; pass the "
-                     "parameter itself.")
+      raise sc.error(
+        f"{fn}: `{what}` (`{sc.paths[j]}`) is broadcast before the tag; pass the parameter itself."
+      )
     return j, chain
 
   if kind == "conv":
@@ -610,50 +657,67 @@ def manual(sc, fe, claimed):
     leaves = [k_leaf]
     if len(fe.ins) > 3:
       leaves.append(leaf(fe.ins[3], "bias")[0])
-    info = _conv_info(chain, fe.params, _graph.aval_of(x).shape, _graph.aval_of(kernel).shape,
-                      y_shape)
+    info = _conv_info(
+      chain, fe.params, _graph.aval_of(x).shape, _graph.aval_of(kernel).shape, y_shape
+    )
     approx = sc._check_approx("conv", approx, [sc.paths[j] for j in leaves])
-    spec = sc.layer_spec("conv", leaves, info, approx, "manual",
-                         conv_kron_shapes(info, len(leaves) == 2))
+    spec = sc.layer_spec(
+      "conv", leaves, info, approx, "manual", conv_kron_shapes(info, len(leaves) == 2)
+    )
     inputs = (x,)
   elif kind == "embedding":
     ids, table = fe.ins[1], fe.ins[2]
     t_leaf, chain = leaf(table, "table")
     if any(s.op != "cast" for s in chain):
-      raise sc.error(f"{fn}: `table` (`{sc.paths[t_leaf]}`) is reshaped or transposed before "
-                     "the tag; pass the [vocab, dim] parameter itself.")
+      raise sc.error(
+        f"{fn}: `table` (`{sc.paths[t_leaf]}`) is reshaped or transposed before "
+        "the tag; pass the [vocab, dim] parameter itself."
+      )
     t_shape = _graph.aval_of(table).shape
     info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
     approx = sc._check_approx("embedding", approx, [sc.paths[t_leaf]])
-    spec = sc.layer_spec("embedding", [t_leaf], info, approx, "manual",
-                         ((info.vocab_size,), (info.dim, info.dim)))
+    spec = sc.layer_spec(
+      "embedding", [t_leaf], info, approx, "manual", ((info.vocab_size,), (info.dim, info.dim))
+    )
     leaves, inputs = [t_leaf], (ids,)
   else:  # scale_and_shift: (y, x, scale?, shift?)
     if y_shape[0] != sc.batch_size:
       raise sc.error(
-          f"{fn}: `y` has shape {y_shape}, but its leading axis must be the batch of the loss "
-          f"tags ({sc.batch_size}).")
+        f"{fn}: `y` has shape {y_shape}, but its leading axis must be the batch of the loss "
+        f"tags ({sc.batch_size})."
+      )
     leaves, feats = [], []
-    for atom, what in zip(fe.ins[2:], [n for n, h in (("scale", fe.params["has_scale"]),
-                                                       ("shift", fe.params["has_shift"])) if h]):
+    for atom, what in zip(
+      fe.ins[2:],
+      [n for n, h in (("scale", fe.params["has_scale"]), ("shift", fe.params["has_shift"])) if h],
+    ):
       j, chain = leaf(atom, what)
-      f = _trailing_feature_shape(sc.shapes[j], chain, tuple(_graph.aval_of(atom).shape),
-                                  y_shape)
+      f = _trailing_feature_shape(sc.shapes[j], chain, tuple(_graph.aval_of(atom).shape), y_shape)
       if f is None or len(f) == len(y_shape):
-        raise sc.error(f"{fn}: `{what}` (`{sc.paths[j]}`, shape {sc.shapes[j]}) does not span "
-                       f"trailing axes of y {y_shape}.")
+        raise sc.error(
+          f"{fn}: `{what}` (`{sc.paths[j]}`, shape {sc.shapes[j]}) does not span "
+          f"trailing axes of y {y_shape}."
+        )
       leaves.append(j)
       feats.append(f)
     if len(set(feats)) > 1:
       raise sc.error(f"{fn}: `scale` and `shift` span different axes of y: {feats}.")
-    info = ScaleShiftInfo(has_scale=fe.params["has_scale"], has_shift=fe.params["has_shift"],
-                          feature_shape=feats[0], output_shape=y_shape)
+    info = ScaleShiftInfo(
+      has_scale=fe.params["has_scale"],
+      has_shift=fe.params["has_shift"],
+      feature_shape=feats[0],
+      output_shape=y_shape,
+    )
     approx = sc._check_approx("scale_and_shift", approx, [sc.paths[j] for j in leaves])
     spec = sc.layer_spec("scale_and_shift", leaves, info, approx, "manual", ())
     inputs = (fe.ins[1],) if info.has_scale else ()
   for j in leaves:  # One tag registers one use: a parameter used again elsewhere is miscounted.
     sc.check_use_count(
-        j, 1, fn, "remove the tag so that the scanner registers the uses together as one "
-        "shared layer, or cover the parameter with register_generic")
+      j,
+      1,
+      fn,
+      "remove the tag so that the scanner registers the uses together as one "
+      "shared layer, or cover the parameter with register_generic",
+    )
   sc._claim(claimed, leaves, spec.name)
   return spec, y, inputs

@@ -51,34 +51,51 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax import (
-    _checks,
-    _compat,
-    _curvature,
-    _estimator,
-    _graph,
-    _layer_config,
-    _losses,
-    _scanner,
+  _checks,
+  _compat,
+  _curvature,
+  _estimator,
+  _graph,
+  _layer_config,
+  _losses,
+  _scanner,
 )
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
 ScalarOrSchedule = float | Callable[[Array], Array]
 
-_INFO_KEYS = ("loss", "learning_rate", "momentum", "damping", "rho", "quad_model_change",
-              "update_norm", "skipped")
+_INFO_KEYS = (
+  "loss",
+  "learning_rate",
+  "momentum",
+  "damping",
+  "rho",
+  "quad_model_change",
+  "update_norm",
+  "skipped",
+)
 
 
 # --------------------------------------------------------------------------------------------
 # Configuration and state.
 
 
-def _check_number(value, name: str, *, low: float = 0.0, low_open: bool = False,
-                  high: float = math.inf, high_open: bool = False) -> None:
+def _check_number(
+  value,
+  name: str,
+  *,
+  low: float = 0.0,
+  low_open: bool = False,
+  high: float = math.inf,
+  high_open: bool = False,
+) -> None:
   """A concrete finite number in the interval: TypeError for other kinds, ValueError if out."""
   if _checks.is_traced(value):
-    raise TypeError(f"`{name}` must be a concrete number, got a traced value {value!r}: "
-                    "construct the Optimizer outside jit.")
+    raise TypeError(
+      f"`{name}` must be a concrete number, got a traced value {value!r}: "
+      "construct the Optimizer outside jit."
+    )
   _checks.number(value, name, low=low, low_open=low_open, high=high, high_open=high_open)
 
 
@@ -115,6 +132,7 @@ class OptimizerConfig:
       products are summed over `axis_name`, which it needs; call `init` inside the pmap /
       shard_map). See `scale_by_kfac`.
   """
+
   ema_decay: float = 0.95
   estimation_mode: _curvature.EstimationMode = "gradients"
   num_samples: int = 1
@@ -136,18 +154,26 @@ class OptimizerConfig:
     _estimator.resolve_dtype(self.stats_dtype, "config.stats_dtype")
     _estimator.resolve_dtype(self.inverse_dtype, "config.inverse_dtype")
     if self.inverse_storage not in ("replicated", "sharded"):
-      raise ValueError(f"unknown `config.inverse_storage` {self.inverse_storage!r}; choose "
-                       "'replicated' or 'sharded'.")
+      raise ValueError(
+        f"unknown `config.inverse_storage` {self.inverse_storage!r}; choose "
+        "'replicated' or 'sharded'."
+      )
     _check_number(self.ema_decay, "config.ema_decay", high=1.0, high_open=True)
     _curvature.check_mode(self.estimation_mode, self.num_samples)
     if self.damping_mode not in ("factored", "eigen"):
-      raise ValueError(f"unknown `config.damping_mode` {self.damping_mode!r}; choose 'factored' "
-                       "or 'eigen'.")
+      raise ValueError(
+        f"unknown `config.damping_mode` {self.damping_mode!r}; choose 'factored' or 'eigen'."
+      )
     _check_number(self.min_damping, "config.min_damping")
     _check_number(self.max_damping, "config.max_damping", low=self.min_damping)
     _check_int(self.damping_adaptation_interval, "config.damping_adaptation_interval", low=1)
-    _check_number(self.damping_adaptation_decay, "config.damping_adaptation_decay", low_open=True,
-                  high=1.0, high_open=True)
+    _check_number(
+      self.damping_adaptation_decay,
+      "config.damping_adaptation_decay",
+      low_open=True,
+      high=1.0,
+      high_open=True,
+    )
     _check_int(self.burn_in_steps, "config.burn_in_steps", low=0)
     _check_number(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
     _checks.boolean(self.strict, "config.strict")
@@ -164,6 +190,7 @@ class OptimizerState(NamedTuple):
     rho: `[]` float, the latest reduction ratio ρ (NaN before the first adaptation).
     velocity: the previous step δ_prev (params-shaped, params dtypes).
   """
+
   step: Array
   skipped: Array
   curvature: _estimator.EstimatorState
@@ -174,6 +201,7 @@ class OptimizerState(NamedTuple):
 
 class KfacOptaxState(NamedTuple):
   """State of the optax form: the optimizer's state and the latest diagnostics."""
+
   optimizer: OptimizerState
   info: dict[str, Array]
 
@@ -182,8 +210,9 @@ class KfacOptaxState(NamedTuple):
 # Pure helpers (also used directly by tests).
 
 
-def adapt_damping(damping: Array, rho: Array, *, omega: float, min_damping: float,
-                  max_damping: float) -> Array:
+def adapt_damping(
+  damping: Array, rho: Array, *, omega: float, min_damping: float, max_damping: float
+) -> Array:
   """One Levenberg–Marquardt update: `λω` if ρ > 3/4, `λ/ω` if ρ < 1/4, clipped.
 
   A NaN ρ (no model decrease to compare with) leaves λ unchanged, apart from the clip.
@@ -192,8 +221,9 @@ def adapt_damping(damping: Array, rho: Array, *, omega: float, min_damping: floa
   return jnp.clip(new, min_damping, max_damping)
 
 
-def solve_quadratic_model(c: Array, b: Array, learning_rate: Array | None = None,
-                          momentum: Array | None = None) -> tuple[Array, Array, Array]:
+def solve_quadratic_model(
+  c: Array, b: Array, learning_rate: Array | None = None, momentum: Array | None = None
+) -> tuple[Array, Array, Array]:
   """Minimises `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)`, some coordinates possibly fixed.
 
   Args:
@@ -245,10 +275,14 @@ def _read(atom, seen):
 
 def _vdot(a, b) -> Array:
   """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params)."""
+
   def up(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  return sum(jnp.vdot(up(x), up(y)) for x, y in zip(jax.tree_util.tree_leaves(a),
-                                                    jax.tree_util.tree_leaves(b)))
+
+  return sum(
+    jnp.vdot(up(x), up(y))
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+  )
 
 
 def _all_finite(tree) -> Array:
@@ -309,18 +343,23 @@ class Optimizer:
     >>> params, state, info = step(params, state, batch, jax.random.key(0))
   """
 
-  def __init__(self, loss_fn: Callable, example_batch: Any, *,
-               has_aux: bool = False,
-               learning_rate: ScalarOrSchedule | None = None,
-               momentum: ScalarOrSchedule | None = None,
-               damping: ScalarOrSchedule = 1e-3,
-               use_adaptive_damping: bool = True,
-               l2_reg: float = 0.0,
-               norm_constraint: float | None = None,
-               inverse_every: int = 5,
-               curvature_every: int = 1,
-               axis_name: str | None = None,
-               config: OptimizerConfig | None = None):
+  def __init__(
+    self,
+    loss_fn: Callable,
+    example_batch: Any,
+    *,
+    has_aux: bool = False,
+    learning_rate: ScalarOrSchedule | None = None,
+    momentum: ScalarOrSchedule | None = None,
+    damping: ScalarOrSchedule = 1e-3,
+    use_adaptive_damping: bool = True,
+    l2_reg: float = 0.0,
+    norm_constraint: float | None = None,
+    inverse_every: int = 5,
+    curvature_every: int = 1,
+    axis_name: str | None = None,
+    config: OptimizerConfig | None = None,
+  ):
     _checks.function(loss_fn, "loss_fn")
     _checks.boolean(has_aux, "has_aux")
     if learning_rate is not None and not callable(learning_rate):
@@ -331,8 +370,9 @@ class Optimizer:
     if callable(damping):
       if use_adaptive_damping:
         raise ValueError(
-            "`damping` is a schedule, but use_adaptive_damping=True adapts λ itself from an "
-            "initial number: pass a number, or use_adaptive_damping=False to follow the schedule.")
+          "`damping` is a schedule, but use_adaptive_damping=True adapts λ itself from an "
+          "initial number: pass a number, or use_adaptive_damping=False to follow the schedule."
+        )
     else:
       _check_number(damping, "damping")
     _check_number(l2_reg, "l2_reg")
@@ -340,9 +380,10 @@ class Optimizer:
       _check_number(norm_constraint, "norm_constraint", low_open=True)
       if learning_rate is None:
         raise ValueError(
-            "`norm_constraint` (KL clipping) rescales a fixed learning rate, but "
-            "learning_rate=None chooses it from the quadratic model: pass a learning_rate, or "
-            "norm_constraint=None.")
+          "`norm_constraint` (KL clipping) rescales a fixed learning rate, but "
+          "learning_rate=None chooses it from the quadratic model: pass a learning_rate, or "
+          "norm_constraint=None."
+        )
     _check_int(inverse_every, "inverse_every", low=1)
     _check_int(curvature_every, "curvature_every", low=1)
     _checks.optional_str(axis_name, "axis_name")
@@ -351,13 +392,15 @@ class Optimizer:
       raise TypeError(f"`config` must be a kfac_jax.OptimizerConfig, got {type(config).__name__}.")
     if config.inverse_storage == "sharded" and axis_name is None:
       raise ValueError(
-          "config.inverse_storage='sharded' splits the inverses over the devices of a "
-          "data-parallel axis: pass `axis_name=` (and run init/step inside pmap/shard_map), or "
-          "keep inverse_storage='replicated'.")
+        "config.inverse_storage='sharded' splits the inverses over the devices of a "
+        "data-parallel axis: pass `axis_name=` (and run init/step inside pmap/shard_map), or "
+        "keep inverse_storage='replicated'."
+      )
     if use_adaptive_damping and config.min_damping > float(damping):
       raise ValueError(
-          f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
-          "damping would be clipped up at once; lower min_damping or raise damping.")
+        f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
+        "damping would be clipped up at once; lower min_damping or raise damping."
+      )
 
     self.loss_fn = loss_fn
     self.has_aux = has_aux
@@ -373,11 +416,19 @@ class Optimizer:
     self.axis_name = axis_name
     self.config = config
     self.estimator = _estimator.CurvatureEstimator(
-        loss_fn, example_batch, has_aux=has_aux, estimation_mode=config.estimation_mode,
-        exps=(-1,),
-        num_samples=config.num_samples, damping_mode=config.damping_mode, strict=config.strict,
-        layers=config.layers, stats_dtype=config.stats_dtype, inverse_dtype=config.inverse_dtype,
-        inverse_storage=config.inverse_storage)
+      loss_fn,
+      example_batch,
+      has_aux=has_aux,
+      estimation_mode=config.estimation_mode,
+      exps=(-1,),
+      num_samples=config.num_samples,
+      damping_mode=config.damping_mode,
+      strict=config.strict,
+      layers=config.layers,
+      stats_dtype=config.stats_dtype,
+      inverse_dtype=config.inverse_dtype,
+      inverse_storage=config.inverse_storage,
+    )
     # The axis the estimator's caches are split over (sharded storage only).
     self._cache_axis = axis_name if config.inverse_storage == "sharded" else None
 
@@ -394,9 +445,13 @@ class Optimizer:
     dtype = self.estimator.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(
-        step=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32), curvature=curvature,
-        damping=jnp.asarray(lam, dtype), rho=jnp.full([], jnp.nan, dtype),
-        velocity=jax.tree_util.tree_map(jnp.zeros_like, params))
+      step=jnp.zeros([], jnp.int32),
+      skipped=jnp.zeros([], jnp.int32),
+      curvature=curvature,
+      damping=jnp.asarray(lam, dtype),
+      rho=jnp.full([], jnp.nan, dtype),
+      velocity=jax.tree_util.tree_map(jnp.zeros_like, params),
+    )
 
   # -- one step --------------------------------------------------------------------------------
 
@@ -415,8 +470,10 @@ class Optimizer:
     updates, new_state, info = self._update(params, state, batch, rng)
     ok = ~info["skipped"]
     new_params = jax.tree_util.tree_map(
-        lambda p, u: jnp.where(ok, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p),
-        params, updates)
+      lambda p, u: jnp.where(ok, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p),
+      params,
+      updates,
+    )
     return new_params, new_state, info
 
   def _pmean(self, x):
@@ -438,8 +495,9 @@ class Optimizer:
     dtype = self.estimator.config.inverse_dtype
     c = jnp.zeros((k, k), dtype)
     for spec, z, o, u in zip(reg.losses, preds, others, jv):
-      hu = jax.vmap(lambda v, spec=spec, z=z, o=o: _losses.output_curvature_product(
-          spec, (z, *o), v))(u)
+      hu = jax.vmap(
+        lambda v, spec=spec, z=z, o=o: _losses.output_curvature_product(spec, (z, *o), v)
+      )(u)
       c = c + u.reshape(k, -1).astype(dtype) @ hu.reshape(k, -1).astype(dtype).T
     c = self._pmean(c)
     flat = [jnp.concatenate([x.ravel().astype(dtype) for x in v]) for v in vecs]
@@ -470,9 +528,15 @@ class Optimizer:
     # 1. Loss, gradient and (on curvature steps) the statistics, from one forward pass.
     def with_stats(curv):
       out = _curvature.compute(
-          reg, params, batch, rng, estimation_mode=cfg.estimation_mode,
-          num_samples=cfg.num_samples, with_grads=True,
-          aux=est.loss_part if self.has_aux else None)
+        reg,
+        params,
+        batch,
+        rng,
+        estimation_mode=cfg.estimation_mode,
+        num_samples=cfg.num_samples,
+        with_grads=True,
+        aux=est.loss_part if self.has_aux else None,
+      )
       loss, aux, grads, stats = out if self.has_aux else (out[0], None, *out[1:])
       curv = est.update_curvature_from_stats(curv, stats, cfg.ema_decay, self.axis_name)
       return loss, aux, jax.tree_util.tree_leaves(grads), curv
@@ -488,12 +552,14 @@ class Optimizer:
       loss, aux, g_leaves, curv = with_stats(state.curvature)
     else:
       curv_now = in_burn | (k_run % self.curvature_every == 0)
-      loss, aux, g_leaves, curv = jax.lax.cond(curv_now, with_stats, without_stats,
-                                               state.curvature)
+      loss, aux, g_leaves, curv = jax.lax.cond(curv_now, with_stats, without_stats, state.curvature)
     loss, g_leaves = self._pmean((loss, g_leaves))
     grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
-    grad_h = grads if eta == 0 else jax.tree_util.tree_map(
-        lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
+    grad_h = (
+      grads
+      if eta == 0
+      else jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
+    )
 
     # 2. Damping and the periodic inverse update.
     if self.use_adaptive_damping:
@@ -502,8 +568,11 @@ class Optimizer:
       lam = _schedule_value(self.damping, k, sdtype)
     inv_now = (~in_burn) & (k_run % self.inverse_every == 0)
     curv = jax.lax.cond(
-        inv_now, lambda c: est.update_inverses(c, lam + eta, axis_name=self._cache_axis),
-        lambda c: c, curv)
+      inv_now,
+      lambda c: est.update_inverses(c, lam + eta, axis_name=self._cache_axis),
+      lambda c: c,
+      curv,
+    )
 
     # 3.-5. Direction, α and μ, damping adaptation.
     nan = jnp.full([], jnp.nan, sdtype)
@@ -535,8 +604,7 @@ class Optimizer:
         alpha, mu, change = model(alpha, mu)
       else:
         change = nan
-      update = jax.tree_util.tree_map(
-          lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, vel)
+      update = jax.tree_util.tree_map(lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, vel)
 
       if self.use_adaptive_damping:
         adapt_now = k_run % cfg.damping_adaptation_interval == 0
@@ -552,9 +620,10 @@ class Optimizer:
           rho = jnp.where(jnp.isfinite(h_new), ratio, -jnp.inf)
           # M(δ) > 0: a fixed α (or μ) overshoots even the model: as bad as it gets.
           rho = jnp.where(m < 0, rho, jnp.where(m > 0, -jnp.inf, jnp.nan))
-          omega = cfg.damping_adaptation_decay ** cfg.damping_adaptation_interval
-          new_lam = adapt_damping(lam, rho, omega=omega, min_damping=cfg.min_damping,
-                                  max_damping=cfg.max_damping)
+          omega = cfg.damping_adaptation_decay**cfg.damping_adaptation_interval
+          new_lam = adapt_damping(
+            lam, rho, omega=omega, min_damping=cfg.min_damping, max_damping=cfg.max_damping
+          )
           return new_lam.astype(sdtype), rho.astype(sdtype), m.astype(sdtype)
 
         def keep(_):
@@ -578,25 +647,31 @@ class Optimizer:
     if cfg.weight_decay:
       wd = jnp.where(in_burn, 0, cfg.weight_decay)
       update = jax.tree_util.tree_map(
-          lambda u, p: (u - wd.astype(p.dtype) * p).astype(p.dtype), update, params)
+        lambda u, p: (u - wd.astype(p.dtype) * p).astype(p.dtype), update, params
+      )
 
     # A non-finite loss, gradient or update: nothing changes but the skip counter.
     ok = jnp.isfinite(loss) & _all_finite(g_leaves) & _all_finite(update)
     new_state = OptimizerState(
-        step=k + 1, skipped=state.skipped, curvature=curv, damping=jnp.asarray(new_lam, sdtype),
-        rho=rho, velocity=velocity)
+      step=k + 1,
+      skipped=state.skipped,
+      curvature=curv,
+      damping=jnp.asarray(new_lam, sdtype),
+      rho=rho,
+      velocity=velocity,
+    )
     new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, state)
     new_state = new_state._replace(skipped=state.skipped + (~ok).astype(state.skipped.dtype))
     update = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), update)
     info = {
-        "loss": loss,
-        "learning_rate": alpha,
-        "momentum": mu,
-        "damping": jnp.asarray(lam, sdtype),
-        "rho": rho,
-        "quad_model_change": change,
-        "update_norm": jnp.sqrt(_vdot(update, update)),
-        "skipped": ~ok,
+      "loss": loss,
+      "learning_rate": alpha,
+      "momentum": mu,
+      "damping": jnp.asarray(lam, sdtype),
+      "rho": rho,
+      "quad_model_change": change,
+      "update_norm": jnp.sqrt(_vdot(update, update)),
+      "skipped": ~ok,
     }
     if self.has_aux:
       info["aux"] = aux
@@ -631,12 +706,15 @@ class Optimizer:
         info["aux"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
       return KfacOptaxState(opt_state, info)
 
-    def update_fn(updates, state: KfacOptaxState, params=None, *, batch=None, rng=None,
-                  **extra_args):
+    def update_fn(
+      updates, state: KfacOptaxState, params=None, *, batch=None, rng=None, **extra_args
+    ):
       del updates, extra_args
       if params is None or batch is None:
-        raise ValueError("the K-FAC optimizer's optax update needs `params` and `batch=`: "
-                         "tx.update(grads, state, params, batch=batch, rng=rng).")
+        raise ValueError(
+          "the K-FAC optimizer's optax update needs `params` and `batch=`: "
+          "tx.update(grads, state, params, batch=batch, rng=rng)."
+        )
       new_updates, opt_state, info = self._update(params, state.optimizer, batch, rng)
       new_info = {k: jnp.asarray(info[k]).astype(state.info[k].dtype) for k in _INFO_KEYS}
       if self.has_aux:

@@ -59,8 +59,12 @@ def assign(costs: Sequence[float], num_devices: int) -> tuple[tuple[int, ...], .
   return tuple(tuple(sorted(s)) for s in shares)
 
 
-def split_over_axis(compute: Callable[[Sequence[int]], dict[str, Any]], zeros: dict[str, Any],
-                    costs: Sequence[float], axis_name: str) -> dict[str, Any]:
+def split_over_axis(
+  compute: Callable[[Sequence[int]], dict[str, Any]],
+  zeros: dict[str, Any],
+  costs: Sequence[float],
+  axis_name: str,
+) -> dict[str, Any]:
   """Runs `compute` on each device's share of the blocks and sums the results over `axis_name`.
 
   Args:
@@ -80,6 +84,7 @@ def split_over_axis(compute: Callable[[Sequence[int]], dict[str, Any]], zeros: d
       out = dict(zeros)
       out.update(compute(share))
       return out
+
     return run
 
   # One branch per non-empty share, plus an idle one for devices without blocks (more devices
@@ -101,12 +106,19 @@ def over_mesh_axis(split: Callable[..., Any], mesh: tuple[Any, str], factors, da
     m, axis = mesh
   except (TypeError, ValueError):
     raise TypeError(
-        f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}.") from None
+      f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}."
+    ) from None
   if axis not in m.axis_names:
     raise ValueError(f"mesh axis {axis!r} is not in the mesh, whose axes are {m.axis_names}.")
   spec = jax.sharding.PartitionSpec()
-  fn = jax.shard_map(lambda f, d: split(f, d, axis), mesh=m, in_specs=(spec, spec),
-                     out_specs=spec, axis_names=frozenset({axis}), check_vma=False)
+  fn = jax.shard_map(
+    lambda f, d: split(f, d, axis),
+    mesh=m,
+    in_specs=(spec, spec),
+    out_specs=spec,
+    axis_names=frozenset({axis}),
+    check_vma=False,
+  )
   return fn(factors, damping)
 
 
@@ -128,12 +140,14 @@ class ShardedCache(NamedTuple):
       the mesh axis under jit. L is the largest device share's size, so every device stores at
       most `total/D + one block's cache`.
   """
+
   buffers: dict[str, Array]
 
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
   """Where one cache array of one block sits in its device's buffer."""
+
   block: int
   key: str
   dtype: str
@@ -150,6 +164,7 @@ class PackedLayout:
     slots: per device, the `Slot`s of its blocks' cache arrays.
     lengths: per dtype name, the buffer length L (the longest share; at least 1).
   """
+
   shares: tuple[tuple[int, ...], ...]
   slots: tuple[tuple[Slot, ...], ...]
   lengths: tuple[tuple[str, int], ...]
@@ -174,8 +189,10 @@ def packed_layout(cache_shapes: Sequence[dict[str, Any]], num_devices: int) -> P
   block's bytes` (the share that receives its last block was the least loaded, at most the
   average, before it).
   """
-  nbytes = [float(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in c.values()))
-            for c in cache_shapes]
+  nbytes = [
+    float(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in c.values()))
+    for c in cache_shapes
+  ]
   shares = assign(nbytes, num_devices)
   slots, lengths = [], {}
   for share in shares:
@@ -192,12 +209,12 @@ def packed_layout(cache_shapes: Sequence[dict[str, Any]], num_devices: int) -> P
     for dtype, n in offsets.items():
       lengths[dtype] = max(lengths.get(dtype, 0), n)
   dtypes = sorted({np.dtype(s.dtype).name for c in cache_shapes for s in c.values()})
-  return PackedLayout(shares, tuple(slots),
-                      tuple((d, max(lengths.get(d, 0), 1)) for d in dtypes))
+  return PackedLayout(shares, tuple(slots), tuple((d, max(lengths.get(d, 0), 1)) for d in dtypes))
 
 
-def pack(layout: PackedLayout, device: int,
-         caches: dict[int, dict[str, Array]]) -> dict[str, Array]:
+def pack(
+  layout: PackedLayout, device: int, caches: dict[int, dict[str, Array]]
+) -> dict[str, Array]:
   """Device `device`'s buffers from its blocks' caches (`{block index: cache}`), zero-padded."""
   parts: dict[str, list[Array]] = {d: [] for d, _ in layout.lengths}
   for s in layout.slots[device]:
@@ -210,13 +227,14 @@ def pack(layout: PackedLayout, device: int,
   return out
 
 
-def unpack(layout: PackedLayout, device: int,
-           buffers: dict[str, Array]) -> dict[int, dict[str, Array]]:
+def unpack(
+  layout: PackedLayout, device: int, buffers: dict[str, Array]
+) -> dict[int, dict[str, Array]]:
   """Inverse of `pack`: `{block index: cache}` for device `device`'s blocks."""
   out: dict[int, dict[str, Array]] = {i: {} for i in layout.shares[device]}
   for s in layout.slots[device]:
     size = math.prod(s.shape)
-    out[s.block][s.key] = buffers[s.dtype][s.offset:s.offset + size].reshape(s.shape)
+    out[s.block][s.key] = buffers[s.dtype][s.offset : s.offset + size].reshape(s.shape)
   return out
 
 
@@ -228,13 +246,13 @@ def on_own_share(fn: Callable[[int], Any], layout: PackedLayout, axis_name: str)
   size = jax.lax.axis_size(axis_name)
   if size != layout.num_devices:
     raise ValueError(
-        f"the sharded cache was laid out for {layout.num_devices} devices, but axis "
-        f"{axis_name!r} has {size}. Initialise the state on the axis it is used with.")
+      f"the sharded cache was laid out for {layout.num_devices} devices, but axis "
+      f"{axis_name!r} has {size}. Initialise the state on the axis it is used with."
+    )
   busy = [d for d in range(size) if layout.shares[d]]
   idle = [d for d in range(size) if not layout.shares[d]]
   branches = [lambda d=d: fn(d) for d in busy + idle[:1]]
-  table = jnp.asarray([busy.index(d) if d in busy else len(busy) for d in range(size)],
-                      jnp.int32)
+  table = jnp.asarray([busy.index(d) if d in busy else len(busy) for d in range(size)], jnp.int32)
   if len(branches) == 1:
     return branches[0]()
   return jax.lax.switch(table[jax.lax.axis_index(axis_name)], branches)
@@ -246,14 +264,16 @@ def mesh_axis(mesh) -> tuple[Any, str]:
     m, axis = mesh
   except (TypeError, ValueError):
     raise TypeError(
-        f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}.") from None
+      f"`mesh` must be a (jax.sharding.Mesh, axis_name) pair, got {mesh!r}."
+    ) from None
   if axis not in m.axis_names:
     raise ValueError(f"mesh axis {axis!r} is not in the mesh, whose axes are {m.axis_names}.")
   return m, axis
 
 
-def over_mesh(fn: Callable[..., Any], mesh: tuple[Any, str], args: tuple, sharded: tuple[bool, ...],
-              out_sharded) -> Any:
+def over_mesh(
+  fn: Callable[..., Any], mesh: tuple[Any, str], args: tuple, sharded: tuple[bool, ...], out_sharded
+) -> Any:
   """`fn(axis, *args)` inside a `shard_map` over one axis of `mesh`.
 
   Arguments flagged in `sharded` (and outputs in the `out_sharded` prefix tree) are split over
@@ -263,5 +283,11 @@ def over_mesh(fn: Callable[..., Any], mesh: tuple[Any, str], args: tuple, sharde
   rep, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(axis)
   in_specs = tuple(split if s else rep for s in sharded)
   out_specs = jax.tree_util.tree_map(lambda s: split if s else rep, out_sharded)
-  return jax.shard_map(lambda *a: fn(axis, *a), mesh=m, in_specs=in_specs, out_specs=out_specs,
-                       axis_names=frozenset({axis}), check_vma=False)(*args)
+  return jax.shard_map(
+    lambda *a: fn(axis, *a),
+    mesh=m,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    axis_names=frozenset({axis}),
+    check_vma=False,
+  )(*args)

@@ -49,21 +49,44 @@ import numpy as np
 from kfac_jax import _compat, _graph, _layer_config, _matchers, _stacked, _tags
 
 # Operations that only move, reshape or cast a parameter.
-_VIEW_OPS = frozenset({
-    "convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim",
-    "squeeze"})
+_VIEW_OPS = frozenset(
+  {"convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim", "squeeze"}
+)
 
 APPROXIMATIONS = {
-    "dense": ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal", "full",
-              "expand", "reduce", "kron_indep", "ekfac"),
-    "conv": ("kron", "kron_sua", "kron_in_diag", "kron_out_diag", "kron_both_diag", "diagonal",
-             "full", "ekfac"),
-    "scale_and_shift": ("full", "diagonal"),
-    "embedding": ("kron", "kron_indep", "kron_out_diag"),
-    "generic": ("diagonal", "full"),
+  "dense": (
+    "kron",
+    "kron_in_diag",
+    "kron_out_diag",
+    "kron_both_diag",
+    "diagonal",
+    "full",
+    "expand",
+    "reduce",
+    "kron_indep",
+    "ekfac",
+  ),
+  "conv": (
+    "kron",
+    "kron_sua",
+    "kron_in_diag",
+    "kron_out_diag",
+    "kron_both_diag",
+    "diagonal",
+    "full",
+    "ekfac",
+  ),
+  "scale_and_shift": ("full", "diagonal"),
+  "embedding": ("kron", "kron_indep", "kron_out_diag"),
+  "generic": ("diagonal", "full"),
 }
-DEFAULT_APPROX = {"dense": "kron", "conv": "kron", "scale_and_shift": "full",
-                  "embedding": "kron", "generic": "diagonal"}
+DEFAULT_APPROX = {
+  "dense": "kron",
+  "conv": "kron",
+  "scale_and_shift": "full",
+  "embedding": "kron",
+  "generic": "diagonal",
+}
 
 
 # Approximations of a layer whose parameters are used several times (see `kfac_jax.blocks._shared`).
@@ -72,10 +95,10 @@ SHARED_APPROXIMATIONS = ("kron_indep", "kron_series_1", "kron_series_2")
 # "diagonal" and "full" are exact per-example Fisher blocks, the per-example gradient being the
 # sum over uses (`blocks._layouts.per_example_grads`).
 SHARED_BY_KIND = {
-    "dense": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
-    "conv": ("kron_indep", "diagonal", "full"),
-    "embedding": ("kron_indep",),
-    "scale_and_shift": ("full", "diagonal"),
+  "dense": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
+  "conv": ("kron_indep", "diagonal", "full"),
+  "embedding": ("kron_indep",),
+  "scale_and_shift": ("full", "diagonal"),
 }
 
 
@@ -118,6 +141,7 @@ def param_paths(params) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class ViewStep:
   """One layout operation applied to a parameter on its way to the consuming operation."""
+
   op: str  # "reshape" | "transpose" | "cast" | "broadcast" | "shift" (a constant added)
   in_shape: tuple[int, ...]
   out_shape: tuple[int, ...]
@@ -170,6 +194,7 @@ class ConcatView:
   lists the real leaves in the layer (`LayerSpec.concat`); the block works on the
   concatenation and splits its results back.
   """
+
   leaves: tuple[int, ...]
   chains: tuple[tuple[ViewStep, ...], ...]
   axis: int
@@ -179,8 +204,9 @@ class ConcatView:
 
 def join_pieces(view: ConcatView, pieces):
   """The concatenation of parameter-shaped `pieces` (casts skipped)."""
-  return jax.numpy.concatenate([apply_view(c, x) for c, x in zip(view.chains, pieces)],
-                               axis=view.axis)
+  return jax.numpy.concatenate(
+    [apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis
+  )
 
 
 def split_pieces(view: ConcatView, x, leaf_shapes):
@@ -197,6 +223,7 @@ def split_pieces(view: ConcatView, x, leaf_shapes):
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
   """One loss tag: which distribution, and where its operands live in the graph."""
+
   kind: str
   var: float
   has_targets: bool
@@ -213,6 +240,7 @@ class DenseInfo:
   `[in, out]`; the input operand by `x_perm` to `[rows, in]`; the output by `out_perm` to
   `[rows, out]`.
   """
+
   kernel_view: tuple[ViewStep, ...]
   kernel_perm: tuple[int, ...]
   x_perm: tuple[int, ...]
@@ -263,6 +291,7 @@ class LayerSpec:
     stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
       input operand and then of the output; empty when each layer has its own tap (a scan).
   """
+
   name: str
   kind: str
   param_paths: tuple[str, ...]
@@ -305,6 +334,7 @@ class LayerSpec:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Registration:
   """The result of one scan: static specs plus the graph keys the curvature pass taps."""
+
   graph: _graph.FlatGraph
   layers: tuple[LayerSpec, ...]
   losses: tuple[LossSpec, ...]
@@ -338,17 +368,25 @@ def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int]:
   batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
 
   def flat_fn(*flat):
-    p = jax.tree_util.tree_unflatten(treedef, flat[:len(leaves)])
-    b = jax.tree_util.tree_unflatten(batch_def, flat[len(leaves):])
+    p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
+    b = jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :])
     return loss_fn(p, b)
 
   closed = _compat.make_jaxpr(flat_fn, *leaves, *batch_leaves)
   return closed, len(leaves)
 
 
-def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool = True,
-         layers: _layer_config.LayerConfig | None = None, collect: bool = False,
-         has_aux: bool = False) -> Registration:
+def scan(
+  loss_fn: Callable,
+  params,
+  batch,
+  *,
+  strict: bool = False,
+  warn: bool = True,
+  layers: _layer_config.LayerConfig | None = None,
+  collect: bool = False,
+  has_aux: bool = False,
+) -> Registration:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
   With `has_aux`, `loss_fn` returns the scalar loss first and further outputs after it (the
@@ -371,15 +409,17 @@ def scan(loss_fn: Callable, params, batch, *, strict: bool = False, warn: bool =
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
       raise RegistrationError(
-          f"parameter `{param_paths(params)[i]}` has dtype {dtype}; K-FAC needs floating-point "
-          "parameters. Keep integer state out of `params` (pass it in the batch instead).")
+        f"parameter `{param_paths(params)[i]}` has dtype {dtype}; K-FAC needs floating-point "
+        "parameters. Keep integer state out of `params` (pass it in the batch instead)."
+      )
   closed, n_params = trace(loss_fn, params, batch)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
   if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
     raise RegistrationError(
-        "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
-        f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
-        "has_aux=True.")
+      "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
+      f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
+      "has_aux=True."
+    )
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
   paths = param_paths(params)
   shapes = tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))
@@ -400,9 +440,9 @@ class RegistrationCheckError(RegistrationError):
 
 
 class _Scanner:
-
-  def __init__(self, graph, n_params, paths, shapes, strict, warn, layer_config=None,
-               collect=False):
+  def __init__(
+    self, graph, n_params, paths, shapes, strict, warn, layer_config=None, collect=False
+  ):
     self.g = graph
     self.n_params = n_params
     self.paths = list(paths)  # Virtual leaves (concatenations) are appended after the params.
@@ -414,15 +454,16 @@ class _Scanner:
 
   def run(self) -> Registration:
     g = self.g
-    self.leaf_of_key = {k: i for i, k in enumerate(g.invars[:self.n_params])}
+    self.leaf_of_key = {k: i for i, k in enumerate(g.invars[: self.n_params])}
     loss_eqns = [i for i, fe in enumerate(g.eqns) if fe.eqn.primitive is _tags.loss_tag_p]
     if not loss_eqns:
       raise RegistrationError(
-          "no loss tag found in loss_fn: K-FAC needs to know the model's predictive "
-          "distribution. Call one of kfac_jax.register_softmax_cross_entropy_loss(logits, "
-          "labels), register_sigmoid_cross_entropy_loss(logits, targets) or "
-          "register_squared_error_loss(prediction, targets) on the model output inside "
-          "loss_fn(params, batch).")
+        "no loss tag found in loss_fn: K-FAC needs to know the model's predictive "
+        "distribution. Call one of kfac_jax.register_softmax_cross_entropy_loss(logits, "
+        "labels), register_sigmoid_cross_entropy_loss(logits, targets) or "
+        "register_squared_error_loss(prediction, targets) on the model output inside "
+        "loss_fn(params, batch)."
+      )
     losses, loss_operands = self._losses(loss_eqns)
     self.batch_size = losses[0].batch_size
     self.const_values = dict(g.consts)
@@ -435,8 +476,7 @@ class _Scanner:
     self._check_virtual()
 
     specs: list[tuple[LayerSpec, Any, Any]] = []
-    claimed: dict[int, str] = {v: "<a concatenation with other uses>"
-                               for v in self.blocked_virtual}
+    claimed: dict[int, str] = {v: "<a concatenation with other uses>" for v in self.blocked_virtual}
     self.manual_dense: dict[int, list[Any]] = {}
     for i, fe in enumerate(g.eqns):
       if fe.eqn.primitive is _tags.layer_tag_p:
@@ -454,10 +494,15 @@ class _Scanner:
           if found is not None:
             specs.append(found)
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
-    passes = ((functools.partial(_stacked.match_batched_dense, self), self._match_dense,
-               functools.partial(_matchers.match_conv, self)),
-              (functools.partial(_matchers.match_embedding, self),),
-              (functools.partial(_matchers.match_scale_and_shift, self),))
+    passes = (
+      (
+        functools.partial(_stacked.match_batched_dense, self),
+        self._match_dense,
+        functools.partial(_matchers.match_conv, self),
+      ),
+      (functools.partial(_matchers.match_embedding, self),),
+      (functools.partial(_matchers.match_scale_and_shift, self),),
+    )
     for matchers in passes:
       for i in sorted(self.uses_by_eqn):
         for match in matchers:
@@ -473,20 +518,25 @@ class _Scanner:
     uncovered = [j for j in range(self.n_params) if j not in claimed]
     if self.problems is not None:
       self.problems.extend(
-          f"`{self.paths[j]}` is not in any layer ({fallback_reason(self, j)}; it would get a "
-          "diagonal fallback block)"
-          for j in uncovered)
+        f"`{self.paths[j]}` is not in any layer ({fallback_reason(self, j)}; it would get a "
+        "diagonal fallback block)"
+        for j in uncovered
+      )
       if self.problems:
         raise RegistrationCheckError(self.problems)
     if uncovered:
       reasons = [fallback_reason(self, j) for j in uncovered]
       if self.strict:
         raise RegistrationError(
-            uncovered_message([self.paths[j] for j in uncovered], reasons, len(uncovered))
-            + " (strict=True turns this into an error.)")
+          uncovered_message([self.paths[j] for j in uncovered], reasons, len(uncovered))
+          + " (strict=True turns this into an error.)"
+        )
       if self.warn:
-        warnings.warn(uncovered_message([self.paths[j] for j in uncovered], reasons),
-                      UncoveredParametersWarning, stacklevel=4)
+        warnings.warn(
+          uncovered_message([self.paths[j] for j in uncovered], reasons),
+          UncoveredParametersWarning,
+          stacklevel=4,
+        )
       for j, reason in zip(uncovered, reasons):
         spec = self._generic_spec((j,), "diagonal", "fallback")
         specs.append((dataclasses.replace(spec, info=FallbackInfo(reason)), None, None))
@@ -494,13 +544,13 @@ class _Scanner:
     specs.sort(key=lambda s: min(s[0].leaf_indices))
     multi = [s[0].multi_tap for s in specs]
     return Registration(
-        graph=g,
-        layers=tuple(s[0] for s in specs),
-        losses=tuple(losses),
-        loss_operands=tuple(loss_operands),
-        layer_outputs=tuple(s[1][0] if m else s[1] for s, m in zip(specs, multi)),
-        layer_inputs=tuple(s[2][0] if m else s[2] for s, m in zip(specs, multi)),
-        extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
+      graph=g,
+      layers=tuple(s[0] for s in specs),
+      losses=tuple(losses),
+      loss_operands=tuple(loss_operands),
+      layer_outputs=tuple(s[1][0] if m else s[1] for s, m in zip(specs, multi)),
+      layer_inputs=tuple(s[2][0] if m else s[2] for s, m in zip(specs, multi)),
+      extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
     )
 
   # -- losses ----------------------------------------------------------------------------------
@@ -513,19 +563,29 @@ class _Scanner:
       pred_aval = _graph.aval_of(fe.ins[0])
       if p.get("under_vmap"):
         raise RegistrationError(
-            f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
-            f"batch (the tagged loss is the mean over its leading axis), but it saw one vmapped "
-            f"slice. Call the register_*_loss function outside the vmap, on the batched "
-            "prediction, e.g. `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss("
-            "logits, y)`.")
-      losses.append(LossSpec(p["kind"], p["var"], p["has_targets"], p["has_weight"],
-                             int(pred_aval.shape[0]), tuple(pred_aval.shape)))
+          f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
+          f"batch (the tagged loss is the mean over its leading axis), but it saw one vmapped "
+          f"slice. Call the register_*_loss function outside the vmap, on the batched "
+          "prediction, e.g. `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss("
+          "logits, y)`."
+        )
+      losses.append(
+        LossSpec(
+          p["kind"],
+          p["var"],
+          p["has_targets"],
+          p["has_weight"],
+          int(pred_aval.shape[0]),
+          tuple(pred_aval.shape),
+        )
+      )
       operands.append(fe.ins)
     sizes = {l.batch_size for l in losses}
     if len(sizes) > 1:
       raise RegistrationError(
-          f"loss tags disagree on the batch size (leading axis): {sorted(sizes)}. All tagged "
-          "predictions must share the leading batch axis.")
+        f"loss tags disagree on the batch size (leading axis): {sorted(sizes)}. All tagged "
+        "predictions must share the leading batch axis."
+      )
     return losses, operands
 
   # -- parameter views -------------------------------------------------------------------------
@@ -538,7 +598,8 @@ class _Scanner:
     the same as for the shifted parameter itself ("shift" steps are skipped like casts).
     """
     self.origin: dict[Any, tuple[int, tuple[ViewStep, ...]]] = {
-        k: (j, ()) for k, j in self.leaf_of_key.items()}
+      k: (j, ()) for k, j in self.leaf_of_key.items()
+    }
     self.view_eqns: set[int] = set()  # Equations that only view a parameter (not real uses).
     self.virtual: dict[int, ConcatView] = {}  # Virtual leaf -> the concatenation it stands for.
     self.concat_eqns: dict[int, int] = {}  # Equation -> the virtual leaf it computes.
@@ -563,8 +624,11 @@ class _Scanner:
       return
     origins = [self.origin[a] for a in fe.ins]
     leaves = tuple(o[0] for o in origins)
-    if (len(set(leaves)) != len(leaves) or any(j >= self.n_params for j in leaves)
-        or any(st.op not in ("reshape", "transpose", "cast") for o in origins for st in o[1])):
+    if (
+      len(set(leaves)) != len(leaves)
+      or any(j >= self.n_params for j in leaves)
+      or any(st.op not in ("reshape", "transpose", "cast") for o in origins for st in o[1])
+    ):
       return
     shapes = [tuple(_graph.aval_of(a).shape) for a in fe.ins]
     chains = [o[1] for o in origins]
@@ -575,15 +639,20 @@ class _Scanner:
       shapes = unit
     else:
       axis = int(fe.params["dimension"])
-    view = ConcatView(leaves=leaves, chains=tuple(chains), axis=axis,
-                      piece_shapes=tuple(shapes), shape=tuple(fe.outs[0][1].aval.shape))
+    view = ConcatView(
+      leaves=leaves,
+      chains=tuple(chains),
+      axis=axis,
+      piece_shapes=tuple(shapes),
+      shape=tuple(fe.outs[0][1].aval.shape),
+    )
     v = next((k for k, w in self.virtual.items() if w == view), None)
     if v is None:
       v = len(self.paths)
       self.virtual[v] = view
       paths = [self.paths[j] for j in leaves]
       prefix = _common_prefix(paths) if len(paths) > 1 else ""
-      rest = [p[len(prefix) + 1:] if prefix and p.startswith(prefix + "/") else p for p in paths]
+      rest = [p[len(prefix) + 1 :] if prefix and p.startswith(prefix + "/") else p for p in paths]
       self.paths.append((prefix + "/" if prefix and prefix not in paths else "") + "+".join(rest))
       self.shapes.append(view.shape)
     self.concat_eqns[i] = v
@@ -596,8 +665,11 @@ class _Scanner:
     for v, view in self.virtual.items():
       for j in view.leaves:
         owner.setdefault(j, set()).add(v)
-    self.blocked_virtual = {v for v, view in self.virtual.items()
-                            if any(j in self.uses or len(owner[j]) > 1 for j in view.leaves)}
+    self.blocked_virtual = {
+      v
+      for v, view in self.virtual.items()
+      if any(j in self.uses or len(owner[j]) > 1 for j in view.leaves)
+    }
     for i, v in self.concat_eqns.items():
       if v in self.blocked_virtual and i in self.in_slice:
         for pos, j in enumerate(self.virtual[v].leaves):
@@ -619,16 +691,27 @@ class _Scanner:
       paths = tuple(self.paths[j] for j in leaves)
       name = _common_prefix(paths)
       self._claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
-      out.append((dataclasses.replace(
-          spec, name=name, param_paths=paths, leaf_indices=tuple(leaves),
-          param_shapes=tuple(self.shapes[j] for j in leaves), concat=tuple(views),
-          logical=spec), outs, ins))
+      out.append(
+        (
+          dataclasses.replace(
+            spec,
+            name=name,
+            param_paths=paths,
+            leaf_indices=tuple(leaves),
+            param_shapes=tuple(self.shapes[j] for j in leaves),
+            concat=tuple(views),
+            logical=spec,
+          ),
+          outs,
+          ins,
+        )
+      )
     return out
 
   def _constant_shift(self, fe) -> int | None:
     """The operand position of the parameter view in `view + c`, `c + view` or `view - c` with
     `c` a scalar constant (the output has the view's shape); else None."""
-    for pos in ((0, 1) if fe.name == "add" else (0,)):
+    for pos in (0, 1) if fe.name == "add" else (0,):
       a, c = fe.ins[pos], fe.ins[1 - pos]
       if not _graph.is_key(a) or a not in self.origin:
         continue
@@ -657,8 +740,12 @@ class _Scanner:
     self.uses_by_eqn: dict[int, list[tuple[int, int]]] = {}
     for i in sorted(in_slice):
       fe = self.g.eqns[i]
-      if (fe.name in _VIEW_OPS or i in self.view_eqns or i in self.concat_eqns
-          or fe.eqn.primitive in (_tags.layer_tag_p,)):
+      if (
+        fe.name in _VIEW_OPS
+        or i in self.view_eqns
+        or i in self.concat_eqns
+        or fe.eqn.primitive in (_tags.layer_tag_p,)
+      ):
         continue
       for pos, a in enumerate(fe.ins):
         if _graph.is_key(a) and a in self.origin:
@@ -677,15 +764,18 @@ class _Scanner:
   def _leaf_for_operand(self, atom, what: str, tag: str) -> tuple[int, tuple[ViewStep, ...]]:
     if not _graph.is_key(atom) or atom not in self.origin:
       raise RegistrationError(
-          f"{tag}: `{what}` is not a parameter leaf of `params` (nor a cast/reshape of one). "
-          "Pass the parameter array itself, as read from the params pytree inside loss_fn.")
+        f"{tag}: `{what}` is not a parameter leaf of `params` (nor a cast/reshape of one). "
+        "Pass the parameter array itself, as read from the params pytree inside loss_fn."
+      )
     return self.origin[atom]
 
   def _claim(self, claimed, leaves, name):
     for j in leaves:
       if j in claimed:
-        msg = (f"parameter `{self.paths[j]}` is registered twice: in `{claimed[j]}` and in "
-               f"`{name}`. Each parameter belongs to exactly one curvature block.")
+        msg = (
+          f"parameter `{self.paths[j]}` is registered twice: in `{claimed[j]}` and in "
+          f"`{name}`. Each parameter belongs to exactly one curvature block."
+        )
         if self.problems is None:
           raise RegistrationError(msg)
         self.problems.append(msg)
@@ -699,12 +789,14 @@ class _Scanner:
     if source == "manual" and approx is not None:
       return approx
     chosen, pattern = _layer_config.resolve(
-        self.layer_config, kind, (name,) + tuple(paths), builtin if approx is None else approx)
+      self.layer_config, kind, (name,) + tuple(paths), builtin if approx is None else approx
+    )
     if chosen not in APPROXIMATIONS[kind]:
       raise RegistrationError(
-          f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
-          f"`{name}` (parameters {list(paths)}); choose one of {APPROXIMATIONS[kind]}, or "
-          "narrow the pattern so that it does not match this layer.")
+        f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
+        f"`{name}` (parameters {list(paths)}); choose one of {APPROXIMATIONS[kind]}, or "
+        "narrow the pattern so that it does not match this layer."
+      )
     return chosen
 
   def _link(self, specs, claimed):
@@ -713,19 +805,24 @@ class _Scanner:
     for group, approx in self.layer_config.linked.items():
       leaves = []
       for pattern in group:
-        found = [j for j, p in enumerate(self.paths[:self.n_params])
-                 if _layer_config.matches(pattern, (p,))]
+        found = [
+          j
+          for j, p in enumerate(self.paths[: self.n_params])
+          if _layer_config.matches(pattern, (p,))
+        ]
         if not found:
-          self._pattern_problem(f"LayerConfig.linked: pattern {pattern!r} of group {group} "
-                                "matches no parameter path")
+          self._pattern_problem(
+            f"LayerConfig.linked: pattern {pattern!r} of group {group} matches no parameter path"
+          )
         leaves.extend(j for j in found if j not in leaves)
       if not leaves:
         continue
       for j in leaves:
         if j in owner:
           raise RegistrationError(
-              f"LayerConfig.linked: parameter `{self.paths[j]}` is in two linked groups, "
-              f"{owner[j]} and {group}; each parameter belongs to exactly one block.")
+            f"LayerConfig.linked: parameter `{self.paths[j]}` is in two linked groups, "
+            f"{owner[j]} and {group}; each parameter belongs to exactly one block."
+          )
         owner[j] = group
       inside = set(leaves)
       kept = []
@@ -737,9 +834,10 @@ class _Scanner:
         missing = [self.paths[j] for j in s[0].leaf_indices if j not in inside]
         if missing:
           raise RegistrationError(
-              f"LayerConfig.linked group {group} splits the {s[0].kind} layer `{s[0].name}`: it "
-              f"holds {[self.paths[j] for j in sorted(overlap)]} but not {missing}. A linked "
-              "group must hold whole layers; add the missing parameters to the group.")
+            f"LayerConfig.linked group {group} splits the {s[0].kind} layer `{s[0].name}`: it "
+            f"holds {[self.paths[j] for j in sorted(overlap)]} but not {missing}. A linked "
+            "group must hold whole layers; add the missing parameters to the group."
+          )
         for j in s[0].leaf_indices:
           claimed.pop(j, None)
       leaves = sorted(leaves)
@@ -759,19 +857,22 @@ class _Scanner:
     for pattern in self.layer_config.overrides:
       if not _layer_config.matches(pattern, tuple(names)):
         self._pattern_problem(
-            f"LayerConfig.overrides: pattern {pattern!r} matches no layer name or parameter "
-            f"path (paths: {self.paths[:min(8, self.n_params)]}"
-            f"{' ...' if self.n_params > 8 else ''})")
+          f"LayerConfig.overrides: pattern {pattern!r} matches no layer name or parameter "
+          f"path (paths: {self.paths[: min(8, self.n_params)]}"
+          f"{' ...' if self.n_params > 8 else ''})"
+        )
 
   def _manual(self, i, fe, claimed):
     kind, approx = fe.params["kind"], fe.params["approx"]
     if kind == "generic":
-      leaves = tuple(self._leaf_for_operand(a, f"params[{p}]", "register_generic")[0]
-                     for p, a in enumerate(fe.ins))
+      leaves = tuple(
+        self._leaf_for_operand(a, f"params[{p}]", "register_generic")[0]
+        for p, a in enumerate(fe.ins)
+      )
       if len(set(leaves)) != len(leaves):
         raise RegistrationError(
-            "register_generic: the same parameter appears twice: "
-            f"{[self.paths[j] for j in leaves]}.")
+          f"register_generic: the same parameter appears twice: {[self.paths[j] for j in leaves]}."
+        )
       approx = self._check_approx("generic", approx, [self.paths[j] for j in leaves])
       spec = self._generic_spec(leaves, approx, "manual")
       self._claim(claimed, leaves, spec.name)
@@ -789,18 +890,24 @@ class _Scanner:
       b_leaf, b_chain = self._leaf_for_operand(fe.ins[3], "bias", "register_dense")
       if math.prod(self.shapes[b_leaf]) != _graph.aval_of(kernel).shape[1]:
         raise RegistrationError(
-            f"register_dense: bias `{self.paths[b_leaf]}` has shape {self.shapes[b_leaf]}, "
-            f"which does not match the {_graph.aval_of(kernel).shape[1]} outputs of kernel "
-            f"`{path}`.")
+          f"register_dense: bias `{self.paths[b_leaf]}` has shape {self.shapes[b_leaf]}, "
+          f"which does not match the {_graph.aval_of(kernel).shape[1]} outputs of kernel "
+          f"`{path}`."
+        )
       leaves.append(b_leaf)
     if not _graph.is_key(y):
       raise RegistrationError(f"register_dense: the output of layer `{path}` is a constant.")
     x_aval, k_shape = _graph.aval_of(x), _graph.aval_of(kernel).shape
     rows = math.prod(x_aval.shape[:-1])
     info = DenseInfo(
-        kernel_view=k_chain, kernel_perm=(0, 1), x_perm=tuple(range(x_aval.ndim)),
-        out_perm=tuple(range(x_aval.ndim)), in_dim=int(k_shape[0]), out_dim=int(k_shape[1]),
-        rows=int(rows))
+      kernel_view=k_chain,
+      kernel_perm=(0, 1),
+      x_perm=tuple(range(x_aval.ndim)),
+      out_perm=tuple(range(x_aval.ndim)),
+      in_dim=int(k_shape[0]),
+      out_dim=int(k_shape[1]),
+      rows=int(rows),
+    )
     # Tags of one kernel are collected and become one layer (one use per tag) after the loop.
     self.manual_dense.setdefault(k_leaf, []).append((tuple(leaves), info, approx, y, (x,)))
     return None
@@ -812,13 +919,17 @@ class _Scanner:
     approxes = {t[2] for t in tags}
     if any(t[0] != leaves for t in tags) or len(approxes) > 1:
       raise RegistrationError(
-          f"register_dense: kernel `{path}` is registered {len(tags)} times with different "
-          f"biases or approximations ({[[self.paths[j] for j in t[0]] for t in tags]}, "
-          f"{sorted(map(str, approxes))}); register every use with the same bias and `approx`.")
+        f"register_dense: kernel `{path}` is registered {len(tags)} times with different "
+        f"biases or approximations ({[[self.paths[j] for j in t[0]] for t in tags]}, "
+        f"{sorted(map(str, approxes))}); register every use with the same bias and `approx`."
+      )
     self.check_use_count(
-        k_leaf, len(tags), "register_dense",
-        "call register_dense at every use of the kernel (each with the same `approx`, e.g. "
-        "approx=\"kron_indep\"), or let the scanner detect the shared use by removing the tags")
+      k_leaf,
+      len(tags),
+      "register_dense",
+      "call register_dense at every use of the kernel (each with the same `approx`, e.g. "
+      'approx="kron_indep"), or let the scanner detect the shared use by removing the tags',
+    )
     approx = tags[0][2]
     paths = [self.paths[j] for j in leaves]
     if len(tags) == 1:
@@ -842,17 +953,20 @@ class _Scanner:
     graph_uses = len(self.uses.get(leaf, []))
     if not graph_uses or graph_uses == registered:
       return
-    msg = (f"layer `{self.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
-           f"with {registered} {tag} tag(s); {fix}.")
+    msg = (
+      f"layer `{self.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
+      f"with {registered} {tag} tag(s); {fix}."
+    )
     if self.problems is None:
       raise RegistrationError(msg)
     self.problems.append(msg)
 
   def _single_use_series(self, approx, paths):
     return RegistrationError(
-        f"approximation {approx!r} models correlations between successive uses of a shared "
-        f"layer, but the layer with parameters {paths} is used once; use \"kron\" (or "
-        "\"kron_indep\", which equals it for one use).")
+      f"approximation {approx!r} models correlations between successive uses of a shared "
+      f'layer, but the layer with parameters {paths} is used once; use "kron" (or '
+      '"kron_indep", which equals it for one use).'
+    )
 
   def _check_approx(self, kind, approx, paths, *, shared: bool = False):
     if shared:  # None: the kind's shared default (kron_indep; "full" for scale-and-shift).
@@ -863,8 +977,9 @@ class _Scanner:
         return "kron_indep"
       if approx not in choices:
         raise RegistrationError(
-            f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
-            f"{paths}; a {kind} layer used several times takes one of {choices}.")
+          f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
+          f"{paths}; a {kind} layer used several times takes one of {choices}."
+        )
       return approx
     if approx is None:
       # Single-use layers are resolved by `layer_spec` (the LayerConfig, then the kind's default).
@@ -873,8 +988,9 @@ class _Scanner:
       raise self._single_use_series(approx, paths)
     if approx not in APPROXIMATIONS[kind]:
       raise RegistrationError(
-          f"approximation {approx!r} does not fit the {kind} layer with parameters {paths}; "
-          f"choose one of {APPROXIMATIONS[kind]}.")
+        f"approximation {approx!r} does not fit the {kind} layer with parameters {paths}; "
+        f"choose one of {APPROXIMATIONS[kind]}."
+      )
     return approx
 
   # -- automatic dense matching ----------------------------------------------------------------
@@ -889,8 +1005,9 @@ class _Scanner:
     (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
     if lhs_b or rhs_b:
       return None  # Batched products (e.g. per-head weights) are not dense layers.
-    k_contract, x_contract = (tuple(rhs_c), tuple(lhs_c)) if k_pos == 1 else (
-        tuple(lhs_c), tuple(rhs_c))
+    k_contract, x_contract = (
+      (tuple(rhs_c), tuple(lhs_c)) if k_pos == 1 else (tuple(lhs_c), tuple(rhs_c))
+    )
     k_shape = tuple(_graph.aval_of(k_atom).shape)
     x_shape = tuple(_graph.aval_of(x_atom).shape)
     k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
@@ -906,8 +1023,14 @@ class _Scanner:
     else:  # out = (k_free..., x_free...)
       out_perm = tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf))
     info = DenseInfo(
-        kernel_view=k_chain, kernel_perm=k_contract + k_free, x_perm=x_free + x_contract,
-        out_perm=out_perm, in_dim=int(in_dim), out_dim=int(out_dim), rows=int(rows))
+      kernel_view=k_chain,
+      kernel_perm=k_contract + k_free,
+      x_perm=x_free + x_contract,
+      out_perm=out_perm,
+      in_dim=int(in_dim),
+      out_dim=int(out_dim),
+      rows=int(rows),
+    )
     return info, x_atom, k_shape, k_free
 
   def _match_dense(self, i, claimed):
@@ -923,8 +1046,9 @@ class _Scanner:
     emb = _matchers.one_hot_embedding_use(self, i) if k_pos == 1 else None
     if emb is not None:  # `one_hot(ids) @ table`: an embedding lookup written as a product.
       info, ids, out_key = emb
-      spec = self.layer_spec("embedding", [k_leaf], info, None, "auto",
-                             ((info.vocab_size,), (info.dim, info.dim)))
+      spec = self.layer_spec(
+        "embedding", [k_leaf], info, None, "auto", ((info.vocab_size,), (info.dim, info.dim))
+      )
       self._claim(claimed, [k_leaf], spec.name)
       return spec, out_key, (ids,)
     found = self._dense_use(i, k_pos)
@@ -1041,10 +1165,11 @@ class _Scanner:
       choices = SHARED_BY_KIND.get(kind, ())
       if chosen not in choices and not (chosen == "kron" and "kron_indep" in choices):
         raise RegistrationError(
-            f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
-            f"`{name}` (parameters {list(paths)}), which is used {num_uses} times; a shared "
-            f"{kind} layer takes one of {choices}. Choose one of those, or narrow the pattern "
-            "so that it does not match this layer.")
+          f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
+          f"`{name}` (parameters {list(paths)}), which is used {num_uses} times; a shared "
+          f"{kind} layer takes one of {choices}. Choose one of those, or narrow the pattern "
+          "so that it does not match this layer."
+        )
       return chosen
     return None
 
@@ -1061,18 +1186,23 @@ class _Scanner:
       # The size policy for shared layers: "kron_indep" has no diagonal-side variant, so a
       # side above the limit makes the block diagonal (exact per-example diagonal, O(n)).
       first = infos[0]
-      sides = ((first.in_dim, first.out_dim) if kind == "dense"
-               else (first.patch_dim, first.out_per_group))
+      sides = (
+        (first.in_dim, first.out_dim) if kind == "dense" else (first.patch_dim, first.out_per_group)
+      )
       if max(sides) > max_dim:
         approx = "diagonal"
-        note = (f"factor side {max(sides)} > max_factor_dim {max_dim} on a layer used "
-                f"{len(infos)} times: diagonal")
-    if approx in SHARED_APPROXIMATIONS[1:] and (kind != "dense"
-                                                or len({inf.rows for inf in infos}) != 1):
+        note = (
+          f"factor side {max(sides)} > max_factor_dim {max_dim} on a layer used "
+          f"{len(infos)} times: diagonal"
+        )
+    if approx in SHARED_APPROXIMATIONS[1:] and (
+      kind != "dense" or len({inf.rows for inf in infos}) != 1
+    ):
       raise RegistrationError(
-          f"approximation {approx!r} needs the uses of layer {list(paths)} to be dense products "
-          f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
-          f"{[getattr(inf, 'rows', None) for inf in infos]}. Use \"kron_indep\".")
+        f"approximation {approx!r} needs the uses of layer {list(paths)} to be dense products "
+        f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
+        f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
+      )
     info = next((inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo)), infos[0])
     n = sum(math.prod(self.shapes[j]) for j in leaves)
     if approx == "diagonal":
@@ -1087,10 +1217,19 @@ class _Scanner:
     else:
       shapes = ((info.vocab_size,), (info.dim, info.dim))
     return LayerSpec(
-        name=name, kind=kind, param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
-        factor_shapes=shapes, source=source, info=info,
-        param_shapes=tuple(self.shapes[j] for j in leaves), num_uses=len(infos), use_infos=infos,
-        note=note)
+      name=name,
+      kind=kind,
+      param_paths=paths,
+      leaf_indices=tuple(leaves),
+      approx=approx,
+      factor_shapes=shapes,
+      source=source,
+      info=info,
+      param_shapes=tuple(self.shapes[j] for j in leaves),
+      num_uses=len(infos),
+      use_infos=infos,
+      note=note,
+    )
 
   def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
     found = self._match_direct_bias(s_key, k_pos, k_shape, k_free, claimed, shared)
@@ -1135,10 +1274,12 @@ class _Scanner:
     s_shape = tuple(s_key[1].aval.shape)
     if out_shape != s_shape or len(b_shape) < len(free_shape):
       return None
-    if b_shape[len(b_shape) - len(free_shape):] != free_shape:
+    if b_shape[len(b_shape) - len(free_shape) :] != free_shape:
       return None
-    if math.prod(b_shape[:len(b_shape) - len(free_shape)]) not in (1, math.prod(
-        s_shape[:len(s_shape) - len(free_shape)])):
+    if math.prod(b_shape[: len(b_shape) - len(free_shape)]) not in (
+      1,
+      math.prod(s_shape[: len(s_shape) - len(free_shape)]),
+    ):
       return None
     return b_leaf, fe.outs[0]
 
@@ -1146,8 +1287,9 @@ class _Scanner:
 
   def _dense_spec(self, leaves, info: DenseInfo, approx, source) -> LayerSpec:
     a_dim = info.in_dim + (1 if len(leaves) == 2 else 0)
-    return self.layer_spec("dense", leaves, info, approx, source,
-                           ((a_dim, a_dim), (info.out_dim, info.out_dim)))
+    return self.layer_spec(
+      "dense", leaves, info, approx, source, ((a_dim, a_dim), (info.out_dim, info.out_dim))
+    )
 
   def layer_spec(self, kind, leaves, info, approx, source, kron_shapes) -> LayerSpec:
     """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations."""
@@ -1165,7 +1307,8 @@ class _Scanner:
     n = sum(math.prod(self.shapes[j]) for j in leaves)
     if not explicit:
       approx, why = _layer_config.size_policy(
-          self.layer_config.max_factor_dim, kind, approx, kron_shapes, n, APPROXIMATIONS[kind])
+        self.layer_config.max_factor_dim, kind, approx, kron_shapes, n, APPROXIMATIONS[kind]
+      )
       note = why or note
     if approx == "diagonal":
       shapes = ((n,),)
@@ -1173,22 +1316,33 @@ class _Scanner:
       shapes = ((n, n),)
     elif approx in ("kron_in_diag", "kron_out_diag", "kron_both_diag"):
       (sa, sg), both = kron_shapes, approx == "kron_both_diag"
-      shapes = (sa[:-1] if approx == "kron_in_diag" or both else sa,
-                sg[:-1] if approx == "kron_out_diag" or both else sg)
+      shapes = (
+        sa[:-1] if approx == "kron_in_diag" or both else sa,
+        sg[:-1] if approx == "kron_out_diag" or both else sg,
+      )
     else:
       shapes = kron_shapes
     return LayerSpec(
-        name=name, kind=kind, param_paths=paths, leaf_indices=tuple(leaves),
-        approx=approx, factor_shapes=shapes, source=source, info=info,
-        param_shapes=tuple(self.shapes[j] for j in leaves), note=note)
+      name=name,
+      kind=kind,
+      param_paths=paths,
+      leaf_indices=tuple(leaves),
+      approx=approx,
+      factor_shapes=shapes,
+      source=source,
+      info=info,
+      param_shapes=tuple(self.shapes[j] for j in leaves),
+      note=note,
+    )
 
   def _explicit(self, paths, name, approx, source) -> bool:
     """Whether the layer's approximation is chosen for it by name: a manual tag's `approx=` or
     a matching `LayerConfig.overrides` pattern (then the size policy does not apply)."""
     if source == "manual" and approx is not None:
       return True
-    return any(_layer_config.matches(p, (name,) + tuple(paths))
-               for p in self.layer_config.overrides)
+    return any(
+      _layer_config.matches(p, (name,) + tuple(paths)) for p in self.layer_config.overrides
+    )
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
     paths = tuple(self.paths[j] for j in leaves)
@@ -1200,12 +1354,20 @@ class _Scanner:
       approx = self._approx("generic", paths, name, approx, source, DEFAULT_APPROX["generic"])
       if not explicit:
         approx, note = _layer_config.size_policy(
-            self.layer_config.max_factor_dim, "generic", approx, (), n, APPROXIMATIONS["generic"])
+          self.layer_config.max_factor_dim, "generic", approx, (), n, APPROXIMATIONS["generic"]
+        )
     factor = ((n,),) if approx == "diagonal" else ((n, n),)
     return LayerSpec(
-        name=name, kind="generic", param_paths=paths, leaf_indices=tuple(leaves), approx=approx,
-        factor_shapes=factor, source=source, param_shapes=tuple(self.shapes[j] for j in leaves),
-        note=note)
+      name=name,
+      kind="generic",
+      param_paths=paths,
+      leaf_indices=tuple(leaves),
+      approx=approx,
+      factor_shapes=factor,
+      source=source,
+      param_shapes=tuple(self.shapes[j] for j in leaves),
+      note=note,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1215,6 +1377,7 @@ class _Scanner:
 @dataclasses.dataclass(frozen=True)
 class FallbackInfo:
   """`LayerSpec.info` of a fallback (generic) layer: why the scanner matched no layer."""
+
   reason: str
 
 
@@ -1264,12 +1427,17 @@ def _use_reason(sc: _Scanner, leaf: int, i: int, pos: int) -> str:
     c = _constant_operand(sc, fe.ins[1 - pos])
     if c is not None:
       shown = f"{c:g}"
-      return (f"used as {shown} + scale" if name == "add" else
-              (f"used as {shown} - scale" if pos == 1 else f"used as scale - {shown}"))
+      return (
+        f"used as {shown} + scale"
+        if name == "add"
+        else (f"used as {shown} - scale" if pos == 1 else f"used as scale - {shown}")
+      )
   others = [leaf_ for leaf_, _ in sc.uses_by_eqn.get(i, []) if leaf_ != leaf]
   if others:
-    return (f"combined by {name} with parameter `{sc.paths[others[0]]}` (a product or sum of "
-            "two parameters has no layer block)")
+    return (
+      f"combined by {name} with parameter `{sc.paths[others[0]]}` (a product or sum of "
+      "two parameters has no layer block)"
+    )
   if name == "dot_general":
     (_, _), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
     if lhs_b or rhs_b:
@@ -1295,8 +1463,11 @@ def fallback_reason(sc: _Scanner, leaf: int) -> str:
   if not uses:
     keys = {k for k, (j, _) in sc.origin.items() if j == leaf}
     read = any(_graph.is_key(a) and a in keys for fe in sc.g.eqns for a in fe.ins)
-    return ("not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)"
-            if read else "not used by the loss")
+    return (
+      "not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)"
+      if read
+      else "not used by the loss"
+    )
   reasons = [_use_reason(sc, leaf, i, pos) for i, pos in uses]
   for r in reasons:
     if r.startswith(("sliced by a scan", "indexed by")):
@@ -1307,8 +1478,10 @@ def fallback_reason(sc: _Scanner, leaf: int) -> str:
   if len(set(reasons)) == 1 and not reasons[0].startswith("consumed by"):
     return f"{reasons[0]} (all {len(uses)} uses)"
   if len(names) == 1 and names[0] in ("dot_general", "conv_general_dilated", "mul", "add"):
-    return (f"used {len(uses)} times by {names[0]} in ways no one shared layer fits (e.g. "
-            "different kernel layouts, or biases that differ between uses)")
+    return (
+      f"used {len(uses)} times by {names[0]} in ways no one shared layer fits (e.g. "
+      "different kernel layouts, or biases that differ between uses)"
+    )
   return f"used {len(uses)} times in different ways ({', '.join(names)})"
 
 
@@ -1316,7 +1489,9 @@ def uncovered_message(paths: Sequence[str], reasons: Sequence[str], limit: int =
   """The short `UncoveredParametersWarning` text: the count, a few paths with reasons, a pointer."""
   shown = "; ".join(f"`{p}` ({r})" for p, r in list(zip(paths, reasons))[:limit])
   more = f"; and {len(paths) - limit} more" if len(paths) > limit else ""
-  return (f"{len(paths)} parameter(s) are not in any recognised layer and get a diagonal "
-          f"curvature block: {shown}{more}. `kfac_jax.summary(loss_fn, params, batch)` lists "
-          "each with its reason; a manual layer tag (kfac_jax.register_dense / register_conv / "
-          "register_scale_and_shift / register_embedding / register_generic) chooses its block.")
+  return (
+    f"{len(paths)} parameter(s) are not in any recognised layer and get a diagonal "
+    f"curvature block: {shown}{more}. `kfac_jax.summary(loss_fn, params, batch)` lists "
+    "each with its reason; a manual layer tag (kfac_jax.register_dense / register_conv / "
+    "register_scale_and_shift / register_embedding / register_generic) chooses its block."
+  )

@@ -37,12 +37,14 @@ def check_axis(axis_name: str | None, mesh, method: str) -> None:
   """Sharded storage needs the axis the caches are split over, on every call."""
   if axis_name is not None and mesh is not None:
     raise ValueError(
-        f"`{method}`: pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
+      f"`{method}`: pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both."
+    )
   if axis_name is None and mesh is None:
     raise ValueError(
-        f"`{method}`: with inverse_storage='sharded' each device holds only its share of the "
-        "caches, so the call needs the device axis: pass `axis_name=` inside pmap/shard_map, "
-        "or `mesh=(mesh, axis)` under jit.")
+      f"`{method}`: with inverse_storage='sharded' each device holds only its share of the "
+      "caches, so the call needs the device axis: pass `axis_name=` inside pmap/shard_map, "
+      "or `mesh=(mesh, axis)` under jit."
+    )
 
 
 def layout(est, num_devices: int) -> _parallel.PackedLayout:
@@ -59,9 +61,10 @@ def _bound_size(axis_name: str, method: str) -> int:
     return jax.lax.axis_size(axis_name)
   except NameError:
     raise ValueError(
-        f"`{method}` with inverse_storage='sharded' and axis_name={axis_name!r} must run inside "
-        f"pmap/shard_map over {axis_name!r}: each device's state differs. E.g. "
-        f"`jax.pmap(tx.init, axis_name={axis_name!r})(replicated_params)`.") from None
+      f"`{method}` with inverse_storage='sharded' and axis_name={axis_name!r} must run inside "
+      f"pmap/shard_map over {axis_name!r}: each device's state differs. E.g. "
+      f"`jax.pmap(tx.init, axis_name={axis_name!r})(replicated_params)`."
+    ) from None
 
 
 def _mesh_size(mesh) -> int:
@@ -72,16 +75,18 @@ def _mesh_size(mesh) -> int:
 def _check_buffers(lay: _parallel.PackedLayout, cache, per_device: bool, method: str) -> None:
   if not isinstance(cache, _parallel.ShardedCache):
     raise TypeError(
-        f"`{method}`: the state's cache is a {type(cache).__name__}, not the ShardedCache that "
-        "inverse_storage='sharded' keeps; initialise the state with this estimator's `init`.")
+      f"`{method}`: the state's cache is a {type(cache).__name__}, not the ShardedCache that "
+      "inverse_storage='sharded' keeps; initialise the state with this estimator's `init`."
+    )
   d = 1 if per_device else lay.num_devices
   want = {k: (n * d,) for k, n in lay.lengths}
   got = {k: tuple(np.shape(v)) for k, v in cache.buffers.items()}
   if got != want:
     raise ValueError(
-        f"`{method}`: the sharded cache has buffers {got}, but {lay.num_devices} devices need "
-        f"{want} ({'each device' if per_device else 'the global arrays'}). Was the state "
-        "initialised for another number of devices? Initialise it on the axis it is used with.")
+      f"`{method}`: the sharded cache has buffers {got}, but {lay.num_devices} devices need "
+      f"{want} ({'each device' if per_device else 'the global arrays'}). Was the state "
+      "initialised for another number of devices? Initialise it on the axis it is used with."
+    )
 
 
 def init_cache(est, axis_name: str | None, mesh) -> _parallel.ShardedCache:
@@ -90,9 +95,13 @@ def init_cache(est, axis_name: str | None, mesh) -> _parallel.ShardedCache:
 
   def local(axis):
     lay = layout(est, jax.lax.axis_size(axis))
-    return _parallel.ShardedCache(_parallel.on_own_share(
+    return _parallel.ShardedCache(
+      _parallel.on_own_share(
         lambda d: _parallel.pack(lay, d, {i: est.blocks[i].init_cache() for i in lay.shares[d]}),
-        lay, axis))
+        lay,
+        axis,
+      )
+    )
 
   if axis_name is not None:
     _bound_size(axis_name, "init")
@@ -132,8 +141,9 @@ def update_inverses(est, cache, factors, damping, axis_name, mesh, all_finite):
   if axis_name is not None:
     _bound_size(axis_name, "update_inverses")
     return local(axis_name, factors, cache, damping)
-  return _parallel.over_mesh(local, mesh, (factors, cache, damping), (False, True, False),
-                             (True, False))
+  return _parallel.over_mesh(
+    local, mesh, (factors, cache, damping), (False, True, False), (True, False)
+  )
 
 
 def apply(est, factors, cache, leaves: list[Array], fn, axis_name, mesh, method: str) -> list:
@@ -157,9 +167,12 @@ def apply(est, factors, cache, leaves: list[Array], fn, axis_name, mesh, method:
   cache_shapes = [jax.eval_shape(b.init_cache) for b in blocks]
   out_shapes = {}
   for i, b in enumerate(blocks):
-    res = jax.eval_shape(lambda f, c, v, b=b: fn(b, f, c, v),
-                         jax.tree_util.tree_map(spec, factors[names[i]]), cache_shapes[i],
-                         [spec(leaves[j]) for j in b.spec.leaf_indices])
+    res = jax.eval_shape(
+      lambda f, c, v, b=b: fn(b, f, c, v),
+      jax.tree_util.tree_map(spec, factors[names[i]]),
+      cache_shapes[i],
+      [spec(leaves[j]) for j in b.spec.leaf_indices],
+    )
     out_shapes.update(zip(b.spec.leaf_indices, res))
 
   def local(axis, factors, cache, vecs):

@@ -76,16 +76,27 @@ def add_virtual_leaves(sc) -> None:
 
 def _same_layer(a, b) -> bool:
   return (a.kind, a.approx, a.factor_shapes, a.info, a.source, a.num_uses) == (
-      b.kind, b.approx, b.factor_shapes, b.info, b.source, b.num_uses)
+    b.kind,
+    b.approx,
+    b.factor_shapes,
+    b.info,
+    b.source,
+    b.num_uses,
+  )
 
 
 def stack_spec(sc, inner, leaves, size: int, axes: tuple[int, ...] = ()):
   """The spec of a stack of `size` layers like `inner`, over the stacked leaves `leaves`."""
   return dataclasses.replace(
-      inner, param_paths=tuple(sc.paths[j] for j in leaves), leaf_indices=tuple(leaves),
-      param_shapes=tuple(sc.shapes[j] for j in leaves),
-      factor_shapes=tuple((size,) + tuple(s) for s in inner.factor_shapes), stack_size=size,
-      stack_inner=inner, stack_axes=tuple(axes))
+    inner,
+    param_paths=tuple(sc.paths[j] for j in leaves),
+    leaf_indices=tuple(leaves),
+    param_shapes=tuple(sc.shapes[j] for j in leaves),
+    factor_shapes=tuple((size,) + tuple(s) for s in inner.factor_shapes),
+    stack_size=size,
+    stack_inner=inner,
+    stack_axes=tuple(axes),
+  )
 
 
 def merge(sc, specs, claimed):
@@ -112,8 +123,11 @@ def merge(sc, specs, claimed):
   for reals, by_t in groups.items():
     size = sc.shapes[reals[0]][0]
     entries = [by_t.get(t) for t in range(size)]
-    if (any(e is None for e in entries) or any(sc.shapes[j][0] != size for j in reals)
-        or not all(_same_layer(e[0], entries[0][0]) for e in entries)):
+    if (
+      any(e is None for e in entries)
+      or any(sc.shapes[j][0] != size for j in reals)
+      or not all(_same_layer(e[0], entries[0][0]) for e in entries)
+    ):
       failed.extend(e for e in entries if e is not None)
       continue
     for e in entries:
@@ -158,14 +172,13 @@ def batched_dense_use(sc, i):
   if any(s.op != "cast" for s in chain):
     return None
   (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
-  k_c, x_c, k_b, x_b = ((rhs_c, lhs_c, rhs_b, lhs_b) if k_pos == 1 else
-                        (lhs_c, rhs_c, lhs_b, rhs_b))
+  k_c, x_c, k_b, x_b = (rhs_c, lhs_c, rhs_b, lhs_b) if k_pos == 1 else (lhs_c, rhs_c, lhs_b, rhs_b)
   k_shape = tuple(_graph.aval_of(k_atom).shape)
   x_shape = tuple(_graph.aval_of(x_atom).shape)
   if tuple(k_b) == (0,) and len(x_b) == 1:
     x_axis = int(x_b[0])
     x_c1 = tuple(int(d) - (d > x_axis) for d in x_c)
-    x_shape1 = x_shape[:x_axis] + x_shape[x_axis + 1:]
+    x_shape1 = x_shape[:x_axis] + x_shape[x_axis + 1 :]
   elif not k_b and not x_b and len(k_shape) == 3 and 0 not in k_c:
     x_axis = None
     x_c1, x_shape1 = tuple(int(d) for d in x_c), x_shape
@@ -179,19 +192,29 @@ def batched_dense_use(sc, i):
   if not k_free or not k_c1:
     return None
   from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
+
   in_dim = math.prod(k_shape1[d] for d in k_c1)
   out_dim = math.prod(k_shape1[d] for d in k_free)
   rows = math.prod(x_shape1[d] for d in x_free)
   n_xf, n_kf = len(x_free), len(k_free)
-  out_perm = (tuple(range(n_xf + n_kf)) if k_pos == 1 else
-              tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf)))
+  out_perm = (
+    tuple(range(n_xf + n_kf))
+    if k_pos == 1
+    else tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf))
+  )
   if x_axis is not None:
     out_axis = 0  # dot_general puts batch dimensions first.
   else:  # The kernel's free axes, in order, after (k_pos == 1) or before the input's.
     out_axis = len(x_free) if k_pos == 1 else 0
   info = _scanner.DenseInfo(
-      kernel_view=(), kernel_perm=k_c1 + k_free, x_perm=x_free + x_c1, out_perm=out_perm,
-      in_dim=int(in_dim), out_dim=int(out_dim), rows=int(rows))
+    kernel_view=(),
+    kernel_perm=k_c1 + k_free,
+    x_perm=x_free + x_c1,
+    out_perm=out_perm,
+    in_dim=int(in_dim),
+    out_dim=int(out_dim),
+    rows=int(rows),
+  )
   return info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis
 
 
@@ -214,9 +237,13 @@ def _stacked_bias(sc, out_key, out_axis, k_shape, claimed):
   b_shape = tuple(_graph.aval_of(other).shape)
   if sc.shapes[b_leaf] != (size, k_shape[-1]) or tuple(fe.outs[0][1].aval.shape) != out_shape:
     return None
-  if (len(b_shape) != len(out_shape) or out_axis == len(out_shape) - 1
-      or b_shape[out_axis] != size or b_shape[-1] != out_shape[-1]
-      or math.prod(b_shape) != size * out_shape[-1]):
+  if (
+    len(b_shape) != len(out_shape)
+    or out_axis == len(out_shape) - 1
+    or b_shape[out_axis] != size
+    or b_shape[-1] != out_shape[-1]
+    or math.prod(b_shape) != size * out_shape[-1]
+  ):
     return None
   return b_leaf, fe.outs[0]
 
@@ -238,8 +265,9 @@ def match_batched_dense(sc, i, claimed):
     perm = tuple(int(d) for d in fe.params["permutation"])
     kept = [d for d in perm if d != out_axis]
     per_layer = [d - (d > out_axis) for d in kept]  # The per-layer axes, as laid out now.
-    info = dataclasses.replace(info, out_perm=tuple(
-        per_layer.index(info.out_perm[d]) for d in range(len(per_layer))))
+    info = dataclasses.replace(
+      info, out_perm=tuple(per_layer.index(info.out_perm[d]) for d in range(len(per_layer)))
+    )
     out_axis, out_key = perm.index(out_axis), fe.outs[0]
   bias = None
   if k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]:

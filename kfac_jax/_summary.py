@@ -21,8 +21,9 @@ def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
   names = (axis_name,) if isinstance(axis_name, str) else axis_name
   if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
     raise TypeError(
-        f"`axis_name` must be a string or a tuple of strings (the collective axes the model "
-        f"uses, e.g. \"batch\" for BatchNorm(axis_name=\"batch\")), got {axis_name!r}.")
+      f"`axis_name` must be a string or a tuple of strings (the collective axes the model "
+      f'uses, e.g. "batch" for BatchNorm(axis_name="batch")), got {axis_name!r}.'
+    )
   return names
 
 
@@ -32,10 +33,16 @@ def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _scanner.Registra
     return _scanner.scan(part, params, batch, has_aux=has_aux, **kw)
 
 
-def scan_layers(loss_fn: Callable, params, batch, *, strict: bool = False,
-                layers: _layer_config.LayerConfig | None = None,
-                axis_name: AxisName = None, has_aux: bool = False
-                ) -> tuple[_scanner.LayerSpec, ...]:
+def scan_layers(
+  loss_fn: Callable,
+  params,
+  batch,
+  *,
+  strict: bool = False,
+  layers: _layer_config.LayerConfig | None = None,
+  axis_name: AxisName = None,
+  has_aux: bool = False,
+) -> tuple[_scanner.LayerSpec, ...]:
   """Traces `loss_fn(params, batch)` and returns the layers K-FAC will use, in parameter order.
 
   Each `LayerSpec` has `name`, `kind` ("dense", "conv", "scale_and_shift", "embedding",
@@ -60,9 +67,16 @@ def scan_layers(loss_fn: Callable, params, batch, *, strict: bool = False,
   return _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, layers=layers).layers
 
 
-def summary(loss_fn: Callable, params, batch, *, strict: bool = False,
-            layers: _layer_config.LayerConfig | None = None,
-            axis_name: AxisName = None, has_aux: bool = False) -> str:
+def summary(
+  loss_fn: Callable,
+  params,
+  batch,
+  *,
+  strict: bool = False,
+  layers: _layer_config.LayerConfig | None = None,
+  axis_name: AxisName = None,
+  has_aux: bool = False,
+) -> str:
   """A table of the registered layers and a coverage report.
 
   The table lists each layer's kind, approximation, parameters, factor shapes and memory (the
@@ -80,8 +94,9 @@ def summary(loss_fn: Callable, params, batch, *, strict: bool = False,
     >>> print(kfac_jax.summary(loss_fn, params, batch))
   """
   # No UncoveredParametersWarning: the report below says the same, in full.
-  specs = _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False,
-                layers=layers).layers
+  specs = _scan(
+    loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False, layers=layers
+  ).layers
   config = _blocks.BlockConfig()
   blocks = [_blocks.make_block(s, config) for s in specs]
   table = _estimator.format_table(_display_names(specs), blocks)
@@ -98,12 +113,12 @@ def _display_names(specs: Sequence[_scanner.LayerSpec]) -> list[_scanner.LayerSp
   counts: dict[str, int] = {}
   for s in specs:
     counts[s.name] = counts.get(s.name, 0) + 1
-  return [dataclasses.replace(s, name=s.param_paths[0]) if counts[s.name] > 1 else s
-          for s in specs]
+  return [dataclasses.replace(s, name=s.param_paths[0]) if counts[s.name] > 1 else s for s in specs]
 
 
-def coverage_report(specs: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block],
-                    params) -> str:
+def coverage_report(
+  specs: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block], params
+) -> str:
   """The lines `summary` prints under the table (see `summary`)."""
   total = sum(s.num_params for s in specs)
   structured = sum(s.num_params for s in specs if s.kind != "generic")
@@ -113,12 +128,15 @@ def coverage_report(specs: Sequence[_scanner.LayerSpec], blocks: Sequence[_block
   share = structured / total if total else 1.0
   state_line = f"curvature state: {_estimator._fmt_bytes(state_bytes)}"
   if param_bytes:
-    state_line += (f" ({state_bytes / param_bytes:.2f}x the parameters' "
-                   f"{_estimator._fmt_bytes(param_bytes)})")
+    state_line += (
+      f" ({state_bytes / param_bytes:.2f}x the parameters' {_estimator._fmt_bytes(param_bytes)})"
+    )
   lines = [
-      (f"layer blocks (dense, conv, embedding, scale-and-shift) hold {structured} of {total} "
-       f"parameters ({100 * share:.1f}%)"),
-      state_line,
+    (
+      f"layer blocks (dense, conv, embedding, scale-and-shift) hold {structured} of {total} "
+      f"parameters ({100 * share:.1f}%)"
+    ),
+    state_line,
   ]
   fallbacks = [s for s in specs if s.source == "fallback"]
   if fallbacks:
@@ -129,10 +147,15 @@ def coverage_report(specs: Sequence[_scanner.LayerSpec], blocks: Sequence[_block
   return "\n".join(lines)
 
 
-def check_registration(loss_fn: Callable, params, batch, *,
-                       layers: _layer_config.LayerConfig | None = None,
-                       axis_name: AxisName = None, has_aux: bool = False
-                       ) -> tuple[_scanner.LayerSpec, ...]:
+def check_registration(
+  loss_fn: Callable,
+  params,
+  batch,
+  *,
+  layers: _layer_config.LayerConfig | None = None,
+  axis_name: AxisName = None,
+  has_aux: bool = False,
+) -> tuple[_scanner.LayerSpec, ...]:
   """Checks that every parameter is in exactly one curvature block; lists every problem at once.
 
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
@@ -156,5 +179,6 @@ def check_registration(loss_fn: Callable, params, batch, *,
   Example:
     >>> kfac_jax.check_registration(loss_fn, params, batch)  # raises listing every problem
   """
-  return _scan(loss_fn, params, batch, axis_name, has_aux, warn=False, layers=layers,
-               collect=True).layers
+  return _scan(
+    loss_fn, params, batch, axis_name, has_aux, warn=False, layers=layers, collect=True
+  ).layers

@@ -76,11 +76,13 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
     raise TypeError(f"{fn}: the prediction must be floating point, got dtype {prediction.dtype}.")
   if prediction.ndim < 1:
     raise ValueError(
-        f"{fn}: the prediction needs a leading batch axis, got a scalar; the tagged loss is the "
-        "mean over the leading axis.")
+      f"{fn}: the prediction needs a leading batch axis, got a scalar; the tagged loss is the "
+      "mean over the leading axis."
+    )
   if kind == "categorical" and prediction.ndim < 2:
     raise ValueError(
-        f"{fn}: logits must have shape [batch, ..., num_classes], got {prediction.shape}.")
+      f"{fn}: logits must have shape [batch, ..., num_classes], got {prediction.shape}."
+    )
   operands = [prediction]
   if targets is not None:
     targets = _check_array(targets, "targets", fn)
@@ -106,13 +108,19 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
       ok = False
     if not ok:
       raise ValueError(
-          f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape}.")
+        f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape}."
+      )
     operands.append(weight.astype(prediction.dtype))
   if not (isinstance(var, (int, float)) and var > 0 and math.isfinite(var)):
     raise ValueError(f"{fn}: `var` must be a positive finite Python number, got {var!r}.")
   outs = loss_tag_p.bind(
-      *operands, n_out=1, kind=kind, has_targets=targets is not None,
-      has_weight=weight is not None, var=float(var))
+    *operands,
+    n_out=1,
+    kind=kind,
+    has_targets=targets is not None,
+    has_weight=weight is not None,
+    var=float(var),
+  )
   return outs[0]
 
 
@@ -134,8 +142,7 @@ def register_categorical_predictive_distribution(logits, targets=None, weight=No
     ...   kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     ...   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
   """
-  return _bind_loss(
-      "categorical", "register_softmax_cross_entropy_loss", logits, targets, weight)
+  return _bind_loss("categorical", "register_softmax_cross_entropy_loss", logits, targets, weight)
 
 
 def register_multi_bernoulli_predictive_distribution(logits, targets=None, weight=None) -> Array:
@@ -149,12 +156,12 @@ def register_multi_bernoulli_predictive_distribution(logits, targets=None, weigh
   Returns:
     `logits`, unchanged.
   """
-  return _bind_loss(
-      "bernoulli", "register_sigmoid_cross_entropy_loss", logits, targets, weight)
+  return _bind_loss("bernoulli", "register_sigmoid_cross_entropy_loss", logits, targets, weight)
 
 
-def register_normal_predictive_distribution(mean, targets=None, var: float = 0.5,
-                                            weight=None) -> Array:
+def register_normal_predictive_distribution(
+  mean, targets=None, var: float = 0.5, weight=None
+) -> Array:
   """Tags `mean` as the mean of a normal with fixed scalar variance `var`.
 
   The negative log-likelihood is `|t - mean|² / (2 var)` (+ const), so the default `var=0.5`
@@ -170,13 +177,13 @@ def register_normal_predictive_distribution(mean, targets=None, var: float = 0.5
     `mean`, unchanged.
   """
   return _bind_loss(
-      "normal", "register_normal_predictive_distribution", mean, targets, weight, var=var)
+    "normal", "register_normal_predictive_distribution", mean, targets, weight, var=var
+  )
 
 
 def register_squared_error_loss(prediction, targets=None, weight=None) -> Array:
   """Tags `prediction` for the squared error `(t - y)²`: a normal with variance 0.5."""
-  return _bind_loss(
-      "normal", "register_squared_error_loss", prediction, targets, weight, var=0.5)
+  return _bind_loss("normal", "register_squared_error_loss", prediction, targets, weight, var=0.5)
 
 
 register_softmax_cross_entropy_loss = register_categorical_predictive_distribution
@@ -205,12 +212,14 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
     raise ValueError(f"{fn}: `kernel` must have shape [in, out], got {kernel.shape}.")
   if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
     raise ValueError(
-        f"{fn}: `x` of shape {x.shape} does not match `kernel` of shape {kernel.shape}: "
-        f"expected x.shape[-1] == {kernel.shape[0]}.")
+      f"{fn}: `x` of shape {x.shape} does not match `kernel` of shape {kernel.shape}: "
+      f"expected x.shape[-1] == {kernel.shape[0]}."
+    )
   if y.shape != x.shape[:-1] + (kernel.shape[1],):
     raise ValueError(
-        f"{fn}: `y` has shape {y.shape}, expected {x.shape[:-1] + (kernel.shape[1],)} from x "
-        f"{x.shape} and kernel {kernel.shape}.")
+      f"{fn}: `y` has shape {y.shape}, expected {x.shape[:-1] + (kernel.shape[1],)} from x "
+      f"{x.shape} and kernel {kernel.shape}."
+    )
   operands = [y, x, kernel]
   if bias is not None:
     bias = _check_array(bias, "bias", fn)
@@ -245,9 +254,20 @@ def _check_approx(approx, fn):
     raise TypeError(f"{fn}: `approx` must be a string or None, got {approx!r}.")
 
 
-def register_conv(y, x, kernel, bias=None, *, window_strides, padding, lhs_dilation=None,
-                  rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
-                  approx: str | None = None) -> Array:
+def register_conv(
+  y,
+  x,
+  kernel,
+  bias=None,
+  *,
+  window_strides,
+  padding,
+  lhs_dilation=None,
+  rhs_dilation=None,
+  dimension_numbers=None,
+  feature_group_count: int = 1,
+  approx: str | None = None,
+) -> Array:
   """Tags `y = lax.conv_general_dilated(x, kernel, ...) (+ bias)` as a convolution layer.
 
   The keyword arguments are those of `jax.lax.conv_general_dilated` for the same call; the tag
@@ -274,8 +294,9 @@ def register_conv(y, x, kernel, bias=None, *, window_strides, padding, lhs_dilat
   y, x, kernel = (_check_array(v, n, fn) for v, n in ((y, "y"), (x, "x"), (kernel, "kernel")))
   if x.ndim < 3 or kernel.ndim != x.ndim:
     raise ValueError(
-        f"{fn}: `x` (shape {x.shape}) and `kernel` (shape {kernel.shape}) must have the same "
-        "rank, at least 3 (batch, feature and one or more spatial axes).")
+      f"{fn}: `x` (shape {x.shape}) and `kernel` (shape {kernel.shape}) must have the same "
+      "rank, at least 3 (batch, feature and one or more spatial axes)."
+    )
   nsp = x.ndim - 2
   try:
     dn = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, dimension_numbers)
@@ -294,10 +315,14 @@ def register_conv(y, x, kernel, bias=None, *, window_strides, padding, lhs_dilat
 
   strides = spatial(window_strides, "window_strides")
   lhs_d, rhs_d = spatial(lhs_dilation, "lhs_dilation"), spatial(rhs_dilation, "rhs_dilation")
-  if isinstance(feature_group_count, bool) or not isinstance(feature_group_count, int) or (
-      feature_group_count < 1):
+  if (
+    isinstance(feature_group_count, bool)
+    or not isinstance(feature_group_count, int)
+    or (feature_group_count < 1)
+  ):
     raise ValueError(
-        f"{fn}: `feature_group_count` must be a positive int, got {feature_group_count!r}.")
+      f"{fn}: `feature_group_count` must be a positive int, got {feature_group_count!r}."
+    )
   in_sp = [(x.shape[d] - 1) * s + 1 for d, s in zip(dn.lhs_spec[2:], lhs_d)]
   win = [(kernel.shape[d] - 1) * s + 1 for d, s in zip(dn.rhs_spec[2:], rhs_d)]
   if isinstance(padding, str):
@@ -310,20 +335,28 @@ def register_conv(y, x, kernel, bias=None, *, window_strides, padding, lhs_dilat
       pads = tuple((int(lo), int(hi)) for lo, hi in padding)
     except (TypeError, ValueError):
       raise ValueError(
-          f"{fn}: `padding` must be a string or {nsp} (lo, hi) pairs, got {padding!r}.") from None
+        f"{fn}: `padding` must be a string or {nsp} (lo, hi) pairs, got {padding!r}."
+      ) from None
   if len(pads) != nsp:
     raise ValueError(f"{fn}: `padding` must have {nsp} (lo, hi) pairs, got {padding!r}.")
   try:
     expected = jax.eval_shape(
-        lambda a, k: jax.lax.conv_general_dilated(
-            a, k, strides, pads, lhs_d, rhs_d, dn, feature_group_count), x, kernel).shape
+      lambda a, k: jax.lax.conv_general_dilated(
+        a, k, strides, pads, lhs_d, rhs_d, dn, feature_group_count
+      ),
+      x,
+      kernel,
+    ).shape
   except (TypeError, ValueError) as e:
-    raise ValueError(f"{fn}: `x` {x.shape} and `kernel` {kernel.shape} do not form a "
-                     f"convolution with these arguments: {e}") from None
+    raise ValueError(
+      f"{fn}: `x` {x.shape} and `kernel` {kernel.shape} do not form a "
+      f"convolution with these arguments: {e}"
+    ) from None
   if tuple(y.shape) != tuple(expected):
     raise ValueError(
-        f"{fn}: `y` has shape {y.shape}, but the convolution of x {x.shape} with kernel "
-        f"{kernel.shape} gives {tuple(expected)}; check the strides, padding and layout.")
+      f"{fn}: `y` has shape {y.shape}, but the convolution of x {x.shape} with kernel "
+      f"{kernel.shape} gives {tuple(expected)}; check the strides, padding and layout."
+    )
   operands = [y, x, kernel]
   if bias is not None:
     bias = _check_array(bias, "bias", fn)
@@ -333,9 +366,17 @@ def register_conv(y, x, kernel, bias=None, *, window_strides, padding, lhs_dilat
     operands.append(bias)
   _check_approx(approx, fn)
   return layer_tag_p.bind(
-      *operands, n_out=1, kind="conv", approx=approx, window_strides=strides, padding=pads,
-      lhs_dilation=lhs_d, rhs_dilation=rhs_d, dimension_numbers=dn,
-      feature_group_count=feature_group_count)[0]
+    *operands,
+    n_out=1,
+    kind="conv",
+    approx=approx,
+    window_strides=strides,
+    padding=pads,
+    lhs_dilation=lhs_d,
+    rhs_dilation=rhs_d,
+    dimension_numbers=dn,
+    feature_group_count=feature_group_count,
+  )[0]
 
 
 def register_scale_and_shift(y, x, scale=None, shift=None, approx: str | None = None) -> Array:
@@ -374,14 +415,21 @@ def register_scale_and_shift(y, x, scale=None, shift=None, approx: str | None = 
     core = tuple(p.shape)
     while core and core[0] == 1:
       core = core[1:]
-    if len(core) >= y.ndim or (core and tuple(y.shape[y.ndim - len(core):]) != core):
+    if len(core) >= y.ndim or (core and tuple(y.shape[y.ndim - len(core) :]) != core):
       raise ValueError(
-          f"{fn}: `{name}` has shape {p.shape}; it must match trailing axes of y {y.shape} "
-          "(not the batch axis).")
+        f"{fn}: `{name}` has shape {p.shape}; it must match trailing axes of y {y.shape} "
+        "(not the batch axis)."
+      )
     operands.append(p)
   _check_approx(approx, fn)
-  return layer_tag_p.bind(*operands, n_out=1, kind="scale_and_shift", approx=approx,
-                          has_scale=scale is not None, has_shift=shift is not None)[0]
+  return layer_tag_p.bind(
+    *operands,
+    n_out=1,
+    kind="scale_and_shift",
+    approx=approx,
+    has_scale=scale is not None,
+    has_shift=shift is not None,
+  )[0]
 
 
 def register_embedding(y, ids, table, approx: str | None = None) -> Array:
@@ -404,7 +452,8 @@ def register_embedding(y, ids, table, approx: str | None = None) -> Array:
     raise TypeError(f"{fn}: `ids` must be integers, got dtype {ids.dtype}.")
   if ids.ndim < 1 or y.shape != ids.shape + (table.shape[1],):
     raise ValueError(
-        f"{fn}: `y` has shape {y.shape}, expected ids.shape + (dim,) = "
-        f"{ids.shape + (table.shape[1],)} (ids need a leading batch axis).")
+      f"{fn}: `y` has shape {y.shape}, expected ids.shape + (dim,) = "
+      f"{ids.shape + (table.shape[1],)} (ids need a leading batch axis)."
+    )
   _check_approx(approx, fn)
   return layer_tag_p.bind(y, ids, table, n_out=1, kind="embedding", approx=approx)[0]

@@ -39,6 +39,7 @@ class ScaleByKfacState(NamedTuple):
     skipped: `[]` int32, updates skipped because the gradient, the statistics or the update
       were not finite (`skip_nonfinite=True`).
   """
+
   count: Array
   curvature: _estimator.EstimatorState
   skipped: Array
@@ -54,13 +55,28 @@ class KfacState(NamedTuple):
     momentum: `optax.TraceState` (the heavy-ball trace, params-shaped and -typed) with
       `momentum`, else `optax.EmptyState`.
   """
+
   preconditioner: ScaleByKfacState
   momentum: optax.TraceState | optax.EmptyState
 
 
-def _check_args(*, loss_fn, has_aux, damping, ema_decay, inverse_every, curvature_every,
-                estimation_mode, num_samples, damping_mode, axis_name, inverse_mesh,
-                inverse_storage, strict, skip_nonfinite) -> None:
+def _check_args(
+  *,
+  loss_fn,
+  has_aux,
+  damping,
+  ema_decay,
+  inverse_every,
+  curvature_every,
+  estimation_mode,
+  num_samples,
+  damping_mode,
+  axis_name,
+  inverse_mesh,
+  inverse_storage,
+  strict,
+  skip_nonfinite,
+) -> None:
   """Every `scale_by_kfac` argument, named in the error, before any state exists."""
   _checks.function(loss_fn, "loss_fn")
   _checks.boolean(has_aux, "has_aux")
@@ -70,9 +86,14 @@ def _check_args(*, loss_fn, has_aux, damping, ema_decay, inverse_every, curvatur
   _checks.positive_int(curvature_every, "curvature_every")
   _checks.choice(estimation_mode, "estimation_mode", _curvature.ESTIMATION_MODES)
   if num_samples is not None:
-    _checks.static_int(num_samples, "num_samples", fix=(
+    _checks.static_int(
+      num_samples,
+      "num_samples",
+      fix=(
         " With optax.inject_hyperparams, pass static_args=('loss_fn', 'example_batch', "
-        "'num_samples')."))
+        "'num_samples')."
+      ),
+    )
   _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
   _checks.optional_str(axis_name, "axis_name")
   _checks.choice(inverse_storage, "inverse_storage", ("replicated", "sharded"))
@@ -81,38 +102,83 @@ def _check_args(*, loss_fn, has_aux, damping, ema_decay, inverse_every, curvatur
   if inverse_mesh is not None:
     if axis_name is not None:
       raise ValueError(
-          "pass `axis_name` (inside pmap/shard_map) or `inverse_mesh` (under jit with sharded "
-          "data), not both: with `axis_name` the inverse work is already split over that axis.")
-    if (not isinstance(inverse_mesh, tuple) or len(inverse_mesh) != 2
-        or not isinstance(inverse_mesh[0], jax.sharding.Mesh)
-        or inverse_mesh[1] not in inverse_mesh[0].axis_names):
+        "pass `axis_name` (inside pmap/shard_map) or `inverse_mesh` (under jit with sharded "
+        "data), not both: with `axis_name` the inverse work is already split over that axis."
+      )
+    if (
+      not isinstance(inverse_mesh, tuple)
+      or len(inverse_mesh) != 2
+      or not isinstance(inverse_mesh[0], jax.sharding.Mesh)
+      or inverse_mesh[1] not in inverse_mesh[0].axis_names
+    ):
       raise ValueError(
-          "`inverse_mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the "
-          f"mesh's axes, got {inverse_mesh!r}.")
+        "`inverse_mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the "
+        f"mesh's axes, got {inverse_mesh!r}."
+      )
   if inverse_storage == "sharded" and axis_name is None and inverse_mesh is None:
     raise ValueError(
-        "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
-        "axis: pass `axis_name=` (inside pmap/shard_map) or `inverse_mesh=(mesh, axis)` (under "
-        "jit with sharded data), or keep inverse_storage='replicated' on one device.")
+      "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
+      "axis: pass `axis_name=` (inside pmap/shard_map) or `inverse_mesh=(mesh, axis)` (under "
+      "jit with sharded data), or keep inverse_storage='replicated' on one device."
+    )
 
 
 class _Preconditioner:
   """The shared step engine of `scale_by_kfac` and `kfac`: statistics, inverses, guard."""
 
-  def __init__(self, loss_fn, example_batch, *, has_aux, damping, ema_decay, inverse_every,
-               curvature_every, estimation_mode, num_samples, damping_mode, axis_name,
-               inverse_mesh, inverse_storage, strict, layers, stats_dtype, inverse_dtype,
-               skip_nonfinite, name):
-    _check_args(loss_fn=loss_fn, has_aux=has_aux, damping=damping, ema_decay=ema_decay,
-                inverse_every=inverse_every, curvature_every=curvature_every,
-                estimation_mode=estimation_mode, num_samples=num_samples,
-                damping_mode=damping_mode, axis_name=axis_name, inverse_mesh=inverse_mesh,
-                inverse_storage=inverse_storage, strict=strict, skip_nonfinite=skip_nonfinite)
+  def __init__(
+    self,
+    loss_fn,
+    example_batch,
+    *,
+    has_aux,
+    damping,
+    ema_decay,
+    inverse_every,
+    curvature_every,
+    estimation_mode,
+    num_samples,
+    damping_mode,
+    axis_name,
+    inverse_mesh,
+    inverse_storage,
+    strict,
+    layers,
+    stats_dtype,
+    inverse_dtype,
+    skip_nonfinite,
+    name,
+  ):
+    _check_args(
+      loss_fn=loss_fn,
+      has_aux=has_aux,
+      damping=damping,
+      ema_decay=ema_decay,
+      inverse_every=inverse_every,
+      curvature_every=curvature_every,
+      estimation_mode=estimation_mode,
+      num_samples=num_samples,
+      damping_mode=damping_mode,
+      axis_name=axis_name,
+      inverse_mesh=inverse_mesh,
+      inverse_storage=inverse_storage,
+      strict=strict,
+      skip_nonfinite=skip_nonfinite,
+    )
     self.est = _estimator.CurvatureEstimator(
-        loss_fn, example_batch, has_aux=has_aux, estimation_mode=estimation_mode, exps=(-1,),
-        num_samples=1 if num_samples is None else num_samples, damping_mode=damping_mode,
-        strict=strict, layers=layers, stats_dtype=stats_dtype, inverse_dtype=inverse_dtype,
-        inverse_storage=inverse_storage)
+      loss_fn,
+      example_batch,
+      has_aux=has_aux,
+      estimation_mode=estimation_mode,
+      exps=(-1,),
+      num_samples=1 if num_samples is None else num_samples,
+      damping_mode=damping_mode,
+      strict=strict,
+      layers=layers,
+      stats_dtype=stats_dtype,
+      inverse_dtype=inverse_dtype,
+      inverse_storage=inverse_storage,
+    )
     self.damping = damping
     self.ema_decay = ema_decay
     self.inverse_every = inverse_every
@@ -126,11 +192,23 @@ class _Preconditioner:
     # Distinct arrays: a state whose leaves share one buffer cannot be donated (jit's
     # donate_argnums refuses to donate a buffer twice).
     return ScaleByKfacState(
-        count=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32),
-        curvature=self.est.init(params, axis_name=self.axis_name, mesh=self.inverse_mesh))
+      count=jnp.zeros([], jnp.int32),
+      skipped=jnp.zeros([], jnp.int32),
+      curvature=self.est.init(params, axis_name=self.axis_name, mesh=self.inverse_mesh),
+    )
 
-  def update(self, updates, state: ScaleByKfacState, params, curvature_stats, batch, rng,
-             finish=None, finish_state=None, finish_ok=None):
+  def update(
+    self,
+    updates,
+    state: ScaleByKfacState,
+    params,
+    curvature_stats,
+    batch,
+    rng,
+    finish=None,
+    finish_state=None,
+    finish_ok=None,
+  ):
     """`(new_updates, new_state, new_finish_state)`.
 
     `finish(preconditioned, finish_state, ok) -> (updates, finish_state)` maps the
@@ -143,21 +221,24 @@ class _Preconditioner:
     if params is None:
       raise ValueError(f"{self.name}: `params` is required: tx.update(grads, state, params, ...).")
     if not isinstance(state, ScaleByKfacState):
-      raise TypeError(f"{self.name}: `state` must be the ScaleByKfacState from this "
-                      f"transform's init, got {type(state).__name__}.")
+      raise TypeError(
+        f"{self.name}: `state` must be the ScaleByKfacState from this "
+        f"transform's init, got {type(state).__name__}."
+      )
     est._ensure_layers(params)
     if curvature_stats is None and batch is None:
       raise ValueError(
-          f"{self.name}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
-          "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated.")
+        f"{self.name}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
+        "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
+      )
     count, old = state.count, state.curvature
     ok = _estimator._all_finite(updates) if self.skip_nonfinite else None
 
     def fold():
-      stats = (est.curvature_stats(params, batch, rng) if curvature_stats is None
-               else curvature_stats)
-      return est.update_curvature_from_stats(old, stats, self.ema_decay,
-                                             axis_name=self.axis_name)
+      stats = (
+        est.curvature_stats(params, batch, rng) if curvature_stats is None else curvature_stats
+      )
+      return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
 
     every = self.curvature_every
     if isinstance(every, int) and every == 1:
@@ -169,8 +250,10 @@ class _Preconditioner:
         return c.factors, c.ema_weight, c.skipped_batches
 
       factors, weight, skipped_batches = jax.lax.cond(
-          count % jnp.asarray(every, count.dtype) == 0,
-          lambda: statistics(fold()), lambda: statistics(old))
+        count % jnp.asarray(every, count.dtype) == 0,
+        lambda: statistics(fold()),
+        lambda: statistics(old),
+      )
       curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped_batches)
     if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
       ok = ok & (curv.skipped_batches == old.skipped_batches)
@@ -184,17 +267,19 @@ class _Preconditioner:
       return new.cache, new.failed_inverses
 
     due = count % jnp.asarray(self.inverse_every, count.dtype) == 0
-    cache, failed = jax.lax.cond(due if ok is None else due & ok, refresh,
-                                 lambda: (curv.cache, curv.failed_inverses))
+    cache, failed = jax.lax.cond(
+      due if ok is None else due & ok, refresh, lambda: (curv.cache, curv.failed_inverses)
+    )
     curv = curv._replace(cache=cache, failed_inverses=failed)
-    pre = est.multiply_matpower(curv, updates, -1, axis_name=self.axis_name,
-                                mesh=self.inverse_mesh)
+    pre = est.multiply_matpower(curv, updates, -1, axis_name=self.axis_name, mesh=self.inverse_mesh)
     pre = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, updates)
     if ok is None:
-      out, new_finish = (pre, finish_state) if finish is None else finish(pre, finish_state,
-                                                                          None)
-      return out, ScaleByKfacState(count=optax.safe_increment(count), curvature=curv,
-                                   skipped=state.skipped), new_finish
+      out, new_finish = (pre, finish_state) if finish is None else finish(pre, finish_state, None)
+      return (
+        out,
+        ScaleByKfacState(count=optax.safe_increment(count), curvature=curv, skipped=state.skipped),
+        new_finish,
+      )
 
     # The guard. `ok` covers the gradient, the statistics, the preconditioned update and
     # `finish_ok` (the scalars `finish` uses); with those finite the outgoing update is
@@ -217,8 +302,10 @@ class _Preconditioner:
     if finish_ok is not None:
       ok = ok & finish_ok
     if finish is None:
-      out, new_finish = jax.tree_util.tree_map(
-          lambda u: jnp.where(ok, u, jnp.zeros_like(u)), pre), finish_state
+      out, new_finish = (
+        jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), pre),
+        finish_state,
+      )
     else:
       out, new_finish = finish(pre, finish_state, ok)
     changed = (curv.factors, curv.ema_weight, curv.cache, curv.failed_inverses, new_finish)
@@ -226,31 +313,33 @@ class _Preconditioner:
     factors, weight, cache, failed, new_finish = jax.lax.cond(ok, lambda: changed, lambda: kept)
     curv = curv._replace(factors=factors, ema_weight=weight, cache=cache, failed_inverses=failed)
     new_state = ScaleByKfacState(
-        count=count + ok.astype(count.dtype), curvature=curv,
-        skipped=state.skipped + (~ok).astype(state.skipped.dtype))
+      count=count + ok.astype(count.dtype),
+      curvature=curv,
+      skipped=state.skipped + (~ok).astype(state.skipped.dtype),
+    )
     return out, new_state, new_finish
 
 
 def scale_by_kfac(
-    loss_fn: Callable,
-    example_batch: Any,
-    *,
-    has_aux: bool = False,
-    damping: ScalarOrSchedule = 0.1,
-    ema_decay: float = 0.95,
-    inverse_every: int = 5,
-    curvature_every: int = 1,
-    estimation_mode: _curvature.EstimationMode = "gradients",
-    num_samples: int | None = None,
-    damping_mode: _blocks.DampingMode = "factored",
-    axis_name: str | None = None,
-    inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
-    inverse_storage: _estimator.InverseStorage = "replicated",
-    strict: bool = False,
-    layers: _layer_config.LayerConfig | None = None,
-    stats_dtype: Any = None,
-    inverse_dtype: Any = None,
-    skip_nonfinite: bool = True,
+  loss_fn: Callable,
+  example_batch: Any,
+  *,
+  has_aux: bool = False,
+  damping: ScalarOrSchedule = 0.1,
+  ema_decay: float = 0.95,
+  inverse_every: int = 5,
+  curvature_every: int = 1,
+  estimation_mode: _curvature.EstimationMode = "gradients",
+  num_samples: int | None = None,
+  damping_mode: _blocks.DampingMode = "factored",
+  axis_name: str | None = None,
+  inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
+  inverse_storage: _estimator.InverseStorage = "replicated",
+  strict: bool = False,
+  layers: _layer_config.LayerConfig | None = None,
+  stats_dtype: Any = None,
+  inverse_dtype: Any = None,
+  skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
 
@@ -336,15 +425,37 @@ def scale_by_kfac(
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
   engine = _Preconditioner(
-      loss_fn, example_batch, has_aux=has_aux, damping=damping, ema_decay=ema_decay,
-      inverse_every=inverse_every, curvature_every=curvature_every,
-      estimation_mode=estimation_mode, num_samples=num_samples, damping_mode=damping_mode,
-      axis_name=axis_name, inverse_mesh=inverse_mesh, inverse_storage=inverse_storage,
-      strict=strict, layers=layers, stats_dtype=stats_dtype, inverse_dtype=inverse_dtype,
-      skip_nonfinite=skip_nonfinite, name="scale_by_kfac")
+    loss_fn,
+    example_batch,
+    has_aux=has_aux,
+    damping=damping,
+    ema_decay=ema_decay,
+    inverse_every=inverse_every,
+    curvature_every=curvature_every,
+    estimation_mode=estimation_mode,
+    num_samples=num_samples,
+    damping_mode=damping_mode,
+    axis_name=axis_name,
+    inverse_mesh=inverse_mesh,
+    inverse_storage=inverse_storage,
+    strict=strict,
+    layers=layers,
+    stats_dtype=stats_dtype,
+    inverse_dtype=inverse_dtype,
+    skip_nonfinite=skip_nonfinite,
+    name="scale_by_kfac",
+  )
 
-  def update_fn(updates, state: ScaleByKfacState, params=None, *, curvature_stats=None,
-                batch=None, rng=None, **extra_args):
+  def update_fn(
+    updates,
+    state: ScaleByKfacState,
+    params=None,
+    *,
+    curvature_stats=None,
+    batch=None,
+    rng=None,
+    **extra_args,
+  ):
     del extra_args  # Other transforms' extra arguments (optax.chain forwards them all).
     out, new_state, _ = engine.update(updates, state, params, curvature_stats, batch, rng)
     return out, new_state
@@ -361,43 +472,47 @@ def kl_clip_coefficient(preconditioned, grads, learning_rate, norm_constraint) -
   `α c v` has squared norm `α² c² |vᵀ g| ≤ C` in the damped K-FAC metric. 1 when `vᵀg = 0` or
   `α = 0`; the inner product is accumulated in at least float32.
   """
+
   def up(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
-  vg = sum(jnp.vdot(up(v), up(g)) for v, g in zip(jax.tree_util.tree_leaves(preconditioned),
-                                                  jax.tree_util.tree_leaves(grads)))
+  vg = sum(
+    jnp.vdot(up(v), up(g))
+    for v, g in zip(jax.tree_util.tree_leaves(preconditioned), jax.tree_util.tree_leaves(grads))
+  )
   vg = jnp.abs(jnp.asarray(vg))
   lr = jnp.asarray(learning_rate, vg.dtype)
   sq = lr * lr * vg
   big = sq > jnp.asarray(norm_constraint, vg.dtype)
-  return jnp.where(big, jnp.sqrt(jnp.asarray(norm_constraint, vg.dtype) / jnp.where(big, sq, 1)),
-                   jnp.ones_like(vg))
+  return jnp.where(
+    big, jnp.sqrt(jnp.asarray(norm_constraint, vg.dtype) / jnp.where(big, sq, 1)), jnp.ones_like(vg)
+  )
 
 
 def kfac(
-    loss_fn: Callable,
-    example_batch: Any,
-    learning_rate: ScalarOrSchedule,
-    *,
-    momentum: float | None = 0.7,
-    nesterov: bool = False,
-    norm_constraint: float | None = 1e-2,
-    has_aux: bool = False,
-    damping: ScalarOrSchedule = 0.1,
-    ema_decay: float = 0.95,
-    inverse_every: int = 5,
-    curvature_every: int = 1,
-    estimation_mode: _curvature.EstimationMode = "gradients",
-    num_samples: int | None = None,
-    damping_mode: _blocks.DampingMode = "factored",
-    axis_name: str | None = None,
-    inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
-    inverse_storage: _estimator.InverseStorage = "replicated",
-    strict: bool = False,
-    layers: _layer_config.LayerConfig | None = None,
-    stats_dtype: Any = None,
-    inverse_dtype: Any = None,
-    skip_nonfinite: bool = True,
+  loss_fn: Callable,
+  example_batch: Any,
+  learning_rate: ScalarOrSchedule,
+  *,
+  momentum: float | None = 0.7,
+  nesterov: bool = False,
+  norm_constraint: float | None = 1e-2,
+  has_aux: bool = False,
+  damping: ScalarOrSchedule = 0.1,
+  ema_decay: float = 0.95,
+  inverse_every: int = 5,
+  curvature_every: int = 1,
+  estimation_mode: _curvature.EstimationMode = "gradients",
+  num_samples: int | None = None,
+  damping_mode: _blocks.DampingMode = "factored",
+  axis_name: str | None = None,
+  inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
+  inverse_storage: _estimator.InverseStorage = "replicated",
+  strict: bool = False,
+  layers: _layer_config.LayerConfig | None = None,
+  stats_dtype: Any = None,
+  inverse_dtype: Any = None,
+  skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with a fixed (or scheduled) learning rate, optional KL clipping and momentum.
 
@@ -457,31 +572,57 @@ def kfac(
   if norm_constraint is not None:
     _checks.number(norm_constraint, "norm_constraint", low=0.0, low_open=True)
   engine = _Preconditioner(
-      loss_fn, example_batch, has_aux=has_aux, damping=damping, ema_decay=ema_decay,
-      inverse_every=inverse_every, curvature_every=curvature_every,
-      estimation_mode=estimation_mode, num_samples=num_samples, damping_mode=damping_mode,
-      axis_name=axis_name, inverse_mesh=inverse_mesh, inverse_storage=inverse_storage,
-      strict=strict, layers=layers, stats_dtype=stats_dtype, inverse_dtype=inverse_dtype,
-      skip_nonfinite=skip_nonfinite, name="kfac")
+    loss_fn,
+    example_batch,
+    has_aux=has_aux,
+    damping=damping,
+    ema_decay=ema_decay,
+    inverse_every=inverse_every,
+    curvature_every=curvature_every,
+    estimation_mode=estimation_mode,
+    num_samples=num_samples,
+    damping_mode=damping_mode,
+    axis_name=axis_name,
+    inverse_mesh=inverse_mesh,
+    inverse_storage=inverse_storage,
+    strict=strict,
+    layers=layers,
+    stats_dtype=stats_dtype,
+    inverse_dtype=inverse_dtype,
+    skip_nonfinite=skip_nonfinite,
+    name="kfac",
+  )
   trace = None if momentum is None else optax.trace(decay=momentum, nesterov=nesterov)
 
   def init_fn(params) -> KfacState:
-    return KfacState(preconditioner=engine.init(params),
-                     momentum=optax.EmptyState() if trace is None else trace.init(params))
+    return KfacState(
+      preconditioner=engine.init(params),
+      momentum=optax.EmptyState() if trace is None else trace.init(params),
+    )
 
-  def update_fn(updates, state: KfacState, params=None, *, curvature_stats=None, batch=None,
-                rng=None, **extra_args):
+  def update_fn(
+    updates,
+    state: KfacState,
+    params=None,
+    *,
+    curvature_stats=None,
+    batch=None,
+    rng=None,
+    **extra_args,
+  ):
     del extra_args
     if not isinstance(state, KfacState):
-      raise TypeError(f"kfac: `state` must be the KfacState from this transform's init, got "
-                      f"{type(state).__name__}.")
+      raise TypeError(
+        f"kfac: `state` must be the KfacState from this transform's init, got "
+        f"{type(state).__name__}."
+      )
     count = state.preconditioner.count
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
 
     def finish(v, trace_state, ok):
       if norm_constraint is not None:
         coeff = kl_clip_coefficient(v, updates, lr, norm_constraint)
-        v = jax.tree_util.tree_map(lambda x: (x * coeff.astype(x.dtype)), v)
+        v = jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), v)
       if trace is not None:
         v, trace_state = trace.update(v, trace_state)
       step = lr
@@ -490,20 +631,31 @@ def kfac(
         v = jax.tree_util.tree_map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), v)
         step = jnp.where(ok, lr, 0)
       v = jax.tree_util.tree_map(
-          lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
-          v)
+        lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype), v
+      )
       return v, trace_state
 
     # The scalars `finish` uses must be finite too: a schedule's or an injected value
     # (`optax.inject_hyperparams`) was not checked at construction.
-    scalars = [x for x in (lr, momentum, norm_constraint)
-               if x is not None and not isinstance(x, (int, float))]
+    scalars = [
+      x
+      for x in (lr, momentum, norm_constraint)
+      if x is not None and not isinstance(x, (int, float))
+    ]
     finish_ok = None
     if scalars:
       finish_ok = jnp.all(jnp.stack([jnp.isfinite(jnp.asarray(x, jnp.float32)) for x in scalars]))
-    out, pre, mom = engine.update(updates, state.preconditioner, params, curvature_stats,
-                                  batch, rng, finish, state.momentum, finish_ok)
+    out, pre, mom = engine.update(
+      updates,
+      state.preconditioner,
+      params,
+      curvature_stats,
+      batch,
+      rng,
+      finish,
+      state.momentum,
+      finish_ok,
+    )
     return out, KfacState(preconditioner=pre, momentum=mom)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-

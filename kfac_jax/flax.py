@@ -25,7 +25,8 @@ try:
   from flax.training import train_state as _train_state
 except ImportError as e:  # pragma: no cover - depends on the environment.
   raise ImportError(
-      "kfac_jax.flax needs Flax: `pip install flax` (or `pip install kfac_jax[examples]`).") from e
+    "kfac_jax.flax needs Flax: `pip install flax` (or `pip install kfac_jax[examples]`)."
+  ) from e
 
 __all__ = ["TrainState"]
 
@@ -38,8 +39,9 @@ class TrainState(_train_state.TrainState):
   `optax.chain`, or any optax transformation (extra arguments are passed only when given).
   """
 
-  def apply_gradients(self, *, grads, curvature_stats: Any = None, batch: Any = None,
-                      rng: Any = None, **kwargs):
+  def apply_gradients(
+    self, *, grads, curvature_stats: Any = None, batch: Any = None, rng: Any = None, **kwargs
+  ):
     """One optimizer step: `tx.update(grads, opt_state, params, curvature_stats=, batch=, rng=)`.
 
     Args:
@@ -59,11 +61,15 @@ class TrainState(_train_state.TrainState):
     """
     if isinstance(grads, Mapping) and _train_state.OVERWRITE_WITH_GRADIENT in grads:
       raise ValueError(
-          f"kfac_jax.flax.TrainState.apply_gradients: `grads` has the "
-          f"{_train_state.OVERWRITE_WITH_GRADIENT!r} collection, which K-FAC does not handle; "
-          "keep those variables outside `params`.")
-    extra = {k: v for k, v in (("curvature_stats", curvature_stats), ("batch", batch),
-                                ("rng", rng)) if v is not None}
+        f"kfac_jax.flax.TrainState.apply_gradients: `grads` has the "
+        f"{_train_state.OVERWRITE_WITH_GRADIENT!r} collection, which K-FAC does not handle; "
+        "keep those variables outside `params`."
+      )
+    extra = {
+      k: v
+      for k, v in (("curvature_stats", curvature_stats), ("batch", batch), ("rng", rng))
+      if v is not None
+    }
     updates, opt_state = self.tx.update(grads, self.opt_state, self.params, **extra)
     params = optax.apply_updates(self.params, updates)
     return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

@@ -23,7 +23,6 @@ class LinenMLP(nn.Module):
 
 
 class NnxMLP(nnx.Module):
-
   def __init__(self, din, dhidden, dout, rngs):
     self.linear1 = nnx.Linear(din, dhidden, rngs=rngs)
     self.linear2 = nnx.Linear(dhidden, dout, rngs=rngs)
@@ -36,8 +35,10 @@ def jnp_mlp_init(key, sizes, dtype=jnp.float32):
   params = {}
   for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
     key, k = jax.random.split(key)
-    params[f"layer{i}"] = {"w": jax.random.normal(k, (a, b), dtype) / jnp.sqrt(a),
-                           "b": jnp.zeros((b,), dtype)}
+    params[f"layer{i}"] = {
+      "w": jax.random.normal(k, (a, b), dtype) / jnp.sqrt(a),
+      "b": jnp.zeros((b,), dtype),
+    }
   return params
 
 
@@ -56,6 +57,7 @@ def softmax_loss(apply_fn):
     logits = apply_fn(params, batch["x"])
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
   return loss_fn
 
 

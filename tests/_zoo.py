@@ -41,8 +41,7 @@ def _ce(logits, y):
 
 def _images(key, hw=8, c=3):
   kx, ky = jax.random.split(key)
-  return {"x": jax.random.normal(kx, (N, hw, hw, c)),
-          "y": jax.random.randint(ky, (N,), 0, CLASSES)}
+  return {"x": jax.random.normal(kx, (N, hw, hw, c)), "y": jax.random.randint(ky, (N,), 0, CLASSES)}
 
 
 def _dense(prefix, bias=True):
@@ -94,7 +93,6 @@ def _nnx(model, batch):
 
 
 class LinenMLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = x.reshape(x.shape[0], -1)
@@ -102,7 +100,6 @@ class LinenMLP(nn.Module):
 
 
 class NnxMLP(nnx.Module):
-
   def __init__(self, rngs):
     self.l1 = nnx.Linear(8 * 8 * 3, 16, rngs=rngs)
     self.l2 = nnx.Linear(16, CLASSES, rngs=rngs)
@@ -124,7 +121,6 @@ def mlp(flavour: str) -> Zoo:
 
 
 class LinenCNN(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = nn.relu(nn.Conv(4, (3, 3))(x))
@@ -135,7 +131,6 @@ class LinenCNN(nn.Module):
 
 
 class NnxCNN(nnx.Module):
-
   def __init__(self, rngs):
     self.c1 = nnx.Conv(3, 4, (3, 3), rngs=rngs)
     self.c2 = nnx.Conv(4, 6, (3, 3), padding="VALID", rngs=rngs)
@@ -160,7 +155,6 @@ def cnn(flavour: str) -> Zoo:
 
 
 class LinenResNet(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     bn = lambda: nn.BatchNorm(use_running_average=False)  # noqa: E731
@@ -172,7 +166,6 @@ class LinenResNet(nn.Module):
 
 
 class NnxResNet(nnx.Module):
-
   def __init__(self, rngs):
     self.c0 = nnx.Conv(3, 4, (3, 3), use_bias=False, rngs=rngs)
     self.b0 = nnx.BatchNorm(4, rngs=rngs)
@@ -194,13 +187,29 @@ def resnet(flavour: str) -> Zoo:
   conv = lambda name: ("conv", "kron", (f"{name}/kernel",))  # noqa: E731
   if flavour == "linen":
     f, p, b = _linen(LinenResNet(), batch, extra_vars=("batch_stats",), mutable=True)
-    return Zoo(f, p, b, [_norm("BatchNorm_0"), _norm("BatchNorm_1"), _norm("BatchNorm_2"),
-                         conv("Conv_0"), conv("Conv_1"), conv("Conv_2"), _dense("Dense_0")])
+    return Zoo(
+      f,
+      p,
+      b,
+      [
+        _norm("BatchNorm_0"),
+        _norm("BatchNorm_1"),
+        _norm("BatchNorm_2"),
+        conv("Conv_0"),
+        conv("Conv_1"),
+        conv("Conv_2"),
+        _dense("Dense_0"),
+      ],
+    )
   model = NnxResNet(nnx.Rngs(0))
   model.train()
   f, p, b = _nnx(model, batch)
-  return Zoo(f, p, b, [_norm("b0"), _norm("b1"), _norm("b2"), conv("c0"), conv("c1"),
-                       conv("c2"), _dense("head")])
+  return Zoo(
+    f,
+    p,
+    b,
+    [_norm("b0"), _norm("b1"), _norm("b2"), conv("c0"), conv("c1"), conv("c2"), _dense("head")],
+  )
 
 
 # -- Transformer LM (untied embeddings) ----------------------------------------------------------
@@ -209,7 +218,6 @@ VOCAB, SEQ, DIM, HEADS = 11, 6, 8, 2
 
 
 class LinenBlock(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
@@ -219,7 +227,6 @@ class LinenBlock(nn.Module):
 
 
 class LinenLM(nn.Module):
-
   @nn.compact
   def __call__(self, ids):
     x = nn.Embed(VOCAB, DIM)(ids)
@@ -228,7 +235,6 @@ class LinenLM(nn.Module):
 
 
 class NnxLM(nnx.Module):
-
   def __init__(self, rngs):
     self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
     self.ln1 = nnx.LayerNorm(DIM, rngs=rngs)
@@ -249,30 +255,58 @@ class NnxLM(nnx.Module):
 
 def transformer(flavour: str) -> Zoo:
   k1, k2 = jax.random.split(jax.random.key(0))
-  batch = {"x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
-           "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB)}
+  batch = {
+    "x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
+    "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB),
+  }
   emb = lambda name: ("embedding", "kron", (f"{name}/embedding",))  # noqa: E731
   if flavour == "linen":
     f, p, b = _linen(LinenLM(), batch)
     blk = "LinenBlock_0"
     att = f"{blk}/MultiHeadDotProductAttention_0"
-    return Zoo(f, p, b, [
-        _dense("Dense_0"), emb("Embed_0"), _norm("LayerNorm_0"), _dense(f"{blk}/Dense_0"),
-        _dense(f"{blk}/Dense_1"), _norm(f"{blk}/LayerNorm_0"), _norm(f"{blk}/LayerNorm_1"),
-        _dense(f"{att}/key"), _dense(f"{att}/out"), _dense(f"{att}/query"),
-        _dense(f"{att}/value")])
+    return Zoo(
+      f,
+      p,
+      b,
+      [
+        _dense("Dense_0"),
+        emb("Embed_0"),
+        _norm("LayerNorm_0"),
+        _dense(f"{blk}/Dense_0"),
+        _dense(f"{blk}/Dense_1"),
+        _norm(f"{blk}/LayerNorm_0"),
+        _norm(f"{blk}/LayerNorm_1"),
+        _dense(f"{att}/key"),
+        _dense(f"{att}/out"),
+        _dense(f"{att}/query"),
+        _dense(f"{att}/value"),
+      ],
+    )
   f, p, b = _nnx(NnxLM(nnx.Rngs(0)), batch)
-  return Zoo(f, p, b, [
-      _dense("attn/key"), _dense("attn/out"), _dense("attn/query"), _dense("attn/value"),
-      _dense("down"), emb("embed"), _dense("head"), _norm("ln1"), _norm("ln2"), _norm("ln_f"),
-      _dense("up")])
+  return Zoo(
+    f,
+    p,
+    b,
+    [
+      _dense("attn/key"),
+      _dense("attn/out"),
+      _dense("attn/query"),
+      _dense("attn/value"),
+      _dense("down"),
+      emb("embed"),
+      _dense("head"),
+      _norm("ln1"),
+      _norm("ln2"),
+      _norm("ln_f"),
+      _dense("up"),
+    ],
+  )
 
 
 # -- depthwise-separable conv net ----------------------------------------------------------------
 
 
 class LinenSeparable(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = nn.relu(nn.Conv(6, (3, 3))(x))
@@ -282,7 +316,6 @@ class LinenSeparable(nn.Module):
 
 
 class NnxSeparable(nnx.Module):
-
   def __init__(self, rngs):
     self.stem = nnx.Conv(3, 6, (3, 3), rngs=rngs)
     self.depthwise = nnx.Conv(6, 6, (3, 3), feature_group_count=6, rngs=rngs)
@@ -298,15 +331,22 @@ def separable(flavour: str) -> Zoo:
   batch = _images(jax.random.key(0))
   if flavour == "linen":
     f, p, b = _linen(LinenSeparable(), batch)
-    return Zoo(f, p, b, [_conv("Conv_0"), _conv("Conv_1", "diagonal"), _conv("Conv_2"),
-                         _dense("Dense_0")])
+    return Zoo(
+      f, p, b, [_conv("Conv_0"), _conv("Conv_1", "diagonal"), _conv("Conv_2"), _dense("Dense_0")]
+    )
   f, p, b = _nnx(NnxSeparable(nnx.Rngs(0)), batch)
-  return Zoo(f, p, b, [_conv("depthwise", "diagonal"), _dense("head"), _conv("pointwise"),
-                       _conv("stem")])
+  return Zoo(
+    f, p, b, [_conv("depthwise", "diagonal"), _dense("head"), _conv("pointwise"), _conv("stem")]
+  )
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "resnet": resnet, "transformer": transformer,
-          "separable": separable}
+MODELS = {
+  "mlp": mlp,
+  "cnn": cnn,
+  "resnet": resnet,
+  "transformer": transformer,
+  "separable": separable,
+}
 
 
 # ==============================================================================================
@@ -318,6 +358,7 @@ MODELS = {"mlp": mlp, "cnn": cnn, "resnet": resnet, "transformer": transformer,
 
 def _hk_zoo(net, batch, expected):
   import haiku as hk  # pylint: disable=g-import-not-at-top (optional test extra)
+
   f = hk.without_apply_rng(hk.transform(net))
   params = f.init(jax.random.key(1), batch["x"])
 
@@ -346,14 +387,20 @@ def haiku_cnn() -> Zoo:
     x = jax.nn.relu(hk.Conv2D(6, 3, stride=2, padding="VALID")(x))
     return hk.Linear(CLASSES)(x.reshape(x.shape[0], -1))
 
-  return _hk_zoo(net, _images(jax.random.key(0)), [
+  return _hk_zoo(
+    net,
+    _images(jax.random.key(0)),
+    [
       ("conv", "kron", ("conv2_d/w", "conv2_d/b")),
       ("conv", "kron", ("conv2_d_1/w", "conv2_d_1/b")),
-      ("dense", "kron", ("linear/w", "linear/b"))])
+      ("dense", "kron", ("linear/w", "linear/b")),
+    ],
+  )
 
 
 def _eqx_zoo(model, batch, apply, expected):
   import equinox as eqx  # pylint: disable=g-import-not-at-top (optional test extra)
+
   params, static = eqx.partition(model, eqx.is_array)
 
   def loss_fn(p, b):
@@ -364,13 +411,14 @@ def _eqx_zoo(model, batch, apply, expected):
 
 def equinox_mlp() -> Zoo:
   import equinox as eqx  # pylint: disable=g-import-not-at-top
+
   k = jax.random.split(jax.random.key(2))
-  model = {"l1": eqx.nn.Linear(8 * 8 * 3, 16, key=k[0]),
-           "l2": eqx.nn.Linear(16, CLASSES, key=k[1])}
+  model = {"l1": eqx.nn.Linear(8 * 8 * 3, 16, key=k[0]), "l2": eqx.nn.Linear(16, CLASSES, key=k[1])}
 
   def apply(m, x):
     def one(x):  # One example: the equinox idiom, batched with vmap.
       return m["l2"](jnp.tanh(m["l1"](x.reshape(-1))))
+
     return jax.vmap(one)(x)
 
   paths = lambda m: ("dense", "kron", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
@@ -379,28 +427,38 @@ def equinox_mlp() -> Zoo:
 
 def equinox_cnn() -> Zoo:
   import equinox as eqx  # pylint: disable=g-import-not-at-top
+
   k = jax.random.split(jax.random.key(3), 3)
-  model = {"c1": eqx.nn.Conv2d(3, 4, 3, padding=1, key=k[0]),
-           "c2": eqx.nn.Conv2d(4, 6, 3, stride=2, key=k[1]),
-           "head": eqx.nn.Linear(6 * 3 * 3, CLASSES, key=k[2])}
+  model = {
+    "c1": eqx.nn.Conv2d(3, 4, 3, padding=1, key=k[0]),
+    "c2": eqx.nn.Conv2d(4, 6, 3, stride=2, key=k[1]),
+    "head": eqx.nn.Linear(6 * 3 * 3, CLASSES, key=k[2]),
+  }
 
   def apply(m, x):
     def one(x):  # [H, W, C] -> equinox's channel-first layout.
       x = jax.nn.relu(m["c1"](x.transpose(2, 0, 1)))
       x = jax.nn.relu(m["c2"](x))
       return m["head"](x.reshape(-1))
+
     return jax.vmap(one)(x)
 
-  return _eqx_zoo(model, _images(jax.random.key(0)), apply, [
-      ("conv", "kron", ("c1/weight", "c1/bias")), ("conv", "kron", ("c2/weight", "c2/bias")),
-      ("dense", "kron", ("head/weight", "head/bias"))])
+  return _eqx_zoo(
+    model,
+    _images(jax.random.key(0)),
+    apply,
+    [
+      ("conv", "kron", ("c1/weight", "c1/bias")),
+      ("conv", "kron", ("c2/weight", "c2/bias")),
+      ("dense", "kron", ("head/weight", "head/bias")),
+    ],
+  )
 
 
 def gemma_rmsnorm() -> Zoo:
   """A pre-norm residual MLP block with Gemma's RMSNorm, `x̂ * (1 + scale)`, scale init 0."""
 
   class RMSNorm(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],))
@@ -408,7 +466,6 @@ def gemma_rmsnorm() -> Zoo:
       return x * (1 + scale)
 
   class Model(nn.Module):
-
     @nn.compact
     def __call__(self, ids):
       x = nn.Embed(VOCAB, DIM)(ids)
@@ -417,21 +474,32 @@ def gemma_rmsnorm() -> Zoo:
       return nn.Dense(VOCAB, use_bias=False)(RMSNorm()(x))
 
   k1, k2 = jax.random.split(jax.random.key(4))
-  batch = {"x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
-           "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB)}
+  batch = {
+    "x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
+    "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB),
+  }
   f, p, b = _linen(Model(), batch)
   dense = lambda m: ("dense", "kron", (f"{m}/kernel",))  # noqa: E731
   norm = lambda m: ("scale_and_shift", "full", (f"{m}/scale",))  # noqa: E731
-  return Zoo(f, p, b, [dense("Dense_0"), dense("Dense_1"), dense("Dense_2"),
-                       ("embedding", "kron", ("Embed_0/embedding",)), norm("RMSNorm_0"),
-                       norm("RMSNorm_1")])
+  return Zoo(
+    f,
+    p,
+    b,
+    [
+      dense("Dense_0"),
+      dense("Dense_1"),
+      dense("Dense_2"),
+      ("embedding", "kron", ("Embed_0/embedding",)),
+      norm("RMSNorm_0"),
+      norm("RMSNorm_1"),
+    ],
+  )
 
 
 def vit_positional() -> Zoo:
   """Patch embedding (strided conv), a learned positional table `x + pos`, pos: [1, L, D]."""
 
   class ViT(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       x = nn.Conv(DIM, (2, 2), strides=(2, 2))(x)  # [N, 4, 4, D]
@@ -443,10 +511,20 @@ def vit_positional() -> Zoo:
       return nn.Dense(CLASSES)(jnp.mean(nn.LayerNorm()(x), axis=1))
 
   f, p, b = _linen(ViT(), _images(jax.random.key(0)))
-  return Zoo(f, p, b, [
-      _conv("Conv_0"), _dense("Dense_0"), _dense("Dense_1"), _dense("Dense_2"),
-      _norm("LayerNorm_0"), _norm("LayerNorm_1"),
-      ("scale_and_shift", "diagonal", ("pos_embedding",))])
+  return Zoo(
+    f,
+    p,
+    b,
+    [
+      _conv("Conv_0"),
+      _dense("Dense_0"),
+      _dense("Dense_1"),
+      _dense("Dense_2"),
+      _norm("LayerNorm_0"),
+      _norm("LayerNorm_1"),
+      ("scale_and_shift", "diagonal", ("pos_embedding",)),
+    ],
+  )
 
 
 def lstm() -> Zoo:
@@ -454,7 +532,6 @@ def lstm() -> Zoo:
   hidden, steps = 6, 3
 
   class Model(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       cell = nn.OptimizedLSTMCell(hidden)
@@ -464,16 +541,24 @@ def lstm() -> Zoo:
       return nn.Dense(CLASSES)(y)
 
   k1, k2 = jax.random.split(jax.random.key(5))
-  batch = {"x": jax.random.normal(k1, (N, steps, 4)),
-           "y": jax.random.randint(k2, (N,), 0, CLASSES)}
+  batch = {"x": jax.random.normal(k1, (N, steps, 4)), "y": jax.random.randint(k2, (N,), 0, CLASSES)}
   f, p, b = _linen(Model(), batch)
   c = "OptimizedLSTMCell_0"
   gates = ("i", "f", "g", "o")  # The cell's concatenation order.
-  return Zoo(f, p, b, [
+  return Zoo(
+    f,
+    p,
+    b,
+    [
       _dense("Dense_0"),
-      ("dense", "kron_indep", tuple(f"{c}/h{g}/kernel" for g in gates)
-       + tuple(f"{c}/h{g}/bias" for g in gates)),
-      ("dense", "kron_indep", tuple(f"{c}/i{g}/kernel" for g in gates))])
+      (
+        "dense",
+        "kron_indep",
+        tuple(f"{c}/h{g}/kernel" for g in gates) + tuple(f"{c}/h{g}/bias" for g in gates),
+      ),
+      ("dense", "kron_indep", tuple(f"{c}/i{g}/kernel" for g in gates)),
+    ],
+  )
 
 
 def lstm_rnn() -> Zoo:
@@ -482,23 +567,30 @@ def lstm_rnn() -> Zoo:
   hidden, steps = 6, 5
 
   class Model(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       y = nn.RNN(nn.OptimizedLSTMCell(hidden))(x)
       return nn.Dense(CLASSES)(y[:, -1])
 
   k1, k2 = jax.random.split(jax.random.key(7))
-  batch = {"x": jax.random.normal(k1, (N, steps, 4)),
-           "y": jax.random.randint(k2, (N,), 0, CLASSES)}
+  batch = {"x": jax.random.normal(k1, (N, steps, 4)), "y": jax.random.randint(k2, (N,), 0, CLASSES)}
   f, p, b = _linen(Model(), batch)
   c = "OptimizedLSTMCell_0"  # nn.RNN adds no scope of its own to the cell params.
   gates = ("i", "f", "g", "o")
-  return Zoo(f, p, b, [
+  return Zoo(
+    f,
+    p,
+    b,
+    [
       _dense("Dense_0"),
-      ("dense", "kron_indep", tuple(f"{c}/h{g}/kernel" for g in gates)
-       + tuple(f"{c}/h{g}/bias" for g in gates)),
-      ("dense", "kron_indep", tuple(f"{c}/i{g}/kernel" for g in gates))])
+      (
+        "dense",
+        "kron_indep",
+        tuple(f"{c}/h{g}/kernel" for g in gates) + tuple(f"{c}/h{g}/bias" for g in gates),
+      ),
+      ("dense", "kron_indep", tuple(f"{c}/i{g}/kernel" for g in gates)),
+    ],
+  )
 
 
 LM_VOCAB = 32_768
@@ -509,7 +601,6 @@ def vocab_lm() -> Zoo:
   its diagonal, so the state stays within a few times the parameters."""
 
   class LM(nn.Module):
-
     @nn.compact
     def __call__(self, ids):
       x = nn.Embed(LM_VOCAB, 16)(ids)
@@ -517,18 +608,35 @@ def vocab_lm() -> Zoo:
       return nn.Dense(LM_VOCAB)(x)
 
   k1, k2 = jax.random.split(jax.random.key(6))
-  batch = {"x": jax.random.randint(k1, (N, 4), 0, LM_VOCAB),
-           "y": jax.random.randint(k2, (N, 4), 0, LM_VOCAB)}
+  batch = {
+    "x": jax.random.randint(k1, (N, 4), 0, LM_VOCAB),
+    "y": jax.random.randint(k2, (N, 4), 0, LM_VOCAB),
+  }
   f, p, b = _linen(LM(), batch)
-  return Zoo(f, p, b, [_dense("Dense_0"), _dense("Dense_1"),
-                       ("dense", "kron_out_diag", ("Dense_2/kernel", "Dense_2/bias")),
-                       ("embedding", "kron", ("Embed_0/embedding",))])
+  return Zoo(
+    f,
+    p,
+    b,
+    [
+      _dense("Dense_0"),
+      _dense("Dense_1"),
+      ("dense", "kron_out_diag", ("Dense_2/kernel", "Dense_2/bias")),
+      ("embedding", "kron", ("Embed_0/embedding",)),
+    ],
+  )
 
 
-STRUCTURE_MODELS = {"haiku_mlp": haiku_mlp, "haiku_cnn": haiku_cnn, "equinox_mlp": equinox_mlp,
-                    "equinox_cnn": equinox_cnn, "gemma_rmsnorm": gemma_rmsnorm,
-                    "vit_positional": vit_positional, "lstm": lstm, "lstm_rnn": lstm_rnn,
-                    "vocab_lm": vocab_lm}
+STRUCTURE_MODELS = {
+  "haiku_mlp": haiku_mlp,
+  "haiku_cnn": haiku_cnn,
+  "equinox_mlp": equinox_mlp,
+  "equinox_cnn": equinox_cnn,
+  "gemma_rmsnorm": gemma_rmsnorm,
+  "vit_positional": vit_positional,
+  "lstm": lstm,
+  "lstm_rnn": lstm_rnn,
+  "vocab_lm": vocab_lm,
+}
 
 
 # ==============================================================================================
@@ -545,7 +653,7 @@ def _rope(x):
   freq = 1.0 / (10000.0 ** (jnp.arange(0, dim // 2) / (dim // 2)))
   angle = jnp.arange(seq)[:, None] * freq[None, :]  # [seq, dim/2]
   cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
-  x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
+  x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
@@ -585,14 +693,17 @@ class LinenScannedLM(nn.Module):
   @nn.compact
   def __call__(self, ids):
     x = nn.Embed(VOCAB, LM_DIM, name="embed")(ids)
-    blocks = nn.scan(nn.remat(LinenDecoderBlock), variable_axes={"params": 0},
-                     split_rngs={"params": True}, length=LM_LAYERS)
+    blocks = nn.scan(
+      nn.remat(LinenDecoderBlock),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=LM_LAYERS,
+    )
     x, _ = blocks(name="blocks")(x, None)
     return nn.Dense(VOCAB, use_bias=False, name="head")(nn.RMSNorm(name="final_norm")(x))
 
 
 class NnxDecoderBlock(nnx.Module):
-
   def __init__(self, rngs):
     lin = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
     self.attn_norm = nnx.RMSNorm(LM_DIM, rngs=rngs)
@@ -638,8 +749,10 @@ class NnxScannedLM(nnx.Module):
 
 def scanned_lm(flavour: str) -> Zoo:
   k1, k2 = jax.random.split(jax.random.key(0))
-  batch = {"x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
-           "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB)}
+  batch = {
+    "x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
+    "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB),
+  }
   kernel = lambda name: ("dense", "kron", (f"{name}/kernel",))  # noqa: E731
   rms = lambda name: ("scale_and_shift", "full", (f"{name}/scale",))  # noqa: E731
   if flavour == "linen":
@@ -648,11 +761,15 @@ def scanned_lm(flavour: str) -> Zoo:
   else:
     f, p, b = _nnx(NnxScannedLM(nnx.Rngs(0)), batch)
     blk = "blocks"
-  per_block = sorted([rms(f"{blk}/attn_norm"), rms(f"{blk}/mlp_norm")] + [
-      kernel(f"{blk}/{n}") for n in ("down", "gate", "k", "o", "q", "up", "v")],
-      key=lambda e: e[2])
-  expected = sorted([("embedding", "kron", ("embed/embedding",)), rms("final_norm"),
-                     kernel("head")] + per_block, key=lambda e: e[2])
+  per_block = sorted(
+    [rms(f"{blk}/attn_norm"), rms(f"{blk}/mlp_norm")]
+    + [kernel(f"{blk}/{n}") for n in ("down", "gate", "k", "o", "q", "up", "v")],
+    key=lambda e: e[2],
+  )
+  expected = sorted(
+    [("embedding", "kron", ("embed/embedding",)), rms("final_norm"), kernel("head")] + per_block,
+    key=lambda e: e[2],
+  )
   return Zoo(f, p, b, expected)
 
 
@@ -668,8 +785,9 @@ class LinenStackedMLP(nn.Module):
       def __call__(self, h, _):
         return h + jnp.tanh(nn.Dense(16, name="dense")(nn.LayerNorm(name="norm")(h))), None
 
-    layers = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                     length=LM_LAYERS)
+    layers = nn.scan(
+      Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=LM_LAYERS
+    )
     x, _ = layers(name="layers")(x, None)
     return nn.Dense(CLASSES, name="head")(x)
 
@@ -710,8 +828,10 @@ def stacked_mlp(flavour: str) -> Zoo:
     f, p, b = _linen(LinenStackedMLP(), batch)
   else:
     f, p, b = _nnx(NnxStackedMLP(nnx.Rngs(0)), batch)
-  expected = sorted([_dense("head"), _dense("layers/dense"), _norm("layers/norm"),
-                     _dense("stem")], key=lambda e: e[2])
+  expected = sorted(
+    [_dense("head"), _dense("layers/dense"), _norm("layers/norm"), _dense("stem")],
+    key=lambda e: e[2],
+  )
   return Zoo(f, p, b, expected)
 
 

@@ -31,8 +31,9 @@ def _problem(dtype=jnp.float32, n=16):
 
   def loss_fn(params, batch):
     calls.append(1)  # One call per trace: the aux comes from the scanned forward pass.
-    logits, new = model.apply({"params": params, "batch_stats": batch["batch_stats"]},
-                              batch["x"], mutable=["batch_stats"])
+    logits, new = model.apply(
+      {"params": params, "batch_stats": batch["batch_stats"]}, batch["x"], mutable=["batch_stats"]
+    )
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
     return loss, {"batch_stats": new["batch_stats"], "logits": logits}
@@ -58,9 +59,9 @@ def _assert_trees_close(a, b):
 def test_value_and_grad_has_aux_matches_jax(x64):
   loss_fn, params, batch, _ = _problem(jnp.float64)
   (loss, aux), grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn, has_aux=True))(
-      params, batch, jax.random.key(0))
-  (ref_loss, ref_aux), ref_grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
-      params, batch)
+    params, batch, jax.random.key(0)
+  )
+  (ref_loss, ref_aux), ref_grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-13)
   for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
     assert g.dtype == jnp.float64
@@ -81,8 +82,7 @@ def test_transform_round_trips_batch_stats_with_one_forward_pass():
 
   @jax.jit
   def step(params, opt_state, batch, rng):
-    (loss, aux), grads, stats = kfac_jax.value_and_grad(loss_fn, has_aux=True)(
-        params, batch, rng)
+    (loss, aux), grads, stats = kfac_jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state, loss, aux
 
@@ -138,11 +138,14 @@ def test_optimizer_as_optax_keeps_aux_in_state():
   tx = opt.as_optax()
   state = jax.jit(tx.init)(params)
   assert jax.tree_util.tree_structure(state.info["aux"]) == jax.tree_util.tree_structure(
-      loss_fn(params, batch)[1])
-  ref_params, ref_state, ref_info = jax.jit(opt.step)(params, opt.init(params), batch,
-                                                      jax.random.key(0))
+    loss_fn(params, batch)[1]
+  )
+  ref_params, ref_state, ref_info = jax.jit(opt.step)(
+    params, opt.init(params), batch, jax.random.key(0)
+  )
   updates, state = jax.jit(lambda s, p, b: tx.update(None, s, p, batch=b, rng=jax.random.key(0)))(
-      state, params, batch)
+    state, params, batch
+  )
   _assert_trees_close(optax.apply_updates(params, updates), ref_params)
   _assert_trees_close(state.info["aux"], ref_info["aux"])
 

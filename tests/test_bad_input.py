@@ -23,10 +23,12 @@ def _problem():
 
 def _dense_loss(tag):
   """A one-layer model whose loss calls `tag(logits, params, batch)` to register itself."""
+
   def loss_fn(params, batch):
     logits = batch["x"] @ params["w"]
     tag(logits, params, batch)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
   return loss_fn
 
 
@@ -54,6 +56,7 @@ def _est(**kw):
 def _update(mutate, jit=False):
   """tx.update with the arguments `mutate(grads, params, batch)` returns (inside `jax.jit` with
   `jit`: the error must come at trace time, with the same message)."""
+
   def run():
     loss_fn, params, batch = _problem()
     tx = kfac_jax.scale_by_kfac(loss_fn, batch)
@@ -61,13 +64,16 @@ def _update(mutate, jit=False):
     before = jax.tree_util.tree_map(np.asarray, state)
     grads = jax.grad(loss_fn)(params, batch)
     args, kwargs = mutate(grads, params, batch)
+
     def update(s):
       return tx.update(*args[:1], s, *args[1:], **kwargs)
+
     try:
       (jax.jit(update) if jit else update)(state)
     finally:
       for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(state)):
         np.testing.assert_array_equal(a, np.asarray(b))
+
   run.mutate = mutate
   return run
 
@@ -78,6 +84,7 @@ def _multiply(vector_fn, exp=-1):
     est = kfac_jax.CurvatureEstimator(loss_fn, batch)
     state = est.init(params)
     est.multiply_matpower(state, vector_fn(params), exp)
+
   return run
 
 
@@ -94,6 +101,7 @@ def _vmapped_tag(params, batch):
     z = x @ params["w"]
     kfac_jax.register_squared_error_loss(z, y)
     return jnp.sum((z - y) ** 2)
+
   return jnp.mean(jax.vmap(one)(batch["x"], jax.nn.one_hot(batch["y"], 3)))
 
 
@@ -107,6 +115,7 @@ def _dense_tag(kw):
   def tag(z, p, b):
     kfac_jax.register_dense(z, b["x"], **kw(p, b))
     kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
+
   return _dense_loss(tag)
 
 
@@ -119,94 +128,213 @@ def _twice(params, batch):
 
 
 CASES = [
-    # -- loss tags ---------------------------------------------------------------------------
-    ("no loss tag", _scan(_no_tag), kfac_jax.RegistrationError, "no loss tag.*register_"),
-    ("targets of the wrong shape", _scan(_sce(targets=jnp.zeros((8, 2), jnp.int32))),
-     ValueError, "`targets` has shape \\(8, 2\\), expected"),
-    ("float class indices", _scan(_sce(targets=jnp.zeros((8,)))), TypeError,
-     "class-index `targets` must be integers"),
-    ("weight that does not broadcast", _scan(_sce(weight=jnp.ones((5,)))), ValueError,
-     "`weight` of shape \\(5,\\) does not broadcast"),
-    ("integer logits", lambda: kfac_jax.register_softmax_cross_entropy_loss(
-        jnp.zeros((4, 3), jnp.int32)), TypeError, "prediction must be floating point"),
-    ("logits without a batch axis", lambda: kfac_jax.register_softmax_cross_entropy_loss(
-        jnp.zeros((3,))), ValueError, "logits must have shape \\[batch, \\.\\.\\., num_classes\\]"),
-    ("scalar prediction", lambda: kfac_jax.register_squared_error_loss(jnp.zeros(())),
-     ValueError, "needs a leading batch axis"),
-    ("non-positive variance", lambda: kfac_jax.register_normal_predictive_distribution(
-        jnp.zeros((4, 2)), var=0.0), ValueError, "`var` must be a positive finite"),
-    ("a list as prediction", lambda: kfac_jax.register_squared_error_loss([1.0, 2.0]),
-     TypeError, "`prediction` must be an array"),
-    ("loss tag inside vmap over the batch", _scan(_vmapped_tag), kfac_jax.RegistrationError,
-     "inside jax.vmap.*outside the vmap"),
-    ("loss that is not a scalar", _scan(_non_scalar), kfac_jax.RegistrationError,
-     "must return one scalar loss"),
-    # -- layer tags and parameters ------------------------------------------------------------
-    ("integer parameter", _scan(_sce(targets=None), params={"w": jnp.ones((4, 3), jnp.int32)}),
-     kfac_jax.RegistrationError, "parameter `w` has dtype int32.*floating-point"),
-    ("manual kernel that is not a parameter",
-     _scan(_dense_tag(kw=lambda p, b: dict(kernel=jnp.ones((4, 3))))),
-     kfac_jax.RegistrationError, "`kernel` is not a parameter leaf"),
-    ("bias of the wrong size",
-     _scan(_dense_tag(kw=lambda p, b: dict(kernel=p["w"], bias=p["b"]))
-           , params={"w": jnp.ones((4, 3)), "b": jnp.ones((2,))}),
-     ValueError, "register_dense: `bias` has shape \\(2,\\), expected \\(3,\\)"),
-    ("unknown approximation for a dense layer",
-     _scan(_dense_tag(kw=lambda p, b: dict(kernel=p["w"], approx="banana"))),
-     kfac_jax.RegistrationError, "approximation 'banana' does not fit.*`?w`?"),
-    ("parameter registered twice", _scan(_twice), kfac_jax.RegistrationError,
-     "same parameter appears twice|registered twice"),
-    ("uncovered parameter with strict=True",
-     _scan(_sce(targets=None), params={"w": jnp.ones((4, 3)), "unused": jnp.ones(2)},
-           strict=True),
-     kfac_jax.RegistrationError, "`unused`.*strict=True"),
-    # -- transform / estimator configuration -------------------------------------------------
-    ("negative damping", _tx(damping=-1.0), ValueError, "`damping` must be a finite number >= 0"),
-    ("NaN damping", _tx(damping=float("nan")), ValueError, "`damping` must be a finite number"),
-    ("ema_decay of 1", _tx(ema_decay=1.0), ValueError,
-     "`ema_decay` must be a number in \\[0, 1\\)"),
-    ("NaN ema_decay", _tx(ema_decay=float("nan")), ValueError, "`ema_decay`"),
-    ("zero inverse period", _tx(inverse_every=0), ValueError,
-     "`inverse_every` must be a positive integer"),
-    ("fractional inverse period", _tx(inverse_every=2.5), ValueError, "`inverse_every`"),
-    ("unknown estimation mode", _tx(estimation_mode="fisher"), ValueError,
-     "unknown estimation_mode 'fisher'.*exact_GGN"),
-    ("unknown damping mode", _est(damping_mode="tikhonov"), ValueError,
-     "unknown damping_mode 'tikhonov'"),
-    ("num_samples of zero", _est(num_samples=0), ValueError, "num_samples must be a positive int"),
-    ("num_samples as a JAX array", _tx(num_samples=jnp.asarray(2)), TypeError,
-     "`num_samples` fixes array shapes"),
-    ("num_samples with the exact mode", _est(estimation_mode="exact", num_samples=3), ValueError,
-     "num_samples does not apply"),
-    ("a zero matrix power", _est(exps=(0,)), ValueError, "`exps` must be non-zero"),
-    ("axis_name that is not a string", _tx(axis_name=3), TypeError, "`axis_name` must be a string"),
-    ("unknown keyword argument", _tx(dampening=1.0), TypeError, "dampening"),
-    ("a loss_fn that is not callable",
-     lambda: kfac_jax.CurvatureEstimator("loss", {}), TypeError, "`loss_fn` must be callable"),
-    # -- calls ------------------------------------------------------------------------------
-    ("update without params", _update(lambda g, p, b: ((g,), {})), ValueError,
-     "`params` is required"),
-    ("update without statistics or batch", _update(lambda g, p, b: ((g, p), {})), ValueError,
-     "pass `curvature_stats=`"),
-    ("params pytree changed after init",
-     _update(lambda g, p, b: ((g, {**p, "extra": jnp.ones(2)}), dict(batch=b,
-                                                                      rng=jax.random.key(0)))),
-     ValueError, "params pytree differs"),
-    ("params dtype changed after init",
-     _update(lambda g, p, b: ((g, _models.to_dtype(p, jnp.float16)), dict(
-         batch=b, rng=jax.random.key(0)))), ValueError, "params pytree differs"),
-    ("sampled mode without rng",
-     _update(lambda g, p, b: ((g, p), dict(batch=b))), ValueError, "pass `rng`"),
-    ("empirical mode without targets",
-     lambda: kfac_jax.value_and_grad(_sce(), estimation_mode="empirical")(W, _batch()),
-     ValueError, "empirical.*needs the data's targets"),
-    ("matrix power the estimator was not built for",
-     _multiply(lambda p: p, exp=-0.5), ValueError, "matrix power -0.5 was not prepared"),
-    ("vector of another structure", _multiply(lambda p: {"layer0": p["layer0"]}), ValueError,
-     "vector's pytree structure differs"),
-    ("vector leaf of another shape",
-     _multiply(lambda p: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape + (1,)), p)),
-     ValueError, "has shape .* expected"),
+  # -- loss tags ---------------------------------------------------------------------------
+  ("no loss tag", _scan(_no_tag), kfac_jax.RegistrationError, "no loss tag.*register_"),
+  (
+    "targets of the wrong shape",
+    _scan(_sce(targets=jnp.zeros((8, 2), jnp.int32))),
+    ValueError,
+    "`targets` has shape \\(8, 2\\), expected",
+  ),
+  (
+    "float class indices",
+    _scan(_sce(targets=jnp.zeros((8,)))),
+    TypeError,
+    "class-index `targets` must be integers",
+  ),
+  (
+    "weight that does not broadcast",
+    _scan(_sce(weight=jnp.ones((5,)))),
+    ValueError,
+    "`weight` of shape \\(5,\\) does not broadcast",
+  ),
+  (
+    "integer logits",
+    lambda: kfac_jax.register_softmax_cross_entropy_loss(jnp.zeros((4, 3), jnp.int32)),
+    TypeError,
+    "prediction must be floating point",
+  ),
+  (
+    "logits without a batch axis",
+    lambda: kfac_jax.register_softmax_cross_entropy_loss(jnp.zeros((3,))),
+    ValueError,
+    "logits must have shape \\[batch, \\.\\.\\., num_classes\\]",
+  ),
+  (
+    "scalar prediction",
+    lambda: kfac_jax.register_squared_error_loss(jnp.zeros(())),
+    ValueError,
+    "needs a leading batch axis",
+  ),
+  (
+    "non-positive variance",
+    lambda: kfac_jax.register_normal_predictive_distribution(jnp.zeros((4, 2)), var=0.0),
+    ValueError,
+    "`var` must be a positive finite",
+  ),
+  (
+    "a list as prediction",
+    lambda: kfac_jax.register_squared_error_loss([1.0, 2.0]),
+    TypeError,
+    "`prediction` must be an array",
+  ),
+  (
+    "loss tag inside vmap over the batch",
+    _scan(_vmapped_tag),
+    kfac_jax.RegistrationError,
+    "inside jax.vmap.*outside the vmap",
+  ),
+  (
+    "loss that is not a scalar",
+    _scan(_non_scalar),
+    kfac_jax.RegistrationError,
+    "must return one scalar loss",
+  ),
+  # -- layer tags and parameters ------------------------------------------------------------
+  (
+    "integer parameter",
+    _scan(_sce(targets=None), params={"w": jnp.ones((4, 3), jnp.int32)}),
+    kfac_jax.RegistrationError,
+    "parameter `w` has dtype int32.*floating-point",
+  ),
+  (
+    "manual kernel that is not a parameter",
+    _scan(_dense_tag(kw=lambda p, b: dict(kernel=jnp.ones((4, 3))))),
+    kfac_jax.RegistrationError,
+    "`kernel` is not a parameter leaf",
+  ),
+  (
+    "bias of the wrong size",
+    _scan(
+      _dense_tag(kw=lambda p, b: dict(kernel=p["w"], bias=p["b"])),
+      params={"w": jnp.ones((4, 3)), "b": jnp.ones((2,))},
+    ),
+    ValueError,
+    "register_dense: `bias` has shape \\(2,\\), expected \\(3,\\)",
+  ),
+  (
+    "unknown approximation for a dense layer",
+    _scan(_dense_tag(kw=lambda p, b: dict(kernel=p["w"], approx="banana"))),
+    kfac_jax.RegistrationError,
+    "approximation 'banana' does not fit.*`?w`?",
+  ),
+  (
+    "parameter registered twice",
+    _scan(_twice),
+    kfac_jax.RegistrationError,
+    "same parameter appears twice|registered twice",
+  ),
+  (
+    "uncovered parameter with strict=True",
+    _scan(_sce(targets=None), params={"w": jnp.ones((4, 3)), "unused": jnp.ones(2)}, strict=True),
+    kfac_jax.RegistrationError,
+    "`unused`.*strict=True",
+  ),
+  # -- transform / estimator configuration -------------------------------------------------
+  ("negative damping", _tx(damping=-1.0), ValueError, "`damping` must be a finite number >= 0"),
+  ("NaN damping", _tx(damping=float("nan")), ValueError, "`damping` must be a finite number"),
+  ("ema_decay of 1", _tx(ema_decay=1.0), ValueError, "`ema_decay` must be a number in \\[0, 1\\)"),
+  ("NaN ema_decay", _tx(ema_decay=float("nan")), ValueError, "`ema_decay`"),
+  (
+    "zero inverse period",
+    _tx(inverse_every=0),
+    ValueError,
+    "`inverse_every` must be a positive integer",
+  ),
+  ("fractional inverse period", _tx(inverse_every=2.5), ValueError, "`inverse_every`"),
+  (
+    "unknown estimation mode",
+    _tx(estimation_mode="fisher"),
+    ValueError,
+    "unknown estimation_mode 'fisher'.*exact_GGN",
+  ),
+  (
+    "unknown damping mode",
+    _est(damping_mode="tikhonov"),
+    ValueError,
+    "unknown damping_mode 'tikhonov'",
+  ),
+  ("num_samples of zero", _est(num_samples=0), ValueError, "num_samples must be a positive int"),
+  (
+    "num_samples as a JAX array",
+    _tx(num_samples=jnp.asarray(2)),
+    TypeError,
+    "`num_samples` fixes array shapes",
+  ),
+  (
+    "num_samples with the exact mode",
+    _est(estimation_mode="exact", num_samples=3),
+    ValueError,
+    "num_samples does not apply",
+  ),
+  ("a zero matrix power", _est(exps=(0,)), ValueError, "`exps` must be non-zero"),
+  ("axis_name that is not a string", _tx(axis_name=3), TypeError, "`axis_name` must be a string"),
+  ("unknown keyword argument", _tx(dampening=1.0), TypeError, "dampening"),
+  (
+    "a loss_fn that is not callable",
+    lambda: kfac_jax.CurvatureEstimator("loss", {}),
+    TypeError,
+    "`loss_fn` must be callable",
+  ),
+  # -- calls ------------------------------------------------------------------------------
+  (
+    "update without params",
+    _update(lambda g, p, b: ((g,), {})),
+    ValueError,
+    "`params` is required",
+  ),
+  (
+    "update without statistics or batch",
+    _update(lambda g, p, b: ((g, p), {})),
+    ValueError,
+    "pass `curvature_stats=`",
+  ),
+  (
+    "params pytree changed after init",
+    _update(
+      lambda g, p, b: ((g, {**p, "extra": jnp.ones(2)}), dict(batch=b, rng=jax.random.key(0)))
+    ),
+    ValueError,
+    "params pytree differs",
+  ),
+  (
+    "params dtype changed after init",
+    _update(
+      lambda g, p, b: ((g, _models.to_dtype(p, jnp.float16)), dict(batch=b, rng=jax.random.key(0)))
+    ),
+    ValueError,
+    "params pytree differs",
+  ),
+  (
+    "sampled mode without rng",
+    _update(lambda g, p, b: ((g, p), dict(batch=b))),
+    ValueError,
+    "pass `rng`",
+  ),
+  (
+    "empirical mode without targets",
+    lambda: kfac_jax.value_and_grad(_sce(), estimation_mode="empirical")(W, _batch()),
+    ValueError,
+    "empirical.*needs the data's targets",
+  ),
+  (
+    "matrix power the estimator was not built for",
+    _multiply(lambda p: p, exp=-0.5),
+    ValueError,
+    "matrix power -0.5 was not prepared",
+  ),
+  (
+    "vector of another structure",
+    _multiply(lambda p: {"layer0": p["layer0"]}),
+    ValueError,
+    "vector's pytree structure differs",
+  ),
+  (
+    "vector leaf of another shape",
+    _multiply(lambda p: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape + (1,)), p)),
+    ValueError,
+    "has shape .* expected",
+  ),
 ]
 
 

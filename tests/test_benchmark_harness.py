@@ -30,15 +30,27 @@ from examples import autoencoder as ae  # noqa: E402
 from examples import cnn as cnn_lib  # noqa: E402
 from examples import transformer_lm as lm  # noqa: E402
 
-_METRICS = ("setup_s", "compile_s", "median_step_ms", "mean_step_ms", "peak_bytes",
-            "opt_state_bytes", "final_eval_loss")
+_METRICS = (
+  "setup_s",
+  "compile_s",
+  "median_step_ms",
+  "mean_step_ms",
+  "peak_bytes",
+  "opt_state_bytes",
+  "final_eval_loss",
+)
 
 
 # -- pure helpers ---------------------------------------------------------------------------------
 
+
 def test_tree_bytes_counts_every_leaf_including_keys():
-  tree = {"a": jnp.zeros((3, 4), jnp.float32), "b": (jnp.zeros(5, jnp.int8),),
-          "k": jax.random.key(0), "n": np.zeros(2, np.float64)}
+  tree = {
+    "a": jnp.zeros((3, 4), jnp.float32),
+    "b": (jnp.zeros(5, jnp.int8),),
+    "k": jax.random.key(0),
+    "n": np.zeros(2, np.float64),
+  }
   want = 48 + 5 + jax.random.key_data(jax.random.key(0)).nbytes + 16
   assert _harness.tree_bytes(tree) == want
 
@@ -49,7 +61,8 @@ def test_compiled_footprint_is_argument_output_temp_minus_alias():
   assert fp["argument"] == x.nbytes and fp["output"] == x.nbytes
   assert fp["total"] == fp["argument"] + fp["output"] + fp["temp"] - fp["alias"]
   donated = _harness.compiled_footprint(
-      jax.jit(lambda a: a * 2.0, donate_argnums=0).lower(x).compile())
+    jax.jit(lambda a: a * 2.0, donate_argnums=0).lower(x).compile()
+  )
   assert donated["total"] < fp["total"]  # the output reuses the donated input buffer
 
 
@@ -63,51 +76,90 @@ def test_peak_fields():
 
 
 def test_ratios_and_table():
-  base = {"optimizer": "Adam (tuned, lr=0.001)", "setup_s": 0.1, "compile_s": 1.0,
-          "median_step_ms": 10.0, "mean_step_ms": 12.0, "peak_bytes": 2 * 2 ** 20,
-          "peak_exact": True, "opt_state_bytes": 2 ** 20, "final_eval_loss": 2.0,
-          "finite": True, "time_to_target": (9, 3.0), "time_to_target_s": 3.0}
-  kfac = dict(base, optimizer="kfac_jax (optax)", compile_s=3.0, median_step_ms=25.0,
-              mean_step_ms=30.0, peak_bytes=6 * 2 ** 20, peak_exact=False,
-              opt_state_bytes=4 * 2 ** 20, final_eval_loss=1.5, time_to_target=(4, 1.5),
-              time_to_target_s=1.5)
-  slow = dict(base, optimizer="SGD+momentum", time_to_target=None, time_to_target_s=None,
-              peak_bytes=None)
+  base = {
+    "optimizer": "Adam (tuned, lr=0.001)",
+    "setup_s": 0.1,
+    "compile_s": 1.0,
+    "median_step_ms": 10.0,
+    "mean_step_ms": 12.0,
+    "peak_bytes": 2 * 2**20,
+    "peak_exact": True,
+    "opt_state_bytes": 2**20,
+    "final_eval_loss": 2.0,
+    "finite": True,
+    "time_to_target": (9, 3.0),
+    "time_to_target_s": 3.0,
+  }
+  kfac = dict(
+    base,
+    optimizer="kfac_jax (optax)",
+    compile_s=3.0,
+    median_step_ms=25.0,
+    mean_step_ms=30.0,
+    peak_bytes=6 * 2**20,
+    peak_exact=False,
+    opt_state_bytes=4 * 2**20,
+    final_eval_loss=1.5,
+    time_to_target=(4, 1.5),
+    time_to_target_s=1.5,
+  )
+  slow = dict(
+    base, optimizer="SGD+momentum", time_to_target=None, time_to_target_s=None, peak_bytes=None
+  )
   failed = {"optimizer": "upstream", "error": "ValueError: shapes a | b"}
   q = _harness.ratios(kfac, base)
-  assert q == pytest.approx({"compile": 3.0, "median_step": 2.5, "mean_step": 2.5,
-                             "peak_memory": 3.0, "opt_state": 4.0, "loss": 0.75,
-                             "time_to_target": 0.5})
+  assert q == pytest.approx(
+    {
+      "compile": 3.0,
+      "median_step": 2.5,
+      "mean_step": 2.5,
+      "peak_memory": 3.0,
+      "opt_state": 4.0,
+      "loss": 0.75,
+      "time_to_target": 0.5,
+    }
+  )
   assert _harness.ratios(slow, base)["time_to_target"] is None
   assert _harness.ratios(slow, base)["peak_memory"] is None
-  table = _harness.markdown_table([base, kfac, slow, failed],
-                                  [("kfac_jax (optax) / Adam (tuned)", q)], 10, 1.25)
+  table = _harness.markdown_table(
+    [base, kfac, slow, failed], [("kfac_jax (optax) / Adam (tuned)", q)], 10, 1.25
+  )
   lines = table.splitlines()
   assert lines[0].endswith("| loss after 10 steps | steps to 1.25 | seconds to 1.25 |")
-  assert lines[2] == ("| Adam (tuned, lr=0.001) | 0.10 | 1.00 | 10.0 | 12.0 | 2.0 | 1.00 | 2 "
-                      "| 9 | 3.00 |")
-  assert lines[3] == ("| kfac_jax (optax) | 0.10 | 3.00 | 25.0 | 30.0 | <=6.0 | 4.00 | 1.5 | 4 "
-                      "| 1.50 |")
+  assert lines[2] == (
+    "| Adam (tuned, lr=0.001) | 0.10 | 1.00 | 10.0 | 12.0 | 2.0 | 1.00 | 2 | 9 | 3.00 |"
+  )
+  assert lines[3] == (
+    "| kfac_jax (optax) | 0.10 | 3.00 | 25.0 | 30.0 | <=6.0 | 4.00 | 1.5 | 4 | 1.50 |"
+  )
   assert lines[4].endswith("| n/a | 1.00 | 2 | not reached | not reached |")
   assert lines[5].startswith("| upstream | failed: ValueError: shapes a / b |")
-  assert lines[6] == ("| **kfac_jax (optax) / Adam (tuned)** | | 3.00x | 2.50x | 2.50x | "
-                      "3.00x | 4.00x | 0.750x | | 0.50x |")
+  assert lines[6] == (
+    "| **kfac_jax (optax) / Adam (tuned)** | | 3.00x | 2.50x | 2.50x | "
+    "3.00x | 4.00x | 0.750x | | 0.50x |"
+  )
 
 
 def _fake_run(name, family, losses, times, final, lr=None):
-  summary = {"optimizer": name, "family": family, "final_eval_loss": final,
-             "hyperparameters": {} if lr is None else {"learning_rate": lr},
-             "compile_s": 1.0, "median_step_ms": 1.0, "mean_step_ms": 1.0}
+  summary = {
+    "optimizer": name,
+    "family": family,
+    "final_eval_loss": final,
+    "hyperparameters": {} if lr is None else {"learning_rate": lr},
+    "compile_s": 1.0,
+    "median_step_ms": 1.0,
+    "mean_step_ms": 1.0,
+  }
   return _harness.Run(name, np.asarray(losses, float), np.asarray(times, float), 1, summary)
 
 
 def test_compare_runs_picks_tuned_adam_and_times_to_its_loss():
   runs = [
-      _fake_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
-      _fake_run("Adam lr=0.001", "adam", [10, 9, 8, 7], [5, 2, 2, 2], 7.0, lr=0.001),
-      _fake_run("Adam lr=1", "adam", [10, float("nan")] * 2, [5, 2, 2, 2], float("nan"), lr=1.0),
-      _fake_run("SGD+momentum", "sgd", [10, 9.5, 9, 8.5], [1, 1, 1, 1], 8.0),
-      _fake_run("kfac_jax (optax)", "kfac", [10, 5, 4, 3], [9, 1, 1, 1], 2.5),
+    _fake_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
+    _fake_run("Adam lr=0.001", "adam", [10, 9, 8, 7], [5, 2, 2, 2], 7.0, lr=0.001),
+    _fake_run("Adam lr=1", "adam", [10, float("nan")] * 2, [5, 2, 2, 2], float("nan"), lr=1.0),
+    _fake_run("SGD+momentum", "sgd", [10, 9.5, 9, 8.5], [1, 1, 1, 1], 8.0),
+    _fake_run("kfac_jax (optax)", "kfac", [10, 5, 4, 3], [9, 1, 1, 1], 2.5),
   ]
   failed = {"optimizer": "up", "family": "upstream", "error": "ValueError: no"}
   rep = _harness.compare_runs(runs, failed, reach_window=5, total_steps=4)
@@ -119,7 +171,11 @@ def test_compare_runs_picks_tuned_adam_and_times_to_its_loss():
   assert runs[4].summary["time_to_target"] == (1, 1.0)  # K-FAC: step 1, after 1 s
   assert runs[3].summary["time_to_target"] is None  # SGD never gets there
   assert [r["optimizer"] for r in rep["rows"]] == [
-      "Adam (tuned, lr=0.01)", "SGD+momentum", "kfac_jax (optax)", "up"]
+    "Adam (tuned, lr=0.01)",
+    "SGD+momentum",
+    "kfac_jax (optax)",
+    "up",
+  ]
   labels = [label for label, _ in rep["ratio_rows"]]
   assert labels == ["SGD+momentum / Adam (tuned)", "kfac_jax (optax) / Adam (tuned)"]
   assert rep["ratio_rows"][1][1]["time_to_target"] == pytest.approx(1 / 6)
@@ -130,9 +186,9 @@ def test_compare_runs_picks_tuned_adam_and_times_to_its_loss():
 
 def test_compare_runs_reports_time_to_upstreams_loss_against_its_budget():
   runs = [
-      _fake_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
-      _fake_run("kfac_jax (optax)", "kfac", [10, 5, 4, 3], [9, 1, 1, 1], 2.5),
-      _fake_run("kfac_jax Optimizer", "kfac_optimizer", [10, 9, 9, 9], [1, 1, 1, 1], 9.0),
+    _fake_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
+    _fake_run("kfac_jax (optax)", "kfac", [10, 5, 4, 3], [9, 1, 1, 1], 2.5),
+    _fake_run("kfac_jax Optimizer", "kfac_optimizer", [10, 9, 9, 9], [1, 1, 1, 1], 9.0),
   ]
   upstream = _fake_run("up", "upstream", [10, 6, 5, 4], [9, 3, 3, 3], 4.0)
   rep = _harness.compare_runs(runs, upstream, reach_window=5, total_steps=4)
@@ -158,11 +214,13 @@ def test_worker_output_parsing():
 
 # -- the upstream worker's plain-jax models equal the Flax ones -----------------------------------
 
+
 def _perturbed(params, seed):
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [p + 0.1 * jax.random.normal(k, p.shape)
-                                      for p, k in zip(leaves, keys)])
+  return jax.tree.unflatten(
+    treedef, [p + 0.1 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)]
+  )
 
 
 def test_plain_autoencoder_matches_flax(x64):
@@ -170,8 +228,9 @@ def test_plain_autoencoder_matches_flax(x64):
   x = jax.random.uniform(jax.random.key(1), (5, 12), jnp.float64)
   params = _perturbed(model.init(jax.random.key(0), x), 2)
   acts = ["linear" if i in (2, 5) else "tanh" for i in range(6)]
-  np.testing.assert_allclose(plain_models.autoencoder(params, x, acts), model.apply(params, x),
-                             rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(
+    plain_models.autoencoder(params, x, acts), model.apply(params, x), rtol=1e-12, atol=1e-12
+  )
   with pytest.raises(ValueError, match=r"activations\[0\] must be 'tanh' or 'linear', got 'relu'"):
     plain_models.autoencoder(params, x, ["relu"] * 6)
 
@@ -180,8 +239,9 @@ def test_plain_cnn_matches_flax(x64):
   model = cnn_lib.CNN(channels=(3, 5))
   x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1), jnp.float64)
   params = _perturbed(model.init(jax.random.key(0), x), 2)
-  np.testing.assert_allclose(plain_models.cnn(params, x, 2), model.apply(params, x), rtol=1e-10,
-                             atol=1e-10)
+  np.testing.assert_allclose(
+    plain_models.cnn(params, x, 2), model.apply(params, x), rtol=1e-10, atol=1e-10
+  )
 
 
 def test_plain_transformer_matches_flax_and_layout_round_trips(x64):
@@ -192,8 +252,9 @@ def test_plain_transformer_matches_flax_and_layout_round_trips(x64):
   q = flat["params"]["Block_1"]["MultiHeadDotProductAttention_0"]
   assert q["query"]["kernel"].shape == (8, 8) and q["query"]["bias"].shape == (8,)
   assert q["out"]["kernel"].shape == (8, 8)
-  np.testing.assert_allclose(plain_models.transformer(flat, ids, 2, 2), model.apply(params, ids),
-                             rtol=1e-10, atol=1e-10)
+  np.testing.assert_allclose(
+    plain_models.transformer(flat, ids, 2, 2), model.apply(params, ids), rtol=1e-10, atol=1e-10
+  )
   back = plain_models.attention_from_2d(flat, heads=2)
   assert jax.tree.structure(back) == jax.tree.structure(params)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
@@ -201,6 +262,7 @@ def test_plain_transformer_matches_flax_and_layout_round_trips(x64):
 
 
 # -- the scripts, tiny ----------------------------------------------------------------------------
+
 
 def _env(tmp_path):
   empty = tmp_path / "no_data"
@@ -217,9 +279,22 @@ def _env(tmp_path):
 def _run(tmp_path, script, *flags):
   out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
   proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "benchmarks", script), "--quick", "--json",
-       str(out_json), "--plot", str(out_png), *flags],
-      cwd=str(tmp_path), env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      os.path.join(_ROOT, "benchmarks", script),
+      "--quick",
+      "--json",
+      str(out_json),
+      "--plot",
+      str(out_png),
+      *flags,
+    ],
+    cwd=str(tmp_path),
+    env=_env(tmp_path),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output
   assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -263,8 +338,9 @@ _ALL = ["SGD+momentum", "kfac_jax (optax)", "kfac_jax Optimizer"]
 
 @pytest.mark.slow
 def test_autoencoder_benchmark_full_batch_quick(tmp_path):
-  report, stdout, output = _run(tmp_path, "autoencoder.py", "--full-batch", "--steps", "3",
-                                "--adam-lrs", "1e-3,3e-3")
+  report, stdout, output = _run(
+    tmp_path, "autoencoder.py", "--full-batch", "--steps", "3", "--adam-lrs", "1e-3,3e-3"
+  )
   _check_report(report, stdout, output, _ALL, [1e-3, 3e-3])
   assert "full batch of 256 images" in report["env"]["description"], output
   assert report["results"][0]["loss_steps"] == 4  # 1 warm-up + 3 timed
@@ -274,34 +350,54 @@ def test_autoencoder_benchmark_full_batch_quick(tmp_path):
 
 @pytest.mark.slow
 def test_cnn_benchmark_quick_with_statistics_every_second_step(tmp_path):
-  report, stdout, output = _run(tmp_path, "cnn.py", "--steps", "3", "--adam-lrs", "2e-3,5e-3",
-                                "--curvature-every", "2", "--inverse-every", "2")
-  _check_report(report, stdout, output, ["SGD+momentum", "kfac_jax (optax), statistics every 2",
-                                         "kfac_jax Optimizer"], [2e-3, 5e-3])
-  assert report["hyperparameters"]["kfac_jax (optax), statistics every 2"][
-      "curvature_every"] == 2
+  report, stdout, output = _run(
+    tmp_path,
+    "cnn.py",
+    "--steps",
+    "3",
+    "--adam-lrs",
+    "2e-3,5e-3",
+    "--curvature-every",
+    "2",
+    "--inverse-every",
+    "2",
+  )
+  _check_report(
+    report,
+    stdout,
+    output,
+    ["SGD+momentum", "kfac_jax (optax), statistics every 2", "kfac_jax Optimizer"],
+    [2e-3, 5e-3],
+  )
+  assert report["hyperparameters"]["kfac_jax (optax), statistics every 2"]["curvature_every"] == 2
   kinds = {r["kind"] for r in report["kfac_jax_registrations"]}
   assert kinds == {"conv", "scale_and_shift", "dense"}, report["kfac_jax_registrations"]
 
 
 @pytest.mark.slow
 def test_transformer_benchmark_quick(tmp_path):
-  report, stdout, output = _run(tmp_path, "transformer.py", "--steps", "3", "--adam-lrs",
-                                "3e-3,1e-2")
+  report, stdout, output = _run(
+    tmp_path, "transformer.py", "--steps", "3", "--adam-lrs", "3e-3,1e-2"
+  )
   _check_report(report, stdout, output, _ALL, [3e-3, 1e-2])
-  tied = [r for r in report["kfac_jax_registrations"]
-          if r["params"] == ["params/Embed_0/embedding"]]
+  tied = [
+    r for r in report["kfac_jax_registrations"] if r["params"] == ["params/Embed_0/embedding"]
+  ]
   assert [r["kind"] for r in tied] == ["embedding (2 uses)"], report["kfac_jax_registrations"]
 
 
 def test_bad_flags_are_named(capsys):
   from benchmarks import autoencoder, transformer
+
   for argv, message in (
-      (["--adam-lrs", "1e-3,x"], "--adam-lrs must be comma-separated numbers, got '1e-3,x'"),
-      (["--adam-lrs", "0"], "--adam-lrs needs at least one learning rate > 0, got '0'"),
-      (["--with-upstream", "--warmup", "0"], "--with-upstream needs --warmup >= 1"),
-      (["--curvature-every", "6", "--inverse-every", "5"],
-       "--curvature-every (6) must be at most --inverse-every (5)")):
+    (["--adam-lrs", "1e-3,x"], "--adam-lrs must be comma-separated numbers, got '1e-3,x'"),
+    (["--adam-lrs", "0"], "--adam-lrs needs at least one learning rate > 0, got '0'"),
+    (["--with-upstream", "--warmup", "0"], "--with-upstream needs --warmup >= 1"),
+    (
+      ["--curvature-every", "6", "--inverse-every", "5"],
+      "--curvature-every (6) must be at most --inverse-every (5)",
+    ),
+  ):
     with pytest.raises(SystemExit):
       autoencoder.parse_args(argv)
     assert message in capsys.readouterr().err
@@ -309,21 +405,39 @@ def test_bad_flags_are_named(capsys):
     transformer.parse_args(["--width", "10", "--heads", "4"])
   assert "--width 10 must be a multiple of --heads 4" in capsys.readouterr().err
   args = autoencoder.parse_args(["--quick"])
-  assert (args.steps, args.warmup, args.batch_size, args.adam_lr_grid) == (6, 1, 128,
-                                                                            [3e-4, 1e-3, 3e-3])
+  assert (args.steps, args.warmup, args.batch_size, args.adam_lr_grid) == (
+    6,
+    1,
+    128,
+    [3e-4, 1e-3, 3e-3],
+  )
 
 
 def test_upstream_failure_is_a_row_with_the_reason(tmp_path):
   """A missing upstream interpreter gives an error row (the table prints `failed: ...`)."""
   params = {"params": {"dense_0": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)}}}
   workload = _harness.Workload(
-      name="tiny", description="", loss_fn=None, params0=params,
-      batch_at=lambda t: np.zeros((1, 2), np.float32), eval_fn=lambda p: 0.0,
-      eval_description="", upstream={"model": "autoencoder", "activations": ["linear"]},
-      upstream_data=lambda steps: (np.zeros((1, 2), np.float32), np.zeros((steps, 1), int)))
+    name="tiny",
+    description="",
+    loss_fn=None,
+    params0=params,
+    batch_at=lambda t: np.zeros((1, 2), np.float32),
+    eval_fn=lambda p: 0.0,
+    eval_description="",
+    upstream={"model": "autoencoder", "activations": ["linear"]},
+    upstream_data=lambda steps: (np.zeros((1, 2), np.float32), np.zeros((steps, 1), int)),
+  )
   missing = str(tmp_path / "missing" / "python")
-  args = argparse.Namespace(upstream_python=missing, kfac_lr=0.1, kfac_momentum=0.9, damping=1.0,
-                            ema_decay=0.95, inverse_every=5, seed=0, compile_repeats=1)
+  args = argparse.Namespace(
+    upstream_python=missing,
+    kfac_lr=0.1,
+    kfac_momentum=0.9,
+    damping=1.0,
+    ema_decay=0.95,
+    inverse_every=5,
+    seed=0,
+    compile_repeats=1,
+  )
   row = _harness.run_upstream(workload, args, 2)
   assert row["optimizer"] == _harness.UPSTREAM_NAME and row["family"] == "upstream", row
   assert f"--upstream-python {missing!r} does not exist" in row["error"], row
@@ -336,15 +450,27 @@ def _upstream_python():
   return python if os.path.isfile(python) else None
 
 
-@pytest.mark.skipif(_upstream_python() is None,
-                    reason="no upstream venv (bash benchmarks/upstream/setup_venv.sh, or "
-                           "KFAC_UPSTREAM_PYTHON=/path/to/python)")
+@pytest.mark.skipif(
+  _upstream_python() is None,
+  reason="no upstream venv (bash benchmarks/upstream/setup_venv.sh, or "
+  "KFAC_UPSTREAM_PYTHON=/path/to/python)",
+)
 @pytest.mark.slow
 def test_transformer_benchmark_with_upstream(tmp_path):
   """Upstream kfac-jax 0.0.8 trains the tied-embedding Transformer beside ours."""
-  report, stdout, output = _run(tmp_path, "transformer.py", "--steps", "2", "--adam-lrs", "1e-2",
-                                "--no-sgd", "--no-optimizer", "--with-upstream",
-                                "--upstream-python", _upstream_python())
+  report, stdout, output = _run(
+    tmp_path,
+    "transformer.py",
+    "--steps",
+    "2",
+    "--adam-lrs",
+    "1e-2",
+    "--no-sgd",
+    "--no-optimizer",
+    "--with-upstream",
+    "--upstream-python",
+    _upstream_python(),
+  )
   up = report["results"][-1]
   assert up["family"] == "upstream" and "error" not in up, up
   assert up["optimizer"] == _harness.UPSTREAM_NAME
@@ -358,6 +484,7 @@ def test_transformer_benchmark_with_upstream(tmp_path):
 
 
 # -- the race (benchmarks/race.py) ---------------------------------------------------------------
+
 
 class _FakeClock:
   """`clock()` for `run_for_budget`: time moves only when a fake step spends it."""
@@ -407,28 +534,36 @@ def test_run_for_budget_charges_each_step_and_stops_once_the_budget_is_spent():
   clock = _FakeClock([1.0, 1.0, 10.0, 1.0])
   assert _harness.run_for_budget(clock.prepare, clock.step, 2.5, clock=clock) == [1.0, 1.0, 10.0]
   clock = _FakeClock([1.0] * 10)
-  assert len(_harness.run_for_budget(clock.prepare, clock.step, 100.0, max_steps=3,
-                                     clock=clock)) == 3
+  assert (
+    len(_harness.run_for_budget(clock.prepare, clock.step, 100.0, max_steps=3, clock=clock)) == 3
+  )
   with pytest.raises(ValueError, match="budget must be > 0 seconds, got 0"):
     _harness.run_for_budget(clock.prepare, clock.step, 0.0)
 
 
 def _race_run(name, family, losses, times, final, lr=None, period=1):
   summary = _harness.race_summary(
-      name, family, np.asarray(losses, float), times, period, 10.0,
-      hyperparameters={} if lr is None else {"learning_rate": lr}, compile_s=1.0,
-      final_eval_loss=final)
+    name,
+    family,
+    np.asarray(losses, float),
+    times,
+    period,
+    10.0,
+    hyperparameters={} if lr is None else {"learning_rate": lr},
+    compile_s=1.0,
+    final_eval_loss=final,
+  )
   return _harness.Run(name, np.asarray(losses, float), np.asarray(times, float), period, summary)
 
 
 def test_race_compare_times_every_run_to_the_tuned_adams_loss():
   runs = [
-      _race_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
-      _race_run("Adam lr=0.1", "adam", [10, 9, 8, 7], [5, 2, 2, 2], 7.0, lr=0.1),
-      _race_run("Muon lr=0.02", "muon", [10, 7, 6, 6], [1, 1, 1, 1], 6.0, lr=0.02),
-      _race_run("Muon lr=0.05", "muon", [10, 4, 3, 2], [1, 1, 1, 1], float("nan"), lr=0.05),
-      _race_run("kfac", "kfac", [10, 5, 4, 3], [9, 3, 3, 3], 2.5),
-      _race_run("sgd", "sgd", [10, 9.5, 9, 8.5], [1, 1, 1, 1], 8.0),
+    _race_run("Adam lr=0.01", "adam", [10, 8, 6, 5], [5, 2, 2, 2], 5.5, lr=0.01),
+    _race_run("Adam lr=0.1", "adam", [10, 9, 8, 7], [5, 2, 2, 2], 7.0, lr=0.1),
+    _race_run("Muon lr=0.02", "muon", [10, 7, 6, 6], [1, 1, 1, 1], 6.0, lr=0.02),
+    _race_run("Muon lr=0.05", "muon", [10, 4, 3, 2], [1, 1, 1, 1], float("nan"), lr=0.05),
+    _race_run("kfac", "kfac", [10, 5, 4, 3], [9, 3, 3, 3], 2.5),
+    _race_run("sgd", "sgd", [10, 9.5, 9, 8.5], [1, 1, 1, 1], 8.0),
   ]
   assert runs[0].summary["steps"] == 4 and runs[0].summary["charged_s"] == 8.0
   assert runs[0].summary["mean_step_ms"] == pytest.approx(2000.0)
@@ -442,13 +577,19 @@ def test_race_compare_times_every_run_to_the_tuned_adams_loss():
   assert runs[2].summary["vs_adam"] is None and runs[5].summary["time_to_target"] is None
   assert runs[3].summary["vs_adam"] == pytest.approx(1 / 6)  # a NaN eval does not hide its curve
   assert [r["optimizer"] for r in rep["rows"]] == [
-      "Adam (tuned, lr=0.01)", "Muon (tuned, lr=0.02)", "kfac", "sgd"]
+    "Adam (tuned, lr=0.01)",
+    "Muon (tuned, lr=0.02)",
+    "kfac",
+    "sgd",
+  ]
   assert rep["grids"]["muon"][1][0] == 0.05 and math.isnan(rep["grids"]["muon"][1][1])
   table = _harness.race_table(
-      rep["rows"] + [{"optimizer": "up", "error": "ValueError: a | b"}], 10.0, rep["target"])
+    rep["rows"] + [{"optimizer": "up", "error": "ValueError: a | b"}], 10.0, rep["target"]
+  )
   lines = table.splitlines()
-  assert lines[0] == ("| contestant | loss at 10 s | seconds to 5 | vs Adam | steps | mean step "
-                      "(ms) | compile (s) |")
+  assert lines[0] == (
+    "| contestant | loss at 10 s | seconds to 5 | vs Adam | steps | mean step (ms) | compile (s) |"
+  )
   assert lines[2] == "| Adam (tuned, lr=0.01) | 5.5 | 6.0 | 1.00x | 4 | 2000.0 | 1.00 |"
   assert lines[4] == "| kfac | 2.5 | 3.0 | 0.50x | 4 | 3000.0 | 1.00 |"
   assert lines[5] == "| sgd | 8 | not reached |  | 4 | 1000.0 | 1.00 |"
@@ -460,12 +601,33 @@ def test_race_compare_times_every_run_to_the_tuned_adams_loss():
 def test_race_quick(tmp_path):
   out_json, out_png = tmp_path / "race.json", tmp_path / "race.png"
   proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "benchmarks", "race.py"), "--workload", "autoencoder",
-       "--quick", "--budget", "0.5", "--adam-lrs", "1e-3,3e-3", "--muon-lrs", "0.02",
-       "--no-sgd", "--kfac-configs", "0.3:0.7:0.1:0.01", "--json", str(out_json), "--plot",
-       str(out_png)],
-      cwd=str(tmp_path), env=_env(tmp_path), capture_output=True, text=True, timeout=600,
-      check=False)
+    [
+      sys.executable,
+      os.path.join(_ROOT, "benchmarks", "race.py"),
+      "--workload",
+      "autoencoder",
+      "--quick",
+      "--budget",
+      "0.5",
+      "--adam-lrs",
+      "1e-3,3e-3",
+      "--muon-lrs",
+      "0.02",
+      "--no-sgd",
+      "--kfac-configs",
+      "0.3:0.7:0.1:0.01",
+      "--json",
+      str(out_json),
+      "--plot",
+      str(out_png),
+    ],
+    cwd=str(tmp_path),
+    env=_env(tmp_path),
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output
   assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -477,24 +639,49 @@ def test_race_quick(tmp_path):
   assert "kfac_jax (optax) 0.3:0.7:0.1:0.01" in names, names
   for r in report["results"]:
     assert r["steps"] >= 2 and r["charged_s"] >= 0.5 and math.isfinite(r["final_eval_loss"]), r
-    assert len(report["curves"][r["optimizer"] if r["family"] not in ("adam", "muon") else
-                                next(x["optimizer"] for x in report["all_runs"]
-                                     if x["family"] == r["family"] and
-                                     x["final_eval_loss"] == r["final_eval_loss"])][
-                                         "losses"]) == r["steps"]
-    assert re.search(rf"^\| {re.escape(r['optimizer'])} \| [0-9.]+ \|", proc.stdout,
-                     re.MULTILINE), output
+    assert (
+      len(
+        report["curves"][
+          r["optimizer"]
+          if r["family"] not in ("adam", "muon")
+          else next(
+            x["optimizer"]
+            for x in report["all_runs"]
+            if x["family"] == r["family"] and x["final_eval_loss"] == r["final_eval_loss"]
+          )
+        ]["losses"]
+      )
+      == r["steps"]
+    )
+    assert re.search(
+      rf"^\| {re.escape(r['optimizer'])} \| [0-9.]+ \|", proc.stdout, re.MULTILINE
+    ), output
   assert report["budget_s"] == 0.5 and "--budget 0.5" in report["env"]["command"]
 
 
 def test_step_sweep_quick(tmp_path):
   """benchmarks/step_sweep.py: one table row per Adam learning rate and per kfac setting."""
   proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "benchmarks", "step_sweep.py"), "--workload",
-       "autoencoder", "--quick", "--steps", "3", "--adam-lrs", "1e-3",
-       "--configs", "defaults,0.3:0.7:0.1:0.01"],
-      cwd=str(tmp_path), env=_env(tmp_path), capture_output=True, text=True, timeout=600,
-      check=False)
+    [
+      sys.executable,
+      os.path.join(_ROOT, "benchmarks", "step_sweep.py"),
+      "--workload",
+      "autoencoder",
+      "--quick",
+      "--steps",
+      "3",
+      "--adam-lrs",
+      "1e-3",
+      "--configs",
+      "defaults,0.3:0.7:0.1:0.01",
+    ],
+    cwd=str(tmp_path),
+    env=_env(tmp_path),
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output
   for name in ("Adam lr=0.001", "kfac defaults", "kfac 0.3:0.7:0.1:0.01"):

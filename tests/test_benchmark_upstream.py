@@ -21,16 +21,24 @@ from benchmarks.upstream import compare  # noqa: E402
 
 
 def test_flatten_unflatten_roundtrip():
-  tree = {"params": {"dense_0": {"kernel": np.arange(6.0).reshape(2, 3), "bias": np.ones(3)},
-                     "dense_1": {"kernel": np.zeros((3, 1))}}}
+  tree = {
+    "params": {
+      "dense_0": {"kernel": np.arange(6.0).reshape(2, 3), "bias": np.ones(3)},
+      "dense_1": {"kernel": np.zeros((3, 1))},
+    }
+  }
   flat = compare.flatten_params(tree)
-  assert sorted(flat) == ["param:params/dense_0/bias", "param:params/dense_0/kernel",
-                          "param:params/dense_1/kernel"]
+  assert sorted(flat) == [
+    "param:params/dense_0/bias",
+    "param:params/dense_0/kernel",
+    "param:params/dense_1/kernel",
+  ]
   back = compare.unflatten_params({**flat, "images": np.zeros(2)})  # non-param keys ignored
   assert back.keys() == {"params"}
   assert back["params"].keys() == {"dense_0", "dense_1"}
-  np.testing.assert_array_equal(back["params"]["dense_0"]["kernel"], tree["params"]["dense_0"]
-                                ["kernel"])
+  np.testing.assert_array_equal(
+    back["params"]["dense_0"]["kernel"], tree["params"]["dense_0"]["kernel"]
+  )
   np.testing.assert_array_equal(back["params"]["dense_1"]["kernel"], np.zeros((3, 1)))
 
 
@@ -54,7 +62,7 @@ def test_summarize_excludes_warmup():
 def test_smoothed_is_trailing_mean():
   x = np.array([5.0, 1.0, 3.0, 10.0, 2.0, 4.0])
   for w in (1, 2, 3, 10):
-    want = [np.mean(x[max(0, t - w + 1):t + 1]) for t in range(len(x))]
+    want = [np.mean(x[max(0, t - w + 1) : t + 1]) for t in range(len(x))]
     np.testing.assert_allclose(compare.smoothed(x, w), want)
   with pytest.raises(ValueError, match="window must be >= 1, got 0"):
     compare.smoothed(x, 0)
@@ -83,9 +91,15 @@ def test_curve_times_replaces_first_step_by_same_phase_median():
 @pytest.mark.slow
 def test_worker_refuses_this_projects_kfac_jax(tmp_path):
   env = dict(os.environ, PYTHONPATH=_ROOT)
-  proc = subprocess.run([sys.executable, compare.WORKER, "in.npz", "cfg.json", str(tmp_path)],
-                        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120,
-                        check=False)
+  proc = subprocess.run(
+    [sys.executable, compare.WORKER, "in.npz", "cfg.json", str(tmp_path)],
+    cwd=_ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
   assert proc.returncode != 0
   assert "needs DeepMind's kfac-jax" in proc.stderr, proc.stderr
   assert not (tmp_path / "result.json").exists()

@@ -18,11 +18,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _setup(hidden=5):
   params = _models.jnp_mlp_init(jax.random.key(0), (4, hidden, 3))
-  batches = [_models.classification_batch(jax.random.key(10 + i), n=16, din=4, classes=3)
-             for i in range(6)]
+  batches = [
+    _models.classification_batch(jax.random.key(10 + i), n=16, din=4, classes=3) for i in range(6)
+  ]
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
-  tx = kfac_jax.kfac(loss_fn, batches[0], learning_rate=0.2, momentum=0.9, damping=1e-2,
-                     inverse_every=2)
+  tx = kfac_jax.kfac(
+    loss_fn, batches[0], learning_rate=0.2, momentum=0.9, damping=1e-2, inverse_every=2
+  )
 
   @jax.jit
   def step(params, state, batch, rng):
@@ -76,6 +78,7 @@ _FRESH = textwrap.dedent("""
 
 def test_restore_in_a_fresh_process_continues_bit_identically(tmp_path):
   from flax import serialization
+
   params, batches, tx, step = _setup()
   want = _run(params, tx.init(params), batches, step, 0, 6)
   p3, s3 = _run(params, tx.init(params), batches, step, 0, 3)
@@ -86,8 +89,13 @@ def test_restore_in_a_fresh_process_continues_bit_identically(tmp_path):
     f.write(serialization.to_bytes(p3))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # A fresh process with its own (default) device setup.
-  subprocess.run([sys.executable, "-c", _FRESH.format(root=ROOT, path=path)], check=True,
-                 env=env, cwd=ROOT, timeout=300)
+  subprocess.run(
+    [sys.executable, "-c", _FRESH.format(root=ROOT, path=path)],
+    check=True,
+    env=env,
+    cwd=ROOT,
+    timeout=300,
+  )
   with open(path + ".out", "rb") as f:
     got = serialization.from_bytes(want, f.read())
   _assert_bit_identical(got, want)
@@ -116,8 +124,7 @@ def test_restoring_into_a_changed_model_names_the_blocks():
   with pytest.raises(ValueError, match="layer1"):
     kfac_jax.check_restored_state(tx_w.init(wider), saved)
   deeper = _models.jnp_mlp_init(jax.random.key(0), (4, 5, 5, 3))
-  tx_d = kfac_jax.kfac(_models.softmax_loss(_models.jnp_mlp_apply), batches[0],
-                       learning_rate=0.1)
+  tx_d = kfac_jax.kfac(_models.softmax_loss(_models.jnp_mlp_apply), batches[0], learning_rate=0.1)
   with pytest.raises(ValueError, match=r"blocks missing from the checkpoint: \['layer2'\]"):
     kfac_jax.check_restored_state(tx_d.init(deeper), saved)
 

@@ -44,8 +44,10 @@ def _make(kind, loss_fn, batch, **kw):
   """The transformation, and the extra arguments its update takes."""
   if kind == "scale_by_kfac":
     lr = kw.pop("learning_rate", 0.5)
-    tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3, inverse_every=3, **kw),
-                     optax.scale_by_learning_rate(lr))
+    tx = optax.chain(
+      kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3, inverse_every=3, **kw),
+      optax.scale_by_learning_rate(lr),
+    )
   elif kind == "kfac":
     # Clipping off: these tests check the optax contract, and the exact least-squares
     # convergence in 25 steps needs unclipped steps (KL clipping at the default 1e-2 slows it).
@@ -68,6 +70,7 @@ def _extra(kind, loss_fn, params, batch, rng):
 
 def _step_fn(kind, loss_fn, tx, traces=None):
   """The jitted train step; appends to `traces` each time JAX traces (compiles) it."""
+
   @jax.jit
   def step(params, state, batch, rng):
     if traces is not None:
@@ -75,6 +78,7 @@ def _step_fn(kind, loss_fn, tx, traces=None):
     grads, loss, kw = _extra(kind, loss_fn, params, batch, rng)
     updates, state = tx.update(grads, state, params, **kw)
     return optax.apply_updates(params, updates), state, loss, updates
+
   return step
 
 
@@ -130,8 +134,9 @@ def test_inside_optax_chain(kind):
   the bare transformation's update, with the extra arguments forwarded through the chain."""
   loss_fn, params, batch, _ = _least_squares()
   bare = _make(kind, loss_fn, batch)
-  chained = optax.chain(optax.clip_by_global_norm(1e6), _make(kind, loss_fn, batch),
-                        optax.scale(0.5))
+  chained = optax.chain(
+    optax.clip_by_global_norm(1e6), _make(kind, loss_fn, batch), optax.scale(0.5)
+  )
   s_bare, s_chain = bare.init(params), chained.init(params)
   step_bare, step_chain = _step_fn(kind, loss_fn, bare), _step_fn(kind, loss_fn, chained)
   p_bare = params
@@ -153,13 +158,20 @@ def test_inside_inject_hyperparams(kind):
   static = ("loss_fn", "example_batch")
   if kind == "kfac":
     tx = optax.inject_hyperparams(kfac_jax.kfac, static_args=static)(
-        loss_fn=loss_fn, example_batch=batch, learning_rate=0.1, damping=1e-3,
-        momentum=None, norm_constraint=None)  # α then scales the update exactly.
+      loss_fn=loss_fn,
+      example_batch=batch,
+      learning_rate=0.1,
+      damping=1e-3,
+      momentum=None,
+      norm_constraint=None,
+    )  # α then scales the update exactly.
   else:
     tx = optax.chain(
-        optax.inject_hyperparams(kfac_jax.scale_by_kfac, static_args=static)(
-            loss_fn=loss_fn, example_batch=batch, damping=1e-3),
-        optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=0.1))
+      optax.inject_hyperparams(kfac_jax.scale_by_kfac, static_args=static)(
+        loss_fn=loss_fn, example_batch=batch, damping=1e-3
+      ),
+      optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=0.1),
+    )
   state = tx.init(params)
   step = _step_fn(kind, loss_fn, tx)
 
@@ -187,6 +199,7 @@ def _nnx_loss(graphdef):
     logits = nnx.merge(graphdef, params)(batch["x"])
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
   return loss_fn
 
 
@@ -224,10 +237,15 @@ def test_bfloat16_params_keep_their_dtype(kind):
     params, state, loss, updates = step(params, state, batch, jax.random.key(i))
     assert np.isfinite(float(loss))
   assert {x.dtype for x in jax.tree_util.tree_leaves((params, updates))} == {
-      jnp.dtype(jnp.bfloat16)}
+    jnp.dtype(jnp.bfloat16)
+  }
   curv = jax.tree_util.tree_leaves(
-      [s.curvature.factors for s in jax.tree_util.tree_leaves(
-          state, is_leaf=lambda s: hasattr(s, "curvature")) if hasattr(s, "curvature")])
+    [
+      s.curvature.factors
+      for s in jax.tree_util.tree_leaves(state, is_leaf=lambda s: hasattr(s, "curvature"))
+      if hasattr(s, "curvature")
+    ]
+  )
   assert curv and {x.dtype for x in curv} == {jnp.dtype(jnp.float32)}  # Statistics stay f32.
 
 

@@ -15,13 +15,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_sphinx_api_reference_builds_without_warnings(tmp_path):
   pytest.importorskip("sphinx")
   proc = subprocess.run(
-      [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", os.path.join(ROOT, "docs"),
-       str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    [
+      sys.executable,
+      "-m",
+      "sphinx",
+      "-W",
+      "-q",
+      "-b",
+      "html",
+      os.path.join(ROOT, "docs"),
+      str(tmp_path),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=ROOT,
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   api = (tmp_path / "api.html").read_text(encoding="utf-8")
-  for name in ("scale_by_kfac", "CurvatureEstimator", "Optimizer", "register_conv",
-               "check_restored_state", "check_registration", "LayerConfig", "KfacState",
-               "TrainState"):
+  for name in (
+    "scale_by_kfac",
+    "CurvatureEstimator",
+    "Optimizer",
+    "register_conv",
+    "check_restored_state",
+    "check_registration",
+    "LayerConfig",
+    "KfacState",
+    "TrainState",
+  ):
     assert name in api
 
 

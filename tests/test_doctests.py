@@ -45,8 +45,9 @@ def _namespace(batch_norm: bool) -> dict:
     params, batch = variables["params"], {"x": x, "y": y, "batch_stats": variables["batch_stats"]}
 
     def loss_fn(params, batch):
-      logits, _ = model.apply({"params": params, "batch_stats": batch["batch_stats"]},
-                              batch["x"], mutable=["batch_stats"])
+      logits, _ = model.apply(
+        {"params": params, "batch_stats": batch["batch_stats"]}, batch["x"], mutable=["batch_stats"]
+      )
       kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
   else:
@@ -58,10 +59,21 @@ def _namespace(batch_norm: bool) -> dict:
       return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
   tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1)
-  return {"jax": jax, "jnp": jnp, "optax": optax, "kfac_jax": kfac_jax, "nn": nn,
-          "model": model, "params": params, "batch": batch, "loss_fn": loss_fn,
-          "rng": jax.random.key(3), "tx": tx, "opt_state": tx.init(params),
-          "grads": jax.grad(loss_fn)(params, batch)}
+  return {
+    "jax": jax,
+    "jnp": jnp,
+    "optax": optax,
+    "kfac_jax": kfac_jax,
+    "nn": nn,
+    "model": model,
+    "params": params,
+    "batch": batch,
+    "loss_fn": loss_fn,
+    "rng": jax.random.key(3),
+    "tx": tx,
+    "opt_state": tx.init(params),
+    "grads": jax.grad(loss_fn)(params, batch),
+  }
 
 
 def _public_docstrings():
@@ -90,8 +102,15 @@ BATCH_NORM = {"value_and_grad"}  # Docstrings whose examples use a BatchNorm mod
 
 def test_the_public_api_has_examples():
   names = {n for n, _ in EXAMPLES}
-  assert {"kfac", "scale_by_kfac", "value_and_grad", "Optimizer", "CurvatureEstimator",
-          "summary", "kfac_jax.flax"} <= names, sorted(names)
+  assert {
+    "kfac",
+    "scale_by_kfac",
+    "value_and_grad",
+    "Optimizer",
+    "CurvatureEstimator",
+    "summary",
+    "kfac_jax.flax",
+  } <= names, sorted(names)
 
 
 @pytest.mark.parametrize("name,obj", EXAMPLES, ids=[n for n, _ in EXAMPLES])

@@ -34,10 +34,10 @@ def _per_example(params, batch):
 def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
   k = jax.random.split(jax.random.key(seed), 2)
   params = _models.jnp_mlp_init(k[0], SIZES, dtype)
-  params = jax.tree.map(lambda p: p + 0.1 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape)
-                        / p.size, params)  # non-zero biases
-  batch = _models.classification_batch(k[1], n=n, din=SIZES[0], classes=SIZES[-1],
-                                       dtype=dtype)
+  params = jax.tree.map(
+    lambda p: p + 0.1 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape) / p.size, params
+  )  # non-zero biases
+  batch = _models.classification_batch(k[1], n=n, din=SIZES[0], classes=SIZES[-1], dtype=dtype)
   if same_x:
     batch["x"] = jnp.broadcast_to(batch["x"][:1], batch["x"].shape)
   return params, batch
@@ -45,8 +45,9 @@ def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
 
 def _run(params, batch, layers=None, damping_mode="factored"):
   """Statistics, an inverse update at LAMBDA, statistics again (EKFAC's s in that basis)."""
-  est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="empirical", layers=layers,
-                                    damping_mode=damping_mode)
+  est = kfac_jax.CurvatureEstimator(
+    _loss_fn, batch, estimation_mode="empirical", layers=layers, damping_mode=damping_mode
+  )
   state = est.init(params)
   state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
   state = est.update_inverses(state, LAMBDA)
@@ -57,8 +58,10 @@ def _run(params, batch, layers=None, damping_mode="factored"):
 def _per_example_matrices(params, batch):
   """{layer: J [N, in+1, out]}: per-example gradients of each layer as [W; b]."""
   jac = jax.jacobian(_per_example)(params, batch)
-  return {name: np.concatenate([np.asarray(j["w"]), np.asarray(j["b"])[:, None, :]], axis=1)
-          for name, j in jac.items()}
+  return {
+    name: np.concatenate([np.asarray(j["w"]), np.asarray(j["b"])[:, None, :]], axis=1)
+    for name, j in jac.items()
+  }
 
 
 def _reference(params, batch, grads):
@@ -68,9 +71,14 @@ def _reference(params, batch, grads):
     n = j.shape[0]
     # With one row per example, the inputs x̄_n are J_n's rows divided by g_n = J_n's bias row:
     # A = (1/N) Σ x̄ x̄ᵀ from the activations directly.
-    x = np.asarray(batch["x"]) if name == "layer0" else np.tanh(
+    x = (
+      np.asarray(batch["x"])
+      if name == "layer0"
+      else np.tanh(
         np.asarray(batch["x"]) @ np.asarray(params["layer0"]["w"])
-        + np.asarray(params["layer0"]["b"]))
+        + np.asarray(params["layer0"]["b"])
+      )
+    )
     xb = np.concatenate([x, np.ones((n, 1))], axis=1)
     a = xb.T @ xb / n
     g_rows = j[:, -1, :]  # the bias gradient is the output gradient g_n
@@ -113,8 +121,7 @@ def test_preconditioned_gradient_equals_the_definition(x64):
   assert not np.allclose(ravel_pytree(kron)[0], ravel_pytree(got)[0], rtol=1e-3)
   # exp = 1 is the inverse's inverse.
   back = est.multiply(state, got)
-  np.testing.assert_allclose(ravel_pytree(back)[0], ravel_pytree(grads)[0], rtol=1e-8,
-                             atol=1e-12)
+  np.testing.assert_allclose(ravel_pytree(back)[0], ravel_pytree(grads)[0], rtol=1e-8, atol=1e-12)
 
 
 def test_to_dense_is_the_eigenbasis_with_the_scalings(x64):
@@ -146,8 +153,9 @@ def test_equals_kfac_with_eigen_damping_when_gradients_are_kronecker(x64, same_x
   got = est.multiply_inverse(state, grads)
   want = kron_est.multiply_inverse(kron_state, grads)
   np.testing.assert_allclose(ravel_pytree(got)[0], ravel_pytree(want)[0], rtol=1e-8, atol=1e-10)
-  np.testing.assert_allclose(est.to_dense(state), kron_est.to_dense(kron_state), rtol=1e-8,
-                             atol=1e-10)
+  np.testing.assert_allclose(
+    est.to_dense(state), kron_est.to_dense(kron_state), rtol=1e-8, atol=1e-10
+  )
 
 
 def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x64):
@@ -155,14 +163,16 @@ def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x6
   est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   for name, j in _per_example_matrices(params, batch).items():
-    np.testing.assert_allclose(state.factors[name]["s"], np.mean(j ** 2, axis=0), rtol=1e-10)
+    np.testing.assert_allclose(state.factors[name]["s"], np.mean(j**2, axis=0), rtol=1e-10)
 
 
 def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
   k = jax.random.split(jax.random.key(3), 3)
   params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64), "b": jnp.ones(4, jnp.float64)}
-  batch = {"x": jax.random.normal(k[1], (5, 2, 3), jnp.float64),
-           "y": jax.random.randint(k[2], (5,), 0, 4)}
+  batch = {
+    "x": jax.random.normal(k[1], (5, 2, 3), jnp.float64),
+    "y": jax.random.randint(k[2], (5,), 0, 4),
+  }
 
   def logits(p, x):
     return (x @ p["w"] + p["b"]).sum(axis=1)
@@ -176,8 +186,9 @@ def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   state = est.update_inverses(state, LAMBDA)
   state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  jac = jax.jacobian(lambda p: optax.softmax_cross_entropy_with_integer_labels(
-      logits(p, batch["x"]), batch["y"]))(params)
+  jac = jax.jacobian(
+    lambda p: optax.softmax_cross_entropy_with_integer_labels(logits(p, batch["x"]), batch["y"])
+  )(params)
   j = np.concatenate([np.asarray(jac["w"]), np.asarray(jac["b"])[:, None]], axis=1)
   (name,) = state.factors
   cache = state.cache[name]
@@ -195,8 +206,10 @@ class _CNN(nn.Module):
 
 def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
   k = jax.random.split(jax.random.key(1), 3)
-  batch = {"x": jax.random.normal(k[0], (6, 3, 3, 2), jnp.float64),
-           "y": jax.random.randint(k[1], (6,), 0, 2)}
+  batch = {
+    "x": jax.random.normal(k[0], (6, 3, 3, 2), jnp.float64),
+    "y": jax.random.randint(k[1], (6,), 0, 2),
+  }
   model = _CNN()
   params = jax.tree.map(lambda p: p.astype(jnp.float64), model.init(k[2], batch["x"]))
 
@@ -214,26 +227,30 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
   # space), so s_ij = q_ijᵀ F_EKFAC q_ij must equal q_ijᵀ F_exact q_ij, F_exact the empirical
   # Fisher (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ: the definition of the scalings.
   flat, unravel = ravel_pytree(params)
-  jac = jax.jacobian(lambda f: optax.softmax_cross_entropy_with_integer_labels(
-      model.apply(unravel(f), batch["x"]), batch["y"]))(flat)
+  jac = jax.jacobian(
+    lambda f: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply(unravel(f), batch["x"]), batch["y"]
+    )
+  )(flat)
   exact = np.asarray(jac).T @ np.asarray(jac) / jac.shape[0]
   dense = np.asarray(est.to_dense(state))
   mask = _models.block_mask(est, params)
   q_f = np.linalg.eigh(dense)[1]
-  np.testing.assert_allclose(np.diag(q_f.T @ dense @ q_f), np.diag(q_f.T @ (exact * mask) @ q_f),
-                             rtol=1e-6, atol=1e-10)
+  np.testing.assert_allclose(
+    np.diag(q_f.T @ dense @ q_f), np.diag(q_f.T @ (exact * mask) @ q_f), rtol=1e-6, atol=1e-10
+  )
   # ... and it is not the plain K-FAC block (which differs from the exact one on a conv).
   kron = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
   ks = kron.update_curvature(kron.init(params), params, batch, None, ema_decay=0.0)
   kron_dense = np.asarray(kron.to_dense(ks))
-  assert not np.allclose(np.diag(q_f.T @ kron_dense @ q_f), np.diag(q_f.T @ dense @ q_f),
-                         rtol=1e-3)
+  assert not np.allclose(np.diag(q_f.T @ kron_dense @ q_f), np.diag(q_f.T @ dense @ q_f), rtol=1e-3)
 
 
 def test_transform_and_optimizer_train_with_ekfac_layers():
   params, batch = _setup(n=64, dtype=jnp.float32)
-  tx = kfac_jax.kfac(_loss_fn, batch, learning_rate=0.1, momentum=0.9, damping=1e-2,
-                     inverse_every=3, layers=EKFAC)
+  tx = kfac_jax.kfac(
+    _loss_fn, batch, learning_rate=0.1, momentum=0.9, damping=1e-2, inverse_every=3, layers=EKFAC
+  )
   state = tx.init(params)
 
   @jax.jit
@@ -252,9 +269,16 @@ def test_transform_and_optimizer_train_with_ekfac_layers():
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
 
-  opt = kfac_jax.Optimizer(_loss_fn, batch, learning_rate=None, momentum=None, damping=1e-2,
-                           use_adaptive_damping=True, inverse_every=3,
-                           config=kfac_jax.OptimizerConfig(layers=EKFAC))
+  opt = kfac_jax.Optimizer(
+    _loss_fn,
+    batch,
+    learning_rate=None,
+    momentum=None,
+    damping=1e-2,
+    use_adaptive_damping=True,
+    inverse_every=3,
+    config=kfac_jax.OptimizerConfig(layers=EKFAC),
+  )
   o_state = opt.init(params)
   step_fn = jax.jit(opt.step)
   p, first = params, None
@@ -272,11 +296,17 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
   rng = jax.random.key(5)
   states = {}
   for approx in ("ekfac", "diagonal"):
-    est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="gradients",
-                                      num_samples=2,
-                                      layers=kfac_jax.LayerConfig(defaults={"dense": approx}))
-    states[approx] = (est, est.update_curvature(est.init(params), params, batch, rng,
-                                                ema_decay=0.0))
+    est = kfac_jax.CurvatureEstimator(
+      _loss_fn,
+      batch,
+      estimation_mode="gradients",
+      num_samples=2,
+      layers=kfac_jax.LayerConfig(defaults={"dense": approx}),
+    )
+    states[approx] = (
+      est,
+      est.update_curvature(est.init(params), params, batch, rng, ema_decay=0.0),
+    )
   est, state = states["ekfac"]
   for block in est.blocks:
     assert [p.rsplit("/", 1)[-1] for p in block.spec.param_paths] == ["w", "b"]
@@ -284,8 +314,9 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
     diag = np.asarray(states["diagonal"][1].factors[block.name]["diag"])
     np.testing.assert_allclose(s.ravel(), diag, rtol=1e-10, atol=1e-14)
   with pytest.raises(ValueError, match=r"block `layer0` \(approx='ekfac'\).*pass `cache=`"):
-    est.blocks[0].multiply_undamped(state.factors["layer0"], [params["layer0"]["w"],
-                                                              params["layer0"]["b"]])
+    est.blocks[0].multiply_undamped(
+      state.factors["layer0"], [params["layer0"]["w"], params["layer0"]["b"]]
+    )
 
 
 # -- where EKFAC does not apply: clear errors, the size policy ---------------------------------
@@ -298,8 +329,9 @@ def test_size_policy_turns_a_huge_ekfac_side_diagonal():
   (spec,) = kfac_jax.scan_layers(_loss_fn, params, batch, layers=cfg)
   assert spec.approx == "kron_out_diag", spec
   assert "output side 40 > max_factor_dim 16" in spec.note
-  (small,) = kfac_jax.scan_layers(_loss_fn, params, batch,
-                                  layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac"}))
+  (small,) = kfac_jax.scan_layers(
+    _loss_fn, params, batch, layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac"})
+  )
   assert small.approx == "ekfac" and small.note == ""
 
 
@@ -307,14 +339,18 @@ def test_ekfac_on_stacked_layers_is_an_error_naming_the_layer():
   def loss_fn(params, batch):
     def body(h, w):
       return jnp.tanh(h @ w), None
+
     h, _ = jax.lax.scan(body, batch["x"], params["stack"])
     return _models.softmax_loss(lambda p, x: x)(params, {"x": h, "y": batch["y"]})
 
   params = {"stack": 0.3 * jax.random.normal(jax.random.key(0), (3, 4, 4))}
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=4)
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, layers=EKFAC)
-  with pytest.raises(ValueError, match=r"layer `stack`: approx='ekfac' is not supported on a "
-                                       r"stack of layers"):
+  with pytest.raises(
+    ValueError,
+    match=r"layer `stack`: approx='ekfac' is not supported on a "
+    r"stack of layers",
+  ):
     tx.init(params)
 
 

@@ -25,19 +25,23 @@ def _params(key=0, dtype=jnp.float64):
 
 def _seq_batch(key=1, n=5, length=3):
   ki, ky = jax.random.split(jax.random.key(key))
-  return {"ids": jax.random.randint(ki, (n, length), 0, V),
-          "y": jax.random.randint(ky, (n, length), 0, C)}
+  return {
+    "ids": jax.random.randint(ki, (n, length), 0, V),
+    "y": jax.random.randint(ky, (n, length), 0, C),
+  }
 
 
 # Lookups `h = table[ids]` written in several ways; float64 throughout except where cast.
 LOOKUPS = {
-    "gather": lambda t, ids: t[ids],
-    "one_hot_matmul": lambda t, ids: jax.nn.one_hot(ids, V, dtype=t.dtype) @ t,
-    "one_hot_dot_cast": lambda t, ids: jnp.dot(
-        jax.nn.one_hot(ids, V, dtype=jnp.float32).astype(t.dtype), t),
-    "einsum_eq_iota": lambda t, ids: jnp.einsum(
-        "nlv,vd->nld", (ids[..., None] == jnp.arange(V)).astype(t.dtype), t),
-    "numpy_arange": lambda t, ids: (ids[..., None] == np.arange(V)).astype(t.dtype) @ t,
+  "gather": lambda t, ids: t[ids],
+  "one_hot_matmul": lambda t, ids: jax.nn.one_hot(ids, V, dtype=t.dtype) @ t,
+  "one_hot_dot_cast": lambda t, ids: jnp.dot(
+    jax.nn.one_hot(ids, V, dtype=jnp.float32).astype(t.dtype), t
+  ),
+  "einsum_eq_iota": lambda t, ids: jnp.einsum(
+    "nlv,vd->nld", (ids[..., None] == jnp.arange(V)).astype(t.dtype), t
+  ),
+  "numpy_arange": lambda t, ids: (ids[..., None] == np.arange(V)).astype(t.dtype) @ t,
 }
 
 
@@ -48,8 +52,9 @@ def _loss(lookup):
 def _estimate(loss_fn, params, batch, mode="gradients"):
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode)
   state = est.init(params)
-  state = jax.jit(lambda s: est.update_curvature(s, params, batch, jax.random.key(0),
-                                                 ema_decay=0.0))(state)
+  state = jax.jit(
+    lambda s: est.update_curvature(s, params, batch, jax.random.key(0), ema_decay=0.0)
+  )(state)
   return est, state, np.asarray(est.to_dense(state))
 
 
@@ -58,14 +63,17 @@ def test_one_hot_product_is_an_embedding_with_the_gather_block(x64, lookup):
   params, batch = _params(), _seq_batch()
   layers = kfac_jax.scan_layers(_loss(lookup), params, batch, strict=True)
   assert [(l.name, l.kind, l.factor_shapes) for l in layers] == [
-      ("table", "embedding", ((V,), (D, D))), ("w", "dense", ((D, D), (C, C)))]
+    ("table", "embedding", ((V,), (D, D))),
+    ("w", "dense", ((D, D), (C, C))),
+  ]
   _, state_g, want = _estimate(_loss("gather"), params, batch)
   _, state_o, got = _estimate(_loss(lookup), params, batch)
   np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-13)
   counts = np.bincount(np.asarray(batch["ids"]).ravel(), minlength=V) / batch["ids"].size
   np.testing.assert_allclose(state_o.factors["table"]["a"], counts, rtol=1e-12)
-  np.testing.assert_allclose(state_o.factors["table"]["g"], state_g.factors["table"]["g"],
-                             rtol=1e-10)
+  np.testing.assert_allclose(
+    state_o.factors["table"]["g"], state_g.factors["table"]["g"], rtol=1e-10
+  )
 
 
 def test_one_hot_product_in_low_precision_is_an_embedding():
@@ -136,26 +144,27 @@ def test_one_hot_embedding_summary_and_memory_are_linear_in_vocab():
   assert line.split()[6] == f"{dim}x{dim}"
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, compute_cholesky=True)
   state = est.init(params)
-  floats = sum(x.size for x in jax.tree_util.tree_leaves((state.factors["table"],
-                                                          state.cache["table"])))
+  floats = sum(
+    x.size for x in jax.tree_util.tree_leaves((state.factors["table"], state.cache["table"]))
+  )
   # Factors, inverse powers and Cholesky factors: a few vectors of `vocab` and matrices of dim².
   assert floats <= 4 * (vocab + dim * dim) + 1
   assert floats < vocab * vocab / 100
 
 
-@pytest.mark.parametrize("case", ["greater_than", "transposed_one_hot", "table_on_the_left",
-                                  "float_ids"])
+@pytest.mark.parametrize(
+  "case", ["greater_than", "transposed_one_hot", "table_on_the_left", "float_ids"]
+)
 def test_products_that_are_not_lookups_stay_dense(case):
   params = {"table": jnp.ones((V, D)), "w": jnp.ones((D, C))}
-  batch = {"ids": jnp.array([1, 2]), "y": jnp.array([0, 1]),
-           "f": jnp.array([1.0, 2.0])}
+  batch = {"ids": jnp.array([1, 2]), "y": jnp.array([0, 1]), "f": jnp.array([1.0, 2.0])}
   h = {
-      "greater_than": lambda p, b: (b["ids"][:, None] > jnp.arange(V)).astype(
-          jnp.float32) @ p["table"],
-      "transposed_one_hot": lambda p, b: jax.nn.one_hot(b["ids"], V, axis=0).T @ p["table"],
-      "table_on_the_left": lambda p, b: (p["table"].T @ jax.nn.one_hot(b["ids"], V).T).T,
-      "float_ids": lambda p, b: (b["f"][:, None] == jnp.arange(V)).astype(
-          jnp.float32) @ p["table"],
+    "greater_than": lambda p, b: (
+      (b["ids"][:, None] > jnp.arange(V)).astype(jnp.float32) @ p["table"]
+    ),
+    "transposed_one_hot": lambda p, b: jax.nn.one_hot(b["ids"], V, axis=0).T @ p["table"],
+    "table_on_the_left": lambda p, b: (p["table"].T @ jax.nn.one_hot(b["ids"], V).T).T,
+    "float_ids": lambda p, b: (b["f"][:, None] == jnp.arange(V)).astype(jnp.float32) @ p["table"],
   }[case]
 
   def loss_fn(p, b):
@@ -180,14 +189,17 @@ def test_ids_outside_the_vocabulary_are_not_counted(x64):
 def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
   """One-hot lookup plus logits `h tableᵀ`: one two-use embedding, factors as the gather's."""
   params = {"table": jax.random.normal(jax.random.key(6), (V, D))}
-  batch = {"ids": jax.random.randint(jax.random.key(7), (4,), 0, V),
-           "y": jax.random.randint(jax.random.key(8), (4,), 0, V)}
+  batch = {
+    "ids": jax.random.randint(jax.random.key(7), (4,), 0, V),
+    "y": jax.random.randint(jax.random.key(8), (4,), 0, V),
+  }
 
   def make(lookup):
     def loss_fn(p, b):
       logits = jnp.tanh(LOOKUPS[lookup](p["table"], b["ids"])) @ p["table"].T
       kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
     return loss_fn
 
   factors = {}
@@ -196,8 +208,9 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
     (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
     assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
     reg = _scanner.scan(loss_fn, params, batch)
-    _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
-                                     num_samples=1, with_grads=False)
+    _, _, stats = _curvature.compute(
+      reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+    )
     config = kfac_jax.blocks.BlockConfig(stats_dtype=jnp.float64, inverse_dtype=jnp.float64)
     block = kfac_jax.blocks.make_block(spec, config)
     factors[lookup] = block.batch_factors(stats.data[0], 4)

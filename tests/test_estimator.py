@@ -71,10 +71,11 @@ def test_batch_of_one_empirical_other_losses(x64, loss):
 
 def test_factor_normalisation_on_a_batch(x64):
   """A = mean āāᵀ and G = mean ggᵀ with g the per-example loss gradient at the outputs."""
-  params = {"w": jax.random.normal(jax.random.key(0), (3, 4), jnp.float64),
-            "b": jnp.zeros((4,), jnp.float64)}
-  batch = _models.classification_batch(jax.random.key(1), n=7, din=3, classes=4,
-                                       dtype=jnp.float64)
+  params = {
+    "w": jax.random.normal(jax.random.key(0), (3, 4), jnp.float64),
+    "b": jnp.zeros((4,), jnp.float64),
+  }
+  batch = _models.classification_batch(jax.random.key(1), n=7, din=3, classes=4, dtype=jnp.float64)
   loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"] + p["b"])
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
   state = _update(est, params, batch)
@@ -89,8 +90,10 @@ def test_factor_normalisation_on_a_batch(x64):
 
 def test_sampled_fisher_converges_to_exact_fisher(x64):
   """Linear softmax, one example: E[A ⊗ G] = Jᵀ (diag p − p pᵀ) J."""
-  params = {"w": jax.random.normal(jax.random.key(0), (3, 4), jnp.float64) * 0.7,
-            "b": jnp.array([0.1, -0.2, 0.3, 0.0], jnp.float64)}
+  params = {
+    "w": jax.random.normal(jax.random.key(0), (3, 4), jnp.float64) * 0.7,
+    "b": jnp.array([0.1, -0.2, 0.3, 0.0], jnp.float64),
+  }
   batch = {"x": jnp.array([[0.5, -1.0, 2.0]]), "y": jnp.array([1])}
   apply = lambda p, x: x @ p["w"] + p["b"]
   loss_fn = _models.softmax_loss(apply)
@@ -127,34 +130,44 @@ def test_matpower_roundtrip_and_cholesky(x64, damping_mode):
 
   def loss_fn(p, b):
     z = model.apply({"params": p["params"]}, b["x"])
-    z = z * kfac_jax.register_generic(p["gen"]) + kfac_jax.register_generic(p["gen_full"],
-                                                                            approx="full")
+    z = z * kfac_jax.register_generic(p["gen"]) + kfac_jax.register_generic(
+      p["gen_full"], approx="full"
+    )
     kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
 
   est = kfac_jax.CurvatureEstimator(
-      loss_fn, batch, exps=(-1, -0.5, 2), damping_mode=damping_mode, compute_cholesky=True,
-      compute_cholesky_inverse=True)
+    loss_fn,
+    batch,
+    exps=(-1, -0.5, 2),
+    damping_mode=damping_mode,
+    compute_cholesky=True,
+    compute_cholesky_inverse=True,
+  )
   state = _random_state(est, params, batch, jax.random.key(5))
-  v = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.key(9), x.shape, x.dtype),
-                             params)
+  v = jax.tree_util.tree_map(
+    lambda x: jax.random.normal(jax.random.key(9), x.shape, x.dtype), params
+  )
   back = est.multiply_matpower(state, est.multiply_matpower(state, v, 1), -1)
   np.testing.assert_allclose(ravel_pytree(back)[0], ravel_pytree(v)[0], rtol=1e-8, atol=1e-10)
   half = est.multiply_matpower(state, est.multiply_matpower(state, v, -0.5), -0.5)
-  np.testing.assert_allclose(ravel_pytree(half)[0],
-                             ravel_pytree(est.multiply_inverse(state, v))[0], rtol=1e-8)
+  np.testing.assert_allclose(
+    ravel_pytree(half)[0], ravel_pytree(est.multiply_inverse(state, v))[0], rtol=1e-8
+  )
   sq = est.multiply_matpower(state, v, 2)
-  np.testing.assert_allclose(ravel_pytree(sq)[0],
-                             ravel_pytree(est.multiply(state, est.multiply(state, v)))[0],
-                             rtol=1e-8)
+  np.testing.assert_allclose(
+    ravel_pytree(sq)[0], ravel_pytree(est.multiply(state, est.multiply(state, v)))[0], rtol=1e-8
+  )
 
   damped = _basis_matrix(est, state, params, est.multiply)
   chol = _basis_matrix(est, state, params, est.multiply_cholesky)
-  chol_t = _basis_matrix(est, state, params,
-                         lambda s, x: est.multiply_cholesky(s, x, transpose=True))
+  chol_t = _basis_matrix(
+    est, state, params, lambda s, x: est.multiply_cholesky(s, x, transpose=True)
+  )
   chol_inv = _basis_matrix(est, state, params, est.multiply_cholesky_inverse)
-  chol_inv_t = _basis_matrix(est, state, params,
-                             lambda s, x: est.multiply_cholesky_inverse(s, x, transpose=True))
+  chol_inv_t = _basis_matrix(
+    est, state, params, lambda s, x: est.multiply_cholesky_inverse(s, x, transpose=True)
+  )
   np.testing.assert_allclose(chol @ chol.T, damped, rtol=1e-8, atol=1e-10)
   np.testing.assert_allclose(chol_t, chol.T, atol=1e-10)
   np.testing.assert_allclose(chol_inv @ chol, np.eye(len(damped)), atol=1e-8)
@@ -163,31 +176,33 @@ def test_matpower_roundtrip_and_cholesky(x64, damping_mode):
 
 def test_damped_block_formulas(x64):
   params = {"w": jax.random.normal(jax.random.key(0), (3, 2), jnp.float64)}
-  batch = _models.classification_batch(jax.random.key(1), n=5, din=3, classes=2,
-                                       dtype=jnp.float64)
+  batch = _models.classification_batch(jax.random.key(1), n=5, din=3, classes=2, dtype=jnp.float64)
   loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"])
   lam = 0.3
   for mode in ("factored", "eigen"):
     est = kfac_jax.CurvatureEstimator(loss_fn, batch, damping_mode=mode)
     state = jax.jit(lambda s: est.update_inverses(s, lam))(
-        _update(est, params, batch, jax.random.key(2)))
+      _update(est, params, batch, jax.random.key(2))
+    )
     a, g = (np.asarray(state.factors["w"][k]) for k in ("a", "g"))
     if mode == "factored":
       pi = np.sqrt((np.trace(a) / 3) / (np.trace(g) / 2))
       expected = np.kron(a + pi * np.sqrt(lam) * np.eye(3), g + np.sqrt(lam) / pi * np.eye(2))
     else:
       expected = np.kron(a, g) + lam * np.eye(6)
-    np.testing.assert_allclose(_basis_matrix(est, state, params, est.multiply), expected,
-                               rtol=1e-10)
-    np.testing.assert_allclose(_basis_matrix(est, state, params, est.multiply_inverse),
-                               np.linalg.inv(expected), rtol=1e-8)
+    np.testing.assert_allclose(
+      _basis_matrix(est, state, params, est.multiply), expected, rtol=1e-10
+    )
+    np.testing.assert_allclose(
+      _basis_matrix(est, state, params, est.multiply_inverse), np.linalg.inv(expected), rtol=1e-8
+    )
 
 
 def _all_eqns(jaxpr):
   for e in jaxpr.eqns:
     yield e
     for p in e.params.values():
-      for j in (p if isinstance(p, (list, tuple)) else [p]):
+      for j in p if isinstance(p, (list, tuple)) else [p]:
         inner = getattr(j, "jaxpr", j)
         if hasattr(inner, "eqns"):
           yield from _all_eqns(inner)
@@ -206,8 +221,9 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
   assert keys[0] == keys[1] != keys[2]
   new = est.update_inverses(state, 0.1)
   jaxpr = jax.make_jaxpr(lambda s: est.update_inverses(s, 0.1))(state)
-  ranks = {v.aval.ndim for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "cholesky"
-           for v in e.invars}
+  ranks = {
+    v.aval.ndim for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "cholesky" for v in e.invars
+  }
   assert ranks == ({2, 3} if batched else {2})  # A stack of two blocks' factors, or none.
   for name, b in zip(state.factors, est.blocks):
     ref = b.compute_cache(state.factors[name], jnp.asarray(0.1))
@@ -297,8 +313,9 @@ def test_estimator_errors_leave_state_untouched():
 def test_failed_factorisation_keeps_the_previous_inverse():
   params = {"w": jnp.ones((3, 2))}
   batch = {"x": jnp.array([[1.0, 2.0, 3.0]]), "y": jnp.array([1])}  # A has rank 1: singular.
-  est = kfac_jax.CurvatureEstimator(_models.softmax_loss(lambda p, x: x @ p["w"]), batch,
-                                    estimation_mode="empirical")
+  est = kfac_jax.CurvatureEstimator(
+    _models.softmax_loss(lambda p, x: x @ p["w"]), batch, estimation_mode="empirical"
+  )
   state = est.update_inverses(_update(est, params, batch), 0.5)
   again = jax.jit(lambda s: est.update_inverses(s, 0.0))(state)  # Cholesky of a singular A.
   for a, b in zip(jax.tree_util.tree_leaves(again.cache), jax.tree_util.tree_leaves(state.cache)):

@@ -30,8 +30,13 @@ def _run_fast(script, tmp_path, png_name, extra=()):
   else:
     env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, script, "--fast", "--no-progress", "--out", str(out), *extra],
-      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    [sys.executable, script, "--fast", "--no-progress", "--out", str(out), *extra],
+    cwd=str(tmp_path),
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output
   assert out.is_file() and out.stat().st_size > 1000, output
@@ -47,8 +52,12 @@ def test_autoencoder_demo_fast_with_a_time_budget(tmp_path):
   assert "falling back" in output  # the empty KFAC_DATA_DIR forced the digits fallback
   assert "1.5 s of timed steps each" in output, output
   for name in ("K-FAC", "Adam"):
-    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \| [0-9.]+ \| (\d+) \| [0-9.]+ \| "
-                    rf"[0-9.]+ \| ([0-9.]+) \|", stdout, re.M)
+    row = re.search(
+      rf"^\| {re.escape(name)} \| ([0-9.]+) \| [0-9.]+ \| (\d+) \| [0-9.]+ \| "
+      rf"[0-9.]+ \| ([0-9.]+) \|",
+      stdout,
+      re.M,
+    )
     assert row is not None, output
     assert float(row.group(1)) < 1e4, output  # finite and not diverged
     steps, seconds = int(row.group(2)), float(row.group(3))
@@ -90,9 +99,24 @@ def test_data_parallel_example_fast(tmp_path):
   env.pop("XLA_FLAGS", None)  # The example sets its own device count.
   out = tmp_path / "dp.png"
   proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "examples", "data_parallel.py"), "--fast",
-       "--devices", "4", "--batch-size", "128", "--no-progress", "--out", str(out)],
-      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      os.path.join(_ROOT, "examples", "data_parallel.py"),
+      "--fast",
+      "--devices",
+      "4",
+      "--batch-size",
+      "128",
+      "--no-progress",
+      "--out",
+      str(out),
+    ],
+    cwd=str(tmp_path),
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -118,8 +142,19 @@ def test_walkthrough_notebook_runs(tmp_path):
   env = dict(os.environ, MPLBACKEND="Agg")
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, "-c", _RUN_NOTEBOOK, os.path.join(_ROOT, "examples", "walkthrough.ipynb"),
-       str(tmp_path)], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      "-c",
+      _RUN_NOTEBOOK,
+      os.path.join(_ROOT, "examples", "walkthrough.ipynb"),
+      str(tmp_path),
+    ],
+    cwd=_ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output  # The notebook asserts K-FAC == exact Fisher itself.
   last, first = map(float, re.search(r"final loss (\S+) first (\S+)", proc.stdout).groups())
@@ -129,8 +164,9 @@ def test_walkthrough_notebook_runs(tmp_path):
 
 def test_transformer_lm_example_fast(tmp_path):
   """examples/transformer_lm.py: attention, LayerNorm, tied embeddings; K-FAC and Adam train."""
-  stdout, output = _run_fast(os.path.join(_ROOT, "examples", "transformer_lm.py"), tmp_path,
-                             "lm.png")
+  stdout, output = _run_fast(
+    os.path.join(_ROOT, "examples", "transformer_lm.py"), tmp_path, "lm.png"
+  )
   assert "MultiHeadDotProductAttention_0/query" in stdout, output
   # The tied table is one embedding layer used twice, not a generic fallback.
   assert re.search(r"^params/Embed_0\s+embedding\s+2\s+kron_indep", stdout, re.M), output

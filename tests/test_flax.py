@@ -19,7 +19,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _MLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = nn.tanh(nn.Dense(8)(x))
@@ -37,8 +36,7 @@ def _problem():
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, damping=1e-2, momentum=0.9,
-                     inverse_every=2)
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, damping=1e-2, momentum=0.9, inverse_every=2)
   return model, loss_fn, params, batch, tx
 
 
@@ -83,8 +81,9 @@ def test_train_state_equals_plain_loop_bit_for_bit(path):
     _assert_trees_equal(state.params, want_params)
     _assert_trees_equal(state.opt_state, want_opt)
   else:  # The statistics are computed inside tx.update: the same numbers up to rounding.
-    for a, b in zip(jax.tree_util.tree_leaves(state.params),
-                    jax.tree_util.tree_leaves(want_params)):
+    for a, b in zip(
+      jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want_params)
+    ):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert not np.allclose(state.params["Dense_0"]["kernel"], params["Dense_0"]["kernel"])
 
@@ -123,6 +122,7 @@ def test_overwrite_with_gradient_collection_is_refused():
 def test_import_kfac_jax_does_not_import_flax():
   code = "import sys, kfac_jax; assert 'flax' not in sys.modules, 'flax imported'"
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=ROOT, check=False)
+  out = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, check=False
+  )
   assert out.returncode == 0, out.stderr

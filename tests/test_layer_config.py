@@ -22,8 +22,9 @@ def _setup(n=6):
 
 
 def _estimator(loss_fn, batch, params, layers, **kw):
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers,
-                                    **kw)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, estimation_mode="empirical", layers=layers, **kw
+  )
   state = est.init(params)
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(state)
   return est, state
@@ -53,9 +54,16 @@ def test_diag_variants_match_their_definition(x64, approx):
   lam = 0.2
   layers = kfac_jax.LayerConfig(defaults={"dense": approx})
   for mode in ("factored", "eigen"):
-    est, state = _estimator(loss_fn, batch, params, layers, damping_mode=mode, exps=(-1, -0.5),
-                            compute_cholesky=mode == "factored",
-                            compute_cholesky_inverse=mode == "factored")
+    est, state = _estimator(
+      loss_fn,
+      batch,
+      params,
+      layers,
+      damping_mode=mode,
+      exps=(-1, -0.5),
+      compute_cholesky=mode == "factored",
+      compute_cholesky_inverse=mode == "factored",
+    )
     assert [b.spec.approx for b in est.blocks] == [approx, approx]
     assert type(est.blocks[0]) is kfac_jax.blocks.KroneckerBlock
     state = est.update_inverses(state, lam)
@@ -70,35 +78,41 @@ def test_diag_variants_match_their_definition(x64, approx):
       blocks.append(order(np.kron(a, g)))
       if mode == "factored":
         pi = np.sqrt((np.trace(a) / len(a)) / (np.trace(g) / len(g)))
-        damped_blocks.append(order(np.kron(a + pi * np.sqrt(lam) * np.eye(len(a)),
-                                           g + np.sqrt(lam) / pi * np.eye(len(g)))))
+        damped_blocks.append(
+          order(
+            np.kron(a + pi * np.sqrt(lam) * np.eye(len(a)), g + np.sqrt(lam) / pi * np.eye(len(g)))
+          )
+        )
       else:
         damped_blocks.append(order(np.kron(a, g) + lam * np.eye(len(a) * len(g))))
     undamped = scipy.linalg.block_diag(*blocks)
     damped = scipy.linalg.block_diag(*damped_blocks)
-    np.testing.assert_allclose(np.asarray(est.to_dense(state)), undamped, rtol=1e-10,
-                               atol=1e-12)
+    np.testing.assert_allclose(np.asarray(est.to_dense(state)), undamped, rtol=1e-10, atol=1e-12)
     mult = lambda fn: _basis_matrix(lambda v: fn(state, v), params)  # noqa: E731
     np.testing.assert_allclose(mult(est.multiply), damped, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(mult(est.multiply_inverse), np.linalg.inv(damped), rtol=1e-8,
-                               atol=1e-10)
+    np.testing.assert_allclose(
+      mult(est.multiply_inverse), np.linalg.inv(damped), rtol=1e-8, atol=1e-10
+    )
     half = mult(lambda s, v: est.multiply_matpower(s, v, -0.5))
     np.testing.assert_allclose(half @ half, np.linalg.inv(damped), rtol=1e-8, atol=1e-10)
     if mode == "factored":
       chol = mult(est.multiply_cholesky)
       np.testing.assert_allclose(chol @ chol.T, damped, rtol=1e-10, atol=1e-12)
-      np.testing.assert_allclose(mult(lambda s, v: est.multiply_cholesky(s, v, transpose=True)),
-                                 chol.T, atol=1e-12)
-      np.testing.assert_allclose(mult(est.multiply_cholesky_inverse) @ chol,
-                                 np.eye(len(damped)), atol=1e-8)
+      np.testing.assert_allclose(
+        mult(lambda s, v: est.multiply_cholesky(s, v, transpose=True)), chol.T, atol=1e-12
+      )
+      np.testing.assert_allclose(
+        mult(est.multiply_cholesky_inverse) @ chol, np.eye(len(damped)), atol=1e-8
+      )
 
 
 def test_diag_variant_state_is_smaller():
   params, batch, loss_fn = _setup()
   sizes = {}
   for approx in ("kron",) + _VARIANTS:
-    specs = kfac_jax.scan_layers(loss_fn, params, batch,
-                                 layers=kfac_jax.LayerConfig(defaults={"dense": approx}))
+    specs = kfac_jax.scan_layers(
+      loss_fn, params, batch, layers=kfac_jax.LayerConfig(defaults={"dense": approx})
+    )
     sizes[approx] = specs[0].factor_shapes
   assert sizes["kron"] == ((4, 4), (4, 4))
   assert sizes["kron_in_diag"] == ((4,), (4, 4))
@@ -111,8 +125,9 @@ def test_precedence_manual_tag_then_pattern_then_default():
 
   def loss_fn(p, b):
     h = jnp.tanh(b["x"] @ p["layer0"]["w"] + p["layer0"]["b"])
-    z = kfac_jax.register_dense(h @ p["layer1"]["w"] + p["layer1"]["b"], h, p["layer1"]["w"],
-                                p["layer1"]["b"], approx="full")
+    z = kfac_jax.register_dense(
+      h @ p["layer1"]["w"] + p["layer1"]["b"], h, p["layer1"]["w"], p["layer1"]["b"], approx="full"
+    )
     kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
 
@@ -122,8 +137,9 @@ def test_precedence_manual_tag_then_pattern_then_default():
   assert approxes(None) == ["kron", "full"]
   assert approxes(kfac_jax.LayerConfig(defaults={"dense": "diagonal"})) == ["diagonal", "full"]
   # The first matching pattern wins; the manual tag's explicit approx wins over every pattern.
-  layers = kfac_jax.LayerConfig(defaults={"dense": "diagonal"},
-                                overrides={"layer0/*": "kron_out_diag", "layer*": "kron"})
+  layers = kfac_jax.LayerConfig(
+    defaults={"dense": "diagonal"}, overrides={"layer0/*": "kron_out_diag", "layer*": "kron"}
+  )
   assert approxes(layers) == ["kron_out_diag", "full"]
   # A pattern may name the layer itself rather than one of its parameter paths.
   assert approxes(kfac_jax.LayerConfig(overrides={"layer0": "diagonal"})) == ["diagonal", "full"]
@@ -158,15 +174,19 @@ def test_linked_group_is_one_generic_block(x64):
   # One full block over every parameter: the exact empirical Fisher (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ.
   flat, unravel = ravel_pytree(params)
   per_example = lambda f: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
-      _models.jnp_mlp_apply(unravel(f), batch["x"]), batch["y"])
+    _models.jnp_mlp_apply(unravel(f), batch["x"]), batch["y"]
+  )
   jac = np.asarray(jax.jacobian(per_example)(flat))
-  np.testing.assert_allclose(np.asarray(est.to_dense(state)), jac.T @ jac / len(jac),
-                             rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(
+    np.asarray(est.to_dense(state)), jac.T @ jac / len(jac), rtol=1e-10, atol=1e-12
+  )
   # A "diagonal" group over one whole layer leaves the other layer's Kronecker block alone.
   layers = kfac_jax.LayerConfig(linked={("layer1/*",): "diagonal"})
   specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=layers)
   assert [(s.kind, s.approx, s.factor_shapes) for s in specs] == [
-      ("dense", "kron", ((4, 4), (4, 4))), ("generic", "diagonal", ((15,),))]
+    ("dense", "kron", ((4, 4), (4, 4))),
+    ("generic", "diagonal", ((15,),)),
+  ]
 
 
 def test_bad_layer_config_errors():
@@ -178,23 +198,34 @@ def test_bad_layer_config_errors():
   with pytest.raises(ValueError, match="not an approximation"):
     kfac_jax.LayerConfig(overrides={"layer0/*": "kronn"})
   # A valid approximation of another kind: the error names the layer and its parameters.
-  with pytest.raises(kfac_jax.RegistrationError,
-                     match=r"'kron_sua' does not fit the dense layer `layer0`.*layer0/w"):
-    kfac_jax.scan_layers(loss_fn, params, batch,
-                         layers=kfac_jax.LayerConfig(overrides={"layer0/*": "kron_sua"}))
+  with pytest.raises(
+    kfac_jax.RegistrationError, match=r"'kron_sua' does not fit the dense layer `layer0`.*layer0/w"
+  ):
+    kfac_jax.scan_layers(
+      loss_fn, params, batch, layers=kfac_jax.LayerConfig(overrides={"layer0/*": "kron_sua"})
+    )
   with pytest.raises(kfac_jax.RegistrationError, match="'encoder/\\*' matches no layer"):
-    kfac_jax.scan_layers(loss_fn, params, batch,
-                         layers=kfac_jax.LayerConfig(overrides={"encoder/*": "kron"}))
-  with pytest.raises(kfac_jax.RegistrationError,
-                     match=r"splits the dense layer `layer1`.*'layer1/w'.*not \['layer1/b'\]"):
-    kfac_jax.scan_layers(loss_fn, params, batch,
-                         layers=kfac_jax.LayerConfig(linked={("layer1/w",): "full"}))
+    kfac_jax.scan_layers(
+      loss_fn, params, batch, layers=kfac_jax.LayerConfig(overrides={"encoder/*": "kron"})
+    )
+  with pytest.raises(
+    kfac_jax.RegistrationError,
+    match=r"splits the dense layer `layer1`.*'layer1/w'.*not \['layer1/b'\]",
+  ):
+    kfac_jax.scan_layers(
+      loss_fn, params, batch, layers=kfac_jax.LayerConfig(linked={("layer1/w",): "full"})
+    )
   with pytest.raises(kfac_jax.RegistrationError, match="`layer0/b` is in two linked groups"):
-    kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
-        linked={("layer0/*",): "full", ("layer0/b",): "full"}))
+    kfac_jax.scan_layers(
+      loss_fn,
+      params,
+      batch,
+      layers=kfac_jax.LayerConfig(linked={("layer0/*",): "full", ("layer0/b",): "full"}),
+    )
   with pytest.raises(kfac_jax.RegistrationError, match="'nothing/\\*' of group"):
-    kfac_jax.scan_layers(loss_fn, params, batch,
-                         layers=kfac_jax.LayerConfig(linked={("nothing/*",): "full"}))
+    kfac_jax.scan_layers(
+      loss_fn, params, batch, layers=kfac_jax.LayerConfig(linked={("nothing/*",): "full"})
+    )
 
 
 def test_check_registration_lists_every_problem():
@@ -233,10 +264,17 @@ def _miscounted_tags():
   batch = {"x": jnp.ones((2, 4, 1)), "y": jnp.zeros((2,), jnp.int32)}
 
   def loss_fn(p, b):
-    conv = lambda x: jax.lax.conv_general_dilated(x, p["k"], (1,), "SAME", dimension_numbers=(
-        "NWC", "WIO", "NWC"))
-    h = kfac_jax.register_conv(conv(b["x"]), b["x"], p["k"], window_strides=(1,),
-                               padding=((0, 1),), dimension_numbers=("NWC", "WIO", "NWC"))
+    conv = lambda x: jax.lax.conv_general_dilated(
+      x, p["k"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+    )
+    h = kfac_jax.register_conv(
+      conv(b["x"]),
+      b["x"],
+      p["k"],
+      window_strides=(1,),
+      padding=((0, 1),),
+      dimension_numbers=("NWC", "WIO", "NWC"),
+    )
     h = conv(h[..., :1]).mean(1)
     h = kfac_jax.register_scale_and_shift(h * p["s"], h, p["s"])
     h = kfac_jax.register_dense(h @ p["w"], h, p["w"])
@@ -254,8 +292,9 @@ def test_check_registration_lists_wrong_use_counts_with_the_other_problems():
   problems = info.value.problems
   assert len(problems) == 4, problems
   assert "`k` is used 2 times in loss_fn but registered with 1 register_conv tag" in problems[0]
-  assert "`s` is used 2 times in loss_fn but registered with 1 register_scale_and_shift" in (
-      problems[1])
+  assert (
+    "`s` is used 2 times in loss_fn but registered with 1 register_scale_and_shift" in (problems[1])
+  )
   assert "`w` is used 2 times in loss_fn but registered with 1 register_dense tag" in problems[2]
   assert "`extra` is not in any layer" in problems[3]
   # Without collect, the scan stops at the first one.
@@ -268,10 +307,14 @@ def test_check_registration_lists_wrong_use_counts_with_the_other_problems():
 
 def _head_model(vocab, width=16, dtype=jnp.float32):
   k = jax.random.split(jax.random.key(3), 3)
-  params = {"emb": {"table": jax.random.normal(k[0], (50, width), dtype)},
-            "body": {"kernel": 0.3 * jax.random.normal(k[1], (width, width), dtype)},
-            "head": {"kernel": 0.3 * jax.random.normal(k[2], (width, vocab), dtype),
-                     "bias": jnp.zeros((vocab,), dtype)}}
+  params = {
+    "emb": {"table": jax.random.normal(k[0], (50, width), dtype)},
+    "body": {"kernel": 0.3 * jax.random.normal(k[1], (width, width), dtype)},
+    "head": {
+      "kernel": 0.3 * jax.random.normal(k[2], (width, vocab), dtype),
+      "bias": jnp.zeros((vocab,), dtype),
+    },
+  }
 
   def loss_fn(p, b):
     h = jnp.tanh(p["emb"]["table"][b["ids"]] @ p["body"]["kernel"])
@@ -280,8 +323,10 @@ def _head_model(vocab, width=16, dtype=jnp.float32):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   kb = jax.random.split(jax.random.key(4))
-  batch = {"ids": jax.random.randint(kb[0], (6,), 0, 50),
-           "y": jax.random.randint(kb[1], (6,), 0, vocab)}
+  batch = {
+    "ids": jax.random.randint(kb[0], (6,), 0, 50),
+    "y": jax.random.randint(kb[1], (6,), 0, vocab),
+  }
   return loss_fn, params, batch
 
 
@@ -301,8 +346,9 @@ def test_vocabulary_head_state_fits_next_to_the_model():
   table = kfac_jax.summary(loss_fn, params, batch)
   assert head.note in table and "x the parameters'" in table
   # Without the policy the output factor alone is 65,536² floats.
-  big = kfac_jax.scan_layers(loss_fn, params, batch,
-                             layers=kfac_jax.LayerConfig(max_factor_dim=None))
+  big = kfac_jax.scan_layers(
+    loss_fn, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=None)
+  )
   assert next(s for s in big if s.name == "head").factor_shapes[1] == (65_536, 65_536)
 
 
@@ -311,9 +357,9 @@ def test_size_policy_equals_the_explicit_approximation(x64):
   grads = jax.grad(loss_fn)(params, batch)
   out = {}
   for name, layers in [
-      ("policy", kfac_jax.LayerConfig(max_factor_dim=6)),
-      ("explicit", kfac_jax.LayerConfig(overrides={"head/*": "kron_out_diag"},
-                                        max_factor_dim=None))]:
+    ("policy", kfac_jax.LayerConfig(max_factor_dim=6)),
+    ("explicit", kfac_jax.LayerConfig(overrides={"head/*": "kron_out_diag"}, max_factor_dim=None)),
+  ]:
     est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
     state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
     state = est.update_inverses(state, damping=1e-2)
@@ -321,30 +367,43 @@ def test_size_policy_equals_the_explicit_approximation(x64):
   approx = {s.name: (s.approx, s.note) for s in out["policy"][0]}
   assert approx["head"][0] == "kron_out_diag" and "output side 7" in approx["head"][1]
   assert approx["body"] == ("kron", "")  # 4 + 0 and 4: under the limit.
-  for a, b in zip(jax.tree_util.tree_leaves(out["policy"][1]),
-                  jax.tree_util.tree_leaves(out["explicit"][1])):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(out["policy"][1]), jax.tree_util.tree_leaves(out["explicit"][1])
+  ):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_explicit_choices_win_over_the_size_policy():
   loss_fn, params, batch = _head_model(7, width=4)
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
-      overrides={"head/*": "kron"}, max_factor_dim=6))
+  specs = kfac_jax.scan_layers(
+    loss_fn,
+    params,
+    batch,
+    layers=kfac_jax.LayerConfig(overrides={"head/*": "kron"}, max_factor_dim=6),
+  )
   assert next(s for s in specs if s.name == "head").approx == "kron"
   # defaults are not per-layer choices: the policy still applies to them.
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
-      defaults={"dense": "kron_in_diag"}, max_factor_dim=6))
+  specs = kfac_jax.scan_layers(
+    loss_fn,
+    params,
+    batch,
+    layers=kfac_jax.LayerConfig(defaults={"dense": "kron_in_diag"}, max_factor_dim=6),
+  )
   assert next(s for s in specs if s.name == "head").approx == "kron_both_diag"
 
   def tagged(p, b):
     h = jnp.tanh(p["emb"]["table"][b["ids"]] @ p["body"]["kernel"])
-    logits = kfac_jax.register_dense(h @ p["head"]["kernel"] + p["head"]["bias"], h,
-                                     p["head"]["kernel"], p["head"]["bias"], approx="kron")
+    logits = kfac_jax.register_dense(
+      h @ p["head"]["kernel"] + p["head"]["bias"],
+      h,
+      p["head"]["kernel"],
+      p["head"]["bias"],
+      approx="kron",
+    )
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  specs = kfac_jax.scan_layers(tagged, params, batch,
-                               layers=kfac_jax.LayerConfig(max_factor_dim=6))
+  specs = kfac_jax.scan_layers(tagged, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=6))
   assert next(s for s in specs if s.name == "head").approx == "kron"
   with pytest.raises(ValueError, match="max_factor_dim"):
     kfac_jax.LayerConfig(max_factor_dim=0)
@@ -352,42 +411,55 @@ def test_explicit_choices_win_over_the_size_policy():
 
 def test_size_policy_for_conv_embedding_and_full_blocks():
   k = jax.random.split(jax.random.key(5), 4)
-  params = {"emb": jax.random.normal(k[0], (5, 9)),
-            "conv": {"kernel": jax.random.normal(k[1], (1, 1, 9, 12)), "bias": jnp.zeros(12)},
-            "norm": {"scale": jnp.ones((3, 12)), "bias": jnp.zeros((3, 12))}}
+  params = {
+    "emb": jax.random.normal(k[0], (5, 9)),
+    "conv": {"kernel": jax.random.normal(k[1], (1, 1, 9, 12)), "bias": jnp.zeros(12)},
+    "norm": {"scale": jnp.ones((3, 12)), "bias": jnp.zeros((3, 12))},
+  }
 
   def loss_fn(p, b):
     x = p["emb"][b["ids"]][:, :, None, :]  # [N, 3, 1, 9]
-    y = jax.lax.conv_general_dilated(x, p["conv"]["kernel"], (1, 1), "VALID",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["conv"]["bias"]
+    y = (
+      jax.lax.conv_general_dilated(
+        x, p["conv"]["kernel"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      )
+      + p["conv"]["bias"]
+    )
     y = y[:, :, 0, :]
     y = y * p["norm"]["scale"] + p["norm"]["bias"]
     logits = y.mean(axis=1)
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  batch = {"ids": jax.random.randint(k[2], (4, 3), 0, 5),
-           "y": jax.random.randint(k[3], (4,), 0, 12)}
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True,
-                               layers=kfac_jax.LayerConfig(max_factor_dim=8))
+  batch = {
+    "ids": jax.random.randint(k[2], (4, 3), 0, 5),
+    "y": jax.random.randint(k[3], (4,), 0, 12),
+  }
+  specs = kfac_jax.scan_layers(
+    loss_fn, params, batch, strict=True, layers=kfac_jax.LayerConfig(max_factor_dim=8)
+  )
   got = {s.name: (s.kind, s.approx, s.factor_shapes) for s in specs}
   assert got["emb"] == ("embedding", "kron_out_diag", ((5,), (9,)))
   assert got["conv"] == ("conv", "kron_both_diag", ((10,), (12,)))
   assert got["norm"] == ("scale_and_shift", "diagonal", ((72,),))
   assert all("max_factor_dim 8" in s.note for s in specs)
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3,
-                              layers=kfac_jax.LayerConfig(max_factor_dim=8))
+  tx = kfac_jax.scale_by_kfac(
+    loss_fn, batch, damping=1e-3, layers=kfac_jax.LayerConfig(max_factor_dim=8)
+  )
   state = tx.init(params)
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
   updates, _ = jax.jit(lambda g, s, st: tx.update(g, s, params, curvature_stats=st))(
-      grads, state, stats)
+    grads, state, stats
+  )
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree_util.tree_leaves(updates))
 
 
 def test_positional_table_gets_a_diagonal_block():
   k = jax.random.split(jax.random.key(6), 3)
-  params = {"pos": 0.1 * jax.random.normal(k[0], (1, 5, 4)),
-            "head": {"kernel": jax.random.normal(k[1], (4, 3))}}
+  params = {
+    "pos": 0.1 * jax.random.normal(k[0], (1, 5, 4)),
+    "head": {"kernel": jax.random.normal(k[1], (4, 3))},
+  }
 
   def loss_fn(p, b):
     h = b["x"] + p["pos"]  # A learned positional embedding (ViT, lm1b).
@@ -402,8 +474,9 @@ def test_positional_table_gets_a_diagonal_block():
   assert "positional" in pos.note
   assert pos.note in kfac_jax.summary(loss_fn, params, batch)
   # Asked for by name, the full block is kept.
-  specs = kfac_jax.scan_layers(loss_fn, params, batch,
-                               layers=kfac_jax.LayerConfig(overrides={"pos": "full"}))
+  specs = kfac_jax.scan_layers(
+    loss_fn, params, batch, layers=kfac_jax.LayerConfig(overrides={"pos": "full"})
+  )
   pos = next(s for s in specs if s.param_paths == ("pos",))
   assert (pos.approx, pos.factor_shapes, pos.note) == ("full", ((20, 20),), "")
 
@@ -423,12 +496,17 @@ def test_size_policy_for_a_shared_layer():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   batch = {"x": jax.random.normal(k[2], (2, 4)), "y": jnp.zeros((2, 3), jnp.int32)}
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True,
-                               layers=kfac_jax.LayerConfig(max_factor_dim=8))
+  specs = kfac_jax.scan_layers(
+    loss_fn, params, batch, strict=True, layers=kfac_jax.LayerConfig(max_factor_dim=8)
+  )
   got = {s.param_paths: (s.num_uses, s.approx, s.factor_shapes) for s in specs}
   assert got[("cell",)] == (3, "kron_indep", ((4, 4), (4, 4)))
   assert got[("out",)] == (3, "diagonal", ((36,),))
   assert "max_factor_dim 8" in next(s.note for s in specs if s.param_paths == ("out",))
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=kfac_jax.LayerConfig(
-      overrides={"out": "kron_indep"}, max_factor_dim=8))
+  specs = kfac_jax.scan_layers(
+    loss_fn,
+    params,
+    batch,
+    layers=kfac_jax.LayerConfig(overrides={"out": "kron_indep"}, max_factor_dim=8),
+  )
   assert next(s.approx for s in specs if s.param_paths == ("out",)) == "kron_indep"

@@ -53,8 +53,12 @@ def test_one_by_one_conv_equals_dense(x64):
   b = jax.random.normal(k[3], (3,), jnp.float64)
 
   def conv_loss(p, batch):
-    out = lax.conv_general_dilated(batch["x"], p["w"], (1, 1), "VALID",
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+    out = (
+      lax.conv_general_dilated(
+        batch["x"], p["w"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      )
+      + p["b"]
+    )
     return _ce(out, batch["y"])
 
   def dense_loss(p, batch):
@@ -73,18 +77,47 @@ def test_one_by_one_conv_equals_dense(x64):
 
 # Each case has one output location, so K-FAC for one example is the exact outer product.
 _CONV_CASES = {
-    "1d_dilated": dict(x=(1, 5, 2), k=(3, 2, 4), strides=(1,), padding="VALID",
-                       rhs_dilation=(2,), dn=("NWC", "WIO", "NWC")),
-    "1d_lhs_dilated": dict(x=(1, 2, 3), k=(3, 3, 2), strides=(1,), padding=((0, 0),),
-                           lhs_dilation=(2,), dn=("NWC", "WIO", "NWC")),
-    "2d_strided_same": dict(x=(1, 2, 2, 3), k=(3, 3, 3, 2), strides=(2, 2), padding="SAME",
-                            dn=("NHWC", "HWIO", "NHWC")),
-    "2d_dilated_nchw": dict(x=(1, 2, 3, 3), k=(3, 2, 2, 2), strides=(1, 1), padding="VALID",
-                            rhs_dilation=(2, 2), dn=("NCHW", "OIHW", "NCHW")),
-    "2d_explicit_pad": dict(x=(1, 3, 2, 2), k=(2, 2, 3, 3), strides=(2, 1),
-                            padding=((1, 0), (0, 0)), dn=("NCHW", "HWIO", "NHWC")),
-    "3d": dict(x=(1, 2, 2, 2, 2), k=(2, 2, 2, 2, 3), strides=(1, 1, 1), padding="VALID",
-               dn=("NDHWC", "DHWIO", "NDHWC")),
+  "1d_dilated": dict(
+    x=(1, 5, 2),
+    k=(3, 2, 4),
+    strides=(1,),
+    padding="VALID",
+    rhs_dilation=(2,),
+    dn=("NWC", "WIO", "NWC"),
+  ),
+  "1d_lhs_dilated": dict(
+    x=(1, 2, 3),
+    k=(3, 3, 2),
+    strides=(1,),
+    padding=((0, 0),),
+    lhs_dilation=(2,),
+    dn=("NWC", "WIO", "NWC"),
+  ),
+  "2d_strided_same": dict(
+    x=(1, 2, 2, 3), k=(3, 3, 3, 2), strides=(2, 2), padding="SAME", dn=("NHWC", "HWIO", "NHWC")
+  ),
+  "2d_dilated_nchw": dict(
+    x=(1, 2, 3, 3),
+    k=(3, 2, 2, 2),
+    strides=(1, 1),
+    padding="VALID",
+    rhs_dilation=(2, 2),
+    dn=("NCHW", "OIHW", "NCHW"),
+  ),
+  "2d_explicit_pad": dict(
+    x=(1, 3, 2, 2),
+    k=(2, 2, 3, 3),
+    strides=(2, 1),
+    padding=((1, 0), (0, 0)),
+    dn=("NCHW", "HWIO", "NHWC"),
+  ),
+  "3d": dict(
+    x=(1, 2, 2, 2, 2),
+    k=(2, 2, 2, 2, 3),
+    strides=(1, 1, 1),
+    padding="VALID",
+    dn=("NDHWC", "DHWIO", "NDHWC"),
+  ),
 }
 
 
@@ -93,13 +126,21 @@ def test_conv_single_location_equals_gradient_outer_product(x64, case):
   c = _CONV_CASES[case]
   k = jax.random.split(jax.random.key(1), 3)
   x = jax.random.normal(k[0], c["x"], jnp.float64)
-  params = {"w": jax.random.normal(k[1], c["k"], jnp.float64),
-            "b": jax.random.normal(k[2], (c["k"][c["dn"][1].index("O")],), jnp.float64)}
+  params = {
+    "w": jax.random.normal(k[1], c["k"], jnp.float64),
+    "b": jax.random.normal(k[2], (c["k"][c["dn"][1].index("O")],), jnp.float64),
+  }
 
   def loss_fn(p, batch):
     out = lax.conv_general_dilated(
-        batch["x"], p["w"], c["strides"], c["padding"], lhs_dilation=c.get("lhs_dilation"),
-        rhs_dilation=c.get("rhs_dilation"), dimension_numbers=c["dn"])
+      batch["x"],
+      p["w"],
+      c["strides"],
+      c["padding"],
+      lhs_dilation=c.get("lhs_dilation"),
+      rhs_dilation=c.get("rhs_dilation"),
+      dimension_numbers=c["dn"],
+    )
     feat = c["dn"][2].index("C")
     assert np.prod(out.shape) == out.shape[feat], out.shape  # One output location.
     bias_shape = [1] * out.ndim
@@ -117,26 +158,36 @@ def test_conv_single_location_equals_gradient_outer_product(x64, case):
 
 def _conv_model(approx=None, groups=1, cin=4, cout=4, bias=True, use_tag=True):
   """A strided 2-d conv (NHWC, SAME) then a dense readout, the conv optionally tagged by hand."""
+
   def apply(p, x):
-    kw = dict(window_strides=(2, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-              feature_group_count=groups)
+    kw = dict(
+      window_strides=(2, 1),
+      padding="SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=groups,
+    )
     y = lax.conv_general_dilated(x, p["conv"]["w"], **kw)
     if bias:
       y = y + p["conv"]["b"]
     if use_tag:
-      y = kfac_jax.register_conv(y, x, p["conv"]["w"], p["conv"]["b"] if bias else None,
-                                 approx=approx, **kw)
+      y = kfac_jax.register_conv(
+        y, x, p["conv"]["w"], p["conv"]["b"] if bias else None, approx=approx, **kw
+      )
     return jnp.tanh(y).reshape(x.shape[0], -1) @ p["out"]["w"]
 
   k = jax.random.split(jax.random.key(2), 3)
-  params = {"conv": {"w": 0.5 * jax.random.normal(k[0], (2, 3, cin // groups, cout))},
-            "out": {"w": jax.random.normal(k[1], (2 * 3 * cout, 3)) / 5}}
+  params = {
+    "conv": {"w": 0.5 * jax.random.normal(k[0], (2, 3, cin // groups, cout))},
+    "out": {"w": jax.random.normal(k[1], (2 * 3 * cout, 3)) / 5},
+  }
   if bias:
     params["conv"]["b"] = 0.1 * jax.random.normal(k[2], (cout,))
   params = jax.tree_util.tree_map(lambda v: v.astype(jnp.float64), params)
   kx, ky = jax.random.split(jax.random.key(3))
-  batch = {"x": jax.random.normal(kx, (3, 4, 3, cin), jnp.float64),
-           "y": jax.random.randint(ky, (3,), 0, 3)}
+  batch = {
+    "x": jax.random.normal(kx, (3, 4, 3, cin), jnp.float64),
+    "y": jax.random.randint(ky, (3,), 0, 3),
+  }
   return apply, params, batch
 
 
@@ -165,7 +216,7 @@ def _patches_brute_force(x, kh, kw, stride, pads):
   for i in range(n):
     for oh in range(0, xp.shape[1] - kh + 1, stride[0]):
       for ow in range(0, xp.shape[2] - kw + 1, stride[1]):
-        win = xp[i, oh:oh + kh, ow:ow + kw, :]  # [kh, kw, C]
+        win = xp[i, oh : oh + kh, ow : ow + kw, :]  # [kh, kw, C]
         rows.append(win.transpose(2, 0, 1).reshape(-1))
   return np.stack(rows)
 
@@ -185,8 +236,9 @@ def test_conv_kron_sua_factor_by_definition(x64):
   apply, params, batch = _conv_model("kron_sua")
   loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
   est, state, _ = _estimate(loss_fn, params, batch)
-  est_k, state_k, _ = _estimate(lambda p, b: _ce(_conv_model("kron")[0](p, b["x"]), b["y"]),
-                                params, batch)
+  est_k, state_k, _ = _estimate(
+    lambda p, b: _ce(_conv_model("kron")[0](p, b["x"]), b["y"]), params, batch
+  )
   f, fk = state.factors[est.layers[0].name], state_k.factors[est_k.layers[0].name]
   np.testing.assert_allclose(f["g"], fk["g"], rtol=1e-12)  # Same output factor as "kron".
   a = np.asarray(batch["x"]).reshape(-1, 4)  # All input locations of all examples.
@@ -210,21 +262,33 @@ def test_depthwise_conv_defaults_to_exact_diagonal(x64):
   _, _, dense = _estimate(loss_fn, params, batch)
   exact = _exact_empirical(lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]), params, batch)
   n = _conv_block(params, dense).shape[0]
-  np.testing.assert_allclose(_conv_block(params, dense), np.diag(np.diag(exact[:n, :n])),
-                             rtol=1e-10, atol=1e-13)
+  np.testing.assert_allclose(
+    _conv_block(params, dense), np.diag(np.diag(exact[:n, :n])), rtol=1e-10, atol=1e-13
+  )
 
 
 def test_grouped_conv_per_group_kronecker_single_example(x64):
   """Batch 1, one output location: each group's block is that group's exact outer product."""
   groups, cin, cout = 2, 4, 6
   k = jax.random.split(jax.random.key(5), 3)
-  params = {"w": jax.random.normal(k[0], (2, 2, cin // groups, cout), jnp.float64),
-            "b": jax.random.normal(k[1], (cout,), jnp.float64)}
+  params = {
+    "w": jax.random.normal(k[0], (2, 2, cin // groups, cout), jnp.float64),
+    "b": jax.random.normal(k[1], (cout,), jnp.float64),
+  }
   batch = {"x": jax.random.normal(k[2], (1, 2, 2, cin), jnp.float64), "y": jnp.array([2])}
 
   def loss_fn(p, b):
-    y = lax.conv_general_dilated(b["x"], p["w"], (1, 1), "VALID", feature_group_count=groups,
-                                 dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+    y = (
+      lax.conv_general_dilated(
+        b["x"],
+        p["w"],
+        (1, 1),
+        "VALID",
+        feature_group_count=groups,
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      )
+      + p["b"]
+    )
     return _ce(y.reshape(1, -1), b["y"])
 
   est, _, dense = _estimate(loss_fn, params, batch)
@@ -239,7 +303,6 @@ def test_grouped_conv_per_group_kronecker_single_example(x64):
 
 
 class _NormMLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(5)(x)
@@ -250,11 +313,14 @@ class _NormMLP(nn.Module):
 @pytest.mark.parametrize("approx", ["full", "diagonal"])
 def test_scale_and_shift_equals_exact_fisher_block(x64, approx):
   kx, ky = jax.random.split(jax.random.key(0))
-  batch = {"x": jax.random.normal(kx, (4, 2, 3), jnp.float64),  # A time axis, too.
-           "y": jax.random.randint(ky, (4, 2), 0, 3)}
+  batch = {
+    "x": jax.random.normal(kx, (4, 2, 3), jnp.float64),  # A time axis, too.
+    "y": jax.random.randint(ky, (4, 2), 0, 3),
+  }
   model = _NormMLP()
-  params = jax.tree_util.tree_map(lambda v: v.astype(jnp.float64),
-                                  model.init(jax.random.key(1), batch["x"]))
+  params = jax.tree_util.tree_map(
+    lambda v: v.astype(jnp.float64), model.init(jax.random.key(1), batch["x"])
+  )
   params = jax.tree_util.tree_map(lambda v: v + 0.3, params)  # Non-trivial scale and bias.
 
   def per_example(p, b):
@@ -266,17 +332,21 @@ def test_scale_and_shift_equals_exact_fisher_block(x64, approx):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).sum(-1).mean()
 
   if approx == "diagonal":  # The same layer, tagged by hand.
+
     def apply(p, x):
       h = x @ p["params"]["Dense_0"]["kernel"] + p["params"]["Dense_0"]["bias"]
       mean = h.mean(-1, keepdims=True)
       xhat = (h - mean) * lax.rsqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-6)
       ln = p["params"]["LayerNorm_0"]
-      h = kfac_jax.register_scale_and_shift(xhat * ln["scale"] + ln["bias"], xhat, ln["scale"],
-                                            ln["bias"], approx="diagonal")
+      h = kfac_jax.register_scale_and_shift(
+        xhat * ln["scale"] + ln["bias"], xhat, ln["scale"], ln["bias"], approx="diagonal"
+      )
       d = p["params"]["Dense_1"]
       return jnp.tanh(h) @ d["kernel"] + d["bias"]
-    np.testing.assert_allclose(apply(params, batch["x"]), model.apply(params, batch["x"]),
-                               rtol=1e-6)
+
+    np.testing.assert_allclose(
+      apply(params, batch["x"]), model.apply(params, batch["x"]), rtol=1e-6
+    )
     per_example = lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]).sum(-1)
     loss_fn = lambda p, b: _ce_seq(apply(p, b["x"]), b["y"])
 
@@ -303,8 +373,10 @@ def _ce_seq(logits, y):
 
 def test_embedding_one_id_equals_gradient_outer_product(x64):
   k = jax.random.split(jax.random.key(0), 2)
-  params = {"table": jax.random.normal(k[0], (6, 3), jnp.float64),
-            "w": jax.random.normal(k[1], (3, 4), jnp.float64)}
+  params = {
+    "table": jax.random.normal(k[0], (6, 3), jnp.float64),
+    "w": jax.random.normal(k[1], (3, 4), jnp.float64),
+  }
 
   def loss_fn(p, b):
     return _ce(jnp.take(p["table"], b["ids"], axis=0) @ p["w"], b["y"])
@@ -350,11 +422,11 @@ def test_embedding_inverse_is_inverse_of_damped_block(x64, damping_mode):
   batch = {"ids": jnp.array([[0, 1], [1, 3], [4, 4]]), "y": jnp.array([[0, 1], [2, 1], [0, 0]])}
 
   def loss_fn(p, b):
-    return _ce_seq(kfac_jax.register_embedding(p["table"][b["ids"]], b["ids"], p["table"]),
-                   b["y"])
+    return _ce_seq(kfac_jax.register_embedding(p["table"][b["ids"]], b["ids"], p["table"]), b["y"])
 
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, damping_mode=damping_mode,
-                                    compute_cholesky=True, compute_cholesky_inverse=True)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, damping_mode=damping_mode, compute_cholesky=True, compute_cholesky_inverse=True
+  )
   state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
   state = est.update_inverses(state, 0.1)
   v = {"table": jax.random.normal(jax.random.key(2), (5, 3), jnp.float64)}
@@ -368,7 +440,6 @@ def test_embedding_inverse_is_inverse_of_damped_block(x64, damping_mode):
 
 
 class _LinenAll(nn.Module):
-
   @nn.compact
   def __call__(self, x, ids, train: bool = True):
     h = nn.Conv(4, (3, 3), strides=2, padding="SAME", name="conv")(x)
@@ -382,21 +453,24 @@ class _LinenAll(nn.Module):
 
 
 _EXPECTED = [
-    ("bn", "scale_and_shift", ("scale", "bias")),
-    ("conv", "conv", ("kernel", "bias")),
-    ("dw", "conv", ("kernel", "bias")),
-    ("emb", "embedding", ("embedding",)),
-    ("gn", "scale_and_shift", ("scale", "bias")),
-    ("ln", "scale_and_shift", ("scale", "bias")),
-    ("out", "dense", ("kernel", "bias")),
-    ("rms", "scale_and_shift", ("scale",)),
+  ("bn", "scale_and_shift", ("scale", "bias")),
+  ("conv", "conv", ("kernel", "bias")),
+  ("dw", "conv", ("kernel", "bias")),
+  ("emb", "embedding", ("embedding",)),
+  ("gn", "scale_and_shift", ("scale", "bias")),
+  ("ln", "scale_and_shift", ("scale", "bias")),
+  ("out", "dense", ("kernel", "bias")),
+  ("rms", "scale_and_shift", ("scale",)),
 ]
 
 
 def _flax_batch():
   kx, ky = jax.random.split(jax.random.key(0))
-  return {"x": jax.random.normal(kx, (2, 5, 5, 3)), "ids": jnp.array([3, 7]),
-          "y": jax.random.randint(ky, (2,), 0, 3)}
+  return {
+    "x": jax.random.normal(kx, (2, 5, 5, 3)),
+    "ids": jnp.array([3, 7]),
+    "y": jax.random.randint(ky, (2,), 0, 3),
+  }
 
 
 def test_scanner_finds_linen_layers():
@@ -404,8 +478,12 @@ def test_scanner_finds_linen_layers():
   variables = model.init(jax.random.key(1), batch["x"], batch["ids"])
 
   def loss_fn(params, b):
-    logits, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
-                            b["x"], b["ids"], mutable=["batch_stats"])
+    logits, _ = model.apply(
+      {"params": params, "batch_stats": variables["batch_stats"]},
+      b["x"],
+      b["ids"],
+      mutable=["batch_stats"],
+    )
     return _ce(logits, b["y"])
 
   layers = kfac_jax.scan_layers(loss_fn, variables["params"], batch, strict=True)
@@ -415,7 +493,6 @@ def test_scanner_finds_linen_layers():
 
 
 class _NnxAll(nnx.Module):
-
   def __init__(self, rngs):
     self.conv = nnx.Conv(3, 4, (3, 3), strides=2, padding="SAME", rngs=rngs)
     self.ln = nnx.LayerNorm(4, rngs=rngs)
@@ -441,15 +518,15 @@ def test_scanner_finds_nnx_layers():
 
   layers = kfac_jax.scan_layers(loss_fn, params, _flax_batch(), strict=True)
   got = [(l.name, l.kind, tuple(p.rsplit("/", 1)[1] for p in l.param_paths)) for l in layers]
-  assert sorted(got) == [(n, k, tuple("embedding" if p == "embedding" else p for p in ps))
-                         for n, k, ps in _EXPECTED]
+  assert sorted(got) == [
+    (n, k, tuple("embedding" if p == "embedding" else p for p in ps)) for n, k, ps in _EXPECTED
+  ]
 
 
 # -- a full step -----------------------------------------------------------------------------------
 
 
 class _SmallCNN(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     h = nn.Conv(4, (3, 3), padding="SAME")(x)
@@ -477,8 +554,10 @@ def test_jitted_kfac_step_on_small_cnn_is_a_descent_direction():
     loss, grads, updates, state = step(params, state, jax.random.key(2))
   kinds = sorted(l.kind for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
   assert kinds == ["conv", "conv", "dense", "scale_and_shift"]
-  inner = sum(jnp.vdot(g, u) for g, u in zip(jax.tree_util.tree_leaves(grads),
-                                             jax.tree_util.tree_leaves(updates)))
+  inner = sum(
+    jnp.vdot(g, u)
+    for g, u in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(updates))
+  )
   assert np.isfinite(float(loss)) and float(inner) < 0
   new_loss = loss_fn(optax.apply_updates(params, updates), batch)
   assert float(new_loss) < float(loss)
@@ -501,10 +580,18 @@ def test_approx_that_does_not_fit_the_kind_names_the_parameter():
   conv_p = {"w": jnp.ones((1, 1, 2, 2))}
 
   def conv_loss(p, b):
-    y = lax.conv_general_dilated(b["x"], p["w"], (1, 1), "VALID",
-                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    y = kfac_jax.register_conv(y, b["x"], p["w"], window_strides=(1, 1), padding="VALID",
-                               dimension_numbers=("NHWC", "HWIO", "NHWC"), approx="eigen")
+    y = lax.conv_general_dilated(
+      b["x"], p["w"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    y = kfac_jax.register_conv(
+      y,
+      b["x"],
+      p["w"],
+      window_strides=(1, 1),
+      padding="VALID",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      approx="eigen",
+    )
     return _ce(y.reshape(2, -1), b["y"])
 
   with pytest.raises(kfac_jax.RegistrationError, match=r"'eigen'.*conv.*`?w"):
@@ -515,14 +602,16 @@ def test_malformed_manual_tags():
   x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
   dn = ("NHWC", "HWIO", "NHWC")
   y = lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=dn)
-  with pytest.raises(ValueError,
-                     match=r"register_conv: `y` has shape \(2, 3, 3, 4\).*\(2, 5, 5, 4\)"):
+  with pytest.raises(
+    ValueError, match=r"register_conv: `y` has shape \(2, 3, 3, 4\).*\(2, 5, 5, 4\)"
+  ):
     kfac_jax.register_conv(y, x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=dn)
   with pytest.raises(ValueError, match="register_conv: `window_strides` must be 2 positive"):
     kfac_jax.register_conv(y, x, w, window_strides=(1,), padding="VALID", dimension_numbers=dn)
   with pytest.raises(ValueError, match=r"register_conv: `bias` has shape \(3,\), expected \(4,\)"):
-    kfac_jax.register_conv(y, x, w, jnp.ones(3), window_strides=(1, 1), padding="VALID",
-                           dimension_numbers=dn)
+    kfac_jax.register_conv(
+      y, x, w, jnp.ones(3), window_strides=(1, 1), padding="VALID", dimension_numbers=dn
+    )
   with pytest.raises(ValueError, match="register_scale_and_shift: give `scale`, `shift`"):
     kfac_jax.register_scale_and_shift(y, y)
   with pytest.raises(ValueError, match=r"register_scale_and_shift: `scale` has shape \(3,\)"):
@@ -534,19 +623,27 @@ def test_malformed_manual_tags():
 
   def loss_fn(p, b):  # The kernel is not a parameter.
     out = lax.conv_general_dilated(b["x"], b["w"], (1, 1), "VALID", dimension_numbers=dn)
-    out = kfac_jax.register_conv(out, b["x"], b["w"], window_strides=(1, 1), padding="VALID",
-                                 dimension_numbers=dn)
+    out = kfac_jax.register_conv(
+      out, b["x"], b["w"], window_strides=(1, 1), padding="VALID", dimension_numbers=dn
+    )
     return _ce(out.reshape(2, -1) @ p["v"], b["y"])
 
   with pytest.raises(kfac_jax.RegistrationError, match="register_conv: `kernel` is not a param"):
-    kfac_jax.scan_layers(loss_fn, {"v": jnp.ones((36, 2))},
-                         {"x": x, "w": w, "y": jnp.array([0, 1])})
+    kfac_jax.scan_layers(
+      loss_fn, {"v": jnp.ones((36, 2))}, {"x": x, "w": w, "y": jnp.array([0, 1])}
+    )
 
 
 def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
   k = jax.random.split(jax.random.key(0), 2)
-  params = {"w": jax.random.normal(k[0], (3, 4)), "b": jnp.zeros(4), "s": jnp.ones(4),
-            "t": jnp.zeros(4), "u": jnp.zeros((5, 4)), "alpha": jnp.ones(())}
+  params = {
+    "w": jax.random.normal(k[0], (3, 4)),
+    "b": jnp.zeros(4),
+    "s": jnp.ones(4),
+    "t": jnp.zeros(4),
+    "u": jnp.zeros((5, 4)),
+    "alpha": jnp.ones(()),
+  }
 
   def loss_fn(p, b):
     h = b["x"] @ p["w"] + p["b"]  # A dense layer with its bias.
@@ -558,19 +655,25 @@ def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
   batch = {"x": jax.random.normal(k[1], (2, 5, 3)), "y": jnp.zeros((2, 5), jnp.int32)}
   layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   got = sorted((l.kind, l.param_paths, getattr(l.info, "feature_shape", None)) for l in layers)
-  assert got == [("dense", ("w", "b"), None),
-                 ("scale_and_shift", ("alpha",), ()),
-                 ("scale_and_shift", ("s", "t"), (4,)),
-                 ("scale_and_shift", ("u",), (5, 4))]
+  assert got == [
+    ("dense", ("w", "b"), None),
+    ("scale_and_shift", ("alpha",), ()),
+    ("scale_and_shift", ("s", "t"), (4,)),
+    ("scale_and_shift", ("u",), (5, 4)),
+  ]
 
 
 @pytest.mark.parametrize("approx", ["diagonal", "full"])
 def test_dense_diagonal_and_full_equal_exact_empirical_fisher(x64, approx):
   k = jax.random.split(jax.random.key(4), 4)
-  params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64),
-            "b": jax.random.normal(k[1], (4,), jnp.float64)}
-  batch = {"x": jax.random.normal(k[2], (3, 2, 3), jnp.float64),
-           "y": jax.random.randint(k[3], (3, 2), 0, 4)}
+  params = {
+    "w": jax.random.normal(k[0], (3, 4), jnp.float64),
+    "b": jax.random.normal(k[1], (4,), jnp.float64),
+  }
+  batch = {
+    "x": jax.random.normal(k[2], (3, 2, 3), jnp.float64),
+    "y": jax.random.randint(k[3], (3, 2), 0, 4),
+  }
 
   def apply(p, x):
     return kfac_jax.register_dense(x @ p["w"] + p["b"], x, p["w"], p["b"], approx=approx)
@@ -578,7 +681,8 @@ def test_dense_diagonal_and_full_equal_exact_empirical_fisher(x64, approx):
   est, _, dense = _estimate(lambda p, b: _ce_seq(apply(p, b["x"]), b["y"]), params, batch)
   assert est.layers[0].approx == approx
   exact = _exact_empirical(
-      lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]).sum(-1), params, batch)
+    lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]).sum(-1), params, batch
+  )
   want = exact if approx == "full" else np.diag(np.diag(exact))
   np.testing.assert_allclose(dense, want, rtol=1e-10, atol=1e-13)
 
@@ -588,17 +692,22 @@ def test_dense_diagonal_and_full_equal_exact_empirical_fisher(x64, approx):
 def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
   apply, params, batch = _conv_model(approx, groups=2, cin=4, cout=6)
   loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, damping_mode=damping_mode,
-                                    compute_cholesky=True, compute_cholesky_inverse=True)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, damping_mode=damping_mode, compute_cholesky=True, compute_cholesky_inverse=True
+  )
   state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
   assert est.layers[0].factor_shapes[1] == (2, 3, 3)
   state = est.update_inverses(state, 0.05)
-  v = jax.tree_util.tree_map(lambda p: jax.random.normal(jax.random.key(7), p.shape, p.dtype),
-                             params)
-  for back in (est.multiply(state, est.multiply_inverse(state, v)),
-               est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v)),
-               est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v, transpose=True),
-                                             transpose=True)):
+  v = jax.tree_util.tree_map(
+    lambda p: jax.random.normal(jax.random.key(7), p.shape, p.dtype), params
+  )
+  for back in (
+    est.multiply(state, est.multiply_inverse(state, v)),
+    est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v)),
+    est.multiply_cholesky_inverse(
+      state, est.multiply_cholesky(state, v, transpose=True), transpose=True
+    ),
+  ):
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(v)):
       np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-9)
   if damping_mode == "eigen":  # The damped block is exactly to_dense + λ I.
@@ -633,9 +742,11 @@ def _any_batch_model(kind):
   """(logits_fn, params, make_batch(n, key)) with one `kind` layer feeding a dense head."""
   k = jax.random.split(jax.random.key(7), 4)
   if kind == "dense":
-    params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64),
-              "b": jax.random.normal(k[1], (4,), jnp.float64),
-              "h": jax.random.normal(k[2], (4, 3), jnp.float64)}
+    params = {
+      "w": jax.random.normal(k[0], (3, 4), jnp.float64),
+      "b": jax.random.normal(k[1], (4,), jnp.float64),
+      "h": jax.random.normal(k[2], (4, 3), jnp.float64),
+    }
 
     def logits_fn(p, b):
       return jnp.tanh(b["x"] @ p["w"] + p["b"]) @ p["h"]
@@ -643,20 +754,28 @@ def _any_batch_model(kind):
     def make(n, key):
       return {"x": jax.random.normal(key, (n, 3), jnp.float64)}
   elif kind == "conv":
-    params = {"k": 0.5 * jax.random.normal(k[0], (2, 2, 2, 2), jnp.float64),
-              "b": jax.random.normal(k[1], (2,), jnp.float64),
-              "h": jax.random.normal(k[2], (2, 3), jnp.float64)}
+    params = {
+      "k": 0.5 * jax.random.normal(k[0], (2, 2, 2, 2), jnp.float64),
+      "b": jax.random.normal(k[1], (2,), jnp.float64),
+      "h": jax.random.normal(k[2], (2, 3), jnp.float64),
+    }
 
     def logits_fn(p, b):
-      y = lax.conv_general_dilated(b["x"], p["k"], (1, 1), "VALID",
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+      y = (
+        lax.conv_general_dilated(
+          b["x"], p["k"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        + p["b"]
+      )
       return jnp.tanh(y).mean(axis=(1, 2)) @ p["h"]
 
     def make(n, key):
       return {"x": jax.random.normal(key, (n, 3, 3, 2), jnp.float64)}
   elif kind == "embedding":
-    params = {"t": jax.random.normal(k[0], (6, 3), jnp.float64),
-              "h": jax.random.normal(k[2], (3, 3), jnp.float64)}
+    params = {
+      "t": jax.random.normal(k[0], (6, 3), jnp.float64),
+      "h": jax.random.normal(k[2], (3, 3), jnp.float64),
+    }
 
     def logits_fn(p, b):
       return jnp.tanh(p["t"][b["ids"]]).mean(axis=1) @ p["h"]
@@ -664,9 +783,11 @@ def _any_batch_model(kind):
     def make(n, key):
       return {"ids": jax.random.randint(key, (n, 2), 0, 6)}
   else:  # scale_and_shift
-    params = {"s": jax.random.normal(k[0], (3,), jnp.float64),
-              "o": jax.random.normal(k[1], (3,), jnp.float64),
-              "h": jax.random.normal(k[2], (3, 3), jnp.float64)}
+    params = {
+      "s": jax.random.normal(k[0], (3,), jnp.float64),
+      "o": jax.random.normal(k[1], (3,), jnp.float64),
+      "h": jax.random.normal(k[2], (3, 3), jnp.float64),
+    }
 
     def logits_fn(p, b):
       return jnp.tanh(b["x"] * p["s"] + p["o"]).mean(axis=1) @ p["h"]
@@ -707,8 +828,9 @@ def test_statistics_of_another_batch_size(x64, kind):
       ids = np.concatenate([np.full(x.size, b) for x, b in zip(leaves, block)])
       mask = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
       assert mask.any()
-      np.testing.assert_allclose(np.where(mask, dense[0], 0), np.where(mask, exact, 0),
-                                 rtol=1e-10, atol=1e-12)
+      np.testing.assert_allclose(
+        np.where(mask, dense[0], 0), np.where(mask, exact, 0), rtol=1e-10, atol=1e-12
+      )
 
 
 def test_entry_points_take_a_partial_batch(x64):
@@ -724,21 +846,29 @@ def test_entry_points_take_a_partial_batch(x64):
     tx = kfac_jax.scale_by_kfac(loss_fn, example, damping=1e-3, estimation_mode="exact")
     state = tx.init(params)
     _, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn, estimation_mode="exact"))(
-        params, last, rng)
+      params, last, rng
+    )
     u1, s1 = jax.jit(lambda g, s, st, tx=tx: tx.update(g, s, params, curvature_stats=st))(
-        grads, state, stats)
+      grads, state, stats
+    )
     u2, _ = jax.jit(lambda g, s, b, tx=tx: tx.update(g, s, params, batch=b))(grads, state, last)
-    opt = kfac_jax.Optimizer(loss_fn, example, learning_rate=0.1, momentum=0.0,
-                             use_adaptive_damping=False,
-                             config=kfac_jax.OptimizerConfig(estimation_mode="exact"))
+    opt = kfac_jax.Optimizer(
+      loss_fn,
+      example,
+      learning_rate=0.1,
+      momentum=0.0,
+      use_adaptive_damping=False,
+      config=kfac_jax.OptimizerConfig(estimation_mode="exact"),
+    )
     p3, _, _ = jax.jit(opt.step)(params, opt.init(params), last, rng)
     results.append((u1, u2, p3))
     for a, b in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(state)):
       assert a.shape == b.shape  # The state keeps its shapes.
   for a, b in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(results[1])):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-  for a, b in zip(jax.tree_util.tree_leaves(results[0][0]),
-                  jax.tree_util.tree_leaves(results[0][1])):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(results[0][0]), jax.tree_util.tree_leaves(results[0][1])
+  ):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
@@ -756,16 +886,22 @@ def _preconditioned(loss_fn, params, batch, layers=None):
 
 def _plain_cnn_loss(p, b):
   """conv (HWIO kernel, NHWC) + bias, relu, dense + bias: the reference for Haiku / equinox."""
-  y = lax.conv_general_dilated(b["x"], p["ck"], (1, 1), "VALID",
-                               dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["cb"]
+  y = (
+    lax.conv_general_dilated(
+      b["x"], p["ck"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    + p["cb"]
+  )
   h = jax.nn.relu(y).reshape(y.shape[0], -1)
   return _ce(h @ p["dk"] + p["db"], b["y"])
 
 
 def _cnn_batch():
   k = jax.random.split(jax.random.key(11), 2)
-  return {"x": jax.random.normal(k[0], (3, 5, 5, 2), jnp.float64),
-          "y": jax.random.randint(k[1], (3,), 0, 4)}
+  return {
+    "x": jax.random.normal(k[0], (3, 5, 5, 2), jnp.float64),
+    "y": jax.random.randint(k[1], (3,), 0, 4),
+  }
 
 
 def _assert_same(plain_layers, plain_u, layers, u):
@@ -791,18 +927,28 @@ def test_haiku_conv_and_linear_keep_their_bias(x64):
 
   layers, u = _preconditioned(loss_fn, params, batch)
   assert [s.param_paths for s in layers] == [("conv2_d/w", "conv2_d/b"), ("linear/w", "linear/b")]
-  plain = {"ck": params["conv2_d"]["w"], "cb": params["conv2_d"]["b"],
-           "dk": params["linear"]["w"], "db": params["linear"]["b"]}
+  plain = {
+    "ck": params["conv2_d"]["w"],
+    "cb": params["conv2_d"]["b"],
+    "dk": params["linear"]["w"],
+    "db": params["linear"]["b"],
+  }
   plain_layers, pu = _preconditioned(_plain_cnn_loss, plain, batch)
-  _assert_same(plain_layers, [pu["cb"], pu["ck"], pu["db"], pu["dk"]], layers,
-               [u["conv2_d"]["b"], u["conv2_d"]["w"], u["linear"]["b"], u["linear"]["w"]])
+  _assert_same(
+    plain_layers,
+    [pu["cb"], pu["ck"], pu["db"], pu["dk"]],
+    layers,
+    [u["conv2_d"]["b"], u["conv2_d"]["w"], u["linear"]["b"], u["linear"]["w"]],
+  )
 
 
 def test_equinox_layers_under_vmap_keep_their_bias(x64):
   eqx = pytest.importorskip("equinox")
   k = jax.random.split(jax.random.key(12), 2)
-  model = (eqx.nn.Conv2d(2, 3, 2, key=k[0], dtype=jnp.float64),
-           eqx.nn.Linear(48, 4, key=k[1], dtype=jnp.float64))
+  model = (
+    eqx.nn.Conv2d(2, 3, 2, key=k[0], dtype=jnp.float64),
+    eqx.nn.Linear(48, 4, key=k[1], dtype=jnp.float64),
+  )
   params, static = eqx.partition(model, eqx.is_array)
 
   def loss_fn(p, b):
@@ -815,12 +961,19 @@ def test_equinox_layers_under_vmap_keep_their_bias(x64):
   layers, u = _preconditioned(loss_fn, params, batch)
   assert [s.param_paths for s in layers] == [("0/weight", "0/bias"), ("1/weight", "1/bias")]
   conv, lin = params
-  plain = {"ck": conv.weight.transpose(2, 3, 1, 0), "cb": conv.bias.reshape(-1),
-           "dk": lin.weight.T, "db": lin.bias}
+  plain = {
+    "ck": conv.weight.transpose(2, 3, 1, 0),
+    "cb": conv.bias.reshape(-1),
+    "dk": lin.weight.T,
+    "db": lin.bias,
+  }
   plain_layers, pu = _preconditioned(_plain_cnn_loss, plain, batch)
-  _assert_same(plain_layers, [pu["ck"], pu["cb"], pu["dk"], pu["db"]], layers,
-               [u[0].weight.transpose(2, 3, 1, 0), u[0].bias.reshape(-1), u[1].weight.T,
-                u[1].bias])
+  _assert_same(
+    plain_layers,
+    [pu["ck"], pu["cb"], pu["dk"], pu["db"]],
+    layers,
+    [u[0].weight.transpose(2, 3, 1, 0), u[0].bias.reshape(-1), u[1].weight.T, u[1].bias],
+  )
 
 
 def test_one_plus_scale_is_a_scale_and_shift_layer(x64):
@@ -835,8 +988,10 @@ def test_one_plus_scale_is_a_scale_and_shift_layer(x64):
   def plain_loss(p, b):
     return _ce((rms(b["x"]) * p["scale"]).mean(1) @ p["head"], b["y"])
 
-  params = {"scale": 0.3 * jax.random.normal(k[0], (4,), jnp.float64),
-            "head": jax.random.normal(k[1], (4, 3), jnp.float64)}
+  params = {
+    "scale": 0.3 * jax.random.normal(k[0], (4,), jnp.float64),
+    "head": jax.random.normal(k[1], (4, 3), jnp.float64),
+  }
   batch = {"x": jax.random.normal(k[2], (3, 2, 4), jnp.float64), "y": jnp.array([0, 2, 1])}
   layers, u = _preconditioned(gemma_loss, params, batch)
   plain_layers, pu = _preconditioned(plain_loss, dict(params, scale=1 + params["scale"]), batch)
@@ -847,11 +1002,17 @@ def test_one_plus_scale_is_a_scale_and_shift_layer(x64):
 @pytest.mark.parametrize("how", ["concatenate", "stack"])
 def test_concatenated_kernels_are_one_dense_layer(x64, how):
   k = jax.random.split(jax.random.key(14), 7)
-  params = {"gate_a": {"kernel": jax.random.normal(k[0], (3, 2), jnp.float64),
-                       "bias": jax.random.normal(k[1], (2,), jnp.float64)},
-            "gate_b": {"kernel": jax.random.normal(k[2], (3, 2), jnp.float64),
-                       "bias": jax.random.normal(k[3], (2,), jnp.float64)},
-            "head": jax.random.normal(k[4], (4, 3), jnp.float64)}
+  params = {
+    "gate_a": {
+      "kernel": jax.random.normal(k[0], (3, 2), jnp.float64),
+      "bias": jax.random.normal(k[1], (2,), jnp.float64),
+    },
+    "gate_b": {
+      "kernel": jax.random.normal(k[2], (3, 2), jnp.float64),
+      "bias": jax.random.normal(k[3], (2,), jnp.float64),
+    },
+    "head": jax.random.normal(k[4], (4, 3), jnp.float64),
+  }
 
   def join(a, b):
     if how == "concatenate":
@@ -869,20 +1030,32 @@ def test_concatenated_kernels_are_one_dense_layer(x64, how):
   def plain_loss(p, b):
     return _ce(logits(p["kernel"], p["bias"], p["head"], b["x"]), b["y"])
 
-  batch = {"x": jax.random.normal(k[5], (5, 3), jnp.float64),
-           "y": jax.random.randint(k[6], (5,), 0, 3)}
+  batch = {
+    "x": jax.random.normal(k[5], (5, 3), jnp.float64),
+    "y": jax.random.randint(k[6], (5,), 0, 3),
+  }
   layers, u = _preconditioned(loss_fn, params, batch)
   assert [(s.kind, s.approx, s.param_paths) for s in layers] == [
-      ("dense", "kron", ("gate_a/kernel", "gate_b/kernel", "gate_a/bias", "gate_b/bias")),
-      ("dense", "kron", ("head",))]
-  plain = {"kernel": join(params["gate_a"]["kernel"], params["gate_b"]["kernel"]),
-           "bias": join(params["gate_a"]["bias"], params["gate_b"]["bias"]),
-           "head": params["head"]}
+    ("dense", "kron", ("gate_a/kernel", "gate_b/kernel", "gate_a/bias", "gate_b/bias")),
+    ("dense", "kron", ("head",)),
+  ]
+  plain = {
+    "kernel": join(params["gate_a"]["kernel"], params["gate_b"]["kernel"]),
+    "bias": join(params["gate_a"]["bias"], params["gate_b"]["bias"]),
+    "head": params["head"],
+  }
   plain_layers, pu = _preconditioned(plain_loss, plain, batch)
   assert [(s.kind, s.approx) for s in plain_layers] == [("dense", "kron"), ("dense", "kron")]
-  _assert_same(plain_layers, [pu["kernel"], pu["bias"], pu["head"]], layers,
-               [join(u["gate_a"]["kernel"], u["gate_b"]["kernel"]),
-                join(u["gate_a"]["bias"], u["gate_b"]["bias"]), u["head"]])
+  _assert_same(
+    plain_layers,
+    [pu["kernel"], pu["bias"], pu["head"]],
+    layers,
+    [
+      join(u["gate_a"]["kernel"], u["gate_b"]["kernel"]),
+      join(u["gate_a"]["bias"], u["gate_b"]["bias"]),
+      u["head"],
+    ],
+  )
   # A piece used elsewhere too is not part of a concatenation layer: a generic fallback.
 
   def also_used(p, b):

@@ -31,8 +31,7 @@ def test_bucketed_functions_equal_direct_ones(n, x64):
   ref_inv = np.linalg.inv(np.asarray(m))
   np.testing.assert_allclose(_linalg.spd_inverse(m), ref_inv, rtol=1e-9, atol=1e-11)
   s, u = np.linalg.eigh(np.asarray(m))
-  np.testing.assert_allclose(_linalg.spd_power(m, -0.5), (u * s ** -0.5) @ u.T,
-                             rtol=1e-9, atol=1e-11)
+  np.testing.assert_allclose(_linalg.spd_power(m, -0.5), (u * s**-0.5) @ u.T, rtol=1e-9, atol=1e-11)
   chol = _linalg.cholesky(m)
   np.testing.assert_allclose(chol, np.linalg.cholesky(np.asarray(m)), rtol=1e-9, atol=1e-11)
   np.testing.assert_allclose(_linalg.lower_inverse(chol) @ chol, np.eye(n), atol=1e-10)
@@ -54,13 +53,15 @@ def test_ordered_sum_and_mean_diag_are_sums_in_a_fixed_order(n):
   # same bits, whatever fusion or layout XLA chooses around it.
   tree = np.pad(x, [(0, 0), (0, (1 << max(0, (n - 1).bit_length())) - n)])
   while tree.shape[-1] > 1:
-    tree = tree[:, : tree.shape[-1] // 2] + tree[:, tree.shape[-1] // 2:]
+    tree = tree[:, : tree.shape[-1] // 2] + tree[:, tree.shape[-1] // 2 :]
   np.testing.assert_array_equal(got, tree[:, 0])
   m = rng.normal(size=(n, n)).astype(np.float32)
-  np.testing.assert_allclose(_linalg.mean_diag(jnp.asarray(m)), np.trace(m) / n, rtol=1e-5,
-                             atol=1e-6)
-  np.testing.assert_allclose(_linalg.mean_diag(jnp.asarray(x[0])), x[0].mean(), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    _linalg.mean_diag(jnp.asarray(m)), np.trace(m) / n, rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    _linalg.mean_diag(jnp.asarray(x[0])), x[0].mean(), rtol=1e-5, atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("groups", [1, 3])

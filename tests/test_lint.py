@@ -1,5 +1,5 @@
-"""The repository passes `ruff check` with the rules in pyproject.toml (run as part of the suite,
-so `.ci/run` lints too)."""
+"""The repository passes `ruff check` with the rules in pyproject.toml and is laid out as
+`ruff format` lays it out (run as part of the suite, so `.ci/run` checks both)."""
 
 import os
 import shutil
@@ -17,10 +17,20 @@ def _ruff():
 
 
 @pytest.mark.slow
-def test_ruff_check_passes():
+@pytest.mark.parametrize(
+  "args",
+  [("check", "--output-format", "concise"), ("format", "--check", "--diff")],
+  ids=["check", "format"],
+)
+def test_ruff_passes(args):
   ruff = _ruff()
   if ruff is None:
     pytest.skip("ruff is not installed (it is in the `test` extra: pip install -e '.[test]')")
-  out = subprocess.run([ruff, "check", "--output-format", "concise", ROOT], capture_output=True,
-                       text=True, cwd=ROOT, check=False)
+  out = subprocess.run(
+    [ruff, *args, ROOT],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    check=False,
+  )
   assert out.returncode == 0, out.stdout + out.stderr

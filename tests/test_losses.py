@@ -11,20 +11,25 @@ from kfac_jax import _losses, _scanner
 
 def _tagged_loss(kind, y, w):
   if kind == "softmax":
+
     def loss(z):
       kfac_jax.register_softmax_cross_entropy_loss(z, y, weight=w)
       nll = -jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], 1)[:, 0]
       return jnp.mean(w * nll)
+
     return loss, (y, w)
   if kind == "sigmoid":
+
     def loss(z):
       kfac_jax.register_sigmoid_cross_entropy_loss(z, y, weight=w[:, None])
       return jnp.mean(jnp.sum(w[:, None] * (jnp.logaddexp(0, z) - y * z), -1))
+
     return loss, (y, w[:, None])
 
   def loss(z):
     kfac_jax.register_normal_predictive_distribution(z, y, var=0.3, weight=w[:, None])
     return jnp.mean(jnp.sum(w[:, None] * (z - y) ** 2 / 0.6, -1))
+
   return loss, (y, w[:, None])
 
 
@@ -33,9 +38,11 @@ def test_output_curvature_product_is_the_loss_hessian(kind, x64):
   rng = np.random.default_rng(0)
   z = jnp.asarray(rng.normal(size=(3, 4)))
   w = jnp.asarray(rng.uniform(size=(3,)))
-  y = {"softmax": jnp.asarray([0, 2, 1]),
-       "sigmoid": jnp.asarray(rng.integers(0, 2, size=(3, 4)), jnp.float64),
-       "normal": jnp.asarray(rng.normal(size=(3, 4)))}[kind]
+  y = {
+    "softmax": jnp.asarray([0, 2, 1]),
+    "sigmoid": jnp.asarray(rng.integers(0, 2, size=(3, 4)), jnp.float64),
+    "normal": jnp.asarray(rng.normal(size=(3, 4))),
+  }[kind]
   loss, rest = _tagged_loss(kind, y, w)
   hess = jax.hessian(loss)(z).reshape(12, 12)
   reg = _scanner.scan(lambda p, b: loss(p["z"]), {"z": z}, {}, warn=False)
@@ -44,8 +51,15 @@ def test_output_curvature_product_is_the_loss_hessian(kind, x64):
   np.testing.assert_allclose(hv.ravel(), hess @ v.ravel(), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("kind, shape", [("categorical", (2, 3, 4)), ("categorical", (2, 4)),
-                                         ("bernoulli", (2, 3, 4)), ("normal", (2, 4))])
+@pytest.mark.parametrize(
+  "kind, shape",
+  [
+    ("categorical", (2, 3, 4)),
+    ("categorical", (2, 4)),
+    ("bernoulli", (2, 3, 4)),
+    ("normal", (2, 4)),
+  ],
+)
 def test_square_root_factors_are_the_per_example_hessian(kind, shape, x64):
   """B Bᵀ = C Cᵀ = ∂²ℓ/∂z² per example (and position), and the two factors coincide."""
   rng = np.random.default_rng(1)
@@ -75,9 +89,12 @@ def test_square_root_factors_are_the_per_example_hessian(kind, shape, x64):
     p = np.asarray(jax.nn.softmax(z)).reshape(-1, shape[-1])
     blocks = fisher.reshape(len(p), shape[-1], len(p), shape[-1])
     for i, pi in enumerate(p):
-      np.testing.assert_allclose(blocks[i, :, i, :],
-                                 (np.eye(len(pi)) - pi[:, None]) * np.sqrt(pi)[None, :],
-                                 rtol=1e-12, atol=1e-15)
+      np.testing.assert_allclose(
+        blocks[i, :, i, :],
+        (np.eye(len(pi)) - pi[:, None]) * np.sqrt(pi)[None, :],
+        rtol=1e-12,
+        atol=1e-15,
+      )
 
 
 @pytest.mark.parametrize("kind", ["categorical", "bernoulli", "normal"])
@@ -97,5 +114,6 @@ def test_exact_cotangents_average_to_the_weighted_fisher(kind, x64):
     basis = jnp.eye(12).reshape(12, *shape)
     h = np.asarray(hv(basis)).reshape(12, 2, 6) * shape[0]
     for n in range(2):
-      np.testing.assert_allclose(v[:, n].T @ v[:, n] / 6, h[6 * n:6 * (n + 1), n].T,
-                                 rtol=1e-12, atol=1e-15)
+      np.testing.assert_allclose(
+        v[:, n].T @ v[:, n] / 6, h[6 * n : 6 * (n + 1), n].T, rtol=1e-12, atol=1e-15
+      )

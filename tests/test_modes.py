@@ -12,8 +12,7 @@ from tests import _models
 
 KINDS = ["categorical", "bernoulli", "normal"]
 VAR = 0.3
-ALL_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact",
-             "exact_GGN")
+ALL_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
 
 
 def _tagged(kind, z, b):
@@ -35,15 +34,19 @@ def _setup(kind, model, n=1):
   x = jax.random.normal(kx, (n, din), jnp.float64)
   # Per-example weights for the categorical, per-coordinate weights for the others.
   wshape = (n,) if kind == "categorical" else (n, dout)
-  batch = {"x": x, "y": jnp.arange(n) % dout,
-           "t": (jax.random.uniform(kt, (n, dout), jnp.float64) > 0.5).astype(jnp.float64),
-           "w": jax.random.uniform(kw, wshape, jnp.float64, 0.3, 2.0)}
+  batch = {
+    "x": x,
+    "y": jnp.arange(n) % dout,
+    "t": (jax.random.uniform(kt, (n, dout), jnp.float64) > 0.5).astype(jnp.float64),
+    "w": jax.random.uniform(kw, wshape, jnp.float64, 0.3, 2.0),
+  }
   if kind == "normal":
     batch["t"] = jax.random.normal(kt, (n, dout), jnp.float64)
   sizes = (din, dout) if model == "linear" else (din, 5, dout)
   params = _models.to_dtype(_models.jnp_mlp_init(kp, sizes), jnp.float64)
-  params = jax.tree_util.tree_map(lambda p: p + 0.3 * jnp.cos(jnp.arange(p.size)).reshape(p.shape),
-                                  params)  # Non-zero biases.
+  params = jax.tree_util.tree_map(
+    lambda p: p + 0.3 * jnp.cos(jnp.arange(p.size)).reshape(p.shape), params
+  )  # Non-zero biases.
 
   def loss_fn(p, b):
     return _tagged(kind, _models.jnp_mlp_apply(p, b["x"]), b)
@@ -75,8 +78,10 @@ def test_batch_of_one_matches_jacobian_reference(x64, model, kind, mode):
   loss_in_z = lambda zz: _tagged(kind, zz, batch)
   if mode == "empirical":
     # The per-example vector is √w ∇_z ℓ = ∇_z(w ℓ) / √w (N = 1, weights per coordinate).
-    w = np.broadcast_to(np.asarray(batch["w"])[..., None] if kind == "categorical"
-                        else np.asarray(batch["w"]), z.shape)
+    w = np.broadcast_to(
+      np.asarray(batch["w"])[..., None] if kind == "categorical" else np.asarray(batch["w"]),
+      z.shape,
+    )
     u = np.asarray(jax.grad(loss_in_z)(z)).ravel() / np.sqrt(w.ravel())
     out = np.outer(u, u)
   else:
@@ -128,9 +133,11 @@ def test_sequence_prediction_exact_matches_reference(x64):
   n, d, t, c = 1, 3, 2, 3
   k = jax.random.split(jax.random.key(1), 4)
   params = {"w": jax.random.normal(k[0], (d, t, c), jnp.float64)}
-  batch = {"x": jax.random.normal(k[1], (n, d), jnp.float64),
-           "y": jax.random.randint(k[2], (n, t), 0, c),
-           "w": jax.random.uniform(k[3], (n, t), jnp.float64, 0.5, 1.5)}
+  batch = {
+    "x": jax.random.normal(k[1], (n, d), jnp.float64),
+    "y": jax.random.randint(k[2], (n, t), 0, c),
+    "w": jax.random.uniform(k[3], (n, t), jnp.float64, 0.5, 1.5),
+  }
   apply = lambda p, x: jnp.einsum("nd,dtc->ntc", x, p["w"])
 
   def loss_in_z(z, b):
@@ -155,11 +162,15 @@ def test_sequence_prediction_shared_kernel_factors(x64):
   non-zero only at position t, so G = (1/N) Σ_{n,t} w_{nt} F(z_{nt}) and A = mean ā āᵀ."""
   n, t, d, c = 2, 3, 4, 3
   k = jax.random.split(jax.random.key(2), 5)
-  params = {"w": jax.random.normal(k[0], (d, c), jnp.float64),
-            "b": jax.random.normal(k[4], (c,), jnp.float64)}
-  batch = {"x": jax.random.normal(k[1], (n, t, d), jnp.float64),
-           "y": jax.random.randint(k[2], (n, t), 0, c),
-           "w": jax.random.uniform(k[3], (n, t), jnp.float64, 0.5, 1.5)}
+  params = {
+    "w": jax.random.normal(k[0], (d, c), jnp.float64),
+    "b": jax.random.normal(k[4], (c,), jnp.float64),
+  }
+  batch = {
+    "x": jax.random.normal(k[1], (n, t, d), jnp.float64),
+    "y": jax.random.randint(k[2], (n, t), 0, c),
+    "w": jax.random.uniform(k[3], (n, t), jnp.float64, 0.5, 1.5),
+  }
   apply = lambda p, x: x @ p["w"] + p["b"]
 
   def loss_in_z(z, b):
@@ -183,8 +194,11 @@ def test_exact_with_two_loss_tags(x64):
   """Two tags on two heads: the joint exact stack has no cross terms between the tags."""
   k = jax.random.split(jax.random.key(3), 3)
   params = _models.to_dtype(_models.jnp_mlp_init(k[0], (3, 5, 6)), jnp.float64)
-  batch = {"x": jax.random.normal(k[1], (1, 3), jnp.float64), "y": jnp.array([2]),
-           "t": jax.random.normal(k[2], (1, 2), jnp.float64)}
+  batch = {
+    "x": jax.random.normal(k[1], (1, 3), jnp.float64),
+    "y": jnp.array([2]),
+    "t": jax.random.normal(k[2], (1, 2), jnp.float64),
+  }
 
   def heads(z, b):
     logits, mean = z[:, :4], z[:, 4:]
@@ -241,10 +255,11 @@ def test_exact_stack_size_is_the_output_size(x64):
   """The exact stack has K = prod(non-batch prediction shape) vectors, whatever the batch."""
   loss_fn, params, batch = _setup("bernoulli", "linear", n=3)
   _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="exact")(params, batch)
-  ((x,), g), = stats.data  # Raw layer input and output gradients (see blocks/_layouts.py).
+  (((x,), g),) = stats.data  # Raw layer input and output gradients (see blocks/_layouts.py).
   assert x.shape == (3, 3) and g.shape == (4, 3, 4)
-  _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="curvature_prop",
-                                        num_samples=5)(params, batch, jax.random.key(0))
+  _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="curvature_prop", num_samples=5)(
+    params, batch, jax.random.key(0)
+  )
   assert stats.data[0][1].shape == (5, 3, 4)
 
 
@@ -257,8 +272,10 @@ def test_exact_generic_full_block_batch_of_one(x64, kind):
   """
   _, params, batch = _setup(kind, "linear")
   params["gen"] = jnp.linspace(0.5, 1.5, 4)
-  apply = lambda p, x: _models.jnp_mlp_apply(
-      {"layer0": p["layer0"]}, x) * kfac_jax.register_generic(p["gen"], approx="full")
+  apply = lambda p, x: (
+    _models.jnp_mlp_apply({"layer0": p["layer0"]}, x)
+    * kfac_jax.register_generic(p["gen"], approx="full")
+  )
   loss_fn = lambda p, b: _tagged(kind, apply(p, b["x"]), b)
   flat, unravel = ravel_pytree(params)
   z = apply(params, batch["x"])
@@ -275,12 +292,13 @@ def test_params_stats_are_the_first_order_statistics(x64):
   loss_fn, params, batch = _setup("categorical", "mlp", n=5)
   batch = dict(batch, w=jnp.ones_like(batch["w"]))  # Unit weights: √w ∇ℓ = w ∇ℓ.
   _, grads, stats = kfac_jax.value_and_grad(
-      loss_fn, estimation_mode="empirical", compute_params_stats=True)(params, batch)
+    loss_fn, estimation_mode="empirical", compute_params_stats=True
+  )(params, batch)
   for a, b in zip(jax.tree_util.tree_leaves(stats.params_stats), jax.tree_util.tree_leaves(grads)):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
   _, _, sampled = kfac_jax.value_and_grad(
-      loss_fn, estimation_mode="gradients", num_samples=4000, compute_params_stats=True)(
-          params, batch, jax.random.key(0))
+    loss_fn, estimation_mode="gradients", num_samples=4000, compute_params_stats=True
+  )(params, batch, jax.random.key(0))
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grads))
   for a in jax.tree_util.tree_leaves(sampled.params_stats):
     assert float(jnp.max(jnp.abs(a))) < 0.1 * scale  # E_y[∇ log p(y|x)] = 0.
@@ -290,8 +308,9 @@ def test_params_stats_are_the_first_order_statistics(x64):
 
 def test_estimator_offers_params_stats(x64):
   loss_fn, params, batch = _setup("normal", "linear", n=3)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical",
-                                    compute_params_stats=True)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, estimation_mode="empirical", compute_params_stats=True
+  )
   est.init(params)
   stats = est.curvature_stats(params, batch, None)
   assert jax.tree_util.tree_structure(stats.params_stats) == jax.tree_util.tree_structure(params)

@@ -17,8 +17,9 @@ from tests import _models
 
 def _mlp_problem(dtype=jnp.float32, sizes=(4, 6, 3), n=32):
   params = _models.jnp_mlp_init(jax.random.key(0), sizes, dtype)
-  batch = _models.classification_batch(jax.random.key(1), n=n, din=sizes[0], classes=sizes[-1],
-                                       dtype=dtype)
+  batch = _models.classification_batch(
+    jax.random.key(1), n=n, din=sizes[0], classes=sizes[-1], dtype=dtype
+  )
   return params, batch, _models.softmax_loss(_models.jnp_mlp_apply)
 
 
@@ -47,19 +48,30 @@ def _ggn(loss_fn, apply_fn, params, batch):
 
   def loss_of_logits(z):
     return optax.softmax_cross_entropy_with_integer_labels(
-        z.reshape(logits.shape), batch["y"]).mean()
+      z.reshape(logits.shape), batch["y"]
+    ).mean()
 
   hz = jax.hessian(loss_of_logits)(logits.ravel())
   return jac.T @ hz @ jac
 
 
-@pytest.mark.parametrize("sizes, momentum", [((4, 3), None), ((4, 5, 3), None), ((4, 3), 0.5)],
-                         ids=["linear", "mlp", "linear-fixed-momentum"])
+@pytest.mark.parametrize(
+  "sizes, momentum",
+  [((4, 3), None), ((4, 5, 3), None), ((4, 3), 0.5)],
+  ids=["linear", "mlp", "linear-fixed-momentum"],
+)
 def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   params, batch, loss_fn = _mlp_problem(jnp.float64, sizes)
   eta, lam = 0.01, 0.3
-  opt = kfac_jax.Optimizer(loss_fn, batch, damping=lam, use_adaptive_damping=False, l2_reg=eta,
-                           momentum=momentum, inverse_every=1)
+  opt = kfac_jax.Optimizer(
+    loss_fn,
+    batch,
+    damping=lam,
+    use_adaptive_damping=False,
+    l2_reg=eta,
+    momentum=momentum,
+    inverse_every=1,
+  )
   (p0, _, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
 
   # First step: δ_prev = 0, so the 1-D solve: α = −∇hᵀΔ / ΔᵀĜΔ (and μ = 0 unless fixed).
@@ -71,8 +83,7 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   if len(sizes) == 2:
     # A linear model: the loss Hessian is the Gauss-Newton matrix.
     curv = jax.hessian(lambda f: loss_fn(unravel(f), batch))(flat1)
-    np.testing.assert_allclose(curv, _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch),
-                               atol=1e-12)
+    np.testing.assert_allclose(curv, _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch), atol=1e-12)
   else:
     curv = _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch)
   g_hat = curv + (lam + eta) * np.eye(flat1.size)
@@ -114,8 +125,10 @@ def test_solve_quadratic_model_variants(x64):
   xx = np.array([0.5, 0.2])
   np.testing.assert_allclose(change, b @ xx + 0.5 * xx @ c @ xx, rtol=1e-12)
   # δ_prev = 0 (first step) and δ_prev ∥ Δ (singular): the 1-D solve along Δ.
-  for c2, b2 in ((jnp.array([[2.0, 0.0], [0.0, 0.0]]), jnp.array([-1.0, 0.0])),
-                 (jnp.array([[2.0, 4.0], [4.0, 8.0]]), jnp.array([-1.0, -2.0]))):
+  for c2, b2 in (
+    (jnp.array([[2.0, 0.0], [0.0, 0.0]]), jnp.array([-1.0, 0.0])),
+    (jnp.array([[2.0, 4.0], [4.0, 8.0]]), jnp.array([-1.0, -2.0])),
+  ):
     alpha, mu, change = _optimizer.solve_quadratic_model(c2, b2)
     assert float(alpha) == 0.5 and float(mu) == 0.0
     np.testing.assert_allclose(change, -0.25, rtol=1e-12)
@@ -128,8 +141,11 @@ def test_linear_least_squares_lands_on_minimiser(x64):
   """Exact curvature of a dense layer with a normal loss is Kronecker: K-FAC = Newton."""
   kx, kw, ky = jax.random.split(jax.random.key(3), 3)
   x = jax.random.normal(kx, (40, 5), jnp.float64)
-  y = x @ jax.random.normal(kw, (5, 2), jnp.float64) + 0.3 * jax.random.normal(
-      ky, (40, 2), jnp.float64) + 1.0
+  y = (
+    x @ jax.random.normal(kw, (5, 2), jnp.float64)
+    + 0.3 * jax.random.normal(ky, (40, 2), jnp.float64)
+    + 1.0
+  )
   batch = {"x": x, "y": y}
 
   def loss_fn(params, batch):
@@ -138,8 +154,13 @@ def test_linear_least_squares_lands_on_minimiser(x64):
     return jnp.mean(jnp.sum((pred - batch["y"]) ** 2, axis=-1))
 
   params = {"w": jnp.zeros((5, 2), jnp.float64), "b": jnp.zeros((2,), jnp.float64)}
-  opt = kfac_jax.Optimizer(loss_fn, batch, damping=0.0, use_adaptive_damping=False,
-                           config=kfac_jax.OptimizerConfig(estimation_mode="exact"))
+  opt = kfac_jax.Optimizer(
+    loss_fn,
+    batch,
+    damping=0.0,
+    use_adaptive_damping=False,
+    config=kfac_jax.OptimizerConfig(estimation_mode="exact"),
+  )
   state = opt.init(params)
   new_params, _, info = jax.jit(opt.step)(params, state, batch, None)
   xb = np.concatenate([x, np.ones((40, 1))], axis=1)
@@ -155,8 +176,7 @@ def test_linear_least_squares_lands_on_minimiser(x64):
 
 
 def test_adapt_damping_rule():
-  adapt = functools.partial(_optimizer.adapt_damping, omega=0.5, min_damping=1e-3,
-                            max_damping=10.0)
+  adapt = functools.partial(_optimizer.adapt_damping, omega=0.5, min_damping=1e-3, max_damping=10.0)
   lam = jnp.asarray(1.0)
   assert float(adapt(lam, jnp.asarray(0.1))) == 2.0  # poor model: more damping
   assert float(adapt(lam, jnp.asarray(-jnp.inf))) == 2.0  # h(θ+δ) not finite
@@ -174,21 +194,22 @@ def test_adaptive_damping_end_to_end():
   # A term the model does not see (no loss tag on it): the model's step overshoots badly, the
   # reduction ratio is small (negative) and the damping doubles.
   def quartic_loss(p, b):
-    return loss_fn(p, b) + sum(jnp.sum(x ** 4) for x in jax.tree_util.tree_leaves(p))
+    return loss_fn(p, b) + sum(jnp.sum(x**4) for x in jax.tree_util.tree_leaves(p))
 
   opt = kfac_jax.Optimizer(quartic_loss, batch, damping=1e-2, config=cfg)
-  (_, _, _, s1, info), = _run(opt, params, batch, 1)
+  ((_, _, _, s1, info),) = _run(opt, params, batch, 1)
   assert float(info["quad_model_change"]) < 0 and float(info["rho"]) < 0.25
   np.testing.assert_allclose(s1.damping, 2e-2, rtol=1e-6)
   # A fixed step so large that even the model goes up (M(δ) > 0): ρ = -inf, damping doubles.
-  opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=50.0, momentum=0.0, damping=1e-2,
-                           config=cfg)
-  (_, _, _, s1, info), = _run(opt, params, batch, 1)
+  opt = kfac_jax.Optimizer(
+    loss_fn, batch, learning_rate=50.0, momentum=0.0, damping=1e-2, config=cfg
+  )
+  ((_, _, _, s1, info),) = _run(opt, params, batch, 1)
   assert float(info["quad_model_change"]) > 0 and float(info["rho"]) == -np.inf
   np.testing.assert_allclose(s1.damping, 2e-2, rtol=1e-6)
   # The model's own α on the tagged loss alone: ρ near 1 > 3/4, damping halves.
   opt = kfac_jax.Optimizer(loss_fn, batch, damping=1e-2, config=cfg)
-  (_, _, _, s1, info), = _run(opt, params, batch, 1)
+  ((_, _, _, s1, info),) = _run(opt, params, batch, 1)
   assert 0.75 < float(info["rho"]) < 1.5
   np.testing.assert_allclose(s1.damping, 5e-3, rtol=1e-6)
 
@@ -196,16 +217,27 @@ def test_adaptive_damping_end_to_end():
 def test_norm_constraint_caps_the_step():
   params, batch, loss_fn = _mlp_problem()
   c = 1e-4
-  opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=10.0, momentum=0.0, damping=1e-2,
-                           use_adaptive_damping=False, norm_constraint=c)
-  (p0, _, p1, s1, info), = _run(opt, params, batch, 1)
+  opt = kfac_jax.Optimizer(
+    loss_fn,
+    batch,
+    learning_rate=10.0,
+    momentum=0.0,
+    damping=1e-2,
+    use_adaptive_damping=False,
+    norm_constraint=c,
+  )
+  ((p0, _, p1, s1, info),) = _run(opt, params, batch, 1)
   alpha = float(info["learning_rate"])
   assert alpha < 10.0
   step = jax.tree_util.tree_map(lambda a, b: (a - b) / alpha, p1, p0)  # Δ
-  quad = sum(jnp.vdot(a, b) for a, b in zip(
+  quad = sum(
+    jnp.vdot(a, b)
+    for a, b in zip(
       jax.tree_util.tree_leaves(step),
-      jax.tree_util.tree_leaves(opt.estimator.multiply(s1.curvature, step))))
-  np.testing.assert_allclose(alpha ** 2 * quad, c, rtol=1e-3)
+      jax.tree_util.tree_leaves(opt.estimator.multiply(s1.curvature, step)),
+    )
+  )
+  np.testing.assert_allclose(alpha**2 * quad, c, rtol=1e-3)
 
 
 def test_weight_decay_l2_and_schedules(x64):
@@ -213,9 +245,16 @@ def test_weight_decay_l2_and_schedules(x64):
   lr = lambda count: 0.1 / (1.0 + count)
   wd, eta, lam = 0.01, 0.05, 0.2
   opt = kfac_jax.Optimizer(
-      loss_fn, batch, learning_rate=lr, momentum=0.0, damping=lambda count: lam + 0 * count,
-      use_adaptive_damping=False, l2_reg=eta, inverse_every=1,
-      config=kfac_jax.OptimizerConfig(weight_decay=wd, estimation_mode="exact"))
+    loss_fn,
+    batch,
+    learning_rate=lr,
+    momentum=0.0,
+    damping=lambda count: lam + 0 * count,
+    use_adaptive_damping=False,
+    l2_reg=eta,
+    inverse_every=1,
+    config=kfac_jax.OptimizerConfig(weight_decay=wd, estimation_mode="exact"),
+  )
   history = _run(opt, params, batch, 2)
   for t, (p0, _, p1, s1, info) in enumerate(history):
     np.testing.assert_allclose(info["learning_rate"], 0.1 / (1 + t))
@@ -242,8 +281,9 @@ def test_thirty_steps_compile_once():
     return loss_fn(p, b)
 
   cfg = kfac_jax.OptimizerConfig(burn_in_steps=3, damping_adaptation_interval=5)
-  opt = kfac_jax.Optimizer(counted_loss, batch, damping=0.1, inverse_every=4, curvature_every=2,
-                           config=cfg)
+  opt = kfac_jax.Optimizer(
+    counted_loss, batch, damping=0.1, inverse_every=4, curvature_every=2, config=cfg
+  )
   state = opt.init(params)
   n_init = len(traces)
   step = jax.jit(opt.step)
@@ -252,8 +292,12 @@ def test_thirty_steps_compile_once():
   for _ in range(30):
     rng, sub = jax.random.split(rng)
     new_params, state, _ = step(params, state, batch, sub)
-    changed.append(not all(np.array_equal(a, b) for a, b in zip(
-        jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(new_params))))
+    changed.append(
+      not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(new_params))
+      )
+    )
     params = new_params
     dampings.append(float(state.damping))
   assert step._cache_size() == 1
@@ -264,8 +308,7 @@ def test_thirty_steps_compile_once():
   assert len(set(dampings)) > 3  # adapted several times
   assert int(state.step) == 30 and int(state.skipped) == 0
   # Statistics on the 3 burn-in steps and on every 2nd step after (k_run = 0, 2, ..., 26).
-  np.testing.assert_allclose(state.curvature.ema_weight, sum(0.95 ** j for j in range(17)),
-                             rtol=1e-6)
+  np.testing.assert_allclose(state.curvature.ema_weight, sum(0.95**j for j in range(17)), rtol=1e-6)
   # The last inverse update was at k_run = 24 (step 27), with the damping of that step.
   cache_damping = float(state.curvature.cache["layer0"]["damping"])
   np.testing.assert_allclose(cache_damping, dampings[26], rtol=1e-6)
@@ -274,8 +317,13 @@ def test_thirty_steps_compile_once():
 
 def test_nan_batch_leaves_everything_bit_identical():
   params, batch, loss_fn = _mlp_problem()
-  opt = kfac_jax.Optimizer(loss_fn, batch, damping=0.1, inverse_every=2,
-                           config=kfac_jax.OptimizerConfig(damping_adaptation_interval=1))
+  opt = kfac_jax.Optimizer(
+    loss_fn,
+    batch,
+    damping=0.1,
+    inverse_every=2,
+    config=kfac_jax.OptimizerConfig(damping_adaptation_interval=1),
+  )
   history = _run(opt, params, batch, 3)
   params, state = history[-1][2], history[-1][3]
   bad = dict(batch, x=batch["x"].at[3, 1].set(jnp.nan))
@@ -299,8 +347,13 @@ def test_nan_batch_leaves_everything_bit_identical():
 
 def test_converges_with_adaptive_everything():
   params, batch, loss_fn = _mlp_problem(sizes=(4, 16, 3), n=64)
-  opt = kfac_jax.Optimizer(loss_fn, batch, damping=1.0, inverse_every=3,
-                           config=kfac_jax.OptimizerConfig(damping_adaptation_interval=3))
+  opt = kfac_jax.Optimizer(
+    loss_fn,
+    batch,
+    damping=1.0,
+    inverse_every=3,
+    config=kfac_jax.OptimizerConfig(damping_adaptation_interval=3),
+  )
   history = _run(opt, params, batch, 40)
   losses = [float(h[4]["loss"]) for h in history]
   assert losses[-1] < 0.5 * losses[0], losses
@@ -310,8 +363,13 @@ def test_converges_with_adaptive_everything():
 
 def test_optax_form_matches_class_form():
   params, batch, loss_fn = _mlp_problem()
-  opt = kfac_jax.Optimizer(loss_fn, batch, damping=0.1, inverse_every=2,
-                           config=kfac_jax.OptimizerConfig(damping_adaptation_interval=2))
+  opt = kfac_jax.Optimizer(
+    loss_fn,
+    batch,
+    damping=0.1,
+    inverse_every=2,
+    config=kfac_jax.OptimizerConfig(damping_adaptation_interval=2),
+  )
   history = _run(opt, params, batch, 4)
   tx = opt.as_optax()
   state = tx.init(params)
@@ -336,11 +394,13 @@ def test_pmap_matches_single_device(x64):
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
   params, batch, loss_fn = _mlp_problem(jnp.float64, n=16)
-  kw = dict(damping=0.1, inverse_every=1,
-            config=kfac_jax.OptimizerConfig(estimation_mode="exact",
-                                             damping_adaptation_interval=1))
+  kw = dict(
+    damping=0.1,
+    inverse_every=1,
+    config=kfac_jax.OptimizerConfig(estimation_mode="exact", damping_adaptation_interval=1),
+  )
   single = kfac_jax.Optimizer(loss_fn, batch, **kw)
-  (_, _, p_ref, s_ref, i_ref), = _run(single, params, batch, 1)
+  ((_, _, p_ref, s_ref, i_ref),) = _run(single, params, batch, 1)
 
   shards = jax.tree_util.tree_map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
   half = jax.tree_util.tree_map(lambda x: x[0], shards)
@@ -348,7 +408,8 @@ def test_pmap_matches_single_device(x64):
   state = multi.init(params)
   rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)
   p, s, info = jax.pmap(lambda p, s, b: multi.step(p, s, b, None), axis_name="d")(
-      rep(params), rep(state), shards)
+    rep(params), rep(state), shards
+  )
   for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(p_ref)):
     np.testing.assert_allclose(a[0], b, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(a[1], b, rtol=1e-9, atol=1e-12)
@@ -361,7 +422,9 @@ def test_pmap_matches_single_device(x64):
 # Argument validation.
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(learning_rate=-0.1), "`learning_rate`"),
     (dict(learning_rate=float("nan")), "`learning_rate`"),
     (dict(momentum=1.5), "`momentum`"),
@@ -374,14 +437,17 @@ def test_pmap_matches_single_device(x64):
     (dict(inverse_every=0), "`inverse_every`"),
     (dict(curvature_every=2.5), "`curvature_every`"),
     (dict(damping=1e-9), "config.min_damping"),
-])
+  ],
+)
 def test_invalid_arguments_are_named(kwargs, match):
   _, batch, loss_fn = _mlp_problem()
   with pytest.raises(ValueError, match=match):
     kfac_jax.Optimizer(loss_fn, batch, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(ema_decay=1.0), "config.ema_decay"),
     (dict(estimation_mode="fisher"), "estimation_mode"),
     (dict(damping_adaptation_interval=0), "config.damping_adaptation_interval"),
@@ -389,7 +455,8 @@ def test_invalid_arguments_are_named(kwargs, match):
     (dict(min_damping=1.0, max_damping=0.5), "config.max_damping"),
     (dict(burn_in_steps=-1), "config.burn_in_steps"),
     (dict(weight_decay=float("inf")), "config.weight_decay"),
-])
+  ],
+)
 def test_invalid_config_is_named(kwargs, match):
   with pytest.raises(ValueError, match=match):
     kfac_jax.OptimizerConfig(**kwargs)

@@ -20,8 +20,9 @@ def _problem(n=32):
   """A 4-layer MLP; float64 when x64 is on (the step tests compare to 1e-6 relative error)."""
   dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
   params = _models.jnp_mlp_init(jax.random.key(0), SIZES, dtype)
-  batch = _models.classification_batch(jax.random.key(1), n=n, din=SIZES[0], classes=SIZES[-1],
-                                       dtype=dtype)
+  batch = _models.classification_batch(
+    jax.random.key(1), n=n, din=SIZES[0], classes=SIZES[-1], dtype=dtype
+  )
   return _models.softmax_loss(_models.jnp_mlp_apply), params, batch
 
 
@@ -65,14 +66,16 @@ def test_factorisation_cost():
 def test_split_inverses_equal_replicated_ones_exactly(num_devices):
   """4 blocks over 3 devices (not a multiple) and over 8 (more devices than blocks)."""
   loss_fn, params, batch = _problem()
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, exps=(-1, -0.5), compute_cholesky=True,
-                                    compute_cholesky_inverse=True)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, exps=(-1, -0.5), compute_cholesky=True, compute_cholesky_inverse=True
+  )
   state = est.update_curvature(est.init(params), params, batch, jax.random.key(2), 0.0)
   replicated = jax.jit(lambda s: est.update_inverses(s, 1e-2))(state)
   devices = jax.devices()[:num_devices]
   stacked = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), state)
-  split = jax.pmap(lambda s: est.update_inverses(s, 1e-2, axis_name="i"), axis_name="i",
-                   devices=devices)(stacked)
+  split = jax.pmap(
+    lambda s: est.update_inverses(s, 1e-2, axis_name="i"), axis_name="i", devices=devices
+  )(stacked)
   leaves_r = jax.tree_util.tree_leaves_with_path(replicated.cache)
   leaves_s = jax.tree_util.tree_leaves(split.cache)
   assert len(leaves_r) == len(leaves_s)
@@ -90,8 +93,16 @@ def _kfac(loss_fn, batch, **kw):
   # replicated programs (1-ulp differences; either one alone stays bitwise equal), and the
   # sharded-storage tests compare parameters bit for bit.
   kw = {"momentum": None, "norm_constraint": None, **kw}
-  return kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, damping=1e-2, ema_decay=0.8,
-                       inverse_every=3, estimation_mode="empirical", **kw)
+  return kfac_jax.kfac(
+    loss_fn,
+    batch,
+    learning_rate=0.3,
+    damping=1e-2,
+    ema_decay=0.8,
+    inverse_every=3,
+    estimation_mode="empirical",
+    **kw,
+  )
 
 
 def _reference_run(loss_fn, params, batch, steps):
@@ -112,8 +123,9 @@ def _reference_run(loss_fn, params, batch, steps):
 def _assert_close(got, want):
   got_leaves = jax.tree_util.tree_leaves_with_path(got)
   for (path, a), b in zip(got_leaves, jax.tree_util.tree_leaves(want)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 STEPS = 7  # Inverse updates at steps 0, 3 and 6.
@@ -132,8 +144,9 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
     return optax.apply_updates(params, updates), state
 
   pstep = jax.pmap(step, axis_name="data")
-  p, s = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape),
-                                (params, tx.init(params)))
+  p, s = jax.tree_util.tree_map(
+    lambda x: jnp.broadcast_to(x, (n,) + x.shape), (params, tx.init(params))
+  )
   for _ in range(STEPS):
     p, s = pstep(p, s, sharded)
   want_p, want_s = _reference_run(loss_fn, params, batch, STEPS)
@@ -163,8 +176,11 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
     return optax.apply_updates(params, updates), state
 
   state = tx.init(params)
-  sstep = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                out_specs=(P(), P()), check_vma=False))
+  sstep = jax.jit(
+    jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=False
+    )
+  )
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
   p = params
   for _ in range(STEPS):
@@ -242,8 +258,10 @@ def _kfac_state(opt_state) -> kfac_jax.ScaleByKfacState:
 
 
 def _block_cache_bytes(est):
-  return [sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
-      jax.eval_shape(b.init_cache))) for b in est.blocks]
+  return [
+    sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(jax.eval_shape(b.init_cache)))
+    for b in est.blocks
+  ]
 
 
 @pytest.mark.parametrize("num_devices", [3, 8])
@@ -256,18 +274,18 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
   """
   loss_fn, params, batch = _problem(n=48)
   _, p_rep, s_rep = _pmap_run(loss_fn, params, batch, num_devices, STEPS)
-  _, p_sh, s_sh = _pmap_run(loss_fn, params, batch, num_devices, STEPS,
-                            inverse_storage="sharded")
+  _, p_sh, s_sh = _pmap_run(loss_fn, params, batch, num_devices, STEPS, inverse_storage="sharded")
   got = jax.tree_util.tree_leaves_with_path(p_sh)
   for (path, a), b in zip(got, jax.tree_util.tree_leaves(p_rep)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
   rep, sh = _kfac_state(s_rep), _kfac_state(s_sh)
   assert isinstance(sh.curvature.cache, kfac_jax.ShardedCache)
-  _assert_close((sh.count, sh.curvature.factors, sh.curvature.ema_weight,
-                 sh.curvature.failed_inverses),
-                (rep.count, rep.curvature.factors, rep.curvature.ema_weight,
-                 rep.curvature.failed_inverses))
+  _assert_close(
+    (sh.count, sh.curvature.factors, sh.curvature.ema_weight, sh.curvature.failed_inverses),
+    (rep.count, rep.curvature.factors, rep.curvature.ema_weight, rep.curvature.failed_inverses),
+  )
   from kfac_jax import _sharded
+
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
   est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
   lay = _sharded.layout(est, num_devices)
@@ -278,8 +296,13 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
     for i, cache in _parallel.unpack(lay, d, local).items():
       seen.append(i)
       for key, value in cache.items():
-        np.testing.assert_allclose(value, np.asarray(rep.curvature.cache[names[i]][key])[d],
-                                   rtol=1e-6, atol=1e-9, err_msg=f"{names[i]}/{key}")
+        np.testing.assert_allclose(
+          value,
+          np.asarray(rep.curvature.cache[names[i]][key])[d],
+          rtol=1e-6,
+          atol=1e-9,
+          err_msg=f"{names[i]}/{key}",
+        )
   assert sorted(seen) == list(range(len(names)))
   per_block = _block_cache_bytes(est)
   for dev in range(num_devices):  # The bytes each device actually holds.
@@ -316,8 +339,15 @@ def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device
   est.init(params)
   per_block = _block_cache_bytes(est)
   total, d = sum(per_block), mesh.size
-  sh_bytes = [sum(s.data.nbytes for buf in _kfac_state(s_sh).curvature.cache.buffers.values()
-                  for s in buf.addressable_shards if s.device == dev) for dev in mesh.devices.flat]
+  sh_bytes = [
+    sum(
+      s.data.nbytes
+      for buf in _kfac_state(s_sh).curvature.cache.buffers.values()
+      for s in buf.addressable_shards
+      if s.device == dev
+    )
+    for dev in mesh.devices.flat
+  ]
   rep_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(_kfac_state(s_rep).curvature.cache))
   assert rep_bytes == total
   assert max(sh_bytes) <= total / d + max(per_block), (sh_bytes, total, per_block)
@@ -329,18 +359,26 @@ def test_sharded_storage_under_shard_map(x64):
   loss_fn, params, batch = _problem()
   mesh = _mesh()
   n = mesh.size
-  tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch),
-             axis_name="data", inverse_storage="sharded")
+  tx = _kfac(
+    loss_fn,
+    jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch),
+    axis_name="data",
+    inverse_storage="sharded",
+  )
 
   def specs(state):
     return jax.tree_util.tree_map(
-        lambda x: P("data") if isinstance(x, kfac_jax.ShardedCache) else P(), state,
-        is_leaf=lambda x: isinstance(x, kfac_jax.ShardedCache))
+      lambda x: P("data") if isinstance(x, kfac_jax.ShardedCache) else P(),
+      state,
+      is_leaf=lambda x: isinstance(x, kfac_jax.ShardedCache),
+    )
 
-  shapes = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(),
-                                        check_vma=False), params)
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs(shapes),
-                                check_vma=False))(params)
+  shapes = jax.eval_shape(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), params
+  )
+  state = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs(shapes), check_vma=False)
+  )(params)
 
   def step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
@@ -348,8 +386,15 @@ def test_sharded_storage_under_shard_map(x64):
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 
-  sstep = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs(shapes), P("data")),
-                                out_specs=(P(), specs(shapes)), check_vma=False))
+  sstep = jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P(), specs(shapes), P("data")),
+      out_specs=(P(), specs(shapes)),
+      check_vma=False,
+    )
+  )
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
   p = params
   for _ in range(STEPS):
@@ -361,8 +406,9 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
   """A block whose factors are not finite keeps its cache and counts once, on every device."""
   loss_fn, params, batch = _problem()
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
-  sest = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical",
-                                     inverse_storage="sharded")
+  sest = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, estimation_mode="empirical", inverse_storage="sharded"
+  )
   grads = jax.grad(loss_fn)(params, batch)
   n = 3
 
@@ -376,8 +422,9 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
     return s.failed_inverses, e.multiply_matpower(s._replace(factors=bad), grads, -1, **axis)
 
   failed_r, want = jax.jit(lambda: run(est, {}))()
-  failed_s, got = jax.pmap(lambda _: run(sest, {"axis_name": "i"}), axis_name="i",
-                           devices=jax.devices()[:n])(jnp.zeros(n))
+  failed_s, got = jax.pmap(
+    lambda _: run(sest, {"axis_name": "i"}), axis_name="i", devices=jax.devices()[:n]
+  )(jnp.zeros(n))
   assert int(failed_r) == 1
   np.testing.assert_array_equal(np.asarray(failed_s), [1] * n)
   _assert_close(jax.tree_util.tree_map(lambda x: x[0], got), want)
@@ -390,8 +437,12 @@ def test_sharded_storage_checkpoint_round_trip(x64):
   for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The same transform's state on 3 devices (shapes only): a checkpoint from 8 does not fit.
-  tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[:16], batch), axis_name="data",
-             inverse_storage="sharded")
+  tx = _kfac(
+    loss_fn,
+    jax.tree_util.tree_map(lambda x: x[:16], batch),
+    axis_name="data",
+    inverse_storage="sharded",
+  )
   p3 = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (3,) + x.shape), params)
   other = jax.eval_shape(jax.pmap(tx.init, axis_name="data", devices=jax.devices()[:3]), p3)
   with pytest.raises(ValueError, match="buffers"):
@@ -420,8 +471,7 @@ def test_sharded_storage_arguments_are_checked():
   with pytest.raises(ValueError, match="not both"):
     est.multiply_matpower(state, params, -1, axis_name="data", mesh=(_mesh(), "data"))
   # A state laid out for 8 devices, used on a mesh of 3, or a replicated cache.
-  mesh3 = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,),
-                        devices=jax.devices()[:3])
+  mesh3 = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
   with pytest.raises(ValueError, match="initialised for another number of devices"):
     est.update_inverses(state, 1e-2, mesh=(mesh3, "data"))
   replicated = kfac_jax.CurvatureEstimator(loss_fn, batch).init(params)
@@ -433,8 +483,9 @@ def test_sharded_storage_orbax_round_trip_keeps_the_sharding(tmp_path, x64):
   ocp = pytest.importorskip("orbax.checkpoint")
   loss_fn, params, batch = _problem()
   mesh = (_mesh(), "data")
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical",
-                                    inverse_storage="sharded")
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, estimation_mode="empirical", inverse_storage="sharded"
+  )
   state = est.update_curvature(est.init(params, mesh=mesh), params, batch, None, 0.0)
   state = jax.jit(lambda s: est.update_inverses(s, 1e-2, mesh=mesh))(state)
   ckpt = ocp.StandardCheckpointer()
@@ -448,8 +499,10 @@ def test_sharded_storage_orbax_round_trip_keeps_the_sharding(tmp_path, x64):
   for buf in restored.cache.buffers.values():
     assert buf.sharding.spec == P("data"), buf.sharding
   grads = jax.grad(loss_fn)(params, batch)
-  _assert_close(est.multiply_matpower(restored, grads, -1, mesh=mesh),
-                est.multiply_matpower(state, grads, -1, mesh=mesh))
+  _assert_close(
+    est.multiply_matpower(restored, grads, -1, mesh=mesh),
+    est.multiply_matpower(state, grads, -1, mesh=mesh),
+  )
 
 
 def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
@@ -467,10 +520,17 @@ def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
 
   def run(storage):
     opt = kfac_jax.Optimizer(
-        loss_fn, local, learning_rate=0.1, norm_constraint=1e-3, damping=0.1, inverse_every=2,
-        axis_name="data", config=kfac_jax.OptimizerConfig(
-            estimation_mode="empirical", damping_adaptation_interval=1,
-            inverse_storage=storage))
+      loss_fn,
+      local,
+      learning_rate=0.1,
+      norm_constraint=1e-3,
+      damping=0.1,
+      inverse_every=2,
+      axis_name="data",
+      config=kfac_jax.OptimizerConfig(
+        estimation_mode="empirical", damping_adaptation_interval=1, inverse_storage=storage
+      ),
+    )
     state = jax.pmap(opt.init, axis_name="data", devices=devices)(p0)
     step = jax.pmap(lambda p, s, b: opt.step(p, s, b)[:2], axis_name="data", devices=devices)
     p = p0
@@ -484,8 +544,7 @@ def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
   _assert_close((p_sh, s_sh.damping, s_sh.velocity), (p_rep, s_rep.damping, s_rep.velocity))
   assert int(s_sh.skipped[0]) == 0 and float(s_sh.damping[0]) != 0.1  # Steps taken, λ adapted.
   with pytest.raises(ValueError, match="inverse_storage='sharded'.*axis_name"):
-    kfac_jax.Optimizer(loss_fn, batch,
-                       config=kfac_jax.OptimizerConfig(inverse_storage="sharded"))
+    kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.OptimizerConfig(inverse_storage="sharded"))
   with pytest.raises(ValueError, match="config.inverse_storage"):
     kfac_jax.OptimizerConfig(inverse_storage="kaisa")
 
@@ -514,8 +573,9 @@ def test_init_outside_pmap_for_a_model_with_cross_device_batch_norm(kind):
   params, stats0 = with_stats["params"], with_stats["batch_stats"]
 
   def loss_fn(params, batch):
-    logits, _ = net.apply({"params": params, "batch_stats": stats0}, batch["x"],
-                          mutable=["batch_stats"])
+    logits, _ = net.apply(
+      {"params": params, "batch_stats": stats0}, batch["x"], mutable=["batch_stats"]
+    )
     kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 

@@ -19,11 +19,11 @@ def _blocks(section, subsection=None):
     text = f.read()
   start = text.index(f"\n## {section}\n")
   end = text.find("\n## ", start + 1)
-  text = text[start:end if end > 0 else None]
+  text = text[start : end if end > 0 else None]
   if subsection is not None:
     start = text.index(f"\n### {subsection}\n")
     end = text.find("\n### ", start + 1)
-    text = text[start:end if end > 0 else None]
+    text = text[start : end if end > 0 else None]
   return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
@@ -60,9 +60,15 @@ def test_checkpoint_snippet_runs_verbatim_after_the_quickstart(tmp_path, monkeyp
 
 def _call_keywords(code, name):
   """{keyword: literal value} of the one call to `kfac_jax.{name}(...)` in `code`."""
-  calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)
-           and isinstance(n.func, ast.Attribute) and n.func.attr == name
-           and isinstance(n.func.value, ast.Name) and n.func.value.id == "kfac_jax"]
+  calls = [
+    n
+    for n in ast.walk(ast.parse(code))
+    if isinstance(n, ast.Call)
+    and isinstance(n.func, ast.Attribute)
+    and n.func.attr == name
+    and isinstance(n.func.value, ast.Name)
+    and n.func.value.id == "kfac_jax"
+  ]
   assert len(calls) == 1, f"README API at a glance: expected one kfac_jax.{name}(...) call"
   return {k.arg: ast.literal_eval(k.value) for k in calls[0].keywords}
 
@@ -91,7 +97,7 @@ def test_api_table_names_every_public_name():
   with open(README, encoding="utf-8") as f:
     text = f.read()
   start = text.index("\n## API at a glance\n")
-  section = text[start:text.index("\n## ", start + 1)]
+  section = text[start : text.index("\n## ", start + 1)]
   missing = [n for n in kfac_jax.__all__ if not re.search(rf"`{n}\b", section)]
   assert not missing, f"README API at a glance does not mention {missing}"
   assert "kfac_jax.flax.TrainState" in section

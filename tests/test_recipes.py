@@ -13,10 +13,10 @@ import numpy as np
 from tests.test_readme import _blocks
 
 RECIPES = {
-    "TrainState": "Flax linen `TrainState`",
-    "batch_stats": "Flax linen `batch_stats` (BatchNorm)",
-    "haiku": "Haiku `transform_with_state`",
-    "nnx": "Flax nnx: split / merge with BatchNorm and Dropout",
+  "TrainState": "Flax linen `TrainState`",
+  "batch_stats": "Flax linen `batch_stats` (BatchNorm)",
+  "haiku": "Haiku `transform_with_state`",
+  "nnx": "Flax nnx: split / merge with BatchNorm and Dropout",
 }
 
 
@@ -31,15 +31,17 @@ def _run(title):
 
 
 def _changed(a, b):
-  return any(not np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(a),
-                                                       jax.tree_util.tree_leaves(b)))
+  return any(
+    not np.array_equal(x, y)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+  )
 
 
 def test_every_recipe_is_tested():
   with open(_blocks.__globals__["README"], encoding="utf-8") as f:
     text = f.read()
   start = text.index("\n## Recipes\n")
-  section = text[start:text.find("\n## ", start + 1)]
+  section = text[start : text.find("\n## ", start + 1)]
   assert re.findall(r"\n### (.+)\n", section) == list(RECIPES.values())
 
 
@@ -75,10 +77,12 @@ def test_nnx_split_merge_recipe():
   rest = s["rest"]
   # Ten training calls: the dropout stream's counter advanced ten times (one mask per step),
   # and the BatchNorm statistics moved away from their initial zeros and ones.
-  counts = [int(v) for p, v in jax.tree_util.tree_leaves_with_path(rest)
-            if "['drop']" in jax.tree_util.keystr(p) and "count" in jax.tree_util.keystr(p)]
+  counts = [
+    int(v)
+    for p, v in jax.tree_util.tree_leaves_with_path(rest)
+    if "['drop']" in jax.tree_util.keystr(p) and "count" in jax.tree_util.keystr(p)
+  ]
   assert counts == [10], jax.tree_util.tree_map(np.shape, rest)
   assert float(np.abs(np.asarray(s["model"].bn.mean[...])).max()) > 0
   assert float(s["loss"]) < 1.0
   assert s["model"].bn.use_running_average  # model.eval() after nnx.update
-

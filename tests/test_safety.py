@@ -16,12 +16,14 @@ def _step_fn(loss_fn, tx):
     loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss, updates
+
   return step
 
 
 def _finite(tree):
-  return all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
-             for x in jax.tree_util.tree_leaves(tree))
+  return all(
+    bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree_util.tree_leaves(tree)
+  )
 
 
 def _relu_mlp(params, x):
@@ -77,8 +79,9 @@ def test_bfloat16_training_tracks_the_float32_run():
   for dtype in (jnp.float32, jnp.bfloat16):
     params = _models.to_dtype(params32, dtype)
     batch = {"x": data["x"].astype(dtype), "y": data["y"]}
-    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, momentum=0.5, damping=1e-2,
-                       inverse_every=2)
+    tx = kfac_jax.kfac(
+      loss_fn, batch, learning_rate=0.3, momentum=0.5, damping=1e-2, inverse_every=2
+    )
     state = tx.init(params)
     step = _step_fn(loss_fn, tx)
     curve = []
@@ -87,7 +90,8 @@ def test_bfloat16_training_tracks_the_float32_run():
       curve.append(float(loss))
     assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype(dtype)}
     assert {x.dtype for x in jax.tree_util.tree_leaves(state[0].curvature.factors)} == {
-        jnp.dtype(jnp.float32)}  # Statistics and inverses stay float32.
+      jnp.dtype(jnp.float32)
+    }  # Statistics and inverses stay float32.
     losses[dtype] = np.asarray(curve)
   f32, bf16 = losses[jnp.float32], losses[jnp.bfloat16]
   assert f32[-1] < 0.5 * f32[0]
@@ -123,8 +127,9 @@ def test_bfloat16_statistics_store_half_the_bytes_and_track_float32():
   assert _leaf_dtypes(updates) == {jnp.dtype(jnp.bfloat16)}
   nbytes = lambda t: sum(x.nbytes for x in jax.tree_util.tree_leaves(t))  # noqa: E731
   assert nbytes(curv.factors) * 2 == nbytes(ref.curvature.factors)
-  for a, b in zip(jax.tree_util.tree_leaves(curv.factors),
-                  jax.tree_util.tree_leaves(ref.curvature.factors)):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(curv.factors), jax.tree_util.tree_leaves(ref.curvature.factors)
+  ):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=1e-2, atol=1e-3)
   for u, r in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(ref_updates)):
     u, r = np.asarray(u, np.float32), np.asarray(r, np.float32)
@@ -143,8 +148,10 @@ def test_float16_statistics_that_overflow_skip_the_batch():
   # Inputs at 1e3 give second moments ~1e6, beyond float16's largest value (65504).
   _, after = step(params, state, {"x": 1e3 * batch["x"], "y": batch["y"]}, jax.random.key(1))
   assert int(after.curvature.skipped_batches) == 1
-  for a, b in zip(jax.tree_util.tree_leaves(after.curvature.factors),
-                  jax.tree_util.tree_leaves(state.curvature.factors)):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(after.curvature.factors),
+    jax.tree_util.tree_leaves(state.curvature.factors),
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -154,8 +161,9 @@ def test_float64_inverses_of_float32_statistics(x64):
   data = _models.classification_batch(jax.random.key(1), n=16, din=6, classes=3)
   batch = {"x": data["x"].astype(jnp.float32), "y": data["y"]}
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
-  updates, state = _one_update(loss_fn, params, batch, stats_dtype="float32",
-                               inverse_dtype="float64")
+  updates, state = _one_update(
+    loss_fn, params, batch, stats_dtype="float32", inverse_dtype="float64"
+  )
   assert _leaf_dtypes(state.curvature.factors) == {jnp.dtype(jnp.float32)}
   assert _leaf_dtypes(state.curvature.cache) == {jnp.dtype(jnp.float64)}
   assert _leaf_dtypes(updates) == {jnp.dtype(jnp.float32)}
@@ -164,13 +172,16 @@ def test_float64_inverses_of_float32_statistics(x64):
     np.testing.assert_allclose(np.asarray(u), np.asarray(r, np.float32), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"stats_dtype": "int32"}, "`stats_dtype` must be one of bfloat16, float16, float32"),
     ({"stats_dtype": "complex64"}, "`stats_dtype` must be one of"),
     ({"inverse_dtype": "bfloat16"}, "`inverse_dtype` must be one of float32, float64"),
     ({"inverse_dtype": "float8"}, "`inverse_dtype` must be one of"),
     ({"inverse_dtype": "float64"}, "`inverse_dtype`=float64 needs 64-bit JAX"),
-])
+  ],
+)
 def test_bad_dtype_arguments_name_the_argument(kwargs, match):
   if jax.config.jax_enable_x64:
     pytest.skip("the float64 case needs x64 off")
@@ -186,8 +197,9 @@ def test_optimizer_keeps_statistics_in_the_configured_dtype():
   params = _models.jnp_mlp_init(jax.random.key(0), (6, 8, 3))
   batch = _models.classification_batch(jax.random.key(1), n=16, din=6, classes=3)
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
-  opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.OptimizerConfig(
-      stats_dtype="bfloat16"), inverse_every=1)
+  opt = kfac_jax.Optimizer(
+    loss_fn, batch, config=kfac_jax.OptimizerConfig(stats_dtype="bfloat16"), inverse_every=1
+  )
   state = opt.init(params)
   new_params, state, info = jax.jit(opt.step)(params, state, batch, jax.random.key(0))
   assert _leaf_dtypes(state.curvature.factors) == {jnp.dtype(jnp.bfloat16)}

@@ -23,8 +23,8 @@ def test_linen_mlp():
   params = model.init(jax.random.key(1), batch["x"])
   layers = kfac_jax.scan_layers(_models.softmax_loss(model.apply), params, batch)
   assert _kinds(layers) == [
-      ("params/Dense_0", "dense", ("params/Dense_0/kernel", "params/Dense_0/bias")),
-      ("params/Dense_1", "dense", ("params/Dense_1/kernel", "params/Dense_1/bias")),
+    ("params/Dense_0", "dense", ("params/Dense_0/kernel", "params/Dense_0/bias")),
+    ("params/Dense_1", "dense", ("params/Dense_1/kernel", "params/Dense_1/bias")),
   ]
   assert layers[0].factor_shapes == ((5, 5), (5, 5))  # 4 inputs + homogeneous coordinate.
   assert layers[1].factor_shapes == ((6, 6), (3, 3))
@@ -43,8 +43,8 @@ def test_nnx_mlp():
   batch = _models.classification_batch(jax.random.key(0))
   layers = kfac_jax.scan_layers(_models.softmax_loss(apply), params, batch)
   assert _kinds(layers) == [
-      ("linear1", "dense", ("linear1/kernel", "linear1/bias")),
-      ("linear2", "dense", ("linear2/kernel", "linear2/bias")),
+    ("linear1", "dense", ("linear1/kernel", "linear1/bias")),
+    ("linear2", "dense", ("linear2/kernel", "linear2/bias")),
   ]
 
 
@@ -58,8 +58,8 @@ def test_plain_jnp_mlp_with_l2_term():
 
   layers = kfac_jax.scan_layers(loss_fn, params, batch)
   assert _kinds(layers) == [
-      ("layer0", "dense", ("layer0/w", "layer0/b")),
-      ("layer1", "dense", ("layer1/w", "layer1/b")),
+    ("layer0", "dense", ("layer0/w", "layer0/b")),
+    ("layer1", "dense", ("layer1/w", "layer1/b")),
   ]
 
 
@@ -94,8 +94,8 @@ def test_dense_general_multi_axis_kernels():
   params = model.init(jax.random.key(1), batch["x"])
   layers = kfac_jax.scan_layers(_models.softmax_loss(model.apply), params, batch)
   assert _kinds(layers) == [
-      ("params/out", "dense", ("params/out/kernel", "params/out/bias")),
-      ("params/q", "dense", ("params/q/kernel", "params/q/bias")),
+    ("params/out", "dense", ("params/out/kernel", "params/out/bias")),
+    ("params/q", "dense", ("params/q/kernel", "params/q/bias")),
   ]
   by_name = {l.name: l for l in layers}
   assert by_name["params/q"].factor_shapes == ((5, 5), (6, 6))
@@ -113,7 +113,9 @@ def test_transposed_kernel_and_kernel_as_lhs():
   batch = _models.classification_batch(jax.random.key(0))
   layers = kfac_jax.scan_layers(loss_fn, params, batch)
   assert [(l.param_paths, l.factor_shapes) for l in layers] == [
-      (("v",), ((6, 6), (3, 3))), (("w_t",), ((4, 4), (6, 6)))]
+    (("v",), ((6, 6), (3, 3))),
+    (("w_t",), ((4, 4), (6, 6))),
+  ]
 
 
 def test_uncovered_parameters_warn_once_or_raise_when_strict():
@@ -134,7 +136,9 @@ def test_uncovered_parameters_warn_once_or_raise_when_strict():
   assert "`scale`" in str(record[0].message) and "`unused`" in str(record[0].message)
   generic = [l for l in layers if l.kind == "generic"]
   assert [(l.param_paths, l.approx, l.source) for l in generic] == [
-      (("scale",), "diagonal", "fallback"), (("unused",), "diagonal", "fallback")]
+    (("scale",), "diagonal", "fallback"),
+    (("unused",), "diagonal", "fallback"),
+  ]
   with pytest.raises(kfac_jax.RegistrationError, match="`scale`.*`unused`"):
     kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
 
@@ -154,7 +158,9 @@ def test_manual_tags_take_precedence():
     warnings.simplefilter("error")
     layers = kfac_jax.scan_layers(loss_fn, params, batch)
   assert [(l.kind, l.param_paths, l.approx, l.source) for l in layers] == [
-      ("dense", ("w", "b"), "kron", "manual"), ("generic", ("s",), "full", "manual")]
+    ("dense", ("w", "b"), "kron", "manual"),
+    ("generic", ("s",), "full", "manual"),
+  ]
 
 
 def test_summary_table():
@@ -163,8 +169,16 @@ def test_summary_table():
   params = model.init(jax.random.key(1), batch["x"])
   table = kfac_jax.summary(_models.softmax_loss(model.apply), params, batch)
   lines = table.splitlines()
-  assert lines[0].split() == ["layer", "kind", "uses", "approx", "parameters", "factor", "shapes",
-                              "memory"]
+  assert lines[0].split() == [
+    "layer",
+    "kind",
+    "uses",
+    "approx",
+    "parameters",
+    "factor",
+    "shapes",
+    "memory",
+  ]
   assert "params/Dense_0  dense  1     kron    kernel, bias  5x5 5x5" in table
   # Factors plus cached inverses plus the damping scalar, float32: 4 * (2 * (25 + 25) + 1).
   assert "404 B" in lines[2]
@@ -181,8 +195,9 @@ def test_no_loss_tag_error_says_how_to_add_one():
     kfac_jax.scan_layers(loss_fn, params, _models.classification_batch(jax.random.key(1)))
 
 
-@pytest.mark.parametrize("case", ["twice", "not_param", "bad_approx", "int_param",
-                                  "non_scalar", "bias_mismatch"])
+@pytest.mark.parametrize(
+  "case", ["twice", "not_param", "bad_approx", "int_param", "non_scalar", "bias_mismatch"]
+)
 def test_registration_errors_name_the_parameter(case):
   params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,)), "c": jnp.zeros((5,))}
   batch = _models.classification_batch(jax.random.key(1))
@@ -205,9 +220,13 @@ def test_registration_errors_name_the_parameter(case):
 
   if case == "int_param":
     params["n"] = jnp.ones((2,), jnp.int32)
-  expected = {"twice": "`w` is registered twice", "not_param": "not a parameter leaf",
-              "bad_approx": r"approximation 'kron' does not fit the generic layer.*\['b'\]",
-              "int_param": "parameter `n` has dtype int32", "non_scalar": "one scalar loss",
-              "bias_mismatch": "no loss tag"}[case]
+  expected = {
+    "twice": "`w` is registered twice",
+    "not_param": "not a parameter leaf",
+    "bad_approx": r"approximation 'kron' does not fit the generic layer.*\['b'\]",
+    "int_param": "parameter `n` has dtype int32",
+    "non_scalar": "one scalar loss",
+    "bias_mismatch": "no loss tag",
+  }[case]
   with pytest.raises(kfac_jax.RegistrationError, match=expected):
     kfac_jax.scan_layers(loss_fn, params, batch)

@@ -48,8 +48,10 @@ def _descent_step(loss_fn, params, batch):
     return loss, grads, updates
 
   loss, grads, updates = step(params, state, jax.random.key(3))
-  inner = sum(jnp.vdot(g, u) for g, u in zip(jax.tree_util.tree_leaves(grads),
-                                             jax.tree_util.tree_leaves(updates)))
+  inner = sum(
+    jnp.vdot(g, u)
+    for g, u in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(updates))
+  )
   new_loss = loss_fn(optax.apply_updates(params, updates), batch)
   return float(inner), float(loss), float(new_loss)
 
@@ -111,10 +113,14 @@ def _nnx(model_cls):
   return loss_fn, params, _seq_batch()
 
 
-TIED = {"linen": (lambda: _linen(_LinenTiedLM), "params/Embed_0"),
-        "nnx": (lambda: _nnx(_NnxTiedLM), "emb")}
-RNNS = {"linen_lstm": (lambda: _linen(_LinenLSTM), "params/LSTMCell_0/hi", 8),
-        "nnx_gru": (lambda: _nnx(_NnxGRU), "rnn/cell/dense_h", 2)}
+TIED = {
+  "linen": (lambda: _linen(_LinenTiedLM), "params/Embed_0"),
+  "nnx": (lambda: _nnx(_NnxTiedLM), "emb"),
+}
+RNNS = {
+  "linen_lstm": (lambda: _linen(_LinenLSTM), "params/LSTMCell_0/hi", 8),
+  "nnx_gru": (lambda: _nnx(_NnxGRU), "rnn/cell/dense_h", 2),
+}
 
 
 @pytest.mark.parametrize("flavour", sorted(TIED))
@@ -164,14 +170,19 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
   (layer,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   assert (layer.kind, layer.num_uses, layer.param_paths) == ("dense", 2, ("w", "b"))
   reg = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
-                                   num_samples=1, with_grads=False)
+  _, _, stats = _curvature.compute(
+    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+  )
   block = kfac_jax.blocks.make_block(layer, _f64_config())
   got = block.batch_factors(stats.data[0], N)
   # Reference: inputs and per-example output gradients from jax.grad of the summed loss.
   h1 = model(params, x)[0]
-  per_ex = lambda e0, e1: N * optax.softmax_cross_entropy_with_integer_labels(
-      model(params, x, (e0, e1))[1], batch["y"]).mean()
+  per_ex = lambda e0, e1: (
+    N
+    * optax.softmax_cross_entropy_with_integer_labels(
+      model(params, x, (e0, e1))[1], batch["y"]
+    ).mean()
+  )
   g0, g1 = jax.grad(per_ex, argnums=(0, 1))(jnp.zeros((N, D)), jnp.zeros((N, D)))
   xb = [jnp.concatenate([v, jnp.ones((N, 1))], 1) for v in (x, h1)]
   a = sum(v.T @ v for v in xb) / (2 * N)
@@ -187,8 +198,9 @@ def _single_use_dense():
   loss_fn = lambda p, b: _ce(b["x"] @ p["w"] + p["b"], b["y"])
   (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   reg = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
-                                   num_samples=1, with_grads=False)
+  _, _, stats = _curvature.compute(
+    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+  )
   return spec, stats.data[0], params, batch, loss_fn
 
 
@@ -212,8 +224,9 @@ def test_expand_and_reduce_match_their_definitions(x64):
   x = batch["x"]
   logits = x @ params["w"] + params["b"]
   # g[n, l] = ∂(per-example loss of n)/∂s[n, l], per-example loss = Σ_l CE (the tag convention).
-  g = jax.grad(lambda s: optax.softmax_cross_entropy_with_integer_labels(
-      s, batch["y"]).sum())(logits)
+  g = jax.grad(lambda s: optax.softmax_cross_entropy_with_integer_labels(s, batch["y"]).sum())(
+    logits
+  )
   xb = jnp.concatenate([x, jnp.ones((N, L, 1))], -1)
   config = _f64_config()
   expand = kfac_jax.blocks.make_block(dataclasses.replace(spec, approx="expand"), config)
@@ -241,6 +254,7 @@ def _scan_spec(bias: bool):
     def step(c, x):
       y = x @ p["w"] + (p["b"] if bias else 0.0)
       return c, y
+
     _, ys = jax.lax.scan(step, 0.0, b["x"])
     return _ce(ys.transpose(1, 0, 2), b["y"].T)
 
@@ -265,9 +279,13 @@ def _series_data(key, correlated: bool):
 
 @pytest.mark.parametrize("approx", ["kron_series_1", "kron_series_2"])
 def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
-  base = dataclasses.replace(_scan_spec(bias=False), use_infos=(
-      dataclasses.replace(_scan_spec(False).info, rows=N * 4, x_perm=(0, 1),
-                          out_perm=(0, 1)),) * L)
+  base = dataclasses.replace(
+    _scan_spec(bias=False),
+    use_infos=(
+      dataclasses.replace(_scan_spec(False).info, rows=N * 4, x_perm=(0, 1), out_perm=(0, 1)),
+    )
+    * L,
+  )
   config = _f64_config(cholesky=True, cholesky_inverse=True)
   indep = kfac_jax.blocks.make_block(base, config)
   series = kfac_jax.blocks.make_block(dataclasses.replace(base, approx=approx), config)
@@ -284,11 +302,21 @@ def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
     fwd_s = series.multiply_matpower(fs, cs, series.multiply_matpower(fs, cs, v, -1), 1)[0]
     np.testing.assert_allclose(fwd_s, v[0], rtol=1e-8, atol=1e-10)  # F_λ F_λ⁻¹ = I.
     # C Cᵀ = F_λ and C⁻ᵀ C⁻¹ = F_λ⁻¹.
-    c = series.multiply_cholesky(fs, cs, series.multiply_cholesky(
-        fs, cs, v, transpose=True, inverse=False), transpose=False, inverse=False)[0]
+    c = series.multiply_cholesky(
+      fs,
+      cs,
+      series.multiply_cholesky(fs, cs, v, transpose=True, inverse=False),
+      transpose=False,
+      inverse=False,
+    )[0]
     np.testing.assert_allclose(c, series.multiply_matpower(fs, cs, v, 1)[0], rtol=1e-8)
-    ci_ = series.multiply_cholesky(fs, cs, series.multiply_cholesky(
-        fs, cs, v, transpose=False, inverse=True), transpose=True, inverse=True)[0]
+    ci_ = series.multiply_cholesky(
+      fs,
+      cs,
+      series.multiply_cholesky(fs, cs, v, transpose=False, inverse=True),
+      transpose=True,
+      inverse=True,
+    )[0]
     np.testing.assert_allclose(ci_, inv_s, rtol=1e-8)
     if correlated:
       assert float(jnp.max(jnp.abs(fs["a1"]))) > 0.1
@@ -302,8 +330,9 @@ def test_series_zeta_is_the_lag_sum():
   for t in (1, 2, 5):
     for psi in (-0.5, 0.0, 0.3, 0.9):
       lag_sum = sum((t - abs(d)) * psi ** abs(d) for d in range(-t + 1, t)) / t
-      np.testing.assert_allclose(_shared._zeta(jnp.float32(psi), "kron_series_2", t), lag_sum,
-                                 rtol=1e-5)
+      np.testing.assert_allclose(
+        _shared._zeta(jnp.float32(psi), "kron_series_2", t), lag_sum, rtol=1e-5
+      )
   np.testing.assert_allclose(_shared._zeta(jnp.float32(0.5), "kron_series_1", 3), 3.0, rtol=1e-6)
 
 
@@ -336,8 +365,9 @@ def test_manual_tag_at_each_use_gives_one_multi_use_layer():
 
 def test_use_count_mismatch_names_the_parameter():
   loss_fn, params, batch = _two_use_loss(1)
-  with pytest.raises(kfac_jax.RegistrationError,
-                     match=r"`w` is used 2 times .* registered with 1 register_dense"):
+  with pytest.raises(
+    kfac_jax.RegistrationError, match=r"`w` is used 2 times .* registered with 1 register_dense"
+  ):
     kfac_jax.scan_layers(loss_fn, params, batch)
 
 
@@ -363,8 +393,12 @@ def test_series_block_refuses_other_powers_and_eigen_damping():
 def test_rnn_with_series_tags_inside_the_scan_body_takes_a_descent_step(approx):
   """register_dense inside a plain lax.scan body: one tag per unrolled step, one layer."""
   kx, ky, kw, ku = jax.random.split(jax.random.key(4), 4)
-  params = {"w_in": 0.5 * jax.random.normal(kw, (D, 3)), "w_h": 0.5 * jax.random.normal(ku, (3, 3)),
-            "b": jnp.zeros(3), "w_out": jax.random.normal(kx, (3, V))}
+  params = {
+    "w_in": 0.5 * jax.random.normal(kw, (D, 3)),
+    "w_h": 0.5 * jax.random.normal(ku, (3, 3)),
+    "b": jnp.zeros(3),
+    "w_out": jax.random.normal(kx, (3, V)),
+  }
   batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, V)}
 
   def loss_fn(p, b):
@@ -372,6 +406,7 @@ def test_rnn_with_series_tags_inside_the_scan_body_takes_a_descent_step(approx):
       pre_h = kfac_jax.register_dense(h @ p["w_h"] + p["b"], h, p["w_h"], p["b"], approx=approx)
       h = jnp.tanh(x @ p["w_in"] + pre_h)
       return h, h
+
     _, hs = jax.lax.scan(step, jnp.zeros((N, 3)), b["x"].transpose(1, 0, 2))
     return _ce(hs.transpose(1, 0, 2) @ p["w_out"], b["y"])
 
@@ -409,17 +444,24 @@ def test_tied_embedding_factors_match_the_definition(x64):
   (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
   reg = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
-                                   num_samples=1, with_grads=False)
+  _, _, stats = _curvature.compute(
+    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+  )
   config = _f64_config()
   got = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], N)
 
-  ce = lambda e1, e2: N * optax.softmax_cross_entropy_with_integer_labels(
-      model(params, batch["ids"], e1, e2)[1], batch["y"]).mean()
+  ce = lambda e1, e2: (
+    N
+    * optax.softmax_cross_entropy_with_integer_labels(
+      model(params, batch["ids"], e1, e2)[1], batch["y"]
+    ).mean()
+  )
   g_emb, g_out = jax.grad(ce, argnums=(0, 1))(jnp.zeros((N, D)), jnp.zeros((N, V)))
   h = model(params, batch["ids"])[0]
-  terms = [(jnp.zeros(V).at[batch["ids"]].add(1.0) / N, g_emb.T @ g_emb / N),
-           (jnp.sum(g_out ** 2, 0) / N, h.T @ h / N)]
+  terms = [
+    (jnp.zeros(V).at[batch["ids"]].add(1.0) / N, g_emb.T @ g_emb / N),
+    (jnp.sum(g_out**2, 0) / N, h.T @ h / N),
+  ]
   xs, ys = [], []
   for x, y in terms:
     c = jnp.sqrt(jnp.trace(y) / D / jnp.mean(x))
@@ -442,6 +484,7 @@ def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
       x, s = xs
       h = jnp.tanh((h + x) @ p["w"]) * s
       return h, h.sum()
+
     h, ys = jax.lax.scan(step, jnp.zeros((N, D)), (b["x"], p["stack"]), reverse=reverse)
     return _ce(h + ys.sum(), b["y"])
 
@@ -459,8 +502,9 @@ def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
 
 
 def _conv(p, x, stride=1, padding="VALID"):
-  y = jax.lax.conv_general_dilated(x, p["k"], (stride, stride), padding,
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y = jax.lax.conv_general_dilated(
+    x, p["k"], (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
   return y + p["b"]
 
 
@@ -476,9 +520,13 @@ def _shared_conv_norm_model(params, x, eps=(0.0, 0.0, 0.0, 0.0)):
 
 def _shared_conv_setup(n):
   kk, kx, ky, kw, ks = jax.random.split(jax.random.key(11), 5)
-  params = {"k": 0.5 * jax.random.normal(kk, (2, 2, 2, 2)), "b": jnp.array([0.1, -0.2]),
-            "s": 1.0 + 0.3 * jax.random.normal(ks, (2,)), "sh": jnp.array([0.2, 0.1]),
-            "w": jax.random.normal(kw, (2, 3))}
+  params = {
+    "k": 0.5 * jax.random.normal(kk, (2, 2, 2, 2)),
+    "b": jnp.array([0.1, -0.2]),
+    "s": 1.0 + 0.3 * jax.random.normal(ks, (2,)),
+    "sh": jnp.array([0.2, 0.1]),
+    "w": jax.random.normal(kw, (2, 3)),
+  }
   batch = {"x": jax.random.normal(kx, (n, 4, 4, 2)), "y": jax.random.randint(ky, (n,), 0, 3)}
   loss_fn = lambda p, b: _ce(_shared_conv_norm_model(p, b["x"])[1], b["y"])
   return params, batch, loss_fn
@@ -488,9 +536,10 @@ def test_shared_conv_and_norm_are_found_as_multi_use_layers():
   params, batch, loss_fn = _shared_conv_setup(2)
   layers = {l.name: l for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True)}
   assert [(n, l.kind, l.num_uses, l.approx, l.param_paths) for n, l in layers.items()] == [
-      ("k", "conv", 2, "kron_indep", ("k", "b")),
-      ("s", "scale_and_shift", 2, "full", ("s", "sh")),
-      ("w", "dense", 1, "kron", ("w",))]
+    ("k", "conv", 2, "kron_indep", ("k", "b")),
+    ("s", "scale_and_shift", 2, "full", ("s", "sh")),
+    ("w", "dense", 1, "kron", ("w",)),
+  ]
   assert layers["k"].factor_shapes == ((2 * 2 * 2 + 1,) * 2, (2, 2))
   inner, loss, new_loss = _descent_step(loss_fn, params, batch)
   assert inner < 0 and new_loss < loss
@@ -521,9 +570,12 @@ def test_linen_conv_and_layer_norm_called_twice_are_shared_layers():
 def _patches(x, k, pads):
   """[N·L, C·k·k] patches of an NHWC input, (channel, window) row-major, stride 1, by loops."""
   xp = np.pad(np.asarray(x), ((0, 0), pads, pads, (0, 0)))
-  rows = [xp[i, a:a + k, b:b + k, :].transpose(2, 0, 1).reshape(-1)
-          for i in range(xp.shape[0]) for a in range(xp.shape[1] - k + 1)
-          for b in range(xp.shape[2] - k + 1)]
+  rows = [
+    xp[i, a : a + k, b : b + k, :].transpose(2, 0, 1).reshape(-1)
+    for i in range(xp.shape[0])
+    for a in range(xp.shape[1] - k + 1)
+    for b in range(xp.shape[2] - k + 1)
+  ]
   return np.stack(rows)
 
 
@@ -533,8 +585,9 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
   params, batch, loss_fn = _shared_conv_setup(1)
   spec = next(l for l in kfac_jax.scan_layers(loss_fn, params, batch) if l.name == "k")
   reg = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
-                                   num_samples=1, with_grads=False)
+  _, _, stats = _curvature.compute(
+    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+  )
   block = kfac_jax.blocks.make_block(spec, _f64_config())
   got = block.batch_factors(stats.data[reg.layers.index(spec)], 1)
 
@@ -544,7 +597,8 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
   a = sum(v.T @ v for v in xb) / sum(v.shape[0] for v in xb)
   zeros = [jnp.zeros((1, 3, 3, 2)), jnp.zeros((1, 3, 3, 2)), jnp.zeros((1, 2)), jnp.zeros((1, 2))]
   ce = lambda *e: optax.softmax_cross_entropy_with_integer_labels(
-      _shared_conv_norm_model(params, batch["x"], e)[1], batch["y"]).sum()
+    _shared_conv_norm_model(params, batch["x"], e)[1], batch["y"]
+  ).sum()
   gs = jax.grad(ce, argnums=(0, 1))(*zeros)
   g = sum(np.asarray(v).reshape(-1, 2).T @ np.asarray(v).reshape(-1, 2) for v in gs)
   assert xb[0].shape[0] == 9 and xb[1].shape[0] == 9
@@ -554,19 +608,23 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
 
 @pytest.mark.parametrize("approx", ["full", "diagonal"])
 def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, approx):
-  """"full" / "diagonal" of a shared layer: the per-example gradient summed over uses, so the
+  """ "full" / "diagonal" of a shared layer: the per-example gradient summed over uses, so the
   block is the exact per-example (empirical) Fisher block for any batch size."""
   params, batch, loss_fn = _shared_conv_setup(3)
   layers = kfac_jax.LayerConfig(overrides={"k": approx, "s": approx})
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
   state = est.init(params)
   assert [(l.name, l.num_uses, l.approx) for l in est.layers] == [
-      ("k", 2, approx), ("s", 2, approx), ("w", 1, "kron")]
+    ("k", 2, approx),
+    ("s", 2, approx),
+    ("w", 1, "kron"),
+  ]
   state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
   dense = np.asarray(est.to_dense(state))
   flat, unravel = ravel_pytree(params)
   per_example = lambda f: optax.softmax_cross_entropy_with_integer_labels(
-      _shared_conv_norm_model(unravel(f), batch["x"])[1], batch["y"])
+    _shared_conv_norm_model(unravel(f), batch["x"])[1], batch["y"]
+  )
   jac = np.asarray(jax.jacobian(per_example)(flat))
   exact = jac.T @ jac / 3
   sizes = [v.size for v in jax.tree_util.tree_leaves(params)]  # b, k, s, sh, w
@@ -583,18 +641,24 @@ def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, 
 def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
   """Two uses seeing the same data: A per group unchanged, G per group doubled."""
   params = {"k": jax.random.normal(jax.random.key(12), (3, 3, 2, 4))}
-  batch = {"x": jax.random.normal(jax.random.key(13), (2, 5, 5, 4)),
-           "y": jnp.array([0, 3])}
+  batch = {"x": jax.random.normal(jax.random.key(13), (2, 5, 5, 4)), "y": jnp.array([0, 3])}
 
   def loss_fn(p, b):
-    h = jax.lax.conv_general_dilated(b["x"], p["k"], (1, 1), "SAME", feature_group_count=2,
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = jax.lax.conv_general_dilated(
+      b["x"],
+      p["k"],
+      (1, 1),
+      "SAME",
+      feature_group_count=2,
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
     return _ce(h.mean((1, 2)), b["y"])
 
   (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   reg = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(reg, params, batch, None, estimation_mode="empirical",
-                                   num_samples=1, with_grads=False)
+  _, _, stats = _curvature.compute(
+    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+  )
   config = _f64_config()
   single = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], 2)
   two = dataclasses.replace(spec, approx="kron_indep", num_uses=2, use_infos=(spec.info,) * 2)
@@ -617,7 +681,9 @@ def test_shared_shift_alone_and_shared_dense_bias_are_told_apart():
 
   layers = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
   assert [(n, l.kind, l.num_uses, l.param_paths) for n, l in layers.items()] == [
-      ("w", "dense", 2, ("w", "b")), ("t", "scale_and_shift", 2, ("t",))]
+    ("w", "dense", 2, ("w", "b")),
+    ("t", "scale_and_shift", 2, ("t",)),
+  ]
 
 
 def test_shared_conv_with_different_kernel_layouts_is_not_one_layer():
@@ -627,10 +693,12 @@ def test_shared_conv_with_different_kernel_layouts_is_not_one_layer():
   batch = {"x": jnp.ones((1, 3, 3, 2)), "y": jnp.zeros((1,), jnp.int32)}
 
   def loss_fn(p, b):
-    h = jax.lax.conv_general_dilated(b["x"], p["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    h = jax.lax.conv_general_dilated(h, p["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "OIHW", "NHWC"))
+    h = jax.lax.conv_general_dilated(
+      b["x"], p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    h = jax.lax.conv_general_dilated(
+      h, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "OIHW", "NHWC")
+    )
     return _ce(h.mean((1, 2)), b["y"])
 
   with pytest.warns(_scanner.UncoveredParametersWarning, match="`k`"):
@@ -644,24 +712,31 @@ def test_shared_conv_with_different_kernel_layouts_is_not_one_layer():
 def test_override_chooses_a_series_approximation_for_a_detected_recurrence():
   loss_fn, params, batch = _linen(_LinenLSTM)
   cell = "params/LSTMCell_0/hi"
-  layers = kfac_jax.LayerConfig(defaults={"dense": "kron_in_diag"},
-                                overrides={"params/LSTMCell_0/h*": "kron_series_2"})
+  layers = kfac_jax.LayerConfig(
+    defaults={"dense": "kron_in_diag"}, overrides={"params/LSTMCell_0/h*": "kron_series_2"}
+  )
   specs = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True, layers=layers))
   assert (specs[cell].num_uses, specs[cell].approx, specs[cell].source) == (
-      L, "kron_series_2", "auto")
+    L,
+    "kron_series_2",
+    "auto",
+  )
   # Defaults name single-use approximations: shared layers keep theirs, single-use ones follow.
   assert specs["params/LSTMCell_0/ii"].approx == "kron_indep"
   assert specs["params/Dense_0"].approx == "kron_in_diag"
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, layers=layers)
   est.init(params)
-  assert isinstance(est.blocks[[l.name for l in est.layers].index(cell)],
-                    kfac_jax.blocks.SeriesKroneckerBlock)
+  assert isinstance(
+    est.blocks[[l.name for l in est.layers].index(cell)], kfac_jax.blocks.SeriesKroneckerBlock
+  )
 
 
 def test_override_that_does_not_fit_a_shared_layer_names_pattern_and_layer():
   loss_fn, params, batch = _linen(_LinenLSTM)
   layers = kfac_jax.LayerConfig(overrides={"params/LSTMCell_0/hi*": "kron_in_diag"})
-  with pytest.raises(kfac_jax.RegistrationError,
-                     match=r"overrides\['params/LSTMCell_0/hi\*'\] = 'kron_in_diag' does not fit "
-                           r"the dense layer `params/LSTMCell_0/hi` .* used 3 times"):
+  with pytest.raises(
+    kfac_jax.RegistrationError,
+    match=r"overrides\['params/LSTMCell_0/hi\*'\] = 'kron_in_diag' does not fit "
+    r"the dense layer `params/LSTMCell_0/hi` .* used 3 times",
+  ):
     kfac_jax.scan_layers(loss_fn, params, batch, layers=layers)

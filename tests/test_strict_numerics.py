@@ -20,10 +20,15 @@ def strict_rank():
 
 
 @pytest.mark.parametrize("loss", ["softmax", "sigmoid", "squared"])
-@pytest.mark.parametrize("mode, damping_mode", [("gradients", "factored"),
-                                                ("empirical", "eigen"),
-                                                ("curvature_prop", "eigen"),
-                                                ("exact", "factored")])
+@pytest.mark.parametrize(
+  "mode, damping_mode",
+  [
+    ("gradients", "factored"),
+    ("empirical", "eigen"),
+    ("curvature_prop", "eigen"),
+    ("exact", "factored"),
+  ],
+)
 def test_full_step_under_rank_promotion_raise(strict_rank, loss, mode, damping_mode):
   k = jax.random.split(jax.random.key(0), 3)
   params = {"w": jax.random.normal(k[0], (4, 3)), "b": jnp.zeros((3,)), "s": jnp.ones((3,))}
@@ -46,14 +51,21 @@ def test_full_step_under_rank_promotion_raise(strict_rank, loss, mode, damping_m
   batch = {"x": x, "y": y, "t": t}
   num_samples = 1 if mode == "exact" else 2
   with pytest.warns(kfac_jax.UncoveredParametersWarning, match="`s`"):
-    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, estimation_mode=mode,
-                       num_samples=num_samples, damping_mode=damping_mode)
+    tx = kfac_jax.kfac(
+      loss_fn,
+      batch,
+      learning_rate=0.1,
+      estimation_mode=mode,
+      num_samples=num_samples,
+      damping_mode=damping_mode,
+    )
     state = tx.init(params)
 
   @jax.jit
   def step(params, state, rng):
     loss, grads, stats = kfac_jax.value_and_grad(
-        loss_fn, estimation_mode=mode, num_samples=num_samples)(params, batch, rng)
+      loss_fn, estimation_mode=mode, num_samples=num_samples
+    )(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 

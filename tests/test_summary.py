@@ -30,7 +30,7 @@ def _report(table):
 def _reasons(table):
   lines = _report(table)
   start = next(i for i, l in enumerate(lines) if l.startswith("fallback"))
-  return dict(l.strip().split(": ", 1) for l in lines[start + 1:])
+  return dict(l.strip().split(": ", 1) for l in lines[start + 1 :])
 
 
 # -- one tiny model per reason ----------------------------------------------------------------
@@ -66,6 +66,7 @@ def _regulariser(p, b):
 def _scanned(p, b):
   def body(h, w_t):
     return jnp.sin(w_t) * h, None
+
   h, _ = jax.lax.scan(body, b["x"], p["stack"])
   return _ce(h @ p["w"], b["y"])
 
@@ -76,24 +77,44 @@ def _product_of_params(p, b):
 
 W = jnp.ones((D, C)) * 0.1
 REASON_CASES = [
-    ("2 - scale", _two_minus_scale, {"s": jnp.ones(D), "w": W}, "s", "used as 2 - scale"),
-    ("concatenated", _concatenated, {"w_top": W[:2], "w_bottom": W[2:]}, "w_bottom",
-     "concatenated before a matmul"),
-    ("two ways", _two_ways, {"w": W}, "w", "used 2 times in different ways (dot_general, exp)"),
-    ("no matcher", _no_matcher, {"s3": jnp.ones(C), "w": W}, "s3", "consumed by exp (no matcher)"),
-    ("unused", _unused, {"u": jnp.ones(2), "w": W}, "u", "not used by the loss"),
-    ("regulariser", _regulariser, {"u": jnp.ones(2), "w": W}, "u",
-     "not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)"),
-    ("scan", _scanned, {"stack": jnp.ones((3, N, D)), "w": W}, "stack",
-     "sliced by a scan (a stacked layer axis)"),
-    ("product of parameters", _product_of_params, {"a": jnp.ones((D, C)), "w": W}, "a",
-     ("combined by mul with parameter `w` (a product or sum of two parameters has no layer "
-      "block)")),
+  ("2 - scale", _two_minus_scale, {"s": jnp.ones(D), "w": W}, "s", "used as 2 - scale"),
+  (
+    "concatenated",
+    _concatenated,
+    {"w_top": W[:2], "w_bottom": W[2:]},
+    "w_bottom",
+    "concatenated before a matmul",
+  ),
+  ("two ways", _two_ways, {"w": W}, "w", "used 2 times in different ways (dot_general, exp)"),
+  ("no matcher", _no_matcher, {"s3": jnp.ones(C), "w": W}, "s3", "consumed by exp (no matcher)"),
+  ("unused", _unused, {"u": jnp.ones(2), "w": W}, "u", "not used by the loss"),
+  (
+    "regulariser",
+    _regulariser,
+    {"u": jnp.ones(2), "w": W},
+    "u",
+    "not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)",
+  ),
+  (
+    "scan",
+    _scanned,
+    {"stack": jnp.ones((3, N, D)), "w": W},
+    "stack",
+    "sliced by a scan (a stacked layer axis)",
+  ),
+  (
+    "product of parameters",
+    _product_of_params,
+    {"a": jnp.ones((D, C)), "w": W},
+    "a",
+    ("combined by mul with parameter `w` (a product or sum of two parameters has no layer block)"),
+  ),
 ]
 
 
-@pytest.mark.parametrize("name,loss_fn,params,leaf,reason", REASON_CASES,
-                         ids=[c[0] for c in REASON_CASES])
+@pytest.mark.parametrize(
+  "name,loss_fn,params,leaf,reason", REASON_CASES, ids=[c[0] for c in REASON_CASES]
+)
 def test_each_fallback_reason(name, loss_fn, params, leaf, reason):
   table = kfac_jax.summary(loss_fn, params, _batch())
   assert _reasons(table)[leaf] == reason, table
@@ -116,17 +137,21 @@ def test_share_and_bytes_against_hand_computed_values():
   inverses and one damping scalar: 4 · (2 · (25 + 9) + 1) = 276; the diagonal block 3 values
   and one scalar: 4 · 4 = 16. Parameters: 18 · 4 = 72 bytes.
   """
+
   def loss_fn(p, b):
     return _ce((b["x"] @ p["w"] + p["b"]) * jnp.exp(p["s"]), b["y"])
 
   params = {"b": jnp.zeros(C), "s": jnp.zeros(C), "w": W}
   table = kfac_jax.summary(loss_fn, params, _batch())
   report = _report(table)
-  assert report[0] == ("layer blocks (dense, conv, embedding, scale-and-shift) hold 15 of 18 "
-                       "parameters (83.3%)")
+  assert report[0] == (
+    "layer blocks (dense, conv, embedding, scale-and-shift) hold 15 of 18 parameters (83.3%)"
+  )
   assert report[1] == "curvature state: 292 B (4.06x the parameters' 72 B)"
-  assert report[2:] == ["fallback (diagonal) blocks, 1: why no layer matched",
-                        "  s: consumed by exp (no matcher)"]
+  assert report[2:] == [
+    "fallback (diagonal) blocks, 1: why no layer matched",
+    "  s: consumed by exp (no matcher)",
+  ]
   # The reported state bytes are those of the optimizer state's curvature, leaf for leaf.
   with pytest.warns(kfac_jax.UncoveredParametersWarning):
     state = kfac_jax.scale_by_kfac(loss_fn, _batch()).init(params)
@@ -152,8 +177,14 @@ def test_layers_in_one_flat_dict_get_distinct_row_names():
     q = p["params"]
     return _ce(jnp.tanh(b["x"] @ q["w1"] + q["b1"]) @ q["w2"] + q["b2"], b["y"])
 
-  params = {"params": {"w1": jnp.ones((D, 5)), "b1": jnp.zeros(5), "w2": jnp.ones((5, C)),
-                       "b2": jnp.zeros(C)}}
+  params = {
+    "params": {
+      "w1": jnp.ones((D, 5)),
+      "b1": jnp.zeros(5),
+      "w2": jnp.ones((5, C)),
+      "b2": jnp.zeros(C),
+    }
+  }
   assert [l.name for l in kfac_jax.scan_layers(loss_fn, params, _batch())] == ["params"] * 2
   rows = kfac_jax.summary(loss_fn, params, _batch()).splitlines()[2:4]
   assert [r.split()[0] for r in rows] == ["params/w1", "params/w2"]
@@ -165,8 +196,9 @@ def test_warning_is_short_and_points_to_summary():
     kfac_jax.scan_layers(_unused, params, _batch())
   msg = str(record[0].message)
   assert msg.startswith("5 parameter(s) are not in any recognised layer")
-  assert ("`s0` (not used by the loss); `s1` (not used by the loss); `s2` (not used by the "
-          "loss)") in msg
+  assert (
+    "`s0` (not used by the loss); `s1` (not used by the loss); `s2` (not used by the loss)"
+  ) in msg
   assert "; and 2 more." in msg and "`s3`" not in msg
   assert "kfac_jax.summary(loss_fn, params, batch)" in msg
   with pytest.raises(kfac_jax.RegistrationError, match="`s4` \\(not used by the loss\\).*strict"):
@@ -177,7 +209,6 @@ def test_warning_is_short_and_points_to_summary():
 
 
 class _BatchNormMLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(8)(x)
@@ -188,13 +219,17 @@ class _BatchNormMLP(nn.Module):
 def _batchnorm_problem():
   model = _BatchNormMLP()
   batch = _batch()
-  variables = jax.vmap(lambda x: model.init(jax.random.key(0), x), in_axes=None, axis_size=1,
-                       axis_name="batch")(batch["x"])
+  variables = jax.vmap(
+    lambda x: model.init(jax.random.key(0), x), in_axes=None, axis_size=1, axis_name="batch"
+  )(batch["x"])
   variables = jax.tree_util.tree_map(lambda a: a[0], variables)
 
   def loss_fn(params, batch):
-    logits, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
-                            batch["x"], mutable=["batch_stats"])
+    logits, _ = model.apply(
+      {"params": params, "batch_stats": variables["batch_stats"]},
+      batch["x"],
+      mutable=["batch_stats"],
+    )
     return _ce(logits, batch["y"])
 
   return loss_fn, variables["params"], batch
@@ -249,12 +284,15 @@ def test_a_kernel_read_in_two_layouts_is_named_as_such():
   batch = {"x": jnp.ones((1, 3, 3, 2)), "y": jnp.zeros((1,), jnp.int32)}
 
   def loss_fn(p, b):
-    h = jax.lax.conv_general_dilated(b["x"], p["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    h = jax.lax.conv_general_dilated(h, p["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "OIHW", "NHWC"))
+    h = jax.lax.conv_general_dilated(
+      b["x"], p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    h = jax.lax.conv_general_dilated(
+      h, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "OIHW", "NHWC")
+    )
     return _ce(h.mean((1, 2)), b["y"])
 
   assert _reasons(kfac_jax.summary(loss_fn, params, batch))["k"] == (
-      "used 2 times by conv_general_dilated in ways no one shared layer fits (e.g. different "
-      "kernel layouts, or biases that differ between uses)")
+    "used 2 times by conv_general_dilated in ways no one shared layer fits (e.g. different "
+    "kernel layouts, or biases that differ between uses)"
+  )

@@ -16,8 +16,9 @@ from tests import _models
 
 def _problem(n=32, din=4, hidden=8, classes=3, dtype=jnp.float32):
   params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (din, hidden, classes)), dtype)
-  batch = _models.classification_batch(jax.random.key(1), n=n, din=din, classes=classes,
-                                       dtype=dtype)
+  batch = _models.classification_batch(
+    jax.random.key(1), n=n, din=din, classes=classes, dtype=dtype
+  )
   return _models.softmax_loss(_models.jnp_mlp_apply), params, batch
 
 
@@ -26,6 +27,7 @@ def _make_step(loss_fn, tx):
     loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state, loss
+
   return jax.jit(step)
 
 
@@ -47,10 +49,18 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
   """curvature_every=3: the EMA takes the statistics of updates 0, 3, 6 only, each at the
   parameters of that update, exactly as an estimator fed just those batches."""
   loss_fn, params, batch = _problem()
-  batches = [jax.tree_util.tree_map(lambda x, i=i: jnp.roll(x, 5 * i, axis=0), batch)
-             for i in range(7)]
-  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, damping=1e-2, ema_decay=0.7,
-                     curvature_every=3, inverse_every=3)
+  batches = [
+    jax.tree_util.tree_map(lambda x, i=i: jnp.roll(x, 5 * i, axis=0), batch) for i in range(7)
+  ]
+  tx = kfac_jax.kfac(
+    loss_fn,
+    batch,
+    learning_rate=0.3,
+    damping=1e-2,
+    ema_decay=0.7,
+    curvature_every=3,
+    inverse_every=3,
+  )
   est = kfac_jax.CurvatureEstimator(loss_fn, batch)
 
   @jax.jit
@@ -71,13 +81,15 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
       ref = est.update_curvature(ref, params, b, rng, 0.7)
     params, opt_state = step(params, opt_state, b, rng)
     factors.append(opt_state[0].curvature.factors)
-    for got, want in zip(jax.tree_util.tree_leaves(factors[-1]),
-                         jax.tree_util.tree_leaves(ref.factors)):
+    for got, want in zip(
+      jax.tree_util.tree_leaves(factors[-1]), jax.tree_util.tree_leaves(ref.factors)
+    ):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"update {i}")
   # Non-due updates leave the factors bit-identical.
   for i in (1, 2, 4, 5):
-    for a, b in zip(jax.tree_util.tree_leaves(factors[i]),
-                    jax.tree_util.tree_leaves(factors[i - 1])):
+    for a, b in zip(
+      jax.tree_util.tree_leaves(factors[i]), jax.tree_util.tree_leaves(factors[i - 1])
+    ):
       np.testing.assert_array_equal(a, b)
   assert not np.array_equal(factors[3]["layer0"]["a"], factors[2]["layer0"]["a"])
   assert int(opt_state[0].count) == 7
@@ -99,12 +111,19 @@ def test_update_is_the_inverse_of_the_estimator():
 def test_pmap_statistics_equal_single_device_on_the_whole_batch():
   loss_fn, params, batch = _problem(n=32)
   n = jax.local_device_count()
-  tx1 = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, ema_decay=0.5,
-                               estimation_mode="empirical")
+  tx1 = kfac_jax.scale_by_kfac(
+    loss_fn, batch, damping=1e-2, ema_decay=0.5, estimation_mode="empirical"
+  )
   sharded = jax.tree_util.tree_map(lambda x: x.reshape((n, -1) + x.shape[1:]), batch)
   local_example = jax.tree_util.tree_map(lambda x: x[0], sharded)
-  txp = kfac_jax.scale_by_kfac(loss_fn, local_example, damping=1e-2, ema_decay=0.5,
-                               estimation_mode="empirical", axis_name="data")
+  txp = kfac_jax.scale_by_kfac(
+    loss_fn,
+    local_example,
+    damping=1e-2,
+    ema_decay=0.5,
+    estimation_mode="empirical",
+    axis_name="data",
+  )
 
   def pstep(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
@@ -127,15 +146,14 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
     np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(a)[-1])  # Replicas agree.
 
 
-
-
 # --------------------------------------------------------------------------------------------
 # Damping.
 
 
 def _inject(factory, loss_fn, batch, **kw):
   return optax.inject_hyperparams(factory, static_args=("loss_fn", "example_batch"))(
-      loss_fn=loss_fn, example_batch=batch, **kw)
+    loss_fn=loss_fn, example_batch=batch, **kw
+  )
 
 
 def _set(state, name, value):
@@ -187,6 +205,7 @@ def _kfac_step(loss_fn, tx):
     loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss, updates
+
   return step
 
 
@@ -196,8 +215,9 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   update): params and every state leaf unchanged, momentum trace included, but the counters;
   training continues finitely."""
   loss_fn, params, batch = _problem()
-  tx = _inject(kfac_jax.kfac, loss_fn, batch, learning_rate=0.3, momentum=0.9, damping=1e-2,
-               inverse_every=1)
+  tx = _inject(
+    kfac_jax.kfac, loss_fn, batch, learning_rate=0.3, momentum=0.9, damping=1e-2, inverse_every=1
+  )
   state = tx.init(params)
 
   @jax.jit
@@ -220,7 +240,8 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   new_params, new_state, _ = step(params, bad_state, bad_batch, jax.random.key(7), poison)
   inner, old = new_state.inner_state, bad_state.inner_state
   counters = ["preconditioner.skipped"] + (
-      ["curvature.skipped_batches"] if where == "batch" else [])
+    ["curvature.skipped_batches"] if where == "batch" else []
+  )
   _assert_same_but(inner, old, counters)
   _assert_same_but(new_params, params, [])
   assert float(optax.tree.norm(inner.momentum.trace)) > 0
@@ -243,8 +264,7 @@ def test_scale_by_kfac_guard_and_switching_it_off():
   for skip in (True, False):
     tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, skip_nonfinite=skip)
     state = tx.init(params)
-    upd = jax.jit(lambda g, s, tx=tx: tx.update(g, s, params, batch=batch,
-                                                rng=jax.random.key(0)))
+    upd = jax.jit(lambda g, s, tx=tx: tx.update(g, s, params, batch=batch, rng=jax.random.key(0)))
     _, state = upd(grads, state)
     outs[skip] = upd(bad, state), state
   (u, new), old = outs[True]
@@ -265,9 +285,10 @@ def test_kl_clip_coefficient_against_numpy(x64):
   g = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
   vg = abs(np.vdot(v["a"], g["a"]) + np.vdot(v["b"], g["b"]))
   for lr, c in [(0.5, 1e-3), (0.1, 10.0), (2.0, vg * 4.0 * 0.99)]:
-    want = min(1.0, np.sqrt(c / (lr ** 2 * vg)))
+    want = min(1.0, np.sqrt(c / (lr**2 * vg)))
     got = kfac_jax._transform.kl_clip_coefficient(
-        jax.tree_util.tree_map(jnp.asarray, v), jax.tree_util.tree_map(jnp.asarray, g), lr, c)
+      jax.tree_util.tree_map(jnp.asarray, v), jax.tree_util.tree_map(jnp.asarray, g), lr, c
+    )
     np.testing.assert_allclose(got, want, rtol=1e-12)
   zero = jax.tree_util.tree_map(jnp.zeros_like, v)
   assert float(kfac_jax._transform.kl_clip_coefficient(zero, g, 0.5, 1e-3)) == 1.0
@@ -283,19 +304,18 @@ def test_norm_constraint_scales_the_update_as_tf_kfac(x64):
   def first_update(**kw):
     kw = {"norm_constraint": None, **kw}  # `free`: clipping off (it is on by default).
     tx = kfac_jax.kfac(loss_fn, batch, learning_rate=lr, damping=1e-2, **kw)
-    return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(
-        tx.init(params))
+    return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(tx.init(params))
 
   free = first_update()
   v = [-np.asarray(u) / lr for u in jax.tree_util.tree_leaves(free)]
   vg = abs(sum(np.vdot(a, np.asarray(b)) for a, b in zip(v, jax.tree_util.tree_leaves(grads))))
-  tight = 1e-2 * lr ** 2 * vg
+  tight = 1e-2 * lr**2 * vg
   clipped = first_update(norm_constraint=tight)
-  coeff = min(1.0, np.sqrt(tight / (lr ** 2 * vg)))
+  coeff = min(1.0, np.sqrt(tight / (lr**2 * vg)))
   assert coeff < 0.2
   for a, b in zip(jax.tree_util.tree_leaves(clipped), jax.tree_util.tree_leaves(free)):
     np.testing.assert_allclose(a, coeff * np.asarray(b), rtol=1e-10, atol=1e-14)
-  loose = first_update(norm_constraint=10.0 * lr ** 2 * vg)
+  loose = first_update(norm_constraint=10.0 * lr**2 * vg)
   for a, b in zip(jax.tree_util.tree_leaves(loose), jax.tree_util.tree_leaves(free)):
     np.testing.assert_array_equal(a, b)
 
@@ -331,66 +351,66 @@ def _vg(**kw):
 
 _NAN = float("nan")
 ARG_CASES = [
-    # (call, exception, argument name, bad value)
-    (_tx(damping="1e-3"), TypeError, "damping", "1e-3"),
-    (_tx(damping=None), TypeError, "damping", None),
-    (_tx(damping=-1.0), ValueError, "damping", -1.0),
-    (_tx(damping=True), TypeError, "damping", True),
-    (_tx(ema_decay=1.0), ValueError, "ema_decay", 1.0),
-    (_tx(ema_decay="0.9"), TypeError, "ema_decay", "0.9"),
-    (_tx(inverse_every=0), ValueError, "inverse_every", 0),
-    (_tx(inverse_every=2.5), ValueError, "inverse_every", 2.5),
-    (_tx(inverse_every="5"), TypeError, "inverse_every", "5"),
-    (_tx(curvature_every=None), TypeError, "curvature_every", None),
-    (_tx(curvature_every=-1), ValueError, "curvature_every", -1),
-    (_tx(estimation_mode="fisher"), ValueError, "estimation_mode", "fisher"),
-    (_tx(estimation_mode=None), TypeError, "estimation_mode", None),
-    (_tx(num_samples=0), ValueError, "num_samples", 0),
-    (_tx(num_samples=2.0), ValueError, "num_samples", 2.0),
-    (_tx(damping_mode="tikhonov"), ValueError, "damping_mode", "tikhonov"),
-    (_tx(axis_name=3), TypeError, "axis_name", 3),
-    (_tx(inverse_storage="kaisa"), ValueError, "inverse_storage", "kaisa"),
-    (_tx(strict="yes"), TypeError, "strict", "yes"),
-    (_tx(has_aux=1), TypeError, "has_aux", 1),
-    (_tx(skip_nonfinite=None), TypeError, "skip_nonfinite", None),
-    (_tx(stats_dtype="int8"), ValueError, "stats_dtype", "int8"),
-    (_tx(inverse_dtype="bfloat16"), ValueError, "inverse_dtype", "bfloat16"),
-    (_tx(layers={"dense": "diagonal"}), TypeError, "layers", "dict"),
-    (_kfac(learning_rate="0.1"), TypeError, "learning_rate", "0.1"),
-    (_kfac(learning_rate=0.0), ValueError, "learning_rate", 0.0),
-    (_kfac(learning_rate=None), TypeError, "learning_rate", None),
-    (_kfac(momentum=1.0), ValueError, "momentum", 1.0),
-    (_kfac(momentum="0.9"), TypeError, "momentum", "0.9"),
-    (_kfac(nesterov=1), TypeError, "nesterov", 1),
-    (_kfac(norm_constraint=-1e-3), ValueError, "norm_constraint", -0.001),
-    (_kfac(norm_constraint=_NAN), ValueError, "norm_constraint", _NAN),
-    (_kfac(damping="1e-3"), TypeError, "damping", "1e-3"),
-    (_opt(learning_rate="0.1"), TypeError, "learning_rate", "0.1"),
-    (_opt(momentum=-0.5), ValueError, "momentum", -0.5),
-    (_opt(damping="1e-3"), TypeError, "damping", "1e-3"),
-    (_opt(l2_reg=None), TypeError, "l2_reg", None),
-    (_opt(inverse_every=True), TypeError, "inverse_every", True),
-    (_opt(curvature_every=0), ValueError, "curvature_every", 0),
-    (_opt(use_adaptive_damping="no"), TypeError, "use_adaptive_damping", "no"),
-    (_opt(has_aux=None), TypeError, "has_aux", None),
-    (lambda: kfac_jax.OptimizerConfig(ema_decay="0.9"), TypeError, "config.ema_decay", "0.9"),
-    (lambda: kfac_jax.OptimizerConfig(min_damping=-1.0), ValueError, "config.min_damping", -1.0),
-    (lambda: kfac_jax.OptimizerConfig(burn_in_steps=1.5), ValueError, "config.burn_in_steps",
-     1.5),
-    (lambda: kfac_jax.OptimizerConfig(strict=None), TypeError, "config.strict", None),
-    (_est(exps=(-1, "x")), TypeError, "exps", "x"),
-    (_est(exps=-1), TypeError, "exps", -1),
-    (_est(compute_cholesky="yes"), TypeError, "compute_cholesky", "yes"),
-    (lambda: kfac_jax.CurvatureEstimator("loss", {}), TypeError, "loss_fn", "loss"),
-    (_vg(estimation_mode="sampled"), ValueError, "estimation_mode", "sampled"),
-    (_vg(num_samples=True), TypeError, "num_samples", True),
-    (_vg(strict=0), TypeError, "strict", 0),
-    (_vg(has_aux="True"), TypeError, "has_aux", "True"),
+  # (call, exception, argument name, bad value)
+  (_tx(damping="1e-3"), TypeError, "damping", "1e-3"),
+  (_tx(damping=None), TypeError, "damping", None),
+  (_tx(damping=-1.0), ValueError, "damping", -1.0),
+  (_tx(damping=True), TypeError, "damping", True),
+  (_tx(ema_decay=1.0), ValueError, "ema_decay", 1.0),
+  (_tx(ema_decay="0.9"), TypeError, "ema_decay", "0.9"),
+  (_tx(inverse_every=0), ValueError, "inverse_every", 0),
+  (_tx(inverse_every=2.5), ValueError, "inverse_every", 2.5),
+  (_tx(inverse_every="5"), TypeError, "inverse_every", "5"),
+  (_tx(curvature_every=None), TypeError, "curvature_every", None),
+  (_tx(curvature_every=-1), ValueError, "curvature_every", -1),
+  (_tx(estimation_mode="fisher"), ValueError, "estimation_mode", "fisher"),
+  (_tx(estimation_mode=None), TypeError, "estimation_mode", None),
+  (_tx(num_samples=0), ValueError, "num_samples", 0),
+  (_tx(num_samples=2.0), ValueError, "num_samples", 2.0),
+  (_tx(damping_mode="tikhonov"), ValueError, "damping_mode", "tikhonov"),
+  (_tx(axis_name=3), TypeError, "axis_name", 3),
+  (_tx(inverse_storage="kaisa"), ValueError, "inverse_storage", "kaisa"),
+  (_tx(strict="yes"), TypeError, "strict", "yes"),
+  (_tx(has_aux=1), TypeError, "has_aux", 1),
+  (_tx(skip_nonfinite=None), TypeError, "skip_nonfinite", None),
+  (_tx(stats_dtype="int8"), ValueError, "stats_dtype", "int8"),
+  (_tx(inverse_dtype="bfloat16"), ValueError, "inverse_dtype", "bfloat16"),
+  (_tx(layers={"dense": "diagonal"}), TypeError, "layers", "dict"),
+  (_kfac(learning_rate="0.1"), TypeError, "learning_rate", "0.1"),
+  (_kfac(learning_rate=0.0), ValueError, "learning_rate", 0.0),
+  (_kfac(learning_rate=None), TypeError, "learning_rate", None),
+  (_kfac(momentum=1.0), ValueError, "momentum", 1.0),
+  (_kfac(momentum="0.9"), TypeError, "momentum", "0.9"),
+  (_kfac(nesterov=1), TypeError, "nesterov", 1),
+  (_kfac(norm_constraint=-1e-3), ValueError, "norm_constraint", -0.001),
+  (_kfac(norm_constraint=_NAN), ValueError, "norm_constraint", _NAN),
+  (_kfac(damping="1e-3"), TypeError, "damping", "1e-3"),
+  (_opt(learning_rate="0.1"), TypeError, "learning_rate", "0.1"),
+  (_opt(momentum=-0.5), ValueError, "momentum", -0.5),
+  (_opt(damping="1e-3"), TypeError, "damping", "1e-3"),
+  (_opt(l2_reg=None), TypeError, "l2_reg", None),
+  (_opt(inverse_every=True), TypeError, "inverse_every", True),
+  (_opt(curvature_every=0), ValueError, "curvature_every", 0),
+  (_opt(use_adaptive_damping="no"), TypeError, "use_adaptive_damping", "no"),
+  (_opt(has_aux=None), TypeError, "has_aux", None),
+  (lambda: kfac_jax.OptimizerConfig(ema_decay="0.9"), TypeError, "config.ema_decay", "0.9"),
+  (lambda: kfac_jax.OptimizerConfig(min_damping=-1.0), ValueError, "config.min_damping", -1.0),
+  (lambda: kfac_jax.OptimizerConfig(burn_in_steps=1.5), ValueError, "config.burn_in_steps", 1.5),
+  (lambda: kfac_jax.OptimizerConfig(strict=None), TypeError, "config.strict", None),
+  (_est(exps=(-1, "x")), TypeError, "exps", "x"),
+  (_est(exps=-1), TypeError, "exps", -1),
+  (_est(compute_cholesky="yes"), TypeError, "compute_cholesky", "yes"),
+  (lambda: kfac_jax.CurvatureEstimator("loss", {}), TypeError, "loss_fn", "loss"),
+  (_vg(estimation_mode="sampled"), ValueError, "estimation_mode", "sampled"),
+  (_vg(num_samples=True), TypeError, "num_samples", True),
+  (_vg(strict=0), TypeError, "strict", 0),
+  (_vg(has_aux="True"), TypeError, "has_aux", "True"),
 ]
 
 
-@pytest.mark.parametrize("call, exc, name, value", ARG_CASES,
-                         ids=[f"{i}-{c[2]}={c[3]!r}" for i, c in enumerate(ARG_CASES)])
+@pytest.mark.parametrize(
+  "call, exc, name, value", ARG_CASES, ids=[f"{i}-{c[2]}={c[3]!r}" for i, c in enumerate(ARG_CASES)]
+)
 def test_argument_errors_name_the_argument_and_show_the_value(call, exc, name, value):
   with pytest.raises(exc) as info:
     call()
@@ -410,9 +430,9 @@ def test_update_errors_are_named():
     tx.update(grads, state, params)
   with pytest.raises(ValueError, match="params pytree differs"):
     tx.update(grads, state, {**params, "extra": jnp.ones(2)}, batch=batch, rng=jax.random.key(0))
-  other = kfac_jax.value_and_grad(
-      _models.softmax_loss(lambda p, x: x @ p["w"]))({"w": jnp.ones((4, 3))}, batch,
-                                                        jax.random.key(0))[2]
+  other = kfac_jax.value_and_grad(_models.softmax_loss(lambda p, x: x @ p["w"]))(
+    {"w": jnp.ones((4, 3))}, batch, jax.random.key(0)
+  )[2]
   with pytest.raises(ValueError, match="curvature_stats were computed for layers"):
     tx.update(grads, state, params, curvature_stats=other)
   with pytest.raises(TypeError, match="ScaleByKfacState"):

@@ -29,8 +29,10 @@ def _batch(seed=0):
 
 def _layers(seed=1, n=L):
   keys = jax.random.split(jax.random.key(seed), 2 * n + 1)
-  layers = [{"w": 0.7 * jax.random.normal(keys[i], (D, D)),
-             "b": 0.1 * jax.random.normal(keys[n + i], (D,))} for i in range(n)]
+  layers = [
+    {"w": 0.7 * jax.random.normal(keys[i], (D, D)), "b": 0.1 * jax.random.normal(keys[n + i], (D,))}
+    for i in range(n)
+  ]
   return layers, jax.random.normal(keys[-1], (D, C))
 
 
@@ -83,6 +85,7 @@ def _mlp_loss(block):
     for layer in p["layers"]:
       h = block(layer["w"], layer["b"], h)
     return _head(p["out"], h, b["y"])
+
   return loss_fn
 
 
@@ -98,17 +101,18 @@ def test_remat(x64, policy):
   _assert_same((_mlp_loss(remat), params), (_mlp_loss(_block), params), lambda g: g)
   # The program that runs keeps the remat (one checkpoint region per block).
   batch = _batch()
-  jaxpr = jax.make_jaxpr(lambda p: kfac_jax.value_and_grad(
-      _mlp_loss(remat), estimation_mode="exact")(p, batch))(params)
+  jaxpr = jax.make_jaxpr(
+    lambda p: kfac_jax.value_and_grad(_mlp_loss(remat), estimation_mode="exact")(p, batch)
+  )(params)
   assert str(jaxpr).count("remat") >= L
   # The tapped evaluation through the checkpoint regions gives the loss and gradient exactly.
-  loss, grads, _ = kfac_jax.value_and_grad(_mlp_loss(remat), estimation_mode="exact")(
-      params, batch)
+  loss, grads, _ = kfac_jax.value_and_grad(_mlp_loss(remat), estimation_mode="exact")(params, batch)
   ref_loss, ref_grads = jax.value_and_grad(_mlp_loss(_block))(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
   _assert_close(grads, ref_grads)
-  plain = jax.make_jaxpr(lambda p: kfac_jax.value_and_grad(
-      _mlp_loss(_block), estimation_mode="exact")(p, batch))(params)
+  plain = jax.make_jaxpr(
+    lambda p: kfac_jax.value_and_grad(_mlp_loss(_block), estimation_mode="exact")(p, batch)
+  )(params)
   assert "remat" not in str(plain)
 
 
@@ -178,10 +182,13 @@ def test_lax_scan_over_stacked_pytree(x64):
     return _head(p["out"], h, b["y"])
 
   found = _assert_same(
-      (scanned, {"stack": _stack(layers), "out": out}),
-      (_mlp_loss(_block), {"layers": layers, "out": out}),
-      lambda g: {"layers": [jax.tree_util.tree_map(lambda x, i=i: x[i], g["stack"])
-                            for i in range(L)], "out": g["out"]})
+    (scanned, {"stack": _stack(layers), "out": out}),
+    (_mlp_loss(_block), {"layers": layers, "out": out}),
+    lambda g: {
+      "layers": [jax.tree_util.tree_map(lambda x, i=i: x[i], g["stack"]) for i in range(L)],
+      "out": g["out"],
+    },
+  )
   stacked = next(s for s in found if s.stack_size)
   assert stacked.factor_shapes == ((L, D + 1, D + 1), (L, D, D))
 
@@ -195,8 +202,9 @@ def test_linen_scan_with_remat(x64):
   class Scanned(nn.Module):
     @nn.compact
     def __call__(self, x):
-      stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
-                      split_rngs={"params": True}, length=L)
+      stack = nn.scan(
+        nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=L
+      )
       return stack(name="stack")(x, None)[0]
 
   class Unrolled(nn.Module):
@@ -208,20 +216,33 @@ def test_linen_scan_with_remat(x64):
 
   batch = _batch()
   params = Scanned().init(jax.random.key(3), batch["x"])
-  per_layer = {"params": {f"b{i}": jax.tree_util.tree_map(lambda x, i=i: x[i],
-                                                           params["params"]["stack"])
-                          for i in range(L)}}
+  per_layer = {
+    "params": {
+      f"b{i}": jax.tree_util.tree_map(lambda x, i=i: x[i], params["params"]["stack"])
+      for i in range(L)
+    }
+  }
   out = _layers()[1]
 
   def loss(model):
     return lambda p, b: _head(p["out"], model.apply(p["model"], b["x"]), b["y"])
 
   def to_plain(g):
-    return {"model": {"params": {f"b{i}": jax.tree_util.tree_map(
-        lambda x, i=i: x[i], g["model"]["params"]["stack"]) for i in range(L)}}, "out": g["out"]}
+    return {
+      "model": {
+        "params": {
+          f"b{i}": jax.tree_util.tree_map(lambda x, i=i: x[i], g["model"]["params"]["stack"])
+          for i in range(L)
+        }
+      },
+      "out": g["out"],
+    }
 
-  found = _assert_same((loss(Scanned()), {"model": params, "out": out}),
-                       (loss(Unrolled()), {"model": per_layer, "out": out}), to_plain)
+  found = _assert_same(
+    (loss(Scanned()), {"model": params, "out": out}),
+    (loss(Unrolled()), {"model": per_layer, "out": out}),
+    to_plain,
+  )
   assert {s.kind for s in found if s.stack_size} == {"dense", "scale_and_shift"}
 
 
@@ -238,9 +259,13 @@ def test_vmapped_ensemble(x64):
     return _head(p["out"], sum(hs) / L, b["y"])
 
   _assert_same(
-      (ensemble, {"stack": _stack(layers), "out": out}), (loop, {"layers": layers, "out": out}),
-      lambda g: {"layers": [jax.tree_util.tree_map(lambda x, i=i: x[i], g["stack"])
-                            for i in range(L)], "out": g["out"]})
+    (ensemble, {"stack": _stack(layers), "out": out}),
+    (loop, {"layers": layers, "out": out}),
+    lambda g: {
+      "layers": [jax.tree_util.tree_map(lambda x, i=i: x[i], g["stack"]) for i in range(L)],
+      "out": g["out"],
+    },
+  )
 
 
 def test_vmapped_ensemble_on_per_member_inputs(x64):
@@ -257,9 +282,13 @@ def test_vmapped_ensemble_on_per_member_inputs(x64):
     return _head(p["out"], sum(hs) / L, b["y"])
 
   _assert_same(
-      (ensemble, {"stack": _stack(layers), "out": out}), (loop, {"layers": layers, "out": out}),
-      lambda g: {"layers": [jax.tree_util.tree_map(lambda x, i=i: x[i], g["stack"])
-                            for i in range(L)], "out": g["out"]})
+    (ensemble, {"stack": _stack(layers), "out": out}),
+    (loop, {"layers": layers, "out": out}),
+    lambda g: {
+      "layers": [jax.tree_util.tree_map(lambda x, i=i: x[i], g["stack"]) for i in range(L)],
+      "out": g["out"],
+    },
+  )
 
 
 def test_mixture_of_experts_einsum(x64):
@@ -279,9 +308,10 @@ def test_mixture_of_experts_einsum(x64):
     return _head(p["out"], jnp.einsum("ne,enf->nf", dispatch, jnp.stack(ys)), b["y"])
 
   found = _assert_same(
-      (moe, {"experts": kernels, "out": out}),
-      (per_expert, {"experts": [l["w"] for l in layers], "out": out}),
-      lambda g: {"experts": list(g["experts"]), "out": g["out"]})
+    (moe, {"experts": kernels, "out": out}),
+    (per_expert, {"experts": [l["w"] for l in layers], "out": out}),
+    lambda g: {"experts": list(g["experts"]), "out": g["out"]},
+  )
   assert next(s for s in found if s.stack_size).factor_shapes == ((L, D, D), (L, D, D))
 
 
@@ -291,8 +321,7 @@ def test_closed_over_scan_parameter_stays_shared(x64):
   w = layers[0]["w"]
 
   def rnn(p, b):
-    h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"],
-                        jnp.zeros((L, N, D)))
+    h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"], jnp.zeros((L, N, D)))
     return _head(p["out"], h, b["y"])
 
   found = kfac_jax.scan_layers(rnn, {"w": w, "out": out}, _batch())
@@ -322,8 +351,9 @@ def test_stack_in_scale_by_kfac(x64):
 
 def _program_size(loss_fn, params, batch):
   """(scans, dot_generals) in the jaxpr of one `value_and_grad` with statistics."""
-  text = str(jax.make_jaxpr(lambda p: kfac_jax.value_and_grad(loss_fn)(
-      p, batch, jax.random.key(0)))(params))
+  text = str(
+    jax.make_jaxpr(lambda p: kfac_jax.value_and_grad(loss_fn)(p, batch, jax.random.key(0)))(params)
+  )
   return text.count(" scan["), text.count("dot_general")
 
 
@@ -345,8 +375,9 @@ def test_scan_stays_a_scan(kind):
     layers, out = _layers()
 
     def loss_fn(p, b):
-      h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"],
-                          jnp.ones((n, N, D)))
+      h, _ = jax.lax.scan(
+        lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"], jnp.ones((n, N, D))
+      )
       return _head(p["out"], h, b["y"])
 
     return loss_fn, {"w": layers[0]["w"], "out": out}

@@ -18,8 +18,9 @@ from tests import _zoo
 
 
 def _vdot(a, b):
-  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a),
-                                            jax.tree_util.tree_leaves(b)))
+  return sum(
+    jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+  )
 
 
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
@@ -95,9 +96,10 @@ def test_structure_zoo_model(name):
   table = kfac_jax.summary(z.loss_fn, z.params, z.batch, strict=True)
   assert "generic" not in table and "x the parameters'" in table
 
-  tx = optax.chain(kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-2, inverse_every=1,
-                                          strict=True),
-                   optax.scale(-0.05))
+  tx = optax.chain(
+    kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-2, inverse_every=1, strict=True),
+    optax.scale(-0.05),
+  )
   state = tx.init(z.params)
   state_bytes = _nbytes(state)
   print(f"{name}: state {state_bytes} B, params {_nbytes(z.params)} B")
@@ -119,7 +121,8 @@ def test_stacked_zoo_model_trains(name, flavour):
   stacked = [s for s in specs if s.stack_size]
   assert stacked and all(s.stack_size == _zoo.LM_LAYERS for s in stacked)
   assert all(f[0] == _zoo.LM_LAYERS for s in stacked for f in s.factor_shapes)
-  tx = optax.chain(kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-2, inverse_every=1,
-                                          strict=True),
-                   optax.scale_by_learning_rate(0.1))
+  tx = optax.chain(
+    kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-2, inverse_every=1, strict=True),
+    optax.scale_by_learning_rate(0.1),
+  )
   _ten_jitted_steps(z, tx, tx.init(z.params))

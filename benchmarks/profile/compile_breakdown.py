@@ -1,7 +1,8 @@
 """Compile-time breakdown of the autoencoder K-FAC step (trace+lower vs XLA compile, per part).
 
-    python benchmarks/profile/compile_breakdown.py
+python benchmarks/profile/compile_breakdown.py
 """
+
 import os
 import sys
 import time
@@ -21,8 +22,10 @@ def timed_compile(name, f, *args):
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
-  print(f"{name:34s} trace+lower {t1 - t0:6.3f}s  compile {t2 - t1:6.3f}s  total {t2 - t0:6.3f}s",
-        flush=True)
+  print(
+    f"{name:34s} trace+lower {t1 - t0:6.3f}s  compile {t2 - t1:6.3f}s  total {t2 - t0:6.3f}s",
+    flush=True,
+  )
   return compiled
 
 
@@ -34,8 +37,9 @@ def main():
   rng = jax.random.PRNGKey(0)
   jax.jit(lambda x: x + 1)(1.0)
   adam = optax.adam(1e-3)
-  timed_compile("adam step", ae.make_adam_step(loss_fn, adam), params, adam.init(params), batch,
-                rng)
+  timed_compile(
+    "adam step", ae.make_adam_step(loss_fn, adam), params, adam.init(params), batch, rng
+  )
   tx = ae.make_kfac(loss_fn, batch)
   st = tx.init(params)
   timed_compile("kfac step", ae.make_kfac_step(loss_fn, tx), params, st, batch, rng)
@@ -44,8 +48,12 @@ def main():
   est = kfac_jax.CurvatureEstimator(loss_fn, batch)
   es = est.init(params)
   stats = jax.eval_shape(kfac_jax.value_and_grad(loss_fn), params, batch, rng)[2]
-  timed_compile("update_curvature_from_stats",
-                lambda s, st: est.update_curvature_from_stats(s, st, 0.95), es, stats)
+  timed_compile(
+    "update_curvature_from_stats",
+    lambda s, st: est.update_curvature_from_stats(s, st, 0.95),
+    es,
+    stats,
+  )
   timed_compile("update_inverses", lambda s: est.update_inverses(s, 30.0), es)
   timed_compile("multiply_inverse", est.multiply_inverse, es, params)
 

@@ -29,13 +29,16 @@ DEFAULT_PYTHON = os.path.join(ROOT, ".venv-upstream", "bin", "python")
 
 # -- parameters <-> npz ----------------------------------------------------------------------------
 
+
 def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
   """`{"params": {"dense_0": {"kernel": w}}}` -> `{"param:params/dense_0/kernel": w}`."""
   out = {}
   for key, value in tree.items():
     if "/" in str(key):
-      raise ValueError(f"parameter key {key!r} under {prefix or '<root>'!r} contains '/', which "
-                       "the npz exchange format uses as its path separator.")
+      raise ValueError(
+        f"parameter key {key!r} under {prefix or '<root>'!r} contains '/', which "
+        "the npz exchange format uses as its path separator."
+      )
     path = f"{prefix}/{key}" if prefix else str(key)
     if isinstance(value, Mapping):
       out.update(flatten_params(value, path))
@@ -50,7 +53,7 @@ def unflatten_params(arrays: Mapping[str, np.ndarray]) -> dict:
   for key, value in arrays.items():
     if not key.startswith("param:"):
       continue
-    *parents, leaf = key[len("param:"):].split("/")
+    *parents, leaf = key[len("param:") :].split("/")
     node = tree
     for p in parents:
       node = node.setdefault(p, {})
@@ -60,13 +63,16 @@ def unflatten_params(arrays: Mapping[str, np.ndarray]) -> dict:
 
 # -- running the worker ----------------------------------------------------------------------------
 
+
 def ensure_venv(python: str | None) -> str:
   """The upstream venv's python: `python` if given, else the default one (created if missing)."""
   if python:
     if not os.path.isfile(python):
-      raise FileNotFoundError(f"--upstream-python {python!r} does not exist; run "
-                              f"`bash {os.path.relpath(SETUP, ROOT)}` or pass an existing "
-                              "interpreter that has kfac-jax 0.0.8 installed.")
+      raise FileNotFoundError(
+        f"--upstream-python {python!r} does not exist; run "
+        f"`bash {os.path.relpath(SETUP, ROOT)}` or pass an existing "
+        "interpreter that has kfac-jax 0.0.8 installed."
+      )
     return python
   proc = subprocess.run(["bash", SETUP], capture_output=True, text=True, check=False)
   sys.stderr.write(proc.stderr)
@@ -79,8 +85,7 @@ class UpstreamFailed(RuntimeError):
   """The worker exited with an error: `exception` is its exception line (e.g. `ValueError:
   ...`), `registrations` upstream's layer registrations if it got that far."""
 
-  def __init__(self, returncode: int, tail: str, exception: str | None,
-               registrations: str | None):
+  def __init__(self, returncode: int, tail: str, exception: str | None, registrations: str | None):
     super().__init__(f"the upstream worker failed (exit {returncode}):\n{tail}")
     self.exception = exception
     self.registrations = registrations
@@ -98,13 +103,18 @@ def registrations_line(stdout: str) -> str | None:
   """The worker's `upstream registrations: [...]` line, without the label."""
   for line in stdout.splitlines():
     if line.startswith("upstream registrations:"):
-      return line[len("upstream registrations:"):].strip()
+      return line[len("upstream registrations:") :].strip()
   return None
 
 
-def run_worker(python: str, params, images: np.ndarray | Mapping[str, np.ndarray],
-               idx: np.ndarray, config: Mapping[str, Any],
-               timeout: float | None = None) -> tuple[dict, dict]:
+def run_worker(
+  python: str,
+  params,
+  images: np.ndarray | Mapping[str, np.ndarray],
+  idx: np.ndarray,
+  config: Mapping[str, Any],
+  timeout: float | None = None,
+) -> tuple[dict, dict]:
   """Trains with upstream kfac-jax in a subprocess; returns (report, final params tree).
 
   `images` is the example pool: an array (the batch is `images[idx[t]]`) or a dict of arrays
@@ -119,18 +129,27 @@ def run_worker(python: str, params, images: np.ndarray | Mapping[str, np.ndarray
     pool = {"images": np.asarray(images[used], np.float32)}
   with tempfile.TemporaryDirectory(prefix="kfac_upstream_") as tmp:
     inputs = os.path.join(tmp, "inputs.npz")
-    np.savez(inputs, batches=inverse.reshape(idx.shape).astype(np.int64), **pool,
-             **flatten_params(params))
+    np.savez(
+      inputs, batches=inverse.reshape(idx.shape).astype(np.int64), **pool, **flatten_params(params)
+    )
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path, "w") as f:
       json.dump(dict(config), f)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([python, WORKER, inputs, cfg_path, tmp], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+      [python, WORKER, inputs, cfg_path, tmp],
+      cwd=tmp,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      check=False,
+    )
     if proc.returncode != 0:
       tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-      raise UpstreamFailed(proc.returncode, tail, exception_line(proc.stderr),
-                           registrations_line(proc.stdout))
+      raise UpstreamFailed(
+        proc.returncode, tail, exception_line(proc.stderr), registrations_line(proc.stdout)
+      )
     with open(os.path.join(tmp, "result.json")) as f:
       report = json.load(f)
     with np.load(os.path.join(tmp, "final_params.npz")) as z:
@@ -140,8 +159,10 @@ def run_worker(python: str, params, images: np.ndarray | Mapping[str, np.ndarray
 
 # -- summaries -------------------------------------------------------------------------------------
 
-def summarize(name: str, step_times: Sequence[float], losses: Sequence[float], warmup: int,
-              **extra) -> dict:
+
+def summarize(
+  name: str, step_times: Sequence[float], losses: Sequence[float], warmup: int, **extra
+) -> dict:
   """Step-time statistics over the timed steps (after `warmup`), as the benchmark reports them."""
   times = np.asarray(step_times, dtype=float)
   losses = np.asarray(losses, dtype=float)
@@ -149,14 +170,14 @@ def summarize(name: str, step_times: Sequence[float], losses: Sequence[float], w
     raise ValueError(f"warmup={warmup} leaves no timed step out of {len(times)}.")
   timed = times[warmup:]
   out = {
-      "optimizer": name,
-      "median_step_ms": 1e3 * float(np.median(timed)),
-      "mean_step_ms": 1e3 * float(np.mean(timed)),
-      "min_step_ms": 1e3 * float(np.min(timed)),
-      "timed_steps": len(timed),
-      "loss_steps": len(times),
-      "last_minibatch_loss": float(losses[-1]),
-      "finite": bool(np.all(np.isfinite(losses))),
+    "optimizer": name,
+    "median_step_ms": 1e3 * float(np.median(timed)),
+    "mean_step_ms": 1e3 * float(np.mean(timed)),
+    "min_step_ms": 1e3 * float(np.min(timed)),
+    "timed_steps": len(timed),
+    "loss_steps": len(times),
+    "last_minibatch_loss": float(losses[-1]),
+    "finite": bool(np.all(np.isfinite(losses))),
   }
   out.update(extra)
   return out
@@ -173,8 +194,9 @@ def smoothed(losses: Sequence[float], window: int) -> np.ndarray:
   return (c[t + 1] - c[lo]) / (t + 1 - lo)
 
 
-def time_to_reach(losses: Sequence[float], step_times: Sequence[float], target: float,
-                  window: int) -> tuple[int, float] | None:
+def time_to_reach(
+  losses: Sequence[float], step_times: Sequence[float], target: float, window: int
+) -> tuple[int, float] | None:
   """First (step, seconds) at which the smoothed loss is <= `target`, or None if never.
 
   The loss at step t is measured on the parameters after t updates (before update t), so it is
@@ -205,14 +227,16 @@ def curve_times(step_times: Sequence[float], period: int) -> np.ndarray:
   return t
 
 
-def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], out: str,
-                title: str) -> None:
+def plot_curves(
+  curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], out: str, title: str
+) -> None:
   """PNG with the minibatch loss against steps and against seconds, one line per optimizer.
 
   `curves` maps a name to (losses, step_times); the loss at step t is plotted at
   `sum(step_times[:t])` seconds, when the parameters it was measured on became available.
   """
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 

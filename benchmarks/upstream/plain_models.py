@@ -50,8 +50,9 @@ def cnn(params: Mapping[str, Any], x: jax.Array, num_convs: int):
   p = params["params"]
   for i in range(num_convs):
     conv = p[f"Conv_{i}"]
-    x = jax.lax.conv_general_dilated(x, conv["kernel"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x = jax.lax.conv_general_dilated(
+      x, conv["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
     x = x + conv["bias"]
     x = jax.nn.relu(layer_norm(p[f"LayerNorm_{i}"], x))
     b, h, w, c = x.shape
@@ -68,6 +69,7 @@ def attention_to_2d(params: Mapping[str, Any]) -> dict:
   plain-jax user writes and upstream's dense matcher handles (its repeated-dense block assumes
   one output feature axis). Same numbers, same Kronecker factors (d and heads·head_dim).
   """
+
   def convert(tree, name=""):
     if not isinstance(tree, Mapping):
       return tree
@@ -81,11 +83,13 @@ def attention_to_2d(params: Mapping[str, Any]) -> dict:
           out[proj] = {"kernel": k.reshape(k.shape[0], -1), "bias": b.reshape(-1)}
       return out
     return {k: convert(v, k) for k, v in tree.items()}
+
   return convert(params)
 
 
 def attention_from_2d(params: Mapping[str, Any], heads: int) -> dict:
   """The inverse of `attention_to_2d` for `heads` attention heads."""
+
   def convert(tree, name=""):
     if not isinstance(tree, Mapping):
       return tree
@@ -99,6 +103,7 @@ def attention_from_2d(params: Mapping[str, Any], heads: int) -> dict:
           out[proj] = {"kernel": k.reshape(k.shape[0], heads, -1), "bias": b.reshape(heads, -1)}
       return out
     return {k: convert(v, k) for k, v in tree.items()}
+
   return convert(params)
 
 
@@ -125,15 +130,15 @@ def transformer(params: Mapping[str, Any], ids: jax.Array, num_layers: int, head
   """
   p = params["params"]
   table = p["Embed_0"]["embedding"]
-  x = table[ids] + p["pos"][:ids.shape[1]]
+  x = table[ids] + p["pos"][: ids.shape[1]]
   for i in range(num_layers):
     blk = p[f"Block_{i}"]
-    x = x + _attention(blk["MultiHeadDotProductAttention_0"], layer_norm(blk["LayerNorm_0"], x),
-                       heads)
+    x = x + _attention(
+      blk["MultiHeadDotProductAttention_0"], layer_norm(blk["LayerNorm_0"], x), heads
+    )
     h = layer_norm(blk["LayerNorm_1"], x) @ blk["Dense_0"]["kernel"] + blk["Dense_0"]["bias"]
     # Parenthesised as in Flax: the bias belongs to the dense output, not to the residual sum.
-    x = x + (jax.nn.gelu(h, approximate=True) @ blk["Dense_1"]["kernel"]
-             + blk["Dense_1"]["bias"])
+    x = x + (jax.nn.gelu(h, approximate=True) @ blk["Dense_1"]["kernel"] + blk["Dense_1"]["bias"])
   return layer_norm(p["LayerNorm_0"], x) @ table.T
 
 
@@ -146,5 +151,4 @@ def apply(config: Mapping[str, Any], params, inputs):
     return cnn(params, inputs, config["num_convs"])
   if model == "transformer":
     return transformer(params, inputs, config["num_layers"], config["heads"])
-  raise ValueError(f"config['model'] must be 'autoencoder', 'cnn' or 'transformer', got "
-                   f"{model!r}.")
+  raise ValueError(f"config['model'] must be 'autoencoder', 'cnn' or 'transformer', got {model!r}.")

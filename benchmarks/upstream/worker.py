@@ -62,9 +62,10 @@ import kfac_jax  # The upstream package (DeepMind kfac-jax 0.0.8) in this venv.
 # `scale_by_kfac` and no `Optimizer`.
 if not hasattr(kfac_jax, "Optimizer") or hasattr(kfac_jax, "scale_by_kfac"):
   raise ImportError(
-      f"worker.py needs DeepMind's kfac-jax but imported {kfac_jax.__file__} (version "
-      f"{getattr(kfac_jax, '__version__', '?')}), which is not it; run the worker with the "
-      "upstream venv's python (bash benchmarks/upstream/setup_venv.sh prints its path).")
+    f"worker.py needs DeepMind's kfac-jax but imported {kfac_jax.__file__} (version "
+    f"{getattr(kfac_jax, '__version__', '?')}), which is not it; run the worker with the "
+    "upstream venv's python (bash benchmarks/upstream/setup_venv.sh prints its path)."
+  )
 
 
 def _load_params(npz) -> dict:
@@ -73,7 +74,7 @@ def _load_params(npz) -> dict:
   for key in npz.files:
     if not key.startswith("param:"):
       continue
-    *parents, leaf = key[len("param:"):].split("/")
+    *parents, leaf = key[len("param:") :].split("/")
     node = tree
     for p in parents:
       node = node.setdefault(p, {})
@@ -138,31 +139,35 @@ def layer_registrations(loss_fn, params, batch) -> list[dict]:
   tagged = kfac_jax.auto_register_tags(loss_fn, (params, batch))
   jaxpr = jax.make_jaxpr(tagged)(params, batch).jaxpr
   leaves = jax.tree_util.tree_flatten_with_path((params, batch))[0]
-  names = {v: "/".join(str(getattr(k, "key", k)) for k in path[1:])
-           for v, (path, _) in zip(jaxpr.invars, leaves)}
-  return [{"kind": str(e.params["meta"].variant),
-           "params": [names[v] for v in e.invars if v in names]}
-          for e in jaxpr.eqns if e.primitive.name == "layer_tag"]
+  names = {
+    v: "/".join(str(getattr(k, "key", k)) for k in path[1:])
+    for v, (path, _) in zip(jaxpr.invars, leaves)
+  }
+  return [
+    {"kind": str(e.params["meta"].variant), "params": [names[v] for v in e.invars if v in names]}
+    for e in jaxpr.eqns
+    if e.primitive.name == "layer_tag"
+  ]
 
 
 def make_optimizer(loss_fn, cfg):
   lr, mom, damping = cfg["learning_rate"], cfg["momentum"], cfg["damping"]
   return kfac_jax.Optimizer(
-      value_and_grad_func=jax.value_and_grad(loss_fn),
-      l2_reg=0.0,
-      use_adaptive_learning_rate=False,
-      learning_rate_schedule=lambda step: jnp.asarray(lr, jnp.float32),
-      use_adaptive_momentum=False,
-      momentum_schedule=lambda step: jnp.asarray(mom, jnp.float32),
-      use_adaptive_damping=False,
-      damping_schedule=lambda step: jnp.asarray(damping, jnp.float32),
-      num_burnin_steps=0,
-      estimation_mode="fisher_gradients",
-      curvature_ema=cfg["ema_decay"],
-      curvature_update_period=cfg.get("curvature_every", 1),
-      inverse_update_period=cfg["inverse_every"],
-      num_estimator_samples=1,
-      multi_device=False,
+    value_and_grad_func=jax.value_and_grad(loss_fn),
+    l2_reg=0.0,
+    use_adaptive_learning_rate=False,
+    learning_rate_schedule=lambda step: jnp.asarray(lr, jnp.float32),
+    use_adaptive_momentum=False,
+    momentum_schedule=lambda step: jnp.asarray(mom, jnp.float32),
+    use_adaptive_damping=False,
+    damping_schedule=lambda step: jnp.asarray(damping, jnp.float32),
+    num_burnin_steps=0,
+    estimation_mode="fisher_gradients",
+    curvature_ema=cfg["ema_decay"],
+    curvature_update_period=cfg.get("curvature_every", 1),
+    inverse_update_period=cfg["inverse_every"],
+    num_estimator_samples=1,
+    multi_device=False,
   )
 
 
@@ -173,7 +178,7 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
   if "images" in data.files:
     pool = np.asarray(data["images"], np.float32)
   else:
-    pool = {k[len("data:"):]: np.asarray(data[k]) for k in data.files if k.startswith("data:")}
+    pool = {k[len("data:") :]: np.asarray(data[k]) for k in data.files if k.startswith("data:")}
   batches = np.asarray(data["batches"])
   params0 = _load_params(data)
   if cfg.get("model") == "transformer":
@@ -186,8 +191,10 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
   want = len(cfg.get("activations", ()))
   kinds = [r["kind"] for r in registrations]
   if cfg.get("model", "autoencoder") == "autoencoder" and kinds != ["dense"] * want:
-    raise RuntimeError(f"upstream's graph matcher registered {kinds}, expected {want} "
-                       "dense layers; the comparison would not be K-FAC on every layer.")
+    raise RuntimeError(
+      f"upstream's graph matcher registered {kinds}, expected {want} "
+      "dense layers; the comparison would not be K-FAC on every layer."
+    )
 
   jax.jit(lambda x: x + 1).lower(1.0).compile()  # One-off JIT start-up, as in the parent.
 
@@ -218,8 +225,11 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
   budget_s = cfg.get("budget_s")  # The race: stop once the charged seconds reach it.
   for t in range(1, len(batches)):
     # Step 0 (it compiles) is charged as the latest same-phase step, as the parent does.
-    if budget_s is not None and len(times) > 1 and (
-        sum(times[1:]) + times[max(1, (len(times) - 1) // period * period)] >= budget_s):
+    if (
+      budget_s is not None
+      and len(times) > 1
+      and (sum(times[1:]) + times[max(1, (len(times) - 1) // period * period)] >= budget_s)
+    ):
       break
     batch = jax.device_put(_batch(pool, batches[t]))
     rng, sub = jax.random.split(rng)
@@ -242,22 +252,23 @@ def run(inputs_path: str, config_path: str, out_dir: str) -> dict:
   baseline = inverse_steps or plain_steps
   baseline_s = float(np.median(baseline)) if baseline else 0.0
   return {
-      "optimizer": f"kfac-jax {getattr(kfac_jax, '__version__', '?')} (upstream)",
-      "upstream_version": getattr(kfac_jax, "__version__", None),
-      "jax": jax.__version__,
-      "python": platform.python_version(),
-      "backend": jax.default_backend(),
-      "registrations": registrations,
-      "init_s": init_s,
-      "first_step_s": first_times,
-      "compile_baseline": "median inverse-update step" if inverse_steps else
-                          ("median step" if plain_steps else "none (a single step)"),
-      "compile_baseline_s": baseline_s,
-      "compile_s": max(0.0, min(first_times) - baseline_s),
-      "opt_state_bytes": state_bytes,
-      "peak_bytes": peak_bytes,
-      "step_times_s": times,
-      "losses": losses,
+    "optimizer": f"kfac-jax {getattr(kfac_jax, '__version__', '?')} (upstream)",
+    "upstream_version": getattr(kfac_jax, "__version__", None),
+    "jax": jax.__version__,
+    "python": platform.python_version(),
+    "backend": jax.default_backend(),
+    "registrations": registrations,
+    "init_s": init_s,
+    "first_step_s": first_times,
+    "compile_baseline": "median inverse-update step"
+    if inverse_steps
+    else ("median step" if plain_steps else "none (a single step)"),
+    "compile_baseline_s": baseline_s,
+    "compile_s": max(0.0, min(first_times) - baseline_s),
+    "opt_state_bytes": state_bytes,
+    "peak_bytes": peak_bytes,
+    "step_times_s": times,
+    "losses": losses,
   }
 
 

@@ -9,34 +9,34 @@ from kfac_jax.blocks._shared import SeriesKroneckerBlock
 from kfac_jax.blocks._stacked import StackedBlock
 
 _BLOCKS = {
-    ("dense", "kron"): KroneckerBlock,
-    ("dense", "kron_in_diag"): KroneckerBlock,
-    ("dense", "kron_out_diag"): KroneckerBlock,
-    ("dense", "kron_both_diag"): KroneckerBlock,
-    ("dense", "diagonal"): DiagonalBlock,
-    ("dense", "full"): FullBlock,
-    ("dense", "expand"): KroneckerBlock,
-    ("dense", "reduce"): KroneckerBlock,
-    ("dense", "kron_indep"): KroneckerBlock,
-    ("dense", "ekfac"): EKFACBlock,
-    ("conv", "ekfac"): EKFACBlock,
-    ("dense", "kron_series_1"): SeriesKroneckerBlock,
-    ("dense", "kron_series_2"): SeriesKroneckerBlock,
-    ("embedding", "kron_indep"): KroneckerBlock,
-    ("conv", "kron"): KroneckerBlock,
-    ("conv", "kron_sua"): KroneckerBlock,
-    ("conv", "kron_in_diag"): KroneckerBlock,
-    ("conv", "kron_out_diag"): KroneckerBlock,
-    ("conv", "kron_both_diag"): KroneckerBlock,
-    ("embedding", "kron_out_diag"): KroneckerBlock,
-    ("conv", "kron_indep"): KroneckerBlock,
-    ("conv", "diagonal"): DiagonalBlock,
-    ("conv", "full"): FullBlock,
-    ("embedding", "kron"): KroneckerBlock,
-    ("scale_and_shift", "full"): FullBlock,
-    ("scale_and_shift", "diagonal"): DiagonalBlock,
-    ("generic", "diagonal"): DiagonalBlock,
-    ("generic", "full"): FullBlock,
+  ("dense", "kron"): KroneckerBlock,
+  ("dense", "kron_in_diag"): KroneckerBlock,
+  ("dense", "kron_out_diag"): KroneckerBlock,
+  ("dense", "kron_both_diag"): KroneckerBlock,
+  ("dense", "diagonal"): DiagonalBlock,
+  ("dense", "full"): FullBlock,
+  ("dense", "expand"): KroneckerBlock,
+  ("dense", "reduce"): KroneckerBlock,
+  ("dense", "kron_indep"): KroneckerBlock,
+  ("dense", "ekfac"): EKFACBlock,
+  ("conv", "ekfac"): EKFACBlock,
+  ("dense", "kron_series_1"): SeriesKroneckerBlock,
+  ("dense", "kron_series_2"): SeriesKroneckerBlock,
+  ("embedding", "kron_indep"): KroneckerBlock,
+  ("conv", "kron"): KroneckerBlock,
+  ("conv", "kron_sua"): KroneckerBlock,
+  ("conv", "kron_in_diag"): KroneckerBlock,
+  ("conv", "kron_out_diag"): KroneckerBlock,
+  ("conv", "kron_both_diag"): KroneckerBlock,
+  ("embedding", "kron_out_diag"): KroneckerBlock,
+  ("conv", "kron_indep"): KroneckerBlock,
+  ("conv", "diagonal"): DiagonalBlock,
+  ("conv", "full"): FullBlock,
+  ("embedding", "kron"): KroneckerBlock,
+  ("scale_and_shift", "full"): FullBlock,
+  ("scale_and_shift", "diagonal"): DiagonalBlock,
+  ("generic", "diagonal"): DiagonalBlock,
+  ("generic", "full"): FullBlock,
 }
 
 
@@ -48,8 +48,9 @@ def make_block(spec, config: BlockConfig) -> Block:
     # EKFAC's statistics need its eigenbasis (the cache); the wrappers do not pass it through.
     what = "concatenated kernels" if spec.concat else "a stack of layers (scan / vmap)"
     raise ValueError(
-        f"layer `{spec.name}`: approx='ekfac' is not supported on {what}; give it 'kron' "
-        f"(e.g. LayerConfig(overrides={{{spec.name!r}: 'kron'}})).")
+      f"layer `{spec.name}`: approx='ekfac' is not supported on {what}; give it 'kron' "
+      f"(e.g. LayerConfig(overrides={{{spec.name!r}: 'kron'}}))."
+    )
   if spec.concat:
     return ConcatBlock(spec, config, make_block(spec.logical, config))
   if spec.stack_size:
@@ -59,11 +60,24 @@ def make_block(spec, config: BlockConfig) -> Block:
   except KeyError:
     choices = sorted(a for k, a in _BLOCKS if k == spec.kind)
     raise ValueError(
-        f"layer `{spec.name}` ({spec.kind}) has no block for approximation {spec.approx!r}; "
-        f"choose one of {choices}.") from None
+      f"layer `{spec.name}` ({spec.kind}) has no block for approximation {spec.approx!r}; "
+      f"choose one of {choices}."
+    ) from None
   return cls(spec, config)
 
 
-__all__ = ["Block", "BlockConfig", "ConcatBlock", "DampingMode", "DiagonalBlock", "EKFACBlock",
-           "FullBlock", "KroneckerBlock", "KroneckerDenseBlock", "SeriesKroneckerBlock",
-           "StackedBlock", "StackedUses", "make_block"]
+__all__ = [
+  "Block",
+  "BlockConfig",
+  "ConcatBlock",
+  "DampingMode",
+  "DiagonalBlock",
+  "EKFACBlock",
+  "FullBlock",
+  "KroneckerBlock",
+  "KroneckerDenseBlock",
+  "SeriesKroneckerBlock",
+  "StackedBlock",
+  "StackedUses",
+  "make_block",
+]

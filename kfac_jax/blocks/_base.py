@@ -47,6 +47,7 @@ class BlockConfig:
       Cholesky factors, the damping) and of the products: float32 or float64. Factors are cast
       to it before they are factorised.
   """
+
   exps: tuple[float, ...] = (-1.0,)
   damping_mode: DampingMode = "factored"
   cholesky: bool = False
@@ -69,6 +70,7 @@ class StackedUses:
     inputs: the recorded input operands, each `[T, ...]`.
     g: the output gradients, `[samples, T, ...]`.
   """
+
   inputs: tuple[Any, ...]
   g: Any
 
@@ -124,8 +126,9 @@ class Block(abc.ABC):
     """(damped block)^exp · vecs; `exp` is 1 or one of `config.exps`."""
 
   @abc.abstractmethod
-  def multiply_cholesky(self, factors, cache, vecs: Sequence[Array], *, transpose: bool,
-                        inverse: bool) -> list[Array]:
+  def multiply_cholesky(
+    self, factors, cache, vecs: Sequence[Array], *, transpose: bool, inverse: bool
+  ) -> list[Array]:
     """C·v, Cᵀ·v, C⁻¹·v or C⁻ᵀ·v for a factor C with C Cᵀ = damped block."""
 
   @abc.abstractmethod
@@ -142,7 +145,7 @@ class Block(abc.ABC):
     def column(e):
       vecs, off = [], 0
       for size, shape in zip(sizes, self.spec.param_shapes):
-        vecs.append(e[off:off + size].reshape(shape))
+        vecs.append(e[off : off + size].reshape(shape))
         off += size
       return jnp.concatenate([v.ravel() for v in self.multiply_undamped(factors, vecs)])
 
@@ -156,5 +159,6 @@ class Block(abc.ABC):
   def check_exp(self, exp: float) -> None:
     if exp != 1 and exp not in self.config.exps:
       raise ValueError(
-          f"matrix power {exp} was not prepared: the estimator was built with exps="
-          f"{self.config.exps} (1 is always available). Add {exp} to `exps`.")
+        f"matrix power {exp} was not prepared: the estimator was built with exps="
+        f"{self.config.exps} (1 is always available). Add {exp} to `exps`."
+      )

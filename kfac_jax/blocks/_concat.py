@@ -40,7 +40,7 @@ class ConcatBlock(Block):
         out.append(x)
         k += 1
       else:
-        shapes = self.spec.param_shapes[k:k + len(view.leaves)]
+        shapes = self.spec.param_shapes[k : k + len(view.leaves)]
         out.extend(_scanner.split_pieces(view, x, shapes))
         k += len(view.leaves)
     return out
@@ -61,8 +61,11 @@ class ConcatBlock(Block):
     return self._split(self.inner.multiply_matpower(factors, cache, self._join(vecs), exp))
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    return self._split(self.inner.multiply_cholesky(
-        factors, cache, self._join(vecs), transpose=transpose, inverse=inverse))
+    return self._split(
+      self.inner.multiply_cholesky(
+        factors, cache, self._join(vecs), transpose=transpose, inverse=inverse
+      )
+    )
 
   def multiply_undamped(self, factors, vecs):
     return self._split(self.inner.multiply_undamped(factors, self._join(vecs)))

@@ -61,8 +61,11 @@ class EKFACBlock(LayoutBlock):
   def init_factors(self):
     sa, sg = self.spec.factor_shapes
     dtype = self.config.stats_dtype
-    return {"a": jnp.zeros(sa, dtype), "g": jnp.zeros(sg, dtype),
-            "s": jnp.zeros(self._scaling_shape(), dtype)}
+    return {
+      "a": jnp.zeros(sa, dtype),
+      "g": jnp.zeros(sg, dtype),
+      "s": jnp.zeros(self._scaling_shape(), dtype),
+    }
 
   def batch_factors(self, data, batch_size, cache=None):
     """A, G as the Kronecker block; s in the eigenbasis of `cache` (the identity if None)."""
@@ -71,8 +74,9 @@ class EKFACBlock(LayoutBlock):
     rows, samples = x.shape[0], g.shape[0]
     if rows % batch_size:
       raise ValueError(
-          f"layer `{self.spec.name}`: approx='ekfac' needs the batch as the leading axis of the "
-          f"input, but the input has {rows} rows for a batch of {batch_size}.")
+        f"layer `{self.spec.name}`: approx='ekfac' needs the batch as the leading axis of the "
+        f"input, but the input has {rows} rows for a batch of {batch_size}."
+      )
     a = _linalg.gram(x, self.spec.has_bias) / rows
     gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (samples * batch_size)
     if self.spec.has_bias:
@@ -82,8 +86,7 @@ class EKFACBlock(LayoutBlock):
       x, g = _in_basis(x, ua, self._grouped), _in_basis(g, ug, self._grouped)
     if rows == batch_size:  # One row per example: J = x̄ gᵀ, so (Uᵀ J U)² = (x̃²)(g̃²)ᵀ.
       x2, g2 = x * x, jnp.sum(g * g, axis=0)
-      s = (x2[:, 0].T @ g2[:, 0])[None] if x.shape[1] == 1 else jnp.einsum(
-          "rgi,rgo->gio", x2, g2)
+      s = (x2[:, 0].T @ g2[:, 0])[None] if x.shape[1] == 1 else jnp.einsum("rgi,rgo->gio", x2, g2)
     else:
       per = rows // batch_size
       x = x.reshape(batch_size, per, *x.shape[1:])
@@ -133,20 +136,21 @@ class EKFACBlock(LayoutBlock):
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
-    return self._scaled(factors, cache, vecs, lambda d: d if exp == 1 else d ** exp)
+    return self._scaled(factors, cache, vecs, lambda d: d if exp == 1 else d**exp)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
     # The symmetric square root: C = Cᵀ = F_λ^½ (as Kronecker blocks in "eigen" mode).
     del transpose
-    return self._scaled(factors, cache, vecs, (lambda d: d ** -0.5) if inverse else jnp.sqrt)
+    return self._scaled(factors, cache, vecs, (lambda d: d**-0.5) if inverse else jnp.sqrt)
 
   def multiply_undamped(self, factors, vecs, cache=None):
     """F · vecs in the basis of `cache` (EKFAC's estimate depends on it: the factors alone
     do not define it, so the cache is required)."""
     if cache is None:
       raise ValueError(
-          f"block `{self.name}` (approx='ekfac'): the undamped estimate depends on the eigenbasis "
-          "in the cache; pass `cache=` (the estimator's `to_dense` does).")
+        f"block `{self.name}` (approx='ekfac'): the undamped estimate depends on the eigenbasis "
+        "in the cache; pass `cache=` (the estimator's `to_dense` does)."
+      )
     return self._scaled(factors, cache, vecs, lambda d: d, damped=False)
 
   def to_dense(self, factors, cache=None):
@@ -158,7 +162,7 @@ class EKFACBlock(LayoutBlock):
     def column(e):
       vecs, off = [], 0
       for size, shape in zip(sizes, self.spec.param_shapes):
-        vecs.append(e[off:off + size].reshape(shape))
+        vecs.append(e[off : off + size].reshape(shape))
         off += size
       out = self.multiply_undamped(factors, vecs, cache)
       return jnp.concatenate([v.ravel() for v in out])

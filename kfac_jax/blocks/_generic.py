@@ -36,7 +36,7 @@ def _unflat(flat: Array, like: Sequence[Array]) -> list[Array]:
   out, off = [], 0
   for v in like:
     size = math.prod(v.shape)
-    out.append(flat[off:off + size].reshape(v.shape).astype(v.dtype))
+    out.append(flat[off : off + size].reshape(v.shape).astype(v.dtype))
     off += size
   return out
 
@@ -81,7 +81,7 @@ class DiagonalBlock(Block):
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
     d = self._damped(factors, cache)
-    return _unflat(d ** exp * _flat(vecs, d.dtype), vecs)
+    return _unflat(d**exp * _flat(vecs, d.dtype), vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
     del transpose  # Diagonal: C = Cᵀ.
@@ -147,8 +147,9 @@ class FullBlock(Block):
     key = "chol_inv" if inverse else "chol"
     if key not in cache:
       raise ValueError(
-          f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
-          f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator.")
+        f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
+        f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator."
+      )
     c = cache[key]
     # With C = L: Cᵀ = Lᵀ; with C = L⁻¹ as the inverse factor, C⁻ᵀ = L⁻ᵀ.
     return _unflat((c.T if transpose else c) @ _flat(vecs, c.dtype), vecs)

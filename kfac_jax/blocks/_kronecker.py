@@ -67,7 +67,7 @@ def _left(a: Array, m: Array) -> Array:
 
 
 def _power(f: Array, e: float) -> Array:
-  return f ** e if f.ndim == 1 else _linalg.spd_power(f, e)
+  return f**e if f.ndim == 1 else _linalg.spd_power(f, e)
 
 
 def _chol(f: Array) -> Array:
@@ -100,8 +100,9 @@ def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Arra
   rows = x.shape[0]
   if rows % batch_size:
     raise ValueError(
-        f"layer `{spec.name}`: approx='reduce' needs rows = batch x positions, but the input has "
-        f"{rows} rows for a batch of {batch_size}.")
+      f"layer `{spec.name}`: approx='reduce' needs rows = batch x positions, but the input has "
+      f"{rows} rows for a batch of {batch_size}."
+    )
   n_pos = rows // batch_size
   x = x.reshape(batch_size, n_pos, *x.shape[1:]).mean(axis=1)
   g = g.reshape(g.shape[0], batch_size, n_pos, *g.shape[2:]).sum(axis=2)
@@ -148,8 +149,11 @@ class KroneckerBlock(LayoutBlock):
 
   def accepts_stacked_uses(self) -> bool:
     infos = self.spec.use_infos
-    return (self.spec.num_uses > 1 and self.spec.kind in ("dense", "conv")
-            and all(inf == infos[0] for inf in infos))
+    return (
+      self.spec.num_uses > 1
+      and self.spec.kind in ("dense", "conv")
+      and all(inf == infos[0] for inf in infos)
+    )
 
   def init_factors(self):
     sa, sg = self.spec.factor_shapes
@@ -271,7 +275,7 @@ class KroneckerBlock(LayoutBlock):
         a_d, g_d = _damped(a, g, damping)
         return _right(_left(a_d, m), g_d)
       if eigen:
-        return self._eigen_scaled(c, damping, m, lambda s: s ** exp)
+        return self._eigen_scaled(c, damping, m, lambda s: s**exp)
       return _right(_left(c[f"a_pow{exp:g}"], m), c[f"g_pow{exp:g}"])
 
     out = self._map(one, factors["a"], factors["g"], self._per_group(cache), m)
@@ -282,15 +286,15 @@ class KroneckerBlock(LayoutBlock):
     damping = cache["damping"]
     if self.config.damping_mode == "eigen":
       # The symmetric square root: C = Cᵀ = (A ⊗ G + λ I)^½.
-      fn = (lambda s: s ** -0.5) if inverse else jnp.sqrt
-      out = self._map(lambda c, m: self._eigen_scaled(c, damping, m, fn),
-                      self._per_group(cache), m)
+      fn = (lambda s: s**-0.5) if inverse else jnp.sqrt
+      out = self._map(lambda c, m: self._eigen_scaled(c, damping, m, fn), self._per_group(cache), m)
       return self._from_matrix(out, vecs)
     key = "chol_inv" if inverse else "chol"
     if f"a_{key}" not in cache:
       raise ValueError(
-          f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
-          f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator.")
+        f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
+        f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator."
+      )
 
     def one(la, lg, m):
       # C = La ⊗ Lg acts as M ↦ La M Lgᵀ; Cᵀ as M ↦ Laᵀ M Lg.

@@ -66,7 +66,7 @@ class DenseLayout:
     info = self.info
     op_shape = _operand_shape(info.kernel_view, self.spec.param_shapes[0])
     permuted = tuple(op_shape[d] for d in info.kernel_perm)
-    k = m[0, :info.in_dim].reshape(permuted).transpose(np.argsort(info.kernel_perm))
+    k = m[0, : info.in_dim].reshape(permuted).transpose(np.argsort(info.kernel_perm))
     out = [_scanner.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
     if self.spec.has_bias:
       out.append(m[0, info.in_dim].reshape(self.spec.param_shapes[1]))
@@ -92,8 +92,14 @@ class ConvLayout:
     (x,), g = data
     info = self.info
     p = lax.conv_general_dilated_patches(
-        self._input_nc(x.astype(dtype)), info.kernel_spatial, info.window_strides, info.padding,
-        info.lhs_dilation, info.rhs_dilation, precision=lax.Precision.HIGHEST)
+      self._input_nc(x.astype(dtype)),
+      info.kernel_spatial,
+      info.window_strides,
+      info.padding,
+      info.lhs_dilation,
+      info.rhs_dilation,
+      precision=lax.Precision.HIGHEST,
+    )
     p = jnp.moveaxis(p, 1, -1)  # [N, *out_spatial, C·W], (channel, window) row-major.
     x_rows = p.reshape(-1, self.groups, self.in_dim)
     o = info.out_spec
@@ -145,7 +151,7 @@ class ConvLayout:
     info = self.info
     op_shape = _operand_shape(info.kernel_view, self.spec.param_shapes[0])
     permuted = tuple(op_shape[d] for d in self._kernel_perm)
-    k = m[:, :self.in_dim].transpose(1, 0, 2).reshape(permuted)
+    k = m[:, : self.in_dim].transpose(1, 0, 2).reshape(permuted)
     k = k.transpose(np.argsort(self._kernel_perm))
     out = [_scanner.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
     if self.spec.has_bias:
@@ -203,9 +209,11 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   """
   if spec.num_uses > 1:
     return sum(
-        per_example_grads(dataclasses.replace(spec, info=info, num_uses=1, use_infos=()), d,
-                          batch_size, dtype)
-        for info, d in zip(spec.use_infos, data))
+      per_example_grads(
+        dataclasses.replace(spec, info=info, num_uses=1, use_infos=()), d, batch_size, dtype
+      )
+      for info, d in zip(spec.use_infos, data)
+    )
   if spec.kind == "scale_and_shift":
     return _scale_shift_grads(spec, data, dtype)
   layout = layout_for(spec)
@@ -213,8 +221,9 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   rows = x.shape[0]
   if rows % batch_size:
     raise ValueError(
-        f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
-        f"{spec.approx!r} approximation needs the batch as the leading axis of the input.")
+      f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
+      f"{spec.approx!r} approximation needs the batch as the leading axis of the input."
+    )
   if spec.has_bias:
     x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
   x = x.reshape(batch_size, rows // batch_size, *x.shape[1:])

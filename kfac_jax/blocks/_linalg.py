@@ -30,7 +30,7 @@ def eigh_psd(m: Array) -> tuple[Array, Array]:
 
 def power_from_eigh(s: Array, u: Array, p: float) -> Array:
   """`U diag(s^p) Uᵀ`, for eigenvalues `s > 0`."""
-  return (u * (s ** p)[None, :]) @ u.T
+  return (u * (s**p)[None, :]) @ u.T
 
 
 def bucket_size(n: int) -> int:
@@ -68,6 +68,7 @@ def spd_inverse(m: Array) -> Array:
   then keeps the block's previous inverse (see `CurvatureEstimator.update_inverses`). There is no
   in-graph eigen-decomposition fallback: it would triple compile time for every factor.
   """
+
   def inv(x):
     chol = jnp.linalg.cholesky(x)
     return jsl.cho_solve((chol, True), jnp.eye(x.shape[-1], dtype=x.dtype))
@@ -81,6 +82,7 @@ def spd_power(m: Array, p: float) -> Array:
     return spd_inverse(m)
   if p == 1:
     return m
+
   def power(x):
     s, u = jnp.linalg.eigh(x)
     floor = jnp.maximum(jnp.max(jnp.abs(s)), 1.0) * jnp.finfo(x.dtype).eps

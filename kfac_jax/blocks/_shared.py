@@ -59,12 +59,18 @@ def use_layouts(spec) -> list[tuple[object, bool]]:
   """For each use: its layout and whether it sees the parameter matrix transposed."""
   out = []
   for info in spec.use_infos:
-    kind = ("embedding" if isinstance(info, _matchers.EmbeddingInfo)
-            else "conv" if isinstance(info, _matchers.ConvInfo) else "dense")
+    kind = (
+      "embedding"
+      if isinstance(info, _matchers.EmbeddingInfo)
+      else "conv"
+      if isinstance(info, _matchers.ConvInfo)
+      else "dense"
+    )
     sub = dataclasses.replace(spec, kind=kind, info=info, num_uses=1, use_infos=())
     if kind == "dense" and spec.kind == "embedding":
-      sub = dataclasses.replace(sub, leaf_indices=spec.leaf_indices[:1],
-                                param_shapes=spec.param_shapes[:1])
+      sub = dataclasses.replace(
+        sub, leaf_indices=spec.leaf_indices[:1], param_shapes=spec.param_shapes[:1]
+      )
     transposed = False
     if spec.kind == "embedding" and isinstance(info, _scanner.DenseInfo):
       m = _scanner.kernel_index_matrix(info, spec.param_shapes[0])
@@ -79,7 +85,8 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
   if isinstance(data, StackedUses):  # T equal uses inside one scan: rows of every step at once.
     layout = layouts[0][0]
     x, g = jax.vmap(lambda xs, gg: layout.rows((xs, gg), dtype), in_axes=(0, 1))(
-        data.inputs, data.g)  # x: [T, R, groups, in]; g: [T, S, R, groups, out]
+      data.inputs, data.g
+    )  # x: [T, R, groups, in]; g: [T, S, R, groups, out]
     x = x.reshape((-1,) + x.shape[2:])
     g = jnp.moveaxis(g, 0, 1)
     g = g.reshape((g.shape[0], -1) + g.shape[3:])
@@ -103,7 +110,8 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
         a_sum = a_sum + _linalg.gram(x, spec.has_bias)
         n_rows += x.shape[0]
         g_sum = g_sum + _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (
-            g.shape[0] * batch_size)
+          g.shape[0] * batch_size
+        )
       a, g = a_sum / n_rows, g_sum
     if len(spec.factor_shapes[1]) == 2:  # One group: no group axis.
       a, g = a[0], g[0]
@@ -134,7 +142,7 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
 def _zeta(psi: Array, approx: str, t: int) -> Array:
   z = (1.0 + psi) / (1.0 - psi)
   if approx == "kron_series_2":
-    z = z - 2.0 * psi * (1.0 - psi ** t) / (t * (1.0 - psi) ** 2)
+    z = z - 2.0 * psi * (1.0 - psi**t) / (t * (1.0 - psi) ** 2)
   return z
 
 
@@ -158,22 +166,28 @@ class SeriesKroneckerBlock(Block):
     self.config = config
     if config.damping_mode != "factored":
       raise ValueError(
-          f"layer `{spec.name}`: approximation {spec.approx!r} needs damping_mode='factored', "
-          f"got {config.damping_mode!r}.")
+        f"layer `{spec.name}`: approximation {spec.approx!r} needs damping_mode='factored', "
+        f"got {config.damping_mode!r}."
+      )
     bad = [e for e in config.exps if e not in (-1, 1)]
     if bad:
       raise ValueError(
-          f"layer `{spec.name}`: approximation {spec.approx!r} defines only the powers -1 and 1 "
-          f"(F = K diag(ζ) Kᵀ with K not orthogonal), got exps={config.exps}. Use exps=(-1,), "
-          "or approx=\"kron_indep\" for other powers.")
+        f"layer `{spec.name}`: approximation {spec.approx!r} defines only the powers -1 and 1 "
+        f"(F = K diag(ζ) Kᵀ with K not orthogonal), got exps={config.exps}. Use exps=(-1,), "
+        'or approx="kron_indep" for other powers.'
+      )
     self.layouts = use_layouts(spec)
     self.layout = self.layouts[0][0]
 
   def init_factors(self):
     sa, sg = self.spec.factor_shapes
     z = self.config.stats_dtype
-    return {"a": jnp.zeros(sa, z), "g": jnp.zeros(sg, z), "a1": jnp.zeros(sa, z),
-            "g1": jnp.zeros(sg, z)}
+    return {
+      "a": jnp.zeros(sa, z),
+      "g": jnp.zeros(sg, z),
+      "a1": jnp.zeros(sa, z),
+      "g1": jnp.zeros(sg, z),
+    }
 
   def batch_factors(self, data, batch_size):
     dtype = self.config.accum_dtype
@@ -200,15 +214,26 @@ class SeriesKroneckerBlock(Block):
     qa, pa, psi_a = _whiten(a, factors["a1"])
     qg, pg, psi_g = _whiten(g, factors["g1"])
     psi = jnp.clip(psi_a[:, None] * psi_g[None, :], -MAX_PSI, MAX_PSI)
-    return {"qa": qa, "pa": pa, "qg": qg, "pg": pg,
-            "zeta": _zeta(psi, self.spec.approx, self.spec.num_uses)}
+    return {
+      "qa": qa,
+      "pa": pa,
+      "qg": qg,
+      "pg": pg,
+      "zeta": _zeta(psi, self.spec.approx, self.spec.num_uses),
+    }
 
   def init_cache(self):
     sa, sg = self.spec.factor_shapes
     dtype = self.config.inverse_dtype
     eye_a, eye_g = jnp.eye(sa[0], dtype=dtype), jnp.eye(sg[0], dtype=dtype)
-    return {"qa": eye_a, "pa": eye_a, "qg": eye_g, "pg": eye_g,
-            "zeta": jnp.ones((sa[0], sg[0]), dtype), "damping": jnp.zeros((), dtype)}
+    return {
+      "qa": eye_a,
+      "pa": eye_a,
+      "qg": eye_g,
+      "pg": eye_g,
+      "zeta": jnp.ones((sa[0], sg[0]), dtype),
+      "damping": jnp.zeros((), dtype),
+    }
 
   def compute_cache(self, factors, damping):
     damping = jnp.asarray(damping, self.config.inverse_dtype)

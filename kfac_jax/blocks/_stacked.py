@@ -62,8 +62,9 @@ class StackedBlock(Block):
       inputs = tuple(jnp.stack(xs) for xs in zip(*[d[0] for d in data]))
       vmap_axes = (0,) * len(inputs)
       g = jnp.stack([d[1] for d in data])
-    return jax.vmap(lambda x, gg: self.inner.batch_factors((x, gg), batch_size),
-                    in_axes=(vmap_axes, 0))(inputs, g)
+    return jax.vmap(
+      lambda x, gg: self.inner.batch_factors((x, gg), batch_size), in_axes=(vmap_axes, 0)
+    )(inputs, g)
 
   # -- inverses --------------------------------------------------------------------------------
 
@@ -82,12 +83,17 @@ class StackedBlock(Block):
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
-    return self._map(lambda f, c, v: self.inner.multiply_matpower(f, c, v, exp),
-                     factors, cache, list(vecs))
+    return self._map(
+      lambda f, c, v: self.inner.multiply_matpower(f, c, v, exp), factors, cache, list(vecs)
+    )
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    return self._map(lambda f, c, v: self.inner.multiply_cholesky(
-        f, c, v, transpose=transpose, inverse=inverse), factors, cache, list(vecs))
+    return self._map(
+      lambda f, c, v: self.inner.multiply_cholesky(f, c, v, transpose=transpose, inverse=inverse),
+      factors,
+      cache,
+      list(vecs),
+    )
 
   def multiply_undamped(self, factors, vecs):
     return self._map(lambda f, v: self.inner.multiply_undamped(f, v), factors, list(vecs))
