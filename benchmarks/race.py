@@ -1,8 +1,9 @@
 """The race (issue 14): every optimizer gets the same budget of training seconds.
 
-On one of the three benchmark workloads (`--workload autoencoder|cnn|transformer`, built by
-`benchmarks/autoencoder.py`, `cnn.py`, `transformer.py`), every contestant trains from the same
-initial parameters on the same minibatch sequence until its steps have used `--budget` seconds:
+On one of the benchmark workloads (`--workload autoencoder|cnn|transformer|vit|rnn`, built by
+`benchmarks/autoencoder.py`, `cnn.py`, `transformer.py`, `families.py`), every contestant
+trains from the same initial parameters on the same minibatch sequence until its steps have used
+`--budget` seconds:
 
 * every step is charged its measured time (`jax.block_until_ready` after each); the first step's
   one-off costs are replaced by a typical step of its phase, as in the other benchmarks;
@@ -57,11 +58,23 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-from benchmarks import _harness, autoencoder, cnn, transformer  # noqa: E402
+from benchmarks import _harness, autoencoder, cnn, families, transformer  # noqa: E402
 from benchmarks.upstream import compare  # noqa: E402
 
-WORKLOADS = {"autoencoder": autoencoder, "cnn": cnn, "transformer": transformer}
-MUON_LRS = {"autoencoder": "0.02,0.05", "cnn": "0.02,0.05", "transformer": "0.01,0.03"}
+WORKLOADS = {
+  "autoencoder": autoencoder,
+  "cnn": cnn,
+  "transformer": transformer,
+  "vit": families.VIT,
+  "rnn": families.RNN,
+}
+MUON_LRS = {
+  "autoencoder": "0.02,0.05",
+  "cnn": "0.02,0.05",
+  "transformer": "0.01,0.03",
+  "vit": "0.01,0.03",
+  "rnn": "0.01,0.03",
+}
 
 
 def _floats(p, flag: str, text: str) -> list[float]:

@@ -29,10 +29,16 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-from benchmarks import autoencoder, cnn, transformer  # noqa: E402
+from benchmarks import autoencoder, cnn, families, transformer  # noqa: E402
 from examples import autoencoder as ae  # noqa: E402
 
-WORKLOADS = {"autoencoder": autoencoder, "cnn": cnn, "transformer": transformer}
+WORKLOADS = {
+  "autoencoder": autoencoder,
+  "cnn": cnn,
+  "transformer": transformer,
+  "vit": families.VIT,
+  "rnn": families.RNN,
+}
 
 
 def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):

@@ -696,6 +696,16 @@ class CurvatureEstimator:
     return format_table(self.layers, self._blocks, param_bytes)
 
 
+def _relative_paths(paths: Sequence[str]) -> str:
+  """The parameter paths without the directory they all share (`kernel, bias` for a dense
+  layer; `hi/kernel, hf/kernel, ...` for kernels concatenated from one module's leaves)."""
+  dirs = [p.split("/")[:-1] for p in paths]
+  common = 0
+  while all(len(d) > common and d[common] == dirs[0][common] for d in dirs):
+    common += 1
+  return ", ".join("/".join(p.split("/")[common:]) for p in paths)
+
+
 def format_table(
   layers: Sequence[_scanner.LayerSpec],
   blocks: Sequence[_blocks.Block],
@@ -715,7 +725,7 @@ def format_table(
         kind + ("" if s.source == "auto" else f" ({s.source})"),
         str(s.num_uses),
         s.approx,
-        ", ".join(p[len(s.name) + 1 :] if p.startswith(s.name + "/") else p for p in s.param_paths),
+        _relative_paths(s.param_paths),
         shapes,
         _fmt_bytes(nbytes),
         s.note,

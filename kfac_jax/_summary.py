@@ -108,12 +108,19 @@ def _display_names(specs: Sequence[_scanner.LayerSpec]) -> list[_scanner.LayerSp
 
   A layer is named by the common prefix of its parameter paths; layers whose parameters sit
   directly in one dict (`{"params": {"w1", "b1", "w2", "b2"}}`) all get that dict's name. Such
-  layers are shown by their first parameter's path (`params/w1`) instead.
+  layers are shown by their first parameter's path (`params/w1`) instead, as is a layer named
+  after a dict that holds other layers too (`params/pos`, not `params`, for a table that sits
+  directly in `params` beside `params/Dense_0`).
   """
   counts: dict[str, int] = {}
   for s in specs:
     counts[s.name] = counts.get(s.name, 0) + 1
-  return [dataclasses.replace(s, name=s.param_paths[0]) if counts[s.name] > 1 else s for s in specs]
+  return [
+    dataclasses.replace(s, name=s.param_paths[0])
+    if counts[s.name] > 1 or any(o.name.startswith(s.name + "/") for o in specs)
+    else s
+    for s in specs
+  ]
 
 
 def coverage_report(

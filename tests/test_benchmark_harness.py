@@ -687,3 +687,31 @@ def test_step_sweep_quick(tmp_path):
   for name in ("Adam lr=0.001", "kfac defaults", "kfac 0.3:0.7:0.1:0.01"):
     row = re.search(rf"^\| {re.escape(name)} \| ([0-9.e+]+) \|$", proc.stdout, re.MULTILINE)
     assert row is not None and math.isfinite(float(row.group(1))), output
+
+
+@pytest.mark.parametrize("model", ["vit", "rnn"])
+def test_family_workloads_register_every_layer(model):
+  """benchmarks/families.py: the ViT and the LSTM register with no fallback (strict), and the
+  workload's batches and evaluation are those of Fashion-MNIST (or the digits fallback)."""
+  import kfac_jax
+  from benchmarks import families
+
+  args = getattr(families, model.upper()).parse_args(["--quick"])
+  wl = families.make_workload(args)
+  batch = jax.tree.map(jnp.asarray, wl.batch_at(0))
+  assert batch["x"].shape[0] == 32 and batch["y"].shape == (32,)
+  layers = kfac_jax.scan_layers(wl.loss_fn, wl.params0, batch, strict=True)
+  kinds = sorted({l.kind for l in layers})
+  assert kinds == (["dense", "scale_and_shift"] if model == "vit" else ["dense"]), layers
+  assert math.isfinite(wl.eval_fn(wl.params0))
+
+
+def test_family_flags_are_named(capsys):
+  from benchmarks import families
+
+  with pytest.raises(SystemExit):
+    families.parse_args(["--model", "vit", "--width", "10", "--heads", "4"])
+  assert "--width 10 must be a multiple of --heads 4" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    families.RNN.parse_args(["--with-upstream"])
+  assert "no upstream kfac-jax version" in capsys.readouterr().err

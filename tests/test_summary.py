@@ -190,6 +190,23 @@ def test_layers_in_one_flat_dict_get_distinct_row_names():
   assert [r.split()[0] for r in rows] == ["params/w1", "params/w2"]
 
 
+def test_a_table_beside_modules_is_named_by_its_path_and_parameters_are_relative():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):  # x: [N, 3, D]
+      x = x + self.param("pos", nn.initializers.zeros, (1, 3, D))
+      return nn.Dense(C)(nn.Dense(5)(x).mean(axis=1))
+
+  x = jax.random.normal(jax.random.key(2), (N, 3, D))
+  batch = {"x": x, "y": _batch()["y"]}
+  params = Net().init(jax.random.key(0), x)
+  loss_fn = lambda p, b: _ce(Net().apply(p, b["x"]), b["y"])
+  rows = {r.split()[0]: r for r in kfac_jax.summary(loss_fn, params, batch).splitlines()[2:5]}
+  assert sorted(rows) == ["params/Dense_0", "params/Dense_1", "params/pos"], rows
+  assert rows["params/Dense_0"].split()[4:6] == ["kernel,", "bias"], rows
+  assert rows["params/pos"].split()[4] == "pos", rows
+
+
 def test_warning_is_short_and_points_to_summary():
   params = {f"s{i}": jnp.ones(2) for i in range(5)} | {"w": W}
   with pytest.warns(kfac_jax.UncoveredParametersWarning) as record:
