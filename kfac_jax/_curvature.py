@@ -227,11 +227,11 @@ def compute(
       taps += [(i, k, ins) for k, ins in uses]
   out_keys = {k: n for n, (_, k, _) in enumerate(taps)}
   in_atoms = [ins for _, _, ins in taps]
-  watch = set(out_keys)
-  watch.update(a for atoms in in_atoms for a in atoms if _graph.is_key(a) or isinstance(a, tuple))
+  watched = set(out_keys)
+  watched.update(a for atoms in in_atoms for a in atoms if _graph.is_key(a) or isinstance(a, tuple))
   for ops in reg.loss_operands:
-    watch.update(a for a in ops if _graph.is_key(a))
-  watch = frozenset(watch)
+    watched.update(a for a in ops if _graph.is_key(a))
+  watch = frozenset(watched)
 
   def f(p_leaves, eps):
     perturb = {k: eps[n] for k, n in out_keys.items()}
@@ -267,14 +267,14 @@ def compute(
 
   p_ct, eps_ct = jax.vmap(pull_back)(cts)
 
-  data = []
+  data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
   for i, spec in enumerate(reg.layers):
     if reg.layer_outputs[i] is not None:
-      uses = [(xs[n], eps_ct[n]) for n, tap in enumerate(taps) if tap[0] == i]
+      got = [(xs[n], eps_ct[n]) for n, tap in enumerate(taps) if tap[0] == i]
       if i in stacked:
-        data.append(_blocks.StackedUses(*uses[0]))
+        data.append(_blocks.StackedUses(*got[0]))
       else:
-        data.append(tuple(uses) if spec.multi_tap else uses[0])
+        data.append(tuple(got) if spec.multi_tap else got[0])
     else:
       data.append(tuple(p_ct[j] for j in spec.leaf_indices))
   params_stats = None

@@ -15,7 +15,7 @@ giving the generalised Gauss-Newton Jᵀ H_z J (the same matrix for the tags' ca
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ from kfac_jax import blocks as _blocks
 
 Array = jax.Array
 InverseStorage = Literal["replicated", "sharded"]
+
+# Replicated storage's caches: per block name, per entry ("inv_a", "damping", ...).
+BlockCaches = dict[str, dict[str, Array]]
 
 
 class EstimatorState(NamedTuple):
@@ -43,7 +46,7 @@ class EstimatorState(NamedTuple):
   """
 
   factors: dict[str, dict[str, Array]]
-  cache: dict[str, dict[str, Array]]
+  cache: BlockCaches | _parallel.ShardedCache
   ema_weight: Array
   skipped_batches: Array
   failed_inverses: Array
@@ -86,7 +89,8 @@ def resolve_dtype(value, name: str) -> Any:
   """`stats_dtype` / `inverse_dtype` as a numpy dtype: None → float32 (float64 under x64)."""
   allowed = _STATS_DTYPES if name.endswith("stats_dtype") else _INVERSE_DTYPES
   if value is None:
-    return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)
+    # jax.config's flags are properties added at run time.
+    return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)  # type: ignore[attr-defined]
   try:
     dtype = jnp.dtype(value)
   except TypeError:
@@ -95,7 +99,7 @@ def resolve_dtype(value, name: str) -> Any:
     raise ValueError(
       f"`{name}` must be one of {', '.join(allowed)} (or None for the default), got {value!r}."
     )
-  if dtype == np.float64 and not jax.config.jax_enable_x64:
+  if dtype == np.float64 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
     raise ValueError(
       f"`{name}`=float64 needs 64-bit JAX: set "
       "`jax.config.update('jax_enable_x64', True)` before creating arrays, or "
@@ -105,7 +109,8 @@ def resolve_dtype(value, name: str) -> Any:
 
 
 def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
-  names, seen = [], {}
+  names: list[str] = []
+  seen: dict[str, int] = {}
   for s in specs:
     n = s.name
     if n in seen:
@@ -243,7 +248,8 @@ class CurvatureEstimator:
     self._layers: tuple[_scanner.LayerSpec, ...] | None = None
     self._blocks: tuple[_blocks.Block, ...] = ()
     self._names: tuple[str, ...] = ()
-    self._param_sig = None
+    # (parameter paths, ((shape, dtype name) per leaf)), set with the layers.
+    self._param_sig: tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]] | None = None
 
   # -- structure -------------------------------------------------------------------------------
 
@@ -315,6 +321,13 @@ class CurvatureEstimator:
       raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
     return self._blocks
 
+  @property
+  def _sig(self) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]]:
+    """`_param_sig` (after `init`)."""
+    if self._param_sig is None:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
+    return self._param_sig
+
   # -- state -----------------------------------------------------------------------------------
 
   def init(
@@ -329,6 +342,7 @@ class CurvatureEstimator:
     outside pmap / shard_map.
     """
     self._ensure_layers(params, axis_name)
+    cache: BlockCaches | _parallel.ShardedCache
     if self.inverse_storage == "sharded":
       cache = _sharded.init_cache(self, axis_name, mesh)
     else:
@@ -365,12 +379,12 @@ class CurvatureEstimator:
     layer whose factor shapes depend on the batch size cannot share one state across sizes.
     """
     layers = reg.layers
-    if tuple(l.name for l in layers) != tuple(l.name for l in self._layers):
+    if tuple(l.name for l in layers) != tuple(l.name for l in self.layers):
       raise ValueError(
         "loss_fn registers different layers for this batch than for `example_batch`: "
-        f"{[l.name for l in layers]} vs {[l.name for l in self._layers]}."
+        f"{[l.name for l in layers]} vs {[l.name for l in self.layers]}."
       )
-    for new, old in zip(layers, self._layers):
+    for new, old in zip(layers, self.layers):
       if (new.kind, new.approx, new.factor_shapes) != (old.kind, old.approx, old.factor_shapes):
         raise ValueError(
           f"layer `{old.name}` changes with the batch size: for this batch of "
@@ -509,6 +523,7 @@ class CurvatureEstimator:
       if axis_name is not None:
         new = split(state.factors, damping, axis_name)
       else:
+        assert mesh is not None  # Both None is handled above.
         new = _parallel.over_mesh_axis(split, mesh, state.factors, damping)
     cache, failed = {}, state.failed_inverses
     for n in self._names:
@@ -558,12 +573,12 @@ class CurvatureEstimator:
   ) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(vector)
     paths = _scanner.param_paths(vector)
-    if paths != self._param_sig[0]:
+    if paths != self._sig[0]:
       raise ValueError(
         "the vector's pytree structure differs from the params this estimator was built for: "
-        f"got leaves {list(paths)}, expected {list(self._param_sig[0])}."
+        f"got leaves {list(paths)}, expected {list(self._sig[0])}."
       )
-    for (shape, _), x, path in zip(self._param_sig[1], leaves, paths):
+    for (shape, _), x, path in zip(self._sig[1], leaves, paths):
       if tuple(np.shape(x)) != shape:
         raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
     if self.inverse_storage == "sharded":
@@ -579,9 +594,10 @@ class CurvatureEstimator:
       )
       return jax.tree_util.tree_unflatten(treedef, out)
     out = list(leaves)
+    cache = cast(BlockCaches, state.cache)  # replicated storage
     for n, b in zip(self._names, self._blocks):
       vecs = [leaves[j] for j in b.spec.leaf_indices]
-      res = fn(b, self._in_inverse_dtype(state.factors[n]), state.cache[n], vecs)
+      res = fn(b, self._in_inverse_dtype(state.factors[n]), cache[n], vecs)
       for j, r in zip(b.spec.leaf_indices, res):
         out[j] = r
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -678,20 +694,24 @@ class CurvatureEstimator:
 
   def to_dense(self, state: EstimatorState) -> Array:
     """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""
-    sizes = [int(np.prod(s)) for s, _ in self._param_sig[1]]
+    sizes = [int(np.prod(s)) for s, _ in self._sig[1]]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])
     out = jnp.zeros((total, total), self.config.inverse_dtype)
     for n, b in zip(self._names, self._blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
-      extra = {"cache": state.cache[n]} if getattr(b, "needs_cache_for_statistics", False) else {}
+      extra = (
+        {"cache": cast(BlockCaches, state.cache)[n]}
+        if getattr(b, "needs_cache_for_statistics", False)
+        else {}
+      )
       out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n], **extra))
     return out
 
   def summary(self) -> str:
     """The registered layers as a table (see `kfac_jax.summary`)."""
     param_bytes = sum(
-      int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._param_sig[1]
+      int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._sig[1]
     )
     return format_table(self.layers, self._blocks, param_bytes)
 
@@ -757,7 +777,7 @@ def format_table(
   return "\n".join(lines)
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
   for unit in ("B", "KiB", "MiB", "GiB"):
     if n < 1024 or unit == "GiB":
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -389,7 +389,7 @@ class FlatGraph:
     found = [self._scan_positions.get(k) if is_key(k) else None for k in keys]
     if not found or any(f is None for f in found):
       return False
-    n, _, p = found[0]
+    n, _, p = cast(tuple[int, int, int], found[0])  # not None: checked above
     return len(found) == len(self.scans[n].keys) and all(
       f == (n, k, p) for k, f in enumerate(found)
     )

@@ -175,9 +175,11 @@ def output_cotangents(
     y = targets if jnp.issubdtype(targets.dtype, jnp.integer) else targets.astype(zf.dtype)
     vec = _grad_nll(spec, zf, y)[None]
   elif mode == "gradients":
+    assert rng is not None  # RANDOM_MODES checked above.
     y = _sample(spec, zf, rng, num_samples)
     vec = jax.vmap(lambda yy: _grad_nll(spec, zf, yy))(y)
   elif mode in ("curvature_prop", "curvature_prop_GGN"):
+    assert rng is not None  # RANDOM_MODES checked above.
     r = jax.random.rademacher(rng, (num_samples,) + zf.shape, zf.dtype)
     vec = jax.vmap(lambda rr: SQRT_PRODUCTS[mode](spec, zf, rr))(r)
   elif mode in EXACT_MODES:

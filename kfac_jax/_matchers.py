@@ -246,9 +246,9 @@ _OUTPUT_VIEW_OPS = frozenset(
 )
 
 
-def _index_view(fe, idx: np.ndarray) -> np.ndarray | None:
-  """`idx` (an integer array of the operand's shape) moved by the layout op `fe`, or None for an
-  op that is not a pure relayout (a real broadcast)."""
+def _index_view(fe, idx: np.ndarray) -> np.ndarray:
+  """`idx` (an integer array of the operand's shape) moved by the layout op `fe` (the caller
+  rejects a broadcast that is not a pure relayout)."""
   out_shape = tuple(fe.outs[0][1].aval.shape)
   if fe.name == "transpose":
     return idx.transpose(tuple(fe.params["permutation"]))
@@ -651,6 +651,8 @@ def manual(sc, fe, claimed):
       )
     return j, chain
 
+  info: ConvInfo | EmbeddingInfo | ScaleShiftInfo
+  inputs: tuple[Any, ...]
   if kind == "conv":
     x, kernel = fe.ins[1], fe.ins[2]
     k_leaf, chain = leaf(kernel, "kernel")

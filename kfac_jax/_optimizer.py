@@ -279,7 +279,7 @@ def _vdot(a, b) -> Array:
   def up(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
-  return sum(
+  return sum(  # type: ignore[return-value]  # an Array: params have leaves
     jnp.vdot(up(x), up(y))
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
   )
@@ -396,7 +396,7 @@ class Optimizer:
         "data-parallel axis: pass `axis_name=` (and run init/step inside pmap/shard_map), or "
         "keep inverse_storage='replicated'."
       )
-    if use_adaptive_damping and config.min_damping > float(damping):
+    if use_adaptive_damping and not callable(damping) and config.min_damping > float(damping):
       raise ValueError(
         f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
         "damping would be clipped up at once; lower min_damping or raise damping."
@@ -589,6 +589,7 @@ class Optimizer:
       alpha = None if model_lr else _schedule_value(self.learning_rate, k, sdtype)
       mu = None if model_mom else _schedule_value(self.momentum, k, sdtype)
       if self.norm_constraint is not None:
+        assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
         quad = _vdot(delta, est.multiply(curv, delta, axis_name=self._cache_axis))
         quad = quad.astype(sdtype)
         limit = jnp.asarray(self.norm_constraint, sdtype)

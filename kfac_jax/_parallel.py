@@ -194,7 +194,8 @@ def packed_layout(cache_shapes: Sequence[dict[str, Any]], num_devices: int) -> P
     for c in cache_shapes
   ]
   shares = assign(nbytes, num_devices)
-  slots, lengths = [], {}
+  slots: list[tuple[Slot, ...]] = []
+  lengths: dict[str, int] = {}
   for share in shares:
     offsets: dict[str, int] = {}
     mine = []

@@ -683,7 +683,8 @@ class _Scanner:
       if not any(j in self.virtual for j in spec.leaf_indices):
         out.append((spec, outs, ins))
         continue
-      leaves, views = [], []
+      leaves: list[int] = []
+      views = []
       for j in spec.leaf_indices:
         view = self.virtual.get(j)
         views.append(view)
@@ -803,7 +804,7 @@ class _Scanner:
     """Replaces the layers inside each `LayerConfig.linked` group by one generic block."""
     owner: dict[int, tuple[str, ...]] = {}
     for group, approx in self.layer_config.linked.items():
-      leaves = []
+      leaves: list[int] = []
       for pattern in group:
         found = [
           j
@@ -865,7 +866,7 @@ class _Scanner:
   def _manual(self, i, fe, claimed):
     kind, approx = fe.params["kind"], fe.params["approx"]
     if kind == "generic":
-      leaves = tuple(
+      leaves = list(
         self._leaf_for_operand(a, f"params[{p}]", "register_generic")[0]
         for p, a in enumerate(fe.ins)
       )
@@ -1203,8 +1204,10 @@ class _Scanner:
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
         f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
       )
-    info = next((inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo)), infos[0])
+    # `kind` decides the info class (DenseInfo, ConvInfo or EmbeddingInfo).
+    info: Any = next((inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo)), infos[0])
     n = sum(math.prod(self.shapes[j]) for j in leaves)
+    shapes: tuple[tuple[int, ...], ...]
     if approx == "diagonal":
       shapes = ((n,),)
     elif approx == "full":
@@ -1310,6 +1313,7 @@ class _Scanner:
         self.layer_config.max_factor_dim, kind, approx, kron_shapes, n, APPROXIMATIONS[kind]
       )
       note = why or note
+    shapes: tuple[tuple[int, ...], ...]
     if approx == "diagonal":
       shapes = ((n,),)
     elif approx == "full":

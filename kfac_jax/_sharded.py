@@ -165,7 +165,7 @@ def apply(est, factors, cache, leaves: list[Array], fn, axis_name, mesh, method:
 
   # The products' shapes and dtypes, which every branch (owner or not) must return.
   cache_shapes = [jax.eval_shape(b.init_cache) for b in blocks]
-  out_shapes = {}
+  out_shapes: dict[int, jax.ShapeDtypeStruct] = {}
   for i, b in enumerate(blocks):
     res = jax.eval_shape(
       lambda f, c, v, b=b: fn(b, f, c, v),

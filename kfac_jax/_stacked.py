@@ -107,7 +107,8 @@ def merge(sc, specs, claimed):
   if not sc.stack_of:
     return specs
   n = sc.n_params
-  kept, groups, failed = [], {}, []
+  kept, failed = [], []
+  groups: dict[tuple[Any, ...], dict[int, Any]] = {}  # real leaves -> {step: entry}
   for entry in specs:
     spec = entry[0]
     virtual = [j for j in spec.leaf_indices if j in sc.stack_of]
@@ -122,7 +123,7 @@ def merge(sc, specs, claimed):
     groups.setdefault(reals, {})[steps.pop()] = entry
   for reals, by_t in groups.items():
     size = sc.shapes[reals[0]][0]
-    entries = [by_t.get(t) for t in range(size)]
+    entries: list[Any] = [by_t.get(t) for t in range(size)]  # None: a missing step
     if (
       any(e is None for e in entries)
       or any(sc.shapes[j][0] != size for j in reals)

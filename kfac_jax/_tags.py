@@ -327,7 +327,7 @@ def register_conv(
   win = [(kernel.shape[d] - 1) * s + 1 for d, s in zip(dn.rhs_spec[2:], rhs_d)]
   if isinstance(padding, str):
     try:
-      pads = tuple(tuple(p) for p in jax.lax.padtype_to_pads(in_sp, win, strides, padding))
+      pads = tuple((lo, hi) for lo, hi in jax.lax.padtype_to_pads(in_sp, win, strides, padding))
     except (TypeError, ValueError) as e:
       raise ValueError(f"{fn}: bad `padding` {padding!r}: {e}") from None
   else:

@@ -40,7 +40,7 @@ class ScaleByKfacState(NamedTuple):
       were not finite (`skip_nonfinite=True`).
   """
 
-  count: Array
+  count: Array  # type: ignore[assignment]  # optax's field name; shadows tuple.count
   curvature: _estimator.EstimatorState
   skipped: Array
 

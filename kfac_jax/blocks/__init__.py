@@ -8,7 +8,7 @@ from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
 from kfac_jax.blocks._stacked import StackedBlock
 
-_BLOCKS = {
+_BLOCKS: dict[tuple[str, str], type[Block]] = {
   ("dense", "kron"): KroneckerBlock,
   ("dense", "kron_in_diag"): KroneckerBlock,
   ("dense", "kron_out_diag"): KroneckerBlock,

@@ -190,10 +190,15 @@ class EmbeddingLayout:
     return [m[0].reshape(self.spec.param_shapes[0])]
 
 
-_LAYOUTS = {"dense": DenseLayout, "conv": ConvLayout, "embedding": EmbeddingLayout}
+Layout = DenseLayout | ConvLayout | EmbeddingLayout
+_LAYOUTS: dict[str, type[Layout]] = {
+  "dense": DenseLayout,
+  "conv": ConvLayout,
+  "embedding": EmbeddingLayout,
+}
 
 
-def layout_for(spec):
+def layout_for(spec) -> Layout:
   return _LAYOUTS[spec.kind](spec)
 
 
@@ -208,7 +213,7 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   gradient is the sum of the uses' (each use's output gradient is that of the whole loss).
   """
   if spec.num_uses > 1:
-    return sum(
+    return sum(  # type: ignore[return-value]  # an Array: num_uses > 1 terms
       per_example_grads(
         dataclasses.replace(spec, info=info, num_uses=1, use_infos=()), d, batch_size, dtype
       )

@@ -42,6 +42,7 @@ C = K diag(√ζ).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,7 @@ Array = jax.Array
 MAX_PSI = 0.99
 
 
-def use_layouts(spec) -> list[tuple[object, bool]]:
+def use_layouts(spec) -> list[tuple[_layouts.Layout, bool]]:
   """For each use: its layout and whether it sees the parameter matrix transposed."""
   out = []
   for info in spec.use_infos:
@@ -105,6 +106,8 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
       a = _linalg.gram(x, spec.has_bias) / x.shape[0]
       g = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
     else:
+      a_sum: Any  # 0.0, then Arrays
+      g_sum: Any
       a_sum, n_rows, g_sum = 0.0, 0, 0.0
       for x, g in rows:
         a_sum = a_sum + _linalg.gram(x, spec.has_bias)

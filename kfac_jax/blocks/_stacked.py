@@ -50,7 +50,7 @@ class StackedBlock(Block):
   def batch_factors(self, data, batch_size):
     if isinstance(data, StackedUses):  # One tap per layer, stacked by the scan.
       inputs, g = data.inputs, jnp.moveaxis(data.g, 1, 0)
-      vmap_axes = (0,) * len(inputs)
+      vmap_axes: tuple[int | None, ...] = (0,) * len(inputs)
     elif self.spec.stack_axes:  # One batched use: move the layer axis to the front.
       inputs, g = data
       in_axes, out_axis = self.spec.stack_axes[:-1], self.spec.stack_axes[-1]
