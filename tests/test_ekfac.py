@@ -389,6 +389,42 @@ def test_ekfac_on_stacked_layers_equals_the_unrolled_layers(x64):
   np.testing.assert_allclose(nat_st, nat_un, rtol=1e-9, atol=1e-12)
 
 
+def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
+  """Two gate kernels concatenated before one product (an LSTM cell's layout: a ConcatBlock
+  around an EKFAC block) against the concatenated kernel as one leaf."""
+  k = jax.random.split(jax.random.key(3), 5)
+  gates = {g: jax.random.normal(k[i], (3, 2), jnp.float64) for i, g in enumerate(("ga", "gb"))}
+  head = jax.random.normal(k[2], (4, 3), jnp.float64)
+
+  def apply(p, x):
+    kernel = p["kernel"] if "kernel" in p else jnp.concatenate([p["ga"], p["gb"]], axis=-1)
+    return jnp.tanh(x @ kernel) @ p["head"]
+
+  batch = _models.classification_batch(k[3], n=6, din=3, classes=3, dtype=jnp.float64)
+  results = []
+  for params in (
+    dict(gates, head=head),
+    {"kernel": jnp.concatenate(list(gates.values()), -1), "head": head},
+  ):
+    loss_fn = _models.softmax_loss(apply)
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+
+    @jax.jit
+    def run(state, params):
+      state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+      state = est.update_inverses(state, LAMBDA)
+      state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+      return est.multiply_inverse(state, jax.grad(loss_fn)(params, batch))
+
+    results.append((est, run(est.init(params), params)))
+  (est_c, u_c), (est_p, u_p) = results
+  assert [len(s.param_paths) for s in est_c.layers] == [2, 1]
+  assert [s.approx for s in est_c.layers] == [s.approx for s in est_p.layers] == ["ekfac"] * 2
+  joined = jnp.concatenate([u_c["ga"], u_c["gb"]], axis=-1)
+  np.testing.assert_allclose(joined, u_p["kernel"], rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(u_c["head"], u_p["head"], rtol=1e-9, atol=1e-12)
+
+
 def test_ekfac_with_sharded_inverses_is_an_error_at_init():
   params, batch = _setup(dtype=jnp.float32)
   est = kfac_jax.CurvatureEstimator(_loss_fn, batch, layers=EKFAC, inverse_storage="sharded")

@@ -72,7 +72,7 @@ def test_diag_variants_match_their_definition(x64, approx):
       a, g = _diag_variant(approx, *(np.asarray(f) for f in ref.factors[name]))
       # The stored factors are the diagonals (vectors) or the full matrices of the "kron" block.
       for key, full in (("a", a), ("g", g)):
-        got = np.asarray(state.factors[name][key])
+        got = np.asarray(getattr(state.factors[name], key))
         np.testing.assert_allclose(got, np.diag(full) if got.ndim == 1 else full, rtol=1e-12)
       order = lambda m: _param_order(m, len(a) - 1, len(g))  # noqa: E731
       blocks.append(order(np.kron(a, g)))
