@@ -14,16 +14,27 @@ and names every block that differs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-_BLOCK_FIELDS = ("factors", "cache")
+from kfac_jax._estimator import PER_BLOCK_FIELDS
+
+# The estimator-state fields keyed by block name; under each name sits the block's typed state
+# (`kfac_jax.blocks._state`), whose field names a checkpoint stores (e.g. `cache/<block>/a/chol`).
+_BLOCK_FIELDS = PER_BLOCK_FIELDS
 
 
-def _describe(path) -> tuple[str, str | None]:
-  """`(path string, block name or None)` for a leaf path of an optimizer state."""
+class _Leaf(NamedTuple):
+  shape: tuple[int, ...]
+  dtype: str
+  block: str | None  # The block it belongs to, if any.
+  field: str  # Its place inside the block's state, e.g. `factors/a` (the path if no block).
+
+
+def _describe(path) -> tuple[str, str | None, str]:
+  """`(path string, block name or None, field)` for a leaf path of an optimizer state."""
   names = []
   for k in path:
     if isinstance(k, jax.tree_util.DictKey):
@@ -34,21 +45,21 @@ def _describe(path) -> tuple[str, str | None]:
       names.append(str(k.idx))
     else:
       names.append(str(k))
-  block = None
+  block, field = None, "/".join(names)
   for i, n in enumerate(names[:-1]):
     if n in _BLOCK_FIELDS:
-      block = names[i + 1]
+      block, field = names[i + 1], "/".join([n] + names[i + 2 :])
   if block == "buffers" and "cache" in names:
     block = None  # A ShardedCache (inverse_storage="sharded"): no per-block leaves to name.
-  return "/".join(names), block
+  return "/".join(names), block, field
 
 
-def _leaves(tree) -> dict[str, tuple[tuple[int, ...], str, str | None]]:
+def _leaves(tree) -> dict[str, _Leaf]:
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name, block = _describe(path)
+    name, block, field = _describe(path)
     dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-    out[name] = (tuple(np.shape(leaf)), str(dtype), block)
+    out[name] = _Leaf(tuple(np.shape(leaf)), str(dtype), block, field)
   return out
 
 
@@ -60,31 +71,43 @@ def check_restored_state(expected: Any, restored: Any) -> None:
     restored: the state read from a checkpoint.
 
   Raises:
-    ValueError: listing the blocks that are missing, unexpected, or have other factor or
-      inverse shapes or dtypes, and every other mismatching leaf by its path.
+    ValueError: listing the blocks that are missing or unexpected, every field of a block that
+      is missing, unexpected (the estimator's options differ: `exps`, `compute_cholesky`,
+      `damping_mode`) or has another shape or dtype, and every other mismatching leaf by its
+      path.
   """
   want, got = _leaves(expected), _leaves(restored)
+  want_blocks = {leaf.block for leaf in want.values() if leaf.block}
+  got_blocks = {leaf.block for leaf in got.values() if leaf.block}
   problems = []
-  missing = sorted({b for p, (_, _, b) in want.items() if p not in got and b})
-  extra = sorted({b for p, (_, _, b) in got.items() if p not in want and b})
+  missing, extra = sorted(want_blocks - got_blocks), sorted(got_blocks - want_blocks)
   if missing:
     problems.append(f"blocks missing from the checkpoint: {missing}")
   if extra:
     problems.append(f"blocks in the checkpoint that this model does not have: {extra}")
   for p in sorted(set(want) - set(got)):
-    if not want[p][2]:
+    leaf = want[p]
+    if not leaf.block:
       problems.append(f"`{p}` is missing from the checkpoint")
+    elif leaf.block in got_blocks:
+      problems.append(f"block `{leaf.block}`: `{leaf.field}` is missing from the checkpoint")
   for p in sorted(set(got) - set(want)):
-    if not got[p][2]:
+    leaf = got[p]
+    if not leaf.block:
       problems.append(f"`{p}` in the checkpoint is not part of this optimizer's state")
+    elif leaf.block in want_blocks:
+      problems.append(f"block `{leaf.block}`: `{leaf.field}` in the checkpoint is not used here")
   for p in sorted(set(want) & set(got)):
-    (ws, wd, block), (gs, gd, _) = want[p], got[p]
-    if ws != gs or wd != gd:
-      where = f"block `{block}` (`{p}`)" if block else f"`{p}`"
-      problems.append(f"{where}: checkpoint has {gs} {gd}, this model needs {ws} {wd}")
+    w, g = want[p], got[p]
+    if (w.shape, w.dtype) != (g.shape, g.dtype):
+      where = f"block `{w.block}` `{w.field}` (`{p}`)" if w.block else f"`{p}`"
+      problems.append(
+        f"{where}: checkpoint has {g.shape} {g.dtype}, this model needs {w.shape} {w.dtype}"
+      )
   if problems:
     raise ValueError(
-      "the restored optimizer state does not fit this model (did its layers change?):\n  "
+      "the restored optimizer state does not fit this model (did its layers or the estimator's "
+      "options change?):\n  "
       + "\n  ".join(problems)
       + "\nRestore into a state initialised for the same model, or start the optimizer afresh."
     )

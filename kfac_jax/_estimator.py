@@ -14,6 +14,7 @@ giving the generalised Gauss-Newton Jᵀ H_z J (the same matrix for the tags' ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, cast
 
@@ -28,16 +29,23 @@ Array = jax.Array
 InverseStorage = Literal["replicated", "sharded"]
 
 # Replicated storage's caches: per block name, per entry ("inv_a", "damping", ...).
-BlockCaches = dict[str, dict[str, Array]]
+BlockCaches = dict[str, Any]
+
+
+# The `EstimatorState` fields that hold one entry per block (named in checkpoint errors).
+PER_BLOCK_FIELDS = ("factors", "cache")
 
 
 class EstimatorState(NamedTuple):
   """All numbers of the estimator; static structure lives on the estimator object.
 
   Attributes:
-    factors: per block name, the EMA statistics (e.g. `a: [in+1, in+1]`, `g: [out, out]`).
-    cache: per block name, powers/decompositions and the damping `[]` they were built with;
-      with `inverse_storage="sharded"`, a `ShardedCache` holding only this device's blocks.
+    factors: per block name, the EMA statistics as the block kind's factors type (e.g.
+      `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`; every type is documented, with
+      shapes, in `kfac_jax.blocks._state`).
+    cache: per block name, the block kind's cache type: powers / decompositions and the
+      damping `[]` they were built with; with `inverse_storage="sharded"`, a `ShardedCache`
+      holding only this device's blocks.
     ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
     skipped_batches: `[]` int32, statistics updates skipped because the batch's statistics
       were not finite (the factors were left as they were).
@@ -45,11 +53,13 @@ class EstimatorState(NamedTuple):
       previous cache).
   """
 
-  factors: dict[str, dict[str, Array]]
-  cache: BlockCaches | _parallel.ShardedCache
+  factors: dict[str, Any]
+  cache: dict[str, Any] | _parallel.ShardedCache
   ema_weight: Array
   skipped_batches: Array
   failed_inverses: Array
+
+  # The fields that map block names to a block's typed state (checkpoints name blocks by them).
 
 
 def check_unit_interval(value, name: str) -> None:
@@ -120,17 +130,6 @@ def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
       seen[n] = 1
     names.append(n)
   return names
-
-
-def _batched_factorisations() -> bool:
-  """Whether equal-shape blocks share one vmapped (batched) factorisation: not on CPU.
-
-  jaxlib's batched CPU LAPACK kernels split their batch over the same small thread pool that
-  runs them, and two running at once (the A and G factors of one group) deadlocked a 2-core
-  machine (gdb: both threads in `ParallelBatchMap`, waiting on an `absl::BlockingCounter`; the
-  Transformer LM benchmark's first inverse update). One unbatched call per block does not.
-  """
-  return jax.default_backend() != "cpu"
 
 
 class CurvatureEstimator:
@@ -248,6 +247,7 @@ class CurvatureEstimator:
     self._layers: tuple[_scanner.LayerSpec, ...] | None = None
     self._blocks: tuple[_blocks.Block, ...] = ()
     self._names: tuple[str, ...] = ()
+    self._storage: _sharded.ShardedStorage | None = None
     # (parameter paths, ((shape, dtype name) per leaf)), set with the layers.
     self._param_sig: tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]] | None = None
 
@@ -291,12 +291,15 @@ class CurvatureEstimator:
       blocks = tuple(_blocks.make_block(s, self.config) for s in reg.layers)
       if self.inverse_storage == "sharded":
         for n, b in zip(self._names, blocks):
-          if getattr(b, "needs_cache_for_statistics", False):
+          if b.needs_cache_for_statistics:
             raise ValueError(
               f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, "
               "which inverse_storage='sharded' keeps on one device; use "
               "inverse_storage='replicated' or another approximation for it."
             )
+        self._storage = _sharded.ShardedStorage(
+          blocks, functools.partial(_blocks.compute_caches, blocks)
+        )
       self._blocks = blocks
       self._param_sig = sig
       return
@@ -328,6 +331,20 @@ class CurvatureEstimator:
       raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
     return self._param_sig
 
+  @property
+  def sharded_storage(self) -> _sharded.ShardedStorage:
+    """With `inverse_storage="sharded"` (after `init`): the blocks' cache layout per device
+    count (`.layout(D)`, `.device_bytes(D)`)."""
+    if self._storage is None:
+      raise RuntimeError(
+        "`sharded_storage` exists after `init` of an estimator with inverse_storage='sharded'."
+      )
+    return self._storage
+
+  def _by_block(self, by_name: dict[str, Any]) -> list[Any]:
+    """A per-name state dict as a list in block order."""
+    return [by_name[n] for n in self._names]
+
   # -- state -----------------------------------------------------------------------------------
 
   def init(
@@ -344,7 +361,7 @@ class CurvatureEstimator:
     self._ensure_layers(params, axis_name)
     cache: BlockCaches | _parallel.ShardedCache
     if self.inverse_storage == "sharded":
-      cache = _sharded.init_cache(self, axis_name, mesh)
+      cache = self.sharded_storage.init_cache(axis_name, mesh)
     else:
       cache = {n: b.init_cache() for n, b in zip(self._names, self._blocks)}
     return EstimatorState(
@@ -398,11 +415,12 @@ class CurvatureEstimator:
 
   def batch_factors(
     self, stats: _curvature.CurvatureStats, axis_name: str | None = None, cache=None
-  ) -> dict[str, dict[str, Array]]:
+  ) -> dict[str, Any]:
     """Per-block statistics of one batch, averaged over `axis_name` devices if given.
 
     Blocks with `needs_cache_for_statistics` (EKFAC: its scalings live in the eigenbasis of
     the last inverse update) get their entry of `cache` (the state's, replicated storage).
+    Returns one entry per block name, of the block kind's factors type.
     """
     if stats.layer_names != tuple(s.name for s in self.layers):
       raise ValueError(
@@ -414,7 +432,7 @@ class CurvatureEstimator:
     def one(n, b, d):
       if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
         d = d.unstack()
-      if getattr(b, "needs_cache_for_statistics", False) and cache is not None:
+      if b.needs_cache_for_statistics and cache is not None:
         if self.inverse_storage == "sharded":
           raise ValueError(
             f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the "
@@ -505,14 +523,14 @@ class CurvatureEstimator:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     damping = jnp.asarray(damping, self.config.inverse_dtype)
     if self.inverse_storage == "sharded":
-      cache, failed = _sharded.update_inverses(
-        self, state.cache, state.factors, damping, axis_name, mesh, _all_finite
+      cache, failed = self.sharded_storage.update_inverses(
+        state.cache, self._by_block(state.factors), damping, axis_name, mesh, _all_finite
       )
       return state._replace(cache=cache, failed_inverses=state.failed_inverses + failed)
     if axis_name is None and mesh is None:
       new = self._compute_caches(range(len(self.blocks)), state.factors, damping)
     else:
-      costs = [_parallel.factorisation_cost(b.spec.factor_shapes) for b in self._blocks]
+      costs = [_parallel.factorisation_cost(b.factor_shapes) for b in self._blocks]
       zeros = jax.tree_util.tree_map(jnp.zeros_like, state.cache)
 
       def split(factors, lam, axis):
@@ -534,26 +552,10 @@ class CurvatureEstimator:
       failed = failed + (~ok).astype(jnp.int32)
     return state._replace(cache=cache, failed_inverses=failed)
 
-  def _compute_caches(self, indices, factors, damping) -> dict[str, dict[str, Array]]:
-    """Caches of the given blocks; blocks of one group (equal shapes) share one vmapped call on
-    GPU / TPU, and get one call each on CPU (see below)."""
-    factors = self._in_inverse_dtype(factors)
-    groups: dict[tuple, list[int]] = {}
-    for i in indices:
-      groups.setdefault(self._blocks[i].group_key(), []).append(i)
-    out = {}
-    for idx in groups.values():
-      block = self._blocks[idx[0]]
-      names = [self._names[i] for i in idx]
-      if len(idx) == 1 or not _batched_factorisations():
-        for n in names:
-          out[n] = block.compute_cache(factors[n], damping)
-        continue
-      stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[factors[n] for n in names])
-      res = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)
-      for k, n in enumerate(names):
-        out[n] = jax.tree_util.tree_map(lambda x, k=k: x[k], res)
-    return out
+  def _compute_caches(self, indices, factors: dict[str, Any], damping) -> dict[str, Any]:
+    """`{name: fresh cache}` of the blocks `indices` (see `blocks.compute_caches`)."""
+    new = _blocks.compute_caches(self._blocks, indices, self._by_block(factors), damping)
+    return {self._names[i]: c for i, c in new.items()}
 
   # -- products --------------------------------------------------------------------------------
 
@@ -582,9 +584,8 @@ class CurvatureEstimator:
       if tuple(np.shape(x)) != shape:
         raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
     if self.inverse_storage == "sharded":
-      out = _sharded.apply(
-        self,
-        self._in_inverse_dtype(state.factors),
+      out = self.sharded_storage.apply(
+        self._by_block(self._in_inverse_dtype(state.factors)),
         state.cache,
         leaves,
         fn,
@@ -700,12 +701,8 @@ class CurvatureEstimator:
     out = jnp.zeros((total, total), self.config.inverse_dtype)
     for n, b in zip(self._names, self._blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
-      extra = (
-        {"cache": cast(BlockCaches, state.cache)[n]}
-        if getattr(b, "needs_cache_for_statistics", False)
-        else {}
-      )
-      out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n], **extra))
+      cache = cast(dict, state.cache)[n] if b.needs_cache_for_statistics else None
+      out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n], cache))
     return out
 
   def summary(self) -> str:
@@ -737,7 +734,7 @@ def format_table(
   for s, b in zip(layers, blocks):
     nbytes = b.state_bytes()
     total += nbytes
-    shapes = " ".join("x".join(map(str, f)) for f in s.factor_shapes)
+    shapes = " ".join("x".join(map(str, f)) for f in b.factor_shapes)
     kind = s.kind + (f" (stack of {s.stack_size})" if s.stack_size else "")
     rows.append(
       (
@@ -747,12 +744,12 @@ def format_table(
         s.approx,
         _relative_paths(s.param_paths),
         shapes,
-        _fmt_bytes(nbytes),
+        format_bytes(nbytes),
         s.note,
       )
     )
   ratio = (
-    f"{total / param_bytes:.2f}x the parameters' {_fmt_bytes(param_bytes)}" if param_bytes else ""
+    f"{total / param_bytes:.2f}x the parameters' {format_bytes(param_bytes)}" if param_bytes else ""
   )
   rows.append(
     (
@@ -762,7 +759,7 @@ def format_table(
       "",
       f"{sum(s.num_params for s in layers)} values",
       "",
-      _fmt_bytes(total),
+      format_bytes(total),
       ratio,
     )
   )
@@ -777,7 +774,8 @@ def format_table(
   return "\n".join(lines)
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+  """`n` bytes for people: "512 B", "1.5 KiB", ..., "2.0 GiB"."""
   for unit in ("B", "KiB", "MiB", "GiB"):
     if n < 1024 or unit == "GiB":
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

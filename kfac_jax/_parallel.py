@@ -146,10 +146,11 @@ class ShardedCache(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-  """Where one cache array of one block sits in its device's buffer."""
+  """Where one cache array (leaf `leaf` of the block's cache pytree) sits in its device's
+  buffer."""
 
   block: int
-  key: str
+  leaf: int
   dtype: str
   offset: int
   shape: tuple[int, ...]
@@ -163,11 +164,13 @@ class PackedLayout:
     shares: block indices per device (balanced by cache bytes with `assign`).
     slots: per device, the `Slot`s of its blocks' cache arrays.
     lengths: per dtype name, the buffer length L (the longest share; at least 1).
+    treedefs: per block, the structure of its cache (its block kind's cache type).
   """
 
   shares: tuple[tuple[int, ...], ...]
   slots: tuple[tuple[Slot, ...], ...]
   lengths: tuple[tuple[str, int], ...]
+  treedefs: tuple[Any, ...]
 
   @property
   def num_devices(self) -> int:
@@ -178,20 +181,22 @@ class PackedLayout:
     return sum(n * np.dtype(d).itemsize for d, n in self.lengths)
 
 
-def packed_layout(cache_shapes: Sequence[dict[str, Any]], num_devices: int) -> PackedLayout:
+def packed_layout(cache_shapes: Sequence[Any], num_devices: int) -> PackedLayout:
   """Assigns blocks to devices by cache bytes and places their arrays in per-dtype buffers.
 
   Args:
-    cache_shapes: per block, `{key: jax.ShapeDtypeStruct}` of its cache.
+    cache_shapes: per block, its cache as a pytree of `jax.ShapeDtypeStruct` (e.g.
+      `jax.eval_shape(block.init_cache)`); its leaves are placed in pytree order.
     num_devices: D, the size of the mapped axis.
 
   Balancing the bytes with the greedy rule bounds the largest share by `total/D + the largest
   block's bytes` (the share that receives its last block was the least loaded, at most the
   average, before it).
   """
+  flat = [jax.tree_util.tree_flatten(c) for c in cache_shapes]
   nbytes = [
-    float(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in c.values()))
-    for c in cache_shapes
+    float(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in leaves))
+    for leaves, _ in flat
   ]
   shares = assign(nbytes, num_devices)
   slots: list[tuple[Slot, ...]] = []
@@ -200,26 +205,29 @@ def packed_layout(cache_shapes: Sequence[dict[str, Any]], num_devices: int) -> P
     offsets: dict[str, int] = {}
     mine = []
     for i in share:
-      for key in sorted(cache_shapes[i]):
-        s = cache_shapes[i][key]
+      for k, s in enumerate(flat[i][0]):
         dtype = np.dtype(s.dtype).name
         off = offsets.get(dtype, 0)
-        mine.append(Slot(i, key, dtype, off, tuple(s.shape)))
+        mine.append(Slot(i, k, dtype, off, tuple(s.shape)))
         offsets[dtype] = off + math.prod(s.shape)
     slots.append(tuple(mine))
     for dtype, n in offsets.items():
       lengths[dtype] = max(lengths.get(dtype, 0), n)
-  dtypes = sorted({np.dtype(s.dtype).name for c in cache_shapes for s in c.values()})
-  return PackedLayout(shares, tuple(slots), tuple((d, max(lengths.get(d, 0), 1)) for d in dtypes))
+  dtypes = sorted({np.dtype(s.dtype).name for leaves, _ in flat for s in leaves})
+  return PackedLayout(
+    shares,
+    tuple(slots),
+    tuple((d, max(lengths.get(d, 0), 1)) for d in dtypes),
+    tuple(treedef for _, treedef in flat),
+  )
 
 
-def pack(
-  layout: PackedLayout, device: int, caches: dict[int, dict[str, Array]]
-) -> dict[str, Array]:
+def pack(layout: PackedLayout, device: int, caches: dict[int, Any]) -> dict[str, Array]:
   """Device `device`'s buffers from its blocks' caches (`{block index: cache}`), zero-padded."""
   parts: dict[str, list[Array]] = {d: [] for d, _ in layout.lengths}
+  leaves = {i: jax.tree_util.tree_leaves(c) for i, c in caches.items()}
   for s in layout.slots[device]:
-    parts[s.dtype].append(jnp.ravel(caches[s.block][s.key]).astype(s.dtype))
+    parts[s.dtype].append(jnp.ravel(leaves[s.block][s.leaf]).astype(s.dtype))
   out = {}
   for dtype, length in layout.lengths:
     used = sum(p.size for p in parts[dtype])
@@ -228,15 +236,13 @@ def pack(
   return out
 
 
-def unpack(
-  layout: PackedLayout, device: int, buffers: dict[str, Array]
-) -> dict[int, dict[str, Array]]:
-  """Inverse of `pack`: `{block index: cache}` for device `device`'s blocks."""
-  out: dict[int, dict[str, Array]] = {i: {} for i in layout.shares[device]}
-  for s in layout.slots[device]:
+def unpack(layout: PackedLayout, device: int, buffers: dict[str, Array]) -> dict[int, Any]:
+  """Inverse of `pack`: `{block index: cache}` (typed caches) for device `device`'s blocks."""
+  leaves: dict[int, list[Array]] = {i: [] for i in layout.shares[device]}
+  for s in layout.slots[device]:  # In each block's leaf order.
     size = math.prod(s.shape)
-    out[s.block][s.key] = buffers[s.dtype][s.offset : s.offset + size].reshape(s.shape)
-  return out
+    leaves[s.block].append(buffers[s.dtype][s.offset : s.offset + size].reshape(s.shape))
+  return {i: jax.tree_util.tree_unflatten(layout.treedefs[i], v) for i, v in leaves.items()}
 
 
 def on_own_share(fn: Callable[[int], Any], layout: PackedLayout, axis_name: str) -> Any:

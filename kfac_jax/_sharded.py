@@ -17,18 +17,24 @@ beyond the usual average.
 
 Shares are balanced by cache bytes (`kfac_jax._parallel.packed_layout`), so each device stores
 at most `total/D + one block's cache`. The layout is a static function of the block shapes and
-the axis size D, identical on every host.
+the axis size D, identical on every host. `ShardedStorage` holds what this needs: the blocks and
+a function computing their caches (the estimator's batched factorisations); it never sees the
+estimator.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax import _parallel
+
+if TYPE_CHECKING:
+  from kfac_jax.blocks import Block
 
 Array = jax.Array
 
@@ -45,15 +51,6 @@ def check_axis(axis_name: str | None, mesh, method: str) -> None:
       "caches, so the call needs the device axis: pass `axis_name=` inside pmap/shard_map, "
       "or `mesh=(mesh, axis)` under jit."
     )
-
-
-def layout(est, num_devices: int) -> _parallel.PackedLayout:
-  """The estimator's blocks laid out on `num_devices` devices (memoised per device count)."""
-  memo = est.__dict__.setdefault("_packed_layouts", {})
-  if num_devices not in memo:
-    shapes = [jax.eval_shape(b.init_cache) for b in est.blocks]
-    memo[num_devices] = _parallel.packed_layout(shapes, num_devices)
-  return memo[num_devices]
 
 
 def _bound_size(axis_name: str, method: str) -> int:
@@ -89,119 +86,144 @@ def _check_buffers(lay: _parallel.PackedLayout, cache, per_device: bool, method:
     )
 
 
-def init_cache(est, axis_name: str | None, mesh) -> _parallel.ShardedCache:
-  """Each device's buffers holding its blocks' initial (identity) caches."""
-  check_axis(axis_name, mesh, "init")
+class ShardedStorage:
+  """Sharded cache storage for a fixed list of blocks.
 
-  def local(axis):
-    lay = layout(est, jax.lax.axis_size(axis))
-    return _parallel.ShardedCache(
-      _parallel.on_own_share(
-        lambda d: _parallel.pack(lay, d, {i: est.blocks[i].init_cache() for i in lay.shares[d]}),
-        lay,
-        axis,
+  Args:
+    blocks: the curvature blocks, in state order (block i is entry i of every factors list).
+    compute_caches: `compute_caches(indices, factors, damping) -> {index: cache}`: the fresh
+      caches of the blocks `indices`, from `factors` (one entry per block, in block order) and
+      the damping λ. Blocks of one group may share a batched call; it is pure.
+  """
+
+  def __init__(
+    self,
+    blocks: Sequence[Block],
+    compute_caches: Callable[[Sequence[int], Sequence[Any], Array], dict[int, Any]],
+  ):
+    self.blocks = tuple(blocks)
+    self.compute_caches = compute_caches
+    self._layouts: dict[int, _parallel.PackedLayout] = {}
+
+  def layout(self, num_devices: int) -> _parallel.PackedLayout:
+    """The blocks laid out on `num_devices` devices (memoised per device count)."""
+    if num_devices not in self._layouts:
+      shapes = [b.cache_shapes() for b in self.blocks]
+      self._layouts[num_devices] = _parallel.packed_layout(shapes, num_devices)
+    return self._layouts[num_devices]
+
+  def device_bytes(self, num_devices: int) -> int:
+    """Cache bytes each device stores on `num_devices` devices."""
+    return self.layout(num_devices).device_bytes()
+
+  def init_cache(self, axis_name: str | None, mesh) -> _parallel.ShardedCache:
+    """Each device's buffers holding its blocks' initial (identity) caches."""
+    check_axis(axis_name, mesh, "init")
+
+    def local(axis):
+      lay = self.layout(jax.lax.axis_size(axis))
+      return _parallel.ShardedCache(
+        _parallel.on_own_share(
+          lambda d: _parallel.pack(lay, d, {i: self.blocks[i].init_cache() for i in lay.shares[d]}),
+          lay,
+          axis,
+        )
       )
+
+    if axis_name is not None:
+      _bound_size(axis_name, "init")
+      return local(axis_name)
+    return _parallel.over_mesh(local, mesh, (), (), True)
+
+  def update_inverses(self, cache, factors: Sequence[Any], damping, axis_name, mesh, all_finite):
+    """`(new ShardedCache, number of failed blocks)`: each device refreshes its own blocks.
+
+    `factors` has one entry per block, in block order. A block whose new cache is not finite
+    (`all_finite(cache)` false) keeps its previous one; the failures are counted on the device
+    that owns the block and summed over the axis.
+    """
+    check_axis(axis_name, mesh, "update_inverses")
+    if mesh is not None:
+      _check_buffers(self.layout(_mesh_size(mesh)), cache, False, "update_inverses")
+
+    def local(axis, factors, cache, lam):
+      lay = self.layout(jax.lax.axis_size(axis))
+      _check_buffers(lay, cache, True, "update_inverses")
+
+      def run(d):
+        share = lay.shares[d]
+        old = _parallel.unpack(lay, d, cache.buffers)
+        new = self.compute_caches(share, factors, lam)
+        kept, failed = {}, jnp.zeros((), jnp.int32)
+        for i in share:
+          ok = all_finite(new[i])
+          kept[i] = jax.lax.cond(ok, lambda i=i: new[i], lambda i=i: old[i])
+          failed = failed + (~ok).astype(jnp.int32)
+        return _parallel.pack(lay, d, kept), failed
+
+      buffers, failed = _parallel.on_own_share(run, lay, axis)
+      return _parallel.ShardedCache(buffers), jax.lax.psum(failed, axis)
+
+    if axis_name is not None:
+      _bound_size(axis_name, "update_inverses")
+      return local(axis_name, factors, cache, damping)
+    return _parallel.over_mesh(
+      local, mesh, (factors, cache, damping), (False, True, False), (True, False)
     )
 
-  if axis_name is not None:
-    _bound_size(axis_name, "init")
-    return local(axis_name)
-  return _parallel.over_mesh(local, mesh, (), (), True)
+  def apply(
+    self, factors: Sequence[Any], cache, leaves: list[Array], fn, axis_name, mesh, method: str
+  ) -> list:
+    """`fn(block, factors, cache, vecs)` for every block, each on the device that owns it.
 
+    `factors` has one entry per block, in block order. Every device computes its blocks'
+    products into a zero vector; the sum over the axis is the full product (a single non-zero
+    term per entry, so exact). Leaves outside every block pass through unchanged, as with
+    replicated storage.
+    """
+    check_axis(axis_name, mesh, method)
+    if mesh is not None:
+      _check_buffers(self.layout(_mesh_size(mesh)), cache, False, method)
+    blocks = self.blocks
+    covered = sorted(j for b in blocks for j in b.spec.leaf_indices)
+    vecs = [leaves[j] for j in covered]
 
-def update_inverses(est, cache, factors, damping, axis_name, mesh, all_finite):
-  """`(new ShardedCache, number of failed blocks)`: each device refreshes its own blocks.
+    def spec(x):
+      return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
-  A block whose new cache is not finite keeps its previous one; the failures are counted on
-  the device that owns the block and summed over the axis.
-  """
-  check_axis(axis_name, mesh, "update_inverses")
-  if mesh is not None:
-    _check_buffers(layout(est, _mesh_size(mesh)), cache, False, "update_inverses")
+    # The products' shapes and dtypes, which every branch (owner or not) must return.
+    out_shapes: dict[int, jax.ShapeDtypeStruct] = {}
+    for i, b in enumerate(blocks):
+      res = jax.eval_shape(
+        lambda f, c, v, b=b: fn(b, f, c, v),
+        jax.tree_util.tree_map(spec, factors[i]),
+        b.cache_shapes(),
+        [spec(leaves[j]) for j in b.spec.leaf_indices],
+      )
+      out_shapes.update(zip(b.spec.leaf_indices, res))
 
-  def local(axis, factors, cache, lam):
-    lay = layout(est, jax.lax.axis_size(axis))
-    _check_buffers(lay, cache, True, "update_inverses")
+    def local(axis, factors, cache, vecs):
+      lay = self.layout(jax.lax.axis_size(axis))
+      _check_buffers(lay, cache, True, method)
+      by_leaf = dict(zip(covered, vecs))
 
-    def run(d):
-      share = lay.shares[d]
-      old = _parallel.unpack(lay, d, cache.buffers)
-      new = est._compute_caches(share, factors, lam)
-      kept, failed = {}, jnp.zeros((), jnp.int32)
-      for i in share:
-        n = est._names[i]
-        ok = all_finite(new[n])
-        kept[i] = jax.lax.cond(ok, lambda n=n: new[n], lambda i=i: old[i])
-        failed = failed + (~ok).astype(jnp.int32)
-      return _parallel.pack(lay, d, kept), failed
+      def run(d):
+        caches = _parallel.unpack(lay, d, cache.buffers)
+        out = {j: jnp.zeros(out_shapes[j].shape, out_shapes[j].dtype) for j in covered}
+        for i in lay.shares[d]:
+          b = blocks[i]
+          res = fn(b, factors[i], caches[i], [by_leaf[j] for j in b.spec.leaf_indices])
+          out.update(zip(b.spec.leaf_indices, res))
+        return [out[j] for j in covered]
 
-    buffers, failed = _parallel.on_own_share(run, lay, axis)
-    return _parallel.ShardedCache(buffers), jax.lax.psum(failed, axis)
+      return jax.lax.psum(_parallel.on_own_share(run, lay, axis), axis)
 
-  if axis_name is not None:
-    _bound_size(axis_name, "update_inverses")
-    return local(axis_name, factors, cache, damping)
-  return _parallel.over_mesh(
-    local, mesh, (factors, cache, damping), (False, True, False), (True, False)
-  )
-
-
-def apply(est, factors, cache, leaves: list[Array], fn, axis_name, mesh, method: str) -> list:
-  """`fn(block, factors, cache, vecs)` for every block, each on the device that owns it.
-
-  Every device computes its blocks' products into a zero vector; the sum over the axis is the
-  full product (a single non-zero term per entry, so exact). Leaves outside every block pass
-  through unchanged, as with replicated storage.
-  """
-  check_axis(axis_name, mesh, method)
-  if mesh is not None:
-    _check_buffers(layout(est, _mesh_size(mesh)), cache, False, method)
-  blocks, names = est.blocks, est._names
-  covered = sorted(j for b in blocks for j in b.spec.leaf_indices)
-  vecs = [leaves[j] for j in covered]
-
-  def spec(x):
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-
-  # The products' shapes and dtypes, which every branch (owner or not) must return.
-  cache_shapes = [jax.eval_shape(b.init_cache) for b in blocks]
-  out_shapes: dict[int, jax.ShapeDtypeStruct] = {}
-  for i, b in enumerate(blocks):
-    res = jax.eval_shape(
-      lambda f, c, v, b=b: fn(b, f, c, v),
-      jax.tree_util.tree_map(spec, factors[names[i]]),
-      cache_shapes[i],
-      [spec(leaves[j]) for j in b.spec.leaf_indices],
-    )
-    out_shapes.update(zip(b.spec.leaf_indices, res))
-
-  def local(axis, factors, cache, vecs):
-    lay = layout(est, jax.lax.axis_size(axis))
-    _check_buffers(lay, cache, True, method)
-    by_leaf = dict(zip(covered, vecs))
-
-    def run(d):
-      caches = _parallel.unpack(lay, d, cache.buffers)
-      out = {j: jnp.zeros(out_shapes[j].shape, out_shapes[j].dtype) for j in covered}
-      for i in lay.shares[d]:
-        b = blocks[i]
-        res = fn(b, factors[names[i]], caches[i], [by_leaf[j] for j in b.spec.leaf_indices])
-        out.update(zip(b.spec.leaf_indices, res))
-      return [out[j] for j in covered]
-
-    return jax.lax.psum(_parallel.on_own_share(run, lay, axis), axis)
-
-  if axis_name is not None:
-    _bound_size(axis_name, method)
-    res = local(axis_name, factors, cache, vecs)
-  else:
-    res = _parallel.over_mesh(local, mesh, (factors, cache, vecs), (False, True, False), False)
-  out: list[Any] = list(leaves)
-  for j, r in zip(covered, res):
-    out[j] = r
-  return out
-
-
-def device_bytes(est, num_devices: int) -> int:
-  """Cache bytes each device stores with sharded storage on `num_devices` devices."""
-  return layout(est, num_devices).device_bytes()
+    if axis_name is not None:
+      _bound_size(axis_name, method)
+      res = local(axis_name, factors, cache, vecs)
+    else:
+      res = _parallel.over_mesh(local, mesh, (factors, cache, vecs), (False, True, False), False)
+    out: list[Any] = list(leaves)
+    for j, r in zip(covered, res):
+      out[j] = r
+    return out

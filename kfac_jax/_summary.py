@@ -133,10 +133,10 @@ def coverage_report(
   param_bytes = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)
   state_bytes = sum(b.state_bytes() for b in blocks)
   share = structured / total if total else 1.0
-  state_line = f"curvature state: {_estimator._fmt_bytes(state_bytes)}"
+  state_line = f"curvature state: {_estimator.format_bytes(state_bytes)}"
   if param_bytes:
     state_line += (
-      f" ({state_bytes / param_bytes:.2f}x the parameters' {_estimator._fmt_bytes(param_bytes)})"
+      f" ({state_bytes / param_bytes:.2f}x the parameters' {_estimator.format_bytes(param_bytes)})"
     )
   lines = [
     (

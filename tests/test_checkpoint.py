@@ -129,6 +129,27 @@ def test_restoring_into_a_changed_model_names_the_blocks():
     kfac_jax.check_restored_state(tx_d.init(deeper), saved)
 
 
+def test_changed_estimator_options_name_the_block_fields():
+  """The typed block state's field paths name what differs (here: cached powers, Cholesky)."""
+  params, batches, _, _ = _setup()
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+
+  def state(**kw):
+    return kfac_jax.CurvatureEstimator(loss_fn, batches[0], **kw).init(params)
+
+  saved, want = state(), state(exps=(-1, -0.5), compute_cholesky=True)
+  cache = want.cache["layer0"]
+  assert isinstance(cache, kfac_jax.blocks.KroneckerCache) and len(cache.a.powers) == 2
+  assert cache.a.evecs is None and saved.cache["layer0"].a.chol is None
+  with pytest.raises(ValueError) as e:
+    kfac_jax.check_restored_state(want, saved)
+  msg = str(e.value)
+  assert "block `layer0`: `cache/a/powers/1` is missing from the checkpoint" in msg, msg
+  assert "block `layer1`: `cache/g/chol` is missing from the checkpoint" in msg, msg
+  assert "blocks missing" not in msg, msg
+  kfac_jax.check_restored_state(saved, state())  # The same options: no error.
+
+
 def test_same_seed_same_data_is_bit_identical_after_100_steps():
   params, batches, tx, step = _setup()
   batches = batches * 17

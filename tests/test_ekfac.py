@@ -100,9 +100,9 @@ def test_ekfac_is_registered_and_factors_are_kfacs(x64):
   _, bases = _reference(params, batch, jax.tree.map(jnp.zeros_like, params))
   for name, (_, _, s, a, g) in zip(("layer0", "layer1"), bases.values()):
     f = state.factors[name]
-    np.testing.assert_allclose(f["a"], a, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(f["g"], g, rtol=1e-10, atol=1e-12)
-    assert f["s"].shape == s.shape == (a.shape[0], g.shape[0])
+    np.testing.assert_allclose(f.a, a, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(f.g, g, rtol=1e-10, atol=1e-12)
+    assert f.s.shape == s.shape == (a.shape[0], g.shape[0])
 
 
 def test_preconditioned_gradient_equals_the_definition(x64):
@@ -112,7 +112,7 @@ def test_preconditioned_gradient_equals_the_definition(x64):
   got = est.multiply_inverse(state, grads)
   want, bases = _reference(params, batch, grads)
   for name in want:
-    np.testing.assert_allclose(state.factors[name]["s"], bases[name][2], rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(state.factors[name].s, bases[name][2], rtol=1e-8, atol=1e-12)
     for leaf in ("w", "b"):
       np.testing.assert_allclose(got[name][leaf], want[name][leaf], rtol=1e-8, atol=1e-12)
   # Differs from K-FAC here (many examples): the test can tell the two apart.
@@ -163,7 +163,7 @@ def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x6
   est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   for name, j in _per_example_matrices(params, batch).items():
-    np.testing.assert_allclose(state.factors[name]["s"], np.mean(j**2, axis=0), rtol=1e-10)
+    np.testing.assert_allclose(state.factors[name].s, np.mean(j**2, axis=0), rtol=1e-10)
 
 
 def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
@@ -192,9 +192,9 @@ def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
   j = np.concatenate([np.asarray(jac["w"]), np.asarray(jac["b"])[:, None]], axis=1)
   (name,) = state.factors
   cache = state.cache[name]
-  ua, ug = np.asarray(cache["a_evecs"]), np.asarray(cache["g_evecs"])
+  ua, ug = np.asarray(cache.a_evecs), np.asarray(cache.g_evecs)
   s = np.mean(np.einsum("ai,naj,jb->nib", ua, j, ug) ** 2, axis=0)
-  np.testing.assert_allclose(state.factors[name]["s"], s, rtol=1e-8, atol=1e-12)
+  np.testing.assert_allclose(state.factors[name].s, s, rtol=1e-8, atol=1e-12)
 
 
 class _CNN(nn.Module):
@@ -310,8 +310,8 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
   est, state = states["ekfac"]
   for block in est.blocks:
     assert [p.rsplit("/", 1)[-1] for p in block.spec.param_paths] == ["w", "b"]
-    s = np.asarray(state.factors[block.name]["s"])
-    diag = np.asarray(states["diagonal"][1].factors[block.name]["diag"])
+    s = np.asarray(state.factors[block.name].s)
+    diag = np.asarray(states["diagonal"][1].factors[block.name].diag)
     np.testing.assert_allclose(s.ravel(), diag, rtol=1e-10, atol=1e-14)
   with pytest.raises(ValueError, match=r"block `layer0` \(approx='ekfac'\).*pass `cache=`"):
     est.blocks[0].multiply_undamped(
@@ -335,23 +335,94 @@ def test_size_policy_turns_a_huge_ekfac_side_diagonal():
   assert small.approx == "ekfac" and small.note == ""
 
 
-def test_ekfac_on_stacked_layers_is_an_error_naming_the_layer():
-  def loss_fn(params, batch):
-    def body(h, w):
-      return jnp.tanh(h @ w), None
+def test_ekfac_on_stacked_layers_equals_the_unrolled_layers(x64):
+  """A scan over stacked [W; b] (one StackedBlock of EKFAC blocks, each layer's scalings in its
+  own cache's eigenbasis) against the same three layers written out (three EKFAC blocks)."""
+  depth, d = 3, 4
 
-    h, _ = jax.lax.scan(body, batch["x"], params["stack"])
-    return _models.softmax_loss(lambda p, x: x)(params, {"x": h, "y": batch["y"]})
+  def stacked(params, x):
+    def body(h, wb):
+      return jnp.tanh(h @ wb[0] + wb[1]), None
 
-  params = {"stack": 0.3 * jax.random.normal(jax.random.key(0), (3, 4, 4))}
-  batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=4)
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, layers=EKFAC)
-  with pytest.raises(
-    ValueError,
-    match=r"layer `stack`: approx='ekfac' is not supported on a "
-    r"stack of layers",
+    return jax.lax.scan(body, x, (params["w"], params["b"]))[0]
+
+  def unrolled(params, x):
+    for i in range(depth):
+      x = jnp.tanh(x @ params[f"w{i}"] + params[f"b{i}"])
+    return x
+
+  k = jax.random.split(jax.random.key(0), 2)
+  p_st = {
+    "w": 0.5 * jax.random.normal(k[0], (depth, d, d), jnp.float64),
+    "b": 0.1 * jax.random.normal(k[1], (depth, d), jnp.float64),
+  }
+  # Sorted keys b0 b1 b2 w0 w1 w2 ravel in the stacked leaves' order: one to_dense ordering.
+  p_un = {f"{n}{i}": p_st[n][i] for n in ("w", "b") for i in range(depth)}
+  batch = _models.classification_batch(jax.random.key(1), n=8, din=d, classes=d, dtype=jnp.float64)
+  results = []
+  for apply, params in ((stacked, p_st), (unrolled, p_un)):
+    loss_fn = _models.softmax_loss(apply)
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+    state = est.init(params)
+
+    @jax.jit
+    def run(state, params):  # The second statistics use the inverse update's eigenbases.
+      state = est.update_curvature(state, params, batch, None, ema_decay=0.5)
+      state = est.update_inverses(state, LAMBDA)
+      state = est.update_curvature(state, params, batch, None, ema_decay=0.5)
+      nat = est.multiply_inverse(state, jax.grad(loss_fn)(params, batch))
+      return state, ravel_pytree(nat)[0], est.to_dense(state)
+
+    results.append((est, *run(state, params)))
+  (est_st, s_st, nat_st, dense_st), (est_un, s_un, nat_un, dense_un) = results
+  assert [b.spec.stack_size for b in est_st.blocks] == [depth]
+  assert [b.spec.approx for b in est_un.blocks] == ["ekfac"] * depth
+  (f_st,) = s_st.factors.values()
+  assert isinstance(f_st, kfac_jax.blocks.EKFACFactors) and f_st.s.shape == (depth, d + 1, d)
+  order = np.argsort([b.spec.leaf_indices[0] for b in est_un.blocks])  # Layer order by leaf.
+  s_layers = [s_un.factors[n].s for n in np.asarray(list(s_un.factors))[order]]
+  np.testing.assert_allclose(f_st.s, np.stack(s_layers), rtol=1e-10, atol=1e-14)
+  (c_st,) = s_st.cache.values()  # A rotated basis: the statistics really read the cache.
+  assert c_st.a_evecs.shape == (depth, d + 1, d + 1)
+  assert not np.allclose(np.abs(c_st.a_evecs[0]), np.eye(d + 1), atol=1e-3)
+  np.testing.assert_allclose(dense_st, dense_un, rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(nat_st, nat_un, rtol=1e-9, atol=1e-12)
+
+
+def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
+  """Two gate kernels concatenated before one product (an LSTM cell's layout: a ConcatBlock
+  around an EKFAC block) against the concatenated kernel as one leaf."""
+  k = jax.random.split(jax.random.key(3), 5)
+  gates = {g: jax.random.normal(k[i], (3, 2), jnp.float64) for i, g in enumerate(("ga", "gb"))}
+  head = jax.random.normal(k[2], (4, 3), jnp.float64)
+
+  def apply(p, x):
+    kernel = p["kernel"] if "kernel" in p else jnp.concatenate([p["ga"], p["gb"]], axis=-1)
+    return jnp.tanh(x @ kernel) @ p["head"]
+
+  batch = _models.classification_batch(k[3], n=6, din=3, classes=3, dtype=jnp.float64)
+  results = []
+  for params in (
+    dict(gates, head=head),
+    {"kernel": jnp.concatenate(list(gates.values()), -1), "head": head},
   ):
-    tx.init(params)
+    loss_fn = _models.softmax_loss(apply)
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+
+    @jax.jit
+    def run(state, params):
+      state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+      state = est.update_inverses(state, LAMBDA)
+      state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+      return est.multiply_inverse(state, jax.grad(loss_fn)(params, batch))
+
+    results.append((est, run(est.init(params), params)))
+  (est_c, u_c), (est_p, u_p) = results
+  assert [len(s.param_paths) for s in est_c.layers] == [2, 1]
+  assert [s.approx for s in est_c.layers] == [s.approx for s in est_p.layers] == ["ekfac"] * 2
+  joined = jnp.concatenate([u_c["ga"], u_c["gb"]], axis=-1)
+  np.testing.assert_allclose(joined, u_p["kernel"], rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(u_c["head"], u_p["head"], rtol=1e-9, atol=1e-12)
 
 
 def test_ekfac_with_sharded_inverses_is_an_error_at_init():

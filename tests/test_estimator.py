@@ -8,7 +8,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax
-from kfac_jax import _estimator
+from kfac_jax.blocks import _base as _block_base
 from tests import _models
 
 
@@ -84,8 +84,8 @@ def test_factor_normalisation_on_a_batch(x64):
   logits = np.asarray(batch["x"] @ params["w"])
   p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
   g = p - np.eye(4)[np.asarray(batch["y"])]
-  np.testing.assert_allclose(f["a"], x.T @ x / 7, rtol=1e-12)
-  np.testing.assert_allclose(f["g"], g.T @ g / 7, rtol=1e-12)
+  np.testing.assert_allclose(f.a, x.T @ x / 7, rtol=1e-12)
+  np.testing.assert_allclose(f.g, g.T @ g / 7, rtol=1e-12)
 
 
 def test_sampled_fisher_converges_to_exact_fisher(x64):
@@ -184,7 +184,7 @@ def test_damped_block_formulas(x64):
     state = jax.jit(lambda s: est.update_inverses(s, lam))(
       _update(est, params, batch, jax.random.key(2))
     )
-    a, g = (np.asarray(state.factors["w"][k]) for k in ("a", "g"))
+    a, g = (np.asarray(f) for f in state.factors["w"])
     if mode == "factored":
       pi = np.sqrt((np.trace(a) / 3) / (np.trace(g) / 2))
       expected = np.kron(a + pi * np.sqrt(lam) * np.eye(3), g + np.sqrt(lam) / pi * np.eye(2))
@@ -212,7 +212,7 @@ def _all_eqns(jaxpr):
 def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, monkeypatch):
   # On CPU equal-shape blocks get one call each (batched LAPACK can deadlock there); the vmapped
   # path that GPU / TPU take is forced here on small matrices.
-  monkeypatch.setattr(_estimator, "_batched_factorisations", lambda: batched)
+  monkeypatch.setattr(_block_base, "batched_factorisations", lambda: batched)
   params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (4, 4, 4, 3)), jnp.float64)
   batch = _models.classification_batch(jax.random.key(1), n=9, dtype=jnp.float64)
   est = kfac_jax.CurvatureEstimator(_models.softmax_loss(_models.jnp_mlp_apply), batch)
@@ -227,8 +227,8 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
   assert ranks == ({2, 3} if batched else {2})  # A stack of two blocks' factors, or none.
   for name, b in zip(state.factors, est.blocks):
     ref = b.compute_cache(state.factors[name], jnp.asarray(0.1))
-    for k in ref:
-      np.testing.assert_allclose(new.cache[name][k], ref[k], rtol=1e-12)
+    assert type(new.cache[name]) is type(ref)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-12), new.cache[name], ref)
 
 
 def test_ema_is_bias_corrected_and_skips_non_finite_batches(x64):
@@ -238,12 +238,12 @@ def test_ema_is_bias_corrected_and_skips_non_finite_batches(x64):
   b2 = {"x": jnp.array([[0.0, 2.0]]), "y": jnp.array([1])}
   est = kfac_jax.CurvatureEstimator(loss_fn, b1, estimation_mode="empirical")
   s1 = _update(est, params, b1, ema_decay=0.9)
-  a1 = np.asarray(s1.factors["w"]["a"])
+  a1 = np.asarray(s1.factors["w"].a)
   np.testing.assert_allclose(a1, [[1, 0], [0, 0]])  # Not shrunk by (1 - decay).
   s2 = _update(est, params, b2, ema_decay=0.9, state=s1)
-  np.testing.assert_allclose(s2.factors["w"]["a"], (0.9 * a1 + [[0, 0], [0, 4]]) / 1.9)
+  np.testing.assert_allclose(s2.factors["w"].a, (0.9 * a1 + [[0, 0], [0, 4]]) / 1.9)
   s0 = _update(est, params, b2, ema_decay=0.0, state=s1)
-  np.testing.assert_allclose(s0.factors["w"]["a"], [[0, 0], [0, 4]])
+  np.testing.assert_allclose(s0.factors["w"].a, [[0, 0], [0, 4]])
   bad = {"x": jnp.array([[jnp.nan, 1.0]]), "y": jnp.array([0])}
   s3 = _update(est, params, bad, ema_decay=0.9, state=s2)
   assert int(s3.skipped_batches) == int(s2.skipped_batches) + 1  # The event is counted ...

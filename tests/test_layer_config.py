@@ -69,10 +69,10 @@ def test_diag_variants_match_their_definition(x64, approx):
     state = est.update_inverses(state, lam)
     blocks, damped_blocks = [], []
     for name in ("layer0", "layer1"):
-      a, g = _diag_variant(approx, *(np.asarray(ref.factors[name][k]) for k in ("a", "g")))
+      a, g = _diag_variant(approx, *(np.asarray(f) for f in ref.factors[name]))
       # The stored factors are the diagonals (vectors) or the full matrices of the "kron" block.
       for key, full in (("a", a), ("g", g)):
-        got = np.asarray(state.factors[name][key])
+        got = np.asarray(getattr(state.factors[name], key))
         np.testing.assert_allclose(got, np.diag(full) if got.ndim == 1 else full, rtol=1e-12)
       order = lambda m: _param_order(m, len(a) - 1, len(g))  # noqa: E731
       blocks.append(order(np.kron(a, g)))
@@ -151,8 +151,8 @@ def test_layers_accepted_by_transform_optimizer_and_summary():
   tx = kfac_jax.kfac(loss_fn, batch, 0.1, layers=layers)
   state = tx.init(params)
   est_state = state[0].curvature
-  assert est_state.factors["layer1"]["a"].shape == (5,)
-  assert est_state.factors["layer0"]["a"].shape == (4, 4)
+  assert est_state.factors["layer1"].a.shape == (5,)
+  assert est_state.factors["layer0"].a.shape == (4, 4)
   opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.OptimizerConfig(layers=layers))
   opt.init(params, jax.random.key(0))
   assert [s.approx for s in opt.estimator.layers] == ["kron", "kron_both_diag"]

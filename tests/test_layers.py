@@ -229,7 +229,7 @@ def test_conv_kron_factors_by_brute_force(x64):
   # SAME padding, strides (2, 1), window (2, 3) on a 4x3 input: pads ((0, 0), (1, 1)).
   p = _patches_brute_force(batch["x"], 2, 3, (2, 1), ((0, 0), (1, 1)))
   p = np.concatenate([p, np.ones((p.shape[0], 1))], axis=1)
-  np.testing.assert_allclose(f["a"], p.T @ p / p.shape[0], rtol=1e-12)
+  np.testing.assert_allclose(f.a, p.T @ p / p.shape[0], rtol=1e-12)
 
 
 def test_conv_kron_sua_factor_by_definition(x64):
@@ -240,7 +240,7 @@ def test_conv_kron_sua_factor_by_definition(x64):
     lambda p, b: _ce(_conv_model("kron")[0](p, b["x"]), b["y"]), params, batch
   )
   f, fk = state.factors[est.layers[0].name], state_k.factors[est_k.layers[0].name]
-  np.testing.assert_allclose(f["g"], fk["g"], rtol=1e-12)  # Same output factor as "kron".
+  np.testing.assert_allclose(f.g, fk.g, rtol=1e-12)  # Same output factor as "kron".
   a = np.asarray(batch["x"]).reshape(-1, 4)  # All input locations of all examples.
   m2, mu = a.T @ a / a.shape[0], a.mean(0)
   w = 2 * 3
@@ -251,7 +251,7 @@ def test_conv_kron_sua_factor_by_definition(x64):
       (ci, di), (cj, dj) = divmod(i, w), divmod(j, w)
       want[i, j] = m2[ci, cj] if di == dj else mu[ci] * mu[cj]
     want[i, d] = want[d, i] = mu[i // w]
-  np.testing.assert_allclose(f["a"], want, rtol=1e-12, atol=1e-14)
+  np.testing.assert_allclose(f.a, want, rtol=1e-12, atol=1e-14)
 
 
 def test_depthwise_conv_defaults_to_exact_diagonal(x64):
@@ -413,7 +413,7 @@ def test_embedding_equals_dense_block_on_one_hot_inputs(x64):
   _, _, dense = _estimate(one_hot_loss, params, batch, jax.random.key(0), "gradients")
   np.testing.assert_allclose(emb, dense, rtol=1e-10, atol=1e-13)
   counts = np.bincount(np.asarray(batch["ids"]).ravel(), minlength=vocab) / 15
-  np.testing.assert_allclose(state.factors[est.layers[0].name]["a"], counts, rtol=1e-12)
+  np.testing.assert_allclose(state.factors[est.layers[0].name].a, counts, rtol=1e-12)
 
 
 @pytest.mark.parametrize("damping_mode", ["factored", "eigen"])

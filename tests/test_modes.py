@@ -110,7 +110,7 @@ def test_exact_and_exact_ggn_agree_on_a_batch(x64):
   hess = jax.hessian(lambda zz: _tagged("categorical", zz, batch))(z)  # [N, C, N, C]
   g_ref = sum(np.asarray(hess[n, :, n, :]) for n in range(5))  # (1/N) Σₙ wₙ F(zₙ)
   (factors,) = state.factors.values()
-  np.testing.assert_allclose(factors["g"], g_ref, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(factors.g, g_ref, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -186,8 +186,8 @@ def test_sequence_prediction_shared_kernel_factors(x64):
   hess = np.asarray(jax.hessian(lambda zz: loss_in_z(zz, batch))(z))  # [N, T, C, N, T, C]
   g_ref = sum(hess[i, j, :, i, j, :] for i in range(n) for j in range(t))
   xa = np.concatenate([np.asarray(batch["x"]).reshape(n * t, d), np.ones((n * t, 1))], 1)
-  np.testing.assert_allclose(factors["g"], g_ref, rtol=1e-12, atol=1e-15)
-  np.testing.assert_allclose(factors["a"], xa.T @ xa / (n * t), rtol=1e-12)
+  np.testing.assert_allclose(factors.g, g_ref, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(factors.a, xa.T @ xa / (n * t), rtol=1e-12)
 
 
 def test_exact_with_two_loss_tags(x64):

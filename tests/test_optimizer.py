@@ -265,7 +265,7 @@ def test_weight_decay_l2_and_schedules(x64):
     expect = jax.tree_util.tree_map(lambda p, d, t=t: p - 0.1 / (1 + t) * d - wd * p, p0, delta)
     for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(expect)):
       np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
-    np.testing.assert_allclose(s1.curvature.cache["layer0"]["damping"], lam + eta)
+    np.testing.assert_allclose(s1.curvature.cache["layer0"].damping, lam + eta)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def test_thirty_steps_compile_once():
   # Statistics on the 3 burn-in steps and on every 2nd step after (k_run = 0, 2, ..., 26).
   np.testing.assert_allclose(state.curvature.ema_weight, sum(0.95**j for j in range(17)), rtol=1e-6)
   # The last inverse update was at k_run = 24 (step 27), with the damping of that step.
-  cache_damping = float(state.curvature.cache["layer0"]["damping"])
+  cache_damping = float(state.curvature.cache["layer0"].damping)
   np.testing.assert_allclose(cache_damping, dampings[26], rtol=1e-6)
   assert cache_damping != dampings[-1]  # adapted at step 28 (k_run = 25), after it
 

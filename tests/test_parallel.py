@@ -284,24 +284,26 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
     (sh.count, sh.curvature.factors, sh.curvature.ema_weight, sh.curvature.failed_inverses),
     (rep.count, rep.curvature.factors, rep.curvature.ema_weight, rep.curvature.failed_inverses),
   )
-  from kfac_jax import _sharded
-
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
   est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
-  lay = _sharded.layout(est, num_devices)
+  lay = est.sharded_storage.layout(num_devices)
   names = [s.name for s in est.layers]
   seen = []
   for d in range(num_devices):
     local = {k: np.asarray(v)[d] for k, v in sh.curvature.cache.buffers.items()}
     for i, cache in _parallel.unpack(lay, d, local).items():
       seen.append(i)
-      for key, value in cache.items():
+      want = rep.curvature.cache[names[i]]
+      assert type(cache) is type(want)
+      for (path, value), ref in zip(
+        jax.tree_util.tree_leaves_with_path(cache), jax.tree_util.tree_leaves(want)
+      ):
         np.testing.assert_allclose(
           value,
-          np.asarray(rep.curvature.cache[names[i]][key])[d],
+          np.asarray(ref)[d],
           rtol=1e-6,
           atol=1e-9,
-          err_msg=f"{names[i]}/{key}",
+          err_msg=f"{names[i]}{jax.tree_util.keystr(path)}",
         )
   assert sorted(seen) == list(range(len(names)))
   per_block = _block_cache_bytes(est)

@@ -187,8 +187,8 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
   xb = [jnp.concatenate([v, jnp.ones((N, 1))], 1) for v in (x, h1)]
   a = sum(v.T @ v for v in xb) / (2 * N)
   g = sum(v.T @ v for v in (g0, g1)) / N
-  np.testing.assert_allclose(got["a"], a, rtol=1e-10, atol=1e-12)
-  np.testing.assert_allclose(got["g"], g, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(got.a, a, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(got.g, g, rtol=1e-10, atol=1e-12)
 
 
 def _single_use_dense():
@@ -210,13 +210,13 @@ def test_kron_indep_on_a_single_use_equals_the_single_use_block(x64):
   single = kfac_jax.blocks.make_block(spec, config).batch_factors(data, N)
   one_use = dataclasses.replace(spec, approx="kron_indep", num_uses=1, use_infos=(spec.info,))
   indep = _shared.indep_factors(one_use, (data,), N, jnp.float64)
-  np.testing.assert_allclose(indep["a"], single["a"], rtol=1e-12)
-  np.testing.assert_allclose(indep["g"], single["g"], rtol=1e-12)
+  np.testing.assert_allclose(indep.a, single.a, rtol=1e-12)
+  np.testing.assert_allclose(indep.g, single.g, rtol=1e-12)
   # A two-use layer whose uses see the same data: A unchanged, G doubled.
   two = dataclasses.replace(one_use, num_uses=2, use_infos=(spec.info, spec.info))
   indep2 = _shared.indep_factors(two, (data, data), N, jnp.float64)
-  np.testing.assert_allclose(indep2["a"], single["a"], rtol=1e-12)
-  np.testing.assert_allclose(indep2["g"], 2 * single["g"], rtol=1e-12)
+  np.testing.assert_allclose(indep2.a, single.a, rtol=1e-12)
+  np.testing.assert_allclose(indep2.g, 2 * single.g, rtol=1e-12)
 
 
 def test_expand_and_reduce_match_their_definitions(x64):
@@ -233,13 +233,13 @@ def test_expand_and_reduce_match_their_definitions(x64):
   reduce = kfac_jax.blocks.make_block(dataclasses.replace(spec, approx="reduce"), config)
   fe, fr = expand.batch_factors(data, N), reduce.batch_factors(data, N)
   # Expand: the N·L positions are rows; A averaged over them, G summed per example.
-  np.testing.assert_allclose(fe["a"], jnp.einsum("nli,nlj->ij", xb, xb) / (N * L), rtol=1e-10)
-  np.testing.assert_allclose(fe["g"], jnp.einsum("nli,nlj->ij", g, g) / N, rtol=1e-10)
+  np.testing.assert_allclose(fe.a, jnp.einsum("nli,nlj->ij", xb, xb) / (N * L), rtol=1e-10)
+  np.testing.assert_allclose(fe.g, jnp.einsum("nli,nlj->ij", g, g) / N, rtol=1e-10)
   # Reduce: x̄ averaged over positions, g summed, then one row per example.
   xm, gs = xb.mean(1), g.sum(1)
-  np.testing.assert_allclose(fr["a"], xm.T @ xm / N, rtol=1e-10)
-  np.testing.assert_allclose(fr["g"], gs.T @ gs / N, rtol=1e-10)
-  assert not np.allclose(fe["g"], fr["g"])
+  np.testing.assert_allclose(fr.a, xm.T @ xm / N, rtol=1e-10)
+  np.testing.assert_allclose(fr.g, gs.T @ gs / N, rtol=1e-10)
+  assert not np.allclose(fe.g, fr.g)
 
 
 # -- series approximations -----------------------------------------------------------------
@@ -294,8 +294,8 @@ def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
   for correlated in (False, True):
     data = _series_data(0, correlated)
     fi, fs = indep.batch_factors(data, N), series.batch_factors(data, N)
-    np.testing.assert_allclose(fs["a"], fi["a"], rtol=1e-12)
-    np.testing.assert_allclose(fs["g"], fi["g"], rtol=1e-12)
+    np.testing.assert_allclose(fs.a, fi.a, rtol=1e-12)
+    np.testing.assert_allclose(fs.g, fi.g, rtol=1e-12)
     ci, cs = indep.compute_cache(fi, 1e-2), series.compute_cache(fs, 1e-2)
     inv_i = indep.multiply_matpower(fi, ci, v, -1)[0]
     inv_s = series.multiply_matpower(fs, cs, v, -1)[0]
@@ -319,10 +319,10 @@ def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
     )[0]
     np.testing.assert_allclose(ci_, inv_s, rtol=1e-8)
     if correlated:
-      assert float(jnp.max(jnp.abs(fs["a1"]))) > 0.1
+      assert float(jnp.max(jnp.abs(fs.a1))) > 0.1
       assert not np.allclose(inv_s, inv_i, rtol=1e-3)
     else:
-      np.testing.assert_allclose(fs["a1"], 0.0, atol=1e-12)
+      np.testing.assert_allclose(fs.a1, 0.0, atol=1e-12)
       np.testing.assert_allclose(inv_s, inv_i, rtol=1e-8, atol=1e-10)
 
 
@@ -467,8 +467,8 @@ def test_tied_embedding_factors_match_the_definition(x64):
     c = jnp.sqrt(jnp.trace(y) / D / jnp.mean(x))
     xs.append(c * x)
     ys.append(y / c)
-  np.testing.assert_allclose(got["a"], (xs[0] + xs[1]) / 2, rtol=1e-10)
-  np.testing.assert_allclose(got["g"], ys[0] + ys[1], rtol=1e-10)
+  np.testing.assert_allclose(got.a, (xs[0] + xs[1]) / 2, rtol=1e-10)
+  np.testing.assert_allclose(got.g, ys[0] + ys[1], rtol=1e-10)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -602,8 +602,8 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
   gs = jax.grad(ce, argnums=(0, 1))(*zeros)
   g = sum(np.asarray(v).reshape(-1, 2).T @ np.asarray(v).reshape(-1, 2) for v in gs)
   assert xb[0].shape[0] == 9 and xb[1].shape[0] == 9
-  np.testing.assert_allclose(got["a"], a, rtol=1e-10, atol=1e-12)
-  np.testing.assert_allclose(got["g"], g, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(got.a, a, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(got.g, g, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("approx", ["full", "diagonal"])
@@ -663,9 +663,9 @@ def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
   single = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], 2)
   two = dataclasses.replace(spec, approx="kron_indep", num_uses=2, use_infos=(spec.info,) * 2)
   got = kfac_jax.blocks.make_block(two, config).batch_factors((stats.data[0],) * 2, 2)
-  assert got["a"].shape == (2, 18, 18) and got["g"].shape == (2, 2, 2)
-  np.testing.assert_allclose(got["a"], single["a"], rtol=1e-12)
-  np.testing.assert_allclose(got["g"], 2 * single["g"], rtol=1e-12)
+  assert got.a.shape == (2, 18, 18) and got.g.shape == (2, 2, 2)
+  np.testing.assert_allclose(got.a, single.a, rtol=1e-12)
+  np.testing.assert_allclose(got.g, 2 * single.g, rtol=1e-12)
 
 
 def test_shared_shift_alone_and_shared_dense_bias_are_told_apart():

@@ -91,7 +91,7 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
       jax.tree_util.tree_leaves(factors[i]), jax.tree_util.tree_leaves(factors[i - 1])
     ):
       np.testing.assert_array_equal(a, b)
-  assert not np.array_equal(factors[3]["layer0"]["a"], factors[2]["layer0"]["a"])
+  assert not np.array_equal(factors[3]["layer0"].a, factors[2]["layer0"].a)
   assert int(opt_state[0].count) == 7
 
 

@@ -1,12 +1,32 @@
 """Curvature blocks: one per layer, chosen from the layer kind and its approximation."""
 
-from kfac_jax.blocks._base import Block, BlockConfig, DampingMode, StackedUses
+from kfac_jax.blocks._base import (
+  Block,
+  BlockConfig,
+  DampingMode,
+  StackedUses,
+  batched_factorisations,
+  compute_caches,
+)
 from kfac_jax.blocks._concat import ConcatBlock
 from kfac_jax.blocks._ekfac import EKFACBlock
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
 from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
 from kfac_jax.blocks._stacked import StackedBlock
+from kfac_jax.blocks._state import (
+  DiagonalCache,
+  DiagonalFactors,
+  EKFACCache,
+  EKFACFactors,
+  FactorCache,
+  FullCache,
+  FullFactors,
+  KroneckerCache,
+  KroneckerFactors,
+  SeriesCache,
+  SeriesFactors,
+)
 
 _BLOCKS: dict[tuple[str, str], type[Block]] = {
   ("dense", "kron"): KroneckerBlock,
@@ -43,18 +63,15 @@ _BLOCKS: dict[tuple[str, str], type[Block]] = {
 def make_block(spec, config: BlockConfig) -> Block:
   """The block class for `spec.kind` and `spec.approx` (wrapped for concatenated leaves,
   vmapped over a stack of layers)."""
-  inner = spec.logical if spec.concat else spec.stack_inner if spec.stack_size else None
-  if inner is not None and inner.approx == "ekfac":
-    # EKFAC's statistics need its eigenbasis (the cache); the wrappers do not pass it through.
-    what = "concatenated kernels" if spec.concat else "a stack of layers (scan / vmap)"
-    raise ValueError(
-      f"layer `{spec.name}`: approx='ekfac' is not supported on {what}; give it 'kron' "
-      f"(e.g. LayerConfig(overrides={{{spec.name!r}: 'kron'}}))."
-    )
+  block: Block
   if spec.concat:
-    return ConcatBlock(spec, config, make_block(spec.logical, config))
+    block = ConcatBlock(spec, config, make_block(spec.logical, config))
+    _check_shapes(spec, block)
+    return block
   if spec.stack_size:
-    return StackedBlock(spec, config, make_block(spec.stack_inner, config))
+    block = StackedBlock(spec, config, make_block(spec.stack_inner, config))
+    _check_shapes(spec, block)
+    return block
   try:
     cls = _BLOCKS[(spec.kind, spec.approx)]
   except KeyError:
@@ -63,7 +80,18 @@ def make_block(spec, config: BlockConfig) -> Block:
       f"layer `{spec.name}` ({spec.kind}) has no block for approximation {spec.approx!r}; "
       f"choose one of {choices}."
     ) from None
-  return cls(spec, config)
+  block = cls(spec, config)
+  _check_shapes(spec, block)
+  return block
+
+
+def _check_shapes(spec, block: Block) -> None:
+  # The scanner sizes layers for its size policy; the block sizes its own state. They agree.
+  if tuple(map(tuple, block.factor_shapes)) != tuple(map(tuple, spec.factor_shapes)):
+    raise AssertionError(
+      f"layer `{spec.name}`: the scanner's factor shapes {spec.factor_shapes} differ from its "
+      f"{type(block).__name__}'s {block.factor_shapes}."
+    )
 
 
 __all__ = [
@@ -72,12 +100,25 @@ __all__ = [
   "ConcatBlock",
   "DampingMode",
   "DiagonalBlock",
+  "DiagonalCache",
+  "DiagonalFactors",
   "EKFACBlock",
+  "EKFACCache",
+  "EKFACFactors",
+  "FactorCache",
   "FullBlock",
+  "FullCache",
+  "FullFactors",
   "KroneckerBlock",
+  "KroneckerCache",
   "KroneckerDenseBlock",
+  "KroneckerFactors",
+  "SeriesCache",
+  "SeriesFactors",
   "SeriesKroneckerBlock",
   "StackedBlock",
   "StackedUses",
+  "batched_factorisations",
+  "compute_caches",
   "make_block",
 ]

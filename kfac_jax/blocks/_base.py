@@ -1,11 +1,18 @@
 """The curvature-block interface.
 
-A block is a static object (its layer spec and configuration); its numbers live in two plain
-dicts of arrays that the estimator keeps in its state:
+A block is a static object (its layer spec and configuration); its numbers live in two typed
+pytrees (one `NamedTuple` per block kind, defined next to the block) that the estimator keeps in
+its state, keyed by block name:
 
-  factors  the EMA statistics (e.g. `{"a": A, "g": G}` for a Kronecker block), undamped;
+  factors  the EMA statistics (e.g. `KroneckerFactors(a=A, g=G)`), undamped;
   cache    what `update_inverses` derives from the factors and the damping λ: matrix powers,
-           eigen-decompositions, Cholesky factors, and `"damping"`, the λ they were built with.
+           eigen-decompositions, Cholesky factors, and `damping`, the λ they were built with
+           (every cache type has that field).
+
+Entries a configuration does not need (a Cholesky factor without `cholesky=True`, powers in
+"eigen" damping mode) are None, so the pytree holds only what is computed. A block also states
+its own factor shapes (`factor_shapes`): the estimator and the parallel code read them from the
+block, never from arithmetic on the layer's dimensions.
 
 Vectors are the block's parameter leaves (parameter-shaped arrays), in `spec.leaf_indices` order.
 "Damped block" means the matrix the block actually multiplies by: `A_λ ⊗ G_λ` with π-adjusted
@@ -56,6 +63,15 @@ class BlockConfig:
   inverse_dtype: Any = jnp.float32
 
   @property
+  def cached_exps(self) -> tuple[float, ...]:
+    """The powers a cache holds, in order (`exps` without 1, which needs no cache)."""
+    return tuple(e for e in self.exps if e != 1)
+
+  def power_index(self, exp: float) -> int:
+    """The position of power `exp` in `cached_exps` (and in a cache's `powers`)."""
+    return self.cached_exps.index(exp)
+
+  @property
   def accum_dtype(self):
     """The dtype batch statistics are accumulated in: `stats_dtype`, at least float32."""
     return jnp.promote_types(self.stats_dtype, jnp.float32)
@@ -81,7 +97,15 @@ class StackedUses:
 
 
 class Block(abc.ABC):
-  """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix."""
+  """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix.
+
+  Attributes:
+    needs_cache_for_statistics: the statistics depend on the cache (EKFAC's scalings live in
+      the eigenbasis of the last inverse update): `batch_factors` and `multiply_undamped` then
+      take the block's cache.
+  """
+
+  needs_cache_for_statistics: bool = False
 
   def __init__(self, spec: LayerSpec, config: BlockConfig):
     self.spec = spec
@@ -91,9 +115,15 @@ class Block(abc.ABC):
   def name(self) -> str:
     return self.spec.name
 
+  @property
+  @abc.abstractmethod
+  def factor_shapes(self) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the block's matrix (or vector) factors, e.g. `((in+1, in+1), (out, out))`;
+    they size the parallel work split and the layer table."""
+
   def group_key(self) -> tuple:
     """Blocks with equal keys have identically shaped state and are batched with vmap."""
-    return (type(self).__name__, self.spec.factor_shapes, self.spec.approx)
+    return (type(self).__name__, self.factor_shapes, self.spec.approx)
 
   def accepts_stacked_uses(self) -> bool:
     """Whether `batch_factors` takes a `StackedUses` (else it gets the unstacked uses)."""
@@ -102,21 +132,24 @@ class Block(abc.ABC):
   # -- statistics ------------------------------------------------------------------------------
 
   @abc.abstractmethod
-  def init_factors(self) -> dict[str, Array]:
-    """Zero statistics."""
+  def init_factors(self) -> Any:
+    """Zero statistics (the block kind's factors type)."""
 
   @abc.abstractmethod
-  def batch_factors(self, data: Any, batch_size: int) -> dict[str, Array]:
-    """This batch's statistics from the curvature pass's raw data for the block."""
+  def batch_factors(self, data: Any, batch_size: int, cache: Any = None) -> Any:
+    """This batch's statistics from the curvature pass's raw data for the block.
+
+    `cache` is the block's current cache for blocks with `needs_cache_for_statistics` (None
+    before the estimator has one), and ignored by the others."""
 
   # -- inverses --------------------------------------------------------------------------------
 
   @abc.abstractmethod
-  def init_cache(self) -> dict[str, Array]:
+  def init_cache(self) -> Any:
     """A cache that makes every power act as the identity (before the first inverse update)."""
 
   @abc.abstractmethod
-  def compute_cache(self, factors: dict[str, Array], damping: Array) -> dict[str, Array]:
+  def compute_cache(self, factors: Any, damping: Array) -> Any:
     """Powers / decompositions of the damped block. Pure; vmapped over blocks of a group."""
 
   # -- products --------------------------------------------------------------------------------
@@ -132,13 +165,14 @@ class Block(abc.ABC):
     """C·v, Cᵀ·v, C⁻¹·v or C⁻ᵀ·v for a factor C with C Cᵀ = damped block."""
 
   @abc.abstractmethod
-  def multiply_undamped(self, factors, vecs: Sequence[Array]) -> list[Array]:
-    """The undamped estimate times vecs (used by `to_dense`)."""
+  def multiply_undamped(self, factors, vecs: Sequence[Array], cache: Any = None) -> list[Array]:
+    """The undamped estimate times vecs (used by `to_dense`); `cache` as in `batch_factors`."""
 
   # -- helpers ---------------------------------------------------------------------------------
 
-  def to_dense(self, factors) -> Array:
-    """The undamped block as a `[n, n]` matrix over its leaves, raveled and concatenated."""
+  def to_dense(self, factors, cache: Any = None) -> Array:
+    """The undamped block as a `[n, n]` matrix over its leaves, raveled and concatenated
+    (`cache` as in `batch_factors`)."""
     sizes = [math.prod(s) for s in self.spec.param_shapes]
     n = sum(sizes)
 
@@ -147,10 +181,15 @@ class Block(abc.ABC):
       for size, shape in zip(sizes, self.spec.param_shapes):
         vecs.append(e[off : off + size].reshape(shape))
         off += size
-      return jnp.concatenate([v.ravel() for v in self.multiply_undamped(factors, vecs)])
+      out = self.multiply_undamped(factors, vecs, cache)
+      return jnp.concatenate([v.ravel() for v in out])
 
     factors = jax.tree_util.tree_map(lambda x: x.astype(self.config.inverse_dtype), factors)
     return jax.vmap(column, out_axes=1)(jnp.eye(n, dtype=self.config.inverse_dtype))
+
+  def cache_shapes(self) -> Any:
+    """The cache's structure with `jax.ShapeDtypeStruct` leaves (nothing is computed)."""
+    return jax.eval_shape(self.init_cache)
 
   def state_bytes(self) -> int:
     shapes = jax.eval_shape(lambda: (self.init_factors(), self.init_cache()))
@@ -162,3 +201,45 @@ class Block(abc.ABC):
         f"matrix power {exp} was not prepared: the estimator was built with exps="
         f"{self.config.exps} (1 is always available). Add {exp} to `exps`."
       )
+
+
+def batched_factorisations() -> bool:
+  """Whether equal-shape blocks share one vmapped (batched) factorisation: not on CPU.
+
+  jaxlib's batched CPU LAPACK kernels split their batch over the same small thread pool that
+  runs them, and two running at once (the A and G factors of one group) deadlocked a 2-core
+  machine (gdb: both threads in `ParallelBatchMap`, waiting on an `absl::BlockingCounter`; the
+  Transformer LM benchmark's first inverse update). One unbatched call per block does not.
+  """
+  return jax.default_backend() != "cpu"
+
+
+def _cast(tree, dtype):
+  return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
+
+
+def compute_caches(
+  blocks: Sequence[Block], indices: Sequence[int], factors: Sequence[Any], damping: Array
+) -> dict[int, Any]:
+  """`{i: blocks[i].compute_cache(factors[i], damping)}` for the blocks `indices`.
+
+  `factors` has one entry per block, in block order (only those of `indices` are read); each is
+  cast to its block's `inverse_dtype` first. Blocks with equal `group_key` (identically shaped
+  state) share one vmapped call where `batched_factorisations()`, and get one call each on CPU.
+  """
+  groups: dict[tuple, list[int]] = {}
+  for i in indices:
+    groups.setdefault(blocks[i].group_key(), []).append(i)
+  out = {}
+  for idx in groups.values():
+    block = blocks[idx[0]]
+    cast = [_cast(factors[i], block.config.inverse_dtype) for i in idx]
+    if len(idx) == 1 or not batched_factorisations():
+      for i, f in zip(idx, cast):
+        out[i] = block.compute_cache(f, damping)
+      continue
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *cast)
+    res = jax.vmap(block.compute_cache, in_axes=(0, None))(stacked, damping)
+    for k, i in enumerate(idx):
+      out[i] = jax.tree_util.tree_map(lambda x, k=k: x[k], res)
+  return out

@@ -20,6 +20,11 @@ class ConcatBlock(Block):
     self.spec = spec
     self.config = config
     self.inner = inner
+    self.needs_cache_for_statistics = inner.needs_cache_for_statistics
+
+  @property
+  def factor_shapes(self):
+    return self.inner.factor_shapes
 
   def group_key(self) -> tuple:
     return self.inner.group_key()
@@ -48,8 +53,8 @@ class ConcatBlock(Block):
   def init_factors(self):
     return self.inner.init_factors()
 
-  def batch_factors(self, data, batch_size):
-    return self.inner.batch_factors(data, batch_size)
+  def batch_factors(self, data, batch_size, cache=None):
+    return self.inner.batch_factors(data, batch_size, cache)
 
   def init_cache(self):
     return self.inner.init_cache()
@@ -67,5 +72,5 @@ class ConcatBlock(Block):
       )
     )
 
-  def multiply_undamped(self, factors, vecs):
-    return self._split(self.inner.multiply_undamped(factors, self._join(vecs)))
+  def multiply_undamped(self, factors, vecs, cache=None):
+    return self._split(self.inner.multiply_undamped(factors, self._join(vecs), cache))

@@ -24,13 +24,12 @@ grouped convolutions per group); sequence inputs sum the positions of an example
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _linalg
 from kfac_jax.blocks._kronecker import LayoutBlock
+from kfac_jax.blocks._state import EKFACCache, EKFACFactors
 
 Array = jax.Array
 
@@ -46,28 +45,30 @@ def _in_basis(rows: Array, u: Array, grouped: bool) -> Array:
 
 
 class EKFACBlock(LayoutBlock):
-  """EKFAC block of a dense or conv layer (kernel and optional bias). Cache: the eigenbases
-  `a_evecs` [(groups,) in(+1), in(+1)], `g_evecs` [(groups,) out, out] and `damping`; factors:
-  `a`, `g` (as "kron") and `s` [(groups,) in(+1), out], the scalings in that basis."""
+  """EKFAC block of a dense or conv layer (kernel and optional bias). State: `EKFACFactors`
+  (`a`, `g` as "kron" and `s`, the scalings in the cache's basis) and `EKFACCache` (the
+  eigenbases of A and G)."""
 
   needs_cache_for_statistics = True
 
+  @property
+  def factor_shapes(self):
+    return self.kron_shapes()
+
   def _scaling_shape(self) -> tuple[int, ...]:
-    sa, sg = self.spec.factor_shapes
+    sa, sg = self.kron_shapes()
     return sa[:-1] + sg[-1:]
 
   # -- statistics ------------------------------------------------------------------------------
 
-  def init_factors(self):
-    sa, sg = self.spec.factor_shapes
+  def init_factors(self) -> EKFACFactors:
+    sa, sg = self.kron_shapes()
     dtype = self.config.stats_dtype
-    return {
-      "a": jnp.zeros(sa, dtype),
-      "g": jnp.zeros(sg, dtype),
-      "s": jnp.zeros(self._scaling_shape(), dtype),
-    }
+    return EKFACFactors(
+      a=jnp.zeros(sa, dtype), g=jnp.zeros(sg, dtype), s=jnp.zeros(self._scaling_shape(), dtype)
+    )
 
-  def batch_factors(self, data, batch_size, cache=None):
+  def batch_factors(self, data, batch_size, cache: EKFACCache | None = None) -> EKFACFactors:
     """A, G as the Kronecker block; s in the eigenbasis of `cache` (the identity if None)."""
     dtype = self.config.accum_dtype
     x, g = self.layout.rows(data, dtype)  # x: [R, groups, in]; g: [S, R, groups, out]
@@ -82,8 +83,8 @@ class EKFACBlock(LayoutBlock):
     if self.spec.has_bias:
       x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
     if cache is not None:
-      ua, ug = (cache[k].astype(dtype) for k in ("a_evecs", "g_evecs"))
-      x, g = _in_basis(x, ua, self._grouped), _in_basis(g, ug, self._grouped)
+      ua, ug = cache.a_evecs.astype(dtype), cache.g_evecs.astype(dtype)
+      x, g = _in_basis(x, ua, self.grouped), _in_basis(g, ug, self.grouped)
     if rows == batch_size:  # One row per example: J = x̄ gᵀ, so (Uᵀ J U)² = (x̃²)(g̃²)ᵀ.
       x2, g2 = x * x, jnp.sum(g * g, axis=0)
       s = (x2[:, 0].T @ g2[:, 0])[None] if x.shape[1] == 1 else jnp.einsum("rgi,rgo->gio", x2, g2)
@@ -94,28 +95,29 @@ class EKFACBlock(LayoutBlock):
       j = jnp.einsum("nlgi,snlgo->sngio", x, g)
       s = jnp.sum(j * j, axis=(0, 1))
     s = s / (samples * batch_size)
-    if not self._grouped:
+    if not self.grouped:
       a, gg, s = a[0], gg[0], s[0]
-    return {"a": a, "g": gg, "s": s}
+    return EKFACFactors(a=a, g=gg, s=s)
 
   # -- inverses --------------------------------------------------------------------------------
 
-  def init_cache(self):
-    sa, sg = self.spec.factor_shapes
+  def init_cache(self) -> EKFACCache:
+    sa, sg = self.kron_shapes()
     dtype = self.config.inverse_dtype
 
     def eye(shape):
       return jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
 
-    return {"a_evecs": eye(sa), "g_evecs": eye(sg), "damping": jnp.zeros((), dtype)}
+    return EKFACCache(a_evecs=eye(sa), g_evecs=eye(sg), damping=jnp.zeros((), dtype))
 
-  def compute_cache(self, factors, damping):
+  def compute_cache(self, factors: EKFACFactors, damping) -> EKFACCache:
     def one(a, g):
-      return {"a_evecs": _linalg.eigh_psd(a)[1], "g_evecs": _linalg.eigh_psd(g)[1]}
+      return _linalg.eigh_psd(a)[1], _linalg.eigh_psd(g)[1]
 
-    cache = self._map(one, factors["a"], factors["g"])
-    cache["damping"] = jnp.asarray(damping, self.config.inverse_dtype)
-    return cache
+    ua, ug = self.map_groups(one, factors.a, factors.g)
+    return EKFACCache(
+      a_evecs=ua, g_evecs=ug, damping=jnp.asarray(damping, self.config.inverse_dtype)
+    )
 
   # -- products --------------------------------------------------------------------------------
 
@@ -123,15 +125,15 @@ class EKFACBlock(LayoutBlock):
     """U_A ((U_Aᵀ M U_G) ⊙ fn(s (+ λ))) U_Gᵀ for the matrix view M of `vecs`."""
     dtype = self.config.inverse_dtype
     m = self.layout.to_matrix(vecs, dtype)
-    m = m if self._grouped else m[0]
-    lam = cache["damping"].astype(dtype) if damped else 0.0
+    m = m if self.grouped else m[0]
+    lam = cache.damping.astype(dtype) if damped else 0.0
 
     def one(ua, ug, s, m):
       inner = ua.T @ m @ ug
       return ua @ (inner * fn(s.astype(dtype) + lam)) @ ug.T
 
-    out = self._map(one, cache["a_evecs"], cache["g_evecs"], factors["s"], m)
-    out = self.layout.from_matrix(out if self._grouped else out[None])
+    out = self.map_groups(one, cache.a_evecs, cache.g_evecs, factors.s, m)
+    out = self.layout.from_matrix(out if self.grouped else out[None])
     return [o.astype(v.dtype) for o, v in zip(out, vecs)]
 
   def multiply_matpower(self, factors, cache, vecs, exp):
@@ -152,19 +154,3 @@ class EKFACBlock(LayoutBlock):
         "in the cache; pass `cache=` (the estimator's `to_dense` does)."
       )
     return self._scaled(factors, cache, vecs, lambda d: d, damped=False)
-
-  def to_dense(self, factors, cache=None):
-    """The undamped block `(U_A ⊗ U_G) diag(s) (U_A ⊗ U_G)ᵀ` as a matrix (see `Block`)."""
-    sizes = [math.prod(s) for s in self.spec.param_shapes]
-    dtype = self.config.inverse_dtype
-    factors = jax.tree_util.tree_map(lambda x: x.astype(dtype), factors)
-
-    def column(e):
-      vecs, off = [], 0
-      for size, shape in zip(sizes, self.spec.param_shapes):
-        vecs.append(e[off : off + size].reshape(shape))
-        off += size
-      out = self.multiply_undamped(factors, vecs, cache)
-      return jnp.concatenate([v.ravel() for v in out])
-
-    return jax.vmap(column, out_axes=1)(jnp.eye(sum(sizes), dtype=dtype))

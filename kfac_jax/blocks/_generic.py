@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from kfac_jax.blocks import _layouts, _linalg
 from kfac_jax.blocks._base import Block
+from kfac_jax.blocks._state import DiagonalCache, DiagonalFactors, FullCache, FullFactors
 
 Array = jax.Array
 
@@ -59,24 +60,27 @@ def _gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
 class DiagonalBlock(Block):
   """F ≈ diag(E[h²] / N). Any power and Cholesky factor is elementwise."""
 
-  def _n(self) -> int:
-    return self.spec.factor_shapes[0][0]
+  @property
+  def factor_shapes(self):
+    return ((self.spec.num_params,),)
 
-  def init_factors(self):
-    return {"diag": jnp.zeros((self._n(),), self.config.stats_dtype)}
+  def init_factors(self) -> DiagonalFactors:
+    return DiagonalFactors(diag=jnp.zeros(self.factor_shapes[0], self.config.stats_dtype))
 
-  def batch_factors(self, data, batch_size):
+  def batch_factors(self, data, batch_size, cache=None) -> DiagonalFactors:
+    del cache
     h, c = _gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
-    return {"diag": jnp.sum(h * h, axis=0) / c}
+    return DiagonalFactors(diag=jnp.sum(h * h, axis=0) / c)
 
-  def init_cache(self):
-    return {"damping": jnp.zeros((), self.config.inverse_dtype)}
+  def init_cache(self) -> DiagonalCache:
+    return DiagonalCache(damping=jnp.zeros((), self.config.inverse_dtype))
 
-  def compute_cache(self, factors, damping):
-    return {"damping": jnp.asarray(damping, self.config.inverse_dtype)}
+  def compute_cache(self, factors, damping) -> DiagonalCache:
+    return DiagonalCache(damping=jnp.asarray(damping, self.config.inverse_dtype))
 
-  def _damped(self, factors, cache):
-    return factors["diag"] + cache["damping"]
+  @staticmethod
+  def _damped(factors: DiagonalFactors, cache: DiagonalCache):
+    return factors.diag + cache.damping
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
@@ -89,70 +93,73 @@ class DiagonalBlock(Block):
     v = _flat(vecs, d.dtype)
     return _unflat(v / d if inverse else v * d, vecs)
 
-  def multiply_undamped(self, factors, vecs):
-    return _unflat(factors["diag"] * _flat(vecs, factors["diag"].dtype), vecs)
+  def multiply_undamped(self, factors, vecs, cache=None):
+    del cache
+    return _unflat(factors.diag * _flat(vecs, factors.diag.dtype), vecs)
 
 
 class FullBlock(Block):
   """F ≈ E[h hᵀ] / N as a dense matrix; damped block F + λ I."""
 
+  @property
+  def factor_shapes(self):
+    n = self.spec.num_params
+    return ((n, n),)
+
   def _n(self) -> int:
-    return self.spec.factor_shapes[0][0]
+    return self.spec.num_params
 
-  def init_factors(self):
-    n = self._n()
-    return {"f": jnp.zeros((n, n), self.config.stats_dtype)}
+  def init_factors(self) -> FullFactors:
+    return FullFactors(f=jnp.zeros(self.factor_shapes[0], self.config.stats_dtype))
 
-  def batch_factors(self, data, batch_size):
+  def batch_factors(self, data, batch_size, cache=None) -> FullFactors:
+    del cache
     h, c = _gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
-    return {"f": h.T @ h / c}
+    return FullFactors(f=h.T @ h / c)
 
-  def _cache_keys(self):
-    keys = [f"pow{e:g}" for e in self.config.exps if e != 1]
-    if self.config.cholesky:
-      keys.append("chol")
-    if self.config.cholesky_inverse:
-      keys.append("chol_inv")
-    return keys
+  def init_cache(self) -> FullCache:
+    config = self.config
+    eye = jnp.eye(self._n(), dtype=config.inverse_dtype)
+    return FullCache(
+      powers=tuple(eye for _ in config.cached_exps),
+      chol=eye if config.cholesky else None,
+      chol_inv=eye if config.cholesky_inverse else None,
+      damping=jnp.zeros((), config.inverse_dtype),
+    )
 
-  def init_cache(self):
-    eye = jnp.eye(self._n(), dtype=self.config.inverse_dtype)
-    cache = {k: eye for k in self._cache_keys()}
-    cache["damping"] = jnp.zeros((), self.config.inverse_dtype)
-    return cache
-
-  def compute_cache(self, factors, damping):
-    damping = jnp.asarray(damping, self.config.inverse_dtype)
-    m = factors["f"] + damping * jnp.eye(self._n(), dtype=self.config.inverse_dtype)
-    cache = {f"pow{e:g}": _linalg.spd_power(m, e) for e in self.config.exps if e != 1}
-    if self.config.cholesky or self.config.cholesky_inverse:
-      chol = _linalg.cholesky(m)
-      if self.config.cholesky:
-        cache["chol"] = chol
-      if self.config.cholesky_inverse:
-        cache["chol_inv"] = _linalg.lower_inverse(chol)
-    cache["damping"] = damping
-    return cache
+  def compute_cache(self, factors: FullFactors, damping) -> FullCache:
+    config = self.config
+    damping = jnp.asarray(damping, config.inverse_dtype)
+    m = factors.f + damping * jnp.eye(self._n(), dtype=config.inverse_dtype)
+    chol = _linalg.cholesky(m) if config.cholesky or config.cholesky_inverse else None
+    return FullCache(
+      powers=tuple(_linalg.spd_power(m, e) for e in config.cached_exps),
+      chol=chol if config.cholesky else None,
+      chol_inv=_linalg.lower_inverse(chol)
+      if chol is not None and config.cholesky_inverse
+      else None,
+      damping=damping,
+    )
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
     v = _flat(vecs, self.config.inverse_dtype)
     if exp == 1:
-      out = factors["f"] @ v + cache["damping"] * v
+      out = factors.f @ v + cache.damping * v
     else:
-      out = cache[f"pow{exp:g}"] @ v
+      out = cache.powers[self.config.power_index(exp)] @ v
     return _unflat(out, vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    key = "chol_inv" if inverse else "chol"
-    if key not in cache:
+    c = cache.chol_inv if inverse else cache.chol
+    if c is None:
       raise ValueError(
         f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
         f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator."
       )
-    c = cache[key]
     # With C = L: Cᵀ = Lᵀ; with C = L⁻¹ as the inverse factor, C⁻ᵀ = L⁻ᵀ.
     return _unflat((c.T if transpose else c) @ _flat(vecs, c.dtype), vecs)
 
-  def multiply_undamped(self, factors, vecs):
-    return _unflat(factors["f"] @ _flat(vecs, factors["f"].dtype), vecs)
+  def multiply_undamped(self, factors, vecs, cache=None):
+    del cache
+    return _unflat(factors.f @ _flat(vecs, factors.f.dtype), vecs)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from kfac_jax.blocks import _layouts, _linalg, _shared
 from kfac_jax.blocks._base import Block
+from kfac_jax.blocks._state import FactorCache, KroneckerCache, KroneckerFactors
 
 Array = jax.Array
 
@@ -87,7 +88,9 @@ def _t(f: Array) -> Array:
   return f if f.ndim == 1 else f.T
 
 
-def _damped(a: Array, g: Array, damping: Array) -> tuple[Array, Array]:
+def damped_factors(a: Array, g: Array, damping: Array) -> tuple[Array, Array]:
+  """π-adjusted factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring);
+  a diagonal factor (a vector) gets the constant added to every entry."""
   pi = _linalg.pi_adjustment(a, g)
   root = jnp.sqrt(damping)
   return _add_identity(a, pi * root), _add_identity(g, root / pi)
@@ -118,12 +121,20 @@ class LayoutBlock(Block):
     return _layouts.layout_for(self.spec)
 
   @property
-  def _grouped(self) -> bool:
-    return len(self.spec.factor_shapes[1]) == 3
+  def grouped(self) -> bool:
+    """Whether the state has a leading feature-group axis (grouped convolutions)."""
+    return self.layout.groups > 1
 
-  def _map(self, fn, *args):
+  def kron_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The full-matrix shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]`."""
+    lay = self.layout
+    a = lay.in_dim + (1 if self.spec.has_bias else 0)
+    lead = (lay.groups,) if self.grouped else ()
+    return lead + (a, a), lead + (lay.out_dim, lay.out_dim)
+
+  def map_groups(self, fn, *args):
     """`fn` on one group's arrays; vmapped over the leading group axis for grouped layers."""
-    return jax.vmap(fn)(*args) if self._grouped else fn(*args)
+    return jax.vmap(fn)(*args) if self.grouped else fn(*args)
 
 
 class KroneckerBlock(LayoutBlock):
@@ -137,12 +148,17 @@ class KroneckerBlock(LayoutBlock):
   def _diag_g(self) -> bool:
     return self.spec.approx in DIAG_G
 
+  @property
+  def factor_shapes(self):
+    sa, sg = self.kron_shapes()
+    return (sa[:-1] if self._diag_a else sa, sg[:-1] if self._diag_g else sg)
+
   def _to_matrix(self, vecs) -> Array:
     m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
-    return m if self._grouped else m[0]
+    return m if self.grouped else m[0]
 
   def _from_matrix(self, m: Array, like) -> list[Array]:
-    out = self.layout.from_matrix(m if self._grouped else m[None])
+    out = self.layout.from_matrix(m if self.grouped else m[None])
     return [o.astype(v.dtype) for o, v in zip(out, like)]
 
   # -- statistics ------------------------------------------------------------------------------
@@ -155,12 +171,13 @@ class KroneckerBlock(LayoutBlock):
       and all(inf == infos[0] for inf in infos)
     )
 
-  def init_factors(self):
-    sa, sg = self.spec.factor_shapes
+  def init_factors(self) -> KroneckerFactors:
+    sa, sg = self.factor_shapes
     dtype = self.config.stats_dtype
-    return {"a": jnp.zeros(sa, dtype), "g": jnp.zeros(sg, dtype)}
+    return KroneckerFactors(a=jnp.zeros(sa, dtype), g=jnp.zeros(sg, dtype))
 
-  def batch_factors(self, data, batch_size):
+  def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
+    del cache  # The statistics do not depend on the inverses.
     dtype = self.config.accum_dtype
     if self.spec.num_uses > 1:
       return _shared.indep_factors(self.spec, data, batch_size, dtype)
@@ -182,115 +199,102 @@ class KroneckerBlock(LayoutBlock):
       gg = jnp.einsum("srgi,srgi->gi", g, g) / (g.shape[0] * batch_size)
     else:
       gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
-    if not self._grouped:
+    if not self.grouped:
       a, gg = a[0], gg[0]
-    return {"a": a, "g": gg}
+    return KroneckerFactors(a=a, g=gg)
 
   # -- inverses --------------------------------------------------------------------------------
 
-  def _cache_shapes(self) -> dict[str, tuple[int, ...]]:
-    sa, sg = self.spec.factor_shapes
-    shapes = {}
-    if self.config.damping_mode == "eigen":
-      for f, shape, diag in (("a", sa, self._diag_a), ("g", sg, self._diag_g)):
-        shapes[f"{f}_evals"] = shape if diag else shape[:-1]
-        if not diag:
-          shapes[f"{f}_evecs"] = shape
-      return shapes
-    for e in self.config.exps:
-      if e != 1:
-        shapes[f"a_pow{e:g}"], shapes[f"g_pow{e:g}"] = sa, sg
-    if self.config.cholesky:
-      shapes["a_chol"], shapes["g_chol"] = sa, sg
-    if self.config.cholesky_inverse:
-      shapes["a_chol_inv"], shapes["g_chol_inv"] = sa, sg
-    return shapes
+  def init_cache(self) -> KroneckerCache:
+    config, dtype = self.config, self.config.inverse_dtype
 
-  def init_cache(self):
-    cache = {}
-    for k, shape in self._cache_shapes().items():
-      # Eigenvalues, and every entry of a diagonal factor, are vectors of ones.
-      evals = k.endswith("_evals")
-      dtype = self.config.inverse_dtype
-      cache[k] = jnp.ones(shape, dtype) if evals else _identity(shape, dtype)
-    cache["damping"] = jnp.zeros((), self.config.inverse_dtype)
-    return cache
+    def side(shape, diag):
+      if config.damping_mode == "eigen":  # Eigenvalues ones; a diagonal factor is its own basis.
+        evals = jnp.ones(shape if diag else shape[:-1], dtype)
+        return FactorCache(evals=evals, evecs=None if diag else _identity(shape, dtype))
+      eye = _identity(shape, dtype)
+      return FactorCache(
+        powers=tuple(eye for _ in config.cached_exps),
+        chol=eye if config.cholesky else None,
+        chol_inv=eye if config.cholesky_inverse else None,
+      )
 
-  def compute_cache(self, factors, damping):
+    sa, sg = self.factor_shapes
+    return KroneckerCache(
+      a=side(sa, self._diag_a), g=side(sg, self._diag_g), damping=jnp.zeros((), dtype)
+    )
+
+  def compute_cache(self, factors: KroneckerFactors, damping) -> KroneckerCache:
     damping = jnp.asarray(damping, self.config.inverse_dtype)
     config = self.config
 
-    def one(a, g):
-      out = {}
+    def side(m):  # One group's factor, damped ("factored") or not ("eigen").
       if config.damping_mode == "eigen":
-        for f, m in (("a", a), ("g", g)):
-          if m.ndim == 1:
-            out[f"{f}_evals"] = jnp.maximum(m, 0.0)
-          else:
-            out[f"{f}_evals"], out[f"{f}_evecs"] = _linalg.eigh_psd(m)
-        return out
-      a_d, g_d = _damped(a, g, damping)
-      for e in config.exps:
-        if e != 1:
-          out[f"a_pow{e:g}"], out[f"g_pow{e:g}"] = _power(a_d, e), _power(g_d, e)
-      if config.cholesky or config.cholesky_inverse:
-        for f, m in (("a", a_d), ("g", g_d)):
-          chol = _chol(m)
-          if config.cholesky:
-            out[f"{f}_chol"] = chol
-          if config.cholesky_inverse:
-            out[f"{f}_chol_inv"] = _chol_inverse(chol)
-      return out
+        if m.ndim == 1:
+          return FactorCache(evals=jnp.maximum(m, 0.0))
+        evals, evecs = _linalg.eigh_psd(m)
+        return FactorCache(evals=evals, evecs=evecs)
+      chol = _chol(m) if config.cholesky or config.cholesky_inverse else None
+      return FactorCache(
+        powers=tuple(_power(m, e) for e in config.cached_exps),
+        chol=chol if config.cholesky else None,
+        chol_inv=_chol_inverse(chol) if chol is not None and config.cholesky_inverse else None,
+      )
 
-    cache = self._map(one, factors["a"], factors["g"])
-    cache["damping"] = damping
-    return cache
+    def one(a, g):
+      if config.damping_mode == "factored":
+        a, g = damped_factors(a, g, damping)
+      return side(a), side(g)
+
+    ca, cg = self.map_groups(one, factors.a, factors.g)
+    return KroneckerCache(a=ca, g=cg, damping=damping)
 
   # -- products --------------------------------------------------------------------------------
 
   @staticmethod
-  def _eigen_scaled(c, damping, m, fn):
+  def _eigen_scaled(ca: FactorCache, cg: FactorCache, damping, m, fn):
     """U_a ((U_aᵀ M U_g) ⊙ fn(s_a s_gᵀ + λ)) U_gᵀ for one group (U = I for a diagonal factor)."""
-    ua, ug = c.get("a_evecs"), c.get("g_evecs")
-    sigma = c["a_evals"][:, None] * c["g_evals"][None, :] + damping
+    ua, ug = ca.evecs, cg.evecs
+    assert ca.evals is not None and cg.evals is not None  # the eigen damping mode's cache
+    sigma = ca.evals[:, None] * cg.evals[None, :] + damping
     inner = m if ua is None else ua.T @ m
     inner = inner if ug is None else inner @ ug
     out = inner * fn(sigma)
     out = out if ua is None else ua @ out
     return out if ug is None else out @ ug.T
 
-  def _per_group(self, cache):
-    return {k: v for k, v in cache.items() if k != "damping"}
-
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
     m = self._to_matrix(vecs)
-    damping = cache["damping"]
+    damping = cache.damping
     eigen = self.config.damping_mode == "eigen"
+    k = None if exp == 1 or eigen else self.config.power_index(exp)
 
-    def one(a, g, c, m):
+    def one(a, g, ca, cg, m):
       if exp == 1:
         if eigen:
           return _right(_left(a, m), g) + damping * m
-        a_d, g_d = _damped(a, g, damping)
+        a_d, g_d = damped_factors(a, g, damping)
         return _right(_left(a_d, m), g_d)
       if eigen:
-        return self._eigen_scaled(c, damping, m, lambda s: s**exp)
-      return _right(_left(c[f"a_pow{exp:g}"], m), c[f"g_pow{exp:g}"])
+        return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)
+      return _right(_left(ca.powers[k], m), cg.powers[k])
 
-    out = self._map(one, factors["a"], factors["g"], self._per_group(cache), m)
+    out = self.map_groups(one, factors.a, factors.g, cache.a, cache.g, m)
     return self._from_matrix(out, vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
     m = self._to_matrix(vecs)
-    damping = cache["damping"]
+    damping = cache.damping
     if self.config.damping_mode == "eigen":
       # The symmetric square root: C = Cᵀ = (A ⊗ G + λ I)^½.
       fn = (lambda s: s**-0.5) if inverse else jnp.sqrt
-      out = self._map(lambda c, m: self._eigen_scaled(c, damping, m, fn), self._per_group(cache), m)
+      out = self.map_groups(
+        lambda ca, cg, m: self._eigen_scaled(ca, cg, damping, m, fn), cache.a, cache.g, m
+      )
       return self._from_matrix(out, vecs)
-    key = "chol_inv" if inverse else "chol"
-    if f"a_{key}" not in cache:
+    la, lg = (cache.a.chol_inv, cache.g.chol_inv) if inverse else (cache.a.chol, cache.g.chol)
+    if la is None:
       raise ValueError(
         f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
         f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator."
@@ -300,12 +304,13 @@ class KroneckerBlock(LayoutBlock):
       # C = La ⊗ Lg acts as M ↦ La M Lgᵀ; Cᵀ as M ↦ Laᵀ M Lg.
       return _right(_left(_t(la), m), lg) if transpose else _right(_left(la, m), _t(lg))
 
-    out = self._map(one, cache[f"a_{key}"], cache[f"g_{key}"], m)
+    out = self.map_groups(one, la, lg, m)
     return self._from_matrix(out, vecs)
 
-  def multiply_undamped(self, factors, vecs):
+  def multiply_undamped(self, factors, vecs, cache=None):
+    del cache
     m = self._to_matrix(vecs)
-    out = self._map(lambda a, g, m: _right(_left(a, m), g), factors["a"], factors["g"], m)
+    out = self.map_groups(lambda a, g, m: _right(_left(a, m), g), factors.a, factors.g, m)
     return self._from_matrix(out, vecs)
 
 

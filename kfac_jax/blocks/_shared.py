@@ -51,6 +51,7 @@ import numpy as np
 from kfac_jax import _matchers, _scanner
 from kfac_jax.blocks import _kronecker, _layouts, _linalg
 from kfac_jax.blocks._base import Block, StackedUses
+from kfac_jax.blocks._state import KroneckerFactors, SeriesCache, SeriesFactors
 
 Array = jax.Array
 MAX_PSI = 0.99
@@ -80,9 +81,10 @@ def use_layouts(spec) -> list[tuple[_layouts.Layout, bool]]:
   return out
 
 
-def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
+def indep_factors(spec, data, batch_size: int, dtype) -> KroneckerFactors:
   """The "kron_indep" statistics of one batch (see the module docstring)."""
   layouts = use_layouts(spec)
+  grouped = layouts[0][0].groups > 1
   if isinstance(data, StackedUses):  # T equal uses inside one scan: rows of every step at once.
     layout = layouts[0][0]
     x, g = jax.vmap(lambda xs, gg: layout.rows((xs, gg), dtype), in_axes=(0, 1))(
@@ -93,9 +95,9 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
     g = g.reshape((g.shape[0], -1) + g.shape[3:])
     a = _linalg.gram(x, spec.has_bias) / x.shape[0]
     g = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
-    if len(spec.factor_shapes[1]) == 2:
+    if not grouped:
       a, g = a[0], g[0]
-    return {"a": a, "g": g}
+    return KroneckerFactors(a=a, g=g)
   if spec.kind in ("dense", "conv"):  # Per feature group for grouped convolutions.
     rows = [layout.rows(d, dtype) for (layout, _), d in zip(layouts, data)]
     if len({(x.shape[1:], g.shape[0], g.shape[2:]) for x, g in rows}) == 1:
@@ -116,9 +118,9 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
           g.shape[0] * batch_size
         )
       a, g = a_sum / n_rows, g_sum
-    if len(spec.factor_shapes[1]) == 2:  # One group: no group axis.
+    if not grouped:  # One group: no group axis.
       a, g = a[0], g[0]
-    return {"a": a, "g": g}
+    return KroneckerFactors(a=a, g=g)
   # Embedding table [vocab, dim], possibly tied with products by the (transposed) table.
   xs, ys = [], []
   for (layout, transposed), d in zip(layouts, data):
@@ -139,7 +141,7 @@ def indep_factors(spec, data, batch_size: int, dtype) -> dict[str, Array]:
       ok = (tx > 0) & (ty > 0)
       c = jnp.where(ok, jnp.sqrt(jnp.where(ok, ty, 1.0) / jnp.where(ok, tx, 1.0)), 1.0)
       xs[u], ys[u] = xs[u] * c, ys[u] / c
-  return {"a": sum(xs) / len(xs), "g": sum(ys)}
+  return KroneckerFactors(a=sum(xs) / len(xs), g=sum(ys))
 
 
 def _zeta(psi: Array, approx: str, t: int) -> Array:
@@ -182,17 +184,20 @@ class SeriesKroneckerBlock(Block):
     self.layouts = use_layouts(spec)
     self.layout = self.layouts[0][0]
 
-  def init_factors(self):
-    sa, sg = self.spec.factor_shapes
-    z = self.config.stats_dtype
-    return {
-      "a": jnp.zeros(sa, z),
-      "g": jnp.zeros(sg, z),
-      "a1": jnp.zeros(sa, z),
-      "g1": jnp.zeros(sg, z),
-    }
+  @property
+  def factor_shapes(self):
+    a = self.layout.in_dim + (1 if self.spec.has_bias else 0)
+    return ((a, a), (self.layout.out_dim, self.layout.out_dim))
 
-  def batch_factors(self, data, batch_size):
+  def init_factors(self) -> SeriesFactors:
+    sa, sg = self.factor_shapes
+    z = self.config.stats_dtype
+    return SeriesFactors(
+      a=jnp.zeros(sa, z), g=jnp.zeros(sg, z), a1=jnp.zeros(sa, z), g1=jnp.zeros(sg, z)
+    )
+
+  def batch_factors(self, data, batch_size, cache=None) -> SeriesFactors:
+    del cache
     dtype = self.config.accum_dtype
     xs, gs = [], []
     for (layout, _), d in zip(self.layouts, data):
@@ -207,42 +212,42 @@ class SeriesKroneckerBlock(Block):
     gg = jnp.einsum("tsri,tsrj->ij", g, g) / (s * batch_size)
     a1 = jnp.einsum("tri,trj->ij", x[:-1], x[1:]) / ((t - 1) * r)
     g1 = jnp.einsum("tsri,tsrj->ij", g[:-1], g[1:]) / (s * batch_size) * t / (t - 1)
-    return {"a": a, "g": gg, "a1": a1, "g1": g1}
+    return SeriesFactors(a=a, g=gg, a1=a1, g1=g1)
 
-  def _parts(self, factors, damping):
+  def _parts(self, factors: SeriesFactors, damping) -> SeriesCache:
+    """The cache for the damped factors, or (damping None) for the undamped ones, whose
+    `damping` field is then 0."""
     if damping is None:
-      a, g = factors["a"], factors["g"]
+      a, g = factors.a, factors.g
     else:
-      a, g = _kronecker._damped(factors["a"], factors["g"], damping)
-    qa, pa, psi_a = _whiten(a, factors["a1"])
-    qg, pg, psi_g = _whiten(g, factors["g1"])
+      a, g = _kronecker.damped_factors(factors.a, factors.g, damping)
+    qa, pa, psi_a = _whiten(a, factors.a1)
+    qg, pg, psi_g = _whiten(g, factors.g1)
     psi = jnp.clip(psi_a[:, None] * psi_g[None, :], -MAX_PSI, MAX_PSI)
-    return {
-      "qa": qa,
-      "pa": pa,
-      "qg": qg,
-      "pg": pg,
-      "zeta": _zeta(psi, self.spec.approx, self.spec.num_uses),
-    }
+    return SeriesCache(
+      qa=qa,
+      pa=pa,
+      qg=qg,
+      pg=pg,
+      zeta=_zeta(psi, self.spec.approx, self.spec.num_uses),
+      damping=jnp.zeros((), a.dtype) if damping is None else damping,
+    )
 
-  def init_cache(self):
-    sa, sg = self.spec.factor_shapes
+  def init_cache(self) -> SeriesCache:
+    sa, sg = self.factor_shapes
     dtype = self.config.inverse_dtype
     eye_a, eye_g = jnp.eye(sa[0], dtype=dtype), jnp.eye(sg[0], dtype=dtype)
-    return {
-      "qa": eye_a,
-      "pa": eye_a,
-      "qg": eye_g,
-      "pg": eye_g,
-      "zeta": jnp.ones((sa[0], sg[0]), dtype),
-      "damping": jnp.zeros((), dtype),
-    }
+    return SeriesCache(
+      qa=eye_a,
+      pa=eye_a,
+      qg=eye_g,
+      pg=eye_g,
+      zeta=jnp.ones((sa[0], sg[0]), dtype),
+      damping=jnp.zeros((), dtype),
+    )
 
-  def compute_cache(self, factors, damping):
-    damping = jnp.asarray(damping, self.config.inverse_dtype)
-    cache = self._parts(factors, damping)
-    cache["damping"] = damping
-    return cache
+  def compute_cache(self, factors, damping) -> SeriesCache:
+    return self._parts(factors, jnp.asarray(damping, self.config.inverse_dtype))
 
   def _matrix(self, vecs):
     return self.layout.to_matrix(vecs, self.config.inverse_dtype)[0]
@@ -252,10 +257,10 @@ class SeriesKroneckerBlock(Block):
     return [o.astype(v.dtype) for o, v in zip(out, vecs)]
 
   @staticmethod
-  def _apply(c, m, exp):
+  def _apply(c: SeriesCache, m, exp):
     if exp == 1:  # K diag(ζ) Kᵀ
-      return c["qa"] @ ((c["qa"].T @ m @ c["qg"]) * c["zeta"]) @ c["qg"].T
-    return c["pa"] @ ((c["pa"].T @ m @ c["pg"]) / c["zeta"]) @ c["pg"].T
+      return c.qa @ ((c.qa.T @ m @ c.qg) * c.zeta) @ c.qg.T
+    return c.pa @ ((c.pa.T @ m @ c.pg) / c.zeta) @ c.pg.T
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
@@ -263,12 +268,13 @@ class SeriesKroneckerBlock(Block):
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
     m, c = self._matrix(vecs), cache
-    root = jnp.sqrt(c["zeta"])
+    root = jnp.sqrt(c.zeta)
     if not inverse:  # C = K diag(√ζ)
-      out = (c["qa"].T @ m @ c["qg"]) * root if transpose else c["qa"] @ (m * root) @ c["qg"].T
+      out = (c.qa.T @ m @ c.qg) * root if transpose else c.qa @ (m * root) @ c.qg.T
     else:  # C⁻¹ = diag(1/√ζ) K⁻¹, K⁻¹ M = P_Aᵀ M P_G.
-      out = c["pa"] @ (m / root) @ c["pg"].T if transpose else (c["pa"].T @ m @ c["pg"]) / root
+      out = c.pa @ (m / root) @ c.pg.T if transpose else (c.pa.T @ m @ c.pg) / root
     return self._back(out, vecs)
 
-  def multiply_undamped(self, factors, vecs):
+  def multiply_undamped(self, factors, vecs, cache=None):
+    del cache
     return self._back(self._apply(self._parts(factors, None), self._matrix(vecs), 1), vecs)

@@ -3,7 +3,9 @@
 Every statistic, cache entry and product of the layer's own block (`spec.stack_inner`) gains a
 leading axis L: a stack of dense layers keeps `a: [L, in+1, in+1]`, `g: [L, out, out]`, and its
 inverses are the per-layer inverses batched over L. The parameter leaves carry the same leading
-axis, so layer l's block acts on `leaf[l]`: the curvature is block-diagonal over the stack.
+axis, so layer l's block acts on `leaf[l]`: the curvature is block-diagonal over the stack. The
+state has the layer's own types (`_state`), each array with the leading axis L; a layer whose
+statistics need its cache (EKFAC) gets layer l's cache for layer l's statistics.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ class StackedBlock(Block):
     self.spec = spec
     self.config = config
     self.inner = inner
+    self.needs_cache_for_statistics = inner.needs_cache_for_statistics
+
+  @property
+  def factor_shapes(self):
+    return tuple((self.size,) + tuple(s) for s in self.inner.factor_shapes)
 
   @property
   def size(self) -> int:
@@ -47,7 +54,7 @@ class StackedBlock(Block):
   def accepts_stacked_uses(self) -> bool:
     return True
 
-  def batch_factors(self, data, batch_size):
+  def batch_factors(self, data, batch_size, cache=None):
     if isinstance(data, StackedUses):  # One tap per layer, stacked by the scan.
       inputs, g = data.inputs, jnp.moveaxis(data.g, 1, 0)
       vmap_axes: tuple[int | None, ...] = (0,) * len(inputs)
@@ -63,8 +70,8 @@ class StackedBlock(Block):
       vmap_axes = (0,) * len(inputs)
       g = jnp.stack([d[1] for d in data])
     return jax.vmap(
-      lambda x, gg: self.inner.batch_factors((x, gg), batch_size), in_axes=(vmap_axes, 0)
-    )(inputs, g)
+      lambda x, gg, c: self.inner.batch_factors((x, gg), batch_size, c), in_axes=(vmap_axes, 0, 0)
+    )(inputs, g, cache)
 
   # -- inverses --------------------------------------------------------------------------------
 
@@ -72,8 +79,8 @@ class StackedBlock(Block):
     return _broadcast(self.inner.init_cache(), self.size)
 
   def compute_cache(self, factors, damping):
-    # On CPU, batched LAPACK calls can deadlock the thread pool (`_estimator.
-    # _batched_factorisations`): there the layers are factorised one after another by a scan.
+    # On CPU, batched LAPACK calls can deadlock the thread pool (`blocks.
+    # batched_factorisations`): there the layers are factorised one after another by a scan.
     fn = lambda f: self.inner.compute_cache(f, damping)
     if jax.default_backend() == "cpu":
       return jax.lax.map(fn, factors)
@@ -95,5 +102,7 @@ class StackedBlock(Block):
       list(vecs),
     )
 
-  def multiply_undamped(self, factors, vecs):
-    return self._map(lambda f, v: self.inner.multiply_undamped(f, v), factors, list(vecs))
+  def multiply_undamped(self, factors, vecs, cache=None):
+    return self._map(
+      lambda f, v, c: self.inner.multiply_undamped(f, v, c), factors, list(vecs), cache
+    )
