@@ -6,7 +6,7 @@ Precedence, highest first, for a layer the scanner registers:
      most specific statement there is);
   2. the first pattern of `LayerConfig.overrides`, in mapping order, that matches the layer;
   3. `LayerConfig.defaults[kind]`;
-  4. the library default (`_scanner.DEFAULT_APPROX`; depthwise convolutions "diagonal").
+  4. the library default (`_specs.DEFAULT_APPROX`; depthwise convolutions "diagonal").
 
 Patterns are shell-style globs (`fnmatch.fnmatchcase`: `*` matches any run of characters,
 slashes included; `?` one character; `[ab]` a set), matched against the whole layer name (e.g.
@@ -15,7 +15,7 @@ matches when any of them does. Globs were chosen over regexes because parameter 
 slash-separated names, for which `params/*/kernel` reads naturally and needs no escaping.
 
 Shared layers (a parameter used several times: tied weights, the steps of an unrolled scan, see
-`_scanner.SHARED_BY_KIND`) take their approximation from a manual tag's `approx=`, else from the
+`_specs.SHARED_BY_KIND`) take their approximation from a manual tag's `approx=`, else from the
 first matching `overrides` pattern (which may name "kron_series_1" / "kron_series_2" for a
 recurrence), else their kind's shared default ("kron_indep"; "full" for scale-and-shift).
 `defaults` do not apply to them: those name single-use approximations. A pattern choosing an
@@ -43,17 +43,7 @@ import fnmatch
 import types
 from collections.abc import Mapping, Sequence
 
-
-def _approximations():
-  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
-
-  return _scanner.APPROXIMATIONS
-
-
-def _shared_approximations():
-  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
-
-  return _scanner.SHARED_BY_KIND
+from kfac_jax import _specs
 
 
 def _frozen(mapping, name: str) -> Mapping[str, str]:
@@ -98,7 +88,7 @@ class LayerConfig:
   max_factor_dim: int | None = 8192
 
   def __post_init__(self):
-    approximations = _approximations()
+    approximations = _specs.APPROXIMATIONS
     m = self.max_factor_dim
     if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
       raise ValueError(
@@ -118,7 +108,7 @@ class LayerConfig:
         )
     overrides = _frozen(self.overrides, "overrides")
     every = sorted(
-      {a for table in (approximations, _shared_approximations()) for v in table.values() for a in v}
+      {a for table in (approximations, _specs.SHARED_BY_KIND) for v in table.values() for a in v}
     )
     for pattern, approx in overrides.items():
       if not isinstance(pattern, str) or not pattern:

@@ -43,7 +43,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kfac_jax._scanner import LossSpec
+from kfac_jax._specs import LossSpec
 
 Array = jax.Array
 

@@ -1,10 +1,21 @@
-"""Matching convolution, embedding and scale-and-shift layers (automatic and manual tags).
+"""Matchers: pure functions that find one layer kind in the graph index.
 
-Each matcher looks at one equation that really uses a parameter leaf (see `_scanner`) and, when
-the pattern fits, returns `(LayerSpec, output key, input atoms)`: the curvature pass adds its
-zero perturbation at the output key and records the input atoms; the block turns both into
-statistics. Patterns:
+A matcher reads the graph index (`_index.GraphIndex`) and the leaves claimed so far, looks at
+one equation that really uses a parameter leaf (or, for `match_shared`, at every use of one
+leaf), and returns a `Match` or None: the layer's leaves and, per use, its matching details
+(`DenseInfo`, `ConvInfo`, ...), the output key where the curvature pass adds its zero
+perturbation and the input atoms it records; the block turns both into statistics. A matcher
+changes nothing: the scanner (`_scanner._Scanner`) runs them in a fixed order, builds the
+`LayerSpec` and claims the leaves. `read_manual_tag` reads a manual layer tag the same way.
 
+Automatic matchers: `match_dense` (a dense product, or `one_hot(ids) @ table`), `match_conv`,
+`match_embedding`, `match_scale_and_shift`, `match_shared` (a leaf with several uses), and
+`_stacked.match_batched_dense` (L dense layers in one batched product). Patterns:
+
+  dense             `dot_general(x, kernel)` without batch dimensions, the kernel a (reshaped,
+                    transposed, cast) parameter leaf; its `[in, out]` matrix is the contracted
+                    then the free kernel axes (`dense_product`, shared with the stacked
+                    matcher); an optional bias added along the output features.
   conv              `conv_general_dilated(x, kernel)` with the kernel a (viewed) parameter leaf, any
                     spatial rank, strides, padding, dilations, dimension numbers and feature groups
                     (`batch_group_count` must be 1), and an optional bias `add` aligned with the
@@ -34,83 +45,56 @@ import jax
 import numpy as np
 
 from kfac_jax import _compat, _graph
+from kfac_jax._specs import (
+  ConvInfo,
+  DenseInfo,
+  EmbeddingInfo,
+  RegistrationError,
+  ScaleShiftInfo,
+  ViewStep,
+  kernel_index_matrix,
+)
 
 # --------------------------------------------------------------------------------------------
-# Static descriptions.
+# What a matcher returns.
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvInfo:
-  """A convolution `out = conv_general_dilated(x, kernel, ...)`, as the primitive describes it.
+class Match:
+  """A layer a matcher found in the graph: its parameter leaves and, per use, how it is applied.
 
-  `lhs_spec`, `rhs_spec`, `out_spec` are `ConvDimensionNumbers` fields: for the input, the
-  positions of (batch, feature, spatial...); for the kernel, (out feature, in feature,
-  spatial...); for the output, (batch, feature, spatial...). `padding` is explicit `(lo, hi)`
-  pairs. The kernel operand is the parameter leaf after `kernel_view`.
+  Attributes:
+    kind: "dense", "conv", "embedding", "scale_and_shift" (or "generic" for a manual tag).
+    leaves: the layer's leaves in the index (kernel / table / scale first, then bias / shift);
+      virtual leaves (stack slices, concatenations) are mapped back by the scanner.
+    infos: per use, the kind's matching details (`DenseInfo`, `ConvInfo`, ...).
+    outputs: per use, the key where the curvature pass adds its zero perturbation.
+    inputs: per use, the input atoms the block's statistics need.
+    stack_size: L > 0 for a stack of L layers applied by one batched operation
+      (`_stacked.match_batched_dense`); `infos` then describe one layer of it.
+    stack_axes: with `stack_size`, the layer axis of the input and of the output.
   """
 
-  kernel_view: tuple[Any, ...]
-  lhs_spec: tuple[int, ...]
-  rhs_spec: tuple[int, ...]
-  out_spec: tuple[int, ...]
-  window_strides: tuple[int, ...]
-  padding: tuple[tuple[int, int], ...]
-  lhs_dilation: tuple[int, ...]
-  rhs_dilation: tuple[int, ...]
-  feature_group_count: int
-  in_channels: int  # C, all groups
-  out_channels: int  # O, all groups
-  kernel_spatial: tuple[int, ...]
-  input_shape: tuple[int, ...]
-  output_shape: tuple[int, ...]
+  kind: str
+  leaves: tuple[int, ...]
+  infos: tuple[Any, ...]
+  outputs: tuple[Any, ...]
+  inputs: tuple[Any, ...]
+  stack_size: int = 0
+  stack_axes: tuple[int, ...] = ()
+
+  @classmethod
+  def single(cls, kind, leaves, info, output, inputs, **stack) -> Match:
+    """A layer with one use."""
+    return cls(kind, tuple(leaves), (info,), (output,), (inputs,), **stack)
 
   @property
-  def groups(self) -> int:
-    return self.feature_group_count
-
-  @property
-  def depthwise(self) -> bool:
-    return self.groups > 1 and self.groups == self.in_channels
-
-  @property
-  def patch_dim(self) -> int:
-    """Inputs of one group's patch: (C / groups) · prod(kernel_spatial)."""
-    return self.in_channels // self.groups * math.prod(self.kernel_spatial)
-
-  @property
-  def out_per_group(self) -> int:
-    return self.out_channels // self.groups
+  def num_uses(self) -> int:
+    return len(self.infos)
 
 
-@dataclasses.dataclass(frozen=True)
-class ScaleShiftInfo:
-  """`out = x̂ * scale + shift`, the parameters spanning the trailing `feature_shape` of `out`.
-
-  x̂ is the product of the layer's input operands (one, or two when a following multiplication
-  was folded in), broadcast to `output_shape`; its leading axis is the batch.
-  """
-
-  has_scale: bool
-  has_shift: bool
-  feature_shape: tuple[int, ...]
-  output_shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class EmbeddingInfo:
-  """`out[..., :] = table[ids[...], :]` with `table` (after `table_view`) of shape [vocab, dim]."""
-
-  table_view: tuple[Any, ...]
-  vocab_size: int
-  dim: int
-
-
-def conv_kron_shapes(info: ConvInfo, has_bias: bool):
-  a = info.patch_dim + (1 if has_bias else 0)
-  o = info.out_per_group
-  if info.groups == 1:
-    return ((a, a), (o, o))
-  return ((info.groups, a, a), (info.groups, o, o))
+# --------------------------------------------------------------------------------------------
+# Matching details (the info types themselves live in `_specs`).
 
 
 def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
@@ -169,19 +153,19 @@ def default_approx_note(kind: str, info) -> str:
 # Helpers on the scanner's tables.
 
 
-def _single_use_leaf(sc, atom, claimed, shared: bool = False):
+def _single_use_leaf(ix, atom, claimed, shared: bool = False):
   """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice (or,
   with `shared`, any number of times: one use of a shared layer)."""
-  if not _graph.is_key(atom) or atom not in sc.origin:
+  if not _graph.is_key(atom) or atom not in ix.origin:
     return None
-  leaf, chain = sc.origin[atom]
-  if leaf in claimed or (not shared and len(sc.uses.get(leaf, [])) != 1):
+  leaf, chain = ix.origin[atom]
+  if leaf in claimed or (not shared and len(ix.uses.get(leaf, [])) != 1):
     return None
   return leaf, chain
 
 
-def _only_consumer(sc, key):
-  cons = sc.slice_consumers.get(key, [])
+def _only_consumer(ix, key):
+  cons = ix.slice_consumers.get(key, [])
   return cons[0] if len(cons) == 1 else None
 
 
@@ -215,18 +199,18 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
   return None
 
 
-def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed, shared: bool = False):
+def _match_bias_add(ix, key, out_shape, feature_axis, size, claimed, shared: bool = False):
   """A single-use (or, with `shared`, any) parameter added to `key` along `feature_axis` (size
   `size`) only."""
-  use = _only_consumer(sc, key)
-  if use is None or sc.g.eqns[use[0]].name != "add":
+  use = _only_consumer(ix, key)
+  if use is None or ix.g.eqns[use[0]].name != "add":
     return None
-  fe = sc.g.eqns[use[0]]
-  found = _single_use_leaf(sc, fe.ins[1 - use[1]], claimed, shared)
+  fe = ix.g.eqns[use[0]]
+  found = _single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared)
   if found is None:
     return None
   leaf, chain = found
-  if math.prod(sc.shapes[leaf]) != size or any(s.op == "transpose" for s in chain):
+  if math.prod(ix.shapes[leaf]) != size or any(s.op == "transpose" for s in chain):
     return None
   if tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
@@ -263,9 +247,9 @@ def _index_view(fe, idx: np.ndarray) -> np.ndarray:
   return idx  # Casts and copies.
 
 
-def _leaf_index_view(sc, leaf, chain) -> np.ndarray:
+def _leaf_index_view(ix, leaf, chain) -> np.ndarray:
   """Which entry of `leaf` (flat index) each entry of the viewed operand reads."""
-  idx = np.arange(math.prod(sc.shapes[leaf])).reshape(sc.shapes[leaf])
+  idx = np.arange(math.prod(ix.shapes[leaf])).reshape(ix.shapes[leaf])
   for st in chain:
     if st.op == "transpose":
       idx = idx.transpose(st.perm)
@@ -279,7 +263,7 @@ def _leaf_index_view(sc, leaf, chain) -> np.ndarray:
   return idx
 
 
-def follow_bias(sc, key, feature_of: np.ndarray, claimed, shared: bool = False):
+def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
   """`(bias leaf, key of the sum)` if `key`, through layout-only ops, gets a parameter added whose
   entry f lands exactly on the entries with `feature_of == f`; else None.
 
@@ -292,10 +276,10 @@ def follow_bias(sc, key, feature_of: np.ndarray, claimed, shared: bool = False):
   """
   idx = feature_of
   for _ in range(16):
-    use = _only_consumer(sc, key)
+    use = _only_consumer(ix, key)
     if use is None:
       return None
-    fe = sc.g.eqns[use[0]]
+    fe = ix.g.eqns[use[0]]
     if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
       out_shape = tuple(fe.outs[0][1].aval.shape)
       if fe.name == "broadcast_in_dim" and math.prod(out_shape) != idx.size:
@@ -304,13 +288,13 @@ def follow_bias(sc, key, feature_of: np.ndarray, claimed, shared: bool = False):
       continue
     if fe.name != "add" or len(fe.ins) != 2:
       return None
-    found = _single_use_leaf(sc, fe.ins[1 - use[1]], claimed, shared)
+    found = _single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared)
     if found is None:
       return None
     leaf, chain = found
     out_shape = tuple(fe.outs[0][1].aval.shape)
-    n = math.prod(sc.shapes[leaf])
-    b = _leaf_index_view(sc, leaf, chain)
+    n = math.prod(ix.shapes[leaf])
+    b = _leaf_index_view(ix, leaf, chain)
     if b.ndim == len(out_shape) and all(d in (1, o) for d, o in zip(b.shape, out_shape)):
       b = np.broadcast_to(b, out_shape)  # Unit axes broadcast by the add (vmap's batching).
     if b.shape != out_shape or idx.shape != out_shape or n != int(idx.max()) + 1:
@@ -329,20 +313,169 @@ def conv_feature_of(info: ConvInfo) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
+# Dense layers (and one-hot embedding products).
+
+
+def dot_dims(dimension_numbers, k_pos: int):
+  """`(k_contract, x_contract, k_batch, x_batch)` of a `dot_general` whose kernel is operand
+  `k_pos` (0: lhs, 1: rhs) and whose activation is the other operand."""
+  (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
+  k_c, x_c, k_b, x_b = (rhs_c, lhs_c, rhs_b, lhs_b) if k_pos == 1 else (lhs_c, rhs_c, lhs_b, rhs_b)
+  return tuple(map(int, k_c)), tuple(map(int, x_c)), tuple(map(int, k_b)), tuple(map(int, x_b))
+
+
+def dense_product(k_shape, x_shape, k_contract, x_contract, k_pos: int, kernel_view=()):
+  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None.
+
+  The kernel operand (shape `k_shape`, operand `k_pos`) is read as the `[in, out]` matrix of its
+  contracted then free axes, the activation as `[rows, in]`. `dot_general` lays its output out
+  as (lhs free..., rhs free...). Shared by the dense matcher and the stacked one
+  (`_stacked.batched_dense_use`, which drops the layer axis first). None when the kernel has no
+  free or no contracted axis.
+  """
+  k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
+  x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
+  if not k_free or not k_contract:
+    return None
+  in_dim = math.prod(k_shape[d] for d in k_contract)
+  out_dim = math.prod(k_shape[d] for d in k_free)
+  rows = math.prod(x_shape[d] for d in x_free)
+  n_xf, n_kf = len(x_free), len(k_free)
+  if k_pos == 1:  # out = (x_free..., k_free...)
+    out_perm = tuple(range(n_xf + n_kf))
+  else:  # out = (k_free..., x_free...)
+    out_perm = tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf))
+  info = DenseInfo(
+    kernel_view=tuple(kernel_view),
+    kernel_perm=tuple(k_contract) + k_free,
+    x_perm=x_free + tuple(x_contract),
+    out_perm=out_perm,
+    in_dim=int(in_dim),
+    out_dim=int(out_dim),
+    rows=int(rows),
+  )
+  return info, k_free, x_free
+
+
+def dense_use(ix, i, k_pos):
+  """`(info, x_atom, k_shape, k_free)` if equation i is a dense product, kernel at k_pos."""
+  fe = ix.g.eqns[i]
+  k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
+  _, k_chain = ix.origin[k_atom]
+  if any(s.op not in ("reshape", "transpose", "cast") for s in k_chain):
+    return None
+  k_contract, x_contract, k_batch, x_batch = dot_dims(fe.params["dimension_numbers"], k_pos)
+  if k_batch or x_batch:
+    return None  # Batched products (e.g. per-head weights) are not dense layers.
+  k_shape = tuple(_graph.aval_of(k_atom).shape)
+  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  found = dense_product(k_shape, x_shape, k_contract, x_contract, k_pos, k_chain)
+  if found is None:
+    return None
+  info, k_free, _ = found
+  return info, x_atom, k_shape, k_free
+
+
+def match_dense(ix, i, claimed):
+  """A single-use kernel in a `dot_general` with an activation (and its bias), or a one-hot
+  embedding product `one_hot(ids) @ table`."""
+  fe = ix.g.eqns[i]
+  if fe.name != "dot_general":
+    return None
+  param_ops = ix.uses_by_eqn.get(i, [])
+  if len(param_ops) != 1:
+    return None  # No parameter, or a product of two parameters.
+  k_leaf, k_pos = param_ops[0]
+  if k_leaf in claimed or len(ix.uses.get(k_leaf, [])) != 1:
+    return None
+  emb = one_hot_embedding_use(ix, i) if k_pos == 1 else None
+  if emb is not None:  # `one_hot(ids) @ table`: an embedding lookup written as a product.
+    info, ids, out_key = emb
+    return Match.single("embedding", [k_leaf], info, out_key, (ids,))
+  found = dense_use(ix, i, k_pos)
+  if found is None:
+    return None
+  info, x_atom, k_shape, k_free = found
+  leaves = [k_leaf]
+  out_key = fe.outs[0]
+  bias = match_dense_bias(ix, out_key, k_pos, k_shape, k_free, claimed)
+  if bias is not None:
+    b_leaf, out_key = bias
+    leaves.append(b_leaf)
+  return Match.single("dense", leaves, info, out_key, (x_atom,))
+
+
+def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
+  """`(bias leaf, output key)` of a parameter added to a dense product's output `s_key` along
+  its output features, else None."""
+  found = _match_direct_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared)
+  if found is not None:
+    return found
+  # A bias behind layout ops (vmap's unit axes, a transposed product) or broadcast to the full
+  # output: matched by where each bias entry lands; the tap stays at the product.
+  free_shape = tuple(k_shape[d] for d in k_free)
+  out_shape = tuple(s_key[1].aval.shape)
+  n_kf = len(free_shape)
+  feat = np.arange(math.prod(free_shape)).reshape(free_shape)
+  if k_pos == 1:  # out = (x_free..., k_free...)
+    feat = np.broadcast_to(feat, out_shape)
+  else:  # out = (k_free..., x_free...)
+    feat = np.broadcast_to(feat.reshape(free_shape + (1,) * (len(out_shape) - n_kf)), out_shape)
+  bias = follow_bias(ix, s_key, feat, claimed, shared)
+  return None if bias is None else (bias[0], s_key)
+
+
+def _match_direct_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
+  if k_pos != 1:
+    return None
+  cons = ix.slice_consumers.get(s_key, [])
+  if len(cons) != 1:
+    return None
+  j, pos = cons[0]
+  fe = ix.g.eqns[j]
+  if fe.name != "add":
+    return None
+  other = fe.ins[1 - pos]
+  if not _graph.is_key(other) or other not in ix.origin:
+    return None
+  b_leaf, b_chain = ix.origin[other]
+  if b_leaf in claimed or (not shared and len(ix.uses.get(b_leaf, [])) != 1):
+    return None
+  if any(s.op == "transpose" for s in b_chain):
+    return None
+  free_shape = tuple(k_shape[d] for d in k_free)
+  if math.prod(ix.shapes[b_leaf]) != math.prod(free_shape):
+    return None
+  b_shape = tuple(_graph.aval_of(other).shape)
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  s_shape = tuple(s_key[1].aval.shape)
+  if out_shape != s_shape or len(b_shape) < len(free_shape):
+    return None
+  if b_shape[len(b_shape) - len(free_shape) :] != free_shape:
+    return None
+  if math.prod(b_shape[: len(b_shape) - len(free_shape)]) not in (
+    1,
+    math.prod(s_shape[: len(s_shape) - len(free_shape)]),
+  ):
+    return None
+  return b_leaf, fe.outs[0]
+
+
+# --------------------------------------------------------------------------------------------
 # Automatic matching.
 
 
-def conv_use(sc, i, claimed, shared: bool = False):
+def conv_use(ix, i, claimed, shared: bool = False):
   """`(ConvInfo, kernel leaf, x atom, output key, bias leaf or None)` if equation i convolves an
   activation with a (viewed) parameter kernel, else None. With `shared`, the kernel and the bias
   may have other uses (one use of a shared layer)."""
-  fe = sc.g.eqns[i]
+  fe = ix.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
-  ops = sc.uses_by_eqn.get(i, [])
+  ops = ix.uses_by_eqn.get(i, [])
   if len(ops) != 1 or ops[0][1] != 1:
     return None
-  found = _single_use_leaf(sc, fe.ins[1], claimed, shared)
+  found = _single_use_leaf(ix, fe.ins[1], claimed, shared)
   if found is None:
     return None
   k_leaf, chain = found
@@ -355,10 +488,10 @@ def conv_use(sc, i, claimed, shared: bool = False):
     chain, fe.params, _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape, out_shape
   )
   bias = _match_bias_add(
-    sc, out_key, out_shape, info.out_spec[1], info.out_channels, claimed, shared
+    ix, out_key, out_shape, info.out_spec[1], info.out_channels, claimed, shared
   )
   if bias is None:  # A broadcast bias, or one behind layout ops; the tap stays at the conv.
-    bias = follow_bias(sc, out_key, conv_feature_of(info), claimed, shared)
+    bias = follow_bias(ix, out_key, conv_feature_of(info), claimed, shared)
     bias = None if bias is None else (bias[0], out_key)
   b_leaf, out_key = bias if bias is not None else (None, out_key)
   return info, k_leaf, x_atom, out_key, b_leaf
@@ -377,47 +510,39 @@ def conv_kernel_layout(info: ConvInfo) -> tuple[Any, ...]:
   )
 
 
-def match_conv(sc, i, claimed):
-  found = conv_use(sc, i, claimed)
+def match_conv(ix, i, claimed):
+  found = conv_use(ix, i, claimed)
   if found is None:
     return None
   info, k_leaf, x_atom, out_key, b_leaf = found
   leaves = [k_leaf] + ([b_leaf] if b_leaf is not None else [])
-  spec = sc.layer_spec(
-    "conv", leaves, info, None, "auto", conv_kron_shapes(info, b_leaf is not None)
-  )
-  sc._claim(claimed, leaves, spec.name)
-  return spec, out_key, (x_atom,)
+  return Match.single("conv", leaves, info, out_key, (x_atom,))
 
 
-def match_embedding(sc, i, claimed):
-  fe = sc.g.eqns[i]
+def match_embedding(ix, i, claimed):
+  fe = ix.g.eqns[i]
   if fe.name != "gather":
     return None
-  ops = sc.uses_by_eqn.get(i, [])
+  ops = ix.uses_by_eqn.get(i, [])
   if len(ops) != 1 or ops[0][1] != 0:
     return None
-  found = _single_use_leaf(sc, fe.ins[0], claimed)
+  found = _single_use_leaf(ix, fe.ins[0], claimed)
   if found is None:
     return None
-  use = embedding_use(sc, i)
+  use = embedding_use(ix, i)
   if use is None:
     return None
   info, ids, out_key = use
-  spec = sc.layer_spec(
-    "embedding", [found[0]], info, None, "auto", ((info.vocab_size,), (info.dim, info.dim))
-  )
-  sc._claim(claimed, [found[0]], spec.name)
-  return spec, out_key, (ids,)
+  return Match.single("embedding", [found[0]], info, out_key, (ids,))
 
 
-def embedding_use(sc, i):
+def embedding_use(ix, i):
   """`(EmbeddingInfo, ids atom, output key)` if equation i takes whole rows of a [vocab, dim]
   parameter table (its operand 0), else None."""
-  fe = sc.g.eqns[i]
-  if fe.name != "gather" or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in sc.origin:
+  fe = ix.g.eqns[i]
+  if fe.name != "gather" or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in ix.origin:
     return None
-  chain = sc.origin[fe.ins[0]][1]
+  chain = ix.origin[fe.ins[0]][1]
   t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
   if any(s.op != "cast" for s in chain) or len(t_shape) != 2:
     return None
@@ -438,21 +563,21 @@ def embedding_use(sc, i):
   return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
 
 
-def _producer(sc, atom):
+def _producer(ix, atom):
   """The equation computing `atom`, or None for inputs, constants and literals."""
   if not _graph.is_key(atom):
     return None
-  i = sc.producer.get(atom)
-  return None if i is None else sc.g.eqns[i]
+  i = ix.producer.get(atom)
+  return None if i is None else ix.g.eqns[i]
 
 
-def _constant_value(sc, atom):
+def _constant_value(ix, atom):
   """The value of a literal or closed-over constant as a numpy array; None otherwise (also for a
   constant that is a tracer, e.g. closed over inside an outer `jit`)."""
   if isinstance(atom, _compat.Literal):
     value = atom.val
-  elif _graph.is_key(atom) and atom in sc.const_values:
-    value = sc.const_values[atom]
+  elif _graph.is_key(atom) and atom in ix.const_values:
+    value = ix.const_values[atom]
   else:
     return None
   try:
@@ -461,12 +586,12 @@ def _constant_value(sc, atom):
     return None
 
 
-def _iota_axis(sc, atom) -> tuple[int, int] | None:
+def _iota_axis(ix, atom) -> tuple[int, int] | None:
   """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others.
 
   Follows casts and `broadcast_in_dim` back to an `iota` (or a constant such as `np.arange`).
   """
-  value = _constant_value(sc, atom)
+  value = _constant_value(ix, atom)
   if value is not None:
     if not np.issubdtype(value.dtype, np.number):
       return None
@@ -475,16 +600,16 @@ def _iota_axis(sc, atom) -> tuple[int, int] | None:
         ramp = np.arange(n).reshape([n if d == axis else 1 for d in range(value.ndim)])
         return (axis, n) if np.array_equal(value, np.broadcast_to(ramp, value.shape)) else None
     return None
-  fe = _producer(sc, atom)
+  fe = _producer(ix, atom)
   if fe is None:
     return None
   if fe.name == "iota":
     shape, axis = tuple(fe.params["shape"]), int(fe.params["dimension"])
     return axis, int(shape[axis])
   if fe.name in ("convert_element_type", "copy", "copy_p"):
-    return _iota_axis(sc, fe.ins[0])
+    return _iota_axis(ix, fe.ins[0])
   if fe.name == "broadcast_in_dim":
-    inner = _iota_axis(sc, fe.ins[0])
+    inner = _iota_axis(ix, fe.ins[0])
     if inner is None:
       return None
     axis, n = inner
@@ -492,16 +617,16 @@ def _iota_axis(sc, atom) -> tuple[int, int] | None:
   return None
 
 
-def one_hot_ids(sc, atom, axis: int, vocab: int):
+def one_hot_ids(ix, atom, axis: int, vocab: int):
   """The integer ids atom if `atom` is `cast(ids == iota)` with the iota along `axis` (size
   `vocab`), i.e. a one-hot encoding with the vocabulary on `axis`; else None.
 
   The ids atom returned has the one-hot's shape with `axis` dropped or of size 1, so its
   row-major order is that of the one-hot's other axes.
   """
-  fe = _producer(sc, atom)
+  fe = _producer(ix, atom)
   while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
-    fe = _producer(sc, fe.ins[0])
+    fe = _producer(ix, fe.ins[0])
   if fe is None or fe.name != "eq":
     return None
   shape = tuple(fe.outs[0][1].aval.shape)
@@ -509,12 +634,12 @@ def one_hot_ids(sc, atom, axis: int, vocab: int):
     return None
   squeezed = shape[:axis] + (1,) + shape[axis + 1 :]
   for pos in (0, 1):
-    if _iota_axis(sc, fe.ins[pos]) != (axis, vocab):
+    if _iota_axis(ix, fe.ins[pos]) != (axis, vocab):
       continue
     ids = fe.ins[1 - pos]
     ids_shape = tuple(_graph.aval_of(ids).shape)
     if ids_shape != squeezed:  # Broadcast along the vocabulary: look through the broadcast.
-      b = _producer(sc, ids)
+      b = _producer(ix, ids)
       if (
         ids_shape != shape
         or b is None
@@ -530,14 +655,14 @@ def one_hot_ids(sc, atom, axis: int, vocab: int):
   return None
 
 
-def one_hot_embedding_use(sc, i):
+def one_hot_embedding_use(ix, i):
   """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
   `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
-  fe = sc.g.eqns[i]
-  if fe.name != "dot_general" or not _graph.is_key(fe.ins[1]) or fe.ins[1] not in sc.origin:
+  fe = ix.g.eqns[i]
+  if fe.name != "dot_general" or not _graph.is_key(fe.ins[1]) or fe.ins[1] not in ix.origin:
     return None
   (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
-  chain = sc.origin[fe.ins[1]][1]
+  chain = ix.origin[fe.ins[1]][1]
   t_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
   if (
     lhs_b
@@ -548,38 +673,36 @@ def one_hot_embedding_use(sc, i):
     or any(s.op != "cast" for s in chain)
   ):
     return None
-  ids = one_hot_ids(sc, fe.ins[0], int(lhs_c[0]), t_shape[0])
+  ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), t_shape[0])
   if ids is None:
     return None
   return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), ids, fe.outs[0]
 
 
-def match_scale_and_shift(sc, i, claimed):
-  found = scale_shift_use(sc, i, claimed)
+def match_scale_and_shift(ix, i, claimed):
+  found = scale_shift_use(ix, i, claimed)
   if found is None:
     return None
   info, leaf, inputs, out_key, shift_leaf = found
   leaves = [leaf] + ([shift_leaf] if shift_leaf is not None else [])
-  spec = sc.layer_spec("scale_and_shift", leaves, info, None, "auto", ())
-  sc._claim(claimed, leaves, spec.name)
-  return spec, out_key, inputs
+  return Match.single("scale_and_shift", leaves, info, out_key, inputs)
 
 
-def scale_shift_use(sc, i, claimed, shared: bool = False):
+def scale_shift_use(ix, i, claimed, shared: bool = False):
   """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` if equation i
   multiplies an activation by a parameter (then `leaf` is the scale, and a following shift is
   matched too) or adds one to it (`leaf` is the shift); else None. With `shared`, the
   parameters may have other uses (one use of a shared layer)."""
-  fe = sc.g.eqns[i]
+  fe = ix.g.eqns[i]
   if fe.name not in ("mul", "add") or len(fe.ins) != 2:
     return None
-  ops = sc.uses_by_eqn.get(i, [])
+  ops = ix.uses_by_eqn.get(i, [])
   if len(ops) != 1:
     return None
   leaf, pos = ops[0]
-  found = _single_use_leaf(sc, fe.ins[pos], claimed, shared)
+  found = _single_use_leaf(ix, fe.ins[pos], claimed, shared)
   other = fe.ins[1 - pos]
-  if found is None or not _graph.is_key(other) or other in sc.origin:
+  if found is None or not _graph.is_key(other) or other in ix.origin:
     return None
   chain = found[1]
   view_shape = tuple(_graph.aval_of(fe.ins[pos]).shape)
@@ -587,24 +710,24 @@ def scale_shift_use(sc, i, claimed, shared: bool = False):
   inputs: tuple = ()
   if fe.name == "mul":
     inputs = (other,)
-    use = _only_consumer(sc, out_key)
-    if use is not None and sc.g.eqns[use[0]].name == "mul":
-      nxt = sc.g.eqns[use[0]]
+    use = _only_consumer(ix, out_key)
+    if use is not None and ix.g.eqns[use[0]].name == "mul":
+      nxt = ix.g.eqns[use[0]]
       y = nxt.ins[1 - use[1]]
-      if _graph.is_key(y) and y not in sc.origin:
+      if _graph.is_key(y) and y not in ix.origin:
         inputs, out_key = (other, y), nxt.outs[0]
   elif tuple(_graph.aval_of(other).shape) != tuple(out_key[1].aval.shape):
     return None  # A shift must not broadcast the activation.
   out_shape = tuple(out_key[1].aval.shape)
-  if not out_shape or out_shape[0] != sc.batch_size:
+  if not out_shape or out_shape[0] != ix.batch_size:
     return None
-  feat = _trailing_feature_shape(sc.shapes[leaf], chain, view_shape, out_shape)
+  feat = _trailing_feature_shape(ix.shapes[leaf], chain, view_shape, out_shape)
   if feat is None or len(feat) == len(out_shape):
     return None
   shift_leaf = None
   has_shift = fe.name == "add"
   if not has_shift:
-    shift = _match_shift(sc, out_key, out_shape, feat, claimed, shared)
+    shift = _match_shift(ix, out_key, out_shape, feat, claimed, shared)
     if shift is not None:
       shift_leaf, out_key = shift
       has_shift = True
@@ -614,45 +737,166 @@ def scale_shift_use(sc, i, claimed, shared: bool = False):
   return info, leaf, inputs, out_key, shift_leaf
 
 
-def _match_shift(sc, key, out_shape, feat, claimed, shared: bool = False):
-  use = _only_consumer(sc, key)
-  if use is None or sc.g.eqns[use[0]].name != "add":
+def _match_shift(ix, key, out_shape, feat, claimed, shared: bool = False):
+  use = _only_consumer(ix, key)
+  if use is None or ix.g.eqns[use[0]].name != "add":
     return None
-  fe = sc.g.eqns[use[0]]
+  fe = ix.g.eqns[use[0]]
   atom = fe.ins[1 - use[1]]
-  found = _single_use_leaf(sc, atom, claimed, shared)
+  found = _single_use_leaf(ix, atom, claimed, shared)
   if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
   leaf, chain = found
-  f = _trailing_feature_shape(sc.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
+  f = _trailing_feature_shape(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
   if f != feat:
     return None
   return leaf, fe.outs[0]
 
 
 # --------------------------------------------------------------------------------------------
+# Shared layers: one leaf, several uses.
+
+
+def match_shared(ix, leaf, claimed, shifts: bool = False):
+  """One layer for a leaf whose uses are all dense products (with one shared bias), embedding
+  lookups, convolutions (with one shared bias) or scales / shifts of activations; a tied
+  embedding mixes lookups with products by the transposed table. Leaves added to activations
+  (shifts) are matched only with `shifts`, after the scales have claimed theirs.
+
+  Returns a `Match` with one entry per use, or None.
+  """
+  uses = ix.uses[leaf]
+  found = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
+  for i, pos in uses:
+    fe = ix.g.eqns[i]
+    if len(ix.uses_by_eqn.get(i, [])) != 1:
+      return None
+    emb = one_hot_embedding_use(ix, i) if pos == 1 else None
+    if emb is not None:
+      found.append(("embedding", emb[0], (emb[1],), emb[2], None))
+    elif fe.name == "dot_general":
+      d = dense_use(ix, i, pos)
+      if d is None:
+        return None
+      info, x_atom, k_shape, k_free = d
+      bias = match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
+      b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
+      found.append(("dense", info, (x_atom,), out_key, b_leaf))
+    elif fe.name == "gather" and pos == 0:
+      e = embedding_use(ix, i)
+      if e is None:
+        return None
+      info, ids, out_key = e
+      found.append(("embedding", info, (ids,), out_key, None))
+    elif fe.name == "conv_general_dilated":
+      c = conv_use(ix, i, claimed, shared=True)
+      if c is None:
+        return None
+      info, _, x_atom, out_key, b_leaf = c
+      found.append(("conv", info, (x_atom,), out_key, b_leaf))
+    elif fe.name == "mul" or (fe.name == "add" and shifts):
+      m = scale_shift_use(ix, i, claimed, shared=True)
+      if m is None:
+        return None
+      info, _, inputs, out_key, shift_leaf = m
+      found.append(("scale_and_shift", info, inputs, out_key, shift_leaf))
+    else:
+      return None
+  kinds = {f[0] for f in found}
+  biases = {f[4] for f in found}
+  if len(biases) != 1:
+    return None
+  (b_leaf,) = biases
+  if b_leaf is not None and (b_leaf in claimed or len(ix.uses[b_leaf]) != len(uses)):
+    return None
+  infos = tuple(f[1] for f in found)
+  shape = ix.shapes[leaf]
+  if kinds == {"dense"}:  # Every use must read the kernel as the same [in, out] matrix.
+    first = kernel_index_matrix(infos[0], shape)
+    if any(not np.array_equal(kernel_index_matrix(inf, shape), first) for inf in infos[1:]):
+      return None
+    kind = "dense"
+  elif kinds == {"conv"}:  # ... and as the same [window · in, out] matrix.
+    if len({conv_kernel_layout(inf) for inf in infos}) != 1:
+      return None
+    kind = "conv"
+  elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
+    if len({(inf.has_scale, inf.has_shift, inf.feature_shape) for inf in infos}) != 1:
+      return None
+    kind = "scale_and_shift"
+  elif kinds <= {"dense", "embedding"}:
+    # A table [vocab, dim]: products read it as itself or as its transpose.
+    emb = next(inf for inf in infos if isinstance(inf, EmbeddingInfo))
+    idx = np.arange(math.prod(shape)).reshape(shape)
+    for inf in infos:
+      if isinstance(inf, EmbeddingInfo):
+        if inf != emb:
+          return None
+        continue
+      m = kernel_index_matrix(inf, shape)
+      if not (np.array_equal(m, idx) or np.array_equal(m, idx.T)):
+        return None
+    kind = "embedding"
+  else:
+    return None
+  leaves = [leaf] + ([b_leaf] if b_leaf is not None else [])
+  return Match(kind, tuple(leaves), infos, tuple(f[3] for f in found), tuple(f[2] for f in found))
+
+
+# --------------------------------------------------------------------------------------------
 # Manual tags.
 
 
-def manual(sc, fe, claimed):
-  """The LayerSpec of a `register_conv` / `register_scale_and_shift` / `register_embedding` tag."""
-  kind, approx = fe.params["kind"], fe.params["approx"]
+def leaf_for_operand(ix, atom, what: str, tag: str) -> tuple[int, tuple[ViewStep, ...]]:
+  """`(leaf, view chain)` of a manual tag's parameter operand; an error if it is no view of one."""
+  if not _graph.is_key(atom) or atom not in ix.origin:
+    raise RegistrationError(
+      f"{tag}: `{what}` is not a parameter leaf of `params` (nor a cast/reshape of one). "
+      "Pass the parameter array itself, as read from the params pytree inside loss_fn."
+    )
+  return ix.origin[atom]
+
+
+def read_manual_tag(ix, fe) -> Match:
+  """The layer a manual layer tag (`register_dense`, `register_conv`, ...) declares, one use.
+
+  The tag's `approx=` is `fe.params["approx"]`; the scanner checks it. A generic tag's match has
+  no info, output or inputs.
+
+  Raises:
+    RegistrationError: a malformed tag (an operand that is not a parameter, shapes that do not
+      fit), naming the tag and the parameter path.
+  """
+  kind = fe.params["kind"]
   fn = f"register_{kind}"
+  if kind == "generic":
+    generic = tuple(
+      leaf_for_operand(ix, a, f"params[{p}]", "register_generic")[0] for p, a in enumerate(fe.ins)
+    )
+    if len(set(generic)) != len(generic):
+      raise RegistrationError(
+        f"register_generic: the same parameter appears twice: {[ix.paths[j] for j in generic]}."
+      )
+    return Match.single("generic", generic, None, None, None)
+  if kind == "dense":
+    return _read_dense_tag(ix, fe)
   y = fe.ins[0]
   if not _graph.is_key(y):
-    raise sc.error(f"{fn}: the layer output `y` is a constant, not computed from the input.")
+    raise RegistrationError(
+      f"{fn}: the layer output `y` is a constant, not computed from the input."
+    )
   y_shape = tuple(_graph.aval_of(y).shape)
 
   def leaf(atom, what):
-    j, chain = sc._leaf_for_operand(atom, what, fn)
+    j, chain = leaf_for_operand(ix, atom, what, fn)
     if any(s.op == "broadcast" for s in chain) and kind != "scale_and_shift":
-      raise sc.error(
-        f"{fn}: `{what}` (`{sc.paths[j]}`) is broadcast before the tag; pass the parameter itself."
+      raise RegistrationError(
+        f"{fn}: `{what}` (`{ix.paths[j]}`) is broadcast before the tag; pass the parameter itself."
       )
     return j, chain
 
   info: ConvInfo | EmbeddingInfo | ScaleShiftInfo
-  inputs: tuple[Any, ...]
+  leaves: list[int]
   if kind == "conv":
     x, kernel = fe.ins[1], fe.ins[2]
     k_leaf, chain = leaf(kernel, "kernel")
@@ -662,64 +906,77 @@ def manual(sc, fe, claimed):
     info = _conv_info(
       chain, fe.params, _graph.aval_of(x).shape, _graph.aval_of(kernel).shape, y_shape
     )
-    approx = sc._check_approx("conv", approx, [sc.paths[j] for j in leaves])
-    spec = sc.layer_spec(
-      "conv", leaves, info, approx, "manual", conv_kron_shapes(info, len(leaves) == 2)
-    )
-    inputs = (x,)
-  elif kind == "embedding":
+    return Match.single("conv", leaves, info, y, (x,))
+  if kind == "embedding":
     ids, table = fe.ins[1], fe.ins[2]
     t_leaf, chain = leaf(table, "table")
     if any(s.op != "cast" for s in chain):
-      raise sc.error(
-        f"{fn}: `table` (`{sc.paths[t_leaf]}`) is reshaped or transposed before "
+      raise RegistrationError(
+        f"{fn}: `table` (`{ix.paths[t_leaf]}`) is reshaped or transposed before "
         "the tag; pass the [vocab, dim] parameter itself."
       )
     t_shape = _graph.aval_of(table).shape
     info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
-    approx = sc._check_approx("embedding", approx, [sc.paths[t_leaf]])
-    spec = sc.layer_spec(
-      "embedding", [t_leaf], info, approx, "manual", ((info.vocab_size,), (info.dim, info.dim))
+    return Match.single("embedding", [t_leaf], info, y, (ids,))
+  # scale_and_shift: (y, x, scale?, shift?)
+  if y_shape[0] != ix.batch_size:
+    raise RegistrationError(
+      f"{fn}: `y` has shape {y_shape}, but its leading axis must be the batch of the loss "
+      f"tags ({ix.batch_size})."
     )
-    leaves, inputs = [t_leaf], (ids,)
-  else:  # scale_and_shift: (y, x, scale?, shift?)
-    if y_shape[0] != sc.batch_size:
-      raise sc.error(
-        f"{fn}: `y` has shape {y_shape}, but its leading axis must be the batch of the loss "
-        f"tags ({sc.batch_size})."
+  leaves, feats = [], []
+  for atom, what in zip(
+    fe.ins[2:],
+    [n for n, h in (("scale", fe.params["has_scale"]), ("shift", fe.params["has_shift"])) if h],
+  ):
+    j, chain = leaf(atom, what)
+    f = _trailing_feature_shape(ix.shapes[j], chain, tuple(_graph.aval_of(atom).shape), y_shape)
+    if f is None or len(f) == len(y_shape):
+      raise RegistrationError(
+        f"{fn}: `{what}` (`{ix.paths[j]}`, shape {ix.shapes[j]}) does not span "
+        f"trailing axes of y {y_shape}."
       )
-    leaves, feats = [], []
-    for atom, what in zip(
-      fe.ins[2:],
-      [n for n, h in (("scale", fe.params["has_scale"]), ("shift", fe.params["has_shift"])) if h],
-    ):
-      j, chain = leaf(atom, what)
-      f = _trailing_feature_shape(sc.shapes[j], chain, tuple(_graph.aval_of(atom).shape), y_shape)
-      if f is None or len(f) == len(y_shape):
-        raise sc.error(
-          f"{fn}: `{what}` (`{sc.paths[j]}`, shape {sc.shapes[j]}) does not span "
-          f"trailing axes of y {y_shape}."
-        )
-      leaves.append(j)
-      feats.append(f)
-    if len(set(feats)) > 1:
-      raise sc.error(f"{fn}: `scale` and `shift` span different axes of y: {feats}.")
-    info = ScaleShiftInfo(
-      has_scale=fe.params["has_scale"],
-      has_shift=fe.params["has_shift"],
-      feature_shape=feats[0],
-      output_shape=y_shape,
-    )
-    approx = sc._check_approx("scale_and_shift", approx, [sc.paths[j] for j in leaves])
-    spec = sc.layer_spec("scale_and_shift", leaves, info, approx, "manual", ())
-    inputs = (fe.ins[1],) if info.has_scale else ()
-  for j in leaves:  # One tag registers one use: a parameter used again elsewhere is miscounted.
-    sc.check_use_count(
-      j,
-      1,
-      fn,
-      "remove the tag so that the scanner registers the uses together as one "
-      "shared layer, or cover the parameter with register_generic",
-    )
-  sc._claim(claimed, leaves, spec.name)
-  return spec, y, inputs
+    leaves.append(j)
+    feats.append(f)
+  if len(set(feats)) > 1:
+    raise RegistrationError(f"{fn}: `scale` and `shift` span different axes of y: {feats}.")
+  info = ScaleShiftInfo(
+    has_scale=fe.params["has_scale"],
+    has_shift=fe.params["has_shift"],
+    feature_shape=feats[0],
+    output_shape=y_shape,
+  )
+  return Match.single("scale_and_shift", leaves, info, y, (fe.ins[1],) if info.has_scale else ())
+
+
+def _read_dense_tag(ix, fe) -> Match:
+  """A `register_dense` tag: operands (y, x, kernel, bias?)."""
+  y, x, kernel = fe.ins[:3]
+  k_leaf, k_chain = leaf_for_operand(ix, kernel, "kernel", "register_dense")
+  path = ix.paths[k_leaf]
+  if any(s.op == "broadcast" for s in k_chain):
+    raise RegistrationError(f"register_dense: kernel `{path}` is broadcast before the tag.")
+  leaves = [k_leaf]
+  if len(fe.ins) > 3:
+    b_leaf, _ = leaf_for_operand(ix, fe.ins[3], "bias", "register_dense")
+    if math.prod(ix.shapes[b_leaf]) != _graph.aval_of(kernel).shape[1]:
+      raise RegistrationError(
+        f"register_dense: bias `{ix.paths[b_leaf]}` has shape {ix.shapes[b_leaf]}, "
+        f"which does not match the {_graph.aval_of(kernel).shape[1]} outputs of kernel "
+        f"`{path}`."
+      )
+    leaves.append(b_leaf)
+  if not _graph.is_key(y):
+    raise RegistrationError(f"register_dense: the output of layer `{path}` is a constant.")
+  x_aval, k_shape = _graph.aval_of(x), _graph.aval_of(kernel).shape
+  rows = math.prod(x_aval.shape[:-1])
+  info = DenseInfo(
+    kernel_view=k_chain,
+    kernel_perm=(0, 1),
+    x_perm=tuple(range(x_aval.ndim)),
+    out_perm=tuple(range(x_aval.ndim)),
+    in_dim=int(k_shape[0]),
+    out_dim=int(k_shape[1]),
+    rows=int(rows),
+  )
+  return Match.single("dense", leaves, info, y, (x,))

@@ -32,12 +32,34 @@ Transformations. `_graph.FlatGraph` inlines nested `jit`, remat (`jax.checkpoint
 parameters, so matching sees the layers inside them. Stacked layers (a leaf with a leading layer
 axis sliced per scan step, or read as L kernels by one batched `dot_general`: vmapped ensembles,
 expert-stacked einsums) are registered by `_stacked` as one layer with `stack_size = L`.
+
+Seams. The scanner is four layers, each importing only the ones before it:
+
+  `_specs`     static data only (`LayerSpec`, `LossSpec`, the `*Info` matching details, views,
+               errors, the approximation tables); a leaf module, so blocks and `LayerConfig`
+               never import the tracer;
+  `_index`     `GraphIndex`, a frozen index of the traced graph (views of each leaf, real uses,
+               consumers, producers, virtual leaves for stack slices and concatenations), built
+               once per scan;
+  `_matchers`  pure functions `(index, equation or leaf, claimed) -> Match | None`, one per
+               layer kind (plus `_stacked.match_batched_dense`), and the manual tag reader;
+  `_scanner`   orchestration (`_Scanner`): runs the matchers in a fixed order (its docstring),
+               turns each `Match` into a `LayerSpec` (approximation from the tag, `LayerConfig`,
+               size policy), resolves claims, maps virtual leaves back, adds fallbacks.
+
+Adding a layer kind. (1) Its matching details: a frozen `FooInfo` in `_specs`, and the kind in
+`APPROXIMATIONS` / `DEFAULT_APPROX` (and `SHARED_BY_KIND` if a shared use makes sense). (2) One
+matcher in `_matchers`, `match_foo(ix, i, claimed) -> Match | None`, added to `_PASSES` below
+in the pass where it belongs (kernels claim their biases before the elementwise pass), and, for
+shared uses, a branch of `match_shared`. (3) Its factor shapes under "kron" in `_kron` below.
+(4) One block (or a layout for `blocks.KroneckerBlock`) in `blocks/` that reads `spec.info`, and
+its entry in the block factory (`blocks.make_block`). A manual tag additionally needs a
+`register_foo` in `_tags` and a branch of `_matchers.read_manual_tag`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -46,289 +68,23 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph, _layer_config, _matchers, _stacked, _tags
-
-# Operations that only move, reshape or cast a parameter.
-_VIEW_OPS = frozenset(
-  {"convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim", "squeeze"}
+from kfac_jax import _compat, _graph, _index, _layer_config, _matchers, _stacked, _tags
+from kfac_jax._specs import (  # Re-exported: the names other modules and tests use from here.
+  APPROXIMATIONS,
+  DEFAULT_APPROX,
+  SHARED_APPROXIMATIONS,
+  SHARED_BY_KIND,
+  EmbeddingInfo,
+  FallbackInfo,
+  LayerSpec,
+  LossSpec,
+  RegistrationCheckError,
+  RegistrationError,
+  UncoveredParametersWarning,
+  common_prefix,
+  conv_kron_shapes,
+  param_paths,
 )
-
-APPROXIMATIONS = {
-  "dense": (
-    "kron",
-    "kron_in_diag",
-    "kron_out_diag",
-    "kron_both_diag",
-    "diagonal",
-    "full",
-    "expand",
-    "reduce",
-    "kron_indep",
-    "ekfac",
-  ),
-  "conv": (
-    "kron",
-    "kron_sua",
-    "kron_in_diag",
-    "kron_out_diag",
-    "kron_both_diag",
-    "diagonal",
-    "full",
-    "ekfac",
-  ),
-  "scale_and_shift": ("full", "diagonal"),
-  "embedding": ("kron", "kron_indep", "kron_out_diag"),
-  "generic": ("diagonal", "full"),
-}
-DEFAULT_APPROX = {
-  "dense": "kron",
-  "conv": "kron",
-  "scale_and_shift": "full",
-  "embedding": "kron",
-  "generic": "diagonal",
-}
-
-
-# Approximations of a layer whose parameters are used several times (see `kfac_jax.blocks._shared`).
-SHARED_APPROXIMATIONS = ("kron_indep", "kron_series_1", "kron_series_2")
-# Per kind, the approximations of a shared layer (default first; "kron" is read as "kron_indep").
-# "diagonal" and "full" are exact per-example Fisher blocks, the per-example gradient being the
-# sum over uses (`blocks._layouts.per_example_grads`).
-SHARED_BY_KIND = {
-  "dense": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
-  "conv": ("kron_indep", "diagonal", "full"),
-  "embedding": ("kron_indep",),
-  "scale_and_shift": ("full", "diagonal"),
-}
-
-
-class RegistrationError(ValueError):
-  """A loss or layer registration problem, found while scanning `loss_fn`."""
-
-
-class UncoveredParametersWarning(UserWarning):
-  """Parameters not in any recognised layer; they get a diagonal generic block."""
-
-
-# --------------------------------------------------------------------------------------------
-# Parameter paths and views.
-
-
-def path_to_str(path) -> str:
-  parts = []
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      parts.append(str(k.key))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      parts.append(str(k.name))
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(str(k.idx))
-    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(k.key))
-    else:
-      parts.append(str(k))
-  # nnx.State leaves end in a `value` attribute: drop it from the human-readable name.
-  if len(parts) > 1 and parts[-1] == "value":
-    parts = parts[:-1]
-  return "/".join(parts) if parts else "<root>"
-
-
-def param_paths(params) -> tuple[str, ...]:
-  leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
-  return tuple(path_to_str(p) for p, _ in leaves_with_paths)
-
-
-@dataclasses.dataclass(frozen=True)
-class ViewStep:
-  """One layout operation applied to a parameter on its way to the consuming operation."""
-
-  op: str  # "reshape" | "transpose" | "cast" | "broadcast" | "shift" (a constant added)
-  in_shape: tuple[int, ...]
-  out_shape: tuple[int, ...]
-  perm: tuple[int, ...] = ()  # transpose: the permutation; broadcast: broadcast_dimensions.
-
-
-def _view_step(fe: _graph.FlatEqn) -> ViewStep:
-  in_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
-  if fe.name == "transpose":
-    return ViewStep("transpose", in_shape, out_shape, tuple(fe.params["permutation"]))
-  if fe.name in ("reshape", "squeeze"):
-    return ViewStep("reshape", in_shape, out_shape)
-  if fe.name == "broadcast_in_dim":
-    if math.prod(in_shape) == math.prod(out_shape):
-      return ViewStep("reshape", in_shape, out_shape)  # Only inserts unit dimensions.
-    return ViewStep("broadcast", in_shape, out_shape, tuple(fe.params["broadcast_dimensions"]))
-  return ViewStep("cast", in_shape, out_shape)
-
-
-def apply_view(chain: Sequence[ViewStep], x):
-  """Maps a parameter-shaped array to the operand layout (casts are skipped)."""
-  for s in chain:
-    if s.op == "transpose":
-      x = x.transpose(s.perm)
-    elif s.op == "reshape":
-      x = x.reshape(s.out_shape)
-    elif s.op == "broadcast":
-      raise ValueError("a broadcast view cannot be applied to a parameter vector")
-  return x
-
-
-def undo_view(chain: Sequence[ViewStep], x):
-  """Inverse of `apply_view`."""
-  for s in reversed(chain):
-    if s.op == "transpose":
-      x = x.transpose(np.argsort(s.perm))
-    elif s.op == "reshape":
-      x = x.reshape(s.in_shape)
-  return x
-
-
-@dataclasses.dataclass(frozen=True)
-class ConcatView:
-  """Several parameter leaves, each viewed (`chains`), concatenated along `axis` into one operand.
-
-  Flax's `OptimizedLSTMCell` concatenates its four gate kernels (and biases) before one product;
-  a `stack` is read as a concatenation of the operands with a unit axis inserted. The scanner
-  treats the concatenation as one virtual leaf of shape `shape`, matches layers on it, then
-  lists the real leaves in the layer (`LayerSpec.concat`); the block works on the
-  concatenation and splits its results back.
-  """
-
-  leaves: tuple[int, ...]
-  chains: tuple[tuple[ViewStep, ...], ...]
-  axis: int
-  piece_shapes: tuple[tuple[int, ...], ...]  # The concatenated operands' shapes.
-  shape: tuple[int, ...]
-
-
-def join_pieces(view: ConcatView, pieces):
-  """The concatenation of parameter-shaped `pieces` (casts skipped)."""
-  return jax.numpy.concatenate(
-    [apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis
-  )
-
-
-def split_pieces(view: ConcatView, x, leaf_shapes):
-  """Inverse of `join_pieces`: the parameter-shaped pieces of a concatenation-shaped `x`."""
-  sizes = np.cumsum([s[view.axis] for s in view.piece_shapes])[:-1]
-  parts = jax.numpy.split(x, [int(k) for k in sizes], axis=view.axis)
-  return [undo_view(c, p).reshape(shape) for c, p, shape in zip(view.chains, parts, leaf_shapes)]
-
-
-# --------------------------------------------------------------------------------------------
-# Static descriptions.
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSpec:
-  """One loss tag: which distribution, and where its operands live in the graph."""
-
-  kind: str
-  var: float
-  has_targets: bool
-  has_weight: bool
-  batch_size: int
-  prediction_shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseInfo:
-  """How a dense layer's kernel, input and output map to matrices.
-
-  The kernel operand (after `kernel_view`) is transposed by `kernel_perm` and reshaped to
-  `[in, out]`; the input operand by `x_perm` to `[rows, in]`; the output by `out_perm` to
-  `[rows, out]`.
-  """
-
-  kernel_view: tuple[ViewStep, ...]
-  kernel_perm: tuple[int, ...]
-  x_perm: tuple[int, ...]
-  out_perm: tuple[int, ...]
-  in_dim: int
-  out_dim: int
-  rows: int
-
-
-def kernel_index_matrix(info: DenseInfo, param_shape) -> np.ndarray:
-  """Which parameter entry (flat index) each entry of the `[in, out]` kernel matrix reads."""
-  idx = np.arange(math.prod(param_shape)).reshape(param_shape)
-  k = apply_view(info.kernel_view, idx)
-  return k.transpose(info.kernel_perm).reshape(info.in_dim, info.out_dim)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerSpec:
-  """A layer the scanner found (or a manual tag registered), as static facts.
-
-  Attributes:
-    name: the layer's name, the common prefix of its parameter paths (e.g. `params/Dense_0`).
-    kind: "dense", "conv", "scale_and_shift", "embedding" or "generic".
-    param_paths: the paths of its parameter leaves, e.g. `("params/Dense_0/kernel", ...)`.
-    leaf_indices: positions of those leaves in `jax.tree_util.tree_leaves(params)`.
-    approx: the curvature approximation (see `APPROXIMATIONS`; chosen by `LayerConfig`).
-    factor_shapes: shapes of the curvature factors the block keeps.
-    source: "auto", "manual", "fallback" or "linked" (a `LayerConfig.linked` group).
-    info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
-      `EmbeddingInfo`); None for generic layers.
-    param_shapes: shapes of the parameter leaves.
-    num_uses: how many times the layer is applied (a shared / tied / recurrent layer: one leaf
-      used by several matching equations, e.g. the T steps of an unrolled scan). Each use has its
-      own output key and inputs in the registration.
-    use_infos: for `num_uses > 1`, the matching details of every use (`info` is the first one,
-      or the embedding use of a tied embedding).
-    note: why the approximation differs from the one asked for or the kind's default (the size
-      policy of `LayerConfig.max_factor_dim`, a positional table), "" otherwise; `summary`
-      prints it.
-    concat: for a layer over concatenated leaves, one entry per logical parameter (kernel,
-      bias): its `ConcatView`, or None for a plain leaf; () otherwise.
-    logical: with `concat`, the layer as matched on the concatenations (one leaf each, with
-      their shapes): the spec its block computes with.
-    stack_size: L > 0 for a stack of L layers of one kind whose parameter leaves carry a
-      leading layer axis (a scan over stacked layers, a vmapped ensemble, an expert-stacked
-      kernel; see `kfac_jax._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
-    stack_inner: for a stack, the spec of one layer of it (leaf shapes without the layer axis).
-    stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
-      input operand and then of the output; empty when each layer has its own tap (a scan).
-  """
-
-  name: str
-  kind: str
-  param_paths: tuple[str, ...]
-  leaf_indices: tuple[int, ...]
-  approx: str
-  factor_shapes: tuple[tuple[int, ...], ...]
-  source: str = "auto"
-  info: Any = None
-  param_shapes: tuple[tuple[int, ...], ...] = ()
-  num_uses: int = 1
-  use_infos: tuple[Any, ...] = ()
-  note: str = ""
-  concat: tuple[Any, ...] = ()
-  logical: Any = None
-  stack_size: int = 0
-  stack_inner: LayerSpec | None = None
-  stack_axes: tuple[int, ...] = ()
-
-  @property
-  def multi_tap(self) -> bool:
-    """Whether the layer has several taps (uses, or the layers of a scanned stack)."""
-    return self.num_uses > 1 or (self.stack_size > 0 and not self.stack_axes)
-
-  @property
-  def dense(self) -> DenseInfo | None:
-    return self.info if isinstance(self.info, DenseInfo) else None
-
-  @property
-  def has_bias(self) -> bool:
-    """Dense and conv layers: whether a bias leaf follows the kernel."""
-    if self.logical is not None:
-      return self.logical.has_bias
-    return self.kind in ("dense", "conv") and len(self.leaf_indices) == 2
-
-  @property
-  def num_params(self) -> int:
-    return sum(math.prod(s) for s in self.param_shapes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -348,19 +104,6 @@ class Registration:
 
 # --------------------------------------------------------------------------------------------
 # Scanning.
-
-
-def _common_prefix(paths: Sequence[str]) -> str:
-  split = [p.split("/") for p in paths]
-  prefix = []
-  for parts in zip(*split):
-    if all(x == parts[0] for x in parts):
-      prefix.append(parts[0])
-    else:
-      break
-  if len(paths) == 1 and len(split[0]) > 1:
-    prefix = split[0][:-1]
-  return "/".join(prefix) if prefix else paths[0]
 
 
 def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int]:
@@ -426,27 +169,33 @@ def scan(
   return _Scanner(graph, n_params, paths, shapes, strict, warn, layers, collect).run()
 
 
-class RegistrationCheckError(RegistrationError):
-  """Every coverage problem of one registration, listed together (`check_registration`).
+class _Scanner:
+  """One scan: builds the graph index, runs the matchers in order, resolves their claims.
 
-  Attributes:
-    problems: one line per problem, each naming the parameter path(s).
+  The matchers (`_matchers`, `_stacked.match_batched_dense`) are pure functions of the index
+  (`_index.GraphIndex`) and of the leaves claimed so far; each returns a `Match` or None. The
+  scanner turns a match into a `LayerSpec` (choosing the approximation from the manual tag, the
+  `LayerConfig` and the size policy) and claims its leaves. Order (first claim wins):
+
+    1. manual layer tags (`register_dense` tags of one kernel become one layer, one use each);
+    2. leaves with several uses, as one shared layer (`match_shared`): kernels, tables and
+       scales first, then shifts, so that a scale claims its shift;
+    3. per equation, in graph order, three passes: kernels (stacked dense, dense or one-hot
+       embedding, conv; each claims its bias), then gathers (embedding), then elementwise scales
+       and shifts (scale_and_shift), so that a bias is never mistaken for a shift;
+    4. layers matched on concatenations are mapped to their real leaves, then the per-slice
+       layers of stacked leaves are merged into one stacked layer (`_stacked.merge`), then
+       `LayerConfig.linked` groups replace the layers they hold;
+    5. leaves left unclaimed get a diagonal generic block (with a warning and a reason).
   """
 
-  def __init__(self, problems: Sequence[str]):
-    self.problems = tuple(problems)
-    lines = "\n".join(f"  - {p}" for p in self.problems)
-    super().__init__(f"{len(self.problems)} registration problem(s):\n{lines}")
-
-
-class _Scanner:
   def __init__(
     self, graph, n_params, paths, shapes, strict, warn, layer_config=None, collect=False
   ):
     self.g = graph
     self.n_params = n_params
-    self.paths = list(paths)  # Virtual leaves (concatenations) are appended after the params.
-    self.shapes = list(shapes)
+    self.param_paths = tuple(paths)
+    self.param_shapes = tuple(shapes)
     self.strict = strict
     self.warn = warn
     self.layer_config = _layer_config.check(layer_config)
@@ -454,7 +203,6 @@ class _Scanner:
 
   def run(self) -> Registration:
     g = self.g
-    self.leaf_of_key = {k: i for i, k in enumerate(g.invars[: self.n_params])}
     loss_eqns = [i for i, fe in enumerate(g.eqns) if fe.eqn.primitive is _tags.loss_tag_p]
     if not loss_eqns:
       raise RegistrationError(
@@ -465,75 +213,65 @@ class _Scanner:
         "loss_fn(params, batch)."
       )
     losses, loss_operands = self._losses(loss_eqns)
-    self.batch_size = losses[0].batch_size
-    self.const_values = dict(g.consts)
-    self._loss_slice([ops[0] for ops in loss_operands])
-    _stacked.add_virtual_leaves(self)  # Slices of stacked leaves (indices from n_params on).
-    self._origins()
-    self.producer = {k: i for i, fe in enumerate(g.eqns) for k in fe.outs}
-    in_slice = self._loss_slice([ops[0] for ops in loss_operands])
-    self._uses(in_slice)
-    self._check_virtual()
+    ix = self.ix = _index.build(
+      g,
+      self.n_params,
+      self.param_paths,
+      self.param_shapes,
+      [ops[0] for ops in loss_operands],
+      losses[0].batch_size,
+    )
 
     specs: list[tuple[LayerSpec, Any, Any]] = []
-    claimed: dict[int, str] = {v: "<a concatenation with other uses>" for v in self.blocked_virtual}
-    self.manual_dense: dict[int, list[Any]] = {}
-    for i, fe in enumerate(g.eqns):
+    claimed: dict[int, str] = {v: "<a concatenation with other uses>" for v in ix.blocked_virtual}
+    manual_dense: dict[int, list[Any]] = {}
+    for fe in g.eqns:
       if fe.eqn.primitive is _tags.layer_tag_p:
-        found = self._manual(i, fe, claimed)
+        found = self._manual(fe, claimed, manual_dense)
         if found is not None:
           specs.append(found)
-    for k_leaf, tags in self.manual_dense.items():
+    for k_leaf, tags in manual_dense.items():
       specs.append(self._manual_dense_layer(k_leaf, tags, claimed))
     # Leaves used several times (tied weights, unrolled scans) first: one layer with k uses.
     # Kernels, tables and scales before shifts, so that a scale claims its shift.
     for shifts in (False, True):
-      for leaf in sorted(self.uses):
-        if leaf not in claimed and len(self.uses[leaf]) > 1:
-          found = self._match_shared(leaf, claimed, shifts)
-          if found is not None:
-            specs.append(found)
+      for leaf in sorted(ix.uses):
+        if leaf not in claimed and len(ix.uses[leaf]) > 1:
+          match = _matchers.match_shared(ix, leaf, claimed, shifts)
+          if match is not None:
+            specs.append(self._accept(match, claimed))
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
-    passes = (
-      (
-        functools.partial(_stacked.match_batched_dense, self),
-        self._match_dense,
-        functools.partial(_matchers.match_conv, self),
-      ),
-      (functools.partial(_matchers.match_embedding, self),),
-      (functools.partial(_matchers.match_scale_and_shift, self),),
-    )
-    for matchers in passes:
-      for i in sorted(self.uses_by_eqn):
-        for match in matchers:
-          found = match(i, claimed)
-          if found is not None:
-            specs.append(found)
+    for matchers in _PASSES:
+      for i in sorted(ix.uses_by_eqn):
+        for matcher in matchers:
+          match = matcher(ix, i, claimed)
+          if match is not None:
+            specs.append(self._accept(match, claimed))
             break
 
-    specs = self._expand_virtual(specs, claimed)  # Concatenations first: they index paths.
-    specs = _stacked.merge(self, specs, claimed)  # Truncates paths to the real leaves.
+    specs = self._expand_virtual(specs, claimed)  # Concatenations first, then stacks.
+    specs = _stacked.merge(self, specs, claimed)  # No virtual leaf is left after this.
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
     uncovered = [j for j in range(self.n_params) if j not in claimed]
     if self.problems is not None:
       self.problems.extend(
-        f"`{self.paths[j]}` is not in any layer ({fallback_reason(self, j)}; it would get a "
+        f"`{ix.paths[j]}` is not in any layer ({fallback_reason(ix, j)}; it would get a "
         "diagonal fallback block)"
         for j in uncovered
       )
       if self.problems:
         raise RegistrationCheckError(self.problems)
     if uncovered:
-      reasons = [fallback_reason(self, j) for j in uncovered]
+      reasons = [fallback_reason(ix, j) for j in uncovered]
       if self.strict:
         raise RegistrationError(
-          uncovered_message([self.paths[j] for j in uncovered], reasons, len(uncovered))
+          uncovered_message([ix.paths[j] for j in uncovered], reasons, len(uncovered))
           + " (strict=True turns this into an error.)"
         )
       if self.warn:
         warnings.warn(
-          uncovered_message([self.paths[j] for j in uncovered], reasons),
+          uncovered_message([ix.paths[j] for j in uncovered], reasons),
           UncoveredParametersWarning,
           stacklevel=4,
         )
@@ -551,6 +289,37 @@ class _Scanner:
       layer_outputs=tuple(s[1][0] if m else s[1] for s, m in zip(specs, multi)),
       layer_inputs=tuple(s[2][0] if m else s[2] for s, m in zip(specs, multi)),
       extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
+    )
+
+  def _accept(self, match: _matchers.Match, claimed, approx=None, source="auto"):
+    """`(spec, output key(s), inputs)` of a match, its leaves claimed."""
+    spec, outs, ins = self._spec_of(match, approx, source)
+    self._claim(claimed, match.leaves, spec.name)
+    return spec, outs, ins
+
+  def _spec_of(self, match: _matchers.Match, approx=None, source="auto"):
+    """`(spec, output key(s), inputs)` of a match: one key and one input tuple for a single-use
+    layer, one per use for a shared one."""
+    kind, leaves = match.kind, list(match.leaves)
+    if match.num_uses > 1:
+      spec = self._shared_spec(kind, leaves, match.infos, approx, source)
+      return spec, match.outputs, match.inputs
+    (info,), (out,), (ins,) = match.infos, match.outputs, match.inputs
+    has_bias = len(leaves) == 2
+    if match.stack_size:  # The per-layer spec, over per-layer leaf shapes, then the stack.
+      shapes = {j: self.ix.shapes[j][1:] for j in leaves}
+      inner = self.layer_spec(
+        kind, leaves, info, approx, source, _kron(kind, info, has_bias), shapes
+      )
+      return (
+        _stacked.stack_spec(self.ix, inner, leaves, match.stack_size, match.stack_axes),
+        out,
+        ins,
+      )
+    return (
+      self.layer_spec(kind, leaves, info, approx, source, _kron(kind, info, has_bias)),
+      out,
+      ins,
     )
 
   # -- losses ----------------------------------------------------------------------------------
@@ -590,107 +359,21 @@ class _Scanner:
 
   # -- parameter views -------------------------------------------------------------------------
 
-  def _origins(self):
-    """For each key computed from one parameter leaf by view ops only: (leaf, chain).
-
-    Adding a constant (`1 + scale`, Gemma's RMSNorm) is a view too: the shifted parameter has
-    the parameter's gradient and Fisher (the Jacobian is the identity), so the layer's block is
-    the same as for the shifted parameter itself ("shift" steps are skipped like casts).
-    """
-    self.origin: dict[Any, tuple[int, tuple[ViewStep, ...]]] = {
-      k: (j, ()) for k, j in self.leaf_of_key.items()
-    }
-    self.view_eqns: set[int] = set()  # Equations that only view a parameter (not real uses).
-    self.virtual: dict[int, ConcatView] = {}  # Virtual leaf -> the concatenation it stands for.
-    self.concat_eqns: dict[int, int] = {}  # Equation -> the virtual leaf it computes.
-    for i, fe in enumerate(self.g.eqns):
-      if fe.name in _VIEW_OPS and fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in self.origin:
-        leaf, chain = self.origin[fe.ins[0]]
-        self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
-      elif fe.name in ("concatenate", "stack"):
-        self._concat_origin(i, fe)
-      elif fe.name in ("add", "sub") and len(fe.ins) == 2:
-        pos = self._constant_shift(fe)
-        if pos is not None:
-          self.view_eqns.add(i)
-          leaf, chain = self.origin[fe.ins[pos]]
-          shape = tuple(fe.outs[0][1].aval.shape)
-          self.origin[fe.outs[0]] = (leaf, chain + (ViewStep("shift", shape, shape),))
-
-  def _concat_origin(self, i, fe) -> None:
-    """A concatenation of views of distinct leaves becomes a virtual leaf (one per distinct
-    concatenation: the same one computed at every step of an unrolled scan is one leaf)."""
-    if len(fe.ins) < 2 or not all(_graph.is_key(a) and a in self.origin for a in fe.ins):
-      return
-    origins = [self.origin[a] for a in fe.ins]
-    leaves = tuple(o[0] for o in origins)
-    if (
-      len(set(leaves)) != len(leaves)
-      or any(j >= self.n_params for j in leaves)
-      or any(st.op not in ("reshape", "transpose", "cast") for o in origins for st in o[1])
-    ):
-      return
-    shapes = [tuple(_graph.aval_of(a).shape) for a in fe.ins]
-    chains = [o[1] for o in origins]
-    if fe.name == "stack":  # A concatenation of the operands with a unit axis inserted.
-      axis = int(fe.params["axis"])
-      unit = [sh[:axis] + (1,) + sh[axis:] for sh in shapes]
-      chains = [c + (ViewStep("reshape", sh, u),) for c, sh, u in zip(chains, shapes, unit)]
-      shapes = unit
-    else:
-      axis = int(fe.params["dimension"])
-    view = ConcatView(
-      leaves=leaves,
-      chains=tuple(chains),
-      axis=axis,
-      piece_shapes=tuple(shapes),
-      shape=tuple(fe.outs[0][1].aval.shape),
-    )
-    v = next((k for k, w in self.virtual.items() if w == view), None)
-    if v is None:
-      v = len(self.paths)
-      self.virtual[v] = view
-      paths = [self.paths[j] for j in leaves]
-      prefix = _common_prefix(paths) if len(paths) > 1 else ""
-      rest = [p[len(prefix) + 1 :] if prefix and p.startswith(prefix + "/") else p for p in paths]
-      self.paths.append((prefix + "/" if prefix and prefix not in paths else "") + "+".join(rest))
-      self.shapes.append(view.shape)
-    self.concat_eqns[i] = v
-    self.origin[fe.outs[0]] = (v, ())
-
-  def _check_virtual(self) -> None:
-    """A concatenation is one leaf only if its pieces have no other real use; otherwise its
-    pieces are used by the concatenation (a generic fallback) and the virtual leaf is blocked."""
-    owner: dict[int, set[int]] = {}
-    for v, view in self.virtual.items():
-      for j in view.leaves:
-        owner.setdefault(j, set()).add(v)
-    self.blocked_virtual = {
-      v
-      for v, view in self.virtual.items()
-      if any(j in self.uses or len(owner[j]) > 1 for j in view.leaves)
-    }
-    for i, v in self.concat_eqns.items():
-      if v in self.blocked_virtual and i in self.in_slice:
-        for pos, j in enumerate(self.virtual[v].leaves):
-          self.uses.setdefault(j, []).append((i, pos))
-          self.uses_by_eqn.setdefault(i, []).append((j, pos))
-
   def _expand_virtual(self, specs, claimed):
     """Layers matched on virtual leaves list the concatenated real leaves instead."""
     out = []
     for spec, outs, ins in specs:
-      if not any(j in self.virtual for j in spec.leaf_indices):
+      if not any(j in self.ix.virtual for j in spec.leaf_indices):
         out.append((spec, outs, ins))
         continue
       leaves: list[int] = []
       views = []
       for j in spec.leaf_indices:
-        view = self.virtual.get(j)
+        view = self.ix.virtual.get(j)
         views.append(view)
         leaves.extend(view.leaves if view is not None else (j,))
-      paths = tuple(self.paths[j] for j in leaves)
-      name = _common_prefix(paths)
+      paths = tuple(self.ix.paths[j] for j in leaves)
+      name = common_prefix(paths)
       self._claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
       out.append(
         (
@@ -699,7 +382,7 @@ class _Scanner:
             name=name,
             param_paths=paths,
             leaf_indices=tuple(leaves),
-            param_shapes=tuple(self.shapes[j] for j in leaves),
+            param_shapes=tuple(self.ix.shapes[j] for j in leaves),
             concat=tuple(views),
             logical=spec,
           ),
@@ -709,72 +392,13 @@ class _Scanner:
       )
     return out
 
-  def _constant_shift(self, fe) -> int | None:
-    """The operand position of the parameter view in `view + c`, `c + view` or `view - c` with
-    `c` a scalar constant (the output has the view's shape); else None."""
-    for pos in (0, 1) if fe.name == "add" else (0,):
-      a, c = fe.ins[pos], fe.ins[1 - pos]
-      if not _graph.is_key(a) or a not in self.origin:
-        continue
-      if tuple(_graph.aval_of(a).shape) != tuple(fe.outs[0][1].aval.shape):
-        continue
-      if isinstance(c, _compat.Literal) and np.ndim(c.val) == 0:
-        return pos
-      if _graph.is_key(c) and c in self.const_values and np.size(self.const_values[c]) == 1:
-        return pos
-    return None
-
-  def _loss_slice(self, roots) -> set[int]:
-    needed = {a for a in roots if _graph.is_key(a)}
-    in_slice = set()
-    for i in range(len(self.g.eqns) - 1, -1, -1):
-      fe = self.g.eqns[i]
-      if any(k in needed for k in fe.outs):
-        in_slice.add(i)
-        needed.update(a for a in fe.ins if _graph.is_key(a))
-    self.in_slice = in_slice
-    return in_slice
-
-  def _uses(self, in_slice):
-    """Real (non-view, non-tag) uses of each leaf on the loss slice."""
-    self.uses: dict[int, list[tuple[int, int]]] = {}
-    self.uses_by_eqn: dict[int, list[tuple[int, int]]] = {}
-    for i in sorted(in_slice):
-      fe = self.g.eqns[i]
-      if (
-        fe.name in _VIEW_OPS
-        or i in self.view_eqns
-        or i in self.concat_eqns
-        or fe.eqn.primitive in (_tags.layer_tag_p,)
-      ):
-        continue
-      for pos, a in enumerate(fe.ins):
-        if _graph.is_key(a) and a in self.origin:
-          leaf = self.origin[a][0]
-          self.uses.setdefault(leaf, []).append((i, pos))
-          self.uses_by_eqn.setdefault(i, []).append((leaf, pos))
-    consumers: dict[Any, list[tuple[int, int]]] = {}
-    for i in sorted(in_slice):
-      for pos, a in enumerate(self.g.eqns[i].ins):
-        if _graph.is_key(a):
-          consumers.setdefault(a, []).append((i, pos))
-    self.slice_consumers = consumers
-
   # -- manual tags -----------------------------------------------------------------------------
-
-  def _leaf_for_operand(self, atom, what: str, tag: str) -> tuple[int, tuple[ViewStep, ...]]:
-    if not _graph.is_key(atom) or atom not in self.origin:
-      raise RegistrationError(
-        f"{tag}: `{what}` is not a parameter leaf of `params` (nor a cast/reshape of one). "
-        "Pass the parameter array itself, as read from the params pytree inside loss_fn."
-      )
-    return self.origin[atom]
 
   def _claim(self, claimed, leaves, name):
     for j in leaves:
       if j in claimed:
         msg = (
-          f"parameter `{self.paths[j]}` is registered twice: in `{claimed[j]}` and in "
+          f"parameter `{self.ix.paths[j]}` is registered twice: in `{claimed[j]}` and in "
           f"`{name}`. Each parameter belongs to exactly one curvature block."
         )
         if self.problems is None:
@@ -808,7 +432,7 @@ class _Scanner:
       for pattern in group:
         found = [
           j
-          for j, p in enumerate(self.paths[: self.n_params])
+          for j, p in enumerate(self.ix.paths[: self.n_params])
           if _layer_config.matches(pattern, (p,))
         ]
         if not found:
@@ -821,7 +445,7 @@ class _Scanner:
       for j in leaves:
         if j in owner:
           raise RegistrationError(
-            f"LayerConfig.linked: parameter `{self.paths[j]}` is in two linked groups, "
+            f"LayerConfig.linked: parameter `{self.ix.paths[j]}` is in two linked groups, "
             f"{owner[j]} and {group}; each parameter belongs to exactly one block."
           )
         owner[j] = group
@@ -832,11 +456,11 @@ class _Scanner:
         if not overlap:
           kept.append(s)
           continue
-        missing = [self.paths[j] for j in s[0].leaf_indices if j not in inside]
+        missing = [self.ix.paths[j] for j in s[0].leaf_indices if j not in inside]
         if missing:
           raise RegistrationError(
             f"LayerConfig.linked group {group} splits the {s[0].kind} layer `{s[0].name}`: it "
-            f"holds {[self.paths[j] for j in sorted(overlap)]} but not {missing}. A linked "
+            f"holds {[self.ix.paths[j] for j in sorted(overlap)]} but not {missing}. A linked "
             "group must hold whole layers; add the missing parameters to the group."
           )
         for j in s[0].leaf_indices:
@@ -854,74 +478,52 @@ class _Scanner:
     self.problems.append(msg)
 
   def _check_patterns(self, specs):
-    names = set(self.paths) | {s[0].name for s in specs}
+    names = set(self.ix.paths) | {s[0].name for s in specs}
     for pattern in self.layer_config.overrides:
       if not _layer_config.matches(pattern, tuple(names)):
         self._pattern_problem(
           f"LayerConfig.overrides: pattern {pattern!r} matches no layer name or parameter "
-          f"path (paths: {self.paths[: min(8, self.n_params)]}"
+          f"path (paths: {self.ix.paths[: min(8, self.n_params)]}"
           f"{' ...' if self.n_params > 8 else ''})"
         )
 
-  def _manual(self, i, fe, claimed):
-    kind, approx = fe.params["kind"], fe.params["approx"]
+  def _manual(self, fe, claimed, manual_dense):
+    """The layer of a manual tag, its approximation checked and its leaves claimed; None for a
+    `register_dense` tag, collected in `manual_dense` (one layer per kernel, after the loop)."""
+    match = _matchers.read_manual_tag(self.ix, fe)
+    kind, approx = match.kind, fe.params["approx"]
+    paths = [self.ix.paths[j] for j in match.leaves]
     if kind == "generic":
-      leaves = list(
-        self._leaf_for_operand(a, f"params[{p}]", "register_generic")[0]
-        for p, a in enumerate(fe.ins)
-      )
-      if len(set(leaves)) != len(leaves):
-        raise RegistrationError(
-          f"register_generic: the same parameter appears twice: {[self.paths[j] for j in leaves]}."
-        )
-      approx = self._check_approx("generic", approx, [self.paths[j] for j in leaves])
-      spec = self._generic_spec(leaves, approx, "manual")
-      self._claim(claimed, leaves, spec.name)
+      approx = self._check_approx("generic", approx, paths)
+      spec = self._generic_spec(match.leaves, approx, "manual")
+      self._claim(claimed, match.leaves, spec.name)
       return spec, None, None
-    if kind != "dense":
-      return _matchers.manual(self, fe, claimed)
-    # Dense: operands (y, x, kernel, bias?).
-    y, x, kernel = fe.ins[:3]
-    k_leaf, k_chain = self._leaf_for_operand(kernel, "kernel", "register_dense")
-    path = self.paths[k_leaf]
-    if any(s.op == "broadcast" for s in k_chain):
-      raise RegistrationError(f"register_dense: kernel `{path}` is broadcast before the tag.")
-    leaves = [k_leaf]
-    if len(fe.ins) > 3:
-      b_leaf, b_chain = self._leaf_for_operand(fe.ins[3], "bias", "register_dense")
-      if math.prod(self.shapes[b_leaf]) != _graph.aval_of(kernel).shape[1]:
-        raise RegistrationError(
-          f"register_dense: bias `{self.paths[b_leaf]}` has shape {self.shapes[b_leaf]}, "
-          f"which does not match the {_graph.aval_of(kernel).shape[1]} outputs of kernel "
-          f"`{path}`."
-        )
-      leaves.append(b_leaf)
-    if not _graph.is_key(y):
-      raise RegistrationError(f"register_dense: the output of layer `{path}` is a constant.")
-    x_aval, k_shape = _graph.aval_of(x), _graph.aval_of(kernel).shape
-    rows = math.prod(x_aval.shape[:-1])
-    info = DenseInfo(
-      kernel_view=k_chain,
-      kernel_perm=(0, 1),
-      x_perm=tuple(range(x_aval.ndim)),
-      out_perm=tuple(range(x_aval.ndim)),
-      in_dim=int(k_shape[0]),
-      out_dim=int(k_shape[1]),
-      rows=int(rows),
-    )
-    # Tags of one kernel are collected and become one layer (one use per tag) after the loop.
-    self.manual_dense.setdefault(k_leaf, []).append((tuple(leaves), info, approx, y, (x,)))
-    return None
+    if kind == "dense":
+      (info,), (y,), (inputs,) = match.infos, match.outputs, match.inputs
+      manual_dense.setdefault(match.leaves[0], []).append((match.leaves, info, approx, y, inputs))
+      return None
+    approx = self._check_approx(kind, approx, paths)
+    spec, y, inputs = self._spec_of(match, approx, "manual")
+    for j in match.leaves:  # One tag registers one use: a parameter used again elsewhere is
+      self.check_use_count(  # miscounted.
+        j,
+        1,
+        f"register_{kind}",
+        "remove the tag so that the scanner registers the uses together as one "
+        "shared layer, or cover the parameter with register_generic",
+      )
+    self._claim(claimed, match.leaves, spec.name)
+    return spec, y, inputs
 
   def _manual_dense_layer(self, k_leaf, tags, claimed):
     """One dense layer from the `register_dense` tags of kernel `k_leaf` (one use per tag)."""
-    path = self.paths[k_leaf]
+    path = self.ix.paths[k_leaf]
     leaves = tags[0][0]
     approxes = {t[2] for t in tags}
     if any(t[0] != leaves for t in tags) or len(approxes) > 1:
       raise RegistrationError(
         f"register_dense: kernel `{path}` is registered {len(tags)} times with different "
-        f"biases or approximations ({[[self.paths[j] for j in t[0]] for t in tags]}, "
+        f"biases or approximations ({[[self.ix.paths[j] for j in t[0]] for t in tags]}, "
         f"{sorted(map(str, approxes))}); register every use with the same bias and `approx`."
       )
     self.check_use_count(
@@ -932,30 +534,28 @@ class _Scanner:
       'approx="kron_indep"), or let the scanner detect the shared use by removing the tags',
     )
     approx = tags[0][2]
-    paths = [self.paths[j] for j in leaves]
+    paths = [self.ix.paths[j] for j in leaves]
     if len(tags) == 1:
       approx = self._check_approx("dense", approx, paths)
-      spec = self._dense_spec(leaves, tags[0][1], approx, "manual")
-      self._claim(claimed, leaves, spec.name)
-      return spec, tags[0][3], tags[0][4]
-    infos = tuple(t[1] for t in tags)
-    spec = self._shared_spec("dense", leaves, infos, approx, "manual")
-    self._claim(claimed, leaves, spec.name)
-    return spec, tuple(t[3] for t in tags), tuple(t[4] for t in tags)
-
-  def error(self, msg: str) -> RegistrationError:
-    return RegistrationError(msg)
+    match = _matchers.Match(
+      "dense",
+      leaves,
+      tuple(t[1] for t in tags),
+      tuple(t[3] for t in tags),
+      tuple(t[4] for t in tags),
+    )
+    return self._accept(match, claimed, approx, "manual")
 
   def check_use_count(self, leaf: int, registered: int, tag: str, fix: str) -> None:
     """A manual tag's use count against the graph's: raised, or collected with `collect`.
 
     A leaf the loss does not reach (no use on the loss slice) is not counted as a mismatch.
     """
-    graph_uses = len(self.uses.get(leaf, []))
+    graph_uses = len(self.ix.uses.get(leaf, []))
     if not graph_uses or graph_uses == registered:
       return
     msg = (
-      f"layer `{self.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
+      f"layer `{self.ix.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
       f"with {registered} {tag} tag(s); {fix}."
     )
     if self.problems is None:
@@ -994,166 +594,7 @@ class _Scanner:
       )
     return approx
 
-  # -- automatic dense matching ----------------------------------------------------------------
-
-  def _dense_use(self, i, k_pos):
-    """`(info, x_atom, k_shape, k_free)` if equation i is a dense product, kernel at k_pos."""
-    fe = self.g.eqns[i]
-    k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
-    _, k_chain = self.origin[k_atom]
-    if any(s.op not in ("reshape", "transpose", "cast") for s in k_chain):
-      return None
-    (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
-    if lhs_b or rhs_b:
-      return None  # Batched products (e.g. per-head weights) are not dense layers.
-    k_contract, x_contract = (
-      (tuple(rhs_c), tuple(lhs_c)) if k_pos == 1 else (tuple(lhs_c), tuple(rhs_c))
-    )
-    k_shape = tuple(_graph.aval_of(k_atom).shape)
-    x_shape = tuple(_graph.aval_of(x_atom).shape)
-    k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
-    x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
-    if not k_free or not k_contract:
-      return None
-    in_dim = math.prod(k_shape[d] for d in k_contract)
-    out_dim = math.prod(k_shape[d] for d in k_free)
-    rows = math.prod(x_shape[d] for d in x_free)
-    n_xf, n_kf = len(x_free), len(k_free)
-    if k_pos == 1:  # out = (x_free..., k_free...)
-      out_perm = tuple(range(n_xf + n_kf))
-    else:  # out = (k_free..., x_free...)
-      out_perm = tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf))
-    info = DenseInfo(
-      kernel_view=k_chain,
-      kernel_perm=k_contract + k_free,
-      x_perm=x_free + x_contract,
-      out_perm=out_perm,
-      in_dim=int(in_dim),
-      out_dim=int(out_dim),
-      rows=int(rows),
-    )
-    return info, x_atom, k_shape, k_free
-
-  def _match_dense(self, i, claimed):
-    fe = self.g.eqns[i]
-    if fe.name != "dot_general":
-      return None
-    param_ops = self.uses_by_eqn.get(i, [])
-    if len(param_ops) != 1:
-      return None  # No parameter, or a product of two parameters.
-    k_leaf, k_pos = param_ops[0]
-    if k_leaf in claimed or len(self.uses.get(k_leaf, [])) != 1:
-      return None
-    emb = _matchers.one_hot_embedding_use(self, i) if k_pos == 1 else None
-    if emb is not None:  # `one_hot(ids) @ table`: an embedding lookup written as a product.
-      info, ids, out_key = emb
-      spec = self.layer_spec(
-        "embedding", [k_leaf], info, None, "auto", ((info.vocab_size,), (info.dim, info.dim))
-      )
-      self._claim(claimed, [k_leaf], spec.name)
-      return spec, out_key, (ids,)
-    found = self._dense_use(i, k_pos)
-    if found is None:
-      return None
-    info, x_atom, k_shape, k_free = found
-    leaves = [k_leaf]
-    out_key = fe.outs[0]
-    bias = self._match_bias(out_key, k_pos, k_shape, k_free, claimed)
-    if bias is not None:
-      b_leaf, out_key = bias
-      leaves.append(b_leaf)
-    spec = self._dense_spec(leaves, info, None, "auto")
-    self._claim(claimed, leaves, spec.name)
-    return spec, out_key, (x_atom,)
-
-  # -- shared (multi-use) layers ---------------------------------------------------------------
-
-  def _match_shared(self, leaf, claimed, shifts: bool = False):
-    """One layer for a leaf whose uses are all dense products (with one shared bias), embedding
-    lookups, convolutions (with one shared bias) or scales / shifts of activations; a tied
-    embedding mixes lookups with products by the transposed table. Leaves added to activations
-    (shifts) are matched only with `shifts`, after the scales have claimed theirs.
-
-    Returns `(spec, out_keys, inputs)` with one entry per use, or None.
-    """
-    uses = self.uses[leaf]
-    found = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
-    for i, pos in uses:
-      fe = self.g.eqns[i]
-      if len(self.uses_by_eqn.get(i, [])) != 1:
-        return None
-      emb = _matchers.one_hot_embedding_use(self, i) if pos == 1 else None
-      if emb is not None:
-        found.append(("embedding", emb[0], (emb[1],), emb[2], None))
-      elif fe.name == "dot_general":
-        d = self._dense_use(i, pos)
-        if d is None:
-          return None
-        info, x_atom, k_shape, k_free = d
-        bias = self._match_bias(fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
-        b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
-        found.append(("dense", info, (x_atom,), out_key, b_leaf))
-      elif fe.name == "gather" and pos == 0:
-        e = _matchers.embedding_use(self, i)
-        if e is None:
-          return None
-        info, ids, out_key = e
-        found.append(("embedding", info, (ids,), out_key, None))
-      elif fe.name == "conv_general_dilated":
-        c = _matchers.conv_use(self, i, claimed, shared=True)
-        if c is None:
-          return None
-        info, _, x_atom, out_key, b_leaf = c
-        found.append(("conv", info, (x_atom,), out_key, b_leaf))
-      elif fe.name == "mul" or (fe.name == "add" and shifts):
-        m = _matchers.scale_shift_use(self, i, claimed, shared=True)
-        if m is None:
-          return None
-        info, _, inputs, out_key, shift_leaf = m
-        found.append(("scale_and_shift", info, inputs, out_key, shift_leaf))
-      else:
-        return None
-    kinds = {f[0] for f in found}
-    biases = {f[4] for f in found}
-    if len(biases) != 1:
-      return None
-    (b_leaf,) = biases
-    if b_leaf is not None and (b_leaf in claimed or len(self.uses[b_leaf]) != len(uses)):
-      return None
-    infos = tuple(f[1] for f in found)
-    shape = self.shapes[leaf]
-    if kinds == {"dense"}:  # Every use must read the kernel as the same [in, out] matrix.
-      first = kernel_index_matrix(infos[0], shape)
-      if any(not np.array_equal(kernel_index_matrix(inf, shape), first) for inf in infos[1:]):
-        return None
-      kind = "dense"
-    elif kinds == {"conv"}:  # ... and as the same [window · in, out] matrix.
-      if len({_matchers.conv_kernel_layout(inf) for inf in infos}) != 1:
-        return None
-      kind = "conv"
-    elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
-      if len({(inf.has_scale, inf.has_shift, inf.feature_shape) for inf in infos}) != 1:
-        return None
-      kind = "scale_and_shift"
-    elif kinds <= {"dense", "embedding"}:
-      # A table [vocab, dim]: products read it as itself or as its transpose.
-      emb = next(inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo))
-      idx = np.arange(math.prod(shape)).reshape(shape)
-      for inf in infos:
-        if isinstance(inf, _matchers.EmbeddingInfo):
-          if inf != emb:
-            return None
-          continue
-        m = kernel_index_matrix(inf, shape)
-        if not (np.array_equal(m, idx) or np.array_equal(m, idx.T)):
-          return None
-      kind = "embedding"
-    else:
-      return None
-    leaves = [leaf] + ([b_leaf] if b_leaf is not None else [])
-    spec = self._shared_spec(kind, leaves, infos, None, "auto")
-    self._claim(claimed, leaves, spec.name)
-    return spec, tuple(f[3] for f in found), tuple(f[2] for f in found)
+  # -- specs -----------------------------------------------------------------------------------
 
   def _shared_override(self, kind, name, paths, num_uses):
     """The approximation a `LayerConfig.overrides` pattern chooses for a shared layer, or None.
@@ -1175,8 +616,8 @@ class _Scanner:
     return None
 
   def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
-    paths = tuple(self.paths[j] for j in leaves)
-    name = _common_prefix(paths)
+    paths = tuple(self.ix.paths[j] for j in leaves)
+    name = common_prefix(paths)
     if approx is None:
       approx = self._shared_override(kind, name, paths, len(infos))
     explicit = approx is not None
@@ -1204,21 +645,15 @@ class _Scanner:
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
         f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
       )
-    # `kind` decides the info class (DenseInfo, ConvInfo or EmbeddingInfo).
-    info: Any = next((inf for inf in infos if isinstance(inf, _matchers.EmbeddingInfo)), infos[0])
-    n = sum(math.prod(self.shapes[j]) for j in leaves)
+    info = next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0])
+    n = sum(math.prod(self.ix.shapes[j]) for j in leaves)
     shapes: tuple[tuple[int, ...], ...]
     if approx == "diagonal":
       shapes = ((n,),)
     elif approx == "full":
       shapes = ((n, n),)
-    elif kind == "dense":
-      a = info.in_dim + (1 if len(leaves) == 2 else 0)
-      shapes = ((a, a), (info.out_dim, info.out_dim))
-    elif kind == "conv":
-      shapes = _matchers.conv_kron_shapes(info, len(leaves) == 2)
     else:
-      shapes = ((info.vocab_size,), (info.dim, info.dim))
+      shapes = _kron(kind, info, len(leaves) == 2)
     return LayerSpec(
       name=name,
       kind=kind,
@@ -1228,76 +663,22 @@ class _Scanner:
       factor_shapes=shapes,
       source=source,
       info=info,
-      param_shapes=tuple(self.shapes[j] for j in leaves),
+      param_shapes=tuple(self.ix.shapes[j] for j in leaves),
       num_uses=len(infos),
       use_infos=infos,
       note=note,
     )
 
-  def _match_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
-    found = self._match_direct_bias(s_key, k_pos, k_shape, k_free, claimed, shared)
-    if found is not None:
-      return found
-    # A bias behind layout ops (vmap's unit axes, a transposed product) or broadcast to the full
-    # output: matched by where each bias entry lands; the tap stays at the product.
-    free_shape = tuple(k_shape[d] for d in k_free)
-    out_shape = tuple(s_key[1].aval.shape)
-    n_kf = len(free_shape)
-    feat = np.arange(math.prod(free_shape)).reshape(free_shape)
-    if k_pos == 1:  # out = (x_free..., k_free...)
-      feat = np.broadcast_to(feat, out_shape)
-    else:  # out = (k_free..., x_free...)
-      feat = np.broadcast_to(feat.reshape(free_shape + (1,) * (len(out_shape) - n_kf)), out_shape)
-    bias = _matchers.follow_bias(self, s_key, feat, claimed, shared)
-    return None if bias is None else (bias[0], s_key)
+  def layer_spec(
+    self, kind, leaves, info, approx, source, kron_shapes, leaf_shapes=None
+  ) -> LayerSpec:
+    """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations.
 
-  def _match_direct_bias(self, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
-    if k_pos != 1:
-      return None
-    cons = self.slice_consumers.get(s_key, [])
-    if len(cons) != 1:
-      return None
-    j, pos = cons[0]
-    fe = self.g.eqns[j]
-    if fe.name != "add":
-      return None
-    other = fe.ins[1 - pos]
-    if not _graph.is_key(other) or other not in self.origin:
-      return None
-    b_leaf, b_chain = self.origin[other]
-    if b_leaf in claimed or (not shared and len(self.uses.get(b_leaf, [])) != 1):
-      return None
-    if any(s.op == "transpose" for s in b_chain):
-      return None
-    free_shape = tuple(k_shape[d] for d in k_free)
-    if math.prod(self.shapes[b_leaf]) != math.prod(free_shape):
-      return None
-    b_shape = tuple(_graph.aval_of(other).shape)
-    out_shape = tuple(fe.outs[0][1].aval.shape)
-    s_shape = tuple(s_key[1].aval.shape)
-    if out_shape != s_shape or len(b_shape) < len(free_shape):
-      return None
-    if b_shape[len(b_shape) - len(free_shape) :] != free_shape:
-      return None
-    if math.prod(b_shape[: len(b_shape) - len(free_shape)]) not in (
-      1,
-      math.prod(s_shape[: len(s_shape) - len(free_shape)]),
-    ):
-      return None
-    return b_leaf, fe.outs[0]
-
-  # -- specs -----------------------------------------------------------------------------------
-
-  def _dense_spec(self, leaves, info: DenseInfo, approx, source) -> LayerSpec:
-    a_dim = info.in_dim + (1 if len(leaves) == 2 else 0)
-    return self.layer_spec(
-      "dense", leaves, info, approx, source, ((a_dim, a_dim), (info.out_dim, info.out_dim))
-    )
-
-  def layer_spec(self, kind, leaves, info, approx, source, kron_shapes) -> LayerSpec:
-    """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations."""
-    paths = tuple(self.paths[j] for j in leaves)
-    name = _common_prefix(paths)
+    `leaf_shapes` (leaf -> shape) replaces the index's leaf shapes: one layer of a stack.
+    """
+    shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
+    paths = tuple(self.ix.paths[j] for j in leaves)
+    name = common_prefix(paths)
     builtin, note = _matchers.default_approx(kind, info), ""
     if builtin is None:
       builtin = DEFAULT_APPROX[kind]
@@ -1307,7 +688,7 @@ class _Scanner:
     approx = self._approx(kind, paths, name, approx, source, builtin)
     if approx != builtin:
       note = ""
-    n = sum(math.prod(self.shapes[j]) for j in leaves)
+    n = sum(math.prod(shape_of[j]) for j in leaves)
     if not explicit:
       approx, why = _layer_config.size_policy(
         self.layer_config.max_factor_dim, kind, approx, kron_shapes, n, APPROXIMATIONS[kind]
@@ -1335,7 +716,7 @@ class _Scanner:
       factor_shapes=shapes,
       source=source,
       info=info,
-      param_shapes=tuple(self.shapes[j] for j in leaves),
+      param_shapes=tuple(shape_of[j] for j in leaves),
       note=note,
     )
 
@@ -1349,9 +730,9 @@ class _Scanner:
     )
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
-    paths = tuple(self.paths[j] for j in leaves)
-    n = sum(math.prod(self.shapes[j]) for j in leaves)
-    name = paths[0] if len(paths) == 1 else _common_prefix(paths)
+    paths = tuple(self.ix.paths[j] for j in leaves)
+    n = sum(math.prod(self.ix.shapes[j]) for j in leaves)
+    name = paths[0] if len(paths) == 1 else common_prefix(paths)
     note = ""
     if source != "linked":
       explicit = self._explicit(paths, name, approx, source)
@@ -1369,45 +750,60 @@ class _Scanner:
       approx=approx,
       factor_shapes=factor,
       source=source,
-      param_shapes=tuple(self.shapes[j] for j in leaves),
+      param_shapes=tuple(self.ix.shapes[j] for j in leaves),
       note=note,
     )
+
+
+def _kron(kind: str, info, has_bias: bool):
+  """A layer's factor shapes under "kron" (the input side a vector for embeddings; none for
+  scale-and-shift layers, which take "full" or "diagonal")."""
+  if kind == "dense":
+    a = info.in_dim + (1 if has_bias else 0)
+    return ((a, a), (info.out_dim, info.out_dim))
+  if kind == "conv":
+    return conv_kron_shapes(info, has_bias)
+  if kind == "embedding":
+    return ((info.vocab_size,), (info.dim, info.dim))
+  return ()
+
+
+# The automatic matchers, pass by pass; within a pass, per equation, the first that fits wins.
+# Kernels claim their biases before the elementwise pass could take a bias for a shift.
+_PASSES = (
+  (_stacked.match_batched_dense, _matchers.match_dense, _matchers.match_conv),
+  (_matchers.match_embedding,),
+  (_matchers.match_scale_and_shift,),
+)
 
 
 # --------------------------------------------------------------------------------------------
 # Why a parameter got a fallback block (the warning, `summary`, `check_registration`).
 
 
-@dataclasses.dataclass(frozen=True)
-class FallbackInfo:
-  """`LayerSpec.info` of a fallback (generic) layer: why the scanner matched no layer."""
-
-  reason: str
-
-
-def _constant_operand(sc: _Scanner, atom) -> float | None:
+def _constant_operand(ix: _index.GraphIndex, atom) -> float | None:
   """The scalar value of `atom` if it is a constant (a literal, possibly broadcast), else None."""
   while True:
     if isinstance(atom, _compat.Literal):
       val = np.asarray(atom.val)
-    elif atom in sc.const_values:
-      val = np.asarray(sc.const_values[atom])
-    elif atom in sc.producer and sc.g.eqns[sc.producer[atom]].name in _VIEW_OPS:
-      atom = sc.g.eqns[sc.producer[atom]].ins[0]
+    elif atom in ix.const_values:
+      val = np.asarray(ix.const_values[atom])
+    elif atom in ix.producer and ix.g.eqns[ix.producer[atom]].name in _index.VIEW_OPS:
+      atom = ix.g.eqns[ix.producer[atom]].ins[0]
       continue
     else:
       return None
     return float(val.reshape(-1)[0]) if val.size and np.all(val == val.reshape(-1)[0]) else None
 
 
-def _feeds(sc: _Scanner, key, names: frozenset[str], depth: int = 4) -> str | None:
+def _feeds(ix: _index.GraphIndex, key, names: frozenset[str], depth: int = 4) -> str | None:
   """The first primitive in `names` that `key` reaches through a few operations, else None."""
   frontier = [key]
   for _ in range(depth):
-    nxt = []
+    nxt: list[Any] = []
     for k in frontier:
-      for j, _ in sc.slice_consumers.get(k, []):
-        fe = sc.g.eqns[j]
+      for j, _ in ix.slice_consumers.get(k, []):
+        fe = ix.g.eqns[j]
         if fe.name in names:
           return fe.name
         nxt.extend(fe.outs)
@@ -1415,20 +811,20 @@ def _feeds(sc: _Scanner, key, names: frozenset[str], depth: int = 4) -> str | No
   return None
 
 
-def _use_reason(sc: _Scanner, leaf: int, i: int, pos: int) -> str:
+def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   """Why one use (equation `i`, operand `pos`) of `leaf` matched no layer."""
-  fe = sc.g.eqns[i]
+  fe = ix.g.eqns[i]
   name = fe.name
   if name == "scan_slice":
     return "sliced by a scan (a stacked layer axis)"
   if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
     return f"indexed by {name} before use (e.g. one slice of a stacked array)"
   if name == "concatenate":
-    if _feeds(sc, fe.outs[0], frozenset({"dot_general", "conv_general_dilated"})):
+    if _feeds(ix, fe.outs[0], frozenset({"dot_general", "conv_general_dilated"})):
       return "concatenated before a matmul"
     return "concatenated with other arrays before use"
   if name in ("add", "sub") and len(fe.ins) == 2:
-    c = _constant_operand(sc, fe.ins[1 - pos])
+    c = _constant_operand(ix, fe.ins[1 - pos])
     if c is not None:
       shown = f"{c:g}"
       return (
@@ -1436,17 +832,17 @@ def _use_reason(sc: _Scanner, leaf: int, i: int, pos: int) -> str:
         if name == "add"
         else (f"used as {shown} - scale" if pos == 1 else f"used as scale - {shown}")
       )
-  others = [leaf_ for leaf_, _ in sc.uses_by_eqn.get(i, []) if leaf_ != leaf]
+  others = [leaf_ for leaf_, _ in ix.uses_by_eqn.get(i, []) if leaf_ != leaf]
   if others:
     return (
-      f"combined by {name} with parameter `{sc.paths[others[0]]}` (a product or sum of "
+      f"combined by {name} with parameter `{ix.paths[others[0]]}` (a product or sum of "
       "two parameters has no layer block)"
     )
   if name == "dot_general":
     (_, _), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
     if lhs_b or rhs_b:
       return "consumed by a batched dot_general (batch dimensions, e.g. per-head weights)"
-    if any(s.op == "broadcast" for s in sc.origin[fe.ins[pos]][1]):
+    if any(s.op == "broadcast" for s in ix.origin[fe.ins[pos]][1]):
       return "broadcast before a matmul"
     return "consumed by dot_general in a layout no dense matcher fits"
   if name in ("mul", "add"):
@@ -1456,29 +852,29 @@ def _use_reason(sc: _Scanner, leaf: int, i: int, pos: int) -> str:
   return f"consumed by {name} (no matcher)"
 
 
-def fallback_reason(sc: _Scanner, leaf: int) -> str:
+def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
   """Why the scanner matched no layer for `leaf`, from its uses in the traced graph.
 
   One short phrase: "not used by the loss", "sliced by a scan (a stacked layer axis)", "used as 1
   + scale", "concatenated before a matmul", "used 3 times in different ways (dot_general, mul)",
   "consumed by <primitive> (no matcher)", ...
   """
-  uses = sc.uses.get(leaf, [])
+  uses: Sequence[Any] = ix.uses.get(leaf, ())
   if not uses:
-    keys = {k for k, (j, _) in sc.origin.items() if j == leaf}
-    read = any(_graph.is_key(a) and a in keys for fe in sc.g.eqns for a in fe.ins)
+    keys = {k for k, (j, _) in ix.origin.items() if j == leaf}
+    read = any(_graph.is_key(a) and a in keys for fe in ix.g.eqns for a in fe.ins)
     return (
       "not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)"
       if read
       else "not used by the loss"
     )
-  reasons = [_use_reason(sc, leaf, i, pos) for i, pos in uses]
+  reasons = [_use_reason(ix, leaf, i, pos) for i, pos in uses]
   for r in reasons:
     if r.startswith(("sliced by a scan", "indexed by")):
       return r
   if len(uses) == 1:
     return reasons[0]
-  names = tuple(dict.fromkeys(sc.g.eqns[i].name for i, _ in uses))
+  names = tuple(dict.fromkeys(ix.g.eqns[i].name for i, _ in uses))
   if len(set(reasons)) == 1 and not reasons[0].startswith("consumed by"):
     return f"{reasons[0]} (all {len(uses)} uses)"
   if len(names) == 1 and names[0] in ("dot_general", "conv_general_dilated", "mul", "add"):

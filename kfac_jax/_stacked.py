@@ -31,11 +31,12 @@ import dataclasses
 import math
 from typing import Any
 
-from kfac_jax import _graph
+from kfac_jax import _graph, _matchers
 
 
 def add_virtual_leaves(sc) -> None:
-  """Extends the scanner's leaf tables with one virtual leaf per slice of each stacked leaf.
+  """Extends the index's leaf tables (`_index.build`) with one virtual leaf per slice of each
+  stacked leaf.
 
   Sets `sc.stack_of` (virtual leaf → (real leaf, t)) and `sc.stacks` (real leaf → virtual leaves
   by t); `sc.leaf_of_key`, `sc.paths` and `sc.shapes` gain the virtual leaves.
@@ -85,13 +86,13 @@ def _same_layer(a, b) -> bool:
   )
 
 
-def stack_spec(sc, inner, leaves, size: int, axes: tuple[int, ...] = ()):
+def stack_spec(ix, inner, leaves, size: int, axes: tuple[int, ...] = ()):
   """The spec of a stack of `size` layers like `inner`, over the stacked leaves `leaves`."""
   return dataclasses.replace(
     inner,
-    param_paths=tuple(sc.paths[j] for j in leaves),
+    param_paths=tuple(ix.paths[j] for j in leaves),
     leaf_indices=tuple(leaves),
-    param_shapes=tuple(sc.shapes[j] for j in leaves),
+    param_shapes=tuple(ix.shapes[j] for j in leaves),
     factor_shapes=tuple((size,) + tuple(s) for s in inner.factor_shapes),
     stack_size=size,
     stack_inner=inner,
@@ -102,31 +103,34 @@ def stack_spec(sc, inner, leaves, size: int, axes: tuple[int, ...] = ()):
 def merge(sc, specs, claimed):
   """Replaces the per-slice layers of stacked leaves by one stacked layer per leaf group.
 
-  Restores the scanner's `paths` / `shapes` to the real leaves afterwards.
+  Runs after the scanner has mapped layers on concatenations to their real leaves; afterwards
+  no layer and no claim refers to a virtual leaf.
   """
-  if not sc.stack_of:
+  ix = sc.ix
+  if not ix.stack_of:
     return specs
-  n = sc.n_params
-  kept, failed = [], []
+  n = ix.n_params
+  kept: list[Any] = []
+  failed: list[Any] = []
   groups: dict[tuple[Any, ...], dict[int, Any]] = {}  # real leaves -> {step: entry}
   for entry in specs:
     spec = entry[0]
-    virtual = [j for j in spec.leaf_indices if j in sc.stack_of]
+    virtual = [j for j in spec.leaf_indices if j in ix.stack_of]
     if not virtual:
       kept.append(entry)
       continue
-    reals = tuple(sc.stack_of[j][0] if j in sc.stack_of else None for j in spec.leaf_indices)
-    steps = {sc.stack_of[j][1] for j in virtual}
+    reals = tuple(ix.stack_of[j][0] if j in ix.stack_of else None for j in spec.leaf_indices)
+    steps = {ix.stack_of[j][1] for j in virtual}
     if None in reals or len(steps) != 1 or spec.num_uses != 1:
       failed.append(entry)
       continue
     groups.setdefault(reals, {})[steps.pop()] = entry
   for reals, by_t in groups.items():
-    size = sc.shapes[reals[0]][0]
+    size = ix.shapes[reals[0]][0]
     entries: list[Any] = [by_t.get(t) for t in range(size)]  # None: a missing step
     if (
       any(e is None for e in entries)
-      or any(sc.shapes[j][0] != size for j in reals)
+      or any(ix.shapes[j][0] != size for j in reals)
       or not all(_same_layer(e[0], entries[0][0]) for e in entries)
     ):
       failed.extend(e for e in entries if e is not None)
@@ -134,7 +138,7 @@ def merge(sc, specs, claimed):
     for e in entries:
       for j in e[0].leaf_indices:
         claimed.pop(j, None)
-    spec = stack_spec(sc, entries[0][0], reals, size)
+    spec = stack_spec(ix, entries[0][0], reals, size)
     sc._claim(claimed, list(reals), spec.name)
     kept.append((spec, tuple(e[1] for e in entries), tuple(e[2] for e in entries)))
   for entry in failed:  # Its real leaves stay unclaimed: the generic fallback (with a warning).
@@ -143,11 +147,10 @@ def merge(sc, specs, claimed):
   for j in list(claimed):
     if j >= n:
       del claimed[j]
-  sc.paths, sc.shapes = sc.paths[:n], sc.shapes[:n]
   return kept
 
 
-def batched_dense_use(sc, i):
+def batched_dense_use(ix, i):
   """A `dot_general` of an activation with a parameter kernel `[L, ...]` read as L kernels.
 
   Either the kernel's leading axis is the product's only batch dimension (`jax.vmap` of a layer
@@ -159,21 +162,20 @@ def batched_dense_use(sc, i):
   Returns `(per-layer DenseInfo, x atom, x stack axis or None, kernel leaf, k_shape, k_pos,
   output stack axis)` or None.
   """
-  fe = sc.g.eqns[i]
+  fe = ix.g.eqns[i]
   if fe.name != "dot_general":
     return None
-  ops = sc.uses_by_eqn.get(i, [])
+  ops = ix.uses_by_eqn.get(i, [])
   if len(ops) != 1:
     return None
   k_leaf, k_pos = ops[0]
-  if k_leaf >= sc.n_params or len(sc.uses.get(k_leaf, [])) != 1:
+  if k_leaf >= ix.n_params or len(ix.uses.get(k_leaf, [])) != 1:
     return None
   k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
-  _, chain = sc.origin[k_atom]
+  _, chain = ix.origin[k_atom]
   if any(s.op != "cast" for s in chain):
     return None
-  (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
-  k_c, x_c, k_b, x_b = (rhs_c, lhs_c, rhs_b, lhs_b) if k_pos == 1 else (lhs_c, rhs_c, lhs_b, rhs_b)
+  k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
   k_shape = tuple(_graph.aval_of(k_atom).shape)
   x_shape = tuple(_graph.aval_of(x_atom).shape)
   if tuple(k_b) == (0,) and len(x_b) == 1:
@@ -187,56 +189,35 @@ def batched_dense_use(sc, i):
     return None
   # The per-layer product: drop the stack axis from the operands.
   k_c1 = tuple(int(d) - 1 for d in k_c)
-  k_shape1 = k_shape[1:]
-  k_free = tuple(d for d in range(len(k_shape1)) if d not in k_c1)
-  x_free = tuple(d for d in range(len(x_shape1)) if d not in x_c1)
-  if not k_free or not k_c1:
+  found = _matchers.dense_product(k_shape[1:], x_shape1, k_c1, x_c1, k_pos)
+  if found is None:
     return None
-  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top (import cycle)
-
-  in_dim = math.prod(k_shape1[d] for d in k_c1)
-  out_dim = math.prod(k_shape1[d] for d in k_free)
-  rows = math.prod(x_shape1[d] for d in x_free)
-  n_xf, n_kf = len(x_free), len(k_free)
-  out_perm = (
-    tuple(range(n_xf + n_kf))
-    if k_pos == 1
-    else tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf))
-  )
+  info, _, x_free = found
   if x_axis is not None:
     out_axis = 0  # dot_general puts batch dimensions first.
   else:  # The kernel's free axes, in order, after (k_pos == 1) or before the input's.
     out_axis = len(x_free) if k_pos == 1 else 0
-  info = _scanner.DenseInfo(
-    kernel_view=(),
-    kernel_perm=k_c1 + k_free,
-    x_perm=x_free + x_c1,
-    out_perm=out_perm,
-    in_dim=int(in_dim),
-    out_dim=int(out_dim),
-    rows=int(rows),
-  )
   return info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis
 
 
-def _stacked_bias(sc, out_key, out_axis, k_shape, claimed):
+def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
   """A single-use leaf `[L, out]` added to the product's output, spanning its layer axis and its
   last axis (broadcast over the others)."""
-  cons = sc.slice_consumers.get(out_key, [])
-  if len(cons) != 1 or sc.g.eqns[cons[0][0]].name != "add":
+  cons = ix.slice_consumers.get(out_key, [])
+  if len(cons) != 1 or ix.g.eqns[cons[0][0]].name != "add":
     return None
-  fe = sc.g.eqns[cons[0][0]]
+  fe = ix.g.eqns[cons[0][0]]
   other = fe.ins[1 - cons[0][1]]
-  if not _graph.is_key(other) or other not in sc.origin:
+  if not _graph.is_key(other) or other not in ix.origin:
     return None
-  b_leaf, chain = sc.origin[other]
-  if b_leaf >= sc.n_params or b_leaf in claimed or len(sc.uses.get(b_leaf, [])) != 1:
+  b_leaf, chain = ix.origin[other]
+  if b_leaf >= ix.n_params or b_leaf in claimed or len(ix.uses.get(b_leaf, [])) != 1:
     return None
   if any(s.op not in ("cast", "reshape") for s in chain):
     return None
   size, out_shape = k_shape[0], tuple(out_key[1].aval.shape)
   b_shape = tuple(_graph.aval_of(other).shape)
-  if sc.shapes[b_leaf] != (size, k_shape[-1]) or tuple(fe.outs[0][1].aval.shape) != out_shape:
+  if ix.shapes[b_leaf] != (size, k_shape[-1]) or tuple(fe.outs[0][1].aval.shape) != out_shape:
     return None
   if (
     len(b_shape) != len(out_shape)
@@ -249,20 +230,21 @@ def _stacked_bias(sc, out_key, out_axis, k_shape, claimed):
   return b_leaf, fe.outs[0]
 
 
-def match_batched_dense(sc, i, claimed):
-  """A stack of dense layers applied by one `dot_general` (vmapped layers, experts)."""
-  found = batched_dense_use(sc, i)
+def match_batched_dense(ix, i, claimed):
+  """A stack of dense layers applied by one `dot_general` (vmapped layers, experts): a `Match`
+  whose info describes one layer (its leaves' shapes without the layer axis)."""
+  found = batched_dense_use(ix, i)
   if found is None:
     return None
   info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis = found
   if k_leaf in claimed:
     return None
   leaves = [k_leaf]
-  out_key = sc.g.eqns[i].outs[0]
-  cons = sc.slice_consumers.get(out_key, [])
-  if len(cons) == 1 and sc.g.eqns[cons[0][0]].name == "transpose":
+  out_key = ix.g.eqns[i].outs[0]
+  cons = ix.slice_consumers.get(out_key, [])
+  if len(cons) == 1 and ix.g.eqns[cons[0][0]].name == "transpose":
     # `jax.vmap` moves the layer axis of the output to the front: tap after the transpose.
-    fe = sc.g.eqns[cons[0][0]]
+    fe = ix.g.eqns[cons[0][0]]
     perm = tuple(int(d) for d in fe.params["permutation"])
     kept = [d for d in perm if d != out_axis]
     per_layer = [d - (d > out_axis) for d in kept]  # The per-layer axes, as laid out now.
@@ -272,20 +254,13 @@ def match_batched_dense(sc, i, claimed):
     out_axis, out_key = perm.index(out_axis), fe.outs[0]
   bias = None
   if k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]:
-    bias = _stacked_bias(sc, out_key, out_axis, k_shape, claimed)
+    bias = _stacked_bias(ix, out_key, out_axis, k_shape, claimed)
   if bias is not None:
     leaves.append(bias[0])
     out_key = bias[1]
   elif x_axis is None:
     return None  # A shared input and no stacked bias: one dense layer over all outputs.
-  size = k_shape[0]
-  # The per-layer spec, over per-layer leaf shapes.
-  real_shapes = sc.shapes
-  sc.shapes = tuple(s[1:] if j in leaves else s for j, s in enumerate(real_shapes))
-  try:
-    inner = sc._dense_spec(leaves, info, None, "auto")
-  finally:
-    sc.shapes = real_shapes
-  spec = stack_spec(sc, inner, leaves, size, (-1 if x_axis is None else x_axis, out_axis))
-  sc._claim(claimed, leaves, spec.name)
-  return spec, out_key, (x_atom,)
+  axes = (-1 if x_axis is None else x_axis, out_axis)
+  return _matchers.Match.single(
+    "dense", leaves, info, out_key, (x_atom,), stack_size=k_shape[0], stack_axes=axes
+  )

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from kfac_jax._scanner import LayerSpec
+from kfac_jax._specs import LayerSpec
 
 Array = jax.Array
 DampingMode = Literal["factored", "eigen"]

@@ -2,14 +2,14 @@
 
 Flax's `OptimizedLSTMCell` concatenates its gate kernels `[in, H]` (and their biases) into one
 `[in, 4H]` kernel before a single product, so the four leaves are one dense layer over the
-concatenation (`_scanner.ConcatView`). The concatenation is a linear, invertible relayout of the
+concatenation (`_specs.ConcatView`). The concatenation is a linear, invertible relayout of the
 leaves, so the block of the concatenated kernel is the block of the leaves: products join the
 pieces into the concatenated operand, multiply with the inner block, and split the result back.
 """
 
 from __future__ import annotations
 
-from kfac_jax import _scanner
+from kfac_jax import _specs
 from kfac_jax.blocks._base import Block
 
 
@@ -35,7 +35,7 @@ class ConcatBlock(Block):
       if view is None:
         out.append(next(it))
       else:
-        out.append(_scanner.join_pieces(view, [next(it) for _ in view.leaves]))
+        out.append(_specs.join_pieces(view, [next(it) for _ in view.leaves]))
     return out
 
   def _split(self, logical):
@@ -46,7 +46,7 @@ class ConcatBlock(Block):
         k += 1
       else:
         shapes = self.spec.param_shapes[k : k + len(view.leaves)]
-        out.extend(_scanner.split_pieces(view, x, shapes))
+        out.extend(_specs.split_pieces(view, x, shapes))
         k += len(view.leaves)
     return out
 

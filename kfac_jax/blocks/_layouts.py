@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kfac_jax import _matchers, _scanner
+from kfac_jax import _specs
 from kfac_jax.blocks import _linalg
 
 Array = jax.Array
@@ -41,7 +41,7 @@ class DenseLayout:
 
   def __init__(self, spec):
     self.spec = spec
-    self.info: _scanner.DenseInfo = spec.info
+    self.info: _specs.DenseInfo = spec.info
     self.groups = 1
     self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
 
@@ -56,7 +56,7 @@ class DenseLayout:
 
   def to_matrix(self, vecs, dtype) -> Array:
     info = self.info
-    k = _scanner.apply_view(info.kernel_view, vecs[0].astype(dtype))
+    k = _specs.apply_view(info.kernel_view, vecs[0].astype(dtype))
     m = k.transpose(info.kernel_perm).reshape(1, info.in_dim, info.out_dim)
     if self.spec.has_bias:
       m = jnp.concatenate([m, vecs[1].astype(dtype).reshape(1, 1, info.out_dim)], axis=1)
@@ -67,7 +67,7 @@ class DenseLayout:
     op_shape = _operand_shape(info.kernel_view, self.spec.param_shapes[0])
     permuted = tuple(op_shape[d] for d in info.kernel_perm)
     k = m[0, : info.in_dim].reshape(permuted).transpose(np.argsort(info.kernel_perm))
-    out = [_scanner.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
+    out = [_specs.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
     if self.spec.has_bias:
       out.append(m[0, info.in_dim].reshape(self.spec.param_shapes[1]))
     return out
@@ -78,7 +78,7 @@ class ConvLayout:
 
   def __init__(self, spec):
     self.spec = spec
-    self.info: _matchers.ConvInfo = spec.info
+    self.info: _specs.ConvInfo = spec.info
     self.groups = self.info.groups
     self.in_dim, self.out_dim = self.info.patch_dim, self.info.out_per_group
     rhs = self.info.rhs_spec
@@ -139,7 +139,7 @@ class ConvLayout:
     return jax.vmap(one_group)(m2, mu)
 
   def to_matrix(self, vecs, dtype) -> Array:
-    k = _scanner.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
+    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
     k = k.transpose(self._kernel_perm).reshape(self.in_dim, self.groups, self.out_dim)
     m = k.transpose(1, 0, 2)
     if self.spec.has_bias:
@@ -153,7 +153,7 @@ class ConvLayout:
     permuted = tuple(op_shape[d] for d in self._kernel_perm)
     k = m[:, : self.in_dim].transpose(1, 0, 2).reshape(permuted)
     k = k.transpose(np.argsort(self._kernel_perm))
-    out = [_scanner.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
+    out = [_specs.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
     if self.spec.has_bias:
       out.append(m[:, self.in_dim].reshape(self.spec.param_shapes[1]))
     return out
@@ -164,7 +164,7 @@ class EmbeddingLayout:
 
   def __init__(self, spec):
     self.spec = spec
-    self.info: _matchers.EmbeddingInfo = spec.info
+    self.info: _specs.EmbeddingInfo = spec.info
     self.groups = 1
     self.in_dim, self.out_dim = self.info.vocab_size, self.info.dim
 
@@ -183,7 +183,7 @@ class EmbeddingLayout:
     return jnp.zeros((self.in_dim,), dtype).at[ids].add(1.0, mode="drop")
 
   def to_matrix(self, vecs, dtype) -> Array:
-    t = _scanner.apply_view(self.info.table_view, vecs[0].astype(dtype))
+    t = _specs.apply_view(self.info.table_view, vecs[0].astype(dtype))
     return t.reshape(1, self.in_dim, self.out_dim)
 
   def from_matrix(self, m: Array) -> list[Array]:
@@ -240,7 +240,7 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
 
 
 def _scale_shift_grads(spec, data, dtype) -> Array:
-  info: _matchers.ScaleShiftInfo = spec.info
+  info: _specs.ScaleShiftInfo = spec.info
   inputs, g = data
   g = g.astype(dtype)
   out_shape = g.shape[1:]  # This batch's output shape (`info.output_shape` is example_batch's).

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _matchers, _scanner
+from kfac_jax import _specs
 from kfac_jax.blocks import _kronecker, _layouts, _linalg
 from kfac_jax.blocks._base import Block, StackedUses
 from kfac_jax.blocks._state import KroneckerFactors, SeriesCache, SeriesFactors
@@ -63,9 +63,9 @@ def use_layouts(spec) -> list[tuple[_layouts.Layout, bool]]:
   for info in spec.use_infos:
     kind = (
       "embedding"
-      if isinstance(info, _matchers.EmbeddingInfo)
+      if isinstance(info, _specs.EmbeddingInfo)
       else "conv"
-      if isinstance(info, _matchers.ConvInfo)
+      if isinstance(info, _specs.ConvInfo)
       else "dense"
     )
     sub = dataclasses.replace(spec, kind=kind, info=info, num_uses=1, use_infos=())
@@ -74,8 +74,8 @@ def use_layouts(spec) -> list[tuple[_layouts.Layout, bool]]:
         sub, leaf_indices=spec.leaf_indices[:1], param_shapes=spec.param_shapes[:1]
       )
     transposed = False
-    if spec.kind == "embedding" and isinstance(info, _scanner.DenseInfo):
-      m = _scanner.kernel_index_matrix(info, spec.param_shapes[0])
+    if spec.kind == "embedding" and isinstance(info, _specs.DenseInfo):
+      m = _specs.kernel_index_matrix(info, spec.param_shapes[0])
       transposed = not np.array_equal(m, np.arange(m.size).reshape(spec.param_shapes[0]))
     out.append((_layouts.layout_for(sub), transposed))
   return out

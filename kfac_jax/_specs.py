@@ -1,0 +1,399 @@
+"""Static descriptions shared by the scanner, the blocks and the layer configuration.
+
+A leaf module: it imports nothing from `kfac_jax`, so `blocks/*` and `_layer_config` read the
+specs without importing the tracer (`_scanner`), and there is no import cycle. It holds
+
+  * the approximation tables: which approximations each layer kind takes, alone
+    (`APPROXIMATIONS`, `DEFAULT_APPROX`) and shared by several uses (`SHARED_BY_KIND`);
+  * the registration errors and the uncovered-parameter warning;
+  * parameter paths (`path_to_str`, `param_paths`) and parameter views (`ViewStep`,
+    `ConcatView` with their pure helpers `apply_view`, `undo_view`, `join_pieces`,
+    `split_pieces`);
+  * the static layer and loss descriptions (`LayerSpec`, `LossSpec`) and the kind-specific
+    matching details a block reads (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`, `EmbeddingInfo`,
+    `FallbackInfo`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+# --------------------------------------------------------------------------------------------
+# Approximation tables.
+
+APPROXIMATIONS = {
+  "dense": (
+    "kron",
+    "kron_in_diag",
+    "kron_out_diag",
+    "kron_both_diag",
+    "diagonal",
+    "full",
+    "expand",
+    "reduce",
+    "kron_indep",
+    "ekfac",
+  ),
+  "conv": (
+    "kron",
+    "kron_sua",
+    "kron_in_diag",
+    "kron_out_diag",
+    "kron_both_diag",
+    "diagonal",
+    "full",
+    "ekfac",
+  ),
+  "scale_and_shift": ("full", "diagonal"),
+  "embedding": ("kron", "kron_indep", "kron_out_diag"),
+  "generic": ("diagonal", "full"),
+}
+DEFAULT_APPROX = {
+  "dense": "kron",
+  "conv": "kron",
+  "scale_and_shift": "full",
+  "embedding": "kron",
+  "generic": "diagonal",
+}
+
+
+# Approximations of a layer whose parameters are used several times (see `kfac_jax.blocks._shared`).
+SHARED_APPROXIMATIONS = ("kron_indep", "kron_series_1", "kron_series_2")
+# Per kind, the approximations of a shared layer (default first; "kron" is read as "kron_indep").
+# "diagonal" and "full" are exact per-example Fisher blocks, the per-example gradient being the
+# sum over uses (`blocks._layouts.per_example_grads`).
+SHARED_BY_KIND = {
+  "dense": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
+  "conv": ("kron_indep", "diagonal", "full"),
+  "embedding": ("kron_indep",),
+  "scale_and_shift": ("full", "diagonal"),
+}
+
+
+class RegistrationError(ValueError):
+  """A loss or layer registration problem, found while scanning `loss_fn`."""
+
+
+class UncoveredParametersWarning(UserWarning):
+  """Parameters not in any recognised layer; they get a diagonal generic block."""
+
+
+class RegistrationCheckError(RegistrationError):
+  """Every coverage problem of one registration, listed together (`check_registration`).
+
+  Attributes:
+    problems: one line per problem, each naming the parameter path(s).
+  """
+
+  def __init__(self, problems: Sequence[str]):
+    self.problems = tuple(problems)
+    lines = "\n".join(f"  - {p}" for p in self.problems)
+    super().__init__(f"{len(self.problems)} registration problem(s):\n{lines}")
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter paths and views.
+
+
+def path_to_str(path) -> str:
+  parts = []
+  for k in path:
+    if isinstance(k, jax.tree_util.DictKey):
+      parts.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      parts.append(str(k.name))
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      parts.append(str(k.idx))
+    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+      parts.append(str(k.key))
+    else:
+      parts.append(str(k))
+  # nnx.State leaves end in a `value` attribute: drop it from the human-readable name.
+  if len(parts) > 1 and parts[-1] == "value":
+    parts = parts[:-1]
+  return "/".join(parts) if parts else "<root>"
+
+
+def param_paths(params) -> tuple[str, ...]:
+  leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
+  return tuple(path_to_str(p) for p, _ in leaves_with_paths)
+
+
+def common_prefix(paths: Sequence[str]) -> str:
+  """The layer name of `paths`: their common `/`-separated prefix (a lone path's parent)."""
+  split = [p.split("/") for p in paths]
+  prefix = []
+  for parts in zip(*split):
+    if all(x == parts[0] for x in parts):
+      prefix.append(parts[0])
+    else:
+      break
+  if len(paths) == 1 and len(split[0]) > 1:
+    prefix = split[0][:-1]
+  return "/".join(prefix) if prefix else paths[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewStep:
+  """One layout operation applied to a parameter on its way to the consuming operation."""
+
+  op: str  # "reshape" | "transpose" | "cast" | "broadcast" | "shift" (a constant added)
+  in_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  perm: tuple[int, ...] = ()  # transpose: the permutation; broadcast: broadcast_dimensions.
+
+
+def apply_view(chain: Sequence[ViewStep], x):
+  """Maps a parameter-shaped array to the operand layout (casts are skipped)."""
+  for s in chain:
+    if s.op == "transpose":
+      x = x.transpose(s.perm)
+    elif s.op == "reshape":
+      x = x.reshape(s.out_shape)
+    elif s.op == "broadcast":
+      raise ValueError("a broadcast view cannot be applied to a parameter vector")
+  return x
+
+
+def undo_view(chain: Sequence[ViewStep], x):
+  """Inverse of `apply_view`."""
+  for s in reversed(chain):
+    if s.op == "transpose":
+      x = x.transpose(np.argsort(s.perm))
+    elif s.op == "reshape":
+      x = x.reshape(s.in_shape)
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcatView:
+  """Several parameter leaves, each viewed (`chains`), concatenated along `axis` into one operand.
+
+  Flax's `OptimizedLSTMCell` concatenates its four gate kernels (and biases) before one product;
+  a `stack` is read as a concatenation of the operands with a unit axis inserted. The scanner
+  treats the concatenation as one virtual leaf of shape `shape`, matches layers on it, then
+  lists the real leaves in the layer (`LayerSpec.concat`); the block works on the
+  concatenation and splits its results back.
+  """
+
+  leaves: tuple[int, ...]
+  chains: tuple[tuple[ViewStep, ...], ...]
+  axis: int
+  piece_shapes: tuple[tuple[int, ...], ...]  # The concatenated operands' shapes.
+  shape: tuple[int, ...]
+
+
+def join_pieces(view: ConcatView, pieces):
+  """The concatenation of parameter-shaped `pieces` (casts skipped)."""
+  return jax.numpy.concatenate(
+    [apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis
+  )
+
+
+def split_pieces(view: ConcatView, x, leaf_shapes):
+  """Inverse of `join_pieces`: the parameter-shaped pieces of a concatenation-shaped `x`."""
+  sizes = np.cumsum([s[view.axis] for s in view.piece_shapes])[:-1]
+  parts = jax.numpy.split(x, [int(k) for k in sizes], axis=view.axis)
+  return [undo_view(c, p).reshape(shape) for c, p, shape in zip(view.chains, parts, leaf_shapes)]
+
+
+# --------------------------------------------------------------------------------------------
+# Static descriptions.
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """One loss tag: which distribution, and where its operands live in the graph."""
+
+  kind: str
+  var: float
+  has_targets: bool
+  has_weight: bool
+  batch_size: int
+  prediction_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseInfo:
+  """How a dense layer's kernel, input and output map to matrices.
+
+  The kernel operand (after `kernel_view`) is transposed by `kernel_perm` and reshaped to
+  `[in, out]`; the input operand by `x_perm` to `[rows, in]`; the output by `out_perm` to
+  `[rows, out]`.
+  """
+
+  kernel_view: tuple[ViewStep, ...]
+  kernel_perm: tuple[int, ...]
+  x_perm: tuple[int, ...]
+  out_perm: tuple[int, ...]
+  in_dim: int
+  out_dim: int
+  rows: int
+
+
+def kernel_index_matrix(info: DenseInfo, param_shape) -> np.ndarray:
+  """Which parameter entry (flat index) each entry of the `[in, out]` kernel matrix reads."""
+  idx = np.arange(math.prod(param_shape)).reshape(param_shape)
+  k = apply_view(info.kernel_view, idx)
+  return k.transpose(info.kernel_perm).reshape(info.in_dim, info.out_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+  """A layer the scanner found (or a manual tag registered), as static facts.
+
+  Attributes:
+    name: the layer's name, the common prefix of its parameter paths (e.g. `params/Dense_0`).
+    kind: "dense", "conv", "scale_and_shift", "embedding" or "generic".
+    param_paths: the paths of its parameter leaves, e.g. `("params/Dense_0/kernel", ...)`.
+    leaf_indices: positions of those leaves in `jax.tree_util.tree_leaves(params)`.
+    approx: the curvature approximation (see `APPROXIMATIONS`; chosen by `LayerConfig`).
+    factor_shapes: shapes of the curvature factors the block keeps.
+    source: "auto", "manual", "fallback" or "linked" (a `LayerConfig.linked` group).
+    info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
+      `EmbeddingInfo`); None for generic layers.
+    param_shapes: shapes of the parameter leaves.
+    num_uses: how many times the layer is applied (a shared / tied / recurrent layer: one leaf
+      used by several matching equations, e.g. the T steps of an unrolled scan). Each use has its
+      own output key and inputs in the registration.
+    use_infos: for `num_uses > 1`, the matching details of every use (`info` is the first one,
+      or the embedding use of a tied embedding).
+    note: why the approximation differs from the one asked for or the kind's default (the size
+      policy of `LayerConfig.max_factor_dim`, a positional table), "" otherwise; `summary`
+      prints it.
+    concat: for a layer over concatenated leaves, one entry per logical parameter (kernel,
+      bias): its `ConcatView`, or None for a plain leaf; () otherwise.
+    logical: with `concat`, the layer as matched on the concatenations (one leaf each, with
+      their shapes): the spec its block computes with.
+    stack_size: L > 0 for a stack of L layers of one kind whose parameter leaves carry a
+      leading layer axis (a scan over stacked layers, a vmapped ensemble, an expert-stacked
+      kernel; see `kfac_jax._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
+    stack_inner: for a stack, the spec of one layer of it (leaf shapes without the layer axis).
+    stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
+      input operand and then of the output; empty when each layer has its own tap (a scan).
+  """
+
+  name: str
+  kind: str
+  param_paths: tuple[str, ...]
+  leaf_indices: tuple[int, ...]
+  approx: str
+  factor_shapes: tuple[tuple[int, ...], ...]
+  source: str = "auto"
+  info: Any = None
+  param_shapes: tuple[tuple[int, ...], ...] = ()
+  num_uses: int = 1
+  use_infos: tuple[Any, ...] = ()
+  note: str = ""
+  concat: tuple[Any, ...] = ()
+  logical: Any = None
+  stack_size: int = 0
+  stack_inner: LayerSpec | None = None
+  stack_axes: tuple[int, ...] = ()
+
+  @property
+  def multi_tap(self) -> bool:
+    """Whether the layer has several taps (uses, or the layers of a scanned stack)."""
+    return self.num_uses > 1 or (self.stack_size > 0 and not self.stack_axes)
+
+  @property
+  def dense(self) -> DenseInfo | None:
+    return self.info if isinstance(self.info, DenseInfo) else None
+
+  @property
+  def has_bias(self) -> bool:
+    """Dense and conv layers: whether a bias leaf follows the kernel."""
+    if self.logical is not None:
+      return self.logical.has_bias
+    return self.kind in ("dense", "conv") and len(self.leaf_indices) == 2
+
+  @property
+  def num_params(self) -> int:
+    return sum(math.prod(s) for s in self.param_shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvInfo:
+  """A convolution `out = conv_general_dilated(x, kernel, ...)`, as the primitive describes it.
+
+  `lhs_spec`, `rhs_spec`, `out_spec` are `ConvDimensionNumbers` fields: for the input, the
+  positions of (batch, feature, spatial...); for the kernel, (out feature, in feature,
+  spatial...); for the output, (batch, feature, spatial...). `padding` is explicit `(lo, hi)`
+  pairs. The kernel operand is the parameter leaf after `kernel_view`.
+  """
+
+  kernel_view: tuple[Any, ...]
+  lhs_spec: tuple[int, ...]
+  rhs_spec: tuple[int, ...]
+  out_spec: tuple[int, ...]
+  window_strides: tuple[int, ...]
+  padding: tuple[tuple[int, int], ...]
+  lhs_dilation: tuple[int, ...]
+  rhs_dilation: tuple[int, ...]
+  feature_group_count: int
+  in_channels: int  # C, all groups
+  out_channels: int  # O, all groups
+  kernel_spatial: tuple[int, ...]
+  input_shape: tuple[int, ...]
+  output_shape: tuple[int, ...]
+
+  @property
+  def groups(self) -> int:
+    return self.feature_group_count
+
+  @property
+  def depthwise(self) -> bool:
+    return self.groups > 1 and self.groups == self.in_channels
+
+  @property
+  def patch_dim(self) -> int:
+    """Inputs of one group's patch: (C / groups) · prod(kernel_spatial)."""
+    return self.in_channels // self.groups * math.prod(self.kernel_spatial)
+
+  @property
+  def out_per_group(self) -> int:
+    return self.out_channels // self.groups
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleShiftInfo:
+  """`out = x̂ * scale + shift`, the parameters spanning the trailing `feature_shape` of `out`.
+
+  x̂ is the product of the layer's input operands (one, or two when a following multiplication
+  was folded in), broadcast to `output_shape`; its leading axis is the batch.
+  """
+
+  has_scale: bool
+  has_shift: bool
+  feature_shape: tuple[int, ...]
+  output_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingInfo:
+  """`out[..., :] = table[ids[...], :]` with `table` (after `table_view`) of shape [vocab, dim]."""
+
+  table_view: tuple[Any, ...]
+  vocab_size: int
+  dim: int
+
+
+def conv_kron_shapes(info: ConvInfo, has_bias: bool):
+  a = info.patch_dim + (1 if has_bias else 0)
+  o = info.out_per_group
+  if info.groups == 1:
+    return ((a, a), (o, o))
+  return ((info.groups, a, a), (info.groups, o, o))
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackInfo:
+  """`LayerSpec.info` of a fallback (generic) layer: why the scanner matched no layer."""
+
+  reason: str

@@ -1,0 +1,49 @@
+"""The module seams of the scanner: static specs in a leaf module, blocks free of the tracer.
+
+Read from the source (import statements only), so the test costs no import and no tracing.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+_PKG = pathlib.Path(__file__).resolve().parent.parent / "kfac_jax"
+
+
+def _kfac_imports(path: pathlib.Path) -> set[str]:
+  """The `kfac_jax` modules a file imports (`_scanner`, `blocks._base`, ...), at any depth."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name.startswith("kfac_jax."):
+          found.add(a.name.removeprefix("kfac_jax."))
+    elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kfac_jax"):
+      module = node.module.removeprefix("kfac_jax").removeprefix(".")
+      if module:
+        found.add(module)
+      else:  # `from kfac_jax import _x, _y`
+        found.update(a.name for a in node.names)
+  return found
+
+
+# What the scanner is made of: the tracer, the graph and its index, the matchers.
+_TRACER = {"_scanner", "_matchers", "_graph", "_index", "_stacked", "_tags"}
+
+
+@pytest.mark.parametrize(
+  "path", sorted(_PKG.joinpath("blocks").glob("*.py")) + [_PKG / "_layer_config.py"], ids=str
+)
+def test_blocks_and_layer_config_do_not_import_the_scanner(path):
+  imported = _kfac_imports(path)
+  assert not imported & _TRACER, f"{path.name} imports {sorted(imported & _TRACER)}"
+
+
+def test_specs_is_a_leaf_module():
+  assert _kfac_imports(_PKG / "_specs.py") <= {"_compat"}
+
+
+def test_import_checker_sees_imports():
+  # The checker itself: the scanner does import the matchers and the specs.
+  assert {"_matchers", "_specs", "_stacked"} <= _kfac_imports(_PKG / "_scanner.py")
