@@ -84,16 +84,19 @@ class ConvInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ScaleShiftInfo:
-  """`out = x̂ * scale + shift`, the parameters spanning the trailing `feature_shape` of `out`.
+  """`out = x̂ * scale + shift`, the parameters spanning the axes `feature_shape` of `out`.
 
   x̂ is the product of the layer's input operands (one, or two when a following multiplication
-  was folded in), broadcast to `output_shape`; its leading axis is the batch.
+  was folded in), broadcast to `output_shape`; its leading axis is the batch. The parameters
+  span the consecutive axes of `out` from `feature_axis` on (None: the trailing axes; an int for
+  a channel-first layout, e.g. 1 for a per-channel scale over `[N, C, H, W]`).
   """
 
   has_scale: bool
   has_shift: bool
   feature_shape: tuple[int, ...]
   output_shape: tuple[int, ...]
+  feature_axis: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +216,29 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
     ):
       return tuple(out_shape[nd - k :])
   return None
+
+
+def _feature_block(leaf_shape, chain, view_shape, out_shape):
+  """`(feature_axis, feature_shape)`: the consecutive axes of `out_shape` a parameter spans,
+  broadcast along all others. `feature_axis` is None for trailing axes (`_trailing_feature_shape`,
+  tried first); else the parameter reaches an inner block only through reshapes and unit axes
+  (a per-channel scale `[C]` viewed as `[1, C, 1, 1]` over `[N, C, H, W]`, as equinox's
+  BatchNorm does), never through a transpose or a broadcast that copies it.
+  """
+  feat = _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape)
+  if feat is not None:
+    return None, feat
+  nd = len(out_shape)
+  if len(view_shape) > nd or any(s.op in ("transpose", "broadcast") for s in chain):
+    return None
+  view = (1,) * (nd - len(view_shape)) + tuple(view_shape)
+  wide = [a for a in range(nd) if view[a] != 1]
+  if not wide or wide[0] == 0 or math.prod(view) != math.prod(leaf_shape):
+    return None
+  a, b = wide[0], wide[-1] + 1
+  if view[a:b] != tuple(out_shape[a:b]):
+    return None
+  return a, tuple(out_shape[a:b])
 
 
 def _match_bias_add(sc, key, out_shape, feature_axis, size, claimed, shared: bool = False):
@@ -598,23 +624,28 @@ def scale_shift_use(sc, i, claimed, shared: bool = False):
   out_shape = tuple(out_key[1].aval.shape)
   if not out_shape or out_shape[0] != sc.batch_size:
     return None
-  feat = _trailing_feature_shape(sc.shapes[leaf], chain, view_shape, out_shape)
-  if feat is None or len(feat) == len(out_shape):
+  block = _feature_block(sc.shapes[leaf], chain, view_shape, out_shape)
+  if block is None or len(block[1]) == len(out_shape):
     return None
+  axis, feat = block
   shift_leaf = None
   has_shift = fe.name == "add"
   if not has_shift:
-    shift = _match_shift(sc, out_key, out_shape, feat, claimed, shared)
+    shift = _match_shift(sc, out_key, out_shape, block, claimed, shared)
     if shift is not None:
       shift_leaf, out_key = shift
       has_shift = True
   info = ScaleShiftInfo(
-    has_scale=fe.name == "mul", has_shift=has_shift, feature_shape=feat, output_shape=out_shape
+    has_scale=fe.name == "mul",
+    has_shift=has_shift,
+    feature_shape=feat,
+    output_shape=out_shape,
+    feature_axis=axis,
   )
   return info, leaf, inputs, out_key, shift_leaf
 
 
-def _match_shift(sc, key, out_shape, feat, claimed, shared: bool = False):
+def _match_shift(sc, key, out_shape, block, claimed, shared: bool = False):
   use = _only_consumer(sc, key)
   if use is None or sc.g.eqns[use[0]].name != "add":
     return None
@@ -624,9 +655,8 @@ def _match_shift(sc, key, out_shape, feat, claimed, shared: bool = False):
   if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
   leaf, chain = found
-  f = _trailing_feature_shape(sc.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
-  if f != feat:
-    return None
+  if _feature_block(sc.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
+    return None  # The shift must span the scale's axes.
   return leaf, fe.outs[0]
 
 

@@ -1131,7 +1131,8 @@ class _Scanner:
         return None
       kind = "conv"
     elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
-      if len({(inf.has_scale, inf.has_shift, inf.feature_shape) for inf in infos}) != 1:
+      keys = {(inf.has_scale, inf.has_shift, inf.feature_shape, inf.feature_axis) for inf in infos}
+      if len(keys) != 1:
         return None
       kind = "scale_and_shift"
     elif kinds <= {"dense", "embedding"}:
