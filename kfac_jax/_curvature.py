@@ -62,6 +62,9 @@ class CurvatureStats:
       generic layers, the per-leaf sampled gradients `[samples, *leaf.shape]`.
     layer_names: static; the layers the entries belong to.
     batch_size: static; N, the loss tags' leading axis.
+    layer_shapes: static; `(kind, approx, factor_shapes)` of each layer for this batch, which
+      the estimator compares with `example_batch`'s (a layer whose shapes depend on the batch
+      size cannot share its state).
     params_stats: with `compute_params_stats=True`, the first-order version of the statistics
       (TF K-FAC's `params_stats`): `(1/(S N)) Σ_s Σ_n J_nᵀ v_sn`, params-shaped, where `v_sn`
       are the mode's output vectors; for the empirical mode without weights this is the
@@ -72,6 +75,7 @@ class CurvatureStats:
   layer_names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
   batch_size: int = dataclasses.field(metadata={"static": True})
   params_stats: Any = None
+  layer_shapes: tuple = dataclasses.field(default=(), metadata={"static": True})
 
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
@@ -284,7 +288,11 @@ def compute(
       jax.tree_util.tree_structure(params), [jnp.mean(x, axis=0) / n for x in p_ct]
     )
   stats = CurvatureStats(
-    tuple(data), tuple(s.name for s in reg.layers), reg.losses[0].batch_size, params_stats
+    tuple(data),
+    tuple(s.name for s in reg.layers),
+    reg.losses[0].batch_size,
+    params_stats,
+    tuple((s.kind, s.approx, s.factor_shapes) for s in reg.layers),
   )
   if aux is not None:
     return loss, aux.unflatten_aux(aux_leaves), grads, stats

@@ -390,23 +390,33 @@ class CurvatureEstimator:
     return stats
 
   def _check_layers(self, reg: _scanner.Registration) -> None:
-    """The layers found for this batch must be those of `example_batch`, with the same blocks.
+    """The layers found for this batch must be those of `example_batch`, with the same blocks."""
+    self._check_layer_shapes(
+      tuple(l.name for l in reg.layers),
+      tuple((l.kind, l.approx, l.factor_shapes) for l in reg.layers),
+      reg.losses[0].batch_size,
+    )
+
+  def _check_layer_shapes(self, names, shapes, batch_size: int, kinds_only=False) -> None:
+    """`names` and `(kind, approx, factor_shapes)` of the layers of a batch of `batch_size`
+    examples must be those of `example_batch` (with `kinds_only`, their kinds: statistics from
+    `value_and_grad`, whose scan knows no `LayerConfig`, so its approximations may differ).
 
     A batch of another leading size is fine (the blocks read row counts from the arrays); a
     layer whose factor shapes depend on the batch size cannot share one state across sizes.
     """
-    layers = reg.layers
-    if tuple(l.name for l in layers) != tuple(l.name for l in self.layers):
+    if tuple(names) != tuple(l.name for l in self.layers):
       raise ValueError(
         "loss_fn registers different layers for this batch than for `example_batch`: "
-        f"{[l.name for l in layers]} vs {[l.name for l in self.layers]}."
+        f"{list(names)} vs {[l.name for l in self.layers]}."
       )
-    for new, old in zip(layers, self.layers):
-      if (new.kind, new.approx, new.factor_shapes) != (old.kind, old.approx, old.factor_shapes):
+    for (kind, approx, factor_shapes), old in zip(shapes, self.layers):
+      same = (kind, approx, factor_shapes) == (old.kind, old.approx, old.factor_shapes)
+      if not same and not (kinds_only and kind == old.kind):
         raise ValueError(
           f"layer `{old.name}` changes with the batch size: for this batch of "
-          f"{reg.losses[0].batch_size} examples it is a {new.kind} layer ({new.approx!r}) "
-          f"with factor shapes {list(new.factor_shapes)}, for `example_batch` "
+          f"{batch_size} examples it is a {kind} layer ({approx!r}) "
+          f"with factor shapes {list(factor_shapes)}, for `example_batch` "
           f"({self._example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
           f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
           f"sizes: feed batches of {self._example_batch_size} examples (pad the last one), "
@@ -427,6 +437,10 @@ class CurvatureEstimator:
         "curvature_stats were computed for layers "
         f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
         "Compute them with kfac_jax.value_and_grad of the same loss_fn."
+      )
+    if stats.layer_shapes:  # value_and_grad scanned this batch: its layers must be ours.
+      self._check_layer_shapes(
+        stats.layer_names, stats.layer_shapes, stats.batch_size, kinds_only=True
       )
 
     def one(n, b, d):

@@ -199,6 +199,29 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
   return None
 
 
+def _feature_block(leaf_shape, chain, view_shape, out_shape):
+  """`(feature_axis, feature_shape)`: the consecutive axes of `out_shape` a parameter spans,
+  broadcast along all others. `feature_axis` is None for trailing axes (`_trailing_feature_shape`,
+  tried first); else the parameter reaches an inner block only through reshapes and unit axes
+  (a per-channel scale `[C]` viewed as `[1, C, 1, 1]` over `[N, C, H, W]`, as equinox's
+  BatchNorm does), never through a transpose or a broadcast that copies it.
+  """
+  feat = _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape)
+  if feat is not None:
+    return None, feat
+  nd = len(out_shape)
+  if len(view_shape) > nd or any(s.op in ("transpose", "broadcast") for s in chain):
+    return None
+  view = (1,) * (nd - len(view_shape)) + tuple(view_shape)
+  wide = [a for a in range(nd) if view[a] != 1]
+  if not wide or wide[0] == 0 or math.prod(view) != math.prod(leaf_shape):
+    return None
+  a, b = wide[0], wide[-1] + 1
+  if view[a:b] != tuple(out_shape[a:b]):
+    return None
+  return a, tuple(out_shape[a:b])
+
+
 def _match_bias_add(ix, key, out_shape, feature_axis, size, claimed, shared: bool = False):
   """A single-use (or, with `shared`, any) parameter added to `key` along `feature_axis` (size
   `size`) only."""
@@ -721,23 +744,28 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   out_shape = tuple(out_key[1].aval.shape)
   if not out_shape or out_shape[0] != ix.batch_size:
     return None
-  feat = _trailing_feature_shape(ix.shapes[leaf], chain, view_shape, out_shape)
-  if feat is None or len(feat) == len(out_shape):
+  block = _feature_block(ix.shapes[leaf], chain, view_shape, out_shape)
+  if block is None or len(block[1]) == len(out_shape):
     return None
+  axis, feat = block
   shift_leaf = None
   has_shift = fe.name == "add"
   if not has_shift:
-    shift = _match_shift(ix, out_key, out_shape, feat, claimed, shared)
+    shift = _match_shift(ix, out_key, out_shape, block, claimed, shared)
     if shift is not None:
       shift_leaf, out_key = shift
       has_shift = True
   info = ScaleShiftInfo(
-    has_scale=fe.name == "mul", has_shift=has_shift, feature_shape=feat, output_shape=out_shape
+    has_scale=fe.name == "mul",
+    has_shift=has_shift,
+    feature_shape=feat,
+    output_shape=out_shape,
+    feature_axis=axis,
   )
   return info, leaf, inputs, out_key, shift_leaf
 
 
-def _match_shift(ix, key, out_shape, feat, claimed, shared: bool = False):
+def _match_shift(ix, key, out_shape, block, claimed, shared: bool = False):
   use = _only_consumer(ix, key)
   if use is None or ix.g.eqns[use[0]].name != "add":
     return None
@@ -747,9 +775,8 @@ def _match_shift(ix, key, out_shape, feat, claimed, shared: bool = False):
   if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
   leaf, chain = found
-  f = _trailing_feature_shape(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
-  if f != feat:
-    return None
+  if _feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
+    return None  # The shift must span the scale's axes.
   return leaf, fe.outs[0]
 
 
@@ -821,7 +848,8 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
       return None
     kind = "conv"
   elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
-    if len({(inf.has_scale, inf.has_shift, inf.feature_shape) for inf in infos}) != 1:
+    keys = {(inf.has_scale, inf.has_shift, inf.feature_shape, inf.feature_axis) for inf in infos}
+    if len(keys) != 1:
       return None
     kind = "scale_and_shift"
   elif kinds <= {"dense", "embedding"}:

@@ -363,16 +363,19 @@ class ConvInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ScaleShiftInfo:
-  """`out = x̂ * scale + shift`, the parameters spanning the trailing `feature_shape` of `out`.
+  """`out = x̂ * scale + shift`, the parameters spanning the axes `feature_shape` of `out`.
 
   x̂ is the product of the layer's input operands (one, or two when a following multiplication
-  was folded in), broadcast to `output_shape`; its leading axis is the batch.
+  was folded in), broadcast to `output_shape`; its leading axis is the batch. The parameters
+  span the consecutive axes of `out` from `feature_axis` on (None: the trailing axes; an int for
+  a channel-first layout, e.g. 1 for a per-channel scale over `[N, C, H, W]`).
   """
 
   has_scale: bool
   has_shift: bool
   feature_shape: tuple[int, ...]
   output_shape: tuple[int, ...]
+  feature_axis: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

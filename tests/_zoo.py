@@ -28,10 +28,16 @@ CLASSES = 5
 
 @dataclasses.dataclass
 class Zoo:
+  """`has_aux`: `loss_fn` returns `(loss, new_state)` and takes the state as `batch["state"]`
+  (the README recipe for BatchNorm statistics). `check(specs)`: further model-specific
+  assertions on the registered layers."""
+
   loss_fn: Callable
   params: Any
   batch: Any
   expected: list[tuple[str, str, tuple[str, ...]]]
+  has_aux: bool = False
+  check: Callable | None = None
 
 
 def _ce(logits, y):
@@ -626,6 +632,333 @@ def vocab_lm() -> Zoo:
   )
 
 
+# -- VAE, BatchNorm ResNets, mixture of experts, GRU (issue 13) ---------------------------------
+
+
+def _key(seed):
+  """An "rbg" key: XLA's RngBitGenerator compiles in a fraction of threefry's time (about 5x on
+  CPU), which is most of a small model's init and data compile."""
+  return jax.random.key(seed, impl="rbg")
+
+
+VAE_PIXELS, VAE_LATENT = 16, 3
+
+
+class LinenVAE(nn.Module):
+  """Encoder → (mean, log-variance) → z = mean + σ ε → decoder logits over binary pixels."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(16, name="enc")(x))
+    mean = nn.Dense(VAE_LATENT, name="mean")(h)
+    logvar = nn.Dense(VAE_LATENT, name="logvar")(h)
+    eps = jax.random.normal(self.make_rng("noise"), mean.shape)
+    z = mean + jnp.exp(0.5 * logvar) * eps
+    logits = nn.Dense(VAE_PIXELS, name="dec_out")(nn.relu(nn.Dense(16, name="dec")(z)))
+    return logits, mean, logvar
+
+
+def vae() -> Zoo:
+  """A VAE trained on the negative ELBO: per example, the pixels' summed sigmoid cross-entropy
+  plus `KL(q(z|x) ‖ N(0, I))`, averaged over the batch.
+
+  Only the reconstruction is a registered loss: `register_sigmoid_cross_entropy_loss(logits, x)`,
+  the decoder's Bernoulli likelihood. With the noise ε fixed per step (it comes from the batch's
+  key), z is a function of the parameters, so the curvature of that likelihood reaches the
+  encoder (mean, logvar, enc) through z. The KL term is no likelihood of data: it has no
+  predictive distribution to sample from, so it is not tagged; it enters the loss and the
+  gradient, and its curvature (I on the mean, ½ e^logvar on logvar) is left to the damping,
+  as for any unregistered regulariser.
+  """
+  kx, kn = jax.random.split(_key(8))
+  x = (jax.random.uniform(kx, (N, VAE_PIXELS)) < 0.3).astype(jnp.float32)
+  batch = {"x": x, "noise": kn}
+  model = LinenVAE()
+  params = jax.jit(model.init)({"params": _key(1), "noise": kn}, x)["params"]
+
+  def loss_fn(p, b):
+    logits, mean, logvar = model.apply({"params": p}, b["x"], rngs={"noise": b["noise"]})
+    kfac_jax.register_sigmoid_cross_entropy_loss(logits, b["x"])
+    recon = optax.sigmoid_binary_cross_entropy(logits, b["x"]).sum(-1)
+    kl = 0.5 * jnp.sum(jnp.exp(logvar) + mean**2 - 1.0 - logvar, axis=-1)
+    return jnp.mean(recon + kl)
+
+  return Zoo(
+    loss_fn,
+    params,
+    batch,
+    [_dense(m) for m in ("dec", "dec_out", "enc", "logvar", "mean")],
+  )
+
+
+def haiku_resnet() -> Zoo:
+  """Two residual stages (8 and 16 channels, the second strided with a projection shortcut),
+  `hk.BatchNorm` in training mode under `hk.transform_with_state`: the state rides in
+  `batch["state"]` and comes back as the aux."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  class Block(hk.Module):
+    def __init__(self, channels, stride, name=None):
+      super().__init__(name=name)
+      self.channels, self.stride = channels, stride
+
+    def __call__(self, x, is_training):
+      bn = lambda name: hk.BatchNorm(True, True, 0.9, name=name)  # noqa: E731
+      y = hk.Conv2D(self.channels, 3, stride=self.stride, with_bias=False, name="conv1")(x)
+      y = jax.nn.relu(bn("bn1")(y, is_training))
+      y = bn("bn2")(hk.Conv2D(self.channels, 3, with_bias=False, name="conv2")(y), is_training)
+      if self.stride != 1 or x.shape[-1] != self.channels:
+        x = hk.Conv2D(self.channels, 1, stride=self.stride, with_bias=False, name="proj")(x)
+        x = bn("proj_bn")(x, is_training)
+      return jax.nn.relu(x + y)
+
+  def forward(x, is_training):
+    x = hk.Conv2D(8, 3, with_bias=False, name="stem")(x)
+    x = jax.nn.relu(hk.BatchNorm(True, True, 0.9, name="stem_bn")(x, is_training))
+    x = Block(8, 1, name="stage1")(x, is_training)
+    x = Block(16, 2, name="stage2")(x, is_training)
+    return hk.Linear(CLASSES, name="head")(jnp.mean(x, axis=(1, 2)))
+
+  net = hk.without_apply_rng(hk.transform_with_state(forward))
+  batch = _images(_key(0))
+  # Jitted: an eager init compiles each of its small ops on its own (seconds on a busy core).
+  params, state = jax.jit(lambda k, x: net.init(k, x, True))(_key(1), batch["x"])
+
+  def loss_fn(p, b):
+    logits, new_state = net.apply(p, b["state"], b["x"], True)
+    return _ce(logits, b["y"]), new_state
+
+  conv = lambda m: ("conv", "kron", (f"{m}/w",))  # noqa: E731
+  bn = lambda m: ("scale_and_shift", "full", (f"{m}/scale", f"{m}/offset"))  # noqa: E731
+  return Zoo(
+    loss_fn,
+    params,
+    dict(batch, state=state),
+    [("dense", "kron", ("head/w", "head/b"))]
+    + [bn("stage1/bn1"), bn("stage1/bn2"), conv("stage1/conv1"), conv("stage1/conv2")]
+    + [bn("stage2/bn1"), bn("stage2/bn2"), conv("stage2/conv1"), conv("stage2/conv2")]
+    + [conv("stage2/proj"), bn("stage2/proj_bn"), conv("stem"), bn("stem_bn")],
+    has_aux=True,
+  )
+
+
+def equinox_resnet() -> Zoo:
+  """The same ResNet in equinox: channel-first convolutions, `eqx.nn.BatchNorm` (batch
+  statistics over the vmapped axis "batch") with its `eqx.nn.State` in `batch["state"]`. The
+  BatchNorm weight `[C]` is viewed as `[C, 1, 1]` over `[N, C, H, W]`: a scale-and-shift layer
+  over an inner axis."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  class Block(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    bn1: eqx.nn.BatchNorm
+    conv2: eqx.nn.Conv2d
+    bn2: eqx.nn.BatchNorm
+    proj: eqx.nn.Conv2d | None
+    proj_bn: eqx.nn.BatchNorm | None
+
+    def __init__(self, cin, cout, stride, key):
+      k1, k2, k3 = jax.random.split(key, 3)
+      conv = lambda i, o, k, s, key: eqx.nn.Conv2d(  # noqa: E731
+        i, o, k, s, padding=k // 2, use_bias=False, key=key
+      )
+      self.conv1, self.conv2 = conv(cin, cout, 3, stride, k1), conv(cout, cout, 3, 1, k2)
+      self.bn1 = eqx.nn.BatchNorm(cout, "batch", momentum=0.9, mode="batch")
+      self.bn2 = eqx.nn.BatchNorm(cout, "batch", momentum=0.9, mode="batch")
+      if stride != 1 or cin != cout:
+        self.proj = conv(cin, cout, 1, stride, k3)
+        self.proj_bn = eqx.nn.BatchNorm(cout, "batch", momentum=0.9, mode="batch")
+      else:
+        self.proj = self.proj_bn = None
+
+    def __call__(self, x, state):
+      y, state = self.bn1(self.conv1(x), state)
+      y, state = self.bn2(self.conv2(jax.nn.relu(y)), state)
+      if self.proj is not None:
+        x, state = self.proj_bn(self.proj(x), state)
+      return jax.nn.relu(x + y), state
+
+  class ResNet(eqx.Module):
+    stem: eqx.nn.Conv2d
+    stem_bn: eqx.nn.BatchNorm
+    stages: tuple[Block, Block]
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+      k = jax.random.split(key, 4)
+      self.stem = eqx.nn.Conv2d(3, 8, 3, padding=1, use_bias=False, key=k[0])
+      self.stem_bn = eqx.nn.BatchNorm(8, "batch", momentum=0.9, mode="batch")
+      self.stages = (Block(8, 8, 1, k[1]), Block(8, 16, 2, k[2]))
+      self.head = eqx.nn.Linear(16, CLASSES, key=k[3])
+
+    def __call__(self, x, state):  # One example [H, W, C].
+      x, state = self.stem_bn(self.stem(x.transpose(2, 0, 1)), state)
+      x = jax.nn.relu(x)
+      for stage in self.stages:
+        x, state = stage(x, state)
+      return self.head(jnp.mean(x, axis=(1, 2))), state
+
+  model, state = eqx.filter_jit(eqx.nn.make_with_state(ResNet))(_key(9))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+
+  def loss_fn(p, b):
+    batched = jax.vmap(
+      eqx.combine(p, static), axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+    )
+    logits, new_state = batched(b["x"], b["state"])
+    return _ce(logits, b["y"]), new_state
+
+  conv = lambda m: ("conv", "kron", (f"{m}/weight",))  # noqa: E731
+  bn = lambda m: ("scale_and_shift", "full", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
+  stage = lambda i: [conv(f"{i}/conv1"), bn(f"{i}/bn1"), conv(f"{i}/conv2"), bn(f"{i}/bn2")]  # noqa: E731
+
+  def check(specs):  # The BatchNorms scale the channel axis of [N, C, H, W].
+    norms = [s.info for s in specs if s.kind == "scale_and_shift"]
+    assert len(norms) == 6 and all(i.feature_axis == 1 for i in norms), norms
+
+  return Zoo(
+    loss_fn,
+    params,
+    dict(_images(_key(0)), state=state),
+    [conv("stem"), bn("stem_bn")]
+    + stage("stages/0")
+    + stage("stages/1")
+    + [
+      conv("stages/1/proj"),
+      bn("stages/1/proj_bn"),
+      ("dense", "kron", ("head/weight", "head/bias")),
+    ],
+    has_aux=True,
+    check=check,
+  )
+
+
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN = 4, 2, 12
+
+
+class LinenMoE(nn.Module):
+  """A top-k mixture-of-experts MLP over tokens `[T, D]`.
+
+  The router (a dense layer) gives each token a softmax over experts; the top k, renormalised,
+  are its gates. The experts are one expert-stacked kernel per projection, `[E, D, F]` and
+  `[E, F, D]`; each expert sees the tokens routed to it (the others zeroed by the one-hot
+  dispatch mask) and the gates combine their outputs. Returns the output and a Switch-style
+  load-balancing term (fraction of tokens routed × mean router probability, per expert).
+  """
+
+  @nn.compact
+  def __call__(self, x):
+    e, d = MOE_EXPERTS, x.shape[-1]
+    probs = jax.nn.softmax(nn.Dense(e, use_bias=False, name="router")(x))
+    gate, idx = jax.lax.top_k(probs, MOE_TOP_K)  # [T, k]
+    gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
+    combine = jnp.sum(jax.nn.one_hot(idx, e) * gate[..., None], axis=1)  # [T, E]
+    dispatch = jnp.sum(jax.nn.one_hot(idx, e), axis=1)  # [T, E], k ones per token
+    init = nn.initializers.lecun_normal(batch_axis=(0,))
+    w_in = self.param("w_in", init, (e, d, MOE_HIDDEN))
+    w_out = self.param("w_out", init, (e, MOE_HIDDEN, d))
+    xe = jnp.einsum("te,td->etd", dispatch, x)
+    ye = jnp.einsum("etf,efd->etd", nn.gelu(jnp.einsum("etd,edf->etf", xe, w_in)), w_out)
+    balance = e * jnp.sum(jnp.mean(dispatch, axis=0) / MOE_TOP_K * jnp.mean(probs, axis=0))
+    return jnp.einsum("te,etd->td", combine, ye), balance
+
+
+def moe() -> Zoo:
+  """A token classifier with a residual top-2-of-4 MoE block.
+
+  Every parameter is a structured layer: the router kernel is an ordinary dense layer (its
+  block needs its input and the gradient at its output, which flows through the softmax and the
+  selected gates; `top_k`'s choice of experts is piecewise constant), and each expert kernel is
+  a dense layer of a stack of `MOE_EXPERTS` (the batched `einsum` over the expert axis), with
+  one Kronecker block per expert. The load-balancing term is added to the loss but, like any
+  regulariser that is no likelihood, not registered.
+  """
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      n, s, d = x.shape
+      h = nn.Dense(8, name="embed")(x)
+      y, balance = LinenMoE(name="moe")(nn.LayerNorm(name="norm")(h).reshape(n * s, 8))
+      h = h + y.reshape(n, s, 8)
+      return nn.Dense(CLASSES, name="head")(jnp.mean(h, axis=1)), balance
+
+  kx, ky = jax.random.split(_key(10))
+  batch = {"x": jax.random.normal(kx, (N, 3, 6)), "y": jax.random.randint(ky, (N,), 0, CLASSES)}
+  model = Model()
+  params = jax.jit(model.init)(_key(1), batch["x"])["params"]
+
+  def loss_fn(p, b):
+    logits, balance = model.apply({"params": p}, b["x"])
+    return _ce(logits, b["y"]) + 0.01 * balance
+
+  def check(specs):
+    stacks = {s.param_paths: s.stack_size for s in specs}
+    assert stacks[("moe/w_in",)] == stacks[("moe/w_out",)] == MOE_EXPERTS, stacks
+
+  return Zoo(
+    loss_fn,
+    params,
+    batch,
+    [
+      _dense("embed"),
+      _dense("head"),
+      ("dense", "kron", ("moe/router/kernel",)),
+      ("dense", "kron", ("moe/w_in",)),
+      ("dense", "kron", ("moe/w_out",)),
+      _norm("norm"),
+    ],
+    check=check,
+  )
+
+
+def equinox_gru() -> Zoo:
+  """`eqx.nn.GRUCell` run over time by `lax.scan` (the cell closed over: shared layers with one
+  use a step), vmapped over the batch, a linear head on the last state."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  steps, hidden = 5, 6
+
+  class GRU(eqx.Module):
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.cell = eqx.nn.GRUCell(4, hidden, key=k1)
+      self.head = eqx.nn.Linear(hidden, CLASSES, key=k2)
+
+    def __call__(self, xs):  # One sequence [T, 4].
+      h, _ = jax.lax.scan(lambda h, x: (self.cell(x, h), None), jnp.zeros(hidden), xs)
+      return self.head(h)
+
+  k1, k2 = jax.random.split(_key(11))
+  batch = {"x": jax.random.normal(k1, (N, steps, 4)), "y": jax.random.randint(k2, (N,), 0, CLASSES)}
+
+  def check(specs):
+    uses = {s.param_paths[0]: s.num_uses for s in specs}
+    assert uses == {
+      "cell/weight_ih": steps,
+      "cell/weight_hh": steps,
+      "cell/bias_n": steps,
+      "head/weight": 1,
+    }, uses
+
+  z = _eqx_zoo(
+    eqx.filter_jit(GRU)(_key(12)),
+    batch,
+    lambda m, x: jax.vmap(m)(x),
+    [
+      ("dense", "kron_indep", ("cell/weight_ih", "cell/bias")),
+      ("dense", "kron_indep", ("cell/weight_hh",)),
+      ("scale_and_shift", "full", ("cell/bias_n",)),  # Added to the candidate gate's h-part.
+      ("dense", "kron", ("head/weight", "head/bias")),
+    ],
+  )
+  z.check = check
+  return z
+
+
 STRUCTURE_MODELS = {
   "haiku_mlp": haiku_mlp,
   "haiku_cnn": haiku_cnn,
@@ -636,6 +969,11 @@ STRUCTURE_MODELS = {
   "lstm": lstm,
   "lstm_rnn": lstm_rnn,
   "vocab_lm": vocab_lm,
+  "vae": vae,
+  "haiku_resnet": haiku_resnet,
+  "equinox_resnet": equinox_resnet,
+  "moe": moe,
+  "equinox_gru": equinox_gru,
 }
 
 

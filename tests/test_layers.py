@@ -872,6 +872,41 @@ def test_entry_points_take_a_partial_batch(x64):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_a_layer_that_depends_on_the_batch_size_is_named_in_the_error():
+  """`mix[:n, :n] @ x` mixes the n examples of the batch with a slice of a parameter: with the
+  4 examples of `example_batch` the slice is a generic block, with 8 (the whole parameter) a
+  dense one. Every entry point fed 8 examples raises before touching the state, naming the
+  layer, this batch's size and `example_batch`'s; 4 examples still work afterwards."""
+  params = {"mix": jnp.eye(8) + 0.1, "w": jnp.full((3, 3), 0.1)}
+
+  def loss_fn(p, b):
+    n = b["x"].shape[0]
+    return _ce((p["mix"][:n, :n] @ b["x"]) @ p["w"], b["y"])
+
+  def make(n):
+    k = jax.random.split(jax.random.key(n), 2)
+    return {"x": jax.random.normal(k[0], (n, 3)), "y": jax.random.randint(k[1], (n,), 0, 3)}
+
+  small, big, rng = make(4), make(8), jax.random.key(0)
+  with pytest.warns(kfac_jax.UncoveredParametersWarning):  # `mix` at 4 examples: generic.
+    tx = kfac_jax.scale_by_kfac(loss_fn, small, damping=1e-2)
+    state = jax.jit(tx.init)(params)  # Jitted: eager ops compile one by one.
+    opt = kfac_jax.Optimizer(loss_fn, small, learning_rate=0.1, momentum=0.0)
+    opt_state = jax.jit(opt.init)(params)
+  grads = params  # Any params-shaped tree: the checks fail before using it.
+  _, _, stats = jax.jit(kfac_jax.value_and_grad(loss_fn))(params, big, rng)
+  msg = r"layer `mix` changes with the batch size: for this batch of 8 examples .* "
+  msg += r"`example_batch` \(4 examples\)"
+  with pytest.raises(ValueError, match=msg):
+    tx.update(grads, state, params, batch=big, rng=rng)
+  with pytest.raises(ValueError, match=msg):  # value_and_grad scanned the batch on its own.
+    jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats))(state)
+  with pytest.raises(ValueError, match=msg):
+    opt.step(params, opt_state, big, rng)
+  _, new = jax.jit(lambda s: tx.update(grads, s, params, batch=small, rng=rng))(state)
+  assert int(new.count) == 1 and int(state.count) == 0
+
+
 # -- small matchers: the model in library style against the same model written plainly ----------
 
 

@@ -4,7 +4,9 @@ import warnings
 
 import flax.linen as nn
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -230,3 +232,44 @@ def test_registration_errors_name_the_parameter(case):
   }[case]
   with pytest.raises(kfac_jax.RegistrationError, match=expected):
     kfac_jax.scan_layers(loss_fn, params, batch)
+
+
+def test_channel_first_scale_and_shift_is_exact(x64):
+  """A per-channel scale and shift over [N, C, H, W] (equinox's BatchNorm: `w[:, None, None]`,
+  an inner feature axis) is a scale-and-shift layer, and its "full" block in the exact mode is
+  the exact Fisher block (1/N) Σ_n J_nᵀ (diag p_n − p_n p_nᵀ) J_n of (w, b)."""
+  k = jax.random.split(jax.random.key(0), 4)
+  params = {
+    "w": jax.random.normal(k[0], (3,), jnp.float64),
+    "b": jax.random.normal(k[1], (3,), jnp.float64),
+  }
+  batch = {"x": jax.random.normal(k[2], (5, 3, 2, 2), jnp.float64)}
+  batch["y"] = jax.random.randint(k[3], (5,), 0, 3)
+
+  def logits_fn(p, b):
+    y = b["x"] * p["w"][:, None, None] + p["b"][:, None, None]
+    return jnp.tanh(y).mean(axis=(2, 3))  # [N, C]: the channels are the classes.
+
+  def loss_fn(p, b):
+    logits = logits_fn(p, b)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  (layer,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert (layer.kind, layer.approx, layer.param_paths) == ("scale_and_shift", "full", ("w", "b"))
+  assert (layer.info.feature_axis, layer.info.feature_shape) == (1, (3,))
+
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  state0 = est.init(params)
+
+  @jax.jit  # One program: eager ops would each compile on their own.
+  def both(params, batch):
+    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    jac = jax.jacobian(lambda f: logits_fn(unravel(f), batch))(flat)  # [N, C, P]
+    p = jax.nn.softmax(logits_fn(params, batch))
+    fz = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
+    return est.to_dense(state), jnp.einsum("nci,ncd,ndj->ij", jac, fz, jac) / 5
+
+  dense, exact = both(params, batch)
+  np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)

@@ -244,8 +244,10 @@ def _scale_shift_grads(spec, data, dtype) -> Array:
   inputs, g = data
   g = g.astype(dtype)
   out_shape = g.shape[1:]  # This batch's output shape (`info.output_shape` is example_batch's).
-  nd = len(out_shape)
-  axes = tuple(range(2, 2 + nd - 1 - len(info.feature_shape)))
+  nd, nf = len(out_shape), len(info.feature_shape)
+  start = nd - nf if info.feature_axis is None else info.feature_axis
+  # Sum over the output's axes other than the batch and the features (g's axis 0 is samples).
+  axes = tuple(1 + a for a in range(1, nd) if not start <= a < start + nf)
   out = []
   if info.has_scale:
     xhat = jnp.ones(out_shape, dtype)
