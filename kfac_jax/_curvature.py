@@ -363,7 +363,7 @@ def value_and_grad(
 
     Sharing one registration with the transform:
 
-    >>> reg = kfac_jax.Registration(loss_fn, params, batch, layers=layer_config)
+    >>> reg = kfac_jax.Registration(loss_fn, params, batch, layers=kfac_jax.LayerConfig())
     >>> tx = kfac_jax.kfac(registration=reg, learning_rate=0.1)
     >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
 

@@ -1,7 +1,7 @@
 """One registration of a loss function, shared by every entry point.
 
 A `Registration` scans `loss_fn(params, example_batch)` once, when it is built, and keeps what
-the scan decided: the layers (`LayerSpec`s, one curvature block each), the parameters'
+the scan decided: the layers (one `LayerSpec` and one curvature block each), the parameters'
 signature (paths, shapes, dtypes) and the statistics' fingerprint (`StatsKey`: estimation mode,
 samples and the layer set). `value_and_grad`, `scale_by_kfac` / `kfac`, `Optimizer`,
 `CurvatureEstimator`, `scan_layers`, `summary` and `check_registration` take it as
@@ -146,7 +146,7 @@ class Registration:
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
       `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
-    params: the parameters (arrays or `jax.ShapeDtypeStruct`s; only their structure, shapes and
+    params: the parameters (arrays or ShapeDtypeStructs; only their structure, shapes and
       dtypes are kept).
     example_batch: a batch of the training shapes (arrays or ShapeDtypeStructs).
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned.
@@ -160,12 +160,12 @@ class Registration:
       shard_map.
 
   Attributes:
-    layers: the registered layers (`LayerSpec`s), in parameter order.
+    layers: the registered layers (a tuple of `LayerSpec`), in parameter order.
     block_names: the layers' names made unique (`name#2` for a repeated name): the keys of the
       curvature state's `factors` and `cache`.
     param_paths, param_shapes, param_dtypes: the parameters' signature; `check_params` holds
       params to it.
-    params_shape: the parameters as `jax.ShapeDtypeStruct`s.
+    params_shape: the parameters as ShapeDtypeStructs.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
     example_batch_size: the loss tags' leading size in `example_batch`.
 
