@@ -19,6 +19,7 @@ from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._layer_config import LayerConfig
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
 from kfac_jax._parallel import ShardedCache
+from kfac_jax._registration import Registration, StatsKey
 from kfac_jax._scanner import (
   LayerSpec,
   RegistrationCheckError,
@@ -54,10 +55,12 @@ __all__ = [
   "Optimizer",
   "OptimizerConfig",
   "OptimizerState",
+  "Registration",
   "RegistrationCheckError",
   "RegistrationError",
   "ScaleByKfacState",
   "ShardedCache",
+  "StatsKey",
   "UncoveredParametersWarning",
   "check_registration",
   "check_restored_state",

@@ -34,6 +34,7 @@ __all__ = [
   "Zero",
   "ad",
   "axis_env",
+  "axis_env_key",
   "batching",
   "bind_eqn",
   "call_jaxpr_of",
@@ -130,3 +131,15 @@ def axis_env(axes):
   except AttributeError:  # pragma: no cover - older/newer private API: bind them all.
     pass
   return _core.extend_axis_env_nd(axes)
+
+
+def axis_env_key() -> tuple | None:
+  """The named axes bound right now, as a hashable `((name, size), ...)`; None when the private
+  API is unavailable (callers then assume nothing about the environment)."""
+  from jax._src import core as _core
+
+  try:
+    sizes = _core.get_axis_env().axis_sizes
+  except AttributeError:  # pragma: no cover - older/newer private API.
+    return None
+  return tuple(sorted(((str(n), n, s) for n, s in sizes.items()), key=lambda t: t[0]))

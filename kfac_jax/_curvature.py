@@ -24,7 +24,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from kfac_jax import _compat, _graph, _losses, _scanner
+from kfac_jax import _compat, _graph, _layer_config, _losses, _scanner
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -69,6 +69,9 @@ class CurvatureStats:
       (TF K-FAC's `params_stats`): `(1/(S N)) Σ_s Σ_n J_nᵀ v_sn`, params-shaped, where `v_sn`
       are the mode's output vectors; for the empirical mode without weights this is the
       gradient of the loss. None otherwise.
+    fingerprint: static; the registration's `StatsKey` (estimation mode, samples, layer set):
+      a transform or estimator refuses statistics of another one, at trace time, with an
+      error naming both. None for statistics built by hand (only the names are compared).
   """
 
   data: tuple[Any, ...]
@@ -76,6 +79,7 @@ class CurvatureStats:
   batch_size: int = dataclasses.field(metadata={"static": True})
   params_stats: Any = None
   layer_shapes: tuple = dataclasses.field(default=(), metadata={"static": True})
+  fingerprint: Any = dataclasses.field(default=None, metadata={"static": True})
 
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
@@ -118,7 +122,7 @@ class LossPart:
   `has_aux` rather than a shape error.
   """
 
-  def __init__(self, loss_fn: Callable, has_aux: bool):
+  def __init__(self, loss_fn: Callable | None, has_aux: bool):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
     if not isinstance(has_aux, bool):
@@ -204,6 +208,7 @@ def compute(
   with_grads: bool,
   with_params_stats: bool = False,
   aux: LossPart | None = None,
+  fingerprint: Any = None,
 ):
   """Loss, gradient (or None) and `CurvatureStats` from one forward pass.
 
@@ -212,7 +217,8 @@ def compute(
 
   With `aux` (the `LossPart` that `reg` was scanned from, `has_aux=True`), returns
   `(loss, aux_value, grads, stats)`: the aux comes from the same forward pass, as the graph's
-  extra outputs (not differentiated).
+  extra outputs (not differentiated). `fingerprint`: the registration's `StatsKey`, carried by
+  the statistics.
   """
   check_rng(estimation_mode, rng)
   leaves = jax.tree_util.tree_leaves(params)
@@ -293,6 +299,7 @@ def compute(
     reg.losses[0].batch_size,
     params_stats,
     tuple((s.kind, s.approx, s.factor_shapes) for s in reg.layers),
+    fingerprint,
   )
   if aux is not None:
     return loss, aux.unflatten_aux(aux_leaves), grads, stats
@@ -300,12 +307,14 @@ def compute(
 
 
 def value_and_grad(
-  loss_fn: Callable,
+  loss_fn: Callable | None = None,
   *,
+  registration: Any = None,
   has_aux: bool = False,
   estimation_mode: EstimationMode = "gradients",
   num_samples: int = 1,
   strict: bool = False,
+  layers: Any = None,
   compute_params_stats: bool = False,
 ) -> Callable:
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
@@ -315,7 +324,14 @@ def value_and_grad(
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
-      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`. Leave it out when passing
+      `registration`.
+    registration: a `kfac_jax.Registration` to share with the transform / optimizer /
+      estimator that consumes the statistics: its loss function, mode, samples and layers
+      (e.g. a `LayerConfig(linked=...)`) apply, and the scan it made is reused. The arguments
+      below but `compute_params_stats` then take the registration's values (one set to
+      another value is an error). Without it, the function registers `loss_fn` at its first
+      call (once per params / batch signature) with the arguments below.
     has_aux: `loss_fn` returns `(loss, aux)`, aux any pytree of arrays (updated BatchNorm
       statistics, metrics, logits); like `jax.value_and_grad(has_aux=True)`, `fn` then returns
       `((loss, aux), grads, curvature_stats)`. The aux comes from the same forward pass and is
@@ -330,6 +346,8 @@ def value_and_grad(
     num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
       "empirical" ignores it, the exact modes require it to be 1.
     strict: raise instead of warning when parameters are outside every recognised layer.
+    layers: a `kfac_jax.LayerConfig` (linked groups change the layer set, so the transform's
+      must be the same; approximations do not change the statistics).
     compute_params_stats: also return `curvature_stats.params_stats`, the first-order
       statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
 
@@ -339,13 +357,20 @@ def value_and_grad(
 
   Raises:
     TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
-      called.
+      called; params of another structure than the registration's (the first differing leaf
+      named), when `fn` is traced.
     RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
       `has_aux` (a tuple without it, a bare scalar with it).
 
   Example:
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+
+    Sharing one registration with the transform:
+
+    >>> reg = kfac_jax.Registration(loss_fn, params, batch, layers=kfac_jax.LayerConfig())
+    >>> tx = kfac_jax.kfac(registration=reg, learning_rate=0.1)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
 
     With BatchNorm statistics (flax linen) coming back through the aux:
 
@@ -358,25 +383,65 @@ def value_and_grad(
     >>> (loss, batch_stats), grads, stats = kfac_jax.value_and_grad(
     ...     loss_fn, has_aux=True)(params, batch, rng)
   """
-  part = LossPart(loss_fn, has_aux)
-  check_mode(estimation_mode, num_samples)
-  _check_bool(strict, "strict")
+  from kfac_jax import _registration  # pylint: disable=g-import-not-at-top (import cycle)
+
   _check_bool(compute_params_stats, "compute_params_stats")
+  shared = _registration.resolve(
+    registration,
+    loss_fn,
+    None,
+    "value_and_grad",
+    {
+      "has_aux": ("has_aux", has_aux, False),
+      "estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
+      "num_samples": ("num_samples", num_samples, 1),
+      "strict": ("strict", strict, False),
+      "layers": ("layer_config", layers, None),
+    },
+  )
+  if shared is None:
+    LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux` now, not at the first call.
+    check_mode(estimation_mode, num_samples)
+    _check_bool(strict, "strict")
+    _layer_config.check(layers)
+  own: dict[Any, Any] = {}  # Without `registration`: one per (params, batch) signature.
+
+  def registered(params, batch):
+    if shared is not None:
+      shared.check_params(params)
+      return shared
+    key = (_registration._avals(params), _registration._avals(batch))
+    if key not in own:
+      if len(own) >= 8:
+        own.pop(next(iter(own)))
+      own[key] = _registration.Registration.build(
+        loss_fn,
+        params,
+        batch,
+        warn=False,
+        has_aux=has_aux,
+        estimation_mode=estimation_mode,
+        num_samples=num_samples,
+        layers=layers,
+        strict=strict,
+      )
+    return own[key]
 
   def fn(params, batch, rng=None):
-    reg = _scanner.scan(part, params, batch, strict=strict, warn=False, has_aux=has_aux)
+    r = registered(params, batch)
     out = compute(
-      reg,
+      r.scan_batch(params, batch),
       params,
       batch,
       rng,
-      estimation_mode=estimation_mode,
-      num_samples=num_samples,
+      estimation_mode=r.estimation_mode,
+      num_samples=r.num_samples,
       with_grads=True,
       with_params_stats=compute_params_stats,
-      aux=part if has_aux else None,
+      aux=r.loss_part if r.has_aux else None,
+      fingerprint=r.fingerprint,
     )
-    if has_aux:
+    if r.has_aux:
       loss, aux, grads, stats = out
       return (loss, aux), grads, stats
     return out

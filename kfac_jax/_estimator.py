@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _checks, _compat, _curvature, _layer_config, _parallel, _scanner, _sharded
+from kfac_jax import (
+  _checks,
+  _curvature,
+  _layer_config,
+  _parallel,
+  _registration,
+  _scanner,
+  _sharded,
+)
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -118,20 +126,6 @@ def resolve_dtype(value, name: str) -> Any:
   return dtype
 
 
-def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
-  names: list[str] = []
-  seen: dict[str, int] = {}
-  for s in specs:
-    n = s.name
-    if n in seen:
-      seen[n] += 1
-      n = f"{n}#{seen[s.name]}"
-    else:
-      seen[n] = 1
-    names.append(n)
-  return names
-
-
 class CurvatureEstimator:
   """Block-diagonal K-FAC curvature estimate of `loss_fn`, with pure state updates.
 
@@ -139,6 +133,11 @@ class CurvatureEstimator:
     loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output; with
       `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch with the shapes used for training (arrays or ShapeDtypeStructs).
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`: its
+      layers, `has_aux`, `estimation_mode`, `num_samples`, `strict` and `layers` apply (those
+      arguments, left out, take its values; set to others, they are an error), `layers` and
+      `blocks` are known at once, and `init` checks params against its signature. Without
+      it, `init` builds one from the arguments.
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned for layers and the
       estimator never reads the aux.
     estimation_mode: how the output-space curvature is estimated (formulas in
@@ -194,9 +193,10 @@ class CurvatureEstimator:
 
   def __init__(
     self,
-    loss_fn: Callable,
-    example_batch: Any,
+    loss_fn: Callable | None = None,
+    example_batch: Any = None,
     *,
+    registration: _registration.Registration | None = None,
     has_aux: bool = False,
     estimation_mode: _curvature.EstimationMode = "gradients",
     exps: Sequence[float] = (-1,),
@@ -211,8 +211,25 @@ class CurvatureEstimator:
     inverse_dtype: Any = None,
     inverse_storage: InverseStorage = "replicated",
   ):
+    reg = _registration.resolve(
+      registration,
+      loss_fn,
+      example_batch,
+      "CurvatureEstimator",
+      {
+        "has_aux": ("has_aux", has_aux, False),
+        "estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
+        "num_samples": ("num_samples", num_samples, 1),
+        "strict": ("strict", strict, False),
+        "layers": ("layer_config", layers, None),
+      },
+    )
+    if reg is not None:
+      loss_fn, example_batch, has_aux = reg.loss_fn, reg.example_batch, reg.has_aux
+      estimation_mode, num_samples, strict = reg.estimation_mode, reg.num_samples, reg.strict
+      layers = reg.layer_config
     # Checks `loss_fn` and `has_aux`; the scanner traces this wrapper (loss first, aux after).
-    self.loss_part = _curvature.LossPart(loss_fn, has_aux)
+    self.loss_part = _curvature.LossPart(loss_fn, has_aux) if reg is None else reg.loss_part
     self.has_aux = has_aux
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
@@ -244,71 +261,74 @@ class CurvatureEstimator:
       stats_dtype=resolve_dtype(stats_dtype, "stats_dtype"),
       inverse_dtype=resolve_dtype(inverse_dtype, "inverse_dtype"),
     )
+    self._registration: _registration.Registration | None = None
+    self._who = "this estimator"  # How errors name the consumer of the statistics.
     self._layers: tuple[_scanner.LayerSpec, ...] | None = None
     self._blocks: tuple[_blocks.Block, ...] = ()
     self._names: tuple[str, ...] = ()
     self._storage: _sharded.ShardedStorage | None = None
     # (parameter paths, ((shape, dtype name) per leaf)), set with the layers.
     self._param_sig: tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]] | None = None
+    if reg is not None:
+      self._use_registration(reg)
 
   # -- structure -------------------------------------------------------------------------------
 
-  @staticmethod
-  def _signature(params):
-    """Parameter paths, shapes and dtypes: equal for `nnx.State`s with or without Variables."""
-    leaves = jax.tree_util.tree_leaves(params)
-    return _scanner.param_paths(params), tuple(
-      (tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves
-    )
+  @property
+  def registration(self) -> _registration.Registration:
+    """The `kfac_jax.Registration` (given, or built by the first `init`)."""
+    if self._registration is None:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
+    return self._registration
 
-  def _scan(self, params, batch, warn: bool, axis_name=None) -> _scanner.Registration:
-    # A model with collectives (BatchNorm(axis_name=...)) traces outside pmap / shard_map when
-    # its axis is bound for the trace (size 1; an axis already bound keeps its size).
-    names = (
-      ()
-      if axis_name is None
-      else ((axis_name,) if isinstance(axis_name, str) else tuple(axis_name))
-    )
-    with _compat.axis_env([(n, 1) for n in names]):
-      return _scanner.scan(
-        self.loss_part,
-        params,
-        batch,
-        strict=self.strict,
-        warn=warn,
-        layers=self.layer_config,
-        has_aux=self.has_aux,
+  def _use_registration(self, reg: _registration.Registration) -> None:
+    """Takes the layers, blocks and params signature of `reg`."""
+    names = reg.block_names
+    blocks = reg.blocks(self.config)
+    if self.inverse_storage == "sharded":
+      for n, b in zip(names, blocks):
+        if b.needs_cache_for_statistics:
+          raise ValueError(
+            f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, "
+            "which inverse_storage='sharded' keeps on one device; use "
+            "inverse_storage='replicated' or another approximation for it."
+          )
+      self._storage = _sharded.ShardedStorage(
+        blocks, functools.partial(_blocks.compute_caches, blocks)
       )
+    self._registration = reg
+    self.loss_part = reg.loss_part  # The one the registration traces (its aux tree).
+    self._layers = reg.layers
+    self._example_batch_size = reg.example_batch_size
+    self._names = names
+    self._blocks = blocks
+    self._param_sig = reg.param_signature
+
+  def _scan(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.Registration:
+    """The evaluation graph of `loss_fn(params, batch)`, scanned once per batch signature by
+    the registration (`warn` and `axis_name` are kept for callers; the registration decides)."""
+    del warn, axis_name
+    return self.registration.scan_batch(params, batch)
 
   def _ensure_layers(self, params, axis_name=None) -> None:
-    """Scans `loss_fn` with `example_batch` the first time; checks `params` later."""
-    sig = self._signature(params)
-    if self._layers is None:
-      reg = self._scan(params, self.example_batch, warn=True, axis_name=axis_name)
-      self._layers = reg.layers
-      self._example_batch_size = reg.losses[0].batch_size
-      self._names = tuple(_unique_names(reg.layers))
-      blocks = tuple(_blocks.make_block(s, self.config) for s in reg.layers)
-      if self.inverse_storage == "sharded":
-        for n, b in zip(self._names, blocks):
-          if b.needs_cache_for_statistics:
-            raise ValueError(
-              f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, "
-              "which inverse_storage='sharded' keeps on one device; use "
-              "inverse_storage='replicated' or another approximation for it."
-            )
-        self._storage = _sharded.ShardedStorage(
-          blocks, functools.partial(_blocks.compute_caches, blocks)
+    """Registers `loss_fn` with `example_batch` the first time; checks `params` later."""
+    if self._registration is None:
+      assert self.loss_fn is not None  # checked in __init__ (a registration or a loss_fn)
+      self._use_registration(
+        _registration.Registration(
+          self.loss_fn,
+          params,
+          self.example_batch,
+          has_aux=self.has_aux,
+          estimation_mode=self.estimation_mode,
+          num_samples=self.num_samples,
+          layers=self.layer_config,
+          strict=self.strict,
+          axis_name=axis_name,
         )
-      self._blocks = blocks
-      self._param_sig = sig
-      return
-    if sig != self._param_sig:
-      raise ValueError(
-        "the params pytree differs from the one this estimator was initialised with "
-        "(structure, shapes or dtypes changed). Create a new estimator/optimizer for the new "
-        "model, or pass params with the original structure."
       )
+      return
+    self._registration.check_params(params)
 
   @property
   def layers(self) -> tuple[_scanner.LayerSpec, ...]:
@@ -375,10 +395,8 @@ class CurvatureEstimator:
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
     self._ensure_layers(params)
-    reg = self._scan(params, batch, warn=False)
-    self._check_layers(reg)
     _, _, stats = _curvature.compute(
-      reg,
+      self._scan(params, batch),
       params,
       batch,
       rng,
@@ -386,16 +404,13 @@ class CurvatureEstimator:
       num_samples=self.num_samples,
       with_grads=False,
       with_params_stats=self.compute_params_stats,
+      fingerprint=self.registration.fingerprint,
     )
     return stats
 
   def _check_layers(self, reg: _scanner.Registration) -> None:
-    """The layers found for this batch must be those of `example_batch`, with the same blocks."""
-    self._check_layer_shapes(
-      tuple(l.name for l in reg.layers),
-      tuple((l.kind, l.approx, l.factor_shapes) for l in reg.layers),
-      reg.losses[0].batch_size,
-    )
+    """The layers found for a batch must be those of `example_batch` (see `Registration`)."""
+    self.registration.check_scan(reg)
 
   def _check_layer_shapes(self, names, shapes, batch_size: int, kinds_only=False) -> None:
     """`names` and `(kind, approx, factor_shapes)` of the layers of a batch of `batch_size`
@@ -432,16 +447,14 @@ class CurvatureEstimator:
     the last inverse update) get their entry of `cache` (the state's, replicated storage).
     Returns one entry per block name, of the block kind's factors type.
     """
-    if stats.layer_names != tuple(s.name for s in self.layers):
-      raise ValueError(
-        "curvature_stats were computed for layers "
-        f"{list(stats.layer_names)}, but this estimator has {[s.name for s in self.layers]}. "
-        "Compute them with kfac_jax.value_and_grad of the same loss_fn."
-      )
-    if stats.layer_shapes:  # value_and_grad scanned this batch: its layers must be ours.
+    if self._registration is None:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
+    if stats.layer_shapes and stats.layer_names == tuple(s.name for s in self.layers):
+      # value_and_grad scanned this batch: a layer that changed with the batch size is named.
       self._check_layer_shapes(
         stats.layer_names, stats.layer_shapes, stats.batch_size, kinds_only=True
       )
+    self._registration.check_stats(stats, self._who)
 
     def one(n, b, d):
       if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():

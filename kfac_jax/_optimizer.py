@@ -58,6 +58,7 @@ from kfac_jax import (
   _graph,
   _layer_config,
   _losses,
+  _registration,
   _scanner,
 )
 from kfac_jax import blocks as _blocks
@@ -306,6 +307,9 @@ class Optimizer:
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
       `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`; `has_aux`
+      and `config`'s `estimation_mode`, `num_samples`, `strict` and `layers` then take its
+      values (set to others: an error).
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss is scanned and optimised, and
       `step` returns the aux of its forward pass in `info["aux"]` (no extra forward pass).
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
@@ -345,9 +349,10 @@ class Optimizer:
 
   def __init__(
     self,
-    loss_fn: Callable,
-    example_batch: Any,
+    loss_fn: Callable | None = None,
+    example_batch: Any = None,
     *,
+    registration: _registration.Registration | None = None,
     has_aux: bool = False,
     learning_rate: ScalarOrSchedule | None = None,
     momentum: ScalarOrSchedule | None = None,
@@ -360,6 +365,31 @@ class Optimizer:
     axis_name: str | None = None,
     config: OptimizerConfig | None = None,
   ):
+    config = OptimizerConfig() if config is None else config
+    if not isinstance(config, OptimizerConfig):
+      raise TypeError(f"`config` must be a kfac_jax.OptimizerConfig, got {type(config).__name__}.")
+    reg = _registration.resolve(
+      registration,
+      loss_fn,
+      example_batch,
+      "Optimizer",
+      {
+        "has_aux": ("has_aux", has_aux, False),
+        "config.estimation_mode": ("estimation_mode", config.estimation_mode, "gradients"),
+        "config.num_samples": ("num_samples", config.num_samples, 1),
+        "config.strict": ("strict", config.strict, False),
+        "config.layers": ("layer_config", config.layers, None),
+      },
+    )
+    if reg is not None:  # Its settings apply (the checks above: none differs from them).
+      loss_fn, example_batch, has_aux = reg.loss_fn, reg.example_batch, reg.has_aux
+      config = dataclasses.replace(
+        config,
+        estimation_mode=reg.estimation_mode,
+        num_samples=reg.num_samples,
+        strict=reg.strict,
+        layers=reg.layer_config,
+      )
     _checks.function(loss_fn, "loss_fn")
     _checks.boolean(has_aux, "has_aux")
     if learning_rate is not None and not callable(learning_rate):
@@ -387,9 +417,6 @@ class Optimizer:
     _check_int(inverse_every, "inverse_every", low=1)
     _check_int(curvature_every, "curvature_every", low=1)
     _checks.optional_str(axis_name, "axis_name")
-    config = OptimizerConfig() if config is None else config
-    if not isinstance(config, OptimizerConfig):
-      raise TypeError(f"`config` must be a kfac_jax.OptimizerConfig, got {type(config).__name__}.")
     if config.inverse_storage == "sharded" and axis_name is None:
       raise ValueError(
         "config.inverse_storage='sharded' splits the inverses over the devices of a "
@@ -415,20 +442,24 @@ class Optimizer:
     self.curvature_every = int(curvature_every)
     self.axis_name = axis_name
     self.config = config
-    self.estimator = _estimator.CurvatureEstimator(
-      loss_fn,
-      example_batch,
+    settings = dict(
       has_aux=has_aux,
       estimation_mode=config.estimation_mode,
-      exps=(-1,),
       num_samples=config.num_samples,
-      damping_mode=config.damping_mode,
       strict=config.strict,
       layers=config.layers,
+    )
+    self.estimator = _estimator.CurvatureEstimator(
+      *((loss_fn, example_batch) if reg is None else ()),
+      registration=reg,
+      exps=(-1,),
+      damping_mode=config.damping_mode,
       stats_dtype=config.stats_dtype,
       inverse_dtype=config.inverse_dtype,
       inverse_storage=config.inverse_storage,
+      **({} if reg is not None else settings),  # type: ignore[arg-type]  # the keyword arguments above, checked
     )
+    self.estimator._who = "this Optimizer"
     # The axis the estimator's caches are split over (sharded storage only).
     self._cache_axis = axis_name if config.inverse_storage == "sharded" else None
 

@@ -9,22 +9,34 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _curvature, _estimator, _layer_config, _scanner
+from kfac_jax import _compat, _curvature, _estimator, _layer_config, _registration, _scanner
 from kfac_jax import blocks as _blocks
 
 AxisName = str | tuple[str, ...] | None
 
 
 def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
-  if axis_name is None:
-    return ()
-  names = (axis_name,) if isinstance(axis_name, str) else axis_name
-  if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
-    raise TypeError(
-      f"`axis_name` must be a string or a tuple of strings (the collective axes the model "
-      f'uses, e.g. "batch" for BatchNorm(axis_name="batch")), got {axis_name!r}.'
+  return _registration.axis_names(axis_name)
+
+
+def _shared(registration, loss_fn, params, batch, who, settings):
+  """The registration given as `registration=` (checked against the other arguments), or
+  None; `params` and `batch` belong to `loss_fn` and are left out with a registration."""
+  if registration is not None and params is not None:
+    raise ValueError(
+      f"{who}: pass either `loss_fn, params, batch` or `registration=`, not both: the "
+      "registration holds the params signature and example batch."
     )
-  return names
+  return _registration.resolve(registration, loss_fn, batch, who, settings)
+
+
+def _settings(strict, layers, axis_name, has_aux):
+  return {
+    "strict": ("strict", strict, False),
+    "layers": ("layer_config", layers, None),
+    "axis_name": ("axis_name", axis_name, None),
+    "has_aux": ("has_aux", has_aux, False),
+  }
 
 
 def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _scanner.Registration:
@@ -34,10 +46,11 @@ def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _scanner.Registra
 
 
 def scan_layers(
-  loss_fn: Callable,
-  params,
-  batch,
+  loss_fn: Callable | None = None,
+  params=None,
+  batch=None,
   *,
+  registration: _registration.Registration | None = None,
   strict: bool = False,
   layers: _layer_config.LayerConfig | None = None,
   axis_name: AxisName = None,
@@ -60,18 +73,32 @@ def scan_layers(
   so the scan works outside `pmap` / `shard_map`. `has_aux=True`: `loss_fn` returns `(loss,
   aux)`, as in `kfac_jax.value_and_grad`; only the loss part is scanned.
 
+  `registration=` (a `kfac_jax.Registration`, instead of `loss_fn, params, batch`): its
+  layers, as every entry point sharing it uses them (no new scan).
+
   Raises:
     RegistrationError: no loss tag, a malformed manual tag, or a `layers` entry that does not fit.
     TypeError: `axis_name` is not a string or a tuple of strings.
   """
+  reg = _shared(
+    registration,
+    loss_fn,
+    params,
+    batch,
+    "scan_layers",
+    _settings(strict, layers, axis_name, has_aux),
+  )
+  if reg is not None:
+    return reg.layers
   return _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, layers=layers).layers
 
 
 def summary(
-  loss_fn: Callable,
-  params,
-  batch,
+  loss_fn: Callable | None = None,
+  params=None,
+  batch=None,
   *,
+  registration: _registration.Registration | None = None,
   strict: bool = False,
   layers: _layer_config.LayerConfig | None = None,
   axis_name: AxisName = None,
@@ -88,17 +115,24 @@ def summary(
   mul)", "consumed by <primitive> (no matcher)", "not used by the loss", ...). `axis_name` and
   `has_aux` as in `scan_layers`.
   The `note` column says why a layer's approximation differs from its kind's default (e.g. a
-  factor side over `LayerConfig.max_factor_dim` kept as its diagonal).
+  factor side over `LayerConfig.max_factor_dim` kept as its diagonal). `registration=`: the
+  table of that `kfac_jax.Registration` (instead of `loss_fn, params, batch`; no new scan).
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))
   """
-  # No UncoveredParametersWarning: the report below says the same, in full.
-  specs = _scan(
-    loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False, layers=layers
-  ).layers
-  config = _blocks.BlockConfig()
-  blocks = [_blocks.make_block(s, config) for s in specs]
+  reg = _shared(
+    registration, loss_fn, params, batch, "summary", _settings(strict, layers, axis_name, has_aux)
+  )
+  if reg is not None:
+    specs, blocks, params = reg.layers, reg.blocks(), reg.params_shape
+  else:
+    # No UncoveredParametersWarning: the report below says the same, in full.
+    specs = _scan(
+      loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False, layers=layers
+    ).layers
+    config = _blocks.BlockConfig()
+    blocks = [_blocks.make_block(s, config) for s in specs]
   table = _estimator.format_table(_display_names(specs), blocks)
   return table + "\n\n" + coverage_report(specs, blocks, params)
 
@@ -155,10 +189,11 @@ def coverage_report(
 
 
 def check_registration(
-  loss_fn: Callable,
-  params,
-  batch,
+  loss_fn: Callable | None = None,
+  params=None,
+  batch=None,
   *,
+  registration: _registration.Registration | None = None,
   layers: _layer_config.LayerConfig | None = None,
   axis_name: AxisName = None,
   has_aux: bool = False,
@@ -172,7 +207,8 @@ def check_registration(
   tags differs from the number of times `loss_fn` uses it (a kernel applied twice but tagged
   once: its second use would be missing from the curvature; the message gives both counts), and
   every `layers.overrides` / `layers.linked` pattern that matches no parameter. `axis_name` and
-  `has_aux` as in `scan_layers`.
+  `has_aux` as in `scan_layers`. `registration=` checks a `kfac_jax.Registration` (its loss,
+  settings, params signature and example batch; instead of `loss_fn, params, batch`).
 
   Returns:
     The registered layers, as `scan_layers` returns them, when there is no problem.
@@ -186,6 +222,17 @@ def check_registration(
   Example:
     >>> kfac_jax.check_registration(loss_fn, params, batch)  # raises listing every problem
   """
+  reg = _shared(
+    registration,
+    loss_fn,
+    params,
+    batch,
+    "check_registration",
+    _settings(False, layers, axis_name, has_aux),
+  )
+  if reg is not None:
+    loss_fn, params, batch = reg.loss_fn, reg.params_shape, reg.example_batch
+    axis_name, has_aux, layers = reg.axis_name, reg.has_aux, reg.layer_config
   return _scan(
     loss_fn, params, batch, axis_name, has_aux, warn=False, layers=layers, collect=True
   ).layers

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _curvature, _estimator, _layer_config
+from kfac_jax import _checks, _curvature, _estimator, _layer_config, _registration
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -77,8 +77,10 @@ def _check_args(
   strict,
   skip_nonfinite,
 ) -> None:
-  """Every `scale_by_kfac` argument, named in the error, before any state exists."""
-  _checks.function(loss_fn, "loss_fn")
+  """Every `scale_by_kfac` argument, named in the error, before any state exists (`loss_fn`
+  is None when a registration is given)."""
+  if loss_fn is not None:
+    _checks.function(loss_fn, "loss_fn")
   _checks.boolean(has_aux, "has_aux")
   _checks.number(damping, "damping", low=0.0, schedule=True)
   _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
@@ -131,6 +133,7 @@ class _Preconditioner:
     loss_fn,
     example_batch,
     *,
+    registration,
     has_aux,
     damping,
     ema_decay,
@@ -149,6 +152,23 @@ class _Preconditioner:
     skip_nonfinite,
     name,
   ):
+    reg = _registration.resolve(
+      registration,
+      loss_fn,
+      example_batch,
+      name,
+      {
+        "has_aux": ("has_aux", has_aux, False),
+        "estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
+        "num_samples": ("num_samples", num_samples, None),
+        "strict": ("strict", strict, False),
+        "layers": ("layer_config", layers, None),
+      },
+    )
+    if reg is None and loss_fn is None:
+      raise TypeError(
+        f"{name}: pass `loss_fn` and `example_batch`, or `registration=` (a kfac_jax.Registration)."
+      )
     _check_args(
       loss_fn=loss_fn,
       has_aux=has_aux,
@@ -165,20 +185,27 @@ class _Preconditioner:
       strict=strict,
       skip_nonfinite=skip_nonfinite,
     )
+    settings = dict(
+      has_aux=has_aux,
+      estimation_mode=estimation_mode,
+      num_samples=1 if num_samples is None else num_samples,
+      strict=strict,
+      layers=layers,
+    )
+    if reg is not None:  # Checked against the registration above; it supplies them.
+      settings = {}
     self.est = _estimator.CurvatureEstimator(
       loss_fn,
       example_batch,
-      has_aux=has_aux,
-      estimation_mode=estimation_mode,
+      registration=reg,
       exps=(-1,),
-      num_samples=1 if num_samples is None else num_samples,
       damping_mode=damping_mode,
-      strict=strict,
-      layers=layers,
       stats_dtype=stats_dtype,
       inverse_dtype=inverse_dtype,
       inverse_storage=inverse_storage,
+      **settings,
     )
+    self.est._who = f"this {name} transform"
     self.damping = damping
     self.ema_decay = ema_decay
     self.inverse_every = inverse_every
@@ -321,9 +348,10 @@ class _Preconditioner:
 
 
 def scale_by_kfac(
-  loss_fn: Callable,
-  example_batch: Any,
+  loss_fn: Callable | None = None,
+  example_batch: Any = None,
   *,
+  registration: _registration.Registration | None = None,
   has_aux: bool = False,
   damping: ScalarOrSchedule = 0.1,
   ema_decay: float = 0.95,
@@ -352,6 +380,10 @@ def scale_by_kfac(
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
       `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`, shared
+      with `kfac_jax.value_and_grad(registration=...)`: both then use its layers (e.g. a
+      `LayerConfig(linked=...)`), mode and samples. `has_aux`, `estimation_mode`,
+      `num_samples`, `strict` and `layers` take its values (set to others: an error).
     has_aux: `loss_fn` returns `(loss, aux)` (see `kfac_jax.value_and_grad`); only the loss
       part is scanned. Compute the statistics with `value_and_grad(loss_fn, has_aux=True)`.
     damping: λ ≥ 0, a number or a schedule `count -> λ`.
@@ -415,7 +447,10 @@ def scale_by_kfac(
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
       is created (e.g. `damping="1e-3"`: "`damping` must be a finite number >= 0 or a
-      schedule `count -> value`, got '1e-3' (str)").
+      schedule `count -> value`, got '1e-3' (str)"). In `update` (when traced, before any
+      state changes): params of another structure than at `init` (the first differing leaf
+      named), or `curvature_stats` of another estimation mode, sample count or layer set
+      (both named).
 
   Example:
     >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
@@ -427,6 +462,7 @@ def scale_by_kfac(
   engine = _Preconditioner(
     loss_fn,
     example_batch,
+    registration=registration,
     has_aux=has_aux,
     damping=damping,
     ema_decay=ema_decay,
@@ -490,13 +526,14 @@ def kl_clip_coefficient(preconditioned, grads, learning_rate, norm_constraint) -
 
 
 def kfac(
-  loss_fn: Callable,
-  example_batch: Any,
-  learning_rate: ScalarOrSchedule,
+  loss_fn: Callable | None = None,
+  example_batch: Any = None,
+  learning_rate: ScalarOrSchedule | None = None,
   *,
   momentum: float | None = 0.7,
   nesterov: bool = False,
   norm_constraint: float | None = 1e-2,
+  registration: _registration.Registration | None = None,
   has_aux: bool = False,
   damping: ScalarOrSchedule = 0.1,
   ema_decay: float = 0.95,
@@ -529,7 +566,7 @@ def kfac(
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
       `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
-    learning_rate: α > 0, a number or a schedule `count -> α`.
+    learning_rate: α > 0, a number or a schedule `count -> α` (required).
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     nesterov: Nesterov momentum (`optax.trace(nesterov=True)`).
     norm_constraint: C > 0 for KL clipping (TF K-FAC's `norm_constraint`: the step's squared
@@ -539,7 +576,7 @@ def kfac(
     skip_nonfinite: skip a non-finite update (zero updates, state unchanged but the
       `skipped` counter), the momentum trace included. See `scale_by_kfac`.
 
-  The other arguments, `has_aux`, `ema_decay`, `inverse_every`, `curvature_every`,
+  The other arguments, `registration`, `has_aux`, `ema_decay`, `inverse_every`, `curvature_every`,
   `estimation_mode`, `num_samples`, `damping_mode`, `axis_name`, `inverse_mesh`,
   `inverse_storage`, `strict`, `layers`, `stats_dtype` and `inverse_dtype`, are those of
   `scale_by_kfac`.
@@ -565,6 +602,12 @@ def kfac(
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     >>> params = optax.apply_updates(params, updates)
   """
+  if learning_rate is None:
+    raise TypeError(
+      "kfac: `learning_rate` must be a number > 0 or a schedule `count -> α`, got None (it is "
+      "required): e.g. kfac_jax.kfac(loss_fn, batch, 0.1) or "
+      "kfac_jax.kfac(registration=reg, learning_rate=0.1)."
+    )
   _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
   if momentum is not None:
     _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
@@ -574,6 +617,7 @@ def kfac(
   engine = _Preconditioner(
     loss_fn,
     example_batch,
+    registration=registration,
     has_aux=has_aux,
     damping=damping,
     ema_decay=ema_decay,

@@ -1,0 +1,475 @@
+"""One registration of a loss function, shared by every entry point.
+
+A `Registration` scans `loss_fn(params, example_batch)` once, when it is built, and keeps what
+the scan decided: the layers (one `LayerSpec` and one curvature block each), the parameters'
+signature (paths, shapes, dtypes) and the statistics' fingerprint (`StatsKey`: estimation mode,
+samples and the layer set). `value_and_grad`, `scale_by_kfac` / `kfac`, `Optimizer`,
+`CurvatureEstimator`, `scan_layers`, `summary` and `check_registration` take it as
+`registration=`; given the same object they agree on the layers by construction, and
+statistics carry the fingerprint, so statistics of another mode or layer set are an error
+naming both.
+
+The evaluation graphs (the traced `loss_fn` the curvature pass evaluates) are kept per
+signature of `(params, batch)` and per bound collective axes, so a jitted step traced again
+(a new jit, a second batch shape seen before, `lax.cond` branches) reuses them instead of
+tracing and scanning `loss_fn` again. A graph whose constants are tracers (a `loss_fn` that
+closes over values of an enclosing trace) is never kept, and neither is a scan made with
+collective axes bound only for the scan (their size is then a stand-in 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax import _checks, _compat, _curvature, _layer_config, _losses, _scanner
+from kfac_jax import blocks as _blocks
+
+AxisName = str | tuple[str, ...] | None
+_MAX_SCANS = 8  # Evaluation graphs kept per registration (batch shapes x axis environments).
+
+
+def axis_names(axis_name: AxisName) -> tuple[str, ...]:
+  """`axis_name` (a name or a tuple of names) as a tuple; TypeError otherwise."""
+  if axis_name is None:
+    return ()
+  names = (axis_name,) if isinstance(axis_name, str) else axis_name
+  if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
+    raise TypeError(
+      f"`axis_name` must be a string or a tuple of strings (the collective axes the model "
+      f'uses, e.g. "batch" for BatchNorm(axis_name="batch")), got {axis_name!r}.'
+    )
+  return names
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsKey:
+  """What a `CurvatureStats` was computed for: static, hashable, compared at trace time.
+
+  Two registrations with equal keys produce interchangeable statistics (the same raw data per
+  layer), whatever approximations their blocks use: the approximation is the consumer's
+  choice, the data are not.
+
+  Attributes:
+    estimation_mode: the estimation mode.
+    num_samples: vectors per example (1 for the modes that take no samples).
+    layers: per layer, `(name, kind, param_paths, num_uses, stack_size)`.
+  """
+
+  estimation_mode: str
+  num_samples: int
+  layers: tuple[tuple[str, str, tuple[str, ...], int, int], ...]
+
+  @property
+  def digest(self) -> str:
+    """A short hex digest, for display."""
+    return hashlib.sha1(repr(self).encode()).hexdigest()[:8]
+
+  def mode_text(self) -> str:
+    return f"estimation_mode={self.estimation_mode!r}, num_samples={self.num_samples}"
+
+
+def stats_key(
+  estimation_mode: str, num_samples: int, layers: Sequence[_scanner.LayerSpec]
+) -> StatsKey:
+  if estimation_mode not in _losses.RANDOM_MODES or estimation_mode == "empirical":
+    num_samples = 1  # "empirical" ignores it; the exact modes require 1.
+  return StatsKey(
+    estimation_mode,
+    num_samples,
+    tuple((s.name, s.kind, tuple(s.param_paths), s.num_uses, s.stack_size) for s in layers),
+  )
+
+
+def _layer_text(entry) -> str:
+  name, kind, paths, uses, stack = entry
+  extra = f", {uses} uses" if uses > 1 else ""
+  extra += f", stack of {stack}" if stack else ""
+  return f"{name} ({kind}: {', '.join(paths)}{extra})"
+
+
+def mismatch_message(got: StatsKey, want: StatsKey, who: str) -> str:
+  """Why statistics of key `got` do not fit `who`, built for `want` (both sides named)."""
+  fix = (
+    f" Compute them with the registration {who} was built with: "
+    "`kfac_jax.value_and_grad(registration=reg)` with `reg = kfac_jax.Registration(loss_fn, "
+    "params, batch, ...)` shared by both (or the same loss_fn, estimation_mode, num_samples and "
+    "layers on both)."
+  )
+  parts = []
+  if (got.estimation_mode, got.num_samples) != (want.estimation_mode, want.num_samples):
+    parts.append(
+      f"curvature_stats were computed for {got.mode_text()}, but {who} was built for "
+      f"{want.mode_text()}."
+    )
+  if got.layers != want.layers:
+    names_got = [e[0] for e in got.layers]
+    names_want = [e[0] for e in want.layers]
+    only_got = [_layer_text(e) for e in got.layers if e not in want.layers]
+    only_want = [_layer_text(e) for e in want.layers if e not in got.layers]
+    parts.append(
+      f"curvature_stats were computed for layers {names_got}, but {who} has layers "
+      f"{names_want}. Only in the statistics: {only_got or 'none'}; only in {who}: "
+      f"{only_want or 'none'}."
+    )
+  return " ".join(parts) + f" (statistics fingerprint {got.digest}, expected {want.digest}.)" + fix
+
+
+def _avals(tree) -> tuple:
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef, tuple(jax.typeof(x) for x in leaves)
+
+
+def _has_tracer_consts(scan: _scanner.Registration) -> bool:
+  return any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts)
+
+
+class Registration:
+  """`loss_fn` scanned once: its layers, parameter signature and statistics fingerprint.
+
+  Build one and pass it as `registration=` to every entry point that should agree on the
+  layers: `value_and_grad`, `scale_by_kfac`, `kfac`, `Optimizer`, `CurvatureEstimator`,
+  `scan_layers`, `summary`, `check_registration`. Those then take `loss_fn`, `example_batch`,
+  `has_aux`, `estimation_mode`, `num_samples`, `layers` and `strict` from it (passing one of
+  them with another value than the registration's is an error). Without it, each entry point
+  builds its own, from its own arguments, as before: equal arguments give equal
+  registrations.
+
+  The object is immutable; scanning happens here, not in every jit trace.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
+    params: the parameters (arrays or ShapeDtypeStructs; only their structure, shapes and
+      dtypes are kept).
+    example_batch: a batch of the training shapes (arrays or ShapeDtypeStructs).
+    has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned.
+    estimation_mode: "gradients", "empirical", "curvature_prop", "curvature_prop_GGN",
+      "exact" or "exact_GGN" (see `kfac_jax.value_and_grad`).
+    num_samples: random vectors per example for the random modes (1 for the others).
+    layers: a `kfac_jax.LayerConfig` (approximations, linked groups), or None.
+    strict: raise, instead of warning, when parameters are outside every recognised layer.
+    axis_name: a name or a tuple of names of collective axes `loss_fn` uses (e.g. linen
+      `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
+      shard_map.
+
+  Attributes:
+    layers: the registered layers (a tuple of `LayerSpec`), in parameter order.
+    block_names: the layers' names made unique (`name#2` for a repeated name): the keys of the
+      curvature state's `factors` and `cache`.
+    param_paths, param_shapes, param_dtypes: the parameters' signature; `check_params` holds
+      params to it.
+    params_shape: the parameters as ShapeDtypeStructs.
+    fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
+    example_batch_size: the loss tags' leading size in `example_batch`.
+
+  Raises:
+    TypeError / ValueError: a bad argument, named with its value.
+    RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, or
+      (with `strict`) uncovered parameters.
+
+  Example:
+    >>> reg = kfac_jax.Registration(loss_fn, params, batch,
+    ...                             layers=kfac_jax.LayerConfig(linked={("*",): "full"}))
+    >>> tx = kfac_jax.kfac(registration=reg, learning_rate=0.1)
+    >>> opt_state = tx.init(params)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
+    >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+  """
+
+  # Set once in `_setup` (the instance is immutable afterwards).
+  loss_fn: Callable
+  loss_part: Any
+  has_aux: bool
+  estimation_mode: Any
+  num_samples: int
+  layer_config: Any
+  strict: bool
+  axis_name: Any
+  example_batch: Any
+  params_shape: Any
+  param_paths: tuple[str, ...]
+  param_shapes: tuple[tuple[int, ...], ...]
+  param_dtypes: tuple[str, ...]
+  layers: tuple[_scanner.LayerSpec, ...]
+  block_names: tuple[str, ...]
+  example_batch_size: int
+  fingerprint: Any
+  _scans: dict[Any, Any]
+  _block_sets: dict[Any, Any]
+
+  def __init__(
+    self,
+    loss_fn: Callable,
+    params: Any,
+    example_batch: Any,
+    *,
+    has_aux: bool = False,
+    estimation_mode: _curvature.EstimationMode = "gradients",
+    num_samples: int = 1,
+    layers: _layer_config.LayerConfig | None = None,
+    strict: bool = False,
+    axis_name: AxisName = None,
+  ):
+    self._setup(
+      loss_fn,
+      params,
+      example_batch,
+      has_aux=has_aux,
+      estimation_mode=estimation_mode,
+      num_samples=num_samples,
+      layers=layers,
+      strict=strict,
+      axis_name=axis_name,
+      warn=True,
+    )
+
+  @classmethod
+  def build(cls, loss_fn, params, example_batch, *, warn: bool, **settings) -> Registration:
+    """A registration as the constructor builds it, with or without the scanner's warning."""
+    obj = cls.__new__(cls)
+    obj._setup(loss_fn, params, example_batch, warn=warn, **settings)
+    return obj
+
+  def _setup(
+    self,
+    loss_fn,
+    params,
+    example_batch,
+    *,
+    has_aux=False,
+    estimation_mode="gradients",
+    num_samples=1,
+    layers=None,
+    strict=False,
+    axis_name=None,
+    warn=True,
+  ):
+    set_ = object.__setattr__
+    part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
+    _curvature.check_mode(estimation_mode, num_samples)
+    _checks.boolean(strict, "strict")
+    config = _layer_config.check(layers)
+    names = axis_names(axis_name)
+    env = _compat.axis_env_key()
+    stand_in = env is None or any(n not in {e[1] for e in env} for n in names)
+    with _compat.axis_env([(n, 1) for n in names]):
+      scan = _scanner.scan(
+        part,
+        params,
+        example_batch,
+        strict=strict,
+        warn=warn,
+        layers=config,
+        has_aux=has_aux,
+      )
+    leaves = jax.tree_util.tree_leaves(params)
+    set_(self, "loss_fn", loss_fn)
+    set_(self, "loss_part", part)
+    set_(self, "has_aux", has_aux)
+    set_(self, "estimation_mode", estimation_mode)
+    set_(self, "num_samples", num_samples)
+    set_(self, "layer_config", config)
+    set_(self, "strict", strict)
+    set_(self, "axis_name", axis_name)
+    set_(self, "example_batch", jax.eval_shape(lambda b: b, example_batch))
+    set_(self, "params_shape", jax.eval_shape(lambda p: p, params))
+    set_(self, "param_paths", _scanner.param_paths(params))
+    set_(self, "param_shapes", tuple(tuple(np.shape(x)) for x in leaves))
+    set_(self, "param_dtypes", tuple(str(jnp.result_type(x)) for x in leaves))
+    set_(self, "layers", scan.layers)
+    set_(self, "block_names", tuple(_unique_names(scan.layers)))
+    set_(self, "example_batch_size", scan.losses[0].batch_size)
+    set_(self, "fingerprint", stats_key(estimation_mode, num_samples, scan.layers))
+    set_(self, "_scans", {})
+    set_(self, "_block_sets", {})
+    if not stand_in and not _has_tracer_consts(scan):
+      self._scans[(env, _avals(params), _avals(example_batch))] = (scan, part.aux_tree)
+
+  def __setattr__(self, name, value):
+    raise dataclasses.FrozenInstanceError(
+      f"kfac_jax.Registration is immutable (cannot set `{name}`): build a new one."
+    )
+
+  def __repr__(self) -> str:
+    return (
+      f"Registration({self.fingerprint.mode_text()}, {len(self.layers)} layers "
+      f"{list(self.block_names)}, fingerprint {self.fingerprint.digest})"
+    )
+
+  # -- parameters --------------------------------------------------------------------------------
+
+  @property
+  def param_signature(self) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]]:
+    """`(paths, ((shape, dtype), ...))`, the form the estimator compares vectors with."""
+    return self.param_paths, tuple(zip(self.param_shapes, self.param_dtypes))
+
+  def check_params(self, params, what: str = "params") -> None:
+    """ValueError naming the first leaf where `params` differs from the registration's."""
+    paths = _scanner.param_paths(params)
+    expected = self.param_paths
+    problem = None
+    if paths != expected:
+      for got, want in zip(paths, expected):
+        if got != want:
+          problem = f"leaf `{got}` where `{want}` was expected"
+          break
+      else:
+        if len(paths) > len(expected):
+          problem = f"leaf `{paths[len(expected)]}` is not in the registered params"
+        else:
+          problem = f"leaf `{expected[len(paths)]}` is missing"
+    else:
+      leaves = jax.tree_util.tree_leaves(params)
+      for path, x, shape, dtype in zip(paths, leaves, self.param_shapes, self.param_dtypes):
+        now = (tuple(np.shape(x)), str(jnp.result_type(x)))
+        if now != (shape, dtype):
+          problem = (
+            f"leaf `{path}` has shape {now[0]} and dtype {now[1]}, expected shape {shape} "
+            f"and dtype {dtype}"
+          )
+          break
+    if problem is not None:
+      raise ValueError(
+        f"the {what} pytree differs from the one the registration (the estimator / "
+        f"optimizer) was built for: {problem}. Create a new registration or transform for the "
+        "new model, or pass params with the original structure, shapes and dtypes."
+      )
+
+  # -- blocks --------------------------------------------------------------------------------
+
+  def blocks(self, config: _blocks.BlockConfig | None = None) -> tuple[_blocks.Block, ...]:
+    """One curvature block per layer for the block options `config` (built once per config)."""
+    config = _blocks.BlockConfig() if config is None else config
+    if config not in self._block_sets:
+      self._block_sets[config] = tuple(_blocks.make_block(s, config) for s in self.layers)
+    return self._block_sets[config]
+
+  # -- evaluation ----------------------------------------------------------------------------
+
+  def scan_batch(self, params, batch) -> _scanner.Registration:
+    """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates.
+
+    Kept per `(params, batch)` signature and bound axes; a new one is checked to have the
+    registration's layers (a layer whose factor shapes depend on the batch size is an error
+    naming it).
+    """
+    env = _compat.axis_env_key()
+    key = None if env is None else (env, _avals(params), _avals(batch))
+    hit = self._scans.get(key) if key is not None else None
+    if hit is not None:
+      scan, aux_tree = hit
+      self.loss_part.aux_tree = aux_tree
+      return scan
+    scan = _scanner.scan(
+      self.loss_part,
+      params,
+      batch,
+      strict=self.strict,
+      warn=False,
+      layers=self.layer_config,
+      has_aux=self.has_aux,
+    )
+    self.check_scan(scan)
+    if key is not None and not _has_tracer_consts(scan):
+      if len(self._scans) >= _MAX_SCANS:
+        self._scans.pop(next(iter(self._scans)))
+      self._scans[key] = (scan, self.loss_part.aux_tree)
+    return scan
+
+  def check_scan(self, scan: _scanner.Registration) -> None:
+    """The layers found for a batch must be those of `example_batch`, with the same blocks.
+
+    A batch of another leading size is fine (the blocks read row counts from the arrays); a
+    layer whose factor shapes depend on the batch size cannot share one state across sizes.
+    """
+    layers = scan.layers
+    if tuple(s.name for s in layers) != tuple(s.name for s in self.layers):
+      raise ValueError(
+        "loss_fn registers different layers for this batch than for `example_batch`: "
+        f"{[s.name for s in layers]} vs {[s.name for s in self.layers]}."
+      )
+    for new, old in zip(layers, self.layers):
+      if (new.kind, new.approx, new.factor_shapes) != (old.kind, old.approx, old.factor_shapes):
+        raise ValueError(
+          f"layer `{old.name}` changes with the batch size: for this batch of "
+          f"{scan.losses[0].batch_size} examples it is a {new.kind} layer ({new.approx!r}) "
+          f"with factor shapes {list(new.factor_shapes)}, for `example_batch` "
+          f"({self.example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
+          f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
+          f"sizes: feed batches of {self.example_batch_size} examples (pad the last one), "
+          "or register the layer with a manual tag whose shapes do not involve the batch."
+        )
+
+  def check_stats(self, stats: _curvature.CurvatureStats, who: str) -> None:
+    """ValueError when `stats` were computed for another mode or layer set."""
+    key = getattr(stats, "fingerprint", None)
+    if key is None:  # Built by hand: only the layer names can be compared.
+      if stats.layer_names != tuple(s.name for s in self.layers):
+        raise ValueError(
+          f"curvature_stats were computed for layers {list(stats.layer_names)}, but {who} has "
+          f"{[s.name for s in self.layers]}. Compute them with kfac_jax.value_and_grad of the "
+          "same registration."
+        )
+      return
+    if key != self.fingerprint:
+      raise ValueError(mismatch_message(key, self.fingerprint, who))
+
+
+def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
+  names: list[str] = []
+  seen: dict[str, int] = {}
+  for s in specs:
+    n = s.name
+    if n in seen:
+      seen[n] += 1
+      n = f"{n}#{seen[s.name]}"
+    else:
+      seen[n] = 1
+    names.append(n)
+  return names
+
+
+def resolve(
+  registration, loss_fn, example_batch, who: str, settings: dict[str, tuple[str, Any, Any]]
+) -> Registration | None:
+  """The `registration=` argument of an entry point, checked against its other arguments.
+
+  `settings` maps an argument's name (as the error shows it) to `(attribute, value, default)`:
+  with a registration, an argument left at its default takes the registration's value, one
+  set to another value than the registration's is an error naming both. Returns None when no
+  registration was given.
+  """
+  if isinstance(loss_fn, Registration):
+    raise TypeError(
+      f"{who}: pass the kfac_jax.Registration as `registration=`, not as `loss_fn` "
+      "(e.g. kfac_jax.kfac(registration=reg, learning_rate=0.1))."
+    )
+  if registration is None:
+    return None
+  if not isinstance(registration, Registration):
+    raise TypeError(
+      f"{who}: `registration` must be a kfac_jax.Registration or None, got "
+      f"{type(registration).__name__}: {registration!r}."
+    )
+  given = [n for n, v in (("loss_fn", loss_fn), ("example_batch", example_batch)) if v is not None]
+  if given:
+    raise ValueError(
+      f"{who}: pass either `loss_fn` and `example_batch` or `registration=`, not both (got "
+      f"{' and '.join(given)} too): the registration holds its loss function and example batch."
+    )
+  for name, (attr, value, default) in settings.items():
+    have = getattr(registration, attr)
+    if value is default or value == default or value == have:
+      continue
+    raise ValueError(
+      f"{who}: `{name}`={value!r} differs from the registration's {have!r}. Leave `{name}` "
+      "out (the registration's applies), or build the registration with it."
+    )
+  return registration
