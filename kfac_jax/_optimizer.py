@@ -543,15 +543,15 @@ class Optimizer:
     )
     finite_in = jnp.isfinite(loss) & _all_finite(g_leaves)
 
-    # 2. Damping and the periodic inverse update (not on a step that will be skipped anyway).
+    # 2. Damping and the periodic inverse update. Its predicate does not wait for the gradient
+    # (`finite_in`), so XLA may overlap the factorisations with the gradient's pull-back; a
+    # skipped step restores the old caches through the guard below.
     if self.use_adaptive_damping:
       lam = state.damping
     else:
       lam = _schedule_value(self.damping, k, sdtype)
     inv_now = (~in_burn) & (k_run % self.inverse_every == 0)
-    curv = _engine.refresh_inverses(
-      est, curv, lam + eta, inv_now & finite_in, axis_name=self._cache_axis
-    )
+    curv = _engine.refresh_inverses(est, curv, lam + eta, inv_now, axis_name=self._cache_axis)
 
     # 3.-5. Direction, α and μ, damping adaptation.
     nan = jnp.full([], jnp.nan, sdtype)
