@@ -1,8 +1,9 @@
 """One forward pass for the loss, its gradient and the curvature statistics.
 
 The traced loss function is evaluated once with a zero perturbation ε_l added to each structured
-(non-generic) layer's output s_l and the layer's input operands recorded. `jax.vjp` of that
-evaluation with respect to (params, ε) gives one linearisation; it is pulled back twice:
+(non-generic) layer's output s_l and the layer's input operands recorded. `jax.linearize` of that
+evaluation with respect to (params, ε) gives one linearisation (`Linearisation`); its transpose
+is pulled back twice:
 
   * with cotangent 1 on the loss: the parameter gradient;
   * with the estimation mode's stack of output vectors at the loss tags (sampled-target
@@ -13,6 +14,9 @@ evaluation with respect to (params, ε) gives one linearisation; it is pulled ba
 Inside `jit`, XLA drops the parameter-gradient products of the second pull-back that nothing
 reads, so the sampled backward pass computes activation gradients only. (Stacking both cotangents
 in one vmapped pull-back would compute the parameter gradient of the sampled loss too.)
+The `Optimizer` also pushes its two step directions forward through the same linearisation
+(`Linearisation.prediction_jvp`) for the quadratic model, so its step has one forward pass
+(plus one on damping-adaptation steps, for ρ).
 """
 
 from __future__ import annotations
@@ -197,6 +201,137 @@ def _stacked_tap(graph: _graph.FlatGraph, uses):
   return outs, ins
 
 
+class Linearisation:
+  """One forward pass of the tagged loss, linearised in (params, layer-output perturbations).
+
+  Built by `linearize` inside a trace. The forward pass runs once; every pull-back
+  (`grads`, `statistics`) and push-forward (`prediction_jvp`) reuses its residuals, so the
+  `Optimizer` gets the gradient, the curvature statistics and the quadratic model's
+  Jacobian-vector products from a single forward pass. (`jax.vjp` is `jax.linearize` followed by
+  a transposition, so the pull-backs cost what a `jax.vjp` would.)
+
+  Attributes:
+    loss: the scalar loss.
+    preds: per loss tag, its prediction (the tag's first operand).
+    others: per loss tag, its further operands (targets, weights).
+    aux_leaves: the graph's further outputs (the aux's leaves with `has_aux`).
+  """
+
+  def __init__(self, reg, params, batch):
+    leaves = jax.tree_util.tree_leaves(params)
+    batch_leaves = jax.tree_util.tree_leaves(batch)
+    tapped = [i for i, k in enumerate(reg.layer_outputs) if k is not None]
+    # One tap per use: a multi-use layer (tied weights, unrolled scan) has one per application.
+    extra = reg.extra_uses or ((),) * len(reg.layers)
+    taps, stacked = [], set()
+    for i in tapped:
+      uses = [(reg.layer_outputs[i], reg.layer_inputs[i])] + list(extra[i])
+      tap = _stacked_tap(reg.graph, uses) if len(uses) > 1 else None
+      if tap is not None:  # The uses are the steps of one scan: one stacked tap.
+        stacked.add(i)
+        taps.append((i,) + tap)
+      else:
+        taps += [(i, k, ins) for k, ins in uses]
+    out_keys = {k: n for n, (_, k, _) in enumerate(taps)}
+    in_atoms = [ins for _, _, ins in taps]
+    watched = set(out_keys)
+    watched.update(
+      a for atoms in in_atoms for a in atoms if _graph.is_key(a) or isinstance(a, tuple)
+    )
+    for ops in reg.loss_operands:
+      watched.update(a for a in ops if _graph.is_key(a))
+    watch = frozenset(watched)
+
+    def f(p_leaves, eps):
+      perturb = {k: eps[n] for k, n in out_keys.items()}
+      outs, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
+      preds = [_read(ops[0], seen) for ops in reg.loss_operands]
+      xs = [tuple(_read(a, seen) for a in atoms) for atoms in in_atoms]
+      others = [[_read(a, seen) for a in ops[1:]] for ops in reg.loss_operands]
+      return (outs[0], preds), (xs, others, outs[1:])
+
+    eps0 = [
+      jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype)
+      if isinstance(k[0], tuple)
+      else jnp.zeros(k[1].aval.shape, k[1].aval.dtype)
+      for k in out_keys
+    ]
+    (loss, preds), jvp_fn, (xs, others, aux_leaves) = jax.linearize(f, leaves, eps0, has_aux=True)
+    self.reg = reg
+    self.params_treedef = jax.tree_util.tree_structure(params)
+    self.loss, self.preds, self.others, self.aux_leaves = loss, preds, others, aux_leaves
+    self._xs, self._taps, self._stacked, self._eps0 = xs, taps, stacked, eps0
+    self._jvp = jvp_fn
+    self._vjp = jax.linear_transpose(jvp_fn, leaves, eps0)
+
+  def pull_back(self, loss_ct, preds_ct):
+    """`(param-leaf cotangents, per-tap output-gradient cotangents)` of one output cotangent."""
+    return self._vjp((loss_ct, preds_ct))
+
+  def grads(self):
+    """The loss's gradient, params-shaped (loss cotangent 1)."""
+    g_leaves, _ = self.pull_back(jnp.ones_like(self.loss), [jnp.zeros_like(p) for p in self.preds])
+    return jax.tree_util.tree_unflatten(self.params_treedef, g_leaves)
+
+  def prediction_jvp(self, p_leaves):
+    """Per loss tag, `J v`: the predictions' derivative along the param-leaf tangent `v`."""
+    _, preds_dot = self._jvp(list(p_leaves), [jnp.zeros_like(e) for e in self._eps0])
+    return preds_dot
+
+  def statistics(
+    self,
+    rng,
+    *,
+    estimation_mode: str,
+    num_samples: int,
+    with_params_stats: bool = False,
+    fingerprint: Any = None,
+  ) -> CurvatureStats:
+    """The estimation mode's output vectors, pulled back (vmapped over the stack);
+    `fingerprint`: the registration's `StatsKey`, carried by the statistics."""
+    reg, preds, others = self.reg, self.preds, self.others
+    check_rng(estimation_mode, rng)
+    keys = jax.random.split(rng, len(reg.losses)) if rng is not None else [None] * len(reg.losses)
+    cts = [
+      _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)
+      for spec, p, o, key in zip(reg.losses, preds, others, keys)
+    ]
+    if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
+      cts = _join_exact(cts)
+    zero = jnp.zeros_like(self.loss)
+    p_ct, eps_ct = jax.vmap(lambda ct: self.pull_back(zero, ct))(cts)
+
+    data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
+    for i, spec in enumerate(reg.layers):
+      if reg.layer_outputs[i] is not None:
+        uses = [(self._xs[n], eps_ct[n]) for n, tap in enumerate(self._taps) if tap[0] == i]
+        if i in self._stacked:
+          data.append(_blocks.StackedUses(*uses[0]))
+        else:
+          data.append(tuple(uses) if spec.multi_tap else uses[0])
+      else:
+        data.append(tuple(p_ct[j] for j in spec.leaf_indices))
+    params_stats = None
+    if with_params_stats:
+      n = reg.losses[0].batch_size
+      params_stats = jax.tree_util.tree_unflatten(
+        self.params_treedef, [jnp.mean(x, axis=0) / n for x in p_ct]
+      )
+    return CurvatureStats(
+      tuple(data),
+      tuple(s.name for s in reg.layers),
+      reg.losses[0].batch_size,
+      params_stats,
+      tuple((s.kind, s.approx, s.factor_shapes) for s in reg.layers),
+      fingerprint,
+    )
+
+
+def linearize(reg: _scanner.Registration, params, batch) -> Linearisation:
+  """One forward pass of `reg`'s graph, linearised (see `Linearisation`)."""
+  return Linearisation(reg, params, batch)
+
+
 def compute(
   reg: _scanner.Registration,
   params,
@@ -221,89 +356,18 @@ def compute(
   the statistics.
   """
   check_rng(estimation_mode, rng)
-  leaves = jax.tree_util.tree_leaves(params)
-  batch_leaves = jax.tree_util.tree_leaves(batch)
-  tapped = [i for i, k in enumerate(reg.layer_outputs) if k is not None]
-  # One tap per use: a multi-use layer (tied weights, unrolled scan) has one per application.
-  extra = reg.extra_uses or ((),) * len(reg.layers)
-  taps, stacked = [], set()
-  for i in tapped:
-    uses = [(reg.layer_outputs[i], reg.layer_inputs[i])] + list(extra[i])
-    tap = _stacked_tap(reg.graph, uses) if len(uses) > 1 else None
-    if tap is not None:  # The uses are the steps of one scan: one stacked tap.
-      stacked.add(i)
-      taps.append((i,) + tap)
-    else:
-      taps += [(i, k, ins) for k, ins in uses]
-  out_keys = {k: n for n, (_, k, _) in enumerate(taps)}
-  in_atoms = [ins for _, _, ins in taps]
-  watched = set(out_keys)
-  watched.update(a for atoms in in_atoms for a in atoms if _graph.is_key(a) or isinstance(a, tuple))
-  for ops in reg.loss_operands:
-    watched.update(a for a in ops if _graph.is_key(a))
-  watch = frozenset(watched)
-
-  def f(p_leaves, eps):
-    perturb = {k: eps[n] for k, n in out_keys.items()}
-    outs, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
-    preds = [_read(ops[0], seen) for ops in reg.loss_operands]
-    xs = [tuple(_read(a, seen) for a in atoms) for atoms in in_atoms]
-    others = [[_read(a, seen) for a in ops[1:]] for ops in reg.loss_operands]
-    return (outs[0], preds), (xs, others, outs[1:])
-
-  eps0 = [
-    jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype)
-    if isinstance(k[0], tuple)
-    else jnp.zeros(k[1].aval.shape, k[1].aval.dtype)
-    for k in out_keys
-  ]
-  (loss, preds), vjp_fn, (xs, others, aux_leaves) = jax.vjp(f, leaves, eps0, has_aux=True)
-
-  grads = None
-  if with_grads:
-    g_leaves, _ = vjp_fn((jnp.ones_like(loss), [jnp.zeros_like(p) for p in preds]))
-    grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_leaves)
-
-  keys = jax.random.split(rng, len(reg.losses)) if rng is not None else [None] * len(reg.losses)
-  cts = [
-    _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)
-    for spec, p, o, key in zip(reg.losses, preds, others, keys)
-  ]
-  if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
-    cts = _join_exact(cts)
-
-  def pull_back(ct):
-    return vjp_fn((jnp.zeros_like(loss), ct))
-
-  p_ct, eps_ct = jax.vmap(pull_back)(cts)
-
-  data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
-  for i, spec in enumerate(reg.layers):
-    if reg.layer_outputs[i] is not None:
-      got = [(xs[n], eps_ct[n]) for n, tap in enumerate(taps) if tap[0] == i]
-      if i in stacked:
-        data.append(_blocks.StackedUses(*got[0]))
-      else:
-        data.append(tuple(got) if spec.multi_tap else got[0])
-    else:
-      data.append(tuple(p_ct[j] for j in spec.leaf_indices))
-  params_stats = None
-  if with_params_stats:
-    n = reg.losses[0].batch_size
-    params_stats = jax.tree_util.tree_unflatten(
-      jax.tree_util.tree_structure(params), [jnp.mean(x, axis=0) / n for x in p_ct]
-    )
-  stats = CurvatureStats(
-    tuple(data),
-    tuple(s.name for s in reg.layers),
-    reg.losses[0].batch_size,
-    params_stats,
-    tuple((s.kind, s.approx, s.factor_shapes) for s in reg.layers),
-    fingerprint,
+  lin = linearize(reg, params, batch)
+  grads = lin.grads() if with_grads else None
+  stats = lin.statistics(
+    rng,
+    estimation_mode=estimation_mode,
+    num_samples=num_samples,
+    with_params_stats=with_params_stats,
+    fingerprint=fingerprint,
   )
   if aux is not None:
-    return loss, aux.unflatten_aux(aux_leaves), grads, stats
-  return loss, grads, stats
+    return lin.loss, aux.unflatten_aux(lin.aux_leaves), grads, stats
+  return lin.loss, grads, stats
 
 
 def value_and_grad(

@@ -14,8 +14,8 @@ The objective is `h(θ) = L(θ) + (η/2)‖θ‖²`, L the tagged loss and η th
      (G the Gauss-Newton matrix of the tagged losses: J the Jacobian of a tag's prediction, H_z
      the loss Hessian in that prediction). Writing `C_ij = v_iᵀ (G + (λ + η) I) v_j` and
      `b_i = ∇hᵀ v_i` for `(v_1, v_2) = (Δ, δ_prev)`, M is `bᵀx + ½ xᵀ C x` in `x = (α, μ)` and
-     the minimiser is `x = −C⁻¹ b`. The products `J v_i` are one forward-mode pass (`jax.jvp`
-     vmapped over the two vectors) through the prediction function;
+     the minimiser is `x = −C⁻¹ b`. The products `J v_i` are push-forwards of the two vectors
+     through the linearisation of step 1's forward pass (no second forward pass);
   5. every `damping_adaptation_interval` steps, Levenberg–Marquardt: with
      `ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass, only on those steps; ρ = −∞ when
      h(θ + δ) is not finite or when a fixed α or μ makes M(δ) > 0, NaN (no change) if M(δ) = 0),
@@ -35,8 +35,9 @@ With a fixed learning rate, `norm_constraint=c` rescales α so that `α² Δᵀ 
 clipping, Ba et al. 2017; F̂_λ the damped K-FAC matrix the estimator multiplies by).
 
 All decisions are `lax.cond` / `jnp.where` on the step counter in the state, so one jitted step
-function compiles once and never syncs with the host. A step whose loss, gradient or update is
-not finite changes nothing but the `skipped` counter.
+function compiles once and never syncs with the host; the statistics, inverse and skip conds are
+the transforms' (`kfac_jax._engine`) and carry only what they change. A step whose loss,
+gradient or update is not finite changes nothing but the `skipped` counter.
 """
 
 from __future__ import annotations
@@ -52,14 +53,12 @@ import optax
 
 from kfac_jax import (
   _checks,
-  _compat,
   _curvature,
+  _engine,
   _estimator,
-  _graph,
   _layer_config,
   _losses,
   _registration,
-  _scanner,
 )
 from kfac_jax import blocks as _blocks
 
@@ -270,10 +269,6 @@ def solve_quadratic_model(
   return alpha, mu, change
 
 
-def _read(atom, seen):
-  return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
-
-
 def _vdot(a, b) -> Array:
   """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params)."""
 
@@ -328,9 +323,10 @@ class Optimizer:
   Schedules are called with `state.step` (burn-in steps included).
 
   Cost of a step beyond the gradient: the sampled backward pass of the statistics (on curvature
-  steps), one linearised forward pass with two tangents when α or μ comes from the model (or, with
-  both fixed, only on damping-adaptation steps), and one forward pass for `h(θ + δ)` on
-  damping-adaptation steps. Burn-in steps compute the statistics only.
+  steps), two Jacobian-vector products through the gradient pass's own linearisation when α or
+  μ comes from the model (or, with both fixed, only on damping-adaptation steps), and one
+  forward pass for `h(θ + δ)` on damping-adaptation steps. Burn-in steps compute the statistics
+  only.
 
   Raises:
     TypeError: a hyperparameter of the wrong kind (a string, None or a bool for a number; a
@@ -510,30 +506,35 @@ class Optimizer:
   def _pmean(self, x):
     return x if self.axis_name is None else jax.lax.pmean(x, self.axis_name)
 
-  def _gram(self, reg: _scanner.Registration, leaves, batch_leaves, vecs, shift) -> Array:
-    """`C_ij = v_iᵀ (G + shift I) v_j` for the param-leaf lists `vecs`, by one vmapped jvp."""
-    watch = frozenset(a for ops in reg.loss_operands for a in ops if _graph.is_key(a))
+  def _gram(self, lin: _curvature.Linearisation, vecs, shift) -> Array:
+    """`C_ij = v_iᵀ (G + shift I) v_j` for the param-leaf lists `vecs`.
 
-    def predictions(p_leaves):
-      _, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, None, watch)
-      ops = [tuple(_read(a, seen) for a in o) for o in reg.loss_operands]
-      return [o[0] for o in ops], [o[1:] for o in ops]
-
-    preds, jvp_fn, others = jax.linearize(predictions, leaves, has_aux=True)
-    stacked = [jnp.stack(xs) for xs in zip(*vecs)]
-    jv = jax.vmap(jvp_fn)(stacked)  # per loss: [k, *prediction.shape]
+    The products `J v_i` are push-forwards through the step's own linearisation (no second
+    forward pass); `Gv` in output space is each loss tag's curvature product.
+    """
     k = len(vecs)
     dtype = self.estimator.config.inverse_dtype
-    c = jnp.zeros((k, k), dtype)
-    for spec, z, o, u in zip(reg.losses, preds, others, jv):
-      hu = jax.vmap(
-        lambda v, spec=spec, z=z, o=o: _losses.output_curvature_product(spec, (z, *o), v)
-      )(u)
-      c = c + u.reshape(k, -1).astype(dtype) @ hu.reshape(k, -1).astype(dtype).T
-    c = self._pmean(c)
-    flat = [jnp.concatenate([x.ravel().astype(dtype) for x in v]) for v in vecs]
-    c = c + shift * jnp.stack(flat) @ jnp.stack(flat).T
-    return 0.5 * (c + c.T)
+    jv = [lin.prediction_jvp(v) for v in vecs]  # per vector, per loss tag: [*prediction.shape]
+    rows = [[jnp.zeros([], dtype)] * k for _ in range(k)]
+    for t, (spec, z, o) in enumerate(zip(lin.reg.losses, lin.preds, lin.others)):
+      us = [jv[i][t] for i in range(k)]
+      hus = [_losses.output_curvature_product(spec, (z, *o), u) for u in us]
+      for i in range(k):
+        for j in range(i, k):
+          rows[i][j] = rows[i][j] + jnp.vdot(us[i].astype(dtype), hus[j].astype(dtype))
+    g = self._pmean(jnp.stack([jnp.stack(r) for r in rows]))
+    # The shift term from inner products of the (replicated) vectors: no concatenated copies.
+    d: list[list[Any]] = [[None] * k for _ in range(k)]
+    for i in range(k):
+      for j in range(i, k):
+        d[i][j] = sum(jnp.vdot(a.astype(dtype), b.astype(dtype)) for a, b in zip(vecs[i], vecs[j]))
+    c = jnp.stack(
+      [
+        jnp.stack([(g[min(i, j), max(i, j)] + shift * d[min(i, j)][max(i, j)]) for j in range(k)])
+        for i in range(k)
+      ]
+    )
+    return c.astype(dtype)
 
   def _update(self, params, state: OptimizerState, batch, rng):
     """The shared core: `(updates, new_state, info)`; `params + updates` are the new params."""
@@ -548,62 +549,40 @@ class Optimizer:
     k = state.step
     k_run = k - cfg.burn_in_steps  # Steps after burn-in (negative during it).
     in_burn = k_run < 0
+    old = state.curvature
 
     def loss_at(p_leaves):
       return reg.graph.evaluate(list(p_leaves) + batch_leaves)[0][0]
 
-    def loss_and_aux_at(p_leaves):  # With has_aux, the graph's further outputs are the aux.
-      outs = reg.graph.evaluate(list(p_leaves) + batch_leaves)[0]
-      return outs[0], est.loss_part.unflatten_aux(outs[1:])
+    # 1. One forward pass, linearised: the loss, its gradient, (on curvature steps) the
+    # statistics' pull-back and (step 4) the quadratic model's push-forwards all reuse it.
+    lin = _curvature.linearize(reg, params, batch)
+    aux = est.loss_part.unflatten_aux(lin.aux_leaves) if self.has_aux else None
+    loss, g_leaves = self._pmean((lin.loss, jax.tree_util.tree_leaves(lin.grads())))
 
-    # 1. Loss, gradient and (on curvature steps) the statistics, from one forward pass.
-    def with_stats(curv):
-      out = _curvature.compute(
-        reg,
-        params,
-        batch,
-        rng,
-        estimation_mode=cfg.estimation_mode,
-        num_samples=cfg.num_samples,
-        with_grads=True,
-        aux=est.loss_part if self.has_aux else None,
-      )
-      loss, aux, grads, stats = out if self.has_aux else (out[0], None, *out[1:])
-      curv = est.update_curvature_from_stats(curv, stats, cfg.ema_decay, self.axis_name)
-      return loss, aux, jax.tree_util.tree_leaves(grads), curv
+    def fold():
+      stats = lin.statistics(rng, estimation_mode=cfg.estimation_mode, num_samples=cfg.num_samples)
+      return est.update_curvature_from_stats(old, stats, cfg.ema_decay, self.axis_name)
 
-    def without_stats(curv):
-      if self.has_aux:
-        (loss, aux), g = jax.value_and_grad(loss_and_aux_at, has_aux=True)(leaves)
-      else:
-        (loss, g), aux = jax.value_and_grad(loss_at)(leaves), None
-      return loss, aux, list(g), curv
-
-    if self.curvature_every == 1:
-      loss, aux, g_leaves, curv = with_stats(state.curvature)
-    else:
-      curv_now = in_burn | (k_run % self.curvature_every == 0)
-      loss, aux, g_leaves, curv = jax.lax.cond(curv_now, with_stats, without_stats, state.curvature)
-    loss, g_leaves = self._pmean((loss, g_leaves))
+    curv_due = None if self.curvature_every == 1 else in_burn | (k_run % self.curvature_every == 0)
+    curv = _engine.fold_statistics(old, fold, curv_due)
     grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
     grad_h = (
       grads
       if eta == 0
       else jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
     )
+    finite_in = jnp.isfinite(loss) & _all_finite(g_leaves)
 
-    # 2. Damping and the periodic inverse update.
+    # 2. Damping and the periodic inverse update. Its predicate does not wait for the gradient
+    # (`finite_in`), so XLA may overlap the factorisations with the gradient's pull-back; a
+    # skipped step restores the old caches through the guard below.
     if self.use_adaptive_damping:
       lam = state.damping
     else:
       lam = _schedule_value(self.damping, k, sdtype)
     inv_now = (~in_burn) & (k_run % self.inverse_every == 0)
-    curv = jax.lax.cond(
-      inv_now,
-      lambda c: est.update_inverses(c, lam + eta, axis_name=self._cache_axis),
-      lambda c: c,
-      curv,
-    )
+    curv = _engine.refresh_inverses(est, curv, lam + eta, inv_now, axis_name=self._cache_axis)
 
     # 3.-5. Direction, α and μ, damping adaptation.
     nan = jnp.full([], jnp.nan, sdtype)
@@ -629,7 +608,7 @@ class Optimizer:
       shift = lam + eta
 
       def model(alpha, mu):
-        c = self._gram(reg, leaves, batch_leaves, vecs, shift)
+        c = self._gram(lin, vecs, shift)
         return solve_quadratic_model(c, b, alpha, mu)
 
       if need_model:
@@ -682,18 +661,31 @@ class Optimizer:
         lambda u, p: (u - wd.astype(p.dtype) * p).astype(p.dtype), update, params
       )
 
-    # A non-finite loss, gradient or update: nothing changes but the skip counter.
-    ok = jnp.isfinite(loss) & _all_finite(g_leaves) & _all_finite(update)
+    # A non-finite loss, gradient or update: nothing changes but the skip counter. One cond
+    # on the scalar verdict picks the new or the old value of what this step changed.
+    ok = finite_in & _all_finite(update)
+    new_lam = jnp.asarray(new_lam, sdtype)
+    changed: tuple[Any, ...] = (curv.factors, curv.ema_weight, curv.skipped_batches, curv.cache)
+    changed += (curv.failed_inverses, velocity, new_lam, rho)
+    kept: tuple[Any, ...] = (old.factors, old.ema_weight, old.skipped_batches, old.cache)
+    kept += (old.failed_inverses, state.velocity, state.damping, state.rho)
+    factors, weight, skipped_batches, cache, failed, velocity, new_lam, rho = _engine.keep_if(
+      ok, changed, kept
+    )
     new_state = OptimizerState(
-      step=k + 1,
-      skipped=state.skipped,
-      curvature=curv,
-      damping=jnp.asarray(new_lam, sdtype),
+      step=k + ok.astype(k.dtype),
+      skipped=state.skipped + (~ok).astype(state.skipped.dtype),
+      curvature=old._replace(
+        factors=factors,
+        ema_weight=weight,
+        skipped_batches=skipped_batches,
+        cache=cache,
+        failed_inverses=failed,
+      ),
+      damping=new_lam,
       rho=rho,
       velocity=velocity,
     )
-    new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, state)
-    new_state = new_state._replace(skipped=state.skipped + (~ok).astype(state.skipped.dtype))
     update = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), update)
     info = {
       "loss": loss,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _curvature, _estimator, _layer_config, _registration
+from kfac_jax import _checks, _curvature, _engine, _estimator, _layer_config, _registration
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -268,36 +268,29 @@ class _Preconditioner:
       return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
 
     every = self.curvature_every
-    if isinstance(every, int) and every == 1:
-      curv = fold()
-    else:
-      # Statistics only on due updates; the other branch leaves the state untouched. The
-      # caches, which the fold never changes, stay out of the branch (no copy of them).
-      def statistics(c):
-        return c.factors, c.ema_weight, c.skipped_batches
-
-      factors, weight, skipped_batches = jax.lax.cond(
-        count % jnp.asarray(every, count.dtype) == 0,
-        lambda: statistics(fold()),
-        lambda: statistics(old),
-      )
-      curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped_batches)
+    # Statistics only on due updates (computed inside the branch when the transform computes
+    # them itself); the caches, which the fold never changes, stay out of the branch.
+    due = (
+      None
+      if isinstance(every, int) and every == 1
+      else count % jnp.asarray(every, count.dtype) == 0
+    )
+    curv = _engine.fold_statistics(old, fold, due)
     if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
       ok = ok & (curv.skipped_batches == old.skipped_batches)
 
     lam = self.damping(count) if callable(self.damping) else self.damping
 
-    # Only the cache goes through the branch: passing the whole state would make XLA copy
-    # every factor matrix in and out of the conditional. A skipped update does no refresh.
-    def refresh():
-      new = est.update_inverses(curv, lam, axis_name=self.axis_name, mesh=self.inverse_mesh)
-      return new.cache, new.failed_inverses
-
+    # Only the cache goes through the branch. A skipped update does no refresh.
     due = count % jnp.asarray(self.inverse_every, count.dtype) == 0
-    cache, failed = jax.lax.cond(
-      due if ok is None else due & ok, refresh, lambda: (curv.cache, curv.failed_inverses)
+    curv = _engine.refresh_inverses(
+      est,
+      curv,
+      lam,
+      due if ok is None else due & ok,
+      axis_name=self.axis_name,
+      mesh=self.inverse_mesh,
     )
-    curv = curv._replace(cache=cache, failed_inverses=failed)
     pre = est.multiply_matpower(curv, updates, -1, axis_name=self.axis_name, mesh=self.inverse_mesh)
     pre = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, updates)
     if ok is None:
@@ -337,7 +330,7 @@ class _Preconditioner:
       out, new_finish = finish(pre, finish_state, ok)
     changed = (curv.factors, curv.ema_weight, curv.cache, curv.failed_inverses, new_finish)
     kept = (old.factors, old.ema_weight, old.cache, old.failed_inverses, finish_state)
-    factors, weight, cache, failed, new_finish = jax.lax.cond(ok, lambda: changed, lambda: kept)
+    factors, weight, cache, failed, new_finish = _engine.keep_if(ok, changed, kept)
     curv = curv._replace(factors=factors, ema_weight=weight, cache=cache, failed_inverses=failed)
     new_state = ScaleByKfacState(
       count=count + ok.astype(count.dtype),

@@ -106,6 +106,62 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   assert abs(x[1]) > 1e-3  # The momentum term really is used.
 
 
+def test_one_linearisation_two_heads_aux_and_rho(x64):
+  """The step's single linearisation serves the gradient, the model's J v products and the aux,
+  with two loss tags: α, μ, M(δ) and ρ equal the exact float64 values (jax.jacobian/hessian
+  of the two heads, the loss re-evaluated at θ + δ)."""
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
+  params = {
+    "h": {"w": jax.random.normal(k1, (4, 5), jnp.float64) / 2, "b": jnp.zeros(5, jnp.float64)},
+    "c": {"w": jax.random.normal(k2, (5, 3), jnp.float64) / 2},
+    "r": {"w": jax.random.normal(k3, (5, 2), jnp.float64) / 2},
+  }
+  batch = _models.classification_batch(k4, n=12, din=4, classes=3, dtype=jnp.float64)
+  batch["t"] = jnp.sin(batch["x"][:, :2])
+
+  def heads(p, x):
+    h = jnp.tanh(x @ p["h"]["w"] + p["h"]["b"])
+    return h @ p["c"]["w"], h @ p["r"]["w"]
+
+  def loss_of(z1, z2, b):
+    ce = optax.softmax_cross_entropy_with_integer_labels(z1, b["y"]).mean()
+    return ce + ((z2 - b["t"]) ** 2).sum(-1).mean()
+
+  def loss_fn(p, b):
+    z1, z2 = heads(p, b["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(z1, b["y"])
+    kfac_jax.register_squared_error_loss(z2, b["t"])
+    return loss_of(z1, z2, b), {"z2_mean": z2.mean()}
+
+  lam = 0.2
+  cfg = kfac_jax.OptimizerConfig(damping_adaptation_interval=1)
+  opt = kfac_jax.Optimizer(loss_fn, batch, has_aux=True, damping=lam, inverse_every=1, config=cfg)
+  (p0, _, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
+  np.testing.assert_allclose(i1["aux"]["z2_mean"], heads(p1, batch["x"])[1].mean(), rtol=1e-12)
+
+  flat1, unravel = ravel_pytree(p1)
+  jac = jax.jacobian(lambda f: jnp.concatenate([z.ravel() for z in heads(unravel(f), batch["x"])]))
+  j = jac(flat1)
+  z1, z2 = heads(p1, batch["x"])
+  split = z1.size
+  hz = jax.hessian(
+    lambda z: loss_of(z[:split].reshape(z1.shape), z[split:].reshape(z2.shape), batch)
+  )(jnp.concatenate([z1.ravel(), z2.ravel()]))
+  g_hat = j.T @ hz @ j + float(s1.damping) * np.eye(flat1.size)
+  g1 = jax.grad(lambda f: loss_fn(unravel(f), batch)[0])(flat1)
+  delta = -ravel_pytree(opt.estimator.multiply_inverse(s2.curvature, unravel(g1)))[0]
+  v = np.stack([delta, ravel_pytree(s1.velocity)[0]])
+  c, b = v @ g_hat @ v.T, v @ g1
+  x = np.linalg.solve(c, -b)
+  model = b @ x + 0.5 * x @ c @ x
+  np.testing.assert_allclose([i1["learning_rate"], i1["momentum"]], x, rtol=1e-7)
+  np.testing.assert_allclose(i1["quad_model_change"], model, rtol=1e-7)
+  np.testing.assert_allclose(ravel_pytree(p2)[0], flat1 + x @ v, rtol=1e-9, atol=1e-12)
+  h = lambda q: float(loss_fn(q, batch)[0])  # noqa: E731
+  np.testing.assert_allclose(i1["rho"], (h(p2) - h(p1)) / model, rtol=1e-6)
+  assert abs(x[1]) > 1e-3 and int(s2.skipped) == 0
+
+
 def test_solve_quadratic_model_variants(x64):
   c = jnp.array([[2.0, 0.5], [0.5, 1.0]])
   b = jnp.array([-1.0, 0.3])
