@@ -615,7 +615,7 @@ def test_race_quick(tmp_path):
       "--budget",
       "0.5",
       "--adam-lrs",
-      "1e-3,3e-3",
+      "1e-3",
       "--muon-lrs",
       "0.02",
       "--no-sgd",
