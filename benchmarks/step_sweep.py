@@ -29,16 +29,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-from benchmarks import autoencoder, cnn, families, transformer  # noqa: E402
+from benchmarks import race  # noqa: E402
 from examples import autoencoder as ae  # noqa: E402
 
-WORKLOADS = {
-  "autoencoder": autoencoder,
-  "cnn": cnn,
-  "transformer": transformer,
-  "vit": families.VIT,
-  "rnn": families.RNN,
-}
+WORKLOADS = race.WORKLOADS
 
 
 def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
