@@ -474,7 +474,7 @@ def value_and_grad(
     if shared is not None:
       shared.check_params(params)
       return shared
-    key = (_registration._avals(params), _registration._avals(batch))
+    key = (_registration.avals(params), _registration.avals(batch))
     if key not in own:
       if len(own) >= 8:
         own.pop(next(iter(own)))

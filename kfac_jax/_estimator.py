@@ -80,7 +80,7 @@ def check_damping(value, name: str = "damping") -> None:
   _checks.number(value, name, low=0.0, schedule=True)
 
 
-def _all_finite(tree) -> Array:
+def all_finite(tree) -> Array:
   """True when every entry of every leaf is finite.
 
   Tested through each leaf's sum, which is finite exactly when no entry is NaN or ±Inf (barring
@@ -262,7 +262,7 @@ class CurvatureEstimator:
       inverse_dtype=resolve_dtype(inverse_dtype, "inverse_dtype"),
     )
     self._registration: _registration.Registration | None = None
-    self._who = "this estimator"  # How errors name the consumer of the statistics.
+    self.who = "this estimator"  # How errors name the consumer of the statistics.
     self._layers: tuple[_scanner.LayerSpec, ...] | None = None
     self._blocks: tuple[_blocks.Block, ...] = ()
     self._names: tuple[str, ...] = ()
@@ -304,13 +304,13 @@ class CurvatureEstimator:
     self._blocks = blocks
     self._param_sig = reg.param_signature
 
-  def _scan(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.Registration:
+  def scan_batch(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.Registration:
     """The evaluation graph of `loss_fn(params, batch)`, scanned once per batch signature by
     the registration (`warn` and `axis_name` are kept for callers; the registration decides)."""
     del warn, axis_name
     return self.registration.scan_batch(params, batch)
 
-  def _ensure_layers(self, params, axis_name=None) -> None:
+  def ensure_layers(self, params, axis_name=None) -> None:
     """Registers `loss_fn` with `example_batch` the first time; checks `params` later."""
     if self._registration is None:
       assert self.loss_fn is not None  # checked in __init__ (a registration or a loss_fn)
@@ -378,7 +378,7 @@ class CurvatureEstimator:
     model whose collectives name it (e.g. `BatchNorm(axis_name=...)`) when `init` runs
     outside pmap / shard_map.
     """
-    self._ensure_layers(params, axis_name)
+    self.ensure_layers(params, axis_name)
     cache: BlockCaches | _parallel.ShardedCache
     if self.inverse_storage == "sharded":
       cache = self.sharded_storage.init_cache(axis_name, mesh)
@@ -394,9 +394,9 @@ class CurvatureEstimator:
 
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
-    self._ensure_layers(params)
+    self.ensure_layers(params)
     _, _, stats = _curvature.compute(
-      self._scan(params, batch),
+      self.scan_batch(params, batch),
       params,
       batch,
       rng,
@@ -408,7 +408,7 @@ class CurvatureEstimator:
     )
     return stats
 
-  def _check_layers(self, reg: _scanner.Registration) -> None:
+  def check_layers(self, reg: _scanner.Registration) -> None:
     """The layers found for a batch must be those of `example_batch` (see `Registration`)."""
     self.registration.check_scan(reg)
 
@@ -454,7 +454,7 @@ class CurvatureEstimator:
       self._check_layer_shapes(
         stats.layer_names, stats.layer_shapes, stats.batch_size, kinds_only=True
       )
-    self._registration.check_stats(stats, self._who)
+    self._registration.check_stats(stats, self.who)
 
     def one(n, b, d):
       if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
@@ -497,7 +497,7 @@ class CurvatureEstimator:
 
     # Tested in `stats_dtype`, so a statistic that overflows it (float16) skips the batch too.
     stored = self.config.stats_dtype
-    ok = _all_finite(jax.tree_util.tree_map(lambda x: x.astype(stored), new))
+    ok = all_finite(jax.tree_util.tree_map(lambda x: x.astype(stored), new))
     # A select on the scalar flag (`lax.cond`) rather than an elementwise `where` over every
     # factor: same result, half the XLA compile time of this function. The average is computed
     # inside the taken branch, so it writes straight into the new state's buffers (computed
@@ -551,7 +551,7 @@ class CurvatureEstimator:
     damping = jnp.asarray(damping, self.config.inverse_dtype)
     if self.inverse_storage == "sharded":
       cache, failed = self.sharded_storage.update_inverses(
-        state.cache, self._by_block(state.factors), damping, axis_name, mesh, _all_finite
+        state.cache, self._by_block(state.factors), damping, axis_name, mesh, all_finite
       )
       return state._replace(cache=cache, failed_inverses=state.failed_inverses + failed)
     if axis_name is None and mesh is None:
@@ -574,7 +574,7 @@ class CurvatureEstimator:
     for n in self._names:
       # A select on the scalar flag: an elementwise `where` fused with the factorisations
       # costs several times more XLA compile time.
-      ok = _all_finite(new[n])
+      ok = all_finite(new[n])
       cache[n] = jax.lax.cond(ok, lambda n=n: new[n], lambda n=n: state.cache[n])
       failed = failed + (~ok).astype(jnp.int32)
     return state._replace(cache=cache, failed_inverses=failed)

@@ -281,8 +281,8 @@ def _vdot(a, b) -> Array:
   )
 
 
-def _all_finite(tree) -> Array:
-  return _estimator._all_finite(tree)
+def all_finite(tree) -> Array:
+  return _estimator.all_finite(tree)
 
 
 def _schedule_value(value, count, dtype):
@@ -455,7 +455,7 @@ class Optimizer:
       inverse_storage=config.inverse_storage,
       **({} if reg is not None else settings),  # type: ignore[arg-type]  # the keyword arguments above, checked
     )
-    self.estimator._who = "this Optimizer"
+    self.estimator.who = "this Optimizer"
     # The axis the estimator's caches are split over (sharded storage only).
     self._cache_axis = axis_name if config.inverse_storage == "sharded" else None
 
@@ -539,9 +539,9 @@ class Optimizer:
   def _update(self, params, state: OptimizerState, batch, rng):
     """The shared core: `(updates, new_state, info)`; `params + updates` are the new params."""
     est, cfg = self.estimator, self.config
-    est._ensure_layers(params)
-    reg = est._scan(params, batch, warn=False)
-    est._check_layers(reg)
+    est.ensure_layers(params)
+    reg = est.scan_batch(params, batch, warn=False)
+    est.check_layers(reg)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     sdtype = est.config.inverse_dtype
@@ -572,7 +572,7 @@ class Optimizer:
       if eta == 0
       else jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
     )
-    finite_in = jnp.isfinite(loss) & _all_finite(g_leaves)
+    finite_in = jnp.isfinite(loss) & all_finite(g_leaves)
 
     # 2. Damping and the periodic inverse update. Its predicate does not wait for the gradient
     # (`finite_in`), so XLA may overlap the factorisations with the gradient's pull-back; a
@@ -663,7 +663,7 @@ class Optimizer:
 
     # A non-finite loss, gradient or update: nothing changes but the skip counter. One cond
     # on the scalar verdict picks the new or the old value of what this step changed.
-    ok = finite_in & _all_finite(update)
+    ok = finite_in & all_finite(update)
     new_lam = jnp.asarray(new_lam, sdtype)
     changed: tuple[Any, ...] = (curv.factors, curv.ema_weight, curv.skipped_batches, curv.cache)
     changed += (curv.failed_inverses, velocity, new_lam, rho)

@@ -121,7 +121,7 @@ def mismatch_message(got: StatsKey, want: StatsKey, who: str) -> str:
   return " ".join(parts) + f" (statistics fingerprint {got.digest}, expected {want.digest}.)" + fix
 
 
-def _avals(tree) -> tuple:
+def avals(tree) -> tuple:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   return treedef, tuple(jax.typeof(x) for x in leaves)
 
@@ -290,7 +290,7 @@ class Registration:
     set_(self, "_scans", {})
     set_(self, "_block_sets", {})
     if not stand_in and not _has_tracer_consts(scan):
-      self._scans[(env, _avals(params), _avals(example_batch))] = (scan, part.aux_tree)
+      self._scans[(env, avals(params), avals(example_batch))] = (scan, part.aux_tree)
 
   def __setattr__(self, name, value):
     raise dataclasses.FrozenInstanceError(
@@ -361,7 +361,7 @@ class Registration:
     naming it).
     """
     env = _compat.axis_env_key()
-    key = None if env is None else (env, _avals(params), _avals(batch))
+    key = None if env is None else (env, avals(params), avals(batch))
     hit = self._scans.get(key) if key is not None else None
     if hit is not None:
       scan, aux_tree = hit

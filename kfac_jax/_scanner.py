@@ -294,7 +294,7 @@ class _Scanner:
   def _accept(self, match: _matchers.Match, claimed, approx=None, source="auto"):
     """`(spec, output key(s), inputs)` of a match, its leaves claimed."""
     spec, outs, ins = self._spec_of(match, approx, source)
-    self._claim(claimed, match.leaves, spec.name)
+    self.claim(claimed, match.leaves, spec.name)
     return spec, outs, ins
 
   def _spec_of(self, match: _matchers.Match, approx=None, source="auto"):
@@ -374,7 +374,7 @@ class _Scanner:
         leaves.extend(view.leaves if view is not None else (j,))
       paths = tuple(self.ix.paths[j] for j in leaves)
       name = common_prefix(paths)
-      self._claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
+      self.claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
       out.append(
         (
           dataclasses.replace(
@@ -394,7 +394,7 @@ class _Scanner:
 
   # -- manual tags -----------------------------------------------------------------------------
 
-  def _claim(self, claimed, leaves, name):
+  def claim(self, claimed, leaves, name):
     for j in leaves:
       if j in claimed:
         msg = (
@@ -467,7 +467,7 @@ class _Scanner:
           claimed.pop(j, None)
       leaves = sorted(leaves)
       spec = self._generic_spec(tuple(leaves), approx, "linked")
-      self._claim(claimed, leaves, spec.name)
+      self.claim(claimed, leaves, spec.name)
       specs = kept + [(spec, None, None)]
     return specs
 
@@ -496,7 +496,7 @@ class _Scanner:
     if kind == "generic":
       approx = self._check_approx("generic", approx, paths)
       spec = self._generic_spec(match.leaves, approx, "manual")
-      self._claim(claimed, match.leaves, spec.name)
+      self.claim(claimed, match.leaves, spec.name)
       return spec, None, None
     if kind == "dense":
       (info,), (y,), (inputs,) = match.infos, match.outputs, match.inputs
@@ -512,7 +512,7 @@ class _Scanner:
         "remove the tag so that the scanner registers the uses together as one "
         "shared layer, or cover the parameter with register_generic",
       )
-    self._claim(claimed, match.leaves, spec.name)
+    self.claim(claimed, match.leaves, spec.name)
     return spec, y, inputs
 
   def _manual_dense_layer(self, k_leaf, tags, claimed):

@@ -139,7 +139,7 @@ def merge(sc, specs, claimed):
       for j in e[0].leaf_indices:
         claimed.pop(j, None)
     spec = stack_spec(ix, entries[0][0], reals, size)
-    sc._claim(claimed, list(reals), spec.name)
+    sc.claim(claimed, list(reals), spec.name)
     kept.append((spec, tuple(e[1] for e in entries), tuple(e[2] for e in entries)))
   for entry in failed:  # Its real leaves stay unclaimed: the generic fallback (with a warning).
     for j in entry[0].leaf_indices:

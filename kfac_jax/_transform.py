@@ -205,7 +205,7 @@ class _Preconditioner:
       inverse_storage=inverse_storage,
       **settings,
     )
-    self.est._who = f"this {name} transform"
+    self.est.who = f"this {name} transform"
     self.damping = damping
     self.ema_decay = ema_decay
     self.inverse_every = inverse_every
@@ -252,14 +252,14 @@ class _Preconditioner:
         f"{self.name}: `state` must be the ScaleByKfacState from this "
         f"transform's init, got {type(state).__name__}."
       )
-    est._ensure_layers(params)
+    est.ensure_layers(params)
     if curvature_stats is None and batch is None:
       raise ValueError(
         f"{self.name}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
         "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
       )
     count, old = state.count, state.curvature
-    ok = _estimator._all_finite(updates) if self.skip_nonfinite else None
+    ok = _estimator.all_finite(updates) if self.skip_nonfinite else None
 
     def fold():
       stats = (
@@ -318,7 +318,7 @@ class _Preconditioner:
     # Measured (kfac, momentum, 256-384-384-10 MLP, batch 256, 2 shared CPU cores): median
     # step without an inverse refresh 8.2-11.6 ms with the guard off, 8.7-9.3 ms on; within
     # the noise of that machine. Skipped updates also skip the inverse refresh.
-    ok = ok & _estimator._all_finite(pre)
+    ok = ok & _estimator.all_finite(pre)
     if finish_ok is not None:
       ok = ok & finish_ok
     if finish is None:
