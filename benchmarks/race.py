@@ -87,6 +87,47 @@ def _floats(p, flag: str, text: str) -> list[float]:
   return out
 
 
+CONFIG_KEYS = ("curvature_every", "inverse_every", "conv", "dense")
+
+
+def parse_kfac_config(text: str) -> dict:
+  """`lr:momentum:damping:clip[:key=value...]` as keyword arguments of `kfac_jax.kfac`.
+
+  `clip` is `norm_constraint` (0: none), momentum 0 is none; the optional settings are
+  `curvature_every=`, `inverse_every=` (ints) and `conv=` / `dense=` (the approximation of those
+  layer kinds, a `LayerConfig` default). Raises ValueError naming the entry.
+  """
+  parts = text.split(":")
+  try:
+    lr, momentum, damping, clip = (float(v) for v in parts[:4])
+  except ValueError:
+    raise ValueError(
+      f"each entry is lr:momentum:damping:clip[:key=value...], got {text!r}"
+    ) from None
+  if not (lr > 0 and damping > 0 and 0 <= momentum < 1 and clip >= 0):
+    raise ValueError(f"need lr > 0, damping > 0, 0 <= momentum < 1, clip >= 0; got {text!r}")
+  out: dict = {"learning_rate": lr, "momentum": momentum, "damping": damping}
+  if clip > 0:
+    out["norm_constraint"] = clip
+  approx = {}
+  for item in parts[4:]:
+    key, sep, value = item.partition("=")
+    if not sep or key not in CONFIG_KEYS:
+      raise ValueError(f"unknown setting {item!r} in {text!r}; keys: {', '.join(CONFIG_KEYS)}")
+    if key in ("conv", "dense"):
+      approx[key] = value
+    else:
+      try:
+        out[key] = int(value)
+      except ValueError:
+        raise ValueError(f"{key} must be an int, got {value!r} in {text!r}") from None
+      if out[key] < 1:
+        raise ValueError(f"{key} must be >= 1, got {value!r} in {text!r}")
+  if approx:
+    out["layers"] = kfac_jax.LayerConfig(defaults=approx)
+  return out
+
+
 def parse_args(argv=None):
   """The race's own flags; every other flag goes to the workload's parser (see its --help)."""
   p = argparse.ArgumentParser(
@@ -128,8 +169,10 @@ def parse_args(argv=None):
   p.add_argument(
     "--kfac-configs",
     default="",
-    help="more kfac transform contestants, comma-separated lr:momentum:damping:clip "
-    "(clip: norm_constraint, 0 for none; momentum 0 for none)",
+    help="more kfac transform contestants, comma-separated lr:momentum:damping:clip, each "
+    "optionally followed by :key=value settings (clip: norm_constraint, 0 for none; momentum 0 "
+    "for none; keys: " + ", ".join(CONFIG_KEYS) + "), e.g. 1:0.7:0.1:0.01:curvature_every=5:"
+    "conv=kron_sua",
   )
   p.add_argument(
     "--data-steps",
@@ -171,14 +214,9 @@ def parse_args(argv=None):
   args.kfac_config_list = []
   for text in (c.strip() for c in args.kfac_configs.split(",") if c.strip()):
     try:
-      lr, momentum, damping, clip = (float(v) for v in text.split(":"))
-    except ValueError:
-      p.error(f"--kfac-configs: each entry is lr:momentum:damping:clip, got {text!r}")
-    if not (lr > 0 and damping > 0 and 0 <= momentum < 1 and clip >= 0):
-      p.error(
-        f"--kfac-configs: need lr > 0, damping > 0, 0 <= momentum < 1, clip >= 0; got {text!r}"
-      )
-    args.kfac_config_list.append((lr, momentum, damping, clip))
+      args.kfac_config_list.append((text, parse_kfac_config(text)))
+    except ValueError as e:
+      p.error(f"--kfac-configs: {e}")
   muon = MUON_LRS[args.workload] if args.muon_lrs is None else args.muon_lrs
   args.muon_lr_grid = _floats(p, "--muon-lrs", muon) if muon.strip() else []
   args.sweep_lr_grid = _floats(p, "--sweep-lrs", args.sweep_lrs)
@@ -270,15 +308,10 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
       )
     else:
       print("kfac_jax.kfac has no norm_constraint: that contestant is skipped", flush=True)
-  for lr, momentum, damping, clip in args.kfac_config_list:
-    extra = {"norm_constraint": clip} if clip > 0 else {}
+  for text, config in args.kfac_config_list:
     out.append(
       _harness.kfac_transform(
-        loss_fn,
-        example,
-        name=f"kfac_jax (optax) {lr:g}:{momentum:g}:{damping:g}:{clip:g}",
-        **dict(common, learning_rate=lr, momentum=momentum, damping=damping),
-        **extra,
+        loss_fn, example, name=f"kfac_jax (optax) {text}", **dict(common, **config)
       )
     )
   if args.ekfac:

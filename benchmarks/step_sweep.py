@@ -5,8 +5,9 @@ machine. This sweep measures only what a step achieves, so it is valid on a busy
 the race's workloads, every configuration trains `--steps` steps from the same initial
 parameters on the same minibatches, and the table lists its evaluation loss (NaN: diverged),
 beside Adam over its grid as the reference. A configuration is `lr:momentum:damping:clip`
-(`clip` is `norm_constraint`, 0 for none; momentum 0 for none); the literal `defaults` is
-`kfac_jax.kfac` with only `--default-lr` given.
+(`clip` is `norm_constraint`, 0 for none; momentum 0 for none), optionally followed by
+`:curvature_every=k`, `:inverse_every=k`, `:conv=<approx>`, `:dense=<approx>`; the literal
+`defaults` is `kfac_jax.kfac` with only `--default-lr` given.
 
     python benchmarks/step_sweep.py --workload autoencoder --steps 300 \
         --configs 0.2:0.9:30:0,0.3:0.7:0.1:0.01,defaults
@@ -35,10 +36,20 @@ from examples import autoencoder as ae  # noqa: E402
 WORKLOADS = race.WORKLOADS
 
 
-def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
-  """`steps` jitted steps; the final parameters, or None once the loss is not finite."""
+def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool, curvature_every: int = 1):
+  """`steps` jitted steps; the final parameters, or None once the loss is not finite. K-FAC
+  with `curvature_every` > 1 takes the statistics from `batch=` on due steps only."""
 
-  step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
+  if kfac and curvature_every > 1:
+
+    def kfac_step(params, state, batch, rng):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch, rng=rng)
+      return optax.apply_updates(params, updates), state, loss
+
+    step = jax.jit(kfac_step)
+  else:
+    step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
   state = tx.init(params)
   rng = jax.random.key(0)
   for t in range(steps):
@@ -50,17 +61,12 @@ def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
 
 
 def _kfac(loss_fn, example, config: str, default_lr: float):
+  """The transform of a configuration (see `race.parse_kfac_config`) and its curvature_every."""
   if config == "defaults":
-    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr)
-  lr, momentum, damping, clip = (float(v) for v in config.split(":"))
-  return kfac_jax.kfac(
-    loss_fn,
-    example,
-    learning_rate=lr,
-    momentum=momentum or None,
-    damping=damping,
-    norm_constraint=clip or None,
-  )
+    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr), 1
+  kwargs = race.parse_kfac_config(config)
+  kwargs["momentum"] = kwargs["momentum"] or None
+  return kfac_jax.kfac(loss_fn, example, **kwargs), kwargs.get("curvature_every", 1)
 
 
 def main(argv=None) -> int:
@@ -68,7 +74,10 @@ def main(argv=None) -> int:
   p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
   p.add_argument("--steps", type=int, default=300)
   p.add_argument(
-    "--configs", required=True, help="comma-separated lr:momentum:damping:clip, or 'defaults'"
+    "--configs",
+    required=True,
+    help="comma-separated lr:momentum:damping:clip[:key=value...] (see race.py "
+    "--kfac-configs), or 'defaults'",
   )
   p.add_argument(
     "--default-lr",
@@ -96,8 +105,10 @@ def main(argv=None) -> int:
     rows.append((f"Adam lr={lr:g}", math.nan if final is None else workload.eval_fn(final)))
     print(rows[-1], flush=True)
   for config in args.configs.split(","):
-    tx = _kfac(loss_fn, example, config.strip(), args.default_lr)
-    final = _train(loss_fn, tx, params0, workload.batch_at, args.steps, kfac=True)
+    tx, every = _kfac(loss_fn, example, config.strip(), args.default_lr)
+    final = _train(
+      loss_fn, tx, params0, workload.batch_at, args.steps, kfac=True, curvature_every=every
+    )
     rows.append((f"kfac {config.strip()}", math.nan if final is None else workload.eval_fn(final)))
     print(rows[-1], flush=True)
 

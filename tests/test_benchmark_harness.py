@@ -720,3 +720,51 @@ def test_family_flags_are_named(capsys):
   with pytest.raises(SystemExit):
     families.RNN.parse_args(["--with-upstream"])
   assert "no upstream kfac-jax version" in capsys.readouterr().err
+
+
+def test_kfac_config_parser():
+  """`--kfac-configs` entries: four numbers, then optional named settings; bad ones name
+  themselves."""
+  from benchmarks import race
+
+  assert race.parse_kfac_config("0.3:0.7:0.1:0") == {
+    "learning_rate": 0.3,
+    "momentum": 0.7,
+    "damping": 0.1,
+  }
+  cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")
+  layers = cfg.pop("layers")
+  assert cfg == {
+    "learning_rate": 1.0,
+    "momentum": 0.0,
+    "damping": 0.1,
+    "norm_constraint": 0.01,
+    "curvature_every": 5,
+    "inverse_every": 10,
+  }
+  assert dict(layers.defaults) == {"conv": "kron_sua"}
+  for bad, match in [
+    ("0.3:0.7:0.1", "lr:momentum:damping:clip"),
+    ("0.3:0.7:0:0", "damping > 0"),
+    ("0.3:0.7:0.1:0:every=5", "unknown setting 'every=5'"),
+    ("0.3:0.7:0.1:0:curvature_every=x", "curvature_every must be an int, got 'x'"),
+    ("0.3:0.7:0.1:0:inverse_every=0", "inverse_every must be >= 1"),
+  ]:
+    with pytest.raises(ValueError, match=re.escape(match)):
+      race.parse_kfac_config(bad)
+
+
+def test_zoo_defaults_smoke(capsys):
+  """benchmarks/zoo_defaults.py trains a zoo model on `kfac`'s defaults and reports the ratio."""
+  from benchmarks import zoo_defaults
+
+  assert zoo_defaults.main(["--steps", "3", "--lrs", "0.3", "--models", "vae"]) == 0
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith("| vae |")]
+  assert len(rows) == 1, out
+  for row in rows:
+    ratio = float(row.split("|")[2].split()[0])
+    assert 0 < ratio < 1, row
+  assert "diverged: none" in out
+  with pytest.raises(SystemExit):
+    zoo_defaults.main(["--models", "no_such_model"])

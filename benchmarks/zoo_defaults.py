@@ -1,0 +1,114 @@
+"""`kfac_jax.kfac` on its defaults over every model of the zoo: does it ever diverge?
+
+Issue 14's target: the transform on its documented defaults, with a learning rate picked from
+the README's short list (0.1, 0.3, 1), never diverges to NaN on the zoo models. For every model
+of `tests/_zoo.py` (MODELS in linen and nnx, and STRUCTURE_MODELS: Haiku, equinox, the LSTM,
+MoE, VAE, BatchNorm ResNets, ...) and every learning rate of `--lrs` (default: the README's
+three and 3, one step beyond), this trains `--steps` jitted steps on the model's fixed batch
+from its initial parameters, with `kfac_jax.kfac(loss_fn, batch, learning_rate=lr)` and
+nothing else set, and reports the loss after the steps over the initial loss, and how many
+updates the transform's guard skipped as non-finite (`skipped`; skipped updates leave the
+parameters as they were, so a row can be finite and still have stalled). A row is "diverged"
+when the final loss or any parameter is not finite, or the loss ended above where it started.
+Timing-free: valid on a busy machine. Prints a Markdown table; exit status 1 if any row
+diverged.
+
+    python benchmarks/zoo_defaults.py                      # 200 steps, lr 0.1, 0.3, 1, 3
+    python benchmarks/zoo_defaults.py --steps 50 --lrs 0.3 --models mlp,vae
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax  # noqa: E402
+from tests import _zoo  # noqa: E402
+
+
+def _models(names: set[str] | None):
+  """(label, () -> Zoo) for every zoo model (both flavours of the two-flavour ones)."""
+  for name, make in sorted(_zoo.MODELS.items()):
+    for flavour in ("linen", "nnx"):
+      if names is None or name in names:
+        yield f"{name} ({flavour})", lambda make=make, flavour=flavour: make(flavour)
+  for name, make in sorted(_zoo.STRUCTURE_MODELS.items()):
+    if names is None or name in names:
+      yield name, make
+
+
+def train(z: _zoo.Zoo, lr: float, steps: int) -> dict:
+  """`steps` steps of `kfac(loss_fn, batch, learning_rate=lr)` on the model's own batch."""
+  tx = kfac_jax.kfac(z.loss_fn, z.batch, learning_rate=lr, has_aux=z.has_aux)
+
+  @jax.jit
+  def step(params, state, batch, rng):
+    out, grads, stats = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    loss, batch = (out[0], dict(batch, state=out[1])) if z.has_aux else (out, batch)
+    return optax.apply_updates(params, updates), state, batch, loss
+
+  params, batch, state = z.params, z.batch, jax.jit(tx.init)(z.params)
+  losses = []
+  for i in range(steps + 1):  # The last step's loss is the loss after `steps` updates.
+    params, state, batch, loss = step(params, state, batch, _zoo._key(i))
+    losses.append(float(loss))
+  finite = all(bool(np.all(np.isfinite(p))) for p in jax.tree_util.tree_leaves(params))
+  return {
+    "first": losses[0],
+    "last": losses[-1],
+    "skipped": int(optax.tree_utils.tree_get(state, "skipped")),
+    "diverged": not (finite and math.isfinite(losses[-1]) and losses[-1] <= losses[0]),
+  }
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--lrs", default="0.1,0.3,1,3", help="comma-separated learning rates")
+  p.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
+  args = p.parse_args(argv)
+  try:
+    lrs = [float(v) for v in args.lrs.split(",")]
+  except ValueError:
+    p.error(f"--lrs must be comma-separated numbers, got {args.lrs!r}")
+  if args.steps < 1 or not lrs or min(lrs) <= 0:
+    p.error(f"--steps must be >= 1 and every --lrs entry > 0, got {args.steps}, {args.lrs!r}")
+  names = set(args.models.split(",")) if args.models else None
+  known = set(_zoo.MODELS) | set(_zoo.STRUCTURE_MODELS)
+  if names is not None and names - known:
+    p.error(f"--models: unknown {sorted(names - known)}; known: {sorted(known)}")
+
+  print(f"`kfac_jax.kfac` defaults, {args.steps} steps on each model's fixed batch")
+  print("final loss / initial loss per learning rate (skipped updates in brackets; ✗ diverged)\n")
+  print("| model | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |")
+  print("|---|" + "---:|" * len(lrs))
+  diverged = []
+  for label, make in _models(names):
+    cells = []
+    for lr in lrs:
+      r = train(make(), lr, args.steps)
+      ratio = r["last"] / r["first"] if r["first"] else math.nan
+      cell = f"{ratio:.3g}" + (f" [{r['skipped']}]" if r["skipped"] else "")
+      if r["diverged"]:
+        cell += " ✗"
+        diverged.append(f"{label} lr {lr:g}")
+      cells.append(cell)
+    print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+  print(f"\njax {jax.__version__}, backend {jax.default_backend()}")
+  print(f"diverged: {', '.join(diverged) if diverged else 'none'}")
+  return 1 if diverged else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
