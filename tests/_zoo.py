@@ -1176,3 +1176,153 @@ def stacked_mlp(flavour: str) -> Zoo:
 # The zoo models whose layers are stacked (`LayerSpec.stack_size == LM_LAYERS`).
 STACKED_MODELS = {"scanned_lm": scanned_lm, "stacked_mlp": stacked_mlp}
 MODELS.update(STACKED_MODELS)
+
+
+# ==============================================================================================
+# Haiku and equinox versions of the zoo's families (issue 13, "real model code keeps its
+# structure"): each written in its library's idiom, registered in `STRUCTURE_MODELS`.
+# ==============================================================================================
+
+
+def _lm_batch(seed):
+  k1, k2 = jax.random.split(_key(seed))
+  return {
+    "x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
+    "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB),
+  }
+
+
+def _stacks(size, *prefixes):
+  """A `check`: the layers under `prefixes` are stacks of `size`, the others are not stacked."""
+
+  def check(specs):
+    got = {s.param_paths[0]: s.stack_size for s in specs}
+    want = {p: size if any(p.startswith(q) for q in prefixes) else 0 for p in got}
+    assert got == want, got
+
+  return check
+
+
+def haiku_lm() -> Zoo:
+  """Decoder LM in Haiku: RMSNorm, GQA attention with RoPE over `hk.Linear` projections, a
+  SwiGLU MLP; the blocks stacked by `hk.layer_stack` (a scan over params with a leading layer
+  axis) around an `hk.remat`'d block; untied vocabulary head."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  class Block(hk.Module):
+    def __call__(self, x):
+      b, s, _ = x.shape
+      lin = lambda o, name: hk.Linear(o, with_bias=False, name=name)  # noqa: E731
+      kv = LM_KV_HEADS * LM_HEAD_DIM
+      h = hk.RMSNorm(-1, name="attn_norm")(x)
+      q = _rope(lin(LM_DIM, "q")(h).reshape(b, s, LM_HEADS, LM_HEAD_DIM))
+      k = _rope(lin(kv, "k")(h).reshape(b, s, LM_KV_HEADS, LM_HEAD_DIM))
+      v = lin(kv, "v")(h).reshape(b, s, LM_KV_HEADS, LM_HEAD_DIM)
+      x = x + lin(LM_DIM, "o")(_gqa(q, k, v).reshape(b, s, LM_DIM))
+      h = hk.RMSNorm(-1, name="mlp_norm")(x)
+      return x + lin(LM_DIM, "down")(jax.nn.silu(lin(LM_FF, "gate")(h)) * lin(LM_FF, "up")(h))
+
+  def forward(ids):
+    x = hk.Embed(VOCAB, LM_DIM, name="embed")(ids)
+    block = hk.remat(lambda x: Block(name="block")(x))
+    x = hk.layer_stack(LM_LAYERS, name="layers")(block)(x)
+    return hk.Linear(VOCAB, with_bias=False, name="head")(hk.RMSNorm(-1, name="final_norm")(x))
+
+  blk = "layers/block"
+  w = lambda m: ("dense", "kron", (f"{m}/w",))  # noqa: E731
+  rms = lambda m: ("scale_and_shift", "full", (f"{m}/scale",))  # noqa: E731
+  z = _hk_zoo(
+    forward,
+    _lm_batch(13),
+    [("embedding", "kron", ("embed/embeddings",)), rms("final_norm"), w("head")]
+    + [rms(f"{blk}/attn_norm"), w(f"{blk}/down"), w(f"{blk}/gate"), w(f"{blk}/k")]
+    + [rms(f"{blk}/mlp_norm"), w(f"{blk}/o"), w(f"{blk}/q"), w(f"{blk}/up"), w(f"{blk}/v")],
+  )
+  z.check = _stacks(LM_LAYERS, blk)
+  return z
+
+
+def equinox_lm() -> Zoo:
+  """The decoder LM in equinox: the blocks created stacked by `eqx.filter_vmap` over keys, run
+  by `jax.lax.scan` over their array leaves (`eqx.partition` / `eqx.combine`), the scan body
+  `eqx.filter_checkpoint`'d; one sequence per call, vmapped over the batch; the head tied to
+  the embedding (`h @ embedding.T`): one embedding layer with two uses."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  kv = LM_KV_HEADS * LM_HEAD_DIM
+
+  class Block(eqx.Module):
+    attn_norm: eqx.nn.RMSNorm
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    mlp_norm: eqx.nn.RMSNorm
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+      k = jax.random.split(key, 7)
+      lin = lambda i, o, key: eqx.nn.Linear(i, o, use_bias=False, key=key)  # noqa: E731
+      self.attn_norm = eqx.nn.RMSNorm(LM_DIM, use_bias=False)
+      self.q, self.o = lin(LM_DIM, LM_DIM, k[0]), lin(LM_DIM, LM_DIM, k[3])
+      self.k, self.v = lin(LM_DIM, kv, k[1]), lin(LM_DIM, kv, k[2])
+      self.mlp_norm = eqx.nn.RMSNorm(LM_DIM, use_bias=False)
+      self.gate, self.up = lin(LM_DIM, LM_FF, k[4]), lin(LM_DIM, LM_FF, k[5])
+      self.down = lin(LM_FF, LM_DIM, k[6])
+
+    def __call__(self, x):  # One sequence [S, D]; `_rope` and `_gqa` take a batch axis of 1.
+      s = x.shape[0]
+      tok = jax.vmap  # Equinox layers act on one token.
+      h = tok(self.attn_norm)(x)
+      q = _rope(tok(self.q)(h).reshape(1, s, LM_HEADS, LM_HEAD_DIM))
+      k = _rope(tok(self.k)(h).reshape(1, s, LM_KV_HEADS, LM_HEAD_DIM))
+      v = tok(self.v)(h).reshape(1, s, LM_KV_HEADS, LM_HEAD_DIM)
+      x = x + tok(self.o)(_gqa(q, k, v).reshape(s, LM_DIM))
+      h = tok(self.mlp_norm)(x)
+      return x + tok(self.down)(jax.nn.silu(tok(self.gate)(h)) * tok(self.up)(h))
+
+  class LM(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: Block  # Every array leaf has a leading layer axis.
+    final_norm: eqx.nn.RMSNorm
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.embed = eqx.nn.Embedding(VOCAB, LM_DIM, key=k1)
+      self.blocks = eqx.filter_vmap(Block)(jax.random.split(k2, LM_LAYERS))
+      self.final_norm = eqx.nn.RMSNorm(LM_DIM, use_bias=False)
+
+    def __call__(self, ids):  # One sequence of ids [S].
+      dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+      @eqx.filter_checkpoint
+      def layer(x, block):
+        return eqx.combine(block, static)(x), None
+
+      x, _ = jax.lax.scan(layer, jax.vmap(self.embed)(ids), dynamic)
+      return jax.vmap(self.final_norm)(x) @ self.embed.weight.T
+
+  w = lambda m: ("dense", "kron", (f"blocks/{m}/weight",))  # noqa: E731
+  rms = lambda m: ("scale_and_shift", "full", (f"{m}/weight",))  # noqa: E731
+
+  def check(specs):
+    _stacks(LM_LAYERS, "blocks/")(specs)
+    assert [s.num_uses for s in specs if s.kind == "embedding"] == [2]
+
+  z = _eqx_zoo(
+    eqx.filter_jit(LM)(_key(14)),
+    _lm_batch(15),
+    lambda m, x: jax.vmap(m)(x),
+    # The tied table (a lookup and the head): one layer of two uses, kron_indep.
+    [("embedding", "kron_indep", ("embed/weight",)), rms("blocks/attn_norm")]
+    + [w("q"), w("k"), w("v"), w("o"), rms("blocks/mlp_norm"), w("gate"), w("up"), w("down")]
+    + [rms("final_norm")],
+  )
+  z.check = check
+  return z
+
+
+HX_MODELS = {"haiku_lm": haiku_lm, "equinox_lm": equinox_lm}
+STRUCTURE_MODELS.update(HX_MODELS)
