@@ -1324,5 +1324,120 @@ def equinox_lm() -> Zoo:
   return z
 
 
-HX_MODELS = {"haiku_lm": haiku_lm, "equinox_lm": equinox_lm}
+VIT_LAYERS, VIT_HEADS = 2, 2
+
+
+def haiku_vit() -> Zoo:
+  """A small ViT in Haiku: a strided `hk.Conv2D` patch embedding, a learned positional table
+  `x + pos` (`hk.get_parameter` at the top level: path `~/pos_embedding`, a diagonal block),
+  pre-LN blocks of `hk.MultiHeadAttention` and a GELU MLP, LayerNorm, mean pool, dense head."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  ln = lambda name: hk.LayerNorm(-1, True, True, name=name)  # noqa: E731
+
+  def forward(x):
+    x = hk.Conv2D(DIM, 2, stride=2, padding="VALID", name="patch")(x)  # [N, 4, 4, D]
+    x = x.reshape(x.shape[0], -1, DIM)
+    init = hk.initializers.RandomNormal(0.02)
+    x = x + hk.get_parameter("pos_embedding", (1, x.shape[1], DIM), init=init)
+    for i in range(VIT_LAYERS):
+      h = ln(f"ln_att{i}")(x)
+      att = hk.MultiHeadAttention(
+        VIT_HEADS, DIM // VIT_HEADS, w_init=hk.initializers.VarianceScaling(), name=f"att{i}"
+      )
+      x = x + att(h, h, h)
+      h = jax.nn.gelu(hk.Linear(2 * DIM, name=f"mlp{i}_in")(ln(f"ln_mlp{i}")(x)))
+      x = x + hk.Linear(DIM, name=f"mlp{i}_out")(h)
+    return hk.Linear(CLASSES, name="head")(jnp.mean(ln("ln")(x), axis=1))
+
+  wb = lambda m: ("dense", "kron", (f"{m}/w", f"{m}/b"))  # noqa: E731
+  norm = lambda m: ("scale_and_shift", "full", (f"{m}/scale", f"{m}/offset"))  # noqa: E731
+  att = [wb(f"att{i}/{p}") for i in range(VIT_LAYERS) for p in ("key", "linear", "query", "value")]
+  return _hk_zoo(
+    forward,
+    _images(_key(0)),
+    att
+    + [wb("head"), norm("ln")]
+    + [norm(f"ln_{m}{i}") for m in ("att", "mlp") for i in range(VIT_LAYERS)]
+    + [wb(f"mlp{i}_{m}") for i in range(VIT_LAYERS) for m in ("in", "out")]
+    + [
+      ("conv", "kron", ("patch/w", "patch/b")),
+      ("scale_and_shift", "diagonal", ("~/pos_embedding",)),
+    ],
+  )
+
+
+def equinox_vit() -> Zoo:
+  """The ViT in equinox, one image per call (vmapped over the batch): channel-first patch
+  `eqx.nn.Conv2d`, a positional table field `[L, D]`, `eqx.nn.MultiheadAttention` (no biases)
+  on the token sequence, LayerNorm and MLP vmapped over tokens."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  class Layer(eqx.Module):
+    ln_att: eqx.nn.LayerNorm
+    att: eqx.nn.MultiheadAttention
+    ln_mlp: eqx.nn.LayerNorm
+    mlp_in: eqx.nn.Linear
+    mlp_out: eqx.nn.Linear
+
+    def __init__(self, key):
+      k = jax.random.split(key, 3)
+      self.ln_att, self.ln_mlp = eqx.nn.LayerNorm(DIM), eqx.nn.LayerNorm(DIM)
+      self.att = eqx.nn.MultiheadAttention(VIT_HEADS, DIM, key=k[0])
+      self.mlp_in = eqx.nn.Linear(DIM, 2 * DIM, key=k[1])
+      self.mlp_out = eqx.nn.Linear(2 * DIM, DIM, key=k[2])
+
+    def __call__(self, x):  # Tokens [L, D].
+      h = jax.vmap(self.ln_att)(x)
+      x = x + self.att(h, h, h)
+      mlp = lambda t: self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln_mlp(t))))  # noqa: E731
+      return x + jax.vmap(mlp)(x)
+
+  class ViT(eqx.Module):
+    patch: eqx.nn.Conv2d
+    pos_embedding: jax.Array
+    layers: tuple[Layer, ...]
+    ln: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+      k = jax.random.split(key, 3 + VIT_LAYERS)
+      self.patch = eqx.nn.Conv2d(3, DIM, 2, stride=2, key=k[0])
+      self.pos_embedding = 0.02 * jax.random.normal(k[1], (16, DIM))
+      self.layers = tuple(Layer(k[3 + i]) for i in range(VIT_LAYERS))
+      self.ln = eqx.nn.LayerNorm(DIM)
+      self.head = eqx.nn.Linear(DIM, CLASSES, key=k[2])
+
+    def __call__(self, x):  # One image [H, W, C].
+      x = self.patch(x.transpose(2, 0, 1))  # [D, 4, 4]
+      x = x.reshape(DIM, -1).T + self.pos_embedding
+      for layer in self.layers:
+        x = layer(x)
+      return self.head(jnp.mean(jax.vmap(self.ln)(x), axis=0))
+
+  norm = lambda m: ("scale_and_shift", "full", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
+  w = lambda m: ("dense", "kron", (f"{m}/weight",))  # noqa: E731
+  wb = lambda m: ("dense", "kron", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
+  layer = lambda p: (  # noqa: E731
+    [norm(f"{p}/ln_att")]
+    + [w(f"{p}/att/{q}_proj") for q in ("query", "key", "value", "output")]
+    + [norm(f"{p}/ln_mlp"), wb(f"{p}/mlp_in"), wb(f"{p}/mlp_out")]
+  )
+  return _eqx_zoo(
+    eqx.filter_jit(ViT)(_key(16)),
+    _images(_key(0)),
+    lambda m, x: jax.vmap(m)(x),
+    [("conv", "kron", ("patch/weight", "patch/bias"))]
+    + [("scale_and_shift", "diagonal", ("pos_embedding",))]
+    + [e for i in range(VIT_LAYERS) for e in layer(f"layers/{i}")]
+    + [norm("ln"), wb("head")],
+  )
+
+
+HX_MODELS = {
+  "haiku_lm": haiku_lm,
+  "equinox_lm": equinox_lm,
+  "haiku_vit": haiku_vit,
+  "equinox_vit": equinox_vit,
+}
 STRUCTURE_MODELS.update(HX_MODELS)
