@@ -1434,10 +1434,43 @@ def equinox_vit() -> Zoo:
   )
 
 
+def haiku_lstm() -> Zoo:
+  """`hk.LSTM` run by `hk.dynamic_unroll` (a `lax.scan` over time closing over the cell's
+  params): its one `hk.Linear` over `[x, h]` (all four gates) is a shared dense layer with one
+  use a step."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  steps, hidden = 5, 6
+
+  def forward(x):  # [N, T, F]
+    core = hk.LSTM(hidden, name="lstm")
+    ys, _ = hk.dynamic_unroll(core, x, core.initial_state(x.shape[0]), time_major=False)
+    return hk.Linear(CLASSES, name="head")(ys[:, -1])
+
+  k1, k2 = jax.random.split(_key(17))
+  batch = {"x": jax.random.normal(k1, (N, steps, 4)), "y": jax.random.randint(k2, (N,), 0, CLASSES)}
+
+  def check(specs):
+    uses = {s.param_paths[0]: s.num_uses for s in specs}
+    assert uses == {"head/w": 1, "lstm/linear/w": steps}, uses
+
+  z = _hk_zoo(
+    forward,
+    batch,
+    [
+      ("dense", "kron", ("head/w", "head/b")),
+      ("dense", "kron_indep", ("lstm/linear/w", "lstm/linear/b")),
+    ],
+  )
+  z.check = check
+  return z
+
+
 HX_MODELS = {
   "haiku_lm": haiku_lm,
   "equinox_lm": equinox_lm,
   "haiku_vit": haiku_vit,
   "equinox_vit": equinox_vit,
+  "haiku_lstm": haiku_lstm,
 }
 STRUCTURE_MODELS.update(HX_MODELS)
