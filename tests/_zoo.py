@@ -1466,11 +1466,73 @@ def haiku_lstm() -> Zoo:
   return z
 
 
+def haiku_moe() -> Zoo:
+  """A token classifier with a residual top-2-of-4 MoE block in Haiku (`hk.get_parameter`
+  expert stacks). `w_in` multiplies the tokens shared by all experts, `[T, D] x [E, D, F]`: one
+  dense layer whose output features are the E x F expert units (a finer block than E separate
+  ones); `w_out` multiplies each expert's own hidden units, `[E, T, F] x [E, F, D]`: a stack of
+  E dense layers. The load-balancing term is added to the loss, unregistered."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  class MoE(hk.Module):
+    """Top-k MoE MLP over tokens `[T, D]` with expert-stacked kernels `[E, D, F]`, `[E, F, D]`
+    used by einsum. Every expert runs on every token (no dispatch); `combine` (the
+    renormalised top-k gates, zero elsewhere) keeps each token's k experts."""
+
+    def __call__(self, x):
+      e, d = MOE_EXPERTS, x.shape[-1]
+      probs = jax.nn.softmax(hk.Linear(e, with_bias=False, name="router")(x))
+      gate, idx = jax.lax.top_k(probs, MOE_TOP_K)
+      gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
+      combine = jnp.einsum("tk,tke->te", gate, jax.nn.one_hot(idx, e))
+      init = hk.initializers.VarianceScaling(fan_in_axes=(1,))
+      w_in = hk.get_parameter("w_in", (e, d, MOE_HIDDEN), init=init)
+      w_out = hk.get_parameter("w_out", (e, MOE_HIDDEN, d), init=init)
+      h = jax.nn.gelu(jnp.einsum("td,edf->etf", x, w_in))
+      y = jnp.einsum("te,etd->td", combine, jnp.einsum("etf,efd->etd", h, w_out))
+      used = jnp.mean(jnp.sum(jax.nn.one_hot(idx, e), axis=1), axis=0) / MOE_TOP_K
+      return y, e * jnp.sum(used * jnp.mean(probs, axis=0))
+
+  def forward(x):
+    n, s, _ = x.shape
+    h = hk.Linear(8, name="embed")(x)
+    tokens = hk.LayerNorm(-1, True, True, name="norm")(h).reshape(n * s, 8)
+    y, balance = MoE(name="moe")(tokens)
+    return hk.Linear(CLASSES, name="head")(jnp.mean(h + y.reshape(n, s, 8), axis=1)), balance
+
+  f = hk.without_apply_rng(hk.transform(forward))
+  kx, ky = jax.random.split(_key(18))
+  batch = {"x": jax.random.normal(kx, (N, 3, 6)), "y": jax.random.randint(ky, (N,), 0, CLASSES)}
+  params = jax.jit(f.init)(_key(1), batch["x"])
+
+  def loss_fn(p, b):
+    logits, balance = f.apply(p, b["x"])
+    return _ce(logits, b["y"]) + 0.01 * balance
+
+  def check(specs):
+    shapes = {s.param_paths[0]: (s.stack_size, s.factor_shapes) for s in specs}
+    e, f_ = MOE_EXPERTS, MOE_HIDDEN
+    assert shapes["moe/w_in"] == (0, ((8, 8), (e * f_, e * f_))), shapes
+    assert shapes["moe/w_out"] == (e, ((e, f_, f_), (e, 8, 8))), shapes
+
+  wb = lambda m: ("dense", "kron", (f"{m}/w", f"{m}/b"))  # noqa: E731
+  return Zoo(
+    loss_fn,
+    params,
+    batch,
+    [wb("embed"), wb("head")]
+    + [("dense", "kron", (f"moe/{m}",)) for m in ("w_in", "w_out", "router/w")]
+    + [("scale_and_shift", "full", ("norm/scale", "norm/offset"))],
+    check=check,
+  )
+
+
 HX_MODELS = {
   "haiku_lm": haiku_lm,
   "equinox_lm": equinox_lm,
   "haiku_vit": haiku_vit,
   "equinox_vit": equinox_vit,
   "haiku_lstm": haiku_lstm,
+  "haiku_moe": haiku_moe,
 }
 STRUCTURE_MODELS.update(HX_MODELS)
