@@ -1527,6 +1527,50 @@ def haiku_moe() -> Zoo:
   )
 
 
+def equinox_vae() -> Zoo:
+  """The VAE of `vae` in equinox, one example per call: an `eqx.nn.MLP` encoder trunk, one
+  `eqx.nn.Linear` giving mean and log-variance together (split after), the reparameterised
+  z = mean + σ ε with ε from a per-example key, an `eqx.nn.MLP` decoder. Trained on the negative
+  ELBO with only the Bernoulli reconstruction registered (see `vae`)."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  class VAE(eqx.Module):
+    enc: eqx.nn.MLP
+    stats: eqx.nn.Linear
+    dec: eqx.nn.MLP
+
+    def __init__(self, key):
+      k = jax.random.split(key, 3)
+      self.enc = eqx.nn.MLP(VAE_PIXELS, 16, 16, 1, activation=jax.nn.relu, key=k[0])
+      self.stats = eqx.nn.Linear(16, 2 * VAE_LATENT, key=k[1])
+      self.dec = eqx.nn.MLP(VAE_LATENT, VAE_PIXELS, 16, 1, activation=jax.nn.relu, key=k[2])
+
+    def __call__(self, x, key):
+      mean, logvar = jnp.split(self.stats(jax.nn.relu(self.enc(x))), 2)
+      z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(key, mean.shape)
+      return self.dec(z), mean, logvar
+
+  kx, kn = jax.random.split(_key(19))
+  x = (jax.random.uniform(kx, (N, VAE_PIXELS)) < 0.3).astype(jnp.float32)
+  params, static = eqx.partition(eqx.filter_jit(VAE)(_key(20)), eqx.is_array)
+
+  def loss_fn(p, b):
+    keys = jax.random.split(b["noise"], b["x"].shape[0])
+    logits, mean, logvar = jax.vmap(eqx.combine(p, static))(b["x"], keys)
+    kfac_jax.register_sigmoid_cross_entropy_loss(logits, b["x"])
+    recon = optax.sigmoid_binary_cross_entropy(logits, b["x"]).sum(-1)
+    kl = 0.5 * jnp.sum(jnp.exp(logvar) + mean**2 - 1.0 - logvar, axis=-1)
+    return jnp.mean(recon + kl)
+
+  wb = lambda m: ("dense", "kron", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
+  return Zoo(
+    loss_fn,
+    params,
+    {"x": x, "noise": kn},
+    [wb("enc/layers/0"), wb("enc/layers/1"), wb("stats"), wb("dec/layers/0"), wb("dec/layers/1")],
+  )
+
+
 HX_MODELS = {
   "haiku_lm": haiku_lm,
   "equinox_lm": equinox_lm,
@@ -1534,5 +1578,6 @@ HX_MODELS = {
   "equinox_vit": equinox_vit,
   "haiku_lstm": haiku_lstm,
   "haiku_moe": haiku_moe,
+  "equinox_vae": equinox_vae,
 }
 STRUCTURE_MODELS.update(HX_MODELS)
