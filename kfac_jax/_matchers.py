@@ -21,7 +21,9 @@ Automatic matchers: `match_dense` (a dense product, or `one_hot(ids) @ table`), 
                     (`batch_group_count` must be 1), and an optional bias `add` aligned with the
                     output feature axis.
   embedding         `gather(table, ids)` taking whole rows of a 2-d parameter `[vocab, dim]`
-                    (`jnp.take(table, ids, axis=0)`, `table[ids]`, Flax `Embed`), and the same
+                    (`jnp.take(table, ids, axis=0)`, `table[ids]`, Flax `Embed`; `vmap` of a row
+                    lookup `table[i]`, equinox's `Embedding`, a clipped full-row gather then a
+                    `squeeze`), and the same
                     lookup written as a product `one_hot(ids, vocab) @ table` (`jax.nn.one_hot`,
                     `(ids[..., None] == jnp.arange(vocab)).astype(...)`, through `jnp.dot`,
                     `jnp.einsum` or `@`, with casts of either operand): the one-hot operand is
@@ -572,6 +574,8 @@ def embedding_use(ix, i):
   idx_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
   out_shape = tuple(fe.outs[0][1].aval.shape)
   dn = fe.params["dimension_numbers"]
+  if tuple(dn.start_index_map) == (0, 1):
+    return _vmapped_row_use(ix, fe, chain, t_shape)
   if (
     tuple(dn.offset_dims) != (len(out_shape) - 1,)
     or tuple(dn.collapsed_slice_dims) != (0,)
@@ -584,6 +588,40 @@ def embedding_use(ix, i):
   ):
     return None
   return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
+
+
+def _vmapped_row_use(ix, fe, chain, t_shape):
+  """`embedding_use` for `vmap` of a row lookup `table[i]` with a traced scalar `i` (equinox's
+  `eqx.nn.Embedding`): a `dynamic_slice` of one whole row, batched into a gather whose index
+  vectors are `concatenate([ids, column start], -1)` with slice `(1, dim)` and nothing
+  collapsed, then a `squeeze` of the row axis. The column start cannot move a full-width slice
+  (clipped, or promised in bounds), so the ids are the first operand of the concatenation and
+  the layer's output is the squeezed `[..., dim]`."""
+  dn = fe.params["dimension_numbers"]
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  nd = len(out_shape)
+  mode = fe.params.get("mode")
+  cat = _producer(ix, fe.ins[1])
+  if (
+    tuple(dn.offset_dims) != (nd - 2, nd - 1)
+    or tuple(dn.collapsed_slice_dims)
+    or tuple(dn.operand_batching_dims)
+    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
+    or out_shape[-2:] != (1, t_shape[1])
+    or mode not in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    or cat is None
+    or cat.name != "concatenate"
+    or not _graph.is_key(cat.ins[0])
+    or cat.params["dimension"] != nd - 2
+    or len(cat.ins) != 2
+    or tuple(_graph.aval_of(cat.ins[0]).shape) != out_shape[:-2] + (1,)
+  ):
+    return None
+  use = _only_consumer(ix, fe.outs[0])
+  sq = None if use is None else ix.g.eqns[use[0]]
+  if sq is None or sq.name != "squeeze" or tuple(sq.params["dimensions"]) != (nd - 2,):
+    return None
+  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), cat.ins[0], sq.outs[0]
 
 
 def _producer(ix, atom):

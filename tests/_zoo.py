@@ -1176,3 +1176,408 @@ def stacked_mlp(flavour: str) -> Zoo:
 # The zoo models whose layers are stacked (`LayerSpec.stack_size == LM_LAYERS`).
 STACKED_MODELS = {"scanned_lm": scanned_lm, "stacked_mlp": stacked_mlp}
 MODELS.update(STACKED_MODELS)
+
+
+# ==============================================================================================
+# Haiku and equinox versions of the zoo's families (issue 13, "real model code keeps its
+# structure"): each written in its library's idiom, registered in `STRUCTURE_MODELS`.
+# ==============================================================================================
+
+
+def _lm_batch(seed):
+  k1, k2 = jax.random.split(_key(seed))
+  return {
+    "x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
+    "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB),
+  }
+
+
+def _stacks(size, *prefixes):
+  """A `check`: the layers under `prefixes` are stacks of `size`, the others are not stacked."""
+
+  def check(specs):
+    got = {s.param_paths[0]: s.stack_size for s in specs}
+    want = {p: size if any(p.startswith(q) for q in prefixes) else 0 for p in got}
+    assert got == want, got
+
+  return check
+
+
+def haiku_lm() -> Zoo:
+  """Decoder LM in Haiku: RMSNorm, GQA attention with RoPE over `hk.Linear` projections, a
+  SwiGLU MLP; the blocks stacked by `hk.layer_stack` (a scan over params with a leading layer
+  axis) around an `hk.remat`'d block; untied vocabulary head."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  class Block(hk.Module):
+    def __call__(self, x):
+      b, s, _ = x.shape
+      lin = lambda o, name: hk.Linear(o, with_bias=False, name=name)  # noqa: E731
+      kv = LM_KV_HEADS * LM_HEAD_DIM
+      h = hk.RMSNorm(-1, name="attn_norm")(x)
+      q = _rope(lin(LM_DIM, "q")(h).reshape(b, s, LM_HEADS, LM_HEAD_DIM))
+      k = _rope(lin(kv, "k")(h).reshape(b, s, LM_KV_HEADS, LM_HEAD_DIM))
+      v = lin(kv, "v")(h).reshape(b, s, LM_KV_HEADS, LM_HEAD_DIM)
+      x = x + lin(LM_DIM, "o")(_gqa(q, k, v).reshape(b, s, LM_DIM))
+      h = hk.RMSNorm(-1, name="mlp_norm")(x)
+      return x + lin(LM_DIM, "down")(jax.nn.silu(lin(LM_FF, "gate")(h)) * lin(LM_FF, "up")(h))
+
+  def forward(ids):
+    x = hk.Embed(VOCAB, LM_DIM, name="embed")(ids)
+    block = hk.remat(lambda x: Block(name="block")(x))
+    x = hk.layer_stack(LM_LAYERS, name="layers")(block)(x)
+    return hk.Linear(VOCAB, with_bias=False, name="head")(hk.RMSNorm(-1, name="final_norm")(x))
+
+  blk = "layers/block"
+  w = lambda m: ("dense", "kron", (f"{m}/w",))  # noqa: E731
+  rms = lambda m: ("scale_and_shift", "full", (f"{m}/scale",))  # noqa: E731
+  z = _hk_zoo(
+    forward,
+    _lm_batch(13),
+    [("embedding", "kron", ("embed/embeddings",)), rms("final_norm"), w("head")]
+    + [rms(f"{blk}/attn_norm"), w(f"{blk}/down"), w(f"{blk}/gate"), w(f"{blk}/k")]
+    + [rms(f"{blk}/mlp_norm"), w(f"{blk}/o"), w(f"{blk}/q"), w(f"{blk}/up"), w(f"{blk}/v")],
+  )
+  z.check = _stacks(LM_LAYERS, blk)
+  return z
+
+
+def equinox_lm() -> Zoo:
+  """The decoder LM in equinox: the blocks created stacked by `eqx.filter_vmap` over keys, run
+  by `jax.lax.scan` over their array leaves (`eqx.partition` / `eqx.combine`), the scan body
+  `eqx.filter_checkpoint`'d; one sequence per call, vmapped over the batch; the head tied to
+  the embedding (`h @ embedding.T`): one embedding layer with two uses."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  kv = LM_KV_HEADS * LM_HEAD_DIM
+
+  class Block(eqx.Module):
+    attn_norm: eqx.nn.RMSNorm
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    mlp_norm: eqx.nn.RMSNorm
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+      k = jax.random.split(key, 7)
+      lin = lambda i, o, key: eqx.nn.Linear(i, o, use_bias=False, key=key)  # noqa: E731
+      self.attn_norm = eqx.nn.RMSNorm(LM_DIM, use_bias=False)
+      self.q, self.o = lin(LM_DIM, LM_DIM, k[0]), lin(LM_DIM, LM_DIM, k[3])
+      self.k, self.v = lin(LM_DIM, kv, k[1]), lin(LM_DIM, kv, k[2])
+      self.mlp_norm = eqx.nn.RMSNorm(LM_DIM, use_bias=False)
+      self.gate, self.up = lin(LM_DIM, LM_FF, k[4]), lin(LM_DIM, LM_FF, k[5])
+      self.down = lin(LM_FF, LM_DIM, k[6])
+
+    def __call__(self, x):  # One sequence [S, D]; `_rope` and `_gqa` take a batch axis of 1.
+      s = x.shape[0]
+      tok = jax.vmap  # Equinox layers act on one token.
+      h = tok(self.attn_norm)(x)
+      q = _rope(tok(self.q)(h).reshape(1, s, LM_HEADS, LM_HEAD_DIM))
+      k = _rope(tok(self.k)(h).reshape(1, s, LM_KV_HEADS, LM_HEAD_DIM))
+      v = tok(self.v)(h).reshape(1, s, LM_KV_HEADS, LM_HEAD_DIM)
+      x = x + tok(self.o)(_gqa(q, k, v).reshape(s, LM_DIM))
+      h = tok(self.mlp_norm)(x)
+      return x + tok(self.down)(jax.nn.silu(tok(self.gate)(h)) * tok(self.up)(h))
+
+  class LM(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: Block  # Every array leaf has a leading layer axis.
+    final_norm: eqx.nn.RMSNorm
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.embed = eqx.nn.Embedding(VOCAB, LM_DIM, key=k1)
+      self.blocks = eqx.filter_vmap(Block)(jax.random.split(k2, LM_LAYERS))
+      self.final_norm = eqx.nn.RMSNorm(LM_DIM, use_bias=False)
+
+    def __call__(self, ids):  # One sequence of ids [S].
+      dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+      @eqx.filter_checkpoint
+      def layer(x, block):
+        return eqx.combine(block, static)(x), None
+
+      x, _ = jax.lax.scan(layer, jax.vmap(self.embed)(ids), dynamic)
+      return jax.vmap(self.final_norm)(x) @ self.embed.weight.T
+
+  w = lambda m: ("dense", "kron", (f"blocks/{m}/weight",))  # noqa: E731
+  rms = lambda m: ("scale_and_shift", "full", (f"{m}/weight",))  # noqa: E731
+
+  def check(specs):
+    _stacks(LM_LAYERS, "blocks/")(specs)
+    assert [s.num_uses for s in specs if s.kind == "embedding"] == [2]
+
+  z = _eqx_zoo(
+    eqx.filter_jit(LM)(_key(14)),
+    _lm_batch(15),
+    lambda m, x: jax.vmap(m)(x),
+    # The tied table (a lookup and the head): one layer of two uses, kron_indep.
+    [("embedding", "kron_indep", ("embed/weight",)), rms("blocks/attn_norm")]
+    + [w("q"), w("k"), w("v"), w("o"), rms("blocks/mlp_norm"), w("gate"), w("up"), w("down")]
+    + [rms("final_norm")],
+  )
+  z.check = check
+  return z
+
+
+VIT_LAYERS, VIT_HEADS = 1, 2  # One block: a second adds compile time, no new structure.
+
+
+def haiku_vit() -> Zoo:
+  """A small ViT in Haiku: a strided `hk.Conv2D` patch embedding, a learned positional table
+  `x + pos` (`hk.get_parameter` at the top level: path `~/pos_embedding`, a diagonal block),
+  pre-LN blocks of `hk.MultiHeadAttention` and a GELU MLP, LayerNorm, mean pool, dense head."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  ln = lambda name: hk.LayerNorm(-1, True, True, name=name)  # noqa: E731
+
+  def forward(x):
+    x = hk.Conv2D(DIM, 2, stride=2, padding="VALID", name="patch")(x)  # [N, 4, 4, D]
+    x = x.reshape(x.shape[0], -1, DIM)
+    init = hk.initializers.RandomNormal(0.02)
+    x = x + hk.get_parameter("pos_embedding", (1, x.shape[1], DIM), init=init)
+    for i in range(VIT_LAYERS):
+      h = ln(f"ln_att{i}")(x)
+      att = hk.MultiHeadAttention(
+        VIT_HEADS, DIM // VIT_HEADS, w_init=hk.initializers.VarianceScaling(), name=f"att{i}"
+      )
+      x = x + att(h, h, h)
+      h = jax.nn.gelu(hk.Linear(2 * DIM, name=f"mlp{i}_in")(ln(f"ln_mlp{i}")(x)))
+      x = x + hk.Linear(DIM, name=f"mlp{i}_out")(h)
+    return hk.Linear(CLASSES, name="head")(jnp.mean(ln("ln")(x), axis=1))
+
+  wb = lambda m: ("dense", "kron", (f"{m}/w", f"{m}/b"))  # noqa: E731
+  norm = lambda m: ("scale_and_shift", "full", (f"{m}/scale", f"{m}/offset"))  # noqa: E731
+  att = [wb(f"att{i}/{p}") for i in range(VIT_LAYERS) for p in ("key", "linear", "query", "value")]
+  return _hk_zoo(
+    forward,
+    _images(_key(0)),
+    att
+    + [wb("head"), norm("ln")]
+    + [norm(f"ln_{m}{i}") for m in ("att", "mlp") for i in range(VIT_LAYERS)]
+    + [wb(f"mlp{i}_{m}") for i in range(VIT_LAYERS) for m in ("in", "out")]
+    + [
+      ("conv", "kron", ("patch/w", "patch/b")),
+      ("scale_and_shift", "diagonal", ("~/pos_embedding",)),
+    ],
+  )
+
+
+def equinox_vit() -> Zoo:
+  """The ViT in equinox, one image per call (vmapped over the batch): channel-first patch
+  `eqx.nn.Conv2d`, a positional table field `[L, D]`, `eqx.nn.MultiheadAttention` (no biases)
+  on the token sequence, LayerNorm and MLP vmapped over tokens."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  class Layer(eqx.Module):
+    ln_att: eqx.nn.LayerNorm
+    att: eqx.nn.MultiheadAttention
+    ln_mlp: eqx.nn.LayerNorm
+    mlp_in: eqx.nn.Linear
+    mlp_out: eqx.nn.Linear
+
+    def __init__(self, key):
+      k = jax.random.split(key, 3)
+      self.ln_att, self.ln_mlp = eqx.nn.LayerNorm(DIM), eqx.nn.LayerNorm(DIM)
+      self.att = eqx.nn.MultiheadAttention(VIT_HEADS, DIM, key=k[0])
+      self.mlp_in = eqx.nn.Linear(DIM, 2 * DIM, key=k[1])
+      self.mlp_out = eqx.nn.Linear(2 * DIM, DIM, key=k[2])
+
+    def __call__(self, x):  # Tokens [L, D].
+      h = jax.vmap(self.ln_att)(x)
+      x = x + self.att(h, h, h)
+      mlp = lambda t: self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln_mlp(t))))  # noqa: E731
+      return x + jax.vmap(mlp)(x)
+
+  class ViT(eqx.Module):
+    patch: eqx.nn.Conv2d
+    pos_embedding: jax.Array
+    layers: tuple[Layer, ...]
+    ln: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+      k = jax.random.split(key, 3 + VIT_LAYERS)
+      self.patch = eqx.nn.Conv2d(3, DIM, 2, stride=2, key=k[0])
+      self.pos_embedding = 0.02 * jax.random.normal(k[1], (16, DIM))
+      self.layers = tuple(Layer(k[3 + i]) for i in range(VIT_LAYERS))
+      self.ln = eqx.nn.LayerNorm(DIM)
+      self.head = eqx.nn.Linear(DIM, CLASSES, key=k[2])
+
+    def __call__(self, x):  # One image [H, W, C].
+      x = self.patch(x.transpose(2, 0, 1))  # [D, 4, 4]
+      x = x.reshape(DIM, -1).T + self.pos_embedding
+      for layer in self.layers:
+        x = layer(x)
+      return self.head(jnp.mean(jax.vmap(self.ln)(x), axis=0))
+
+  norm = lambda m: ("scale_and_shift", "full", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
+  w = lambda m: ("dense", "kron", (f"{m}/weight",))  # noqa: E731
+  wb = lambda m: ("dense", "kron", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
+  layer = lambda p: (  # noqa: E731
+    [norm(f"{p}/ln_att")]
+    + [w(f"{p}/att/{q}_proj") for q in ("query", "key", "value", "output")]
+    + [norm(f"{p}/ln_mlp"), wb(f"{p}/mlp_in"), wb(f"{p}/mlp_out")]
+  )
+  return _eqx_zoo(
+    eqx.filter_jit(ViT)(_key(16)),
+    _images(_key(0)),
+    lambda m, x: jax.vmap(m)(x),
+    [("conv", "kron", ("patch/weight", "patch/bias"))]
+    + [("scale_and_shift", "diagonal", ("pos_embedding",))]
+    + [e for i in range(VIT_LAYERS) for e in layer(f"layers/{i}")]
+    + [norm("ln"), wb("head")],
+  )
+
+
+def haiku_lstm() -> Zoo:
+  """`hk.LSTM` run by `hk.dynamic_unroll` (a `lax.scan` over time closing over the cell's
+  params): its one `hk.Linear` over `[x, h]` (all four gates) is a shared dense layer with one
+  use a step."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  steps, hidden = 5, 6
+
+  def forward(x):  # [N, T, F]
+    core = hk.LSTM(hidden, name="lstm")
+    ys, _ = hk.dynamic_unroll(core, x, core.initial_state(x.shape[0]), time_major=False)
+    return hk.Linear(CLASSES, name="head")(ys[:, -1])
+
+  k1, k2 = jax.random.split(_key(17))
+  batch = {"x": jax.random.normal(k1, (N, steps, 4)), "y": jax.random.randint(k2, (N,), 0, CLASSES)}
+
+  def check(specs):
+    uses = {s.param_paths[0]: s.num_uses for s in specs}
+    assert uses == {"head/w": 1, "lstm/linear/w": steps}, uses
+
+  z = _hk_zoo(
+    forward,
+    batch,
+    [
+      ("dense", "kron", ("head/w", "head/b")),
+      ("dense", "kron_indep", ("lstm/linear/w", "lstm/linear/b")),
+    ],
+  )
+  z.check = check
+  return z
+
+
+def haiku_moe() -> Zoo:
+  """A token classifier with a residual top-2-of-4 MoE block in Haiku (`hk.get_parameter`
+  expert stacks). `w_in` multiplies the tokens shared by all experts, `[T, D] x [E, D, F]`: one
+  dense layer whose output features are the E x F expert units (a finer block than E separate
+  ones); `w_out` multiplies each expert's own hidden units, `[E, T, F] x [E, F, D]`: a stack of
+  E dense layers. The load-balancing term is added to the loss, unregistered."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  class MoE(hk.Module):
+    """Top-k MoE MLP over tokens `[T, D]` with expert-stacked kernels `[E, D, F]`, `[E, F, D]`
+    used by einsum. Every expert runs on every token (no dispatch); `combine` (the
+    renormalised top-k gates, zero elsewhere) keeps each token's k experts."""
+
+    def __call__(self, x):
+      e, d = MOE_EXPERTS, x.shape[-1]
+      probs = jax.nn.softmax(hk.Linear(e, with_bias=False, name="router")(x))
+      gate, idx = jax.lax.top_k(probs, MOE_TOP_K)
+      gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
+      combine = jnp.einsum("tk,tke->te", gate, jax.nn.one_hot(idx, e))
+      init = hk.initializers.VarianceScaling(fan_in_axes=(1,))
+      w_in = hk.get_parameter("w_in", (e, d, MOE_HIDDEN), init=init)
+      w_out = hk.get_parameter("w_out", (e, MOE_HIDDEN, d), init=init)
+      h = jax.nn.gelu(jnp.einsum("td,edf->etf", x, w_in))
+      y = jnp.einsum("te,etd->td", combine, jnp.einsum("etf,efd->etd", h, w_out))
+      used = jnp.mean(jnp.sum(jax.nn.one_hot(idx, e), axis=1), axis=0) / MOE_TOP_K
+      return y, e * jnp.sum(used * jnp.mean(probs, axis=0))
+
+  def forward(x):
+    n, s, _ = x.shape
+    h = hk.Linear(8, name="embed")(x)
+    tokens = hk.LayerNorm(-1, True, True, name="norm")(h).reshape(n * s, 8)
+    y, balance = MoE(name="moe")(tokens)
+    return hk.Linear(CLASSES, name="head")(jnp.mean(h + y.reshape(n, s, 8), axis=1)), balance
+
+  f = hk.without_apply_rng(hk.transform(forward))
+  kx, ky = jax.random.split(_key(18))
+  batch = {"x": jax.random.normal(kx, (N, 3, 6)), "y": jax.random.randint(ky, (N,), 0, CLASSES)}
+  params = jax.jit(f.init)(_key(1), batch["x"])
+
+  def loss_fn(p, b):
+    logits, balance = f.apply(p, b["x"])
+    return _ce(logits, b["y"]) + 0.01 * balance
+
+  def check(specs):
+    shapes = {s.param_paths[0]: (s.stack_size, s.factor_shapes) for s in specs}
+    e, f_ = MOE_EXPERTS, MOE_HIDDEN
+    assert shapes["moe/w_in"] == (0, ((8, 8), (e * f_, e * f_))), shapes
+    assert shapes["moe/w_out"] == (e, ((e, f_, f_), (e, 8, 8))), shapes
+
+  wb = lambda m: ("dense", "kron", (f"{m}/w", f"{m}/b"))  # noqa: E731
+  return Zoo(
+    loss_fn,
+    params,
+    batch,
+    [wb("embed"), wb("head")]
+    + [("dense", "kron", (f"moe/{m}",)) for m in ("w_in", "w_out", "router/w")]
+    + [("scale_and_shift", "full", ("norm/scale", "norm/offset"))],
+    check=check,
+  )
+
+
+def equinox_vae() -> Zoo:
+  """The VAE of `vae` in equinox, one example per call: an `eqx.nn.MLP` encoder trunk, one
+  `eqx.nn.Linear` giving mean and log-variance together (split after), the reparameterised
+  z = mean + σ ε with ε from a per-example key, an `eqx.nn.MLP` decoder. Trained on the negative
+  ELBO with only the Bernoulli reconstruction registered (see `vae`)."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  class VAE(eqx.Module):
+    enc: eqx.nn.MLP
+    stats: eqx.nn.Linear
+    dec: eqx.nn.MLP
+
+    def __init__(self, key):
+      k = jax.random.split(key, 3)
+      self.enc = eqx.nn.MLP(VAE_PIXELS, 16, 16, 1, activation=jax.nn.relu, key=k[0])
+      self.stats = eqx.nn.Linear(16, 2 * VAE_LATENT, key=k[1])
+      self.dec = eqx.nn.MLP(VAE_LATENT, VAE_PIXELS, 16, 1, activation=jax.nn.relu, key=k[2])
+
+    def __call__(self, x, key):
+      mean, logvar = jnp.split(self.stats(jax.nn.relu(self.enc(x))), 2)
+      z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(key, mean.shape)
+      return self.dec(z), mean, logvar
+
+  kx, kn = jax.random.split(_key(19))
+  x = (jax.random.uniform(kx, (N, VAE_PIXELS)) < 0.3).astype(jnp.float32)
+  params, static = eqx.partition(eqx.filter_jit(VAE)(_key(20)), eqx.is_array)
+
+  def loss_fn(p, b):
+    keys = jax.random.split(b["noise"], b["x"].shape[0])
+    logits, mean, logvar = jax.vmap(eqx.combine(p, static))(b["x"], keys)
+    kfac_jax.register_sigmoid_cross_entropy_loss(logits, b["x"])
+    recon = optax.sigmoid_binary_cross_entropy(logits, b["x"]).sum(-1)
+    kl = 0.5 * jnp.sum(jnp.exp(logvar) + mean**2 - 1.0 - logvar, axis=-1)
+    return jnp.mean(recon + kl)
+
+  wb = lambda m: ("dense", "kron", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
+  return Zoo(
+    loss_fn,
+    params,
+    {"x": x, "noise": kn},
+    [wb("enc/layers/0"), wb("enc/layers/1"), wb("stats"), wb("dec/layers/0"), wb("dec/layers/1")],
+  )
+
+
+HX_MODELS = {
+  "haiku_lm": haiku_lm,
+  "equinox_lm": equinox_lm,
+  "haiku_vit": haiku_vit,
+  "equinox_vit": equinox_vit,
+  "haiku_lstm": haiku_lstm,
+  "haiku_moe": haiku_moe,
+  "equinox_vae": equinox_vae,
+}
+STRUCTURE_MODELS.update(HX_MODELS)

@@ -42,7 +42,17 @@ LOOKUPS = {
     "nlv,vd->nld", (ids[..., None] == jnp.arange(V)).astype(t.dtype), t
   ),
   "numpy_arange": lambda t, ids: (ids[..., None] == np.arange(V)).astype(t.dtype) @ t,
+  # equinox's `Embedding` reads `table[i]` for one token: a `dynamic_slice` that `vmap` turns
+  # into a clipped full-row gather and a `squeeze`.
+  "vmap_row": lambda t, ids: _vmap_rows(t, ids),
 }
+
+
+def _vmap_rows(t, ids):
+  row = lambda i: t[i]  # noqa: E731
+  for _ in range(ids.ndim):
+    row = jax.vmap(row)
+  return row(ids)
 
 
 def _loss(lookup):
@@ -174,6 +184,26 @@ def test_products_that_are_not_lookups_stay_dense(case):
   assert [(l.name, l.kind) for l in layers] == [("table", "dense"), ("w", "dense")]
 
 
+@pytest.mark.parametrize("case", ["part_of_a_row", "two_rows"])
+def test_vmapped_slices_that_are_not_row_lookups_are_not_embeddings(case):
+  """Only a whole single row read per id is a lookup; other vmapped dynamic slices are not."""
+  params = {"table": jnp.ones((V, D)), "w": jnp.ones((D - 1, C))}
+  batch = {"ids": jnp.array([1, 2]), "y": jnp.array([0, 1])}
+  row = {
+    "part_of_a_row": lambda t, i: jax.lax.dynamic_slice(t, (i, 1), (1, D - 1))[0],
+    "two_rows": lambda t, i: jax.lax.dynamic_slice(t, (i, 0), (2, D)).sum(0)[1:],
+  }[case]
+
+  def loss_fn(p, b):
+    logits = jax.vmap(lambda i: row(p["table"], i))(b["ids"]) @ p["w"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  with pytest.warns(kfac_jax.UncoveredParametersWarning):
+    layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  assert [(l.name, l.kind) for l in layers] == [("table", "generic"), ("w", "dense")]
+
+
 def test_ids_outside_the_vocabulary_are_not_counted(x64):
   """`one_hot(-1)` and `one_hot(V)` are zero rows: they add no count to the input factor."""
   params = _params(5)
@@ -201,7 +231,7 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
     return loss_fn
 
   factors = {}
-  for lookup in ("gather", "one_hot_matmul"):
+  for lookup in ("gather", "one_hot_matmul", "vmap_row"):
     loss_fn = make(lookup)
     (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
     assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
@@ -212,7 +242,8 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
     config = kfac_jax.blocks.BlockConfig(stats_dtype=jnp.float64, inverse_dtype=jnp.float64)
     block = kfac_jax.blocks.make_block(spec, config)
     factors[lookup] = block.batch_factors(stats.data[0], 4)
-  for k in ("a", "g"):
-    np.testing.assert_allclose(
-      getattr(factors["one_hot_matmul"], k), getattr(factors["gather"], k), rtol=1e-10
-    )
+  for lookup in ("one_hot_matmul", "vmap_row"):
+    for k in ("a", "g"):
+      np.testing.assert_allclose(
+        getattr(factors[lookup], k), getattr(factors["gather"], k), rtol=1e-10
+      )
