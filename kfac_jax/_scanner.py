@@ -773,7 +773,7 @@ def _kron(kind: str, info, has_bias: bool):
 _PASSES = (
   (_stacked.match_batched_dense, _matchers.match_dense, _matchers.match_conv),
   (_matchers.match_embedding,),
-  (_matchers.match_scale_and_shift,),
+  (_matchers.match_scale_and_shift, _matchers.match_token),
 )
 
 
