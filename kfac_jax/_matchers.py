@@ -774,27 +774,32 @@ def match_token(ix, i, claimed):
   broadcast over the batch. Its slot of the output is `0 + token`, a shift-only layer whose
   output is the broadcast token (the key the curvature pass perturbs)."""
   fe = ix.g.eqns[i]
-  ops = ix.uses_by_eqn.get(i, [])
-  if fe.name != "concatenate" or len(ops) != 1 or int(fe.params["dimension"]) == 0:
-    return None
-  leaf, pos = ops[0]
-  atom = fe.ins[pos]
-  found = _single_use_leaf(ix, atom, claimed)
   out_shape = tuple(fe.outs[0][1].aval.shape)
-  if found is None or not out_shape or out_shape[0] != ix.batch_size:
+  if (
+    fe.name != "concatenate"
+    or int(fe.params["dimension"]) == 0
+    or not out_shape
+    or out_shape[0] != ix.batch_size
+  ):
     return None
-  view_shape = tuple(_graph.aval_of(atom).shape)
-  block = _feature_block(ix.shapes[leaf], found[1], view_shape, view_shape)
-  if block is None or block[0] is not None or len(block[1]) == len(view_shape):
-    return None
-  info = ScaleShiftInfo(
-    has_scale=False,
-    has_shift=True,
-    feature_shape=block[1],
-    output_shape=view_shape,
-    feature_axis=None,
-  )
-  return Match.single("scale_and_shift", [leaf], info, atom, ())
+  for leaf, pos in ix.uses_by_eqn.get(i, []):  # The first unclaimed token (DeiT has two).
+    atom = fe.ins[pos]
+    found = _single_use_leaf(ix, atom, claimed)
+    if found is None:
+      continue
+    view_shape = tuple(_graph.aval_of(atom).shape)
+    block = _feature_block(ix.shapes[leaf], found[1], view_shape, view_shape)
+    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
+      continue
+    info = ScaleShiftInfo(
+      has_scale=False,
+      has_shift=True,
+      feature_shape=block[1],
+      output_shape=view_shape,
+      feature_axis=None,
+    )
+    return Match.single("scale_and_shift", [leaf], info, atom, ())
+  return None
 
 
 def _match_shift(ix, key, out_shape, block, claimed, shared: bool = False):
