@@ -1391,43 +1391,6 @@ def gru_nnx() -> Zoo:
   )
 
 
-class LinenBiGRU(nn.Module):
-  """`nn.Bidirectional` GRU over padded sequences (`seq_lengths`): the backward pass flips each
-  sequence within its length; the two last states are concatenated for the head."""
-
-  @nn.compact
-  def __call__(self, x, lengths):
-    rnn = nn.Bidirectional(
-      nn.RNN(nn.GRUCell(RNN_HIDDEN), name="fwd"),
-      nn.RNN(nn.GRUCell(RNN_HIDDEN), name="bwd"),
-      return_carry=True,
-      name="bi",
-    )
-    (h_fwd, h_bwd), _ = rnn(x, seq_lengths=lengths)
-    return nn.Dense(CLASSES, name="head")(jnp.concatenate([h_fwd, h_bwd], axis=-1))
-
-
-def bigru_linen() -> Zoo:
-  batch = dict(_seq_batch(27), lengths=jnp.array([RNN_STEPS, 3, RNN_STEPS, 2]))
-  model = LinenBiGRU()
-  params = jax.jit(model.init)(_key(1), batch["x"], batch["lengths"])["params"]
-
-  def loss_fn(p, b):
-    return _ce(model.apply({"params": p}, b["x"], b["lengths"]), b["y"])
-
-  gate = lambda c, g, bias: ("dense", "kron_indep", _dense(f"{c}/{g}", bias)[2])  # noqa: E731
-  cell = lambda c: [  # noqa: E731
-    gate(c, "hn", True),
-    gate(c, "hr", False),
-    gate(c, "hz", False),
-    gate(c, "in", True),
-    gate(c, "ir", True),
-    gate(c, "iz", True),
-  ]
-  # The cells keep linen's auto names: `nn.RNN` adds no scope, so "fwd" / "bwd" do not show.
-  return Zoo(loss_fn, params, batch, cell("GRUCell_0") + cell("GRUCell_1") + [_dense("head")])
-
-
 class NnxMoE(nnx.Module):
   """The nnx twin of `LinenMoE`: a dense router, expert-stacked kernels `[E, D, F]`, `[E, F, D]`
   applied by einsum, top-k gates, a load-balancing term."""
@@ -1544,7 +1507,6 @@ STRUCTURE_MODELS.update(
     "gru_linen": gru_linen,
     "lstm_cell_nnx": lstm_cell_nnx,
     "gru_nnx": gru_nnx,
-    "bigru_linen": bigru_linen,
     "moe_nnx": moe_nnx,
     "vae_nnx": vae_nnx,
   }
