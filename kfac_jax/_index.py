@@ -39,9 +39,24 @@ VIEW_OPS = frozenset(
 )
 
 
+def is_view(fe: _graph.FlatEqn) -> bool:
+  """Whether `fe` only moves, reshapes, casts or broadcasts its first operand: a `VIEW_OPS`
+  equation, or a `tile` that only repeats unit axes (`jnp.tile(cls, (n, 1, 1))` of a `[1, 1, D]`
+  token is a broadcast)."""
+  if fe.name in VIEW_OPS:
+    return True
+  if fe.name != "tile" or not fe.ins:
+    return False
+  in_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
+  reps = tuple(fe.params["reps"])
+  return len(reps) == len(in_shape) and all(r == 1 or s == 1 for r, s in zip(reps, in_shape))
+
+
 def _view_step(fe: _graph.FlatEqn) -> ViewStep:
   in_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
   out_shape = tuple(fe.outs[0][1].aval.shape)
+  if fe.name == "tile":  # A broadcast of unit axes (`is_view`).
+    return ViewStep("broadcast", in_shape, out_shape, tuple(range(len(in_shape))))
   if fe.name == "transpose":
     return ViewStep("transpose", in_shape, out_shape, tuple(fe.params["permutation"]))
   if fe.name in ("reshape", "squeeze"):
@@ -166,7 +181,7 @@ class _Builder:
     self.virtual: dict[int, ConcatView] = {}  # Virtual leaf -> the concatenation it stands for.
     self.concat_eqns: dict[int, int] = {}  # Equation -> the virtual leaf it computes.
     for i, fe in enumerate(self.g.eqns):
-      if fe.name in VIEW_OPS and fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in self.origin:
+      if is_view(fe) and fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in self.origin:
         leaf, chain = self.origin[fe.ins[0]]
         self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
       elif fe.name in ("concatenate", "stack"):
@@ -242,7 +257,7 @@ class _Builder:
     for i in sorted(in_slice):
       fe = self.g.eqns[i]
       if (
-        fe.name in VIEW_OPS
+        is_view(fe)
         or i in self.view_eqns
         or i in self.concat_eqns
         or fe.eqn.primitive in (_tags.layer_tag_p,)

@@ -35,6 +35,9 @@ Automatic matchers: `match_dense` (a dense product, or `one_hot(ids) @ table`), 
                     leading axes of the output; a second multiplication by an activation right
                     after the scale is folded in, which covers Flax's normalisation layers
                     (`y = (x - mean) * (rsqrt(var + eps) * scale) + bias`).
+  token             (`match_token`) a parameter broadcast over the batch and concatenated with
+                    the activations along another axis (a ViT's class token): a shift-only
+                    scale_and_shift layer whose output is the broadcast token.
 """
 
 from __future__ import annotations
@@ -801,6 +804,40 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
     feature_axis=axis,
   )
   return info, leaf, inputs, out_key, shift_leaf
+
+
+def match_token(ix, i, claimed):
+  """A learned token concatenated with the activations (a ViT's class token): equation i is
+  `concatenate(..., broadcast(token), ...)` along a non-batch axis, the token a single-use leaf
+  broadcast over the batch. Its slot of the output is `0 + token`, a shift-only layer whose
+  output is the broadcast token (the key the curvature pass perturbs)."""
+  fe = ix.g.eqns[i]
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  if (
+    fe.name != "concatenate"
+    or int(fe.params["dimension"]) == 0
+    or not out_shape
+    or out_shape[0] != ix.batch_size
+  ):
+    return None
+  for leaf, pos in ix.uses_by_eqn.get(i, []):  # The first unclaimed token (DeiT has two).
+    atom = fe.ins[pos]
+    found = _single_use_leaf(ix, atom, claimed)
+    if found is None:
+      continue
+    view_shape = tuple(_graph.aval_of(atom).shape)
+    block = _feature_block(ix.shapes[leaf], found[1], view_shape, view_shape)
+    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
+      continue
+    info = ScaleShiftInfo(
+      has_scale=False,
+      has_shift=True,
+      feature_shape=block[1],
+      output_shape=view_shape,
+      feature_axis=None,
+    )
+    return Match.single("scale_and_shift", [leaf], info, atom, ())
+  return None
 
 
 def _match_shift(ix, key, out_shape, block, claimed, shared: bool = False):

@@ -182,7 +182,9 @@ class _Scanner:
        scales first, then shifts, so that a scale claims its shift;
     3. per equation, in graph order, three passes: kernels (stacked dense, dense or one-hot
        embedding, conv; each claims its bias), then gathers (embedding), then elementwise scales
-       and shifts (scale_and_shift), so that a bias is never mistaken for a shift;
+       and shifts and learned tokens concatenated with the activations (scale_and_shift), so
+       that a bias is never mistaken for a shift; an equation is tried again after a match
+       (two tokens in one concatenation);
     4. layers matched on concatenations are mapped to their real leaves, then the per-slice
        layers of stacked leaves are merged into one stacked layer (`_stacked.merge`), then
        `LayerConfig.linked` groups replace the layers they hold;
@@ -241,13 +243,19 @@ class _Scanner:
           if match is not None:
             specs.append(self._accept(match, claimed))
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
+    # An equation may hold several layers' leaves (a concatenation of two learned tokens): it is
+    # tried again after each match, at most once per leaf it uses.
     for matchers in _PASSES:
       for i in sorted(ix.uses_by_eqn):
-        for matcher in matchers:
-          match = matcher(ix, i, claimed)
-          if match is not None:
-            specs.append(self._accept(match, claimed))
+        for _ in ix.uses_by_eqn[i]:
+          match = None
+          for matcher in matchers:
+            match = matcher(ix, i, claimed)
+            if match is not None:
+              break
+          if match is None:
             break
+          specs.append(self._accept(match, claimed))
 
     specs = self._expand_virtual(specs, claimed)  # Concatenations first, then stacks.
     specs = _stacked.merge(self, specs, claimed)  # No virtual leaf is left after this.
@@ -773,7 +781,7 @@ def _kron(kind: str, info, has_bias: bool):
 _PASSES = (
   (_stacked.match_batched_dense, _matchers.match_dense, _matchers.match_conv),
   (_matchers.match_embedding,),
-  (_matchers.match_scale_and_shift,),
+  (_matchers.match_scale_and_shift, _matchers.match_token),
 )
 
 

@@ -1581,3 +1581,338 @@ HX_MODELS = {
   "equinox_vae": equinox_vae,
 }
 STRUCTURE_MODELS.update(HX_MODELS)
+
+
+# ==============================================================================================
+# Structure zoo, second part (issue 13, "real model code keeps its structure"): a small ViT in
+# linen and nnx, an nnx LSTM (`nnx.RNN`), a linen GRU (`nn.RNN`), the nnx twins of the top-k
+# mixture of experts and of the VAE.
+# ==============================================================================================
+
+VIT_PATCH, VIT_MLP = 4, 16
+VIT_TOKENS = (8 // VIT_PATCH) ** 2  # 8x8 images
+
+
+def _vit_batch():
+  return _images(_key(20))
+
+
+class LinenViTBlock(nn.Module):
+  """Pre-LayerNorm encoder block: self-attention, then an MLP, each residual."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = x + nn.MultiHeadDotProductAttention(HEADS, name="attn")(nn.LayerNorm(name="ln1")(x))
+    h = nn.gelu(nn.Dense(VIT_MLP, name="fc1")(nn.LayerNorm(name="ln2")(x)))
+    return x + nn.Dense(DIM, name="fc2")(h)
+
+
+class LinenViT(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(DIM, (VIT_PATCH, VIT_PATCH), strides=VIT_PATCH, name="patch")(x)
+    x = x.reshape(x.shape[0], -1, DIM)  # [N, L, D]
+    pos = self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], DIM))
+    x = LinenViTBlock(name="block")(x + pos)
+    return nn.Dense(CLASSES, name="head")(jnp.mean(nn.LayerNorm(name="ln_f")(x), axis=1))
+
+
+class NnxViT(nnx.Module):
+  """The classic ViT readout: a learned class token `[1, 1, D]` is broadcast over the batch and
+  prepended to the patch tokens; the head reads its final state (the linen twin mean-pools)."""
+
+  def __init__(self, rngs):
+    p = VIT_PATCH
+    self.patch = nnx.Conv(3, DIM, (p, p), strides=p, rngs=rngs)
+    self.cls = nnx.Param(jnp.zeros((1, 1, DIM)))
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, 1 + VIT_TOKENS, DIM)))
+    self.ln1 = nnx.LayerNorm(DIM, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(HEADS, DIM, decode=False, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(DIM, rngs=rngs)
+    self.fc1 = nnx.Linear(DIM, VIT_MLP, rngs=rngs)
+    self.fc2 = nnx.Linear(VIT_MLP, DIM, rngs=rngs)
+    self.ln_f = nnx.LayerNorm(DIM, rngs=rngs)
+    self.head = nnx.Linear(DIM, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.patch(x).reshape(x.shape[0], -1, DIM)
+    cls = jnp.broadcast_to(self.cls[...], (x.shape[0], 1, DIM))
+    x = jnp.concatenate([cls, x], axis=1) + self.pos
+    x = x + self.attn(self.ln1(x))
+    x = x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
+    return self.head(self.ln_f(x)[:, 0])
+
+
+def _vit_expected(blk, extra=()):
+  """The layers of either ViT; `blk` prefixes the block's layers (linen nests them)."""
+  pos = ("scale_and_shift", "diagonal", ("pos",))  # The default for a learned table.
+  attn = [_dense(f"{blk}attn/{n}") for n in ("key", "out", "query", "value")]
+  block = attn + [_dense(f"{blk}fc1"), _dense(f"{blk}fc2"), _norm(f"{blk}ln1"), _norm(f"{blk}ln2")]
+  return sorted(
+    block + [_dense("head"), _norm("ln_f"), _conv("patch"), pos, *extra], key=lambda e: e[2]
+  )
+
+
+def vit_linen() -> Zoo:
+  f, p, b = _linen(LinenViT(), _vit_batch())
+  return Zoo(f, p, b, _vit_expected("block/"))
+
+
+def vit_nnx() -> Zoo:
+  """The class token is `0 + cls` in its slot of the concatenation: a shift-only layer over D
+  ("full", unlike the positional table's "diagonal")."""
+  f, p, b = _nnx(NnxViT(nnx.Rngs(0)), _vit_batch())
+  return Zoo(f, p, b, _vit_expected("", [("scale_and_shift", "full", ("cls",))]))
+
+
+RNN_STEPS, RNN_HIDDEN, RNN_IN = 5, 6, 4
+
+
+def _seq_batch(seed):
+  k1, k2 = jax.random.split(_key(seed))
+  return {
+    "x": jax.random.normal(k1, (N, RNN_STEPS, RNN_IN)),
+    "y": jax.random.randint(k2, (N,), 0, CLASSES),
+  }
+
+
+def _uses_check(expected_uses):
+  def check(specs):
+    uses = {s.param_paths[0]: s.num_uses for s in specs}
+    assert uses == expected_uses, uses
+
+  return check
+
+
+class NnxLSTM(nnx.Module):
+  """`nnx.RNN` over `nnx.OptimizedLSTMCell` (its input and recurrent kernels are each one
+  `Linear` of the four gates), a linear head on the last output."""
+
+  def __init__(self, rngs):
+    self.rnn = nnx.RNN(nnx.OptimizedLSTMCell(RNN_IN, RNN_HIDDEN, rngs=rngs))
+    self.head = nnx.Linear(RNN_HIDDEN, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.rnn(x)[:, -1])
+
+
+def lstm_nnx() -> Zoo:
+  f, p, b = _nnx(NnxLSTM(nnx.Rngs(0)), _seq_batch(21))
+  c = "rnn/cell"
+  z = Zoo(
+    f,
+    p,
+    b,
+    [
+      _dense("head"),
+      ("dense", "kron_indep", (f"{c}/dense_h/kernel", f"{c}/dense_h/bias")),
+      ("dense", "kron_indep", (f"{c}/dense_i/kernel",)),
+    ],
+  )
+  z.check = _uses_check(
+    {f"{c}/dense_h/kernel": RNN_STEPS, f"{c}/dense_i/kernel": RNN_STEPS, "head/kernel": 1}
+  )
+  return z
+
+
+class LinenGRU(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.RNN(nn.GRUCell(RNN_HIDDEN), name="rnn")(x)
+    return nn.Dense(CLASSES, name="head")(y[:, -1])
+
+
+def gru_linen() -> Zoo:
+  """`nn.RNN(nn.GRUCell)`: six gate `Dense` layers, each shared over the steps (kron_indep);
+  the input ones and the candidate's recurrent one (`hn`, scaled by the reset gate after its
+  bias) carry biases, `hr` and `hz` none."""
+  f, p, b = _linen(LinenGRU(), _seq_batch(22))
+  c = "GRUCell_0"  # nn.RNN adds no scope of its own to the cell params.
+  gate = lambda g, bias: ("dense", "kron_indep", _dense(f"{c}/{g}", bias)[2])  # noqa: E731
+  z = Zoo(
+    f,
+    p,
+    b,
+    [gate("hn", True), gate("hr", False), gate("hz", False)]
+    + [gate("in", True), gate("ir", True), gate("iz", True), _dense("head")],
+  )
+  z.check = _uses_check(
+    {f"{c}/{g}/kernel": RNN_STEPS for g in ("hn", "hr", "hz", "in", "ir", "iz")}
+    | {"head/kernel": 1}
+  )
+  return z
+
+
+class NnxLSTMCellModel(nnx.Module):
+  """`nnx.RNN` over the unfused `nnx.LSTMCell`: eight gate `Linear`s (`ii`, `if_`, ... input
+  ones without bias, `hi`, `hf`, ... recurrent ones with)."""
+
+  def __init__(self, rngs):
+    self.rnn = nnx.RNN(nnx.LSTMCell(RNN_IN, RNN_HIDDEN, rngs=rngs))
+    self.head = nnx.Linear(RNN_HIDDEN, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.rnn(x)[:, -1])
+
+
+def lstm_cell_nnx() -> Zoo:
+  f, p, b = _nnx(NnxLSTMCellModel(nnx.Rngs(0)), _seq_batch(25))
+  c = "rnn/cell"
+  gate = lambda g, bias: ("dense", "kron_indep", _dense(f"{c}/{g}", bias)[2])  # noqa: E731
+  return Zoo(
+    f,
+    p,
+    b,
+    [_dense("head")]
+    + [gate(g, True) for g in ("hf", "hg", "hi", "ho")]
+    + [gate(g, False) for g in ("if_", "ig", "ii", "io")],
+  )
+
+
+class NnxGRU(nnx.Module):
+  """`nnx.RNN` over `nnx.GRUCell`, whose gates are fused: one input and one recurrent `Linear`,
+  split three ways after the product."""
+
+  def __init__(self, rngs):
+    self.rnn = nnx.RNN(nnx.GRUCell(RNN_IN, RNN_HIDDEN, rngs=rngs))
+    self.head = nnx.Linear(RNN_HIDDEN, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.rnn(x)[:, -1])
+
+
+def gru_nnx() -> Zoo:
+  f, p, b = _nnx(NnxGRU(nnx.Rngs(0)), _seq_batch(26))
+  c = "rnn/cell"
+  return Zoo(
+    f,
+    p,
+    b,
+    [
+      _dense("head"),
+      ("dense", "kron_indep", (f"{c}/dense_h/kernel",)),
+      ("dense", "kron_indep", (f"{c}/dense_i/kernel", f"{c}/dense_i/bias")),
+    ],
+  )
+
+
+class NnxMoE(nnx.Module):
+  """The nnx twin of `LinenMoE`: a dense router, expert-stacked kernels `[E, D, F]`, `[E, F, D]`
+  applied by einsum, top-k gates, a load-balancing term."""
+
+  def __init__(self, d, rngs):
+    e = MOE_EXPERTS
+    init = nnx.initializers.lecun_normal(batch_axis=(0,))
+    self.router = nnx.Linear(d, e, use_bias=False, rngs=rngs)
+    self.w_in = nnx.Param(init(rngs.params(), (e, d, MOE_HIDDEN)))
+    self.w_out = nnx.Param(init(rngs.params(), (e, MOE_HIDDEN, d)))
+
+  def __call__(self, x):  # [T, D]
+    e = MOE_EXPERTS
+    probs = jax.nn.softmax(self.router(x))
+    gate, idx = jax.lax.top_k(probs, MOE_TOP_K)
+    gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
+    combine = jnp.sum(jax.nn.one_hot(idx, e) * gate[..., None], axis=1)  # [T, E]
+    dispatch = jnp.sum(jax.nn.one_hot(idx, e), axis=1)
+    xe = jnp.einsum("te,td->etd", dispatch, x)
+    h = nnx.gelu(jnp.einsum("etd,edf->etf", xe, self.w_in[...]))
+    ye = jnp.einsum("etf,efd->etd", h, self.w_out[...])
+    balance = e * jnp.sum(jnp.mean(dispatch, axis=0) / MOE_TOP_K * jnp.mean(probs, axis=0))
+    return jnp.einsum("te,etd->td", combine, ye), balance
+
+
+class NnxMoEModel(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Linear(6, 8, rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+    self.moe = NnxMoE(8, rngs)
+    self.head = nnx.Linear(8, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    n, s, _ = x.shape
+    h = self.embed(x)
+    y, balance = self.moe(self.norm(h).reshape(n * s, 8))
+    h = h + y.reshape(n, s, 8)
+    return self.head(jnp.mean(h, axis=1)), balance
+
+
+def moe_nnx() -> Zoo:
+  kx, ky = jax.random.split(_key(23))
+  batch = {"x": jax.random.normal(kx, (N, 3, 6)), "y": jax.random.randint(ky, (N,), 0, CLASSES)}
+  graphdef, params = nnx.split(NnxMoEModel(nnx.Rngs(0)), nnx.Param)
+
+  def loss_fn(p, b):
+    logits, balance = nnx.merge(graphdef, p)(b["x"])
+    return _ce(logits, b["y"]) + 0.01 * balance
+
+  def check(specs):
+    stacks = {s.param_paths: s.stack_size for s in specs}
+    assert stacks[("moe/w_in",)] == stacks[("moe/w_out",)] == MOE_EXPERTS, stacks
+
+  return Zoo(
+    loss_fn,
+    params,
+    batch,
+    [
+      _dense("embed"),
+      _dense("head"),
+      ("dense", "kron", ("moe/router/kernel",)),
+      ("dense", "kron", ("moe/w_in",)),
+      ("dense", "kron", ("moe/w_out",)),
+      _norm("norm"),
+    ],
+    check=check,
+  )
+
+
+class NnxVAE(nnx.Module):
+  """The nnx twin of `LinenVAE`; the noise comes from the `rngs` passed to the call."""
+
+  def __init__(self, rngs):
+    self.enc = nnx.Linear(VAE_PIXELS, 16, rngs=rngs)
+    self.mean = nnx.Linear(16, VAE_LATENT, rngs=rngs)
+    self.logvar = nnx.Linear(16, VAE_LATENT, rngs=rngs)
+    self.dec = nnx.Linear(VAE_LATENT, 16, rngs=rngs)
+    self.dec_out = nnx.Linear(16, VAE_PIXELS, rngs=rngs)
+
+  def __call__(self, x, rngs):
+    h = nnx.relu(self.enc(x))
+    mean, logvar = self.mean(h), self.logvar(h)
+    z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(rngs.noise(), mean.shape)
+    return self.dec_out(nnx.relu(self.dec(z))), mean, logvar
+
+
+def vae_nnx() -> Zoo:
+  """The negative ELBO of `vae`, the reconstruction registered, the KL term not; the noise key
+  comes from the batch."""
+  kx, kn = jax.random.split(_key(24))
+  x = (jax.random.uniform(kx, (N, VAE_PIXELS)) < 0.3).astype(jnp.float32)
+  graphdef, params = nnx.split(NnxVAE(nnx.Rngs(0)), nnx.Param)
+
+  def loss_fn(p, b):
+    logits, mean, logvar = nnx.merge(graphdef, p)(b["x"], nnx.Rngs(noise=b["noise"]))
+    kfac_jax.register_sigmoid_cross_entropy_loss(logits, b["x"])
+    recon = optax.sigmoid_binary_cross_entropy(logits, b["x"]).sum(-1)
+    kl = 0.5 * jnp.sum(jnp.exp(logvar) + mean**2 - 1.0 - logvar, axis=-1)
+    return jnp.mean(recon + kl)
+
+  return Zoo(
+    loss_fn,
+    params,
+    {"x": x, "noise": kn},
+    [_dense(m) for m in ("dec", "dec_out", "enc", "logvar", "mean")],
+  )
+
+
+STRUCTURE_MODELS.update(
+  {
+    "vit_linen": vit_linen,
+    "vit_nnx": vit_nnx,
+    "lstm_nnx": lstm_nnx,
+    "gru_linen": gru_linen,
+    "lstm_cell_nnx": lstm_cell_nnx,
+    "gru_nnx": gru_nnx,
+    "moe_nnx": moe_nnx,
+    "vae_nnx": vae_nnx,
+  }
+)

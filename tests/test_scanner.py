@@ -273,3 +273,64 @@ def test_channel_first_scale_and_shift_is_exact(x64):
 
   dense, exact = both(params, batch)
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("spread", ["broadcast_to", "tile", "two_tokens"])
+def test_class_token_is_exact_shift(x64, spread):
+  """A learned token broadcast over the batch and concatenated with the patch tokens (a ViT's
+  class token; DeiT's class and distillation tokens, two in one concatenation) is a shift-only
+  scale_and_shift layer, not a generic fallback; its "full" block in the exact mode is the
+  exact Fisher block of the token."""
+  k = jax.random.split(jax.random.key(0), 5)
+  params = {
+    "cls": jax.random.normal(k[0], (1, 1, 3), jnp.float64),
+    "w": jax.random.normal(k[1], (3, 3), jnp.float64),
+  }
+  tokens = ("cls",)
+  if spread == "two_tokens":
+    params["dist"] = jax.random.normal(k[4], (1, 1, 3), jnp.float64)
+    tokens = ("cls", "dist")
+  batch = {"x": jax.random.normal(k[2], (5, 2, 3), jnp.float64)}
+  batch["y"] = jax.random.randint(k[3], (5,), 0, 3)
+
+  def logits_fn(p, b):
+    n = b["x"].shape[0]
+    if spread == "tile":
+      toks = [jnp.tile(p["cls"], (n, 1, 1))]
+    else:
+      toks = [jnp.broadcast_to(p[t], (n, 1, 3)) for t in tokens]
+    h = jnp.concatenate([*toks, b["x"]], axis=1)  # [N, T + L, D]
+    mixed = jax.nn.softmax(jnp.einsum("nld,nmd->nlm", h, h))  # Token mixing.
+    return jnp.tanh(jnp.einsum("nlm,nmd->nld", mixed, h)[:, 0] @ p["w"])
+
+  def loss_fn(p, b):
+    logits = logits_fn(p, b)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert [(l.kind, l.approx, l.param_paths) for l in layers] == [
+    ("scale_and_shift", "full", (t,)) for t in tokens
+  ] + [("dense", "kron", ("w",))]
+  assert all(l.info.feature_shape == (3,) for l in layers[:-1])
+
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  state0 = est.init(params)
+  t = 3 * len(tokens)
+
+  @jax.jit  # One program: eager ops would each compile on their own.
+  def both(params, batch):
+    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    tok = {n: params[n] for n in tokens}
+    flat, unravel = jax.flatten_util.ravel_pytree(tok)
+    jac = jax.jacobian(lambda f: logits_fn(dict(params, **unravel(f)), batch))(flat)  # [N, C, t]
+    p = jax.nn.softmax(logits_fn(params, batch))
+    fz = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
+    exact = jnp.einsum("nci,ncd,ndj->ij", jac, fz, jac) / 5
+    # The tokens are the first leaves: their blocks lie on the top left of the block-diagonal
+    # matrix, one 3 x 3 block each (no cross-token terms: separate layers).
+    mask = jnp.kron(jnp.eye(len(tokens)), jnp.ones((3, 3)))
+    return est.to_dense(state)[:t, :t], exact * mask
+
+  dense, exact = both(params, batch)
+  np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
