@@ -51,16 +51,17 @@ Adding a layer kind. (1) Its matching details: a frozen `FooInfo` in `_specs`, a
 `APPROXIMATIONS` / `DEFAULT_APPROX` (and `SHARED_BY_KIND` if a shared use makes sense). (2) One
 matcher in `_matchers`, `match_foo(ix, i, claimed) -> Match | None`, added to `_PASSES` below
 in the pass where it belongs (kernels claim their biases before the elementwise pass), and, for
-shared uses, a branch of `match_shared`. (3) Its factor shapes under "kron" in `_kron` below.
-(4) One block (or a layout for `blocks.KroneckerBlock`) in `blocks/` that reads `spec.info`, and
-its entry in the block factory (`blocks.make_block`). A manual tag additionally needs a
-`register_foo` in `_tags` and a branch of `_matchers.read_manual_tag`.
+shared uses, a branch of `match_shared`. (3) One block (or a layout for `blocks.KroneckerBlock`)
+in `blocks/` that reads `spec.info` and answers its factor shapes (`Block.factor_shapes_for`),
+and its entries in the block registry (`blocks.block_class`). The scanner asks the block class
+for every layer's factor shapes (`blocks.factor_shapes_for`), so they are never computed here.
+A manual tag additionally needs a `register_foo` in `_tags` and a branch of
+`_matchers.read_manual_tag`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,6 +70,7 @@ import jax
 import numpy as np
 
 from kfac_jax import _compat, _graph, _index, _layer_config, _matchers, _stacked, _tags
+from kfac_jax import blocks as _blocks
 from kfac_jax._specs import (  # Re-exported: the names other modules and tests use from here.
   APPROXIMATIONS,
   DEFAULT_APPROX,
@@ -82,7 +84,6 @@ from kfac_jax._specs import (  # Re-exported: the names other modules and tests 
   RegistrationError,
   UncoveredParametersWarning,
   common_prefix,
-  conv_kron_shapes,
   param_paths,
 )
 
@@ -305,22 +306,15 @@ class _Scanner:
       spec = self._shared_spec(kind, leaves, match.infos, approx, source)
       return spec, match.outputs, match.inputs
     (info,), (out,), (ins,) = match.infos, match.outputs, match.inputs
-    has_bias = len(leaves) == 2
     if match.stack_size:  # The per-layer spec, over per-layer leaf shapes, then the stack.
       shapes = {j: self.ix.shapes[j][1:] for j in leaves}
-      inner = self.layer_spec(
-        kind, leaves, info, approx, source, _kron(kind, info, has_bias), shapes
-      )
+      inner = self.layer_spec(kind, leaves, info, approx, source, shapes)
       return (
         _stacked.stack_spec(self.ix, inner, leaves, match.stack_size, match.stack_axes),
         out,
         ins,
       )
-    return (
-      self.layer_spec(kind, leaves, info, approx, source, _kron(kind, info, has_bias)),
-      out,
-      ins,
-    )
+    return self.layer_spec(kind, leaves, info, approx, source), out, ins
 
   # -- losses ----------------------------------------------------------------------------------
 
@@ -375,21 +369,16 @@ class _Scanner:
       paths = tuple(self.ix.paths[j] for j in leaves)
       name = common_prefix(paths)
       self.claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
-      out.append(
-        (
-          dataclasses.replace(
-            spec,
-            name=name,
-            param_paths=paths,
-            leaf_indices=tuple(leaves),
-            param_shapes=tuple(self.ix.shapes[j] for j in leaves),
-            concat=tuple(views),
-            logical=spec,
-          ),
-          outs,
-          ins,
-        )
+      whole = dataclasses.replace(
+        spec,
+        name=name,
+        param_paths=paths,
+        leaf_indices=tuple(leaves),
+        param_shapes=tuple(self.ix.shapes[j] for j in leaves),
+        concat=tuple(views),
+        logical=spec,
       )
+      out.append((sized(whole), outs, ins))
     return out
 
   # -- manual tags -----------------------------------------------------------------------------
@@ -622,21 +611,6 @@ class _Scanner:
       approx = self._shared_override(kind, name, paths, len(infos))
     explicit = approx is not None
     approx = self._check_approx(kind, approx, list(paths), shared=True)
-    note = ""
-    max_dim = self.layer_config.max_factor_dim
-    if not explicit and max_dim is not None and kind in ("dense", "conv"):
-      # The size policy for shared layers: "kron_indep" has no diagonal-side variant, so a
-      # side above the limit makes the block diagonal (exact per-example diagonal, O(n)).
-      first = infos[0]
-      sides = (
-        (first.in_dim, first.out_dim) if kind == "dense" else (first.patch_dim, first.out_per_group)
-      )
-      if max(sides) > max_dim:
-        approx = "diagonal"
-        note = (
-          f"factor side {max(sides)} > max_factor_dim {max_dim} on a layer used "
-          f"{len(infos)} times: diagonal"
-        )
     if approx in SHARED_APPROXIMATIONS[1:] and (
       kind != "dense" or len({inf.rows for inf in infos}) != 1
     ):
@@ -645,34 +619,32 @@ class _Scanner:
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
         f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
       )
-    info = next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0])
-    n = sum(math.prod(self.ix.shapes[j]) for j in leaves)
-    shapes: tuple[tuple[int, ...], ...]
-    if approx == "diagonal":
-      shapes = ((n,),)
-    elif approx == "full":
-      shapes = ((n, n),)
-    else:
-      shapes = _kron(kind, info, len(leaves) == 2)
-    return LayerSpec(
+    spec = LayerSpec(
       name=name,
       kind=kind,
       param_paths=paths,
       leaf_indices=tuple(leaves),
       approx=approx,
-      factor_shapes=shapes,
+      factor_shapes=(),
       source=source,
-      info=info,
+      info=next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0]),
       param_shapes=tuple(self.ix.shapes[j] for j in leaves),
       num_uses=len(infos),
       use_infos=infos,
-      note=note,
     )
+    if not explicit:
+      approx, note = _layer_config.shared_size_policy(
+        self.layer_config.max_factor_dim,
+        approx,
+        _blocks.factor_shapes_for(spec),
+        SHARED_BY_KIND[kind],
+        len(infos),
+      )
+      spec = dataclasses.replace(spec, approx=approx, note=note)
+    return sized(spec)
 
-  def layer_spec(
-    self, kind, leaves, info, approx, source, kron_shapes, leaf_shapes=None
-  ) -> LayerSpec:
-    """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations.
+  def layer_spec(self, kind, leaves, info, approx, source, leaf_shapes=None) -> LayerSpec:
+    """A LayerSpec, its approximation after the size policy, its factor shapes its block's.
 
     `leaf_shapes` (leaf -> shape) replaces the index's leaf shapes: one layer of a stack.
     """
@@ -688,37 +660,31 @@ class _Scanner:
     approx = self._approx(kind, paths, name, approx, source, builtin)
     if approx != builtin:
       note = ""
-    n = sum(math.prod(shape_of[j]) for j in leaves)
-    if not explicit:
-      approx, why = _layer_config.size_policy(
-        self.layer_config.max_factor_dim, kind, approx, kron_shapes, n, APPROXIMATIONS[kind]
-      )
-      note = why or note
-    shapes: tuple[tuple[int, ...], ...]
-    if approx == "diagonal":
-      shapes = ((n,),)
-    elif approx == "full":
-      shapes = ((n, n),)
-    elif approx in ("kron_in_diag", "kron_out_diag", "kron_both_diag"):
-      (sa, sg), both = kron_shapes, approx == "kron_both_diag"
-      shapes = (
-        sa[:-1] if approx == "kron_in_diag" or both else sa,
-        sg[:-1] if approx == "kron_out_diag" or both else sg,
-      )
-    else:
-      shapes = kron_shapes
-    return LayerSpec(
+    spec = LayerSpec(
       name=name,
       kind=kind,
       param_paths=paths,
       leaf_indices=tuple(leaves),
       approx=approx,
-      factor_shapes=shapes,
+      factor_shapes=(),
       source=source,
       info=info,
       param_shapes=tuple(shape_of[j] for j in leaves),
       note=note,
     )
+    return sized(self._size_policy(spec, explicit))
+
+  def _size_policy(self, spec: LayerSpec, explicit: bool) -> LayerSpec:
+    """`spec` after `_layer_config.size_policy` (not for an approximation chosen by name)."""
+    if explicit:
+      return spec
+    approx, why = _layer_config.size_policy(
+      self.layer_config.max_factor_dim,
+      spec.approx,
+      _blocks.factor_shapes_for(spec),
+      APPROXIMATIONS[spec.kind],
+    )
+    return dataclasses.replace(spec, approx=approx, note=why or spec.note)
 
   def _explicit(self, paths, name, approx, source) -> bool:
     """Whether the layer's approximation is chosen for it by name: a manual tag's `approx=` or
@@ -731,41 +697,26 @@ class _Scanner:
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
     paths = tuple(self.ix.paths[j] for j in leaves)
-    n = sum(math.prod(self.ix.shapes[j]) for j in leaves)
     name = paths[0] if len(paths) == 1 else common_prefix(paths)
-    note = ""
+    explicit = source == "linked" or self._explicit(paths, name, approx, source)
     if source != "linked":
-      explicit = self._explicit(paths, name, approx, source)
       approx = self._approx("generic", paths, name, approx, source, DEFAULT_APPROX["generic"])
-      if not explicit:
-        approx, note = _layer_config.size_policy(
-          self.layer_config.max_factor_dim, "generic", approx, (), n, APPROXIMATIONS["generic"]
-        )
-    factor = ((n,),) if approx == "diagonal" else ((n, n),)
-    return LayerSpec(
+    spec = LayerSpec(
       name=name,
       kind="generic",
       param_paths=paths,
       leaf_indices=tuple(leaves),
       approx=approx,
-      factor_shapes=factor,
+      factor_shapes=(),
       source=source,
       param_shapes=tuple(self.ix.shapes[j] for j in leaves),
-      note=note,
     )
+    return sized(self._size_policy(spec, explicit))
 
 
-def _kron(kind: str, info, has_bias: bool):
-  """A layer's factor shapes under "kron" (the input side a vector for embeddings; none for
-  scale-and-shift layers, which take "full" or "diagonal")."""
-  if kind == "dense":
-    a = info.in_dim + (1 if has_bias else 0)
-    return ((a, a), (info.out_dim, info.out_dim))
-  if kind == "conv":
-    return conv_kron_shapes(info, has_bias)
-  if kind == "embedding":
-    return ((info.vocab_size,), (info.dim, info.dim))
-  return ()
+def sized(spec: LayerSpec) -> LayerSpec:
+  """`spec` with the factor shapes its block keeps (`blocks.factor_shapes_for`)."""
+  return dataclasses.replace(spec, factor_shapes=_blocks.factor_shapes_for(spec))
 
 
 # The automatic matchers, pass by pass; within a pass, per equation, the first that fits wins.
