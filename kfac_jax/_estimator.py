@@ -304,7 +304,7 @@ class CurvatureEstimator:
     self._blocks = blocks
     self._param_sig = reg.param_signature
 
-  def scan_batch(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.Registration:
+  def scan_batch(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.ScanResult:
     """The evaluation graph of `loss_fn(params, batch)`, scanned once per batch signature by
     the registration (`warn` and `axis_name` are kept for callers; the registration decides)."""
     del warn, axis_name
@@ -408,7 +408,7 @@ class CurvatureEstimator:
     )
     return stats
 
-  def check_layers(self, reg: _scanner.Registration) -> None:
+  def check_layers(self, reg: _scanner.ScanResult) -> None:
     """The layers found for a batch must be those of `example_batch` (see `Registration`)."""
     self.registration.check_scan(reg)
 

@@ -126,7 +126,7 @@ def avals(tree) -> tuple:
   return treedef, tuple(jax.typeof(x) for x in leaves)
 
 
-def _has_tracer_consts(scan: _scanner.Registration) -> bool:
+def _has_tracer_consts(scan: _scanner.ScanResult) -> bool:
   return any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts)
 
 
@@ -353,7 +353,7 @@ class Registration:
 
   # -- evaluation ----------------------------------------------------------------------------
 
-  def scan_batch(self, params, batch) -> _scanner.Registration:
+  def scan_batch(self, params, batch) -> _scanner.ScanResult:
     """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates.
 
     Kept per `(params, batch)` signature and bound axes; a new one is checked to have the
@@ -383,7 +383,7 @@ class Registration:
       self._scans[key] = (scan, self.loss_part.aux_tree)
     return scan
 
-  def check_scan(self, scan: _scanner.Registration) -> None:
+  def check_scan(self, scan: _scanner.ScanResult) -> None:
     """The layers found for a batch must be those of `example_batch`, with the same blocks.
 
     A batch of another leading size is fine (the blocks read row counts from the arrays); a

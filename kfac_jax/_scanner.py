@@ -21,7 +21,7 @@ padding and input sizes may differ; one shared bias or none), or a scale (with o
 or none) or shift of activations over the same trailing axes. Kernels, tables and scales are
 matched before shifts, so that a scale claims its shift. A `lax.scan` over parameters is
 unrolled by `_graph.FlatGraph`, so a recurrent cell's kernels have one use per time step. Each
-use keeps its own output key and inputs (`Registration.extra_uses`). Shared layers take the
+use keeps its own output key and inputs (`ScanResult.extra_uses`). Shared layers take the
 approximations of `SHARED_BY_KIND`, chosen by a manual tag's `approx=` or a
 `LayerConfig.overrides` pattern. `register_dense` called at every use of one kernel registers
 one multi-use layer; a manual tag count that differs from the graph's use count is an error
@@ -89,8 +89,10 @@ from kfac_jax._specs import (  # Re-exported: the names other modules and tests 
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Registration:
-  """The result of one scan: static specs plus the graph keys the curvature pass taps."""
+class ScanResult:
+  """The result of one scan of `loss_fn` for one `(params, batch)` signature: the flat graph,
+  static specs, and the graph keys the curvature pass taps. A `kfac_jax.Registration` keeps
+  one per batch signature (`Registration.scan_batch`)."""
 
   graph: _graph.FlatGraph
   layers: tuple[LayerSpec, ...]
@@ -130,7 +132,7 @@ def scan(
   layers: _layer_config.LayerConfig | None = None,
   collect: bool = False,
   has_aux: bool = False,
-) -> Registration:
+) -> ScanResult:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
   With `has_aux`, `loss_fn` returns the scalar loss first and further outputs after it (the
@@ -202,7 +204,7 @@ class _Scanner:
     self.layer_config = _layer_config.check(layer_config)
     self.problems: list[str] | None = [] if collect else None
 
-  def run(self) -> Registration:
+  def run(self) -> ScanResult:
     g = self.g
     loss_eqns = [i for i, fe in enumerate(g.eqns) if fe.eqn.primitive is _tags.loss_tag_p]
     if not loss_eqns:
@@ -282,7 +284,7 @@ class _Scanner:
 
     specs.sort(key=lambda s: min(s[0].leaf_indices))
     multi = [s[0].multi_tap for s in specs]
-    return Registration(
+    return ScanResult(
       graph=g,
       layers=tuple(s[0] for s in specs),
       losses=tuple(losses),
