@@ -384,23 +384,34 @@ class Registration:
     return scan
 
   def check_scan(self, scan: _scanner.ScanResult) -> None:
-    """The layers found for a batch must be those of `example_batch`, with the same blocks.
+    """The layers found for a batch must be those of `example_batch`, with the same blocks."""
+    self.check_layer_shapes(
+      tuple(s.name for s in scan.layers),
+      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
+      scan.losses[0].batch_size,
+    )
+
+  def check_layer_shapes(self, names, shapes, batch_size: int, *, kinds_only: bool = False) -> None:
+    """`names` and `(kind, approx, factor_shapes)` of the layers found for a batch of
+    `batch_size` examples must be those of `example_batch` (with `kinds_only`, their kinds:
+    statistics from a `value_and_grad` without this registration, whose scan may know another
+    `LayerConfig`, so its approximations may differ).
 
     A batch of another leading size is fine (the blocks read row counts from the arrays); a
     layer whose factor shapes depend on the batch size cannot share one state across sizes.
     """
-    layers = scan.layers
-    if tuple(s.name for s in layers) != tuple(s.name for s in self.layers):
+    if tuple(names) != tuple(s.name for s in self.layers):
       raise ValueError(
         "loss_fn registers different layers for this batch than for `example_batch`: "
-        f"{[s.name for s in layers]} vs {[s.name for s in self.layers]}."
+        f"{list(names)} vs {[s.name for s in self.layers]}."
       )
-    for new, old in zip(layers, self.layers):
-      if (new.kind, new.approx, new.factor_shapes) != (old.kind, old.approx, old.factor_shapes):
+    for (kind, approx, factor_shapes), old in zip(shapes, self.layers):
+      same = (kind, approx, factor_shapes) == (old.kind, old.approx, old.factor_shapes)
+      if not same and not (kinds_only and kind == old.kind):
         raise ValueError(
           f"layer `{old.name}` changes with the batch size: for this batch of "
-          f"{scan.losses[0].batch_size} examples it is a {new.kind} layer ({new.approx!r}) "
-          f"with factor shapes {list(new.factor_shapes)}, for `example_batch` "
+          f"{batch_size} examples it is a {kind} layer ({approx!r}) "
+          f"with factor shapes {list(factor_shapes)}, for `example_batch` "
           f"({self.example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
           f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
           f"sizes: feed batches of {self.example_batch_size} examples (pad the last one), "
