@@ -606,9 +606,34 @@ class _Scanner:
       return chosen
     return None
 
-  def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
+  def _draft(self, kind, leaves, source, leaf_shapes=None, name=None, **fields) -> LayerSpec:
+    """A LayerSpec over `leaves` (named by their paths' common prefix unless `name` is given),
+    its approximation still to be chosen ("") and its factor shapes to be asked of its block
+    (`sized`). `leaf_shapes` as in `layer_spec`."""
+    shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
     paths = tuple(self.ix.paths[j] for j in leaves)
-    name = common_prefix(paths)
+    return LayerSpec(
+      name=common_prefix(paths) if name is None else name,
+      kind=kind,
+      param_paths=paths,
+      leaf_indices=tuple(leaves),
+      approx="",
+      factor_shapes=(),
+      source=source,
+      param_shapes=tuple(shape_of[j] for j in leaves),
+      **fields,
+    )
+
+  def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
+    spec = self._draft(
+      kind,
+      leaves,
+      source,
+      info=next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0]),
+      num_uses=len(infos),
+      use_infos=infos,
+    )
+    paths, name = spec.param_paths, spec.name
     if approx is None:
       approx = self._shared_override(kind, name, paths, len(infos))
     explicit = approx is not None
@@ -621,19 +646,7 @@ class _Scanner:
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
         f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
       )
-    spec = LayerSpec(
-      name=name,
-      kind=kind,
-      param_paths=paths,
-      leaf_indices=tuple(leaves),
-      approx=approx,
-      factor_shapes=(),
-      source=source,
-      info=next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0]),
-      param_shapes=tuple(self.ix.shapes[j] for j in leaves),
-      num_uses=len(infos),
-      use_infos=infos,
-    )
+    spec = dataclasses.replace(spec, approx=approx)
     if not explicit:
       approx, note = _layer_config.shared_size_policy(
         self.layer_config.max_factor_dim,
@@ -650,9 +663,8 @@ class _Scanner:
 
     `leaf_shapes` (leaf -> shape) replaces the index's leaf shapes: one layer of a stack.
     """
-    shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
-    paths = tuple(self.ix.paths[j] for j in leaves)
-    name = common_prefix(paths)
+    spec = self._draft(kind, leaves, source, leaf_shapes, info=info)
+    paths, name = spec.param_paths, spec.name
     builtin, note = _matchers.default_approx(kind, info), ""
     if builtin is None:
       builtin = DEFAULT_APPROX[kind]
@@ -662,18 +674,7 @@ class _Scanner:
     approx = self._approx(kind, paths, name, approx, source, builtin)
     if approx != builtin:
       note = ""
-    spec = LayerSpec(
-      name=name,
-      kind=kind,
-      param_paths=paths,
-      leaf_indices=tuple(leaves),
-      approx=approx,
-      factor_shapes=(),
-      source=source,
-      info=info,
-      param_shapes=tuple(shape_of[j] for j in leaves),
-      note=note,
-    )
+    spec = dataclasses.replace(spec, approx=approx, note=note)
     return sized(self._size_policy(spec, explicit))
 
   def _size_policy(self, spec: LayerSpec, explicit: bool) -> LayerSpec:
@@ -698,22 +699,13 @@ class _Scanner:
     )
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
-    paths = tuple(self.ix.paths[j] for j in leaves)
-    name = paths[0] if len(paths) == 1 else common_prefix(paths)
+    lone = self.ix.paths[leaves[0]] if len(leaves) == 1 else None  # Its own name, not a parent.
+    spec = self._draft("generic", leaves, source, name=lone)
+    paths, name = spec.param_paths, spec.name
     explicit = source == "linked" or self._explicit(paths, name, approx, source)
     if source != "linked":
       approx = self._approx("generic", paths, name, approx, source, DEFAULT_APPROX["generic"])
-    spec = LayerSpec(
-      name=name,
-      kind="generic",
-      param_paths=paths,
-      leaf_indices=tuple(leaves),
-      approx=approx,
-      factor_shapes=(),
-      source=source,
-      param_shapes=tuple(self.ix.shapes[j] for j in leaves),
-    )
-    return sized(self._size_policy(spec, explicit))
+    return sized(self._size_policy(dataclasses.replace(spec, approx=approx), explicit))
 
 
 def sized(spec: LayerSpec) -> LayerSpec:
