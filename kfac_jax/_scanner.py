@@ -388,13 +388,10 @@ class _Scanner:
   def claim(self, claimed, leaves, name):
     for j in leaves:
       if j in claimed:
-        msg = (
+        self._problem(
           f"parameter `{self.ix.paths[j]}` is registered twice: in `{claimed[j]}` and in "
           f"`{name}`. Each parameter belongs to exactly one curvature block."
         )
-        if self.problems is None:
-          raise RegistrationError(msg)
-        self.problems.append(msg)
         continue
       claimed[j] = name
 
@@ -462,11 +459,14 @@ class _Scanner:
       specs = kept + [(spec, None, None)]
     return specs
 
-  def _pattern_problem(self, msg):
-    msg += "; fix the pattern (globs: `*` matches any characters, slashes included)."
+  def _problem(self, msg: str) -> None:
+    """A coverage problem: raised, or collected with `collect` (raised together at the end)."""
     if self.problems is None:
       raise RegistrationError(msg)
     self.problems.append(msg)
+
+  def _pattern_problem(self, msg):
+    self._problem(msg + "; fix the pattern (globs: `*` matches any characters, slashes included).")
 
   def _check_patterns(self, specs):
     names = set(self.ix.paths) | {s[0].name for s in specs}
@@ -545,13 +545,10 @@ class _Scanner:
     graph_uses = len(self.ix.uses.get(leaf, []))
     if not graph_uses or graph_uses == registered:
       return
-    msg = (
+    self._problem(
       f"layer `{self.ix.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
       f"with {registered} {tag} tag(s); {fix}."
     )
-    if self.problems is None:
-      raise RegistrationError(msg)
-    self.problems.append(msg)
 
   def _single_use_series(self, approx, paths):
     return RegistrationError(
