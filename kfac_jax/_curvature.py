@@ -327,13 +327,13 @@ class Linearisation:
     )
 
 
-def linearize(reg: _scanner.Registration, params, batch) -> Linearisation:
+def linearize(reg: _scanner.ScanResult, params, batch) -> Linearisation:
   """One forward pass of `reg`'s graph, linearised (see `Linearisation`)."""
   return Linearisation(reg, params, batch)
 
 
 def compute(
-  reg: _scanner.Registration,
+  reg: _scanner.ScanResult,
   params,
   batch,
   rng: Array | None,

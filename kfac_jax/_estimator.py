@@ -299,12 +299,11 @@ class CurvatureEstimator:
     self._registration = reg
     self.loss_part = reg.loss_part  # The one the registration traces (its aux tree).
     self._layers = reg.layers
-    self._example_batch_size = reg.example_batch_size
     self._names = names
     self._blocks = blocks
     self._param_sig = reg.param_signature
 
-  def scan_batch(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.Registration:
+  def scan_batch(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.ScanResult:
     """The evaluation graph of `loss_fn(params, batch)`, scanned once per batch signature by
     the registration (`warn` and `axis_name` are kept for callers; the registration decides)."""
     del warn, axis_name
@@ -408,36 +407,6 @@ class CurvatureEstimator:
     )
     return stats
 
-  def check_layers(self, reg: _scanner.Registration) -> None:
-    """The layers found for a batch must be those of `example_batch` (see `Registration`)."""
-    self.registration.check_scan(reg)
-
-  def _check_layer_shapes(self, names, shapes, batch_size: int, kinds_only=False) -> None:
-    """`names` and `(kind, approx, factor_shapes)` of the layers of a batch of `batch_size`
-    examples must be those of `example_batch` (with `kinds_only`, their kinds: statistics from
-    `value_and_grad`, whose scan knows no `LayerConfig`, so its approximations may differ).
-
-    A batch of another leading size is fine (the blocks read row counts from the arrays); a
-    layer whose factor shapes depend on the batch size cannot share one state across sizes.
-    """
-    if tuple(names) != tuple(l.name for l in self.layers):
-      raise ValueError(
-        "loss_fn registers different layers for this batch than for `example_batch`: "
-        f"{list(names)} vs {[l.name for l in self.layers]}."
-      )
-    for (kind, approx, factor_shapes), old in zip(shapes, self.layers):
-      same = (kind, approx, factor_shapes) == (old.kind, old.approx, old.factor_shapes)
-      if not same and not (kinds_only and kind == old.kind):
-        raise ValueError(
-          f"layer `{old.name}` changes with the batch size: for this batch of "
-          f"{batch_size} examples it is a {kind} layer ({approx!r}) "
-          f"with factor shapes {list(factor_shapes)}, for `example_batch` "
-          f"({self._example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
-          f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
-          f"sizes: feed batches of {self._example_batch_size} examples (pad the last one), "
-          "or register the layer with a manual tag whose shapes do not involve the batch."
-        )
-
   def batch_factors(
     self, stats: _curvature.CurvatureStats, axis_name: str | None = None, cache=None
   ) -> dict[str, Any]:
@@ -451,7 +420,7 @@ class CurvatureEstimator:
       raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
     if stats.layer_shapes and stats.layer_names == tuple(s.name for s in self.layers):
       # value_and_grad scanned this batch: a layer that changed with the batch size is named.
-      self._check_layer_shapes(
+      self._registration.check_layer_shapes(
         stats.layer_names, stats.layer_shapes, stats.batch_size, kinds_only=True
       )
     self._registration.check_stats(stats, self.who)

@@ -180,26 +180,34 @@ _DIAG_SIDES = {  # (kron-family approximation, side made diagonal) -> approximat
   ("kron_out_diag", "in"): "kron_both_diag",
   ("kron_in_diag", "in"): "kron_in_diag",
   ("kron_out_diag", "out"): "kron_out_diag",
+  ("kron_both_diag", "in"): "kron_both_diag",
+  ("kron_both_diag", "out"): "kron_both_diag",
 }
 
 
 def size_policy(
-  max_dim: int | None, kind: str, approx: str, kron_shapes, num_params: int, allowed: Sequence[str]
+  max_dim: int | None, approx: str, factor_shapes, allowed: Sequence[str]
 ) -> tuple[str, str]:
   """`(approximation, note)` after the size policy (module docstring); note "" if unchanged.
 
-  `kron_shapes` are the layer's (A, G) factor shapes under "kron" (a leading group axis for
-  grouped convolutions; A a vector for embeddings, whose input side is always diagonal).
+  `factor_shapes` are the layer's factor shapes under `approx`, as its block keeps them
+  (`blocks.factor_shapes_for`): a factor with two or more axes is a matrix (after a leading
+  group axis for grouped convolutions) whose side is its last axis; a vector (an embedding's
+  input side, a side already kept as its diagonal) has no side to shrink.
   """
   if max_dim is None:
     return approx, ""
-  if approx == "full" and num_params > max_dim and "diagonal" in allowed:
-    return "diagonal", (
-      f"{num_params} parameters > max_factor_dim {max_dim}: diagonal instead of a full block"
+  if approx == "full" and "diagonal" in allowed:
+    ((n, _),) = factor_shapes
+    if n <= max_dim:
+      return approx, ""
+    return (
+      "diagonal",
+      f"{n} parameters > max_factor_dim {max_dim}: diagonal instead of a full block",
     )
-  if approx not in ("kron", "kron_in_diag", "kron_out_diag", "ekfac") or not kron_shapes:
+  if approx not in ("kron", "kron_in_diag", "kron_out_diag", "ekfac"):
     return approx, ""
-  sa, sg = kron_shapes
+  sa, sg = factor_shapes
   # EKFAC keeps both full eigenbases: over the limit it becomes the kron variant with the big
   # side(s) diagonal, as "kron" would.
   new, big = ("kron" if approx == "ekfac" else approx), []
@@ -210,6 +218,22 @@ def size_policy(
   if not big or new == approx or new not in allowed:
     return approx, ""
   return new, (f"{' and '.join(big)} > max_factor_dim {max_dim}: kept as its diagonal")
+
+
+def shared_size_policy(
+  max_dim: int | None, approx: str, factor_shapes, allowed: Sequence[str], num_uses: int
+) -> tuple[str, str]:
+  """`size_policy` for a layer used `num_uses` times: "kron_indep" has no diagonal-side
+  variant, so a matrix side above the limit makes the block "diagonal" (the exact per-example
+  diagonal, O(n)) where the kind allows it (`allowed`: `_specs.SHARED_BY_KIND[kind]`)."""
+  if max_dim is None or approx != "kron_indep" or "diagonal" not in allowed:
+    return approx, ""
+  side = max((s[-1] for s in factor_shapes if len(s) >= 2), default=0)
+  if side <= max_dim:
+    return approx, ""
+  return "diagonal", (
+    f"factor side {side} > max_factor_dim {max_dim} on a layer used {num_uses} times: diagonal"
+  )
 
 
 def resolve(

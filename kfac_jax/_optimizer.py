@@ -540,8 +540,7 @@ class Optimizer:
     """The shared core: `(updates, new_state, info)`; `params + updates` are the new params."""
     est, cfg = self.estimator, self.config
     est.ensure_layers(params)
-    reg = est.scan_batch(params, batch, warn=False)
-    est.check_layers(reg)
+    reg = est.scan_batch(params, batch, warn=False)  # Checked against example_batch's layers.
     leaves, treedef = jax.tree_util.tree_flatten(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     sdtype = est.config.inverse_dtype

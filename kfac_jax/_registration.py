@@ -126,7 +126,7 @@ def avals(tree) -> tuple:
   return treedef, tuple(jax.typeof(x) for x in leaves)
 
 
-def _has_tracer_consts(scan: _scanner.Registration) -> bool:
+def _has_tracer_consts(scan: _scanner.ScanResult) -> bool:
   return any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts)
 
 
@@ -353,7 +353,7 @@ class Registration:
 
   # -- evaluation ----------------------------------------------------------------------------
 
-  def scan_batch(self, params, batch) -> _scanner.Registration:
+  def scan_batch(self, params, batch) -> _scanner.ScanResult:
     """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates.
 
     Kept per `(params, batch)` signature and bound axes; a new one is checked to have the
@@ -383,24 +383,35 @@ class Registration:
       self._scans[key] = (scan, self.loss_part.aux_tree)
     return scan
 
-  def check_scan(self, scan: _scanner.Registration) -> None:
-    """The layers found for a batch must be those of `example_batch`, with the same blocks.
+  def check_scan(self, scan: _scanner.ScanResult) -> None:
+    """The layers found for a batch must be those of `example_batch`, with the same blocks."""
+    self.check_layer_shapes(
+      tuple(s.name for s in scan.layers),
+      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
+      scan.losses[0].batch_size,
+    )
+
+  def check_layer_shapes(self, names, shapes, batch_size: int, *, kinds_only: bool = False) -> None:
+    """`names` and `(kind, approx, factor_shapes)` of the layers found for a batch of
+    `batch_size` examples must be those of `example_batch` (with `kinds_only`, their kinds:
+    statistics from a `value_and_grad` without this registration, whose scan may know another
+    `LayerConfig`, so its approximations may differ).
 
     A batch of another leading size is fine (the blocks read row counts from the arrays); a
     layer whose factor shapes depend on the batch size cannot share one state across sizes.
     """
-    layers = scan.layers
-    if tuple(s.name for s in layers) != tuple(s.name for s in self.layers):
+    if tuple(names) != tuple(s.name for s in self.layers):
       raise ValueError(
         "loss_fn registers different layers for this batch than for `example_batch`: "
-        f"{[s.name for s in layers]} vs {[s.name for s in self.layers]}."
+        f"{list(names)} vs {[s.name for s in self.layers]}."
       )
-    for new, old in zip(layers, self.layers):
-      if (new.kind, new.approx, new.factor_shapes) != (old.kind, old.approx, old.factor_shapes):
+    for (kind, approx, factor_shapes), old in zip(shapes, self.layers):
+      same = (kind, approx, factor_shapes) == (old.kind, old.approx, old.factor_shapes)
+      if not same and not (kinds_only and kind == old.kind):
         raise ValueError(
           f"layer `{old.name}` changes with the batch size: for this batch of "
-          f"{scan.losses[0].batch_size} examples it is a {new.kind} layer ({new.approx!r}) "
-          f"with factor shapes {list(new.factor_shapes)}, for `example_batch` "
+          f"{batch_size} examples it is a {kind} layer ({approx!r}) "
+          f"with factor shapes {list(factor_shapes)}, for `example_batch` "
           f"({self.example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
           f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
           f"sizes: feed batches of {self.example_batch_size} examples (pad the last one), "

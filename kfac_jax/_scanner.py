@@ -21,7 +21,7 @@ padding and input sizes may differ; one shared bias or none), or a scale (with o
 or none) or shift of activations over the same trailing axes. Kernels, tables and scales are
 matched before shifts, so that a scale claims its shift. A `lax.scan` over parameters is
 unrolled by `_graph.FlatGraph`, so a recurrent cell's kernels have one use per time step. Each
-use keeps its own output key and inputs (`Registration.extra_uses`). Shared layers take the
+use keeps its own output key and inputs (`ScanResult.extra_uses`). Shared layers take the
 approximations of `SHARED_BY_KIND`, chosen by a manual tag's `approx=` or a
 `LayerConfig.overrides` pattern. `register_dense` called at every use of one kernel registers
 one multi-use layer; a manual tag count that differs from the graph's use count is an error
@@ -51,16 +51,17 @@ Adding a layer kind. (1) Its matching details: a frozen `FooInfo` in `_specs`, a
 `APPROXIMATIONS` / `DEFAULT_APPROX` (and `SHARED_BY_KIND` if a shared use makes sense). (2) One
 matcher in `_matchers`, `match_foo(ix, i, claimed) -> Match | None`, added to `_PASSES` below
 in the pass where it belongs (kernels claim their biases before the elementwise pass), and, for
-shared uses, a branch of `match_shared`. (3) Its factor shapes under "kron" in `_kron` below.
-(4) One block (or a layout for `blocks.KroneckerBlock`) in `blocks/` that reads `spec.info`, and
-its entry in the block factory (`blocks.make_block`). A manual tag additionally needs a
-`register_foo` in `_tags` and a branch of `_matchers.read_manual_tag`.
+shared uses, a branch of `match_shared`. (3) One block (or a layout for `blocks.KroneckerBlock`)
+in `blocks/` that reads `spec.info` and answers its factor shapes (`Block.factor_shapes_for`),
+and its entries in the block registry (`blocks.block_class`). The scanner asks the block class
+for every layer's factor shapes (`blocks.factor_shapes_for`), so they are never computed here.
+A manual tag additionally needs a `register_foo` in `_tags` and a branch of
+`_matchers.read_manual_tag`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,6 +70,7 @@ import jax
 import numpy as np
 
 from kfac_jax import _compat, _graph, _index, _layer_config, _matchers, _stacked, _tags
+from kfac_jax import blocks as _blocks
 from kfac_jax._specs import (  # Re-exported: the names other modules and tests use from here.
   APPROXIMATIONS,
   DEFAULT_APPROX,
@@ -82,14 +84,15 @@ from kfac_jax._specs import (  # Re-exported: the names other modules and tests 
   RegistrationError,
   UncoveredParametersWarning,
   common_prefix,
-  conv_kron_shapes,
   param_paths,
 )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Registration:
-  """The result of one scan: static specs plus the graph keys the curvature pass taps."""
+class ScanResult:
+  """The result of one scan of `loss_fn` for one `(params, batch)` signature: the flat graph,
+  static specs, and the graph keys the curvature pass taps. A `kfac_jax.Registration` keeps
+  one per batch signature (`Registration.scan_batch`)."""
 
   graph: _graph.FlatGraph
   layers: tuple[LayerSpec, ...]
@@ -129,7 +132,7 @@ def scan(
   layers: _layer_config.LayerConfig | None = None,
   collect: bool = False,
   has_aux: bool = False,
-) -> Registration:
+) -> ScanResult:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
   With `has_aux`, `loss_fn` returns the scalar loss first and further outputs after it (the
@@ -203,7 +206,7 @@ class _Scanner:
     self.layer_config = _layer_config.check(layer_config)
     self.problems: list[str] | None = [] if collect else None
 
-  def run(self) -> Registration:
+  def run(self) -> ScanResult:
     g = self.g
     loss_eqns = [i for i, fe in enumerate(g.eqns) if fe.eqn.primitive is _tags.loss_tag_p]
     if not loss_eqns:
@@ -289,7 +292,7 @@ class _Scanner:
 
     specs.sort(key=lambda s: min(s[0].leaf_indices))
     multi = [s[0].multi_tap for s in specs]
-    return Registration(
+    return ScanResult(
       graph=g,
       layers=tuple(s[0] for s in specs),
       losses=tuple(losses),
@@ -313,22 +316,15 @@ class _Scanner:
       spec = self._shared_spec(kind, leaves, match.infos, approx, source)
       return spec, match.outputs, match.inputs
     (info,), (out,), (ins,) = match.infos, match.outputs, match.inputs
-    has_bias = len(leaves) == 2
     if match.stack_size:  # The per-layer spec, over per-layer leaf shapes, then the stack.
       shapes = {j: self.ix.shapes[j][1:] for j in leaves}
-      inner = self.layer_spec(
-        kind, leaves, info, approx, source, _kron(kind, info, has_bias), shapes
-      )
+      inner = self.layer_spec(kind, leaves, info, approx, source, shapes)
       return (
         _stacked.stack_spec(self.ix, inner, leaves, match.stack_size, match.stack_axes),
         out,
         ins,
       )
-    return (
-      self.layer_spec(kind, leaves, info, approx, source, _kron(kind, info, has_bias)),
-      out,
-      ins,
-    )
+    return self.layer_spec(kind, leaves, info, approx, source), out, ins
 
   # -- losses ----------------------------------------------------------------------------------
 
@@ -383,21 +379,16 @@ class _Scanner:
       paths = tuple(self.ix.paths[j] for j in leaves)
       name = common_prefix(paths)
       self.claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
-      out.append(
-        (
-          dataclasses.replace(
-            spec,
-            name=name,
-            param_paths=paths,
-            leaf_indices=tuple(leaves),
-            param_shapes=tuple(self.ix.shapes[j] for j in leaves),
-            concat=tuple(views),
-            logical=spec,
-          ),
-          outs,
-          ins,
-        )
+      whole = dataclasses.replace(
+        spec,
+        name=name,
+        param_paths=paths,
+        leaf_indices=tuple(leaves),
+        param_shapes=tuple(self.ix.shapes[j] for j in leaves),
+        concat=tuple(views),
+        logical=spec,
       )
+      out.append((sized(whole), outs, ins))
     return out
 
   # -- manual tags -----------------------------------------------------------------------------
@@ -405,13 +396,10 @@ class _Scanner:
   def claim(self, claimed, leaves, name):
     for j in leaves:
       if j in claimed:
-        msg = (
+        self._problem(
           f"parameter `{self.ix.paths[j]}` is registered twice: in `{claimed[j]}` and in "
           f"`{name}`. Each parameter belongs to exactly one curvature block."
         )
-        if self.problems is None:
-          raise RegistrationError(msg)
-        self.problems.append(msg)
         continue
       claimed[j] = name
 
@@ -479,11 +467,14 @@ class _Scanner:
       specs = kept + [(spec, None, None)]
     return specs
 
-  def _pattern_problem(self, msg):
-    msg += "; fix the pattern (globs: `*` matches any characters, slashes included)."
+  def _problem(self, msg: str) -> None:
+    """A coverage problem: raised, or collected with `collect` (raised together at the end)."""
     if self.problems is None:
       raise RegistrationError(msg)
     self.problems.append(msg)
+
+  def _pattern_problem(self, msg):
+    self._problem(msg + "; fix the pattern (globs: `*` matches any characters, slashes included).")
 
   def _check_patterns(self, specs):
     names = set(self.ix.paths) | {s[0].name for s in specs}
@@ -562,13 +553,10 @@ class _Scanner:
     graph_uses = len(self.ix.uses.get(leaf, []))
     if not graph_uses or graph_uses == registered:
       return
-    msg = (
+    self._problem(
       f"layer `{self.ix.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
       f"with {registered} {tag} tag(s); {fix}."
     )
-    if self.problems is None:
-      raise RegistrationError(msg)
-    self.problems.append(msg)
 
   def _single_use_series(self, approx, paths):
     return RegistrationError(
@@ -623,28 +611,38 @@ class _Scanner:
       return chosen
     return None
 
-  def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
+  def _draft(self, kind, leaves, source, leaf_shapes=None, name=None, **fields) -> LayerSpec:
+    """A LayerSpec over `leaves` (named by their paths' common prefix unless `name` is given),
+    its approximation still to be chosen ("") and its factor shapes to be asked of its block
+    (`sized`). `leaf_shapes` as in `layer_spec`."""
+    shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
     paths = tuple(self.ix.paths[j] for j in leaves)
-    name = common_prefix(paths)
+    return LayerSpec(
+      name=common_prefix(paths) if name is None else name,
+      kind=kind,
+      param_paths=paths,
+      leaf_indices=tuple(leaves),
+      approx="",
+      factor_shapes=(),
+      source=source,
+      param_shapes=tuple(shape_of[j] for j in leaves),
+      **fields,
+    )
+
+  def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
+    spec = self._draft(
+      kind,
+      leaves,
+      source,
+      info=next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0]),
+      num_uses=len(infos),
+      use_infos=infos,
+    )
+    paths, name = spec.param_paths, spec.name
     if approx is None:
       approx = self._shared_override(kind, name, paths, len(infos))
     explicit = approx is not None
     approx = self._check_approx(kind, approx, list(paths), shared=True)
-    note = ""
-    max_dim = self.layer_config.max_factor_dim
-    if not explicit and max_dim is not None and kind in ("dense", "conv"):
-      # The size policy for shared layers: "kron_indep" has no diagonal-side variant, so a
-      # side above the limit makes the block diagonal (exact per-example diagonal, O(n)).
-      first = infos[0]
-      sides = (
-        (first.in_dim, first.out_dim) if kind == "dense" else (first.patch_dim, first.out_per_group)
-      )
-      if max(sides) > max_dim:
-        approx = "diagonal"
-        note = (
-          f"factor side {max(sides)} > max_factor_dim {max_dim} on a layer used "
-          f"{len(infos)} times: diagonal"
-        )
     if approx in SHARED_APPROXIMATIONS[1:] and (
       kind != "dense" or len({inf.rows for inf in infos}) != 1
     ):
@@ -653,40 +651,25 @@ class _Scanner:
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
         f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
       )
-    info = next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0])
-    n = sum(math.prod(self.ix.shapes[j]) for j in leaves)
-    shapes: tuple[tuple[int, ...], ...]
-    if approx == "diagonal":
-      shapes = ((n,),)
-    elif approx == "full":
-      shapes = ((n, n),)
-    else:
-      shapes = _kron(kind, info, len(leaves) == 2)
-    return LayerSpec(
-      name=name,
-      kind=kind,
-      param_paths=paths,
-      leaf_indices=tuple(leaves),
-      approx=approx,
-      factor_shapes=shapes,
-      source=source,
-      info=info,
-      param_shapes=tuple(self.ix.shapes[j] for j in leaves),
-      num_uses=len(infos),
-      use_infos=infos,
-      note=note,
-    )
+    spec = dataclasses.replace(spec, approx=approx)
+    if not explicit:
+      approx, note = _layer_config.shared_size_policy(
+        self.layer_config.max_factor_dim,
+        approx,
+        _blocks.factor_shapes_for(spec),
+        SHARED_BY_KIND[kind],
+        len(infos),
+      )
+      spec = dataclasses.replace(spec, approx=approx, note=note)
+    return sized(spec)
 
-  def layer_spec(
-    self, kind, leaves, info, approx, source, kron_shapes, leaf_shapes=None
-  ) -> LayerSpec:
-    """A LayerSpec; `kron_shapes` are the factor shapes of the "kron"-family approximations.
+  def layer_spec(self, kind, leaves, info, approx, source, leaf_shapes=None) -> LayerSpec:
+    """A LayerSpec, its approximation after the size policy, its factor shapes its block's.
 
     `leaf_shapes` (leaf -> shape) replaces the index's leaf shapes: one layer of a stack.
     """
-    shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
-    paths = tuple(self.ix.paths[j] for j in leaves)
-    name = common_prefix(paths)
+    spec = self._draft(kind, leaves, source, leaf_shapes, info=info)
+    paths, name = spec.param_paths, spec.name
     builtin, note = _matchers.default_approx(kind, info), ""
     if builtin is None:
       builtin = DEFAULT_APPROX[kind]
@@ -696,37 +679,20 @@ class _Scanner:
     approx = self._approx(kind, paths, name, approx, source, builtin)
     if approx != builtin:
       note = ""
-    n = sum(math.prod(shape_of[j]) for j in leaves)
-    if not explicit:
-      approx, why = _layer_config.size_policy(
-        self.layer_config.max_factor_dim, kind, approx, kron_shapes, n, APPROXIMATIONS[kind]
-      )
-      note = why or note
-    shapes: tuple[tuple[int, ...], ...]
-    if approx == "diagonal":
-      shapes = ((n,),)
-    elif approx == "full":
-      shapes = ((n, n),)
-    elif approx in ("kron_in_diag", "kron_out_diag", "kron_both_diag"):
-      (sa, sg), both = kron_shapes, approx == "kron_both_diag"
-      shapes = (
-        sa[:-1] if approx == "kron_in_diag" or both else sa,
-        sg[:-1] if approx == "kron_out_diag" or both else sg,
-      )
-    else:
-      shapes = kron_shapes
-    return LayerSpec(
-      name=name,
-      kind=kind,
-      param_paths=paths,
-      leaf_indices=tuple(leaves),
-      approx=approx,
-      factor_shapes=shapes,
-      source=source,
-      info=info,
-      param_shapes=tuple(shape_of[j] for j in leaves),
-      note=note,
+    spec = dataclasses.replace(spec, approx=approx, note=note)
+    return sized(self._size_policy(spec, explicit))
+
+  def _size_policy(self, spec: LayerSpec, explicit: bool) -> LayerSpec:
+    """`spec` after `_layer_config.size_policy` (not for an approximation chosen by name)."""
+    if explicit:
+      return spec
+    approx, why = _layer_config.size_policy(
+      self.layer_config.max_factor_dim,
+      spec.approx,
+      _blocks.factor_shapes_for(spec),
+      APPROXIMATIONS[spec.kind],
     )
+    return dataclasses.replace(spec, approx=approx, note=why or spec.note)
 
   def _explicit(self, paths, name, approx, source) -> bool:
     """Whether the layer's approximation is chosen for it by name: a manual tag's `approx=` or
@@ -738,42 +704,18 @@ class _Scanner:
     )
 
   def _generic_spec(self, leaves, approx, source) -> LayerSpec:
-    paths = tuple(self.ix.paths[j] for j in leaves)
-    n = sum(math.prod(self.ix.shapes[j]) for j in leaves)
-    name = paths[0] if len(paths) == 1 else common_prefix(paths)
-    note = ""
+    lone = self.ix.paths[leaves[0]] if len(leaves) == 1 else None  # Its own name, not a parent.
+    spec = self._draft("generic", leaves, source, name=lone)
+    paths, name = spec.param_paths, spec.name
+    explicit = source == "linked" or self._explicit(paths, name, approx, source)
     if source != "linked":
-      explicit = self._explicit(paths, name, approx, source)
       approx = self._approx("generic", paths, name, approx, source, DEFAULT_APPROX["generic"])
-      if not explicit:
-        approx, note = _layer_config.size_policy(
-          self.layer_config.max_factor_dim, "generic", approx, (), n, APPROXIMATIONS["generic"]
-        )
-    factor = ((n,),) if approx == "diagonal" else ((n, n),)
-    return LayerSpec(
-      name=name,
-      kind="generic",
-      param_paths=paths,
-      leaf_indices=tuple(leaves),
-      approx=approx,
-      factor_shapes=factor,
-      source=source,
-      param_shapes=tuple(self.ix.shapes[j] for j in leaves),
-      note=note,
-    )
+    return sized(self._size_policy(dataclasses.replace(spec, approx=approx), explicit))
 
 
-def _kron(kind: str, info, has_bias: bool):
-  """A layer's factor shapes under "kron" (the input side a vector for embeddings; none for
-  scale-and-shift layers, which take "full" or "diagonal")."""
-  if kind == "dense":
-    a = info.in_dim + (1 if has_bias else 0)
-    return ((a, a), (info.out_dim, info.out_dim))
-  if kind == "conv":
-    return conv_kron_shapes(info, has_bias)
-  if kind == "embedding":
-    return ((info.vocab_size,), (info.dim, info.dim))
-  return ()
+def sized(spec: LayerSpec) -> LayerSpec:
+  """`spec` with the factor shapes its block keeps (`blocks.factor_shapes_for`)."""
+  return dataclasses.replace(spec, factor_shapes=_blocks.factor_shapes_for(spec))
 
 
 # The automatic matchers, pass by pass; within a pass, per equation, the first that fits wins.

@@ -387,14 +387,6 @@ class EmbeddingInfo:
   dim: int
 
 
-def conv_kron_shapes(info: ConvInfo, has_bias: bool):
-  a = info.patch_dim + (1 if has_bias else 0)
-  o = info.out_per_group
-  if info.groups == 1:
-    return ((a, a), (o, o))
-  return ((info.groups, a, a), (info.groups, o, o))
-
-
 @dataclasses.dataclass(frozen=True)
 class FallbackInfo:
   """`LayerSpec.info` of a fallback (generic) layer: why the scanner matched no layer."""

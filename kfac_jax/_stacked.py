@@ -32,6 +32,7 @@ import math
 from typing import Any
 
 from kfac_jax import _graph, _matchers
+from kfac_jax import blocks as _blocks
 
 
 def add_virtual_leaves(sc) -> None:
@@ -88,16 +89,16 @@ def _same_layer(a, b) -> bool:
 
 def stack_spec(ix, inner, leaves, size: int, axes: tuple[int, ...] = ()):
   """The spec of a stack of `size` layers like `inner`, over the stacked leaves `leaves`."""
-  return dataclasses.replace(
+  spec = dataclasses.replace(
     inner,
     param_paths=tuple(ix.paths[j] for j in leaves),
     leaf_indices=tuple(leaves),
     param_shapes=tuple(ix.shapes[j] for j in leaves),
-    factor_shapes=tuple((size,) + tuple(s) for s in inner.factor_shapes),
     stack_size=size,
     stack_inner=inner,
     stack_axes=tuple(axes),
   )
+  return dataclasses.replace(spec, factor_shapes=_blocks.factor_shapes_for(spec))
 
 
 def merge(sc, specs, claimed):

@@ -39,7 +39,7 @@ def _settings(strict, layers, axis_name, has_aux):
   }
 
 
-def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _scanner.Registration:
+def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _scanner.ScanResult:
   part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
   with _compat.axis_env([(n, 1) for n in _axis_names(axis_name)]):
     return _scanner.scan(part, params, batch, has_aux=has_aux, **kw)

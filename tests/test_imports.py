@@ -47,3 +47,10 @@ def test_specs_is_a_leaf_module():
 def test_import_checker_sees_imports():
   # The checker itself: the scanner does import the matchers and the specs.
   assert {"_matchers", "_specs", "_stacked"} <= _kfac_imports(_PKG / "_scanner.py")
+
+
+def test_layer_config_reads_only_the_specs():
+  # The size policy is given the factor shapes the scanner asked of the blocks
+  # (`blocks.factor_shapes_for`): it neither imports the blocks nor computes shapes itself.
+  assert _kfac_imports(_PKG / "_layer_config.py") <= {"_specs"}
+  assert "blocks" in _kfac_imports(_PKG / "_scanner.py")

@@ -510,3 +510,51 @@ def test_size_policy_for_a_shared_layer():
     layers=kfac_jax.LayerConfig(overrides={"out": "kron_indep"}, max_factor_dim=8),
   )
   assert next(s.approx for s in specs if s.param_paths == ("out",)) == "kron_indep"
+
+
+def test_size_policy_from_a_diagonal_side_variant_with_both_sides_over_the_limit():
+  """A grouped conv defaulting to "kron_out_diag" with both sides over the limit becomes
+  "kron_both_diag" (it used to raise KeyError: ('kron_both_diag', 'out')): its factor shapes
+  keep the group axis, so its diagonal output side is a `[groups, out]` array, not a vector."""
+  k = jax.random.split(jax.random.key(8), 3)
+  params = {"conv": {"kernel": jax.random.normal(k[0], (3, 3, 2, 8))}}  # 2 groups of 2 -> 4.
+
+  def loss_fn(p, b):
+    y = jax.lax.conv_general_dilated(
+      b["x"],
+      p["conv"]["kernel"],
+      (1, 1),
+      "VALID",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=2,
+    )
+    logits = y.mean(axis=(1, 2))
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  batch = {"x": jax.random.normal(k[1], (2, 4, 4, 4)), "y": jnp.array([0, 7])}
+  config = kfac_jax.LayerConfig(defaults={"conv": "kron_out_diag"}, max_factor_dim=3)
+  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True, layers=config)
+  assert (spec.approx, spec.factor_shapes) == ("kron_both_diag", ((2, 18), (2, 4)))
+  assert "input side 18" in spec.note
+
+
+def test_shared_size_policy_counts_the_bias_row():
+  """A shared dense layer's input side is `in + 1` with a bias, as for a single-use layer: at
+  `in == max_factor_dim` the block's A is over the limit and the layer becomes diagonal."""
+  k = jax.random.split(jax.random.key(9), 3)
+  params = {"cell": {"kernel": jax.random.normal(k[0], (4, 4)), "bias": jnp.zeros(4)}}
+
+  def loss_fn(p, b):
+    h = b["x"]
+    for _ in range(2):
+      h = jnp.tanh(h @ p["cell"]["kernel"] + p["cell"]["bias"])
+    kfac_jax.register_softmax_cross_entropy_loss(h, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(h, b["y"]).mean()
+
+  batch = {"x": jax.random.normal(k[1], (2, 4)), "y": jnp.array([0, 3])}
+  for max_dim, want in ((5, ("kron_indep", ((5, 5), (4, 4)))), (4, ("diagonal", ((20,),)))):
+    config = kfac_jax.LayerConfig(max_factor_dim=max_dim)
+    (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True, layers=config)
+    assert (spec.num_uses, spec.approx, spec.factor_shapes) == (2,) + want
+  assert "factor side 5 > max_factor_dim 4 on a layer used 2 times" in spec.note

@@ -60,33 +60,47 @@ _BLOCKS: dict[tuple[str, str], type[Block]] = {
 }
 
 
-def make_block(spec, config: BlockConfig) -> Block:
-  """The block class for `spec.kind` and `spec.approx` (wrapped for concatenated leaves,
-  vmapped over a stack of layers)."""
-  block: Block
+def block_class(spec) -> type[Block]:
+  """The block class of a layer: `ConcatBlock` over concatenated leaves, `StackedBlock` for a
+  stack of layers, else the one of `(spec.kind, spec.approx)`."""
   if spec.concat:
-    block = ConcatBlock(spec, config, make_block(spec.logical, config))
-    _check_shapes(spec, block)
-    return block
+    return ConcatBlock
   if spec.stack_size:
-    block = StackedBlock(spec, config, make_block(spec.stack_inner, config))
-    _check_shapes(spec, block)
-    return block
+    return StackedBlock
   try:
-    cls = _BLOCKS[(spec.kind, spec.approx)]
+    return _BLOCKS[(spec.kind, spec.approx)]
   except KeyError:
     choices = sorted(a for k, a in _BLOCKS if k == spec.kind)
     raise ValueError(
       f"layer `{spec.name}` ({spec.kind}) has no block for approximation {spec.approx!r}; "
       f"choose one of {choices}."
     ) from None
-  block = cls(spec, config)
+
+
+def factor_shapes_for(spec) -> tuple[tuple[int, ...], ...]:
+  """The factor shapes the layer's block will keep (`Block.factor_shapes_for`), before any
+  block exists: the scanner sizes `LayerSpec.factor_shapes` and its size policy with them."""
+  return block_class(spec).factor_shapes_for(spec)
+
+
+def make_block(spec, config: BlockConfig) -> Block:
+  """The block of a layer (`block_class`), wrapped for concatenated leaves, vmapped over a
+  stack of layers."""
+  cls = block_class(spec)
+  block: Block
+  if cls is ConcatBlock:
+    block = ConcatBlock(spec, config, make_block(spec.logical, config))
+  elif cls is StackedBlock:
+    block = StackedBlock(spec, config, make_block(spec.stack_inner, config))
+  else:
+    block = cls(spec, config)
   _check_shapes(spec, block)
   return block
 
 
 def _check_shapes(spec, block: Block) -> None:
-  # The scanner sizes layers for its size policy; the block sizes its own state. They agree.
+  # The spec's shapes were asked of the block class; a wrapped block sizes its state from the
+  # inner block's. They agree.
   if tuple(map(tuple, block.factor_shapes)) != tuple(map(tuple, spec.factor_shapes)):
     raise AssertionError(
       f"layer `{spec.name}`: the scanner's factor shapes {spec.factor_shapes} differ from its "
@@ -119,6 +133,8 @@ __all__ = [
   "StackedBlock",
   "StackedUses",
   "batched_factorisations",
+  "block_class",
   "compute_caches",
+  "factor_shapes_for",
   "make_block",
 ]

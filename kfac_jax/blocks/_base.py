@@ -11,8 +11,11 @@ its state, keyed by block name:
 
 Entries a configuration does not need (a Cholesky factor without `cholesky=True`, powers in
 "eigen" damping mode) are None, so the pytree holds only what is computed. A block also states
-its own factor shapes (`factor_shapes`): the estimator and the parallel code read them from the
-block, never from arithmetic on the layer's dimensions.
+its own factor shapes: `factor_shapes_for(spec)`, a class method, answers them from the layer's
+kind, approximation and matching details before any block exists (the scanner sizes each
+`LayerSpec` and applies its size policy with it), and `factor_shapes` gives them for the block's
+own spec. The estimator and the parallel code read them from the block, never from arithmetic on
+the layer's dimensions.
 
 Vectors are the block's parameter leaves (parameter-shaped arrays), in `spec.leaf_indices` order.
 "Damped block" means the matrix the block actually multiplies by: `A_λ ⊗ G_λ` with π-adjusted
@@ -115,11 +118,18 @@ class Block(abc.ABC):
   def name(self) -> str:
     return self.spec.name
 
-  @property
+  @classmethod
   @abc.abstractmethod
+  def factor_shapes_for(cls, spec: LayerSpec) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the matrix (or vector) factors this block class keeps for the layer `spec`,
+    e.g. `((in+1, in+1), (out, out))`, from its kind, approximation, matching details (`info`)
+    and leaves; `spec.factor_shapes` is not read (the scanner asks while building the spec)."""
+
+  @property
   def factor_shapes(self) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the block's matrix (or vector) factors, e.g. `((in+1, in+1), (out, out))`;
-    they size the parallel work split and the layer table."""
+    """`factor_shapes_for(self.spec)`: they size the state, the parallel work split and the
+    layer table."""
+    return self.factor_shapes_for(self.spec)
 
   def group_key(self) -> tuple:
     """Blocks with equal keys have identically shaped state and are batched with vmap."""

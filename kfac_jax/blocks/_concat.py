@@ -22,6 +22,11 @@ class ConcatBlock(Block):
     self.inner = inner
     self.needs_cache_for_statistics = inner.needs_cache_for_statistics
 
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    """The factor shapes of the layer as matched on the concatenations (`spec.logical`)."""
+    return spec.logical.factor_shapes
+
   @property
   def factor_shapes(self):
     return self.inner.factor_shapes

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.blocks import _linalg
+from kfac_jax.blocks import _kronecker, _linalg
 from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import EKFACCache, EKFACFactors
 
@@ -51,9 +51,10 @@ class EKFACBlock(LayoutBlock):
 
   needs_cache_for_statistics = True
 
-  @property
-  def factor_shapes(self):
-    return self.kron_shapes()
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    """A and G as full matrices, as "kron" (`_kronecker.kron_shapes`)."""
+    return _kronecker.kron_shapes(spec)
 
   def _scaling_shape(self) -> tuple[int, ...]:
     sa, sg = self.kron_shapes()

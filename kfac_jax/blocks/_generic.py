@@ -60,9 +60,10 @@ def _gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
 class DiagonalBlock(Block):
   """F ≈ diag(E[h²] / N). Any power and Cholesky factor is elementwise."""
 
-  @property
-  def factor_shapes(self):
-    return ((self.spec.num_params,),)
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    """One vector over the layer's parameters."""
+    return ((spec.num_params,),)
 
   def init_factors(self) -> DiagonalFactors:
     return DiagonalFactors(diag=jnp.zeros(self.factor_shapes[0], self.config.stats_dtype))
@@ -101,10 +102,10 @@ class DiagonalBlock(Block):
 class FullBlock(Block):
   """F ≈ E[h hᵀ] / N as a dense matrix; damped block F + λ I."""
 
-  @property
-  def factor_shapes(self):
-    n = self.spec.num_params
-    return ((n, n),)
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    """One matrix over the layer's parameters."""
+    return ((spec.num_params, spec.num_params),)
 
   def _n(self) -> int:
     return self.spec.num_params

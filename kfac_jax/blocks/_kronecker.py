@@ -112,6 +112,21 @@ def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Arra
   return x, g
 
 
+def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The full-matrix shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]` of
+  a dense, conv or embedding layer, from its layout (`_layouts`): dense `in`, `out` from
+  `DenseInfo`; conv `in` = patch_dim, `out` = out_per_group, a leading axis for groups > 1;
+  embedding `in` = vocabulary, `out` = dim. The bias adds a row to A."""
+  lay = _layouts.layout_for(spec)
+  a = lay.in_dim + (1 if spec.has_bias else 0)
+  lead = (lay.groups,) if lay.groups > 1 else ()
+  return lead + (a, a), lead + (lay.out_dim, lay.out_dim)
+
+
+def _diag_a(spec) -> bool:
+  return spec.kind == "embedding" or spec.approx in DIAG_A
+
+
 class LayoutBlock(Block):
   """A block over a kernel/table and optional bias laid out as one `[in(+1), out]` matrix per
   feature group (`_layouts`); grouped layers vmap over the leading group axis."""
@@ -126,11 +141,8 @@ class LayoutBlock(Block):
     return self.layout.groups > 1
 
   def kron_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The full-matrix shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]`."""
-    lay = self.layout
-    a = lay.in_dim + (1 if self.spec.has_bias else 0)
-    lead = (lay.groups,) if self.grouped else ()
-    return lead + (a, a), lead + (lay.out_dim, lay.out_dim)
+    """`kron_shapes(self.spec)`."""
+    return kron_shapes(self.spec)
 
   def map_groups(self, fn, *args):
     """`fn` on one group's arrays; vmapped over the leading group axis for grouped layers."""
@@ -142,16 +154,18 @@ class KroneckerBlock(LayoutBlock):
 
   @property
   def _diag_a(self) -> bool:
-    return self.spec.kind == "embedding" or self.spec.approx in DIAG_A
+    return _diag_a(self.spec)
 
   @property
   def _diag_g(self) -> bool:
     return self.spec.approx in DIAG_G
 
-  @property
-  def factor_shapes(self):
-    sa, sg = self.kron_shapes()
-    return (sa[:-1] if self._diag_a else sa, sg[:-1] if self._diag_g else sg)
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    """`kron_shapes(spec)`, a side kept as its diagonal a vector (embeddings' A, the "kron_*_diag"
+    variants)."""
+    sa, sg = kron_shapes(spec)
+    return (sa[:-1] if _diag_a(spec) else sa, sg[:-1] if spec.approx in DIAG_G else sg)
 
   def _to_matrix(self, vecs) -> Array:
     m = self.layout.to_matrix(vecs, self.config.inverse_dtype)

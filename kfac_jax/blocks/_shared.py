@@ -184,10 +184,10 @@ class SeriesKroneckerBlock(Block):
     self.layouts = use_layouts(spec)
     self.layout = self.layouts[0][0]
 
-  @property
-  def factor_shapes(self):
-    a = self.layout.in_dim + (1 if self.spec.has_bias else 0)
-    return ((a, a), (self.layout.out_dim, self.layout.out_dim))
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    """A and G as "kron" (`_kronecker.kron_shapes`); a1 and g1 have the same shapes."""
+    return _kronecker.kron_shapes(spec)
 
   def init_factors(self) -> SeriesFactors:
     sa, sg = self.factor_shapes

@@ -22,6 +22,10 @@ def _broadcast(tree, size: int):
   return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (size,) + x.shape), tree)
 
 
+def stacked_shapes(size: int, shapes) -> tuple[tuple[int, ...], ...]:
+  return tuple((size,) + tuple(s) for s in shapes)
+
+
 class StackedBlock(Block):
   """L copies of the block of `spec.stack_inner`, with state stacked on a leading axis."""
 
@@ -31,9 +35,14 @@ class StackedBlock(Block):
     self.inner = inner
     self.needs_cache_for_statistics = inner.needs_cache_for_statistics
 
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    """The factor shapes of one layer (`spec.stack_inner`) with a leading stack axis L."""
+    return stacked_shapes(spec.stack_size, spec.stack_inner.factor_shapes)
+
   @property
   def factor_shapes(self):
-    return tuple((self.size,) + tuple(s) for s in self.inner.factor_shapes)
+    return stacked_shapes(self.size, self.inner.factor_shapes)
 
   @property
   def size(self) -> int:
