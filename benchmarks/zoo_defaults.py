@@ -51,13 +51,7 @@ def train(z: _zoo.Zoo, lr: float, steps: int) -> dict:
   """`steps` steps of `kfac(loss_fn, batch, learning_rate=lr)` on the model's own batch."""
   tx = kfac_jax.kfac(z.loss_fn, z.batch, learning_rate=lr, has_aux=z.has_aux)
 
-  @jax.jit
-  def step(params, state, batch, rng):
-    out, grads, stats = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)(params, batch, rng)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    loss, batch = (out[0], dict(batch, state=out[1])) if z.has_aux else (out, batch)
-    return optax.apply_updates(params, updates), state, batch, loss
-
+  step = _zoo.train_step(z, tx)
   params, batch, state = z.params, z.batch, jax.jit(tx.init)(z.params)
   losses = []
   for i in range(steps + 1):  # The last step's loss is the loss after `steps` updates.

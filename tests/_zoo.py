@@ -40,6 +40,21 @@ class Zoo:
   check: Callable | None = None
 
 
+def train_step(z: Zoo, tx):
+  """The jitted K-FAC training step of a zoo model: `step(params, state, batch, rng)` →
+  `(params, state, batch, loss)`. With `z.has_aux`, the model state returned as the aux is fed
+  back as `batch["state"]`."""
+
+  @jax.jit
+  def step(params, state, batch, rng):
+    out, grads, stats = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    loss, batch = (out[0], dict(batch, state=out[1])) if z.has_aux else (out, batch)
+    return optax.apply_updates(params, updates), state, batch, loss
+
+  return step
+
+
 def _ce(logits, y):
   kfac_jax.register_softmax_cross_entropy_loss(logits, y)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
@@ -658,6 +673,14 @@ class LinenVAE(nn.Module):
     return logits, mean, logvar
 
 
+def _neg_elbo(logits, mean, logvar, x):
+  """The VAEs' loss: Bernoulli reconstruction (the one registered loss) + KL to N(0, I)."""
+  kfac_jax.register_sigmoid_cross_entropy_loss(logits, x)
+  recon = optax.sigmoid_binary_cross_entropy(logits, x).sum(-1)
+  kl = 0.5 * jnp.sum(jnp.exp(logvar) + mean**2 - 1.0 - logvar, axis=-1)
+  return jnp.mean(recon + kl)
+
+
 def vae() -> Zoo:
   """A VAE trained on the negative ELBO: per example, the pixels' summed sigmoid cross-entropy
   plus `KL(q(z|x) ‖ N(0, I))`, averaged over the batch.
@@ -678,10 +701,7 @@ def vae() -> Zoo:
 
   def loss_fn(p, b):
     logits, mean, logvar = model.apply({"params": p}, b["x"], rngs={"noise": b["noise"]})
-    kfac_jax.register_sigmoid_cross_entropy_loss(logits, b["x"])
-    recon = optax.sigmoid_binary_cross_entropy(logits, b["x"]).sum(-1)
-    kl = 0.5 * jnp.sum(jnp.exp(logvar) + mean**2 - 1.0 - logvar, axis=-1)
-    return jnp.mean(recon + kl)
+    return _neg_elbo(logits, mean, logvar, b["x"])
 
   return Zoo(
     loss_fn,
@@ -863,6 +883,24 @@ class LinenMoE(nn.Module):
     return jnp.einsum("te,etd->td", combine, ye), balance
 
 
+def _moe_check(specs):
+  stacks = {s.param_paths: s.stack_size for s in specs}
+  assert stacks[("moe/w_in",)] == stacks[("moe/w_out",)] == MOE_EXPERTS, stacks
+
+
+def _moe_zoo(loss_fn, params, batch) -> Zoo:
+  """The MoE token classifier's registration, shared by its linen and nnx versions."""
+  expected = [
+    _dense("embed"),
+    _dense("head"),
+    ("dense", "kron", ("moe/router/kernel",)),
+    ("dense", "kron", ("moe/w_in",)),
+    ("dense", "kron", ("moe/w_out",)),
+    _norm("norm"),
+  ]
+  return Zoo(loss_fn, params, batch, expected, check=_moe_check)
+
+
 def moe() -> Zoo:
   """A token classifier with a residual top-2-of-4 MoE block.
 
@@ -892,24 +930,7 @@ def moe() -> Zoo:
     logits, balance = model.apply({"params": p}, b["x"])
     return _ce(logits, b["y"]) + 0.01 * balance
 
-  def check(specs):
-    stacks = {s.param_paths: s.stack_size for s in specs}
-    assert stacks[("moe/w_in",)] == stacks[("moe/w_out",)] == MOE_EXPERTS, stacks
-
-  return Zoo(
-    loss_fn,
-    params,
-    batch,
-    [
-      _dense("embed"),
-      _dense("head"),
-      ("dense", "kron", ("moe/router/kernel",)),
-      ("dense", "kron", ("moe/w_in",)),
-      ("dense", "kron", ("moe/w_out",)),
-      _norm("norm"),
-    ],
-    check=check,
-  )
+  return _moe_zoo(loss_fn, params, batch)
 
 
 def equinox_gru() -> Zoo:
@@ -1557,10 +1578,7 @@ def equinox_vae() -> Zoo:
   def loss_fn(p, b):
     keys = jax.random.split(b["noise"], b["x"].shape[0])
     logits, mean, logvar = jax.vmap(eqx.combine(p, static))(b["x"], keys)
-    kfac_jax.register_sigmoid_cross_entropy_loss(logits, b["x"])
-    recon = optax.sigmoid_binary_cross_entropy(logits, b["x"]).sum(-1)
-    kl = 0.5 * jnp.sum(jnp.exp(logvar) + mean**2 - 1.0 - logvar, axis=-1)
-    return jnp.mean(recon + kl)
+    return _neg_elbo(logits, mean, logvar, b["x"])
 
   wb = lambda m: ("dense", "kron", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
   return Zoo(
@@ -1684,12 +1702,15 @@ def _uses_check(expected_uses):
   return check
 
 
-class NnxLSTM(nnx.Module):
-  """`nnx.RNN` over `nnx.OptimizedLSTMCell` (its input and recurrent kernels are each one
-  `Linear` of the four gates), a linear head on the last output."""
+class NnxRNNClassifier(nnx.Module):
+  """`nnx.RNN` over a cell, a linear head on the last output. The cells: `OptimizedLSTMCell`
+  (its input and recurrent kernels each one `Linear` of the four gates), the unfused
+  `LSTMCell` (eight gate `Linear`s: `ii`, `if_`, ... input ones without bias, `hi`, `hf`, ...
+  recurrent ones with), `GRUCell` (gates fused: one input and one recurrent `Linear`, split
+  three ways after the product)."""
 
-  def __init__(self, rngs):
-    self.rnn = nnx.RNN(nnx.OptimizedLSTMCell(RNN_IN, RNN_HIDDEN, rngs=rngs))
+  def __init__(self, cell, rngs):
+    self.rnn = nnx.RNN(cell(RNN_IN, RNN_HIDDEN, rngs=rngs))
     self.head = nnx.Linear(RNN_HIDDEN, CLASSES, rngs=rngs)
 
   def __call__(self, x):
@@ -1697,7 +1718,7 @@ class NnxLSTM(nnx.Module):
 
 
 def lstm_nnx() -> Zoo:
-  f, p, b = _nnx(NnxLSTM(nnx.Rngs(0)), _seq_batch(21))
+  f, p, b = _nnx(NnxRNNClassifier(nnx.OptimizedLSTMCell, nnx.Rngs(0)), _seq_batch(21))
   c = "rnn/cell"
   z = Zoo(
     f,
@@ -1743,20 +1764,8 @@ def gru_linen() -> Zoo:
   return z
 
 
-class NnxLSTMCellModel(nnx.Module):
-  """`nnx.RNN` over the unfused `nnx.LSTMCell`: eight gate `Linear`s (`ii`, `if_`, ... input
-  ones without bias, `hi`, `hf`, ... recurrent ones with)."""
-
-  def __init__(self, rngs):
-    self.rnn = nnx.RNN(nnx.LSTMCell(RNN_IN, RNN_HIDDEN, rngs=rngs))
-    self.head = nnx.Linear(RNN_HIDDEN, CLASSES, rngs=rngs)
-
-  def __call__(self, x):
-    return self.head(self.rnn(x)[:, -1])
-
-
 def lstm_cell_nnx() -> Zoo:
-  f, p, b = _nnx(NnxLSTMCellModel(nnx.Rngs(0)), _seq_batch(25))
+  f, p, b = _nnx(NnxRNNClassifier(nnx.LSTMCell, nnx.Rngs(0)), _seq_batch(25))
   c = "rnn/cell"
   gate = lambda g, bias: ("dense", "kron_indep", _dense(f"{c}/{g}", bias)[2])  # noqa: E731
   return Zoo(
@@ -1769,20 +1778,8 @@ def lstm_cell_nnx() -> Zoo:
   )
 
 
-class NnxGRU(nnx.Module):
-  """`nnx.RNN` over `nnx.GRUCell`, whose gates are fused: one input and one recurrent `Linear`,
-  split three ways after the product."""
-
-  def __init__(self, rngs):
-    self.rnn = nnx.RNN(nnx.GRUCell(RNN_IN, RNN_HIDDEN, rngs=rngs))
-    self.head = nnx.Linear(RNN_HIDDEN, CLASSES, rngs=rngs)
-
-  def __call__(self, x):
-    return self.head(self.rnn(x)[:, -1])
-
-
 def gru_nnx() -> Zoo:
-  f, p, b = _nnx(NnxGRU(nnx.Rngs(0)), _seq_batch(26))
+  f, p, b = _nnx(NnxRNNClassifier(nnx.GRUCell, nnx.Rngs(0)), _seq_batch(26))
   c = "rnn/cell"
   return Zoo(
     f,
@@ -1845,24 +1842,7 @@ def moe_nnx() -> Zoo:
     logits, balance = nnx.merge(graphdef, p)(b["x"])
     return _ce(logits, b["y"]) + 0.01 * balance
 
-  def check(specs):
-    stacks = {s.param_paths: s.stack_size for s in specs}
-    assert stacks[("moe/w_in",)] == stacks[("moe/w_out",)] == MOE_EXPERTS, stacks
-
-  return Zoo(
-    loss_fn,
-    params,
-    batch,
-    [
-      _dense("embed"),
-      _dense("head"),
-      ("dense", "kron", ("moe/router/kernel",)),
-      ("dense", "kron", ("moe/w_in",)),
-      ("dense", "kron", ("moe/w_out",)),
-      _norm("norm"),
-    ],
-    check=check,
-  )
+  return _moe_zoo(loss_fn, params, batch)
 
 
 class NnxVAE(nnx.Module):
@@ -1891,10 +1871,7 @@ def vae_nnx() -> Zoo:
 
   def loss_fn(p, b):
     logits, mean, logvar = nnx.merge(graphdef, p)(b["x"], nnx.Rngs(noise=b["noise"]))
-    kfac_jax.register_sigmoid_cross_entropy_loss(logits, b["x"])
-    recon = optax.sigmoid_binary_cross_entropy(logits, b["x"]).sum(-1)
-    kl = 0.5 * jnp.sum(jnp.exp(logvar) + mean**2 - 1.0 - logvar, axis=-1)
-    return jnp.mean(recon + kl)
+    return _neg_elbo(logits, mean, logvar, b["x"])
 
   return Zoo(
     loss_fn,

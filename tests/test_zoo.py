@@ -69,12 +69,7 @@ def _ten_jitted_steps(z, tx, state):
   `z.has_aux`, the model state returned as the aux is fed back as `batch["state"]`. The step
   keys are "rbg" keys (`_zoo._key`), cheap to compile."""
 
-  @jax.jit
-  def step(params, state, batch, rng):
-    out, grads, stats = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)(params, batch, rng)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    loss, batch = (out[0], dict(batch, state=out[1])) if z.has_aux else (out, batch)
-    return optax.apply_updates(params, updates), state, batch, loss
+  step = _zoo.train_step(z, tx)
 
   params, batch, losses = z.params, z.batch, []
   for i in range(11):  # The 11th step's loss is the loss after 10 (no second compile).
