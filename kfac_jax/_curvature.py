@@ -455,13 +455,7 @@ def value_and_grad(
     loss_fn,
     None,
     "value_and_grad",
-    {
-      "has_aux": ("has_aux", has_aux, False),
-      "estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
-      "num_samples": ("num_samples", num_samples, 1),
-      "strict": ("strict", strict, False),
-      "layers": ("layer_config", layers, None),
-    },
+    _registration.estimator_settings(has_aux, estimation_mode, num_samples, strict, layers),
   )
   if shared is None:
     LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux` now, not at the first call.

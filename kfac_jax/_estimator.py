@@ -216,13 +216,7 @@ class CurvatureEstimator:
       loss_fn,
       example_batch,
       "CurvatureEstimator",
-      {
-        "has_aux": ("has_aux", has_aux, False),
-        "estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
-        "num_samples": ("num_samples", num_samples, 1),
-        "strict": ("strict", strict, False),
-        "layers": ("layer_config", layers, None),
-      },
+      _registration.estimator_settings(has_aux, estimation_mode, num_samples, strict, layers),
     )
     if reg is not None:
       loss_fn, example_batch, has_aux = reg.loss_fn, reg.example_batch, reg.has_aux

@@ -369,13 +369,14 @@ class Optimizer:
       loss_fn,
       example_batch,
       "Optimizer",
-      {
-        "has_aux": ("has_aux", has_aux, False),
-        "config.estimation_mode": ("estimation_mode", config.estimation_mode, "gradients"),
-        "config.num_samples": ("num_samples", config.num_samples, 1),
-        "config.strict": ("strict", config.strict, False),
-        "config.layers": ("layer_config", config.layers, None),
-      },
+      _registration.estimator_settings(
+        has_aux,
+        config.estimation_mode,
+        config.num_samples,
+        config.strict,
+        config.layers,
+        prefix="config.",
+      ),
     )
     if reg is not None:  # Its settings apply (the checks above: none differs from them).
       loss_fn, example_batch, has_aux = reg.loss_fn, reg.example_batch, reg.has_aux

@@ -447,6 +447,20 @@ def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
   return names
 
 
+def estimator_settings(
+  has_aux, estimation_mode, num_samples, strict, layers, *, num_samples_default: Any = 1, prefix=""
+) -> dict[str, tuple[str, Any, Any]]:
+  """The `settings` table of `resolve` for an entry point's estimator arguments (`prefix`:
+  how the error names them, e.g. "config." for the Optimizer's `OptimizerConfig` fields)."""
+  return {
+    "has_aux": ("has_aux", has_aux, False),
+    f"{prefix}estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
+    f"{prefix}num_samples": ("num_samples", num_samples, num_samples_default),
+    f"{prefix}strict": ("strict", strict, False),
+    f"{prefix}layers": ("layer_config", layers, None),
+  }
+
+
 def resolve(
   registration, loss_fn, example_batch, who: str, settings: dict[str, tuple[str, Any, Any]]
 ) -> Registration | None:

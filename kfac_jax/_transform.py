@@ -157,13 +157,9 @@ class _Preconditioner:
       loss_fn,
       example_batch,
       name,
-      {
-        "has_aux": ("has_aux", has_aux, False),
-        "estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
-        "num_samples": ("num_samples", num_samples, None),
-        "strict": ("strict", strict, False),
-        "layers": ("layer_config", layers, None),
-      },
+      _registration.estimator_settings(
+        has_aux, estimation_mode, num_samples, strict, layers, num_samples_default=None
+      ),
     )
     if reg is None and loss_fn is None:
       raise TypeError(
