@@ -85,18 +85,28 @@ def _data(path):
 # Workers (each in its own process).
 
 
-def worker_ours(path, steps, warmup):
+def _our_setup(path):
+  """The checkout's autoencoder: `(params, loss_fn, batches)` as device arrays (the workers for
+  our code and Adam; the checkout is `CHECKOUT`, default this repository)."""
   sys.path.insert(0, os.environ.get("CHECKOUT", ROOT))
   import jax
   import jax.numpy as jnp
 
-  import kfac_jax
   from examples import autoencoder as ae
 
   params, images = _data(path)
   params = jax.tree_util.tree_map(jnp.asarray, params)
   loss_fn = ae.make_loss_fn(ae.make_model())
   batches = [jnp.asarray(images[i * BATCH : (i + 1) * BATCH]) for i in range(4)]
+  return params, loss_fn, batches
+
+
+def worker_ours(path, steps, warmup):
+  params, loss_fn, batches = _our_setup(path)
+  import jax
+
+  import kfac_jax
+
   opt = kfac_jax.Optimizer(
     loss_fn,
     batches[0],
@@ -129,17 +139,12 @@ def worker_ours(path, steps, warmup):
 
 
 def worker_adam(path, steps, warmup):
-  sys.path.insert(0, os.environ.get("CHECKOUT", ROOT))
+  params, loss_fn, batches = _our_setup(path)
   import jax
-  import jax.numpy as jnp
   import optax
 
   from examples import autoencoder as ae
 
-  params, images = _data(path)
-  params = jax.tree_util.tree_map(jnp.asarray, params)
-  loss_fn = ae.make_loss_fn(ae.make_model())
-  batches = [jnp.asarray(images[i * BATCH : (i + 1) * BATCH]) for i in range(4)]
   tx = optax.adam(1e-3)
   state = tx.init(params)
   rng = jax.random.key(0)
