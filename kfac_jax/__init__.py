@@ -14,7 +14,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
 """
 
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
-from kfac_jax._curvature import CurvatureStats, value_and_grad
+from kfac_jax._curvature import CurvatureStats, UngatedStatisticsWarning, value_and_grad
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._layer_config import LayerConfig
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
@@ -40,7 +40,7 @@ from kfac_jax._tags import (
   register_softmax_cross_entropy_loss,
   register_squared_error_loss,
 )
-from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
+from kfac_jax._transform import KfacState, ScaleByKfacState, curvature_due, kfac, scale_by_kfac
 
 __version__ = "0.1.0.dev0"
 
@@ -62,8 +62,10 @@ __all__ = [
   "ShardedCache",
   "StatsKey",
   "UncoveredParametersWarning",
+  "UngatedStatisticsWarning",
   "check_registration",
   "check_restored_state",
+  "curvature_due",
   "kfac",
   "register_categorical_predictive_distribution",
   "register_conv",

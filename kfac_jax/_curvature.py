@@ -76,6 +76,10 @@ class CurvatureStats:
     fingerprint: static; the registration's `StatsKey` (estimation mode, samples, layer set):
       a transform or estimator refuses statistics of another one, at trace time, with an
       error naming both. None for statistics built by hand (only the names are compared).
+    gated: static; computed by `value_and_grad(..., opt_state=)`, only on the updates that
+      fold them (zeros on the others). A transform with `curvature_every > 1` given
+      statistics that are not gated warns (`UngatedStatisticsWarning`): they were computed on
+      every step and most of them are thrown away.
   """
 
   data: tuple[Any, ...]
@@ -84,6 +88,15 @@ class CurvatureStats:
   params_stats: Any = None
   layer_shapes: tuple = dataclasses.field(default=(), metadata={"static": True})
   fingerprint: Any = dataclasses.field(default=None, metadata={"static": True})
+  gated: bool = dataclasses.field(default=False, metadata={"static": True})
+
+
+class UngatedStatisticsWarning(UserWarning):
+  """Statistics computed on every step were given to a transform that folds them every k-th.
+
+  The transform ignores them on the other updates; `kfac_jax.value_and_grad(...)(params,
+  batch, rng, opt_state=opt_state)` computes them only when they are used.
+  """
 
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
@@ -344,8 +357,12 @@ def compute(
   with_params_stats: bool = False,
   aux: LossPart | None = None,
   fingerprint: Any = None,
+  due: Array | None = None,
 ):
   """Loss, gradient (or None) and `CurvatureStats` from one forward pass.
+
+  With `due` (a `[]` bool), the statistics are computed only when it is True (a `lax.cond`)
+  and are zeros of the same structure otherwise.
 
   With `with_params_stats`, the sampled pull-back also forms every parameter's product (one
   more set of weight-gradient matmuls); without it XLA drops those for the tapped layers.
@@ -358,13 +375,28 @@ def compute(
   check_rng(estimation_mode, rng)
   lin = linearize(reg, params, batch)
   grads = lin.grads() if with_grads else None
-  stats = lin.statistics(
-    rng,
-    estimation_mode=estimation_mode,
-    num_samples=num_samples,
-    with_params_stats=with_params_stats,
-    fingerprint=fingerprint,
-  )
+
+  def statistics():
+    return lin.statistics(
+      rng,
+      estimation_mode=estimation_mode,
+      num_samples=num_samples,
+      with_params_stats=with_params_stats,
+      fingerprint=fingerprint,
+    )
+
+  if due is None:
+    stats = statistics()
+  else:
+    # Zeros of the statistics' structure on the other steps, which the transform ignores:
+    # the sampled pull-back (a backward pass) runs only in the taken branch.
+    shapes = jax.eval_shape(statistics)
+    stats = jax.lax.cond(
+      due,
+      statistics,
+      lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+    )
+    stats = dataclasses.replace(stats, gated=True)
   if aux is not None:
     return lin.loss, aux.unflatten_aux(lin.aux_leaves), grads, stats
   return lin.loss, grads, stats
@@ -416,8 +448,13 @@ def value_and_grad(
       statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
 
   Returns:
-    `fn(params, batch, rng=None)`, returning `(loss, grads, curvature_stats)`, or
-    `((loss, aux), grads, curvature_stats)` with `has_aux=True`.
+    `fn(params, batch, rng=None, *, opt_state=None)`, returning
+    `(loss, grads, curvature_stats)`, or `((loss, aux), grads, curvature_stats)` with
+    `has_aux=True`. With `opt_state` (the state of the `kfac` / `scale_by_kfac` transform the
+    statistics are for, alone or inside optax combinators), the statistics are computed only
+    when that transform's next update folds them (`kfac_jax.curvature_due`: every
+    `curvature_every`-th update) and are zeros otherwise, which the update ignores: the other
+    steps cost a plain forward and backward pass. Without it they are computed on every call.
 
   Raises:
     TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
@@ -427,7 +464,8 @@ def value_and_grad(
       `has_aux` (a tuple without it, a bare scalar with it).
 
   Example:
-    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(
+    ...     params, batch, rng, opt_state=opt_state)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 
     Sharing one registration with the transform:
@@ -485,8 +523,13 @@ def value_and_grad(
       )
     return own[key]
 
-  def fn(params, batch, rng=None):
+  def fn(params, batch, rng=None, *, opt_state=None):
     r = registered(params, batch)
+    due = None
+    if opt_state is not None:
+      from kfac_jax import _transform  # pylint: disable=g-import-not-at-top (import cycle)
+
+      due = _transform.kfac_state(opt_state).curvature_due  # None: every update is due.
     out = compute(
       r.scan_batch(params, batch),
       params,
@@ -498,6 +541,7 @@ def value_and_grad(
       with_params_stats=compute_params_stats,
       aux=r.loss_part if r.has_aux else None,
       fingerprint=r.fingerprint,
+      due=due,
     )
     if r.has_aux:
       loss, aux, grads, stats = out

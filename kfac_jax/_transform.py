@@ -15,6 +15,7 @@ guard spans the whole chain, so the momentum trace is kept too.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,11 +39,16 @@ class ScaleByKfacState(NamedTuple):
     curvature: the estimator's factors, caches and EMA weight.
     skipped: `[]` int32, updates skipped because the gradient, the statistics or the update
       were not finite (`skip_nonfinite=True`).
+    curvature_due: `[]` bool, whether the next update folds curvature statistics into the
+      factors (its `count` is a multiple of `curvature_every`); None with
+      `curvature_every=1` (every update does). `kfac_jax.value_and_grad` reads it when given
+      `opt_state=`, and skips the statistics when they would be ignored.
   """
 
   count: Array  # type: ignore[assignment]  # optax's field name; shadows tuple.count
   curvature: _estimator.EstimatorState
   skipped: Array
+  curvature_due: Array | None
 
 
 class KfacState(NamedTuple):
@@ -58,6 +64,45 @@ class KfacState(NamedTuple):
 
   preconditioner: ScaleByKfacState
   momentum: optax.TraceState | optax.EmptyState
+
+
+def kfac_state(opt_state) -> ScaleByKfacState:
+  """The one `ScaleByKfacState` inside `opt_state` (see `curvature_due`).
+
+  Raises:
+    ValueError: `opt_state` holds no K-FAC state, or more than one.
+  """
+  found = [
+    s
+    for s in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))
+    if isinstance(s, ScaleByKfacState)
+  ]
+  if len(found) != 1:
+    what = "no" if not found else f"{len(found)}"
+    raise ValueError(
+      f"`opt_state` holds {what} K-FAC transform states (ScaleByKfacState), expected exactly "
+      f"one; got a {type(opt_state).__name__}. Pass the state of the optax transform built "
+      "with kfac_jax.kfac or kfac_jax.scale_by_kfac (tx.init(params)), or compute the "
+      "statistics on every step by leaving `opt_state` out."
+    )
+  return found[0]
+
+
+def curvature_due(opt_state) -> Array:
+  """Whether the next update of the K-FAC transform in `opt_state` folds curvature statistics.
+
+  `opt_state` is the state of `scale_by_kfac` or `kfac`, alone or inside optax combinators
+  (`optax.chain`, `optax.inject_hyperparams`, ...); it must hold exactly one K-FAC state.
+  Returns a `[]` bool array (traced inside `jit`): True on the updates whose `count` is a
+  multiple of `curvature_every` (every update with `curvature_every=1`).
+  `kfac_jax.value_and_grad(...)(params, batch, rng, opt_state=opt_state)` uses it to skip the
+  statistics on the other updates, which would ignore them.
+
+  Raises:
+    ValueError: `opt_state` holds no K-FAC state, or more than one.
+  """
+  due = kfac_state(opt_state).curvature_due
+  return jnp.ones([], bool) if due is None else jnp.asarray(due)
 
 
 def _check_args(
@@ -218,7 +263,15 @@ class _Preconditioner:
       count=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
       curvature=self.est.init(params, axis_name=self.axis_name, mesh=self.inverse_mesh),
+      curvature_due=self._due(jnp.zeros([], jnp.int32)),
     )
+
+  def _due(self, count):
+    """Whether the update at `count` folds statistics (a constant with `curvature_every=1`)."""
+    every = self.curvature_every
+    if isinstance(every, int) and every == 1:
+      return None
+    return count % jnp.asarray(every, count.dtype) == 0
 
   def update(
     self,
@@ -254,6 +307,22 @@ class _Preconditioner:
         f"{self.name}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
         "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
       )
+    every = self.curvature_every
+    if (
+      curvature_stats is not None
+      and isinstance(every, int)
+      and every > 1
+      and not getattr(curvature_stats, "gated", True)
+    ):
+      warnings.warn(
+        f"{self.name}: these curvature statistics were computed for every update, but "
+        f"curvature_every={every} folds them into the factors on every {every}th update only "
+        "and ignores the others. Compute them only when due with "
+        "`kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=opt_state)`, or set "
+        "curvature_every=1.",
+        _curvature.UngatedStatisticsWarning,
+        stacklevel=3,
+      )
     count, old = state.count, state.curvature
     ok = _estimator.all_finite(updates) if self.skip_nonfinite else None
 
@@ -263,15 +332,9 @@ class _Preconditioner:
       )
       return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
 
-    every = self.curvature_every
     # Statistics only on due updates (computed inside the branch when the transform computes
     # them itself); the caches, which the fold never changes, stay out of the branch.
-    due = (
-      None
-      if isinstance(every, int) and every == 1
-      else count % jnp.asarray(every, count.dtype) == 0
-    )
-    curv = _engine.fold_statistics(old, fold, due)
+    curv = _engine.fold_statistics(old, fold, self._due(count))
     if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
       ok = ok & (curv.skipped_batches == old.skipped_batches)
 
@@ -291,9 +354,15 @@ class _Preconditioner:
     pre = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, updates)
     if ok is None:
       out, new_finish = (pre, finish_state) if finish is None else finish(pre, finish_state, None)
+      new_count = optax.safe_increment(count)
       return (
         out,
-        ScaleByKfacState(count=optax.safe_increment(count), curvature=curv, skipped=state.skipped),
+        ScaleByKfacState(
+          count=new_count,
+          curvature=curv,
+          skipped=state.skipped,
+          curvature_due=self._due(new_count),
+        ),
         new_finish,
       )
 
@@ -328,10 +397,12 @@ class _Preconditioner:
     kept = (old.factors, old.ema_weight, old.cache, old.failed_inverses, finish_state)
     factors, weight, cache, failed, new_finish = _engine.keep_if(ok, changed, kept)
     curv = curv._replace(factors=factors, ema_weight=weight, cache=cache, failed_inverses=failed)
+    new_count = count + ok.astype(count.dtype)
     new_state = ScaleByKfacState(
-      count=count + ok.astype(count.dtype),
+      count=new_count,
       curvature=curv,
       skipped=state.skipped + (~ok).astype(state.skipped.dtype),
+      curvature_due=self._due(new_count),
     )
     return out, new_state, new_finish
 

@@ -2,6 +2,7 @@
 arguments. The optax contract (jit, one compile, chain, inject_hyperparams, nnx, dtypes,
 checkpoints) is in test_contract.py."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -44,7 +45,7 @@ def test_stats_path_equals_batch_path():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("path", ["batch", "curvature_stats"])
+@pytest.mark.parametrize("path", ["batch", "curvature_stats", "gated"])
 def test_curvature_every_folds_statistics_only_on_due_updates(path):
   """curvature_every=3: the EMA takes the statistics of updates 0, 3, 6 only, each at the
   parameters of that update, exactly as an estimator fed just those batches."""
@@ -69,7 +70,8 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
       grads = jax.grad(loss_fn)(params, b)
       updates, opt_state = tx.update(grads, opt_state, params, batch=b, rng=rng)
     else:
-      _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, b, rng)
+      gate = {"opt_state": opt_state} if path == "gated" else {}
+      _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, b, rng, **gate)
       updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
@@ -79,7 +81,11 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
     rng = jax.random.key(10 + i)
     if i % 3 == 0:
       ref = est.update_curvature(ref, params, b, rng, 0.7)
-    params, opt_state = step(params, opt_state, b, rng)
+    if path == "curvature_stats" and i == 0:  # Statistics of every step: warned at the trace.
+      with pytest.warns(kfac_jax.UngatedStatisticsWarning, match="curvature_every=3 folds"):
+        params, opt_state = step(params, opt_state, b, rng)
+    else:
+      params, opt_state = step(params, opt_state, b, rng)
     factors.append(opt_state[0].curvature.factors)
     for got, want in zip(
       jax.tree_util.tree_leaves(factors[-1]), jax.tree_util.tree_leaves(ref.factors)
@@ -93,6 +99,53 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
       np.testing.assert_array_equal(a, b)
   assert not np.array_equal(factors[3]["layer0"].a, factors[2]["layer0"].a)
   assert int(opt_state[0].count) == 7
+
+
+def test_value_and_grad_skips_the_statistics_that_the_update_would_ignore():
+  """`opt_state=`: statistics on due updates only (zeros otherwise), found through optax
+  combinators; the loss and gradient are `jax.value_and_grad`'s either way."""
+  loss_fn, params, batch = _problem()
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.inject_hyperparams(kfac_jax.kfac, static_args=("loss_fn", "example_batch"))(
+      loss_fn, batch, learning_rate=0.1, curvature_every=2
+    ),
+  )
+  state = tx.init(params)
+  rng = jax.random.key(0)
+  vg = jax.jit(kfac_jax.value_and_grad(loss_fn))
+  want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+  _, _, every = vg(params, batch, rng)
+  dues = []
+  for _ in range(3):
+    assert bool(kfac_jax.curvature_due(state)) == (len(dues) % 2 == 0)
+    loss, grads, stats = vg(params, batch, rng, opt_state=state)
+    dues.append(bool(kfac_jax.curvature_due(state)))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert stats.gated and not every.gated
+    assert jax.tree_util.tree_structure(stats) == jax.tree_util.tree_structure(
+      dataclasses.replace(every, gated=True)
+    )
+    for a, b in zip(jax.tree_util.tree_leaves(stats), jax.tree_util.tree_leaves(every)):
+      if dues[-1]:
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+      else:
+        assert not np.any(np.asarray(a))
+    _, state = tx.update(grads, state, params, curvature_stats=stats)
+  assert dues == [True, False, True]
+
+
+def test_curvature_due_needs_exactly_one_kfac_state():
+  loss_fn, params, batch = _problem()
+  with pytest.raises(ValueError, match="holds no K-FAC transform states.*optax"):
+    kfac_jax.curvature_due(optax.adam(1e-3).init(params))
+  one = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1).init(params)
+  with pytest.raises(ValueError, match="holds 2 K-FAC transform states"):
+    kfac_jax.curvature_due((one, one))
+  with pytest.raises(ValueError, match="holds no K-FAC"):
+    kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0), opt_state=params)
 
 
 def test_update_is_the_inverse_of_the_estimator():
