@@ -235,9 +235,9 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
     loss_fn = make(lookup)
     (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
     assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
-    reg = _scanner.scan(loss_fn, params, batch)
+    scan = _scanner.scan(loss_fn, params, batch)
     _, _, stats = _curvature.compute(
-      reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+      scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
     )
     config = kfac_jax.blocks.BlockConfig(stats_dtype=jnp.float64, inverse_dtype=jnp.float64)
     block = kfac_jax.blocks.make_block(spec, config)
