@@ -34,6 +34,7 @@ from kfac_jax._specs import EmbeddingInfo, ScaleShiftInfo
 
 
 def match_embedding(ix, i, claimed):
+  """A single-use `[vocab, dim]` table whose rows a gather takes (`embedding_use`)."""
   fe = ix.g.eqns[i]
   if fe.name != "gather":
     return None
