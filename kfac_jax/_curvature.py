@@ -224,22 +224,23 @@ class Linearisation:
   a transposition, so the pull-backs cost what a `jax.vjp` would.)
 
   Attributes:
+    scan: the `_scanner.ScanResult` whose graph was run (its layers, losses and taps).
     loss: the scalar loss.
     preds: per loss tag, its prediction (the tag's first operand).
     others: per loss tag, its further operands (targets, weights).
     aux_leaves: the graph's further outputs (the aux's leaves with `has_aux`).
   """
 
-  def __init__(self, reg, params, batch):
+  def __init__(self, scan: _scanner.ScanResult, params, batch):
     leaves = jax.tree_util.tree_leaves(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
-    tapped = [i for i, k in enumerate(reg.layer_outputs) if k is not None]
+    tapped = [i for i, k in enumerate(scan.layer_outputs) if k is not None]
     # One tap per use: a multi-use layer (tied weights, unrolled scan) has one per application.
-    extra = reg.extra_uses or ((),) * len(reg.layers)
+    extra = scan.extra_uses or ((),) * len(scan.layers)
     taps, stacked = [], set()
     for i in tapped:
-      uses = [(reg.layer_outputs[i], reg.layer_inputs[i])] + list(extra[i])
-      tap = _stacked_tap(reg.graph, uses) if len(uses) > 1 else None
+      uses = [(scan.layer_outputs[i], scan.layer_inputs[i])] + list(extra[i])
+      tap = _stacked_tap(scan.graph, uses) if len(uses) > 1 else None
       if tap is not None:  # The uses are the steps of one scan: one stacked tap.
         stacked.add(i)
         taps.append((i,) + tap)
@@ -251,16 +252,16 @@ class Linearisation:
     watched.update(
       a for atoms in in_atoms for a in atoms if _graph.is_key(a) or isinstance(a, tuple)
     )
-    for ops in reg.loss_operands:
+    for ops in scan.loss_operands:
       watched.update(a for a in ops if _graph.is_key(a))
     watch = frozenset(watched)
 
     def f(p_leaves, eps):
       perturb = {k: eps[n] for k, n in out_keys.items()}
-      outs, seen = reg.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
-      preds = [_read(ops[0], seen) for ops in reg.loss_operands]
+      outs, seen = scan.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
+      preds = [_read(ops[0], seen) for ops in scan.loss_operands]
       xs = [tuple(_read(a, seen) for a in atoms) for atoms in in_atoms]
-      others = [[_read(a, seen) for a in ops[1:]] for ops in reg.loss_operands]
+      others = [[_read(a, seen) for a in ops[1:]] for ops in scan.loss_operands]
       return (outs[0], preds), (xs, others, outs[1:])
 
     eps0 = [
@@ -270,7 +271,7 @@ class Linearisation:
       for k in out_keys
     ]
     (loss, preds), jvp_fn, (xs, others, aux_leaves) = jax.linearize(f, leaves, eps0, has_aux=True)
-    self.reg = reg
+    self.scan = scan
     self.params_treedef = jax.tree_util.tree_structure(params)
     self.loss, self.preds, self.others, self.aux_leaves = loss, preds, others, aux_leaves
     self._xs, self._taps, self._stacked, self._eps0 = xs, taps, stacked, eps0
@@ -302,12 +303,12 @@ class Linearisation:
   ) -> CurvatureStats:
     """The estimation mode's output vectors, pulled back (vmapped over the stack);
     `fingerprint`: the registration's `StatsKey`, carried by the statistics."""
-    reg, preds, others = self.reg, self.preds, self.others
+    scan, preds, others = self.scan, self.preds, self.others
     check_rng(estimation_mode, rng)
-    keys = jax.random.split(rng, len(reg.losses)) if rng is not None else [None] * len(reg.losses)
+    keys = jax.random.split(rng, len(scan.losses)) if rng is not None else [None] * len(scan.losses)
     cts = [
       _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)
-      for spec, p, o, key in zip(reg.losses, preds, others, keys)
+      for spec, p, o, key in zip(scan.losses, preds, others, keys)
     ]
     if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
       cts = _join_exact(cts)
@@ -315,8 +316,8 @@ class Linearisation:
     p_ct, eps_ct = jax.vmap(lambda ct: self.pull_back(zero, ct))(cts)
 
     data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
-    for i, spec in enumerate(reg.layers):
-      if reg.layer_outputs[i] is not None:
+    for i, spec in enumerate(scan.layers):
+      if scan.layer_outputs[i] is not None:
         uses = [(self._xs[n], eps_ct[n]) for n, tap in enumerate(self._taps) if tap[0] == i]
         if i in self._stacked:
           data.append(_blocks.StackedUses(*uses[0]))
@@ -326,27 +327,27 @@ class Linearisation:
         data.append(tuple(p_ct[j] for j in spec.leaf_indices))
     params_stats = None
     if with_params_stats:
-      n = reg.losses[0].batch_size
+      n = scan.losses[0].batch_size
       params_stats = jax.tree_util.tree_unflatten(
         self.params_treedef, [jnp.mean(x, axis=0) / n for x in p_ct]
       )
     return CurvatureStats(
       tuple(data),
-      tuple(s.name for s in reg.layers),
-      reg.losses[0].batch_size,
+      tuple(s.name for s in scan.layers),
+      scan.losses[0].batch_size,
       params_stats,
-      tuple((s.kind, s.approx, s.factor_shapes) for s in reg.layers),
+      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
       fingerprint,
     )
 
 
-def linearize(reg: _scanner.ScanResult, params, batch) -> Linearisation:
-  """One forward pass of `reg`'s graph, linearised (see `Linearisation`)."""
-  return Linearisation(reg, params, batch)
+def linearize(scan: _scanner.ScanResult, params, batch) -> Linearisation:
+  """One forward pass of `scan`'s graph, linearised (see `Linearisation`)."""
+  return Linearisation(scan, params, batch)
 
 
 def compute(
-  reg: _scanner.ScanResult,
+  scan: _scanner.ScanResult,
   params,
   batch,
   rng: Array | None,
@@ -367,13 +368,13 @@ def compute(
   With `with_params_stats`, the sampled pull-back also forms every parameter's product (one
   more set of weight-gradient matmuls); without it XLA drops those for the tapped layers.
 
-  With `aux` (the `LossPart` that `reg` was scanned from, `has_aux=True`), returns
+  With `aux` (the `LossPart` that `scan` was scanned from, `has_aux=True`), returns
   `(loss, aux_value, grads, stats)`: the aux comes from the same forward pass, as the graph's
   extra outputs (not differentiated). `fingerprint`: the registration's `StatsKey`, carried by
   the statistics.
   """
   check_rng(estimation_mode, rng)
-  lin = linearize(reg, params, batch)
+  lin = linearize(scan, params, batch)
   grads = lin.grads() if with_grads else None
 
   def statistics():

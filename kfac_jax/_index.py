@@ -17,7 +17,8 @@
     back to the real leaves (concatenations first, then stacks: `_scanner._Scanner.run`).
 
 The index is a frozen dataclass; its tables are read-only mappings, so a matcher cannot change
-what the next one sees. Matchers (`_matchers`, `_stacked`) are pure functions of the index.
+what the next one sees. Matchers (`_matchers`, `_matchers_embed`, `_matchers_shared`,
+`_stacked`) are pure functions of the index.
 """
 
 from __future__ import annotations

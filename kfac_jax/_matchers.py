@@ -1,43 +1,39 @@
 """Matchers: pure functions that find one layer kind in the graph index.
 
 A matcher reads the graph index (`_index.GraphIndex`) and the leaves claimed so far, looks at
-one equation that really uses a parameter leaf (or, for `match_shared`, at every use of one
-leaf), and returns a `Match` or None: the layer's leaves and, per use, its matching details
-(`DenseInfo`, `ConvInfo`, ...), the output key where the curvature pass adds its zero
+one equation that really uses a parameter leaf (or, for `_matchers_shared.match_shared`, at every
+use of one leaf), and returns a `Match` or None: the layer's leaves and, per use, its matching
+details (`DenseInfo`, `ConvInfo`, ...), the output key where the curvature pass adds its zero
 perturbation and the input atoms it records; the block turns both into statistics. A matcher
 changes nothing: the scanner (`_scanner._Scanner`) runs them in a fixed order, builds the
 `LayerSpec` and claims the leaves. `read_manual_tag` reads a manual layer tag the same way.
 
-Automatic matchers: `match_dense` (a dense product, or `one_hot(ids) @ table`), `match_conv`,
-`match_embedding`, `match_scale_and_shift`, `match_shared` (a leaf with several uses), and
-`_stacked.match_batched_dense` (L dense layers in one batched product). Patterns:
+The matchers live in four modules, each importing only the ones before it:
+
+  `_matchers`         (this one) `Match`, the helpers on the index every matcher uses, the
+                      dense, conv and scale-and-shift matchers with their biases and shifts,
+                      the library's shape-dependent default approximations, manual tags;
+  `_stacked`          `match_batched_dense` (L dense layers in one batched product) and the
+                      merge of per-slice layers of a stacked leaf;
+  `_matchers_embed`   tables: embedding lookups (gather or one-hot product) and learned tokens;
+  `_matchers_shared`  `match_shared`: one layer for a leaf with several uses of any kind above.
+
+Patterns matched here:
 
   dense             `dot_general(x, kernel)` without batch dimensions, the kernel a (reshaped,
                     transposed, cast) parameter leaf; its `[in, out]` matrix is the contracted
                     then the free kernel axes (`dense_product`, shared with the stacked
-                    matcher); an optional bias added along the output features.
+                    matcher); an optional bias added along the output features. A one-hot
+                    product `one_hot(ids) @ table` is an embedding: the scanner tries
+                    `_matchers_embed.match_one_hot_embedding` before `match_dense`.
   conv              `conv_general_dilated(x, kernel)` with the kernel a (viewed) parameter leaf, any
                     spatial rank, strides, padding, dilations, dimension numbers and feature groups
                     (`batch_group_count` must be 1), and an optional bias `add` aligned with the
                     output feature axis.
-  embedding         `gather(table, ids)` taking whole rows of a 2-d parameter `[vocab, dim]`
-                    (`jnp.take(table, ids, axis=0)`, `table[ids]`, Flax `Embed`; `vmap` of a row
-                    lookup `table[i]`, equinox's `Embedding`, a clipped full-row gather then a
-                    `squeeze`), and the same
-                    lookup written as a product `one_hot(ids, vocab) @ table` (`jax.nn.one_hot`,
-                    `(ids[..., None] == jnp.arange(vocab)).astype(...)`, through `jnp.dot`,
-                    `jnp.einsum` or `@`, with casts of either operand): the one-hot operand is
-                    traced back through casts to `eq(ids, iota)` along the contracted axis. Only
-                    the ids are recorded, so the block never forms a vocab × vocab factor. The
-                    table must be read as itself (`[vocab, dim]`, casts only) and stand on the
-                    right of the product; other one-hot products stay dense layers.
   scale_and_shift   `x * scale (+ shift)` and `x + shift` with the parameters broadcast over the
                     leading axes of the output; a second multiplication by an activation right
                     after the scale is folded in, which covers Flax's normalisation layers
                     (`y = (x - mean) * (rsqrt(var + eps) * scale) + bias`).
-  token             (`match_token`) a parameter broadcast over the batch and concatenated with
-                    the activations along another axis (a ViT's class token): a shift-only
-                    scale_and_shift layer whose output is the broadcast token.
 """
 
 from __future__ import annotations
@@ -46,10 +42,9 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph
+from kfac_jax import _graph
 from kfac_jax._specs import (
   ConvInfo,
   DenseInfo,
@@ -57,7 +52,6 @@ from kfac_jax._specs import (
   RegistrationError,
   ScaleShiftInfo,
   ViewStep,
-  kernel_index_matrix,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +152,7 @@ def default_approx_note(kind: str, info) -> str:
 # Helpers on the scanner's tables.
 
 
-def _single_use_leaf(ix, atom, claimed, shared: bool = False):
+def single_use_leaf(ix, atom, claimed, shared: bool = False):
   """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice (or,
   with `shared`, any number of times: one use of a shared layer)."""
   if not _graph.is_key(atom) or atom not in ix.origin:
@@ -169,7 +163,7 @@ def _single_use_leaf(ix, atom, claimed, shared: bool = False):
   return leaf, chain
 
 
-def _only_consumer(ix, key):
+def only_consumer(ix, key):
   cons = ix.slice_consumers.get(key, [])
   return cons[0] if len(cons) == 1 else None
 
@@ -204,7 +198,7 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
   return None
 
 
-def _feature_block(leaf_shape, chain, view_shape, out_shape):
+def feature_block(leaf_shape, chain, view_shape, out_shape):
   """`(feature_axis, feature_shape)`: the consecutive axes of `out_shape` a parameter spans,
   broadcast along all others. `feature_axis` is None for trailing axes (`_trailing_feature_shape`,
   tried first); else the parameter reaches an inner block only through reshapes and unit axes
@@ -230,11 +224,11 @@ def _feature_block(leaf_shape, chain, view_shape, out_shape):
 def _match_bias_add(ix, key, out_shape, feature_axis, size, claimed, shared: bool = False):
   """A single-use (or, with `shared`, any) parameter added to `key` along `feature_axis` (size
   `size`) only."""
-  use = _only_consumer(ix, key)
+  use = only_consumer(ix, key)
   if use is None or ix.g.eqns[use[0]].name != "add":
     return None
   fe = ix.g.eqns[use[0]]
-  found = _single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared)
+  found = single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared)
   if found is None:
     return None
   leaf, chain = found
@@ -304,7 +298,7 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
   """
   idx = feature_of
   for _ in range(16):
-    use = _only_consumer(ix, key)
+    use = only_consumer(ix, key)
     if use is None:
       return None
     fe = ix.g.eqns[use[0]]
@@ -316,7 +310,7 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
       continue
     if fe.name != "add" or len(fe.ins) != 2:
       return None
-    found = _single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared)
+    found = single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared)
     if found is None:
       return None
     leaf, chain = found
@@ -341,7 +335,7 @@ def conv_feature_of(info: ConvInfo) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# Dense layers (and one-hot embedding products).
+# Dense layers.
 
 
 def dot_dims(dimension_numbers, k_pos: int):
@@ -405,8 +399,8 @@ def dense_use(ix, i, k_pos):
 
 
 def match_dense(ix, i, claimed):
-  """A single-use kernel in a `dot_general` with an activation (and its bias), or a one-hot
-  embedding product `one_hot(ids) @ table`."""
+  """A single-use kernel in a `dot_general` with an activation (and its bias). The scanner tries
+  `_matchers_embed.match_one_hot_embedding` first, so `one_hot(ids) @ table` is an embedding."""
   fe = ix.g.eqns[i]
   if fe.name != "dot_general":
     return None
@@ -416,10 +410,6 @@ def match_dense(ix, i, claimed):
   k_leaf, k_pos = param_ops[0]
   if k_leaf in claimed or len(ix.uses.get(k_leaf, [])) != 1:
     return None
-  emb = one_hot_embedding_use(ix, i) if k_pos == 1 else None
-  if emb is not None:  # `one_hot(ids) @ table`: an embedding lookup written as a product.
-    info, ids, out_key = emb
-    return Match.single("embedding", [k_leaf], info, out_key, (ids,))
   found = dense_use(ix, i, k_pos)
   if found is None:
     return None
@@ -490,7 +480,7 @@ def _match_direct_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool 
 
 
 # --------------------------------------------------------------------------------------------
-# Automatic matching.
+# Convolutions, scales and shifts.
 
 
 def conv_use(ix, i, claimed, shared: bool = False):
@@ -503,7 +493,7 @@ def conv_use(ix, i, claimed, shared: bool = False):
   ops = ix.uses_by_eqn.get(i, [])
   if len(ops) != 1 or ops[0][1] != 1:
     return None
-  found = _single_use_leaf(ix, fe.ins[1], claimed, shared)
+  found = single_use_leaf(ix, fe.ins[1], claimed, shared)
   if found is None:
     return None
   k_leaf, chain = found
@@ -547,202 +537,6 @@ def match_conv(ix, i, claimed):
   return Match.single("conv", leaves, info, out_key, (x_atom,))
 
 
-def match_embedding(ix, i, claimed):
-  fe = ix.g.eqns[i]
-  if fe.name != "gather":
-    return None
-  ops = ix.uses_by_eqn.get(i, [])
-  if len(ops) != 1 or ops[0][1] != 0:
-    return None
-  found = _single_use_leaf(ix, fe.ins[0], claimed)
-  if found is None:
-    return None
-  use = embedding_use(ix, i)
-  if use is None:
-    return None
-  info, ids, out_key = use
-  return Match.single("embedding", [found[0]], info, out_key, (ids,))
-
-
-def embedding_use(ix, i):
-  """`(EmbeddingInfo, ids atom, output key)` if equation i takes whole rows of a [vocab, dim]
-  parameter table (its operand 0), else None."""
-  fe = ix.g.eqns[i]
-  if fe.name != "gather" or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in ix.origin:
-    return None
-  chain = ix.origin[fe.ins[0]][1]
-  t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
-  if any(s.op != "cast" for s in chain) or len(t_shape) != 2:
-    return None
-  idx_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
-  dn = fe.params["dimension_numbers"]
-  if tuple(dn.start_index_map) == (0, 1):
-    return _vmapped_row_use(ix, fe, chain, t_shape)
-  if (
-    tuple(dn.offset_dims) != (len(out_shape) - 1,)
-    or tuple(dn.collapsed_slice_dims) != (0,)
-    or tuple(dn.start_index_map) != (0,)
-    or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
-    or not idx_shape
-    or idx_shape[-1] != 1
-    or out_shape != idx_shape[:-1] + (t_shape[1],)
-  ):
-    return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
-
-
-def _vmapped_row_use(ix, fe, chain, t_shape):
-  """`embedding_use` for `vmap` of a row lookup `table[i]` with a traced scalar `i` (equinox's
-  `eqx.nn.Embedding`): a `dynamic_slice` of one whole row, batched into a gather whose index
-  vectors are `concatenate([ids, column start], -1)` with slice `(1, dim)` and nothing
-  collapsed, then a `squeeze` of the row axis. The column start cannot move a full-width slice
-  (clipped, or promised in bounds), so the ids are the first operand of the concatenation and
-  the layer's output is the squeezed `[..., dim]`."""
-  dn = fe.params["dimension_numbers"]
-  out_shape = tuple(fe.outs[0][1].aval.shape)
-  nd = len(out_shape)
-  mode = fe.params.get("mode")
-  cat = _producer(ix, fe.ins[1])
-  if (
-    tuple(dn.offset_dims) != (nd - 2, nd - 1)
-    or tuple(dn.collapsed_slice_dims)
-    or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
-    or out_shape[-2:] != (1, t_shape[1])
-    or mode not in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-    or cat is None
-    or cat.name != "concatenate"
-    or not _graph.is_key(cat.ins[0])
-    or cat.params["dimension"] != nd - 2
-    or len(cat.ins) != 2
-    or tuple(_graph.aval_of(cat.ins[0]).shape) != out_shape[:-2] + (1,)
-  ):
-    return None
-  use = _only_consumer(ix, fe.outs[0])
-  sq = None if use is None else ix.g.eqns[use[0]]
-  if sq is None or sq.name != "squeeze" or tuple(sq.params["dimensions"]) != (nd - 2,):
-    return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), cat.ins[0], sq.outs[0]
-
-
-def _producer(ix, atom):
-  """The equation computing `atom`, or None for inputs, constants and literals."""
-  if not _graph.is_key(atom):
-    return None
-  i = ix.producer.get(atom)
-  return None if i is None else ix.g.eqns[i]
-
-
-def _constant_value(ix, atom):
-  """The value of a literal or closed-over constant as a numpy array; None otherwise (also for a
-  constant that is a tracer, e.g. closed over inside an outer `jit`)."""
-  if isinstance(atom, _compat.Literal):
-    value = atom.val
-  elif _graph.is_key(atom) and atom in ix.const_values:
-    value = ix.const_values[atom]
-  else:
-    return None
-  try:
-    return np.asarray(value)
-  except jax.errors.JAXTypeError:  # A tracer.
-    return None
-
-
-def _iota_axis(ix, atom) -> tuple[int, int] | None:
-  """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others.
-
-  Follows casts and `broadcast_in_dim` back to an `iota` (or a constant such as `np.arange`).
-  """
-  value = _constant_value(ix, atom)
-  if value is not None:
-    if not np.issubdtype(value.dtype, np.number):
-      return None
-    for axis, n in enumerate(value.shape):
-      if n > 1:
-        ramp = np.arange(n).reshape([n if d == axis else 1 for d in range(value.ndim)])
-        return (axis, n) if np.array_equal(value, np.broadcast_to(ramp, value.shape)) else None
-    return None
-  fe = _producer(ix, atom)
-  if fe is None:
-    return None
-  if fe.name == "iota":
-    shape, axis = tuple(fe.params["shape"]), int(fe.params["dimension"])
-    return axis, int(shape[axis])
-  if fe.name in ("convert_element_type", "copy", "copy_p"):
-    return _iota_axis(ix, fe.ins[0])
-  if fe.name == "broadcast_in_dim":
-    inner = _iota_axis(ix, fe.ins[0])
-    if inner is None:
-      return None
-    axis, n = inner
-    return int(fe.params["broadcast_dimensions"][axis]), n
-  return None
-
-
-def one_hot_ids(ix, atom, axis: int, vocab: int):
-  """The integer ids atom if `atom` is `cast(ids == iota)` with the iota along `axis` (size
-  `vocab`), i.e. a one-hot encoding with the vocabulary on `axis`; else None.
-
-  The ids atom returned has the one-hot's shape with `axis` dropped or of size 1, so its
-  row-major order is that of the one-hot's other axes.
-  """
-  fe = _producer(ix, atom)
-  while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
-    fe = _producer(ix, fe.ins[0])
-  if fe is None or fe.name != "eq":
-    return None
-  shape = tuple(fe.outs[0][1].aval.shape)
-  if axis >= len(shape) or shape[axis] != vocab:
-    return None
-  squeezed = shape[:axis] + (1,) + shape[axis + 1 :]
-  for pos in (0, 1):
-    if _iota_axis(ix, fe.ins[pos]) != (axis, vocab):
-      continue
-    ids = fe.ins[1 - pos]
-    ids_shape = tuple(_graph.aval_of(ids).shape)
-    if ids_shape != squeezed:  # Broadcast along the vocabulary: look through the broadcast.
-      b = _producer(ix, ids)
-      if (
-        ids_shape != shape
-        or b is None
-        or b.name != "broadcast_in_dim"
-        or tuple(b.params["broadcast_dimensions"])
-        != tuple(d for d in range(len(shape)) if d != axis)
-      ):
-        return None
-      ids = b.ins[0]
-    if not np.issubdtype(_graph.aval_of(ids).dtype, np.integer):
-      return None
-    return ids
-  return None
-
-
-def one_hot_embedding_use(ix, i):
-  """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
-  `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
-  fe = ix.g.eqns[i]
-  if fe.name != "dot_general" or not _graph.is_key(fe.ins[1]) or fe.ins[1] not in ix.origin:
-    return None
-  (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
-  chain = ix.origin[fe.ins[1]][1]
-  t_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
-  if (
-    lhs_b
-    or rhs_b
-    or len(t_shape) != 2
-    or tuple(rhs_c) != (0,)
-    or len(lhs_c) != 1
-    or any(s.op != "cast" for s in chain)
-  ):
-    return None
-  ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), t_shape[0])
-  if ids is None:
-    return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), ids, fe.outs[0]
-
-
 def match_scale_and_shift(ix, i, claimed):
   found = scale_shift_use(ix, i, claimed)
   if found is None:
@@ -764,7 +558,7 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   if len(ops) != 1:
     return None
   leaf, pos = ops[0]
-  found = _single_use_leaf(ix, fe.ins[pos], claimed, shared)
+  found = single_use_leaf(ix, fe.ins[pos], claimed, shared)
   other = fe.ins[1 - pos]
   if found is None or not _graph.is_key(other) or other in ix.origin:
     return None
@@ -774,7 +568,7 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   inputs: tuple = ()
   if fe.name == "mul":
     inputs = (other,)
-    use = _only_consumer(ix, out_key)
+    use = only_consumer(ix, out_key)
     if use is not None and ix.g.eqns[use[0]].name == "mul":
       nxt = ix.g.eqns[use[0]]
       y = nxt.ins[1 - use[1]]
@@ -785,7 +579,7 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   out_shape = tuple(out_key[1].aval.shape)
   if not out_shape or out_shape[0] != ix.batch_size:
     return None
-  block = _feature_block(ix.shapes[leaf], chain, view_shape, out_shape)
+  block = feature_block(ix.shapes[leaf], chain, view_shape, out_shape)
   if block is None or len(block[1]) == len(out_shape):
     return None
   axis, feat = block
@@ -806,144 +600,19 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   return info, leaf, inputs, out_key, shift_leaf
 
 
-def match_token(ix, i, claimed):
-  """A learned token concatenated with the activations (a ViT's class token): equation i is
-  `concatenate(..., broadcast(token), ...)` along a non-batch axis, the token a single-use leaf
-  broadcast over the batch. Its slot of the output is `0 + token`, a shift-only layer whose
-  output is the broadcast token (the key the curvature pass perturbs)."""
-  fe = ix.g.eqns[i]
-  out_shape = tuple(fe.outs[0][1].aval.shape)
-  if (
-    fe.name != "concatenate"
-    or int(fe.params["dimension"]) == 0
-    or not out_shape
-    or out_shape[0] != ix.batch_size
-  ):
-    return None
-  for leaf, pos in ix.uses_by_eqn.get(i, []):  # The first unclaimed token (DeiT has two).
-    atom = fe.ins[pos]
-    found = _single_use_leaf(ix, atom, claimed)
-    if found is None:
-      continue
-    view_shape = tuple(_graph.aval_of(atom).shape)
-    block = _feature_block(ix.shapes[leaf], found[1], view_shape, view_shape)
-    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
-      continue
-    info = ScaleShiftInfo(
-      has_scale=False,
-      has_shift=True,
-      feature_shape=block[1],
-      output_shape=view_shape,
-      feature_axis=None,
-    )
-    return Match.single("scale_and_shift", [leaf], info, atom, ())
-  return None
-
-
 def _match_shift(ix, key, out_shape, block, claimed, shared: bool = False):
-  use = _only_consumer(ix, key)
+  use = only_consumer(ix, key)
   if use is None or ix.g.eqns[use[0]].name != "add":
     return None
   fe = ix.g.eqns[use[0]]
   atom = fe.ins[1 - use[1]]
-  found = _single_use_leaf(ix, atom, claimed, shared)
+  found = single_use_leaf(ix, atom, claimed, shared)
   if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
   leaf, chain = found
-  if _feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
+  if feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
     return None  # The shift must span the scale's axes.
   return leaf, fe.outs[0]
-
-
-# --------------------------------------------------------------------------------------------
-# Shared layers: one leaf, several uses.
-
-
-def match_shared(ix, leaf, claimed, shifts: bool = False):
-  """One layer for a leaf whose uses are all dense products (with one shared bias), embedding
-  lookups, convolutions (with one shared bias) or scales / shifts of activations; a tied
-  embedding mixes lookups with products by the transposed table. Leaves added to activations
-  (shifts) are matched only with `shifts`, after the scales have claimed theirs.
-
-  Returns a `Match` with one entry per use, or None.
-  """
-  uses = ix.uses[leaf]
-  found = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
-  for i, pos in uses:
-    fe = ix.g.eqns[i]
-    if len(ix.uses_by_eqn.get(i, [])) != 1:
-      return None
-    emb = one_hot_embedding_use(ix, i) if pos == 1 else None
-    if emb is not None:
-      found.append(("embedding", emb[0], (emb[1],), emb[2], None))
-    elif fe.name == "dot_general":
-      d = dense_use(ix, i, pos)
-      if d is None:
-        return None
-      info, x_atom, k_shape, k_free = d
-      bias = match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
-      b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
-      found.append(("dense", info, (x_atom,), out_key, b_leaf))
-    elif fe.name == "gather" and pos == 0:
-      e = embedding_use(ix, i)
-      if e is None:
-        return None
-      info, ids, out_key = e
-      found.append(("embedding", info, (ids,), out_key, None))
-    elif fe.name == "conv_general_dilated":
-      c = conv_use(ix, i, claimed, shared=True)
-      if c is None:
-        return None
-      info, _, x_atom, out_key, b_leaf = c
-      found.append(("conv", info, (x_atom,), out_key, b_leaf))
-    elif fe.name == "mul" or (fe.name == "add" and shifts):
-      m = scale_shift_use(ix, i, claimed, shared=True)
-      if m is None:
-        return None
-      info, _, inputs, out_key, shift_leaf = m
-      found.append(("scale_and_shift", info, inputs, out_key, shift_leaf))
-    else:
-      return None
-  kinds = {f[0] for f in found}
-  biases = {f[4] for f in found}
-  if len(biases) != 1:
-    return None
-  (b_leaf,) = biases
-  if b_leaf is not None and (b_leaf in claimed or len(ix.uses[b_leaf]) != len(uses)):
-    return None
-  infos = tuple(f[1] for f in found)
-  shape = ix.shapes[leaf]
-  if kinds == {"dense"}:  # Every use must read the kernel as the same [in, out] matrix.
-    first = kernel_index_matrix(infos[0], shape)
-    if any(not np.array_equal(kernel_index_matrix(inf, shape), first) for inf in infos[1:]):
-      return None
-    kind = "dense"
-  elif kinds == {"conv"}:  # ... and as the same [window · in, out] matrix.
-    if len({conv_kernel_layout(inf) for inf in infos}) != 1:
-      return None
-    kind = "conv"
-  elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
-    keys = {(inf.has_scale, inf.has_shift, inf.feature_shape, inf.feature_axis) for inf in infos}
-    if len(keys) != 1:
-      return None
-    kind = "scale_and_shift"
-  elif kinds <= {"dense", "embedding"}:
-    # A table [vocab, dim]: products read it as itself or as its transpose.
-    emb = next(inf for inf in infos if isinstance(inf, EmbeddingInfo))
-    idx = np.arange(math.prod(shape)).reshape(shape)
-    for inf in infos:
-      if isinstance(inf, EmbeddingInfo):
-        if inf != emb:
-          return None
-        continue
-      m = kernel_index_matrix(inf, shape)
-      if not (np.array_equal(m, idx) or np.array_equal(m, idx.T)):
-        return None
-    kind = "embedding"
-  else:
-    return None
-  leaves = [leaf] + ([b_leaf] if b_leaf is not None else [])
-  return Match(kind, tuple(leaves), infos, tuple(f[3] for f in found), tuple(f[2] for f in found))
 
 
 # --------------------------------------------------------------------------------------------

@@ -517,7 +517,7 @@ class Optimizer:
     dtype = self.estimator.config.inverse_dtype
     jv = [lin.prediction_jvp(v) for v in vecs]  # per vector, per loss tag: [*prediction.shape]
     rows = [[jnp.zeros([], dtype)] * k for _ in range(k)]
-    for t, (spec, z, o) in enumerate(zip(lin.reg.losses, lin.preds, lin.others)):
+    for t, (spec, z, o) in enumerate(zip(lin.scan.losses, lin.preds, lin.others)):
       us = [jv[i][t] for i in range(k)]
       hus = [_losses.output_curvature_product(spec, (z, *o), u) for u in us]
       for i in range(k):
@@ -541,7 +541,7 @@ class Optimizer:
     """The shared core: `(updates, new_state, info)`; `params + updates` are the new params."""
     est, cfg = self.estimator, self.config
     est.ensure_layers(params)
-    reg = est.scan_batch(params, batch, warn=False)  # Checked against example_batch's layers.
+    scan = est.scan_batch(params, batch, warn=False)  # Checked against example_batch's layers.
     leaves, treedef = jax.tree_util.tree_flatten(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     sdtype = est.config.inverse_dtype
@@ -552,11 +552,11 @@ class Optimizer:
     old = state.curvature
 
     def loss_at(p_leaves):
-      return reg.graph.evaluate(list(p_leaves) + batch_leaves)[0][0]
+      return scan.graph.evaluate(list(p_leaves) + batch_leaves)[0][0]
 
     # 1. One forward pass, linearised: the loss, its gradient, (on curvature steps) the
     # statistics' pull-back and (step 4) the quadratic model's push-forwards all reuse it.
-    lin = _curvature.linearize(reg, params, batch)
+    lin = _curvature.linearize(scan, params, batch)
     aux = est.loss_part.unflatten_aux(lin.aux_leaves) if self.has_aux else None
     loss, g_leaves = self._pmean((lin.loss, jax.tree_util.tree_leaves(lin.grads())))
 

@@ -42,16 +42,19 @@ Seams. The scanner is four layers, each importing only the ones before it:
                consumers, producers, virtual leaves for stack slices and concatenations), built
                once per scan;
   `_matchers`  pure functions `(index, equation or leaf, claimed) -> Match | None`, one per
-               layer kind (plus `_stacked.match_batched_dense`), and the manual tag reader;
+               layer kind, and the manual tag reader, in four modules (`_matchers`: `Match`,
+               dense, conv, scale-and-shift, manual tags; `_stacked`; `_matchers_embed`:
+               embedding lookups and tokens; `_matchers_shared`: leaves with several uses);
   `_scanner`   orchestration (`_Scanner`): runs the matchers in a fixed order (its docstring),
                turns each `Match` into a `LayerSpec` (approximation from the tag, `LayerConfig`,
                size policy), resolves claims, maps virtual leaves back, adds fallbacks.
 
 Adding a layer kind. (1) Its matching details: a frozen `FooInfo` in `_specs`, and the kind in
 `APPROXIMATIONS` / `DEFAULT_APPROX` (and `SHARED_BY_KIND` if a shared use makes sense). (2) One
-matcher in `_matchers`, `match_foo(ix, i, claimed) -> Match | None`, added to `_PASSES` below
-in the pass where it belongs (kernels claim their biases before the elementwise pass), and, for
-shared uses, a branch of `match_shared`. (3) One block (or a layout for `blocks.KroneckerBlock`)
+matcher in `_matchers` (or a module of its own family beside `_matchers_embed`),
+`match_foo(ix, i, claimed) -> Match | None`, added to `_PASSES` below in the pass where it
+belongs (kernels claim their biases before the elementwise pass), and, for shared uses, a branch
+of `_matchers_shared.match_shared`. (3) One block (or a layout for `blocks.KroneckerBlock`)
 in `blocks/` that reads `spec.info` and answers its factor shapes (`Block.factor_shapes_for`),
 and its entries in the block registry (`blocks.block_class`). The scanner asks the block class
 for every layer's factor shapes (`blocks.factor_shapes_for`), so they are never computed here.
@@ -69,7 +72,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph, _index, _layer_config, _matchers, _stacked, _tags
+from kfac_jax import (
+  _compat,
+  _graph,
+  _index,
+  _layer_config,
+  _matchers,
+  _matchers_embed,
+  _matchers_shared,
+  _stacked,
+  _tags,
+)
 from kfac_jax import blocks as _blocks
 from kfac_jax._specs import (  # Re-exported: the names other modules and tests use from here.
   APPROXIMATIONS,
@@ -175,19 +188,20 @@ def scan(
 class _Scanner:
   """One scan: builds the graph index, runs the matchers in order, resolves their claims.
 
-  The matchers (`_matchers`, `_stacked.match_batched_dense`) are pure functions of the index
-  (`_index.GraphIndex`) and of the leaves claimed so far; each returns a `Match` or None. The
-  scanner turns a match into a `LayerSpec` (choosing the approximation from the manual tag, the
-  `LayerConfig` and the size policy) and claims its leaves. Order (first claim wins):
+  The matchers (`_matchers`, `_matchers_embed`, `_matchers_shared`, `_stacked`) are pure
+  functions of the index (`_index.GraphIndex`) and of the leaves claimed so far; each returns a
+  `Match` or None. The scanner turns a match into a `LayerSpec` (choosing the approximation from
+  the manual tag, the `LayerConfig` and the size policy) and claims its leaves.
+  Order (first claim wins):
 
     1. manual layer tags (`register_dense` tags of one kernel become one layer, one use each);
     2. leaves with several uses, as one shared layer (`match_shared`): kernels, tables and
        scales first, then shifts, so that a scale claims its shift;
-    3. per equation, in graph order, three passes: kernels (stacked dense, dense or one-hot
-       embedding, conv; each claims its bias), then gathers (embedding), then elementwise scales
-       and shifts and learned tokens concatenated with the activations (scale_and_shift), so
-       that a bias is never mistaken for a shift; an equation is tried again after a match
-       (two tokens in one concatenation);
+    3. per equation, in graph order, three passes: kernels (stacked dense, one-hot embedding
+       product, dense, conv; each claims its bias), then gathers (embedding), then elementwise
+       scales and shifts and learned tokens concatenated with the activations
+       (scale_and_shift), so that a bias is never mistaken for a shift; an equation is tried
+       again after a match (two tokens in one concatenation);
     4. layers matched on concatenations are mapped to their real leaves, then the per-slice
        layers of stacked leaves are merged into one stacked layer (`_stacked.merge`), then
        `LayerConfig.linked` groups replace the layers they hold;
@@ -242,7 +256,7 @@ class _Scanner:
     for shifts in (False, True):
       for leaf in sorted(ix.uses):
         if leaf not in claimed and len(ix.uses[leaf]) > 1:
-          match = _matchers.match_shared(ix, leaf, claimed, shifts)
+          match = _matchers_shared.match_shared(ix, leaf, claimed, shifts)
           if match is not None:
             specs.append(self._accept(match, claimed))
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
@@ -721,9 +735,14 @@ def sized(spec: LayerSpec) -> LayerSpec:
 # The automatic matchers, pass by pass; within a pass, per equation, the first that fits wins.
 # Kernels claim their biases before the elementwise pass could take a bias for a shift.
 _PASSES = (
-  (_stacked.match_batched_dense, _matchers.match_dense, _matchers.match_conv),
-  (_matchers.match_embedding,),
-  (_matchers.match_scale_and_shift, _matchers.match_token),
+  (
+    _stacked.match_batched_dense,
+    _matchers_embed.match_one_hot_embedding,  # Before `match_dense` would take it for a kernel.
+    _matchers.match_dense,
+    _matchers.match_conv,
+  ),
+  (_matchers_embed.match_embedding,),
+  (_matchers.match_scale_and_shift, _matchers_embed.match_token),
 )
 
 

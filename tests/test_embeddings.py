@@ -235,9 +235,9 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
     loss_fn = make(lookup)
     (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
     assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
-    reg = _scanner.scan(loss_fn, params, batch)
+    scan = _scanner.scan(loss_fn, params, batch)
     _, _, stats = _curvature.compute(
-      reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+      scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
     )
     config = kfac_jax.blocks.BlockConfig(stats_dtype=jnp.float64, inverse_dtype=jnp.float64)
     block = kfac_jax.blocks.make_block(spec, config)
@@ -247,3 +247,56 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
       np.testing.assert_allclose(
         getattr(factors[lookup], k), getattr(factors["gather"], k), rtol=1e-10
       )
+
+
+# Plain gathers in other spellings: one id per example (no sequence axis), and `jnp.take`
+# (a gather inside a nested jit, whose default mode fills out-of-range rows where `table[ids]`
+# promises in-bounds ids).
+GATHERS = {
+  "getitem_ids_B": (lambda t, ids: t[ids], (6,)),
+  "take_ids_BT": (lambda t, ids: jnp.take(t, ids, axis=0), (4, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GATHERS))
+def test_gather_lookup_preconditions_like_the_one_hot_product(x64, case):
+  """The gather is an embedding layer, and exact mode's preconditioned gradient is the one of
+  the same model written `one_hot(ids) @ table`."""
+  lookup, ids_shape = GATHERS[case]
+  params = _params(9)
+  ki, ky = jax.random.split(jax.random.key(10))
+  batch = {
+    "ids": jax.random.randint(ki, ids_shape, 0, V),
+    "y": jax.random.randint(ky, ids_shape, 0, C),
+  }
+
+  def make(h):
+    def loss_fn(p, b):
+      logits = jnp.tanh(h(p["table"], b["ids"])) @ p["w"]
+      kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    return loss_fn
+
+  losses = {"gather": make(lookup), "one_hot": make(LOOKUPS["one_hot_matmul"])}
+  for loss_fn in losses.values():
+    layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+    assert [(l.name, l.kind, l.factor_shapes) for l in layers] == [
+      ("table", "embedding", ((V,), (D, D))),
+      ("w", "dense", ((D, D), (C, C))),
+    ]
+  grads = jax.grad(losses["one_hot"])(params, batch)
+  flat_grads = ravel_pytree(grads)[0]
+  np.testing.assert_allclose(ravel_pytree(jax.grad(losses["gather"])(params, batch))[0], flat_grads)
+  nat = {}
+  for name, loss_fn in losses.items():
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+
+    @jax.jit
+    def precondition(state, est=est):
+      state = est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=0.0)
+      return est.multiply_inverse(est.update_inverses(state, 1e-3), grads)
+
+    nat[name] = np.asarray(ravel_pytree(precondition(est.init(params)))[0])
+  np.testing.assert_allclose(nat["gather"], nat["one_hot"], rtol=1e-9, atol=1e-12)
+  assert not np.allclose(nat["gather"], flat_grads, rtol=1e-2)  # Really preconditioned.

@@ -29,7 +29,16 @@ def _kfac_imports(path: pathlib.Path) -> set[str]:
 
 
 # What the scanner is made of: the tracer, the graph and its index, the matchers.
-_TRACER = {"_scanner", "_matchers", "_graph", "_index", "_stacked", "_tags"}
+_TRACER = {
+  "_scanner",
+  "_matchers",
+  "_matchers_embed",
+  "_matchers_shared",
+  "_graph",
+  "_index",
+  "_stacked",
+  "_tags",
+}
 
 
 @pytest.mark.parametrize(
@@ -47,6 +56,23 @@ def test_specs_is_a_leaf_module():
 def test_import_checker_sees_imports():
   # The checker itself: the scanner does import the matchers and the specs.
   assert {"_matchers", "_specs", "_stacked"} <= _kfac_imports(_PKG / "_scanner.py")
+
+
+# The matcher modules, bottom up: each imports only the ones before it and modules below the
+# tracer (never `_scanner`), so the embedding matchers never loop back into the dense ones.
+_MATCHER_LAYERS = ("_matchers", "_stacked", "_matchers_embed", "_matchers_shared")
+
+
+@pytest.mark.parametrize("level", range(len(_MATCHER_LAYERS)), ids=_MATCHER_LAYERS)
+def test_matcher_modules_are_layered(level):
+  name = _MATCHER_LAYERS[level]
+  imported = _kfac_imports(_PKG / f"{name}.py")
+  allowed = {"_compat", "_graph", "_specs", "blocks", *_MATCHER_LAYERS[:level]}
+  assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}"
+
+
+def test_the_shared_matcher_sees_every_family():
+  assert {"_matchers", "_matchers_embed"} <= _kfac_imports(_PKG / "_matchers_shared.py")
 
 
 def test_layer_config_reads_only_the_specs():

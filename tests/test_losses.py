@@ -45,9 +45,9 @@ def test_output_curvature_product_is_the_loss_hessian(kind, x64):
   }[kind]
   loss, rest = _tagged_loss(kind, y, w)
   hess = jax.hessian(loss)(z).reshape(12, 12)
-  reg = _scanner.scan(lambda p, b: loss(p["z"]), {"z": z}, {}, warn=False)
+  scan = _scanner.scan(lambda p, b: loss(p["z"]), {"z": z}, {}, warn=False)
   v = jnp.asarray(rng.normal(size=(3, 4)))
-  hv = _losses.output_curvature_product(reg.losses[0], (z, *rest), v)
+  hv = _losses.output_curvature_product(scan.losses[0], (z, *rest), v)
   np.testing.assert_allclose(hv.ravel(), hess @ v.ravel(), rtol=1e-12, atol=1e-14)
 
 

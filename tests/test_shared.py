@@ -169,9 +169,9 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
   loss_fn = lambda p, b: _ce(model(p, b["x"])[1], b["y"])
   (layer,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   assert (layer.kind, layer.num_uses, layer.param_paths) == ("dense", 2, ("w", "b"))
-  reg = _scanner.scan(loss_fn, params, batch)
+  scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
-    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
   )
   block = kfac_jax.blocks.make_block(layer, _f64_config())
   got = block.batch_factors(stats.data[0], N)
@@ -197,9 +197,9 @@ def _single_use_dense():
   batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, 3)}
   loss_fn = lambda p, b: _ce(b["x"] @ p["w"] + p["b"], b["y"])
   (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
-  reg = _scanner.scan(loss_fn, params, batch)
+  scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
-    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
   )
   return spec, stats.data[0], params, batch, loss_fn
 
@@ -443,9 +443,9 @@ def test_tied_embedding_factors_match_the_definition(x64):
   loss_fn = lambda p, b: _ce(model(p, b["ids"])[1], b["y"])
   (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
-  reg = _scanner.scan(loss_fn, params, batch)
+  scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
-    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
   )
   config = _f64_config()
   got = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], N)
@@ -584,12 +584,12 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
   see different input sizes and paddings), G = Σ_uses (1/N) Σ_rows g gᵀ."""
   params, batch, loss_fn = _shared_conv_setup(1)
   spec = next(l for l in kfac_jax.scan_layers(loss_fn, params, batch) if l.name == "k")
-  reg = _scanner.scan(loss_fn, params, batch)
+  scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
-    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
   )
   block = kfac_jax.blocks.make_block(spec, _f64_config())
-  got = block.batch_factors(stats.data[reg.layers.index(spec)], 1)
+  got = block.batch_factors(stats.data[scan.layers.index(spec)], 1)
 
   x0, x1 = _shared_conv_norm_model(params, batch["x"])[0]
   patches = [_patches(x0, 2, (0, 0)), _patches(x1, 2, (0, 1))]  # VALID; SAME for an even kernel.
@@ -655,9 +655,9 @@ def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
     return _ce(h.mean((1, 2)), b["y"])
 
   (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
-  reg = _scanner.scan(loss_fn, params, batch)
+  scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
-    reg, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
+    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
   )
   config = _f64_config()
   single = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], 2)

@@ -1,0 +1,291 @@
+"""Matchers for tables: embedding lookups and learned tokens.
+
+Like every matcher (`_matchers`), each is a pure function `(index, equation, claimed) -> Match |
+None`; the use readers (`embedding_use`, `one_hot_embedding_use`) are shared with
+`_matchers_shared.match_shared` (a tied table). Patterns:
+
+  embedding         `gather(table, ids)` taking whole rows of a 2-d parameter `[vocab, dim]`
+                    (`match_embedding`: `jnp.take(table, ids, axis=0)`, `table[ids]`, Flax
+                    `Embed`; `vmap` of a row lookup `table[i]`, equinox's `Embedding`, a clipped
+                    full-row gather then a `squeeze`), and the same lookup written as a product
+                    `one_hot(ids, vocab) @ table` (`match_one_hot_embedding`, tried before
+                    `_matchers.match_dense`: `jax.nn.one_hot`,
+                    `(ids[..., None] == jnp.arange(vocab)).astype(...)`, through `jnp.dot`,
+                    `jnp.einsum` or `@`, with casts of either operand): the one-hot operand is
+                    traced back through casts to `eq(ids, iota)` along the contracted axis. Only
+                    the ids are recorded, so the block never forms a vocab × vocab factor. The
+                    table must be read as itself (`[vocab, dim]`, casts only) and stand on the
+                    right of the product; other one-hot products stay dense layers.
+  token             (`match_token`) a parameter broadcast over the batch and concatenated with
+                    the activations along another axis (a ViT's class token): a shift-only
+                    scale_and_shift layer whose output is the broadcast token.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kfac_jax import _compat, _graph, _matchers
+from kfac_jax._specs import EmbeddingInfo, ScaleShiftInfo
+
+# --------------------------------------------------------------------------------------------
+# Embedding lookups: gathers of whole rows.
+
+
+def match_embedding(ix, i, claimed):
+  """A single-use `[vocab, dim]` table whose rows a gather takes (`embedding_use`)."""
+  fe = ix.g.eqns[i]
+  if fe.name != "gather":
+    return None
+  ops = ix.uses_by_eqn.get(i, [])
+  if len(ops) != 1 or ops[0][1] != 0:
+    return None
+  found = _matchers.single_use_leaf(ix, fe.ins[0], claimed)
+  if found is None:
+    return None
+  use = embedding_use(ix, i)
+  if use is None:
+    return None
+  info, ids, out_key = use
+  return _matchers.Match.single("embedding", [found[0]], info, out_key, (ids,))
+
+
+def embedding_use(ix, i):
+  """`(EmbeddingInfo, ids atom, output key)` if equation i takes whole rows of a [vocab, dim]
+  parameter table (its operand 0), else None."""
+  fe = ix.g.eqns[i]
+  if fe.name != "gather" or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in ix.origin:
+    return None
+  chain = ix.origin[fe.ins[0]][1]
+  t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
+  if any(s.op != "cast" for s in chain) or len(t_shape) != 2:
+    return None
+  idx_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  dn = fe.params["dimension_numbers"]
+  if tuple(dn.start_index_map) == (0, 1):
+    return _vmapped_row_use(ix, fe, chain, t_shape)
+  if (
+    tuple(dn.offset_dims) != (len(out_shape) - 1,)
+    or tuple(dn.collapsed_slice_dims) != (0,)
+    or tuple(dn.start_index_map) != (0,)
+    or tuple(dn.operand_batching_dims)
+    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
+    or not idx_shape
+    or idx_shape[-1] != 1
+    or out_shape != idx_shape[:-1] + (t_shape[1],)
+  ):
+    return None
+  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
+
+
+def _vmapped_row_use(ix, fe, chain, t_shape):
+  """`embedding_use` for `vmap` of a row lookup `table[i]` with a traced scalar `i` (equinox's
+  `eqx.nn.Embedding`): a `dynamic_slice` of one whole row, batched into a gather whose index
+  vectors are `concatenate([ids, column start], -1)` with slice `(1, dim)` and nothing
+  collapsed, then a `squeeze` of the row axis. The column start cannot move a full-width slice
+  (clipped, or promised in bounds), so the ids are the first operand of the concatenation and
+  the layer's output is the squeezed `[..., dim]`."""
+  dn = fe.params["dimension_numbers"]
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  nd = len(out_shape)
+  mode = fe.params.get("mode")
+  cat = _producer(ix, fe.ins[1])
+  if (
+    tuple(dn.offset_dims) != (nd - 2, nd - 1)
+    or tuple(dn.collapsed_slice_dims)
+    or tuple(dn.operand_batching_dims)
+    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
+    or out_shape[-2:] != (1, t_shape[1])
+    or mode not in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    or cat is None
+    or cat.name != "concatenate"
+    or not _graph.is_key(cat.ins[0])
+    or cat.params["dimension"] != nd - 2
+    or len(cat.ins) != 2
+    or tuple(_graph.aval_of(cat.ins[0]).shape) != out_shape[:-2] + (1,)
+  ):
+    return None
+  use = _matchers.only_consumer(ix, fe.outs[0])
+  sq = None if use is None else ix.g.eqns[use[0]]
+  if sq is None or sq.name != "squeeze" or tuple(sq.params["dimensions"]) != (nd - 2,):
+    return None
+  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), cat.ins[0], sq.outs[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding lookups written as one-hot products.
+
+
+def match_one_hot_embedding(ix, i, claimed):
+  """`one_hot(ids) @ table` with a single-use table: an embedding lookup written as a product
+  (tried before `_matchers.match_dense`, which would take it for a dense layer)."""
+  fe = ix.g.eqns[i]
+  if fe.name != "dot_general":
+    return None
+  param_ops = ix.uses_by_eqn.get(i, [])
+  if len(param_ops) != 1:
+    return None
+  k_leaf, k_pos = param_ops[0]
+  if k_pos != 1 or k_leaf in claimed or len(ix.uses.get(k_leaf, [])) != 1:
+    return None
+  emb = one_hot_embedding_use(ix, i)
+  if emb is None:
+    return None
+  info, ids, out_key = emb
+  return _matchers.Match.single("embedding", [k_leaf], info, out_key, (ids,))
+
+
+def one_hot_embedding_use(ix, i):
+  """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
+  `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
+  fe = ix.g.eqns[i]
+  if fe.name != "dot_general" or not _graph.is_key(fe.ins[1]) or fe.ins[1] not in ix.origin:
+    return None
+  (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
+  chain = ix.origin[fe.ins[1]][1]
+  t_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
+  if (
+    lhs_b
+    or rhs_b
+    or len(t_shape) != 2
+    or tuple(rhs_c) != (0,)
+    or len(lhs_c) != 1
+    or any(s.op != "cast" for s in chain)
+  ):
+    return None
+  ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), t_shape[0])
+  if ids is None:
+    return None
+  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), ids, fe.outs[0]
+
+
+def one_hot_ids(ix, atom, axis: int, vocab: int):
+  """The integer ids atom if `atom` is `cast(ids == iota)` with the iota along `axis` (size
+  `vocab`), i.e. a one-hot encoding with the vocabulary on `axis`; else None.
+
+  The ids atom returned has the one-hot's shape with `axis` dropped or of size 1, so its
+  row-major order is that of the one-hot's other axes.
+  """
+  fe = _producer(ix, atom)
+  while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
+    fe = _producer(ix, fe.ins[0])
+  if fe is None or fe.name != "eq":
+    return None
+  shape = tuple(fe.outs[0][1].aval.shape)
+  if axis >= len(shape) or shape[axis] != vocab:
+    return None
+  squeezed = shape[:axis] + (1,) + shape[axis + 1 :]
+  for pos in (0, 1):
+    if _iota_axis(ix, fe.ins[pos]) != (axis, vocab):
+      continue
+    ids = fe.ins[1 - pos]
+    ids_shape = tuple(_graph.aval_of(ids).shape)
+    if ids_shape != squeezed:  # Broadcast along the vocabulary: look through the broadcast.
+      b = _producer(ix, ids)
+      if (
+        ids_shape != shape
+        or b is None
+        or b.name != "broadcast_in_dim"
+        or tuple(b.params["broadcast_dimensions"])
+        != tuple(d for d in range(len(shape)) if d != axis)
+      ):
+        return None
+      ids = b.ins[0]
+    if not np.issubdtype(_graph.aval_of(ids).dtype, np.integer):
+      return None
+    return ids
+  return None
+
+
+def _iota_axis(ix, atom) -> tuple[int, int] | None:
+  """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others.
+
+  Follows casts and `broadcast_in_dim` back to an `iota` (or a constant such as `np.arange`).
+  """
+  value = _constant_value(ix, atom)
+  if value is not None:
+    if not np.issubdtype(value.dtype, np.number):
+      return None
+    for axis, n in enumerate(value.shape):
+      if n > 1:
+        ramp = np.arange(n).reshape([n if d == axis else 1 for d in range(value.ndim)])
+        return (axis, n) if np.array_equal(value, np.broadcast_to(ramp, value.shape)) else None
+    return None
+  fe = _producer(ix, atom)
+  if fe is None:
+    return None
+  if fe.name == "iota":
+    shape, axis = tuple(fe.params["shape"]), int(fe.params["dimension"])
+    return axis, int(shape[axis])
+  if fe.name in ("convert_element_type", "copy", "copy_p"):
+    return _iota_axis(ix, fe.ins[0])
+  if fe.name == "broadcast_in_dim":
+    inner = _iota_axis(ix, fe.ins[0])
+    if inner is None:
+      return None
+    axis, n = inner
+    return int(fe.params["broadcast_dimensions"][axis]), n
+  return None
+
+
+def _constant_value(ix, atom):
+  """The value of a literal or closed-over constant as a numpy array; None otherwise (also for a
+  constant that is a tracer, e.g. closed over inside an outer `jit`)."""
+  if isinstance(atom, _compat.Literal):
+    value = atom.val
+  elif _graph.is_key(atom) and atom in ix.const_values:
+    value = ix.const_values[atom]
+  else:
+    return None
+  try:
+    return np.asarray(value)
+  except jax.errors.JAXTypeError:  # A tracer.
+    return None
+
+
+def _producer(ix, atom):
+  """The equation computing `atom`, or None for inputs, constants and literals."""
+  if not _graph.is_key(atom):
+    return None
+  i = ix.producer.get(atom)
+  return None if i is None else ix.g.eqns[i]
+
+
+# --------------------------------------------------------------------------------------------
+# Learned tokens.
+
+
+def match_token(ix, i, claimed):
+  """A learned token concatenated with the activations (a ViT's class token): equation i is
+  `concatenate(..., broadcast(token), ...)` along a non-batch axis, the token a single-use leaf
+  broadcast over the batch. Its slot of the output is `0 + token`, a shift-only layer whose
+  output is the broadcast token (the key the curvature pass perturbs)."""
+  fe = ix.g.eqns[i]
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  if (
+    fe.name != "concatenate"
+    or int(fe.params["dimension"]) == 0
+    or not out_shape
+    or out_shape[0] != ix.batch_size
+  ):
+    return None
+  for leaf, pos in ix.uses_by_eqn.get(i, []):  # The first unclaimed token (DeiT has two).
+    atom = fe.ins[pos]
+    found = _matchers.single_use_leaf(ix, atom, claimed)
+    if found is None:
+      continue
+    view_shape = tuple(_graph.aval_of(atom).shape)
+    block = _matchers.feature_block(ix.shapes[leaf], found[1], view_shape, view_shape)
+    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
+      continue
+    info = ScaleShiftInfo(
+      has_scale=False,
+      has_shift=True,
+      feature_shape=block[1],
+      output_shape=view_shape,
+      feature_axis=None,
+    )
+    return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())
+  return None

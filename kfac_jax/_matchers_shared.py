@@ -1,0 +1,106 @@
+"""The shared-layer matcher: one layer for a parameter leaf with several real uses.
+
+Tied weights and unrolled scans use one leaf several times. `match_shared` reads every use with
+the kinds' use readers (`_matchers.dense_use`, `conv_use`, `scale_shift_use`,
+`_matchers_embed.embedding_use`, `one_hot_embedding_use`) and makes one layer of them when they
+agree on how the leaf is read; it sits above both matcher modules because a tied embedding mixes
+lookups with dense products by the (transposed) table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kfac_jax import _matchers, _matchers_embed
+from kfac_jax._specs import EmbeddingInfo, kernel_index_matrix
+
+
+def match_shared(ix, leaf, claimed, shifts: bool = False):
+  """One layer for a leaf whose uses are all dense products (with one shared bias), embedding
+  lookups, convolutions (with one shared bias) or scales / shifts of activations; a tied
+  embedding mixes lookups with products by the transposed table. Leaves added to activations
+  (shifts) are matched only with `shifts`, after the scales have claimed theirs.
+
+  Returns a `Match` with one entry per use, or None.
+  """
+  uses = ix.uses[leaf]
+  found = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
+  for i, pos in uses:
+    fe = ix.g.eqns[i]
+    if len(ix.uses_by_eqn.get(i, [])) != 1:
+      return None
+    emb = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
+    if emb is not None:
+      found.append(("embedding", emb[0], (emb[1],), emb[2], None))
+    elif fe.name == "dot_general":
+      d = _matchers.dense_use(ix, i, pos)
+      if d is None:
+        return None
+      info, x_atom, k_shape, k_free = d
+      bias = _matchers.match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
+      b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
+      found.append(("dense", info, (x_atom,), out_key, b_leaf))
+    elif fe.name == "gather" and pos == 0:
+      e = _matchers_embed.embedding_use(ix, i)
+      if e is None:
+        return None
+      info, ids, out_key = e
+      found.append(("embedding", info, (ids,), out_key, None))
+    elif fe.name == "conv_general_dilated":
+      c = _matchers.conv_use(ix, i, claimed, shared=True)
+      if c is None:
+        return None
+      info, _, x_atom, out_key, b_leaf = c
+      found.append(("conv", info, (x_atom,), out_key, b_leaf))
+    elif fe.name == "mul" or (fe.name == "add" and shifts):
+      m = _matchers.scale_shift_use(ix, i, claimed, shared=True)
+      if m is None:
+        return None
+      info, _, inputs, out_key, shift_leaf = m
+      found.append(("scale_and_shift", info, inputs, out_key, shift_leaf))
+    else:
+      return None
+  kinds = {f[0] for f in found}
+  biases = {f[4] for f in found}
+  if len(biases) != 1:
+    return None
+  (b_leaf,) = biases
+  if b_leaf is not None and (b_leaf in claimed or len(ix.uses[b_leaf]) != len(uses)):
+    return None
+  infos = tuple(f[1] for f in found)
+  shape = ix.shapes[leaf]
+  if kinds == {"dense"}:  # Every use must read the kernel as the same [in, out] matrix.
+    first = kernel_index_matrix(infos[0], shape)
+    if any(not np.array_equal(kernel_index_matrix(inf, shape), first) for inf in infos[1:]):
+      return None
+    kind = "dense"
+  elif kinds == {"conv"}:  # ... and as the same [window · in, out] matrix.
+    if len({_matchers.conv_kernel_layout(inf) for inf in infos}) != 1:
+      return None
+    kind = "conv"
+  elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
+    keys = {(inf.has_scale, inf.has_shift, inf.feature_shape, inf.feature_axis) for inf in infos}
+    if len(keys) != 1:
+      return None
+    kind = "scale_and_shift"
+  elif kinds <= {"dense", "embedding"}:
+    # A table [vocab, dim]: products read it as itself or as its transpose.
+    emb = next(inf for inf in infos if isinstance(inf, EmbeddingInfo))
+    idx = np.arange(math.prod(shape)).reshape(shape)
+    for inf in infos:
+      if isinstance(inf, EmbeddingInfo):
+        if inf != emb:
+          return None
+        continue
+      m = kernel_index_matrix(inf, shape)
+      if not (np.array_equal(m, idx) or np.array_equal(m, idx.T)):
+        return None
+    kind = "embedding"
+  else:
+    return None
+  leaves = [leaf] + ([b_leaf] if b_leaf is not None else [])
+  return _matchers.Match(
+    kind, tuple(leaves), infos, tuple(f[3] for f in found), tuple(f[2] for f in found)
+  )
