@@ -95,7 +95,9 @@ def parse_kfac_config(text: str) -> dict:
 
   `clip` is `norm_constraint` (0: none), momentum 0 is none; the optional settings are
   `curvature_every=`, `inverse_every=` (ints) and `conv=` / `dense=` (the approximation of those
-  layer kinds, a `LayerConfig` default). Raises ValueError naming the entry.
+  layer kinds, a `LayerConfig` default). A setting left out is the caller's: the race's
+  workload flags (`--curvature-every`, `--inverse-every`), the step sweep's `kfac` defaults.
+  Raises ValueError naming the entry.
   """
   parts = text.split(":")
   try:

@@ -36,20 +36,10 @@ from examples import autoencoder as ae  # noqa: E402
 WORKLOADS = race.WORKLOADS
 
 
-def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool, curvature_every: int = 1):
+def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
   """`steps` jitted steps; the final parameters, or None once the loss is not finite. K-FAC
-  with `curvature_every` > 1 takes the statistics from `batch=` on due steps only."""
-
-  if kfac and curvature_every > 1:
-
-    def kfac_step(params, state, batch, rng):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params, batch=batch, rng=rng)
-      return optax.apply_updates(params, updates), state, loss
-
-    step = jax.jit(kfac_step)
-  else:
-    step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
+  steps give the optimizer state to `kfac_jax.value_and_grad` (statistics on due steps only)."""
+  step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
   state = tx.init(params)
   rng = jax.random.key(0)
   for t in range(steps):
@@ -61,12 +51,13 @@ def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool, curvature_ever
 
 
 def _kfac(loss_fn, example, config: str, default_lr: float):
-  """The transform of a configuration (see `race.parse_kfac_config`) and its curvature_every."""
+  """The transform of a configuration (see `race.parse_kfac_config`; settings it leaves out
+  are `kfac`'s defaults)."""
   if config == "defaults":
-    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr), 1
+    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr)
   kwargs = race.parse_kfac_config(config)
   kwargs["momentum"] = kwargs["momentum"] or None
-  return kfac_jax.kfac(loss_fn, example, **kwargs), kwargs.get("curvature_every", 1)
+  return kfac_jax.kfac(loss_fn, example, **kwargs)
 
 
 def main(argv=None) -> int:
@@ -105,10 +96,8 @@ def main(argv=None) -> int:
     rows.append((f"Adam lr={lr:g}", math.nan if final is None else workload.eval_fn(final)))
     print(rows[-1], flush=True)
   for config in args.configs.split(","):
-    tx, every = _kfac(loss_fn, example, config.strip(), args.default_lr)
-    final = _train(
-      loss_fn, tx, params0, workload.batch_at, args.steps, kfac=True, curvature_every=every
-    )
+    tx = _kfac(loss_fn, example, config.strip(), args.default_lr)
+    final = _train(loss_fn, tx, params0, workload.batch_at, args.steps, kfac=True)
     rows.append((f"kfac {config.strip()}", math.nan if final is None else workload.eval_fn(final)))
     print(rows[-1], flush=True)
 
