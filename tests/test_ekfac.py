@@ -48,16 +48,26 @@ def _run(params, batch, layers=None, damping_mode="factored"):
   est = kfac_jax.CurvatureEstimator(
     _loss_fn, batch, estimation_mode="empirical", layers=layers, damping_mode=damping_mode
   )
-  state = est.init(params)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  state = est.update_inverses(state, LAMBDA)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  return est, state
+  return est, _jit_statistics_inverse_statistics(est, params, batch)
+
+
+def _jit_statistics_inverse_statistics(est, params, batch):
+  """`est`'s statistics, an inverse update at LAMBDA, statistics again, as one jitted program
+  (op by op, each primitive would compile on its own)."""
+
+  @jax.jit
+  def run(params, batch):
+    state = est.init(params)
+    state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+    state = est.update_inverses(state, LAMBDA)
+    return est.update_curvature(state, params, batch, None, ema_decay=0.0)
+
+  return run(params, batch)
 
 
 def _per_example_matrices(params, batch):
   """{layer: J [N, in+1, out]}: per-example gradients of each layer as [W; b]."""
-  jac = jax.jacobian(_per_example)(params, batch)
+  jac = jax.jit(jax.jacobian(_per_example))(params, batch)
   return {
     name: np.concatenate([np.asarray(j["w"]), np.asarray(j["b"])[:, None, :]], axis=1)
     for name, j in jac.items()
@@ -218,22 +228,21 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
 
   layers = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
-  state = est.init(params)
+  state = _jit_statistics_inverse_statistics(est, params, batch)
   assert {(l.kind, l.approx) for l in est.layers} == {("conv", "ekfac"), ("dense", "ekfac")}
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  state = est.update_inverses(state, LAMBDA)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
   # F_EKFAC = Σ s_ij q_ij q_ijᵀ with orthonormal q_ij (the Kronecker eigenbasis in parameter
   # space), so s_ij = q_ijᵀ F_EKFAC q_ij must equal q_ijᵀ F_exact q_ij, F_exact the empirical
   # Fisher (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ: the definition of the scalings.
   flat, unravel = ravel_pytree(params)
-  jac = jax.jacobian(
-    lambda f: optax.softmax_cross_entropy_with_integer_labels(
-      model.apply(unravel(f), batch["x"]), batch["y"]
+  jac = jax.jit(
+    jax.jacobian(
+      lambda f: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply(unravel(f), batch["x"]), batch["y"]
+      )
     )
   )(flat)
   exact = np.asarray(jac).T @ np.asarray(jac) / jac.shape[0]
-  dense = np.asarray(est.to_dense(state))
+  dense = np.asarray(jax.jit(est.to_dense)(state))
   mask = _models.block_mask(est, params)
   q_f = np.linalg.eigh(dense)[1]
   np.testing.assert_allclose(
@@ -241,8 +250,11 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
   )
   # ... and it is not the plain K-FAC block (which differs from the exact one on a conv).
   kron = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
-  ks = kron.update_curvature(kron.init(params), params, batch, None, ema_decay=0.0)
-  kron_dense = np.asarray(kron.to_dense(ks))
+  kron_dense = np.asarray(
+    jax.jit(
+      lambda p, b: kron.to_dense(kron.update_curvature(kron.init(p), p, b, None, ema_decay=0.0))
+    )(params, batch)
+  )
   assert not np.allclose(np.diag(q_f.T @ kron_dense @ q_f), np.diag(q_f.T @ dense @ q_f), rtol=1e-3)
 
 
