@@ -31,6 +31,10 @@ def _per_example(params, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
 
+# Jitted once at module level: compiled once per shape for every test.
+_per_example_jacobian = jax.jit(jax.jacobian(_per_example))
+
+
 def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
   k = jax.random.split(jax.random.key(seed), 2)
   params = _models.jnp_mlp_init(k[0], SIZES, dtype)
@@ -67,7 +71,7 @@ def _jit_statistics_inverse_statistics(est, params, batch):
 
 def _per_example_matrices(params, batch):
   """{layer: J [N, in+1, out]}: per-example gradients of each layer as [W; b]."""
-  jac = jax.jit(jax.jacobian(_per_example))(params, batch)
+  jac = _per_example_jacobian(params, batch)
   return {
     name: np.concatenate([np.asarray(j["w"]), np.asarray(j["b"])[:, None, :]], axis=1)
     for name, j in jac.items()
@@ -171,7 +175,9 @@ def test_equals_kfac_with_eigen_damping_when_gradients_are_kronecker(x64, same_x
 def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x64):
   params, batch = _setup()
   est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))(
+    params, batch
+  )
   for name, j in _per_example_matrices(params, batch).items():
     np.testing.assert_allclose(state.factors[name].s, np.mean(j**2, axis=0), rtol=1e-10)
 
