@@ -74,12 +74,27 @@ def parse_args(argv=None):
     default=10000,
     help="with --full-batch: the batch; otherwise: the evaluation set",
   )
+  p.add_argument(
+    "--encoder",
+    default=None,
+    help="comma-separated encoder widths, the last one the linear code layer; the decoder "
+    "mirrors them (default: the paper's 1000,500,250,30 on 784 inputs, else "
+    f"{','.join(map(str, ae.SMALL_ENCODER))}; a small one makes a quicker smoke test)",
+  )
   p.add_argument("--data-dir", default=None, help="MNIST-format idx files (see examples/data.py)")
   args = p.parse_args(argv)
   if args.quick:
     args.steps, args.warmup, args.compile_repeats = min(args.steps, 6), min(args.warmup, 1), 1
     args.batch_size, args.num_images = min(args.batch_size, 128), min(args.num_images, 256)
   _harness.check_common_args(p, args)
+  args.encoder_widths = None
+  if args.encoder is not None:
+    try:
+      args.encoder_widths = tuple(int(w) for w in args.encoder.split(","))
+    except ValueError:
+      p.error(f"--encoder must be comma-separated integers, got {args.encoder!r}")
+    if any(w < 1 for w in args.encoder_widths):
+      p.error(f"--encoder widths must be >= 1, got {args.encoder!r}")
   if args.batch_size < 1 or args.num_images < 1:
     p.error(
       f"--batch-size and --num-images must be >= 1, got {args.batch_size} and {args.num_images}"
@@ -90,7 +105,9 @@ def parse_args(argv=None):
 def make_workload(args) -> _harness.Workload:
   ds = data_lib.load_dataset("fashion_mnist", args.data_dir)
   images = ds.train_images[:1024] if args.quick else ds.train_images
-  encoder = ae.SMALL_ENCODER if args.quick else ae.encoder_sizes_for(ds.num_features)
+  encoder = args.encoder_widths or (
+    ae.SMALL_ENCODER if args.quick else ae.encoder_sizes_for(ds.num_features)
+  )
   model = ae.make_model(ds.num_features, encoder)
   loss_fn = ae.make_loss_fn(model)
   params0 = ae.init_params(model, args.seed)

@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     + ["--steps", str(args.steps), "--warmup", "0", "--plot", ""]
   )
   workload = WORKLOADS[args.workload].make_workload(wl_args)
+  print(f"{workload.name}: {workload.description}", flush=True)
   loss_fn, params0 = workload.loss_fn, workload.params0
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
   adam_lrs = (

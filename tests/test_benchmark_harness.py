@@ -1,5 +1,7 @@
 """Tests for the issue-6 benchmarks: the shared harness, the plain-jax models of the upstream
-worker, and each benchmark script run tiny (`--quick`) on CPU.
+worker, and each benchmark script run tiny (`--quick`) on CPU: its `main(argv)` in this process
+(no second set of imports and JAX start-up; the suite is compile-bound), or, with upstream, as
+a subprocess (the command line).
 
 The script runs use the scikit-learn digits fallback (KFAC_DATA_DIR points at an empty
 directory) and check that the JSON and the printed table have every contestant and every metric.
@@ -276,6 +278,20 @@ def _env(tmp_path):
   return env
 
 
+def _in_process(main, argv, tmp_path, monkeypatch, capsys):
+  """A benchmark script's `main(argv)` in this process, in `tmp_path`, on the digits fallback
+  (as `_run`, without a second interpreter's imports and JAX start-up); (stdout, all output)."""
+  empty = tmp_path / "no_data"
+  empty.mkdir(exist_ok=True)
+  monkeypatch.setenv("KFAC_DATA_DIR", str(empty))
+  monkeypatch.chdir(tmp_path)
+  capsys.readouterr()
+  status = main(argv)
+  out = capsys.readouterr()
+  assert status == 0, out.out + out.err
+  return out.out, out.out + out.err
+
+
 def _run(tmp_path, script, *flags):
   out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
   proc = subprocess.run(
@@ -300,6 +316,21 @@ def _run(tmp_path, script, *flags):
   assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   with open(out_json) as f:
     return json.load(f), proc.stdout, output
+
+
+def _run_here(tmp_path, monkeypatch, capsys, script, *flags):
+  """`_run` in this process (`_in_process`): the script module's `main`, same flags and files."""
+  out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+  stdout, output = _in_process(
+    script.main,
+    ["--quick", "--json", str(out_json), "--plot", str(out_png), *flags],
+    tmp_path,
+    monkeypatch,
+    capsys,
+  )
+  assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with open(out_json) as f:
+    return json.load(f), stdout, output
 
 
 def _check_report(report, stdout, output, names, adam_lrs):
@@ -333,35 +364,43 @@ def _check_report(report, stdout, output, names, adam_lrs):
   assert "--quick" in env["command"]
 
 
-_ALL = ["SGD+momentum", "kfac_jax (optax)", "kfac_jax Optimizer"]
-
-
 @pytest.mark.slow
-def test_autoencoder_benchmark_full_batch_quick(tmp_path):
-  # SGD and the Optimizer rows are checked by the Transformer's test; here only the transform.
-  report, stdout, output = _run(
+def test_autoencoder_benchmark_full_batch_quick(tmp_path, monkeypatch, capsys):
+  # The SGD row is checked by the Transformer's test; here the transform and the Optimizer (on
+  # this small model its compilation is a third of the Transformer's).
+  from benchmarks import autoencoder
+
+  report, stdout, output = _run_here(
     tmp_path,
-    "autoencoder.py",
+    monkeypatch,
+    capsys,
+    autoencoder,
     "--full-batch",
+    "--encoder",
+    "16,4",
     "--steps",
     "3",
     "--adam-lrs",
     "1e-3,3e-3",
     "--no-sgd",
-    "--no-optimizer",
   )
-  _check_report(report, stdout, output, ["kfac_jax (optax)"], [1e-3, 3e-3])
+  _check_report(report, stdout, output, ["kfac_jax (optax)", "kfac_jax Optimizer"], [1e-3, 3e-3])
   assert "full batch of 256 images" in report["env"]["description"], output
+  assert report["env"]["description"].startswith("64-16-4-16-64 autoencoder"), output
   assert report["results"][0]["loss_steps"] == 4  # 1 warm-up + 3 timed
   kinds = {r["kind"] for r in report["kfac_jax_registrations"]}
   assert kinds == {"dense"}, report["kfac_jax_registrations"]
 
 
 @pytest.mark.slow
-def test_cnn_benchmark_quick_with_statistics_every_second_step(tmp_path):
-  report, stdout, output = _run(
+def test_cnn_benchmark_quick_with_statistics_every_second_step(tmp_path, monkeypatch, capsys):
+  from benchmarks import cnn
+
+  report, stdout, output = _run_here(
     tmp_path,
-    "cnn.py",
+    monkeypatch,
+    capsys,
+    cnn,
     "--steps",
     "3",
     "--adam-lrs",
@@ -380,11 +419,24 @@ def test_cnn_benchmark_quick_with_statistics_every_second_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_transformer_benchmark_quick(tmp_path):
-  report, stdout, output = _run(
-    tmp_path, "transformer.py", "--steps", "3", "--adam-lrs", "3e-3,1e-2"
+def test_transformer_benchmark_quick(tmp_path, monkeypatch, capsys):
+  # One Adam learning rate: picking the tuned one from a grid is checked by the autoencoder's
+  # and the CNN's tests (and test_compare_runs_picks_tuned_adam_and_times_to_its_loss); the
+  # Optimizer row by the autoencoder's.
+  from benchmarks import transformer
+
+  report, stdout, output = _run_here(
+    tmp_path,
+    monkeypatch,
+    capsys,
+    transformer,
+    "--steps",
+    "3",
+    "--adam-lrs",
+    "1e-2",
+    "--no-optimizer",
   )
-  _check_report(report, stdout, output, _ALL, [3e-3, 1e-2])
+  _check_report(report, stdout, output, ["SGD+momentum", "kfac_jax (optax)"], [1e-2])
   tied = [
     r for r in report["kfac_jax_registrations"] if r["params"] == ["params/Embed_0/embedding"]
   ]
@@ -398,6 +450,8 @@ def test_bad_flags_are_named(capsys):
     (["--adam-lrs", "1e-3,x"], "--adam-lrs must be comma-separated numbers, got '1e-3,x'"),
     (["--adam-lrs", "0"], "--adam-lrs needs at least one learning rate > 0, got '0'"),
     (["--with-upstream", "--warmup", "0"], "--with-upstream needs --warmup >= 1"),
+    (["--encoder", "16,x"], "--encoder must be comma-separated integers, got '16,x'"),
+    (["--encoder", "16,0"], "--encoder widths must be >= 1, got '16,0'"),
     (
       ["--curvature-every", "6", "--inverse-every", "5"],
       "--curvature-every (6) must be at most --inverse-every (5)",
@@ -603,47 +657,90 @@ def test_race_compare_times_every_run_to_the_tuned_adams_loss():
     _harness.race_compare(runs[2:], reach_window=5)
 
 
-def test_race_quick(tmp_path):
+_RACE_CONFIG = "0.3:0.7:0.1:0.01:dense=ekfac"
+_RACE_BUDGET = 0.25  # charged seconds per contestant
+
+
+def test_race_contestants_by_default(monkeypatch, tmp_path):
+  """The race's full contestant list, built (not run): the Adam and Muon grids, SGD, the
+  transform plain, with KL clipping, with each `--kfac-configs` entry and on EKFAC, and the
+  Optimizer. (`test_race_quick` runs a shorter list: every kind of contestant once.)"""
+  from benchmarks import race
+
+  monkeypatch.setenv("KFAC_DATA_DIR", str(tmp_path))
+  args, wl, _ = race.parse_args(
+    ["--workload", "autoencoder", "--quick", "--encoder", "8,4", "--adam-lrs", "1e-3,3e-3"]
+    + ["--kfac-configs", "0.3:0.7:0.1:0.01", "--plot", ""]
+  )
+  workload = race.autoencoder.make_workload(wl)
+  contestants = race.race_contestants(workload, args, wl)
+  assert [c.name for c in contestants] == [
+    "Adam lr=0.001",
+    "Adam lr=0.003",
+    "Muon lr=0.02",
+    "Muon lr=0.05",
+    "SGD+momentum",
+    "kfac_jax (optax)",
+    "kfac_jax (optax), norm_constraint=0.001",
+    "kfac_jax (optax) 0.3:0.7:0.1:0.01",
+    "kfac_jax (optax), EKFAC",
+    "kfac_jax Optimizer",
+  ]
+  hyper = {c.name: c.hyperparameters for c in contestants}
+  assert hyper["kfac_jax (optax), norm_constraint=0.001"]["norm_constraint"] == "0.001"
+  assert "'dense': 'ekfac', 'conv': 'ekfac'" in hyper["kfac_jax (optax), EKFAC"]["layers"]
+  assert hyper["kfac_jax (optax) 0.3:0.7:0.1:0.01"]["norm_constraint"] == "0.01"
+  assert workload.description.startswith("64-8-4-8-64 autoencoder"), workload.description
+
+
+def test_race_quick(tmp_path, monkeypatch, capsys):
+  """A short race: every kind of contestant once (the full default list is checked above), on
+  a 64-16-4-16-64 autoencoder, where compilation is most of the time. In this process: a
+  subprocess would pay the imports and JAX's start-up again."""
+  from benchmarks import race
+
   out_json, out_png = tmp_path / "race.json", tmp_path / "race.png"
-  proc = subprocess.run(
+  stdout, output = _in_process(
+    race.main,
     [
-      sys.executable,
-      os.path.join(_ROOT, "benchmarks", "race.py"),
       "--workload",
       "autoencoder",
       "--quick",
+      "--encoder",
+      "16,4",
       "--budget",
-      "0.5",
+      str(_RACE_BUDGET),
       "--adam-lrs",
       "1e-3",
       "--muon-lrs",
       "0.02",
       "--no-sgd",
+      "--norm-constraint",
+      "0",
+      "--no-ekfac",
       "--kfac-configs",
-      "0.3:0.7:0.1:0.01",
+      _RACE_CONFIG,
       "--json",
       str(out_json),
       "--plot",
       str(out_png),
     ],
-    cwd=str(tmp_path),
-    env=_env(tmp_path),
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
+    tmp_path,
+    monkeypatch,
+    capsys,
   )
-  output = proc.stdout + proc.stderr
-  assert proc.returncode == 0, output
   assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   with open(out_json) as f:
     report = json.load(f)
   names = [r["optimizer"] for r in report["results"]]
   assert names[0].startswith("Adam (tuned, lr=") and names[1] == "Muon (tuned, lr=0.02)", names
   assert "kfac_jax (optax)" in names and "kfac_jax Optimizer" in names, names
-  assert "kfac_jax (optax) 0.3:0.7:0.1:0.01" in names, names
+  assert names[2:] == ["kfac_jax (optax)", f"kfac_jax (optax) {_RACE_CONFIG}", "kfac_jax Optimizer"]
+  layers = report["hyperparameters"][f"kfac_jax (optax) {_RACE_CONFIG}"]["layers"]
+  assert "'dense': 'ekfac'" in layers, layers
   for r in report["results"]:
-    assert r["steps"] >= 2 and r["charged_s"] >= 0.5 and math.isfinite(r["final_eval_loss"]), r
+    assert r["steps"] >= 2 and r["charged_s"] >= _RACE_BUDGET, r
+    assert math.isfinite(r["final_eval_loss"]), r
     assert (
       len(
         report["curves"][
@@ -658,39 +755,29 @@ def test_race_quick(tmp_path):
       )
       == r["steps"]
     )
-    assert re.search(
-      rf"^\| {re.escape(r['optimizer'])} \| [0-9.]+ \|", proc.stdout, re.MULTILINE
-    ), output
-  assert report["budget_s"] == 0.5 and "--budget 0.5" in report["env"]["command"]
+    assert re.search(rf"^\| {re.escape(r['optimizer'])} \| [0-9.]+ \|", stdout, re.MULTILINE), (
+      output
+    )
+  assert report["budget_s"] == _RACE_BUDGET
+  assert f"--budget {_RACE_BUDGET}" in report["env"]["command"], report["env"]["command"]
 
 
-def test_step_sweep_quick(tmp_path):
-  """benchmarks/step_sweep.py: one table row per Adam learning rate and per kfac setting."""
-  proc = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(_ROOT, "benchmarks", "step_sweep.py"),
-      "--workload",
-      "autoencoder",
-      "--quick",
-      "--steps",
-      "3",
-      "--adam-lrs",
-      "1e-3",
-      "--configs",
-      "defaults,0.3:0.7:0.1:0.01",
-    ],
-    cwd=str(tmp_path),
-    env=_env(tmp_path),
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
+def test_step_sweep_quick(tmp_path, monkeypatch, capsys):
+  """benchmarks/step_sweep.py: one table row per Adam learning rate and per kfac setting (on a
+  64-16-4-16-64 autoencoder, in this process)."""
+  from benchmarks import step_sweep
+
+  stdout, output = _in_process(
+    step_sweep.main,
+    ["--workload", "autoencoder", "--quick", "--encoder", "16,4", "--steps", "3"]
+    + ["--adam-lrs", "1e-3", "--configs", "defaults,0.3:0.7:0.1:0.01"],
+    tmp_path,
+    monkeypatch,
+    capsys,
   )
-  output = proc.stdout + proc.stderr
-  assert proc.returncode == 0, output
+  assert "64-16-4-16-64 autoencoder" in stdout, output
   for name in ("Adam lr=0.001", "kfac defaults", "kfac 0.3:0.7:0.1:0.01"):
-    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.e+]+) \|$", proc.stdout, re.MULTILINE)
+    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.e+]+) \|$", stdout, re.MULTILINE)
     assert row is not None and math.isfinite(float(row.group(1))), output
 
 

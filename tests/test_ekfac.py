@@ -31,6 +31,10 @@ def _per_example(params, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
 
+# Jitted once at module level: compiled once per shape for every test.
+_per_example_jacobian = jax.jit(jax.jacobian(_per_example))
+
+
 def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
   k = jax.random.split(jax.random.key(seed), 2)
   params = _models.jnp_mlp_init(k[0], SIZES, dtype)
@@ -48,16 +52,26 @@ def _run(params, batch, layers=None, damping_mode="factored"):
   est = kfac_jax.CurvatureEstimator(
     _loss_fn, batch, estimation_mode="empirical", layers=layers, damping_mode=damping_mode
   )
-  state = est.init(params)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  state = est.update_inverses(state, LAMBDA)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  return est, state
+  return est, _jit_statistics_inverse_statistics(est, params, batch)
+
+
+def _jit_statistics_inverse_statistics(est, params, batch):
+  """`est`'s statistics, an inverse update at LAMBDA, statistics again, as one jitted program
+  (op by op, each primitive would compile on its own)."""
+
+  @jax.jit
+  def run(params, batch):
+    state = est.init(params)
+    state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+    state = est.update_inverses(state, LAMBDA)
+    return est.update_curvature(state, params, batch, None, ema_decay=0.0)
+
+  return run(params, batch)
 
 
 def _per_example_matrices(params, batch):
   """{layer: J [N, in+1, out]}: per-example gradients of each layer as [W; b]."""
-  jac = jax.jacobian(_per_example)(params, batch)
+  jac = _per_example_jacobian(params, batch)
   return {
     name: np.concatenate([np.asarray(j["w"]), np.asarray(j["b"])[:, None, :]], axis=1)
     for name, j in jac.items()
@@ -161,7 +175,9 @@ def test_equals_kfac_with_eigen_damping_when_gradients_are_kronecker(x64, same_x
 def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x64):
   params, batch = _setup()
   est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))(
+    params, batch
+  )
   for name, j in _per_example_matrices(params, batch).items():
     np.testing.assert_allclose(state.factors[name].s, np.mean(j**2, axis=0), rtol=1e-10)
 
@@ -218,22 +234,21 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
 
   layers = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
-  state = est.init(params)
+  state = _jit_statistics_inverse_statistics(est, params, batch)
   assert {(l.kind, l.approx) for l in est.layers} == {("conv", "ekfac"), ("dense", "ekfac")}
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  state = est.update_inverses(state, LAMBDA)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
   # F_EKFAC = Σ s_ij q_ij q_ijᵀ with orthonormal q_ij (the Kronecker eigenbasis in parameter
   # space), so s_ij = q_ijᵀ F_EKFAC q_ij must equal q_ijᵀ F_exact q_ij, F_exact the empirical
   # Fisher (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ: the definition of the scalings.
   flat, unravel = ravel_pytree(params)
-  jac = jax.jacobian(
-    lambda f: optax.softmax_cross_entropy_with_integer_labels(
-      model.apply(unravel(f), batch["x"]), batch["y"]
+  jac = jax.jit(
+    jax.jacobian(
+      lambda f: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply(unravel(f), batch["x"]), batch["y"]
+      )
     )
   )(flat)
   exact = np.asarray(jac).T @ np.asarray(jac) / jac.shape[0]
-  dense = np.asarray(est.to_dense(state))
+  dense = np.asarray(jax.jit(est.to_dense)(state))
   mask = _models.block_mask(est, params)
   q_f = np.linalg.eigh(dense)[1]
   np.testing.assert_allclose(
@@ -241,8 +256,11 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
   )
   # ... and it is not the plain K-FAC block (which differs from the exact one on a conv).
   kron = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
-  ks = kron.update_curvature(kron.init(params), params, batch, None, ema_decay=0.0)
-  kron_dense = np.asarray(kron.to_dense(ks))
+  kron_dense = np.asarray(
+    jax.jit(
+      lambda p, b: kron.to_dense(kron.update_curvature(kron.init(p), p, b, None, ema_decay=0.0))
+    )(params, batch)
+  )
   assert not np.allclose(np.diag(q_f.T @ kron_dense @ q_f), np.diag(q_f.T @ dense @ q_f), rtol=1e-3)
 
 

@@ -24,7 +24,7 @@ def _mlp_problem(dtype=jnp.float32, sizes=(4, 6, 3), n=32):
 
 
 def _run(opt, params, batch, steps, seed=2):
-  state = opt.init(params)
+  state = jax.jit(opt.init)(params)  # Jitted: eager ops compile one by one.
   step = jax.jit(opt.step)
   rng = jax.random.key(seed)
   history = []
@@ -140,16 +140,20 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
   np.testing.assert_allclose(i1["aux"]["z2_mean"], heads(p1, batch["x"])[1].mean(), rtol=1e-12)
 
   flat1, unravel = ravel_pytree(p1)
-  jac = jax.jacobian(lambda f: jnp.concatenate([z.ravel() for z in heads(unravel(f), batch["x"])]))
+  # The references jitted (op by op, each primitive would compile on its own).
+  jac = jax.jit(
+    jax.jacobian(lambda f: jnp.concatenate([z.ravel() for z in heads(unravel(f), batch["x"])]))
+  )
   j = jac(flat1)
   z1, z2 = heads(p1, batch["x"])
   split = z1.size
-  hz = jax.hessian(
-    lambda z: loss_of(z[:split].reshape(z1.shape), z[split:].reshape(z2.shape), batch)
+  hz = jax.jit(
+    jax.hessian(lambda z: loss_of(z[:split].reshape(z1.shape), z[split:].reshape(z2.shape), batch))
   )(jnp.concatenate([z1.ravel(), z2.ravel()]))
   g_hat = j.T @ hz @ j + float(s1.damping) * np.eye(flat1.size)
-  g1 = jax.grad(lambda f: loss_fn(unravel(f), batch)[0])(flat1)
-  delta = -ravel_pytree(opt.estimator.multiply_inverse(s2.curvature, unravel(g1)))[0]
+  g1 = jax.jit(jax.grad(lambda f: loss_fn(unravel(f), batch)[0]))(flat1)
+  precondition = jax.jit(lambda s, g: opt.estimator.multiply_inverse(s, unravel(g)))
+  delta = -ravel_pytree(precondition(s2.curvature, g1))[0]
   v = np.stack([delta, ravel_pytree(s1.velocity)[0]])
   c, b = v @ g_hat @ v.T, v @ g1
   x = np.linalg.solve(c, -b)
@@ -157,7 +161,8 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
   np.testing.assert_allclose([i1["learning_rate"], i1["momentum"]], x, rtol=1e-7)
   np.testing.assert_allclose(i1["quad_model_change"], model, rtol=1e-7)
   np.testing.assert_allclose(ravel_pytree(p2)[0], flat1 + x @ v, rtol=1e-9, atol=1e-12)
-  h = lambda q: float(loss_fn(q, batch)[0])  # noqa: E731
+  loss_at = jax.jit(lambda q: loss_fn(q, batch)[0])
+  h = lambda q: float(loss_at(q))  # noqa: E731
   np.testing.assert_allclose(i1["rho"], (h(p2) - h(p1)) / model, rtol=1e-6)
   assert abs(x[1]) > 1e-3 and int(s2.skipped) == 0
 
