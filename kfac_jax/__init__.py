@@ -9,7 +9,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
 
     tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, damping=1e-3)
     opt_state = tx.init(params)
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 

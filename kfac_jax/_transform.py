@@ -307,6 +307,19 @@ class _Preconditioner:
         f"{self.name}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
         "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
       )
+    count, old = state.count, state.curvature
+    ok = _estimator.all_finite(updates) if self.skip_nonfinite else None
+
+    def fold():
+      stats = (
+        est.curvature_stats(params, batch, rng) if curvature_stats is None else curvature_stats
+      )
+      return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
+
+    # Statistics only on due updates (computed inside the branch when the transform computes
+    # them itself); the caches, which the fold never changes, stay out of the branch.
+    curv = _engine.fold_statistics(old, fold, self._due(count))
+    # After the fold, whose checks of the statistics (layer set, fingerprint) come first.
     every = self.curvature_every
     if (
       curvature_stats is not None
@@ -323,18 +336,6 @@ class _Preconditioner:
         _curvature.UngatedStatisticsWarning,
         stacklevel=3,
       )
-    count, old = state.count, state.curvature
-    ok = _estimator.all_finite(updates) if self.skip_nonfinite else None
-
-    def fold():
-      stats = (
-        est.curvature_stats(params, batch, rng) if curvature_stats is None else curvature_stats
-      )
-      return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
-
-    # Statistics only on due updates (computed inside the branch when the transform computes
-    # them itself); the caches, which the fold never changes, stay out of the branch.
-    curv = _engine.fold_statistics(old, fold, self._due(count))
     if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
       ok = ok & (curv.skipped_batches == old.skipped_batches)
 
@@ -450,10 +451,14 @@ def scale_by_kfac(
     ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
     inverse_every: refresh the inverses every this many updates.
     curvature_every: fold the curvature statistics into the EMA every this many updates (1:
-      every update). Larger values save the statistics' cost on the other updates only when
-      the transform computes them itself: pass `batch=` and `rng=` to `update` (they are then
-      computed inside a `lax.cond`, on due updates only). Statistics passed as
-      `curvature_stats=` were already paid for and are ignored on the other updates. Same
+      every update, the default here; `kfac`, whose KL clipping bounds the step, defaults to
+      5, which cost nothing per step on our benchmarks: benchmarks/RESULTS.md, "Statistics
+      every 5 steps by default"; without clipping, stale statistics let some zoo models
+      diverge at a fixed learning rate). Values above 1 save the statistics' passes on the
+      other updates; the saving needs the statistics computed on due updates only: give
+      `opt_state=` to `kfac_jax.value_and_grad`, or pass `batch=` and `rng=` to `update`
+      (both compute them inside a `lax.cond`). Statistics computed on every step and passed as
+      `curvature_stats=` are ignored on the other updates (`UngatedStatisticsWarning`). Same
       meaning as `Optimizer(curvature_every=)`; a value above `inverse_every` refreshes some
       inverses from unchanged statistics (useful only when the damping changes).
     estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),
@@ -516,7 +521,8 @@ def scale_by_kfac(
     >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
     ...                  optax.scale_by_learning_rate(0.1))
     >>> opt_state = tx.init(params)
-    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(
+    ...     params, batch, rng, opt_state=opt_state)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
   engine = _Preconditioner(
@@ -598,7 +604,7 @@ def kfac(
   damping: ScalarOrSchedule = 0.1,
   ema_decay: float = 0.95,
   inverse_every: int = 5,
-  curvature_every: int = 1,
+  curvature_every: int = 5,
   estimation_mode: _curvature.EstimationMode = "gradients",
   num_samples: int | None = None,
   damping_mode: _blocks.DampingMode = "factored",
@@ -633,10 +639,15 @@ def kfac(
       norm in the damped K-FAC metric, `α² vᵀ F̂_λ v = α² |vᵀg|`, is scaled down to at most C),
       or None (off).
     damping: λ, as in `scale_by_kfac`.
+    curvature_every: as in `scale_by_kfac`, but 5 by default (the KL clipping bounds the step
+      that statistics up to 4 updates old precondition); give `opt_state=` to
+      `kfac_jax.value_and_grad` so that only the due steps compute them. With
+      `norm_constraint=None` and small damping prefer 1: unclipped λ = 1e-3 steps from stale
+      statistics diverged on a small MLP in our tests.
     skip_nonfinite: skip a non-finite update (zero updates, state unchanged but the
       `skipped` counter), the momentum trace included. See `scale_by_kfac`.
 
-  The other arguments, `registration`, `has_aux`, `ema_decay`, `inverse_every`, `curvature_every`,
+  The other arguments, `registration`, `has_aux`, `ema_decay`, `inverse_every`,
   `estimation_mode`, `num_samples`, `damping_mode`, `axis_name`, `inverse_mesh`,
   `inverse_storage`, `strict`, `layers`, `stats_dtype` and `inverse_dtype`, are those of
   `scale_by_kfac`.
@@ -645,7 +656,9 @@ def kfac(
   on the autoencoder, CNN and Transformer benchmarks (benchmarks/RESULTS.md, "Choosing the
   defaults"): without clipping, fixed-learning-rate K-FAC diverged on all three at the old
   defaults (no momentum, λ = 1e-3); with it, the clipped step no longer depends much on α, and
-  the same settings beat the tuned Adam's loss after 300 steps on each.
+  the same settings beat the tuned Adam's loss after 300 steps on each. `curvature_every=5`
+  lost nothing per step against statistics every step on them and on a ViT ("Statistics every
+  5 steps by default"); an LSTM wanted `curvature_every=1` and `damping=0.01`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes the
@@ -658,7 +671,8 @@ def kfac(
   Example:
     >>> tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, momentum=0.9, damping=1e-2)
     >>> opt_state = tx.init(params)
-    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(
+    ...     params, batch, rng, opt_state=opt_state)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     >>> params = optax.apply_updates(params, updates)
   """

@@ -25,7 +25,7 @@ def _problem(n=32, din=4, hidden=8, classes=3, dtype=jnp.float32):
 
 def _make_step(loss_fn, tx):
   def step(params, opt_state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -38,7 +38,7 @@ def test_stats_path_equals_batch_path():
   state = tx.init(params)
   rng = jax.random.key(7)
   grads = jax.grad(loss_fn)(params, batch)
-  _, _, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+  _, _, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
   u1, s1 = jax.jit(lambda g, s, p: tx.update(g, s, p, curvature_stats=stats))(grads, state, params)
   u2, s2 = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch, rng=rng))(grads, state, params)
   for a, b in zip(jax.tree_util.tree_leaves((u1, s1)), jax.tree_util.tree_leaves((u2, s2))):
@@ -179,12 +179,16 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
   )
 
   def pstep(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
+      params, b, opt_state=state
+    )
     grads = jax.lax.pmean(grads, "data")
     return txp.update(grads, state, params, curvature_stats=stats)
 
   def sstep(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
+      params, b, opt_state=state
+    )
     return tx1.update(grads, state, params, curvature_stats=stats)
 
   pstate = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), txp.init(params))
@@ -220,7 +224,9 @@ def test_injected_damping_takes_effect_without_recompiling(x64):
   loss_fn, params, batch = _problem(dtype=jnp.float64)
   tx = _inject(kfac_jax.scale_by_kfac, loss_fn, batch, damping=1e-3, inverse_every=1)
   state0 = tx.init(params)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(
+    params, batch, jax.random.key(0), opt_state=state0
+  )
   traces = []  # One trace = one compilation (counted directly: `_cache_size()` reads 0 for
   # this function with most XLA optimisations off, as in the suite).
 
@@ -262,7 +268,7 @@ def _assert_same_but(new, old, counters):
 def _kfac_step(loss_fn, tx):
   @jax.jit
   def step(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss, updates
 
@@ -275,8 +281,15 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   update): params and every state leaf unchanged, momentum trace included, but the counters;
   training continues finitely."""
   loss_fn, params, batch = _problem()
-  tx = _inject(
-    kfac_jax.kfac, loss_fn, batch, learning_rate=0.3, momentum=0.9, damping=1e-2, inverse_every=1
+  tx = _inject(  # Statistics every update: the NaN batch's are folded (and counted).
+    kfac_jax.kfac,
+    loss_fn,
+    batch,
+    learning_rate=0.3,
+    momentum=0.9,
+    damping=1e-2,
+    inverse_every=1,
+    curvature_every=1,
   )
   state = tx.init(params)
   traces = []  # one trace = one compilation
@@ -284,7 +297,7 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   @jax.jit
   def step(params, state, batch, rng, poison):
     traces.append(1)
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
     grads = jax.tree_util.tree_map(lambda g: g * poison, grads)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
@@ -364,7 +377,11 @@ def test_norm_constraint_scales_the_update_as_tf_kfac(x64):
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
 
   def first_update(**kw):
-    kw = {"norm_constraint": None, **kw}  # `free`: clipping off (it is on by default).
+    kw = {
+      "norm_constraint": None,
+      "curvature_every": 1,
+      **kw,
+    }  # `free`: clipping off (on by default).
     tx = kfac_jax.kfac(loss_fn, batch, learning_rate=lr, damping=1e-2, **kw)
     return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(tx.init(params))
 
