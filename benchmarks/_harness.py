@@ -229,9 +229,9 @@ def kfac_transform(
 ) -> Contestant:
   """`kfac_jax.kfac` (the optax transform) with a fixed learning rate, momentum and damping.
 
-  Loss, gradients and statistics come from one `kfac_jax.value_and_grad` pass given the
-  optimizer state (`opt_state=`), as the README's quickstart does: with `curvature_every` > 1
-  the statistics are computed on due steps only. `kfac_kwargs`
+  With statistics every step, loss, gradients and statistics come from one
+  `kfac_jax.value_and_grad` pass. With `curvature_every` > 1 the step is `jax.value_and_grad`
+  and the transform computes the statistics from `batch=` on due steps only. `kfac_kwargs`
   (e.g. `layers=`) go to `kfac_jax.kfac` and are listed in the hyperparameters; `name`
   replaces the default name.
   """
@@ -251,8 +251,12 @@ def kfac_transform(
   )
 
   def step(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    if curvature_every == 1:
+      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+      updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch, rng=rng)
     return optax.apply_updates(params, updates), state, loss
 
   if name is None:

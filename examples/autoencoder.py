@@ -136,12 +136,10 @@ def make_kfac(
 
 
 def make_kfac_step(loss_fn, tx):
-  """Train step for K-FAC: one forward pass gives loss, gradients and curvature statistics
-  (the statistics only on the steps whose update folds them: `opt_state=`)."""
+  """Train step for K-FAC: one forward pass gives loss, gradients and curvature statistics."""
 
   def step(params, opt_state, batch, rng):
-    vg = kfac_jax.value_and_grad(loss_fn)
-    loss, grads, stats = vg(params, batch, rng, opt_state=opt_state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state, loss
 

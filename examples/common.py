@@ -38,7 +38,7 @@ def train(
 
   def step(params, state, batch, rng):
     if is_kfac:
-      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
+      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
       updates, state = tx.update(grads, state, params, curvature_stats=stats)
     else:
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)

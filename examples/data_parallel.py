@@ -109,8 +109,7 @@ def main(argv=None) -> int:
   tx_p = make_tx(jax.tree_util.tree_map(lambda x: x[0], shard(batch_at(0))), axis_name="batch")
 
   def pstep(params, state, batch, rng):
-    vg = kfac_jax.value_and_grad(loss_fn, estimation_mode=MODE)
-    loss, grads, stats = vg(params, batch, rng, opt_state=state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode=MODE)(params, batch, rng)
     grads, loss = jax.lax.pmean((grads, loss), "batch")
     updates, state = tx_p.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
@@ -120,8 +119,7 @@ def main(argv=None) -> int:
 
   @jax.jit
   def step1(params, state, batch, rng):
-    vg = kfac_jax.value_and_grad(loss_fn, estimation_mode=MODE)
-    loss, grads, stats = vg(params, batch, rng, opt_state=state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode=MODE)(params, batch, rng)
     updates, state = tx_1.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 

@@ -9,12 +9,12 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
 
     tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, damping=1e-3)
     opt_state = tx.init(params)
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=opt_state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
-from kfac_jax._curvature import CurvatureStats, UngatedStatisticsWarning, value_and_grad
+from kfac_jax._curvature import CurvatureStats, value_and_grad
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._layer_config import LayerConfig
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
@@ -62,7 +62,6 @@ __all__ = [
   "ShardedCache",
   "StatsKey",
   "UncoveredParametersWarning",
-  "UngatedStatisticsWarning",
   "check_registration",
   "check_restored_state",
   "curvature_due",

@@ -76,10 +76,6 @@ class CurvatureStats:
     fingerprint: static; the registration's `StatsKey` (estimation mode, samples, layer set):
       a transform or estimator refuses statistics of another one, at trace time, with an
       error naming both. None for statistics built by hand (only the names are compared).
-    gated: static; computed by `value_and_grad(..., opt_state=)`, only on the updates that
-      fold them (zeros on the others). A transform with `curvature_every > 1` given
-      statistics that are not gated warns (`UngatedStatisticsWarning`): they were computed on
-      every step and most of them are thrown away.
   """
 
   data: tuple[Any, ...]
@@ -88,15 +84,6 @@ class CurvatureStats:
   params_stats: Any = None
   layer_shapes: tuple = dataclasses.field(default=(), metadata={"static": True})
   fingerprint: Any = dataclasses.field(default=None, metadata={"static": True})
-  gated: bool = dataclasses.field(default=False, metadata={"static": True})
-
-
-class UngatedStatisticsWarning(UserWarning):
-  """Statistics computed on every step were given to a transform that folds them every k-th.
-
-  The transform ignores them on the other updates; `kfac_jax.value_and_grad(...)(params,
-  batch, rng, opt_state=opt_state)` computes them only when they are used.
-  """
 
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
@@ -397,7 +384,6 @@ def compute(
       statistics,
       lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
     )
-    stats = dataclasses.replace(stats, gated=True)
   if aux is not None:
     return lin.loss, aux.unflatten_aux(lin.aux_leaves), grads, stats
   return lin.loss, grads, stats
@@ -452,10 +438,12 @@ def value_and_grad(
     `fn(params, batch, rng=None, *, opt_state=None)`, returning
     `(loss, grads, curvature_stats)`, or `((loss, aux), grads, curvature_stats)` with
     `has_aux=True`. With `opt_state` (the state of the `kfac` / `scale_by_kfac` transform the
-    statistics are for, alone or inside optax combinators), the statistics are computed only
-    when that transform's next update folds them (`kfac_jax.curvature_due`: every
-    `curvature_every`-th update) and are zeros otherwise, which the update ignores: the other
-    steps cost a plain forward and backward pass. Without it they are computed on every call.
+    statistics are for, alone or inside optax combinators), the statistics' sampled pull-back
+    runs only when that transform's next update folds them (`kfac_jax.curvature_due`: every
+    `curvature_every`-th update), inside a `lax.cond`, and the statistics are zeros
+    otherwise, which the update ignores. Measured on CPU that cond cost more than the
+    pull-back it skipped (benchmarks/RESULTS.md, "Statistics every 5 steps by default"); the
+    update forms the factors' products on due updates only either way.
 
   Raises:
     TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
@@ -465,8 +453,7 @@ def value_and_grad(
       `has_aux` (a tuple without it, a bare scalar with it).
 
   Example:
-    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-    ...     params, batch, rng, opt_state=opt_state)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 
     Sharing one registration with the transform:

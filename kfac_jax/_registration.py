@@ -179,8 +179,7 @@ class Registration:
     ...                             layers=kfac_jax.LayerConfig(linked={("*",): "full"}))
     >>> tx = kfac_jax.kfac(registration=reg, learning_rate=0.1)
     >>> opt_state = tx.init(params)
-    >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(
-    ...     params, batch, rng, opt_state=opt_state)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
 

@@ -15,7 +15,6 @@ guard spans the whole chain, so the momentum trace is kept too.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -96,7 +95,7 @@ def curvature_due(opt_state) -> Array:
   Returns a `[]` bool array (traced inside `jit`): True on the updates whose `count` is a
   multiple of `curvature_every` (every update with `curvature_every=1`).
   `kfac_jax.value_and_grad(...)(params, batch, rng, opt_state=opt_state)` uses it to skip the
-  statistics on the other updates, which would ignore them.
+  statistics' sampled pull-back on the other updates, which ignore the statistics.
 
   Raises:
     ValueError: `opt_state` holds no K-FAC state, or more than one.
@@ -319,23 +318,6 @@ class _Preconditioner:
     # Statistics only on due updates (computed inside the branch when the transform computes
     # them itself); the caches, which the fold never changes, stay out of the branch.
     curv = _engine.fold_statistics(old, fold, self._due(count))
-    # After the fold, whose checks of the statistics (layer set, fingerprint) come first.
-    every = self.curvature_every
-    if (
-      curvature_stats is not None
-      and isinstance(every, int)
-      and every > 1
-      and not getattr(curvature_stats, "gated", True)
-    ):
-      warnings.warn(
-        f"{self.name}: these curvature statistics were computed for every update, but "
-        f"curvature_every={every} folds them into the factors on every {every}th update only "
-        "and ignores the others. Compute them only when due with "
-        "`kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=opt_state)`, or set "
-        "curvature_every=1.",
-        _curvature.UngatedStatisticsWarning,
-        stacklevel=3,
-      )
     if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
       ok = ok & (curv.skipped_batches == old.skipped_batches)
 
@@ -455,12 +437,14 @@ def scale_by_kfac(
       5, which cost nothing per step on our benchmarks: benchmarks/RESULTS.md, "Statistics
       every 5 steps by default"; without clipping, stale statistics let some zoo models
       diverge at a fixed learning rate). Values above 1 save the statistics' passes on the
-      other updates; the saving needs the statistics computed on due updates only: give
-      `opt_state=` to `kfac_jax.value_and_grad`, or pass `batch=` and `rng=` to `update`
-      (both compute them inside a `lax.cond`). Statistics computed on every step and passed as
-      `curvature_stats=` are ignored on the other updates (`UngatedStatisticsWarning`). Same
-      meaning as `Optimizer(curvature_every=)`; a value above `inverse_every` refreshes some
-      inverses from unchanged statistics (useful only when the damping changes).
+      other updates: the factors' products (the bulk of the statistics' cost) are formed on
+      due updates only, whichever way the statistics come. `batch=` and `rng=` to `update`
+      also skip the forward and backward passes of the statistics on the other updates (the
+      fastest path on CPU: benchmarks/RESULTS.md, "Statistics every 5 steps by default");
+      statistics from `kfac_jax.value_and_grad` are computed on every call (with its
+      `opt_state=`, inside a `lax.cond`, which cost more than it saved on CPU). Same meaning
+      as `Optimizer(curvature_every=)`; a value above `inverse_every` refreshes some inverses
+      from unchanged statistics (useful only when the damping changes).
     estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),
       "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a square-root factor of
       the output Fisher / loss Hessian) or "exact" / "exact_GGN" (every output coordinate; K
@@ -521,8 +505,7 @@ def scale_by_kfac(
     >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
     ...                  optax.scale_by_learning_rate(0.1))
     >>> opt_state = tx.init(params)
-    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-    ...     params, batch, rng, opt_state=opt_state)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
   engine = _Preconditioner(
@@ -640,8 +623,7 @@ def kfac(
       or None (off).
     damping: λ, as in `scale_by_kfac`.
     curvature_every: as in `scale_by_kfac`, but 5 by default (the KL clipping bounds the step
-      that statistics up to 4 updates old precondition); give `opt_state=` to
-      `kfac_jax.value_and_grad` so that only the due steps compute them. With
+      that statistics up to 4 updates old precondition). With
       `norm_constraint=None` and small damping prefer 1: unclipped λ = 1e-3 steps from stale
       statistics diverged on a small MLP in our tests.
     skip_nonfinite: skip a non-finite update (zero updates, state unchanged but the
@@ -671,8 +653,7 @@ def kfac(
   Example:
     >>> tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, momentum=0.9, damping=1e-2)
     >>> opt_state = tx.init(params)
-    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-    ...     params, batch, rng, opt_state=opt_state)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     >>> params = optax.apply_updates(params, updates)
   """

@@ -11,8 +11,7 @@ statistics to K-FAC: `tx.update` fails with "pass `curvature_stats=` ... or `bat
 
 Example:
   >>> state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-  >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-  ...     state.params, batch, rng, opt_state=state.opt_state)
+  >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(state.params, batch, rng)
   >>> state = state.apply_gradients(grads=grads, curvature_stats=stats)
 """
 

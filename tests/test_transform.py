@@ -2,7 +2,6 @@
 arguments. The optax contract (jit, one compile, chain, inject_hyperparams, nnx, dtypes,
 checkpoints) is in test_contract.py."""
 
-import dataclasses
 import itertools
 
 import jax
@@ -81,11 +80,7 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
     rng = jax.random.key(10 + i)
     if i % 3 == 0:
       ref = est.update_curvature(ref, params, b, rng, 0.7)
-    if path == "curvature_stats" and i == 0:  # Statistics of every step: warned at the trace.
-      with pytest.warns(kfac_jax.UngatedStatisticsWarning, match="curvature_every=3 folds"):
-        params, opt_state = step(params, opt_state, b, rng)
-    else:
-      params, opt_state = step(params, opt_state, b, rng)
+    params, opt_state = step(params, opt_state, b, rng)
     factors.append(opt_state[0].curvature.factors)
     for got, want in zip(
       jax.tree_util.tree_leaves(factors[-1]), jax.tree_util.tree_leaves(ref.factors)
@@ -124,10 +119,7 @@ def test_value_and_grad_skips_the_statistics_that_the_update_would_ignore():
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert stats.gated and not every.gated
-    assert jax.tree_util.tree_structure(stats) == jax.tree_util.tree_structure(
-      dataclasses.replace(every, gated=True)
-    )
+    assert jax.tree_util.tree_structure(stats) == jax.tree_util.tree_structure(every)
     for a, b in zip(jax.tree_util.tree_leaves(stats), jax.tree_util.tree_leaves(every)):
       if dues[-1]:
         np.testing.assert_allclose(a, b, rtol=1e-6)
