@@ -1,0 +1,102 @@
+"""Where the statistics of `curvature_every > 1` cost: the three ways of feeding `kfac`.
+
+    python benchmarks/profile/statistics_paths.py cnn          # or transformer, autoencoder
+
+Part 1 times one call of `jax.value_and_grad`, of `kfac_jax.value_and_grad` (statistics every
+call) and of `kfac_jax.value_and_grad(..., opt_state=)` on a due and a non-due state. Part 2
+times whole jitted, donating K-FAC steps (`kfac`, learning rate 0.3, inverses every 10) over 50
+steps after 10 of warm-up: statistics every step; every 5 steps with the statistics from
+`value_and_grad` on every call ("ungated"), from `value_and_grad(opt_state=)` ("gated"), or
+computed by the update from `batch=`. Needs a quiet machine; results in RESULTS.md,
+"Statistics every 5 steps by default".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax  # noqa: E402
+from benchmarks import race  # noqa: E402
+
+
+def _per_call(f, *args, n: int = 10) -> float:
+  jax.block_until_ready(f(*args))
+  t = time.perf_counter()
+  for _ in range(n):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t) / n * 1e3
+
+
+def _steps(loss_fn, params0, batch, every: int, path: str) -> np.ndarray:
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, curvature_every=every, inverse_every=10)
+  vg = kfac_jax.value_and_grad(loss_fn)
+
+  def step(p, s, b, r):
+    if path == "batch":
+      loss, g = jax.value_and_grad(loss_fn)(p, b)
+      u, s = tx.update(g, s, p, batch=b, rng=r)
+    else:
+      loss, g, stats = vg(p, b, r, **({"opt_state": s} if path == "gated" else {}))
+      u, s = tx.update(g, s, p, curvature_stats=stats)
+    return optax.apply_updates(p, u), s, loss
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  p, s, r = jax.tree.map(jnp.copy, params0), tx.init(params0), jax.random.key(0)
+  for _ in range(10):
+    p, s, loss = step(p, s, batch, r)
+  jax.block_until_ready(loss)
+  times = []
+  for _ in range(50):
+    t = time.perf_counter()
+    p, s, loss = step(p, s, batch, r)
+    jax.block_until_ready(loss)
+    times.append(time.perf_counter() - t)
+  return np.array(times) * 1e3
+
+
+def main(argv=None) -> int:
+  name = (argv or sys.argv[1:] or ["cnn"])[0]
+  wl = race.WORKLOADS[name]
+  w = wl.make_workload(wl.parse_args(["--steps", "50", "--warmup", "0", "--plot", ""]))
+  loss_fn, params = w.loss_fn, w.params0
+  batch = jax.tree.map(jnp.asarray, w.batch_at(0))
+  rng = jax.random.key(0)
+  vg = kfac_jax.value_and_grad(loss_fn)
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, curvature_every=5)
+  due = tx.init(params)
+  not_due = due._replace(
+    preconditioner=due.preconditioner._replace(curvature_due=jnp.zeros([], bool))
+  )
+  gated = jax.jit(lambda p, b, r, s: vg(p, b, r, opt_state=s))
+  print(f"{name}: one call (ms)")
+  print(
+    f"  jax.value_and_grad                 {_per_call(jax.jit(jax.value_and_grad(loss_fn)), params, batch):7.1f}"
+  )  # noqa: E501
+  print(f"  kfac_jax.value_and_grad            {_per_call(jax.jit(vg), params, batch, rng):7.1f}")
+  print(f"  ... opt_state=, due step           {_per_call(gated, params, batch, rng, due):7.1f}")
+  print(
+    f"  ... opt_state=, non-due step       {_per_call(gated, params, batch, rng, not_due):7.1f}"
+  )
+  print(f"{name}: whole K-FAC step over 50 steps (ms)")
+  for every, path in [(1, "ungated"), (5, "ungated"), (5, "gated"), (5, "batch")]:
+    t = _steps(loss_fn, params, batch, every, path)
+    print(
+      f"  every {every}, {path:8s} mean {t.mean():7.1f}  median {np.median(t):7.1f}  "
+      f"min {t.min():7.1f}",
+      flush=True,
+    )
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
