@@ -38,7 +38,8 @@ WORKLOADS = race.WORKLOADS
 
 def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
   """`steps` jitted steps; the final parameters, or None once the loss is not finite. K-FAC
-  steps give the optimizer state to `kfac_jax.value_and_grad` (statistics on due steps only)."""
+  steps take their statistics from `kfac_jax.value_and_grad` (the update folds them on due
+  steps only)."""
   step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
   state = tx.init(params)
   rng = jax.random.key(0)

@@ -40,7 +40,7 @@ from kfac_jax._tags import (
   register_softmax_cross_entropy_loss,
   register_squared_error_loss,
 )
-from kfac_jax._transform import KfacState, ScaleByKfacState, curvature_due, kfac, scale_by_kfac
+from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
 
 __version__ = "0.1.0.dev0"
 
@@ -64,7 +64,6 @@ __all__ = [
   "UncoveredParametersWarning",
   "check_registration",
   "check_restored_state",
-  "curvature_due",
   "kfac",
   "register_categorical_predictive_distribution",
   "register_conv",

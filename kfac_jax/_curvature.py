@@ -345,12 +345,8 @@ def compute(
   with_params_stats: bool = False,
   aux: LossPart | None = None,
   fingerprint: Any = None,
-  due: Array | None = None,
 ):
   """Loss, gradient (or None) and `CurvatureStats` from one forward pass.
-
-  With `due` (a `[]` bool), the statistics are computed only when it is True (a `lax.cond`)
-  and are zeros of the same structure otherwise.
 
   With `with_params_stats`, the sampled pull-back also forms every parameter's product (one
   more set of weight-gradient matmuls); without it XLA drops those for the tapped layers.
@@ -363,27 +359,13 @@ def compute(
   check_rng(estimation_mode, rng)
   lin = linearize(scan, params, batch)
   grads = lin.grads() if with_grads else None
-
-  def statistics():
-    return lin.statistics(
-      rng,
-      estimation_mode=estimation_mode,
-      num_samples=num_samples,
-      with_params_stats=with_params_stats,
-      fingerprint=fingerprint,
-    )
-
-  if due is None:
-    stats = statistics()
-  else:
-    # Zeros of the statistics' structure on the other steps, which the transform ignores:
-    # the sampled pull-back (a backward pass) runs only in the taken branch.
-    shapes = jax.eval_shape(statistics)
-    stats = jax.lax.cond(
-      due,
-      statistics,
-      lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-    )
+  stats = lin.statistics(
+    rng,
+    estimation_mode=estimation_mode,
+    num_samples=num_samples,
+    with_params_stats=with_params_stats,
+    fingerprint=fingerprint,
+  )
   if aux is not None:
     return lin.loss, aux.unflatten_aux(lin.aux_leaves), grads, stats
   return lin.loss, grads, stats
@@ -435,15 +417,10 @@ def value_and_grad(
       statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
 
   Returns:
-    `fn(params, batch, rng=None, *, opt_state=None)`, returning
-    `(loss, grads, curvature_stats)`, or `((loss, aux), grads, curvature_stats)` with
-    `has_aux=True`. With `opt_state` (the state of the `kfac` / `scale_by_kfac` transform the
-    statistics are for, alone or inside optax combinators), the statistics' sampled pull-back
-    runs only when that transform's next update folds them (`kfac_jax.curvature_due`: every
-    `curvature_every`-th update), inside a `lax.cond`, and the statistics are zeros
-    otherwise, which the update ignores. Measured on CPU that cond cost more than the
-    pull-back it skipped (benchmarks/RESULTS.md, "Statistics every 5 steps by default"); the
-    update forms the factors' products on due updates only either way.
+    `fn(params, batch, rng=None)`, returning `(loss, grads, curvature_stats)`, or
+    `((loss, aux), grads, curvature_stats)` with `has_aux=True`. The statistics are computed
+    on every call; a transform with `curvature_every > 1` forms the factors' products (the
+    bulk of their cost) on its due updates only.
 
   Raises:
     TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
@@ -511,13 +488,8 @@ def value_and_grad(
       )
     return own[key]
 
-  def fn(params, batch, rng=None, *, opt_state=None):
+  def fn(params, batch, rng=None):
     r = registered(params, batch)
-    due = None
-    if opt_state is not None:
-      from kfac_jax import _transform  # pylint: disable=g-import-not-at-top (import cycle)
-
-      due = _transform.kfac_state(opt_state).curvature_due  # None: every update is due.
     out = compute(
       r.scan_batch(params, batch),
       params,
@@ -529,7 +501,6 @@ def value_and_grad(
       with_params_stats=compute_params_stats,
       aux=r.loss_part if r.has_aux else None,
       fingerprint=r.fingerprint,
-      due=due,
     )
     if r.has_aux:
       loss, aux, grads, stats = out

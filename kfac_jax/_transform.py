@@ -38,16 +38,11 @@ class ScaleByKfacState(NamedTuple):
     curvature: the estimator's factors, caches and EMA weight.
     skipped: `[]` int32, updates skipped because the gradient, the statistics or the update
       were not finite (`skip_nonfinite=True`).
-    curvature_due: `[]` bool, whether the next update folds curvature statistics into the
-      factors (its `count` is a multiple of `curvature_every`); None with
-      `curvature_every=1` (every update does). `kfac_jax.value_and_grad` reads it when given
-      `opt_state=`, and skips the statistics when they would be ignored.
   """
 
   count: Array  # type: ignore[assignment]  # optax's field name; shadows tuple.count
   curvature: _estimator.EstimatorState
   skipped: Array
-  curvature_due: Array | None
 
 
 class KfacState(NamedTuple):
@@ -63,45 +58,6 @@ class KfacState(NamedTuple):
 
   preconditioner: ScaleByKfacState
   momentum: optax.TraceState | optax.EmptyState
-
-
-def kfac_state(opt_state) -> ScaleByKfacState:
-  """The one `ScaleByKfacState` inside `opt_state` (see `curvature_due`).
-
-  Raises:
-    ValueError: `opt_state` holds no K-FAC state, or more than one.
-  """
-  found = [
-    s
-    for s in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))
-    if isinstance(s, ScaleByKfacState)
-  ]
-  if len(found) != 1:
-    what = "no" if not found else f"{len(found)}"
-    raise ValueError(
-      f"`opt_state` holds {what} K-FAC transform states (ScaleByKfacState), expected exactly "
-      f"one; got a {type(opt_state).__name__}. Pass the state of the optax transform built "
-      "with kfac_jax.kfac or kfac_jax.scale_by_kfac (tx.init(params)), or compute the "
-      "statistics on every step by leaving `opt_state` out."
-    )
-  return found[0]
-
-
-def curvature_due(opt_state) -> Array:
-  """Whether the next update of the K-FAC transform in `opt_state` folds curvature statistics.
-
-  `opt_state` is the state of `scale_by_kfac` or `kfac`, alone or inside optax combinators
-  (`optax.chain`, `optax.inject_hyperparams`, ...); it must hold exactly one K-FAC state.
-  Returns a `[]` bool array (traced inside `jit`): True on the updates whose `count` is a
-  multiple of `curvature_every` (every update with `curvature_every=1`).
-  `kfac_jax.value_and_grad(...)(params, batch, rng, opt_state=opt_state)` uses it to skip the
-  statistics' sampled pull-back on the other updates, which ignore the statistics.
-
-  Raises:
-    ValueError: `opt_state` holds no K-FAC state, or more than one.
-  """
-  due = kfac_state(opt_state).curvature_due
-  return jnp.ones([], bool) if due is None else jnp.asarray(due)
 
 
 def _check_args(
@@ -262,7 +218,6 @@ class _Preconditioner:
       count=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
       curvature=self.est.init(params, axis_name=self.axis_name, mesh=self.inverse_mesh),
-      curvature_due=self._due(jnp.zeros([], jnp.int32)),
     )
 
   def _due(self, count):
@@ -337,15 +292,9 @@ class _Preconditioner:
     pre = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, updates)
     if ok is None:
       out, new_finish = (pre, finish_state) if finish is None else finish(pre, finish_state, None)
-      new_count = optax.safe_increment(count)
       return (
         out,
-        ScaleByKfacState(
-          count=new_count,
-          curvature=curv,
-          skipped=state.skipped,
-          curvature_due=self._due(new_count),
-        ),
+        ScaleByKfacState(count=optax.safe_increment(count), curvature=curv, skipped=state.skipped),
         new_finish,
       )
 
@@ -380,12 +329,10 @@ class _Preconditioner:
     kept = (old.factors, old.ema_weight, old.cache, old.failed_inverses, finish_state)
     factors, weight, cache, failed, new_finish = _engine.keep_if(ok, changed, kept)
     curv = curv._replace(factors=factors, ema_weight=weight, cache=cache, failed_inverses=failed)
-    new_count = count + ok.astype(count.dtype)
     new_state = ScaleByKfacState(
-      count=new_count,
+      count=count + ok.astype(count.dtype),
       curvature=curv,
       skipped=state.skipped + (~ok).astype(state.skipped.dtype),
-      curvature_due=self._due(new_count),
     )
     return out, new_state, new_finish
 
@@ -441,8 +388,7 @@ def scale_by_kfac(
       due updates only, whichever way the statistics come. `batch=` and `rng=` to `update`
       also skip the forward and backward passes of the statistics on the other updates (the
       fastest path on CPU: benchmarks/RESULTS.md, "Statistics every 5 steps by default");
-      statistics from `kfac_jax.value_and_grad` are computed on every call (with its
-      `opt_state=`, inside a `lax.cond`, which cost more than it saved on CPU). Same meaning
+      statistics from `kfac_jax.value_and_grad` are computed on every call. Same meaning
       as `Optimizer(curvature_every=)`; a value above `inverse_every` refreshes some inverses
       from unchanged statistics (useful only when the damping changes).
     estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),

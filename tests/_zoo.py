@@ -47,9 +47,7 @@ def train_step(z: Zoo, tx):
 
   @jax.jit
   def step(params, state, batch, rng):
-    out, grads, stats = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)(
-      params, batch, rng, opt_state=state
-    )
+    out, grads, stats = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     loss, batch = (out[0], dict(batch, state=out[1])) if z.has_aux else (out, batch)
     return optax.apply_updates(params, updates), state, batch, loss

@@ -82,9 +82,7 @@ def test_transform_round_trips_batch_stats_with_one_forward_pass():
 
   @jax.jit
   def step(params, opt_state, batch, rng):
-    (loss, aux), grads, stats = kfac_jax.value_and_grad(loss_fn, has_aux=True)(
-      params, batch, rng, opt_state=opt_state
-    )
+    (loss, aux), grads, stats = kfac_jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state, loss, aux
 
@@ -109,7 +107,7 @@ def test_transform_batch_path_with_has_aux():
   state = tx.init(params)
   grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
   rng = jax.random.key(3)
-  _, _, stats = kfac_jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng, opt_state=state)
+  _, _, stats = kfac_jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
   u1, s1 = jax.jit(lambda g, s, p: tx.update(g, s, p, curvature_stats=stats))(grads, state, params)
   u2, s2 = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch, rng=rng))(grads, state, params)
   for a, b in zip(jax.tree_util.tree_leaves((u1, s1)), jax.tree_util.tree_leaves((u2, s2))):

@@ -28,7 +28,7 @@ def _setup(hidden=5):
 
   @jax.jit
   def step(params, state, batch, rng):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 

@@ -40,9 +40,8 @@ def _least_squares(n=64, din=5, dout=2, dtype=jnp.float32):
   return loss_fn, params, {"x": x, "y": y}, best
 
 
-def _make(kind, loss_fn, batch, **kw_in):
+def _make(kind, loss_fn, batch, **kw):
   """The transformation, and the extra arguments its update takes."""
-  kw = dict(kw_in)
   if kind == "scale_by_kfac":
     lr = kw.pop("learning_rate", 0.5)
     tx = optax.chain(
@@ -67,14 +66,13 @@ def _make(kind, loss_fn, batch, **kw_in):
   return tx
 
 
-def _extra(kind, loss_fn, params, batch, rng, state):
-  """`(grads, loss, kwargs for update)`: one forward pass for the transforms (statistics on
-  the updates that fold them: `opt_state=`); the Optimizer computes everything from the
-  batch."""
+def _extra(kind, loss_fn, params, batch, rng):
+  """`(grads, loss, kwargs for update)`: one forward pass for the transforms; the Optimizer
+  computes everything from the batch."""
   if kind == "optimizer":
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     return grads, loss, {"batch": batch, "rng": rng}
-  loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
+  loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
   return grads, loss, {"curvature_stats": stats}
 
 
@@ -85,7 +83,7 @@ def _step_fn(kind, loss_fn, tx, traces=None):
   def step(params, state, batch, rng):
     if traces is not None:
       traces.append(1)
-    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng, state)
+    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng)
     updates, state = tx.update(grads, state, params, **kw)
     return optax.apply_updates(params, updates), state, loss, updates
 
@@ -124,7 +122,7 @@ def test_step_donating_params_and_state(kind):
   assert len({id(x) for x in leaves}) == len(leaves)
 
   def step(params, state, batch, rng):
-    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng, state)
+    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng)
     updates, state = tx.update(grads, state, params, **kw)
     return optax.apply_updates(params, updates), state, loss
 
@@ -227,7 +225,7 @@ def test_in_nnx_optimizer(kind):
   @nnx.jit
   def step(model, optimizer, batch, rng):
     params = nnx.state(model, nnx.Param)
-    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng, optimizer.opt_state)
+    grads, loss, kw = _extra(kind, loss_fn, params, batch, rng)
     optimizer.update(model, grads, **kw)
     return loss
 

@@ -273,7 +273,7 @@ def test_transform_and_optimizer_train_with_ekfac_layers():
 
   @jax.jit
   def step(params, state, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(_loss_fn)(params, batch, rng, opt_state=state)
+    loss, grads, stats = kfac_jax.value_and_grad(_loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 

@@ -43,7 +43,7 @@ def _problem():
 def _plain_loop(loss_fn, params, batch, tx, steps):
   @jax.jit
   def step(params, opt_state, rng):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=opt_state)
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
@@ -68,9 +68,7 @@ def test_train_state_equals_plain_loop_bit_for_bit(path):
   @jax.jit
   def train_step(state, rng):
     if path == "curvature_stats":
-      _, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-        state.params, batch, rng, opt_state=state.opt_state
-      )
+      _, grads, stats = kfac_jax.value_and_grad(loss_fn)(state.params, batch, rng)
       return state.apply_gradients(grads=grads, curvature_stats=stats)
     grads = jax.grad(loss_fn)(state.params, batch)
     return state.apply_gradients(grads=grads, batch=batch, rng=rng)
@@ -108,9 +106,7 @@ def test_plain_flax_train_state_misuse_is_a_clear_error():
   missing instead of silently training without curvature."""
   model, loss_fn, params, batch, tx = _problem()
   state = flax_train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-    params, batch, jax.random.key(0), opt_state=state.opt_state
-  )
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
   with pytest.raises(ValueError, match="curvature_stats="):
     state.apply_gradients(grads=grads, curvature_stats=stats)
 

@@ -447,9 +447,7 @@ def test_size_policy_for_conv_embedding_and_full_blocks():
     loss_fn, batch, damping=1e-3, layers=kfac_jax.LayerConfig(max_factor_dim=8)
   )
   state = tx.init(params)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-    params, batch, jax.random.key(0), opt_state=state
-  )
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
   updates, _ = jax.jit(lambda g, s, st: tx.update(g, s, params, curvature_stats=st))(
     grads, state, stats
   )

@@ -546,7 +546,7 @@ def test_jitted_kfac_step_on_small_cnn_is_a_descent_direction():
 
   @jax.jit
   def step(params, state, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return loss, grads, updates, state
 

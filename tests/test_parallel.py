@@ -110,9 +110,7 @@ def _reference_run(loss_fn, params, batch, steps):
 
   @jax.jit
   def step(params, state):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, batch, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 
@@ -140,9 +138,7 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
   tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data")
 
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, b, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -174,9 +170,7 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
   tx = _kfac(loss_fn, local, axis_name="data")
 
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, b, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -201,9 +195,7 @@ def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
 
   @jax.jit
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, b, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 
@@ -221,9 +213,7 @@ def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
 
   @jax.jit
   def plain_step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, b, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
     return plain.update(grads, state, params, curvature_stats=stats)
 
   assert "all_reduce" not in plain_step.lower(p, plain.init(params), data).as_text()
@@ -250,9 +240,7 @@ def _pmap_run(loss_fn, params, batch, num_devices, steps, **kw):
   tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data", **kw)
 
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, b, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -334,9 +322,7 @@ def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device
 
     @jax.jit
     def step(params, state, b):
-      _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-        params, b, opt_state=state
-      )
+      _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
       updates, state = tx.update(grads, state, params, curvature_stats=stats)
       return optax.apply_updates(params, updates), state
 
@@ -397,9 +383,7 @@ def test_sharded_storage_under_shard_map(x64):
   )(params)
 
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, b, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -612,7 +596,7 @@ def test_init_outside_pmap_for_a_model_with_cross_device_batch_norm(kind):
     loss, grads = jax.value_and_grad(loss_fn)(params, b)
     grads = jax.lax.pmean(grads, "data")
     if kind == "kfac":
-      _, _, stats = kfac_jax.value_and_grad(loss_fn)(params, b, rng, opt_state=state)
+      _, _, stats = kfac_jax.value_and_grad(loss_fn)(params, b, rng)
       updates, state = tx.update(grads, state, params, curvature_stats=stats)
     else:
       updates, state = tx.update(grads, state, params, batch=b, rng=rng)

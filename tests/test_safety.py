@@ -13,7 +13,7 @@ from tests import _models
 def _step_fn(loss_fn, tx):
   @jax.jit
   def step(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss, updates
 
@@ -106,9 +106,7 @@ def _leaf_dtypes(tree):
 def _one_update(loss_fn, params, batch, **kwargs):
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, ema_decay=0.5, **kwargs)
   state = tx.init(params)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-    params, batch, jax.random.key(0), opt_state=state
-  )
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
   step = jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st))
   for _ in range(2):  # The second update uses the inverses of the first's statistics.
     updates, state = step(grads, state, params, stats)

@@ -43,9 +43,7 @@ def _descent_step(loss_fn, params, batch):
 
   @jax.jit
   def step(params, state, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, strict=True)(
-      params, batch, rng, opt_state=state
-    )
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, strict=True)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return loss, grads, updates
 

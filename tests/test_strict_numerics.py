@@ -65,7 +65,7 @@ def test_full_step_under_rank_promotion_raise(strict_rank, loss, mode, damping_m
   def step(params, state, rng):
     loss, grads, stats = kfac_jax.value_and_grad(
       loss_fn, estimation_mode=mode, num_samples=num_samples
-    )(params, batch, rng, opt_state=state)
+    )(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 

@@ -24,7 +24,7 @@ def _problem(n=32, din=4, hidden=8, classes=3, dtype=jnp.float32):
 
 def _make_step(loss_fn, tx):
   def step(params, opt_state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=opt_state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -37,14 +37,14 @@ def test_stats_path_equals_batch_path():
   state = tx.init(params)
   rng = jax.random.key(7)
   grads = jax.grad(loss_fn)(params, batch)
-  _, _, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
+  _, _, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
   u1, s1 = jax.jit(lambda g, s, p: tx.update(g, s, p, curvature_stats=stats))(grads, state, params)
   u2, s2 = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch, rng=rng))(grads, state, params)
   for a, b in zip(jax.tree_util.tree_leaves((u1, s1)), jax.tree_util.tree_leaves((u2, s2))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("path", ["batch", "curvature_stats", "gated"])
+@pytest.mark.parametrize("path", ["batch", "curvature_stats"])
 def test_curvature_every_folds_statistics_only_on_due_updates(path):
   """curvature_every=3: the EMA takes the statistics of updates 0, 3, 6 only, each at the
   parameters of that update, exactly as an estimator fed just those batches."""
@@ -69,8 +69,7 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
       grads = jax.grad(loss_fn)(params, b)
       updates, opt_state = tx.update(grads, opt_state, params, batch=b, rng=rng)
     else:
-      gate = {"opt_state": opt_state} if path == "gated" else {}
-      _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, b, rng, **gate)
+      _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, b, rng)
       updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
@@ -94,50 +93,6 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
       np.testing.assert_array_equal(a, b)
   assert not np.array_equal(factors[3]["layer0"].a, factors[2]["layer0"].a)
   assert int(opt_state[0].count) == 7
-
-
-def test_value_and_grad_skips_the_statistics_that_the_update_would_ignore():
-  """`opt_state=`: statistics on due updates only (zeros otherwise), found through optax
-  combinators; the loss and gradient are `jax.value_and_grad`'s either way."""
-  loss_fn, params, batch = _problem()
-  tx = optax.chain(
-    optax.clip_by_global_norm(1.0),
-    optax.inject_hyperparams(kfac_jax.kfac, static_args=("loss_fn", "example_batch"))(
-      loss_fn, batch, learning_rate=0.1, curvature_every=2
-    ),
-  )
-  state = tx.init(params)
-  rng = jax.random.key(0)
-  vg = jax.jit(kfac_jax.value_and_grad(loss_fn))
-  want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
-  _, _, every = vg(params, batch, rng)
-  dues = []
-  for _ in range(3):
-    assert bool(kfac_jax.curvature_due(state)) == (len(dues) % 2 == 0)
-    loss, grads, stats = vg(params, batch, rng, opt_state=state)
-    dues.append(bool(kfac_jax.curvature_due(state)))
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert jax.tree_util.tree_structure(stats) == jax.tree_util.tree_structure(every)
-    for a, b in zip(jax.tree_util.tree_leaves(stats), jax.tree_util.tree_leaves(every)):
-      if dues[-1]:
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-      else:
-        assert not np.any(np.asarray(a))
-    _, state = tx.update(grads, state, params, curvature_stats=stats)
-  assert dues == [True, False, True]
-
-
-def test_curvature_due_needs_exactly_one_kfac_state():
-  loss_fn, params, batch = _problem()
-  with pytest.raises(ValueError, match="holds no K-FAC transform states.*optax"):
-    kfac_jax.curvature_due(optax.adam(1e-3).init(params))
-  one = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1).init(params)
-  with pytest.raises(ValueError, match="holds 2 K-FAC transform states"):
-    kfac_jax.curvature_due((one, one))
-  with pytest.raises(ValueError, match="holds no K-FAC"):
-    kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0), opt_state=params)
 
 
 def test_update_is_the_inverse_of_the_estimator():
@@ -171,16 +126,12 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
   )
 
   def pstep(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, b, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
     grads = jax.lax.pmean(grads, "data")
     return txp.update(grads, state, params, curvature_stats=stats)
 
   def sstep(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(
-      params, b, opt_state=state
-    )
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
     return tx1.update(grads, state, params, curvature_stats=stats)
 
   pstate = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), txp.init(params))
@@ -216,9 +167,7 @@ def test_injected_damping_takes_effect_without_recompiling(x64):
   loss_fn, params, batch = _problem(dtype=jnp.float64)
   tx = _inject(kfac_jax.scale_by_kfac, loss_fn, batch, damping=1e-3, inverse_every=1)
   state0 = tx.init(params)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(
-    params, batch, jax.random.key(0), opt_state=state0
-  )
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
   traces = []  # One trace = one compilation (counted directly: `_cache_size()` reads 0 for
   # this function with most XLA optimisations off, as in the suite).
 
@@ -260,7 +209,7 @@ def _assert_same_but(new, old, counters):
 def _kfac_step(loss_fn, tx):
   @jax.jit
   def step(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss, updates
 
@@ -289,7 +238,7 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   @jax.jit
   def step(params, state, batch, rng, poison):
     traces.append(1)
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng, opt_state=state)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     grads = jax.tree_util.tree_map(lambda g: g * poison, grads)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
@@ -369,11 +318,7 @@ def test_norm_constraint_scales_the_update_as_tf_kfac(x64):
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
 
   def first_update(**kw):
-    kw = {
-      "norm_constraint": None,
-      "curvature_every": 1,
-      **kw,
-    }  # `free`: clipping off (on by default).
+    kw = {"norm_constraint": None, **kw}  # `free`: clipping off (it is on by default).
     tx = kfac_jax.kfac(loss_fn, batch, learning_rate=lr, damping=1e-2, **kw)
     return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(tx.init(params))
 

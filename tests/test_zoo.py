@@ -39,7 +39,7 @@ def test_zoo_model(name, flavour):
 
   @jax.jit
   def step(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(z.loss_fn)(params, batch, rng, opt_state=state)
+    loss, grads, stats = kfac_jax.value_and_grad(z.loss_fn)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return loss, grads, updates, state
 
