@@ -77,7 +77,9 @@ class Contestant:
 class Workload:
   """A model and its data. `batch_at(t)` returns step t's batch (numpy or device arrays);
   `eval_fn(params)` the evaluation loss; `upstream` the worker's model config (None: the
-  workload has no upstream version)."""
+  workload has no upstream version); `extra_evals` further evaluations of the final
+  parameters, `(label, params -> float)`, reported beside the loss (the autoencoder's squared
+  reconstruction error, the unit of issue 14's targets)."""
 
   name: str
   description: str
@@ -88,6 +90,12 @@ class Workload:
   eval_description: str
   upstream: Mapping[str, Any] | None = None
   upstream_data: Callable[[int], tuple[dict[str, np.ndarray], np.ndarray]] | None = None
+  extra_evals: tuple[tuple[str, Callable[[Any], float]], ...] = ()
+
+
+def extra_eval(workload: Workload, params) -> dict[str, float]:
+  """`{label: value}` of the workload's `extra_evals` on `params`."""
+  return {label: float(fn(params)) for label, fn in workload.extra_evals}
 
 
 # -- command line shared by the benchmarks ----------------------------------------------------
@@ -172,6 +180,13 @@ def add_common_args(
     "--with-upstream",
     action="store_true",
     help="add DeepMind kfac-jax 0.0.8 (own venv, subprocess)",
+  )
+  p.add_argument(
+    "--upstream-adaptive",
+    action="store_true",
+    help="configure upstream like the Optimizer contestant (adaptive learning rate, momentum "
+    "and damping from --optimizer-damping), as its own examples do, instead of like the "
+    "transform",
   )
   p.add_argument(
     "--upstream-python",
@@ -502,18 +517,39 @@ UPSTREAM_NAME = "kfac-jax 0.0.8 (upstream)"
 
 
 def _upstream_config(workload: Workload, args, **extra) -> dict:
-  """The upstream worker's config: the workload's model settings and the transform's flags."""
+  """The upstream worker's config: the workload's model settings and the transform's flags, or
+  with `--upstream-adaptive` the Optimizer contestant's (adaptive everything from
+  `--optimizer-damping`)."""
+  adaptive = bool(getattr(args, "upstream_adaptive", False))
   return dict(
     workload.upstream,
     learning_rate=args.kfac_lr,
     momentum=args.kfac_momentum,
-    damping=args.damping,
+    damping=args.optimizer_damping if adaptive else args.damping,
+    adaptive=adaptive,
     ema_decay=args.ema_decay,
     inverse_every=args.inverse_every,
     curvature_every=args.curvature_every,
     seed=args.seed,
     **extra,
   )
+
+
+def _upstream_hyperparameters(args) -> dict:
+  if getattr(args, "upstream_adaptive", False):
+    return {
+      "adaptive": "learning rate, momentum and damping",
+      "initial_damping": args.optimizer_damping,
+      "ema_decay": args.ema_decay,
+      "inverse_every": args.inverse_every,
+    }
+  return {
+    "learning_rate": args.kfac_lr,
+    "momentum": args.kfac_momentum,
+    "damping": args.damping,
+    "ema_decay": args.ema_decay,
+    "inverse_every": args.inverse_every,
+  }
 
 
 def run_upstream(workload: Workload, args, steps_total: int) -> Run | dict:
@@ -1031,6 +1067,7 @@ def run_contestant_for_budget(
   times = run_for_budget(prepare, step, budget_s, period=c.period, max_steps=max_steps)
   losses_np = np.asarray([float(x) for x in losses])
   final = workload.eval_fn(carry["params"])
+  extra = extra_eval(workload, carry["params"])
   summary = race_summary(
     c.name,
     c.family,
@@ -1042,6 +1079,7 @@ def run_contestant_for_budget(
     setup_s=setup_s,
     compile_s=compile_s,
     final_eval_loss=final,
+    extra_eval=extra,
   )
   return Run(c.name, losses_np, np.asarray(times), c.period, summary)
 
@@ -1086,7 +1124,9 @@ def run_upstream_for_budget(
   except (RuntimeError, OSError) as e:  # No venv, or it could not be created.
     print(f"upstream failed:\n{e}", flush=True)
     return {"optimizer": UPSTREAM_NAME, "family": "upstream", "error": str(e).splitlines()[0]}
-  final_loss = workload.eval_fn(jax.tree.map(jnp.asarray, final))
+  final_params = jax.tree.map(jnp.asarray, final)
+  final_loss = workload.eval_fn(final_params)
+  extra = extra_eval(workload, final_params)
   losses = np.asarray(report["losses"], float)
   times = np.asarray(report["step_times_s"], float)
   summary = race_summary(
@@ -1096,16 +1136,11 @@ def run_upstream_for_budget(
     times,
     args.inverse_every,
     budget_s,
-    hyperparameters={
-      "learning_rate": args.kfac_lr,
-      "momentum": args.kfac_momentum,
-      "damping": args.damping,
-      "ema_decay": args.ema_decay,
-      "inverse_every": args.inverse_every,
-    },
+    hyperparameters=_upstream_hyperparameters(args),
     setup_s=report["init_s"],
     compile_s=report["compile_s"],
     final_eval_loss=final_loss,
+    extra_eval=extra,
     upstream_env={k: report[k] for k in ("upstream_version", "jax", "python", "backend")},
   )
   return Run(report["optimizer"], losses, times, args.inverse_every, summary)
@@ -1176,25 +1211,40 @@ def race_compare(runs: Sequence[Run], reach_window: int) -> dict:
 
 
 def race_table(rows: Sequence[Mapping[str, Any]], budget_s: float, target: float) -> str:
-  """The markdown table of the race (a failed contestant shows its error)."""
+  """The markdown table of the race (a failed contestant shows its error). A workload's extra
+  evaluations get a column each: the value at the budget and its ratio to the tuned Adam's
+  (the first "adam" row)."""
+  labels = list(dict.fromkeys(k for r in rows for k in r.get("extra_eval", {})))
+  adam = next((r for r in rows if r.get("family") == "adam" and "error" not in r), None)
   lines = [
     (
       f"| contestant | loss at {budget_s:g} s | seconds to {target:.4g} | vs Adam | steps "
       "| mean step (ms) | compile (s) |"
+      + "".join(f" {label} at {budget_s:g} s (vs Adam) |" for label in labels)
     ),
-    "|---|---:|---:|---:|---:|---:|---:|",
+    "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(labels),
   ]
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['optimizer']} | failed: {r['error'].replace('|', '/')} | | | | | |")
+      lines.append(
+        f"| {r['optimizer']} | failed: {r['error'].replace('|', '/')} | | | | | |"
+        + " |" * len(labels)
+      )
       continue
     loss = _fmt(r["final_eval_loss"], ".4g") + ("" if r["finite"] else " (non-finite)")
     hit = r.get("time_to_target")
     vs = r.get("vs_adam")
+    cells = []
+    for label in labels:
+      value = r.get("extra_eval", {}).get(label)
+      ref = None if adam is None else adam.get("extra_eval", {}).get(label)
+      ratio = _ratio(value, ref)
+      cells.append(_fmt(value, ".4g", "") + ("" if ratio is None else f" ({ratio:.2f}x)"))
     lines.append(
       f"| {r['optimizer']} | {loss} | "
       f"{'not reached' if hit is None else format(hit[1], '.1f')} | "
       f"{'' if vs is None else format(vs, '.2f') + 'x'} | {r['steps']:,} | "
       f"{_fmt(r['mean_step_ms'], '.1f')} | {_fmt(r['compile_s'], '.2f')} |"
+      + "".join(f" {c} |" for c in cells)
     )
   return "\n".join(lines)

@@ -147,6 +147,7 @@ def make_workload(args) -> _harness.Workload:
     ),
     upstream=upstream,
     upstream_data=lambda steps: (images, idx[:steps]),
+    extra_evals=(("squared error", ae.make_squared_error_fn(model, eval_images)),),
   )
 
 

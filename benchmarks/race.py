@@ -20,7 +20,7 @@ trains from the same initial parameters on the same minibatch sequence until its
 Contestants: Adam over `--adam-lrs` and Muon (`optax.contrib.muon`, its non-matrix parameters on
 Adam at the middle of the Adam grid) over `--muon-lrs`, each reported by its best final loss
 ("tuned", the whole grid printed); SGD+momentum; `kfac_jax.kfac` (the transform, `--kfac-lr`,
-`--kfac-momentum`, `--damping`); the same with KL clipping (`--norm-constraint`); the same with
+`--kfac-momentum`, `--damping`); the same with another `max_norm` (`--max-norm`); the same with
 dense and conv layers on EKFAC (`--ekfac`); the full
 `kfac_jax.Optimizer`; with `--with-upstream`, kfac-jax 0.0.8 in its own venv, configured like
 the transform (fixed learning rate, momentum, damping). Output: a markdown table for RESULTS.md,
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -93,7 +92,8 @@ CONFIG_KEYS = ("curvature_every", "inverse_every", "conv", "dense")
 def parse_kfac_config(text: str) -> dict:
   """`lr:momentum:damping:clip[:key=value...]` as keyword arguments of `kfac_jax.kfac`.
 
-  `clip` is `norm_constraint` (0: none), momentum 0 is none; the optional settings are
+  `clip` is `max_norm` (0: none; before the ninth session it was TF K-FAC's `norm_constraint`,
+  which bounds the step after the learning rate), momentum 0 is none; the optional settings are
   `curvature_every=`, `inverse_every=` (ints) and `conv=` / `dense=` (the approximation of those
   layer kinds, a `LayerConfig` default). A setting left out is the caller's: the race's
   workload flags (`--curvature-every`, `--inverse-every`), the step sweep's `kfac` defaults.
@@ -109,8 +109,7 @@ def parse_kfac_config(text: str) -> dict:
   if not (lr > 0 and damping > 0 and 0 <= momentum < 1 and clip >= 0):
     raise ValueError(f"need lr > 0, damping > 0, 0 <= momentum < 1, clip >= 0; got {text!r}")
   out: dict = {"learning_rate": lr, "momentum": momentum, "damping": damping}
-  if clip > 0:
-    out["norm_constraint"] = clip
+  out["max_norm"] = clip if clip > 0 else None  # 0 is none, not kfac's default.
   approx = {}
   for item in parts[4:]:
     key, sep, value = item.partition("=")
@@ -162,17 +161,17 @@ def parse_args(argv=None):
     "are not equal strengths)",
   )
   p.add_argument(
-    "--norm-constraint",
+    "--max-norm",
     type=float,
-    default=1e-3,
-    help="add the kfac transform with KL clipping at this norm_constraint (0 drops "
-    "it; KAISA's default kl_clip is 1e-3)",
+    default=0.0,
+    help="add the kfac transform with this max_norm (0, the default, adds none; the "
+    "workload's own kfac row clips at kfac's default)",
   )
   p.add_argument(
     "--kfac-configs",
     default="",
     help="more kfac transform contestants, comma-separated lr:momentum:damping:clip, each "
-    "optionally followed by :key=value settings (clip: norm_constraint, 0 for none; momentum 0 "
+    "optionally followed by :key=value settings (clip: max_norm, 0 for none; momentum 0 "
     "for none; keys: " + ", ".join(CONFIG_KEYS) + "), e.g. 1:0.7:0.1:0.01:curvature_every=5:"
     "conv=kron_sua",
   )
@@ -191,10 +190,10 @@ def parse_args(argv=None):
   p.add_argument("--sweep-lrs", default="0.05,0.1,0.2,0.5")
   p.add_argument("--sweep-dampings", default="1,10,30,100")
   p.add_argument(
-    "--sweep-norm-constraint",
+    "--sweep-max-norm",
     type=float,
     default=0.0,
-    help="KL clipping for every sweep run (0: none)",
+    help="max_norm for every sweep run (0: kfac's default)",
   )
   p.add_argument(
     "--sweep-ekfac",
@@ -202,8 +201,8 @@ def parse_args(argv=None):
     help="sweep the transform with dense layers on EKFAC instead of K-FAC",
   )
   args, rest = p.parse_known_args(argv)
-  if args.norm_constraint < 0:
-    p.error(f"--norm-constraint must be >= 0 (0 drops the contestant), got {args.norm_constraint}")
+  if args.max_norm < 0:
+    p.error(f"--max-norm must be >= 0 (0 adds no contestant), got {args.max_norm}")
   if (
     not args.budget > 0
     or args.data_steps < 2
@@ -297,19 +296,16 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
     "curvature_every": wl.curvature_every,
   }
   out.append(_harness.kfac_transform(loss_fn, example, **common))
-  if args.norm_constraint > 0:
-    if "norm_constraint" in inspect.signature(kfac_jax.kfac).parameters:
-      out.append(
-        _harness.kfac_transform(
-          loss_fn,
-          example,
-          name=f"kfac_jax (optax), norm_constraint={args.norm_constraint:g}",
-          **common,
-          norm_constraint=args.norm_constraint,
-        )
+  if args.max_norm > 0:
+    out.append(
+      _harness.kfac_transform(
+        loss_fn,
+        example,
+        name=f"kfac_jax (optax), max_norm={args.max_norm:g}",
+        **common,
+        max_norm=args.max_norm,
       )
-    else:
-      print("kfac_jax.kfac has no norm_constraint: that contestant is skipped", flush=True)
+    )
   for text, config in args.kfac_config_list:
     out.append(
       _harness.kfac_transform(
@@ -352,7 +348,7 @@ def sweep_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Co
     _harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr), learning_rate=lr)
     for lr in wl.adam_lr_grid
   ]
-  extra = {"norm_constraint": args.sweep_norm_constraint} if args.sweep_norm_constraint > 0 else {}
+  extra = {"max_norm": args.sweep_max_norm} if args.sweep_max_norm > 0 else {}
   if args.sweep_ekfac:
     extra["layers"] = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
   for lr in args.sweep_lr_grid:

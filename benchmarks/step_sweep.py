@@ -5,7 +5,7 @@ machine. This sweep measures only what a step achieves, so it is valid on a busy
 the race's workloads, every configuration trains `--steps` steps from the same initial
 parameters on the same minibatches, and the table lists its evaluation loss (NaN: diverged),
 beside Adam over its grid as the reference. A configuration is `lr:momentum:damping:clip`
-(`clip` is `norm_constraint`, 0 for none; momentum 0 for none), optionally followed by
+(`clip` is `max_norm`, 0 for none; momentum 0 for none), optionally followed by
 `:curvature_every=k`, `:inverse_every=k`, `:conv=<approx>`, `:dense=<approx>`; the literal
 `defaults` is `kfac_jax.kfac` with only `--default-lr` given.
 
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-from benchmarks import race  # noqa: E402
+from benchmarks import _harness, race  # noqa: E402
 from examples import autoencoder as ae  # noqa: E402
 
 WORKLOADS = race.WORKLOADS
@@ -92,21 +92,34 @@ def main(argv=None) -> int:
     [float(v) for v in args.adam_lrs.split(",")] if args.adam_lrs else list(wl_args.adam_lr_grid)
   )
 
+  labels = [label for label, _ in workload.extra_evals]
+
+  def evaluate(name, final):
+    if final is None:
+      row = (name, math.nan, *(math.nan for _ in labels))
+    else:
+      row = (name, workload.eval_fn(final), *_harness.extra_eval(workload, final).values())
+    print(row, flush=True)
+    return row
+
   rows = []
   for lr in adam_lrs:
     final = _train(loss_fn, optax.adam(lr), params0, workload.batch_at, args.steps, kfac=False)
-    rows.append((f"Adam lr={lr:g}", math.nan if final is None else workload.eval_fn(final)))
-    print(rows[-1], flush=True)
+    rows.append(evaluate(f"Adam lr={lr:g}", final))
   for config in args.configs.split(","):
     tx = _kfac(loss_fn, example, config.strip(), args.default_lr)
     final = _train(loss_fn, tx, params0, workload.batch_at, args.steps, kfac=True)
-    rows.append((f"kfac {config.strip()}", math.nan if final is None else workload.eval_fn(final)))
-    print(rows[-1], flush=True)
+    rows.append(evaluate(f"kfac {config.strip()}", final))
 
   print(f"\n{workload.name}, {args.steps} steps; {workload.eval_description}\n")
-  print("| optimizer (lr:momentum:damping:norm_constraint) | eval loss |\n|---|---:|")
-  for name, loss in rows:
-    print(f"| {name} | {loss:.4g} |")
+  print(
+    "| optimizer (lr:momentum:damping:max_norm) | eval loss |"
+    + "".join(f" {label} |" for label in labels)
+    + "\n|---|---:|"
+    + "---:|" * len(labels)
+  )
+  for name, *values in rows:
+    print(f"| {name} |" + "".join(f" {v:.4g} |" for v in values))
   return 0
 
 

@@ -73,8 +73,8 @@ def main(argv=None) -> int:
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--length", type=int, default=24)
   p.add_argument("--hidden", type=int, default=128)
-  p.add_argument("--kfac-lr", type=float, default=0.1)
-  p.add_argument("--damping", type=float, default=1.0)
+  p.add_argument("--kfac-lr", type=float, default=1.0)
+  p.add_argument("--damping", type=float, default=0.1)
   p.add_argument("--adam-lr", type=float, default=3e-3)
   p.add_argument("--out", default="rnn.png")
   p.add_argument("--seed", type=int, default=0)
@@ -106,7 +106,6 @@ def main(argv=None) -> int:
         loss_fn,
         example,
         learning_rate=args.kfac_lr,
-        momentum=0.9,
         damping=args.damping,
         inverse_every=10,
       )

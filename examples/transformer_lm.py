@@ -130,8 +130,8 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=None, help="default 150 (6 with --fast)")
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--length", type=int, default=64)
-  p.add_argument("--kfac-lr", type=float, default=0.1)
-  p.add_argument("--damping", type=float, default=1.0)
+  p.add_argument("--kfac-lr", type=float, default=1.0)
+  p.add_argument("--damping", type=float, default=0.1)
   p.add_argument("--adam-lr", type=float, default=3e-3)
   p.add_argument("--out", default="transformer_lm.png")
   p.add_argument("--seed", type=int, default=0)
@@ -153,7 +153,6 @@ def main(argv=None) -> int:
     loss_fn,
     example,
     learning_rate=args.kfac_lr,
-    momentum=0.9,
     damping=args.damping,
     inverse_every=10,
   )

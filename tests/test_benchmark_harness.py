@@ -504,6 +504,40 @@ def test_upstream_failure_is_a_row_with_the_reason(tmp_path):
   assert f"| {_harness.UPSTREAM_NAME} | failed: --upstream-python" in table, table
 
 
+def test_upstream_config_follows_the_transform_or_with_adaptive_the_optimizer():
+  """`--upstream-adaptive` configures upstream as its examples do, from the Optimizer
+  contestant's initial damping; without it, like the transform."""
+  workload = _harness.Workload(
+    name="tiny",
+    description="",
+    loss_fn=None,
+    params0={},
+    batch_at=lambda t: None,
+    eval_fn=lambda p: 0.0,
+    eval_description="",
+    upstream={"model": "autoencoder"},
+  )
+  args = argparse.Namespace(
+    kfac_lr=0.3,
+    kfac_momentum=0.7,
+    damping=0.1,
+    optimizer_damping=10.0,
+    ema_decay=0.95,
+    inverse_every=5,
+    curvature_every=1,
+    seed=0,
+    upstream_adaptive=False,
+  )
+  cfg = _harness._upstream_config(workload, args, budget_s=3.0)
+  assert cfg["adaptive"] is False and cfg["damping"] == 0.1 and cfg["learning_rate"] == 0.3
+  assert cfg["model"] == "autoencoder" and cfg["budget_s"] == 3.0
+  assert _harness._upstream_hyperparameters(args)["damping"] == 0.1
+  args.upstream_adaptive = True
+  cfg = _harness._upstream_config(workload, args)
+  assert cfg["adaptive"] is True and cfg["damping"] == 10.0
+  assert _harness._upstream_hyperparameters(args)["initial_damping"] == 10.0
+
+
 def _upstream_python():
   python = os.environ.get("KFAC_UPSTREAM_PYTHON") or compare.DEFAULT_PYTHON
   return python if os.path.isfile(python) else None
@@ -657,6 +691,20 @@ def test_race_compare_times_every_run_to_the_tuned_adams_loss():
     _harness.race_compare(runs[2:], reach_window=5)
 
 
+def test_race_table_reports_extra_evaluations_against_the_tuned_adam():
+  rows = [
+    dict(_race_run("Adam", "adam", [2, 1], [1, 1], 1.0).summary, extra_eval={"se": 8.0}),
+    dict(_race_run("kfac", "kfac", [2, 1], [1, 1], 0.9).summary, extra_eval={"se": 2.0}),
+    _race_run("sgd", "sgd", [2, 1], [1, 1], 1.5).summary,
+    {"optimizer": "up", "error": "boom"},
+  ]
+  lines = _harness.race_table(rows, 10.0, 1.0).splitlines()
+  assert lines[0].endswith("| compile (s) | se at 10 s (vs Adam) |"), lines[0]
+  assert lines[1].count("|") == 9
+  assert lines[2].endswith("| 8 (1.00x) |") and lines[3].endswith("| 2 (0.25x) |"), lines
+  assert lines[4].endswith("| 1.00 |  |") and lines[5].count("|") == 9, lines
+
+
 _RACE_CONFIG = "0.3:0.7:0.1:0.01:dense=ekfac"
 _RACE_BUDGET = 0.25  # charged seconds per contestant
 
@@ -670,7 +718,7 @@ def test_race_contestants_by_default(monkeypatch, tmp_path):
   monkeypatch.setenv("KFAC_DATA_DIR", str(tmp_path))
   args, wl, _ = race.parse_args(
     ["--workload", "autoencoder", "--quick", "--encoder", "8,4", "--adam-lrs", "1e-3,3e-3"]
-    + ["--kfac-configs", "0.3:0.7:0.1:0.01", "--plot", ""]
+    + ["--kfac-configs", "0.3:0.7:0.1:0.01", "--max-norm", "0.5", "--plot", ""]
   )
   workload = race.autoencoder.make_workload(wl)
   contestants = race.race_contestants(workload, args, wl)
@@ -681,15 +729,15 @@ def test_race_contestants_by_default(monkeypatch, tmp_path):
     "Muon lr=0.05",
     "SGD+momentum",
     "kfac_jax (optax)",
-    "kfac_jax (optax), norm_constraint=0.001",
+    "kfac_jax (optax), max_norm=0.5",
     "kfac_jax (optax) 0.3:0.7:0.1:0.01",
     "kfac_jax (optax), EKFAC",
     "kfac_jax Optimizer",
   ]
   hyper = {c.name: c.hyperparameters for c in contestants}
-  assert hyper["kfac_jax (optax), norm_constraint=0.001"]["norm_constraint"] == "0.001"
+  assert hyper["kfac_jax (optax), max_norm=0.5"]["max_norm"] == "0.5"
   assert "'dense': 'ekfac', 'conv': 'ekfac'" in hyper["kfac_jax (optax), EKFAC"]["layers"]
-  assert hyper["kfac_jax (optax) 0.3:0.7:0.1:0.01"]["norm_constraint"] == "0.01"
+  assert hyper["kfac_jax (optax) 0.3:0.7:0.1:0.01"]["max_norm"] == "0.01"
   assert workload.description.startswith("64-8-4-8-64 autoencoder"), workload.description
 
 
@@ -715,8 +763,6 @@ def test_race_quick(tmp_path, monkeypatch, capsys):
       "--muon-lrs",
       "0.02",
       "--no-sgd",
-      "--norm-constraint",
-      "0",
       "--no-ekfac",
       "--kfac-configs",
       _RACE_CONFIG,
@@ -760,6 +806,11 @@ def test_race_quick(tmp_path, monkeypatch, capsys):
     )
   assert report["budget_s"] == _RACE_BUDGET
   assert f"--budget {_RACE_BUDGET}" in report["env"]["command"], report["env"]["command"]
+  # The autoencoder's squared reconstruction error: a column, with the ratio to the tuned Adam.
+  assert f"| squared error at {_RACE_BUDGET:g} s (vs Adam) |" in stdout, output
+  errors = [r["extra_eval"]["squared error"] for r in report["results"]]
+  assert all(math.isfinite(e) and e > 0 for e in errors), errors
+  assert f"{errors[0]:.4g} (1.00x) |" in stdout, output
 
 
 def test_step_sweep_quick(tmp_path, monkeypatch, capsys):
@@ -776,9 +827,25 @@ def test_step_sweep_quick(tmp_path, monkeypatch, capsys):
     capsys,
   )
   assert "64-16-4-16-64 autoencoder" in stdout, output
+  assert "| eval loss | squared error |" in stdout, output
   for name in ("Adam lr=0.001", "kfac defaults", "kfac 0.3:0.7:0.1:0.01"):
-    row = re.search(rf"^\| {re.escape(name)} \| ([0-9.e+]+) \|$", stdout, re.MULTILINE)
+    row = re.search(
+      rf"^\| {re.escape(name)} \| ([0-9.e+]+) \| ([0-9.e+]+) \|$", stdout, re.MULTILINE
+    )
     assert row is not None and math.isfinite(float(row.group(1))), output
+    assert 0 < float(row.group(2)) < float(row.group(1)), output  # Pinsker: SE <= CE / 2.
+
+
+def test_autoencoder_squared_error_is_the_mean_over_images_of_the_pixel_sum():
+  from examples import autoencoder as ae
+
+  model = ae.make_model(6, (3, 2))
+  params = ae.init_params(model, 0)
+  images = np.random.default_rng(0).uniform(size=(5, 6)).astype(np.float32)
+  want = np.mean(
+    np.sum((np.asarray(jax.nn.sigmoid(model.apply(params, jnp.asarray(images)))) - images) ** 2, -1)
+  )
+  assert ae.make_squared_error_fn(model, images, chunk=2)(params) == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("model", ["vit", "rnn"])
@@ -818,6 +885,7 @@ def test_kfac_config_parser():
     "learning_rate": 0.3,
     "momentum": 0.7,
     "damping": 0.1,
+    "max_norm": None,  # Clipping off, not kfac's default.
   }
   cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")
   layers = cfg.pop("layers")
@@ -825,7 +893,7 @@ def test_kfac_config_parser():
     "learning_rate": 1.0,
     "momentum": 0.0,
     "damping": 0.1,
-    "norm_constraint": 0.01,
+    "max_norm": 0.01,
     "curvature_every": 5,
     "inverse_every": 10,
   }

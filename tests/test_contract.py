@@ -50,13 +50,13 @@ def _make(kind, loss_fn, batch, **kw):
     )
   elif kind == "kfac":
     # Clipping off: these tests check the optax contract, and the exact least-squares
-    # convergence in 25 steps needs unclipped steps (KL clipping at the default 1e-2 slows it).
+    # convergence in 25 steps needs unclipped steps (clipping at the default max_norm slows it).
     # Unclipped, λ = 1e-3 steps from statistics up to 4 updates old diverge on the nnx MLP:
     # statistics every update.
     kw = {
       "learning_rate": 0.5,
       "momentum": 0.3,
-      "norm_constraint": None,
+      "max_norm": None,
       "curvature_every": 1,
       **kw,
     }
@@ -171,7 +171,7 @@ def test_inside_inject_hyperparams(kind):
       learning_rate=0.1,
       damping=1e-3,
       momentum=None,
-      norm_constraint=None,
+      max_norm=None,
     )  # α then scales the update exactly.
   else:
     tx = optax.chain(

@@ -92,7 +92,7 @@ def _kfac(loss_fn, batch, **kw):
   # clipped update into the momentum trace (`c·v + μ·m`) differently in the sharded and
   # replicated programs (1-ulp differences; either one alone stays bitwise equal), and the
   # sharded-storage tests compare parameters bit for bit.
-  kw = {"momentum": None, "norm_constraint": None, **kw}
+  kw = {"momentum": None, "max_norm": None, **kw}
   return kfac_jax.kfac(
     loss_fn,
     batch,

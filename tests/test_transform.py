@@ -295,45 +295,54 @@ def test_scale_by_kfac_guard_and_switching_it_off():
 # KL clipping.
 
 
-def test_kl_clip_coefficient_against_numpy(x64):
+def test_clip_coefficient_against_numpy(x64):
   rng = np.random.default_rng(0)
   v = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
   g = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
   vg = abs(np.vdot(v["a"], g["a"]) + np.vdot(v["b"], g["b"]))
-  for lr, c in [(0.5, 1e-3), (0.1, 10.0), (2.0, vg * 4.0 * 0.99)]:
-    want = min(1.0, np.sqrt(c / (lr**2 * vg)))
-    got = kfac_jax._transform.kl_clip_coefficient(
-      jax.tree_util.tree_map(jnp.asarray, v), jax.tree_util.tree_map(jnp.asarray, g), lr, c
+  for r in (1e-3, 10.0, np.sqrt(vg) * 0.99, np.sqrt(vg) * 1.01):
+    want = min(1.0, r / np.sqrt(vg))
+    got = kfac_jax._transform.clip_coefficient(
+      jax.tree_util.tree_map(jnp.asarray, v), jax.tree_util.tree_map(jnp.asarray, g), r
     )
     np.testing.assert_allclose(got, want, rtol=1e-12)
   zero = jax.tree_util.tree_map(jnp.zeros_like, v)
-  assert float(kfac_jax._transform.kl_clip_coefficient(zero, g, 0.5, 1e-3)) == 1.0
+  assert float(kfac_jax._transform.clip_coefficient(zero, g, 1e-3)) == 1.0
 
 
-def test_norm_constraint_scales_the_update_as_tf_kfac(x64):
-  """The clipped update is `c · u` with `c = min(1, √(C / (α² |vᵀg|)))`, v = −u / α the
-  preconditioned gradient, computed here in numpy; a loose constraint changes nothing."""
+def _first_kfac_update(loss_fn, params, batch, grads, stats, **kw):
+  kw = {"max_norm": None, "momentum": None, **kw}  # Both are on by default.
+  tx = kfac_jax.kfac(loss_fn, batch, damping=1e-2, **kw)
+  return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(tx.init(params))
+
+
+def test_max_norm_clips_the_preconditioned_gradient_before_the_learning_rate(x64):
+  """The clipped update is `α · c · (−v)` with `c = min(1, r / √|vᵀg|)`, v the preconditioned
+  gradient, computed here in numpy: the learning rate scales the step whether or not the
+  clipping binds (optax's clip-then-scale order); a loose bound changes nothing."""
   loss_fn, params, batch = _problem(dtype=jnp.float64)
-  lr = 0.5
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
 
-  def first_update(**kw):
-    kw = {"norm_constraint": None, **kw}  # `free`: clipping off (it is on by default).
-    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=lr, damping=1e-2, **kw)
-    return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(tx.init(params))
+  def update(**kw):
+    return _first_kfac_update(loss_fn, params, batch, grads, stats, **kw)
 
-  free = first_update()
-  v = [-np.asarray(u) / lr for u in jax.tree_util.tree_leaves(free)]
+  free = update(learning_rate=1.0)
+  v = [-np.asarray(u) for u in jax.tree_util.tree_leaves(free)]
   vg = abs(sum(np.vdot(a, np.asarray(b)) for a, b in zip(v, jax.tree_util.tree_leaves(grads))))
-  tight = 1e-2 * lr**2 * vg
-  clipped = first_update(norm_constraint=tight)
-  coeff = min(1.0, np.sqrt(tight / (lr**2 * vg)))
-  assert coeff < 0.2
-  for a, b in zip(jax.tree_util.tree_leaves(clipped), jax.tree_util.tree_leaves(free)):
-    np.testing.assert_allclose(a, coeff * np.asarray(b), rtol=1e-10, atol=1e-14)
-  loose = first_update(norm_constraint=10.0 * lr**2 * vg)
-  for a, b in zip(jax.tree_util.tree_leaves(loose), jax.tree_util.tree_leaves(free)):
-    np.testing.assert_array_equal(a, b)
+  tight = 0.1 * np.sqrt(vg)
+  for lr in (0.5, 2.0):  # Binding: the step is α · 0.1 · (−v), for either α.
+    clipped = update(learning_rate=lr, max_norm=tight)
+    for a, b in zip(jax.tree_util.tree_leaves(clipped), v):
+      np.testing.assert_allclose(a, -lr * 0.1 * b, rtol=1e-10, atol=1e-14)
+  loose = update(learning_rate=0.5, max_norm=10.0 * np.sqrt(vg))
+  for a, b in zip(jax.tree_util.tree_leaves(loose), v):
+    np.testing.assert_allclose(a, -0.5 * b, rtol=1e-12, atol=1e-15)
+
+
+def test_norm_constraint_is_refused_with_its_max_norm_translation():
+  loss_fn, _, batch = _problem()
+  with pytest.raises(TypeError, match=r"`norm_constraint`.*max_norm=√C / α"):
+    kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, norm_constraint=1e-2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,8 +407,8 @@ ARG_CASES = [
   (_kfac(momentum=1.0), ValueError, "momentum", 1.0),
   (_kfac(momentum="0.9"), TypeError, "momentum", "0.9"),
   (_kfac(nesterov=1), TypeError, "nesterov", 1),
-  (_kfac(norm_constraint=-1e-3), ValueError, "norm_constraint", -0.001),
-  (_kfac(norm_constraint=_NAN), ValueError, "norm_constraint", _NAN),
+  (_kfac(max_norm=-1e-3), ValueError, "max_norm", -0.001),
+  (_kfac(max_norm=_NAN), ValueError, "max_norm", _NAN),
   (_kfac(damping="1e-3"), TypeError, "damping", "1e-3"),
   (_opt(learning_rate="0.1"), TypeError, "learning_rate", "0.1"),
   (_opt(momentum=-0.5), ValueError, "momentum", -0.5),

@@ -21,7 +21,10 @@ benchmarks' `--with-upstream` writes the inputs and starts it as a subprocess:
 * `OUT_DIR` receives `result.json` and `final_params.npz` (same keys as the input), so the
   parent evaluates the final loss with exactly the code it uses for the other contestants.
 
-Upstream's optimizer is configured with everything adaptive switched off: constant
+With `adaptive` true in the config, upstream's optimizer is configured as its own examples
+configure it: learning rate and momentum from the quadratic model, damping adapted from
+`damping` (the initial value) every 5 steps (its default period). Otherwise it is configured
+with everything adaptive switched off: constant
 learning-rate, momentum and damping schedules, `l2_reg=0`, no burn-in, curvature statistics every
 step from one sampled-target backward pass (`estimation_mode="fisher_gradients"`), EMA decay and
 inverse period as given, pi-adjusted factored damping (its default), `multi_device=False`. The
@@ -152,6 +155,22 @@ def layer_registrations(loss_fn, params, batch) -> list[dict]:
 
 def make_optimizer(loss_fn, cfg):
   lr, mom, damping = cfg["learning_rate"], cfg["momentum"], cfg["damping"]
+  if cfg.get("adaptive"):  # Its examples' setting: everything from the quadratic model.
+    return kfac_jax.Optimizer(
+      value_and_grad_func=jax.value_and_grad(loss_fn),
+      l2_reg=0.0,
+      use_adaptive_learning_rate=True,
+      use_adaptive_momentum=True,
+      use_adaptive_damping=True,
+      initial_damping=damping,
+      num_burnin_steps=0,
+      estimation_mode="fisher_gradients",
+      curvature_ema=cfg["ema_decay"],
+      curvature_update_period=cfg.get("curvature_every", 1),
+      inverse_update_period=cfg["inverse_every"],
+      num_estimator_samples=1,
+      multi_device=False,
+    )
   return kfac_jax.Optimizer(
     value_and_grad_func=jax.value_and_grad(loss_fn),
     l2_reg=0.0,
