@@ -239,6 +239,7 @@ def kfac_transform(
   ema_decay: float,
   inverse_every: int,
   curvature_every: int = 1,
+  stats_batch: int | None = None,
   name: str | None = None,
   **kfac_kwargs,
 ) -> Contestant:
@@ -248,7 +249,9 @@ def kfac_transform(
   `kfac_jax.value_and_grad` pass. With `curvature_every` > 1 the step is `jax.value_and_grad`
   and the transform computes the statistics from `batch=` on due steps only. `kfac_kwargs`
   (e.g. `layers=`) go to `kfac_jax.kfac` and are listed in the hyperparameters; `name`
-  replaces the default name.
+  replaces the default name. `stats_batch=n`: the statistics come from `batch=` with the
+  minibatch's first n examples (the transform normalises them by their own batch size), on
+  due steps only: cheaper statistics from fewer rows, as a user can pass a slice of the batch.
   """
   momentum_ = momentum if momentum > 0 else None
   tx = kfac_jax.kfac(
@@ -266,12 +269,13 @@ def kfac_transform(
   )
 
   def step(params, state, batch, rng):
-    if curvature_every == 1:
+    if curvature_every == 1 and stats_batch is None:
       loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
       updates, state = tx.update(grads, state, params, curvature_stats=stats)
     else:
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params, batch=batch, rng=rng)
+      rows = batch if stats_batch is None else jax.tree.map(lambda x: x[:stats_batch], batch)
+      updates, state = tx.update(grads, state, params, batch=rows, rng=rng)
     return optax.apply_updates(params, updates), state, loss
 
   if name is None:
@@ -290,6 +294,7 @@ def kfac_transform(
       "ema_decay": ema_decay,
       "inverse_every": inverse_every,
       "curvature_every": curvature_every,
+      **({} if stats_batch is None else {"stats_batch": stats_batch}),
       **{k: repr(v) for k, v in kfac_kwargs.items()},
     },
     period=inverse_every,

@@ -86,7 +86,7 @@ def _floats(p, flag: str, text: str) -> list[float]:
   return out
 
 
-CONFIG_KEYS = ("curvature_every", "inverse_every", "conv", "dense")
+CONFIG_KEYS = ("curvature_every", "inverse_every", "stats_batch", "conv", "dense")
 
 
 def parse_kfac_config(text: str) -> dict:
@@ -94,10 +94,11 @@ def parse_kfac_config(text: str) -> dict:
 
   `clip` is `max_norm` (0: none; before the ninth session it was TF K-FAC's `norm_constraint`,
   which bounds the step after the learning rate), momentum 0 is none; the optional settings are
-  `curvature_every=`, `inverse_every=` (ints) and `conv=` / `dense=` (the approximation of those
-  layer kinds, a `LayerConfig` default). A setting left out is the caller's: the race's
-  workload flags (`--curvature-every`, `--inverse-every`), the step sweep's `kfac` defaults.
-  Raises ValueError naming the entry.
+  `curvature_every=`, `inverse_every=`, `stats_batch=` (ints; `stats_batch=n`: the statistics
+  come from `batch=` with the minibatch's first n examples, a harness setting, not `kfac`'s)
+  and `conv=` / `dense=` (the approximation of those layer kinds, a `LayerConfig` default). A
+  setting left out is the caller's: the race's workload flags (`--curvature-every`,
+  `--inverse-every`), the step sweep's `kfac` defaults. Raises ValueError naming the entry.
   """
   parts = text.split(":")
   try:

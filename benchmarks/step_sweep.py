@@ -36,11 +36,21 @@ from examples import autoencoder as ae  # noqa: E402
 WORKLOADS = race.WORKLOADS
 
 
-def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
+def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool, stats_batch=None):
   """`steps` jitted steps; the final parameters, or None once the loss is not finite. K-FAC
   steps take their statistics from `kfac_jax.value_and_grad` (the update folds them on due
-  steps only)."""
-  step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
+  steps only), or with `stats_batch=n` from `batch=` with the minibatch's first n examples."""
+  if stats_batch is not None:
+
+    def kfac_step(params, state, batch, rng):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      rows = jax.tree.map(lambda x: x[:stats_batch], batch)
+      updates, state = tx.update(grads, state, params, batch=rows, rng=rng)
+      return optax.apply_updates(params, updates), state, loss
+
+    step = jax.jit(kfac_step)
+  else:
+    step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
   state = tx.init(params)
   rng = jax.random.key(0)
   for t in range(steps):
@@ -52,13 +62,14 @@ def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool):
 
 
 def _kfac(loss_fn, example, config: str, default_lr: float):
-  """The transform of a configuration (see `race.parse_kfac_config`; settings it leaves out
-  are `kfac`'s defaults)."""
+  """`(transform, stats_batch)` of a configuration (see `race.parse_kfac_config`; settings it
+  leaves out are `kfac`'s defaults)."""
   if config == "defaults":
-    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr)
+    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr), None
   kwargs = race.parse_kfac_config(config)
   kwargs["momentum"] = kwargs["momentum"] or None
-  return kfac_jax.kfac(loss_fn, example, **kwargs)
+  stats_batch = kwargs.pop("stats_batch", None)
+  return kfac_jax.kfac(loss_fn, example, **kwargs), stats_batch
 
 
 def main(argv=None) -> int:
@@ -107,8 +118,8 @@ def main(argv=None) -> int:
     final = _train(loss_fn, optax.adam(lr), params0, workload.batch_at, args.steps, kfac=False)
     rows.append(evaluate(f"Adam lr={lr:g}", final))
   for config in args.configs.split(","):
-    tx = _kfac(loss_fn, example, config.strip(), args.default_lr)
-    final = _train(loss_fn, tx, params0, workload.batch_at, args.steps, kfac=True)
+    tx, stats_batch = _kfac(loss_fn, example, config.strip(), args.default_lr)
+    final = _train(loss_fn, tx, params0, workload.batch_at, args.steps, True, stats_batch)
     rows.append(evaluate(f"kfac {config.strip()}", final))
 
   print(f"\n{workload.name}, {args.steps} steps; {workload.eval_description}\n")

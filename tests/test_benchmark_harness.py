@@ -821,14 +821,24 @@ def test_step_sweep_quick(tmp_path, monkeypatch, capsys):
   stdout, output = _in_process(
     step_sweep.main,
     ["--workload", "autoencoder", "--quick", "--encoder", "16,4", "--steps", "3"]
-    + ["--adam-lrs", "1e-3", "--configs", "defaults,0.3:0.7:0.1:0.01"],
+    + [
+      "--adam-lrs",
+      "1e-3",
+      "--configs",
+      "defaults,0.3:0.7:0.1:0.01,0.3:0.7:0.1:0.3:stats_batch=8",
+    ],
     tmp_path,
     monkeypatch,
     capsys,
   )
   assert "64-16-4-16-64 autoencoder" in stdout, output
   assert "| eval loss | squared error |" in stdout, output
-  for name in ("Adam lr=0.001", "kfac defaults", "kfac 0.3:0.7:0.1:0.01"):
+  for name in (
+    "Adam lr=0.001",
+    "kfac defaults",
+    "kfac 0.3:0.7:0.1:0.01",
+    "kfac 0.3:0.7:0.1:0.3:stats_batch=8",  # Statistics from 8 of the batch's rows.
+  ):
     row = re.search(
       rf"^\| {re.escape(name)} \| ([0-9.e+]+) \| ([0-9.e+]+) \|$", stdout, re.MULTILINE
     )
@@ -887,6 +897,7 @@ def test_kfac_config_parser():
     "damping": 0.1,
     "max_norm": None,  # Clipping off, not kfac's default.
   }
+  assert race.parse_kfac_config("0.3:0.7:0.1:0.3:stats_batch=64")["stats_batch"] == 64
   cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")
   layers = cfg.pop("layers")
   assert cfg == {
