@@ -156,30 +156,25 @@ def layer_registrations(loss_fn, params, batch) -> list[dict]:
 def make_optimizer(loss_fn, cfg):
   lr, mom, damping = cfg["learning_rate"], cfg["momentum"], cfg["damping"]
   if cfg.get("adaptive"):  # Its examples' setting: everything from the quadratic model.
-    return kfac_jax.Optimizer(
-      value_and_grad_func=jax.value_and_grad(loss_fn),
-      l2_reg=0.0,
+    steps = dict(
       use_adaptive_learning_rate=True,
       use_adaptive_momentum=True,
       use_adaptive_damping=True,
       initial_damping=damping,
-      num_burnin_steps=0,
-      estimation_mode="fisher_gradients",
-      curvature_ema=cfg["ema_decay"],
-      curvature_update_period=cfg.get("curvature_every", 1),
-      inverse_update_period=cfg["inverse_every"],
-      num_estimator_samples=1,
-      multi_device=False,
+    )
+  else:
+    steps = dict(
+      use_adaptive_learning_rate=False,
+      learning_rate_schedule=lambda step: jnp.asarray(lr, jnp.float32),
+      use_adaptive_momentum=False,
+      momentum_schedule=lambda step: jnp.asarray(mom, jnp.float32),
+      use_adaptive_damping=False,
+      damping_schedule=lambda step: jnp.asarray(damping, jnp.float32),
     )
   return kfac_jax.Optimizer(
     value_and_grad_func=jax.value_and_grad(loss_fn),
     l2_reg=0.0,
-    use_adaptive_learning_rate=False,
-    learning_rate_schedule=lambda step: jnp.asarray(lr, jnp.float32),
-    use_adaptive_momentum=False,
-    momentum_schedule=lambda step: jnp.asarray(mom, jnp.float32),
-    use_adaptive_damping=False,
-    damping_schedule=lambda step: jnp.asarray(damping, jnp.float32),
+    **steps,
     num_burnin_steps=0,
     estimation_mode="fisher_gradients",
     curvature_ema=cfg["ema_decay"],
