@@ -302,10 +302,17 @@ def kfac_transform(
 
 
 def kfac_optimizer(
-  loss_fn, example_batch, *, damping: float, ema_decay: float, inverse_every: int
+  loss_fn,
+  example_batch,
+  *,
+  damping: float,
+  ema_decay: float,
+  inverse_every: int,
+  curvature_every: int = 1,
 ) -> Contestant:
   """The full `kfac_jax.Optimizer`: α and μ from the quadratic model each step, damping adapted
-  by Levenberg–Marquardt from `damping`."""
+  by Levenberg–Marquardt from `damping`; statistics every `curvature_every` steps (as the
+  upstream worker's `curvature_update_period`, from the same flag)."""
   opt = kfac_jax.Optimizer(
     loss_fn,
     example_batch,
@@ -314,6 +321,7 @@ def kfac_optimizer(
     damping=damping,
     use_adaptive_damping=True,
     inverse_every=inverse_every,
+    curvature_every=curvature_every,
     config=kfac_jax.OptimizerConfig(ema_decay=ema_decay, min_damping=min(1e-4, damping)),
   )
 
@@ -332,6 +340,7 @@ def kfac_optimizer(
       "initial_damping": damping,
       "ema_decay": ema_decay,
       "inverse_every": inverse_every,
+      "curvature_every": curvature_every,
     },
     period=inverse_every,
   )
@@ -376,6 +385,7 @@ def standard_contestants(workload: Workload, args: argparse.Namespace) -> list[C
         damping=args.optimizer_damping,
         ema_decay=args.ema_decay,
         inverse_every=args.inverse_every,
+        curvature_every=args.curvature_every,
       )
     )
   return out

@@ -337,6 +337,7 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
         damping=wl.optimizer_damping,
         ema_decay=wl.ema_decay,
         inverse_every=wl.inverse_every,
+        curvature_every=wl.curvature_every,
       )
     )
   return out
