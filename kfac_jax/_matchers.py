@@ -163,6 +163,18 @@ def single_use_leaf(ix, atom, claimed, shared: bool = False):
   return leaf, chain
 
 
+def sole_param_operand(ix, i, prim: str):
+  """`(leaf, operand position)` if equation i is a `prim` with exactly one parameter operand,
+  a leaf used once on the loss slice; else None. The preamble of the kernel matchers."""
+  if ix.g.eqns[i].name != prim:
+    return None
+  ops = ix.uses_by_eqn.get(i, [])
+  if len(ops) != 1:
+    return None  # No parameter, or a product of two parameters.
+  leaf, pos = ops[0]
+  return (leaf, pos) if len(ix.uses.get(leaf, [])) == 1 else None
+
+
 def only_consumer(ix, key):
   cons = ix.slice_consumers.get(key, [])
   return cons[0] if len(cons) == 1 else None
@@ -402,14 +414,10 @@ def match_dense(ix, i, claimed):
   """A single-use kernel in a `dot_general` with an activation (and its bias). The scanner tries
   `_matchers_embed.match_one_hot_embedding` first, so `one_hot(ids) @ table` is an embedding."""
   fe = ix.g.eqns[i]
-  if fe.name != "dot_general":
+  kernel = sole_param_operand(ix, i, "dot_general")
+  if kernel is None or kernel[0] in claimed:
     return None
-  param_ops = ix.uses_by_eqn.get(i, [])
-  if len(param_ops) != 1:
-    return None  # No parameter, or a product of two parameters.
-  k_leaf, k_pos = param_ops[0]
-  if k_leaf in claimed or len(ix.uses.get(k_leaf, [])) != 1:
-    return None
+  k_leaf, k_pos = kernel
   found = dense_use(ix, i, k_pos)
   if found is None:
     return None

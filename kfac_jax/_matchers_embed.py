@@ -121,15 +121,10 @@ def _vmapped_row_use(ix, fe, chain, t_shape):
 def match_one_hot_embedding(ix, i, claimed):
   """`one_hot(ids) @ table` with a single-use table: an embedding lookup written as a product
   (tried before `_matchers.match_dense`, which would take it for a dense layer)."""
-  fe = ix.g.eqns[i]
-  if fe.name != "dot_general":
+  table = _matchers.sole_param_operand(ix, i, "dot_general")
+  if table is None or table[1] != 1 or table[0] in claimed:
     return None
-  param_ops = ix.uses_by_eqn.get(i, [])
-  if len(param_ops) != 1:
-    return None
-  k_leaf, k_pos = param_ops[0]
-  if k_pos != 1 or k_leaf in claimed or len(ix.uses.get(k_leaf, [])) != 1:
-    return None
+  k_leaf = table[0]
   emb = one_hot_embedding_use(ix, i)
   if emb is None:
     return None

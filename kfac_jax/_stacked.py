@@ -164,14 +164,10 @@ def batched_dense_use(ix, i):
   output stack axis)` or None.
   """
   fe = ix.g.eqns[i]
-  if fe.name != "dot_general":
+  kernel = _matchers.sole_param_operand(ix, i, "dot_general")
+  if kernel is None or kernel[0] >= ix.n_params:
     return None
-  ops = ix.uses_by_eqn.get(i, [])
-  if len(ops) != 1:
-    return None
-  k_leaf, k_pos = ops[0]
-  if k_leaf >= ix.n_params or len(ix.uses.get(k_leaf, [])) != 1:
-    return None
+  k_leaf, k_pos = kernel
   k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
   _, chain = ix.origin[k_atom]
   if any(s.op != "cast" for s in chain):
