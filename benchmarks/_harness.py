@@ -229,6 +229,25 @@ def first_order(name: str, family: str, loss_fn, tx, **hyperparameters) -> Conte
   return Contestant(name, family, tx.init, ae.make_adam_step(loss_fn, tx), hyperparameters)
 
 
+def kfac_step(loss_fn, tx, *, from_batch: bool, stats_batch: int | None = None):
+  """A `kfac` training step `(params, state, batch, rng) -> (params, state, loss)`. Without
+  `from_batch`, loss, gradients and statistics come from one `kfac_jax.value_and_grad` pass
+  (`examples.autoencoder.make_kfac_step`); with it, the step is `jax.value_and_grad` and the
+  transform computes the statistics from `batch=` on its due updates only, from the
+  minibatch's first `stats_batch` examples if given (the transform normalises statistics by
+  their own batch size)."""
+  if not from_batch:
+    return ae.make_kfac_step(loss_fn, tx)
+
+  def step(params, state, batch, rng):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    rows = batch if stats_batch is None else jax.tree.map(lambda x: x[:stats_batch], batch)
+    updates, state = tx.update(grads, state, params, batch=rows, rng=rng)
+    return optax.apply_updates(params, updates), state, loss
+
+  return step
+
+
 def kfac_transform(
   loss_fn,
   example_batch,
@@ -268,16 +287,9 @@ def kfac_transform(
     **kfac_kwargs,
   )
 
-  def step(params, state, batch, rng):
-    if curvature_every == 1 and stats_batch is None:
-      loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-      updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    else:
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      rows = batch if stats_batch is None else jax.tree.map(lambda x: x[:stats_batch], batch)
-      updates, state = tx.update(grads, state, params, batch=rows, rng=rng)
-    return optax.apply_updates(params, updates), state, loss
-
+  step = kfac_step(
+    loss_fn, tx, from_batch=curvature_every > 1 or stats_batch is not None, stats_batch=stats_batch
+  )
   if name is None:
     name = "kfac_jax (optax)" + (
       f", statistics every {curvature_every}" if curvature_every > 1 else ""

@@ -40,17 +40,12 @@ def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool, stats_batch=No
   """`steps` jitted steps; the final parameters, or None once the loss is not finite. K-FAC
   steps take their statistics from `kfac_jax.value_and_grad` (the update folds them on due
   steps only), or with `stats_batch=n` from `batch=` with the minibatch's first n examples."""
-  if stats_batch is not None:
-
-    def kfac_step(params, state, batch, rng):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      rows = jax.tree.map(lambda x: x[:stats_batch], batch)
-      updates, state = tx.update(grads, state, params, batch=rows, rng=rng)
-      return optax.apply_updates(params, updates), state, loss
-
-    step = jax.jit(kfac_step)
+  if kfac:
+    step = jax.jit(
+      _harness.kfac_step(loss_fn, tx, from_batch=stats_batch is not None, stats_batch=stats_batch)
+    )
   else:
-    step = jax.jit((ae.make_kfac_step if kfac else ae.make_adam_step)(loss_fn, tx))
+    step = jax.jit(ae.make_adam_step(loss_fn, tx))
   state = tx.init(params)
   rng = jax.random.key(0)
   for t in range(steps):
