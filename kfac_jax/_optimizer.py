@@ -37,7 +37,8 @@ clipping, Ba et al. 2017; F̂_λ the damped K-FAC matrix the estimator multiplie
 All decisions are `lax.cond` / `jnp.where` on the step counter in the state, so one jitted step
 function compiles once and never syncs with the host; the statistics, inverse and skip conds are
 the transforms' (`kfac_jax._engine`) and carry only what they change. A step whose loss,
-gradient or update is not finite changes nothing but the `skipped` counter.
+gradient or update is not finite changes nothing but the `skipped` counter (an update that
+overflows from a finite loss and gradient keeps the finite statistics and inverses it used).
 """
 
 from __future__ import annotations
@@ -489,7 +490,8 @@ class Optimizer:
     `info` holds scalars: loss (at the old params), learning_rate (α), momentum (μ), damping
     (the λ used), rho (the latest ρ), quad_model_change (M(δ); NaN when not computed),
     update_norm (‖θ_new − θ‖), skipped (bool). A skipped step returns `params` and `state`
-    bit-identical, except `state.skipped` + 1.
+    bit-identical, except `state.skipped` + 1 (and, when only the update was non-finite, the
+    curvature keeps this step's finite statistics and inverses).
 
     With `has_aux=True`, `info["aux"]` is the aux `loss_fn` returned at the old params, from
     the step's own forward pass (per device under `axis_name`: not averaged), also on a
@@ -559,12 +561,18 @@ class Optimizer:
     lin = _curvature.linearize(scan, params, batch)
     aux = est.loss_part.unflatten_aux(lin.aux_leaves) if self.has_aux else None
     loss, g_leaves = self._pmean((lin.loss, jax.tree_util.tree_leaves(lin.grads())))
+    # The curvature moves only from a finite loss and gradient, so the guard below never has
+    # to restore the factors or the caches: keeping the old ones alive for it made XLA copy
+    # both through the statistics' and the refresh's pass-through branches on every step.
+    finite_in = jnp.isfinite(loss) & all_finite(g_leaves)
 
     def fold():
       stats = lin.statistics(rng, estimation_mode=cfg.estimation_mode, num_samples=cfg.num_samples)
       return est.update_curvature_from_stats(old, stats, cfg.ema_decay, self.axis_name)
 
-    curv_due = None if self.curvature_every == 1 else in_burn | (k_run % self.curvature_every == 0)
+    curv_due = finite_in
+    if self.curvature_every != 1:
+      curv_due = curv_due & (in_burn | (k_run % self.curvature_every == 0))
     curv = _engine.fold_statistics(old, fold, curv_due)
     grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
     grad_h = (
@@ -572,16 +580,13 @@ class Optimizer:
       if eta == 0
       else jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
     )
-    finite_in = jnp.isfinite(loss) & all_finite(g_leaves)
 
-    # 2. Damping and the periodic inverse update. Its predicate does not wait for the gradient
-    # (`finite_in`), so XLA may overlap the factorisations with the gradient's pull-back; a
-    # skipped step restores the old caches through the guard below.
+    # 2. Damping and the periodic inverse update (from a finite loss and gradient only).
     if self.use_adaptive_damping:
       lam = state.damping
     else:
       lam = _schedule_value(self.damping, k, sdtype)
-    inv_now = (~in_burn) & (k_run % self.inverse_every == 0)
+    inv_now = finite_in & (~in_burn) & (k_run % self.inverse_every == 0)
     curv = _engine.refresh_inverses(est, curv, lam + eta, inv_now, axis_name=self._cache_axis)
 
     # 3.-5. Direction, α and μ, damping adaptation.
@@ -661,27 +666,19 @@ class Optimizer:
         lambda u, p: (u - wd.astype(p.dtype) * p).astype(p.dtype), update, params
       )
 
-    # A non-finite loss, gradient or update: nothing changes but the skip counter. One cond
-    # on the scalar verdict picks the new or the old value of what this step changed.
+    # A non-finite loss, gradient or update: nothing changes but the skip counter. The
+    # curvature did not move on a non-finite loss or gradient (above); one cond on the scalar
+    # verdict picks the new or the old value of the rest this step changed. An update that
+    # overflows from finite inputs keeps the (finite) statistics and inverses it used.
     ok = finite_in & all_finite(update)
     new_lam = jnp.asarray(new_lam, sdtype)
-    changed: tuple[Any, ...] = (curv.factors, curv.ema_weight, curv.skipped_batches, curv.cache)
-    changed += (curv.failed_inverses, velocity, new_lam, rho)
-    kept: tuple[Any, ...] = (old.factors, old.ema_weight, old.skipped_batches, old.cache)
-    kept += (old.failed_inverses, state.velocity, state.damping, state.rho)
-    factors, weight, skipped_batches, cache, failed, velocity, new_lam, rho = _engine.keep_if(
-      ok, changed, kept
+    velocity, new_lam, rho = _engine.keep_if(
+      ok, (velocity, new_lam, rho), (state.velocity, state.damping, state.rho)
     )
     new_state = OptimizerState(
       step=k + ok.astype(k.dtype),
       skipped=state.skipped + (~ok).astype(state.skipped.dtype),
-      curvature=old._replace(
-        factors=factors,
-        ema_weight=weight,
-        skipped_batches=skipped_batches,
-        cache=cache,
-        failed_inverses=failed,
-      ),
+      curvature=curv,
       damping=new_lam,
       rho=rho,
       velocity=velocity,

@@ -9,8 +9,12 @@ never syncs with the host.
 Both skip a non-finite update by default (`skip_nonfinite=True`): when the incoming gradient,
 this batch's curvature statistics or the outgoing update has a NaN or ±Inf, the returned
 updates are zeros and the state is left as it was, apart from the `skipped` counter (and the
-estimator's `skipped_batches` when the statistics were the non-finite part). For `kfac` the
-guard spans the whole chain, so the momentum trace is kept too.
+estimator's `skipped_batches` when the statistics alone were non-finite). For `kfac` the
+guard spans the whole chain, so the momentum trace is kept too. The curvature moves only on
+a finite gradient, finite hyperparameters and finite statistics; an update that overflows to
+non-finite from finite inputs and curvature is skipped, but the curvature keeps that batch's
+statistics (they are finite, and the guard need not keep the old factors alive, which cost a
+copy of them on every step).
 """
 
 from __future__ import annotations
@@ -262,7 +266,12 @@ class _Preconditioner:
         "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
       )
     count, old = state.count, state.curvature
+    # What the guard can tell before the curvature moves: a finite gradient and finite
+    # scalars for `finish`. The statistics fold and the inverses refresh only when both hold,
+    # so the guard never has to restore the factors or the caches (see below).
     ok = _estimator.all_finite(updates) if self.skip_nonfinite else None
+    if ok is not None and finish_ok is not None:
+      ok = ok & finish_ok
 
     def fold():
       stats = (
@@ -272,7 +281,10 @@ class _Preconditioner:
 
     # Statistics only on due updates (computed inside the branch when the transform computes
     # them itself); the caches, which the fold never changes, stay out of the branch.
-    curv = _engine.fold_statistics(old, fold, self._due(count))
+    fold_due = self._due(count)
+    if ok is not None:
+      fold_due = ok if fold_due is None else fold_due & ok
+    curv = _engine.fold_statistics(old, fold, fold_due)
     if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
       ok = ok & (curv.skipped_batches == old.skipped_batches)
 
@@ -298,26 +310,24 @@ class _Preconditioner:
         new_finish,
       )
 
-    # The guard. `ok` covers the gradient, the statistics, the preconditioned update and
-    # `finish_ok` (the scalars `finish` uses); with those finite the outgoing update is
-    # finite but for overflow. `finish` zeroes its result on a skip itself, before its last
+    # The guard. `ok` covers the gradient, the statistics, `finish_ok` (the scalars `finish`
+    # uses) and the preconditioned update; with those finite the outgoing update is finite
+    # but for overflow. `finish` zeroes its result on a skip itself, before its last
     # multiplication: a select between that multiplication and the caller's
     # `params + updates` (or a reduction over the outgoing update) changed how XLA contracts
     # the two into a fused multiply-add, and the sharded and replicated inverse storages
     # stopped agreeing to the last bit.
     #
-    # One `lax.cond` on that scalar picks the new or the old value of what this update can
-    # have changed: the factors and EMA weight, the caches (refreshed on due updates) and the
-    # caller's own state (the momentum trace). Both sets already exist, so the cost is at
-    # most one copy of them (XLA can reuse the dying new buffers for the result); no
-    # elementwise test runs over the state: finiteness is read from the sums of the
-    # gradient, the statistics (inside the estimator) and `pre`, one reduction each.
-    # Measured (kfac, momentum, 256-384-384-10 MLP, batch 256, 2 shared CPU cores): median
-    # step without an inverse refresh 8.2-11.6 ms with the guard off, 8.7-9.3 ms on; within
-    # the noise of that machine. Skipped updates also skip the inverse refresh.
+    # The curvature is already safe here: the statistics folded, and the inverses refreshed,
+    # only from a finite gradient, finite scalars and finite statistics. So the guard's one
+    # `lax.cond` restores only the caller's state (the momentum trace). Restoring the factors
+    # and caches too kept the old ones alive to the end of the step, and XLA then copied all
+    # of them through the fold's and the refresh's pass-through branches on every update
+    # (autoencoder, 26 MB of factors and 26 MB of inverses: an update without statistics or
+    # refresh 103 -> 77-83 ms, `benchmarks/RESULTS.md`, "The guard without copies"). The one
+    # case this leaves: `pre` overflowing from finite inputs skips the update but keeps the
+    # (finite) statistics and inverses it was computed from.
     ok = ok & _estimator.all_finite(pre)
-    if finish_ok is not None:
-      ok = ok & finish_ok
     if finish is None:
       out, new_finish = (
         jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), pre),
@@ -325,10 +335,7 @@ class _Preconditioner:
       )
     else:
       out, new_finish = finish(pre, finish_state, ok)
-    changed = (curv.factors, curv.ema_weight, curv.cache, curv.failed_inverses, new_finish)
-    kept = (old.factors, old.ema_weight, old.cache, old.failed_inverses, finish_state)
-    factors, weight, cache, failed, new_finish = _engine.keep_if(ok, changed, kept)
-    curv = curv._replace(factors=factors, ema_weight=weight, cache=cache, failed_inverses=failed)
+    new_finish = _engine.keep_if(ok, new_finish, finish_state)
     new_state = ScaleByKfacState(
       count=count + ok.astype(count.dtype),
       curvature=curv,
@@ -424,8 +431,9 @@ def scale_by_kfac(
       dtype, so a bfloat16 model gets bfloat16 updates from float32 curvature.
     skip_nonfinite: when the incoming updates, this batch's statistics or the preconditioned
       updates are not finite, return zero updates and leave the state as it was but for the
-      `skipped` counter (and `curvature.skipped_batches` when the statistics were not
-      finite). False: non-finite statistics are still kept out of the factors (and counted in
+      `skipped` counter (and `curvature.skipped_batches` when the gradient was finite and
+      the statistics were not); only a preconditioned update that overflows from finite inputs keeps the
+      batch's (finite) statistics and inverses (see the module docstring). False: non-finite statistics are still kept out of the factors (and counted in
       `curvature.skipped_batches`), but the update goes through as computed.
 
   With `optax.inject_hyperparams`, declare the non-numeric arguments static (optax treats any

@@ -55,17 +55,24 @@ def test_degenerate_statistics_give_finite_updates(case):
   assert int(state[0].curvature.skipped_batches) == 0, case
 
 
-def test_nan_in_the_batch_leaves_the_curvature_state_unchanged():
+@pytest.mark.parametrize("guard", [True, False])
+def test_nan_in_the_batch_leaves_the_curvature_state_unchanged(guard):
+  """With the guard, the NaN gradient skips the update before any statistics are computed
+  (`skipped` +1); without it, the statistics are computed, found non-finite and kept out of the
+  factors (`skipped_batches` +1). Either way every factor and inverse is unchanged."""
   params = _models.jnp_mlp_init(jax.random.key(0), (4, 5, 3))
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=3)
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, inverse_every=2)
+  tx = kfac_jax.scale_by_kfac(
+    loss_fn, batch, damping=1e-2, inverse_every=2, skip_nonfinite=guard
+  )
   state = tx.init(params)
   step = jax.jit(lambda p, s, b, k: tx.update(jax.grad(loss_fn)(p, b), s, p, batch=b, rng=k))
   _, state = step(params, state, batch, jax.random.key(0))
   bad = {"x": batch["x"].at[3, 1].set(jnp.nan), "y": batch["y"]}
   _, after = step(params, state, bad, jax.random.key(1))
-  assert int(after.curvature.skipped_batches) == 1
+  assert int(after.curvature.skipped_batches) == (0 if guard else 1)
+  assert int(after.skipped) == (1 if guard else 0)
   same = after.curvature._replace(skipped_batches=state.curvature.skipped_batches)
   for a, b in zip(jax.tree_util.tree_leaves(same), jax.tree_util.tree_leaves(state.curvature)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
