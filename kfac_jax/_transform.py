@@ -432,8 +432,9 @@ def scale_by_kfac(
     skip_nonfinite: when the incoming updates, this batch's statistics or the preconditioned
       updates are not finite, return zero updates and leave the state as it was but for the
       `skipped` counter (and `curvature.skipped_batches` when the gradient was finite and
-      the statistics were not); only a preconditioned update that overflows from finite inputs keeps the
-      batch's (finite) statistics and inverses (see the module docstring). False: non-finite statistics are still kept out of the factors (and counted in
+      the statistics were not); only a preconditioned update that overflows from finite
+      inputs keeps the batch's (finite) statistics and inverses (see the module docstring).
+      False: non-finite statistics are still kept out of the factors (and counted in
       `curvature.skipped_batches`), but the update goes through as computed.
 
   With `optax.inject_hyperparams`, declare the non-numeric arguments static (optax treats any

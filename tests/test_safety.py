@@ -63,9 +63,7 @@ def test_nan_in_the_batch_leaves_the_curvature_state_unchanged(guard):
   params = _models.jnp_mlp_init(jax.random.key(0), (4, 5, 3))
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=3)
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
-  tx = kfac_jax.scale_by_kfac(
-    loss_fn, batch, damping=1e-2, inverse_every=2, skip_nonfinite=guard
-  )
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, inverse_every=2, skip_nonfinite=guard)
   state = tx.init(params)
   step = jax.jit(lambda p, s, b, k: tx.update(jax.grad(loss_fn)(p, b), s, p, batch=b, rng=k))
   _, state = step(params, state, batch, jax.random.key(0))
