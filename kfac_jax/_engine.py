@@ -8,7 +8,11 @@ Three pieces of a K-FAC step that both entry points run inside the caller's `jit
   * `refresh_inverses`: the damped inverses / decompositions on due steps (the caches and the
     failure counter; the factors, read-only here, stay out);
   * `keep_if`: the skip-on-non-finite guard, one select on a scalar between the new and the old
-    value of exactly the parts a step changed.
+    value of exactly the parts a step changed. Both entry points gate `fold_statistics` and
+    `refresh_inverses` on a finite gradient instead of restoring the factors and caches here:
+    a value the guard may restore stays alive to the end of the step, and XLA then copies it
+    through every cond's pass-through branch on the way (benchmarks/RESULTS.md, "The guard
+    without copies").
 
 Why conds that carry only what they change: an operand that passes through a `lax.cond`
 unchanged is still copied in and out of the conditional by XLA (the branch's result is its own
