@@ -324,7 +324,7 @@ class _Preconditioner:
     # and caches too kept the old ones alive to the end of the step, and XLA then copied all
     # of them through the fold's and the refresh's pass-through branches on every update
     # (autoencoder, 26 MB of factors and 26 MB of inverses: an update without statistics or
-    # refresh 103 -> 77-83 ms, `benchmarks/RESULTS.md`, "The guard without copies"). The one
+    # refresh 100.6 -> 80.7 ms, `benchmarks/RESULTS.md`, "The guard without copies"). The one
     # case this leaves: `pre` overflowing from finite inputs skips the update but keeps the
     # (finite) statistics and inverses it was computed from.
     ok = ok & _estimator.all_finite(pre)
