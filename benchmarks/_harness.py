@@ -270,7 +270,8 @@ def kfac_transform(
   (e.g. `layers=`) go to `kfac_jax.kfac` and are listed in the hyperparameters; `name`
   replaces the default name. `stats_batch=n`: the statistics come from `batch=` with the
   minibatch's first n examples (the transform normalises them by their own batch size), on
-  due steps only: cheaper statistics from fewer rows, as a user can pass a slice of the batch.
+  due steps only: cheaper statistics from fewer rows, as a user can pass a slice of the batch
+  (or `kfac`'s `statistics_fraction`, which also makes the step take them from `batch=`).
   """
   momentum_ = momentum if momentum > 0 else None
   tx = kfac_jax.kfac(
@@ -287,9 +288,13 @@ def kfac_transform(
     **kfac_kwargs,
   )
 
-  step = kfac_step(
-    loss_fn, tx, from_batch=curvature_every > 1 or stats_batch is not None, stats_batch=stats_batch
+  # `statistics_fraction` slices `batch=` only: with it, the statistics come from the batch.
+  from_batch = (
+    curvature_every > 1
+    or stats_batch is not None
+    or kfac_kwargs.get("statistics_fraction") not in (None, 1)
   )
+  step = kfac_step(loss_fn, tx, from_batch=from_batch, stats_batch=stats_batch)
   if name is None:
     name = "kfac_jax (optax)" + (
       f", statistics every {curvature_every}" if curvature_every > 1 else ""

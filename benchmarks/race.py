@@ -86,7 +86,14 @@ def _floats(p, flag: str, text: str) -> list[float]:
   return out
 
 
-CONFIG_KEYS = ("curvature_every", "inverse_every", "stats_batch", "conv", "dense")
+CONFIG_KEYS = (
+  "curvature_every",
+  "inverse_every",
+  "stats_batch",
+  "statistics_fraction",
+  "conv",
+  "dense",
+)
 
 
 def parse_kfac_config(text: str) -> dict:
@@ -95,8 +102,9 @@ def parse_kfac_config(text: str) -> dict:
   `clip` is `max_norm` (0: none; before the ninth session it was TF K-FAC's `norm_constraint`,
   which bounds the step after the learning rate), momentum 0 is none; the optional settings are
   `curvature_every=`, `inverse_every=`, `stats_batch=` (ints; `stats_batch=n`: the statistics
-  come from `batch=` with the minibatch's first n examples, a harness setting, not `kfac`'s)
-  and `conv=` / `dense=` (the approximation of those layer kinds, a `LayerConfig` default). A
+  come from `batch=` with the minibatch's first n examples, a harness setting, the same as
+  `kfac`'s `statistics_fraction=n/N`), `statistics_fraction=` (a number in (0, 1]) and
+  `conv=` / `dense=` (the approximation of those layer kinds, a `LayerConfig` default). A
   setting left out is the caller's: the race's workload flags (`--curvature-every`,
   `--inverse-every`), the step sweep's `kfac` defaults. Raises ValueError naming the entry.
   """
@@ -118,6 +126,13 @@ def parse_kfac_config(text: str) -> dict:
       raise ValueError(f"unknown setting {item!r} in {text!r}; keys: {', '.join(CONFIG_KEYS)}")
     if key in ("conv", "dense"):
       approx[key] = value
+    elif key == "statistics_fraction":
+      try:
+        out[key] = float(value)
+      except ValueError:
+        raise ValueError(f"{key} must be a number, got {value!r} in {text!r}") from None
+      if not 0 < out[key] <= 1:
+        raise ValueError(f"{key} must be in (0, 1], got {value!r} in {text!r}")
     else:
       try:
         out[key] = int(value)

@@ -36,13 +36,18 @@ from examples import autoencoder as ae  # noqa: E402
 WORKLOADS = race.WORKLOADS
 
 
-def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool, stats_batch=None):
+def _train(
+  loss_fn, tx, params, batch_at, steps: int, kfac: bool, stats_batch=None, from_batch=False
+):
   """`steps` jitted steps; the final parameters, or None once the loss is not finite. K-FAC
   steps take their statistics from `kfac_jax.value_and_grad` (the update folds them on due
-  steps only), or with `stats_batch=n` from `batch=` with the minibatch's first n examples."""
+  steps only), or from `batch=` with `from_batch` (needed by `statistics_fraction`), or with
+  `stats_batch=n` from `batch=` with the minibatch's first n examples."""
   if kfac:
     step = jax.jit(
-      _harness.kfac_step(loss_fn, tx, from_batch=stats_batch is not None, stats_batch=stats_batch)
+      _harness.kfac_step(
+        loss_fn, tx, from_batch=from_batch or stats_batch is not None, stats_batch=stats_batch
+      )
     )
   else:
     step = jax.jit(ae.make_adam_step(loss_fn, tx))
@@ -57,14 +62,14 @@ def _train(loss_fn, tx, params, batch_at, steps: int, kfac: bool, stats_batch=No
 
 
 def _kfac(loss_fn, example, config: str, default_lr: float):
-  """`(transform, stats_batch)` of a configuration (see `race.parse_kfac_config`; settings it
-  leaves out are `kfac`'s defaults)."""
+  """`(transform, stats_batch, from_batch)` of a configuration (see `race.parse_kfac_config`;
+  settings it leaves out are `kfac`'s defaults)."""
   if config == "defaults":
-    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr), None
+    return kfac_jax.kfac(loss_fn, example, learning_rate=default_lr), None, False
   kwargs = race.parse_kfac_config(config)
   kwargs["momentum"] = kwargs["momentum"] or None
   stats_batch = kwargs.pop("stats_batch", None)
-  return kfac_jax.kfac(loss_fn, example, **kwargs), stats_batch
+  return kfac_jax.kfac(loss_fn, example, **kwargs), stats_batch, "statistics_fraction" in kwargs
 
 
 def main(argv=None) -> int:
@@ -113,8 +118,10 @@ def main(argv=None) -> int:
     final = _train(loss_fn, optax.adam(lr), params0, workload.batch_at, args.steps, kfac=False)
     rows.append(evaluate(f"Adam lr={lr:g}", final))
   for config in args.configs.split(","):
-    tx, stats_batch = _kfac(loss_fn, example, config.strip(), args.default_lr)
-    final = _train(loss_fn, tx, params0, workload.batch_at, args.steps, True, stats_batch)
+    tx, stats_batch, from_batch = _kfac(loss_fn, example, config.strip(), args.default_lr)
+    final = _train(
+      loss_fn, tx, params0, workload.batch_at, args.steps, True, stats_batch, from_batch
+    )
     rows.append(evaluate(f"kfac {config.strip()}", final))
 
   print(f"\n{workload.name}, {args.steps} steps; {workload.eval_description}\n")

@@ -19,6 +19,7 @@ copy of them on every step).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -72,6 +73,7 @@ def _check_args(
   ema_decay,
   inverse_every,
   curvature_every,
+  statistics_fraction,
   estimation_mode,
   num_samples,
   damping_mode,
@@ -90,6 +92,12 @@ def _check_args(
   _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
   _checks.positive_int(inverse_every, "inverse_every")
   _checks.positive_int(curvature_every, "curvature_every")
+  if statistics_fraction is not None:
+    _checks.static_fraction(
+      statistics_fraction,
+      "statistics_fraction",
+      fix=" With optax.inject_hyperparams, list it in static_args.",
+    )
   _checks.choice(estimation_mode, "estimation_mode", _curvature.ESTIMATION_MODES)
   if num_samples is not None:
     _checks.static_int(
@@ -143,6 +151,7 @@ class _Preconditioner:
     ema_decay,
     inverse_every,
     curvature_every,
+    statistics_fraction,
     estimation_mode,
     num_samples,
     damping_mode,
@@ -176,6 +185,7 @@ class _Preconditioner:
       ema_decay=ema_decay,
       inverse_every=inverse_every,
       curvature_every=curvature_every,
+      statistics_fraction=statistics_fraction,
       estimation_mode=estimation_mode,
       num_samples=num_samples,
       damping_mode=damping_mode,
@@ -210,6 +220,8 @@ class _Preconditioner:
     self.ema_decay = ema_decay
     self.inverse_every = inverse_every
     self.curvature_every = curvature_every
+    # None (the default, so that optax.inject_hyperparams leaves it static) is every row.
+    self.statistics_fraction = 1 if statistics_fraction is None else statistics_fraction
     self.axis_name = axis_name
     self.inverse_mesh = inverse_mesh
     self.skip_nonfinite = skip_nonfinite
@@ -223,6 +235,33 @@ class _Preconditioner:
       skipped=jnp.zeros([], jnp.int32),
       curvature=self.est.init(params, axis_name=self.axis_name, mesh=self.inverse_mesh),
     )
+
+  def statistics_rows(self, batch):
+    """`batch` cut to the rows the statistics come from: the first ⌈f·N⌉ of the N along every
+    leaf's leading axis (f = `statistics_fraction`; the whole batch for f = 1). Scalar leaves
+    pass whole. Raises ValueError, naming the leaves, when the leading axes differ."""
+    f = self.statistics_fraction
+    if f == 1:
+      return batch
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    sized = [(path, x) for path, x in flat if jnp.ndim(x) >= 1]
+    if not sized:
+      raise ValueError(
+        f"{self.name}: statistics_fraction={f!r} takes the first rows of every `batch=` leaf, "
+        "but no leaf has a leading axis."
+      )
+    n = jnp.shape(sized[0][1])[0]
+    for path, x in sized[1:]:
+      if jnp.shape(x)[0] != n:
+        raise ValueError(
+          f"{self.name}: statistics_fraction={f!r} takes the first rows of every `batch=` "
+          f"leaf, so their leading axes must agree: `batch{jax.tree_util.keystr(sized[0][0])}` "
+          f"has {n} rows, `batch{jax.tree_util.keystr(path)}` has {jnp.shape(x)[0]}. Pass "
+          "statistics_fraction=1 and slice the batch yourself."
+        )
+    rows = max(1, math.ceil(f * n))
+    leaves = [x[:rows] if jnp.ndim(x) >= 1 else x for _, x in flat]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
   def _due(self, count):
     """Whether the update at `count` folds statistics (a constant with `curvature_every=1`)."""
@@ -274,9 +313,21 @@ class _Preconditioner:
       ok = ok & finish_ok
 
     def fold():
-      stats = (
-        est.curvature_stats(params, batch, rng) if curvature_stats is None else curvature_stats
-      )
+      if curvature_stats is not None:
+        stats = curvature_stats
+      elif self.statistics_fraction == 1:
+        stats = est.curvature_stats(params, batch, rng)
+      else:
+        try:
+          stats = est.curvature_stats(params, self.statistics_rows(batch), rng)
+        except ValueError as e:
+          if "changes with the batch size" not in str(e):
+            raise
+          raise ValueError(
+            f"{e} (The statistics came from the batch's first rows: "
+            f"statistics_fraction={self.statistics_fraction!r}. Pass statistics_fraction=1 for "
+            "this model.)"
+          ) from e
       return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
 
     # Statistics only on due updates (computed inside the branch when the transform computes
@@ -354,6 +405,7 @@ def scale_by_kfac(
   ema_decay: float = 0.95,
   inverse_every: int = 5,
   curvature_every: int = 1,
+  statistics_fraction: float | None = None,
   estimation_mode: _curvature.EstimationMode = "gradients",
   num_samples: int | None = None,
   damping_mode: _blocks.DampingMode = "factored",
@@ -398,6 +450,16 @@ def scale_by_kfac(
       statistics from `kfac_jax.value_and_grad` are computed on every call. Same meaning
       as `Optimizer(curvature_every=)`; a value above `inverse_every` refreshes some inverses
       from unchanged statistics (useful only when the damping changes).
+    statistics_fraction: f in (0, 1]: when `update` computes the statistics from `batch=`,
+      it uses the first ⌈f·N⌉ of the batch's N rows (the leading axis of every leaf; scalar
+      leaves pass whole), while the gradient is the caller's, from the whole batch.
+      Statistics are normalised by their own row count, so the estimate stays unbiased and
+      only noisier; with shuffled minibatches the first rows are a random subset. None (the
+      default) or 1 uses every row. Statistics passed as `curvature_stats=` are used as they
+      come (`kfac_jax.value_and_grad` forms them from the batch it is given). It fixes
+      array shapes, so it must be a Python number (with `optax.inject_hyperparams`, list it
+      in `static_args`). Under `pmap` / `shard_map` each device takes its own first rows;
+      under `jit` with a sharded batch, the global batch's.
     estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),
       "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a square-root factor of
       the output Fisher / loss Hessian) or "exact" / "exact_GGN" (every output coordinate; K
@@ -472,6 +534,7 @@ def scale_by_kfac(
     ema_decay=ema_decay,
     inverse_every=inverse_every,
     curvature_every=curvature_every,
+    statistics_fraction=statistics_fraction,
     estimation_mode=estimation_mode,
     num_samples=num_samples,
     damping_mode=damping_mode,
@@ -540,6 +603,7 @@ def kfac(
   ema_decay: float = 0.95,
   inverse_every: int = 5,
   curvature_every: int = 5,
+  statistics_fraction: float | None = None,
   estimation_mode: _curvature.EstimationMode = "gradients",
   num_samples: int | None = None,
   damping_mode: _blocks.DampingMode = "factored",
@@ -588,6 +652,8 @@ def kfac(
       `skipped` counter), the momentum trace included. See `scale_by_kfac`.
 
   The other arguments, `registration`, `has_aux`, `ema_decay`, `inverse_every`,
+  `statistics_fraction` (recommended 0.25 for convolutional models and large batches when the
+  statistics come from `batch=`: benchmarks/RESULTS.md, "Three seeds per race"),
   `estimation_mode`, `num_samples`, `damping_mode`, `axis_name`, `inverse_mesh`,
   `inverse_storage`, `strict`, `layers`, `stats_dtype` and `inverse_dtype`, are those of
   `scale_by_kfac`.
@@ -644,6 +710,7 @@ def kfac(
     ema_decay=ema_decay,
     inverse_every=inverse_every,
     curvature_every=curvature_every,
+    statistics_fraction=statistics_fraction,
     estimation_mode=estimation_mode,
     num_samples=num_samples,
     damping_mode=damping_mode,

@@ -741,6 +741,56 @@ def test_race_contestants_by_default(monkeypatch, tmp_path):
   assert workload.description.startswith("64-8-4-8-64 autoencoder"), workload.description
 
 
+def test_race_seeds_summary_matches_grid_rows_by_family_and_counts_wins():
+  """`race_seeds.summarise`: the tuned Adam row of each seed (whatever its learning rate) is
+  the reference of that seed; ratios, means and seeds ahead per contestant; a contestant that
+  missed the target or failed in a seed leaves a gap, not a zero."""
+  from benchmarks import race_seeds
+
+  def row(name, fam, loss, vs):
+    return {"optimizer": name, "family": fam, "final_eval_loss": loss, "vs_adam": vs}
+
+  per_seed = {
+    0: [row("Adam (tuned, lr=0.002)", "adam", 0.30, 1.0), row("kfac", "kfac", 0.27, 0.6)],
+    1: [row("Adam (tuned, lr=0.001)", "adam", 0.20, 1.0), row("kfac", "kfac", 0.22, None)],
+    2: [
+      row("Adam (tuned, lr=0.002)", "adam", 0.25, 1.0),
+      {"optimizer": "kfac", "family": "kfac", "error": "failed"},
+    ],
+  }
+  rows = {r["optimizer"]: r for r in race_seeds.summarise(per_seed)}
+  assert list(rows) == ["Adam (tuned)", "kfac"]
+  k = rows["kfac"]
+  assert k["vs_adam"] == [0.6, None, None]
+  np.testing.assert_allclose(k["loss_ratio"][:2], [0.9, 1.1])
+  assert k["loss_ratio"][2] is None
+  assert k["mean_vs_adam"] == 0.6 and k["ahead"] == 1 and k["seeds_with_loss"] == 2
+  np.testing.assert_allclose(k["mean_loss_ratio"], 1.0)
+  assert rows["Adam (tuned)"]["loss_ratio"] == [1.0, 1.0, 1.0]
+  table = race_seeds.table(list(rows.values()), [0, 1, 2])
+  assert "| kfac | 0.60x, 0.900 | not reachedx, 1.100 |" not in table  # no stray suffix
+  assert (
+    "| kfac | 0.60x, 0.900 | not reached, 1.100 | not reached, - | 0.60 | 1.000 | 1 of 2 |" in table
+  )
+
+
+@pytest.mark.parametrize(
+  "argv, match",
+  [
+    (["--seeds", "0"], "at least two distinct seeds"),
+    (["--seeds", "0,x"], "comma-separated integers"),
+    (["--seeds", "0,1", "--workload", "cnn", "--seed", "3"], "not --seed"),
+    (["--seeds", "0,1", "--workload", "cnn", "--json", "a.json"], "--json-prefix"),
+  ],
+)
+def test_race_seeds_arguments(argv, match, capsys):
+  from benchmarks import race_seeds
+
+  with pytest.raises(SystemExit):
+    race_seeds.main(argv)
+  assert match in capsys.readouterr().err
+
+
 def test_race_quick(tmp_path, monkeypatch, capsys):
   """A short race: every kind of contestant once (the full default list is checked above), on
   a 64-16-4-16-64 autoencoder, where compilation is most of the time. In this process: a
@@ -898,6 +948,8 @@ def test_kfac_config_parser():
     "max_norm": None,  # Clipping off, not kfac's default.
   }
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:stats_batch=64")["stats_batch"] == 64
+  cfg = race.parse_kfac_config("0.3:0.7:0.1:0.3:statistics_fraction=0.25")
+  assert cfg["statistics_fraction"] == 0.25
   cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")
   layers = cfg.pop("layers")
   assert cfg == {
@@ -915,6 +967,8 @@ def test_kfac_config_parser():
     ("0.3:0.7:0.1:0:every=5", "unknown setting 'every=5'"),
     ("0.3:0.7:0.1:0:curvature_every=x", "curvature_every must be an int, got 'x'"),
     ("0.3:0.7:0.1:0:inverse_every=0", "inverse_every must be >= 1"),
+    ("0.3:0.7:0.1:0:statistics_fraction=2", "statistics_fraction must be in (0, 1]"),
+    ("0.3:0.7:0.1:0:statistics_fraction=x", "statistics_fraction must be a number, got 'x'"),
   ]:
     with pytest.raises(ValueError, match=re.escape(match)):
       race.parse_kfac_config(bad)

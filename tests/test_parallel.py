@@ -219,6 +219,34 @@ def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
   assert "all_reduce" not in plain_step.lower(p, plain.init(params), data).as_text()
 
 
+def test_jit_with_named_sharding_and_statistics_fraction_equals_one_device(x64):
+  """`statistics_fraction` slices the global batch under jit: the first quarter of the rows,
+  wherever they live, exactly as on one device (and as one device fed that quarter)."""
+  loss_fn, params, batch = _problem()
+  mesh = _mesh()
+  frac = _kfac(loss_fn, batch, statistics_fraction=0.25)
+  whole = _kfac(loss_fn, batch)
+  quarter = jax.tree_util.tree_map(lambda x: x[:8], batch)
+
+  def run(tx, data, stats_batch, p):
+    @jax.jit
+    def step(params, state, b, sb):
+      grads = jax.grad(loss_fn)(params, b)
+      updates, state = tx.update(grads, state, params, batch=sb)
+      return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for _ in range(STEPS):
+      p, state = step(p, state, data, stats_batch)
+    return p, state
+
+  data = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  p0 = jax.device_put(params, NamedSharding(mesh, P()))
+  got = run(frac, data, data, p0)
+  _assert_close(got, run(frac, batch, batch, params))
+  _assert_close(got, run(whole, batch, quarter, params))
+
+
 def test_parallel_arguments_are_checked():
   loss_fn, _, batch = _problem()
   mesh = _mesh()

@@ -2,6 +2,7 @@
 arguments. The optax contract (jit, one compile, chain, inject_hyperparams, nnx, dtypes,
 checkpoints) is in test_contract.py."""
 
+import functools
 import itertools
 
 import jax
@@ -93,6 +94,72 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
       np.testing.assert_array_equal(a, b)
   assert not np.array_equal(factors[3]["layer0"].a, factors[2]["layer0"].a)
   assert int(opt_state[0].count) == 7
+
+
+@pytest.mark.parametrize("fraction, rows", [(0.25, 8), (0.3, 10), (1e-6, 1)])
+def test_statistics_fraction_takes_the_first_rows_of_the_batch(fraction, rows):
+  """Statistics from the first ⌈f·N⌉ rows of `batch=`, the gradient from all of it: the same
+  updates and state as passing those rows as `batch=` yourself, and not the whole batch's."""
+  loss_fn, params, batch = _problem(n=32)
+  # A scalar leaf passes whole: the loss ignores it, the slicing must not trip on it.
+  batch = dict(batch, temperature=jnp.float32(1.0))
+  first = jax.tree_util.tree_map(lambda x: x[:rows] if x.ndim else x, batch)
+  grads = jax.grad(loss_fn)(params, batch)
+  rng = jax.random.key(3)
+
+  def update(tx, stats_batch):
+    state = tx.init(params)
+    for _ in range(2):  # The second update refreshes no inverse: both paths still agree.
+      u, state = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, rng=rng))(
+        grads, state, params, stats_batch
+      )
+    return u, state
+
+  for make in (kfac_jax.scale_by_kfac, functools.partial(kfac_jax.kfac, learning_rate=0.3)):
+    got = update(make(loss_fn, batch, damping=1e-2, statistics_fraction=fraction), batch)
+    want = update(make(loss_fn, batch, damping=1e-2), first)
+    whole = update(make(loss_fn, batch, damping=1e-2), batch)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(got[0]["layer0"]["w"], whole[0]["layer0"]["w"], rtol=1e-3)
+
+
+def test_statistics_fraction_with_inject_hyperparams_must_be_static():
+  loss_fn, params, batch = _problem()
+  inject = optax.inject_hyperparams
+  with pytest.raises(TypeError, match="statistics_fraction.*static_args"):
+    inject(kfac_jax.kfac, static_args=("loss_fn", "example_batch"))(
+      loss_fn=loss_fn, example_batch=batch, learning_rate=0.3, statistics_fraction=0.5
+    ).init(params)
+  tx = inject(kfac_jax.kfac, static_args=("loss_fn", "example_batch", "statistics_fraction"))(
+    loss_fn=loss_fn, example_batch=batch, learning_rate=0.3, statistics_fraction=0.5
+  )
+  grads = jax.grad(loss_fn)(params, batch)
+  _, state = tx.update(grads, tx.init(params), params, batch=batch, rng=jax.random.key(0))
+  assert int(state.inner_state.preconditioner.count) == 1
+
+
+def test_statistics_fraction_leaves_given_curvature_stats_whole():
+  loss_fn, params, batch = _problem()
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  outs = []
+  for f in (0.25, None):
+    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=f)
+    outs.append(tx.update(grads, tx.init(params), params, curvature_stats=stats))
+  for a, b in zip(*(jax.tree_util.tree_leaves(o) for o in outs)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_statistics_fraction_needs_one_leading_axis_and_names_the_leaves():
+  loss_fn, params, batch = _problem()
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=0.5)
+  state = tx.init(params)
+  grads = jax.grad(loss_fn)(params, batch)
+  bad = dict(batch, mask=jnp.ones((5,)))
+  with pytest.raises(ValueError, match=r"statistics_fraction=0.5.*\['mask'\]` has 5"):
+    tx.update(grads, state, params, batch=bad, rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="no leaf has a leading axis"):
+    tx.update(grads, state, params, batch={"t": jnp.float32(1)}, rng=jax.random.key(0))
 
 
 def test_update_is_the_inverse_of_the_estimator():
@@ -386,6 +453,11 @@ ARG_CASES = [
   (_tx(inverse_every="5"), TypeError, "inverse_every", "5"),
   (_tx(curvature_every=None), TypeError, "curvature_every", None),
   (_tx(curvature_every=-1), ValueError, "curvature_every", -1),
+  (_tx(statistics_fraction=0.0), ValueError, "statistics_fraction", 0.0),
+  (_tx(statistics_fraction=1.5), ValueError, "statistics_fraction", 1.5),
+  (_tx(statistics_fraction=_NAN), ValueError, "statistics_fraction", _NAN),
+  (_kfac(statistics_fraction="0.25"), TypeError, "statistics_fraction", "0.25"),
+  (_kfac(statistics_fraction=True), TypeError, "statistics_fraction", True),
   (_tx(estimation_mode="fisher"), ValueError, "estimation_mode", "fisher"),
   (_tx(estimation_mode=None), TypeError, "estimation_mode", None),
   (_tx(num_samples=0), ValueError, "num_samples", 0),
