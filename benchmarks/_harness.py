@@ -720,6 +720,7 @@ def environment(command: str, workload: Workload) -> dict:
     "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
     "devices": [str(d) for d in jax.devices()],
     "cpu_count": os.cpu_count(),
+    "timing_env": {k: os.environ[k] for k in TIMING_ENV if k in os.environ},
     "python": platform.python_version(),
     "machine": platform.machine(),
     "command": command,
@@ -729,14 +730,22 @@ def environment(command: str, workload: Workload) -> dict:
   }
 
 
+# Environment variables that change step times on CPU (RESULTS.md, "OpenBLAS threads on CPU"):
+# a recorded command starts with the ones that were set, so it reproduces the run.
+TIMING_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "XLA_FLAGS")
+
+
 def command_line(script: str, argv: Sequence[str] | None) -> str:
-  return shlex.join(
+  """The command that reproduces this run, prefixed with the `TIMING_ENV` variables set."""
+  env = [f"{k}={shlex.quote(os.environ[k])}" for k in TIMING_ENV if k in os.environ]
+  cmd = shlex.join(
     [
       "python",
       os.path.relpath(os.path.abspath(script), os.getcwd()),
       *(sys.argv[1:] if argv is None else argv),
     ]
   )
+  return " ".join([*env, cmd])
 
 
 def compare_runs(

@@ -936,6 +936,19 @@ def test_family_flags_are_named(capsys):
   assert "no upstream kfac-jax version" in capsys.readouterr().err
 
 
+def test_command_line_starts_with_the_timing_environment(monkeypatch):
+  """A recorded command reproduces the run: the thread settings that change CPU step times
+  come first when set, and not otherwise."""
+  for k in _harness.TIMING_ENV:
+    monkeypatch.delenv(k, raising=False)
+  assert _harness.command_line("benchmarks/race.py", ["--budget", "30"]).startswith("python ")
+  monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+  monkeypatch.setenv("XLA_FLAGS", "--a --b")
+  cmd = _harness.command_line("benchmarks/race.py", ["--budget", "30"])
+  assert cmd.startswith("OPENBLAS_NUM_THREADS=1 XLA_FLAGS='--a --b' python "), cmd
+  assert cmd.endswith("race.py --budget 30"), cmd
+
+
 def test_kfac_config_parser():
   """`--kfac-configs` entries: four numbers, then optional named settings; bad ones name
   themselves."""
