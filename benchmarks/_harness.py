@@ -248,6 +248,12 @@ def kfac_step(loss_fn, tx, *, from_batch: bool, stats_batch: int | None = None):
   return step
 
 
+def needs_batch(kfac_kwargs: dict, stats_batch: int | None) -> bool:
+  """Whether a `kfac` configuration needs its statistics from `batch=`: a harness slice
+  (`stats_batch`) or `statistics_fraction`, which slices `batch=` only."""
+  return stats_batch is not None or kfac_kwargs.get("statistics_fraction") not in (None, 1)
+
+
 def kfac_transform(
   loss_fn,
   example_batch,
@@ -288,12 +294,7 @@ def kfac_transform(
     **kfac_kwargs,
   )
 
-  # `statistics_fraction` slices `batch=` only: with it, the statistics come from the batch.
-  from_batch = (
-    curvature_every > 1
-    or stats_batch is not None
-    or kfac_kwargs.get("statistics_fraction") not in (None, 1)
-  )
+  from_batch = curvature_every > 1 or needs_batch(kfac_kwargs, stats_batch)
   step = kfac_step(loss_fn, tx, from_batch=from_batch, stats_batch=stats_batch)
   if name is None:
     name = "kfac_jax (optax)" + (

@@ -69,7 +69,8 @@ def _kfac(loss_fn, example, config: str, default_lr: float):
   kwargs = race.parse_kfac_config(config)
   kwargs["momentum"] = kwargs["momentum"] or None
   stats_batch = kwargs.pop("stats_batch", None)
-  return kfac_jax.kfac(loss_fn, example, **kwargs), stats_batch, "statistics_fraction" in kwargs
+  from_batch = _harness.needs_batch(kwargs, stats_batch)
+  return kfac_jax.kfac(loss_fn, example, **kwargs), stats_batch, from_batch
 
 
 def main(argv=None) -> int:

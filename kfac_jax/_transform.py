@@ -257,7 +257,7 @@ class _Preconditioner:
           f"{self.name}: statistics_fraction={f!r} takes the first rows of every `batch=` "
           f"leaf, so their leading axes must agree: `batch{jax.tree_util.keystr(sized[0][0])}` "
           f"has {n} rows, `batch{jax.tree_util.keystr(path)}` has {jnp.shape(x)[0]}. Pass "
-          "statistics_fraction=1 and slice the batch yourself."
+          "statistics_fraction=None and slice the batch yourself."
         )
     rows = max(1, math.ceil(f * n))
     leaves = [x[:rows] if jnp.ndim(x) >= 1 else x for _, x in flat]
@@ -318,15 +318,17 @@ class _Preconditioner:
       elif self.statistics_fraction == 1:
         stats = est.curvature_stats(params, batch, rng)
       else:
+        rows = self.statistics_rows(batch)
         try:
-          stats = est.curvature_stats(params, self.statistics_rows(batch), rng)
-        except ValueError as e:
-          if "changes with the batch size" not in str(e):
-            raise
-          raise ValueError(
-            f"{e} (The statistics came from the batch's first rows: "
-            f"statistics_fraction={self.statistics_fraction!r}. Pass statistics_fraction=1 for "
-            "this model.)"
+          stats = est.curvature_stats(params, rows, rng)
+        except (TypeError, ValueError) as e:
+          # Tracing `loss_fn` on the cut batch failed: a leaf that is not per-example (model
+          # state carried in the batch) or a layer whose shapes follow the batch size.
+          raise type(e)(
+            f"{e} (The statistics came from the first rows of every `batch=` leaf: "
+            f"statistics_fraction={self.statistics_fraction!r}. Every leaf with a leading "
+            "axis must be per-example; otherwise pass statistics_fraction=None and slice the "
+            "batch yourself.)"
           ) from e
       return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
 

@@ -162,6 +162,22 @@ def test_statistics_fraction_needs_one_leading_axis_and_names_the_leaves():
     tx.update(grads, state, params, batch={"t": jnp.float32(1)}, rng=jax.random.key(0))
 
 
+def test_statistics_fraction_names_itself_when_a_leaf_is_not_per_example():
+  """A per-feature leaf whose length happens to equal the batch's (as BatchNorm statistics
+  carried in the batch can) is cut too; the trace error then says why and what to do."""
+  loss_fn, params, batch = _problem(n=4, din=4)
+
+  def shifted(p, b):
+    return loss_fn(p, dict(b, x=b["x"] + b["shift"]))
+
+  batch = dict(batch, shift=jnp.ones((4,)))
+  tx = kfac_jax.kfac(shifted, batch, learning_rate=0.3, statistics_fraction=0.5)
+  grads = jax.grad(shifted)(params, batch)
+  msg = r"statistics_fraction=0.5\. Every leaf .* per-example"
+  with pytest.raises((TypeError, ValueError), match=msg):
+    tx.update(grads, tx.init(params), params, batch=batch, rng=jax.random.key(0))
+
+
 def test_update_is_the_inverse_of_the_estimator():
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=0.1, ema_decay=0.0)
