@@ -265,6 +265,7 @@ def kfac_transform(
   inverse_every: int,
   curvature_every: int = 1,
   stats_batch: int | None = None,
+  decay_steps: int | None = None,
   name: str | None = None,
   **kfac_kwargs,
 ) -> Contestant:
@@ -278,12 +279,17 @@ def kfac_transform(
   minibatch's first n examples (the transform normalises them by their own batch size), on
   due steps only: cheaper statistics from fewer rows, as a user can pass a slice of the batch
   (or `kfac`'s `statistics_fraction`, which also makes the step take them from `batch=`).
+  `decay_steps=n`: the learning rate follows `optax.cosine_decay_schedule(learning_rate, n)`.
   """
   momentum_ = momentum if momentum > 0 else None
   tx = kfac_jax.kfac(
     loss_fn,
     example_batch,
-    learning_rate=learning_rate,
+    learning_rate=(
+      learning_rate
+      if decay_steps is None
+      else optax.cosine_decay_schedule(learning_rate, decay_steps)
+    ),
     momentum=momentum_,
     damping=damping,
     ema_decay=ema_decay,
@@ -313,6 +319,7 @@ def kfac_transform(
       "inverse_every": inverse_every,
       "curvature_every": curvature_every,
       **({} if stats_batch is None else {"stats_batch": stats_batch}),
+      **({} if decay_steps is None else {"decay_steps": decay_steps}),
       **{k: repr(v) for k, v in kfac_kwargs.items()},
     },
     period=inverse_every,

@@ -23,7 +23,9 @@ Adam at the middle of the Adam grid) over `--muon-lrs`, each reported by its bes
 `--kfac-momentum`, `--damping`); the same with another `max_norm` (`--max-norm`); the same with
 dense and conv layers on EKFAC (`--ekfac`); the full
 `kfac_jax.Optimizer`; with `--with-upstream`, kfac-jax 0.0.8 in its own venv, configured like
-the transform (fixed learning rate, momentum, damping). Output: a markdown table for RESULTS.md,
+the transform (fixed learning rate, momentum, damping); with `--adam-decay-steps N`, Adam over
+its grid on `optax.cosine_decay_schedule(lr, N)` (family "adam_decay": the constant-rate tuned
+Adam stays the reference). Output: a markdown table for RESULTS.md,
 `--json` (default `out/race_<workload>.json`) and `--plot` (default `out/race_<workload>.png`,
 loss against steps and against charged seconds).
 
@@ -90,6 +92,7 @@ CONFIG_KEYS = (
   "curvature_every",
   "inverse_every",
   "stats_batch",
+  "decay_steps",
   "statistics_fraction",
   "conv",
   "dense",
@@ -101,9 +104,10 @@ def parse_kfac_config(text: str) -> dict:
 
   `clip` is `max_norm` (0: none; before the ninth session it was TF K-FAC's `norm_constraint`,
   which bounds the step after the learning rate), momentum 0 is none; the optional settings are
-  `curvature_every=`, `inverse_every=`, `stats_batch=` (ints; `stats_batch=n`: the statistics
-  come from `batch=` with the minibatch's first n examples, a harness setting, the same as
-  `kfac`'s `statistics_fraction=n/N`), `statistics_fraction=` (a number in (0, 1]) and
+  `curvature_every=`, `inverse_every=`, `stats_batch=`, `decay_steps=` (ints; `stats_batch=n`:
+  the statistics come from `batch=` with the minibatch's first n examples, a harness setting,
+  the same as `kfac`'s `statistics_fraction=n/N`; `decay_steps=n`: the learning rate follows
+  `optax.cosine_decay_schedule(lr, n)`, to 0 at step n), `statistics_fraction=` (a number in (0, 1]) and
   `conv=` / `dense=` (the approximation of those layer kinds, a `LayerConfig` default). A
   setting left out is the caller's: the race's workload flags (`--curvature-every`,
   `--inverse-every`), the step sweep's `kfac` defaults. Raises ValueError naming the entry.
@@ -199,6 +203,13 @@ def parse_args(argv=None):
   )
   p.add_argument("--max-steps", type=int, default=None, help="cap on each contestant's steps")
   p.add_argument(
+    "--adam-decay-steps",
+    type=int,
+    default=None,
+    help="also run Adam over its grid with optax.cosine_decay_schedule(lr, N) (family "
+    "'adam_decay', reported beside the constant-rate tuned Adam, which stays the reference)",
+  )
+  p.add_argument(
     "--sweep",
     action="store_true",
     help="only the kfac transform over --sweep-lrs x --sweep-dampings (+ Adam)",
@@ -223,10 +234,11 @@ def parse_args(argv=None):
     not args.budget > 0
     or args.data_steps < 2
     or (args.max_steps is not None and args.max_steps < 1)
+    or (args.adam_decay_steps is not None and args.adam_decay_steps < 1)
   ):
     p.error(
-      f"--budget must be > 0, --data-steps >= 2 and --max-steps >= 1, got {args.budget}, "
-      f"{args.data_steps} and {args.max_steps}"
+      "--budget must be > 0, --data-steps >= 2, --max-steps >= 1 and --adam-decay-steps >= 1, "
+      f"got {args.budget}, {args.data_steps}, {args.max_steps} and {args.adam_decay_steps}"
     )
   args.kfac_config_list = []
   for text in (c.strip() for c in args.kfac_configs.split(",") if c.strip()):
@@ -280,6 +292,18 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
     _harness.first_order(f"Adam lr={lr:g}", "adam", loss_fn, optax.adam(lr), learning_rate=lr)
     for lr in wl.adam_lr_grid
   ]
+  if args.adam_decay_steps is not None:
+    out += [
+      _harness.first_order(
+        f"Adam lr={lr:g}, cosine to 0 over {args.adam_decay_steps} steps",
+        "adam_decay",
+        loss_fn,
+        optax.adam(optax.cosine_decay_schedule(lr, args.adam_decay_steps)),
+        learning_rate=lr,
+        decay_steps=args.adam_decay_steps,
+      )
+      for lr in wl.adam_lr_grid
+    ]
   adam_mid = sorted(wl.adam_lr_grid)[len(wl.adam_lr_grid) // 2]
   out += [
     _harness.first_order(

@@ -741,6 +741,38 @@ def test_race_contestants_by_default(monkeypatch, tmp_path):
   assert workload.description.startswith("64-8-4-8-64 autoencoder"), workload.description
 
 
+def test_race_learning_rate_decay_reaches_zero_for_adam_and_kfac(monkeypatch, tmp_path):
+  """`--adam-decay-steps N` adds Adam over its grid on a cosine schedule (its own family, so the
+  constant-rate tuned Adam stays the reference); `decay_steps=N` puts a `kfac` entry on one.
+  With N = 1 the rate is 0 from the second step: without momentum the parameters stop moving."""
+  from benchmarks import race
+
+  monkeypatch.setenv("KFAC_DATA_DIR", str(tmp_path))
+  args, wl, _ = race.parse_args(
+    ["--workload", "autoencoder", "--quick", "--encoder", "8,4", "--adam-lrs", "1e-3"]
+    + ["--muon-lrs", "", "--no-sgd", "--no-ekfac", "--no-optimizer", "--plot", ""]
+    + ["--adam-decay-steps", "1", "--kfac-configs", "0.3:0:0.1:0:decay_steps=1"]
+  )
+  workload = race.autoencoder.make_workload(wl)
+  contestants = {c.name: c for c in race.race_contestants(workload, args, wl)}
+  decayed = [
+    contestants["Adam lr=0.001, cosine to 0 over 1 steps"],
+    contestants["kfac_jax (optax) 0.3:0:0.1:0:decay_steps=1"],
+  ]
+  assert decayed[0].family == "adam_decay" and decayed[1].hyperparameters["decay_steps"] == 1
+  batch = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  rng = jax.random.key(0)
+  for c in [*decayed, contestants["Adam lr=0.001"]]:
+    params, state = workload.params0, c.init(workload.params0)
+    params1, state, _ = c.step(params, state, batch, rng)
+    params2, state, _ = c.step(params1, state, batch, rng)
+    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(params), jax.tree.leaves(params1))]
+    assert max(moved) > 0, c.name
+    still = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.array_equal(a, b), params1, params2))
+    assert all(still) == (c.family != "adam"), c.name
+
+
 def test_race_seeds_summary_matches_grid_rows_by_family_and_counts_wins():
   """`race_seeds.summarise`: the tuned Adam row of each seed (whatever its learning rate) is
   the reference of that seed; ratios, means and seeds ahead per contestant; a contestant that
@@ -963,6 +995,7 @@ def test_kfac_config_parser():
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:stats_batch=64")["stats_batch"] == 64
   cfg = race.parse_kfac_config("0.3:0.7:0.1:0.3:statistics_fraction=0.25")
   assert cfg["statistics_fraction"] == 0.25
+  assert race.parse_kfac_config("0.3:0.7:0.1:0.3:decay_steps=100")["decay_steps"] == 100
   cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")
   layers = cfg.pop("layers")
   assert cfg == {
@@ -980,6 +1013,7 @@ def test_kfac_config_parser():
     ("0.3:0.7:0.1:0:every=5", "unknown setting 'every=5'"),
     ("0.3:0.7:0.1:0:curvature_every=x", "curvature_every must be an int, got 'x'"),
     ("0.3:0.7:0.1:0:inverse_every=0", "inverse_every must be >= 1"),
+    ("0.3:0.7:0.1:0:decay_steps=0", "decay_steps must be >= 1"),
     ("0.3:0.7:0.1:0:statistics_fraction=2", "statistics_fraction must be in (0, 1]"),
     ("0.3:0.7:0.1:0:statistics_fraction=x", "statistics_fraction must be a number, got 'x'"),
   ]:
