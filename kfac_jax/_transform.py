@@ -237,9 +237,13 @@ class _Preconditioner:
     )
 
   def statistics_rows(self, batch):
-    """`batch` cut to the rows the statistics come from: the first ⌈f·N⌉ of the N along every
-    leaf's leading axis (f = `statistics_fraction`; the whole batch for f = 1). Scalar leaves
-    pass whole. Raises ValueError, naming the leaves, when the leading axes differ."""
+    """`batch` cut to the rows the statistics come from: r = ⌈f·N⌉ of the N along every
+    leaf's leading axis (f = `statistics_fraction`; the whole batch for f = 1), evenly spaced:
+    rows 0, s, 2s, ... with stride s = ⌊N / r⌋ (`x[:r*s:s]`, every s-th row when r divides N).
+    A strided slice, not the first r rows: a batch sharded over devices keeps its statistics
+    rows on every device (no rows move when s divides the shards' row count), and an ordered
+    batch (sources or classes in blocks) contributes from every block. Scalar leaves pass
+    whole. Raises ValueError, naming the leaves, when the leading axes differ."""
     f = self.statistics_fraction
     if f == 1:
       return batch
@@ -247,20 +251,21 @@ class _Preconditioner:
     sized = [(path, x) for path, x in flat if jnp.ndim(x) >= 1]
     if not sized:
       raise ValueError(
-        f"{self.name}: statistics_fraction={f!r} takes the first rows of every `batch=` leaf, "
+        f"{self.name}: statistics_fraction={f!r} takes rows of every `batch=` leaf, "
         "but no leaf has a leading axis."
       )
     n = jnp.shape(sized[0][1])[0]
     for path, x in sized[1:]:
       if jnp.shape(x)[0] != n:
         raise ValueError(
-          f"{self.name}: statistics_fraction={f!r} takes the first rows of every `batch=` "
+          f"{self.name}: statistics_fraction={f!r} takes the same rows of every `batch=` "
           f"leaf, so their leading axes must agree: `batch{jax.tree_util.keystr(sized[0][0])}` "
           f"has {n} rows, `batch{jax.tree_util.keystr(path)}` has {jnp.shape(x)[0]}. Pass "
           "statistics_fraction=None and slice the batch yourself."
         )
     rows = max(1, math.ceil(f * n))
-    leaves = [x[:rows] if jnp.ndim(x) >= 1 else x for _, x in flat]
+    stride = n // rows
+    leaves = [x[: rows * stride : stride] if jnp.ndim(x) >= 1 else x for _, x in flat]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
   def _due(self, count):
@@ -325,7 +330,7 @@ class _Preconditioner:
           # Tracing `loss_fn` on the cut batch failed: a leaf that is not per-example (model
           # state carried in the batch) or a layer whose shapes follow the batch size.
           raise type(e)(
-            f"{e} (The statistics came from the first rows of every `batch=` leaf: "
+            f"{e} (The statistics came from a subset of the rows of every `batch=` leaf: "
             f"statistics_fraction={self.statistics_fraction!r}. Every leaf with a leading "
             "axis must be per-example; otherwise pass statistics_fraction=None and slice the "
             "batch yourself.)"
@@ -453,15 +458,17 @@ def scale_by_kfac(
       as `Optimizer(curvature_every=)`; a value above `inverse_every` refreshes some inverses
       from unchanged statistics (useful only when the damping changes).
     statistics_fraction: f in (0, 1]: when `update` computes the statistics from `batch=`,
-      it uses the first ⌈f·N⌉ of the batch's N rows (the leading axis of every leaf; scalar
-      leaves pass whole), while the gradient is the caller's, from the whole batch.
-      Statistics are normalised by their own row count, so the estimate stays unbiased and
-      only noisier; with shuffled minibatches the first rows are a random subset. None (the
+      it uses r = ⌈f·N⌉ of the batch's N rows, evenly spaced (every ⌊N/r⌋-th row from the
+      first: `x[:r*s:s]` along the leading axis of every leaf; scalar leaves pass whole),
+      while the gradient is the caller's, from the whole batch. Statistics are normalised by
+      their own row count, so the estimate stays unbiased and only noisier; spaced rows
+      also sample a batch assembled in blocks (two sources, sorted labels). None (the
       default) or 1 uses every row. Statistics passed as `curvature_stats=` are used as they
       come (`kfac_jax.value_and_grad` forms them from the batch it is given). It fixes
       array shapes, so it must be a Python number (with `optax.inject_hyperparams`, list it
-      in `static_args`). Under `pmap` / `shard_map` each device takes its own first rows;
-      under `jit` with a sharded batch, the global batch's.
+      in `static_args`). Under `pmap` / `shard_map` each device takes its own rows; under
+      `jit` with a batch sharded along its rows, the global batch's, which stay on their
+      devices when the stride divides each device's row count (no rows are moved).
     estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),
       "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a square-root factor of
       the output Fisher / loss Hessian) or "exact" / "exact_GGN" (every output coordinate; K

@@ -96,14 +96,23 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
   assert int(opt_state[0].count) == 7
 
 
-@pytest.mark.parametrize("fraction, rows", [(0.25, 8), (0.3, 10), (1e-6, 1)])
-def test_statistics_fraction_takes_the_first_rows_of_the_batch(fraction, rows):
-  """Statistics from the first ⌈f·N⌉ rows of `batch=`, the gradient from all of it: the same
-  updates and state as passing those rows as `batch=` yourself, and not the whole batch's."""
+@pytest.mark.parametrize(
+  "fraction, rows",
+  [
+    (0.25, np.arange(0, 32, 4)),  # r = 8 rows: every fourth.
+    (0.3, np.arange(0, 30, 3)),  # r = ⌈9.6⌉ = 10, stride ⌊32/10⌋ = 3: rows 0, 3, ..., 27.
+    (0.6, np.arange(20)),  # r = 20 > N/2: stride 1, the first 20.
+    (1e-6, np.array([0])),
+  ],
+)
+def test_statistics_fraction_takes_evenly_spaced_rows_of_the_batch(fraction, rows):
+  """Statistics from ⌈f·N⌉ evenly spaced rows of `batch=`, the gradient from all of it: the
+  same updates and state as passing those rows as `batch=` yourself, and not the whole
+  batch's."""
   loss_fn, params, batch = _problem(n=32)
   # A scalar leaf passes whole: the loss ignores it, the slicing must not trip on it.
   batch = dict(batch, temperature=jnp.float32(1.0))
-  first = jax.tree_util.tree_map(lambda x: x[:rows] if x.ndim else x, batch)
+  first = jax.tree_util.tree_map(lambda x: x[rows] if x.ndim else x, batch)
   grads = jax.grad(loss_fn)(params, batch)
   rng = jax.random.key(3)
 
