@@ -107,9 +107,9 @@ def parse_kfac_config(text: str) -> dict:
   `curvature_every=`, `inverse_every=`, `stats_batch=`, `decay_steps=` (ints; `stats_batch=n`:
   the statistics come from `batch=` with the minibatch's first n examples, a harness setting,
   the same as `kfac`'s `statistics_fraction=n/N`; `decay_steps=n`: the learning rate follows
-  `optax.cosine_decay_schedule(lr, n)`, to 0 at step n), `statistics_fraction=` (a number in (0, 1]) and
-  `conv=` / `dense=` (the approximation of those layer kinds, a `LayerConfig` default). A
-  setting left out is the caller's: the race's workload flags (`--curvature-every`,
+  `optax.cosine_decay_schedule(lr, n)`, to 0 at step n), `statistics_fraction=` (a number in
+  (0, 1]) and `conv=` / `dense=` (the approximation of those layer kinds, a `LayerConfig`
+  default). A setting left out is the caller's: the race's workload flags (`--curvature-every`,
   `--inverse-every`), the step sweep's `kfac` defaults. Raises ValueError naming the entry.
   """
   parts = text.split(":")

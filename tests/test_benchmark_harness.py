@@ -766,8 +766,10 @@ def test_race_learning_rate_decay_reaches_zero_for_adam_and_kfac(monkeypatch, tm
     params, state = workload.params0, c.init(workload.params0)
     params1, state, _ = c.step(params, state, batch, rng)
     params2, state, _ = c.step(params1, state, batch, rng)
-    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
-      jax.tree.leaves(params), jax.tree.leaves(params1))]
+    moved = [
+      float(jnp.max(jnp.abs(a - b)))
+      for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params1))
+    ]
     assert max(moved) > 0, c.name
     still = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.array_equal(a, b), params1, params2))
     assert all(still) == (c.family != "adam"), c.name
