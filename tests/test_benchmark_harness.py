@@ -1037,3 +1037,21 @@ def test_zoo_defaults_smoke(capsys):
   assert "diverged: none" in out
   with pytest.raises(SystemExit):
     zoo_defaults.main(["--models", "no_such_model"])
+
+
+def test_compile_cache_quick():
+  """`profile/compile_cache.py`: three processes, the cache off, empty, then filled. The
+  second writes the cache entries and the third finds them and adds none (times are
+  printed, not asserted)."""
+  res = subprocess.run(
+    [sys.executable, "benchmarks/profile/compile_cache.py", "--workload", "autoencoder"]
+    + ["--quick"],
+    cwd=_ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  rows = re.findall(r"^\| (off|on, empty|on, filled) \|.* \| (\d+) \|$", res.stdout, re.M)
+  assert [r[0] for r in rows] == ["off", "on, empty", "on, filled"], res.stdout
+  entries = [int(r[1]) for r in rows]
+  assert entries[0] == 0 and entries[1] > 0 and entries[2] == entries[1], res.stdout
