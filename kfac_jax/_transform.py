@@ -468,7 +468,8 @@ def scale_by_kfac(
       array shapes, so it must be a Python number (with `optax.inject_hyperparams`, list it
       in `static_args`). Under `pmap` / `shard_map` each device takes its own rows; under
       `jit` with a batch sharded along its rows, the global batch's, which stay on their
-      devices when the stride divides each device's row count (no rows are moved).
+      devices when the stride divides each device's row count (no rows are moved). When it
+      does, both pick the same rows of the global batch.
     estimation_mode: "gradients" (sampled targets, default), "empirical" (data targets),
       "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a square-root factor of
       the output Fisher / loss Hessian) or "exact" / "exact_GGN" (every output coordinate; K

@@ -263,6 +263,47 @@ def test_jit_with_named_sharding_and_statistics_fraction_equals_one_device(x64):
   assert moves(frac) <= moves(whole), (moves(frac), moves(whole))
 
 
+def test_statistics_fraction_picks_the_same_rows_under_shard_map_as_under_jit(x64):
+  """Under `shard_map` each device takes its own spaced rows (of its four rows, the first and
+  third for f = 0.5); under `jit` the global batch's (every second row). Those are the same
+  rows, so both equal one device fed `x[::2]` as its statistics (the jit side is checked
+  above; taking the first rows, the shard_map program would use rows 0, 1, 4, 5, ...)."""
+  loss_fn, params, batch = _problem()
+  mesh = _mesh()
+  n = mesh.size
+  local = jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch)
+  tx = _kfac(loss_fn, local, axis_name="data", statistics_fraction=0.5)
+
+  def step(params, state, b):
+    grads = jax.lax.pmean(jax.grad(loss_fn)(params, b), "data")
+    updates, state = tx.update(grads, state, params, batch=b)
+    return optax.apply_updates(params, updates), state
+
+  sstep = jax.jit(
+    jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=False
+    )
+  )
+  data = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  p, state = params, tx.init(params)
+  for _ in range(STEPS):
+    p, state = sstep(p, state, data)
+
+  one = _kfac(loss_fn, batch)
+
+  @jax.jit
+  def ref_step(params, state):
+    grads = jax.grad(loss_fn)(params, batch)
+    rows = jax.tree_util.tree_map(lambda x: x[::2], batch)
+    updates, state = one.update(grads, state, params, batch=rows)
+    return optax.apply_updates(params, updates), state
+
+  want_p, want_s = params, one.init(params)
+  for _ in range(STEPS):
+    want_p, want_s = ref_step(want_p, want_s)
+  _assert_close((p, state), (want_p, want_s))
+
+
 def test_parallel_arguments_are_checked():
   loss_fn, _, batch = _problem()
   mesh = _mesh()
