@@ -328,13 +328,16 @@ class _Preconditioner:
           stats = est.curvature_stats(params, rows, rng)
         except (TypeError, ValueError) as e:
           # Tracing `loss_fn` on the cut batch failed: a leaf that is not per-example (model
-          # state carried in the batch) or a layer whose shapes follow the batch size.
-          raise type(e)(
-            f"{e} (The statistics came from a subset of the rows of every `batch=` leaf: "
+          # state carried in the batch) or a layer whose shapes follow the batch size. A note,
+          # not a new exception: JAX's own TypeErrors (concretization, tracer conversion) take
+          # a tracer, not a message, so `type(e)(message)` would fail while reporting.
+          e.add_note(
+            "(The statistics came from a subset of the rows of every `batch=` leaf: "
             f"statistics_fraction={self.statistics_fraction!r}. Every leaf with a leading "
             "axis must be per-example; otherwise pass statistics_fraction=None and slice the "
             "batch yourself.)"
-          ) from e
+          )
+          raise
       return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
 
     # Statistics only on due updates (computed inside the branch when the transform computes

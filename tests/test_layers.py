@@ -905,10 +905,13 @@ def test_a_layer_that_depends_on_the_batch_size_is_named_in_the_error():
     opt.step(params, opt_state, big, rng)
   _, new = jax.jit(lambda s: tx.update(grads, s, params, batch=small, rng=rng))(state)
   assert int(new.count) == 1 and int(state.count) == 0
-  # Statistics from half of `example_batch`'s 8 rows meet the same layer: the error says so.
+  # Statistics from half of `example_batch`'s 8 rows meet the same layer: the error says so
+  # (the mention of the fraction is a note on the error, on its own line).
   half = kfac_jax.scale_by_kfac(loss_fn, big, damping=1e-2, statistics_fraction=0.5)
   half_state = jax.jit(half.init)(params)
-  with pytest.raises(ValueError, match=r"for this batch of 4 examples .*statistics_fraction=0.5"):
+  with pytest.raises(
+    ValueError, match=r"(?s)for this batch of 4 examples .*statistics_fraction=0.5"
+  ):
     half.update(grads, half_state, params, batch=big, rng=rng)
 
 

@@ -187,6 +187,26 @@ def test_statistics_fraction_names_itself_when_a_leaf_is_not_per_example():
     tx.update(grads, tx.init(params), params, batch=batch, rng=jax.random.key(0))
 
 
+def test_statistics_fraction_keeps_jax_errors_whole_and_notes_itself():
+  """A loss that fails only on the cut batch with one of JAX's own errors (here a
+  concretization error, whose constructor takes a tracer, not a message) reaches the caller
+  as that error, with a note naming `statistics_fraction`."""
+  loss_fn, params, batch = _problem(n=8)
+
+  def picky(p, b):
+    if b["x"].shape[0] < 8:
+      int(jnp.sum(b["x"]))  # Concrete values only: fails under tracing.
+    return loss_fn(p, b)
+
+  tx = kfac_jax.kfac(picky, batch, learning_rate=0.3, statistics_fraction=0.5)
+  grads = jax.grad(picky)(params, batch)
+  with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+    jax.jit(lambda s: tx.update(grads, s, params, batch=batch, rng=jax.random.key(0)))(
+      tx.init(params)
+    )
+  assert any("statistics_fraction=0.5" in n for n in info.value.__notes__), info.value
+
+
 def test_update_is_the_inverse_of_the_estimator():
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=0.1, ema_decay=0.0)
