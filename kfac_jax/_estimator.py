@@ -174,6 +174,15 @@ class CurvatureEstimator:
       their leaves; the products are summed over the axis. `init`, `update_inverses` and the
       `multiply*` methods then need `axis_name=` (inside pmap / shard_map; call `init` there
       too) or `mesh=(mesh, axis)` (under jit). Factors stay replicated either way.
+    factor_solve: how a Kronecker factor's damped inverse is kept (`BlockConfig.factor_solve`):
+      "auto" (default) keeps a factor of size n ≥ 256 whose products have at most n/8
+      columns (a wide input into a narrow layer: a classifier head) in substitution form, its
+      Cholesky factor in blocks applied by block substitution (a refresh ~3x faster, products
+      a few times slower), and the explicit inverse elsewhere; "never" always the inverse;
+      "always" the substitution form for every Kronecker factor that can have it (not diagonal
+      factors, stacks, grouped convolutions or "eigen" damping). The products are the same up
+      to rounding; the cache's fields differ (`cache/<block>/a/subst/...` instead of
+      `cache/<block>/a/powers/0`).
 
   Raises:
     TypeError: an argument of the wrong kind (e.g. `exps=-1`, `strict="yes"`), named with the
@@ -210,6 +219,7 @@ class CurvatureEstimator:
     stats_dtype: Any = None,
     inverse_dtype: Any = None,
     inverse_storage: InverseStorage = "replicated",
+    factor_solve: _blocks.FactorSolve = "auto",
   ):
     reg = _registration.resolve(
       registration,
@@ -228,6 +238,7 @@ class CurvatureEstimator:
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
     _checks.choice(inverse_storage, "inverse_storage", ("replicated", "sharded"))
+    _checks.choice(factor_solve, "factor_solve", ("auto", "always", "never"))
     for flag in ("compute_cholesky", "compute_cholesky_inverse", "strict", "compute_params_stats"):
       _checks.boolean(locals()[flag], flag)
     if isinstance(exps, (str, bytes)) or not isinstance(exps, (tuple, list)):
@@ -254,6 +265,7 @@ class CurvatureEstimator:
       cholesky_inverse=compute_cholesky_inverse,
       stats_dtype=resolve_dtype(stats_dtype, "stats_dtype"),
       inverse_dtype=resolve_dtype(inverse_dtype, "inverse_dtype"),
+      factor_solve=factor_solve,
     )
     self._registration: _registration.Registration | None = None
     self.who = "this estimator"  # How errors name the consumer of the statistics.

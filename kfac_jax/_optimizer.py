@@ -132,6 +132,9 @@ class OptimizerConfig:
       keeps and applies only its share of the blocks; the preconditioned gradients and curvature
       products are summed over `axis_name`, which it needs; call `init` inside the pmap /
       shard_map). See `scale_by_kfac`.
+    factor_solve: "auto", "always" or "never": whether a Kronecker factor's damped inverse is
+      kept as an explicit matrix or as its Cholesky factor for block substitution (see
+      `scale_by_kfac`).
   """
 
   ema_decay: float = 0.95
@@ -149,6 +152,7 @@ class OptimizerConfig:
   stats_dtype: Any = None
   inverse_dtype: Any = None
   inverse_storage: _estimator.InverseStorage = "replicated"
+  factor_solve: _blocks.FactorSolve = "auto"
 
   def __post_init__(self):
     _layer_config.check(self.layers)
@@ -158,6 +162,10 @@ class OptimizerConfig:
       raise ValueError(
         f"unknown `config.inverse_storage` {self.inverse_storage!r}; choose "
         "'replicated' or 'sharded'."
+      )
+    if self.factor_solve not in ("auto", "always", "never"):
+      raise ValueError(
+        f"unknown `config.factor_solve` {self.factor_solve!r}; choose 'auto', 'always' or 'never'."
       )
     _check_number(self.ema_decay, "config.ema_decay", high=1.0, high_open=True)
     _curvature.check_mode(self.estimation_mode, self.num_samples)
@@ -455,6 +463,7 @@ class Optimizer:
       stats_dtype=config.stats_dtype,
       inverse_dtype=config.inverse_dtype,
       inverse_storage=config.inverse_storage,
+      factor_solve=config.factor_solve,
       **({} if reg is not None else settings),  # type: ignore[arg-type]  # the keyword arguments above, checked
     )
     self.estimator.who = "this Optimizer"

@@ -80,6 +80,7 @@ def _check_args(
   axis_name,
   inverse_mesh,
   inverse_storage,
+  factor_solve,
   strict,
   skip_nonfinite,
 ) -> None:
@@ -111,6 +112,7 @@ def _check_args(
   _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
   _checks.optional_str(axis_name, "axis_name")
   _checks.choice(inverse_storage, "inverse_storage", ("replicated", "sharded"))
+  _checks.choice(factor_solve, "factor_solve", ("auto", "always", "never"))
   _checks.boolean(strict, "strict")
   _checks.boolean(skip_nonfinite, "skip_nonfinite")
   if inverse_mesh is not None:
@@ -158,6 +160,7 @@ class _Preconditioner:
     axis_name,
     inverse_mesh,
     inverse_storage,
+    factor_solve,
     strict,
     layers,
     stats_dtype,
@@ -192,6 +195,7 @@ class _Preconditioner:
       axis_name=axis_name,
       inverse_mesh=inverse_mesh,
       inverse_storage=inverse_storage,
+      factor_solve=factor_solve,
       strict=strict,
       skip_nonfinite=skip_nonfinite,
     )
@@ -213,6 +217,7 @@ class _Preconditioner:
       stats_dtype=stats_dtype,
       inverse_dtype=inverse_dtype,
       inverse_storage=inverse_storage,
+      factor_solve=factor_solve,
       **settings,
     )
     self.est.who = f"this {name} transform"
@@ -422,6 +427,7 @@ def scale_by_kfac(
   axis_name: str | None = None,
   inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
   inverse_storage: _estimator.InverseStorage = "replicated",
+  factor_solve: _blocks.FactorSolve = "auto",
   strict: bool = False,
   layers: _layer_config.LayerConfig | None = None,
   stats_dtype: Any = None,
@@ -496,6 +502,11 @@ def scale_by_kfac(
       state differs): `jax.pmap(tx.init, axis_name="data")(replicated_params)`. With
       `inverse_mesh`, `init` returns the inverses as a global array sharded over the mesh
       axis. The factors stay replicated. The updates equal the replicated strategy's.
+    factor_solve: how a Kronecker factor's damped inverse is kept: "auto" (default) keeps a factor
+      of size n ≥ 256 whose products have at most n/8 columns (a wide input into a narrow layer: a
+      classifier head) as its Cholesky factor in blocks for block substitution, which refreshes ~3x
+      faster than an explicit inverse, and the explicit inverse elsewhere; "never" / "always" force
+      one form. The updates are the same up to rounding. See `kfac_jax.CurvatureEstimator`.
     strict: error instead of warning for parameters outside every recognised layer.
     layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
       pattern, and linked parameter groups (None: the defaults).
@@ -554,6 +565,7 @@ def scale_by_kfac(
     axis_name=axis_name,
     inverse_mesh=inverse_mesh,
     inverse_storage=inverse_storage,
+    factor_solve=factor_solve,
     strict=strict,
     layers=layers,
     stats_dtype=stats_dtype,
@@ -623,6 +635,7 @@ def kfac(
   axis_name: str | None = None,
   inverse_mesh: tuple[jax.sharding.Mesh, str] | None = None,
   inverse_storage: _estimator.InverseStorage = "replicated",
+  factor_solve: _blocks.FactorSolve = "auto",
   strict: bool = False,
   layers: _layer_config.LayerConfig | None = None,
   stats_dtype: Any = None,
@@ -668,8 +681,8 @@ def kfac(
   `statistics_fraction` (recommended 0.25 for convolutional models and large batches when the
   statistics come from `batch=`: benchmarks/RESULTS.md, "Three seeds per race"),
   `estimation_mode`, `num_samples`, `damping_mode`, `axis_name`, `inverse_mesh`,
-  `inverse_storage`, `strict`, `layers`, `stats_dtype` and `inverse_dtype`, are those of
-  `scale_by_kfac`.
+  `inverse_storage`, `factor_solve`, `strict`, `layers`, `stats_dtype` and `inverse_dtype`,
+  are those of `scale_by_kfac`.
 
   The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`) come from step sweeps on the
   autoencoder, CNN, Transformer, ViT and LSTM benchmarks (benchmarks/RESULTS.md, "Clipping
@@ -730,6 +743,7 @@ def kfac(
     axis_name=axis_name,
     inverse_mesh=inverse_mesh,
     inverse_storage=inverse_storage,
+    factor_solve=factor_solve,
     strict=strict,
     layers=layers,
     stats_dtype=stats_dtype,

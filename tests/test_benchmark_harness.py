@@ -998,6 +998,7 @@ def test_kfac_config_parser():
   cfg = race.parse_kfac_config("0.3:0.7:0.1:0.3:statistics_fraction=0.25")
   assert cfg["statistics_fraction"] == 0.25
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:decay_steps=100")["decay_steps"] == 100
+  assert race.parse_kfac_config("0.3:0.7:0.1:0.3:factor_solve=never")["factor_solve"] == "never"
   cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")
   layers = cfg.pop("layers")
   assert cfg == {
@@ -1018,6 +1019,7 @@ def test_kfac_config_parser():
     ("0.3:0.7:0.1:0:decay_steps=0", "decay_steps must be >= 1"),
     ("0.3:0.7:0.1:0:statistics_fraction=2", "statistics_fraction must be in (0, 1]"),
     ("0.3:0.7:0.1:0:statistics_fraction=x", "statistics_fraction must be a number, got 'x'"),
+    ("0.3:0.7:0.1:0:factor_solve=yes", "factor_solve must be auto, always or never, got 'yes'"),
   ]:
     with pytest.raises(ValueError, match=re.escape(match)):
       race.parse_kfac_config(bad)
@@ -1055,3 +1057,19 @@ def test_compile_cache_quick():
   assert [r[0] for r in rows] == ["off", "on, empty", "on, filled"], res.stdout
   entries = [int(r[1]) for r in rows]
   assert entries[0] == 0 and entries[1] > 0 and entries[2] == entries[1], res.stdout
+
+
+def test_factor_solve_profile_quick():
+  """`profile/factor_solve.py` on one small factor: both forms timed, the substitution solve
+  correct (its residual is printed; times are not asserted)."""
+  res = subprocess.run(
+    [sys.executable, "benchmarks/profile/factor_solve.py", "--sizes", "300x4,40x4"]
+    + ["--workload", "none", "--repeats", "2"],
+    cwd=_ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  rows = re.findall(r"^\| (\d+) \| (\d+) \|.*\| ([0-9.e+-]+) \|$", res.stdout, re.M)
+  assert [(r[0], r[1]) for r in rows] == [("300", "4"), ("40", "4")], res.stdout
+  assert all(float(r[2]) < 1e-3 for r in rows), res.stdout

@@ -122,8 +122,10 @@ def _basis_matrix(est, state, params, fn):
   return np.stack(cols, axis=1)
 
 
-@pytest.mark.parametrize("damping_mode", ["factored", "eigen"])
-def test_matpower_roundtrip_and_cholesky(x64, damping_mode):
+@pytest.mark.parametrize(
+  "damping_mode, factor_solve", [("factored", "auto"), ("factored", "always"), ("eigen", "auto")]
+)
+def test_matpower_roundtrip_and_cholesky(x64, damping_mode, factor_solve):
   model, _, params, batch = _linen_setup(n=6, sizes=(4, 3), din=3)
   params["gen"] = jnp.linspace(0.5, 1.5, 3)
   params["gen_full"] = jnp.linspace(-1.0, 1.0, 3)
@@ -143,8 +145,11 @@ def test_matpower_roundtrip_and_cholesky(x64, damping_mode):
     damping_mode=damping_mode,
     compute_cholesky=True,
     compute_cholesky_inverse=True,
+    factor_solve=factor_solve,
   )
   state = _random_state(est, params, batch, jax.random.key(5))
+  kept = [c.a.subst is not None for c in state.cache.values() if hasattr(c, "a")]
+  assert kept and all(kept) == (factor_solve == "always" and damping_mode == "factored")
   v = jax.tree_util.tree_map(
     lambda x: jax.random.normal(jax.random.key(9), x.shape, x.dtype), params
   )
@@ -310,15 +315,116 @@ def test_estimator_errors_leave_state_untouched():
     emp.update_curvature(s, params, batch, None, ema_decay=0.5)
 
 
-def test_failed_factorisation_keeps_the_previous_inverse():
+@pytest.mark.parametrize("factor_solve", ["never", "always"])
+def test_failed_factorisation_keeps_the_previous_inverse(factor_solve):
   params = {"w": jnp.ones((3, 2))}
   batch = {"x": jnp.array([[1.0, 2.0, 3.0]]), "y": jnp.array([1])}  # A has rank 1: singular.
   est = kfac_jax.CurvatureEstimator(
-    _models.softmax_loss(lambda p, x: x @ p["w"]), batch, estimation_mode="empirical"
+    _models.softmax_loss(lambda p, x: x @ p["w"]),
+    batch,
+    estimation_mode="empirical",
+    factor_solve=factor_solve,
   )
   state = est.update_inverses(_update(est, params, batch), 0.5)
+  assert (state.cache["w"].a.subst is None) == (factor_solve == "never")
   again = jax.jit(lambda s: est.update_inverses(s, 0.0))(state)  # Cholesky of a singular A.
   for a, b in zip(jax.tree_util.tree_leaves(again.cache), jax.tree_util.tree_leaves(state.cache)):
     np.testing.assert_array_equal(a, b)
   assert int(again.failed_inverses) == int(state.failed_inverses) + 1
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(again))
+
+
+def _head_setup():
+  """x [16, 8] -> dense 300 (tanh) -> dense 4: the first layer's G (300) multiplies 9 columns,
+  the head's A (301) 4: both sides `factor_solve="auto"` keeps in substitution form."""
+  k = jax.random.split(jax.random.key(0), 4)
+  params = {
+    "w1": 0.3 * jax.random.normal(k[0], (8, 300), jnp.float64),
+    "b1": jnp.zeros(300, jnp.float64),
+    "w2": 0.1 * jax.random.normal(k[1], (300, 4), jnp.float64),
+    "b2": jnp.zeros(4, jnp.float64),
+  }
+  apply = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+  batch = {
+    "x": jax.random.normal(k[2], (16, 8), jnp.float64),
+    "y": jax.random.randint(k[3], (16,), 0, 4),
+  }
+  return _models.softmax_loss(apply), params, batch
+
+
+def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inverse(x64):
+  loss_fn, params, batch = _head_setup()
+  grads = jax.grad(loss_fn)(params, batch)
+  kept, nat = {}, {}
+  for mode in ("auto", "never", "always"):
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, factor_solve=mode)
+    state = _random_state(est, params, batch, jax.random.key(5))
+    kept[mode] = {n: (c.a.subst is not None, c.g.subst is not None) for n, c in state.cache.items()}
+    for c in state.cache.values():  # A side in substitution form has no explicit inverse.
+      assert all((side.subst is None) == (side.powers[0] is not None) for side in (c.a, c.g))
+    nat[mode] = est.multiply_inverse(state, grads)
+    if mode == "auto":
+      # The block's product against (A_λ ⊗ G_λ)⁻¹ vec(M) = A_λ⁻¹ M G_λ⁻¹ from the factors.
+      f = state.factors["w2"]
+      a, g = kfac_jax.blocks._kronecker.damped_factors(f.a, f.g, jnp.asarray(0.05))
+      m = jnp.concatenate([grads["w2"], grads["b2"][None]], axis=0)
+      want = np.linalg.solve(np.asarray(a), np.asarray(m)) @ np.linalg.inv(np.asarray(g))
+      got = np.concatenate([nat[mode]["w2"], nat[mode]["b2"][None]], axis=0)
+      np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+  assert kept["auto"] == {"w1": (False, True), "w2": (True, False)}
+  assert kept["never"] == {"w1": (False, False), "w2": (False, False)}
+  assert kept["always"] == {"w1": (True, True), "w2": (True, True)}
+  for mode in ("auto", "always"):
+    for x, y in zip(jax.tree_util.tree_leaves(nat[mode]), jax.tree_util.tree_leaves(nat["never"])):
+      np.testing.assert_allclose(x, y, rtol=1e-9, atol=1e-12)
+
+
+def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64):
+  loss_fn, params, batch = _head_setup()
+  with pytest.raises(ValueError, match="unknown factor_solve 'cholesky'"):
+    kfac_jax.CurvatureEstimator(loss_fn, batch, factor_solve="cholesky")
+
+  def stacked(p, x):  # Three 300 -> 300 layers in a scan: the stack's blocks are vmapped.
+    h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+    return h[:, :4]
+
+  p = {"w": 0.05 * jax.random.normal(jax.random.key(2), (3, 300, 300), jnp.float64)}
+  b = {"x": jnp.ones((2, 300), jnp.float64), "y": jnp.array([0, 1])}
+  est = kfac_jax.CurvatureEstimator(_models.softmax_loss(stacked), b, factor_solve="always")
+  est.init(p)
+  (block,) = est.blocks
+  assert isinstance(block, kfac_jax.blocks.StackedBlock) and block.inner.solves == (False, False)
+  assert block.cache_shapes().a.subst is None and block.cache_shapes().a.powers[0].shape == (
+    3,
+    300,
+    300,
+  )
+
+
+def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
+  loss_fn, params, batch = _head_setup()
+  grads = jax.grad(loss_fn)(params, batch)
+  out = {}
+  for mode in ("never", "auto"):
+    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, curvature_every=1, factor_solve=mode)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params, batch=batch, rng=jax.random.key(1))
+    cache = state.preconditioner.curvature.cache
+    assert (cache["w2"].a.subst is not None) == (mode == "auto")
+    out[mode] = updates
+  for x, y in zip(jax.tree_util.tree_leaves(out["auto"]), jax.tree_util.tree_leaves(out["never"])):
+    np.testing.assert_allclose(x, y, rtol=1e-9, atol=1e-12)
+  opt = kfac_jax.Optimizer(
+    loss_fn,
+    batch,
+    learning_rate=0.1,
+    momentum=0.0,
+    config=kfac_jax.OptimizerConfig(factor_solve="never"),
+  )
+  opt_state = opt.init(params)
+  assert opt.estimator.config.factor_solve == "never"
+  assert opt_state.curvature.cache["w2"].a.subst is None
+  with pytest.raises(ValueError, match="unknown `config.factor_solve` 'fast'"):
+    kfac_jax.OptimizerConfig(factor_solve="fast")
+  with pytest.raises(ValueError, match="unknown factor_solve 'fast'"):
+    kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, factor_solve="fast")

@@ -41,6 +41,28 @@ def test_bucketed_functions_equal_direct_ones(n, x64):
 def test_failed_factorisation_is_not_finite():
   m = -jnp.eye(20)
   assert not np.isfinite(np.asarray(_linalg.spd_inverse(m))).all()
+  assert not all(np.isfinite(np.asarray(b)).all() for b in _linalg.substitution_form(m)[0])
+
+
+@pytest.mark.parametrize("n", [1, 5, 9, 33, 100, 301])
+def test_substitution_form_solves_like_the_inverse(n, x64):
+  """Blocks of the Cholesky factor L: inverted diagonal blocks and the columns below them; the
+  block substitution equals m⁻¹ x, also when the blocks do not split n evenly."""
+  m = _spd(n, n)
+  chol = np.linalg.cholesky(np.asarray(m))
+  diagonals, panels = _linalg.substitution_form(m)
+  bounds = _linalg.substitution_bounds(n)
+  assert len(diagonals) == len(bounds) - 1 == len(panels) + 1
+  assert len(diagonals) == min(_linalg.SUBSTITUTION_BLOCKS, -(-n // 8))
+  for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+    np.testing.assert_allclose(diagonals[i] @ chol[s:e, s:e], np.eye(e - s), atol=1e-10)
+    if i < len(panels):
+      np.testing.assert_allclose(panels[i], chol[e:, s:e], atol=1e-12)
+  x = np.random.default_rng(0).normal(size=(n, 3))
+  got = _linalg.substitution_solve((diagonals, panels), jnp.asarray(x))
+  np.testing.assert_allclose(got, np.linalg.solve(np.asarray(m), x), rtol=1e-9, atol=1e-11)
+  eye = _linalg.substitution_identity(n, jnp.float64)
+  np.testing.assert_array_equal(_linalg.substitution_solve(eye, jnp.asarray(x)), x)
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 8, 11, 1001])

@@ -56,6 +56,12 @@ def main(argv=None) -> int:
   p.add_argument("--curvature-every", type=int, default=5)
   p.add_argument("--inverse-every", type=int, default=5)
   p.add_argument("--timed-steps", type=int, default=60)
+  p.add_argument(
+    "--factor-solve",
+    default="auto",
+    choices=("auto", "always", "never"),
+    help="kfac's factor_solve (how the inverses are kept; compare 'auto' with 'never')",
+  )
   args, rest = p.parse_known_args(argv)
   wl = race.WORKLOADS[args.workload].parse_args(list(rest) + ["--plot", ""])
   workload = race.cyclic(race.WORKLOADS[args.workload].make_workload(wl), wl.warmup + wl.steps)
@@ -69,6 +75,7 @@ def main(argv=None) -> int:
     ema_decay=0.95,
     inverse_every=args.inverse_every,
     curvature_every=args.curvature_every,
+    factor_solve=args.factor_solve,
   )
   adam = _harness.first_order("Adam", "adam", workload.loss_fn, optax.adam(args.adam_lr))
   c, i = args.curvature_every, args.inverse_every
@@ -79,8 +86,8 @@ def main(argv=None) -> int:
   adam_ms = 1e3 * float(np.median(t_adam))
   print(f"{workload.name}: {workload.description}")
   print(
-    f"kfac lr {args.lr}, momentum 0.7, damping 0.1, max_norm default; statistics every {c}, "
-    f"inverses every {i}; {args.timed_steps} timed steps each after {warmup}; jax "
+    f"kfac lr {args.lr}, momentum 0.7, damping 0.1, max_norm default, factor_solve "
+    f"{args.factor_solve!r}; statistics every {c}, inverses every {i}; {args.timed_steps} timed steps each after {warmup}; jax "
     f"{jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} CPUs)\n"
   )
   print(

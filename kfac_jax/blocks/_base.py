@@ -38,6 +38,7 @@ from kfac_jax._specs import LayerSpec
 
 Array = jax.Array
 DampingMode = Literal["factored", "eigen"]
+FactorSolve = Literal["auto", "always", "never"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,14 @@ class BlockConfig:
     inverse_dtype: dtype of everything `update_inverses` derives (powers, eigen-decompositions,
       Cholesky factors, the damping) and of the products: float32 or float64. Factors are cast
       to it before they are factorised.
+    factor_solve: how a Kronecker factor's damped inverse (power -1, "factored" damping) is kept.
+      "never": as an explicit matrix, products are matmuls. "always": in substitution form (its
+      Cholesky factor in blocks, `_linalg.substitution_form`), products are block substitutions (a
+      refresh ~3x faster, products a few times slower). "auto" (default): the substitution form for
+      a factor of size n ≥ 256 multiplied by at most n/8 columns (a wide input into a narrow layer,
+      e.g. a classifier head), where the cheaper refresh outweighs slower products; see
+      `KroneckerBlock.solves`. Stacks of layers and grouped convolutions (vmapped blocks) always
+      keep explicit inverses.
   """
 
   exps: tuple[float, ...] = (-1.0,)
@@ -64,6 +73,7 @@ class BlockConfig:
   cholesky_inverse: bool = False
   stats_dtype: Any = jnp.float32
   inverse_dtype: Any = jnp.float32
+  factor_solve: FactorSolve = "auto"
 
   @property
   def cached_exps(self) -> tuple[float, ...]:
@@ -109,6 +119,8 @@ class Block(abc.ABC):
   """
 
   needs_cache_for_statistics: bool = False
+  # Set by a wrapper that vmaps this block over a leading axis (`StackedBlock`).
+  vmapped: bool = False
 
   def __init__(self, spec: LayerSpec, config: BlockConfig):
     self.spec = spec

@@ -88,6 +88,31 @@ def _t(f: Array) -> Array:
   return f if f.ndim == 1 else f.T
 
 
+def _left_power(c: FactorCache, k: int, m: Array) -> Array:
+  """F_λ^e · m for the cached power e = cached_exps[k]; F_λ⁻¹ · m by block substitution when
+  the cache keeps F_λ's substitution form instead of the inverse (`powers[k]` is None)."""
+  p = c.powers[k]
+  if p is not None:
+    return _left(p, m)
+  assert c.subst is not None  # Kept instead of the power (`KroneckerBlock.solves`).
+  return _linalg.substitution_solve(c.subst, m)
+
+
+def _right_power(m: Array, c: FactorCache, k: int) -> Array:
+  """m · F_λ^e, as `_left_power` (F_λ is symmetric)."""
+  p = c.powers[k]
+  if p is not None:
+    return _right(m, p)
+  assert c.subst is not None
+  return _linalg.substitution_solve(c.subst, m.T).T
+
+
+# `factor_solve="auto"`: a factor of size n keeps its Cholesky factor instead of its inverse
+# when n ≥ SOLVE_MIN_SIZE and its products have at most n / SOLVE_MIN_RATIO columns.
+SOLVE_MIN_SIZE = 256
+SOLVE_MIN_RATIO = 8
+
+
 def damped_factors(a: Array, g: Array, damping: Array) -> tuple[Array, Array]:
   """π-adjusted factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring);
   a diagonal factor (a vector) gets the constant added to every entry."""
@@ -160,6 +185,45 @@ class KroneckerBlock(LayoutBlock):
   def _diag_g(self) -> bool:
     return self.spec.approx in DIAG_G
 
+  @functools.cached_property
+  def solves(self) -> tuple[bool, bool]:
+    """Whether A's and G's damped inverse is kept in substitution form (`FactorCache.subst`:
+    the Cholesky factor's inverted diagonal blocks and the columns below them, `powers` None
+    at power -1) and applied by block substitution, instead of as an explicit inverse applied
+    by one matmul (`BlockConfig.factor_solve`).
+
+    The explicit inverse of an n×n factor costs a Cholesky and two n×n triangular solves
+    against the identity, ~7n³/3 flops; the substitution form the Cholesky and two half-size
+    triangular inverses, ~7n³/12. A product with the m columns the factor multiplies (the
+    other factor's size) then takes three matmuls with the blocks instead of one with the
+    inverse: ~1.5x the flops, a few times the time for narrow m on CPU. On the development CPU
+    the CNN head's 1569² input factor (10 classes) refreshed in 41–66 ms instead of 117–188 ms,
+    its product took 2.4–4.8 ms instead of 1.9–2.2 (benchmarks/RESULTS.md, "Wide factors kept
+    in substitution form"). "auto" keeps the form for n ≥ 256 and m ≤ n/8, where the refresh
+    outweighs a few products. The choice depends only on the shapes, so the state has one
+    structure on every backend (a checkpoint moves between them). Diagonal factors, "eigen"
+    damping, grouped convolutions and blocks inside a stack (vmapped) keep explicit inverses.
+    """
+    config = self.config
+    if (
+      config.factor_solve == "never"
+      or config.damping_mode != "factored"
+      or -1.0 not in config.cached_exps
+      or self.grouped
+      or self.vmapped
+    ):
+      return False, False
+    na, ng = self.factor_shapes[0][-1], self.factor_shapes[1][-1]
+
+    def side(n: int, partner: int, diag: bool) -> bool:
+      if diag:
+        return False
+      if config.factor_solve == "always":
+        return True
+      return n >= SOLVE_MIN_SIZE and SOLVE_MIN_RATIO * partner <= n
+
+    return side(na, ng, self._diag_a), side(ng, na, self._diag_g)
+
   @classmethod
   def factor_shapes_for(cls, spec):
     """`kron_shapes(spec)`, a side kept as its diagonal a vector (embeddings' A, the "kron_*_diag"
@@ -222,27 +286,33 @@ class KroneckerBlock(LayoutBlock):
   def init_cache(self) -> KroneckerCache:
     config, dtype = self.config, self.config.inverse_dtype
 
-    def side(shape, diag):
+    def side(shape, diag, solve):
       if config.damping_mode == "eigen":  # Eigenvalues ones; a diagonal factor is its own basis.
         evals = jnp.ones(shape if diag else shape[:-1], dtype)
         return FactorCache(evals=evals, evecs=None if diag else _identity(shape, dtype))
       eye = _identity(shape, dtype)
       return FactorCache(
-        powers=tuple(eye for _ in config.cached_exps),
+        powers=tuple(None if solve and e == -1 else eye for e in config.cached_exps),
         chol=eye if config.cholesky else None,
         chol_inv=eye if config.cholesky_inverse else None,
+        subst=_linalg.substitution_identity(shape[-1], dtype) if solve else None,
       )
 
     sa, sg = self.factor_shapes
+    solve_a, solve_g = self.solves
     return KroneckerCache(
-      a=side(sa, self._diag_a), g=side(sg, self._diag_g), damping=jnp.zeros((), dtype)
+      a=side(sa, self._diag_a, solve_a),
+      g=side(sg, self._diag_g, solve_g),
+      damping=jnp.zeros((), dtype),
     )
 
   def compute_cache(self, factors: KroneckerFactors, damping) -> KroneckerCache:
     damping = jnp.asarray(damping, self.config.inverse_dtype)
     config = self.config
 
-    def side(m):  # One group's factor, damped ("factored") or not ("eigen").
+    solve_a, solve_g = self.solves
+
+    def side(m, solve):  # One group's factor, damped ("factored") or not ("eigen").
       if config.damping_mode == "eigen":
         if m.ndim == 1:
           return FactorCache(evals=jnp.maximum(m, 0.0))
@@ -250,15 +320,16 @@ class KroneckerBlock(LayoutBlock):
         return FactorCache(evals=evals, evecs=evecs)
       chol = _chol(m) if config.cholesky or config.cholesky_inverse else None
       return FactorCache(
-        powers=tuple(_power(m, e) for e in config.cached_exps),
+        powers=tuple(None if solve and e == -1 else _power(m, e) for e in config.cached_exps),
         chol=chol if config.cholesky else None,
         chol_inv=_chol_inverse(chol) if chol is not None and config.cholesky_inverse else None,
+        subst=_linalg.substitution_form(m) if solve else None,
       )
 
     def one(a, g):
       if config.damping_mode == "factored":
         a, g = damped_factors(a, g, damping)
-      return side(a), side(g)
+      return side(a, solve_a), side(g, solve_g)
 
     ca, cg = self.map_groups(one, factors.a, factors.g)
     return KroneckerCache(a=ca, g=cg, damping=damping)
@@ -292,7 +363,8 @@ class KroneckerBlock(LayoutBlock):
         return _right(_left(a_d, m), g_d)
       if eigen:
         return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)
-      return _right(_left(ca.powers[k], m), cg.powers[k])
+      assert k is not None  # a cached power: exp != 1 under "factored" damping
+      return _right_power(_left_power(ca, k, m), cg, k)
 
     out = self.map_groups(one, factors.a, factors.g, cache.a, cache.g, m)
     return self._from_matrix(out, vecs)

@@ -33,6 +33,10 @@ class StackedBlock(Block):
     self.spec = spec
     self.config = config
     self.inner = inner
+    wrapped: Block | None = inner
+    while wrapped is not None:  # The stack vmaps its block and whatever that block wraps.
+      wrapped.vmapped = True
+      wrapped = getattr(wrapped, "inner", None)
     self.needs_cache_for_statistics = inner.needs_cache_for_statistics
 
   @classmethod

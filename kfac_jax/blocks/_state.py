@@ -50,13 +50,18 @@ class FactorCache(NamedTuple):
       damping; () under "eigen").
     chol: the Cholesky factor L of F_λ (`cholesky=True`, "factored"), else None.
     chol_inv: L⁻¹ (`cholesky_inverse=True`, "factored"), else None.
+    subst: `(diagonals, panels)`, F_λ's Cholesky factor L in blocks: the inverses of its
+      diagonal blocks and the columns below them (`_linalg.substitution_form`), kept instead
+      of the power -1 (whose `powers` entry is then None) where `KroneckerBlock.solves` says
+      so; else None.
     evals: F's eigenvalues clipped at 0, `[(groups,) n]` ("eigen" damping), else None.
     evecs: F's eigenvectors as columns, F's shape ("eigen" damping, a matrix F), else None.
   """
 
-  powers: tuple[Array, ...] = ()
+  powers: tuple[Array | None, ...] = ()
   chol: Array | None = None
   chol_inv: Array | None = None
+  subst: tuple[tuple[Array, ...], tuple[Array, ...]] | None = None
   evals: Array | None = None
   evecs: Array | None = None
 
