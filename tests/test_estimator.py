@@ -379,8 +379,14 @@ def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inver
       np.testing.assert_allclose(x, y, rtol=1e-9, atol=1e-12)
 
 
-def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64):
+def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypatch):
   loss_fn, params, batch = _head_setup()
+  # The state's structure depends on shapes only, not on the backend (checkpoints move).
+  here = jax.tree_util.tree_structure(kfac_jax.CurvatureEstimator(loss_fn, batch).init(params))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  there = jax.tree_util.tree_structure(kfac_jax.CurvatureEstimator(loss_fn, batch).init(params))
+  monkeypatch.undo()
+  assert here == there
   with pytest.raises(ValueError, match="unknown factor_solve 'cholesky'"):
     kfac_jax.CurvatureEstimator(loss_fn, batch, factor_solve="cholesky")
 

@@ -107,8 +107,8 @@ def _right_power(m: Array, c: FactorCache, k: int) -> Array:
   return _linalg.substitution_solve(c.subst, m.T).T
 
 
-# `factor_solve="auto"`: a factor of size n keeps its Cholesky factor instead of its inverse
-# when n ≥ SOLVE_MIN_SIZE and its products have at most n / SOLVE_MIN_RATIO columns.
+# `factor_solve="auto"`: a factor of size n is kept in substitution form instead of as its
+# inverse when n ≥ SOLVE_MIN_SIZE and its products have at most n / SOLVE_MIN_RATIO columns.
 SOLVE_MIN_SIZE = 256
 SOLVE_MIN_RATIO = 8
 
@@ -195,11 +195,11 @@ class KroneckerBlock(LayoutBlock):
     The explicit inverse of an n×n factor costs a Cholesky and two n×n triangular solves
     against the identity, ~7n³/3 flops; the substitution form the Cholesky and two half-size
     triangular inverses, ~7n³/12. A product with the m columns the factor multiplies (the
-    other factor's size) then takes three matmuls with the blocks instead of one with the
-    inverse: ~1.5x the flops, a few times the time for narrow m on CPU. On the development CPU
-    the CNN head's 1569² input factor (10 classes) refreshed in 41–66 ms instead of 117–188 ms,
-    its product took 2.4–4.8 ms instead of 1.9–2.2 (benchmarks/RESULTS.md, "Wide factors kept
-    in substitution form"). "auto" keeps the form for n ≥ 256 and m ≤ n/8, where the refresh
+    other factor's size) then takes six half-size matmuls instead of one with the inverse:
+    ~1.5x the flops, up to a few times the time for narrow m on CPU. On the development CPU the
+    CNN head's 1569² input factor (10 classes) refreshed in 48–50 ms instead of 114–117 ms, its
+    products took 1.7–3.2 ms instead of 1.0–1.2 (benchmarks/RESULTS.md, "Wide factors kept in
+    substitution form"). "auto" keeps the form for n ≥ 256 and m ≤ n/8, where the refresh
     outweighs a few products. The choice depends only on the shapes, so the state has one
     structure on every backend (a checkpoint moves between them). Diagonal factors, "eigen"
     damping, grouped convolutions and blocks inside a stack (vmapped) keep explicit inverses.
