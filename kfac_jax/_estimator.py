@@ -24,6 +24,7 @@ import numpy as np
 
 from kfac_jax import (
   _checks,
+  _compat,
   _curvature,
   _layer_config,
   _parallel,
@@ -400,17 +401,20 @@ class CurvatureEstimator:
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
     self.ensure_layers(params)
-    _, _, stats = _curvature.compute(
-      self.scan_batch(params, batch),
-      params,
-      batch,
-      rng,
-      estimation_mode=self.estimation_mode,
-      num_samples=self.num_samples,
-      with_grads=False,
-      with_params_stats=self.compute_params_stats,
-      fingerprint=self.registration.fingerprint,
-    )
+    # Only pulled back: convolutions transpose with canonically ordered kernels (fast inside
+    # the transforms' `lax.cond` on CPU; `_compat.pull_back_convs_canonically`).
+    with _compat.pull_back_convs_canonically():
+      _, _, stats = _curvature.compute(
+        self.scan_batch(params, batch),
+        params,
+        batch,
+        rng,
+        estimation_mode=self.estimation_mode,
+        num_samples=self.num_samples,
+        with_grads=False,
+        with_params_stats=self.compute_params_stats,
+        fingerprint=self.registration.fingerprint,
+      )
     return stats
 
   def batch_factors(

@@ -1073,3 +1073,17 @@ def test_factor_solve_profile_quick():
   rows = re.findall(r"^\| (\d+) \| (\d+) \|.*\| ([0-9.e+-]+) \|$", res.stdout, re.M)
   assert [(r[0], r[1]) for r in rows] == [("300", "4"), ("40", "4")], res.stdout
   assert all(float(r[2]) < 1e-3 for r in rows), res.stdout
+
+
+def test_conv_in_cond_profile_quick():
+  """`profile/conv_in_cond.py` part 1: every convolution form timed inside and outside a cond
+  (times are printed, not asserted)."""
+  res = subprocess.run(
+    [sys.executable, "benchmarks/profile/conv_in_cond.py", "--no-workload", "--repeats", "1"],
+    cwd=_ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  rows = re.findall(r"^\| ([a-z][^|]*) \| [0-9.]+ \| [0-9.]+ \|$", res.stdout, re.M)
+  assert len(rows) == 5 and rows[2].startswith("pull-back to the input"), res.stdout

@@ -1,5 +1,8 @@
 """Convolution, scale-and-shift and embedding layers against exact Fisher blocks (float64)."""
 
+import math
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax
+from kfac_jax import _curvature
 
 
 def _ce(logits, y):
@@ -1107,3 +1111,72 @@ def test_concatenated_kernels_are_one_dense_layer(x64, how):
   with pytest.warns(kfac_jax.UncoveredParametersWarning, match="gate_a/kernel"):
     specs = kfac_jax.scan_layers(also_used, params, batch)
   assert not any(len(s.param_paths) == 4 for s in specs)
+
+
+@pytest.mark.parametrize(
+  "strides, padding, lhs_d, rhs_d, groups",
+  [
+    ((1, 1), "SAME", None, None, 1),
+    ((2, 1), "SAME", None, (1, 2), 2),
+    ((1, 2), ((1, 0), (2, 1)), (2, 1), None, 1),
+  ],
+)
+def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
+  x64, strides, padding, lhs_d, rhs_d, groups
+):
+  """`curvature_stats` traces convolutions whose transpose reads the kernel as
+  (spatial..., in, out) (XLA:CPU ran the other order ~15x slower inside the transforms'
+  `lax.cond`); the statistics equal those of the plain convolutions."""
+  dn = ("NHWC", "HWIO", "NHWC")
+
+  def features(p, x):
+    kw = dict(
+      lhs_dilation=lhs_d, rhs_dilation=rhs_d, dimension_numbers=dn, feature_group_count=groups
+    )
+    h = jnp.tanh(lax.conv_general_dilated(x, p["c1"], (1, 1), "SAME", dimension_numbers=dn))
+    return lax.conv_general_dilated(h, p["c2"], strides, padding, **kw)
+
+  def apply(p, x):
+    h = features(p, x)
+    return h.reshape(h.shape[0], -1) @ p["out"]
+
+  k = jax.random.split(jax.random.key(0), 5)
+  x = jax.random.normal(k[0], (3, 6, 5, 4), jnp.float64)
+  params = {
+    "c1": 0.5 * jax.random.normal(k[1], (3, 2, 4, 4), jnp.float64),
+    "c2": 0.5 * jax.random.normal(k[2], (3, 3, 4 // groups, 4), jnp.float64),
+  }
+  feat = jax.eval_shape(features, params, x).shape
+  params["out"] = 0.2 * jax.random.normal(k[3], (math.prod(feat[1:]), 3), jnp.float64)
+  batch = {"x": x, "y": jax.random.randint(k[4], (3,), 0, 3)}
+  est = kfac_jax.CurvatureEstimator(lambda p, b: _ce(apply(p, b["x"]), b["y"]), batch)
+  est.init(params)
+  key = jax.random.key(7)
+  got = est.curvature_stats(params, batch, key)
+  plain = _curvature.compute(  # The same pass without the canonical pull-back.
+    est.scan_batch(params, batch),
+    params,
+    batch,
+    key,
+    estimation_mode="gradients",
+    num_samples=1,
+    with_grads=False,
+  )[2]
+  for a, b in zip(jax.tree_util.tree_leaves(got.data), jax.tree_util.tree_leaves(plain.data)):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+  def kernels(fn):  # The kernel dimension orders of the lowered program's convolutions.
+    text = jax.jit(fn).lower(params, batch, key).as_text()
+    return re.findall(r"dim_numbers = \[[^\]]*\]x\[([^\]]*)\]->", text)
+
+  scan = est.scan_batch(params, batch)
+
+  def plain_stats(p, b, k):
+    return _curvature.compute(
+      scan, p, b, k, estimation_mode="gradients", num_samples=1, with_grads=False
+    )[2]
+
+  # Two forward convolutions and the pull-back through c2, the strided / dilated / grouped one
+  # (c1's input needs none).
+  assert kernels(est.curvature_stats) == ["0, 1, i, o"] * 3
+  assert "0, 1, o, i" in kernels(plain_stats)  # JAX's own transpose reads (out, in).
