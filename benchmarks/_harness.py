@@ -93,6 +93,18 @@ class Workload:
   extra_evals: tuple[tuple[str, Callable[[Any], float]], ...] = ()
 
 
+def median_ms(f, *args, repeats: int) -> float:
+  """Median wall time of `f(*args)` in ms over `repeats` calls after one warm-up call (which
+  compiles a jitted `f`), each waited for with `block_until_ready`."""
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t)
+  return 1e3 * float(np.median(times))
+
+
 def extra_eval(workload: Workload, params) -> dict[str, float]:
   """`{label: value}` of the workload's `extra_evals` on `params`."""
   return {label: float(fn(params)) for label, fn in workload.extra_evals}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
@@ -31,24 +30,18 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import kfac_jax  # noqa: E402
+from benchmarks import _harness  # noqa: E402
 from kfac_jax import _curvature  # noqa: E402
 
 
-def _ms(f, *args, repeats: int) -> float:
-  f = jax.jit(f)
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
+def _jit_ms(f, *args, repeats: int) -> float:
+  return _harness.median_ms(jax.jit(f), *args, repeats=repeats)
 
 
 def _row(name, fn, like, args, repeats):
   """`fn(*args)` outside and inside a taken `lax.cond` (the other branch returns zeros)."""
-  out = _ms(fn, *args, repeats=repeats)
-  inside = _ms(
+  out = _jit_ms(fn, *args, repeats=repeats)
+  inside = _jit_ms(
     lambda flag, *a: lax.cond(flag, lambda: fn(*a), lambda: jnp.zeros(like.shape, like.dtype)),
     jnp.bool_(True),
     *args,
@@ -114,8 +107,8 @@ def statistics_table(repeats: int) -> None:
     ("canonical pull-back (the library)", canonical),
     ("JAX's transposes", jax_transposes),
   ):
-    out = _ms(fn, state, params, batch, key, repeats=repeats)
-    inside = _ms(
+    out = _jit_ms(fn, state, params, batch, key, repeats=repeats)
+    inside = _jit_ms(
       lambda flag, s, p, b, k, fn=fn: lax.cond(flag, lambda: fn(s, p, b, k), lambda: s),
       jnp.bool_(True),
       state,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
@@ -28,17 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kfac_jax  # noqa: E402
+from benchmarks import _harness  # noqa: E402
 from kfac_jax.blocks import _linalg  # noqa: E402
-
-
-def _median_ms(f, *args, repeats: int) -> float:
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
 
 
 def factor_table(sizes, repeats: int) -> None:
@@ -55,10 +45,10 @@ def factor_table(sizes, repeats: int) -> None:
     m = jnp.asarray(r @ r.T / n + 0.1 * np.eye(n, dtype=np.float32))
     x = jnp.asarray(rng.randn(n, k).astype(np.float32))
     inv, form = refresh_inv(m), refresh_form(m)
-    t_inv = _median_ms(refresh_inv, m, repeats=repeats)
-    t_form = _median_ms(refresh_form, m, repeats=repeats)
-    t_mm = _median_ms(matmul, inv, x, repeats=repeats)
-    t_sub = _median_ms(solve, form, x, repeats=repeats)
+    t_inv = _harness.median_ms(refresh_inv, m, repeats=repeats)
+    t_form = _harness.median_ms(refresh_form, m, repeats=repeats)
+    t_mm = _harness.median_ms(matmul, inv, x, repeats=repeats)
+    t_sub = _harness.median_ms(solve, form, x, repeats=repeats)
     extra = t_sub - t_mm
     even = f"{(t_inv - t_form) / extra:.0f}" if extra > 0 else "always"
     err = float(jnp.max(jnp.abs(m @ solve(form, x) - x)))
@@ -88,8 +78,8 @@ def workload_table(name: str, repeats: int, rounds: int) -> None:
       refresh = jax.jit(lambda s: est.update_inverses(s, 0.1))
       apply = jax.jit(est.multiply_inverse)
       fresh = refresh(state)
-      t_ui = _median_ms(refresh, state, repeats=repeats)
-      t_mi = _median_ms(apply, fresh, params, repeats=repeats)
+      t_ui = _harness.median_ms(refresh, state, repeats=repeats)
+      t_mi = _harness.median_ms(apply, fresh, params, repeats=repeats)
       kept = [
         f"{n}.{side}"
         for n, c in fresh.cache.items()
