@@ -73,8 +73,8 @@ def check_restored_state(expected: Any, restored: Any) -> None:
   Raises:
     ValueError: listing the blocks that are missing or unexpected, every field of a block that
       is missing, unexpected (the estimator's options differ: `exps`, `compute_cholesky`,
-      `damping_mode`) or has another shape or dtype, and every other mismatching leaf by its
-      path.
+      `damping_mode`, `factor_solve`) or has another shape or dtype, and every other mismatching
+      leaf by its path.
   """
   want, got = _leaves(expected), _leaves(restored)
   want_blocks = {leaf.block for leaf in want.values() if leaf.block}

@@ -434,3 +434,11 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
     kfac_jax.OptimizerConfig(factor_solve="fast")
   with pytest.raises(ValueError, match="unknown factor_solve 'fast'"):
     kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, factor_solve="fast")
+
+
+def test_checkpoint_from_another_factor_solve_is_refused_by_name(x64):
+  loss_fn, params, batch = _head_setup()
+  auto = kfac_jax.CurvatureEstimator(loss_fn, batch).init(params)
+  never = kfac_jax.CurvatureEstimator(loss_fn, batch, factor_solve="never").init(params)
+  with pytest.raises(ValueError, match=r"(?s)block `w2`: `cache/a/subst/0/0` in the checkpoint"):
+    kfac_jax.check_restored_state(never, auto)
