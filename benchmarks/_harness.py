@@ -294,6 +294,8 @@ def kfac_transform(
   `decay_steps=n`: the learning rate follows `optax.cosine_decay_schedule(learning_rate, n)`.
   """
   momentum_ = momentum if momentum > 0 else None
+  if stats_batch is not None:  # Exactly those rows: not cut again by `kfac`'s "auto" default.
+    kfac_kwargs.setdefault("statistics_fraction", None)
   tx = kfac_jax.kfac(
     loss_fn,
     example_batch,

@@ -113,17 +113,19 @@ def static_int(value, name: str, *, low: int = 1, fix: str = "") -> None:
     raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
 
 
-def static_fraction(value, name: str, *, fix: str = "") -> None:
-  """A Python number in (0, 1] that fixes array shapes (never traced)."""
+def static_fraction(value, name: str, *, fix: str = "", also: str = "") -> None:
+  """A Python number in (0, 1] that fixes array shapes (never traced). `also` names the other
+  accepted values in the messages (e.g. 'or "auto"')."""
+  what = "a number in (0, 1]" + (f" {also}" if also else "")
   if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
     raise TypeError(
       f"`{name}` fixes array shapes and must be a Python number, got a "
       f"{type(value).__name__}: {value!r}.{fix}"
     )
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-    raise TypeError(f"`{name}` must be a number in (0, 1], got {_describe(value)}.{fix}")
+    raise TypeError(f"`{name}` must be {what}, got {_describe(value)}.{fix}")
   if not (0 < value <= 1):
-    raise ValueError(f"`{name}` must be a number in (0, 1], got {value!r}.")
+    raise ValueError(f"`{name}` must be {what}, got {value!r}.")
 
 
 def boolean(value, name: str) -> None:

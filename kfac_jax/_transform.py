@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,11 +93,12 @@ def _check_args(
   _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
   _checks.positive_int(inverse_every, "inverse_every")
   _checks.positive_int(curvature_every, "curvature_every")
-  if statistics_fraction is not None:
+  if statistics_fraction is not None and statistics_fraction != "auto":
     _checks.static_fraction(
       statistics_fraction,
       "statistics_fraction",
       fix=" With optax.inject_hyperparams, list it in static_args.",
+      also='or "auto"',
     )
   _checks.choice(estimation_mode, "estimation_mode", _curvature.ESTIMATION_MODES)
   if num_samples is not None:
@@ -137,6 +138,21 @@ def _check_args(
       "axis: pass `axis_name=` (inside pmap/shard_map) or `inverse_mesh=(mesh, axis)` (under "
       "jit with sharded data), or keep inverse_storage='replicated' on one device."
     )
+
+
+def auto_stride(n: int) -> int:
+  """The row stride of `statistics_fraction="auto"` for a batch of n rows: every fourth row from
+  256 rows, every second from 128, else every row, so the statistics keep at least 64 examples.
+
+  From the races (benchmarks/RESULTS.md, "A quarter of the rows by default"): a quarter of
+  the rows made K-FAC reach Adam's loss sooner on the CNN (batch 256: 0.55x Adam's time
+  against every row's 0.60x, four seeds) and the autoencoder (batch 1000: 0.19x against
+  0.23x), with a cheaper mean step; on the Transformer (8 of 32 sequences) it left the time
+  level and the held-out loss slightly worse, so batches under 128 keep every row, and no
+  statistics step uses fewer than 64 examples. Strides that are powers of two keep the rows
+  on their devices for a batch sharded over a power-of-two number of devices.
+  """
+  return 4 if n >= 256 else 2 if n >= 128 else 1
 
 
 class _Preconditioner:
@@ -241,20 +257,18 @@ class _Preconditioner:
       curvature=self.est.init(params, axis_name=self.axis_name, mesh=self.inverse_mesh),
     )
 
-  def statistics_rows(self, batch):
-    """`batch` cut to the rows the statistics come from: r = ⌈f·N⌉ of the N along every
-    leaf's leading axis (f = `statistics_fraction`; the whole batch for f = 1), evenly spaced:
-    rows 0, s, 2s, ... with stride s = ⌊N / r⌋ (`x[:r*s:s]`, every s-th row when r divides N).
-    A strided slice, not the first r rows: a batch sharded over devices keeps its statistics
-    rows on every device (no rows move when s divides the shards' row count), and an ordered
-    batch (sources or classes in blocks) contributes from every block. Scalar leaves pass
-    whole. Raises ValueError, naming the leaves, when the leading axes differ."""
+  def _row_plan(self, batch, *, strict: bool) -> tuple[int, int] | None:
+    """`(rows, stride)` of the statistics' rows of `batch` (`x[: rows * stride : stride]` along
+    every leaf's leading axis), or None for every row. `strict`: a batch whose leaves do not
+    share one leading axis raises (an explicit fraction); otherwise it keeps every row."""
     f = self.statistics_fraction
     if f == 1:
-      return batch
-    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+      return None
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     sized = [(path, x) for path, x in flat if jnp.ndim(x) >= 1]
     if not sized:
+      if not strict:
+        return None
       raise ValueError(
         f"{self.name}: statistics_fraction={f!r} takes rows of every `batch=` leaf, "
         "but no leaf has a leading axis."
@@ -262,16 +276,55 @@ class _Preconditioner:
     n = jnp.shape(sized[0][1])[0]
     for path, x in sized[1:]:
       if jnp.shape(x)[0] != n:
+        if not strict:
+          return None
         raise ValueError(
           f"{self.name}: statistics_fraction={f!r} takes the same rows of every `batch=` "
           f"leaf, so their leading axes must agree: `batch{jax.tree_util.keystr(sized[0][0])}` "
           f"has {n} rows, `batch{jax.tree_util.keystr(path)}` has {jnp.shape(x)[0]}. Pass "
           "statistics_fraction=None and slice the batch yourself."
         )
+    if f == "auto":
+      stride = auto_stride(n)
+      if stride == 1:
+        return None
+      return -(-n // stride), stride
     rows = max(1, math.ceil(f * n))
-    stride = n // rows
-    leaves = [x[: rows * stride : stride] if jnp.ndim(x) >= 1 else x for _, x in flat]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return rows, n // rows
+
+  def statistics_rows(self, batch):
+    """`batch` cut to the rows the statistics come from: r = ⌈f·N⌉ of the N along every
+    leaf's leading axis (f = `statistics_fraction`; the whole batch for f = 1), evenly spaced:
+    rows 0, s, 2s, ... with stride s = ⌊N / r⌋ (`x[:r*s:s]`, every s-th row when r divides N).
+    A strided slice, not the first r rows: a batch sharded over devices keeps its statistics
+    rows on every device (no rows move when s divides the shards' row count), and an ordered
+    batch (sources or classes in blocks) contributes from every block. Scalar leaves pass
+    whole. Raises ValueError, naming the leaves, when the leading axes differ (for "auto":
+    every row, see `auto_stride`)."""
+    plan = self._row_plan(batch, strict=self.statistics_fraction != "auto")
+    if plan is None:
+      return batch
+    rows, stride = plan
+    return jax.tree_util.tree_map(
+      lambda x: x[: rows * stride : stride] if jnp.ndim(x) >= 1 else x, batch
+    )
+
+  def _auto_stats(self, params, batch, rng):
+    """The statistics for `statistics_fraction="auto"`: from `statistics_rows(batch)` when the
+    loss is traced on those rows and its tags see exactly that many examples, else from every
+    row. The cut batch is tried at trace time only: a batch with a leaf that is not
+    per-example (model state, a table), a model whose shapes follow the batch size, or a loss
+    whose examples are not the leaves' leading axis falls back to the whole batch (the
+    abandoned trace leaves nothing in the compiled step)."""
+    plan = self._row_plan(batch, strict=False)
+    if plan is not None:
+      try:
+        stats = self.est.curvature_stats(params, self.statistics_rows(batch), rng)
+      except (TypeError, ValueError):
+        stats = None
+      if stats is not None and stats.batch_size == plan[0]:
+        return stats
+    return self.est.curvature_stats(params, batch, rng)
 
   def _due(self, count):
     """Whether the update at `count` folds statistics (a constant with `curvature_every=1`)."""
@@ -327,6 +380,8 @@ class _Preconditioner:
         stats = curvature_stats
       elif self.statistics_fraction == 1:
         stats = est.curvature_stats(params, batch, rng)
+      elif self.statistics_fraction == "auto":
+        stats = self._auto_stats(params, batch, rng)
       else:
         rows = self.statistics_rows(batch)
         try:
@@ -420,7 +475,7 @@ def scale_by_kfac(
   ema_decay: float = 0.95,
   inverse_every: int = 5,
   curvature_every: int = 1,
-  statistics_fraction: float | None = None,
+  statistics_fraction: float | Literal["auto"] | None = None,
   estimation_mode: _curvature.EstimationMode = "gradients",
   num_samples: int | None = None,
   damping_mode: _blocks.DampingMode = "factored",
@@ -472,9 +527,14 @@ def scale_by_kfac(
       while the gradient is the caller's, from the whole batch. Statistics are normalised by
       their own row count, so the estimate stays unbiased and only noisier; spaced rows
       also sample a batch assembled in blocks (two sources, sorted labels). None (the
-      default) or 1 uses every row. Statistics passed as `curvature_stats=` are used as they
-      come (`kfac_jax.value_and_grad` forms them from the batch it is given). It fixes
-      array shapes, so it must be a Python number (with `optax.inject_hyperparams`, list it
+      default here) or 1 uses every row. "auto" (`kfac`'s default) takes every fourth row of
+      a batch of 256 or more rows, every second of 128 or more, else every row (see
+      `auto_stride`), and uses every row instead, silently, when the cut batch cannot be
+      used: leaves without one shared leading axis, a loss that fails to trace on the cut
+      batch or whose loss tags then see other than that many examples. An explicit f raises
+      in those cases. Statistics passed as `curvature_stats=` are used as they come
+      (`kfac_jax.value_and_grad` forms them from the batch it is given). It fixes array
+      shapes, so a number must be a Python number (with `optax.inject_hyperparams`, list it
       in `static_args`). Under `pmap` / `shard_map` each device takes its own rows; under
       `jit` with a batch sharded along its rows, the global batch's, which stay on their
       devices when the stride divides each device's row count (no rows are moved). When it
@@ -628,7 +688,7 @@ def kfac(
   ema_decay: float = 0.95,
   inverse_every: int = 5,
   curvature_every: int = 5,
-  statistics_fraction: float | None = None,
+  statistics_fraction: float | Literal["auto"] | None = "auto",
   estimation_mode: _curvature.EstimationMode = "gradients",
   num_samples: int | None = None,
   damping_mode: _blocks.DampingMode = "factored",
@@ -676,10 +736,12 @@ def kfac(
       statistics diverged on a small MLP in our tests.
     skip_nonfinite: skip a non-finite update (zero updates, state unchanged but the
       `skipped` counter), the momentum trace included. See `scale_by_kfac`.
+    statistics_fraction: as in `scale_by_kfac`, but "auto" by default: when the statistics
+      come from `batch=`, a quarter of the rows of a batch of 256 or more, half of 128 or
+      more, all of a smaller one (benchmarks/RESULTS.md, "A quarter of the rows by default").
+      Pass None (or 1) for every row.
 
   The other arguments, `registration`, `has_aux`, `ema_decay`, `inverse_every`,
-  `statistics_fraction` (recommended 0.25 for convolutional models and large batches when the
-  statistics come from `batch=`: benchmarks/RESULTS.md, "Three seeds per race"),
   `estimation_mode`, `num_samples`, `damping_mode`, `axis_name`, `inverse_mesh`,
   `inverse_storage`, `factor_solve`, `strict`, `layers`, `stats_dtype` and `inverse_dtype`,
   are those of `scale_by_kfac`.

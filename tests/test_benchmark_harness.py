@@ -997,6 +997,8 @@ def test_kfac_config_parser():
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:stats_batch=64")["stats_batch"] == 64
   cfg = race.parse_kfac_config("0.3:0.7:0.1:0.3:statistics_fraction=0.25")
   assert cfg["statistics_fraction"] == 0.25
+  cfg = race.parse_kfac_config("0.3:0.7:0.1:0.3:statistics_fraction=auto")
+  assert cfg["statistics_fraction"] == "auto"
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:decay_steps=100")["decay_steps"] == 100
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:factor_solve=never")["factor_solve"] == "never"
   cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")

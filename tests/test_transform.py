@@ -207,6 +207,112 @@ def test_statistics_fraction_keeps_jax_errors_whole_and_notes_itself():
   assert any("statistics_fraction=0.5" in n for n in info.value.__notes__), info.value
 
 
+def _two_updates(tx, params, grads, batch):
+  """Updates and state after two `batch=` updates (the first refreshes the inverses)."""
+  rng = jax.random.key(3)
+  state = tx.init(params)
+  update = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, rng=rng))
+  for _ in range(2):
+    u, state = update(grads, state, params, batch)
+  return jax.tree_util.tree_leaves((u, state))
+
+
+def _assert_same(got, want):
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n, fraction", [(100, 1), (128, 0.5), (256, 0.25)])
+def test_kfac_statistics_fraction_defaults_to_auto(n, fraction):
+  """`kfac`'s default takes every fourth row of 256 or more, every second of 128 or more,
+  else every row: the same updates as the explicit fraction (`scale_by_kfac` on "auto" too;
+  its own default is every row)."""
+  assert [kfac_jax._transform.auto_stride(k) for k in (1, 127, 128, 255, 256, 4096)] == [
+    1,
+    1,
+    2,
+    2,
+    4,
+    4,
+  ]
+  loss_fn, params, batch = _problem(n=n)
+  grads = jax.grad(loss_fn)(params, batch)
+  got = _two_updates(kfac_jax.kfac(loss_fn, batch, learning_rate=0.3), params, grads, batch)
+  want = _two_updates(
+    kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=fraction),
+    params,
+    grads,
+    batch,
+  )
+  _assert_same(got, want)
+  if n != 256:
+    return
+  auto = kfac_jax.scale_by_kfac(loss_fn, batch, statistics_fraction="auto")
+  explicit = kfac_jax.scale_by_kfac(loss_fn, batch, statistics_fraction=fraction)
+  _assert_same(
+    _two_updates(auto, params, grads, batch), _two_updates(explicit, params, grads, batch)
+  )
+  whole = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=None)
+  assert not np.allclose(got[0], _two_updates(whole, params, grads, batch)[0], rtol=1e-3)
+
+
+def _time_major(loss_fn, din):
+  """The batch's leading axis is time, not the examples: the loss tags see T·B rows."""
+
+  def loss(p, b):
+    return loss_fn(p, {"x": b["x"].reshape(-1, din), "y": b["y"].reshape(-1)})
+
+  return loss
+
+
+def _shifted(loss_fn):
+  """Adds a per-feature leaf of the batch: cut with the rows, it no longer broadcasts."""
+
+  def loss(p, b):
+    return loss_fn(p, {"x": b["x"] + b["shift"], "y": b["y"]})
+
+  return loss
+
+
+def _picky(loss_fn, n):
+  def loss(p, b):
+    if b["x"].shape[0] < n:
+      int(jnp.sum(b["x"]))  # Concrete values only: a ConcretizationTypeError under tracing.
+    return loss_fn(p, b)
+
+  return loss
+
+
+@pytest.mark.parametrize("case", ["mismatched axes", "not per-example", "jax error", "time-major"])
+def test_kfac_statistics_fraction_auto_falls_back_to_every_row(case):
+  """Where the cut batch cannot be used, "auto" uses every row without a word: leaves without
+  one leading axis, a loss that fails to trace on the cut batch (a per-feature leaf as long
+  as the batch, one of JAX's own errors), or a loss whose tags then see other than the cut's
+  row count (the leading axis is time). An explicit fraction raises in the first three."""
+  loss_fn, params, batch = _problem(n=256, din=4)
+  if case == "mismatched axes":
+    batch = dict(batch, mask=jnp.ones((5,)))
+  elif case == "not per-example":
+    loss_fn, params, batch = _problem(n=256, din=256)
+    batch = dict(batch, shift=jnp.linspace(0.0, 1.0, 256))
+    loss_fn = _shifted(loss_fn)
+  elif case == "jax error":
+    loss_fn = _picky(loss_fn, 256)
+  else:
+    batch = {"x": batch["x"].reshape(128, 2, 4), "y": batch["y"].reshape(128, 2)}
+    loss_fn = _time_major(loss_fn, 4)
+  grads = jax.grad(loss_fn)(params, batch)
+  got = _two_updates(kfac_jax.kfac(loss_fn, batch, learning_rate=0.3), params, grads, batch)
+  whole = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=None)
+  _assert_same(got, _two_updates(whole, params, grads, batch))
+  explicit = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=0.25)
+  if case == "time-major":  # Cut along time: other statistics, no error.
+    assert not np.allclose(_two_updates(explicit, params, grads, batch)[0], got[0], rtol=1e-3)
+  else:
+    with pytest.raises((TypeError, ValueError), match="statistics_fraction"):
+      _two_updates(explicit, params, grads, batch)
+
+
 def test_update_is_the_inverse_of_the_estimator():
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=0.1, ema_decay=0.0)
