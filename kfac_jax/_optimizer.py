@@ -575,8 +575,18 @@ class Optimizer:
     # both through the statistics' and the refresh's pass-through branches on every step.
     finite_in = jnp.isfinite(loss) & all_finite(g_leaves)
 
+    def statistics():
+      return lin.statistics(rng, estimation_mode=cfg.estimation_mode, num_samples=cfg.num_samples)
+
+    # With statistics on every step they are pulled back outside the guard's cond (a
+    # non-finite step computes them for nothing; its fold is skipped). Inside a cond branch
+    # XLA:CPU ran the pull-back through convolutions ~15x slower (profile/conv_in_cond.py):
+    # the CNN's step took 349 / 362 ms against 262 / 271 ms outside (RESULTS.md, "The
+    # Optimizer's statistics outside the guard's cond"); dense models were level.
+    every_step = None if self.curvature_every != 1 else statistics()
+
     def fold():
-      stats = lin.statistics(rng, estimation_mode=cfg.estimation_mode, num_samples=cfg.num_samples)
+      stats = statistics() if every_step is None else every_step
       return est.update_curvature_from_stats(old, stats, cfg.ema_decay, self.axis_name)
 
     curv_due = finite_in
