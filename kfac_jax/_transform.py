@@ -375,10 +375,10 @@ class _Preconditioner:
     if ok is not None and finish_ok is not None:
       ok = ok & finish_ok
 
-    def fold():
+    def statistics():
       if curvature_stats is not None:
-        stats = curvature_stats
-      elif self.statistics_fraction == 1:
+        return curvature_stats
+      if self.statistics_fraction == 1:
         stats = est.curvature_stats(params, batch, rng)
       elif self.statistics_fraction == "auto":
         stats = self._auto_stats(params, batch, rng)
@@ -398,10 +398,20 @@ class _Preconditioner:
             "batch yourself.)"
           )
           raise
-      return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
+      return stats
 
     # Statistics only on due updates (computed inside the branch when the transform computes
-    # them itself); the caches, which the fold never changes, stay out of the branch.
+    # them itself); the caches, which the fold never changes, stay out of the branch. With
+    # statistics on every update (`curvature_every=1`) the only condition is the guard's: they
+    # are formed outside its cond (a non-finite update forms them for nothing; its fold is
+    # skipped), since inside a cond branch XLA:CPU runs some pull-backs far slower (RESULTS.md,
+    # "The `Optimizer`'s statistics outside the guard's cond").
+    every_update = statistics() if self._due(count) is None else None
+
+    def fold():
+      stats = statistics() if every_update is None else every_update
+      return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
+
     fold_due = self._due(count)
     if ok is not None:
       fold_due = ok if fold_due is None else fold_due & ok

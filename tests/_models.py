@@ -81,3 +81,17 @@ def block_mask(est, params):
     idx = np.concatenate([np.arange(off[j], off[j + 1]) for j in b.spec.leaf_indices])
     mask[np.ix_(idx, idx)] = True
   return mask
+
+
+def sampling_inside_conds(jaxpr, inside=False) -> bool:
+  """Whether a random draw (the statistics' sampled targets) happens inside a `cond`."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if inside and ("random" in name or "threefry" in name):
+      return True
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # A ClosedJaxpr's, or a Jaxpr.
+        if hasattr(sub, "eqns") and sampling_inside_conds(sub, inside or name == "cond"):
+          return True
+  return False

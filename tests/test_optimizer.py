@@ -406,20 +406,6 @@ def test_nan_batch_leaves_everything_bit_identical():
   assert not bool(info2["skipped"]) and int(s2.step) == int(state.step) + 1
 
 
-def _sampling_inside_conds(jaxpr, inside=False) -> bool:
-  """Whether a random draw (the statistics' sampled targets) happens inside a `cond`."""
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if inside and ("random" in name or "threefry" in name):
-      return True
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)  # A ClosedJaxpr's, or a Jaxpr.
-        if hasattr(sub, "eqns") and _sampling_inside_conds(sub, inside or name == "cond"):
-          return True
-  return False
-
-
 @pytest.mark.parametrize("every", [1, 2])
 def test_statistics_on_every_step_are_pulled_back_outside_the_guard(every):
   """With `curvature_every=1` the statistics (their sampled targets and pull-back) are formed
@@ -430,7 +416,7 @@ def test_statistics_on_every_step_are_pulled_back_outside_the_guard(every):
   opt = kfac_jax.Optimizer(loss_fn, batch, damping=0.1, curvature_every=every)
   state = opt.init(params)
   jaxpr = jax.make_jaxpr(opt.step)(params, state, batch, jax.random.key(0)).jaxpr
-  assert _sampling_inside_conds(jaxpr) == (every != 1)
+  assert _models.sampling_inside_conds(jaxpr) == (every != 1)
 
 
 def test_converges_with_adaptive_everything():

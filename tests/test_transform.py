@@ -313,6 +313,21 @@ def test_kfac_statistics_fraction_auto_falls_back_to_every_row(case):
       _two_updates(explicit, params, grads, batch)
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_statistics_from_batch_on_every_update_are_formed_outside_the_guard(every):
+  """With `curvature_every=1` the statistics the transform computes from `batch=` (sampled
+  targets, pull-back) are formed outside the guard's cond and only folded inside it; with a
+  period they stay in the branch, so that the other updates skip them."""
+  loss_fn, params, batch = _problem()
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, curvature_every=every)
+  state = tx.init(params)
+  grads = jax.grad(loss_fn)(params, batch)
+  jaxpr = jax.make_jaxpr(lambda s: tx.update(grads, s, params, batch=batch, rng=jax.random.key(0)))(
+    state
+  ).jaxpr
+  assert _models.sampling_inside_conds(jaxpr) == (every != 1)
+
+
 def test_update_is_the_inverse_of_the_estimator():
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=0.1, ema_decay=0.0)
