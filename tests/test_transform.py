@@ -274,16 +274,24 @@ def _shifted(loss_fn):
   return loss
 
 
-def _picky(loss_fn, n):
+def _picky(loss_fn, n, error=None):
   def loss(p, b):
     if b["x"].shape[0] < n:
+      if error is not None:
+        raise error
       int(jnp.sum(b["x"]))  # Concrete values only: a ConcretizationTypeError under tracing.
     return loss_fn(p, b)
 
   return loss
 
 
-@pytest.mark.parametrize("case", ["mismatched axes", "not per-example", "jax error", "time-major"])
+class _ShapeError(Exception):
+  """Like Flax's parameter-shape errors: neither a TypeError nor a ValueError."""
+
+
+@pytest.mark.parametrize(
+  "case", ["mismatched axes", "not per-example", "jax error", "other error", "time-major"]
+)
 def test_kfac_statistics_fraction_auto_falls_back_to_every_row(case):
   """Where the cut batch cannot be used, "auto" uses every row without a word: leaves without
   one leading axis, a loss that fails to trace on the cut batch (a per-feature leaf as long
@@ -298,6 +306,8 @@ def test_kfac_statistics_fraction_auto_falls_back_to_every_row(case):
     loss_fn = _shifted(loss_fn)
   elif case == "jax error":
     loss_fn = _picky(loss_fn, 256)
+  elif case == "other error":
+    loss_fn = _picky(loss_fn, 256, _ShapeError("statistics_fraction: a shape that follows N"))
   else:
     batch = {"x": batch["x"].reshape(128, 2, 4), "y": batch["y"].reshape(128, 2)}
     loss_fn = _time_major(loss_fn, 4)
@@ -309,7 +319,7 @@ def test_kfac_statistics_fraction_auto_falls_back_to_every_row(case):
   if case == "time-major":  # Cut along time: other statistics, no error.
     assert not np.allclose(_two_updates(explicit, params, grads, batch)[0], got[0], rtol=1e-3)
   else:
-    with pytest.raises((TypeError, ValueError), match="statistics_fraction"):
+    with pytest.raises((TypeError, ValueError, _ShapeError), match="statistics_fraction"):
       _two_updates(explicit, params, grads, batch)
 
 
