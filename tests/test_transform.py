@@ -118,10 +118,9 @@ def test_statistics_fraction_takes_evenly_spaced_rows_of_the_batch(fraction, row
 
   def update(tx, stats_batch):
     state = tx.init(params)
+    step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, rng=rng))  # One compile.
     for _ in range(2):  # The second update refreshes no inverse: both paths still agree.
-      u, state = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, rng=rng))(
-        grads, state, params, stats_batch
-      )
+      u, state = step(grads, state, params, stats_batch)
     return u, state
 
   for make in (kfac_jax.scale_by_kfac, functools.partial(kfac_jax.kfac, learning_rate=0.3)):
