@@ -301,7 +301,11 @@ class _Preconditioner:
     batch (sources or classes in blocks) contributes from every block. Scalar leaves pass
     whole. Raises ValueError, naming the leaves, when the leading axes differ (for "auto":
     every row, see `auto_stride`)."""
-    plan = self._row_plan(batch, strict=self.statistics_fraction != "auto")
+    return self._cut(batch, self._row_plan(batch, strict=self.statistics_fraction != "auto"))
+
+  @staticmethod
+  def _cut(batch, plan: tuple[int, int] | None):
+    """`batch` at the rows of `plan` (from `_row_plan`; None: the whole batch)."""
     if plan is None:
       return batch
     rows, stride = plan
@@ -319,7 +323,7 @@ class _Preconditioner:
     plan = self._row_plan(batch, strict=False)
     if plan is not None:
       try:
-        stats = self.est.curvature_stats(params, self.statistics_rows(batch), rng)
+        stats = self.est.curvature_stats(params, self._cut(batch, plan), rng)
       except Exception:  # noqa: BLE001
         # Any error on the cut batch (Flax's parameter-shape errors are not ValueErrors); a
         # real one comes back from the whole batch's trace below.

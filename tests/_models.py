@@ -83,15 +83,24 @@ def block_mask(est, params):
   return mask
 
 
-def sampling_inside_conds(jaxpr, inside=False) -> bool:
+def all_eqns(jaxpr):
+  """Every equation of `jaxpr` and, depth first, of its sub-jaxprs (cond branches, loop bodies,
+  nested calls)."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for j in p if isinstance(p, (list, tuple)) else [p]:
+        inner = getattr(j, "jaxpr", j)  # A ClosedJaxpr's, or a Jaxpr.
+        if hasattr(inner, "eqns"):
+          yield from all_eqns(inner)
+
+
+def sampling_inside_conds(jaxpr) -> bool:
   """Whether a random draw (the statistics' sampled targets) happens inside a `cond`."""
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if inside and ("random" in name or "threefry" in name):
-      return True
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)  # A ClosedJaxpr's, or a Jaxpr.
-        if hasattr(sub, "eqns") and sampling_inside_conds(sub, inside or name == "cond"):
-          return True
-  return False
+  return any(
+    "random" in inner.primitive.name or "threefry" in inner.primitive.name
+    for e in all_eqns(jaxpr)
+    if e.primitive.name == "cond"
+    for branch in e.params["branches"]
+    for inner in all_eqns(branch.jaxpr)
+  )

@@ -203,16 +203,6 @@ def test_damped_block_formulas(x64):
     )
 
 
-def _all_eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      for j in p if isinstance(p, (list, tuple)) else [p]:
-        inner = getattr(j, "jaxpr", j)
-        if hasattr(inner, "eqns"):
-          yield from _all_eqns(inner)
-
-
 @pytest.mark.parametrize("batched", [True, False])
 def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, monkeypatch):
   # On CPU equal-shape blocks get one call each (batched LAPACK can deadlock there); the vmapped
@@ -227,7 +217,10 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
   new = est.update_inverses(state, 0.1)
   jaxpr = jax.make_jaxpr(lambda s: est.update_inverses(s, 0.1))(state)
   ranks = {
-    v.aval.ndim for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "cholesky" for v in e.invars
+    v.aval.ndim
+    for e in _models.all_eqns(jaxpr.jaxpr)
+    if e.primitive.name == "cholesky"
+    for v in e.invars
   }
   assert ranks == ({2, 3} if batched else {2})  # A stack of two blocks' factors, or none.
   for name, b in zip(state.factors, est.blocks):
