@@ -78,6 +78,9 @@ def main(argv=None) -> int:
   p.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
   args = p.parse_args(argv)
   names = set(args.models.split(",")) if args.models else None
+  known = set(_zoo.MODELS) | set(_zoo.STRUCTURE_MODELS)
+  if names is not None and names - known:
+    p.error(f"--models: unknown {sorted(names - known)}; known: {sorted(known)}")
   print(f'`kfac` statistics_fraction="auto" on the zoo, batches tiled to {ROWS} rows\n')
   print("| model | default takes | finite | `statistics_fraction=0.25` |")
   print("|---|---|---|---|")

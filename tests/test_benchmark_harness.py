@@ -1043,6 +1043,20 @@ def test_zoo_defaults_smoke(capsys):
     zoo_defaults.main(["--models", "no_such_model"])
 
 
+def test_zoo_statistics_rows_smoke(capsys):
+  """benchmarks/zoo_statistics_rows.py: at 256 rows `kfac`'s default cuts an MLP's batch (both
+  flavours), equal to the explicit quarter, and says so."""
+  from benchmarks import zoo_statistics_rows
+
+  assert zoo_statistics_rows.main(["--models", "mlp"]) == 0
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith("| mlp (")]
+  assert len(rows) == 2 and all("| cut | True | ran |" in row for row in rows), out
+  assert "2 cut, 0 whole, 0 neither; bad: none" in out
+  with pytest.raises(SystemExit):
+    zoo_statistics_rows.main(["--models", "no_such_model"])
+
+
 def test_compile_cache_quick():
   """`profile/compile_cache.py`: three processes, the cache off, empty, then filled. The
   second writes the cache entries and the third finds them and adds none (times are
