@@ -95,6 +95,7 @@ CONFIG_KEYS = (
   "decay_steps",
   "statistics_fraction",
   "factor_solve",
+  "preconditioner_dtype",
   "conv",
   "dense",
 )
@@ -109,7 +110,8 @@ def parse_kfac_config(text: str) -> dict:
   the statistics come from `batch=` with the minibatch's first n examples, a harness setting,
   the same as `kfac`'s `statistics_fraction=n/N`; `decay_steps=n`: the learning rate follows
   `optax.cosine_decay_schedule(lr, n)`, to 0 at step n), `statistics_fraction=` (a number in
-  (0, 1], or auto, `kfac`'s default), `factor_solve=` ("auto", "always" or "never") and
+  (0, 1], or auto, `kfac`'s default), `factor_solve=` ("auto", "always" or "never"),
+  `preconditioner_dtype=` (bfloat16 or float32) and
   `conv=` / `dense=` (the approximation of those layer kinds, a `LayerConfig` default). A
   setting left out is the caller's: the race's workload flags (`--curvature-every`,
   `--inverse-every`), the step sweep's `kfac` defaults. Raises ValueError naming the entry.
@@ -135,6 +137,10 @@ def parse_kfac_config(text: str) -> dict:
     elif key == "factor_solve":
       if value not in ("auto", "always", "never"):
         raise ValueError(f"{key} must be auto, always or never, got {value!r} in {text!r}")
+      out[key] = value
+    elif key == "preconditioner_dtype":
+      if value not in ("bfloat16", "float32"):
+        raise ValueError(f"{key} must be bfloat16 or float32, got {value!r} in {text!r}")
       out[key] = value
     elif key == "statistics_fraction" and value == "auto":
       out[key] = value

@@ -15,6 +15,7 @@ diverged.
 
     python benchmarks/zoo_defaults.py                      # 200 steps, lr 0.3, 1, 3
     python benchmarks/zoo_defaults.py --steps 50 --lrs 0.3 --models mlp,vae
+    python benchmarks/zoo_defaults.py --preconditioner-dtype bfloat16   # bfloat16 inverses
 """
 
 from __future__ import annotations
@@ -47,9 +48,16 @@ def _models(names: set[str] | None):
       yield name, make
 
 
-def train(z: _zoo.Zoo, lr: float, steps: int) -> dict:
-  """`steps` steps of `kfac(loss_fn, batch, learning_rate=lr)` on the model's own batch."""
-  tx = kfac_jax.kfac(z.loss_fn, z.batch, learning_rate=lr, has_aux=z.has_aux)
+def train(z: _zoo.Zoo, lr: float, steps: int, preconditioner_dtype: str | None = None) -> dict:
+  """`steps` steps of `kfac(loss_fn, batch, learning_rate=lr)` on the model's own batch (with
+  `preconditioner_dtype` if given)."""
+  tx = kfac_jax.kfac(
+    z.loss_fn,
+    z.batch,
+    learning_rate=lr,
+    has_aux=z.has_aux,
+    preconditioner_dtype=preconditioner_dtype,
+  )
 
   step = _zoo.train_step(z, tx)
   params, batch, state = z.params, z.batch, jax.jit(tx.init)(z.params)
@@ -71,6 +79,12 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--lrs", default="0.3,1,3", help="comma-separated learning rates")
   p.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
+  p.add_argument(
+    "--preconditioner-dtype",
+    default=None,
+    choices=("bfloat16", "float32"),
+    help="kfac's preconditioner_dtype (default: the inverses' float32)",
+  )
   args = p.parse_args(argv)
   try:
     lrs = [float(v) for v in args.lrs.split(",")]
@@ -83,7 +97,8 @@ def main(argv=None) -> int:
   if names is not None and names - known:
     p.error(f"--models: unknown {sorted(names - known)}; known: {sorted(known)}")
 
-  print(f"`kfac_jax.kfac` defaults, {args.steps} steps on each model's fixed batch")
+  extra = f", preconditioner_dtype={args.preconditioner_dtype}" if args.preconditioner_dtype else ""
+  print(f"`kfac_jax.kfac` defaults{extra}, {args.steps} steps on each model's fixed batch")
   print("final loss / initial loss per learning rate (skipped updates in brackets; ✗ diverged)\n")
   print("| model | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |")
   print("|---|" + "---:|" * len(lrs))
@@ -91,7 +106,7 @@ def main(argv=None) -> int:
   for label, make in _models(names):
     cells = []
     for lr in lrs:
-      r = train(make(), lr, args.steps)
+      r = train(make(), lr, args.steps, args.preconditioner_dtype)
       ratio = r["last"] / r["first"] if r["first"] else math.nan
       cell = f"{ratio:.3g}" + (f" [{r['skipped']}]" if r["skipped"] else "")
       if r["diverged"]:

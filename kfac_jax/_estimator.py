@@ -102,11 +102,19 @@ def all_finite(tree) -> Array:
 
 _STATS_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _INVERSE_DTYPES = ("float32", "float64")
+_PRECONDITIONER_DTYPES = ("bfloat16", "float32", "float64")
 
 
 def resolve_dtype(value, name: str) -> Any:
-  """`stats_dtype` / `inverse_dtype` as a numpy dtype: None → float32 (float64 under x64)."""
-  allowed = _STATS_DTYPES if name.endswith("stats_dtype") else _INVERSE_DTYPES
+  """`stats_dtype` / `inverse_dtype` / `preconditioner_dtype` as a numpy dtype: None → float32
+  (float64 under x64)."""
+  allowed: tuple[str, ...]
+  if name.endswith("stats_dtype"):
+    allowed = _STATS_DTYPES
+  elif name.endswith("preconditioner_dtype"):
+    allowed = _PRECONDITIONER_DTYPES
+  else:
+    allowed = _INVERSE_DTYPES
   if value is None:
     # jax.config's flags are properties added at run time.
     return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)  # type: ignore[attr-defined]
@@ -125,6 +133,21 @@ def resolve_dtype(value, name: str) -> Any:
       "use float32."
     )
   return dtype
+
+
+def resolve_preconditioner_dtype(value, inverse_dtype, name: str = "preconditioner_dtype"):
+  """`preconditioner_dtype` as a numpy dtype, or None where it is `inverse_dtype` (None, or the
+  same dtype); a dtype wider than `inverse_dtype` is refused."""
+  if value is None:
+    return None
+  dtype = resolve_dtype(value, name)
+  if dtype.itemsize > np.dtype(inverse_dtype).itemsize:
+    raise ValueError(
+      f"`{name}`={dtype.name} is wider than `inverse_dtype`={np.dtype(inverse_dtype).name}: the "
+      "inverses are computed in `inverse_dtype` and can only be stored narrower (e.g. "
+      "bfloat16)."
+    )
+  return None if dtype == inverse_dtype else dtype
 
 
 class CurvatureEstimator:
@@ -168,6 +191,15 @@ class CurvatureEstimator:
     inverse_dtype: dtype of the inverses / decompositions and of the products with them: None
       (float32; float64 under x64), "float32" or "float64". Preconditioned vectors come back in
       the dtype they came in (a bfloat16 model gets bfloat16 updates).
+    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the dtype the cached inverses
+      of Kronecker factors (and of full blocks) are stored in once computed in
+      `inverse_dtype`. The products with them (`multiply_matpower`, `multiply_inverse`) round
+      the vector to it and accumulate in `inverse_dtype`. Half the cache's memory, and up to
+      twice as fast where the hardware multiplies bfloat16 natively (GPUs, TPUs, CPUs with
+      AVX512-BF16 or AMX; slower elsewhere); each input is rounded to 8 significant bits.
+      Diagonal factors, the substitution forms of `factor_solve`, eigen-decompositions
+      ("eigen" damping, EKFAC), the series approximations of shared layers and Cholesky
+      factors stay in `inverse_dtype`.
     inverse_storage: where the caches live on a data-parallel axis. "replicated" (default):
       every device holds every block's cache. "sharded" (KAISA's memory-optimised strategy,
       see `kfac_jax._sharded`): each device stores and refreshes only its share of the blocks
@@ -221,6 +253,7 @@ class CurvatureEstimator:
     inverse_dtype: Any = None,
     inverse_storage: InverseStorage = "replicated",
     factor_solve: _blocks.FactorSolve = "auto",
+    preconditioner_dtype: Any = None,
   ):
     reg = _registration.resolve(
       registration,
@@ -259,14 +292,16 @@ class CurvatureEstimator:
     self.compute_params_stats = compute_params_stats
     self.layer_config = _layer_config.check(layers)
     self.inverse_storage = inverse_storage
+    inverse_dtype = resolve_dtype(inverse_dtype, "inverse_dtype")
     self.config = _blocks.BlockConfig(
       exps=exps,
       damping_mode=damping_mode,
       cholesky=compute_cholesky,
       cholesky_inverse=compute_cholesky_inverse,
       stats_dtype=resolve_dtype(stats_dtype, "stats_dtype"),
-      inverse_dtype=resolve_dtype(inverse_dtype, "inverse_dtype"),
+      inverse_dtype=inverse_dtype,
       factor_solve=factor_solve,
+      preconditioner_dtype=resolve_preconditioner_dtype(preconditioner_dtype, inverse_dtype),
     )
     self._registration: _registration.Registration | None = None
     self.who = "this estimator"  # How errors name the consumer of the statistics.

@@ -128,6 +128,10 @@ class OptimizerConfig:
       (float32; float64 under x64), "float32", "float64", "bfloat16" or "float16".
     inverse_dtype: dtype of the inverses, the quadratic model and the damping: None (float32;
       float64 under x64), "float32" or "float64".
+    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the dtype the Kronecker
+      factors' inverses are stored in and the preconditioning products take their inputs in
+      (accumulated in `inverse_dtype`; see `CurvatureEstimator`). The quadratic model's
+      curvature products use the factors and stay in `inverse_dtype`.
     inverse_storage: "replicated" (every device keeps every inverse) or "sharded" (each device
       keeps and applies only its share of the blocks; the preconditioned gradients and curvature
       products are summed over `axis_name`, which it needs; call `init` inside the pmap /
@@ -151,13 +155,18 @@ class OptimizerConfig:
   layers: _layer_config.LayerConfig | None = None
   stats_dtype: Any = None
   inverse_dtype: Any = None
+  preconditioner_dtype: Any = None
   inverse_storage: _estimator.InverseStorage = "replicated"
   factor_solve: _blocks.FactorSolve = "auto"
 
   def __post_init__(self):
     _layer_config.check(self.layers)
     _estimator.resolve_dtype(self.stats_dtype, "config.stats_dtype")
-    _estimator.resolve_dtype(self.inverse_dtype, "config.inverse_dtype")
+    _estimator.resolve_preconditioner_dtype(
+      self.preconditioner_dtype,
+      _estimator.resolve_dtype(self.inverse_dtype, "config.inverse_dtype"),
+      "config.preconditioner_dtype",
+    )
     if self.inverse_storage not in ("replicated", "sharded"):
       raise ValueError(
         f"unknown `config.inverse_storage` {self.inverse_storage!r}; choose "
@@ -462,6 +471,7 @@ class Optimizer:
       damping_mode=config.damping_mode,
       stats_dtype=config.stats_dtype,
       inverse_dtype=config.inverse_dtype,
+      preconditioner_dtype=config.preconditioner_dtype,
       inverse_storage=config.inverse_storage,
       factor_solve=config.factor_solve,
       **({} if reg is not None else settings),  # type: ignore[arg-type]  # the keyword arguments above, checked

@@ -181,6 +181,7 @@ class _Preconditioner:
     layers,
     stats_dtype,
     inverse_dtype,
+    preconditioner_dtype,
     skip_nonfinite,
     name,
   ):
@@ -232,6 +233,7 @@ class _Preconditioner:
       damping_mode=damping_mode,
       stats_dtype=stats_dtype,
       inverse_dtype=inverse_dtype,
+      preconditioner_dtype=preconditioner_dtype,
       inverse_storage=inverse_storage,
       factor_solve=factor_solve,
       **settings,
@@ -503,6 +505,7 @@ def scale_by_kfac(
   layers: _layer_config.LayerConfig | None = None,
   stats_dtype: Any = None,
   inverse_dtype: Any = None,
+  preconditioner_dtype: Any = None,
   skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
@@ -591,6 +594,11 @@ def scale_by_kfac(
     inverse_dtype: dtype of the inverses and of the preconditioning products: None (float32,
       float64 under x64), "float32" or "float64". The updates come back in the parameters'
       dtype, so a bfloat16 model gets bfloat16 updates from float32 curvature.
+    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the inverses of the Kronecker
+      factors are stored in bfloat16 once computed, and the preconditioning products take
+      bfloat16 inputs with `inverse_dtype` accumulation. Half the inverses' memory, and up to
+      twice as fast where the hardware multiplies bfloat16 natively (GPUs, TPUs, CPUs with
+      AVX512-BF16 or AMX); elsewhere slower. See `kfac_jax.CurvatureEstimator`.
     skip_nonfinite: when the incoming updates, this batch's statistics or the preconditioned
       updates are not finite, return zero updates and leave the state as it was but for the
       `skipped` counter (and `curvature.skipped_batches` when the gradient was finite and
@@ -646,6 +654,7 @@ def scale_by_kfac(
     layers=layers,
     stats_dtype=stats_dtype,
     inverse_dtype=inverse_dtype,
+    preconditioner_dtype=preconditioner_dtype,
     skip_nonfinite=skip_nonfinite,
     name="scale_by_kfac",
   )
@@ -716,6 +725,7 @@ def kfac(
   layers: _layer_config.LayerConfig | None = None,
   stats_dtype: Any = None,
   inverse_dtype: Any = None,
+  preconditioner_dtype: Any = None,
   skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with a fixed (or scheduled) learning rate, norm clipping and momentum.
@@ -759,8 +769,8 @@ def kfac(
 
   The other arguments, `registration`, `has_aux`, `ema_decay`, `inverse_every`,
   `estimation_mode`, `num_samples`, `damping_mode`, `axis_name`, `inverse_mesh`,
-  `inverse_storage`, `factor_solve`, `strict`, `layers`, `stats_dtype` and `inverse_dtype`,
-  are those of `scale_by_kfac`.
+  `inverse_storage`, `factor_solve`, `strict`, `layers`, `stats_dtype`, `inverse_dtype` and
+  `preconditioner_dtype`, are those of `scale_by_kfac`.
 
   The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`) come from step sweeps on the
   autoencoder, CNN, Transformer, ViT and LSTM benchmarks (benchmarks/RESULTS.md, "Clipping
@@ -826,6 +836,7 @@ def kfac(
     layers=layers,
     stats_dtype=stats_dtype,
     inverse_dtype=inverse_dtype,
+    preconditioner_dtype=preconditioner_dtype,
     skip_nonfinite=skip_nonfinite,
     name="kfac",
   )

@@ -62,6 +62,13 @@ def main(argv=None) -> int:
     choices=("auto", "always", "never"),
     help="kfac's factor_solve (how the inverses are kept; compare 'auto' with 'never')",
   )
+  p.add_argument(
+    "--preconditioner-dtype",
+    default=None,
+    choices=("bfloat16", "float32"),
+    help="kfac's preconditioner_dtype (the dtype of the stored inverses and their products' "
+    "inputs; default: float32)",
+  )
   args, rest = p.parse_known_args(argv)
   wl = race.WORKLOADS[args.workload].parse_args(list(rest) + ["--plot", ""])
   workload = race.cyclic(race.WORKLOADS[args.workload].make_workload(wl), wl.warmup + wl.steps)
@@ -76,6 +83,7 @@ def main(argv=None) -> int:
     inverse_every=args.inverse_every,
     curvature_every=args.curvature_every,
     factor_solve=args.factor_solve,
+    preconditioner_dtype=args.preconditioner_dtype,
   )
   adam = _harness.first_order("Adam", "adam", workload.loss_fn, optax.adam(args.adam_lr))
   c, i = args.curvature_every, args.inverse_every
@@ -87,7 +95,8 @@ def main(argv=None) -> int:
   print(f"{workload.name}: {workload.description}")
   print(
     f"kfac lr {args.lr}, momentum 0.7, damping 0.1, max_norm default, factor_solve "
-    f"{args.factor_solve!r}; statistics every {c}, inverses every {i}; {args.timed_steps} timed steps each after {warmup}; jax "
+    f"{args.factor_solve!r}, preconditioner_dtype {args.preconditioner_dtype or 'float32'}; "
+    f"statistics every {c}, inverses every {i}; {args.timed_steps} timed steps each after {warmup}; jax "
     f"{jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} CPUs)\n"
   )
   print(

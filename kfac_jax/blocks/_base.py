@@ -57,6 +57,12 @@ class BlockConfig:
     inverse_dtype: dtype of everything `update_inverses` derives (powers, eigen-decompositions,
       Cholesky factors, the damping) and of the products: float32 or float64. Factors are cast
       to it before they are factorised.
+    preconditioner_dtype: None (`inverse_dtype`), or a narrower dtype (bfloat16) the cached
+      matrix powers of Kronecker factors and full blocks are stored in once computed (in
+      `inverse_dtype`); the products with them round the vector to it and accumulate in
+      `inverse_dtype` (`_linalg.matmul`). Diagonal factors, substitution forms,
+      eigen-decompositions, the series blocks' caches and Cholesky factors stay in
+      `inverse_dtype`.
     factor_solve: how a Kronecker factor's damped inverse (power -1, "factored" damping) is kept.
       "never": as an explicit matrix, products are matmuls. "always": in substitution form (its
       Cholesky factor in blocks, `_linalg.substitution_form`), products are block substitutions (a
@@ -74,6 +80,13 @@ class BlockConfig:
   stats_dtype: Any = jnp.float32
   inverse_dtype: Any = jnp.float32
   factor_solve: FactorSolve = "auto"
+  preconditioner_dtype: Any = None
+
+  def stored_power(self, p: Array) -> Array:
+    """A cached matrix power as kept in the cache: cast to `preconditioner_dtype` (if set); a
+    diagonal factor's vector of powers stays in `inverse_dtype`."""
+    dtype = self.preconditioner_dtype
+    return p if dtype is None or p.ndim < 2 or p.dtype == dtype else p.astype(dtype)
 
   @property
   def cached_exps(self) -> tuple[float, ...]:

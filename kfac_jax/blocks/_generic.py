@@ -122,7 +122,7 @@ class FullBlock(Block):
     config = self.config
     eye = jnp.eye(self._n(), dtype=config.inverse_dtype)
     return FullCache(
-      powers=tuple(eye for _ in config.cached_exps),
+      powers=tuple(config.stored_power(eye) for _ in config.cached_exps),
       chol=eye if config.cholesky else None,
       chol_inv=eye if config.cholesky_inverse else None,
       damping=jnp.zeros((), config.inverse_dtype),
@@ -134,7 +134,7 @@ class FullBlock(Block):
     m = factors.f + damping * jnp.eye(self._n(), dtype=config.inverse_dtype)
     chol = _linalg.cholesky(m) if config.cholesky or config.cholesky_inverse else None
     return FullCache(
-      powers=tuple(_linalg.spd_power(m, e) for e in config.cached_exps),
+      powers=tuple(config.stored_power(_linalg.spd_power(m, e)) for e in config.cached_exps),
       chol=chol if config.cholesky else None,
       chol_inv=_linalg.lower_inverse(chol)
       if chol is not None and config.cholesky_inverse
@@ -148,7 +148,7 @@ class FullBlock(Block):
     if exp == 1:
       out = factors.f @ v + cache.damping * v
     else:
-      out = cache.powers[self.config.power_index(exp)] @ v
+      out = _linalg.matmul(cache.powers[self.config.power_index(exp)], v)
     return _unflat(out, vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):

@@ -64,7 +64,7 @@ def _add_identity(f: Array, c) -> Array:
 
 def _left(a: Array, m: Array) -> Array:
   """a · m for a factor acting on the rows of m."""
-  return a[:, None] * m if a.ndim == 1 else a @ m
+  return a[:, None] * m if a.ndim == 1 else _linalg.matmul(a, m)
 
 
 def _power(f: Array, e: float) -> Array:
@@ -81,7 +81,7 @@ def _chol_inverse(c: Array) -> Array:
 
 def _right(m: Array, g: Array) -> Array:
   """m · g for a factor acting on the columns of m."""
-  return m * g[None, :] if g.ndim == 1 else m @ g
+  return m * g[None, :] if g.ndim == 1 else _linalg.matmul(m, g)
 
 
 def _t(f: Array) -> Array:
@@ -291,8 +291,9 @@ class KroneckerBlock(LayoutBlock):
         evals = jnp.ones(shape if diag else shape[:-1], dtype)
         return FactorCache(evals=evals, evecs=None if diag else _identity(shape, dtype))
       eye = _identity(shape, dtype)
+      power = eye if diag else config.stored_power(eye)
       return FactorCache(
-        powers=tuple(None if solve and e == -1 else eye for e in config.cached_exps),
+        powers=tuple(None if solve and e == -1 else power for e in config.cached_exps),
         chol=eye if config.cholesky else None,
         chol_inv=eye if config.cholesky_inverse else None,
         subst=_linalg.substitution_identity(shape[-1], dtype) if solve else None,
@@ -320,7 +321,10 @@ class KroneckerBlock(LayoutBlock):
         return FactorCache(evals=evals, evecs=evecs)
       chol = _chol(m) if config.cholesky or config.cholesky_inverse else None
       return FactorCache(
-        powers=tuple(None if solve and e == -1 else _power(m, e) for e in config.cached_exps),
+        powers=tuple(
+          None if solve and e == -1 else config.stored_power(_power(m, e))
+          for e in config.cached_exps
+        ),
         chol=chol if config.cholesky else None,
         chol_inv=_chol_inverse(chol) if chol is not None and config.cholesky_inverse else None,
         subst=_linalg.substitution_form(m) if solve else None,
