@@ -1001,6 +1001,8 @@ def test_kfac_config_parser():
   assert cfg["statistics_fraction"] == "auto"
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:decay_steps=100")["decay_steps"] == 100
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:factor_solve=never")["factor_solve"] == "never"
+  cfg = race.parse_kfac_config("0.3:0.7:0.1:0.3:preconditioner_dtype=bfloat16")
+  assert cfg["preconditioner_dtype"] == "bfloat16"
   cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")
   layers = cfg.pop("layers")
   assert cfg == {
@@ -1022,6 +1024,7 @@ def test_kfac_config_parser():
     ("0.3:0.7:0.1:0:statistics_fraction=2", "statistics_fraction must be in (0, 1]"),
     ("0.3:0.7:0.1:0:statistics_fraction=x", "statistics_fraction must be a number, got 'x'"),
     ("0.3:0.7:0.1:0:factor_solve=yes", "factor_solve must be auto, always or never, got 'yes'"),
+    ("0.3:0.7:0.1:0:preconditioner_dtype=f16", "must be bfloat16 or float32, got 'f16'"),
   ]:
     with pytest.raises(ValueError, match=re.escape(match)):
       race.parse_kfac_config(bad)
@@ -1073,6 +1076,24 @@ def test_compile_cache_quick():
   assert [r[0] for r in rows] == ["off", "on, empty", "on, filled"], res.stdout
   entries = [int(r[1]) for r in rows]
   assert entries[0] == 0 and entries[1] > 0 and entries[2] == entries[1], res.stdout
+
+
+def test_preconditioner_dtype_profile_quick():
+  """`profile/preconditioner_dtype.py` on the CNN's small model: both dtypes timed, the
+  bfloat16 cache smaller, the bfloat16 update close to the float32 one (times not asserted)."""
+  res = subprocess.run(
+    [sys.executable, "benchmarks/profile/preconditioner_dtype.py", "--workload", "cnn"]
+    + ["--quick", "--repeats", "1", "--rounds", "1"],
+    cwd=_ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  rows = re.findall(r"^\| (float32|bfloat16) \| 1 \| [0-9.]+ \| ([0-9,]+) \|$", res.stdout, re.M)
+  assert [r[0] for r in rows] == ["float32", "bfloat16"], res.stdout
+  assert int(rows[1][1].replace(",", "")) < int(rows[0][1].replace(",", "")), res.stdout
+  cos = re.search(r"cosine between the two updates ([0-9.]+)$", res.stdout, re.M)
+  assert cos is not None and float(cos.group(1)) > 0.99, res.stdout
 
 
 def test_factor_solve_profile_quick():
