@@ -194,9 +194,10 @@ class CurvatureEstimator:
     preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the dtype the cached inverses
       of Kronecker factors (and of full blocks) are stored in once computed in
       `inverse_dtype`. The products with them (`multiply_matpower`, `multiply_inverse`) round
-      the vector to it and accumulate in `inverse_dtype`. Half the cache's memory, and up to
-      twice as fast where the hardware multiplies bfloat16 natively (GPUs, TPUs, CPUs with
-      AVX512-BF16 or AMX; slower elsewhere); each input is rounded to 8 significant bits.
+      the vector to it and accumulate in `inverse_dtype`: half the cache's memory, each input
+      rounded to 8 significant bits, and faster products where the hardware multiplies
+      bfloat16 natively (a CPU with AVX512-BF16: the autoencoder benchmark's in 0.58x the
+      time; benchmarks/RESULTS.md, "bfloat16 inverses").
       Diagonal factors, the substitution forms of `factor_solve`, eigen-decompositions
       ("eigen" damping, EKFAC), the series approximations of shared layers and Cholesky
       factors stay in `inverse_dtype`.

@@ -596,9 +596,9 @@ def scale_by_kfac(
       dtype, so a bfloat16 model gets bfloat16 updates from float32 curvature.
     preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the inverses of the Kronecker
       factors are stored in bfloat16 once computed, and the preconditioning products take
-      bfloat16 inputs with `inverse_dtype` accumulation. Half the inverses' memory, and up to
-      twice as fast where the hardware multiplies bfloat16 natively (GPUs, TPUs, CPUs with
-      AVX512-BF16 or AMX); elsewhere slower. See `kfac_jax.CurvatureEstimator`.
+      bfloat16 inputs with `inverse_dtype` accumulation: half the inverses' memory, and
+      faster products where the hardware multiplies bfloat16 natively (measured on a CPU with
+      AVX512-BF16). See `kfac_jax.CurvatureEstimator`.
     skip_nonfinite: when the incoming updates, this batch's statistics or the preconditioned
       updates are not finite, return zero updates and leave the state as it was but for the
       `skipped` counter (and `curvature.skipped_batches` when the gradient was finite and

@@ -1078,22 +1078,19 @@ def test_compile_cache_quick():
   assert entries[0] == 0 and entries[1] > 0 and entries[2] == entries[1], res.stdout
 
 
-def test_preconditioner_dtype_profile_quick():
+def test_preconditioner_dtype_profile_quick(capsys):
   """`profile/preconditioner_dtype.py` on the CNN's small model: both dtypes timed, the
   bfloat16 cache smaller, the bfloat16 update close to the float32 one (times not asserted)."""
-  res = subprocess.run(
-    [sys.executable, "benchmarks/profile/preconditioner_dtype.py", "--workload", "cnn"]
-    + ["--quick", "--repeats", "1", "--rounds", "1"],
-    cwd=_ROOT,
-    capture_output=True,
-    text=True,
-    check=True,
-  )
-  rows = re.findall(r"^\| (float32|bfloat16) \| 1 \| [0-9.]+ \| ([0-9,]+) \|$", res.stdout, re.M)
-  assert [r[0] for r in rows] == ["float32", "bfloat16"], res.stdout
-  assert int(rows[1][1].replace(",", "")) < int(rows[0][1].replace(",", "")), res.stdout
-  cos = re.search(r"cosine between the two updates ([0-9.]+)$", res.stdout, re.M)
-  assert cos is not None and float(cos.group(1)) > 0.99, res.stdout
+  from benchmarks.profile import preconditioner_dtype
+
+  argv = ["--workload", "cnn", "--quick", "--repeats", "1", "--rounds", "1"]
+  assert preconditioner_dtype.main(argv) == 0
+  out = capsys.readouterr().out
+  rows = re.findall(r"^\| (float32|bfloat16) \| 1 \| [0-9.]+ \| ([0-9,]+) \|$", out, re.M)
+  assert [r[0] for r in rows] == ["float32", "bfloat16"], out
+  assert int(rows[1][1].replace(",", "")) < int(rows[0][1].replace(",", "")), out
+  cos = re.search(r"cosine between the two updates ([0-9.]+)$", out, re.M)
+  assert cos is not None and float(cos.group(1)) > 0.99, out
 
 
 def test_factor_solve_profile_quick():

@@ -32,8 +32,8 @@ def matmul(x: Array, y: Array) -> Array:
   """x @ y; with operands of two float dtypes, both rounded to the narrower one and the product
   accumulated in (and returned as) the wider one: a bfloat16 inverse times a float32 vector
   (`BlockConfig.preconditioner_dtype`) runs as a bfloat16 matmul with float32 accumulation,
-  which hardware with native bfloat16 products (GPUs, TPUs, CPUs with AVX512-BF16 or AMX)
-  runs up to twice as fast as a float32 one.
+  which hardware with native bfloat16 products runs faster than a float32 one (a CPU with
+  AVX512-BF16: a 785 × 1000 × 1000 pair of products in 7.5 against 14.1 ms).
 
   The rounded operands and the product pass through `optimization_barrier`s, so that XLA
   cannot fold the transposes around them (layouts, `[out, in]` kernels) into the dot: XLA:CPU
