@@ -1061,9 +1061,9 @@ def test_zoo_statistics_rows_smoke(capsys):
 
 
 def test_compile_cache_quick():
-  """`profile/compile_cache.py`: three processes, the cache off, empty, then filled. The
-  second writes the cache entries and the third finds them and adds none (times are
-  printed, not asserted)."""
+  """`profile/compile_cache.py --quick`: two processes, the cache empty, then filled (the
+  full script also runs one with the cache off). The first writes the cache entries and the
+  second finds them and adds none (times are printed, not asserted)."""
   res = subprocess.run(
     [sys.executable, "benchmarks/profile/compile_cache.py", "--workload", "autoencoder"]
     + ["--quick"],
@@ -1073,9 +1073,9 @@ def test_compile_cache_quick():
     check=True,
   )
   rows = re.findall(r"^\| (off|on, empty|on, filled) \|.* \| (\d+) \|$", res.stdout, re.M)
-  assert [r[0] for r in rows] == ["off", "on, empty", "on, filled"], res.stdout
+  assert [r[0] for r in rows] == ["on, empty", "on, filled"], res.stdout
   entries = [int(r[1]) for r in rows]
-  assert entries[0] == 0 and entries[1] > 0 and entries[2] == entries[1], res.stdout
+  assert entries[0] > 0 and entries[1] == entries[0], res.stdout
 
 
 def test_preconditioner_dtype_profile_quick(capsys):
