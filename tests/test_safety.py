@@ -221,7 +221,7 @@ def _to_bf16(x) -> np.ndarray:
 
 def test_bfloat16_preconditioner_rounds_the_stored_inverses_and_the_products_inputs(x64):
   """`preconditioner_dtype="bfloat16"`: each cached inverse is the float64 one rounded to
-  bfloat16, and a Kronecker block's product is r(r(r(A⁻¹) r(M)) r(G⁻¹)) computed in float64
+  bfloat16, and a Kronecker block's product is r(r(A⁻¹) r(M)) · r(G⁻¹) computed in float64
   from those rounded inputs (r: round to bfloat16; M = [W; b]). A diagonal factor, the
   damping and the factors stay float64."""
   params = _models.jnp_mlp_init(jax.random.key(0), (6, 8, 3), jnp.float64)
