@@ -414,13 +414,13 @@ class _Preconditioner:
     # are formed outside its cond (a non-finite update forms them for nothing; its fold is
     # skipped), since inside a cond branch XLA:CPU runs some pull-backs far slower (RESULTS.md,
     # "The `Optimizer`'s statistics outside the guard's cond").
-    every_update = statistics() if self._due(count) is None else None
+    fold_due = self._due(count)
+    every_update = statistics() if fold_due is None else None
 
     def fold():
       stats = statistics() if every_update is None else every_update
       return est.update_curvature_from_stats(old, stats, self.ema_decay, axis_name=self.axis_name)
 
-    fold_due = self._due(count)
     if ok is not None:
       fold_due = ok if fold_due is None else fold_due & ok
     curv = _engine.fold_statistics(old, fold, fold_due)

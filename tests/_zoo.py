@@ -361,12 +361,52 @@ def separable(flavour: str) -> Zoo:
   )
 
 
+# -- U-Net: per-pixel classes, a transposed convolution, a skip connection -----------------------
+
+
+class LinenUNet(nn.Module):
+  """Encoder conv + GroupNorm, a strided conv down, `nn.ConvTranspose` back up (stride 2), the
+  skip connection concatenated on channels, a 1x1 conv to per-pixel logits `[N, H, W, C]`."""
+
+  @nn.compact
+  def __call__(self, x):
+    e = nn.relu(nn.GroupNorm(num_groups=2, name="gn")(nn.Conv(4, (3, 3), name="enc")(x)))
+    d = nn.relu(nn.Conv(8, (3, 3), strides=2, name="down")(e))
+    u = nn.relu(nn.ConvTranspose(4, (2, 2), strides=(2, 2), name="up")(d))
+    return nn.Conv(CLASSES, (1, 1), name="out")(jnp.concatenate([e, u], axis=-1))
+
+
+class NnxUNet(nnx.Module):
+  def __init__(self, rngs):
+    self.enc = nnx.Conv(3, 4, (3, 3), rngs=rngs)
+    self.gn = nnx.GroupNorm(4, num_groups=2, rngs=rngs)
+    self.down = nnx.Conv(4, 8, (3, 3), strides=2, rngs=rngs)
+    self.up = nnx.ConvTranspose(8, 4, (2, 2), strides=(2, 2), rngs=rngs)
+    self.out = nnx.Conv(8, CLASSES, (1, 1), rngs=rngs)
+
+  def __call__(self, x):
+    e = nnx.relu(self.gn(self.enc(x)))
+    u = nnx.relu(self.up(nnx.relu(self.down(e))))
+    return self.out(jnp.concatenate([e, u], axis=-1))
+
+
+def unet(flavour: str) -> Zoo:
+  """Segmentation: the labels are per pixel, `[N, H, W]`, the loss their mean cross-entropy."""
+  batch = _images(jax.random.key(0))
+  batch["y"] = jax.random.randint(jax.random.key(3), (N, 8, 8), 0, CLASSES)
+  layers = ["down", "enc", "gn", "out", "up"]
+  make = LinenUNet() if flavour == "linen" else NnxUNet(nnx.Rngs(0))
+  f, p, b = _linen(make, batch) if flavour == "linen" else _nnx(make, batch)
+  return Zoo(f, p, b, [_norm(n) if n == "gn" else _conv(n) for n in layers])
+
+
 MODELS = {
   "mlp": mlp,
   "cnn": cnn,
   "resnet": resnet,
   "transformer": transformer,
   "separable": separable,
+  "unet": unet,
 }
 
 

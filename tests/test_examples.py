@@ -1,7 +1,10 @@
-"""Smoke test for examples/autoencoder.py: K-FAC and Adam train end to end and a PNG is written.
+"""Smoke tests for the examples: each trains K-FAC and Adam end to end and writes a PNG.
 
-Runs the script in a subprocess with `--fast` and KFAC_DATA_DIR pointed at an empty directory,
-so it uses the small scikit-learn digits fallback (fast, and independent of installed data).
+Each runs with `--fast` and KFAC_DATA_DIR pointed at an empty directory, so it uses the small
+scikit-learn digits fallback (fast, and independent of installed data). The scripts run as their
+`main(argv)` in this process (a subprocess would pay the imports and JAX's start-up again, 3-5 s
+each); the data-parallel example, which sets its own device count before JAX starts, and the
+notebook run in a fresh process.
 """
 
 import os
@@ -11,44 +14,40 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # Every test here runs a script in a subprocess.
-
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SCRIPT = os.path.join(_ROOT, "examples", "autoencoder.py")
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from examples import autoencoder, autoencoder_adaptive, cnn, rnn, transformer_lm  # noqa: E402
+
+pytestmark = pytest.mark.slow  # Every test here trains small models end to end.
 
 
-def _run_fast(script, tmp_path, png_name, extra=()):
-  """Runs an example with `--fast` on the digits fallback; returns (stdout, all output, png)."""
+def _run_fast(main, tmp_path, png_name, monkeypatch, capsys, extra=()):
+  """An example's `main` with `--fast` on the digits fallback; returns (stdout, all output)."""
   empty = tmp_path / "no_data"
   empty.mkdir()
   out = tmp_path / png_name
-  env = dict(os.environ, KFAC_DATA_DIR=str(empty), MPLBACKEND="Agg")
-  # conftest.py asks XLA for 8 fake CPU devices; the demo should run as a user would run it.
-  flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-  if flags.strip():
-    env["XLA_FLAGS"] = flags.strip()
-  else:
-    env.pop("XLA_FLAGS", None)
-  proc = subprocess.run(
-    [sys.executable, script, "--fast", "--no-progress", "--out", str(out), *extra],
-    cwd=str(tmp_path),
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  output = proc.stdout + proc.stderr
-  assert proc.returncode == 0, output
+  monkeypatch.setenv("KFAC_DATA_DIR", str(empty))
+  monkeypatch.setenv("MPLBACKEND", "Agg")
+  monkeypatch.chdir(tmp_path)
+  capsys.readouterr()
+  status = main(["--fast", "--no-progress", "--out", str(out), *extra])
+  captured = capsys.readouterr()
+  output = captured.out + captured.err
+  assert status == 0, output
   assert out.is_file() and out.stat().st_size > 1000, output
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "non-finite" not in output
-  return proc.stdout, output
+  return captured.out, output
 
 
-def test_autoencoder_demo_fast_with_a_time_budget(tmp_path):
+def test_autoencoder_demo_fast_with_a_time_budget(tmp_path, monkeypatch, capsys):
   """The demo's default mode, small: each optimizer trains for the same timed seconds. (The
   fixed-step mode runs in the adaptive demo's test, which shares `train`.)"""
-  stdout, output = _run_fast(_SCRIPT, tmp_path, "ae.png", ["--seconds", "1.5"])
+  stdout, output = _run_fast(
+    autoencoder.main, tmp_path, "ae.png", monkeypatch, capsys, ["--seconds", "1.5"]
+  )
   assert "falling back" in output  # the empty KFAC_DATA_DIR forced the digits fallback
   assert "1.5 s of timed steps each" in output, output
   for name in ("K-FAC", "Adam"):
@@ -65,12 +64,11 @@ def test_autoencoder_demo_fast_with_a_time_budget(tmp_path):
     assert steps >= 2 and 1.5 <= seconds < 6.5, output
 
 
-_ADAPTIVE_SCRIPT = os.path.join(_ROOT, "examples", "autoencoder_adaptive.py")
-
-
-def test_autoencoder_adaptive_demo_fast(tmp_path):
+def test_autoencoder_adaptive_demo_fast(tmp_path, monkeypatch, capsys):
   """examples/autoencoder_adaptive.py: full-batch adaptive K-FAC beside Adam, PNG written."""
-  stdout, output = _run_fast(_ADAPTIVE_SCRIPT, tmp_path, "ae_adaptive.png")
+  stdout, output = _run_fast(
+    autoencoder_adaptive.main, tmp_path, "ae_adaptive.png", monkeypatch, capsys
+  )
   initial = float(re.search(r"^initial loss: ([0-9.]+)$", stdout, re.M).group(1))
   for name in ("K-FAC (adaptive)", "Adam"):
     row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
@@ -79,9 +77,9 @@ def test_autoencoder_adaptive_demo_fast(tmp_path):
   assert re.search(r"skipped steps: 0$", stdout, re.M), output
 
 
-def test_cnn_example_fast(tmp_path):
+def test_cnn_example_fast(tmp_path, monkeypatch, capsys):
   """examples/cnn.py: conv + LayerNorm + dense found without tags; K-FAC and Adam train."""
-  stdout, output = _run_fast(os.path.join(_ROOT, "examples", "cnn.py"), tmp_path, "cnn.png")
+  stdout, output = _run_fast(cnn.main, tmp_path, "cnn.png", monkeypatch, capsys)
   for kind in ("conv", "scale_and_shift", "dense"):
     assert kind in stdout, output  # the summary table
   assert "generic" not in stdout, output
@@ -162,11 +160,9 @@ def test_walkthrough_notebook_runs(tmp_path):
   assert (tmp_path / "walkthrough.png").is_file()
 
 
-def test_transformer_lm_example_fast(tmp_path):
+def test_transformer_lm_example_fast(tmp_path, monkeypatch, capsys):
   """examples/transformer_lm.py: attention, LayerNorm, tied embeddings; K-FAC and Adam train."""
-  stdout, output = _run_fast(
-    os.path.join(_ROOT, "examples", "transformer_lm.py"), tmp_path, "lm.png"
-  )
+  stdout, output = _run_fast(transformer_lm.main, tmp_path, "lm.png", monkeypatch, capsys)
   assert "MultiHeadDotProductAttention_0/query" in stdout, output
   # The tied table is one embedding layer used twice, not a generic fallback.
   assert re.search(r"^params/Embed_0\s+embedding\s+2\s+kron_indep", stdout, re.M), output
@@ -177,9 +173,9 @@ def test_transformer_lm_example_fast(tmp_path):
     assert float(row.group(1)) < 4.2, output  # below the uniform log(vocab) ≈ 4.4: it learned
 
 
-def test_rnn_example_fast(tmp_path):
+def test_rnn_example_fast(tmp_path, monkeypatch, capsys):
   """examples/rnn.py: the recurrent kernel is one layer with T uses and a series block."""
-  stdout, output = _run_fast(os.path.join(_ROOT, "examples", "rnn.py"), tmp_path, "rnn.png")
+  stdout, output = _run_fast(rnn.main, tmp_path, "rnn.png", monkeypatch, capsys)
   assert re.search(r"^W_h\s+dense \(manual\)\s+8\s+kron_series_1", stdout, re.M), output
   assert "fallback" not in stdout, output
   # Below the uniform log(82) = 4.41 for K-FAC (6 steps suffice); Adam only has to stay sane.
