@@ -1093,6 +1093,51 @@ def test_preconditioner_dtype_profile_quick(capsys):
   assert cos is not None and float(cos.group(1)) > 0.99, out
 
 
+def test_step_timeline_profile_quick(capsys):
+  """`profile/step_timeline.py` on the autoencoder's small model: the traced inverse update's
+  thunks are attributed to K-FAC's statistics, inverses and products and to the model's pass
+  (times not asserted, only that each part was found)."""
+  from benchmarks.profile import step_timeline
+
+  argv = ["--workload", "autoencoder", "--quick", "--phase", "inverses", "--top", "3"]
+  argv += ["--curvature-every", "2", "--inverse-every", "2"]
+  assert step_timeline.main(argv) == 0
+  out = capsys.readouterr().out
+  parts = dict(re.findall(r"^\| ([A-Za-z -]+) \| ([0-9.]+) \| [0-9.]+ \| [0-9]+% \|$", out, re.M))
+  assert set(parts) == {name for name, _ in step_timeline.PARTS} | {"other"}, out
+  for name, _ in step_timeline.PARTS:
+    assert float(parts[name]) > 0, (name, out)
+  assert "(statistics + inverses)" in out, out
+  assert len(re.findall(r"^\| \S+ \| [0-9.]+ \| `", out, re.M)) == 3, out
+
+
+def test_step_timeline_attributes_thunks_by_op_name():
+  """The trace parsing on hand-made events: an asynchronous thunk runs to its end marker,
+  control-flow thunks are not counted twice, names map to parts by op_name."""
+  from benchmarks.profile import step_timeline
+
+  hlo = (
+    '  %dot.3 = f32[4,4]{1,0} dot(%a, %b), metadata={op_name="jit(step)/transpose(jvp(M))/d"}\n'
+    '  %ynn_fusion.1 = f32[4]{0} fusion(%c), metadata={op_name="jit(step)/kfac_multiply_'
+    'matpower/dot_general"}\n'
+    '  %cond.2 = (f32[4]) conditional(%p), metadata={op_name="jit(step)/cond"}\n'
+  )
+  info = step_timeline.thunk_info(hlo)
+  assert info["dot.3"] == ("f32[4,4]{1,0}", "jit(step)/transpose(jvp(M))/d")
+  assert step_timeline.part_of(info["dot.3"][1]) == "forward and backward"
+  assert step_timeline.part_of(info["ynn_fusion.1"][1]) == "K-FAC products"
+  events = [
+    {"ph": "X", "name": "dot.3", "ts": 0.0, "dur": 1.0},
+    {"ph": "i", "name": "end: dot.3", "ts": 9.0},
+    {"ph": "X", "name": "ynn_fusion.1", "ts": 10.0, "dur": 5.0},
+    {"ph": "X", "name": "cond.2", "ts": 9.0, "dur": 7.0},
+    {"ph": "X", "name": "ThunkExecutor::Execute", "ts": 0.0, "dur": 20.0},
+  ]
+  spans = step_timeline.busy_intervals(events, info)
+  assert spans == [("dot.3", 0.0, 9.0), ("ynn_fusion.1", 10.0, 15.0)]
+  assert step_timeline.union_ms([(0, 4000), (2000, 5000), (7000, 8000)]) == 6.0
+
+
 def test_factor_solve_profile_quick():
   """`profile/factor_solve.py` on one small factor: both forms timed, the substitution solve
   correct (its residual is printed; times are not asserted)."""

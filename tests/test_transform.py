@@ -4,6 +4,7 @@ checkpoints) is in test_contract.py."""
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -707,3 +708,25 @@ def test_update_errors_are_named():
     tx.update(grads, state, params, curvature_stats=other)
   with pytest.raises(TypeError, match="ScaleByKfacState"):
     tx.update(grads, (state,), params, batch=batch, rng=jax.random.key(0))
+
+
+def test_profile_names_kfac_statistics_inverses_and_products():
+  """Every operation of the estimator's statistics, inverses and products carries a
+  `kfac_*` named scope in its op_name (what a Perfetto / TensorBoard profile of the step
+  shows), and the user's model keeps its own names."""
+  loss_fn, params, batch = _problem()
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, curvature_every=2)
+  state = tx.init(params)
+  grads = jax.grad(loss_fn)(params, batch)
+
+  def update(g, s, p):
+    return tx.update(g, s, p, batch=batch, rng=jax.random.key(0))
+
+  text = jax.jit(update).lower(grads, state, params).as_text(debug_info=True)
+  names = set(re.findall(r'loc\("(jit\(update\)/[^"]*)"', text))
+  for scope in ("kfac_statistics", "kfac_inverses", "kfac_multiply_matpower"):
+    assert any(f"/{scope}" in n for n in names), (scope, sorted(names)[:20])
+  # The statistics' pass through the model is scoped too; the scopes are not nested in
+  # each other.
+  assert any("kfac_statistics" in n and "jvp(" in n for n in names), sorted(names)[:20]
+  assert not any("kfac_inverses" in n and "kfac_multiply" in n for n in names)
