@@ -752,9 +752,19 @@ def environment(command: str, workload: Workload) -> dict:
   }
 
 
-# Environment variables that change step times on CPU (RESULTS.md, "OpenBLAS threads on CPU"):
-# a recorded command starts with the ones that were set, so it reproduces the run.
-TIMING_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "XLA_FLAGS")
+# Environment variables that change step times on CPU (RESULTS.md, "OpenBLAS threads on CPU",
+# "XLA's step buffer and glibc's malloc"): a recorded command starts with the ones that were
+# set, so it reproduces the run.
+TIMING_ENV = (
+  "OPENBLAS_NUM_THREADS",
+  "OMP_NUM_THREADS",
+  "OPENBLAS_THREAD_TIMEOUT",
+  "MALLOC_ARENA_MAX",
+  "MALLOC_MMAP_MAX_",
+  "MALLOC_TRIM_THRESHOLD_",
+  "LD_PRELOAD",
+  "XLA_FLAGS",
+)
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
