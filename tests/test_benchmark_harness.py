@@ -31,6 +31,7 @@ from benchmarks.upstream import compare, plain_models  # noqa: E402
 from examples import autoencoder as ae  # noqa: E402
 from examples import cnn as cnn_lib  # noqa: E402
 from examples import transformer_lm as lm  # noqa: E402
+from tests import _scripts  # noqa: E402
 
 _METRICS = (
   "setup_s",
@@ -278,20 +279,6 @@ def _env(tmp_path):
   return env
 
 
-def _in_process(main, argv, tmp_path, monkeypatch, capsys):
-  """A benchmark script's `main(argv)` in this process, in `tmp_path`, on the digits fallback
-  (as `_run`, without a second interpreter's imports and JAX start-up); (stdout, all output)."""
-  empty = tmp_path / "no_data"
-  empty.mkdir(exist_ok=True)
-  monkeypatch.setenv("KFAC_DATA_DIR", str(empty))
-  monkeypatch.chdir(tmp_path)
-  capsys.readouterr()
-  status = main(argv)
-  out = capsys.readouterr()
-  assert status == 0, out.out + out.err
-  return out.out, out.out + out.err
-
-
 def _run(tmp_path, script, *flags):
   out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
   proc = subprocess.run(
@@ -319,9 +306,10 @@ def _run(tmp_path, script, *flags):
 
 
 def _run_here(tmp_path, monkeypatch, capsys, script, *flags):
-  """`_run` in this process (`_in_process`): the script module's `main`, same flags and files."""
+  """`_run` in this process (`_scripts.run_main`): the script module's `main`, same flags
+  and files."""
   out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-  stdout, output = _in_process(
+  stdout, output = _scripts.run_main(
     script.main,
     ["--quick", "--json", str(out_json), "--plot", str(out_png), *flags],
     tmp_path,
@@ -832,7 +820,7 @@ def test_race_quick(tmp_path, monkeypatch, capsys):
   from benchmarks import race
 
   out_json, out_png = tmp_path / "race.json", tmp_path / "race.png"
-  stdout, output = _in_process(
+  stdout, output = _scripts.run_main(
     race.main,
     [
       "--workload",
@@ -902,7 +890,7 @@ def test_step_sweep_quick(tmp_path, monkeypatch, capsys):
   64-16-4-16-64 autoencoder, in this process)."""
   from benchmarks import step_sweep
 
-  stdout, output = _in_process(
+  stdout, output = _scripts.run_main(
     step_sweep.main,
     ["--workload", "autoencoder", "--quick", "--encoder", "16,4", "--steps", "3"]
     + [

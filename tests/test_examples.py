@@ -19,27 +19,21 @@ if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
 from examples import autoencoder, autoencoder_adaptive, cnn, rnn, transformer_lm  # noqa: E402
+from tests import _scripts  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Every test here trains small models end to end.
 
 
 def _run_fast(main, tmp_path, png_name, monkeypatch, capsys, extra=()):
-  """An example's `main` with `--fast` on the digits fallback; returns (stdout, all output)."""
-  empty = tmp_path / "no_data"
-  empty.mkdir()
+  """An example's `main` with `--fast` on the digits fallback, its PNG checked; returns
+  (stdout, all output)."""
   out = tmp_path / png_name
-  monkeypatch.setenv("KFAC_DATA_DIR", str(empty))
-  monkeypatch.setenv("MPLBACKEND", "Agg")
-  monkeypatch.chdir(tmp_path)
-  capsys.readouterr()
-  status = main(["--fast", "--no-progress", "--out", str(out), *extra])
-  captured = capsys.readouterr()
-  output = captured.out + captured.err
-  assert status == 0, output
+  argv = ["--fast", "--no-progress", "--out", str(out), *extra]
+  stdout, output = _scripts.run_main(main, argv, tmp_path, monkeypatch, capsys)
   assert out.is_file() and out.stat().st_size > 1000, output
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "non-finite" not in output
-  return captured.out, output
+  return stdout, output
 
 
 def test_autoencoder_demo_fast_with_a_time_budget(tmp_path, monkeypatch, capsys):

@@ -711,9 +711,9 @@ def test_update_errors_are_named():
 
 
 def test_profile_names_kfac_statistics_inverses_and_products():
-  """Every operation of the estimator's statistics, inverses and products carries a
-  `kfac_*` named scope in its op_name (what a Perfetto / TensorBoard profile of the step
-  shows), and the user's model keeps its own names."""
+  """The estimator's statistics (the model's sampled pass included), inverses and products
+  carry `kfac_*` named scopes in their op names (what a Perfetto / TensorBoard profile of the
+  step shows), and the scopes are not nested in one another."""
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, curvature_every=2)
   state = tx.init(params)

@@ -106,8 +106,8 @@ def main(argv=None) -> int:
   counts = np.arange(warmup, warmup + args.timed_steps)
   kinds = {}
   for n, t in zip(counts, t_kfac):
-    kinds.setdefault(_kind(int(n), c, i), []).append(t)
-  per_cycle = {k: sum(1 for n in range(cycle) if _kind(n, c, i) == k) for k in kinds}
+    kinds.setdefault(update_kind(int(n), c, i), []).append(t)
+  per_cycle = {k: sum(1 for n in range(cycle) if update_kind(n, c, i) == k) for k in kinds}
   total = sum(per_cycle[k] * np.median(v) for k, v in kinds.items())
   for k, v in sorted(kinds.items(), key=lambda kv: np.median(kv[1])):
     med = 1e3 * float(np.median(v))
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
   return 0
 
 
-def _kind(n: int, c: int, i: int) -> str:
+def update_kind(n: int, c: int, i: int) -> str:
   """The work of update `n` (the transform folds statistics when `n % c == 0` and refreshes
   the inverses when `n % i == 0`)."""
   parts = [name for name, every in (("statistics", c), ("inverses", i)) if n % every == 0]

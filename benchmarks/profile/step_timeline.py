@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks import _harness, race  # noqa: E402
+from benchmarks.profile.phase_times import update_kind  # noqa: E402
 
 PARTS = (
   ("K-FAC statistics", ("kfac_statistics",)),
@@ -111,11 +112,6 @@ def _trace_events(directory: str) -> list[dict]:
   return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
-def _kind(n: int, c: int, i: int) -> str:
-  parts = [name for name, every in (("statistics", c), ("inverses", i)) if n % every == 0]
-  return " + ".join(parts) or "plain"
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--workload", default="autoencoder", choices=sorted(race.WORKLOADS))
@@ -159,7 +155,7 @@ def main(argv=None) -> int:
     if args.phase == "inverses" and (i % c):
       want["inverses"] = "inverses"
     span = range(max(c, i) + 1, 10 * max(c, i) + 2)
-    target = next((n for n in span if _kind(n, c, i) == want[args.phase]), None)
+    target = next((n for n in span if update_kind(n, c, i) == want[args.phase]), None)
     if target is None:
       p.error(f"no {args.phase!r} update with statistics every {c} and inverses every {i}")
 
@@ -204,7 +200,7 @@ def main(argv=None) -> int:
     else (
       f"kfac lr {args.lr:g}, momentum {args.momentum:g}, damping {args.damping:g}, statistics "
       f"every {c}, inverses every {i}, preconditioner_dtype "
-      f"{args.preconditioner_dtype or 'float32'}; update {target} ({_kind(target, c, i)})"
+      f"{args.preconditioner_dtype or 'float32'}; update {target} ({update_kind(target, c, i)})"
     )
   )
   print(f"{workload.name}: {workload.description}")
