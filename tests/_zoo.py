@@ -1933,3 +1933,130 @@ STRUCTURE_MODELS.update(
     "vae_nnx": vae_nnx,
   }
 )
+
+
+# -- a WaveNet-style TCN and a DiT block with adaLN-Zero (seventeenth session) --------------------
+
+TCN_STEPS, TCN_WIDTH, TCN_DILATIONS = 16, 6, (1, 2, 4)
+
+
+class LinenTCN(nn.Module):
+  """Causal dilated 1-D convolutions with WaveNet's gated unit, `tanh(f) · σ(g)` from one
+  convolution of twice the width split in two, a 1×1 skip convolution per layer and a 1×1
+  residual one on all but the last (whose residual output nothing reads), and a per-step
+  classifier over the summed skips."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(TCN_WIDTH, (1,), name="inp")(x)
+    skips = 0.0
+    for i, d in enumerate(TCN_DILATIONS):
+      fg = nn.Conv(2 * TCN_WIDTH, (2,), kernel_dilation=(d,), padding="CAUSAL", name=f"dil{i}")(x)
+      f, g = jnp.split(fg, 2, axis=-1)
+      h = jnp.tanh(f) * jax.nn.sigmoid(g)
+      if i < len(TCN_DILATIONS) - 1:
+        x = x + nn.Conv(TCN_WIDTH, (1,), name=f"res{i}")(h)
+      skips = skips + nn.Conv(TCN_WIDTH, (1,), name=f"skip{i}")(h)
+    return nn.Conv(CLASSES, (1,), name="out")(jax.nn.relu(skips))
+
+
+def tcn_linen() -> Zoo:
+  """Per-step labels `[N, T]`, the loss their mean cross-entropy: the convolutions' statistics
+  sum over batch and time, and the dilated ones see left-padded inputs."""
+  kx, ky = jax.random.split(_key(25))
+  batch = {
+    "x": jax.random.normal(kx, (N, TCN_STEPS, 2)),
+    "y": jax.random.randint(ky, (N, TCN_STEPS), 0, CLASSES),
+  }
+  f, p, b = _linen(LinenTCN(), batch)
+  names = ["inp", "out", "res0", "res1"] + [f"{k}{i}" for k in ("dil", "skip") for i in range(3)]
+
+  def check(specs):
+    dil = {s.name: s.info.rhs_dilation for s in specs if s.name.startswith("dil")}
+    assert dil == {f"dil{i}": (d,) for i, d in enumerate(TCN_DILATIONS)}, dil
+
+  return Zoo(f, p, b, [_conv(n) for n in sorted(names)], check=check)
+
+
+DIT_TOKENS, DIT_IN, DIT_DIM, DIT_LABELS = 5, 4, 8, 3
+
+
+class NnxDiTBlock(nnx.Module):
+  """adaLN-Zero: a zero-initialised projection of the conditioning gives each sub-layer's shift,
+  scale and gate; the norms have no parameters of their own."""
+
+  def __init__(self, rngs):
+    d = DIT_DIM
+    self.ada = nnx.Linear(d, 6 * d, kernel_init=nnx.initializers.zeros, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(d, use_scale=False, use_bias=False, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(HEADS, d, decode=False, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d, use_scale=False, use_bias=False, rngs=rngs)
+    self.fc1 = nnx.Linear(d, 2 * d, rngs=rngs)
+    self.fc2 = nnx.Linear(2 * d, d, rngs=rngs)
+
+  def __call__(self, x, c):
+    shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(self.ada(nnx.silu(c)), 6, axis=-1)
+    h = self.ln1(x) * (1 + scale1[:, None]) + shift1[:, None]
+    x = x + gate1[:, None] * self.attn(h)
+    h = self.ln2(x) * (1 + scale2[:, None]) + shift2[:, None]
+    return x + gate2[:, None] * self.fc2(nnx.gelu(self.fc1(h)))
+
+
+class NnxDiT(nnx.Module):
+  """A diffusion transformer's denoiser: noisy tokens in, the noise predicted per token, the
+  conditioning a sinusoidal embedding of the time step through an MLP plus a class embedding."""
+
+  def __init__(self, rngs):
+    d = DIT_DIM
+    self.inp = nnx.Linear(DIT_IN, d, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, DIT_TOKENS, d)))
+    self.t1 = nnx.Linear(d, d, rngs=rngs)
+    self.t2 = nnx.Linear(d, d, rngs=rngs)
+    self.label = nnx.Embed(DIT_LABELS, d, rngs=rngs)
+    self.block = NnxDiTBlock(rngs)
+    self.final_ada = nnx.Linear(d, 2 * d, kernel_init=nnx.initializers.zeros, rngs=rngs)
+    self.final_ln = nnx.LayerNorm(d, use_scale=False, use_bias=False, rngs=rngs)
+    self.out = nnx.Linear(d, DIT_IN, rngs=rngs)
+
+  def __call__(self, x, t, label):
+    freqs = jnp.exp(-jnp.log(1000.0) * jnp.arange(DIT_DIM // 2) / (DIT_DIM // 2))
+    emb = jnp.concatenate([jnp.sin(t[:, None] * freqs), jnp.cos(t[:, None] * freqs)], axis=-1)
+    c = self.t2(nnx.silu(self.t1(emb))) + self.label(label)
+    x = self.block(self.inp(x) + self.pos, c)
+    shift, scale = jnp.split(self.final_ada(nnx.silu(c)), 2, axis=-1)
+    return self.out(self.final_ln(x) * (1 + scale[:, None]) + shift[:, None])
+
+
+def dit_nnx() -> Zoo:
+  """The denoising loss: x_t = √ᾱ x₀ + √(1-ᾱ) ε, the squared error of the predicted ε (the
+  registered loss; `register_squared_error_loss` is the sum of squares, so the mean over the
+  batch is scaled to match)."""
+  k0, ke, kt, kl = jax.random.split(_key(26), 4)
+  x0 = jax.random.normal(k0, (N, DIT_TOKENS, DIT_IN))
+  eps = jax.random.normal(ke, x0.shape)
+  t = jax.random.uniform(kt, (N,))
+  alpha_bar = jnp.cos(0.5 * jnp.pi * t)[:, None, None] ** 2
+  batch = {
+    "x": jnp.sqrt(alpha_bar) * x0 + jnp.sqrt(1 - alpha_bar) * eps,
+    "t": t,
+    "label": jax.random.randint(kl, (N,), 0, DIT_LABELS),
+    "eps": eps,
+  }
+  graphdef, params = nnx.split(NnxDiT(nnx.Rngs(0)), nnx.Param)
+
+  def loss_fn(p, b):
+    pred = nnx.merge(graphdef, p)(b["x"], b["t"], b["label"])
+    kfac_jax.register_squared_error_loss(pred, b["eps"])
+    return jnp.sum((pred - b["eps"]) ** 2) / pred.shape[0]
+
+  blk = [_dense(f"block/{n}") for n in ("ada", "fc1", "fc2")]
+  blk += [_dense(f"block/attn/{n}") for n in ("key", "out", "query", "value")]
+  layers = blk + [_dense(n) for n in ("final_ada", "inp", "out", "t1", "t2")]
+  layers += [
+    ("embedding", "kron", ("label/embedding",)),
+    ("scale_and_shift", "diagonal", ("pos",)),
+  ]
+  return Zoo(loss_fn, params, batch, sorted(layers, key=lambda e: e[2]))
+
+
+STRUCTURE_MODELS.update({"tcn_linen": tcn_linen, "dit_nnx": dit_nnx})
