@@ -309,9 +309,7 @@ def kfac_transform(
     ema_decay=ema_decay,
     inverse_every=inverse_every,
     curvature_every=curvature_every,
-    estimation_mode="gradients",
-    num_samples=1,
-    **kfac_kwargs,
+    **{"estimation_mode": "gradients", "num_samples": 1, **kfac_kwargs},
   )
 
   from_batch = curvature_every > 1 or needs_batch(kfac_kwargs, stats_batch)

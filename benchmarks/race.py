@@ -98,6 +98,9 @@ CONFIG_KEYS = (
   "preconditioner_dtype",
   "conv",
   "dense",
+  "ema_decay",
+  "estimation_mode",
+  "num_samples",
 )
 
 
@@ -111,7 +114,9 @@ def parse_kfac_config(text: str) -> dict:
   the same as `kfac`'s `statistics_fraction=n/N`; `decay_steps=n`: the learning rate follows
   `optax.cosine_decay_schedule(lr, n)`, to 0 at step n), `statistics_fraction=` (a number in
   (0, 1], or auto, `kfac`'s default), `factor_solve=` ("auto", "always" or "never"),
-  `preconditioner_dtype=` (bfloat16 or float32) and
+  `preconditioner_dtype=` (bfloat16 or float32), `ema_decay=` (in (0, 1)),
+  `estimation_mode=` (one of `kfac_jax`'s modes) with `num_samples=` (an int; the harness's
+  own are "gradients" and 1) and
   `conv=` / `dense=` (the approximation of those layer kinds, a `LayerConfig` default). A
   setting left out is the caller's: the race's workload flags (`--curvature-every`,
   `--inverse-every`), the step sweep's `kfac` defaults. Raises ValueError naming the entry.
@@ -142,6 +147,20 @@ def parse_kfac_config(text: str) -> dict:
       if value not in ("bfloat16", "float32"):
         raise ValueError(f"{key} must be bfloat16 or float32, got {value!r} in {text!r}")
       out[key] = value
+    elif key == "estimation_mode":
+      from kfac_jax import _curvature  # pylint: disable=g-import-not-at-top
+
+      if value not in _curvature.ESTIMATION_MODES:
+        modes = ", ".join(_curvature.ESTIMATION_MODES)
+        raise ValueError(f"{key} must be one of {modes}, got {value!r} in {text!r}")
+      out[key] = value
+    elif key == "ema_decay":
+      try:
+        out[key] = float(value)
+      except ValueError:
+        raise ValueError(f"{key} must be a number, got {value!r} in {text!r}") from None
+      if not 0 < out[key] < 1:
+        raise ValueError(f"{key} must be in (0, 1), got {value!r} in {text!r}")
     elif key == "statistics_fraction" and value == "auto":
       out[key] = value
     elif key == "statistics_fraction":

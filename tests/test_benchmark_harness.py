@@ -991,6 +991,14 @@ def test_kfac_config_parser():
   assert race.parse_kfac_config("0.3:0.7:0.1:0.3:factor_solve=never")["factor_solve"] == "never"
   cfg = race.parse_kfac_config("0.3:0.7:0.1:0.3:preconditioner_dtype=bfloat16")
   assert cfg["preconditioner_dtype"] == "bfloat16"
+  cfg = race.parse_kfac_config(
+    "1:0.7:0.03:0.3:ema_decay=0.99:estimation_mode=curvature_prop:num_samples=2"
+  )
+  assert (cfg["ema_decay"], cfg["estimation_mode"], cfg["num_samples"]) == (
+    0.99,
+    "curvature_prop",
+    2,
+  )
   cfg = race.parse_kfac_config("1:0:0.1:0.01:curvature_every=5:inverse_every=10:conv=kron_sua")
   layers = cfg.pop("layers")
   assert cfg == {
@@ -1013,6 +1021,9 @@ def test_kfac_config_parser():
     ("0.3:0.7:0.1:0:statistics_fraction=x", "statistics_fraction must be a number, got 'x'"),
     ("0.3:0.7:0.1:0:factor_solve=yes", "factor_solve must be auto, always or never, got 'yes'"),
     ("0.3:0.7:0.1:0:preconditioner_dtype=f16", "must be bfloat16 or float32, got 'f16'"),
+    ("0.3:0.7:0.1:0:ema_decay=1", "ema_decay must be in (0, 1), got '1'"),
+    ("0.3:0.7:0.1:0:estimation_mode=fisher", "estimation_mode must be one of gradients,"),
+    ("0.3:0.7:0.1:0:num_samples=0", "num_samples must be >= 1"),
   ]:
     with pytest.raises(ValueError, match=re.escape(match)):
       race.parse_kfac_config(bad)
