@@ -1,5 +1,6 @@
 """The factorisations run on size buckets; the answers must equal the unpadded ones."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -78,6 +79,8 @@ def test_ordered_sum_and_mean_diag_are_sums_in_a_fixed_order(n):
     tree = tree[:, : tree.shape[-1] // 2] + tree[:, tree.shape[-1] // 2 :]
   np.testing.assert_array_equal(got, tree[:, 0])
   m = rng.normal(size=(n, n)).astype(np.float32)
+  np.testing.assert_array_equal(_linalg.diagonal(jnp.asarray(m)), np.diagonal(m))
+  np.testing.assert_array_equal(jax.jit(_linalg.diagonal)(jnp.asarray(m)), np.diagonal(m))
   np.testing.assert_allclose(
     _linalg.mean_diag(jnp.asarray(m)), np.trace(m) / n, rtol=1e-5, atol=1e-6
   )

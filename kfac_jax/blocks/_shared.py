@@ -130,7 +130,7 @@ def indep_factors(spec, data, batch_size: int, dtype) -> KroneckerFactors:
       xs.append(layout.id_counts(x, dtype) / x.shape[0])
       ys.append(gg)
     elif transposed:  # logits = h Mᵀ: rows of M are its outputs.
-      xs.append(jnp.diagonal(gg))
+      xs.append(_linalg.diagonal(gg))
       ys.append(jnp.einsum("rgi,rgj->ij", x, x) / x.shape[0])
     else:  # one-hot-like rows times M.
       xs.append(jnp.einsum("rgi,rgi->i", x, x) / x.shape[0])
