@@ -1092,6 +1092,28 @@ def test_preconditioner_dtype_profile_quick(capsys):
   assert cos is not None and float(cos.group(1)) > 0.99, out
 
 
+def test_adaptive_damping_prototype_quick(capsys):
+  """`profile/adaptive_damping.py` on the autoencoder's small model: the three rows finite, an
+  adaptation printed every period; the rule raises λ below ρ = 1/8, lowers it above 3/8,
+  keeps it between, and stays in its bounds."""
+  from benchmarks.profile import adaptive_damping as ad
+
+  w = 0.5
+  got = [float(ad.adapt(jnp.float32(1.0), jnp.float32(r), w)) for r in (-1.0, 0.2, 0.9)]
+  assert got == [2.0, 1.0, 0.5]
+  assert float(ad.adapt(jnp.float32(8.0), jnp.float32(0.0), w)) == ad.LAMBDA_MAX
+  assert float(ad.adapt(jnp.float32(1.5e-4), jnp.float32(1.0), w)) == pytest.approx(ad.LAMBDA_MIN)
+  argv = ["--budget", "1", "--period", "2", "--trace", "--quick"]
+  assert ad.main(argv) == 0
+  out = capsys.readouterr().out
+  rows = re.findall(
+    r"^\| (Adam|kfac, [^|]*) \| (\d+) \| ([0-9.e+-]+) \| ([0-9.e+-]+) \|$", out, re.M
+  )
+  assert [r[0] for r in rows] == ["Adam", "kfac, λ 0.03", "kfac, damping adapted every 2 from 0.1"]
+  assert all(int(r[1]) > 0 and np.isfinite(float(r[2])) and np.isfinite(float(r[3])) for r in rows)
+  assert re.search(r"^update 2: rho -?[0-9.]+, damping [0-9.e+-]+$", out, re.M), out
+
+
 def test_step_timeline_profile_quick(capsys):
   """`profile/step_timeline.py` on the autoencoder's small model: the traced inverse update's
   thunks are attributed to K-FAC's statistics, inverses and products and to the model's pass
