@@ -1,5 +1,7 @@
 """The factorisations run on size buckets; the answers must equal the unpadded ones."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,6 +83,8 @@ def test_ordered_sum_and_mean_diag_are_sums_in_a_fixed_order(n):
   m = rng.normal(size=(n, n)).astype(np.float32)
   np.testing.assert_array_equal(_linalg.diagonal(jnp.asarray(m)), np.diagonal(m))
   np.testing.assert_array_equal(jax.jit(_linalg.diagonal)(jnp.asarray(m)), np.diagonal(m))
+  with pytest.raises(ValueError, match=re.escape(f"square matrix, got shape (2, {n}, {n})")):
+    _linalg.diagonal(jnp.zeros((2, n, n)))
   np.testing.assert_allclose(
     _linalg.mean_diag(jnp.asarray(m)), np.trace(m) / n, rtol=1e-5, atol=1e-6
   )

@@ -240,6 +240,8 @@ def diagonal(f: Array) -> Array:
   XLA:CPU compiles into kernels of their own for every factor size."""
   if f.ndim == 1:
     return f
+  if f.ndim != 2 or f.shape[0] != f.shape[1]:
+    raise ValueError(f"diagonal: expected a vector or a square matrix, got shape {f.shape}")
   n = f.shape[-1]
   return f.reshape(-1)[:: n + 1]
 
