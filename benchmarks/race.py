@@ -104,6 +104,17 @@ CONFIG_KEYS = (
 )
 
 
+def _unit_number(key: str, value: str, text: str, *, one: bool) -> float:
+  """`value` as a number in (0, 1] (`one`) or (0, 1); a ValueError naming the entry."""
+  try:
+    x = float(value)
+  except ValueError:
+    raise ValueError(f"{key} must be a number, got {value!r} in {text!r}") from None
+  if not (0 < x <= 1 if one else 0 < x < 1):
+    raise ValueError(f"{key} must be in (0, 1{']' if one else ')'}, got {value!r} in {text!r}")
+  return x
+
+
 def parse_kfac_config(text: str) -> dict:
   """`lr:momentum:damping:clip[:key=value...]` as keyword arguments of `kfac_jax.kfac`.
 
@@ -155,21 +166,11 @@ def parse_kfac_config(text: str) -> dict:
         raise ValueError(f"{key} must be one of {modes}, got {value!r} in {text!r}")
       out[key] = value
     elif key == "ema_decay":
-      try:
-        out[key] = float(value)
-      except ValueError:
-        raise ValueError(f"{key} must be a number, got {value!r} in {text!r}") from None
-      if not 0 < out[key] < 1:
-        raise ValueError(f"{key} must be in (0, 1), got {value!r} in {text!r}")
+      out[key] = _unit_number(key, value, text, one=False)
     elif key == "statistics_fraction" and value == "auto":
       out[key] = value
     elif key == "statistics_fraction":
-      try:
-        out[key] = float(value)
-      except ValueError:
-        raise ValueError(f"{key} must be a number, got {value!r} in {text!r}") from None
-      if not 0 < out[key] <= 1:
-        raise ValueError(f"{key} must be in (0, 1], got {value!r} in {text!r}")
+      out[key] = _unit_number(key, value, text, one=True)
     else:
       try:
         out[key] = int(value)
