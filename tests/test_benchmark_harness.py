@@ -1093,9 +1093,9 @@ def test_preconditioner_dtype_profile_quick(capsys):
 
 
 def test_adaptive_damping_prototype_quick(capsys):
-  """`profile/adaptive_damping.py` on the autoencoder's small model: the three rows finite, an
-  adaptation printed every period; the rule raises λ below ρ = 1/8, lowers it above 3/8,
-  keeps it between, and stays in its bounds."""
+  """`profile/adaptive_damping.py` on the autoencoder's small model: the three rows with steps
+  and finite losses, the first adaptation (update 2 of period 2) traced; the rule raises λ
+  below ρ = 1/8, lowers it above 3/8, keeps it between, and stays in its bounds."""
   from benchmarks.profile import adaptive_damping as ad
 
   w = 0.5
