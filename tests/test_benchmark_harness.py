@@ -1092,7 +1092,7 @@ def test_preconditioner_dtype_profile_quick(capsys):
   assert cos is not None and float(cos.group(1)) > 0.99, out
 
 
-def test_adaptive_damping_prototype_quick(capsys):
+def test_adaptive_damping_prototype_quick(tmp_path, monkeypatch, capsys):
   """`profile/adaptive_damping.py` on the autoencoder's small model: the three rows with steps
   and finite losses, the first adaptation (update 2 of period 2) traced; the rule raises λ
   below ρ = 1/8, lowers it above 3/8, keeps it between, and stays in its bounds."""
@@ -1104,8 +1104,7 @@ def test_adaptive_damping_prototype_quick(capsys):
   assert float(ad.adapt(jnp.float32(8.0), jnp.float32(0.0), w)) == ad.LAMBDA_MAX
   assert float(ad.adapt(jnp.float32(1.5e-4), jnp.float32(1.0), w)) == pytest.approx(ad.LAMBDA_MIN)
   argv = ["--budget", "1", "--period", "2", "--trace", "--quick"]
-  assert ad.main(argv) == 0
-  out = capsys.readouterr().out
+  out, _ = _scripts.run_main(ad.main, argv, tmp_path, monkeypatch, capsys)
   rows = re.findall(
     r"^\| (Adam|kfac, [^|]*) \| (\d+) \| ([0-9.e+-]+) \| ([0-9.e+-]+) \|$", out, re.M
   )

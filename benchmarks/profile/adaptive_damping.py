@@ -44,10 +44,6 @@ def adapt(lam, rho, omega):
   return jnp.clip(new, LAMBDA_MIN, LAMBDA_MAX)
 
 
-def _vdot(a, b):
-  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def adaptive_contestant(loss_fn, example, damping: float, period: int, trace: bool, **kw):
   tx = optax.inject_hyperparams(kfac_jax.kfac, static_args=("loss_fn", "example_batch"))(
     loss_fn, example, damping=damping, **kw
@@ -82,7 +78,7 @@ def adaptive_contestant(loss_fn, example, damping: float, period: int, trace: bo
     ad = {
       "k": ad["k"] + 1,
       "loss": loss,
-      "pred": _vdot(grads, updates),
+      "pred": optax.tree.vdot(grads, updates),
       "acc_dl": jnp.where(due, 0.0, acc_dl),
       "acc_pred": jnp.where(due, 0.0, acc_pred),
     }
