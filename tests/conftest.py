@@ -17,8 +17,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("KFAC_TEST_XLA_OPT", "0") != "1":
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# JAX's persistent compilation cache, in a fresh directory per test process (each xdist worker),
+# removed at exit: many tests compile the same program again (the same model and optimizer in
+# another test), and this compiles each once. Nothing carries over between runs, so a run on a
+# clean checkout is what CI sees; per process, so no two processes write one entry at once.
+# Set through `jax.config`, not the environment, so that the scripts the suite starts in a
+# subprocess (and the compile-cache benchmark's own processes) do not inherit it.
+# `KFAC_TEST_COMPILE_CACHE=0` turns it off.
+if os.environ.get("KFAC_TEST_COMPILE_CACHE", "1") != "0":
+  _cache_dir = tempfile.mkdtemp(prefix="kfac-jax-test-xla-cache-")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", _cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture
