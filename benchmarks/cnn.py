@@ -87,7 +87,7 @@ def make_workload(args) -> _harness.Workload:
   train = {"x": x[:-held_out], "y": y[:-held_out]}
   test = {"x": jnp.asarray(x[-held_out:]), "y": jnp.asarray(y[-held_out:])}
   model = cnn_lib.CNN(channels=args.channel_list)
-  params0 = model.init(jax.random.key(args.seed), train["x"][:1])
+  params0 = jax.jit(model.init)(jax.random.key(args.seed), train["x"][:1])
   loss_fn = cnn_lib.make_loss_fn(model)
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params0))
   total = args.warmup + args.steps

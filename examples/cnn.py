@@ -93,7 +93,7 @@ def main(argv=None) -> int:
   train = {"x": x[:-held_out], "y": ds.train_labels[:-held_out]}
   test = {"x": x[-held_out:], "y": ds.train_labels[-held_out:]}
   model = CNN(channels=(4, 8) if args.fast else (16, 32))
-  params = model.init(jax.random.key(args.seed), train["x"][:1])
+  params = jax.jit(model.init)(jax.random.key(args.seed), train["x"][:1])
   loss_fn = make_loss_fn(model)
   idx = ae.batch_indices(train["y"].shape[0], args.batch_size, args.steps, args.seed)
   example = {k: jnp.asarray(v[idx[0]]) for k, v in train.items()}
