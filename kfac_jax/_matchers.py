@@ -125,8 +125,9 @@ def default_approx(kind: str, info) -> str | None:
   """The library default for a layer of `kind` that depends on its shape (None: the kind's).
 
   Depthwise convolutions are "diagonal"; a shift-only table added over the batch, spanning more
-  than one trailing axis (a learned positional embedding `x + pos`, `pos: [1, L, D]`), is
-  "diagonal": its "full" block would be quadratic in L·D (10.6 GiB for ViT-Ti/16).
+  than one trailing axis (a learned positional embedding `x + pos`, `pos: [1, L, D]`; Perceiver
+  latents `[L, D]` broadcast over the batch), is "diagonal": its "full" block would be quadratic
+  in L·D (10.6 GiB for ViT-Ti/16's positional table).
   """
   if kind == "conv" and info is not None:
     return default_conv_approx(info)
@@ -143,7 +144,8 @@ def default_approx(kind: str, info) -> str | None:
 def default_approx_note(kind: str, info) -> str:
   if kind == "scale_and_shift":
     return (
-      f"shift-only table {'x'.join(map(str, info.feature_shape))} (positional embedding): diagonal"
+      f"shift-only table {'x'.join(map(str, info.feature_shape))} (positional embedding or "
+      "learned tokens): diagonal"
     )
   return ""
 

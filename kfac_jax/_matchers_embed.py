@@ -19,6 +19,10 @@ None`; the use readers (`embedding_use`, `one_hot_embedding_use`) are shared wit
   token             (`match_token`) a parameter broadcast over the batch and concatenated with
                     the activations along another axis (a ViT's class token): a shift-only
                     scale_and_shift layer whose output is the broadcast token.
+  batch tokens      (`match_batch_tokens`) a parameter broadcast over the batch and then read as
+                    an activation, by any number of operations (Perceiver latents, learned
+                    queries of a cross-attention, DETR's object queries, a mask token in a
+                    `where`): the same shift-only layer, its output the broadcast itself.
 """
 
 from __future__ import annotations
@@ -273,6 +277,40 @@ def match_token(ix, i, claimed):
       continue
     view_shape = tuple(_graph.aval_of(atom).shape)
     block = _matchers.feature_block(ix.shapes[leaf], found[1], view_shape, view_shape)
+    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
+      continue
+    info = ScaleShiftInfo(
+      has_scale=False,
+      has_shift=True,
+      feature_shape=block[1],
+      output_shape=view_shape,
+      feature_axis=None,
+    )
+    return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())
+  return None
+
+
+def match_batch_tokens(ix, i, claimed):
+  """Learned tokens broadcast over the batch and read as activations (Perceiver latents, the
+  learned queries of a cross-attention): every use of an unclaimed leaf reads one view of it
+  whose leading axis is the batch, an axis the leaf does not span. That view is `0 + tokens`, a
+  shift-only layer whose output is the view itself, however many operations read it (a
+  LayerNorm's input and a residual add): the perturbation of the view reaches them all, so the
+  layer's output gradient is the per-example gradient of the tokens.
+
+  Tried after every other matcher of its pass, so it takes only what nothing else explains:
+  without it such a leaf is a generic block estimated from batch-summed gradients."""
+  fe = ix.g.eqns[i]
+  for leaf, pos in ix.uses_by_eqn.get(i, []):
+    atom = fe.ins[pos]
+    if leaf in claimed or not _graph.is_key(atom):
+      continue
+    if any(ix.g.eqns[j].ins[q] != atom for j, q in ix.uses.get(leaf, [])):
+      continue  # Read through two different views (or one leaf in two places of a concat).
+    view_shape = tuple(_graph.aval_of(atom).shape)
+    if not view_shape or view_shape[0] != ix.batch_size:
+      continue
+    block = _matchers.feature_block(ix.shapes[leaf], ix.origin[atom][1], view_shape, view_shape)
     if block is None or block[0] is not None or len(block[1]) == len(view_shape):
       continue
     info = ScaleShiftInfo(

@@ -742,7 +742,11 @@ _PASSES = (
     _matchers.match_conv,
   ),
   (_matchers_embed.match_embedding,),
-  (_matchers.match_scale_and_shift, _matchers_embed.match_token),
+  (
+    _matchers.match_scale_and_shift,
+    _matchers_embed.match_token,
+    _matchers_embed.match_batch_tokens,  # Last: a broadcast over the batch nothing else took.
+  ),
 )
 
 

@@ -334,3 +334,66 @@ def test_class_token_is_exact_shift(x64, spread):
 
   dense, exact = both(params, batch)
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("use", ["norm_and_residual", "mask_token"])
+def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
+  """Learned tokens broadcast over the batch and read as activations by several operations
+  (Perceiver latents: a normalisation's input and a residual add; a masked model's mask token in
+  a `where`) are a shift-only scale_and_shift layer, not a generic fallback (whose estimate
+  comes from batch-summed gradients): the "full" block of a `[D]` token in the exact mode is
+  the exact Fisher block, and a `[L, D]` table gets the "diagonal" default, the exact diagonal."""
+  k = jax.random.split(jax.random.key(0), 5)
+  tok_shape = (3,) if use == "norm_and_residual" else (2, 3)
+  params = {
+    "tok": jax.random.normal(k[0], tok_shape, jnp.float64),
+    "w": jax.random.normal(k[1], (3, 3), jnp.float64),
+  }
+  batch = {"x": jax.random.normal(k[2], (5, 2, 3), jnp.float64)}
+  batch["y"] = jax.random.randint(k[3], (5,), 0, 3)
+  batch["mask"] = jax.random.bernoulli(k[4], 0.5, (5, 2, 1))
+
+  def logits_fn(p, b):
+    n = b["x"].shape[0]
+    if use == "norm_and_residual":
+      q = jnp.broadcast_to(p["tok"], (n, 3))  # One learned query per example.
+      h = q / jnp.sqrt(jnp.mean(q * q, -1, keepdims=True) + 1.0)  # An RMS norm's input...
+      att = jax.nn.softmax(jnp.einsum("nd,nld->nl", h, b["x"]))
+      out = q + jnp.einsum("nl,nld->nd", att, b["x"])  # ...and the residual.
+    else:
+      t = jnp.broadcast_to(p["tok"], (n, 2, 3))
+      out = jnp.where(b["mask"], t, b["x"]).sum(1)  # Masked positions read the mask token.
+    return jnp.tanh(out @ p["w"])
+
+  def loss_fn(p, b):
+    logits = logits_fn(p, b)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  approx = "full" if use == "norm_and_residual" else "diagonal"
+  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  assert [(l.kind, l.approx, l.param_paths) for l in layers] == [
+    ("scale_and_shift", approx, ("tok",)),
+    ("dense", "kron", ("w",)),
+  ]
+  assert layers[0].info.feature_shape == tok_shape
+
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  state0 = est.init(params)
+  t = int(np.prod(tok_shape))
+
+  @jax.jit
+  def both(params, batch):
+    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    flat, unravel = jax.flatten_util.ravel_pytree(params["tok"])
+    jac = jax.jacobian(lambda f: logits_fn(dict(params, tok=unravel(f)), batch))(flat)
+    p = jax.nn.softmax(logits_fn(params, batch))
+    fz = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
+    exact = jnp.einsum("nci,ncd,ndj->ij", jac, fz, jac) / 5
+    if approx == "diagonal":
+      exact = jnp.diag(jnp.diag(exact))
+    return est.to_dense(state)[:t, :t], exact
+
+  dense, exact = both(params, batch)
+  assert float(jnp.abs(exact).max()) > 1e-3  # The tokens matter to the loss.
+  np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
