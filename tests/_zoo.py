@@ -2060,3 +2060,152 @@ def dit_nnx() -> Zoo:
 
 
 STRUCTURE_MODELS.update({"tcn_linen": tcn_linen, "dit_nnx": dit_nnx})
+
+
+# -- Perceiver, MLP-Mixer, graph network ----------------------------------------------------------
+
+PERCEIVER_LATENTS, PERCEIVER_DIM, PERCEIVER_INPUTS = 3, 8, 6
+
+
+class LinenPerceiver(nn.Module):
+  """A Perceiver-style encoder: a learned latent array, broadcast over the batch, cross-attends
+  to the projected inputs, then one latent self-attention block; mean-pooled latents feed the
+  classifier after a final LayerNorm. The broadcast latents are read twice (the query LayerNorm
+  and the residual)."""
+
+  @nn.compact
+  def __call__(self, x):
+    d = PERCEIVER_DIM
+    lat = self.param("latents", nn.initializers.normal(0.02), (PERCEIVER_LATENTS, d))
+    lat = jnp.broadcast_to(lat, (x.shape[0],) + lat.shape)
+    kv = nn.LayerNorm(name="ln_kv")(nn.Dense(d, name="inp")(x))
+    lat = lat + nn.MultiHeadDotProductAttention(HEADS, name="cross")(
+      nn.LayerNorm(name="ln_q")(lat), kv
+    )
+    lat = lat + nn.SelfAttention(HEADS, name="self")(nn.LayerNorm(name="ln_self")(lat))
+    h = nn.gelu(nn.Dense(2 * d, name="fc1")(nn.LayerNorm(name="ln_mlp")(lat)))
+    lat = lat + nn.Dense(d, name="fc2")(h)
+    return nn.Dense(CLASSES, name="head")(nn.LayerNorm(name="ln_out")(lat).mean(1))
+
+
+def perceiver_linen() -> Zoo:
+  kx, ky = jax.random.split(_key(27))
+  batch = {
+    "x": jax.random.normal(kx, (N, PERCEIVER_INPUTS, 4)),
+    "y": jax.random.randint(ky, (N,), 0, CLASSES),
+  }
+  f, p, b = _linen(LinenPerceiver(), batch)
+  attn = lambda m: [_dense(f"{m}/{n}") for n in ("key", "out", "query", "value")]  # noqa: E731
+  layers = attn("cross") + attn("self") + [_dense(n) for n in ("fc1", "fc2", "head", "inp")]
+  layers += [_norm(n) for n in ("ln_kv", "ln_mlp", "ln_out", "ln_q", "ln_self")]
+  layers.append(("scale_and_shift", "diagonal", ("latents",)))
+
+  def check(specs):
+    (lat,) = [s for s in specs if s.name == "latents"]
+    assert lat.info.feature_shape == (PERCEIVER_LATENTS, PERCEIVER_DIM), lat.info
+
+  return Zoo(f, p, b, sorted(layers, key=lambda e: e[2]), check=check)
+
+
+MIXER_PATCH, MIXER_DIM = 4, 8
+MIXER_TOKENS = (8 // MIXER_PATCH) ** 2
+
+
+class NnxMixerBlock(nnx.Module):
+  """MLP-Mixer: the token-mixing MLP is `nnx.Linear` over the token axis, reached by a
+  `swapaxes`; the channel-mixing MLP over the channels."""
+
+  def __init__(self, rngs):
+    t, d = MIXER_TOKENS, MIXER_DIM
+    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+    self.tok1 = nnx.Linear(t, 2 * t, rngs=rngs)
+    self.tok2 = nnx.Linear(2 * t, t, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+    self.ch1 = nnx.Linear(d, 2 * d, rngs=rngs)
+    self.ch2 = nnx.Linear(2 * d, d, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.ln1(x).swapaxes(1, 2)  # [N, D, T]
+    x = x + self.tok2(nnx.gelu(self.tok1(h))).swapaxes(1, 2)
+    return x + self.ch2(nnx.gelu(self.ch1(self.ln2(x))))
+
+
+class NnxMixer(nnx.Module):
+  def __init__(self, rngs):
+    p = MIXER_PATCH
+    self.stem = nnx.Conv(3, MIXER_DIM, (p, p), strides=(p, p), rngs=rngs)
+    self.blocks = nnx.List([NnxMixerBlock(rngs) for _ in range(2)])
+    self.ln = nnx.LayerNorm(MIXER_DIM, rngs=rngs)
+    self.head = nnx.Linear(MIXER_DIM, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.stem(x)
+    x = x.reshape(x.shape[0], -1, MIXER_DIM)  # [N, T, D]
+    for blk in self.blocks:
+      x = blk(x)
+    return self.head(self.ln(x).mean(1))
+
+
+def mixer_nnx() -> Zoo:
+  f, p, b = _nnx(NnxMixer(nnx.Rngs(0)), _images(_key(28)))
+  blk = [_dense(f"blocks/{i}/{n}") for i in range(2) for n in ("ch1", "ch2", "tok1", "tok2")] + [
+    _norm(f"blocks/{i}/{n}") for i in range(2) for n in ("ln1", "ln2")
+  ]
+  layers = blk + [_dense("head"), _norm("ln"), _conv("stem")]
+
+  def check(specs):
+    tok = [s for s in specs if s.name.endswith("tok1")]
+    # The token MLP reads [N, D, T]: its rows are the examples' channels, its inputs the tokens.
+    assert len(tok) == 2, tok
+    assert all((s.info.in_dim, s.info.rows) == (MIXER_TOKENS, N * MIXER_DIM) for s in tok), tok
+
+  return Zoo(f, p, b, sorted(layers, key=lambda e: e[2]), check=check)
+
+
+GNN_GRAPHS, GNN_NODES, GNN_EDGES, GNN_DIM = N, 3, 5, 6
+
+
+def gnn_haiku() -> Zoo:
+  """A message-passing graph network over a batch of small graphs (Haiku): edge messages from
+  the concatenated end-point features, summed into nodes with `jax.ops.segment_sum`, a residual
+  node update, then a per-graph sum readout. The examples are graphs; the dense layers' rows are
+  the edges and the nodes."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  nodes, edges = GNN_GRAPHS * GNN_NODES, GNN_GRAPHS * GNN_EDGES
+  k = jax.random.split(_key(29), 4)
+  graph = jnp.repeat(jnp.arange(GNN_GRAPHS), GNN_NODES)
+  local = jax.random.randint(k[0], (2, edges), 0, GNN_NODES)  # Edges stay inside their graph.
+  offset = jnp.repeat(jnp.arange(GNN_GRAPHS) * GNN_NODES, GNN_EDGES)
+  batch = {
+    "x": jax.random.normal(k[1], (nodes, 3)),
+    "senders": local[0] + offset,
+    "receivers": local[1] + offset,
+    "graph": graph,
+    "y": jax.random.randint(k[2], (GNN_GRAPHS,), 0, CLASSES),
+  }
+
+  def net(b):
+    h = jax.nn.relu(hk.Linear(GNN_DIM, name="encode")(b["x"]))
+    for i in range(2):
+      pair = jnp.concatenate([h[b["senders"]], h[b["receivers"]]], axis=-1)
+      msg = jax.nn.relu(hk.Linear(GNN_DIM, name=f"message_{i}")(pair))
+      agg = jax.ops.segment_sum(msg, b["receivers"], num_segments=nodes)
+      h = h + jax.nn.relu(hk.Linear(GNN_DIM, name=f"update_{i}")(jnp.concatenate([h, agg], -1)))
+    pooled = jax.ops.segment_sum(h, b["graph"], num_segments=GNN_GRAPHS)
+    return hk.Linear(CLASSES, name="readout")(pooled)
+
+  f = hk.without_apply_rng(hk.transform(net))
+  params = f.init(jax.random.key(1), batch)
+
+  def loss_fn(p, b):
+    return _ce(f.apply(p, b), b["y"])
+
+  names = ["encode", "message_0", "message_1", "readout", "update_0", "update_1"]
+  layers = [("dense", "kron", (f"{n}/w", f"{n}/b")) for n in names]
+  return Zoo(loss_fn, params, batch, layers)
+
+
+STRUCTURE_MODELS.update(
+  {"perceiver_linen": perceiver_linen, "mixer_nnx": mixer_nnx, "gnn_haiku": gnn_haiku}
+)

@@ -86,7 +86,8 @@ def test_structure_zoo_model(name):
   BatchNorm ResNets (Haiku, equinox), top-k MoE, equinox GRU; ViT (linen; nnx with a class
   token), nnx LSTMs (`nnx.RNN`), GRUs (linen, nnx), nnx MoE and VAE; and Haiku / equinox
   versions of the scanned decoder LM, ViT, LSTM, MoE and VAE (`_zoo.HX_MODELS`); a dilated
-  causal TCN and a DiT block with adaLN-Zero: every layer
+  causal TCN, a DiT block with adaLN-Zero, a Perceiver (learned latents), an MLP-Mixer and a
+  message-passing graph network (Haiku): every layer
   found with `strict=True`, 10 jitted K-FAC steps finite with the loss decreasing, and the
   state's bytes reported by `summary` (and bounded for the vocabulary head)."""
   pytest.importorskip("haiku")
