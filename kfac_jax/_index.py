@@ -92,6 +92,9 @@ class GraphIndex:
   uses: Mapping[int, tuple[tuple[int, int], ...]]  # Leaf -> real uses (equation, operand).
   uses_by_eqn: Mapping[int, tuple[tuple[int, int], ...]]  # Equation -> (leaf, operand).
   slice_consumers: Mapping[Any, tuple[tuple[int, int], ...]]  # Key -> (equation, operand).
+  # Keys computed from parameters alone, never with a leading axis that may be the batch's
+  # (`_Builder.param_only`): not activations.
+  param_only: frozenset[Any]
 
 
 def build(
@@ -139,6 +142,7 @@ def build(
     uses=frozen_lists(b.uses),
     uses_by_eqn=frozen_lists(b.uses_by_eqn),
     slice_consumers=frozen_lists(b.slice_consumers),
+    param_only=frozenset(b.param_only(batch_size)),
   )
 
 
@@ -156,6 +160,27 @@ class _Builder:
     self.producer: dict[Any, int] = {}
     self.stack_of: dict[int, Any] = {}
     self.stacks: dict[Any, Any] = {}
+
+  def param_only(self, batch_size: int) -> set:
+    """The keys computed from parameter leaves (real or stack slices) and scalar constants
+    alone, leaving out any whose leading axis may be the batch's: a leading axis of the batch's
+    size that no same-rank operand passes on (created by a broadcast, as `broadcast_to(latents,
+    (N, L, D))` or a zero initial state `zeros((N, H))`). Those are activations with one row
+    per example even though no batch input reaches them."""
+    found = set(self.leaf_of_key)
+    found.update(k for k, v in self.const_values.items() if np.size(v) == 1)
+    for fe in self.g.eqns:
+      keys = [a for a in fe.ins if _graph.is_key(a)]
+      if any(a not in found for a in keys):
+        continue
+      for o in fe.outs:
+        shape = tuple(o[1].aval.shape)
+        if shape and shape[0] == batch_size:
+          same = [tuple(_graph.aval_of(a).shape) for a in keys]
+          if not any(len(t) == len(shape) and t[0] == shape[0] for t in same):
+            continue  # A leading axis of the batch's size, made here: may be the batch.
+        found.add(o)
+    return found
 
   def _loss_slice(self, roots) -> set[int]:
     needed = {a for a in roots if _graph.is_key(a)}

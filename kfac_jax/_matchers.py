@@ -572,6 +572,8 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   other = fe.ins[1 - pos]
   if found is None or not _graph.is_key(other) or other in ix.origin:
     return None
+  if other in ix.param_only:
+    return None  # Not an activation: e.g. a weight-normalised kernel `v / |v|` times a gain.
   chain = found[1]
   view_shape = tuple(_graph.aval_of(fe.ins[pos]).shape)
   out_key = fe.outs[0]

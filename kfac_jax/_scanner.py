@@ -784,6 +784,24 @@ def _feeds(ix: _index.GraphIndex, key, names: frozenset[str], depth: int = 4) ->
   return None
 
 
+def _feeds_a_kernel(ix: _index.GraphIndex, key, depth: int = 10) -> str | None:
+  """The matmul or convolution a parameter-only `key` reaches through parameter-only
+  operations (an operand computed from parameters alone, e.g. a weight-normalised kernel),
+  else None."""
+  only = ix.param_only
+  frontier = [key] if key in only else []
+  for _ in range(depth):
+    nxt: list[Any] = []
+    for k in frontier:
+      for j, _ in ix.slice_consumers.get(k, []):
+        fe = ix.g.eqns[j]
+        if fe.name in ("dot_general", "conv_general_dilated"):
+          return fe.name
+        nxt.extend(o for o in fe.outs if o in only)
+    frontier = nxt
+  return None
+
+
 def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   """Why one use (equation `i`, operand `pos`) of `leaf` matched no layer."""
   fe = ix.g.eqns[i]
@@ -810,6 +828,11 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
     return (
       f"combined by {name} with parameter `{ix.paths[others[0]]}` (a product or sum of "
       "two parameters has no layer block)"
+    )
+  if name not in ("dot_general", "conv_general_dilated") and _feeds_a_kernel(ix, fe.outs[0]):
+    return (
+      f"transformed by {name} into a matmul operand computed from parameters alone (e.g. a "
+      "weight-normalised kernel): no layer block fits"
     )
   if name == "dot_general":
     (_, _), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
@@ -843,7 +866,7 @@ def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
     )
   reasons = [_use_reason(ix, leaf, i, pos) for i, pos in uses]
   for r in reasons:
-    if r.startswith(("sliced by a scan", "indexed by")):
+    if r.startswith(("sliced by a scan", "indexed by", "transformed by")):
       return r
   if len(uses) == 1:
     return reasons[0]

@@ -75,6 +75,14 @@ def _product_of_params(p, b):
   return _ce(b["x"] @ (p["a"] * p["w"]), b["y"])
 
 
+def _weight_norm(p, b):
+  # A kernel computed from the parameters, as flax's `WeightNorm` writes it: v's three uses
+  # (v * v for its norm, v / |v|), then the gain g times the unit-norm kernel.
+  v = p["v"]
+  w = (v / jnp.sqrt(jnp.sum(v * v, axis=0))) * p["g"]
+  return _ce(b["x"] @ w, b["y"])
+
+
 W = jnp.ones((D, C)) * 0.1
 REASON_CASES = [
   ("2 - scale", _two_minus_scale, {"s": jnp.ones(D), "w": W}, "s", "used as 2 - scale"),
@@ -87,6 +95,14 @@ REASON_CASES = [
   ),
   ("two ways", _two_ways, {"w": W}, "w", "used 2 times in different ways (dot_general, exp)"),
   ("no matcher", _no_matcher, {"s3": jnp.ones(C), "w": W}, "s3", "consumed by exp (no matcher)"),
+  (
+    "weight norm",
+    _weight_norm,
+    {"g": jnp.ones(C), "v": W},
+    "v",
+    "transformed by mul into a matmul operand computed from parameters alone (e.g. a "
+    "weight-normalised kernel): no layer block fits",
+  ),
   ("unused", _unused, {"u": jnp.ones(2), "w": W}, "u", "not used by the loss"),
   (
     "regulariser",
@@ -110,6 +126,20 @@ REASON_CASES = [
     ("combined by mul with parameter `w` (a product or sum of two parameters has no layer block)"),
   ),
 ]
+
+
+def test_a_gain_on_a_computed_kernel_is_no_layer_even_when_its_rows_equal_the_batch():
+  """Weight normalisation's gain `g` multiplies `v / |v|`, a kernel computed from parameters. A
+  kernel with as many rows as the batch has examples looks like an activation by its shape;
+  it must not become a scale-and-shift layer (its "examples" would be the kernel's rows).
+  Learned latents broadcast over the batch and normalised stay a layer (test_zoo's Perceiver)."""
+  batch = _models.classification_batch(jax.random.key(1), n=N, din=N, classes=C)
+  params = {"g": jnp.ones(C), "v": jnp.ones((N, C)) * 0.1}
+  with pytest.warns(kfac_jax.UncoveredParametersWarning):
+    layers = kfac_jax.scan_layers(_weight_norm, params, batch)
+  assert [(l.kind, l.param_paths) for l in layers] == [("generic", ("g",)), ("generic", ("v",))]
+  reasons = _reasons(kfac_jax.summary(_weight_norm, params, batch))
+  assert reasons["g"].startswith("transformed by mul into a matmul operand"), reasons
 
 
 @pytest.mark.parametrize(
