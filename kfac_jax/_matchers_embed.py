@@ -275,18 +275,9 @@ def match_token(ix, i, claimed):
     found = _matchers.single_use_leaf(ix, atom, claimed)
     if found is None:
       continue
-    view_shape = tuple(_graph.aval_of(atom).shape)
-    block = _matchers.feature_block(ix.shapes[leaf], found[1], view_shape, view_shape)
-    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
-      continue
-    info = ScaleShiftInfo(
-      has_scale=False,
-      has_shift=True,
-      feature_shape=block[1],
-      output_shape=view_shape,
-      feature_axis=None,
-    )
-    return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())
+    match = _shift_only_view(ix, leaf, atom)
+    if match is not None:
+      return match
   return None
 
 
@@ -310,15 +301,25 @@ def match_batch_tokens(ix, i, claimed):
     view_shape = tuple(_graph.aval_of(atom).shape)
     if not view_shape or view_shape[0] != ix.batch_size:
       continue
-    block = _matchers.feature_block(ix.shapes[leaf], ix.origin[atom][1], view_shape, view_shape)
-    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
-      continue
-    info = ScaleShiftInfo(
-      has_scale=False,
-      has_shift=True,
-      feature_shape=block[1],
-      output_shape=view_shape,
-      feature_axis=None,
-    )
-    return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())
+    match = _shift_only_view(ix, leaf, atom)
+    if match is not None:
+      return match
   return None
+
+
+def _shift_only_view(ix, leaf, atom):
+  """The shift-only layer `0 + leaf` whose output is `atom`, a view of the leaf broadcast over
+  leading axes it does not span (`match_token`, `match_batch_tokens`); None if the view
+  transposes the leaf, copies it along a trailing axis, or spans every axis."""
+  view_shape = tuple(_graph.aval_of(atom).shape)
+  block = _matchers.feature_block(ix.shapes[leaf], ix.origin[atom][1], view_shape, view_shape)
+  if block is None or block[0] is not None or len(block[1]) == len(view_shape):
+    return None
+  info = ScaleShiftInfo(
+    has_scale=False,
+    has_shift=True,
+    feature_shape=block[1],
+    output_shape=view_shape,
+    feature_axis=None,
+  )
+  return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())
