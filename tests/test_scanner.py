@@ -336,15 +336,16 @@ def test_class_token_is_exact_shift(x64, spread):
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("use", ["norm_and_residual", "mask_token"])
+@pytest.mark.parametrize("use", ["norm_and_residual", "mask_token", "scanned"])
 def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   """Learned tokens broadcast over the batch and read as activations by several operations
   (Perceiver latents: a normalisation's input and a residual add; a masked model's mask token in
   a `where`) are a shift-only scale_and_shift layer, not a generic fallback (whose estimate
   comes from batch-summed gradients): the "full" block of a `[D]` token in the exact mode is
-  the exact Fisher block, and a `[L, D]` table gets the "diagonal" default, the exact diagonal."""
+  the exact Fisher block, and a `[L, D]` table gets the "diagonal" default, the exact diagonal.
+  A token per layer of a `lax.scan` over stacked layers is a stacked layer, exact per layer."""
   k = jax.random.split(jax.random.key(0), 5)
-  tok_shape = (3,) if use == "norm_and_residual" else (2, 3)
+  tok_shape = {"norm_and_residual": (3,), "mask_token": (2, 3), "scanned": (4, 3)}[use]
   params = {
     "tok": jax.random.normal(k[0], tok_shape, jnp.float64),
     "w": jax.random.normal(k[1], (3, 3), jnp.float64),
@@ -360,9 +361,16 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
       h = q / jnp.sqrt(jnp.mean(q * q, -1, keepdims=True) + 1.0)  # An RMS norm's input...
       att = jax.nn.softmax(jnp.einsum("nd,nld->nl", h, b["x"]))
       out = q + jnp.einsum("nl,nld->nd", att, b["x"])  # ...and the residual.
-    else:
+    elif use == "mask_token":
       t = jnp.broadcast_to(p["tok"], (n, 2, 3))
       out = jnp.where(b["mask"], t, b["x"]).sum(1)  # Masked positions read the mask token.
+    else:
+
+      def layer(h, tok):
+        q = jnp.broadcast_to(tok, h.shape)  # Read twice: an add and a product.
+        return jnp.tanh(h + q) * (1 + 0.1 * q), None
+
+      out, _ = jax.lax.scan(layer, b["x"].sum(1), p["tok"])
     return jnp.tanh(out @ p["w"])
 
   def loss_fn(p, b):
@@ -370,13 +378,14 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  approx = "full" if use == "norm_and_residual" else "diagonal"
+  approx = "diagonal" if use == "mask_token" else "full"
   layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   assert [(l.kind, l.approx, l.param_paths) for l in layers] == [
     ("scale_and_shift", approx, ("tok",)),
     ("dense", "kron", ("w",)),
   ]
-  assert layers[0].info.feature_shape == tok_shape
+  assert layers[0].info.feature_shape == (tok_shape[1:] if use == "scanned" else tok_shape)
+  assert layers[0].stack_size == (tok_shape[0] if use == "scanned" else 0)
 
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
   state0 = est.init(params)
@@ -392,6 +401,8 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
     exact = jnp.einsum("nci,ncd,ndj->ij", jac, fz, jac) / 5
     if approx == "diagonal":
       exact = jnp.diag(jnp.diag(exact))
+    if use == "scanned":  # One block per layer: no cross-layer terms.
+      exact = exact * jnp.kron(jnp.eye(tok_shape[0]), jnp.ones((3, 3)))
     return est.to_dense(state)[:t, :t], exact
 
   dense, exact = both(params, batch)
