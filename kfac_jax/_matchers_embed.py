@@ -16,13 +16,11 @@ None`; the use readers (`embedding_use`, `one_hot_embedding_use`) are shared wit
                     the ids are recorded, so the block never forms a vocab × vocab factor. The
                     table must be read as itself (`[vocab, dim]`, casts only) and stand on the
                     right of the product; other one-hot products stay dense layers.
-  token             (`match_token`) a parameter broadcast over the batch and concatenated with
-                    the activations along another axis (a ViT's class token): a shift-only
-                    scale_and_shift layer whose output is the broadcast token.
-  batch tokens      (`match_batch_tokens`) a parameter broadcast over the batch and then read as
-                    an activation, by any number of operations (Perceiver latents, learned
-                    queries of a cross-attention, DETR's object queries, a mask token in a
-                    `where`): the same shift-only layer, its output the broadcast itself.
+  tokens            (`match_batch_tokens`) a parameter broadcast over the batch and then read as
+                    an activation, by any number of operations (a ViT's class token
+                    concatenated with the patches, Perceiver latents, learned queries of a
+                    cross-attention, DETR's object queries, a mask token in a `where`): a
+                    shift-only scale_and_shift layer whose output is the broadcast itself.
 """
 
 from __future__ import annotations
@@ -256,36 +254,12 @@ def _producer(ix, atom):
 # Learned tokens.
 
 
-def match_token(ix, i, claimed):
-  """A learned token concatenated with the activations (a ViT's class token): equation i is
-  `concatenate(..., broadcast(token), ...)` along a non-batch axis, the token a single-use leaf
-  broadcast over the batch. Its slot of the output is `0 + token`, a shift-only layer whose
-  output is the broadcast token (the key the curvature pass perturbs)."""
-  fe = ix.g.eqns[i]
-  out_shape = tuple(fe.outs[0][1].aval.shape)
-  if (
-    fe.name != "concatenate"
-    or int(fe.params["dimension"]) == 0
-    or not out_shape
-    or out_shape[0] != ix.batch_size
-  ):
-    return None
-  for leaf, pos in ix.uses_by_eqn.get(i, []):  # The first unclaimed token (DeiT has two).
-    atom = fe.ins[pos]
-    found = _matchers.single_use_leaf(ix, atom, claimed)
-    if found is None:
-      continue
-    match = _shift_only_view(ix, leaf, atom)
-    if match is not None:
-      return match
-  return None
-
-
 def match_batch_tokens(ix, i, claimed):
-  """Learned tokens broadcast over the batch and read as activations (Perceiver latents, the
-  learned queries of a cross-attention): every use of an unclaimed leaf reads one view of it
-  whose leading axis is the batch, an axis the leaf does not span. That view is `0 + tokens`, a
-  shift-only layer whose output is the view itself, however many operations read it (a
+  """Learned tokens broadcast over the batch and read as activations (a ViT's class token,
+  DeiT's two in one concatenation, Perceiver latents, the learned queries of a
+  cross-attention): every use of an unclaimed leaf reads one view of it whose leading axis is
+  the batch, an axis the leaf does not span. That view is `0 + tokens`, a shift-only layer
+  whose output is the view itself, however many operations read it (a concatenation; a
   LayerNorm's input and a residual add): the perturbation of the view reaches them all, so the
   layer's output gradient is the per-example gradient of the tokens.
 
@@ -301,25 +275,17 @@ def match_batch_tokens(ix, i, claimed):
     view_shape = tuple(_graph.aval_of(atom).shape)
     if not view_shape or view_shape[0] != ix.batch_size:
       continue
-    match = _shift_only_view(ix, leaf, atom)
-    if match is not None:
-      return match
+    # Broadcast over leading axes the leaf does not span: not transposed, not copied along a
+    # trailing axis.
+    block = _matchers.feature_block(ix.shapes[leaf], ix.origin[atom][1], view_shape, view_shape)
+    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
+      continue
+    info = ScaleShiftInfo(
+      has_scale=False,
+      has_shift=True,
+      feature_shape=block[1],
+      output_shape=view_shape,
+      feature_axis=None,
+    )
+    return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())
   return None
-
-
-def _shift_only_view(ix, leaf, atom):
-  """The shift-only layer `0 + leaf` whose output is `atom`, a view of the leaf broadcast over
-  leading axes it does not span (`match_token`, `match_batch_tokens`); None if the view
-  transposes the leaf, copies it along a trailing axis, or spans every axis."""
-  view_shape = tuple(_graph.aval_of(atom).shape)
-  block = _matchers.feature_block(ix.shapes[leaf], ix.origin[atom][1], view_shape, view_shape)
-  if block is None or block[0] is not None or len(block[1]) == len(view_shape):
-    return None
-  info = ScaleShiftInfo(
-    has_scale=False,
-    has_shift=True,
-    feature_shape=block[1],
-    output_shape=view_shape,
-    feature_axis=None,
-  )
-  return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())

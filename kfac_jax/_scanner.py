@@ -744,7 +744,6 @@ _PASSES = (
   (_matchers_embed.match_embedding,),
   (
     _matchers.match_scale_and_shift,
-    _matchers_embed.match_token,
     _matchers_embed.match_batch_tokens,  # Last: a broadcast over the batch nothing else took.
   ),
 )
@@ -769,9 +768,12 @@ def _constant_operand(ix: _index.GraphIndex, atom) -> float | None:
     return float(val.reshape(-1)[0]) if val.size and np.all(val == val.reshape(-1)[0]) else None
 
 
-def _feeds(ix: _index.GraphIndex, key, names: frozenset[str], depth: int = 4) -> str | None:
-  """The first primitive in `names` that `key` reaches through a few operations, else None."""
-  frontier = [key]
+def _feeds(
+  ix: _index.GraphIndex, key, names: frozenset[str], depth: int = 4, within=None
+) -> str | None:
+  """The first primitive in `names` that `key` reaches through a few operations, else None;
+  with `within` (a set of keys), only through keys in it, from a `key` in it."""
+  frontier = [key] if within is None or key in within else []
   for _ in range(depth):
     nxt: list[Any] = []
     for k in frontier:
@@ -779,27 +781,12 @@ def _feeds(ix: _index.GraphIndex, key, names: frozenset[str], depth: int = 4) ->
         fe = ix.g.eqns[j]
         if fe.name in names:
           return fe.name
-        nxt.extend(fe.outs)
+        nxt.extend(o for o in fe.outs if within is None or o in within)
     frontier = nxt
   return None
 
 
-def _feeds_a_kernel(ix: _index.GraphIndex, key, depth: int = 10) -> str | None:
-  """The matmul or convolution a parameter-only `key` reaches through parameter-only
-  operations (an operand computed from parameters alone, e.g. a weight-normalised kernel),
-  else None."""
-  only = ix.param_only
-  frontier = [key] if key in only else []
-  for _ in range(depth):
-    nxt: list[Any] = []
-    for k in frontier:
-      for j, _ in ix.slice_consumers.get(k, []):
-        fe = ix.g.eqns[j]
-        if fe.name in ("dot_general", "conv_general_dilated"):
-          return fe.name
-        nxt.extend(o for o in fe.outs if o in only)
-    frontier = nxt
-  return None
+_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
@@ -811,7 +798,7 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
     return f"indexed by {name} before use (e.g. one slice of a stacked array)"
   if name == "concatenate":
-    if _feeds(ix, fe.outs[0], frozenset({"dot_general", "conv_general_dilated"})):
+    if _feeds(ix, fe.outs[0], _PRODUCTS):
       return "concatenated before a matmul"
     return "concatenated with other arrays before use"
   if name in ("add", "sub") and len(fe.ins) == 2:
@@ -829,7 +816,8 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
       f"combined by {name} with parameter `{ix.paths[others[0]]}` (a product or sum of "
       "two parameters has no layer block)"
     )
-  if name not in ("dot_general", "conv_general_dilated") and _feeds_a_kernel(ix, fe.outs[0]):
+  # An operand computed from parameters alone (weight normalisation's `v / |v| · g`).
+  if name not in _PRODUCTS and _feeds(ix, fe.outs[0], _PRODUCTS, 10, ix.param_only):
     return (
       f"transformed by {name} into a matmul operand computed from parameters alone (e.g. a "
       "weight-normalised kernel): no layer block fits"
