@@ -364,7 +364,8 @@ class FlatGraph:
     if len(args) != len(self.invars):
       raise ValueError(f"expected {len(self.invars)} inputs, got {len(args)}")
     perturb = perturb or {}
-    seen: dict[Key, Any] = {}
+    # A watched constant (a layer input closed over by the loss function) is reported as is.
+    seen: dict[Key, Any] = {k: v for k, v in self.consts if k in watch}
     for k, v in zip(self.invars, args):
       if k in watch:
         v = v + perturb[k] if k in perturb else v

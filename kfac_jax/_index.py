@@ -92,8 +92,8 @@ class GraphIndex:
   uses: Mapping[int, tuple[tuple[int, int], ...]]  # Leaf -> real uses (equation, operand).
   uses_by_eqn: Mapping[int, tuple[tuple[int, int], ...]]  # Equation -> (leaf, operand).
   slice_consumers: Mapping[Any, tuple[tuple[int, int], ...]]  # Key -> (equation, operand).
-  # Keys computed from parameters alone, never with a leading axis that may be the batch's
-  # (`_Builder.param_only`): not activations.
+  # Keys computed from parameters and constants alone, never with a leading axis that may be the
+  # batch's (`_Builder.param_only`): not activations, no rows per example.
   param_only: frozenset[Any]
 
 
@@ -162,13 +162,16 @@ class _Builder:
     self.stacks: dict[Any, Any] = {}
 
   def param_only(self, batch_size: int) -> set:
-    """The keys computed from parameter leaves (real or stack slices) and scalar constants
-    alone, leaving out any whose leading axis may be the batch's: a leading axis of the batch's
-    size that no same-rank operand passes on (created by a broadcast, as `broadcast_to(latents,
-    (N, L, D))` or a zero initial state `zeros((N, H))`). Those are activations with one row
-    per example even though no batch input reaches them."""
+    """The keys computed from parameter leaves (real or stack slices) and constants alone,
+    leaving out any whose leading axis may be the batch's: a closed-over constant whose leading
+    axis has the batch's size (an initial state built outside the loss function), and a leading
+    axis of the batch's size that no same-rank operand passes on (created by a broadcast, as
+    `broadcast_to(latents, (N, L, D))` or a zero initial state `zeros((N, H))`). Those are
+    activations with one row per example even though no batch input reaches them."""
     found = set(self.leaf_of_key)
-    found.update(k for k, v in self.const_values.items() if np.size(v) == 1)
+    found.update(
+      k for k, v in self.const_values.items() if np.ndim(v) == 0 or np.shape(v)[0] != batch_size
+    )
     for fe in self.g.eqns:
       keys = [a for a in fe.ins if _graph.is_key(a)]
       if any(a not in found for a in keys):

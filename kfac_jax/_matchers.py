@@ -154,6 +154,17 @@ def default_approx_note(kind: str, info) -> str:
 # Helpers on the scanner's tables.
 
 
+def without_batch_rows(ix, match: Match) -> bool:
+  """Whether a dense, conv or embedding match reads, in some use, an input computed from
+  parameters and constants alone (`GraphIndex.param_only`): learned latents projected before
+  they are broadcast over the batch, a constant table of positions, a relative-position index.
+  Its rows are not examples, and its output gradient is summed over the batch, so the layer's
+  block would be estimated from the wrong rows; the scanner leaves such a match out."""
+  if match.kind not in ("dense", "conv", "embedding"):
+    return False
+  return any(ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only for ins in match.inputs)
+
+
 def single_use_leaf(ix, atom, claimed, shared: bool = False):
   """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice (or,
   with `shared`, any number of times: one use of a shared layer)."""

@@ -257,7 +257,7 @@ class _Scanner:
       for leaf in sorted(ix.uses):
         if leaf not in claimed and len(ix.uses[leaf]) > 1:
           match = _matchers_shared.match_shared(ix, leaf, claimed, shifts)
-          if match is not None:
+          if match is not None and not _matchers.without_batch_rows(ix, match):
             specs.append(self._accept(match, claimed))
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
     # An equation may hold several layers' leaves (a concatenation of two learned tokens): it is
@@ -268,6 +268,8 @@ class _Scanner:
           match = None
           for matcher in matchers:
             match = matcher(ix, i, claimed)
+            if match is not None and _matchers.without_batch_rows(ix, match):
+              match = None  # No rows per example: left to the fallback, with its reason.
             if match is not None:
               break
           if match is None:
@@ -789,12 +791,27 @@ def _feeds(
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
+_NO_ROWS = (
+  "an input computed from parameters and constants alone (no rows per example, e.g. latents "
+  "projected before they are broadcast over the batch, or a constant table of positions)"
+)
+
+
+def _no_rows(ix: _index.GraphIndex, fe, pos: int) -> bool:
+  """Whether every other operand of `fe` (a key) is computed from parameters and constants
+  alone (`GraphIndex.param_only`)."""
+  others = [a for j, a in enumerate(fe.ins) if j != pos and _graph.is_key(a)]
+  return bool(others) and all(a in ix.param_only for a in others)
+
+
 def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   """Why one use (equation `i`, operand `pos`) of `leaf` matched no layer."""
   fe = ix.g.eqns[i]
   name = fe.name
   if name == "scan_slice":
     return "sliced by a scan (a stacked layer axis)"
+  if name in ("gather", "dot_general", "conv_general_dilated") and _no_rows(ix, fe, pos):
+    return f"consumed by {name} with {_NO_ROWS}"
   if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
     return f"indexed by {name} before use (e.g. one slice of a stacked array)"
   if name == "concatenate":
@@ -819,9 +836,12 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   # An operand computed from parameters alone (weight normalisation's `v / |v| · g`).
   if name not in _PRODUCTS and _feeds(ix, fe.outs[0], _PRODUCTS, 10, ix.param_only):
     return (
-      f"transformed by {name} into a matmul operand computed from parameters alone (e.g. a "
-      "weight-normalised kernel): no layer block fits"
+      f"transformed by {name} into a matmul operand computed from parameters and constants "
+      "alone (e.g. a weight-normalised or masked kernel, or latents before they are broadcast over "
+      "the batch): no layer block fits"
     )
+  if name in ("mul", "add") and _no_rows(ix, fe, pos):
+    return f"consumed by {name} with {_NO_ROWS}"
   if name == "dot_general":
     (_, _), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
     if lhs_b or rhs_b:

@@ -4,6 +4,7 @@ axis_name for models with collectives, distinguishable row names, the short warn
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -83,6 +84,35 @@ def _weight_norm(p, b):
   return _ce(b["x"] @ w, b["y"])
 
 
+def _projected_latents(p, b):
+  # Learned latents projected by a dense kernel before any batch input meets them: the
+  # projection's rows are the 3 latents, not examples (a Perceiver-style query written so).
+  q = jnp.tanh(p["lat"]) @ p["w"]
+  att = jax.nn.softmax(b["x"] @ q.T)
+  return _ce((att @ q) @ p["head"], b["y"])
+
+
+def _relative_positions(p, b):
+  # T5-style relative position bias: a table looked up at constant offsets, added to every
+  # example's scores.
+  offsets = jnp.abs(jnp.arange(D)[:, None] - jnp.arange(D)[None, :])
+  bias = p["rel"][offsets].sum(-1)
+  scores = jax.nn.softmax(b["x"][:, :, None] * b["x"][:, None, :] + bias)
+  return _ce(scores.sum(1) @ p["head"], b["y"])
+
+
+def _projected_positions(p, b):
+  # Transformer-XL-style: a dense kernel applied to a constant sinusoidal table.
+  table = jnp.sin(jnp.arange(3.0)[:, None] * jnp.arange(1.0, D + 1)[None, :])
+  r = table @ p["w"]
+  return _ce((b["x"][:, None, :] + r).mean(1) @ p["head"], b["y"])
+
+
+NO_ROWS = (
+  "an input computed from parameters and constants alone (no rows per example, e.g. latents "
+  "projected before they are broadcast over the batch, or a constant table of positions)"
+)
+
 W = jnp.ones((D, C)) * 0.1
 REASON_CASES = [
   ("2 - scale", _two_minus_scale, {"s": jnp.ones(D), "w": W}, "s", "used as 2 - scale"),
@@ -100,8 +130,9 @@ REASON_CASES = [
     _weight_norm,
     {"g": jnp.ones(C), "v": W},
     "v",
-    "transformed by mul into a matmul operand computed from parameters alone (e.g. a "
-    "weight-normalised kernel): no layer block fits",
+    "transformed by mul into a matmul operand computed from parameters and constants alone "
+    "(e.g. a weight-normalised or masked kernel, or latents before they are broadcast over the "
+    "batch): no layer block fits",
   ),
   ("unused", _unused, {"u": jnp.ones(2), "w": W}, "u", "not used by the loss"),
   (
@@ -117,6 +148,27 @@ REASON_CASES = [
     {"stack": jnp.ones((3, N, D)), "w": W},
     "stack",
     "sliced by a scan (a stacked layer axis)",
+  ),
+  (
+    "projected latents",
+    _projected_latents,
+    {"head": W, "lat": jnp.ones((3, D)), "w": jnp.eye(D)},
+    "w",
+    f"consumed by dot_general with {NO_ROWS}",
+  ),
+  (
+    "relative positions",
+    _relative_positions,
+    {"head": W, "rel": jnp.ones((D, 2))},
+    "rel",
+    f"consumed by gather with {NO_ROWS}",
+  ),
+  (
+    "projected positions",
+    _projected_positions,
+    {"head": W, "w": jnp.eye(D)},
+    "w",
+    f"consumed by dot_general with {NO_ROWS}",
   ),
   (
     "product of parameters",
@@ -140,6 +192,68 @@ def test_a_gain_on_a_computed_kernel_is_no_layer_even_when_its_rows_equal_the_ba
   assert [(l.kind, l.param_paths) for l in layers] == [("generic", ("g",)), ("generic", ("v",))]
   reasons = _reasons(kfac_jax.summary(_weight_norm, params, batch))
   assert reasons["g"].startswith("transformed by mul into a matmul operand"), reasons
+
+
+@pytest.mark.parametrize(
+  "loss_fn,params,leaf",
+  [
+    (_projected_latents, {"head": W, "lat": jnp.ones((3, D)), "w": jnp.eye(D)}, "w"),
+    (_relative_positions, {"head": W, "rel": jnp.ones((D, 2))}, "rel"),
+    (_projected_positions, {"head": W, "w": jnp.eye(D)}, "w"),
+  ],
+  ids=["projected latents", "relative positions", "projected positions"],
+)
+def test_a_layer_whose_input_has_no_rows_per_example_is_no_layer(loss_fn, params, leaf):
+  """A dense kernel or an embedding table read with an input computed from parameters and
+  constants alone (latents projected before a batch input meets them, a constant table of
+  positions, relative offsets) has no rows per example: its rows would be taken for examples and
+  its output gradient is the batch's sum, so a layer block would be estimated from the wrong
+  rows (the "full" dense block, exact when the rows are examples, averaged 0.68x-0.86x the exact
+  Fisher's trace: `benchmarks/profile/batchless_layers.py`, RESULTS.md). It gets the generic
+  fallback, whose batch-summed estimate is unbiased for sampled targets; the layer that reads
+  the batch stays a layer."""
+  with pytest.warns(kfac_jax.UncoveredParametersWarning):
+    layers = kfac_jax.scan_layers(loss_fn, params, _batch())
+  kinds = {l.param_paths: l.kind for l in layers}
+  assert kinds[(leaf,)] == "generic", kinds
+  assert kinds[("head",)] == "dense", kinds
+
+
+def test_a_closed_over_constant_with_a_row_per_example_is_a_layer_input(x64):
+  """An initial state built outside the loss function (`h0` of shape `[N, H]`, closed over) is a
+  dense layer's input with one row per example. Its curvature is the same as with `h0` passed in
+  the batch (it used to fail with a KeyError when the statistics read the constant)."""
+  k = jax.random.split(jax.random.key(0), 4)
+  h0 = jax.random.normal(k[0], (N, D), jnp.float64)
+  params = {
+    "head": jax.random.normal(k[1], (D, C), jnp.float64),
+    "wh": jax.random.normal(k[2], (D, D), jnp.float64),
+    "wx": jax.random.normal(k[3], (D, D), jnp.float64),
+  }
+  batch = _models.classification_batch(jax.random.key(1), n=N, din=D, classes=C, dtype=jnp.float64)
+
+  def logits(p, x, h):
+    return jnp.tanh(x @ p["wx"] + h @ p["wh"]) @ p["head"]
+
+  def closed(p, b):
+    return _ce(logits(p, b["x"], h0), b["y"])
+
+  def passed(p, b):
+    return _ce(logits(p, b["x"], b["h0"]), b["y"])
+
+  dense = []
+  for loss_fn, b in ((closed, batch), (passed, dict(batch, h0=h0))):
+    layers = kfac_jax.scan_layers(loss_fn, params, b, strict=True)
+    assert [(l.kind, l.param_paths) for l in layers] == [
+      ("dense", ("head",)),
+      ("dense", ("wh",)),
+      ("dense", ("wx",)),
+    ]
+    est = kfac_jax.CurvatureEstimator(loss_fn, b, estimation_mode="exact")
+    state = est.update_curvature(est.init(params), params, b, None, ema_decay=0.0)
+    dense.append(est.to_dense(state))
+  assert float(jnp.abs(dense[0]).max()) > 1e-3
+  np.testing.assert_allclose(dense[0], dense[1], rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize(
