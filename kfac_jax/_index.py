@@ -29,6 +29,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from kfac_jax import _compat, _graph, _stacked, _tags
@@ -38,6 +39,42 @@ from kfac_jax._specs import ConcatView, ViewStep, common_prefix
 VIEW_OPS = frozenset(
   {"convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim", "squeeze"}
 )
+
+
+# Operations `_Builder.fold` evaluates on constants (index arithmetic), up to `_FOLD_SIZE` values.
+_FOLDABLE = frozenset(
+  {
+    "iota",
+    "add",
+    "sub",
+    "mul",
+    "neg",
+    "abs",
+    "max",
+    "min",
+    "clamp",
+    "rem",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "eq",
+    "ne",
+    "and",
+    "or",
+    "not",
+    "select_n",
+    "convert_element_type",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "transpose",
+    "concatenate",
+    "slice",
+  }
+)
+_FOLD_SIZE = 1 << 20
 
 
 def is_view(fe: _graph.FlatEqn) -> bool:
@@ -113,8 +150,8 @@ def build(
   b.const_values = dict(graph.consts)
   b._loss_slice(loss_roots)
   _stacked.add_virtual_leaves(b)  # Slices of stacked leaves (indices from n_params on).
-  b._origins()
   b.producer = {k: i for i, fe in enumerate(graph.eqns) for k in fe.outs}
+  b._origins()
   b._uses(b.in_slice)
   b._check_virtual()
   proxy = types.MappingProxyType
@@ -215,6 +252,14 @@ class _Builder:
         self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
       elif fe.name in ("concatenate", "stack"):
         self._concat_origin(i, fe)
+      elif fe.name == "gather" and self._takes_all_rows(fe):
+        # `table[jnp.arange(T)]` (a learned positional table read as `nn.Embed(T, D)` at every
+        # position) is the table itself: a view, so that its broadcast over the batch is
+        # matched like a positional table added directly.
+        self.view_eqns.add(i)
+        leaf, chain = self.origin[fe.ins[0]]
+        shape = tuple(fe.outs[0][1].aval.shape)
+        self.origin[fe.outs[0]] = (leaf, chain + (ViewStep("cast", shape, shape),))
       elif fe.name in ("add", "sub") and len(fe.ins) == 2:
         pos = self._constant_shift(fe)
         if pos is not None:
@@ -263,6 +308,51 @@ class _Builder:
       self.shapes.append(view.shape)
     self.concat_eqns[i] = v
     self.origin[fe.outs[0]] = (v, ())
+
+  def _takes_all_rows(self, fe) -> bool:
+    """Whether the gather `fe` reads every row of a `[T, D]` parameter view, in order, at
+    indices computed from constants alone (`0, 1, ..., T-1`): its output is its operand."""
+    if len(fe.ins) != 2 or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in self.origin:
+      return False
+    t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
+    dn = fe.params["dimension_numbers"]
+    if (
+      len(t_shape) != 2
+      or tuple(fe.outs[0][1].aval.shape) != t_shape
+      or tuple(dn.offset_dims) != (1,)
+      or tuple(dn.collapsed_slice_dims) != (0,)
+      or tuple(dn.start_index_map) != (0,)
+      or tuple(dn.operand_batching_dims)
+      or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
+    ):
+      return False
+    ids = self.fold(fe.ins[1])
+    return ids is not None and np.array_equal(ids.reshape(-1), np.arange(t_shape[0]))
+
+  def fold(self, atom, depth: int = 16):
+    """The value of `atom` when it is computed from constants alone by a few small elementwise,
+    comparison, layout or `iota` operations (e.g. `jnp.take`'s index arithmetic on an
+    `arange`); None otherwise."""
+    if isinstance(atom, _compat.Literal):
+      return np.asarray(atom.val)
+    if not _graph.is_key(atom) or depth == 0:
+      return None
+    if atom in self.const_values:
+      try:
+        return np.asarray(self.const_values[atom])
+      except jax.errors.JAXTypeError:  # A tracer (closed over inside an outer `jit`).
+        return None
+    i = self.producer.get(atom)
+    fe = None if i is None else self.g.eqns[i]
+    if fe is None or fe.fn is not None or fe.name not in _FOLDABLE or len(fe.outs) != 1:
+      return None
+    if math.prod(fe.outs[0][1].aval.shape) > _FOLD_SIZE:
+      return None
+    vals = [self.fold(a, depth - 1) for a in fe.ins]
+    if any(v is None for v in vals):
+      return None
+    with jax.ensure_compile_time_eval():
+      return np.asarray(fe.eqn.primitive.bind(*vals, **fe.params))
 
   def _constant_shift(self, fe) -> int | None:
     """The operand position of the parameter view in `view + c`, `c + view` or `view - c` with

@@ -2209,3 +2209,40 @@ def gnn_haiku() -> Zoo:
 STRUCTURE_MODELS.update(
   {"perceiver_linen": perceiver_linen, "mixer_nnx": mixer_nnx, "gnn_haiku": gnn_haiku}
 )
+
+
+class LinenGpt2(nn.Module):
+  """GPT-2 as flax ports write it: token and position tables as two `nn.Embed`, the positions
+  looked up at `jnp.arange(T)` (`wpe`), pre-norm blocks with causal self-attention and a GELU
+  MLP, the head tied to the token table (`wte.attend`)."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    wte = nn.Embed(VOCAB, DIM, name="wte")
+    h = wte(tokens) + nn.Embed(SEQ, DIM, name="wpe")(jnp.arange(tokens.shape[1]))
+    for i in range(2):
+      a = nn.LayerNorm(name=f"ln_{i}a")(h)
+      mask = nn.make_causal_mask(tokens)
+      h = h + nn.SelfAttention(HEADS, name=f"attn_{i}")(a, mask=mask)
+      m = nn.gelu(nn.Dense(4 * DIM, name=f"fc_{i}")(nn.LayerNorm(name=f"ln_{i}b")(h)))
+      h = h + nn.Dense(DIM, name=f"proj_{i}")(m)
+    return wte.attend(nn.LayerNorm(name="ln_f")(h))
+
+
+def gpt2_linen() -> Zoo:
+  f, p, b = _linen(LinenGpt2(), _lm_batch(29))
+  layers = [("embedding", "kron_indep", ("wte/embedding",))]
+  layers.append(("scale_and_shift", "diagonal", ("wpe/embedding",)))
+  for i in range(2):
+    layers += [_dense(f"attn_{i}/{n}") for n in ("key", "out", "query", "value")]
+    layers += [_dense(f"fc_{i}"), _dense(f"proj_{i}"), _norm(f"ln_{i}a"), _norm(f"ln_{i}b")]
+  layers.append(_norm("ln_f"))
+
+  def check(specs):
+    (wpe,) = [s for s in specs if s.param_paths == ("wpe/embedding",)]
+    assert wpe.info.feature_shape == (SEQ, DIM), wpe.info
+
+  return Zoo(f, p, b, sorted(layers, key=lambda e: e[2]), check=check)
+
+
+STRUCTURE_MODELS["gpt2_linen"] = gpt2_linen
