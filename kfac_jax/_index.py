@@ -252,14 +252,13 @@ class _Builder:
         self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
       elif fe.name in ("concatenate", "stack"):
         self._concat_origin(i, fe)
-      elif fe.name == "gather" and self._takes_all_rows(fe):
+      elif fe.name == "gather" and (step := self._all_rows_view(fe)) is not None:
         # `table[jnp.arange(T)]` (a learned positional table read as `nn.Embed(T, D)` at every
         # position) is the table itself: a view, so that its broadcast over the batch is
         # matched like a positional table added directly.
         self.view_eqns.add(i)
         leaf, chain = self.origin[fe.ins[0]]
-        shape = tuple(fe.outs[0][1].aval.shape)
-        self.origin[fe.outs[0]] = (leaf, chain + (ViewStep("cast", shape, shape),))
+        self.origin[fe.outs[0]] = (leaf, chain + (step,))
       elif fe.name in ("add", "sub") and len(fe.ins) == 2:
         pos = self._constant_shift(fe)
         if pos is not None:
@@ -309,25 +308,44 @@ class _Builder:
     self.concat_eqns[i] = v
     self.origin[fe.outs[0]] = (v, ())
 
-  def _takes_all_rows(self, fe) -> bool:
-    """Whether the gather `fe` reads every row of a `[T, D]` parameter view, in order, at
-    indices computed from constants alone (`0, 1, ..., T-1`): its output is its operand."""
+  def _all_rows_view(self, fe) -> ViewStep | None:
+    """The view step when the gather `fe` reads every row of a `[T, D]` parameter view, in
+    order, at indices computed from constants alone (`0, 1, ..., T-1`): its output is its operand
+    (`table[jnp.arange(T)]`), or the operand with a unit axis (`jax.vmap(lambda i: table[i])`
+    over `jnp.arange(T)`, equinox's `Embedding`); else None."""
     if len(fe.ins) != 2 or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in self.origin:
-      return False
+      return None
     t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
+    out_shape = tuple(fe.outs[0][1].aval.shape)
     dn = fe.params["dimension_numbers"]
     if (
       len(t_shape) != 2
-      or tuple(fe.outs[0][1].aval.shape) != t_shape
-      or tuple(dn.offset_dims) != (1,)
-      or tuple(dn.collapsed_slice_dims) != (0,)
-      or tuple(dn.start_index_map) != (0,)
       or tuple(dn.operand_batching_dims)
       or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
     ):
-      return False
-    ids = self.fold(fe.ins[1])
-    return ids is not None and np.array_equal(ids.reshape(-1), np.arange(t_shape[0]))
+      return None
+    rows = np.arange(t_shape[0])
+    if (
+      out_shape == t_shape
+      and tuple(dn.offset_dims) == (1,)
+      and tuple(dn.collapsed_slice_dims) == (0,)
+      and tuple(dn.start_index_map) == (0,)
+    ):
+      ids = self.fold(fe.ins[1])
+      if ids is not None and np.array_equal(ids.reshape(-1), rows):
+        return ViewStep("cast", t_shape, t_shape)
+    unit = (t_shape[0], 1, t_shape[1])
+    if (
+      out_shape == unit
+      and tuple(dn.offset_dims) == (1, 2)
+      and not tuple(dn.collapsed_slice_dims)
+      and tuple(dn.start_index_map) == (0, 1)
+    ):
+      ids = self.fold(fe.ins[1])
+      if ids is not None and ids.shape == (t_shape[0], 2):
+        if np.array_equal(ids[:, 0], rows) and not ids[:, 1].any():
+          return ViewStep("reshape", t_shape, unit)
+    return None
 
   def fold(self, atom, depth: int = 16):
     """The value of `atom` when it is computed from constants alone by a few small elementwise,

@@ -336,7 +336,9 @@ def test_class_token_is_exact_shift(x64, spread):
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("use", ["norm_and_residual", "mask_token", "scanned", "embed_arange"])
+@pytest.mark.parametrize(
+  "use", ["norm_and_residual", "mask_token", "scanned", "embed_arange", "vmapped_arange"]
+)
 def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   """Learned tokens broadcast over the batch and read as activations by several operations
   (Perceiver latents: a normalisation's input and a residual add; a masked model's mask token in
@@ -345,7 +347,8 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   the exact Fisher block, and a `[L, D]` table gets the "diagonal" default, the exact diagonal.
   A token per layer of a `lax.scan` over stacked layers is a stacked layer, exact per layer. A
   positional table read at every position as an embedding, `jnp.take(table, jnp.arange(T))`
-  (GPT-2's `wpe`), is the table itself: the same shift-only layer."""
+  (GPT-2's `wpe`), or one row per index under `jax.vmap` (equinox), is the table itself: the
+  same shift-only layer."""
   k = jax.random.split(jax.random.key(0), 5)
   tok_shape = {"norm_and_residual": (3,), "mask_token": (2, 3), "scanned": (4, 3)}.get(use, (2, 3))
   params = {
@@ -366,8 +369,11 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
     elif use == "mask_token":
       t = jnp.broadcast_to(p["tok"], (n, 2, 3))
       out = jnp.where(b["mask"], t, b["x"]).sum(1)  # Masked positions read the mask token.
-    elif use == "embed_arange":
-      pos = jnp.take(p["tok"], jnp.arange(2), axis=0)  # `nn.Embed(2, 3)(jnp.arange(2))`.
+    elif use in ("embed_arange", "vmapped_arange"):
+      if use == "embed_arange":
+        pos = jnp.take(p["tok"], jnp.arange(2), axis=0)  # `nn.Embed(2, 3)(jnp.arange(2))`.
+      else:  # Equinox: `jax.vmap(eqx.nn.Embedding(...))(jnp.arange(2))`, one row per index.
+        pos = jax.vmap(lambda i: p["tok"][i])(jnp.arange(2))
       out = jnp.tanh(b["x"] + pos).sum(1)
     else:
 
@@ -383,7 +389,7 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  approx = "diagonal" if use in ("mask_token", "embed_arange") else "full"
+  approx = "diagonal" if use in ("mask_token", "embed_arange", "vmapped_arange") else "full"
   layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   assert [(l.kind, l.approx, l.param_paths) for l in layers] == [
     ("scale_and_shift", approx, ("tok",)),
