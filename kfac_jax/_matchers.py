@@ -371,7 +371,9 @@ def dot_dims(dimension_numbers, k_pos: int):
   return tuple(map(int, k_c)), tuple(map(int, x_c)), tuple(map(int, k_b)), tuple(map(int, x_b))
 
 
-def dense_product(k_shape, x_shape, k_contract, x_contract, k_pos: int, kernel_view=()):
+def dense_product(
+  k_shape, x_shape, k_contract, x_contract, k_pos: int, kernel_view=(), batch_size=None
+):
   """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None.
 
   The kernel operand (shape `k_shape`, operand `k_pos`) is read as the `[in, out]` matrix of its
@@ -379,6 +381,13 @@ def dense_product(k_shape, x_shape, k_contract, x_contract, k_pos: int, kernel_v
   as (lhs free..., rhs free...). Shared by the dense matcher and the stacked one
   (`_stacked.batched_dense_use`, which drops the layer axis first). None when the kernel has no
   free or no contracted axis.
+
+  The rows keep the activation's axis order, except that with `batch_size`, when the leading
+  free axis does not have the batch's size and exactly one other free axis has it (a
+  time-major `[T, N, D]` activation), that axis is moved first in both the input's and the
+  output's rows, so that the per-example approximations ("full", "diagonal", "ekfac"), which
+  group the rows by example, find each example's rows together. ("kron" sums over the rows,
+  so their order does not change it.)
   """
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
@@ -388,14 +397,18 @@ def dense_product(k_shape, x_shape, k_contract, x_contract, k_pos: int, kernel_v
   out_dim = math.prod(k_shape[d] for d in k_free)
   rows = math.prod(x_shape[d] for d in x_free)
   n_xf, n_kf = len(x_free), len(k_free)
+  order = list(range(n_xf))  # The row axes' order, as positions in x_free.
+  sized = [t for t in range(n_xf) if x_shape[x_free[t]] == batch_size]
+  if batch_size is not None and n_xf > 1 and 0 not in sized and len(sized) == 1:
+    order = sized + [t for t in order if t != sized[0]]
   if k_pos == 1:  # out = (x_free..., k_free...)
-    out_perm = tuple(range(n_xf + n_kf))
+    out_perm = tuple(order) + tuple(range(n_xf, n_xf + n_kf))
   else:  # out = (k_free..., x_free...)
-    out_perm = tuple(range(n_kf, n_kf + n_xf)) + tuple(range(n_kf))
+    out_perm = tuple(n_kf + t for t in order) + tuple(range(n_kf))
   info = DenseInfo(
     kernel_view=tuple(kernel_view),
     kernel_perm=tuple(k_contract) + k_free,
-    x_perm=x_free + tuple(x_contract),
+    x_perm=tuple(x_free[t] for t in order) + tuple(x_contract),
     out_perm=out_perm,
     in_dim=int(in_dim),
     out_dim=int(out_dim),
@@ -416,7 +429,7 @@ def dense_use(ix, i, k_pos):
     return None  # Batched products (e.g. per-head weights) are not dense layers.
   k_shape = tuple(_graph.aval_of(k_atom).shape)
   x_shape = tuple(_graph.aval_of(x_atom).shape)
-  found = dense_product(k_shape, x_shape, k_contract, x_contract, k_pos, k_chain)
+  found = dense_product(k_shape, x_shape, k_contract, x_contract, k_pos, k_chain, ix.batch_size)
   if found is None:
     return None
   info, k_free, _ = found

@@ -419,3 +419,41 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   dense, exact = both(params, batch)
   assert float(jnp.abs(exact).max()) > 1e-3  # The tokens matter to the loss.
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("approx", ["full", "diagonal"])
+def test_a_time_major_dense_layer_groups_its_rows_by_example(x64, approx):
+  """A dense layer applied to time-major activations (`[T, N, D]`, the batch moved to axis 1 as
+  `hk.dynamic_unroll` and `nn.RNN(time_major=True)` want it): the per-example approximations
+  group the rows by example, so the rows are taken batch-major. The block is the exact Fisher
+  block of the per-example losses (summed over the T positions, averaged over the batch)."""
+  n, t, d, c = 3, 4, 2, 3
+  k = jax.random.split(jax.random.key(0), 3)
+  params = {"w": jax.random.normal(k[0], (d, c), jnp.float64)}
+  batch = {
+    "x": jax.random.normal(k[1], (n, t, d), jnp.float64),
+    "y": jax.random.randint(k[2], (n, t), 0, c),
+  }
+
+  def logits_fn(p, b):
+    x = jnp.swapaxes(b["x"], 0, 1)  # [T, N, D]
+    return jnp.swapaxes(jnp.tanh(x) @ p["w"], 0, 1)  # [N, T, C]
+
+  def loss_fn(p, b):
+    logits = logits_fn(p, b)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).sum(1).mean()
+
+  layers = kfac_jax.LayerConfig(overrides={"w": approx})
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+  state = est.init(params)
+  (spec,) = est.layers
+  assert (spec.kind, spec.approx) == ("dense", approx)
+  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+  jac = jax.jacobian(lambda w: logits_fn({"w": w.reshape(d, c)}, batch))(params["w"].reshape(-1))
+  prob = jax.nn.softmax(logits_fn(params, batch))
+  fz = jax.vmap(jax.vmap(jnp.diag))(prob) - prob[..., :, None] * prob[..., None, :]
+  exact = jnp.einsum("ntci,ntcd,ntdj->ij", jac, fz, jac) / n
+  if approx == "diagonal":
+    exact = jnp.diag(jnp.diag(exact))
+  np.testing.assert_allclose(est.to_dense(state), exact, rtol=1e-10, atol=1e-12)
