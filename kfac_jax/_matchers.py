@@ -613,12 +613,15 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   elif tuple(_graph.aval_of(other).shape) != tuple(out_key[1].aval.shape):
     return None  # A shift must not broadcast the activation.
   out_shape = tuple(out_key[1].aval.shape)
-  if not out_shape or out_shape[0] != ix.batch_size:
+  if not out_shape:
     return None
   block = feature_block(ix.shapes[leaf], chain, view_shape, out_shape)
   if block is None or len(block[1]) == len(out_shape):
     return None
   axis, feat = block
+  batch_axis = _batch_axis(out_shape, axis, len(feat), ix.batch_size)
+  if batch_axis is None:
+    return None
   shift_leaf = None
   has_shift = fe.name == "add"
   if not has_shift:
@@ -632,8 +635,22 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
     feature_shape=feat,
     output_shape=out_shape,
     feature_axis=axis,
+    batch_axis=batch_axis,
   )
   return info, leaf, inputs, out_key, shift_leaf
+
+
+def _batch_axis(out_shape, feature_axis, n_feat: int, batch_size: int) -> int | None:
+  """The batch axis of a scale-and-shift output: the leading one when it has the batch's size,
+  else the one other axis outside the features that has it (time-major `[T, N, D]`); else
+  None (no axis, or more than one, could be the batch)."""
+  if out_shape[0] == batch_size:
+    return 0
+  start = len(out_shape) - n_feat if feature_axis is None else feature_axis
+  sized = [
+    a for a, n in enumerate(out_shape) if n == batch_size and not start <= a < start + n_feat
+  ]
+  return sized[0] if len(sized) == 1 else None
 
 
 def _match_shift(ix, key, out_shape, block, claimed, shared: bool = False):

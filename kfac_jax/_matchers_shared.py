@@ -81,7 +81,10 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
       return None
     kind = "conv"
   elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
-    keys = {(inf.has_scale, inf.has_shift, inf.feature_shape, inf.feature_axis) for inf in infos}
+    keys = {
+      (inf.has_scale, inf.has_shift, inf.feature_shape, inf.feature_axis, inf.batch_axis)
+      for inf in infos
+    }
     if len(keys) != 1:
       return None
     kind = "scale_and_shift"

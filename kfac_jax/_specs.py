@@ -366,9 +366,10 @@ class ScaleShiftInfo:
   """`out = x̂ * scale + shift`, the parameters spanning the axes `feature_shape` of `out`.
 
   x̂ is the product of the layer's input operands (one, or two when a following multiplication
-  was folded in), broadcast to `output_shape`; its leading axis is the batch. The parameters
-  span the consecutive axes of `out` from `feature_axis` on (None: the trailing axes; an int for
-  a channel-first layout, e.g. 1 for a per-channel scale over `[N, C, H, W]`).
+  was folded in), broadcast to `output_shape`; its axis `batch_axis` is the batch (0, or 1 for
+  time-major `[T, N, D]` activations). The parameters span the consecutive axes of `out` from
+  `feature_axis` on (None: the trailing axes; an int for a channel-first layout, e.g. 1 for a
+  per-channel scale over `[N, C, H, W]`).
   """
 
   has_scale: bool
@@ -376,6 +377,7 @@ class ScaleShiftInfo:
   feature_shape: tuple[int, ...]
   output_shape: tuple[int, ...]
   feature_axis: int | None = None
+  batch_axis: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -421,36 +421,54 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("approx", ["full", "diagonal"])
-def test_a_time_major_dense_layer_groups_its_rows_by_example(x64, approx):
-  """A dense layer applied to time-major activations (`[T, N, D]`, the batch moved to axis 1 as
-  `hk.dynamic_unroll` and `nn.RNN(time_major=True)` want it): the per-example approximations
-  group the rows by example, so the rows are taken batch-major. The block is the exact Fisher
-  block of the per-example losses (summed over the T positions, averaged over the batch)."""
+@pytest.mark.parametrize(
+  "kind,approx", [("dense", "full"), ("dense", "diagonal"), ("scale_and_shift", "full")]
+)
+def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
+  """A dense or scale-and-shift layer applied to time-major activations (`[T, N, D]`, the batch
+  moved to axis 1 as `hk.dynamic_unroll` and `nn.RNN(time_major=True)` want it): the
+  per-example approximations group the rows by example, so they find the batch axis (by its
+  size) and take the rows batch-major. The block is the exact Fisher block of the per-example
+  losses (summed over the T positions, averaged over the batch)."""
   n, t, d, c = 3, 4, 2, 3
-  k = jax.random.split(jax.random.key(0), 3)
-  params = {"w": jax.random.normal(k[0], (d, c), jnp.float64)}
+  k = jax.random.split(jax.random.key(0), 5)
+  w = jax.random.normal(k[0], (d, c), jnp.float64)
+  if kind == "dense":
+    params = {"w": w}
+  else:
+    params = {"s": 1 + 0.3 * jax.random.normal(k[3], (d,), jnp.float64)}
+    params["t"] = 0.1 * jax.random.normal(k[4], (d,), jnp.float64)
   batch = {
     "x": jax.random.normal(k[1], (n, t, d), jnp.float64),
     "y": jax.random.randint(k[2], (n, t), 0, c),
   }
 
   def logits_fn(p, b):
-    x = jnp.swapaxes(b["x"], 0, 1)  # [T, N, D]
-    return jnp.swapaxes(jnp.tanh(x) @ p["w"], 0, 1)  # [N, T, C]
+    h = jnp.tanh(jnp.swapaxes(b["x"], 0, 1))  # [T, N, D]
+    if kind == "dense":
+      return jnp.swapaxes(h @ p["w"], 0, 1)  # [N, T, C]
+    return jnp.swapaxes((h * p["s"] + p["t"]) @ w, 0, 1)
 
   def loss_fn(p, b):
     logits = logits_fn(p, b)
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).sum(1).mean()
 
-  layers = kfac_jax.LayerConfig(overrides={"w": approx})
+  layers = kfac_jax.LayerConfig(overrides={"*": approx})
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
   state = est.init(params)
   (spec,) = est.layers
-  assert (spec.kind, spec.approx) == ("dense", approx)
+  assert (spec.kind, spec.approx) == (kind, approx)
   state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  jac = jax.jacobian(lambda w: logits_fn({"w": w.reshape(d, c)}, batch))(params["w"].reshape(-1))
+  names = ["w"] if kind == "dense" else ["s", "t"]  # The block's order: scale, then shift.
+  flat = jnp.concatenate([params[m].reshape(-1) for m in names])
+  sizes = [params[m].size for m in names]
+
+  def unflat(f):
+    parts = jnp.split(f, np.cumsum(sizes)[:-1])
+    return {m: v.reshape(params[m].shape) for m, v in zip(names, parts)}
+
+  jac = jax.jacobian(lambda f: logits_fn(unflat(f), batch))(flat)
   prob = jax.nn.softmax(logits_fn(params, batch))
   fz = jax.vmap(jax.vmap(jnp.diag))(prob) - prob[..., :, None] * prob[..., None, :]
   exact = jnp.einsum("ntci,ntcd,ntdj->ij", jac, fz, jac) / n

@@ -246,14 +246,17 @@ def _scale_shift_grads(spec, data, dtype) -> Array:
   out_shape = g.shape[1:]  # This batch's output shape (`info.output_shape` is example_batch's).
   nd, nf = len(out_shape), len(info.feature_shape)
   start = nd - nf if info.feature_axis is None else info.feature_axis
-  # Sum over the output's axes other than the batch and the features (g's axis 0 is samples).
-  axes = tuple(1 + a for a in range(1, nd) if not start <= a < start + nf)
+  b = info.batch_axis
+  # Sum over the output's axes other than the batch and the features (g's axis 0 is samples),
+  # then put the batch first (after the samples).
+  axes = tuple(1 + a for a in range(nd) if a != b and not start <= a < start + nf)
+  batch_at = 1 + sum(1 for a in range(b) if start <= a < start + nf)
   out = []
   if info.has_scale:
     xhat = jnp.ones(out_shape, dtype)
     for v in inputs:
       xhat = xhat * jnp.broadcast_to(v.astype(dtype), out_shape)
-    out.append(jnp.sum(g * xhat[None], axis=axes))
+    out.append(jnp.moveaxis(jnp.sum(g * xhat[None], axis=axes), batch_at, 1))
   if info.has_shift:
-    out.append(jnp.sum(g, axis=axes))
+    out.append(jnp.moveaxis(jnp.sum(g, axis=axes), batch_at, 1))
   return jnp.concatenate([o.reshape(-1, math.prod(info.feature_shape)) for o in out], axis=1)
