@@ -369,8 +369,11 @@ class _Builder:
     vals = [self.fold(a, depth - 1) for a in fe.ins]
     if any(v is None for v in vals):
       return None
-    with jax.ensure_compile_time_eval():
-      return np.asarray(fe.eqn.primitive.bind(*vals, **fe.params))
+    try:
+      with jax.ensure_compile_time_eval():
+        return np.asarray(fe.eqn.primitive.bind(*vals, **fe.params))
+    except (TypeError, ValueError, jax.errors.JAXTypeError):  # Not foldable here: no view.
+      return None
 
   def _constant_shift(self, fe) -> int | None:
     """The operand position of the parameter view in `view + c`, `c + view` or `view - c` with
