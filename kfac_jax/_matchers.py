@@ -398,9 +398,9 @@ def dense_product(
   rows = math.prod(x_shape[d] for d in x_free)
   n_xf, n_kf = len(x_free), len(k_free)
   order = list(range(n_xf))  # The row axes' order, as positions in x_free.
-  sized = [t for t in range(n_xf) if x_shape[x_free[t]] == batch_size]
-  if batch_size is not None and n_xf > 1 and 0 not in sized and len(sized) == 1:
-    order = sized + [t for t in order if t != sized[0]]
+  first = batch_position([x_shape[d] for d in x_free], batch_size)
+  if first:  # Neither None nor already leading.
+    order = [first] + [t for t in order if t != first]
   if k_pos == 1:  # out = (x_free..., k_free...)
     out_perm = tuple(order) + tuple(range(n_xf, n_xf + n_kf))
   else:  # out = (k_free..., x_free...)
@@ -641,15 +641,23 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
 
 
 def _batch_axis(out_shape, feature_axis, n_feat: int, batch_size: int) -> int | None:
-  """The batch axis of a scale-and-shift output: the leading one when it has the batch's size,
-  else the one other axis outside the features that has it (time-major `[T, N, D]`); else
-  None (no axis, or more than one, could be the batch)."""
-  if out_shape[0] == batch_size:
-    return 0
+  """The batch axis of a scale-and-shift output (`batch_position` over the axes outside the
+  features), or None."""
   start = len(out_shape) - n_feat if feature_axis is None else feature_axis
-  sized = [
-    a for a, n in enumerate(out_shape) if n == batch_size and not start <= a < start + n_feat
-  ]
+  outside = [a for a in range(len(out_shape)) if not start <= a < start + n_feat]
+  found = batch_position([out_shape[a] for a in outside], batch_size)
+  return None if found is None else outside[found]
+
+
+def batch_position(sizes, batch_size) -> int | None:
+  """Which of a layer's row axes (their `sizes`, in order) is the batch, found by its size: the
+  leading one when it has the batch's size, else the only other one that has it (time-major
+  `[T, N, D]`); None when none does, when several do, or without a `batch_size`."""
+  if batch_size is None or not sizes:
+    return None
+  if sizes[0] == batch_size:
+    return 0
+  sized = [t for t, n in enumerate(sizes) if n == batch_size]
   return sized[0] if len(sized) == 1 else None
 
 

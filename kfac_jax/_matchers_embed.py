@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph, _matchers
+from kfac_jax import _graph, _index, _matchers
 from kfac_jax._specs import EmbeddingInfo, ScaleShiftInfo
 
 # --------------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def _iota_axis(ix, atom) -> tuple[int, int] | None:
 
   Follows casts and `broadcast_in_dim` back to an `iota` (or a constant such as `np.arange`).
   """
-  value = _constant_value(ix, atom)
+  value = _index.constant_value(ix.const_values, atom)
   if value is not None:
     if not np.issubdtype(value.dtype, np.number):
       return None
@@ -225,21 +225,6 @@ def _iota_axis(ix, atom) -> tuple[int, int] | None:
     axis, n = inner
     return int(fe.params["broadcast_dimensions"][axis]), n
   return None
-
-
-def _constant_value(ix, atom):
-  """The value of a literal or closed-over constant as a numpy array; None otherwise (also for a
-  constant that is a tracer, e.g. closed over inside an outer `jit`)."""
-  if isinstance(atom, _compat.Literal):
-    value = atom.val
-  elif _graph.is_key(atom) and atom in ix.const_values:
-    value = ix.const_values[atom]
-  else:
-    return None
-  try:
-    return np.asarray(value)
-  except jax.errors.JAXTypeError:  # A tracer.
-    return None
 
 
 def _producer(ix, atom):

@@ -108,12 +108,36 @@ def _projected_positions(p, b):
   return _ce((b["x"][:, None, :] + r).mean(1) @ p["head"], b["y"])
 
 
+W = jnp.ones((D, C)) * 0.1
 NO_ROWS = (
   "an input computed from parameters and constants alone (no rows per example, e.g. latents "
   "projected before they are broadcast over the batch, or a constant table of positions)"
 )
+# (name, loss_fn, params, leaf, the primitive that reads the leaf) for the no-rows models.
+NO_ROWS_CASES = [
+  (
+    "projected latents",
+    _projected_latents,
+    {"head": W, "lat": jnp.ones((3, D)), "w": jnp.eye(D)},
+    "w",
+    "dot_general",
+  ),
+  (
+    "relative positions",
+    _relative_positions,
+    {"head": W, "rel": jnp.ones((D, 2))},
+    "rel",
+    "gather",
+  ),
+  (
+    "projected positions",
+    _projected_positions,
+    {"head": W, "w": jnp.eye(D)},
+    "w",
+    "dot_general",
+  ),
+]
 
-W = jnp.ones((D, C)) * 0.1
 REASON_CASES = [
   ("2 - scale", _two_minus_scale, {"s": jnp.ones(D), "w": W}, "s", "used as 2 - scale"),
   (
@@ -149,27 +173,10 @@ REASON_CASES = [
     "stack",
     "sliced by a scan (a stacked layer axis)",
   ),
-  (
-    "projected latents",
-    _projected_latents,
-    {"head": W, "lat": jnp.ones((3, D)), "w": jnp.eye(D)},
-    "w",
-    f"consumed by dot_general with {NO_ROWS}",
-  ),
-  (
-    "relative positions",
-    _relative_positions,
-    {"head": W, "rel": jnp.ones((D, 2))},
-    "rel",
-    f"consumed by gather with {NO_ROWS}",
-  ),
-  (
-    "projected positions",
-    _projected_positions,
-    {"head": W, "w": jnp.eye(D)},
-    "w",
-    f"consumed by dot_general with {NO_ROWS}",
-  ),
+  *[
+    (name, fn, params, leaf, f"consumed by {prim} with {NO_ROWS}")
+    for name, fn, params, leaf, prim in NO_ROWS_CASES
+  ],
   (
     "product of parameters",
     _product_of_params,
@@ -196,12 +203,8 @@ def test_a_gain_on_a_computed_kernel_is_no_layer_even_when_its_rows_equal_the_ba
 
 @pytest.mark.parametrize(
   "loss_fn,params,leaf",
-  [
-    (_projected_latents, {"head": W, "lat": jnp.ones((3, D)), "w": jnp.eye(D)}, "w"),
-    (_relative_positions, {"head": W, "rel": jnp.ones((D, 2))}, "rel"),
-    (_projected_positions, {"head": W, "w": jnp.eye(D)}, "w"),
-  ],
-  ids=["projected latents", "relative positions", "projected positions"],
+  [c[1:4] for c in NO_ROWS_CASES],
+  ids=[c[0] for c in NO_ROWS_CASES],
 )
 def test_a_layer_whose_input_has_no_rows_per_example_is_no_layer(loss_fn, params, leaf):
   """A dense kernel or an embedding table read with an input computed from parameters and
