@@ -44,6 +44,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax import _compat
 
@@ -97,6 +98,22 @@ _SCAN_STACK = _SynthPrimitive("scan_stack")
 
 def is_key(atom: Atom) -> bool:
   return isinstance(atom, tuple)
+
+
+def constant_value(const_values: Mapping[Any, Any], atom):
+  """The value of a literal or closed-over constant (`const_values`: key -> value) as a numpy
+  array; None otherwise (also for a constant that is a tracer, e.g. closed over inside an outer
+  `jit`)."""
+  if isinstance(atom, _compat.Literal):
+    value = atom.val
+  elif is_key(atom) and atom in const_values:
+    value = const_values[atom]
+  else:
+    return None
+  try:
+    return np.asarray(value)
+  except jax.errors.JAXTypeError:  # A tracer.
+    return None
 
 
 def aval_of(atom: Atom):

@@ -77,22 +77,6 @@ _FOLDABLE = frozenset(
 _FOLD_SIZE = 1 << 20
 
 
-def constant_value(const_values: Mapping[Any, Any], atom):
-  """The value of a literal or closed-over constant (`const_values`: key -> value) as a numpy
-  array; None otherwise (also for a constant that is a tracer, e.g. closed over inside an outer
-  `jit`)."""
-  if isinstance(atom, _compat.Literal):
-    value = atom.val
-  elif _graph.is_key(atom) and atom in const_values:
-    value = const_values[atom]
-  else:
-    return None
-  try:
-    return np.asarray(value)
-  except jax.errors.JAXTypeError:  # A tracer.
-    return None
-
-
 def is_view(fe: _graph.FlatEqn) -> bool:
   """Whether `fe` only moves, reshapes, casts or broadcasts its first operand: a `VIEW_OPS`
   equation, or a `tile` that only repeats unit axes (`jnp.tile(cls, (n, 1, 1))` of a `[1, 1, D]`
@@ -368,7 +352,7 @@ class _Builder:
     comparison, layout or `iota` operations (e.g. `jnp.take`'s index arithmetic on an
     `arange`); None otherwise."""
     if isinstance(atom, _compat.Literal) or atom in self.const_values:
-      return constant_value(self.const_values, atom)
+      return _graph.constant_value(self.const_values, atom)
     if not _graph.is_key(atom) or depth == 0:
       return None
     i = self.producer.get(atom)

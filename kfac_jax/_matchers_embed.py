@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from kfac_jax import _graph, _index, _matchers
+from kfac_jax import _graph, _matchers
 from kfac_jax._specs import EmbeddingInfo, ScaleShiftInfo
 
 # --------------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def _iota_axis(ix, atom) -> tuple[int, int] | None:
 
   Follows casts and `broadcast_in_dim` back to an `iota` (or a constant such as `np.arange`).
   """
-  value = _index.constant_value(ix.const_values, atom)
+  value = _graph.constant_value(ix.const_values, atom)
   if value is not None:
     if not np.issubdtype(value.dtype, np.number):
       return None
