@@ -14,6 +14,10 @@ Three pieces of a K-FAC step that both entry points run inside the caller's `jit
     through every cond's pass-through branch on the way (benchmarks/RESULTS.md, "The guard
     without copies").
 
+`masked_share` tells both entry points when they are handed a share of the parameters
+(`optax.multi_transform`, `optax.masked`): the transforms then keep only that share's blocks,
+and the `Optimizer`'s optax form, which steps the whole model, refuses.
+
 Why conds that carry only what they change: an operand that passes through a `lax.cond`
 unchanged is still copied in and out of the conditional by XLA (the branch's result is its own
 buffer), and an elementwise `jnp.where(ok, new, old)` over the whole state reads both and writes
@@ -28,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import optax
 
 from kfac_jax import _estimator
 
@@ -78,3 +83,15 @@ def keep_if(ok: Array, new, old):
   """`new` when the scalar `ok` holds, else `old` (equal pytree structures): one `lax.cond`,
   no elementwise test or select over the arrays."""
   return jax.lax.cond(ok, lambda: new, lambda: old)
+
+
+def is_masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def masked_share(tree) -> tuple[bool, ...] | None:
+  """For a pytree with `optax.MaskedNode` leaves (the share of the parameters that
+  `optax.multi_transform` / `optax.masked` hand an inner transform): per leaf, masked ones
+  included, whether it is in the share. None when no leaf is masked."""
+  kept = tuple(not is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_masked))
+  return None if all(kept) else kept

@@ -329,6 +329,7 @@ class CurvatureEstimator:
     self._layers: tuple[_scanner.LayerSpec, ...] | None = None
     self._blocks: tuple[_blocks.Block, ...] = ()
     self._names: tuple[str, ...] = ()
+    self._active: tuple[int, ...] = ()  # Indices of the registration's layers kept.
     self._storage: _sharded.ShardedStorage | None = None
     # (parameter paths, ((shape, dtype name) per leaf)), set with the layers.
     self._param_sig: tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]] | None = None
@@ -338,6 +339,11 @@ class CurvatureEstimator:
   # -- structure -------------------------------------------------------------------------------
 
   @property
+  def registered(self) -> bool:
+    """Whether the layers are known (a registration given, or built by `init`)."""
+    return self._registration is not None
+
+  @property
   def registration(self) -> _registration.Registration:
     """The `kfac_jax.Registration` (given, or built by the first `init`)."""
     if self._registration is None:
@@ -345,9 +351,20 @@ class CurvatureEstimator:
     return self._registration
 
   def _use_registration(self, reg: _registration.Registration) -> None:
-    """Takes the layers, blocks and params signature of `reg`."""
-    names = reg.block_names
-    blocks = reg.blocks(self.config)
+    """Takes the layers, blocks and params signature of `reg` (every block active)."""
+    self._registration = reg
+    self.loss_part = reg.loss_part  # The one the registration traces (its aux tree).
+    self._layers = reg.layers
+    self._param_sig = reg.param_signature
+    self._select(tuple(range(len(reg.layers))))
+
+  def _select(self, active: tuple[int, ...]) -> None:
+    """Keeps the blocks `active` (indices into the registration's layers): the state, the
+    statistics folded, the inverses and the products cover only these."""
+    reg = self.registration
+    all_names, all_blocks = reg.block_names, reg.blocks(self.config)
+    names = tuple(all_names[i] for i in active)
+    blocks = tuple(all_blocks[i] for i in active)
     if self.inverse_storage == "sharded":
       for n, b in zip(names, blocks):
         if b.needs_cache_for_statistics:
@@ -359,12 +376,35 @@ class CurvatureEstimator:
       self._storage = _sharded.ShardedStorage(
         blocks, functools.partial(_blocks.compute_caches, blocks)
       )
-    self._registration = reg
-    self.loss_part = reg.loss_part  # The one the registration traces (its aux tree).
-    self._layers = reg.layers
+    self._active = active
     self._names = names
     self._blocks = blocks
-    self._param_sig = reg.param_signature
+
+  def keep_leaves(self, kept: Sequence[bool], who: str) -> None:
+    """Keeps only the blocks of the parameter leaves `kept` (one flag per registered leaf, in
+    the registration's order): for a transform handed a share of the parameters by
+    `optax.multi_transform` / `optax.masked`. A block with leaves on both sides raises
+    ValueError naming its layer and both sets of leaves (`who` names the transform). Call it
+    before `init`; calling it again with the same flags changes nothing."""
+    paths = self._sig[0]
+    kept = tuple(bool(k) for k in kept)
+    if len(kept) != len(paths):
+      raise ValueError(f"{who}: {len(kept)} leaf flags for {len(paths)} registered leaves.")
+    active = []
+    for i, (n, spec) in enumerate(zip(self.registration.block_names, self.layers)):
+      inside = [paths[j] for j in spec.leaf_indices if kept[j]]
+      outside = [paths[j] for j in spec.leaf_indices if not kept[j]]
+      if inside and outside:
+        raise ValueError(
+          f"{who}: layer `{n}` has {_quoted(inside)} in this transform's share of the "
+          f"parameters and {_quoted(outside)} outside it (optax.multi_transform / optax.masked "
+          "gave them other labels). Its curvature block spans all of them: give the whole "
+          "layer one label."
+        )
+      if inside:
+        active.append(i)
+    if tuple(active) != self._active:
+      self._select(tuple(active))
 
   def scan_batch(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.ScanResult:
     """The evaluation graph of `loss_fn(params, batch)`, scanned once per batch signature by
@@ -504,7 +544,8 @@ class CurvatureEstimator:
         return b.batch_factors(d, stats.batch_size, cache=cache[n])
       return b.batch_factors(d, stats.batch_size)
 
-    out = {n: one(n, b, d) for n, b, d in zip(self._names, self._blocks, stats.data)}
+    data = [stats.data[i] for i in self._active]
+    out = {n: one(n, b, d) for n, b, d in zip(self._names, self._blocks, data)}
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out
@@ -779,7 +820,11 @@ class CurvatureEstimator:
     param_bytes = sum(
       int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._sig[1]
     )
-    return format_table(self.layers, self._blocks, param_bytes)
+    return format_table([self.layers[i] for i in self._active], self._blocks, param_bytes)
+
+
+def _quoted(paths: Sequence[str]) -> str:
+  return ", ".join(f"`{p}`" for p in paths)
 
 
 def _relative_paths(paths: Sequence[str]) -> str:

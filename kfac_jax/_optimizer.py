@@ -744,7 +744,18 @@ class Optimizer:
     after `init`, which evaluates `loss_fn`'s shapes once with `example_batch`).
     """
 
+    def whole(params):
+      if _engine.masked_share(params) is not None:
+        raise ValueError(
+          "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (optax.multi_transform or "
+          "optax.masked hands it only a share of the parameters), but the optimizer steps the "
+          "whole model: its quadratic model and damping take every parameter. For K-FAC on a "
+          "share, use kfac_jax.kfac(registration=reg, ...) with curvature_stats= from "
+          "kfac_jax.value_and_grad(registration=reg)."
+        )
+
     def init_fn(params):
+      whole(params)
       opt_state = self.init(params)
       dtype = self.estimator.config.inverse_dtype
       info = {k: jnp.zeros([], dtype) for k in _INFO_KEYS}
@@ -760,6 +771,7 @@ class Optimizer:
       updates, state: KfacOptaxState, params=None, *, batch=None, rng=None, **extra_args
     ):
       del updates, extra_args
+      whole(params)
       if params is None or batch is None:
         raise ValueError(
           "the K-FAC optimizer's optax update needs `params` and `batch=`: "

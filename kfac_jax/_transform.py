@@ -249,14 +249,66 @@ class _Preconditioner:
     self.inverse_mesh = inverse_mesh
     self.skip_nonfinite = skip_nonfinite
     self.name = name
+    self._kept: tuple[bool, ...] | None = None  # The share `init` / `update` last saw.
 
   def init(self, params) -> ScaleByKfacState:
+    kept = self._share(params)
+    full = params if kept is None else self._fill(params, abstract=True)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated (jit's
     # donate_argnums refuses to donate a buffer twice).
     return ScaleByKfacState(
       count=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
-      curvature=self.est.init(params, axis_name=self.axis_name, mesh=self.inverse_mesh),
+      curvature=self.est.init(full, axis_name=self.axis_name, mesh=self.inverse_mesh),
+    )
+
+  def _share(self, params) -> tuple[bool, ...] | None:
+    """Per registered leaf, whether it is in this transform's share, when `params` has
+    `optax.MaskedNode` leaves (`optax.multi_transform` / `optax.masked` hand the transform its
+    share of the parameters); the estimator then keeps only the blocks of that share. None for
+    whole params."""
+    share = _engine.masked_share(params)
+    if share is None:
+      if self._kept is not None:  # Whole params again after a share: every block.
+        self.est.keep_leaves((True,) * len(self._kept), self.name)
+        self._kept = None
+      return None
+    if not self.est.registered:
+      raise ValueError(
+        f"{self.name}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
+        "optax.masked hands this transform only its share of the parameters, and the model "
+        "cannot be traced without the rest. Build the layers from the whole params, "
+        "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
+        f"to {self.name} and to kfac_jax.value_and_grad."
+      )
+    kept = share
+    self.est.registration.check_params(self._fill(params, abstract=True))
+    self.est.keep_leaves(kept, self.name)
+    self._kept = kept
+    return kept
+
+  def _fill(self, share, abstract: bool = False):
+    """`share` with its `optax.MaskedNode` leaves replaced by zeros of the registered shapes
+    and dtypes (`jax.ShapeDtypeStruct`s with `abstract`): the whole params' structure."""
+    flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_engine.is_masked)
+    sig = self.est.registration.param_signature[1]
+    if len(flat) != len(sig):  # Wrong structure: `check_params` names the leaf.
+      return jax.tree_util.tree_unflatten(treedef, flat)
+    make = jax.ShapeDtypeStruct if abstract else jnp.zeros
+    leaves = [
+      make(shape, jnp.dtype(dtype)) if _engine.is_masked(x) else x
+      for x, (shape, dtype) in zip(flat, sig)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  @staticmethod
+  def _unfill(full, share):
+    """The leaves of `full` (whole params' structure) at `share`'s unmasked leaves, in
+    `share`'s structure."""
+    flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_engine.is_masked)
+    leaves = jax.tree_util.tree_leaves(full)
+    return jax.tree_util.tree_unflatten(
+      treedef, [x if _engine.is_masked(x) else y for x, y in zip(flat, leaves)]
     )
 
   def _row_plan(self, batch, *, strict: bool) -> tuple[int, int] | None:
@@ -369,7 +421,23 @@ class _Preconditioner:
         f"{self.name}: `state` must be the ScaleByKfacState from this "
         f"transform's init, got {type(state).__name__}."
       )
-    est.ensure_layers(params)
+    kept = self._share(params)
+    if kept is None:
+      est.ensure_layers(params)
+    else:
+      share = _engine.masked_share(updates)
+      if share != kept:
+        raise ValueError(
+          f"{self.name}: `updates` and `params` must be the same share of the parameters "
+          "(the same optax.MaskedNode leaves)."
+        )
+      if curvature_stats is None:
+        raise ValueError(
+          f"{self.name}: `params` has optax.MaskedNode leaves (optax.multi_transform or "
+          "optax.masked hands this transform only its share of the parameters), so it cannot "
+          "trace the model on `batch=`: pass `curvature_stats=` from "
+          "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
+        )
     if curvature_stats is None and batch is None:
       raise ValueError(
         f"{self.name}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
@@ -439,7 +507,10 @@ class _Preconditioner:
       axis_name=self.axis_name,
       mesh=self.inverse_mesh,
     )
-    pre = est.multiply_matpower(curv, updates, -1, axis_name=self.axis_name, mesh=self.inverse_mesh)
+    vector = updates if kept is None else self._fill(updates)
+    pre = est.multiply_matpower(curv, vector, -1, axis_name=self.axis_name, mesh=self.inverse_mesh)
+    if kept is not None:  # The masked leaves' zeros pass through no block; XLA drops them.
+      pre = self._unfill(pre, updates)
     pre = jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, updates)
     if ok is None:
       out, new_finish = (pre, finish_state) if finish is None else finish(pre, finish_state, None)
@@ -612,6 +683,11 @@ def scale_by_kfac(
   static_args=("loss_fn", "example_batch"))(loss_fn=..., example_batch=..., damping=1e-3)`;
   `damping`, `ema_decay` and `inverse_every` can then change between steps without a recompile.
 
+  Inside `optax.multi_transform` / `optax.masked` (params with `optax.MaskedNode` leaves), pass
+  `registration=` built from the whole params and `curvature_stats=`: the state then holds only
+  the blocks of the share, and every layer must lie wholly inside or outside it (README,
+  "K-FAC on a share of the parameters").
+
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `ScaleByKfacState`. Its
     `update(updates, state, params, *, curvature_stats=None, batch=None, rng=None)` needs
@@ -780,6 +856,9 @@ def kfac(
   diverged on three of them at the old defaults (no momentum, λ = 1e-3). `curvature_every=5`
   lost nothing per step against statistics every step on four ("Statistics every 5 steps by
   default"); the LSTM wanted `curvature_every=1` and `damping=0.01`.
+
+  On a share of the parameters (`optax.multi_transform`, see `scale_by_kfac`), `max_norm`
+  clips by the norm of the share's update alone.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes the

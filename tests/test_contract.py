@@ -279,3 +279,101 @@ def test_checkpoint_round_trip_continues_identically(kind):
   # The restored leaves are numpy arrays: JAX keeps a second dispatch-cache entry for them,
   # but traces (and compiles) the step only once.
   assert len(traces) == 1
+
+
+def _shared_problem():
+  """A 3-layer tanh MLP; `labels` gives its first layer to Adam and the rest to K-FAC (the
+  optax idiom for an optimizer on a share of the parameters: optax.multi_transform)."""
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 6, 5, 3))
+  batch = _models.classification_batch(jax.random.key(1), n=16, din=4, classes=3)
+  labels = {
+    k: jax.tree.map(lambda _, k=k: "adam" if k == "layer0" else "kfac", v)
+    for k, v in params.items()
+  }
+  return loss_fn, params, batch, labels
+
+
+def _share_factory(kind, reg):
+  if kind == "kfac":  # Unclipped: the clipping norm is over the transform's own leaves.
+    return kfac_jax.kfac(
+      registration=reg, learning_rate=0.3, max_norm=None, damping=1e-2, inverse_every=2
+    )
+  return optax.chain(
+    kfac_jax.scale_by_kfac(registration=reg, damping=1e-2, inverse_every=2),
+    optax.scale_by_learning_rate(0.3),
+  )
+
+
+@pytest.mark.parametrize("kind", ["scale_by_kfac", "kfac"])
+def test_a_share_of_the_parameters_under_multi_transform(kind):
+  """Handed a share of the parameters (optax.MaskedNode leaves), the transform keeps only that
+  share's blocks in its state, and its updates are exactly those the transform over every
+  parameter gives the share's leaves (the blocks are independent): over 5 updates, inverse
+  refreshes included, beside Adam on the rest."""
+  loss_fn, params, batch, labels = _shared_problem()
+  reg = kfac_jax.Registration(loss_fn, params, batch)
+  tx = optax.multi_transform({"kfac": _share_factory(kind, reg), "adam": optax.adam(1e-2)}, labels)
+  whole, adam = _share_factory(kind, reg), optax.adam(1e-2)
+  vg = kfac_jax.value_and_grad(registration=reg)
+
+  @jax.jit
+  def step(p, s, rng):
+    _, g, stats = vg(p, batch, rng)
+    u, s = tx.update(g, s, p, curvature_stats=stats)
+    return optax.apply_updates(p, u), s, u
+
+  @jax.jit
+  def reference(p, s_whole, s_adam, rng):
+    _, g, stats = vg(p, batch, rng)
+    u_whole, s_whole = whole.update(g, s_whole, p, curvature_stats=stats)
+    u_adam, s_adam = adam.update(g, s_adam, p)
+    u = {k: u_adam[k] if k == "layer0" else u_whole[k] for k in p}
+    return optax.apply_updates(p, u), s_whole, s_adam, u
+
+  state = tx.init(params)
+  inner = state.inner_states["kfac"].inner_state
+  curv = (inner.preconditioner if kind == "kfac" else inner[0]).curvature
+  assert sorted(curv.factors) == ["layer1", "layer2"]  # No block for Adam's layer.
+  p, p_ref, s_whole, s_adam = params, params, whole.init(params), adam.init(params)
+  for i in range(5):
+    p, state, u = step(p, state, jax.random.key(i))
+    p_ref, s_whole, s_adam, u_ref = reference(p_ref, s_whole, s_adam, jax.random.key(i))
+    for a, b in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(u_ref)):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+  assert float(loss_fn(p, batch)) < float(loss_fn(params, batch))
+
+
+def test_a_share_of_the_parameters_is_refused_with_what_to_do():
+  """A share without a registration (the model cannot be traced on part of the params), a
+  layer split between two labels, `batch=` with a share, and the `Optimizer`'s optax form
+  (it steps the whole model) each raise, naming the fix."""
+  loss_fn, params, batch, labels = _shared_problem()
+  reg = kfac_jax.Registration(loss_fn, params, batch)
+  adam = optax.adam(1e-2)
+  no_reg = optax.multi_transform(
+    {"kfac": kfac_jax.kfac(loss_fn, batch, learning_rate=0.3), "adam": adam}, labels
+  )
+  with pytest.raises(ValueError, match=r"kfac: `params` has optax.MaskedNode.*registration=reg"):
+    no_reg.init(params)
+  split = {k: {"w": "kfac", "b": "adam"} for k in params}
+  tx = optax.multi_transform(
+    {"kfac": kfac_jax.kfac(registration=reg, learning_rate=0.3), "adam": adam}, split
+  )
+  with pytest.raises(
+    ValueError, match=r"layer `layer0` has `layer0/w` in this .* `layer0/b` outside"
+  ):
+    tx.init(params)
+  tx = optax.multi_transform(
+    {"kfac": kfac_jax.kfac(registration=reg, learning_rate=0.3), "adam": adam}, labels
+  )
+  state = tx.init(params)
+  with pytest.raises(
+    ValueError, match=r"cannot trace the model on `batch=`: pass `curvature_stats=`"
+  ):
+    tx.update(params, state, params, batch=batch, rng=jax.random.key(0))
+  opt = optax.multi_transform(
+    {"kfac": kfac_jax.Optimizer(registration=reg).as_optax(), "adam": adam}, labels
+  )
+  with pytest.raises(ValueError, match=r"Optimizer.as_optax\(\): .* steps the whole model"):
+    opt.init(params)

@@ -17,6 +17,7 @@ RECIPES = {
   "batch_stats": "Flax linen `batch_stats` (BatchNorm)",
   "haiku": "Haiku `transform_with_state`",
   "nnx": "Flax nnx: split / merge with BatchNorm and Dropout",
+  "share": "K-FAC on a share of the parameters: `optax.multi_transform`",
 }
 
 
@@ -86,3 +87,14 @@ def test_nnx_split_merge_recipe():
   assert float(np.abs(np.asarray(s["model"].bn.mean[...])).max()) > 0
   assert float(s["loss"]) < 1.0
   assert s["model"].bn.use_running_average  # model.eval() after nnx.update
+
+
+def test_share_of_the_parameters_recipe():
+  s = _run(RECIPES["share"])
+  state = s["opt_state"].inner_states["kfac"].inner_state
+  # Only the share's layers have K-FAC state; the embedding (Adam's) has none.
+  assert sorted(state.preconditioner.curvature.factors) == ["params/head", "params/hidden"]
+  params0 = s["model"].init(jax.random.key(1), s["tokens"])
+  assert float(s["loss"]) < 0.1 * float(s["loss_fn"](params0, s["batch"]))
+  # Adam moved the embedding too.
+  assert _changed(s["params"]["params"]["embed"], params0["params"]["embed"])
