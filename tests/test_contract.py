@@ -377,3 +377,48 @@ def test_a_share_of_the_parameters_is_refused_with_what_to_do():
   )
   with pytest.raises(ValueError, match=r"Optimizer.as_optax\(\): .* steps the whole model"):
     opt.init(params)
+
+
+def test_inside_optax_multisteps():
+  """`optax.MultiSteps(kfac, k)` (gradient accumulation): every k-th call makes the update
+  `kfac` makes from the k micro-batches' mean gradient, with the statistics of the k-th
+  micro-batch; the calls between return zeros and leave the K-FAC state as it was."""
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 6, 3))
+  k = 3
+  batches = [
+    _models.classification_batch(jax.random.key(10 + i), n=16, din=4, classes=3)
+    for i in range(2 * k)
+  ]
+
+  def make():
+    return kfac_jax.kfac(
+      loss_fn, batches[0], learning_rate=0.3, damping=1e-2, inverse_every=2, curvature_every=1
+    )
+
+  ms, ref = optax.MultiSteps(make(), every_k_schedule=k), make()
+  vg = kfac_jax.value_and_grad(loss_fn)
+
+  @jax.jit
+  def step(p, s, b, rng):
+    _, g, stats = vg(p, b, rng)
+    u, s = ms.update(g, s, p, curvature_stats=stats)
+    return optax.apply_updates(p, u), s, u
+
+  p, s = params, ms.init(params)
+  q, t = params, ref.init(params)
+  for period in range(2):
+    grads = []
+    for m in range(k):
+      i = period * k + m
+      _, g, stats = vg(q, batches[i], jax.random.key(i))
+      grads.append(g)
+      p, s, u = step(p, s, batches[i], jax.random.key(i))
+      if m < k - 1:
+        assert all(not np.any(x) for x in jax.tree_util.tree_leaves(u))
+    mean = jax.tree.map(lambda *x: sum(x) / k, *grads)
+    u_ref, t = jax.jit(ref.update)(mean, t, q, curvature_stats=stats)
+    q = optax.apply_updates(q, u_ref)
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert int(s.inner_opt_state.preconditioner.count) == 2

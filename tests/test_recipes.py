@@ -18,6 +18,7 @@ RECIPES = {
   "haiku": "Haiku `transform_with_state`",
   "nnx": "Flax nnx: split / merge with BatchNorm and Dropout",
   "share": "K-FAC on a share of the parameters: `optax.multi_transform`",
+  "accumulation": "Gradient accumulation over micro-batches",
 }
 
 
@@ -98,3 +99,12 @@ def test_share_of_the_parameters_recipe():
   assert float(s["loss"]) < 0.1 * float(s["loss_fn"](params0, s["batch"]))
   # Adam moved the embedding too.
   assert _changed(s["params"]["params"]["embed"], params0["params"]["embed"])
+
+
+def test_gradient_accumulation_recipe():
+  s = _run(RECIPES["accumulation"])
+  # 20 updates of accumulated gradients: the whole batch's loss is well below its start.
+  loss0 = float(s["loss_fn"](s["params"], s["batch"]))
+  assert float(s["loss"]) < 0.5 * np.log(3.0)
+  assert loss0 < 0.5 * np.log(3.0)
+  assert int(s["opt_state"].preconditioner.count) == 20
