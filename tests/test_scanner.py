@@ -421,6 +421,70 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
 
 
+def test_per_example_shuffles_and_mask_tokens_keep_every_layer_exact(x64):
+  """A masked autoencoder's row plumbing: patches embedded, shuffled per example
+  (`argsort` of noise, `take_along_axis`), a visible subset encoded, learned mask tokens
+  appended, the order restored by a second per-example gather, and a decoder. Every layer's
+  "full" block (exact mode) is the exact Gauss-Newton block `Jᵀ H J` (H the Hessian of the
+  loss in the predictions): the gathers keep each row with its example."""
+  n, p, d, h, keep = 3, 5, 2, 3, 2
+  k = jax.random.split(jax.random.key(0), 8)
+  params = {
+    "embed": {"w": jax.random.normal(k[0], (d, h)), "b": 0.1 * jax.random.normal(k[1], (h,))},
+    "pos": 0.3 * jax.random.normal(k[2], (p, h)),
+    "enc": {"w": jax.random.normal(k[3], (h, h)) / 2},
+    "mask_token": 0.3 * jax.random.normal(k[4], (1, 1, h)),
+    "dec": {"w": jax.random.normal(k[5], (h, d)) / 2, "b": jnp.zeros(d)},
+  }
+  params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
+  batch = {
+    "x": jax.random.normal(k[6], (n, p, d), jnp.float64),
+    "noise": jax.random.uniform(k[7], (n, p)),
+  }
+
+  def predict(q, b):
+    ids = jnp.argsort(b["noise"], axis=1)
+    restore = jnp.argsort(ids, axis=1)
+    e = b["x"] @ q["embed"]["w"] + q["embed"]["b"] + q["pos"]
+    seen = jnp.take_along_axis(e, ids[:, :keep, None], axis=1)
+    seen = seen + jnp.tanh(seen @ q["enc"]["w"])
+    tokens = jnp.broadcast_to(q["mask_token"], (n, p - keep, h))
+    full = jnp.take_along_axis(jnp.concatenate([seen, tokens], 1), restore[..., None], axis=1)
+    return jnp.tanh(full) @ q["dec"]["w"] + q["dec"]["b"]
+
+  def loss_of(pred, b, tag):
+    if tag:
+      kfac_jax.register_squared_error_loss(pred, b["x"])
+    return jnp.mean(jnp.sum((pred - b["x"]) ** 2, axis=(1, 2)))
+
+  def loss_fn(q, b):
+    return loss_of(predict(q, b), b, True)
+
+  layers = kfac_jax.LayerConfig(overrides={"*": "full"})
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+  state0 = est.init(params)
+  kinds = sorted((s.kind, s.approx) for s in est.layers)
+  assert kinds == [("dense", "full")] * 3 + [("scale_and_shift", "full")] * 2, kinds
+
+  @jax.jit
+  def both(params, batch):
+    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    pred = predict(params, batch)
+    jac = jax.jacobian(lambda f: predict(unravel(f), batch))(flat).reshape(pred.size, -1)
+    hess = jax.hessian(lambda z: loss_of(z, batch, False))(pred).reshape(pred.size, pred.size)
+    return est.to_dense(state), jac.T @ hess @ jac
+
+  dense, ggn = map(np.asarray, both(params, batch))
+  sizes = [x.size for x in jax.tree.leaves(params)]
+  offsets = np.concatenate([[0], np.cumsum(sizes)])
+  for spec in est.layers:
+    idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in spec.leaf_indices])
+    block = ggn[np.ix_(idx, idx)]
+    assert np.abs(block).max() > 1e-3, spec.name  # The layer matters to the loss.
+    np.testing.assert_allclose(dense[np.ix_(idx, idx)], block, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(
   "kind,approx", [("dense", "full"), ("dense", "diagonal"), ("scale_and_shift", "full")]
 )
