@@ -481,6 +481,14 @@ class CurvatureEstimator:
     outside pmap / shard_map.
     """
     self.ensure_layers(params, axis_name)
+    return self.init_state(axis_name=axis_name, mesh=mesh)
+
+  def init_state(
+    self, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None
+  ) -> EstimatorState:
+    """`init`'s state for the layers already registered (no params needed)."""
+    if self._registration is None:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
     cache: BlockCaches | _parallel.ShardedCache
     if self.inverse_storage == "sharded":
       cache = self.sharded_storage.init_cache(axis_name, mesh)

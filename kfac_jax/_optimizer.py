@@ -489,7 +489,12 @@ class Optimizer:
     `config.inverse_storage="sharded"`, call it inside the pmap / shard_map over `axis_name`.
     """
     del rng
-    curvature = self.estimator.init(params, axis_name=self.axis_name)
+    if not jax.tree_util.tree_leaves(params) and self.estimator.registered:
+      # A tree without leaves: `optax.tree_map_params`' placeholder, which asks only for the
+      # state's structure (the layers are known from an earlier `init`).
+      curvature = self.estimator.init_state(axis_name=self.axis_name)
+    else:
+      curvature = self.estimator.init(params, axis_name=self.axis_name)
     dtype = self.estimator.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(
@@ -744,6 +749,8 @@ class Optimizer:
     after `init`, which evaluates `loss_fn`'s shapes once with `example_batch`).
     """
 
+    aux_shapes: list[Any] = []  # The aux's shapes at the last `init` with params.
+
     def whole(params):
       if _engine.masked_share(params) is not None:
         raise ValueError(
@@ -762,9 +769,12 @@ class Optimizer:
       info["loss"] = jnp.zeros([], jnp.result_type(float))
       info["skipped"] = jnp.zeros([], bool)
       if self.has_aux:
-        shapes = jax.eval_shape(self.estimator.loss_part, params, self.example_batch)
-        aux_shapes = self.estimator.loss_part.unflatten_aux(shapes[1:])
-        info["aux"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
+        if jax.tree_util.tree_leaves(params) or not aux_shapes:
+          shapes = jax.eval_shape(self.estimator.loss_part, params, self.example_batch)
+          aux_shapes.clear()
+          aux_shapes.append(self.estimator.loss_part.unflatten_aux(shapes[1:]))
+        # (`optax.tree_map_params`' placeholder has no leaves: the shapes of the last `init`.)
+        info["aux"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes[0])
       return KfacOptaxState(opt_state, info)
 
     def update_fn(

@@ -252,14 +252,18 @@ class _Preconditioner:
     self._kept: tuple[bool, ...] | None = None  # The share `init` / `update` last saw.
 
   def init(self, params) -> ScaleByKfacState:
-    kept = self._share(params)
-    full = params if kept is None else self._fill(params, abstract=True)
+    if not jax.tree_util.tree_leaves(params, is_leaf=_engine.is_masked) and self.est.registered:
+      # A tree without leaves: `optax.tree_map_params`' placeholder, which asks only for the
+      # state's structure (the layers are known from an earlier `init`).
+      curvature = self.est.init_state(axis_name=self.axis_name, mesh=self.inverse_mesh)
+    else:
+      kept = self._share(params)
+      full = params if kept is None else self._fill(params, abstract=True)
+      curvature = self.est.init(full, axis_name=self.axis_name, mesh=self.inverse_mesh)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated (jit's
     # donate_argnums refuses to donate a buffer twice).
     return ScaleByKfacState(
-      count=jnp.zeros([], jnp.int32),
-      skipped=jnp.zeros([], jnp.int32),
-      curvature=self.est.init(full, axis_name=self.axis_name, mesh=self.inverse_mesh),
+      count=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32), curvature=curvature
     )
 
   def _share(self, params) -> tuple[bool, ...] | None:

@@ -422,3 +422,23 @@ def test_inside_optax_multisteps():
     for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert int(s.inner_opt_state.preconditioner.count) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_optax_tree_map_params_maps_the_parameter_copies(kind):
+  """`optax.tree_map_params` (what sharding helpers use) calls `init` with a placeholder tree
+  to find the state's copies of the parameters: the momentum (`kfac`) and the velocity
+  (`Optimizer`) are mapped, the curvature is left as it is."""
+  loss_fn, params, batch, _ = _least_squares()
+  tx = _make(kind, loss_fn, batch)
+  state = tx.init(params)
+  step = _step_fn(kind, loss_fn, tx)
+  _, state, _, _ = step(params, state, batch, jax.random.key(0))
+  mapped = optax.tree_map_params(tx, lambda p: p + 1.0, state)
+  assert jax.tree_util.tree_structure(mapped) == jax.tree_util.tree_structure(state)
+  changed = [
+    not np.array_equal(a, b)
+    for a, b in zip(jax.tree_util.tree_leaves(mapped), jax.tree_util.tree_leaves(state))
+  ]
+  n_params = len(jax.tree_util.tree_leaves(params))
+  assert sum(changed) == (0 if kind == "scale_by_kfac" else n_params), kind
