@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _graph, _stacked, _tags
+from kfac_jax import _batch_axes, _compat, _graph, _stacked, _tags
 from kfac_jax._specs import ConcatView, ViewStep, common_prefix
 
 # Operations that only move, reshape or cast a parameter.
@@ -132,6 +132,10 @@ class GraphIndex:
   # Keys computed from parameters and constants alone, never with a leading axis that may be the
   # batch's (`_Builder.param_only`): not activations, no rows per example.
   param_only: frozenset[Any]
+  # Key -> (axis, inner): the batch axis followed from the batch leaves (`_batch_axes`).
+  batch_axes: Mapping[Any, tuple[int, int]] = dataclasses.field(
+    default_factory=lambda: types.MappingProxyType({})
+  )
 
 
 def build(
@@ -180,6 +184,7 @@ def build(
     uses_by_eqn=frozen_lists(b.uses_by_eqn),
     slice_consumers=frozen_lists(b.slice_consumers),
     param_only=frozenset(b.param_only(batch_size)),
+    batch_axes=proxy(_batch_axes.batch_axes(graph, n_params, batch_size)),
   )
 
 

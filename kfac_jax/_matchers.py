@@ -372,7 +372,14 @@ def dot_dims(dimension_numbers, k_pos: int):
 
 
 def dense_product(
-  k_shape, x_shape, k_contract, x_contract, k_pos: int, kernel_view=(), batch_size=None
+  k_shape,
+  x_shape,
+  k_contract,
+  x_contract,
+  k_pos: int,
+  kernel_view=(),
+  batch_size=None,
+  x_batch_axis: int | None = None,
 ):
   """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None.
 
@@ -382,12 +389,13 @@ def dense_product(
   (`_stacked.batched_dense_use`, which drops the layer axis first). None when the kernel has no
   free or no contracted axis.
 
-  The rows keep the activation's axis order, except that with `batch_size`, when the leading
-  free axis does not have the batch's size and exactly one other free axis has it (a
-  time-major `[T, N, D]` activation), that axis is moved first in both the input's and the
-  output's rows, so that the per-example approximations ("full", "diagonal", "ekfac"), which
-  group the rows by example, find each example's rows together. ("kron" sums over the rows,
-  so their order does not change it.)
+  The rows keep the activation's axis order, except that the batch axis is moved first in both
+  the input's and the output's rows (a time-major `[T, N, D]` activation), so that the
+  per-example approximations ("full", "diagonal", "ekfac"), which group the rows by example,
+  find each example's rows together. ("kron" sums over the rows, so their order does not change
+  it.) The batch axis is `x_batch_axis` (the activation's, followed from the batch inputs by
+  `_batch_axes`) when it is a free axis; without it, with `batch_size`, the leading free axis
+  when it has the batch's size, else the only other one that has it.
   """
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
@@ -398,7 +406,10 @@ def dense_product(
   rows = math.prod(x_shape[d] for d in x_free)
   n_xf, n_kf = len(x_free), len(k_free)
   order = list(range(n_xf))  # The row axes' order, as positions in x_free.
-  first = batch_position([x_shape[d] for d in x_free], batch_size)
+  if x_batch_axis is not None and x_batch_axis in x_free:
+    first: int | None = x_free.index(x_batch_axis)
+  else:
+    first = batch_position([x_shape[d] for d in x_free], batch_size)
   if first:  # Neither None nor already leading.
     order = [first] + [t for t in order if t != first]
   if k_pos == 1:  # out = (x_free..., k_free...)
@@ -429,7 +440,16 @@ def dense_use(ix, i, k_pos):
     return None  # Batched products (e.g. per-head weights) are not dense layers.
   k_shape = tuple(_graph.aval_of(k_atom).shape)
   x_shape = tuple(_graph.aval_of(x_atom).shape)
-  found = dense_product(k_shape, x_shape, k_contract, x_contract, k_pos, k_chain, ix.batch_size)
+  found = dense_product(
+    k_shape,
+    x_shape,
+    k_contract,
+    x_contract,
+    k_pos,
+    k_chain,
+    ix.batch_size,
+    followed_batch_axis(ix, x_atom),
+  )
   if found is None:
     return None
   info, k_free, _ = found
@@ -619,7 +639,9 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   if block is None or len(block[1]) == len(out_shape):
     return None
   axis, feat = block
-  batch_axis = _batch_axis(out_shape, axis, len(feat), ix.batch_size)
+  batch_axis = _batch_axis(
+    out_shape, axis, len(feat), ix.batch_size, followed_batch_axis(ix, out_key)
+  )
   if batch_axis is None:
     return None
   shift_leaf = None
@@ -640,12 +662,31 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   return info, leaf, inputs, out_key, shift_leaf
 
 
-def _batch_axis(out_shape, feature_axis, n_feat: int, batch_size: int) -> int | None:
-  """The batch axis of a scale-and-shift output (`batch_position` over the axes outside the
-  features), or None."""
+def followed_batch_axis(ix, atom) -> int | None:
+  """The batch axis of an activation followed from the batch inputs (`ix.batch_axes`), or None
+  where the pass did not follow it (then the matchers go by the axes' sizes)."""
+  if not _graph.is_key(atom):
+    return None
+  tag = ix.batch_axes.get(atom)
+  return None if tag is None else tag[0]
+
+
+def _batch_axis(
+  out_shape, feature_axis, n_feat: int, batch_size: int, followed: int | None = None
+) -> int | None:
+  """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs)
+  when it lies outside the features, else `batch_position` over the axes outside the features,
+  else a leading axis of a multiple of the batch's size, whose rows are then grouped by example
+  example-major (`(b h) t d` for a per-head norm, `(b t) n d` for attention over each frame,
+  windows cut from each image), as a dense layer's are."""
   start = len(out_shape) - n_feat if feature_axis is None else feature_axis
   outside = [a for a in range(len(out_shape)) if not start <= a < start + n_feat]
-  found = batch_position([out_shape[a] for a in outside], batch_size)
+  if followed is not None and followed in outside:
+    return followed
+  sizes = [out_shape[a] for a in outside]
+  found = batch_position(sizes, batch_size)
+  if found is None and sizes and batch_size and sizes[0] > batch_size:
+    found = 0 if sizes[0] % batch_size == 0 and batch_size not in sizes else None
   return None if found is None else outside[found]
 
 

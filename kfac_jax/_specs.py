@@ -367,7 +367,8 @@ class ScaleShiftInfo:
 
   x̂ is the product of the layer's input operands (one, or two when a following multiplication
   was folded in), broadcast to `output_shape`; its axis `batch_axis` is the batch (0, or 1 for
-  time-major `[T, N, D]` activations). The parameters span the consecutive axes of `out` from
+  time-major `[T, N, D]` activations), or a leading axis of N·k rows grouped by example
+  (`(b h) t d`). The parameters span the consecutive axes of `out` from
   `feature_axis` on (None: the trailing axes; an int for a channel-first layout, e.g. 1 for a
   per-channel scale over `[N, C, H, W]`).
   """

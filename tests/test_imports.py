@@ -31,6 +31,7 @@ def _kfac_imports(path: pathlib.Path) -> set[str]:
 # What the scanner is made of: the tracer, the graph and its index, the matchers.
 _TRACER = {
   "_scanner",
+  "_batch_axes",
   "_matchers",
   "_matchers_embed",
   "_matchers_shared",

@@ -421,12 +421,43 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
 
 
+def _assert_full_blocks_exact(predict, loss_of, params, batch, kinds):
+  """Every layer in its "full" approximation (exact mode) against the exact Gauss-Newton block
+  `Jᵀ H J`, H the Hessian of the loss in the predictions; `kinds`: the layers' sorted kinds.
+  `loss_of(pred, batch, tag)` registers the loss tag when `tag`."""
+  layers = kfac_jax.LayerConfig(overrides={"*": "full"})
+  est = kfac_jax.CurvatureEstimator(
+    lambda q, b: loss_of(predict(q, b), b, True), batch, estimation_mode="exact", layers=layers
+  )
+  state0 = est.init(params)
+  assert sorted(s.kind for s in est.layers) == kinds
+  assert {s.approx for s in est.layers} == {"full"}
+
+  @jax.jit
+  def both(params, batch):
+    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    pred = predict(params, batch)
+    jac = jax.jacobian(lambda f: predict(unravel(f), batch))(flat).reshape(pred.size, -1)
+    hess = jax.hessian(lambda z: loss_of(z, batch, False))(pred).reshape(pred.size, pred.size)
+    return est.to_dense(state), jac.T @ hess @ jac
+
+  dense, ggn = map(np.asarray, both(params, batch))
+  sizes = [x.size for x in jax.tree.leaves(params)]
+  offsets = np.concatenate([[0], np.cumsum(sizes)])
+  for spec in est.layers:
+    idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in spec.leaf_indices])
+    block = ggn[np.ix_(idx, idx)]
+    assert np.abs(block).max() > 1e-3, spec.name  # The layer matters to the loss.
+    np.testing.assert_allclose(dense[np.ix_(idx, idx)], block, rtol=1e-10, atol=1e-12)
+
+
 def test_per_example_shuffles_and_mask_tokens_keep_every_layer_exact(x64):
   """A masked autoencoder's row plumbing: patches embedded, shuffled per example
   (`argsort` of noise, `take_along_axis`), a visible subset encoded, learned mask tokens
   appended, the order restored by a second per-example gather, and a decoder. Every layer's
-  "full" block (exact mode) is the exact Gauss-Newton block `Jᵀ H J` (H the Hessian of the
-  loss in the predictions): the gathers keep each row with its example."""
+  "full" block is exact (`_assert_full_blocks_exact`): the gathers keep each row with its
+  example."""
   n, p, d, h, keep = 3, 5, 2, 3, 2
   k = jax.random.split(jax.random.key(0), 8)
   params = {
@@ -452,37 +483,58 @@ def test_per_example_shuffles_and_mask_tokens_keep_every_layer_exact(x64):
     full = jnp.take_along_axis(jnp.concatenate([seen, tokens], 1), restore[..., None], axis=1)
     return jnp.tanh(full) @ q["dec"]["w"] + q["dec"]["b"]
 
-  def loss_of(pred, b, tag):
-    if tag:
-      kfac_jax.register_squared_error_loss(pred, b["x"])
-    return jnp.mean(jnp.sum((pred - b["x"]) ** 2, axis=(1, 2)))
+  kinds = ["dense"] * 3 + ["scale_and_shift"] * 2
+  _assert_full_blocks_exact(predict, _squared_error_of, params, batch, kinds)
 
-  def loss_fn(q, b):
-    return loss_of(predict(q, b), b, True)
 
-  layers = kfac_jax.LayerConfig(overrides={"*": "full"})
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
-  state0 = est.init(params)
-  kinds = sorted((s.kind, s.approx) for s in est.layers)
-  assert kinds == [("dense", "full")] * 3 + [("scale_and_shift", "full")] * 2, kinds
+def _squared_error_of(pred, b, tag):
+  if tag:
+    kfac_jax.register_squared_error_loss(pred, b["x"])
+  return jnp.mean(jnp.sum((pred - b["x"]) ** 2, axis=tuple(range(1, pred.ndim))))
 
-  @jax.jit
-  def both(params, batch):
-    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
-    flat, unravel = jax.flatten_util.ravel_pytree(params)
-    pred = predict(params, batch)
-    jac = jax.jacobian(lambda f: predict(unravel(f), batch))(flat).reshape(pred.size, -1)
-    hess = jax.hessian(lambda z: loss_of(z, batch, False))(pred).reshape(pred.size, pred.size)
-    return est.to_dense(state), jac.T @ hess @ jac
 
-  dense, ggn = map(np.asarray, both(params, batch))
-  sizes = [x.size for x in jax.tree.leaves(params)]
-  offsets = np.concatenate([[0], np.cumsum(sizes)])
-  for spec in est.layers:
-    idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in spec.leaf_indices])
-    block = ggn[np.ix_(idx, idx)]
-    assert np.abs(block).max() > 1e-3, spec.name  # The layer matters to the loss.
-    np.testing.assert_allclose(dense[np.ix_(idx, idx)], block, rtol=1e-10, atol=1e-12)
+def _layer_norm(x, scale, bias):
+  mu = x.mean(-1, keepdims=True)
+  return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * scale + bias
+
+
+@pytest.mark.parametrize("layout", ["time_major", "frames"])
+def test_rows_are_grouped_by_the_batch_axis_followed_from_the_inputs(x64, layout):
+  """Activations whose axes' sizes cannot tell the batch apart, N = 3 examples:
+  `time_major` `[T, N, D]` with T = N, and `frames` `(b f) p d` rows (attention over each
+  frame, TimeSformer-style) with p = N. A dense layer and a LayerNorm on them, each "full",
+  are exact: their rows are grouped by the batch axis `_batch_axes` follows from the inputs
+  (by size, the time-major layer took axis 0, and the frames' layers axis 1)."""
+  n, d = 3, 2
+  k = jax.random.split(jax.random.key(1), 5)
+  params = {
+    "w": jax.random.normal(k[0], (d, d)),
+    "ln": {
+      "scale": 1 + 0.3 * jax.random.normal(k[1], (d,)),
+      "bias": 0.1 * jax.random.normal(k[2], (d,)),
+    },
+    "out": jax.random.normal(k[3], (d, d)) / 2,
+  }
+  params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
+  if layout == "time_major":
+    batch = {"x": jax.random.normal(k[4], (n, n, d), jnp.float64)}
+  else:
+    batch = {"x": jax.random.normal(k[4], (n, 2, n, d), jnp.float64)}  # [B, F, P, D], P = N
+
+  def predict(q, b):
+    x = b["x"]
+    if layout == "time_major":
+      h = jnp.swapaxes(x, 0, 1)  # [T, N, D]
+    else:
+      h = x.reshape(n * 2, n, d)  # (b f) p d
+    h = _layer_norm(jnp.tanh(h @ q["w"]), q["ln"]["scale"], q["ln"]["bias"])
+    if layout == "frames":
+      h = jax.nn.softmax(h @ jnp.swapaxes(h, 1, 2)) @ h  # attention within each frame
+    h = h @ q["out"]
+    return jnp.swapaxes(h, 0, 1) if layout == "time_major" else h.reshape(x.shape)
+
+  kinds = ["dense", "dense", "scale_and_shift"]
+  _assert_full_blocks_exact(predict, _squared_error_of, params, batch, kinds)
 
 
 @pytest.mark.parametrize(

@@ -220,7 +220,7 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
       for info, d in zip(spec.use_infos, data)
     )
   if spec.kind == "scale_and_shift":
-    return _scale_shift_grads(spec, data, dtype)
+    return _scale_shift_grads(spec, data, batch_size, dtype)
   layout = layout_for(spec)
   x, g = layout.rows(data, dtype)
   rows = x.shape[0]
@@ -239,7 +239,7 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   return jnp.concatenate([v.reshape(v.shape[0], -1) for v in leaves], axis=1)
 
 
-def _scale_shift_grads(spec, data, dtype) -> Array:
+def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
   info: _specs.ScaleShiftInfo = spec.info
   inputs, g = data
   g = g.astype(dtype)
@@ -247,6 +247,12 @@ def _scale_shift_grads(spec, data, dtype) -> Array:
   nd, nf = len(out_shape), len(info.feature_shape)
   start = nd - nf if info.feature_axis is None else info.feature_axis
   b = info.batch_axis
+  rows = out_shape[b]  # The batch's size, or a multiple of it (rows grouped example-major).
+  if rows % batch_size:
+    raise ValueError(
+      f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
+      f"{spec.approx!r} approximation needs them grouped by example."
+    )
   # Sum over the output's axes other than the batch and the features (g's axis 0 is samples),
   # then put the batch first (after the samples).
   axes = tuple(1 + a for a in range(nd) if a != b and not start <= a < start + nf)
@@ -259,4 +265,7 @@ def _scale_shift_grads(spec, data, dtype) -> Array:
     out.append(jnp.moveaxis(jnp.sum(g * xhat[None], axis=axes), batch_at, 1))
   if info.has_shift:
     out.append(jnp.moveaxis(jnp.sum(g, axis=axes), batch_at, 1))
-  return jnp.concatenate([o.reshape(-1, math.prod(info.feature_shape)) for o in out], axis=1)
+  size = math.prod(info.feature_shape)
+  # `[S, rows, F]` -> `[S·N, F]`, each example's rows summed.
+  out = [o.reshape(o.shape[0], batch_size, rows // batch_size, size).sum(2) for o in out]
+  return jnp.concatenate([o.reshape(-1, size) for o in out], axis=1)

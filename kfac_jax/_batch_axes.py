@@ -1,0 +1,328 @@
+"""Where the examples are: each value's batch axis, followed from the batch inputs.
+
+The per-example approximations ("full", "diagonal", "ekfac") and the scale-and-shift layers group
+a layer's rows by example, so the matchers must know which axis of an activation holds the
+examples. Sizes alone cannot always say: a time-major `[T, N, D]` activation with T = N, or
+`(b t) n d` rows (attention over each frame, windows cut from each image) with n = N. This pass
+follows the batch axis through the graph instead, from the batch leaves (their leading axis,
+when it has the batch's size) through the equations that move, merge, split or keep axes.
+
+A value's entry is `(axis, inner)`: its axis `axis` holds the examples, each example's entries
+`inner` consecutive positions along it (1: the axis is the batch itself; k > 1: the examples'
+rows are grouped example-major, as `(b h) t d` is). A value has no entry when it does not depend
+on the batch, when its batch axis was summed over or mixed with other axes (a reduction over the
+batch, a contraction, an example-minor merge such as `(t b) d`), or when an equation is not one
+this pass follows (a loop, a scatter): the matchers then fall back to the axes' sizes. The
+steps of a scan the graph unrolls are followed (a scanned input's slice, the carry, the stacked
+outputs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kfac_jax import _graph
+
+BatchAxis = tuple[int, int]  # (axis, inner)
+
+# Equations whose outputs are not followed even when a shape matches an input's.
+_OPAQUE = frozenset(
+  {
+    "while",
+    "cond",
+    "scan",
+    "scatter",
+    "scatter-add",
+    "scatter_add",
+    "scatter_mul",
+    "scatter_min",
+    "scatter_max",
+    "fft",
+    "all_gather",
+    "all_to_all",
+    "psum",
+    "pmean",
+    "ppermute",
+  }
+)
+# Scans along one axis: the batch axis passes unless it is the scanned one.
+_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+_REDUCTIONS = frozenset(
+  {
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "reduce_and",
+    "reduce_or",
+    "reduce_xor",
+    "argmax",
+    "argmin",
+  }
+)
+
+
+def batch_axes(graph: _graph.FlatGraph, n_params: int, batch_size: int) -> Mapping[Any, BatchAxis]:
+  """`{key: (axis, inner)}` for the values of `graph` whose batch axis is known (module
+  docstring); the inputs after the first `n_params` are the batch leaves."""
+  tags: dict[Any, BatchAxis] = {}
+  for key in graph.invars[n_params:]:
+    shape = tuple(key[1].aval.shape)
+    sized = [a for a, s in enumerate(shape) if s == batch_size]
+    if shape and shape[0] == batch_size:
+      tags[key] = (0, 1)
+    elif len(sized) == 1:  # A time-major batch leaf `[T, N, ...]`.
+      tags[key] = (sized[0], 1)
+  for fe in graph.eqns:
+    ins = [tags.get(a) if _graph.is_key(a) else None for a in fe.ins]
+    if not any(t is not None for t in ins):
+      continue  # Nothing from the batch.
+    rule = _RULES.get(fe.name)
+    outs = rule(fe, ins) if rule is not None else _same_shape(fe, ins)
+    for key, tag in zip(fe.outs, outs):
+      if tag is not None and _fits(key, tag, batch_size):
+        tags[key] = tag
+  return tags
+
+
+def _fits(key, tag: BatchAxis, batch_size: int) -> bool:
+  shape = tuple(key[1].aval.shape)
+  axis, inner = tag
+  return 0 <= axis < len(shape) and shape[axis] == batch_size * inner
+
+
+def _shape(atom) -> tuple[int, ...]:
+  return tuple(_graph.aval_of(atom).shape)
+
+
+def _one(ins) -> BatchAxis | None:
+  """The single tag among the inputs, or None when none or several differ."""
+  found = {t for t in ins if t is not None}
+  return found.pop() if len(found) == 1 else None
+
+
+def _same_shape(fe, ins) -> list[BatchAxis | None]:
+  """Elementwise and other shape-keeping equations: an output of a tagged input's shape takes
+  its tag (all tagged inputs of that shape agreeing)."""
+  if fe.name in _OPAQUE:
+    return [None] * len(fe.outs)
+  out = []
+  for key in fe.outs:
+    shape = tuple(key[1].aval.shape)
+    out.append(_one([t for a, t in zip(fe.ins, ins) if t is not None and _shape(a) == shape]))
+  return out
+
+
+def _renumber(axis: int, removed: Sequence[int]) -> int:
+  return axis - sum(1 for r in removed if r < axis)
+
+
+def _broadcast(fe, ins):
+  axis, inner = ins[0] if ins[0] is not None else (None, 1)
+  if axis is None:
+    return [None]
+  dims = tuple(fe.params["broadcast_dimensions"])
+  if _shape(fe.ins[0])[axis] != fe.outs[0][1].aval.shape[dims[axis]]:
+    return [None]
+  return [(dims[axis], inner)]
+
+
+def _reshape(fe, ins):
+  """By strides: the examples' stride in the operand must fall inside one output axis, as its
+  outermost part."""
+  if ins[0] is None:
+    return [None]
+  axis, inner = ins[0]
+  in_shape, out_shape = _shape(fe.ins[0]), tuple(fe.outs[0][1].aval.shape)
+  n = in_shape[axis] // inner
+  stride = inner * math.prod(in_shape[axis + 1 :])  # Flat distance between two examples.
+  for j in range(len(out_shape)):
+    step = math.prod(out_shape[j + 1 :])
+    if stride % step == 0 and out_shape[j] == n * (stride // step):
+      return [(j, stride // step)]
+  return [None]
+
+
+def _squeeze(fe, ins):
+  axis, inner = ins[0]
+  dims = tuple(fe.params["dimensions"])
+  return [None if axis in dims else (_renumber(axis, dims), inner)]
+
+
+def _transpose(fe, ins):
+  axis, inner = ins[0]
+  return [(tuple(fe.params["permutation"]).index(axis), inner)]
+
+
+def _reduce(fe, ins):
+  axis, inner = ins[0]
+  axes = tuple(fe.params["axes"])
+  return [None if axis in axes else (_renumber(axis, axes), inner)] * len(fe.outs)
+
+
+def _along_axis(fe, ins):
+  tag = ins[0]
+  return [None if tag is None or tag[0] == fe.params["axis"] else tag]
+
+
+def _sort(fe, ins):
+  tag = _one(ins)
+  if tag is None or tag[0] == fe.params["dimension"]:
+    return [None] * len(fe.outs)
+  return [tag] * len(fe.outs)
+
+
+def _concatenate(fe, ins):
+  tag = _one(ins)
+  return [None if tag is None or tag[0] == fe.params["dimension"] else tag]
+
+
+def _split(fe, ins):
+  tag = ins[0]
+  return [None if tag is None or tag[0] == fe.params["axis"] else tag] * len(fe.outs)
+
+
+def _pad(fe, ins):
+  tag = ins[0]
+  if tag is None or tuple(fe.params["padding_config"][tag[0]]) != (0, 0, 0):
+    return [None]
+  return [tag]
+
+
+def _slice(fe, ins):
+  """Slices that keep the whole batch axis keep it."""
+  tag = ins[0]
+  if tag is None:
+    return [None] * len(fe.outs)
+  in_shape, out_shape = _shape(fe.ins[0]), tuple(fe.outs[0][1].aval.shape)
+  if len(in_shape) != len(out_shape) or in_shape[tag[0]] != out_shape[tag[0]]:
+    return [None] * len(fe.outs)
+  return [tag] * len(fe.outs)
+
+
+def _reduce_window(fe, ins):
+  """Pooling: the batch axis passes when the window neither spans nor strides it."""
+  tag = _one(ins)
+  if tag is None:
+    return [None] * len(fe.outs)
+  a = tag[0]
+  p = fe.params
+  if p["window_dimensions"][a] != 1 or p["window_strides"][a] != 1:
+    return [None] * len(fe.outs)
+  if tuple(p["padding"][a]) != (0, 0):
+    return [None] * len(fe.outs)
+  return [tag] * len(fe.outs)
+
+
+def _dot_general(fe, ins):
+  (lc, rc), (lb, rb) = fe.params["dimension_numbers"]
+  nl, nr = len(_shape(fe.ins[0])), len(_shape(fe.ins[1]))
+  l_free = [d for d in range(nl) if d not in lc and d not in lb]
+  r_free = [d for d in range(nr) if d not in rc and d not in rb]
+  found = []
+  for side, tag in enumerate(ins):
+    if tag is None:
+      continue
+    axis, inner = tag
+    contract, batch, free = (lc, lb, l_free) if side == 0 else (rc, rb, r_free)
+    if axis in contract:
+      return [None]  # The examples are summed over.
+    if axis in batch:
+      found.append((list(batch).index(axis), inner))
+    else:
+      offset = len(lb) + (0 if side == 0 else len(l_free))
+      found.append((offset + free.index(axis), inner))
+  return [_one(found)]
+
+
+def _conv(fe, ins):
+  if ins[1] is not None or ins[0] is None or fe.params.get("batch_group_count", 1) != 1:
+    return [None]
+  lhs_spec, _, out_spec = fe.params["dimension_numbers"]
+  axis, inner = ins[0]
+  return [(out_spec[0], inner)] if axis == lhs_spec[0] else [None]
+
+
+def _gather(fe, ins):
+  """A lookup at per-example indices (`table[ids]`), a per-example gather with batching
+  dimensions (`jnp.take_along_axis`), or constant indices along an axis other than the batch."""
+  dn = fe.params["dimension_numbers"]
+  operand, indices = ins[0], ins[1]
+  out_rank = len(fe.outs[0][1].aval.shape)
+  batch_dims = [d for d in range(out_rank) if d not in dn.offset_dims]  # Indices' dims, in order.
+  op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+  idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+  n_idx = len(_shape(fe.ins[1]))
+  if indices is not None:
+    axis, inner = indices
+    if axis == n_idx - 1:  # The index vector's axis.
+      return [None]
+    if operand is not None:
+      a = operand[0]
+      if a not in op_batching or idx_batching[op_batching.index(a)] != axis:
+        return [None]
+    return [(batch_dims[axis], inner)]
+  assert operand is not None
+  axis, inner = operand
+  if axis in dn.collapsed_slice_dims or axis in op_batching:
+    return [None]
+  if fe.params["slice_sizes"][axis] != _shape(fe.ins[0])[axis]:
+    return [None]
+  kept = [d for d in range(len(_shape(fe.ins[0]))) if d not in dn.collapsed_slice_dims]
+  kept = [d for d in kept if d not in op_batching]
+  return [(dn.offset_dims[kept.index(axis)], inner)]
+
+
+def _scan_slice(fe, ins):
+  """One step's slice of a scanned input (its leading axis dropped)."""
+  axis, inner = ins[0]
+  return [None if axis == 0 else (axis - 1, inner)]
+
+
+def _scan_stack(fe, ins):
+  """The steps' outputs stacked along a new leading axis."""
+  tag = ins[0] if all(t == ins[0] for t in ins) else None
+  return [None if tag is None else (tag[0] + 1, tag[1])]
+
+
+def _select_n(fe, ins):
+  return _same_shape(fe, ins)
+
+
+def _dynamic_slice(fe, ins):
+  tag = ins[0]
+  if tag is None or any(t is not None for t in ins[1:]):
+    return [None]
+  if fe.params["slice_sizes"][tag[0]] != _shape(fe.ins[0])[tag[0]]:
+    return [None]
+  return [tag]
+
+
+_RULES: dict[str, Callable[[Any, list], list]] = {
+  # The synthetic equations of an unrolled scan (`_graph`); its carry is an identity.
+  "scan_slice": _scan_slice,
+  "scan_stack": _scan_stack,
+  "scan_carry": _same_shape,
+  "broadcast_in_dim": _broadcast,
+  "reshape": _reshape,
+  "squeeze": _squeeze,
+  "transpose": _transpose,
+  "concatenate": _concatenate,
+  "split": _split,
+  "pad": _pad,
+  "slice": _slice,
+  "dynamic_slice": _dynamic_slice,
+  "sort": _sort,
+  "dot_general": _dot_general,
+  "conv_general_dilated": _conv,
+  "gather": _gather,
+  "select_n": _select_n,
+  "reduce_window_sum": _reduce_window,
+  "reduce_window_max": _reduce_window,
+  "reduce_window_min": _reduce_window,
+  "reduce_window": _reduce_window,
+  **{name: _reduce for name in _REDUCTIONS},
+  **{name: _along_axis for name in _ALONG_AXIS},
+}
