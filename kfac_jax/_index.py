@@ -117,6 +117,8 @@ class GraphIndex:
   batch_size: int  # The loss tags' leading axis.
   const_values: Mapping[Any, Any]  # Closed-over constants by key.
   in_slice: frozenset[int]  # Equations on the backward slice of the loss tags.
+  # The part of `in_slice` reached without crossing a `stop_gradient` (`_Builder._loss_slice`).
+  grad_slice: frozenset[int]
   leaf_of_key: Mapping[Any, int]  # The key holding each (real or stack-slice) leaf.
   origin: Mapping[Any, tuple[int, tuple[ViewStep, ...]]]  # Key -> (leaf, view chain).
   view_eqns: frozenset[int]  # Equations that add a constant to a parameter view (a view too).
@@ -171,6 +173,7 @@ def build(
     batch_size=batch_size,
     const_values=proxy(b.const_values),
     in_slice=frozenset(b.in_slice),
+    grad_slice=frozenset(b.grad_slice),
     leaf_of_key=proxy(b.leaf_of_key),
     origin=proxy(b.origin),
     view_eqns=frozenset(b.view_eqns),
@@ -228,14 +231,21 @@ class _Builder:
     return found
 
   def _loss_slice(self, roots) -> set[int]:
+    """The equations the loss tags' operands depend on (`in_slice`), and those they depend on
+    without a `stop_gradient` in between (`grad_slice`: what the tags' curvature can reach)."""
     needed = {a for a in roots if _graph.is_key(a)}
-    in_slice = set()
+    reached = set(needed)
+    in_slice, grad_slice = set(), set()
     for i in range(len(self.g.eqns) - 1, -1, -1):
       fe = self.g.eqns[i]
       if any(k in needed for k in fe.outs):
         in_slice.add(i)
         needed.update(a for a in fe.ins if _graph.is_key(a))
+      if fe.name != "stop_gradient" and any(k in reached for k in fe.outs):
+        grad_slice.add(i)
+        reached.update(a for a in fe.ins if _graph.is_key(a))
     self.in_slice = in_slice
+    self.grad_slice = grad_slice
     return in_slice
 
   def _origins(self):

@@ -872,6 +872,11 @@ def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
       if read
       else "not used by the loss"
     )
+  if not any(i in ix.grad_slice for i, _ in uses):
+    return (
+      "reaches the loss tags only through stop_gradient (no curvature from them; e.g. a "
+      "VQ-VAE codebook trained by an untagged term)"
+    )
   reasons = [_use_reason(ix, leaf, i, pos) for i, pos in uses]
   for r in reasons:
     if r.startswith(("sliced by a scan", "indexed by", "transformed by")):

@@ -108,6 +108,16 @@ def _projected_positions(p, b):
   return _ce((b["x"][:, None, :] + r).mean(1) @ p["head"], b["y"])
 
 
+def _codebook(p, b):
+  # A VQ-VAE codebook: the decoder reads the quantised code through a straight-through
+  # `stop_gradient`, so the loss tag gives the codebook no curvature; the untagged codebook
+  # term trains it.
+  z = b["x"] @ p["enc"]
+  code = p["book"][jnp.argmin(((z[:, None] - p["book"][None]) ** 2).sum(-1), axis=1)]
+  quantised = z + jax.lax.stop_gradient(code - z)
+  return _ce(quantised @ p["w"], b["y"]) + jnp.mean((jax.lax.stop_gradient(z) - code) ** 2)
+
+
 W = jnp.ones((D, C)) * 0.1
 NO_ROWS = (
   "an input computed from parameters and constants alone (no rows per example, e.g. latents "
@@ -165,6 +175,14 @@ REASON_CASES = [
     {"u": jnp.ones(2), "w": W},
     "u",
     "not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)",
+  ),
+  (
+    "codebook",
+    _codebook,
+    {"book": jnp.arange(3.0 * D).reshape(3, D) / 10, "enc": jnp.eye(D), "w": W},
+    "book",
+    "reaches the loss tags only through stop_gradient (no curvature from them; e.g. a VQ-VAE "
+    "codebook trained by an untagged term)",
   ),
   (
     "scan",
