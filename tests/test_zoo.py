@@ -86,8 +86,9 @@ def test_structure_zoo_model(name):
   BatchNorm ResNets (Haiku, equinox), top-k MoE, equinox GRU; ViT (linen; nnx with a class
   token), nnx LSTMs (`nnx.RNN`), GRUs (linen, nnx), nnx MoE and VAE; and Haiku / equinox
   versions of the scanned decoder LM, ViT, LSTM, MoE and VAE (`_zoo.HX_MODELS`); a dilated
-  causal TCN, a DiT block with adaLN-Zero, a Perceiver (learned latents), an MLP-Mixer and a
-  message-passing graph network (Haiku): every layer
+  causal TCN, a DiT block with adaLN-Zero, a Perceiver (learned latents), an MLP-Mixer, a
+  message-passing graph network (Haiku), GPT-2 and a TimeSformer (divided space-time attention
+  over merged batch axes): every layer
   found with `strict=True`, 10 jitted K-FAC steps finite with the loss decreasing, and the
   state's bytes reported by `summary` (and bounded for the vocabulary head)."""
   pytest.importorskip("haiku")
@@ -102,7 +103,9 @@ def test_structure_zoo_model(name):
   assert "generic" not in table and "x the parameters'" in table
 
   tx = optax.chain(
-    kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-2, inverse_every=1, strict=True, **aux),
+    kfac_jax.scale_by_kfac(
+      z.loss_fn, z.batch, damping=z.damping, inverse_every=1, strict=True, **aux
+    ),
     optax.scale(-0.05),
   )
   state = jax.jit(tx.init)(z.params)  # Jitted: eager ops compile one by one.
