@@ -271,8 +271,8 @@ class _Preconditioner:
     `optax.MaskedNode` leaves (`optax.multi_transform` / `optax.masked` hand the transform its
     share of the parameters); the estimator then keeps only the blocks of that share. None for
     whole params."""
-    share = _engine.masked_share(params)
-    if share is None:
+    kept = _engine.masked_share(params)
+    if kept is None:
       if self._kept is not None:  # Whole params again after a share: every block.
         self.est.keep_leaves((True,) * len(self._kept), self.name)
         self._kept = None
@@ -285,7 +285,6 @@ class _Preconditioner:
         "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
         f"to {self.name} and to kfac_jax.value_and_grad."
       )
-    kept = share
     self.est.registration.check_params(self._fill(params, abstract=True))
     self.est.keep_leaves(kept, self.name)
     self._kept = kept
