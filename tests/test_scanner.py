@@ -498,13 +498,15 @@ def _layer_norm(x, scale, bias):
   return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * scale + bias
 
 
-@pytest.mark.parametrize("layout", ["time_major", "frames"])
+@pytest.mark.parametrize("layout", ["time_major", "scanned", "frames"])
 def test_rows_are_grouped_by_the_batch_axis_followed_from_the_inputs(x64, layout):
   """Activations whose axes' sizes cannot tell the batch apart, N = 3 examples:
-  `time_major` `[T, N, D]` with T = N, and `frames` `(b f) p d` rows (attention over each
-  frame, TimeSformer-style) with p = N. A dense layer and a LayerNorm on them, each "full",
-  are exact: their rows are grouped by the batch axis `_batch_axes` follows from the inputs
-  (by size, the time-major layer took axis 0, and the frames' layers axis 1)."""
+  `time_major` `[T, N, D]` with T = N; `scanned`, the same made by a recurrence over time
+  (`lax.scan`, as `hk.dynamic_unroll` runs one; the graph unrolls it); and `frames`,
+  `(b f) p d` rows (attention over each frame, TimeSformer-style) with p = N. A dense layer
+  and a LayerNorm on them, each "full", are exact: their rows are grouped by the batch axis
+  `_batch_axes` follows from the inputs (by size, the time-major layers took axis 0, and the
+  frames' layers axis 1)."""
   n, d = 3, 2
   k = jax.random.split(jax.random.key(1), 5)
   params = {
@@ -516,7 +518,7 @@ def test_rows_are_grouped_by_the_batch_axis_followed_from_the_inputs(x64, layout
     "out": jax.random.normal(k[3], (d, d)) / 2,
   }
   params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
-  if layout == "time_major":
+  if layout != "frames":
     batch = {"x": jax.random.normal(k[4], (n, n, d), jnp.float64)}
   else:
     batch = {"x": jax.random.normal(k[4], (n, 2, n, d), jnp.float64)}  # [B, F, P, D], P = N
@@ -524,14 +526,21 @@ def test_rows_are_grouped_by_the_batch_axis_followed_from_the_inputs(x64, layout
   def predict(q, b):
     x = b["x"]
     if layout == "time_major":
-      h = jnp.swapaxes(x, 0, 1)  # [T, N, D]
+      h = jnp.tanh(jnp.swapaxes(x, 0, 1) @ q["w"])  # [T, N, D]
+    elif layout == "scanned":
+
+      def step(carry, x_t):  # x_t: [N, D]
+        carry = jnp.tanh(x_t @ q["w"] + 0.5 * carry)
+        return carry, carry
+
+      _, h = jax.lax.scan(step, jnp.zeros((n, d), x.dtype), jnp.swapaxes(x, 0, 1))
     else:
-      h = x.reshape(n * 2, n, d)  # (b f) p d
-    h = _layer_norm(jnp.tanh(h @ q["w"]), q["ln"]["scale"], q["ln"]["bias"])
+      h = jnp.tanh(x.reshape(n * 2, n, d) @ q["w"])  # (b f) p d
+    h = _layer_norm(h, q["ln"]["scale"], q["ln"]["bias"])
     if layout == "frames":
       h = jax.nn.softmax(h @ jnp.swapaxes(h, 1, 2)) @ h  # attention within each frame
     h = h @ q["out"]
-    return jnp.swapaxes(h, 0, 1) if layout == "time_major" else h.reshape(x.shape)
+    return h.reshape(x.shape) if layout == "frames" else jnp.swapaxes(h, 0, 1)
 
   kinds = ["dense", "dense", "scale_and_shift"]
   _assert_full_blocks_exact(predict, _squared_error_of, params, batch, kinds)
