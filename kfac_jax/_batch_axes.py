@@ -64,17 +64,42 @@ _REDUCTIONS = frozenset(
 )
 
 
-def batch_axes(graph: _graph.FlatGraph, n_params: int, batch_size: int) -> Mapping[Any, BatchAxis]:
+def batch_axes(
+  graph: _graph.FlatGraph, n_params: int, batch_size: int, loss_roots: Sequence[Any] = ()
+) -> Mapping[Any, BatchAxis]:
   """`{key: (axis, inner)}` for the values of `graph` whose batch axis is known (module
-  docstring); the inputs after the first `n_params` are the batch leaves."""
-  tags: dict[Any, BatchAxis] = {}
-  for key in graph.invars[n_params:]:
+  docstring); the inputs after the first `n_params` are the batch leaves.
+
+  A batch leaf's batch axis is its leading axis when that has the batch's size, else its only
+  axis of that size. When several of its axes have the batch's size (a time-major `[T, N, D]`
+  leaf with T = N), the loss tags' predictions `loss_roots` decide: their batch is their
+  leading axis, so the leaf's other candidate axes are tried in turn, and the first under which
+  no prediction comes out with its batch elsewhere is kept."""
+  leaves = graph.invars[n_params:]
+  candidates = []
+  for key in leaves:
     shape = tuple(key[1].aval.shape)
     sized = [a for a, s in enumerate(shape) if s == batch_size]
-    if shape and shape[0] == batch_size:
-      tags[key] = (0, 1)
-    elif len(sized) == 1:  # A time-major batch leaf `[T, N, ...]`.
-      tags[key] = (sized[0], 1)
+    candidates.append(sized)
+  roots = [a for a in loss_roots if _graph.is_key(a)]
+  # First choice for every leaf: its leading axis if sized, else its only sized axis.
+  first = [c[0] if c and (c[0] == 0 or len(c) == 1) else None for c in candidates]
+  tags = _follow(graph, leaves, first, batch_size)
+  ambiguous = sorted({a for c in candidates if len(c) > 1 for a in c[1:]})
+  for axis in ambiguous:
+    if all(tags.get(r, (0, 1))[0] == 0 for r in roots):
+      break
+    # The ambiguous leaves (several sized axes) read at `axis` instead, where they have it.
+    choice = [a if len(c) < 2 else (axis if axis in c else a) for a, c in zip(first, candidates)]
+    tried = _follow(graph, leaves, choice, batch_size)
+    if all(tried.get(r, (0, 1))[0] == 0 for r in roots):
+      tags = tried
+  return tags
+
+
+def _follow(graph, leaves, axes, batch_size: int) -> dict[Any, BatchAxis]:
+  """The tags from the batch leaves `leaves`, each with its batch at `axes[i]` (None: none)."""
+  tags: dict[Any, BatchAxis] = {key: (a, 1) for key, a in zip(leaves, axes) if a is not None}
   for fe in graph.eqns:
     ins = [tags.get(a) if _graph.is_key(a) else None for a in fe.ins]
     if not any(t is not None for t in ins):

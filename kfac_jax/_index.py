@@ -187,7 +187,7 @@ def build(
     uses_by_eqn=frozen_lists(b.uses_by_eqn),
     slice_consumers=frozen_lists(b.slice_consumers),
     param_only=frozenset(b.param_only(batch_size)),
-    batch_axes=proxy(_batch_axes.batch_axes(graph, n_params, batch_size)),
+    batch_axes=proxy(_batch_axes.batch_axes(graph, n_params, batch_size, loss_roots)),
   )
 
 

@@ -498,15 +498,16 @@ def _layer_norm(x, scale, bias):
   return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * scale + bias
 
 
-@pytest.mark.parametrize("layout", ["time_major", "scanned", "frames"])
+@pytest.mark.parametrize("layout", ["time_major", "scanned", "time_major_input", "frames"])
 def test_rows_are_grouped_by_the_batch_axis_followed_from_the_inputs(x64, layout):
   """Activations whose axes' sizes cannot tell the batch apart, N = 3 examples:
   `time_major` `[T, N, D]` with T = N; `scanned`, the same made by a recurrence over time
-  (`lax.scan`, as `hk.dynamic_unroll` runs one; the graph unrolls it); and `frames`,
-  `(b f) p d` rows (attention over each frame, TimeSformer-style) with p = N. A dense layer
-  and a LayerNorm on them, each "full", are exact: their rows are grouped by the batch axis
-  `_batch_axes` follows from the inputs (by size, the time-major layers took axis 0, and the
-  frames' layers axis 1)."""
+  (`lax.scan`, as `hk.dynamic_unroll` runs one; the graph unrolls it); `time_major_input`, the
+  batch itself passed time-major (`[T, N, D]`, T = N: only the predictions, batch-major for the
+  loss tag, tell which axis is the batch); and `frames`, `(b f) p d` rows (attention over each
+  frame, TimeSformer-style) with p = N. A dense layer and a LayerNorm on them, each "full", are
+  exact: their rows are grouped by the batch axis `_batch_axes` follows from the inputs (by
+  size, the time-major layers took axis 0, and the frames' layers axis 1)."""
   n, d = 3, 2
   k = jax.random.split(jax.random.key(1), 5)
   params = {
@@ -527,6 +528,8 @@ def test_rows_are_grouped_by_the_batch_axis_followed_from_the_inputs(x64, layout
     x = b["x"]
     if layout == "time_major":
       h = jnp.tanh(jnp.swapaxes(x, 0, 1) @ q["w"])  # [T, N, D]
+    elif layout == "time_major_input":
+      h = jnp.tanh(x @ q["w"])  # x is [T, N, D] already
     elif layout == "scanned":
 
       def step(carry, x_t):  # x_t: [N, D]
