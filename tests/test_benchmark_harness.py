@@ -1077,6 +1077,30 @@ def test_compile_cache_quick():
   assert entries[0] > 0 and entries[1] == entries[0], res.stdout
 
 
+def test_accumulation_profile_quick(capsys):
+  """`profile/accumulation.py` on the autoencoder's small model: the four rows, and each
+  optimizer reaches the same loss in `MultiSteps` and accumulated in the step (the two forms
+  make the same updates; times not asserted)."""
+  from benchmarks.profile import accumulation
+
+  argv = ["--workload", "autoencoder", "--micro", "2", "--periods", "1", "--encoder", "16,4"]
+  assert accumulation.main(argv + ["--batch", "64"]) == 0
+  out = capsys.readouterr().out
+  rows = re.findall(
+    r"^(.+?) +[0-9.]+ ms per micro-batch +loss after 3 updates ([0-9.]+)$", out, re.M
+  )
+  names = [r[0] for r in rows]
+  assert names == [
+    "Adam in MultiSteps",
+    "Adam, accumulated in the step",
+    "kfac in MultiSteps",
+    "kfac, accumulated in the step",
+  ], out
+  loss = [float(r[1]) for r in rows]
+  assert loss[0] == pytest.approx(loss[1], rel=1e-4) and loss[2] == pytest.approx(loss[3], rel=1e-4)
+  assert loss[2] != loss[0], out  # K-FAC's updates are not Adam's.
+
+
 def test_preconditioner_dtype_profile_quick(capsys):
   """`profile/preconditioner_dtype.py` on the CNN's small model: both dtypes timed, the
   bfloat16 cache smaller, the bfloat16 update close to the float32 one (times not asserted)."""
