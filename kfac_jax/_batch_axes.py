@@ -76,14 +76,10 @@ def batch_axes(
   leading axis, so the leaf's other candidate axes are tried in turn, and the first under which
   no prediction comes out with its batch elsewhere is kept."""
   leaves = graph.invars[n_params:]
-  candidates = []
-  for key in leaves:
-    shape = tuple(key[1].aval.shape)
-    sized = [a for a, s in enumerate(shape) if s == batch_size]
-    candidates.append(sized)
+  shapes = [tuple(key[1].aval.shape) for key in leaves]
+  candidates = [[a for a, s in enumerate(shape) if s == batch_size] for shape in shapes]
   roots = [a for a in loss_roots if _graph.is_key(a)]
-  # First choice for every leaf: its leading axis if sized, else its only sized axis.
-  first = [c[0] if c and (c[0] == 0 or len(c) == 1) else None for c in candidates]
+  first = [batch_position(shape, batch_size) for shape in shapes]
   tags = _follow(graph, leaves, first, batch_size)
   ambiguous = sorted({a for c in candidates if len(c) > 1 for a in c[1:]})
   for axis in ambiguous:
@@ -110,6 +106,19 @@ def _follow(graph, leaves, axes, batch_size: int) -> dict[Any, BatchAxis]:
       if tag is not None and _fits(key, tag, batch_size):
         tags[key] = tag
   return tags
+
+
+def batch_position(sizes, batch_size) -> int | None:
+  """Which of the axes (their `sizes`, in order) is the batch, found by its size: the leading
+  one when it has the batch's size, else the only other one that has it (time-major
+  `[T, N, D]`); None when none does, when several do, or without a `batch_size`. The fallback
+  where the batch axis was not followed, and a batch leaf's first guess."""
+  if batch_size is None or not sizes:
+    return None
+  if sizes[0] == batch_size:
+    return 0
+  sized = [t for t, n in enumerate(sizes) if n == batch_size]
+  return sized[0] if len(sized) == 1 else None
 
 
 def _fits(key, tag: BatchAxis, batch_size: int) -> bool:
@@ -312,10 +321,6 @@ def _scan_stack(fe, ins):
   return [None if tag is None else (tag[0] + 1, tag[1])]
 
 
-def _select_n(fe, ins):
-  return _same_shape(fe, ins)
-
-
 def _dynamic_slice(fe, ins):
   tag = ins[0]
   if tag is None or any(t is not None for t in ins[1:]):
@@ -326,10 +331,10 @@ def _dynamic_slice(fe, ins):
 
 
 _RULES: dict[str, Callable[[Any, list], list]] = {
-  # The synthetic equations of an unrolled scan (`_graph`); its carry is an identity.
+  # The synthetic equations of an unrolled scan (`_graph`); its carry, an identity, takes the
+  # shape-keeping default like every elementwise equation.
   "scan_slice": _scan_slice,
   "scan_stack": _scan_stack,
-  "scan_carry": _same_shape,
   "broadcast_in_dim": _broadcast,
   "reshape": _reshape,
   "squeeze": _squeeze,
@@ -343,7 +348,6 @@ _RULES: dict[str, Callable[[Any, list], list]] = {
   "dot_general": _dot_general,
   "conv_general_dilated": _conv,
   "gather": _gather,
-  "select_n": _select_n,
   "reduce_window_sum": _reduce_window,
   "reduce_window_max": _reduce_window,
   "reduce_window_min": _reduce_window,

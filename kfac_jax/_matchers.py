@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kfac_jax import _graph
+from kfac_jax import _batch_axes, _graph
 from kfac_jax._specs import (
   ConvInfo,
   DenseInfo,
@@ -409,7 +409,7 @@ def dense_product(
   if x_batch_axis is not None and x_batch_axis in x_free:
     first: int | None = x_free.index(x_batch_axis)
   else:
-    first = batch_position([x_shape[d] for d in x_free], batch_size)
+    first = _batch_axes.batch_position([x_shape[d] for d in x_free], batch_size)
   if first:  # Neither None nor already leading.
     order = [first] + [t for t in order if t != first]
   if k_pos == 1:  # out = (x_free..., k_free...)
@@ -674,32 +674,15 @@ def followed_batch_axis(ix, atom) -> int | None:
 def _batch_axis(
   out_shape, feature_axis, n_feat: int, batch_size: int, followed: int | None = None
 ) -> int | None:
-  """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs)
-  when it lies outside the features, else `batch_position` over the axes outside the features,
-  else a leading axis of a multiple of the batch's size, whose rows are then grouped by example
-  example-major (`(b h) t d` for a per-head norm, `(b t) n d` for attention over each frame,
-  windows cut from each image), as a dense layer's are."""
+  """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs;
+  rows merged example-major into it, as `(b h) t d`, are grouped by example) when it lies
+  outside the features, else `batch_position` over the axes outside the features."""
   start = len(out_shape) - n_feat if feature_axis is None else feature_axis
   outside = [a for a in range(len(out_shape)) if not start <= a < start + n_feat]
   if followed is not None and followed in outside:
     return followed
-  sizes = [out_shape[a] for a in outside]
-  found = batch_position(sizes, batch_size)
-  if found is None and sizes and batch_size and sizes[0] > batch_size:
-    found = 0 if sizes[0] % batch_size == 0 and batch_size not in sizes else None
+  found = _batch_axes.batch_position([out_shape[a] for a in outside], batch_size)
   return None if found is None else outside[found]
-
-
-def batch_position(sizes, batch_size) -> int | None:
-  """Which of a layer's row axes (their `sizes`, in order) is the batch, found by its size: the
-  leading one when it has the batch's size, else the only other one that has it (time-major
-  `[T, N, D]`); None when none does, when several do, or without a `batch_size`."""
-  if batch_size is None or not sizes:
-    return None
-  if sizes[0] == batch_size:
-    return 0
-  sized = [t for t, n in enumerate(sizes) if n == batch_size]
-  return sized[0] if len(sized) == 1 else None
 
 
 def _match_shift(ix, key, out_shape, block, claimed, shared: bool = False):

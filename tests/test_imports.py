@@ -64,11 +64,16 @@ def test_import_checker_sees_imports():
 _MATCHER_LAYERS = ("_matchers", "_stacked", "_matchers_embed", "_matchers_shared")
 
 
+def test_batch_axes_reads_only_the_graph():
+  # Below the matchers (they take its size rule): it must not import them or the index.
+  assert _kfac_imports(_PKG / "_batch_axes.py") <= {"_graph"}
+
+
 @pytest.mark.parametrize("level", range(len(_MATCHER_LAYERS)), ids=_MATCHER_LAYERS)
 def test_matcher_modules_are_layered(level):
   name = _MATCHER_LAYERS[level]
   imported = _kfac_imports(_PKG / f"{name}.py")
-  allowed = {"_compat", "_graph", "_specs", "blocks", *_MATCHER_LAYERS[:level]}
+  allowed = {"_batch_axes", "_compat", "_graph", "_specs", "blocks", *_MATCHER_LAYERS[:level]}
   assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}"
 
 
