@@ -1224,13 +1224,17 @@ def best_of(runs: Sequence[Run], family: str) -> Run | None:
   return min(finite or fam, key=lambda r: r.summary["final_eval_loss"]) if fam else None
 
 
+GRID_FAMILIES = {"adam": "Adam", "muon": "Muon", "soap": "SOAP"}
+"""The race's families run over a learning-rate grid, each reported by its best run."""
+
+
 def race_compare(runs: Sequence[Run], reach_window: int) -> dict:
   """The race's reference and each run's time to it.
 
   The tuned Adam is the Adam run ("adam" family) with the lowest final evaluation loss; the
   target is its final training loss, smoothed by a trailing mean of `reach_window` steps (at most
   a tenth of its steps). Each run gets `time_to_target` ((step, charged seconds) or None) and
-  `vs_adam` (its seconds / the tuned Adam's own seconds to the target). Grids ("adam", "muon")
+  `vs_adam` (its seconds / the tuned Adam's own seconds to the target). Grids (`GRID_FAMILIES`)
   are reported by their best run, renamed "<Family> (tuned, lr=...)". Returns `rows` (tuned Adam
   first), `target`, `window`, `adam_seconds`, `grids` {family: [(lr, loss)]}, `best` (family →
   Run) and `curves` (name → (losses, charged step times)).
@@ -1252,7 +1256,7 @@ def race_compare(runs: Sequence[Run], reach_window: int) -> dict:
   for r in runs:
     r.summary["vs_adam"] = _ratio(r.summary["time_to_target_s"], adam_s)
   grids, best, rows = {}, {}, []
-  for fam in ("adam", "muon"):
+  for fam, label in GRID_FAMILIES.items():
     b = best_of(runs, fam)
     if b is None:
       continue
@@ -1262,14 +1266,13 @@ def race_compare(runs: Sequence[Run], reach_window: int) -> dict:
       for r in runs
       if r.summary["family"] == fam
     ]
-    label = {"adam": "Adam", "muon": "Muon"}[fam]
     rows.append(
       dict(
         b.summary,
         optimizer=f"{label} (tuned, lr={b.summary['hyperparameters']['learning_rate']:g})",
       )
     )
-  rows += [r.summary for r in runs if r.summary["family"] not in ("adam", "muon")]
+  rows += [r.summary for r in runs if r.summary["family"] not in GRID_FAMILIES]
   return {
     "rows": rows,
     "target": target,

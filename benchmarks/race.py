@@ -18,16 +18,18 @@ trains from the same initial parameters on the same minibatch sequence until its
   smoothed loss first reaches X, and that time over the tuned Adam's own ("vs Adam").
 
 Contestants: Adam over `--adam-lrs` and Muon (`optax.contrib.muon`, its non-matrix parameters on
-Adam at the middle of the Adam grid) over `--muon-lrs`, each reported by its best final loss
-("tuned", the whole grid printed); SGD+momentum; `kfac_jax.kfac` (the transform, `--kfac-lr`,
-`--kfac-momentum`, `--damping`); the same with another `max_norm` (`--max-norm`); the same with
-dense and conv layers on EKFAC (`--ekfac`); the full
-`kfac_jax.Optimizer`; with `--with-upstream`, kfac-jax 0.0.8 in its own venv, configured like
-the transform (fixed learning rate, momentum, damping); with `--adam-decay-steps N`, Adam over
-its grid on `optax.cosine_decay_schedule(lr, N)` (family "adam_decay": the constant-rate tuned
-Adam stays the reference). Output: a markdown table for RESULTS.md,
-`--json` (default `out/race_<workload>.json`) and `--plot` (default `out/race_<workload>.png`,
-loss against steps and against charged seconds).
+Adam at the middle of the Adam grid) over `--muon-lrs` and SOAP (`benchmarks/soap.py`, written
+from its paper; off unless `--soap-lrs` names a grid), each reported by its best final loss
+("tuned", the whole grid printed); SGD+momentum; `kfac_jax.kfac` (the transform, on its
+defaults with the README's learning rate for the workload unless `--kfac-lr`, `--kfac-momentum`,
+`--damping`, `--inverse-every`, `--curvature-every` say otherwise: `KFAC_DEFAULTS`); the same
+with another `max_norm` (`--max-norm`); the same with dense and conv layers on EKFAC
+(`--ekfac`); the full `kfac_jax.Optimizer`; with `--with-upstream`, kfac-jax 0.0.8 in its own
+venv, configured like the transform (fixed learning rate, momentum, damping); with
+`--adam-decay-steps N`, Adam over its grid on `optax.cosine_decay_schedule(lr, N)` (family
+"adam_decay": the constant-rate tuned Adam stays the reference). Output: a markdown table for
+RESULTS.md, `--json` (default `out/race_<workload>.json`) and `--plot` (default
+`out/race_<workload>.png`, loss against steps and against charged seconds).
 
 `--sweep` runs only the kfac transform over `--sweep-lrs` x `--sweep-dampings` (and the Adam
 grid as the reference), each for `--budget` seconds, and prints one table: for picking defaults.
@@ -59,7 +61,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-from benchmarks import _harness, autoencoder, cnn, families, transformer  # noqa: E402
+from benchmarks import _harness, autoencoder, cnn, families, soap, transformer  # noqa: E402
 from benchmarks.upstream import compare  # noqa: E402
 
 WORKLOADS = {
@@ -69,6 +71,27 @@ WORKLOADS = {
   "vit": families.VIT,
   "rnn": families.RNN,
 }
+KFAC_DEFAULTS = {
+  workload: {
+    "kfac_lr": lr,
+    "kfac_momentum": 0.7,
+    "damping": 0.01 if workload == "rnn" else 0.1,
+    "inverse_every": 5,
+    "curvature_every": 1 if workload == "rnn" else 5,
+  }
+  for workload, lr in {
+    "autoencoder": 1.0,
+    "cnn": 0.3,
+    "transformer": 1.0,
+    "vit": 0.3,
+    "rnn": 0.3,
+  }.items()
+}
+"""The race's own `kfac` row: `kfac_jax.kfac` on its defaults (momentum 0.7, damping 0.1,
+statistics and inverses every 5 steps) with the README's learning rate for the model family
+("Choosing hyperparameters"; the LSTM's damping 0.01 and statistics every step from there too).
+The workload scripts' own defaults are older settings kept for their upstream comparisons; any
+flag given on the command line wins."""
 MUON_LRS = {
   "autoencoder": "0.02,0.05",
   "cnn": "0.02,0.05",
@@ -201,6 +224,19 @@ def parse_args(argv=None):
     + ", ".join(f"{k} {v}" for k, v in MUON_LRS.items()),
   )
   p.add_argument(
+    "--soap-lrs",
+    default="",
+    help="SOAP learning-rate grid (benchmarks/soap.py, the paper's other settings; '' for "
+    "none, the default: its eigendecompositions make it the slowest contestant on a CPU), "
+    "e.g. 3e-3,1e-2",
+  )
+  p.add_argument(
+    "--soap-every",
+    type=int,
+    default=10,
+    help="SOAP's steps between refreshes of its bases (the paper's 10)",
+  )
+  p.add_argument(
     "--ekfac",
     action=argparse.BooleanOptionalAction,
     default=True,
@@ -282,6 +318,9 @@ def parse_args(argv=None):
       p.error(f"--kfac-configs: {e}")
   muon = MUON_LRS[args.workload] if args.muon_lrs is None else args.muon_lrs
   args.muon_lr_grid = _floats(p, "--muon-lrs", muon) if muon.strip() else []
+  args.soap_lr_grid = _floats(p, "--soap-lrs", args.soap_lrs) if args.soap_lrs.strip() else []
+  if args.soap_every < 1:
+    p.error(f"--soap-every must be >= 1, got {args.soap_every}")
   args.sweep_lr_grid = _floats(p, "--sweep-lrs", args.sweep_lrs)
   args.sweep_damping_grid = _floats(p, "--sweep-dampings", args.sweep_dampings)
   kind = "sweep" if args.sweep else "race"
@@ -293,6 +332,8 @@ def parse_args(argv=None):
   ]
   if args.workload == "autoencoder":
     defaults += ["--num-images", "5000"]
+  if not args.sweep:
+    defaults += [f"--{k.replace('_', '-')}={v}" for k, v in KFAC_DEFAULTS[args.workload].items()]
   wl = WORKLOADS[args.workload].parse_args(
     defaults + list(rest) + ["--steps", str(args.data_steps - 1), "--warmup", "1"]
   )
@@ -349,6 +390,17 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
       adam_learning_rate=adam_mid,
     )
     for lr in args.muon_lr_grid
+  ]
+  out += [
+    _harness.first_order(
+      f"SOAP lr={lr:g}",
+      "soap",
+      loss_fn,
+      soap.soap(lr, precondition_every=args.soap_every),
+      learning_rate=lr,
+      precondition_every=args.soap_every,
+    )
+    for lr in args.soap_lr_grid
   ]
   if wl.sgd:
     out.append(
@@ -542,7 +594,7 @@ def main(argv=None) -> int:
     curves = {
       best.get(id(r), r.name): rep["curves"][r.name]
       for r in all_runs
-      if r.summary["family"] not in ("adam", "muon") or id(r) in best
+      if r.summary["family"] not in _harness.GRID_FAMILIES or id(r) in best
     }
     title = f"race, {args.budget:g} s: {workload.name}: {workload.description.split('; ')[0]}"
     compare.plot_curves(curves, wl.plot, textwrap.fill(title, 150))

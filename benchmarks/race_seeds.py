@@ -46,14 +46,16 @@ def summarise(per_seed: dict[int, list[dict]]) -> list[dict]:
   means over the seeds that have one, and `ahead`, the seeds where the loss ratio is below 1.
 
   `per_seed[s]` is that race's `results` rows (`race.py --json`), which hold one row per grid
-  family ("adam", "muon": its best learning rate, which may differ between seeds), so those
-  rows are matched across seeds by family and the others by name.
+  family (`_harness.GRID_FAMILIES`: its best learning rate, which may differ between seeds), so
+  those rows are matched across seeds by family and the others by name.
   """
   seeds = list(per_seed)
 
   def key(r):
     fam = r.get("family")
-    return f"{fam.capitalize()} (tuned)" if fam in ("adam", "muon") else r["optimizer"]
+    return (
+      f"{_harness.GRID_FAMILIES[fam]} (tuned)" if fam in _harness.GRID_FAMILIES else r["optimizer"]
+    )
 
   names = list(dict.fromkeys(key(r) for s in seeds for r in per_seed[s] if "error" not in r))
   adam_loss = {}

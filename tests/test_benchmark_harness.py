@@ -645,6 +645,8 @@ def test_race_compare_times_every_run_to_the_tuned_adams_loss():
     _race_run("Muon lr=0.05", "muon", [10, 4, 3, 2], [1, 1, 1, 1], float("nan"), lr=0.05),
     _race_run("kfac", "kfac", [10, 5, 4, 3], [9, 3, 3, 3], 2.5),
     _race_run("sgd", "sgd", [10, 9.5, 9, 8.5], [1, 1, 1, 1], 8.0),
+    _race_run("SOAP lr=0.01", "soap", [10, 8, 7, 6], [3, 3, 3, 3], 6.5, lr=0.01),
+    _race_run("SOAP lr=0.003", "soap", [10, 6, 5, 4], [3, 3, 3, 3], 4.5, lr=0.003),
   ]
   assert runs[0].summary["steps"] == 4 and runs[0].summary["charged_s"] == 8.0
   assert runs[0].summary["mean_step_ms"] == pytest.approx(2000.0)
@@ -660,9 +662,13 @@ def test_race_compare_times_every_run_to_the_tuned_adams_loss():
   assert [r["optimizer"] for r in rep["rows"]] == [
     "Adam (tuned, lr=0.01)",
     "Muon (tuned, lr=0.02)",
+    "SOAP (tuned, lr=0.003)",
     "kfac",
     "sgd",
   ]
+  assert rep["grids"]["soap"] == [(0.01, 6.5), (0.003, 4.5)]
+  # SOAP's loss 5 comes after 2 steps of 3 s; Adam's after 3 of 2 s (its first as a typical one).
+  assert runs[7].summary["time_to_target"] == (2, 6.0) and runs[7].summary["vs_adam"] == 1.0
   assert rep["grids"]["muon"][1][0] == 0.05 and math.isnan(rep["grids"]["muon"][1][1])
   table = _harness.race_table(
     rep["rows"] + [{"optimizer": "up", "error": "ValueError: a | b"}], 10.0, rep["target"]
@@ -672,9 +678,10 @@ def test_race_compare_times_every_run_to_the_tuned_adams_loss():
     "| contestant | loss at 10 s | seconds to 5 | vs Adam | steps | mean step (ms) | compile (s) |"
   )
   assert lines[2] == "| Adam (tuned, lr=0.01) | 5.5 | 6.0 | 1.00x | 4 | 2000.0 | 1.00 |"
-  assert lines[4] == "| kfac | 2.5 | 3.0 | 0.50x | 4 | 3000.0 | 1.00 |"
-  assert lines[5] == "| sgd | 8 | not reached |  | 4 | 1000.0 | 1.00 |"
-  assert lines[6].startswith("| up | failed: ValueError: a / b |")
+  assert lines[4] == "| SOAP (tuned, lr=0.003) | 4.5 | 6.0 | 1.00x | 4 | 3000.0 | 1.00 |"
+  assert lines[5] == "| kfac | 2.5 | 3.0 | 0.50x | 4 | 3000.0 | 1.00 |"
+  assert lines[6] == "| sgd | 8 | not reached |  | 4 | 1000.0 | 1.00 |"
+  assert lines[7].startswith("| up | failed: ValueError: a / b |")
   with pytest.raises(ValueError, match="needs at least one Adam run"):
     _harness.race_compare(runs[2:], reach_window=5)
 
@@ -716,13 +723,17 @@ def test_race_contestants_by_default(monkeypatch, tmp_path):
     "Muon lr=0.02",
     "Muon lr=0.05",
     "SGD+momentum",
-    "kfac_jax (optax)",
+    "kfac_jax (optax), statistics every 5",
     "kfac_jax (optax), max_norm=0.5",
     "kfac_jax (optax) 0.3:0.7:0.1:0.01",
     "kfac_jax (optax), EKFAC",
     "kfac_jax Optimizer",
   ]
   hyper = {c.name: c.hyperparameters for c in contestants}
+  # The race's own row is `kfac` on its defaults with the README's learning rate (KFAC_DEFAULTS).
+  own = hyper["kfac_jax (optax), statistics every 5"]
+  assert (own["learning_rate"], own["momentum"], own["damping"]) == (1.0, 0.7, 0.1)
+  assert (own["inverse_every"], own["curvature_every"]) == (5, 5)
   assert hyper["kfac_jax (optax), max_norm=0.5"]["max_norm"] == "0.5"
   assert "'dense': 'ekfac', 'conv': 'ekfac'" in hyper["kfac_jax (optax), EKFAC"]["layers"]
   assert hyper["kfac_jax (optax) 0.3:0.7:0.1:0.01"]["max_norm"] == "0.01"
@@ -761,6 +772,31 @@ def test_race_learning_rate_decay_reaches_zero_for_adam_and_kfac(monkeypatch, tm
     assert max(moved) > 0, c.name
     still = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.array_equal(a, b), params1, params2))
     assert all(still) == (c.family != "adam"), c.name
+
+
+def test_race_soap_grid_builds_soap_contestants(monkeypatch, tmp_path, capsys):
+  """`--soap-lrs` adds SOAP (`benchmarks/soap.py`) over its grid as the "soap" family with
+  `--soap-every` as its refresh period; its first step only builds the bases (no move), its
+  second moves every parameter. `--soap-every 0` is refused."""
+  from benchmarks import race
+
+  monkeypatch.setenv("KFAC_DATA_DIR", str(tmp_path))
+  flags = ["--workload", "autoencoder", "--quick", "--encoder", "8,4", "--adam-lrs", "1e-3"]
+  flags += ["--muon-lrs", "", "--no-sgd", "--no-ekfac", "--no-optimizer", "--plot", ""]
+  args, wl, _ = race.parse_args(flags + ["--soap-lrs", "3e-3,1e-2", "--soap-every", "5"])
+  workload = race.autoencoder.make_workload(wl)
+  soaps = [c for c in race.race_contestants(workload, args, wl) if c.family == "soap"]
+  assert [c.name for c in soaps] == ["SOAP lr=0.003", "SOAP lr=0.01"]
+  assert soaps[0].hyperparameters == {"learning_rate": 3e-3, "precondition_every": 5}
+  batch = jax.tree.map(jnp.asarray, workload.batch_at(0))
+  params0, state = workload.params0, soaps[1].init(workload.params0)
+  params1, state, _ = soaps[1].step(params0, state, batch, jax.random.key(0))
+  params2, state, _ = soaps[1].step(params1, state, batch, jax.random.key(0))
+  assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, params0, params1)))
+  assert not any(jax.tree.leaves(jax.tree.map(jnp.array_equal, params1, params2)))
+  with pytest.raises(SystemExit):
+    race.parse_args(flags + ["--soap-every", "0"])
+  assert "--soap-every must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_race_seeds_summary_matches_grid_rows_by_family_and_counts_wins():
@@ -834,6 +870,8 @@ def test_race_quick(tmp_path, monkeypatch, capsys):
       "1e-3",
       "--muon-lrs",
       "0.02",
+      "--soap-lrs",
+      "1e-2",
       "--no-sgd",
       "--no-ekfac",
       "--kfac-configs",
@@ -852,8 +890,13 @@ def test_race_quick(tmp_path, monkeypatch, capsys):
     report = json.load(f)
   names = [r["optimizer"] for r in report["results"]]
   assert names[0].startswith("Adam (tuned, lr=") and names[1] == "Muon (tuned, lr=0.02)", names
-  assert "kfac_jax (optax)" in names and "kfac_jax Optimizer" in names, names
-  assert names[2:] == ["kfac_jax (optax)", f"kfac_jax (optax) {_RACE_CONFIG}", "kfac_jax Optimizer"]
+  own = "kfac_jax (optax), statistics every 5"  # `kfac`'s defaults (race.KFAC_DEFAULTS)
+  assert names[2:] == [
+    "SOAP (tuned, lr=0.01)",
+    own,
+    f"kfac_jax (optax) {_RACE_CONFIG}",
+    "kfac_jax Optimizer",
+  ], names
   layers = report["hyperparameters"][f"kfac_jax (optax) {_RACE_CONFIG}"]["layers"]
   assert "'dense': 'ekfac'" in layers, layers
   for r in report["results"]:
@@ -863,7 +906,7 @@ def test_race_quick(tmp_path, monkeypatch, capsys):
       len(
         report["curves"][
           r["optimizer"]
-          if r["family"] not in ("adam", "muon")
+          if r["family"] not in _harness.GRID_FAMILIES
           else next(
             x["optimizer"]
             for x in report["all_runs"]

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -244,7 +245,8 @@ def plot_curves(
   for k, (name, (losses, times)) in enumerate(curves.items()):
     losses = np.asarray(losses, dtype=float)
     elapsed = np.concatenate([[0.0], np.cumsum(np.asarray(times, dtype=float))[:-1]])
-    style = {"color": f"C{k}", "lw": 1.2, "label": name}
+    # Long names (a race's `--kfac-configs` settings) wrapped, so the legend keeps to its axes.
+    style = {"color": f"C{k}", "lw": 1.2, "label": textwrap.fill(name, 40)}
     ax_steps.plot(np.arange(1, len(losses) + 1), losses, **style)
     ax_time.plot(elapsed, losses, **style)
   ax_steps.set_xlabel("step")
@@ -253,7 +255,7 @@ def plot_curves(
     ax.set_yscale("log")
     ax.set_ylabel("training loss (minibatch)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
