@@ -30,6 +30,7 @@ across a refresh, as the paper's simplest variant does. Defaults are the paper's
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -38,7 +39,7 @@ import optax
 
 
 class SoapLeafState(NamedTuple):
-  mu: jax.Array  # [m, n] (or the leaf's shape for Adam leaves): first moment, own basis
+  mu: jax.Array  # [m, n] (`_matrix_shape`): first moment, in the parameter's own basis
   nu: jax.Array  # [m, n]: second moment, in the eigenbasis
   left: jax.Array  # [m, m] (or [0, 0] without a factor): L
   right: jax.Array  # [n, n] (or [0, 0]): R
@@ -51,18 +52,12 @@ class SoapState(NamedTuple):
   leaves: list  # one SoapLeafState per parameter leaf
 
 
-def _as_matrix(x: jax.Array) -> jax.Array:
-  return x.reshape(-1, x.shape[-1])
-
-
-def _sides(shape: tuple[int, ...], max_precond_dim: int) -> tuple[bool, bool]:
-  """Whether the left and right sides of a leaf of this shape get a factor."""
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+  """The matrix a leaf is treated as: leading dimensions against the last, or one row for a
+  vector or scalar (which gets no factors: plain Adam)."""
   if len(shape) < 2:
-    return False, False
-  m = 1
-  for d in shape[:-1]:
-    m *= d
-  return m <= max_precond_dim, shape[-1] <= max_precond_dim
+    return 1, math.prod(shape)
+  return math.prod(shape[:-1]), shape[-1]
 
 
 def _eigvecs(factor: jax.Array) -> jax.Array:
@@ -96,13 +91,10 @@ def scale_by_soap(
 
   def init(params):
     def leaf(p):
-      left_on, right_on = _sides(p.shape, max_precond_dim)
-      if p.ndim < 2:  # Fresh arrays for every field: a donated state has no shared buffers.
-        empty = [jnp.zeros((0, 0), p.dtype) for _ in range(4)]
-        return SoapLeafState(jnp.zeros_like(p), jnp.zeros_like(p), *empty)
-      m, n = _as_matrix(p).shape
-      lm, rn = (m if left_on else 0), (n if right_on else 0)
-      return SoapLeafState(
+      m, n = _matrix_shape(p.shape)
+      lm = m if p.ndim >= 2 and m <= max_precond_dim else 0
+      rn = n if p.ndim >= 2 and n <= max_precond_dim else 0
+      return SoapLeafState(  # Fresh arrays for every field: a donated state shares no buffer.
         jnp.zeros((m, n), p.dtype),
         jnp.zeros((m, n), p.dtype),
         jnp.zeros((lm, lm), p.dtype),
@@ -124,14 +116,7 @@ def scale_by_soap(
     for g, s in zip(grads, state.leaves):
       c1 = 1 - b1 ** k.astype(g.dtype)
       c2 = 1 - b2 ** k.astype(g.dtype)
-      if g.ndim < 2:  # Adam.
-        mu = b1 * s.mu + (1 - b1) * g
-        nu = b2 * s.nu + (1 - b2) * g * g
-        direction = (mu / c1) / (jnp.sqrt(nu / c2) + eps)
-        out.append(jnp.where(first, 0.0, direction))
-        new.append(s._replace(mu=jnp.where(first, s.mu, mu), nu=jnp.where(first, s.nu, nu)))
-        continue
-      gm = _as_matrix(g)
+      gm = g.reshape(_matrix_shape(g.shape))
       left, right = s.left, s.right
       if left.shape[0]:
         left = bs * left + (1 - bs) * gm @ gm.T
