@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Set up .venv (idempotent), install the Fashion-MNIST Debian package when possible (root and
+# Set up .venv with the examples extra (idempotent), install the Fashion-MNIST Debian package when possible (root and
 # apt-get), then train K-FAC vs Adam on the deep autoencoder and write autoencoder.png.
 # Arguments go to examples/autoencoder.py, e.g. `bash scripts/demo.sh --steps 100`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-kfac_setup_venv
+kfac_setup_venv examples
 kfac_maybe_install_dataset --update
 kfac_print_versions
 # One OpenBLAS thread: jaxlib's LAPACK calls (K-FAC's inverse refresh) run on scipy's OpenBLAS,
 # whose spinning worker threads otherwise slow the steps after each refresh on a small CPU
-# (README, "On CPU: OPENBLAS_NUM_THREADS=1"). Adam does not call LAPACK. Yours wins if set.
+# (docs: choosing hyperparameters, "On CPU"). Adam does not call LAPACK. Yours wins if set.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 exec "$KFAC_PY" "$KFAC_ROOT/examples/autoencoder.py" "$@"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Shared, idempotent set-up for scripts/test.sh and scripts/demo.sh. Source it (it does not exit):
-#   source scripts/setup.sh
-# Creates .venv (python3 -m venv) if missing and installs the package editable with the
-# test and examples extras. The install is skipped when pyproject.toml has not changed since
-# the last successful install and everything imports, so re-runs work offline.
+#   source scripts/setup.sh; kfac_setup_venv examples
+# kfac_setup_venv EXTRAS creates .venv (python3 -m venv) if missing and installs the package
+# editable with the comma-separated EXTRAS of pyproject.toml (demo.sh: examples; test.sh:
+# test,examples). The install is skipped when pyproject.toml has not changed since the last
+# successful install, that install covered EXTRAS, and their modules import, so re-runs work
+# offline.
 # Environment: PYTHON (interpreter used to create .venv, default python3), KFAC_VENV
 # (venv directory, default <repo>/.venv), KFAC_FORCE_INSTALL=1 to reinstall anyway.
 
@@ -29,16 +31,30 @@ kfac_setup_venv() {
     "$base_python" -m venv "$KFAC_VENV" || return 1
   fi
 
+  local extras="${1:-examples}"
   local stamp="$KFAC_VENV/.kfac_jax_install_stamp"
   local want
   want="$("$KFAC_PY" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' "$KFAC_ROOT/pyproject.toml")" || return 1
-  if [[ "${KFAC_FORCE_INSTALL:-0}" != "1" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]] \
-      && (cd / && "$KFAC_PY" -c 'import kfac_jax, jax, optax, flax, chex, pytest, xdist, tqdm, matplotlib, sklearn' >/dev/null 2>&1); then
-    kfac_log "$KFAC_VENV is up to date (pyproject.toml unchanged); skipping pip install"
+  # The stamp holds the hash of pyproject.toml and the extras installed with it.
+  local have_hash="" have_extras=""
+  if [[ -f "$stamp" ]]; then
+    read -r have_hash have_extras < "$stamp" || true
+  fi
+  local all="$extras"
+  if [[ "$have_hash" == "$want" && -n "$have_extras" ]]; then
+    all="$have_extras,$extras"
+  fi
+  all="$(echo "$all" | tr ',' '\n' | sort -u | paste -sd, -)"
+  local modules="kfac_jax jax optax"
+  case ",$all," in *,examples,*) modules="$modules flax tqdm matplotlib sklearn" ;; esac
+  case ",$all," in *,test,*) modules="$modules pytest xdist chex orbax.checkpoint haiku equinox sphinx" ;; esac
+  if [[ "${KFAC_FORCE_INSTALL:-0}" != "1" && "$have_hash" == "$want" && "$all" == "$have_extras" ]] \
+      && (cd / && "$KFAC_PY" -c "import ${modules// /, }" >/dev/null 2>&1); then
+    kfac_log "$KFAC_VENV is up to date (pyproject.toml unchanged, extras $have_extras); skipping pip install"
   else
-    kfac_log "pip install -e \".[test,examples]\" into $KFAC_VENV"
-    (cd "$KFAC_ROOT" && "$KFAC_PY" -m pip install --quiet -e ".[test,examples]") || return 1
-    echo "$want" > "$stamp"
+    kfac_log "pip install -e \".[$all]\" into $KFAC_VENV"
+    (cd "$KFAC_ROOT" && "$KFAC_PY" -m pip install --quiet -e ".[$all]") || return 1
+    echo "$want $all" > "$stamp"
   fi
 }
 
