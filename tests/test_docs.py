@@ -1,31 +1,164 @@
-"""The API reference builds offline from the docstrings, without warnings, and lists every public
-name."""
+"""The docs site: it builds offline without warnings, the API reference lists every public name,
+and every page's Python code runs.
 
+The convention for code on a page (`docs/*.rst`): every `.. code-block:: python` runs, in the
+order of the page, in one namespace per page, in a temporary working directory. A block that
+cannot run in the suite is preceded by a comment `.. not-tested: <reason>` and skipped. The
+recipes page is the exception to the one namespace: each recipe is a complete program, and
+`tests/test_recipes.py` runs each in a fresh namespace and checks what it claims. The other
+pages are run here and checked for what their code leaves behind (`CHECKS`).
+"""
+
+import glob
 import os
 import re
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+PAGES = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(DOCS, "*.rst")))
+# Pages whose code has its own test file (with per-recipe checks).
+OWN_TESTS = {"recipes": "tests/test_recipes.py"}
+
+
+def page_blocks(page):
+  """[(first line number, code or None if not tested, reason)] of a page's python blocks."""
+  with open(os.path.join(DOCS, f"{page}.rst"), encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  blocks = []
+  i = 0
+  while i < len(lines):
+    if lines[i].strip() != ".. code-block:: python":
+      i += 1
+      continue
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    prev = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+    reason = prev[len(".. not-tested:") :].strip() if prev.startswith(".. not-tested:") else None
+    j = i + 1
+    while j < len(lines) and lines[j].strip().startswith(":"):  # directive options
+      j += 1
+    body = []
+    while j < len(lines) and (
+      not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > indent
+    ):
+      body.append(lines[j])
+      j += 1
+    code = "\n".join(body).strip("\n")
+    pad = min(len(l) - len(l.lstrip()) for l in body if l.strip())
+    code = "\n".join(l[pad:] for l in code.splitlines()) + "\n"
+    blocks.append((i + 1, None if reason is not None else code, reason))
+    i = j
+  return blocks
+
+
+def run_page(page, tmp_path, monkeypatch):
+  """Runs the tested blocks of `docs/{page}.rst` in order in one namespace; returns it."""
+  monkeypatch.chdir(tmp_path)
+  scope = {"__name__": f"docs_{page}"}
+  for line, code, _ in page_blocks(page):
+    if code is not None:
+      exec(compile(code, f"docs/{page}.rst:{line}", "exec"), scope)  # noqa: S102
+  return scope
+
+
+def test_code_block_convention():
+  """Every page with code has tested blocks; an untested block says why."""
+  assert {"getting_started", "entry_points", "recipes", "api"} <= set(PAGES)
+  for page in PAGES:
+    for line, code, reason in page_blocks(page):
+      assert code is not None or len(reason) > 10, f"docs/{page}.rst:{line}: give a reason"
+    with open(os.path.join(DOCS, f"{page}.rst"), encoding="utf-8") as f:
+      text = f.read()
+    # Only `.. code-block:: python` runs: a `::` literal or another directive would hide code.
+    assert ".. code::" not in text and ".. sourcecode::" not in text, page
+
+
+def _finite(x):
+  return bool(np.all(np.isfinite(np.asarray(x))))
+
+
+def _equal(a, b):
+  same = jax.tree_util.tree_map(lambda x, y: bool(np.array_equal(x, y)), a, b)
+  return all(jax.tree_util.tree_leaves(same))
+
+
+def _check_getting_started(s):
+  params0 = s["model"].init(jax.random.key(1), s["x"])
+  assert float(s["loss"]) < 0.5 * float(s["loss_fn"](params0, s["batch"]))
+
+
+def _check_entry_points(s):
+  assert _finite(s["info"]["loss"]) and _finite(s["chain_loss"])
+  assert float(s["inj_state"].hyperparams["damping"]) == 1.0
+  grads, nat = s["grads"], s["nat_grads"]
+  assert jax.tree_util.tree_structure(nat) == jax.tree_util.tree_structure(grads)
+  assert not _equal(nat, grads)
+  n = sum(np.size(g) for g in jax.tree_util.tree_leaves(grads))
+  assert s["dense"].shape == (n, n)
+
+
+def _check_hyperparameters(s):
+  assert float(s["opt_state"].hyperparams["damping"]) < 1.0  # The schedule moved it.
+  assert np.isfinite(float(s["loss"]))
+
+
+def _check_approximations(s):
+  approx = {spec.name: spec.approx for spec in s["reg"].layers}
+  assert approx == {
+    "params/hidden": "kron_out_diag",
+    "params/head": "kron",
+    "params/LayerNorm_0": "diagonal",
+  }, approx
+  assert {spec.approx for spec in s["ekfac_reg"].layers if spec.kind == "dense"} == {"ekfac"}
+
+
+def _check_layers(s):
+  assert [spec.approx for spec in s["layers"] if spec.kind == "dense"] == ["kron", "kron"]
+
+
+def _check_parallel(s):
+  assert np.isfinite(float(s["loss"]))
+  is_cache = lambda x: isinstance(x, s["kfac_jax"].ShardedCache)  # noqa: E731
+  leaves = jax.tree_util.tree_leaves(s["opt_state"], is_leaf=is_cache)
+  assert any(is_cache(x) for x in leaves)
+
+
+def _check_checkpoints(s):
+  assert _equal(s["restored"], s["opt_state"]) and _equal(s["from_bytes"], s["opt_state"])
+  assert os.path.isdir("checkpoints/opt_state")
+
+
+# What the code of each page leaves behind; a page with tested code must have an entry.
+CHECKS = {
+  "getting_started": _check_getting_started,
+  "entry_points": _check_entry_points,
+  "hyperparameters": _check_hyperparameters,
+  "approximations": _check_approximations,
+  "layers": _check_layers,
+  "parallel": _check_parallel,
+  "checkpoints": _check_checkpoints,
+}
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p not in OWN_TESTS])
+def test_page_code_runs(page, tmp_path, monkeypatch):
+  if not any(code for _, code, _ in page_blocks(page)):
+    assert page not in CHECKS, f"docs/{page}.rst has no tested code"
+    return
+  assert page in CHECKS, f"docs/{page}.rst: add what its code leaves behind to CHECKS"
+  CHECKS[page](run_page(page, tmp_path, monkeypatch))
 
 
 @pytest.mark.slow
-def test_sphinx_api_reference_builds_without_warnings(tmp_path):
+def test_sphinx_builds_without_warnings(tmp_path):
   pytest.importorskip("sphinx")
   proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "sphinx",
-      "-W",
-      "-q",
-      "-b",
-      "html",
-      os.path.join(ROOT, "docs"),
-      str(tmp_path),
-    ],
+    [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", DOCS, str(tmp_path)],
     capture_output=True,
     text=True,
     timeout=600,
@@ -33,25 +166,17 @@ def test_sphinx_api_reference_builds_without_warnings(tmp_path):
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   api = (tmp_path / "api.html").read_text(encoding="utf-8")
-  for name in (
-    "scale_by_kfac",
-    "CurvatureEstimator",
-    "Optimizer",
-    "register_conv",
-    "check_restored_state",
-    "check_registration",
-    "LayerConfig",
-    "KfacState",
-    "TrainState",
-  ):
+  for name in ("scale_by_kfac", "CurvatureEstimator", "Optimizer", "register_conv", "TrainState"):
     assert name in api
+  for page in PAGES:
+    assert (tmp_path / f"{page}.html").exists(), page
 
 
 def test_api_reference_lists_every_public_name():
   """docs/api.rst has a directive for every name in `kfac_jax.__all__` and for kfac_jax.flax."""
   import kfac_jax  # pylint: disable=g-import-not-at-top
 
-  with open(os.path.join(ROOT, "docs", "api.rst"), encoding="utf-8") as f:
+  with open(os.path.join(DOCS, "api.rst"), encoding="utf-8") as f:
     text = f.read()
   documented = set(re.findall(r"^\.\. auto\w+:: kfac_jax\.(\w+)\s*$", text, re.M))
   missing = sorted(set(kfac_jax.__all__) - documented)

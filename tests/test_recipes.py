@@ -1,34 +1,47 @@
-"""The README's recipes run verbatim (Flax TrainState, linen batch_stats, Haiku state, nnx).
+"""The recipes page (`docs/recipes.rst`) runs as written, one recipe at a time.
 
-Each test executes the code block of one `### ...` subsection of the README's "Recipes" section
-(extracted as tests/test_readme.py does) and checks what the recipe claims: training lowers the
-loss, and the model state comes back updated from the same forward pass.
+Each test executes the one Python block of a section of the page in a fresh namespace (each
+recipe is a complete program and imports what it uses) and checks what the recipe claims:
+training lowers the loss, and the model state comes back updated from the same forward pass.
 """
 
+import os
 import re
 
 import jax
 import numpy as np
 
-from tests.test_readme import _blocks
+from tests.test_docs import DOCS, page_blocks
 
 RECIPES = {
-  "TrainState": "Flax linen `TrainState`",
-  "batch_stats": "Flax linen `batch_stats` (BatchNorm)",
-  "haiku": "Haiku `transform_with_state`",
+  "TrainState": "Flax linen ``TrainState``",
+  "batch_stats": "Flax linen ``batch_stats`` (BatchNorm)",
+  "haiku": "Haiku ``transform_with_state``",
   "nnx": "Flax nnx: split / merge with BatchNorm and Dropout",
-  "share": "K-FAC on a share of the parameters: `optax.multi_transform`",
+  "equinox": "equinox",
+  "share": "K-FAC on a share of the parameters: ``optax.multi_transform``",
   "accumulation": "Gradient accumulation over micro-batches",
 }
 
 
+def _sections():
+  """{section title: (first line, last line)} of docs/recipes.rst."""
+  with open(os.path.join(DOCS, "recipes.rst"), encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  starts = [
+    (i + 1, lines[i]) for i in range(len(lines) - 1) if re.fullmatch(r"-{3,}", lines[i + 1])
+  ]
+  return {t: (a, b) for (a, t), (b, _) in zip(starts, [*starts[1:], (len(lines) + 1, "")])}
+
+
 def _run(title):
-  """Executes the one Python block under `### {title}` in README "Recipes"; returns its scope."""
-  blocks = _blocks("Recipes", subsection=title)
-  assert len(blocks) == 1, f"README Recipes / {title}: expected one python block"
+  """Executes the one Python block of section `title`; returns its namespace."""
+  first, last = _sections()[title]
+  blocks = [(line, code) for line, code, _ in page_blocks("recipes") if first < line < last]
+  assert len(blocks) == 1 and blocks[0][1], f"docs/recipes.rst / {title}: one tested block"
+  line, code = blocks[0]
   scope = {}
-  # A fresh scope per recipe: each block must import what it uses.
-  exec(compile(blocks[0], f"README.md:Recipes:{title}", "exec"), scope)  # noqa: S102
+  exec(compile(code, f"docs/recipes.rst:{line}", "exec"), scope)  # noqa: S102
   return scope
 
 
@@ -40,11 +53,8 @@ def _changed(a, b):
 
 
 def test_every_recipe_is_tested():
-  with open(_blocks.__globals__["README"], encoding="utf-8") as f:
-    text = f.read()
-  start = text.index("\n## Recipes\n")
-  section = text[start : text.find("\n## ", start + 1)]
-  assert re.findall(r"\n### (.+)\n", section) == list(RECIPES.values())
+  assert list(_sections()) == list(RECIPES.values())
+  assert len(page_blocks("recipes")) == len(RECIPES)
 
 
 def test_flax_train_state_recipe():
@@ -88,6 +98,13 @@ def test_nnx_split_merge_recipe():
   assert float(np.abs(np.asarray(s["model"].bn.mean[...])).max()) > 0
   assert float(s["loss"]) < 1.0
   assert s["model"].bn.use_running_average  # model.eval() after nnx.update
+
+
+def test_equinox_recipe():
+  s = _run(RECIPES["equinox"])
+  params0 = s["eqx"].partition(s["MLP"](jax.random.key(1)), s["eqx"].is_inexact_array)[0]
+  assert float(s["loss"]) < 0.5 * float(s["loss_fn"](params0, s["batch"]))
+  assert float(s["accuracy"]) > 0.8
 
 
 def test_share_of_the_parameters_recipe():
