@@ -1,4 +1,4 @@
-"""Every `>>>` example in the public docstrings runs (issue 15: docstring examples as doctests).
+"""Every `>>>` example in the public docstrings runs.
 
 The examples use the names a reader has in scope at that point of a training script
 (`loss_fn`, `params`, `batch`, `rng`, `model`, `tx`, `opt_state`, `grads`); this test defines
