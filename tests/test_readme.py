@@ -43,6 +43,10 @@ def test_readme_is_short():
   assert len(_read(README)) <= 10_000
 
 
+def test_results_page_is_short():
+  assert len(_read(os.path.join(ROOT, "benchmarks", "RESULTS.md"))) <= 20_000
+
+
 def test_quickstart_runs_verbatim_and_trains():
   (code,) = _blocks("Quickstart")
   scope = {}
