@@ -355,7 +355,7 @@ def cyclic(workload: _harness.Workload, length: int) -> _harness.Workload:
 
 
 def _ekfac_available() -> bool:
-  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top
+  from kfac_jax.scan import _scanner  # pylint: disable=g-import-not-at-top
 
   return "ekfac" in _scanner.APPROXIMATIONS.get("dense", ())
 

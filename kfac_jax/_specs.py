@@ -273,7 +273,7 @@ class LayerSpec:
       their shapes): the spec its block computes with.
     stack_size: L > 0 for a stack of L layers of one kind whose parameter leaves carry a
       leading layer axis (a scan over stacked layers, a vmapped ensemble, an expert-stacked
-      kernel; see `kfac_jax._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
+      kernel; see `kfac_jax.scan._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
     stack_inner: for a stack, the spec of one layer of it (leaf shapes without the layer axis).
     stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
       input operand and then of the output; empty when each layer has its own tap (a scan).

@@ -12,8 +12,9 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax
-from kfac_jax import _curvature, _scanner
+from kfac_jax import _curvature
 from kfac_jax.blocks import _shared
+from kfac_jax.scan import _scanner
 
 V, D, N, L = 7, 4, 3, 3
 

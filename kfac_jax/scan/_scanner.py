@@ -72,17 +72,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import (
-  _compat,
-  _graph,
-  _index,
-  _layer_config,
-  _matchers,
-  _matchers_embed,
-  _matchers_shared,
-  _stacked,
-  _tags,
-)
+from kfac_jax import _compat, _tags
 from kfac_jax import blocks as _blocks
 from kfac_jax._specs import (  # Re-exported: the names other modules and tests use from here.
   APPROXIMATIONS,
@@ -98,6 +88,15 @@ from kfac_jax._specs import (  # Re-exported: the names other modules and tests 
   UncoveredParametersWarning,
   common_prefix,
   param_paths,
+)
+from kfac_jax.scan import (
+  _graph,
+  _index,
+  _layer_config,
+  _matchers,
+  _matchers_embed,
+  _matchers_shared,
+  _stacked,
 )
 
 

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from kfac_jax import _matchers, _matchers_embed
 from kfac_jax._specs import EmbeddingInfo, kernel_index_matrix
+from kfac_jax.scan import _matchers, _matchers_embed
 
 
 def match_shared(ix, leaf, claimed, shifts: bool = False):

@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from kfac_jax import _batch_axes, _graph
 from kfac_jax._specs import (
   ConvInfo,
   DenseInfo,
@@ -53,6 +52,7 @@ from kfac_jax._specs import (
   ScaleShiftInfo,
   ViewStep,
 )
+from kfac_jax.scan import _batch_axes, _graph
 
 # --------------------------------------------------------------------------------------------
 # What a matcher returns.
