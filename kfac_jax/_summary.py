@@ -173,11 +173,9 @@ def coverage_report(
     state_line += (
       f" ({state_bytes / param_bytes:.2f}x the parameters' {_estimator.format_bytes(param_bytes)})"
     )
+  kinds = ", ".join(k.replace("_", "-") for k in _tracer.KINDS if k != "generic")
   lines = [
-    (
-      f"layer blocks (dense, conv, embedding, scale-and-shift) hold {structured} of {total} "
-      f"parameters ({100 * share:.1f}%)"
-    ),
+    f"layer blocks ({kinds}) hold {structured} of {total} parameters ({100 * share:.1f}%)",
     state_line,
   ]
   fallbacks = [s for s in specs if s.source == "fallback"]

@@ -1,6 +1,7 @@
-"""The module seams of the scanner: static specs in a leaf module, blocks free of the tracer.
+"""The module seams of the tracer: static specs in a leaf module, blocks free of the tracer.
 
-Read from the source (import statements only), so the test costs no import and no tracing.
+Read from the source (import statements run at import time; those under `if TYPE_CHECKING:`,
+which only name types, are left out), so the test costs no import and no tracing.
 """
 
 import ast
@@ -16,7 +17,17 @@ def _kfac_imports(path: pathlib.Path) -> set[str]:
   """The `kfac_jax` modules a file imports, at any depth: `_specs`, `blocks._base`, `scan` (the
   face), and the tracer's private modules by their bare names (`_scanner`, `_graph`, ...)."""
   found = set()
-  for node in ast.walk(ast.parse(path.read_text())):
+  tree = ast.parse(path.read_text())
+  typing_only = {
+    id(n)
+    for block in ast.walk(tree)
+    if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+    for stmt in block.body
+    for n in ast.walk(stmt)
+  }
+  for node in ast.walk(tree):
+    if id(node) in typing_only:
+      continue
     if isinstance(node, ast.Import):
       for a in node.names:
         if a.name.startswith("kfac_jax."):
@@ -36,9 +47,10 @@ def _kfac_imports(path: pathlib.Path) -> set[str]:
   return found
 
 
-# What the scanner is made of: the tracer, the graph and its index, the matchers.
+# What the scanner is made of: the tracer, the graph and its index, the matchers, the kinds.
 _TRACER = {
   "_scanner",
+  "_kinds",
   "_batch_axes",
   "_matchers",
   "_matchers_embed",
@@ -51,12 +63,16 @@ _TRACER = {
 }
 
 
-@pytest.mark.parametrize(
-  "path", sorted(_PKG.joinpath("blocks").glob("*.py")) + [_SCAN / "_layer_config.py"], ids=str
-)
-def test_blocks_and_layer_config_do_not_import_the_scanner(path):
+@pytest.mark.parametrize("path", sorted(_PKG.joinpath("blocks").glob("*.py")), ids=str)
+def test_blocks_do_not_import_the_tracer(path):
   imported = _kfac_imports(path)
   assert not imported & _TRACER, f"{path.name} imports {sorted(imported & _TRACER)}"
+
+
+def test_the_checker_leaves_out_typing_only_imports():
+  # The blocks name the vocabulary's types (`Kind`, `Approximation`) for the type checker only.
+  assert "_kinds" not in _kfac_imports(_PKG / "blocks" / "_base.py")
+  assert "_kinds" in _kfac_imports(_SCAN / "_layer_config.py")
 
 
 def test_specs_is_a_leaf_module():
@@ -90,10 +106,16 @@ def test_the_shared_matcher_sees_every_family():
   assert {"_matchers", "_matchers_embed"} <= _kfac_imports(_SCAN / "_matchers_shared.py")
 
 
-def test_layer_config_reads_only_the_specs():
+def test_layer_config_reads_only_the_kinds():
   # The size policy is given the factor shapes the scanner asked of the blocks
   # (`blocks.factor_shapes_for`): it neither imports the blocks nor computes shapes itself.
-  assert _kfac_imports(_SCAN / "_layer_config.py") <= {"_specs"}
+  assert _kfac_imports(_SCAN / "_layer_config.py") <= {"_kinds"}
+
+
+def test_the_kinds_sit_above_every_matcher_module():
+  # One record per kind names its matchers, so `_kinds` imports them and none imports it.
+  for name in (*_MATCHER_LAYERS, "_batch_axes", "_graph", "_index"):
+    assert "_kinds" not in _kfac_imports(_SCAN / f"{name}.py"), name
   assert "blocks" in _kfac_imports(_SCAN / "_scanner.py")
 
 
@@ -104,3 +126,23 @@ def test_the_tracer_has_one_face():
   for path in outside:
     imported = _kfac_imports(path)
     assert not imported & private, f"{path.name} imports {sorted(imported & private)}"
+
+
+def _block_imports(path: pathlib.Path) -> set[str]:
+  """The sibling modules a block module imports (`_kronecker`, `_layouts`, ...)."""
+  names = {m.removeprefix("blocks.") for m in _kfac_imports(path) if m.startswith("blocks.")}
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module == "kfac_jax.blocks":
+      names.update(a.name for a in node.names)
+  return names
+
+
+def test_block_modules_form_no_cycle():
+  graph = {p.stem: _block_imports(p) for p in _PKG.joinpath("blocks").glob("_*.py")}
+
+  def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
+    return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in graph.get(a, ()))
+
+  assert "_uses" in graph["_kronecker"]  # The checker sees `from kfac_jax.blocks import ...`.
+  for name in graph:
+    assert not reaches(name, name), f"blocks/{name}.py reaches itself through {graph[name]}"

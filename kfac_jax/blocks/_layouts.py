@@ -14,12 +14,18 @@ statistics from these rows only.
              transposed to (in channel, window..., out) and reshaped the same way, so a patch row
              times M is exactly the convolution at that location.
   embedding  x = the ids (a one-hot row per id, never materialised); M = the table [vocab, dim].
+
+Each layout declares the layer kind it lays out (`kind`, read from the layer's matching details,
+`LayerSpec.info`) and the Kronecker-factored approximations it supports (`kronecker`); the
+Kronecker, diagonal and full blocks serve those pairs (`Block.serves`), so a new kind whose
+layers are products by a parameter matrix needs only its layout here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +35,9 @@ from jax import lax
 from kfac_jax import _specs
 from kfac_jax.blocks import _linalg
 
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Approximation, Kind
+
 Array = jax.Array
 
 
@@ -36,8 +45,19 @@ def _operand_shape(chain, param_shape) -> tuple[int, ...]:
   return tuple(chain[-1].out_shape) if chain else tuple(param_shape)
 
 
+# The Kronecker approximations every layout supports: A ⊗ G, and either side kept as its diagonal.
+_KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
+
+
 class DenseLayout:
   """`s = x W (+ b)` with W viewed as [in, out] (see `DenseInfo`)."""
+
+  kind: ClassVar[Kind] = "dense"
+  info_type: ClassVar[type] = _specs.DenseInfo
+  # Also over sequences: positions as rows ("expand") or averaged per example ("reduce"); and
+  # "kron_indep", which equals "kron" for one use.
+  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON + ("expand", "reduce", "kron_indep")
+  per_example: ClassVar[bool] = True  # `per_example_grads` applies ("diagonal", "full").
 
   def __init__(self, spec):
     self.spec = spec
@@ -75,6 +95,11 @@ class DenseLayout:
 
 class ConvLayout:
   """A convolution as a product of input patches with the kernel matrix (see module doc)."""
+
+  kind: ClassVar[Kind] = "conv"
+  info_type: ClassVar[type] = _specs.ConvInfo
+  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON + ("kron_sua", "kron_indep")
+  per_example: ClassVar[bool] = True
 
   def __init__(self, spec):
     self.spec = spec
@@ -162,6 +187,12 @@ class ConvLayout:
 class EmbeddingLayout:
   """`s = onehot(id) T` with the table T: [vocab, dim]; x holds the ids, not one-hot rows."""
 
+  kind: ClassVar[Kind] = "embedding"
+  info_type: ClassVar[type] = _specs.EmbeddingInfo
+  # The input side is always diagonal (one-hot rows): "kron" and "kron_in_diag" are one block.
+  kronecker: ClassVar[tuple[Approximation, ...]] = ("kron", "kron_out_diag", "kron_indep")
+  per_example: ClassVar[bool] = False  # Its rows are ids, not input rows.
+
   def __init__(self, spec):
     self.spec = spec
     self.info: _specs.EmbeddingInfo = spec.info
@@ -191,15 +222,29 @@ class EmbeddingLayout:
 
 
 Layout = DenseLayout | ConvLayout | EmbeddingLayout
-_LAYOUTS: dict[str, type[Layout]] = {
-  "dense": DenseLayout,
-  "conv": ConvLayout,
-  "embedding": EmbeddingLayout,
-}
+LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout)
+_BY_INFO: dict[type, type[Layout]] = {lay.info_type: lay for lay in LAYOUTS}
 
 
 def layout_for(spec) -> Layout:
-  return _LAYOUTS[spec.kind](spec)
+  """The layout of a layer, from the type of its matching details (`spec.info`)."""
+  return _BY_INFO[type(spec.info)](spec)
+
+
+def per_example(spec) -> bool:
+  """Whether a layer's per-example gradients are rebuilt from its inputs and output gradients
+  (`per_example_grads`): layers with such a layout, and scales and shifts."""
+  lay = _BY_INFO.get(type(spec.info))
+  return (lay is not None and lay.per_example) or isinstance(spec.info, _specs.ScaleShiftInfo)
+
+
+# The kinds whose "diagonal" and "full" blocks are exact per-example Fisher blocks: those of
+# the layouts with per-example gradients, scales and shifts, and generic parameters (whose
+# statistics come from the batch-summed gradient).
+PER_EXAMPLE_KINDS: tuple[Kind, ...] = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + (
+  "scale_and_shift",
+  "generic",
+)
 
 
 def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
@@ -219,7 +264,7 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
       )
       for info, d in zip(spec.use_infos, data)
     )
-  if spec.kind == "scale_and_shift":
+  if isinstance(spec.info, _specs.ScaleShiftInfo):
     return _scale_shift_grads(spec, data, batch_size, dtype)
   layout = layout_for(spec)
   x, g = layout.rows(data, dtype)

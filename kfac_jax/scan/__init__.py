@@ -8,6 +8,8 @@ pipeline, each importing only the ones before it:
   `_index`         `GraphIndex`, a frozen index of the graph (views, real uses, consumers);
   `_matchers`, `_stacked`, `_matchers_embed`, `_matchers_shared`
                    pure matching functions, one family per module;
+  `_kinds`         the vocabulary: one `LayerKind` record per layer kind (info type, matchers
+                   and their pass, approximations alone and shared, manual tag reader);
   `_layer_config`  `LayerConfig`: which approximation each layer gets;
   `_scanner`       orchestration: runs the kinds' matchers in order, turns matches into specs.
 
@@ -26,14 +28,19 @@ from kfac_jax._specs import (
   param_paths,
 )
 from kfac_jax.scan._graph import FlatGraph, is_key
+from kfac_jax.scan._kinds import KINDS, Approximation, Kind, LayerKind
 from kfac_jax.scan._layer_config import LayerConfig
 from kfac_jax.scan._layer_config import check as check_layer_config
 from kfac_jax.scan._scanner import ScanResult, scan
 
 __all__ = [
+  "KINDS",
+  "Approximation",
   "FallbackInfo",
   "FlatGraph",
+  "Kind",
   "LayerConfig",
+  "LayerKind",
   "LayerSpec",
   "LossSpec",
   "RegistrationCheckError",
