@@ -14,6 +14,8 @@ statistics from these rows only.
              transposed to (in channel, window..., out) and reshaped the same way, so a patch row
              times M is exactly the convolution at that location.
   embedding  x = the ids (a one-hot row per id, never materialised); M = the table [vocab, dim].
+  conv_local x = the input patches, one row per example, one group per output location; M = the
+             location's kernel `[in, out]` (an unshared convolution is a dense layer per location).
 
 Each layout declares the layer kind it lays out (`kind`, read from the layer's matching details,
 `LayerSpec.info`) and the Kronecker-factored approximations it supports (`kronecker`); the
@@ -221,8 +223,73 @@ class EmbeddingLayout:
     return [m[0].reshape(self.spec.param_shapes[0])]
 
 
-Layout = DenseLayout | ConvLayout | EmbeddingLayout
-LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout)
+@dataclasses.dataclass(frozen=True)
+class ConvLocalInfo:
+  """An unshared (locally connected) convolution, `out[n, p, :] = patch[n, p, :] @ K[p] (+ b[p])`
+  at every output location p of a grid, as one `dot_general` whose batch dimensions are the grid
+  (Flax's `nn.ConvLocal`, `lax.conv_general_dilated_local`).
+
+  The kernel leaf is `[*grid, in, out]` (`kernel_view`: casts only), the bias `[*grid, out]` (or
+  any shape of that size, in that order). The input operand (the patches) is transposed by
+  `x_perm` to `[rows..., *grid, in]`, the tapped output by `out_perm` to `[rows..., *grid, out]`.
+  """
+
+  kernel_view: tuple[_specs.ViewStep, ...]
+  grid: tuple[int, ...]
+  in_dim: int
+  out_dim: int
+  x_perm: tuple[int, ...]
+  out_perm: tuple[int, ...]
+  kernel_and_bias: ClassVar[bool] = True
+
+  @property
+  def locations(self) -> int:
+    return math.prod(self.grid)
+
+
+class ConvLocalLayout:
+  """A locally connected layer as one dense layer per output location: the locations are the
+  groups, `x: [N, P, in]`, `g: [S, N, P, out]`, `M: [P, in(+1), out]`. The Kronecker factors
+  are per location, `A_p = (1/N) Σ_n x̄_{n,p} x̄_{n,p}ᵀ`, `G_p = (1/N) Σ_n g_{n,p} g_{n,p}ᵀ`:
+  the curvature is block-diagonal over locations, each block the K-FAC block of a dense layer."""
+
+  kind: ClassVar[Kind] = "conv_local"
+  info_type: ClassVar[type] = ConvLocalInfo
+  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
+  per_example: ClassVar[bool] = True
+
+  def __init__(self, spec):
+    self.spec = spec
+    self.info: ConvLocalInfo = spec.info
+    self.groups = self.info.locations
+    self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
+
+  def rows(self, data, dtype):
+    (x,), g = data
+    info = self.info
+    x = x.astype(dtype).transpose(info.x_perm).reshape(-1, self.groups, self.in_dim)
+    g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in info.out_perm))
+    return x, g.reshape(g.shape[0], x.shape[0], self.groups, self.out_dim)
+
+  def to_matrix(self, vecs, dtype) -> Array:
+    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
+    m = k.reshape(self.groups, self.in_dim, self.out_dim)
+    if self.spec.has_bias:
+      b = vecs[1].astype(dtype).reshape(self.groups, 1, self.out_dim)
+      m = jnp.concatenate([m, b], axis=1)
+    return m
+
+  def from_matrix(self, m: Array) -> list[Array]:
+    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
+    k = _specs.undo_view(self.info.kernel_view, m[:, : self.in_dim].reshape(op_shape))
+    out = [k.reshape(self.spec.param_shapes[0])]
+    if self.spec.has_bias:
+      out.append(m[:, self.in_dim].reshape(self.spec.param_shapes[1]))
+    return out
+
+
+Layout = DenseLayout | ConvLayout | EmbeddingLayout | ConvLocalLayout
+LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout, ConvLocalLayout)
 _BY_INFO: dict[type, type[Layout]] = {lay.info_type: lay for lay in LAYOUTS}
 
 

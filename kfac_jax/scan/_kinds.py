@@ -8,9 +8,10 @@ the shape-dependent default, and the reader of its manual tag. The scanner, `Lay
 `(kind, approximation)` pairs each block class serves (`Block.serves`), and every pair a record
 names has exactly one block (checked where the block registry is built and by the tests).
 
-Adding a layer kind: a record here (and its name in `Kind`), its matcher (a pure function
-`(index, equation, claimed) -> Match | None`, see `_matchers`), and a block layout in `blocks/`
-if no existing block computes it.
+Adding a layer kind: its name in `Kind` and its record here, with its matcher (a pure function
+`(index, equation, claimed) -> Match | None` on the helpers of `_matchers`; a small one sits
+beside its record, as `conv_local`'s does), and its layout in `blocks/_layouts.py` if its layers
+are products by a parameter matrix (the Kronecker, diagonal and full blocks then serve it).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from kfac_jax._specs import (
   FallbackInfo,
   ScaleShiftInfo,
 )
-from kfac_jax.scan import _matchers, _matchers_embed, _stacked
+from kfac_jax.blocks._layouts import ConvLocalInfo
+from kfac_jax.scan import _graph, _matchers, _matchers_embed, _stacked
 
-Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "generic"]
+Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "conv_local", "generic"]
 Approximation = Literal[
   "kron",
   "kron_in_diag",
@@ -110,6 +112,76 @@ def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | No
   return "diagonal", f"shift-only table {shape} (positional embedding or learned tokens): diagonal"
 
 
+# --------------------------------------------------------------------------------------------
+# Unshared convolutions, declared here whole: their matcher reuses the dense helpers, their
+# block is the Kronecker (or diagonal, full) block over `blocks._layouts.ConvLocalLayout`.
+
+
+def match_conv_local(ix, i, claimed):
+  """An unshared convolution (Flax's `nn.ConvLocal`): a `dot_general` of input patches
+  `[rows..., *grid, in]` with a kernel leaf `[*grid, in, out]` whose leading axes are the
+  product's batch dimensions, read without reshapes; then, optionally, the transpose that puts
+  the rows first and a bias `[*grid, out]` added over the rows. A one-axis grid is taken first,
+  as a stack of dense layers (`_stacked.match_batched_dense`)."""
+  found = _matchers.sole_param_operand(ix, i, "dot_general")
+  if found is None or found[1] != 1 or found[0] >= ix.n_params or found[0] in claimed:
+    return None
+  k_leaf, fe = found[0], ix.g.eqns[i]
+  x_atom, k_atom = fe.ins
+  if any(s.op != "cast" for s in ix.origin[k_atom][1]):
+    return None
+  k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], 1)
+  k_shape = tuple(_graph.aval_of(k_atom).shape)
+  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  g = len(k_b)
+  if not g or k_b != tuple(range(g)) or k_c != (g,) or len(k_shape) != g + 2 or len(x_c) != 1:
+    return None
+  x_free = tuple(d for d in range(len(x_shape)) if d not in x_b and d not in x_c)
+  if not x_free:
+    return None
+  grid, n_free = k_shape[:g], len(x_free)
+  # The product's axes: the grid (batch dimensions), the rows (the patches' free axes), out.
+  labels = [("grid", d) for d in range(g)] + [("row", d) for d in range(n_free)] + [("out", 0)]
+  out_key = fe.outs[0]
+  cons = ix.slice_consumers.get(out_key, [])
+  if len(cons) == 1 and ix.g.eqns[cons[0][0]].name == "transpose":
+    t = ix.g.eqns[cons[0][0]]
+    labels = [labels[int(d)] for d in t.params["permutation"]]
+    out_key = t.outs[0]
+  canonical = [("row", d) for d in range(n_free)] + [("grid", d) for d in range(g)] + [("out", 0)]
+  leaves = [k_leaf]
+  if labels == canonical:  # `[rows..., *grid, out]`: a bias over the grid and outputs may follow.
+    bias = _local_bias(ix, out_key, (1,) * n_free + grid + (k_shape[-1],), claimed)
+    if bias is not None:
+      leaves.append(bias[0])
+      out_key = bias[1]
+  info = ConvLocalInfo(
+    kernel_view=tuple(ix.origin[k_atom][1]),
+    grid=tuple(int(s) for s in grid),
+    in_dim=int(k_shape[g]),
+    out_dim=int(k_shape[-1]),
+    x_perm=x_free + tuple(x_b) + tuple(x_c),
+    out_perm=tuple(labels.index(lab) for lab in canonical),
+  )
+  return _matchers.Match.single("conv_local", leaves, info, out_key, (x_atom,))
+
+
+def _local_bias(ix, out_key, shape, claimed):
+  """`(leaf, output key)` of a single-use leaf of `prod(shape)` entries, reshaped to `shape` and
+  added to `out_key`."""
+  cons = ix.slice_consumers.get(out_key, [])
+  if len(cons) != 1 or ix.g.eqns[cons[0][0]].name != "add":
+    return None
+  fe = ix.g.eqns[cons[0][0]]
+  other = fe.ins[1 - cons[0][1]]
+  found = _matchers.single_use_leaf(ix, other, claimed)
+  if found is None or found[0] >= ix.n_params or tuple(_graph.aval_of(other).shape) != shape:
+    return None
+  if any(s.op not in ("cast", "reshape") for s in found[1]):
+    return None
+  return found[0], fe.outs[0]
+
+
 KINDS: dict[Kind, LayerKind] = {
   k.name: k
   for k in (
@@ -180,6 +252,20 @@ KINDS: dict[Kind, LayerKind] = {
       ),
       read_tag=_matchers.read_scale_and_shift_tag,
       default=_scale_shift_default,
+    ),
+    LayerKind(
+      name="conv_local",
+      info=ConvLocalInfo,
+      approximations=(
+        "kron",
+        "kron_in_diag",
+        "kron_out_diag",
+        "kron_both_diag",
+        "diagonal",
+        "full",
+      ),
+      matchers=(MatcherEntry("kernels", 5, match_conv_local),),
+      batch_rows=True,
     ),
     LayerKind(
       name="generic",
