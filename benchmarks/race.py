@@ -355,9 +355,9 @@ def cyclic(workload: _harness.Workload, length: int) -> _harness.Workload:
 
 
 def _ekfac_available() -> bool:
-  from kfac_jax import _scanner  # pylint: disable=g-import-not-at-top
+  from kfac_jax.scan import _kinds  # pylint: disable=g-import-not-at-top
 
-  return "ekfac" in _scanner.APPROXIMATIONS.get("dense", ())
+  return "ekfac" in _kinds.KINDS["dense"].approximations
 
 
 def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Contestant]:

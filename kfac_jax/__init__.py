@@ -16,16 +16,9 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
 from kfac_jax._curvature import CurvatureStats, value_and_grad
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
-from kfac_jax._layer_config import LayerConfig
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
 from kfac_jax._parallel import ShardedCache
 from kfac_jax._registration import Registration, StatsKey
-from kfac_jax._scanner import (
-  LayerSpec,
-  RegistrationCheckError,
-  RegistrationError,
-  UncoveredParametersWarning,
-)
 from kfac_jax._summary import check_registration, scan_layers, summary
 from kfac_jax._tags import (
   register_categorical_predictive_distribution,
@@ -41,6 +34,13 @@ from kfac_jax._tags import (
   register_squared_error_loss,
 )
 from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
+from kfac_jax.scan import (
+  LayerConfig,
+  LayerSpec,
+  RegistrationCheckError,
+  RegistrationError,
+  UncoveredParametersWarning,
+)
 
 __version__ = "0.1.0.dev0"
 

@@ -28,8 +28,9 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from kfac_jax import _compat, _graph, _layer_config, _losses, _scanner
+from kfac_jax import _compat, _losses
 from kfac_jax import blocks as _blocks
+from kfac_jax import scan as _scan
 
 Array = jax.Array
 EstimationMode = Literal[
@@ -139,7 +140,7 @@ class LossPart:
     out = self.loss_fn(params, batch)
     if not self.has_aux:
       if isinstance(out, (tuple, list)):
-        raise _scanner.RegistrationError(
+        raise _scan.RegistrationError(
           f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
           "not one scalar loss. If it returns `(loss, aux)`, pass has_aux=True."
         )
@@ -150,13 +151,13 @@ class LossPart:
         if isinstance(out, (tuple, list))
         else f"a single {type(out).__name__} of shape {getattr(out, 'shape', '?')}"
       )
-      raise _scanner.RegistrationError(
+      raise _scan.RegistrationError(
         f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
         f"returned {what}. Return `(loss, aux)`, or drop has_aux=True."
       )
     loss, aux = out
     if getattr(loss, "shape", None) != ():
-      raise _scanner.RegistrationError(
+      raise _scan.RegistrationError(
         "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
         f"got shape {getattr(loss, 'shape', type(loss).__name__)}."
       )
@@ -189,7 +190,7 @@ def _read(atom, seen):
   return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
 
 
-def _stacked_tap(graph: _graph.FlatGraph, uses):
+def _stacked_tap(graph: _scan.FlatGraph, uses):
   """`(output keys, input key tuples)` when a layer's uses are the steps of one scan (each input
   too), so they are tapped once, stacked; else None."""
   outs = tuple(k for k, _ in uses)
@@ -211,14 +212,14 @@ class Linearisation:
   a transposition, so the pull-backs cost what a `jax.vjp` would.)
 
   Attributes:
-    scan: the `_scanner.ScanResult` whose graph was run (its layers, losses and taps).
+    scan: the `_scan.ScanResult` whose graph was run (its layers, losses and taps).
     loss: the scalar loss.
     preds: per loss tag, its prediction (the tag's first operand).
     others: per loss tag, its further operands (targets, weights).
     aux_leaves: the graph's further outputs (the aux's leaves with `has_aux`).
   """
 
-  def __init__(self, scan: _scanner.ScanResult, params, batch):
+  def __init__(self, scan: _scan.ScanResult, params, batch):
     leaves = jax.tree_util.tree_leaves(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     tapped = [i for i, k in enumerate(scan.layer_outputs) if k is not None]
@@ -237,10 +238,10 @@ class Linearisation:
     in_atoms = [ins for _, _, ins in taps]
     watched = set(out_keys)
     watched.update(
-      a for atoms in in_atoms for a in atoms if _graph.is_key(a) or isinstance(a, tuple)
+      a for atoms in in_atoms for a in atoms if _scan.is_key(a) or isinstance(a, tuple)
     )
     for ops in scan.loss_operands:
-      watched.update(a for a in ops if _graph.is_key(a))
+      watched.update(a for a in ops if _scan.is_key(a))
     watch = frozenset(watched)
 
     def f(p_leaves, eps):
@@ -328,13 +329,13 @@ class Linearisation:
     )
 
 
-def linearize(scan: _scanner.ScanResult, params, batch) -> Linearisation:
+def linearize(scan: _scan.ScanResult, params, batch) -> Linearisation:
   """One forward pass of `scan`'s graph, linearised (see `Linearisation`)."""
   return Linearisation(scan, params, batch)
 
 
 def compute(
-  scan: _scanner.ScanResult,
+  scan: _scan.ScanResult,
   params,
   batch,
   rng: Array | None,
@@ -464,7 +465,7 @@ def value_and_grad(
     LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux` now, not at the first call.
     check_mode(estimation_mode, num_samples)
     _check_bool(strict, "strict")
-    _layer_config.check(layers)
+    _scan.check_layer_config(layers)
   own: dict[Any, Any] = {}  # Without `registration`: one per (params, batch) signature.
 
   def registered(params, batch):

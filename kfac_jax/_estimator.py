@@ -26,13 +26,12 @@ from kfac_jax import (
   _checks,
   _compat,
   _curvature,
-  _layer_config,
   _parallel,
   _registration,
-  _scanner,
   _sharded,
 )
 from kfac_jax import blocks as _blocks
+from kfac_jax import scan as _scan
 
 Array = jax.Array
 InverseStorage = Literal["replicated", "sharded"]
@@ -269,7 +268,7 @@ class CurvatureEstimator:
     compute_cholesky_inverse: bool = False,
     strict: bool = False,
     compute_params_stats: bool = False,
-    layers: _layer_config.LayerConfig | None = None,
+    layers: _scan.LayerConfig | None = None,
     stats_dtype: Any = None,
     inverse_dtype: Any = None,
     inverse_storage: InverseStorage = "replicated",
@@ -311,7 +310,7 @@ class CurvatureEstimator:
     self.num_samples = num_samples
     self.strict = strict
     self.compute_params_stats = compute_params_stats
-    self.layer_config = _layer_config.check(layers)
+    self.layer_config = _scan.check_layer_config(layers)
     self.inverse_storage = inverse_storage
     inverse_dtype = resolve_dtype(inverse_dtype, "inverse_dtype")
     self.config = _blocks.BlockConfig(
@@ -326,7 +325,7 @@ class CurvatureEstimator:
     )
     self._registration: _registration.Registration | None = None
     self.who = "this estimator"  # How errors name the consumer of the statistics.
-    self._layers: tuple[_scanner.LayerSpec, ...] | None = None
+    self._layers: tuple[_scan.LayerSpec, ...] | None = None
     self._blocks: tuple[_blocks.Block, ...] = ()
     self._names: tuple[str, ...] = ()
     self._active: tuple[int, ...] = ()  # Indices of the registration's layers kept.
@@ -406,7 +405,7 @@ class CurvatureEstimator:
     if tuple(active) != self._active:
       self._select(tuple(active))
 
-  def scan_batch(self, params, batch, warn: bool = False, axis_name=None) -> _scanner.ScanResult:
+  def scan_batch(self, params, batch, warn: bool = False, axis_name=None) -> _scan.ScanResult:
     """The evaluation graph of `loss_fn(params, batch)`, scanned once per batch signature by
     the registration (`warn` and `axis_name` are kept for callers; the registration decides)."""
     del warn, axis_name
@@ -433,7 +432,7 @@ class CurvatureEstimator:
     self._registration.check_params(params)
 
   @property
-  def layers(self) -> tuple[_scanner.LayerSpec, ...]:
+  def layers(self) -> tuple[_scan.LayerSpec, ...]:
     """The registered layers (after `init`)."""
     if self._layers is None:
       raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
@@ -692,7 +691,7 @@ class CurvatureEstimator:
 
   def _apply_unscoped(self, state, vector, fn, axis_name, mesh, method) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(vector)
-    paths = _scanner.param_paths(vector)
+    paths = _scan.param_paths(vector)
     if paths != self._sig[0]:
       raise ValueError(
         "the vector's pytree structure differs from the params this estimator was built for: "
@@ -846,7 +845,7 @@ def _relative_paths(paths: Sequence[str]) -> str:
 
 
 def format_table(
-  layers: Sequence[_scanner.LayerSpec],
+  layers: Sequence[_scan.LayerSpec],
   blocks: Sequence[_blocks.Block],
   param_bytes: int | None = None,
 ) -> str:

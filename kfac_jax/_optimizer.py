@@ -57,11 +57,11 @@ from kfac_jax import (
   _curvature,
   _engine,
   _estimator,
-  _layer_config,
   _losses,
   _registration,
 )
 from kfac_jax import blocks as _blocks
+from kfac_jax import scan as _scan
 
 Array = jax.Array
 ScalarOrSchedule = float | Callable[[Array], Array]
@@ -152,7 +152,7 @@ class OptimizerConfig:
   burn_in_steps: int = 0
   weight_decay: float = 0.0
   strict: bool = False
-  layers: _layer_config.LayerConfig | None = None
+  layers: _scan.LayerConfig | None = None
   stats_dtype: Any = None
   inverse_dtype: Any = None
   preconditioner_dtype: Any = None
@@ -160,7 +160,7 @@ class OptimizerConfig:
   factor_solve: _blocks.FactorSolve = "auto"
 
   def __post_init__(self):
-    _layer_config.check(self.layers)
+    _scan.check_layer_config(self.layers)
     _estimator.resolve_dtype(self.stats_dtype, "config.stats_dtype")
     _estimator.resolve_preconditioner_dtype(
       self.preconditioner_dtype,

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _checks, _compat, _curvature, _layer_config, _losses, _scanner
+from kfac_jax import _checks, _compat, _curvature, _losses
 from kfac_jax import blocks as _blocks
+from kfac_jax import scan as _scan
 
 AxisName = str | tuple[str, ...] | None
 _MAX_SCANS = 8  # Evaluation graphs kept per registration (batch shapes x axis environments).
@@ -76,7 +77,7 @@ class StatsKey:
 
 
 def stats_key(
-  estimation_mode: str, num_samples: int, layers: Sequence[_scanner.LayerSpec]
+  estimation_mode: str, num_samples: int, layers: Sequence[_scan.LayerSpec]
 ) -> StatsKey:
   if estimation_mode not in _losses.RANDOM_MODES or estimation_mode == "empirical":
     num_samples = 1  # "empirical" ignores it; the exact modes require 1.
@@ -126,7 +127,7 @@ def avals(tree) -> tuple:
   return treedef, tuple(jax.typeof(x) for x in leaves)
 
 
-def _has_tracer_consts(scan: _scanner.ScanResult) -> bool:
+def _has_tracer_consts(scan: _scan.ScanResult) -> bool:
   return any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts)
 
 
@@ -197,7 +198,7 @@ class Registration:
   param_paths: tuple[str, ...]
   param_shapes: tuple[tuple[int, ...], ...]
   param_dtypes: tuple[str, ...]
-  layers: tuple[_scanner.LayerSpec, ...]
+  layers: tuple[_scan.LayerSpec, ...]
   block_names: tuple[str, ...]
   example_batch_size: int
   fingerprint: Any
@@ -213,7 +214,7 @@ class Registration:
     has_aux: bool = False,
     estimation_mode: _curvature.EstimationMode = "gradients",
     num_samples: int = 1,
-    layers: _layer_config.LayerConfig | None = None,
+    layers: _scan.LayerConfig | None = None,
     strict: bool = False,
     axis_name: AxisName = None,
   ):
@@ -255,12 +256,12 @@ class Registration:
     part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
-    config = _layer_config.check(layers)
+    config = _scan.check_layer_config(layers)
     names = axis_names(axis_name)
     env = _compat.axis_env_key()
     stand_in = env is None or any(n not in {e[1] for e in env} for n in names)
     with _compat.axis_env([(n, 1) for n in names]):
-      scan = _scanner.scan(
+      scan = _scan.scan(
         part,
         params,
         example_batch,
@@ -280,7 +281,7 @@ class Registration:
     set_(self, "axis_name", axis_name)
     set_(self, "example_batch", jax.eval_shape(lambda b: b, example_batch))
     set_(self, "params_shape", jax.eval_shape(lambda p: p, params))
-    set_(self, "param_paths", _scanner.param_paths(params))
+    set_(self, "param_paths", _scan.param_paths(params))
     set_(self, "param_shapes", tuple(tuple(np.shape(x)) for x in leaves))
     set_(self, "param_dtypes", tuple(str(jnp.result_type(x)) for x in leaves))
     set_(self, "layers", scan.layers)
@@ -312,7 +313,7 @@ class Registration:
 
   def check_params(self, params, what: str = "params") -> None:
     """ValueError naming the first leaf where `params` differs from the registration's."""
-    paths = _scanner.param_paths(params)
+    paths = _scan.param_paths(params)
     expected = self.param_paths
     problem = None
     if paths != expected:
@@ -353,7 +354,7 @@ class Registration:
 
   # -- evaluation ----------------------------------------------------------------------------
 
-  def scan_batch(self, params, batch) -> _scanner.ScanResult:
+  def scan_batch(self, params, batch) -> _scan.ScanResult:
     """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates.
 
     Kept per `(params, batch)` signature and bound axes; a new one is checked to have the
@@ -367,7 +368,7 @@ class Registration:
       scan, aux_tree = hit
       self.loss_part.aux_tree = aux_tree
       return scan
-    scan = _scanner.scan(
+    scan = _scan.scan(
       self.loss_part,
       params,
       batch,
@@ -383,7 +384,7 @@ class Registration:
       self._scans[key] = (scan, self.loss_part.aux_tree)
     return scan
 
-  def check_scan(self, scan: _scanner.ScanResult) -> None:
+  def check_scan(self, scan: _scan.ScanResult) -> None:
     """The layers found for a batch must be those of `example_batch`, with the same blocks."""
     self.check_layer_shapes(
       tuple(s.name for s in scan.layers),
@@ -433,7 +434,7 @@ class Registration:
       raise ValueError(mismatch_message(key, self.fingerprint, who))
 
 
-def _unique_names(specs: Sequence[_scanner.LayerSpec]) -> list[str]:
+def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:
   names: list[str] = []
   seen: dict[str, int] = {}
   for s in specs:

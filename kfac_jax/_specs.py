@@ -1,10 +1,10 @@
 """Static descriptions shared by the scanner, the blocks and the layer configuration.
 
-A leaf module: it imports nothing from `kfac_jax`, so `blocks/*` and `_layer_config` read the
-specs without importing the tracer (`_scanner`), and there is no import cycle. It holds
+A leaf module: it imports nothing from `kfac_jax` at run time, so `blocks/*` read the specs
+without importing the tracer (`kfac_jax.scan`), and there is no import cycle. Which
+approximations each layer kind takes is declared with the kind, in `kfac_jax.scan._kinds` (its
+`Kind` and `Approximation` types annotate the specs here). It holds
 
-  * the approximation tables: which approximations each layer kind takes, alone
-    (`APPROXIMATIONS`, `DEFAULT_APPROX`) and shared by several uses (`SHARED_BY_KIND`);
   * the registration errors and the uncovered-parameter warning;
   * parameter paths (`path_to_str`, `param_paths`) and parameter views (`ViewStep`,
     `ConcatView` with their pure helpers `apply_view`, `undo_view`, `join_pieces`,
@@ -19,61 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import numpy as np
 
-# --------------------------------------------------------------------------------------------
-# Approximation tables.
-
-APPROXIMATIONS = {
-  "dense": (
-    "kron",
-    "kron_in_diag",
-    "kron_out_diag",
-    "kron_both_diag",
-    "diagonal",
-    "full",
-    "expand",
-    "reduce",
-    "kron_indep",
-    "ekfac",
-  ),
-  "conv": (
-    "kron",
-    "kron_sua",
-    "kron_in_diag",
-    "kron_out_diag",
-    "kron_both_diag",
-    "diagonal",
-    "full",
-    "ekfac",
-  ),
-  "scale_and_shift": ("full", "diagonal"),
-  "embedding": ("kron", "kron_indep", "kron_out_diag"),
-  "generic": ("diagonal", "full"),
-}
-DEFAULT_APPROX = {
-  "dense": "kron",
-  "conv": "kron",
-  "scale_and_shift": "full",
-  "embedding": "kron",
-  "generic": "diagonal",
-}
-
-
-# Approximations of a layer whose parameters are used several times (see `kfac_jax.blocks._shared`).
-SHARED_APPROXIMATIONS = ("kron_indep", "kron_series_1", "kron_series_2")
-# Per kind, the approximations of a shared layer (default first; "kron" is read as "kron_indep").
-# "diagonal" and "full" are exact per-example Fisher blocks, the per-example gradient being the
-# sum over uses (`blocks._layouts.per_example_grads`).
-SHARED_BY_KIND = {
-  "dense": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
-  "conv": ("kron_indep", "diagonal", "full"),
-  "embedding": ("kron_indep",),
-  "scale_and_shift": ("full", "diagonal"),
-}
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Approximation, Kind
 
 
 class RegistrationError(ValueError):
@@ -235,6 +187,8 @@ class DenseInfo:
   in_dim: int
   out_dim: int
   rows: int
+  # A kernel, then optionally a bias (`LayerSpec.has_bias`).
+  kernel_and_bias: ClassVar[bool] = True
 
 
 def kernel_index_matrix(info: DenseInfo, param_shape) -> np.ndarray:
@@ -250,10 +204,10 @@ class LayerSpec:
 
   Attributes:
     name: the layer's name, the common prefix of its parameter paths (e.g. `params/Dense_0`).
-    kind: "dense", "conv", "scale_and_shift", "embedding" or "generic".
+    kind: the layer kind (`Kind`: "dense", "conv", "scale_and_shift", "embedding", "generic").
     param_paths: the paths of its parameter leaves, e.g. `("params/Dense_0/kernel", ...)`.
     leaf_indices: positions of those leaves in `jax.tree_util.tree_leaves(params)`.
-    approx: the curvature approximation (see `APPROXIMATIONS`; chosen by `LayerConfig`).
+    approx: the curvature approximation (one its kind's record takes; chosen by `LayerConfig`).
     factor_shapes: shapes of the curvature factors the block keeps.
     source: "auto", "manual", "fallback" or "linked" (a `LayerConfig.linked` group).
     info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
@@ -273,17 +227,17 @@ class LayerSpec:
       their shapes): the spec its block computes with.
     stack_size: L > 0 for a stack of L layers of one kind whose parameter leaves carry a
       leading layer axis (a scan over stacked layers, a vmapped ensemble, an expert-stacked
-      kernel; see `kfac_jax._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
+      kernel; see `kfac_jax.scan._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
     stack_inner: for a stack, the spec of one layer of it (leaf shapes without the layer axis).
     stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
       input operand and then of the output; empty when each layer has its own tap (a scan).
   """
 
   name: str
-  kind: str
+  kind: Kind
   param_paths: tuple[str, ...]
   leaf_indices: tuple[int, ...]
-  approx: str
+  approx: Approximation
   factor_shapes: tuple[tuple[int, ...], ...]
   source: str = "auto"
   info: Any = None
@@ -308,10 +262,11 @@ class LayerSpec:
 
   @property
   def has_bias(self) -> bool:
-    """Dense and conv layers: whether a bias leaf follows the kernel."""
+    """Layers that multiply by a kernel (their info says `kernel_and_bias`): whether a bias
+    leaf follows the kernel."""
     if self.logical is not None:
       return self.logical.has_bias
-    return self.kind in ("dense", "conv") and len(self.leaf_indices) == 2
+    return getattr(self.info, "kernel_and_bias", False) and len(self.leaf_indices) == 2
 
   @property
   def num_params(self) -> int:
@@ -342,6 +297,7 @@ class ConvInfo:
   kernel_spatial: tuple[int, ...]
   input_shape: tuple[int, ...]
   output_shape: tuple[int, ...]
+  kernel_and_bias: ClassVar[bool] = True
 
   @property
   def groups(self) -> int:

@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _curvature, _estimator, _layer_config, _registration, _scanner
+from kfac_jax import _compat, _curvature, _estimator, _registration
 from kfac_jax import blocks as _blocks
+from kfac_jax import scan as _tracer
 
 AxisName = str | tuple[str, ...] | None
 
@@ -39,10 +40,10 @@ def _settings(strict, layers, axis_name, has_aux):
   }
 
 
-def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _scanner.ScanResult:
+def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _tracer.ScanResult:
   part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
   with _compat.axis_env([(n, 1) for n in _axis_names(axis_name)]):
-    return _scanner.scan(part, params, batch, has_aux=has_aux, **kw)
+    return _tracer.scan(part, params, batch, has_aux=has_aux, **kw)
 
 
 def scan_layers(
@@ -52,10 +53,10 @@ def scan_layers(
   *,
   registration: _registration.Registration | None = None,
   strict: bool = False,
-  layers: _layer_config.LayerConfig | None = None,
+  layers: _tracer.LayerConfig | None = None,
   axis_name: AxisName = None,
   has_aux: bool = False,
-) -> tuple[_scanner.LayerSpec, ...]:
+) -> tuple[_tracer.LayerSpec, ...]:
   """Traces `loss_fn(params, batch)` and returns the layers K-FAC will use, in parameter order.
 
   Each `LayerSpec` has `name`, `kind` ("dense", "conv", "scale_and_shift", "embedding",
@@ -100,7 +101,7 @@ def summary(
   *,
   registration: _registration.Registration | None = None,
   strict: bool = False,
-  layers: _layer_config.LayerConfig | None = None,
+  layers: _tracer.LayerConfig | None = None,
   axis_name: AxisName = None,
   has_aux: bool = False,
 ) -> str:
@@ -137,7 +138,7 @@ def summary(
   return table + "\n\n" + coverage_report(specs, blocks, params)
 
 
-def _display_names(specs: Sequence[_scanner.LayerSpec]) -> list[_scanner.LayerSpec]:
+def _display_names(specs: Sequence[_tracer.LayerSpec]) -> list[_tracer.LayerSpec]:
   """Specs renamed so that every row is distinguishable.
 
   A layer is named by the common prefix of its parameter paths; layers whose parameters sit
@@ -158,7 +159,7 @@ def _display_names(specs: Sequence[_scanner.LayerSpec]) -> list[_scanner.LayerSp
 
 
 def coverage_report(
-  specs: Sequence[_scanner.LayerSpec], blocks: Sequence[_blocks.Block], params
+  specs: Sequence[_tracer.LayerSpec], blocks: Sequence[_blocks.Block], params
 ) -> str:
   """The lines `summary` prints under the table (see `summary`)."""
   total = sum(s.num_params for s in specs)
@@ -172,18 +173,16 @@ def coverage_report(
     state_line += (
       f" ({state_bytes / param_bytes:.2f}x the parameters' {_estimator.format_bytes(param_bytes)})"
     )
+  kinds = ", ".join(k.replace("_", "-") for k in _tracer.KINDS if k != "generic")
   lines = [
-    (
-      f"layer blocks (dense, conv, embedding, scale-and-shift) hold {structured} of {total} "
-      f"parameters ({100 * share:.1f}%)"
-    ),
+    f"layer blocks ({kinds}) hold {structured} of {total} parameters ({100 * share:.1f}%)",
     state_line,
   ]
   fallbacks = [s for s in specs if s.source == "fallback"]
   if fallbacks:
     lines.append(f"fallback (diagonal) blocks, {len(fallbacks)}: why no layer matched")
     for s in fallbacks:
-      reason = s.info.reason if isinstance(s.info, _scanner.FallbackInfo) else "unknown"
+      reason = s.info.reason if isinstance(s.info, _tracer.FallbackInfo) else "unknown"
       lines.append(f"  {s.param_paths[0]}: {reason}")
   return "\n".join(lines)
 
@@ -194,10 +193,10 @@ def check_registration(
   batch=None,
   *,
   registration: _registration.Registration | None = None,
-  layers: _layer_config.LayerConfig | None = None,
+  layers: _tracer.LayerConfig | None = None,
   axis_name: AxisName = None,
   has_aux: bool = False,
-) -> tuple[_scanner.LayerSpec, ...]:
+) -> tuple[_tracer.LayerSpec, ...]:
   """Checks that every parameter is in exactly one curvature block; lists every problem at once.
 
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no

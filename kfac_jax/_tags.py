@@ -201,7 +201,8 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
     approx: curvature approximation for this layer (default: the estimator's default, "kron").
       A kernel used several times is tagged at every use, each tag with the same `approx`, one
       of "kron_indep" (the default), "kron_series_1", "kron_series_2", "diagonal" or "full"
-      (`_scanner.SHARED_BY_KIND`); the number of tags must equal the number of uses.
+      (the dense kind's shared approximations, `kfac_jax.scan._kinds`); the number of tags must
+      equal the number of uses.
 
   Returns:
     `y`, unchanged.

@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _curvature, _engine, _estimator, _layer_config, _registration
+from kfac_jax import _checks, _curvature, _engine, _estimator, _registration
 from kfac_jax import blocks as _blocks
+from kfac_jax import scan as _scan
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -576,7 +577,7 @@ def scale_by_kfac(
   inverse_storage: _estimator.InverseStorage = "replicated",
   factor_solve: _blocks.FactorSolve = "auto",
   strict: bool = False,
-  layers: _layer_config.LayerConfig | None = None,
+  layers: _scan.LayerConfig | None = None,
   stats_dtype: Any = None,
   inverse_dtype: Any = None,
   preconditioner_dtype: Any = None,
@@ -801,7 +802,7 @@ def kfac(
   inverse_storage: _estimator.InverseStorage = "replicated",
   factor_solve: _blocks.FactorSolve = "auto",
   strict: bool = False,
-  layers: _layer_config.LayerConfig | None = None,
+  layers: _scan.LayerConfig | None = None,
   stats_dtype: Any = None,
   inverse_dtype: Any = None,
   preconditioner_dtype: Any = None,

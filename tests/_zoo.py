@@ -1022,6 +1022,27 @@ def equinox_gru() -> Zoo:
   return z
 
 
+# -- locally connected layer (unshared convolution) -----------------------------------------------
+
+
+class LinenLocallyConnected(nn.Module):
+  """A DeepFace-style classifier: a shared convolution and pooling, then a locally connected
+  layer (`nn.ConvLocal`: its own 3x3 filter bank at every location of the pooled map, for
+  inputs whose regions differ, like aligned faces), then a linear head."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.max_pool(nn.relu(nn.Conv(4, (3, 3))(x)), (2, 2), (2, 2))  # [N, 4, 4, 4]
+    x = nn.relu(nn.ConvLocal(6, (3, 3))(x))  # SAME padding: [N, 4, 4, 6]
+    return nn.Dense(CLASSES)(x.reshape(x.shape[0], -1))
+
+
+def locally_connected() -> Zoo:
+  f, p, b = _linen(LinenLocallyConnected(), _images(jax.random.key(0)))
+  local = ("conv_local", "kron", ("ConvLocal_0/kernel", "ConvLocal_0/bias"))
+  return Zoo(f, p, b, [local, _conv("Conv_0"), _dense("Dense_0")])
+
+
 STRUCTURE_MODELS = {
   "haiku_mlp": haiku_mlp,
   "haiku_cnn": haiku_cnn,
@@ -1037,6 +1058,7 @@ STRUCTURE_MODELS = {
   "equinox_resnet": equinox_resnet,
   "moe": moe,
   "equinox_gru": equinox_gru,
+  "locally_connected": locally_connected,
 }
 
 

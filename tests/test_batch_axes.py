@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kfac_jax import _batch_axes, _graph
+from kfac_jax.scan import _batch_axes, _graph
 
 N, T, D = 3, 4, 2
 

@@ -8,7 +8,8 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax
-from kfac_jax import _curvature, _scanner
+from kfac_jax import _curvature
+from kfac_jax.scan import _scanner
 
 V, D, C = 7, 3, 4
 

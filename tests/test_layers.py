@@ -1180,3 +1180,105 @@ def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
   # (c1's input needs none).
   assert kernels(est.curvature_stats) == ["0, 1, i, o"] * 3
   assert "0, 1, o, i" in kernels(plain_stats)  # JAX's own transpose reads (out, in).
+
+
+# -- locally connected (unshared) convolutions ----------------------------------------------------
+
+
+def _conv_local_proj(dtype):
+  return jax.random.normal(jax.random.key(12), (4 * 4 * 3, 4), dtype)
+
+
+def _conv_local_model(n, approx=None, bias=True):
+  """A Flax `nn.ConvLocal` (3x3 window, 4x4 output grid, 2 -> 3 channels) read by a fixed
+  projection, so that its kernel and bias are the only parameters."""
+  layer = nn.ConvLocal(3, (3, 3), padding="VALID", use_bias=bias, param_dtype=jnp.float64)
+  k = jax.random.split(jax.random.key(11), 4)
+  x = jax.random.normal(k[0], (n, 6, 6, 2), jnp.float64)
+  params = layer.init(k[1], x)["params"]
+  proj = _conv_local_proj(jnp.float64)
+  batch = {"x": x, "y": jax.random.randint(k[3], (n,), 0, 4)}
+
+  def logits(p, b):
+    return layer.apply({"params": p}, b["x"]).reshape(b["x"].shape[0], -1) @ proj
+
+  layers = kfac_jax.LayerConfig(defaults={"conv_local": approx}) if approx else None
+  return logits, params, batch, layers
+
+
+def _location_of_each_parameter(params):
+  """The output location (row-major over the 4x4 grid) each raveled parameter belongs to."""
+  loc = jax.tree_util.tree_map(
+    lambda p: np.broadcast_to(np.arange(16).reshape(4, 4, *(1,) * (p.ndim - 2)), p.shape), params
+  )
+  return ravel_pytree(loc)[0].astype(int)
+
+
+def test_conv_local_is_found_as_one_layer_with_per_location_factors(x64):
+  logits, params, batch, _ = _conv_local_model(2)
+  specs = kfac_jax.scan_layers(lambda p, b: _ce(logits(p, b), b["y"]), params, batch, strict=True)
+  ((spec,),) = [specs]
+  assert (spec.kind, spec.approx, spec.param_paths) == ("conv_local", "kron", ("kernel", "bias"))
+  # 16 locations, each a dense layer with 3·3·2 patch inputs (+ bias) and 3 outputs.
+  assert spec.factor_shapes == ((16, 19, 19), (16, 3, 3))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_local_kron_equals_per_location_fisher_for_one_example(x64, bias):
+  # One example: each location's block is exactly (x̄ x̄ᵀ) ⊗ (g gᵀ) = j_p j_pᵀ, and the blocks
+  # between locations are left out.
+  logits, params, batch, _ = _conv_local_model(1, bias=bias)
+  est, _, dense = _estimate(lambda p, b: _ce(logits(p, b), b["y"]), params, batch)
+  assert est.layers[0].kind == "conv_local" and est.layers[0].approx == "kron"
+  exact = _exact_empirical(lambda p, b: _per_example_ce(logits(p, b), b["y"]), params, batch)
+  loc = _location_of_each_parameter(params)
+  same = loc[:, None] == loc[None, :]
+  assert np.abs(exact[~same]).max() > 1e-6  # The dropped cross-location blocks are not zero.
+  np.testing.assert_allclose(dense, np.where(same, exact, 0.0), rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("approx", ["full", "diagonal"])
+def test_conv_local_full_and_diagonal_equal_exact_fisher(x64, approx):
+  logits, params, batch, layers = _conv_local_model(3, approx)
+  loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  assert est.layers[0].approx == approx
+  exact = _exact_empirical(lambda p, b: _per_example_ce(logits(p, b), b["y"]), params, batch)
+  want = exact if approx == "full" else np.diag(np.diag(exact))
+  np.testing.assert_allclose(np.asarray(est.to_dense(state)), want, rtol=1e-10, atol=1e-13)
+
+
+def test_conv_local_kron_factors_by_definition(x64):
+  # A_p = (1/N) Σ_n x̄_{n,p} x̄_{n,p}ᵀ over the patches, G_p = (1/N) Σ_n g_{n,p} g_{n,p}ᵀ with
+  # g_{n,p} = ∂ℓ_n/∂y_{n,p} (empirical Fisher); location p's block is A_p ⊗ G_p over its
+  # (kernel row, output) entries with the bias as the last row, the blocks in location order.
+  logits, params, batch, _ = _conv_local_model(3)
+  est, _, dense = _estimate(lambda p, b: _ce(logits(p, b), b["y"]), params, batch)
+  x, n = batch["x"], batch["x"].shape[0]
+  patches = lax.conv_general_dilated_patches(
+    x.transpose(0, 3, 1, 2), (3, 3), (1, 1), "VALID", precision=lax.Precision.HIGHEST
+  )  # [N, 2·9, 4, 4], (channel, window) row-major: the rows of Flax's ConvLocal kernel.
+  rows = patches.transpose(0, 2, 3, 1).reshape(n, 16, 18)
+  xbar = np.concatenate([rows, np.ones((n, 16, 1))], axis=-1)
+  layer = nn.ConvLocal(3, (3, 3), padding="VALID", param_dtype=jnp.float64)
+  y = layer.apply({"params": params}, x)
+  proj_logits = lambda yy: yy.reshape(n, -1) @ _conv_local_proj(yy.dtype)
+  np.testing.assert_allclose(proj_logits(y), logits(params, batch), rtol=1e-12)
+  g = jax.grad(lambda yy: _per_example_ce(proj_logits(yy), batch["y"]).sum())(y)
+  g = np.asarray(g).reshape(n, 16, 3)
+  a_p = np.einsum("npi,npj->pij", xbar, xbar) / n
+  g_p = np.einsum("npi,npj->pij", g, g) / n
+  # Reorder the estimate from the raveled (bias, kernel) leaves to per-location [kernel; bias]
+  # rows times outputs.
+  loc = _location_of_each_parameter(params)
+  n_bias = params["bias"].size
+  idx = np.arange(loc.size)
+  for p in range(16):
+    kernel = idx[n_bias:][loc[n_bias:] == p]  # (row, out) row-major.
+    bias = idx[:n_bias][loc[:n_bias] == p]
+    order = np.concatenate([kernel, bias])
+    np.testing.assert_allclose(
+      dense[np.ix_(order, order)], np.kron(a_p[p], g_p[p]), rtol=1e-10, atol=1e-13
+    )
+  assert est.layers[0].factor_shapes == ((16, 19, 19), (16, 3, 3))

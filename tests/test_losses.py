@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import kfac_jax
-from kfac_jax import _losses, _scanner
+from kfac_jax import _losses
+from kfac_jax.scan import _scanner
 
 
 def _tagged_loss(kind, y, w):

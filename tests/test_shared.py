@@ -12,8 +12,9 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax
-from kfac_jax import _curvature, _scanner
-from kfac_jax.blocks import _shared
+from kfac_jax import _curvature
+from kfac_jax.blocks import _shared, _uses
+from kfac_jax.scan import _scanner
 
 V, D, N, L = 7, 4, 3, 3
 
@@ -209,12 +210,12 @@ def test_kron_indep_on_a_single_use_equals_the_single_use_block(x64):
   config = _f64_config()
   single = kfac_jax.blocks.make_block(spec, config).batch_factors(data, N)
   one_use = dataclasses.replace(spec, approx="kron_indep", num_uses=1, use_infos=(spec.info,))
-  indep = _shared.indep_factors(one_use, (data,), N, jnp.float64)
+  indep = _uses.indep_factors(one_use, (data,), N, jnp.float64)
   np.testing.assert_allclose(indep.a, single.a, rtol=1e-12)
   np.testing.assert_allclose(indep.g, single.g, rtol=1e-12)
   # A two-use layer whose uses see the same data: A unchanged, G doubled.
   two = dataclasses.replace(one_use, num_uses=2, use_infos=(spec.info, spec.info))
-  indep2 = _shared.indep_factors(two, (data, data), N, jnp.float64)
+  indep2 = _uses.indep_factors(two, (data, data), N, jnp.float64)
   np.testing.assert_allclose(indep2.a, single.a, rtol=1e-12)
   np.testing.assert_allclose(indep2.g, 2 * single.g, rtol=1e-12)
 

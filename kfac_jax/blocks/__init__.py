@@ -29,36 +29,34 @@ from kfac_jax.blocks._state import (
   SeriesFactors,
 )
 
-_BLOCKS: dict[tuple[str, str], type[Block]] = {
-  ("dense", "kron"): KroneckerBlock,
-  ("dense", "kron_in_diag"): KroneckerBlock,
-  ("dense", "kron_out_diag"): KroneckerBlock,
-  ("dense", "kron_both_diag"): KroneckerBlock,
-  ("dense", "diagonal"): DiagonalBlock,
-  ("dense", "full"): FullBlock,
-  ("dense", "expand"): KroneckerBlock,
-  ("dense", "reduce"): KroneckerBlock,
-  ("dense", "kron_indep"): KroneckerBlock,
-  ("dense", "ekfac"): EKFACBlock,
-  ("conv", "ekfac"): EKFACBlock,
-  ("dense", "kron_series_1"): SeriesKroneckerBlock,
-  ("dense", "kron_series_2"): SeriesKroneckerBlock,
-  ("embedding", "kron_indep"): KroneckerBlock,
-  ("conv", "kron"): KroneckerBlock,
-  ("conv", "kron_sua"): KroneckerBlock,
-  ("conv", "kron_in_diag"): KroneckerBlock,
-  ("conv", "kron_out_diag"): KroneckerBlock,
-  ("conv", "kron_both_diag"): KroneckerBlock,
-  ("embedding", "kron_out_diag"): KroneckerBlock,
-  ("conv", "kron_indep"): KroneckerBlock,
-  ("conv", "diagonal"): DiagonalBlock,
-  ("conv", "full"): FullBlock,
-  ("embedding", "kron"): KroneckerBlock,
-  ("scale_and_shift", "full"): FullBlock,
-  ("scale_and_shift", "diagonal"): DiagonalBlock,
-  ("generic", "diagonal"): DiagonalBlock,
-  ("generic", "full"): FullBlock,
-}
+# The block classes that compute layers; each declares the (kind, approximation) pairs it
+# serves (`Block.serves`). The wrappers (`ConcatBlock`, `StackedBlock`) are chosen by the spec's
+# shape, not by a pair.
+BLOCK_CLASSES: tuple[type[Block], ...] = (
+  KroneckerBlock,
+  EKFACBlock,
+  SeriesKroneckerBlock,
+  DiagonalBlock,
+  FullBlock,
+)
+
+
+def _registry(classes) -> dict[tuple[str, str], type[Block]]:
+  found: dict[tuple[str, str], type[Block]] = {}
+  for cls in classes:
+    for pair in cls.serves:
+      if pair in found:
+        raise AssertionError(f"{pair} is served by both {found[pair].__name__} and {cls.__name__}.")
+      found[pair] = cls
+  return found
+
+
+_BLOCKS = _registry(BLOCK_CLASSES)
+
+
+def serves(kind: str, approx: str) -> bool:
+  """Whether some block class computes layers of `kind` with approximation `approx`."""
+  return (kind, approx) in _BLOCKS
 
 
 def block_class(spec) -> type[Block]:
@@ -134,9 +132,11 @@ __all__ = [
   "SeriesKroneckerBlock",
   "StackedBlock",
   "StackedUses",
+  "BLOCK_CLASSES",
   "batched_factorisations",
   "block_class",
   "compute_caches",
   "factor_shapes_for",
   "make_block",
+  "serves",
 ]

@@ -29,12 +29,15 @@ import abc
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax._specs import LayerSpec
+
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Approximation, Kind
 
 Array = jax.Array
 DampingMode = Literal["factored", "eigen"]
@@ -131,6 +134,10 @@ class Block(abc.ABC):
       take the block's cache.
   """
 
+  # The (layer kind, approximation) pairs this block class computes; the block registry
+  # (`blocks.block_class`) is built from these declarations. Wrappers (concatenated leaves,
+  # stacks) serve none: they hold the block of the layer they wrap.
+  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset()
   needs_cache_for_statistics: bool = False
   # Set by a wrapper that vmaps this block over a leading axis (`StackedBlock`).
   vmapped: bool = False

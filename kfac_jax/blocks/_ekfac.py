@@ -24,12 +24,17 @@ grouped convolutions per group); sequence inputs sum the positions of an example
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
 import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _linalg
 from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import EKFACCache, EKFACFactors
+
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Approximation, Kind
 
 Array = jax.Array
 
@@ -49,6 +54,9 @@ class EKFACBlock(LayoutBlock):
   (`a`, `g` as "kron" and `s`, the scalings in the cache's basis) and `EKFACCache` (the
   eigenbases of A and G)."""
 
+  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
+    {("dense", "ekfac"), ("conv", "ekfac")}
+  )
   needs_cache_for_statistics = True
 
   @classmethod

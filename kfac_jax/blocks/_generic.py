@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,9 @@ import jax.numpy as jnp
 from kfac_jax.blocks import _layouts, _linalg
 from kfac_jax.blocks._base import Block
 from kfac_jax.blocks._state import DiagonalCache, DiagonalFactors, FullCache, FullFactors
+
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Approximation, Kind
 
 Array = jax.Array
 
@@ -50,7 +54,7 @@ def _gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
   rebuilt from the layer's inputs and output gradients, c = samples · N (exact per-example
   Fisher of the sampled or empirical targets).
   """
-  if spec.kind == "generic":
+  if not _layouts.per_example(spec):  # Generic parameters.
     h = jnp.concatenate([d.reshape(d.shape[0], -1).astype(dtype) for d in data], axis=1)
     return h, h.shape[0] * batch_size
   h = _layouts.per_example_grads(spec, data, batch_size, dtype)
@@ -59,6 +63,10 @@ def _gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
 
 class DiagonalBlock(Block):
   """F ≈ diag(E[h²] / N). Any power and Cholesky factor is elementwise."""
+
+  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
+    (k, "diagonal") for k in _layouts.PER_EXAMPLE_KINDS
+  )
 
   @classmethod
   def factor_shapes_for(cls, spec):
@@ -101,6 +109,10 @@ class DiagonalBlock(Block):
 
 class FullBlock(Block):
   """F ≈ E[h hᵀ] / N as a dense matrix; damped block F + λ I."""
+
+  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
+    (k, "full") for k in _layouts.PER_EXAMPLE_KINDS
+  )
 
   @classmethod
   def factor_shapes_for(cls, spec):

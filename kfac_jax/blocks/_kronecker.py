@@ -24,7 +24,7 @@ vmap. Vectors are matrices M; with row-major vec,
 Dense layers over sequences ([N, L, in] inputs): "kron" and "expand" take the N·L positions as
 rows (K-FAC-expand, Eschenhagen et al. 2023); "reduce" averages x and sums g over each example's
 positions first (K-FAC-reduce, `_reduce_rows`). Layers used several times ("kron_indep") take
-their statistics from `_shared.indep_factors`.
+their statistics from `_uses.indep_factors`.
 
 Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G)),
 and the block multiplies by A_λ^p ⊗ G_λ^p. ("eigen"): exact (A ⊗ G + λ I)^p through the factors'
@@ -34,13 +34,18 @@ eigen-decompositions (a diagonal A is its own).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.blocks import _layouts, _linalg, _shared
+from kfac_jax import _specs
+from kfac_jax.blocks import _layouts, _linalg, _uses
 from kfac_jax.blocks._base import Block
 from kfac_jax.blocks._state import FactorCache, KroneckerCache, KroneckerFactors
+
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Approximation, Kind
 
 Array = jax.Array
 
@@ -149,7 +154,8 @@ def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _diag_a(spec) -> bool:
-  return spec.kind == "embedding" or spec.approx in DIAG_A
+  # An embedding's one-hot rows have a diagonal second moment: its A is a vector.
+  return isinstance(spec.info, _specs.EmbeddingInfo) or spec.approx in DIAG_A
 
 
 class LayoutBlock(Block):
@@ -177,6 +183,11 @@ class LayoutBlock(Block):
 class KroneckerBlock(LayoutBlock):
   """A ⊗ G block of a dense, conv or embedding layer (kernel/table and optional bias)."""
 
+  # The Kronecker approximations each layout supports.
+  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
+    (lay.kind, a) for lay in _layouts.LAYOUTS for a in lay.kronecker
+  )
+
   @property
   def _diag_a(self) -> bool:
     return _diag_a(self.spec)
@@ -196,13 +207,11 @@ class KroneckerBlock(LayoutBlock):
     against the identity, ~7n³/3 flops; the substitution form the Cholesky and two half-size
     triangular inverses, ~7n³/12. A product with the m columns the factor multiplies (the
     other factor's size) then takes six half-size matmuls instead of one with the inverse:
-    ~1.5x the flops, up to a few times the time for narrow m on CPU. On the development CPU the
-    CNN head's 1569² input factor (10 classes) refreshed in 48–50 ms instead of 114–117 ms, its
-    products took 1.7–3.2 ms instead of 1.0–1.2 (benchmarks/RESULTS.md, "Wide factors kept in
-    substitution form"). "auto" keeps the form for n ≥ 256 and m ≤ n/8, where the refresh
-    outweighs a few products. The choice depends only on the shapes, so the state has one
-    structure on every backend (a checkpoint moves between them). Diagonal factors, "eigen"
-    damping, grouped convolutions and blocks inside a stack (vmapped) keep explicit inverses.
+    ~1.5x the flops, up to a few times the time for narrow m on CPU. "auto" keeps the form for
+    n ≥ 256 and m ≤ n/8, where the cheaper refresh outweighs a few slower products. The choice
+    depends only on the shapes, so the state has one structure on every backend (a checkpoint
+    moves between them). Diagonal factors, "eigen" damping, grouped convolutions and blocks
+    inside a stack (vmapped) keep explicit inverses.
     """
     config = self.config
     if (
@@ -245,7 +254,7 @@ class KroneckerBlock(LayoutBlock):
     infos = self.spec.use_infos
     return (
       self.spec.num_uses > 1
-      and self.spec.kind in ("dense", "conv")
+      and isinstance(self.spec.info, (_specs.DenseInfo, _specs.ConvInfo))
       and all(inf == infos[0] for inf in infos)
     )
 
@@ -258,12 +267,12 @@ class KroneckerBlock(LayoutBlock):
     del cache  # The statistics do not depend on the inverses.
     dtype = self.config.accum_dtype
     if self.spec.num_uses > 1:
-      return _shared.indep_factors(self.spec, data, batch_size, dtype)
+      return _uses.indep_factors(self.spec, data, batch_size, dtype)
     x, g = self.layout.rows(data, dtype)
     if self.spec.approx == "reduce":
       # x: [R, groups, in] (ids [R]); g: [S, R, groups, out].
       x, g = _reduce_rows(self.spec, x, g, batch_size)
-    if self.spec.kind == "embedding":
+    if isinstance(self.layout, _layouts.EmbeddingLayout):
       a = self.layout.id_counts(x, dtype)[None] / x.shape[0]
     elif self.spec.approx == "kron_sua":
       a = self.layout.sua_input_factor(data, dtype, self.spec.has_bias)

@@ -14,12 +14,20 @@ statistics from these rows only.
              transposed to (in channel, window..., out) and reshaped the same way, so a patch row
              times M is exactly the convolution at that location.
   embedding  x = the ids (a one-hot row per id, never materialised); M = the table [vocab, dim].
+  conv_local x = the input patches, one row per example, one group per output location; M = the
+             location's kernel `[in, out]` (an unshared convolution is a dense layer per location).
+
+Each layout declares the layer kind it lays out (`kind`, read from the layer's matching details,
+`LayerSpec.info`) and the Kronecker-factored approximations it supports (`kronecker`); the
+Kronecker, diagonal and full blocks serve those pairs (`Block.serves`), so a new kind whose
+layers are products by a parameter matrix needs only its layout here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +37,9 @@ from jax import lax
 from kfac_jax import _specs
 from kfac_jax.blocks import _linalg
 
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Approximation, Kind
+
 Array = jax.Array
 
 
@@ -36,8 +47,19 @@ def _operand_shape(chain, param_shape) -> tuple[int, ...]:
   return tuple(chain[-1].out_shape) if chain else tuple(param_shape)
 
 
+# The Kronecker approximations every layout supports: A ⊗ G, and either side kept as its diagonal.
+_KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
+
+
 class DenseLayout:
   """`s = x W (+ b)` with W viewed as [in, out] (see `DenseInfo`)."""
+
+  kind: ClassVar[Kind] = "dense"
+  info_type: ClassVar[type] = _specs.DenseInfo
+  # Also over sequences: positions as rows ("expand") or averaged per example ("reduce"); and
+  # "kron_indep", which equals "kron" for one use.
+  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON + ("expand", "reduce", "kron_indep")
+  per_example: ClassVar[bool] = True  # `per_example_grads` applies ("diagonal", "full").
 
   def __init__(self, spec):
     self.spec = spec
@@ -75,6 +97,11 @@ class DenseLayout:
 
 class ConvLayout:
   """A convolution as a product of input patches with the kernel matrix (see module doc)."""
+
+  kind: ClassVar[Kind] = "conv"
+  info_type: ClassVar[type] = _specs.ConvInfo
+  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON + ("kron_sua", "kron_indep")
+  per_example: ClassVar[bool] = True
 
   def __init__(self, spec):
     self.spec = spec
@@ -162,6 +189,12 @@ class ConvLayout:
 class EmbeddingLayout:
   """`s = onehot(id) T` with the table T: [vocab, dim]; x holds the ids, not one-hot rows."""
 
+  kind: ClassVar[Kind] = "embedding"
+  info_type: ClassVar[type] = _specs.EmbeddingInfo
+  # The input side is always diagonal (one-hot rows): "kron" and "kron_in_diag" are one block.
+  kronecker: ClassVar[tuple[Approximation, ...]] = ("kron", "kron_out_diag", "kron_indep")
+  per_example: ClassVar[bool] = False  # Its rows are ids, not input rows.
+
   def __init__(self, spec):
     self.spec = spec
     self.info: _specs.EmbeddingInfo = spec.info
@@ -190,16 +223,95 @@ class EmbeddingLayout:
     return [m[0].reshape(self.spec.param_shapes[0])]
 
 
-Layout = DenseLayout | ConvLayout | EmbeddingLayout
-_LAYOUTS: dict[str, type[Layout]] = {
-  "dense": DenseLayout,
-  "conv": ConvLayout,
-  "embedding": EmbeddingLayout,
-}
+@dataclasses.dataclass(frozen=True)
+class ConvLocalInfo:
+  """An unshared (locally connected) convolution, `out[n, p, :] = patch[n, p, :] @ K[p] (+ b[p])`
+  at every output location p of a grid, as one `dot_general` whose batch dimensions are the grid
+  (Flax's `nn.ConvLocal`, `lax.conv_general_dilated_local`).
+
+  The kernel leaf is `[*grid, in, out]` (`kernel_view`: casts only), the bias `[*grid, out]` (or
+  any shape of that size, in that order). The input operand (the patches) is transposed by
+  `x_perm` to `[rows..., *grid, in]`, the tapped output by `out_perm` to `[rows..., *grid, out]`.
+  """
+
+  kernel_view: tuple[_specs.ViewStep, ...]
+  grid: tuple[int, ...]
+  in_dim: int
+  out_dim: int
+  x_perm: tuple[int, ...]
+  out_perm: tuple[int, ...]
+  kernel_and_bias: ClassVar[bool] = True
+
+  @property
+  def locations(self) -> int:
+    return math.prod(self.grid)
+
+
+class ConvLocalLayout:
+  """A locally connected layer as one dense layer per output location: the locations are the
+  groups, `x: [N, P, in]`, `g: [S, N, P, out]`, `M: [P, in(+1), out]`. The Kronecker factors
+  are per location, `A_p = (1/N) Σ_n x̄_{n,p} x̄_{n,p}ᵀ`, `G_p = (1/N) Σ_n g_{n,p} g_{n,p}ᵀ`:
+  the curvature is block-diagonal over locations, each block the K-FAC block of a dense layer."""
+
+  kind: ClassVar[Kind] = "conv_local"
+  info_type: ClassVar[type] = ConvLocalInfo
+  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
+  per_example: ClassVar[bool] = True
+
+  def __init__(self, spec):
+    self.spec = spec
+    self.info: ConvLocalInfo = spec.info
+    self.groups = self.info.locations
+    self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
+
+  def rows(self, data, dtype):
+    (x,), g = data
+    info = self.info
+    x = x.astype(dtype).transpose(info.x_perm).reshape(-1, self.groups, self.in_dim)
+    g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in info.out_perm))
+    return x, g.reshape(g.shape[0], x.shape[0], self.groups, self.out_dim)
+
+  def to_matrix(self, vecs, dtype) -> Array:
+    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
+    m = k.reshape(self.groups, self.in_dim, self.out_dim)
+    if self.spec.has_bias:
+      b = vecs[1].astype(dtype).reshape(self.groups, 1, self.out_dim)
+      m = jnp.concatenate([m, b], axis=1)
+    return m
+
+  def from_matrix(self, m: Array) -> list[Array]:
+    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
+    k = _specs.undo_view(self.info.kernel_view, m[:, : self.in_dim].reshape(op_shape))
+    out = [k.reshape(self.spec.param_shapes[0])]
+    if self.spec.has_bias:
+      out.append(m[:, self.in_dim].reshape(self.spec.param_shapes[1]))
+    return out
+
+
+Layout = DenseLayout | ConvLayout | EmbeddingLayout | ConvLocalLayout
+LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout, ConvLocalLayout)
+_BY_INFO: dict[type, type[Layout]] = {lay.info_type: lay for lay in LAYOUTS}
 
 
 def layout_for(spec) -> Layout:
-  return _LAYOUTS[spec.kind](spec)
+  """The layout of a layer, from the type of its matching details (`spec.info`)."""
+  return _BY_INFO[type(spec.info)](spec)
+
+
+def per_example(spec) -> bool:
+  """Whether a layer's per-example gradients are rebuilt from its inputs and output gradients
+  (`per_example_grads`): layers with such a layout, and scales and shifts."""
+  lay = _BY_INFO.get(type(spec.info))
+  return (lay is not None and lay.per_example) or isinstance(spec.info, _specs.ScaleShiftInfo)
+
+
+# The kinds whose "diagonal" and "full" blocks are exact per-example Fisher blocks: those of
+# the layouts with per-example gradients, scales and shifts, and generic parameters (whose
+# statistics come from the batch-summed gradient).
+PER_EXAMPLE_KINDS: tuple[Kind, ...] = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + (
+  "scale_and_shift",
+  "generic",
+)
 
 
 def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
@@ -219,7 +331,7 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
       )
       for info, d in zip(spec.use_infos, data)
     )
-  if spec.kind == "scale_and_shift":
+  if isinstance(spec.info, _specs.ScaleShiftInfo):
     return _scale_shift_grads(spec, data, batch_size, dtype)
   layout = layout_for(spec)
   x, g = layout.rows(data, dtype)

@@ -32,8 +32,8 @@ def matmul(x: Array, y: Array) -> Array:
   """x @ y; with operands of two float dtypes, both rounded to the narrower one and the product
   accumulated in (and returned as) the wider one: a bfloat16 inverse times a float32 vector
   (`BlockConfig.preconditioner_dtype`) runs as a bfloat16 matmul with float32 accumulation,
-  which hardware with native bfloat16 products runs faster than a float32 one (a CPU with
-  AVX512-BF16: a 785 × 1000 × 1000 pair of products in 7.5 against 14.1 ms).
+  which hardware with native bfloat16 products (e.g. a CPU with AVX512-BF16) runs faster than
+  a float32 one.
 
   The rounded operands and the product pass through `optimization_barrier`s, so that XLA
   cannot fold the transposes around them (layouts, `[out, in]` kernels) into the dot: XLA:CPU
@@ -55,9 +55,8 @@ def bucket_size(n: int) -> int:
   """The bucket of an n×n factorisation: eight sizes per octave, never a power of two.
 
   The smallest k·2^(⌊log2 n⌋ - 3) ≥ n (so at most 12.5% larger), moved 8 past a power of two
-  above 64: LAPACK's Cholesky and triangular solves slow down ~30% at power-of-two sizes
-  (1024: 30 ms, 1032: 23 ms, 1001: 23 ms on the development CPU), cache-set conflicts of the
-  leading dimension.
+  above 64: LAPACK's Cholesky and triangular solves slow down at power-of-two sizes
+  (cache-set conflicts of the leading dimension).
   """
   if n <= 8:
     return n
@@ -191,9 +190,8 @@ def gram(x: Array, bias: bool) -> Array:
   """Σ_r x_r x_rᵀ per group for rows `x` [R, groups, n]: [groups, n, n], or [groups, n+1, n+1]
   for the rows `[x_r, 1]` when `bias`.
 
-  One group (every dense layer, every ungrouped conv) is a plain `xᵀx`: XLA's CPU backend ran
-  the batched-dot form `einsum("rgi,rgj->gij")` 1.5x slower (105 vs 69 ms at 10000 x 1001),
-  and much slower on small factors (the Transformer LM benchmark's step: 77 -> 56 ms).
+  One group (every dense layer, every ungrouped conv) is a plain `xᵀx`: XLA's CPU backend runs
+  the batched-dot form `einsum("rgi,rgj->gij")` slower, most of all on small factors.
   The bias row and column are the column sums and the row count, assembled around `xᵀx`
   rather than appending a column of ones to x (a copy of all the rows).
   """

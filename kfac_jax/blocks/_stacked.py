@@ -1,4 +1,4 @@
-"""A stack of L layers of one kind (see `kfac_jax._stacked`): the per-layer block, vmapped.
+"""A stack of L layers of one kind (see `kfac_jax.scan._stacked`): the per-layer block, vmapped.
 
 Every statistic, cache entry and product of the layer's own block (`spec.stack_inner`) gains a
 leading axis L: a stack of dense layers keeps `a: [L, in+1, in+1]`, `g: [L, out, out]`, and its

@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kfac_jax import _graph
+from kfac_jax.scan import _graph
 
 BatchAxis = tuple[int, int]  # (axis, inner)
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from kfac_jax import _graph, _matchers
 from kfac_jax._specs import EmbeddingInfo, ScaleShiftInfo
+from kfac_jax.scan import _graph, _matchers
 
 # --------------------------------------------------------------------------------------------
 # Embedding lookups: gathers of whole rows.

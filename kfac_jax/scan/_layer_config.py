@@ -6,7 +6,8 @@ Precedence, highest first, for a layer the scanner registers:
      most specific statement there is);
   2. the first pattern of `LayerConfig.overrides`, in mapping order, that matches the layer;
   3. `LayerConfig.defaults[kind]`;
-  4. the library default (`_specs.DEFAULT_APPROX`; depthwise convolutions "diagonal").
+  4. the library default (the kind's record, `_kinds.default_approx`; depthwise convolutions
+     "diagonal").
 
 Patterns are shell-style globs (`fnmatch.fnmatchcase`: `*` matches any run of characters,
 slashes included; `?` one character; `[ab]` a set), matched against the whole layer name (e.g.
@@ -15,7 +16,7 @@ matches when any of them does. Globs were chosen over regexes because parameter 
 slash-separated names, for which `params/*/kernel` reads naturally and needs no escaping.
 
 Shared layers (a parameter used several times: tied weights, the steps of an unrolled scan, see
-`_specs.SHARED_BY_KIND`) take their approximation from a manual tag's `approx=`, else from the
+`_kinds.LayerKind.shared`) take their approximation from a manual tag's `approx=`, else from the
 first matching `overrides` pattern (which may name "kron_series_1" / "kron_series_2" for a
 recurrence), else their kind's shared default ("kron_indep"; "full" for scale-and-shift).
 `defaults` do not apply to them: those name single-use approximations. A pattern choosing an
@@ -43,7 +44,8 @@ import fnmatch
 import types
 from collections.abc import Mapping, Sequence
 
-from kfac_jax import _specs
+from kfac_jax.scan import _kinds
+from kfac_jax.scan._kinds import Approximation
 
 
 def _frozen(mapping, name: str) -> Mapping[str, str]:
@@ -88,7 +90,7 @@ class LayerConfig:
   max_factor_dim: int | None = 8192
 
   def __post_init__(self):
-    approximations = _specs.APPROXIMATIONS
+    kinds = _kinds.KINDS
     m = self.max_factor_dim
     if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
       raise ValueError(
@@ -96,20 +98,17 @@ class LayerConfig:
       )
     defaults = _frozen(self.defaults, "defaults")
     for kind, approx in defaults.items():
-      if kind not in approximations:
+      if kind not in kinds:
         raise ValueError(
-          f"LayerConfig.defaults: unknown layer kind {kind!r}; choose from "
-          f"{sorted(approximations)}."
+          f"LayerConfig.defaults: unknown layer kind {kind!r}; choose from {sorted(kinds)}."
         )
-      if approx not in approximations[kind]:
+      if approx not in kinds[kind].approximations:
         raise ValueError(
           f"LayerConfig.defaults[{kind!r}] = {approx!r} does not fit {kind} layers; choose one "
-          f"of {approximations[kind]}."
+          f"of {kinds[kind].approximations}."
         )
     overrides = _frozen(self.overrides, "overrides")
-    every = sorted(
-      {a for table in (approximations, _specs.SHARED_BY_KIND) for v in table.values() for a in v}
-    )
+    every = sorted(_kinds.every_approximation())
     for pattern, approx in overrides.items():
       if not isinstance(pattern, str) or not pattern:
         raise TypeError(
@@ -128,10 +127,10 @@ class LayerConfig:
         raise TypeError(
           f"LayerConfig.linked: each key must be a tuple of glob patterns, got {patterns!r}."
         )
-      if approx not in approximations["generic"]:
+      if approx not in kinds["generic"].approximations:
         raise ValueError(
           f"LayerConfig.linked[{patterns!r}] = {approx!r}: a linked group is one generic "
-          f"block; choose one of {approximations['generic']}."
+          f"block; choose one of {kinds['generic'].approximations}."
         )
       groups[group] = approx
     object.__setattr__(self, "defaults", defaults)
@@ -173,7 +172,7 @@ def matches(pattern: str, names: Sequence[str]) -> bool:
   return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
-_DIAG_SIDES = {  # (kron-family approximation, side made diagonal) -> approximation.
+_DIAG_SIDES: dict[tuple[Approximation, str], Approximation] = {  # (kron family, side) -> approx.
   ("kron", "in"): "kron_in_diag",
   ("kron", "out"): "kron_out_diag",
   ("kron_in_diag", "out"): "kron_both_diag",
@@ -186,8 +185,8 @@ _DIAG_SIDES = {  # (kron-family approximation, side made diagonal) -> approximat
 
 
 def size_policy(
-  max_dim: int | None, approx: str, factor_shapes, allowed: Sequence[str]
-) -> tuple[str, str]:
+  max_dim: int | None, approx: Approximation, factor_shapes, allowed: Sequence[Approximation]
+) -> tuple[Approximation, str]:
   """`(approximation, note)` after the size policy (module docstring); note "" if unchanged.
 
   `factor_shapes` are the layer's factor shapes under `approx`, as its block keeps them
@@ -210,7 +209,8 @@ def size_policy(
   sa, sg = factor_shapes
   # EKFAC keeps both full eigenbases: over the limit it becomes the kron variant with the big
   # side(s) diagonal, as "kron" would.
-  new, big = ("kron" if approx == "ekfac" else approx), []
+  new: Approximation = "kron" if approx == "ekfac" else approx
+  big = []
   for side, shape, label in (("in", sa, "input"), ("out", sg, "output")):
     if len(shape) >= 2 and shape[-1] > max_dim and _DIAG_SIDES[(new, side)] != new:
       new = _DIAG_SIDES[(new, side)]
@@ -221,11 +221,15 @@ def size_policy(
 
 
 def shared_size_policy(
-  max_dim: int | None, approx: str, factor_shapes, allowed: Sequence[str], num_uses: int
-) -> tuple[str, str]:
+  max_dim: int | None,
+  approx: Approximation,
+  factor_shapes,
+  allowed: Sequence[Approximation],
+  num_uses: int,
+) -> tuple[Approximation, str]:
   """`size_policy` for a layer used `num_uses` times: "kron_indep" has no diagonal-side
   variant, so a matrix side above the limit makes the block "diagonal" (the exact per-example
-  diagonal, O(n)) where the kind allows it (`allowed`: `_specs.SHARED_BY_KIND[kind]`)."""
+  diagonal, O(n)) where the kind allows it (`allowed`: the kind's `LayerKind.shared`)."""
   if max_dim is None or approx != "kron_indep" or "diagonal" not in allowed:
     return approx, ""
   side = max((s[-1] for s in factor_shapes if len(s) >= 2), default=0)

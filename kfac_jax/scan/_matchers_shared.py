@@ -10,11 +10,15 @@ lookups with dense products by the (transposed) table.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kfac_jax import _matchers, _matchers_embed
 from kfac_jax._specs import EmbeddingInfo, kernel_index_matrix
+from kfac_jax.scan import _matchers, _matchers_embed
+
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Kind
 
 
 def match_shared(ix, leaf, claimed, shifts: bool = False):
@@ -71,6 +75,7 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
     return None
   infos = tuple(f[1] for f in found)
   shape = ix.shapes[leaf]
+  kind: Kind
   if kinds == {"dense"}:  # Every use must read the kernel as the same [in, out] matrix.
     first = kernel_index_matrix(infos[0], shape)
     if any(not np.array_equal(kernel_index_matrix(inf, shape), first) for inf in infos[1:]):

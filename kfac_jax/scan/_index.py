@@ -32,8 +32,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from kfac_jax import _batch_axes, _compat, _graph, _stacked, _tags
+from kfac_jax import _compat, _tags
 from kfac_jax._specs import ConcatView, ViewStep, common_prefix
+from kfac_jax.scan import _batch_axes, _graph, _stacked
 
 # Operations that only move, reshape or cast a parameter.
 VIEW_OPS = frozenset(

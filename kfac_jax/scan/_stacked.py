@@ -31,8 +31,8 @@ import dataclasses
 import math
 from typing import Any
 
-from kfac_jax import _graph, _matchers
 from kfac_jax import blocks as _blocks
+from kfac_jax.scan import _graph, _matchers
 
 
 def add_virtual_leaves(sc) -> None:

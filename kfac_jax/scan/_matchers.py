@@ -6,13 +6,15 @@ use of one leaf), and returns a `Match` or None: the layer's leaves and, per use
 details (`DenseInfo`, `ConvInfo`, ...), the output key where the curvature pass adds its zero
 perturbation and the input atoms it records; the block turns both into statistics. A matcher
 changes nothing: the scanner (`_scanner._Scanner`) runs them in a fixed order, builds the
-`LayerSpec` and claims the leaves. `read_manual_tag` reads a manual layer tag the same way.
+`LayerSpec` and claims the leaves. The `read_*_tag` functions read a kind's manual layer tag the
+same way. Which matcher belongs to which kind, and in which pass it runs, is declared once, in
+the kind's record (`_kinds.KINDS`).
 
 The matchers live in four modules, each importing only the ones before it:
 
   `_matchers`         (this one) `Match`, the helpers on the index every matcher uses, the
                       dense, conv and scale-and-shift matchers with their biases and shifts,
-                      the library's shape-dependent default approximations, manual tags;
+                      the manual tag readers;
   `_stacked`          `match_batched_dense` (L dense layers in one batched product) and the
                       merge of per-slice layers of a stacked leaf;
   `_matchers_embed`   tables: embedding lookups (gather or one-hot product) and learned tokens;
@@ -40,11 +42,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kfac_jax import _batch_axes, _graph
 from kfac_jax._specs import (
   ConvInfo,
   DenseInfo,
@@ -53,6 +54,10 @@ from kfac_jax._specs import (
   ScaleShiftInfo,
   ViewStep,
 )
+from kfac_jax.scan import _batch_axes, _graph
+
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Kind
 
 # --------------------------------------------------------------------------------------------
 # What a matcher returns.
@@ -63,7 +68,7 @@ class Match:
   """A layer a matcher found in the graph: its parameter leaves and, per use, how it is applied.
 
   Attributes:
-    kind: "dense", "conv", "embedding", "scale_and_shift" (or "generic" for a manual tag).
+    kind: the layer kind (`_kinds.Kind`; "generic" only for a manual tag).
     leaves: the layer's leaves in the index (kernel / table / scale first, then bias / shift);
       virtual leaves (stack slices, concatenations) are mapped back by the scanner.
     infos: per use, the kind's matching details (`DenseInfo`, `ConvInfo`, ...).
@@ -74,7 +79,7 @@ class Match:
     stack_axes: with `stack_size`, the layer axis of the input and of the output.
   """
 
-  kind: str
+  kind: Kind
   leaves: tuple[int, ...]
   infos: tuple[Any, ...]
   outputs: tuple[Any, ...]
@@ -117,51 +122,16 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
   )
 
 
-def default_conv_approx(info: ConvInfo) -> str:
-  return "diagonal" if info.depthwise else "kron"
-
-
-def default_approx(kind: str, info) -> str | None:
-  """The library default for a layer of `kind` that depends on its shape (None: the kind's).
-
-  Depthwise convolutions are "diagonal"; a shift-only table added over the batch, spanning more
-  than one trailing axis (a learned positional embedding `x + pos`, `pos: [1, L, D]`; Perceiver
-  latents `[L, D]` broadcast over the batch), is "diagonal": its "full" block would be quadratic
-  in L·D (10.6 GiB for ViT-Ti/16's positional table).
-  """
-  if kind == "conv" and info is not None:
-    return default_conv_approx(info)
-  if (
-    kind == "scale_and_shift"
-    and isinstance(info, ScaleShiftInfo)
-    and not info.has_scale
-    and len(info.feature_shape) > 1
-  ):
-    return "diagonal"
-  return None
-
-
-def default_approx_note(kind: str, info) -> str:
-  if kind == "scale_and_shift":
-    return (
-      f"shift-only table {'x'.join(map(str, info.feature_shape))} (positional embedding or "
-      "learned tokens): diagonal"
-    )
-  return ""
-
-
 # --------------------------------------------------------------------------------------------
 # Helpers on the scanner's tables.
 
 
 def without_batch_rows(ix, match: Match) -> bool:
-  """Whether a dense, conv or embedding match reads, in some use, an input computed from
-  parameters and constants alone (`GraphIndex.param_only`): learned latents projected before
-  they are broadcast over the batch, a constant table of positions, a relative-position index.
-  Its rows are not examples, and its output gradient is summed over the batch, so the layer's
-  block would be estimated from the wrong rows; the scanner leaves such a match out."""
-  if match.kind not in ("dense", "conv", "embedding"):
-    return False
+  """Whether a match reads, in some use, a first input computed from parameters and constants
+  alone (`GraphIndex.param_only`): learned latents projected before they are broadcast over
+  the batch, a constant table of positions, a relative-position index. For a kind whose
+  statistics come from rows of examples (`LayerKind.batch_rows`) its rows are not examples and
+  its output gradient is summed over the batch, so the scanner leaves such a match out."""
   return any(ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only for ins in match.inputs)
 
 
@@ -714,68 +684,72 @@ def leaf_for_operand(ix, atom, what: str, tag: str) -> tuple[int, tuple[ViewStep
   return ix.origin[atom]
 
 
-def read_manual_tag(ix, fe) -> Match:
-  """The layer a manual layer tag (`register_dense`, `register_conv`, ...) declares, one use.
-
-  The tag's `approx=` is `fe.params["approx"]`; the scanner checks it. A generic tag's match has
-  no info, output or inputs.
-
-  Raises:
-    RegistrationError: a malformed tag (an operand that is not a parameter, shapes that do not
-      fit), naming the tag and the parameter path.
-  """
-  kind = fe.params["kind"]
-  fn = f"register_{kind}"
-  if kind == "generic":
-    generic = tuple(
-      leaf_for_operand(ix, a, f"params[{p}]", "register_generic")[0] for p, a in enumerate(fe.ins)
+def read_generic_tag(ix, fe) -> Match:
+  """A `register_generic` tag: its operands are the parameters; no info, output or inputs."""
+  generic = tuple(
+    leaf_for_operand(ix, a, f"params[{p}]", "register_generic")[0] for p, a in enumerate(fe.ins)
+  )
+  if len(set(generic)) != len(generic):
+    raise RegistrationError(
+      f"register_generic: the same parameter appears twice: {[ix.paths[j] for j in generic]}."
     )
-    if len(set(generic)) != len(generic):
-      raise RegistrationError(
-        f"register_generic: the same parameter appears twice: {[ix.paths[j] for j in generic]}."
-      )
-    return Match.single("generic", generic, None, None, None)
-  if kind == "dense":
-    return _read_dense_tag(ix, fe)
+  return Match.single("generic", generic, None, None, None)
+
+
+def tag_output(ix, fe, fn: str) -> tuple[Any, tuple[int, ...]]:
+  """A manual tag's layer output `y` (operand 0) and its shape; an error if it is a constant."""
   y = fe.ins[0]
   if not _graph.is_key(y):
     raise RegistrationError(
       f"{fn}: the layer output `y` is a constant, not computed from the input."
     )
-  y_shape = tuple(_graph.aval_of(y).shape)
+  return y, tuple(_graph.aval_of(y).shape)
 
-  def leaf(atom, what):
-    j, chain = leaf_for_operand(ix, atom, what, fn)
-    if any(s.op == "broadcast" for s in chain) and kind != "scale_and_shift":
-      raise RegistrationError(
-        f"{fn}: `{what}` (`{ix.paths[j]}`) is broadcast before the tag; pass the parameter itself."
-      )
-    return j, chain
 
-  info: ConvInfo | EmbeddingInfo | ScaleShiftInfo
-  leaves: list[int]
-  if kind == "conv":
-    x, kernel = fe.ins[1], fe.ins[2]
-    k_leaf, chain = leaf(kernel, "kernel")
-    leaves = [k_leaf]
-    if len(fe.ins) > 3:
-      leaves.append(leaf(fe.ins[3], "bias")[0])
-    info = _conv_info(
-      chain, fe.params, _graph.aval_of(x).shape, _graph.aval_of(kernel).shape, y_shape
+def tag_leaf(ix, atom, what: str, fn: str, broadcast: bool = False):
+  """`(leaf, view chain)` of a manual tag's parameter operand, not broadcast unless allowed."""
+  j, chain = leaf_for_operand(ix, atom, what, fn)
+  if not broadcast and any(s.op == "broadcast" for s in chain):
+    raise RegistrationError(
+      f"{fn}: `{what}` (`{ix.paths[j]}`) is broadcast before the tag; pass the parameter itself."
     )
-    return Match.single("conv", leaves, info, y, (x,))
-  if kind == "embedding":
-    ids, table = fe.ins[1], fe.ins[2]
-    t_leaf, chain = leaf(table, "table")
-    if any(s.op != "cast" for s in chain):
-      raise RegistrationError(
-        f"{fn}: `table` (`{ix.paths[t_leaf]}`) is reshaped or transposed before "
-        "the tag; pass the [vocab, dim] parameter itself."
-      )
-    t_shape = _graph.aval_of(table).shape
-    info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
-    return Match.single("embedding", [t_leaf], info, y, (ids,))
-  # scale_and_shift: (y, x, scale?, shift?)
+  return j, chain
+
+
+def read_conv_tag(ix, fe) -> Match:
+  """A `register_conv` tag: operands (y, x, kernel, bias?), the convolution in its params."""
+  y, y_shape = tag_output(ix, fe, "register_conv")
+  x, kernel = fe.ins[1], fe.ins[2]
+  k_leaf, chain = tag_leaf(ix, kernel, "kernel", "register_conv")
+  leaves = [k_leaf]
+  if len(fe.ins) > 3:
+    leaves.append(tag_leaf(ix, fe.ins[3], "bias", "register_conv")[0])
+  info = _conv_info(
+    chain, fe.params, _graph.aval_of(x).shape, _graph.aval_of(kernel).shape, y_shape
+  )
+  return Match.single("conv", leaves, info, y, (x,))
+
+
+def read_embedding_tag(ix, fe) -> Match:
+  """A `register_embedding` tag: operands (y, ids, table)."""
+  fn = "register_embedding"
+  y, _ = tag_output(ix, fe, fn)
+  ids, table = fe.ins[1], fe.ins[2]
+  t_leaf, chain = tag_leaf(ix, table, "table", fn)
+  if any(s.op != "cast" for s in chain):
+    raise RegistrationError(
+      f"{fn}: `table` (`{ix.paths[t_leaf]}`) is reshaped or transposed before "
+      "the tag; pass the [vocab, dim] parameter itself."
+    )
+  t_shape = _graph.aval_of(table).shape
+  info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
+  return Match.single("embedding", [t_leaf], info, y, (ids,))
+
+
+def read_scale_and_shift_tag(ix, fe) -> Match:
+  """A `register_scale_and_shift` tag: operands (y, x, scale?, shift?)."""
+  fn = "register_scale_and_shift"
+  y, y_shape = tag_output(ix, fe, fn)
   if y_shape[0] != ix.batch_size:
     raise RegistrationError(
       f"{fn}: `y` has shape {y_shape}, but its leading axis must be the batch of the loss "
@@ -786,7 +760,7 @@ def read_manual_tag(ix, fe) -> Match:
     fe.ins[2:],
     [n for n, h in (("scale", fe.params["has_scale"]), ("shift", fe.params["has_shift"])) if h],
   ):
-    j, chain = leaf(atom, what)
+    j, chain = tag_leaf(ix, atom, what, fn, broadcast=True)
     f = _trailing_feature_shape(ix.shapes[j], chain, tuple(_graph.aval_of(atom).shape), y_shape)
     if f is None or len(f) == len(y_shape):
       raise RegistrationError(
@@ -806,7 +780,7 @@ def read_manual_tag(ix, fe) -> Match:
   return Match.single("scale_and_shift", leaves, info, y, (fe.ins[1],) if info.has_scale else ())
 
 
-def _read_dense_tag(ix, fe) -> Match:
+def read_dense_tag(ix, fe) -> Match:
   """A `register_dense` tag: operands (y, x, kernel, bias?)."""
   y, x, kernel = fe.ins[:3]
   k_leaf, k_chain = leaf_for_operand(ix, kernel, "kernel", "register_dense")

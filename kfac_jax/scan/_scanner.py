@@ -22,7 +22,7 @@ or none) or shift of activations over the same trailing axes. Kernels, tables an
 matched before shifts, so that a scale claims its shift. A `lax.scan` over parameters is
 unrolled by `_graph.FlatGraph`, so a recurrent cell's kernels have one use per time step. Each
 use keeps its own output key and inputs (`ScanResult.extra_uses`). Shared layers take the
-approximations of `SHARED_BY_KIND`, chosen by a manual tag's `approx=` or a
+approximations of their kind's record (`LayerKind.shared`), chosen by a manual tag's `approx=` or a
 `LayerConfig.overrides` pattern. `register_dense` called at every use of one kernel registers
 one multi-use layer; a manual tag count that differs from the graph's use count is an error
 naming the parameter (collected with the other problems by `check_registration`).
@@ -33,33 +33,26 @@ parameters, so matching sees the layers inside them. Stacked layers (a leaf with
 axis sliced per scan step, or read as L kernels by one batched `dot_general`: vmapped ensembles,
 expert-stacked einsums) are registered by `_stacked` as one layer with `stack_size = L`.
 
-Seams. The scanner is four layers, each importing only the ones before it:
+Seams. The tracer is four layers, each importing only the ones before it:
 
-  `_specs`     static data only (`LayerSpec`, `LossSpec`, the `*Info` matching details, views,
-               errors, the approximation tables); a leaf module, so blocks and `LayerConfig`
-               never import the tracer;
+  `kfac_jax._specs`  static data only (`LayerSpec`, `LossSpec`, the `*Info` matching details,
+               views, errors); a leaf module, so the blocks never import the tracer;
   `_index`     `GraphIndex`, a frozen index of the traced graph (views of each leaf, real uses,
                consumers, producers, virtual leaves for stack slices and concatenations), built
                once per scan;
-  `_matchers`  pure functions `(index, equation or leaf, claimed) -> Match | None`, one per
-               layer kind, and the manual tag reader, in four modules (`_matchers`: `Match`,
-               dense, conv, scale-and-shift, manual tags; `_stacked`; `_matchers_embed`:
-               embedding lookups and tokens; `_matchers_shared`: leaves with several uses);
-  `_scanner`   orchestration (`_Scanner`): runs the matchers in a fixed order (its docstring),
-               turns each `Match` into a `LayerSpec` (approximation from the tag, `LayerConfig`,
-               size policy), resolves claims, maps virtual leaves back, adds fallbacks.
+  `_matchers`  pure functions `(index, equation or leaf, claimed) -> Match | None` and the
+               manual tag readers, in four modules (`_matchers`: `Match`, dense, conv,
+               scale-and-shift, manual tags; `_stacked`; `_matchers_embed`: embedding lookups
+               and tokens; `_matchers_shared`: leaves with several uses), bound to their kinds
+               by `_kinds` (one `LayerKind` record per kind);
+  `_scanner`   orchestration (`_Scanner`): runs the kinds' matchers pass by pass, turns each
+               `Match` into a `LayerSpec` (approximation from the tag, `LayerConfig`, size
+               policy), resolves claims, maps virtual leaves back, adds fallbacks.
 
-Adding a layer kind. (1) Its matching details: a frozen `FooInfo` in `_specs`, and the kind in
-`APPROXIMATIONS` / `DEFAULT_APPROX` (and `SHARED_BY_KIND` if a shared use makes sense). (2) One
-matcher in `_matchers` (or a module of its own family beside `_matchers_embed`),
-`match_foo(ix, i, claimed) -> Match | None`, added to `_PASSES` below in the pass where it
-belongs (kernels claim their biases before the elementwise pass), and, for shared uses, a branch
-of `_matchers_shared.match_shared`. (3) One block (or a layout for `blocks.KroneckerBlock`)
-in `blocks/` that reads `spec.info` and answers its factor shapes (`Block.factor_shapes_for`),
-and its entries in the block registry (`blocks.block_class`). The scanner asks the block class
-for every layer's factor shapes (`blocks.factor_shapes_for`), so they are never computed here.
-A manual tag additionally needs a `register_foo` in `_tags` and a branch of
-`_matchers.read_manual_tag`.
+Adding a layer kind: its record in `_kinds` (info type, matchers and their pass, approximations,
+manual tag reader) and, if no block computes it yet, a layout in `blocks/` (see
+`blocks._layouts`). The scanner asks the block class for every layer's factor shapes
+(`blocks.factor_shapes_for`), so they are never computed here.
 """
 
 from __future__ import annotations
@@ -67,28 +60,14 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
 
-from kfac_jax import (
-  _compat,
-  _graph,
-  _index,
-  _layer_config,
-  _matchers,
-  _matchers_embed,
-  _matchers_shared,
-  _stacked,
-  _tags,
-)
+from kfac_jax import _compat, _tags
 from kfac_jax import blocks as _blocks
 from kfac_jax._specs import (  # Re-exported: the names other modules and tests use from here.
-  APPROXIMATIONS,
-  DEFAULT_APPROX,
-  SHARED_APPROXIMATIONS,
-  SHARED_BY_KIND,
   EmbeddingInfo,
   FallbackInfo,
   LayerSpec,
@@ -99,6 +78,18 @@ from kfac_jax._specs import (  # Re-exported: the names other modules and tests 
   common_prefix,
   param_paths,
 )
+from kfac_jax.scan import (
+  _graph,
+  _index,
+  _kinds,
+  _layer_config,
+  _matchers,
+  _matchers_shared,
+  _stacked,
+)
+
+if TYPE_CHECKING:
+  from kfac_jax.scan._kinds import Approximation
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -197,11 +188,12 @@ class _Scanner:
     1. manual layer tags (`register_dense` tags of one kernel become one layer, one use each);
     2. leaves with several uses, as one shared layer (`match_shared`): kernels, tables and
        scales first, then shifts, so that a scale claims its shift;
-    3. per equation, in graph order, three passes: kernels (stacked dense, one-hot embedding
-       product, dense, conv; each claims its bias), then gathers (embedding), then elementwise
-       scales and shifts and learned tokens concatenated with the activations
-       (scale_and_shift), so that a bias is never mistaken for a shift; an equation is tried
-       again after a match (two tokens in one concatenation);
+    3. per equation, in graph order, the passes of `_kinds.PASSES` with the matchers the kinds
+       declare for them: kernels (stacked dense, one-hot embedding product, dense, conv; each
+       claims its bias), then gathers (embedding), then elementwise scales and shifts and
+       learned tokens concatenated with the activations (scale_and_shift), so that a bias is
+       never mistaken for a shift; an equation is tried again after a match (two tokens in one
+       concatenation);
     4. layers matched on concatenations are mapped to their real leaves, then the per-slice
        layers of stacked leaves are merged into one stacked layer (`_stacked.merge`), then
        `LayerConfig.linked` groups replace the layers they hold;
@@ -257,7 +249,7 @@ class _Scanner:
       for leaf in sorted(ix.uses):
         if leaf not in claimed and len(ix.uses[leaf]) > 1:
           match = _matchers_shared.match_shared(ix, leaf, claimed, shifts)
-          if match is not None and not _matchers.without_batch_rows(ix, match):
+          if match is not None and not _without_batch_rows(ix, match):
             specs.append(self._accept(match, claimed))
     # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
     # An equation may hold several layers' leaves (a concatenation of two learned tokens): it is
@@ -268,7 +260,7 @@ class _Scanner:
           match = None
           for matcher in matchers:
             match = matcher(ix, i, claimed)
-            if match is not None and _matchers.without_batch_rows(ix, match):
+            if match is not None and _without_batch_rows(ix, match):
               match = None  # No rows per example: left to the fallback, with its reason.
             if match is not None:
               break
@@ -428,10 +420,11 @@ class _Scanner:
     chosen, pattern = _layer_config.resolve(
       self.layer_config, kind, (name,) + tuple(paths), builtin if approx is None else approx
     )
-    if chosen not in APPROXIMATIONS[kind]:
+    choices = _kinds.KINDS[kind].approximations
+    if chosen not in choices:
       raise RegistrationError(
         f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
-        f"`{name}` (parameters {list(paths)}); choose one of {APPROXIMATIONS[kind]}, or "
+        f"`{name}` (parameters {list(paths)}); choose one of {choices}, or "
         "narrow the pattern so that it does not match this layer."
       )
     return chosen
@@ -505,7 +498,10 @@ class _Scanner:
   def _manual(self, fe, claimed, manual_dense):
     """The layer of a manual tag, its approximation checked and its leaves claimed; None for a
     `register_dense` tag, collected in `manual_dense` (one layer per kernel, after the loop)."""
-    match = _matchers.read_manual_tag(self.ix, fe)
+    record = _kinds.KINDS.get(fe.params["kind"])
+    if record is None or record.read_tag is None:
+      raise RegistrationError(f"a layer tag of unknown kind {fe.params['kind']!r}.")
+    match = record.read_tag(self.ix, fe)
     kind, approx = match.kind, fe.params["approx"]
     paths = [self.ix.paths[j] for j in match.leaves]
     if kind == "generic":
@@ -583,7 +579,7 @@ class _Scanner:
 
   def _check_approx(self, kind, approx, paths, *, shared: bool = False):
     if shared:  # None: the kind's shared default (kron_indep; "full" for scale-and-shift).
-      choices = SHARED_BY_KIND.get(kind, ())
+      choices = _kinds.KINDS[kind].shared
       if approx is None:
         return choices[0]
       if approx == "kron" and "kron_indep" in choices:
@@ -597,12 +593,13 @@ class _Scanner:
     if approx is None:
       # Single-use layers are resolved by `layer_spec` (the LayerConfig, then the kind's default).
       return None
-    if approx in SHARED_APPROXIMATIONS[1:]:
+    if approx in _kinds.SERIES:
       raise self._single_use_series(approx, paths)
-    if approx not in APPROXIMATIONS[kind]:
+    choices = _kinds.KINDS[kind].approximations
+    if approx not in choices:
       raise RegistrationError(
         f"approximation {approx!r} does not fit the {kind} layer with parameters {paths}; "
-        f"choose one of {APPROXIMATIONS[kind]}."
+        f"choose one of {choices}."
       )
     return approx
 
@@ -616,7 +613,7 @@ class _Scanner:
     for pattern, chosen in self.layer_config.overrides.items():
       if not _layer_config.matches(pattern, (name,) + tuple(paths)):
         continue
-      choices = SHARED_BY_KIND.get(kind, ())
+      choices = _kinds.KINDS[kind].shared
       if chosen not in choices and not (chosen == "kron" and "kron_indep" in choices):
         raise RegistrationError(
           f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
@@ -638,7 +635,7 @@ class _Scanner:
       kind=kind,
       param_paths=paths,
       leaf_indices=tuple(leaves),
-      approx="",
+      approx=cast("Approximation", ""),  # Chosen next, by `layer_spec` / `_shared_spec`.
       factor_shapes=(),
       source=source,
       param_shapes=tuple(shape_of[j] for j in leaves),
@@ -659,9 +656,7 @@ class _Scanner:
       approx = self._shared_override(kind, name, paths, len(infos))
     explicit = approx is not None
     approx = self._check_approx(kind, approx, list(paths), shared=True)
-    if approx in SHARED_APPROXIMATIONS[1:] and (
-      kind != "dense" or len({inf.rows for inf in infos}) != 1
-    ):
+    if approx in _kinds.SERIES and (kind != "dense" or len({inf.rows for inf in infos}) != 1):
       raise RegistrationError(
         f"approximation {approx!r} needs the uses of layer {list(paths)} to be dense products "
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
@@ -673,7 +668,7 @@ class _Scanner:
         self.layer_config.max_factor_dim,
         approx,
         _blocks.factor_shapes_for(spec),
-        SHARED_BY_KIND[kind],
+        _kinds.KINDS[kind].shared,
         len(infos),
       )
       spec = dataclasses.replace(spec, approx=approx, note=note)
@@ -686,11 +681,7 @@ class _Scanner:
     """
     spec = self._draft(kind, leaves, source, leaf_shapes, info=info)
     paths, name = spec.param_paths, spec.name
-    builtin, note = _matchers.default_approx(kind, info), ""
-    if builtin is None:
-      builtin = DEFAULT_APPROX[kind]
-    elif builtin != DEFAULT_APPROX[kind]:
-      note = _matchers.default_approx_note(kind, info)
+    builtin, note = _kinds.default_approx(kind, info)
     explicit = self._explicit(paths, name, approx, source)
     approx = self._approx(kind, paths, name, approx, source, builtin)
     if approx != builtin:
@@ -706,7 +697,7 @@ class _Scanner:
       self.layer_config.max_factor_dim,
       spec.approx,
       _blocks.factor_shapes_for(spec),
-      APPROXIMATIONS[spec.kind],
+      _kinds.KINDS[spec.kind].approximations,
     )
     return dataclasses.replace(spec, approx=approx, note=why or spec.note)
 
@@ -725,7 +716,8 @@ class _Scanner:
     paths, name = spec.param_paths, spec.name
     explicit = source == "linked" or self._explicit(paths, name, approx, source)
     if source != "linked":
-      approx = self._approx("generic", paths, name, approx, source, DEFAULT_APPROX["generic"])
+      builtin = _kinds.KINDS["generic"].approximations[0]
+      approx = self._approx("generic", paths, name, approx, source, builtin)
     return sized(self._size_policy(dataclasses.replace(spec, approx=approx), explicit))
 
 
@@ -734,21 +726,13 @@ def sized(spec: LayerSpec) -> LayerSpec:
   return dataclasses.replace(spec, factor_shapes=_blocks.factor_shapes_for(spec))
 
 
-# The automatic matchers, pass by pass; within a pass, per equation, the first that fits wins.
-# Kernels claim their biases before the elementwise pass could take a bias for a shift.
-_PASSES = (
-  (
-    _stacked.match_batched_dense,
-    _matchers_embed.match_one_hot_embedding,  # Before `match_dense` would take it for a kernel.
-    _matchers.match_dense,
-    _matchers.match_conv,
-  ),
-  (_matchers_embed.match_embedding,),
-  (
-    _matchers.match_scale_and_shift,
-    _matchers_embed.match_batch_tokens,  # Last: a broadcast over the batch nothing else took.
-  ),
-)
+# The automatic matchers, pass by pass, as the kinds' records declare them.
+_PASSES = _kinds.passes()
+
+
+def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
+  """A match of a kind estimated from rows of examples whose rows are not examples."""
+  return _kinds.KINDS[match.kind].batch_rows and _matchers.without_batch_rows(ix, match)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,308 @@
+"""The layer vocabulary: each layer kind declared once, as one `LayerKind` record.
+
+A record holds everything the tracer knows about a kind: the type of its matching details
+(`LayerSpec.info`), its matchers and the pass each runs in, the approximations a layer of the
+kind takes alone and when its parameters are used several times (the default first in each),
+the shape-dependent default, and the reader of its manual tag. The scanner, `LayerConfig` and
+`summary` read these records and nothing else about kinds; the blocks declare which
+`(kind, approximation)` pairs each block class serves (`Block.serves`), and every pair a record
+names has exactly one block (checked where the block registry is built and by the tests).
+
+Adding a layer kind: its name in `Kind` and its record here, with its matcher (a pure function
+`(index, equation, claimed) -> Match | None` on the helpers of `_matchers`; a small one sits
+beside its record, as `conv_local`'s does), and its layout in `blocks/_layouts.py` if its layers
+are products by a parameter matrix (the Kronecker, diagonal and full blocks then serve it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+from kfac_jax._specs import (
+  ConvInfo,
+  DenseInfo,
+  EmbeddingInfo,
+  FallbackInfo,
+  ScaleShiftInfo,
+)
+from kfac_jax.blocks._layouts import ConvLocalInfo
+from kfac_jax.scan import _graph, _matchers, _matchers_embed, _stacked
+
+Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "conv_local", "generic"]
+Approximation = Literal[
+  "kron",
+  "kron_in_diag",
+  "kron_out_diag",
+  "kron_both_diag",
+  "kron_sua",
+  "expand",
+  "reduce",
+  "ekfac",
+  "diagonal",
+  "full",
+  "kron_indep",
+  "kron_series_1",
+  "kron_series_2",
+]
+# The shared-layer approximations that model correlations between successive uses (the steps
+# of a recurrence); they need several dense uses with equal row counts.
+SERIES: tuple[Approximation, ...] = ("kron_series_1", "kron_series_2")
+
+# The automatic passes, in order: kernels claim their biases before the elementwise pass could
+# take a bias for a shift.
+Pass = Literal["kernels", "gathers", "elementwise"]
+PASSES: tuple[Pass, ...] = get_args(Pass)
+
+Matcher = Callable[[Any, int, dict[int, str]], "_matchers.Match | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MatcherEntry:
+  """One automatic matcher of a kind: the pass it runs in and its rank there (lower first; per
+  equation, the first matcher of a pass that fits wins)."""
+
+  pass_: Pass
+  rank: int
+  fn: Matcher
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+  """Everything the tracer knows about one layer kind.
+
+  Attributes:
+    name: the kind, as `LayerSpec.kind` and `LayerConfig.defaults` spell it.
+    info: the type of `LayerSpec.info` for the kind's layers.
+    approximations: what a single-use layer of the kind takes; the first is the default.
+    shared: what a layer used several times takes (the default first; "kron" is read as
+      "kron_indep"); () when the kind has no shared form.
+    matchers: the automatic matchers (none for a kind only a manual tag declares).
+    read_tag: reads the kind's manual tag (`register_<name>`) into a `Match`.
+    default: the shape-dependent default, `info -> (approximation, note) | None` (None: the
+      first of `approximations`); the note says why in `summary`.
+    batch_rows: whether the layer's first input holds rows of examples (its statistics are
+      estimated from them), so that a match whose input is computed from parameters alone is
+      left to the fallback.
+  """
+
+  name: Kind
+  info: type
+  approximations: tuple[Approximation, ...]
+  shared: tuple[Approximation, ...] = ()
+  matchers: tuple[MatcherEntry, ...] = ()
+  read_tag: Callable[[Any, Any], _matchers.Match] | None = None
+  default: Callable[[Any], tuple[Approximation, str] | None] | None = None
+  batch_rows: bool = False
+
+
+def _conv_default(info: ConvInfo) -> tuple[Approximation, str] | None:
+  # A depthwise kernel's Kronecker factors are per channel; its exact diagonal costs the same.
+  return ("diagonal", "") if info.depthwise else None
+
+
+def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | None:
+  # A shift-only table added over the batch, spanning more than one trailing axis (a learned
+  # positional embedding `x + pos`, `pos: [1, L, D]`; latents broadcast over the batch): its
+  # "full" block would be quadratic in L·D.
+  if info.has_scale or len(info.feature_shape) < 2:
+    return None
+  shape = "x".join(map(str, info.feature_shape))
+  return "diagonal", f"shift-only table {shape} (positional embedding or learned tokens): diagonal"
+
+
+# --------------------------------------------------------------------------------------------
+# Unshared convolutions, declared here whole: their matcher reuses the dense helpers, their
+# block is the Kronecker (or diagonal, full) block over `blocks._layouts.ConvLocalLayout`.
+
+
+def match_conv_local(ix, i, claimed):
+  """An unshared convolution (Flax's `nn.ConvLocal`): a `dot_general` of input patches
+  `[rows..., *grid, in]` with a kernel leaf `[*grid, in, out]` whose leading axes are the
+  product's batch dimensions, read without reshapes; then, optionally, the transpose that puts
+  the rows first and a bias `[*grid, out]` added over the rows. A one-axis grid is taken first,
+  as a stack of dense layers (`_stacked.match_batched_dense`)."""
+  found = _matchers.sole_param_operand(ix, i, "dot_general")
+  if found is None or found[1] != 1 or found[0] >= ix.n_params or found[0] in claimed:
+    return None
+  k_leaf, fe = found[0], ix.g.eqns[i]
+  x_atom, k_atom = fe.ins
+  if any(s.op != "cast" for s in ix.origin[k_atom][1]):
+    return None
+  k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], 1)
+  k_shape = tuple(_graph.aval_of(k_atom).shape)
+  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  g = len(k_b)
+  if not g or k_b != tuple(range(g)) or k_c != (g,) or len(k_shape) != g + 2 or len(x_c) != 1:
+    return None
+  x_free = tuple(d for d in range(len(x_shape)) if d not in x_b and d not in x_c)
+  if not x_free:
+    return None
+  grid, n_free = k_shape[:g], len(x_free)
+  # The product's axes: the grid (batch dimensions), the rows (the patches' free axes), out.
+  labels = [("grid", d) for d in range(g)] + [("row", d) for d in range(n_free)] + [("out", 0)]
+  out_key = fe.outs[0]
+  cons = ix.slice_consumers.get(out_key, [])
+  if len(cons) == 1 and ix.g.eqns[cons[0][0]].name == "transpose":
+    t = ix.g.eqns[cons[0][0]]
+    labels = [labels[int(d)] for d in t.params["permutation"]]
+    out_key = t.outs[0]
+  canonical = [("row", d) for d in range(n_free)] + [("grid", d) for d in range(g)] + [("out", 0)]
+  leaves = [k_leaf]
+  if labels == canonical:  # `[rows..., *grid, out]`: a bias over the grid and outputs may follow.
+    bias = _local_bias(ix, out_key, (1,) * n_free + grid + (k_shape[-1],), claimed)
+    if bias is not None:
+      leaves.append(bias[0])
+      out_key = bias[1]
+  info = ConvLocalInfo(
+    kernel_view=tuple(ix.origin[k_atom][1]),
+    grid=tuple(int(s) for s in grid),
+    in_dim=int(k_shape[g]),
+    out_dim=int(k_shape[-1]),
+    x_perm=x_free + tuple(x_b) + tuple(x_c),
+    out_perm=tuple(labels.index(lab) for lab in canonical),
+  )
+  return _matchers.Match.single("conv_local", leaves, info, out_key, (x_atom,))
+
+
+def _local_bias(ix, out_key, shape, claimed):
+  """`(leaf, output key)` of a single-use leaf of `prod(shape)` entries, reshaped to `shape` and
+  added to `out_key`."""
+  cons = ix.slice_consumers.get(out_key, [])
+  if len(cons) != 1 or ix.g.eqns[cons[0][0]].name != "add":
+    return None
+  fe = ix.g.eqns[cons[0][0]]
+  other = fe.ins[1 - cons[0][1]]
+  found = _matchers.single_use_leaf(ix, other, claimed)
+  if found is None or found[0] >= ix.n_params or tuple(_graph.aval_of(other).shape) != shape:
+    return None
+  if any(s.op not in ("cast", "reshape") for s in found[1]):
+    return None
+  return found[0], fe.outs[0]
+
+
+KINDS: dict[Kind, LayerKind] = {
+  k.name: k
+  for k in (
+    LayerKind(
+      name="dense",
+      info=DenseInfo,
+      approximations=(
+        "kron",
+        "kron_in_diag",
+        "kron_out_diag",
+        "kron_both_diag",
+        "diagonal",
+        "full",
+        "expand",
+        "reduce",
+        "kron_indep",
+        "ekfac",
+      ),
+      shared=("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
+      matchers=(
+        MatcherEntry("kernels", 0, _stacked.match_batched_dense),
+        MatcherEntry("kernels", 20, _matchers.match_dense),
+      ),
+      read_tag=_matchers.read_dense_tag,
+      batch_rows=True,
+    ),
+    LayerKind(
+      name="conv",
+      info=ConvInfo,
+      approximations=(
+        "kron",
+        "kron_sua",
+        "kron_in_diag",
+        "kron_out_diag",
+        "kron_both_diag",
+        "diagonal",
+        "full",
+        "ekfac",
+      ),
+      shared=("kron_indep", "diagonal", "full"),
+      matchers=(MatcherEntry("kernels", 30, _matchers.match_conv),),
+      read_tag=_matchers.read_conv_tag,
+      default=_conv_default,
+      batch_rows=True,
+    ),
+    LayerKind(
+      name="embedding",
+      info=EmbeddingInfo,
+      approximations=("kron", "kron_indep", "kron_out_diag"),
+      shared=("kron_indep",),
+      matchers=(
+        # Before `match_dense` would take a one-hot product for a kernel.
+        MatcherEntry("kernels", 10, _matchers_embed.match_one_hot_embedding),
+        MatcherEntry("gathers", 0, _matchers_embed.match_embedding),
+      ),
+      read_tag=_matchers.read_embedding_tag,
+      batch_rows=True,
+    ),
+    LayerKind(
+      name="scale_and_shift",
+      info=ScaleShiftInfo,
+      approximations=("full", "diagonal"),
+      shared=("full", "diagonal"),
+      matchers=(
+        MatcherEntry("elementwise", 0, _matchers.match_scale_and_shift),
+        # Last: a broadcast over the batch nothing else took.
+        MatcherEntry("elementwise", 10, _matchers_embed.match_batch_tokens),
+      ),
+      read_tag=_matchers.read_scale_and_shift_tag,
+      default=_scale_shift_default,
+    ),
+    LayerKind(
+      name="conv_local",
+      info=ConvLocalInfo,
+      approximations=(
+        "kron",
+        "kron_in_diag",
+        "kron_out_diag",
+        "kron_both_diag",
+        "diagonal",
+        "full",
+      ),
+      matchers=(MatcherEntry("kernels", 5, match_conv_local),),
+      batch_rows=True,
+    ),
+    LayerKind(
+      name="generic",
+      info=FallbackInfo,
+      approximations=("diagonal", "full"),
+      read_tag=_matchers.read_generic_tag,
+    ),
+  )
+}
+
+
+def kind(name: str) -> LayerKind:
+  """The record of `name`; a clear error for an unknown kind."""
+  try:
+    return KINDS[name]  # type: ignore[index]
+  except KeyError:
+    raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(KINDS)}.") from None
+
+
+def passes() -> tuple[tuple[Matcher, ...], ...]:
+  """The automatic matchers of every kind, pass by pass, each pass in rank order."""
+  entries = [e for k in KINDS.values() for e in k.matchers]
+  return tuple(
+    tuple(e.fn for e in sorted((e for e in entries if e.pass_ == p), key=lambda e: e.rank))
+    for p in PASSES
+  )
+
+
+def every_approximation() -> tuple[Approximation, ...]:
+  """Every approximation some kind takes, alone or shared, in `Approximation`'s order."""
+  named = {a for k in KINDS.values() for a in k.approximations + k.shared}
+  return tuple(a for a in get_args(Approximation) if a in named)
+
+
+def default_approx(name: Kind, info) -> tuple[Approximation, str]:
+  """The library default of a layer of kind `name` with matching details `info`, and the note
+  that says why when it differs from the kind's default."""
+  record = KINDS[name]
+  found = record.default(info) if record.default is not None and info is not None else None
+  return found if found is not None else (record.approximations[0], "")
