@@ -64,6 +64,19 @@ def _model(kind):
       return _ce(jnp.tanh(p["e"]["t"][b["ids"]]) @ p["head"]["w"], b["y"])
 
     return loss_fn, params, {"ids": ids, "y": y}, "e", {}
+  if kind == "stacked":  # Two layers' kernels stacked, applied by a scan.
+    params = {"s": {"w": _normal(k[0], (2, 6, 6), 0.4), "b": _normal(k[1], (2, 6), 0.1)}}
+    params["head"] = {"w": _normal(k[2], (6, 3), 0.4)}
+    x = _normal(k[3], (5, 6))
+
+    def loss_fn(p, b):
+      def body(h, wb):
+        return jnp.tanh(h @ wb[0] + wb[1]), None
+
+      h, _ = lax.scan(body, b["x"], (p["s"]["w"], p["s"]["b"]))
+      return _ce(h @ p["head"]["w"], b["y"])
+
+    return loss_fn, params, {"x": x, "y": y}, "s", {}
   assert kind == "shared"  # One kernel used twice: "kron_indep".
   params = {"cell": {"w": _normal(k[0], (6, 6), 0.4), "b": _normal(k[1], (6,), 0.1)}}
   params["head"] = {"w": _normal(k[2], (6, 3), 0.4)}
@@ -132,7 +145,9 @@ def test_partition(n, bias, size, want):
     assert k * b >= n and (k - 1) * b < n and k * b - n < k
 
 
-@pytest.mark.parametrize("kind", ["dense", "reduce", "conv", "kron_sua", "embedding", "shared"])
+@pytest.mark.parametrize(
+  "kind", ["dense", "reduce", "conv", "kron_sua", "embedding", "shared", "stacked"]
+)
 def test_blocked_factors_are_the_diagonal_blocks_of_the_full_factors(x64, kind):
   loss_fn, params, batch, name, extra = _model(kind)
   full, fs = _estimator(loss_fn, params, batch, None, **extra)
@@ -143,6 +158,11 @@ def test_blocked_factors_are_the_diagonal_blocks_of_the_full_factors(x64, kind):
     f, fb = getattr(fs.factors[name], side), getattr(bs.factors[name], side)
     if f.ndim == 1:  # The embedding's A: a vector, never blocked.
       np.testing.assert_array_equal(fb, f)
+      continue
+    if kind == "stacked":  # A leading layer axis: each layer's factor blocked alike.
+      assert spec.stack_size == 2 and fb.ndim == 4
+      want = np.stack([_diag_blocks(x, fb.shape[1], fb.shape[-1]) for x in f])
+      np.testing.assert_allclose(fb, want, rtol=1e-12, atol=1e-14)
       continue
     k, b = fb.shape[0], fb.shape[-1]
     assert fb.shape == (k, b, b) and (k - 1) * b < f.shape[0] <= k * b

@@ -21,14 +21,20 @@ convolutions keep one (A, G) pair per feature group, stacked on a leading axis a
 vmap. Vectors are matrices M; with row-major vec,
 (A ⊗ G) vec(M) = vec(A M G).
 
+A side wider than the layer's `block_size` (`LayerSpec.block_size`, from `LayerConfig`) is kept
+as the diagonal blocks of its factor, `[k, b, b]` (`_blocked`): A ⊗ G becomes A_bd ⊗ G, A ⊗ G_bd
+or A_bd ⊗ G_bd, statistics computed blockwise, every power and factorisation taken per block.
+
 Dense layers over sequences ([N, L, in] inputs): "kron" and "expand" take the N·L positions as
 rows (K-FAC-expand, Eschenhagen et al. 2023); "reduce" averages x and sums g over each example's
 positions first (K-FAC-reduce, `_reduce_rows`). Layers used several times ("kron_indep") take
 their statistics from `_shared.indep_factors`.
 
 Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G)),
-and the block multiplies by A_λ^p ⊗ G_λ^p. ("eigen"): exact (A ⊗ G + λ I)^p through the factors'
-eigen-decompositions (a diagonal A is its own).
+and the block multiplies by A_λ^p ⊗ G_λ^p (for a blocked side, tr A is the sum of its blocks'
+traces and dim A the side's size, so π is that of the full factors). ("eigen"): exact
+(A ⊗ G + λ I)^p through the factors' eigen-decompositions (a diagonal A is its own; a blocked
+one's are its blocks').
 """
 
 from __future__ import annotations
