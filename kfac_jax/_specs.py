@@ -231,6 +231,9 @@ class LayerSpec:
     stack_inner: for a stack, the spec of one layer of it (leaf shapes without the layer axis).
     stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
       input operand and then of the output; empty when each layer has its own tap (a scan).
+    block_size: dense, conv and embedding layers: the largest factor side their Kronecker
+      block keeps whole; a wider side is kept as diagonal blocks of at most this size
+      (`blocks._blocked`; from `LayerConfig.block_size`); None: every side whole.
   """
 
   name: str
@@ -250,6 +253,7 @@ class LayerSpec:
   stack_size: int = 0
   stack_inner: LayerSpec | None = None
   stack_axes: tuple[int, ...] = ()
+  block_size: int | None = None
 
   @property
   def multi_tap(self) -> bool:

@@ -342,14 +342,19 @@ def test_vocabulary_head_state_fits_next_to_the_model():
   specs = kfac_jax.scan_layers(loss_fn, params, batch)
   head = next(s for s in specs if s.name == "head")
   assert head.approx == "kron_out_diag" and head.factor_shapes == ((17, 17), (65_536,))
-  assert "65536 > max_factor_dim 8192" in head.note
+  assert "65536 > max_factor_dim 32768" in head.note
   table = kfac_jax.summary(loss_fn, params, batch)
   assert head.note in table and "x the parameters'" in table
-  # Without the policy the output factor alone is 65,536² floats.
-  big = kfac_jax.scan_layers(
-    loss_fn, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=None)
-  )
-  assert next(s for s in big if s.name == "head").factor_shapes[1] == (65_536, 65_536)
+  # Without the policy the output factor is kept in 64 blocks of 1024 (the default block
+  # size), and without blocks it alone is 65,536² floats.
+  for block_size, want in ((1024, (64, 1024, 1024)), (None, (65_536, 65_536))):
+    big = kfac_jax.scan_layers(
+      loss_fn,
+      params,
+      batch,
+      layers=kfac_jax.LayerConfig(max_factor_dim=None, block_size=block_size),
+    )
+    assert next(s for s in big if s.name == "head").factor_shapes[1] == want
 
 
 def test_size_policy_equals_the_explicit_approximation(x64):

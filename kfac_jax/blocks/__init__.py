@@ -1,5 +1,6 @@
 """Curvature blocks: one per layer, chosen from the layer kind and its approximation."""
 
+from kfac_jax.blocks import _kronecker
 from kfac_jax.blocks._base import (
   Block,
   BlockConfig,
@@ -76,6 +77,12 @@ def block_class(spec) -> type[Block]:
     ) from None
 
 
+def blocked_note(spec) -> str:
+  """The `LayerSpec.note` on a layer's blocked factor sides (`_kronecker.blocked_note`), "" for a
+  layer whose block keeps none."""
+  return _kronecker.blocked_note(spec) if block_class(spec) is KroneckerBlock else ""
+
+
 def factor_shapes_for(spec) -> tuple[tuple[int, ...], ...]:
   """The factor shapes the layer's block will keep (`Block.factor_shapes_for`), before any
   block exists: the scanner sizes `LayerSpec.factor_shapes` and its size policy with them."""
@@ -135,6 +142,7 @@ __all__ = [
   "BLOCK_CLASSES",
   "batched_factorisations",
   "block_class",
+  "blocked_note",
   "compute_caches",
   "factor_shapes_for",
   "make_block",

@@ -21,14 +21,20 @@ convolutions keep one (A, G) pair per feature group, stacked on a leading axis a
 vmap. Vectors are matrices M; with row-major vec,
 (A ⊗ G) vec(M) = vec(A M G).
 
+A side wider than the layer's `block_size` (`LayerSpec.block_size`, from `LayerConfig`) is kept
+as the diagonal blocks of its factor, `[k, b, b]` (`_blocked`): A ⊗ G becomes A_bd ⊗ G, A ⊗ G_bd
+or A_bd ⊗ G_bd, statistics computed blockwise, every power and factorisation taken per block.
+
 Dense layers over sequences ([N, L, in] inputs): "kron" and "expand" take the N·L positions as
 rows (K-FAC-expand, Eschenhagen et al. 2023); "reduce" averages x and sums g over each example's
 positions first (K-FAC-reduce, `_reduce_rows`). Layers used several times ("kron_indep") take
 their statistics from `_uses.indep_factors`.
 
 Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G)),
-and the block multiplies by A_λ^p ⊗ G_λ^p. ("eigen"): exact (A ⊗ G + λ I)^p through the factors'
-eigen-decompositions (a diagonal A is its own).
+and the block multiplies by A_λ^p ⊗ G_λ^p (for a blocked side, tr A is the sum of its blocks'
+traces and dim A the side's size, so π is that of the full factors). ("eigen"): exact
+(A ⊗ G + λ I)^p through the factors' eigen-decompositions (a diagonal A is its own; a blocked
+one's are its blocks').
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax import _specs
-from kfac_jax.blocks import _layouts, _linalg, _uses
+from kfac_jax.blocks import _blocked, _layouts, _linalg, _uses
 from kfac_jax.blocks._base import Block
 from kfac_jax.blocks._state import FactorCache, KroneckerCache, KroneckerFactors
 
@@ -53,7 +59,7 @@ Array = jax.Array
 DIAG_A = frozenset({"kron_in_diag", "kron_both_diag"})
 DIAG_G = frozenset({"kron_out_diag", "kron_both_diag"})
 
-# -- one factor, a matrix or (for a diagonal factor) a vector ---------------------------------
+# -- one factor: a matrix, a vector (a diagonal factor) or `[k, b, b]` blocks (`_blocked`) -----
 
 
 def _identity(shape, dtype) -> Array:
@@ -64,33 +70,49 @@ def _identity(shape, dtype) -> Array:
 
 
 def _add_identity(f: Array, c) -> Array:
-  return f + c if f.ndim == 1 else f + c * jnp.eye(f.shape[0], dtype=f.dtype)
+  return f + c if f.ndim == 1 else f + c * jnp.eye(f.shape[-1], dtype=f.dtype)
 
 
 def _left(a: Array, m: Array) -> Array:
   """a · m for a factor acting on the rows of m."""
+  if a.ndim == 3:
+    return _blocked.left(a, m)
   return a[:, None] * m if a.ndim == 1 else _linalg.matmul(a, m)
 
 
+def _matrix_fn(fn, f: Array) -> Array:
+  """fn on a matrix factor, or on each block of a blocked one."""
+  return _blocked.map_blocks(fn, f) if f.ndim == 3 else fn(f)
+
+
 def _power(f: Array, e: float) -> Array:
-  return f**e if f.ndim == 1 else _linalg.spd_power(f, e)
+  return f**e if f.ndim == 1 else _matrix_fn(lambda x: _linalg.spd_power(x, e), f)
 
 
 def _chol(f: Array) -> Array:
-  return jnp.sqrt(f) if f.ndim == 1 else _linalg.cholesky(f)
+  return jnp.sqrt(f) if f.ndim == 1 else _matrix_fn(_linalg.cholesky, f)
 
 
 def _chol_inverse(c: Array) -> Array:
-  return 1.0 / c if c.ndim == 1 else _linalg.lower_inverse(c)
+  return 1.0 / c if c.ndim == 1 else _matrix_fn(_linalg.lower_inverse, c)
 
 
 def _right(m: Array, g: Array) -> Array:
   """m · g for a factor acting on the columns of m."""
+  if g.ndim == 3:
+    return _blocked.right(m, g)
   return m * g[None, :] if g.ndim == 1 else _linalg.matmul(m, g)
 
 
 def _t(f: Array) -> Array:
-  return f if f.ndim == 1 else f.T
+  return f if f.ndim == 1 else jnp.swapaxes(f, -1, -2)
+
+
+def _mean_diag(f: Array, n: int) -> Array:
+  """tr F / n for a factor of side n: a matrix, a vector, or blocks (their padding is zero)."""
+  if f.ndim == 3:
+    return _linalg.ordered_sum(_blocked.diagonal(f, n)) / n
+  return _linalg.mean_diag(f)
 
 
 def _left_power(c: FactorCache, k: int, m: Array) -> Array:
@@ -118,10 +140,17 @@ SOLVE_MIN_SIZE = 256
 SOLVE_MIN_RATIO = 8
 
 
-def damped_factors(a: Array, g: Array, damping: Array) -> tuple[Array, Array]:
+def damped_factors(
+  a: Array, g: Array, damping: Array, sizes: tuple[int, int] | None = None
+) -> tuple[Array, Array]:
   """π-adjusted factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring);
-  a diagonal factor (a vector) gets the constant added to every entry."""
-  pi = _linalg.pi_adjustment(a, g)
+  a diagonal factor (a vector) gets the constant added to every entry, a blocked one to every
+  block's diagonal. `sizes`: the sides (n_A, n_G), needed when a factor is blocked: π is taken
+  from the traces of the whole sides, sums over their blocks."""
+  if sizes is None:
+    pi = _linalg.pi_adjustment(a, g)
+  else:
+    pi = _linalg.pi_from_traces(_mean_diag(a, sizes[0]), _mean_diag(g, sizes[1]))
   root = jnp.sqrt(damping)
   return _add_identity(a, pi * root), _add_identity(g, root / pi)
 
@@ -156,6 +185,29 @@ def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _diag_a(spec) -> bool:
   # An embedding's one-hot rows have a diagonal second moment: its A is a vector.
   return isinstance(spec.info, _specs.EmbeddingInfo) or spec.approx in DIAG_A
+
+
+def partitions(spec) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
+  """How A's and G's matrix sides are split into blocks (`_blocked.partition`; None: kept
+  whole), from `spec.block_size`. Diagonal sides and grouped convolutions are never blocked."""
+  size = spec.block_size
+  sa, sg = kron_shapes(spec)
+  if size is None or len(sa) > 2:
+    return None, None
+  pa = None if _diag_a(spec) else _blocked.partition(sa[-1], spec.has_bias, size)
+  pg = None if spec.approx in DIAG_G else _blocked.partition(sg[-1], False, size)
+  return pa, pg
+
+
+def blocked_note(spec) -> str:
+  """What `summary` says of a layer's blocked sides, e.g. "output side 4096 in 4 blocks of
+  1024"; "" when none is."""
+  sa, sg = kron_shapes(spec)
+  parts = []
+  for label, n, part in zip(("input", "output"), (sa[-1], sg[-1]), partitions(spec)):
+    if part is not None:
+      parts.append(f"{label} side {n} in {part[0]} blocks of {part[1]}")
+  return "; ".join(parts)
 
 
 class LayoutBlock(Block):
@@ -214,6 +266,7 @@ class KroneckerBlock(LayoutBlock):
     inside a stack (vmapped) keep explicit inverses.
     """
     config = self.config
+    pa, pg = self.partitions
     if (
       config.factor_solve == "never"
       or config.damping_mode != "factored"
@@ -222,23 +275,43 @@ class KroneckerBlock(LayoutBlock):
       or self.vmapped
     ):
       return False, False
-    na, ng = self.factor_shapes[0][-1], self.factor_shapes[1][-1]
+    na, ng = self.kron_shapes()[0][-1], self.kron_shapes()[1][-1]
 
     def side(n: int, partner: int, diag: bool) -> bool:
-      if diag:
+      if diag:  # A vector, or blocks (each at most `block_size`: an explicit inverse).
         return False
       if config.factor_solve == "always":
         return True
       return n >= SOLVE_MIN_SIZE and SOLVE_MIN_RATIO * partner <= n
 
-    return side(na, ng, self._diag_a), side(ng, na, self._diag_g)
+    return (
+      side(na, ng, self._diag_a or pa is not None),
+      side(ng, na, self._diag_g or pg is not None),
+    )
+
+  @functools.cached_property
+  def partitions(self) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
+    """`partitions(self.spec)`: A's and G's blocks `(k, b)`, None for a side kept whole."""
+    return partitions(self.spec)
+
+  @property
+  def sides(self) -> tuple[int, int]:
+    """The sides (n_A, n_G) of the full factors (`kron_shapes`)."""
+    sa, sg = self.kron_shapes()
+    return sa[-1], sg[-1]
+
+  def group_key(self) -> tuple:
+    return (type(self).__name__, self.factor_shapes, self.spec.approx, self.partitions)
 
   @classmethod
   def factor_shapes_for(cls, spec):
     """`kron_shapes(spec)`, a side kept as its diagonal a vector (embeddings' A, the "kron_*_diag"
-    variants)."""
+    variants), a blocked side `[k, b, b]` (`partitions`)."""
     sa, sg = kron_shapes(spec)
-    return (sa[:-1] if _diag_a(spec) else sa, sg[:-1] if spec.approx in DIAG_G else sg)
+    pa, pg = partitions(spec)
+    a = sa[:-1] if _diag_a(spec) else (pa[0], pa[1], pa[1]) if pa else sa
+    g = sg[:-1] if spec.approx in DIAG_G else (pg[0], pg[1], pg[1]) if pg else sg
+    return a, g
 
   def _to_matrix(self, vecs) -> Array:
     m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
@@ -266,8 +339,13 @@ class KroneckerBlock(LayoutBlock):
   def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
     del cache  # The statistics do not depend on the inverses.
     dtype = self.config.accum_dtype
+    pa, pg = self.partitions
     if self.spec.num_uses > 1:
-      return _uses.indep_factors(self.spec, data, batch_size, dtype)
+      f = _uses.indep_factors(self.spec, data, batch_size, dtype)
+      return KroneckerFactors(
+        a=f.a if pa is None else _blocked.from_full(f.a, pa),
+        g=f.g if pg is None else _blocked.from_full(f.g, pg),
+      )
     x, g = self.layout.rows(data, dtype)
     if self.spec.approx == "reduce":
       # x: [R, groups, in] (ids [R]); g: [S, R, groups, out].
@@ -276,14 +354,19 @@ class KroneckerBlock(LayoutBlock):
       a = self.layout.id_counts(x, dtype)[None] / x.shape[0]
     elif self.spec.approx == "kron_sua":
       a = self.layout.sua_input_factor(data, dtype, self.spec.has_bias)
+      a = a if pa is None else _blocked.from_full(a[0], pa)[None]
     elif self._diag_a:
       if self.spec.has_bias:
         x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
       a = jnp.einsum("rgi,rgi->gi", x, x) / x.shape[0]
+    elif pa is not None:  # One group: blocks of [x, 1] [x, 1]ᵀ, never the full matrix.
+      a = _blocked.gram(x[:, 0], pa, self.spec.has_bias)[None] / x.shape[0]
     else:
       a = _linalg.gram(x, self.spec.has_bias) / x.shape[0]
     if self._diag_g:
       gg = jnp.einsum("srgi,srgi->gi", g, g) / (g.shape[0] * batch_size)
+    elif pg is not None:
+      gg = _blocked.gram(g.reshape(-1, g.shape[-1]), pg, False)[None] / (g.shape[0] * batch_size)
     else:
       gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
     if not self.grouped:
@@ -321,13 +404,19 @@ class KroneckerBlock(LayoutBlock):
     config = self.config
 
     solve_a, solve_g = self.solves
+    pads = [
+      None if p is None else _blocked.padding_eye(p, n, config.inverse_dtype)
+      for p, n in zip(self.partitions, self.sides)
+    ]
 
-    def side(m, solve):  # One group's factor, damped ("factored") or not ("eigen").
+    def side(m, solve, pad):  # One group's factor, damped ("factored") or not ("eigen").
       if config.damping_mode == "eigen":
         if m.ndim == 1:
           return FactorCache(evals=jnp.maximum(m, 0.0))
-        evals, evecs = _linalg.eigh_psd(m)
+        evals, evecs = _matrix_fn(_linalg.eigh_psd, m)
         return FactorCache(evals=evals, evecs=evecs)
+      if pad is not None:  # The padding of a blocked factor: ones on the diagonal (`_blocked`).
+        m = m + pad
       chol = _chol(m) if config.cholesky or config.cholesky_inverse else None
       return FactorCache(
         powers=tuple(
@@ -341,8 +430,8 @@ class KroneckerBlock(LayoutBlock):
 
     def one(a, g):
       if config.damping_mode == "factored":
-        a, g = damped_factors(a, g, damping)
-      return side(a, solve_a), side(g, solve_g)
+        a, g = damped_factors(a, g, damping, self.sides)
+      return side(a, solve_a, pads[0]), side(g, solve_g, pads[1])
 
     ca, cg = self.map_groups(one, factors.a, factors.g)
     return KroneckerCache(a=ca, g=cg, damping=damping)
@@ -353,13 +442,20 @@ class KroneckerBlock(LayoutBlock):
   def _eigen_scaled(ca: FactorCache, cg: FactorCache, damping, m, fn):
     """U_a ((U_aᵀ M U_g) ⊙ fn(s_a s_gᵀ + λ)) U_gᵀ for one group (U = I for a diagonal factor)."""
     ua, ug = ca.evecs, cg.evecs
+    na, ng = m.shape
+    # A blocked side works on its padded coordinates throughout: its eigenbasis mixes them.
+    pa, pg = (
+      n if u is None or u.ndim < 3 else u.shape[0] * u.shape[-1] for u, n in ((ua, na), (ug, ng))
+    )
+    m = jnp.pad(m, ((0, pa - na), (0, pg - ng)))
     assert ca.evals is not None and cg.evals is not None  # the eigen damping mode's cache
-    sigma = ca.evals[:, None] * cg.evals[None, :] + damping
-    inner = m if ua is None else ua.T @ m
-    inner = inner if ug is None else inner @ ug
+    sigma = ca.evals.reshape(-1)[:, None] * cg.evals.reshape(-1)[None, :] + damping
+    inner = m if ua is None else _left(_t(ua), m)
+    inner = inner if ug is None else _right(inner, ug)
     out = inner * fn(sigma)
-    out = out if ua is None else ua @ out
-    return out if ug is None else out @ ug.T
+    out = out if ua is None else _left(ua, out)
+    out = out if ug is None else _right(out, _t(ug))
+    return out[:na, :ng]
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     self.check_exp(exp)
@@ -372,7 +468,7 @@ class KroneckerBlock(LayoutBlock):
       if exp == 1:
         if eigen:
           return _right(_left(a, m), g) + damping * m
-        a_d, g_d = damped_factors(a, g, damping)
+        a_d, g_d = damped_factors(a, g, damping, self.sides)
         return _right(_left(a_d, m), g_d)
       if eigen:
         return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)

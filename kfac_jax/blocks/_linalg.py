@@ -249,6 +249,10 @@ def pi_adjustment(a: Array, g: Array) -> Array:
 
   Returns 1 when either trace is not positive and finite (e.g. before any statistics).
   """
-  ta, tg = mean_diag(a), mean_diag(g)
+  return pi_from_traces(mean_diag(a), mean_diag(g))
+
+
+def pi_from_traces(ta: Array, tg: Array) -> Array:
+  """`pi_adjustment` from tr A / dim A and tr G / dim G."""
   ok = (ta > 0) & (tg > 0) & jnp.isfinite(ta) & jnp.isfinite(tg)
   return jnp.where(ok, jnp.sqrt(jnp.where(ok, ta / jnp.where(ok, tg, 1.0), 1.0)), 1.0)

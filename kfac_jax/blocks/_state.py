@@ -33,6 +33,9 @@ class KroneckerFactors(NamedTuple):
       "kron_in_diag" / "kron_both_diag", and `[vocab]` (id counts / rows) for embeddings.
     g: the output factor G, `[(groups,) out, out]`; its diagonal `[(groups,) out]` for
       "kron_out_diag" / "kron_both_diag".
+
+  A side wider than the layer's `block_size` is kept as its diagonal blocks, `[k, b, b]`
+  (`_blocked`), and so is every matrix of its `FactorCache` (eigenvalues `[k, b]`).
   """
 
   a: Array

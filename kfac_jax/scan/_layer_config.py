@@ -22,13 +22,19 @@ recurrence), else their kind's shared default ("kron_indep"; "full" for scale-an
 `defaults` do not apply to them: those name single-use approximations. A pattern choosing an
 approximation that a matched layer cannot take is an error naming the pattern and the layer.
 
+Blocked factors. A Kronecker factor side (A or G of a dense, convolution or embedding layer)
+with more than `block_size` entries, a bias row not counted, is kept as the diagonal blocks of
+the factor, each of about `block_size` (`blocks._blocked`): memory O(n·B) instead of O(n²). It
+applies to every such layer, whatever chose its approximation; `block_sizes` patterns set it per
+layer (None: that layer's sides whole). `LayerSpec.note` names the blocked sides.
+
 Size policy. A layer whose approximation was not chosen for it by name (no manual `approx=`, no
-matching `overrides` pattern) keeps no factor side larger than `max_factor_dim`: a dense,
-convolution or embedding layer with a larger input / output side keeps that side as its
-diagonal ("kron" becomes "kron_in_diag", "kron_out_diag" or "kron_both_diag"), and a "full"
-block of more than `max_factor_dim` parameters (a large scale-and-shift table) becomes
-"diagonal". The layer's `LayerSpec.note` says why, and `summary` prints it. An explicit
-per-layer choice is taken as asked, whatever its size.
+matching `overrides` pattern) keeps no factor side larger than `max_factor_dim` (a bias row not
+counted) as a matrix: a dense, convolution or embedding layer with a larger input / output side
+keeps that side as its diagonal ("kron" becomes "kron_in_diag", "kron_out_diag" or
+"kron_both_diag"), and a "full" block of more than `max_factor_dim` parameters (a large
+scale-and-shift table) becomes "diagonal". The layer's `LayerSpec.note` says why, and `summary`
+prints it. An explicit per-layer choice is taken as asked, whatever its size.
 
 Linked groups (TF K-FAC's `define_linked_parameters`) put every parameter leaf matched by a
 group's patterns into one generic block, "full" (the exact Fisher block of those parameters, the
@@ -46,6 +52,11 @@ from collections.abc import Mapping, Sequence
 
 from kfac_jax.scan import _kinds
 from kfac_jax.scan._kinds import Approximation
+
+# The library defaults. A side of up to MAX_FACTOR_DIM entries is kept as a matrix, in blocks of
+# about BLOCK_SIZE above that; wider sides (vocabulary-size heads) are kept as their diagonal.
+MAX_FACTOR_DIM = 32768
+BLOCK_SIZE = 1024
 
 
 def _frozen(mapping, name: str) -> Mapping[str, str]:
@@ -69,14 +80,21 @@ class LayerConfig:
       e.g. `{"params/RNN_0/*": "kron_series_2"}` (module docstring).
     linked: tuple of patterns → "full" or "diagonal": the matched leaves share one generic
       block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
-    max_factor_dim: the largest factor side kept as a matrix for layers whose approximation
-      comes from `defaults` or the library default (module docstring); None: no limit. The
-      default, 8192, keeps full input factors for models up to 8k wide (a 8192² float32 factor
-      is 256 MiB; with its inverse, 512 MiB, about a quarter of such a model's 8192 × 32k
-      vocabulary head) and turns the output side of every 32k–256k vocabulary head into a
-      vector: a 65,536-way output factor would be 16 GiB as a matrix (64 GiB with its caches)
-      and is 256 KiB as a diagonal. Hidden layers wider than 8192 (a 4× MLP of a 4k model)
-      also get a diagonal side on their wide side.
+    max_factor_dim: the largest factor side (a bias row not counted) kept as a matrix, whole
+      or in blocks, for layers whose approximation comes from `defaults` or the library
+      default (module docstring); None: no limit. The default, 32768, keeps the hidden sides
+      of models up to 8k wide (a 4x MLP) as blocks and turns the output side of a vocabulary
+      head wider than that into a vector: a 65,536-way side in blocks of 1024 would be 256 MiB
+      with its inverse, against 256 KiB as a diagonal, where the head's other side may be as
+      narrow as the model.
+    block_size: a factor side with more entries than this (a bias row not counted) is kept as
+      the diagonal blocks of its factor, of about this size (module docstring); None: sides
+      kept whole. The default, 1024, keeps a side of n entries in n·1024 values (twice that
+      with its inverse), at most twice a layer's parameters when its other side has 1024
+      entries or more.
+    block_sizes: glob pattern → block size (or None: sides kept whole) for the matched layers,
+      e.g. `{"params/head/*": None}`; the first matching pattern wins over `block_size`. Every
+      pattern must match some layer.
 
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
@@ -87,15 +105,21 @@ class LayerConfig:
   defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
   overrides: Mapping[str, str] = dataclasses.field(default_factory=dict)
   linked: Mapping[tuple[str, ...], str] = dataclasses.field(default_factory=dict)
-  max_factor_dim: int | None = 8192
+  max_factor_dim: int | None = MAX_FACTOR_DIM
+  block_size: int | None = BLOCK_SIZE
+  block_sizes: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     kinds = _kinds.KINDS
-    m = self.max_factor_dim
-    if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-      raise ValueError(
-        f"LayerConfig.max_factor_dim must be a positive int or None (no limit), got {m!r}."
-      )
+    _check_size("max_factor_dim", self.max_factor_dim, "no limit")
+    _check_size("block_size", self.block_size, "sides kept whole")
+    block_sizes = _frozen(self.block_sizes, "block_sizes")
+    for pattern, size in block_sizes.items():
+      if not isinstance(pattern, str) or not pattern:
+        raise TypeError(
+          f"LayerConfig.block_sizes: patterns must be non-empty strings, got {pattern!r}."
+        )
+      _check_size(f"block_sizes[{pattern!r}]", size, "sides kept whole")
     defaults = _frozen(self.defaults, "defaults")
     for kind, approx in defaults.items():
       if kind not in kinds:
@@ -136,24 +160,35 @@ class LayerConfig:
     object.__setattr__(self, "defaults", defaults)
     object.__setattr__(self, "overrides", overrides)
     object.__setattr__(self, "linked", types.MappingProxyType(groups))
+    object.__setattr__(self, "block_sizes", block_sizes)
 
-  def __hash__(self):
-    return hash(
-      (
-        tuple(self.defaults.items()),
-        tuple(self.overrides.items()),
-        tuple(self.linked.items()),
-        self.max_factor_dim,
-      )
+  def _key(self) -> tuple:
+    return (
+      tuple(self.defaults.items()),
+      tuple(self.overrides.items()),
+      tuple(self.linked.items()),
+      self.max_factor_dim,
+      self.block_size,
+      tuple(self.block_sizes.items()),
     )
 
+  def __hash__(self):
+    return hash(self._key())
+
   def __eq__(self, other):
-    return isinstance(other, LayerConfig) and (
-      dict(self.defaults),
-      dict(self.overrides),
-      dict(self.linked),
-      self.max_factor_dim,
-    ) == (dict(other.defaults), dict(other.overrides), dict(other.linked), other.max_factor_dim)
+    return isinstance(other, LayerConfig) and self._key() == other._key()
+
+  def block_size_for(self, names: Sequence[str]) -> int | None:
+    """The block size of a layer with these names (its name and parameter paths)."""
+    for pattern, size in self.block_sizes.items():
+      if matches(pattern, names):
+        return size
+    return self.block_size
+
+
+def _check_size(name: str, value, none: str) -> None:
+  if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+    raise ValueError(f"LayerConfig.{name} must be a positive int or None ({none}), got {value!r}.")
 
 
 def check(layers) -> LayerConfig:
@@ -185,14 +220,19 @@ _DIAG_SIDES: dict[tuple[Approximation, str], Approximation] = {  # (kron family,
 
 
 def size_policy(
-  max_dim: int | None, approx: Approximation, factor_shapes, allowed: Sequence[Approximation]
+  max_dim: int | None,
+  approx: Approximation,
+  factor_shapes,
+  allowed: Sequence[Approximation],
+  bias: bool = False,
 ) -> tuple[Approximation, str]:
   """`(approximation, note)` after the size policy (module docstring); note "" if unchanged.
 
   `factor_shapes` are the layer's factor shapes under `approx`, as its block keeps them
   (`blocks.factor_shapes_for`): a factor with two or more axes is a matrix (after a leading
   group axis for grouped convolutions) whose side is its last axis; a vector (an embedding's
-  input side, a side already kept as its diagonal) has no side to shrink.
+  input side, a side already kept as its diagonal) has no side to shrink. `bias`: the input
+  side ends with a bias row, which is not counted against `max_dim`.
   """
   if max_dim is None:
     return approx, ""
@@ -211,8 +251,8 @@ def size_policy(
   # side(s) diagonal, as "kron" would.
   new: Approximation = "kron" if approx == "ekfac" else approx
   big = []
-  for side, shape, label in (("in", sa, "input"), ("out", sg, "output")):
-    if len(shape) >= 2 and shape[-1] > max_dim and _DIAG_SIDES[(new, side)] != new:
+  for side, shape, label, extra in (("in", sa, "input", int(bias)), ("out", sg, "output", 0)):
+    if len(shape) >= 2 and shape[-1] - extra > max_dim and _DIAG_SIDES[(new, side)] != new:
       new = _DIAG_SIDES[(new, side)]
       big.append(f"{label} side {shape[-1]}")
   if not big or new == approx or new not in allowed:

@@ -487,10 +487,12 @@ class _Scanner:
 
   def _check_patterns(self, specs):
     names = set(self.ix.paths) | {s[0].name for s in specs}
-    for pattern in self.layer_config.overrides:
+    for pattern, field in [(p, "overrides") for p in self.layer_config.overrides] + [
+      (p, "block_sizes") for p in self.layer_config.block_sizes
+    ]:
       if not _layer_config.matches(pattern, tuple(names)):
         self._pattern_problem(
-          f"LayerConfig.overrides: pattern {pattern!r} matches no layer name or parameter "
+          f"LayerConfig.{field}: pattern {pattern!r} matches no layer name or parameter "
           f"path (paths: {self.ix.paths[: min(8, self.n_params)]}"
           f"{' ...' if self.n_params > 8 else ''})"
         )
@@ -672,7 +674,7 @@ class _Scanner:
         len(infos),
       )
       spec = dataclasses.replace(spec, approx=approx, note=note)
-    return sized(spec)
+    return sized(self._blocked(spec))
 
   def layer_spec(self, kind, leaves, info, approx, source, leaf_shapes=None) -> LayerSpec:
     """A LayerSpec, its approximation after the size policy, its factor shapes its block's.
@@ -687,7 +689,16 @@ class _Scanner:
     if approx != builtin:
       note = ""
     spec = dataclasses.replace(spec, approx=approx, note=note)
-    return sized(self._size_policy(spec, explicit))
+    return sized(self._blocked(self._size_policy(spec, explicit)))
+
+  def _blocked(self, spec: LayerSpec) -> LayerSpec:
+    """`spec` with its block size (`LayerConfig.block_size_for`), its blocked sides noted."""
+    if spec.kind not in ("dense", "conv", "embedding"):
+      return spec
+    size = self.layer_config.block_size_for((spec.name,) + tuple(spec.param_paths))
+    spec = dataclasses.replace(spec, block_size=size)
+    note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
+    return dataclasses.replace(spec, note=note)
 
   def _size_policy(self, spec: LayerSpec, explicit: bool) -> LayerSpec:
     """`spec` after `_layer_config.size_policy` (not for an approximation chosen by name)."""
@@ -698,6 +709,7 @@ class _Scanner:
       spec.approx,
       _blocks.factor_shapes_for(spec),
       _kinds.KINDS[spec.kind].approximations,
+      spec.has_bias,
     )
     return dataclasses.replace(spec, approx=approx, note=why or spec.note)
 

@@ -1,0 +1,114 @@
+"""Block-diagonal Kronecker factors: a wide side kept as the diagonal blocks of its factor.
+
+A factor side of n > B entries (B = `LayerSpec.block_size`) is partitioned into k = ⌈n₀/B⌉
+contiguous blocks of b = ⌈n/k⌉ entries, n₀ being the side without a bias row, so a bias row
+never adds a block (n = k·B + 1 gives k blocks of B + 1). The factor F is then kept as its
+diagonal blocks F_bd = diag(F_11, ..., F_kk), stored as `[k, b, b]` with the last block padded
+by k·b − n ≤ k − 1 rows and columns of zeros (Shampoo's partition, applied to K-FAC's A and G).
+Memory is O(n·b), a refresh O(n·b²) (k independent b×b factorisations) and a product with an
+[n, m] matrix O(n·b·m), instead of O(n²), O(n³) and O(n²·m).
+
+Padding never reaches a result: the padded rows and columns of a block are zero, so the padded
+coordinates of a vector are never mixed with the real ones, and every product pads its input
+with zeros and slices its output back to n. Before a factorisation the padded diagonal entries
+are set to one, so a block stays positive definite whatever the damping.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax.blocks import _linalg
+from kfac_jax.blocks._base import batched_factorisations
+
+Array = jax.Array
+Partition = tuple[int, int]  # (k blocks, b entries per block)
+
+
+def partition(n: int, bias: bool, block_size: int | None) -> Partition | None:
+  """`(k, b)` for a side of n entries (its last one a bias row when `bias`), or None when the
+  side is kept whole: no `block_size`, or at most `block_size` entries besides the bias row."""
+  core = n - (1 if bias else 0)
+  if block_size is None or core <= block_size:
+    return None
+  k = -(-core // block_size)
+  return k, -(-n // k)
+
+
+def _pad_rows(m: Array, k: int, b: int) -> Array:
+  """m: [n, ...] zero-padded to [k, b, ...]."""
+  n = m.shape[0]
+  return jnp.pad(m, [(0, k * b - n)] + [(0, 0)] * (m.ndim - 1)).reshape((k, b) + m.shape[1:])
+
+
+def gram(x: Array, part: Partition, bias: bool) -> Array:
+  """The diagonal blocks `[k, b, b]` of Σ_r x̄_r x̄_rᵀ for rows x: [R, n₀] (x̄ = [x, 1] when
+  `bias`), without the full n×n matrix: O(R·n·b) flops."""
+  k, b = part
+  if bias:
+    x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), x.dtype)], axis=1)
+  xb = jnp.pad(x, ((0, 0), (0, k * b - x.shape[1]))).reshape(x.shape[0], k, b)
+  return jnp.einsum("rki,rkj->kij", xb, xb)
+
+
+def from_full(f: Array, part: Partition) -> Array:
+  """The diagonal blocks `[k, b, b]` of a full [n, n] factor, zero padded."""
+  k, b = part
+  n = f.shape[-1]
+  f = jnp.pad(f, ((0, k * b - n), (0, k * b - n)))
+  return jnp.stack([f[i * b : (i + 1) * b, i * b : (i + 1) * b] for i in range(k)])
+
+
+def to_full(fb: Array, n: int) -> Array:
+  """The block-diagonal [n, n] matrix of the blocks `[k, b, b]` (tests, `to_dense`)."""
+  k, b = fb.shape[0], fb.shape[-1]
+  out = jnp.zeros((k * b, k * b), fb.dtype)
+  for i in range(k):
+    out = out.at[i * b : (i + 1) * b, i * b : (i + 1) * b].set(fb[i])
+  return out[:n, :n]
+
+
+def diagonal(fb: Array, n: int) -> Array:
+  """The diagonal `[n]` of the block-diagonal factor (padding dropped)."""
+  k, b = fb.shape[0], fb.shape[-1]
+  d = fb.reshape(k, b * b)[:, :: b + 1]
+  return d.reshape(k * b)[:n]
+
+
+def padding_eye(part: Partition, n: int, dtype) -> Array:
+  """`[k, b, b]`: ones on the padded diagonal entries, zeros elsewhere (a constant)."""
+  k, b = part
+  mask = np.zeros((k * b,), np.float64)
+  mask[n:] = 1.0
+  return jnp.asarray(np.einsum("ki,ij->kij", mask.reshape(k, b), np.eye(b)), dtype)
+
+
+def add_identity(fb: Array, c) -> Array:
+  return fb + c * jnp.eye(fb.shape[-1], dtype=fb.dtype)
+
+
+def map_blocks(fn, *blocks):
+  """`fn` on each block (`[b, b]` slices of `[k, b, b]` arrays), results stacked: one batched
+  call where `batched_factorisations()`, one unbatched call per block otherwise (`lax.map`)."""
+  if batched_factorisations():
+    return jax.vmap(fn)(*blocks)
+  return jax.lax.map(lambda args: fn(*args), blocks)
+
+
+def left(p: Array, m: Array) -> Array:
+  """P_bd · m for blocks p: [k, b, b] and m: [n, c]."""
+  k, b = p.shape[0], p.shape[-1]
+  n = m.shape[0]
+  out = _linalg.matmul(p, _pad_rows(m, k, b))  # [k, b, c]
+  return out.reshape((k * b,) + out.shape[2:])[:n]
+
+
+def right(m: Array, p: Array) -> Array:
+  """m · P_bd for m: [r, n] and blocks p: [k, b, b]."""
+  return left(jnp.swapaxes(p, -1, -2), m.T).T
+
+
+def transpose(fb: Array) -> Array:
+  return jnp.swapaxes(fb, -1, -2)
