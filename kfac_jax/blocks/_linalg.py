@@ -1,12 +1,14 @@
 """Small, robust linear algebra for symmetric positive (semi-)definite factors.
 
 Size buckets. XLA compiles a Cholesky factorisation or triangular solve once per distinct
-matrix size, and a model has many factor sizes (the autoencoder has 16, from 30 to 1001): 16
-distinct sizes compile in ~0.8 s, 16 of one size in ~0.13 s (CPU). So the factorisations below
+matrix size, and a model has many factor sizes (the autoencoder has 16, from 30 to 1001), each
+a compilation of its own. So the factorisations below
 run on the matrix embedded in a slightly larger one of a bucket size, `diag(M, I)`, and slice the
 answer: the inverse, any power and the Cholesky factor of `diag(M, I)` are `diag(f(M), I)`
 exactly, so the result is unchanged. Buckets are 8 per octave (…, 520, 576, 640, …, 960, 1032,
 …), so the padding costs at most (9/8)³ ≈ 1.4x FLOPs on a factorisation, ~1.2x typically.
+The blocks of a blocked factor (`_blocked`, k of one size) are factorised with `buckets=False`:
+one size needs no bucket, and only a power-of-two size is moved 8 up.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def matmul(x: Array, y: Array) -> Array:
   """x @ y; with operands of two float dtypes, both rounded to the narrower one and the product
   accumulated in (and returned as) the wider one: a bfloat16 inverse times a float32 vector
   (`BlockConfig.preconditioner_dtype`) runs as a bfloat16 matmul with float32 accumulation,
-  which hardware with native bfloat16 products runs faster than a float32 one (a CPU with
-  AVX512-BF16: a 785 × 1000 × 1000 pair of products in 7.5 against 14.1 ms).
+  which hardware with native bfloat16 products runs faster than a float32 one (e.g. a CPU with
+  AVX512-BF16).
 
   The rounded operands and the product pass through `optimization_barrier`s, so that XLA
   cannot fold the transposes around them (layouts, `[out, in]` kernels) into the dot: XLA:CPU
@@ -55,9 +57,8 @@ def bucket_size(n: int) -> int:
   """The bucket of an n×n factorisation: eight sizes per octave, never a power of two.
 
   The smallest k·2^(⌊log2 n⌋ - 3) ≥ n (so at most 12.5% larger), moved 8 past a power of two
-  above 64: LAPACK's Cholesky and triangular solves slow down ~30% at power-of-two sizes
-  (1024: 30 ms, 1032: 23 ms, 1001: 23 ms on the development CPU), cache-set conflicts of the
-  leading dimension.
+  above 64: LAPACK's Cholesky and triangular solves slow down ~30% at power-of-two sizes,
+  cache-set conflicts of the leading dimension.
   """
   if n <= 8:
     return n
@@ -68,10 +69,11 @@ def bucket_size(n: int) -> int:
   return size
 
 
-def _bucketed(fn, m: Array) -> Array:
-  """fn(diag(m, I))[:n, :n], for functions f with f(diag(M, I)) = diag(f(M), f(I))."""
+def _bucketed(fn, m: Array, buckets: bool = True) -> Array:
+  """fn(diag(m, I))[:n, :n], for functions f with f(diag(M, I)) = diag(f(M), f(I)); the size
+  is `bucket_size(n)`, or without `buckets` n moved 8 up only if a power of two above 64."""
   n = m.shape[-1]
-  b = bucket_size(n)
+  b = bucket_size(n) if buckets else n + 8 * (n > 64 and n & (n - 1) == 0)
   if b == n:
     return fn(m)
   pad = jnp.pad(m, ((0, b - n), (0, b - n)))
@@ -79,7 +81,7 @@ def _bucketed(fn, m: Array) -> Array:
   return fn(pad)[:n, :n]
 
 
-def spd_inverse(m: Array) -> Array:
+def spd_inverse(m: Array, buckets: bool = True) -> Array:
   """Inverse of a symmetric positive-definite matrix by Cholesky.
 
   A matrix that is not numerically positive definite gives a non-finite result; the estimator
@@ -91,13 +93,13 @@ def spd_inverse(m: Array) -> Array:
     chol = jnp.linalg.cholesky(x)
     return jsl.cho_solve((chol, True), jnp.eye(x.shape[-1], dtype=x.dtype))
 
-  return _bucketed(inv, symmetrize(m))
+  return _bucketed(inv, symmetrize(m), buckets)
 
 
-def spd_power(m: Array, p: float) -> Array:
+def spd_power(m: Array, p: float, buckets: bool = True) -> Array:
   """`m^p` for a symmetric positive-definite `m` (Cholesky for p=-1, eigh otherwise)."""
   if p == -1:
-    return spd_inverse(m)
+    return spd_inverse(m, buckets)
   if p == 1:
     return m
 
@@ -106,18 +108,18 @@ def spd_power(m: Array, p: float) -> Array:
     floor = jnp.maximum(jnp.max(jnp.abs(s)), 1.0) * jnp.finfo(x.dtype).eps
     return power_from_eigh(jnp.maximum(s, floor), u, p)
 
-  return _bucketed(power, symmetrize(m))
+  return _bucketed(power, symmetrize(m), buckets)
 
 
-def cholesky(m: Array) -> Array:
-  return _bucketed(jnp.linalg.cholesky, symmetrize(m))
+def cholesky(m: Array, buckets: bool = True) -> Array:
+  return _bucketed(jnp.linalg.cholesky, symmetrize(m), buckets)
 
 
-def lower_inverse(chol: Array) -> Array:
+def lower_inverse(chol: Array, buckets: bool = True) -> Array:
   def inv(x):
     return jsl.solve_triangular(x, jnp.eye(x.shape[-1], dtype=x.dtype), lower=True)
 
-  return _bucketed(inv, chol)
+  return _bucketed(inv, chol, buckets)
 
 
 SUBSTITUTION_BLOCKS = 2
@@ -191,9 +193,8 @@ def gram(x: Array, bias: bool) -> Array:
   """Σ_r x_r x_rᵀ per group for rows `x` [R, groups, n]: [groups, n, n], or [groups, n+1, n+1]
   for the rows `[x_r, 1]` when `bias`.
 
-  One group (every dense layer, every ungrouped conv) is a plain `xᵀx`: XLA's CPU backend ran
-  the batched-dot form `einsum("rgi,rgj->gij")` 1.5x slower (105 vs 69 ms at 10000 x 1001),
-  and much slower on small factors (the Transformer LM benchmark's step: 77 -> 56 ms).
+  One group (every dense layer, every ungrouped conv) is a plain `xᵀx`: XLA's CPU backend runs
+  the batched-dot form `einsum("rgi,rgj->gij")` slower, much slower on small factors.
   The bias row and column are the column sums and the row count, assembled around `xᵀx`
   rather than appending a column of ones to x (a copy of all the rows).
   """
