@@ -13,7 +13,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax
-from kfac_jax.blocks import _blocked
+from kfac_jax.blocks import _blocked, _linalg
 
 
 def _ce(logits, y):
@@ -341,3 +341,17 @@ def test_blocked_kfac_trains_under_jit(x64):
     params, state, loss = step(params, state, jax.random.key(i))
     losses.append(float(loss))
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize("n", [128, 129])
+def test_blocks_are_factorised_without_size_buckets(x64, n):
+  """Blocks skip `_linalg`'s size buckets (a power of two is still moved 8 up): the same
+  inverse and Cholesky factor."""
+  x = np.asarray(_normal(jax.random.key(n), (2 * n, n)))
+  m = jnp.asarray(x.T @ x / (2 * n) + 0.1 * np.eye(n))
+  np.testing.assert_allclose(
+    _linalg.spd_power(m, -1.0, buckets=False) @ m, np.eye(n), rtol=0, atol=1e-10
+  )
+  np.testing.assert_allclose(
+    _linalg.cholesky(m, buckets=False), np.linalg.cholesky(np.asarray(m)), rtol=1e-10, atol=1e-12
+  )

@@ -23,7 +23,8 @@ vmap. Vectors are matrices M; with row-major vec,
 
 A side wider than the layer's `block_size` (`LayerSpec.block_size`, from `LayerConfig`) is kept
 as the diagonal blocks of its factor, `[k, b, b]` (`_blocked`): A ⊗ G becomes A_bd ⊗ G, A ⊗ G_bd
-or A_bd ⊗ G_bd, statistics computed blockwise, every power and factorisation taken per block.
+or A_bd ⊗ G_bd, statistics computed blockwise (those of a shared layer and "kron_sua"'s A are
+formed whole, then cut), every power and factorisation taken per block.
 
 Dense layers over sequences ([N, L, in] inputs): "kron" and "expand" take the N·L positions as
 rows (K-FAC-expand, Eschenhagen et al. 2023); "reduce" averages x and sums g over each example's
@@ -81,12 +82,12 @@ def _left(a: Array, m: Array) -> Array:
 
 
 def _matrix_fn(fn, f: Array) -> Array:
-  """fn on a matrix factor, or on each block of a blocked one."""
-  return _blocked.map_blocks(fn, f) if f.ndim == 3 else fn(f)
+  """fn on a matrix factor, or on each block of a blocked one (`buckets=False`: `_linalg`)."""
+  return _blocked.map_blocks(lambda x: fn(x, buckets=False), f) if f.ndim == 3 else fn(f)
 
 
 def _power(f: Array, e: float) -> Array:
-  return f**e if f.ndim == 1 else _matrix_fn(lambda x: _linalg.spd_power(x, e), f)
+  return f**e if f.ndim == 1 else _matrix_fn(lambda x, **kw: _linalg.spd_power(x, e, **kw), f)
 
 
 def _chol(f: Array) -> Array:
@@ -260,9 +261,9 @@ class KroneckerBlock(LayoutBlock):
     triangular inverses, ~7n³/12. A product with the m columns the factor multiplies (the
     other factor's size) then takes six half-size matmuls instead of one with the inverse:
     ~1.5x the flops, up to a few times the time for narrow m on CPU. "auto" keeps the form for
-    n ≥ 256 and m ≤ n/8, where the cheaper refresh outweighs a few slower products. The choice
-    depends only on the shapes, so the state has one structure on every backend (a checkpoint
-    moves between them). Diagonal factors, "eigen" damping, grouped convolutions and blocks
+    n ≥ 256 and m ≤ n/8, where the refresh outweighs a few products. The choice depends only
+    on the shapes, so the state has one structure on every backend (a checkpoint moves between
+    them). Diagonal and blocked factors, "eigen" damping, grouped convolutions and blocks
     inside a stack (vmapped) keep explicit inverses.
     """
     config = self.config
@@ -413,7 +414,9 @@ class KroneckerBlock(LayoutBlock):
       if config.damping_mode == "eigen":
         if m.ndim == 1:
           return FactorCache(evals=jnp.maximum(m, 0.0))
-        evals, evecs = _matrix_fn(_linalg.eigh_psd, m)
+        evals, evecs = (
+          _blocked.map_blocks(_linalg.eigh_psd, m) if m.ndim == 3 else _linalg.eigh_psd(m)
+        )
         return FactorCache(evals=evals, evecs=evecs)
       if pad is not None:  # The padding of a blocked factor: ones on the diagonal (`_blocked`).
         m = m + pad

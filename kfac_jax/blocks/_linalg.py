@@ -1,12 +1,14 @@
 """Small, robust linear algebra for symmetric positive (semi-)definite factors.
 
 Size buckets. XLA compiles a Cholesky factorisation or triangular solve once per distinct
-matrix size, and a model has many factor sizes (the autoencoder has 16, from 30 to 1001): 16
-distinct sizes compile in ~0.8 s, 16 of one size in ~0.13 s (CPU). So the factorisations below
+matrix size, and a model has many factor sizes (the autoencoder has 16, from 30 to 1001), each
+a compilation of its own. So the factorisations below
 run on the matrix embedded in a slightly larger one of a bucket size, `diag(M, I)`, and slice the
 answer: the inverse, any power and the Cholesky factor of `diag(M, I)` are `diag(f(M), I)`
 exactly, so the result is unchanged. Buckets are 8 per octave (…, 520, 576, 640, …, 960, 1032,
 …), so the padding costs at most (9/8)³ ≈ 1.4x FLOPs on a factorisation, ~1.2x typically.
+The blocks of a blocked factor (`_blocked`, k of one size) are factorised with `buckets=False`:
+one size needs no bucket, and only a power-of-two size is moved 8 up.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ def bucket_size(n: int) -> int:
   return size
 
 
-def _bucketed(fn, m: Array) -> Array:
-  """fn(diag(m, I))[:n, :n], for functions f with f(diag(M, I)) = diag(f(M), f(I))."""
+def _bucketed(fn, m: Array, buckets: bool = True) -> Array:
+  """fn(diag(m, I))[:n, :n], for functions f with f(diag(M, I)) = diag(f(M), f(I)); the size
+  is `bucket_size(n)`, or without `buckets` n moved 8 up only if a power of two above 64."""
   n = m.shape[-1]
-  b = bucket_size(n)
+  b = bucket_size(n) if buckets else n + 8 * (n > 64 and n & (n - 1) == 0)
   if b == n:
     return fn(m)
   pad = jnp.pad(m, ((0, b - n), (0, b - n)))
@@ -78,7 +81,7 @@ def _bucketed(fn, m: Array) -> Array:
   return fn(pad)[:n, :n]
 
 
-def spd_inverse(m: Array) -> Array:
+def spd_inverse(m: Array, buckets: bool = True) -> Array:
   """Inverse of a symmetric positive-definite matrix by Cholesky.
 
   A matrix that is not numerically positive definite gives a non-finite result; the estimator
@@ -90,13 +93,13 @@ def spd_inverse(m: Array) -> Array:
     chol = jnp.linalg.cholesky(x)
     return jsl.cho_solve((chol, True), jnp.eye(x.shape[-1], dtype=x.dtype))
 
-  return _bucketed(inv, symmetrize(m))
+  return _bucketed(inv, symmetrize(m), buckets)
 
 
-def spd_power(m: Array, p: float) -> Array:
+def spd_power(m: Array, p: float, buckets: bool = True) -> Array:
   """`m^p` for a symmetric positive-definite `m` (Cholesky for p=-1, eigh otherwise)."""
   if p == -1:
-    return spd_inverse(m)
+    return spd_inverse(m, buckets)
   if p == 1:
     return m
 
@@ -105,18 +108,18 @@ def spd_power(m: Array, p: float) -> Array:
     floor = jnp.maximum(jnp.max(jnp.abs(s)), 1.0) * jnp.finfo(x.dtype).eps
     return power_from_eigh(jnp.maximum(s, floor), u, p)
 
-  return _bucketed(power, symmetrize(m))
+  return _bucketed(power, symmetrize(m), buckets)
 
 
-def cholesky(m: Array) -> Array:
-  return _bucketed(jnp.linalg.cholesky, symmetrize(m))
+def cholesky(m: Array, buckets: bool = True) -> Array:
+  return _bucketed(jnp.linalg.cholesky, symmetrize(m), buckets)
 
 
-def lower_inverse(chol: Array) -> Array:
+def lower_inverse(chol: Array, buckets: bool = True) -> Array:
   def inv(x):
     return jsl.solve_triangular(x, jnp.eye(x.shape[-1], dtype=x.dtype), lower=True)
 
-  return _bucketed(inv, chol)
+  return _bucketed(inv, chol, buckets)
 
 
 SUBSTITUTION_BLOCKS = 2
