@@ -45,7 +45,7 @@ def _scan(loss_fn, params=W, batch=None, **kw):
 
 def _tx(**kw):
   loss_fn, _, batch = _problem()
-  return lambda: kfac_jax.scale_by_kfac(loss_fn, batch, **kw)
+  return lambda: kfac_jax.scale_by_kfac(loss_fn, batch, **_models.with_config(kw))
 
 
 def _est(**kw):

@@ -1,6 +1,7 @@
 """The README's Python code blocks run verbatim (quickstart, optimizer, API, checkpoints)."""
 
 import ast
+import dataclasses
 import inspect
 import os
 import re
@@ -75,7 +76,7 @@ def _call_keywords(code, name):
 
 def test_api_section_runs_and_spells_out_the_transforms_signatures():
   """The API section's calls run after the quickstart, and list every keyword of
-  `scale_by_kfac` / `kfac` with its default (so the README cannot fall behind a new argument)."""
+  `scale_by_kfac` / `kfac` and every `Config` field with its default (so the README cannot fall behind a new argument)."""
   scope = {}
   exec(compile(_blocks("Quickstart")[0], "README.md:Quickstart", "exec"), scope)  # noqa: S102
   blocks = _blocks("API at a glance")
@@ -88,6 +89,8 @@ def test_api_section_runs_and_spells_out_the_transforms_signatures():
     listed = _call_keywords(blocks[0], name)
     listed.pop("learning_rate", None)  # Positional-or-keyword, no default.
     assert listed == expected, name
+  fields = {f.name: f.default for f in dataclasses.fields(kfac_jax.Config)}
+  assert _call_keywords(blocks[0], "Config") == fields
   state = scope["opt_state"]
   assert float(state.hyperparams["damping"]) == 1.0
   assert np.isfinite(float(scope["loss"]))
