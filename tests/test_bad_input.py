@@ -246,7 +246,7 @@ CASES = [
     "unknown estimation mode",
     _tx(estimation_mode="fisher"),
     ValueError,
-    "unknown estimation_mode 'fisher'.*exact_GGN",
+    "unknown config.estimation_mode 'fisher'.*exact_GGN",
   ),
   (
     "unknown damping mode",
@@ -259,7 +259,7 @@ CASES = [
     "num_samples as a JAX array",
     _tx(num_samples=jnp.asarray(2)),
     TypeError,
-    "`num_samples` fixes array shapes",
+    "`config.num_samples` fixes array shapes",
   ),
   (
     "num_samples with the exact mode",

@@ -325,7 +325,7 @@ def test_bfloat16_preconditioner_trains_like_float32_with_half_the_inverse_bytes
 def test_preconditioner_dtype_wider_than_the_inverses_is_refused(x64):
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
   batch = _models.classification_batch(jax.random.key(1), n=4, din=6, classes=3)
-  match = "`preconditioner_dtype`=float64 is wider than `inverse_dtype`=float32"
+  match = "`config.preconditioner_dtype`=float64 is wider than `inverse_dtype`=float32"
   with pytest.raises(ValueError, match=match):
     kfac_jax.kfac(
       loss_fn,
