@@ -104,7 +104,8 @@ class OptimizerState(NamedTuple):
   """State of `Optimizer`.
 
   Attributes:
-    step: `[]` int32, steps taken (burn-in included, skipped steps not).
+    step: `[]` int32, steps taken (burn-in included, skipped steps not): the burn-in and the
+      statistics' and inverses' periods count it; schedules get `step + skipped`.
     skipped: `[]` int32, steps skipped because the loss, gradient or update was not finite.
     curvature: the estimator's factors, inverses and EMA weight.
     damping: `[]` float, λ: the adapted value with adaptive damping, else the last one used.
@@ -246,7 +247,8 @@ class Optimizer:
       `weight_decay`.
 
   The step is the transforms' (`kfac_jax._engine.step`: statistics, inverses, preconditioning,
-  guard); schedules are called with `state.step` (burn-in steps included).
+  guard); schedules are called with `state.step + state.skipped` (every step seen, burn-in
+  included), so a schedule that returns a non-finite value at one step moves past it.
 
   Cost of a step beyond the gradient: the sampled backward pass of the statistics (on curvature
   steps), two Jacobian-vector products through the gradient pass's own linearisation when α or
@@ -444,6 +446,7 @@ class Optimizer:
     k = state.step
     k_run = k - cfg.burn_in_steps  # Steps after burn-in (negative during it).
     in_burn = k_run < 0
+    clock = k + state.skipped  # Every step seen: what the schedules are called with.
 
     def loss_at(p_leaves):
       return scan.graph.evaluate(list(p_leaves) + batch_leaves)[0][0]
@@ -462,7 +465,7 @@ class Optimizer:
     if self.use_adaptive_damping:
       lam = state.damping
     else:
-      lam = _schedule_value(self.damping, k, sdtype)
+      lam = _schedule_value(self.damping, clock, sdtype)
 
     # 2. The engine's step: statistics, inverses (damping λ + η) and Δ = −F̂⁻¹ ∇h.
     ok = None
@@ -498,8 +501,8 @@ class Optimizer:
       vel = state.velocity
       vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(vel)]
       b = jnp.stack([_vdot(grad_h, delta), _vdot(grad_h, vel)]).astype(sdtype)
-      alpha = None if model_lr else _schedule_value(self.learning_rate, k, sdtype)
-      mu = None if model_mom else _schedule_value(self.momentum, k, sdtype)
+      alpha = None if model_lr else _schedule_value(self.learning_rate, clock, sdtype)
+      mu = None if model_mom else _schedule_value(self.momentum, clock, sdtype)
       if self.norm_constraint is not None:
         assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
         quad = _vdot(delta, multiply(curv, delta))

@@ -37,8 +37,10 @@ class ScaleByKfacState(NamedTuple):
   """State of `scale_by_kfac`.
 
   Attributes:
-    count: `[]` int32, updates applied so far (skipped ones not counted); schedules are called
-      with it.
+    count: `[]` int32, updates applied so far (skipped ones not counted): the statistics' and
+      inverses' periods count it. Schedules are called with `count + skipped`, every update
+      seen, so a schedule that returns a non-finite value at one step moves past it instead of
+      stalling training.
     curvature: the estimator's factors, caches and EMA weight.
     skipped: `[]` int32, updates skipped because the gradient, the statistics or the update
       were not finite (`Config.skip_nonfinite`).
@@ -50,20 +52,18 @@ class ScaleByKfacState(NamedTuple):
 
 
 class KfacState(NamedTuple):
-  """State of `kfac`: the states of its chain.
+  """State of `kfac`: the states of its chain (clipping and the learning rate keep none).
 
   Attributes:
-    preconditioner: the `scale_by_kfac` state (first, so `state[0]` is it, as in a chain): its
-      `count` drives the damping schedule, its `skipped` counts skipped updates.
+    preconditioner: the `scale_by_kfac` state (first, so `state[0]` is it, as in a chain): the
+      learning-rate and damping schedules are called with its `count + skipped`, and its
+      `skipped` counts skipped updates.
     momentum: `optax.TraceState` (the heavy-ball trace, params-shaped and -typed) with
       `momentum`, else `optax.EmptyState`.
-    learning_rate: `optax.ScaleByScheduleState` (the count a learning-rate schedule is called
-      with, equal to `preconditioner.count`) for a schedule, else `optax.EmptyState`.
   """
 
   preconditioner: ScaleByKfacState
   momentum: optax.TraceState | optax.EmptyState
-  learning_rate: optax.ScaleByScheduleState | optax.EmptyState
 
 
 def _check_schedule(damping, ema_decay, inverse_every, curvature_every) -> None:
@@ -249,6 +249,7 @@ def _preconditioner(
         "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
       )
     count = state.count
+    clock = count + state.skipped  # Every update seen: what the schedules are called with.
     ok = None
     if guard:
       ok = _estimator.all_finite(updates)
@@ -267,7 +268,7 @@ def _preconditioner(
       vector,
       statistics,
       count,
-      damping=damping(count) if callable(damping) else damping,
+      damping=damping(clock) if callable(damping) else damping,
       ema_decay=ema_decay,
       inverse_every=inverse_every,
       curvature_every=curvature_every,
@@ -398,53 +399,36 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
   return jnp.where(big, jnp.sqrt(r2 / jnp.where(big, vg, 1)), jnp.ones_like(vg))
 
 
-def _scale_by_learning_rate(learning_rate) -> optax.GradientTransformation:
-  """`u ← −α u`, multiplied in at least float32 and cast back (bfloat16 params keep bfloat16
-  updates); a schedule is called with its own count, kept equal to the preconditioner's by the
-  guard."""
-
-  def scale(updates, step):
-    return jax.tree_util.tree_map(
-      lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
-      updates,
-    )
-
-  if not callable(learning_rate):
-    return optax.GradientTransformation(
-      lambda params: optax.EmptyState(),
-      lambda updates, state, params=None: (scale(updates, learning_rate), state),
-    )
-
-  def update_fn(updates, state, params=None):
-    del params
-    out = scale(updates, learning_rate(state.count))
-    return out, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
-
-  return optax.GradientTransformation(
-    lambda params: optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32)), update_fn
+def _scale(updates, step):
+  """`−step · u`, multiplied in at least float32 and cast back (bfloat16 params keep bfloat16
+  updates)."""
+  return jax.tree_util.tree_map(
+    lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
+    updates,
   )
 
 
 def _guard(
   preconditioner: optax.GradientTransformationExtraArgs,
   max_norm,
+  mu,
   momentum: optax.GradientTransformation,
-  learning_rate: optax.GradientTransformation,
-  hyperparameters: Callable[[Array], list],
+  learning_rate,
   skip_nonfinite: bool,
 ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC-aware guard over the chain `preconditioner → clip by max_norm → momentum →
-  learning_rate` (optax's `apply_if_finite` is the pattern).
+  learning rate` (optax's `apply_if_finite` is the pattern).
 
-  It gates the preconditioner on finite `hyperparameters(count)` (`kfac_gate`), reads the
+  It gates the preconditioner on finite hyperparameters (`kfac_gate`: the learning rate at
+  this step, the momentum and `max_norm` when they are not Python numbers), reads the
   preconditioner's verdict from its `skipped` counter, and runs the rest of the chain in a
-  `lax.cond` on it: a skipped update returns zeros and keeps the momentum and learning-rate
-  states. It never selects over the preconditioner's state, whose curvature moved only on a
-  finite verdict (see `kfac_jax._engine`), so no copy of the factors is kept for it.
+  `lax.cond` on it: a skipped update returns zeros and keeps the momentum trace. It never
+  selects over the preconditioner's state, whose curvature moved only on a finite verdict (see
+  `kfac_jax._engine`), so no copy of the factors is kept for it.
   """
 
   def init_fn(params) -> KfacState:
-    return KfacState(preconditioner.init(params), momentum.init(params), learning_rate.init(params))
+    return KfacState(preconditioner.init(params), momentum.init(params))
 
   def update_fn(updates, state: KfacState, params=None, **extra_args):
     if not isinstance(state, KfacState):
@@ -453,31 +437,32 @@ def _guard(
         f"{type(state).__name__}."
       )
     old = state.preconditioner
+    clock = old.count + old.skipped
+    lr = learning_rate(clock) if callable(learning_rate) else learning_rate
+    scalars = [x for x in (lr, mu, max_norm) if x is not None]
+    scalars = [x for x in scalars if not isinstance(x, (int, float))]
     gate = None
-    scalars = [x for x in hyperparameters(old.count) if not isinstance(x, (int, float))]
     if skip_nonfinite and scalars:
       gate = jnp.all(jnp.stack([jnp.isfinite(jnp.asarray(x, jnp.float32)) for x in scalars]))
     v, pre = preconditioner.update(updates, old, params, kfac_gate=gate, **extra_args)
-    rest = (state.momentum, state.learning_rate)
 
     def run():
       u = v
       if max_norm is not None:
         coeff = clip_coefficient(u, updates, max_norm)
         u = jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), u)
-      u, mom = momentum.update(u, rest[0], params)
-      u, lr = learning_rate.update(u, rest[1], params)
-      return u, (mom, lr)
+      u, trace = momentum.update(u, state.momentum, params)
+      return _scale(u, lr), trace
 
     if not skip_nonfinite:
-      out, (mom, lr) = run()
+      out, trace = run()
     else:
-      out, (mom, lr) = jax.lax.cond(
+      out, trace = jax.lax.cond(
         pre.skipped == old.skipped,
         run,
-        lambda: (jax.tree_util.tree_map(jnp.zeros_like, v), rest),
+        lambda: (jax.tree_util.tree_map(jnp.zeros_like, v), state.momentum),
       )
-    return out, KfacState(pre, mom, lr)
+    return out, KfacState(pre, trace)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -517,7 +502,8 @@ def kfac(
   at most `α r` (before momentum). α and λ schedules are called with the number of applied (not
   skipped) updates. `optax.inject_hyperparams(kfac_jax.kfac, static_args=("loss_fn",
   "example_batch"))` can inject any numeric argument and change it between steps without a
-  recompile.
+  recompile. A schedule is called with every update seen (`count + skipped`), so one that
+  returns a non-finite value at one step skips that update and moves on.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
@@ -586,15 +572,4 @@ def kfac(
     optax.identity() if momentum is None else optax.trace(decay=momentum, nesterov=cfg.nesterov)
   )
 
-  def hyperparameters(count):
-    lr = learning_rate(count) if callable(learning_rate) else learning_rate
-    return [x for x in (lr, momentum, max_norm) if x is not None]
-
-  return _guard(
-    preconditioner,
-    max_norm,
-    trace,
-    _scale_by_learning_rate(learning_rate),
-    hyperparameters,
-    cfg.skip_nonfinite,
-  )
+  return _guard(preconditioner, max_norm, momentum, trace, learning_rate, cfg.skip_nonfinite)

@@ -76,7 +76,8 @@ def _call_keywords(code, name):
 
 def test_api_section_runs_and_spells_out_the_transforms_signatures():
   """The API section's calls run after the quickstart, and list every keyword of
-  `scale_by_kfac` / `kfac` and every `Config` field with its default (so the README cannot fall behind a new argument)."""
+  `scale_by_kfac` / `kfac` and every `Config` field with its default (so the README cannot
+  fall behind a new argument)."""
   scope = {}
   exec(compile(_blocks("Quickstart")[0], "README.md:Quickstart", "exec"), scope)  # noqa: S102
   blocks = _blocks("API at a glance")

@@ -770,3 +770,50 @@ def test_profile_names_kfac_statistics_inverses_and_products():
   # each other.
   assert any("kfac_statistics" in n and "jvp(" in n for n in names), sorted(names)[:20]
   assert not any("kfac_inverses" in n and "kfac_multiply" in n for n in names)
+
+
+@pytest.mark.parametrize("front", ["kfac", "Optimizer"])
+def test_a_schedule_that_is_not_finite_at_one_step_skips_it_and_moves_on(front):
+  """The schedules get every update seen (`count + skipped`): a NaN at one count skips that
+  update only, instead of returning the same NaN forever (and stalling training)."""
+  loss_fn, params, batch = _problem()
+
+  def bad_at_2(c):
+    return jnp.where(c == 2, jnp.nan, 0.1)
+
+  if front == "kfac":
+    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=bad_at_2, inverse_every=1)
+    state = tx.init(params)
+    grad = jax.grad(loss_fn)
+    step = jax.jit(lambda p, s, k: tx.update(grad(p, batch), s, p, batch=batch, rng=k))
+  else:
+    opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=bad_at_2, momentum=0.5)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(p, s, k):
+      new, s, _ = opt.step(p, s, batch, k)
+      return jax.tree_util.tree_map(jnp.subtract, new, p), s
+
+  moved = []
+  for t in range(5):
+    updates, state = step(params, state, jax.random.key(t))
+    moved.append(float(optax.tree.norm(updates)) > 0)
+    params = optax.apply_updates(params, updates)
+  assert moved == [True, True, False, True, True]
+  count, skipped = (state[0].count, state[0].skipped) if front == "kfac" else state[:2]
+  assert int(skipped) == 1 and int(count) == 4
+
+
+def test_another_models_state_is_named():
+  loss_fn, params, batch = _problem()
+  deeper = _models.jnp_mlp_init(jax.random.key(0), (4, 8, 8, 3))
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1)
+  other = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1).init(deeper)
+  grads = jax.grad(loss_fn)(params, batch)
+  layers = r"\['layer0', 'layer1', 'layer2'\]"
+  with pytest.raises(ValueError, match=rf"`state` holds the curvature of the layers {layers}"):
+    tx.update(grads, other, params, batch=batch, rng=jax.random.key(0))
+  opt = kfac_jax.Optimizer(loss_fn, batch)
+  with pytest.raises(TypeError, match="OptimizerState from this optimizer's init, got KfacState"):
+    opt.step(params, tx.init(params), batch, jax.random.key(0))
