@@ -18,7 +18,8 @@ from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._layer_config import LayerConfig
-from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
+from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerState
+from kfac_jax._optimizer import OptimizerConfig as OptimizerConfig  # Raises, naming Config.
 from kfac_jax._parallel import ShardedCache
 from kfac_jax._registration import Registration, StatsKey, value_and_grad
 from kfac_jax._scanner import (
@@ -56,7 +57,6 @@ __all__ = [
   "LayerConfig",
   "LayerSpec",
   "Optimizer",
-  "OptimizerConfig",
   "OptimizerState",
   "Registration",
   "ReplicatedStorage",

@@ -97,7 +97,12 @@ def check_mesh(mesh, name: str = "config.mesh") -> None:
 class Config:
   """The rare knobs of `scale_by_kfac`, `kfac` and `Optimizer` (validated on construction).
 
-  Registration (ignored, or checked equal, when a `registration=` is given: it has its own):
+  The fields come in groups: the registration (`has_aux` to `layers`; with a `registration=`
+  they must agree with it or stay at their defaults), the numerics (`damping_mode` to
+  `preconditioner_dtype`), the schedule (`statistics_fraction`, `burn_in_steps`), parallel work
+  (`inverse_storage`, `mesh`), the guard (`skip_nonfinite`), and fields one front reads
+  (`nesterov` for `kfac`; the damping adaptation's and `weight_decay` for `Optimizer`): a front
+  that does not read one refuses a value other than its default.
 
   Attributes:
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned (compute the
@@ -112,8 +117,6 @@ class Config:
     strict: raise, instead of warning, for parameters outside every recognised layer.
     layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
       pattern, and linked parameter groups (None: the defaults).
-
-  Numerics:
     damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
     factor_solve: "auto", "always" or "never": whether a Kronecker factor's damped inverse is
       kept as an explicit matrix or as its Cholesky factor in blocks for block substitution
@@ -127,8 +130,6 @@ class Config:
     preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the Kronecker factors'
       inverses are stored in it once computed, and the preconditioning products take their
       inputs in it with `inverse_dtype` accumulation (half the inverses' memory).
-
-  Schedule:
     statistics_fraction: when a transform computes the statistics from `batch=`, the fraction f
       in (0, 1] of the batch's N rows they come from: r = ⌈f·N⌉ rows, evenly spaced
       (`x[:r*s:s]` along every leaf's leading axis, s = ⌊N/r⌋); statistics are normalised by
@@ -141,8 +142,6 @@ class Config:
       error. A Python number: it fixes array shapes.
     burn_in_steps: the first this many steps only fold curvature statistics (every step), with
       no inverse refresh and zero updates; schedules still count them.
-
-  Parallel work:
     inverse_storage: "replicated" (default; every device keeps every inverse, the work is
       split over the devices of `axis_name` or `mesh` and the results summed) or "sharded"
       (KAISA's memory-optimised strategy: each device keeps and applies only its share of the
@@ -150,14 +149,10 @@ class Config:
       `mesh`). Also a `kfac_jax.ReplicatedStorage()` / `kfac_jax.ShardedStorage()` object.
     mesh: under plain `jit` with data sharded over a mesh (no `axis_name`): `(mesh, axis)`
       splits the inverse work over that mesh axis (and, sharded, stores the inverses there).
-
-  Guard:
     skip_nonfinite: when the gradient, the statistics or the update is not finite, return zero
       updates and leave the state as it was but for the `skipped` counter. False: non-finite
       statistics are still kept out of the factors (counted in `skipped_batches`), but the
       update goes through as computed. The curvature moves only from a finite gradient.
-
-  Front-specific (a front that does not read one refuses a value other than its default):
     nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`).
     min_damping, max_damping: `Optimizer`: the clip of the adapted damping λ.
     damping_adaptation_interval: `Optimizer`: T, adapt λ every T steps.
