@@ -359,7 +359,8 @@ def kfac_optimizer(
     use_adaptive_damping=True,
     inverse_every=inverse_every,
     curvature_every=curvature_every,
-    config=kfac_jax.OptimizerConfig(ema_decay=ema_decay, min_damping=min(1e-4, damping)),
+    ema_decay=ema_decay,
+    config=kfac_jax.Config(min_damping=min(1e-4, damping)),
   )
 
   def step(params, state, batch, rng):

@@ -50,7 +50,7 @@ def measure(make) -> dict:
   layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
   scan_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3, strict=True)
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3, config=kfac_jax.Config(strict=True))
   state = tx.init(params)
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0

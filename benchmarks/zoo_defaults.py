@@ -55,8 +55,7 @@ def train(z: _zoo.Zoo, lr: float, steps: int, preconditioner_dtype: str | None =
     z.loss_fn,
     z.batch,
     learning_rate=lr,
-    has_aux=z.has_aux,
-    preconditioner_dtype=preconditioner_dtype,
+    config=kfac_jax.Config(has_aux=z.has_aux, preconditioner_dtype=preconditioner_dtype),
   )
 
   step = _zoo.train_step(z, tx)

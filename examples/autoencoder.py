@@ -132,8 +132,7 @@ def make_kfac(
     ema_decay=ema_decay,
     inverse_every=inverse_every,
     max_norm=max_norm,
-    estimation_mode="gradients",
-    num_samples=1,
+    config=kfac_jax.Config(estimation_mode="gradients", num_samples=1),
   )
 
 

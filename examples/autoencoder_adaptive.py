@@ -59,9 +59,7 @@ def make_optimizer(
     damping=damping,
     use_adaptive_damping=True,
     inverse_every=inverse_every,
-    config=kfac_jax.OptimizerConfig(
-      damping_adaptation_interval=adaptation_interval, min_damping=1e-4
-    ),
+    config=kfac_jax.Config(damping_adaptation_interval=adaptation_interval, min_damping=1e-4),
   )
 
 

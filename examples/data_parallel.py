@@ -73,8 +73,8 @@ def make_tx(example, axis_name=None):
     momentum=0.9,
     damping=0.1,
     inverse_every=5,
-    estimation_mode=MODE,
     axis_name=axis_name,
+    config=kfac_jax.Config(estimation_mode=MODE),
   )
 
 

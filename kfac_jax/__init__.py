@@ -7,18 +7,21 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
       kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, damping=1e-3)
+    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3)
     opt_state = tx.init(params)
     loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
-from kfac_jax._curvature import CurvatureStats, value_and_grad
+from kfac_jax._config import Config
+from kfac_jax._curvature import CurvatureStats
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
-from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerConfig, OptimizerState
+from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerState
+from kfac_jax._optimizer import OptimizerConfig as OptimizerConfig  # Raises, naming Config.
 from kfac_jax._parallel import ShardedCache
-from kfac_jax._registration import Registration, StatsKey
+from kfac_jax._registration import Registration, StatsKey, value_and_grad
+from kfac_jax._storage import ReplicatedStorage, ShardedStorage
 from kfac_jax._summary import check_registration, scan_layers, summary
 from kfac_jax._tags import (
   register_categorical_predictive_distribution,
@@ -45,6 +48,7 @@ from kfac_jax.scan import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+  "Config",
   "CurvatureEstimator",
   "CurvatureStats",
   "EstimatorState",
@@ -53,13 +57,14 @@ __all__ = [
   "LayerConfig",
   "LayerSpec",
   "Optimizer",
-  "OptimizerConfig",
   "OptimizerState",
   "Registration",
+  "ReplicatedStorage",
   "RegistrationCheckError",
   "RegistrationError",
   "ScaleByKfacState",
   "ShardedCache",
+  "ShardedStorage",
   "StatsKey",
   "UncoveredParametersWarning",
   "check_registration",

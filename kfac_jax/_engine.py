@@ -1,29 +1,17 @@
-"""The step engine shared by `scale_by_kfac` / `kfac` and `Optimizer`.
+"""The one K-FAC step, shared by `scale_by_kfac` / `kfac` and `Optimizer`.
 
-Three pieces of a K-FAC step that both entry points run inside the caller's `jit`, each a
-`lax.cond` that carries only what it can change:
+`step` folds the curvature statistics on due steps, refreshes the inverses on due steps,
+preconditions a vector and returns the guard's verdict; the fronts add only what is theirs (the
+transforms their counters, `kfac` its clipping, momentum and learning rate, the `Optimizer` its
+quadratic model and damping adaptation).
 
-  * `fold_statistics`: the curvature statistics' EMA update on due steps (the factors, the EMA
-    weight and the skipped-batch counter; the caches stay out of the branch);
-  * `refresh_inverses`: the damped inverses / decompositions on due steps (the caches and the
-    failure counter; the factors, read-only here, stay out);
-  * `keep_if`: the skip-on-non-finite guard, one select on a scalar between the new and the old
-    value of exactly the parts a step changed. Both entry points gate `fold_statistics` and
-    `refresh_inverses` on a finite gradient instead of restoring the factors and caches here:
-    a value the guard may restore stays alive to the end of the step, and XLA then copies it
-    through every cond's pass-through branch on the way (benchmarks/RESULTS.md, "The guard
-    without copies").
-
-`masked_share` tells both entry points when they are handed a share of the parameters
-(`optax.multi_transform`, `optax.masked`): the transforms then keep only that share's blocks,
-and the `Optimizer`'s optax form, which steps the whole model, refuses.
-
-Why conds that carry only what they change: an operand that passes through a `lax.cond`
-unchanged is still copied in and out of the conditional by XLA (the branch's result is its own
-buffer), and an elementwise `jnp.where(ok, new, old)` over the whole state reads both and writes
-a third copy. On the autoencoder (26 MB of factors, 26 MB of inverses) the `Optimizer`'s former
-full-state `where` and whole-estimator-state cond moved several hundred MB a step
-(benchmarks/RESULTS.md, "Optimizer step cost").
+Each schedule decision is a `lax.cond` that carries only what it can change: the fold carries
+the factors, the EMA weight and the skipped-batch counter (the caches stay out), the refresh
+carries the caches and the failure counter (the factors, read-only there, stay out). An operand
+that passes through a cond unchanged is still copied in and out of it by XLA, and an
+elementwise `where(ok, new, old)` over the state reads both and writes a third copy; so the
+fold and the refresh are gated on the guard's verdict on the inputs (a finite gradient), and
+no guard ever has to restore the factors or the caches.
 """
 
 from __future__ import annotations
@@ -32,66 +20,123 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
+import jax.numpy as jnp
 
-from kfac_jax import _estimator
+from kfac_jax import _curvature, _estimator, _storage
 
 Array = jax.Array
+all_finite = _storage.all_finite
 
 
-def fold_statistics(
-  old: _estimator.EstimatorState,
-  fold: Callable[[], _estimator.EstimatorState],
-  due: Array | None,
-) -> _estimator.EstimatorState:
-  """`fold()` (the estimator state after the statistics' EMA update) when `due`, else `old`.
-
-  `due=None` folds unconditionally (no cond at all). `fold` runs inside the taken branch, so
-  the statistics (the sampled backward pass included) are only computed on due steps.
-  """
-  if due is None:
-    return fold()
-
-  def parts(c):
-    return c.factors, c.ema_weight, c.skipped_batches
-
-  factors, weight, skipped = jax.lax.cond(due, lambda: parts(fold()), lambda: parts(old))
-  return old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
+def _is_one(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x == 1
 
 
-def refresh_inverses(
-  est: _estimator.CurvatureEstimator,
+def step(
+  est: _estimator.Estimator,
   curv: _estimator.EstimatorState,
-  damping,
-  due: Array,
+  vector,
+  statistics: _curvature.CurvatureStats | Callable[[], _curvature.CurvatureStats],
+  count: Array,
   *,
+  damping,
+  ema_decay,
+  inverse_every,
+  curvature_every,
+  burn_in_steps: int = 0,
+  ok: Array | None = None,
   axis_name: str | None = None,
   mesh: Any = None,
-) -> _estimator.EstimatorState:
-  """`est.update_inverses(curv, damping)` when `due`, else `curv`; only the caches (and the
-  failure counter) go through the branch."""
+) -> tuple[Any, _estimator.EstimatorState, Array | None]:
+  """One K-FAC step: `(F̂_λ⁻¹ vector, new estimator state, verdict)`.
+
+  With `k = count - burn_in_steps`: the statistics fold into the EMA when `k < 0` (burn-in)
+  or `k % curvature_every == 0`; the inverses are refreshed with `damping` when `k >= 0` and
+  `k % inverse_every == 0`; the vector is preconditioned with the refreshed inverses (zeros
+  during burn-in).
+
+  Args:
+    est: the estimator.
+    curv: its state.
+    vector: a params-shaped pytree (the gradient).
+    statistics: this batch's `CurvatureStats`, or a function computing them, called only on
+      due steps (inside the fold's branch) unless statistics are due on every step.
+    count: `[]` int, the step counter.
+    damping, ema_decay, inverse_every, curvature_every: the schedule's values at this step
+      (`curvature_every` a Python 1 folds without a cond).
+    burn_in_steps: a Python int.
+    ok: the guard's verdict on the inputs (a finite gradient, finite hyperparameters), or None
+      with the guard off. The curvature moves only when it holds.
+    axis_name, mesh: the data-parallel axis (see `CurvatureEstimator.update_inverses`).
+
+  Returns:
+    The preconditioned vector (in `vector`'s dtypes), the new estimator state and the verdict:
+    `ok` and the statistics finite (the estimator skipped and counted them otherwise) and the
+    preconditioned vector finite; None with the guard off.
+  """
+  old = curv
+  k = count - burn_in_steps if burn_in_steps else count
+  in_burn = (k < 0) if burn_in_steps else None
+
+  def stats():
+    return statistics() if callable(statistics) else statistics
+
+  # Statistics due on every step are formed outside any cond (a skipped step forms them for
+  # nothing): inside a cond branch XLA:CPU runs some pull-backs (convolutions) far slower.
+  every_step = _is_one(curvature_every)
+  fold_due = None if every_step else k % jnp.asarray(curvature_every, k.dtype) == 0
+  if in_burn is not None and fold_due is not None:
+    fold_due = fold_due | in_burn
+  if ok is not None:
+    fold_due = ok if fold_due is None else fold_due & ok
+  now = stats() if every_step else None
+
+  def fold():
+    s = now if now is not None else stats()
+    return est.update_curvature_from_stats(old, s, ema_decay, axis_name=axis_name)
+
+  if fold_due is None:
+    curv = fold()
+  else:
+
+    def parts(c):
+      return c.factors, c.ema_weight, c.skipped_batches
+
+    factors, weight, skipped = jax.lax.cond(fold_due, lambda: parts(fold()), lambda: parts(old))
+    curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
+  if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
+    ok = ok & (curv.skipped_batches == old.skipped_batches)
+
+  refresh_due = k % jnp.asarray(inverse_every, k.dtype) == 0
+  if in_burn is not None:
+    refresh_due = refresh_due & ~in_burn
+  if ok is not None:
+    refresh_due = refresh_due & ok
+  before = curv
 
   def refresh():
-    new = est.update_inverses(curv, damping, axis_name=axis_name, mesh=mesh)
+    new = est.update_inverses(before, damping, axis_name=axis_name, mesh=mesh)
     return new.cache, new.failed_inverses
 
-  cache, failed = jax.lax.cond(due, refresh, lambda: (curv.cache, curv.failed_inverses))
-  return curv._replace(cache=cache, failed_inverses=failed)
+  cache, failed = jax.lax.cond(refresh_due, refresh, lambda: (before.cache, before.failed_inverses))
+  curv = curv._replace(cache=cache, failed_inverses=failed)
+
+  def precondition():
+    pre = est.multiply_matpower(curv, vector, -1, axis_name=axis_name, mesh=mesh)
+    return jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, vector)
+
+  if in_burn is None:
+    pre = precondition()
+  else:
+    pre = jax.lax.cond(
+      in_burn, lambda: jax.tree_util.tree_map(jnp.zeros_like, vector), precondition
+    )
+  if ok is not None:
+    ok = ok & all_finite(pre)
+  return pre, curv, ok
 
 
 def keep_if(ok: Array, new, old):
   """`new` when the scalar `ok` holds, else `old` (equal pytree structures): one `lax.cond`,
   no elementwise test or select over the arrays."""
   return jax.lax.cond(ok, lambda: new, lambda: old)
-
-
-def is_masked(x) -> bool:
-  return isinstance(x, optax.MaskedNode)
-
-
-def masked_share(tree) -> tuple[bool, ...] | None:
-  """For a pytree with `optax.MaskedNode` leaves (the share of the parameters that
-  `optax.multi_transform` / `optax.masked` hand an inner transform): per leaf, masked ones
-  included, whether it is in the share. None when no leaf is masked."""
-  kept = tuple(not is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_masked))
-  return None if all(kept) else kept

@@ -43,8 +43,7 @@ overflows from a finite loss and gradient keeps the finite statistics and invers
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -54,14 +53,13 @@ import optax
 
 from kfac_jax import (
   _checks,
+  _config,
   _curvature,
   _engine,
   _estimator,
   _losses,
   _registration,
 )
-from kfac_jax import blocks as _blocks
-from kfac_jax import scan as _scan
 
 Array = jax.Array
 ScalarOrSchedule = float | Callable[[Array], Array]
@@ -82,126 +80,32 @@ _INFO_KEYS = (
 # Configuration and state.
 
 
-def _check_number(
-  value,
-  name: str,
-  *,
-  low: float = 0.0,
-  low_open: bool = False,
-  high: float = math.inf,
-  high_open: bool = False,
-) -> None:
+def _check_number(value, name: str, **bounds) -> None:
   """A concrete finite number in the interval: TypeError for other kinds, ValueError if out."""
   if _checks.is_traced(value):
     raise TypeError(
       f"`{name}` must be a concrete number, got a traced value {value!r}: "
       "construct the Optimizer outside jit."
     )
-  _checks.number(value, name, low=low, low_open=low_open, high=high, high_open=high_open)
+  _checks.number(value, name, **({"low": 0.0} | bounds))
 
 
-def _check_int(value, name: str, *, low: int) -> None:
-  _checks.static_int(value, name, low=low)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """Rarely changed knobs of `Optimizer` (validated on construction).
-
-  Attributes:
-    ema_decay: decay of the curvature statistics' moving average, in [0, 1).
-    estimation_mode: how the estimator represents the output curvature (see
-      `CurvatureEstimator`): "gradients", "empirical", "curvature_prop(_GGN)", "exact(_GGN)".
-    num_samples: random vectors per example for the random estimation modes.
-    damping_mode: "factored" (π-adjusted Tikhonov) or "eigen" (exact damping).
-    min_damping: lower clip of the adapted damping λ.
-    max_damping: upper clip of the adapted damping λ.
-    damping_adaptation_interval: T, adapt λ every T steps.
-    damping_adaptation_decay: per-step factor ω₁ in (0, 1); λ is multiplied or divided by
-      ω = ω₁^T (the paper: ω₁ = 19/20).
-    burn_in_steps: the first this many steps only accumulate curvature statistics.
-    weight_decay: decoupled weight decay d: `θ ← θ + δ − d θ` (not part of h, the model or ρ).
-    strict: raise, instead of warning, for parameters outside every recognised layer.
-    layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
-      pattern, and linked parameter groups (None: the defaults).
-    stats_dtype: dtype of the stored curvature statistics (see `CurvatureEstimator`): None
-      (float32; float64 under x64), "float32", "float64", "bfloat16" or "float16".
-    inverse_dtype: dtype of the inverses, the quadratic model and the damping: None (float32;
-      float64 under x64), "float32" or "float64".
-    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the dtype the Kronecker
-      factors' inverses are stored in and the preconditioning products take their inputs in
-      (accumulated in `inverse_dtype`; see `CurvatureEstimator`). The quadratic model's
-      curvature products use the factors and stay in `inverse_dtype`.
-    inverse_storage: "replicated" (every device keeps every inverse) or "sharded" (each device
-      keeps and applies only its share of the blocks; the preconditioned gradients and curvature
-      products are summed over `axis_name`, which it needs; call `init` inside the pmap /
-      shard_map). See `scale_by_kfac`.
-    factor_solve: "auto", "always" or "never": whether a Kronecker factor's damped inverse is
-      kept as an explicit matrix or as its Cholesky factor for block substitution (see
-      `scale_by_kfac`).
-  """
-
-  ema_decay: float = 0.95
-  estimation_mode: _curvature.EstimationMode = "gradients"
-  num_samples: int = 1
-  damping_mode: _blocks.DampingMode = "factored"
-  min_damping: float = 1e-8
-  max_damping: float = 1e8
-  damping_adaptation_interval: int = 5
-  damping_adaptation_decay: float = 0.95
-  burn_in_steps: int = 0
-  weight_decay: float = 0.0
-  strict: bool = False
-  layers: _scan.LayerConfig | None = None
-  stats_dtype: Any = None
-  inverse_dtype: Any = None
-  preconditioner_dtype: Any = None
-  inverse_storage: _estimator.InverseStorage = "replicated"
-  factor_solve: _blocks.FactorSolve = "auto"
-
-  def __post_init__(self):
-    _scan.check_layer_config(self.layers)
-    _estimator.resolve_dtype(self.stats_dtype, "config.stats_dtype")
-    _estimator.resolve_preconditioner_dtype(
-      self.preconditioner_dtype,
-      _estimator.resolve_dtype(self.inverse_dtype, "config.inverse_dtype"),
-      "config.preconditioner_dtype",
-    )
-    if self.inverse_storage not in ("replicated", "sharded"):
-      raise ValueError(
-        f"unknown `config.inverse_storage` {self.inverse_storage!r}; choose "
-        "'replicated' or 'sharded'."
-      )
-    if self.factor_solve not in ("auto", "always", "never"):
-      raise ValueError(
-        f"unknown `config.factor_solve` {self.factor_solve!r}; choose 'auto', 'always' or 'never'."
-      )
-    _check_number(self.ema_decay, "config.ema_decay", high=1.0, high_open=True)
-    _curvature.check_mode(self.estimation_mode, self.num_samples)
-    if self.damping_mode not in ("factored", "eigen"):
-      raise ValueError(
-        f"unknown `config.damping_mode` {self.damping_mode!r}; choose 'factored' or 'eigen'."
-      )
-    _check_number(self.min_damping, "config.min_damping")
-    _check_number(self.max_damping, "config.max_damping", low=self.min_damping)
-    _check_int(self.damping_adaptation_interval, "config.damping_adaptation_interval", low=1)
-    _check_number(
-      self.damping_adaptation_decay,
-      "config.damping_adaptation_decay",
-      low_open=True,
-      high=1.0,
-      high_open=True,
-    )
-    _check_int(self.burn_in_steps, "config.burn_in_steps", low=0)
-    _check_number(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
-    _checks.boolean(self.strict, "config.strict")
+def OptimizerConfig(*args, **kwargs):  # noqa: N802  # The former class's name.
+  """Removed: the rare knobs of every front live in `kfac_jax.Config`."""
+  del args, kwargs
+  raise TypeError(
+    "kfac_jax.OptimizerConfig is now kfac_jax.Config, shared by every front: pass "
+    "`config=kfac_jax.Config(...)` (same field names), and `ema_decay` to the Optimizer itself: "
+    "kfac_jax.Optimizer(loss_fn, batch, ema_decay=0.95, config=kfac_jax.Config(...))."
+  )
 
 
 class OptimizerState(NamedTuple):
   """State of `Optimizer`.
 
   Attributes:
-    step: `[]` int32, steps taken (burn-in included, skipped steps not).
+    step: `[]` int32, steps taken (burn-in included, skipped steps not): the burn-in and the
+      statistics' and inverses' periods count it; schedules get `step + skipped`.
     skipped: `[]` int32, steps skipped because the loss, gradient or update was not finite.
     curvature: the estimator's factors, inverses and EMA weight.
     damping: `[]` float, λ: the adapted value with adaptive damping, else the last one used.
@@ -320,25 +224,31 @@ class Optimizer:
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
       `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
-    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`; `has_aux`
-      and `config`'s `estimation_mode`, `num_samples`, `strict` and `layers` then take its
-      values (set to others: an error).
-    has_aux: `loss_fn` returns `(loss, aux)`; only the loss is scanned and optimised, and
-      `step` returns the aux of its forward pass in `info["aux"]` (no extra forward pass).
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
     momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule.
-    damping: λ ≥ 0: the initial value with adaptive damping; otherwise a number or a schedule.
+    damping: λ ≥ 0: the initial value with adaptive damping; otherwise a number or a schedule
+      (1e-3: only the start of the adaptation; see `kfac_jax.Config` for the transforms').
     use_adaptive_damping: adapt λ by the Levenberg–Marquardt rule (module docstring).
     l2_reg: η ≥ 0: `h = L + (η/2)‖θ‖²`; η is added to the gradient, to the damping of the
       preconditioner and to the quadratic model.
     norm_constraint: c > 0 for KL clipping `α² Δᵀ F̂_λ Δ ≤ c`; needs a fixed learning rate.
+    ema_decay: decay of the curvature statistics' moving average, in [0, 1).
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
     curvature_every: update the curvature statistics every this many steps (and every burn-in
       step).
-    axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over.
-    config: an `OptimizerConfig` with the rarer knobs.
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`; the
+      config's registration fields must then agree with it.
+    axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over,
+      and to split the inverse work over.
+    config: a `kfac_jax.Config` with the rarer knobs, shared with the transforms (`has_aux`:
+      `step` returns the aux of its forward pass in `info["aux"]`; burn-in, the guard, inverse
+      storage, `mesh`, dtypes, ...) and the damping adaptation's (`min_damping`,
+      `max_damping`, `damping_adaptation_interval`, `damping_adaptation_decay`) and
+      `weight_decay`.
 
-  Schedules are called with `state.step` (burn-in steps included).
+  The step is the transforms' (`kfac_jax._engine.step`: statistics, inverses, preconditioning,
+  guard); schedules are called with `state.step + state.skipped` (every step seen, burn-in
+  included), so a schedule that returns a non-finite value at one step moves past it.
 
   Cost of a step beyond the gradient: the sampled backward pass of the statistics (on curvature
   steps), two Jacobian-vector products through the gradient pass's own linearisation when α or
@@ -361,52 +271,29 @@ class Optimizer:
     >>> params, state, info = step(params, state, batch, jax.random.key(0))
   """
 
+  @_config.moved_keywords
   def __init__(
     self,
     loss_fn: Callable | None = None,
     example_batch: Any = None,
     *,
-    registration: _registration.Registration | None = None,
-    has_aux: bool = False,
     learning_rate: ScalarOrSchedule | None = None,
     momentum: ScalarOrSchedule | None = None,
     damping: ScalarOrSchedule = 1e-3,
     use_adaptive_damping: bool = True,
     l2_reg: float = 0.0,
     norm_constraint: float | None = None,
+    ema_decay: float = 0.95,
     inverse_every: int = 5,
     curvature_every: int = 1,
+    registration: _registration.Registration | None = None,
     axis_name: str | None = None,
-    config: OptimizerConfig | None = None,
+    config: _config.Config | None = None,
   ):
-    config = OptimizerConfig() if config is None else config
-    if not isinstance(config, OptimizerConfig):
-      raise TypeError(f"`config` must be a kfac_jax.OptimizerConfig, got {type(config).__name__}.")
-    reg = _registration.resolve(
-      registration,
-      loss_fn,
-      example_batch,
-      "Optimizer",
-      _registration.estimator_settings(
-        has_aux,
-        config.estimation_mode,
-        config.num_samples,
-        config.strict,
-        config.layers,
-        prefix="config.",
-      ),
+    config = _config.get(config, "Optimizer")
+    self._estimators = _estimator.for_front(
+      loss_fn, example_batch, registration, config, "Optimizer"
     )
-    if reg is not None:  # Its settings apply (the checks above: none differs from them).
-      loss_fn, example_batch, has_aux = reg.loss_fn, reg.example_batch, reg.has_aux
-      config = dataclasses.replace(
-        config,
-        estimation_mode=reg.estimation_mode,
-        num_samples=reg.num_samples,
-        strict=reg.strict,
-        layers=reg.layer_config,
-      )
-    _checks.function(loss_fn, "loss_fn")
-    _checks.boolean(has_aux, "has_aux")
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
@@ -429,23 +316,23 @@ class Optimizer:
           "learning_rate=None chooses it from the quadratic model: pass a learning_rate, or "
           "norm_constraint=None."
         )
-    _check_int(inverse_every, "inverse_every", low=1)
-    _check_int(curvature_every, "curvature_every", low=1)
+    _check_number(ema_decay, "ema_decay", high=1.0, high_open=True)
+    _checks.static_int(inverse_every, "inverse_every")
+    _checks.static_int(curvature_every, "curvature_every")
     _checks.optional_str(axis_name, "axis_name")
-    if config.inverse_storage == "sharded" and axis_name is None:
+    _config.check_parallel(axis_name, config)
+    if config.fraction not in (1, "auto"):
       raise ValueError(
-        "config.inverse_storage='sharded' splits the inverses over the devices of a "
-        "data-parallel axis: pass `axis_name=` (and run init/step inside pmap/shard_map), or "
-        "keep inverse_storage='replicated'."
+        f"Optimizer: `config.statistics_fraction`={config.statistics_fraction!r} is not read "
+        "here: the Optimizer's statistics come from its one forward pass over the whole batch, "
+        "and a fraction would need a second forward pass. Leave it at its default."
       )
+    config.refuse("Optimizer", ("nesterov",), "the quadratic model chooses the momentum")
     if use_adaptive_damping and not callable(damping) and config.min_damping > float(damping):
       raise ValueError(
         f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
         "damping would be clipped up at once; lower min_damping or raise damping."
       )
-
-    self.loss_fn = loss_fn
-    self.has_aux = has_aux
     self.example_batch = example_batch
     self.learning_rate = learning_rate
     self.momentum = momentum
@@ -453,54 +340,33 @@ class Optimizer:
     self.use_adaptive_damping = use_adaptive_damping
     self.l2_reg = float(l2_reg)
     self.norm_constraint = norm_constraint
+    self.ema_decay = ema_decay
     self.inverse_every = int(inverse_every)
     self.curvature_every = int(curvature_every)
     self.axis_name = axis_name
     self.config = config
-    settings = dict(
-      has_aux=has_aux,
-      estimation_mode=config.estimation_mode,
-      num_samples=config.num_samples,
-      strict=config.strict,
-      layers=config.layers,
-    )
-    self.estimator = _estimator.CurvatureEstimator(
-      *((loss_fn, example_batch) if reg is None else ()),
-      registration=reg,
-      exps=(-1,),
-      damping_mode=config.damping_mode,
-      stats_dtype=config.stats_dtype,
-      inverse_dtype=config.inverse_dtype,
-      preconditioner_dtype=config.preconditioner_dtype,
-      inverse_storage=config.inverse_storage,
-      factor_solve=config.factor_solve,
-      **({} if reg is not None else settings),  # type: ignore[arg-type]  # the keyword arguments above, checked
-    )
-    self.estimator.who = "this Optimizer"
-    # The axis the estimator's caches are split over (sharded storage only).
-    self._cache_axis = axis_name if config.inverse_storage == "sharded" else None
+
+  @property
+  def estimator(self) -> _estimator.Estimator:
+    """The complete estimator (after `init`, or at once with a registration)."""
+    return self._estimators.only()
 
   # -- state -----------------------------------------------------------------------------------
 
   def init(self, params, rng: Array | None = None) -> OptimizerState:
     """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0.
 
-    `rng` is accepted for symmetry with `step` and not used. With
-    `config.inverse_storage="sharded"`, call it inside the pmap / shard_map over `axis_name`.
+    `rng` is accepted for symmetry with `step` and not used. With sharded inverse storage,
+    call it inside the pmap / shard_map over `axis_name` (or pass `config.mesh`).
     """
     del rng
-    if not jax.tree_util.tree_leaves(params) and self.estimator.registered:
-      # A tree without leaves: `optax.tree_map_params`' placeholder, which asks only for the
-      # state's structure (the layers are known from an earlier `init`).
-      curvature = self.estimator.init_state(axis_name=self.axis_name)
-    else:
-      curvature = self.estimator.init(params, axis_name=self.axis_name)
-    dtype = self.estimator.config.inverse_dtype
+    est, _ = _estimator.estimator_for(self._estimators, params, "Optimizer", self.axis_name)
+    dtype = est.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(
       step=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
-      curvature=curvature,
+      curvature=est.init(axis_name=self.axis_name, mesh=self.config.mesh),
       damping=jnp.asarray(lam, dtype),
       rho=jnp.full([], jnp.nan, dtype),
       velocity=jax.tree_util.tree_map(jnp.zeros_like, params),
@@ -565,17 +431,22 @@ class Optimizer:
 
   def _update(self, params, state: OptimizerState, batch, rng):
     """The shared core: `(updates, new_state, info)`; `params + updates` are the new params."""
-    est, cfg = self.estimator, self.config
-    est.ensure_layers(params)
-    scan = est.scan_batch(params, batch, warn=False)  # Checked against example_batch's layers.
-    leaves, treedef = jax.tree_util.tree_flatten(params)
+    if not isinstance(state, OptimizerState):
+      raise TypeError(
+        "Optimizer: `state` must be the OptimizerState from this optimizer's init, got "
+        f"{type(state).__name__} (a transform's state goes to that transform's update)."
+      )
+    est = self._estimators.for_params(params)
+    reg, cfg = est.registration, self.config
+    scan = reg.scan_batch(params, batch)  # Checked against example_batch's layers.
+    leaves = jax.tree_util.tree_leaves(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     sdtype = est.config.inverse_dtype
     eta = self.l2_reg
     k = state.step
     k_run = k - cfg.burn_in_steps  # Steps after burn-in (negative during it).
     in_burn = k_run < 0
-    old = state.curvature
+    clock = k + state.skipped  # Every step seen: what the schedules are called with.
 
     def loss_at(p_leaves):
       return scan.graph.evaluate(list(p_leaves) + batch_leaves)[0][0]
@@ -583,45 +454,41 @@ class Optimizer:
     # 1. One forward pass, linearised: the loss, its gradient, (on curvature steps) the
     # statistics' pull-back and (step 4) the quadratic model's push-forwards all reuse it.
     lin = _curvature.linearize(scan, params, batch)
-    aux = est.loss_part.unflatten_aux(lin.aux_leaves) if self.has_aux else None
+    aux = reg.loss_part.unflatten_aux(lin.aux_leaves) if reg.has_aux else None
     loss, g_leaves = self._pmean((lin.loss, jax.tree_util.tree_leaves(lin.grads())))
-    # The curvature moves only from a finite loss and gradient, so the guard below never has
-    # to restore the factors or the caches: keeping the old ones alive for it made XLA copy
-    # both through the statistics' and the refresh's pass-through branches on every step.
-    finite_in = jnp.isfinite(loss) & all_finite(g_leaves)
-
-    def statistics():
-      return lin.statistics(rng, estimation_mode=cfg.estimation_mode, num_samples=cfg.num_samples)
-
-    # With statistics on every step they are pulled back outside the guard's cond (a
-    # non-finite step computes them for nothing; its fold is skipped). Inside a cond branch
-    # XLA:CPU ran the pull-back through convolutions ~15x slower (profile/conv_in_cond.py):
-    # the CNN's step took 349 / 362 ms against 262 / 271 ms outside (RESULTS.md, "The
-    # Optimizer's statistics outside the guard's cond"); dense models were level.
-    every_step = None if self.curvature_every != 1 else statistics()
-
-    def fold():
-      stats = statistics() if every_step is None else every_step
-      return est.update_curvature_from_stats(old, stats, cfg.ema_decay, self.axis_name)
-
-    curv_due = finite_in
-    if self.curvature_every != 1:
-      curv_due = curv_due & (in_burn | (k_run % self.curvature_every == 0))
-    curv = _engine.fold_statistics(old, fold, curv_due)
-    grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
+    grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_leaves)
     grad_h = (
       grads
       if eta == 0
       else jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
     )
-
-    # 2. Damping and the periodic inverse update (from a finite loss and gradient only).
     if self.use_adaptive_damping:
       lam = state.damping
     else:
-      lam = _schedule_value(self.damping, k, sdtype)
-    inv_now = finite_in & (~in_burn) & (k_run % self.inverse_every == 0)
-    curv = _engine.refresh_inverses(est, curv, lam + eta, inv_now, axis_name=self._cache_axis)
+      lam = _schedule_value(self.damping, clock, sdtype)
+
+    # 2. The engine's step: statistics, inverses (damping λ + η) and Δ = −F̂⁻¹ ∇h.
+    ok = None
+    if cfg.skip_nonfinite:
+      ok = jnp.isfinite(loss) & all_finite(g_leaves)
+    pre, curv, ok = _engine.step(
+      est,
+      state.curvature,
+      grad_h,
+      lambda: lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples),
+      k,
+      damping=lam + eta,
+      ema_decay=self.ema_decay,
+      inverse_every=self.inverse_every,
+      curvature_every=self.curvature_every,
+      burn_in_steps=cfg.burn_in_steps,
+      ok=ok,
+      axis_name=self.axis_name,
+      mesh=cfg.mesh,
+    )
+    multiply = functools.partial(
+      est.multiply_matpower, exp=1, axis_name=self.axis_name, mesh=cfg.mesh
+    )
 
     # 3.-5. Direction, α and μ, damping adaptation.
     nan = jnp.full([], jnp.nan, sdtype)
@@ -630,16 +497,15 @@ class Optimizer:
     need_model = model_lr or model_mom
 
     def run(_):
-      delta = est.multiply_matpower(curv, grad_h, -1, axis_name=self._cache_axis)
-      delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), delta, params)
+      delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), pre, params)
       vel = state.velocity
       vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(vel)]
       b = jnp.stack([_vdot(grad_h, delta), _vdot(grad_h, vel)]).astype(sdtype)
-      alpha = None if model_lr else _schedule_value(self.learning_rate, k, sdtype)
-      mu = None if model_mom else _schedule_value(self.momentum, k, sdtype)
+      alpha = None if model_lr else _schedule_value(self.learning_rate, clock, sdtype)
+      mu = None if model_mom else _schedule_value(self.momentum, clock, sdtype)
       if self.norm_constraint is not None:
         assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
-        quad = _vdot(delta, est.multiply(curv, delta, axis_name=self._cache_axis))
+        quad = _vdot(delta, multiply(curv, delta))
         quad = quad.astype(sdtype)
         limit = jnp.asarray(self.norm_constraint, sdtype)
         ok = (quad > 0) & (alpha * alpha * quad > limit)
@@ -704,7 +570,7 @@ class Optimizer:
     # curvature did not move on a non-finite loss or gradient (above); one cond on the scalar
     # verdict picks the new or the old value of the rest this step changed. An update that
     # overflows from finite inputs keeps the (finite) statistics and inverses it used.
-    ok = finite_in & all_finite(update)
+    ok = jnp.asarray(True) if ok is None else ok & all_finite(update)
     new_lam = jnp.asarray(new_lam, sdtype)
     velocity, new_lam, rho = _engine.keep_if(
       ok, (velocity, new_lam, rho), (state.velocity, state.damping, state.rho)
@@ -728,7 +594,7 @@ class Optimizer:
       "update_norm": jnp.sqrt(_vdot(update, update)),
       "skipped": ~ok,
     }
-    if self.has_aux:
+    if reg.has_aux:
       info["aux"] = aux
     return update, new_state, info
 
@@ -749,10 +615,8 @@ class Optimizer:
     after `init`, which evaluates `loss_fn`'s shapes once with `example_batch`).
     """
 
-    aux_shapes: list[Any] = []  # The aux's shapes at the last `init` with params.
-
     def whole(params):
-      if _engine.masked_share(params) is not None:
+      if _estimator.masked_share(params) is not None:
         raise ValueError(
           "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (optax.multi_transform or "
           "optax.masked hands it only a share of the parameters), but the optimizer steps the "
@@ -768,13 +632,11 @@ class Optimizer:
       info = {k: jnp.zeros([], dtype) for k in _INFO_KEYS}
       info["loss"] = jnp.zeros([], jnp.result_type(float))
       info["skipped"] = jnp.zeros([], bool)
-      if self.has_aux:
-        if jax.tree_util.tree_leaves(params) or not aux_shapes:
-          shapes = jax.eval_shape(self.estimator.loss_part, params, self.example_batch)
-          aux_shapes.clear()
-          aux_shapes.append(self.estimator.loss_part.unflatten_aux(shapes[1:]))
-        # (`optax.tree_map_params`' placeholder has no leaves: the shapes of the last `init`.)
-        info["aux"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes[0])
+      reg = self.estimator.registration
+      if reg.has_aux:  # Its shapes at the registered params (`params` may be a placeholder).
+        shapes = jax.eval_shape(reg.loss_part, reg.params_shape, reg.example_batch)
+        aux = reg.loss_part.unflatten_aux(shapes[1:])
+        info["aux"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux)
       return KfacOptaxState(opt_state, info)
 
     def update_fn(
@@ -789,7 +651,7 @@ class Optimizer:
         )
       new_updates, opt_state, info = self._update(params, state.optimizer, batch, rng)
       new_info = {k: jnp.asarray(info[k]).astype(state.info[k].dtype) for k in _INFO_KEYS}
-      if self.has_aux:
+      if "aux" in info:
         new_info["aux"] = info["aux"]
       return new_updates, KfacOptaxState(opt_state, new_info)
 

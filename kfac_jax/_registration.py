@@ -499,3 +499,140 @@ def resolve(
       "out (the registration's applies), or build the registration with it."
     )
   return registration
+
+
+def value_and_grad(
+  loss_fn: Callable | None = None,
+  *,
+  registration: Any = None,
+  has_aux: bool = False,
+  estimation_mode: _curvature.EstimationMode = "gradients",
+  num_samples: int = 1,
+  strict: bool = False,
+  layers: Any = None,
+  compute_params_stats: bool = False,
+) -> Callable:
+  """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
+
+  `curvature_stats` is what `scale_by_kfac`'s update takes as `curvature_stats=`. Call the
+  returned function inside your jitted train step, like `jax.value_and_grad`.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`. Leave it out when passing
+      `registration`.
+    registration: a `kfac_jax.Registration` to share with the transform / optimizer /
+      estimator that consumes the statistics: its loss function, mode, samples and layers
+      (e.g. a `LayerConfig(linked=...)`) apply, and the scan it made is reused. The arguments
+      below but `compute_params_stats` then take the registration's values (one set to
+      another value is an error). Without it, the function registers `loss_fn` at its first
+      call (once per params / batch signature) with the arguments below.
+    has_aux: `loss_fn` returns `(loss, aux)`, aux any pytree of arrays (updated BatchNorm
+      statistics, metrics, logits); like `jax.value_and_grad(has_aux=True)`, `fn` then returns
+      `((loss, aux), grads, curvature_stats)`. The aux comes from the same forward pass and is
+      not differentiated; only the loss is scanned for layers.
+    estimation_mode: "gradients" (targets sampled from the model: the Fisher), "empirical"
+      (the data's targets: the empirical Fisher), "curvature_prop" / "curvature_prop_GGN"
+      (Rademacher vectors times a square-root factor of the output Fisher / loss Hessian: the
+      Fisher / the generalised Gauss-Newton), or "exact" / "exact_GGN" (every output coordinate:
+      no sampling noise, at the cost of K backward passes, K = the prediction's non-batch size).
+      For the canonical-link losses here the Fisher and the GGN coincide. The random modes
+      need `rng`. Formulas: `kfac_jax._losses`.
+    num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
+      "empirical" ignores it, the exact modes require it to be 1.
+    strict: raise instead of warning when parameters are outside every recognised layer.
+    layers: a `kfac_jax.LayerConfig` (linked groups change the layer set, so the transform's
+      must be the same; approximations do not change the statistics).
+    compute_params_stats: also return `curvature_stats.params_stats`, the first-order
+      statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
+
+  Returns:
+    `fn(params, batch, rng=None)`, returning `(loss, grads, curvature_stats)`, or
+    `((loss, aux), grads, curvature_stats)` with `has_aux=True`. The statistics are computed
+    on every call; a transform with `curvature_every > 1` forms the factors' products (the
+    bulk of their cost) on its due updates only.
+
+  Raises:
+    TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
+      called; params of another structure than the registration's (the first differing leaf
+      named), when `fn` is traced.
+    RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
+      `has_aux` (a tuple without it, a bare scalar with it).
+
+  Example:
+    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+
+    Sharing one registration with the transform:
+
+    >>> reg = kfac_jax.Registration(loss_fn, params, batch, layers=kfac_jax.LayerConfig())
+    >>> tx = kfac_jax.kfac(registration=reg, learning_rate=0.1)
+    >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
+
+    With BatchNorm statistics (flax linen) coming back through the aux:
+
+    >>> def loss_fn(params, batch):
+    ...   logits, new = model.apply({"params": params, "batch_stats": batch["batch_stats"]},
+    ...                             batch["x"], mutable=["batch_stats"])
+    ...   kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    ...   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    ...   return loss, new["batch_stats"]
+    >>> (loss, batch_stats), grads, stats = kfac_jax.value_and_grad(
+    ...     loss_fn, has_aux=True)(params, batch, rng)
+  """
+  _checks.boolean(compute_params_stats, "compute_params_stats")
+  shared = resolve(
+    registration,
+    loss_fn,
+    None,
+    "value_and_grad",
+    estimator_settings(has_aux, estimation_mode, num_samples, strict, layers),
+  )
+  if shared is None:
+    _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux` now.
+    _curvature.check_mode(estimation_mode, num_samples)
+    _checks.boolean(strict, "strict")
+    _scan.check_layer_config(layers)
+  own: dict[Any, Any] = {}  # Without `registration`: one per (params, batch) signature.
+
+  def registered(params, batch):
+    if shared is not None:
+      shared.check_params(params)
+      return shared
+    key = (avals(params), avals(batch))
+    if key not in own:
+      if len(own) >= 8:
+        own.pop(next(iter(own)))
+      own[key] = Registration.build(
+        loss_fn,
+        params,
+        batch,
+        warn=False,
+        has_aux=has_aux,
+        estimation_mode=estimation_mode,
+        num_samples=num_samples,
+        layers=layers,
+        strict=strict,
+      )
+    return own[key]
+
+  def fn(params, batch, rng=None):
+    r = registered(params, batch)
+    out = _curvature.compute(
+      r.scan_batch(params, batch),
+      params,
+      batch,
+      rng,
+      estimation_mode=r.estimation_mode,
+      num_samples=r.num_samples,
+      with_grads=True,
+      with_params_stats=compute_params_stats,
+      aux=r.loss_part if r.has_aux else None,
+      fingerprint=r.fingerprint,
+    )
+    if r.has_aux:
+      loss, aux, grads, stats = out
+      return (loss, aux), grads, stats
+    return out
+
+  return fn

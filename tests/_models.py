@@ -104,3 +104,14 @@ def sampling_inside_conds(jaxpr) -> bool:
     for branch in e.params["branches"]
     for inner in all_eqns(branch.jaxpr)
   )
+
+
+def with_config(kw: dict) -> dict:
+  """`kw` with the keywords that are `kfac_jax.Config` fields moved into `config=` (built lazily
+  by the front's call, so a bad field raises there)."""
+  fields = set(kfac_jax.Config.__dataclass_fields__) | {"inverse_mesh"}
+  moved = {("mesh" if k == "inverse_mesh" else k): kw[k] for k in kw if k in fields}
+  if not moved:
+    return kw
+  rest = {k: v for k, v in kw.items() if k not in fields}
+  return {**rest, "config": kfac_jax.Config(**moved)}

@@ -77,7 +77,9 @@ def test_value_and_grad_has_aux_matches_jax(x64):
 
 def test_transform_round_trips_batch_stats_with_one_forward_pass():
   loss_fn, params, batch, calls = _problem()
-  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, has_aux=True, damping=1e-2)
+  tx = kfac_jax.kfac(
+    loss_fn, batch, learning_rate=0.1, damping=1e-2, config=kfac_jax.Config(has_aux=True)
+  )
   opt_state = tx.init(params)
 
   @jax.jit
@@ -103,7 +105,7 @@ def test_transform_round_trips_batch_stats_with_one_forward_pass():
 def test_transform_batch_path_with_has_aux():
   """`tx.update(..., batch=)` computes the statistics from the loss part (the aux unused)."""
   loss_fn, params, batch, _ = _problem()
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, has_aux=True, damping=1e-2)
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, config=kfac_jax.Config(has_aux=True))
   state = tx.init(params)
   grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
   rng = jax.random.key(3)
@@ -117,7 +119,9 @@ def test_transform_batch_path_with_has_aux():
 @pytest.mark.parametrize("curvature_every", [1, 2])
 def test_optimizer_returns_aux_in_info(curvature_every):
   loss_fn, params, batch, calls = _problem()
-  opt = kfac_jax.Optimizer(loss_fn, batch, has_aux=True, curvature_every=curvature_every)
+  opt = kfac_jax.Optimizer(
+    loss_fn, batch, curvature_every=curvature_every, config=kfac_jax.Config(has_aux=True)
+  )
   state = opt.init(params)
   step = jax.jit(opt.step)
   n_before = len(calls)
@@ -135,7 +139,7 @@ def test_optimizer_returns_aux_in_info(curvature_every):
 
 def test_optimizer_as_optax_keeps_aux_in_state():
   loss_fn, params, batch, _ = _problem()
-  opt = kfac_jax.Optimizer(loss_fn, batch, has_aux=True)
+  opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.Config(has_aux=True))
   tx = opt.as_optax()
   state = jax.jit(tx.init)(params)
   assert jax.tree_util.tree_structure(state.info["aux"]) == jax.tree_util.tree_structure(
@@ -174,6 +178,6 @@ def test_mismatched_return_names_has_aux():
   with pytest.raises(kfac_jax.RegistrationError, match=r"has_aux=True.*single"):
     kfac_jax.value_and_grad(plain, has_aux=True)(params, batch, jax.random.key(0))
   with pytest.raises(kfac_jax.RegistrationError, match=r"has_aux=True"):
-    kfac_jax.Optimizer(plain, batch, has_aux=True).init(params)
+    kfac_jax.Optimizer(plain, batch, config=kfac_jax.Config(has_aux=True)).init(params)
   with pytest.raises(TypeError, match=r"`has_aux` must be a bool, got 'yes'"):
     kfac_jax.value_and_grad(loss_fn, has_aux="yes")

@@ -45,7 +45,7 @@ def _scan(loss_fn, params=W, batch=None, **kw):
 
 def _tx(**kw):
   loss_fn, _, batch = _problem()
-  return lambda: kfac_jax.scale_by_kfac(loss_fn, batch, **kw)
+  return lambda: kfac_jax.scale_by_kfac(loss_fn, batch, **_models.with_config(kw))
 
 
 def _est(**kw):
@@ -246,7 +246,7 @@ CASES = [
     "unknown estimation mode",
     _tx(estimation_mode="fisher"),
     ValueError,
-    "unknown estimation_mode 'fisher'.*exact_GGN",
+    "unknown config.estimation_mode 'fisher'.*exact_GGN",
   ),
   (
     "unknown damping mode",
@@ -259,7 +259,7 @@ CASES = [
     "num_samples as a JAX array",
     _tx(num_samples=jnp.asarray(2)),
     TypeError,
-    "`num_samples` fixes array shapes",
+    "`config.num_samples` fixes array shapes",
   ),
   (
     "num_samples with the exact mode",

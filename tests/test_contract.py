@@ -45,7 +45,9 @@ def _make(kind, loss_fn, batch, **kw):
   if kind == "scale_by_kfac":
     lr = kw.pop("learning_rate", 0.5)
     tx = optax.chain(
-      kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3, inverse_every=3, **kw),
+      kfac_jax.scale_by_kfac(
+        loss_fn, batch, damping=1e-3, inverse_every=3, **_models.with_config(kw)
+      ),
       optax.scale_by_learning_rate(lr),
     )
   elif kind == "kfac":
@@ -60,9 +62,9 @@ def _make(kind, loss_fn, batch, **kw):
       "curvature_every": 1,
       **kw,
     }
-    tx = kfac_jax.kfac(loss_fn, batch, damping=1e-3, inverse_every=3, **kw)
+    tx = kfac_jax.kfac(loss_fn, batch, damping=1e-3, inverse_every=3, **_models.with_config(kw))
   else:
-    tx = kfac_jax.Optimizer(loss_fn, batch, inverse_every=3, **kw).as_optax()
+    tx = kfac_jax.Optimizer(loss_fn, batch, inverse_every=3, **_models.with_config(kw)).as_optax()
   return tx
 
 

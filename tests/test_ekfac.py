@@ -267,7 +267,13 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
 def test_transform_and_optimizer_train_with_ekfac_layers():
   params, batch = _setup(n=64, dtype=jnp.float32)
   tx = kfac_jax.kfac(
-    _loss_fn, batch, learning_rate=0.1, momentum=0.9, damping=1e-2, inverse_every=3, layers=EKFAC
+    _loss_fn,
+    batch,
+    learning_rate=0.1,
+    momentum=0.9,
+    damping=1e-2,
+    inverse_every=3,
+    config=kfac_jax.Config(layers=EKFAC),
   )
   state = tx.init(params)
 
@@ -295,7 +301,7 @@ def test_transform_and_optimizer_train_with_ekfac_layers():
     damping=1e-2,
     use_adaptive_damping=True,
     inverse_every=3,
-    config=kfac_jax.OptimizerConfig(layers=EKFAC),
+    config=kfac_jax.Config(layers=EKFAC),
   )
   o_state = opt.init(params)
   step_fn = jax.jit(opt.step)

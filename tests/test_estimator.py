@@ -405,7 +405,13 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
   grads = jax.grad(loss_fn)(params, batch)
   out = {}
   for mode in ("never", "auto"):
-    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, curvature_every=1, factor_solve=mode)
+    tx = kfac_jax.kfac(
+      loss_fn,
+      batch,
+      learning_rate=0.3,
+      curvature_every=1,
+      config=kfac_jax.Config(factor_solve=mode),
+    )
     state = tx.init(params)
     updates, state = tx.update(grads, state, params, batch=batch, rng=jax.random.key(1))
     cache = state.preconditioner.curvature.cache
@@ -418,15 +424,15 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
     batch,
     learning_rate=0.1,
     momentum=0.0,
-    config=kfac_jax.OptimizerConfig(factor_solve="never"),
+    config=kfac_jax.Config(factor_solve="never"),
   )
   opt_state = opt.init(params)
   assert opt.estimator.config.factor_solve == "never"
   assert opt_state.curvature.cache["w2"].a.subst is None
-  with pytest.raises(ValueError, match="unknown `config.factor_solve` 'fast'"):
-    kfac_jax.OptimizerConfig(factor_solve="fast")
+  with pytest.raises(ValueError, match="unknown config.factor_solve 'fast'"):
+    kfac_jax.Config(factor_solve="fast")
   with pytest.raises(ValueError, match="unknown factor_solve 'fast'"):
-    kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, factor_solve="fast")
+    kfac_jax.CurvatureEstimator(loss_fn, batch, factor_solve="fast")
 
 
 def test_checkpoint_from_another_factor_solve_is_refused_by_name(x64):

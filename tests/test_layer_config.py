@@ -148,18 +148,18 @@ def test_precedence_manual_tag_then_pattern_then_default():
 def test_layers_accepted_by_transform_optimizer_and_summary():
   params, batch, loss_fn = _setup()
   layers = kfac_jax.LayerConfig(overrides={"layer1/*": "kron_both_diag"})
-  tx = kfac_jax.kfac(loss_fn, batch, 0.1, layers=layers)
+  tx = kfac_jax.kfac(loss_fn, batch, 0.1, config=kfac_jax.Config(layers=layers))
   state = tx.init(params)
   est_state = state[0].curvature
   assert est_state.factors["layer1"].a.shape == (5,)
   assert est_state.factors["layer0"].a.shape == (4, 4)
-  opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.OptimizerConfig(layers=layers))
+  opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.Config(layers=layers))
   opt.init(params, jax.random.key(0))
   assert [s.approx for s in opt.estimator.layers] == ["kron", "kron_both_diag"]
   table = kfac_jax.summary(loss_fn, params, batch, layers=layers)
   assert "kron_both_diag" in table
   with pytest.raises(TypeError, match="kfac_jax.LayerConfig"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, layers={"dense": "kron"})
+    kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(layers={"dense": "kron"}))
 
 
 def test_linked_group_is_one_generic_block(x64):
@@ -449,7 +449,10 @@ def test_size_policy_for_conv_embedding_and_full_blocks():
   assert got["norm"] == ("scale_and_shift", "diagonal", ((72,),))
   assert all("max_factor_dim 8" in s.note for s in specs)
   tx = kfac_jax.scale_by_kfac(
-    loss_fn, batch, damping=1e-3, layers=kfac_jax.LayerConfig(max_factor_dim=8)
+    loss_fn,
+    batch,
+    damping=1e-3,
+    config=kfac_jax.Config(layers=kfac_jax.LayerConfig(max_factor_dim=8)),
   )
   state = tx.init(params)
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))

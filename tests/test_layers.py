@@ -847,7 +847,9 @@ def test_entry_points_take_a_partial_batch(x64):
   rng = jax.random.key(3)
   results = []
   for example in (full, last):  # Built for 8 examples vs for the 5 of the last batch.
-    tx = kfac_jax.scale_by_kfac(loss_fn, example, damping=1e-3, estimation_mode="exact")
+    tx = kfac_jax.scale_by_kfac(
+      loss_fn, example, damping=1e-3, config=kfac_jax.Config(estimation_mode="exact")
+    )
     state = tx.init(params)
     _, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn, estimation_mode="exact"))(
       params, last, rng
@@ -862,7 +864,7 @@ def test_entry_points_take_a_partial_batch(x64):
       learning_rate=0.1,
       momentum=0.0,
       use_adaptive_damping=False,
-      config=kfac_jax.OptimizerConfig(estimation_mode="exact"),
+      config=kfac_jax.Config(estimation_mode="exact"),
     )
     p3, _, _ = jax.jit(opt.step)(params, opt.init(params), last, rng)
     results.append((u1, u2, p3))
@@ -911,7 +913,9 @@ def test_a_layer_that_depends_on_the_batch_size_is_named_in_the_error():
   assert int(new.count) == 1 and int(state.count) == 0
   # Statistics from half of `example_batch`'s 8 rows meet the same layer: the error says so
   # (the mention of the fraction is a note on the error, on its own line).
-  half = kfac_jax.scale_by_kfac(loss_fn, big, damping=1e-2, statistics_fraction=0.5)
+  half = kfac_jax.scale_by_kfac(
+    loss_fn, big, damping=1e-2, config=kfac_jax.Config(statistics_fraction=0.5)
+  )
   half_state = jax.jit(half.init)(params)
   with pytest.raises(
     ValueError, match=r"(?s)for this batch of 4 examples .*statistics_fraction=0.5"

@@ -232,7 +232,9 @@ def test_mode_errors(x64):
     with pytest.raises(ValueError, match="num_samples does not apply"):
       kfac_jax.value_and_grad(loss_fn, estimation_mode=mode, num_samples=2)
     with pytest.raises(ValueError, match="num_samples does not apply"):
-      kfac_jax.scale_by_kfac(loss_fn, batch, estimation_mode=mode, num_samples=3)
+      kfac_jax.scale_by_kfac(
+        loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode, num_samples=3)
+      )
   for mode in ("gradients", "curvature_prop", "curvature_prop_GGN"):
     est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode)
     state = est.init(params)
@@ -240,11 +242,11 @@ def test_mode_errors(x64):
       est.update_curvature(state, params, batch, None, ema_decay=0.5)
     with pytest.raises(ValueError, match="pass `rng`"):
       kfac_jax.value_and_grad(loss_fn, estimation_mode=mode)(params, batch)
-  # The exact modes and "empirical" need no rng; num_samples=None means 1 for scale_by_kfac.
+  # The exact modes and "empirical" need no rng; Config's num_samples=1 suits every mode.
   for mode in ("exact", "exact_GGN", "empirical"):
     loss, _, _ = kfac_jax.value_and_grad(loss_fn, estimation_mode=mode)(params, batch)
     assert np.isfinite(float(loss))
-    tx = kfac_jax.scale_by_kfac(loss_fn, batch, estimation_mode=mode, num_samples=None)
+    tx = kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode))
     state = tx.init(params)
     grads = jax.grad(loss_fn)(params, batch)
     updates, _ = tx.update(grads, state, params, batch=batch)

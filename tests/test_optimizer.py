@@ -134,8 +134,8 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
     return loss_of(z1, z2, b), {"z2_mean": z2.mean()}
 
   lam = 0.2
-  cfg = kfac_jax.OptimizerConfig(damping_adaptation_interval=1)
-  opt = kfac_jax.Optimizer(loss_fn, batch, has_aux=True, damping=lam, inverse_every=1, config=cfg)
+  cfg = kfac_jax.Config(damping_adaptation_interval=1, has_aux=True)
+  opt = kfac_jax.Optimizer(loss_fn, batch, damping=lam, inverse_every=1, config=cfg)
   (p0, _, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
   np.testing.assert_allclose(i1["aux"]["z2_mean"], heads(p1, batch["x"])[1].mean(), rtol=1e-12)
 
@@ -220,7 +220,7 @@ def test_linear_least_squares_lands_on_minimiser(x64):
     batch,
     damping=0.0,
     use_adaptive_damping=False,
-    config=kfac_jax.OptimizerConfig(estimation_mode="exact"),
+    config=kfac_jax.Config(estimation_mode="exact"),
   )
   state = opt.init(params)
   new_params, _, info = jax.jit(opt.step)(params, state, batch, None)
@@ -250,7 +250,7 @@ def test_adapt_damping_rule():
 
 def test_adaptive_damping_end_to_end():
   params, batch, loss_fn = _mlp_problem()
-  cfg = kfac_jax.OptimizerConfig(damping_adaptation_interval=1, damping_adaptation_decay=0.5)
+  cfg = kfac_jax.Config(damping_adaptation_interval=1, damping_adaptation_decay=0.5)
 
   # A term the model does not see (no loss tag on it): the model's step overshoots badly, the
   # reduction ratio is small (negative) and the damping doubles.
@@ -314,7 +314,7 @@ def test_weight_decay_l2_and_schedules(x64):
     use_adaptive_damping=False,
     l2_reg=eta,
     inverse_every=1,
-    config=kfac_jax.OptimizerConfig(weight_decay=wd, estimation_mode="exact"),
+    config=kfac_jax.Config(weight_decay=wd, estimation_mode="exact"),
   )
   history = _run(opt, params, batch, 2)
   for t, (p0, _, p1, s1, info) in enumerate(history):
@@ -341,7 +341,7 @@ def test_thirty_steps_compile_once():
     traces.append(1)
     return loss_fn(p, b)
 
-  cfg = kfac_jax.OptimizerConfig(burn_in_steps=3, damping_adaptation_interval=5)
+  cfg = kfac_jax.Config(burn_in_steps=3, damping_adaptation_interval=5)
   opt = kfac_jax.Optimizer(
     counted_loss, batch, damping=0.1, inverse_every=4, curvature_every=2, config=cfg
   )
@@ -383,7 +383,7 @@ def test_nan_batch_leaves_everything_bit_identical():
     batch,
     damping=0.1,
     inverse_every=2,
-    config=kfac_jax.OptimizerConfig(damping_adaptation_interval=1),
+    config=kfac_jax.Config(damping_adaptation_interval=1),
   )
   history = _run(opt, params, batch, 3)
   params, state = history[-1][2], history[-1][3]
@@ -426,7 +426,7 @@ def test_converges_with_adaptive_everything():
     batch,
     damping=1.0,
     inverse_every=3,
-    config=kfac_jax.OptimizerConfig(damping_adaptation_interval=3),
+    config=kfac_jax.Config(damping_adaptation_interval=3),
   )
   history = _run(opt, params, batch, 40)
   losses = [float(h[4]["loss"]) for h in history]
@@ -442,7 +442,7 @@ def test_optax_form_matches_class_form():
     batch,
     damping=0.1,
     inverse_every=2,
-    config=kfac_jax.OptimizerConfig(damping_adaptation_interval=2),
+    config=kfac_jax.Config(damping_adaptation_interval=2),
   )
   history = _run(opt, params, batch, 4)
   tx = opt.as_optax()
@@ -471,14 +471,14 @@ def test_pmap_matches_single_device(x64):
   kw = dict(
     damping=0.1,
     inverse_every=1,
-    config=kfac_jax.OptimizerConfig(estimation_mode="exact", damping_adaptation_interval=1),
+    config=kfac_jax.Config(estimation_mode="exact", damping_adaptation_interval=1),
   )
-  single = kfac_jax.Optimizer(loss_fn, batch, **kw)
+  single = kfac_jax.Optimizer(loss_fn, batch, **_models.with_config(kw))
   ((_, _, p_ref, s_ref, i_ref),) = _run(single, params, batch, 1)
 
   shards = jax.tree_util.tree_map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
   half = jax.tree_util.tree_map(lambda x: x[0], shards)
-  multi = kfac_jax.Optimizer(loss_fn, half, axis_name="d", **kw)
+  multi = kfac_jax.Optimizer(loss_fn, half, axis_name="d", **_models.with_config(kw))
   state = multi.init(params)
   rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)
   p, s, info = jax.pmap(lambda p, s, b: multi.step(p, s, b, None), axis_name="d")(
@@ -511,18 +511,18 @@ def test_pmap_matches_single_device(x64):
     (dict(inverse_every=0), "`inverse_every`"),
     (dict(curvature_every=2.5), "`curvature_every`"),
     (dict(damping=1e-9), "config.min_damping"),
+    (dict(ema_decay=1.0), "`ema_decay`"),
   ],
 )
 def test_invalid_arguments_are_named(kwargs, match):
   _, batch, loss_fn = _mlp_problem()
   with pytest.raises(ValueError, match=match):
-    kfac_jax.Optimizer(loss_fn, batch, **kwargs)
+    kfac_jax.Optimizer(loss_fn, batch, **_models.with_config(kwargs))
 
 
 @pytest.mark.parametrize(
   "kwargs, match",
   [
-    (dict(ema_decay=1.0), "config.ema_decay"),
     (dict(estimation_mode="fisher"), "estimation_mode"),
     (dict(damping_adaptation_interval=0), "config.damping_adaptation_interval"),
     (dict(damping_adaptation_decay=1.0), "config.damping_adaptation_decay"),
@@ -533,7 +533,7 @@ def test_invalid_arguments_are_named(kwargs, match):
 )
 def test_invalid_config_is_named(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    kfac_jax.OptimizerConfig(**kwargs)
+    kfac_jax.Config(**kwargs)
 
 
 def test_unknown_keyword_and_bad_types():

@@ -94,7 +94,7 @@ def _kfac(loss_fn, batch, **kw):
   # clipped update into the momentum trace (`c·v + μ·m`) differently in the sharded and
   # replicated programs (1-ulp differences; either one alone stays bitwise equal), and the
   # sharded-storage tests compare parameters bit for bit.
-  kw = {"momentum": None, "max_norm": None, **kw}
+  kw = {"momentum": None, "max_norm": None, "estimation_mode": "empirical", **kw}
   return kfac_jax.kfac(
     loss_fn,
     batch,
@@ -102,8 +102,7 @@ def _kfac(loss_fn, batch, **kw):
     damping=1e-2,
     ema_decay=0.8,
     inverse_every=3,
-    estimation_mode="empirical",
-    **kw,
+    **_models.with_config(kw),
   )
 
 
@@ -308,11 +307,13 @@ def test_parallel_arguments_are_checked():
   loss_fn, _, batch = _problem()
   mesh = _mesh()
   with pytest.raises(ValueError, match="not both"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data", inverse_mesh=(mesh, "data"))
-  with pytest.raises(ValueError, match="inverse_mesh"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, inverse_mesh=(mesh, "model"))
-  with pytest.raises(ValueError, match="inverse_mesh"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, inverse_mesh=mesh)
+    kfac_jax.scale_by_kfac(
+      loss_fn, batch, axis_name="data", config=kfac_jax.Config(mesh=(mesh, "data"))
+    )
+  with pytest.raises(ValueError, match=r"`config\.mesh` must be a \(jax.sharding.Mesh"):
+    kfac_jax.Config(mesh=(mesh, "model"))
+  with pytest.raises(ValueError, match=r"`config\.mesh` must be a \(jax.sharding.Mesh"):
+    kfac_jax.Config(mesh=mesh)
 
 
 # -- sharded inverse storage (KAISA's memory-optimised strategy) ---------------------------------
@@ -371,7 +372,7 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
   )
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
   est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
-  lay = est.sharded_storage.layout(num_devices)
+  lay = est.storage.layout(est.blocks, num_devices)
   names = [s.name for s in est.layers]
   seen = []
   for d in range(num_devices):
@@ -539,12 +540,14 @@ def test_sharded_storage_checkpoint_round_trip(x64):
 def test_sharded_storage_arguments_are_checked():
   loss_fn, params, batch = _problem()
   with pytest.raises(ValueError, match="inverse_storage='sharded'.*axis_name"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, inverse_storage="sharded")
-  with pytest.raises(ValueError, match="unknown inverse_storage 'kaisa'"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data", inverse_storage="kaisa")
+    kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded"))
+  with pytest.raises(ValueError, match="unknown config.inverse_storage 'kaisa'"):
+    kfac_jax.Config(inverse_storage="kaisa")
   with pytest.raises(ValueError, match="unknown inverse_storage"):
     kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="memory")
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data", inverse_storage="sharded")
+  tx = kfac_jax.scale_by_kfac(
+    loss_fn, batch, axis_name="data", config=kfac_jax.Config(inverse_storage="sharded")
+  )
   with pytest.raises(ValueError, match="inside pmap/shard_map over 'data'"):
     tx.init(params)  # Outside the pmap: the axis is not bound.
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
@@ -616,7 +619,7 @@ def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
       damping=0.1,
       inverse_every=2,
       axis_name="data",
-      config=kfac_jax.OptimizerConfig(
+      config=kfac_jax.Config(
         estimation_mode="empirical", damping_adaptation_interval=1, inverse_storage=storage
       ),
     )
@@ -633,9 +636,9 @@ def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
   _assert_close((p_sh, s_sh.damping, s_sh.velocity), (p_rep, s_rep.damping, s_rep.velocity))
   assert int(s_sh.skipped[0]) == 0 and float(s_sh.damping[0]) != 0.1  # Steps taken, λ adapted.
   with pytest.raises(ValueError, match="inverse_storage='sharded'.*axis_name"):
-    kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.OptimizerConfig(inverse_storage="sharded"))
+    kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded"))
   with pytest.raises(ValueError, match="config.inverse_storage"):
-    kfac_jax.OptimizerConfig(inverse_storage="kaisa")
+    kfac_jax.Config(inverse_storage="kaisa")
 
 
 # -- models with collectives: init outside pmap ----------------------------------------------

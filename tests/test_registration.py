@@ -45,7 +45,9 @@ def test_linked_layers_with_value_and_grad_share_one_registration(x64):
   params = _models.to_dtype(params, jnp.float64)
   batch = {**batch, "x": batch["x"].astype(jnp.float64)}
   # Separately, the two scans disagree: the transform's stats check names both layer sets.
-  tx_alone = kfac_jax.scale_by_kfac(loss_fn, batch, layers=LINKED, estimation_mode="empirical")
+  tx_alone = kfac_jax.scale_by_kfac(
+    loss_fn, batch, config=kfac_jax.Config(layers=LINKED, estimation_mode="empirical")
+  )
   state = tx_alone.init(params)
   vg_alone = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")
   _, grads, stats = jax.eval_shape(vg_alone, params, batch)
@@ -184,7 +186,7 @@ def test_registration_arguments_and_immutability():
   with pytest.raises(ValueError, match=r"`estimation_mode`='empirical'.*registration's 'exact'"):
     kfac_jax.CurvatureEstimator(registration=reg, estimation_mode="empirical")
   with pytest.raises(ValueError, match=r"`config.layers`=.*differs"):
-    kfac_jax.Optimizer(registration=reg, config=kfac_jax.OptimizerConfig(layers=LINKED))
+    kfac_jax.Optimizer(registration=reg, config=kfac_jax.Config(layers=LINKED))
   with pytest.raises(ValueError, match="not both"):
     kfac_jax.scale_by_kfac(loss_fn, registration=reg)
   with pytest.raises(TypeError, match="as `registration=`"):

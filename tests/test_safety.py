@@ -63,7 +63,9 @@ def test_nan_in_the_batch_leaves_the_curvature_state_unchanged(guard):
   params = _models.jnp_mlp_init(jax.random.key(0), (4, 5, 3))
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=3)
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, inverse_every=2, skip_nonfinite=guard)
+  tx = kfac_jax.scale_by_kfac(
+    loss_fn, batch, damping=1e-2, inverse_every=2, config=kfac_jax.Config(skip_nonfinite=guard)
+  )
   state = tx.init(params)
   step = jax.jit(lambda p, s, b, k: tx.update(jax.grad(loss_fn)(p, b), s, p, batch=b, rng=k))
   _, state = step(params, state, batch, jax.random.key(0))
@@ -109,7 +111,9 @@ def _leaf_dtypes(tree):
 
 
 def _one_update(loss_fn, params, batch, **kwargs):
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, ema_decay=0.5, **kwargs)
+  tx = kfac_jax.scale_by_kfac(
+    loss_fn, batch, damping=1e-2, ema_decay=0.5, **_models.with_config(kwargs)
+  )
   state = tx.init(params)
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
   step = jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st))
@@ -145,7 +149,9 @@ def test_float16_statistics_that_overflow_skip_the_batch():
   params = _models.jnp_mlp_init(jax.random.key(0), (6, 8, 3))
   batch = _models.classification_batch(jax.random.key(1), n=16, din=6, classes=3)
   loss_fn = _models.softmax_loss(_relu_mlp)
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, stats_dtype="float16")
+  tx = kfac_jax.scale_by_kfac(
+    loss_fn, batch, damping=1e-2, config=kfac_jax.Config(stats_dtype="float16")
+  )
   state = tx.init(params)
   step = jax.jit(lambda p, s, b, k: tx.update(jax.grad(loss_fn)(p, b), s, p, batch=b, rng=k))
   _, state = step(params, state, batch, jax.random.key(0))
@@ -192,12 +198,8 @@ def test_float64_inverses_of_float32_statistics(x64):
 def test_bad_dtype_arguments_name_the_argument(kwargs, match):
   if jax.config.jax_enable_x64:
     pytest.skip("the float64 case needs x64 off")
-  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
-  batch = _models.classification_batch(jax.random.key(1), n=4, din=6, classes=3)
-  with pytest.raises(ValueError, match=match):
-    kfac_jax.scale_by_kfac(loss_fn, batch, **kwargs)
   with pytest.raises(ValueError, match=match.replace("`", "`config.", 1)):
-    kfac_jax.OptimizerConfig(**kwargs)
+    kfac_jax.Config(**kwargs)
 
 
 def test_optimizer_keeps_statistics_in_the_configured_dtype():
@@ -205,7 +207,7 @@ def test_optimizer_keeps_statistics_in_the_configured_dtype():
   batch = _models.classification_batch(jax.random.key(1), n=16, din=6, classes=3)
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
   opt = kfac_jax.Optimizer(
-    loss_fn, batch, config=kfac_jax.OptimizerConfig(stats_dtype="bfloat16"), inverse_every=1
+    loss_fn, batch, config=kfac_jax.Config(stats_dtype="bfloat16"), inverse_every=1
   )
   state = opt.init(params)
   new_params, state, info = jax.jit(opt.step)(params, state, batch, jax.random.key(0))
@@ -288,7 +290,12 @@ def test_bfloat16_preconditioner_trains_like_float32_with_half_the_inverse_bytes
 
   def run(**kwargs):
     tx = kfac_jax.kfac(
-      loss_fn, batch, learning_rate=0.3, curvature_every=1, inverse_every=2, **kwargs
+      loss_fn,
+      batch,
+      learning_rate=0.3,
+      curvature_every=1,
+      inverse_every=2,
+      **_models.with_config(kwargs),
     )
     state, p = tx.init(params), params
     step = jax.jit(lambda g, s, p, k: tx.update(g, s, p, batch=batch, rng=k))
@@ -318,13 +325,16 @@ def test_bfloat16_preconditioner_trains_like_float32_with_half_the_inverse_bytes
 def test_preconditioner_dtype_wider_than_the_inverses_is_refused(x64):
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
   batch = _models.classification_batch(jax.random.key(1), n=4, din=6, classes=3)
-  match = "`preconditioner_dtype`=float64 is wider than `inverse_dtype`=float32"
+  match = "`config.preconditioner_dtype`=float64 is wider than `inverse_dtype`=float32"
   with pytest.raises(ValueError, match=match):
     kfac_jax.kfac(
-      loss_fn, batch, learning_rate=1.0, inverse_dtype="float32", preconditioner_dtype="float64"
+      loss_fn,
+      batch,
+      learning_rate=1.0,
+      config=kfac_jax.Config(inverse_dtype="float32", preconditioner_dtype="float64"),
     )
   with pytest.raises(ValueError, match=match.replace("`", "`config.", 1)):
-    kfac_jax.OptimizerConfig(inverse_dtype="float32", preconditioner_dtype="float64")
+    kfac_jax.Config(inverse_dtype="float32", preconditioner_dtype="float64")
 
 
 def test_bfloat16_preconditioner_compiles_where_xla_transposes_the_products():
@@ -334,7 +344,9 @@ def test_bfloat16_preconditioner_compiles_where_xla_transposes_the_products():
   for DotThunk") unless the products' operands and result are kept as they are
   (`_linalg.matmul`'s barriers)."""
   z = _zoo.STRUCTURE_MODELS["equinox_gru"]()
-  tx = kfac_jax.kfac(z.loss_fn, z.batch, learning_rate=0.3, preconditioner_dtype="bfloat16")
+  tx = kfac_jax.kfac(
+    z.loss_fn, z.batch, learning_rate=0.3, config=kfac_jax.Config(preconditioner_dtype="bfloat16")
+  )
   step = _zoo.train_step(z, tx)
   params, state, batch = z.params, tx.init(z.params), z.batch
   losses = []

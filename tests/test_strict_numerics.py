@@ -55,9 +55,9 @@ def test_full_step_under_rank_promotion_raise(strict_rank, loss, mode, damping_m
       loss_fn,
       batch,
       learning_rate=0.1,
-      estimation_mode=mode,
-      num_samples=num_samples,
-      damping_mode=damping_mode,
+      config=kfac_jax.Config(
+        estimation_mode=mode, num_samples=num_samples, damping_mode=damping_mode
+      ),
     )
     state = tx.init(params)
 

@@ -125,7 +125,8 @@ def test_statistics_fraction_takes_evenly_spaced_rows_of_the_batch(fraction, row
     return u, state
 
   for make in (kfac_jax.scale_by_kfac, functools.partial(kfac_jax.kfac, learning_rate=0.3)):
-    got = update(make(loss_fn, batch, damping=1e-2, statistics_fraction=fraction), batch)
+    cfg = kfac_jax.Config(statistics_fraction=fraction)
+    got = update(make(loss_fn, batch, damping=1e-2, config=cfg), batch)
     want = update(make(loss_fn, batch, damping=1e-2), first)
     whole = update(make(loss_fn, batch, damping=1e-2), batch)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
@@ -133,15 +134,13 @@ def test_statistics_fraction_takes_evenly_spaced_rows_of_the_batch(fraction, row
     assert not np.allclose(got[0]["layer0"]["w"], whole[0]["layer0"]["w"], rtol=1e-3)
 
 
-def test_statistics_fraction_with_inject_hyperparams_must_be_static():
+def test_config_passes_through_inject_hyperparams_unchanged():
   loss_fn, params, batch = _problem()
-  inject = optax.inject_hyperparams
-  with pytest.raises(TypeError, match="statistics_fraction.*static_args"):
-    inject(kfac_jax.kfac, static_args=("loss_fn", "example_batch"))(
-      loss_fn=loss_fn, example_batch=batch, learning_rate=0.3, statistics_fraction=0.5
-    ).init(params)
-  tx = inject(kfac_jax.kfac, static_args=("loss_fn", "example_batch", "statistics_fraction"))(
-    loss_fn=loss_fn, example_batch=batch, learning_rate=0.3, statistics_fraction=0.5
+  tx = optax.inject_hyperparams(kfac_jax.kfac, static_args=("loss_fn", "example_batch"))(
+    loss_fn=loss_fn,
+    example_batch=batch,
+    learning_rate=0.3,
+    config=kfac_jax.Config(statistics_fraction=0.5),
   )
   grads = jax.grad(loss_fn)(params, batch)
   _, state = tx.update(grads, tx.init(params), params, batch=batch, rng=jax.random.key(0))
@@ -153,7 +152,9 @@ def test_statistics_fraction_leaves_given_curvature_stats_whole():
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
   outs = []
   for f in (0.25, None):
-    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=f)
+    tx = kfac_jax.kfac(
+      loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=f)
+    )
     outs.append(tx.update(grads, tx.init(params), params, curvature_stats=stats))
   for a, b in zip(*(jax.tree_util.tree_leaves(o) for o in outs)):
     np.testing.assert_array_equal(a, b)
@@ -161,7 +162,9 @@ def test_statistics_fraction_leaves_given_curvature_stats_whole():
 
 def test_statistics_fraction_needs_one_leading_axis_and_names_the_leaves():
   loss_fn, params, batch = _problem()
-  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=0.5)
+  tx = kfac_jax.kfac(
+    loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.5)
+  )
   state = tx.init(params)
   grads = jax.grad(loss_fn)(params, batch)
   bad = dict(batch, mask=jnp.ones((5,)))
@@ -180,7 +183,9 @@ def test_statistics_fraction_names_itself_when_a_leaf_is_not_per_example():
     return loss_fn(p, dict(b, x=b["x"] + b["shift"]))
 
   batch = dict(batch, shift=jnp.ones((4,)))
-  tx = kfac_jax.kfac(shifted, batch, learning_rate=0.3, statistics_fraction=0.5)
+  tx = kfac_jax.kfac(
+    shifted, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.5)
+  )
   grads = jax.grad(shifted)(params, batch)
   msg = r"statistics_fraction=0.5\. Every leaf .* per-example"
   with pytest.raises((TypeError, ValueError), match=msg):
@@ -198,7 +203,9 @@ def test_statistics_fraction_keeps_jax_errors_whole_and_notes_itself():
       int(jnp.sum(b["x"]))  # Concrete values only: fails under tracing.
     return loss_fn(p, b)
 
-  tx = kfac_jax.kfac(picky, batch, learning_rate=0.3, statistics_fraction=0.5)
+  tx = kfac_jax.kfac(
+    picky, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.5)
+  )
   grads = jax.grad(picky)(params, batch)
   with pytest.raises(jax.errors.ConcretizationTypeError) as info:
     jax.jit(lambda s: tx.update(grads, s, params, batch=batch, rng=jax.random.key(0)))(
@@ -239,7 +246,9 @@ def test_kfac_statistics_fraction_defaults_to_auto(n, fraction):
   grads = jax.grad(loss_fn)(params, batch)
   got = _two_updates(kfac_jax.kfac(loss_fn, batch, learning_rate=0.3), params, grads, batch)
   want = _two_updates(
-    kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=fraction),
+    kfac_jax.kfac(
+      loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=fraction)
+    ),
     params,
     grads,
     batch,
@@ -247,12 +256,16 @@ def test_kfac_statistics_fraction_defaults_to_auto(n, fraction):
   _assert_same(got, want)
   if n != 256:
     return
-  auto = kfac_jax.scale_by_kfac(loss_fn, batch, statistics_fraction="auto")
-  explicit = kfac_jax.scale_by_kfac(loss_fn, batch, statistics_fraction=fraction)
+  auto = kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(statistics_fraction="auto"))
+  explicit = kfac_jax.scale_by_kfac(
+    loss_fn, batch, config=kfac_jax.Config(statistics_fraction=fraction)
+  )
   _assert_same(
     _two_updates(auto, params, grads, batch), _two_updates(explicit, params, grads, batch)
   )
-  whole = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=None)
+  whole = kfac_jax.kfac(
+    loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=None)
+  )
   assert not np.allclose(got[0], _two_updates(whole, params, grads, batch)[0], rtol=1e-3)
 
 
@@ -313,9 +326,13 @@ def test_kfac_statistics_fraction_auto_falls_back_to_every_row(case):
     loss_fn = _time_major(loss_fn, 4)
   grads = jax.grad(loss_fn)(params, batch)
   got = _two_updates(kfac_jax.kfac(loss_fn, batch, learning_rate=0.3), params, grads, batch)
-  whole = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=None)
+  whole = kfac_jax.kfac(
+    loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=None)
+  )
   _assert_same(got, _two_updates(whole, params, grads, batch))
-  explicit = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3, statistics_fraction=0.25)
+  explicit = kfac_jax.kfac(
+    loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.25)
+  )
   if case == "time-major":  # Cut along time: other statistics, no error.
     assert not np.allclose(_two_updates(explicit, params, grads, batch)[0], got[0], rtol=1e-3)
   else:
@@ -355,7 +372,7 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
   loss_fn, params, batch = _problem(n=32)
   n = jax.local_device_count()
   tx1 = kfac_jax.scale_by_kfac(
-    loss_fn, batch, damping=1e-2, ema_decay=0.5, estimation_mode="empirical"
+    loss_fn, batch, damping=1e-2, ema_decay=0.5, config=kfac_jax.Config(estimation_mode="empirical")
   )
   sharded = jax.tree_util.tree_map(lambda x: x.reshape((n, -1) + x.shape[1:]), batch)
   local_example = jax.tree_util.tree_map(lambda x: x[0], sharded)
@@ -364,8 +381,8 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
     local_example,
     damping=1e-2,
     ema_decay=0.5,
-    estimation_mode="empirical",
     axis_name="data",
+    config=kfac_jax.Config(estimation_mode="empirical"),
   )
 
   def pstep(params, state, b):
@@ -519,7 +536,9 @@ def test_scale_by_kfac_guard_and_switching_it_off():
   bad = jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
   outs = {}
   for skip in (True, False):
-    tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, skip_nonfinite=skip)
+    tx = kfac_jax.scale_by_kfac(
+      loss_fn, batch, damping=1e-2, config=kfac_jax.Config(skip_nonfinite=skip)
+    )
     state = tx.init(params)
     upd = jax.jit(lambda g, s, tx=tx: tx.update(g, s, params, batch=batch, rng=jax.random.key(0)))
     _, state = upd(grads, state)
@@ -553,7 +572,7 @@ def test_clip_coefficient_against_numpy(x64):
 
 def _first_kfac_update(loss_fn, params, batch, grads, stats, **kw):
   kw = {"max_norm": None, "momentum": None, **kw}  # Both are on by default.
-  tx = kfac_jax.kfac(loss_fn, batch, damping=1e-2, **kw)
+  tx = kfac_jax.kfac(loss_fn, batch, damping=1e-2, **_models.with_config(kw))
   return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(tx.init(params))
 
 
@@ -595,16 +614,16 @@ def _args_problem():
 
 
 def _tx(**kw):
-  return lambda: kfac_jax.scale_by_kfac(*_args_problem()[::2], **kw)
+  return lambda: kfac_jax.scale_by_kfac(*_args_problem()[::2], **_models.with_config(kw))
 
 
 def _kfac(**kw):
   kw.setdefault("learning_rate", 0.1)
-  return lambda: kfac_jax.kfac(*_args_problem()[::2], **kw)
+  return lambda: kfac_jax.kfac(*_args_problem()[::2], **_models.with_config(kw))
 
 
 def _opt(**kw):
-  return lambda: kfac_jax.Optimizer(*_args_problem()[::2], **kw)
+  return lambda: kfac_jax.Optimizer(*_args_problem()[::2], **_models.with_config(kw))
 
 
 def _est(**kw):
@@ -664,10 +683,10 @@ ARG_CASES = [
   (_opt(curvature_every=0), ValueError, "curvature_every", 0),
   (_opt(use_adaptive_damping="no"), TypeError, "use_adaptive_damping", "no"),
   (_opt(has_aux=None), TypeError, "has_aux", None),
-  (lambda: kfac_jax.OptimizerConfig(ema_decay="0.9"), TypeError, "config.ema_decay", "0.9"),
-  (lambda: kfac_jax.OptimizerConfig(min_damping=-1.0), ValueError, "config.min_damping", -1.0),
-  (lambda: kfac_jax.OptimizerConfig(burn_in_steps=1.5), ValueError, "config.burn_in_steps", 1.5),
-  (lambda: kfac_jax.OptimizerConfig(strict=None), TypeError, "config.strict", None),
+  (_opt(ema_decay="0.9"), TypeError, "ema_decay", "0.9"),
+  (lambda: kfac_jax.Config(min_damping=-1.0), ValueError, "config.min_damping", -1.0),
+  (lambda: kfac_jax.Config(burn_in_steps=1.5), ValueError, "config.burn_in_steps", 1.5),
+  (lambda: kfac_jax.Config(strict=None), TypeError, "config.strict", None),
   (_est(exps=(-1, "x")), TypeError, "exps", "x"),
   (_est(exps=-1), TypeError, "exps", -1),
   (_est(compute_cholesky="yes"), TypeError, "compute_cholesky", "yes"),
@@ -688,6 +707,27 @@ def test_argument_errors_name_the_argument_and_show_the_value(call, exc, name, v
   msg = str(info.value)
   assert name in msg, msg
   assert (value if isinstance(value, str) and value == "dict" else repr(value)) in msg, msg
+
+
+@pytest.mark.parametrize(
+  "front, keyword, value, field",
+  [
+    (kfac_jax.scale_by_kfac, "estimation_mode", "exact", "estimation_mode"),
+    (kfac_jax.kfac, "statistics_fraction", None, "statistics_fraction"),
+    (kfac_jax.kfac, "nesterov", True, "nesterov"),
+    (kfac_jax.scale_by_kfac, "inverse_mesh", None, "mesh"),
+    (kfac_jax.Optimizer, "has_aux", True, "has_aux"),
+  ],
+)
+def test_a_keyword_that_moved_into_config_names_its_new_place(front, keyword, value, field):
+  loss_fn, _, batch = _args_problem()
+  with pytest.raises(TypeError, match=rf"`{keyword}`.*config=kfac_jax\.Config\({field}="):
+    front(loss_fn, batch, **{keyword: value})
+
+
+def test_optimizer_config_is_now_config():
+  with pytest.raises(TypeError, match=r"OptimizerConfig is now kfac_jax\.Config"):
+    kfac_jax.OptimizerConfig(min_damping=1e-6)
 
 
 def test_update_errors_are_named():
@@ -730,3 +770,50 @@ def test_profile_names_kfac_statistics_inverses_and_products():
   # each other.
   assert any("kfac_statistics" in n and "jvp(" in n for n in names), sorted(names)[:20]
   assert not any("kfac_inverses" in n and "kfac_multiply" in n for n in names)
+
+
+@pytest.mark.parametrize("front", ["kfac", "Optimizer"])
+def test_a_schedule_that_is_not_finite_at_one_step_skips_it_and_moves_on(front):
+  """The schedules get every update seen (`count + skipped`): a NaN at one count skips that
+  update only, instead of returning the same NaN forever (and stalling training)."""
+  loss_fn, params, batch = _problem()
+
+  def bad_at_2(c):
+    return jnp.where(c == 2, jnp.nan, 0.1)
+
+  if front == "kfac":
+    tx = kfac_jax.kfac(loss_fn, batch, learning_rate=bad_at_2, inverse_every=1)
+    state = tx.init(params)
+    grad = jax.grad(loss_fn)
+    step = jax.jit(lambda p, s, k: tx.update(grad(p, batch), s, p, batch=batch, rng=k))
+  else:
+    opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=bad_at_2, momentum=0.5)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(p, s, k):
+      new, s, _ = opt.step(p, s, batch, k)
+      return jax.tree_util.tree_map(jnp.subtract, new, p), s
+
+  moved = []
+  for t in range(5):
+    updates, state = step(params, state, jax.random.key(t))
+    moved.append(float(optax.tree.norm(updates)) > 0)
+    params = optax.apply_updates(params, updates)
+  assert moved == [True, True, False, True, True]
+  count, skipped = (state[0].count, state[0].skipped) if front == "kfac" else state[:2]
+  assert int(skipped) == 1 and int(count) == 4
+
+
+def test_another_models_state_is_named():
+  loss_fn, params, batch = _problem()
+  deeper = _models.jnp_mlp_init(jax.random.key(0), (4, 8, 8, 3))
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1)
+  other = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1).init(deeper)
+  grads = jax.grad(loss_fn)(params, batch)
+  layers = r"\['layer0', 'layer1', 'layer2'\]"
+  with pytest.raises(ValueError, match=rf"`state` holds the curvature of the layers {layers}"):
+    tx.update(grads, other, params, batch=batch, rng=jax.random.key(0))
+  opt = kfac_jax.Optimizer(loss_fn, batch)
+  with pytest.raises(TypeError, match="OptimizerState from this optimizer's init, got KfacState"):
+    opt.step(params, tx.init(params), batch, jax.random.key(0))

@@ -340,7 +340,9 @@ def test_stack_in_scale_by_kfac(x64):
 
   params = {"stack": _stack(layers), "out": out}
   batch = _batch()
-  tx = kfac_jax.scale_by_kfac(scanned, batch, damping=1e-2, estimation_mode="exact")
+  tx = kfac_jax.scale_by_kfac(
+    scanned, batch, damping=1e-2, config=kfac_jax.Config(estimation_mode="exact")
+  )
   state = tx.init(params)
   grads = jax.grad(scanned)(params, batch)
   updates, state = jax.jit(functools.partial(tx.update, batch=batch))(grads, state, params)

@@ -34,7 +34,7 @@ def test_zoo_model(name, flavour):
   for s in specs:
     assert s.name in table
 
-  tx = kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-3, strict=True)
+  tx = kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-3, config=kfac_jax.Config(strict=True))
   state = tx.init(z.params)
 
   @jax.jit
@@ -104,7 +104,12 @@ def test_structure_zoo_model(name):
 
   tx = optax.chain(
     kfac_jax.scale_by_kfac(
-      z.loss_fn, z.batch, damping=z.damping, inverse_every=1, strict=True, **aux
+      z.loss_fn,
+      z.batch,
+      damping=z.damping,
+      inverse_every=1,
+      **aux,
+      config=kfac_jax.Config(strict=True),
     ),
     optax.scale(-0.05),
   )
@@ -130,7 +135,9 @@ def test_stacked_zoo_model_trains(name, flavour):
   assert stacked and all(s.stack_size == _zoo.LM_LAYERS for s in stacked)
   assert all(f[0] == _zoo.LM_LAYERS for s in stacked for f in s.factor_shapes)
   tx = optax.chain(
-    kfac_jax.scale_by_kfac(z.loss_fn, z.batch, damping=1e-2, inverse_every=1, strict=True),
+    kfac_jax.scale_by_kfac(
+      z.loss_fn, z.batch, damping=1e-2, inverse_every=1, config=kfac_jax.Config(strict=True)
+    ),
     optax.scale_by_learning_rate(0.1),
   )
   _ten_jitted_steps(z, tx, jax.jit(tx.init)(z.params))

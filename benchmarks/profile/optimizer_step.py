@@ -115,7 +115,8 @@ def worker_ours(path, steps, warmup):
     damping=DAMPING,
     use_adaptive_damping=True,
     inverse_every=EVERY,
-    config=kfac_jax.OptimizerConfig(ema_decay=0.95, min_damping=1e-4),
+    ema_decay=0.95,
+    config=kfac_jax.Config(min_damping=1e-4),
   )
   state = opt.init(params)
   rng = jax.random.key(0)
@@ -202,11 +203,11 @@ def worker_upstream(path, steps, warmup):
     min_damping=1e-4,
     damping_adaptation_interval=EVERY,
     num_burnin_steps=0,
-    estimation_mode="fisher_gradients",
     curvature_ema=0.95,
     inverse_update_period=EVERY,
     num_estimator_samples=1,
     multi_device=False,
+    config=kfac_jax.Config(estimation_mode="fisher_gradients"),
   )
   rng = jax.random.PRNGKey(0)
   rng, k = jax.random.split(rng)
@@ -248,7 +249,7 @@ def analyze():
     x,
     damping=DAMPING,
     inverse_every=EVERY,
-    config=kfac_jax.OptimizerConfig(min_damping=1e-4),
+    config=kfac_jax.Config(min_damping=1e-4),
   )
   state = opt.init(params)
   rng = jax.random.key(0)

@@ -176,12 +176,12 @@ def make_optimizer(loss_fn, cfg):
     l2_reg=0.0,
     **steps,
     num_burnin_steps=0,
-    estimation_mode="fisher_gradients",
     curvature_ema=cfg["ema_decay"],
     curvature_update_period=cfg.get("curvature_every", 1),
     inverse_update_period=cfg["inverse_every"],
     num_estimator_samples=1,
     multi_device=False,
+    config=kfac_jax.Config(estimation_mode="fisher_gradients"),
   )
 
 

@@ -99,7 +99,7 @@ class LayerConfig:
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
     ...                               overrides={"params/head/*": "kron"})
-    >>> tx = kfac_jax.scale_by_kfac(loss_fn, batch, layers=layers)
+    >>> tx = kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(layers=layers))
   """
 
   defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
