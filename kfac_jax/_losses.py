@@ -23,7 +23,9 @@ for every mode, is that the stack is an **average**:
 
 so that the blocks divide their sums over the leading axis by S (e.g. G = Σ_s Σ_rows g gᵀ / (S N)).
   "gradients":          v_s = √w ∇_z ℓ(z, y_s), y_s ~ p(y|z), S = num_samples: the Fisher.
-  "empirical":          v = √w ∇_z ℓ(z, y) with the data's y, S = 1: the empirical Fisher.
+  "empirical":          v = √w ∇_z ℓ(z, y) with the data's y, S = 1: the empirical Fisher,
+                        `w ∇ℓ ∇ℓᵀ`, linear in the weight like every mode (a multiplicity; the
+                        weighted loss's own gradients `w ∇ℓ` would give `w²`).
   "curvature_prop":     v_s = √w B r_s, r_s Rademacher (±1 per example and output coordinate),
                         S = num_samples: the Fisher, E[r rᵀ] = I (Martens, Sutskever & Swersky
                         2012, "Estimating the Hessian by back-propagating curvature").

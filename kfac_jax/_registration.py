@@ -174,6 +174,8 @@ class Registration:
     params_shape: the parameters as ShapeDtypeStructs.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
     example_batch_size: the loss tags' leading size in `example_batch`.
+    loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
+      check_loss: the settings it was built with.
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.

@@ -387,3 +387,29 @@ def test_message_names_the_line_of_the_tag():
   line = 1 + next(i for i, t in enumerate(lines) if "register_squared_error_loss(logits, jax" in t)
   (mismatch,) = [r for r in record if r.category is kfac_jax.LossMismatchWarning]
   assert re.search(rf"test_audit\.py:{line}\b", str(mismatch.message))
+
+
+def test_a_loss_the_audit_cannot_differentiate_warns_and_registers():
+  """A loss whose second derivative JAX cannot take (a callback after the logits) is not
+  audited: one warning saying so, and the registration is built."""
+  params, batch = _setup()
+
+  def loss_fn(p, b):
+    _, logits, _ = _net(p, b)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    same = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(logits.shape, logits.dtype), logits)
+    return _ce(same, b).mean()
+
+  with pytest.warns(kfac_jax.LossMismatchWarning, match="could not evaluate.*check_loss=False"):
+    reg = kfac_jax.Registration(loss_fn, params, batch)
+  assert [s.name for s in reg.layers][:2] == ["w1", "w2"]
+
+
+def test_bfloat16_rounding_is_not_a_mismatch():
+  """A bfloat16 model whose loss is computed in bfloat16 fits within the looser tolerance of
+  its format (10 ulps); a squared-error tag on its logits still does not."""
+  assert _audit.tolerance(jnp.bfloat16) == 10 * 2.0**-7
+  params, batch = _setup(jnp.bfloat16)
+  for loss_fn, expected in ((_mean, 0), (_squared_on_logits, 1)):
+    scan = _scanner.scan(loss_fn, params, batch, warn=False)
+    assert len(_audit.problems(scan, _audit.measure(scan, params, batch), "gradients")) == expected
