@@ -41,11 +41,12 @@ from kfac_jax._specs import RegistrationError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TOLERANCE = 1e-2  # Relative residual allowed in float32 / float64.
-_SEED = 0
-_COMPILER_OPTIONS = {
-  "xla_backend_optimization_level": 0,
+_SEED = 0  # The probe `v` is fixed: the audit gives the same verdict every time.
+# Compiled once and run once: XLA's backend optimisations would cost more than they save.
+_COMPILER_OPTIONS: dict[str, str | bool] = {
+  "xla_backend_optimization_level": "0",
   "xla_llvm_disable_expensive_passes": True,
-}  # The probe `v` is fixed: the audit gives the same verdict every time.
+}
 
 CAUSES = (
   "Common causes: the tag is on another value than the loss is computed from (a hidden "
@@ -182,7 +183,6 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   for name in axis_names:  # Collectives over a bound axis of size 1.
     fn = _bound(fn, name)
   with jax.ensure_compile_time_eval():
-    # Compiled once and run once: XLA's backend optimisations would cost more than they save.
     compiled = jax.jit(fn).lower(flat, probes).compile(_COMPILER_OPTIONS)
     g_loss, h_loss, h_tag, g_tag = compiled(flat, probes)
   out: list = [None] * len(scan.losses)
