@@ -13,6 +13,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
+from kfac_jax._audit import LossMismatchWarning
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
@@ -56,6 +57,7 @@ __all__ = [
   "KfacState",
   "LayerConfig",
   "LayerSpec",
+  "LossMismatchWarning",
   "Optimizer",
   "OptimizerState",
   "Registration",

@@ -210,3 +210,18 @@ def axis_env_key() -> tuple | None:
   except AttributeError:  # pragma: no cover - older/newer private API.
     return None
   return tuple(sorted(((str(n), n, s) for n, s in sizes.items()), key=lambda t: t[0]))
+
+
+def source_line(eqn: JaxprEqn, skip_dir: str) -> str | None:
+  """`file:line` of the innermost user frame that created `eqn`, frames under `skip_dir` (the
+  library's own) skipped; None when JAX kept no traceback."""
+  try:
+    from jax._src import source_info_util
+
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+  except Exception:  # noqa: BLE001 - a diagnostic only; an internal API that moved gives none.
+    return None
+  for frame in frames:
+    if not frame.file_name.startswith(skip_dir):
+      return f"{frame.file_name}:{frame.start_line}"
+  return None

@@ -23,7 +23,9 @@ for every mode, is that the stack is an **average**:
 
 so that the blocks divide their sums over the leading axis by S (e.g. G = Σ_s Σ_rows g gᵀ / (S N)).
   "gradients":          v_s = √w ∇_z ℓ(z, y_s), y_s ~ p(y|z), S = num_samples: the Fisher.
-  "empirical":          v = √w ∇_z ℓ(z, y) with the data's y, S = 1: the empirical Fisher.
+  "empirical":          v = √w ∇_z ℓ(z, y) with the data's y, S = 1: the empirical Fisher,
+                        `w ∇ℓ ∇ℓᵀ`, linear in the weight like every mode (a multiplicity; the
+                        weighted loss's own gradients `w ∇ℓ` would give `w²`).
   "curvature_prop":     v_s = √w B r_s, r_s Rademacher (±1 per example and output coordinate),
                         S = num_samples: the Fisher, E[r rᵀ] = I (Martens, Sutskever & Swersky
                         2012, "Estimating the Hessian by back-propagating curvature").
@@ -225,3 +227,20 @@ def output_curvature_product(spec: LossSpec, operands: tuple[Array, ...], v: Arr
     raise ValueError(f"unknown loss kind {spec.kind!r}")
   out = out * _weight(spec, weight, zf) / spec.batch_size
   return out.astype(v.dtype)
+
+
+def output_gradient(spec: LossSpec, operands: tuple[Array, ...]) -> Array:
+  """∇_z of the tagged loss `(1/N) Σₙ wₙ ℓ(zₙ, yₙ)` with the tag's targets: `(1/N) w ∇_z ℓ`.
+
+  The loss audit compares it with the gradient of the loss `loss_fn` returns. Needs a tag
+  registered with targets.
+  """
+  z = operands[0]
+  if not spec.has_targets:
+    raise ValueError(f"the {spec.kind} loss tag has no targets: its gradient is not defined.")
+  targets = operands[1]
+  weight = operands[2] if spec.has_weight else None
+  zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+  y = targets if jnp.issubdtype(targets.dtype, jnp.integer) else targets.astype(zf.dtype)
+  out = _grad_nll(spec, zf, y) * _weight(spec, weight, zf) / spec.batch_size
+  return out.astype(z.dtype)

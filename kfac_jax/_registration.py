@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _checks, _compat, _curvature, _losses
+from kfac_jax import _audit, _checks, _compat, _curvature, _losses
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
@@ -155,10 +155,16 @@ class Registration:
       "exact" or "exact_GGN" (see `kfac_jax.value_and_grad`).
     num_samples: random vectors per example for the random modes (1 for the others).
     layers: a `kfac_jax.LayerConfig` (approximations, linked groups), or None.
-    strict: raise, instead of warning, when parameters are outside every recognised layer.
+    strict: raise, instead of warning, when parameters are outside every recognised layer or
+      the loss audit measures a mismatch.
     axis_name: a name or a tuple of names of collective axes `loss_fn` uses (e.g. linen
       `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
       shard_map.
+    check_loss: audit the loss tags against the returned loss on `example_batch`
+      (`kfac_jax._audit`): two tags on one prediction or a tag the loss does not depend on
+      is a RegistrationError; a measured mismatch of curvature (or, in the "empirical" mode,
+      of gradient) a `LossMismatchWarning` (an error with `strict`). False skips it, for a
+      loss that differs from its tags on purpose.
 
   Attributes:
     layers: the registered layers (a tuple of `LayerSpec`), in parameter order.
@@ -169,11 +175,18 @@ class Registration:
     params_shape: the parameters as ShapeDtypeStructs.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
     example_batch_size: the loss tags' leading size in `example_batch`.
+    loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
+      check_loss: the settings it was built with.
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.
-    RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, or
-      (with `strict`) uncovered parameters.
+    RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, a
+      loss tag the audit rejects (`check_loss`), or (with `strict`) uncovered parameters or
+      a measured loss mismatch.
+
+  Warns:
+    UncoveredParametersWarning, LossMismatchWarning: once, when the registration is built;
+    later scans of other batch shapes and every entry point sharing it do not warn again.
 
   Example:
     >>> reg = kfac_jax.Registration(loss_fn, params, batch,
@@ -193,6 +206,7 @@ class Registration:
   layer_config: Any
   strict: bool
   axis_name: Any
+  check_loss: bool
   example_batch: Any
   params_shape: Any
   param_paths: tuple[str, ...]
@@ -217,6 +231,7 @@ class Registration:
     layers: _scan.LayerConfig | None = None,
     strict: bool = False,
     axis_name: AxisName = None,
+    check_loss: bool = True,
   ):
     self._setup(
       loss_fn,
@@ -228,6 +243,7 @@ class Registration:
       layers=layers,
       strict=strict,
       axis_name=axis_name,
+      check_loss=check_loss,
       warn=True,
     )
 
@@ -250,12 +266,14 @@ class Registration:
     layers=None,
     strict=False,
     axis_name=None,
+    check_loss=True,
     warn=True,
   ):
     set_ = object.__setattr__
     part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
+    _checks.boolean(check_loss, "check_loss")
     config = _scan.check_layer_config(layers)
     names = axis_names(axis_name)
     env = _compat.axis_env_key()
@@ -270,6 +288,16 @@ class Registration:
         layers=config,
         has_aux=has_aux,
       )
+    if check_loss:  # Once per registration: its warning is not repeated by later scans.
+      _audit.audit(
+        scan,
+        params,
+        example_batch,
+        estimation_mode=estimation_mode,
+        axis_names=names,
+        strict=strict,
+        warn=warn,
+      )
     leaves = jax.tree_util.tree_leaves(params)
     set_(self, "loss_fn", loss_fn)
     set_(self, "loss_part", part)
@@ -279,6 +307,7 @@ class Registration:
     set_(self, "layer_config", config)
     set_(self, "strict", strict)
     set_(self, "axis_name", axis_name)
+    set_(self, "check_loss", check_loss)
     set_(self, "example_batch", jax.eval_shape(lambda b: b, example_batch))
     set_(self, "params_shape", jax.eval_shape(lambda p: p, params))
     set_(self, "param_paths", _scan.param_paths(params))

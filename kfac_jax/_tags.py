@@ -9,6 +9,30 @@ Loss tags mark the model's predictive distribution (categorical, multi-Bernoulli
 Convention, as in TF K-FAC: the tagged loss is the **sum over all non-leading axes and the mean
 over the leading (batch) axis** of `weight * nll(prediction, target)`. A per-token mean therefore
 needs `weight=1/num_tokens`. Layer tags mark what the scanner cannot find by itself.
+
+The tagged loss should be the loss `loss_fn` returns, up to a constant factor (a sum instead of
+a mean is fine) and terms that do not involve the tagged predictions (an L2 penalty, an
+auxiliary loss on another output): K-FAC's curvature is that of the tagged loss. A
+`Registration` audits this on the example batch (`kfac_jax._audit`).
+
+The `weight` of a loss tag. Its **shape** is a scalar, or the event shape's rank with each axis
+1 or the event's size, where the event shape is `logits.shape[:-1]` for the categorical
+(`[N]` per example, `[N, T]` per position) and the prediction's shape otherwise (`[N, 1]` per
+example, `[N, D]` per coordinate). A per-example weight of a multi-axis prediction is `[N, 1]`,
+not `[N]`: a lower rank would broadcast against the trailing axes. **Meaning**: a
+non-negative multiplicity. An example (position, coordinate) of weight `w` counts as `w` copies
+of it in every estimation mode, so the curvature is linear in `w` (negative entries count as 0):
+
+  * "gradients", "curvature_prop", "exact" (Fisher) and "curvature_prop_GGN", "exact_GGN"
+    (Gauss-Newton): `w F_z` per example, `F_z` the unweighted per-example Fisher (equal to the
+    Hessian of the NLL for these losses); the vectors carry `√w`.
+  * "empirical": `w ∇_z ℓ ∇_z ℓᵀ` per example, `∇_z ℓ` the *unweighted* NLL's gradient at the
+    data's targets (`(√w ⊙ ∇_z ℓ)(√w ⊙ ∇_z ℓ)ᵀ` for a weight per coordinate) -- the gradient of
+    the weighted loss, `w ∇_z ℓ`, would give `w²` instead.
+  * the Optimizer's quadratic model: the Hessian of the tagged loss, `(1/N) w F_z`.
+
+A mask is a weight of 0s and 1s: a loss `(mask * nll).sum() / mask.sum()` is the tagged loss
+with `weight=mask`, a constant factor away.
 """
 
 from __future__ import annotations
@@ -101,14 +125,16 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
       weight = np.asarray(weight, prediction.dtype)
     weight = _check_array(weight, "weight", fn)
     event_shape = prediction.shape[:-1] if kind == "categorical" else prediction.shape
-    try:
-      jnp.broadcast_shapes(weight.shape, event_shape)
-      ok = len(weight.shape) <= len(event_shape)
-    except ValueError:
-      ok = False
+    ok = weight.ndim == 0 or (
+      weight.ndim == len(event_shape)
+      and all(w in (1, e) for w, e in zip(weight.shape, event_shape))
+    )
     if not ok:
+      per_example = (event_shape[0],) + (1,) * (len(event_shape) - 1)
       raise ValueError(
-        f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape}."
+        f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape} axis by "
+        f"axis: give a scalar, {per_example} for a weight per example, or an array of "
+        f"{len(event_shape)} axes each 1 or the size in {event_shape}."
       )
     operands.append(weight.astype(prediction.dtype))
   if not (isinstance(var, (int, float)) and var > 0 and math.isfinite(var)):
@@ -120,6 +146,7 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
     has_targets=targets is not None,
     has_weight=weight is not None,
     var=float(var),
+    fn=fn,
   )
   return outs[0]
 
@@ -131,7 +158,9 @@ def register_categorical_predictive_distribution(logits, targets=None, weight=No
     logits: `[batch, ..., num_classes]` unnormalised log-probabilities.
     targets: optional class indices `[batch, ...]` (integers) or probabilities/one-hot of the
       same shape as `logits`; needed only for the empirical Fisher.
-    weight: optional per-position weight, broadcastable to `logits.shape[:-1]`.
+    weight: optional non-negative weight: a scalar, `[N]` per example or `[N, ...]` per
+      position (the rank of `logits.shape[:-1]`, each axis 1 or its size); a multiplicity,
+      linear in the curvature of every estimation mode (module docstring).
 
   Returns:
     `logits`, unchanged.
@@ -151,7 +180,9 @@ def register_multi_bernoulli_predictive_distribution(logits, targets=None, weigh
   Args:
     logits: `[batch, ...]` logits.
     targets: optional `{0, 1}` (or probability) targets of the same shape.
-    weight: optional weight, broadcastable to `logits.shape`.
+    weight: optional non-negative weight: a scalar, `[N, 1, ...]` per example or an array of
+      `logits`' rank with each axis 1 or its size (per unit); a multiplicity, linear in the
+      curvature of every estimation mode (module docstring).
 
   Returns:
     `logits`, unchanged.
@@ -171,7 +202,9 @@ def register_normal_predictive_distribution(
     mean: `[batch, ...]` predictions.
     targets: optional targets of the same shape.
     var: the variance, a positive Python float (static).
-    weight: optional weight, broadcastable to `mean.shape`.
+    weight: optional non-negative weight: a scalar, `[N, 1, ...]` per example or an array of
+      `mean`'s rank with each axis 1 or its size (per coordinate); a multiplicity, linear in
+      the curvature of every estimation mode (module docstring).
 
   Returns:
     `mean`, unchanged.
@@ -182,7 +215,12 @@ def register_normal_predictive_distribution(
 
 
 def register_squared_error_loss(prediction, targets=None, weight=None) -> Array:
-  """Tags `prediction` for the squared error `(t - y)²`: a normal with variance 0.5."""
+  """Tags `prediction` for the squared error `(t - y)²`: a normal with variance 0.5.
+
+  Summed over the non-batch axes and averaged over the batch; a `loss_fn` returning the mean
+  over every element differs by a constant factor, which is fine. `targets` and `weight` as
+  for `register_normal_predictive_distribution`.
+  """
   return _bind_loss("normal", "register_squared_error_loss", prediction, targets, weight, var=0.5)
 
 

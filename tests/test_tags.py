@@ -1,5 +1,7 @@
 """Tags are transparent: values and derivatives of tagged functions equal the untagged ones."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +186,107 @@ def test_tags_return_their_first_argument(setup):
 def test_bad_tag_calls(call, match):
   with pytest.raises((ValueError, TypeError), match=match):
     call()
+
+
+# -- the `weight` of a loss tag: shapes and meaning (the _tags module docstring) ---------------
+
+WN, WD, WK = 4, 3, 3
+WEIGHT_CASES = [
+  ("categorical", ()),  # a scalar
+  ("categorical", (WN,)),  # per example
+  ("bernoulli", (WN, 1)),  # per example
+  ("bernoulli", (WN, WK)),  # per unit
+  ("normal", (1, WK)),  # per coordinate, the same for every example
+  ("normal", (WN, WK)),  # per example and coordinate
+]
+
+
+def _weighted_nll(kind, z, b):
+  """The unweighted negative log-likelihood per event entry (`[N]` or `[N, K]`)."""
+  if kind == "categorical":
+    return -jnp.take_along_axis(jax.nn.log_softmax(z), b["y"][:, None], 1)[:, 0]
+  if kind == "bernoulli":
+    return jnp.logaddexp(0, z) - b["t"] * z
+  return (z - b["t"]) ** 2 / (2 * 0.3)
+
+
+def _weight_setup(kind, wshape):
+  k = jax.random.split(jax.random.key(5), 5)
+  params = {
+    "w": jax.random.normal(k[0], (WD, WK), jnp.float64),
+    "b": 0.3 * jax.random.normal(k[1], (WK,), jnp.float64),
+  }
+  batch = {
+    "x": jax.random.normal(k[2], (WN, WD), jnp.float64),
+    "y": jnp.arange(WN) % WK,
+    "t": (jax.random.uniform(k[3], (WN, WK), jnp.float64) > 0.5).astype(jnp.float64),
+    "w": jax.random.uniform(k[4], wshape, jnp.float64, 0.2, 3.0),
+  }
+  if kind == "normal":
+    batch["t"] = jax.random.normal(k[3], (WN, WK), jnp.float64)
+
+  def loss_fn(p, b):
+    z = b["x"] @ p["w"] + p["b"]
+    if kind == "categorical":
+      kfac_jax.register_softmax_cross_entropy_loss(z, b["y"], weight=b["w"])
+      return jnp.mean(b["w"] * _weighted_nll(kind, z, b))
+    if kind == "bernoulli":
+      kfac_jax.register_sigmoid_cross_entropy_loss(z, b["t"], weight=b["w"])
+    else:
+      kfac_jax.register_normal_predictive_distribution(z, b["t"], var=0.3, weight=b["w"])
+    return jnp.mean(jnp.sum(b["w"] * _weighted_nll(kind, z, b), -1))
+
+  return loss_fn, params, batch
+
+
+@pytest.mark.parametrize("mode", ["exact", "exact_GGN", "empirical"])
+@pytest.mark.parametrize("kind, wshape", WEIGHT_CASES)
+def test_weight_is_a_multiplicity_in_every_mode(x64, kind, wshape, mode):
+  """A weight counts an entry `w` times, linearly, against the definitions in float64:
+  the Fisher / GGN modes give `Jᵀ H J` with H the Hessian of the weighted loss
+  `(1/N) Σ w ℓ` in the prediction; "empirical" gives `(1/N) Σₙ uₙ uₙᵀ` with
+  `uₙ = Σ_k √w_nk ∇_θ ℓ_nk`, the unweighted per-entry gradients (for a weight per example,
+  `w ∇ℓ ∇ℓᵀ`, not the `w²` of the weighted loss's gradients). The dense layer's block is
+  "full", so the block is the whole curvature of its parameters."""
+  from jax.flatten_util import ravel_pytree
+
+  loss_fn, params, batch = _weight_setup(kind, wshape)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, estimation_mode=mode, layers=kfac_jax.LayerConfig(defaults={"dense": "full"})
+  )
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  dense = np.asarray(est.to_dense(state))
+
+  flat, unravel = ravel_pytree(params)
+  apply = lambda v: batch["x"] @ unravel(v)["w"] + unravel(v)["b"]  # noqa: E731
+  z = apply(flat)
+  if mode == "empirical":
+    per_entry = jax.jacobian(lambda v: _weighted_nll(kind, apply(v), batch))(flat)
+    w = np.broadcast_to(np.asarray(batch["w"]), per_entry.shape[:-1])
+    grads = np.asarray(per_entry)  # [N, P] or [N, K, P]: ∇_θ ℓ per entry, unweighted.
+    u = grads * np.sqrt(w)[..., None]
+    u = u if u.ndim == 2 else u.sum(1)
+    reference = u.T @ u / WN
+  else:
+    jac = np.asarray(jax.jacobian(apply)(flat)).reshape(z.size, -1)
+    tagged = lambda zz: jnp.mean(  # noqa: E731
+      jnp.reshape(batch["w"] * _weighted_nll(kind, zz, batch), (WN, -1)).sum(-1)
+    )
+    hess = np.asarray(jax.hessian(tagged)(z)).reshape(z.size, z.size)
+    reference = jac.T @ hess @ jac
+  np.testing.assert_allclose(dense, reference, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize(
+  "shape, wshape",
+  [((4, 4), (4,)), ((4, 3), (4,)), ((4, 3), (3,)), ((4, 2, 3), (4, 2)), ((4, 3), (2, 3))],
+)
+def test_weight_shapes_are_checked_axis_by_axis(shape, wshape):
+  """A weight of lower rank than the event would broadcast against the trailing axes (a
+  per-example [N] against [N, N] units silently weighs the units): it is an error naming the
+  per-example shape."""
+  per_example = (shape[0],) + (1,) * (len(shape) - 1)
+  with pytest.raises(ValueError, match=re.escape(f"{per_example} for a weight per example")):
+    kfac_jax.register_sigmoid_cross_entropy_loss(jnp.zeros(shape), weight=jnp.ones(wshape))
+  kfac_jax.register_sigmoid_cross_entropy_loss(jnp.zeros(shape), weight=jnp.ones(per_example))
+  kfac_jax.register_sigmoid_cross_entropy_loss(jnp.zeros(shape), weight=2.0)

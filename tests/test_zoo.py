@@ -4,6 +4,9 @@ For each model (tests/_zoo.py): `summary(strict=True)` lists exactly the expecte
 approximations and parameter paths (no generic fallback); one jitted step (value_and_grad with
 curvature statistics, then `scale_by_kfac`) runs and gives finite updates u = (F̂ + λ)⁻¹ g; the
 step −u is a descent direction, ⟨−u, g⟩ < 0, and a small step along it lowers the loss.
+Every registration is built eagerly with `strict=True`, so the loss audit (kfac_jax/_audit.py)
+measures each model's tags against its loss on the batch; no model opts out with
+`check_loss=False` (sums and means over tokens, elements and the batch differ by a constant).
 Scan and compile times are recorded by benchmarks/zoo.py, not here.
 """
 
@@ -88,14 +91,17 @@ def test_structure_zoo_model(name):
   versions of the scanned decoder LM, ViT, LSTM, MoE and VAE (`_zoo.HX_MODELS`); a dilated
   causal TCN, a DiT block with adaLN-Zero, a Perceiver (learned latents), an MLP-Mixer, a
   message-passing graph network (Haiku), GPT-2 and a TimeSformer (divided space-time attention
-  over merged batch axes): every layer
-  found with `strict=True`, 10 jitted K-FAC steps finite with the loss decreasing, and the
-  state's bytes reported by `summary` (and bounded for the vocabulary head)."""
+  over merged batch axes): every layer found with `strict=True`, the loss tags fit the loss
+  (the audit, measured on the batch), 10 jitted K-FAC steps finite with the loss decreasing,
+  and the state's bytes reported by `summary` (and bounded for the vocabulary head)."""
   pytest.importorskip("haiku")
   pytest.importorskip("equinox")
   z = _zoo.STRUCTURE_MODELS[name]()
   aux = {"has_aux": z.has_aux}
-  specs = kfac_jax.scan_layers(z.loss_fn, z.params, z.batch, strict=True, **aux)
+  # Built eagerly, so the loss audit measures the tags against the loss (strict: a mismatch is
+  # an error); the jitted init below could not.
+  reg = kfac_jax.Registration(z.loss_fn, z.params, z.batch, strict=True, **aux)
+  specs = reg.layers
   assert [(s.kind, s.approx, s.param_paths) for s in specs] == z.expected
   if z.check is not None:
     z.check(specs)
@@ -103,14 +109,7 @@ def test_structure_zoo_model(name):
   assert "generic" not in table and "x the parameters'" in table
 
   tx = optax.chain(
-    kfac_jax.scale_by_kfac(
-      z.loss_fn,
-      z.batch,
-      damping=z.damping,
-      inverse_every=1,
-      **aux,
-      config=kfac_jax.Config(strict=True),
-    ),
+    kfac_jax.scale_by_kfac(registration=reg, damping=z.damping, inverse_every=1),
     optax.scale(-0.05),
   )
   state = jax.jit(tx.init)(z.params)  # Jitted: eager ops compile one by one.

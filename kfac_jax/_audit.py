@@ -1,0 +1,334 @@
+"""The loss audit: do the loss tags describe the loss that `loss_fn` returns?
+
+K-FAC's curvature is that of the *tagged* loss `T = Σ_t (1/N) Σ_n w ℓ_t(z_t, y_t)` (one term per
+loss tag, `z_t` its prediction), not of the returned loss `L`. When `L` is another function of
+the predictions (a squared-error tag on the logits of a cross-entropy, a tag on a hidden
+activation, a mask the tag lacks), the optimizer preconditions with the curvature of another
+loss than the one trained. A `Registration` audits the tags once, on the example batch:
+
+  * structure (always, also for abstract params): two tags on one prediction (its curvature
+    would be counted twice) and a tag whose prediction the returned loss does not depend on are
+    a `RegistrationError` naming the tags.
+  * numbers (when params and the example batch are concrete arrays): with `ε_t` added where
+    `z_t` is computed (so every use of `z_t` sees it), the curvature `∂²L/∂ε² v` is compared
+    with the tags' `H_z T v` (`_losses.output_curvature_product`) for a fixed random probe `v`,
+    and, in the "empirical" mode (the only one that reads the tags' targets), the gradient
+    `∂L/∂ε` with `∇_z T` (`_losses.output_gradient`). Each tag's pair must be parallel with a
+    positive factor `c_t`, fitted by least squares (so a mean against a sum, `c = 1/N`, is
+    fine), and the factors of several tags must agree. A relative residual
+    `‖a − c b‖ / ‖a‖` above the tolerance is a `LossMismatchWarning` (a `RegistrationError`
+    with `strict=True`): a measurement at one point, which losses that differ on purpose (a
+    small z-loss, an entropy bonus) fail without being wrong to train with, so it warns rather
+    than stops.
+
+Regularisers on the parameters (L2) and auxiliary losses through untagged outputs do not touch
+the compared quantities; only the tagged predictions' derivatives are compared.
+`Registration(..., check_loss=False)` skips the audit.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax import _compat, _losses, _tags
+from kfac_jax._specs import RegistrationError
+from kfac_jax.scan import _graph
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TOLERANCE = 1e-2  # Relative residual allowed in float32 / float64.
+_SEED = 0  # The probe `v` is fixed: the audit gives the same verdict every time.
+# Compiled once and run once: XLA's backend optimisations would cost more than they save.
+_COMPILER_OPTIONS: dict[str, str | bool] = {
+  "xla_backend_optimization_level": "0",
+  "xla_llvm_disable_expensive_passes": True,
+}
+
+CAUSES = (
+  "Common causes: the tag is on another value than the loss is computed from (a hidden "
+  "activation, logits before a temperature); another distribution than the loss's (a squared "
+  "error on cross-entropy logits); a mask or per-example weight the loss applies and the tag "
+  "lacks (pass it as `weight=`); a loss term on the prediction the tag does not describe (a "
+  "z-loss, an entropy penalty). If the loss differs on purpose, build the registration with "
+  "`check_loss=False`."
+)
+
+
+class LossMismatchWarning(UserWarning):
+  """The loss tags' negative log-likelihood is not (a multiple of) the loss `loss_fn` returns, as
+  measured on the example batch; the curvature is then of another loss than the one trained."""
+
+
+def tag_names(graph: _graph.FlatGraph) -> list[str]:
+  """Per loss tag, in registration order: `loss tag #i (register_..., prediction f32[4, 5], at
+  file:line)`."""
+  names = []
+  for i, fe in enumerate(_tag_eqns(graph)):
+    aval = _graph.aval_of(fe.ins[0])
+    fn = fe.params.get("fn", f"a {fe.params['kind']} loss tag")
+    where = _compat.source_line(fe.eqn, _PACKAGE_DIR)
+    at = f", at {where}" if where else ""
+    names.append(f"loss tag #{i + 1} ({fn}, prediction {aval.str_short()}{at})")
+  return names
+
+
+def _tag_eqns(graph: _graph.FlatGraph) -> list[_graph.FlatEqn]:
+  return [fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p]
+
+
+def check_structure(scan) -> None:
+  """RegistrationError for two tags on one prediction or a tag the loss does not depend on."""
+  graph = scan.graph
+  tags = _tag_eqns(graph)
+  names = tag_names(graph)
+  tag_input = {fe.outs[0]: fe.ins[0] for fe in tags}  # A tag's output is its prediction.
+  first: dict = {}
+  for i, fe in enumerate(tags):
+    atom = fe.ins[0]
+    while _graph.is_key(atom) and atom in tag_input:
+      atom = tag_input[atom]
+    if not _graph.is_key(atom):
+      continue
+    if atom in first:
+      raise RegistrationError(
+        f"{names[first[atom]]} and {names[i]} tag the same prediction: its curvature would be "
+        "counted twice (K-FAC sums the curvatures of the tags). Register each model output "
+        "with one loss tag."
+      )
+    first[atom] = i
+  const_keys = {k for k, _ in graph.consts}
+  for i, fe in enumerate(tags):
+    atom = fe.ins[0]
+    if not _graph.is_key(atom) or atom in const_keys:
+      continue
+    if not _reaches(graph, atom, graph.outvars[0]):
+      raise RegistrationError(
+        f"{names[i]}: the loss loss_fn returns does not depend on this prediction (no path "
+        "from it to the loss, or only through stop_gradient), so K-FAC would use the curvature "
+        "of a loss that is not trained. Tag the value the loss is computed from (e.g. the "
+        "logits passed to the cross-entropy)."
+      )
+
+
+def _reaches(graph: _graph.FlatGraph, start, target) -> bool:
+  """Whether `target` depends on `start` through the graph's equations (not stop_gradient)."""
+  if not _graph.is_key(target):
+    return False
+  reached = {start}
+  for fe in graph.eqns:
+    if fe.name == "stop_gradient":
+      continue
+    if any(_graph.is_key(a) and a in reached for a in fe.ins):
+      reached.update(fe.outs)
+  return target in reached
+
+
+def _concrete(*trees) -> bool:
+  for x in jax.tree_util.tree_leaves(trees):
+    if isinstance(x, jax.core.Tracer):
+      return False
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+      return False
+  return True
+
+
+def _read(atom, seen):
+  return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
+
+
+def measure(scan, params, batch, axis_names: Sequence[str] = ()):
+  """Per tag, float64 numpy `(∂L/∂ε, ∂²L/∂ε² v, H_z T v, ∇_z T or None)`, at the example point.
+
+  Tags whose prediction is a constant give None. Collective axes `axis_names` are bound with
+  size 1.
+  """
+  graph = scan.graph
+  const_keys = {k for k, _ in graph.consts}
+  live = [
+    i
+    for i, ops in enumerate(scan.loss_operands)
+    if _graph.is_key(ops[0]) and ops[0] not in const_keys
+  ]
+  keys = [scan.loss_operands[i][0] for i in live]
+  watch = frozenset(a for ops in scan.loss_operands for a in ops if _graph.is_key(a))
+  rng = np.random.default_rng(_SEED)
+  probes = [jnp.asarray(rng.standard_normal(k[1].aval.shape), k[1].aval.dtype) for k in keys]
+  flat = jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(batch)
+
+  # Scans run as scans unless a tag's operand is made inside one (then step by step).
+  in_scan = getattr(graph, "_scan_positions", {})
+  unroll = any(k in in_scan for k in watch)
+
+  def run(flat, probes):
+    def loss_at(eps):
+      outs, seen = graph.evaluate(flat, dict(zip(keys, eps)), watch, unroll=unroll)
+      ops = [tuple(_read(a, seen) for a in o) for o in scan.loss_operands]
+      return outs[0], ops
+
+    eps0 = [jnp.zeros_like(p) for p in probes]
+    grad_fn = jax.grad(loss_at, has_aux=True)
+    g_loss, h_loss, ops = jax.jvp(grad_fn, (eps0,), (probes,), has_aux=True)
+    h_tag, g_tag = [], []
+    for n, i in enumerate(live):
+      spec = scan.losses[i]
+      h_tag.append(_losses.output_curvature_product(spec, ops[i], probes[n]))
+      g_tag.append(_losses.output_gradient(spec, ops[i]) if spec.has_targets else None)
+    return g_loss, h_loss, h_tag, g_tag
+
+  fn = run
+  for name in axis_names:  # Collectives over a bound axis of size 1.
+    fn = _bound(fn, name)
+  with jax.ensure_compile_time_eval():
+    compiled = jax.jit(fn).lower(flat, probes).compile(_COMPILER_OPTIONS)
+    g_loss, h_loss, h_tag, g_tag = compiled(flat, probes)
+  out: list = [None] * len(scan.losses)
+  for n, i in enumerate(live):
+    out[i] = (_as64(g_loss[n]), _as64(h_loss[n]), _as64(h_tag[n]), _as64(g_tag[n]))
+  return out
+
+
+def _as64(x):
+  return None if x is None else np.asarray(x, np.float64).ravel()
+
+
+def _bound(fn, name):
+  def wrapped(*args):
+    outs = jax.vmap(lambda: fn(*args), axis_size=1, axis_name=name)()
+    return jax.tree_util.tree_map(lambda x: x[0], outs)
+
+  return wrapped
+
+
+def tolerance(dtype) -> float:
+  """The relative residual allowed for predictions of `dtype` (looser in 16-bit formats)."""
+  return max(_TOLERANCE, 10 * float(jnp.finfo(dtype).eps))
+
+
+def _fit(a, b):
+  """`(c, ‖a − c b‖ / ‖a‖)` for the least-squares `c`; None when both vanish."""
+  na, nb = np.linalg.norm(a), np.linalg.norm(b)
+  if nb == 0:
+    return None if na == 0 else (np.inf, 1.0)
+  c = float(a @ b) / float(b @ b)
+  return c, (float(np.linalg.norm(a - c * b) / na) if na > 0 else 1.0)
+
+
+def problems(scan, numbers, estimation_mode: str) -> list[str]:
+  """The audit's findings from `measure`'s numbers (empty when the tags fit the loss)."""
+  names = tag_names(scan.graph)
+  found: list[str] = []
+  factors: list[tuple[int, float]] = []
+  for i, entry in enumerate(numbers):
+    if entry is None:
+      continue
+    g_loss, h_loss, h_tag, g_tag = entry
+    tol = tolerance(_graph.aval_of(scan.loss_operands[i][0]).dtype)
+    kind = scan.losses[i].kind
+    fit = _fit(h_loss, h_tag)
+    if fit is None:  # No curvature on either side at this point (saturated): nothing to say.
+      continue
+    c, r = fit
+    if not np.isfinite(c):
+      found.append(
+        f"{names[i]}: the tagged {kind} loss has no curvature at the example batch, but the "
+        "returned loss has"
+      )
+      continue
+    if np.linalg.norm(h_loss) == 0:
+      found.append(
+        f"{names[i]}: the returned loss has no curvature in this prediction at the example "
+        f"batch (its Hessian-vector product is zero), the tagged {kind} loss has"
+      )
+      continue
+    if c <= 0:
+      found.append(
+        f"{names[i]}: the returned loss's curvature in this prediction is the tagged {kind} "
+        f"loss's times a negative factor ({c:.3g})"
+      )
+      continue
+    if r > tol:
+      found.append(
+        f"{names[i]}: the returned loss's curvature in this prediction differs from the tagged "
+        f"{kind} loss's by a relative {r:.3g} after the best constant factor {c:.3g} "
+        f"(tolerance {tol:.3g})"
+      )
+      continue
+    factors.append((i, c))
+    if estimation_mode == "empirical" and g_tag is not None:
+      scale = max(np.linalg.norm(g_loss), np.linalg.norm(c * g_tag))
+      rel = float(np.linalg.norm(g_loss - c * g_tag) / scale) if scale > 0 else 0.0
+      if rel > tol:
+        found.append(
+          f"{names[i]}: the returned loss's gradient in this prediction differs from the "
+          f"tagged {kind} loss's (with its targets and weights, times {c:.3g}) by a relative "
+          f"{rel:.3g} (tolerance {tol:.3g}); the empirical Fisher is built from the tag's "
+          "targets: pass the targets the loss uses (smoothed labels, say)"
+        )
+  if len(factors) > 1:
+    cs = np.array([c for _, c in factors])
+    tol = min(tolerance(_graph.aval_of(scan.loss_operands[i][0]).dtype) for i, _ in factors)
+    if cs.max() / cs.min() - 1 > tol:
+      listed = ", ".join(f"{c:.3g} for {names[i]}" for i, c in factors)
+      found.append(
+        "the tags are weighted differently in the returned loss than in the tagged loss: "
+        f"the factor (returned over tagged curvature) is {listed}; K-FAC weighs the tags as "
+        "their `weight` says. Give the tags weights in the proportions the loss uses"
+      )
+  return found
+
+
+def audit(
+  scan,
+  params,
+  batch,
+  *,
+  estimation_mode: str,
+  axis_names: Sequence[str] = (),
+  strict: bool = False,
+  warn: bool = True,
+) -> tuple[str, ...]:
+  """Runs the audit (module docstring) on a fresh scan of the example batch.
+
+  Raises:
+    RegistrationError: two tags on one prediction, a tag the loss does not depend on, or (with
+      `strict`) a measured mismatch.
+
+  Returns:
+    The measured mismatches (warned as one `LossMismatchWarning` with `warn`); empty when the
+    numbers were not measured (abstract params or batch) or fit.
+  """
+  check_structure(scan)
+  if not (strict or warn) or not _concrete(params, batch):
+    return ()
+  if any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts):
+    return ()
+  try:
+    numbers = measure(scan, params, batch, axis_names)
+  except Exception as e:  # noqa: BLE001 - the audit must not stop a loss that trains.
+    if warn:
+      warnings.warn(
+        "the loss audit could not evaluate the second derivative of the loss in the tagged "
+        f"predictions ({type(e).__name__}: {e}), so it did not check the tags against the "
+        "loss. `check_loss=False` skips the audit without this warning.",
+        LossMismatchWarning,
+        stacklevel=4,
+      )
+    return ()
+  found = tuple(problems(scan, numbers, estimation_mode))
+  if found:
+    text = (
+      "the loss tags do not describe the loss loss_fn returns, measured on the example batch: "
+      + "; ".join(found)
+      + ". K-FAC's curvature is then that of another loss than the one trained. "
+      + CAUSES
+    )
+    if strict:
+      raise RegistrationError(text + " (strict=True turns this into an error.)")
+    if warn:
+      warnings.warn(text, LossMismatchWarning, stacklevel=4)
+  return found

@@ -1,0 +1,415 @@
+"""The loss audit at registration (kfac_jax/_audit.py): the tags against the returned loss.
+
+Structure (two tags on one prediction, a tag the loss does not reach) is a RegistrationError;
+a measured mismatch of the curvature (or, in the "empirical" mode, of the gradient) is one
+LossMismatchWarning per registration, an error with `strict=True`, nothing with
+`check_loss=False`. Correct losses that differ from the tags by a constant factor, an L2 penalty,
+an auxiliary loss on another output, a mask given as the weight, or label smoothing (outside the
+empirical mode) pass. The measured quantities are checked against jax.hessian / jax.grad in
+float64.
+"""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax
+from kfac_jax import _audit, _scanner
+
+N, D, H, C = 6, 3, 8, 5
+# Most losses leave a head out of the tags' inputs (a diagonal fallback block, warned about).
+pytestmark = pytest.mark.filterwarnings("ignore::kfac_jax.UncoveredParametersWarning")
+
+
+def _setup(dtype=jnp.float32):
+  k = jax.random.split(jax.random.key(0), 4)
+  params = {
+    "w1": jax.random.normal(k[0], (D, H), dtype),
+    "w2": 0.5 * jax.random.normal(k[1], (H, C), dtype),
+    "w3": 0.5 * jax.random.normal(k[3], (H, 2), dtype),
+  }
+  batch = {
+    "x": jax.random.normal(k[2], (N, D), dtype),
+    "y": jnp.arange(N) % C,
+    "mask": (jnp.arange(N) % 3 != 0).astype(dtype),
+    "t": jnp.ones((N, 2), dtype),
+  }
+  return params, batch
+
+
+def _net(p, b):
+  h = jnp.tanh(b["x"] @ p["w1"])
+  return h, h @ p["w2"], (h @ p["w3"] if "w3" in p else None)
+
+
+def _ce(logits, b):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+
+
+def _sq(pred, b):
+  return jnp.sum((pred - b["t"]) ** 2, -1)
+
+
+# Losses whose tags describe them (up to a constant factor and terms that do not touch them).
+def _mean(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return _ce(logits, b).mean()
+
+
+def _sum_l2(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return _ce(logits, b).sum() + 1e-2 * sum(jnp.sum(x**2) for x in jax.tree_util.tree_leaves(p))
+
+
+def _aux_head(p, b):  # An untagged auxiliary loss on another output.
+  _, logits, other = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return _ce(logits, b).mean() + 0.3 * _sq(other, b).mean()
+
+
+def _masked(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"], weight=b["mask"])
+  return jnp.sum(b["mask"] * _ce(logits, b)) / jnp.sum(b["mask"])
+
+
+def _two_heads(p, b):  # Two tags, weighted as the loss weighs them.
+  _, logits, other = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  kfac_jax.register_squared_error_loss(other, b["t"], weight=0.25)
+  return _ce(logits, b).mean() + 0.25 * _sq(other, b).mean()
+
+
+def _elementwise_mean(p, b):  # A mean over every element: a factor 1/2 from the tag's sum.
+  _, _, other = _net(p, b)
+  kfac_jax.register_squared_error_loss(other, b["t"])
+  return jnp.mean((other - b["t"]) ** 2)
+
+
+def _smoothed(p, b):  # Smoothed labels, the hard ones tagged: the same curvature.
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return optax.softmax_cross_entropy(
+    logits, optax.smooth_labels(jax.nn.one_hot(b["y"], C), 0.2)
+  ).mean()
+
+
+def _no_targets(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits)
+  return _ce(logits, b).mean()
+
+
+def _with_aux(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return _ce(logits, b).mean(), {"logits": logits}
+
+
+GOOD = [_mean, _sum_l2, _aux_head, _masked, _two_heads, _elementwise_mean, _smoothed, _no_targets]
+
+
+@pytest.mark.parametrize("loss_fn", GOOD, ids=[f.__name__ for f in GOOD])
+def test_correct_tags_pass(loss_fn):
+  params, batch = _setup()
+  scan = _scanner.scan(loss_fn, params, batch, warn=False)
+  numbers = _audit.measure(scan, params, batch)
+  assert all(n is not None and np.linalg.norm(n[1]) > 0 for n in numbers)  # It measured.
+  assert _audit.problems(scan, numbers, "gradients") == []
+
+
+def test_has_aux_and_empirical_mode_pass():
+  params, batch = _setup()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", kfac_jax.LossMismatchWarning)
+    kfac_jax.Registration(_with_aux, params, batch, has_aux=True)
+    for loss_fn in (_mean, _sum_l2, _aux_head, _masked, _two_heads, _elementwise_mean):
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+
+
+# -- mismatches -------------------------------------------------------------------------------
+
+
+def _squared_on_logits(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_squared_error_loss(logits, jax.nn.one_hot(b["y"], C))
+  return _ce(logits, b).mean()
+
+
+def _hidden(p, b):  # The tag on a hidden activation, the loss from the logits.
+  h, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(h, b["y"])
+  return _ce(logits, b).mean()
+
+
+def _mask_missing(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return jnp.sum(b["mask"] * _ce(logits, b)) / jnp.sum(b["mask"])
+
+
+def _heads_misweighted(p, b):
+  _, logits, other = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  kfac_jax.register_squared_error_loss(other, b["t"])
+  return _ce(logits, b).mean() + 0.25 * _sq(other, b).mean()
+
+
+def _negated(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return -_ce(logits, b).mean()
+
+
+BAD = [
+  (_squared_on_logits, "loss tag #1 \\(register_squared_error_loss, prediction float32\\[6,5\\]"),
+  (_hidden, "loss tag #1 \\(register_softmax_cross_entropy_loss, prediction float32\\[6,8\\]"),
+  (_mask_missing, "differs from the tagged categorical loss's by a relative"),
+  (_heads_misweighted, "weighted differently.*1 for loss tag #1.*0.25 for loss tag #2"),
+  (_negated, "negative factor \\(-1\\)"),
+]
+
+
+@pytest.mark.parametrize("loss_fn, match", BAD, ids=[f.__name__ for f, _ in BAD])
+def test_mismatch_warns_once_and_can_be_turned_off(loss_fn, match):
+  params, batch = _setup()
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    kfac_jax.Registration(loss_fn, params, batch)
+  (mismatch,) = [r for r in record if r.category is kfac_jax.LossMismatchWarning]
+  text = str(mismatch.message)
+  assert re.search(match, text), text
+  assert "test_audit.py:" in text and "check_loss=False" in text
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", kfac_jax.LossMismatchWarning)
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
+
+
+def test_strict_registration_raises_for_a_mismatch():
+  params, batch = _setup()
+  del params["w3"]  # Not in any layer: strict would stop at it first.
+  with pytest.raises(kfac_jax.RegistrationError, match="register_squared_error_loss.*strict"):
+    kfac_jax.Registration(_squared_on_logits, params, batch, strict=True)
+
+
+def test_measured_mismatch_is_the_reference_residual(x64):
+  """The number in the message is ‖a − c b‖/‖a‖ for a = H_L v, b = H_T v, c least squares,
+  with H_L, H_T from jax.hessian of the returned and the tagged loss in the logits."""
+  params, batch = _setup(jnp.float64)
+  scan = _scanner.scan(_squared_on_logits, params, batch, warn=False)
+  ((g_loss, h_loss, h_tag, g_tag),) = _audit.measure(scan, params, batch)
+  _, logits, _ = _net(params, batch)
+  onehot = jax.nn.one_hot(batch["y"], C, dtype=jnp.float64)
+  returned = lambda z: _ce(z, batch).mean()  # noqa: E731
+  tagged = lambda z: jnp.mean(jnp.sum((z - onehot) ** 2, -1))  # noqa: E731
+  v = np.random.default_rng(_audit._SEED).standard_normal(logits.shape)
+  hl = np.asarray(jax.hessian(returned)(logits)).reshape(N * C, N * C) @ v.ravel()
+  ht = np.asarray(jax.hessian(tagged)(logits)).reshape(N * C, N * C) @ v.ravel()
+  np.testing.assert_allclose(h_loss, hl, rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(h_tag, ht, rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(g_loss, np.ravel(jax.grad(returned)(logits)), rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(g_tag, np.ravel(jax.grad(tagged)(logits)), rtol=1e-10, atol=1e-14)
+  c = hl @ ht / (ht @ ht)
+  residual = np.linalg.norm(hl - c * ht) / np.linalg.norm(hl)
+  (problem,) = _audit.problems(scan, _audit.measure(scan, params, batch), "gradients")
+  assert f"relative {residual:.3g} after the best constant factor {c:.3g}" in problem
+
+
+def test_empirical_mode_compares_the_targets():
+  """Smoothed labels in the loss, hard labels in the tag: the same curvature (no warning in a
+  Fisher mode), another empirical Fisher (a warning naming the gradient)."""
+  params, batch = _setup()
+  with pytest.warns(kfac_jax.LossMismatchWarning, match="gradient in this prediction differs"):
+    kfac_jax.Registration(_smoothed, params, batch, estimation_mode="empirical")
+
+  def wrong_labels(p, b):
+    _, logits, _ = _net(p, b)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, (b["y"] + 1) % C)
+    return _ce(logits, b).mean()
+
+  with pytest.warns(kfac_jax.LossMismatchWarning, match=r"relative \d"):
+    kfac_jax.Registration(wrong_labels, params, batch, estimation_mode="empirical")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", kfac_jax.LossMismatchWarning)
+    kfac_jax.Registration(wrong_labels, params, batch, estimation_mode="gradients")
+
+
+# -- structure --------------------------------------------------------------------------------
+
+
+def _twice(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return _ce(logits, b).mean()
+
+
+def _twice_chained(p, b):  # The second tag on the first tag's output: the same value.
+  _, logits, _ = _net(p, b)
+  logits = kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  kfac_jax.register_squared_error_loss(logits)
+  return _ce(logits, b).mean()
+
+
+def _unreached(p, b):
+  _, logits, other = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  kfac_jax.register_squared_error_loss(other, b["t"])  # `other` is not in the loss.
+  return _ce(logits, b).mean()
+
+
+def _stopped(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return _ce(jax.lax.stop_gradient(logits), b).mean() + 0.0 * jnp.sum(p["w1"])
+
+
+STRUCTURE = [
+  (_twice, "loss tag #1 .* and loss tag #2 .* tag the same prediction"),
+  (_twice_chained, "loss tag #1 .* and loss tag #2 \\(register_squared_error_loss.* the same"),
+  (
+    _unreached,
+    "loss tag #2 \\(register_squared_error_loss, prediction float32\\[6,2\\].*does not ",
+  ),
+  (_stopped, "loss tag #1 .*does not depend on this prediction"),
+]
+
+
+@pytest.mark.parametrize("loss_fn, match", STRUCTURE, ids=[f.__name__ for f, _ in STRUCTURE])
+def test_structural_problems_are_errors_even_for_abstract_params(loss_fn, match):
+  params, batch = _setup()
+  with pytest.raises(kfac_jax.RegistrationError, match=match):
+    kfac_jax.Registration(loss_fn, params, batch)
+  shapes = jax.eval_shape(lambda t: t, (params, batch))
+  with pytest.raises(kfac_jax.RegistrationError, match=match):
+    kfac_jax.Registration(loss_fn, *shapes)
+  with pytest.raises(kfac_jax.RegistrationError, match=match):
+    jax.jit(kfac_jax.kfac(loss_fn, batch, learning_rate=0.1).init)(params)
+  kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
+
+
+def test_numbers_need_concrete_values():
+  """Abstract params or a traced init measure nothing (no warning); concrete ones do."""
+  params, batch = _setup()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", kfac_jax.LossMismatchWarning)
+    kfac_jax.Registration(_squared_on_logits, *jax.eval_shape(lambda t: t, (params, batch)))
+    jax.jit(kfac_jax.kfac(_squared_on_logits, batch, learning_rate=0.1).init)(params)
+  with pytest.warns(kfac_jax.LossMismatchWarning):
+    kfac_jax.kfac(_squared_on_logits, batch, learning_rate=0.1).init(params)
+
+
+def test_collective_axes_are_bound_for_the_measurement():
+  """A loss with a collective over `axis_name` is measured with the axis bound at size 1."""
+  params, batch = _setup()
+
+  def loss_fn(p, b):
+    _, logits, _ = _net(p, b)
+    logits = logits - jax.lax.pmean(jnp.mean(logits, 0), "batch")
+    kfac_jax.register_squared_error_loss(logits, jax.nn.one_hot(b["y"], C))
+    return _ce(logits, b).mean()
+
+  with pytest.warns(kfac_jax.LossMismatchWarning, match="register_squared_error_loss"):
+    kfac_jax.Registration(loss_fn, params, batch, axis_name="batch")
+
+
+def test_check_loss_is_validated():
+  params, batch = _setup()
+  with pytest.raises(TypeError, match="check_loss"):
+    kfac_jax.Registration(_mean, params, batch, check_loss="no")
+
+
+# -- warnings once per registration -----------------------------------------------------------
+
+
+def _uncovered_and_mismatched(p, b):
+  h = jnp.tanh(b["x"] @ p["w1"]) * p["temp"] ** 2
+  logits = h @ p["w2"]
+  kfac_jax.register_squared_error_loss(logits, jax.nn.one_hot(b["y"], C))
+  return _ce(logits, b).mean()
+
+
+def _categories(record):
+  return sorted(r.category.__name__ for r in record)
+
+
+def test_each_warning_once_per_registration():
+  """kfac(...), init and jitted steps (a second batch shape re-scans) warn once in all: one
+  UncoveredParametersWarning and one LossMismatchWarning, at init; the steps, value_and_grad and
+  every entry point sharing a Registration never warn again."""
+  params, batch = _setup()
+  params = dict(params, temp=jnp.ones(()))
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    tx = kfac_jax.kfac(_uncovered_and_mismatched, batch, learning_rate=0.1)
+    assert record == []
+    state = tx.init(params)
+    assert _categories(record) == ["LossMismatchWarning", "UncoveredParametersWarning"]
+
+    @jax.jit
+    def step(params, state, batch, rng):
+      _, grads, stats = kfac_jax.value_and_grad(_uncovered_and_mismatched)(params, batch, rng)
+      updates, state = tx.update(grads, state, params, curvature_stats=stats)
+      return optax.apply_updates(params, updates), state
+
+    half = jax.tree_util.tree_map(lambda x: x[: N // 2], batch)
+    for i, b in enumerate([batch, batch, half, batch]):
+      params, state = step(params, state, b, jax.random.key(i))
+    assert len(record) == 2, _categories(record)
+
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    reg = kfac_jax.Registration(_uncovered_and_mismatched, params, batch)
+    assert _categories(record) == ["LossMismatchWarning", "UncoveredParametersWarning"]
+    tx = kfac_jax.kfac(registration=reg, learning_rate=0.1)
+    state = tx.init(params)
+    opt = kfac_jax.Optimizer(registration=reg, learning_rate=0.1, momentum=0.0)
+    opt_state = opt.init(params)
+    opt.step(params, opt_state, batch, jax.random.key(0))
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, jax.random.key(1))
+    tx.update(grads, state, params, curvature_stats=stats)
+    assert len(record) == 2, _categories(record)
+
+
+def test_message_names_the_line_of_the_tag():
+  params, batch = _setup()
+  with pytest.warns(kfac_jax.LossMismatchWarning) as record:
+    kfac_jax.Registration(_squared_on_logits, params, batch)
+  with open(__file__) as f:
+    lines = f.read().splitlines()
+  line = 1 + next(i for i, t in enumerate(lines) if "register_squared_error_loss(logits, jax" in t)
+  (mismatch,) = [r for r in record if r.category is kfac_jax.LossMismatchWarning]
+  assert re.search(rf"test_audit\.py:{line}\b", str(mismatch.message))
+
+
+def test_a_loss_the_audit_cannot_differentiate_warns_and_registers():
+  """A loss whose second derivative JAX cannot take (a callback after the logits) is not
+  audited: one warning saying so, and the registration is built."""
+  params, batch = _setup()
+
+  def loss_fn(p, b):
+    _, logits, _ = _net(p, b)
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    same = jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(logits.shape, logits.dtype), logits)
+    return _ce(same, b).mean()
+
+  with pytest.warns(kfac_jax.LossMismatchWarning, match="could not evaluate.*check_loss=False"):
+    reg = kfac_jax.Registration(loss_fn, params, batch)
+  assert [s.name for s in reg.layers][:2] == ["w1", "w2"]
+
+
+def test_bfloat16_rounding_is_not_a_mismatch():
+  """A bfloat16 model whose loss is computed in bfloat16 fits within the looser tolerance of
+  its format (10 ulps); a squared-error tag on its logits still does not."""
+  assert _audit.tolerance(jnp.bfloat16) == 10 * 2.0**-7
+  params, batch = _setup(jnp.bfloat16)
+  for loss_fn, expected in ((_mean, 0), (_squared_on_logits, 1)):
+    scan = _scanner.scan(loss_fn, params, batch, warn=False)
+    assert len(_audit.problems(scan, _audit.measure(scan, params, batch), "gradients")) == expected
