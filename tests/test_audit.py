@@ -19,7 +19,8 @@ import optax
 import pytest
 
 import kfac_jax
-from kfac_jax import _audit, _scanner
+from kfac_jax import _audit
+from kfac_jax.scan import _scanner
 
 N, D, H, C = 6, 3, 8, 5
 # Most losses leave a head out of the tags' inputs (a diagonal fallback block, warned about).
