@@ -540,7 +540,7 @@ class CurvatureEstimator:
       )
     self._registration.check_stats(stats, self.who)
 
-    def one(n, b, d):
+    def one(n, b, d, cache):
       if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
         d = d.unstack()
       if b.needs_cache_for_statistics and cache is not None:
@@ -553,7 +553,13 @@ class CurvatureEstimator:
       return b.batch_factors(d, stats.batch_size)
 
     data = [stats.data[i] for i in self._active]
-    out = {n: one(n, b, d) for n, b, d in zip(self._names, self._blocks, data)}
+    out = _parallel.explicit_axes_as_auto(
+      lambda data, cache: {
+        n: one(n, b, d, cache) for n, b, d in zip(self._names, self._blocks, data)
+      },
+      data,
+      cache,
+    )
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out
@@ -688,7 +694,12 @@ class CurvatureEstimator:
     method: str = "multiply_matpower",
   ) -> Any:
     with jax.named_scope(f"kfac_{method}"):
-      return self._apply_unscoped(state, vector, fn, axis_name, mesh, method)
+      return _parallel.explicit_axes_as_auto(
+        lambda s, v: self._apply_unscoped(s, v, fn, axis_name, mesh, method),
+        state,
+        vector,
+        like=vector,
+      )
 
   def _apply_unscoped(self, state, vector, fn, axis_name, mesh, method) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(vector)

@@ -27,7 +27,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _curvature, _engine, _estimator, _layer_config, _registration
+from kfac_jax import (
+  _checks,
+  _curvature,
+  _engine,
+  _estimator,
+  _layer_config,
+  _parallel,
+  _registration,
+)
 from kfac_jax import blocks as _blocks
 
 Array = jax.Array
@@ -132,6 +140,7 @@ def _check_args(
         "`inverse_mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the "
         f"mesh's axes, got {inverse_mesh!r}."
       )
+    _parallel.check_auto_axis(*inverse_mesh)
   if inverse_storage == "sharded" and axis_name is None and inverse_mesh is None:
     raise ValueError(
       "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
@@ -768,7 +777,7 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
   vg = sum(
-    jnp.vdot(up(v), up(g))
+    _parallel.vdot(up(v), up(g))
     for v, g in zip(jax.tree_util.tree_leaves(preconditioned), jax.tree_util.tree_leaves(grads))
   )
   vg = jnp.abs(jnp.asarray(vg))
