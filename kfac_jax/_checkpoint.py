@@ -114,9 +114,29 @@ def check_restored_state(expected: Any, restored: Any) -> None:
 
 
 def state_to_bytes(state: Any) -> bytes:
-  """Serialises an optimizer state with flax.serialization (msgpack)."""
+  """Serialises an optimizer state with flax.serialization (msgpack).
+
+  The bytes hold every array whole, so each must be readable from this process: in a
+  multi-process run, a state with arrays split over other processes' devices (e.g. the
+  inverses of `inverse_storage="sharded"`) is saved with orbax-checkpoint instead, which
+  writes each process's shards.
+
+  Raises:
+    ValueError: naming the first array that spans other processes' devices.
+  """
   from flax import serialization  # flax is an optional dependency.
 
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if (
+      isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated
+    ):
+      raise ValueError(
+        f"state_to_bytes: `{_describe(path)[0]}` is split over devices of other processes "
+        f"({leaf.sharding}), so no one process can write it whole. Save the state with "
+        "orbax-checkpoint, which writes each process's shards: "
+        "`ocp.StandardCheckpointer().save(path, opt_state)`, and restore it with "
+        "`.restore(path, target)` into a target with the same shardings."
+      )
   return serialization.to_bytes(state)
 
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _checks, _curvature, _storage
+from kfac_jax import _checks, _curvature, _parallel, _storage
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
@@ -92,6 +92,7 @@ def check_mesh(mesh, name: str = "config.mesh") -> None:
       f"`{name}` must be a (jax.sharding.Mesh, axis_name) pair naming one of the mesh's axes, "
       f"got {mesh!r}."
     )
+  _parallel.check_auto_axis(*mesh)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -232,7 +232,7 @@ class Estimator:
       )
     reg.check_stats(stats, self.who)
 
-    def one(n, b, d):
+    def one(n, b, d, cache):
       if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
         d = d.unstack()
       if b.needs_cache_for_statistics and cache is not None:
@@ -240,7 +240,15 @@ class Estimator:
       return b.batch_factors(d, stats.batch_size)
 
     data = [stats.data[i] for i in self._active]
-    out = {n: one(n, b, d) for n, b, d in zip(self.names, self.blocks, data)}
+    # The factors contract over the (possibly sharded) batch axis: on a mesh with explicit axes
+    # that contraction runs with them made automatic.
+    out = _parallel.explicit_axes_as_auto(
+      lambda data, cache: {
+        n: one(n, b, d, cache) for n, b, d in zip(self.names, self.blocks, data)
+      },
+      data,
+      cache,
+    )
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out
@@ -331,16 +339,22 @@ class Estimator:
       for (shape, _), x, path in zip(self._sig[1], leaves, paths):
         if tuple(np.shape(x)) != shape:
           raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
-      out = self.storage.apply(
-        self.names,
-        self.blocks,
-        self._by_block(self._in_inverse_dtype(state.factors)),
+      out = _parallel.explicit_axes_as_auto(
+        lambda factors, cache, leaves: self.storage.apply(
+          self.names,
+          self.blocks,
+          self._by_block(self._in_inverse_dtype(factors)),
+          cache,
+          leaves,
+          fn,
+          axis_name,
+          mesh,
+          method,
+        ),
+        state.factors,
         state.cache,
         leaves,
-        fn,
-        axis_name,
-        mesh,
-        method,
+        like=leaves,
       )
       return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -58,6 +58,7 @@ from kfac_jax import (
   _engine,
   _estimator,
   _losses,
+  _parallel,
   _registration,
 )
 
@@ -198,7 +199,7 @@ def _vdot(a, b) -> Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
   return sum(  # type: ignore[return-value]  # an Array: params have leaves
-    jnp.vdot(up(x), up(y))
+    _parallel.vdot(up(x), up(y))
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
   )
 
@@ -414,13 +415,15 @@ class Optimizer:
       hus = [_losses.output_curvature_product(spec, (z, *o), u) for u in us]
       for i in range(k):
         for j in range(i, k):
-          rows[i][j] = rows[i][j] + jnp.vdot(us[i].astype(dtype), hus[j].astype(dtype))
+          rows[i][j] = rows[i][j] + _parallel.vdot(us[i].astype(dtype), hus[j].astype(dtype))
     g = self._pmean(jnp.stack([jnp.stack(r) for r in rows]))
     # The shift term from inner products of the (replicated) vectors: no concatenated copies.
     d: list[list[Any]] = [[None] * k for _ in range(k)]
     for i in range(k):
       for j in range(i, k):
-        d[i][j] = sum(jnp.vdot(a.astype(dtype), b.astype(dtype)) for a, b in zip(vecs[i], vecs[j]))
+        d[i][j] = sum(
+          _parallel.vdot(a.astype(dtype), b.astype(dtype)) for a, b in zip(vecs[i], vecs[j])
+        )
     c = jnp.stack(
       [
         jnp.stack([(g[min(i, j), max(i, j)] + shift * d[min(i, j)][max(i, j)]) for j in range(k)])
@@ -531,7 +534,7 @@ class Optimizer:
           h_old, h_new = loss, self._pmean(loss_at(new_leaves))
           if eta:
             h_old = h_old + 0.5 * eta * _vdot(params, params)
-            h_new = h_new + 0.5 * eta * sum(jnp.vdot(x, x) for x in new_leaves)
+            h_new = h_new + 0.5 * eta * sum(_parallel.vdot(x, x) for x in new_leaves)
           ratio = (h_new - h_old).astype(sdtype) / jnp.where(m < 0, m, -1)
           rho = jnp.where(jnp.isfinite(h_new), ratio, -jnp.inf)
           # M(δ) > 0: a fixed α (or μ) overshoots even the model: as bad as it gets.

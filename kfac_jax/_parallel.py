@@ -110,6 +110,7 @@ def over_mesh_axis(split: Callable[..., Any], mesh: tuple[Any, str], factors, da
     ) from None
   if axis not in m.axis_names:
     raise ValueError(f"mesh axis {axis!r} is not in the mesh, whose axes are {m.axis_names}.")
+  check_auto_axis(m, axis)
   spec = jax.sharding.PartitionSpec()
   fn = jax.shard_map(
     lambda f, d: split(f, d, axis),
@@ -120,6 +121,18 @@ def over_mesh_axis(split: Callable[..., Any], mesh: tuple[Any, str], factors, da
     check_vma=False,
   )
   return fn(factors, damping)
+
+
+def check_auto_axis(mesh, axis: str) -> None:
+  """Raises unless `axis` of `mesh` is automatic (the split inverse work is a `shard_map` whose
+  branches differ per device, which an explicit axis does not type)."""
+  if mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Explicit:
+    raise ValueError(
+      f"`config.mesh`: axis {axis!r} of the mesh is AxisType.Explicit; the inverses are split "
+      "over an automatic axis only. Build the mesh with AxisType.Auto for that axis, or drop "
+      "`config.mesh` (and inverse_storage='sharded'): every device then computes every "
+      "inverse, which explicit meshes support."
+    )
 
 
 # -- sharded storage: each device keeps only its own blocks' caches ------------------------------
@@ -275,6 +288,7 @@ def mesh_axis(mesh) -> tuple[Any, str]:
     ) from None
   if axis not in m.axis_names:
     raise ValueError(f"mesh axis {axis!r} is not in the mesh, whose axes are {m.axis_names}.")
+  check_auto_axis(m, axis)
   return m, axis
 
 
@@ -298,3 +312,28 @@ def over_mesh(
     axis_names=frozenset({axis}),
     check_vma=False,
   )(*args)
+
+
+def explicit_axes_as_auto(fn: Callable[..., Any], *args: Any, like: Any = None) -> Any:
+  """`fn(*args)`, also under a mesh with explicit axes (`AxisType.Explicit`).
+
+  Under such a mesh JAX asks every contraction over a sharded dimension for the sharding of its
+  result. K-FAC's statistics sum over the (sharded) batch and its products contract over the
+  (possibly sharded) parameter axes, so `fn` runs with the explicit axes made automatic
+  (`jax.sharding.auto_axes`): XLA places the reductions, as under an automatic mesh. The outputs
+  are replicated, or sharded as the matching leaves of `like`.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not mesh.explicit_axes:
+    return fn(*args)
+  rep = jax.sharding.PartitionSpec()
+  if like is None:
+    out = rep
+  else:
+    out = jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, like)
+  return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out)(*args)
+
+
+def vdot(x: Array, y: Array) -> Array:
+  """`jnp.vdot(x, y)`, also for operands sharded over explicit mesh axes (a replicated scalar)."""
+  return explicit_axes_as_auto(jnp.vdot, x, y)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _config, _engine, _estimator, _registration
+from kfac_jax import _checks, _config, _engine, _estimator, _parallel, _registration
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -390,7 +390,7 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
   vg = sum(
-    jnp.vdot(up(v), up(g))
+    _parallel.vdot(up(v), up(g))
     for v, g in zip(jax.tree_util.tree_leaves(preconditioned), jax.tree_util.tree_leaves(grads))
   )
   vg = jnp.abs(jnp.asarray(vg))
