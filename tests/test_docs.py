@@ -100,11 +100,15 @@ def _check_entry_points(s):
   assert not _equal(nat, grads)
   n = sum(np.size(g) for g in jax.tree_util.tree_leaves(grads))
   assert s["dense"].shape == (n, n)
+  assert all(_finite(u) for u in jax.tree_util.tree_leaves(s["empirical_updates"]))
 
 
 def _check_hyperparameters(s):
   assert float(s["opt_state"].hyperparams["damping"]) < 1.0  # The schedule moved it.
   assert np.isfinite(float(s["loss"]))
+  # A burn-in step of the Config example: statistics folded, the update zero.
+  assert not any(np.any(u) for u in jax.tree_util.tree_leaves(s["burn_in_updates"]))
+  assert int(s["eigen_state"].preconditioner.skipped) == 0
 
 
 def _check_approximations(s):
@@ -115,6 +119,13 @@ def _check_approximations(s):
     "params/LayerNorm_0": "diagonal",
   }, approx
   assert {spec.approx for spec in s["ekfac_reg"].layers if spec.kind == "dense"} == {"ekfac"}
+  blocked = {spec.name: spec for spec in s["blocked_layers"]}
+  assert blocked["params/hidden"].factor_shapes == ((17, 17), (2, 16, 16))
+  assert blocked["params/hidden"].note == "output side 32 in 2 blocks of 16"
+  assert blocked["params/head"].factor_shapes == ((33, 33), (10, 10))
+  # The exact-mode transform took the exact-mode statistics and made a finite update.
+  assert all(_finite(u) for u in jax.tree_util.tree_leaves(s["updates"]))
+  assert int(s["exact_state"].preconditioner.skipped) == 0
 
 
 def _check_layers(s):
