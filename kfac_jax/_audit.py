@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax import _compat, _losses, _tags
+from kfac_jax import scan as _scan
 from kfac_jax._specs import RegistrationError
-from kfac_jax.scan import _graph
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TOLERANCE = 1e-2  # Relative residual allowed in float32 / float64.
@@ -64,12 +64,12 @@ class LossMismatchWarning(UserWarning):
   measured on the example batch; the curvature is then of another loss than the one trained."""
 
 
-def tag_names(graph: _graph.FlatGraph) -> list[str]:
+def tag_names(graph: _scan.FlatGraph) -> list[str]:
   """Per loss tag, in registration order: `loss tag #i (register_..., prediction f32[4, 5], at
   file:line)`."""
   names = []
   for i, fe in enumerate(_tag_eqns(graph)):
-    aval = _graph.aval_of(fe.ins[0])
+    aval = _scan.aval_of(fe.ins[0])
     fn = fe.params.get("fn", f"a {fe.params['kind']} loss tag")
     where = _compat.source_line(fe.eqn, _PACKAGE_DIR)
     at = f", at {where}" if where else ""
@@ -77,7 +77,7 @@ def tag_names(graph: _graph.FlatGraph) -> list[str]:
   return names
 
 
-def _tag_eqns(graph: _graph.FlatGraph) -> list[_graph.FlatEqn]:
+def _tag_eqns(graph: _scan.FlatGraph) -> list[_scan.FlatEqn]:
   return [fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p]
 
 
@@ -90,9 +90,9 @@ def check_structure(scan) -> None:
   first: dict = {}
   for i, fe in enumerate(tags):
     atom = fe.ins[0]
-    while _graph.is_key(atom) and atom in tag_input:
+    while _scan.is_key(atom) and atom in tag_input:
       atom = tag_input[atom]
-    if not _graph.is_key(atom):
+    if not _scan.is_key(atom):
       continue
     if atom in first:
       raise RegistrationError(
@@ -104,7 +104,7 @@ def check_structure(scan) -> None:
   const_keys = {k for k, _ in graph.consts}
   for i, fe in enumerate(tags):
     atom = fe.ins[0]
-    if not _graph.is_key(atom) or atom in const_keys:
+    if not _scan.is_key(atom) or atom in const_keys:
       continue
     if not _reaches(graph, atom, graph.outvars[0]):
       raise RegistrationError(
@@ -115,15 +115,15 @@ def check_structure(scan) -> None:
       )
 
 
-def _reaches(graph: _graph.FlatGraph, start, target) -> bool:
+def _reaches(graph: _scan.FlatGraph, start, target) -> bool:
   """Whether `target` depends on `start` through the graph's equations (not stop_gradient)."""
-  if not _graph.is_key(target):
+  if not _scan.is_key(target):
     return False
   reached = {start}
   for fe in graph.eqns:
     if fe.name == "stop_gradient":
       continue
-    if any(_graph.is_key(a) and a in reached for a in fe.ins):
+    if any(_scan.is_key(a) and a in reached for a in fe.ins):
       reached.update(fe.outs)
   return target in reached
 
@@ -152,12 +152,14 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   live = [
     i
     for i, ops in enumerate(scan.loss_operands)
-    if _graph.is_key(ops[0]) and ops[0] not in const_keys
+    if _scan.is_key(ops[0]) and ops[0] not in const_keys
   ]
   keys = [scan.loss_operands[i][0] for i in live]
-  watch = frozenset(a for ops in scan.loss_operands for a in ops if _graph.is_key(a))
+  watch = frozenset(a for ops in scan.loss_operands for a in ops if _scan.is_key(a))
   rng = np.random.default_rng(_SEED)
-  probes = [jnp.asarray(rng.standard_normal(k[1].aval.shape), k[1].aval.dtype) for k in keys]
+  # NumPy arrays, not jnp ones: a registration built while a step is traced must not turn the
+  # probes into tracers of that step.
+  probes = [np.asarray(rng.standard_normal(k[1].aval.shape)).astype(k[1].aval.dtype) for k in keys]
   flat = jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(batch)
 
   # Scans run as scans unless a tag's operand is made inside one (then step by step).
@@ -227,7 +229,7 @@ def problems(scan, numbers, estimation_mode: str) -> list[str]:
     if entry is None:
       continue
     g_loss, h_loss, h_tag, g_tag = entry
-    tol = tolerance(_graph.aval_of(scan.loss_operands[i][0]).dtype)
+    tol = tolerance(_scan.aval_of(scan.loss_operands[i][0]).dtype)
     kind = scan.losses[i].kind
     fit = _fit(h_loss, h_tag)
     if fit is None:  # No curvature on either side at this point (saturated): nothing to say.
@@ -271,7 +273,7 @@ def problems(scan, numbers, estimation_mode: str) -> list[str]:
         )
   if len(factors) > 1:
     cs = np.array([c for _, c in factors])
-    tol = min(tolerance(_graph.aval_of(scan.loss_operands[i][0]).dtype) for i, _ in factors)
+    tol = min(tolerance(_scan.aval_of(scan.loss_operands[i][0]).dtype) for i, _ in factors)
     if cs.max() / cs.min() - 1 > tol:
       listed = ", ".join(f"{c:.3g} for {names[i]}" for i, c in factors)
       found.append(

@@ -119,6 +119,8 @@ class Config:
     strict: raise, instead of warning, for parameters outside every recognised layer.
     layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
       pattern, and linked parameter groups (None: the defaults).
+    check_loss: audit the loss tags against the returned loss when the layers are found (see
+      `kfac_jax.Registration`); False for a loss that differs from its tags on purpose.
     damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
     factor_solve: "auto", "always" or "never": whether a Kronecker factor's damped inverse is
       kept as an explicit matrix or as its Cholesky factor in blocks for block substitution
@@ -175,6 +177,7 @@ class Config:
   num_samples: int = 1
   strict: bool = False
   layers: _scan.LayerConfig | None = None
+  check_loss: bool = True
   damping_mode: _blocks.DampingMode = "factored"
   factor_solve: _blocks.FactorSolve = "auto"
   stats_dtype: Any = None
@@ -199,6 +202,7 @@ class Config:
     _curvature.check_mode(self.estimation_mode, self.num_samples)
     _checks.boolean(self.strict, "config.strict")
     _scan.check_layer_config(self.layers)
+    _checks.boolean(self.check_loss, "config.check_loss")
     _checks.choice(self.damping_mode, "config.damping_mode", ("factored", "eigen"))
     _checks.choice(self.factor_solve, "config.factor_solve", ("auto", "always", "never"))
     resolve_dtype(self.stats_dtype, "config.stats_dtype")
@@ -261,6 +265,7 @@ class Config:
       num_samples=self.num_samples,
       strict=self.strict,
       layers=self.layers,
+      check_loss=self.check_loss,
     )
 
   def refuse(self, who: str, fields: tuple[str, ...], why: str) -> None:

@@ -27,7 +27,7 @@ from kfac_jax._specs import (
   UncoveredParametersWarning,
   param_paths,
 )
-from kfac_jax.scan._graph import FlatGraph, is_key
+from kfac_jax.scan._graph import FlatEqn, FlatGraph, aval_of, is_key
 from kfac_jax.scan._kinds import KINDS, Approximation, Kind, LayerKind
 from kfac_jax.scan._layer_config import LayerConfig
 from kfac_jax.scan._layer_config import check as check_layer_config
@@ -37,6 +37,7 @@ __all__ = [
   "KINDS",
   "Approximation",
   "FallbackInfo",
+  "FlatEqn",
   "FlatGraph",
   "Kind",
   "LayerConfig",
@@ -47,6 +48,7 @@ __all__ = [
   "RegistrationError",
   "ScanResult",
   "UncoveredParametersWarning",
+  "aval_of",
   "check_layer_config",
   "is_key",
   "param_paths",
