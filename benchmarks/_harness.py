@@ -260,6 +260,15 @@ def kfac_step(loss_fn, tx, *, from_batch: bool, stats_batch: int | None = None):
   return step
 
 
+def with_config(kwargs: dict) -> dict:
+  """`kwargs` for a front, with the keywords that are `kfac_jax.Config` fields moved into
+  `config=`."""
+  fields = set(kfac_jax.Config.__dataclass_fields__)
+  moved = {k: v for k, v in kwargs.items() if k in fields}
+  rest = {k: v for k, v in kwargs.items() if k not in fields}
+  return rest if not moved else {**rest, "config": kfac_jax.Config(**moved)}
+
+
 def needs_batch(kfac_kwargs: dict, stats_batch: int | None) -> bool:
   """Whether a `kfac` configuration needs its statistics from `batch=`: a harness slice
   (`stats_batch`) or `statistics_fraction`, which slices `batch=` only."""
@@ -309,7 +318,7 @@ def kfac_transform(
     ema_decay=ema_decay,
     inverse_every=inverse_every,
     curvature_every=curvature_every,
-    **{"estimation_mode": "gradients", "num_samples": 1, **kfac_kwargs},
+    **with_config({"estimation_mode": "gradients", "num_samples": 1, **kfac_kwargs}),
   )
 
   from_batch = curvature_every > 1 or needs_batch(kfac_kwargs, stats_batch)

@@ -70,7 +70,8 @@ def _kfac(loss_fn, example, config: str, default_lr: float):
   kwargs["momentum"] = kwargs["momentum"] or None
   stats_batch = kwargs.pop("stats_batch", None)
   from_batch = _harness.needs_batch(kwargs, stats_batch)
-  return kfac_jax.kfac(loss_fn, example, **kwargs), stats_batch, from_batch
+  tx = kfac_jax.kfac(loss_fn, example, **_harness.with_config(kwargs))
+  return tx, stats_batch, from_batch
 
 
 def main(argv=None) -> int:

@@ -56,7 +56,7 @@ def tiled(batch):
 def updates(z: _zoo.Zoo, batch, **kwargs):
   """The updates after two `batch=` updates of `kfac` (the first refreshes the inverses)."""
   tx = kfac_jax.kfac(
-    z.loss_fn, batch, learning_rate=0.3, **kwargs, config=kfac_jax.Config(has_aux=z.has_aux)
+    z.loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(has_aux=z.has_aux, **kwargs)
   )
 
   def loss(p):

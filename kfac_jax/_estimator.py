@@ -541,7 +541,7 @@ def for_front(loss_fn, example_batch, registration, config, who: str):
     config.registration_settings(),
     config.block_config(),
     config.storage,
-    f"this {who}",
+    f"this {who}" + ("" if who == "Optimizer" else " transform"),
   )
 
 

@@ -204,10 +204,6 @@ def _vdot(a, b) -> Array:
   )
 
 
-def all_finite(tree) -> Array:
-  return _estimator.all_finite(tree)
-
-
 def _schedule_value(value, count, dtype):
   return jnp.asarray(value(count) if callable(value) else value, dtype)
 
@@ -473,7 +469,7 @@ class Optimizer:
     # 2. The engine's step: statistics, inverses (damping λ + η) and Δ = −F̂⁻¹ ∇h.
     ok = None
     if cfg.skip_nonfinite:
-      ok = jnp.isfinite(loss) & all_finite(g_leaves)
+      ok = jnp.isfinite(loss) & _estimator.all_finite(g_leaves)
     pre, curv, ok = _engine.step(
       est,
       state.curvature,
@@ -573,7 +569,7 @@ class Optimizer:
     # curvature did not move on a non-finite loss or gradient (above); one cond on the scalar
     # verdict picks the new or the old value of the rest this step changed. An update that
     # overflows from finite inputs keeps the (finite) statistics and inverses it used.
-    ok = jnp.asarray(True) if ok is None else ok & all_finite(update)
+    ok = jnp.asarray(True) if ok is None else ok & _estimator.all_finite(update)
     new_lam = jnp.asarray(new_lam, sdtype)
     velocity, new_lam, rho = _engine.keep_if(
       ok, (velocity, new_lam, rho), (state.velocity, state.damping, state.rho)

@@ -312,7 +312,7 @@ class ShardedStorage:
 
 
 Storage = ReplicatedStorage | ShardedStorage
-_BY_NAME = {"replicated": ReplicatedStorage(), "sharded": ShardedStorage()}
+_BY_NAME: dict[str, Storage] = {"replicated": ReplicatedStorage(), "sharded": ShardedStorage()}
 
 
 def strategy(value, name: str = "inverse_storage") -> Storage:

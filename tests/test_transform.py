@@ -817,3 +817,29 @@ def test_another_models_state_is_named():
   opt = kfac_jax.Optimizer(loss_fn, batch)
   with pytest.raises(TypeError, match="OptimizerState from this optimizer's init, got KfacState"):
     opt.step(params, tx.init(params), batch, jax.random.key(0))
+
+
+def test_burn_in_folds_statistics_only_then_preconditions():
+  """`Config(burn_in_steps=2)` on a transform, as on the Optimizer: two updates of zeros that
+  fold the statistics (every one, whatever `curvature_every`) and refresh nothing, then the
+  first preconditioned update, from inverses refreshed at the end of burn-in."""
+  loss_fn, params, batch = _problem()
+  cfg = kfac_jax.Config(burn_in_steps=2)
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, curvature_every=3, inverse_every=4, config=cfg)
+  step = jax.jit(lambda g, s, k: tx.update(g, s, params, batch=batch, rng=k))
+  grads = jax.grad(loss_fn)(params, batch)
+  state = tx.init(params)
+  init_cache = state.curvature.cache
+  norms, weights = [], []
+  for t in range(3):
+    updates, state = step(grads, state, jax.random.key(t))
+    norms.append(float(optax.tree.norm(updates)))
+    weights.append(float(state.curvature.ema_weight))
+    if t == 1:
+      for a, b in zip(
+        jax.tree_util.tree_leaves(state.curvature.cache), jax.tree_util.tree_leaves(init_cache)
+      ):
+        np.testing.assert_array_equal(a, b)  # No refresh during burn-in.
+  assert norms[0] == norms[1] == 0 and norms[2] > 0
+  assert weights[0] > 0 and weights[1] > weights[0] and weights[2] > weights[1]
+  assert int(state.count) == 3
