@@ -413,7 +413,7 @@ MODELS = {
 
 
 # ==============================================================================================
-# Structure zoo (issue 13, items 3, 4, 7): Haiku and equinox models, a Gemma-style RMSNorm, a
+# Structure zoo: Haiku and equinox models, a Gemma-style RMSNorm, a
 # ViT-ish model with a learned positional table, a Flax OptimizedLSTMCell, a 32k-vocabulary head.
 # Builders take no flavour; tests/test_zoo.py runs them through `STRUCTURE_MODELS`.
 # ================================================================================================
@@ -689,7 +689,7 @@ def vocab_lm() -> Zoo:
   )
 
 
-# -- VAE, BatchNorm ResNets, mixture of experts, GRU (issue 13) ---------------------------------
+# -- VAE, BatchNorm ResNets, mixture of experts, GRU --------------------------------------------
 
 
 def _key(seed):
@@ -1063,7 +1063,7 @@ STRUCTURE_MODELS = {
 
 
 # ==============================================================================================
-# Transformations (issue 13): scan over stacked layers, remat, vmap-created layers.
+# Transformations: scan over stacked layers, remat, vmap-created layers.
 # ==============================================================================================
 
 LM_LAYERS, LM_HEADS, LM_KV_HEADS, LM_HEAD_DIM, LM_FF = 3, 4, 2, 4, 24
@@ -1264,8 +1264,8 @@ MODELS.update(STACKED_MODELS)
 
 
 # ==============================================================================================
-# Haiku and equinox versions of the zoo's families (issue 13, "real model code keeps its
-# structure"): each written in its library's idiom, registered in `STRUCTURE_MODELS`.
+# Haiku and equinox versions of the zoo's families (real model code keeps its structure): each
+# written in its library's idiom, registered in `STRUCTURE_MODELS`.
 # ==============================================================================================
 
 
@@ -1666,7 +1666,7 @@ STRUCTURE_MODELS.update(HX_MODELS)
 
 
 # ==============================================================================================
-# Structure zoo, second part (issue 13, "real model code keeps its structure"): a small ViT in
+# Structure zoo, second part (real model code keeps its structure): a small ViT in
 # linen and nnx, an nnx LSTM (`nnx.RNN`), a linen GRU (`nn.RNN`), the nnx twins of the top-k
 # mixture of experts and of the VAE.
 # ==============================================================================================
@@ -1959,7 +1959,7 @@ STRUCTURE_MODELS.update(
 )
 
 
-# -- a WaveNet-style TCN and a DiT block with adaLN-Zero (seventeenth session) --------------------
+# -- a WaveNet-style TCN and a DiT block with adaLN-Zero -----------------------------------------
 
 TCN_STEPS, TCN_WIDTH, TCN_DILATIONS = 16, 6, (1, 2, 4)
 

@@ -230,7 +230,7 @@ def test_a_layer_whose_input_has_no_rows_per_example_is_no_layer(loss_fn, params
   positions, relative offsets) has no rows per example: its rows would be taken for examples and
   its output gradient is the batch's sum, so a layer block would be estimated from the wrong
   rows (the "full" dense block, exact when the rows are examples, averaged 0.68x-0.86x the exact
-  Fisher's trace: `benchmarks/profile/batchless_layers.py`, RESULTS.md). It gets the generic
+  Fisher's trace in `benchmarks/profile/batchless_layers.py`). It gets the generic
   fallback, whose batch-summed estimate is unbiased for sampled targets; the layer that reads
   the batch stays a layer."""
   with pytest.warns(kfac_jax.UncoveredParametersWarning):
