@@ -302,7 +302,10 @@ def _mlp_state_ratio(d, block_size):
     return 0.5 * jnp.mean(jnp.sum((out - b["y"]) ** 2, -1))
 
   tx = kfac_jax.kfac(  # Momentum included: all the state a training step keeps.
-    loss_fn, batch, learning_rate=0.1, layers=kfac_jax.LayerConfig(block_size=block_size)
+    loss_fn,
+    batch,
+    learning_rate=0.1,
+    config=kfac_jax.Config(layers=kfac_jax.LayerConfig(block_size=block_size)),
   )
   state = jax.eval_shape(tx.init, params)
 
@@ -321,18 +324,19 @@ def test_state_of_a_wide_mlp_stays_near_the_parameters():
 
 def test_blocked_kfac_trains_under_jit(x64):
   loss_fn, params, batch, _, _ = _model("dense")
+  layers = kfac_jax.LayerConfig(block_size=4)
   tx = kfac_jax.kfac(
     loss_fn,
     batch,
     learning_rate=0.3,
     inverse_every=1,
-    layers=kfac_jax.LayerConfig(block_size=4),
+    config=kfac_jax.Config(layers=layers),
   )
   state = tx.init(params)
 
   @jax.jit
   def step(params, state, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, layers=layers)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 
