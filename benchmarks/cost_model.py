@@ -22,7 +22,10 @@ Components, with T tokens per step, f the statistics fraction, and P the matmul 
   forward+backward   6 P T + 12 L b s² d (causal attention scores and values, computed in full)
   statistics         f (4 P T + 12 L b s² d) (one forward and one sampled backward pass: only
                      activation gradients, no weight gradients) + 2 f T Σ n·w over the factor
-                     sides (the A = aᵀa and G = gᵀg products; w = n, or the block size, or 1)
+                     sides (the A = aᵀa and G = gᵀg products; w = n, or the block size, or 1),
+                     and f T V categorical draws (the sampled targets, a fourth constant timed
+                     on its own: on CPU a Gumbel draw per logit costs as much as thousands of
+                     matmul FLOPs)
   refresh            Σ n·w² over the factor sides (n³ for a whole factor, n B² in blocks)
   preconditioning    2 Σ (n_in w_in n_out + n_in n_out w_out) per dense layer (A⁻¹ V G⁻¹)
   AdamW update       7 parameter-sized arrays read or written (params, grads, m, v; new ones)
@@ -141,10 +144,18 @@ def factor_sides(shape: ModelShape, sched: Schedule) -> list[Side]:
   return out
 
 
+def statistics_rows(shape: ModelShape, sched: Schedule) -> int:
+  """Sequences the statistics use: ⌈f·b⌉ (at least one), as the transform takes them."""
+  return max(1, math.ceil(sched.statistics_fraction * shape.batch))
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
+  """FLOPs, bytes moved, and categorical draws (one per logit of each sampled token)."""
+
   flops: float
   bytes: float
+  draws: float = 0.0
 
 
 def activation_bytes(shape: ModelShape, tokens: float, batch: float) -> float:
@@ -161,7 +172,7 @@ def components(shape: ModelShape, sched: Schedule) -> dict[str, Cost]:
   T, b, s, L, d = shape.tokens, shape.batch, shape.seq, shape.layers, shape.d
   P, Pm = shape.params, shape.matmul_params
   attention = 12 * L * b * s * s * d
-  f = sched.statistics_fraction
+  f = statistics_rows(shape, sched) / b  # Whole sequences: ⌈f·b⌉ of the b.
   sides = factor_sides(shape, sched)
   stored = sum(x.stored * x.count for x in sides)
   out = {
@@ -175,6 +186,7 @@ def components(shape: ModelShape, sched: Schedule) -> dict[str, Cost]:
   out["statistics"] = Cost(
     f * (4 * Pm * T + attention) + products,
     f * activation_bytes(shape, T, b) + 2 * F32 * Pm + 3 * F32 * stored,
+    f * T * shape.vocab,  # The sampled targets: a categorical draw over V per token.
   )
   out["refresh"] = Cost(sum(float(x.n) * x.w * x.w * x.count for x in sides), 4 * F32 * stored)
   pre = 0.0
@@ -189,11 +201,13 @@ def components(shape: ModelShape, sched: Schedule) -> dict[str, Cost]:
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-  """Rates: matmul FLOP/s, factorisation "FLOP/s" (n³ per factor), bytes/s."""
+  """Rates: matmul FLOP/s, factorisation "FLOP/s" (n³ per factor), bytes/s, and categorical
+  draws per second (per logit: `jax.random.categorical` draws a Gumbel variate for each)."""
 
   matmul: float
   factor: float
   bandwidth: float
+  draw: float = math.inf
 
 
 RATE_OF = {
@@ -207,7 +221,7 @@ RATE_OF = {
 
 
 def seconds(cost: Cost, rate: float, m: Machine) -> float:
-  return cost.flops / rate + cost.bytes / m.bandwidth
+  return cost.flops / rate + cost.bytes / m.bandwidth + cost.draws / m.draw
 
 
 def predict(shape: ModelShape, sched: Schedule, m: Machine) -> dict[str, float]:
@@ -233,12 +247,13 @@ def state_ratio(shape: ModelShape, sched: Schedule) -> dict[str, float]:
   return {"kfac": (2 * stored + shape.params) / shape.params, "adamw": 2.0}
 
 
-def fit(measured: Sequence[Mapping]) -> Machine:
+def fit(measured: Sequence[Mapping], draw: float = math.inf) -> Machine:
   """The machine constants from measurements: rows `{"shape", "schedule", "seconds": {component:
   s}}`. The bandwidth from the AdamW updates (bytes only), then the matmul rate from the
   forward+backward passes, then the factorisation rate from the refreshes (each the geometric
   mean over the rows of what makes the row's time exact given the constants before it, with the
-  bytes' share of a row's time capped at half)."""
+  bytes' share of a row's time capped at half). `draw`, the categorical draws per second, is
+  timed directly (`scale.py`), not fitted."""
 
   def gmean(xs):
     xs = list(xs)
@@ -254,7 +269,7 @@ def fit(measured: Sequence[Mapping]) -> Machine:
       c[name].flops / max(t[name] - c[name].bytes / bandwidth, 0.5 * t[name]) for c, t in comps
     )
 
-  return Machine(rate("forward_backward"), rate("refresh"), bandwidth)
+  return Machine(rate("forward_backward"), rate("refresh"), bandwidth, draw)
 
 
 def totals(sides: Sequence[Side]) -> dict[str, float]:

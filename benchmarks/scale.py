@@ -323,18 +323,22 @@ def measure(args, setup: Setup) -> dict:
   setup.compiled["kfac_step"] = compiled
   print(f"  kfac step compile {compile_s['kfac_step']:.1f} s", flush=True)
   counts = phases(sched.curvature_every, sched.inverse_every)
+  # The cheapest phase there is (no "plain" one with statistics every step).
+  base = next(k for k in ("plain", "statistics", "refresh", "both") if k in counts)
+  # One untimed call first: the first call of an executable carries one-off costs.
+  jax.block_until_ready(compiled(params, with_count(kstate, counts[base][0]), batch, rng))
   phase_s = {}
   for name, (count, _) in counts.items():
     state = with_count(kstate, count)
     best = math.inf
-    for _ in range(r if name == "plain" else max(1, r - 1)):
+    for _ in range(r if name == base else max(1, r - 1)):
       t0 = time.perf_counter()
       jax.block_until_ready(compiled(params, state, batch, rng))
       best = min(best, time.perf_counter() - t0)
     phase_s[name] = best
     print(f"  kfac step, {name:10s} {1e3 * best:8.1f} ms", flush=True)
   period = math.lcm(sched.curvature_every, sched.inverse_every)
-  secs["kfac_plain_step"] = phase_s["plain"]
+  secs["kfac_plain_step"] = phase_s[base]
   secs["kfac_amortised_step"] = sum(phase_s[k] * n for k, (_, n) in counts.items()) / period
   out.update(seconds=secs, compile_s=compile_s, kfac_phases_s=phase_s)
   return out
@@ -389,7 +393,31 @@ COMPONENTS = ("forward_backward", "statistics", "refresh", "preconditioning", "a
 STEPS = ("adamw_step", "kfac_plain_step", "kfac_amortised_step")
 
 
-def model_report(args, rows: list[dict]) -> dict:
+RECORDED = (
+  "layers",
+  "vocab",
+  "seq",
+  "batch",
+  "ff",
+  "head_dim",
+  "curvature_every",
+  "inverse_every",
+  "statistics_fraction",
+  "block_size",
+)
+"""The flags of a recorded run that `--from-json` takes over (its widths come with its rows)."""
+
+
+def draw_rate(args) -> float:
+  """Categorical draws per second: `jax.random.categorical` over the vocabulary for the
+  statistics' tokens (the sampled targets of the Fisher), the minimum of three calls."""
+  rows = max(1, math.ceil(args.statistics_fraction * args.batch)) * args.seq
+  logits = jnp.zeros((rows, args.vocab), jnp.float32)
+  _, t, _, _ = timed(jax.random.categorical, jax.random.key(0), logits, repeats=3)
+  return rows * args.vocab / t
+
+
+def model_report(args, rows: list[dict], draw: float) -> dict:
   """The cost model fitted to `rows`, its errors on each measurement, its predictions."""
   sched = schedule(args)
   shapes = {
@@ -397,7 +425,8 @@ def model_report(args, rows: list[dict]) -> dict:
     for row in rows
   }
   machine = cm.fit(
-    [{"shape": shapes[row["d"]], "schedule": sched, "seconds": row["seconds"]} for row in rows]
+    [{"shape": shapes[row["d"]], "schedule": sched, "seconds": row["seconds"]} for row in rows],
+    draw,
   )
   errors = {}
   for row in rows:
@@ -474,7 +503,8 @@ def print_tables(args, rows: list[dict], model: dict, growth: dict) -> None:
   m = model["machine"]
   print(
     f"\ncost model constants: matmul {m['matmul'] / 1e9:.1f} GFLOP/s, factorisation "
-    f"{m['factor'] / 1e9:.1f} G(n³)/s, bandwidth {m['bandwidth'] / 1e9:.2f} GB/s"
+    f"{m['factor'] / 1e9:.1f} G(n³)/s, bandwidth {m['bandwidth'] / 1e9:.2f} GB/s, "
+    f"categorical draws {m['draw'] / 1e6:.1f} M/s (timed alone)"
   )
   print("model / measured - 1:")
   for d, e in model["errors"].items():
@@ -657,11 +687,16 @@ def main(argv=None) -> int:
   }
   print(f"{env['command']}\njax {env['jax']}, {env['device']}, {env['cpu_count']} CPUs", flush=True)
   setups: list[Setup] = []
+  draw = None
   if args.from_json:
     with open(args.from_json) as f:
-      rows = json.load(f)["measurements"]
+      recorded = json.load(f)
+    rows = recorded["measurements"]
     for row in rows:
       row["d"] = int(row["d"])
+    for k in RECORDED:  # The measured configuration; the --predict-* flags stay this run's.
+      setattr(args, k, recorded["config"][k])
+    draw = recorded.get("draw_rate")
   elif args.components:
     setups.append(Setup(args, args.d[0], source))
     rows = [measure(args, setups[0])]
@@ -676,7 +711,10 @@ def main(argv=None) -> int:
     "measurements": rows,
   }
   if rows:
-    model = model_report(args, rows)
+    if draw is None:
+      draw = draw_rate(args)
+    out["draw_rate"] = draw
+    model = model_report(args, rows, draw)
     growth = exponents(rows)
     print_tables(args, rows, model, growth)
     out.update(growth_exponents=growth, cost_model=model)

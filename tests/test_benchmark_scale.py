@@ -39,12 +39,13 @@ def test_scale_quick(tmp_path):
   for k in COMPONENTS + STEPS:
     assert _positive(row["seconds"][k]), (k, row["seconds"])
   assert set(row["kfac_phases_s"]) == {"plain", "statistics", "both"}
-  assert row["state_bytes"]["adamw"] == 2 * row["state_bytes"]["params"]
+  assert 0 <= row["state_bytes"]["adamw"] - 2 * row["state_bytes"]["params"] < 64  # m, v, count
   assert row["state_bytes"]["kfac"] > row["state_bytes"]["params"]
   # The cost model's factor layout is the registration's.
   assert row["factors"]["registered"] == row["factors"]["cost_model"]
   model = report["cost_model"]
   assert all(_positive(v) for v in model["machine"].values()), model["machine"]
+  assert _positive(report["draw_rate"])
   for errors in model["errors"].values():
     assert set(errors) == set(COMPONENTS + STEPS)
     assert all(math.isfinite(e) and e > -1 for e in errors.values()), errors
@@ -80,18 +81,23 @@ def test_cost_model_counts():
   assert blocked["refresh"].flops == sum(x.n * x.w**2 * x.count for x in sides)
   pred = cm.predict(shape, sched, cm.Machine(1e10, 1e9, 1e10))
   assert pred["ratio_amortised"] > pred["ratio_plain"] > 1
+  # Statistics from whole sequences: 0.1 of 4 is one sequence, a quarter of the tokens.
+  quarter = cm.Schedule(statistics_fraction=0.1)
+  assert cm.statistics_rows(shape, quarter) == 1
+  assert cm.components(shape, quarter)["statistics"].draws == 8 * 1000
 
 
 def test_cost_model_fit_recovers_constants():
   """Times made by the model from known constants give those constants back."""
-  machine = cm.Machine(5e10, 2e10, 8e9)
+  machine = cm.Machine(5e10, 2e10, 8e9, 3e7)
   sched = cm.Schedule()
   rows = []
   for d in (256, 512):
     shape = cm.ModelShape(d=d, layers=2, vocab=4096, seq=64, batch=4)
     rows.append({"shape": shape, "schedule": sched, "seconds": cm.predict(shape, sched, machine)})
-  fitted = cm.fit(rows)
+  fitted = cm.fit(rows, machine.draw)
   assert fitted.matmul == pytest.approx(machine.matmul, rel=1e-9)
   assert fitted.factor == pytest.approx(machine.factor, rel=1e-9)
   assert fitted.bandwidth == pytest.approx(machine.bandwidth, rel=1e-9)
+  assert fitted.draw == machine.draw
   assert cm.growth_exponent([1, 2, 4], [3, 24, 192]) == pytest.approx(3.0)
