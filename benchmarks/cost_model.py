@@ -99,7 +99,7 @@ class Schedule:
   """The K-FAC schedule and factor layout."""
 
   curvature_every: int = 10
-  inverse_every: int = 50
+  inverse_every: int = 10
   statistics_fraction: float = 0.125
   block_size: int | None = None
   max_factor_dim: int | None = 8192
