@@ -6,11 +6,14 @@ Two workloads, every block size from the same initial parameters and batches:
                student fitting a random teacher block of the same shape on Gaussian inputs
                (batch `--batch` rows, squared error);
   autoencoder  the race's autoencoder (`benchmarks/autoencoder.py`, Fashion-MNIST, batch 1000),
-               whose 1000- and 785-wide sides are blocked below 1000.
+               whose 1000- and 785-wide sides are blocked below 1000;
+  cnn          the race's CNN (`benchmarks/cnn.py`, batch 256), whose classifier's 1569-wide
+               input side is blocked below 1568.
 
-`kfac` runs with its defaults and the race's learning rate; "full" is `block_size=None`. Output:
-one markdown row per (workload, block size) with the final training loss, the loss relative to
-the full factors', the state's bytes against the parameters' and the median ms per step.
+`kfac` runs with its defaults and the race's learning rate (1.0 autoencoder, 0.3 CNN); "full"
+is `block_size=None`. Output: one markdown row per (workload, block size) with the first and
+the final training loss, the final loss relative to the full factors', the state's bytes
+against the parameters' and the median ms per step.
 
     python benchmarks/block_size.py --steps 30 --sizes 256,512,1024,full
 """
@@ -62,13 +65,12 @@ def _mlp(width: int, batch: int, seed: int = 0):
   return loss_fn, params0, batch_at, 1.0
 
 
-def _autoencoder(steps: int):
+def _race(name: str, steps: int):
+  """The race's workload `name` (its module in `benchmarks/`) and learning rate."""
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import autoencoder  # noqa: PLC0415
-
-  args = autoencoder.parse_args(["--steps", str(steps), "--warmup", "0"])
-  wl = autoencoder.make_workload(args)
-  return wl.loss_fn, wl.params0, wl.batch_at, 1.0
+  module = __import__(name)
+  wl = module.make_workload(module.parse_args(["--steps", str(steps), "--warmup", "0"]))
+  return wl.loss_fn, wl.params0, wl.batch_at, {"autoencoder": 1.0, "cnn": 0.3}[name]
 
 
 def _nbytes(tree) -> int:
@@ -100,7 +102,7 @@ def run(loss_fn, params0, batch_at, lr, block_size, steps):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--workloads", default="mlp,autoencoder")
+  p.add_argument("--workloads", default="mlp,autoencoder,cnn")
   p.add_argument("--sizes", default="256,512,1024,full")
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--width", type=int, default=1024)
@@ -113,7 +115,7 @@ def main(argv=None):
   )
   print("|---|---|---|---|---|---|---|")
   for name in args.workloads.split(","):
-    wl = _mlp(args.width, args.batch) if name == "mlp" else _autoencoder(args.steps)
+    wl = _mlp(args.width, args.batch) if name == "mlp" else _race(name, args.steps)
     rows = [(b, *run(*wl, b, args.steps)) for b in sizes]
     ref = next((r[2] for r in rows if r[0] is None), float("nan"))
     label = f"mlp d={args.width}" if name == "mlp" else name

@@ -102,7 +102,7 @@ class Schedule:
   inverse_every: int = 10
   statistics_fraction: float = 0.125
   block_size: int | None = None
-  max_factor_dim: int | None = 32768
+  max_factor_dim: int | None = 16384
 
 
 @dataclasses.dataclass(frozen=True)

@@ -342,7 +342,7 @@ def test_vocabulary_head_state_fits_next_to_the_model():
   specs = kfac_jax.scan_layers(loss_fn, params, batch)
   head = next(s for s in specs if s.name == "head")
   assert head.approx == "kron_out_diag" and head.factor_shapes == ((17, 17), (65_536,))
-  assert "65536 > max_factor_dim 32768" in head.note
+  assert "65536 > max_factor_dim 16384" in head.note
   table = kfac_jax.summary(loss_fn, params, batch)
   assert head.note in table and "x the parameters'" in table
   # Without the policy the output factor is kept in 64 blocks of 1024 (the default block

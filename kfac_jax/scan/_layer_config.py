@@ -55,7 +55,7 @@ from kfac_jax.scan._kinds import Approximation
 
 # The library defaults. A side of up to MAX_FACTOR_DIM entries is kept as a matrix, in blocks of
 # about BLOCK_SIZE above that; wider sides (vocabulary-size heads) are kept as their diagonal.
-MAX_FACTOR_DIM = 32768
+MAX_FACTOR_DIM = 16384
 BLOCK_SIZE = 1024
 
 
@@ -82,11 +82,11 @@ class LayerConfig:
       block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
     max_factor_dim: the largest factor side (a bias row not counted) kept as a matrix, whole
       or in blocks, for layers whose approximation comes from `defaults` or the library
-      default (module docstring); None: no limit. The default, 32768, keeps the hidden sides
-      of models up to 8k wide (a 4x MLP) as blocks and turns the output side of a vocabulary
-      head wider than that into a vector: a 65,536-way side in blocks of 1024 would be 256 MiB
-      with its inverse, against 256 KiB as a diagonal, where the head's other side may be as
-      narrow as the model.
+      default (module docstring); None: no limit. The default, 16384, keeps the hidden sides
+      of models up to 4k wide (a 4x MLP) as blocks and turns the output side of a 32k–256k
+      vocabulary head into a vector: a 65,536-way side in blocks of 1024 would be 512 MiB with
+      its inverse, against 256 KiB as a diagonal, where the head's other side may be as narrow
+      as the model.
     block_size: a factor side with more entries than this (a bias row not counted) is kept as
       the diagonal blocks of its factor, of about this size (module docstring); None: sides
       kept whole. The default, 1024, keeps a side of n entries in n·1024 values (twice that
