@@ -108,8 +108,7 @@ def test_structure_zoo_model(name):
       z.batch,
       damping=z.damping,
       inverse_every=1,
-      **aux,
-      config=kfac_jax.Config(strict=True),
+      config=kfac_jax.Config(strict=True, **aux),
     ),
     optax.scale(-0.05),
   )
