@@ -197,7 +197,7 @@ def test_registration_arguments_and_immutability():
     kfac_jax.kfac(registration=reg)
   # Agreeing values are fine; defaults take the registration's.
   est = kfac_jax.CurvatureEstimator(registration=reg, estimation_mode="exact")
-  assert est.estimation_mode == "exact"
+  assert est.registration.estimation_mode == "exact"
   with pytest.raises(dataclasses.FrozenInstanceError):
     reg.strict = True
   assert "estimation_mode='exact'" in repr(reg) and reg.fingerprint.digest in repr(reg)
