@@ -142,6 +142,9 @@ def _check_parallel(s):
 def _check_checkpoints(s):
   assert _equal(s["restored"], s["opt_state"]) and _equal(s["from_bytes"], s["opt_state"])
   assert os.path.isdir("checkpoints/opt_state")
+  # The run resumes from its newest checkpoint, parameters and state together.
+  assert s["start"] == 0 and s["resumed_step"] == 3 == s["manager"].latest_step()
+  assert _equal(s["resumed_state"], s["run_state"]) and _equal(s["resumed_params"], s["run_params"])
 
 
 # What the code of each page leaves behind, beyond running without an error.

@@ -186,19 +186,19 @@ def test_float64_inverses_of_float32_statistics(x64):
 @pytest.mark.parametrize(
   "kwargs, match",
   [
-    ({"stats_dtype": "int32"}, "`stats_dtype` must be one of bfloat16, float16, float32"),
-    ({"stats_dtype": "complex64"}, "`stats_dtype` must be one of"),
-    ({"inverse_dtype": "bfloat16"}, "`inverse_dtype` must be one of float32, float64"),
-    ({"inverse_dtype": "float8"}, "`inverse_dtype` must be one of"),
-    ({"inverse_dtype": "float64"}, "`inverse_dtype`=float64 needs 64-bit JAX"),
-    ({"preconditioner_dtype": "float16"}, "`preconditioner_dtype` must be one of bfloat16, "),
-    ({"preconditioner_dtype": "int8"}, "`preconditioner_dtype` must be one of"),
+    ({"stats_dtype": "int32"}, "`config.stats_dtype` must be one of bfloat16, float16, float32"),
+    ({"stats_dtype": "complex64"}, "`config.stats_dtype` must be one of"),
+    ({"inverse_dtype": "bfloat16"}, "`config.inverse_dtype` must be one of float32, float64"),
+    ({"inverse_dtype": "float8"}, "`config.inverse_dtype` must be one of"),
+    ({"inverse_dtype": "float64"}, "`config.inverse_dtype`=float64 needs 64-bit JAX"),
+    ({"preconditioner_dtype": "float16"}, "`config.preconditioner_dtype` must be one of bfloat16, "),
+    ({"preconditioner_dtype": "int8"}, "`config.preconditioner_dtype` must be one of"),
   ],
 )
 def test_bad_dtype_arguments_name_the_argument(kwargs, match):
   if jax.config.jax_enable_x64:
     pytest.skip("the float64 case needs x64 off")
-  with pytest.raises(ValueError, match=match.replace("`", "`config.", 1)):
+  with pytest.raises(ValueError, match=match):
     kfac_jax.Config(**kwargs)
 
 
@@ -333,7 +333,7 @@ def test_preconditioner_dtype_wider_than_the_inverses_is_refused(x64):
       learning_rate=1.0,
       config=kfac_jax.Config(inverse_dtype="float32", preconditioner_dtype="float64"),
     )
-  with pytest.raises(ValueError, match=match.replace("`", "`config.", 1)):
+  with pytest.raises(ValueError, match=match):
     kfac_jax.Config(inverse_dtype="float32", preconditioner_dtype="float64")
 
 

@@ -46,7 +46,7 @@ def adapt(lam, rho, omega):
 
 def adaptive_contestant(loss_fn, example, damping: float, period: int, trace: bool, **kw):
   tx = optax.inject_hyperparams(kfac_jax.kfac, static_args=("loss_fn", "example_batch"))(
-    loss_fn, example, damping=damping, **kw
+    loss_fn, example, damping=damping, **_harness.with_config(kw)
   )
   omega = 0.95**period
 
