@@ -191,7 +191,7 @@ def test_float64_inverses_of_float32_statistics(x64):
     ({"inverse_dtype": "bfloat16"}, "`config.inverse_dtype` must be one of float32, float64"),
     ({"inverse_dtype": "float8"}, "`config.inverse_dtype` must be one of"),
     ({"inverse_dtype": "float64"}, "`config.inverse_dtype`=float64 needs 64-bit JAX"),
-    ({"preconditioner_dtype": "float16"}, "`config.preconditioner_dtype` must be one of bfloat16, "),
+    ({"preconditioner_dtype": "float16"}, "`config.preconditioner_dtype` must be one of bfloat16"),
     ({"preconditioner_dtype": "int8"}, "`config.preconditioner_dtype` must be one of"),
   ],
 )
