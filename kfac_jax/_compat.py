@@ -180,9 +180,10 @@ def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
   return {"policy": eqn.params.get("policy"), "prevent_cse": eqn.params.get("prevent_cse", True)}
 
 
-def make_jaxpr(fun, *args) -> ClosedJaxpr:
-  """`jax.make_jaxpr(fun)(*args)`, accepting arrays, tracers or ShapeDtypeStructs."""
-  return jax.make_jaxpr(fun)(*args)
+def make_jaxpr(fun, *args) -> tuple[ClosedJaxpr, Any]:
+  """`jax.make_jaxpr(fun, return_shape=True)(*args)`: the closed jaxpr and the output's pytree
+  of ShapeDtypeStructs; the arguments may be arrays, tracers or ShapeDtypeStructs."""
+  return jax.make_jaxpr(fun, return_shape=True)(*args)
 
 
 def axis_env(axes):

@@ -202,7 +202,7 @@ class Estimator:
     # Only pulled back: convolutions transpose with canonically ordered kernels (fast inside
     # the transforms' `lax.cond` on CPU; `_compat.pull_back_convs_canonically`).
     with _compat.pull_back_convs_canonically():
-      _, _, stats = _curvature.compute(
+      stats = _curvature.compute(
         reg.scan_batch(params, batch),
         params,
         batch,
@@ -212,7 +212,7 @@ class Estimator:
         with_grads=False,
         with_params_stats=self.compute_params_stats,
         fingerprint=reg.fingerprint,
-      )
+      )[-1]
     return stats
 
   def batch_factors(

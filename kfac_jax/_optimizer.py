@@ -453,7 +453,6 @@ class Optimizer:
     # 1. One forward pass, linearised: the loss, its gradient, (on curvature steps) the
     # statistics' pull-back and (step 4) the quadratic model's push-forwards all reuse it.
     lin = _curvature.linearize(scan, params, batch)
-    aux = reg.loss_part.unflatten_aux(lin.aux_leaves) if reg.has_aux else None
     loss, g_leaves = self._pmean((lin.loss, jax.tree_util.tree_leaves(lin.grads())))
     grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_leaves)
     grad_h = (
@@ -594,7 +593,7 @@ class Optimizer:
       "skipped": ~ok,
     }
     if reg.has_aux:
-      info["aux"] = aux
+      info["aux"] = lin.aux
     return update, new_state, info
 
   # -- optax form ------------------------------------------------------------------------------
@@ -633,8 +632,7 @@ class Optimizer:
       info["skipped"] = jnp.zeros([], bool)
       reg = self.estimator.registration
       if reg.has_aux:  # Its shapes at the registered params (`params` may be a placeholder).
-        shapes = jax.eval_shape(reg.loss_part, reg.params_shape, reg.example_batch)
-        aux = reg.loss_part.unflatten_aux(shapes[1:])
+        _, aux = jax.eval_shape(reg.loss_part, reg.params_shape, reg.example_batch)
         info["aux"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux)
       return KfacOptaxState(opt_state, info)
 

@@ -320,7 +320,7 @@ class Registration:
     set_(self, "_scans", {})
     set_(self, "_block_sets", {})
     if not stand_in and not _has_tracer_consts(scan):
-      self._scans[(env, avals(params), avals(example_batch))] = (scan, part.aux_tree)
+      self._scans[(env, avals(params), avals(example_batch))] = scan
 
   def __setattr__(self, name, value):
     raise dataclasses.FrozenInstanceError(
@@ -394,9 +394,7 @@ class Registration:
     key = None if env is None else (env, avals(params), avals(batch))
     hit = self._scans.get(key) if key is not None else None
     if hit is not None:
-      scan, aux_tree = hit
-      self.loss_part.aux_tree = aux_tree
-      return scan
+      return hit
     scan = _scan.scan(
       self.loss_part,
       params,
@@ -410,7 +408,7 @@ class Registration:
     if key is not None and not _has_tracer_consts(scan):
       if len(self._scans) >= _MAX_SCANS:
         self._scans.pop(next(iter(self._scans)))
-      self._scans[key] = (scan, self.loss_part.aux_tree)
+      self._scans[key] = scan
     return scan
 
   def check_scan(self, scan: _scan.ScanResult) -> None:
@@ -656,7 +654,6 @@ def value_and_grad(
       num_samples=r.num_samples,
       with_grads=True,
       with_params_stats=compute_params_stats,
-      aux=r.loss_part if r.has_aux else None,
       fingerprint=r.fingerprint,
     )
     if r.has_aux:
