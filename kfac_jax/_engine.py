@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from kfac_jax import _curvature, _estimator, _storage
 
 Array = jax.Array
-all_finite = _storage.all_finite
 
 
 def _is_one(x) -> bool:
@@ -132,7 +131,7 @@ def step(
       in_burn, lambda: jax.tree_util.tree_map(jnp.zeros_like, vector), precondition
     )
   if ok is not None:
-    ok = ok & all_finite(pre)
+    ok = ok & _storage.all_finite(pre)
   return pre, curv, ok
 
 

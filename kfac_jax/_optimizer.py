@@ -57,9 +57,11 @@ from kfac_jax import (
   _curvature,
   _engine,
   _estimator,
+  _fronts,
   _losses,
   _parallel,
   _registration,
+  _storage,
 )
 
 Array = jax.Array
@@ -288,9 +290,7 @@ class Optimizer:
     config: _config.Config | None = None,
   ):
     config = _config.get(config, "Optimizer")
-    self._estimators = _estimator.for_front(
-      loss_fn, example_batch, registration, config, "Optimizer"
-    )
+    self._estimators = _fronts.for_front(loss_fn, example_batch, registration, config, "Optimizer")
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
@@ -357,7 +357,7 @@ class Optimizer:
     call it inside the pmap / shard_map over `axis_name` (or pass `config.mesh`).
     """
     del rng
-    est, _ = _estimator.estimator_for(self._estimators, params, "Optimizer", self.axis_name)
+    est, _ = _fronts.estimator_for(self._estimators, params, "Optimizer", self.axis_name)
     dtype = est.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(
@@ -468,7 +468,7 @@ class Optimizer:
     # 2. The engine's step: statistics, inverses (damping λ + η) and Δ = −F̂⁻¹ ∇h.
     ok = None
     if cfg.skip_nonfinite:
-      ok = jnp.isfinite(loss) & _estimator.all_finite(g_leaves)
+      ok = jnp.isfinite(loss) & _storage.all_finite(g_leaves)
     pre, curv, ok = _engine.step(
       est,
       state.curvature,
@@ -568,7 +568,7 @@ class Optimizer:
     # curvature did not move on a non-finite loss or gradient (above); one cond on the scalar
     # verdict picks the new or the old value of the rest this step changed. An update that
     # overflows from finite inputs keeps the (finite) statistics and inverses it used.
-    ok = jnp.asarray(True) if ok is None else ok & _estimator.all_finite(update)
+    ok = jnp.asarray(True) if ok is None else ok & _storage.all_finite(update)
     new_lam = jnp.asarray(new_lam, sdtype)
     velocity, new_lam, rho = _engine.keep_if(
       ok, (velocity, new_lam, rho), (state.velocity, state.damping, state.rho)
@@ -614,7 +614,7 @@ class Optimizer:
     """
 
     def whole(params):
-      if _estimator.masked_share(params) is not None:
+      if _fronts.masked_share(params) is not None:
         raise ValueError(
           "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (optax.multi_transform or "
           "optax.masked hands it only a share of the parameters), but the optimizer steps the "
