@@ -164,7 +164,7 @@ class CurvatureEstimator:
         preconditioner_dtype, inverse_dtype
       ),
     )
-    self._estimators = _fronts.source(
+    self._source = _fronts.source(
       loss_fn,
       example_batch,
       reg,
@@ -182,12 +182,12 @@ class CurvatureEstimator:
   @property
   def registered(self) -> bool:
     """Whether the layers are known (a registration given, or built by `init`)."""
-    return self._estimators.registered
+    return self._source.registered
 
   @property
   def estimator(self) -> Estimator:
     """The complete estimator (after `init`, or at once with a registration)."""
-    return self._estimators.only()
+    return self._source.only()
 
   @property
   def registration(self) -> _registration.Registration:
@@ -207,7 +207,7 @@ class CurvatureEstimator:
   def scan_batch(self, params, batch) -> _scan.ScanResult:
     """The evaluation graph of `loss_fn(params, batch)` (the registration's, kept per batch
     signature)."""
-    return self._estimators.for_params(params).registration.scan_batch(params, batch)
+    return self._source.for_params(params).registration.scan_batch(params, batch)
 
   # -- state -----------------------------------------------------------------------------------
 
@@ -222,12 +222,12 @@ class CurvatureEstimator:
     whose collectives name it (e.g. `BatchNorm(axis_name=...)`) when `init` runs outside pmap
     / shard_map.
     """
-    est = self._estimators.for_params(params, axis_name)
+    est = self._source.for_params(params, axis_name)
     return est.init(axis_name=axis_name, mesh=mesh)
 
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
-    return self._estimators.for_params(params).curvature_stats(params, batch, rng)
+    return self._source.for_params(params).curvature_stats(params, batch, rng)
 
   def batch_factors(self, stats, axis_name: str | None = None, cache=None) -> dict[str, Any]:
     """Per-block statistics of one batch (see `Estimator.batch_factors`)."""
@@ -247,7 +247,7 @@ class CurvatureEstimator:
     self, state: EstimatorState, params, batch, rng, ema_decay, axis_name: str | None = None
   ) -> EstimatorState:
     """`update_curvature_from_stats` with statistics computed from `batch`."""
-    est = self._estimators.for_params(params)
+    est = self._source.for_params(params)
     stats = est.curvature_stats(params, batch, rng)
     return est.update_curvature_from_stats(state, stats, ema_decay, axis_name)
 

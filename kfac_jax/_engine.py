@@ -22,9 +22,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kfac_jax import _curvature, _estimator, _storage
+from kfac_jax import _curvature, _estimator, _parallel, _storage
 
 Array = jax.Array
+
+
+def tree_vdot(a, b) -> Array:
+  """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params)."""
+
+  def up(x):
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+  return sum(  # type: ignore[return-value]  # an Array: params have leaves
+    _parallel.vdot(up(x), up(y))
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+  )
 
 
 def _is_one(x) -> bool:

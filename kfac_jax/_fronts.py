@@ -157,17 +157,17 @@ def unfill(full, share):
   )
 
 
-def estimator_for(ests: Source, params, who: str, axis_name=None):
+def estimator_for(source: Source, params, who: str, axis_name=None):
   """`(estimator, kept)`: the complete estimator for `params`, restricted to the share when
   `params` has `optax.MaskedNode` leaves (`kept`: per registered leaf, whether it is in it)."""
-  if not jax.tree_util.tree_leaves(params, is_leaf=is_masked) and ests.registered:
+  if not jax.tree_util.tree_leaves(params, is_leaf=is_masked) and source.registered:
     # A tree without leaves: `optax.tree_map_params`' placeholder, which asks only for the
     # state's structure (the layers are known from an earlier `init`).
-    return ests.only(), None
+    return source.only(), None
   kept = masked_share(params)
   if kept is None:
-    return ests.for_params(params, axis_name), None
-  if not ests.registered:
+    return source.for_params(params, axis_name), None
+  if not source.registered:
     raise ValueError(
       f"{who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
       "optax.masked hands this transform only its share of the parameters, and the model "
@@ -175,6 +175,6 @@ def estimator_for(ests: Source, params, who: str, axis_name=None):
       "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
       f"to {who} and to kfac_jax.value_and_grad."
     )
-  est = ests.only()
+  est = source.only()
   est.registration.check_params(fill(est, params, abstract=True))
   return est.restrict(kept), kept

@@ -476,14 +476,14 @@ def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:
 
 
 def estimator_settings(
-  has_aux, estimation_mode, num_samples, strict, layers, *, num_samples_default: Any = 1, prefix=""
+  has_aux, estimation_mode, num_samples, strict, layers, *, prefix=""
 ) -> dict[str, tuple[str, Any, Any]]:
   """The `settings` table of `resolve` for an entry point's estimator arguments (`prefix`:
   how the error names them, e.g. "config." for the Optimizer's `OptimizerConfig` fields)."""
   return {
     "has_aux": ("has_aux", has_aux, False),
     f"{prefix}estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
-    f"{prefix}num_samples": ("num_samples", num_samples, num_samples_default),
+    f"{prefix}num_samples": ("num_samples", num_samples, 1),
     f"{prefix}strict": ("strict", strict, False),
     f"{prefix}layers": ("layer_config", layers, None),
   }

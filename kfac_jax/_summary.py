@@ -242,7 +242,7 @@ def _relative_paths(paths: Sequence[str]) -> str:
 
 
 def format_table(
-  layers: Sequence[_scan.LayerSpec],
+  layers: Sequence[_tracer.LayerSpec],
   blocks: Sequence[_blocks.Block],
   param_bytes: int | None = None,
 ) -> str:

@@ -33,7 +33,6 @@ from kfac_jax import (
   _engine,
   _estimator,
   _fronts,
-  _parallel,
   _registration,
   _storage,
 )
@@ -211,11 +210,11 @@ def _preconditioner(
     "only the Optimizer adapts the damping",
   )
   config.refuse(who, ("weight_decay",), "chain optax.add_decayed_weights for weight decay")
-  ests = _fronts.for_front(loss_fn, example_batch, registration, config, who)
+  source = _fronts.for_front(loss_fn, example_batch, registration, config, who)
   mesh, guard, fraction = config.mesh, config.skip_nonfinite, config.fraction
 
   def init_fn(params) -> ScaleByKfacState:
-    est, _ = _fronts.estimator_for(ests, params, who, axis_name)
+    est, _ = _fronts.estimator_for(source, params, who, axis_name)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
     return ScaleByKfacState(
       count=jnp.zeros([], jnp.int32),
@@ -237,7 +236,7 @@ def _preconditioner(
     del extra_args  # Other transforms' extra arguments (optax.chain forwards them all).
     if params is None:
       raise ValueError(f"{who}: `params` is required: tx.update(grads, state, params, ...).")
-    est, kept = _fronts.estimator_for(ests, params, who)
+    est, kept = _fronts.estimator_for(source, params, who)
     _check_state(state, est, who)
     if kept is not None:
       if _fronts.masked_share(updates) != kept:
@@ -394,15 +393,7 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
   divergence of the step `v`). 1 when `vᵀg = 0`; the inner product is accumulated in at least
   float32. `r = max_norm`.
   """
-
-  def up(x):
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-  vg = sum(
-    _parallel.vdot(up(v), up(g))
-    for v, g in zip(jax.tree_util.tree_leaves(preconditioned), jax.tree_util.tree_leaves(grads))
-  )
-  vg = jnp.abs(jnp.asarray(vg))
+  vg = jnp.abs(jnp.asarray(_engine.tree_vdot(preconditioned, grads)))
   r2 = jnp.square(jnp.asarray(max_norm, vg.dtype))
   big = vg > r2
   return jnp.where(big, jnp.sqrt(r2 / jnp.where(big, vg, 1)), jnp.ones_like(vg))
