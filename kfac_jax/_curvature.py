@@ -198,7 +198,7 @@ def _stacked_tap(graph: _scan.FlatGraph, uses):
 class Linearisation:
   """One forward pass of the tagged loss, linearised in (params, layer-output perturbations).
 
-  Built by `linearize` inside a trace. The forward pass runs once; every pull-back
+  Built inside a trace. The forward pass runs once; every pull-back
   (`grads`, `statistics`) and push-forward (`prediction_jvp`) reuses its residuals, so the
   `Optimizer` gets the gradient, the curvature statistics and the quadratic model's
   Jacobian-vector products from a single forward pass. (`jax.vjp` is `jax.linearize` followed by
@@ -326,11 +326,6 @@ class Linearisation:
     )
 
 
-def linearize(scan: _scan.ScanResult, params, batch) -> Linearisation:
-  """One forward pass of `scan`'s graph, linearised (see `Linearisation`)."""
-  return Linearisation(scan, params, batch)
-
-
 def compute(
   scan: _scan.ScanResult,
   params,
@@ -353,7 +348,7 @@ def compute(
   registration's `StatsKey`, carried by the statistics.
   """
   check_rng(estimation_mode, rng)
-  lin = linearize(scan, params, batch)
+  lin = Linearisation(scan, params, batch)
   grads = lin.grads() if with_grads else None
   stats = lin.statistics(
     rng,

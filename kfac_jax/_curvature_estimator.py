@@ -3,6 +3,7 @@ FisherEstimator (the mathematics is in `kfac_jax._estimator`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -164,25 +165,18 @@ class CurvatureEstimator:
         preconditioner_dtype, inverse_dtype
       ),
     )
-    self._source = _fronts.source(
-      loss_fn,
-      example_batch,
-      reg,
-      {k[k.rfind(".") + 1 :]: v[1] for k, v in settings.items()},
-      block_config,
-      storage,
-      "this estimator",
-      compute_params_stats,
+    make = functools.partial(
+      Estimator,
+      config=block_config,
+      storage=storage,
+      compute_params_stats=compute_params_stats,
     )
+    settings = {k[k.rfind(".") + 1 :]: v[1] for k, v in settings.items()}
+    self._source = _fronts.Source(make, loss_fn, example_batch, settings, reg)
     self.config = block_config
     self.storage = storage
 
   # -- structure -------------------------------------------------------------------------------
-
-  @property
-  def registered(self) -> bool:
-    """Whether the layers are known (a registration given, or built by `init`)."""
-    return self._source.registered
 
   @property
   def estimator(self) -> Estimator:

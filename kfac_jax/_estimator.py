@@ -191,18 +191,10 @@ class Estimator:
     # Only pulled back: convolutions transpose with canonically ordered kernels (fast inside
     # the transforms' `lax.cond` on CPU; `_compat.pull_back_convs_canonically`).
     with _compat.pull_back_convs_canonically():
-      stats = _curvature.compute(
-        reg.scan_batch(params, batch),
-        params,
-        batch,
-        rng,
-        estimation_mode=reg.estimation_mode,
-        num_samples=reg.num_samples,
-        with_grads=False,
-        with_params_stats=self.compute_params_stats,
-        fingerprint=reg.fingerprint,
-      )[-1]
-    return stats
+      out = reg.compute(
+        params, batch, rng, with_grads=False, with_params_stats=self.compute_params_stats
+      )
+    return out[-1]
 
   def batch_factors(
     self, stats: _curvature.CurvatureStats, axis_name: str | None = None, cache=None

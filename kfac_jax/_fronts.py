@@ -29,34 +29,36 @@ class Source:
 
   Attributes:
     make: `registration -> Estimator` (the blocks' numerics, storage, error prefix).
-    given: the estimator of the `registration=` argument, or None.
-    loss_fn, example_batch: scanned with the first params (without `registration=`).
+    loss_fn, example_batch: scanned with the first params (without `registration`).
     settings: the `Registration` keyword arguments for `loss_fn`.
+    registration: given instead of `loss_fn` (checked by `_registration.resolve`), or None.
   """
 
   make: Callable[[_registration.Registration], Estimator]
-  given: Estimator | None = None
   loss_fn: Any = None
   example_batch: Any = None
   settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+  registration: _registration.Registration | None = None
   _built: dict[Any, Estimator] = dataclasses.field(default_factory=dict, repr=False)
+
+  def __post_init__(self):
+    if self.registration is not None:
+      self._built[None] = self.make(self.registration)
 
   @property
   def registered(self) -> bool:
     """Whether the estimator is known (a registration given, or params seen)."""
-    return self.given is not None or bool(self._built)
+    return bool(self._built)
 
   def only(self) -> Estimator:
     """The estimator (a registration given, or params seen)."""
-    if self.given is not None:
-      return self.given
     if not self._built:
       raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
     return next(iter(self._built.values()))
 
   def for_params(self, params, axis_name=None) -> Estimator:
     """The estimator for `params`, checked against the signature this front serves."""
-    if self.registered:
+    if self._built:
       est = self.only()
       est.registration.check_params(params)
       return est
@@ -67,29 +69,6 @@ class Source:
       )
     )
     return self._built[key]
-
-
-def source(
-  loss_fn,
-  example_batch,
-  registration: _registration.Registration | None,
-  settings: dict[str, Any],
-  block_config,
-  storage,
-  who: str,
-  compute_params_stats: bool = False,
-) -> Source:
-  """A `Source` (`registration`: already checked by `_registration.resolve`)."""
-  make = functools.partial(
-    Estimator,
-    config=block_config,
-    storage=storage,
-    who=who,
-    compute_params_stats=compute_params_stats,
-  )
-  if registration is not None:
-    return Source(make, given=make(registration))
-  return Source(make, loss_fn=loss_fn, example_batch=example_batch, settings=settings)
 
 
 def for_front(loss_fn, example_batch, registration, config, who: str) -> Source:
@@ -110,15 +89,13 @@ def for_front(loss_fn, example_batch, registration, config, who: str) -> Source:
         f"{who}: pass `loss_fn` and `example_batch`, or `registration=` (a kfac_jax.Registration)."
       )
     _checks.function(loss_fn, "loss_fn")
-  return source(
-    loss_fn,
-    example_batch,
-    reg,
-    config.registration_settings(),
-    config.block_config(),
-    config.storage,
-    f"this {who}" + ("" if who == "Optimizer" else " transform"),
+  make = functools.partial(
+    Estimator,
+    config=config.block_config(),
+    storage=config.storage,
+    who=f"this {who}" + ("" if who == "Optimizer" else " transform"),
   )
+  return Source(make, loss_fn, example_batch, config.registration_settings(), reg)
 
 
 def is_masked(x) -> bool:

@@ -530,7 +530,7 @@ class Optimizer:
 
     # 1. One forward pass, linearised: the loss, its gradient, (on curvature steps) the
     # statistics' pull-back and the quadratic model's push-forwards all reuse it.
-    lin = _curvature.linearize(reg.scan_batch(params, batch), params, batch)
+    lin = _curvature.Linearisation(reg.scan_batch(params, batch), params, batch)
     loss, grads = _pmean((lin.loss, lin.grads()), self.axis_name)
     grad_h = _plus_l2(grads, params, self.l2_reg)
     fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grad_h)
