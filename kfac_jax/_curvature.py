@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +36,7 @@ Array = jax.Array
 EstimationMode = Literal[
   "gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN"
 ]
-ESTIMATION_MODES = (
-  "gradients",
-  "empirical",
-  "curvature_prop",
-  "curvature_prop_GGN",
-  "exact",
-  "exact_GGN",
-)
+ESTIMATION_MODES: tuple[str, ...] = get_args(EstimationMode)
 
 
 @jax.tree_util.register_dataclass

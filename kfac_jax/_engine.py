@@ -145,9 +145,3 @@ def step(
   if ok is not None:
     ok = ok & _storage.all_finite(pre)
   return pre, curv, ok
-
-
-def keep_if(ok: Array, new, old):
-  """`new` when the scalar `ok` holds, else `old` (equal pytree structures): one `lax.cond`,
-  no elementwise test or select over the arrays."""
-  return jax.lax.cond(ok, lambda: new, lambda: old)

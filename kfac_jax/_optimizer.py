@@ -304,10 +304,10 @@ def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype,
   finite inputs keeps the (finite) statistics and inverses it used.
   """
   ok = jnp.asarray(True) if ok is None else ok & _storage.all_finite(update)
-  velocity, new_lam, rho = _engine.keep_if(
+  velocity, new_lam, rho = jax.lax.cond(
     ok,
-    (m.velocity, jnp.asarray(m.damping, dtype), m.rho),
-    (state.velocity, state.damping, state.rho),
+    lambda: (m.velocity, jnp.asarray(m.damping, dtype), m.rho),
+    lambda: (state.velocity, state.damping, state.rho),
   )
   new_state = OptimizerState(
     step=state.step + ok.astype(state.step.dtype),

@@ -74,13 +74,6 @@ class KfacState(NamedTuple):
   momentum: optax.TraceState | optax.EmptyState
 
 
-def _check_schedule(damping, ema_decay, inverse_every, curvature_every) -> None:
-  _checks.number(damping, "damping", low=0.0, schedule=True)
-  _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
-  _checks.positive_int(inverse_every, "inverse_every")
-  _checks.positive_int(curvature_every, "curvature_every")
-
-
 def auto_stride(n: int) -> int:
   """The row stride of `statistics_fraction="auto"` for a batch of n rows: every fourth row from
   256 rows, every second from 128, else every row, so the statistics keep at least 64 examples.
@@ -202,7 +195,10 @@ def _preconditioner(
 ) -> optax.GradientTransformationExtraArgs:
   """`scale_by_kfac` named `who` in its errors."""
   config = _config.get(config, who)
-  _check_schedule(damping, ema_decay, inverse_every, curvature_every)
+  _checks.number(damping, "damping", low=0.0, schedule=True)
+  _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
+  _checks.positive_int(inverse_every, "inverse_every")
+  _checks.positive_int(curvature_every, "curvature_every")
   _config.check_parallel(axis_name, config)
   config.refuse(
     who,
