@@ -17,7 +17,8 @@ from kfac_jax._audit import LossMismatchWarning
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
-from kfac_jax._estimator import CurvatureEstimator, EstimatorState
+from kfac_jax._curvature_estimator import CurvatureEstimator
+from kfac_jax._estimator import EstimatorState
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerState
 from kfac_jax._optimizer import OptimizerConfig as OptimizerConfig  # Raises, naming Config.
 from kfac_jax._parallel import ShardedCache

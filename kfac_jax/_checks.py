@@ -88,6 +88,16 @@ def number(
     raise ValueError(f"`{name}` must be {expected}, got {_describe(value)}.")
 
 
+def concrete_number(value, name: str, where: str, **bounds) -> None:
+  """`number` (with `low=0` unless given) that also refuses a traced value: "`where` outside
+  jit" says what to build there."""
+  if is_traced(value):
+    raise TypeError(
+      f"`{name}` must be a concrete number, got a traced value {value!r}: {where} outside jit."
+    )
+  number(value, name, **({"low": 0.0} | bounds))
+
+
 def positive_int(value, name: str) -> None:
   """An integer >= 1 (a Python int, a numpy integer or a 0-d integer-valued array)."""
   expected = "a positive integer"

@@ -108,14 +108,12 @@ def _conv_input_transpose_canonical(params: dict[str, Any], x, w):
   JAX transposes a convolution in its input by a convolution of the kernel read with its input
   and output feature axes exchanged. XLA's CPU backend re-lays that kernel out where it is free
   to, but not inside a `lax.cond` branch or a loop body, where the convolution then runs
-  through a generic loop: the CNN benchmark's 3×3 conv over 256 × 14 × 14 × 16 pulled back in
-  90 ms inside a cond against 5.5 ms outside (its statistics step, whose sampled pull-back runs
-  in the transform's cond on due updates, paid ~80 ms for it). Written against the swapped
-  kernel, the transposed convolution reads it in the canonical order: 6 ms in either place.
-  The forward value and the kernel's derivative are the plain convolution's. The input
-  tangent's push-forward is then the convolution with the swapped kernel, which is the slow
-  form inside a cond (the `Optimizer`'s quadratic model: 201 → 226 ms per CNN step): hence
-  only for passes that are pulled back (`pull_back_convs_canonically`)."""
+  through a generic, much slower loop (the transforms' statistics pull back inside a cond).
+  Written against the swapped kernel, the transposed convolution reads it in the canonical
+  order, fast in either place. The forward value and the kernel's derivative are the plain
+  convolution's. The input tangent's push-forward is then the convolution with the swapped
+  kernel, the slow form inside a cond (the `Optimizer`'s quadratic model): hence only for
+  passes that are pulled back (`pull_back_convs_canonically`)."""
   conv = jax.lax.conv_general_dilated_p
 
   @jax.custom_jvp
@@ -180,9 +178,10 @@ def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
   return {"policy": eqn.params.get("policy"), "prevent_cse": eqn.params.get("prevent_cse", True)}
 
 
-def make_jaxpr(fun, *args) -> ClosedJaxpr:
-  """`jax.make_jaxpr(fun)(*args)`, accepting arrays, tracers or ShapeDtypeStructs."""
-  return jax.make_jaxpr(fun)(*args)
+def make_jaxpr(fun, *args) -> tuple[ClosedJaxpr, Any]:
+  """`jax.make_jaxpr(fun, return_shape=True)(*args)`: the closed jaxpr and the output's pytree
+  of ShapeDtypeStructs; the arguments may be arrays, tracers or ShapeDtypeStructs."""
+  return jax.make_jaxpr(fun, return_shape=True)(*args)
 
 
 def axis_env(axes):

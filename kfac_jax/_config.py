@@ -296,12 +296,7 @@ def check_parallel(axis_name, config: Config) -> None:
 
 
 def _concrete(value, name: str, **bounds) -> None:
-  if _checks.is_traced(value):
-    raise TypeError(
-      f"`{name}` must be a concrete number, got a traced value {value!r}: build the Config "
-      "outside jit."
-    )
-  _checks.number(value, name, **({"low": 0.0} | bounds))
+  _checks.concrete_number(value, name, "build the Config", **bounds)
 
 
 def get(config, who: str) -> Config:

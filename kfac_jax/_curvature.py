@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +36,7 @@ Array = jax.Array
 EstimationMode = Literal[
   "gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN"
 ]
-ESTIMATION_MODES = (
-  "gradients",
-  "empirical",
-  "curvature_prop",
-  "curvature_prop_GGN",
-  "exact",
-  "exact_GGN",
-)
+ESTIMATION_MODES: tuple[str, ...] = get_args(EstimationMode)
 
 
 @jax.tree_util.register_dataclass
@@ -116,15 +109,13 @@ def check_rng(estimation_mode: str, rng) -> None:
 
 
 class LossPart:
-  """`loss_fn` as the scanner traces it: the loss first, then the aux's leaves (with `has_aux`).
+  """`loss_fn` as the scanner traces it, its output checked against `has_aux`.
 
-  `jax.make_jaxpr` flattens `(loss, aux)` into the outputs `[loss, *aux_leaves]`; the scanner
-  registers layers on the loss's slice of the graph only, and one evaluation of the graph then
-  gives both (no second forward pass for the aux). `aux_tree` is the aux's treedef from the
-  latest trace; `unflatten_aux` rebuilds the aux from the graph's extra outputs.
-
-  Calling it also checks the output against `has_aux`, so a mismatch is an error naming
-  `has_aux` rather than a shape error.
+  With `has_aux`, `jax.make_jaxpr` flattens `(loss, aux)` into the outputs `[loss, *aux_leaves]`;
+  the scanner registers layers on the loss's slice of the graph only and records the aux's
+  treedef (`ScanResult.aux_tree`), so one evaluation of the graph gives both (no second forward
+  pass for the aux). The check makes a mismatch an error naming `has_aux` rather than a shape
+  error.
   """
 
   def __init__(self, loss_fn: Callable | None, has_aux: bool):
@@ -134,7 +125,6 @@ class LossPart:
       raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
     self.loss_fn = loss_fn
     self.has_aux = has_aux
-    self.aux_tree: Any = None
 
   def __call__(self, params, batch):
     out = self.loss_fn(params, batch)
@@ -161,11 +151,7 @@ class LossPart:
         "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
         f"got shape {getattr(loss, 'shape', type(loss).__name__)}."
       )
-    aux_leaves, self.aux_tree = jax.tree_util.tree_flatten(aux)
-    return (loss, *aux_leaves)
-
-  def unflatten_aux(self, leaves):
-    return jax.tree_util.tree_unflatten(self.aux_tree, list(leaves))
+    return loss, aux
 
 
 def _join_exact(cts: list[Array]) -> list[Array]:
@@ -205,7 +191,7 @@ def _stacked_tap(graph: _scan.FlatGraph, uses):
 class Linearisation:
   """One forward pass of the tagged loss, linearised in (params, layer-output perturbations).
 
-  Built by `linearize` inside a trace. The forward pass runs once; every pull-back
+  Built inside a trace. The forward pass runs once; every pull-back
   (`grads`, `statistics`) and push-forward (`prediction_jvp`) reuses its residuals, so the
   `Optimizer` gets the gradient, the curvature statistics and the quadratic model's
   Jacobian-vector products from a single forward pass. (`jax.vjp` is `jax.linearize` followed by
@@ -216,7 +202,8 @@ class Linearisation:
     loss: the scalar loss.
     preds: per loss tag, its prediction (the tag's first operand).
     others: per loss tag, its further operands (targets, weights).
-    aux_leaves: the graph's further outputs (the aux's leaves with `has_aux`).
+    aux: with `has_aux`, the aux `loss_fn` returned (rebuilt from the graph's further
+      outputs with `scan.aux_tree`); None otherwise.
   """
 
   def __init__(self, scan: _scan.ScanResult, params, batch):
@@ -261,7 +248,10 @@ class Linearisation:
     (loss, preds), jvp_fn, (xs, others, aux_leaves) = jax.linearize(f, leaves, eps0, has_aux=True)
     self.scan = scan
     self.params_treedef = jax.tree_util.tree_structure(params)
-    self.loss, self.preds, self.others, self.aux_leaves = loss, preds, others, aux_leaves
+    self.loss, self.preds, self.others = loss, preds, others
+    self.aux = (
+      None if scan.aux_tree is None else jax.tree_util.tree_unflatten(scan.aux_tree, aux_leaves)
+    )
     self._xs, self._taps, self._stacked, self._eps0 = xs, taps, stacked, eps0
     self._jvp = jvp_fn
     self._vjp = jax.linear_transpose(jvp_fn, leaves, eps0)
@@ -329,11 +319,6 @@ class Linearisation:
     )
 
 
-def linearize(scan: _scan.ScanResult, params, batch) -> Linearisation:
-  """One forward pass of `scan`'s graph, linearised (see `Linearisation`)."""
-  return Linearisation(scan, params, batch)
-
-
 def compute(
   scan: _scan.ScanResult,
   params,
@@ -344,7 +329,6 @@ def compute(
   num_samples: int,
   with_grads: bool,
   with_params_stats: bool = False,
-  aux: LossPart | None = None,
   fingerprint: Any = None,
 ):
   """Loss, gradient (or None) and `CurvatureStats` from one forward pass.
@@ -352,13 +336,12 @@ def compute(
   With `with_params_stats`, the sampled pull-back also forms every parameter's product (one
   more set of weight-gradient matmuls); without it XLA drops those for the tapped layers.
 
-  With `aux` (the `LossPart` that `scan` was scanned from, `has_aux=True`), returns
-  `(loss, aux_value, grads, stats)`: the aux comes from the same forward pass, as the graph's
-  extra outputs (not differentiated). `fingerprint`: the registration's `StatsKey`, carried by
-  the statistics.
+  When `scan` was made with `has_aux`, returns `(loss, aux, grads, stats)`: the aux comes from
+  the same forward pass, as the graph's extra outputs (not differentiated). `fingerprint`: the
+  registration's `StatsKey`, carried by the statistics.
   """
   check_rng(estimation_mode, rng)
-  lin = linearize(scan, params, batch)
+  lin = Linearisation(scan, params, batch)
   grads = lin.grads() if with_grads else None
   stats = lin.statistics(
     rng,
@@ -367,6 +350,6 @@ def compute(
     with_params_stats=with_params_stats,
     fingerprint=fingerprint,
   )
-  if aux is not None:
-    return lin.loss, aux.unflatten_aux(lin.aux_leaves), grads, stats
+  if scan.aux_tree is not None:
+    return lin.loss, lin.aux, grads, stats
   return lin.loss, grads, stats

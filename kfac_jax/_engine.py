@@ -22,10 +22,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kfac_jax import _curvature, _estimator, _storage
+from kfac_jax import _curvature, _estimator, _parallel, _storage
 
 Array = jax.Array
-all_finite = _storage.all_finite
+
+
+def tree_vdot(a, b) -> Array:
+  """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params)."""
+
+  def up(x):
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+  return sum(  # type: ignore[return-value]  # an Array: params have leaves
+    _parallel.vdot(up(x), up(y))
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+  )
 
 
 def _is_one(x) -> bool:
@@ -132,11 +143,5 @@ def step(
       in_burn, lambda: jax.tree_util.tree_map(jnp.zeros_like, vector), precondition
     )
   if ok is not None:
-    ok = ok & all_finite(pre)
+    ok = ok & _storage.all_finite(pre)
   return pre, curv, ok
-
-
-def keep_if(ok: Array, new, old):
-  """`new` when the scalar `ok` holds, else `old` (equal pytree structures): one `lax.cond`,
-  no elementwise test or select over the arrays."""
-  return jax.lax.cond(ok, lambda: new, lambda: old)

@@ -57,9 +57,11 @@ from kfac_jax import (
   _curvature,
   _engine,
   _estimator,
+  _fronts,
   _losses,
   _parallel,
   _registration,
+  _storage,
 )
 
 Array = jax.Array
@@ -82,13 +84,7 @@ _INFO_KEYS = (
 
 
 def _check_number(value, name: str, **bounds) -> None:
-  """A concrete finite number in the interval: TypeError for other kinds, ValueError if out."""
-  if _checks.is_traced(value):
-    raise TypeError(
-      f"`{name}` must be a concrete number, got a traced value {value!r}: "
-      "construct the Optimizer outside jit."
-    )
-  _checks.number(value, name, **({"low": 0.0} | bounds))
+  _checks.concrete_number(value, name, "construct the Optimizer", **bounds)
 
 
 def OptimizerConfig(*args, **kwargs):  # noqa: N802  # The former class's name.
@@ -192,20 +188,149 @@ def solve_quadratic_model(
   return alpha, mu, change
 
 
-def _vdot(a, b) -> Array:
-  """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params)."""
+def _schedule_value(value, count, dtype):
+  return jnp.asarray(value(count) if callable(value) else value, dtype)
 
-  def up(x):
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
-  return sum(  # type: ignore[return-value]  # an Array: params have leaves
-    _parallel.vdot(up(x), up(y))
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+def _pmean(x, axis_name):
+  return x if axis_name is None else jax.lax.pmean(x, axis_name)
+
+
+def _plus_l2(grads, params, eta: float):
+  """`∇h = ∇L + η θ`."""
+  if not eta:
+    return grads
+  return jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
+
+
+def _decayed(update, params, weight_decay):
+  """`δ − d θ` (decoupled weight decay), in the params' dtypes."""
+  return jax.tree_util.tree_map(
+    lambda u, p: (u - weight_decay.astype(p.dtype) * p).astype(p.dtype), update, params
   )
 
 
-def _schedule_value(value, count, dtype):
-  return jnp.asarray(value(count) if callable(value) else value, dtype)
+class _Pass(NamedTuple):
+  """The step's one forward pass and what it gave (read by the quadratic model and by ρ)."""
+
+  lin: _curvature.Linearisation
+  params: Any
+  batch_leaves: list[Any]
+  loss: Array  # Averaged over `axis_name`.
+  grad_h: Any  # ∇h = ∇L + η θ, averaged over `axis_name`.
+
+
+class _Move(NamedTuple):
+  """What a step decides beyond the curvature."""
+
+  update: Any  # δ
+  velocity: Any  # the next δ_prev
+  damping: Array  # λ for the next step
+  rho: Array
+  learning_rate: Array  # α
+  momentum: Array  # μ
+  change: Array  # M(δ), NaN when not computed
+
+
+def gram_matrix(lin: _curvature.Linearisation, vecs, shift, dtype, axis_name=None) -> Array:
+  """`C_ij = v_iᵀ (G + shift I) v_j` for the param-leaf lists `vecs`.
+
+  The products `J v_i` are push-forwards through the step's own linearisation (no second
+  forward pass); `Gv` in output space is each loss tag's curvature product.
+  """
+  k = len(vecs)
+  jv = [lin.prediction_jvp(v) for v in vecs]  # per vector, per loss tag: [*prediction.shape]
+  rows = [[jnp.zeros([], dtype)] * k for _ in range(k)]
+  for t, (spec, z, o) in enumerate(zip(lin.scan.losses, lin.preds, lin.others)):
+    us = [jv[i][t] for i in range(k)]
+    hus = [_losses.output_curvature_product(spec, (z, *o), u) for u in us]
+    for i in range(k):
+      for j in range(i, k):
+        rows[i][j] = rows[i][j] + _parallel.vdot(us[i].astype(dtype), hus[j].astype(dtype))
+  g = _pmean(jnp.stack([jnp.stack(r) for r in rows]), axis_name)
+  # The shift term from inner products of the (replicated) vectors: no concatenated copies.
+  d: list[list[Any]] = [[None] * k for _ in range(k)]
+  for i in range(k):
+    for j in range(i, k):
+      d[i][j] = sum(
+        _parallel.vdot(a.astype(dtype), b.astype(dtype)) for a, b in zip(vecs[i], vecs[j])
+      )
+  c = jnp.stack(
+    [
+      jnp.stack([(g[min(i, j), max(i, j)] + shift * d[min(i, j)][max(i, j)]) for j in range(k)])
+      for i in range(k)
+    ]
+  )
+  return c.astype(dtype)
+
+
+def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, axis_name=None):
+  """`(α, μ, M(α Δ + μ δ_prev))`, the coefficients left None chosen to minimise M (see
+  `solve_quadratic_model`); `shift = λ + η`."""
+  vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(velocity)]
+  b = jnp.stack(
+    [_engine.tree_vdot(fp.grad_h, delta), _engine.tree_vdot(fp.grad_h, velocity)]
+  ).astype(dtype)
+  return solve_quadratic_model(gram_matrix(fp.lin, vecs, shift, dtype, axis_name), b, alpha, mu)
+
+
+def kl_clip(alpha: Array, quad: Array, limit: Array) -> Array:
+  """α scaled down so that `α² Δᵀ F̂_λ Δ ≤ c` (`quad = Δᵀ F̂_λ Δ`, `limit = c`)."""
+  over = (quad > 0) & (alpha * alpha * quad > limit)
+  return alpha * jnp.where(over, jnp.sqrt(limit / jnp.where(over, alpha * alpha * quad, 1)), 1)
+
+
+def reduction_ratio(h_old: Array, h_new: Array, change: Array) -> Array:
+  """`ρ = (h(θ + δ) − h(θ)) / M(δ)`: −∞ when `h_new` is not finite or when M(δ) > 0 (a fixed α
+  or μ overshoots even the model: as bad as it gets), NaN (no change to λ) when M(δ) = 0."""
+  ratio = (h_new - h_old).astype(change.dtype) / jnp.where(change < 0, change, -1)
+  rho = jnp.where(jnp.isfinite(h_new), ratio, -jnp.inf)
+  return jnp.where(change < 0, rho, jnp.where(change > 0, -jnp.inf, jnp.nan))
+
+
+def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
+  """A burn-in step: the statistics only, no move."""
+  zero = jnp.zeros([], dtype)
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
+
+
+def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype, aux):
+  """`(update, new_state, info)` under the guard: a non-finite loss, gradient or update changes
+  nothing but the skip counter.
+
+  The curvature did not move on a non-finite loss or gradient (`_engine.step`); one cond on the
+  scalar verdict picks the new or the old value of the rest. An update that overflows from
+  finite inputs keeps the (finite) statistics and inverses it used.
+  """
+  ok = jnp.asarray(True) if ok is None else ok & _storage.all_finite(update)
+  velocity, new_lam, rho = jax.lax.cond(
+    ok,
+    lambda: (m.velocity, jnp.asarray(m.damping, dtype), m.rho),
+    lambda: (state.velocity, state.damping, state.rho),
+  )
+  new_state = OptimizerState(
+    step=state.step + ok.astype(state.step.dtype),
+    skipped=state.skipped + (~ok).astype(state.skipped.dtype),
+    curvature=curv,
+    damping=new_lam,
+    rho=rho,
+    velocity=velocity,
+  )
+  update = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), update)
+  info = {
+    "loss": loss,
+    "learning_rate": m.learning_rate,
+    "momentum": m.momentum,
+    "damping": jnp.asarray(lam, dtype),
+    "rho": rho,
+    "quad_model_change": m.change,
+    "update_norm": jnp.sqrt(_engine.tree_vdot(update, update)),
+    "skipped": ~ok,
+  }
+  if aux is not None:
+    info["aux"] = aux
+  return update, new_state, info
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,9 +413,7 @@ class Optimizer:
     config: _config.Config | None = None,
   ):
     config = _config.get(config, "Optimizer")
-    self._estimators = _estimator.for_front(
-      loss_fn, example_batch, registration, config, "Optimizer"
-    )
+    self._source = _fronts.for_front(loss_fn, example_batch, registration, config, "Optimizer")
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
@@ -316,7 +439,6 @@ class Optimizer:
     _check_number(ema_decay, "ema_decay", high=1.0, high_open=True)
     _checks.static_int(inverse_every, "inverse_every")
     _checks.static_int(curvature_every, "curvature_every")
-    _checks.optional_str(axis_name, "axis_name")
     _config.check_parallel(axis_name, config)
     if config.fraction not in (1, "auto"):
       raise ValueError(
@@ -346,7 +468,7 @@ class Optimizer:
   @property
   def estimator(self) -> _estimator.Estimator:
     """The complete estimator (after `init`, or at once with a registration)."""
-    return self._estimators.only()
+    return self._source.only()
 
   # -- state -----------------------------------------------------------------------------------
 
@@ -357,7 +479,7 @@ class Optimizer:
     call it inside the pmap / shard_map over `axis_name` (or pass `config.mesh`).
     """
     del rng
-    est, _ = _estimator.estimator_for(self._estimators, params, "Optimizer", self.axis_name)
+    est, _ = _fronts.estimator_for(self._source, params, "Optimizer", self.axis_name)
     dtype = est.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(
@@ -393,41 +515,6 @@ class Optimizer:
     )
     return new_params, new_state, info
 
-  def _pmean(self, x):
-    return x if self.axis_name is None else jax.lax.pmean(x, self.axis_name)
-
-  def _gram(self, lin: _curvature.Linearisation, vecs, shift) -> Array:
-    """`C_ij = v_iᵀ (G + shift I) v_j` for the param-leaf lists `vecs`.
-
-    The products `J v_i` are push-forwards through the step's own linearisation (no second
-    forward pass); `Gv` in output space is each loss tag's curvature product.
-    """
-    k = len(vecs)
-    dtype = self.estimator.config.inverse_dtype
-    jv = [lin.prediction_jvp(v) for v in vecs]  # per vector, per loss tag: [*prediction.shape]
-    rows = [[jnp.zeros([], dtype)] * k for _ in range(k)]
-    for t, (spec, z, o) in enumerate(zip(lin.scan.losses, lin.preds, lin.others)):
-      us = [jv[i][t] for i in range(k)]
-      hus = [_losses.output_curvature_product(spec, (z, *o), u) for u in us]
-      for i in range(k):
-        for j in range(i, k):
-          rows[i][j] = rows[i][j] + _parallel.vdot(us[i].astype(dtype), hus[j].astype(dtype))
-    g = self._pmean(jnp.stack([jnp.stack(r) for r in rows]))
-    # The shift term from inner products of the (replicated) vectors: no concatenated copies.
-    d: list[list[Any]] = [[None] * k for _ in range(k)]
-    for i in range(k):
-      for j in range(i, k):
-        d[i][j] = sum(
-          _parallel.vdot(a.astype(dtype), b.astype(dtype)) for a, b in zip(vecs[i], vecs[j])
-        )
-    c = jnp.stack(
-      [
-        jnp.stack([(g[min(i, j), max(i, j)] + shift * d[min(i, j)][max(i, j)]) for j in range(k)])
-        for i in range(k)
-      ]
-    )
-    return c.astype(dtype)
-
   def _update(self, params, state: OptimizerState, batch, rng):
     """The shared core: `(updates, new_state, info)`; `params + updates` are the new params."""
     if not isinstance(state, OptimizerState):
@@ -435,48 +522,34 @@ class Optimizer:
         "Optimizer: `state` must be the OptimizerState from this optimizer's init, got "
         f"{type(state).__name__} (a transform's state goes to that transform's update)."
       )
-    est = self._estimators.for_params(params)
+    est = self._source.for_params(params)
     reg, cfg = est.registration, self.config
-    scan = reg.scan_batch(params, batch)  # Checked against example_batch's layers.
-    leaves = jax.tree_util.tree_leaves(params)
-    batch_leaves = jax.tree_util.tree_leaves(batch)
-    sdtype = est.config.inverse_dtype
-    eta = self.l2_reg
-    k = state.step
-    k_run = k - cfg.burn_in_steps  # Steps after burn-in (negative during it).
-    in_burn = k_run < 0
-    clock = k + state.skipped  # Every step seen: what the schedules are called with.
-
-    def loss_at(p_leaves):
-      return scan.graph.evaluate(list(p_leaves) + batch_leaves)[0][0]
+    dtype = est.config.inverse_dtype
+    clock = state.step + state.skipped  # Every step seen: what the schedules are called with.
+    in_burn = state.step < cfg.burn_in_steps
 
     # 1. One forward pass, linearised: the loss, its gradient, (on curvature steps) the
-    # statistics' pull-back and (step 4) the quadratic model's push-forwards all reuse it.
-    lin = _curvature.linearize(scan, params, batch)
-    aux = reg.loss_part.unflatten_aux(lin.aux_leaves) if reg.has_aux else None
-    loss, g_leaves = self._pmean((lin.loss, jax.tree_util.tree_leaves(lin.grads())))
-    grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_leaves)
-    grad_h = (
-      grads
-      if eta == 0
-      else jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
-    )
+    # statistics' pull-back and the quadratic model's push-forwards all reuse it.
+    lin = _curvature.Linearisation(reg.scan_batch(params, batch), params, batch)
+    loss, grads = _pmean((lin.loss, lin.grads()), self.axis_name)
+    grad_h = _plus_l2(grads, params, self.l2_reg)
+    fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grad_h)
     if self.use_adaptive_damping:
       lam = state.damping
     else:
-      lam = _schedule_value(self.damping, clock, sdtype)
+      lam = _schedule_value(self.damping, clock, dtype)
 
     # 2. The engine's step: statistics, inverses (damping λ + η) and Δ = −F̂⁻¹ ∇h.
     ok = None
     if cfg.skip_nonfinite:
-      ok = jnp.isfinite(loss) & _estimator.all_finite(g_leaves)
+      ok = jnp.isfinite(loss) & _storage.all_finite(grads)
     pre, curv, ok = _engine.step(
       est,
       state.curvature,
       grad_h,
       lambda: lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples),
-      k,
-      damping=lam + eta,
+      state.step,
+      damping=lam + self.l2_reg,
       ema_decay=self.ema_decay,
       inverse_every=self.inverse_every,
       curvature_every=self.curvature_every,
@@ -485,117 +558,77 @@ class Optimizer:
       axis_name=self.axis_name,
       mesh=cfg.mesh,
     )
-    multiply = functools.partial(
-      est.multiply_matpower, exp=1, axis_name=self.axis_name, mesh=cfg.mesh
-    )
 
-    # 3.-5. Direction, α and μ, damping adaptation.
-    nan = jnp.full([], jnp.nan, sdtype)
-    model_lr = self.learning_rate is None
-    model_mom = self.momentum is None
-    need_model = model_lr or model_mom
-
-    def run(_):
-      delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), pre, params)
-      vel = state.velocity
-      vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(vel)]
-      b = jnp.stack([_vdot(grad_h, delta), _vdot(grad_h, vel)]).astype(sdtype)
-      alpha = None if model_lr else _schedule_value(self.learning_rate, clock, sdtype)
-      mu = None if model_mom else _schedule_value(self.momentum, clock, sdtype)
-      if self.norm_constraint is not None:
-        assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
-        quad = _vdot(delta, multiply(curv, delta))
-        quad = quad.astype(sdtype)
-        limit = jnp.asarray(self.norm_constraint, sdtype)
-        ok = (quad > 0) & (alpha * alpha * quad > limit)
-        alpha = alpha * jnp.where(ok, jnp.sqrt(limit / jnp.where(ok, alpha * alpha * quad, 1)), 1)
-      shift = lam + eta
-
-      def model(alpha, mu):
-        c = self._gram(lin, vecs, shift)
-        return solve_quadratic_model(c, b, alpha, mu)
-
-      if need_model:
-        alpha, mu, change = model(alpha, mu)
-      else:
-        change = nan
-      update = jax.tree_util.tree_map(lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, vel)
-
-      if self.use_adaptive_damping:
-        adapt_now = k_run % cfg.damping_adaptation_interval == 0
-
-        def adapt(_):
-          m = change if need_model else model(alpha, mu)[2]
-          new_leaves = [p + u for p, u in zip(leaves, jax.tree_util.tree_leaves(update))]
-          h_old, h_new = loss, self._pmean(loss_at(new_leaves))
-          if eta:
-            h_old = h_old + 0.5 * eta * _vdot(params, params)
-            h_new = h_new + 0.5 * eta * sum(_parallel.vdot(x, x) for x in new_leaves)
-          ratio = (h_new - h_old).astype(sdtype) / jnp.where(m < 0, m, -1)
-          rho = jnp.where(jnp.isfinite(h_new), ratio, -jnp.inf)
-          # M(δ) > 0: a fixed α (or μ) overshoots even the model: as bad as it gets.
-          rho = jnp.where(m < 0, rho, jnp.where(m > 0, -jnp.inf, jnp.nan))
-          omega = cfg.damping_adaptation_decay**cfg.damping_adaptation_interval
-          new_lam = adapt_damping(
-            lam, rho, omega=omega, min_damping=cfg.min_damping, max_damping=cfg.max_damping
-          )
-          return new_lam.astype(sdtype), rho.astype(sdtype), m.astype(sdtype)
-
-        def keep(_):
-          return lam, state.rho, change
-
-        new_lam, rho, change = jax.lax.cond(adapt_now, adapt, keep, None)
-      else:
-        new_lam, rho = lam, state.rho
-      return update, update, new_lam, rho, alpha, mu, change
-
-    def burn(_):
-      zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-      z = jnp.zeros([], sdtype)
-      return zeros, state.velocity, lam, state.rho, z, z, nan
-
-    if cfg.burn_in_steps == 0:
-      update, velocity, new_lam, rho, alpha, mu, change = run(None)
+    # 3.-5. Direction, α and μ, damping adaptation (nothing but the statistics during burn-in).
+    move = functools.partial(self._move, fp, est, curv, pre, state, lam, clock)
+    if cfg.burn_in_steps:
+      m = jax.lax.cond(in_burn, functools.partial(_burn_in, params, state, lam, dtype), move)
     else:
-      update, velocity, new_lam, rho, alpha, mu, change = jax.lax.cond(in_burn, burn, run, None)
-
+      m = move()
+    update = m.update
     if cfg.weight_decay:
-      wd = jnp.where(in_burn, 0, cfg.weight_decay)
-      update = jax.tree_util.tree_map(
-        lambda u, p: (u - wd.astype(p.dtype) * p).astype(p.dtype), update, params
-      )
+      update = _decayed(update, params, jnp.where(in_burn, 0, cfg.weight_decay))
+    return _finish(state, curv, update, m, ok, loss, lam, dtype, lin.aux)
 
-    # A non-finite loss, gradient or update: nothing changes but the skip counter. The
-    # curvature did not move on a non-finite loss or gradient (above); one cond on the scalar
-    # verdict picks the new or the old value of the rest this step changed. An update that
-    # overflows from finite inputs keeps the (finite) statistics and inverses it used.
-    ok = jnp.asarray(True) if ok is None else ok & _estimator.all_finite(update)
-    new_lam = jnp.asarray(new_lam, sdtype)
-    velocity, new_lam, rho = _engine.keep_if(
-      ok, (velocity, new_lam, rho), (state.velocity, state.damping, state.rho)
+  def _move(self, fp: _Pass, est, curv, pre, state: OptimizerState, lam, clock) -> _Move:
+    """δ = α Δ + μ δ_prev with α, μ fixed or from the quadratic model, and the adapted λ."""
+    dtype = est.config.inverse_dtype
+    delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), pre, fp.params)
+    velocity = state.velocity
+    shift = lam + self.l2_reg
+    alpha = (
+      None if self.learning_rate is None else _schedule_value(self.learning_rate, clock, dtype)
     )
-    new_state = OptimizerState(
-      step=k + ok.astype(k.dtype),
-      skipped=state.skipped + (~ok).astype(state.skipped.dtype),
-      curvature=curv,
-      damping=new_lam,
-      rho=rho,
-      velocity=velocity,
+    mu = None if self.momentum is None else _schedule_value(self.momentum, clock, dtype)
+    if self.norm_constraint is not None:
+      assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
+      f_delta = est.multiply(curv, delta, axis_name=self.axis_name, mesh=self.config.mesh)
+      quad = _engine.tree_vdot(delta, f_delta).astype(dtype)
+      alpha = kl_clip(alpha, quad, jnp.asarray(self.norm_constraint, dtype))
+    if alpha is None or mu is None:
+      alpha, mu, change = quadratic_model(
+        fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name
+      )
+      fixed = False
+    else:
+      change, fixed = jnp.full([], jnp.nan, dtype), True
+    update = jax.tree_util.tree_map(
+      lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, velocity
     )
-    update = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), update)
-    info = {
-      "loss": loss,
-      "learning_rate": alpha,
-      "momentum": mu,
-      "damping": jnp.asarray(lam, sdtype),
-      "rho": rho,
-      "quad_model_change": change,
-      "update_norm": jnp.sqrt(_vdot(update, update)),
-      "skipped": ~ok,
-    }
-    if reg.has_aux:
-      info["aux"] = aux
-    return update, new_state, info
+    new_lam, rho = lam, state.rho
+    if self.use_adaptive_damping:
+      cfg = self.config
+      adapt = functools.partial(
+        self._adapt, fp, delta, velocity, update, alpha, mu, change if not fixed else None, lam
+      )
+      due = (state.step - cfg.burn_in_steps) % cfg.damping_adaptation_interval == 0
+      new_lam, rho, change = jax.lax.cond(due, adapt, lambda: (lam, state.rho, change))
+    return _Move(update, update, new_lam, rho, alpha, mu, change)
+
+  def _adapt(self, fp: _Pass, delta, velocity, update, alpha, mu, change, lam):
+    """`(λ, ρ, M(δ))` after one Levenberg–Marquardt update (one forward pass for h(θ + δ));
+    `change` None: M(δ) is computed here (α and μ both fixed)."""
+    cfg, eta, dtype = self.config, self.l2_reg, lam.dtype
+    if change is None:
+      shift = lam + eta
+      change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name)[2]
+    new = [
+      p + u for p, u in zip(jax.tree_util.tree_leaves(fp.params), jax.tree_util.tree_leaves(update))
+    ]
+    h_old = fp.loss
+    h_new = _pmean(fp.lin.scan.graph.evaluate(new + fp.batch_leaves)[0][0], self.axis_name)
+    if eta:
+      h_old = h_old + 0.5 * eta * _engine.tree_vdot(fp.params, fp.params)
+      h_new = h_new + 0.5 * eta * sum(_parallel.vdot(x, x) for x in new)
+    rho = reduction_ratio(h_old, h_new, change)
+    new_lam = adapt_damping(
+      lam,
+      rho,
+      omega=cfg.damping_adaptation_decay**cfg.damping_adaptation_interval,
+      min_damping=cfg.min_damping,
+      max_damping=cfg.max_damping,
+    )
+    return new_lam.astype(dtype), rho.astype(dtype), change.astype(dtype)
 
   # -- optax form ------------------------------------------------------------------------------
 
@@ -615,7 +648,7 @@ class Optimizer:
     """
 
     def whole(params):
-      if _estimator.masked_share(params) is not None:
+      if _fronts.masked_share(params) is not None:
         raise ValueError(
           "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (optax.multi_transform or "
           "optax.masked hands it only a share of the parameters), but the optimizer steps the "
@@ -633,8 +666,7 @@ class Optimizer:
       info["skipped"] = jnp.zeros([], bool)
       reg = self.estimator.registration
       if reg.has_aux:  # Its shapes at the registered params (`params` may be a placeholder).
-        shapes = jax.eval_shape(reg.loss_part, reg.params_shape, reg.example_batch)
-        aux = reg.loss_part.unflatten_aux(shapes[1:])
+        _, aux = jax.eval_shape(reg.loss_part, reg.params_shape, reg.example_batch)
         info["aux"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux)
       return KfacOptaxState(opt_state, info)
 

@@ -165,6 +165,8 @@ class Registration:
       is a RegistrationError; a measured mismatch of curvature (or, in the "empirical" mode,
       of gradient) a `LossMismatchWarning` (an error with `strict`). False skips it, for a
       loss that differs from its tags on purpose.
+    warn: emit the warnings below (False for a registration an entry point builds on the
+      user's behalf, e.g. `value_and_grad` per batch signature).
 
   Attributes:
     layers: the registered layers (a tuple of `LayerSpec`), in parameter order.
@@ -197,7 +199,7 @@ class Registration:
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
 
-  # Set once in `_setup` (the instance is immutable afterwards).
+  # Set once in `__init__` (the instance is immutable afterwards).
   loss_fn: Callable
   loss_part: Any
   has_aux: bool
@@ -232,42 +234,7 @@ class Registration:
     strict: bool = False,
     axis_name: AxisName = None,
     check_loss: bool = True,
-  ):
-    self._setup(
-      loss_fn,
-      params,
-      example_batch,
-      has_aux=has_aux,
-      estimation_mode=estimation_mode,
-      num_samples=num_samples,
-      layers=layers,
-      strict=strict,
-      axis_name=axis_name,
-      check_loss=check_loss,
-      warn=True,
-    )
-
-  @classmethod
-  def build(cls, loss_fn, params, example_batch, *, warn: bool, **settings) -> Registration:
-    """A registration as the constructor builds it, with or without the scanner's warning."""
-    obj = cls.__new__(cls)
-    obj._setup(loss_fn, params, example_batch, warn=warn, **settings)
-    return obj
-
-  def _setup(
-    self,
-    loss_fn,
-    params,
-    example_batch,
-    *,
-    has_aux=False,
-    estimation_mode="gradients",
-    num_samples=1,
-    layers=None,
-    strict=False,
-    axis_name=None,
-    check_loss=True,
-    warn=True,
+    warn: bool = True,
   ):
     set_ = object.__setattr__
     part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
@@ -320,7 +287,7 @@ class Registration:
     set_(self, "_scans", {})
     set_(self, "_block_sets", {})
     if not stand_in and not _has_tracer_consts(scan):
-      self._scans[(env, avals(params), avals(example_batch))] = (scan, part.aux_tree)
+      self._scans[(env, avals(params), avals(example_batch))] = scan
 
   def __setattr__(self, name, value):
     raise dataclasses.FrozenInstanceError(
@@ -394,9 +361,7 @@ class Registration:
     key = None if env is None else (env, avals(params), avals(batch))
     hit = self._scans.get(key) if key is not None else None
     if hit is not None:
-      scan, aux_tree = hit
-      self.loss_part.aux_tree = aux_tree
-      return scan
+      return hit
     scan = _scan.scan(
       self.loss_part,
       params,
@@ -410,8 +375,23 @@ class Registration:
     if key is not None and not _has_tracer_consts(scan):
       if len(self._scans) >= _MAX_SCANS:
         self._scans.pop(next(iter(self._scans)))
-      self._scans[key] = (scan, self.loss_part.aux_tree)
+      self._scans[key] = scan
     return scan
+
+  def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
+    """`_curvature.compute` on the graph of this batch, with this registration's estimation
+    mode, samples and fingerprint."""
+    return _curvature.compute(
+      self.scan_batch(params, batch),
+      params,
+      batch,
+      rng,
+      estimation_mode=self.estimation_mode,
+      num_samples=self.num_samples,
+      with_grads=with_grads,
+      with_params_stats=with_params_stats,
+      fingerprint=self.fingerprint,
+    )
 
   def check_scan(self, scan: _scan.ScanResult) -> None:
     """The layers found for a batch must be those of `example_batch`, with the same blocks."""
@@ -478,14 +458,14 @@ def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:
 
 
 def estimator_settings(
-  has_aux, estimation_mode, num_samples, strict, layers, *, num_samples_default: Any = 1, prefix=""
+  has_aux, estimation_mode, num_samples, strict, layers, *, prefix=""
 ) -> dict[str, tuple[str, Any, Any]]:
   """The `settings` table of `resolve` for an entry point's estimator arguments (`prefix`:
   how the error names them, e.g. "config." for the Optimizer's `OptimizerConfig` fields)."""
   return {
     "has_aux": ("has_aux", has_aux, False),
     f"{prefix}estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
-    f"{prefix}num_samples": ("num_samples", num_samples, num_samples_default),
+    f"{prefix}num_samples": ("num_samples", num_samples, 1),
     f"{prefix}strict": ("strict", strict, False),
     f"{prefix}layers": ("layer_config", layers, None),
   }
@@ -632,8 +612,8 @@ def value_and_grad(
     if key not in own:
       if len(own) >= 8:
         own.pop(next(iter(own)))
-      own[key] = Registration.build(
-        loss_fn,
+      own[key] = Registration(
+        loss_fn,  # type: ignore[arg-type]  # checked callable above
         params,
         batch,
         warn=False,
@@ -647,18 +627,7 @@ def value_and_grad(
 
   def fn(params, batch, rng=None):
     r = registered(params, batch)
-    out = _curvature.compute(
-      r.scan_batch(params, batch),
-      params,
-      batch,
-      rng,
-      estimation_mode=r.estimation_mode,
-      num_samples=r.num_samples,
-      with_grads=True,
-      with_params_stats=compute_params_stats,
-      aux=r.loss_part if r.has_aux else None,
-      fingerprint=r.fingerprint,
-    )
+    out = r.compute(params, batch, rng, with_grads=True, with_params_stats=compute_params_stats)
     if r.has_aux:
       loss, aux, grads, stats = out
       return (loss, aux), grads, stats

@@ -2,8 +2,8 @@
 
 A leaf module: it imports nothing from `kfac_jax` at run time, so `blocks/*` read the specs
 without importing the tracer (`kfac_jax.scan`), and there is no import cycle. Which
-approximations each layer kind takes is declared with the kind, in `kfac_jax.scan._kinds` (its
-`Kind` and `Approximation` types annotate the specs here). It holds
+approximations each layer kind takes is declared with the kind, in `kfac_jax.scan._kinds`; the
+names of the kinds and approximations (`Kind`, `Approximation`) are here. It holds
 
   * the registration errors and the uncovered-parameter warning;
   * parameter paths (`path_to_str`, `param_paths`) and parameter views (`ViewStep`,
@@ -19,13 +19,29 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import jax
 import numpy as np
 
-if TYPE_CHECKING:
-  from kfac_jax.scan._kinds import Approximation, Kind
+# The layer vocabulary's names (each kind's record is in `kfac_jax.scan._kinds`); here, in the
+# leaf module, so the specs, the blocks and the matchers name them without importing the kinds.
+Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "conv_local", "generic"]
+Approximation = Literal[
+  "kron",
+  "kron_in_diag",
+  "kron_out_diag",
+  "kron_both_diag",
+  "kron_sua",
+  "expand",
+  "reduce",
+  "ekfac",
+  "diagonal",
+  "full",
+  "kron_indep",
+  "kron_series_1",
+  "kron_series_2",
+]
 
 
 class RegistrationError(ValueError):

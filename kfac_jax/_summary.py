@@ -9,15 +9,11 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _curvature, _estimator, _registration
+from kfac_jax import _compat, _curvature, _registration
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _tracer
 
 AxisName = str | tuple[str, ...] | None
-
-
-def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
-  return _registration.axis_names(axis_name)
 
 
 def _shared(registration, loss_fn, params, batch, who, settings):
@@ -42,7 +38,7 @@ def _settings(strict, layers, axis_name, has_aux):
 
 def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _tracer.ScanResult:
   part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
-  with _compat.axis_env([(n, 1) for n in _axis_names(axis_name)]):
+  with _compat.axis_env([(n, 1) for n in _registration.axis_names(axis_name)]):
     return _tracer.scan(part, params, batch, has_aux=has_aux, **kw)
 
 
@@ -134,7 +130,7 @@ def summary(
     ).layers
     config = _blocks.BlockConfig()
     blocks = [_blocks.make_block(s, config) for s in specs]
-  table = _estimator.format_table(_display_names(specs), blocks)
+  table = format_table(_display_names(specs), blocks)
   return table + "\n\n" + coverage_report(specs, blocks, params)
 
 
@@ -168,11 +164,9 @@ def coverage_report(
   param_bytes = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)
   state_bytes = sum(b.state_bytes() for b in blocks)
   share = structured / total if total else 1.0
-  state_line = f"curvature state: {_estimator.format_bytes(state_bytes)}"
+  state_line = f"curvature state: {format_bytes(state_bytes)}"
   if param_bytes:
-    state_line += (
-      f" ({state_bytes / param_bytes:.2f}x the parameters' {_estimator.format_bytes(param_bytes)})"
-    )
+    state_line += f" ({state_bytes / param_bytes:.2f}x the parameters' {format_bytes(param_bytes)})"
   kinds = ", ".join(k.replace("_", "-") for k in _tracer.KINDS if k != "generic")
   lines = [
     f"layer blocks ({kinds}) hold {structured} of {total} parameters ({100 * share:.1f}%)",
@@ -235,3 +229,73 @@ def check_registration(
   return _scan(
     loss_fn, params, batch, axis_name, has_aux, warn=False, layers=layers, collect=True
   ).layers
+
+
+def _relative_paths(paths: Sequence[str]) -> str:
+  """The parameter paths without the directory they all share (`kernel, bias` for a dense
+  layer; `hi/kernel, hf/kernel, ...` for kernels concatenated from one module's leaves)."""
+  dirs = [p.split("/")[:-1] for p in paths]
+  common = 0
+  while all(len(d) > common and d[common] == dirs[0][common] for d in dirs):
+    common += 1
+  return ", ".join("/".join(p.split("/")[common:]) for p in paths)
+
+
+def format_table(
+  layers: Sequence[_tracer.LayerSpec],
+  blocks: Sequence[_blocks.Block],
+  param_bytes: int | None = None,
+) -> str:
+  """The layer table; with `param_bytes`, the total row compares the state with the parameters."""
+  rows = [("layer", "kind", "uses", "approx", "parameters", "factor shapes", "memory", "note")]
+  total = 0
+  for s, b in zip(layers, blocks):
+    nbytes = b.state_bytes()
+    total += nbytes
+    shapes = " ".join("x".join(map(str, f)) for f in b.factor_shapes)
+    kind = s.kind + (f" (stack of {s.stack_size})" if s.stack_size else "")
+    rows.append(
+      (
+        s.name,
+        kind + ("" if s.source == "auto" else f" ({s.source})"),
+        str(s.num_uses),
+        s.approx,
+        _relative_paths(s.param_paths),
+        shapes,
+        format_bytes(nbytes),
+        s.note,
+      )
+    )
+  ratio = (
+    f"{total / param_bytes:.2f}x the parameters' {format_bytes(param_bytes)}" if param_bytes else ""
+  )
+  rows.append(
+    (
+      "total",
+      "",
+      "",
+      "",
+      f"{sum(s.num_params for s in layers)} values",
+      "",
+      format_bytes(total),
+      ratio,
+    )
+  )
+  if not any(s.note for s in layers):  # The last column holds the ratio only: no header.
+    rows[0] = rows[0][:-1] + ("",)
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  lines = []
+  for k, r in enumerate(rows):
+    lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    if k == 0 or k == len(rows) - 2:
+      lines.append("  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def format_bytes(n: float) -> str:
+  """`n` bytes for people: "512 B", "1.5 KiB", ..., "2.0 GiB"."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n} B"

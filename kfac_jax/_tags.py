@@ -49,7 +49,6 @@ from kfac_jax import _compat
 
 Array = jax.Array
 LossKind = TypingLiteral["categorical", "bernoulli", "normal"]
-LOSS_KINDS = ("categorical", "bernoulli", "normal")
 
 
 def _make_tag_primitive(name: str) -> _compat.Primitive:

@@ -27,7 +27,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _config, _engine, _estimator, _parallel, _registration
+from kfac_jax import (
+  _checks,
+  _config,
+  _engine,
+  _estimator,
+  _fronts,
+  _registration,
+  _storage,
+)
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -64,13 +72,6 @@ class KfacState(NamedTuple):
 
   preconditioner: ScaleByKfacState
   momentum: optax.TraceState | optax.EmptyState
-
-
-def _check_schedule(damping, ema_decay, inverse_every, curvature_every) -> None:
-  _checks.number(damping, "damping", low=0.0, schedule=True)
-  _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
-  _checks.positive_int(inverse_every, "inverse_every")
-  _checks.positive_int(curvature_every, "curvature_every")
 
 
 def auto_stride(n: int) -> int:
@@ -194,7 +195,10 @@ def _preconditioner(
 ) -> optax.GradientTransformationExtraArgs:
   """`scale_by_kfac` named `who` in its errors."""
   config = _config.get(config, who)
-  _check_schedule(damping, ema_decay, inverse_every, curvature_every)
+  _checks.number(damping, "damping", low=0.0, schedule=True)
+  _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
+  _checks.positive_int(inverse_every, "inverse_every")
+  _checks.positive_int(curvature_every, "curvature_every")
   _config.check_parallel(axis_name, config)
   config.refuse(
     who,
@@ -202,11 +206,11 @@ def _preconditioner(
     "only the Optimizer adapts the damping",
   )
   config.refuse(who, ("weight_decay",), "chain optax.add_decayed_weights for weight decay")
-  ests = _estimator.for_front(loss_fn, example_batch, registration, config, who)
+  source = _fronts.for_front(loss_fn, example_batch, registration, config, who)
   mesh, guard, fraction = config.mesh, config.skip_nonfinite, config.fraction
 
   def init_fn(params) -> ScaleByKfacState:
-    est, _ = _estimator.estimator_for(ests, params, who, axis_name)
+    est, _ = _fronts.estimator_for(source, params, who, axis_name)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
     return ScaleByKfacState(
       count=jnp.zeros([], jnp.int32),
@@ -228,10 +232,10 @@ def _preconditioner(
     del extra_args  # Other transforms' extra arguments (optax.chain forwards them all).
     if params is None:
       raise ValueError(f"{who}: `params` is required: tx.update(grads, state, params, ...).")
-    est, kept = _estimator.estimator_for(ests, params, who)
+    est, kept = _fronts.estimator_for(source, params, who)
     _check_state(state, est, who)
     if kept is not None:
-      if _estimator.masked_share(updates) != kept:
+      if _fronts.masked_share(updates) != kept:
         raise ValueError(
           f"{who}: `updates` and `params` must be the same share of the parameters "
           "(the same optax.MaskedNode leaves)."
@@ -252,7 +256,7 @@ def _preconditioner(
     clock = count + state.skipped  # Every update seen: what the schedules are called with.
     ok = None
     if guard:
-      ok = _estimator.all_finite(updates)
+      ok = _storage.all_finite(updates)
       if kfac_gate is not None:
         ok = ok & kfac_gate
 
@@ -261,7 +265,7 @@ def _preconditioner(
         return curvature_stats
       return _batch_statistics(est, fraction, params, batch, rng, who)
 
-    vector = updates if kept is None else _estimator.fill(est, updates)
+    vector = updates if kept is None else _fronts.fill(est, updates)
     pre, curv, ok = _engine.step(
       est,
       state.curvature,
@@ -278,7 +282,7 @@ def _preconditioner(
       mesh=mesh,
     )
     if kept is not None:  # The masked leaves' zeros pass through no block; XLA drops them.
-      pre = _estimator.unfill(pre, updates)
+      pre = _fronts.unfill(pre, updates)
     if ok is None:
       return pre, ScaleByKfacState(optax.safe_increment(count), curv, state.skipped)
     out = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), pre)
@@ -385,15 +389,7 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
   divergence of the step `v`). 1 when `vᵀg = 0`; the inner product is accumulated in at least
   float32. `r = max_norm`.
   """
-
-  def up(x):
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-  vg = sum(
-    _parallel.vdot(up(v), up(g))
-    for v, g in zip(jax.tree_util.tree_leaves(preconditioned), jax.tree_util.tree_leaves(grads))
-  )
-  vg = jnp.abs(jnp.asarray(vg))
+  vg = jnp.abs(jnp.asarray(_engine.tree_vdot(preconditioned, grads)))
   r2 = jnp.square(jnp.asarray(max_norm, vg.dtype))
   big = vg > r2
   return jnp.where(big, jnp.sqrt(r2 / jnp.where(big, vg, 1)), jnp.ones_like(vg))

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from kfac_jax._specs import LayerSpec
 
 if TYPE_CHECKING:
-  from kfac_jax.scan._kinds import Approximation, Kind
+  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 DampingMode = Literal["factored", "eigen"]

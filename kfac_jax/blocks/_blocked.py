@@ -61,15 +61,6 @@ def from_full(f: Array, part: Partition) -> Array:
   return jnp.stack([f[i * b : (i + 1) * b, i * b : (i + 1) * b] for i in range(k)])
 
 
-def to_full(fb: Array, n: int) -> Array:
-  """The block-diagonal [n, n] matrix of the blocks `[k, b, b]` (tests, `to_dense`)."""
-  k, b = fb.shape[0], fb.shape[-1]
-  out = jnp.zeros((k * b, k * b), fb.dtype)
-  for i in range(k):
-    out = out.at[i * b : (i + 1) * b, i * b : (i + 1) * b].set(fb[i])
-  return out[:n, :n]
-
-
 def diagonal(fb: Array, n: int) -> Array:
   """The diagonal `[n]` of the block-diagonal factor (padding dropped)."""
   k, b = fb.shape[0], fb.shape[-1]
@@ -83,10 +74,6 @@ def padding_eye(part: Partition, n: int, dtype) -> Array:
   mask = np.zeros((k * b,), np.float64)
   mask[n:] = 1.0
   return jnp.asarray(np.einsum("ki,ij->kij", mask.reshape(k, b), np.eye(b)), dtype)
-
-
-def add_identity(fb: Array, c) -> Array:
-  return fb + c * jnp.eye(fb.shape[-1], dtype=fb.dtype)
 
 
 def map_blocks(fn, *blocks):

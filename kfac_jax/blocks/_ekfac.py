@@ -34,7 +34,7 @@ from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import EKFACCache, EKFACFactors
 
 if TYPE_CHECKING:
-  from kfac_jax.scan._kinds import Approximation, Kind
+  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 

@@ -38,7 +38,7 @@ from kfac_jax import _specs
 from kfac_jax.blocks import _linalg
 
 if TYPE_CHECKING:
-  from kfac_jax.scan._kinds import Approximation, Kind
+  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 

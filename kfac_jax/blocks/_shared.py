@@ -36,7 +36,7 @@ from kfac_jax.blocks._base import Block
 from kfac_jax.blocks._state import SeriesCache, SeriesFactors
 
 if TYPE_CHECKING:
-  from kfac_jax.scan._kinds import Approximation, Kind
+  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 MAX_PSI = 0.99

@@ -21,31 +21,17 @@ from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 from kfac_jax._specs import (
+  Approximation,
   ConvInfo,
   DenseInfo,
   EmbeddingInfo,
   FallbackInfo,
+  Kind,
   ScaleShiftInfo,
 )
 from kfac_jax.blocks._layouts import ConvLocalInfo
 from kfac_jax.scan import _graph, _matchers, _matchers_embed, _stacked
 
-Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "conv_local", "generic"]
-Approximation = Literal[
-  "kron",
-  "kron_in_diag",
-  "kron_out_diag",
-  "kron_both_diag",
-  "kron_sua",
-  "expand",
-  "reduce",
-  "ekfac",
-  "diagonal",
-  "full",
-  "kron_indep",
-  "kron_series_1",
-  "kron_series_2",
-]
 # The shared-layer approximations that model correlations between successive uses (the steps
 # of a recurrence); they need several dense uses with equal row counts.
 SERIES: tuple[Approximation, ...] = ("kron_series_1", "kron_series_2")

@@ -57,7 +57,7 @@ from kfac_jax._specs import (
 from kfac_jax.scan import _batch_axes, _graph
 
 if TYPE_CHECKING:
-  from kfac_jax.scan._kinds import Kind
+  from kfac_jax._specs import Kind
 
 # --------------------------------------------------------------------------------------------
 # What a matcher returns.

@@ -18,7 +18,7 @@ from kfac_jax._specs import EmbeddingInfo, kernel_index_matrix
 from kfac_jax.scan import _matchers, _matchers_embed
 
 if TYPE_CHECKING:
-  from kfac_jax.scan._kinds import Kind
+  from kfac_jax._specs import Kind
 
 
 def match_shared(ix, leaf, claimed, shifts: bool = False):

@@ -89,7 +89,7 @@ from kfac_jax.scan import (
 )
 
 if TYPE_CHECKING:
-  from kfac_jax.scan._kinds import Approximation
+  from kfac_jax._specs import Approximation
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,13 +107,17 @@ class ScanResult:
   layer_inputs: tuple[tuple[_graph.Atom, ...] | None, ...]
   # Per layer: the further uses `((output key, inputs), ...)` of a multi-use layer, else ().
   extra_uses: tuple[tuple[tuple[_graph.Key, tuple[_graph.Atom, ...]], ...], ...] = ()
+  # With `has_aux`: the treedef of the aux, whose leaves are the graph's outputs after the loss.
+  aux_tree: Any = None
 
 
 # --------------------------------------------------------------------------------------------
 # Scanning.
 
 
-def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int]:
+def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int, Any]:
+  """`(closed jaxpr over the params' and batch's leaves, number of param leaves, the output's
+  pytree of ShapeDtypeStructs)`."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
 
@@ -122,8 +126,8 @@ def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int]:
     b = jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :])
     return loss_fn(p, b)
 
-  closed = _compat.make_jaxpr(flat_fn, *leaves, *batch_leaves)
-  return closed, len(leaves)
+  closed, out_shape = _compat.make_jaxpr(flat_fn, *leaves, *batch_leaves)
+  return closed, len(leaves), out_shape
 
 
 def scan(
@@ -139,10 +143,10 @@ def scan(
 ) -> ScanResult:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
-  With `has_aux`, `loss_fn` returns the scalar loss first and further outputs after it (the
-  flattened aux, see `kfac_jax._curvature.LossPart`): they stay outputs of the graph, so one
-  evaluation gives loss and aux, and play no part in the registration (the layers are found on
-  the loss's slice of the graph).
+  With `has_aux`, `loss_fn` returns `(loss, aux)`: the aux's leaves stay outputs of the graph
+  after the loss (their treedef is `ScanResult.aux_tree`), so one evaluation gives loss and
+  aux, and play no part in the registration (the layers are found on the loss's slice of the
+  graph).
 
   `layers` chooses approximations and linked groups (see `LayerConfig`). With `collect`, every
   coverage problem (a parameter uncovered or registered twice, a manual tag whose use count
@@ -162,7 +166,7 @@ def scan(
         f"parameter `{param_paths(params)[i]}` has dtype {dtype}; K-FAC needs floating-point "
         "parameters. Keep integer state out of `params` (pass it in the batch instead)."
       )
-  closed, n_params = trace(loss_fn, params, batch)
+  closed, n_params, out_shape = trace(loss_fn, params, batch)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
   if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
     raise RegistrationError(
@@ -173,7 +177,10 @@ def scan(
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
   paths = param_paths(params)
   shapes = tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))
-  return _Scanner(graph, n_params, paths, shapes, strict, warn, layers, collect).run()
+  result = _Scanner(graph, n_params, paths, shapes, strict, warn, layers, collect).run()
+  if not has_aux:
+    return result
+  return dataclasses.replace(result, aux_tree=jax.tree_util.tree_structure(out_shape[1]))
 
 
 class _Scanner:

@@ -1,0 +1,324 @@
+"""`CurvatureEstimator`: the public face of the curvature estimator, mirroring TF K-FAC's
+FisherEstimator (the mathematics is in `kfac_jax._estimator`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from kfac_jax import (
+  _checks,
+  _config,
+  _curvature,
+  _fronts,
+  _registration,
+  _storage,
+)
+from kfac_jax import blocks as _blocks
+from kfac_jax import scan as _scan
+from kfac_jax._estimator import Estimator, EstimatorState
+
+Array = jax.Array
+
+
+class CurvatureEstimator:
+  """Block-diagonal K-FAC curvature estimate of `loss_fn`, with pure state updates.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output; with
+      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
+    example_batch: a batch with the shapes used for training (arrays or ShapeDtypeStructs).
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`: its
+      layers, `has_aux`, `estimation_mode`, `num_samples`, `strict` and `layers` apply (those
+      arguments, left out, take its values; set to others, they are an error), `layers` and
+      `blocks` are known at once, and `init` checks params against its signature. Without
+      it, the first `init` builds one from the arguments.
+    has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned for layers and the
+      estimator never reads the aux.
+    estimation_mode: how the output-space curvature is estimated (formulas in
+      `kfac_jax._losses`): "gradients" (targets sampled from the model: the Fisher),
+      "empirical" (the data's targets: the empirical Fisher), "curvature_prop" /
+      "curvature_prop_GGN" (Rademacher vectors times a square-root factor of the output Fisher /
+      loss Hessian), or "exact" / "exact_GGN" (every output coordinate, no sampling noise; K
+      backward passes, K = the prediction's non-batch size). The GGN variants estimate
+      Jᵀ (∂²ℓ/∂z²) J, which equals the Fisher for the canonical-link losses of the loss tags.
+      The random modes need an `rng` in `update_curvature`; the exact modes and "empirical"
+      take `rng=None`.
+    exps: matrix powers `multiply_matpower` must support (1 always is).
+    num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
+      ignored by "empirical"; must be 1 with the exact modes.
+    damping_mode: "factored" (π-adjusted factored Tikhonov) or "eigen" (exact damping).
+    compute_cholesky: cache Cholesky factors of the damped blocks.
+    compute_cholesky_inverse: cache their inverses.
+    strict: raise, instead of warning, when parameters are outside every recognised layer.
+    compute_params_stats: `curvature_stats` also returns the first-order statistics
+      (`CurvatureStats.params_stats`, TF K-FAC's `params_stats`).
+    layers: a `kfac_jax.LayerConfig` choosing approximations per layer kind, per parameter-path
+      pattern, and linked parameter groups (None: the defaults).
+    stats_dtype: dtype the factors (moving averages of the statistics) are stored in: None
+      (float32; float64 under x64), "float32", "float64", or "bfloat16" / "float16" to halve
+      their memory. Batch statistics are always accumulated in at least float32, whatever the
+      model's dtype, and cast to `stats_dtype` when they enter the moving average.
+    inverse_dtype: dtype of the inverses / decompositions and of the products with them: None
+      (float32; float64 under x64), "float32" or "float64". Preconditioned vectors come back in
+      the dtype they came in (a bfloat16 model gets bfloat16 updates).
+    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the dtype the cached inverses
+      of Kronecker factors (and of full blocks) are stored in once computed in
+      `inverse_dtype`. The products with them (`multiply_matpower`, `multiply_inverse`) round
+      the vector to it and accumulate in `inverse_dtype`: half the cache's memory, each input
+      rounded to 8 significant bits, and faster products where the hardware multiplies
+      bfloat16 natively. Diagonal factors, the substitution forms of `factor_solve`,
+      eigen-decompositions ("eigen" damping, EKFAC), the series approximations of shared
+      layers and Cholesky factors stay in `inverse_dtype`.
+    inverse_storage: where the caches live on a data-parallel axis: "replicated" (default) or
+      `kfac_jax.ReplicatedStorage()`: every device holds every block's cache; "sharded" or
+      `kfac_jax.ShardedStorage()` (KAISA's memory-optimised strategy): each device stores and
+      refreshes only its share of the blocks (balanced by cache bytes: at most total/D + one
+      block per device) and preconditions their leaves; the products are summed over the
+      axis. `init`, `update_inverses` and the `multiply*` methods then need `axis_name=`
+      (inside pmap / shard_map; call `init` there too) or `mesh=(mesh, axis)` (under jit).
+      Factors stay replicated either way.
+    factor_solve: how a Kronecker factor's damped inverse is kept (`BlockConfig.factor_solve`):
+      "auto" (default) keeps a factor of size n ≥ 256 whose products have at most n/8
+      columns (a wide input into a narrow layer: a classifier head) in substitution form, its
+      Cholesky factor in blocks applied by block substitution (a faster refresh, slower
+      products), and the explicit inverse elsewhere; "never" always the inverse; "always" the
+      substitution form for every Kronecker factor that can have it (not diagonal factors,
+      stacks, grouped convolutions or "eigen" damping). The products are the same up to
+      rounding; the cache's fields differ (`cache/<block>/a/subst/...` instead of
+      `cache/<block>/a/powers/0`).
+
+  Raises:
+    TypeError: an argument of the wrong kind (e.g. `exps=-1`, `strict="yes"`), named with the
+      value received.
+    ValueError: an argument out of range or an unknown mode, named with the value and the
+      choices.
+    RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
+      match `has_aux`.
+
+  Example:
+    >>> est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+    >>> state = est.init(params)
+    >>> state = est.update_curvature(state, params, batch, rng, ema_decay=0.95)
+    >>> state = est.update_inverses(state, damping=1e-3)
+    >>> nat_grads = est.multiply_matpower(state, grads, -1)
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable | None = None,
+    example_batch: Any = None,
+    *,
+    registration: _registration.Registration | None = None,
+    has_aux: bool = False,
+    estimation_mode: _curvature.EstimationMode = "gradients",
+    exps: Sequence[float] = (-1,),
+    num_samples: int = 1,
+    damping_mode: _blocks.DampingMode = "factored",
+    compute_cholesky: bool = False,
+    compute_cholesky_inverse: bool = False,
+    strict: bool = False,
+    compute_params_stats: bool = False,
+    layers: Any = None,
+    stats_dtype: Any = None,
+    inverse_dtype: Any = None,
+    inverse_storage: Any = "replicated",
+    factor_solve: _blocks.FactorSolve = "auto",
+    preconditioner_dtype: Any = None,
+  ):
+    settings = _registration.estimator_settings(
+      has_aux, estimation_mode, num_samples, strict, layers
+    )
+    reg = _registration.resolve(
+      registration, loss_fn, example_batch, "CurvatureEstimator", settings
+    )
+    if reg is None:
+      _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux` now.
+    _curvature.check_mode(estimation_mode, num_samples)
+    _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
+    storage = _storage.strategy(inverse_storage)
+    _checks.choice(factor_solve, "factor_solve", ("auto", "always", "never"))
+    for flag in ("compute_cholesky", "compute_cholesky_inverse", "strict", "compute_params_stats"):
+      _checks.boolean(locals()[flag], flag)
+    if isinstance(exps, (str, bytes)) or not isinstance(exps, (tuple, list)):
+      raise TypeError(
+        f"`exps` must be a tuple of non-zero numbers (matrix powers, e.g. (-1,)), got {exps!r}."
+      )
+    for e in exps:
+      _checks.number(e, "exps", low=-np.inf)
+      if e == 0:
+        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps!r}.")
+    inverse_dtype = _config.resolve_dtype(inverse_dtype, "inverse_dtype")
+    block_config = _blocks.BlockConfig(
+      exps=tuple(float(e) for e in exps),
+      damping_mode=damping_mode,
+      cholesky=compute_cholesky,
+      cholesky_inverse=compute_cholesky_inverse,
+      stats_dtype=_config.resolve_dtype(stats_dtype, "stats_dtype"),
+      inverse_dtype=inverse_dtype,
+      factor_solve=factor_solve,
+      preconditioner_dtype=_config.resolve_preconditioner_dtype(
+        preconditioner_dtype, inverse_dtype
+      ),
+    )
+    make = functools.partial(
+      Estimator,
+      config=block_config,
+      storage=storage,
+      compute_params_stats=compute_params_stats,
+    )
+    settings = {k[k.rfind(".") + 1 :]: v[1] for k, v in settings.items()}
+    self._source = _fronts.Source(make, loss_fn, example_batch, settings, reg)
+    self.config = block_config
+    self.storage = storage
+
+  # -- structure -------------------------------------------------------------------------------
+
+  @property
+  def estimator(self) -> Estimator:
+    """The complete estimator (after `init`, or at once with a registration)."""
+    return self._source.only()
+
+  @property
+  def registration(self) -> _registration.Registration:
+    """The `kfac_jax.Registration` (given, or built by the first `init`)."""
+    return self.estimator.registration
+
+  @property
+  def layers(self) -> tuple[_scan.LayerSpec, ...]:
+    """The registered layers (after `init`)."""
+    return self.estimator.layers
+
+  @property
+  def blocks(self) -> tuple[_blocks.Block, ...]:
+    """One curvature block per layer (after `init`)."""
+    return self.estimator.blocks
+
+  def scan_batch(self, params, batch) -> _scan.ScanResult:
+    """The evaluation graph of `loss_fn(params, batch)` (the registration's, kept per batch
+    signature)."""
+    return self._source.for_params(params).registration.scan_batch(params, batch)
+
+  # -- state -----------------------------------------------------------------------------------
+
+  def init(
+    self, params, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None
+  ) -> EstimatorState:
+    """Zero statistics and identity caches for `params` (scans `loss_fn` on first use).
+
+    With sharded storage, pass `axis_name` and call `init` inside pmap / shard_map (each
+    device's cache differs), or pass `mesh=(mesh, axis)` to get the cache as a global array
+    sharded over that mesh axis. Replicated storage uses `axis_name` only to trace a model
+    whose collectives name it (e.g. `BatchNorm(axis_name=...)`) when `init` runs outside pmap
+    / shard_map.
+    """
+    est = self._source.for_params(params, axis_name)
+    return est.init(axis_name=axis_name, mesh=mesh)
+
+  def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
+    """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
+    return self._source.for_params(params).curvature_stats(params, batch, rng)
+
+  def batch_factors(self, stats, axis_name: str | None = None, cache=None) -> dict[str, Any]:
+    """Per-block statistics of one batch (see `Estimator.batch_factors`)."""
+    return self.estimator.batch_factors(stats, axis_name, cache)
+
+  def update_curvature_from_stats(
+    self, state: EstimatorState, stats, ema_decay, axis_name: str | None = None
+  ) -> EstimatorState:
+    """EMA update of the statistics with this batch's; a non-finite batch is skipped entirely.
+
+    With decay ρ and w ← ρ w + 1, the factors become F ← F + (F_batch − F) / w: a bias-corrected
+    average, exactly F_batch after the first update (and always with ρ = 0).
+    """
+    return self.estimator.update_curvature_from_stats(state, stats, ema_decay, axis_name)
+
+  def update_curvature(
+    self, state: EstimatorState, params, batch, rng, ema_decay, axis_name: str | None = None
+  ) -> EstimatorState:
+    """`update_curvature_from_stats` with statistics computed from `batch`."""
+    est = self._source.for_params(params)
+    stats = est.curvature_stats(params, batch, rng)
+    return est.update_curvature_from_stats(state, stats, ema_decay, axis_name)
+
+  def update_inverses(
+    self,
+    state: EstimatorState,
+    damping,
+    *,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ) -> EstimatorState:
+    """Recomputes every block's cache for damping λ (equal-shape blocks vmapped, except on CPU).
+
+    A block whose new cache is not finite keeps its previous cache.
+
+    Args:
+      state: the estimator state.
+      damping: λ ≥ 0.
+      axis_name: inside `pmap` / `shard_map`, split the work over this axis: each device
+        factorises its share of the blocks (balanced by cost) and the caches are summed over
+        the axis (see `kfac_jax._parallel`). The result equals the unsplit one exactly.
+      mesh: under plain `jit` with sharded data, `(mesh, axis)` splits the work over that mesh
+        axis the same way (through `shard_map`).
+
+    With sharded storage one of the two is required, and each device refreshes and keeps only
+    its own blocks' caches (no caches are communicated; the failure count is summed over the
+    axis).
+    """
+    return self.estimator.update_inverses(state, damping, axis_name=axis_name, mesh=mesh)
+
+  # -- products --------------------------------------------------------------------------------
+
+  def multiply_matpower(
+    self,
+    state: EstimatorState,
+    vector,
+    exp: float,
+    *,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ):
+    """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`.
+
+    With sharded storage, `axis_name` (inside pmap / shard_map) or `mesh` (under jit) is
+    required: each device multiplies its own blocks, and the results are summed over the axis
+    (one vector-sized `psum`). The other methods below take them the same way.
+    """
+    return self.estimator.multiply_matpower(state, vector, exp, axis_name=axis_name, mesh=mesh)
+
+  def multiply(self, state: EstimatorState, vector, *, axis_name=None, mesh=None):
+    """The damped curvature times `vector` (power 1)."""
+    return self.estimator.multiply(state, vector, axis_name=axis_name, mesh=mesh)
+
+  def multiply_inverse(self, state: EstimatorState, vector, *, axis_name=None, mesh=None):
+    """The inverse damped curvature times `vector` (needs -1 in `exps`, the default)."""
+    return self.estimator.multiply_inverse(state, vector, axis_name=axis_name, mesh=mesh)
+
+  def multiply_cholesky(
+    self, state: EstimatorState, vector, *, transpose=False, axis_name=None, mesh=None
+  ):
+    """C·v (or Cᵀ·v) for the block-diagonal factor C with C Cᵀ = damped curvature."""
+    return self.estimator.multiply_cholesky(
+      state, vector, transpose=transpose, axis_name=axis_name, mesh=mesh
+    )
+
+  def multiply_cholesky_inverse(
+    self, state: EstimatorState, vector, *, transpose=False, axis_name=None, mesh=None
+  ):
+    """C⁻¹·v (or C⁻ᵀ·v)."""
+    return self.estimator.multiply_cholesky(
+      state, vector, transpose=transpose, inverse=True, axis_name=axis_name, mesh=mesh
+    )
+
+  def to_dense(self, state: EstimatorState) -> Array:
+    """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""
+    return self.estimator.to_dense(state)
+
+  def summary(self) -> str:
+    """The registered layers as a table (see `kfac_jax.summary`)."""
+    return self.estimator.summary()

@@ -1,0 +1,157 @@
+"""What the fronts (the transforms, `Optimizer`, `CurvatureEstimator`) share: the source of their
+estimator, and the share of the parameters `optax.multi_transform` / `optax.masked` hand them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from kfac_jax import _checks, _estimator, _registration
+
+Estimator = _estimator.Estimator
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Source:
+  """Where a front's `Estimator` comes from: a registration, or `loss_fn` and the first params.
+
+  A front is built before any params are known, from a registration (its estimator is then
+  built here, complete) or from `loss_fn` and an example batch, whose layers come from params.
+  The estimator for params is then a pure function of their signature (structure, shapes and
+  dtypes), evaluated once and cached; a front serves one signature, the first one it sees, so
+  later params must have it (an error names the first leaf that differs).
+
+  Attributes:
+    make: `registration -> Estimator` (the blocks' numerics, storage, error prefix).
+    loss_fn, example_batch: scanned with the first params (without `registration`).
+    settings: the `Registration` keyword arguments for `loss_fn`.
+    registration: given instead of `loss_fn` (checked by `_registration.resolve`), or None.
+  """
+
+  make: Callable[[_registration.Registration], Estimator]
+  loss_fn: Any = None
+  example_batch: Any = None
+  settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+  registration: _registration.Registration | None = None
+  _built: dict[Any, Estimator] = dataclasses.field(default_factory=dict, repr=False)
+
+  def __post_init__(self):
+    if self.registration is not None:
+      self._built[None] = self.make(self.registration)
+
+  @property
+  def registered(self) -> bool:
+    """Whether the estimator is known (a registration given, or params seen)."""
+    return bool(self._built)
+
+  def only(self) -> Estimator:
+    """The estimator (a registration given, or params seen)."""
+    if not self._built:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
+    return next(iter(self._built.values()))
+
+  def for_params(self, params, axis_name=None) -> Estimator:
+    """The estimator for `params`, checked against the signature this front serves."""
+    if self._built:
+      est = self.only()
+      est.registration.check_params(params)
+      return est
+    key = _registration.avals(params)
+    self._built[key] = self.make(
+      _registration.Registration(
+        self.loss_fn, params, self.example_batch, axis_name=axis_name, **self.settings
+      )
+    )
+    return self._built[key]
+
+
+def for_front(loss_fn, example_batch, registration, config, who: str) -> Source:
+  """The estimator `Source` of a transform or the Optimizer (checks `registration` against
+  `config`)."""
+  settings = _registration.estimator_settings(
+    config.has_aux,
+    config.estimation_mode,
+    config.num_samples,
+    config.strict,
+    config.layers,
+    prefix="config.",
+  )
+  reg = _registration.resolve(registration, loss_fn, example_batch, who, settings)
+  if reg is None:
+    if loss_fn is None:
+      raise TypeError(
+        f"{who}: pass `loss_fn` and `example_batch`, or `registration=` (a kfac_jax.Registration)."
+      )
+    _checks.function(loss_fn, "loss_fn")
+  make = functools.partial(
+    Estimator,
+    config=config.block_config(),
+    storage=config.storage,
+    who=f"this {who}" + ("" if who == "Optimizer" else " transform"),
+  )
+  return Source(make, loss_fn, example_batch, config.registration_settings(), reg)
+
+
+def is_masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def masked_share(tree) -> tuple[bool, ...] | None:
+  """For a pytree with `optax.MaskedNode` leaves (the share of the parameters that
+  `optax.multi_transform` / `optax.masked` hand an inner transform): per leaf, masked ones
+  included, whether it is in the share. None when no leaf is masked."""
+  kept = tuple(not is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_masked))
+  return None if all(kept) else kept
+
+
+def fill(est: Estimator, share, abstract: bool = False):
+  """`share` with its `optax.MaskedNode` leaves replaced by zeros of the registered shapes and
+  dtypes (`jax.ShapeDtypeStruct`s with `abstract`): the whole params' structure."""
+  flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=is_masked)
+  sig = est.registration.param_signature[1]
+  if len(flat) != len(sig):  # Wrong structure: `check_params` names the leaf.
+    return jax.tree_util.tree_unflatten(treedef, flat)
+  make = jax.ShapeDtypeStruct if abstract else jnp.zeros
+  leaves = [
+    make(shape, jnp.dtype(dtype)) if is_masked(x) else x for x, (shape, dtype) in zip(flat, sig)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def unfill(full, share):
+  """The leaves of `full` (whole params' structure) at `share`'s unmasked leaves, in `share`'s
+  structure."""
+  flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=is_masked)
+  leaves = jax.tree_util.tree_leaves(full)
+  return jax.tree_util.tree_unflatten(
+    treedef, [x if is_masked(x) else y for x, y in zip(flat, leaves)]
+  )
+
+
+def estimator_for(source: Source, params, who: str, axis_name=None):
+  """`(estimator, kept)`: the complete estimator for `params`, restricted to the share when
+  `params` has `optax.MaskedNode` leaves (`kept`: per registered leaf, whether it is in it)."""
+  if not jax.tree_util.tree_leaves(params, is_leaf=is_masked) and source.registered:
+    # A tree without leaves: `optax.tree_map_params`' placeholder, which asks only for the
+    # state's structure (the layers are known from an earlier `init`).
+    return source.only(), None
+  kept = masked_share(params)
+  if kept is None:
+    return source.for_params(params, axis_name), None
+  if not source.registered:
+    raise ValueError(
+      f"{who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
+      "optax.masked hands this transform only its share of the parameters, and the model "
+      "cannot be traced without the rest. Build the layers from the whole params, "
+      "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
+      f"to {who} and to kfac_jax.value_and_grad."
+    )
+  est = source.only()
+  est.registration.check_params(fill(est, params, abstract=True))
+  return est.restrict(kept), kept
