@@ -9,8 +9,9 @@ exact, so the split path gives bit-for-bit the numbers of the replicated one.
 Shares are balanced by estimated cost (Σ n³ over a block's matrix factors, k·b³ for a side kept
 as k diagonal blocks) with the longest-processing-time rule: blocks in decreasing cost, each to
 the least-loaded device. Blocks of identical factor shapes are placed one after another, so
-they spread round-robin (counts differ by at most one) and each device factorises its share of
-a shape as one stack; the most- and least-loaded devices differ by at most one block's cost.
+on level devices they spread round-robin (counts differ by at most one), and each device
+factorises its share of a shape as one stack; the most- and least-loaded devices differ by at
+most one block's cost.
 
 The second half of the module lays the state out for `inverse_storage="sharded"` (each device
 keeps only its own blocks' factors and caches; see `kfac_jax._storage`): the same cost-balanced
@@ -54,8 +55,8 @@ def assign(
   """Block indices per device, balanced by cost (longest processing time first).
 
   Blocks go in decreasing cost, each to the device with the least cost so far. Blocks of equal
-  cost and equal `keys` (identical factor shapes) are placed one after another, so they spread
-  round-robin and every device gets a near-equal count of each shape, factorised there as one
+  cost and equal `keys` (identical factor shapes) are placed one after another, so on level
+  devices they spread round-robin; each device factorises its blocks of one shape as one
   stack. With `sizes` (each block's bytes), a device is eligible only while its bytes stay
   within `slack · Σ sizes / D + max(sizes)`; the device with the fewest bytes always is (it
   holds at most the average of what is placed), so the cap never leaves a block unplaced.
