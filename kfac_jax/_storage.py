@@ -262,10 +262,6 @@ class ShardedStorage:
     """The blocks' factors and caches laid out on `num_devices` devices (the same shares)."""
     return _layouts(*_layout_key(blocks), num_devices)
 
-  def layout(self, blocks: Sequence[Block], num_devices: int) -> _parallel.PackedLayout:
-    """The blocks' caches laid out on `num_devices` devices."""
-    return self.layouts(blocks, num_devices)[1]
-
   def _check_global(self, blocks, mesh, method, factors=None, cache=None) -> None:
     if mesh is None:
       return
