@@ -629,12 +629,12 @@ class CurvatureEstimator:
       layers and Cholesky factors stay in `inverse_dtype`.
     inverse_storage: where the caches live on a data-parallel axis: "replicated" (default) or
       `kfac_jax.ReplicatedStorage()`: every device holds every block's cache; "sharded" or
-      `kfac_jax.ShardedStorage()` (KAISA's memory-optimised strategy): each device stores and
-      refreshes only its share of the blocks (balanced by cache bytes: at most total/D + one
-      block per device) and preconditions their leaves; the products are summed over the
-      axis. `init`, `update_inverses` and the `multiply*` methods then need `axis_name=`
-      (inside pmap / shard_map; call `init` there too) or `mesh=(mesh, axis)` (under jit).
-      Factors stay replicated either way.
+      `kfac_jax.ShardedStorage()` (KAISA's memory-optimised strategy): each device stores,
+      updates and refreshes only its share of the blocks' factors and caches (balanced by
+      refresh cost, at most 1.25 total/D + one block per device) and preconditions their
+      leaves; the products are summed over the axis. `init`, `update_curvature*`,
+      `update_inverses` and the `multiply*` methods then need `axis_name=` (inside pmap /
+      shard_map; call `init` there too) or `mesh=(mesh, axis)` (under jit).
     factor_solve: how a Kronecker factor's damped inverse is kept (`BlockConfig.factor_solve`):
       "auto" (default) keeps a factor of size n ≥ 256 whose products have at most n/8
       columns (a wide input into a narrow layer: a classifier head) in substitution form, its
