@@ -49,7 +49,7 @@ def _describe(path) -> tuple[str, str | None, str]:
   for i, n in enumerate(names[:-1]):
     if n in _BLOCK_FIELDS:
       block, field = names[i + 1], "/".join([n] + names[i + 2 :])
-  if block == "buffers" and "cache" in names:
+  if block == "buffers":
     block = None  # A ShardedCache (inverse_storage="sharded"): no per-block leaves to name.
   return "/".join(names), block, field
 

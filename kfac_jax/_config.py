@@ -148,11 +148,12 @@ class Config:
       no inverse refresh and zero updates; schedules still count them.
     inverse_storage: "replicated" (default; every device keeps every inverse, the work is
       split over the devices of `axis_name` or `mesh` and the results summed) or "sharded"
-      (KAISA's memory-optimised strategy: each device keeps and applies only its share of the
-      inverses, the preconditioned gradient is summed over the axis; needs `axis_name` or
-      `mesh`). Also a `kfac_jax.ReplicatedStorage()` / `kfac_jax.ShardedStorage()` object.
+      (KAISA's memory-optimised strategy, FSDP's for the K-FAC state: each device keeps,
+      refreshes and applies only its share of the factors and inverses, balanced by refresh
+      cost; the preconditioned gradient is summed over the axis; needs `axis_name` or `mesh`).
+      Also a `kfac_jax.ReplicatedStorage()` / `kfac_jax.ShardedStorage()` object.
     mesh: under plain `jit` with data sharded over a mesh (no `axis_name`): `(mesh, axis)`
-      splits the inverse work over that mesh axis (and, sharded, stores the inverses there).
+      splits the inverse work over that mesh axis (and, sharded, stores the state there).
     skip_nonfinite: when the gradient, the statistics or the update is not finite, return zero
       updates and leave the state as it was but for the `skipped` counter. False: non-finite
       statistics are still kept out of the factors (counted in `skipped_batches`), but the

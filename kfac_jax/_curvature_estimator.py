@@ -76,12 +76,12 @@ class CurvatureEstimator:
       layers and Cholesky factors stay in `inverse_dtype`.
     inverse_storage: where the caches live on a data-parallel axis: "replicated" (default) or
       `kfac_jax.ReplicatedStorage()`: every device holds every block's cache; "sharded" or
-      `kfac_jax.ShardedStorage()` (KAISA's memory-optimised strategy): each device stores and
-      refreshes only its share of the blocks (balanced by cache bytes: at most total/D + one
-      block per device) and preconditions their leaves; the products are summed over the
-      axis. `init`, `update_inverses` and the `multiply*` methods then need `axis_name=`
-      (inside pmap / shard_map; call `init` there too) or `mesh=(mesh, axis)` (under jit).
-      Factors stay replicated either way.
+      `kfac_jax.ShardedStorage()` (KAISA's memory-optimised strategy): each device stores,
+      updates and refreshes only its share of the blocks' factors and caches (balanced by
+      refresh cost, at most 1.25 total/D + one block per device) and preconditions their
+      leaves; the products are summed over the axis. `init`, `update_curvature*`,
+      `update_inverses` and the `multiply*` methods then need `axis_name=` (inside pmap /
+      shard_map; call `init` there too) or `mesh=(mesh, axis)` (under jit).
     factor_solve: how a Kronecker factor's damped inverse is kept (`BlockConfig.factor_solve`):
       "auto" (default) keeps a factor of size n ≥ 256 whose products have at most n/8
       columns (a wide input into a narrow layer: a classifier head) in substitution form, its
@@ -228,22 +228,34 @@ class CurvatureEstimator:
     return self.estimator.batch_factors(stats, axis_name, cache)
 
   def update_curvature_from_stats(
-    self, state: EstimatorState, stats, ema_decay, axis_name: str | None = None
+    self,
+    state: EstimatorState,
+    stats,
+    ema_decay,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
     """EMA update of the statistics with this batch's; a non-finite batch is skipped entirely.
 
     With decay ρ and w ← ρ w + 1, the factors become F ← F + (F_batch − F) / w: a bias-corrected
     average, exactly F_batch after the first update (and always with ρ = 0).
     """
-    return self.estimator.update_curvature_from_stats(state, stats, ema_decay, axis_name)
+    return self.estimator.update_curvature_from_stats(state, stats, ema_decay, axis_name, mesh)
 
   def update_curvature(
-    self, state: EstimatorState, params, batch, rng, ema_decay, axis_name: str | None = None
+    self,
+    state: EstimatorState,
+    params,
+    batch,
+    rng,
+    ema_decay,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
     """`update_curvature_from_stats` with statistics computed from `batch`."""
     est = self._source.for_params(params)
     stats = est.curvature_stats(params, batch, rng)
-    return est.update_curvature_from_stats(state, stats, ema_decay, axis_name)
+    return est.update_curvature_from_stats(state, stats, ema_decay, axis_name, mesh)
 
   def update_inverses(
     self,

@@ -104,7 +104,7 @@ def step(
 
   def fold():
     s = now if now is not None else stats()
-    return est.update_curvature_from_stats(old, s, ema_decay, axis_name=axis_name)
+    return est.update_curvature_from_stats(old, s, ema_decay, axis_name=axis_name, mesh=mesh)
 
   if fold_due is None:
     curv = fold()

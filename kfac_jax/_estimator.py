@@ -49,7 +49,8 @@ class EstimatorState(NamedTuple):
   Attributes:
     factors: per block name, the EMA statistics as the block kind's factors type (e.g.
       `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`; every type is documented, with
-      shapes, in `kfac_jax.blocks._state`).
+      shapes, in `kfac_jax.blocks._state`); with sharded storage, a `ShardedCache` holding
+      only this device's blocks.
     cache: per block name, the block kind's cache type: powers / decompositions and the
       damping `[]` they were built with; with sharded storage, a `ShardedCache` holding only
       this device's blocks.
@@ -60,7 +61,7 @@ class EstimatorState(NamedTuple):
       previous cache).
   """
 
-  factors: dict[str, Any]
+  factors: dict[str, Any] | _parallel.ShardedCache
   cache: dict[str, Any] | _parallel.ShardedCache
   ema_weight: Array
   skipped_batches: Array
@@ -174,10 +175,10 @@ class Estimator:
 
   def init(self, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None):
     """Zero statistics and identity caches (see `kfac_jax.CurvatureEstimator.init`)."""
-    names, blocks = self.names, self.blocks
+    factors, cache = self.storage.init_state(self.names, self.blocks, axis_name, mesh)
     return EstimatorState(
-      factors={n: b.init_factors() for n, b in zip(names, blocks)},
-      cache=self.storage.init_cache(names, blocks, axis_name, mesh),
+      factors=factors,
+      cache=cache,
       ema_weight=jnp.zeros((), self.config.accum_dtype),
       skipped_batches=jnp.zeros((), jnp.int32),
       failed_inverses=jnp.zeros((), jnp.int32),
@@ -241,6 +242,7 @@ class Estimator:
     stats: _curvature.CurvatureStats,
     ema_decay,
     axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
     """EMA update of the statistics with this batch's; a non-finite batch is skipped entirely.
 
@@ -253,7 +255,7 @@ class Estimator:
     decay = jnp.asarray(ema_decay, acc)
     weight = decay * state.ema_weight + 1
 
-    def average(old, b):  # In at least float32, stored in stats_dtype.
+    def average(old, b, weight):  # In at least float32, stored in stats_dtype.
       old_acc = old.astype(acc)
       return (old_acc + (b.astype(acc) - old_acc) / weight).astype(old.dtype)
 
@@ -265,7 +267,19 @@ class Estimator:
     # taken branch, so it writes straight into the new state's buffers.
     factors, weight = jax.lax.cond(
       ok,
-      lambda: (jax.tree_util.tree_map(average, state.factors, new), weight),
+      lambda: (
+        self.storage.fold(
+          self.names,
+          self.blocks,
+          state.factors,
+          self._by_block(new),
+          weight,
+          average,
+          axis_name,
+          mesh,
+        ),
+        weight,
+      ),
       lambda: (state.factors, state.ema_weight),
     )
     return state._replace(
@@ -291,7 +305,7 @@ class Estimator:
     cache, failed = self.storage.refresh(
       self.names,
       self.blocks,
-      self._by_block(state.factors),
+      state.factors,
       state.cache,
       damping,
       axis_name,
@@ -300,11 +314,6 @@ class Estimator:
     return state._replace(cache=cache, failed_inverses=state.failed_inverses + failed)
 
   # -- products --------------------------------------------------------------------------------
-
-  def _in_inverse_dtype(self, factors):
-    """Factors cast to `inverse_dtype` (no-op when the two dtypes agree)."""
-    dtype = self.config.inverse_dtype
-    return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), factors)
 
   def apply(self, state: EstimatorState, vector, fn, axis_name=None, mesh=None, method=""):
     """`fn(block, factors, cache, vecs)` for every block; the leaves outside every block pass
@@ -324,7 +333,7 @@ class Estimator:
         lambda factors, cache, leaves: self.storage.apply(
           self.names,
           self.blocks,
-          self._by_block(self._in_inverse_dtype(factors)),
+          factors,
           cache,
           leaves,
           fn,
@@ -383,10 +392,11 @@ class Estimator:
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])
     out = jnp.zeros((total, total), self.config.inverse_dtype)
+    factors = self.storage.block_factors(self.names, self.blocks, state.factors)
     for n, b in zip(self.names, self.blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
       cache = self.storage.block_cache(state.cache, n) if b.needs_cache_for_statistics else None
-      out = out.at[np.ix_(idx, idx)].set(b.to_dense(state.factors[n], cache))
+      out = out.at[np.ix_(idx, idx)].set(b.to_dense(factors[n], cache))
     return out
 
   def summary(self) -> str:

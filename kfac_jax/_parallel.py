@@ -6,14 +6,16 @@ of every device factorising every block, each device factorises its share and th
 summed over the axis (`lax.psum`), every other device contributing zeros. A sum with zeros is
 exact, so the split path gives bit-for-bit the numbers of the replicated one.
 
-Shares are balanced by estimated cost (Σ n³ over a block's matrix factors) with the
-longest-processing-time rule: blocks in decreasing cost, each to the least-loaded device. Equal
-blocks therefore spread round-robin (counts differ by at most one) and the most- and
-least-loaded devices differ by at most one block's cost.
+Shares are balanced by estimated cost (Σ n³ over a block's matrix factors, k·b³ for a side kept
+as k diagonal blocks) with the longest-processing-time rule: blocks in decreasing cost, each to
+the least-loaded device. Blocks of identical factor shapes are placed one after another, so
+on level devices they spread round-robin (counts differ by at most one), and each device
+factorises its share of a shape as one stack; the most- and least-loaded devices differ by at
+most one block's cost.
 
-The second half of the module lays the caches out for `inverse_storage="sharded"` (each device
-keeps only its own blocks' caches; see `kfac_jax._sharded`): shares balanced by cache bytes,
-packed into flat per-device buffers at static offsets.
+The second half of the module lays the state out for `inverse_storage="sharded"` (each device
+keeps only its own blocks' factors and caches; see `kfac_jax._storage`): the same cost-balanced
+shares, capped in bytes, packed into flat per-device buffers at static offsets.
 """
 
 from __future__ import annotations
@@ -42,27 +44,73 @@ def factorisation_cost(factor_shapes: Sequence[tuple[int, ...]]) -> float:
   return cost
 
 
-def assign(costs: Sequence[float], num_devices: int) -> tuple[tuple[int, ...], ...]:
+def assign(
+  costs: Sequence[float],
+  num_devices: int,
+  *,
+  sizes: Sequence[float] | None = None,
+  keys: Sequence[Any] | None = None,
+  slack: float = 1.25,
+) -> tuple[tuple[int, ...], ...]:
   """Block indices per device, balanced by cost (longest processing time first).
+
+  Blocks go in decreasing cost, each to the device with the least cost so far. Blocks of equal
+  cost and equal `keys` (identical factor shapes) are placed one after another, so on level
+  devices they spread round-robin; each device factorises its blocks of one shape as one
+  stack. With `sizes` (each block's bytes), a device is eligible only while its bytes stay
+  within `slack · Σ sizes / D + max(sizes)`; the device with the fewest bytes always is (it
+  holds at most the average of what is placed), so the cap never leaves a block unplaced.
 
   Ties (equal cost, equal load) go to the lower index, so the assignment is deterministic and
   identical on every host.
   """
   if num_devices < 1:
     raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
+  n = len(costs)
+  rank: dict[Any, int] = {}
+  key_rank = [rank.setdefault(k, len(rank)) for k in keys] if keys is not None else [0] * n
+  size = [float(x) for x in sizes] if sizes is not None else [0.0] * n
+  cap = slack * sum(size) / num_devices + max(size, default=0.0)
   loads = [0.0] * num_devices
+  held = [0.0] * num_devices
   shares: list[list[int]] = [[] for _ in range(num_devices)]
-  for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-    d = min(range(num_devices), key=lambda d: (loads[d], len(shares[d]), d))
+  for i in sorted(range(n), key=lambda i: (-costs[i], key_rank[i], i)):
+    fits = [d for d in range(num_devices) if held[d] + size[i] <= cap]
+    d = min(fits or range(num_devices), key=lambda d: (loads[d], len(shares[d]), held[d], d))
     shares[d].append(i)
     loads[d] += costs[i]
+    held[d] += size[i]
   return tuple(tuple(sorted(s)) for s in shares)
+
+
+def refresh_assignment(
+  factor_shapes: Sequence[Sequence[tuple[int, ...]]],
+  num_devices: int,
+  sizes: Sequence[float] | None = None,
+) -> tuple[tuple[int, ...], ...]:
+  """The refresh work of blocks with these factor shapes, assigned to `num_devices` devices.
+
+  Each block costs `factorisation_cost` of its shapes (n³ per [n, n] factor, k·b³ for a
+  blocked side `[k, b, b]`); blocks with identical shapes are one stack (`assign`'s `keys`), and
+  `sizes`, if given, caps each device's bytes (see `assign`). A pure function of its arguments,
+  so every host computes the same assignment.
+  """
+  shapes = [tuple(tuple(int(n) for n in s) for s in f) for f in factor_shapes]
+  costs = [factorisation_cost(f) for f in shapes]
+  return assign(costs, num_devices, sizes=sizes, keys=shapes)
+
+
+def busiest_share(costs: Sequence[float], shares: Sequence[Sequence[int]]) -> float:
+  """The busiest device's cost over the mean device's: 1 is perfect balance."""
+  loads = [sum(costs[i] for i in s) for s in shares]
+  mean = sum(loads) / len(loads)
+  return max(loads) / mean if mean else 1.0
 
 
 def split_over_axis(
   compute: Callable[[Sequence[int]], dict[str, Any]],
   zeros: dict[str, Any],
-  costs: Sequence[float],
+  factor_shapes: Sequence[Sequence[tuple[int, ...]]],
   axis_name: str,
 ) -> dict[str, Any]:
   """Runs `compute` on each device's share of the blocks and sums the results over `axis_name`.
@@ -70,13 +118,13 @@ def split_over_axis(
   Args:
     compute: `compute(block_indices) -> {name: cache}` for the given blocks.
     zeros: `{name: cache of zeros}` for every block (the structure of the result).
-    costs: estimated cost per block, by block index.
+    factor_shapes: per block, its factor shapes (`refresh_assignment`).
     axis_name: a bound pmap / shard_map axis.
 
   Returns:
     `{name: cache}` for every block, identical on every device of the axis.
   """
-  shares = assign(costs, jax.lax.axis_size(axis_name))
+  shares = refresh_assignment(factor_shapes, jax.lax.axis_size(axis_name))
   busy = [s for s in shares if s]
 
   def branch(share):
@@ -145,13 +193,13 @@ def check_auto_axis(mesh, axis: str) -> None:
 
 
 class ShardedCache(NamedTuple):
-  """The block caches under `inverse_storage="sharded"`: each device holds only its share.
+  """Per-block state under `inverse_storage="sharded"` (the factors, or the caches): each
+  device holds only its share.
 
   Attributes:
-    buffers: per dtype name (e.g. "float32"), the device's block caches packed into one flat
+    buffers: per dtype name (e.g. "float32"), the device's blocks' arrays packed into one flat
       buffer: `[L]` inside pmap / shard_map, `[D, L]` as a pmap output, `[D·L]` sharded over
-      the mesh axis under jit. L is the largest device share's size, so every device stores at
-      most `total/D + one block's cache`.
+      the mesh axis under jit. L is the largest device share's size.
   """
 
   buffers: dict[str, Array]
@@ -194,24 +242,28 @@ class PackedLayout:
     return sum(n * np.dtype(d).itemsize for d, n in self.lengths)
 
 
-def packed_layout(cache_shapes: Sequence[Any], num_devices: int) -> PackedLayout:
-  """Assigns blocks to devices by cache bytes and places their arrays in per-dtype buffers.
+def packed_layout(
+  cache_shapes: Sequence[Any],
+  num_devices: int,
+  shares: tuple[tuple[int, ...], ...] | None = None,
+) -> PackedLayout:
+  """Places the blocks' arrays in per-dtype buffers, one per device.
 
   Args:
-    cache_shapes: per block, its cache as a pytree of `jax.ShapeDtypeStruct` (e.g.
+    cache_shapes: per block, a pytree of `jax.ShapeDtypeStruct` (e.g.
       `jax.eval_shape(block.init_cache)`); its leaves are placed in pytree order.
     num_devices: D, the size of the mapped axis.
-
-  Balancing the bytes with the greedy rule bounds the largest share by `total/D + the largest
-  block's bytes` (the share that receives its last block was the least loaded, at most the
-  average, before it).
+    shares: block indices per device; by default the blocks are balanced by bytes with
+      `assign`, which bounds the largest share by `total/D + the largest block's bytes` (the
+      share that receives its last block was the least loaded, at most the average, before it).
   """
   flat = [jax.tree_util.tree_flatten(c) for c in cache_shapes]
   nbytes = [
     float(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in leaves))
     for leaves, _ in flat
   ]
-  shares = assign(nbytes, num_devices)
+  if shares is None:
+    shares = assign(nbytes, num_devices)
   slots: list[tuple[Slot, ...]] = []
   lengths: dict[str, int] = {}
   for share in shares:

@@ -171,7 +171,9 @@ def _check_state(state, est: _estimator.Estimator, who: str) -> None:
       f"{who}: `state` must be the ScaleByKfacState from this transform's init, got "
       f"{type(state).__name__}."
     )
-  got = tuple(getattr(state.curvature, "factors", {}) or ())
+  factors = getattr(state.curvature, "factors", {})
+  # A sharded state's buffers are checked against the layout by the storage.
+  got = tuple(factors) if isinstance(factors, dict) else tuple(est.names)
   if sorted(got) != sorted(est.names):
     raise ValueError(
       f"{who}: `state` holds the curvature of the layers {list(got)}, but this transform has "

@@ -342,11 +342,9 @@ def _kfac_state(opt_state) -> kfac_jax.ScaleByKfacState:
   return opt_state[0]
 
 
-def _block_cache_bytes(est):
-  return [
-    sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(jax.eval_shape(b.init_cache)))
-    for b in est.blocks
-  ]
+def _block_state_bytes(est):
+  """Each block's factors and cache, in bytes."""
+  return [b.state_bytes() for b in est.blocks]
 
 
 @pytest.mark.parametrize("num_devices", [3, 8])
@@ -365,36 +363,41 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
   rep, sh = _kfac_state(s_rep), _kfac_state(s_sh)
   assert isinstance(sh.curvature.cache, kfac_jax.ShardedCache)
+  assert isinstance(sh.curvature.factors, kfac_jax.ShardedCache)
   _assert_close(
-    (sh.count, sh.curvature.factors, sh.curvature.ema_weight, sh.curvature.failed_inverses),
-    (rep.count, rep.curvature.factors, rep.curvature.ema_weight, rep.curvature.failed_inverses),
+    (sh.count, sh.curvature.ema_weight, sh.curvature.failed_inverses),
+    (rep.count, rep.curvature.ema_weight, rep.curvature.failed_inverses),
   )
   est = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
   est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
-  lay = est.storage.layout(est.blocks, num_devices)
+  layouts = est.storage.layouts(est.blocks, num_devices)
   names = [s.name for s in est.layers]
-  seen = []
-  for d in range(num_devices):
-    local = {k: np.asarray(v)[d] for k, v in sh.curvature.cache.buffers.items()}
-    for i, cache in _parallel.unpack(lay, d, local).items():
-      seen.append(i)
-      want = rep.curvature.cache[names[i]]
-      assert type(cache) is type(want)
-      for (path, value), ref in zip(
-        jax.tree_util.tree_leaves_with_path(cache), jax.tree_util.tree_leaves(want)
-      ):
-        np.testing.assert_allclose(
-          value,
-          np.asarray(ref)[d],
-          rtol=1e-6,
-          atol=1e-9,
-          err_msg=f"{names[i]}{jax.tree_util.keystr(path)}",
-        )
-  assert sorted(seen) == list(range(len(names)))
-  per_block = _block_cache_bytes(est)
+  for field, lay in zip(("factors", "cache"), layouts):
+    seen = []
+    for d in range(num_devices):
+      local = {k: np.asarray(v)[d] for k, v in getattr(sh.curvature, field).buffers.items()}
+      for i, got in _parallel.unpack(lay, d, local).items():
+        seen.append(i)
+        want = getattr(rep.curvature, field)[names[i]]
+        assert type(got) is type(want)
+        for (path, value), ref in zip(
+          jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)
+        ):
+          np.testing.assert_allclose(
+            value,
+            np.asarray(ref)[d],
+            rtol=1e-6,
+            atol=1e-9,
+            err_msg=f"{field} {names[i]}{jax.tree_util.keystr(path)}",
+          )
+    assert sorted(seen) == list(range(len(names)))
+  per_block = _block_state_bytes(est)
   for dev in range(num_devices):  # The bytes each device actually holds.
-    held = sum(b.addressable_shards[dev].data.nbytes for b in sh.curvature.cache.buffers.values())
-    assert held <= sum(per_block) / num_devices + max(per_block), (held, per_block)
+    held = sum(
+      b.addressable_shards[dev].data.nbytes
+      for b in (*sh.curvature.cache.buffers.values(), *sh.curvature.factors.buffers.values())
+    )
+    assert held <= 1.25 * sum(per_block) / num_devices + max(per_block), (held, per_block)
 
 
 def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device(x64):
@@ -420,25 +423,31 @@ def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device
   p_sh, s_sh = run(inverse_storage="sharded")
   _assert_close(p_sh, p_rep)  # (p_rep equals the one-device run: the test above.)
   assert int(_kfac_state(s_sh).curvature.failed_inverses) == 0
-  # Memory: each device's shard of the cache is at most total/D + the largest block's cache,
-  # while with replicated storage every device holds the total.
+  # Memory: each device's share of the factors and caches is at most 1.25 total/D + the
+  # largest block's, while with replicated storage every device holds the total.
   est = kfac_jax.CurvatureEstimator(loss_fn, batch)
   est.init(params)
-  per_block = _block_cache_bytes(est)
+  per_block = _block_state_bytes(est)
   total, d = sum(per_block), mesh.size
-  sh_bytes = [
+  sh = _kfac_state(s_sh).curvature
+  sh_bytes = _device_bytes((sh.factors, sh.cache), mesh)
+  rep = _kfac_state(s_rep).curvature
+  assert _device_bytes((rep.factors, rep.cache), mesh) == [total] * d
+  assert max(sh_bytes) <= 1.25 * total / d + max(per_block), (sh_bytes, total, per_block)
+  assert max(sh_bytes) < total
+
+
+def _device_bytes(tree, mesh) -> list[int]:
+  """The bytes of `tree`'s arrays each device of `mesh` holds (its addressable shards)."""
+  return [
     sum(
       s.data.nbytes
-      for buf in _kfac_state(s_sh).curvature.cache.buffers.values()
-      for s in buf.addressable_shards
+      for x in jax.tree_util.tree_leaves(tree)
+      for s in x.addressable_shards
       if s.device == dev
     )
     for dev in mesh.devices.flat
   ]
-  rep_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(_kfac_state(s_rep).curvature.cache))
-  assert rep_bytes == total
-  assert max(sh_bytes) <= total / d + max(per_block), (sh_bytes, total, per_block)
-  assert max(sh_bytes) < total
 
 
 def test_sharded_storage_under_shard_map(x64):
@@ -499,12 +508,24 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
   grads = jax.grad(loss_fn)(params, batch)
   n = 3
 
+  def poison(e, factors):
+    """`layer1`'s A[0, 0] set to NaN (on the device that holds it, with sharded storage)."""
+    if isinstance(factors, dict):
+      bad = dict(factors)
+      bad["layer1"] = jax.tree_util.tree_map(lambda x: x.at[0, 0].set(jnp.nan), bad["layer1"])
+      return bad
+    lay = e.storage.layouts(e.blocks, n)[0]
+    ((d, slot),) = [(d, t) for d in range(n) for t in lay.slots[d] if (t.block, t.leaf) == (1, 0)]
+    buf = factors.buffers[slot.dtype]
+    mine = jax.lax.axis_index("i") == d
+    buf = buf.at[slot.offset].set(jnp.where(mine, jnp.nan, buf[slot.offset]))
+    return kfac_jax.ShardedCache({**factors.buffers, slot.dtype: buf})
+
   def run(e, axis):
     s = e.init(params, **axis)
-    s = e.update_curvature(s, params, batch, None, 0.0)
+    s = e.update_curvature(s, params, batch, None, 0.0, **axis)
     s = e.update_inverses(s, 1e-2, **axis)
-    bad = dict(s.factors)
-    bad["layer1"] = jax.tree_util.tree_map(lambda x: x.at[0, 0].set(jnp.nan), bad["layer1"])
+    bad = poison(e, s.factors)
     s = e.update_inverses(s._replace(factors=bad), 1.0, **axis)
     return s.failed_inverses, e.multiply_matpower(s._replace(factors=bad), grads, -1, **axis)
 
@@ -578,7 +599,9 @@ def test_sharded_storage_orbax_round_trip_keeps_the_sharding(tmp_path, x64):
   # Jitted: eager ops compile one by one.
   state = jax.jit(
     lambda: est.update_inverses(
-      est.update_curvature(est.init(params, mesh=mesh), params, batch, None, 0.0), 1e-2, mesh=mesh
+      est.update_curvature(est.init(params, mesh=mesh), params, batch, None, 0.0, mesh=mesh),
+      1e-2,
+      mesh=mesh,
     )
   )()
   ckpt = ocp.StandardCheckpointer()
@@ -589,7 +612,7 @@ def test_sharded_storage_orbax_round_trip_keeps_the_sharding(tmp_path, x64):
   kfac_jax.check_restored_state(template, restored)
   for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  for buf in restored.cache.buffers.values():
+  for buf in (*restored.cache.buffers.values(), *restored.factors.buffers.values()):
     assert buf.sharding.spec == P("data"), buf.sharding
   grads = jax.jit(jax.grad(loss_fn))(params, batch)
   precondition = jax.jit(lambda s: est.multiply_matpower(s, grads, -1, mesh=mesh))
