@@ -3,10 +3,13 @@
 Pure arithmetic on the layer shapes, the schedule and the tokens per step (no JAX), so that it
 predicts configurations no machine at hand can run. Each component gets its floating-point
 operations and the bytes it moves; its time is `flops / rate + bytes / bandwidth`, with three
-machine constants fitted from measurements (`fit`): the matrix-multiply rate (forward and
-backward passes, statistics, preconditioning products), the factorisation rate (the inverse
-refresh, counted as n³ operations per n × n factor) and the memory bandwidth (elementwise
-optimizer updates, the memory-bound parts of every pass).
+machine constants fitted from measurements (`fit`): the matrix-multiply rate of the passes
+(forward and backward, statistics), the factorisation rate (the inverse refresh, counted as n³
+operations per n × n factor) and the memory bandwidth (elementwise optimizer updates, the
+memory-bound parts of every pass); and two timed by calibration on their own (`Calibration`):
+the rate of the preconditioning products, small-by-large matrix products (d × d inverses
+against d × V and V × d tables) whose achieved rate is not the passes' mix of shapes, and the
+categorical draws of the sampled targets.
 
 The model (`ModelShape`): a pre-norm decoder with RMSNorm, multi-head attention (q, k, v, o of
 d × d), a SwiGLU MLP (gate and up d × ff, down ff × d), an untied vocabulary head; an embedding
@@ -23,17 +26,18 @@ Components, with T tokens per step, f the statistics fraction, and P the matmul 
   statistics         f (4 P T + 12 L b s² d) (one forward and one sampled backward pass: only
                      activation gradients, no weight gradients) + 2 f T Σ n·w over the factor
                      sides (the A = aᵀa and G = gᵀg products; w = n, or the block size, or 1),
-                     and f T V categorical draws (the sampled targets, a fourth constant timed
-                     on its own: on CPU a Gumbel draw per logit costs as much as thousands of
-                     matmul FLOPs)
+                     and f T V categorical draws (the sampled targets: a pass over each
+                     token's V probabilities, timed on its own)
   refresh            Σ n·w² over the factor sides (n³ for a whole factor, n B² in blocks)
-  preconditioning    2 Σ (n_in w_in n_out + n_in n_out w_out) per dense layer (A⁻¹ V G⁻¹)
+  preconditioning    2 Σ (n_in w_in n_out + n_in n_out w_out) per dense layer (A⁻¹ V G⁻¹), at
+                     the calibrated product rate, whose timing includes the products' operands
+                     and results; bytes only for the tables scaled by a diagonal side
   AdamW update       7 parameter-sized arrays read or written (params, grads, m, v; new ones)
   K-FAC update       8 (the guard's finiteness tests, clipping's inner product, momentum, the
                      learning rate)
 
-with bytes for the activations of the passes, the factors and inverses that the statistics,
-refresh and products read and write, and the optimizer updates (float32 throughout).
+with bytes for the activations of the passes, the factors and inverses that the statistics
+and refresh read and write, and the optimizer updates (float32 throughout).
 """
 
 from __future__ import annotations
@@ -189,31 +193,52 @@ def components(shape: ModelShape, sched: Schedule) -> dict[str, Cost]:
     f * T * shape.vocab,  # The sampled targets: a categorical draw over V per token.
   )
   out["refresh"] = Cost(sum(float(x.n) * x.w * x.w * x.count for x in sides), 4 * F32 * stored)
-  pre = 0.0
+  pre, scaled = 0.0, 0.0
   for _, i, o, c in shape.dense():
     pre += 2 * c * (i * side(i, sched) * o + i * o * side(o, sched))
+    scaled += c * i * o * (side(i, sched) == 1 or side(o, sched) == 1)
   # The embedding table: its G side, times the vocabulary-diagonal A (elementwise).
   pre += 2 * shape.vocab * d * side(d, sched) + shape.vocab * d
+  scaled += shape.vocab * d
   pre += 2 * (2 * L + 1) * d * side(d, sched)
-  out["preconditioning"] = Cost(pre, F32 * (stored + 3 * P))
+  # Read and written once: the rest of the products' traffic is in the calibrated rate.
+  out["preconditioning"] = Cost(pre, 2 * F32 * scaled)
   return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-  """Rates: matmul FLOP/s, factorisation "FLOP/s" (n³ per factor), bytes/s, and categorical
-  draws per second (per logit: `jax.random.categorical` draws a Gumbel variate for each)."""
+  """Rates: matmul FLOP/s of the passes, factorisation "FLOP/s" (n³ per factor), bytes/s,
+  categorical draws per second (per logit of each sampled token), and the FLOP/s of the
+  preconditioning products."""
 
   matmul: float
   factor: float
   bandwidth: float
-  draw: float = math.inf
+  draw: float
+  product: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """The rates timed on their own rather than fitted: categorical draws per second, and the
+  FLOP/s of a matrix product of the preconditioning products' shape."""
+
+  draw: float
+  product: float
+
+
+def product_shape(shape: ModelShape, sched: Schedule) -> tuple[int, int, int]:
+  """`(m, k, n)` of the calibration product `[m, k] @ [k, n]`: the vocabulary-sized tables (the
+  head's and the embedding's V × d against a d-side inverse), which carry most of the
+  preconditioning FLOPs."""
+  return shape.vocab, shape.d, side(shape.d, sched)
 
 
 RATE_OF = {
   "forward_backward": "matmul",
   "statistics": "matmul",
-  "preconditioning": "matmul",
+  "preconditioning": "product",
   "refresh": "factor",
   "adamw_update": "matmul",
   "kfac_update": "matmul",
@@ -247,13 +272,13 @@ def state_ratio(shape: ModelShape, sched: Schedule) -> dict[str, float]:
   return {"kfac": (2 * stored + shape.params) / shape.params, "adamw": 2.0}
 
 
-def fit(measured: Sequence[Mapping], draw: float = math.inf) -> Machine:
+def fit(measured: Sequence[Mapping], calibration: Calibration) -> Machine:
   """The machine constants from measurements: rows `{"shape", "schedule", "seconds": {component:
   s}}`. The bandwidth from the AdamW updates (bytes only), then the matmul rate from the
   forward+backward passes, then the factorisation rate from the refreshes (each the geometric
   mean over the rows of what makes the row's time exact given the constants before it, with the
-  bytes' share of a row's time capped at half). `draw`, the categorical draws per second, is
-  timed directly (`scale.py`), not fitted."""
+  bytes' share of a row's time capped at half). The draw and product rates are the
+  calibration's (timed by `scale.py`), not fitted."""
 
   def gmean(xs):
     xs = list(xs)
@@ -269,7 +294,9 @@ def fit(measured: Sequence[Mapping], draw: float = math.inf) -> Machine:
       c[name].flops / max(t[name] - c[name].bytes / bandwidth, 0.5 * t[name]) for c, t in comps
     )
 
-  return Machine(rate("forward_backward"), rate("refresh"), bandwidth, draw)
+  return Machine(
+    rate("forward_backward"), rate("refresh"), bandwidth, calibration.draw, calibration.product
+  )
 
 
 def totals(sides: Sequence[Side]) -> dict[str, float]:

@@ -20,11 +20,12 @@ and times separately, each the minimum over `--repeats` calls:
   period of the schedule;
 
 and the optimizer state's bytes against the parameters'. The cost model
-(`benchmarks/cost_model.py`) is fitted to these measurements (three machine constants), its
-error on every measured component is printed, and it predicts `--predict` (default d = 4,096,
-32 layers, 1M tokens per step). With `--race`, AdamW (over `--adamw-lrs`) trains `--steps`
-steps at the first width, and K-FAC trains until it reaches the tuned AdamW's final loss (the
-time ratio is reported).
+(`benchmarks/cost_model.py`) is fitted to these measurements (three machine constants) and
+calibrated by two timings of its own (the categorical sampler; a matrix product of the
+preconditioning products' shape at each width); its error on every measured component is
+printed, and it predicts `--predict` (default d = 4,096, 32 layers, 1M tokens per step). With
+`--race`, AdamW (over `--adamw-lrs`) trains `--steps` steps at the first width, and K-FAC
+trains until it reaches the tuned AdamW's final loss (the time ratio is reported).
 
     python benchmarks/scale.py --d 512 --layers 8 --batch 32 --seq 256        # 8k tokens
     python benchmarks/scale.py --d 512,1024,2048 --layers 8 --batch 8 --seq 256
@@ -55,6 +56,7 @@ import kfac_jax  # noqa: E402
 from benchmarks import _harness  # noqa: E402
 from benchmarks import cost_model as cm  # noqa: E402
 from benchmarks.upstream import compare  # noqa: E402
+from kfac_jax import _losses  # noqa: E402
 
 # -- the model -----------------------------------------------------------------------------------
 
@@ -410,16 +412,33 @@ RECORDED = (
 """The flags of a recorded run that `--from-json` takes over (its widths come with its rows)."""
 
 
-def draw_rate(args) -> float:
-  """Categorical draws per second: `jax.random.categorical` over the vocabulary for the
-  statistics' tokens (the sampled targets of the Fisher), the minimum of three calls."""
+def calibrate(args, widths: list[int]) -> dict:
+  """The cost model's calibrated rates: categorical draws per second (the library's sampler of
+  the Fisher's targets over the vocabulary, for the statistics' tokens; the minimum of three
+  calls), and the FLOP/s of `cost_model.product_shape`'s matrix product at each width (the
+  minimum of five; their geometric mean is the model's product rate)."""
   rows = max(1, math.ceil(args.statistics_fraction * args.batch)) * args.seq
-  logits = jnp.zeros((rows, args.vocab), jnp.float32)
-  _, t, _, _ = timed(jax.random.categorical, jax.random.key(0), logits, repeats=3)
-  return rows * args.vocab / t
+  logits = 3.0 * jax.random.normal(jax.random.key(0), (rows, args.vocab), jnp.float32)
+
+  def draw(rng, z):
+    u = jax.random.uniform(rng, (1, rows, 2), z.dtype)
+    return _losses.categorical_inverse_cdf(jax.nn.softmax(z, axis=-1), u)
+
+  _, t, _, _ = timed(draw, jax.random.key(1), logits, repeats=3)
+  sched = schedule(args)
+  product = {}
+  for d in widths:
+    m, k, n = cm.product_shape(cm.ModelShape(d, args.layers, args.vocab, args.seq, 1), sched)
+    keys = jax.random.split(jax.random.key(2))
+    a = jax.random.normal(keys[0], (m, k), jnp.float32)
+    b = jax.random.normal(keys[1], (k, n), jnp.float32)
+    _, tp, _, _ = timed(jnp.matmul, a, b, repeats=5)
+    product[d] = 2 * m * k * n / tp
+  gmean = math.exp(sum(math.log(x) for x in product.values()) / len(product))
+  return {"draw": rows * args.vocab / t, "product": gmean, "product_by_d": product}
 
 
-def model_report(args, rows: list[dict], draw: float) -> dict:
+def model_report(args, rows: list[dict], calibration: dict) -> dict:
   """The cost model fitted to `rows`, its errors on each measurement, its predictions."""
   sched = schedule(args)
   shapes = {
@@ -428,7 +447,7 @@ def model_report(args, rows: list[dict], draw: float) -> dict:
   }
   machine = cm.fit(
     [{"shape": shapes[row["d"]], "schedule": sched, "seconds": row["seconds"]} for row in rows],
-    draw,
+    cm.Calibration(calibration["draw"], calibration["product"]),
   )
   errors = {}
   for row in rows:
@@ -505,8 +524,9 @@ def print_tables(args, rows: list[dict], model: dict, growth: dict) -> None:
   m = model["machine"]
   print(
     f"\ncost model constants: matmul {m['matmul'] / 1e9:.1f} GFLOP/s, factorisation "
-    f"{m['factor'] / 1e9:.1f} G(n³)/s, bandwidth {m['bandwidth'] / 1e9:.2f} GB/s, "
-    f"categorical draws {m['draw'] / 1e6:.1f} M/s (timed alone)"
+    f"{m['factor'] / 1e9:.1f} G(n³)/s, bandwidth {m['bandwidth'] / 1e9:.2f} GB/s; "
+    f"calibrated: products {m['product'] / 1e9:.1f} GFLOP/s, categorical draws "
+    f"{m['draw'] / 1e6:.1f} M/s"
   )
   print("model / measured - 1:")
   for d, e in model["errors"].items():
@@ -691,7 +711,7 @@ def main(argv=None) -> int:
   }
   print(f"{env['command']}\njax {env['jax']}, {env['device']}, {env['cpu_count']} CPUs", flush=True)
   setups: list[Setup] = []
-  draw = None
+  calibration = None
   if args.from_json:
     with open(args.from_json) as f:
       recorded = json.load(f)
@@ -700,7 +720,7 @@ def main(argv=None) -> int:
       row["d"] = int(row["d"])
     for k in RECORDED:  # The measured configuration; the --predict-* flags stay this run's.
       setattr(args, k, recorded["config"][k])
-    draw = recorded.get("draw_rate")
+    calibration = recorded.get("calibration")
   elif args.components:
     setups.append(Setup(args, args.d[0], source))
     rows = [measure(args, setups[0])]
@@ -715,10 +735,10 @@ def main(argv=None) -> int:
     "measurements": rows,
   }
   if rows:
-    if draw is None:
-      draw = draw_rate(args)
-    out["draw_rate"] = draw
-    model = model_report(args, rows, draw)
+    if calibration is None:  # A recording without one: calibrated on this machine now.
+      calibration = calibrate(args, [row["d"] for row in rows])
+    out["calibration"] = calibration
+    model = model_report(args, rows, calibration)
     growth = exponents(rows)
     print_tables(args, rows, model, growth)
     out.update(growth_exponents=growth, cost_model=model)

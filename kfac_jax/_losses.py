@@ -63,16 +63,63 @@ def _grad_nll(spec: LossSpec, z: Array, y: Array) -> Array:
   raise ValueError(f"unknown loss kind {spec.kind!r}")
 
 
+def _first_above(cdf: Array, x: Array, mass: Array) -> Array:
+  """Per row of `cdf [..., n]`: the first index with `cdf > x` among those with `mass > 0`, or,
+  where none is (`x` at the top of the cdf by rounding), the last index with `mass > 0`.
+
+  A class without mass is never picked, whatever the rounding of the cumulative sum.
+  """
+  n = cdf.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  live = mass > 0
+  first = jnp.min(jnp.where(live & (cdf > x[..., None]), idx, n), axis=-1)
+  last = jnp.max(jnp.where(live, idx, -1), axis=-1)
+  return jnp.clip(jnp.where(first < n, first, last), 0, n - 1)
+
+
+def categorical_block_width(num_classes: int) -> int:
+  """The block width of `categorical_inverse_cdf`: the power of two at or above √V."""
+  return 1 << max(0, math.ceil(math.log2(max(num_classes, 1)) / 2))
+
+
+def categorical_inverse_cdf(p: Array, u: Array) -> Array:
+  """Class indices drawn by inverse-CDF sampling from the rows of `p [..., V]` (non-negative,
+  any positive total), with two uniforms per draw `u [S, ..., 2]` in [0, 1): `[S, ...]` int32.
+
+  Two levels: the classes in blocks of `categorical_block_width(V)` (the last padded with zeros);
+  `u[..., 0]` picks a block from the cumulative block masses, `u[..., 1]` a class from the
+  block's own cumulative masses. P(class) = P(block) P(class | block) = p_c / Σ p, and the two
+  cumulative sums are of length ~√V, so the work per draw is one pass over `p` (its block
+  masses, shared by the S draws) and O(√V) per draw, where a one-level cumulative sum costs
+  several passes and the Gumbel-max trick one random variate per class. Each level resolves
+  masses down to its uniform's granularity relative to that level's total.
+  """
+  v = p.shape[-1]
+  width = categorical_block_width(v)
+  blocks = -(-v // width)
+  pad = [(0, 0)] * (p.ndim - 1) + [(0, blocks * width - v)]
+  pb = jnp.pad(p, pad).reshape(p.shape[:-1] + (blocks, width))
+  mass = jnp.sum(pb, axis=-1)  # [..., blocks]
+  cdf = jnp.cumsum(mass, axis=-1)
+  j = _first_above(cdf, u[..., 0] * cdf[..., -1], mass)  # [S, ...]
+  pbs = jnp.broadcast_to(pb, j.shape + pb.shape[-2:])
+  block = jnp.take_along_axis(pbs, j[..., None, None], axis=-2)[..., 0, :]  # [S, ..., width]
+  cdf_in = jnp.cumsum(block, axis=-1)
+  k = _first_above(cdf_in, u[..., 1] * cdf_in[..., -1], block)
+  return j * width + k
+
+
 def _sample(spec: LossSpec, z: Array, rng: Array, num_samples: int) -> Array:
+  """`[S, *z.shape]` targets drawn from the predictive distribution at `z`."""
   shape = (num_samples,) + z.shape
-  zs = jnp.broadcast_to(z[None], shape)
   if spec.kind == "categorical":
-    labels = jax.random.categorical(rng, zs, axis=-1)
+    u = jax.random.uniform(rng, (num_samples,) + z.shape[:-1] + (2,), z.dtype)
+    labels = categorical_inverse_cdf(jax.nn.softmax(z, axis=-1), u)
     return jax.nn.one_hot(labels, z.shape[-1], dtype=z.dtype)
   if spec.kind == "bernoulli":
-    return jax.random.bernoulli(rng, jax.nn.sigmoid(zs)).astype(z.dtype)
+    return jax.random.bernoulli(rng, jax.nn.sigmoid(z), shape).astype(z.dtype)
   if spec.kind == "normal":
-    return zs + jnp.sqrt(spec.var).astype(z.dtype) * jax.random.normal(rng, shape, z.dtype)
+    return z + jnp.sqrt(spec.var).astype(z.dtype) * jax.random.normal(rng, shape, z.dtype)
   raise ValueError(f"unknown loss kind {spec.kind!r}")
 
 

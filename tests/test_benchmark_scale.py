@@ -45,7 +45,9 @@ def test_scale_quick(tmp_path):
   assert row["factors"]["registered"] == row["factors"]["cost_model"]
   model = report["cost_model"]
   assert all(_positive(v) for v in model["machine"].values()), model["machine"]
-  assert _positive(report["draw_rate"])
+  calibration = report["calibration"]
+  assert _positive(calibration["draw"]) and _positive(calibration["product"]), calibration
+  assert model["machine"]["product"] == calibration["product"]
   for errors in model["errors"].values():
     assert set(errors) == set(COMPONENTS + STEPS)
     assert all(math.isfinite(e) and e > -1 for e in errors.values()), errors
@@ -79,8 +81,17 @@ def test_cost_model_counts():
   sides = cm.factor_sides(shape, cm.Schedule(block_size=32, max_factor_dim=500))
   assert all(x.w in (1, 32) for x in sides)
   assert blocked["refresh"].flops == sum(x.n * x.w**2 * x.count for x in sides)
-  pred = cm.predict(shape, sched, cm.Machine(1e10, 1e9, 1e10))
+  machine = cm.Machine(1e10, 1e9, 1e10, math.inf, 1e10)
+  pred = cm.predict(shape, sched, machine)
   assert pred["ratio_amortised"] > pred["ratio_plain"] > 1
+  # The products at their own calibrated rate: twice the rate, half their FLOPs' seconds.
+  faster = cm.predict(shape, sched, cm.Machine(1e10, 1e9, 1e10, math.inf, 2e10))
+  pre = c["preconditioning"]
+  assert pred["preconditioning"] - faster["preconditioning"] == pytest.approx(pre.flops / 2e10)
+  assert faster["forward_backward"] == pred["forward_backward"]
+  # The calibration product: the vocabulary-sized tables against a d-side inverse.
+  assert cm.product_shape(shape, sched) == (1000, 64, 64)
+  assert cm.product_shape(shape, cm.Schedule(block_size=32)) == (1000, 64, 32)
   # Statistics from whole sequences: 0.1 of 4 is one sequence, a quarter of the tokens.
   quarter = cm.Schedule(statistics_fraction=0.1)
   assert cm.statistics_rows(shape, quarter) == 1
@@ -89,15 +100,15 @@ def test_cost_model_counts():
 
 def test_cost_model_fit_recovers_constants():
   """Times made by the model from known constants give those constants back."""
-  machine = cm.Machine(5e10, 2e10, 8e9, 3e7)
+  machine = cm.Machine(5e10, 2e10, 8e9, 3e7, 9e10)
   sched = cm.Schedule()
   rows = []
   for d in (256, 512):
     shape = cm.ModelShape(d=d, layers=2, vocab=4096, seq=64, batch=4)
     rows.append({"shape": shape, "schedule": sched, "seconds": cm.predict(shape, sched, machine)})
-  fitted = cm.fit(rows, machine.draw)
+  fitted = cm.fit(rows, cm.Calibration(machine.draw, machine.product))
   assert fitted.matmul == pytest.approx(machine.matmul, rel=1e-9)
   assert fitted.factor == pytest.approx(machine.factor, rel=1e-9)
   assert fitted.bandwidth == pytest.approx(machine.bandwidth, rel=1e-9)
-  assert fitted.draw == machine.draw
+  assert fitted.draw == machine.draw and fitted.product == machine.product
   assert cm.growth_exponent([1, 2, 4], [3, 24, 192]) == pytest.approx(3.0)

@@ -118,3 +118,69 @@ def test_exact_cotangents_average_to_the_weighted_fisher(kind, x64):
       np.testing.assert_allclose(
         v[:, n].T @ v[:, n] / 6, h[6 * n : 6 * (n + 1), n].T, rtol=1e-12, atol=1e-15
       )
+
+
+def _chi2_bound(df: int) -> float:
+  """The chi-square quantile at 1 - 1e-6 (Wilson-Hilferty; within a few % for df >= 3)."""
+  z = 4.753
+  return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(counts, p):
+  live = p > 0
+  n = counts.sum()
+  return float(np.sum((counts[live] - n * p[live]) ** 2 / (n * p[live]))), int(live.sum()) - 1
+
+
+def test_categorical_samples_follow_the_probabilities(x64):
+  """The "gradients" mode's categorical targets: empirical frequencies against p (chi-square,
+  fixed seed), never a class without mass. 37 classes in blocks of 8 (the last padded), with
+  zeros at both ends and a whole block of zeros; two rows with different distributions."""
+  v = 37
+  assert _losses.categorical_block_width(v) == 8
+  rng = np.random.default_rng(3)
+  p = rng.uniform(0.01, 1.0, size=(2, v))
+  p[0, [0, 1, 8, 9, 10, 11, 12, 13, 14, 15, 36]] = 0.0  # Block 1 (classes 8-15) empty.
+  p[1, [5, 35, 36]] = 0.0
+  p[1, 7] = 40.0  # Most of the mass on one class.
+  p /= p.sum(-1, keepdims=True)
+  z = jnp.log(jnp.asarray(p))  # -inf where p = 0.
+  spec = _scanner.LossSpec("categorical", 0.5, False, False, 2, (2, v))
+  n = 200_000
+  y = np.asarray(_losses._sample(spec, z, jax.random.key(0), n))
+  assert y.shape == (n, 2, v)
+  np.testing.assert_array_equal(y.sum(-1), 1.0)
+  counts = y.sum(0)
+  for row in range(2):
+    np.testing.assert_array_equal(counts[row][p[row] == 0], 0)
+    stat, df = _chi2(counts[row], p[row])
+    assert stat < _chi2_bound(df), (row, stat, df)
+  # The test has power: the same counts against a distribution with two classes swapped fail.
+  swapped = p[1].copy()
+  swapped[[2, 7]] = swapped[[7, 2]]
+  assert _chi2(counts[1], swapped)[0] > 100 * _chi2_bound(df)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_categorical_inverse_cdf_edge_cases(dtype, x64):
+  """Explicit uniforms: a row with all its mass on one class, zeros at the ends, and `u` at the
+  bottom and at (or, by rounding, past) the top of the cumulative sums: the index is clamped to
+  a class with mass."""
+  v = 300  # Blocks of 32, the last one padded.
+  top = np.nextafter(np.asarray(1.0, dtype), 0)  # The largest uniform below 1.
+  us = jnp.asarray([[0.0, 0.0], [top, top], [1.0, 1.0], [0.5, top], [top, 0.0]], dtype)[:, None]
+
+  def draw(p):
+    return np.asarray(_losses.categorical_inverse_cdf(jnp.asarray(p, dtype), us))[:, 0]
+
+  for c in (0, 31, 32, 150, 299):
+    np.testing.assert_array_equal(draw(np.eye(v)[c]), c)
+  p = np.zeros(v)
+  p[40:260] = np.random.default_rng(4).uniform(size=220)
+  got = draw(p)
+  assert got[0] == 40 and got[1] == 259 and got[2] == 259, got
+  assert np.all(p[got] > 0), got
+  # float32 softmax probabilities of spread logits (tiny and rounded-away masses): valid classes.
+  z = jnp.asarray(np.random.default_rng(5).normal(scale=8.0, size=(v,)), dtype)
+  got = draw(jax.nn.softmax(z))
+  assert np.all((got >= 0) & (got < v)) and np.all(np.asarray(jax.nn.softmax(z))[got] > 0), got
