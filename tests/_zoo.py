@@ -2370,7 +2370,7 @@ def equinox_unet() -> Zoo:
   batch = _images(k[1])
   batch["y"] = jax.random.randint(k[2], (N, 8, 8), 0, CLASSES)
   expected = []
-  for b in ("down", "enc", "up"):
+  for b in ("enc", "down", "up"):  # The layers in the module's field order.
     expected.append(("conv", "kron", (f"{b}/conv/weight", f"{b}/conv/bias")))
     expected.append(("scale_and_shift", "full", (f"{b}/norm/weight", f"{b}/norm/bias")))
   expected.append(("conv", "kron", ("out/weight", "out/bias")))
