@@ -836,7 +836,7 @@ def _ops_before_product(ix: _index.GraphIndex, leaf: int, limit: int = 4) -> lis
   frontier = list(keys)
   seen = set(keys)
   for _ in range(12):
-    nxt = []
+    nxt: list[Any] = []
     for k in frontier:
       for j, _ in ix.slice_consumers.get(k, []):
         fe = ix.g.eqns[j]
