@@ -347,6 +347,11 @@ class ScaleShiftInfo:
   (`(b h) t d`). The parameters span the consecutive axes of `out` from
   `feature_axis` on (None: the trailing axes; an int for a channel-first layout, e.g. 1 for a
   per-channel scale over `[N, C, H, W]`).
+
+  `example_rows` False: the rows along `batch_axis` are not grouped by example (the nodes of a
+  batch of graphs in one `[num_nodes, features]` array); each row's gradient is one row of the
+  statistics, F ≈ (1/N) Σ_rows J_r J_rᵀ (N the loss tags' batch), leaving out the products of
+  two rows of one example.
   """
 
   has_scale: bool
@@ -355,6 +360,7 @@ class ScaleShiftInfo:
   output_shape: tuple[int, ...]
   feature_axis: int | None = None
   batch_axis: int = 0
+  example_rows: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

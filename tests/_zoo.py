@@ -2323,3 +2323,169 @@ def timesformer_linen() -> Zoo:
 
 
 STRUCTURE_MODELS["timesformer_linen"] = timesformer_linen
+
+
+# -- Normalisations: equinox GroupNorm, LayerNorm on graph rows, a vmapped BatchNorm ensemble -----
+
+
+def equinox_unet() -> Zoo:
+  """A small equinox U-Net in the diffusion style: channel-first convolutions, each followed by
+  `eqx.nn.GroupNorm` and SiLU (the module sees one example, `[C, H, W]`; vmapped outside), a
+  strided conv down, nearest-neighbour upsampling and a conv back up, the skip concatenated on
+  channels, a 1x1 conv to per-pixel logits. The labels are per pixel."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  k = jax.random.split(_key(31), 4)
+
+  class Block(eqx.Module):
+    conv: eqx.nn.Conv2d
+    norm: eqx.nn.GroupNorm
+
+    def __init__(self, cin, cout, key, stride=1):
+      self.conv = eqx.nn.Conv2d(cin, cout, 3, stride=stride, padding=1, key=key)
+      self.norm = eqx.nn.GroupNorm(2, cout)
+
+    def __call__(self, x):
+      return jax.nn.silu(self.norm(self.conv(x)))
+
+  class UNet(eqx.Module):
+    enc: Block
+    down: Block
+    up: Block
+    out: eqx.nn.Conv2d
+
+    def __init__(self, key):
+      k = jax.random.split(key, 4)
+      self.enc = Block(3, 4, k[0])
+      self.down = Block(4, 8, k[1], stride=2)
+      self.up = Block(8, 4, k[2])
+      self.out = eqx.nn.Conv2d(8, CLASSES, 1, key=k[3])
+
+    def __call__(self, x):  # One image [H, W, C].
+      e = self.enc(x.transpose(2, 0, 1))
+      d = self.down(e)
+      u = self.up(jnp.repeat(jnp.repeat(d, 2, axis=1), 2, axis=2))
+      return self.out(jnp.concatenate([e, u], axis=0)).transpose(1, 2, 0)
+
+  batch = _images(k[1])
+  batch["y"] = jax.random.randint(k[2], (N, 8, 8), 0, CLASSES)
+  expected = []
+  for b in ("enc", "down", "up"):  # The layers in the module's field order.
+    expected.append(("conv", "kron", (f"{b}/conv/weight", f"{b}/conv/bias")))
+    expected.append(("scale_and_shift", "full", (f"{b}/norm/weight", f"{b}/norm/bias")))
+  expected.append(("conv", "kron", ("out/weight", "out/bias")))
+  z = _eqx_zoo(UNet(k[0]), batch, lambda m, x: jax.vmap(m)(x), expected)
+
+  def check(specs):  # The group norms scale the channel axis of [N, C, H, W].
+    norms = [s for s in specs if s.kind == "scale_and_shift"]
+    assert [s.info.feature_axis for s in norms] == [1, 1, 1], norms
+
+  return dataclasses.replace(z, check=check)
+
+
+GN_NODES, GN_EDGES = (2, 4, 3, 5), (3, 5, 2, 5)  # per graph: the graphs differ in size
+
+
+class LinenGraphNet(nn.Module):
+  """A jraph-style GraphNet in linen: the nodes of all graphs concatenated into one
+  `[num_nodes, features]` array, edges as `senders` / `receivers` into it; each round an edge
+  MLP on (edge, sender, receiver) features and a node MLP on (node, summed messages), each
+  followed by a LayerNorm over the rows (edges, nodes); a per-graph sum readout."""
+
+  @nn.compact
+  def __call__(self, b):
+    nodes = b["x"].shape[0]
+    h = nn.Dense(GNN_DIM, name="node_enc")(b["x"])
+    e = nn.Dense(GNN_DIM, name="edge_enc")(b["edges"])
+    for i in range(2):
+      pair = jnp.concatenate([e, h[b["senders"]], h[b["receivers"]]], axis=-1)
+      e = nn.LayerNorm(name=f"edge_ln_{i}")(jax.nn.relu(nn.Dense(GNN_DIM, name=f"edge_{i}")(pair)))
+      agg = jax.ops.segment_sum(e, b["receivers"], num_segments=nodes)
+      upd = nn.Dense(GNN_DIM, name=f"node_{i}")(jnp.concatenate([h, agg], axis=-1))
+      h = nn.LayerNorm(name=f"node_ln_{i}")(h + jax.nn.relu(upd))
+    pooled = jax.ops.segment_sum(h, b["graph"], num_segments=len(GN_NODES))
+    return nn.Dense(CLASSES, name="readout")(pooled)
+
+
+def graphnet_linen() -> Zoo:
+  """The loss is per graph (the examples); the LayerNorms' rows are nodes and edges, so their
+  statistics take each row as one (`ScaleShiftInfo.example_rows` False)."""
+  k = jax.random.split(_key(32), 5)
+  nodes, edges = sum(GN_NODES), sum(GN_EDGES)
+  start = jnp.cumsum(jnp.asarray((0,) + GN_NODES[:-1]))
+  size = jnp.repeat(jnp.asarray(GN_NODES), jnp.asarray(GN_EDGES))
+  offset = jnp.repeat(start, jnp.asarray(GN_EDGES))
+  ends = jax.random.randint(k[0], (2, edges), 0, 1 << 16) % size + offset  # Inside each graph.
+  batch = {
+    "x": jax.random.normal(k[1], (nodes, 3)),
+    "edges": jax.random.normal(k[2], (edges, 2)),
+    "senders": ends[0],
+    "receivers": ends[1],
+    "graph": jnp.repeat(jnp.arange(len(GN_NODES)), jnp.asarray(GN_NODES)),
+    "y": jax.random.randint(k[3], (len(GN_NODES),), 0, CLASSES),
+  }
+  model = LinenGraphNet()
+  params = model.init(k[4], batch)["params"]
+
+  def loss_fn(p, b):
+    return _ce(model.apply({"params": p}, b), b["y"])
+
+  names = ["edge_0", "edge_1", "edge_enc", "node_0", "node_1", "node_enc", "readout"]
+  layers = [_dense(n) for n in names]
+  layers += [_norm(f"{w}_ln_{i}") for w in ("edge", "node") for i in range(2)]
+
+  def check(specs):
+    norms = [s for s in specs if s.kind == "scale_and_shift"]
+    assert len(norms) == 4 and not any(s.info.example_rows for s in norms), norms
+
+  return Zoo(loss_fn, params, batch, sorted(layers, key=lambda e: e[2]), check=check)
+
+
+ENSEMBLE = 3
+
+
+class LinenEnsembleMember(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.BatchNorm(use_running_average=False, name="bn_0")(nn.Dense(16, name="fc_0")(x)))
+    h = nn.relu(nn.BatchNorm(use_running_average=False, name="bn_1")(nn.Dense(16, name="fc_1")(h)))
+    return nn.Dense(CLASSES, name="head")(h)
+
+
+class LinenEnsemble(nn.Module):
+  """A deep ensemble of BatchNorm'd MLPs, built by `nn.vmap` over stacked parameters and batch
+  statistics (every member sees the same batch), the logits averaged over the members."""
+
+  @nn.compact
+  def __call__(self, x):
+    members = nn.vmap(
+      LinenEnsembleMember,
+      in_axes=None,
+      out_axes=0,
+      variable_axes={"params": 0, "batch_stats": 0},
+      split_rngs={"params": True},
+      axis_size=ENSEMBLE,
+    )(name="members")
+    return members(x.reshape(x.shape[0], -1)).mean(0)
+
+
+def ensemble_batchnorm_linen() -> Zoo:
+  f, p, b = _linen(
+    LinenEnsemble(), _images(_key(33), hw=4), extra_vars=("batch_stats",), mutable=True
+  )
+  layers = [_norm(f"members/bn_{i}") for i in range(2)]
+  layers += [_dense(f"members/{n}") for n in ("fc_0", "fc_1", "head")]
+
+  def check(specs):  # Stacks of ENSEMBLE layers, one block per member.
+    assert all(s.stack_size == ENSEMBLE for s in specs), specs
+
+  return Zoo(f, p, b, sorted(layers, key=lambda e: e[2]), check=check)
+
+
+STRUCTURE_MODELS.update(
+  {
+    "equinox_unet": equinox_unet,
+    "graphnet_linen": graphnet_linen,
+    "ensemble_batchnorm_linen": ensemble_batchnorm_linen,
+  }
+)

@@ -56,6 +56,18 @@ def _no_matcher(p, b):
   return _ce((b["x"] @ p["w"]) * jnp.exp(p["s3"]), b["y"])
 
 
+def _weight_standardised(p, b):
+  # Weight standardisation: the kernel centred and scaled per output before the product.
+  k = p["k"]
+  k = (k - k.mean(0)) / (k.std(0) + 1e-5)
+  return _ce(b["x"] @ k, b["y"])
+
+
+def _gram_rows(p, b):
+  # A scale over the rows of a Gram matrix of the batch: neither axis holds examples.
+  return _ce(b["x"] @ ((b["x"].T @ b["x"]) * p["s"]) @ p["w"], b["y"])
+
+
 def _unused(p, b):
   return _ce(b["x"] @ p["w"], b["y"])
 
@@ -119,6 +131,24 @@ def _codebook(p, b):
 
 
 W = jnp.ones((D, C)) * 0.1
+GENERIC_FIX = (
+  'tag it in loss_fn with `kfac_jax.register_generic(param, approx="full")` for a full block '
+  "(the fallback is its diagonal)"
+)
+EXP = (
+  "passed through exp before use (a reparameterised parameter, e.g. `x * exp(log_scale)`): "
+  f"the layer blocks read the parameter itself; {GENERIC_FIX}"
+)
+
+
+def _computed_kernel(ops):
+  return (
+    f"transformed by {ops} into a matmul operand computed from parameters and constants alone "
+    "(e.g. a standardised, weight-normalised or masked kernel, or latents before they are "
+    f"broadcast over the batch): no layer block fits; {GENERIC_FIX}"
+  )
+
+
 NO_ROWS = (
   "an input computed from parameters and constants alone (no rows per example, e.g. latents "
   "projected before they are broadcast over the batch, or a constant table of positions)"
@@ -158,15 +188,29 @@ REASON_CASES = [
     "concatenated before a matmul",
   ),
   ("two ways", _two_ways, {"w": W}, "w", "used 2 times in different ways (dot_general, exp)"),
-  ("no matcher", _no_matcher, {"s3": jnp.ones(C), "w": W}, "s3", "consumed by exp (no matcher)"),
+  ("exp", _no_matcher, {"s3": jnp.ones(C), "w": W}, "s3", EXP),
   (
     "weight norm",
     _weight_norm,
     {"g": jnp.ones(C), "v": W},
     "v",
-    "transformed by mul into a matmul operand computed from parameters and constants alone "
-    "(e.g. a weight-normalised or masked kernel, or latents before they are broadcast over the "
-    "batch): no layer block fits",
+    _computed_kernel("mul, div, reduce_sum, sqrt"),
+  ),
+  (
+    "weight standardisation",
+    _weight_standardised,
+    {"k": W + jnp.arange(C) / 10},
+    "k",
+    _computed_kernel("reduce_sum, sub, div, square, ..."),
+  ),
+  (
+    "rows not examples",
+    _gram_rows,
+    {"s": jnp.ones(D), "w": W},
+    "s",
+    "consumed by mul on rows that are not examples: no axis of the output (4, 4) outside the "
+    f"parameter's (4,) has the batch's size {N} or was followed from the batch inputs, and no "
+    f"batch input has its leading axis; {GENERIC_FIX}",
   ),
   ("unused", _unused, {"u": jnp.ones(2), "w": W}, "u", "not used by the loss"),
   (
@@ -216,7 +260,7 @@ def test_a_gain_on_a_computed_kernel_is_no_layer_even_when_its_rows_equal_the_ba
     layers = kfac_jax.scan_layers(_weight_norm, params, batch)
   assert [(l.kind, l.param_paths) for l in layers] == [("generic", ("g",)), ("generic", ("v",))]
   reasons = _reasons(kfac_jax.summary(_weight_norm, params, batch))
-  assert reasons["g"].startswith("transformed by mul into a matmul operand"), reasons
+  assert reasons["g"].startswith("transformed by mul"), reasons
 
 
 @pytest.mark.parametrize(
@@ -316,7 +360,7 @@ def test_share_and_bytes_against_hand_computed_values():
   assert report[1] == "curvature state: 292 B (4.06x the parameters' 72 B)"
   assert report[2:] == [
     "fallback (diagonal) blocks, 1: why no layer matched",
-    "  s: consumed by exp (no matcher)",
+    f"  s: {EXP}",
   ]
   # The reported state bytes are those of the optimizer state's curvature, leaf for leaf.
   with pytest.warns(kfac_jax.UncoveredParametersWarning):

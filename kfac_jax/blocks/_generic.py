@@ -52,13 +52,13 @@ def _gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
   Generic layers: each sample's batch-summed gradient `[samples, n]`, c = samples · N.
   Structured layers (dense, conv, scale-and-shift): per-example gradients `[samples · N, n]`
   rebuilt from the layer's inputs and output gradients, c = samples · N (exact per-example
-  Fisher of the sampled or empirical targets).
+  Fisher of the sampled or empirical targets); per-row gradients for rows that are not examples
+  (`_layouts.gradient_rows`).
   """
   if not _layouts.per_example(spec):  # Generic parameters.
     h = jnp.concatenate([d.reshape(d.shape[0], -1).astype(dtype) for d in data], axis=1)
     return h, h.shape[0] * batch_size
-  h = _layouts.per_example_grads(spec, data, batch_size, dtype)
-  return h, h.shape[0]
+  return _layouts.gradient_rows(spec, data, batch_size, dtype)
 
 
 class DiagonalBlock(Block):

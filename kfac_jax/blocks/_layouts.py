@@ -360,7 +360,7 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
   start = nd - nf if info.feature_axis is None else info.feature_axis
   b = info.batch_axis
   rows = out_shape[b]  # The batch's size, or a multiple of it (rows grouped example-major).
-  if rows % batch_size:
+  if info.example_rows and rows % batch_size:
     raise ValueError(
       f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
       f"{spec.approx!r} approximation needs them grouped by example."
@@ -378,6 +378,22 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
   if info.has_shift:
     out.append(jnp.moveaxis(jnp.sum(g, axis=axes), batch_at, 1))
   size = math.prod(info.feature_shape)
-  # `[S, rows, F]` -> `[S·N, F]`, each example's rows summed.
-  out = [o.reshape(o.shape[0], batch_size, rows // batch_size, size).sum(2) for o in out]
+  # `[S, rows, F]` -> `[S·N, F]`, each example's rows summed (rows that are not examples stay
+  # rows: `[S·rows, F]`).
+  per = rows // batch_size if info.example_rows else 1
+  out = [o.reshape(o.shape[0], rows // per, per, size).sum(2) for o in out]
   return jnp.concatenate([o.reshape(-1, size) for o in out], axis=1)
+
+
+def gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
+  """`(h, c)`: the rows of a layer's "diagonal" / "full" statistics, F = Σ hᵀh / c.
+
+  `h` holds the per-example gradients (`per_example_grads`), c = S·N; for a scale-and-shift
+  layer whose rows are not examples (`ScaleShiftInfo.example_rows` False) one gradient per row,
+  still divided by S·N (the loss is a mean over the N examples, not over the rows).
+  """
+  h = per_example_grads(spec, data, batch_size, dtype)
+  info = spec.info
+  if spec.num_uses == 1 and isinstance(info, _specs.ScaleShiftInfo) and not info.example_rows:
+    return h, data[1].shape[0] * batch_size
+  return h, h.shape[0]

@@ -232,7 +232,9 @@ KINDS: dict[Kind, LayerKind] = {
       approximations=("full", "diagonal"),
       shared=("full", "diagonal"),
       matchers=(
-        MatcherEntry("elementwise", 0, _matchers.match_scale_and_shift),
+        # A stack first: its per-layer parameters span the layer axis too.
+        MatcherEntry("elementwise", 0, _stacked.match_stacked_scale_and_shift),
+        MatcherEntry("elementwise", 5, _matchers.match_scale_and_shift),
         # Last: a broadcast over the batch nothing else took.
         MatcherEntry("elementwise", 10, _matchers_embed.match_batch_tokens),
       ),

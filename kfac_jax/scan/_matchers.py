@@ -15,8 +15,9 @@ The matchers live in four modules, each importing only the ones before it:
   `_matchers`         (this one) `Match`, the helpers on the index every matcher uses, the
                       dense, conv and scale-and-shift matchers with their biases and shifts,
                       the manual tag readers;
-  `_stacked`          `match_batched_dense` (L dense layers in one batched product) and the
-                      merge of per-slice layers of a stacked leaf;
+  `_stacked`          `match_batched_dense` (L dense layers in one batched product),
+                      `match_stacked_scale_and_shift` (L scales and shifts in one product) and
+                      the merge of per-slice layers of a stacked leaf;
   `_matchers_embed`   tables: embedding lookups (gather or one-hot product) and learned tokens;
   `_matchers_shared`  `match_shared`: one layer for a leaf with several uses of any kind above.
 
@@ -32,10 +33,15 @@ Patterns matched here:
                     spatial rank, strides, padding, dilations, dimension numbers and feature groups
                     (`batch_group_count` must be 1), and an optional bias `add` aligned with the
                     output feature axis.
-  scale_and_shift   `x * scale (+ shift)` and `x + shift` with the parameters broadcast over the
-                    leading axes of the output; a second multiplication by an activation right
-                    after the scale is folded in, which covers Flax's normalisation layers
-                    (`y = (x - mean) * (rsqrt(var + eps) * scale) + bias`).
+  scale_and_shift   `x * scale (+ shift)` and `x + shift` with the parameters spanning
+                    consecutive axes of the output, broadcast along the others (trailing
+                    features, or channel-first as equinox's BatchNorm and GroupNorm); a second
+                    multiplication by an activation right after the scale is folded in, which
+                    covers Flax's normalisation layers
+                    (`y = (x - mean) * (rsqrt(var + eps) * scale) + bias`). Without an axis of
+                    examples, rows as long as a batch input's (graph nodes, `node_rows`) are
+                    the statistics' rows. Under `jax.vmap` over stacked parameters, the stack
+                    is matched by `_stacked.match_stacked_scale_and_shift`.
 """
 
 from __future__ import annotations
@@ -196,24 +202,88 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
 def feature_block(leaf_shape, chain, view_shape, out_shape):
   """`(feature_axis, feature_shape)`: the consecutive axes of `out_shape` a parameter spans,
   broadcast along all others. `feature_axis` is None for trailing axes (`_trailing_feature_shape`,
-  tried first); else the parameter reaches an inner block only through reshapes and unit axes
-  (a per-channel scale `[C]` viewed as `[1, C, 1, 1]` over `[N, C, H, W]`, as equinox's
-  BatchNorm does), never through a transpose or a broadcast that copies it.
+  tried first); else the parameter, in its own row-major order, fills an inner block: a
+  per-channel scale `[C]` viewed as `[1, C, 1, 1]` over `[N, C, H, W]` (equinox's BatchNorm) or
+  broadcast to `[C, H, W]` first (equinox's GroupNorm, `left_broadcast_to`).
   """
   feat = _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape)
   if feat is not None:
     return None, feat
+  idx = _operand_index(leaf_shape, chain, view_shape, out_shape)
+  if idx is None:
+    return None
+  block = _block_of(idx, out_shape, math.prod(leaf_shape))
+  if block is None or block[0] == 0:
+    return None
+  a, b = block
+  return (None if b == len(out_shape) else a), tuple(out_shape[a:b])
+
+
+def stacked_feature_block(leaf_shape, chain, view_shape, out_shape):
+  """`(stack_axis, feature_axis, feature_shape)` of a parameter `[L, ...]` read as L layers'
+  parameters (`jax.vmap` / `nn.vmap` of a normalisation over stacked parameters): its leading
+  axis lies along one axis of `out_shape` (the layer axis) and, per layer, the rest fills a
+  block of consecutive axes as in `feature_block`; `feature_axis` is that block's start among
+  the axes without the layer axis (None: trailing). None if the parameter is read otherwise."""
+  if len(leaf_shape) < 2 or leaf_shape[0] < 2:
+    return None
+  idx = _operand_index(leaf_shape, chain, view_shape, out_shape)
+  if idx is None:
+    return None
+  size, per = leaf_shape[0], math.prod(leaf_shape[1:])
+  layer, feat = _collapse(idx // per), _collapse(idx % per)
+  axes = [d for d in range(layer.ndim) if layer.shape[d] > 1]
+  if len(axes) != 1 or out_shape[axes[0]] != size or feat.shape[axes[0]] != 1:
+    return None
+  s = axes[0]
+  if not np.array_equal(layer.reshape(-1), np.arange(size)):
+    return None
+  per_out = tuple(out_shape[:s]) + tuple(out_shape[s + 1 :])
+  block = _block_of(np.squeeze(feat, s), per_out, per)
+  if block is None:
+    return None
+  a, b = block
+  if b - a == len(per_out):
+    return None
+  return s, (None if b == len(per_out) else a), tuple(per_out[a:b])
+
+
+def _operand_index(leaf_shape, chain, view_shape, out_shape) -> np.ndarray | None:
+  """Which entry of the leaf (flat, row-major) each entry of the operand `view_shape` reads,
+  with leading unit axes up to `out_shape`'s rank and every axis along which it is constant
+  (broadcast) cut to length 1 (`_collapse`): about as many entries as the leaf, whatever the
+  activation's size. None if the operand does not broadcast to `out_shape`."""
+  idx = _index_of_view(leaf_shape, chain)
   nd = len(out_shape)
-  if len(view_shape) > nd or any(s.op in ("transpose", "broadcast") for s in chain):
+  if tuple(idx.shape) != tuple(view_shape) or idx.ndim > nd:
     return None
-  view = (1,) * (nd - len(view_shape)) + tuple(view_shape)
-  wide = [a for a in range(nd) if view[a] != 1]
-  if not wide or wide[0] == 0 or math.prod(view) != math.prod(leaf_shape):
+  idx = _collapse(idx.reshape((1,) * (nd - idx.ndim) + idx.shape))
+  if any(v not in (1, o) for v, o in zip(idx.shape, out_shape)):
     return None
-  a, b = wide[0], wide[-1] + 1
-  if view[a:b] != tuple(out_shape[a:b]):
+  return idx
+
+
+def _collapse(idx: np.ndarray) -> np.ndarray:
+  """`idx` cut to length 1 along every axis it is constant along; a broadcast's axes (stride
+  0) are cut before anything is read."""
+  idx = idx[tuple(slice(0, 1) if st == 0 else slice(None) for st in idx.strides)]
+  for d in range(idx.ndim):
+    if idx.shape[d] > 1 and not np.ptp(idx, axis=d).any():
+      idx = idx[(slice(None),) * d + (slice(0, 1),)]
+  return idx
+
+
+def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
+  """`(a, b)` if `idx` (collapsed, `_collapse`, over `out_shape`) is `arange(n)` laid over the
+  axes `a..b-1` in row-major order and constant along every other axis; else None."""
+  axes = [d for d in range(idx.ndim) if idx.shape[d] > 1]
+  if not axes:
     return None
-  return a, tuple(out_shape[a:b])
+  a, b = axes[0], axes[-1] + 1
+  if math.prod(out_shape[a:b]) != n:
+    return None
+  want = np.arange(n).reshape([out_shape[d] if a <= d < b else 1 for d in range(len(out_shape))])
+  return (a, b) if np.array_equal(np.broadcast_to(idx, want.shape), want) else None
 
 
 def _match_bias_add(ix, key, out_shape, feature_axis, size, claimed, shared: bool = False):
@@ -266,7 +336,13 @@ def _index_view(fe, idx: np.ndarray) -> np.ndarray:
 
 def _leaf_index_view(ix, leaf, chain) -> np.ndarray:
   """Which entry of `leaf` (flat index) each entry of the viewed operand reads."""
-  idx = np.arange(math.prod(ix.shapes[leaf])).reshape(ix.shapes[leaf])
+  return _index_of_view(ix.shapes[leaf], chain)
+
+
+def _index_of_view(shape, chain) -> np.ndarray:
+  """Which entry of a parameter of `shape` (flat index) each entry of its view by `chain`
+  reads."""
+  idx = np.arange(math.prod(shape)).reshape(shape)
   for st in chain:
     if st.op == "transpose":
       idx = idx.transpose(st.perm)
@@ -570,11 +646,10 @@ def match_scale_and_shift(ix, i, claimed):
   return Match.single("scale_and_shift", leaves, info, out_key, inputs)
 
 
-def scale_shift_use(ix, i, claimed, shared: bool = False):
-  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` if equation i
-  multiplies an activation by a parameter (then `leaf` is the scale, and a following shift is
-  matched too) or adds one to it (`leaf` is the shift); else None. With `shared`, the
-  parameters may have other uses (one use of a shared layer)."""
+def scale_shift_operands(ix, i, claimed, shared: bool = False):
+  """`(leaf, parameter atom, input atoms, output key)` if equation i multiplies an activation by
+  a parameter (a second multiplication by an activation right after it folded in) or adds one
+  to it; else None. The preamble of the scale-and-shift matchers."""
   fe = ix.g.eqns[i]
   if fe.name not in ("mul", "add") or len(fe.ins) != 2:
     return None
@@ -582,14 +657,13 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   if len(ops) != 1:
     return None
   leaf, pos = ops[0]
-  found = single_use_leaf(ix, fe.ins[pos], claimed, shared)
   other = fe.ins[1 - pos]
-  if found is None or not _graph.is_key(other) or other in ix.origin:
+  if single_use_leaf(ix, fe.ins[pos], claimed, shared) is None:
+    return None
+  if not _graph.is_key(other) or other in ix.origin:
     return None
   if other in ix.param_only:
     return None  # Not an activation: e.g. a weight-normalised kernel `v / |v|` times a gain.
-  chain = found[1]
-  view_shape = tuple(_graph.aval_of(fe.ins[pos]).shape)
   out_key = fe.outs[0]
   inputs: tuple = ()
   if fe.name == "mul":
@@ -602,34 +676,72 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
         inputs, out_key = (other, y), nxt.outs[0]
   elif tuple(_graph.aval_of(other).shape) != tuple(out_key[1].aval.shape):
     return None  # A shift must not broadcast the activation.
-  out_shape = tuple(out_key[1].aval.shape)
-  if not out_shape:
+  if not tuple(out_key[1].aval.shape):
     return None
-  block = feature_block(ix.shapes[leaf], chain, view_shape, out_shape)
+  return leaf, fe.ins[pos], inputs, out_key
+
+
+def scale_shift_use(ix, i, claimed, shared: bool = False):
+  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` if equation i
+  multiplies an activation by a parameter (then `leaf` is the scale, and a following shift is
+  matched too) or adds one to it (`leaf` is the shift); else None. With `shared`, the
+  parameters may have other uses (one use of a shared layer).
+
+  Without an axis of examples outside the parameter's axes, a single-use layer whose leading
+  axis holds rows of the batch's inputs (`node_rows`: the nodes or edges of a batch of graphs)
+  takes those rows as its statistics' rows (`ScaleShiftInfo.example_rows` False)."""
+  found = scale_shift_operands(ix, i, claimed, shared)
+  if found is None:
+    return None
+  leaf, atom, inputs, out_key = found
+  chain = ix.origin[atom][1]
+  out_shape = tuple(out_key[1].aval.shape)
+  block = feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
   if block is None or len(block[1]) == len(out_shape):
     return None
   axis, feat = block
-  batch_axis = _batch_axis(
+  batch_axis = batch_axis_of(
     out_shape, axis, len(feat), ix.batch_size, followed_batch_axis(ix, out_key)
   )
+  example_rows = True
   if batch_axis is None:
-    return None
+    if shared or not node_rows(ix, out_shape, axis):
+      return None
+    batch_axis, example_rows = 0, False
   shift_leaf = None
-  has_shift = fe.name == "add"
-  if not has_shift:
-    shift = _match_shift(ix, out_key, out_shape, block, claimed, shared)
+  is_mul = ix.g.eqns[i].name == "mul"
+  has_shift = not is_mul
+  if is_mul:
+    shift = match_shift(ix, out_key, out_shape, block, claimed, shared)
     if shift is not None:
       shift_leaf, out_key = shift
       has_shift = True
   info = ScaleShiftInfo(
-    has_scale=fe.name == "mul",
+    has_scale=is_mul,
     has_shift=has_shift,
     feature_shape=feat,
     output_shape=out_shape,
     feature_axis=axis,
     batch_axis=batch_axis,
+    example_rows=example_rows,
   )
   return info, leaf, inputs, out_key, shift_leaf
+
+
+def node_rows(ix, out_shape, feature_axis) -> bool:
+  """Whether the leading axis of a scale-and-shift output `out_shape` (outside its features,
+  which start at `feature_axis`, None: trailing) has the length of the leading axis of a batch
+  input whose batch axis was not found: rows of the batch's data that are not its examples, as
+  the nodes of a batch of graphs concatenated into one `[num_nodes, features]` array (their
+  graph is known only to the segment sums that pool them)."""
+  if len(out_shape) < 2 or feature_axis == 0:
+    return False
+  rows = out_shape[0]
+  for key in ix.g.invars[ix.n_params :]:
+    shape = tuple(key[1].aval.shape)
+    if shape and shape[0] == rows and ix.batch_axes.get(key) is None:
+      return True
+  return False
 
 
 def followed_batch_axis(ix, atom) -> int | None:
@@ -641,7 +753,7 @@ def followed_batch_axis(ix, atom) -> int | None:
   return None if tag is None else tag[0]
 
 
-def _batch_axis(
+def batch_axis_of(
   out_shape, feature_axis, n_feat: int, batch_size: int, followed: int | None = None
 ) -> int | None:
   """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs;
@@ -655,7 +767,9 @@ def _batch_axis(
   return None if found is None else outside[found]
 
 
-def _match_shift(ix, key, out_shape, block, claimed, shared: bool = False):
+def match_shift(ix, key, out_shape, block, claimed, shared: bool = False, how=None):
+  """`(shift leaf, key of the sum)` of a parameter added to `key` over the same axes as the
+  scale (`block`, as `how` reads it: `feature_block` unless given); else None."""
   use = only_consumer(ix, key)
   if use is None or ix.g.eqns[use[0]].name != "add":
     return None
@@ -665,7 +779,8 @@ def _match_shift(ix, key, out_shape, block, claimed, shared: bool = False):
   if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
   leaf, chain = found
-  if feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
+  how = feature_block if how is None else how
+  if how(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
     return None  # The shift must span the scale's axes.
   return leaf, fe.outs[0]
 

@@ -807,6 +807,75 @@ def _no_rows(ix: _index.GraphIndex, fe, pos: int) -> bool:
   return bool(others) and all(a in ix.param_only for a in others)
 
 
+# What a user can do for a parameter no layer block reads: a manual generic tag.
+_GENERIC_FIX = (
+  'tag it in loss_fn with `kfac_jax.register_generic(param, approx="full")` for a full block '
+  "(the fallback is its diagonal)"
+)
+
+# Elementwise functions of one operand: a parameter passed through one is not read as itself.
+_UNARY = frozenset(
+  {
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "logistic",
+    "tanh",
+    "sqrt",
+    "rsqrt",
+    "abs",
+    "neg",
+    "square",
+    "integer_pow",
+    "sin",
+    "cos",
+  }
+)
+
+
+def _ops_before_product(ix: _index.GraphIndex, leaf: int, limit: int = 4) -> list[str]:
+  """The primitives (first seen first, at most `limit`) between `leaf` and the products its
+  parameters-only values reach: what a weight-standardised kernel goes through."""
+  keys = {k for k, (j, _) in ix.origin.items() if j == leaf}
+  names: list[str] = []
+  frontier = list(keys)
+  seen = set(keys)
+  for _ in range(12):
+    nxt: list[Any] = []
+    for k in frontier:
+      for j, _ in ix.slice_consumers.get(k, []):
+        fe = ix.g.eqns[j]
+        if fe.name in _PRODUCTS:
+          continue
+        if fe.name not in _index.VIEW_OPS and fe.name not in names:
+          names.append(fe.name)
+        nxt.extend(o for o in fe.outs if o in ix.param_only and o not in seen)
+        seen.update(fe.outs)
+    frontier = nxt
+  return names[:limit] + (["..."] if len(names) > limit else [])
+
+
+def _scale_shift_reason(ix: _index.GraphIndex, fe, pos: int) -> str:
+  """Why `mul` / `add` of a parameter and an activation matched no scale and shift."""
+  name, atom = fe.name, fe.ins[pos]
+  out_shape = tuple(fe.outs[0][1].aval.shape)
+  block = _matchers.feature_block(
+    ix.shapes[ix.origin[atom][0]], ix.origin[atom][1], tuple(_graph.aval_of(atom).shape), out_shape
+  )
+  if block is None or len(block[1]) == len(out_shape):
+    return (
+      f"consumed by {name} in a layout no scale-and-shift matcher fits (it does not span "
+      f"consecutive axes of the output {out_shape}, broadcast along the others)"
+    )
+  return (
+    f"consumed by {name} on rows that are not examples: no axis of the output {out_shape} "
+    f"outside the parameter's {block[1]} has the batch's size {ix.batch_size} or was followed "
+    "from the batch inputs, and no batch input has its leading axis; " + _GENERIC_FIX
+  )
+
+
 def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   """Why one use (equation `i`, operand `pos`) of `leaf` matched no layer."""
   fe = ix.g.eqns[i]
@@ -838,10 +907,16 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
     )
   # An operand computed from parameters alone (weight normalisation's `v / |v| · g`).
   if name not in _PRODUCTS and _feeds(ix, fe.outs[0], _PRODUCTS, 10, ix.param_only):
+    ops = ", ".join(_ops_before_product(ix, leaf))
     return (
-      f"transformed by {name} into a matmul operand computed from parameters and constants "
-      "alone (e.g. a weight-normalised or masked kernel, or latents before they are broadcast over "
-      "the batch): no layer block fits"
+      f"transformed by {ops} into a matmul operand computed from parameters and constants "
+      "alone (e.g. a standardised, weight-normalised or masked kernel, or latents before they "
+      f"are broadcast over the batch): no layer block fits; {_GENERIC_FIX}"
+    )
+  if name in _UNARY:
+    return (
+      f"passed through {name} before use (a reparameterised parameter, e.g. `x * "
+      f"exp(log_scale)`): the layer blocks read the parameter itself; {_GENERIC_FIX}"
     )
   if name in ("mul", "add") and _no_rows(ix, fe, pos):
     return f"consumed by {name} with {_NO_ROWS}"
@@ -853,7 +928,7 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
       return "broadcast before a matmul"
     return "consumed by dot_general in a layout no dense matcher fits"
   if name in ("mul", "add"):
-    return f"consumed by {name} in a layout no scale-and-shift matcher fits"
+    return _scale_shift_reason(ix, fe, pos)
   if name == "conv_general_dilated":
     return "consumed by conv_general_dilated in a form no conv matcher fits"
   return f"consumed by {name} (no matcher)"
@@ -864,7 +939,9 @@ def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
 
   One short phrase: "not used by the loss", "sliced by a scan (a stacked layer axis)", "used as 1
   + scale", "concatenated before a matmul", "used 3 times in different ways (dot_general, mul)",
-  "consumed by <primitive> (no matcher)", ...
+  "consumed by <primitive> (no matcher)", ...; where a manual tag is the way out (a parameter
+  passed through `exp`, a kernel computed from parameters, a scale over rows that are not
+  examples), the phrase says what was seen and names the tag.
   """
   uses: Sequence[Any] = ix.uses.get(leaf, ())
   if not uses:

@@ -19,7 +19,9 @@ A vmapped layer (an ensemble `jax.vmap(layer)(stacked_params, x)`, or a mixture-
 `einsum("ebd,edf->ebf", x, kernel)`) reads the whole stacked kernel in one `dot_general` whose
 batch dimension is the kernel's leading axis: `match_batched_dense` registers it as a stack with
 `stack_axes` (the layer axis of the input and of the output), with a bias added along the same
-axis when present.
+axis when present. A normalisation vmapped the same way (an ensemble's BatchNorm under
+`nn.vmap`) multiplies by a scale `[L, D]` along the output's leading axis:
+`match_stacked_scale_and_shift` registers it as a stack of scale-and-shift layers.
 
 A parameter closed over by a scan (an RNN) is not sliced: it stays one shared layer with T uses
 (`_scanner`'s multi-use matching).
@@ -32,6 +34,7 @@ import math
 from typing import Any
 
 from kfac_jax import blocks as _blocks
+from kfac_jax._specs import ScaleShiftInfo
 from kfac_jax.scan import _graph, _matchers
 
 
@@ -260,4 +263,62 @@ def match_batched_dense(ix, i, claimed):
   axes = (-1 if x_axis is None else x_axis, out_axis)
   return _matchers.Match.single(
     "dense", leaves, info, out_key, (x_atom,), stack_size=k_shape[0], stack_axes=axes
+  )
+
+
+def match_stacked_scale_and_shift(ix, i, claimed):
+  """A stack of scale-and-shift layers applied by one elementwise operation (a normalisation
+  under `jax.vmap` / `nn.vmap` over stacked parameters, as an ensemble's BatchNorm): a scale
+  `[L, ...]` (and a shift over the same axes) whose leading axis lies along the output's
+  leading axis (where `jax.vmap` puts it), every input holding that axis too. A `Match` whose
+  info describes one layer."""
+  found = _matchers.scale_shift_operands(ix, i, claimed)
+  if found is None:
+    return None
+  leaf, atom, inputs, out_key = found
+  if leaf >= ix.n_params:
+    return None
+  out_shape = tuple(out_key[1].aval.shape)
+  block = _matchers.stacked_feature_block(
+    ix.shapes[leaf], ix.origin[atom][1], tuple(_graph.aval_of(atom).shape), out_shape
+  )
+  if block is None:
+    return None
+  s, axis, feat = block
+  if s != 0:
+    # `jax.vmap` puts the layer axis first; a table `[T, D]` over `[N, T, D]` (positions) is one
+    # layer whose parameters span two axes.
+    return None
+  size = out_shape[s]
+  for x in inputs:  # Each input holds the layer axis (broadcast only along the others).
+    x_shape = tuple(_graph.aval_of(x).shape)
+    if len(x_shape) != len(out_shape) or x_shape[s] != size:
+      return None
+  per_out = out_shape[:s] + out_shape[s + 1 :]
+  followed = _matchers.followed_batch_axis(ix, out_key)
+  followed = None if followed is None or followed == s else followed - (followed > s)
+  batch_axis = _matchers.batch_axis_of(per_out, axis, len(feat), ix.batch_size, followed)
+  if batch_axis is None:
+    return None
+  leaves = [leaf]
+  is_mul = ix.g.eqns[i].name == "mul"
+  has_shift = not is_mul
+  if is_mul:
+    shift = _matchers.match_shift(
+      ix, out_key, out_shape, block, claimed, how=_matchers.stacked_feature_block
+    )
+    if shift is not None and ix.shapes[shift[0]][0] == size:
+      leaves.append(shift[0])
+      out_key, has_shift = shift[1], True
+  info = ScaleShiftInfo(
+    has_scale=is_mul,
+    has_shift=has_shift,
+    feature_shape=feat,
+    output_shape=per_out,
+    feature_axis=axis,
+    batch_axis=batch_axis,
+  )
+  axes = (s,) * len(inputs) + (s,)
+  return _matchers.Match.single(
+    "scale_and_shift", leaves, info, out_key, inputs, stack_size=size, stack_axes=axes
   )
