@@ -91,9 +91,11 @@ def test_structure_zoo_model(name):
   versions of the scanned decoder LM, ViT, LSTM, MoE and VAE (`_zoo.HX_MODELS`); a dilated
   causal TCN, a DiT block with adaLN-Zero, a Perceiver (learned latents), an MLP-Mixer, a
   message-passing graph network (Haiku), GPT-2 and a TimeSformer (divided space-time attention
-  over merged batch axes): every layer found with `strict=True`, the loss tags fit the loss
-  (the audit, measured on the batch), 10 jitted K-FAC steps finite with the loss decreasing,
-  and the state's bytes reported by `summary` (and bounded for the vocabulary head)."""
+  over merged batch axes); a MAP head (a tiled probe and its query projection), a T5 layer
+  (relative-position bias) and GPT-2 embeddings with position ids built inside: every layer
+  found with `strict=True`, the loss tags fit the loss (the audit, measured on the batch), 10
+  jitted K-FAC steps finite with the loss decreasing, and the state's bytes reported by
+  `summary` (and bounded for the vocabulary head)."""
   pytest.importorskip("haiku")
   pytest.importorskip("equinox")
   z = _zoo.STRUCTURE_MODELS[name]()
