@@ -807,7 +807,8 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   if name == "scan_slice":
     return "sliced by a scan (a stacked layer axis)"
   others = [leaf_ for leaf_, _ in ix.uses_by_eqn.get(i, []) if leaf_ != leaf]
-  if name == "dot_general" and pos == 0 and others and fe.ins[0] in ix.param_only:
+  x = fe.ins[0]
+  if name == "dot_general" and pos == 0 and others and _graph.is_key(x) and x in ix.param_only:
     return (
       f"the input of `{ix.paths[others[0]]}` with no rows per example (a learned probe "
       "projected before it is broadcast over the batch; broadcast it first and it is a layer "
