@@ -111,10 +111,19 @@ def common_prefix(paths: Sequence[str]) -> str:
 class ViewStep:
   """One layout operation applied to a parameter on its way to the consuming operation."""
 
-  op: str  # "reshape" | "transpose" | "cast" | "broadcast" | "shift" (a constant added)
+  # "reshape" | "transpose" | "cast" | "broadcast" | "shift" (a constant added) | "gather" (rows
+  # of a `[T, D]` view taken at constant indices, in any order, with repeats)
+  op: str
   in_shape: tuple[int, ...]
   out_shape: tuple[int, ...]
   perm: tuple[int, ...] = ()  # transpose: the permutation; broadcast: broadcast_dimensions.
+  # gather: the row taken by each output row (`out_shape[:-1]`, row-major), as int32 bytes
+  # (compact and hashable: a relative-position table reads L² rows).
+  rows: bytes = b""
+
+  def gathered_rows(self) -> np.ndarray:
+    """A "gather" step's row indices, shaped `out_shape[:-1]`."""
+    return np.frombuffer(self.rows, np.int32).reshape(self.out_shape[:-1])
 
 
 def apply_view(chain: Sequence[ViewStep], x):
@@ -126,12 +135,16 @@ def apply_view(chain: Sequence[ViewStep], x):
       x = x.reshape(s.out_shape)
     elif s.op == "broadcast":
       raise ValueError("a broadcast view cannot be applied to a parameter vector")
+    elif s.op == "gather":
+      x = x[s.gathered_rows()]
   return x
 
 
 def undo_view(chain: Sequence[ViewStep], x):
-  """Inverse of `apply_view`."""
+  """Inverse of `apply_view` (of a view without a gather, which has none)."""
   for s in reversed(chain):
+    if s.op == "gather":
+      raise ValueError("a gather view of a parameter has no inverse")
     if s.op == "transpose":
       x = x.transpose(np.argsort(s.perm))
     elif s.op == "reshape":
@@ -194,6 +207,13 @@ class DenseInfo:
   The kernel operand (after `kernel_view`) is transposed by `kernel_perm` and reshaped to
   `[in, out]`; the input operand by `x_perm` to `[rows, in]`; the output by `out_perm` to
   `[rows, out]`.
+
+  A layer whose input is computed from parameters and constants alone (a learned probe
+  projected before it is broadcast over the batch) has the same `rows` for every example; its
+  output reaches the batch through a broadcast (explicit, or an add with an activation), and
+  that broadcast is its tap. `shared_tap` then maps one example's tap entries to positions of
+  the `[rows, out]` output matrix (int32 bytes, row-major; an entry read twice sums its
+  gradients); empty for a layer whose input rows are the batch's.
   """
 
   kernel_view: tuple[ViewStep, ...]
@@ -203,6 +223,7 @@ class DenseInfo:
   in_dim: int
   out_dim: int
   rows: int
+  shared_tap: bytes = b""
   # A kernel, then optionally a bias (`LayerSpec.has_bias`).
   kernel_and_bias: ClassVar[bool] = True
 
@@ -352,6 +373,12 @@ class ScaleShiftInfo:
   batch of graphs in one `[num_nodes, features]` array); each row's gradient is one row of the
   statistics, F ≈ (1/N) Σ_rows J_r J_rᵀ (N the loss tags' batch), leaving out the products of
   two rows of one example.
+  A shift-only table read through a gather at constant positions (T5's relative-position bias,
+  `table[buckets]` with buckets computed from positions; a positional table longer than the
+  sequence) has `feature_index`: the flat parameter entry each feature entry reads (int32 bytes
+  of `feature_shape`'s size, row-major, repeats allowed), so that the per-example gradient of a
+  parameter entry is the sum of the output gradient over every feature entry that reads it.
+  Empty: the features are the parameter's entries in order.
   """
 
   has_scale: bool
@@ -361,6 +388,11 @@ class ScaleShiftInfo:
   feature_axis: int | None = None
   batch_axis: int = 0
   example_rows: bool = True
+  feature_index: bytes = b""
+
+  def feature_entries(self) -> np.ndarray | None:
+    """`feature_index` as a flat int array, or None when the features are the parameter."""
+    return np.frombuffer(self.feature_index, np.int32) if self.feature_index else None
 
 
 @dataclasses.dataclass(frozen=True)

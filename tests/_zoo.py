@@ -17,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -2482,10 +2483,169 @@ def ensemble_batchnorm_linen() -> Zoo:
   return Zoo(f, p, b, sorted(layers, key=lambda e: e[2]), check=check)
 
 
+# -- layers every example reads the same way: a MAP head, T5's relative bias, GPT-2's `wpe` ------
+
+
+class LinenMapHead(nn.Module):
+  """Multihead attention pooling as big_vision's ViT heads write it: a learned probe
+  `[1, 1, D]` tiled over the batch is the query of a `MultiHeadDotProductAttention` over the
+  tokens, then a LayerNorm and a residual GELU MLP; the pooled token is the probe's row."""
+
+  mlp_dim: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    n, _, d = tokens.shape
+    probe = self.param("probe", nn.initializers.xavier_uniform(), (1, 1, d), tokens.dtype)
+    pooled = nn.MultiHeadDotProductAttention(num_heads=self.heads, name="attn")(
+      jnp.tile(probe, (n, 1, 1)), tokens
+    )
+    y = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in")(nn.LayerNorm(name="ln")(pooled)))
+    return (pooled + nn.Dense(d, name="mlp_out")(y))[:, 0]
+
+
+class LinenMapViT(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(DIM, (2, 2), strides=(2, 2), name="patch")(x)
+    x = x.reshape(x.shape[0], -1, DIM)
+    x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], DIM))
+    x = LinenMapHead(2 * DIM, HEADS, name="map")(nn.LayerNorm(name="ln_pre")(x))
+    return nn.Dense(CLASSES, name="head")(x)
+
+
+def map_head_linen() -> Zoo:
+  """The tiled probe is learned tokens (a shift-only layer over D), and the query projection
+  that reads it a dense layer whose one input row every example shares."""
+  f, p, b = _linen(LinenMapViT(), _images(_key(31)))
+  attn = [_dense(f"map/attn/{n}") for n in ("key", "out", "query", "value")]
+  layers = [_dense("head"), *attn, _norm("map/ln"), _dense("map/mlp_in"), _dense("map/mlp_out")]
+  layers += [("scale_and_shift", "full", ("map/probe",)), _conv("patch")]
+  layers += [_norm("ln_pre"), ("scale_and_shift", "diagonal", ("pos",))]
+
+  def check(specs):
+    (q,) = [s for s in specs if s.name == "map/attn/query"]
+    assert q.info.rows == N, q.info  # One row per example: the tiled probe.
+
+  # λ = 0.1: at 1e-2 the ten unclipped steps of lr 0.05 diverge whatever block the query
+  # kernel or the probe gets (their "diagonal" blocks diverge too).
+  return Zoo(f, p, b, sorted(layers, key=lambda e: e[2]), check=check, damping=0.1)
+
+
+T5_BUCKETS, T5_MAX_DISTANCE = 8, 16
+
+
+def _t5_bucket(relative, num_buckets=T5_BUCKETS, max_distance=T5_MAX_DISTANCE):
+  """Bidirectional relative-position buckets (T5): half the buckets per direction, exact for
+  small distances, log-spaced up to `max_distance`."""
+  half = num_buckets // 2
+  bucket = jnp.where(relative > 0, half, 0)
+  dist = jnp.abs(relative)
+  exact = half // 2
+  log_part = jnp.log(jnp.maximum(dist, 1) / exact) / np.log(max_distance / exact)
+  far = jnp.minimum(exact + (log_part * (half - exact)).astype(jnp.int32), half - 1)
+  return bucket + jnp.where(dist < exact, dist, far)
+
+
+class LinenT5Layer(nn.Module):
+  """A T5 encoder layer: RMSNorm, attention without biases whose logits get a learned
+  `[buckets, heads]` bias looked up (`nn.Embed`) at buckets of the relative positions, then a
+  ReLU MLP; the buckets come from positions alone."""
+
+  @nn.compact
+  def __call__(self, x):
+    n, t, _ = x.shape
+    h = nn.RMSNorm(name="ln_attn")(x)
+    proj = lambda name: nn.DenseGeneral((HEADS, DIM // HEADS), use_bias=False, name=name)  # noqa: E731
+    q, k, v = proj("q")(h), proj("k")(h), proj("v")(h)
+    pos = jnp.arange(t)
+    buckets = _t5_bucket(pos[None, :] - pos[:, None])
+    bias = nn.Embed(T5_BUCKETS, HEADS, name="relative_attention_bias")(buckets)  # [q, k, heads]
+    logits = jnp.einsum("nqhd,nkhd->nhqk", q, k) + jnp.transpose(bias, (2, 0, 1))[None]
+    att = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(logits, axis=-1), v)
+    x = x + nn.DenseGeneral(DIM, axis=(-2, -1), use_bias=False, name="o")(att)
+    m = nn.relu(nn.Dense(2 * DIM, use_bias=False, name="wi")(nn.RMSNorm(name="ln_mlp")(x)))
+    return x + nn.Dense(DIM, use_bias=False, name="wo")(m)
+
+
+class LinenT5Classifier(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, DIM, name="embed")(tokens)
+    x = LinenT5Layer(name="layer")(x)
+    return nn.Dense(CLASSES, name="head")(nn.RMSNorm(name="ln_f")(x).mean(1))
+
+
+def t5_relative_bias_linen() -> Zoo:
+  """The relative bias table, gathered at constant buckets (with repeats), is a shift-only
+  layer ("diagonal", each bucket's gradient summed over the (q, k) pairs in it)."""
+  kx, ky = jax.random.split(_key(32))
+  batch = {
+    "x": jax.random.randint(kx, (N, SEQ), 0, VOCAB),
+    "y": jax.random.randint(ky, (N,), 0, CLASSES),
+  }
+  f, p, b = _linen(LinenT5Classifier(), batch)
+  scale = lambda n: ("scale_and_shift", "full", (f"{n}/scale",))  # noqa: E731
+  layers = [("embedding", "kron", ("embed/embedding",)), _dense("head")]
+  layers += [scale("layer/ln_attn"), scale("layer/ln_mlp"), scale("ln_f")]
+  layers += [_dense(f"layer/{n}", bias=False) for n in ("k", "o", "q", "v")]
+  layers.append(("scale_and_shift", "diagonal", ("layer/relative_attention_bias/embedding",)))
+  layers += [_dense(f"layer/{n}", bias=False) for n in ("wi", "wo")]
+
+  def check(specs):
+    (rel,) = [s for s in specs if s.name == "layer/relative_attention_bias"]
+    assert rel.info.feature_shape == (HEADS, SEQ, SEQ) and rel.info.feature_index, rel.info
+
+  return Zoo(f, p, b, sorted(layers, key=lambda e: e[2]), check=check)
+
+
+GPT2_POSITIONS = 16  # `n_positions`: the table is longer than the sequence.
+
+
+class LinenGpt2Embeddings(nn.Module):
+  """GPT-2's input embeddings as Hugging Face's Flax model writes them: `position_ids`
+  broadcast from `arange(seq)` over the batch, inside the model, looked up in a `wpe` table of
+  `n_positions` rows; one pre-norm MLP block and a mean-pooled classifier."""
+
+  @nn.compact
+  def __call__(self, input_ids):
+    position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1])[None, :], input_ids.shape)
+    h = nn.Embed(VOCAB, DIM, name="wte")(input_ids.astype("i4"))
+    h = h + nn.Embed(GPT2_POSITIONS, DIM, name="wpe")(position_ids.astype("i4"))
+    m = nn.gelu(nn.Dense(4 * DIM, name="c_fc")(nn.LayerNorm(name="ln_1")(h)))
+    h = h + nn.Dense(DIM, name="c_proj")(m)
+    return nn.Dense(CLASSES, name="head")(nn.LayerNorm(name="ln_f")(h).mean(1))
+
+
+def gpt2_positions_linen() -> Zoo:
+  """`wpe` read at position ids built inside the model is a positional table, as in
+  `gpt2_linen` (a shift-only "diagonal" layer); its rows past the sequence are never read."""
+  kx, ky = jax.random.split(_key(33))
+  batch = {
+    "x": jax.random.randint(kx, (N, SEQ), 0, VOCAB),
+    "y": jax.random.randint(ky, (N,), 0, CLASSES),
+  }
+  f, p, b = _linen(LinenGpt2Embeddings(), batch)
+  layers = [_dense("c_fc"), _dense("c_proj"), _dense("head"), _norm("ln_1"), _norm("ln_f")]
+  layers += [("scale_and_shift", "diagonal", ("wpe/embedding",))]
+  layers += [("embedding", "kron", ("wte/embedding",))]
+
+  def check(specs):
+    (wpe,) = [s for s in specs if s.name == "wpe"]
+    assert wpe.info.feature_shape == (SEQ, DIM), wpe.info
+    assert "positional embedding" in wpe.note, wpe.note
+
+  return Zoo(f, p, b, layers, check=check)
+
+
 STRUCTURE_MODELS.update(
   {
     "equinox_unet": equinox_unet,
     "graphnet_linen": graphnet_linen,
     "ensemble_batchnorm_linen": ensemble_batchnorm_linen,
+    "map_head_linen": map_head_linen,
+    "t5_relative_bias_linen": t5_relative_bias_linen,
+    "gpt2_positions_linen": gpt2_positions_linen,
   }
 )

@@ -130,6 +130,9 @@ def _check_approximations(s):
 
 def _check_layers(s):
   assert [spec.approx for spec in s["layers"] if spec.kind == "dense"] == ["kron", "kron"]
+  rel = s["rel_layers"][0]
+  assert (rel.kind, rel.approx, rel.param_paths) == ("scale_and_shift", "diagonal", ("rel",))
+  assert "gathered at constant positions with repeats" in rel.note
 
 
 def _check_parallel(s):

@@ -105,19 +105,12 @@ def _projected_latents(p, b):
 
 
 def _relative_positions(p, b):
-  # T5-style relative position bias: a table looked up at constant offsets, added to every
-  # example's scores.
+  # A table looked up at constant offsets and summed over its columns before it is added to
+  # every example's scores (T5's bias added directly is a layer: tests/test_layers.py).
   offsets = jnp.abs(jnp.arange(D)[:, None] - jnp.arange(D)[None, :])
   bias = p["rel"][offsets].sum(-1)
   scores = jax.nn.softmax(b["x"][:, :, None] * b["x"][:, None, :] + bias)
   return _ce(scores.sum(1) @ p["head"], b["y"])
-
-
-def _projected_positions(p, b):
-  # Transformer-XL-style: a dense kernel applied to a constant sinusoidal table.
-  table = jnp.sin(jnp.arange(3.0)[:, None] * jnp.arange(1.0, D + 1)[None, :])
-  r = table @ p["w"]
-  return _ce((b["x"][:, None, :] + r).mean(1) @ p["head"], b["y"])
 
 
 def _codebook(p, b):
@@ -151,7 +144,7 @@ def _computed_kernel(ops):
 
 NO_ROWS = (
   "an input computed from parameters and constants alone (no rows per example, e.g. latents "
-  "projected before they are broadcast over the batch, or a constant table of positions)"
+  "projected, then multiplied with the batch's activations rather than broadcast over the batch)"
 )
 # (name, loss_fn, params, leaf, the primitive that reads the leaf) for the no-rows models.
 NO_ROWS_CASES = [
@@ -159,20 +152,6 @@ NO_ROWS_CASES = [
     "projected latents",
     _projected_latents,
     {"head": W, "lat": jnp.ones((3, D)), "w": jnp.eye(D)},
-    "w",
-    "dot_general",
-  ),
-  (
-    "relative positions",
-    _relative_positions,
-    {"head": W, "rel": jnp.ones((D, 2))},
-    "rel",
-    "gather",
-  ),
-  (
-    "projected positions",
-    _projected_positions,
-    {"head": W, "w": jnp.eye(D)},
     "w",
     "dot_general",
   ),
@@ -240,6 +219,13 @@ REASON_CASES = [
     for name, fn, params, leaf, prim in NO_ROWS_CASES
   ],
   (
+    "relative positions",
+    _relative_positions,
+    {"head": W, "rel": jnp.ones((D, 2))},
+    "rel",
+    "gathered at constant positions, then consumed by reduce_sum (no matcher)",
+  ),
+  (
     "product of parameters",
     _product_of_params,
     {"a": jnp.ones((D, C)), "w": W},
@@ -269,10 +255,10 @@ def test_a_gain_on_a_computed_kernel_is_no_layer_even_when_its_rows_equal_the_ba
   ids=[c[0] for c in NO_ROWS_CASES],
 )
 def test_a_layer_whose_input_has_no_rows_per_example_is_no_layer(loss_fn, params, leaf):
-  """A dense kernel or an embedding table read with an input computed from parameters and
-  constants alone (latents projected before a batch input meets them, a constant table of
-  positions, relative offsets) has no rows per example: its rows would be taken for examples and
-  its output gradient is the batch's sum, so a layer block would be estimated from the wrong
+  """A dense kernel read with an input computed from parameters and constants alone whose
+  output meets the batch in a product, not through a broadcast (latents projected before a
+  batch input multiplies them) has no rows per example: its rows would be taken for examples
+  and its output gradient is the batch's sum, so a layer block would be estimated from the wrong
   rows (the "full" dense block, exact when the rows are examples, averaged 0.68x-0.86x the exact
   Fisher's trace in `benchmarks/profile/batchless_layers.py`). It gets the generic
   fallback, whose batch-summed estimate is unbiased for sampled targets; the layer that reads

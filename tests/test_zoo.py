@@ -92,10 +92,12 @@ def test_structure_zoo_model(name):
   causal TCN, a DiT block with adaLN-Zero, a Perceiver (learned latents), an MLP-Mixer, a
   message-passing graph network (Haiku), GPT-2 and a TimeSformer (divided space-time attention
   over merged batch axes), an equinox U-Net with GroupNorms, a jraph-style GraphNet with
-  LayerNorms over node and edge rows, and a BatchNorm'd ensemble under `nn.vmap` (stacked
-  scales and shifts): every layer found with `strict=True`, the loss tags fit the loss
-  (the audit, measured on the batch), 10 jitted K-FAC steps finite with the loss decreasing,
-  and the state's bytes reported by `summary` (and bounded for the vocabulary head)."""
+  LayerNorms over node and edge rows, a BatchNorm'd ensemble under `nn.vmap` (stacked scales
+  and shifts), a MAP head (a tiled probe and its query projection), a T5 layer
+  (relative-position bias) and GPT-2 embeddings with position ids built inside: every layer
+  found with `strict=True`, the loss tags fit the loss (the audit, measured on the batch), 10
+  jitted K-FAC steps finite with the loss decreasing, and the state's bytes reported by
+  `summary` (and bounded for the vocabulary head)."""
   pytest.importorskip("haiku")
   pytest.importorskip("equinox")
   z = _zoo.STRUCTURE_MODELS[name]()

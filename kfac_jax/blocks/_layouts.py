@@ -73,6 +73,13 @@ class DenseLayout:
     (x,), g = data
     info = self.info
     x = x.astype(dtype).transpose(info.x_perm).reshape(-1, 1, info.in_dim)
+    if info.shared_tap:  # The same input rows for every example: g is the broadcast's.
+      tap = np.frombuffer(info.shared_tap, np.int32)
+      s, n = g.shape[:2]
+      g = g.astype(dtype).reshape(s, n, -1)
+      g = jnp.zeros((s, n, info.rows * info.out_dim), dtype).at[:, :, tap].add(g)
+      x = jnp.tile(x, (n, 1, 1))  # Rows grouped by example, as the batch's are.
+      return x, g.reshape(s, n * info.rows, 1, info.out_dim)
     g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in info.out_perm))
     return x, g.reshape(g.shape[0], x.shape[0], 1, info.out_dim)
 
@@ -320,7 +327,8 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   Computed from the recorded inputs and output gradients, without a per-example backward pass:
   for dense and conv layers J_n = Σ_{r ∈ n} x̄_r g_rᵀ (rows grouped by example, the leading
   axis of the rows being the batch); for scale-and-shift layers Σ_positions x̂ ⊙ g (scale) and
-  Σ_positions g (shift), positions being all axes but the batch and the parameter's own. For a
+  Σ_positions g (shift), positions being all axes but the batch and the parameter's own (a
+  gathered shift table: summed, per table entry, over the features that read it). For a
   layer used several times (`spec.num_uses > 1`, `data` one entry per use) the per-example
   gradient is the sum of the uses' (each use's output gradient is that of the whole loss).
   """
@@ -381,8 +389,12 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
   # `[S, rows, F]` -> `[S·N, F]`, each example's rows summed (rows that are not examples stay
   # rows: `[S·rows, F]`).
   per = rows // batch_size if info.example_rows else 1
-  out = [o.reshape(o.shape[0], rows // per, per, size).sum(2) for o in out]
-  return jnp.concatenate([o.reshape(-1, size) for o in out], axis=1)
+  out = [o.reshape(o.shape[0], rows // per, per, size).sum(2).reshape(-1, size) for o in out]
+  entries = info.feature_entries()
+  if entries is not None:  # A gathered table: each entry's gradient sums the features it feeds.
+    n = math.prod(spec.param_shapes[0])
+    out = [jnp.zeros((o.shape[0], n), dtype).at[:, entries].add(o) for o in out]
+  return jnp.concatenate(out, axis=1)
 
 
 def gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:

@@ -42,11 +42,21 @@ VIEW_OPS = frozenset(
 )
 
 
-# Operations `_Builder.fold` evaluates on constants (index arithmetic), up to `_FOLD_SIZE` values.
+# Operations `_Builder.fold` evaluates on constants (index arithmetic, e.g. T5's log-spaced
+# relative-position buckets), up to `_FOLD_SIZE` values.
 _FOLDABLE = frozenset(
   {
     "iota",
     "add",
+    "div",
+    "log",
+    "exp",
+    "sqrt",
+    "floor",
+    "ceil",
+    "round",
+    "sign",
+    "integer_pow",
     "sub",
     "mul",
     "neg",
@@ -206,6 +216,7 @@ class _Builder:
     self.producer: dict[Any, int] = {}
     self.stack_of: dict[int, Any] = {}
     self.stacks: dict[Any, Any] = {}
+    self._folded: dict[Any, Any] = {}  # `fold`'s values by key.
 
   def param_only(self, batch_size: int) -> set:
     """The keys computed from parameter leaves (real or stack slices) and constants alone,
@@ -268,10 +279,11 @@ class _Builder:
         self.origin[fe.outs[0]] = (leaf, chain + (_view_step(fe),))
       elif fe.name in ("concatenate", "stack"):
         self._concat_origin(i, fe)
-      elif fe.name == "gather" and (step := self._all_rows_view(fe)) is not None:
+      elif fe.name == "gather" and (step := self._gather_view(fe)) is not None:
         # `table[jnp.arange(T)]` (a learned positional table read as `nn.Embed(T, D)` at every
-        # position) is the table itself: a view, so that its broadcast over the batch is
-        # matched like a positional table added directly.
+        # position) is the table itself; `table[buckets]` with buckets computed from positions
+        # alone (T5's relative-position bias) is a gathered view of it: views, so that their
+        # broadcast over the batch is matched like a positional table added directly.
         self.view_eqns.add(i)
         leaf, chain = self.origin[fe.ins[0]]
         self.origin[fe.outs[0]] = (leaf, chain + (step,))
@@ -324,11 +336,12 @@ class _Builder:
     self.concat_eqns[i] = v
     self.origin[fe.outs[0]] = (v, ())
 
-  def _all_rows_view(self, fe) -> ViewStep | None:
-    """The view step when the gather `fe` reads every row of a `[T, D]` parameter view, in
-    order, at indices computed from constants alone (`0, 1, ..., T-1`): its output is its operand
+  def _gather_view(self, fe) -> ViewStep | None:
+    """The view step when the gather `fe` reads whole rows of a `[T, D]` parameter view at
+    indices computed from constants alone: every row in order is the operand itself
     (`table[jnp.arange(T)]`), or the operand with a unit axis (`jax.vmap(lambda i: table[i])`
-    over `jnp.arange(T)`, equinox's `Embedding`); else None."""
+    over `jnp.arange(T)`, equinox's `Embedding`); any other in-range rows, in any order and
+    shape, with repeats, are a "gather" step (`table[buckets]`); else None."""
     if len(fe.ins) != 2 or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in self.origin:
       return None
     t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
@@ -350,6 +363,24 @@ class _Builder:
       ids = self.fold(fe.ins[1])
       if ids is not None and np.array_equal(ids.reshape(-1), rows):
         return ViewStep("cast", t_shape, t_shape)
+    if (
+      len(out_shape) >= 2
+      and out_shape[-1] == t_shape[1]
+      and tuple(dn.offset_dims) == (len(out_shape) - 1,)
+      and tuple(dn.collapsed_slice_dims) == (0,)
+      and tuple(dn.start_index_map) == (0,)
+    ):
+      ids = self.fold(fe.ins[1])
+      if (
+        ids is not None
+        and np.issubdtype(ids.dtype, np.integer)
+        and ids.shape == out_shape[:-1] + (1,)
+        and ids.size
+        and 0 <= ids.min()
+        and ids.max() < t_shape[0]
+      ):
+        flat = ids.reshape(-1).astype(np.int32)
+        return ViewStep("gather", t_shape, out_shape, rows=flat.tobytes())
     unit = (t_shape[0], 1, t_shape[1])
     if (
       out_shape == unit
@@ -363,14 +394,19 @@ class _Builder:
           return ViewStep("reshape", t_shape, unit)
     return None
 
-  def fold(self, atom, depth: int = 16):
-    """The value of `atom` when it is computed from constants alone by a few small elementwise,
+  def fold(self, atom, depth: int = 64):
+    """The value of `atom` when it is computed from constants alone by small elementwise,
     comparison, layout or `iota` operations (e.g. `jnp.take`'s index arithmetic on an
-    `arange`); None otherwise."""
+    `arange`, T5's relative-position buckets); None otherwise. Each key is folded once."""
     if isinstance(atom, _compat.Literal) or atom in self.const_values:
       return _graph.constant_value(self.const_values, atom)
     if not _graph.is_key(atom) or depth == 0:
       return None
+    if atom not in self._folded:
+      self._folded[atom] = self._fold_eqn(atom, depth)
+    return self._folded[atom]
+
+  def _fold_eqn(self, atom, depth: int):
     i = self.producer.get(atom)
     fe = None if i is None else self.g.eqns[i]
     if fe is None or fe.fn is not None or fe.name not in _FOLDABLE or len(fe.outs) != 1:

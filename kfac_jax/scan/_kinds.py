@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
+import numpy as np
+
 from kfac_jax._specs import (
   Approximation,
   ConvInfo,
@@ -90,12 +92,34 @@ def _conv_default(info: ConvInfo) -> tuple[Approximation, str] | None:
 
 def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | None:
   # A shift-only table added over the batch, spanning more than one trailing axis (a learned
-  # positional embedding `x + pos`, `pos: [1, L, D]`; latents broadcast over the batch): its
-  # "full" block would be quadratic in L·D.
+  # positional embedding `x + pos`, `pos: [1, L, D]`; latents broadcast over the batch; a
+  # table gathered at constant positions; a bias of several axes): its "full" block would be
+  # quadratic in L·D. The note says which, from the axes the table spans.
   if info.has_scale or len(info.feature_shape) < 2:
     return None
   shape = "x".join(map(str, info.feature_shape))
-  return "diagonal", f"shift-only table {shape} (positional embedding or learned tokens): diagonal"
+  entries = info.feature_entries()
+  if entries is not None and len(np.unique(entries)) < entries.size:
+    what = "gathered at constant positions with repeats, e.g. a relative-position bias"
+  elif entries is not None:
+    what = "positional embedding read at constant positions"
+  elif _spans_all_but_batch(info):
+    what = "positional embedding or learned tokens"
+  else:
+    what = "a bias over several axes, the same at every position"
+  return "diagonal", f"shift-only table {shape} ({what}): diagonal"
+
+
+def _spans_all_but_batch(info: ScaleShiftInfo) -> bool:
+  """Whether a shift's features span every axis of its output but the batch's and unit axes:
+  one entry per position and feature, not a bias repeated over positions."""
+  nd, nf = len(info.output_shape), len(info.feature_shape)
+  start = nd - nf if info.feature_axis is None else info.feature_axis
+  return all(
+    info.output_shape[a] == 1
+    for a in range(nd)
+    if a != info.batch_axis and not start <= a < start + nf
+  )
 
 
 # --------------------------------------------------------------------------------------------

@@ -134,11 +134,15 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
 
 def without_batch_rows(ix, match: Match) -> bool:
   """Whether a match reads, in some use, a first input computed from parameters and constants
-  alone (`GraphIndex.param_only`): learned latents projected before they are broadcast over
-  the batch, a constant table of positions, a relative-position index. For a kind whose
+  alone (`GraphIndex.param_only`): learned latents projected, then multiplied with the batch's
+  activations; ids computed from positions that are not a view of the table. For a kind whose
   statistics come from rows of examples (`LayerKind.batch_rows`) its rows are not examples and
-  its output gradient is summed over the batch, so the scanner leaves such a match out."""
-  return any(ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only for ins in match.inputs)
+  its output gradient is summed over the batch, so the scanner leaves such a match out; unless
+  its tap is where its output is broadcast over the batch (`DenseInfo.shared_tap`)."""
+  return any(
+    ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
+    for ins, inf in zip(match.inputs, match.infos)
+  )
 
 
 def single_use_leaf(ix, atom, claimed, shared: bool = False):
@@ -176,7 +180,7 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
   """
   n = math.prod(leaf_shape)
   nd = len(out_shape)
-  if len(view_shape) > nd or any(s.op == "transpose" for s in chain):
+  if len(view_shape) > nd or any(s.op in ("transpose", "gather") for s in chain):
     return None
   for s in chain:
     if s.op == "broadcast":  # Must broadcast along leading axes only (numpy-style).
@@ -297,7 +301,7 @@ def _match_bias_add(ix, key, out_shape, feature_axis, size, claimed, shared: boo
   if found is None:
     return None
   leaf, chain = found
-  if math.prod(ix.shapes[leaf]) != size or any(s.op == "transpose" for s in chain):
+  if math.prod(ix.shapes[leaf]) != size or any(s.op in ("transpose", "gather") for s in chain):
     return None
   if tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
     return None
@@ -334,7 +338,7 @@ def _index_view(fe, idx: np.ndarray) -> np.ndarray:
   return idx  # Casts and copies.
 
 
-def _leaf_index_view(ix, leaf, chain) -> np.ndarray:
+def leaf_index_view(ix, leaf, chain) -> np.ndarray:
   """Which entry of `leaf` (flat index) each entry of the viewed operand reads."""
   return _index_of_view(ix.shapes[leaf], chain)
 
@@ -353,6 +357,8 @@ def _index_of_view(shape, chain) -> np.ndarray:
       idx = np.broadcast_to(expanded, st.out_shape)
     elif st.op == "reshape":
       idx = idx.reshape(st.out_shape)
+    elif st.op == "gather":
+      idx = idx[st.gathered_rows()]
   return idx
 
 
@@ -387,7 +393,7 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
     leaf, chain = found
     out_shape = tuple(fe.outs[0][1].aval.shape)
     n = math.prod(ix.shapes[leaf])
-    b = _leaf_index_view(ix, leaf, chain)
+    b = leaf_index_view(ix, leaf, chain)
     if b.ndim == len(out_shape) and all(d in (1, o) for d, o in zip(b.shape, out_shape)):
       b = np.broadcast_to(b, out_shape)  # Unit axes broadcast by the add (vmap's batching).
     if b.shape != out_shape or idx.shape != out_shape or n != int(idx.max()) + 1:
@@ -506,7 +512,11 @@ def match_dense(ix, i, claimed):
   """A single-use kernel in a `dot_general` with an activation (and its bias). The scanner tries
   `_matchers_embed.match_one_hot_embedding` first, so `one_hot(ids) @ table` is an embedding."""
   fe = ix.g.eqns[i]
-  kernel = sole_param_operand(ix, i, "dot_general")
+  kernel = (
+    sole_param_operand(ix, i, "dot_general")
+    or _beside_batch_view(ix, i)
+    or _after_param_input(ix, i)
+  )
   if kernel is None or kernel[0] in claimed:
     return None
   k_leaf, k_pos = kernel
@@ -520,7 +530,87 @@ def match_dense(ix, i, claimed):
   if bias is not None:
     b_leaf, out_key = bias
     leaves.append(b_leaf)
+  if _graph.is_key(x_atom) and x_atom in ix.param_only:
+    found = _batch_broadcast_tap(ix, out_key, info)
+    if found is not None:
+      out_key, info = found
   return Match.single("dense", leaves, info, out_key, (x_atom,))
+
+
+def _batch_broadcast_tap(ix, key, info: DenseInfo):
+  """`(tap key, info with its shared_tap)` for a dense layer whose input rows are computed from
+  parameters and constants alone and whose output `key` (`[rows..., out...]`, or the product's
+  layout) reaches the batch only through layout ops and a broadcast over a leading batch axis:
+  `jnp.broadcast_to(probe @ w, (N, 1, D))`, or an add with an activation that broadcasts it
+  (`x + table @ w`). Every example reads the same output there, so the gradient at that key is
+  the per-example output gradient; else None."""
+  s_shape = tuple(key[1].aval.shape)
+  n = math.prod(s_shape)
+  idx = np.arange(n).reshape(s_shape)
+  for _ in range(16):
+    shape = tuple(idx.shape)
+    if key not in ix.param_only and len(shape) >= 2 and shape[0] == ix.batch_size > 1:
+      if not (idx == idx[:1]).all():
+        return None
+      # Position of each product-output entry in the `[rows, out]` matrix (`out_perm`).
+      where = np.empty(n, np.int64)
+      where[np.arange(n).reshape(s_shape).transpose(info.out_perm).reshape(-1)] = np.arange(n)
+      tap = where[idx[0].reshape(-1)].astype(np.int32).tobytes()
+      return key, dataclasses.replace(info, shared_tap=tap)
+    use = only_consumer(ix, key)
+    if use is None:
+      return None
+    fe = ix.g.eqns[use[0]]
+    out_shape = tuple(fe.outs[0][1].aval.shape)
+    if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
+      idx = _index_view(fe, idx)
+    elif fe.name == "add" and len(fe.ins) == 2 and len(out_shape) == idx.ndim:
+      if any(a not in (1, b) for a, b in zip(idx.shape, out_shape)):
+        return None
+      idx = np.broadcast_to(idx, out_shape)  # Broadcast by the add over its size-1 axes.
+    else:
+      return None
+    key = fe.outs[0]
+  return None
+
+
+def _beside_batch_view(ix, i):
+  """`(kernel leaf, operand position)` if equation i is a `dot_general` of a single-use kernel
+  leaf with a view of another leaf broadcast over the batch and the same for every example
+  (big_vision's MAP head: a learned probe `[1, 1, D]` tiled over the batch, then the query
+  projection). The probe's rows are shared by every example, so the kernel is a dense layer
+  whose input rows are the same for each example; the probe is a layer of its own (learned
+  tokens, `_matchers_embed.match_batch_tokens`)."""
+  fe = ix.g.eqns[i]
+  ops = ix.uses_by_eqn.get(i, [])
+  if fe.name != "dot_general" or len(ops) != 2 or ops[0][0] == ops[1][0]:
+    return None
+  for (k_leaf, k_pos), (_, x_pos) in (ops, ops[::-1]):
+    x_atom = fe.ins[x_pos]
+    if len(ix.uses.get(k_leaf, [])) != 1 or x_atom in ix.param_only:
+      continue
+    x_shape = tuple(_graph.aval_of(x_atom).shape)
+    if len(x_shape) < 2 or x_shape[0] != ix.batch_size or ix.batch_size < 2:
+      continue
+    idx = leaf_index_view(ix, ix.origin[x_atom][0], ix.origin[x_atom][1])
+    if tuple(idx.shape) == x_shape and (idx == idx[:1]).all():
+      return k_leaf, k_pos
+  return None
+
+
+def _after_param_input(ix, i):
+  """`(kernel leaf, 1)` if equation i is `view(p) @ kernel` of two distinct leaves, the kernel
+  used once: a learned probe projected before it is broadcast over the batch. The kernel is a
+  layer only if its output reaches a broadcast over the batch (`_batch_broadcast_tap`); the
+  probe itself has no per-example output there and is left to the fallback."""
+  fe = ix.g.eqns[i]
+  ops = ix.uses_by_eqn.get(i, [])
+  if fe.name != "dot_general" or len(ops) != 2 or ops[0][0] == ops[1][0]:
+    return None
+  found = [(leaf, pos) for leaf, pos in ops if pos == 1]
+  if not found or len(ix.uses.get(found[0][0], [])) != 1 or fe.ins[0] not in ix.param_only:
+    return None
+  return found[0]
 
 
 def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
@@ -559,7 +649,7 @@ def _match_direct_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool 
   b_leaf, b_chain = ix.origin[other]
   if b_leaf in claimed or (not shared and len(ix.uses.get(b_leaf, [])) != 1):
     return None
-  if any(s.op == "transpose" for s in b_chain):
+  if any(s.op in ("transpose", "gather") for s in b_chain):
     return None
   free_shape = tuple(k_shape[d] for d in k_free)
   if math.prod(ix.shapes[b_leaf]) != math.prod(free_shape):
@@ -697,6 +787,11 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   chain = ix.origin[atom][1]
   out_shape = tuple(out_key[1].aval.shape)
   block = feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
+  index = b""
+  if block is None and ix.g.eqns[i].name == "add":
+    rows = indexed_features(ix.shapes[leaf], leaf_index_view(ix, leaf, chain), out_shape)
+    if rows is not None:
+      block, index = (None, rows[0]), rows[1]
   if block is None or len(block[1]) == len(out_shape):
     return None
   axis, feat = block
@@ -724,6 +819,7 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
     feature_axis=axis,
     batch_axis=batch_axis,
     example_rows=example_rows,
+    feature_index=index,
   )
   return info, leaf, inputs, out_key, shift_leaf
 
@@ -742,6 +838,25 @@ def node_rows(ix, out_shape, feature_axis) -> bool:
     if shape and shape[0] == rows and ix.batch_axes.get(key) is None:
       return True
   return False
+
+
+def indexed_features(leaf_shape, idx: np.ndarray, out_shape):
+  """`(feature_shape, feature_index)` of a parameter view added to an output of `out_shape`:
+  `idx` (the leaf entry each view entry reads, `leaf_index_view`) has only unit axes before
+  its first wider one, and from there on the output's trailing axes (the add broadcasts it
+  over the leading ones). `feature_index` is empty when the features are the leaf in order
+  (`ScaleShiftInfo.feature_index`). None when the view does not fit."""
+  nd = len(out_shape)
+  if idx.ndim > nd:
+    return None
+  view = (1,) * (nd - idx.ndim) + tuple(idx.shape)
+  wide = [a for a in range(nd) if view[a] != 1]
+  if not wide or view[wide[0] :] != tuple(out_shape[wide[0] :]):
+    return None
+  feat = idx.reshape(out_shape[wide[0] :])
+  n = math.prod(leaf_shape)
+  own = feat.size == n and np.array_equal(feat.reshape(-1), np.arange(n))
+  return tuple(feat.shape), b"" if own else feat.reshape(-1).astype(np.int32).tobytes()
 
 
 def followed_batch_axis(ix, atom) -> int | None:
@@ -824,6 +939,11 @@ def tag_output(ix, fe, fn: str) -> tuple[Any, tuple[int, ...]]:
 def tag_leaf(ix, atom, what: str, fn: str, broadcast: bool = False):
   """`(leaf, view chain)` of a manual tag's parameter operand, not broadcast unless allowed."""
   j, chain = leaf_for_operand(ix, atom, what, fn)
+  if any(s.op == "gather" for s in chain):
+    raise RegistrationError(
+      f"{fn}: `{what}` (`{ix.paths[j]}`) is gathered at constant indices before the tag; pass "
+      "the parameter itself."
+    )
   if not broadcast and any(s.op == "broadcast" for s in chain):
     raise RegistrationError(
       f"{fn}: `{what}` (`{ix.paths[j]}`) is broadcast before the tag; pass the parameter itself."
@@ -900,8 +1020,11 @@ def read_dense_tag(ix, fe) -> Match:
   y, x, kernel = fe.ins[:3]
   k_leaf, k_chain = leaf_for_operand(ix, kernel, "kernel", "register_dense")
   path = ix.paths[k_leaf]
-  if any(s.op == "broadcast" for s in k_chain):
-    raise RegistrationError(f"register_dense: kernel `{path}` is broadcast before the tag.")
+  if any(s.op in ("broadcast", "gather") for s in k_chain):
+    raise RegistrationError(
+      f"register_dense: kernel `{path}` is broadcast or gathered before the tag; pass the "
+      "parameter itself."
+    )
   leaves = [k_leaf]
   if len(fe.ins) > 3:
     b_leaf, _ = leaf_for_operand(ix, fe.ins[3], "bias", "register_dense")

@@ -20,7 +20,12 @@ None`; the use readers (`embedding_use`, `one_hot_embedding_use`) are shared wit
                     an activation, by any number of operations (a ViT's class token
                     concatenated with the patches, Perceiver latents, learned queries of a
                     cross-attention, DETR's object queries, a mask token in a `where`): a
-                    shift-only scale_and_shift layer whose output is the broadcast itself.
+                    shift-only scale_and_shift layer whose output is the broadcast itself. A
+                    table gathered at positions computed from constants alone (`table[buckets]`,
+                    T5's relative-position bias; a positional `nn.Embed` called with
+                    `arange` positions broadcast over the batch, Hugging Face's GPT-2 `wpe`) is
+                    a view of the table (`_index`), matched the same way, each table entry's
+                    gradient summed over the positions that read it.
 """
 
 from __future__ import annotations
@@ -257,20 +262,48 @@ def match_batch_tokens(ix, i, claimed):
       continue
     if any(ix.g.eqns[j].ins[q] != atom for j, q in ix.uses.get(leaf, [])):
       continue  # Read through two different views (or one leaf in two places of a concat).
-    view_shape = tuple(_graph.aval_of(atom).shape)
-    if not view_shape or view_shape[0] != ix.batch_size:
-      continue
-    # Broadcast over leading axes the leaf does not span: not transposed, not copied along a
-    # trailing axis.
-    block = _matchers.feature_block(ix.shapes[leaf], ix.origin[atom][1], view_shape, view_shape)
-    if block is None or block[0] is not None or len(block[1]) == len(view_shape):
-      continue
-    info = ScaleShiftInfo(
+    info = batch_view_info(ix, leaf, atom)
+    if info is not None:
+      return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())
+  return None
+
+
+def batch_view_info(ix, leaf, atom) -> ScaleShiftInfo | None:
+  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the
+  batch and which is the same for every example; else None.
+
+  A view broadcast over leading axes the leaf does not span (not transposed, not copied along
+  a trailing axis) has the leaf for its features. Any other view that is constant along the
+  batch axis (a gather at constant positions, a transpose, copies along other axes: T5's
+  `table[buckets]` transposed to `[1, heads, q, k]`) records which leaf entry each feature
+  reads (`ScaleShiftInfo.feature_index`).
+  """
+  view_shape = tuple(_graph.aval_of(atom).shape)
+  if not view_shape or view_shape[0] != ix.batch_size:
+    return None
+  chain = ix.origin[atom][1]
+  block = _matchers.feature_block(ix.shapes[leaf], chain, view_shape, view_shape)
+  if block is not None and block[0] is None and len(block[1]) < len(view_shape):
+    return ScaleShiftInfo(
       has_scale=False,
       has_shift=True,
       feature_shape=block[1],
       output_shape=view_shape,
       feature_axis=None,
     )
-    return _matchers.Match.single("scale_and_shift", [leaf], info, atom, ())
-  return None
+  if len(view_shape) < 2 or ix.batch_size < 2:  # A batch of one shows nothing constant on it.
+    return None
+  idx = _matchers.leaf_index_view(ix, leaf, chain)
+  if tuple(idx.shape) != view_shape or not (idx == idx[:1]).all():
+    return None
+  found = _matchers.indexed_features(ix.shapes[leaf], idx[:1], view_shape)
+  if found is None or len(found[0]) != len(view_shape) - 1:
+    return None
+  return ScaleShiftInfo(
+    has_scale=False,
+    has_shift=True,
+    feature_shape=found[0],
+    output_shape=view_shape,
+    feature_axis=None,
+    feature_index=found[1],
+  )

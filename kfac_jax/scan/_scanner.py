@@ -796,7 +796,7 @@ _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 _NO_ROWS = (
   "an input computed from parameters and constants alone (no rows per example, e.g. latents "
-  "projected before they are broadcast over the batch, or a constant table of positions)"
+  "projected, then multiplied with the batch's activations rather than broadcast over the batch)"
 )
 
 
@@ -882,8 +882,18 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   name = fe.name
   if name == "scan_slice":
     return "sliced by a scan (a stacked layer axis)"
+  others = [leaf_ for leaf_, _ in ix.uses_by_eqn.get(i, []) if leaf_ != leaf]
+  x = fe.ins[0]
+  if name == "dot_general" and pos == 0 and others and _graph.is_key(x) and x in ix.param_only:
+    return (
+      f"the input of `{ix.paths[others[0]]}` with no rows per example (a learned probe "
+      "projected before it is broadcast over the batch; broadcast it first and it is a layer "
+      "of learned tokens)"
+    )
   if name in ("gather", "dot_general", "conv_general_dilated") and _no_rows(ix, fe, pos):
     return f"consumed by {name} with {_NO_ROWS}"
+  if any(s.op == "gather" for s in ix.origin[fe.ins[pos]][1]):
+    return f"gathered at constant positions, then consumed by {name} (no matcher)"
   if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
     return f"indexed by {name} before use (e.g. one slice of a stacked array)"
   if name == "concatenate":
@@ -899,7 +909,6 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
         if name == "add"
         else (f"used as {shown} - scale" if pos == 1 else f"used as scale - {shown}")
       )
-  others = [leaf_ for leaf_, _ in ix.uses_by_eqn.get(i, []) if leaf_ != leaf]
   if others:
     return (
       f"combined by {name} with parameter `{ix.paths[others[0]]}` (a product or sum of "
