@@ -38,14 +38,28 @@ from tests import _zoo  # noqa: E402
 
 
 def _models(names: set[str] | None):
-  """(label, () -> Zoo) for every zoo model (both flavours of the two-flavour ones)."""
+  """(label, () -> Zoo) for every zoo model in `names` (None: all), both flavours of the
+  two-flavour ones, or one with `name:flavour` (e.g. `mlp:linen`)."""
   for name, make in sorted(_zoo.MODELS.items()):
     for flavour in ("linen", "nnx"):
-      if names is None or name in names:
+      if names is None or name in names or f"{name}:{flavour}" in names:
         yield f"{name} ({flavour})", lambda make=make, flavour=flavour: make(flavour)
   for name, make in sorted(_zoo.STRUCTURE_MODELS.items()):
     if names is None or name in names:
       yield name, make
+
+
+def model_names(p: argparse.ArgumentParser, models: str | None) -> set[str] | None:
+  """`--models` as a set (None: all), each entry a zoo name or `name:flavour` for one flavour
+  of a two-flavour model; an unknown one is a usage error."""
+  if not models:
+    return None
+  names = set(models.split(","))
+  known = set(_zoo.MODELS) | set(_zoo.STRUCTURE_MODELS)
+  known |= {f"{n}:{f}" for n in _zoo.MODELS for f in ("linen", "nnx")}
+  if names - known:
+    p.error(f"--models: unknown {sorted(names - known)}; known: {sorted(known)}")
+  return names
 
 
 def train(z: _zoo.Zoo, lr: float, steps: int, preconditioner_dtype: str | None = None) -> dict:
@@ -91,10 +105,7 @@ def main(argv=None) -> int:
     p.error(f"--lrs must be comma-separated numbers, got {args.lrs!r}")
   if args.steps < 1 or not lrs or min(lrs) <= 0:
     p.error(f"--steps must be >= 1 and every --lrs entry > 0, got {args.steps}, {args.lrs!r}")
-  names = set(args.models.split(",")) if args.models else None
-  known = set(_zoo.MODELS) | set(_zoo.STRUCTURE_MODELS)
-  if names is not None and names - known:
-    p.error(f"--models: unknown {sorted(names - known)}; known: {sorted(known)}")
+  names = model_names(p, args.models)
 
   extra = f", preconditioner_dtype={args.preconditioner_dtype}" if args.preconditioner_dtype else ""
   print(f"`kfac_jax.kfac` defaults{extra}, {args.steps} steps on each model's fixed batch")

@@ -77,12 +77,11 @@ def _close(a, b) -> bool:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
+  p.add_argument(
+    "--models", default=None, help="comma-separated zoo names or name:flavour (default: all)"
+  )
   args = p.parse_args(argv)
-  names = set(args.models.split(",")) if args.models else None
-  known = set(_zoo.MODELS) | set(_zoo.STRUCTURE_MODELS)
-  if names is not None and names - known:
-    p.error(f"--models: unknown {sorted(names - known)}; known: {sorted(known)}")
+  names = zoo_defaults.model_names(p, args.models)
   print(f'`kfac` statistics_fraction="auto" on the zoo, batches tiled to {ROWS} rows\n')
   print("| model | default takes | finite | `statistics_fraction=0.25` |")
   print("|---|---|---|---|")

@@ -428,7 +428,16 @@ def _guard(
   def init_fn(params) -> KfacState:
     return KfacState(preconditioner.init(params), momentum.init(params))
 
-  def update_fn(updates, state: KfacState, params=None, **extra_args):
+  def update_fn(
+    updates,
+    state: KfacState,
+    params=None,
+    *,
+    curvature_stats=None,
+    batch=None,
+    rng=None,
+    **extra_args,
+  ):
     if not isinstance(state, KfacState):
       raise TypeError(
         f"kfac: `state` must be the KfacState from this transform's init, got "
@@ -442,7 +451,16 @@ def _guard(
     gate = None
     if skip_nonfinite and scalars:
       gate = jnp.all(jnp.stack([jnp.isfinite(jnp.asarray(x, jnp.float32)) for x in scalars]))
-    v, pre = preconditioner.update(updates, old, params, kfac_gate=gate, **extra_args)
+    v, pre = preconditioner.update(
+      updates,
+      old,
+      params,
+      curvature_stats=curvature_stats,
+      batch=batch,
+      rng=rng,
+      kfac_gate=gate,
+      **extra_args,
+    )
 
     def run():
       u = v

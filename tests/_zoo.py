@@ -43,14 +43,18 @@ class Zoo:
   damping: float = 1e-2
 
 
-def train_step(z: Zoo, tx):
+def train_step(z: Zoo, tx, registration: kfac_jax.Registration | None = None):
   """The jitted K-FAC training step of a zoo model: `step(params, state, batch, rng)` →
   `(params, state, batch, loss)`. With `z.has_aux`, the model state returned as the aux is fed
-  back as `batch["state"]`."""
+  back as `batch["state"]`. With `registration` (of `z`), its layers are used (no new scan)."""
+  if registration is None:
+    vg = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)
+  else:
+    vg = kfac_jax.value_and_grad(registration=registration)
 
   @jax.jit
   def step(params, state, batch, rng):
-    out, grads, stats = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)(params, batch, rng)
+    out, grads, stats = vg(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     loss, batch = (out[0], dict(batch, state=out[1])) if z.has_aux else (out, batch)
     return optax.apply_updates(params, updates), state, batch, loss

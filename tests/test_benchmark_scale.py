@@ -2,15 +2,11 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks import cost_model as cm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPONENTS = ("forward_backward", "statistics", "refresh", "preconditioning", "adamw_update")
 STEPS = ("adamw_step", "kfac_plain_step", "kfac_amortised_step")
 
@@ -20,19 +16,15 @@ def _positive(x) -> bool:
 
 
 @pytest.mark.slow
-def test_scale_quick(tmp_path):
+def test_scale_quick(tmp_path, monkeypatch, capsys):
+  """`scale.py --quick --race`, its `main` in this process (no second interpreter's imports
+  and JAX start-up to pay)."""
+  from benchmarks import scale
+
   out = tmp_path / "scale.json"
-  env = dict(os.environ, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
-  proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "benchmarks", "scale.py"), "--quick", "--race"]
-    + ["--json", str(out)],
-    cwd=tmp_path,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  monkeypatch.chdir(tmp_path)
+  assert scale.main(["--quick", "--race", "--json", str(out)]) == 0
+  stdout = capsys.readouterr().out
   report = json.loads(out.read_text())
   assert "--quick" in report["env"]["command"]
   (row,) = report["measurements"]
@@ -58,7 +50,7 @@ def test_scale_quick(tmp_path):
   race = report["race"]
   assert _positive(race["adamw_seconds"]) and math.isfinite(race["target"])
   assert len(race["runs"]["K-FAC"]["losses"]) >= 1
-  assert "| d | params | fwd+bwd |" in proc.stdout
+  assert "| d | params | fwd+bwd |" in stdout
 
 
 def test_cost_model_counts():
