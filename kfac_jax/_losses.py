@@ -98,8 +98,8 @@ def categorical_inverse_cdf(p: Array, u: Array) -> Array:
   width = categorical_block_width(v)
   blocks = -(-v // width)
   pad = [(0, 0)] * (p.ndim - 1) + [(0, blocks * width - v)]
-  pb = jnp.pad(p, pad).reshape(p.shape[:-1] + (blocks, width))
-  mass = jnp.sum(pb, axis=-1)  # [..., blocks]
+  pb = jnp.pad(p, pad).reshape((1,) + p.shape[:-1] + (blocks, width))  # [1, ..., blocks, width]
+  mass = jnp.sum(pb, axis=-1)  # [1, ..., blocks]
   cdf = jnp.cumsum(mass, axis=-1)
   j = _first_above(cdf, u[..., 0] * cdf[..., -1], mass)  # [S, ...]
   pbs = jnp.broadcast_to(pb, j.shape + pb.shape[-2:])
