@@ -141,8 +141,8 @@ def _unit_number(key: str, value: str, text: str, *, one: bool) -> float:
 def parse_kfac_config(text: str) -> dict:
   """`lr:momentum:damping:clip[:key=value...]` as keyword arguments of `kfac_jax.kfac`.
 
-  `clip` is `max_norm` (0: none; before the ninth session it was TF K-FAC's `norm_constraint`,
-  which bounds the step after the learning rate), momentum 0 is none; the optional settings are
+  `lr` is a number or `default` (`kfac`'s own, `kfac_jax._transform.default_learning_rate`),
+  `clip` is `max_norm` (0: none), momentum 0 is none; the optional settings are
   `curvature_every=`, `inverse_every=`, `stats_batch=`, `decay_steps=` (ints; `stats_batch=n`:
   the statistics come from `batch=` with the minibatch's first n examples, a harness setting,
   the same as `kfac`'s `statistics_fraction=n/N`; `decay_steps=n`: the learning rate follows
@@ -157,12 +157,13 @@ def parse_kfac_config(text: str) -> dict:
   """
   parts = text.split(":")
   try:
-    lr, momentum, damping, clip = (float(v) for v in parts[:4])
-  except ValueError:
+    lr = None if parts[0] == "default" else float(parts[0])
+    momentum, damping, clip = (float(v) for v in parts[1:4])
+  except (ValueError, IndexError):
     raise ValueError(
       f"each entry is lr:momentum:damping:clip[:key=value...], got {text!r}"
     ) from None
-  if not (lr > 0 and damping > 0 and 0 <= momentum < 1 and clip >= 0):
+  if not ((lr is None or lr > 0) and damping > 0 and 0 <= momentum < 1 and clip >= 0):
     raise ValueError(f"need lr > 0, damping > 0, 0 <= momentum < 1, clip >= 0; got {text!r}")
   out: dict = {"learning_rate": lr, "momentum": momentum, "damping": damping}
   out["max_norm"] = clip if clip > 0 else None  # 0 is none, not kfac's default.
@@ -201,6 +202,8 @@ def parse_kfac_config(text: str) -> dict:
         raise ValueError(f"{key} must be an int, got {value!r} in {text!r}") from None
       if out[key] < 1:
         raise ValueError(f"{key} must be >= 1, got {value!r} in {text!r}")
+  if lr is None and "decay_steps" in out:
+    raise ValueError(f"decay_steps needs a numeric lr (a cosine schedule from it), got {text!r}")
   if approx:
     out["layers"] = kfac_jax.LayerConfig(defaults=approx)
   return out

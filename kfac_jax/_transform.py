@@ -191,8 +191,8 @@ def _preconditioner(
   axis_name,
   config,
   who: str,
-) -> optax.GradientTransformationExtraArgs:
-  """`scale_by_kfac` named `who` in its errors."""
+) -> tuple[optax.GradientTransformationExtraArgs, _estimator.Estimators]:
+  """`scale_by_kfac` named `who` in its errors, and its estimators' memo."""
   config = _config.get(config, who)
   _check_schedule(damping, ema_decay, inverse_every, curvature_every)
   _config.check_parallel(axis_name, config)
@@ -288,7 +288,7 @@ def _preconditioner(
       skipped=state.skipped + (~ok).astype(state.skipped.dtype),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn), ests
 
 
 @_config.moved_keywords
@@ -374,7 +374,7 @@ def scale_by_kfac(
     axis_name=axis_name,
     config=config,
     who="scale_by_kfac",
-  )
+  )[0]
 
 
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:
@@ -399,6 +399,18 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
   return jnp.where(big, jnp.sqrt(r2 / jnp.where(big, vg, 1)), jnp.ones_like(vg))
 
 
+def default_learning_rate(registration: _registration.Registration) -> float:
+  """`kfac`'s learning rate when none is given: `0.3 · D^(1/4)`, D the registration's
+  `outputs_per_example`.
+
+  The clipped step's length in the K-FAC metric, `α · max_norm`, is a budget per example; a loss
+  that sums D outputs per example spreads it over D terms, and D^(1/4), between a budget per
+  example (D^0) and one per output (D^(1/2), which overshot), fitted the step sweeps of both
+  kinds of loss.
+  """
+  return 0.3 * registration.outputs_per_example**0.25
+
+
 def _scale(updates, step):
   """`−step · u`, multiplied in at least float32 and cast back (bfloat16 params keep bfloat16
   updates)."""
@@ -415,6 +427,7 @@ def _guard(
   momentum: optax.GradientTransformation,
   learning_rate,
   skip_nonfinite: bool,
+  ests: _estimator.Estimators,
 ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC-aware guard over the chain `preconditioner → clip by max_norm → momentum →
   learning rate` (optax's `apply_if_finite` is the pattern).
@@ -425,6 +438,10 @@ def _guard(
   `lax.cond` on it: a skipped update returns zeros and keeps the momentum trace. It never
   selects over the preconditioner's state, whose curvature moved only on a finite verdict (see
   `kfac_jax._engine`), so no copy of the factors is kept for it.
+
+  With `learning_rate=None` the learning rate is `default_learning_rate` of the registration,
+  and the clipping and the step are those of the tagged loss: `v` and `g` are divided by the
+  registration's `loss_factor` c (the returned loss over the tagged one) before the clip.
   """
 
   def init_fn(params) -> KfacState:
@@ -438,7 +455,13 @@ def _guard(
       )
     old = state.preconditioner
     clock = old.count + old.skipped
-    lr = learning_rate(clock) if callable(learning_rate) else learning_rate
+    unit = 1.0  # 1/c: the returned loss's gradient in the units of the tagged loss.
+    if learning_rate is None:
+      reg = _estimator.estimator_for(ests, params, "kfac")[0].registration
+      lr = default_learning_rate(reg)
+      unit = 1.0 / (reg.loss_factor or 1.0)
+    else:
+      lr = learning_rate(clock) if callable(learning_rate) else learning_rate
     scalars = [x for x in (lr, mu, max_norm) if x is not None]
     scalars = [x for x in scalars if not isinstance(x, (int, float))]
     gate = None
@@ -447,9 +470,11 @@ def _guard(
     v, pre = preconditioner.update(updates, old, params, kfac_gate=gate, **extra_args)
 
     def run():
-      u = v
+      u, g = v, updates
+      if unit != 1.0:
+        u, g = (jax.tree_util.tree_map(lambda x: x * jnp.asarray(unit, x.dtype), t) for t in (u, g))
       if max_norm is not None:
-        coeff = clip_coefficient(u, updates, max_norm)
+        coeff = clip_coefficient(u, g, max_norm)
         u = jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), u)
       u, trace = momentum.update(u, state.momentum, params)
       return _scale(u, lr), trace
@@ -508,7 +533,10 @@ def kfac(
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
-    learning_rate: α > 0, a number or a schedule `count -> α` (required).
+    learning_rate: α > 0, a number or a schedule `count -> α`; None (the default) takes
+      `0.3 · D^(1/4)` for a loss with D outputs per example (`default_learning_rate`), and
+      makes the step that of the tagged loss, whatever the returned loss's reduction: a loss
+      averaged over its D outputs gets the step of the summed one (see `_guard`).
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√(vᵀ F̂_λ v) = √|vᵀg|` of the preconditioned
       gradient before α and momentum, or None (no clipping). TF K-FAC's and `Optimizer`'s
@@ -521,10 +549,10 @@ def kfac(
       prefer 1.
     registration, axis_name, config: as in `scale_by_kfac`.
 
-  The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`, `curvature_every=5`) come from
-  step sweeps on the autoencoder, CNN, Transformer, ViT and LSTM benchmarks, with a learning
-  rate of 0.3 (1 for losses that sum over many outputs per example); without clipping,
-  fixed-learning-rate K-FAC diverged on three of them at λ = 1e-3.
+  The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`, `curvature_every=5` and the
+  learning rate) come from step sweeps on the autoencoder, CNN, Transformer, ViT and LSTM
+  benchmarks; without clipping, fixed-learning-rate K-FAC diverged on three of them at
+  λ = 1e-3.
 
   On a share of the parameters (`optax.multi_transform`, see `scale_by_kfac`), `max_norm`
   clips by the norm of the share's update alone.
@@ -538,25 +566,20 @@ def kfac(
       is created; a keyword that moved into `Config`, naming its place.
 
   Example:
-    >>> tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3)
+    >>> tx = kfac_jax.kfac(loss_fn, batch)
     >>> opt_state = tx.init(params)
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     >>> params = optax.apply_updates(params, updates)
   """
-  if learning_rate is None:
-    raise TypeError(
-      "kfac: `learning_rate` must be a number > 0 or a schedule `count -> α`, got None (it is "
-      "required): e.g. kfac_jax.kfac(loss_fn, batch, 0.1) or "
-      "kfac_jax.kfac(registration=reg, learning_rate=0.1)."
-    )
-  _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
+  if learning_rate is not None:
+    _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
   if momentum is not None:
     _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
   cfg = _config.get(config, "kfac")
-  preconditioner = _preconditioner(
+  preconditioner, ests = _preconditioner(
     loss_fn,
     example_batch,
     damping=damping,
@@ -572,4 +595,4 @@ def kfac(
     optax.identity() if momentum is None else optax.trace(decay=momentum, nesterov=cfg.nesterov)
   )
 
-  return _guard(preconditioner, max_norm, momentum, trace, learning_rate, cfg.skip_nonfinite)
+  return _guard(preconditioner, max_norm, momentum, trace, learning_rate, cfg.skip_nonfinite, ests)
