@@ -455,19 +455,18 @@ def _guard(
       )
     old = state.preconditioner
     clock = old.count + old.skipped
-    unit = 1.0  # 1/c: the returned loss's gradient in the units of the tagged loss.
-    if learning_rate is None:
-      reg = _estimator.estimator_for(ests, params, "kfac")[0].registration
-      lr = default_learning_rate(reg)
-      unit = 1.0 / (reg.loss_factor or 1.0)
-    else:
-      lr = learning_rate(clock) if callable(learning_rate) else learning_rate
+    lr = learning_rate(clock) if callable(learning_rate) else learning_rate
     scalars = [x for x in (lr, mu, max_norm) if x is not None]
     scalars = [x for x in scalars if not isinstance(x, (int, float))]
     gate = None
     if skip_nonfinite and scalars:
       gate = jnp.all(jnp.stack([jnp.isfinite(jnp.asarray(x, jnp.float32)) for x in scalars]))
     v, pre = preconditioner.update(updates, old, params, kfac_gate=gate, **extra_args)
+    unit = 1.0  # 1/c: the returned loss's gradient on the tagged loss's scale.
+    if learning_rate is None:  # A Python number: the gate above needs no check of it.
+      reg = _estimator.estimator_for(ests, params, "kfac")[0].registration
+      lr = default_learning_rate(reg)
+      unit = 1.0 / (reg.loss_factor or 1.0)
 
     def run():
       u, g = v, updates
@@ -534,9 +533,9 @@ def kfac(
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     learning_rate: α > 0, a number or a schedule `count -> α`; None (the default) takes
-      `0.3 · D^(1/4)` for a loss with D outputs per example (`default_learning_rate`), and
-      makes the step that of the tagged loss, whatever the returned loss's reduction: a loss
-      averaged over its D outputs gets the step of the summed one (see `_guard`).
+      `0.3 · D^(1/4)` for a loss with D outputs per example (`default_learning_rate`) and
+      steps on the tagged loss's scale (the gradient divided by the registration's
+      `loss_factor`), so a loss averaged over its D outputs takes the summed one's steps.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√(vᵀ F̂_λ v) = √|vᵀg|` of the preconditioned
       gradient before α and momentum, or None (no clipping). TF K-FAC's and `Optimizer`'s
