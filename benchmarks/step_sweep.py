@@ -5,9 +5,10 @@ machine. This sweep measures only what a step achieves, so it is valid on a busy
 the race's workloads, every configuration trains `--steps` steps from the same initial
 parameters on the same minibatches, and the table lists its evaluation loss (NaN: diverged),
 beside Adam over its grid as the reference. A configuration is `lr:momentum:damping:clip`
-(`clip` is `max_norm`, 0 for none; momentum 0 for none), optionally followed by
-`:curvature_every=k`, `:inverse_every=k`, `:conv=<approx>`, `:dense=<approx>`; the literal
-`defaults` is `kfac_jax.kfac` with only `--default-lr` given.
+(`lr` a number or `default`, `kfac`'s own; `clip` is `max_norm`, 0 for none; momentum 0 for
+none), optionally followed by `:curvature_every=k`, `:inverse_every=k`, `:conv=<approx>`,
+`:dense=<approx>`; the literal `defaults` is `kfac_jax.kfac` with nothing set but
+`--default-lr`, if given.
 
     python benchmarks/step_sweep.py --workload autoencoder --steps 300 \
         --configs 0.2:0.9:30:0,0.3:0.7:0.1:0.01,defaults
@@ -61,7 +62,7 @@ def _train(
   return params
 
 
-def _kfac(loss_fn, example, config: str, default_lr: float):
+def _kfac(loss_fn, example, config: str, default_lr: float | None):
   """`(transform, stats_batch, from_batch)` of a configuration (see `race.parse_kfac_config`;
   settings it leaves out are `kfac`'s defaults)."""
   if config == "defaults":
@@ -87,8 +88,8 @@ def main(argv=None) -> int:
   p.add_argument(
     "--default-lr",
     type=float,
-    default=0.1,
-    help="the learning rate of the 'defaults' configuration",
+    default=None,
+    help="the learning rate of the 'defaults' configuration (default: kfac's own)",
   )
   p.add_argument("--adam-lrs", default=None, help="Adam grid (default: the workload's)")
   args, rest = p.parse_known_args(argv)

@@ -220,6 +220,17 @@ def _fit(a, b):
   return c, (float(np.linalg.norm(a - c * b) / na) if na > 0 else 1.0)
 
 
+def loss_factor(numbers) -> float | None:
+  """The returned loss over the tagged loss, `c` (`L ≈ c T`), from `measure`'s numbers: the mean
+  of the tags' fitted factors, or None when no tag has a positive one."""
+  cs = []
+  for entry in numbers:
+    fit = None if entry is None else _fit(entry[1], entry[2])
+    if fit is not None and np.isfinite(fit[0]) and fit[0] > 0:
+      cs.append(fit[0])
+  return float(np.mean(cs)) if cs else None
+
+
 def problems(scan, numbers, estimation_mode: str) -> list[str]:
   """The audit's findings from `measure`'s numbers (empty when the tags fit the loss)."""
   names = tag_names(scan.graph)
@@ -293,7 +304,7 @@ def audit(
   axis_names: Sequence[str] = (),
   strict: bool = False,
   warn: bool = True,
-) -> tuple[str, ...]:
+) -> tuple[tuple[str, ...], float | None]:
   """Runs the audit (module docstring) on a fresh scan of the example batch.
 
   Raises:
@@ -301,14 +312,15 @@ def audit(
       `strict`) a measured mismatch.
 
   Returns:
-    The measured mismatches (warned as one `LossMismatchWarning` with `warn`); empty when the
-    numbers were not measured (abstract params or batch) or fit.
+    `(mismatches, factor)`: the measured mismatches (warned as one `LossMismatchWarning` with
+    `warn`), empty when the numbers were not measured (abstract params or batch) or fit; and
+    the returned loss over the tagged loss (`loss_factor`) when the numbers fit, else None.
   """
   check_structure(scan)
   if not (strict or warn) or not _concrete(params, batch):
-    return ()
+    return (), None
   if any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts):
-    return ()
+    return (), None
   try:
     numbers = measure(scan, params, batch, axis_names)
   except Exception as e:  # noqa: BLE001 - the audit must not stop a loss that trains.
@@ -320,7 +332,7 @@ def audit(
         LossMismatchWarning,
         stacklevel=4,
       )
-    return ()
+    return (), None
   found = tuple(problems(scan, numbers, estimation_mode))
   if found:
     text = (
@@ -333,4 +345,5 @@ def audit(
       raise RegistrationError(text + " (strict=True turns this into an error.)")
     if warn:
       warnings.warn(text, LossMismatchWarning, stacklevel=4)
-  return found
+    return found, None
+  return found, loss_factor(numbers)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -177,6 +178,14 @@ class Registration:
     params_shape: the parameters as ShapeDtypeStructs.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
     example_batch_size: the loss tags' leading size in `example_batch`.
+    outputs_per_example: D, the predictive distributions per example that the loss tags
+      describe (a categorical tag on logits `[N, T, V]` has T, a Bernoulli or normal tag on
+      `[N, H, W]` has H·W; summed over the tags): the tagged loss sums D terms per example.
+    loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss (1 when the loss is
+      the tags' mean over examples and sum over outputs, 1/D for a mean over the outputs too),
+      as the loss audit fitted it on the example batch; None where the audit did not measure
+      (`check_loss=False`, abstract params or batch, a registration built under `jit`) or
+      found a mismatch.
     loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
       check_loss: the settings it was built with.
 
@@ -217,6 +226,8 @@ class Registration:
   layers: tuple[_scan.LayerSpec, ...]
   block_names: tuple[str, ...]
   example_batch_size: int
+  outputs_per_example: int
+  loss_factor: float | None
   fingerprint: Any
   _scans: dict[Any, Any]
   _block_sets: dict[Any, Any]
@@ -255,8 +266,9 @@ class Registration:
         layers=config,
         has_aux=has_aux,
       )
+    factor = None
     if check_loss:  # Once per registration: its warning is not repeated by later scans.
-      _audit.audit(
+      _, factor = _audit.audit(
         scan,
         params,
         example_batch,
@@ -283,6 +295,8 @@ class Registration:
     set_(self, "layers", scan.layers)
     set_(self, "block_names", tuple(_unique_names(scan.layers)))
     set_(self, "example_batch_size", scan.losses[0].batch_size)
+    set_(self, "outputs_per_example", sum(_outputs_per_example(spec) for spec in scan.losses))
+    set_(self, "loss_factor", factor)
     set_(self, "fingerprint", stats_key(estimation_mode, num_samples, scan.layers))
     set_(self, "_scans", {})
     set_(self, "_block_sets", {})
@@ -441,6 +455,13 @@ class Registration:
       return
     if key != self.fingerprint:
       raise ValueError(mismatch_message(key, self.fingerprint, who))
+
+
+def _outputs_per_example(spec) -> int:
+  """The distributions per example of one loss tag: the prediction's axes after the leading
+  (example) one, without a categorical tag's last (class) axis."""
+  shape = spec.prediction_shape[1:]
+  return math.prod(shape[:-1] if spec.kind == "categorical" else shape)
 
 
 def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:

@@ -194,8 +194,8 @@ def _preconditioner(
   axis_name,
   config,
   who: str,
-) -> optax.GradientTransformationExtraArgs:
-  """`scale_by_kfac` named `who` in its errors."""
+) -> tuple[optax.GradientTransformationExtraArgs, _fronts.Source]:
+  """`scale_by_kfac` named `who` in its errors, and where its estimator comes from."""
   config = _config.get(config, who)
   _checks.number(damping, "damping", low=0.0, schedule=True)
   _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
@@ -294,7 +294,7 @@ def _preconditioner(
       skipped=state.skipped + (~ok).astype(state.skipped.dtype),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn), source
 
 
 @_config.moved_keywords
@@ -380,7 +380,7 @@ def scale_by_kfac(
     axis_name=axis_name,
     config=config,
     who="scale_by_kfac",
-  )
+  )[0]
 
 
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:
@@ -395,6 +395,18 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
   r2 = jnp.square(jnp.asarray(max_norm, vg.dtype))
   big = vg > r2
   return jnp.where(big, jnp.sqrt(r2 / jnp.where(big, vg, 1)), jnp.ones_like(vg))
+
+
+def default_learning_rate(registration: _registration.Registration) -> float:
+  """`kfac`'s learning rate when none is given: `0.3 · D^(1/4)`, D the registration's
+  `outputs_per_example`.
+
+  The clipped step's length in the K-FAC metric, `α · max_norm`, is a budget per example; a loss
+  that sums D outputs per example spreads it over D terms, and D^(1/4), between a budget per
+  example (D^0) and one per output (D^(1/2), which overshot), fitted the step sweeps of both
+  kinds of loss.
+  """
+  return 0.3 * registration.outputs_per_example**0.25
 
 
 def _scale(updates, step):
@@ -413,6 +425,7 @@ def _guard(
   momentum: optax.GradientTransformation,
   learning_rate,
   skip_nonfinite: bool,
+  source: _fronts.Source,
 ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC-aware guard over the chain `preconditioner → clip by max_norm → momentum →
   learning rate` (optax's `apply_if_finite` is the pattern).
@@ -423,6 +436,10 @@ def _guard(
   `lax.cond` on it: a skipped update returns zeros and keeps the momentum trace. It never
   selects over the preconditioner's state, whose curvature moved only on a finite verdict (see
   `kfac_jax._engine`), so no copy of the factors is kept for it.
+
+  With `learning_rate=None` the learning rate is `default_learning_rate` of the registration,
+  and the clipping and the step are those of the tagged loss: `v` and `g` are divided by the
+  registration's `loss_factor` c (the returned loss over the tagged one) before the clip.
   """
 
   def init_fn(params) -> KfacState:
@@ -461,11 +478,18 @@ def _guard(
       kfac_gate=gate,
       **extra_args,
     )
+    unit = 1.0  # 1/c: the returned loss's gradient on the tagged loss's scale.
+    if learning_rate is None:  # A Python number: the gate above needs no check of it.
+      reg = _fronts.estimator_for(source, params, "kfac")[0].registration
+      lr = default_learning_rate(reg)
+      unit = 1.0 / (reg.loss_factor or 1.0)
 
     def run():
-      u = v
+      u, g = v, updates
+      if unit != 1.0:
+        u, g = (jax.tree_util.tree_map(lambda x: x * jnp.asarray(unit, x.dtype), t) for t in (u, g))
       if max_norm is not None:
-        coeff = clip_coefficient(u, updates, max_norm)
+        coeff = clip_coefficient(u, g, max_norm)
         u = jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), u)
       u, trace = momentum.update(u, state.momentum, params)
       return _scale(u, lr), trace
@@ -480,7 +504,7 @@ def _guard(
       )
     return out, KfacState(pre, trace)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn), source
 
 
 @_config.moved_keywords(
@@ -524,7 +548,10 @@ def kfac(
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
-    learning_rate: α > 0, a number or a schedule `count -> α` (required).
+    learning_rate: α > 0, a number or a schedule `count -> α`; None (the default) takes
+      `0.3 · D^(1/4)` for a loss with D outputs per example (`default_learning_rate`) and
+      steps on the tagged loss's scale (the gradient divided by the registration's
+      `loss_factor`), so a loss averaged over its D outputs takes the summed one's steps.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√(vᵀ F̂_λ v) = √|vᵀg|` of the preconditioned
       gradient before α and momentum, or None (no clipping). TF K-FAC's and `Optimizer`'s
@@ -537,10 +564,10 @@ def kfac(
       prefer 1.
     registration, axis_name, config: as in `scale_by_kfac`.
 
-  The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`, `curvature_every=5`) come from
-  step sweeps on the autoencoder, CNN, Transformer, ViT and LSTM benchmarks, with a learning
-  rate of 0.3 (1 for losses that sum over many outputs per example); without clipping,
-  fixed-learning-rate K-FAC diverged on three of them at λ = 1e-3.
+  The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`, `curvature_every=5` and the
+  learning rate) come from step sweeps on the autoencoder, CNN, Transformer, ViT and LSTM
+  benchmarks; without clipping, fixed-learning-rate K-FAC diverged on three of them at
+  λ = 1e-3.
 
   On a share of the parameters (`optax.multi_transform`, see `scale_by_kfac`), `max_norm`
   clips by the norm of the share's update alone.
@@ -554,25 +581,20 @@ def kfac(
       is created; a keyword that moved into `Config`, naming its place.
 
   Example:
-    >>> tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3)
+    >>> tx = kfac_jax.kfac(loss_fn, batch)
     >>> opt_state = tx.init(params)
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     >>> params = optax.apply_updates(params, updates)
   """
-  if learning_rate is None:
-    raise TypeError(
-      "kfac: `learning_rate` must be a number > 0 or a schedule `count -> α`, got None (it is "
-      "required): e.g. kfac_jax.kfac(loss_fn, batch, 0.1) or "
-      "kfac_jax.kfac(registration=reg, learning_rate=0.1)."
-    )
-  _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
+  if learning_rate is not None:
+    _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
   if momentum is not None:
     _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
   cfg = _config.get(config, "kfac")
-  preconditioner = _preconditioner(
+  preconditioner, source = _preconditioner(
     loss_fn,
     example_batch,
     damping=damping,
@@ -588,4 +610,6 @@ def kfac(
     optax.identity() if momentum is None else optax.trace(decay=momentum, nesterov=cfg.nesterov)
   )
 
-  return _guard(preconditioner, max_norm, momentum, trace, learning_rate, cfg.skip_nonfinite)
+  return _guard(
+    preconditioner, max_norm, momentum, trace, learning_rate, cfg.skip_nonfinite, source
+  )

@@ -599,6 +599,92 @@ def test_max_norm_clips_the_preconditioned_gradient_before_the_learning_rate(x64
     np.testing.assert_allclose(a, -0.5 * b, rtol=1e-12, atol=1e-15)
 
 
+def _sequence_problem(reduce):
+  """A per-position classifier `[N, T, din] -> [N, T, classes]` (D = T = 5 outputs per example),
+  its cross-entropy averaged over examples and `reduce`d over the positions."""
+  k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+  params = {"w": jax.random.normal(k1, (4, 3)) / 2, "b": jnp.zeros(3)}
+  batch = {"x": jax.random.normal(k2, (16, 5, 4)), "y": jax.random.randint(k3, (16, 5), 0, 3)}
+
+  def loss_fn(params, batch):
+    logits = batch["x"] @ params["w"] + params["b"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return reduce(ce, axis=-1).mean()
+
+  return loss_fn, params, batch
+
+
+def _three_updates(tx, loss_fn, params, batch, init=None):
+  state = (init or tx.init)(params)
+  out = []
+  for i in range(3):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(i))
+    u, state = tx.update(grads, state, params, curvature_stats=stats)
+    params = optax.apply_updates(params, u)
+    out.append(u)
+  return out
+
+
+def test_registration_counts_outputs_and_measures_the_loss_factor():
+  """D from the tags' shapes (categorical: without the class axis; Bernoulli: every axis after
+  the examples'), and the audit's fitted factor c of the returned loss over the tagged one."""
+  summed, params, batch = _sequence_problem(jnp.sum)
+  averaged = _sequence_problem(jnp.mean)[0]
+  reg = kfac_jax.Registration(summed, params, batch)
+  assert reg.outputs_per_example == 5
+  assert reg.loss_factor == pytest.approx(1.0, rel=1e-6)
+  reg = kfac_jax.Registration(averaged, params, batch)
+  assert reg.loss_factor == pytest.approx(1 / 5, rel=1e-6)
+  assert kfac_jax.Registration(averaged, params, batch, check_loss=False).loss_factor is None
+  assert kfac_jax._transform.default_learning_rate(reg) == pytest.approx(0.3 * 5**0.25)
+
+  def bernoulli(params, batch):
+    logits = jnp.einsum("nhd,do->nho", batch["x"], params["w"]) + params["b"]
+    kfac_jax.register_sigmoid_cross_entropy_loss(logits, batch["x"][..., :3] > 0)
+    return optax.sigmoid_binary_cross_entropy(logits, batch["x"][..., :3] > 0).sum((1, 2)).mean()
+
+  assert kfac_jax.Registration(bernoulli, params, batch).outputs_per_example == 15
+
+
+@pytest.mark.parametrize("max_norm", [0.3, None])
+def test_default_learning_rate_steps_alike_for_a_summed_and_an_averaged_loss(max_norm):
+  """Without a learning rate, the loss averaged over its D outputs takes the steps of the summed
+  one (its gradient divided by c = 1/D, clipped and scaled alike), with α = 0.3 · D^(1/4); with
+  an explicit learning rate and no clipping the averaged loss's steps are D times shorter."""
+  summed, params, batch = _sequence_problem(jnp.sum)
+  averaged = _sequence_problem(jnp.mean)[0]
+  got = _three_updates(kfac_jax.kfac(summed, batch, max_norm=max_norm), summed, params, batch)
+  mean = _three_updates(kfac_jax.kfac(averaged, batch, max_norm=max_norm), averaged, params, batch)
+  lr = 0.3 * 5**0.25
+  want = _three_updates(
+    kfac_jax.kfac(summed, batch, learning_rate=lr, max_norm=max_norm), summed, params, batch
+  )
+  for a, b, c in zip(got, mean, want):
+    for x, y, z in zip(*map(jax.tree_util.tree_leaves, (a, b, c))):
+      np.testing.assert_allclose(x, z, rtol=1e-5, atol=1e-7)
+      np.testing.assert_allclose(y, z, rtol=1e-4, atol=1e-7)
+  if max_norm is None:
+    tx = kfac_jax.kfac(averaged, batch, learning_rate=lr, max_norm=None)
+    first = _three_updates(tx, averaged, params, batch)[0]
+    for x, z in zip(*map(jax.tree_util.tree_leaves, (first, want[0]))):
+      np.testing.assert_allclose(5 * x, z, rtol=1e-4, atol=1e-7)
+
+
+def test_default_learning_rate_without_a_measured_factor_takes_the_returned_loss():
+  """`init` under `jit` builds the registration from tracers: the audit does not measure c, so
+  the step is the returned loss's at the default α (documented on `loss_factor`)."""
+  summed, params, batch = _sequence_problem(jnp.sum)
+  tx = kfac_jax.kfac(summed, batch)
+  got = _three_updates(tx, summed, params, batch, init=jax.jit(tx.init))
+  want = _three_updates(
+    kfac_jax.kfac(summed, batch, learning_rate=0.3 * 5**0.25), summed, params, batch
+  )
+  for a, b in zip(got, want):
+    for x, z in zip(*map(jax.tree_util.tree_leaves, (a, b))):
+      np.testing.assert_allclose(x, z, rtol=1e-6, atol=1e-8)
+
+
 def test_norm_constraint_is_refused_with_its_max_norm_translation():
   loss_fn, _, batch = _problem()
   with pytest.raises(TypeError, match=r"`norm_constraint`.*max_norm=√C / α"):
@@ -668,7 +754,6 @@ ARG_CASES = [
   (_tx(layers={"dense": "diagonal"}), TypeError, "layers", "dict"),
   (_kfac(learning_rate="0.1"), TypeError, "learning_rate", "0.1"),
   (_kfac(learning_rate=0.0), ValueError, "learning_rate", 0.0),
-  (_kfac(learning_rate=None), TypeError, "learning_rate", None),
   (_kfac(momentum=1.0), ValueError, "momentum", 1.0),
   (_kfac(momentum="0.9"), TypeError, "momentum", "0.9"),
   (_kfac(nesterov=1), TypeError, "nesterov", 1),
