@@ -437,7 +437,7 @@ def _guard(
   selects over the preconditioner's state, whose curvature moved only on a finite verdict (see
   `kfac_jax._engine`), so no copy of the factors is kept for it.
 
-  With `learning_rate=None` the learning rate is `default_learning_rate` of the registration,
+  Without a learning rate (None) it is `default_learning_rate` of the registration,
   and the clipping and the step are those of the tagged loss: `v` and `g` are divided by the
   registration's `loss_factor` c (the returned loss over the tagged one) before the clip.
   """
@@ -504,7 +504,7 @@ def _guard(
       )
     return out, KfacState(pre, trace)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn), source
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 @_config.moved_keywords(
