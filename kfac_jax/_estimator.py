@@ -244,11 +244,7 @@ class Estimator:
     axis_name: str | None = None,
     mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
-    """EMA update of the statistics with this batch's; a non-finite batch is skipped entirely.
-
-    With decay ρ and w ← ρ w + 1, the factors become F ← F + (F_batch − F) / w: a bias-corrected
-    average, exactly F_batch after the first update (and always with ρ = 0).
-    """
+    """The EMA update (see `kfac_jax.CurvatureEstimator.update_curvature_from_stats`)."""
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
     new = self.batch_factors(stats, axis_name, cache=state.cache)
     acc = self.config.accum_dtype

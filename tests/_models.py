@@ -115,3 +115,16 @@ def with_config(kw: dict) -> dict:
     return kw
   rest = {k: v for k, v in kw.items() if k not in fields}
   return {**rest, "config": kfac_jax.Config(**moved)}
+
+
+def device_bytes(tree, mesh) -> list[int]:
+  """The bytes of `tree`'s arrays each device of `mesh` holds (its addressable shards)."""
+  return [
+    sum(
+      s.data.nbytes
+      for x in jax.tree_util.tree_leaves(tree)
+      for s in x.addressable_shards
+      if s.device == dev
+    )
+    for dev in mesh.devices.flat
+  ]

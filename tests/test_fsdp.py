@@ -118,18 +118,6 @@ def _run(tx, loss_fn, params, batch):
   return params, state
 
 
-def _device_bytes(tree, mesh) -> list[int]:
-  return [
-    sum(
-      s.data.nbytes
-      for x in jax.tree_util.tree_leaves(tree)
-      for s in x.addressable_shards
-      if s.device == dev
-    )
-    for dev in mesh.devices.flat
-  ]
-
-
 def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   loss_fn, params, batch = _problem()
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
@@ -160,7 +148,7 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   assert any(len(s) == 3 for b in blocks for s in b.factor_shapes)  # Blocked sides exist.
   per_block = [b.state_bytes() for b in blocks]
   total = sum(per_block)
-  held = _device_bytes((curv.factors, curv.cache), mesh)
+  held = _models.device_bytes((curv.factors, curv.cache), mesh)
   assert max(held) <= 1.25 * total / 8 + max(per_block), (held, total, per_block)
   assert max(held) < total / 2
   # The shares are the cost-balanced refresh assignment.
@@ -171,7 +159,7 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   # every cache (XLA's propagation splits a few of the inverses the sharded gradient meets).
   _, rep = _run(_tx(loss_fn, batch, mesh=(mesh, "data")), loss_fn, sharded_params, data)
   rep_curv = rep[0].curvature
-  assert min(_device_bytes((rep_curv.factors, rep_curv.cache), mesh)) > 0.9 * total
+  assert min(_models.device_bytes((rep_curv.factors, rep_curv.cache), mesh)) > 0.9 * total
   # The factors gathered from the sharded state are the one-device run's.
   _, one = _run(_tx(loss_fn, batch), loss_fn, params, batch)
   gathered = est.estimator.storage.block_factors(est.estimator.names, blocks, curv.factors)

@@ -430,24 +430,11 @@ def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device
   per_block = _block_state_bytes(est)
   total, d = sum(per_block), mesh.size
   sh = _kfac_state(s_sh).curvature
-  sh_bytes = _device_bytes((sh.factors, sh.cache), mesh)
+  sh_bytes = _models.device_bytes((sh.factors, sh.cache), mesh)
   rep = _kfac_state(s_rep).curvature
-  assert _device_bytes((rep.factors, rep.cache), mesh) == [total] * d
+  assert _models.device_bytes((rep.factors, rep.cache), mesh) == [total] * d
   assert max(sh_bytes) <= 1.25 * total / d + max(per_block), (sh_bytes, total, per_block)
   assert max(sh_bytes) < total
-
-
-def _device_bytes(tree, mesh) -> list[int]:
-  """The bytes of `tree`'s arrays each device of `mesh` holds (its addressable shards)."""
-  return [
-    sum(
-      s.data.nbytes
-      for x in jax.tree_util.tree_leaves(tree)
-      for s in x.addressable_shards
-      if s.device == dev
-    )
-    for dev in mesh.devices.flat
-  ]
 
 
 def test_sharded_storage_under_shard_map(x64):
