@@ -183,7 +183,9 @@ def test_params_signature_mismatch_names_the_path():
 def test_registration_arguments_and_immutability():
   loss_fn, params, batch = _problem()
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
-  with pytest.raises(ValueError, match=r"`estimation_mode`='empirical'.*registration's 'exact'"):
+  with pytest.raises(
+    ValueError, match=r"`config.estimation_mode`='empirical'.*registration's 'exact'"
+  ):
     kfac_jax.CurvatureEstimator(
       registration=reg, config=kfac_jax.Config(estimation_mode="empirical")
     )
