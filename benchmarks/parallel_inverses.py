@@ -108,7 +108,9 @@ def main() -> int:
   state_bytes = sum(nbytes)
   factor_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state.factors))
   cache_shapes = [b.cache_shapes() for b in est.blocks]
-  sharded = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
+  sharded = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded")
+  )
   memory_only = "--memory-only" in sys.argv
   print(
     f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices "

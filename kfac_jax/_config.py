@@ -1,9 +1,10 @@
-"""`Config`: the rare knobs of every front (`scale_by_kfac`, `kfac`, `Optimizer`), in one frozen
-object validated once.
+"""`Config`: the rare knobs of every front (`scale_by_kfac`, `kfac`, `Optimizer`,
+`CurvatureEstimator`), in one frozen object validated once.
 
 The fronts keep as parameters only what a user tunes (damping, decays, schedules, learning rate,
-momentum, clipping) and the data-parallel `axis_name`; everything else is a field here, so each
-knob has one name, one default and one check for every front.
+momentum, clipping) and the data-parallel `axis_name` (`CurvatureEstimator`: the powers and
+caches it computes); everything else is a field here, so each knob has one name, one default and
+one check for every front.
 
 Defaults that differ between fronts, and why:
 
@@ -97,14 +98,16 @@ def check_mesh(mesh, name: str = "config.mesh") -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-  """The rare knobs of `scale_by_kfac`, `kfac` and `Optimizer` (validated on construction).
+  """The rare knobs of `scale_by_kfac`, `kfac`, `Optimizer` and `CurvatureEstimator` (validated
+  on construction).
 
   The fields come in groups: the registration (`has_aux` to `layers`; with a `registration=`
   they must agree with it or stay at their defaults), the numerics (`damping_mode` to
   `preconditioner_dtype`), the schedule (`statistics_fraction`, `burn_in_steps`), parallel work
   (`inverse_storage`, `mesh`), the guard (`skip_nonfinite`), and fields one front reads
   (`nesterov` for `kfac`; the damping adaptation's and `weight_decay` for `Optimizer`): a front
-  that does not read one refuses a value other than its default.
+  that does not read one refuses a value other than its default (`CurvatureEstimator` reads the
+  registration, the numerics and `inverse_storage` only).
 
   Attributes:
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned (compute the

@@ -16,7 +16,6 @@ from kfac_jax import (
   _curvature,
   _fronts,
   _registration,
-  _storage,
 )
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
@@ -30,75 +29,60 @@ class CurvatureEstimator:
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output; with
-      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
+      `config.has_aux`, `loss_fn(params, batch) -> (scalar, aux)` (the estimator never reads
+      the aux).
     example_batch: a batch with the shapes used for training (arrays or ShapeDtypeStructs).
     registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`: its
-      layers, `has_aux`, `estimation_mode`, `num_samples`, `strict` and `layers` apply (those
-      arguments, left out, take its values; set to others, they are an error), `layers` and
-      `blocks` are known at once, and `init` checks params against its signature. Without
-      it, the first `init` builds one from the arguments.
-    has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned for layers and the
-      estimator never reads the aux.
-    estimation_mode: how the output-space curvature is estimated (formulas in
-      `kfac_jax._losses`): "gradients" (targets sampled from the model: the Fisher),
-      "empirical" (the data's targets: the empirical Fisher), "curvature_prop" /
-      "curvature_prop_GGN" (Rademacher vectors times a square-root factor of the output Fisher /
-      loss Hessian), or "exact" / "exact_GGN" (every output coordinate, no sampling noise; K
-      backward passes, K = the prediction's non-batch size). The GGN variants estimate
-      Jᵀ (∂²ℓ/∂z²) J, which equals the Fisher for the canonical-link losses of the loss tags.
-      The random modes need an `rng` in `update_curvature`; the exact modes and "empirical"
-      take `rng=None`.
+      layers and its `has_aux`, `estimation_mode`, `num_samples`, `strict` and `layers` apply
+      (the config's fields, left at their defaults, take its values; set to others, they are
+      an error), `layers` and `blocks` are known at once, and `init` checks params against
+      its signature. Without it, the first `init` builds one from `loss_fn` and the config.
     exps: matrix powers `multiply_matpower` must support (1 always is).
-    num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
-      ignored by "empirical"; must be 1 with the exact modes.
-    damping_mode: "factored" (π-adjusted factored Tikhonov) or "eigen" (exact damping).
     compute_cholesky: cache Cholesky factors of the damped blocks.
     compute_cholesky_inverse: cache their inverses.
-    strict: raise, instead of warning, when parameters are outside every recognised layer.
     compute_params_stats: `curvature_stats` also returns the first-order statistics
       (`CurvatureStats.params_stats`, TF K-FAC's `params_stats`).
-    layers: a `kfac_jax.LayerConfig` choosing approximations per layer kind, per parameter-path
-      pattern, and linked parameter groups (None: the defaults).
-    stats_dtype: dtype the factors (moving averages of the statistics) are stored in: None
-      (float32; float64 under x64), "float32", "float64", or "bfloat16" / "float16" to halve
-      their memory. Batch statistics are always accumulated in at least float32, whatever the
-      model's dtype, and cast to `stats_dtype` when they enter the moving average.
-    inverse_dtype: dtype of the inverses / decompositions and of the products with them: None
-      (float32; float64 under x64), "float32" or "float64". Preconditioned vectors come back in
-      the dtype they came in (a bfloat16 model gets bfloat16 updates).
-    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the dtype the cached inverses
-      of Kronecker factors (and of full blocks) are stored in once computed in
-      `inverse_dtype`. The products with them (`multiply_matpower`, `multiply_inverse`) round
-      the vector to it and accumulate in `inverse_dtype`: half the cache's memory, each input
-      rounded to 8 significant bits, and faster products where the hardware multiplies
-      bfloat16 natively. Diagonal factors, the substitution forms of `factor_solve`,
-      eigen-decompositions ("eigen" damping, EKFAC), the series approximations of shared
-      layers and Cholesky factors stay in `inverse_dtype`.
-    inverse_storage: where the caches live on a data-parallel axis: "replicated" (default) or
-      `kfac_jax.ReplicatedStorage()`: every device holds every block's cache; "sharded" or
-      `kfac_jax.ShardedStorage()` (KAISA's memory-optimised strategy): each device stores,
-      updates and refreshes only its share of the blocks' factors and caches (balanced by
-      refresh cost, at most 1.25 total/D + one block per device) and preconditions their
-      leaves; the products are summed over the axis. `init`, `update_curvature*`,
-      `update_inverses` and the `multiply*` methods then need `axis_name=` (inside pmap /
-      shard_map; call `init` there too) or `mesh=(mesh, axis)` (under jit).
-    factor_solve: how a Kronecker factor's damped inverse is kept (`BlockConfig.factor_solve`):
-      "auto" (default) keeps a factor of size n ≥ 256 whose products have at most n/8
-      columns (a wide input into a narrow layer: a classifier head) in substitution form, its
-      Cholesky factor in blocks applied by block substitution (a faster refresh, slower
-      products), and the explicit inverse elsewhere; "never" always the inverse; "always" the
-      substitution form for every Kronecker factor that can have it (not diagonal factors,
-      stacks, grouped convolutions or "eigen" damping). The products are the same up to
-      rounding; the cache's fields differ (`cache/<block>/a/subst/...` instead of
-      `cache/<block>/a/powers/0`).
+    config: a `kfac_jax.Config` with the knobs shared with the other fronts: the registration
+      fields (`has_aux`, `estimation_mode`, `num_samples`, `strict`, `layers`, `check_loss`),
+      the numerics (`damping_mode`, `factor_solve`, `stats_dtype`, `inverse_dtype`,
+      `preconditioner_dtype`) and `inverse_storage` (None: the defaults). The fields only a
+      training front reads (`statistics_fraction`, `burn_in_steps`, `mesh`, `skip_nonfinite`,
+      `nesterov`, the damping adaptation's, `weight_decay`) must stay at their defaults: the
+      estimator's callers choose the batches, the schedule and the damping, and pass `mesh=`
+      per call.
+
+  The estimation modes (`config.estimation_mode`; formulas in `kfac_jax._losses`):
+  "gradients" (targets sampled from the model: the Fisher), "empirical" (the data's targets:
+  the empirical Fisher), "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a
+  square-root factor of the output Fisher / loss Hessian), or "exact" / "exact_GGN" (every
+  output coordinate, no sampling noise; K backward passes, K = the prediction's non-batch
+  size). The GGN variants estimate Jᵀ (∂²ℓ/∂z²) J, which equals the Fisher for the
+  canonical-link losses of the loss tags. The random modes need an `rng` in
+  `update_curvature`; the exact modes and "empirical" take `rng=None`.
+
+  Batch statistics are accumulated in at least float32, whatever the model's dtype, and cast
+  to `config.stats_dtype` when they enter the moving average; preconditioned vectors come back
+  in the dtype they came in. With `config.preconditioner_dtype="bfloat16"` the cached inverses
+  of Kronecker factors (and of full blocks) are stored in bfloat16 and the products round the
+  vector to it (8 significant bits) with `inverse_dtype` accumulation; diagonal factors, the
+  substitution forms of `factor_solve` (cache fields `cache/<block>/a/subst/...` instead of
+  `cache/<block>/a/powers/0`), eigen-decompositions ("eigen" damping, EKFAC), the series
+  approximations of shared layers and Cholesky factors stay in `inverse_dtype`.
+  With `config.inverse_storage="sharded"` each device stores, updates and refreshes only its
+  share of the blocks' factors and caches (balanced by refresh cost, at most 1.25 total/D +
+  one block per device) and preconditions their leaves, the products summed over the axis:
+  `init`, `update_curvature*`, `update_inverses` and the `multiply*` methods then need
+  `axis_name=` (inside pmap / shard_map; call `init` there too) or `mesh=(mesh, axis)` (under
+  jit).
 
   Raises:
-    TypeError: an argument of the wrong kind (e.g. `exps=-1`, `strict="yes"`), named with the
-      value received.
-    ValueError: an argument out of range or an unknown mode, named with the value and the
-      choices.
+    TypeError: an argument of the wrong kind (e.g. `exps=-1`, `compute_cholesky="yes"`), named
+      with the value received; a keyword that moved into `Config` (e.g. `estimation_mode=`),
+      naming its place.
+    ValueError: an argument out of range, or a config field the estimator does not read set
+      away from its default.
     RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
-      match `has_aux`.
+      match `config.has_aux`.
 
   Example:
     >>> est = kfac_jax.CurvatureEstimator(loss_fn, batch)
@@ -108,41 +92,51 @@ class CurvatureEstimator:
     >>> nat_grads = est.multiply_matpower(state, grads, -1)
   """
 
+  @_config.moved_keywords
   def __init__(
     self,
     loss_fn: Callable | None = None,
     example_batch: Any = None,
     *,
     registration: _registration.Registration | None = None,
-    has_aux: bool = False,
-    estimation_mode: _curvature.EstimationMode = "gradients",
     exps: Sequence[float] = (-1,),
-    num_samples: int = 1,
-    damping_mode: _blocks.DampingMode = "factored",
     compute_cholesky: bool = False,
     compute_cholesky_inverse: bool = False,
-    strict: bool = False,
     compute_params_stats: bool = False,
-    layers: Any = None,
-    stats_dtype: Any = None,
-    inverse_dtype: Any = None,
-    inverse_storage: Any = "replicated",
-    factor_solve: _blocks.FactorSolve = "auto",
-    preconditioner_dtype: Any = None,
+    config: _config.Config | None = None,
   ):
+    who = "CurvatureEstimator"
+    config = _config.get(config, who)
+    config.refuse(
+      who,
+      ("statistics_fraction", "burn_in_steps", "skip_nonfinite"),
+      "the caller chooses the batches and the schedule",
+    )
+    config.refuse(who, ("mesh",), "pass `mesh=` to the methods")
+    config.refuse(
+      who,
+      (
+        "nesterov",
+        "min_damping",
+        "max_damping",
+        "damping_adaptation_interval",
+        "damping_adaptation_decay",
+        "weight_decay",
+      ),
+      "the caller chooses the damping and the update",
+    )
     settings = _registration.estimator_settings(
-      has_aux, estimation_mode, num_samples, strict, layers
+      config.has_aux,
+      config.estimation_mode,
+      config.num_samples,
+      config.strict,
+      config.layers,
+      prefix="config.",
     )
-    reg = _registration.resolve(
-      registration, loss_fn, example_batch, "CurvatureEstimator", settings
-    )
+    reg = _registration.resolve(registration, loss_fn, example_batch, who, settings)
     if reg is None:
-      _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux` now.
-    _curvature.check_mode(estimation_mode, num_samples)
-    _checks.choice(damping_mode, "damping_mode", ("factored", "eigen"))
-    storage = _storage.strategy(inverse_storage)
-    _checks.choice(factor_solve, "factor_solve", ("auto", "always", "never"))
-    for flag in ("compute_cholesky", "compute_cholesky_inverse", "strict", "compute_params_stats"):
+      _curvature.LossPart(loss_fn, config.has_aux)  # Checks `loss_fn` now.
+    for flag in ("compute_cholesky", "compute_cholesky_inverse", "compute_params_stats"):
       _checks.boolean(locals()[flag], flag)
     if isinstance(exps, (str, bytes)) or not isinstance(exps, (tuple, list)):
       raise TypeError(
@@ -152,27 +146,17 @@ class CurvatureEstimator:
       _checks.number(e, "exps", low=-np.inf)
       if e == 0:
         raise ValueError(f"`exps` must be non-zero finite numbers, got {exps!r}.")
-    inverse_dtype = _config.resolve_dtype(inverse_dtype, "inverse_dtype")
-    block_config = _blocks.BlockConfig(
-      exps=tuple(float(e) for e in exps),
-      damping_mode=damping_mode,
-      cholesky=compute_cholesky,
-      cholesky_inverse=compute_cholesky_inverse,
-      stats_dtype=_config.resolve_dtype(stats_dtype, "stats_dtype"),
-      inverse_dtype=inverse_dtype,
-      factor_solve=factor_solve,
-      preconditioner_dtype=_config.resolve_preconditioner_dtype(
-        preconditioner_dtype, inverse_dtype
-      ),
+    block_config = config.block_config(
+      tuple(float(e) for e in exps), compute_cholesky, compute_cholesky_inverse
     )
+    storage = config.storage
     make = functools.partial(
       Estimator,
       config=block_config,
       storage=storage,
       compute_params_stats=compute_params_stats,
     )
-    settings = {k[k.rfind(".") + 1 :]: v[1] for k, v in settings.items()}
-    self._source = _fronts.Source(make, loss_fn, example_batch, settings, reg)
+    self._source = _fronts.Source(make, loss_fn, example_batch, config.registration_settings(), reg)
     self.config = block_config
     self.storage = storage
 

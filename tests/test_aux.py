@@ -158,7 +158,7 @@ def test_optimizer_as_optax_keeps_aux_in_state():
 def test_estimator_has_aux_scans_the_loss_part():
   loss_fn, params, batch, _ = _problem()
   plain = lambda p, b: loss_fn(p, b)[0]
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, has_aux=True)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(has_aux=True))
   ref = kfac_jax.CurvatureEstimator(plain, batch)
   s, r = est.init(params), ref.init(params)
   rng = jax.random.key(0)

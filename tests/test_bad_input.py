@@ -50,7 +50,7 @@ def _tx(**kw):
 
 def _est(**kw):
   loss_fn, _, batch = _problem()
-  return lambda: kfac_jax.CurvatureEstimator(loss_fn, batch, **kw)
+  return lambda: kfac_jax.CurvatureEstimator(loss_fn, batch, **_models.with_config(kw))
 
 
 def _update(mutate, jit=False):
@@ -252,9 +252,14 @@ CASES = [
     "unknown damping mode",
     _est(damping_mode="tikhonov"),
     ValueError,
-    "unknown damping_mode 'tikhonov'",
+    "unknown config.damping_mode 'tikhonov'",
   ),
-  ("num_samples of zero", _est(num_samples=0), ValueError, "num_samples must be a positive int"),
+  (
+    "num_samples of zero",
+    _est(num_samples=0),
+    ValueError,
+    "`config.num_samples` must be an int >= 1, got 0",
+  ),
   (
     "num_samples as a JAX array",
     _tx(num_samples=jnp.asarray(2)),

@@ -96,11 +96,9 @@ def _estimator(loss_fn, params, batch, block_size, damping_mode="factored", **la
   est = kfac_jax.CurvatureEstimator(
     loss_fn,
     batch,
-    estimation_mode="exact",
-    layers=cfg,
-    damping_mode=damping_mode,
     compute_cholesky=damping_mode == "factored",
     compute_cholesky_inverse=damping_mode == "factored",
+    config=kfac_jax.Config(estimation_mode="exact", layers=cfg, damping_mode=damping_mode),
   )
   state = est.init(params)
   state = est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=0.0)

@@ -25,7 +25,9 @@ def _per_example(logits_fn):
 
 
 def _estimate(loss_fn, params, batch, layers=None):
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=layers)
+  )
   state = est.init(params)
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))(state)
   return est, np.asarray(est.to_dense(state))

@@ -50,7 +50,9 @@ def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
 def _run(params, batch, layers=None, damping_mode="factored"):
   """Statistics, an inverse update at LAMBDA, statistics again (EKFAC's s in that basis)."""
   est = kfac_jax.CurvatureEstimator(
-    _loss_fn, batch, estimation_mode="empirical", layers=layers, damping_mode=damping_mode
+    _loss_fn,
+    batch,
+    config=kfac_jax.Config(estimation_mode="empirical", layers=layers, damping_mode=damping_mode),
   )
   return est, _jit_statistics_inverse_statistics(est, params, batch)
 
@@ -174,7 +176,9 @@ def test_equals_kfac_with_eigen_damping_when_gradients_are_kronecker(x64, same_x
 
 def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x64):
   params, batch = _setup()
-  est = kfac_jax.CurvatureEstimator(_loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+  est = kfac_jax.CurvatureEstimator(
+    _loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=EKFAC)
+  )
   state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))(
     params, batch
   )
@@ -198,7 +202,9 @@ def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
     kfac_jax.register_softmax_cross_entropy_loss(out, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(out, b["y"]).mean()
 
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=EKFAC)
+  )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   state = est.update_inverses(state, LAMBDA)
   state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
@@ -233,7 +239,9 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
     return _models.softmax_loss(model.apply)(p, b)
 
   layers = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=layers)
+  )
   state = _jit_statistics_inverse_statistics(est, params, batch)
   assert {(l.kind, l.approx) for l in est.layers} == {("conv", "ekfac"), ("dense", "ekfac")}
   # F_EKFAC = Σ s_ij q_ij q_ijᵀ with orthonormal q_ij (the Kronecker eigenbasis in parameter
@@ -255,7 +263,9 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
     np.diag(q_f.T @ dense @ q_f), np.diag(q_f.T @ (exact * mask) @ q_f), rtol=1e-6, atol=1e-10
   )
   # ... and it is not the plain K-FAC block (which differs from the exact one on a conv).
-  kron = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical")
+  kron = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical")
+  )
   kron_dense = np.asarray(
     jax.jit(
       lambda p, b: kron.to_dense(kron.update_curvature(kron.init(p), p, b, None, ema_decay=0.0))
@@ -323,9 +333,11 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
     est = kfac_jax.CurvatureEstimator(
       _loss_fn,
       batch,
-      estimation_mode="gradients",
-      num_samples=2,
-      layers=kfac_jax.LayerConfig(defaults={"dense": approx}),
+      config=kfac_jax.Config(
+        estimation_mode="gradients",
+        num_samples=2,
+        layers=kfac_jax.LayerConfig(defaults={"dense": approx}),
+      ),
     )
     states[approx] = (
       est,
@@ -386,7 +398,9 @@ def test_ekfac_on_stacked_layers_equals_the_unrolled_layers(x64):
   results = []
   for apply, params in ((stacked, p_st), (unrolled, p_un)):
     loss_fn = _models.softmax_loss(apply)
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+    est = kfac_jax.CurvatureEstimator(
+      loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=EKFAC)
+    )
     state = est.init(params)
 
     @jax.jit
@@ -431,7 +445,9 @@ def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
     {"kernel": jnp.concatenate(list(gates.values()), -1), "head": head},
   ):
     loss_fn = _models.softmax_loss(apply)
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=EKFAC)
+    est = kfac_jax.CurvatureEstimator(
+      loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=EKFAC)
+    )
 
     @jax.jit
     def run(state, params):
@@ -451,6 +467,8 @@ def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
 
 def test_ekfac_with_sharded_inverses_is_an_error_at_init():
   params, batch = _setup(dtype=jnp.float32)
-  est = kfac_jax.CurvatureEstimator(_loss_fn, batch, layers=EKFAC, inverse_storage="sharded")
+  est = kfac_jax.CurvatureEstimator(
+    _loss_fn, batch, config=kfac_jax.Config(layers=EKFAC, inverse_storage="sharded")
+  )
   with pytest.raises(ValueError, match=r"layer `layer0`: approx='ekfac' needs its cache"):
     est.init(params, axis_name="data")

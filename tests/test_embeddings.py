@@ -61,7 +61,7 @@ def _loss(lookup):
 
 
 def _estimate(loss_fn, params, batch, mode="gradients"):
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode))
   state = est.init(params)
   state = jax.jit(
     lambda s: est.update_curvature(s, params, batch, jax.random.key(0), ema_decay=0.0)
@@ -291,7 +291,9 @@ def test_gather_lookup_preconditions_like_the_one_hot_product(x64, case):
   np.testing.assert_allclose(ravel_pytree(jax.grad(losses["gather"])(params, batch))[0], flat_grads)
   nat = {}
   for name, loss_fn in losses.items():
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+    est = kfac_jax.CurvatureEstimator(
+      loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact")
+    )
 
     @jax.jit
     def precondition(state, est=est):

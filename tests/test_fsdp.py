@@ -141,7 +141,11 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   curv = state[0].curvature
   assert int(curv.failed_inverses) == 0
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, layers=kfac_jax.LayerConfig(block_size=BLOCK), inverse_storage="sharded"
+    loss_fn,
+    batch,
+    config=kfac_jax.Config(
+      layers=kfac_jax.LayerConfig(block_size=BLOCK), inverse_storage="sharded"
+    ),
   )
   est.init(params, mesh=(mesh, "data"))
   blocks = est.blocks
@@ -176,7 +180,9 @@ def test_a_mesh_axis_that_does_not_exist_is_named_before_any_state_changes(x64):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   with pytest.raises(ValueError, match=r"`config.mesh`.*'fsdp'"):
     kfac_jax.Config(mesh=(mesh, "fsdp"), inverse_storage="sharded")
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, inverse_storage="sharded")
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded")
+  )
   with pytest.raises(ValueError, match=r"mesh axis 'fsdp' is not in the mesh"):
     est.init(params, mesh=(mesh, "fsdp"))
   state = est.init(params, mesh=(mesh, "data"))

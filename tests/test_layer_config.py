@@ -21,10 +21,9 @@ def _setup(n=6):
   return params, batch, _models.softmax_loss(_models.jnp_mlp_apply)
 
 
-def _estimator(loss_fn, batch, params, layers, **kw):
-  est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, estimation_mode="empirical", layers=layers, **kw
-  )
+def _estimator(loss_fn, batch, params, layers, damping_mode="factored", **kw):
+  config = kfac_jax.Config(estimation_mode="empirical", layers=layers, damping_mode=damping_mode)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=config, **kw)
   state = est.init(params)
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(state)
   return est, state
@@ -365,7 +364,9 @@ def test_size_policy_equals_the_explicit_approximation(x64):
     ("policy", kfac_jax.LayerConfig(max_factor_dim=6)),
     ("explicit", kfac_jax.LayerConfig(overrides={"head/*": "kron_out_diag"}, max_factor_dim=None)),
   ]:
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+    est = kfac_jax.CurvatureEstimator(
+      loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+    )
     state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
     state = est.update_inverses(state, damping=1e-2)
     out[name] = (est.layers, est.multiply_inverse(state, grads))

@@ -27,7 +27,7 @@ def _per_example_ce(logits, y):
 
 
 def _estimate(loss_fn, params, batch, rng=None, mode="empirical"):
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode))
   state = est.init(params)
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, rng, ema_decay=0.0))(state)
   return est, state, np.asarray(est.to_dense(state))
@@ -429,7 +429,11 @@ def test_embedding_inverse_is_inverse_of_damped_block(x64, damping_mode):
     return _ce_seq(kfac_jax.register_embedding(p["table"][b["ids"]], b["ids"], p["table"]), b["y"])
 
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, damping_mode=damping_mode, compute_cholesky=True, compute_cholesky_inverse=True
+    loss_fn,
+    batch,
+    compute_cholesky=True,
+    compute_cholesky_inverse=True,
+    config=kfac_jax.Config(damping_mode=damping_mode),
   )
   state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
   state = est.update_inverses(state, 0.1)
@@ -697,7 +701,11 @@ def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
   apply, params, batch = _conv_model(approx, groups=2, cin=4, cout=6)
   loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, damping_mode=damping_mode, compute_cholesky=True, compute_cholesky_inverse=True
+    loss_fn,
+    batch,
+    compute_cholesky=True,
+    compute_cholesky_inverse=True,
+    config=kfac_jax.Config(damping_mode=damping_mode),
   )
   state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
   assert est.layers[0].factor_shapes[1] == (2, 3, 3)
@@ -819,7 +827,9 @@ def test_statistics_of_another_batch_size(x64, kind):
   for layers in (None, kfac_jax.LayerConfig(defaults={"dense": "full", "conv": "full"})):
     dense = []
     for example in (big, small):
-      est = kfac_jax.CurvatureEstimator(loss_fn, example, estimation_mode="exact", layers=layers)
+      est = kfac_jax.CurvatureEstimator(
+        loss_fn, example, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+      )
       state = est.update_curvature(est.init(params), params, small, None, ema_decay=0.0)
       dense.append(np.asarray(est.to_dense(state)))
     np.testing.assert_allclose(dense[0], dense[1], rtol=1e-12, atol=1e-14)
@@ -928,7 +938,9 @@ def test_a_layer_that_depends_on_the_batch_size_is_named_in_the_error():
 
 def _preconditioned(loss_fn, params, batch, layers=None):
   """(layers, (F̂ + λ)⁻¹ ∇L): exact mode, one batch, float64."""
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+  )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   state = est.update_inverses(state, damping=1e-2)
   grads = jax.grad(loss_fn)(params, batch)
@@ -1245,7 +1257,9 @@ def test_conv_local_kron_equals_per_location_fisher_for_one_example(x64, bias):
 def test_conv_local_full_and_diagonal_equal_exact_fisher(x64, approx):
   logits, params, batch, layers = _conv_local_model(3, approx)
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=layers)
+  )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   assert est.layers[0].approx == approx
   exact = _exact_empirical(lambda p, b: _per_example_ce(logits(p, b), b["y"]), params, batch)

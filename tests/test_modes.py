@@ -55,7 +55,9 @@ def _setup(kind, model, n=1):
 
 
 def _dense(loss_fn, params, batch, mode, rng=None, num_samples=1):
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode, num_samples=num_samples)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode, num_samples=num_samples)
+  )
   state = est.init(params)
   state = jax.jit(lambda s, r: est.update_curvature(s, params, batch, r, ema_decay=0.0))(state, rng)
   return est, np.asarray(est.to_dense(state))
@@ -104,7 +106,7 @@ def test_exact_and_exact_ggn_agree_on_a_batch(x64):
   _, fisher = _dense(loss_fn, params, batch, "exact")
   _, ggn = _dense(loss_fn, params, batch, "exact_GGN")
   np.testing.assert_allclose(fisher, ggn, rtol=1e-12, atol=1e-14)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   z = _models.jnp_mlp_apply(params, batch["x"])
   hess = jax.hessian(lambda zz: _tagged("categorical", zz, batch))(z)  # [N, C, N, C]
@@ -179,7 +181,7 @@ def test_sequence_prediction_shared_kernel_factors(x64):
     return jnp.mean(jnp.sum(b["w"] * nll, -1))
 
   loss_fn = lambda p, b: loss_in_z(apply(p, b["x"]), b)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(est.init(params))
   (factors,) = state.factors.values()
   z = apply(params, batch["x"])
@@ -221,14 +223,18 @@ def test_exact_with_two_loss_tags(x64):
 def test_mode_errors(x64):
   loss_fn, params, batch = _setup("categorical", "linear")
   with pytest.raises(ValueError, match="estimation_mode") as info:
-    kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="curvature-prop")
+    kfac_jax.CurvatureEstimator(
+      loss_fn, batch, config=kfac_jax.Config(estimation_mode="curvature-prop")
+    )
   for mode in ALL_MODES:
     assert repr(mode) in str(info.value)
   with pytest.raises(ValueError, match="choose one of"):
     kfac_jax.value_and_grad(loss_fn, estimation_mode="Exact")
   for mode in ("exact", "exact_GGN"):
     with pytest.raises(ValueError, match="num_samples does not apply; got num_samples=4"):
-      kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode, num_samples=4)
+      kfac_jax.CurvatureEstimator(
+        loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode, num_samples=4)
+      )
     with pytest.raises(ValueError, match="num_samples does not apply"):
       kfac_jax.value_and_grad(loss_fn, estimation_mode=mode, num_samples=2)
     with pytest.raises(ValueError, match="num_samples does not apply"):
@@ -236,7 +242,7 @@ def test_mode_errors(x64):
         loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode, num_samples=3)
       )
   for mode in ("gradients", "curvature_prop", "curvature_prop_GGN"):
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode=mode)
+    est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode))
     state = est.init(params)
     with pytest.raises(ValueError, match=f"estimation_mode='{mode}'.*pass `rng`"):
       est.update_curvature(state, params, batch, None, ema_decay=0.5)
@@ -311,7 +317,10 @@ def test_params_stats_are_the_first_order_statistics(x64):
 def test_estimator_offers_params_stats(x64):
   loss_fn, params, batch = _setup("normal", "linear", n=3)
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, estimation_mode="empirical", compute_params_stats=True
+    loss_fn,
+    batch,
+    compute_params_stats=True,
+    config=kfac_jax.Config(estimation_mode="empirical"),
   )
   est.init(params)
   stats = est.curvature_stats(params, batch, None)

@@ -34,7 +34,9 @@ def _fz(logits):
 
 def _estimate(loss_fn, params, batch, layers=None):
   """The estimator and its dense matrix after one exact-mode update (`ravel_pytree` order)."""
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+  )
   state0 = est.init(params)
 
   @jax.jit  # One program: eager ops would each compile on their own.

@@ -104,7 +104,7 @@ def test_statistics_of_another_mode_samples_or_layer_set_are_refused():
   # The same contents from a separate but equal registration are accepted.
   update({})
   # The estimator names itself.
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
   est_state = est.init(params)
   stats = jax.eval_shape(kfac_jax.value_and_grad(loss_fn), params, batch, rng)[2]
   with pytest.raises(ValueError, match="this estimator was built for estimation_mode='exact'"):
@@ -183,8 +183,12 @@ def test_params_signature_mismatch_names_the_path():
 def test_registration_arguments_and_immutability():
   loss_fn, params, batch = _problem()
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
-  with pytest.raises(ValueError, match=r"`estimation_mode`='empirical'.*registration's 'exact'"):
-    kfac_jax.CurvatureEstimator(registration=reg, estimation_mode="empirical")
+  with pytest.raises(
+    ValueError, match=r"`config.estimation_mode`='empirical'.*registration's 'exact'"
+  ):
+    kfac_jax.CurvatureEstimator(
+      registration=reg, config=kfac_jax.Config(estimation_mode="empirical")
+    )
   with pytest.raises(ValueError, match=r"`config.layers`=.*differs"):
     kfac_jax.Optimizer(registration=reg, config=kfac_jax.Config(layers=LINKED))
   with pytest.raises(ValueError, match="not both"):
@@ -194,7 +198,9 @@ def test_registration_arguments_and_immutability():
   with pytest.raises(TypeError, match="`registration` must be a kfac_jax.Registration"):
     kfac_jax.kfac(registration="reg", learning_rate=0.1)
   # Agreeing values are fine; defaults take the registration's.
-  est = kfac_jax.CurvatureEstimator(registration=reg, estimation_mode="exact")
+  est = kfac_jax.CurvatureEstimator(
+    registration=reg, config=kfac_jax.Config(estimation_mode="exact")
+  )
   assert est.registration.estimation_mode == "exact"
   with pytest.raises(dataclasses.FrozenInstanceError):
     reg.strict = True

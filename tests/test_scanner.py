@@ -259,7 +259,7 @@ def test_channel_first_scale_and_shift_is_exact(x64):
   assert (layer.kind, layer.approx, layer.param_paths) == ("scale_and_shift", "full", ("w", "b"))
   assert (layer.info.feature_axis, layer.info.feature_shape) == (1, (3,))
 
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
   state0 = est.init(params)
 
   @jax.jit  # One program: eager ops would each compile on their own.
@@ -314,7 +314,7 @@ def test_class_token_is_exact_shift(x64, spread):
   ] + [("dense", "kron", ("w",))]
   assert all(l.info.feature_shape == (3,) for l in layers[:-1])
 
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
   state0 = est.init(params)
   t = 3 * len(tokens)
 
@@ -398,7 +398,7 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   assert layers[0].info.feature_shape == (tok_shape[1:] if use == "scanned" else tok_shape)
   assert layers[0].stack_size == (tok_shape[0] if use == "scanned" else 0)
 
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact")
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
   state0 = est.init(params)
   t = int(np.prod(tok_shape))
 
@@ -427,7 +427,9 @@ def _assert_full_blocks_exact(predict, loss_of, params, batch, kinds):
   `loss_of(pred, batch, tag)` registers the loss tag when `tag`."""
   layers = kfac_jax.LayerConfig(overrides={"*": "full"})
   est = kfac_jax.CurvatureEstimator(
-    lambda q, b: loss_of(predict(q, b), b, True), batch, estimation_mode="exact", layers=layers
+    lambda q, b: loss_of(predict(q, b), b, True),
+    batch,
+    config=kfac_jax.Config(estimation_mode="exact", layers=layers),
   )
   state0 = est.init(params)
   assert sorted(s.kind for s in est.layers) == kinds
@@ -583,7 +585,9 @@ def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).sum(1).mean()
 
   layers = kfac_jax.LayerConfig(overrides={"*": approx})
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", layers=layers)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+  )
   state = est.init(params)
   (spec,) = est.layers
   assert (spec.kind, spec.approx) == (kind, approx)

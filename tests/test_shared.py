@@ -613,7 +613,9 @@ def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, 
   block is the exact per-example (empirical) Fisher block for any batch size."""
   params, batch, loss_fn = _shared_conv_setup(3)
   layers = kfac_jax.LayerConfig(overrides={"k": approx, "s": approx})
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="empirical", layers=layers)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=layers)
+  )
   state = est.init(params)
   assert [(l.name, l.num_uses, l.approx) for l in est.layers] == [
     ("k", 2, approx),
@@ -725,7 +727,7 @@ def test_override_chooses_a_series_approximation_for_a_detected_recurrence():
   # Defaults name single-use approximations: shared layers keep theirs, single-use ones follow.
   assert specs["params/LSTMCell_0/ii"].approx == "kron_indep"
   assert specs["params/Dense_0"].approx == "kron_in_diag"
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, layers=layers)
+  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(layers=layers))
   est.init(params)
   assert isinstance(
     est.blocks[[l.name for l in est.layers].index(cell)], kfac_jax.blocks.SeriesKroneckerBlock

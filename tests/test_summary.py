@@ -300,7 +300,7 @@ def test_a_closed_over_constant_with_a_row_per_example_is_a_layer_input(x64):
       ("dense", ("wh",)),
       ("dense", ("wx",)),
     ]
-    est = kfac_jax.CurvatureEstimator(loss_fn, b, estimation_mode="exact")
+    est = kfac_jax.CurvatureEstimator(loss_fn, b, config=kfac_jax.Config(estimation_mode="exact"))
     state = est.update_curvature(est.init(params), params, b, None, ema_decay=0.0)
     dense.append(est.to_dense(state))
   assert float(jnp.abs(dense[0]).max()) > 1e-3

@@ -42,7 +42,9 @@ def _stack(trees):
 
 def _precondition(loss_fn, params, batch):
   """(layers, preconditioned gradient) from the exact-mode estimator, strict registration."""
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, estimation_mode="exact", strict=True)
+  est = kfac_jax.CurvatureEstimator(
+    loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", strict=True)
+  )
   state = est.init(params)
   state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
   state = est.update_inverses(state, damping=1e-2)

@@ -78,7 +78,9 @@ def main():
       kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, num_samples=args.samples)
+    est = kfac_jax.CurvatureEstimator(
+      loss_fn, batch, config=kfac_jax.Config(num_samples=args.samples)
+    )
     layers = kfac_jax.scan_layers(loss_fn, params, batch)
     kind = next(f"{s.kind}/{s.approx}" for s in layers if s.param_paths == ("a",))
     state0 = est.init(params)

@@ -71,7 +71,9 @@ def workload_table(name: str, repeats: int, rounds: int) -> None:
   print("|---|---:|---:|---:|---|")
   for r in range(rounds):
     for mode in ("never", "auto"):
-      est = kfac_jax.CurvatureEstimator(wl.loss_fn, batch, factor_solve=mode)
+      est = kfac_jax.CurvatureEstimator(
+        wl.loss_fn, batch, config=kfac_jax.Config(factor_solve=mode)
+      )
       state = est.init(params)
       fold = jax.jit(lambda s, p, b, key: est.update_curvature(s, p, b, key, 0.0))
       state = fold(state, params, batch, jax.random.key(0))

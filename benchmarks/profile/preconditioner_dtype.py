@@ -54,7 +54,9 @@ def main(argv=None) -> int:
   runs = {}
   for dtype in DTYPES:
     est = kfac_jax.CurvatureEstimator(
-      wl.loss_fn, batch, preconditioner_dtype=None if dtype == "float32" else dtype
+      wl.loss_fn,
+      batch,
+      config=kfac_jax.Config(preconditioner_dtype=None if dtype == "float32" else dtype),
     )
     state = est.init(params)
     fold = jax.jit(lambda s, p, b, k, est=est: est.update_curvature(s, p, b, k, 0.0))
