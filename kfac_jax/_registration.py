@@ -138,10 +138,9 @@ class Registration:
   Build one and pass it as `registration=` to every entry point that should agree on the
   layers: `value_and_grad`, `scale_by_kfac`, `kfac`, `Optimizer`, `CurvatureEstimator`,
   `scan_layers`, `summary`, `check_registration`. Those then take `loss_fn`, `example_batch`,
-  `has_aux`, `estimation_mode`, `num_samples`, `layers` and `strict` from it (passing one of
-  them with another value than the registration's is an error). Without it, each entry point
-  builds its own, from its own arguments, as before: equal arguments give equal
-  registrations.
+  `has_aux`, `estimation_mode`, `num_samples`, `layers` and `strict` from it (a `Config`
+  with another value than the registration's is an error). Without it, each entry point
+  builds its own from its arguments: equal arguments give equal registrations.
 
   The object is immutable; scanning happens here, not in every jit trace.
 
@@ -482,7 +481,7 @@ def estimator_settings(
   has_aux, estimation_mode, num_samples, strict, layers, *, prefix=""
 ) -> dict[str, tuple[str, Any, Any]]:
   """The `settings` table of `resolve` for an entry point's estimator arguments (`prefix`:
-  how the error names them, e.g. "config." for the Optimizer's `OptimizerConfig` fields)."""
+  how the error names them, e.g. "config." for `Config` fields)."""
   return {
     "has_aux": ("has_aux", has_aux, False),
     f"{prefix}estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
