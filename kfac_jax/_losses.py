@@ -98,7 +98,7 @@ def categorical_inverse_cdf(p: Array, u: Array) -> Array:
   width = categorical_block_width(v)
   blocks = -(-v // width)
   pad = [(0, 0)] * (p.ndim - 1) + [(0, blocks * width - v)]
-  pb = jnp.pad(p, pad).reshape((1,) + p.shape[:-1] + (blocks, width))  # [1, ..., blocks, width]
+  pb = jnp.pad(p, pad).reshape(p.shape[:-1] + (blocks, width))[None]  # [1, ..., blocks, width]
   mass = jnp.sum(pb, axis=-1)  # [1, ..., blocks]
   cdf = jnp.cumsum(mass, axis=-1)
   j = _first_above(cdf, u[..., 0] * cdf[..., -1], mass)  # [S, ...]
@@ -117,9 +117,9 @@ def _sample(spec: LossSpec, z: Array, rng: Array, num_samples: int) -> Array:
     labels = categorical_inverse_cdf(jax.nn.softmax(z, axis=-1), u)
     return jax.nn.one_hot(labels, z.shape[-1], dtype=z.dtype)
   if spec.kind == "bernoulli":
-    return jax.random.bernoulli(rng, jax.nn.sigmoid(z), shape).astype(z.dtype)
+    return jax.random.bernoulli(rng, jax.nn.sigmoid(z)[None], shape).astype(z.dtype)
   if spec.kind == "normal":
-    return z + jnp.sqrt(spec.var).astype(z.dtype) * jax.random.normal(rng, shape, z.dtype)
+    return z[None] + jnp.sqrt(spec.var).astype(z.dtype) * jax.random.normal(rng, shape, z.dtype)
   raise ValueError(f"unknown loss kind {spec.kind!r}")
 
 
