@@ -125,15 +125,7 @@ class CurvatureEstimator:
       ),
       "the caller chooses the damping and the update",
     )
-    settings = _registration.estimator_settings(
-      config.has_aux,
-      config.estimation_mode,
-      config.num_samples,
-      config.strict,
-      config.layers,
-      prefix="config.",
-    )
-    reg = _registration.resolve(registration, loss_fn, example_batch, who, settings)
+    reg = _fronts.resolve(registration, loss_fn, example_batch, config, who)
     if reg is None:
       _curvature.LossPart(loss_fn, config.has_aux)  # Checks `loss_fn` now.
     for flag in ("compute_cholesky", "compute_cholesky_inverse", "compute_params_stats"):

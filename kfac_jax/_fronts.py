@@ -71,9 +71,8 @@ class Source:
     return self._built[key]
 
 
-def for_front(loss_fn, example_batch, registration, config, who: str) -> Source:
-  """The estimator `Source` of a transform or the Optimizer (checks `registration` against
-  `config`)."""
+def resolve(registration, loss_fn, example_batch, config, who: str):
+  """`registration` checked against `config`'s registration fields (None without one)."""
   settings = _registration.estimator_settings(
     config.has_aux,
     config.estimation_mode,
@@ -82,7 +81,13 @@ def for_front(loss_fn, example_batch, registration, config, who: str) -> Source:
     config.layers,
     prefix="config.",
   )
-  reg = _registration.resolve(registration, loss_fn, example_batch, who, settings)
+  return _registration.resolve(registration, loss_fn, example_batch, who, settings)
+
+
+def for_front(loss_fn, example_batch, registration, config, who: str) -> Source:
+  """The estimator `Source` of a transform or the Optimizer (checks `registration` against
+  `config`)."""
+  reg = resolve(registration, loss_fn, example_batch, config, who)
   if reg is None:
     if loss_fn is None:
       raise TypeError(
