@@ -342,7 +342,7 @@ def test_a_share_of_the_parameters_under_multi_transform(kind):
     p, state, u = step(p, state, jax.random.key(i))
     p_ref, s_whole, s_adam, u_ref = reference(p_ref, s_whole, s_adam, jax.random.key(i))
     for a, b in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(u_ref)):
-      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32, two programs.
   assert float(loss_fn(p, batch)) < float(loss_fn(params, batch))
 
 
