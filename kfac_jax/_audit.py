@@ -208,11 +208,8 @@ def _fit(a, b):
 def loss_factor(numbers) -> float | None:
   """The returned loss over the tagged loss, `c` (`L ≈ c T`), from `measure`'s numbers: the mean
   of the tags' fitted factors, or None when no tag has a positive one."""
-  cs = []
-  for entry in numbers:
-    fit = None if entry is None else _fit(entry[1], entry[2])
-    if fit is not None and np.isfinite(fit[0]) and fit[0] > 0:
-      cs.append(fit[0])
+  fits = [_fit(entry[1], entry[2]) for entry in numbers if entry is not None]
+  cs = [fit[0] for fit in fits if fit is not None and np.isfinite(fit[0]) and fit[0] > 0]
   return float(np.mean(cs)) if cs else None
 
 

@@ -32,8 +32,6 @@ _TRANSPARENT_KINDS = {
 }
 
 
-# Set (by `pull_back_convs_canonically`) while tracing a pass that is only pulled back, never
-# pushed forward: the curvature statistics of `CurvatureEstimator.curvature_stats`.
 _CANONICAL_CONV_PULL_BACK: contextvars.ContextVar[bool] = contextvars.ContextVar(
   "kfac_jax_canonical_conv_pull_back", default=False
 )

@@ -89,8 +89,7 @@ def mismatch_message(got: StatsKey, want: StatsKey, who: str) -> str:
       f"{want.mode_text()}."
     )
   if got.layers != want.layers:
-    names_got = [e[0] for e in got.layers]
-    names_want = [e[0] for e in want.layers]
+    names_got, names_want = [e[0] for e in got.layers], [e[0] for e in want.layers]
     only_got = [_layer_text(e) for e in got.layers if e not in want.layers]
     only_want = [_layer_text(e) for e in want.layers if e not in got.layers]
     parts.append(
@@ -452,12 +451,11 @@ def resolve(
     )
   for name, (attr, value, default) in settings.items():
     have = getattr(registration, attr)
-    if value is default or value == default or value == have:
-      continue
-    raise ValueError(
-      f"{who}: `{name}`={value!r} differs from the registration's {have!r}. Leave `{name}` "
-      "out (the registration's applies), or build the registration with it."
-    )
+    if not (value is default or value == default or value == have):
+      raise ValueError(
+        f"{who}: `{name}`={value!r} differs from the registration's {have!r}. Leave `{name}` "
+        "out (the registration's applies), or build the registration with it."
+      )
   return registration
 
 

@@ -105,8 +105,7 @@ def summary(
     specs = _scan(
       loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False, layers=layers
     ).layers
-    config = _blocks.BlockConfig()
-    blocks = [_blocks.make_block(s, config) for s in specs]
+    blocks = [_blocks.make_block(s, _blocks.BlockConfig()) for s in specs]
   table = format_table(_display_names(specs), blocks)
   return table + "\n\n" + coverage_report(specs, blocks, params)
 
