@@ -126,7 +126,7 @@ def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int, A
     b = jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :])
     return loss_fn(p, b)
 
-  closed, out_shape = _compat.make_jaxpr(flat_fn, *leaves, *batch_leaves)
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
   return closed, len(leaves), out_shape
 
 
