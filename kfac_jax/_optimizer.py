@@ -511,9 +511,8 @@ class Optimizer:
       )
       quad = _engine.tree_vdot(delta, f_delta).astype(dtype)
       alpha = kl_clip(alpha, quad, jnp.asarray(self.norm_constraint, dtype))
-    fixed = alpha is not None and mu is not None
-    change = jnp.full([], jnp.nan, dtype)
-    if not fixed:
+    change, fixed = jnp.full([], jnp.nan, dtype), alpha is not None and mu is not None
+    if alpha is None or mu is None:
       shift = lam + self.l2_reg
       alpha, mu, change = quadratic_model(
         fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name
