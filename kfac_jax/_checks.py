@@ -59,15 +59,10 @@ def number(
   """A finite real scalar in the interval (or, with `schedule`, a callable `count -> value`)."""
   if schedule and callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
     return
-  lo = ("(" if low_open else "[") + f"{low:g}"
-  hi = f"{high:g}" + (")" if high_open else "]")
-  if low == 0 and low_open and high == math.inf:
-    expected = "a finite number > 0"
-  elif low == 0 and high == math.inf:
-    expected = "a finite number >= 0"
-  elif low == -math.inf and high == math.inf:
-    expected = "a finite number"
+  if high == math.inf and low in (0, -math.inf):
+    expected = "a finite number" + ("" if low else " > 0" if low_open else " >= 0")
   else:
+    lo, hi = ("(" if low_open else "[") + f"{low:g}", f"{high:g}" + (")" if high_open else "]")
     expected = f"a number in {lo}, {hi}"
   if schedule:
     expected += " or a schedule `count -> value`"

@@ -107,17 +107,15 @@ class Config:
     check_loss: audit the loss tags against the returned loss when the layers are found (see
       `kfac_jax.Registration`); False for a loss that differs from its tags on purpose.
     damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
-    factor_solve: "auto", "always" or "never": whether a Kronecker factor's damped inverse is
-      kept as an explicit matrix or as its Cholesky factor in blocks for block substitution
-      ("auto": the substitution form for a factor of size n ≥ 256 whose products have at most
-      n/8 columns, a classifier head's input). The updates are the same up to rounding.
+    factor_solve: "auto", "always" or "never": keep a Kronecker factor's damped inverse as its
+      Cholesky factor in blocks for block substitution instead of an explicit matrix ("auto":
+      for a factor of size n ≥ 256 whose products have at most n/8 columns).
     stats_dtype: dtype of the stored statistics: None (float32, float64 under x64), "float32",
       "float64", "bfloat16" or "float16"; they are accumulated in at least float32.
     inverse_dtype: dtype of the inverses, the products with them and the Optimizer's
       quadratic model: None (float32, float64 under x64), "float32" or "float64".
-    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the Kronecker factors'
-      inverses are stored in it once computed, and the preconditioning products take their
-      inputs in it with `inverse_dtype` accumulation (half the inverses' memory).
+    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": store the Kronecker factors'
+      inverses in it, the products accumulating in `inverse_dtype` (half the memory).
     statistics_fraction: when a transform computes the statistics from `batch=`, the fraction f
       in (0, 1] of the batch's N rows they come from: r = ⌈f·N⌉ rows, evenly spaced
       (`x[:r*s:s]` along every leaf's leading axis, s = ⌊N/r⌋), normalised by their own count
@@ -126,8 +124,8 @@ class Config:
       row; None or 1: every row; an explicit f raises where "auto" falls back. A Python
       number. `curvature_stats=` are used as they come; the `Optimizer` refuses f < 1 (its
       statistics come from its one forward pass over the whole batch).
-    burn_in_steps: the first this many steps only fold curvature statistics (every step), with
-      no inverse refresh and zero updates; schedules still count them.
+    burn_in_steps: the first this many steps only fold statistics (zero updates, no inverse
+      refresh); schedules still count them.
     inverse_storage: "replicated" (default; every device keeps every inverse, the work is
       split over the devices of `axis_name` or `mesh` and the results summed) or "sharded"
       (KAISA's memory-optimised strategy: each device keeps, refreshes and applies only its

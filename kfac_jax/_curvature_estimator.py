@@ -54,12 +54,8 @@ class CurvatureEstimator:
   Fisher for the tags' canonical-link losses. The random modes need an `rng`.
 
   Statistics are accumulated in at least float32 and stored in `config.stats_dtype`;
-  preconditioned vectors come back in their own dtype. With
-  `config.preconditioner_dtype="bfloat16"` the cached inverses of Kronecker factors and full
-  blocks are stored in bfloat16 (the other caches stay in `inverse_dtype`) and the products
-  round the vector to it with `inverse_dtype` accumulation. With
-  `config.inverse_storage="sharded"` each device stores, updates and applies only its share of
-  the blocks (balanced by refresh cost), the products summed over the axis: every state method
+  preconditioned vectors come back in their own dtype. With `config.inverse_storage="sharded"`
+  each device stores, updates and applies only its share of the blocks: every state method
   then needs `axis_name=` (inside pmap / shard_map, `init` too) or `mesh=(mesh, axis)`.
 
   Raises:

@@ -48,7 +48,7 @@ class EstimatorState(NamedTuple):
       `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`; shapes in
       `kfac_jax.blocks._state`).
     cache: per block name, the block kind's cache type: powers / decompositions and the
-      damping `[]` they were built with. With sharded storage, both are `ShardedCache`s holding
+      damping `[]` they were built with. With sharded storage, both are `ShardedCache` objects holding
       only this device's blocks.
     ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
     skipped_batches: `[]` int32, statistics updates skipped because the batch's statistics
@@ -219,9 +219,8 @@ class Estimator:
     # Tested in `stats_dtype`, so a statistic that overflows it (float16) skips the batch too.
     stored = self.config.stats_dtype
     ok = _storage.all_finite(jax.tree_util.tree_map(lambda x: x.astype(stored), new))
-    # A select on the scalar flag (`lax.cond`) rather than an elementwise `where` over every
-    # factor: the same result at half the compile time. The average is computed inside the
-    # taken branch, so it writes straight into the new state's buffers.
+    # A cond on the scalar flag, not a `where` over every factor: the average is computed in
+    # the taken branch, straight into the new state's buffers.
     factors, weight = jax.lax.cond(
       ok,
       lambda: (

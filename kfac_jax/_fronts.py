@@ -24,10 +24,10 @@ class Source:
   error names the first leaf that differs).
 
   Attributes:
-    make: `registration -> Estimator` (the blocks' numerics, storage, error prefix).
-    loss_fn, example_batch: scanned with the first params (without `registration`).
-    settings: the `Registration` keyword arguments for `loss_fn`.
-    registration: given instead of `loss_fn` (checked by `_registration.resolve`), or None.
+    make: `registration -> Estimator`.
+    loss_fn, example_batch, settings: scanned with the first params (`settings`: the
+      `Registration` keyword arguments), without `registration`.
+    registration: given instead of `loss_fn`, or None.
   """
 
   make: Callable[[_registration.Registration], Estimator]

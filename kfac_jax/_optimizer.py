@@ -75,8 +75,8 @@ class OptimizerState(NamedTuple):
   """State of `Optimizer`.
 
   Attributes:
-    step: `[]` int32, steps taken (burn-in included, skipped steps not): the burn-in and the
-      statistics' and inverses' periods count it; schedules get `step + skipped`.
+    step: `[]` int32, steps taken (burn-in included, skipped steps not); schedules get
+      `step + skipped`.
     skipped: `[]` int32, steps skipped because the loss, gradient or update was not finite.
     curvature: the estimator's factors, inverses and EMA weight.
     damping: `[]` float, λ: the adapted value with adaptive damping, else the last one used.
@@ -113,18 +113,10 @@ def adapt_damping(
 def solve_quadratic_model(
   c: Array, b: Array, learning_rate: Array | None = None, momentum: Array | None = None
 ) -> tuple[Array, Array, Array]:
-  """Minimises `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)`, some coordinates possibly fixed.
-
-  Args:
-    c: `[2, 2]` symmetric, `C_ij = v_iᵀ (G + (λ+η) I) v_j` for `(v_1, v_2) = (Δ, δ_prev)`.
-    b: `[2]`, `b_i = ∇hᵀ v_i`.
-    learning_rate: a fixed α, or None to choose it.
-    momentum: a fixed μ, or None to choose it.
-
-  Returns:
-    `(α, μ, M(α, μ))`. The joint solve falls back to the 1-D solve (`μ = 0`) when `δ_prev = 0`
-    or C is singular to working precision; a non-positive curvature along a vector gives a zero
-    coefficient for it.
+  """`(α, μ, M(α, μ))` minimising `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)`, for C `[2, 2]` and
+  b `[2]` (see the module docstring); a fixed `learning_rate` α or `momentum` μ is kept. The
+  joint solve falls back to the 1-D one (`μ = 0`) when C is singular to working precision; a
+  non-positive curvature along a vector gives it a zero coefficient.
   """
   c00, c01, c11 = c[0, 0], c[0, 1], c[1, 1]
   b0, b1 = b[0], b[1]
@@ -274,13 +266,12 @@ class Optimizer:
   `init` and `step` are pure functions: jit (or pmap / shard_map with `axis_name`) them yourself.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
-      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
+    loss_fn: `loss_fn(params, batch) -> scalar` (or `(scalar, aux)` with `config.has_aux`),
+      with a loss tag on the model output.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
     momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule.
-    damping: λ ≥ 0: the initial value with adaptive damping; otherwise a number or a schedule
-      (1e-3: only the start of the adaptation; see `kfac_jax.Config` for the transforms').
+    damping: λ ≥ 0: the initial value with adaptive damping, otherwise a number or a schedule.
     use_adaptive_damping: adapt λ by the Levenberg–Marquardt rule (module docstring).
     l2_reg: η ≥ 0: `h = L + (η/2)‖θ‖²`; η is added to the gradient, to the damping of the
       preconditioner and to the quadratic model.
@@ -289,8 +280,7 @@ class Optimizer:
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
     curvature_every: update the curvature statistics every this many steps (and every burn-in
       step).
-    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`; the
-      config's registration fields must then agree with it.
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`.
     axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over,
       and to split the inverse work over.
     config: a `kfac_jax.Config` with the rarer knobs, shared with the transforms, and the

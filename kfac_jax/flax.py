@@ -53,8 +53,7 @@ class TrainState(_train_state.TrainState):
       The state with `step + 1`, updated `params` and `opt_state`, and `kwargs` replaced.
 
     Raises:
-      ValueError: `grads` holds Flax's `overwrite_with_gradient` collection, which this
-        class does not handle.
+      ValueError: `grads` holds Flax's `overwrite_with_gradient` collection.
     """
     if isinstance(grads, Mapping) and _train_state.OVERWRITE_WITH_GRADIENT in grads:
       raise ValueError(
