@@ -48,8 +48,8 @@ class EstimatorState(NamedTuple):
       `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`; shapes in
       `kfac_jax.blocks._state`).
     cache: per block name, the block kind's cache type: powers / decompositions and the
-      damping `[]` they were built with. With sharded storage, both are `ShardedCache` objects holding
-      only this device's blocks.
+      damping `[]` they were built with. With sharded storage, both are `ShardedCache`
+      objects holding only this device's blocks.
     ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
     skipped_batches: `[]` int32, statistics updates skipped because the batch's statistics
       were not finite (the factors were left as they were).
