@@ -12,11 +12,9 @@ forward pass, inverses with damping `λ + η` on due steps, the guard), takes th
 (the 1-D solve `α = −b_1 / C_11, μ = 0` when δ_prev = 0 or C is singular); a fixed α or μ is
 kept and the other minimises M along its vector; `J v_i` are push-forwards through the step's
 own linearisation. Every `damping_adaptation_interval` steps, Levenberg–Marquardt with
-`ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass; −∞ when h(θ + δ) is not finite or
-M(δ) > 0, NaN, no change, when M(δ) = 0): `λ ← ω λ` if ρ > 3/4, `λ ← λ / ω` if ρ < 1/4, ω
-`damping_adaptation_decay` to the power of the interval, clipped to `[min_damping,
-max_damping]`. With a fixed learning rate, `norm_constraint=c` rescales α so that
-`α² Δᵀ F̂_λ Δ ≤ c` (Ba et al. 2017).
+`ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass; `reduction_ratio`) adapts λ
+(`adapt_damping`, ω `damping_adaptation_decay` to the power of the interval). With a fixed
+learning rate, `norm_constraint=c` rescales α so that `α² Δᵀ F̂_λ Δ ≤ c` (Ba et al. 2017).
 """
 
 from __future__ import annotations

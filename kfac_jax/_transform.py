@@ -1,14 +1,12 @@
 """K-FAC as optax gradient transformations.
 
 `scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates); `kfac` chains it with
-K-FAC norm clipping, `optax.trace` momentum and the learning rate under a guard wrapper. All
-curvature state is in the optax state and the step (`kfac_jax._engine.step`) runs inside the
-caller's `jit` / `pmap`, without host syncs.
+K-FAC norm clipping, `optax.trace` momentum and the learning rate under a guard wrapper. The
+step (`kfac_jax._engine.step`) runs inside the caller's `jit` / `pmap`, without host syncs.
 
 With `Config.skip_nonfinite` (the default) a non-finite gradient, batch statistics or
 preconditioned update gives zero updates and leaves the state as it was but for the `skipped`
-counters; `kfac`'s guard also requires finite hyperparameters and keeps the momentum trace. The
-curvature moves only on finite inputs, so no guard ever restores the factors.
+counters; `kfac`'s guard also requires finite hyperparameters and keeps the momentum trace.
 """
 
 from __future__ import annotations
