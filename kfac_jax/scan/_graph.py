@@ -187,7 +187,7 @@ class FlatGraph:
     dep: set[Key] = set(invars[:n_params])
     pview: set[Key] = set(dep)  # Parameters and their views (slices, casts, reshapes).
     regions: list[tuple[int, int, Mapping[str, Any]]] = []
-    scans: list[tuple[Any, ...]] = []
+    scans: list[tuple[tuple, int, int, bool, int, int]] = []  # As `_scan_group` reads them.
     remat_depth = [0]
 
     def record(fe: FlatEqn) -> None:
