@@ -133,30 +133,7 @@ def build(
   for view in virtual.values():
     paths.append(_concat_path([paths[j] for j in view.leaves]))
     shapes.append(view.shape)
-  # Real uses (equation, operand, leaf): every operand on the loss slice that is a parameter view,
-  # outside views and tags.
-  found = [
-    (i, pos, origin[a][0])
-    for i in sorted(in_slice - view_eqns - set(concat_eqns))
-    if not is_view(graph.eqns[i]) and graph.eqns[i].eqn.primitive is not _tags.layer_tag_p
-    for pos, a in enumerate(graph.eqns[i].ins)
-    if _graph.is_key(a) and a in origin
-  ]
-  # A concatenation is one leaf only if its pieces have no other real use; otherwise it is
-  # blocked, and a use of each of its pieces (a generic fallback).
-  used = {leaf for _, _, leaf in found}
-  owners = collections.Counter(j for view in virtual.values() for j in view.leaves)
-  blocked = frozenset(
-    v for v, view in virtual.items() if any(j in used or owners[j] > 1 for j in view.leaves)
-  )
-  for i, v in concat_eqns.items():
-    if v in blocked and i in in_slice:
-      found.extend((i, pos, j) for pos, j in enumerate(virtual[v].leaves))
-  uses: dict[int, list[tuple[int, int]]] = {}
-  uses_by_eqn: dict[int, list[tuple[int, int]]] = {}
-  for i, pos, leaf in found:
-    uses.setdefault(leaf, []).append((i, pos))
-    uses_by_eqn.setdefault(i, []).append((leaf, pos))
+  uses, uses_by_eqn, blocked = _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns)
   consumers: dict[Any, list[tuple[int, int]]] = {}
   for i in sorted(in_slice):
     for pos, a in enumerate(graph.eqns[i].ins):
@@ -186,6 +163,34 @@ def build(
     param_only=_param_only(graph, leaf_of_key, consts, batch_size),
     batch_axes=proxy(_batch_axes.batch_axes(graph, n_params, batch_size, loss_roots)),
   )
+
+
+def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
+  """`(uses, uses_by_eqn, blocked_virtual)`: the real uses of each leaf on the loss slice (the
+  operands that are parameter views, outside views and tags), by leaf and by equation. A
+  concatenation is one leaf only if its pieces have no other real use; otherwise it is blocked,
+  and a use of each of its pieces (a generic fallback)."""
+  found = [
+    (i, pos, origin[a][0])
+    for i in sorted(in_slice - view_eqns - set(concat_eqns))
+    if not is_view(graph.eqns[i]) and graph.eqns[i].eqn.primitive is not _tags.layer_tag_p
+    for pos, a in enumerate(graph.eqns[i].ins)
+    if _graph.is_key(a) and a in origin
+  ]
+  used = {leaf for _, _, leaf in found}
+  owners = collections.Counter(j for view in virtual.values() for j in view.leaves)
+  blocked = frozenset(
+    v for v, view in virtual.items() if any(j in used or owners[j] > 1 for j in view.leaves)
+  )
+  for i, v in concat_eqns.items():
+    if v in blocked and i in in_slice:
+      found.extend((i, pos, j) for pos, j in enumerate(virtual[v].leaves))
+  uses: dict[int, list[tuple[int, int]]] = {}
+  uses_by_eqn: dict[int, list[tuple[int, int]]] = {}
+  for i, pos, leaf in found:
+    uses.setdefault(leaf, []).append((i, pos))
+    uses_by_eqn.setdefault(i, []).append((leaf, pos))
+  return uses, uses_by_eqn, blocked
 
 
 def _loss_slice(graph, roots) -> tuple[set[int], set[int]]:
