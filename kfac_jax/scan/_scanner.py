@@ -114,7 +114,7 @@ def scan(
     p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
     return loss_fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
 
-  closed, out_shape = _compat.make_jaxpr(flat_fn, *leaves, *batch_leaves)
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
   if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
     raise RegistrationError(
