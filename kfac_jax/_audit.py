@@ -148,7 +148,7 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   flat = jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(batch)
 
   # Scans run as scans unless a tag's operand is made inside one (then step by step).
-  in_scan = getattr(graph, "_scan_positions", {})
+  in_scan = graph.scan_positions
   unroll = any(k in in_scan for k in watch)
 
   def run(flat, probes):

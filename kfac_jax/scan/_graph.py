@@ -309,7 +309,7 @@ class FlatGraph:
     return [_read_atom(a, env) for a in self.outvars], seen
 
   @functools.cached_property
-  def _scan_positions(self) -> dict[Key, tuple[int, int, int]]:
+  def scan_positions(self) -> dict[Key, tuple[int, int, int]]:
     """Key → (scan group, step, position) for every value computed in a group's steps."""
     out = {}
     for n, grp in enumerate(self.scans):
@@ -321,7 +321,7 @@ class FlatGraph:
   def scan_stacked(self, keys: Sequence[Atom]) -> bool:
     """Whether `keys` are one position of every step of one scan, in execution order: then the
     tuple can be watched and perturbed as one stacked `[T, ...]` value (see `evaluate`)."""
-    found = [self._scan_positions.get(k) if is_key(k) else None for k in keys]
+    found = [self.scan_positions.get(k) if is_key(k) else None for k in keys]
     if not found or any(f is None for f in found):
       return False
     n, _, p = cast(tuple[int, int, int], found[0])  # not None: checked above
