@@ -47,6 +47,13 @@ from kfac_jax import _parallel  # noqa: E402
 from kfac_jax.blocks import _blocked  # noqa: E402
 
 
+def busiest_share(costs, shares) -> float:
+  """The busiest device's cost over the mean device's: 1 is perfect balance."""
+  loads = [sum(costs[i] for i in s) for s in shares]
+  mean = sum(loads) / len(loads)
+  return max(loads) / mean if mean else 1.0
+
+
 def _dense(n_in: int, n_out: int, bias: bool, block: int):
   def side(n, has_bias):
     part = _blocked.partition(n, has_bias, block)
@@ -88,9 +95,7 @@ def transformer_table(num_devices: int = 8) -> None:
     ("factors and caches by cost, bytes capped (now)", by_cost, False),
   )
   for label, shares, rep in rows:
-    print(
-      f"| {label} | {_parallel.busiest_share(costs, shares):.3f} | {held(shares, rep) / gib:.3f} |"
-    )
+    print(f"| {label} | {busiest_share(costs, shares):.3f} | {held(shares, rep) / gib:.3f} |")
   print()
 
 
@@ -108,6 +113,9 @@ def main() -> int:
   state_bytes = sum(nbytes)
   factor_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state.factors))
   cache_shapes = [b.cache_shapes() for b in est.blocks]
+  cache_bytes = [
+    sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(c)) for c in cache_shapes
+  ]
   sharded = kfac_jax.CurvatureEstimator(
     loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded")
   )
@@ -140,13 +148,10 @@ def main() -> int:
       )
       for k in range(d)
     )
-    before = _parallel.packed_layout(cache_shapes, d)  # Caches placed by bytes.
-    old_bytes = factor_bytes + before.device_bytes()
+    before = _parallel.packed_layout(cache_shapes, _parallel.assign(cache_bytes, d))  # By bytes.
+    old_bytes = factor_bytes + sum(n * np.dtype(t).itemsize for t, n in before.lengths)
     now = sharded.estimator.storage.layouts(sharded.blocks, d)[1].shares
-    balance = (
-      f"{_parallel.busiest_share(costs, before.shares):.3f} | "
-      f"{_parallel.busiest_share(costs, now):.3f}"
-    )
+    balance = f"{busiest_share(costs, before.shares):.3f} | {busiest_share(costs, now):.3f}"
     mib = f"{state_bytes / 2**20:.1f} | {old_bytes / 2**20:.1f} | {sharded_bytes / 2**20:.1f}"
     if memory_only:
       print(f"| {d} | - | {balance} | {mib} |")

@@ -1,29 +1,15 @@
-"""The loss audit: do the loss tags describe the loss that `loss_fn` returns?
+"""The loss audit: do the loss tags describe the loss `L` that `loss_fn` returns?
 
-K-FAC's curvature is that of the *tagged* loss `T = Σ_t (1/N) Σ_n w ℓ_t(z_t, y_t)` (one term per
-loss tag, `z_t` its prediction), not of the returned loss `L`. When `L` is another function of
-the predictions (a squared-error tag on the logits of a cross-entropy, a tag on a hidden
-activation, a mask the tag lacks), the optimizer preconditions with the curvature of another
-loss than the one trained. A `Registration` audits the tags once, on the example batch:
+K-FAC's curvature is that of the *tagged* loss `T = Σ_t (1/N) Σ_n w ℓ_t(z_t, y_t)`, not of `L`.
+A `Registration` audits the tags once, on the example batch (`check_loss=False` skips it):
 
-  * structure (always, also for abstract params): two tags on one prediction (its curvature
-    would be counted twice) and a tag whose prediction the returned loss does not depend on are
-    a `RegistrationError` naming the tags.
-  * numbers (when params and the example batch are concrete arrays): with `ε_t` added where
-    `z_t` is computed (so every use of `z_t` sees it), the curvature `∂²L/∂ε² v` is compared
-    with the tags' `H_z T v` (`_losses.output_curvature_product`) for a fixed random probe `v`,
-    and, in the "empirical" mode (the only one that reads the tags' targets), the gradient
-    `∂L/∂ε` with `∇_z T` (`_losses.output_gradient`). Each tag's pair must be parallel with a
-    positive factor `c_t`, fitted by least squares (so a mean against a sum, `c = 1/N`, is
-    fine), and the factors of several tags must agree. A relative residual
-    `‖a − c b‖ / ‖a‖` above the tolerance is a `LossMismatchWarning` (a `RegistrationError`
-    with `strict=True`): a measurement at one point, which losses that differ on purpose (a
-    small z-loss, an entropy bonus) fail without being wrong to train with, so it warns rather
-    than stops.
-
-Regularisers on the parameters (L2) and auxiliary losses through untagged outputs do not touch
-the compared quantities; only the tagged predictions' derivatives are compared.
-`Registration(..., check_loss=False)` skips the audit.
+  * structure: two tags on one prediction, or a tag `L` does not depend on, is a
+    `RegistrationError`.
+  * numbers (concrete params and batch): with `ε_t` added to each prediction `z_t`, `∂²L/∂ε² v`
+    (a fixed random probe `v`) must be `c_t H_z T v` and, in the "empirical" mode, `∂L/∂ε` must be
+    `c_t ∇_z T`, with one positive least-squares factor `c` for every tag (a mean against a sum
+    is fine). A relative residual above the tolerance is a `LossMismatchWarning` (an error with
+    `strict`): a measurement at one point, which a loss that differs on purpose fails.
 """
 
 from __future__ import annotations
@@ -38,6 +24,7 @@ import numpy as np
 
 from kfac_jax import _compat, _losses, _tags
 from kfac_jax import scan as _scan
+from kfac_jax._curvature import read_atom
 from kfac_jax._specs import RegistrationError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -129,16 +116,14 @@ def _reaches(graph: _scan.FlatGraph, start, target) -> bool:
 
 
 def _concrete(*trees) -> bool:
-  for x in jax.tree_util.tree_leaves(trees):
-    if isinstance(x, jax.core.Tracer):
-      return False
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
-      return False
-  return True
+  ok = (jax.Array, np.ndarray, np.generic, int, float, bool)
+  leaves = jax.tree_util.tree_leaves(trees)
+  return all(isinstance(x, ok) and not isinstance(x, jax.core.Tracer) for x in leaves)
 
 
-def _read(atom, seen):
-  return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
+def has_tracer_consts(scan: _scan.ScanResult) -> bool:
+  """Whether the traced `loss_fn` closes over values of an enclosing trace."""
+  return any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts)
 
 
 def measure(scan, params, batch, axis_names: Sequence[str] = ()):
@@ -163,13 +148,13 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   flat = jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(batch)
 
   # Scans run as scans unless a tag's operand is made inside one (then step by step).
-  in_scan = getattr(graph, "_scan_positions", {})
+  in_scan = graph.scan_positions
   unroll = any(k in in_scan for k in watch)
 
   def run(flat, probes):
     def loss_at(eps):
       outs, seen = graph.evaluate(flat, dict(zip(keys, eps)), watch, unroll=unroll)
-      ops = [tuple(_read(a, seen) for a in o) for o in scan.loss_operands]
+      ops = [tuple(read_atom(a, seen) for a in o) for o in scan.loss_operands]
       return outs[0], ops
 
     eps0 = [jnp.zeros_like(p) for p in probes]
@@ -223,11 +208,8 @@ def _fit(a, b):
 def loss_factor(numbers) -> float | None:
   """The returned loss over the tagged loss, `c` (`L ≈ c T`), from `measure`'s numbers: the mean
   of the tags' fitted factors, or None when no tag has a positive one."""
-  cs = []
-  for entry in numbers:
-    fit = None if entry is None else _fit(entry[1], entry[2])
-    if fit is not None and np.isfinite(fit[0]) and fit[0] > 0:
-      cs.append(fit[0])
+  fits = [_fit(entry[1], entry[2]) for entry in numbers if entry is not None]
+  cs = [fit[0] for fit in fits if fit is not None and np.isfinite(fit[0]) and fit[0] > 0]
   return float(np.mean(cs)) if cs else None
 
 
@@ -251,37 +233,34 @@ def problems(scan, numbers, estimation_mode: str) -> list[str]:
         f"{names[i]}: the tagged {kind} loss has no curvature at the example batch, but the "
         "returned loss has"
       )
-      continue
-    if np.linalg.norm(h_loss) == 0:
+    elif np.linalg.norm(h_loss) == 0:
       found.append(
         f"{names[i]}: the returned loss has no curvature in this prediction at the example "
         f"batch (its Hessian-vector product is zero), the tagged {kind} loss has"
       )
-      continue
-    if c <= 0:
+    elif c <= 0:
       found.append(
         f"{names[i]}: the returned loss's curvature in this prediction is the tagged {kind} "
         f"loss's times a negative factor ({c:.3g})"
       )
-      continue
-    if r > tol:
+    elif r > tol:
       found.append(
         f"{names[i]}: the returned loss's curvature in this prediction differs from the tagged "
         f"{kind} loss's by a relative {r:.3g} after the best constant factor {c:.3g} "
         f"(tolerance {tol:.3g})"
       )
-      continue
-    factors.append((i, c))
-    if estimation_mode == "empirical" and g_tag is not None:
-      scale = max(np.linalg.norm(g_loss), np.linalg.norm(c * g_tag))
-      rel = float(np.linalg.norm(g_loss - c * g_tag) / scale) if scale > 0 else 0.0
-      if rel > tol:
-        found.append(
-          f"{names[i]}: the returned loss's gradient in this prediction differs from the "
-          f"tagged {kind} loss's (with its targets and weights, times {c:.3g}) by a relative "
-          f"{rel:.3g} (tolerance {tol:.3g}); the empirical Fisher is built from the tag's "
-          "targets: pass the targets the loss uses (smoothed labels, say)"
-        )
+    else:
+      factors.append((i, c))
+      if estimation_mode == "empirical" and g_tag is not None:
+        scale = max(np.linalg.norm(g_loss), np.linalg.norm(c * g_tag))
+        rel = float(np.linalg.norm(g_loss - c * g_tag) / scale) if scale > 0 else 0.0
+        if rel > tol:
+          found.append(
+            f"{names[i]}: the returned loss's gradient in this prediction differs from the "
+            f"tagged {kind} loss's (with its targets and weights, times {c:.3g}) by a relative "
+            f"{rel:.3g} (tolerance {tol:.3g}); the empirical Fisher is built from the tag's "
+            "targets: pass the targets the loss uses (smoothed labels, say)"
+          )
   if len(factors) > 1:
     cs = np.array([c for _, c in factors])
     tol = min(tolerance(_scan.aval_of(scan.loss_operands[i][0]).dtype) for i, _ in factors)
@@ -304,23 +283,17 @@ def audit(
   axis_names: Sequence[str] = (),
   strict: bool = False,
   warn: bool = True,
-) -> tuple[tuple[str, ...], float | None]:
-  """Runs the audit (module docstring) on a fresh scan of the example batch.
+) -> float | None:
+  """Runs the audit (module docstring) on a fresh scan of the example batch; returns the
+  returned loss over the tagged loss (`loss_factor`) when it measured a fit, else None.
 
   Raises:
     RegistrationError: two tags on one prediction, a tag the loss does not depend on, or (with
       `strict`) a measured mismatch.
-
-  Returns:
-    `(mismatches, factor)`: the measured mismatches (warned as one `LossMismatchWarning` with
-    `warn`), empty when the numbers were not measured (abstract params or batch) or fit; and
-    the returned loss over the tagged loss (`loss_factor`) when the numbers fit, else None.
   """
   check_structure(scan)
-  if not (strict or warn) or not _concrete(params, batch):
-    return (), None
-  if any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts):
-    return (), None
+  if not (strict or warn) or not _concrete(params, batch) or has_tracer_consts(scan):
+    return None
   try:
     numbers = measure(scan, params, batch, axis_names)
   except Exception as e:  # noqa: BLE001 - the audit must not stop a loss that trains.
@@ -332,8 +305,8 @@ def audit(
         LossMismatchWarning,
         stacklevel=4,
       )
-    return (), None
-  found = tuple(problems(scan, numbers, estimation_mode))
+    return None
+  found = problems(scan, numbers, estimation_mode)
   if found:
     text = (
       "the loss tags do not describe the loss loss_fn returns, measured on the example batch: "
@@ -345,5 +318,5 @@ def audit(
       raise RegistrationError(text + " (strict=True turns this into an error.)")
     if warn:
       warnings.warn(text, LossMismatchWarning, stacklevel=4)
-    return found, None
-  return found, loss_factor(numbers)
+    return None
+  return loss_factor(numbers)

@@ -1,15 +1,9 @@
 """Saving and restoring optimizer state.
 
-The whole K-FAC state (factors, inverses, counters, and whatever the rest of an `optax.chain`
-keeps) is a pytree of arrays, so any pytree checkpointer stores it: orbax-checkpoint
-(`ocp.StandardCheckpointer().save(path, opt_state)` / `.restore(path, target)`) or
-flax.serialization (`state_to_bytes` / `state_from_bytes` below). Restoring continues a run
-bit-for-bit: nothing lives outside the state.
-
-What a checkpointer does not check is that the restored state belongs to the model: restored
-into a model whose layers changed, a state may have the same structure but other factor shapes,
-or miss blocks. `check_restored_state` compares a restored state with a freshly initialised one
-and names every block that differs.
+The whole K-FAC state is a pytree of arrays, so any pytree checkpointer stores it (orbax, or
+flax.serialization: `state_to_bytes` / `state_from_bytes`), and restoring continues a run
+bit-for-bit. `check_restored_state` checks what a checkpointer does not: that a restored state
+fits the model (every block, factor shape and dtype), naming every block that differs.
 """
 
 from __future__ import annotations
@@ -20,10 +14,7 @@ import jax
 import numpy as np
 
 from kfac_jax._estimator import PER_BLOCK_FIELDS
-
-# The estimator-state fields keyed by block name; under each name sits the block's typed state
-# (`kfac_jax.blocks._state`), whose field names a checkpoint stores (e.g. `cache/<block>/a/chol`).
-_BLOCK_FIELDS = PER_BLOCK_FIELDS
+from kfac_jax._specs import key_name
 
 
 class _Leaf(NamedTuple):
@@ -35,19 +26,10 @@ class _Leaf(NamedTuple):
 
 def _describe(path) -> tuple[str, str | None, str]:
   """`(path string, block name or None, field)` for a leaf path of an optimizer state."""
-  names = []
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      names.append(str(k.key))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      names.append(k.name)
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      names.append(str(k.idx))
-    else:
-      names.append(str(k))
+  names = [key_name(k) for k in path]
   block, field = None, "/".join(names)
   for i, n in enumerate(names[:-1]):
-    if n in _BLOCK_FIELDS:
+    if n in PER_BLOCK_FIELDS:  # Estimator-state fields keyed by block name.
       block, field = names[i + 1], "/".join([n] + names[i + 2 :])
   if block == "buffers":
     block = None  # A ShardedCache (inverse_storage="sharded"): no per-block leaves to name.
@@ -116,10 +98,8 @@ def check_restored_state(expected: Any, restored: Any) -> None:
 def state_to_bytes(state: Any) -> bytes:
   """Serialises an optimizer state with flax.serialization (msgpack).
 
-  The bytes hold every array whole, so each must be readable from this process: in a
-  multi-process run, a state with arrays split over other processes' devices (e.g. the
-  inverses of `inverse_storage="sharded"`) is saved with orbax-checkpoint instead, which
-  writes each process's shards.
+  The bytes hold every array whole: a state with arrays split over other processes' devices
+  (a multi-process run) is saved with orbax-checkpoint instead, which writes each one's shards.
 
   Raises:
     ValueError: naming the first array that spans other processes' devices.

@@ -1,18 +1,13 @@
-"""Argument checks shared by the public constructors.
-
-Every check names the argument, shows the value received and says what is expected, and runs
-before any state exists. Wrong kinds of value (a string, None, a bool where a number is
-expected) raise `TypeError`; a value of the right kind out of range raises `ValueError`.
-
-Traced values (a hyperparameter injected by `optax.inject_hyperparams` and read inside `jit`)
-cannot be inspected and pass unchecked; their concrete initial values were checked when the
-injected transform was created.
+"""Argument checks shared by the public constructors: each names the argument, shows the value
+received and what is expected, before any state exists. A wrong kind of value raises
+`TypeError`, one out of range `ValueError`; traced values (injected hyperparameters) pass
+unchecked, their initial values having been checked when the transform was created.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -64,15 +59,10 @@ def number(
   """A finite real scalar in the interval (or, with `schedule`, a callable `count -> value`)."""
   if schedule and callable(value) and not isinstance(value, (jax.Array, np.ndarray)):
     return
-  lo = ("(" if low_open else "[") + f"{low:g}"
-  hi = f"{high:g}" + (")" if high_open else "]")
-  if low == 0 and low_open and high == math.inf:
-    expected = "a finite number > 0"
-  elif low == 0 and high == math.inf:
-    expected = "a finite number >= 0"
-  elif low == -math.inf and high == math.inf:
-    expected = "a finite number"
+  if high == math.inf and low in (0, -math.inf):
+    expected = "a finite number" + ("" if low else " > 0" if low_open else " >= 0")
   else:
+    lo, hi = ("(" if low_open else "[") + f"{low:g}", f"{high:g}" + (")" if high_open else "]")
     expected = f"a number in {lo}, {hi}"
   if schedule:
     expected += " or a schedule `count -> value`"
@@ -108,33 +98,30 @@ def positive_int(value, name: str) -> None:
     raise ValueError(f"`{name}` must be {expected}, got {_describe(value)}.")
 
 
-def static_int(value, name: str, *, low: int = 1, fix: str = "") -> None:
-  """A Python int >= `low` that fixes array shapes (never traced)."""
-  if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
-    raise TypeError(
-      f"`{name}` fixes array shapes and must be a Python int, got a "
-      f"{type(value).__name__}: {value!r}.{fix}"
-    )
-  if isinstance(value, (float, np.floating)):  # A number, but not an int: a wrong value.
-    raise ValueError(f"`{name}` must be an int >= {low}, got {_describe(value)}.{fix}")
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"`{name}` must be an int >= {low}, got {_describe(value)}.{fix}")
-  if value < low:
-    raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
-
-
-def static_fraction(value, name: str, *, fix: str = "", also: str = "") -> None:
-  """A Python number in (0, 1] that fixes array shapes (never traced). `also` names the other
-  accepted values in the messages (e.g. 'or "auto"')."""
-  what = "a number in (0, 1]" + (f" {also}" if also else "")
+def _static(value, name: str, what: str, kinds: tuple[type, ...]) -> bool:
+  """Raises TypeError unless `value` is a Python (or numpy scalar) number of `kinds`, which
+  fixes array shapes; False for a number of another kind (a wrong value)."""
   if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
     raise TypeError(
       f"`{name}` fixes array shapes and must be a Python number, got a "
-      f"{type(value).__name__}: {value!r}.{fix}"
+      f"{type(value).__name__}: {value!r}."
     )
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-    raise TypeError(f"`{name}` must be {what}, got {_describe(value)}.{fix}")
-  if not (0 < value <= 1):
+    raise TypeError(f"`{name}` must be {what}, got {_describe(value)}.")
+  return isinstance(value, kinds)
+
+
+def static_int(value, name: str, *, low: int = 1) -> None:
+  """A Python int >= `low` that fixes array shapes (never traced)."""
+  what = f"an int >= {low}"
+  if not _static(value, name, what, (int, np.integer)) or value < low:
+    raise ValueError(f"`{name}` must be {what}, got {_describe(value)}.")
+
+
+def static_fraction(value, name: str) -> None:
+  """A Python number in (0, 1] or "auto" (checked by the caller) that fixes array shapes."""
+  what = 'a number in (0, 1] or "auto"'
+  if not _static(value, name, what, (int, float, np.number)) or not (0 < value <= 1):
     raise ValueError(f"`{name}` must be {what}, got {value!r}.")
 
 
@@ -158,6 +145,3 @@ def optional_str(value, name: str) -> None:
 def function(value, name: str) -> None:
   if not callable(value):
     raise TypeError(f"`{name}` must be callable, got {_describe(value)}.")
-
-
-Schedule = Callable[[Any], Any]

@@ -11,62 +11,27 @@ import contextvars
 from typing import Any
 
 import jax
+from jax._src import core as _core
 from jax.extend import core as _jex_core
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad as ad  # Re-exported, as are the names below.
+from jax.interpreters import batching as batching
+from jax.interpreters import mlir as mlir
 
 Primitive = _jex_core.Primitive
 ClosedJaxpr = _jex_core.ClosedJaxpr
-Jaxpr = _jex_core.Jaxpr
 JaxprEqn = _jex_core.JaxprEqn
 Literal = _jex_core.Literal
-Var = _jex_core.Var
-DropVar = _jex_core.DropVar
-
-# Symbolic zero tangents; pass-through JVP rules hand them on untouched.
-Zero = ad.Zero
-
-__all__ = [
-  "ClosedJaxpr",
-  "DropVar",
-  "Jaxpr",
-  "JaxprEqn",
-  "Literal",
-  "Primitive",
-  "Var",
-  "Zero",
-  "ad",
-  "axis_env",
-  "axis_env_key",
-  "batching",
-  "bind_eqn",
-  "call_jaxpr_of",
-  "mlir",
-  "remat_options",
-  "transparent_jaxpr_of",
-]
 
 # Primitives that only call a closed sub-jaxpr with the same inputs and outputs (nested `jax.jit`,
-# `closed_call`). The scanner and the tapped interpreter inline them; their semantics do not change.
+# `closed_call`), which the scanner inlines; and those that evaluate a sub-jaxpr under a
+# differentiation rule of their own: rematerialisation and custom derivatives.
 _INLINE_CALL_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_TRANSPARENT_KINDS = {
+  **dict.fromkeys(("checkpoint", "remat", "remat2"), "remat"),
+  **dict.fromkeys(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"), "custom"),
+}
 
 
-def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
-  """The keyword arguments with which `eqn.primitive.bind` re-creates `eqn`.
-
-  `Primitive.get_bind_params` returned `(subfuns, params)` before jax 0.9.2 and returns only
-  `params` since; both forms are accepted here.
-  """
-  out = eqn.primitive.get_bind_params(eqn.params)
-  if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-    subfuns, params = out
-    if subfuns:  # Old-style call primitives; never produced by the versions we support.
-      raise NotImplementedError(f"cannot re-bind {eqn.primitive.name} with sub-functions")
-    return params
-  return out
-
-
-# Set (by `pull_back_convs_canonically`) while tracing a pass that is only pulled back, never
-# pushed forward: the curvature statistics of `CurvatureEstimator.curvature_stats`.
 _CANONICAL_CONV_PULL_BACK: contextvars.ContextVar[bool] = contextvars.ContextVar(
   "kfac_jax_canonical_conv_pull_back", default=False
 )
@@ -75,9 +40,7 @@ _CANONICAL_CONV_PULL_BACK: contextvars.ContextVar[bool] = contextvars.ContextVar
 @contextlib.contextmanager
 def pull_back_convs_canonically():
   """Within this block, `bind_eqn` evaluates convolutions through
-  `_conv_input_transpose_canonical` (the same values; a pull-back that stays fast inside
-  `lax.cond` on CPU, a push-forward that does not: use it for passes that are only pulled
-  back)."""
+  `_conv_input_transpose_canonical`: for passes that are only pulled back."""
   token = _CANONICAL_CONV_PULL_BACK.set(True)
   try:
     yield
@@ -86,11 +49,8 @@ def pull_back_convs_canonically():
 
 
 def bind_eqn(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
-  """Evaluates one equation on `invals` (arrays or tracers), returning a list of outputs.
-
-  Under `pull_back_convs_canonically`, convolutions go through
-  `_conv_input_transpose_canonical`."""
-  params = bind_params(eqn)
+  """Evaluates one equation on `invals` (arrays or tracers), returning a list of outputs."""
+  params = eqn.primitive.get_bind_params(eqn.params)
   if (
     eqn.primitive.name == "conv_general_dilated"
     and _CANONICAL_CONV_PULL_BACK.get()
@@ -102,18 +62,12 @@ def bind_eqn(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
 
 
 def _conv_input_transpose_canonical(params: dict[str, Any], x, w):
-  """`conv_general_dilated(x, w, **params)` whose derivative in `x` is written with the kernel's
+  """`conv_general_dilated(x, w, **params)` whose derivative in `x` reads the kernel with its
   feature axes swapped in memory (`rhs_spec` adjusted: the same convolution).
 
-  JAX transposes a convolution in its input by a convolution of the kernel read with its input
-  and output feature axes exchanged. XLA's CPU backend re-lays that kernel out where it is free
-  to, but not inside a `lax.cond` branch or a loop body, where the convolution then runs
-  through a generic, much slower loop (the transforms' statistics pull back inside a cond).
-  Written against the swapped kernel, the transposed convolution reads it in the canonical
-  order, fast in either place. The forward value and the kernel's derivative are the plain
-  convolution's. The input tangent's push-forward is then the convolution with the swapped
-  kernel, the slow form inside a cond (the `Optimizer`'s quadratic model): hence only for
-  passes that are pulled back (`pull_back_convs_canonically`)."""
+  Its transpose, JAX's input-gradient convolution, then reads the kernel in the canonical order,
+  which XLA's CPU backend needs inside a `lax.cond` branch or loop body to avoid a much slower
+  generic loop. The push-forward becomes the slow form instead, hence only for pull-backs."""
   conv = jax.lax.conv_general_dilated_p
 
   @jax.custom_jvp
@@ -134,40 +88,23 @@ def _conv_input_transpose_canonical(params: dict[str, Any], x, w):
   return f(x, w)
 
 
+def _sub_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
+  sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")))
+  return sub if sub is None or isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, ())
+
+
 def call_jaxpr_of(eqn: JaxprEqn) -> ClosedJaxpr | None:
   """The closed sub-jaxpr of an inlinable call equation (nested jit), else None."""
-  if eqn.primitive.name not in _INLINE_CALL_NAMES:
-    return None
-  sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  if sub is None:
-    return None
-  if isinstance(sub, ClosedJaxpr):
-    return sub
-  return ClosedJaxpr(sub, ())
-
-
-# Primitives that evaluate a sub-jaxpr under a differentiation rule of their own: rematerialisation
-# (`jax.checkpoint`, linen `nn.remat`, `nnx.remat`) and custom derivatives (`jax.custom_jvp`,
-# `jax.custom_vjp`). `_graph.FlatGraph` inlines them when they read a parameter (see there).
-REMAT_NAMES = frozenset({"checkpoint", "remat", "remat2"})
-CUSTOM_DERIVATIVE_NAMES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+  return _sub_jaxpr(eqn) if eqn.primitive.name in _INLINE_CALL_NAMES else None
 
 
 def transparent_jaxpr_of(eqn: JaxprEqn) -> tuple[ClosedJaxpr, str] | None:
   """`(closed sub-jaxpr, "remat" | "custom")` for a remat or custom-derivative equation whose
   sub-jaxpr takes exactly the equation's inputs and gives its outputs; else None."""
-  name = eqn.primitive.name
-  if name in REMAT_NAMES:
-    kind = "remat"
-  elif name in CUSTOM_DERIVATIVE_NAMES:
-    kind = "custom"
-  else:
+  kind = _TRANSPARENT_KINDS.get(eqn.primitive.name)
+  sub = _sub_jaxpr(eqn) if kind else None
+  if kind is None or sub is None:
     return None
-  sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")))
-  if sub is None:
-    return None
-  if not isinstance(sub, ClosedJaxpr):
-    sub = ClosedJaxpr(sub, ())
   if len(sub.jaxpr.invars) != len(eqn.invars) or len(sub.jaxpr.outvars) != len(eqn.outvars):
     return None
   return sub, kind
@@ -178,18 +115,10 @@ def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
   return {"policy": eqn.params.get("policy"), "prevent_cse": eqn.params.get("prevent_cse", True)}
 
 
-def make_jaxpr(fun, *args) -> tuple[ClosedJaxpr, Any]:
-  """`jax.make_jaxpr(fun, return_shape=True)(*args)`: the closed jaxpr and the output's pytree
-  of ShapeDtypeStructs; the arguments may be arrays, tracers or ShapeDtypeStructs."""
-  return jax.make_jaxpr(fun, return_shape=True)(*args)
-
-
 def axis_env(axes):
   """A context binding named axes `[(name, size), ...]` while tracing, as `jax.make_jaxpr(...,
   axis_env=axes)` does: collectives (`psum`, `pmean`) over them trace outside pmap/shard_map.
   Names that are already bound are left as they are."""
-  from jax._src import core as _core
-
   axes = list(axes)
   try:  # Names already bound (inside pmap / shard_map) keep their real size.
     env = _core.get_axis_env()
@@ -202,8 +131,6 @@ def axis_env(axes):
 def axis_env_key() -> tuple | None:
   """The named axes bound right now, as a hashable `((name, size), ...)`; None when the private
   API is unavailable (callers then assume nothing about the environment)."""
-  from jax._src import core as _core
-
   try:
     sizes = _core.get_axis_env().axis_sizes
   except AttributeError:  # pragma: no cover - older/newer private API.

@@ -1,19 +1,11 @@
 """`Config`: the rare knobs of every front (`scale_by_kfac`, `kfac`, `Optimizer`,
 `CurvatureEstimator`), in one frozen object validated once.
 
-The fronts keep as parameters only what a user tunes (damping, decays, schedules, learning rate,
-momentum, clipping) and the data-parallel `axis_name` (`CurvatureEstimator`: the powers and
-caches it computes); everything else is a field here, so each knob has one name, one default and
-one check for every front.
-
-Defaults that differ between fronts, and why:
-
-  * `damping`: 0.1 for the transforms, 1e-3 for `Optimizer`. A transform's λ is fixed; the
-    Optimizer's is only the starting point of its Levenberg–Marquardt adaptation.
-  * `curvature_every`: 5 for `kfac`, 1 for `scale_by_kfac` and `Optimizer`. `kfac` clips the
-    step in the damped K-FAC metric, which bounds a step preconditioned by statistics a few
-    updates old; the bare preconditioner has no such bound, and the Optimizer's statistics
-    come from the forward pass it makes anyway.
+The fronts keep as parameters only what a user tunes and the data-parallel `axis_name`; every
+other knob has one name, one default and one check here. Defaults that differ between fronts:
+`damping` is 0.1 for the transforms (a fixed λ) and 1e-3 for `Optimizer` (only the start of its
+adaptation); `curvature_every` is 5 for `kfac`, whose clipping bounds a step preconditioned by
+statistics a few updates old, and 1 for `scale_by_kfac` and `Optimizer`.
 """
 
 from __future__ import annotations
@@ -30,57 +22,51 @@ from kfac_jax import _checks, _curvature, _parallel, _storage
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
-_STATS_DTYPES = ("bfloat16", "float16", "float32", "float64")
-_INVERSE_DTYPES = ("float32", "float64")
-_PRECONDITIONER_DTYPES = ("bfloat16", "float32", "float64")
+_DTYPES = {
+  "stats_dtype": ("bfloat16", "float16", "float32", "float64"),
+  "inverse_dtype": ("float32", "float64"),
+  "preconditioner_dtype": ("bfloat16", "float32", "float64"),
+}
 
 
-def resolve_dtype(value, name: str) -> Any:
-  """`stats_dtype` / `inverse_dtype` / `preconditioner_dtype` as a numpy dtype: None → float32
-  (float64 under x64)."""
-  allowed: tuple[str, ...]
-  if name.endswith("stats_dtype"):
-    allowed = _STATS_DTYPES
-  elif name.endswith("preconditioner_dtype"):
-    allowed = _PRECONDITIONER_DTYPES
-  else:
-    allowed = _INVERSE_DTYPES
+def _dtype(value, field: str) -> Any:
+  """The dtype field `config.<field>` as a numpy dtype: None → float32 (float64 under x64)."""
+  x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # A flag added at run time.
   if value is None:
-    # jax.config's flags are properties added at run time.
-    return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)  # type: ignore[attr-defined]
+    return np.dtype(np.float64 if x64 else np.float32)
   try:
     dtype = jnp.dtype(value)
   except TypeError:
     dtype = None
-  if dtype is None or dtype.name not in allowed:
+  if dtype is None or dtype.name not in _DTYPES[field]:
     raise ValueError(
-      f"`{name}` must be one of {', '.join(allowed)} (or None for the default), got {value!r}."
+      f"`config.{field}` must be one of {', '.join(_DTYPES[field])} (or None for the default), "
+      f"got {value!r}."
     )
-  if dtype == np.float64 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
+  if dtype == np.float64 and not x64:
     raise ValueError(
-      f"`{name}`=float64 needs 64-bit JAX: set "
-      "`jax.config.update('jax_enable_x64', True)` before creating arrays, or "
-      "use float32."
+      f"`config.{field}`=float64 needs 64-bit JAX: set "
+      "`jax.config.update('jax_enable_x64', True)` before creating arrays, or use float32."
     )
   return dtype
 
 
-def resolve_preconditioner_dtype(value, inverse_dtype, name: str = "preconditioner_dtype"):
-  """`preconditioner_dtype` as a numpy dtype, or None where it is `inverse_dtype` (None, or the
-  same dtype); a dtype wider than `inverse_dtype` is refused."""
+def _preconditioner_dtype(value, inverse_dtype):
+  """`config.preconditioner_dtype` as a numpy dtype, or None where it is `inverse_dtype`; a
+  dtype wider than `inverse_dtype` is refused."""
   if value is None:
     return None
-  dtype = resolve_dtype(value, name)
-  if dtype.itemsize > np.dtype(inverse_dtype).itemsize:
+  dtype = _dtype(value, "preconditioner_dtype")
+  if dtype.itemsize > inverse_dtype.itemsize:
     raise ValueError(
-      f"`{name}`={dtype.name} is wider than `inverse_dtype`={np.dtype(inverse_dtype).name}: the "
-      "inverses are computed in `inverse_dtype` and can only be stored narrower (e.g. "
-      "bfloat16)."
+      f"`config.preconditioner_dtype`={dtype.name} is wider than `inverse_dtype`="
+      f"{inverse_dtype.name}: the inverses are computed in `inverse_dtype` and can only be "
+      "stored narrower (e.g. bfloat16)."
     )
   return None if dtype == inverse_dtype else dtype
 
 
-def check_mesh(mesh, name: str = "config.mesh") -> None:
+def _check_mesh(mesh) -> None:
   if mesh is None:
     return
   if (
@@ -90,7 +76,7 @@ def check_mesh(mesh, name: str = "config.mesh") -> None:
     or mesh[1] not in mesh[0].axis_names
   ):
     raise ValueError(
-      f"`{name}` must be a (jax.sharding.Mesh, axis_name) pair naming one of the mesh's axes, "
+      "`config.mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the mesh's axes, "
       f"got {mesh!r}."
     )
   _parallel.check_auto_axis(*mesh)
@@ -101,66 +87,55 @@ class Config:
   """The rare knobs of `scale_by_kfac`, `kfac`, `Optimizer` and `CurvatureEstimator` (validated
   on construction).
 
-  The fields come in groups: the registration (`has_aux` to `layers`; with a `registration=`
-  they must agree with it or stay at their defaults), the numerics (`damping_mode` to
-  `preconditioner_dtype`), the schedule (`statistics_fraction`, `burn_in_steps`), parallel work
-  (`inverse_storage`, `mesh`), the guard (`skip_nonfinite`), and fields one front reads
-  (`nesterov` for `kfac`; the damping adaptation's and `weight_decay` for `Optimizer`): a front
-  that does not read one refuses a value other than its default (`CurvatureEstimator` reads the
-  registration, the numerics and `inverse_storage` only).
+  The fields come in groups: the registration (`has_aux` to `check_loss`; with a
+  `registration=` they must agree with it or stay at their defaults), the numerics, the
+  schedule, parallel work, the guard, and fields one front reads (`nesterov` for `kfac`; the
+  damping adaptation's and `weight_decay` for `Optimizer`): a front that does not read a field
+  refuses a value other than its default.
 
   Attributes:
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned (compute the
       statistics with `value_and_grad(loss_fn, has_aux=True)`). `Optimizer.step` returns the
       aux in `info["aux"]`.
-    estimation_mode: "gradients" (sampled targets: the Fisher, default), "empirical" (data
-      targets), "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a
-      square-root factor of the output Fisher / loss Hessian) or "exact" / "exact_GGN" (every
-      output coordinate). See `CurvatureEstimator`.
-    num_samples: random vectors per example in the random modes (1 for the others). It fixes
-      array shapes, so it is a Python int.
+    estimation_mode: "gradients" (sampled targets: the Fisher, default), "empirical",
+      "curvature_prop", "curvature_prop_GGN", "exact" or "exact_GGN" (see `CurvatureEstimator`).
+    num_samples: random vectors per example in the random modes (1 for the others); a Python
+      int.
     strict: raise, instead of warning, for parameters outside every recognised layer.
     layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
       pattern, and linked parameter groups (None: the defaults).
     check_loss: audit the loss tags against the returned loss when the layers are found (see
       `kfac_jax.Registration`); False for a loss that differs from its tags on purpose.
     damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
-    factor_solve: "auto", "always" or "never": whether a Kronecker factor's damped inverse is
-      kept as an explicit matrix or as its Cholesky factor in blocks for block substitution
-      ("auto": the substitution form for a factor of size n ≥ 256 whose products have at most
-      n/8 columns, a classifier head's input). The updates are the same up to rounding.
+    factor_solve: "auto", "always" or "never": keep a Kronecker factor's damped inverse as its
+      Cholesky factor in blocks for block substitution instead of an explicit matrix ("auto":
+      for a factor of size n ≥ 256 whose products have at most n/8 columns).
     stats_dtype: dtype of the stored statistics: None (float32, float64 under x64), "float32",
       "float64", "bfloat16" or "float16"; they are accumulated in at least float32.
-    inverse_dtype: dtype of the inverses, the products with them (and the Optimizer's
-      quadratic model): None (float32, float64 under x64), "float32" or "float64". The
-      updates come back in the parameters' dtype.
-    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the Kronecker factors'
-      inverses are stored in it once computed, and the preconditioning products take their
-      inputs in it with `inverse_dtype` accumulation (half the inverses' memory).
+    inverse_dtype: dtype of the inverses, the products with them and the Optimizer's
+      quadratic model: None (float32, float64 under x64), "float32" or "float64".
+    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": store the Kronecker factors'
+      inverses in it, the products accumulating in `inverse_dtype` (half the memory).
     statistics_fraction: when a transform computes the statistics from `batch=`, the fraction f
       in (0, 1] of the batch's N rows they come from: r = ⌈f·N⌉ rows, evenly spaced
-      (`x[:r*s:s]` along every leaf's leading axis, s = ⌊N/r⌋); statistics are normalised by
-      their own row count, so the estimate stays unbiased and only noisier. "auto" (default):
-      every fourth row of a batch of 256 or more rows, every second of 128 or more, else every
-      row, and every row whenever the cut batch cannot be used; None or 1: every row. An
-      explicit f raises where "auto" falls back. Statistics passed as `curvature_stats=` are
-      used as they come, and the `Optimizer`'s come from its one forward pass over the whole
-      batch (a fraction would need a second forward pass), so there a fraction below 1 is an
-      error. A Python number: it fixes array shapes.
-    burn_in_steps: the first this many steps only fold curvature statistics (every step), with
-      no inverse refresh and zero updates; schedules still count them.
+      (`x[:r*s:s]` along every leaf's leading axis, s = ⌊N/r⌋), normalised by their own count
+      (unbiased, only noisier). "auto" (default): every fourth row of a batch of 256 or more
+      rows, every second of 128 or more, else (or when the cut batch cannot be used) every
+      row; None or 1: every row; an explicit f raises where "auto" falls back. A Python
+      number. `curvature_stats=` are used as they come; the `Optimizer` refuses f < 1 (its
+      statistics come from its one forward pass over the whole batch).
+    burn_in_steps: the first this many steps only fold statistics (zero updates, no inverse
+      refresh); schedules still count them.
     inverse_storage: "replicated" (default; every device keeps every inverse, the work is
       split over the devices of `axis_name` or `mesh` and the results summed) or "sharded"
-      (KAISA's memory-optimised strategy, FSDP's for the K-FAC state: each device keeps,
-      refreshes and applies only its share of the factors and inverses, balanced by refresh
-      cost; the preconditioned gradient is summed over the axis; needs `axis_name` or `mesh`).
-      Also a `kfac_jax.ReplicatedStorage()` / `kfac_jax.ShardedStorage()` object.
+      (KAISA's memory-optimised strategy: each device keeps, refreshes and applies only its
+      share of the factors and inverses, balanced by refresh cost; needs `axis_name` or
+      `mesh`); or a `kfac_jax.ReplicatedStorage()` / `kfac_jax.ShardedStorage()` object.
     mesh: under plain `jit` with data sharded over a mesh (no `axis_name`): `(mesh, axis)`
       splits the inverse work over that mesh axis (and, sharded, stores the state there).
     skip_nonfinite: when the gradient, the statistics or the update is not finite, return zero
-      updates and leave the state as it was but for the `skipped` counter. False: non-finite
-      statistics are still kept out of the factors (counted in `skipped_batches`), but the
-      update goes through as computed. The curvature moves only from a finite gradient.
+      updates and leave the state as it was but for the `skipped` counter. False: the update
+      goes through as computed (non-finite statistics are still kept out of the factors).
     nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`).
     min_damping, max_damping: `Optimizer`: the clip of the adapted damping λ.
     damping_adaptation_interval: `Optimizer`: T, adapt λ every T steps.
@@ -209,18 +184,13 @@ class Config:
     _checks.boolean(self.check_loss, "config.check_loss")
     _checks.choice(self.damping_mode, "config.damping_mode", ("factored", "eigen"))
     _checks.choice(self.factor_solve, "config.factor_solve", ("auto", "always", "never"))
-    resolve_dtype(self.stats_dtype, "config.stats_dtype")
-    resolve_preconditioner_dtype(
-      self.preconditioner_dtype,
-      resolve_dtype(self.inverse_dtype, "config.inverse_dtype"),
-      "config.preconditioner_dtype",
-    )
+    self.block_config()  # The dtype fields.
     f = self.statistics_fraction
     if f is not None and f != "auto":
-      _checks.static_fraction(f, "config.statistics_fraction", also='or "auto"')
+      _checks.static_fraction(f, "config.statistics_fraction")
     _checks.static_int(self.burn_in_steps, "config.burn_in_steps", low=0)
     _storage.strategy(self.inverse_storage, "config.inverse_storage")
-    check_mesh(self.mesh)
+    _check_mesh(self.mesh)
     _checks.boolean(self.skip_nonfinite, "config.skip_nonfinite")
     _checks.boolean(self.nesterov, "config.nesterov")
     _concrete(self.min_damping, "config.min_damping")
@@ -249,28 +219,22 @@ class Config:
 
   def block_config(self, exps=(-1.0,), cholesky=False, cholesky_inverse=False):
     """The blocks' numerics (`blocks.BlockConfig`)."""
-    inverse_dtype = resolve_dtype(self.inverse_dtype, "config.inverse_dtype")
+    inverse_dtype = _dtype(self.inverse_dtype, "inverse_dtype")
     return _blocks.BlockConfig(
       exps=tuple(exps),
       damping_mode=self.damping_mode,
       cholesky=cholesky,
       cholesky_inverse=cholesky_inverse,
-      stats_dtype=resolve_dtype(self.stats_dtype, "config.stats_dtype"),
+      stats_dtype=_dtype(self.stats_dtype, "stats_dtype"),
       inverse_dtype=inverse_dtype,
       factor_solve=self.factor_solve,
-      preconditioner_dtype=resolve_preconditioner_dtype(self.preconditioner_dtype, inverse_dtype),
+      preconditioner_dtype=_preconditioner_dtype(self.preconditioner_dtype, inverse_dtype),
     )
 
   def registration_settings(self) -> dict[str, Any]:
     """The `Registration` keyword arguments this config holds."""
-    return dict(
-      has_aux=self.has_aux,
-      estimation_mode=self.estimation_mode,
-      num_samples=self.num_samples,
-      strict=self.strict,
-      layers=self.layers,
-      check_loss=self.check_loss,
-    )
+    fields = ("has_aux", "estimation_mode", "num_samples", "strict", "layers", "check_loss")
+    return {f: getattr(self, f) for f in fields}
 
   def refuse(self, who: str, fields: tuple[str, ...], why: str) -> None:
     """ValueError when one of `fields`, which `who` does not read, differs from its default."""
@@ -290,13 +254,13 @@ def check_parallel(axis_name, config: Config) -> None:
       "pass `axis_name` (inside pmap/shard_map) or `config.mesh` (under jit with sharded "
       "data), not both: with `axis_name` the inverse work is already split over that axis."
     )
-  if isinstance(config.storage, _storage.ShardedStorage):
-    if axis_name is None and config.mesh is None:
-      raise ValueError(
-        "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
-        "axis: pass `axis_name=` (inside pmap/shard_map) or `config.mesh=(mesh, axis)` (under "
-        "jit with sharded data), or keep inverse_storage='replicated' on one device."
-      )
+  sharded = isinstance(config.storage, _storage.ShardedStorage)
+  if sharded and axis_name is None and config.mesh is None:
+    raise ValueError(
+      "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
+      "axis: pass `axis_name=` (inside pmap/shard_map) or `config.mesh=(mesh, axis)` (under "
+      "jit with sharded data), or keep inverse_storage='replicated' on one device."
+    )
 
 
 def _concrete(value, name: str, **bounds) -> None:
@@ -329,14 +293,12 @@ def moved_keywords(fn=None, *, refused: dict[str, str] | None = None):
     for k in kwargs:
       if refused and k in refused:
         raise TypeError(refused[k].format(kwargs[k]))
-    moved = [k for k in kwargs if k in _MOVED]
-    if moved:
-      k = moved[0]
-      name = getattr(fn, "__qualname__", "").removesuffix(".__init__")
-      raise TypeError(
-        f"{name}: `{k}` is no longer an argument; it is a field of the config: pass "
-        f"`config=kfac_jax.Config({_MOVED[k]}=...)`."
-      )
+      if k in _MOVED:
+        name = getattr(fn, "__qualname__", "").removesuffix(".__init__")
+        raise TypeError(
+          f"{name}: `{k}` is no longer an argument; it is a field of the config: pass "
+          f"`config=kfac_jax.Config({_MOVED[k]}=...)`."
+        )
     return fn(*args, **kwargs)
 
   return wrapper

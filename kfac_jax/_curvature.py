@@ -1,22 +1,12 @@
 """One forward pass for the loss, its gradient and the curvature statistics.
 
-The traced loss function is evaluated once with a zero perturbation ε_l added to each structured
-(non-generic) layer's output s_l and the layer's input operands recorded. `jax.linearize` of that
-evaluation with respect to (params, ε) gives one linearisation (`Linearisation`); its transpose
-is pulled back twice:
-
-  * with cotangent 1 on the loss: the parameter gradient;
-  * with the estimation mode's stack of output vectors at the loss tags (sampled-target
-    gradients, data-target gradients, Rademacher vectors or every column of a square-root factor,
-    see `kfac_jax._losses`), vmapped over the stack: ∂/∂ε_l = per-layer output gradients g_l,
-    and parameter gradients only for leaves in generic blocks.
-
-Inside `jit`, XLA drops the parameter-gradient products of the second pull-back that nothing
-reads, so the sampled backward pass computes activation gradients only. (Stacking both cotangents
-in one vmapped pull-back would compute the parameter gradient of the sampled loss too.)
-The `Optimizer` also pushes its two step directions forward through the same linearisation
-(`Linearisation.prediction_jvp`) for the quadratic model, so its step has one forward pass
-(plus one on damping-adaptation steps, for ρ).
+The traced loss is evaluated once with a zero perturbation ε_l added to each structured layer's
+output and the layers' inputs recorded; `jax.linearize` in (params, ε) gives one `Linearisation`,
+whose transpose is pulled back with cotangent 1 on the loss (the gradient) and, vmapped, with the
+estimation mode's stack of output vectors (`kfac_jax._losses`): ∂/∂ε_l are the per-layer output
+gradients g_l. A separate second pull-back lets XLA drop its unread parameter-gradient products,
+so the sampled backward pass computes activation gradients only. The `Optimizer` pushes its step
+directions forward through the same linearisation for the quadratic model.
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from kfac_jax import _compat, _losses
+from kfac_jax import _checks, _compat, _losses
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
@@ -44,18 +34,13 @@ ESTIMATION_MODES: tuple[str, ...] = get_args(EstimationMode)
 class CurvatureStats:
   """Raw per-layer data for one batch, as `value_and_grad` returns it.
 
-  The leading `samples` axis S of `g` holds the pulled-back output vectors of the estimation
-  mode (see `kfac_jax._losses`); it is an average: `(1/S) Σ_s` of the outer products estimates
-  the curvature, in expectation for the random modes and exactly for "exact" / "exact_GGN"
-  (whose vectors carry a factor √S so that the average, not the sum, is the curvature). S is
-  `num_samples` for "gradients" and "curvature_prop(_GGN)", 1 for "empirical", and the number of
-  non-batch output coordinates, summed over the loss tags, for the exact modes.
+  The leading `samples` axis S of `g` holds the estimation mode's pulled-back output vectors,
+  whose outer products' average `(1/S) Σ_s` is the curvature (`kfac_jax._losses`).
 
   Attributes:
     data: one entry per layer, in registration order: `(inputs, g)` for structured layers
-      (a tuple of such pairs, one per use, for a layer with `num_uses > 1`, and one per layer
-      for a scanned stack of layers),
-      with `inputs` the tuple of raw input operands the scanner recorded (e.g. `(x,)`) and
+      (a tuple of such pairs, one per use or per layer of a scanned stack), with `inputs` the
+      tuple of raw input operands the scanner recorded (e.g. `(x,)`) and
       `g: [samples, *output.shape]` the output gradients; each block reshapes them itself. For
       generic layers, the per-leaf sampled gradients `[samples, *leaf.shape]`.
     layer_names: static; the layers the entries belong to.
@@ -82,16 +67,8 @@ class CurvatureStats:
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
   """Validates the mode and `num_samples` (which the exact modes do not take)."""
-  if not isinstance(estimation_mode, str) or estimation_mode not in ESTIMATION_MODES:
-    raise (ValueError if isinstance(estimation_mode, str) else TypeError)(
-      f"unknown estimation_mode {estimation_mode!r}; choose one of {ESTIMATION_MODES}."
-    )
-  if not isinstance(num_samples, int) or isinstance(num_samples, bool):
-    raise TypeError(
-      f"num_samples must be a positive int, got {num_samples!r} ({type(num_samples).__name__})."
-    )
-  if num_samples < 1:
-    raise ValueError(f"num_samples must be a positive int, got {num_samples!r}.")
+  _checks.choice(estimation_mode, "estimation_mode", ESTIMATION_MODES)
+  _checks.static_int(num_samples, "num_samples")
   if estimation_mode in _losses.EXACT_MODES and num_samples != 1:
     raise ValueError(
       f"estimation_mode={estimation_mode!r} uses every output coordinate, not samples, so "
@@ -109,14 +86,8 @@ def check_rng(estimation_mode: str, rng) -> None:
 
 
 class LossPart:
-  """`loss_fn` as the scanner traces it, its output checked against `has_aux`.
-
-  With `has_aux`, `jax.make_jaxpr` flattens `(loss, aux)` into the outputs `[loss, *aux_leaves]`;
-  the scanner registers layers on the loss's slice of the graph only and records the aux's
-  treedef (`ScanResult.aux_tree`), so one evaluation of the graph gives both (no second forward
-  pass for the aux). The check makes a mismatch an error naming `has_aux` rather than a shape
-  error.
-  """
+  """`loss_fn` as the scanner traces it, its output checked against `has_aux` (a mismatch is an
+  error naming `has_aux`, not a shape error); `loss_fn` and `has_aux` are checked when built."""
 
   def __init__(self, loss_fn: Callable | None, has_aux: bool):
     if not callable(loss_fn):
@@ -157,9 +128,8 @@ class LossPart:
 def _join_exact(cts: list[Array]) -> list[Array]:
   """One stack for several loss tags in an exact mode, without cross terms between tags.
 
-  Tag ℓ's stack has K_ℓ entries with `(1/K_ℓ) Σ v vᵀ = F_ℓ`. The joint stack has K = Σ K_ℓ
-  entries; tag ℓ's vectors sit in its own K_ℓ of them, rescaled by √(K / K_ℓ), and are zero in
-  the others, so the pulled-back average is `(1/K) Σ = Σ_ℓ Jᵀ F_ℓ J` exactly.
+  Tag ℓ's K_ℓ vectors sit in their own rows of the K = Σ K_ℓ joint rows, rescaled by √(K / K_ℓ)
+  and zero elsewhere, so the pulled-back average `(1/K) Σ` is `Σ_ℓ Jᵀ F_ℓ J` exactly.
   """
   sizes = [c.shape[0] for c in cts]
   total = sum(sizes)
@@ -172,7 +142,8 @@ def _join_exact(cts: list[Array]) -> list[Array]:
   return out
 
 
-def _read(atom, seen):
+def read_atom(atom, seen):
+  """An equation operand's value: a literal's, or the one `seen` holds."""
   return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
 
 
@@ -191,19 +162,13 @@ def _stacked_tap(graph: _scan.FlatGraph, uses):
 class Linearisation:
   """One forward pass of the tagged loss, linearised in (params, layer-output perturbations).
 
-  Built inside a trace. The forward pass runs once; every pull-back
-  (`grads`, `statistics`) and push-forward (`prediction_jvp`) reuses its residuals, so the
-  `Optimizer` gets the gradient, the curvature statistics and the quadratic model's
-  Jacobian-vector products from a single forward pass. (`jax.vjp` is `jax.linearize` followed by
-  a transposition, so the pull-backs cost what a `jax.vjp` would.)
+  Built inside a trace. Every pull-back (`grads`, `statistics`) and push-forward
+  (`prediction_jvp`) reuses the one forward pass's residuals.
 
   Attributes:
-    scan: the `_scan.ScanResult` whose graph was run (its layers, losses and taps).
-    loss: the scalar loss.
-    preds: per loss tag, its prediction (the tag's first operand).
-    others: per loss tag, its further operands (targets, weights).
-    aux: with `has_aux`, the aux `loss_fn` returned (rebuilt from the graph's further
-      outputs with `scan.aux_tree`); None otherwise.
+    scan: the `_scan.ScanResult` whose graph was run; loss: the scalar loss.
+    preds, others: per loss tag, its prediction and its further operands (targets, weights).
+    aux: with `has_aux`, the aux `loss_fn` returned; None otherwise.
   """
 
   def __init__(self, scan: _scan.ScanResult, params, batch):
@@ -234,9 +199,9 @@ class Linearisation:
     def f(p_leaves, eps):
       perturb = {k: eps[n] for k, n in out_keys.items()}
       outs, seen = scan.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
-      preds = [_read(ops[0], seen) for ops in scan.loss_operands]
-      xs = [tuple(_read(a, seen) for a in atoms) for atoms in in_atoms]
-      others = [[_read(a, seen) for a in ops[1:]] for ops in scan.loss_operands]
+      preds = [read_atom(ops[0], seen) for ops in scan.loss_operands]
+      xs = [tuple(read_atom(a, seen) for a in atoms) for atoms in in_atoms]
+      others = [[read_atom(a, seen) for a in ops[1:]] for ops in scan.loss_operands]
       return (outs[0], preds), (xs, others, outs[1:])
 
     eps0 = [
@@ -256,13 +221,9 @@ class Linearisation:
     self._jvp = jvp_fn
     self._vjp = jax.linear_transpose(jvp_fn, leaves, eps0)
 
-  def pull_back(self, loss_ct, preds_ct):
-    """`(param-leaf cotangents, per-tap output-gradient cotangents)` of one output cotangent."""
-    return self._vjp((loss_ct, preds_ct))
-
   def grads(self):
     """The loss's gradient, params-shaped (loss cotangent 1)."""
-    g_leaves, _ = self.pull_back(jnp.ones_like(self.loss), [jnp.zeros_like(p) for p in self.preds])
+    g_leaves, _ = self._vjp((jnp.ones_like(self.loss), [jnp.zeros_like(p) for p in self.preds]))
     return jax.tree_util.tree_unflatten(self.params_treedef, g_leaves)
 
   def prediction_jvp(self, p_leaves):
@@ -291,7 +252,8 @@ class Linearisation:
     if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
       cts = _join_exact(cts)
     zero = jnp.zeros_like(self.loss)
-    p_ct, eps_ct = jax.vmap(lambda ct: self.pull_back(zero, ct))(cts)
+    # Param-leaf and per-tap output-gradient cotangents.
+    p_ct, eps_ct = jax.vmap(lambda ct: self._vjp((zero, ct)))(cts)
 
     data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
     for i, spec in enumerate(scan.layers):
@@ -331,16 +293,8 @@ def compute(
   with_params_stats: bool = False,
   fingerprint: Any = None,
 ):
-  """Loss, gradient (or None) and `CurvatureStats` from one forward pass.
-
-  With `with_params_stats`, the sampled pull-back also forms every parameter's product (one
-  more set of weight-gradient matmuls); without it XLA drops those for the tapped layers.
-
-  When `scan` was made with `has_aux`, returns `(loss, aux, grads, stats)`: the aux comes from
-  the same forward pass, as the graph's extra outputs (not differentiated). `fingerprint`: the
-  registration's `StatsKey`, carried by the statistics.
-  """
-  check_rng(estimation_mode, rng)
+  """`(loss, grads or None, CurvatureStats)` from one forward pass; `(loss, aux, grads, stats)`
+  when `scan` was made with `has_aux`. `fingerprint`: the registration's `StatsKey`."""
   lin = Linearisation(scan, params, batch)
   grads = lin.grads() if with_grads else None
   stats = lin.statistics(

@@ -29,56 +29,38 @@ class CurvatureEstimator:
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, calling a loss tag on the model output; with
-      `config.has_aux`, `loss_fn(params, batch) -> (scalar, aux)` (the estimator never reads
-      the aux).
+      `config.has_aux`, `loss_fn(params, batch) -> (scalar, aux)` (the aux is never read).
     example_batch: a batch with the shapes used for training (arrays or ShapeDtypeStructs).
     registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`: its
-      layers and its `has_aux`, `estimation_mode`, `num_samples`, `strict` and `layers` apply
-      (the config's fields, left at their defaults, take its values; set to others, they are
-      an error), `layers` and `blocks` are known at once, and `init` checks params against
-      its signature. Without it, the first `init` builds one from `loss_fn` and the config.
+      layers and registration settings apply (the config's registration fields must agree or
+      stay at their defaults), `layers` and `blocks` are known at once, and `init` checks
+      params against its signature. Without it, the first `init` builds one.
     exps: matrix powers `multiply_matpower` must support (1 always is).
     compute_cholesky: cache Cholesky factors of the damped blocks.
     compute_cholesky_inverse: cache their inverses.
     compute_params_stats: `curvature_stats` also returns the first-order statistics
       (`CurvatureStats.params_stats`, TF K-FAC's `params_stats`).
-    config: a `kfac_jax.Config` with the knobs shared with the other fronts: the registration
-      fields (`has_aux`, `estimation_mode`, `num_samples`, `strict`, `layers`, `check_loss`),
-      the numerics (`damping_mode`, `factor_solve`, `stats_dtype`, `inverse_dtype`,
-      `preconditioner_dtype`) and `inverse_storage` (None: the defaults). The fields only a
-      training front reads (`statistics_fraction`, `burn_in_steps`, `mesh`, `skip_nonfinite`,
-      `nesterov`, the damping adaptation's, `weight_decay`) must stay at their defaults: the
-      estimator's callers choose the batches, the schedule and the damping, and pass `mesh=`
-      per call.
+    config: a `kfac_jax.Config`; the estimator reads its registration fields, numerics and
+      `inverse_storage`. The fields only a training front reads (`statistics_fraction`,
+      `burn_in_steps`, `mesh`, `skip_nonfinite`, `nesterov`, the damping adaptation's,
+      `weight_decay`) must stay at their defaults: the caller chooses the batches, the
+      schedule and the damping, and passes `mesh=` per call.
 
   The estimation modes (`config.estimation_mode`; formulas in `kfac_jax._losses`):
-  "gradients" (targets sampled from the model: the Fisher), "empirical" (the data's targets:
-  the empirical Fisher), "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a
-  square-root factor of the output Fisher / loss Hessian), or "exact" / "exact_GGN" (every
-  output coordinate, no sampling noise; K backward passes, K = the prediction's non-batch
-  size). The GGN variants estimate Jᵀ (∂²ℓ/∂z²) J, which equals the Fisher for the
-  canonical-link losses of the loss tags. The random modes need an `rng` in
-  `update_curvature`; the exact modes and "empirical" take `rng=None`.
+  "gradients" (sampled targets: the Fisher), "empirical" (the data's targets), "curvature_prop"
+  / "curvature_prop_GGN" (Rademacher vectors times a square-root factor of the output Fisher /
+  loss Hessian), or "exact" / "exact_GGN" (every output coordinate: K backward passes, K the
+  prediction's non-batch size). The GGN variants estimate Jᵀ (∂²ℓ/∂z²) J, which equals the
+  Fisher for the tags' canonical-link losses. The random modes need an `rng`.
 
-  Batch statistics are accumulated in at least float32, whatever the model's dtype, and cast
-  to `config.stats_dtype` when they enter the moving average; preconditioned vectors come back
-  in the dtype they came in. With `config.preconditioner_dtype="bfloat16"` the cached inverses
-  of Kronecker factors (and of full blocks) are stored in bfloat16 and the products round the
-  vector to it (8 significant bits) with `inverse_dtype` accumulation; diagonal factors, the
-  substitution forms of `factor_solve` (cache fields `cache/<block>/a/subst/...` instead of
-  `cache/<block>/a/powers/0`), eigen-decompositions ("eigen" damping, EKFAC), the series
-  approximations of shared layers and Cholesky factors stay in `inverse_dtype`.
-  With `config.inverse_storage="sharded"` each device stores, updates and refreshes only its
-  share of the blocks' factors and caches (balanced by refresh cost, at most 1.25 total/D +
-  one block per device) and preconditions their leaves, the products summed over the axis:
-  `init`, `update_curvature*`, `update_inverses` and the `multiply*` methods then need
-  `axis_name=` (inside pmap / shard_map; call `init` there too) or `mesh=(mesh, axis)` (under
-  jit).
+  Statistics are accumulated in at least float32 and stored in `config.stats_dtype`;
+  preconditioned vectors come back in their own dtype. With `config.inverse_storage="sharded"`
+  each device stores, updates and applies only its share of the blocks: every state method
+  then needs `axis_name=` (inside pmap / shard_map, `init` too) or `mesh=(mesh, axis)`.
 
   Raises:
-    TypeError: an argument of the wrong kind (e.g. `exps=-1`, `compute_cholesky="yes"`), named
-      with the value received; a keyword that moved into `Config` (e.g. `estimation_mode=`),
-      naming its place.
+    TypeError: an argument of the wrong kind (e.g. `exps=-1`), named with the value received;
+      a keyword that moved into `Config` (e.g. `estimation_mode=`), naming its place.
     ValueError: an argument out of range, or a config field the estimator does not read set
       away from its default.
     RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
@@ -175,8 +157,7 @@ class CurvatureEstimator:
     return self.estimator.blocks
 
   def scan_batch(self, params, batch) -> _scan.ScanResult:
-    """The evaluation graph of `loss_fn(params, batch)` (the registration's, kept per batch
-    signature)."""
+    """The evaluation graph of `loss_fn(params, batch)` (kept per batch signature)."""
     return self._source.for_params(params).registration.scan_batch(params, batch)
 
   # -- state -----------------------------------------------------------------------------------
@@ -186,11 +167,9 @@ class CurvatureEstimator:
   ) -> EstimatorState:
     """Zero statistics and identity caches for `params` (scans `loss_fn` on first use).
 
-    With sharded storage, pass `axis_name` and call `init` inside pmap / shard_map (each
-    device's cache differs), or pass `mesh=(mesh, axis)` to get the cache as a global array
-    sharded over that mesh axis. Replicated storage uses `axis_name` only to trace a model
-    whose collectives name it (e.g. `BatchNorm(axis_name=...)`) when `init` runs outside pmap
-    / shard_map.
+    With sharded storage, call it inside pmap / shard_map with `axis_name`, or pass
+    `mesh=(mesh, axis)` for a cache sharded over that mesh axis. Replicated storage uses
+    `axis_name` only to trace a model whose collectives name it (e.g. BatchNorm's).
     """
     est = self._source.for_params(params, axis_name)
     return est.init(axis_name=axis_name, mesh=mesh)
@@ -241,22 +220,18 @@ class CurvatureEstimator:
     axis_name: str | None = None,
     mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
-    """Recomputes every block's cache for damping λ (equal-shape blocks vmapped, except on CPU).
-
-    A block whose new cache is not finite keeps its previous cache.
+    """Recomputes every block's cache for damping λ; a block whose new cache is not finite
+    keeps its previous one.
 
     Args:
       state: the estimator state.
       damping: λ ≥ 0.
       axis_name: inside `pmap` / `shard_map`, split the work over this axis: each device
         factorises its share of the blocks (balanced by cost) and the caches are summed over
-        the axis (see `kfac_jax._parallel`). The result equals the unsplit one exactly.
+        the axis; the result equals the unsplit one exactly. With sharded storage each device
+        keeps only its own blocks' caches.
       mesh: under plain `jit` with sharded data, `(mesh, axis)` splits the work over that mesh
-        axis the same way (through `shard_map`).
-
-    With sharded storage one of the two is required, and each device refreshes and keeps only
-    its own blocks' caches (no caches are communicated; the failure count is summed over the
-    axis).
+        axis the same way.
     """
     return self.estimator.update_inverses(state, damping, axis_name=axis_name, mesh=mesh)
 
@@ -273,19 +248,18 @@ class CurvatureEstimator:
   ):
     """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`.
 
-    With sharded storage, `axis_name` (inside pmap / shard_map) or `mesh` (under jit) is
-    required: each device multiplies its own blocks, and the results are summed over the axis
-    (one vector-sized `psum`). The other methods below take them the same way.
+    With sharded storage each device multiplies its own blocks and the results are summed over
+    `axis_name` or `mesh` (one vector-sized `psum`), as in the other products below.
     """
     return self.estimator.multiply_matpower(state, vector, exp, axis_name=axis_name, mesh=mesh)
 
   def multiply(self, state: EstimatorState, vector, *, axis_name=None, mesh=None):
     """The damped curvature times `vector` (power 1)."""
-    return self.estimator.multiply(state, vector, axis_name=axis_name, mesh=mesh)
+    return self.multiply_matpower(state, vector, 1, axis_name=axis_name, mesh=mesh)
 
   def multiply_inverse(self, state: EstimatorState, vector, *, axis_name=None, mesh=None):
     """The inverse damped curvature times `vector` (needs -1 in `exps`, the default)."""
-    return self.estimator.multiply_inverse(state, vector, axis_name=axis_name, mesh=mesh)
+    return self.multiply_matpower(state, vector, -1, axis_name=axis_name, mesh=mesh)
 
   def multiply_cholesky(
     self, state: EstimatorState, vector, *, transpose=False, axis_name=None, mesh=None

@@ -1,17 +1,11 @@
-"""The one K-FAC step, shared by `scale_by_kfac` / `kfac` and `Optimizer`.
+"""The one K-FAC step, shared by `scale_by_kfac` / `kfac` and `Optimizer`: fold the statistics,
+refresh the inverses, precondition, and the guard's verdict.
 
-`step` folds the curvature statistics on due steps, refreshes the inverses on due steps,
-preconditions a vector and returns the guard's verdict; the fronts add only what is theirs (the
-transforms their counters, `kfac` its clipping, momentum and learning rate, the `Optimizer` its
-quadratic model and damping adaptation).
-
-Each schedule decision is a `lax.cond` that carries only what it can change: the fold carries
-the factors, the EMA weight and the skipped-batch counter (the caches stay out), the refresh
-carries the caches and the failure counter (the factors, read-only there, stay out). An operand
-that passes through a cond unchanged is still copied in and out of it by XLA, and an
-elementwise `where(ok, new, old)` over the state reads both and writes a third copy; so the
-fold and the refresh are gated on the guard's verdict on the inputs (a finite gradient), and
-no guard ever has to restore the factors or the caches.
+Each schedule decision is a `lax.cond` that carries only what it can change (the fold: the
+factors, the EMA weight and the skipped-batch counter; the refresh: the caches and the failure
+counter): XLA copies an operand that passes through a cond unchanged, and an elementwise
+`where(ok, new, old)` over the state writes a third copy. Both are gated on the verdict on the
+inputs, so no guard ever has to restore the factors or the caches.
 """
 
 from __future__ import annotations
@@ -39,15 +33,11 @@ def tree_vdot(a, b) -> Array:
   )
 
 
-def _is_one(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool) and x == 1
-
-
 def step(
   est: _estimator.Estimator,
   curv: _estimator.EstimatorState,
   vector,
-  statistics: _curvature.CurvatureStats | Callable[[], _curvature.CurvatureStats],
+  statistics: Callable[[], _curvature.CurvatureStats],
   count: Array,
   *,
   damping,
@@ -67,43 +57,37 @@ def step(
   during burn-in).
 
   Args:
-    est: the estimator.
-    curv: its state.
+    est, curv: the estimator and its state.
     vector: a params-shaped pytree (the gradient).
-    statistics: this batch's `CurvatureStats`, or a function computing them, called only on
-      due steps (inside the fold's branch) unless statistics are due on every step.
+    statistics: a function computing this batch's `CurvatureStats`, called inside the fold's
+      branch unless statistics are due on every step (`curvature_every` a Python 1).
     count: `[]` int, the step counter.
-    damping, ema_decay, inverse_every, curvature_every: the schedule's values at this step
-      (`curvature_every` a Python 1 folds without a cond).
+    damping, ema_decay, inverse_every, curvature_every: the schedule's values at this step.
     burn_in_steps: a Python int.
-    ok: the guard's verdict on the inputs (a finite gradient, finite hyperparameters), or None
-      with the guard off. The curvature moves only when it holds.
+    ok: the guard's verdict on the inputs, or None with the guard off; the curvature moves
+      only when it holds.
     axis_name, mesh: the data-parallel axis (see `CurvatureEstimator.update_inverses`).
 
   Returns:
-    The preconditioned vector (in `vector`'s dtypes), the new estimator state and the verdict:
-    `ok` and the statistics finite (the estimator skipped and counted them otherwise) and the
-    preconditioned vector finite; None with the guard off.
+    The preconditioned vector (in `vector`'s dtypes), the new estimator state and the verdict
+    (`ok`, finite statistics and a finite preconditioned vector; None with the guard off).
   """
   old = curv
   k = count - burn_in_steps if burn_in_steps else count
   in_burn = (k < 0) if burn_in_steps else None
 
-  def stats():
-    return statistics() if callable(statistics) else statistics
-
   # Statistics due on every step are formed outside any cond (a skipped step forms them for
   # nothing): inside a cond branch XLA:CPU runs some pull-backs (convolutions) far slower.
-  every_step = _is_one(curvature_every)
+  every_step = type(curvature_every) is int and curvature_every == 1
   fold_due = None if every_step else k % jnp.asarray(curvature_every, k.dtype) == 0
   if in_burn is not None and fold_due is not None:
     fold_due = fold_due | in_burn
   if ok is not None:
     fold_due = ok if fold_due is None else fold_due & ok
-  now = stats() if every_step else None
+  now = statistics() if every_step else None
 
   def fold():
-    s = now if now is not None else stats()
+    s = now if now is not None else statistics()
     return est.update_curvature_from_stats(old, s, ema_decay, axis_name=axis_name, mesh=mesh)
 
   if fold_due is None:

@@ -5,20 +5,17 @@ predictive distribution(s),
 
     F = (1/N) Σₙ E_y[∇ log p(y|xₙ) ∇ log p(y|xₙ)ᵀ] = (1/N) Σₙ Jₙᵀ F_z Jₙ,
 
-N being the loss tags' leading axis, approximated block-diagonally (one block per layer) and
-averaged over batches with a bias-corrected exponential moving average. The estimation mode
-chooses how the output factor F_z is represented (sampled, Rademacher or exact square-root
-vectors; or, for "empirical", the data's gradient); the "_GGN" modes use the loss Hessian in z,
-giving the generalised Gauss-Newton Jᵀ H_z J (the same matrix for the tags' canonical losses).
-`Estimator` is the engine every front shares; `kfac_jax.CurvatureEstimator` is its public face.
+N the loss tags' leading axis, approximated block-diagonally (one block per layer) and
+averaged over batches with a bias-corrected EMA; the estimation mode chooses how F_z is
+represented (the "_GGN" modes use the loss Hessian H_z). `Estimator` is the engine every front
+shares; `kfac_jax.CurvatureEstimator` is its public face.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +45,11 @@ class EstimatorState(NamedTuple):
 
   Attributes:
     factors: per block name, the EMA statistics as the block kind's factors type (e.g.
-      `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`; every type is documented, with
-      shapes, in `kfac_jax.blocks._state`); with sharded storage, a `ShardedCache` holding
-      only this device's blocks.
+      `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`; shapes in
+      `kfac_jax.blocks._state`).
     cache: per block name, the block kind's cache type: powers / decompositions and the
-      damping `[]` they were built with; with sharded storage, a `ShardedCache` holding only
-      this device's blocks.
+      damping `[]` they were built with. With sharded storage, both are `ShardedCache`
+      objects holding only this device's blocks.
     ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
     skipped_batches: `[]` int32, statistics updates skipped because the batch's statistics
       were not finite (the factors were left as they were).
@@ -68,33 +64,10 @@ class EstimatorState(NamedTuple):
   failed_inverses: Array
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _scoped(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
-  """Runs the method under `jax.named_scope(name)`: its operations carry `name` in their
-  op_name metadata, so a profile of a training step (Perfetto, TensorBoard) attributes them
-  to K-FAC's statistics, inverses or products. Metadata only: the program is unchanged."""
-
-  def wrap(method: Callable[_P, _R]) -> Callable[_P, _R]:
-    @functools.wraps(method)
-    def scoped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-      with jax.named_scope(name):
-        return method(*args, **kwargs)
-
-    return scoped
-
-  return wrap
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Estimator:
-  """The curvature blocks of one registration, complete and immutable: pure state updates.
-
-  Built from a `Registration` (the layers and the parameters' signature), the blocks' numerics
-  (`blocks.BlockConfig`) and a storage strategy; `active` keeps a share of the registration's
-  blocks (`restrict`). Every method is a pure function of its arguments.
+  """The curvature blocks of one registration, complete and immutable; every method is a pure
+  function of its arguments.
 
   Attributes:
     registration: the layers and the parameters' signature.
@@ -142,34 +115,26 @@ class Estimator:
   def _sig(self) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]]:
     return self.registration.param_signature
 
-  def restrict(self, kept: Sequence[bool], who: str | None = None) -> Estimator:
+  def restrict(self, kept: Sequence[bool]) -> Estimator:
     """This estimator keeping only the blocks of the parameter leaves `kept` (one flag per
-    registered leaf, in the registration's order): for a transform handed a share of the
-    parameters by `optax.multi_transform` / `optax.masked`. A block with leaves on both sides
-    raises ValueError naming its layer and both sets of leaves."""
-    who = self.who if who is None else who
+    registered leaf): for a transform handed a share of the parameters by
+    `optax.multi_transform` / `optax.masked`. A block with leaves on both sides raises
+    ValueError naming its layer and both sets of leaves."""
     paths = self._sig[0]
-    kept = tuple(bool(k) for k in kept)
-    if len(kept) != len(paths):
-      raise ValueError(f"{who}: {len(kept)} leaf flags for {len(paths)} registered leaves.")
     active = []
     for i, (n, spec) in enumerate(zip(self.registration.block_names, self.layers)):
-      inside = [paths[j] for j in spec.leaf_indices if kept[j]]
-      outside = [paths[j] for j in spec.leaf_indices if not kept[j]]
+      inside = [f"`{paths[j]}`" for j in spec.leaf_indices if kept[j]]
+      outside = [f"`{paths[j]}`" for j in spec.leaf_indices if not kept[j]]
       if inside and outside:
         raise ValueError(
-          f"{who}: layer `{n}` has {_quoted(inside)} in this transform's share of the "
-          f"parameters and {_quoted(outside)} outside it (optax.multi_transform / optax.masked "
-          "gave them other labels). Its curvature block spans all of them: give the whole "
-          "layer one label."
+          f"{self.who}: layer `{n}` has {', '.join(inside)} in this transform's share of the "
+          f"parameters and {', '.join(outside)} outside it (optax.multi_transform / "
+          "optax.masked gave them other labels). Its curvature block spans all of them: give "
+          "the whole layer one label."
         )
       if inside:
         active.append(i)
-    return dataclasses.replace(self, active=tuple(active), who=who)
-
-  def _by_block(self, by_name: dict[str, Any]) -> list[Any]:
-    """A per-name state dict as a list in block order."""
-    return [by_name[n] for n in self.names]
+    return dataclasses.replace(self, active=tuple(active))
 
   # -- state -----------------------------------------------------------------------------------
 
@@ -184,7 +149,7 @@ class Estimator:
       failed_inverses=jnp.zeros((), jnp.int32),
     )
 
-  @_scoped("kfac_statistics")
+  @jax.named_scope("kfac_statistics")
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
     reg = self.registration
@@ -200,12 +165,8 @@ class Estimator:
   def batch_factors(
     self, stats: _curvature.CurvatureStats, axis_name: str | None = None, cache=None
   ) -> dict[str, Any]:
-    """Per-block statistics of one batch, averaged over `axis_name` devices if given.
-
-    Blocks with `needs_cache_for_statistics` (EKFAC: its scalings live in the eigenbasis of
-    the last inverse update) get their entry of `cache` (the state's, replicated storage).
-    Returns one entry per block name, of the block kind's factors type.
-    """
+    """Per-block statistics of one batch (the block kinds' factors types), averaged over
+    `axis_name`; blocks with `needs_cache_for_statistics` (EKFAC) read their entry of `cache`."""
     reg = self.registration
     if stats.layer_shapes and stats.layer_names == tuple(s.name for s in self.layers):
       # value_and_grad scanned this batch: a layer that changed with the batch size is named.
@@ -235,7 +196,7 @@ class Estimator:
       out = jax.lax.pmean(out, axis_name)
     return out
 
-  @_scoped("kfac_statistics")
+  @jax.named_scope("kfac_statistics")
   def update_curvature_from_stats(
     self,
     state: EstimatorState,
@@ -258,9 +219,8 @@ class Estimator:
     # Tested in `stats_dtype`, so a statistic that overflows it (float16) skips the batch too.
     stored = self.config.stats_dtype
     ok = _storage.all_finite(jax.tree_util.tree_map(lambda x: x.astype(stored), new))
-    # A select on the scalar flag (`lax.cond`) rather than an elementwise `where` over every
-    # factor: the same result at half the compile time. The average is computed inside the
-    # taken branch, so it writes straight into the new state's buffers.
+    # A cond on the scalar flag, not a `where` over every factor: the average is computed in
+    # the taken branch, straight into the new state's buffers.
     factors, weight = jax.lax.cond(
       ok,
       lambda: (
@@ -268,7 +228,7 @@ class Estimator:
           self.names,
           self.blocks,
           state.factors,
-          self._by_block(new),
+          [new[n] for n in self.names],
           weight,
           average,
           axis_name,
@@ -284,7 +244,7 @@ class Estimator:
       skipped_batches=state.skipped_batches + (~ok).astype(jnp.int32),
     )
 
-  @_scoped("kfac_inverses")
+  @jax.named_scope("kfac_inverses")
   def update_inverses(
     self,
     state: EstimatorState,
@@ -361,14 +321,6 @@ class Estimator:
       "multiply_matpower",
     )
 
-  def multiply(self, state, vector, *, axis_name=None, mesh=None):
-    """The damped curvature times `vector` (power 1)."""
-    return self.multiply_matpower(state, vector, 1, axis_name=axis_name, mesh=mesh)
-
-  def multiply_inverse(self, state, vector, *, axis_name=None, mesh=None):
-    """The inverse damped curvature times `vector` (needs -1 in `exps`)."""
-    return self.multiply_matpower(state, vector, -1, axis_name=axis_name, mesh=mesh)
-
   def multiply_cholesky(
     self, state, vector, *, transpose=False, inverse=False, axis_name=None, mesh=None
   ):
@@ -401,7 +353,3 @@ class Estimator:
       int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._sig[1]
     )
     return _summary.format_table([self.layers[i] for i in self._active], self.blocks, param_bytes)
-
-
-def _quoted(paths: Sequence[str]) -> str:
-  return ", ".join(f"`{p}`" for p in paths)

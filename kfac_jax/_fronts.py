@@ -1,5 +1,5 @@
-"""What the fronts (the transforms, `Optimizer`, `CurvatureEstimator`) share: the source of their
-estimator, and the share of the parameters `optax.multi_transform` / `optax.masked` hand them."""
+"""What the fronts share: the source of their estimator, and the share of the parameters
+`optax.multi_transform` / `optax.masked` hand them."""
 
 from __future__ import annotations
 
@@ -19,19 +19,15 @@ Estimator = _estimator.Estimator
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Source:
-  """Where a front's `Estimator` comes from: a registration, or `loss_fn` and the first params.
-
-  A front is built before any params are known, from a registration (its estimator is then
-  built here, complete) or from `loss_fn` and an example batch, whose layers come from params.
-  The estimator for params is then a pure function of their signature (structure, shapes and
-  dtypes), evaluated once and cached; a front serves one signature, the first one it sees, so
-  later params must have it (an error names the first leaf that differs).
+  """Where a front's `Estimator` comes from: a registration (built at once), or `loss_fn` and
+  the first params it sees (built once, cached); later params must have the same signature (an
+  error names the first leaf that differs).
 
   Attributes:
-    make: `registration -> Estimator` (the blocks' numerics, storage, error prefix).
-    loss_fn, example_batch: scanned with the first params (without `registration`).
-    settings: the `Registration` keyword arguments for `loss_fn`.
-    registration: given instead of `loss_fn` (checked by `_registration.resolve`), or None.
+    make: `registration -> Estimator`.
+    loss_fn, example_batch, settings: scanned with the first params (`settings`: the
+      `Registration` keyword arguments), without `registration`.
+    registration: given instead of `loss_fn`, or None.
   """
 
   make: Callable[[_registration.Registration], Estimator]
@@ -39,54 +35,44 @@ class Source:
   example_batch: Any = None
   settings: dict[str, Any] = dataclasses.field(default_factory=dict)
   registration: _registration.Registration | None = None
-  _built: dict[Any, Estimator] = dataclasses.field(default_factory=dict, repr=False)
+  _built: list[Estimator] = dataclasses.field(default_factory=list, repr=False)  # 0 or 1
 
   def __post_init__(self):
     if self.registration is not None:
-      self._built[None] = self.make(self.registration)
+      self._built.append(self.make(self.registration))
 
   @property
   def registered(self) -> bool:
-    """Whether the estimator is known (a registration given, or params seen)."""
+    """Whether the estimator is known."""
     return bool(self._built)
 
   def only(self) -> Estimator:
-    """The estimator (a registration given, or params seen)."""
+    """The estimator, once known."""
     if not self._built:
       raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
-    return next(iter(self._built.values()))
+    return self._built[0]
 
   def for_params(self, params, axis_name=None) -> Estimator:
     """The estimator for `params`, checked against the signature this front serves."""
-    if self._built:
-      est = self.only()
-      est.registration.check_params(params)
-      return est
-    key = _registration.avals(params)
-    self._built[key] = self.make(
-      _registration.Registration(
+    if not self._built:
+      reg = _registration.Registration(
         self.loss_fn, params, self.example_batch, axis_name=axis_name, **self.settings
       )
-    )
-    return self._built[key]
+      self._built.append(self.make(reg))
+    self._built[0].registration.check_params(params)
+    return self._built[0]
 
 
 def resolve(registration, loss_fn, example_batch, config, who: str):
   """`registration` checked against `config`'s registration fields (None without one)."""
-  settings = _registration.estimator_settings(
-    config.has_aux,
-    config.estimation_mode,
-    config.num_samples,
-    config.strict,
-    config.layers,
-    prefix="config.",
-  )
+  fields = config.registration_settings()
+  del fields["check_loss"]  # Not among the settings a registration is checked against.
+  settings = _registration.estimator_settings(**fields, prefix="config.")
   return _registration.resolve(registration, loss_fn, example_batch, who, settings)
 
 
 def for_front(loss_fn, example_batch, registration, config, who: str) -> Source:
-  """The estimator `Source` of a transform or the Optimizer (checks `registration` against
-  `config`)."""
+  """The estimator `Source` of a transform or the Optimizer."""
   reg = resolve(registration, loss_fn, example_batch, config, who)
   if reg is None:
     if loss_fn is None:
@@ -108,9 +94,8 @@ def is_masked(x) -> bool:
 
 
 def masked_share(tree) -> tuple[bool, ...] | None:
-  """For a pytree with `optax.MaskedNode` leaves (the share of the parameters that
-  `optax.multi_transform` / `optax.masked` hand an inner transform): per leaf, masked ones
-  included, whether it is in the share. None when no leaf is masked."""
+  """Per leaf of `tree`, masked ones included, whether it is not an `optax.MaskedNode` (the share
+  `optax.multi_transform` / `optax.masked` hand a transform); None when none is masked."""
   kept = tuple(not is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_masked))
   return None if all(kept) else kept
 
@@ -130,8 +115,7 @@ def fill(est: Estimator, share, abstract: bool = False):
 
 
 def unfill(full, share):
-  """The leaves of `full` (whole params' structure) at `share`'s unmasked leaves, in `share`'s
-  structure."""
+  """`full` (the whole params' structure) at `share`'s unmasked leaves, in `share`'s structure."""
   flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=is_masked)
   leaves = jax.tree_util.tree_leaves(full)
   return jax.tree_util.tree_unflatten(

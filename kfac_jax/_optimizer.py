@@ -1,44 +1,20 @@
 """The full K-FAC optimizer (Martens & Grosse 2015, §6–7): learning rate, momentum and damping
-chosen each step from an exact quadratic model of the objective.
+from an exact quadratic model of `h(θ) = L(θ) + (η/2)‖θ‖²` (L the tagged loss, η `l2_reg`).
 
-The objective is `h(θ) = L(θ) + (η/2)‖θ‖²`, L the tagged loss and η the L2 coefficient. Each step:
+Each step runs the engine (`kfac_jax._engine.step`: statistics on due steps from the step's one
+forward pass, inverses with damping `λ + η` on due steps, the guard), takes the proposal
+`Δ = −(F̂ + (λ + η) I)⁻¹ ∇h` and the step `δ = α Δ + μ δ_prev`, with α, μ minimising
 
-  1. one forward pass gives `L`, `∇L` and the curvature statistics (statistics every
-     `curvature_every` steps; a plain value-and-grad pass otherwise);
-  2. every `inverse_every` steps the estimator's inverses are rebuilt with damping `λ + η`;
-  3. the proposal `Δ = −(F̂ + (λ + η) I)⁻¹ ∇h`, with `∇h = ∇L + η θ` and F̂ the K-FAC estimate;
-  4. the step `δ = α Δ + μ δ_prev`, with α, μ minimising the quadratic model
+    M(δ) = ∇hᵀ δ + ½ δᵀ (G + (λ + η) I) δ,      G = Σ_losses Jᵀ H_z J
 
-         M(δ) = ∇hᵀ δ + ½ δᵀ (G + (λ + η) I) δ,      G = Σ_losses Jᵀ H_z J
-
-     (G the Gauss-Newton matrix of the tagged losses: J the Jacobian of a tag's prediction, H_z
-     the loss Hessian in that prediction). Writing `C_ij = v_iᵀ (G + (λ + η) I) v_j` and
-     `b_i = ∇hᵀ v_i` for `(v_1, v_2) = (Δ, δ_prev)`, M is `bᵀx + ½ xᵀ C x` in `x = (α, μ)` and
-     the minimiser is `x = −C⁻¹ b`. The products `J v_i` are push-forwards of the two vectors
-     through the linearisation of step 1's forward pass (no second forward pass);
-  5. every `damping_adaptation_interval` steps, Levenberg–Marquardt: with
-     `ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass, only on those steps; ρ = −∞ when
-     h(θ + δ) is not finite or when a fixed α or μ makes M(δ) > 0, NaN (no change) if M(δ) = 0),
-     `λ ← ω λ` if ρ > 3/4, `λ ← λ / ω` if ρ < 1/4, ω = `damping_adaptation_decay` to the power
-     of the interval (the paper's (19/20)^T), clipped to `[min_damping, max_damping]`.
-
-Which of α and μ come from the model:
-
-  * `learning_rate=None, momentum=None`: both, from the 2×2 system. When `δ_prev = 0` (first
-    step) or C is numerically singular, the 1-D solve `α = −b_1 / C_11, μ = 0` is used instead.
-  * `learning_rate=None`, fixed μ: μ is kept and α minimises M along Δ with the momentum term
-    fixed: `α = −(b_1 + μ C_12) / C_11` (the exact line search in α of `α Δ + μ δ_prev`).
-  * fixed α, `momentum=None`: symmetrically `μ = −(b_2 + α C_12) / C_22` (0 when `δ_prev = 0`).
-  * both fixed: plain `δ = α Δ + μ δ_prev`; the model is then only evaluated for ρ.
-
-With a fixed learning rate, `norm_constraint=c` rescales α so that `α² Δᵀ F̂_λ Δ ≤ c` (KL
-clipping, Ba et al. 2017; F̂_λ the damped K-FAC matrix the estimator multiplies by).
-
-All decisions are `lax.cond` / `jnp.where` on the step counter in the state, so one jitted step
-function compiles once and never syncs with the host; the statistics, inverse and skip conds are
-the transforms' (`kfac_jax._engine`) and carry only what they change. A step whose loss,
-gradient or update is not finite changes nothing but the `skipped` counter (an update that
-overflows from a finite loss and gradient keeps the finite statistics and inverses it used).
+(the tagged losses' Gauss-Newton matrix). With `C_ij = v_iᵀ (G + (λ + η) I) v_j` and
+`b_i = ∇hᵀ v_i` for `(v_1, v_2) = (Δ, δ_prev)`, the minimiser is `x = −C⁻¹ b` in `x = (α, μ)`
+(the 1-D solve `α = −b_1 / C_11, μ = 0` when δ_prev = 0 or C is singular); a fixed α or μ is
+kept and the other minimises M along its vector; `J v_i` are push-forwards through the step's
+own linearisation. Every `damping_adaptation_interval` steps, Levenberg–Marquardt with
+`ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass; `reduction_ratio`) adapts λ
+(`adapt_damping`, ω `damping_adaptation_decay` to the power of the interval). With a fixed
+learning rate, `norm_constraint=c` rescales α so that `α² Δᵀ F̂_λ Δ ≤ c` (Ba et al. 2017).
 """
 
 from __future__ import annotations
@@ -79,10 +55,6 @@ _INFO_KEYS = (
 )
 
 
-# --------------------------------------------------------------------------------------------
-# Configuration and state.
-
-
 def _check_number(value, name: str, **bounds) -> None:
   _checks.concrete_number(value, name, "construct the Optimizer", **bounds)
 
@@ -101,8 +73,8 @@ class OptimizerState(NamedTuple):
   """State of `Optimizer`.
 
   Attributes:
-    step: `[]` int32, steps taken (burn-in included, skipped steps not): the burn-in and the
-      statistics' and inverses' periods count it; schedules get `step + skipped`.
+    step: `[]` int32, steps taken (burn-in included, skipped steps not); schedules get
+      `step + skipped`.
     skipped: `[]` int32, steps skipped because the loss, gradient or update was not finite.
     curvature: the estimator's factors, inverses and EMA weight.
     damping: `[]` float, λ: the adapted value with adaptive damping, else the last one used.
@@ -119,14 +91,10 @@ class OptimizerState(NamedTuple):
 
 
 class KfacOptaxState(NamedTuple):
-  """State of the optax form: the optimizer's state and the latest diagnostics."""
+  """State of `Optimizer.as_optax`: the optimizer's state and the latest `info`."""
 
   optimizer: OptimizerState
   info: dict[str, Array]
-
-
-# --------------------------------------------------------------------------------------------
-# Pure helpers (also used directly by tests).
 
 
 def adapt_damping(
@@ -143,18 +111,10 @@ def adapt_damping(
 def solve_quadratic_model(
   c: Array, b: Array, learning_rate: Array | None = None, momentum: Array | None = None
 ) -> tuple[Array, Array, Array]:
-  """Minimises `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)`, some coordinates possibly fixed.
-
-  Args:
-    c: `[2, 2]` symmetric, `C_ij = v_iᵀ (G + (λ+η) I) v_j` for `(v_1, v_2) = (Δ, δ_prev)`.
-    b: `[2]`, `b_i = ∇hᵀ v_i`.
-    learning_rate: a fixed α, or None to choose it.
-    momentum: a fixed μ, or None to choose it.
-
-  Returns:
-    `(α, μ, M(α, μ))`. The joint solve falls back to the 1-D solve (`μ = 0`) when `δ_prev = 0`
-    or C is singular to working precision; a non-positive curvature along a vector gives a zero
-    coefficient for it.
+  """`(α, μ, M(α, μ))` minimising `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)`, for C `[2, 2]` and
+  b `[2]` (see the module docstring); a fixed `learning_rate` α or `momentum` μ is kept. The
+  joint solve falls back to the 1-D one (`μ = 0`) when C is singular to working precision; a
+  non-positive curvature along a vector gives it a zero coefficient.
   """
   c00, c01, c11 = c[0, 0], c[0, 1], c[1, 1]
   b0, b1 = b[0], b[1]
@@ -196,20 +156,6 @@ def _pmean(x, axis_name):
   return x if axis_name is None else jax.lax.pmean(x, axis_name)
 
 
-def _plus_l2(grads, params, eta: float):
-  """`∇h = ∇L + η θ`."""
-  if not eta:
-    return grads
-  return jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
-
-
-def _decayed(update, params, weight_decay):
-  """`δ − d θ` (decoupled weight decay), in the params' dtypes."""
-  return jax.tree_util.tree_map(
-    lambda u, p: (u - weight_decay.astype(p.dtype) * p).astype(p.dtype), update, params
-  )
-
-
 class _Pass(NamedTuple):
   """The step's one forward pass and what it gave (read by the quadratic model and by ρ)."""
 
@@ -232,46 +178,30 @@ class _Move(NamedTuple):
   change: Array  # M(δ), NaN when not computed
 
 
-def gram_matrix(lin: _curvature.Linearisation, vecs, shift, dtype, axis_name=None) -> Array:
-  """`C_ij = v_iᵀ (G + shift I) v_j` for the param-leaf lists `vecs`.
-
-  The products `J v_i` are push-forwards through the step's own linearisation (no second
-  forward pass); `Gv` in output space is each loss tag's curvature product.
-  """
-  k = len(vecs)
-  jv = [lin.prediction_jvp(v) for v in vecs]  # per vector, per loss tag: [*prediction.shape]
-  rows = [[jnp.zeros([], dtype)] * k for _ in range(k)]
-  for t, (spec, z, o) in enumerate(zip(lin.scan.losses, lin.preds, lin.others)):
-    us = [jv[i][t] for i in range(k)]
-    hus = [_losses.output_curvature_product(spec, (z, *o), u) for u in us]
-    for i in range(k):
-      for j in range(i, k):
-        rows[i][j] = rows[i][j] + _parallel.vdot(us[i].astype(dtype), hus[j].astype(dtype))
-  g = _pmean(jnp.stack([jnp.stack(r) for r in rows]), axis_name)
-  # The shift term from inner products of the (replicated) vectors: no concatenated copies.
-  d: list[list[Any]] = [[None] * k for _ in range(k)]
-  for i in range(k):
-    for j in range(i, k):
-      d[i][j] = sum(
-        _parallel.vdot(a.astype(dtype), b.astype(dtype)) for a, b in zip(vecs[i], vecs[j])
-      )
-  c = jnp.stack(
-    [
-      jnp.stack([(g[min(i, j), max(i, j)] + shift * d[min(i, j)][max(i, j)]) for j in range(k)])
-      for i in range(k)
-    ]
-  )
-  return c.astype(dtype)
-
-
 def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, axis_name=None):
   """`(α, μ, M(α Δ + μ δ_prev))`, the coefficients left None chosen to minimise M (see
-  `solve_quadratic_model`); `shift = λ + η`."""
+  `solve_quadratic_model`); `shift = λ + η`. The products `J v` in `C` are push-forwards
+  through the step's own linearisation, `H_z u` each loss tag's curvature product."""
+
+  def dot(a, b):
+    return _parallel.vdot(a.astype(dtype), b.astype(dtype))
+
   vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(velocity)]
-  b = jnp.stack(
-    [_engine.tree_vdot(fp.grad_h, delta), _engine.tree_vdot(fp.grad_h, velocity)]
-  ).astype(dtype)
-  return solve_quadratic_model(gram_matrix(fp.lin, vecs, shift, dtype, axis_name), b, alpha, mu)
+  pairs = [(0, 0), (0, 1), (1, 1)]
+  jv = [fp.lin.prediction_jvp(v) for v in vecs]  # per vector, per loss tag: [*prediction.shape]
+  g = [jnp.zeros([], dtype)] * len(pairs)
+  for t, (spec, z, o) in enumerate(zip(fp.lin.scan.losses, fp.lin.preds, fp.lin.others)):
+    hu = [_losses.output_curvature_product(spec, (z, *o), u[t]) for u in jv]
+    g = [x + dot(jv[i][t], hu[j]) for x, (i, j) in zip(g, pairs)]
+  g = _pmean(jnp.stack(g), axis_name)
+  # The shift term from inner products of the (replicated) vectors: no concatenated copies.
+  c00, c01, c11 = (
+    g[n] + shift * sum(dot(a, b) for a, b in zip(vecs[i], vecs[j]))
+    for n, (i, j) in enumerate(pairs)
+  )
+  c = jnp.stack([jnp.stack([c00, c01]), jnp.stack([c01, c11])]).astype(dtype)
+  b = jnp.stack([_engine.tree_vdot(fp.grad_h, v) for v in (delta, velocity)]).astype(dtype)
+  return solve_quadratic_model(c, b, alpha, mu)
 
 
 def kl_clip(alpha: Array, quad: Array, limit: Array) -> Array:
@@ -297,12 +227,7 @@ def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
 
 def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype, aux):
   """`(update, new_state, info)` under the guard: a non-finite loss, gradient or update changes
-  nothing but the skip counter.
-
-  The curvature did not move on a non-finite loss or gradient (`_engine.step`); one cond on the
-  scalar verdict picks the new or the old value of the rest. An update that overflows from
-  finite inputs keeps the (finite) statistics and inverses it used.
-  """
+  nothing but the skip counter (the curvature moved only on finite inputs, `_engine.step`)."""
   ok = jnp.asarray(True) if ok is None else ok & _storage.all_finite(update)
   velocity, new_lam, rho = jax.lax.cond(
     ok,
@@ -333,23 +258,18 @@ def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype,
   return update, new_state, info
 
 
-# --------------------------------------------------------------------------------------------
-# The optimizer.
-
-
 class Optimizer:
   """K-FAC with learning rate, momentum and damping adapted from the quadratic model.
 
   `init` and `step` are pure functions: jit (or pmap / shard_map with `axis_name`) them yourself.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
-      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
+    loss_fn: `loss_fn(params, batch) -> scalar` (or `(scalar, aux)` with `config.has_aux`),
+      with a loss tag on the model output.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
     momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule.
-    damping: λ ≥ 0: the initial value with adaptive damping; otherwise a number or a schedule
-      (1e-3: only the start of the adaptation; see `kfac_jax.Config` for the transforms').
+    damping: λ ≥ 0: the initial value with adaptive damping, otherwise a number or a schedule.
     use_adaptive_damping: adapt λ by the Levenberg–Marquardt rule (module docstring).
     l2_reg: η ≥ 0: `h = L + (η/2)‖θ‖²`; η is added to the gradient, to the damping of the
       preconditioner and to the quadratic model.
@@ -358,31 +278,23 @@ class Optimizer:
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
     curvature_every: update the curvature statistics every this many steps (and every burn-in
       step).
-    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`; the
-      config's registration fields must then agree with it.
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`.
     axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over,
       and to split the inverse work over.
-    config: a `kfac_jax.Config` with the rarer knobs, shared with the transforms (`has_aux`:
-      `step` returns the aux of its forward pass in `info["aux"]`; burn-in, the guard, inverse
-      storage, `mesh`, dtypes, ...) and the damping adaptation's (`min_damping`,
-      `max_damping`, `damping_adaptation_interval`, `damping_adaptation_decay`) and
-      `weight_decay`.
+    config: a `kfac_jax.Config` with the rarer knobs, shared with the transforms, and the
+      damping adaptation's and `weight_decay`.
 
-  The step is the transforms' (`kfac_jax._engine.step`: statistics, inverses, preconditioning,
-  guard); schedules are called with `state.step + state.skipped` (every step seen, burn-in
-  included), so a schedule that returns a non-finite value at one step moves past it.
+  Schedules are called with `state.step + state.skipped` (every step seen, burn-in included),
+  so a schedule that returns a non-finite value at one step skips it and moves on.
 
   Cost of a step beyond the gradient: the sampled backward pass of the statistics (on curvature
-  steps), two Jacobian-vector products through the gradient pass's own linearisation when α or
-  μ comes from the model (or, with both fixed, only on damping-adaptation steps), and one
-  forward pass for `h(θ + δ)` on damping-adaptation steps. Burn-in steps compute the statistics
-  only.
+  steps), two Jacobian-vector products when α or μ comes from the model (with both fixed, on
+  damping-adaptation steps only), and a forward pass for `h(θ + δ)` on damping-adaptation
+  steps.
 
   Raises:
-    TypeError: a hyperparameter of the wrong kind (a string, None or a bool for a number; a
-      non-bool flag), named with the value received, before any state is created.
-    ValueError: a hyperparameter out of range (named, with its value and the expected range),
-      before any state is created.
+    TypeError / ValueError: a hyperparameter of the wrong kind (e.g. a string for a number) or
+      out of range, named with the value received, before any state is created.
     RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
       match `has_aux`.
 
@@ -473,10 +385,8 @@ class Optimizer:
   # -- state -----------------------------------------------------------------------------------
 
   def init(self, params, rng: Array | None = None) -> OptimizerState:
-    """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0.
-
-    `rng` is accepted for symmetry with `step` and not used. With sharded inverse storage,
-    call it inside the pmap / shard_map over `axis_name` (or pass `config.mesh`).
+    """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0 (`rng`
+    is not used). With sharded storage, call it inside pmap / shard_map (or pass `config.mesh`).
     """
     del rng
     est, _ = _fronts.estimator_for(self._source, params, "Optimizer", self.axis_name)
@@ -499,12 +409,10 @@ class Optimizer:
     `info` holds scalars: loss (at the old params), learning_rate (α), momentum (μ), damping
     (the λ used), rho (the latest ρ), quad_model_change (M(δ); NaN when not computed),
     update_norm (‖θ_new − θ‖), skipped (bool). A skipped step returns `params` and `state`
-    bit-identical, except `state.skipped` + 1 (and, when only the update was non-finite, the
-    curvature keeps this step's finite statistics and inverses).
-
-    With `has_aux=True`, `info["aux"]` is the aux `loss_fn` returned at the old params, from
-    the step's own forward pass (per device under `axis_name`: not averaged), also on a
-    skipped step. E.g. updated BatchNorm statistics: feed them into the next step's batch.
+    bit-identical but `state.skipped` + 1 (an update that alone was not finite keeps this
+    step's finite statistics and inverses). With `has_aux`, `info["aux"]` is the aux of the
+    step's forward pass at the old params (per device under `axis_name`), e.g. updated
+    BatchNorm statistics for the next step's batch.
     """
     updates, new_state, info = self._update(params, state, batch, rng)
     ok = ~info["skipped"]
@@ -528,18 +436,20 @@ class Optimizer:
     clock = state.step + state.skipped  # Every step seen: what the schedules are called with.
     in_burn = state.step < cfg.burn_in_steps
 
-    # 1. One forward pass, linearised: the loss, its gradient, (on curvature steps) the
-    # statistics' pull-back and the quadratic model's push-forwards all reuse it.
+    # One forward pass, linearised: the loss, its gradient, the statistics' pull-back and the
+    # quadratic model's push-forwards all reuse it.
     lin = _curvature.Linearisation(reg.scan_batch(params, batch), params, batch)
     loss, grads = _pmean((lin.loss, lin.grads()), self.axis_name)
-    grad_h = _plus_l2(grads, params, self.l2_reg)
+    grad_h, eta = grads, self.l2_reg
+    if eta:  # ∇h = ∇L + η θ
+      grad_h = jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
     fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grad_h)
     if self.use_adaptive_damping:
       lam = state.damping
     else:
       lam = _schedule_value(self.damping, clock, dtype)
 
-    # 2. The engine's step: statistics, inverses (damping λ + η) and Δ = −F̂⁻¹ ∇h.
+    # The engine's step: statistics, inverses (damping λ + η) and −Δ = F̂⁻¹ ∇h.
     ok = None
     if cfg.skip_nonfinite:
       ok = jnp.isfinite(loss) & _storage.all_finite(grads)
@@ -559,15 +469,18 @@ class Optimizer:
       mesh=cfg.mesh,
     )
 
-    # 3.-5. Direction, α and μ, damping adaptation (nothing but the statistics during burn-in).
+    # α, μ and the damping adaptation (nothing but the statistics during burn-in).
     move = functools.partial(self._move, fp, est, curv, pre, state, lam, clock)
     if cfg.burn_in_steps:
       m = jax.lax.cond(in_burn, functools.partial(_burn_in, params, state, lam, dtype), move)
     else:
       m = move()
     update = m.update
-    if cfg.weight_decay:
-      update = _decayed(update, params, jnp.where(in_burn, 0, cfg.weight_decay))
+    if cfg.weight_decay:  # Decoupled: `δ − d θ`.
+      d = jnp.where(in_burn, 0, cfg.weight_decay)
+      update = jax.tree_util.tree_map(
+        lambda u, p: (u - d.astype(p.dtype) * p).astype(p.dtype), update, params
+      )
     return _finish(state, curv, update, m, ok, loss, lam, dtype, lin.aux)
 
   def _move(self, fp: _Pass, est, curv, pre, state: OptimizerState, lam, clock) -> _Move:
@@ -575,23 +488,23 @@ class Optimizer:
     dtype = est.config.inverse_dtype
     delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), pre, fp.params)
     velocity = state.velocity
-    shift = lam + self.l2_reg
     alpha = (
       None if self.learning_rate is None else _schedule_value(self.learning_rate, clock, dtype)
     )
     mu = None if self.momentum is None else _schedule_value(self.momentum, clock, dtype)
     if self.norm_constraint is not None:
       assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
-      f_delta = est.multiply(curv, delta, axis_name=self.axis_name, mesh=self.config.mesh)
+      f_delta = est.multiply_matpower(
+        curv, delta, 1, axis_name=self.axis_name, mesh=self.config.mesh
+      )
       quad = _engine.tree_vdot(delta, f_delta).astype(dtype)
       alpha = kl_clip(alpha, quad, jnp.asarray(self.norm_constraint, dtype))
+    change, fixed = jnp.full([], jnp.nan, dtype), alpha is not None and mu is not None
     if alpha is None or mu is None:
+      shift = lam + self.l2_reg
       alpha, mu, change = quadratic_model(
         fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name
       )
-      fixed = False
-    else:
-      change, fixed = jnp.full([], jnp.nan, dtype), True
     update = jax.tree_util.tree_map(
       lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, velocity
     )
@@ -610,8 +523,7 @@ class Optimizer:
     `change` None: M(δ) is computed here (α and μ both fixed)."""
     cfg, eta, dtype = self.config, self.l2_reg, lam.dtype
     if change is None:
-      shift = lam + eta
-      change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name)[2]
+      change = quadratic_model(fp, delta, velocity, lam + eta, alpha, mu, dtype, self.axis_name)[2]
     new = [
       p + u for p, u in zip(jax.tree_util.tree_leaves(fp.params), jax.tree_util.tree_leaves(update))
     ]
@@ -635,16 +547,12 @@ class Optimizer:
   def as_optax(self) -> optax.GradientTransformationExtraArgs:
     """This optimizer as an optax transformation.
 
-    `update(updates, state, params, *, batch, rng=None)` runs `step` and returns
-    `new_params − params` as the updates (computed as the step itself, so
-    `optax.apply_updates(params, updates)` gives exactly the params `step` returns; on a skipped
-    step the updates are zero). The incoming `updates` (gradients) are not read: the optimizer
-    computes loss, gradient and curvature statistics itself from `batch` in one pass, so pass
-    the gradients or None. The state is a `KfacOptaxState`: the `OptimizerState` and the latest
-    `info`. Chaining further transforms after it changes the step the model chose.
-
-    With `has_aux=True`, `state.info["aux"]` holds the latest step's aux (zeros of its shapes
-    after `init`, which evaluates `loss_fn`'s shapes once with `example_batch`).
+    `update(updates, state, params, *, batch, rng=None)` runs `step` and returns its
+    `new_params − params` exactly (zeros on a skipped step). The incoming `updates` are not
+    read (the step computes loss, gradient and statistics from `batch`): pass the gradients or
+    None. The state is a `KfacOptaxState`: the `OptimizerState` and the latest `info` (with
+    `has_aux`, `info["aux"]` is zeros of the aux's shapes after `init`). Transforms chained
+    after it change the step the model chose.
     """
 
     def whole(params):

@@ -1,24 +1,14 @@
-"""One registration of a loss function, shared by every entry point.
+"""One registration of a loss function, shared by every entry point (`Registration`).
 
-A `Registration` scans `loss_fn(params, example_batch)` once, when it is built, and keeps what
-the scan decided: the layers (one `LayerSpec` and one curvature block each), the parameters'
-signature (paths, shapes, dtypes) and the statistics' fingerprint (`StatsKey`: estimation mode,
-samples and the layer set). `value_and_grad`, `scale_by_kfac` / `kfac`, `Optimizer`,
-`CurvatureEstimator`, `scan_layers`, `summary` and `check_registration` take it as
-`registration=`; given the same object they agree on the layers by construction, and
-statistics carry the fingerprint, so statistics of another mode or layer set are an error
-naming both.
-
-The evaluation graphs (the traced `loss_fn` the curvature pass evaluates) are kept per
-signature of `(params, batch)` and per bound collective axes, so a jitted step traced again
-(a new jit, a second batch shape seen before, `lax.cond` branches) reuses them instead of
-tracing and scanning `loss_fn` again. A graph whose constants are tracers (a `loss_fn` that
-closes over values of an enclosing trace) is never kept, and neither is a scan made with
-collective axes bound only for the scan (their size is then a stand-in 1).
+The evaluation graphs (the traced `loss_fn` the curvature pass evaluates) are kept per signature
+of `(params, batch)` and bound collective axes, so a jitted step traced again reuses them. A graph
+whose constants are tracers (a `loss_fn` closing over values of an enclosing trace) is never kept,
+nor is a scan made with collective axes bound only for the scan (a stand-in size 1).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import math
@@ -77,18 +67,6 @@ class StatsKey:
     return f"estimation_mode={self.estimation_mode!r}, num_samples={self.num_samples}"
 
 
-def stats_key(
-  estimation_mode: str, num_samples: int, layers: Sequence[_scan.LayerSpec]
-) -> StatsKey:
-  if estimation_mode not in _losses.RANDOM_MODES or estimation_mode == "empirical":
-    num_samples = 1  # "empirical" ignores it; the exact modes require 1.
-  return StatsKey(
-    estimation_mode,
-    num_samples,
-    tuple((s.name, s.kind, tuple(s.param_paths), s.num_uses, s.stack_size) for s in layers),
-  )
-
-
 def _layer_text(entry) -> str:
   name, kind, paths, uses, stack = entry
   extra = f", {uses} uses" if uses > 1 else ""
@@ -111,8 +89,7 @@ def mismatch_message(got: StatsKey, want: StatsKey, who: str) -> str:
       f"{want.mode_text()}."
     )
   if got.layers != want.layers:
-    names_got = [e[0] for e in got.layers]
-    names_want = [e[0] for e in want.layers]
+    names_got, names_want = [e[0] for e in got.layers], [e[0] for e in want.layers]
     only_got = [_layer_text(e) for e in got.layers if e not in want.layers]
     only_want = [_layer_text(e) for e in want.layers if e not in got.layers]
     parts.append(
@@ -128,21 +105,15 @@ def avals(tree) -> tuple:
   return treedef, tuple(jax.typeof(x) for x in leaves)
 
 
-def _has_tracer_consts(scan: _scan.ScanResult) -> bool:
-  return any(isinstance(v, jax.core.Tracer) for _, v in scan.graph.consts)
-
-
 class Registration:
   """`loss_fn` scanned once: its layers, parameter signature and statistics fingerprint.
 
-  Build one and pass it as `registration=` to every entry point that should agree on the
-  layers: `value_and_grad`, `scale_by_kfac`, `kfac`, `Optimizer`, `CurvatureEstimator`,
-  `scan_layers`, `summary`, `check_registration`. Those then take `loss_fn`, `example_batch`,
-  `has_aux`, `estimation_mode`, `num_samples`, `layers` and `strict` from it (a `Config`
-  with another value than the registration's is an error). Without it, each entry point
-  builds its own from its arguments: equal arguments give equal registrations.
-
-  The object is immutable; scanning happens here, not in every jit trace.
+  Pass it as `registration=` to every entry point that should agree on the layers
+  (`value_and_grad`, `scale_by_kfac`, `kfac`, `Optimizer`, `CurvatureEstimator`, `scan_layers`,
+  `summary`, `check_registration`); they then take `loss_fn`, `example_batch` and the settings
+  below from it (another value given to them is an error), and statistics carry its fingerprint,
+  so statistics of another mode or layer set are an error naming both. Without it, each entry
+  point builds its own from its arguments. The object is immutable; the scan happens here.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
@@ -161,12 +132,9 @@ class Registration:
       `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
       shard_map.
     check_loss: audit the loss tags against the returned loss on `example_batch`
-      (`kfac_jax._audit`): two tags on one prediction or a tag the loss does not depend on
-      is a RegistrationError; a measured mismatch of curvature (or, in the "empirical" mode,
-      of gradient) a `LossMismatchWarning` (an error with `strict`). False skips it, for a
-      loss that differs from its tags on purpose.
+      (`kfac_jax._audit`); False skips it, for a loss that differs from its tags on purpose.
     warn: emit the warnings below (False for a registration an entry point builds on the
-      user's behalf, e.g. `value_and_grad` per batch signature).
+      user's behalf).
 
   Attributes:
     layers: the registered layers (a tuple of `LayerSpec`), in parameter order.
@@ -177,26 +145,22 @@ class Registration:
     params_shape: the parameters as ShapeDtypeStructs.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
     example_batch_size: the loss tags' leading size in `example_batch`.
-    outputs_per_example: D, the predictive distributions per example that the loss tags
-      describe (a categorical tag on logits `[N, T, V]` has T, a Bernoulli or normal tag on
-      `[N, H, W]` has H·W; summed over the tags): the tagged loss sums D terms per example.
-    loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss (1 when the loss is
-      the tags' mean over examples and sum over outputs, 1/D for a mean over the outputs too),
-      as the loss audit fitted it on the example batch; None where the audit did not measure
-      (`check_loss=False`, abstract params or batch, a registration built under `jit`) or
-      found a mismatch.
+    outputs_per_example: D, the predictive distributions per example the loss tags describe
+      (T for a categorical tag on `[N, T, V]`, H·W for a normal tag on `[N, H, W]`; summed).
+    loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss (1/D for a mean over
+      the outputs too), as the loss audit fitted it; None where it did not measure or found a
+      mismatch.
     loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
       check_loss: the settings it was built with.
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.
-    RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, a
-      loss tag the audit rejects (`check_loss`), or (with `strict`) uncovered parameters or
-      a measured loss mismatch.
+    RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, two
+      tags on one prediction or a tag the loss does not depend on, or (with `strict`)
+      uncovered parameters or a measured loss mismatch.
 
   Warns:
-    UncoveredParametersWarning, LossMismatchWarning: once, when the registration is built;
-    later scans of other batch shapes and every entry point sharing it do not warn again.
+    UncoveredParametersWarning, LossMismatchWarning: once, when the registration is built.
 
   Example:
     >>> reg = kfac_jax.Registration(loss_fn, params, batch,
@@ -253,30 +217,6 @@ class Registration:
     _checks.boolean(check_loss, "check_loss")
     config = _scan.check_layer_config(layers)
     names = axis_names(axis_name)
-    env = _compat.axis_env_key()
-    stand_in = env is None or any(n not in {e[1] for e in env} for n in names)
-    with _compat.axis_env([(n, 1) for n in names]):
-      scan = _scan.scan(
-        part,
-        params,
-        example_batch,
-        strict=strict,
-        warn=warn,
-        layers=config,
-        has_aux=has_aux,
-      )
-    factor = None
-    if check_loss:  # Once per registration: its warning is not repeated by later scans.
-      _, factor = _audit.audit(
-        scan,
-        params,
-        example_batch,
-        estimation_mode=estimation_mode,
-        axis_names=names,
-        strict=strict,
-        warn=warn,
-      )
-    leaves = jax.tree_util.tree_leaves(params)
     set_(self, "loss_fn", loss_fn)
     set_(self, "loss_part", part)
     set_(self, "has_aux", has_aux)
@@ -286,6 +226,22 @@ class Registration:
     set_(self, "strict", strict)
     set_(self, "axis_name", axis_name)
     set_(self, "check_loss", check_loss)
+    env = _compat.axis_env_key()
+    stand_in = env is None or any(n not in {e[1] for e in env} for n in names)
+    with _compat.axis_env([(n, 1) for n in names]):
+      scan = self._trace(params, example_batch, warn)
+    factor = None
+    if check_loss:  # Once per registration: its warning is not repeated by later scans.
+      factor = _audit.audit(
+        scan,
+        params,
+        example_batch,
+        estimation_mode=estimation_mode,
+        axis_names=names,
+        strict=strict,
+        warn=warn,
+      )
+    leaves = jax.tree_util.tree_leaves(params)
     set_(self, "example_batch", jax.eval_shape(lambda b: b, example_batch))
     set_(self, "params_shape", jax.eval_shape(lambda p: p, params))
     set_(self, "param_paths", _scan.param_paths(params))
@@ -296,10 +252,14 @@ class Registration:
     set_(self, "example_batch_size", scan.losses[0].batch_size)
     set_(self, "outputs_per_example", sum(_outputs_per_example(spec) for spec in scan.losses))
     set_(self, "loss_factor", factor)
-    set_(self, "fingerprint", stats_key(estimation_mode, num_samples, scan.layers))
+    key_samples = num_samples if estimation_mode in _losses.RANDOM_MODES else 1
+    key_layers = tuple(
+      (s.name, s.kind, tuple(s.param_paths), s.num_uses, s.stack_size) for s in scan.layers
+    )
+    set_(self, "fingerprint", StatsKey(estimation_mode, key_samples, key_layers))
     set_(self, "_scans", {})
     set_(self, "_block_sets", {})
-    if not stand_in and not _has_tracer_consts(scan):
+    if not stand_in and not _audit.has_tracer_consts(scan):
       self._scans[(env, avals(params), avals(example_batch))] = scan
 
   def __setattr__(self, name, value):
@@ -313,7 +273,16 @@ class Registration:
       f"{list(self.block_names)}, fingerprint {self.fingerprint.digest})"
     )
 
-  # -- parameters --------------------------------------------------------------------------------
+  def _trace(self, params, batch, warn: bool) -> _scan.ScanResult:
+    return _scan.scan(
+      self.loss_part,
+      params,
+      batch,
+      strict=self.strict,
+      warn=warn,
+      layers=self.layer_config,
+      has_aux=self.has_aux,
+    )
 
   @property
   def param_signature(self) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]]:
@@ -322,37 +291,29 @@ class Registration:
 
   def check_params(self, params, what: str = "params") -> None:
     """ValueError naming the first leaf where `params` differs from the registration's."""
-    paths = _scan.param_paths(params)
-    expected = self.param_paths
+    paths, want = _scan.param_paths(params), self.param_paths
     problem = None
-    if paths != expected:
-      for got, want in zip(paths, expected):
-        if got != want:
-          problem = f"leaf `{got}` where `{want}` was expected"
-          break
-      else:
-        if len(paths) > len(expected):
-          problem = f"leaf `{paths[len(expected)]}` is not in the registered params"
-        else:
-          problem = f"leaf `{expected[len(paths)]}` is missing"
-    else:
-      leaves = jax.tree_util.tree_leaves(params)
-      for path, x, shape, dtype in zip(paths, leaves, self.param_shapes, self.param_dtypes):
-        now = (tuple(np.shape(x)), str(jnp.result_type(x)))
-        if now != (shape, dtype):
-          problem = (
-            f"leaf `{path}` has shape {now[0]} and dtype {now[1]}, expected shape {shape} "
-            f"and dtype {dtype}"
-          )
-          break
+    for i, (path, x) in enumerate(zip(paths, jax.tree_util.tree_leaves(params))):
+      now = (tuple(np.shape(x)), str(jnp.result_type(x)))
+      if i >= len(want):
+        problem = f"leaf `{path}` is not in the registered params"
+      elif path != want[i]:
+        problem = f"leaf `{path}` where `{want[i]}` was expected"
+      elif now != (self.param_shapes[i], self.param_dtypes[i]):
+        problem = (
+          f"leaf `{path}` has shape {now[0]} and dtype {now[1]}, expected shape "
+          f"{self.param_shapes[i]} and dtype {self.param_dtypes[i]}"
+        )
+      if problem:
+        break
+    if problem is None and len(paths) < len(want):
+      problem = f"leaf `{want[len(paths)]}` is missing"
     if problem is not None:
       raise ValueError(
         f"the {what} pytree differs from the one the registration (the estimator / "
         f"optimizer) was built for: {problem}. Create a new registration or transform for the "
         "new model, or pass params with the original structure, shapes and dtypes."
       )
-
-  # -- blocks --------------------------------------------------------------------------------
 
   def blocks(self, config: _blocks.BlockConfig | None = None) -> tuple[_blocks.Block, ...]:
     """One curvature block per layer for the block options `config` (built once per config)."""
@@ -361,31 +322,20 @@ class Registration:
       self._block_sets[config] = tuple(_blocks.make_block(s, config) for s in self.layers)
     return self._block_sets[config]
 
-  # -- evaluation ----------------------------------------------------------------------------
-
   def scan_batch(self, params, batch) -> _scan.ScanResult:
-    """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates.
-
-    Kept per `(params, batch)` signature and bound axes; a new one is checked to have the
-    registration's layers (a layer whose factor shapes depend on the batch size is an error
-    naming it).
-    """
+    """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates (module
+    docstring), checked to have the registration's layers."""
     env = _compat.axis_env_key()
     key = None if env is None else (env, avals(params), avals(batch))
-    hit = self._scans.get(key) if key is not None else None
-    if hit is not None:
-      return hit
-    scan = _scan.scan(
-      self.loss_part,
-      params,
-      batch,
-      strict=self.strict,
-      warn=False,
-      layers=self.layer_config,
-      has_aux=self.has_aux,
+    if key in self._scans:  # A key of None is never stored.
+      return self._scans[key]
+    scan = self._trace(params, batch, False)
+    self.check_layer_shapes(
+      tuple(s.name for s in scan.layers),
+      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
+      scan.losses[0].batch_size,
     )
-    self.check_scan(scan)
-    if key is not None and not _has_tracer_consts(scan):
+    if key is not None and not _audit.has_tracer_consts(scan):
       if len(self._scans) >= _MAX_SCANS:
         self._scans.pop(next(iter(self._scans)))
       self._scans[key] = scan
@@ -406,23 +356,10 @@ class Registration:
       fingerprint=self.fingerprint,
     )
 
-  def check_scan(self, scan: _scan.ScanResult) -> None:
-    """The layers found for a batch must be those of `example_batch`, with the same blocks."""
-    self.check_layer_shapes(
-      tuple(s.name for s in scan.layers),
-      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-      scan.losses[0].batch_size,
-    )
-
   def check_layer_shapes(self, names, shapes, batch_size: int, *, kinds_only: bool = False) -> None:
     """`names` and `(kind, approx, factor_shapes)` of the layers found for a batch of
-    `batch_size` examples must be those of `example_batch` (with `kinds_only`, their kinds:
-    statistics from a `value_and_grad` without this registration, whose scan may know another
-    `LayerConfig`, so its approximations may differ).
-
-    A batch of another leading size is fine (the blocks read row counts from the arrays); a
-    layer whose factor shapes depend on the batch size cannot share one state across sizes.
-    """
+    `batch_size` examples must be those of `example_batch` (with `kinds_only`, their kinds: for
+    statistics of a `value_and_grad` with another `LayerConfig`)."""
     if tuple(names) != tuple(s.name for s in self.layers):
       raise ValueError(
         "loss_fn registers different layers for this batch than for `example_batch`: "
@@ -465,15 +402,10 @@ def _outputs_per_example(spec) -> int:
 
 def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:
   names: list[str] = []
-  seen: dict[str, int] = {}
+  seen: collections.Counter[str] = collections.Counter()
   for s in specs:
-    n = s.name
-    if n in seen:
-      seen[n] += 1
-      n = f"{n}#{seen[s.name]}"
-    else:
-      seen[n] = 1
-    names.append(n)
+    seen[s.name] += 1
+    names.append(s.name if seen[s.name] == 1 else f"{s.name}#{seen[s.name]}")
   return names
 
 
@@ -494,12 +426,10 @@ def estimator_settings(
 def resolve(
   registration, loss_fn, example_batch, who: str, settings: dict[str, tuple[str, Any, Any]]
 ) -> Registration | None:
-  """The `registration=` argument of an entry point, checked against its other arguments.
+  """The `registration=` argument of an entry point (or None), checked against its others.
 
   `settings` maps an argument's name (as the error shows it) to `(attribute, value, default)`:
-  with a registration, an argument left at its default takes the registration's value, one
-  set to another value than the registration's is an error naming both. Returns None when no
-  registration was given.
+  a value other than the default and the registration's is an error naming both.
   """
   if isinstance(loss_fn, Registration):
     raise TypeError(
@@ -521,12 +451,11 @@ def resolve(
     )
   for name, (attr, value, default) in settings.items():
     have = getattr(registration, attr)
-    if value is default or value == default or value == have:
-      continue
-    raise ValueError(
-      f"{who}: `{name}`={value!r} differs from the registration's {have!r}. Leave `{name}` "
-      "out (the registration's applies), or build the registration with it."
-    )
+    if not (value is default or value == default or value == have):
+      raise ValueError(
+        f"{who}: `{name}`={value!r} differs from the registration's {have!r}. Leave `{name}` "
+        "out (the registration's applies), or build the registration with it."
+      )
   return registration
 
 
@@ -550,23 +479,18 @@ def value_and_grad(
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
       `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`. Leave it out when passing
       `registration`.
-    registration: a `kfac_jax.Registration` to share with the transform / optimizer /
-      estimator that consumes the statistics: its loss function, mode, samples and layers
-      (e.g. a `LayerConfig(linked=...)`) apply, and the scan it made is reused. The arguments
-      below but `compute_params_stats` then take the registration's values (one set to
-      another value is an error). Without it, the function registers `loss_fn` at its first
-      call (once per params / batch signature) with the arguments below.
-    has_aux: `loss_fn` returns `(loss, aux)`, aux any pytree of arrays (updated BatchNorm
-      statistics, metrics, logits); like `jax.value_and_grad(has_aux=True)`, `fn` then returns
-      `((loss, aux), grads, curvature_stats)`. The aux comes from the same forward pass and is
-      not differentiated; only the loss is scanned for layers.
+    registration: a `kfac_jax.Registration` shared with the transform / optimizer / estimator
+      that consumes the statistics; the arguments below but `compute_params_stats` then take
+      its values (another value is an error). Without it, `fn` registers `loss_fn` once per
+      params / batch signature with the arguments below.
+    has_aux: `loss_fn` returns `(loss, aux)`, aux any pytree of arrays from the same forward
+      pass, not differentiated (like `jax.value_and_grad(has_aux=True)`).
     estimation_mode: "gradients" (targets sampled from the model: the Fisher), "empirical"
       (the data's targets: the empirical Fisher), "curvature_prop" / "curvature_prop_GGN"
-      (Rademacher vectors times a square-root factor of the output Fisher / loss Hessian: the
-      Fisher / the generalised Gauss-Newton), or "exact" / "exact_GGN" (every output coordinate:
-      no sampling noise, at the cost of K backward passes, K = the prediction's non-batch size).
-      For the canonical-link losses here the Fisher and the GGN coincide. The random modes
-      need `rng`. Formulas: `kfac_jax._losses`.
+      (Rademacher vectors times a square-root factor of the output Fisher / loss Hessian), or
+      "exact" / "exact_GGN" (every output coordinate: no sampling noise, K backward passes for
+      K outputs per example). For the canonical-link losses here the Fisher and the GGN
+      coincide. The random modes need `rng`. Formulas: `kfac_jax._losses`.
     num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
       "empirical" ignores it, the exact modes require it to be 1.
     strict: raise instead of warning when parameters are outside every recognised layer.
@@ -577,26 +501,17 @@ def value_and_grad(
 
   Returns:
     `fn(params, batch, rng=None)`, returning `(loss, grads, curvature_stats)`, or
-    `((loss, aux), grads, curvature_stats)` with `has_aux=True`. The statistics are computed
-    on every call; a transform with `curvature_every > 1` forms the factors' products (the
-    bulk of their cost) on its due updates only.
+    `((loss, aux), grads, curvature_stats)` with `has_aux=True`.
 
   Raises:
     TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
-      called; params of another structure than the registration's (the first differing leaf
-      named), when `fn` is traced.
+      called; params of another structure than the registration's, when `fn` is traced.
     RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
-      `has_aux` (a tuple without it, a bare scalar with it).
+      `has_aux`.
 
   Example:
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
-
-    Sharing one registration with the transform:
-
-    >>> reg = kfac_jax.Registration(loss_fn, params, batch, layers=kfac_jax.LayerConfig())
-    >>> tx = kfac_jax.kfac(registration=reg, learning_rate=0.1)
-    >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
 
     With BatchNorm statistics (flax linen) coming back through the aux:
 

@@ -1,31 +1,22 @@
 """Static descriptions shared by the scanner, the blocks and the layer configuration.
 
-A leaf module: it imports nothing from `kfac_jax` at run time, so `blocks/*` read the specs
-without importing the tracer (`kfac_jax.scan`), and there is no import cycle. Which
-approximations each layer kind takes is declared with the kind, in `kfac_jax.scan._kinds`; the
-names of the kinds and approximations (`Kind`, `Approximation`) are here. It holds
-
-  * the registration errors and the uncovered-parameter warning;
-  * parameter paths (`path_to_str`, `param_paths`) and parameter views (`ViewStep`,
-    `ConcatView` with their pure helpers `apply_view`, `undo_view`, `join_pieces`,
-    `split_pieces`);
-  * the static layer and loss descriptions (`LayerSpec`, `LossSpec`) and the kind-specific
-    matching details a block reads (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`, `EmbeddingInfo`,
-    `FallbackInfo`).
+A leaf module (it imports nothing from `kfac_jax` at run time), so `blocks/*` read the specs
+without importing the tracer: the registration errors, parameter paths and views, the layer and
+loss specs and the kind-specific matching details a block reads. Each kind's record (its
+approximations, matchers) is in `kfac_jax.scan._kinds`; only the names are here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import jax
 import numpy as np
 
-# The layer vocabulary's names (each kind's record is in `kfac_jax.scan._kinds`); here, in the
-# leaf module, so the specs, the blocks and the matchers name them without importing the kinds.
 Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "conv_local", "generic"]
 Approximation = Literal[
   "kron",
@@ -69,19 +60,16 @@ class RegistrationCheckError(RegistrationError):
 # Parameter paths and views.
 
 
+def key_name(key) -> str:
+  """One pytree path entry as text: a dict key, an attribute name or an index."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
 def path_to_str(path) -> str:
-  parts = []
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      parts.append(str(k.key))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      parts.append(str(k.name))
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(str(k.idx))
-    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(k.key))
-    else:
-      parts.append(str(k))
+  parts = [key_name(k) for k in path]
   # nnx.State leaves end in a `value` attribute: drop it from the human-readable name.
   if len(parts) > 1 and parts[-1] == "value":
     parts = parts[:-1]
@@ -96,15 +84,8 @@ def param_paths(params) -> tuple[str, ...]:
 def common_prefix(paths: Sequence[str]) -> str:
   """The layer name of `paths`: their common `/`-separated prefix (a lone path's parent)."""
   split = [p.split("/") for p in paths]
-  prefix = []
-  for parts in zip(*split):
-    if all(x == parts[0] for x in parts):
-      prefix.append(parts[0])
-    else:
-      break
-  if len(paths) == 1 and len(split[0]) > 1:
-    prefix = split[0][:-1]
-  return "/".join(prefix) if prefix else paths[0]
+  prefix = split[0][:-1] if len(paths) == 1 else os.path.commonprefix(split)
+  return "/".join(prefix) or paths[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,14 +187,10 @@ class DenseInfo:
 
   The kernel operand (after `kernel_view`) is transposed by `kernel_perm` and reshaped to
   `[in, out]`; the input operand by `x_perm` to `[rows, in]`; the output by `out_perm` to
-  `[rows, out]`.
-
-  A layer whose input is computed from parameters and constants alone (a learned probe
-  projected before it is broadcast over the batch) has the same `rows` for every example; its
-  output reaches the batch through a broadcast (explicit, or an add with an activation), and
-  that broadcast is its tap. `shared_tap` then maps one example's tap entries to positions of
-  the `[rows, out]` output matrix (int32 bytes, row-major; an entry read twice sums its
-  gradients); empty for a layer whose input rows are the batch's.
+  `[rows, out]`. A layer whose input is computed from parameters and constants alone reaches
+  the batch through a broadcast, its tap: `shared_tap` then maps one example's tap entries to
+  positions of the `[rows, out]` output (int32 bytes, row-major; entries read twice sum);
+  empty for a layer whose input rows are the batch's.
   """
 
   kernel_view: tuple[ViewStep, ...]
@@ -250,27 +227,21 @@ class LayerSpec:
     info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
       `EmbeddingInfo`); None for generic layers.
     param_shapes: shapes of the parameter leaves.
-    num_uses: how many times the layer is applied (a shared / tied / recurrent layer: one leaf
-      used by several matching equations, e.g. the T steps of an unrolled scan). Each use has its
-      own output key and inputs in the registration.
-    use_infos: for `num_uses > 1`, the matching details of every use (`info` is the first one,
-      or the embedding use of a tied embedding).
-    note: why the approximation differs from the one asked for or the kind's default (the size
-      policy of `LayerConfig.max_factor_dim`, a positional table), "" otherwise; `summary`
-      prints it.
-    concat: for a layer over concatenated leaves, one entry per logical parameter (kernel,
-      bias): its `ConcatView`, or None for a plain leaf; () otherwise.
-    logical: with `concat`, the layer as matched on the concatenations (one leaf each, with
-      their shapes): the spec its block computes with.
-    stack_size: L > 0 for a stack of L layers of one kind whose parameter leaves carry a
-      leading layer axis (a scan over stacked layers, a vmapped ensemble, an expert-stacked
-      kernel; see `kfac_jax.scan._stacked`); 0 otherwise. `factor_shapes` then have a leading L.
-    stack_inner: for a stack, the spec of one layer of it (leaf shapes without the layer axis).
-    stack_axes: for a stack applied by one batched operation (a vmap), the layer axis of each
-      input operand and then of the output; empty when each layer has its own tap (a scan).
-    block_size: dense, conv and embedding layers: the largest factor side their Kronecker
-      block keeps whole; a wider side is kept as diagonal blocks of at most this size
-      (`blocks._blocked`; from `LayerConfig.block_size`); None: every side whole.
+    num_uses: how many times the layer is applied (tied weights, the T steps of an unrolled
+      scan); each use has its own output and inputs in the registration.
+    use_infos: for `num_uses > 1`, the matching details of every use.
+    note: why the approximation differs from the one asked for or the kind's default, or "".
+    concat: for a layer over concatenated leaves, one `ConcatView` (or None for a plain leaf)
+      per logical parameter; () otherwise.
+    logical: with `concat`, the layer as matched on the concatenations: the spec its block
+      computes with.
+    stack_size: L > 0 for a stack of L layers whose leaves carry a leading layer axis (a scan
+      over stacked layers, a vmapped ensemble); 0 otherwise. `factor_shapes` then lead with L.
+    stack_inner: for a stack, the spec of one layer of it.
+    stack_axes: for a stack applied by one vmap, the layer axis of each input operand and then
+      of the output; empty when each layer has its own tap (a scan).
+    block_size: the largest factor side a Kronecker block keeps whole (wider sides are kept as
+      diagonal blocks of at most this size; `LayerConfig.block_size`); None: every side whole.
   """
 
   name: str
@@ -362,23 +333,15 @@ class ConvInfo:
 class ScaleShiftInfo:
   """`out = x̂ * scale + shift`, the parameters spanning the axes `feature_shape` of `out`.
 
-  x̂ is the product of the layer's input operands (one, or two when a following multiplication
-  was folded in), broadcast to `output_shape`; its axis `batch_axis` is the batch (0, or 1 for
-  time-major `[T, N, D]` activations), or a leading axis of N·k rows grouped by example
-  (`(b h) t d`). The parameters span the consecutive axes of `out` from
-  `feature_axis` on (None: the trailing axes; an int for a channel-first layout, e.g. 1 for a
-  per-channel scale over `[N, C, H, W]`).
-
-  `example_rows` False: the rows along `batch_axis` are not grouped by example (the nodes of a
-  batch of graphs in one `[num_nodes, features]` array); each row's gradient is one row of the
-  statistics, F ≈ (1/N) Σ_rows J_r J_rᵀ (N the loss tags' batch), leaving out the products of
-  two rows of one example.
-  A shift-only table read through a gather at constant positions (T5's relative-position bias,
-  `table[buckets]` with buckets computed from positions; a positional table longer than the
-  sequence) has `feature_index`: the flat parameter entry each feature entry reads (int32 bytes
-  of `feature_shape`'s size, row-major, repeats allowed), so that the per-example gradient of a
-  parameter entry is the sum of the output gradient over every feature entry that reads it.
-  Empty: the features are the parameter's entries in order.
+  x̂ is the product of the layer's input operands, broadcast to `output_shape`; its axis
+  `batch_axis` is the batch (1 for time-major activations), or a leading axis of N·k rows
+  grouped by example. The parameters span the consecutive axes of `out` from `feature_axis` on
+  (None: the trailing axes; 1 for a per-channel scale over `[N, C, H, W]`). `example_rows`
+  False: the rows along `batch_axis` are not grouped by example (the nodes of a batch of
+  graphs); each row's gradient is one row of the statistics, F ≈ (1/N) Σ_rows J_r J_rᵀ.
+  `feature_index`, for a shift-only table read through a gather at constant positions (a
+  relative-position bias): the flat parameter entry each feature entry reads (int32 bytes,
+  row-major, repeats allowed); empty when the features are the parameter's entries in order.
   """
 
   has_scale: bool

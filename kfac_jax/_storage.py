@@ -1,38 +1,23 @@
 """Where the block state lives on a data-parallel axis: two strategy objects, one interface.
 
-`ReplicatedStorage` (the default) and `ShardedStorage` each take a fixed list of blocks and
-initialise, fold statistics into, refresh and multiply by their state; the estimator calls them
-without knowing which it holds. With replicated storage every device holds every block's
-factors and cache (inverses, eigendecompositions, Cholesky factors): the factorisations may be
-split over the devices, but their results are summed over the axis so that each device can
-precondition the whole gradient locally. With sharded storage (the "memory-optimised" strategy
-of KAISA, Pauloski et al., 2021, applied to the factors as well, as FSDP does to the
-parameters) device d stores, updates and refreshes only the factors and caches of its share
-S_d of the blocks, and preconditions only their gradient leaves; the full update is then the
-sum over the axis of each device's zero-padded part,
+`ReplicatedStorage` (the default) and `ShardedStorage` take the blocks on every call and
+initialise, fold statistics into, refresh and multiply by their state. Replicated: every device
+holds every block's factors and cache; the refresh may be split over the devices, its results
+summed over the axis (`kfac_jax._parallel`). Sharded (KAISA's "memory-optimised" strategy,
+Pauloski et al., 2021, applied to the factors as well, as FSDP does to the parameters): device
+d keeps, folds and refreshes only its share S_d of the blocks and the update is
 
     u = Σ_d  [ (F̂_b + λ)⁻¹ g_b  for b ∈ S_d,  0 elsewhere ],
 
-one `psum` of a gradient-sized vector per step. Each entry of the sum has a single non-zero
-term, so `u` is exactly what a device holding every cache computes. The batch statistics are
-averaged over the axis as with replicated storage; each device folds only its blocks' into its
-factors, so a refresh needs no communication at all.
-
-Shares are balanced by refresh cost and capped in bytes (`kfac_jax._parallel.refresh_assignment`):
-each device does about 1/D of the factorisation work and stores at most
-`1.25 · total/D + one block's state`. The layout is a static function of the block shapes and
-the axis size D, identical on every host.
-
-Both strategies are frozen, field-less objects: the blocks are passed to every call, so one
-object serves every estimator; the sharded layout is a pure function of the blocks' state
-shapes and D, memoised.
+one `psum` of a gradient-sized vector per step, exact (one non-zero term per entry). Shares are
+balanced by refresh cost and capped in bytes (`_parallel.refresh_assignment`), a static
+function of the blocks and the axis size D, identical on every host.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +27,7 @@ import numpy as np
 
 from kfac_jax import _checks, _parallel
 from kfac_jax import blocks as _blocks
+from kfac_jax.blocks._base import cast_tree
 
 if TYPE_CHECKING:
   from kfac_jax.blocks import Block
@@ -74,19 +60,18 @@ def _bound_size(axis_name: str, method: str) -> int:
     ) from None
 
 
-def _mesh_size(mesh) -> int:
-  m, axis = _parallel.mesh_axis(mesh)
-  return int(m.shape[axis])
-
-
-def _check_buffers(
-  lay: _parallel.PackedLayout, state, per_device: bool, method: str, field: str = "cache"
-) -> None:
+def _check_sharded(state, method: str, field: str) -> None:
   if not isinstance(state, _parallel.ShardedCache):
     raise TypeError(
       f"`{method}`: the state's {field} is a {type(state).__name__}, not the ShardedCache that "
       "inverse_storage='sharded' keeps; initialise the state with this estimator's `init`."
     )
+
+
+def _check_buffers(
+  lay: _parallel.PackedLayout, state, per_device: bool, method: str, field: str
+) -> None:
+  _check_sharded(state, method, field)
   d = 1 if per_device else lay.num_devices
   want = {k: (n * d,) for k, n in lay.lengths}
   got = {k: tuple(np.shape(v)) for k, v in state.buffers.items()}
@@ -98,19 +83,12 @@ def _check_buffers(
     )
 
 
-def _in_inverse_dtype(block: Block, factors):
-  """A block's factors cast to its `inverse_dtype` (no-op when the dtypes agree)."""
-  dtype = block.config.inverse_dtype
-  return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), factors)
-
-
 def all_finite(tree) -> Array:
   """True when every entry of every leaf is finite.
 
-  Tested through each leaf's sum, which is finite exactly when no entry is NaN or ±Inf (barring
-  a sum that overflows: ~1e38 in float32, then the leaf counts as non-finite, which errs on the
-  safe side). A sum compiles to one reduction that XLA fuses with the producer, where an
-  elementwise `isfinite` and `all` over every factor and inverse costs far more compile time.
+  Tested through each leaf's sum (finite exactly when no entry is NaN or ±Inf, barring an
+  overflow, which errs on the safe side): one reduction XLA fuses with the producer, far cheaper
+  to compile than an elementwise `isfinite` over every factor.
   """
   leaves = jax.tree_util.tree_leaves(tree)
   if not leaves:
@@ -123,9 +101,8 @@ def all_finite(tree) -> Array:
 
 
 def _keep_finite(new: dict, old: dict, keys) -> tuple[dict, Array]:
-  """Per key, `new[k]` when finite, else `old[k]` (a select on the scalar flag: an elementwise
-  `where` fused with the factorisations costs several times more compile time); and the count of
-  non-finite ones."""
+  """Per key, `new[k]` when finite, else `old[k]` (a select on the scalar flag, cheaper to
+  compile than an elementwise `where`); and the count of non-finite ones."""
   kept, failed = {}, jnp.zeros((), jnp.int32)
   for k in keys:
     ok = all_finite(new[k])
@@ -134,12 +111,26 @@ def _keep_finite(new: dict, old: dict, keys) -> tuple[dict, Array]:
   return kept, failed
 
 
+def _fold(old, new, weight, average):
+  return jax.tree_util.tree_map(lambda o, b: average(o, b, weight), old, new)
+
+
+def _products(blocks, indices, factors, caches, leaves, fn) -> dict[int, Any]:
+  """`{leaf index: product}`: `fn(block, factors, cache, vecs)` for the blocks `indices`, each
+  block's factors cast to its `inverse_dtype`."""
+  out: dict[int, Any] = {}
+  for i in indices:
+    b = blocks[i]
+    f = cast_tree(factors[i], b.config.inverse_dtype)
+    vecs = [leaves[j] for j in b.spec.leaf_indices]
+    out.update(zip(b.spec.leaf_indices, fn(b, f, caches[i], vecs)))
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplicatedStorage:
   """Every device keeps every block's factors and cache (`{block name: ...}`) and preconditions
-  the whole gradient itself. With `axis_name` (inside pmap / shard_map) or `mesh` (under jit),
-  each device factorises its share of the blocks, balanced by cost, and the caches are summed
-  over the axis (an exact operation: every other device contributes zeros)."""
+  the whole gradient; with `axis_name` or `mesh` the refresh is split over the devices."""
 
   def check_blocks(self, names: Sequence[str], blocks: Sequence[Block]) -> None:
     del names, blocks  # Every block kind keeps its cache here.
@@ -155,48 +146,42 @@ class ReplicatedStorage:
   def fold(self, names, blocks, factors, new, weight, average, axis_name, mesh) -> dict:
     """`average(old, batch, weight)` leaf by leaf; `new` has one entry per block, in order."""
     del blocks, axis_name, mesh
-    return {
-      n: jax.tree_util.tree_map(lambda o, b: average(o, b, weight), factors[n], x)
-      for n, x in zip(names, new)
-    }
+    return {n: _fold(factors[n], x, weight, average) for n, x in zip(names, new)}
 
   def refresh(self, names, blocks, factors, cache, damping, axis_name, mesh):
     """`(new cache, number of failed blocks)`; a block whose new cache is not finite keeps its
     previous one."""
-    if axis_name is not None and mesh is not None:
-      raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     by_block = [factors[n] for n in names]
 
     def compute(indices, factors, lam):
       new = _blocks.compute_caches(blocks, indices, factors, lam)
       return {names[i]: c for i, c in new.items()}
 
-    if axis_name is None and mesh is None:
-      new = compute(range(len(blocks)), by_block, damping)
+    def split(axis, factors, lam):  # Each device its share; the others' entries are zeros.
+      shares = _parallel.refresh_assignment(
+        [b.factor_shapes for b in blocks], jax.lax.axis_size(axis)
+      )
+      mine = _parallel.on_own_share(
+        lambda d: {**zeros, **compute(shares[d], factors, lam)}, shares, axis
+      )
+      return jax.lax.psum(mine, axis)
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, cache)
+    if axis_name is not None:
+      new = split(axis_name, by_block, damping)
+    elif mesh is not None:
+      new = _parallel.over_mesh(split, mesh, (by_block, damping), (False, False), False)
     else:
-      shapes = [b.factor_shapes for b in blocks]
-      zeros = jax.tree_util.tree_map(jnp.zeros_like, cache)
-
-      def split(factors, lam, axis):
-        return _parallel.split_over_axis(
-          lambda idx: compute(idx, factors, lam), zeros, shapes, axis
-        )
-
-      if axis_name is not None:
-        new = split(by_block, damping, axis_name)
-      else:
-        new = _parallel.over_mesh_axis(split, mesh, by_block, damping)
+      new = compute(range(len(blocks)), by_block, damping)
     return _keep_finite(new, cache, names)
 
   def apply(self, names, blocks, factors, cache, leaves, fn, axis_name, mesh, method) -> list:
     """`fn(block, factors, cache, vecs)` for every block, into a copy of `leaves`."""
     del axis_name, mesh, method
     out = list(leaves)
-    for n, b in zip(names, blocks):
-      f = _in_inverse_dtype(b, factors[n])
-      res = fn(b, f, cache[n], [leaves[j] for j in b.spec.leaf_indices])
-      for j, r in zip(b.spec.leaf_indices, res):
-        out[j] = r
+    f, c = [factors[n] for n in names], [cache[n] for n in names]
+    for j, r in _products(blocks, range(len(blocks)), f, c, leaves, fn).items():
+      out[j] = r
     return out
 
   def block_cache(self, cache, name: str):
@@ -209,43 +194,24 @@ class ReplicatedStorage:
     return factors
 
 
-def _shapes(tree) -> tuple:
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return tuple(leaves), treedef
-
-
-def _layout_key(blocks: Sequence[Block]) -> tuple[tuple, tuple, tuple]:
-  """What the sharded layout depends on: each block's factor and cache shapes."""
-  return (
-    tuple(_shapes(jax.eval_shape(b.init_factors)) for b in blocks),
-    tuple(_shapes(b.cache_shapes()) for b in blocks),
-    tuple(tuple(b.factor_shapes) for b in blocks),
-  )
-
-
 @functools.lru_cache(maxsize=64)
 def _layouts(
-  factors: tuple, caches: tuple, factor_shapes: tuple, num_devices: int
+  blocks: tuple[Block, ...], num_devices: int
 ) -> tuple[_parallel.PackedLayout, _parallel.PackedLayout]:
-  f = [jax.tree_util.tree_unflatten(treedef, leaves) for leaves, treedef in factors]
-  c = [jax.tree_util.tree_unflatten(treedef, leaves) for leaves, treedef in caches]
-  sizes = [
-    float(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in fl + cl))
-    for (fl, _), (cl, _) in zip(factors, caches)
-  ]
-  shares = _parallel.refresh_assignment(factor_shapes, num_devices, sizes)
+  shares = _parallel.refresh_assignment(
+    [b.factor_shapes for b in blocks], num_devices, [b.state_bytes() for b in blocks]
+  )
   return (
-    _parallel.packed_layout(f, num_devices, shares),
-    _parallel.packed_layout(c, num_devices, shares),
+    _parallel.packed_layout([jax.eval_shape(b.init_factors) for b in blocks], shares),
+    _parallel.packed_layout([b.cache_shapes() for b in blocks], shares),
   )
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardedStorage:
-  """Each device keeps only its share of the blocks' factors and caches (two `ShardedCache`s),
-  folds statistics into, refreshes and applies only those, and the products are summed over
-  the axis; every call needs `axis_name` (inside pmap / shard_map) or `mesh` (under jit). See
-  the module docstring."""
+  """Each device keeps, folds, refreshes and applies only its share of the blocks (two
+  `ShardedCache`s); every call needs `axis_name` (inside pmap / shard_map) or `mesh` (under
+  jit). See the module docstring."""
 
   def check_blocks(self, names: Sequence[str], blocks: Sequence[Block]) -> None:
     for n, b in zip(names, blocks):
@@ -260,26 +226,33 @@ class ShardedStorage:
     self, blocks: Sequence[Block], num_devices: int
   ) -> tuple[_parallel.PackedLayout, _parallel.PackedLayout]:
     """The blocks' factors and caches laid out on `num_devices` devices (the same shares)."""
-    return _layouts(*_layout_key(blocks), num_devices)
+    return _layouts(tuple(blocks), num_devices)
 
-  def _check_global(self, blocks, mesh, method, factors=None, cache=None) -> None:
-    if mesh is None:
-      return
-    flay, clay = self.layouts(blocks, _mesh_size(mesh))
-    if factors is not None:
-      _check_buffers(flay, factors, False, method, "factors")
-    if cache is not None:
-      _check_buffers(clay, cache, False, method)
+  def _run(self, blocks, method, axis_name, mesh, local, args, sharded, out_sharded):
+    """`local(axis, factors layout, cache layout, *args)` on every device of the axis: bound
+    (`axis_name`), or of a `shard_map` over `mesh` with the `sharded` arguments and outputs
+    split over it. The `sharded` arguments (the state's factors, then its cache) are checked
+    against the layouts first."""
+    check_axis(axis_name, mesh, method)
+    if axis_name is not None:
+      size = _bound_size(axis_name, method)
+    else:
+      m, axis = _parallel.mesh_axis(mesh)
+      size = int(m.shape[axis])
+    lays = self.layouts(blocks, size)
+    for lay, state, field in zip(lays, args[: sum(sharded)], ("factors", "cache")):
+      _check_buffers(lay, state, axis_name is not None, method, field)
+    if axis_name is not None:
+      return local(axis_name, *lays, *args)
+    return _parallel.over_mesh(
+      lambda axis, *a: local(axis, *lays, *a), mesh, args, sharded, out_sharded
+    )
 
   def init_state(self, names, blocks, axis_name, mesh):
-    """`(factors, cache)`: each device's buffers holding its blocks' zero factors and identity
-    caches."""
+    """`(factors, cache)`: each device's buffers of its blocks' zero factors, identity caches."""
     del names
-    check_axis(axis_name, mesh, "init")
 
-    def local(axis):
-      flay, clay = self.layouts(blocks, jax.lax.axis_size(axis))
-
+    def local(axis, flay, clay):
       def run(d):
         share = flay.shares[d]
         return (
@@ -287,59 +260,38 @@ class ShardedStorage:
           _parallel.pack(clay, d, {i: blocks[i].init_cache() for i in share}),
         )
 
-      f, c = _parallel.on_own_share(run, flay, axis)
+      f, c = _parallel.on_own_share(run, flay.shares, axis)
       return _parallel.ShardedCache(f), _parallel.ShardedCache(c)
 
-    if axis_name is not None:
-      _bound_size(axis_name, "init")
-      return local(axis_name)
-    return _parallel.over_mesh(local, mesh, (), (), (True, True))
+    return self._run(blocks, "init", axis_name, mesh, local, (), (), (True, True))
 
   def fold(self, names, blocks, factors, new, weight, average, axis_name, mesh):
     """Each device folds its blocks' entries of this batch's statistics `new` (one entry per
     block, in order, the same on every device) into its factors: `average(old, batch,
     weight)` leaf by leaf."""
     del names
-    method = "update_curvature"
-    check_axis(axis_name, mesh, method)
-    self._check_global(blocks, mesh, method, factors=factors)
 
-    def local(axis, factors, new, weight):
-      flay, _ = self.layouts(blocks, jax.lax.axis_size(axis))
-      _check_buffers(flay, factors, True, method, "factors")
-
+    def local(axis, flay, clay, factors, new, weight):
       def run(d):
         old = _parallel.unpack(flay, d, factors.buffers)
         return _parallel.pack(
-          flay,
-          d,
-          {
-            i: jax.tree_util.tree_map(lambda o, b: average(o, b, weight), old[i], new[i])
-            for i in flay.shares[d]
-          },
+          flay, d, {i: _fold(old[i], new[i], weight, average) for i in flay.shares[d]}
         )
 
-      return _parallel.ShardedCache(_parallel.on_own_share(run, flay, axis))
+      return _parallel.ShardedCache(_parallel.on_own_share(run, flay.shares, axis))
 
-    if axis_name is not None:
-      _bound_size(axis_name, method)
-      return local(axis_name, factors, new, weight)
-    return _parallel.over_mesh(local, mesh, (factors, new, weight), (True, False, False), True)
+    args = (factors, new, weight)
+    return self._run(
+      blocks, "update_curvature", axis_name, mesh, local, args, (True, False, False), True
+    )
 
   def refresh(self, names, blocks, factors, cache, damping, axis_name, mesh):
     """`(new ShardedCache, number of failed blocks)`: each device refreshes its own blocks from
     its own factors; the failures are counted on the device that owns the block and summed over
     the axis."""
     del names
-    method = "update_inverses"
-    check_axis(axis_name, mesh, method)
-    self._check_global(blocks, mesh, method, factors=factors, cache=cache)
 
-    def local(axis, factors, cache, lam):
-      flay, clay = self.layouts(blocks, jax.lax.axis_size(axis))
-      _check_buffers(flay, factors, True, method, "factors")
-      _check_buffers(clay, cache, True, method)
-
+    def local(axis, flay, clay, factors, cache, lam):
       def run(d):
         share = clay.shares[d]
         old = _parallel.unpack(clay, d, cache.buffers)
@@ -348,66 +300,46 @@ class ShardedStorage:
         kept, failed = _keep_finite(new, old, share)
         return _parallel.pack(clay, d, kept), failed
 
-      buffers, failed = _parallel.on_own_share(run, clay, axis)
+      buffers, failed = _parallel.on_own_share(run, clay.shares, axis)
       return _parallel.ShardedCache(buffers), jax.lax.psum(failed, axis)
 
-    if axis_name is not None:
-      _bound_size(axis_name, method)
-      return local(axis_name, factors, cache, damping)
-    return _parallel.over_mesh(
-      local, mesh, (factors, cache, damping), (True, True, False), (True, False)
+    args = (factors, cache, damping)
+    return self._run(
+      blocks, "update_inverses", axis_name, mesh, local, args, (True, True, False), (True, False)
     )
 
   def apply(self, names, blocks, factors, cache, leaves, fn, axis_name, mesh, method) -> list:
-    """`fn(block, factors, cache, vecs)` for every block, each on the device that owns it.
-
-    Every device computes its blocks' products into a zero vector; the sum over the axis is
-    the full product (a single non-zero term per entry, so exact). Leaves outside every block
-    pass through unchanged, as with replicated storage.
-    """
+    """`fn(block, factors, cache, vecs)` for every block on the device that owns it, into
+    zeros elsewhere, summed over the axis; leaves outside every block pass through."""
     del names
-    check_axis(axis_name, mesh, method)
-    self._check_global(blocks, mesh, method, factors=factors, cache=cache)
     covered = sorted(j for b in blocks for j in b.spec.leaf_indices)
-    vecs = [leaves[j] for j in covered]
-
-    def spec(x):
-      return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
     # The products' shapes and dtypes, which every branch (owner or not) must return.
     out_shapes: dict[int, jax.ShapeDtypeStruct] = {}
     for b in blocks:
       res = jax.eval_shape(
-        lambda c, v, b=b: fn(b, _in_inverse_dtype(b, b.init_factors()), c, v),
+        lambda c, v, b=b: fn(b, cast_tree(b.init_factors(), b.config.inverse_dtype), c, v),
         b.cache_shapes(),
-        [spec(leaves[j]) for j in b.spec.leaf_indices],
+        [jax.ShapeDtypeStruct(np.shape(leaves[j]), leaves[j].dtype) for j in b.spec.leaf_indices],
       )
       out_shapes.update(zip(b.spec.leaf_indices, res))
 
-    def local(axis, factors, cache, vecs):
-      flay, clay = self.layouts(blocks, jax.lax.axis_size(axis))
-      _check_buffers(flay, factors, True, method, "factors")
-      _check_buffers(clay, cache, True, method)
+    def local(axis, flay, clay, factors, cache, vecs):
       by_leaf = dict(zip(covered, vecs))
 
       def run(d):
-        caches = _parallel.unpack(clay, d, cache.buffers)
-        mine = _parallel.unpack(flay, d, factors.buffers)
         out = {j: jnp.zeros(out_shapes[j].shape, out_shapes[j].dtype) for j in covered}
-        for i in clay.shares[d]:
-          b = blocks[i]
-          f = _in_inverse_dtype(b, mine[i])
-          res = fn(b, f, caches[i], [by_leaf[j] for j in b.spec.leaf_indices])
-          out.update(zip(b.spec.leaf_indices, res))
+        mine = (
+          _parallel.unpack(flay, d, factors.buffers),
+          _parallel.unpack(clay, d, cache.buffers),
+        )
+        out.update(_products(blocks, clay.shares[d], *mine, by_leaf, fn))
         return [out[j] for j in covered]
 
-      return jax.lax.psum(_parallel.on_own_share(run, clay, axis), axis)
+      return jax.lax.psum(_parallel.on_own_share(run, clay.shares, axis), axis)
 
-    if axis_name is not None:
-      _bound_size(axis_name, method)
-      res = local(axis_name, factors, cache, vecs)
-    else:
-      res = _parallel.over_mesh(local, mesh, (factors, cache, vecs), (True, True, False), False)
+    args = (factors, cache, [leaves[j] for j in covered])
+    res = self._run(blocks, method, axis_name, mesh, local, args, (True, True, False), False)
     out: list[Any] = list(leaves)
     for j, r in zip(covered, res):
       out[j] = r
@@ -420,18 +352,12 @@ class ShardedStorage:
   def block_factors(self, names, blocks, factors) -> dict[str, Any]:
     """Every block's factors by name, gathered from the global buffers (a pmap output
     `[D, L]`, or a `[D·L]` array under jit with a mesh)."""
-    if not isinstance(factors, _parallel.ShardedCache):
-      raise TypeError(
-        f"the state's factors are a {type(factors).__name__}, not the ShardedCache that "
-        "inverse_storage='sharded' keeps; initialise the state with this estimator's `init`."
-      )
+    _check_sharded(factors, "to_dense", "factors")
     bufs = factors.buffers
     lens = {k: int(np.size(v)) for k, v in bufs.items()}
 
-    key = _layout_key(blocks)
-
     def fits(d: int) -> bool:
-      return {k: n * d for k, n in _layouts(*key, d)[0].lengths} == lens
+      return {k: n * d for k, n in self.layouts(blocks, d)[0].lengths} == lens
 
     rows = {int(np.shape(v)[0]) for v in bufs.values() if np.ndim(v) == 2}
     first = min(lens.values())
@@ -442,7 +368,7 @@ class ShardedStorage:
         "the sharded factors' buffers fit no number of devices: pass the global state (as "
         "`init` returned it under pmap or with `mesh`), not one device's share of it."
       )
-    flay = _layouts(*key, num)[0]
+    flay = self.layouts(blocks, num)[0]
     out: dict[str, Any] = {}
     for d in range(num):
       local = {k: jnp.reshape(v, (num, -1))[d] for k, v in bufs.items()}

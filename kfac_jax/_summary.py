@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -13,10 +15,8 @@ from kfac_jax import _compat, _curvature, _registration
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _tracer
 
-AxisName = str | tuple[str, ...] | None
 
-
-def _shared(registration, loss_fn, params, batch, who, settings):
+def _shared(who, registration, loss_fn, params, batch, strict, layers, axis_name, has_aux):
   """The registration given as `registration=` (checked against the other arguments), or
   None; `params` and `batch` belong to `loss_fn` and are left out with a registration."""
   if registration is not None and params is not None:
@@ -24,16 +24,13 @@ def _shared(registration, loss_fn, params, batch, who, settings):
       f"{who}: pass either `loss_fn, params, batch` or `registration=`, not both: the "
       "registration holds the params signature and example batch."
     )
-  return _registration.resolve(registration, loss_fn, batch, who, settings)
-
-
-def _settings(strict, layers, axis_name, has_aux):
-  return {
+  settings = {
     "strict": ("strict", strict, False),
     "layers": ("layer_config", layers, None),
     "axis_name": ("axis_name", axis_name, None),
     "has_aux": ("has_aux", has_aux, False),
   }
+  return _registration.resolve(registration, loss_fn, batch, who, settings)
 
 
 def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _tracer.ScanResult:
@@ -50,41 +47,27 @@ def scan_layers(
   registration: _registration.Registration | None = None,
   strict: bool = False,
   layers: _tracer.LayerConfig | None = None,
-  axis_name: AxisName = None,
+  axis_name: _registration.AxisName = None,
   has_aux: bool = False,
 ) -> tuple[_tracer.LayerSpec, ...]:
   """Traces `loss_fn(params, batch)` and returns the layers K-FAC will use, in parameter order.
 
-  Each `LayerSpec` has `name`, `kind` ("dense", "conv", "scale_and_shift", "embedding",
-  "generic"), `param_paths` (e.g.
-  `params/Dense_0/kernel`), `approx`, `factor_shapes` and `num_uses` (how many times the layer
-  is applied: tied weights, the steps of a scan) and `stack_size` (L for a stack of L layers
-  whose leaves carry a leading layer axis: a scan over stacked layers, a vmapped ensemble; 0
-  otherwise). Parameters outside every recognised
-  layer get a diagonal generic block and one `UncoveredParametersWarning` naming them all
-  (an error with `strict=True`). `layers` (a `kfac_jax.LayerConfig`) chooses approximations and
-  linked groups as in the estimator.
-
-  `axis_name` (a name or a tuple of names) is for models with collectives inside, e.g. linen
-  `BatchNorm(axis_name="batch")`: `loss_fn` is traced with each named axis bound with size 1,
-  so the scan works outside `pmap` / `shard_map`. `has_aux=True`: `loss_fn` returns `(loss,
-  aux)`, as in `kfac_jax.value_and_grad`; only the loss part is scanned.
-
-  `registration=` (a `kfac_jax.Registration`, instead of `loss_fn, params, batch`): its
-  layers, as every entry point sharing it uses them (no new scan).
+  Each `LayerSpec` names the layer, its kind, parameter paths (e.g. `params/Dense_0/kernel`),
+  approximation, factor shapes, `num_uses` (tied weights, the steps of a scan) and `stack_size`.
+  Parameters outside every recognised layer get a diagonal generic block and one
+  `UncoveredParametersWarning` naming them all (an error with `strict=True`). `layers` (a
+  `kfac_jax.LayerConfig`) chooses approximations and linked groups as in the estimator.
+  `axis_name` (a name or a tuple of names) binds the collective axes of a model that uses them
+  (e.g. linen `BatchNorm(axis_name="batch")`) with size 1 for the trace. `has_aux=True`:
+  `loss_fn` returns `(loss, aux)`, as in `kfac_jax.value_and_grad`. `registration=` (instead of
+  `loss_fn, params, batch`): the layers of that `kfac_jax.Registration` (no new scan).
 
   Raises:
     RegistrationError: no loss tag, a malformed manual tag, or a `layers` entry that does not fit.
     TypeError: `axis_name` is not a string or a tuple of strings.
   """
-  reg = _shared(
-    registration,
-    loss_fn,
-    params,
-    batch,
-    "scan_layers",
-    _settings(strict, layers, axis_name, has_aux),
-  )
+  args = (loss_fn, params, batch, strict, layers, axis_name, has_aux)
+  reg = _shared("scan_layers", registration, *args)
   if reg is not None:
     return reg.layers
   return _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, layers=layers).layers
@@ -98,29 +81,23 @@ def summary(
   registration: _registration.Registration | None = None,
   strict: bool = False,
   layers: _tracer.LayerConfig | None = None,
-  axis_name: AxisName = None,
+  axis_name: _registration.AxisName = None,
   has_aux: bool = False,
 ) -> str:
   """A table of the registered layers and a coverage report.
 
-  The table lists each layer's kind, approximation, parameters, factor shapes and memory (the
-  block's state: factors plus the cached inverses for exps=(-1,)). The report under it gives
-  the share of the parameters (by count) in structured, non-generic blocks; the curvature
-  state's bytes (the memory column's total) against the parameters' bytes; and, for every
-  parameter in a diagonal fallback block, why no layer matched it ("sliced by a scan", "used as
-  1 + scale", "concatenated before a matmul", "used 3 times in different ways (dot_general,
-  mul)", "consumed by <primitive> (no matcher)", "not used by the loss", ...). `axis_name` and
-  `has_aux` as in `scan_layers`.
-  The `note` column says why a layer's approximation differs from its kind's default (e.g. a
-  factor side over `LayerConfig.max_factor_dim` kept as its diagonal). `registration=`: the
-  table of that `kfac_jax.Registration` (instead of `loss_fn, params, batch`; no new scan).
+  The table lists each layer's kind, approximation, parameters, factor shapes, memory (the
+  block's state: factors plus the cached inverses for exps=(-1,)) and a note saying why a
+  layer's approximation differs from its kind's default. The report under it gives the share
+  of the parameters in structured, non-generic blocks, the curvature state's bytes against the
+  parameters', and, for every parameter in a diagonal fallback block, why no layer matched it
+  ("sliced by a scan", "consumed by <primitive> (no matcher)", ...). The arguments as in
+  `scan_layers`.
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))
   """
-  reg = _shared(
-    registration, loss_fn, params, batch, "summary", _settings(strict, layers, axis_name, has_aux)
-  )
+  reg = _shared("summary", registration, loss_fn, params, batch, strict, layers, axis_name, has_aux)
   if reg is not None:
     specs, blocks, params = reg.layers, reg.blocks(), reg.params_shape
   else:
@@ -128,24 +105,16 @@ def summary(
     specs = _scan(
       loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False, layers=layers
     ).layers
-    config = _blocks.BlockConfig()
-    blocks = [_blocks.make_block(s, config) for s in specs]
+    blocks = [_blocks.make_block(s, _blocks.BlockConfig()) for s in specs]
   table = format_table(_display_names(specs), blocks)
   return table + "\n\n" + coverage_report(specs, blocks, params)
 
 
 def _display_names(specs: Sequence[_tracer.LayerSpec]) -> list[_tracer.LayerSpec]:
-  """Specs renamed so that every row is distinguishable.
-
-  A layer is named by the common prefix of its parameter paths; layers whose parameters sit
-  directly in one dict (`{"params": {"w1", "b1", "w2", "b2"}}`) all get that dict's name. Such
-  layers are shown by their first parameter's path (`params/w1`) instead, as is a layer named
-  after a dict that holds other layers too (`params/pos`, not `params`, for a table that sits
-  directly in `params` beside `params/Dense_0`).
-  """
-  counts: dict[str, int] = {}
-  for s in specs:
-    counts[s.name] = counts.get(s.name, 0) + 1
+  """Specs renamed so that every row is distinguishable: a layer whose name is shared (its
+  parameters sit in one dict with others) or a prefix of another's is shown by its first
+  parameter's path."""
+  counts = collections.Counter(s.name for s in specs)
   return [
     dataclasses.replace(s, name=s.param_paths[0])
     if counts[s.name] > 1 or any(o.name.startswith(s.name + "/") for o in specs)
@@ -188,20 +157,18 @@ def check_registration(
   *,
   registration: _registration.Registration | None = None,
   layers: _tracer.LayerConfig | None = None,
-  axis_name: AxisName = None,
+  axis_name: _registration.AxisName = None,
   has_aux: bool = False,
 ) -> tuple[_tracer.LayerSpec, ...]:
   """Checks that every parameter is in exactly one curvature block; lists every problem at once.
 
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
-  layer covers (it would get a diagonal fallback block; the line says why no layer matched it),
-  every parameter registered twice (two
-  manual tags, or a tag and a linked group), every manually tagged parameter whose number of
-  tags differs from the number of times `loss_fn` uses it (a kernel applied twice but tagged
-  once: its second use would be missing from the curvature; the message gives both counts), and
-  every `layers.overrides` / `layers.linked` pattern that matches no parameter. `axis_name` and
-  `has_aux` as in `scan_layers`. `registration=` checks a `kfac_jax.Registration` (its loss,
-  settings, params signature and example batch; instead of `loss_fn, params, batch`).
+  layer covers (with why no layer matched it), every parameter registered twice (two manual
+  tags, or a tag and a linked group), every manually tagged parameter whose number of tags
+  differs from the number of times `loss_fn` uses it, and every `layers.overrides` /
+  `layers.linked` pattern that matches no parameter. `axis_name` and `has_aux` as in
+  `scan_layers`. `registration=` checks a `kfac_jax.Registration` (instead of `loss_fn, params,
+  batch`).
 
   Returns:
     The registered layers, as `scan_layers` returns them, when there is no problem.
@@ -215,14 +182,8 @@ def check_registration(
   Example:
     >>> kfac_jax.check_registration(loss_fn, params, batch)  # raises listing every problem
   """
-  reg = _shared(
-    registration,
-    loss_fn,
-    params,
-    batch,
-    "check_registration",
-    _settings(False, layers, axis_name, has_aux),
-  )
+  args = (loss_fn, params, batch, False, layers, axis_name, has_aux)
+  reg = _shared("check_registration", registration, *args)
   if reg is not None:
     loss_fn, params, batch = reg.loss_fn, reg.params_shape, reg.example_batch
     axis_name, has_aux, layers = reg.axis_name, reg.has_aux, reg.layer_config
@@ -234,10 +195,7 @@ def check_registration(
 def _relative_paths(paths: Sequence[str]) -> str:
   """The parameter paths without the directory they all share (`kernel, bias` for a dense
   layer; `hi/kernel, hf/kernel, ...` for kernels concatenated from one module's leaves)."""
-  dirs = [p.split("/")[:-1] for p in paths]
-  common = 0
-  while all(len(d) > common and d[common] == dirs[0][common] for d in dirs):
-    common += 1
+  common = len(os.path.commonprefix([p.split("/")[:-1] for p in paths]))
   return ", ".join("/".join(p.split("/")[common:]) for p in paths)
 
 
@@ -269,18 +227,8 @@ def format_table(
   ratio = (
     f"{total / param_bytes:.2f}x the parameters' {format_bytes(param_bytes)}" if param_bytes else ""
   )
-  rows.append(
-    (
-      "total",
-      "",
-      "",
-      "",
-      f"{sum(s.num_params for s in layers)} values",
-      "",
-      format_bytes(total),
-      ratio,
-    )
-  )
+  values = f"{sum(s.num_params for s in layers)} values"
+  rows.append(("total", "", "", "", values, "", format_bytes(total), ratio))
   if not any(s.note for s in layers):  # The last column holds the ratio only: no header.
     rows[0] = rows[0][:-1] + ("",)
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -296,6 +244,6 @@ def format_bytes(n: float) -> str:
   """`n` bytes for people: "512 B", "1.5 KiB", ..., "2.0 GiB"."""
   for unit in ("B", "KiB", "MiB", "GiB"):
     if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+      break
     n /= 1024
-  return f"{n} B"
+  return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

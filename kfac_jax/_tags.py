@@ -1,42 +1,20 @@
 """Tag primitives: no-op JAX primitives that mark losses and layers in a traced function.
 
-A tag returns its first operand(s) unchanged. It lowers to nothing, passes tangents straight
-through (so it never appears in a derivative), and batches trivially, so it survives `jit`,
-`grad`/`vjp`/`jvp`, `vmap`, `pmap`, `checkpoint` and `lax.scan` and costs nothing when no K-FAC
-machinery reads the jaxpr.
+A tag returns its first operand(s) unchanged, lowers to nothing, passes tangents through and
+batches trivially, so it survives every JAX transformation and costs nothing outside K-FAC.
 
-Loss tags mark the model's predictive distribution (categorical, multi-Bernoulli, normal).
-Convention, as in TF K-FAC: the tagged loss is the **sum over all non-leading axes and the mean
-over the leading (batch) axis** of `weight * nll(prediction, target)`. A per-token mean therefore
-needs `weight=1/num_tokens`. Layer tags mark what the scanner cannot find by itself.
-
-The tagged loss should be the loss `loss_fn` returns, up to a constant factor (a sum instead of
-a mean is fine) and terms that do not involve the tagged predictions (an L2 penalty, an
-auxiliary loss on another output): K-FAC's curvature is that of the tagged loss. A
-`Registration` audits this on the example batch (`kfac_jax._audit`).
-
-The `weight` of a loss tag. Its **shape** is a scalar, or the event shape's rank with each axis
-1 or the event's size, where the event shape is `logits.shape[:-1]` for the categorical
-(`[N]` per example, `[N, T]` per position) and the prediction's shape otherwise (`[N, 1]` per
-example, `[N, D]` per coordinate). A per-example weight of a multi-axis prediction is `[N, 1]`,
-not `[N]`: a lower rank would broadcast against the trailing axes. **Meaning**: a
-non-negative multiplicity. An example (position, coordinate) of weight `w` counts as `w` copies
-of it in every estimation mode, so the curvature is linear in `w` (negative entries count as 0):
-
-  * "gradients", "curvature_prop", "exact" (Fisher) and "curvature_prop_GGN", "exact_GGN"
-    (Gauss-Newton): `w F_z` per example, `F_z` the unweighted per-example Fisher (equal to the
-    Hessian of the NLL for these losses); the vectors carry `√w`.
-  * "empirical": `w ∇_z ℓ ∇_z ℓᵀ` per example, `∇_z ℓ` the *unweighted* NLL's gradient at the
-    data's targets (`(√w ⊙ ∇_z ℓ)(√w ⊙ ∇_z ℓ)ᵀ` for a weight per coordinate) -- the gradient of
-    the weighted loss, `w ∇_z ℓ`, would give `w²` instead.
-  * the Optimizer's quadratic model: the Hessian of the tagged loss, `(1/N) w F_z`.
-
-A mask is a weight of 0s and 1s: a loss `(mask * nll).sum() / mask.sum()` is the tagged loss
-with `weight=mask`, a constant factor away.
+Loss tags mark the model's predictive distribution; the tagged loss is the **sum over all
+non-leading axes and the mean over the leading (batch) axis** of `weight * nll(prediction,
+target)` (as in TF K-FAC), and the loss `loss_fn` returns should be that loss up to a constant
+factor and terms that do not involve the tagged predictions (`kfac_jax._audit` checks it).
+A loss tag's `weight` is a non-negative multiplicity: an entry of weight `w` counts as `w`
+copies of it in every estimation mode (docs/layers.rst gives its shapes and each mode's
+formula). Layer tags mark what the scanner cannot find by itself.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 from typing import Literal as TypingLiteral
@@ -45,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _compat
+from kfac_jax import _checks, _compat
 
 Array = jax.Array
 LossKind = TypingLiteral["categorical", "bernoulli", "normal"]
@@ -56,11 +34,8 @@ def _make_tag_primitive(name: str) -> _compat.Primitive:
   prim = _compat.Primitive(name)
   prim.multiple_results = True
 
-  def impl(*args, n_out, **_):
+  def first(*args, n_out, **_):  # The value, the abstract value and the lowering.
     return list(args[:n_out])
-
-  def abstract_eval(*avals, n_out, **_):
-    return list(avals[:n_out])
 
   def jvp(primals, tangents, *, n_out, **params):
     return prim.bind(*primals, n_out=n_out, **params), list(tangents[:n_out])
@@ -71,15 +46,11 @@ def _make_tag_primitive(name: str) -> _compat.Primitive:
     params = dict(params, under_vmap=True)
     return prim.bind(*args, n_out=n_out, **params), list(dims[:n_out])
 
-  def lower(ctx, *args, n_out, **_):
-    del ctx
-    return list(args[:n_out])
-
-  prim.def_impl(impl)
-  prim.def_abstract_eval(abstract_eval)
+  prim.def_impl(first)
+  prim.def_abstract_eval(first)
   _compat.ad.primitive_jvps[prim] = jvp
   _compat.batching.primitive_batchers[prim] = batch
-  _compat.mlir.register_lowering(prim, lower)
+  _compat.mlir.register_lowering(prim, lambda ctx, *args, **params: first(*args, **params))
   return prim
 
 
@@ -109,15 +80,12 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
   operands = [prediction]
   if targets is not None:
     targets = _check_array(targets, "targets", fn)
-    ok_shapes = [prediction.shape]
-    if kind == "categorical":
-      ok_shapes.append(prediction.shape[:-1])
+    ok_shapes = [prediction.shape] + ([prediction.shape[:-1]] if kind == "categorical" else [])
     if targets.shape not in ok_shapes:
       expect = " or ".join(str(s) for s in ok_shapes)
       raise ValueError(f"{fn}: `targets` has shape {targets.shape}, expected {expect}.")
-    if kind == "categorical" and targets.shape == prediction.shape[:-1]:
-      if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise TypeError(f"{fn}: class-index `targets` must be integers, got {targets.dtype}.")
+    if targets.shape != prediction.shape and not jnp.issubdtype(targets.dtype, jnp.integer):
+      raise TypeError(f"{fn}: class-index `targets` must be integers, got {targets.dtype}.")
     operands.append(targets)
   if weight is not None:
     if isinstance(weight, (int, float)) and not isinstance(weight, bool):
@@ -138,7 +106,7 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
     operands.append(weight.astype(prediction.dtype))
   if not (isinstance(var, (int, float)) and var > 0 and math.isfinite(var)):
     raise ValueError(f"{fn}: `var` must be a positive finite Python number, got {var!r}.")
-  outs = loss_tag_p.bind(
+  return loss_tag_p.bind(
     *operands,
     n_out=1,
     kind=kind,
@@ -146,8 +114,7 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
     has_weight=weight is not None,
     var=float(var),
     fn=fn,
-  )
-  return outs[0]
+  )[0]
 
 
 def register_categorical_predictive_distribution(logits, targets=None, weight=None) -> Array:
@@ -158,8 +125,7 @@ def register_categorical_predictive_distribution(logits, targets=None, weight=No
     targets: optional class indices `[batch, ...]` (integers) or probabilities/one-hot of the
       same shape as `logits`; needed only for the empirical Fisher.
     weight: optional non-negative weight: a scalar, `[N]` per example or `[N, ...]` per
-      position (the rank of `logits.shape[:-1]`, each axis 1 or its size); a multiplicity,
-      linear in the curvature of every estimation mode (module docstring).
+      position (the rank of `logits.shape[:-1]`, each axis 1 or its size); a multiplicity.
 
   Returns:
     `logits`, unchanged.
@@ -180,8 +146,7 @@ def register_multi_bernoulli_predictive_distribution(logits, targets=None, weigh
     logits: `[batch, ...]` logits.
     targets: optional `{0, 1}` (or probability) targets of the same shape.
     weight: optional non-negative weight: a scalar, `[N, 1, ...]` per example or an array of
-      `logits`' rank with each axis 1 or its size (per unit); a multiplicity, linear in the
-      curvature of every estimation mode (module docstring).
+      `logits`' rank with each axis 1 or its size (per unit); a multiplicity.
 
   Returns:
     `logits`, unchanged.
@@ -202,8 +167,7 @@ def register_normal_predictive_distribution(
     targets: optional targets of the same shape.
     var: the variance, a positive Python float (static).
     weight: optional non-negative weight: a scalar, `[N, 1, ...]` per example or an array of
-      `mean`'s rank with each axis 1 or its size (per coordinate); a multiplicity, linear in
-      the curvature of every estimation mode (module docstring).
+      `mean`'s rank with each axis 1 or its size (per coordinate); a multiplicity.
 
   Returns:
     `mean`, unchanged.
@@ -236,10 +200,8 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
     kernel: `[in, out]` (Flax layout), a parameter leaf (possibly cast).
     bias: optional `[out]` parameter leaf.
     approx: curvature approximation for this layer (default: the estimator's default, "kron").
-      A kernel used several times is tagged at every use, each tag with the same `approx`, one
-      of "kron_indep" (the default), "kron_series_1", "kron_series_2", "diagonal" or "full"
-      (the dense kind's shared approximations, `kfac_jax.scan._kinds`); the number of tags must
-      equal the number of uses.
+      A kernel used several times is tagged at every use, each tag with the same shared-layer
+      `approx` ("kron_indep" by default, `kfac_jax.scan._kinds`).
 
   Returns:
     `y`, unchanged.
@@ -258,14 +220,7 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
       f"{fn}: `y` has shape {y.shape}, expected {x.shape[:-1] + (kernel.shape[1],)} from x "
       f"{x.shape} and kernel {kernel.shape}."
     )
-  operands = [y, x, kernel]
-  if bias is not None:
-    bias = _check_array(bias, "bias", fn)
-    if bias.shape != (kernel.shape[1],):
-      raise ValueError(f"{fn}: `bias` has shape {bias.shape}, expected ({kernel.shape[1]},).")
-    operands.append(bias)
-  _check_approx(approx, fn)
-  return layer_tag_p.bind(*operands, n_out=1, kind="dense", approx=approx)[0]
+  return _bind_layer(fn, "dense", [y, x, kernel], approx, bias, kernel.shape[1])
 
 
 def register_generic(params, approx: str | None = None):
@@ -282,14 +237,20 @@ def register_generic(params, approx: str | None = None):
   if not leaves:
     raise ValueError("register_generic: `params` has no array leaves.")
   leaves = [_check_array(v, "params", "register_generic") for v in leaves]
-  _check_approx(approx, "register_generic")
+  _checks.optional_str(approx, "approx")
   outs = layer_tag_p.bind(*leaves, n_out=len(leaves), kind="generic", approx=approx)
   return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def _check_approx(approx, fn):
-  if approx is not None and not isinstance(approx, str):
-    raise TypeError(f"{fn}: `approx` must be a string or None, got {approx!r}.")
+def _bind_layer(fn: str, kind: str, operands, approx, bias=None, out: int = 0, **params):
+  """Binds a layer tag on `operands` and, if given, `bias` (checked to be `[out]`)."""
+  if bias is not None:
+    bias = _check_array(bias, "bias", fn)
+    if bias.shape != (out,):
+      raise ValueError(f"{fn}: `bias` has shape {bias.shape}, expected ({out},).")
+    operands.append(bias)
+  _checks.optional_str(approx, "approx")
+  return layer_tag_p.bind(*operands, n_out=1, kind=kind, approx=approx, **params)[0]
 
 
 def register_conv(
@@ -340,51 +301,37 @@ def register_conv(
     dn = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, dimension_numbers)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{fn}: bad `dimension_numbers` {dimension_numbers!r}: {e}") from None
-
-  def spatial(value, name):
-    value = (1,) * nsp if value is None else value
+  names = ("window_strides", "lhs_dilation", "rhs_dilation")
+  spatial = dict(zip(names, (window_strides, lhs_dilation, rhs_dilation)))
+  for name, value in spatial.items():
     try:
-      value = tuple(int(v) for v in value)
+      spatial[name] = tuple(int(v) for v in ((1,) * nsp if value is None else value))
     except TypeError:
       raise TypeError(f"{fn}: `{name}` must be a sequence of ints, got {value!r}.") from None
-    if len(value) != nsp or any(v < 1 for v in value):
+    if len(spatial[name]) != nsp or min(spatial[name]) < 1:
       raise ValueError(f"{fn}: `{name}` must be {nsp} positive ints, got {value!r}.")
-    return value
-
-  strides = spatial(window_strides, "window_strides")
-  lhs_d, rhs_d = spatial(lhs_dilation, "lhs_dilation"), spatial(rhs_dilation, "rhs_dilation")
-  if (
-    isinstance(feature_group_count, bool)
-    or not isinstance(feature_group_count, int)
-    or (feature_group_count < 1)
-  ):
-    raise ValueError(
-      f"{fn}: `feature_group_count` must be a positive int, got {feature_group_count!r}."
-    )
+  strides, lhs_d, rhs_d = spatial.values()
+  _checks.static_int(feature_group_count, "feature_group_count")
   in_sp = [(x.shape[d] - 1) * s + 1 for d, s in zip(dn.lhs_spec[2:], lhs_d)]
   win = [(kernel.shape[d] - 1) * s + 1 for d, s in zip(dn.rhs_spec[2:], rhs_d)]
-  if isinstance(padding, str):
-    try:
-      pads = tuple((lo, hi) for lo, hi in jax.lax.padtype_to_pads(in_sp, win, strides, padding))
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"{fn}: bad `padding` {padding!r}: {e}") from None
-  else:
-    try:
-      pads = tuple((int(lo), int(hi)) for lo, hi in padding)
-    except (TypeError, ValueError):
-      raise ValueError(
-        f"{fn}: `padding` must be a string or {nsp} (lo, hi) pairs, got {padding!r}."
-      ) from None
-  if len(pads) != nsp:
-    raise ValueError(f"{fn}: `padding` must have {nsp} (lo, hi) pairs, got {padding!r}.")
   try:
-    expected = jax.eval_shape(
-      lambda a, k: jax.lax.conv_general_dilated(
-        a, k, strides, pads, lhs_d, rhs_d, dn, feature_group_count
-      ),
-      x,
-      kernel,
-    ).shape
+    pads = padding
+    if isinstance(padding, str):
+      pads = jax.lax.padtype_to_pads(in_sp, win, strides, padding)
+    pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+  except (TypeError, ValueError, RuntimeError):
+    pads = ()
+  if len(pads) != nsp:
+    raise ValueError(
+      f'{fn}: `padding` must be "SAME", "VALID", "SAME_LOWER" or {nsp} (lo, hi) pairs, got '
+      f"{padding!r}."
+    )
+
+  def conv(a, k):
+    return jax.lax.conv_general_dilated(a, k, strides, pads, lhs_d, rhs_d, dn, feature_group_count)
+
+  try:
+    expected = jax.eval_shape(conv, x, kernel).shape
   except (TypeError, ValueError) as e:
     raise ValueError(
       f"{fn}: `x` {x.shape} and `kernel` {kernel.shape} do not form a "
@@ -395,26 +342,20 @@ def register_conv(
       f"{fn}: `y` has shape {y.shape}, but the convolution of x {x.shape} with kernel "
       f"{kernel.shape} gives {tuple(expected)}; check the strides, padding and layout."
     )
-  operands = [y, x, kernel]
-  if bias is not None:
-    bias = _check_array(bias, "bias", fn)
-    out = kernel.shape[dn.rhs_spec[0]]
-    if bias.shape != (out,):
-      raise ValueError(f"{fn}: `bias` has shape {bias.shape}, expected ({out},).")
-    operands.append(bias)
-  _check_approx(approx, fn)
-  return layer_tag_p.bind(
-    *operands,
-    n_out=1,
-    kind="conv",
-    approx=approx,
+  return _bind_layer(
+    fn,
+    "conv",
+    [y, x, kernel],
+    approx,
+    bias,
+    kernel.shape[dn.rhs_spec[0]],
     window_strides=strides,
     padding=pads,
     lhs_dilation=lhs_d,
     rhs_dilation=rhs_d,
     dimension_numbers=dn,
     feature_group_count=feature_group_count,
-  )[0]
+  )
 
 
 def register_scale_and_shift(y, x, scale=None, shift=None, approx: str | None = None) -> Array:
@@ -450,24 +391,15 @@ def register_scale_and_shift(y, x, scale=None, shift=None, approx: str | None = 
     if p is None:
       continue
     p = _check_array(p, name, fn)
-    core = tuple(p.shape)
-    while core and core[0] == 1:
-      core = core[1:]
+    core = tuple(itertools.dropwhile(lambda d: d == 1, p.shape))
     if len(core) >= y.ndim or (core and tuple(y.shape[y.ndim - len(core) :]) != core):
       raise ValueError(
         f"{fn}: `{name}` has shape {p.shape}; it must match trailing axes of y {y.shape} "
         "(not the batch axis)."
       )
     operands.append(p)
-  _check_approx(approx, fn)
-  return layer_tag_p.bind(
-    *operands,
-    n_out=1,
-    kind="scale_and_shift",
-    approx=approx,
-    has_scale=scale is not None,
-    has_shift=shift is not None,
-  )[0]
+  has = {"has_scale": scale is not None, "has_shift": shift is not None}
+  return _bind_layer(fn, "scale_and_shift", operands, approx, **has)
 
 
 def register_embedding(y, ids, table, approx: str | None = None) -> Array:
@@ -493,5 +425,4 @@ def register_embedding(y, ids, table, approx: str | None = None) -> Array:
       f"{fn}: `y` has shape {y.shape}, expected ids.shape + (dim,) = "
       f"{ids.shape + (table.shape[1],)} (ids need a leading batch axis)."
     )
-  _check_approx(approx, fn)
-  return layer_tag_p.bind(y, ids, table, n_out=1, kind="embedding", approx=approx)[0]
+  return _bind_layer(fn, "embedding", [y, ids, table], approx)

@@ -1,20 +1,12 @@
 """K-FAC as optax gradient transformations.
 
-`scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates); `kfac` is the chain of
-`scale_by_kfac`, K-FAC norm clipping, heavy-ball momentum (`optax.trace`) and the learning rate,
-under a guard. All curvature state (factors, inverses, counters) is in the optax state, and the
-step is `kfac_jax._engine.step` inside the caller's `jit`/`pmap`: the program compiles once and
-never syncs with the host.
+`scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates); `kfac` chains it with
+K-FAC norm clipping, `optax.trace` momentum and the learning rate under a guard wrapper. The
+step (`kfac_jax._engine.step`) runs inside the caller's `jit` / `pmap`, without host syncs.
 
-Both skip a non-finite update by default (`Config.skip_nonfinite`): when the incoming gradient,
-this batch's curvature statistics or the preconditioned update has a NaN or ±Inf, the returned
-updates are zeros and the state is left as it was, apart from the `skipped` counter (and the
-estimator's `skipped_batches` when the statistics alone were non-finite). For `kfac` the guard
-spans the whole chain, so the momentum trace is kept too, and it also requires finite
-hyperparameters (an injected or scheduled learning rate, momentum or `max_norm`). The curvature
-moves only on a finite gradient, finite hyperparameters and finite statistics; a preconditioned
-update that overflows from finite inputs is skipped, but the curvature keeps that batch's
-(finite) statistics, so the guard never holds on to the old factors.
+With `Config.skip_nonfinite` (the default) a non-finite gradient, batch statistics or
+preconditioned update gives zero updates and leaves the state as it was but for the `skipped`
+counters; `kfac`'s guard also requires finite hyperparameters and keeps the momentum trace.
 """
 
 from __future__ import annotations
@@ -45,10 +37,8 @@ class ScaleByKfacState(NamedTuple):
   """State of `scale_by_kfac`.
 
   Attributes:
-    count: `[]` int32, updates applied so far (skipped ones not counted): the statistics' and
-      inverses' periods count it. Schedules are called with `count + skipped`, every update
-      seen, so a schedule that returns a non-finite value at one step moves past it instead of
-      stalling training.
+    count: `[]` int32, updates applied so far (not the skipped ones): the statistics' and
+      inverses' periods count it; schedules are called with `count + skipped`.
     curvature: the estimator's factors, caches and EMA weight.
     skipped: `[]` int32, updates skipped because the gradient, the statistics or the update
       were not finite (`Config.skip_nonfinite`).
@@ -60,42 +50,36 @@ class ScaleByKfacState(NamedTuple):
 
 
 class KfacState(NamedTuple):
-  """State of `kfac`: the states of its chain (clipping and the learning rate keep none).
+  """State of `kfac`: its preconditioner's and the rest of its chain's.
 
   Attributes:
-    preconditioner: the `scale_by_kfac` state (first, so `state[0]` is it, as in a chain): the
-      learning-rate and damping schedules are called with its `count + skipped`, and its
-      `skipped` counts skipped updates.
-    momentum: `optax.TraceState` (the heavy-ball trace, params-shaped and -typed) with
-      `momentum`, else `optax.EmptyState`.
+    preconditioner: the `scale_by_kfac` state (`state[0]`, as in a chain).
+    rest: the states of the chain after it, `(clipping, momentum, learning rate)`; only the
+      momentum's (also `state.momentum`) is not empty.
   """
 
   preconditioner: ScaleByKfacState
-  momentum: optax.TraceState | optax.EmptyState
+  rest: tuple[Any, ...]
+
+  @property
+  def momentum(self) -> optax.TraceState | optax.EmptyState:
+    """`optax.TraceState` (the heavy-ball trace, params-shaped) with momentum, else empty."""
+    return self.rest[1]
 
 
 def auto_stride(n: int) -> int:
   """The row stride of `statistics_fraction="auto"` for a batch of n rows: every fourth row from
   256 rows, every second from 128, else every row, so the statistics keep at least 64 examples.
-
-  A quarter of the rows reached Adam's loss sooner on the CNN and autoencoder races at a
-  cheaper step, while a small batch's statistics get too noisy; strides that are powers of two
-  keep the rows on their devices for a batch sharded over a power-of-two number of devices.
-  """
+  Powers of two keep the rows on their devices for a batch sharded over 2^k devices."""
   return 4 if n >= 256 else 2 if n >= 128 else 1
 
 
-def _row_plan(fraction, batch, who: str, *, strict: bool) -> tuple[int, int] | None:
-  """`(rows, stride)` of the statistics' rows of `batch` (`x[: rows * stride : stride]` along
-  every leaf's leading axis), or None for every row. `strict`: a batch whose leaves do not
-  share one leading axis raises (an explicit fraction); otherwise it keeps every row."""
-  if fraction == 1:
-    return None
-  flat = jax.tree_util.tree_flatten_with_path(batch)[0]
-  sized = [(path, x) for path, x in flat if jnp.ndim(x) >= 1]
+def _rows(fraction, batch, who: str) -> tuple[Any, int]:
+  """`(rows of batch, their number)`: the strided slice `x[: rows * stride : stride]` of every
+  leaf's leading axis that `fraction` picks, so a sharded batch keeps rows on every device.
+  Leaves without one shared leading axis raise."""
+  sized = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(batch)[0] if jnp.ndim(x) >= 1]
   if not sized:
-    if not strict:
-      return None
     raise ValueError(
       f"{who}: statistics_fraction={fraction!r} takes rows of every `batch=` leaf, "
       "but no leaf has a leading axis."
@@ -103,8 +87,6 @@ def _row_plan(fraction, batch, who: str, *, strict: bool) -> tuple[int, int] | N
   n = jnp.shape(sized[0][1])[0]
   for path, x in sized[1:]:
     if jnp.shape(x)[0] != n:
-      if not strict:
-        return None
       raise ValueError(
         f"{who}: statistics_fraction={fraction!r} takes the same rows of every `batch=` "
         f"leaf, so their leading axes must agree: `batch{jax.tree_util.keystr(sized[0][0])}` "
@@ -113,48 +95,39 @@ def _row_plan(fraction, batch, who: str, *, strict: bool) -> tuple[int, int] | N
       )
   if fraction == "auto":
     stride = auto_stride(n)
-    return None if stride == 1 else (-(-n // stride), stride)
-  rows = max(1, math.ceil(fraction * n))
-  return rows, n // rows
-
-
-def _cut(batch, plan: tuple[int, int] | None):
-  """`batch` at the rows of `plan` (from `_row_plan`; None: the whole batch). A strided slice,
-  not the first rows: a batch sharded over devices keeps its rows on every device, and an
-  ordered batch contributes from every block."""
-  if plan is None:
-    return batch
-  rows, stride = plan
-  return jax.tree_util.tree_map(
+    rows = -(-n // stride)
+  else:
+    rows = max(1, math.ceil(fraction * n))
+    stride = n // rows
+  if rows == n:
+    return batch, rows
+  cut = jax.tree_util.tree_map(
     lambda x: x[: rows * stride : stride] if jnp.ndim(x) >= 1 else x, batch
   )
+  return cut, rows
 
 
 def _batch_statistics(est: _estimator.Estimator, fraction, params, batch, rng, who: str):
   """This batch's statistics from the rows `fraction` picks (see `Config.statistics_fraction`).
 
-  "auto" tries the cut batch at trace time only: a batch with a leaf that is not per-example,
-  a model whose shapes follow the batch size, or a loss whose examples are not the leaves'
-  leading axis falls back to the whole batch (the abandoned trace leaves nothing in the
-  compiled step). An explicit fraction raises instead, with a note on the cause.
+  "auto" tries the cut batch at trace time only and falls back to the whole batch when it
+  fails (the abandoned trace leaves nothing in the compiled step); an explicit fraction raises,
+  with a note on the cause.
   """
   if fraction == 1:
     return est.curvature_stats(params, batch, rng)
   if fraction == "auto":
-    plan = _row_plan(fraction, batch, who, strict=False)
-    if plan is not None:
-      try:
-        stats = est.curvature_stats(params, _cut(batch, plan), rng)
-      except Exception:  # noqa: BLE001
-        # Any error on the cut batch (Flax's parameter-shape errors are not ValueErrors); a
-        # real one comes back from the whole batch's trace below.
-        stats = None
-      if stats is not None and stats.batch_size == plan[0]:
-        return stats
+    try:
+      cut, rows = _rows(fraction, batch, who)
+      stats = est.curvature_stats(params, cut, rng)
+    except Exception:  # noqa: BLE001  # Flax's shape errors are not ValueErrors.
+      stats = None
+    if stats is not None and stats.batch_size == rows:
+      return stats
     return est.curvature_stats(params, batch, rng)
-  rows = _cut(batch, _row_plan(fraction, batch, who, strict=True))
+  cut = _rows(fraction, batch, who)[0]
   try:
-    return est.curvature_stats(params, rows, rng)
+    return est.curvature_stats(params, cut, rng)
   except (TypeError, ValueError) as e:
     # A note, not a new exception: JAX's own TypeErrors take a tracer, not a message.
     e.add_note(
@@ -185,7 +158,6 @@ def _check_state(state, est: _estimator.Estimator, who: str) -> None:
 def _preconditioner(
   loss_fn,
   example_batch,
-  *,
   damping,
   ema_decay,
   inverse_every,
@@ -209,7 +181,7 @@ def _preconditioner(
   )
   config.refuse(who, ("weight_decay",), "chain optax.add_decayed_weights for weight decay")
   source = _fronts.for_front(loss_fn, example_batch, registration, config, who)
-  mesh, guard, fraction = config.mesh, config.skip_nonfinite, config.fraction
+  mesh, guard = config.mesh, config.skip_nonfinite
 
   def init_fn(params) -> ScaleByKfacState:
     est, _ = _fronts.estimator_for(source, params, who, axis_name)
@@ -255,7 +227,6 @@ def _preconditioner(
         "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
       )
     count = state.count
-    clock = count + state.skipped  # Every update seen: what the schedules are called with.
     ok = None
     if guard:
       ok = _storage.all_finite(updates)
@@ -265,13 +236,13 @@ def _preconditioner(
     def statistics():
       if curvature_stats is not None:
         return curvature_stats
-      return _batch_statistics(est, fraction, params, batch, rng, who)
+      return _batch_statistics(est, config.fraction, params, batch, rng, who)
 
-    vector = updates if kept is None else _fronts.fill(est, updates)
+    clock = count + state.skipped
     pre, curv, ok = _engine.step(
       est,
       state.curvature,
-      vector,
+      updates if kept is None else _fronts.fill(est, updates),
       statistics,
       count,
       damping=damping(clock) if callable(damping) else damping,
@@ -313,54 +284,42 @@ def scale_by_kfac(
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
 
   `F̂` is the block-diagonal Kronecker-factored Fisher of the tagged loss (see
-  `CurvatureEstimator`), averaged with a bias-corrected EMA of the statistics of every
-  `curvature_every`-th update; its inverse is refreshed every `inverse_every` updates (both
-  first at update 0) with the current damping λ.
+  `CurvatureEstimator`), a bias-corrected EMA of the statistics of every `curvature_every`-th
+  update; its inverse is refreshed every `inverse_every` updates (both first at update 0).
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
-    damping: λ ≥ 0, a number or a schedule `count -> λ` (0.1; see `kfac_jax.Config` for why the
-      `Optimizer`'s default differs).
+    damping: λ ≥ 0, a number or a schedule `count -> λ`.
     ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
     inverse_every: refresh the inverses every this many updates.
-    curvature_every: fold the curvature statistics into the EMA every this many updates (1
-      here: without `kfac`'s clipping, stale statistics let some models diverge at a fixed
-      learning rate). Above 1 the factors' products (the bulk of the statistics' cost) are
-      formed on due updates only, and with `batch=` the statistics' passes too.
+    curvature_every: fold the statistics into the EMA every this many updates (1 here: without
+      `kfac`'s clipping, stale statistics let some models diverge). Above 1 the statistics'
+      products (and passes, with `batch=`) are formed on due updates only.
     registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`, shared
-      with `kfac_jax.value_and_grad(registration=...)`: both then use its layers, mode and
-      samples (the config's registration fields must then agree with it).
-    axis_name: inside `pmap` / `shard_map`: average the statistics over this axis, and split
-      the inverse work over it (each device factorises its share of the blocks, balanced by
-      cost; with sharded storage each keeps only its share).
-    config: a `kfac_jax.Config` with the rare knobs (estimation mode, dtypes, inverse storage,
-      `mesh`, `statistics_fraction`, burn-in, the non-finite guard, ...).
+      with `kfac_jax.value_and_grad(registration=...)` (the config's registration fields must
+      agree with it).
+    axis_name: inside `pmap` / `shard_map`: average the statistics over this axis and split
+      the inverse work over it.
+    config: a `kfac_jax.Config` with the rare knobs.
 
-  With `optax.inject_hyperparams`, declare the non-numeric arguments static (optax treats any
-  callable as a schedule): `optax.inject_hyperparams(kfac_jax.scale_by_kfac,
-  static_args=("loss_fn", "example_batch"))(loss_fn=..., example_batch=..., damping=1e-3)`;
-  `damping`, `ema_decay` and `inverse_every` can then change between steps without a recompile.
-
-  Inside `optax.multi_transform` / `optax.masked` (params with `optax.MaskedNode` leaves), pass
-  `registration=` built from the whole params and `curvature_stats=`: the state then holds only
-  the blocks of the share, and every layer must lie wholly inside or outside it.
+  With `optax.inject_hyperparams`, declare the non-numeric arguments static:
+  `static_args=("loss_fn", "example_batch")`. Inside `optax.multi_transform` / `optax.masked`,
+  pass `registration=` built from the whole params and `curvature_stats=`: the state then
+  holds only the share's blocks, and every layer must lie wholly inside or outside it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `ScaleByKfacState`. Its
     `update(updates, state, params, *, curvature_stats=None, batch=None, rng=None,
     kfac_gate=None)` needs `params`, and either `curvature_stats` from
     `kfac_jax.value_and_grad` (one forward pass for everything) or `batch` and `rng` (an extra
-    forward and backward pass). `kfac_gate`, a scalar bool, skips the update when False (as a
-    non-finite gradient would).
+    forward and backward pass). `kfac_gate`, a scalar bool, skips the update when False.
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created (e.g. `damping="1e-3"`: "`damping` must be a finite number >= 0 or a
-      schedule `count -> value`, got '1e-3' (str)"); a keyword that moved into `Config`,
-      naming its place. In `update` (when traced, before any state changes): params of another
-      structure than at `init` (the first differing leaf named), a state of another model, or
-      `curvature_stats` of another estimation mode, sample count or layer set (both named).
+      is created; a keyword that moved into `Config`, naming its place. In `update` (when
+      traced, before any state changes): params of another structure than at `init`, a state
+      of another model, or `curvature_stats` of another mode, sample count or layer set.
 
   Example:
     >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
@@ -372,14 +331,14 @@ def scale_by_kfac(
   return _preconditioner(
     loss_fn,
     example_batch,
-    damping=damping,
-    ema_decay=ema_decay,
-    inverse_every=inverse_every,
-    curvature_every=curvature_every,
-    registration=registration,
-    axis_name=axis_name,
-    config=config,
-    who="scale_by_kfac",
+    damping,
+    ema_decay,
+    inverse_every,
+    curvature_every,
+    registration,
+    axis_name,
+    config,
+    "scale_by_kfac",
   )[0]
 
 
@@ -387,9 +346,8 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
   """`min(1, r / √|vᵀg|)`: the scale that keeps `v`'s norm in the damped K-FAC metric ≤ `r`.
 
   With `v = F̂_λ⁻¹ g` the preconditioned gradient, `vᵀ F̂_λ v = vᵀ g`, so `√|vᵀg|` is `v`'s
-  length in the metric that preconditioned it (half its squared length approximates the KL
-  divergence of the step `v`). 1 when `vᵀg = 0`; the inner product is accumulated in at least
-  float32. `r = max_norm`.
+  length in the metric that preconditioned it (half its square approximates the KL divergence
+  of the step). 1 when `vᵀg = 0`; accumulated in at least float32. `r = max_norm`.
   """
   vg = jnp.abs(jnp.asarray(_engine.tree_vdot(preconditioned, grads)))
   r2 = jnp.square(jnp.asarray(max_norm, vg.dtype))
@@ -399,62 +357,65 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
 
 def default_learning_rate(registration: _registration.Registration) -> float:
   """`kfac`'s learning rate when none is given: `0.3 · D^(1/4)`, D the registration's
-  `outputs_per_example`.
-
-  The clipped step's length in the K-FAC metric, `α · max_norm`, is a budget per example; a loss
-  that sums D outputs per example spreads it over D terms, and D^(1/4), between a budget per
-  example (D^0) and one per output (D^(1/2), which overshot), fitted the step sweeps of both
-  kinds of loss.
+  `outputs_per_example`: the clipped step's length `α · max_norm` is spread over D outputs, and
+  D^(1/4) lies between a budget per example (D^0) and one per output (D^(1/2), which overshot).
   """
   return 0.3 * registration.outputs_per_example**0.25
 
 
-def _scale(updates, step):
-  """`−step · u`, multiplied in at least float32 and cast back (bfloat16 params keep bfloat16
-  updates)."""
-  return jax.tree_util.tree_map(
-    lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
-    updates,
-  )
+def _reg(source: _fronts.Source, params) -> _registration.Registration:
+  return _fronts.estimator_for(source, params, "kfac")[0].registration
 
 
-def _guard(
-  preconditioner: optax.GradientTransformationExtraArgs,
-  max_norm,
-  mu,
-  momentum: optax.GradientTransformation,
-  learning_rate,
-  skip_nonfinite: bool,
-  source: _fronts.Source,
-) -> optax.GradientTransformationExtraArgs:
-  """The K-FAC-aware guard over the chain `preconditioner → clip by max_norm → momentum →
-  learning rate` (optax's `apply_if_finite` is the pattern).
+def _clip_by_kfac_norm(max_norm, tagged: _fronts.Source | None):
+  """Scales `v` by `clip_coefficient(v, g, max_norm)`, g the raw gradient (`kfac_grads=`); with
+  `tagged`, in the tagged loss's metric (v and g over the loss factor c: `max_norm · c`)."""
 
-  It gates the preconditioner on finite hyperparameters (`kfac_gate`: the learning rate at
-  this step, the momentum and `max_norm` when they are not Python numbers), reads the
-  preconditioner's verdict from its `skipped` counter, and runs the rest of the chain in a
-  `lax.cond` on it: a skipped update returns zeros and keeps the momentum trace. It never
-  selects over the preconditioner's state, whose curvature moved only on a finite verdict (see
-  `kfac_jax._engine`), so no copy of the factors is kept for it.
+  def update_fn(updates, state, params=None, *, kfac_grads, **extra_args):
+    del extra_args
+    r = max_norm if tagged is None else max_norm * (_reg(tagged, params).loss_factor or 1.0)
+    coeff = clip_coefficient(updates, kfac_grads, r)
+    return jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), updates), state
 
-  Without a learning rate (None) it is `default_learning_rate` of the registration,
-  and the clipping and the step are those of the tagged loss: `v` and `g` are divided by the
-  registration's `loss_factor` c (the returned loss over the tagged one) before the clip.
+  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
+
+
+def _scale_by_learning_rate(learning_rate, source: _fronts.Source):
+  """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default_learning_rate / c`,
+  the tagged loss's step. Multiplied in at least float32, cast back to the update's dtype."""
+
+  def update_fn(updates, state, params=None, *, kfac_count, **extra_args):
+    del extra_args
+    if learning_rate is None:
+      reg = _reg(source, params)
+      step = default_learning_rate(reg) / (reg.loss_factor or 1.0)
+    else:
+      step = learning_rate(kfac_count) if callable(learning_rate) else learning_rate
+    return jax.tree_util.tree_map(
+      lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
+      updates,
+    ), state
+
+  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
+
+
+def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
+  """`preconditioner` then `rest` (optax's `apply_if_finite` pattern, K-FAC-aware).
+
+  It gates the preconditioner on finite `hyperparams` (schedules at this step; Python numbers
+  need no check), reads its verdict from its `skipped` counter and runs `rest` in a `lax.cond`
+  on it (zeros and the old `rest` state on a skip), passing it the raw gradient `kfac_grads=`
+  and the schedules' count `kfac_count=`. It never selects over the preconditioner's state,
+  whose curvature moves only on a finite verdict, so the factors are never copied for it.
   """
 
   def init_fn(params) -> KfacState:
-    return KfacState(preconditioner.init(params), momentum.init(params))
+    return KfacState(preconditioner.init(params), rest.init(params))
 
   def update_fn(
-    updates,
-    state: KfacState,
-    params=None,
-    *,
-    curvature_stats=None,
-    batch=None,
-    rng=None,
-    **extra_args,
+    updates, state: KfacState, params=None, *, curvature_stats=None, batch=None, rng=None, **extra
   ):
+    del extra  # Other transforms' extra arguments.
     if not isinstance(state, KfacState):
       raise TypeError(
         f"kfac: `state` must be the KfacState from this transform's init, got "
@@ -462,47 +423,28 @@ def _guard(
       )
     old = state.preconditioner
     clock = old.count + old.skipped
-    lr = learning_rate(clock) if callable(learning_rate) else learning_rate
-    scalars = [x for x in (lr, mu, max_norm) if x is not None]
-    scalars = [x for x in scalars if not isinstance(x, (int, float))]
     gate = None
-    if skip_nonfinite and scalars:
-      gate = jnp.all(jnp.stack([jnp.isfinite(jnp.asarray(x, jnp.float32)) for x in scalars]))
+    if skip_nonfinite:
+      values = [h(clock) if callable(h) else h for h in hyperparams]
+      finite = [
+        jnp.isfinite(jnp.asarray(x, jnp.float32))
+        for x in values
+        if x is not None and not isinstance(x, (int, float))
+      ]
+      gate = jnp.all(jnp.stack(finite)) if finite else None
     v, pre = preconditioner.update(
-      updates,
-      old,
-      params,
-      curvature_stats=curvature_stats,
-      batch=batch,
-      rng=rng,
-      kfac_gate=gate,
-      **extra_args,
+      updates, old, params, curvature_stats=curvature_stats, batch=batch, rng=rng, kfac_gate=gate
     )
-    unit = 1.0  # 1/c: the returned loss's gradient on the tagged loss's scale.
-    if learning_rate is None:  # A Python number: the gate above needs no check of it.
-      reg = _fronts.estimator_for(source, params, "kfac")[0].registration
-      lr = default_learning_rate(reg)
-      unit = 1.0 / (reg.loss_factor or 1.0)
 
     def run():
-      u, g = v, updates
-      if unit != 1.0:
-        u, g = (jax.tree_util.tree_map(lambda x: x * jnp.asarray(unit, x.dtype), t) for t in (u, g))
-      if max_norm is not None:
-        coeff = clip_coefficient(u, g, max_norm)
-        u = jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), u)
-      u, trace = momentum.update(u, state.momentum, params)
-      return _scale(u, lr), trace
+      return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock)
 
-    if not skip_nonfinite:
-      out, trace = run()
+    if skip_nonfinite:
+      zeros = jax.tree_util.tree_map(jnp.zeros_like, v)
+      out, rest_state = jax.lax.cond(pre.skipped == old.skipped, run, lambda: (zeros, state.rest))
     else:
-      out, trace = jax.lax.cond(
-        pre.skipped == old.skipped,
-        run,
-        lambda: (jax.tree_util.tree_map(jnp.zeros_like, v), state.momentum),
-      )
-    return out, KfacState(pre, trace)
+      out, rest_state = run()
+    return out, KfacState(pre, rest_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -533,44 +475,36 @@ def kfac(
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with a fixed (or scheduled) learning rate, norm clipping and momentum.
 
-  The chain `scale_by_kfac → clip → optax.trace → learning rate` under a guard: the update is
-  `u = −α · m`, with `v = (F̂ + λ)⁻¹ g` from `scale_by_kfac`, clipped to length `r = max_norm` in
-  the damped K-FAC metric, `v ← v · min(1, r / √|vᵀg|)` (see `clip_coefficient`), and `m` the
-  heavy-ball trace `m ← v + μ m` with `momentum=μ` (`m = v` without momentum; Nesterov's with
-  `Config.nesterov`). As with `optax.clip_by_global_norm` before `optax.scale`, the clipping
-  comes before the learning rate, so α scales every step and the step's length in the metric is
-  at most `α r` (before momentum). α and λ schedules are called with the number of applied (not
-  skipped) updates. `optax.inject_hyperparams(kfac_jax.kfac, static_args=("loss_fn",
-  "example_batch"))` can inject any numeric argument and change it between steps without a
-  recompile. A schedule is called with every update seen (`count + skipped`), so one that
-  returns a non-finite value at one step skips that update and moves on.
+  `scale_by_kfac` followed by the chain clip → `optax.trace` → learning rate, under a guard:
+  `u = −α m`, with `v = (F̂ + λ)⁻¹ g` from `scale_by_kfac` clipped to length `r = max_norm` in
+  the damped K-FAC metric, `v ← v · min(1, r / √|vᵀg|)` (`clip_coefficient`), and `m ← v + μ m`
+  the heavy-ball trace (Nesterov's with `Config.nesterov`). The clipping comes before α, as
+  `optax.clip_by_global_norm` before `optax.scale`, so a step's length in the metric is at most
+  `α r` (before momentum). The α and λ schedules are called with every update seen (the
+  preconditioner's `count + skipped`), so one that is not finite at one step skips that update
+  and moves on. With `optax.inject_hyperparams` (`static_args=("loss_fn", "example_batch")`),
+  any numeric argument can change between steps without a recompile.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     learning_rate: α > 0, a number or a schedule `count -> α`; None (the default) takes
-      `0.3 · D^(1/4)` for a loss with D outputs per example (`default_learning_rate`) and
-      steps on the tagged loss's scale (the gradient divided by the registration's
-      `loss_factor`), so a loss averaged over its D outputs takes the summed one's steps.
+      `default_learning_rate` and steps on the tagged loss's scale (the gradient divided by
+      the registration's `loss_factor`), so a loss averaged over its D outputs takes the
+      summed one's steps.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√(vᵀ F̂_λ v) = √|vᵀg|` of the preconditioned
-      gradient before α and momentum, or None (no clipping). TF K-FAC's and `Optimizer`'s
-      `norm_constraint=C` bounds the step after the learning rate; for a fixed α it is
-      `max_norm=√C / α`.
+      gradient before α and momentum, or None (no clipping); on a share of the parameters
+      (`optax.multi_transform`), of the share's. TF K-FAC's and `Optimizer`'s
+      `norm_constraint=C` bounds the step after α: for a fixed α it is `max_norm=√C / α`.
     damping: λ, as in `scale_by_kfac`.
     ema_decay, inverse_every: as in `scale_by_kfac`.
     curvature_every: as in `scale_by_kfac`, but 5 by default: the clipping bounds a step that
-      statistics up to 4 updates old precondition. With `max_norm=None` and small damping
-      prefer 1.
+      statistics up to 4 updates old precondition (without clipping, prefer 1).
     registration, axis_name, config: as in `scale_by_kfac`.
 
   The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`, `curvature_every=5` and the
-  learning rate) come from step sweeps on the autoencoder, CNN, Transformer, ViT and LSTM
-  benchmarks; without clipping, fixed-learning-rate K-FAC diverged on three of them at
-  λ = 1e-3.
-
-  On a share of the parameters (`optax.multi_transform`, see `scale_by_kfac`), `max_norm`
-  clips by the norm of the share's update alone.
+  learning rate) come from step sweeps on the benchmark models.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes the
@@ -593,23 +527,24 @@ def kfac(
     _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
-  cfg = _config.get(config, "kfac")
+  config = _config.get(config, "kfac")
   preconditioner, source = _preconditioner(
     loss_fn,
     example_batch,
-    damping=damping,
-    ema_decay=ema_decay,
-    inverse_every=inverse_every,
-    curvature_every=curvature_every,
-    registration=registration,
-    axis_name=axis_name,
-    config=cfg,
-    who="kfac",
+    damping,
+    ema_decay,
+    inverse_every,
+    curvature_every,
+    registration,
+    axis_name,
+    config,
+    "kfac",
   )
-  trace = (
-    optax.identity() if momentum is None else optax.trace(decay=momentum, nesterov=cfg.nesterov)
+  rest = optax.chain(
+    optax.identity()
+    if max_norm is None
+    else _clip_by_kfac_norm(max_norm, source if learning_rate is None else None),
+    optax.identity() if momentum is None else optax.trace(momentum, nesterov=config.nesterov),
+    _scale_by_learning_rate(learning_rate, source),
   )
-
-  return _guard(
-    preconditioner, max_norm, momentum, trace, learning_rate, cfg.skip_nonfinite, source
-  )
+  return _guard(preconditioner, rest, (learning_rate, momentum, max_norm), config.skip_nonfinite)

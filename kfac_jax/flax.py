@@ -1,13 +1,10 @@
 """Optional Flax helpers: K-FAC from the linen `TrainState` training loop.
 
-`import kfac_jax` never imports Flax; this module does (install the `flax` extra).
-
-Flax's `flax.training.train_state.TrainState.apply_gradients(*, grads, **kwargs)` calls
-`tx.update(grads, opt_state, params)` with no extra arguments and takes every other keyword as
-a field to replace, so `state.apply_gradients(grads=g, curvature_stats=s)` never gives the
-statistics to K-FAC: `tx.update` fails with "pass `curvature_stats=` ... or `batch=`".
-`kfac_jax.flax.TrainState` is the same dataclass with an `apply_gradients` that forwards
-`curvature_stats=`, `batch=` and `rng=` to `tx.update`.
+`import kfac_jax` never imports Flax; this module does.
+`flax.training.train_state.TrainState.apply_gradients(*, grads, **kwargs)` calls
+`tx.update(grads, opt_state, params)` and takes every other keyword as a field to replace, so
+the statistics never reach K-FAC; `kfac_jax.flax.TrainState`'s forwards `curvature_stats=`,
+`batch=` and `rng=` to `tx.update`.
 
 Example:
   >>> state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
@@ -56,8 +53,7 @@ class TrainState(_train_state.TrainState):
       The state with `step + 1`, updated `params` and `opt_state`, and `kwargs` replaced.
 
     Raises:
-      ValueError: `grads` holds Flax's `overwrite_with_gradient` collection, which this
-        class does not handle.
+      ValueError: `grads` holds Flax's `overwrite_with_gradient` collection.
     """
     if isinstance(grads, Mapping) and _train_state.OVERWRITE_WITH_GRADIENT in grads:
       raise ValueError(

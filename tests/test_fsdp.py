@@ -52,7 +52,8 @@ def test_transformer_refresh_is_balanced_over_8_devices():
   sizes = _bytes(shapes)
   shares = _parallel.refresh_assignment(shapes, 8, sizes)
   assert sorted(i for s in shares for i in s) == list(range(len(shapes)))
-  assert _parallel.busiest_share(costs, shares) <= 1.2
+  loads = [sum(costs[i] for i in s) for s in shares]
+  assert max(loads) <= 1.2 * sum(loads) / len(loads)  # The busiest device over the mean.
   # The LM head alone fills one device; the layers' blocks, one stack per shape on each device,
   # spread over the others.
   head = len(shapes) - 1

@@ -90,7 +90,7 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
 
   # Second step: Δ from the inverses in the returned state, δ_prev from the first step.
   g1 = grad_h(flat1)
-  delta = -ravel_pytree(opt.estimator.multiply_inverse(s2.curvature, unravel(g1)))[0]
+  delta = -ravel_pytree(opt.estimator.multiply_matpower(s2.curvature, unravel(g1), -1))[0]
   prev = ravel_pytree(s1.velocity)[0]
   np.testing.assert_allclose(prev, flat1 - flat0, rtol=1e-10, atol=1e-14)
   v = np.stack([delta, prev])
@@ -152,7 +152,7 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
   )(jnp.concatenate([z1.ravel(), z2.ravel()]))
   g_hat = j.T @ hz @ j + float(s1.damping) * np.eye(flat1.size)
   g1 = jax.jit(jax.grad(lambda f: loss_fn(unravel(f), batch)[0]))(flat1)
-  precondition = jax.jit(lambda s, g: opt.estimator.multiply_inverse(s, unravel(g)))
+  precondition = jax.jit(lambda s, g: opt.estimator.multiply_matpower(s, unravel(g), -1))
   delta = -ravel_pytree(precondition(s2.curvature, g1))[0]
   v = np.stack([delta, ravel_pytree(s1.velocity)[0]])
   c, b = v @ g_hat @ v.T, v @ g1
@@ -295,7 +295,7 @@ def test_norm_constraint_caps_the_step():
     jnp.vdot(a, b)
     for a, b in zip(
       jax.tree_util.tree_leaves(step),
-      jax.tree_util.tree_leaves(opt.estimator.multiply(s1.curvature, step)),
+      jax.tree_util.tree_leaves(opt.estimator.multiply_matpower(s1.curvature, step, 1)),
     )
   )
   np.testing.assert_allclose(alpha**2 * quad, c, rtol=1e-3)
@@ -322,7 +322,7 @@ def test_weight_decay_l2_and_schedules(x64):
     np.testing.assert_allclose(info["damping"], lam)
     g = jax.grad(loss_fn)(p0, batch)
     grad_h = jax.tree_util.tree_map(lambda a, p: a + eta * p, g, p0)
-    delta = opt.estimator.multiply_inverse(s1.curvature, grad_h)
+    delta = opt.estimator.multiply_matpower(s1.curvature, grad_h, -1)
     expect = jax.tree_util.tree_map(lambda p, d, t=t: p - 0.1 / (1 + t) * d - wd * p, p0, delta)
     for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(expect)):
       np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)

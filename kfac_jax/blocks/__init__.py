@@ -30,9 +30,9 @@ from kfac_jax.blocks._state import (
   SeriesFactors,
 )
 
-# The block classes that compute layers; each declares the (kind, approximation) pairs it
-# serves (`Block.serves`). The wrappers (`ConcatBlock`, `StackedBlock`) are chosen by the spec's
-# shape, not by a pair.
+# The block classes that compute layers, each serving its (kind, approximation) pairs
+# (`Block.serves`, unique: tests/test_kinds.py). The wrappers (`ConcatBlock`, `StackedBlock`)
+# are chosen by the spec's shape.
 BLOCK_CLASSES: tuple[type[Block], ...] = (
   KroneckerBlock,
   EKFACBlock,
@@ -40,19 +40,7 @@ BLOCK_CLASSES: tuple[type[Block], ...] = (
   DiagonalBlock,
   FullBlock,
 )
-
-
-def _registry(classes) -> dict[tuple[str, str], type[Block]]:
-  found: dict[tuple[str, str], type[Block]] = {}
-  for cls in classes:
-    for pair in cls.serves:
-      if pair in found:
-        raise AssertionError(f"{pair} is served by both {found[pair].__name__} and {cls.__name__}.")
-      found[pair] = cls
-  return found
-
-
-_BLOCKS = _registry(BLOCK_CLASSES)
+_BLOCKS = {pair: cls for cls in BLOCK_CLASSES for pair in cls.serves}
 
 
 def serves(kind: str, approx: str) -> bool:
@@ -78,14 +66,13 @@ def block_class(spec) -> type[Block]:
 
 
 def blocked_note(spec) -> str:
-  """The `LayerSpec.note` on a layer's blocked factor sides (`_kronecker.blocked_note`), "" for a
-  layer whose block keeps none."""
+  """The `LayerSpec.note` on a layer's blocked factor sides (`_kronecker.blocked_note`)."""
   return _kronecker.blocked_note(spec) if block_class(spec) is KroneckerBlock else ""
 
 
 def factor_shapes_for(spec) -> tuple[tuple[int, ...], ...]:
   """The factor shapes the layer's block will keep (`Block.factor_shapes_for`), before any
-  block exists: the scanner sizes `LayerSpec.factor_shapes` and its size policy with them."""
+  block exists (the scanner sizes `LayerSpec.factor_shapes` with them)."""
   return block_class(spec).factor_shapes_for(spec)
 
 
@@ -93,25 +80,11 @@ def make_block(spec, config: BlockConfig) -> Block:
   """The block of a layer (`block_class`), wrapped for concatenated leaves, vmapped over a
   stack of layers."""
   cls = block_class(spec)
-  block: Block
   if cls is ConcatBlock:
-    block = ConcatBlock(spec, config, make_block(spec.logical, config))
-  elif cls is StackedBlock:
-    block = StackedBlock(spec, config, make_block(spec.stack_inner, config))
-  else:
-    block = cls(spec, config)
-  _check_shapes(spec, block)
-  return block
-
-
-def _check_shapes(spec, block: Block) -> None:
-  # The spec's shapes were asked of the block class; a wrapped block sizes its state from the
-  # inner block's. They agree.
-  if tuple(map(tuple, block.factor_shapes)) != tuple(map(tuple, spec.factor_shapes)):
-    raise AssertionError(
-      f"layer `{spec.name}`: the scanner's factor shapes {spec.factor_shapes} differ from its "
-      f"{type(block).__name__}'s {block.factor_shapes}."
-    )
+    return ConcatBlock(spec, config, make_block(spec.logical, config))
+  if cls is StackedBlock:
+    return StackedBlock(spec, config, make_block(spec.stack_inner, config))
+  return cls(spec, config)
 
 
 __all__ = [

@@ -1,26 +1,12 @@
 """The curvature-block interface.
 
 A block is a static object (its layer spec and configuration); its numbers live in two typed
-pytrees (one `NamedTuple` per block kind, defined next to the block) that the estimator keeps in
-its state, keyed by block name:
-
-  factors  the EMA statistics (e.g. `KroneckerFactors(a=A, g=G)`), undamped;
-  cache    what `update_inverses` derives from the factors and the damping λ: matrix powers,
-           eigen-decompositions, Cholesky factors, and `damping`, the λ they were built with
-           (every cache type has that field).
-
-Entries a configuration does not need (a Cholesky factor without `cholesky=True`, powers in
-"eigen" damping mode) are None, so the pytree holds only what is computed. A block also states
-its own factor shapes: `factor_shapes_for(spec)`, a class method, answers them from the layer's
-kind, approximation and matching details before any block exists (the scanner sizes each
-`LayerSpec` and applies its size policy with it), and `factor_shapes` gives them for the block's
-own spec. The estimator and the parallel code read them from the block, never from arithmetic on
-the layer's dimensions.
-
-Vectors are the block's parameter leaves (parameter-shaped arrays), in `spec.leaf_indices` order.
-"Damped block" means the matrix the block actually multiplies by: `A_λ ⊗ G_λ` with π-adjusted
-factored Tikhonov damping for Kronecker blocks in "factored" mode, and `F + λ I` otherwise.
-Concrete blocks are final: they implement this interface and are never subclassed.
+pytrees (`_state`) that the estimator keeps per block name: `factors`, the undamped EMA
+statistics, and `cache`, what `update_inverses` derives from them and the damping λ. A block
+states its factor shapes before it exists (`factor_shapes_for(spec)`, for the scanner). Vectors
+are the block's parameter leaves, in `spec.leaf_indices` order; "damped block" is the matrix the
+block multiplies by (`A_λ ⊗ G_λ` in "factored" mode, `F + λ I` otherwise). Concrete blocks are
+final.
 """
 
 from __future__ import annotations
@@ -61,19 +47,15 @@ class BlockConfig:
       Cholesky factors, the damping) and of the products: float32 or float64. Factors are cast
       to it before they are factorised.
     preconditioner_dtype: None (`inverse_dtype`), or a narrower dtype (bfloat16) the cached
-      matrix powers of Kronecker factors and full blocks are stored in once computed (in
-      `inverse_dtype`); the products with them round the vector to it and accumulate in
-      `inverse_dtype` (`_linalg.matmul`). Diagonal factors, substitution forms,
-      eigen-decompositions, the series blocks' caches and Cholesky factors stay in
-      `inverse_dtype`.
-    factor_solve: how a Kronecker factor's damped inverse (power -1, "factored" damping) is kept.
-      "never": as an explicit matrix, products are matmuls. "always": in substitution form (its
-      Cholesky factor in blocks, `_linalg.substitution_form`), products are block substitutions (a
-      refresh ~3x faster, products a few times slower). "auto" (default): the substitution form for
-      a factor of size n ≥ 256 multiplied by at most n/8 columns (a wide input into a narrow layer,
-      e.g. a classifier head), where the cheaper refresh outweighs slower products; see
-      `KroneckerBlock.solves`. Stacks of layers and grouped convolutions (vmapped blocks) always
-      keep explicit inverses.
+      matrix powers of Kronecker factors and full blocks are stored in once computed; products
+      round the vector to it and accumulate in `inverse_dtype` (`_linalg.matmul`). Everything
+      else in the cache stays in `inverse_dtype`.
+    factor_solve: how a Kronecker factor's damped inverse ("factored" damping) is kept. "never":
+      an explicit matrix (products are matmuls). "always": its substitution form
+      (`_linalg.substitution_form`; a cheaper refresh, slower products). "auto" (default): the
+      substitution form for a factor of size n ≥ 256 multiplied by at most n/8 columns (e.g. a
+      classifier head); see `KroneckerBlock.solves`. Vmapped blocks (stacks, grouped
+      convolutions) always keep explicit inverses.
   """
 
   exps: tuple[float, ...] = (-1.0,)
@@ -129,17 +111,15 @@ class Block(abc.ABC):
   """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix.
 
   Attributes:
-    needs_cache_for_statistics: the statistics depend on the cache (EKFAC's scalings live in
-      the eigenbasis of the last inverse update): `batch_factors` and `multiply_undamped` then
-      take the block's cache.
+    serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`);
+      wrappers serve none.
+    needs_cache_for_statistics: the statistics depend on the cache (EKFAC's eigenbasis):
+      `batch_factors` and `multiply_undamped` then take the block's cache.
+    vmapped: set by a wrapper that vmaps this block over a leading axis (`StackedBlock`).
   """
 
-  # The (layer kind, approximation) pairs this block class computes; the block registry
-  # (`blocks.block_class`) is built from these declarations. Wrappers (concatenated leaves,
-  # stacks) serve none: they hold the block of the layer they wrap.
   serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset()
   needs_cache_for_statistics: bool = False
-  # Set by a wrapper that vmaps this block over a leading axis (`StackedBlock`).
   vmapped: bool = False
 
   def __init__(self, spec: LayerSpec, config: BlockConfig):
@@ -153,14 +133,12 @@ class Block(abc.ABC):
   @classmethod
   @abc.abstractmethod
   def factor_shapes_for(cls, spec: LayerSpec) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the matrix (or vector) factors this block class keeps for the layer `spec`,
-    e.g. `((in+1, in+1), (out, out))`, from its kind, approximation, matching details (`info`)
-    and leaves; `spec.factor_shapes` is not read (the scanner asks while building the spec)."""
+    """The shapes of the factors this class keeps for the layer `spec`, e.g. `((in+1, in+1),
+    (out, out))`; `spec.factor_shapes` is not read (the scanner asks while building it)."""
 
   @property
   def factor_shapes(self) -> tuple[tuple[int, ...], ...]:
-    """`factor_shapes_for(self.spec)`: they size the state, the parallel work split and the
-    layer table."""
+    """`factor_shapes_for(self.spec)`."""
     return self.factor_shapes_for(self.spec)
 
   def group_key(self) -> tuple:
@@ -179,10 +157,8 @@ class Block(abc.ABC):
 
   @abc.abstractmethod
   def batch_factors(self, data: Any, batch_size: int, cache: Any = None) -> Any:
-    """This batch's statistics from the curvature pass's raw data for the block.
-
-    `cache` is the block's current cache for blocks with `needs_cache_for_statistics` (None
-    before the estimator has one), and ignored by the others."""
+    """This batch's statistics from the curvature pass's raw data for the block; `cache`: the
+    block's cache where `needs_cache_for_statistics` (None before there is one)."""
 
   # -- inverses --------------------------------------------------------------------------------
 
@@ -215,19 +191,24 @@ class Block(abc.ABC):
   def to_dense(self, factors, cache: Any = None) -> Array:
     """The undamped block as a `[n, n]` matrix over its leaves, raveled and concatenated
     (`cache` as in `batch_factors`)."""
-    sizes = [math.prod(s) for s in self.spec.param_shapes]
-    n = sum(sizes)
+    dtype = self.config.inverse_dtype
+    like = [jax.ShapeDtypeStruct(s, dtype) for s in self.spec.param_shapes]
+    factors = cast_tree(factors, dtype)
 
     def column(e):
-      vecs, off = [], 0
-      for size, shape in zip(sizes, self.spec.param_shapes):
-        vecs.append(e[off : off + size].reshape(shape))
-        off += size
-      out = self.multiply_undamped(factors, vecs, cache)
-      return jnp.concatenate([v.ravel() for v in out])
+      return flat(self.multiply_undamped(factors, unflat(e, like), cache), dtype)
 
-    factors = jax.tree_util.tree_map(lambda x: x.astype(self.config.inverse_dtype), factors)
-    return jax.vmap(column, out_axes=1)(jnp.eye(n, dtype=self.config.inverse_dtype))
+    n = sum(math.prod(s) for s in self.spec.param_shapes)
+    return jax.vmap(column, out_axes=1)(jnp.eye(n, dtype=dtype))
+
+  def cholesky_factor(self, c, inverse: bool):
+    """`c`, a cached Cholesky factor (inverse), or an error naming the option it needs."""
+    if c is None:
+      raise ValueError(
+        f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
+        f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator."
+      )
+    return c
 
   def cache_shapes(self) -> Any:
     """The cache's structure with `jax.ShapeDtypeStruct` leaves (nothing is computed)."""
@@ -237,45 +218,54 @@ class Block(abc.ABC):
     shapes = jax.eval_shape(lambda: (self.init_factors(), self.init_cache()))
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
 
-  def check_exp(self, exp: float) -> None:
-    if exp != 1 and exp not in self.config.exps:
-      raise ValueError(
-        f"matrix power {exp} was not prepared: the estimator was built with exps="
-        f"{self.config.exps} (1 is always available). Add {exp} to `exps`."
-      )
-
 
 def batched_factorisations() -> bool:
-  """Whether equal-shape blocks share one vmapped (batched) factorisation: not on CPU.
-
-  jaxlib's batched CPU LAPACK kernels split their batch over the same small thread pool that
-  runs them, and two running at once (the A and G factors of one group) deadlocked a 2-core
-  machine (gdb: both threads in `ParallelBatchMap`, waiting on an `absl::BlockingCounter`; the
-  Transformer LM benchmark's first inverse update). One unbatched call per block does not.
-  """
+  """Whether equal-shape blocks share one vmapped (batched) factorisation: not on CPU, where
+  two batched LAPACK kernels running at once can deadlock the small thread pool they share."""
   return jax.default_backend() != "cpu"
 
 
-def _cast(tree, dtype):
+def flat(vecs: Sequence[Array], dtype) -> Array:
+  """The leaves raveled and concatenated, in `dtype`."""
+  return jnp.concatenate([jnp.ravel(v).astype(dtype) for v in vecs])
+
+
+def unflat(x: Array, like: Sequence[Any]) -> list[Array]:
+  """`flat`'s inverse: leaves with the shapes and dtypes of `like`."""
+  out, off = [], 0
+  for v in like:
+    size = math.prod(v.shape)
+    out.append(x[off : off + size].reshape(v.shape).astype(v.dtype))
+    off += size
+  return out
+
+
+def map_factorisations(fn, *args):
+  """`fn` over the leading axis of `args`, results stacked: one batched call where
+  `batched_factorisations()`, else one unbatched call per slice (`lax.map`)."""
+  if batched_factorisations():
+    return jax.vmap(fn)(*args)
+  return jax.lax.map(lambda a: fn(*a), args)
+
+
+def cast_tree(tree, dtype):
+  """Every leaf of `tree` in `dtype` (no-op for leaves already in it)."""
   return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
 
 
 def compute_caches(
   blocks: Sequence[Block], indices: Sequence[int], factors: Sequence[Any], damping: Array
 ) -> dict[int, Any]:
-  """`{i: blocks[i].compute_cache(factors[i], damping)}` for the blocks `indices`.
-
-  `factors` has one entry per block, in block order (only those of `indices` are read); each is
-  cast to its block's `inverse_dtype` first. Blocks with equal `group_key` (identically shaped
-  state) share one vmapped call where `batched_factorisations()`, and get one call each on CPU.
-  """
+  """`{i: blocks[i].compute_cache(factors[i], damping)}` for the blocks `indices` (`factors`
+  in block order, cast to `inverse_dtype`); blocks of equal `group_key` share one vmapped call
+  where `batched_factorisations()`."""
   groups: dict[tuple, list[int]] = {}
   for i in indices:
     groups.setdefault(blocks[i].group_key(), []).append(i)
   out = {}
   for idx in groups.values():
     block = blocks[idx[0]]
-    cast = [_cast(factors[i], block.config.inverse_dtype) for i in idx]
+    cast = [cast_tree(factors[i], block.config.inverse_dtype) for i in idx]
     if len(idx) == 1 or not batched_factorisations():
       for i, f in zip(idx, cast):
         out[i] = block.compute_cache(f, damping)

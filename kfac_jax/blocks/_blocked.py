@@ -5,13 +5,9 @@ contiguous blocks of b = ⌈n/k⌉ entries, n₀ being the side without a bias r
 never adds a block (n = k·B + 1 gives k blocks of B + 1). The factor F is then kept as its
 diagonal blocks F_bd = diag(F_11, ..., F_kk), stored as `[k, b, b]` with the last block padded
 by k·b − n ≤ k − 1 rows and columns of zeros (Shampoo's partition, applied to K-FAC's A and G).
-Memory is O(n·b), a refresh O(n·b²) (k independent b×b factorisations) and a product with an
-[n, m] matrix O(n·b·m), instead of O(n²), O(n³) and O(n²·m).
-
-Padding never reaches a result: the padded rows and columns of a block are zero, so the padded
-coordinates of a vector are never mixed with the real ones, and every product pads its input
-with zeros and slices its output back to n. Before a factorisation the padded diagonal entries
-are set to one, so a block stays positive definite whatever the damping.
+Memory is O(n·b), a refresh O(n·b²) and a product with [n, m] O(n·b·m). Padding never reaches
+a result (its rows and columns are zero; products pad their input and slice the output), and
+its diagonal entries are set to one before a factorisation, so a block stays definite.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax.blocks import _linalg
-from kfac_jax.blocks._base import batched_factorisations
 
 Array = jax.Array
 Partition = tuple[int, int]  # (k blocks, b entries per block)
@@ -74,14 +69,6 @@ def padding_eye(part: Partition, n: int, dtype) -> Array:
   mask = np.zeros((k * b,), np.float64)
   mask[n:] = 1.0
   return jnp.asarray(np.einsum("ki,ij->kij", mask.reshape(k, b), np.eye(b)), dtype)
-
-
-def map_blocks(fn, *blocks):
-  """`fn` on each block (`[b, b]` slices of `[k, b, b]` arrays), results stacked: one batched
-  call where `batched_factorisations()`, one unbatched call per block otherwise (`lax.map`)."""
-  if batched_factorisations():
-    return jax.vmap(fn)(*blocks)
-  return jax.lax.map(lambda args: fn(*args), blocks)
 
 
 def left(p: Array, m: Array) -> Array:

@@ -35,13 +35,11 @@ class ConcatBlock(Block):
     return self.inner.group_key()
 
   def _join(self, vecs):
-    it, out = iter(vecs), []
-    for view in self.spec.concat:
-      if view is None:
-        out.append(next(it))
-      else:
-        out.append(_specs.join_pieces(view, [next(it) for _ in view.leaves]))
-    return out
+    it = iter(vecs)
+    return [
+      next(it) if view is None else _specs.join_pieces(view, [next(it) for _ in view.leaves])
+      for view in self.spec.concat
+    ]
 
   def _split(self, logical):
     out, k = [], 0

@@ -13,17 +13,14 @@ so `F^p M = U_A ((U_Aᵀ M U_G) ⊙ (s + λ)^p) U_Gᵀ` (damping λ added to eve
 `F + λ I`). A and G are the K-FAC factors (the same statistics and EMA as "kron"); their
 eigenbases U_A, U_G are refreshed by `update_inverses` (the cache); s is recomputed from every
 curvature batch in the basis of the current cache and averaged with the same EMA as A and G
-(so `batch_factors` takes the cache: `needs_cache_for_statistics`). Before the first refresh
-the basis is the identity and s is the diagonal Fisher. When the per-example gradients are
-exactly Kronecker (one example, or A and G of rank one), s = eig(A) ⊗ eig(G) and EKFAC equals
-K-FAC with "eigen" damping, `(A ⊗ G + λ I)^p`.
-
-Dense and convolution layers (one row per example and output location for a convolution,
-grouped convolutions per group); sequence inputs sum the positions of an example into J.
+(`needs_cache_for_statistics`; the identity before the first refresh). With exactly Kronecker
+per-example gradients s = eig(A) ⊗ eig(G): K-FAC with "eigen" damping. Dense and conv layers,
+grouped convolutions per group; sequence inputs sum an example's positions into J.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, ClassVar
 
 import jax
@@ -40,19 +37,15 @@ Array = jax.Array
 
 
 def _in_basis(rows: Array, u: Array, grouped: bool) -> Array:
-  """`rows [..., groups, n]` times the basis `u` ([groups, n, n], or [n, n] for one group).
-
-  One group is a plain matrix product (XLA's CPU backend runs the batched-dot form slower, see
-  `_linalg.gram`); default precision, as the factors' own products."""
+  """`rows [..., groups, n]` times the basis `u` ([groups, n, n], or [n, n] for one group: a
+  plain matrix product, faster on CPU than a batched dot)."""
   if not grouped:
     return rows @ u
   return jnp.einsum("...gi,gij->...gj", rows, u)
 
 
 class EKFACBlock(LayoutBlock):
-  """EKFAC block of a dense or conv layer (kernel and optional bias). State: `EKFACFactors`
-  (`a`, `g` as "kron" and `s`, the scalings in the cache's basis) and `EKFACCache` (the
-  eigenbases of A and G)."""
+  """EKFAC block of a dense or conv layer (kernel and optional bias)."""
 
   serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
     {("dense", "ekfac"), ("conv", "ekfac")}
@@ -64,18 +57,12 @@ class EKFACBlock(LayoutBlock):
     """A and G as full matrices, as "kron" (`_kronecker.kron_shapes`)."""
     return _kronecker.kron_shapes(spec)
 
-  def _scaling_shape(self) -> tuple[int, ...]:
-    sa, sg = self.kron_shapes()
-    return sa[:-1] + sg[-1:]
-
   # -- statistics ------------------------------------------------------------------------------
 
   def init_factors(self) -> EKFACFactors:
     sa, sg = self.kron_shapes()
-    dtype = self.config.stats_dtype
-    return EKFACFactors(
-      a=jnp.zeros(sa, dtype), g=jnp.zeros(sg, dtype), s=jnp.zeros(self._scaling_shape(), dtype)
-    )
+    z = functools.partial(jnp.zeros, dtype=self.config.stats_dtype)
+    return EKFACFactors(a=z(sa), g=z(sg), s=z(sa[:-1] + sg[-1:]))
 
   def batch_factors(self, data, batch_size, cache: EKFACCache | None = None) -> EKFACFactors:
     """A, G as the Kronecker block; s in the eigenbasis of `cache` (the identity if None)."""
@@ -113,11 +100,8 @@ class EKFACBlock(LayoutBlock):
   def init_cache(self) -> EKFACCache:
     sa, sg = self.kron_shapes()
     dtype = self.config.inverse_dtype
-
-    def eye(shape):
-      return jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
-
-    return EKFACCache(a_evecs=eye(sa), g_evecs=eye(sg), damping=jnp.zeros((), dtype))
+    eye = _kronecker.identity
+    return EKFACCache(a_evecs=eye(sa, dtype), g_evecs=eye(sg, dtype), damping=jnp.zeros((), dtype))
 
   def compute_cache(self, factors: EKFACFactors, damping) -> EKFACCache:
     def one(a, g):
@@ -133,8 +117,7 @@ class EKFACBlock(LayoutBlock):
   def _scaled(self, factors, cache, vecs, fn, damped: bool = True):
     """U_A ((U_Aᵀ M U_G) ⊙ fn(s (+ λ))) U_Gᵀ for the matrix view M of `vecs`."""
     dtype = self.config.inverse_dtype
-    m = self.layout.to_matrix(vecs, dtype)
-    m = m if self.grouped else m[0]
+    m = self.to_matrix(vecs)
     lam = cache.damping.astype(dtype) if damped else 0.0
 
     def one(ua, ug, s, m):
@@ -142,11 +125,9 @@ class EKFACBlock(LayoutBlock):
       return ua @ (inner * fn(s.astype(dtype) + lam)) @ ug.T
 
     out = self.map_groups(one, cache.a_evecs, cache.g_evecs, factors.s, m)
-    out = self.layout.from_matrix(out if self.grouped else out[None])
-    return [o.astype(v.dtype) for o, v in zip(out, vecs)]
+    return self.from_matrix(out, vecs)
 
   def multiply_matpower(self, factors, cache, vecs, exp):
-    self.check_exp(exp)
     return self._scaled(factors, cache, vecs, lambda d: d if exp == 1 else d**exp)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
@@ -155,8 +136,7 @@ class EKFACBlock(LayoutBlock):
     return self._scaled(factors, cache, vecs, (lambda d: d**-0.5) if inverse else jnp.sqrt)
 
   def multiply_undamped(self, factors, vecs, cache=None):
-    """F · vecs in the basis of `cache` (EKFAC's estimate depends on it: the factors alone
-    do not define it, so the cache is required)."""
+    """F · vecs in the basis of `cache` (required: the factors alone do not define F)."""
     if cache is None:
       raise ValueError(
         f"block `{self.name}` (approx='ekfac'): the undamped estimate depends on the eigenbasis "

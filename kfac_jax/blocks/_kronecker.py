@@ -1,41 +1,25 @@
 """Kronecker-factored blocks: dense (K-FAC), convolution (KFC) and embedding layers.
 
-Every such layer is a product `s = x̄ M` per row (see `_layouts`): dense layers with the kernel
-`W: [in, out]` (Flax layout) and bias appended as a last row, `M = [W; b]`, one row per example
-(or per position of an example for sequence inputs); convolutions with input patches as rows and
-the kernel as a `[window · in, out]` matrix, one row per example and output location (Grosse &
-Martens 2016); embeddings with one-hot rows and the table as M. With g = ∂(per-example loss)/∂s,
+Every such layer is a product `s = x̄ M` per row (`_layouts`): dense layers with `M = [W; b]`
+(Flax kernel `[in, out]`, bias as the last row), one row per example or position;
+convolutions with input patches as rows (Grosse & Martens 2016), one per example and output
+location; embeddings with one-hot rows and the table as M. With g = ∂(per-example loss)/∂s,
 
     F ≈ A ⊗ G,   A = (1/R) Σ_r x̄_r x̄_rᵀ,   G = (1/N) Σ_r g_r g_rᵀ
 
-over R rows and N examples (averaged over sampled targets too). For an MLP R = N and this is
-E[x̄x̄ᵀ] ⊗ E[ggᵀ]; for a convolution R = N·L with L output locations, so a 1×1 stride-1
-convolution has exactly the dense block. Variants: convolutions with "kron_sua" take A from the
-spatially-uncorrelated-activations model (`ConvLayout.sua_input_factor`); embeddings keep A as its
-diagonal (a vector of id counts / R: exact, since one-hot rows have a diagonal second moment),
-so their state is O(vocab + dim²). Dense layers also offer "kron_in_diag", "kron_out_diag" and
-"kron_both_diag": A, G or both replaced by their diagonals, diag(A) ⊗ G, A ⊗ diag(G) or
-diag(A) ⊗ diag(G) (the same statistics, off-diagonal terms dropped; a diagonal factor is stored
-as a vector and its powers, Cholesky factor and eigen-decomposition are elementwise). Grouped
-convolutions keep one (A, G) pair per feature group, stacked on a leading axis and processed with
-vmap. Vectors are matrices M; with row-major vec,
-(A ⊗ G) vec(M) = vec(A M G).
+over R rows and N examples (and sampled targets), and (A ⊗ G) vec(M) = vec(A M G) (row-major).
+Variants: "kron_sua" convolutions (`ConvLayout.sua_input_factor`); embeddings keep A as its
+diagonal (id counts / R, exact for one-hot rows); "kron_in_diag", "kron_out_diag" and
+"kron_both_diag" keep A, G or both as their diagonals (vectors, elementwise powers). Grouped
+convolutions keep one (A, G) pair per group, vmapped. A side wider than `spec.block_size` is
+kept as its diagonal blocks `[k, b, b]` (`_blocked`). Sequences: "kron" / "expand" take the
+N·L positions as rows (K-FAC-expand, Eschenhagen et al. 2023), "reduce" averages x and sums g
+over each example's positions first (`_reduce_rows`); "kron_indep" layers used several times
+take their statistics from `_uses`.
 
-A side wider than the layer's `block_size` (`LayerSpec.block_size`, from `LayerConfig`) is kept
-as the diagonal blocks of its factor, `[k, b, b]` (`_blocked`): A ⊗ G becomes A_bd ⊗ G, A ⊗ G_bd
-or A_bd ⊗ G_bd, statistics computed blockwise (those of a shared layer and "kron_sua"'s A are
-formed whole, then cut), every power and factorisation taken per block.
-
-Dense layers over sequences ([N, L, in] inputs): "kron" and "expand" take the N·L positions as
-rows (K-FAC-expand, Eschenhagen et al. 2023); "reduce" averages x and sums g over each example's
-positions first (K-FAC-reduce, `_reduce_rows`). Layers used several times ("kron_indep") take
-their statistics from `_uses.indep_factors`.
-
-Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G)),
-and the block multiplies by A_λ^p ⊗ G_λ^p (for a blocked side, tr A is the sum of its blocks'
-traces and dim A the side's size, so π is that of the full factors). ("eigen"): exact
-(A ⊗ G + λ I)^p through the factors' eigen-decompositions (a diagonal A is its own; a blocked
-one's are its blocks').
+Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G))
+(over the whole side for a blocked one), and the block multiplies by A_λ^p ⊗ G_λ^p. ("eigen"):
+exact (A ⊗ G + λ I)^p through the factors' eigen-decompositions.
 """
 
 from __future__ import annotations
@@ -48,7 +32,7 @@ import jax.numpy as jnp
 
 from kfac_jax import _specs
 from kfac_jax.blocks import _blocked, _layouts, _linalg, _uses
-from kfac_jax.blocks._base import Block
+from kfac_jax.blocks._base import Block, map_factorisations
 from kfac_jax.blocks._state import FactorCache, KroneckerCache, KroneckerFactors
 
 if TYPE_CHECKING:
@@ -63,11 +47,11 @@ DIAG_G = frozenset({"kron_out_diag", "kron_both_diag"})
 # -- one factor: a matrix, a vector (a diagonal factor) or `[k, b, b]` blocks (`_blocked`) -----
 
 
-def _identity(shape, dtype) -> Array:
+def identity(shape, dtype) -> Array:
+  """Ones for a vector factor, else an identity per matrix (and group or block) of `shape`."""
   if len(shape) == 1:
     return jnp.ones(shape, dtype)
-  eye = jnp.eye(shape[-1], dtype=dtype)
-  return jnp.broadcast_to(eye, shape)
+  return jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
 
 
 def _add_identity(f: Array, c) -> Array:
@@ -83,7 +67,7 @@ def _left(a: Array, m: Array) -> Array:
 
 def _matrix_fn(fn, f: Array) -> Array:
   """fn on a matrix factor, or on each block of a blocked one (`buckets=False`: `_linalg`)."""
-  return _blocked.map_blocks(lambda x: fn(x, buckets=False), f) if f.ndim == 3 else fn(f)
+  return map_factorisations(lambda x: fn(x, buckets=False), f) if f.ndim == 3 else fn(f)
 
 
 def _power(f: Array, e: float) -> Array:
@@ -144,22 +128,16 @@ SOLVE_MIN_RATIO = 8
 def damped_factors(
   a: Array, g: Array, damping: Array, sizes: tuple[int, int] | None = None
 ) -> tuple[Array, Array]:
-  """π-adjusted factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring);
-  a diagonal factor (a vector) gets the constant added to every entry, a blocked one to every
-  block's diagonal. `sizes`: the sides (n_A, n_G), needed when a factor is blocked: π is taken
-  from the traces of the whole sides, sums over their blocks."""
-  if sizes is None:
-    pi = _linalg.pi_adjustment(a, g)
-  else:
-    pi = _linalg.pi_from_traces(_mean_diag(a, sizes[0]), _mean_diag(g, sizes[1]))
+  """π-adjusted factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring).
+  `sizes`: the sides (n_A, n_G), needed when a factor is blocked (π from the whole sides)."""
+  na, ng = sizes or (a.shape[-1], g.shape[-1])
+  pi = _linalg.pi_from_traces(_mean_diag(a, na), _mean_diag(g, ng))
   root = jnp.sqrt(damping)
   return _add_identity(a, pi * root), _add_identity(g, root / pi)
 
 
 def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]:
-  """K-FAC-reduce rows (Eschenhagen et al. 2023): one row per example, x averaged and g summed
-  over the example's L positions, so A = (1/N) Σ_n x̃_n x̃_nᵀ (with x̃ = [mean_l x, 1] when
-  there is a bias) and G = (1/N) Σ_n (Σ_l g)(Σ_l g)ᵀ."""
+  """K-FAC-reduce rows: one row per example, x averaged and g summed over its positions."""
   rows = x.shape[0]
   if rows % batch_size:
     raise ValueError(
@@ -173,42 +151,43 @@ def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Arra
 
 
 def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """The full-matrix shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]` of
-  a dense, conv or embedding layer, from its layout (`_layouts`): dense `in`, `out` from
-  `DenseInfo`; conv `in` = patch_dim, `out` = out_per_group, a leading axis for groups > 1;
-  embedding `in` = vocabulary, `out` = dim. The bias adds a row to A."""
+  """The full-matrix shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]`,
+  from the layer's layout (`_layouts`)."""
   lay = _layouts.layout_for(spec)
   a = lay.in_dim + (1 if spec.has_bias else 0)
   lead = (lay.groups,) if lay.groups > 1 else ()
   return lead + (a, a), lead + (lay.out_dim, lay.out_dim)
 
 
-def _diag_a(spec) -> bool:
-  # An embedding's one-hot rows have a diagonal second moment: its A is a vector.
-  return isinstance(spec.info, _specs.EmbeddingInfo) or spec.approx in DIAG_A
+def _diag_sides(spec) -> tuple[bool, bool]:
+  """Whether A and G are kept as vectors (an embedding's one-hot rows make its A diagonal)."""
+  return (
+    isinstance(spec.info, _specs.EmbeddingInfo) or spec.approx in DIAG_A,
+    spec.approx in DIAG_G,
+  )
 
 
 def partitions(spec) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
-  """How A's and G's matrix sides are split into blocks (`_blocked.partition`; None: kept
-  whole), from `spec.block_size`. Diagonal sides and grouped convolutions are never blocked."""
+  """A's and G's blocks (`_blocked.partition`; None: kept whole), from `spec.block_size`;
+  diagonal sides and grouped convolutions are never blocked."""
   size = spec.block_size
   sa, sg = kron_shapes(spec)
   if size is None or len(sa) > 2:
     return None, None
-  pa = None if _diag_a(spec) else _blocked.partition(sa[-1], spec.has_bias, size)
-  pg = None if spec.approx in DIAG_G else _blocked.partition(sg[-1], False, size)
+  diag_a, diag_g = _diag_sides(spec)
+  pa = None if diag_a else _blocked.partition(sa[-1], spec.has_bias, size)
+  pg = None if diag_g else _blocked.partition(sg[-1], False, size)
   return pa, pg
 
 
 def blocked_note(spec) -> str:
-  """What `summary` says of a layer's blocked sides, e.g. "output side 4096 in 4 blocks of
-  1024"; "" when none is."""
-  sa, sg = kron_shapes(spec)
-  parts = []
-  for label, n, part in zip(("input", "output"), (sa[-1], sg[-1]), partitions(spec)):
-    if part is not None:
-      parts.append(f"{label} side {n} in {part[0]} blocks of {part[1]}")
-  return "; ".join(parts)
+  """What `summary` says of the blocked sides, e.g. "output side 4096 in 4 blocks of 1024"."""
+  sides = (s[-1] for s in kron_shapes(spec))
+  return "; ".join(
+    f"{label} side {n} in {p[0]} blocks of {p[1]}"
+    for label, n, p in zip(("input", "output"), sides, partitions(spec))
+    if p is not None
+  )
 
 
 class LayoutBlock(Block):
@@ -232,6 +211,16 @@ class LayoutBlock(Block):
     """`fn` on one group's arrays; vmapped over the leading group axis for grouped layers."""
     return jax.vmap(fn)(*args) if self.grouped else fn(*args)
 
+  def to_matrix(self, vecs) -> Array:
+    """The leaves as M (`[groups, in(+1), out]` when grouped) in `inverse_dtype`."""
+    m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
+    return m if self.grouped else m[0]
+
+  def from_matrix(self, m: Array, like) -> list[Array]:
+    """`to_matrix`'s inverse, each leaf in the dtype of its counterpart in `like`."""
+    out = self.layout.from_matrix(m if self.grouped else m[None])
+    return [o.astype(v.dtype) for o, v in zip(out, like)]
+
 
 class KroneckerBlock(LayoutBlock):
   """A ⊗ G block of a dense, conv or embedding layer (kernel/table and optional bias)."""
@@ -241,33 +230,23 @@ class KroneckerBlock(LayoutBlock):
     (lay.kind, a) for lay in _layouts.LAYOUTS for a in lay.kronecker
   )
 
-  @property
-  def _diag_a(self) -> bool:
-    return _diag_a(self.spec)
-
-  @property
-  def _diag_g(self) -> bool:
-    return self.spec.approx in DIAG_G
+  @functools.cached_property
+  def diag(self) -> tuple[bool, bool]:
+    """Whether A and G are kept as vectors (their diagonals)."""
+    return _diag_sides(self.spec)
 
   @functools.cached_property
   def solves(self) -> tuple[bool, bool]:
-    """Whether A's and G's damped inverse is kept in substitution form (`FactorCache.subst`:
-    the Cholesky factor's inverted diagonal blocks and the columns below them, `powers` None
-    at power -1) and applied by block substitution, instead of as an explicit inverse applied
-    by one matmul (`BlockConfig.factor_solve`).
+    """Whether A's and G's damped inverse is kept in substitution form (`FactorCache.subst`)
+    instead of as an explicit inverse (`BlockConfig.factor_solve`).
 
-    The explicit inverse of an n×n factor costs a Cholesky and two n×n triangular solves
-    against the identity, ~7n³/3 flops; the substitution form the Cholesky and two half-size
-    triangular inverses, ~7n³/12. A product with the m columns the factor multiplies (the
-    other factor's size) then takes six half-size matmuls instead of one with the inverse:
-    ~1.5x the flops, up to a few times the time for narrow m on CPU. "auto" keeps the form for
-    n ≥ 256 and m ≤ n/8, where the refresh outweighs a few products. The choice depends only
-    on the shapes, so the state has one structure on every backend (a checkpoint moves between
-    them). Diagonal and blocked factors, "eigen" damping, grouped convolutions and blocks
-    inside a stack (vmapped) keep explicit inverses.
+    The explicit inverse of an n×n factor costs ~7n³/3 flops, the substitution form ~7n³/12;
+    a product with the m columns the factor multiplies then costs ~1.5x the flops, so "auto"
+    keeps the form for n ≥ 256 and m ≤ n/8. The choice depends only on the shapes, so the
+    state has one structure on every backend. Diagonal and blocked factors, "eigen" damping
+    and vmapped blocks keep explicit inverses.
     """
     config = self.config
-    pa, pg = self.partitions
     if (
       config.factor_solve == "never"
       or config.damping_mode != "factored"
@@ -276,19 +255,14 @@ class KroneckerBlock(LayoutBlock):
       or self.vmapped
     ):
       return False, False
-    na, ng = self.kron_shapes()[0][-1], self.kron_shapes()[1][-1]
+    (na, ng), (da, dg), (pa, pg) = self.sides, self.diag, self.partitions
 
-    def side(n: int, partner: int, diag: bool) -> bool:
-      if diag:  # A vector, or blocks (each at most `block_size`: an explicit inverse).
+    def side(n: int, partner: int, whole: bool) -> bool:
+      if not whole:  # A vector, or blocks (each at most `block_size`): an explicit inverse.
         return False
-      if config.factor_solve == "always":
-        return True
-      return n >= SOLVE_MIN_SIZE and SOLVE_MIN_RATIO * partner <= n
+      return config.factor_solve == "always" or n >= max(SOLVE_MIN_SIZE, SOLVE_MIN_RATIO * partner)
 
-    return (
-      side(na, ng, self._diag_a or pa is not None),
-      side(ng, na, self._diag_g or pg is not None),
-    )
+    return side(na, ng, not da and pa is None), side(ng, na, not dg and pg is None)
 
   @functools.cached_property
   def partitions(self) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
@@ -309,18 +283,10 @@ class KroneckerBlock(LayoutBlock):
     """`kron_shapes(spec)`, a side kept as its diagonal a vector (embeddings' A, the "kron_*_diag"
     variants), a blocked side `[k, b, b]` (`partitions`)."""
     sa, sg = kron_shapes(spec)
-    pa, pg = partitions(spec)
-    a = sa[:-1] if _diag_a(spec) else (pa[0], pa[1], pa[1]) if pa else sa
-    g = sg[:-1] if spec.approx in DIAG_G else (pg[0], pg[1], pg[1]) if pg else sg
+    (pa, pg), (diag_a, diag_g) = partitions(spec), _diag_sides(spec)
+    a = sa[:-1] if diag_a else (pa[0], pa[1], pa[1]) if pa else sa
+    g = sg[:-1] if diag_g else (pg[0], pg[1], pg[1]) if pg else sg
     return a, g
-
-  def _to_matrix(self, vecs) -> Array:
-    m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
-    return m if self.grouped else m[0]
-
-  def _from_matrix(self, m: Array, like) -> list[Array]:
-    out = self.layout.from_matrix(m if self.grouped else m[None])
-    return [o.astype(v.dtype) for o, v in zip(out, like)]
 
   # -- statistics ------------------------------------------------------------------------------
 
@@ -356,7 +322,7 @@ class KroneckerBlock(LayoutBlock):
     elif self.spec.approx == "kron_sua":
       a = self.layout.sua_input_factor(data, dtype, self.spec.has_bias)
       a = a if pa is None else _blocked.from_full(a[0], pa)[None]
-    elif self._diag_a:
+    elif self.diag[0]:
       if self.spec.has_bias:
         x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
       a = jnp.einsum("rgi,rgi->gi", x, x) / x.shape[0]
@@ -364,7 +330,7 @@ class KroneckerBlock(LayoutBlock):
       a = _blocked.gram(x[:, 0], pa, self.spec.has_bias)[None] / x.shape[0]
     else:
       a = _linalg.gram(x, self.spec.has_bias) / x.shape[0]
-    if self._diag_g:
+    if self.diag[1]:
       gg = jnp.einsum("srgi,srgi->gi", g, g) / (g.shape[0] * batch_size)
     elif pg is not None:
       gg = _blocked.gram(g.reshape(-1, g.shape[-1]), pg, False)[None] / (g.shape[0] * batch_size)
@@ -382,8 +348,8 @@ class KroneckerBlock(LayoutBlock):
     def side(shape, diag, solve):
       if config.damping_mode == "eigen":  # Eigenvalues ones; a diagonal factor is its own basis.
         evals = jnp.ones(shape if diag else shape[:-1], dtype)
-        return FactorCache(evals=evals, evecs=None if diag else _identity(shape, dtype))
-      eye = _identity(shape, dtype)
+        return FactorCache(evals=evals, evecs=None if diag else identity(shape, dtype))
+      eye = identity(shape, dtype)
       power = eye if diag else config.stored_power(eye)
       return FactorCache(
         powers=tuple(None if solve and e == -1 else power for e in config.cached_exps),
@@ -395,8 +361,8 @@ class KroneckerBlock(LayoutBlock):
     sa, sg = self.factor_shapes
     solve_a, solve_g = self.solves
     return KroneckerCache(
-      a=side(sa, self._diag_a, solve_a),
-      g=side(sg, self._diag_g, solve_g),
+      a=side(sa, self.diag[0], solve_a),
+      g=side(sg, self.diag[1], solve_g),
       damping=jnp.zeros((), dtype),
     )
 
@@ -415,7 +381,7 @@ class KroneckerBlock(LayoutBlock):
         if m.ndim == 1:
           return FactorCache(evals=jnp.maximum(m, 0.0))
         evals, evecs = (
-          _blocked.map_blocks(_linalg.eigh_psd, m) if m.ndim == 3 else _linalg.eigh_psd(m)
+          map_factorisations(_linalg.eigh_psd, m) if m.ndim == 3 else _linalg.eigh_psd(m)
         )
         return FactorCache(evals=evals, evecs=evecs)
       if pad is not None:  # The padding of a blocked factor: ones on the diagonal (`_blocked`).
@@ -461,8 +427,7 @@ class KroneckerBlock(LayoutBlock):
     return out[:na, :ng]
 
   def multiply_matpower(self, factors, cache, vecs, exp):
-    self.check_exp(exp)
-    m = self._to_matrix(vecs)
+    m = self.to_matrix(vecs)
     damping = cache.damping
     eigen = self.config.damping_mode == "eigen"
     k = None if exp == 1 or eigen else self.config.power_index(exp)
@@ -479,10 +444,10 @@ class KroneckerBlock(LayoutBlock):
       return _right_power(_left_power(ca, k, m), cg, k)
 
     out = self.map_groups(one, factors.a, factors.g, cache.a, cache.g, m)
-    return self._from_matrix(out, vecs)
+    return self.from_matrix(out, vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    m = self._to_matrix(vecs)
+    m = self.to_matrix(vecs)
     damping = cache.damping
     if self.config.damping_mode == "eigen":
       # The symmetric square root: C = Cᵀ = (A ⊗ G + λ I)^½.
@@ -490,27 +455,22 @@ class KroneckerBlock(LayoutBlock):
       out = self.map_groups(
         lambda ca, cg, m: self._eigen_scaled(ca, cg, damping, m, fn), cache.a, cache.g, m
       )
-      return self._from_matrix(out, vecs)
+      return self.from_matrix(out, vecs)
     la, lg = (cache.a.chol_inv, cache.g.chol_inv) if inverse else (cache.a.chol, cache.g.chol)
-    if la is None:
-      raise ValueError(
-        f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
-        f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator."
-      )
+    self.cholesky_factor(la, inverse)
 
     def one(la, lg, m):
       # C = La ⊗ Lg acts as M ↦ La M Lgᵀ; Cᵀ as M ↦ Laᵀ M Lg.
       return _right(_left(_t(la), m), lg) if transpose else _right(_left(la, m), _t(lg))
 
     out = self.map_groups(one, la, lg, m)
-    return self._from_matrix(out, vecs)
+    return self.from_matrix(out, vecs)
 
   def multiply_undamped(self, factors, vecs, cache=None):
     del cache
-    m = self._to_matrix(vecs)
+    m = self.to_matrix(vecs)
     out = self.map_groups(lambda a, g, m: _right(_left(a, m), g), factors.a, factors.g, m)
-    return self._from_matrix(out, vecs)
+    return self.from_matrix(out, vecs)
 
 
-# The name the first release used for the dense block; the class now serves every kron layer.
-KroneckerDenseBlock = KroneckerBlock
+KroneckerDenseBlock = KroneckerBlock  # The dense block's former name.

@@ -1,26 +1,14 @@
 """How each layer kind's parameters, inputs and output gradients map to matrices.
 
-A layout turns a layer's parameter leaves into a stack of matrices `M: [groups, in(+1), out]`
-(one per feature group; one group except for grouped convolutions) and the curvature pass's raw
-data `(inputs, g)` into rows: `x: [R, groups, in]` (inputs of the product, one row per example
-and position) and `g: [S, R, groups, out]` (output gradients, `S` sampled targets). With these, a
-layer's output is `s_r = x_r M` per group, and the gradient of the per-example loss of example n
-with respect to M is `Σ_{r ∈ n} x̄_r g_rᵀ`, x̄ = [x, 1] with a bias. The blocks build their
-statistics from these rows only.
-
-  dense      x = the input reshaped to [rows, in] (`DenseInfo` perms); M = the kernel as [in, out].
-  conv       x = input patches (`lax.conv_general_dilated_patches`), flattened (in channel, window
-             position) in row-major order, one row per example and output location; M = the kernel
-             transposed to (in channel, window..., out) and reshaped the same way, so a patch row
-             times M is exactly the convolution at that location.
-  embedding  x = the ids (a one-hot row per id, never materialised); M = the table [vocab, dim].
-  conv_local x = the input patches, one row per example, one group per output location; M = the
-             location's kernel `[in, out]` (an unshared convolution is a dense layer per location).
-
-Each layout declares the layer kind it lays out (`kind`, read from the layer's matching details,
-`LayerSpec.info`) and the Kronecker-factored approximations it supports (`kronecker`); the
-Kronecker, diagonal and full blocks serve those pairs (`Block.serves`), so a new kind whose
-layers are products by a parameter matrix needs only its layout here.
+A layout turns a layer's leaves into matrices `M: [groups, in(+1), out]` (one group except for
+grouped convolutions and locally connected layers) and the curvature pass's data `(inputs, g)`
+into rows `x: [R, groups, in]` and `g: [S, R, groups, out]` (S sampled targets), so that
+`s_r = x_r M` per group and the per-example gradient is `Σ_{r ∈ n} x̄_r g_rᵀ` (x̄ = [x, 1] with
+a bias). Dense: the input as rows, M the kernel as [in, out]. Conv: input patches
+(`lax.conv_general_dilated_patches`, (channel, window) row-major), one row per example and
+output location, M the kernel reshaped alike. Embedding: the ids (one-hot rows, never built), M
+the table. Conv_local: one group per output location. Each layout declares its `kind` and the
+Kronecker approximations it supports; the Kronecker, diagonal and full blocks serve those.
 """
 
 from __future__ import annotations
@@ -47,6 +35,30 @@ def _operand_shape(chain, param_shape) -> tuple[int, ...]:
   return tuple(chain[-1].out_shape) if chain else tuple(param_shape)
 
 
+def _permuted_rows(lay, data, dtype):
+  """Rows of a product whose operands `x_perm` / `out_perm` order as `[rows..., in]` /
+  `[rows..., out]` (the groups being the last row axes)."""
+  (x,), g = data
+  x = x.astype(dtype).transpose(lay.info.x_perm).reshape(-1, lay.groups, lay.in_dim)
+  g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in lay.info.out_perm))
+  return x, g.reshape(g.shape[0], x.shape[0], lay.groups, lay.out_dim)
+
+
+def _with_bias(lay, m: Array, vecs, dtype) -> Array:
+  """M `[groups, in, out]` with the bias leaf appended as its last row, if the layer has one."""
+  if not lay.spec.has_bias:
+    return m
+  return jnp.concatenate([m, vecs[1].astype(dtype).reshape(lay.groups, 1, lay.out_dim)], axis=1)
+
+
+def _kernel_and_bias(lay, k: Array, m: Array) -> list[Array]:
+  """The kernel leaf from its operand `k` (`kernel_view` undone) and the bias from M's last row."""
+  out = [_specs.undo_view(lay.info.kernel_view, k).reshape(lay.spec.param_shapes[0])]
+  if lay.spec.has_bias:
+    out.append(m[:, lay.in_dim].reshape(lay.spec.param_shapes[1]))
+  return out
+
+
 # The Kronecker approximations every layout supports: A ⊗ G, and either side kept as its diagonal.
 _KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
@@ -68,38 +80,32 @@ class DenseLayout:
     self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
 
   def rows(self, data, dtype):
-    # The row count comes from the arrays, not `info.rows`: statistics of a batch of another
-    # size than `example_batch` (a partial last batch) have other row counts.
-    (x,), g = data
+    # Row counts come from the arrays, not `info.rows` (a partial last batch has fewer).
     info = self.info
+    if not info.shared_tap:
+      return _permuted_rows(self, data, dtype)
+    # The same input rows for every example: g is the broadcast's.
+    (x,), g = data
     x = x.astype(dtype).transpose(info.x_perm).reshape(-1, 1, info.in_dim)
-    if info.shared_tap:  # The same input rows for every example: g is the broadcast's.
-      tap = np.frombuffer(info.shared_tap, np.int32)
-      s, n = g.shape[:2]
-      g = g.astype(dtype).reshape(s, n, -1)
-      g = jnp.zeros((s, n, info.rows * info.out_dim), dtype).at[:, :, tap].add(g)
-      x = jnp.tile(x, (n, 1, 1))  # Rows grouped by example, as the batch's are.
-      return x, g.reshape(s, n * info.rows, 1, info.out_dim)
-    g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in info.out_perm))
-    return x, g.reshape(g.shape[0], x.shape[0], 1, info.out_dim)
+    tap = np.frombuffer(info.shared_tap, np.int32)
+    s, n = g.shape[:2]
+    g = g.astype(dtype).reshape(s, n, -1)
+    g = jnp.zeros((s, n, info.rows * info.out_dim), dtype).at[:, :, tap].add(g)
+    x = jnp.tile(x, (n, 1, 1))  # Rows grouped by example, as the batch's are.
+    return x, g.reshape(s, n * info.rows, 1, info.out_dim)
 
   def to_matrix(self, vecs, dtype) -> Array:
     info = self.info
     k = _specs.apply_view(info.kernel_view, vecs[0].astype(dtype))
     m = k.transpose(info.kernel_perm).reshape(1, info.in_dim, info.out_dim)
-    if self.spec.has_bias:
-      m = jnp.concatenate([m, vecs[1].astype(dtype).reshape(1, 1, info.out_dim)], axis=1)
-    return m
+    return _with_bias(self, m, vecs, dtype)
 
   def from_matrix(self, m: Array) -> list[Array]:
     info = self.info
     op_shape = _operand_shape(info.kernel_view, self.spec.param_shapes[0])
     permuted = tuple(op_shape[d] for d in info.kernel_perm)
     k = m[0, : info.in_dim].reshape(permuted).transpose(np.argsort(info.kernel_perm))
-    out = [_specs.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
-    if self.spec.has_bias:
-      out.append(m[0, info.in_dim].reshape(self.spec.param_shapes[1]))
-    return out
+    return _kernel_and_bias(self, k, m)
 
 
 class ConvLayout:
@@ -175,22 +181,13 @@ class ConvLayout:
   def to_matrix(self, vecs, dtype) -> Array:
     k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
     k = k.transpose(self._kernel_perm).reshape(self.in_dim, self.groups, self.out_dim)
-    m = k.transpose(1, 0, 2)
-    if self.spec.has_bias:
-      b = vecs[1].astype(dtype).reshape(self.groups, 1, self.out_dim)
-      m = jnp.concatenate([m, b], axis=1)
-    return m
+    return _with_bias(self, k.transpose(1, 0, 2), vecs, dtype)
 
   def from_matrix(self, m: Array) -> list[Array]:
-    info = self.info
-    op_shape = _operand_shape(info.kernel_view, self.spec.param_shapes[0])
+    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
     permuted = tuple(op_shape[d] for d in self._kernel_perm)
     k = m[:, : self.in_dim].transpose(1, 0, 2).reshape(permuted)
-    k = k.transpose(np.argsort(self._kernel_perm))
-    out = [_specs.undo_view(info.kernel_view, k).reshape(self.spec.param_shapes[0])]
-    if self.spec.has_bias:
-      out.append(m[:, self.in_dim].reshape(self.spec.param_shapes[1]))
-    return out
+    return _kernel_and_bias(self, k.transpose(np.argsort(self._kernel_perm)), m)
 
 
 class EmbeddingLayout:
@@ -214,11 +211,8 @@ class EmbeddingLayout:
     return ids.reshape(-1), g.reshape(g.shape[0], -1, 1, self.out_dim)
 
   def id_counts(self, ids: Array, dtype) -> Array:
-    """`[vocab]`: how many rows hold each id (the diagonal of Σ_r onehot_r onehot_rᵀ).
-
-    Ids outside `[0, vocab)` select no row of the table (a one-hot row of zeros; the gather
-    primitive does not wrap negative indices), so they are not counted.
-    """
+    """`[vocab]`: how many rows hold each id (the diagonal of Σ_r onehot_r onehot_rᵀ); ids
+    outside `[0, vocab)` select no row (gathers do not wrap negative ones) and are not counted."""
     ids = jnp.where(ids < 0, self.in_dim, ids)
     return jnp.zeros((self.in_dim,), dtype).at[ids].add(1.0, mode="drop")
 
@@ -232,13 +226,11 @@ class EmbeddingLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ConvLocalInfo:
-  """An unshared (locally connected) convolution, `out[n, p, :] = patch[n, p, :] @ K[p] (+ b[p])`
-  at every output location p of a grid, as one `dot_general` whose batch dimensions are the grid
-  (Flax's `nn.ConvLocal`, `lax.conv_general_dilated_local`).
+  """An unshared (locally connected) convolution, `out[n, p] = patch[n, p] @ K[p] (+ b[p])` at
+  every location p of a grid, as one `dot_general` batched over the grid (Flax's `ConvLocal`).
 
-  The kernel leaf is `[*grid, in, out]` (`kernel_view`: casts only), the bias `[*grid, out]` (or
-  any shape of that size, in that order). The input operand (the patches) is transposed by
-  `x_perm` to `[rows..., *grid, in]`, the tapped output by `out_perm` to `[rows..., *grid, out]`.
+  The kernel leaf is `[*grid, in, out]` (`kernel_view`: casts only), the bias `[*grid, out]`;
+  `x_perm` / `out_perm` order the patches / output as `[rows..., *grid, in]` / `[..., out]`.
   """
 
   kernel_view: tuple[_specs.ViewStep, ...]
@@ -255,10 +247,8 @@ class ConvLocalInfo:
 
 
 class ConvLocalLayout:
-  """A locally connected layer as one dense layer per output location: the locations are the
-  groups, `x: [N, P, in]`, `g: [S, N, P, out]`, `M: [P, in(+1), out]`. The Kronecker factors
-  are per location, `A_p = (1/N) Σ_n x̄_{n,p} x̄_{n,p}ᵀ`, `G_p = (1/N) Σ_n g_{n,p} g_{n,p}ᵀ`:
-  the curvature is block-diagonal over locations, each block the K-FAC block of a dense layer."""
+  """A locally connected layer as one dense layer per output location (the groups, `M: [P,
+  in(+1), out]`): the curvature is block-diagonal over locations, each a dense K-FAC block."""
 
   kind: ClassVar[Kind] = "conv_local"
   info_type: ClassVar[type] = ConvLocalInfo
@@ -272,27 +262,15 @@ class ConvLocalLayout:
     self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
 
   def rows(self, data, dtype):
-    (x,), g = data
-    info = self.info
-    x = x.astype(dtype).transpose(info.x_perm).reshape(-1, self.groups, self.in_dim)
-    g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in info.out_perm))
-    return x, g.reshape(g.shape[0], x.shape[0], self.groups, self.out_dim)
+    return _permuted_rows(self, data, dtype)
 
   def to_matrix(self, vecs, dtype) -> Array:
     k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
-    m = k.reshape(self.groups, self.in_dim, self.out_dim)
-    if self.spec.has_bias:
-      b = vecs[1].astype(dtype).reshape(self.groups, 1, self.out_dim)
-      m = jnp.concatenate([m, b], axis=1)
-    return m
+    return _with_bias(self, k.reshape(self.groups, self.in_dim, self.out_dim), vecs, dtype)
 
   def from_matrix(self, m: Array) -> list[Array]:
     op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
-    k = _specs.undo_view(self.info.kernel_view, m[:, : self.in_dim].reshape(op_shape))
-    out = [k.reshape(self.spec.param_shapes[0])]
-    if self.spec.has_bias:
-      out.append(m[:, self.in_dim].reshape(self.spec.param_shapes[1]))
-    return out
+    return _kernel_and_bias(self, m[:, : self.in_dim].reshape(op_shape), m)
 
 
 Layout = DenseLayout | ConvLayout | EmbeddingLayout | ConvLocalLayout
@@ -303,13 +281,6 @@ _BY_INFO: dict[type, type[Layout]] = {lay.info_type: lay for lay in LAYOUTS}
 def layout_for(spec) -> Layout:
   """The layout of a layer, from the type of its matching details (`spec.info`)."""
   return _BY_INFO[type(spec.info)](spec)
-
-
-def per_example(spec) -> bool:
-  """Whether a layer's per-example gradients are rebuilt from its inputs and output gradients
-  (`per_example_grads`): layers with such a layout, and scales and shifts."""
-  lay = _BY_INFO.get(type(spec.info))
-  return (lay is not None and lay.per_example) or isinstance(spec.info, _specs.ScaleShiftInfo)
 
 
 # The kinds whose "diagonal" and "full" blocks are exact per-example Fisher blocks: those of
@@ -324,13 +295,10 @@ PER_EXAMPLE_KINDS: tuple[Kind, ...] = tuple(lay.kind for lay in LAYOUTS if lay.p
 def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   """`[S·N, n]`: the gradient of each example's loss for each sampled target, leaves raveled.
 
-  Computed from the recorded inputs and output gradients, without a per-example backward pass:
-  for dense and conv layers J_n = Σ_{r ∈ n} x̄_r g_rᵀ (rows grouped by example, the leading
-  axis of the rows being the batch); for scale-and-shift layers Σ_positions x̂ ⊙ g (scale) and
-  Σ_positions g (shift), positions being all axes but the batch and the parameter's own (a
-  gathered shift table: summed, per table entry, over the features that read it). For a
-  layer used several times (`spec.num_uses > 1`, `data` one entry per use) the per-example
-  gradient is the sum of the uses' (each use's output gradient is that of the whole loss).
+  Rebuilt from the recorded inputs and output gradients: J_n = Σ_{r ∈ n} x̄_r g_rᵀ for layouts
+  (the batch the rows' leading axis); Σ_positions x̂ ⊙ g (scale) and Σ_positions g (shift) for
+  scales and shifts (a gathered table: summed per entry over the features that read it); the
+  sum of the uses' for a layer used several times.
   """
   if spec.num_uses > 1:
     return sum(  # type: ignore[return-value]  # an Array: num_uses > 1 terms
@@ -398,14 +366,18 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
 
 
 def gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
-  """`(h, c)`: the rows of a layer's "diagonal" / "full" statistics, F = Σ hᵀh / c.
+  """`(h, c)`, the rows of a layer's "diagonal" / "full" statistics F = Σ hᵀh / c, c = S·N.
 
-  `h` holds the per-example gradients (`per_example_grads`), c = S·N; for a scale-and-shift
-  layer whose rows are not examples (`ScaleShiftInfo.example_rows` False) one gradient per row,
-  still divided by S·N (the loss is a mean over the N examples, not over the rows).
+  Generic parameters: each sample's batch-summed gradient. Layouts with `per_example` and
+  scales and shifts: the per-example gradients (`per_example_grads`), or one per row for rows
+  that are not examples (`ScaleShiftInfo.example_rows` False; the loss is a mean over examples).
   """
-  h = per_example_grads(spec, data, batch_size, dtype)
   info = spec.info
+  lay = _BY_INFO.get(type(info))
+  if not ((lay is not None and lay.per_example) or isinstance(info, _specs.ScaleShiftInfo)):
+    h = jnp.concatenate([d.reshape(d.shape[0], -1).astype(dtype) for d in data], axis=1)
+    return h, h.shape[0] * batch_size
+  h = per_example_grads(spec, data, batch_size, dtype)
   if spec.num_uses == 1 and isinstance(info, _specs.ScaleShiftInfo) and not info.example_rows:
     return h, data[1].shape[0] * batch_size
   return h, h.shape[0]

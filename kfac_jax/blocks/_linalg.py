@@ -1,14 +1,9 @@
 """Small, robust linear algebra for symmetric positive (semi-)definite factors.
 
-Size buckets. XLA compiles a Cholesky factorisation or triangular solve once per distinct
-matrix size, and a model has many factor sizes (the autoencoder has 16, from 30 to 1001), each
-a compilation of its own. So the factorisations below
-run on the matrix embedded in a slightly larger one of a bucket size, `diag(M, I)`, and slice the
-answer: the inverse, any power and the Cholesky factor of `diag(M, I)` are `diag(f(M), I)`
-exactly, so the result is unchanged. Buckets are 8 per octave (…, 520, 576, 640, …, 960, 1032,
-…), so the padding costs at most (9/8)³ ≈ 1.4x FLOPs on a factorisation, ~1.2x typically.
-The blocks of a blocked factor (`_blocked`, k of one size) are factorised with `buckets=False`:
-one size needs no bucket, and only a power-of-two size is moved 8 up.
+Size buckets: XLA compiles a factorisation once per matrix size, so the factorisations below
+run on `diag(M, I)` of a bucket size (8 per octave, at most (9/8)³ ≈ 1.4x the flops) and slice
+the answer, exact since f(diag(M, I)) = diag(f(M), I). The blocks of a blocked factor (one
+size) use `buckets=False`: only a power-of-two size is moved 8 up.
 """
 
 from __future__ import annotations
@@ -32,15 +27,10 @@ def eigh_psd(m: Array) -> tuple[Array, Array]:
 
 def matmul(x: Array, y: Array) -> Array:
   """x @ y; with operands of two float dtypes, both rounded to the narrower one and the product
-  accumulated in (and returned as) the wider one: a bfloat16 inverse times a float32 vector
-  (`BlockConfig.preconditioner_dtype`) runs as a bfloat16 matmul with float32 accumulation,
-  which hardware with native bfloat16 products (e.g. a CPU with AVX512-BF16) runs faster than
-  a float32 one.
+  accumulated in the wider one (`BlockConfig.preconditioner_dtype`).
 
-  The rounded operands and the product pass through `optimization_barrier`s, so that XLA
-  cannot fold the transposes around them (layouts, `[out, in]` kernels) into the dot: XLA:CPU
-  runs a bfloat16 × bfloat16 → float32 dot only with its operands in canonical order, and
-  fails at run time on a transposed one ("Unsupported element type for DotThunk")."""
+  `optimization_barrier`s keep XLA from folding transposes into the dot: XLA:CPU runs a
+  bfloat16 × bfloat16 → float32 dot only with its operands in canonical order."""
   if x.dtype == y.dtype:
     return x @ y
   lo, hi = (x.dtype, y.dtype) if x.dtype.itemsize < y.dtype.itemsize else (y.dtype, x.dtype)
@@ -48,18 +38,9 @@ def matmul(x: Array, y: Array) -> Array:
   return jax.lax.optimization_barrier(jnp.matmul(x, y, preferred_element_type=hi))
 
 
-def power_from_eigh(s: Array, u: Array, p: float) -> Array:
-  """`U diag(s^p) Uᵀ`, for eigenvalues `s > 0`."""
-  return (u * (s**p)[None, :]) @ u.T
-
-
 def bucket_size(n: int) -> int:
-  """The bucket of an n×n factorisation: eight sizes per octave, never a power of two.
-
-  The smallest k·2^(⌊log2 n⌋ - 3) ≥ n (so at most 12.5% larger), moved 8 past a power of two
-  above 64: LAPACK's Cholesky and triangular solves slow down at power-of-two sizes
-  (cache-set conflicts of the leading dimension).
-  """
+  """The bucket of an n×n factorisation: the smallest k·2^(⌊log2 n⌋ - 3) ≥ n, moved 8 past a
+  power of two above 64 (where LAPACK slows down from cache-set conflicts)."""
   if n <= 8:
     return n
   step = 1 << max(n.bit_length() - 4, 0)
@@ -82,12 +63,8 @@ def _bucketed(fn, m: Array, buckets: bool = True) -> Array:
 
 
 def spd_inverse(m: Array, buckets: bool = True) -> Array:
-  """Inverse of a symmetric positive-definite matrix by Cholesky.
-
-  A matrix that is not numerically positive definite gives a non-finite result; the estimator
-  then keeps the block's previous inverse (see `CurvatureEstimator.update_inverses`). There is no
-  in-graph eigen-decomposition fallback: it would triple compile time for every factor.
-  """
+  """Inverse of a symmetric positive-definite matrix by Cholesky; one that is not numerically
+  positive definite gives a non-finite result (the estimator then keeps the previous one)."""
 
   def inv(x):
     chol = jnp.linalg.cholesky(x)
@@ -106,7 +83,7 @@ def spd_power(m: Array, p: float, buckets: bool = True) -> Array:
   def power(x):
     s, u = jnp.linalg.eigh(x)
     floor = jnp.maximum(jnp.max(jnp.abs(s)), 1.0) * jnp.finfo(x.dtype).eps
-    return power_from_eigh(jnp.maximum(s, floor), u, p)
+    return (u * (jnp.maximum(s, floor) ** p)[None, :]) @ u.T
 
   return _bucketed(power, symmetrize(m), buckets)
 
@@ -138,14 +115,9 @@ def substitution_form(m: Array) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
   and blocks at `substitution_bounds`, `diagonals[i]` = L_ii⁻¹ and `panels[i]` = the column
   of L below it, `L[e_i:, s_i:e_i]` (one fewer panel than blocks).
 
-  `m⁻¹ x` is then a forward and a backward block substitution of plain matmuls, ~3n²k flops for
-  x: [n, k] (a matmul with an explicit inverse: 2n²k), while the refresh skips the explicit
-  inverse's two n×n triangular solves: ~7n³/3 flops become the Cholesky's n³/3 and the
-  diagonal blocks' inverses, n³/4 for two blocks. No LAPACK call
-  happens in the products (on CPU, OpenBLAS threads woken inside the step slowed XLA's own
-  work around them), and the blocks are separate arrays, so no product slices (copies) a big
-  matrix. A matrix that is not numerically positive definite gives non-finite blocks, as
-  `spd_inverse`.
+  `m⁻¹ x` is then two block substitutions of plain matmuls (~3n²k flops for x: [n, k], no
+  LAPACK call), while the refresh skips the explicit inverse's triangular solves (~7n³/3 flops
+  become ~7n³/12). A matrix that is not numerically positive definite gives non-finite blocks.
   """
   n = m.shape[-1]
   chol = cholesky(m)
@@ -191,12 +163,8 @@ def substitution_solve(form: tuple[tuple[Array, ...], tuple[Array, ...]], x: Arr
 
 def gram(x: Array, bias: bool) -> Array:
   """Σ_r x_r x_rᵀ per group for rows `x` [R, groups, n]: [groups, n, n], or [groups, n+1, n+1]
-  for the rows `[x_r, 1]` when `bias`.
-
-  One group (every dense layer, every ungrouped conv) is a plain `xᵀx`: XLA's CPU backend runs
-  the batched-dot form `einsum("rgi,rgj->gij")` slower, most of all on small factors.
-  The bias row and column are the column sums and the row count, assembled around `xᵀx`
-  rather than appending a column of ones to x (a copy of all the rows).
+  for the rows `[x_r, 1]` when `bias` (the column sums and the row count around `xᵀx`, without
+  copying the rows). One group is a plain `xᵀx`, which XLA:CPU runs faster than a batched dot.
   """
   if x.shape[1] == 1:
     x2 = x[:, 0, :]
@@ -213,14 +181,8 @@ def gram(x: Array, bias: bool) -> Array:
 
 
 def ordered_sum(x: Array) -> Array:
-  """Σ x over the last axis by a fixed pairwise tree of elementwise adds.
-
-  A `reduce` is free to change its summation order with the layout and fusion XLA picks for
-  it, which differs between otherwise identical programs (e.g. one block's inverse computed
-  alone vs. inside a `lax.switch` branch on one device of a pmap); the sum of a few hundred
-  diagonal entries then differs in the last bit. Elementwise adds are never reassociated, so
-  this sum is bit-identical wherever it runs.
-  """
+  """Σ x over the last axis by a fixed pairwise tree of elementwise adds: bit-identical
+  wherever it runs (a `reduce`'s order changes with XLA's fusion, e.g. inside a `lax.switch`)."""
   n = x.shape[-1]
   size = 1 << max(0, (n - 1).bit_length())
   x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
@@ -237,8 +199,7 @@ def mean_diag(f: Array) -> Array:
 
 def diagonal(f: Array) -> Array:
   """The diagonal of a square matrix (a vector stays as is), as a strided slice of the
-  flattened matrix: `jnp.diagonal` lowers to a gather inside a `case` on its offset, which
-  XLA:CPU compiles into kernels of their own for every factor size."""
+  flattened matrix (cheaper to compile than `jnp.diagonal`'s gather)."""
   if f.ndim == 1:
     return f
   if f.ndim != 2 or f.shape[0] != f.shape[1]:
@@ -247,15 +208,8 @@ def diagonal(f: Array) -> Array:
   return f.reshape(-1)[:: n + 1]
 
 
-def pi_adjustment(a: Array, g: Array) -> Array:
-  """π = sqrt((tr A / dim A) / (tr G / dim G)), the factored-Tikhonov split (Martens & Grosse).
-
-  Returns 1 when either trace is not positive and finite (e.g. before any statistics).
-  """
-  return pi_from_traces(mean_diag(a), mean_diag(g))
-
-
 def pi_from_traces(ta: Array, tg: Array) -> Array:
-  """`pi_adjustment` from tr A / dim A and tr G / dim G."""
+  """π = sqrt(ta / tg) for ta = tr A / dim A and tg = tr G / dim G, the factored-Tikhonov split
+  (Martens & Grosse); 1 when either is not positive and finite (e.g. before any statistics)."""
   ok = (ta > 0) & (tg > 0) & jnp.isfinite(ta) & jnp.isfinite(tg)
   return jnp.where(ok, jnp.sqrt(jnp.where(ok, ta / jnp.where(ok, tg, 1.0), 1.0)), 1.0)

@@ -1,27 +1,19 @@
 """A dense layer applied at the T steps of a recurrence, with correlated steps.
 
-A layer with parameters M used at T places has per-example gradient
-`Σ_u Σ_{r ∈ u} x̄_{u,r} g_{u,r}ᵀ` (rows and uses as in `_kronecker`). Its statistics as
-independent uses ("kron_indep") are in `_uses`.
-
-"kron_series_1" / "kron_series_2" (Martens, Ba & Johnson 2018's temporally correlated options,
-for T = k dense uses with equal rows, the steps of a recurrence): the per-step gradient terms are
-modelled
-as a stationary process whose lag-1 statistics are Kronecker factored, A_1 = mean_t of the rows'
-x̄_t x̄_{t+1}ᵀ / R and G_1 = Σ_t (1/N) Σ_r g_t g_{t+1}ᵀ · T/(T−1) (scaled like G). With the damped
-factors A_λ, G_λ (π-adjusted factored damping, exactly as "kron_indep") and the symmetrised
-whitened lag-1 factors A_λ^{-½} sym(A_1) A_λ^{-½} = V_A diag(ψ_A) V_Aᵀ (and the same for G),
-K = A_λ^{½} V_A ⊗ G_λ^{½} V_G and ψ = ψ_A ⊗ ψ_G (clipped to |ψ| ≤ 0.99):
+"kron_series_1" / "kron_series_2" (Martens, Ba & Johnson 2018) model the per-step gradient
+terms of T dense uses with equal rows as a stationary process with Kronecker-factored lag-1
+statistics, A_1 = mean_t x̄_t x̄_{t+1}ᵀ / R and G_1 = Σ_t (1/N) Σ_r g_t g_{t+1}ᵀ · T/(T−1), A and
+G being "kron_indep"'s (`_uses`). With the damped factors A_λ, G_λ, the whitened lag-1 factors
+A_λ^{-½} sym(A_1) A_λ^{-½} = V_A diag(ψ_A) V_Aᵀ (and G's), K = A_λ^{½} V_A ⊗ G_λ^{½} V_G and
+ψ = ψ_A ⊗ ψ_G (clipped to |ψ| ≤ 0.99):
 
     F ≈ K diag(ζ(ψ)) Kᵀ,   F⁻¹ = K⁻ᵀ diag(1/ζ(ψ)) K⁻¹,
 
     series_1 (T → ∞):    ζ(ψ) = (1 + ψ) / (1 − ψ)
     series_2 (finite T): ζ(ψ) = (1 + ψ) / (1 − ψ) − 2ψ(1 − ψ^T) / (T (1 − ψ)²)
 
-(ζ = (1/T) Σ_{|d|<T} (T − |d|) ψ^{|d|}). With uncorrelated successive uses (A_1 = 0 or G_1 = 0)
-ψ = 0, ζ = 1 and both equal "kron_indep". K is not orthogonal, so only the powers −1 and 1 are
-defined (other `exps` are refused), and only in "factored" damping mode; Cholesky factors are
-C = K diag(√ζ).
+(ζ = (1/T) Σ_{|d|<T} (T − |d|) ψ^{|d|}; ψ = 0 gives "kron_indep"). K is not orthogonal: only
+the powers −1 and 1, in "factored" damping mode; Cholesky factors are C = K diag(√ζ).
 """
 
 from __future__ import annotations
@@ -117,8 +109,7 @@ class SeriesKroneckerBlock(Block):
     return SeriesFactors(a=a, g=gg, a1=a1, g1=g1)
 
   def _parts(self, factors: SeriesFactors, damping) -> SeriesCache:
-    """The cache for the damped factors, or (damping None) for the undamped ones, whose
-    `damping` field is then 0."""
+    """The cache for the damped factors, or the undamped ones (damping None, stored as 0)."""
     if damping is None:
       a, g = factors.a, factors.g
     else:
@@ -165,7 +156,6 @@ class SeriesKroneckerBlock(Block):
     return c.pa @ ((c.pa.T @ m @ c.pg) / c.zeta) @ c.pg.T
 
   def multiply_matpower(self, factors, cache, vecs, exp):
-    self.check_exp(exp)
     return self._back(self._apply(cache, self._matrix(vecs), exp), vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):

@@ -1,19 +1,18 @@
 """A stack of L layers of one kind (see `kfac_jax.scan._stacked`): the per-layer block, vmapped.
 
 Every statistic, cache entry and product of the layer's own block (`spec.stack_inner`) gains a
-leading axis L: a stack of dense layers keeps `a: [L, in+1, in+1]`, `g: [L, out, out]`, and its
-inverses are the per-layer inverses batched over L. The parameter leaves carry the same leading
-axis, so layer l's block acts on `leaf[l]`: the curvature is block-diagonal over the stack. The
-state has the layer's own types (`_state`), each array with the leading axis L; a layer whose
-statistics need its cache (EKFAC) gets layer l's cache for layer l's statistics.
+leading axis L, as do the parameter leaves: layer l's block acts on `leaf[l]`, and the
+curvature is block-diagonal over the stack.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.blocks._base import Block, StackedUses
+from kfac_jax.blocks._base import Block, StackedUses, map_factorisations
 
 Array = jax.Array
 
@@ -55,10 +54,6 @@ class StackedBlock(Block):
   def group_key(self) -> tuple:
     return ("StackedBlock", self.size) + self.inner.group_key()
 
-  def _map(self, fn, *args):
-    """`fn` per layer of the stack: vmapped, except factorisations on CPU (see below)."""
-    return jax.vmap(fn)(*args)
-
   # -- statistics ------------------------------------------------------------------------------
 
   def init_factors(self):
@@ -92,30 +87,17 @@ class StackedBlock(Block):
     return _broadcast(self.inner.init_cache(), self.size)
 
   def compute_cache(self, factors, damping):
-    # On CPU, batched LAPACK calls can deadlock the thread pool (`blocks.
-    # batched_factorisations`): there the layers are factorised one after another by a scan.
-    fn = lambda f: self.inner.compute_cache(f, damping)
-    if jax.default_backend() == "cpu":
-      return jax.lax.map(fn, factors)
-    return jax.vmap(fn)(factors)
+    return map_factorisations(lambda f: self.inner.compute_cache(f, damping), factors)
 
   # -- products --------------------------------------------------------------------------------
 
   def multiply_matpower(self, factors, cache, vecs, exp):
-    self.check_exp(exp)
-    return self._map(
-      lambda f, c, v: self.inner.multiply_matpower(f, c, v, exp), factors, cache, list(vecs)
-    )
+    fn = functools.partial(self.inner.multiply_matpower, exp=exp)
+    return jax.vmap(fn)(factors, cache, list(vecs))
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    return self._map(
-      lambda f, c, v: self.inner.multiply_cholesky(f, c, v, transpose=transpose, inverse=inverse),
-      factors,
-      cache,
-      list(vecs),
-    )
+    fn = functools.partial(self.inner.multiply_cholesky, transpose=transpose, inverse=inverse)
+    return jax.vmap(fn)(factors, cache, list(vecs))
 
   def multiply_undamped(self, factors, vecs, cache=None):
-    return self._map(
-      lambda f, v, c: self.inner.multiply_undamped(f, v, c), factors, list(vecs), cache
-    )
+    return jax.vmap(self.inner.multiply_undamped)(factors, list(vecs), cache)

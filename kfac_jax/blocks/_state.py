@@ -1,17 +1,11 @@
 """The typed state of every block kind: one `NamedTuple` for its factors, one for its cache.
 
-The estimator keeps, per block name, the block's factors (the EMA statistics) and its cache (what
-`update_inverses` derives from them and the damping λ). Both are the pytrees below; their field
-names are the names a checkpoint stores them under (`factors/<block>/a`, `cache/<block>/damping`).
-Shapes use `in(+1)` for a kernel's input side with the bias row appended, `out` for its output
-side, and a leading `(groups,)` axis for grouped convolutions only. A stack of L layers
-(`StackedBlock`) keeps its layer's types with a leading axis L on every array; a block over
-concatenated leaves (`ConcatBlock`) keeps its logical layer's.
-
-Every cache has `damping: []`, the λ it was built with (0 before the first inverse update).
-Entries the configuration does not ask for (Cholesky factors without `compute_cholesky`,
-powers under "eigen" damping) are None: they hold no arrays and are not in the pytree's leaves.
-Factors are stored in `BlockConfig.stats_dtype`, caches in `BlockConfig.inverse_dtype`.
+Field names are what a checkpoint stores them under (`factors/<block>/a`). Shapes use `in(+1)`
+for a kernel's input side with the bias row, `out` for its output side, and a leading
+`(groups,)` axis for grouped convolutions only; a stack of L layers (`StackedBlock`) adds a
+leading axis L. Every cache has `damping: []`, the λ it was built with; entries the
+configuration does not ask for are None (no leaves). Factors are stored in
+`BlockConfig.stats_dtype`, caches in `BlockConfig.inverse_dtype`.
 """
 
 from __future__ import annotations
@@ -21,8 +15,6 @@ from typing import NamedTuple
 import jax
 
 Array = jax.Array
-
-# -- Kronecker blocks: dense (K-FAC), conv (KFC), embedding, shared layers ("kron_indep") --------
 
 
 class KroneckerFactors(NamedTuple):
@@ -34,8 +26,8 @@ class KroneckerFactors(NamedTuple):
     g: the output factor G, `[(groups,) out, out]`; its diagonal `[(groups,) out]` for
       "kron_out_diag" / "kron_both_diag".
 
-  A side wider than the layer's `block_size` is kept as its diagonal blocks, `[k, b, b]`
-  (`_blocked`), and so is every matrix of its `FactorCache` (eigenvalues `[k, b]`).
+  A side wider than the layer's `block_size` is kept as its diagonal blocks `[k, b, b]`
+  (`_blocked`), and so is its `FactorCache` (eigenvalues `[k, b]`).
   """
 
   a: Array
@@ -43,20 +35,16 @@ class KroneckerFactors(NamedTuple):
 
 
 class FactorCache(NamedTuple):
-  """The cache of one Kronecker factor F (A or G), with F_λ its damped form.
-
-  Matrices have F's shape; for a diagonal F (a vector) every entry is elementwise and has F's
-  vector shape.
+  """The cache of one Kronecker factor F (A or G), with F_λ its damped form; F's shape, or
+  elementwise for a diagonal F (a vector).
 
   Attributes:
     powers: `(F_λ)^e` for each e of `BlockConfig.cached_exps`, in that order ("factored"
       damping; () under "eigen").
     chol: the Cholesky factor L of F_λ (`cholesky=True`, "factored"), else None.
     chol_inv: L⁻¹ (`cholesky_inverse=True`, "factored"), else None.
-    subst: `(diagonals, panels)`, F_λ's Cholesky factor L in blocks: the inverses of its
-      diagonal blocks and the columns below them (`_linalg.substitution_form`), kept instead
-      of the power -1 (whose `powers` entry is then None) where `KroneckerBlock.solves` says
-      so; else None.
+    subst: `_linalg.substitution_form(F_λ)`, kept instead of the power -1 (whose `powers`
+      entry is then None) where `KroneckerBlock.solves` says so; else None.
     evals: F's eigenvalues clipped at 0, `[(groups,) n]` ("eigen" damping), else None.
     evecs: F's eigenvectors as columns, F's shape ("eigen" damping, a matrix F), else None.
   """
@@ -77,9 +65,6 @@ class KroneckerCache(NamedTuple):
   damping: Array
 
 
-# -- EKFAC --------------------------------------------------------------------------------------
-
-
 class EKFACFactors(NamedTuple):
   """Attributes: `a`, `g`: as `KroneckerFactors` (always full matrices); `s`: the scalings in the
   cache's eigenbasis, `[(groups,) in(+1), out]`."""
@@ -98,17 +83,14 @@ class EKFACCache(NamedTuple):
   damping: Array
 
 
-# -- diagonal and full blocks (any layer kind, n = the layer's parameter count) --------------------
-
-
 class DiagonalFactors(NamedTuple):
-  """Attributes: `diag: [n]`, the diagonal of F over the raveled, concatenated leaves."""
+  """Attributes: `diag: [n]`, the diagonal of F over the layer's n raveled parameters."""
 
   diag: Array
 
 
 class DiagonalCache(NamedTuple):
-  """Attributes: `damping: []` (every power of a diagonal is elementwise: nothing is cached)."""
+  """Attributes: `damping: []` (every power of a diagonal is elementwise)."""
 
   damping: Array
 
@@ -127,9 +109,6 @@ class FullCache(NamedTuple):
   chol: Array | None
   chol_inv: Array | None
   damping: Array
-
-
-# -- "kron_series_1" / "kron_series_2" (a dense layer shared over T steps, see `_shared`) --------
 
 
 class SeriesFactors(NamedTuple):

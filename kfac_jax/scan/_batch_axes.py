@@ -1,20 +1,13 @@
 """Where the examples are: each value's batch axis, followed from the batch inputs.
 
-The per-example approximations ("full", "diagonal", "ekfac") and the scale-and-shift layers group
-a layer's rows by example, so the matchers must know which axis of an activation holds the
-examples. Sizes alone cannot always say: a time-major `[T, N, D]` activation with T = N, or
-`(b t) n d` rows (attention over each frame, windows cut from each image) with n = N. This pass
-follows the batch axis through the graph instead, from the batch leaves (their leading axis,
-when it has the batch's size) through the equations that move, merge, split or keep axes.
-
-A value's entry is `(axis, inner)`: its axis `axis` holds the examples, each example's entries
-`inner` consecutive positions along it (1: the axis is the batch itself; k > 1: the examples'
-rows are grouped example-major, as `(b h) t d` is). A value has no entry when it does not depend
-on the batch, when its batch axis was summed over or mixed with other axes (a reduction over the
-batch, a contraction, an example-minor merge such as `(t b) d`), or when an equation is not one
-this pass follows (a loop, a scatter): the matchers then fall back to the axes' sizes. The
-steps of a scan the graph unrolls are followed (a scanned input's slice, the carry, the stacked
-outputs).
+The per-example approximations and the scale-and-shift layers group a layer's rows by example,
+so the matchers must know which axis of an activation holds the examples; sizes alone cannot
+always say (a time-major `[T, N, D]` activation with T = N, `(b t) n d` rows with n = N). A
+value's entry is `(axis, inner)`: its axis `axis` holds the examples, each example's entries
+`inner` consecutive positions along it (1: the axis is the batch itself; k > 1: rows grouped
+example-major, as `(b h) t d`). A value has no entry when it does not depend on the batch, when
+its batch axis was summed over or mixed with other axes (a contraction, `(t b) d`), or after an
+equation this pass does not follow (a loop, a scatter): the matchers then fall back to sizes.
 """
 
 from __future__ import annotations
@@ -27,40 +20,9 @@ from kfac_jax.scan import _graph
 
 BatchAxis = tuple[int, int]  # (axis, inner)
 
-# Equations whose outputs are not followed even when a shape matches an input's.
+# Equations whose outputs are not followed even when a shape matches an input's (and scatters).
 _OPAQUE = frozenset(
-  {
-    "while",
-    "cond",
-    "scan",
-    "scatter",
-    "scatter-add",
-    "scatter_add",
-    "scatter_mul",
-    "scatter_min",
-    "scatter_max",
-    "fft",
-    "all_gather",
-    "all_to_all",
-    "psum",
-    "pmean",
-    "ppermute",
-  }
-)
-# Scans along one axis: the batch axis passes unless it is the scanned one.
-_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
-_REDUCTIONS = frozenset(
-  {
-    "reduce_sum",
-    "reduce_max",
-    "reduce_min",
-    "reduce_prod",
-    "reduce_and",
-    "reduce_or",
-    "reduce_xor",
-    "argmax",
-    "argmin",
-  }
+  {"while", "cond", "scan", "fft", "all_gather", "all_to_all", "psum", "pmean", "ppermute"}
 )
 
 
@@ -140,7 +102,7 @@ def _one(ins) -> BatchAxis | None:
 def _same_shape(fe, ins) -> list[BatchAxis | None]:
   """Elementwise and other shape-keeping equations: an output of a tagged input's shape takes
   its tag (all tagged inputs of that shape agreeing)."""
-  if fe.name in _OPAQUE:
+  if fe.name in _OPAQUE or fe.name.startswith("scatter"):
     return [None] * len(fe.outs)
   out = []
   for key in fe.outs:
@@ -149,14 +111,8 @@ def _same_shape(fe, ins) -> list[BatchAxis | None]:
   return out
 
 
-def _renumber(axis: int, removed: Sequence[int]) -> int:
-  return axis - sum(1 for r in removed if r < axis)
-
-
 def _broadcast(fe, ins):
-  axis, inner = ins[0] if ins[0] is not None else (None, 1)
-  if axis is None:
-    return [None]
+  axis, inner = ins[0]
   dims = tuple(fe.params["broadcast_dimensions"])
   if _shape(fe.ins[0])[axis] != fe.outs[0][1].aval.shape[dims[axis]]:
     return [None]
@@ -166,8 +122,6 @@ def _broadcast(fe, ins):
 def _reshape(fe, ins):
   """By strides: the examples' stride in the operand must fall inside one output axis, as its
   outermost part."""
-  if ins[0] is None:
-    return [None]
   axis, inner = ins[0]
   in_shape, out_shape = _shape(fe.ins[0]), tuple(fe.outs[0][1].aval.shape)
   n = in_shape[axis] // inner
@@ -179,10 +133,15 @@ def _reshape(fe, ins):
   return [None]
 
 
-def _squeeze(fe, ins):
-  axis, inner = ins[0]
-  dims = tuple(fe.params["dimensions"])
-  return [None if axis in dims else (_renumber(axis, dims), inner)]
+def _drops(param: str):
+  """The rule of an equation that removes the axes `fe.params[param]` (squeeze, reductions)."""
+
+  def rule(fe, ins):
+    axis, inner = ins[0]
+    dims = tuple(fe.params[param])
+    return [None if axis in dims else (axis - sum(d < axis for d in dims), inner)] * len(fe.outs)
+
+  return rule
 
 
 def _transpose(fe, ins):
@@ -190,64 +149,35 @@ def _transpose(fe, ins):
   return [(tuple(fe.params["permutation"]).index(axis), inner)]
 
 
-def _reduce(fe, ins):
-  axis, inner = ins[0]
-  axes = tuple(fe.params["axes"])
-  return [None if axis in axes else (_renumber(axis, axes), inner)] * len(fe.outs)
+def _along(param: str):
+  """The rule of an equation along the axis `fe.params[param]` (cumulative ops, sort, concatenate,
+  split): the batch axis passes unless it is that one."""
 
+  def rule(fe, ins):
+    tag = _one(ins)
+    return [None if tag is None or tag[0] == fe.params[param] else tag] * len(fe.outs)
 
-def _along_axis(fe, ins):
-  tag = ins[0]
-  return [None if tag is None or tag[0] == fe.params["axis"] else tag]
-
-
-def _sort(fe, ins):
-  tag = _one(ins)
-  if tag is None or tag[0] == fe.params["dimension"]:
-    return [None] * len(fe.outs)
-  return [tag] * len(fe.outs)
-
-
-def _concatenate(fe, ins):
-  tag = _one(ins)
-  return [None if tag is None or tag[0] == fe.params["dimension"] else tag]
-
-
-def _split(fe, ins):
-  tag = ins[0]
-  return [None if tag is None or tag[0] == fe.params["axis"] else tag] * len(fe.outs)
+  return rule
 
 
 def _pad(fe, ins):
-  tag = ins[0]
-  if tag is None or tuple(fe.params["padding_config"][tag[0]]) != (0, 0, 0):
-    return [None]
-  return [tag]
+  return [ins[0] if tuple(fe.params["padding_config"][ins[0][0]]) == (0, 0, 0) else None]
 
 
 def _slice(fe, ins):
-  """Slices that keep the whole batch axis keep it."""
-  tag = ins[0]
-  if tag is None:
-    return [None] * len(fe.outs)
-  in_shape, out_shape = _shape(fe.ins[0]), tuple(fe.outs[0][1].aval.shape)
-  if len(in_shape) != len(out_shape) or in_shape[tag[0]] != out_shape[tag[0]]:
-    return [None] * len(fe.outs)
-  return [tag] * len(fe.outs)
+  """Slices (static or dynamic) that keep the whole batch axis keep it."""
+  (axis, _), out_shape = ins[0], fe.outs[0][1].aval.shape
+  return [ins[0] if _shape(fe.ins[0])[axis] == out_shape[axis] else None] * len(fe.outs)
 
 
 def _reduce_window(fe, ins):
-  """Pooling: the batch axis passes when the window neither spans nor strides it."""
-  tag = _one(ins)
+  """Pooling: the batch axis passes when the window neither spans, strides nor pads it."""
+  tag, p = _one(ins), fe.params
   if tag is None:
     return [None] * len(fe.outs)
   a = tag[0]
-  p = fe.params
-  if p["window_dimensions"][a] != 1 or p["window_strides"][a] != 1:
-    return [None] * len(fe.outs)
-  if tuple(p["padding"][a]) != (0, 0):
-    return [None] * len(fe.outs)
-  return [tag] * len(fe.outs)
+  window = (p["window_dimensions"][a], p["window_strides"][a], tuple(p["padding"][a]))
+  return [tag if window == (1, 1, (0, 0)) else None] * len(fe.outs)
 
 
 def _dot_general(fe, ins):
@@ -321,15 +251,6 @@ def _scan_stack(fe, ins):
   return [None if tag is None else (tag[0] + 1, tag[1])]
 
 
-def _dynamic_slice(fe, ins):
-  tag = ins[0]
-  if tag is None or any(t is not None for t in ins[1:]):
-    return [None]
-  if fe.params["slice_sizes"][tag[0]] != _shape(fe.ins[0])[tag[0]]:
-    return [None]
-  return [tag]
-
-
 _RULES: dict[str, Callable[[Any, list], list]] = {
   # The synthetic equations of an unrolled scan (`_graph`); its carry, an identity, takes the
   # shape-keeping default like every elementwise equation.
@@ -337,21 +258,22 @@ _RULES: dict[str, Callable[[Any, list], list]] = {
   "scan_stack": _scan_stack,
   "broadcast_in_dim": _broadcast,
   "reshape": _reshape,
-  "squeeze": _squeeze,
+  "squeeze": _drops("dimensions"),
   "transpose": _transpose,
-  "concatenate": _concatenate,
-  "split": _split,
+  "concatenate": _along("dimension"),
+  "sort": _along("dimension"),
+  "split": _along("axis"),
   "pad": _pad,
   "slice": _slice,
-  "dynamic_slice": _dynamic_slice,
-  "sort": _sort,
+  "dynamic_slice": _slice,
   "dot_general": _dot_general,
   "conv_general_dilated": _conv,
   "gather": _gather,
-  "reduce_window_sum": _reduce_window,
-  "reduce_window_max": _reduce_window,
-  "reduce_window_min": _reduce_window,
-  "reduce_window": _reduce_window,
-  **{name: _reduce for name in _REDUCTIONS},
-  **{name: _along_axis for name in _ALONG_AXIS},
+  **dict.fromkeys([f"reduce_window{op}" for op in ("", "_sum", "_max", "_min")], _reduce_window),
+  **dict.fromkeys(
+    [f"reduce_{op}" for op in ("sum", "max", "min", "prod", "and", "or", "xor")]
+    + ["argmax", "argmin"],
+    _drops("axes"),
+  ),
+  **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"), _along("axis")),
 }

@@ -1,37 +1,22 @@
 """A flat view of a traced function: transformations inlined, one equation list.
 
 The scanner matches layers on this list and the curvature pass evaluates it with taps (a zero
-perturbation added to each layer output, the layer inputs recorded). What is seen through:
+perturbation added to each layer output, the layer inputs recorded). Seen through:
 
-  * nested `jit` / `pjit` / `closed_call`: inlined; nothing changes.
-  * `checkpoint` / remat (`jax.checkpoint` with any policy, linen `nn.remat`, `nnx.remat`) whose
-    inputs include a parameter (or a view of one): inlined, and its equations recorded as a
-    `Region`. `evaluate` runs a region's equations inside a `jax.checkpoint`-wrapped closure with
-    the original policy and `prevent_cse`, whose outputs are the region's values read later plus
-    the watched values made inside it (the taps' perturbed outputs and recorded inputs), so the
-    program that runs rematerialises the block as the user wrote it.
-  * `custom_jvp` / `custom_vjp` calls whose inputs include a parameter (or a view of one):
-    inlined, and differentiated through the primal function (the custom rule is dropped there).
-    Calls that read no parameter (activations such as `jax.nn.relu` / `gelu`, losses) stay
-    opaque, re-bound with their custom rules.
-  * `lax.scan` whose operands depend on the parameters (an RNN over time: linen `nn.scan` /
-    `nn.RNN`, nnx `nnx.scan`, a scan over stacked layers): unrolled *in this list*, for matching.
-    Its static `length` T gives T copies of the body; each step reads its carry through a
-    synthetic identity equation and its `xs` slice through a synthetic slice equation, and the
-    stacking of the `ys` is a synthetic equation too, so a parameter closed over by the body is
-    seen with T uses (each with its own output key), and a stacked parameter passed in `xs` is
-    seen as T slices, one per step (the scanner makes them one stacked layer). The program that
-    runs does not unroll: `evaluate` runs the steps again as one `lax.scan` (`ScanGroup`) whose
-    body is step 0's equations, the steps' perturbations scanned in and the watched values
-    (recorded layer inputs, perturbed outputs) stacked out, then sliced per step. So trace and
-    compile time of the tapped function do not grow with T beyond that glue (T slices and
-    stacks of the taps); the scanner's Python-side matching is linear in T.
+  * nested `jit` / `pjit` / `closed_call`: inlined.
+  * remat (`jax.checkpoint`, `nn.remat`, `nnx.remat`) and `custom_jvp` / `custom_vjp` calls that
+    read a parameter (or a view of one): inlined. A remat call's equations are a `Region`, run
+    again under `jax.checkpoint` with the original policy, so the program still rematerialises;
+    a custom-derivative call is differentiated through its primal function.
+  * `lax.scan` whose operands depend on the parameters: unrolled into T copies of the body, each
+    step reading its carry and its `xs` slice through synthetic equations (`scan_carry`,
+    `scan_slice`) and the `ys` stacked by `scan_stack`. A parameter closed over by the body has
+    T uses; a stacked one passed in `xs` is T slices. `evaluate` runs the steps again as one
+    `lax.scan` (`ScanGroup`), so compile time does not grow with T.
 
-Other higher-order primitives (`cond`, `while`), scans that touch no parameter, and remat or
-custom-derivative calls that read no parameter stay opaque equations and are re-bound as they are.
-
-Values are keyed by `(instance, Var)`: the same inner jaxpr object can be called twice (JAX
-caches traces), so each inlined call gets its own instance number.
+Other higher-order primitives, and scans, remat or custom calls that read no parameter, stay
+opaque equations. Values are keyed by `(instance, Var)`: each inlined call gets its own instance,
+since JAX may reuse one inner jaxpr for several calls.
 """
 
 from __future__ import annotations
@@ -39,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -172,22 +158,12 @@ class ScanGroup:
   stop: int
 
 
-# Operations through which a value stays "a parameter" for deciding what to inline.
-_PARAM_VIEW_OPS = frozenset(
-  {
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "reshape",
-    "transpose",
-    "broadcast_in_dim",
-    "squeeze",
-    "slice",
-    "dynamic_slice",
-    "expand_dims",
-    "scan_slice",
-  }
+# Operations that only move, reshape or cast their first operand.
+VIEW_OPS = frozenset(
+  {"convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim", "squeeze"}
 )
+# Operations through which a value stays "a parameter" for deciding what to inline.
+_PARAM_VIEW_OPS = VIEW_OPS | {"slice", "dynamic_slice", "expand_dims", "scan_slice"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -204,83 +180,60 @@ class FlatGraph:
   @classmethod
   def from_closed_jaxpr(cls, closed: _compat.ClosedJaxpr, n_params: int = 0) -> FlatGraph:
     """Flattens `closed`; scans reading any of its first `n_params` inputs are unrolled."""
-    counter = [0]
+    instances = itertools.count()
     consts: list[tuple[Key, Any]] = []
     eqns: list[FlatEqn] = []
-    dep: set[Key] = {(0, v) for v in closed.jaxpr.invars[:n_params]}
+    invars = tuple((0, v) for v in closed.jaxpr.invars)
+    dep: set[Key] = set(invars[:n_params])
     pview: set[Key] = set(dep)  # Parameters and their views (slices, casts, reshapes).
     regions: list[tuple[int, int, Mapping[str, Any]]] = []
-    scans: list[tuple[Any, ...]] = []
+    scans: list[tuple[tuple, int, int, bool, int, int]] = []  # As `_scan_group` reads them.
     remat_depth = [0]
 
-    def unroll_scan(eqn, ins, instance, alias, walk):
+    def record(fe: FlatEqn) -> None:
+      eqns.append(fe)
+      if any(is_key(a) and a in dep for a in fe.ins):
+        dep.update(fe.outs)
+      if fe.name in _PARAM_VIEW_OPS and fe.ins and is_key(fe.ins[0]) and fe.ins[0] in pview:
+        pview.update(fe.outs)
+
+    def unroll_scan(eqn, ins, instance, alias):
       p = eqn.params
-      body = p["jaxpr"]
       nc, ncar, length = p["num_consts"], p["num_carry"], int(p["length"])
-      consts_in, carry = list(ins[:nc]), list(ins[nc : nc + ncar])
-      xs = ins[nc + ncar :]
+      carry, xs = list(ins[nc : nc + ncar]), ins[nc + ncar :]
       ys_steps: list[list[Atom]] = [None] * length  # type: ignore[list-item]
       steps = []  # Per step, in execution order: (start, stop, carry outs).
       for t in reversed(range(length)) if p["reverse"] else range(length):
         start = len(eqns)
-        carry_keys = []
-        for c in carry:  # Each step reads its carry through an identity: the scan's carry.
-          key = (instance, _SynthVar(aval_of(c)))
-          eqns.append(FlatEqn(_SynthEqn(_SCAN_CARRY, {}), (c,), (key,), fn=_identity_fn))
-          if is_key(c) and c in dep:
-            dep.add(key)
-          carry_keys.append(key)
-        carry = carry_keys
-        x_t = []
+        # Each step reads its carry through an identity (the scan's carry), then its `xs` slices.
+        step_ins = []
+        for c in carry:
+          step_ins.append((instance, _SynthVar(aval_of(c))))
+          record(FlatEqn(_SynthEqn(_SCAN_CARRY, {}), (c,), (step_ins[-1],), fn=_identity_fn))
         for x in xs:
-          aval = aval_of(x).update(shape=aval_of(x).shape[1:])
-          key = (instance, _SynthVar(aval))
-          eqns.append(
-            FlatEqn(
-              _SynthEqn(_SCAN_SLICE, {"index": t}), (x,), (key,), fn=functools.partial(_slice_fn, t)
-            )
-          )
-          if is_key(x) and x in dep:
-            dep.add(key)
-          if is_key(x) and x in pview:
-            pview.add(key)
-          x_t.append(key)
-        counter[0] += 1
-        inner = counter[0]
-        inner_alias = dict(zip(body.jaxpr.invars, consts_in + carry + x_t))
-        walk(body.jaxpr, inner, body.consts, inner_alias)
-        outs = [
-          a if isinstance(a, _compat.Literal) else inner_alias.get(a, (inner, a))
-          for a in body.jaxpr.outvars
-        ]
+          step_ins.append((instance, _SynthVar(aval_of(x).update(shape=aval_of(x).shape[1:]))))
+          fn = functools.partial(_slice_fn, t)
+          record(FlatEqn(_SynthEqn(_SCAN_SLICE, {"index": t}), (x,), (step_ins[-1],), fn=fn))
+        outs = walk(p["jaxpr"], list(ins[:nc]) + step_ins)
         carry, ys_steps[t] = outs[:ncar], outs[ncar:]
         steps.append((start, len(eqns), tuple(carry)))
-      for v, a in zip(eqn.outvars[:ncar], carry):
-        alias[v] = a
+      alias.update(zip(eqn.outvars[:ncar], carry))
       stack_start = len(eqns)
       for n, v in enumerate(eqn.outvars[ncar:]):
         parts = tuple(ys_steps[t][n] for t in range(length))
-        key = (instance, v)
-        eqns.append(
-          FlatEqn(
-            _SynthEqn(_SCAN_STACK, {"length": length}),
-            parts,
-            (key,),
-            fn=functools.partial(_stack_fn, v.aval),
-          )
-        )
-        if any(a in dep for a in parts if is_key(a)):
-          dep.add(key)
+        fn = functools.partial(_stack_fn, v.aval)
+        record(FlatEqn(_SynthEqn(_SCAN_STACK, {"length": length}), parts, ((instance, v),), fn=fn))
       scans.append((tuple(steps), ncar, len(xs), bool(p["reverse"]), stack_start, len(eqns)))
 
-    def walk(jaxpr, instance: int, const_vals, alias: dict[Any, Atom]) -> None:
-      def resolve(atom):
-        if isinstance(atom, _compat.Literal):
-          return atom
-        return alias.get(atom, (instance, atom))
+    def walk(sub: _compat.ClosedJaxpr, ins) -> list[Atom]:
+      """Inlines `sub` as a new instance reading `ins`; returns its outputs."""
+      jaxpr, instance = sub.jaxpr, next(instances)
+      alias: dict[Any, Atom] = dict(zip(jaxpr.invars, ins))
 
-      for v, c in zip(jaxpr.constvars, const_vals):
-        consts.append(((instance, v), c))
+      def resolve(atom):
+        return atom if isinstance(atom, _compat.Literal) else alias.get(atom, (instance, atom))
+
+      consts.extend(((instance, v), c) for v, c in zip(jaxpr.constvars, sub.consts))
       for eqn in jaxpr.eqns:
         ins = tuple(resolve(a) for a in eqn.invars)
         if (
@@ -288,67 +241,35 @@ class FlatGraph:
           and int(eqn.params["length"]) > 0
           and any(is_key(a) and a in dep for a in ins)
         ):
-          unroll_scan(eqn, ins, instance, alias, walk)
+          unroll_scan(eqn, ins, instance, alias)
           continue
-        sub, kind = _compat.call_jaxpr_of(eqn), "call"
-        if sub is None:
+        inner, kind = _compat.call_jaxpr_of(eqn), "call"
+        if inner is None:
           found = _compat.transparent_jaxpr_of(eqn)
           if found is not None and any(is_key(a) and a in pview for a in ins):
-            sub, kind = found
-        if sub is not None:
-          start = len(eqns)
-          remat_depth[0] += kind == "remat"
-          inline(eqn, sub, ins, instance, alias, walk)
-          remat_depth[0] -= kind == "remat"
-          if kind == "remat" and not remat_depth[0] and len(eqns) > start:
-            regions.append((start, len(eqns), _compat.remat_options(eqn)))
+            inner, kind = found
+        if inner is None:
+          record(FlatEqn(eqn, ins, tuple((instance, v) for v in eqn.outvars)))
           continue
-        outs = tuple((instance, v) for v in eqn.outvars)
-        if any(is_key(a) and a in dep for a in ins):
-          dep.update(outs)
-        if eqn.primitive.name in _PARAM_VIEW_OPS and ins and is_key(ins[0]) and ins[0] in pview:
-          pview.update(outs)
-        eqns.append(FlatEqn(eqn, ins, outs))
+        start = len(eqns)
+        remat_depth[0] += kind == "remat"
+        alias.update(zip(eqn.outvars, walk(inner, ins)))
+        remat_depth[0] -= kind == "remat"
+        if kind == "remat" and not remat_depth[0] and len(eqns) > start:
+          regions.append((start, len(eqns), _compat.remat_options(eqn)))
+      return [resolve(a) for a in jaxpr.outvars]
 
-    def inline(eqn, sub, ins, instance, alias, walk):
-      del instance
-      counter[0] += 1
-      inner = counter[0]
-      inner_alias = dict(zip(sub.jaxpr.invars, ins))
-      walk(sub.jaxpr, inner, sub.consts, inner_alias)
-      # The call's outputs are the inner jaxpr's outputs.
-      for outer_v, inner_atom in zip(eqn.outvars, sub.jaxpr.outvars):
-        r = (
-          inner_atom
-          if isinstance(inner_atom, _compat.Literal)
-          else inner_alias.get(inner_atom, (inner, inner_atom))
-        )
-        alias[outer_v] = r
-
-    top_alias: dict[Any, Atom] = {}
-    walk(closed.jaxpr, 0, closed.consts, top_alias)
-    outvars = tuple(
-      a if isinstance(a, _compat.Literal) else top_alias.get(a, (0, a))
-      for a in closed.jaxpr.outvars
-    )
+    outvars = tuple(walk(closed, invars))
     const_keys = {k for k, _ in consts}
+    groups = (_scan_group(*s, eqns, outvars, const_keys) for s in scans)
     return cls(
-      tuple((0, v) for v in closed.jaxpr.invars),
+      invars,
       outvars,
       tuple(consts),
       tuple(eqns),
       _regions(regions, eqns, outvars, const_keys),
-      _scan_groups(scans, eqns, outvars, const_keys),
+      tuple(g for g in groups if g is not None),
     )
-
-  def consumers(self) -> dict[Key, list[tuple[int, int]]]:
-    """Maps each key to the (equation index, operand position) pairs that read it."""
-    out: dict[Key, list[tuple[int, int]]] = {}
-    for i, fe in enumerate(self.eqns):
-      for pos, a in enumerate(fe.ins):
-        if is_key(a):
-          out.setdefault(a, []).append((i, pos))
-    return out
 
   def evaluate(
     self,
@@ -358,12 +279,8 @@ class FlatGraph:
     *,
     unroll: bool = False,
   ) -> tuple[list[Any], dict[Key, Any]]:
-    """Evaluates the graph on `args` (arrays or tracers).
-
-    Remat regions run under `jax.checkpoint` (`Region`); the steps of an unrolled scan run again
-    as one `lax.scan` (`ScanGroup`), whose body is step 0's equations: the perturbations of the
-    steps' keys enter as scanned inputs and the watched values leave as stacked outputs, sliced
-    per step. With `unroll`, scans run step by step (as the flat graph lists them).
+    """Evaluates the graph on `args` (arrays or tracers), remat regions under `jax.checkpoint`
+    and unrolled scans as one `lax.scan` each (module docstring).
 
     Args:
       args: one value per input variable.
@@ -392,7 +309,7 @@ class FlatGraph:
     return [_read_atom(a, env) for a in self.outvars], seen
 
   @functools.cached_property
-  def _scan_positions(self) -> dict[Key, tuple[int, int, int]]:
+  def scan_positions(self) -> dict[Key, tuple[int, int, int]]:
     """Key → (scan group, step, position) for every value computed in a group's steps."""
     out = {}
     for n, grp in enumerate(self.scans):
@@ -404,7 +321,7 @@ class FlatGraph:
   def scan_stacked(self, keys: Sequence[Atom]) -> bool:
     """Whether `keys` are one position of every step of one scan, in execution order: then the
     tuple can be watched and perturbed as one stacked `[T, ...]` value (see `evaluate`)."""
-    found = [self._scan_positions.get(k) if is_key(k) else None for k in keys]
+    found = [self.scan_positions.get(k) if is_key(k) else None for k in keys]
     if not found or any(f is None for f in found):
       return False
     n, _, p = cast(tuple[int, int, int], found[0])  # not None: checked above
@@ -467,21 +384,14 @@ class FlatGraph:
     # Positions to perturb / watch in some step, and those read after the steps.
     pos0 = {key: p for p, key in enumerate(keys0)}
     column = lambda p: tuple(grp.keys[k][p] for k in range(nsteps))
-    # Stacked entries: a tuple of every step's key at one position.
-    tuple_eps = {
-      pos0[t[0]]: v
-      for t, v in perturb.items()
-      if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t
-    }
-    tuple_watch = {
-      pos0[t[0]]: t for t in watch if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t
-    }
-    eps_pos = [
-      p for p in pos if p in tuple_eps or any(grp.keys[k][p] in perturb for k in range(nsteps))
-    ]
-    watch_pos = [
-      p for p in pos if p in tuple_watch or any(grp.keys[k][p] in watch for k in range(nsteps))
-    ]
+
+    def stacked_pos(t) -> int | None:  # The position whose keys in every step are the tuple `t`.
+      return pos0[t[0]] if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t else None
+
+    tuple_eps = {p: v for t, v in perturb.items() if (p := stacked_pos(t)) is not None}
+    tuple_watch = {p: t for t in watch if (p := stacked_pos(t)) is not None}
+    eps_pos = [p for p in pos if p in tuple_eps or any(k in perturb for k in column(p))]
+    watch_pos = [p for p in pos if p in tuple_watch or any(k in watch for k in column(p))]
     final = {}  # Position → carry index, for values needed only from the last step's carry.
     for p, needed in grp.outside:
       if needed == (nsteps - 1,) and keys0[p] in grp.carry_out[0]:
@@ -497,18 +407,13 @@ class FlatGraph:
     xs = [_read_atom(a, env) for a in grp.xs]
     if grp.reverse:
       xs = [x[::-1] for x in xs]
-    eps = []
-    for p in eps_pos:
-      if p in tuple_eps:
-        eps.append(tuple_eps[p])
-        continue
-      parts = []
-      for k in range(nsteps):
-        key = grp.keys[k][p]
-        parts.append(
-          perturb[key] if key in perturb else jnp.zeros(key[1].aval.shape, key[1].aval.dtype)
-        )
-      eps.append(jnp.stack(parts))
+    zero = lambda k: jnp.zeros(k[1].aval.shape, k[1].aval.dtype)
+    eps = [
+      tuple_eps[p]
+      if p in tuple_eps
+      else jnp.stack([perturb[k] if k in perturb else zero(k) for k in column(p)])
+      for p in eps_pos
+    ]
     body_lo = s0 + grp.ncar + grp.nxs
 
     def body(carry, step_in):
@@ -537,8 +442,7 @@ class FlatGraph:
     for p, t in tuple_watch.items():
       seen[t] = ys[p]
     for p in watch_pos:
-      for k in range(nsteps):
-        key = grp.keys[k][p]
+      for k, key in enumerate(column(p)):
         if key in watch:
           seen[key] = ys[p][k]
     for i, p in grp.stacks:
@@ -569,14 +473,8 @@ def _read_atom(a, env):
 
 def _regions(ranges, eqns, outvars, const_keys) -> tuple[Region, ...]:
   """`Region`s with their input and output keys, from `(start, stop, options)` ranges."""
-  last_read: dict[Key, int] = {}
-  for i, fe in enumerate(eqns):
-    for a in fe.ins:
-      if is_key(a):
-        last_read[a] = i
-  for a in outvars:
-    if is_key(a):
-      last_read[a] = len(eqns)
+  last_read = {a: i for i, fe in enumerate(eqns) for a in fe.ins if is_key(a)}
+  last_read.update((a, len(eqns)) for a in outvars if is_key(a))
   out = []
   for start, stop, options in ranges:
     made: set[Key] = set()
@@ -594,16 +492,6 @@ def _regions(ranges, eqns, outvars, const_keys) -> tuple[Region, ...]:
   return tuple(out)
 
 
-def _scan_groups(scans, eqns, outvars, const_keys) -> tuple[ScanGroup, ...]:
-  """`ScanGroup`s for the unrolled scans whose steps are equal equation sequences."""
-  out = []
-  for steps, ncar, nxs, reverse, stack_start, stop in scans:
-    group = _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars, const_keys)
-    if group is not None:
-      out.append(group)
-  return tuple(out)
-
-
 def _same_atom(a, b, const_keys) -> bool:
   if isinstance(a, _compat.Literal) or isinstance(b, _compat.Literal):
     return isinstance(a, _compat.Literal) and isinstance(b, _compat.Literal)
@@ -612,8 +500,6 @@ def _same_atom(a, b, const_keys) -> bool:
 
 
 def _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars, const_keys):
-  if not steps:
-    return None
   s0, e0, _ = steps[0]
   n = e0 - s0
   keys0 = [k for fe in eqns[s0:e0] for k in fe.outs]

@@ -1,17 +1,11 @@
 """The layer vocabulary: each layer kind declared once, as one `LayerKind` record.
 
-A record holds everything the tracer knows about a kind: the type of its matching details
-(`LayerSpec.info`), its matchers and the pass each runs in, the approximations a layer of the
-kind takes alone and when its parameters are used several times (the default first in each),
-the shape-dependent default, and the reader of its manual tag. The scanner, `LayerConfig` and
-`summary` read these records and nothing else about kinds; the blocks declare which
-`(kind, approximation)` pairs each block class serves (`Block.serves`), and every pair a record
-names has exactly one block (checked where the block registry is built and by the tests).
-
-Adding a layer kind: its name in `Kind` and its record here, with its matcher (a pure function
-`(index, equation, claimed) -> Match | None` on the helpers of `_matchers`; a small one sits
-beside its record, as `conv_local`'s does), and its layout in `blocks/_layouts.py` if its layers
-are products by a parameter matrix (the Kronecker, diagonal and full blocks then serve it).
+The scanner, `LayerConfig` and `summary` read these records and nothing else about kinds; the
+blocks declare which `(kind, approximation)` pairs each block class serves (`Block.serves`), one
+block for every pair a record names. Adding a layer kind: its name in `Kind`, its record here
+with its matcher (on the helpers of `_matchers`; a small one sits beside its record, as
+`conv_local`'s does), and its layout in `blocks/_layouts.py` if its layers are products by a
+parameter matrix (the Kronecker, diagonal and full blocks then serve it).
 """
 
 from __future__ import annotations
@@ -43,13 +37,16 @@ SERIES: tuple[Approximation, ...] = ("kron_series_1", "kron_series_2")
 Pass = Literal["kernels", "gathers", "elementwise"]
 PASSES: tuple[Pass, ...] = get_args(Pass)
 
+# "kron" and its variants that keep one or both factor sides as their diagonal.
+_KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
+
 Matcher = Callable[[Any, int, dict[int, str]], "_matchers.Match | None"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MatcherEntry:
-  """One automatic matcher of a kind: the pass it runs in and its rank there (lower first; per
-  equation, the first matcher of a pass that fits wins)."""
+  """One automatic matcher of a kind, its pass and its rank there (per equation, the first
+  matcher of a pass that fits wins, lower ranks first)."""
 
   pass_: Pass
   rank: int
@@ -91,48 +88,35 @@ def _conv_default(info: ConvInfo) -> tuple[Approximation, str] | None:
 
 
 def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | None:
-  # A shift-only table added over the batch, spanning more than one trailing axis (a learned
-  # positional embedding `x + pos`, `pos: [1, L, D]`; latents broadcast over the batch; a
-  # table gathered at constant positions; a bias of several axes): its "full" block would be
+  # A shift-only table spanning several axes (a positional embedding `x + pos`, latents, a table
+  # gathered at constant positions, a bias of several axes): its "full" block would be
   # quadratic in L·D. The note says which, from the axes the table spans.
   if info.has_scale or len(info.feature_shape) < 2:
     return None
-  shape = "x".join(map(str, info.feature_shape))
+  nd, nf = len(info.output_shape), len(info.feature_shape)
+  start = nd - nf if info.feature_axis is None else info.feature_axis
   entries = info.feature_entries()
   if entries is not None and len(np.unique(entries)) < entries.size:
     what = "gathered at constant positions with repeats, e.g. a relative-position bias"
   elif entries is not None:
     what = "positional embedding read at constant positions"
-  elif _spans_all_but_batch(info):
-    what = "positional embedding or learned tokens"
-  else:
-    what = "a bias over several axes, the same at every position"
-  return "diagonal", f"shift-only table {shape} ({what}): diagonal"
-
-
-def _spans_all_but_batch(info: ScaleShiftInfo) -> bool:
-  """Whether a shift's features span every axis of its output but the batch's and unit axes:
-  one entry per position and feature, not a bias repeated over positions."""
-  nd, nf = len(info.output_shape), len(info.feature_shape)
-  start = nd - nf if info.feature_axis is None else info.feature_axis
-  return all(
+  elif all(  # One entry per position and feature, not a bias repeated over positions.
     info.output_shape[a] == 1
     for a in range(nd)
     if a != info.batch_axis and not start <= a < start + nf
-  )
-
-
-# --------------------------------------------------------------------------------------------
-# Unshared convolutions, declared here whole: their matcher reuses the dense helpers, their
-# block is the Kronecker (or diagonal, full) block over `blocks._layouts.ConvLocalLayout`.
+  ):
+    what = "positional embedding or learned tokens"
+  else:
+    what = "a bias over several axes, the same at every position"
+  shape = "x".join(map(str, info.feature_shape))
+  return "diagonal", f"shift-only table {shape} ({what}): diagonal"
 
 
 def match_conv_local(ix, i, claimed):
-  """An unshared convolution (Flax's `nn.ConvLocal`): a `dot_general` of input patches
-  `[rows..., *grid, in]` with a kernel leaf `[*grid, in, out]` whose leading axes are the
-  product's batch dimensions, read without reshapes; then, optionally, the transpose that puts
-  the rows first and a bias `[*grid, out]` added over the rows. A one-axis grid is taken first,
-  as a stack of dense layers (`_stacked.match_batched_dense`)."""
+  """An unshared convolution (Flax's `nn.ConvLocal`, its block over `ConvLocalLayout`): input
+  patches `[rows..., *grid, in]` times a kernel leaf `[*grid, in, out]` whose leading axes are
+  the product's batch dimensions; then, optionally, the transpose that puts the rows first and
+  a bias `[*grid, out]`. A one-axis grid is taken first, as a stack of dense layers."""
   found = _matchers.sole_param_operand(ix, i, "dot_general")
   if found is None or found[1] != 1 or found[0] >= ix.n_params or found[0] in claimed:
     return None
@@ -153,18 +137,23 @@ def match_conv_local(ix, i, claimed):
   # The product's axes: the grid (batch dimensions), the rows (the patches' free axes), out.
   labels = [("grid", d) for d in range(g)] + [("row", d) for d in range(n_free)] + [("out", 0)]
   out_key = fe.outs[0]
-  cons = ix.slice_consumers.get(out_key, [])
-  if len(cons) == 1 and ix.g.eqns[cons[0][0]].name == "transpose":
-    t = ix.g.eqns[cons[0][0]]
+  use = _matchers.only_consumer(ix, out_key)
+  if use is not None and ix.g.eqns[use[0]].name == "transpose":
+    t = ix.g.eqns[use[0]]
     labels = [labels[int(d)] for d in t.params["permutation"]]
     out_key = t.outs[0]
   canonical = [("row", d) for d in range(n_free)] + [("grid", d) for d in range(g)] + [("out", 0)]
   leaves = [k_leaf]
-  if labels == canonical:  # `[rows..., *grid, out]`: a bias over the grid and outputs may follow.
-    bias = _local_bias(ix, out_key, (1,) * n_free + grid + (k_shape[-1],), claimed)
-    if bias is not None:
-      leaves.append(bias[0])
-      out_key = bias[1]
+  # `[rows..., *grid, out]`: a single-use bias `[*grid, out]` (reshaped, cast) may follow.
+  bias = _matchers.added_leaf(ix, out_key, claimed) if labels == canonical else None
+  if (
+    bias is not None
+    and bias[0] < ix.n_params
+    and tuple(_graph.aval_of(bias[2]).shape) == (1,) * n_free + grid + (k_shape[-1],)
+    and all(s.op in ("cast", "reshape") for s in bias[1])
+  ):
+    leaves.append(bias[0])
+    out_key = bias[3].outs[0]
   info = ConvLocalInfo(
     kernel_view=tuple(ix.origin[k_atom][1]),
     grid=tuple(int(s) for s in grid),
@@ -176,40 +165,13 @@ def match_conv_local(ix, i, claimed):
   return _matchers.Match.single("conv_local", leaves, info, out_key, (x_atom,))
 
 
-def _local_bias(ix, out_key, shape, claimed):
-  """`(leaf, output key)` of a single-use leaf of `prod(shape)` entries, reshaped to `shape` and
-  added to `out_key`."""
-  cons = ix.slice_consumers.get(out_key, [])
-  if len(cons) != 1 or ix.g.eqns[cons[0][0]].name != "add":
-    return None
-  fe = ix.g.eqns[cons[0][0]]
-  other = fe.ins[1 - cons[0][1]]
-  found = _matchers.single_use_leaf(ix, other, claimed)
-  if found is None or found[0] >= ix.n_params or tuple(_graph.aval_of(other).shape) != shape:
-    return None
-  if any(s.op not in ("cast", "reshape") for s in found[1]):
-    return None
-  return found[0], fe.outs[0]
-
-
 KINDS: dict[Kind, LayerKind] = {
   k.name: k
   for k in (
     LayerKind(
       name="dense",
       info=DenseInfo,
-      approximations=(
-        "kron",
-        "kron_in_diag",
-        "kron_out_diag",
-        "kron_both_diag",
-        "diagonal",
-        "full",
-        "expand",
-        "reduce",
-        "kron_indep",
-        "ekfac",
-      ),
+      approximations=(*_KRON, "diagonal", "full", "expand", "reduce", "kron_indep", "ekfac"),
       shared=("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
       matchers=(
         MatcherEntry("kernels", 0, _stacked.match_batched_dense),
@@ -221,16 +183,7 @@ KINDS: dict[Kind, LayerKind] = {
     LayerKind(
       name="conv",
       info=ConvInfo,
-      approximations=(
-        "kron",
-        "kron_sua",
-        "kron_in_diag",
-        "kron_out_diag",
-        "kron_both_diag",
-        "diagonal",
-        "full",
-        "ekfac",
-      ),
+      approximations=("kron", "kron_sua", *_KRON[1:], "diagonal", "full", "ekfac"),
       shared=("kron_indep", "diagonal", "full"),
       matchers=(MatcherEntry("kernels", 30, _matchers.match_conv),),
       read_tag=_matchers.read_conv_tag,
@@ -268,14 +221,7 @@ KINDS: dict[Kind, LayerKind] = {
     LayerKind(
       name="conv_local",
       info=ConvLocalInfo,
-      approximations=(
-        "kron",
-        "kron_in_diag",
-        "kron_out_diag",
-        "kron_both_diag",
-        "diagonal",
-        "full",
-      ),
+      approximations=(*_KRON, "diagonal", "full"),
       matchers=(MatcherEntry("kernels", 5, match_conv_local),),
       batch_rows=True,
     ),
@@ -287,14 +233,6 @@ KINDS: dict[Kind, LayerKind] = {
     ),
   )
 }
-
-
-def kind(name: str) -> LayerKind:
-  """The record of `name`; a clear error for an unknown kind."""
-  try:
-    return KINDS[name]  # type: ignore[index]
-  except KeyError:
-    raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(KINDS)}.") from None
 
 
 def passes() -> tuple[tuple[Matcher, ...], ...]:

@@ -1,46 +1,13 @@
-"""Choosing each layer's curvature approximation: defaults per kind, path patterns, linked groups.
+"""Choosing each layer's curvature approximation: `LayerConfig` and the size policy.
 
-Precedence, highest first, for a layer the scanner registers:
-
-  1. a manual layer tag's explicit `approx=` (the tag sits next to the layer's code, so it is the
-     most specific statement there is);
-  2. the first pattern of `LayerConfig.overrides`, in mapping order, that matches the layer;
-  3. `LayerConfig.defaults[kind]`;
-  4. the library default (the kind's record, `_kinds.default_approx`; depthwise convolutions
-     "diagonal").
-
-Patterns are shell-style globs (`fnmatch.fnmatchcase`: `*` matches any run of characters,
-slashes included; `?` one character; `[ab]` a set), matched against the whole layer name (e.g.
-`params/Dense_0`) and against each of its parameter paths (`params/Dense_0/kernel`); a layer
-matches when any of them does. Globs were chosen over regexes because parameter paths are
-slash-separated names, for which `params/*/kernel` reads naturally and needs no escaping.
-
-Shared layers (a parameter used several times: tied weights, the steps of an unrolled scan, see
-`_kinds.LayerKind.shared`) take their approximation from a manual tag's `approx=`, else from the
-first matching `overrides` pattern (which may name "kron_series_1" / "kron_series_2" for a
-recurrence), else their kind's shared default ("kron_indep"; "full" for scale-and-shift).
-`defaults` do not apply to them: those name single-use approximations. A pattern choosing an
-approximation that a matched layer cannot take is an error naming the pattern and the layer.
-
-Blocked factors. A Kronecker factor side (A or G of a dense, convolution or embedding layer)
-with more than `block_size` entries, a bias row not counted, is kept as the diagonal blocks of
-the factor, each of about `block_size` (`blocks._blocked`): memory O(n·B) instead of O(n²). It
-applies to every such layer, whatever chose its approximation; `block_sizes` patterns set it per
-layer (None: that layer's sides whole). `LayerSpec.note` names the blocked sides.
-
-Size policy. A layer whose approximation was not chosen for it by name (no manual `approx=`, no
-matching `overrides` pattern) keeps no factor side larger than `max_factor_dim` (a bias row not
-counted) as a matrix: a dense, convolution or embedding layer with a larger input / output side
-keeps that side as its diagonal ("kron" becomes "kron_in_diag", "kron_out_diag" or
-"kron_both_diag"), and a "full" block of more than `max_factor_dim` parameters (a large
-scale-and-shift table) becomes "diagonal". The layer's `LayerSpec.note` says why, and `summary`
-prints it. An explicit per-layer choice is taken as asked, whatever its size.
-
-Linked groups (TF K-FAC's `define_linked_parameters`) put every parameter leaf matched by a
-group's patterns into one generic block, "full" (the exact Fisher block of those parameters, the
-default) or "diagonal". A group must hold whole layers: a group holding the kernel of a dense
-layer but not its bias is an error, as is a group pattern that matches nothing or a leaf in two
-groups.
+Precedence, highest first: a manual layer tag's explicit `approx=` (it sits next to the layer's
+code); the first `LayerConfig.overrides` pattern, in mapping order, that matches the layer (a
+shell-style glob, `fnmatch.fnmatchcase`, against its name and each parameter path: globs need no
+escaping of slash-separated paths); `LayerConfig.defaults[kind]`; the library default
+(`_kinds.default_approx`). A shared layer takes no `defaults` (they name single-use
+approximations), else its kind's shared default. Blocked factor sides, the size policy (a side
+above `max_factor_dim`, for an approximation not chosen by name, kept as its diagonal) and
+linked groups are described in `docs/approximations.rst`.
 """
 
 from __future__ import annotations
@@ -77,21 +44,17 @@ class LayerConfig:
     overrides: glob pattern → approximation, e.g. `{"params/Dense_0/*": "full"}`; the first
       matching pattern wins. Every pattern must match some layer. A manual tag's explicit
       `approx=` wins over patterns. Patterns also choose the approximation of shared layers,
-      e.g. `{"params/RNN_0/*": "kron_series_2"}` (module docstring).
+      e.g. `{"params/RNN_0/*": "kron_series_2"}`.
     linked: tuple of patterns → "full" or "diagonal": the matched leaves share one generic
       block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
     max_factor_dim: the largest factor side (a bias row not counted) kept as a matrix, whole
       or in blocks, for layers whose approximation comes from `defaults` or the library
-      default (module docstring); None: no limit. The default, 16384, keeps the hidden sides
-      of models up to 4k wide (a 4x MLP) as blocks and turns the output side of a 32k–256k
-      vocabulary head into a vector: a 65,536-way side in blocks of 1024 would be 512 MiB with
-      its inverse, against 256 KiB as a diagonal, where the head's other side may be as narrow
-      as the model.
+      default; a wider side is kept as its diagonal, a larger "full" block becomes "diagonal".
+      None: no limit. The default, 16384, keeps the hidden sides of models up to 4k wide (a 4x
+      MLP) as blocks and turns a 32k–256k vocabulary head's output side into a vector.
     block_size: a factor side with more entries than this (a bias row not counted) is kept as
-      the diagonal blocks of its factor, of about this size (module docstring); None: sides
-      kept whole. The default, 1024, keeps a side of n entries in n·1024 values (twice that
-      with its inverse), at most twice a layer's parameters when its other side has 1024
-      entries or more.
+      the diagonal blocks of its factor, of about this size; None: sides kept whole. The
+      default, 1024, keeps a side of n entries in n·1024 values.
     block_sizes: glob pattern → block size (or None: sides kept whole) for the matched layers,
       e.g. `{"params/head/*": None}`; the first matching pattern wins over `block_size`. Every
       pattern must match some layer.
@@ -114,11 +77,14 @@ class LayerConfig:
     _check_size("max_factor_dim", self.max_factor_dim, "no limit")
     _check_size("block_size", self.block_size, "sides kept whole")
     block_sizes = _frozen(self.block_sizes, "block_sizes")
+    overrides = _frozen(self.overrides, "overrides")
+    for name, mapping in (("block_sizes", block_sizes), ("overrides", overrides)):
+      for pattern in mapping:
+        if not isinstance(pattern, str) or not pattern:
+          raise TypeError(
+            f"LayerConfig.{name}: patterns must be non-empty strings, got {pattern!r}."
+          )
     for pattern, size in block_sizes.items():
-      if not isinstance(pattern, str) or not pattern:
-        raise TypeError(
-          f"LayerConfig.block_sizes: patterns must be non-empty strings, got {pattern!r}."
-        )
       _check_size(f"block_sizes[{pattern!r}]", size, "sides kept whole")
     defaults = _frozen(self.defaults, "defaults")
     for kind, approx in defaults.items():
@@ -131,13 +97,8 @@ class LayerConfig:
           f"LayerConfig.defaults[{kind!r}] = {approx!r} does not fit {kind} layers; choose one "
           f"of {kinds[kind].approximations}."
         )
-    overrides = _frozen(self.overrides, "overrides")
     every = sorted(_kinds.every_approximation())
     for pattern, approx in overrides.items():
-      if not isinstance(pattern, str) or not pattern:
-        raise TypeError(
-          f"LayerConfig.overrides: patterns must be non-empty strings, got {pattern!r}."
-        )
       if approx not in every:
         raise ValueError(
           f"LayerConfig.overrides[{pattern!r}] = {approx!r} is not an approximation; choose "
@@ -163,14 +124,8 @@ class LayerConfig:
     object.__setattr__(self, "block_sizes", block_sizes)
 
   def _key(self) -> tuple:
-    return (
-      tuple(self.defaults.items()),
-      tuple(self.overrides.items()),
-      tuple(self.linked.items()),
-      self.max_factor_dim,
-      self.block_size,
-      tuple(self.block_sizes.items()),
-    )
+    values = (getattr(self, f.name) for f in dataclasses.fields(self))
+    return tuple(tuple(v.items()) if isinstance(v, Mapping) else v for v in values)
 
   def __hash__(self):
     return hash(self._key())
@@ -207,15 +162,11 @@ def matches(pattern: str, names: Sequence[str]) -> bool:
   return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
-_DIAG_SIDES: dict[tuple[Approximation, str], Approximation] = {  # (kron family, side) -> approx.
-  ("kron", "in"): "kron_in_diag",
-  ("kron", "out"): "kron_out_diag",
-  ("kron_in_diag", "out"): "kron_both_diag",
-  ("kron_out_diag", "in"): "kron_both_diag",
-  ("kron_in_diag", "in"): "kron_in_diag",
-  ("kron_out_diag", "out"): "kron_out_diag",
-  ("kron_both_diag", "in"): "kron_both_diag",
-  ("kron_both_diag", "out"): "kron_both_diag",
+_KRON_DIAG: dict[tuple[bool, bool], Approximation] = {  # (input, output side diagonal)
+  (False, False): "kron",
+  (True, False): "kron_in_diag",
+  (False, True): "kron_out_diag",
+  (True, True): "kron_both_diag",
 }
 
 
@@ -226,14 +177,10 @@ def size_policy(
   allowed: Sequence[Approximation],
   bias: bool = False,
 ) -> tuple[Approximation, str]:
-  """`(approximation, note)` after the size policy (module docstring); note "" if unchanged.
-
-  `factor_shapes` are the layer's factor shapes under `approx`, as its block keeps them
-  (`blocks.factor_shapes_for`): a factor with two or more axes is a matrix (after a leading
-  group axis for grouped convolutions) whose side is its last axis; a vector (an embedding's
-  input side, a side already kept as its diagonal) has no side to shrink. `bias`: the input
-  side ends with a bias row, which is not counted against `max_dim`.
-  """
+  """`(approximation, note)` after the size policy (`LayerConfig.max_factor_dim`); note "" if
+  unchanged. `factor_shapes` are the layer's factor shapes under `approx`
+  (`blocks.factor_shapes_for`): a matrix's side is its last axis, a vector (a side kept as its
+  diagonal) has none. `bias`: the input side ends with a bias row, not counted."""
   if max_dim is None:
     return approx, ""
   if approx == "full" and "diagonal" in allowed:
@@ -246,16 +193,17 @@ def size_policy(
     )
   if approx not in ("kron", "kron_in_diag", "kron_out_diag", "ekfac"):
     return approx, ""
-  sa, sg = factor_shapes
   # EKFAC keeps both full eigenbases: over the limit it becomes the kron variant with the big
   # side(s) diagonal, as "kron" would.
-  new: Approximation = "kron" if approx == "ekfac" else approx
+  sa, sg = factor_shapes
+  diag = [approx == "kron_in_diag", approx == "kron_out_diag"]
   big = []
-  for side, shape, label, extra in (("in", sa, "input", int(bias)), ("out", sg, "output", 0)):
-    if len(shape) >= 2 and shape[-1] - extra > max_dim and _DIAG_SIDES[(new, side)] != new:
-      new = _DIAG_SIDES[(new, side)]
+  for side, shape, label, extra in ((0, sa, "input", int(bias)), (1, sg, "output", 0)):
+    if len(shape) >= 2 and shape[-1] - extra > max_dim and not diag[side]:
+      diag[side] = True
       big.append(f"{label} side {shape[-1]}")
-  if not big or new == approx or new not in allowed:
+  new = _KRON_DIAG[diag[0], diag[1]]
+  if not big or new not in allowed:
     return approx, ""
   return new, (f"{' and '.join(big)} > max_factor_dim {max_dim}: kept as its diagonal")
 
@@ -283,10 +231,8 @@ def shared_size_policy(
 def resolve(
   config: LayerConfig, kind: str, names: Sequence[str], builtin: str
 ) -> tuple[str, str | None]:
-  """(approximation, the pattern that chose it or None) for a layer without an explicit one.
-
-  `names` are the layer's name and parameter paths.
-  """
+  """(approximation, the pattern that chose it or None) for a layer without an explicit one,
+  named by `names` (its name and parameter paths)."""
   for pattern, approx in config.overrides.items():
     if matches(pattern, names):
       return approx, pattern

@@ -1,47 +1,10 @@
-"""Matchers: pure functions that find one layer kind in the graph index.
+"""Matchers: pure functions `(index, equation, claimed) -> Match | None`, one per layer kind.
 
-A matcher reads the graph index (`_index.GraphIndex`) and the leaves claimed so far, looks at
-one equation that really uses a parameter leaf (or, for `_matchers_shared.match_shared`, at every
-use of one leaf), and returns a `Match` or None: the layer's leaves and, per use, its matching
-details (`DenseInfo`, `ConvInfo`, ...), the output key where the curvature pass adds its zero
-perturbation and the input atoms it records; the block turns both into statistics. A matcher
-changes nothing: the scanner (`_scanner._Scanner`) runs them in a fixed order, builds the
-`LayerSpec` and claims the leaves. The `read_*_tag` functions read a kind's manual layer tag the
-same way. Which matcher belongs to which kind, and in which pass it runs, is declared once, in
-the kind's record (`_kinds.KINDS`).
-
-The matchers live in four modules, each importing only the ones before it:
-
-  `_matchers`         (this one) `Match`, the helpers on the index every matcher uses, the
-                      dense, conv and scale-and-shift matchers with their biases and shifts,
-                      the manual tag readers;
-  `_stacked`          `match_batched_dense` (L dense layers in one batched product),
-                      `match_stacked_scale_and_shift` (L scales and shifts in one product) and
-                      the merge of per-slice layers of a stacked leaf;
-  `_matchers_embed`   tables: embedding lookups (gather or one-hot product) and learned tokens;
-  `_matchers_shared`  `match_shared`: one layer for a leaf with several uses of any kind above.
-
-Patterns matched here:
-
-  dense             `dot_general(x, kernel)` without batch dimensions, the kernel a (reshaped,
-                    transposed, cast) parameter leaf; its `[in, out]` matrix is the contracted
-                    then the free kernel axes (`dense_product`, shared with the stacked
-                    matcher); an optional bias added along the output features. A one-hot
-                    product `one_hot(ids) @ table` is an embedding: the scanner tries
-                    `_matchers_embed.match_one_hot_embedding` before `match_dense`.
-  conv              `conv_general_dilated(x, kernel)` with the kernel a (viewed) parameter leaf, any
-                    spatial rank, strides, padding, dilations, dimension numbers and feature groups
-                    (`batch_group_count` must be 1), and an optional bias `add` aligned with the
-                    output feature axis.
-  scale_and_shift   `x * scale (+ shift)` and `x + shift` with the parameters spanning
-                    consecutive axes of the output, broadcast along the others (trailing
-                    features, or channel-first as equinox's BatchNorm and GroupNorm); a second
-                    multiplication by an activation right after the scale is folded in, which
-                    covers Flax's normalisation layers
-                    (`y = (x - mean) * (rsqrt(var + eps) * scale) + bias`). Without an axis of
-                    examples, rows as long as a batch input's (graph nodes, `node_rows`) are
-                    the statistics' rows. Under `jax.vmap` over stacked parameters, the stack
-                    is matched by `_stacked.match_stacked_scale_and_shift`.
+A matcher reads the graph index (`_index.GraphIndex`) at one equation that really uses a
+parameter leaf, and changes nothing: the scanner runs the matchers the kinds' records
+(`_kinds.KINDS`) name, in order, and claims the leaves. The `read_*_tag` functions read the
+manual layer tags the same way. `_stacked`, `_matchers_embed` and `_matchers_shared` build on
+the helpers here, in that order.
 """
 
 from __future__ import annotations
@@ -65,16 +28,13 @@ from kfac_jax.scan import _batch_axes, _graph
 if TYPE_CHECKING:
   from kfac_jax._specs import Kind
 
-# --------------------------------------------------------------------------------------------
-# What a matcher returns.
-
 
 @dataclasses.dataclass(frozen=True)
 class Match:
   """A layer a matcher found in the graph: its parameter leaves and, per use, how it is applied.
 
   Attributes:
-    kind: the layer kind (`_kinds.Kind`; "generic" only for a manual tag).
+    kind: the layer kind ("generic" only for a manual tag).
     leaves: the layer's leaves in the index (kernel / table / scale first, then bias / shift);
       virtual leaves (stack slices, concatenations) are mapped back by the scanner.
     infos: per use, the kind's matching details (`DenseInfo`, `ConvInfo`, ...).
@@ -103,29 +63,12 @@ class Match:
     return len(self.infos)
 
 
-# --------------------------------------------------------------------------------------------
-# Matching details (the info types themselves live in `_specs`).
-
-
-def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
-  dn = params["dimension_numbers"]
-  lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
-  return ConvInfo(
-    kernel_view=tuple(chain),
-    lhs_spec=lhs,
-    rhs_spec=rhs,
-    out_spec=out,
-    window_strides=tuple(int(s) for s in params["window_strides"]),
-    padding=tuple((int(a), int(b)) for a, b in params["padding"]),
-    lhs_dilation=tuple(int(s) for s in params["lhs_dilation"]),
-    rhs_dilation=tuple(int(s) for s in params["rhs_dilation"]),
-    feature_group_count=int(params["feature_group_count"]),
-    in_channels=int(x_shape[lhs[1]]),
-    out_channels=int(k_shape[rhs[0]]),
-    kernel_spatial=tuple(int(k_shape[d]) for d in rhs[2:]),
-    input_shape=tuple(x_shape),
-    output_shape=tuple(out_shape),
-  )
+def _one_use(kind: Kind, found) -> Match | None:
+  """The `Match` of a use reader's `(info, leaf, inputs, output key, bias / shift leaf or None)`."""
+  if found is None:
+    return None
+  info, leaf, inputs, out_key, extra = found
+  return Match.single(kind, [leaf] if extra is None else [leaf, extra], info, out_key, inputs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,12 +76,9 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
 
 
 def without_batch_rows(ix, match: Match) -> bool:
-  """Whether a match reads, in some use, a first input computed from parameters and constants
-  alone (`GraphIndex.param_only`): learned latents projected, then multiplied with the batch's
-  activations; ids computed from positions that are not a view of the table. For a kind whose
-  statistics come from rows of examples (`LayerKind.batch_rows`) its rows are not examples and
-  its output gradient is summed over the batch, so the scanner leaves such a match out; unless
-  its tap is where its output is broadcast over the batch (`DenseInfo.shared_tap`)."""
+  """Whether some use reads a first input computed from parameters and constants alone
+  (`GraphIndex.param_only`), unless its tap is where its output is broadcast over the batch
+  (`DenseInfo.shared_tap`): its rows are not examples (`LayerKind.batch_rows`)."""
   return any(
     ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
     for ins, inf in zip(match.inputs, match.infos)
@@ -158,12 +98,10 @@ def single_use_leaf(ix, atom, claimed, shared: bool = False):
 
 def sole_param_operand(ix, i, prim: str):
   """`(leaf, operand position)` if equation i is a `prim` with exactly one parameter operand,
-  a leaf used once on the loss slice; else None. The preamble of the kernel matchers."""
-  if ix.g.eqns[i].name != prim:
-    return None
+  a leaf used once on the loss slice; else None."""
   ops = ix.uses_by_eqn.get(i, [])
-  if len(ops) != 1:
-    return None  # No parameter, or a product of two parameters.
+  if ix.g.eqns[i].name != prim or len(ops) != 1:  # No parameter, or a product of two.
+    return None
   leaf, pos = ops[0]
   return (leaf, pos) if len(ix.uses.get(leaf, [])) == 1 else None
 
@@ -173,11 +111,23 @@ def only_consumer(ix, key):
   return cons[0] if len(cons) == 1 else None
 
 
-def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
-  """The trailing axes of `out_shape` a parameter spans when broadcast over the leading ones.
+def added_leaf(ix, key, claimed, shared: bool = False):
+  """`(leaf, chain, operand atom, add equation)` if the only use of `key` adds to it, without
+  broadcasting it, a view of an unclaimed leaf used once (any number of times with `shared`)."""
+  use = only_consumer(ix, key)
+  if use is None or ix.g.eqns[use[0]].name != "add":
+    return None
+  fe = ix.g.eqns[use[0]]
+  atom = fe.ins[1 - use[1]]
+  found = single_use_leaf(ix, atom, claimed, shared)
+  if found is None or fe.outs[0][1].aval.shape != key[1].aval.shape:
+    return None
+  return *found, atom, fe
 
-  Returns None when the parameter is transposed or broadcast along a trailing axis.
-  """
+
+def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
+  """The trailing axes of `out_shape` a parameter spans when broadcast over the leading ones;
+  None when it is transposed or broadcast along a trailing axis."""
   n = math.prod(leaf_shape)
   nd = len(out_shape)
   if len(view_shape) > nd or any(s.op in ("transpose", "gather") for s in chain):
@@ -205,11 +155,9 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
 
 def feature_block(leaf_shape, chain, view_shape, out_shape):
   """`(feature_axis, feature_shape)`: the consecutive axes of `out_shape` a parameter spans,
-  broadcast along all others. `feature_axis` is None for trailing axes (`_trailing_feature_shape`,
-  tried first); else the parameter, in its own row-major order, fills an inner block: a
-  per-channel scale `[C]` viewed as `[1, C, 1, 1]` over `[N, C, H, W]` (equinox's BatchNorm) or
-  broadcast to `[C, H, W]` first (equinox's GroupNorm, `left_broadcast_to`).
-  """
+  broadcast along all others; `feature_axis` None for trailing axes. Else the parameter, in its
+  own row-major order, fills an inner block: a scale `[C]` viewed as `[1, C, 1, 1]` over
+  `[N, C, H, W]` (equinox's BatchNorm) or broadcast to `[C, H, W]` first (its GroupNorm)."""
   feat = _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape)
   if feat is not None:
     return None, feat
@@ -225,10 +173,9 @@ def feature_block(leaf_shape, chain, view_shape, out_shape):
 
 def stacked_feature_block(leaf_shape, chain, view_shape, out_shape):
   """`(stack_axis, feature_axis, feature_shape)` of a parameter `[L, ...]` read as L layers'
-  parameters (`jax.vmap` / `nn.vmap` of a normalisation over stacked parameters): its leading
-  axis lies along one axis of `out_shape` (the layer axis) and, per layer, the rest fills a
-  block of consecutive axes as in `feature_block`; `feature_axis` is that block's start among
-  the axes without the layer axis (None: trailing). None if the parameter is read otherwise."""
+  parameters (a normalisation under `jax.vmap`): its leading axis lies along one axis of
+  `out_shape` and, per layer, the rest fills a block as in `feature_block` (`feature_axis`
+  counted without the layer axis); else None."""
   if len(leaf_shape) < 2 or leaf_shape[0] < 2:
     return None
   idx = _operand_index(leaf_shape, chain, view_shape, out_shape)
@@ -253,11 +200,9 @@ def stacked_feature_block(leaf_shape, chain, view_shape, out_shape):
 
 
 def _operand_index(leaf_shape, chain, view_shape, out_shape) -> np.ndarray | None:
-  """Which entry of the leaf (flat, row-major) each entry of the operand `view_shape` reads,
-  with leading unit axes up to `out_shape`'s rank and every axis along which it is constant
-  (broadcast) cut to length 1 (`_collapse`): about as many entries as the leaf, whatever the
-  activation's size. None if the operand does not broadcast to `out_shape`."""
-  idx = _index_of_view(leaf_shape, chain)
+  """The leaf entry each entry of the operand reads, padded to `out_shape`'s rank and cut to
+  length 1 along its broadcast axes (`_collapse`); None if it does not broadcast to it."""
+  idx = index_of_view(leaf_shape, chain)
   nd = len(out_shape)
   if tuple(idx.shape) != tuple(view_shape) or idx.ndim > nd:
     return None
@@ -290,63 +235,33 @@ def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
   return (a, b) if np.array_equal(np.broadcast_to(idx, want.shape), want) else None
 
 
-def _match_bias_add(ix, key, out_shape, feature_axis, size, claimed, shared: bool = False):
-  """A single-use (or, with `shared`, any) parameter added to `key` along `feature_axis` (size
-  `size`) only."""
-  use = only_consumer(ix, key)
-  if use is None or ix.g.eqns[use[0]].name != "add":
-    return None
-  fe = ix.g.eqns[use[0]]
-  found = single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared)
-  if found is None:
-    return None
-  leaf, chain = found
-  if math.prod(ix.shapes[leaf]) != size or any(s.op in ("transpose", "gather") for s in chain):
-    return None
-  if tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
-    return None
-  b_shape = tuple(_graph.aval_of(fe.ins[1 - use[1]]).shape)
-  b_shape = (1,) * (len(out_shape) - len(b_shape)) + b_shape
-  if len(b_shape) != len(out_shape) or b_shape[feature_axis] != size:
-    return None
-  if any(s.op == "broadcast" for s in chain):
-    return None
-  return leaf, fe.outs[0]
-
-
 # Layout-only operations an output may pass through between its product and its bias: the
 # unit axes `jax.vmap` leaves around a per-example layer (equinox), transposes, casts.
-_OUTPUT_VIEW_OPS = frozenset(
-  {"reshape", "squeeze", "transpose", "convert_element_type", "copy", "copy_p", "broadcast_in_dim"}
-)
+_OUTPUT_VIEW_OPS = {
+  "reshape": "reshape",
+  "squeeze": "reshape",
+  "transpose": "transpose",
+  "broadcast_in_dim": "broadcast",
+  "convert_element_type": "cast",
+  "copy": "cast",
+  "copy_p": "cast",
+}
 
 
-def _index_view(fe, idx: np.ndarray) -> np.ndarray:
-  """`idx` (an integer array of the operand's shape) moved by the layout op `fe` (the caller
-  rejects a broadcast that is not a pure relayout)."""
-  out_shape = tuple(fe.outs[0][1].aval.shape)
-  if fe.name == "transpose":
-    return idx.transpose(tuple(fe.params["permutation"]))
-  if fe.name == "broadcast_in_dim":
-    dims = tuple(fe.params["broadcast_dimensions"])
-    expanded = idx.reshape(
-      [idx.shape[dims.index(d)] if d in dims else 1 for d in range(len(out_shape))]
-    )
-    return np.broadcast_to(expanded, out_shape)
-  if fe.name in ("reshape", "squeeze"):
-    return idx.reshape(out_shape)
-  return idx  # Casts and copies.
+def _moved(idx: np.ndarray, fe) -> np.ndarray:
+  """`idx` moved by the layout-only equation `fe` (`_OUTPUT_VIEW_OPS`)."""
+  perm = fe.params.get("permutation", fe.params.get("broadcast_dimensions", ()))
+  step = ViewStep(_OUTPUT_VIEW_OPS[fe.name], (), tuple(fe.outs[0][1].aval.shape), tuple(perm))
+  return _view(idx, (step,))
 
 
-def leaf_index_view(ix, leaf, chain) -> np.ndarray:
-  """Which entry of `leaf` (flat index) each entry of the viewed operand reads."""
-  return _index_of_view(ix.shapes[leaf], chain)
-
-
-def _index_of_view(shape, chain) -> np.ndarray:
+def index_of_view(shape, chain) -> np.ndarray:
   """Which entry of a parameter of `shape` (flat index) each entry of its view by `chain`
   reads."""
-  idx = np.arange(math.prod(shape)).reshape(shape)
+  return _view(np.arange(math.prod(shape)).reshape(shape), chain)
+
+
+def _view(idx: np.ndarray, chain) -> np.ndarray:
   for st in chain:
     if st.op == "transpose":
       idx = idx.transpose(st.perm)
@@ -363,16 +278,10 @@ def _index_of_view(shape, chain) -> np.ndarray:
 
 
 def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
-  """`(bias leaf, key of the sum)` if `key`, through layout-only ops, gets a parameter added whose
-  entry f lands exactly on the entries with `feature_of == f`; else None.
-
-  `feature_of` has `key`'s shape and holds the output feature (column of the layer's matrix)
-  of each entry. This covers a bias broadcast to the full output shape (Haiku's
-  `jnp.broadcast_to(b, out.shape)`), a per-example layer under `jax.vmap` (equinox: unit axes
-  reshaped away, the output transposed before the add), and plain `out + b`. Each op on the way
-  must be the only use of its input on the loss slice, so that the bias's gradient is the sum of
-  the layer output's gradient over the positions.
-  """
+  """`(bias leaf, key of the sum)` if `key`, through layout-only ops each the only use of its
+  input, gets a parameter added whose entry f lands exactly on the entries where `feature_of`
+  (`key`'s shape: the output feature of each entry) is f; else None. Covers a bias broadcast to
+  the full output (Haiku), a layer under `jax.vmap` (equinox) and plain `out + b`."""
   idx = feature_of
   for _ in range(16):
     use = only_consumer(ix, key)
@@ -383,7 +292,7 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
       out_shape = tuple(fe.outs[0][1].aval.shape)
       if fe.name == "broadcast_in_dim" and math.prod(out_shape) != idx.size:
         return None
-      idx, key = _index_view(fe, idx), fe.outs[0]
+      idx, key = _moved(idx, fe), fe.outs[0]
       continue
     if fe.name != "add" or len(fe.ins) != 2:
       return None
@@ -392,27 +301,20 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
       return None
     leaf, chain = found
     out_shape = tuple(fe.outs[0][1].aval.shape)
-    n = math.prod(ix.shapes[leaf])
-    b = leaf_index_view(ix, leaf, chain)
+    b = index_of_view(ix.shapes[leaf], chain)
     if b.ndim == len(out_shape) and all(d in (1, o) for d, o in zip(b.shape, out_shape)):
       b = np.broadcast_to(b, out_shape)  # Unit axes broadcast by the add (vmap's batching).
+    n = math.prod(ix.shapes[leaf])
     if b.shape != out_shape or idx.shape != out_shape or n != int(idx.max()) + 1:
       return None
-    if not np.array_equal(b, idx):
-      return None
-    return leaf, fe.outs[0]
+    return (leaf, fe.outs[0]) if np.array_equal(b, idx) else None
   return None
 
 
-def conv_feature_of(info: ConvInfo) -> np.ndarray:
-  """The output channel of each entry of a convolution's output."""
-  shape = [1] * len(info.output_shape)
-  shape[info.out_spec[1]] = info.out_channels
-  return np.broadcast_to(np.arange(info.out_channels).reshape(shape), info.output_shape)
-
-
 # --------------------------------------------------------------------------------------------
-# Dense layers.
+# Dense layers: `dot_general(x, kernel)` without batch dimensions, the kernel a (reshaped,
+# transposed, cast) leaf read as the `[in, out]` matrix of its contracted then free axes, and an
+# optional bias along the output features.
 
 
 def dot_dims(dimension_numbers, k_pos: int):
@@ -435,19 +337,11 @@ def dense_product(
 ):
   """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None.
 
-  The kernel operand (shape `k_shape`, operand `k_pos`) is read as the `[in, out]` matrix of its
-  contracted then free axes, the activation as `[rows, in]`. `dot_general` lays its output out
-  as (lhs free..., rhs free...). Shared by the dense matcher and the stacked one
-  (`_stacked.batched_dense_use`, which drops the layer axis first). None when the kernel has no
-  free or no contracted axis.
-
-  The rows keep the activation's axis order, except that the batch axis is moved first in both
-  the input's and the output's rows (a time-major `[T, N, D]` activation), so that the
-  per-example approximations ("full", "diagonal", "ekfac"), which group the rows by example,
-  find each example's rows together. ("kron" sums over the rows, so their order does not change
-  it.) The batch axis is `x_batch_axis` (the activation's, followed from the batch inputs by
-  `_batch_axes`) when it is a free axis; without it, with `batch_size`, the leading free axis
-  when it has the batch's size, else the only other one that has it.
+  The kernel (operand `k_pos`) is read as the `[in, out]` matrix of its contracted then free
+  axes, the activation as `[rows, in]`; None when the kernel has no free or no contracted axis.
+  The rows keep the activation's axis order, but for the batch axis, moved first (a time-major
+  `[T, N, D]` activation), so that the per-example approximations find each example's rows
+  together: `x_batch_axis` when it is a free axis, else by `_batch_axes.batch_position`.
   """
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
@@ -492,15 +386,9 @@ def dense_use(ix, i, k_pos):
     return None  # Batched products (e.g. per-head weights) are not dense layers.
   k_shape = tuple(_graph.aval_of(k_atom).shape)
   x_shape = tuple(_graph.aval_of(x_atom).shape)
+  x_axis = followed_batch_axis(ix, x_atom)
   found = dense_product(
-    k_shape,
-    x_shape,
-    k_contract,
-    x_contract,
-    k_pos,
-    k_chain,
-    ix.batch_size,
-    followed_batch_axis(ix, x_atom),
+    k_shape, x_shape, k_contract, x_contract, k_pos, k_chain, ix.batch_size, x_axis
   )
   if found is None:
     return None
@@ -509,14 +397,10 @@ def dense_use(ix, i, k_pos):
 
 
 def match_dense(ix, i, claimed):
-  """A single-use kernel in a `dot_general` with an activation (and its bias). The scanner tries
-  `_matchers_embed.match_one_hot_embedding` first, so `one_hot(ids) @ table` is an embedding."""
+  """A single-use kernel in a `dot_general` with an activation (and its bias); a one-hot product
+  is taken first by `_matchers_embed.match_one_hot_embedding`."""
   fe = ix.g.eqns[i]
-  kernel = (
-    sole_param_operand(ix, i, "dot_general")
-    or _beside_batch_view(ix, i)
-    or _after_param_input(ix, i)
-  )
+  kernel = sole_param_operand(ix, i, "dot_general") or _kernel_beside_param(ix, i)
   if kernel is None or kernel[0] in claimed:
     return None
   k_leaf, k_pos = kernel
@@ -538,12 +422,10 @@ def match_dense(ix, i, claimed):
 
 
 def _batch_broadcast_tap(ix, key, info: DenseInfo):
-  """`(tap key, info with its shared_tap)` for a dense layer whose input rows are computed from
-  parameters and constants alone and whose output `key` (`[rows..., out...]`, or the product's
-  layout) reaches the batch only through layout ops and a broadcast over a leading batch axis:
-  `jnp.broadcast_to(probe @ w, (N, 1, D))`, or an add with an activation that broadcasts it
-  (`x + table @ w`). Every example reads the same output there, so the gradient at that key is
-  the per-example output gradient; else None."""
+  """`(tap key, info with its shared_tap)` of a dense layer whose input rows come from
+  parameters alone and whose output `key` reaches the batch only through layout ops and a
+  broadcast over a leading batch axis (`broadcast_to(probe @ w, (N, 1, D))`, `x + table @ w`),
+  where every example reads the same output: the gradient there is per example."""
   s_shape = tuple(key[1].aval.shape)
   n = math.prod(s_shape)
   idx = np.arange(n).reshape(s_shape)
@@ -563,7 +445,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
     fe = ix.g.eqns[use[0]]
     out_shape = tuple(fe.outs[0][1].aval.shape)
     if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
-      idx = _index_view(fe, idx)
+      idx = _moved(idx, fe)
     elif fe.name == "add" and len(fe.ins) == 2 and len(out_shape) == idx.ndim:
       if any(a not in (1, b) for a, b in zip(idx.shape, out_shape)):
         return None
@@ -574,13 +456,12 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
   return None
 
 
-def _beside_batch_view(ix, i):
+def _kernel_beside_param(ix, i):
   """`(kernel leaf, operand position)` if equation i is a `dot_general` of a single-use kernel
-  leaf with a view of another leaf broadcast over the batch and the same for every example
-  (big_vision's MAP head: a learned probe `[1, 1, D]` tiled over the batch, then the query
-  projection). The probe's rows are shared by every example, so the kernel is a dense layer
-  whose input rows are the same for each example; the probe is a layer of its own (learned
-  tokens, `_matchers_embed.match_batch_tokens`)."""
+  with a view of another leaf: one tiled over the batch, the same for every example (a learned
+  probe, big_vision's MAP head), or one projected before such a broadcast (`probe @ kernel`, a
+  layer if `_batch_broadcast_tap` finds it). The probe is a layer of its own
+  (`_matchers_embed.match_batch_tokens`) or left to the fallback."""
   fe = ix.g.eqns[i]
   ops = ix.uses_by_eqn.get(i, [])
   if fe.name != "dot_general" or len(ops) != 2 or ops[0][0] == ops[1][0]:
@@ -592,91 +473,74 @@ def _beside_batch_view(ix, i):
     x_shape = tuple(_graph.aval_of(x_atom).shape)
     if len(x_shape) < 2 or x_shape[0] != ix.batch_size or ix.batch_size < 2:
       continue
-    idx = leaf_index_view(ix, ix.origin[x_atom][0], ix.origin[x_atom][1])
+    idx = index_of_view(ix.shapes[ix.origin[x_atom][0]], ix.origin[x_atom][1])
     if tuple(idx.shape) == x_shape and (idx == idx[:1]).all():
       return k_leaf, k_pos
-  return None
-
-
-def _after_param_input(ix, i):
-  """`(kernel leaf, 1)` if equation i is `view(p) @ kernel` of two distinct leaves, the kernel
-  used once: a learned probe projected before it is broadcast over the batch. The kernel is a
-  layer only if its output reaches a broadcast over the batch (`_batch_broadcast_tap`); the
-  probe itself has no per-example output there and is left to the fallback."""
-  fe = ix.g.eqns[i]
-  ops = ix.uses_by_eqn.get(i, [])
-  if fe.name != "dot_general" or len(ops) != 2 or ops[0][0] == ops[1][0]:
+  k_leaf = next((leaf for leaf, pos in ops if pos == 1), None)
+  if k_leaf is None or len(ix.uses.get(k_leaf, [])) != 1 or fe.ins[0] not in ix.param_only:
     return None
-  found = [(leaf, pos) for leaf, pos in ops if pos == 1]
-  if not found or len(ix.uses.get(found[0][0], [])) != 1 or fe.ins[0] not in ix.param_only:
-    return None
-  return found[0]
+  return k_leaf, 1
 
 
 def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
   """`(bias leaf, output key)` of a parameter added to a dense product's output `s_key` along
   its output features, else None."""
-  found = _match_direct_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared)
-  if found is not None:
-    return found
+  free_shape = tuple(k_shape[d] for d in k_free)
+  found = added_leaf(ix, s_key, claimed, shared) if k_pos == 1 else None
+  if found is not None:  # `out + b`, b `[..., *free_shape]` over the leading axes.
+    b_leaf, b_chain, other, fe = found
+    b_shape = tuple(_graph.aval_of(other).shape)
+    s_shape = tuple(s_key[1].aval.shape)
+    lead = len(b_shape) - len(free_shape)
+    if (
+      not any(s.op in ("transpose", "gather") for s in b_chain)
+      and math.prod(ix.shapes[b_leaf]) == math.prod(free_shape)
+      and lead >= 0
+      and b_shape[lead:] == free_shape
+      and math.prod(b_shape[:lead]) in (1, math.prod(s_shape[: len(s_shape) - len(free_shape)]))
+    ):
+      return b_leaf, fe.outs[0]
   # A bias behind layout ops (vmap's unit axes, a transposed product) or broadcast to the full
   # output: matched by where each bias entry lands; the tap stays at the product.
-  free_shape = tuple(k_shape[d] for d in k_free)
   out_shape = tuple(s_key[1].aval.shape)
-  n_kf = len(free_shape)
   feat = np.arange(math.prod(free_shape)).reshape(free_shape)
-  if k_pos == 1:  # out = (x_free..., k_free...)
-    feat = np.broadcast_to(feat, out_shape)
-  else:  # out = (k_free..., x_free...)
-    feat = np.broadcast_to(feat.reshape(free_shape + (1,) * (len(out_shape) - n_kf)), out_shape)
-  bias = follow_bias(ix, s_key, feat, claimed, shared)
+  if k_pos != 1:  # out = (k_free..., x_free...)
+    feat = feat.reshape(free_shape + (1,) * (len(out_shape) - len(free_shape)))
+  bias = follow_bias(ix, s_key, np.broadcast_to(feat, out_shape), claimed, shared)
   return None if bias is None else (bias[0], s_key)
 
 
-def _match_direct_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
-  if k_pos != 1:
-    return None
-  cons = ix.slice_consumers.get(s_key, [])
-  if len(cons) != 1:
-    return None
-  j, pos = cons[0]
-  fe = ix.g.eqns[j]
-  if fe.name != "add":
-    return None
-  other = fe.ins[1 - pos]
-  if not _graph.is_key(other) or other not in ix.origin:
-    return None
-  b_leaf, b_chain = ix.origin[other]
-  if b_leaf in claimed or (not shared and len(ix.uses.get(b_leaf, [])) != 1):
-    return None
-  if any(s.op in ("transpose", "gather") for s in b_chain):
-    return None
-  free_shape = tuple(k_shape[d] for d in k_free)
-  if math.prod(ix.shapes[b_leaf]) != math.prod(free_shape):
-    return None
-  b_shape = tuple(_graph.aval_of(other).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
-  s_shape = tuple(s_key[1].aval.shape)
-  if out_shape != s_shape or len(b_shape) < len(free_shape):
-    return None
-  if b_shape[len(b_shape) - len(free_shape) :] != free_shape:
-    return None
-  if math.prod(b_shape[: len(b_shape) - len(free_shape)]) not in (
-    1,
-    math.prod(s_shape[: len(s_shape) - len(free_shape)]),
-  ):
-    return None
-  return b_leaf, fe.outs[0]
-
-
 # --------------------------------------------------------------------------------------------
-# Convolutions, scales and shifts.
+# Convolutions: `conv_general_dilated(x, kernel)` with the kernel a (viewed) leaf, any spatial
+# rank, strides, padding, dilations, dimension numbers and feature groups (`batch_group_count`
+# 1), and an optional bias along the output feature axis.
+
+
+def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
+  dn = params["dimension_numbers"]
+  lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+  return ConvInfo(
+    kernel_view=tuple(chain),
+    lhs_spec=lhs,
+    rhs_spec=rhs,
+    out_spec=out,
+    window_strides=tuple(int(s) for s in params["window_strides"]),
+    padding=tuple((int(a), int(b)) for a, b in params["padding"]),
+    lhs_dilation=tuple(int(s) for s in params["lhs_dilation"]),
+    rhs_dilation=tuple(int(s) for s in params["rhs_dilation"]),
+    feature_group_count=int(params["feature_group_count"]),
+    in_channels=int(x_shape[lhs[1]]),
+    out_channels=int(k_shape[rhs[0]]),
+    kernel_spatial=tuple(int(k_shape[d]) for d in rhs[2:]),
+    input_shape=tuple(x_shape),
+    output_shape=tuple(out_shape),
+  )
 
 
 def conv_use(ix, i, claimed, shared: bool = False):
-  """`(ConvInfo, kernel leaf, x atom, output key, bias leaf or None)` if equation i convolves an
-  activation with a (viewed) parameter kernel, else None. With `shared`, the kernel and the bias
-  may have other uses (one use of a shared layer)."""
+  """`(ConvInfo, kernel leaf, (x atom,), output key, bias leaf or None)` if equation i convolves
+  an activation with a (viewed) parameter kernel, else None. With `shared`, the kernel and the
+  bias may have other uses (one use of a shared layer)."""
   fe = ix.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
@@ -695,51 +559,46 @@ def conv_use(ix, i, claimed, shared: bool = False):
   info = _conv_info(
     chain, fe.params, _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape, out_shape
   )
-  bias = _match_bias_add(
-    ix, out_key, out_shape, info.out_spec[1], info.out_channels, claimed, shared
-  )
-  if bias is None:  # A broadcast bias, or one behind layout ops; the tap stays at the conv.
-    bias = follow_bias(ix, out_key, conv_feature_of(info), claimed, shared)
-    bias = None if bias is None else (bias[0], out_key)
-  b_leaf, out_key = bias if bias is not None else (None, out_key)
-  return info, k_leaf, x_atom, out_key, b_leaf
-
-
-def conv_kernel_layout(info: ConvInfo) -> tuple[Any, ...]:
-  """What fixes how a convolution reads its kernel as the `[window · in, out]` matrix: uses of
-  a shared kernel must agree on it (strides, padding and input shapes may differ)."""
-  return (
-    info.kernel_view,
-    info.rhs_spec,
-    info.feature_group_count,
-    info.kernel_spatial,
-    info.in_channels,
-    info.out_channels,
-  )
+  c = info.out_channels
+  bias = added_leaf(ix, out_key, claimed, shared)
+  if bias is not None:  # `out + b`, b `[C]` along the output channels.
+    b_leaf, b_chain, atom, add = bias
+    b_shape = tuple(_graph.aval_of(atom).shape)
+    b_shape = (1,) * (len(out_shape) - len(b_shape)) + b_shape
+    if (
+      math.prod(ix.shapes[b_leaf]) == c
+      and not any(s.op in ("transpose", "gather", "broadcast") for s in b_chain)
+      and len(b_shape) == len(out_shape)
+      and b_shape[info.out_spec[1]] == c
+    ):
+      return info, k_leaf, (x_atom,), add.outs[0], b_leaf
+  # A broadcast bias, or one behind layout ops; the tap stays at the conv.
+  shape = [1] * len(out_shape)
+  shape[info.out_spec[1]] = c
+  channel = np.broadcast_to(np.arange(c).reshape(shape), out_shape)
+  bias = follow_bias(ix, out_key, channel, claimed, shared)
+  return info, k_leaf, (x_atom,), out_key, None if bias is None else bias[0]
 
 
 def match_conv(ix, i, claimed):
-  found = conv_use(ix, i, claimed)
-  if found is None:
-    return None
-  info, k_leaf, x_atom, out_key, b_leaf = found
-  leaves = [k_leaf] + ([b_leaf] if b_leaf is not None else [])
-  return Match.single("conv", leaves, info, out_key, (x_atom,))
+  return _one_use("conv", conv_use(ix, i, claimed))
+
+
+# --------------------------------------------------------------------------------------------
+# Scales and shifts: `x * scale (+ shift)` and `x + shift`, the parameters spanning consecutive
+# axes of the output (trailing, or channel-first as equinox's norms) broadcast along the others;
+# a second multiplication by an activation right after the scale is folded in, which covers
+# Flax's norms (`(x - mean) * (rsqrt(var + eps) * scale) + bias`).
 
 
 def match_scale_and_shift(ix, i, claimed):
-  found = scale_shift_use(ix, i, claimed)
-  if found is None:
-    return None
-  info, leaf, inputs, out_key, shift_leaf = found
-  leaves = [leaf] + ([shift_leaf] if shift_leaf is not None else [])
-  return Match.single("scale_and_shift", leaves, info, out_key, inputs)
+  return _one_use("scale_and_shift", scale_shift_use(ix, i, claimed))
 
 
 def scale_shift_operands(ix, i, claimed, shared: bool = False):
   """`(leaf, parameter atom, input atoms, output key)` if equation i multiplies an activation by
   a parameter (a second multiplication by an activation right after it folded in) or adds one
-  to it; else None. The preamble of the scale-and-shift matchers."""
+  to it; else None."""
   fe = ix.g.eqns[i]
   if fe.name not in ("mul", "add") or len(fe.ins) != 2:
     return None
@@ -748,11 +607,9 @@ def scale_shift_operands(ix, i, claimed, shared: bool = False):
     return None
   leaf, pos = ops[0]
   other = fe.ins[1 - pos]
-  if single_use_leaf(ix, fe.ins[pos], claimed, shared) is None:
+  if single_use_leaf(ix, fe.ins[pos], claimed, shared) is None or not _graph.is_key(other):
     return None
-  if not _graph.is_key(other) or other in ix.origin:
-    return None
-  if other in ix.param_only:
+  if other in ix.origin or other in ix.param_only:
     return None  # Not an activation: e.g. a weight-normalised kernel `v / |v|` times a gain.
   out_key = fe.outs[0]
   inputs: tuple = ()
@@ -773,13 +630,10 @@ def scale_shift_operands(ix, i, claimed, shared: bool = False):
 
 def scale_shift_use(ix, i, claimed, shared: bool = False):
   """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` if equation i
-  multiplies an activation by a parameter (then `leaf` is the scale, and a following shift is
-  matched too) or adds one to it (`leaf` is the shift); else None. With `shared`, the
-  parameters may have other uses (one use of a shared layer).
-
-  Without an axis of examples outside the parameter's axes, a single-use layer whose leading
-  axis holds rows of the batch's inputs (`node_rows`: the nodes or edges of a batch of graphs)
-  takes those rows as its statistics' rows (`ScaleShiftInfo.example_rows` False)."""
+  multiplies an activation by a parameter (the scale, then a shift is matched too) or adds one
+  (the shift); else None. With `shared`, the parameters may have other uses. Without an axis
+  of examples, a single-use layer over rows of the batch's inputs (`node_rows`) takes those as
+  its statistics' rows."""
   found = scale_shift_operands(ix, i, claimed, shared)
   if found is None:
     return None
@@ -789,7 +643,7 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   block = feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
   index = b""
   if block is None and ix.g.eqns[i].name == "add":
-    rows = indexed_features(ix.shapes[leaf], leaf_index_view(ix, leaf, chain), out_shape)
+    rows = indexed_features(ix.shapes[leaf], index_of_view(ix.shapes[leaf], chain), out_shape)
     if rows is not None:
       block, index = (None, rows[0]), rows[1]
   if block is None or len(block[1]) == len(out_shape):
@@ -805,15 +659,13 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
     batch_axis, example_rows = 0, False
   shift_leaf = None
   is_mul = ix.g.eqns[i].name == "mul"
-  has_shift = not is_mul
   if is_mul:
     shift = match_shift(ix, out_key, out_shape, block, claimed, shared)
     if shift is not None:
       shift_leaf, out_key = shift
-      has_shift = True
   info = ScaleShiftInfo(
     has_scale=is_mul,
-    has_shift=has_shift,
+    has_shift=not is_mul or shift_leaf is not None,
     feature_shape=feat,
     output_shape=out_shape,
     feature_axis=axis,
@@ -825,27 +677,21 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
 
 
 def node_rows(ix, out_shape, feature_axis) -> bool:
-  """Whether the leading axis of a scale-and-shift output `out_shape` (outside its features,
-  which start at `feature_axis`, None: trailing) has the length of the leading axis of a batch
-  input whose batch axis was not found: rows of the batch's data that are not its examples, as
-  the nodes of a batch of graphs concatenated into one `[num_nodes, features]` array (their
-  graph is known only to the segment sums that pool them)."""
+  """Whether the leading axis of `out_shape`, outside the features, has the length of the
+  leading axis of a batch input without a found batch axis: rows of the batch that are not its
+  examples, as the nodes of a batch of graphs in one `[num_nodes, features]` array."""
   if len(out_shape) < 2 or feature_axis == 0:
     return False
-  rows = out_shape[0]
-  for key in ix.g.invars[ix.n_params :]:
-    shape = tuple(key[1].aval.shape)
-    if shape and shape[0] == rows and ix.batch_axes.get(key) is None:
-      return True
-  return False
+  return any(
+    tuple(key[1].aval.shape[:1]) == out_shape[:1] and ix.batch_axes.get(key) is None
+    for key in ix.g.invars[ix.n_params :]
+  )
 
 
 def indexed_features(leaf_shape, idx: np.ndarray, out_shape):
-  """`(feature_shape, feature_index)` of a parameter view added to an output of `out_shape`:
-  `idx` (the leaf entry each view entry reads, `leaf_index_view`) has only unit axes before
-  its first wider one, and from there on the output's trailing axes (the add broadcasts it
-  over the leading ones). `feature_index` is empty when the features are the leaf in order
-  (`ScaleShiftInfo.feature_index`). None when the view does not fit."""
+  """`(feature_shape, feature_index)` of a parameter view added to `out_shape`: `idx`
+  (`index_of_view`) has unit axes, then the output's trailing axes; `feature_index` is empty
+  when the features are the leaf in order (`ScaleShiftInfo.feature_index`). Else None."""
   nd = len(out_shape)
   if idx.ndim > nd:
     return None
@@ -862,9 +708,7 @@ def indexed_features(leaf_shape, idx: np.ndarray, out_shape):
 def followed_batch_axis(ix, atom) -> int | None:
   """The batch axis of an activation followed from the batch inputs (`ix.batch_axes`), or None
   where the pass did not follow it (then the matchers go by the axes' sizes)."""
-  if not _graph.is_key(atom):
-    return None
-  tag = ix.batch_axes.get(atom)
+  tag = ix.batch_axes.get(atom) if _graph.is_key(atom) else None
   return None if tag is None else tag[0]
 
 
@@ -885,15 +729,10 @@ def batch_axis_of(
 def match_shift(ix, key, out_shape, block, claimed, shared: bool = False, how=None):
   """`(shift leaf, key of the sum)` of a parameter added to `key` over the same axes as the
   scale (`block`, as `how` reads it: `feature_block` unless given); else None."""
-  use = only_consumer(ix, key)
-  if use is None or ix.g.eqns[use[0]].name != "add":
+  found = added_leaf(ix, key, claimed, shared)
+  if found is None:
     return None
-  fe = ix.g.eqns[use[0]]
-  atom = fe.ins[1 - use[1]]
-  found = single_use_leaf(ix, atom, claimed, shared)
-  if found is None or tuple(fe.outs[0][1].aval.shape) != tuple(out_shape):
-    return None
-  leaf, chain = found
+  leaf, chain, atom, fe = found
   how = feature_block if how is None else how
   if how(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
     return None  # The shift must span the scale's axes.
@@ -1017,28 +856,20 @@ def read_scale_and_shift_tag(ix, fe) -> Match:
 
 def read_dense_tag(ix, fe) -> Match:
   """A `register_dense` tag: operands (y, x, kernel, bias?)."""
-  y, x, kernel = fe.ins[:3]
-  k_leaf, k_chain = leaf_for_operand(ix, kernel, "kernel", "register_dense")
-  path = ix.paths[k_leaf]
-  if any(s.op in ("broadcast", "gather") for s in k_chain):
-    raise RegistrationError(
-      f"register_dense: kernel `{path}` is broadcast or gathered before the tag; pass the "
-      "parameter itself."
-    )
+  y, _ = tag_output(ix, fe, "register_dense")
+  x, kernel = fe.ins[1], fe.ins[2]
+  k_leaf, k_chain = tag_leaf(ix, kernel, "kernel", "register_dense")
   leaves = [k_leaf]
+  k_shape = _graph.aval_of(kernel).shape
   if len(fe.ins) > 3:
     b_leaf, _ = leaf_for_operand(ix, fe.ins[3], "bias", "register_dense")
-    if math.prod(ix.shapes[b_leaf]) != _graph.aval_of(kernel).shape[1]:
+    if math.prod(ix.shapes[b_leaf]) != k_shape[1]:
       raise RegistrationError(
-        f"register_dense: bias `{ix.paths[b_leaf]}` has shape {ix.shapes[b_leaf]}, "
-        f"which does not match the {_graph.aval_of(kernel).shape[1]} outputs of kernel "
-        f"`{path}`."
+        f"register_dense: bias `{ix.paths[b_leaf]}` has shape {ix.shapes[b_leaf]}, which does "
+        f"not match the {k_shape[1]} outputs of kernel `{ix.paths[k_leaf]}`."
       )
     leaves.append(b_leaf)
-  if not _graph.is_key(y):
-    raise RegistrationError(f"register_dense: the output of layer `{path}` is a constant.")
-  x_aval, k_shape = _graph.aval_of(x), _graph.aval_of(kernel).shape
-  rows = math.prod(x_aval.shape[:-1])
+  x_aval = _graph.aval_of(x)
   info = DenseInfo(
     kernel_view=k_chain,
     kernel_perm=(0, 1),
@@ -1046,6 +877,6 @@ def read_dense_tag(ix, fe) -> Match:
     out_perm=tuple(range(x_aval.ndim)),
     in_dim=int(k_shape[0]),
     out_dim=int(k_shape[1]),
-    rows=int(rows),
+    rows=int(math.prod(x_aval.shape[:-1])),
   )
   return Match.single("dense", leaves, info, y, (x,))

@@ -1,31 +1,18 @@
-"""Matchers for tables: embedding lookups and learned tokens.
+"""Matchers for tables: embedding lookups and learned tokens (matchers in general: `_matchers`).
 
-Like every matcher (`_matchers`), each is a pure function `(index, equation, claimed) -> Match |
-None`; the use readers (`embedding_use`, `one_hot_embedding_use`) are shared with
-`_matchers_shared.match_shared` (a tied table). Patterns:
+  embedding   whole rows of a 2-d parameter `[vocab, dim]`, read as itself (casts only): a
+              `gather` (`jnp.take`, `table[ids]`, Flax `Embed`; `vmap` of `table[i]`, equinox's
+              `Embedding`), or a product `one_hot(ids, vocab) @ table` with the table on the
+              right (`jax.nn.one_hot` or `ids[..., None] == arange(vocab)`, cast, through `dot`,
+              `einsum` or `@`), tried before `_matchers.match_dense`. Only the ids are
+              recorded, so the block never forms a vocab × vocab factor.
+  tokens      a parameter broadcast over the batch and read as an activation (a ViT's class
+              token, Perceiver latents, learned queries, a mask token in a `where`), or a table
+              gathered at constant positions (T5's relative-position bias, GPT-2's `wpe`): a
+              shift-only scale_and_shift layer whose output is the broadcast itself.
 
-  embedding         `gather(table, ids)` taking whole rows of a 2-d parameter `[vocab, dim]`
-                    (`match_embedding`: `jnp.take(table, ids, axis=0)`, `table[ids]`, Flax
-                    `Embed`; `vmap` of a row lookup `table[i]`, equinox's `Embedding`, a clipped
-                    full-row gather then a `squeeze`), and the same lookup written as a product
-                    `one_hot(ids, vocab) @ table` (`match_one_hot_embedding`, tried before
-                    `_matchers.match_dense`: `jax.nn.one_hot`,
-                    `(ids[..., None] == jnp.arange(vocab)).astype(...)`, through `jnp.dot`,
-                    `jnp.einsum` or `@`, with casts of either operand): the one-hot operand is
-                    traced back through casts to `eq(ids, iota)` along the contracted axis. Only
-                    the ids are recorded, so the block never forms a vocab × vocab factor. The
-                    table must be read as itself (`[vocab, dim]`, casts only) and stand on the
-                    right of the product; other one-hot products stay dense layers.
-  tokens            (`match_batch_tokens`) a parameter broadcast over the batch and then read as
-                    an activation, by any number of operations (a ViT's class token
-                    concatenated with the patches, Perceiver latents, learned queries of a
-                    cross-attention, DETR's object queries, a mask token in a `where`): a
-                    shift-only scale_and_shift layer whose output is the broadcast itself. A
-                    table gathered at positions computed from constants alone (`table[buckets]`,
-                    T5's relative-position bias; a positional `nn.Embed` called with
-                    `arange` positions broadcast over the batch, Hugging Face's GPT-2 `wpe`) is
-                    a view of the table (`_index`), matched the same way, each table entry's
-                    gradient summed over the positions that read it.
+The use readers (`embedding_use`, `one_hot_embedding_use`) also serve
+`_matchers_shared.match_shared` (a tied table).
 """
 
 from __future__ import annotations
@@ -36,26 +23,22 @@ import numpy as np
 from kfac_jax._specs import EmbeddingInfo, ScaleShiftInfo
 from kfac_jax.scan import _graph, _matchers
 
-# --------------------------------------------------------------------------------------------
-# Embedding lookups: gathers of whole rows.
+
+def _table_match(leaf, use) -> _matchers.Match | None:
+  """The `Match` of a table `leaf` read by `use`, `(EmbeddingInfo, ids atom, output key)`."""
+  if use is None:
+    return None
+  info, ids, out_key = use
+  return _matchers.Match.single("embedding", [leaf], info, out_key, (ids,))
 
 
 def match_embedding(ix, i, claimed):
   """A single-use `[vocab, dim]` table whose rows a gather takes (`embedding_use`)."""
-  fe = ix.g.eqns[i]
-  if fe.name != "gather":
-    return None
   ops = ix.uses_by_eqn.get(i, [])
-  if len(ops) != 1 or ops[0][1] != 0:
+  if ix.g.eqns[i].name != "gather" or len(ops) != 1 or ops[0][1] != 0:
     return None
-  found = _matchers.single_use_leaf(ix, fe.ins[0], claimed)
-  if found is None:
-    return None
-  use = embedding_use(ix, i)
-  if use is None:
-    return None
-  info, ids, out_key = use
-  return _matchers.Match.single("embedding", [found[0]], info, out_key, (ids,))
+  found = _matchers.single_use_leaf(ix, ix.g.eqns[i].ins[0], claimed)
+  return None if found is None else _table_match(found[0], embedding_use(ix, i))
 
 
 def embedding_use(ix, i):
@@ -88,12 +71,9 @@ def embedding_use(ix, i):
 
 
 def _vmapped_row_use(ix, fe, chain, t_shape):
-  """`embedding_use` for `vmap` of a row lookup `table[i]` with a traced scalar `i` (equinox's
-  `eqx.nn.Embedding`): a `dynamic_slice` of one whole row, batched into a gather whose index
-  vectors are `concatenate([ids, column start], -1)` with slice `(1, dim)` and nothing
-  collapsed, then a `squeeze` of the row axis. The column start cannot move a full-width slice
-  (clipped, or promised in bounds), so the ids are the first operand of the concatenation and
-  the layer's output is the squeezed `[..., dim]`."""
+  """`embedding_use` for `vmap` of `table[i]`: a gather of whole rows at index vectors
+  `concatenate([ids, column start], -1)`, nothing collapsed, then a `squeeze` of the row axis.
+  The column start cannot move a full-width slice (clipped or promised in bounds)."""
   dn = fe.params["dimension_numbers"]
   out_shape = tuple(fe.outs[0][1].aval.shape)
   nd = len(out_shape)
@@ -121,22 +101,12 @@ def _vmapped_row_use(ix, fe, chain, t_shape):
   return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), cat.ins[0], sq.outs[0]
 
 
-# --------------------------------------------------------------------------------------------
-# Embedding lookups written as one-hot products.
-
-
 def match_one_hot_embedding(ix, i, claimed):
-  """`one_hot(ids) @ table` with a single-use table: an embedding lookup written as a product
-  (tried before `_matchers.match_dense`, which would take it for a dense layer)."""
+  """`one_hot(ids) @ table` with a single-use table: an embedding lookup written as a product."""
   table = _matchers.sole_param_operand(ix, i, "dot_general")
   if table is None or table[1] != 1 or table[0] in claimed:
     return None
-  k_leaf = table[0]
-  emb = one_hot_embedding_use(ix, i)
-  if emb is None:
-    return None
-  info, ids, out_key = emb
-  return _matchers.Match.single("embedding", [k_leaf], info, out_key, (ids,))
+  return _table_match(table[0], one_hot_embedding_use(ix, i))
 
 
 def one_hot_embedding_use(ix, i):
@@ -164,12 +134,9 @@ def one_hot_embedding_use(ix, i):
 
 
 def one_hot_ids(ix, atom, axis: int, vocab: int):
-  """The integer ids atom if `atom` is `cast(ids == iota)` with the iota along `axis` (size
-  `vocab`), i.e. a one-hot encoding with the vocabulary on `axis`; else None.
-
-  The ids atom returned has the one-hot's shape with `axis` dropped or of size 1, so its
-  row-major order is that of the one-hot's other axes.
-  """
+  """The integer ids atom if `atom` is `cast(ids == iota)`, a one-hot encoding with the
+  vocabulary (`vocab` entries) on `axis`; the ids have the one-hot's shape without `axis` (or with
+  it of size 1). Else None."""
   fe = _producer(ix, atom)
   while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
     fe = _producer(ix, fe.ins[0])
@@ -202,10 +169,8 @@ def one_hot_ids(ix, atom, axis: int, vocab: int):
 
 
 def _iota_axis(ix, atom) -> tuple[int, int] | None:
-  """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others.
-
-  Follows casts and `broadcast_in_dim` back to an `iota` (or a constant such as `np.arange`).
-  """
+  """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others:
+  an `iota` or a constant such as `np.arange`, through casts and `broadcast_in_dim`."""
   value = _graph.constant_value(ix.const_values, atom)
   if value is not None:
     if not np.issubdtype(value.dtype, np.number):
@@ -245,16 +210,11 @@ def _producer(ix, atom):
 
 
 def match_batch_tokens(ix, i, claimed):
-  """Learned tokens broadcast over the batch and read as activations (a ViT's class token,
-  DeiT's two in one concatenation, Perceiver latents, the learned queries of a
-  cross-attention): every use of an unclaimed leaf reads one view of it whose leading axis is
-  the batch, an axis the leaf does not span. That view is `0 + tokens`, a shift-only layer
-  whose output is the view itself, however many operations read it (a concatenation; a
-  LayerNorm's input and a residual add): the perturbation of the view reaches them all, so the
-  layer's output gradient is the per-example gradient of the tokens.
-
-  Tried after every other matcher of its pass, so it takes only what nothing else explains:
-  without it such a leaf is a generic block estimated from batch-summed gradients."""
+  """Learned tokens: every use of an unclaimed leaf reads one view of it whose leading axis is
+  the batch, an axis the leaf does not span. The view is `0 + tokens`, a shift-only layer whose
+  output is the view itself, however many operations read it; its output gradient is the
+  per-example gradient of the tokens. Tried last in its pass: it takes what nothing else
+  explains, which would otherwise be a generic block of batch-summed gradients."""
   fe = ix.g.eqns[i]
   for leaf, pos in ix.uses_by_eqn.get(i, []):
     atom = fe.ins[pos]
@@ -270,40 +230,29 @@ def match_batch_tokens(ix, i, claimed):
 
 def batch_view_info(ix, leaf, atom) -> ScaleShiftInfo | None:
   """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the
-  batch and which is the same for every example; else None.
-
-  A view broadcast over leading axes the leaf does not span (not transposed, not copied along
-  a trailing axis) has the leaf for its features. Any other view that is constant along the
-  batch axis (a gather at constant positions, a transpose, copies along other axes: T5's
-  `table[buckets]` transposed to `[1, heads, q, k]`) records which leaf entry each feature
-  reads (`ScaleShiftInfo.feature_index`).
-  """
+  batch and which is the same for every example; else None. A view that is not a broadcast
+  over leading axes (T5's `table[buckets]` transposed to `[1, heads, q, k]`) records which leaf
+  entry each feature reads (`ScaleShiftInfo.feature_index`)."""
   view_shape = tuple(_graph.aval_of(atom).shape)
   if not view_shape or view_shape[0] != ix.batch_size:
     return None
   chain = ix.origin[atom][1]
-  block = _matchers.feature_block(ix.shapes[leaf], chain, view_shape, view_shape)
-  if block is not None and block[0] is None and len(block[1]) < len(view_shape):
-    return ScaleShiftInfo(
-      has_scale=False,
-      has_shift=True,
-      feature_shape=block[1],
-      output_shape=view_shape,
-      feature_axis=None,
-    )
-  if len(view_shape) < 2 or ix.batch_size < 2:  # A batch of one shows nothing constant on it.
+  found = _matchers.feature_block(ix.shapes[leaf], chain, view_shape, view_shape)
+  if found is not None and found[0] is None and len(found[1]) < len(view_shape):
+    found = found[1], b""
+  elif len(view_shape) < 2 or ix.batch_size < 2:  # A batch of one shows nothing constant on it.
     return None
-  idx = _matchers.leaf_index_view(ix, leaf, chain)
-  if tuple(idx.shape) != view_shape or not (idx == idx[:1]).all():
-    return None
-  found = _matchers.indexed_features(ix.shapes[leaf], idx[:1], view_shape)
-  if found is None or len(found[0]) != len(view_shape) - 1:
-    return None
+  else:
+    idx = _matchers.index_of_view(ix.shapes[leaf], chain)
+    if tuple(idx.shape) != view_shape or not (idx == idx[:1]).all():
+      return None
+    found = _matchers.indexed_features(ix.shapes[leaf], idx[:1], view_shape)
+    if found is None or len(found[0]) != len(view_shape) - 1:
+      return None
   return ScaleShiftInfo(
     has_scale=False,
     has_shift=True,
     feature_shape=found[0],
     output_shape=view_shape,
-    feature_axis=None,
     feature_index=found[1],
   )

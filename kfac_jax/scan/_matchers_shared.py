@@ -1,10 +1,9 @@
 """The shared-layer matcher: one layer for a parameter leaf with several real uses.
 
 Tied weights and unrolled scans use one leaf several times. `match_shared` reads every use with
-the kinds' use readers (`_matchers.dense_use`, `conv_use`, `scale_shift_use`,
-`_matchers_embed.embedding_use`, `one_hot_embedding_use`) and makes one layer of them when they
-agree on how the leaf is read; it sits above both matcher modules because a tied embedding mixes
-lookups with dense products by the (transposed) table.
+the kinds' use readers and makes one layer of them when they agree on how the leaf is read; it
+sits above both matcher modules because a tied embedding mixes lookups with dense products by
+the (transposed) table.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kfac_jax._specs import EmbeddingInfo, kernel_index_matrix
+from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, kernel_index_matrix
 from kfac_jax.scan import _matchers, _matchers_embed
 
 if TYPE_CHECKING:
@@ -30,7 +29,7 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
   Returns a `Match` with one entry per use, or None.
   """
   uses = ix.uses[leaf]
-  found = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
+  found: list[tuple] = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
   for i, pos in uses:
     fe = ix.g.eqns[i]
     if len(ix.uses_by_eqn.get(i, [])) != 1:
@@ -56,14 +55,12 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
       c = _matchers.conv_use(ix, i, claimed, shared=True)
       if c is None:
         return None
-      info, _, x_atom, out_key, b_leaf = c
-      found.append(("conv", info, (x_atom,), out_key, b_leaf))
+      found.append(("conv", c[0], *c[2:]))
     elif fe.name == "mul" or (fe.name == "add" and shifts):
       m = _matchers.scale_shift_use(ix, i, claimed, shared=True)
       if m is None:
         return None
-      info, _, inputs, out_key, shift_leaf = m
-      found.append(("scale_and_shift", info, inputs, out_key, shift_leaf))
+      found.append(("scale_and_shift", m[0], *m[2:]))
     else:
       return None
   kinds = {f[0] for f in found}
@@ -75,40 +72,42 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
     return None
   infos = tuple(f[1] for f in found)
   shape = ix.shapes[leaf]
-  kind: Kind
-  if kinds == {"dense"}:  # Every use must read the kernel as the same [in, out] matrix.
-    first = kernel_index_matrix(infos[0], shape)
-    if any(not np.array_equal(kernel_index_matrix(inf, shape), first) for inf in infos[1:]):
+  kind: Kind = "embedding" if "embedding" in kinds else found[0][0]
+  if kind == "embedding":
+    if not kinds <= {"dense", "embedding"} or not _reads_one_table(infos, shape):
       return None
-    kind = "dense"
-  elif kinds == {"conv"}:  # ... and as the same [window · in, out] matrix.
-    if len({_matchers.conv_kernel_layout(inf) for inf in infos}) != 1:
-      return None
-    kind = "conv"
-  elif kinds == {"scale_and_shift"}:  # The same parameters over the same trailing axes.
-    keys = {
-      (inf.has_scale, inf.has_shift, inf.feature_shape, inf.feature_axis, inf.batch_axis)
-      for inf in infos
-    }
-    if len(keys) != 1:
-      return None
-    kind = "scale_and_shift"
-  elif kinds <= {"dense", "embedding"}:
-    # A table [vocab, dim]: products read it as itself or as its transpose.
-    emb = next(inf for inf in infos if isinstance(inf, EmbeddingInfo))
-    idx = np.arange(math.prod(shape)).reshape(shape)
-    for inf in infos:
-      if isinstance(inf, EmbeddingInfo):
-        if inf != emb:
-          return None
-        continue
-      m = kernel_index_matrix(inf, shape)
-      if not (np.array_equal(m, idx) or np.array_equal(m, idx.T)):
-        return None
-    kind = "embedding"
-  else:
+  elif len(kinds) != 1 or len({_layout(inf, shape) for inf in infos}) != 1:
     return None
   leaves = [leaf] + ([b_leaf] if b_leaf is not None else [])
   return _matchers.Match(
     kind, tuple(leaves), infos, tuple(f[3] for f in found), tuple(f[2] for f in found)
+  )
+
+
+def _layout(info, shape) -> tuple:
+  """What the uses of a shared dense, conv or scale-and-shift leaf must agree on: the kernel
+  matrix read (a convolution's strides, padding and input shapes may differ), or the axes."""
+  if isinstance(info, DenseInfo):
+    m = kernel_index_matrix(info, shape)
+    return m.shape, m.tobytes()
+  if isinstance(info, ConvInfo):
+    return (
+      info.kernel_view,
+      info.rhs_spec,
+      info.feature_group_count,
+      info.kernel_spatial,
+      info.in_channels,
+      info.out_channels,
+    )
+  return info.has_scale, info.has_shift, info.feature_shape, info.feature_axis, info.batch_axis
+
+
+def _reads_one_table(infos, shape) -> bool:
+  """Whether the uses read one table `[vocab, dim]`: one lookup, and products by the table or
+  by its transpose."""
+  idx = np.arange(math.prod(shape)).reshape(shape)
+  lookups = {inf for inf in infos if isinstance(inf, EmbeddingInfo)}
+  products = [kernel_index_matrix(inf, shape) for inf in infos if isinstance(inf, DenseInfo)]
+  return len(lookups) == 1 and all(
+    np.array_equal(m, idx) or np.array_equal(m, idx.T) for m in products
   )

@@ -1,58 +1,17 @@
 """The scanner: trace `loss_fn(params, batch)`, find loss tags and layers, describe them statically.
 
-How layers are found. Every parameter leaf is followed forward through layout-only operations
-(`convert_element_type`, `reshape`, `transpose`, `broadcast_in_dim`, `copy`, `squeeze`) to the
-operations that really use it. Only uses on the backward slice of the loss tags count, so an L2
-term written into the loss does not make a kernel "used twice". A leaf whose single real use is a
-`dot_general` against an activation (no batch dimensions) is a dense kernel; a leaf whose single
-real use is an `add` to that product, aligned with its output features, is the bias. Convolution,
-embedding and scale-and-shift layers are matched the same way (`_matchers`), in three passes:
-kernels (dense, conv, with their biases), then gathers, then elementwise scales and shifts, so a
-bias is never mistaken for a shift. A `dot_general` whose activation operand is a one-hot
-encoding of integer ids (`jax.nn.one_hot`) is an embedding lookup, not a dense layer. Manual layer
-tags take precedence over matching. Leaves left over get a diagonal generic block and a warning.
+Every parameter leaf is followed forward through layout-only operations to the operations that
+really use it (`_index`); only uses on the backward slice of the loss tags count, so an L2 term
+in the loss does not make a kernel "used twice". The kinds' matchers (`_kinds`) then claim
+leaves in a fixed order (`_Scanner`): manual tags; leaves with several uses as one shared layer
+(tied embeddings, a recurrent cell's kernels in an unrolled scan: `ScanResult.extra_uses` keeps
+each use's output and inputs); then kernels with their biases, gathers, and elementwise scales
+and shifts, so a bias is never mistaken for a shift. Stacked layers (`_stacked`) become one layer
+with `stack_size = L`. Leaves left over get a diagonal generic block, a warning and a reason
+(`fallback_reason`). A layer's factor shapes are its block class's (`blocks.factor_shapes_for`).
 
-Shared parameters. Before those passes, a leaf with several real uses becomes ONE layer with
-`num_uses` uses when every use is a dense product of the same `[in, out]` kernel matrix (with
-one shared bias or none), an embedding lookup of the same table (by gather or one-hot product),
-possibly mixed with products by the table or its transpose (tied input/output embeddings), a
-convolution reading the kernel as the same matrix (same kernel layout and groups; strides,
-padding and input sizes may differ; one shared bias or none), or a scale (with one shared shift
-or none) or shift of activations over the same trailing axes. Kernels, tables and scales are
-matched before shifts, so that a scale claims its shift. A `lax.scan` over parameters is
-unrolled by `_graph.FlatGraph`, so a recurrent cell's kernels have one use per time step. Each
-use keeps its own output key and inputs (`ScanResult.extra_uses`). Shared layers take the
-approximations of their kind's record (`LayerKind.shared`), chosen by a manual tag's `approx=` or a
-`LayerConfig.overrides` pattern. `register_dense` called at every use of one kernel registers
-one multi-use layer; a manual tag count that differs from the graph's use count is an error
-naming the parameter (collected with the other problems by `check_registration`).
-
-Transformations. `_graph.FlatGraph` inlines nested `jit`, remat (`jax.checkpoint`, `nn.remat`,
-`nnx.remat`) and custom-derivative calls that read a parameter, and unrolls scans over
-parameters, so matching sees the layers inside them. Stacked layers (a leaf with a leading layer
-axis sliced per scan step, or read as L kernels by one batched `dot_general`: vmapped ensembles,
-expert-stacked einsums) are registered by `_stacked` as one layer with `stack_size = L`.
-
-Seams. The tracer is four layers, each importing only the ones before it:
-
-  `kfac_jax._specs`  static data only (`LayerSpec`, `LossSpec`, the `*Info` matching details,
-               views, errors); a leaf module, so the blocks never import the tracer;
-  `_index`     `GraphIndex`, a frozen index of the traced graph (views of each leaf, real uses,
-               consumers, producers, virtual leaves for stack slices and concatenations), built
-               once per scan;
-  `_matchers`  pure functions `(index, equation or leaf, claimed) -> Match | None` and the
-               manual tag readers, in four modules (`_matchers`: `Match`, dense, conv,
-               scale-and-shift, manual tags; `_stacked`; `_matchers_embed`: embedding lookups
-               and tokens; `_matchers_shared`: leaves with several uses), bound to their kinds
-               by `_kinds` (one `LayerKind` record per kind);
-  `_scanner`   orchestration (`_Scanner`): runs the kinds' matchers pass by pass, turns each
-               `Match` into a `LayerSpec` (approximation from the tag, `LayerConfig`, size
-               policy), resolves claims, maps virtual leaves back, adds fallbacks.
-
-Adding a layer kind: its record in `_kinds` (info type, matchers and their pass, approximations,
-manual tag reader) and, if no block computes it yet, a layout in `blocks/` (see
-`blocks._layouts`). The scanner asks the block class for every layer's factor shapes
-(`blocks.factor_shapes_for`), so they are never computed here.
+Adding a layer kind: its record in `_kinds` and, if no block computes it yet, a layout in
+`blocks/` (see `blocks._layouts`).
 """
 
 from __future__ import annotations
@@ -111,25 +70,6 @@ class ScanResult:
   aux_tree: Any = None
 
 
-# --------------------------------------------------------------------------------------------
-# Scanning.
-
-
-def trace(loss_fn: Callable, params, batch) -> tuple[_compat.ClosedJaxpr, int, Any]:
-  """`(closed jaxpr over the params' and batch's leaves, number of param leaves, the output's
-  pytree of ShapeDtypeStructs)`."""
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
-
-  def flat_fn(*flat):
-    p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
-    b = jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :])
-    return loss_fn(p, b)
-
-  closed, out_shape = _compat.make_jaxpr(flat_fn, *leaves, *batch_leaves)
-  return closed, len(leaves), out_shape
-
-
 def scan(
   loss_fn: Callable,
   params,
@@ -159,14 +99,22 @@ def scan(
       parameters outside any recognised layer.
   """
   layers = _layer_config.check(layers)
-  for i, leaf in enumerate(jax.tree_util.tree_leaves(params)):
+  paths = param_paths(params)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  for path, leaf in zip(paths, leaves):
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
       raise RegistrationError(
-        f"parameter `{param_paths(params)[i]}` has dtype {dtype}; K-FAC needs floating-point "
+        f"parameter `{path}` has dtype {dtype}; K-FAC needs floating-point "
         "parameters. Keep integer state out of `params` (pass it in the batch instead)."
       )
-  closed, n_params, out_shape = trace(loss_fn, params, batch)
+  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
+
+  def flat_fn(*flat):
+    p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
+    return loss_fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
+
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
   if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
     raise RegistrationError(
@@ -174,148 +122,142 @@ def scan(
       f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
       "has_aux=True."
     )
-  graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
-  paths = param_paths(params)
-  shapes = tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))
-  result = _Scanner(graph, n_params, paths, shapes, strict, warn, layers, collect).run()
-  if not has_aux:
-    return result
-  return dataclasses.replace(result, aux_tree=jax.tree_util.tree_structure(out_shape[1]))
+  graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
+  losses, loss_operands = _losses(graph)
+  shapes = [tuple(np.shape(x)) for x in leaves]
+  roots = [ops[0] for ops in loss_operands]
+  ix = _index.build(graph, len(leaves), paths, shapes, roots, losses[0].batch_size)
+  specs = _Scanner(ix, layers, strict, warn, collect).run()
+  specs.sort(key=lambda s: min(s[0].leaf_indices))
+  multi = [s[0].multi_tap for s in specs]
+  return ScanResult(
+    graph=graph,
+    layers=tuple(s[0] for s in specs),
+    losses=tuple(losses),
+    loss_operands=tuple(loss_operands),
+    layer_outputs=tuple(s[1][0] if m else s[1] for s, m in zip(specs, multi)),
+    layer_inputs=tuple(s[2][0] if m else s[2] for s, m in zip(specs, multi)),
+    extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
+    aux_tree=jax.tree_util.tree_structure(out_shape[1]) if has_aux else None,
+  )
+
+
+def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.Atom, ...]]]:
+  """The loss tags' specs and operands."""
+  losses, operands = [], []
+  for fe in graph.eqns:
+    if fe.eqn.primitive is not _tags.loss_tag_p:
+      continue
+    p, shape = fe.params, tuple(_graph.aval_of(fe.ins[0]).shape)
+    if p.get("under_vmap"):
+      raise RegistrationError(
+        f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
+        f"batch (the tagged loss is the mean over its leading axis), but it saw one vmapped "
+        f"slice. Call the register_*_loss function outside the vmap, on the batched "
+        "prediction, e.g. `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss("
+        "logits, y)`."
+      )
+    spec = LossSpec(p["kind"], p["var"], p["has_targets"], p["has_weight"], shape[0], shape)
+    losses.append(spec)
+    operands.append(fe.ins)
+  if not losses:
+    raise RegistrationError(
+      "no loss tag found in loss_fn: K-FAC needs to know the model's predictive "
+      "distribution. Call one of kfac_jax.register_softmax_cross_entropy_loss(logits, "
+      "labels), register_sigmoid_cross_entropy_loss(logits, targets) or "
+      "register_squared_error_loss(prediction, targets) on the model output inside "
+      "loss_fn(params, batch)."
+    )
+  sizes = {l.batch_size for l in losses}
+  if len(sizes) > 1:
+    raise RegistrationError(
+      f"loss tags disagree on the batch size (leading axis): {sorted(sizes)}. All tagged "
+      "predictions must share the leading batch axis."
+    )
+  return losses, operands
 
 
 class _Scanner:
-  """One scan: builds the graph index, runs the matchers in order, resolves their claims.
+  """One scan over a built index: runs the matchers in order, turns matches into specs.
 
-  The matchers (`_matchers`, `_matchers_embed`, `_matchers_shared`, `_stacked`) are pure
-  functions of the index (`_index.GraphIndex`) and of the leaves claimed so far; each returns a
-  `Match` or None. The scanner turns a match into a `LayerSpec` (choosing the approximation from
-  the manual tag, the `LayerConfig` and the size policy) and claims its leaves.
-  Order (first claim wins):
+  The matchers are pure functions of the index and of the leaves claimed so far, each returning
+  a `Match` or None; the scanner chooses each match's approximation (manual tag, `LayerConfig`,
+  size policy) and claims its leaves. Order (first claim wins):
 
     1. manual layer tags (`register_dense` tags of one kernel become one layer, one use each);
     2. leaves with several uses, as one shared layer (`match_shared`): kernels, tables and
        scales first, then shifts, so that a scale claims its shift;
-    3. per equation, in graph order, the passes of `_kinds.PASSES` with the matchers the kinds
-       declare for them: kernels (stacked dense, one-hot embedding product, dense, conv; each
-       claims its bias), then gathers (embedding), then elementwise scales and shifts and
-       learned tokens concatenated with the activations (scale_and_shift), so that a bias is
-       never mistaken for a shift; an equation is tried again after a match (two tokens in one
-       concatenation);
-    4. layers matched on concatenations are mapped to their real leaves, then the per-slice
-       layers of stacked leaves are merged into one stacked layer (`_stacked.merge`), then
-       `LayerConfig.linked` groups replace the layers they hold;
+    3. per equation, in graph order, the passes of `_kinds.PASSES`: kernels (each claims its
+       bias), then gathers, then elementwise scales, shifts and learned tokens; an equation is
+       tried again after a match (two tokens in one concatenation);
+    4. layers on concatenations are mapped to their real leaves, per-slice layers of stacked
+       leaves merged (`_stacked.merge`), then `LayerConfig.linked` groups replace their layers;
     5. leaves left unclaimed get a diagonal generic block (with a warning and a reason).
   """
 
-  def __init__(
-    self, graph, n_params, paths, shapes, strict, warn, layer_config=None, collect=False
-  ):
-    self.g = graph
-    self.n_params = n_params
-    self.param_paths = tuple(paths)
-    self.param_shapes = tuple(shapes)
+  def __init__(self, ix: _index.GraphIndex, layer_config, strict, warn, collect):
+    self.ix = ix
+    self.layer_config = layer_config
     self.strict = strict
     self.warn = warn
-    self.layer_config = _layer_config.check(layer_config)
     self.problems: list[str] | None = [] if collect else None
 
-  def run(self) -> ScanResult:
-    g = self.g
-    loss_eqns = [i for i, fe in enumerate(g.eqns) if fe.eqn.primitive is _tags.loss_tag_p]
-    if not loss_eqns:
-      raise RegistrationError(
-        "no loss tag found in loss_fn: K-FAC needs to know the model's predictive "
-        "distribution. Call one of kfac_jax.register_softmax_cross_entropy_loss(logits, "
-        "labels), register_sigmoid_cross_entropy_loss(logits, targets) or "
-        "register_squared_error_loss(prediction, targets) on the model output inside "
-        "loss_fn(params, batch)."
-      )
-    losses, loss_operands = self._losses(loss_eqns)
-    ix = self.ix = _index.build(
-      g,
-      self.n_params,
-      self.param_paths,
-      self.param_shapes,
-      [ops[0] for ops in loss_operands],
-      losses[0].batch_size,
-    )
-
+  def run(self) -> list[tuple[LayerSpec, Any, Any]]:
+    """`(spec, output key(s), inputs)` per layer."""
+    ix = self.ix
     specs: list[tuple[LayerSpec, Any, Any]] = []
     claimed: dict[int, str] = {v: "<a concatenation with other uses>" for v in ix.blocked_virtual}
     manual_dense: dict[int, list[Any]] = {}
-    for fe in g.eqns:
+    for fe in ix.g.eqns:
       if fe.eqn.primitive is _tags.layer_tag_p:
         found = self._manual(fe, claimed, manual_dense)
         if found is not None:
           specs.append(found)
     for k_leaf, tags in manual_dense.items():
       specs.append(self._manual_dense_layer(k_leaf, tags, claimed))
-    # Leaves used several times (tied weights, unrolled scans) first: one layer with k uses.
-    # Kernels, tables and scales before shifts, so that a scale claims its shift.
     for shifts in (False, True):
       for leaf in sorted(ix.uses):
         if leaf not in claimed and len(ix.uses[leaf]) > 1:
           match = _matchers_shared.match_shared(ix, leaf, claimed, shifts)
           if match is not None and not _without_batch_rows(ix, match):
             specs.append(self._accept(match, claimed))
-    # Kernels first (they claim their biases), then gathers, then elementwise scale/shift.
-    # An equation may hold several layers' leaves (a concatenation of two learned tokens): it is
-    # tried again after each match, at most once per leaf it uses.
     for matchers in _PASSES:
       for i in sorted(ix.uses_by_eqn):
-        for _ in ix.uses_by_eqn[i]:
-          match = None
-          for matcher in matchers:
-            match = matcher(ix, i, claimed)
-            if match is not None and _without_batch_rows(ix, match):
-              match = None  # No rows per example: left to the fallback, with its reason.
-            if match is not None:
-              break
+        for _ in ix.uses_by_eqn[i]:  # At most once per leaf the equation uses.
+          # A match without rows per example is left to the fallback, with its reason.
+          found = (f(ix, i, claimed) for f in matchers)
+          match = next((m for m in found if m is not None and not _without_batch_rows(ix, m)), None)
           if match is None:
             break
           specs.append(self._accept(match, claimed))
-
-    specs = self._expand_virtual(specs, claimed)  # Concatenations first, then stacks.
-    specs = _stacked.merge(self, specs, claimed)  # No virtual leaf is left after this.
+    specs = self._expand_virtual(specs, claimed)
+    specs = _stacked.merge(ix, specs, claimed, self.claim)  # No virtual leaf is left after this.
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
-    uncovered = [j for j in range(self.n_params) if j not in claimed]
+    uncovered = [j for j in range(ix.n_params) if j not in claimed]
+    reasons = [fallback_reason(ix, j) for j in uncovered]
     if self.problems is not None:
       self.problems.extend(
-        f"`{ix.paths[j]}` is not in any layer ({fallback_reason(ix, j)}; it would get a "
-        "diagonal fallback block)"
-        for j in uncovered
+        f"`{ix.paths[j]}` is not in any layer ({r}; it would get a diagonal fallback block)"
+        for j, r in zip(uncovered, reasons)
       )
       if self.problems:
         raise RegistrationCheckError(self.problems)
-    if uncovered:
-      reasons = [fallback_reason(ix, j) for j in uncovered]
-      if self.strict:
-        raise RegistrationError(
-          uncovered_message([ix.paths[j] for j in uncovered], reasons, len(uncovered))
-          + " (strict=True turns this into an error.)"
-        )
-      if self.warn:
-        warnings.warn(
-          uncovered_message([ix.paths[j] for j in uncovered], reasons),
-          UncoveredParametersWarning,
-          stacklevel=4,
-        )
-      for j, reason in zip(uncovered, reasons):
-        spec = self._generic_spec((j,), "diagonal", "fallback")
-        specs.append((dataclasses.replace(spec, info=FallbackInfo(reason)), None, None))
-
-    specs.sort(key=lambda s: min(s[0].leaf_indices))
-    multi = [s[0].multi_tap for s in specs]
-    return ScanResult(
-      graph=g,
-      layers=tuple(s[0] for s in specs),
-      losses=tuple(losses),
-      loss_operands=tuple(loss_operands),
-      layer_outputs=tuple(s[1][0] if m else s[1] for s, m in zip(specs, multi)),
-      layer_inputs=tuple(s[2][0] if m else s[2] for s, m in zip(specs, multi)),
-      extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
-    )
+    if uncovered and self.strict:
+      raise RegistrationError(
+        uncovered_message([ix.paths[j] for j in uncovered], reasons, len(uncovered))
+        + " (strict=True turns this into an error.)"
+      )
+    if uncovered and self.warn:
+      warnings.warn(
+        uncovered_message([ix.paths[j] for j in uncovered], reasons),
+        UncoveredParametersWarning,
+        stacklevel=4,
+      )
+    for j, reason in zip(uncovered, reasons):
+      spec = self.layer_spec("generic", (j,), None, "diagonal", "fallback")
+      specs.append((dataclasses.replace(spec, info=FallbackInfo(reason)), None, None))
+    return specs
 
   def _accept(self, match: _matchers.Match, claimed, approx=None, source="auto"):
     """`(spec, output key(s), inputs)` of a match, its leaves claimed."""
@@ -331,66 +273,25 @@ class _Scanner:
       spec = self._shared_spec(kind, leaves, match.infos, approx, source)
       return spec, match.outputs, match.inputs
     (info,), (out,), (ins,) = match.infos, match.outputs, match.inputs
-    if match.stack_size:  # The per-layer spec, over per-layer leaf shapes, then the stack.
-      shapes = {j: self.ix.shapes[j][1:] for j in leaves}
-      inner = self.layer_spec(kind, leaves, info, approx, source, shapes)
-      return (
-        _stacked.stack_spec(self.ix, inner, leaves, match.stack_size, match.stack_axes),
-        out,
-        ins,
-      )
-    return self.layer_spec(kind, leaves, info, approx, source), out, ins
-
-  # -- losses ----------------------------------------------------------------------------------
-
-  def _losses(self, loss_eqns):
-    losses, operands = [], []
-    for i in loss_eqns:
-      fe = self.g.eqns[i]
-      p = fe.params
-      pred_aval = _graph.aval_of(fe.ins[0])
-      if p.get("under_vmap"):
-        raise RegistrationError(
-          f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
-          f"batch (the tagged loss is the mean over its leading axis), but it saw one vmapped "
-          f"slice. Call the register_*_loss function outside the vmap, on the batched "
-          "prediction, e.g. `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss("
-          "logits, y)`."
-        )
-      losses.append(
-        LossSpec(
-          p["kind"],
-          p["var"],
-          p["has_targets"],
-          p["has_weight"],
-          int(pred_aval.shape[0]),
-          tuple(pred_aval.shape),
-        )
-      )
-      operands.append(fe.ins)
-    sizes = {l.batch_size for l in losses}
-    if len(sizes) > 1:
-      raise RegistrationError(
-        f"loss tags disagree on the batch size (leading axis): {sorted(sizes)}. All tagged "
-        "predictions must share the leading batch axis."
-      )
-    return losses, operands
-
-  # -- parameter views -------------------------------------------------------------------------
+    if not match.stack_size:
+      return self.layer_spec(kind, leaves, info, approx, source), out, ins
+    # The per-layer spec, over per-layer leaf shapes, then the stack.
+    shapes = {j: self.ix.shapes[j][1:] for j in leaves}
+    inner = self.layer_spec(kind, leaves, info, approx, source, shapes)
+    spec = _stacked.stack_spec(self.ix, inner, leaves, match.stack_size, match.stack_axes)
+    return spec, out, ins
 
   def _expand_virtual(self, specs, claimed):
-    """Layers matched on virtual leaves list the concatenated real leaves instead."""
+    """Layers matched on concatenation leaves list the concatenated real leaves instead."""
     out = []
     for spec, outs, ins in specs:
       if not any(j in self.ix.virtual for j in spec.leaf_indices):
         out.append((spec, outs, ins))
         continue
-      leaves: list[int] = []
-      views = []
-      for j in spec.leaf_indices:
-        view = self.ix.virtual.get(j)
-        views.append(view)
-        leaves.extend(view.leaves if view is not None else (j,))
+      views = [self.ix.virtual.get(j) for j in spec.leaf_indices]
+      leaves = [
+        k for j, view in zip(spec.leaf_indices, views) for k in (view.leaves if view else (j,))
+      ]
       paths = tuple(self.ix.paths[j] for j in leaves)
       name = common_prefix(paths)
       self.claim(claimed, [j for j in leaves if j not in spec.leaf_indices], name)
@@ -406,8 +307,6 @@ class _Scanner:
       out.append((sized(whole), outs, ins))
     return out
 
-  # -- manual tags -----------------------------------------------------------------------------
-
   def claim(self, claimed, leaves, name):
     for j in leaves:
       if j in claimed:
@@ -418,23 +317,25 @@ class _Scanner:
         continue
       claimed[j] = name
 
-  # -- layer configuration ---------------------------------------------------------------------
+  def _problem(self, msg: str) -> None:
+    """A coverage problem: raised, or collected with `collect` (raised together at the end)."""
+    if self.problems is None:
+      raise RegistrationError(msg)
+    self.problems.append(msg)
 
-  def _approx(self, kind, paths, name, approx, source, builtin):
-    """The approximation of a layer: an explicit manual `approx=`, else the `LayerConfig`."""
-    if source == "manual" and approx is not None:
-      return approx
-    chosen, pattern = _layer_config.resolve(
-      self.layer_config, kind, (name,) + tuple(paths), builtin if approx is None else approx
-    )
-    choices = _kinds.KINDS[kind].approximations
-    if chosen not in choices:
-      raise RegistrationError(
-        f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
-        f"`{name}` (parameters {list(paths)}); choose one of {choices}, or "
-        "narrow the pattern so that it does not match this layer."
-      )
-    return chosen
+  def _pattern_problem(self, msg):
+    self._problem(msg + "; fix the pattern (globs: `*` matches any characters, slashes included).")
+
+  def _check_patterns(self, specs):
+    n, names = self.ix.n_params, set(self.ix.paths) | {s[0].name for s in specs}
+    for pattern, field in [(p, "overrides") for p in self.layer_config.overrides] + [
+      (p, "block_sizes") for p in self.layer_config.block_sizes
+    ]:
+      if not _layer_config.matches(pattern, tuple(names)):
+        self._pattern_problem(
+          f"LayerConfig.{field}: pattern {pattern!r} matches no layer name or parameter "
+          f"path (paths: {self.ix.paths[: min(8, n)]}{' ...' if n > 8 else ''})"
+        )
 
   def _link(self, specs, claimed):
     """Replaces the layers inside each `LayerConfig.linked` group by one generic block."""
@@ -444,7 +345,7 @@ class _Scanner:
       for pattern in group:
         found = [
           j
-          for j, p in enumerate(self.ix.paths[: self.n_params])
+          for j, p in enumerate(self.ix.paths[: self.ix.n_params])
           if _layer_config.matches(pattern, (p,))
         ]
         if not found:
@@ -478,31 +379,10 @@ class _Scanner:
         for j in s[0].leaf_indices:
           claimed.pop(j, None)
       leaves = sorted(leaves)
-      spec = self._generic_spec(tuple(leaves), approx, "linked")
+      spec = self.layer_spec("generic", tuple(leaves), None, approx, "linked")
       self.claim(claimed, leaves, spec.name)
       specs = kept + [(spec, None, None)]
     return specs
-
-  def _problem(self, msg: str) -> None:
-    """A coverage problem: raised, or collected with `collect` (raised together at the end)."""
-    if self.problems is None:
-      raise RegistrationError(msg)
-    self.problems.append(msg)
-
-  def _pattern_problem(self, msg):
-    self._problem(msg + "; fix the pattern (globs: `*` matches any characters, slashes included).")
-
-  def _check_patterns(self, specs):
-    names = set(self.ix.paths) | {s[0].name for s in specs}
-    for pattern, field in [(p, "overrides") for p in self.layer_config.overrides] + [
-      (p, "block_sizes") for p in self.layer_config.block_sizes
-    ]:
-      if not _layer_config.matches(pattern, tuple(names)):
-        self._pattern_problem(
-          f"LayerConfig.{field}: pattern {pattern!r} matches no layer name or parameter "
-          f"path (paths: {self.ix.paths[: min(8, self.n_params)]}"
-          f"{' ...' if self.n_params > 8 else ''})"
-        )
 
   def _manual(self, fe, claimed, manual_dense):
     """The layer of a manual tag, its approximation checked and its leaves claimed; None for a
@@ -511,21 +391,16 @@ class _Scanner:
     if record is None or record.read_tag is None:
       raise RegistrationError(f"a layer tag of unknown kind {fe.params['kind']!r}.")
     match = record.read_tag(self.ix, fe)
-    kind, approx = match.kind, fe.params["approx"]
-    paths = [self.ix.paths[j] for j in match.leaves]
-    if kind == "generic":
-      approx = self._check_approx("generic", approx, paths)
-      spec = self._generic_spec(match.leaves, approx, "manual")
-      self.claim(claimed, match.leaves, spec.name)
-      return spec, None, None
+    kind = match.kind
     if kind == "dense":
       (info,), (y,), (inputs,) = match.infos, match.outputs, match.inputs
-      manual_dense.setdefault(match.leaves[0], []).append((match.leaves, info, approx, y, inputs))
+      entry = (match.leaves, info, fe.params["approx"], y, inputs)
+      manual_dense.setdefault(match.leaves[0], []).append(entry)
       return None
-    approx = self._check_approx(kind, approx, paths)
+    approx = self._check_approx(kind, fe.params["approx"], [self.ix.paths[j] for j in match.leaves])
     spec, y, inputs = self._spec_of(match, approx, "manual")
-    for j in match.leaves:  # One tag registers one use: a parameter used again elsewhere is
-      self.check_use_count(  # miscounted.
+    for j in match.leaves if kind != "generic" else ():
+      self.check_use_count(  # One tag registers one use: a parameter used again is miscounted.
         j,
         1,
         f"register_{kind}",
@@ -537,14 +412,13 @@ class _Scanner:
 
   def _manual_dense_layer(self, k_leaf, tags, claimed):
     """One dense layer from the `register_dense` tags of kernel `k_leaf` (one use per tag)."""
-    path = self.ix.paths[k_leaf]
     leaves = tags[0][0]
     approxes = {t[2] for t in tags}
     if any(t[0] != leaves for t in tags) or len(approxes) > 1:
       raise RegistrationError(
-        f"register_dense: kernel `{path}` is registered {len(tags)} times with different "
-        f"biases or approximations ({[[self.ix.paths[j] for j in t[0]] for t in tags]}, "
-        f"{sorted(map(str, approxes))}); register every use with the same bias and `approx`."
+        f"register_dense: kernel `{self.ix.paths[k_leaf]}` is registered {len(tags)} times with "
+        f"different biases or approximations ({[[self.ix.paths[j] for j in t[0]] for t in tags]}"
+        f", {sorted(map(str, approxes))}); register every use with the same bias and `approx`."
       )
     self.check_use_count(
       k_leaf,
@@ -554,23 +428,16 @@ class _Scanner:
       'approx="kron_indep"), or let the scanner detect the shared use by removing the tags',
     )
     approx = tags[0][2]
-    paths = [self.ix.paths[j] for j in leaves]
     if len(tags) == 1:
-      approx = self._check_approx("dense", approx, paths)
-    match = _matchers.Match(
-      "dense",
-      leaves,
-      tuple(t[1] for t in tags),
-      tuple(t[3] for t in tags),
-      tuple(t[4] for t in tags),
+      approx = self._check_approx("dense", approx, [self.ix.paths[j] for j in leaves])
+    infos, outs, ins = (tuple(t[k] for t in tags) for k in (1, 3, 4))
+    return self._accept(
+      _matchers.Match("dense", leaves, infos, outs, ins), claimed, approx, "manual"
     )
-    return self._accept(match, claimed, approx, "manual")
 
   def check_use_count(self, leaf: int, registered: int, tag: str, fix: str) -> None:
-    """A manual tag's use count against the graph's: raised, or collected with `collect`.
-
-    A leaf the loss does not reach (no use on the loss slice) is not counted as a mismatch.
-    """
+    """A manual tag's use count against the graph's (a leaf the loss does not reach is not
+    counted as a mismatch): raised, or collected with `collect`."""
     graph_uses = len(self.ix.uses.get(leaf, []))
     if not graph_uses or graph_uses == registered:
       return
@@ -579,68 +446,30 @@ class _Scanner:
       f"with {registered} {tag} tag(s); {fix}."
     )
 
-  def _single_use_series(self, approx, paths):
-    return RegistrationError(
-      f"approximation {approx!r} models correlations between successive uses of a shared "
-      f'layer, but the layer with parameters {paths} is used once; use "kron" (or '
-      '"kron_indep", which equals it for one use).'
-    )
-
-  def _check_approx(self, kind, approx, paths, *, shared: bool = False):
-    if shared:  # None: the kind's shared default (kron_indep; "full" for scale-and-shift).
-      choices = _kinds.KINDS[kind].shared
-      if approx is None:
-        return choices[0]
-      if approx == "kron" and "kron_indep" in choices:
-        return "kron_indep"
-      if approx not in choices:
-        raise RegistrationError(
-          f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
-          f"{paths}; a {kind} layer used several times takes one of {choices}."
-        )
-      return approx
-    if approx is None:
-      # Single-use layers are resolved by `layer_spec` (the LayerConfig, then the kind's default).
-      return None
+  def _check_approx(self, kind, approx, paths):
+    """A manual tag's `approx=` for a single-use layer, checked (None: chosen by `layer_spec`)."""
     if approx in _kinds.SERIES:
-      raise self._single_use_series(approx, paths)
+      raise RegistrationError(
+        f"approximation {approx!r} models correlations between successive uses of a shared "
+        f'layer, but the layer with parameters {paths} is used once; use "kron" (or '
+        '"kron_indep", which equals it for one use).'
+      )
     choices = _kinds.KINDS[kind].approximations
-    if approx not in choices:
+    if approx is not None and approx not in choices:
       raise RegistrationError(
         f"approximation {approx!r} does not fit the {kind} layer with parameters {paths}; "
         f"choose one of {choices}."
       )
     return approx
 
-  # -- specs -----------------------------------------------------------------------------------
-
-  def _shared_override(self, kind, name, paths, num_uses):
-    """The approximation a `LayerConfig.overrides` pattern chooses for a shared layer, or None.
-
-    `defaults` do not apply: they name single-use approximations of a kind.
-    """
-    for pattern, chosen in self.layer_config.overrides.items():
-      if not _layer_config.matches(pattern, (name,) + tuple(paths)):
-        continue
-      choices = _kinds.KINDS[kind].shared
-      if chosen not in choices and not (chosen == "kron" and "kron_indep" in choices):
-        raise RegistrationError(
-          f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
-          f"`{name}` (parameters {list(paths)}), which is used {num_uses} times; a shared "
-          f"{kind} layer takes one of {choices}. Choose one of those, or narrow the pattern "
-          "so that it does not match this layer."
-        )
-      return chosen
-    return None
-
-  def _draft(self, kind, leaves, source, leaf_shapes=None, name=None, **fields) -> LayerSpec:
-    """A LayerSpec over `leaves` (named by their paths' common prefix unless `name` is given),
-    its approximation still to be chosen ("") and its factor shapes to be asked of its block
-    (`sized`). `leaf_shapes` as in `layer_spec`."""
+  def _draft(self, kind, leaves, source, leaf_shapes=None, **fields) -> LayerSpec:
+    """A LayerSpec over `leaves`, named by their paths' common prefix (a lone generic leaf by its
+    own path), its approximation still to be chosen ("") and its factor shapes to be asked of
+    its block (`sized`). `leaf_shapes` as in `layer_spec`."""
     shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
     paths = tuple(self.ix.paths[j] for j in leaves)
     return LayerSpec(
-      name=common_prefix(paths) if name is None else name,
+      name=paths[0] if kind == "generic" and len(paths) == 1 else common_prefix(paths),
       kind=kind,
       param_paths=paths,
       leaf_indices=tuple(leaves),
@@ -652,6 +481,9 @@ class _Scanner:
     )
 
   def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
+    """The spec of a layer used `len(infos)` times. Its approximation: the manual tag's, else a
+    `LayerConfig.overrides` pattern's (`defaults` name single-use approximations, so they do not
+    apply), else the kind's shared default after the size policy."""
     spec = self._draft(
       kind,
       leaves,
@@ -660,43 +492,79 @@ class _Scanner:
       num_uses=len(infos),
       use_infos=infos,
     )
-    paths, name = spec.param_paths, spec.name
+    paths, name = list(spec.param_paths), spec.name
+    choices = _kinds.KINDS[kind].shared
+    pattern = None
     if approx is None:
-      approx = self._shared_override(kind, name, paths, len(infos))
+      overrides = self.layer_config.overrides
+      pattern = next((p for p in overrides if _layer_config.matches(p, (name, *paths))), None)
+      approx = None if pattern is None else overrides[pattern]
     explicit = approx is not None
-    approx = self._check_approx(kind, approx, list(paths), shared=True)
+    if approx == "kron" and "kron_indep" in choices:
+      approx = "kron_indep"
+    if approx is not None and approx not in choices and pattern is not None:
+      raise RegistrationError(
+        f"LayerConfig.overrides[{pattern!r}] = {approx!r} does not fit the {kind} layer "
+        f"`{name}` (parameters {paths}), which is used {len(infos)} times; a shared "
+        f"{kind} layer takes one of {choices}. Choose one of those, or narrow the pattern "
+        "so that it does not match this layer."
+      )
+    if approx is not None and approx not in choices:
+      raise RegistrationError(
+        f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
+        f"{paths}; a {kind} layer used several times takes one of {choices}."
+      )
     if approx in _kinds.SERIES and (kind != "dense" or len({inf.rows for inf in infos}) != 1):
       raise RegistrationError(
-        f"approximation {approx!r} needs the uses of layer {list(paths)} to be dense products "
+        f"approximation {approx!r} needs the uses of layer {paths} to be dense products "
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
         f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
       )
-    spec = dataclasses.replace(spec, approx=approx)
+    spec = dataclasses.replace(spec, approx=approx or choices[0])
     if not explicit:
       approx, note = _layer_config.shared_size_policy(
         self.layer_config.max_factor_dim,
-        approx,
+        spec.approx,
         _blocks.factor_shapes_for(spec),
-        _kinds.KINDS[kind].shared,
+        choices,
         len(infos),
       )
       spec = dataclasses.replace(spec, approx=approx, note=note)
     return sized(self._blocked(spec))
 
   def layer_spec(self, kind, leaves, info, approx, source, leaf_shapes=None) -> LayerSpec:
-    """A LayerSpec, its approximation after the size policy, its factor shapes its block's.
-
-    `leaf_shapes` (leaf -> shape) replaces the index's leaf shapes: one layer of a stack.
-    """
+    """A single-use LayerSpec, sized. Its approximation: an explicit manual or linked one, else
+    the `LayerConfig`'s, else the kind's default; the size policy applies unless it was chosen
+    for the layer by name. `leaf_shapes` (leaf -> shape) replaces the index's leaf shapes: one
+    layer of a stack."""
     spec = self._draft(kind, leaves, source, leaf_shapes, info=info)
     paths, name = spec.param_paths, spec.name
     builtin, note = _kinds.default_approx(kind, info)
-    explicit = self._explicit(paths, name, approx, source)
-    approx = self._approx(kind, paths, name, approx, source, builtin)
-    if approx != builtin:
-      note = ""
-    spec = dataclasses.replace(spec, approx=approx, note=note)
-    return sized(self._blocked(self._size_policy(spec, explicit)))
+    explicit = approx is not None and source in ("manual", "linked")
+    if not explicit:
+      names = (name,) + tuple(paths)
+      chosen, pattern = _layer_config.resolve(
+        self.layer_config, kind, names, builtin if approx is None else approx
+      )
+      choices = _kinds.KINDS[kind].approximations
+      if chosen not in choices:
+        raise RegistrationError(
+          f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
+          f"`{name}` (parameters {list(paths)}); choose one of {choices}, or "
+          "narrow the pattern so that it does not match this layer."
+        )
+      approx, explicit = chosen, pattern is not None
+    spec = dataclasses.replace(spec, approx=approx, note=note if approx == builtin else "")
+    if not explicit:
+      approx, why = _layer_config.size_policy(
+        self.layer_config.max_factor_dim,
+        spec.approx,
+        _blocks.factor_shapes_for(spec),
+        _kinds.KINDS[kind].approximations,
+        spec.has_bias,
+      )
+      spec = dataclasses.replace(spec, approx=approx, note=why or spec.note)
+    return sized(self._blocked(spec))
 
   def _blocked(self, spec: LayerSpec) -> LayerSpec:
     """`spec` with its block size (`LayerConfig.block_size_for`), its blocked sides noted."""
@@ -706,38 +574,6 @@ class _Scanner:
     spec = dataclasses.replace(spec, block_size=size)
     note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
     return dataclasses.replace(spec, note=note)
-
-  def _size_policy(self, spec: LayerSpec, explicit: bool) -> LayerSpec:
-    """`spec` after `_layer_config.size_policy` (not for an approximation chosen by name)."""
-    if explicit:
-      return spec
-    approx, why = _layer_config.size_policy(
-      self.layer_config.max_factor_dim,
-      spec.approx,
-      _blocks.factor_shapes_for(spec),
-      _kinds.KINDS[spec.kind].approximations,
-      spec.has_bias,
-    )
-    return dataclasses.replace(spec, approx=approx, note=why or spec.note)
-
-  def _explicit(self, paths, name, approx, source) -> bool:
-    """Whether the layer's approximation is chosen for it by name: a manual tag's `approx=` or
-    a matching `LayerConfig.overrides` pattern (then the size policy does not apply)."""
-    if source == "manual" and approx is not None:
-      return True
-    return any(
-      _layer_config.matches(p, (name,) + tuple(paths)) for p in self.layer_config.overrides
-    )
-
-  def _generic_spec(self, leaves, approx, source) -> LayerSpec:
-    lone = self.ix.paths[leaves[0]] if len(leaves) == 1 else None  # Its own name, not a parent.
-    spec = self._draft("generic", leaves, source, name=lone)
-    paths, name = spec.param_paths, spec.name
-    explicit = source == "linked" or self._explicit(paths, name, approx, source)
-    if source != "linked":
-      builtin = _kinds.KINDS["generic"].approximations[0]
-      approx = self._approx("generic", paths, name, approx, source, builtin)
-    return sized(self._size_policy(dataclasses.replace(spec, approx=approx), explicit))
 
 
 def sized(spec: LayerSpec) -> LayerSpec:
@@ -765,7 +601,7 @@ def _constant_operand(ix: _index.GraphIndex, atom) -> float | None:
       val = np.asarray(atom.val)
     elif atom in ix.const_values:
       val = np.asarray(ix.const_values[atom])
-    elif atom in ix.producer and ix.g.eqns[ix.producer[atom]].name in _index.VIEW_OPS:
+    elif atom in ix.producer and ix.g.eqns[ix.producer[atom]].name in _graph.VIEW_OPS:
       atom = ix.g.eqns[ix.producer[atom]].ins[0]
       continue
     else:
@@ -773,22 +609,20 @@ def _constant_operand(ix: _index.GraphIndex, atom) -> float | None:
     return float(val.reshape(-1)[0]) if val.size and np.all(val == val.reshape(-1)[0]) else None
 
 
-def _feeds(
-  ix: _index.GraphIndex, key, names: frozenset[str], depth: int = 4, within=None
-) -> str | None:
-  """The first primitive in `names` that `key` reaches through a few operations, else None;
-  with `within` (a set of keys), only through keys in it, from a `key` in it."""
+def _feeds_product(ix: _index.GraphIndex, key, depth: int = 4, within=None) -> bool:
+  """Whether `key` reaches a `_PRODUCTS` equation through a few operations; with `within` (a
+  set of keys), only through keys in it, from a `key` in it."""
   frontier = [key] if within is None or key in within else []
   for _ in range(depth):
     nxt: list[Any] = []
     for k in frontier:
       for j, _ in ix.slice_consumers.get(k, []):
         fe = ix.g.eqns[j]
-        if fe.name in names:
-          return fe.name
+        if fe.name in _PRODUCTS:
+          return True
         nxt.extend(o for o in fe.outs if within is None or o in within)
     frontier = nxt
-  return None
+  return False
 
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -815,23 +649,8 @@ _GENERIC_FIX = (
 
 # Elementwise functions of one operand: a parameter passed through one is not read as itself.
 _UNARY = frozenset(
-  {
-    "exp",
-    "exp2",
-    "log",
-    "log1p",
-    "expm1",
-    "logistic",
-    "tanh",
-    "sqrt",
-    "rsqrt",
-    "abs",
-    "neg",
-    "square",
-    "integer_pow",
-    "sin",
-    "cos",
-  }
+  {"exp", "exp2", "log", "log1p", "expm1", "logistic", "tanh", "sqrt", "rsqrt", "sin", "cos"}
+  | {"abs", "neg", "square", "integer_pow"}
 )
 
 
@@ -849,7 +668,7 @@ def _ops_before_product(ix: _index.GraphIndex, leaf: int, limit: int = 4) -> lis
         fe = ix.g.eqns[j]
         if fe.name in _PRODUCTS:
           continue
-        if fe.name not in _index.VIEW_OPS and fe.name not in names:
+        if fe.name not in _graph.VIEW_OPS and fe.name not in names:
           names.append(fe.name)
         nxt.extend(o for o in fe.outs if o in ix.param_only and o not in seen)
         seen.update(fe.outs)
@@ -897,25 +716,20 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
     return f"indexed by {name} before use (e.g. one slice of a stacked array)"
   if name == "concatenate":
-    if _feeds(ix, fe.outs[0], _PRODUCTS):
+    if _feeds_product(ix, fe.outs[0]):
       return "concatenated before a matmul"
     return "concatenated with other arrays before use"
-  if name in ("add", "sub") and len(fe.ins) == 2:
-    c = _constant_operand(ix, fe.ins[1 - pos])
-    if c is not None:
-      shown = f"{c:g}"
-      return (
-        f"used as {shown} + scale"
-        if name == "add"
-        else (f"used as {shown} - scale" if pos == 1 else f"used as scale - {shown}")
-      )
+  if name in ("add", "sub") and (c := _constant_operand(ix, fe.ins[1 - pos])) is not None:
+    if name == "add":
+      return f"used as {c:g} + scale"
+    return f"used as {c:g} - scale" if pos == 1 else f"used as scale - {c:g}"
   if others:
     return (
       f"combined by {name} with parameter `{ix.paths[others[0]]}` (a product or sum of "
       "two parameters has no layer block)"
     )
   # An operand computed from parameters alone (weight normalisation's `v / |v| · g`).
-  if name not in _PRODUCTS and _feeds(ix, fe.outs[0], _PRODUCTS, 10, ix.param_only):
+  if name not in _PRODUCTS and _feeds_product(ix, fe.outs[0], 10, ix.param_only):
     ops = ", ".join(_ops_before_product(ix, leaf))
     return (
       f"transformed by {ops} into a matmul operand computed from parameters and constants "

@@ -1,36 +1,25 @@
 """Stacked layers: a parameter leaf with a leading layer axis is L layers, one block each.
 
-A scan over stacked layers (linen `nn.scan(..., variable_axes={"params": 0})`, `nnx.scan` over
-`nnx.vmap`-created layers, `lax.scan` over a stacked params pytree) passes each stacked leaf
-`[L, ...]` as a scanned input. `_graph.FlatGraph` unrolls the scan, so step t reads the slice
-`leaf[t]` through a synthetic `scan_slice` equation. Here:
+A scan over stacked layers (linen `nn.scan(..., variable_axes={"params": 0})`, `nnx.scan`,
+`lax.scan` over a stacked params pytree) is unrolled by `_graph.FlatGraph`, step t reading
+`leaf[t]` through a `scan_slice` equation. `slice_leaves` makes each slice a virtual leaf with
+the leaf's path, so the ordinary matchers find one layer per slice; `merge` turns the L layers of
+a group of stacked leaves (e.g. `kernel` and `bias`) into one `LayerSpec` with `stack_size = L`
+(its block, `blocks.StackedBlock`, vmaps the per-layer block over factors `[L, d, d]`). Slices
+whose layers disagree get the generic fallback.
 
-  1. `add_virtual_leaves`: each slice of a leaf whose every use on the loss slice is such a
-     `scan_slice` (indices 0..L-1, each once) becomes a *virtual leaf* of shape `leaf.shape[1:]`
-     with the leaf's own path, so the ordinary matchers register one layer per slice;
-  2. `merge`: the L per-slice layers of a group of stacked leaves (e.g. `kernel` and `bias`) are
-     one `LayerSpec` with `stack_size = L`, `stack_inner` the per-slice spec and one tap per
-     layer (`LayerSpec.multi_tap`); its block (`blocks.StackedBlock`) keeps every factor with a
-     leading axis L (`[L, d, d]`) and vmaps the per-layer block over it. The per-slice layers
-     must agree (same kind, approximation, shapes and matching details); otherwise the leaves
-     get the generic fallback, with the usual warning.
-
-A vmapped layer (an ensemble `jax.vmap(layer)(stacked_params, x)`, or a mixture-of-experts
-`einsum("ebd,edf->ebf", x, kernel)`) reads the whole stacked kernel in one `dot_general` whose
-batch dimension is the kernel's leading axis: `match_batched_dense` registers it as a stack with
-`stack_axes` (the layer axis of the input and of the output), with a bias added along the same
-axis when present. A normalisation vmapped the same way (an ensemble's BatchNorm under
-`nn.vmap`) multiplies by a scale `[L, D]` along the output's leading axis:
-`match_stacked_scale_and_shift` registers it as a stack of scale-and-shift layers.
-
-A parameter closed over by a scan (an RNN) is not sliced: it stays one shared layer with T uses
-(`_scanner`'s multi-use matching).
+A vmapped layer (an ensemble `jax.vmap(layer)(stacked_params, x)`, an expert-stacked
+`einsum("ebd,edf->ebf", x, kernel)`) reads the stacked kernel in one `dot_general`
+(`match_batched_dense`), a vmapped normalisation multiplies by a scale `[L, D]` along the
+output's leading axis (`match_stacked_scale_and_shift`): stacks with `stack_axes`. A parameter
+closed over by a scan (an RNN) stays one shared layer with T uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Any
 
 from kfac_jax import blocks as _blocks
@@ -38,19 +27,14 @@ from kfac_jax._specs import ScaleShiftInfo
 from kfac_jax.scan import _graph, _matchers
 
 
-def add_virtual_leaves(sc) -> None:
-  """Extends the index's leaf tables (`_index.build`) with one virtual leaf per slice of each
-  stacked leaf.
-
-  Sets `sc.stack_of` (virtual leaf → (real leaf, t)) and `sc.stacks` (real leaf → virtual leaves
-  by t); `sc.leaf_of_key`, `sc.paths` and `sc.shapes` gain the virtual leaves.
-  """
-  sc.stack_of, sc.stacks = {}, {}
-  g = sc.g
+def slice_leaves(graph, shapes, in_slice) -> dict[Any, tuple[int, int]]:
+  """`{slice key: (leaf, t)}` for each stacked leaf (of the graph's first `len(shapes)` inputs)
+  whose every use on the loss slice (`in_slice`) is a `scan_slice`, at indices 0..L-1 once each:
+  its slices become virtual leaves (`_index.build`)."""
+  real = {k: j for j, k in enumerate(graph.invars[: len(shapes)])}
   slices: dict[int, dict[int, Any]] = {}
   other: set[int] = set()
-  real = {k: j for k, j in sc.leaf_of_key.items()}
-  for i, fe in enumerate(g.eqns):
+  for i, fe in enumerate(graph.eqns):
     for a in fe.ins:
       if not _graph.is_key(a) or a not in real:
         continue
@@ -60,34 +44,18 @@ def add_virtual_leaves(sc) -> None:
         if t in slices.setdefault(j, {}):
           other.add(j)  # Sliced twice at one index: two scans read it.
         slices[j][t] = fe.outs[0]
-      elif i in sc.in_slice:
+      elif i in in_slice:
         other.add(j)
-  paths, shapes = list(sc.paths), list(sc.shapes)
-  for j, by_t in sorted(slices.items()):
-    shape = sc.shapes[j]
-    if j in other or not shape or sorted(by_t) != list(range(shape[0])):
-      continue
-    virtual = []
-    for t in range(shape[0]):
-      v = len(paths)
-      paths.append(sc.paths[j])
-      shapes.append(tuple(shape[1:]))
-      sc.leaf_of_key[by_t[t]] = v
-      sc.stack_of[v] = (j, t)
-      virtual.append(v)
-    sc.stacks[j] = virtual
-  sc.paths, sc.shapes = list(paths), list(shapes)
+  return {
+    key: (j, t)
+    for j, by_t in slices.items()
+    if j not in other and shapes[j] and sorted(by_t) == list(range(shapes[j][0]))
+    for t, key in by_t.items()
+  }
 
 
-def _same_layer(a, b) -> bool:
-  return (a.kind, a.approx, a.factor_shapes, a.info, a.source, a.num_uses) == (
-    b.kind,
-    b.approx,
-    b.factor_shapes,
-    b.info,
-    b.source,
-    b.num_uses,
-  )
+# What the per-slice layers of one stack must agree on.
+_LAYER_KEY = operator.attrgetter("kind", "approx", "factor_shapes", "info", "source", "num_uses")
 
 
 def stack_spec(ix, inner, leaves, size: int, axes: tuple[int, ...] = ()):
@@ -104,16 +72,12 @@ def stack_spec(ix, inner, leaves, size: int, axes: tuple[int, ...] = ()):
   return dataclasses.replace(spec, factor_shapes=_blocks.factor_shapes_for(spec))
 
 
-def merge(sc, specs, claimed):
-  """Replaces the per-slice layers of stacked leaves by one stacked layer per leaf group.
-
-  Runs after the scanner has mapped layers on concatenations to their real leaves; afterwards
-  no layer and no claim refers to a virtual leaf.
-  """
-  ix = sc.ix
+def merge(ix, specs, claimed, claim):
+  """Replaces the per-slice layers of stacked leaves by one stacked layer per leaf group (after
+  the layers on concatenations are mapped to their real leaves); afterwards no layer and no
+  claim refers to a virtual leaf. `claim(claimed, leaves, name)` claims the stacks' leaves."""
   if not ix.stack_of:
     return specs
-  n = ix.n_params
   kept: list[Any] = []
   failed: list[Any] = []
   groups: dict[tuple[Any, ...], dict[int, Any]] = {}  # real leaves -> {step: entry}
@@ -135,22 +99,18 @@ def merge(sc, specs, claimed):
     if (
       any(e is None for e in entries)
       or any(ix.shapes[j][0] != size for j in reals)
-      or not all(_same_layer(e[0], entries[0][0]) for e in entries)
+      or any(_LAYER_KEY(e[0]) != _LAYER_KEY(entries[0][0]) for e in entries)
     ):
       failed.extend(e for e in entries if e is not None)
       continue
-    for e in entries:
-      for j in e[0].leaf_indices:
-        claimed.pop(j, None)
     spec = stack_spec(ix, entries[0][0], reals, size)
-    sc.claim(claimed, list(reals), spec.name)
+    claim(claimed, list(reals), spec.name)
     kept.append((spec, tuple(e[1] for e in entries), tuple(e[2] for e in entries)))
   for entry in failed:  # Its real leaves stay unclaimed: the generic fallback (with a warning).
     for j in entry[0].leaf_indices:
       claimed.pop(j, None)
-  for j in list(claimed):
-    if j >= n:
-      del claimed[j]
+  for j in [j for j in claimed if j >= ix.n_params]:  # The slices' claims.
+    del claimed[j]
   return kept
 
 
