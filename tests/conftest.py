@@ -4,6 +4,8 @@ Rank promotion stays allowed globally (user models write `x @ w + b`); test_stri
 the library's own code under `jax_numpy_rank_promotion="raise"`.
 """
 
+import importlib.util
+import mmap
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -16,6 +18,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # subprocess inherit it. `KFAC_TEST_XLA_OPT=1` keeps the optimisations (what users run).
 if os.environ.get("KFAC_TEST_XLA_OPT", "0") != "1":
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+
+def _jaxlib_knows(flag: str) -> bool:
+  """Whether this jaxlib's XLA has `flag` (an unknown flag in XLA_FLAGS aborts the process)."""
+  spec = importlib.util.find_spec("jaxlib")
+  if spec is None or not spec.submodule_search_locations:
+    return False
+  path = os.path.join(spec.submodule_search_locations[0], "libjax_common.so")
+  if not os.path.isfile(path):
+    return False
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    return m.find(flag.encode()) >= 0
+
+
+# XLA:CPU's older emitters: they compile the suite's small programs several times faster than
+# the fusion emitters, whose cost is per fusion and dominates a program that runs a few times.
+if os.environ.get("KFAC_TEST_XLA_OPT", "0") != "1" and _jaxlib_knows("xla_cpu_use_fusion_emitters"):
+  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402

@@ -1,6 +1,7 @@
 """Checkpoints continue a run bit-for-bit; restoring into a changed model names the blocks."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -87,8 +88,9 @@ def test_restore_in_a_fresh_process_continues_bit_identically(tmp_path):
     f.write(kfac_jax.state_to_bytes(s3))
   with open(path + ".params", "wb") as f:
     f.write(serialization.to_bytes(p3))
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # A fresh process with its own (default) device setup.
+  # A fresh process with its own (default) device setup and the suite's other XLA flags.
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
   subprocess.run(
     [sys.executable, "-c", _FRESH.format(root=ROOT, path=path)],
     check=True,

@@ -102,15 +102,16 @@ def _assert_trees_equal(a, b):
 def test_jit_compiles_once_and_converges_on_least_squares(kind):
   loss_fn, params, batch, best = _least_squares()
   tx = _make(kind, loss_fn, batch)
-  init = jax.jit(tx.init)
+  init_traces, traces = [], []
+  init = jax.jit(lambda p: (init_traces.append(1), tx.init(p))[1])
   state = init(params)
-  step = _step_fn(kind, loss_fn, tx)
+  step = _step_fn(kind, loss_fn, tx, traces)
   losses = []
   for i in range(25):
     params, state, loss, _ = step(params, state, batch, jax.random.key(i))
     losses.append(float(loss))
   # Steps 2..25, across inverse refreshes (every 3), reuse the first step's program.
-  assert step._cache_size() == 1 and init._cache_size() == 1
+  assert len(traces) == 1 and len(init_traces) == 1
   final = float(loss_fn(params, batch))
   assert final - best < 1e-2 * (losses[0] - best), (kind, losses[0], final, best)
 
@@ -148,7 +149,8 @@ def test_inside_optax_chain(kind):
     optax.clip_by_global_norm(1e6), _make(kind, loss_fn, batch), optax.scale(0.5)
   )
   s_bare, s_chain = bare.init(params), chained.init(params)
-  step_bare, step_chain = _step_fn(kind, loss_fn, bare), _step_fn(kind, loss_fn, chained)
+  traces = []
+  step_bare, step_chain = _step_fn(kind, loss_fn, bare), _step_fn(kind, loss_fn, chained, traces)
   p_bare = params
   for i in range(3):
     rng = jax.random.key(i)
@@ -157,7 +159,7 @@ def test_inside_optax_chain(kind):
     for a, b in zip(jax.tree_util.tree_leaves(u_chain), jax.tree_util.tree_leaves(u_bare)):
       np.testing.assert_allclose(a, 0.5 * b, rtol=1e-5, atol=1e-7)
     p_bare = optax.apply_updates(p_bare, u_bare)
-  assert step_chain._cache_size() == 1
+  assert len(traces) == 1
 
 
 @pytest.mark.parametrize("kind", ["scale_by_kfac", "kfac"])
@@ -183,7 +185,8 @@ def test_inside_inject_hyperparams(kind):
       optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=0.1),
     )
   state = tx.init(params)
-  step = _step_fn(kind, loss_fn, tx)
+  traces = []
+  step = _step_fn(kind, loss_fn, tx, traces)
 
   def with_hp(state, name, value):
     if kind == "kfac":
@@ -201,7 +204,7 @@ def test_inside_inject_hyperparams(kind):
     np.testing.assert_allclose(a, 3.0 * b, rtol=1e-5, atol=1e-8)
   _, _, _, ud = step(params, with_hp(state, "damping", 10.0), batch, rng)
   assert float(optax.tree.norm(ud)) < 0.5 * float(optax.tree.norm(u1))
-  assert step._cache_size() == 1
+  assert len(traces) == 1
 
 
 def _nnx_loss(graphdef):
@@ -342,7 +345,7 @@ def test_a_share_of_the_parameters_under_multi_transform(kind):
     p, state, u = step(p, state, jax.random.key(i))
     p_ref, s_whole, s_adam, u_ref = reference(p_ref, s_whole, s_adam, jax.random.key(i))
     for a, b in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(u_ref)):
-      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32, two programs.
   assert float(loss_fn(p, batch)) < float(loss_fn(params, batch))
 
 

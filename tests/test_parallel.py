@@ -90,10 +90,9 @@ def test_split_inverses_equal_replicated_ones_exactly(num_devices):
 
 
 def _kfac(loss_fn, batch, **kw):
-  # No KL clipping and no momentum (kfac's defaults have both): with both on, XLA fuses the
-  # clipped update into the momentum trace (`c·v + μ·m`) differently in the sharded and
-  # replicated programs (1-ulp differences; either one alone stays bitwise equal), and the
-  # sharded-storage tests compare parameters bit for bit.
+  # No KL clipping and no momentum (kfac's defaults have both): the sharded-storage tests compare
+  # parameters to round-off, and fewer fused terms keep the sharded and replicated programs'
+  # rounding apart by the least.
   kw = {"momentum": None, "max_norm": None, "estimation_mode": "empirical", **kw}
   return kfac_jax.kfac(
     loss_fn,
@@ -351,16 +350,18 @@ def _block_state_bytes(est):
 def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
   """4 blocks on 3 devices (not a multiple) and on 8 (idle devices), 7 steps, 3 inverse updates.
 
-  The parameters are bit-for-bit the replicated strategy's (each entry of the summed update has
-  one non-zero term), every other state field equal, and each device's buffer holds the
-  replicated caches of its own blocks.
+  The parameters are the replicated strategy's to round-off (each entry of the summed update
+  has one non-zero term; the two programs may fuse and so round differently), every other state
+  field equal, and each device's buffer holds the replicated caches of its own blocks.
   """
   loss_fn, params, batch = _problem(n=48)
   _, p_rep, s_rep = _pmap_run(loss_fn, params, batch, num_devices, STEPS)
   _, p_sh, s_sh = _pmap_run(loss_fn, params, batch, num_devices, STEPS, inverse_storage="sharded")
   got = jax.tree_util.tree_leaves_with_path(p_sh)
   for (path, a), b in zip(got, jax.tree_util.tree_leaves(p_rep)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=1e-11, atol=1e-14, err_msg=jax.tree_util.keystr(path)
+    )
   rep, sh = _kfac_state(s_rep), _kfac_state(s_sh)
   assert isinstance(sh.curvature.cache, kfac_jax.ShardedCache)
   assert isinstance(sh.curvature.factors, kfac_jax.ShardedCache)

@@ -43,7 +43,7 @@ def test_stats_path_equals_batch_path():
   u1, s1 = jax.jit(lambda g, s, p: tx.update(g, s, p, curvature_stats=stats))(grads, state, params)
   u2, s2 = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch, rng=rng))(grads, state, params)
   for a, b in zip(jax.tree_util.tree_leaves((u1, s1)), jax.tree_util.tree_leaves((u2, s2))):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # float32 round-off of entries ~60.
 
 
 @pytest.mark.parametrize("path", ["batch", "curvature_stats"])
@@ -130,7 +130,7 @@ def test_statistics_fraction_takes_evenly_spaced_rows_of_the_batch(fraction, row
     want = update(make(loss_fn, batch, damping=1e-2), first)
     whole = update(make(loss_fn, batch, damping=1e-2), batch)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # float32 round-off.
     assert not np.allclose(got[0]["layer0"]["w"], whole[0]["layer0"]["w"], rtol=1e-3)
 
 
