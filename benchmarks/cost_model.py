@@ -222,17 +222,34 @@ class Machine:
 @dataclasses.dataclass(frozen=True)
 class Calibration:
   """The rates timed on their own rather than fitted: categorical draws per second, and the
-  FLOP/s of a matrix product of the preconditioning products' shape."""
+  FLOP/s of the preconditioning's matrix products (`product_shapes`)."""
 
   draw: float
   product: float
 
 
-def product_shape(shape: ModelShape, sched: Schedule) -> tuple[int, int, int]:
-  """`(m, k, n)` of the calibration product `[m, k] @ [k, n]`: the vocabulary-sized tables (the
-  head's and the embedding's V × d against a d-side inverse), which carry most of the
-  preconditioning FLOPs."""
-  return shape.vocab, shape.d, side(shape.d, sched)
+def product_shapes(shape: ModelShape, sched: Schedule) -> list[tuple[int, int, int, int, int]]:
+  """`(count, k, m, w, n)` of every matrix product of the preconditioning, each `count` times
+  `[k, m, w] @ [k, w, n]` (k blocks of width w): a dense layer's `[i, o]` gradient against its
+  A side (`m = w_i, n = o`) and its G side (`m = i, n = w_o`), the embedding's `[V, d]` gradient
+  and the RMSNorm scales against their G side. Diagonal sides are elementwise and left out. The
+  calibration times these, so its rate is that of the products' own mix of shapes."""
+  out: dict[tuple[int, int, int, int], int] = {}
+
+  def add(count, k, m, w, n):
+    out[(k, m, w, n)] = out.get((k, m, w, n), 0) + count
+
+  for _, i, o, c in shape.dense():
+    wi, wo = side(i, sched), side(o, sched)
+    if wi > 1:
+      add(c, -(-i // wi), wi, wi, o)
+    if wo > 1:
+      add(c, -(-o // wo), i, wo, wo)
+  wd = side(shape.d, sched)
+  if wd > 1:
+    add(1, -(-shape.d // wd), shape.vocab, wd, wd)
+    add(2 * shape.layers + 1, -(-shape.d // wd), 1, wd, wd)
+  return [(c, *key) for key, c in out.items()]
 
 
 RATE_OF = {

@@ -21,8 +21,8 @@ and times separately, each the minimum over `--repeats` calls:
 
 and the optimizer state's bytes against the parameters'. The cost model
 (`benchmarks/cost_model.py`) is fitted to these measurements (three machine constants) and
-calibrated by two timings of its own (the categorical sampler; a matrix product of the
-preconditioning products' shape at each width); its error on every measured component is
+calibrated by two timings of its own (the categorical sampler; the preconditioning's matrix
+products at each width); its error on every measured component is
 printed, and it predicts `--predict` (default d = 4,096, 32 layers, 1M tokens per step). With
 `--race`, AdamW (over `--adamw-lrs`) trains `--steps` steps at the first width, and K-FAC
 trains until it reaches the tuned AdamW's final loss (the time ratio is reported).
@@ -415,8 +415,9 @@ RECORDED = (
 def calibrate(args, widths: list[int]) -> dict:
   """The cost model's calibrated rates: categorical draws per second (the library's sampler of
   the Fisher's targets over the vocabulary, for the statistics' tokens; the minimum of three
-  calls), and the FLOP/s of `cost_model.product_shape`'s matrix product at each width (the
-  minimum of five; their geometric mean is the model's product rate)."""
+  calls), and the FLOP/s of the preconditioning's matrix products at each width
+  (`cost_model.product_shapes`, each the minimum of five; the geometric mean over widths is the
+  model's product rate)."""
   rows = max(1, math.ceil(args.statistics_fraction * args.batch)) * args.seq
   logits = 3.0 * jax.random.normal(jax.random.key(0), (rows, args.vocab), jnp.float32)
 
@@ -428,12 +429,16 @@ def calibrate(args, widths: list[int]) -> dict:
   sched = schedule(args)
   product = {}
   for d in widths:
-    m, k, n = cm.product_shape(cm.ModelShape(d, args.layers, args.vocab, args.seq, 1), sched)
-    keys = jax.random.split(jax.random.key(2))
-    a = jax.random.normal(keys[0], (m, k), jnp.float32)
-    b = jax.random.normal(keys[1], (k, n), jnp.float32)
-    _, tp, _, _ = timed(jnp.matmul, a, b, repeats=5)
-    product[d] = 2 * m * k * n / tp
+    shape = cm.ModelShape(d, args.layers, args.vocab, args.seq, 1, ff=args.ff)
+    flops = secs = 0.0
+    for count, k, m, w, n in cm.product_shapes(shape, sched):
+      keys = jax.random.split(jax.random.key(2))
+      a = jax.random.normal(keys[0], (k, m, w), jnp.float32)
+      b = jax.random.normal(keys[1], (k, w, n), jnp.float32)
+      _, tp, _, _ = timed(jnp.matmul, a, b, repeats=5)
+      flops += count * 2 * k * m * w * n
+      secs += count * tp
+    product[d] = flops / secs
   gmean = math.exp(sum(math.log(x) for x in product.values()) / len(product))
   return {"draw": rows * args.vocab / t, "product": gmean, "product_by_d": product}
 

@@ -81,9 +81,17 @@ def test_cost_model_counts():
   pre = c["preconditioning"]
   assert pred["preconditioning"] - faster["preconditioning"] == pytest.approx(pre.flops / 2e10)
   assert faster["forward_backward"] == pred["forward_backward"]
-  # The calibration product: the vocabulary-sized tables against a d-side inverse.
-  assert cm.product_shape(shape, sched) == (1000, 64, 64)
-  assert cm.product_shape(shape, cm.Schedule(block_size=32)) == (1000, 64, 32)
+  # The calibration products are the model's: their FLOPs and the embedding's elementwise
+  # product with its diagonal A side make the preconditioning's (sides that the blocks divide).
+  for s in (sched, cm.Schedule(block_size=32, max_factor_dim=500)):
+    shapes = cm.product_shapes(shape, s)
+    flops = sum(2 * c * k * m * w * n for c, k, m, w, n in shapes)
+    pre = cm.components(shape, s)["preconditioning"].flops
+    diagonal = 2 * 64 * 1000 if s.max_factor_dim == 500 else 0  # The head's V side.
+    assert flops + 1000 * 64 + diagonal == pre, (s, shapes)
+  # The embedding's [V, d] gradient against its G side, whole or in blocks of 32.
+  assert (1, 1, 1000, 64, 64) in cm.product_shapes(shape, sched)
+  assert (1, 2, 1000, 32, 32) in cm.product_shapes(shape, cm.Schedule(block_size=32))
   # Statistics from whole sequences: 0.1 of 4 is one sequence, a quarter of the tokens.
   quarter = cm.Schedule(statistics_fraction=0.1)
   assert cm.statistics_rows(shape, quarter) == 1
