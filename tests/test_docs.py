@@ -188,6 +188,9 @@ def test_sphinx_builds_without_warnings(tmp_path):
     assert name in api
   for page in PAGES:
     assert (tmp_path / f"{page}.html").exists(), page
+  # Code blocks scroll inside the text column rather than run past it.
+  assert "custom.css" in (tmp_path / "recipes.html").read_text(encoding="utf-8")
+  assert "overflow-x: auto" in (tmp_path / "_static" / "custom.css").read_text(encoding="utf-8")
 
 
 def test_api_reference_lists_every_public_name():
