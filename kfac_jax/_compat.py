@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import ctypes
 import glob
+import importlib
 import os
 from typing import Any
 
@@ -187,12 +188,12 @@ def one_lapack_thread() -> None:
 def _scipy_openblas() -> list[Any]:
   """The OpenBLAS libraries scipy's wheel ships (`scipy.libs/`), loaded; [] elsewhere (a
   distribution's scipy on a shared OpenBLAS is left to the environment)."""
-  try:
-    import scipy
-    from scipy.linalg import cython_lapack  # noqa: F401  # Loads scipy's OpenBLAS.
+  try:  # Importing scipy's LAPACK loads its OpenBLAS.
+    lapack = importlib.import_module("scipy.linalg.cython_lapack")
   except ImportError:  # pragma: no cover - jax requires scipy.
     return []
-  libs = os.path.join(os.path.dirname(os.path.dirname(scipy.__file__)), "scipy.libs")
+  site = os.path.dirname(os.path.dirname(os.path.dirname(lapack.__file__ or "")))
+  libs = os.path.join(site, "scipy.libs")
   found = []
   for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
     try:

@@ -5,7 +5,7 @@ The convention for code on a page (`docs/*.rst`): every `.. code-block:: python`
 order of the page, in one namespace per page, in a temporary working directory. A block that
 cannot run in the suite is preceded by a comment `.. not-tested: <reason>` and skipped. The
 recipes page is the exception to the one namespace: each recipe is a complete program, and
-`tests/test_recipes.py` runs each in a fresh namespace and checks what it claims. The other
+`tests/suites/test_recipes.py` runs each in a fresh namespace and checks what it claims. The other
 pages are run here and checked for what their code leaves behind (`CHECKS`).
 """
 
@@ -19,11 +19,11 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
 PAGES = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(DOCS, "*.rst")))
 # Pages whose code has its own test file (with per-recipe checks).
-OWN_TESTS = {"recipes": "tests/test_recipes.py"}
+OWN_TESTS = {"recipes": "tests/suites/test_recipes.py"}
 
 
 def page_blocks(page):
