@@ -103,7 +103,8 @@ class LossPart:
       if isinstance(out, (tuple, list)):
         raise _scan.RegistrationError(
           f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
-          "not one scalar loss. If it returns `(loss, aux)`, pass has_aux=True."
+          "not one scalar loss. If it returns `(loss, aux)`, build the registration with "
+          "has_aux=True: `kfac_jax.Registration(loss_fn, params, batch, has_aux=True)`."
         )
       return out
     if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -114,7 +115,7 @@ class LossPart:
       )
       raise _scan.RegistrationError(
         f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
-        f"returned {what}. Return `(loss, aux)`, or drop has_aux=True."
+        f"returned {what}. Return `(loss, aux)`, or build the registration without has_aux=True."
       )
     loss, aux = out
     if getattr(loss, "shape", None) != ():

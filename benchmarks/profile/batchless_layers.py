@@ -79,9 +79,9 @@ def main():
       return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
     est = kfac_jax.CurvatureEstimator(
-      loss_fn, batch, config=kfac_jax.Config(num_samples=args.samples)
+      kfac_jax.Registration(loss_fn, params, batch, num_samples=args.samples)
     )
-    layers = kfac_jax.scan_layers(loss_fn, params, batch)
+    layers = kfac_jax.Registration(loss_fn, params, batch).layers
     kind = next(f"{s.kind}/{s.approx}" for s in layers if s.param_paths == ("a",))
     state0 = est.init(params)
     order = [s.param_paths for s in est.layers]

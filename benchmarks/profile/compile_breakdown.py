@@ -45,7 +45,7 @@ def main():
   timed_compile("kfac step", ae.make_kfac_step(loss_fn, tx), params, st, batch, rng)
   timed_compile("jax.value_and_grad", jax.value_and_grad(loss_fn), params, batch)
   timed_compile("kfac value_and_grad", kfac_jax.value_and_grad(loss_fn), params, batch, rng)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
   es = est.init(params)
   stats = jax.eval_shape(kfac_jax.value_and_grad(loss_fn), params, batch, rng)[2]
   timed_compile(

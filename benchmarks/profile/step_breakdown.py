@@ -29,7 +29,7 @@ batch = jnp.asarray(
   rng.uniform(size=(int(sys.argv[1]) if len(sys.argv) > 1 else 1000, 784)).astype(np.float32)
 )
 key = jax.random.key(0)
-est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
 es = est.init(params)
 vag = kfac_jax.value_and_grad(loss_fn)
 _, grads, stats = jax.jit(vag)(params, batch, key)
