@@ -123,8 +123,8 @@ class CurvatureEstimator:
       raise TypeError(
         "CurvatureEstimator: the first argument must be a kfac_jax.Registration, got "
         f"{self.registration!r} ({type(self.registration).__name__}): build one from the loss "
-        "function, `kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))` (its "
-        "settings, e.g. `estimation_mode=`, are the registration's)."
+        "function, `kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))` "
+        "(its settings, e.g. `estimation_mode=`, are the registration's)."
       )
     _config.get(self.config, "CurvatureEstimator")
     for flag in ("compute_cholesky", "compute_cholesky_inverse", "compute_params_stats"):

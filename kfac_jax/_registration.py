@@ -40,6 +40,47 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
   return names
 
 
+class LossPart:
+  """`loss_fn` as the scanner traces it, its output checked against `has_aux` (a mismatch is an
+  error naming `has_aux`, not a shape error); `loss_fn` and `has_aux` are checked when built."""
+
+  def __init__(self, loss_fn: Callable | None, has_aux: bool):
+    if not callable(loss_fn):
+      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
+    if not isinstance(has_aux, bool):
+      raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    self.loss_fn = loss_fn
+    self.has_aux = has_aux
+
+  def __call__(self, params, batch):
+    out = self.loss_fn(params, batch)
+    if not self.has_aux:
+      if isinstance(out, (tuple, list)):
+        raise _scan.RegistrationError(
+          f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
+          "not one scalar loss. If it returns `(loss, aux)`, build the registration with "
+          "has_aux=True: `kfac_jax.Registration(loss_fn, params, batch, has_aux=True)`."
+        )
+      return out
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      what = (
+        f"a {type(out).__name__} of {len(out)} values"
+        if isinstance(out, (tuple, list))
+        else f"a single {type(out).__name__} of shape {getattr(out, 'shape', '?')}"
+      )
+      raise _scan.RegistrationError(
+        f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
+        f"returned {what}. Return `(loss, aux)`, or build the registration without has_aux=True."
+      )
+    loss, aux = out
+    if getattr(loss, "shape", None) != ():
+      raise _scan.RegistrationError(
+        "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
+        f"got shape {getattr(loss, 'shape', type(loss).__name__)}."
+      )
+    return loss, aux
+
+
 @dataclasses.dataclass(frozen=True)
 class StatsKey:
   """What a `CurvatureStats` was computed for: static, hashable, compared at trace time.
@@ -223,7 +264,7 @@ class Registration:
     warn: bool = True,
   ):
     set_ = object.__setattr__
-    part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
+    part = LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
     _checks.boolean(check_loss, "check_loss")
@@ -432,7 +473,10 @@ def shared(registration, loss_fn, who: str, *others: tuple[str, Any]) -> Registr
   if registration is None:
     if loss_fn is None:
       raise TypeError(f"{who}: pass `loss_fn`, or `registration=` (a kfac_jax.Registration).")
-    _checks.function(loss_fn, "loss_fn")
+    if not callable(loss_fn):
+      raise TypeError(
+        f"{who}: `loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}."
+      )
     return None
   if not isinstance(registration, Registration):
     raise TypeError(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from kfac_jax import _checks, _compat, _curvature, _registration
+from kfac_jax import _checks, _compat, _registration
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _tracer
 
@@ -141,7 +141,7 @@ def check_registration(
   if reg is not None:
     loss_fn, params, batch = reg.loss_fn, reg.params_shape, reg.example_batch
     axis_name, has_aux, layers = reg.axis_name, reg.has_aux, reg.layer_config
-  part = _curvature.LossPart(loss_fn, has_aux)
+  part = _registration.LossPart(loss_fn, has_aux)
   with _compat.axis_env([(n, 1) for n in _registration.axis_names(axis_name)]):
     scan = _tracer.scan(
       part, params, batch, has_aux=has_aux, warn=False, layers=layers, collect=True

@@ -167,8 +167,8 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   assert min(_models.device_bytes((rep_curv.factors, rep_curv.cache), mesh)) > 0.9 * total
   # The factors gathered from the sharded state are the one-device run's.
   _, one = _run(_tx(loss_fn, params, batch), loss_fn, params, batch)
-  gathered = est.estimator.storage.block_factors(est.estimator.names, blocks, curv.factors)
-  for n in est.estimator.names:
+  gathered = est.storage.block_factors(est.names, blocks, curv.factors)
+  for n in est.names:
     for a, b in zip(
       jax.tree_util.tree_leaves(gathered[n]),
       jax.tree_util.tree_leaves(one[0].curvature.factors[n]),
