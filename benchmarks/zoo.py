@@ -1,14 +1,14 @@
 """Scan and compile time of one K-FAC step for each model of the zoo (tests/_zoo.py).
 
 For each model, in Flax linen and nnx: "scan" is `Registration(..., check_loss=False)` (tracing
-`loss_fn` and matching the layers); "init" is `scale_by_kfac(...).init(params)` (a second scan
-plus creating the state: zero factors and identity caches, built eagerly, so a factor shape not
-seen before in the process pays a small XLA compile per array op, which is why the first flavour of a model
-takes longer); "compile" is lowering and compiling the jitted step (value_and_grad
-with curvature statistics, then the transform's update, inverses included), timed once, cold.
-The recurrent and tied-weight models of tests/test_shared.py follow (a linen LSTM through
-`nn.RNN`, an nnx GRU through `nnx.RNN`, linen and nnx LMs whose embedding is also the output
-projection): their shared layers are listed with the number of uses. Prints a Markdown table.
+`loss_fn` and matching the layers); "init" is `scale_by_kfac(...).init(params)` (a second scan plus
+creating the state: zero factors and identity caches, built eagerly, so a factor shape not seen
+before in the process pays a small XLA compile per array op, which is why the first flavour of a
+model takes longer); "compile" is lowering and compiling the jitted step (value_and_grad with
+curvature statistics, then the transform's update, inverses included), timed once, cold. The
+recurrent and tied-weight models of tests/test_shared.py follow (a linen LSTM through `nn.RNN`, an
+nnx GRU through `nnx.RNN`, linen and nnx LMs whose embedding is also the output projection): their
+shared layers are listed with the number of uses. Prints a Markdown table.
 
     python benchmarks/zoo.py          # from the repository root
 """

@@ -328,7 +328,7 @@ class Optimizer:
     config: _config.Config | None = None,
   ):
     config = _config.get(config, "Optimizer")
-    self._registration = _registration.Deferred.of(
+    self._deferred = _registration.Deferred.of(
       loss_fn, example_batch, registration, "Optimizer"
     )
     self._estimator = functools.lru_cache(maxsize=1)(
@@ -385,7 +385,7 @@ class Optimizer:
   @property
   def estimator(self) -> _estimator.CurvatureEstimator:
     """The complete estimator (after `init`, or at once with a registration)."""
-    return self._estimator(self._registration.only())
+    return self._estimator(self._deferred.only())
 
   # -- state -----------------------------------------------------------------------------------
 
@@ -394,7 +394,7 @@ class Optimizer:
     is not used). With sharded storage, call it inside pmap / shard_map (or pass `config.mesh`).
     """
     del rng
-    est = self._estimator(self._registration.for_params(params, self.axis_name))
+    est = self._estimator(self._deferred.for_params(params, self.axis_name))
     dtype = est.numerics.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     return OptimizerState(
@@ -435,7 +435,7 @@ class Optimizer:
         "Optimizer: `state` must be the OptimizerState from this optimizer's init, got "
         f"{type(state).__name__} (a transform's state goes to that transform's update)."
       )
-    est = self._estimator(self._registration.for_params(params))
+    est = self._estimator(self._deferred.for_params(params))
     reg, cfg = est.registration, self.config
     dtype = est.numerics.inverse_dtype
     clock = state.step + state.skipped  # Every step seen: what the schedules are called with.
