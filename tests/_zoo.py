@@ -46,9 +46,12 @@ class Zoo:
 def train_step(z: Zoo, tx, registration: kfac_jax.Registration | None = None):
   """The jitted K-FAC training step of a zoo model: `step(params, state, batch, rng)` →
   `(params, state, batch, loss)`. With `z.has_aux`, the model state returned as the aux is fed
-  back as `batch["state"]`. With `registration` (of `z`), its layers are used (no new scan)."""
+  back as `batch["state"]`. With `registration` (of `z`), its layers are used (no new scan);
+  without, one of `z` with the default settings."""
   if registration is None:
-    registration = kfac_jax.Registration(z.loss_fn, z.params, z.batch, has_aux=z.has_aux)
+    registration = kfac_jax.Registration(
+      z.loss_fn, z.params, z.batch, has_aux=z.has_aux, warn=False
+    )
   vg = kfac_jax.value_and_grad(registration=registration)
 
   @jax.jit
