@@ -114,8 +114,8 @@ def check_registration(
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
   layer covers (with why no layer matched it), every parameter registered twice (two manual
   tags, or a tag and a linked group), every manually tagged parameter whose number of tags
-  differs from the number of times `loss_fn` uses it, and every `layers.overrides` /
-  `layers.linked` pattern that matches no parameter.
+  differs from the number of times `loss_fn` uses it. (A `layers.overrides` / `layers.linked`
+  pattern that matches no parameter stops the `Registration` that carries it, naming it.)
 
   Args:
     loss_fn, params, batch: the loss function, scanned with the default settings.

@@ -248,21 +248,22 @@ def test_check_registration_lists_every_problem():
     kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
 
-  layers = kfac_jax.LayerConfig(overrides={"decoder/*": "kron"})
   with pytest.raises(kfac_jax.RegistrationCheckError) as info:
-    kfac_jax.check_registration(
-      registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
-    )
+    kfac_jax.check_registration(loss_fn, params, batch)
   problems = info.value.problems
-  assert len(problems) == 4, problems
+  assert len(problems) == 3, problems
   assert "`layer1/b` is registered twice" in problems[0]
-  assert "'decoder/*' matches no layer" in problems[1]
-  assert "`extra` is not in any layer" in problems[2]
-  assert "`extra2` is not in any layer" in problems[3]
+  assert "`extra` is not in any layer" in problems[1]
+  assert "`extra2` is not in any layer" in problems[2]
+  # A `layers` pattern that matches nothing stops the registration that carries it.
+  layers = kfac_jax.LayerConfig(overrides={"decoder/*": "kron"})
+  p2 = {k: v for k, v in params.items() if k.startswith("layer")}
+  mlp = _models.softmax_loss(_models.jnp_mlp_apply)
+  with pytest.raises(kfac_jax.RegistrationError, match="'decoder/\\*' matches no layer"):
+    kfac_jax.Registration(mlp, p2, batch, layers=layers)
   assert isinstance(info.value, kfac_jax.RegistrationError)
   # A clean registration returns the layers.
-  p2 = {k: v for k, v in params.items() if k.startswith("layer")}
-  specs = kfac_jax.check_registration(_models.softmax_loss(_models.jnp_mlp_apply), p2, batch)
+  specs = kfac_jax.check_registration(mlp, p2, batch)
   assert [s.name for s in specs] == ["layer0", "layer1"]
 
 
