@@ -438,7 +438,7 @@ class Optimizer:
 
     # One forward pass, linearised: the loss, its gradient, the statistics' pull-back and the
     # quadratic model's push-forwards all reuse it.
-    lin = _curvature.Linearisation(reg.scan_batch(params, batch), params, batch)
+    lin = reg.linearise(params, batch)
     loss, grads = _pmean((lin.loss, lin.grads()), self.axis_name)
     grad_h, eta = grads, self.l2_reg
     if eta:  # ∇h = ∇L + η θ
