@@ -236,12 +236,14 @@ class Linearisation:
     (loss, preds), jvp_fn, (xs, others, aux_leaves) = jax.linearize(f, leaves, eps0, has_aux=True)
     self.scan = scan
     self.params_treedef = jax.tree_util.tree_structure(params)
+    self._batch_def = jax.tree_util.tree_structure(batch)
     self.preds, self.others = preds, others
     self._graph_loss, self._grads = loss, None
     self.loss = loss
     self.aux = (
       None if scan.aux_tree is None else jax.tree_util.tree_unflatten(scan.aux_tree, aux_leaves)
     )
+    self._loss_part = loss_part
     if loss_part is not None:
       value, self._grads = jax.value_and_grad(loss_part, has_aux=loss_part.has_aux)(params, batch)
       self.loss, self.aux = value if loss_part.has_aux else (value, None)
@@ -255,6 +257,16 @@ class Linearisation:
       return self._grads
     g_leaves, _ = self._vjp((jnp.ones_like(self.loss), [jnp.zeros_like(p) for p in self.preds]))
     return jax.tree_util.tree_unflatten(self.params_treedef, g_leaves)
+
+  def loss_at(self, p_leaves, batch_leaves):
+    """The loss at other param leaves (`loss_fn` itself when the graph is a curvature
+    function's)."""
+    if self._loss_part is None:
+      return self.scan.graph.evaluate(list(p_leaves) + list(batch_leaves))[0][0]
+    params = jax.tree_util.tree_unflatten(self.params_treedef, list(p_leaves))
+    batch = jax.tree_util.tree_unflatten(self._batch_def, list(batch_leaves))
+    out = self._loss_part(params, batch)
+    return out[0] if self._loss_part.has_aux else out
 
   def prediction_jvp(self, p_leaves):
     """Per loss tag, `J v`: the predictions' derivative along the param-leaf tangent `v`."""

@@ -194,3 +194,18 @@ def test_curvature_fn_must_be_callable():
   params, batch = _vmc_data()
   with pytest.raises(TypeError, match="`curvature_fn` must be callable"):
     kfac_jax.Registration(_energy_rule(False), params, batch, curvature_fn="log_psi")
+
+
+def test_optimizer_measures_rho_on_the_loss(x64):
+  """With a curvature function, the damping adaptation's ρ compares `loss_fn` itself at the
+  old and new params (the curvature graph's traced loss is zero)."""
+  params, batch = _vmc_data()
+  loss_fn = _energy_rule(False)
+  reg = kfac_jax.Registration(
+    loss_fn, params, batch, estimation_mode="exact", curvature_fn=_log_psi_tagged
+  )
+  opt = kfac_jax.Optimizer(registration=reg, damping=1e-2)
+  new, state, info = opt.step(params, opt.init(params), batch, jax.random.key(0))
+  want = (loss_fn(new, batch) - loss_fn(params, batch)) / info["quad_model_change"]
+  np.testing.assert_allclose(info["rho"], want, rtol=1e-8)
+  assert np.isfinite(state.rho)
