@@ -154,9 +154,13 @@ def restore_state(expected: Any, saved: Any) -> Any:
     ValueError: the number of leaves differs, or a leaf does not fit (`check_restored_state`).
 
   Example:
-    >>> np.savez(path, opt_state=np.asarray(opt_state, dtype=object))
-    >>> saved = np.load(path, allow_pickle=True)["opt_state"]
-    >>> opt_state = kfac_jax.restore_state(opt.init(params), saved)
+    >>> import io
+    >>> import numpy as np
+    >>> f = io.BytesIO()
+    >>> np.savez(f, opt_state=np.asarray(opt_state, dtype=object))
+    >>> _ = f.seek(0)
+    >>> saved = np.load(f, allow_pickle=True)["opt_state"]
+    >>> opt_state = kfac_jax.restore_state(tx.init(params), saved)
   """
 
   def lists(x):

@@ -161,19 +161,15 @@ class Registration:
       the outputs too), as the loss audit fitted it; None where it did not measure or found a
       mismatch.
     loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
-      check_loss: the settings it was built with.
+      check_loss, curvature_fn: the settings it was built with.
+    separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom_jvp
+      rule): its value and gradient come from `loss_fn` itself.
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.
     RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, two
       tags on one prediction or a tag the loss does not depend on, or (with `strict`)
       uncovered parameters or a measured loss mismatch.
-
-  Example (variational Monte Carlo: the gradient of the energy, the curvature of log|ψ|):
-    >>> def log_psi_fn(params, batch):
-    ...   log_psi = log_psi_batch(params, batch["walkers"])
-    ...   kfac_jax.register_normal_predictive_distribution(log_psi[:, None])
-    >>> reg = kfac_jax.Registration(energy_fn, params, batch, curvature_fn=log_psi_fn)
 
   Warns:
     UncoveredParametersWarning, LossMismatchWarning: once, when the registration is built.
@@ -185,6 +181,15 @@ class Registration:
     >>> opt_state = tx.init(params)
     >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+
+    Variational Monte Carlo: the energy's gradient, the curvature of log|ψ| (a stand-in model
+    and energy here):
+
+    >>> def log_psi_fn(params, batch):
+    ...   log_psi = model.apply(params, batch["x"])[:, 0]
+    ...   kfac_jax.register_normal_predictive_distribution(log_psi[:, None])
+    >>> energy_fn = lambda params, batch: jnp.mean(model.apply(params, batch["x"]) ** 2)
+    >>> reg = kfac_jax.Registration(energy_fn, params, batch, curvature_fn=log_psi_fn)
   """
 
   # Set once in `__init__` (the instance is immutable afterwards).
