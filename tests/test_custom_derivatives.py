@@ -209,3 +209,38 @@ def test_optimizer_measures_rho_on_the_loss(x64):
   want = (loss_fn(new, batch) - loss_fn(params, batch)) / info["quad_model_change"]
   np.testing.assert_allclose(info["rho"], want, rtol=1e-8)
   assert np.isfinite(state.rho)
+
+
+def test_layer_inside_a_custom_function_with_no_reverse_derivative_is_named():
+  """A dense layer inside a custom_vjp whose primal then runs a while_loop: its output
+  gradients would need reverse mode through the loop; the error names the layer and the
+  function, at registration."""
+
+  @jax.custom_vjp
+  def settle(w, x):
+    h = x @ w
+    return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1])), (0, h))[1]
+
+  settle.defvjp(lambda w, x: (settle(w, x), (w, x)), lambda r, ct: (r[1].T @ ct, ct @ r[0].T))
+  params, batch = _classifier_data()
+
+  def loss_fn(p, b):
+    logits = settle(p["w1"], b["x"]) @ p["w3"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  with pytest.raises(kfac_jax.RegistrationError, match="layer `w1` sits inside .*`settle`.*while"):
+    kfac_jax.Registration(loss_fn, params, batch)
+
+
+def test_factors_are_float64_under_x64(x64):
+  """float32 parameters of a VMC model, x64 on: the factors and inverses are float64."""
+  params, batch = _vmc_data()
+  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
+  batch = {"r": batch["r"].astype(jnp.float32)}
+  reg = kfac_jax.Registration(_energy_rule(True), params, batch)
+  tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, inverse_every=1)
+  _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, jax.random.key(0))
+  _, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  floats = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert floats and all(x.dtype == jnp.float64 for x in floats)

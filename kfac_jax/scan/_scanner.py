@@ -142,6 +142,7 @@ def scan(
   specs = _Scanner(ix, layers, strict, warn, collect).run()
   specs.sort(key=lambda s: min(s[0].leaf_indices))
   multi = [s[0].multi_tap for s in specs]
+  _check_custom_taps(graph, specs)
   return ScanResult(
     graph=graph,
     layers=tuple(s[0] for s in specs),
@@ -152,6 +153,42 @@ def scan(
     extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
     aux_tree=jax.tree_util.tree_structure(out_shape[1]) if has_aux else None,
   )
+
+
+# Primitives whose derivative cannot be pulled back (reverse mode).
+_NO_REVERSE = frozenset({"while", "pure_callback", "io_callback"})
+
+
+def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
+  """RegistrationError when a layer's output inside a custom-derivative call reaches the call's
+  outputs only through an operation with no reverse-mode derivative: inside the call the
+  statistics follow the primal function (the rule covers only its inputs), which cannot be
+  differentiated there."""
+  if not graph.customs:
+    return
+  where = {}
+  for spec, outs, _ in specs:
+    for k in outs if spec.multi_tap else (outs,):
+      for key in k if isinstance(k, tuple) and k and isinstance(k[0], tuple) else (k,):
+        where[key] = spec.name
+  for call in graph.customs:
+    eqns = graph.eqns[call.start : call.stop]
+    reached = {k: where[k] for fe in eqns for k in fe.outs if k in where}
+    for fe in eqns:
+      hit = next((reached[a] for a in fe.ins if _graph.is_key(a) and a in reached), None)
+      if hit is None:
+        continue
+      if fe.name in _NO_REVERSE:
+        raise RegistrationError(
+          f"layer `{hit}` sits inside the custom-derivative function `{call.name}`, and its "
+          f"output reaches the function's outputs through `{fe.name}`, which has no reverse-"
+          "mode derivative: K-FAC takes a layer's output gradients inside a custom function "
+          "through its primal computation (the rule only covers the function's inputs), so "
+          f"they cannot be taken here. Apply the layer outside `{call.name}` (pass its output "
+          "in), or tag the parameter with kfac_jax.register_generic to use the rule's "
+          "parameter gradient."
+        )
+      reached.update((k, hit) for k in fe.outs)
 
 
 def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.Atom, ...]]]:
