@@ -138,8 +138,8 @@ class Registration:
     curvature_fn: `curvature_fn(params, batch)`, a function whose loss tags define the
       curvature when that is not the loss's own (its return value is ignored). Variational
       Monte Carlo is the case in point: the loss is the energy estimator, the curvature the
-      Fisher of |ψ|², i.e. `register_normal_predictive_distribution(log_psi[:, None])` in a
-      function computing log|ψ|. The layers are those of `curvature_fn`; the loss and its
+      Fisher of `|ψ|²`, i.e. `register_normal_predictive_distribution(log_psi[:, None])` in a
+      function computing `log|ψ|`. The layers are those of `curvature_fn`; the loss and its
       gradient are `jax.value_and_grad(loss_fn)`'s (custom derivatives kept), so every step
       runs `loss_fn`'s and `curvature_fn`'s forward passes. `loss_fn` then needs no tag, and
       the loss audit does not apply. A `loss_fn` whose tags sit in a `jax.custom_jvp` rule
@@ -182,7 +182,7 @@ class Registration:
     >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 
-    Variational Monte Carlo: the energy's gradient, the curvature of log|ψ| (a stand-in model
+    Variational Monte Carlo: the energy's gradient, the curvature of `log|ψ|` (a stand-in model
     and energy here):
 
     >>> def log_psi_fn(params, batch):
