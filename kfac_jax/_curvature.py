@@ -103,46 +103,6 @@ class CurvaturePart:
     return jnp.zeros((), dtype)
 
 
-class LossPart:
-  """`loss_fn` as the scanner traces it, its output checked against `has_aux` (a mismatch is an
-  error naming `has_aux`, not a shape error); `loss_fn` and `has_aux` are checked when built."""
-
-  def __init__(self, loss_fn: Callable | None, has_aux: bool):
-    if not callable(loss_fn):
-      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
-    if not isinstance(has_aux, bool):
-      raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
-    self.loss_fn = loss_fn
-    self.has_aux = has_aux
-
-  def __call__(self, params, batch):
-    out = self.loss_fn(params, batch)
-    if not self.has_aux:
-      if isinstance(out, (tuple, list)):
-        raise _scan.RegistrationError(
-          f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
-          "not one scalar loss. If it returns `(loss, aux)`, pass has_aux=True."
-        )
-      return out
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-      what = (
-        f"a {type(out).__name__} of {len(out)} values"
-        if isinstance(out, (tuple, list))
-        else f"a single {type(out).__name__} of shape {getattr(out, 'shape', '?')}"
-      )
-      raise _scan.RegistrationError(
-        f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
-        f"returned {what}. Return `(loss, aux)`, or drop has_aux=True."
-      )
-    loss, aux = out
-    if getattr(loss, "shape", None) != ():
-      raise _scan.RegistrationError(
-        "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
-        f"got shape {getattr(loss, 'shape', type(loss).__name__)}."
-      )
-    return loss, aux
-
-
 def _join_exact(cts: list[Array]) -> list[Array]:
   """One stack for several loss tags in an exact mode, without cross terms between tags.
 
@@ -194,7 +154,7 @@ class Linearisation:
     aux: with `has_aux`, the aux `loss_fn` returned; None otherwise.
   """
 
-  def __init__(self, scan: _scan.ScanResult, params, batch, loss_part: LossPart | None = None):
+  def __init__(self, scan: _scan.ScanResult, params, batch, loss_part: Callable | None = None):
     leaves = jax.tree_util.tree_leaves(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     tapped = [i for i, k in enumerate(scan.layer_outputs) if k is not None]
@@ -334,7 +294,7 @@ def compute(
   with_grads: bool,
   with_params_stats: bool = False,
   fingerprint: Any = None,
-  loss_part: LossPart | None = None,
+  loss_part: Callable | None = None,
 ):
   """`(loss, grads or None, CurvatureStats)` from one forward pass; `(loss, aux, grads, stats)`
   when the loss has an aux. `fingerprint`: the registration's `StatsKey`; `loss_part`: the loss
