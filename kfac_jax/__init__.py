@@ -14,7 +14,12 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
 """
 
 from kfac_jax._audit import LossMismatchWarning
-from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
+from kfac_jax._checkpoint import (
+  check_restored_state,
+  restore_state,
+  state_from_bytes,
+  state_to_bytes,
+)
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
@@ -94,6 +99,7 @@ __all__ = [
   "register_sigmoid_cross_entropy_loss",
   "register_softmax_cross_entropy_loss",
   "register_squared_error_loss",
+  "restore_state",
   "scale_by_kfac",
   "state_from_bytes",
   "state_to_bytes",

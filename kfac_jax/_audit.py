@@ -41,8 +41,10 @@ CAUSES = (
   "activation, logits before a temperature); another distribution than the loss's (a squared "
   "error on cross-entropy logits); a mask or per-example weight the loss applies and the tag "
   "lacks (pass it as `weight=`); a loss term on the prediction the tag does not describe (a "
-  "z-loss, an entropy penalty). If the loss differs on purpose, build the registration with "
-  "`check_loss=False`."
+  "z-loss, an entropy penalty). If the curvature is another function's on purpose (variational "
+  "Monte Carlo: log|psi| tagged, the energy returned), give that function as "
+  "`Registration(..., curvature_fn=...)`; for another deliberate difference, build the "
+  "registration with `check_loss=False`."
 )
 
 
@@ -98,7 +100,11 @@ def check_structure(scan) -> None:
         f"{names[i]}: the loss loss_fn returns does not depend on this prediction (no path "
         "from it to the loss, or only through stop_gradient), so K-FAC would use the curvature "
         "of a loss that is not trained. Tag the value the loss is computed from (e.g. the "
-        "logits passed to the cross-entropy)."
+        "logits passed to the cross-entropy). If the curvature is meant to be that of another "
+        "function than the loss (variational Monte Carlo: the Fisher of |psi|^2, a normal tag "
+        "on log|psi|, while the loss is the energy), move the tag into that function and pass "
+        "it as `kfac_jax.Registration(loss_fn, params, batch, curvature_fn=log_psi_fn)`, or "
+        "register it inside the jax.custom_jvp rule of the loss (FermiNet's form)."
       )
 
 

@@ -132,3 +132,50 @@ def state_from_bytes(expected: Any, data: bytes) -> Any:
   template = serialization.to_state_dict(expected)
   check_restored_state(template, raw)
   return serialization.from_state_dict(expected, raw)
+
+
+def restore_state(expected: Any, saved: Any) -> Any:
+  """Rebuilds a state saved through a generic container into the structure of `expected`.
+
+  NumPy turns a state (a NamedTuple) into an object array of its fields:
+  `np.asarray(opt_state, dtype=object)`, stored with `np.savez` and read back with `np.load(...,
+  allow_pickle=True)`, as FermiNet's checkpoints do. Any such container (an object array, a
+  list or tuple of the fields, or the state itself) holding the state's leaves in order is
+  accepted; the leaves become `jax.Array`s and are checked with `check_restored_state`.
+
+  Args:
+    expected: a freshly initialised state (e.g. `opt.init(params)`, or its `jax.eval_shape`).
+    saved: the value read back.
+
+  Returns:
+    The state, of `expected`'s type and structure.
+
+  Raises:
+    ValueError: the number of leaves differs, or a leaf does not fit (`check_restored_state`).
+
+  Example:
+    >>> import io
+    >>> import numpy as np
+    >>> f = io.BytesIO()
+    >>> np.savez(f, opt_state=np.asarray(opt_state, dtype=object))
+    >>> _ = f.seek(0)
+    >>> saved = np.load(f, allow_pickle=True)["opt_state"]
+    >>> opt_state = kfac_jax.restore_state(tx.init(params), saved)
+  """
+
+  def lists(x):
+    if isinstance(x, np.ndarray) and x.dtype == object:
+      return [lists(v) for v in x.tolist()] if x.ndim else lists(x.item())
+    return x
+
+  got = jax.tree_util.tree_leaves(lists(saved))
+  want, treedef = jax.tree_util.tree_flatten(expected)
+  if len(got) != len(want):
+    raise ValueError(
+      f"restore_state: the saved value holds {len(got)} arrays, the state {len(want)}: it was "
+      "saved from another optimizer or model. Restore into a state initialised for the same "
+      "model, or start the optimizer afresh."
+    )
+  rebuilt = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(x) for x in got])
+  check_restored_state(expected, rebuilt)
+  return rebuilt

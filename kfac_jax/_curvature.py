@@ -12,6 +12,7 @@ directions forward through the same linearisation for the quadratic model.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import jax
@@ -84,6 +85,24 @@ def check_rng(estimation_mode: str, rng) -> None:
     )
 
 
+class CurvaturePart:
+  """A curvature function `curvature_fn(params, batch)` as the scanner traces it: its loss tags
+  define the curvature; what it returns is ignored (the traced loss is zero)."""
+
+  def __init__(self, curvature_fn: Callable):
+    if not callable(curvature_fn):
+      raise TypeError(
+        f"`curvature_fn` must be callable, got {type(curvature_fn).__name__}: {curvature_fn!r}."
+      )
+    self.curvature_fn = curvature_fn
+
+  def __call__(self, params, batch):
+    out = self.curvature_fn(params, batch)
+    dtype = next((x.dtype for x in jax.tree_util.tree_leaves(out) if hasattr(x, "dtype")), None)
+    dtype = dtype if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else jnp.float32
+    return jnp.zeros((), dtype)
+
+
 def _join_exact(cts: list[Array]) -> list[Array]:
   """One stack for several loss tags in an exact mode, without cross terms between tags.
 
@@ -124,13 +143,18 @@ class Linearisation:
   Built inside a trace. Every pull-back (`grads`, `statistics`) and push-forward
   (`prediction_jvp`) reuses the one forward pass's residuals.
 
+  With `loss_part` (a `LossPart`), the graph is that of a curvature function (its tagged
+  outputs define the curvature; `Registration(curvature_fn=...)`, or loss tags in a custom_jvp
+  rule): the loss, aux and gradient are then `jax.value_and_grad(loss_part)`'s, the user's
+  custom derivatives included, and the graph is only pulled back for the statistics.
+
   Attributes:
     scan: the `_scan.ScanResult` whose graph was run; loss: the scalar loss.
     preds, others: per loss tag, its prediction and its further operands (targets, weights).
     aux: with `has_aux`, the aux `loss_fn` returned; None otherwise.
   """
 
-  def __init__(self, scan: _scan.ScanResult, params, batch):
+  def __init__(self, scan: _scan.ScanResult, params, batch, loss_part: Callable | None = None):
     leaves = jax.tree_util.tree_leaves(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     tapped = [i for i, k in enumerate(scan.layer_outputs) if k is not None]
@@ -172,18 +196,37 @@ class Linearisation:
     (loss, preds), jvp_fn, (xs, others, aux_leaves) = jax.linearize(f, leaves, eps0, has_aux=True)
     self.scan = scan
     self.params_treedef = jax.tree_util.tree_structure(params)
-    self.loss, self.preds, self.others = loss, preds, others
+    self._batch_def = jax.tree_util.tree_structure(batch)
+    self.preds, self.others = preds, others
+    self._graph_loss, self._grads = loss, None
+    self.loss = loss
     self.aux = (
       None if scan.aux_tree is None else jax.tree_util.tree_unflatten(scan.aux_tree, aux_leaves)
     )
+    self._loss_part = loss_part
+    if loss_part is not None:
+      value, self._grads = jax.value_and_grad(loss_part, has_aux=loss_part.has_aux)(params, batch)
+      self.loss, self.aux = value if loss_part.has_aux else (value, None)
     self._xs, self._taps, self._stacked, self._eps0 = xs, taps, stacked, eps0
     self._jvp = jvp_fn
     self._vjp = jax.linear_transpose(jvp_fn, leaves, eps0)
 
   def grads(self):
     """The loss's gradient, params-shaped (loss cotangent 1)."""
+    if self._grads is not None:
+      return self._grads
     g_leaves, _ = self._vjp((jnp.ones_like(self.loss), [jnp.zeros_like(p) for p in self.preds]))
     return jax.tree_util.tree_unflatten(self.params_treedef, g_leaves)
+
+  def loss_at(self, p_leaves, batch_leaves):
+    """The loss at other param leaves (`loss_fn` itself when the graph is a curvature
+    function's)."""
+    if self._loss_part is None:
+      return self.scan.graph.evaluate(list(p_leaves) + list(batch_leaves))[0][0]
+    params = jax.tree_util.tree_unflatten(self.params_treedef, list(p_leaves))
+    batch = jax.tree_util.tree_unflatten(self._batch_def, list(batch_leaves))
+    out = self._loss_part(params, batch)
+    return out[0] if self._loss_part.has_aux else out
 
   def prediction_jvp(self, p_leaves):
     """Per loss tag, `J v`: the predictions' derivative along the param-leaf tangent `v`."""
@@ -210,7 +253,7 @@ class Linearisation:
     ]
     if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
       cts = _join_exact(cts)
-    zero = jnp.zeros_like(self.loss)
+    zero = jnp.zeros_like(self._graph_loss)
     # Param-leaf and per-tap output-gradient cotangents.
     p_ct, eps_ct = jax.vmap(lambda ct: self._vjp((zero, ct)))(cts)
 
@@ -251,10 +294,12 @@ def compute(
   with_grads: bool,
   with_params_stats: bool = False,
   fingerprint: Any = None,
+  loss_part: Callable | None = None,
 ):
   """`(loss, grads or None, CurvatureStats)` from one forward pass; `(loss, aux, grads, stats)`
-  when `scan` was made with `has_aux`. `fingerprint`: the registration's `StatsKey`."""
-  lin = Linearisation(scan, params, batch)
+  when the loss has an aux. `fingerprint`: the registration's `StatsKey`; `loss_part`: the loss
+  when `scan` is a curvature function's (see `Linearisation`)."""
+  lin = Linearisation(scan, params, batch, loss_part if with_grads else None)
   grads = lin.grads() if with_grads else None
   stats = lin.statistics(
     rng,
@@ -263,6 +308,6 @@ def compute(
     with_params_stats=with_params_stats,
     fingerprint=fingerprint,
   )
-  if scan.aux_tree is not None:
+  if scan.aux_tree is not None or (loss_part is not None and loss_part.has_aux):
     return lin.loss, lin.aux, grads, stats
   return lin.loss, grads, stats

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import ArrayLike
 
 from kfac_jax import (
   _checks,
@@ -77,7 +78,10 @@ class OptimizerState(NamedTuple):
     skipped: `[]` int32, steps skipped because the loss, gradient or update was not finite.
     curvature: the estimator's factors, inverses and EMA weight.
     damping: `[]` float, λ: the adapted value with adaptive damping, else the last one used.
-    rho: `[]` float, the latest reduction ratio ρ (NaN before the first adaptation).
+    rho: `[]` float, the latest reduction ratio ρ, kept finite so the whole state is: 0 before
+      the first adaptation, the previous value when a model predicting no change leaves ρ
+      undefined, the dtype's lowest finite number for ρ = −∞ (a step that increased the
+      model or made the loss non-finite).
     velocity: the previous step δ_prev (params-shaped, params dtypes).
   """
 
@@ -330,9 +334,7 @@ class Optimizer:
     config: _config.Config | None = None,
   ):
     config = _config.get(config, "Optimizer")
-    self._deferred = _registration.Deferred.of(
-      loss_fn, example_batch, registration, "Optimizer"
-    )
+    self._deferred = _registration.Deferred.of(loss_fn, example_batch, registration, "Optimizer")
     self._estimator = functools.lru_cache(maxsize=1)(
       functools.partial(
         _estimator.CurvatureEstimator,
@@ -404,14 +406,28 @@ class Optimizer:
       skipped=jnp.zeros([], jnp.int32),
       curvature=est.init(axis_name=self.axis_name, mesh=self.config.mesh),
       damping=jnp.asarray(lam, dtype),
-      rho=jnp.full([], jnp.nan, dtype),
+      rho=jnp.zeros([], dtype),
       velocity=jax.tree_util.tree_map(jnp.zeros_like, params),
     )
 
   # -- one step --------------------------------------------------------------------------------
 
-  def step(self, params, state: OptimizerState, batch, rng: Array | None = None):
+  def step(
+    self,
+    params,
+    state: OptimizerState,
+    batch,
+    rng: Array | None = None,
+    *,
+    learning_rate: ArrayLike | None = None,
+    momentum: ArrayLike | None = None,
+    damping: ArrayLike | None = None,
+  ):
     """One K-FAC step. Returns `(new_params, new_state, info)`.
+
+    `learning_rate`, `momentum` and `damping` given here are this step's α, μ and λ (numbers
+    or traced scalars, as a training loop that computes them each step passes them), in place
+    of the constructor's; `damping` needs `use_adaptive_damping=False`.
 
     `info` holds scalars: loss (at the old params), learning_rate (α), momentum (μ), damping
     (the λ used), rho (the latest ρ), quad_model_change (M(δ); NaN when not computed),
@@ -421,7 +437,8 @@ class Optimizer:
     step's forward pass at the old params (per device under `axis_name`), e.g. updated
     BatchNorm statistics for the next step's batch.
     """
-    updates, new_state, info = self._update(params, state, batch, rng)
+    given = {"learning_rate": learning_rate, "momentum": momentum, "damping": damping}
+    updates, new_state, info = self._update(params, state, batch, rng, given)
     ok = ~info["skipped"]
     new_params = jax.tree_util.tree_map(
       lambda p, u: jnp.where(ok, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p),
@@ -430,13 +447,27 @@ class Optimizer:
     )
     return new_params, new_state, info
 
-  def _update(self, params, state: OptimizerState, batch, rng):
-    """The shared core: `(updates, new_state, info)`; `params + updates` are the new params."""
+  def _update(self, params, state: OptimizerState, batch, rng, given=None):
+    """The shared core: `(updates, new_state, info)`; `params + updates` are the new params.
+    `given`: per-step `learning_rate`, `momentum` and `damping` (None: the constructor's)."""
     if not isinstance(state, OptimizerState):
       raise TypeError(
         "Optimizer: `state` must be the OptimizerState from this optimizer's init, got "
-        f"{type(state).__name__} (a transform's state goes to that transform's update)."
+        f"{type(state).__name__} (a transform's state goes to that transform's update; a "
+        "state saved as a NumPy object array is rebuilt by kfac_jax.restore_state)."
       )
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    if "damping" in given and self.use_adaptive_damping:
+      raise ValueError(
+        "Optimizer.step: `damping` was given for this step, but use_adaptive_damping=True "
+        "adapts λ itself; build the Optimizer with use_adaptive_damping=False to pass λ per step."
+      )
+    for name, value in given.items():
+      if jnp.ndim(value) != 0:
+        raise ValueError(
+          f"Optimizer.step: `{name}` must be a scalar (a number or a 0-d array), got shape "
+          f"{jnp.shape(value)}."
+        )
     est = self._estimator(self._deferred.for_params(params))
     reg, cfg = est.registration, self.config
     dtype = est.numerics.inverse_dtype
@@ -445,7 +476,7 @@ class Optimizer:
 
     # One forward pass, linearised: the loss, its gradient, the statistics' pull-back and the
     # quadratic model's push-forwards all reuse it.
-    lin = _curvature.Linearisation(reg.scan_batch(params, batch), params, batch)
+    lin = reg.linearise(params, batch)
     loss, grads = _pmean((lin.loss, lin.grads()), self.axis_name)
     grad_h, eta = grads, self.l2_reg
     if eta:  # ∇h = ∇L + η θ
@@ -453,6 +484,8 @@ class Optimizer:
     fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grad_h)
     if self.use_adaptive_damping:
       lam = state.damping
+    elif "damping" in given:
+      lam = jnp.asarray(given["damping"], dtype)
     else:
       lam = _schedule_value(self.damping, clock, dtype)
 
@@ -477,7 +510,7 @@ class Optimizer:
     )
 
     # α, μ and the damping adaptation (nothing but the statistics during burn-in).
-    move = functools.partial(self._move, fp, est, curv, pre, state, lam, clock)
+    move = functools.partial(self._move, fp, est, curv, pre, state, lam, clock, given)
     if cfg.burn_in_steps:
       m = jax.lax.cond(in_burn, functools.partial(_burn_in, params, state, lam, dtype), move)
     else:
@@ -490,15 +523,20 @@ class Optimizer:
       )
     return _finish(state, curv, update, m, ok, loss, lam, dtype, lin.aux)
 
-  def _move(self, fp: _Pass, est, curv, pre, state: OptimizerState, lam, clock) -> _Move:
-    """δ = α Δ + μ δ_prev with α, μ fixed or from the quadratic model, and the adapted λ."""
+  def _move(self, fp: _Pass, est, curv, pre, state: OptimizerState, lam, clock, given) -> _Move:
+    """δ = α Δ + μ δ_prev with α, μ given, fixed or from the quadratic model, and the adapted
+    λ."""
     dtype = est.numerics.inverse_dtype
     delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), pre, fp.params)
     velocity = state.velocity
-    alpha = (
-      None if self.learning_rate is None else _schedule_value(self.learning_rate, clock, dtype)
-    )
-    mu = None if self.momentum is None else _schedule_value(self.momentum, clock, dtype)
+
+    def value(name, own):
+      if name in given:
+        return jnp.asarray(given[name], dtype)
+      return None if own is None else _schedule_value(own, clock, dtype)
+
+    alpha = value("learning_rate", self.learning_rate)
+    mu = value("momentum", self.momentum)
     if self.norm_constraint is not None:
       assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
       f_delta = est.multiply_matpower(
@@ -523,6 +561,8 @@ class Optimizer:
       )
       due = (state.step - cfg.burn_in_steps) % cfg.damping_adaptation_interval == 0
       new_lam, rho, change = jax.lax.cond(due, adapt, lambda: (lam, state.rho, change))
+      low = jnp.finfo(rho.dtype).min
+      rho = jnp.where(jnp.isnan(rho), state.rho, jnp.clip(rho, low, -low))
     return _Move(update, update, new_lam, rho, alpha, mu, change)
 
   def _adapt(self, fp: _Pass, delta, velocity, update, alpha, mu, change, lam):
@@ -535,7 +575,7 @@ class Optimizer:
       p + u for p, u in zip(jax.tree_util.tree_leaves(fp.params), jax.tree_util.tree_leaves(update))
     ]
     h_old = fp.loss
-    h_new = _pmean(fp.lin.scan.graph.evaluate(new + fp.batch_leaves)[0][0], self.axis_name)
+    h_new = _pmean(fp.lin.loss_at(new, fp.batch_leaves), self.axis_name)
     if eta:
       h_old = h_old + 0.5 * eta * _engine.tree_vdot(fp.params, fp.params)
       h_new = h_new + 0.5 * eta * sum(_parallel.vdot(x, x) for x in new)

@@ -184,6 +184,16 @@ class Registration:
       (`kfac_jax._audit`); False skips it, for a loss that differs from its tags on purpose.
     warn: emit the warnings below (False for a registration an entry point builds on the
       user's behalf).
+    curvature_fn: `curvature_fn(params, batch)`, a function whose loss tags define the
+      curvature when that is not the loss's own (its return value is ignored). Variational
+      Monte Carlo is the case in point: the loss is the energy estimator, the curvature the
+      Fisher of `|ψ|²`, i.e. `register_normal_predictive_distribution(log_psi[:, None])` in a
+      function computing `log|ψ|`. The layers are those of `curvature_fn`; the loss and its
+      gradient are `jax.value_and_grad(loss_fn)`'s (custom derivatives kept), so every step
+      runs `loss_fn`'s and `curvature_fn`'s forward passes. `loss_fn` then needs no tag, and
+      the loss audit does not apply. A `loss_fn` whose tags sit in a `jax.custom_jvp` rule
+      (FermiNet's loss) is treated the same way without this argument: the rule, run with
+      zero tangents, is its curvature function.
 
   Attributes:
     layers: the registered layers (a tuple of `LayerSpec`), in parameter order: each names the
@@ -204,7 +214,9 @@ class Registration:
       the outputs too), as the loss audit fitted it; None where it did not measure or found a
       mismatch.
     loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
-      check_loss: the settings it was built with.
+      check_loss, curvature_fn: the settings it was built with.
+    separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom_jvp
+      rule): its value and gradient come from `loss_fn` itself.
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.
@@ -222,11 +234,23 @@ class Registration:
     >>> opt_state = tx.init(params)
     >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+
+    Variational Monte Carlo: the energy's gradient, the curvature of `log|ψ|` (a stand-in model
+    and energy here):
+
+    >>> def log_psi_fn(params, batch):
+    ...   log_psi = model.apply(params, batch["x"])[:, 0]
+    ...   kfac_jax.register_normal_predictive_distribution(log_psi[:, None])
+    >>> energy_fn = lambda params, batch: jnp.mean(model.apply(params, batch["x"]) ** 2)
+    >>> reg = kfac_jax.Registration(energy_fn, params, batch, curvature_fn=log_psi_fn)
   """
 
   # Set once in `__init__` (the instance is immutable afterwards).
   loss_fn: Callable
   loss_part: Any
+  curvature_fn: Callable | None
+  separate_loss: bool
+  _curvature_part: Any
   has_aux: bool
   estimation_mode: Any
   num_samples: int
@@ -262,9 +286,11 @@ class Registration:
     axis_name: AxisName = None,
     check_loss: bool = True,
     warn: bool = True,
+    curvature_fn: Callable | None = None,
   ):
     set_ = object.__setattr__
     part = LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
+    curvature_part = None if curvature_fn is None else _curvature.CurvaturePart(curvature_fn)
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
     _checks.boolean(check_loss, "check_loss")
@@ -279,12 +305,17 @@ class Registration:
     set_(self, "strict", strict)
     set_(self, "axis_name", axis_name)
     set_(self, "check_loss", check_loss)
+    set_(self, "curvature_fn", curvature_fn)
+    set_(self, "_curvature_part", curvature_part)
     env = _compat.axis_env_key()
     stand_in = env is None or any(n not in {e[1] for e in env} for n in names)
     with _compat.axis_env([(n, 1) for n in names]):
       scan = self._trace(params, example_batch, warn)
+    # The loss is not the tags' (a curvature function, or tags in a custom_jvp rule): its value
+    # and gradient come from `loss_fn` itself, and the audit has nothing to compare.
+    set_(self, "separate_loss", curvature_part is not None or bool(scan.rule_calls))
     factor = None
-    if check_loss:  # Once per registration: its warning is not repeated by later scans.
+    if check_loss and not self.separate_loss:  # Once per registration, not per later scan.
       factor = _audit.audit(
         scan,
         params,
@@ -327,14 +358,25 @@ class Registration:
     )
 
   def _trace(self, params, batch, warn: bool) -> _scan.ScanResult:
+    part = self._curvature_part
     return _scan.scan(
-      self.loss_part,
+      self.loss_part if part is None else part,
       params,
       batch,
       strict=self.strict,
       warn=warn,
       layers=self.layer_config,
-      has_aux=self.has_aux,
+      has_aux=self.has_aux and part is None,
+    )
+
+  def linearise(self, params, batch) -> _curvature.Linearisation:
+    """One forward pass of this batch's graph, linearised (`_curvature.Linearisation`); its
+    loss and gradient are `loss_fn`'s own when the curvature is another function's."""
+    return _curvature.Linearisation(
+      self.scan_batch(params, batch),
+      params,
+      batch,
+      self.loss_part if self.separate_loss else None,
     )
 
   @property
@@ -407,6 +449,7 @@ class Registration:
       with_grads=with_grads,
       with_params_stats=with_params_stats,
       fingerprint=self.fingerprint,
+      loss_part=self.loss_part if self.separate_loss else None,
     )
 
   def check_layer_shapes(self, names, shapes, batch_size: int, *, kinds_only: bool = False) -> None:

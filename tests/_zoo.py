@@ -1050,7 +1050,29 @@ def locally_connected() -> Zoo:
   return Zoo(f, p, b, [local, _conv("Conv_0"), _dense("Dense_0")])
 
 
+def vmc_ferminet() -> Zoo:
+  """A FermiNet-class wave function on Li (examples/vmc.py, small): dense layers over electrons
+  `[B, n, d]` and electron pairs `[B, n, n, d]`, envelopes `[atoms, orbitals]`, determinants;
+  nuclear positions in the batch without a walker axis; FermiNet's loss, a custom_jvp whose
+  rule is the VMC gradient and holds the normal tag on log|psi| (no audit: the loss is not
+  the tag's)."""
+  from examples import vmc  # The example defines the model; the zoo checks what is found.
+
+  system = vmc.SYSTEMS["Li"]
+  net = vmc.Net(one=8, two=4, layers=2, determinants=2)
+  params = vmc.init_params(_key(0), system, net)
+  batch = {"r": vmc.init_walkers(_key(1), system, N), "atoms": jnp.asarray(system.atoms)}
+  dense = lambda prefix: ("dense", "kron", (f"{prefix}/w", f"{prefix}/b"))  # noqa: E731
+  envelope = [("scale_and_shift", "full", (f"{{}}/{n}",)) for n in ("pi", "sigma")]
+  expected = [dense("layers/0/one"), dense("layers/0/two"), dense("layers/1/one")]
+  for spin in ("down", "up"):
+    expected.append(dense(f"orbitals/{spin}/dense"))
+    expected += [(k, a, (paths[0].format(f"orbitals/{spin}"),)) for k, a, paths in envelope]
+  return Zoo(vmc.make_loss(system), params, batch, expected)
+
+
 STRUCTURE_MODELS = {
+  "vmc_ferminet": vmc_ferminet,
   "haiku_mlp": haiku_mlp,
   "haiku_cnn": haiku_cnn,
   "equinox_mlp": equinox_mlp,

@@ -261,12 +261,14 @@ def test_adaptive_damping_end_to_end():
   ((_, _, _, s1, info),) = _run(opt, params, batch, 1)
   assert float(info["quad_model_change"]) < 0 and float(info["rho"]) < 0.25
   np.testing.assert_allclose(s1.damping, 2e-2, rtol=1e-6)
-  # A fixed step so large that even the model goes up (M(δ) > 0): ρ = -inf, damping doubles.
+  # A fixed step so large that even the model goes up (M(δ) > 0): ρ = -inf (stored as the
+  # lowest finite number, so the state stays finite), damping doubles.
   opt = kfac_jax.Optimizer(
     loss_fn, batch, learning_rate=50.0, momentum=0.0, damping=1e-2, config=cfg
   )
   ((_, _, _, s1, info),) = _run(opt, params, batch, 1)
-  assert float(info["quad_model_change"]) > 0 and float(info["rho"]) == -np.inf
+  low = float(np.finfo(np.asarray(s1.rho).dtype).min)
+  assert float(info["quad_model_change"]) > 0 and float(info["rho"]) == low == float(s1.rho)
   np.testing.assert_allclose(s1.damping, 2e-2, rtol=1e-6)
   # The model's own α on the tagged loss alone: ρ near 1 > 3/4, damping halves.
   opt = kfac_jax.Optimizer(loss_fn, batch, damping=1e-2, config=cfg)
@@ -555,3 +557,71 @@ def test_unknown_keyword_and_bad_types():
   tx = kfac_jax.Optimizer(loss_fn, batch).as_optax()
   with pytest.raises(ValueError, match="batch="):
     tx.update(None, tx.init(params), params)
+
+
+# --------------------------------------------------------------------------------------------
+# Training loops that pass their own hyperparameters and check or save the whole state.
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_state_is_finite_from_init(adaptive):
+  """Every leaf of the state is finite from `init` on (a loop may assert it every step)."""
+  params, batch, loss_fn = _mlp_problem()
+  opt = kfac_jax.Optimizer(
+    loss_fn, batch, learning_rate=0.1, momentum=0.0, use_adaptive_damping=adaptive
+  )
+  for state in [opt.init(params)] + [h[3] for h in _run(opt, params, batch, 2)]:
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(state))
+
+
+def test_per_step_hyperparameters_match_fixed_ones(x64):
+  """`step(..., learning_rate=, momentum=, damping=)` (traced values, as a loop computing them
+  passes them) equals an optimizer built with those values."""
+  params, batch, loss_fn = _mlp_problem(jnp.float64)
+  fixed = kfac_jax.Optimizer(
+    loss_fn, batch, learning_rate=0.2, momentum=0.3, damping=1e-2, use_adaptive_damping=False
+  )
+  loose = kfac_jax.Optimizer(loss_fn, batch, use_adaptive_damping=False)
+  step = jax.jit(
+    lambda p, s, b, r, lr, mu, lam: loose.step(
+      p, s, b, r, learning_rate=lr, momentum=mu, damping=lam
+    )
+  )
+  want = _run(fixed, params, batch, 2)
+  p, s = params, loose.init(params)
+  rng = jax.random.key(2)
+  for old in want:
+    rng, sub = jax.random.split(rng)
+    p, s, info = step(p, s, batch, sub, 0.2, 0.3, 1e-2)
+    np.testing.assert_allclose(ravel_pytree(p)[0], ravel_pytree(old[2])[0], rtol=1e-10)
+    assert float(info["damping"]) == 1e-2 and float(info["momentum"]) == pytest.approx(0.3)
+
+
+def test_per_step_damping_needs_fixed_damping():
+  params, batch, loss_fn = _mlp_problem()
+  opt = kfac_jax.Optimizer(loss_fn, batch)
+  with pytest.raises(ValueError, match="use_adaptive_damping=False"):
+    opt.step(params, opt.init(params), batch, jax.random.key(0), damping=1e-3)
+  opt = kfac_jax.Optimizer(loss_fn, batch, use_adaptive_damping=False)
+  with pytest.raises(ValueError, match="`momentum` must be a scalar"):
+    opt.step(params, opt.init(params), batch, jax.random.key(0), momentum=jnp.ones(2))
+
+
+def test_state_saved_as_numpy_object_array_restores(tmp_path):
+  """FermiNet's checkpoint: `np.savez(opt_state=np.asarray(opt_state, dtype=object))`, read
+  back and rebuilt with `restore_state`; the run continues bit-for-bit."""
+  params, batch, loss_fn = _mlp_problem()
+  opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=0.1, momentum=0.5)
+  (h,) = _run(opt, params, batch, 1)
+  path = tmp_path / "ckpt.npz"
+  np.savez(path, opt_state=np.asarray(h[3], dtype=object))
+  saved = np.load(path, allow_pickle=True)["opt_state"]
+  restored = kfac_jax.restore_state(opt.init(params), saved)
+  assert type(restored) is kfac_jax.OptimizerState
+  step = jax.jit(opt.step)
+  a = step(h[2], h[3], batch, jax.random.key(5))
+  b = step(h[2], restored, batch, jax.random.key(5))
+  for x, y in zip(jax.tree_util.tree_leaves(a[:2]), jax.tree_util.tree_leaves(b[:2])):
+    assert np.array_equal(x, y)
+  with pytest.raises(ValueError, match="holds 2 arrays"):
+    kfac_jax.restore_state(opt.init(params), [np.zeros(1), np.zeros(2)])

@@ -6,8 +6,11 @@ perturbation added to each layer output, the layer inputs recorded). Seen throug
   * nested `jit` / `pjit` / `closed_call`: inlined.
   * remat (`jax.checkpoint`, `nn.remat`, `nnx.remat`) and `custom_jvp` / `custom_vjp` calls that
     read a parameter (or a view of one): inlined. A remat call's equations are a `Region`, run
-    again under `jax.checkpoint` with the original policy, so the program still rematerialises;
-    a custom-derivative call is differentiated through its primal function.
+    again under `jax.checkpoint` with the original policy, so the program still rematerialises.
+    A custom-derivative call's equations are a `CustomCall`: evaluated as the user's call itself
+    when nothing inside is tapped or watched, and otherwise so that the call's outputs keep the
+    user's derivative in its inputs while the perturbations inside are differentiated through
+    the primal function (`FlatGraph._evaluate_custom`). The gradient is always `jax.grad`'s.
   * `lax.scan` whose operands depend on the parameters: unrolled into T copies of the body, each
     step reading its carry and its `xs` slice through synthetic equations (`scan_carry`,
     `scan_slice`) and the `ys` stacked by `scan_stack`. A parameter closed over by the body has
@@ -125,6 +128,35 @@ class Region:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class CustomCall:
+  """Equations `eqns[start:stop]` inlined from one `custom_jvp` / `custom_vjp` call.
+
+  Attributes:
+    start, stop: the equation range.
+    eqn: the call's own equation (bound as is to get the user's derivative).
+    ins: the call's operands (outer atoms), which the inlined equations read directly.
+    outs: the keys, computed in the range, that stand for the call's outputs.
+  """
+
+  start: int
+  stop: int
+  eqn: Any
+  ins: tuple[Atom, ...]
+  outs: tuple[Key, ...]
+
+  @property
+  def name(self) -> str:
+    return call_name(self.eqn)
+
+
+def call_name(eqn) -> str:
+  """A custom-derivative call's function name (the primitive's name when JAX kept none)."""
+  sub = eqn.params.get("call_jaxpr")
+  info = getattr(getattr(sub, "jaxpr", None), "debug_info", None)
+  return getattr(info, "func_name", None) or eqn.primitive.name
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class ScanGroup:
   """The T unrolled steps of one scan, evaluated again as a `lax.scan` (see `evaluate`).
 
@@ -176,6 +208,7 @@ class FlatGraph:
   eqns: tuple[FlatEqn, ...]
   regions: tuple[Region, ...] = ()
   scans: tuple[ScanGroup, ...] = ()
+  customs: tuple[CustomCall, ...] = ()
 
   @classmethod
   def from_closed_jaxpr(cls, closed: _compat.ClosedJaxpr, n_params: int = 0) -> FlatGraph:
@@ -188,6 +221,7 @@ class FlatGraph:
     pview: set[Key] = set(dep)  # Parameters and their views (slices, casts, reshapes).
     regions: list[tuple[int, int, Mapping[str, Any]]] = []
     scans: list[tuple[tuple, int, int, bool, int, int]] = []  # As `_scan_group` reads them.
+    customs: list[CustomCall] = []
     remat_depth = [0]
 
     def record(fe: FlatEqn) -> None:
@@ -251,10 +285,20 @@ class FlatGraph:
         if inner is None:
           record(FlatEqn(eqn, ins, tuple((instance, v) for v in eqn.outvars)))
           continue
-        start = len(eqns)
+        start, sizes = len(eqns), (len(regions), len(scans), len(customs))
         remat_depth[0] += kind == "remat"
-        alias.update(zip(eqn.outvars, walk(inner, ins)))
+        outs = walk(inner, ins)
         remat_depth[0] -= kind == "remat"
+        if kind == "custom":
+          made = {k for fe in eqns[start:] for k in fe.outs}
+          if not all(is_key(a) and a in made for a in outs):
+            # An output the call passes through (an input, a constant): kept opaque, since
+            # only values computed inside can carry the user's derivative.
+            del eqns[start:], regions[sizes[0] :], scans[sizes[1] :], customs[sizes[2] :]
+            record(FlatEqn(eqn, ins, tuple((instance, v) for v in eqn.outvars)))
+            continue
+          customs.append(CustomCall(start, len(eqns), eqn, ins, tuple(outs)))
+        alias.update(zip(eqn.outvars, outs))
         if kind == "remat" and not remat_depth[0] and len(eqns) > start:
           regions.append((start, len(eqns), _compat.remat_options(eqn)))
       return [resolve(a) for a in jaxpr.outvars]
@@ -269,6 +313,7 @@ class FlatGraph:
       tuple(eqns),
       _regions(regions, eqns, outvars, const_keys),
       tuple(g for g in groups if g is not None),
+      tuple(customs),
     )
 
   def evaluate(
@@ -329,16 +374,29 @@ class FlatGraph:
       f == (n, k, p) for k, f in enumerate(found)
     )
 
-  def _run(self, lo, hi, env, seen, perturb, watch, unroll=False, inside=None) -> None:
-    """Evaluates `eqns[lo:hi]`, reading and writing `env` (a dict or ChainMap); `inside` is the
-    region being evaluated (not entered again)."""
+  @functools.cached_property
+  def _customs_at(self) -> dict[int, tuple[CustomCall, ...]]:
+    """Start index → the custom calls starting there, outermost first."""
+    out: dict[int, list[CustomCall]] = {}
+    for c in self.customs:
+      out.setdefault(c.start, []).append(c)
+    return {i: tuple(sorted(cs, key=lambda c: -c.stop)) for i, cs in out.items()}
+
+  def _run(self, lo, hi, env, seen, perturb, watch, unroll=False, inside=frozenset()) -> None:
+    """Evaluates `eqns[lo:hi]`, reading and writing `env` (a dict or ChainMap); `inside`: the
+    remat regions and custom calls being evaluated (not entered again)."""
     regions = {r.start: r for r in self.regions}
     scans = {} if unroll else {g.steps[0][0]: g for g in self.scans}
     i = lo
     while i < hi:
       r = regions.get(i)
-      if r is not None and r is not inside:
-        self._evaluate_region(r, env, seen, perturb, watch, unroll)
+      c = next((c for c in self._customs_at.get(i, ()) if c not in inside), None)
+      if c is not None and (r is None or r in inside or c.stop >= r.stop):
+        self._evaluate_custom(c, env, seen, perturb, watch, unroll, inside)
+        i = c.stop
+        continue
+      if r is not None and r not in inside:
+        self._evaluate_region(r, env, seen, perturb, watch, unroll, inside)
         i = r.stop
         continue
       if i in scans:
@@ -354,7 +412,42 @@ class FlatGraph:
         env[k] = v
       i += 1
 
-  def _evaluate_region(self, r: Region, env, seen, perturb, watch, unroll=False) -> None:
+  def _evaluate_custom(self, c: CustomCall, env, seen, perturb, watch, unroll, inside) -> None:
+    """Evaluates a custom-derivative call so that its gradient is the user's.
+
+    Nothing inside watched: the call is bound as it is. Otherwise its outputs are
+    `user(x) + (f(sg(x), ε) − sg(f(sg(x), ε)))`, `f` the inlined primal with the perturbations ε
+    inside and `sg` stop_gradient: the value and the derivative in `x` are the user's rule's,
+    the derivative in ε the primal's (the rule says nothing about values inside the call).
+    Watched values inside (layer inputs, tagged predictions) come from `f(x, ε)`.
+    """
+    ins = [_read_atom(a, env) for a in c.ins]
+    user = _compat.bind_eqn(c.eqn, ins)
+    made = [k for fe in self.eqns[c.start : c.stop] for k in fe.outs]
+    if any(k in watch for k in made):
+      keys = [a for a in c.ins if is_key(a)]
+      inner = inside | {c}
+
+      def primal(stop: bool, seen_here):
+        vals = {k: jax.lax.stop_gradient(env[k]) if stop else env[k] for k in keys}
+        local = collections.ChainMap({}, vals, env)
+        self._run(c.start, c.stop, local, seen_here, perturb, watch, unroll, inner)
+        return [local[k] for k in c.outs]
+
+      primal(False, seen)
+      held = primal(True, {})
+      user = [
+        u + (h - jax.lax.stop_gradient(h)) if jnp.issubdtype(jnp.result_type(u), jnp.inexact) else u
+        for u, h in zip(user, held)
+      ]
+    for k, v in zip(c.outs, user):
+      env[k] = v
+      if k in watch:
+        seen[k] = v
+
+  def _evaluate_region(
+    self, r: Region, env, seen, perturb, watch, unroll=False, inside=frozenset()
+  ) -> None:
     """Evaluates `eqns[r.start:r.stop]` under `jax.checkpoint` with the region's options.
 
     The closure's inputs are the values the region reads; its outputs are the values read after
@@ -367,7 +460,7 @@ class FlatGraph:
 
     def body(*in_vals):
       local = collections.ChainMap(dict(zip(r.ins, in_vals)), env)
-      self._run(r.start, r.stop, local, {}, perturb, watch, unroll, inside=r)
+      self._run(r.start, r.stop, local, {}, perturb, watch, unroll, inside | {r})
       return [local[k] for k in out_keys]
 
     vals = jax.checkpoint(body, **r.options)(*[env[k] for k in r.ins])

@@ -68,6 +68,11 @@ class ScanResult:
   extra_uses: tuple[tuple[tuple[_graph.Key, tuple[_graph.Atom, ...]], ...], ...] = ()
   # With `has_aux`: the treedef of the aux, whose leaves are the graph's outputs after the loss.
   aux_tree: Any = None
+  # The custom_jvp functions whose JVP rules hold the loss tags (FermiNet's idiom), when
+  # `loss_fn`'s primal has none: the graph is then `loss_fn` with those calls run through
+  # their rules (`_through_rules`), whose loss output is zero; the loss and its gradient come
+  # from differentiating `loss_fn` itself. Empty otherwise.
+  rule_calls: tuple[str, ...] = ()
 
 
 def scan(
@@ -123,6 +128,13 @@ def scan(
       "has_aux=True."
     )
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
+  if not any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns):
+    calls = _rule_tagged_calls(graph)
+    if calls:  # The tags are in custom_jvp rules: scan `loss_fn` run through those rules.
+      derived = _through_rules(graph, calls)
+      found = scan(derived, params, batch, strict=strict, warn=warn, layers=layers, collect=collect)
+      names = tuple(dict.fromkeys(_graph.call_name(c[0]) for c in calls.values()))
+      return dataclasses.replace(found, rule_calls=names)
   losses, loss_operands = _losses(graph)
   shapes = [tuple(np.shape(x)) for x in leaves]
   roots = [ops[0] for ops in loss_operands]
@@ -130,6 +142,7 @@ def scan(
   specs = _Scanner(ix, layers, strict, warn, collect).run()
   specs.sort(key=lambda s: min(s[0].leaf_indices))
   multi = [s[0].multi_tap for s in specs]
+  _check_custom_taps(graph, specs)
   return ScanResult(
     graph=graph,
     layers=tuple(s[0] for s in specs),
@@ -140,6 +153,42 @@ def scan(
     extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
     aux_tree=jax.tree_util.tree_structure(out_shape[1]) if has_aux else None,
   )
+
+
+# Primitives whose derivative cannot be pulled back (reverse mode).
+_NO_REVERSE = frozenset({"while", "pure_callback", "io_callback"})
+
+
+def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
+  """RegistrationError when a layer's output inside a custom-derivative call reaches the call's
+  outputs only through an operation with no reverse-mode derivative: inside the call the
+  statistics follow the primal function (the rule covers only its inputs), which cannot be
+  differentiated there."""
+  if not graph.customs:
+    return
+  where = {}
+  for spec, outs, _ in specs:
+    for k in outs if spec.multi_tap else (outs,):
+      for key in k if isinstance(k, tuple) and k and isinstance(k[0], tuple) else (k,):
+        where[key] = spec.name
+  for call in graph.customs:
+    eqns = graph.eqns[call.start : call.stop]
+    reached = {k: where[k] for fe in eqns for k in fe.outs if k in where}
+    for fe in eqns:
+      hit = next((reached[a] for a in fe.ins if _graph.is_key(a) and a in reached), None)
+      if hit is None:
+        continue
+      if fe.name in _NO_REVERSE:
+        raise RegistrationError(
+          f"layer `{hit}` sits inside the custom-derivative function `{call.name}`, and its "
+          f"output reaches the function's outputs through `{fe.name}`, which has no reverse-"
+          "mode derivative: K-FAC takes a layer's output gradients inside a custom function "
+          "through its primal computation (the rule only covers the function's inputs), so "
+          f"they cannot be taken here. Apply the layer outside `{call.name}` (pass its output "
+          "in), or tag the parameter with kfac_jax.register_generic to use the rule's "
+          "parameter gradient."
+        )
+      reached.update((k, hit) for k in fe.outs)
 
 
 def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.Atom, ...]]]:
@@ -164,9 +213,13 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
     raise RegistrationError(
       "no loss tag found in loss_fn: K-FAC needs to know the model's predictive "
       "distribution. Call one of kfac_jax.register_softmax_cross_entropy_loss(logits, "
-      "labels), register_sigmoid_cross_entropy_loss(logits, targets) or "
-      "register_squared_error_loss(prediction, targets) on the model output inside "
-      "loss_fn(params, batch)."
+      "labels), register_sigmoid_cross_entropy_loss(logits, targets), "
+      "register_squared_error_loss(prediction, targets) or "
+      "register_normal_predictive_distribution(mean) on the model output inside "
+      "loss_fn(params, batch), or inside a jax.custom_jvp rule that loss_fn calls (the "
+      "tags in a custom_vjp's fwd or bwd are not seen). When the curvature is that of "
+      "another function than the loss (variational Monte Carlo: a normal tag on "
+      "log|psi|), pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
     )
   sizes = {l.batch_size for l in losses}
   if len(sizes) > 1:
@@ -175,6 +228,71 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
       "predictions must share the leading batch axis."
     )
   return losses, operands
+
+
+def _zero_tangent(x):
+  if jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact):
+    return jax.numpy.zeros_like(x)
+  return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _jvp_of_call(eqn, ins):
+  """The call's primal outputs, evaluated through its JVP rule (zero tangents), so that what
+  the rule registers (loss tags, layer tags) is traced."""
+  outs, _ = jax.jvp(
+    lambda *x: tuple(_compat.bind_eqn(eqn, list(x))),
+    tuple(ins),
+    tuple(_zero_tangent(x) for x in ins),
+  )
+  return list(outs)
+
+
+def _rule_tagged_calls(graph: _graph.FlatGraph) -> dict[int, tuple[Any, tuple, tuple, int]]:
+  """Start index → `(eqn, ins, outs, stop)` of each outermost custom_jvp call whose JVP rule
+  binds a loss tag."""
+  cands = [(c.start, c.eqn, c.ins, c.outs, c.stop) for c in graph.customs]
+  cands += [(i, fe.eqn, fe.ins, fe.outs, i + 1) for i, fe in enumerate(graph.eqns)]
+  found: dict[int, tuple[Any, tuple, tuple, int]] = {}
+  covered = -1
+  for start, eqn, ins, outs, stop in sorted(cands, key=lambda c: (c[0], -c[4])):
+    if start < covered or eqn.primitive.name != "custom_jvp_call":
+      continue
+    avals = [_graph.aval_of(a) for a in ins]
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    closed = jax.make_jaxpr(lambda *x, e=eqn: _jvp_of_call(e, x))(*structs)
+    inner = _graph.FlatGraph.from_closed_jaxpr(closed)
+    if any(fe.eqn.primitive is _tags.loss_tag_p for fe in inner.eqns):
+      found[start] = (eqn, ins, outs, stop)
+      covered = stop
+  return found
+
+
+def _through_rules(graph: _graph.FlatGraph, calls) -> Callable:
+  """`loss_fn(params, batch)` as `graph` computes it, with `calls` (`_rule_tagged_calls`) run
+  through their JVP rules; returns a zero loss (the loss is not the tags': its gradient is
+  taken from `loss_fn` itself)."""
+
+  def fn(params, batch):
+    flat = jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(batch)
+    env = dict(graph.consts)
+    env.update(zip(graph.invars, flat))
+    read = lambda a: a.val if isinstance(a, _compat.Literal) else env[a]
+    i = 0
+    while i < len(graph.eqns):
+      if i in calls:
+        eqn, ins, outs, stop = calls[i]
+        env.update(zip(outs, _jvp_of_call(eqn, [read(a) for a in ins])))
+        i = stop
+        continue
+      fe = graph.eqns[i]
+      vals = [read(a) for a in fe.ins]
+      env.update(
+        zip(fe.outs, fe.fn(*vals) if fe.fn is not None else _compat.bind_eqn(fe.eqn, vals))
+      )
+      i += 1
+    return jax.numpy.zeros((), _graph.aval_of(graph.outvars[0]).dtype)
+
+  return fn
 
 
 class _Scanner:

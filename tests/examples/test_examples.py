@@ -20,7 +20,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from examples import autoencoder, autoencoder_adaptive, cnn, rnn, transformer_lm  # noqa: E402
+from examples import autoencoder, autoencoder_adaptive, cnn, rnn, transformer_lm, vmc  # noqa: E402
 from tests import _scripts  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Every test here trains small models end to end.
@@ -173,3 +173,12 @@ def test_rnn_example_fast(tmp_path, monkeypatch, capsys):
     row = re.search(rf"^\| {re.escape(name)} \| ([0-9.]+) \|", stdout, re.M)
     assert row is not None, output
     assert float(row.group(1)) < bound, output
+
+
+@pytest.mark.parametrize("optimizer", ["optimizer", "kfac"])
+def test_vmc_fast(optimizer, capsys):
+  """The VMC example's `--fast` run on He with each K-FAC front: finite energies, printed
+  with the exact value beside them."""
+  out = vmc.main(["--fast", "--optimizer", optimizer])
+  assert out["energies"].shape == (6,) and all(abs(e) < 50 for e in out["energies"])
+  assert "exact -2.90372" in capsys.readouterr().out

@@ -150,8 +150,8 @@ def test_linen_remat(x64):
 
 
 def test_custom_vjp_layer(x64):
-  """A layer under `jax.custom_vjp` (the custom rule itself is dropped: differentiated through
-  the primal), and a custom_jvp activation reading no parameter (kept opaque)."""
+  """A layer under `jax.custom_vjp` (found inside; its rule here is the primal's derivative), and
+  a custom_jvp activation reading no parameter (kept opaque)."""
 
   @jax.custom_vjp
   def dense(w, b, x):

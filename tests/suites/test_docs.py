@@ -151,7 +151,14 @@ def _check_checkpoints(s):
 
 
 # What the code of each page leaves behind, beyond running without an error.
+def _check_vmc(scope):
+  """The hydrogen-like atom reached the exact a = Z and E = -Z^2/2."""
+  np.testing.assert_allclose(np.asarray(scope["params"]["a"]), [3.0], atol=1e-3)
+  np.testing.assert_allclose(float(scope["info"]["loss"]), -4.5, atol=1e-3)
+
+
 CHECKS = {
+  "vmc": _check_vmc,
   "getting_started": _check_getting_started,
   "entry_points": _check_entry_points,
   "hyperparameters": _check_hyperparameters,

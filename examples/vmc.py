@@ -1,0 +1,372 @@
+"""Variational Monte Carlo: a FermiNet-class wave function trained with K-FAC on small atoms.
+
+The wave function has FermiNet's parts at a small size: a one-electron stream (features of each
+electron relative to the nuclei) and a two-electron stream (features of each electron pair),
+mixed at every layer by averages over the electrons of each spin; per spin, orbitals from a
+dense layer, multiplied by an exponential envelope around each nucleus, and a sum of
+determinants. log|ψ| is evaluated for a batch of walkers `[B, n, 3]`, so the dense layers act
+on `[B, n, d]` (electrons) and `[B, n, n, d]` (pairs) inputs.
+
+Training is variational Monte Carlo. Walkers are moved by Metropolis steps that sample |ψ|²;
+the local energy E_L = −½ (∇² log|ψ| + |∇ log|ψ||²) + V uses a Laplacian by forward-over-reverse
+differentiation; the loss is the mean local energy, a `jax.custom_jvp` whose rule is the VMC
+gradient 2 E[(E_L − E) ∇ log|ψ|] (local energies clipped at 5 mean absolute deviations) and
+which registers the curvature there, `register_normal_predictive_distribution(log_psi[:, None])`
+(the Fisher of |ψ|²). That is FermiNet's loss written as is: K-FAC finds the tag in the rule,
+takes the gradient from the rule and the layers from log|ψ|.
+
+    python examples/vmc.py                         # He, K-FAC (the Optimizer), ~1 minute on a CPU
+    python examples/vmc.py --system Li --optimizer kfac --steps 300
+    python examples/vmc.py --system LiH --optimizer adam
+
+Energies are in Hartree; the printed estimate is the mean ± standard error of the loss over the
+last 20% of the steps (the walkers are correlated from step to step: the error is a lower
+bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+  """Nuclear positions (Bohr), charges and electrons per spin."""
+
+  atoms: tuple[tuple[float, float, float], ...]
+  charges: tuple[float, ...]
+  spins: tuple[int, int]
+  exact: float  # Hartree, for reference.
+
+
+SYSTEMS = {
+  "He": System(((0.0, 0.0, 0.0),), (2.0,), (1, 1), -2.90372),
+  "Li": System(((0.0, 0.0, 0.0),), (3.0,), (2, 1), -7.47806),
+  "LiH": System(((0.0, 0.0, 0.0), (3.015, 0.0, 0.0)), (3.0, 1.0), (2, 2), -8.07055),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Net:
+  """Widths of the one- and two-electron streams, their layers and the determinants."""
+
+  one: int = 16
+  two: int = 4
+  layers: int = 2
+  determinants: int = 2
+
+
+# -- the wave function --------------------------------------------------------------------------
+
+
+def _dense_init(key, din, dout):
+  return {"w": jax.random.normal(key, (din, dout)) / np.sqrt(din), "b": jnp.zeros(dout)}
+
+
+def init_params(key, system: System, net: Net) -> dict[str, Any]:
+  """Parameters: per layer a one-electron and (but the last) a two-electron dense layer; per
+  spin an orbital layer and the envelope's decay rates `sigma` and weights `pi`, both
+  `[atoms, orbitals]`."""
+  n_atoms, keys = len(system.atoms), iter(jax.random.split(key, 4 * net.layers + 8))
+  n_spins = sum(1 for s in system.spins if s)
+  one_in, two_in = 4 * n_atoms, 4
+  layers = []
+  for i in range(net.layers):
+    mixed = one_in + n_spins * (one_in + two_in)  # own, spin averages of one and two streams
+    layer = {"one": _dense_init(next(keys), mixed, net.one)}
+    if i < net.layers - 1:  # The last layer's pair stream would feed nothing.
+      layer["two"] = _dense_init(next(keys), two_in, net.two)
+    layers.append(layer)
+    one_in, two_in = net.one, net.two
+  orbitals = {}
+  for spin, n in zip(("up", "down"), system.spins):
+    if n:
+      k = net.determinants * n
+      orbitals[spin] = {
+        "dense": _dense_init(next(keys), one_in, k),
+        "sigma": jnp.ones((n_atoms, k)),
+        "pi": jnp.ones((n_atoms, k)),
+      }
+  return {"layers": layers, "orbitals": orbitals}
+
+
+def _features(r, atoms):
+  """One-electron `[B, n, 4 atoms]` and two-electron `[B, n, n, 4]` inputs, and `|r - R|`."""
+  ae = r[:, :, None, :] - atoms[None, None]  # [B, n, A, 3]
+  r_ae = jnp.linalg.norm(ae, axis=-1, keepdims=True)  # [B, n, A, 1]
+  one = jnp.concatenate([ae, r_ae], -1).reshape(r.shape[:2] + (-1,))
+  n = r.shape[1]
+  eye = jnp.eye(n)[None, :, :, None]
+  ee = r[:, :, None, :] - r[:, None, :, :]  # [B, n, n, 3]
+  r_ee = jnp.linalg.norm(ee + eye, axis=-1, keepdims=True) * (1.0 - eye)  # no 0/0 on the diagonal
+  return one, jnp.concatenate([ee, r_ee], -1), r_ae[..., 0]
+
+
+def _mix(one, two, spins):
+  """Each electron's own features, the per-spin means of the one-electron stream and its
+  per-spin means over the pair stream: `[B, n, d1 + spins (d1 + d2)]`."""
+  parts, start = [one], 0
+  for n in spins:
+    if n:
+      mean_one = jnp.mean(one[:, start : start + n], axis=1, keepdims=True)
+      parts.append(jnp.broadcast_to(mean_one, one.shape[:2] + mean_one.shape[2:]))
+      parts.append(jnp.mean(two[:, :, start : start + n], axis=2))
+    start += n
+  return jnp.concatenate(parts, -1)
+
+
+def log_psi(params, r, atoms, spins: tuple[int, int]):
+  """log|ψ| of a batch of walkers `r: [B, n, 3]`; `atoms: [A, 3]` is shared by every walker."""
+  one, two, r_ae = _features(r, atoms)
+  for layer in params["layers"]:
+    mixed = _mix(one, two, spins)
+    new_one = jnp.tanh(mixed @ layer["one"]["w"] + layer["one"]["b"])
+    one = new_one + one if new_one.shape == one.shape else new_one
+    if "two" in layer:
+      new_two = jnp.tanh(two @ layer["two"]["w"] + layer["two"]["b"])
+      two = new_two + two if new_two.shape == two.shape else new_two
+  log_det, signs, start = 0.0, 1.0, 0
+  for spin, n in zip(("up", "down"), spins):
+    if not n:
+      continue
+    p = params["orbitals"][spin]
+    h = one[:, start : start + n]  # [B, n, d]
+    orb = h @ p["dense"]["w"] + p["dense"]["b"]  # [B, n, K n]
+    decay = jnp.exp(-r_ae[:, start : start + n, :, None] * p["sigma"])  # [B, n, A, K n]
+    orb = orb * jnp.sum(decay * p["pi"], axis=2)
+    orb = orb.reshape(orb.shape[:2] + (-1, n)).transpose(0, 2, 1, 3)  # [B, K, n, n]
+    sign, logdet = jnp.linalg.slogdet(orb)
+    log_det = log_det + logdet
+    signs = signs * sign
+    start += n
+  top = jnp.max(log_det, axis=-1, keepdims=True)
+  return top[:, 0] + jnp.log(jnp.abs(jnp.sum(signs * jnp.exp(log_det - top), axis=-1)))
+
+
+def potential(r, atoms, charges):
+  """Coulomb energy of walkers `[B, n, 3]`: electron-nucleus, electron-electron, nuclear."""
+  r_ae = jnp.linalg.norm(r[:, :, None] - atoms, axis=-1)
+  n = r.shape[1]
+  i, j = np.triu_indices(n, 1)
+  r_ee = jnp.linalg.norm(r[:, i] - r[:, j], axis=-1)
+  a, b = np.triu_indices(len(charges), 1)
+  r_nn = jnp.linalg.norm(atoms[a] - atoms[b], axis=-1)
+  v_nn = jnp.sum(charges[a] * charges[b] / r_nn) if len(a) else 0.0
+  return -jnp.sum(charges / r_ae, axis=(1, 2)) + jnp.sum(1.0 / r_ee, axis=1) + v_nn
+
+
+def local_energy(params, r, atoms, charges, spins):
+  """E_L per walker; the Laplacian of log|ψ| as the trace of its Hessian, each column a
+  forward-mode derivative of the gradient (forward over reverse)."""
+  shape = r.shape[1:]
+
+  def f(x):
+    return log_psi(params, x.reshape((1,) + shape), atoms, spins)[0]
+
+  def kinetic(x):
+    grad = jax.grad(f)
+    g = grad(x)
+    cols = jax.vmap(lambda e: jax.jvp(grad, (x,), (e,))[1])(jnp.eye(x.size, dtype=x.dtype))
+    return -0.5 * (jnp.trace(cols) + g @ g)
+
+  return jax.vmap(kinetic)(r.reshape(r.shape[0], -1)) + potential(r, atoms, charges)
+
+
+def make_loss(system: System):
+  """`loss_fn(params, batch) -> E`, FermiNet's form: a custom_jvp whose rule is the VMC
+  gradient and registers the normal tag on log|ψ|. `batch = {"r": [B, n, 3], "atoms": [A, 3]}`
+  (the nuclei carry no walker axis)."""
+  charges = jnp.asarray(system.charges)
+
+  @jax.custom_jvp
+  def energy(params, batch):
+    return jnp.mean(local_energy(params, batch["r"], batch["atoms"], charges, system.spins))
+
+  @energy.defjvp
+  def energy_jvp(primals, tangents):
+    params, batch = primals
+    e_l = local_energy(params, batch["r"], batch["atoms"], charges, system.spins)
+    e = jnp.mean(e_l)
+    spread = 5.0 * jnp.mean(jnp.abs(e_l - jnp.median(e_l)))
+    clipped = jnp.clip(e_l, jnp.median(e_l) - spread, jnp.median(e_l) + spread)
+    psi, psi_dot = jax.jvp(
+      lambda p: log_psi(p, batch["r"], batch["atoms"], system.spins), (params,), (tangents[0],)
+    )
+    kfac_jax.register_normal_predictive_distribution(psi[:, None])
+    return e, 2.0 * jnp.mean((clipped - jnp.mean(clipped)) * psi_dot)
+
+  return energy
+
+
+# -- sampling -----------------------------------------------------------------------------------
+
+
+def init_walkers(key, system: System, batch: int):
+  """Electrons around the nuclei, each nucleus taking as many as its charge."""
+  owners = [a for a, z in enumerate(system.charges) for _ in range(int(z))][: sum(system.spins)]
+  centres = jnp.asarray(system.atoms)[jnp.asarray(owners)]
+  return centres + jax.random.normal(key, (batch,) + centres.shape)
+
+
+def mcmc(key, params, r, atoms, spins, width, steps: int):
+  """`steps` Metropolis moves of every walker under |ψ|²; returns walkers, acceptance rate."""
+
+  def move(carry, key):
+    r, lp, accepted = carry
+    k1, k2 = jax.random.split(key)
+    proposal = r + width * jax.random.normal(k1, r.shape)
+    lp_new = log_psi(params, proposal, atoms, spins)
+    accept = jnp.log(jax.random.uniform(k2, lp.shape)) < 2.0 * (lp_new - lp)
+    r = jnp.where(accept[:, None, None], proposal, r)
+    return (r, jnp.where(accept, lp_new, lp), accepted + jnp.mean(accept)), None
+
+  lp = log_psi(params, r, atoms, spins)
+  (r, _, accepted), _ = jax.lax.scan(move, (r, lp, 0.0), jax.random.split(key, steps))
+  return r, accepted / steps
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def train(
+  system: System,
+  net: Net,
+  optimizer: str,
+  *,
+  steps: int,
+  walkers: int,
+  mcmc_steps: int = 10,
+  learning_rate: float = 0.05,
+  seed: int = 0,
+  log_every: int = 0,
+) -> dict[str, Any]:
+  """Trains with `optimizer` ("optimizer": `kfac_jax.Optimizer`; "kfac": the optax chain;
+  "adam"); returns the per-step energies and step times."""
+  key = jax.random.key(seed)
+  k_params, k_walkers, key = jax.random.split(key, 3)
+  params = init_params(k_params, system, net)
+  atoms = jnp.asarray(system.atoms)
+  r = init_walkers(k_walkers, system, walkers)
+  width = 0.3
+  burn = jax.jit(functools.partial(mcmc, spins=system.spins, steps=100))
+  key, sub = jax.random.split(key)
+  r, _ = burn(sub, params, r, atoms, width=width)
+  batch = {"r": r, "atoms": atoms}
+  loss_fn = make_loss(system)
+  schedule = lambda t: learning_rate / (1.0 + t / 1000.0)  # noqa: E731
+  sample = jax.jit(functools.partial(mcmc, spins=system.spins, steps=mcmc_steps))
+
+  if optimizer == "optimizer":
+    opt = kfac_jax.Optimizer(
+      loss_fn,
+      batch,
+      learning_rate=schedule,
+      momentum=0.0,
+      use_adaptive_damping=False,
+      norm_constraint=1e-3,
+      inverse_every=1,
+    )
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, batch, key):
+      # FermiNet's loop passes the damping each step.
+      params, state, info = opt.step(params, state, batch, key, damping=1e-3)
+      return params, state, info["loss"]
+
+  elif optimizer in ("kfac", "adam"):
+    if optimizer == "kfac":
+      reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="gradients")
+      tx = kfac_jax.kfac(
+        registration=reg,
+        learning_rate=schedule,
+        momentum=0.0,
+        damping=1e-3,
+        max_norm=1.0,
+        inverse_every=1,
+        curvature_every=1,
+      )
+      grad_fn = kfac_jax.value_and_grad(registration=reg)
+    else:
+      tx = optax.adam(3e-3)
+      grad_fn = lambda p, b, k: (*jax.value_and_grad(loss_fn)(p, b), None)  # noqa: E731
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, batch, key):
+      loss, grads, stats = grad_fn(params, batch, key)
+      extra = {} if stats is None else {"curvature_stats": stats}
+      updates, state = tx.update(grads, state, params, **extra)
+      return optax.apply_updates(params, updates), state, loss
+
+  else:
+    raise ValueError(f"`optimizer` must be 'optimizer', 'kfac' or 'adam', got {optimizer!r}.")
+
+  energies, times, accept = [], [], 0.0
+  for t in range(steps):
+    key, k_mcmc, k_step = jax.random.split(key, 3)
+    start = time.perf_counter()
+    r, accept = sample(k_mcmc, params, batch["r"], atoms, width=width)
+    batch = {"r": r, "atoms": atoms}
+    params, state, loss = step(params, state, batch, k_step)
+    loss = float(loss)
+    times.append(time.perf_counter() - start)
+    energies.append(loss)
+    # Keep the acceptance near one half.
+    width = width * 1.1 if accept > 0.55 else width / 1.1 if accept < 0.45 else width
+    if log_every and (t % log_every == 0 or t == steps - 1):
+      print(f"step {t:5d}  energy {loss:+.5f}  acceptance {float(accept):.2f}", flush=True)
+  return {"energies": np.asarray(energies), "times": np.asarray(times), "params": params}
+
+
+def estimate(energies: np.ndarray, fraction: float = 0.2) -> tuple[float, float]:
+  """Mean and standard error of the last `fraction` of the per-step energies."""
+  tail = np.asarray(energies)[-max(2, int(len(energies) * fraction)) :]
+  return float(tail.mean()), float(tail.std(ddof=1) / np.sqrt(len(tail)))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--system", choices=sorted(SYSTEMS), default="He")
+  parser.add_argument("--optimizer", choices=("optimizer", "kfac", "adam"), default="optimizer")
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--walkers", type=int, default=128)
+  parser.add_argument("--width", type=int, default=16, help="one-electron stream width")
+  parser.add_argument("--fast", action="store_true", help="a tiny run, for tests")
+  args = parser.parse_args(argv)
+  system = SYSTEMS[args.system]
+  net = Net(one=args.width)
+  steps, walkers = args.steps, args.walkers
+  if args.fast:
+    net, steps, walkers = Net(one=8, two=4, layers=1, determinants=1), 6, 16
+  out = train(
+    system, net, args.optimizer, steps=steps, walkers=walkers, log_every=max(1, steps // 10)
+  )
+  mean, err = estimate(out["energies"])
+  print(
+    f"{args.system} with {args.optimizer}: E = {mean:.4f} ± {err:.4f} Ha over the last 20% of "
+    f"{steps} steps (exact {system.exact}); median step {np.median(out['times']) * 1e3:.0f} ms"
+  )
+  return out
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,246 @@
+"""Custom derivatives are the user's: the gradient K-FAC returns is `jax.grad`'s for losses
+with `jax.custom_jvp` / `jax.custom_vjp` inside, and loss tags in a custom_jvp rule (FermiNet's
+variational Monte Carlo loss) define the curvature exactly as a separate curvature function."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax
+
+N, D, H = 12, 3, 5
+pytestmark = pytest.mark.filterwarnings("ignore::kfac_jax.UncoveredParametersWarning")
+
+
+def _close(a, b, tol=1e-10):
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@jax.custom_jvp
+def _ste_round(w):
+  """Quantised weights; the derivative passes straight through."""
+  return jnp.round(w * 4) / 4
+
+
+_ste_round.defjvp(lambda p, t: (_ste_round(p[0]), t[0]))
+
+
+@jax.custom_vjp
+def _reversed_dense(w, x):
+  """A dense layer whose backward pass reverses the gradient."""
+  return jnp.tanh(x @ w)
+
+
+def _rev_fwd(w, x):
+  return _reversed_dense(w, x), (w, x)
+
+
+def _rev_bwd(res, ct):
+  w, x = res
+  g = ct * (1 - jnp.tanh(x @ w) ** 2)
+  return -(x.T @ g), -(g @ w.T)
+
+
+_reversed_dense.defvjp(_rev_fwd, _rev_bwd)
+
+
+def _classifier_data():
+  k = jax.random.split(jax.random.key(0), 5)
+  params = {
+    "w1": jax.random.normal(k[0], (D, H)),
+    "w2": jax.random.normal(k[1], (H, H)),
+    "w3": jax.random.normal(k[2], (H, 3)),
+  }
+  batch = {"x": jax.random.normal(k[3], (N, D)), "y": jax.random.randint(k[4], (N,), 0, 3)}
+  return params, batch
+
+
+def _classifier(p, b):
+  h = jnp.tanh(b["x"] @ _ste_round(p["w1"]))
+  h = _reversed_dense(p["w2"], h)
+  logits = h @ p["w3"]
+  kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
+def test_straight_through_and_gradient_reversal_keep_their_gradient(x64):
+  params, batch = _classifier_data()
+  loss, grads, stats = kfac_jax.value_and_grad(_classifier)(params, batch, jax.random.key(1))
+  want_loss, want = jax.value_and_grad(_classifier)(params, batch)
+  _close(loss, want_loss)
+  _close(grads, want)
+  # w2's dense layer sits inside the custom_vjp: found, and its statistics taken inside.
+  assert "w2" in stats.layer_names
+  assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(stats.data))
+  assert np.abs(np.asarray(stats.data[1][1])).max() > 0
+
+
+# -- variational Monte Carlo: a hydrogen-like atom with a small network ---------------------
+
+
+def _log_psi_one(p, r):
+  h = jnp.tanh(r @ p["w1"] + p["b1"])
+  return h @ p["w2"] - p["a"][0] * jnp.sqrt(jnp.sum(r**2) + 1e-2)
+
+
+_log_psi = jax.vmap(_log_psi_one, (None, 0))
+
+
+def _local_energy(p, r):
+  def one(r):
+    g = jax.grad(_log_psi_one, 1)(p, r)
+    lap = jnp.trace(jax.hessian(_log_psi_one, 1)(p, r))
+    return -0.5 * (lap + g @ g) - 1.0 / jnp.sqrt(jnp.sum(r**2) + 1e-2)
+
+  return jax.vmap(one)(r)
+
+
+def _energy_rule(tag: bool):
+  @jax.custom_jvp
+  def energy(p, r):
+    return jnp.mean(_local_energy(p, r))
+
+  @energy.defjvp
+  def energy_jvp(primals, tangents):
+    p, r = primals
+    e_l = _local_energy(p, r)
+    e = jnp.mean(e_l)
+    lp, dlp = jax.jvp(lambda q: _log_psi(q, r), (p,), (tangents[0],))
+    if tag:  # FermiNet's form: the curvature's tag inside the rule.
+      kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    return e, 2.0 * jnp.mean((e_l - e) * dlp)
+
+  return lambda p, b: energy(p, b["r"])
+
+
+def _log_psi_tagged(p, b):
+  kfac_jax.register_normal_predictive_distribution(_log_psi(p, b["r"])[:, None])
+
+
+def _vmc_data():
+  k = jax.random.split(jax.random.key(2), 3)
+  params = {
+    "w1": 0.5 * jax.random.normal(k[0], (D, H)),
+    "b1": jnp.zeros(H),
+    "w2": 0.5 * jax.random.normal(k[1], (H,)),
+    "a": jnp.ones(1),
+  }
+  return params, {"r": jax.random.normal(k[2], (N, D))}
+
+
+def test_vmc_energy_gradient_is_the_rule(x64):
+  params, batch = _vmc_data()
+  loss_fn = _energy_rule(tag=True)
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  assert reg.separate_loss and [s.name for s in reg.layers][:2] == ["a", "w1"]
+  loss, grads, _ = kfac_jax.value_and_grad(registration=reg)(params, batch)
+  want_loss, want = jax.value_and_grad(loss_fn)(params, batch)
+  _close(loss, want_loss)
+  _close(grads, want)
+  # The rule's gradient, not the primal's (which differentiates the Laplacian).
+  primal = jax.grad(lambda p, b: jnp.mean(_local_energy(p, b["r"])))(params, batch)
+  assert np.abs(np.asarray(primal["w1"] - grads["w1"])).max() > 1e-3
+
+
+def test_tag_in_rule_equals_curvature_fn(x64):
+  """The preconditioned update with the tag in the rule equals the one with the same tag in a
+  separate `curvature_fn`, for `scale_by_kfac` and the `Optimizer`."""
+  params, batch = _vmc_data()
+  in_rule = kfac_jax.Registration(_energy_rule(True), params, batch, estimation_mode="exact")
+  apart = kfac_jax.Registration(
+    _energy_rule(False), params, batch, estimation_mode="exact", curvature_fn=_log_psi_tagged
+  )
+  assert in_rule.fingerprint == apart.fingerprint
+  results = []
+  for reg in (in_rule, apart):
+    tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, ema_decay=0.0, inverse_every=1)
+    state = tx.init(params)
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch)
+    updates, _ = tx.update(grads, state, params, curvature_stats=stats)
+    opt = kfac_jax.Optimizer(registration=reg, learning_rate=0.1, momentum=0.0, damping=1e-3)
+    new, _, info = opt.step(params, opt.init(params), batch, jax.random.key(0))
+    results.append((updates, new, info["loss"]))
+  _close(results[0], results[1])
+  # Not the identity: the Fisher of |psi|^2 preconditions.
+  _, grads, _ = kfac_jax.value_and_grad(registration=apart)(params, batch)
+  assert np.abs(np.asarray(results[0][0]["w1"] - grads["w1"])).max() > 1e-3
+
+
+def test_no_tag_names_the_normal_tag_and_custom_rules():
+  params, batch = _vmc_data()
+  with pytest.raises(kfac_jax.RegistrationError) as e:
+    kfac_jax.Registration(_energy_rule(False), params, batch)
+  assert "register_normal_predictive_distribution" in str(e.value)
+  assert "custom_jvp rule" in str(e.value) and "curvature_fn" in str(e.value)
+
+
+def test_audit_points_a_vmc_loss_to_curvature_fn():
+  """log|psi| tagged and the energy computed from its derivatives: the audit's error says
+  what a VMC user should do."""
+  params, batch = _vmc_data()
+
+  def loss_fn(p, b):
+    kfac_jax.register_normal_predictive_distribution(_log_psi(p, b["r"])[:, None])
+    return jnp.mean(_local_energy(p, b["r"]))
+
+  with pytest.raises(kfac_jax.RegistrationError, match="curvature_fn=log_psi_fn"):
+    kfac_jax.Registration(loss_fn, params, batch)
+
+
+def test_curvature_fn_must_be_callable():
+  params, batch = _vmc_data()
+  with pytest.raises(TypeError, match="`curvature_fn` must be callable"):
+    kfac_jax.Registration(_energy_rule(False), params, batch, curvature_fn="log_psi")
+
+
+def test_optimizer_measures_rho_on_the_loss(x64):
+  """With a curvature function, the damping adaptation's ρ compares `loss_fn` itself at the
+  old and new params (the curvature graph's traced loss is zero)."""
+  params, batch = _vmc_data()
+  loss_fn = _energy_rule(False)
+  reg = kfac_jax.Registration(
+    loss_fn, params, batch, estimation_mode="exact", curvature_fn=_log_psi_tagged
+  )
+  opt = kfac_jax.Optimizer(registration=reg, damping=1e-2)
+  new, state, info = opt.step(params, opt.init(params), batch, jax.random.key(0))
+  want = (loss_fn(new, batch) - loss_fn(params, batch)) / info["quad_model_change"]
+  np.testing.assert_allclose(info["rho"], want, rtol=1e-8)
+  assert np.isfinite(state.rho)
+
+
+def test_layer_inside_a_custom_function_with_no_reverse_derivative_is_named():
+  """A dense layer inside a custom_vjp whose primal then runs a while_loop: its output
+  gradients would need reverse mode through the loop; the error names the layer and the
+  function, at registration."""
+
+  @jax.custom_vjp
+  def settle(w, x):
+    h = x @ w
+    return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1])), (0, h))[1]
+
+  settle.defvjp(lambda w, x: (settle(w, x), (w, x)), lambda r, ct: (r[1].T @ ct, ct @ r[0].T))
+  params, batch = _classifier_data()
+
+  def loss_fn(p, b):
+    logits = settle(p["w1"], b["x"]) @ p["w3"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  with pytest.raises(kfac_jax.RegistrationError, match="layer `w1` sits inside .*`settle`.*while"):
+    kfac_jax.Registration(loss_fn, params, batch)
+
+
+def test_factors_are_float64_under_x64(x64):
+  """float32 parameters of a VMC model, x64 on: the factors and inverses are float64."""
+  params, batch = _vmc_data()
+  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
+  batch = {"r": batch["r"].astype(jnp.float32)}
+  reg = kfac_jax.Registration(_energy_rule(True), params, batch)
+  tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, inverse_every=1)
+  _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, jax.random.key(0))
+  _, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+  floats = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert floats and all(x.dtype == jnp.float64 for x in floats)
