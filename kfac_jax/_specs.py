@@ -190,7 +190,10 @@ class DenseInfo:
   `[rows, out]`. A layer whose input is computed from parameters and constants alone reaches
   the batch through a broadcast, its tap: `shared_tap` then maps one example's tap entries to
   positions of the `[rows, out]` output (int32 bytes, row-major; entries read twice sum);
-  empty for a layer whose input rows are the batch's.
+  empty for a layer whose input rows are the batch's. `adds_bias` is False for a use of a
+  shared layer that does not add the layer's bias: a tangent channel of a forward-mode
+  derivative (`jax.jvp`, a forward Laplacian), whose input rows get a homogeneous coordinate
+  of 0 instead of 1.
   """
 
   kernel_view: tuple[ViewStep, ...]
@@ -201,6 +204,7 @@ class DenseInfo:
   out_dim: int
   rows: int
   shared_tap: bytes = b""
+  adds_bias: bool = True
   # A kernel, then optionally a bias (`LayerSpec.has_bias`).
   kernel_and_bias: ClassVar[bool] = True
 

@@ -35,6 +35,7 @@ from kfac_jax._specs import (  # Re-exported: the names other modules and tests 
   RegistrationError,
   UncoveredParametersWarning,
   common_prefix,
+  kernel_index_matrix,
   param_paths,
 )
 from kfac_jax.scan import (
@@ -68,6 +69,12 @@ class ScanResult:
   extra_uses: tuple[tuple[tuple[_graph.Key, tuple[_graph.Atom, ...]], ...], ...] = ()
   # With `has_aux`: the treedef of the aux, whose leaves are the graph's outputs after the loss.
   aux_tree: Any = None
+
+  @property
+  def batch_size(self) -> int:
+    """N, the statistics' normalisation: the largest loss tag's batch (each tag's own size is
+    its `LossSpec.batch_size`; the curvature pass rescales the others' output vectors)."""
+    return max(spec.batch_size for spec in self.losses)
 
 
 def scan(
@@ -126,7 +133,8 @@ def scan(
   losses, loss_operands = _losses(graph)
   shapes = [tuple(np.shape(x)) for x in leaves]
   roots = [ops[0] for ops in loss_operands]
-  ix = _index.build(graph, len(leaves), paths, shapes, roots, losses[0].batch_size)
+  batch_size = max(spec.batch_size for spec in losses)
+  ix = _index.build(graph, len(leaves), paths, shapes, roots, batch_size)
   specs = _Scanner(ix, layers, strict, warn, collect).run()
   specs.sort(key=lambda s: min(s[0].leaf_indices))
   multi = [s[0].multi_tap for s in specs]
@@ -167,12 +175,6 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
       "labels), register_sigmoid_cross_entropy_loss(logits, targets) or "
       "register_squared_error_loss(prediction, targets) on the model output inside "
       "loss_fn(params, batch)."
-    )
-  sizes = {l.batch_size for l in losses}
-  if len(sizes) > 1:
-    raise RegistrationError(
-      f"loss tags disagree on the batch size (leading axis): {sorted(sizes)}. All tagged "
-      "predictions must share the leading batch axis."
     )
   return losses, operands
 
@@ -757,6 +759,46 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   return f"consumed by {name} (no matcher)"
 
 
+_FORWARD_MODE = (
+  "K-FAC follows a layer through forward-mode derivatives (the layer shared by the point and "
+  "its tangents); write the differential operator in forward mode on the batched points: "
+  "nested `jax.jvp(f, (x,), (v,))` with `v = jnp.broadcast_to(e, x.shape)`, or a forward "
+  "Laplacian that carries the value, gradient and Laplacian channels through each layer"
+)
+
+
+def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
+  """Why a kernel read by derivatives of the model matched no layer, or "": a reverse-mode
+  derivative reads it transposed (`jax.grad`, `jax.hessian` = jacfwd(jacrev)); a forward-mode
+  one under `jax.vmap` multiplies a constant tangent direction by it once for every example."""
+  if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2:
+    mats = []
+    for i, fe in enumerate(ix.g.eqns):
+      for pos, a in enumerate(fe.ins if fe.name == "dot_general" else ()):
+        if _graph.is_key(a) and ix.origin.get(a, (None,))[0] == leaf:
+          d = _matchers.dense_use(ix, i, pos)
+          if d is not None:
+            mats.append(kernel_index_matrix(d[0], ix.shapes[leaf]))
+    if any(np.array_equal(m.T, m2) and not np.array_equal(m, m2) for m in mats for m2 in mats):
+      return (
+        "read both ways round, as a reverse-mode derivative inside the loss does (jax.grad, "
+        f"jax.vjp, jax.jacrev, jax.hessian): {_FORWARD_MODE}"
+      )
+  products = [(i, pos) for i, pos in uses if ix.g.eqns[i].name == "dot_general"]
+  unbatched = [
+    (i, pos)
+    for i, pos in products
+    if _graph.is_key(x := ix.g.eqns[i].ins[1 - pos]) and x in ix.param_only
+  ]
+  if unbatched and len(unbatched) < len(uses):
+    return (
+      f"{len(unbatched)} of its {len(uses)} uses multiply an input with no rows per example "
+      "(a tangent direction that is one constant for every point, as `jax.jvp` or "
+      f"`jax.jacfwd` inside `jax.vmap` make it), so no output gradient per point: {_FORWARD_MODE}"
+    )
+  return ""
+
+
 def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
   """Why the scanner matched no layer for `leaf`, from its uses in the traced graph.
 
@@ -780,6 +822,9 @@ def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
       "reaches the loss tags only through stop_gradient (no curvature from them; e.g. a "
       "VQ-VAE codebook trained by an untagged term)"
     )
+  derivative = _derivative_reason(ix, leaf, uses)
+  if derivative:
+    return derivative
   reasons = [_use_reason(ix, leaf, i, pos) for i, pos in uses]
   for r in reasons:
     if r.startswith(("sliced by a scan", "indexed by", "transformed by")):
