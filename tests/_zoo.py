@@ -1048,6 +1048,19 @@ def locally_connected() -> Zoo:
   return Zoo(f, p, b, [local, _conv("Conv_0"), _dense("Dense_0")])
 
 
+def pinn_poisson() -> Zoo:
+  """A physics-informed network (examples/pinn_poisson.py, smaller): the Laplacian by nested
+  `jax.jvp`, each layer one dense layer shared by the points and their tangents; a residual
+  tag on 16 interior points and a boundary tag on 8 points."""
+  from examples import pinn_poisson as pp
+
+  sizes = (2, 8, 1)
+  params = pp.init_params(0, sizes, jnp.float32)
+  batch = pp.make_problem(0, n_interior=16, n_boundary=8, dtype=jnp.float32).batch
+  expected = [("dense", "kron_indep", (f"{i}/w", f"{i}/b")) for i in range(2)]
+  return Zoo(pp.loss_fn, params, batch, expected)
+
+
 STRUCTURE_MODELS = {
   "haiku_mlp": haiku_mlp,
   "haiku_cnn": haiku_cnn,
@@ -1064,6 +1077,7 @@ STRUCTURE_MODELS = {
   "moe": moe,
   "equinox_gru": equinox_gru,
   "locally_connected": locally_connected,
+  "pinn_poisson": pinn_poisson,
 }
 
 

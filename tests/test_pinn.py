@@ -279,3 +279,40 @@ def test_a_layer_serving_two_terms_pools_rows_and_sums_output_factors(x64):
   )
   np.testing.assert_allclose(factors.a, rows.T @ rows / 10, rtol=1e-12, atol=1e-15)
   np.testing.assert_allclose(factors.g, [[4.0]], rtol=1e-12)
+
+
+@pytest.mark.parametrize("model", ["pinn_poisson", "mlp"])
+def test_optimizer_rejects_steps_that_raise_the_loss(x64, model):
+  """Adaptive damping measuring every step (interval 1) from a tiny damping: a step that
+  raises the loss, or makes it non-finite, is not applied (the params stay bit-identical) and
+  raises λ; so the loss never goes up."""
+  from tests import _zoo
+
+  z = _zoo.MODELS[model]("linen") if model == "mlp" else _zoo.STRUCTURE_MODELS[model]()
+  params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float64), z.params)
+  batch = jax.tree_util.tree_map(
+    lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, z.batch
+  )
+  opt = kfac_jax.Optimizer(
+    z.loss_fn,
+    batch,
+    damping=1e-10,
+    inverse_every=1,
+    config=kfac_jax.Config(damping_adaptation_interval=1, min_damping=1e-12),
+  )
+  step = jax.jit(opt.step)
+  state = jax.jit(opt.init)(params)
+  loss_of = jax.jit(z.loss_fn)
+  losses, rejected = [float(loss_of(params, batch))], 0
+  for i in range(12):
+    new, state, info = step(params, state, batch, _zoo._key(i))
+    if float(info["rho"]) < 0:
+      rejected += 1
+      assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params))
+      )
+      assert float(state.damping) > float(info["damping"])
+    params = new
+    losses.append(float(loss_of(params, batch)))
+  assert np.all(np.isfinite(losses)), losses
+  assert np.all(np.diff(losses) <= 1e-12 * np.abs(losses[:-1])), losses
