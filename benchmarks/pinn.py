@@ -32,7 +32,6 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
