@@ -1,4 +1,4 @@
-"""Physics-informed networks (cross-cutting: scan, blocks, curvature, Optimizer): K-FAC through forward-mode derivatives, against the GGN (float64).
+"""Physics-informed networks: K-FAC through forward-mode derivatives, against the GGN (float64).
 
 A dense layer applied to the points and to their tangents (nested `jax.jvp`, a hand-written
 forward Laplacian) is one shared layer whose tangent channels add no bias (homogeneous
