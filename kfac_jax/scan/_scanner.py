@@ -272,7 +272,14 @@ class _Scanner:
     layer, one per use for a shared one."""
     kind, leaves = match.kind, list(match.leaves)
     if match.num_uses > 1:
-      spec = self._shared_spec(kind, leaves, match.infos, approx, source)
+      infos = match.infos
+      if kind == "dense" and len(self.ix.loss_roots) > 1:  # Which tag each use feeds.
+        reached = [_index.tags_reached(self.ix, k) for k in match.outputs]
+        infos = tuple(
+          dataclasses.replace(inf, term=next(iter(r)) if len(r) == 1 else -1)
+          for inf, r in zip(infos, reached)
+        )
+      spec = self._shared_spec(kind, leaves, infos, approx, source)
       return spec, match.outputs, match.inputs
     (info,), (out,), (ins,) = match.infos, match.outputs, match.inputs
     if not match.stack_size:
@@ -502,6 +509,15 @@ class _Scanner:
       pattern = next((p for p in overrides if _layer_config.matches(p, (name, *paths))), None)
       approx = None if pattern is None else overrides[pattern]
     explicit = approx is not None
+    terms = {getattr(inf, "term", -1) for inf in infos}
+    two_terms = len(terms) == 2 and -1 not in terms
+    if approx is None and two_terms:  # Two loss terms: their Kronecker sum, inverted exactly.
+      approx = "kron_terms"
+    if approx == "kron_terms" and not two_terms:
+      raise RegistrationError(
+        f"approximation 'kron_terms' needs the uses of layer {paths} to feed exactly two loss "
+        f'tags, one each; they feed {sorted(terms)} (-1: several). Use "kron_indep".'
+      )
     if approx == "kron" and "kron_indep" in choices:
       approx = "kron_indep"
     if approx is not None and approx not in choices and pattern is not None:

@@ -259,26 +259,59 @@ def test_loss_terms_on_point_sets_of_different_sizes(x64, how):
   np.testing.assert_allclose(dense[mask], ggn[mask], rtol=1e-10, atol=1e-13)
 
 
-def test_a_layer_serving_two_terms_pools_rows_and_sums_output_factors(x64):
-  """The output layer under a forward Laplacian and the boundary values: A pools the rows of
-  both terms ([Δh, 0] at 7 interior points, [h, 1] at 3 boundary points) over their count;
-  G = Σ_ℓ (1/N_ℓ) Σ_n g gᵀ with g = √2 for both (Δu = W Δh and u = W h + b)."""
+def _output_layer_rows(params, batch):
+  """The output layer's rows: [Δh, 0] at the 7 interior points, [h, 1] at the 3 boundary ones."""
+  lap_h = _tanh_channels(*_forward_channels(params, batch["x"], upto=0))[2]
+  h = jnp.tanh(batch["xb"] @ params[0]["w"] + params[0]["b"])
+  return (
+    jnp.concatenate([lap_h, jnp.zeros((7, 1))], 1),
+    jnp.concatenate([h, jnp.ones((3, 1))], 1),
+  )
+
+
+@pytest.mark.parametrize("approx", ["kron_terms", "kron_indep"])
+def test_a_layer_serving_two_terms(x64, approx):
+  """The output layer under a forward Laplacian and the boundary values, g = √2 in both terms
+  (Δu = W Δh, u = W h + b). "kron_terms" (the default for uses that feed two tags) keeps each
+  term's A_ℓ = Σ x̄ x̄ᵀ / R_ℓ and G_ℓ = (1/N_ℓ) Σ g gᵀ, so its block is the exact GGN block and
+  its damped inverse the exact inverse of A₁' ⊗ G₁' + A₂' ⊗ G₂'; "kron_indep" pools A over the
+  rows of both terms and sums G."""
   loss_fn, params, batch = _two_terms(_laplacian_forward)
-  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN")
+  layers = None if approx == "kron_terms" else kfac_jax.LayerConfig(overrides={"*": approx})
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN", layers=layers)
+  assert [s.approx for s in reg.layers] == [approx] * 2
   est = kfac_jax.CurvatureEstimator(registration=reg)
   update = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))
-  factors = update(est.init(params)).factors["1"]
-  lap_h = _forward_channels(params, batch["x"], upto=0)
-  lap_h = _tanh_channels(*lap_h)[2]
-  h = jnp.tanh(batch["xb"] @ params[0]["w"] + params[0]["b"])
-  rows = jnp.concatenate(
-    [
-      jnp.concatenate([lap_h, jnp.zeros((7, 1))], 1),
-      jnp.concatenate([h, jnp.ones((3, 1))], 1),
-    ]
+  state = update(est.init(params))
+  factors = state.factors["1"]
+  inner, bound = _output_layer_rows(params, batch)
+  if approx == "kron_indep":
+    rows = jnp.concatenate([inner, bound])
+    np.testing.assert_allclose(factors.a, rows.T @ rows / 10, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(factors.g, [[4.0]], rtol=1e-12)
+    return
+  a = np.stack([inner.T @ inner / 7, bound.T @ bound / 3])
+  np.testing.assert_allclose(factors.a, a, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(factors.g, [[[2.0]], [[2.0]]], rtol=1e-12)
+  flat, unravel = ravel_pytree(params)
+  ji = np.asarray(jax.jacobian(lambda f: _laplacian_forward(unravel(f), batch["x"]))(flat))
+  jb = np.asarray(jax.jacobian(lambda f: _mlp(unravel(f), batch["xb"]))(flat))
+  ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
+  w = slice(15, 21)  # 1/b, 1/w in ravel order.
+  dense = np.asarray(jax.jit(est.to_dense)(state))
+  np.testing.assert_allclose(dense[w, w], ggn[w, w], rtol=1e-10, atol=1e-14)
+  # The damped inverse: each term damped by λ/2 in the factored way.
+  lam = 1e-3
+  block = est.blocks[1]
+  cache = block.compute_cache(factors, lam)
+  (a1, g1), (a2, g2) = (
+    kfac_jax.blocks._kronecker.damped_factors(factors.a[t], factors.g[t], lam / 2) for t in (0, 1)
   )
-  np.testing.assert_allclose(factors.a, rows.T @ rows / 10, rtol=1e-12, atol=1e-15)
-  np.testing.assert_allclose(factors.g, [[4.0]], rtol=1e-12)
+  f = np.kron(a1, g1) + np.kron(a2, g2)
+  v = [jnp.linspace(-1.0, 2.0, 5).reshape(5, 1), jnp.array([0.5])]
+  out = block.to_matrix(block.multiply_matpower(factors, cache, v, -1)).reshape(-1)
+  expected = np.linalg.solve(f, np.asarray(block.to_matrix(v)).reshape(-1))
+  np.testing.assert_allclose(out, expected, rtol=1e-9)
 
 
 @pytest.mark.parametrize("model", ["pinn_poisson", "mlp"])
