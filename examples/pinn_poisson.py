@@ -142,16 +142,24 @@ def run(name: str, step, state, params, problem: Problem, steps: int, progress: 
   return Run(name, np.asarray(out_steps), np.asarray(out_secs), np.asarray(out_errs))
 
 
-def kfac_run(problem: Problem, params, steps: int, progress: bool, damping: float = 1e-3):
-  """`kfac_jax.Optimizer` on its defaults for the learning rate and momentum (both from the
-  quadratic model), statistics and inverses at every step, the damping adapted."""
-  opt = kfac_jax.Optimizer(
-    loss_fn,
-    problem.batch,
+def make_optimizer(params, batch, loss=None, damping: float = 1e-3) -> kfac_jax.Optimizer:
+  """`kfac_jax.Optimizer` with the learning rate and momentum from its quadratic model; the
+  exact Gauss-Newton output factor (one output per point: as cheap as a sample), fresh
+  statistics and inverses at every step (no moving average: the batch is the whole problem),
+  and the damping adapted at every step, so that no step that raises the loss is taken."""
+  reg = kfac_jax.Registration(loss or loss_fn, params, batch, estimation_mode="exact_GGN")
+  return kfac_jax.Optimizer(
+    registration=reg,
     damping=damping,
+    ema_decay=0.0,
     inverse_every=1,
     config=kfac_jax.Config(damping_adaptation_interval=1, min_damping=1e-12),
   )
+
+
+def kfac_run(problem: Problem, params, steps: int, progress: bool, damping: float = 1e-3):
+  """`make_optimizer`'s K-FAC for `steps` steps."""
+  opt = make_optimizer(params, problem.batch, damping=damping)
   rng = jax.random.key(1)
 
   def step(params, state):
