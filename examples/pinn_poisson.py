@@ -142,11 +142,13 @@ def run(name: str, step, state, params, problem: Problem, steps: int, progress: 
   return Run(name, np.asarray(out_steps), np.asarray(out_secs), np.asarray(out_errs))
 
 
-def make_optimizer(params, batch, loss=None, damping: float = 1e-3) -> kfac_jax.Optimizer:
+def make_optimizer(params, batch, loss=None, damping: float = 1.0) -> kfac_jax.Optimizer:
   """`kfac_jax.Optimizer` with the learning rate and momentum from its quadratic model; the
   exact Gauss-Newton output factor (one output per point: as cheap as a sample), fresh
   statistics and inverses at every step (no moving average: the batch is the whole problem),
-  and the damping adapted at every step, so that no step that raises the loss is taken."""
+  and the damping adapted at every step, so that no step that raises the loss is taken. The
+  damping starts high (1) and falls by 5% a step while the model predicts well: started low,
+  the first steps are rejected and the damping climbs back just as slowly."""
   reg = kfac_jax.Registration(loss or loss_fn, params, batch, estimation_mode="exact_GGN")
   return kfac_jax.Optimizer(
     registration=reg,
@@ -157,7 +159,7 @@ def make_optimizer(params, batch, loss=None, damping: float = 1e-3) -> kfac_jax.
   )
 
 
-def kfac_run(problem: Problem, params, steps: int, progress: bool, damping: float = 1e-3):
+def kfac_run(problem: Problem, params, steps: int, progress: bool, damping: float = 1.0):
   """`make_optimizer`'s K-FAC for `steps` steps."""
   opt = make_optimizer(params, problem.batch, damping=damping)
   rng = jax.random.key(1)
@@ -209,7 +211,7 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=None, help=f"K-FAC steps ({DEFAULT_STEPS})")
   p.add_argument("--adam-steps", type=int, default=None, help=f"Adam steps ({DEFAULT_ADAM_STEPS})")
   p.add_argument("--adam-lr", type=float, default=DEFAULT_ADAM_LR)
-  p.add_argument("--damping", type=float, default=1e-3, help="K-FAC initial damping")
+  p.add_argument("--damping", type=float, default=1.0, help="K-FAC initial damping")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="pinn_poisson.png", help="PNG path for the curves")
   p.add_argument("--fast", action="store_true", help="a few steps (for tests)")
