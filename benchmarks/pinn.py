@@ -83,14 +83,15 @@ PROBLEMS = {
 }
 
 
-def _timed(step, params, state, problem, checkpoints, budget=None):
+def _timed(step, params, state, problem, checkpoints, budget=None, stop=None):
   """`{step: (seconds, error)}` at the checkpoints; with `budget` (seconds), also the error
   when the cumulative step time first reaches it."""
   step = jax.jit(step)
   error = jax.jit(pp.relative_l2)
   jax.block_until_ready(step(params, state))  # Compile outside the timing.
   out, elapsed, at_budget, t = {}, 0.0, None, 0
-  while t < max(checkpoints) or (budget is not None and at_budget is None and t < 10**6):
+  stop = max(checkpoints) if stop is None else stop
+  while t < stop or (budget is not None and at_budget is None and t < 10**6):
     t += 1
     start = time.perf_counter()
     params, state = step(params, state)
@@ -172,15 +173,14 @@ def main(argv=None) -> int:
   for name, (step, init) in contestants:
     if only and name.split()[0] not in only:
       continue
-    marks = set(checkpoints)
-    if name == "L-BFGS":
-      marks = {c for c in marks if c <= args.lbfgs_steps} | {min(args.lbfgs_steps, max(marks))}
-    out, at_budget = _timed(step, params, init(params), problem, marks, budget)
+    stop = min(args.lbfgs_steps, max(checkpoints)) if name == "L-BFGS" else None
+    marks = set(checkpoints) | ({stop} if stop else set())
+    out, at_budget = _timed(step, params, init(params), problem, marks, budget, stop)
     if name == "Optimizer":
       budget = out[max(checkpoints)][0]
     runs[name] = (out, at_budget)
     cells = " | ".join(f"{out[c][1]:.1e}" if c in out else "–" for c in checkpoints)
-    last = max(out)
+    last = max(c for c in out if c <= max(stop or 0, max(checkpoints)))
     eq = "" if at_budget is None else f" | {at_budget[1]:.1e} ({at_budget[0]} steps)"
     print(f"| {name} | {cells} | {out[last][0]:.1f} s to step {last}{eq} |", flush=True)
   if budget is not None:
