@@ -120,6 +120,20 @@ def _join_exact(cts: list[Array]) -> list[Array]:
   return out
 
 
+def _per_tag_normalisation(cts: list[Array], scan: _scan.ScanResult) -> list[Array]:
+  """Each tag's output vectors scaled by √(N / N_ℓ), N the statistics' `batch_size`.
+
+  Loss tags on point sets of different sizes (a PDE residual on interior points, the boundary
+  values) are each a mean over their own N_ℓ examples; the blocks divide their output
+  statistics by N, so the rescaled vectors give each term its own 1/N_ℓ: Σ_ℓ (1/N_ℓ) Σ g gᵀ.
+  """
+  n = scan.batch_size
+  return [
+    c if spec.batch_size == n else c * jnp.sqrt(jnp.asarray(n / spec.batch_size, c.dtype))
+    for c, spec in zip(cts, scan.losses)
+  ]
+
+
 def read_atom(atom, seen):
   """An equation operand's value: a literal's, or the one `seen` holds."""
   return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
@@ -253,6 +267,7 @@ class Linearisation:
     ]
     if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
       cts = _join_exact(cts)
+    cts = _per_tag_normalisation(cts, scan)
     zero = jnp.zeros_like(self._graph_loss)
     # Param-leaf and per-tap output-gradient cotangents.
     p_ct, eps_ct = jax.vmap(lambda ct: self._vjp((zero, ct)))(cts)
@@ -269,14 +284,14 @@ class Linearisation:
         data.append(tuple(p_ct[j] for j in spec.leaf_indices))
     params_stats = None
     if with_params_stats:
-      n = scan.losses[0].batch_size
+      n = scan.batch_size
       params_stats = jax.tree_util.tree_unflatten(
         self.params_treedef, [jnp.mean(x, axis=0) / n for x in p_ct]
       )
     return CurvatureStats(
       tuple(data),
       tuple(s.name for s in scan.layers),
-      scan.losses[0].batch_size,
+      scan.batch_size,
       params_stats,
       tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
       fingerprint,

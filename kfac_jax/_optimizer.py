@@ -13,7 +13,9 @@ forward pass, inverses with damping `λ + η` on due steps, the guard), takes th
 kept and the other minimises M along its vector; `J v_i` are push-forwards through the step's
 own linearisation. Every `damping_adaptation_interval` steps, Levenberg–Marquardt with
 `ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass; `reduction_ratio`) adapts λ
-(`adapt_damping`, ω `damping_adaptation_decay` to the power of the interval). With a fixed
+(`adapt_damping`, ω `damping_adaptation_decay` to the power of the interval). A step so
+measured to raise h (ρ < 0, or h(θ + δ) not finite) is rejected: not applied, δ_prev kept, λ
+raised; a non-finite update from a finite loss and gradient raises λ the same way. With a fixed
 learning rate, `norm_constraint=c` rescales α so that `α² Δᵀ F̂_λ Δ ≤ c` (Ba et al. 2017).
 """
 
@@ -228,15 +230,20 @@ def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
   return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
 
 
-def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype, aux):
+def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype, aux, raised):
   """`(update, new_state, info)` under the guard: a non-finite loss, gradient or update changes
-  nothing but the skip counter (the curvature moved only on finite inputs, `_engine.step`)."""
-  ok = jnp.asarray(True) if ok is None else ok & _storage.all_finite(update)
+  nothing but the skip counter (the curvature moved only on finite inputs, `_engine.step`);
+  `raised` (adaptive damping): the damping after a non-finite update from finite inputs."""
+  inputs_ok = jnp.asarray(True) if ok is None else ok
+  finite = _storage.all_finite(update)
+  ok = inputs_ok & finite
   velocity, new_lam, rho = jax.lax.cond(
     ok,
     lambda: (m.velocity, jnp.asarray(m.damping, dtype), m.rho),
     lambda: (state.velocity, state.damping, state.rho),
   )
+  if raised is not None:  # The preconditioner overflowed at this damping: raise it.
+    new_lam = jnp.where(inputs_ok & ~finite, raised, new_lam)
   new_state = OptimizerState(
     step=state.step + ok.astype(state.step.dtype),
     skipped=state.skipped + (~ok).astype(state.skipped.dtype),
@@ -521,7 +528,16 @@ class Optimizer:
       update = jax.tree_util.tree_map(
         lambda u, p: (u - d.astype(p.dtype) * p).astype(p.dtype), update, params
       )
-    return _finish(state, curv, update, m, ok, loss, lam, dtype, lin.aux)
+    raised = None
+    if self.use_adaptive_damping:
+      raised = adapt_damping(
+        lam,
+        jnp.asarray(-jnp.inf, dtype),
+        omega=cfg.damping_adaptation_decay**cfg.damping_adaptation_interval,
+        min_damping=cfg.min_damping,
+        max_damping=cfg.max_damping,
+      ).astype(dtype)
+    return _finish(state, curv, update, m, ok, loss, lam, dtype, lin.aux, raised)
 
   def _move(self, fp: _Pass, est, curv, pre, state: OptimizerState, lam, clock, given) -> _Move:
     """δ = α Δ + μ δ_prev with α, μ given, fixed or from the quadratic model, and the adapted
@@ -561,8 +577,16 @@ class Optimizer:
       )
       due = (state.step - cfg.burn_in_steps) % cfg.damping_adaptation_interval == 0
       new_lam, rho, change = jax.lax.cond(due, adapt, lambda: (lam, state.rho, change))
+      # A step the adaptation measured as raising h (ρ < 0, or h(θ + δ) not finite) is not
+      # taken: λ went up and the next step tries again from θ, with the same δ_prev.
+      rejected = due & ~(rho >= 0)
       low = jnp.finfo(rho.dtype).min
       rho = jnp.where(jnp.isnan(rho), state.rho, jnp.clip(rho, low, -low))
+      update = jax.tree_util.tree_map(lambda u: jnp.where(rejected, jnp.zeros_like(u), u), update)
+      velocity = jax.tree_util.tree_map(
+        lambda u, v: jnp.where(rejected, v, u), update, state.velocity
+      )
+      return _Move(update, velocity, new_lam, rho, alpha, mu, change)
     return _Move(update, update, new_lam, rho, alpha, mu, change)
 
   def _adapt(self, fp: _Pass, delta, velocity, update, alpha, mu, change, lam):

@@ -333,7 +333,7 @@ class Registration:
     set_(self, "param_dtypes", tuple(str(jnp.result_type(x)) for x in leaves))
     set_(self, "layers", scan.layers)
     set_(self, "block_names", tuple(_unique_names(scan.layers)))
-    set_(self, "example_batch_size", scan.losses[0].batch_size)
+    set_(self, "example_batch_size", scan.batch_size)
     set_(self, "outputs_per_example", sum(_outputs_per_example(spec) for spec in scan.losses))
     set_(self, "loss_factor", factor)
     key_samples = num_samples if estimation_mode in _losses.RANDOM_MODES else 1
@@ -428,7 +428,7 @@ class Registration:
     self.check_layer_shapes(
       tuple(s.name for s in scan.layers),
       tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-      scan.losses[0].batch_size,
+      scan.batch_size,
     )
     if key is not None and not _audit.has_tracer_consts(scan):
       if len(self._scans) >= _MAX_SCANS:

@@ -32,6 +32,7 @@ Approximation = Literal[
   "kron_indep",
   "kron_series_1",
   "kron_series_2",
+  "kron_terms",
 ]
 
 
@@ -190,7 +191,11 @@ class DenseInfo:
   `[rows, out]`. A layer whose input is computed from parameters and constants alone reaches
   the batch through a broadcast, its tap: `shared_tap` then maps one example's tap entries to
   positions of the `[rows, out]` output (int32 bytes, row-major; entries read twice sum);
-  empty for a layer whose input rows are the batch's.
+  empty for a layer whose input rows are the batch's. `adds_bias` is False for a use of a
+  shared layer that does not add the layer's bias: a tangent channel of a forward-mode
+  derivative (`jax.jvp`, a forward Laplacian), whose input rows get a homogeneous coordinate
+  of 0 instead of 1. `term` is the one loss tag a shared layer's use feeds (see
+  `blocks._terms`).
   """
 
   kernel_view: tuple[ViewStep, ...]
@@ -201,6 +206,8 @@ class DenseInfo:
   out_dim: int
   rows: int
   shared_tap: bytes = b""
+  adds_bias: bool = True
+  term: int = -1  # A shared layer's use: the loss tag it feeds (-1: one tag, or several).
   # A kernel, then optionally a bias (`LayerSpec.has_bias`).
   kernel_and_bias: ClassVar[bool] = True
 

@@ -1071,6 +1071,20 @@ def vmc_ferminet() -> Zoo:
   return Zoo(vmc.make_loss(system), params, batch, expected)
 
 
+def pinn_poisson() -> Zoo:
+  """A physics-informed network (examples/pinn_poisson.py, smaller): the Laplacian by nested
+  `jax.jvp`, each layer one dense layer shared by the points and their tangents; a residual
+  tag on 16 interior points and a boundary tag on 8 points ("kron_terms": one Kronecker
+  product per tag)."""
+  from examples import pinn_poisson as pp
+
+  sizes = (2, 8, 1)
+  params = pp.init_params(0, sizes, jnp.float32)
+  batch = pp.make_problem(0, n_interior=16, n_boundary=8, dtype=jnp.float32).batch
+  expected = [("dense", "kron_terms", (f"{i}/w", f"{i}/b")) for i in range(2)]
+  return Zoo(pp.loss_fn, params, batch, expected)
+
+
 STRUCTURE_MODELS = {
   "vmc_ferminet": vmc_ferminet,
   "haiku_mlp": haiku_mlp,
@@ -1088,6 +1102,7 @@ STRUCTURE_MODELS = {
   "moe": moe,
   "equinox_gru": equinox_gru,
   "locally_connected": locally_connected,
+  "pinn_poisson": pinn_poisson,
 }
 
 

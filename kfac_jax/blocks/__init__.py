@@ -29,6 +29,7 @@ from kfac_jax.blocks._state import (
   SeriesCache,
   SeriesFactors,
 )
+from kfac_jax.blocks._terms import KroneckerSumBlock, TermsCache
 
 # The block classes that compute layers, each serving its (kind, approximation) pairs
 # (`Block.serves`, unique: tests/scan/test_kinds.py). The wrappers (`ConcatBlock`, `StackedBlock`)
@@ -37,6 +38,7 @@ BLOCK_CLASSES: tuple[type[Block], ...] = (
   KroneckerBlock,
   EKFACBlock,
   SeriesKroneckerBlock,
+  KroneckerSumBlock,
   DiagonalBlock,
   FullBlock,
 )
@@ -110,6 +112,8 @@ __all__ = [
   "SeriesCache",
   "SeriesFactors",
   "SeriesKroneckerBlock",
+  "KroneckerSumBlock",
+  "TermsCache",
   "StackedBlock",
   "StackedUses",
   "BLOCK_CLASSES",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -292,6 +292,17 @@ PER_EXAMPLE_KINDS: tuple[Kind, ...] = tuple(lay.kind for lay in LAYOUTS if lay.p
 )
 
 
+def _examples_of_use(info, data, batch_size: int) -> int:
+  """The examples one use's rows hold: `batch_size`, or, for a dense use on a smaller loss
+  tag's point set, its rows' leading axis (the batch axis, moved first by `x_perm`)."""
+  if not isinstance(info, _specs.DenseInfo) or info.shared_tap:
+    return batch_size
+  x = data[0][0]
+  if (x.size // info.in_dim) % batch_size == 0:
+    return batch_size
+  return x.shape[info.x_perm[0]]
+
+
 def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   """`[S·N, n]`: the gradient of each example's loss for each sampled target, leaves raveled.
 
@@ -301,12 +312,15 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   sum of the uses' for a layer used several times.
   """
   if spec.num_uses > 1:
-    return sum(  # type: ignore[return-value]  # an Array: num_uses > 1 terms
-      per_example_grads(
-        dataclasses.replace(spec, info=info, num_uses=1, use_infos=()), d, batch_size, dtype
-      )
-      for info, d in zip(spec.use_infos, data)
-    )
+    # Uses on the same examples sum per example; uses on another loss tag's point set (whose
+    # rows do not split into `batch_size` examples) are examples of their own, stacked below.
+    groups: dict[int, Any] = {}
+    for info, d in zip(spec.use_infos, data):
+      n = _examples_of_use(info, d, batch_size)
+      one = dataclasses.replace(spec, info=info, num_uses=1, use_infos=())
+      h = per_example_grads(one, d, n, dtype)
+      groups[n] = h if n not in groups else groups[n] + h
+    return jnp.concatenate(list(groups.values()), axis=0)
   if isinstance(spec.info, _specs.ScaleShiftInfo):
     return _scale_shift_grads(spec, data, batch_size, dtype)
   layout = layout_for(spec)
@@ -317,8 +331,9 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
       f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
       f"{spec.approx!r} approximation needs the batch as the leading axis of the input."
     )
-  if spec.has_bias:
-    x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
+  if spec.has_bias:  # The homogeneous coordinate: 0 for a tangent channel (no bias added).
+    coord = 1.0 if getattr(spec.info, "adds_bias", True) else 0.0
+    x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (1,), coord, dtype)], axis=-1)
   x = x.reshape(batch_size, rows // batch_size, *x.shape[1:])
   g = g.reshape(g.shape[0], batch_size, rows // batch_size, *g.shape[2:])
   j = jnp.einsum("nlgi,snlgo->sngio", x, g, precision=lax.Precision.HIGHEST)
@@ -380,4 +395,6 @@ def gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
   h = per_example_grads(spec, data, batch_size, dtype)
   if spec.num_uses == 1 and isinstance(info, _specs.ScaleShiftInfo) and not info.example_rows:
     return h, data[1].shape[0] * batch_size
+  if spec.num_uses > 1:  # S·N: uses on smaller point sets add rows (`per_example_grads`).
+    return h, data[0][1].shape[0] * batch_size
   return h, h.shape[0]

@@ -161,10 +161,11 @@ def substitution_solve(form: tuple[tuple[Array, ...], tuple[Array, ...]], x: Arr
   return z
 
 
-def gram(x: Array, bias: bool) -> Array:
+def gram(x: Array, bias: bool, coord: float = 1.0) -> Array:
   """Σ_r x_r x_rᵀ per group for rows `x` [R, groups, n]: [groups, n, n], or [groups, n+1, n+1]
-  for the rows `[x_r, 1]` when `bias` (the column sums and the row count around `xᵀx`, without
-  copying the rows). One group is a plain `xᵀx`, which XLA:CPU runs faster than a batched dot.
+  for the rows `[x_r, coord]` when `bias` (the column sums and the row count around `xᵀx`,
+  without copying the rows; `coord` 0 for a tangent channel, which adds no bias). One group is
+  a plain `xᵀx`, which XLA:CPU runs faster than a batched dot.
   """
   if x.shape[1] == 1:
     x2 = x[:, 0, :]
@@ -173,8 +174,8 @@ def gram(x: Array, bias: bool) -> Array:
     m = jnp.einsum("rgi,rgj->gij", x, x)
   if not bias:
     return m
-  s = jnp.sum(x, axis=0)[:, :, None]  # [groups, n, 1]
-  n = jnp.full((x.shape[1], 1, 1), x.shape[0], m.dtype)
+  s = coord * jnp.sum(x, axis=0)[:, :, None]  # [groups, n, 1]
+  n = jnp.full((x.shape[1], 1, 1), coord * coord * x.shape[0], m.dtype)
   top = jnp.concatenate([m, s], axis=2)
   bottom = jnp.concatenate([jnp.swapaxes(s, 1, 2), n], axis=2)
   return jnp.concatenate([top, bottom], axis=1)

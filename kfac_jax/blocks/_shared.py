@@ -94,10 +94,11 @@ class SeriesKroneckerBlock(Block):
     del cache
     dtype = self.config.accum_dtype
     xs, gs = [], []
-    for (layout, _), d in zip(self.layouts, data):
+    for (layout, _), d, inf in zip(self.layouts, data, self.spec.use_infos):
       x, g = layout.rows(d, dtype)
-      if self.spec.has_bias:
-        x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
+      if self.spec.has_bias:  # 0 for a tangent channel (`DenseInfo.adds_bias`).
+        coord = 1.0 if inf.adds_bias else 0.0
+        x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (1,), coord, dtype)], axis=-1)
       xs.append(x[:, 0])
       gs.append(g[:, :, 0])
     x, g = jnp.stack(xs), jnp.stack(gs)  # [T, R, in], [T, S, R, out]

@@ -7,7 +7,11 @@ independent and homogeneous:
 
     F ≈ A ⊗ G,   A = (Σ_u Σ_r x̄ x̄ᵀ) / (Σ_u R_u),   G = (1/N) Σ_u Σ_r g gᵀ,
 
-exactly the single-use block for k = 1. When uses see a table in different orientations (a
+exactly the single-use block for k = 1. A use that does not add the layer's bias (a tangent
+channel of a forward-mode derivative, `DenseInfo.adds_bias`) has rows `x̄ = [x, 0]`: this is
+the "expand" K-FAC of physics-informed networks (Dangel, Müller & Zeinhofer 2024), every row of
+every channel one outer product, A normalised by the number of rows over all channels and G by
+the number of examples. When uses see a table in different orientations (a
 tied embedding: `onehot(id) M` and `h Mᵀ`), use u contributes `X_u ⊗ Y_u` in M's own layout
 (lookup: X = id counts / R, Y = its G; transposed product: X = diag of its G, Y = its A), each
 rescaled to equal mean diagonals (X_u c_u, Y_u / c_u), then X = mean_u X_u, Y = Σ_u Y_u; the
@@ -63,14 +67,22 @@ def indep_factors(spec, data, batch_size: int, dtype) -> KroneckerFactors:
       rows = [(x.reshape((-1,) + x.shape[2:]), g.reshape((g.shape[0], -1) + g.shape[3:]))]
     else:
       rows = [layout.rows(d, dtype) for (layout, _), d in zip(layouts, data)]
-    if len({(x.shape[1:], g.shape[0], g.shape[2:]) for x, g in rows}) == 1:
+    if spec.has_bias and not all(getattr(inf, "adds_bias", True) for inf in spec.use_infos):
+      # Tangent channels: the uses without the bias get a homogeneous coordinate of 0.
+      a_sum: Any = sum(
+        _linalg.gram(x, True, 1.0 if inf.adds_bias else 0.0)
+        for (x, _), inf in zip(rows, spec.use_infos)
+      )
+      a = a_sum / sum(x.shape[0] for x, _ in rows)
+      g = sum(output_factor(g) for _, g in rows)
+    elif len({(x.shape[1:], g.shape[0], g.shape[2:]) for x, g in rows}) == 1:
       # Rows of every use in one matrix: one product per factor, however many uses (the T
       # steps of a scan), instead of one per use.
       x = jnp.concatenate([x for x, _ in rows])
       a = _linalg.gram(x, spec.has_bias) / x.shape[0]
       g = output_factor(jnp.concatenate([g for _, g in rows], axis=1))
     else:
-      a_sum: Any = sum(_linalg.gram(x, spec.has_bias) for x, _ in rows)
+      a_sum = sum(_linalg.gram(x, spec.has_bias) for x, _ in rows)
       a = a_sum / sum(x.shape[0] for x, _ in rows)
       g = sum(output_factor(g) for _, g in rows)
     if layouts[0][0].groups == 1:  # One group: no group axis.

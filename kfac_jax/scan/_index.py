@@ -100,6 +100,7 @@ class GraphIndex:
   param_only: frozenset[Any]
   # Key -> (axis, inner): the batch axis followed from the batch leaves (`_batch_axes`).
   batch_axes: Mapping[Any, tuple[int, int]]
+  loss_roots: tuple[Any, ...] = ()  # Per loss tag, its prediction operand.
 
 
 def build(
@@ -162,6 +163,7 @@ def build(
     slice_consumers=frozen_lists(consumers),
     param_only=_param_only(graph, leaf_of_key, consts, batch_size),
     batch_axes=proxy(_batch_axes.batch_axes(graph, n_params, batch_size, loss_roots)),
+    loss_roots=tuple(loss_roots),
   )
 
 
@@ -191,6 +193,22 @@ def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
     uses.setdefault(leaf, []).append((i, pos))
     uses_by_eqn.setdefault(i, []).append((leaf, pos))
   return uses, uses_by_eqn, blocked
+
+
+def tags_reached(ix: GraphIndex, key) -> frozenset[int]:
+  """The loss tags (by position) whose predictions `key` reaches on the loss slice."""
+  roots = {a: t for t, a in enumerate(ix.loss_roots) if _graph.is_key(a)}
+  seen, frontier, found = {key}, [key], set()
+  while frontier:
+    k = frontier.pop()
+    if k in roots:
+      found.add(roots[k])
+    for i, _ in ix.slice_consumers.get(k, ()):
+      for o in ix.g.eqns[i].outs:
+        if o not in seen:
+          seen.add(o)
+          frontier.append(o)
+  return frozenset(found)
 
 
 def _loss_slice(graph, roots) -> tuple[set[int], set[int]]:

@@ -172,7 +172,7 @@ KINDS: dict[Kind, LayerKind] = {
       name="dense",
       info=DenseInfo,
       approximations=(*_KRON, "diagonal", "full", "expand", "reduce", "kron_indep", "ekfac"),
-      shared=("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "full"),
+      shared=("kron_indep", "kron_series_1", "kron_series_2", "kron_terms", "diagonal", "full"),
       matchers=(
         MatcherEntry("kernels", 0, _stacked.match_batched_dense),
         MatcherEntry("kernels", 20, _matchers.match_dense),

@@ -8,6 +8,7 @@ the (transposed) table.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -64,11 +65,10 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
     else:
       return None
   kinds = {f[0] for f in found}
-  biases = {f[4] for f in found}
-  if len(biases) != 1:
+  found, b_leaf = _tangent_uses(ix, found, kinds)
+  if b_leaf is False:
     return None
-  (b_leaf,) = biases
-  if b_leaf is not None and (b_leaf in claimed or len(ix.uses[b_leaf]) != len(uses)):
+  if b_leaf is not None and b_leaf in claimed:
     return None
   infos = tuple(f[1] for f in found)
   shape = ix.shapes[leaf]
@@ -82,6 +82,33 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
   return _matchers.Match(
     kind, tuple(leaves), infos, tuple(f[3] for f in found), tuple(f[2] for f in found)
   )
+
+
+def _tangent_uses(ix, found, kinds):
+  """`(found, bias leaf or None)` when the uses agree on the bias, else `(found, False)`.
+
+  Dense uses may differ in one way: some add the bias and the others add none. That is a layer
+  applied to a point and to its tangents (a forward-mode derivative: `jax.jvp`, nested for a
+  Laplacian, or a hand-written forward Laplacian): the derivative of `x W + b` along a tangent
+  `dx` is `dx W`. The uses without the bias are marked `adds_bias=False` (homogeneous coordinate
+  0); the bias must be used exactly where the kernel's uses add it.
+  """
+  biases = {f[4] for f in found}
+  mixed = len(biases) == 2 and None in biases and kinds == {"dense"}
+  if len(biases) != 1 and not mixed:
+    return found, False
+  b_leaf = next((b for b in biases if b is not None), None)
+  if b_leaf is None:
+    return found, None
+  if len(ix.uses[b_leaf]) != sum(f[4] is not None for f in found):
+    return found, False
+  if not mixed:
+    return found, b_leaf
+  marked = [
+    f if f[4] is not None else (f[0], dataclasses.replace(f[1], adds_bias=False), *f[2:])
+    for f in found
+  ]
+  return marked, b_leaf
 
 
 def _layout(info, shape) -> tuple:

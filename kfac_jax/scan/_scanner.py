@@ -35,6 +35,7 @@ from kfac_jax._specs import (  # Re-exported: the names other modules and tests 
   RegistrationError,
   UncoveredParametersWarning,
   common_prefix,
+  kernel_index_matrix,
   param_paths,
 )
 from kfac_jax.scan import (
@@ -73,6 +74,12 @@ class ScanResult:
   # their rules (`_through_rules`), whose loss output is zero; the loss and its gradient come
   # from differentiating `loss_fn` itself. Empty otherwise.
   rule_calls: tuple[str, ...] = ()
+
+  @property
+  def batch_size(self) -> int:
+    """N, the statistics' normalisation: the largest loss tag's batch (each tag's own size is
+    its `LossSpec.batch_size`; the curvature pass rescales the others' output vectors)."""
+    return max(spec.batch_size for spec in self.losses)
 
 
 def scan(
@@ -138,7 +145,8 @@ def scan(
   losses, loss_operands = _losses(graph)
   shapes = [tuple(np.shape(x)) for x in leaves]
   roots = [ops[0] for ops in loss_operands]
-  ix = _index.build(graph, len(leaves), paths, shapes, roots, losses[0].batch_size)
+  batch_size = max(spec.batch_size for spec in losses)
+  ix = _index.build(graph, len(leaves), paths, shapes, roots, batch_size)
   specs = _Scanner(ix, layers, strict, warn, collect).run()
   specs.sort(key=lambda s: min(s[0].leaf_indices))
   multi = [s[0].multi_tap for s in specs]
@@ -220,12 +228,6 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
       "tags in a custom_vjp's fwd or bwd are not seen). When the curvature is that of "
       "another function than the loss (variational Monte Carlo: a normal tag on "
       "log|psi|), pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
-    )
-  sizes = {l.batch_size for l in losses}
-  if len(sizes) > 1:
-    raise RegistrationError(
-      f"loss tags disagree on the batch size (leading axis): {sorted(sizes)}. All tagged "
-      "predictions must share the leading batch axis."
     )
   return losses, operands
 
@@ -388,7 +390,14 @@ class _Scanner:
     layer, one per use for a shared one."""
     kind, leaves = match.kind, list(match.leaves)
     if match.num_uses > 1:
-      spec = self._shared_spec(kind, leaves, match.infos, approx, source)
+      infos = match.infos
+      if kind == "dense" and len(self.ix.loss_roots) > 1:  # Which tag each use feeds.
+        reached = [_index.tags_reached(self.ix, k) for k in match.outputs]
+        infos = tuple(
+          dataclasses.replace(inf, term=next(iter(r)) if len(r) == 1 else -1)
+          for inf, r in zip(infos, reached)
+        )
+      spec = self._shared_spec(kind, leaves, infos, approx, source)
       return spec, match.outputs, match.inputs
     (info,), (out,), (ins,) = match.infos, match.outputs, match.inputs
     if not match.stack_size:
@@ -618,6 +627,15 @@ class _Scanner:
       pattern = next((p for p in overrides if _layer_config.matches(p, (name, *paths))), None)
       approx = None if pattern is None else overrides[pattern]
     explicit = approx is not None
+    terms = {getattr(inf, "term", -1) for inf in infos}
+    two_terms = len(terms) == 2 and -1 not in terms
+    if approx is None and two_terms:  # Two loss terms: their Kronecker sum, inverted exactly.
+      approx = "kron_terms"
+    if approx == "kron_terms" and not two_terms:
+      raise RegistrationError(
+        f"approximation 'kron_terms' needs the uses of layer {paths} to feed exactly two loss "
+        f'tags, one each; they feed {sorted(terms)} (-1: several). Use "kron_indep".'
+      )
     if approx == "kron" and "kron_indep" in choices:
       approx = "kron_indep"
     if approx is not None and approx not in choices and pattern is not None:
@@ -875,6 +893,46 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   return f"consumed by {name} (no matcher)"
 
 
+_FORWARD_MODE = (
+  "K-FAC follows a layer through forward-mode derivatives (the layer shared by the point and "
+  "its tangents); write the differential operator in forward mode on the batched points: "
+  "nested `jax.jvp(f, (x,), (v,))` with `v = jnp.broadcast_to(e, x.shape)`, or a forward "
+  "Laplacian that carries the value, gradient and Laplacian channels through each layer"
+)
+
+
+def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
+  """Why a kernel read by derivatives of the model matched no layer, or "": a reverse-mode
+  derivative reads it transposed (`jax.grad`, `jax.hessian` = jacfwd(jacrev)); a forward-mode
+  one under `jax.vmap` multiplies a constant tangent direction by it once for every example."""
+  if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2:
+    mats = []
+    for i, fe in enumerate(ix.g.eqns):
+      for pos, a in enumerate(fe.ins if fe.name == "dot_general" else ()):
+        if _graph.is_key(a) and ix.origin.get(a, (None,))[0] == leaf:
+          d = _matchers.dense_use(ix, i, pos)
+          if d is not None:
+            mats.append(kernel_index_matrix(d[0], ix.shapes[leaf]))
+    if any(np.array_equal(m.T, m2) and not np.array_equal(m, m2) for m in mats for m2 in mats):
+      return (
+        "read both ways round, as a reverse-mode derivative inside the loss does (jax.grad, "
+        f"jax.vjp, jax.jacrev, jax.hessian): {_FORWARD_MODE}"
+      )
+  products = [(i, pos) for i, pos in uses if ix.g.eqns[i].name == "dot_general"]
+  unbatched = [
+    (i, pos)
+    for i, pos in products
+    if _graph.is_key(x := ix.g.eqns[i].ins[1 - pos]) and x in ix.param_only
+  ]
+  if unbatched and len(unbatched) < len(uses):
+    return (
+      f"{len(unbatched)} of its {len(uses)} uses multiply an input with no rows per example "
+      "(a tangent direction that is one constant for every point, as `jax.jvp` or "
+      f"`jax.jacfwd` inside `jax.vmap` make it), so no output gradient per point: {_FORWARD_MODE}"
+    )
+  return ""
+
+
 def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
   """Why the scanner matched no layer for `leaf`, from its uses in the traced graph.
 
@@ -898,6 +956,9 @@ def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
       "reaches the loss tags only through stop_gradient (no curvature from them; e.g. a "
       "VQ-VAE codebook trained by an untagged term)"
     )
+  derivative = _derivative_reason(ix, leaf, uses)
+  if derivative:
+    return derivative
   reasons = [_use_reason(ix, leaf, i, pos) for i, pos in uses]
   for r in reasons:
     if r.startswith(("sliced by a scan", "indexed by", "transformed by")):

@@ -182,3 +182,16 @@ def test_vmc_fast(optimizer, capsys):
   out = vmc.main(["--fast", "--optimizer", optimizer])
   assert out["energies"].shape == (6,) and all(abs(e) < 50 for e in out["energies"])
   assert "exact -2.90372" in capsys.readouterr().out
+
+
+def test_pinn_poisson_fast(tmp_path, monkeypatch, capsys):
+  """The Poisson PINN: every parameter in a dense layer shared by the points and tangents,
+  K-FAC and Adam rows with finite errors, and the plot."""
+  from examples import pinn_poisson
+
+  stdout, output = _run_fast(pinn_poisson.main, tmp_path, "pinn.png", monkeypatch, capsys)
+  assert "hold 257 of 257 parameters" in stdout, output
+  for name in ("K-FAC", "Adam"):
+    row = re.search(rf"^\| {name} \| \d+ \| [0-9.]+ \| ([0-9.e+-]+) \|", stdout, re.M)
+    assert row is not None, output
+    assert float(row.group(1)) < 10, output

@@ -206,9 +206,18 @@ def test_optimizer_measures_rho_on_the_loss(x64):
   )
   opt = kfac_jax.Optimizer(registration=reg, damping=1e-2)
   new, state, info = opt.step(params, opt.init(params), batch, jax.random.key(0))
-  want = (loss_fn(new, batch) - loss_fn(params, batch)) / info["quad_model_change"]
+  # The same proposal, taken without adaptation (λ is only adapted after the step).
+  fixed = kfac_jax.Optimizer(registration=reg, damping=1e-2, use_adaptive_damping=False)
+  proposed, _, fixed_info = fixed.step(params, fixed.init(params), batch, jax.random.key(0))
+  change = fixed_info["quad_model_change"]
+  np.testing.assert_allclose(info["quad_model_change"], change, rtol=1e-8)
+  want = (loss_fn(proposed, batch) - loss_fn(params, batch)) / change
   np.testing.assert_allclose(info["rho"], want, rtol=1e-8)
   assert np.isfinite(state.rho)
+  # On fixed walkers the energy rises along this step (ρ < 0): the step is not applied.
+  assert float(info["rho"]) < 0
+  for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(params)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_layer_inside_a_custom_function_with_no_reverse_derivative_is_named():

@@ -141,6 +141,7 @@ TRAINED = {
   "dit_nnx",
   "graphnet_linen",
   "timesformer_linen",
+  "pinn_poisson",
 }
 assert TRAINED <= set(_zoo.STRUCTURE_MODELS), TRAINED - set(_zoo.STRUCTURE_MODELS)
 

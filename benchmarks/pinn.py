@@ -1,0 +1,192 @@
+"""PINN benchmark: relative L2 error at fixed steps and at equal seconds, per optimizer.
+
+Problems (float64, MLP d-64-1 tanh, the Laplacian in forward mode, one tag per loss term):
+
+- `poisson`: −Δu = 2π² sin(πx) sin(πy) on [0, 1]², u = 0 on the boundary (900 interior and 120
+  boundary points; `examples/pinn_poisson.py`);
+- `heat`: ∂u/∂t = κ ∂²u/∂x² on [0, 1] × [0, 1], κ = 1/4, u(0, x) = sin(πx), u = 0 at x = 0 and
+  x = 1; solution exp(−κπ²t) sin(πx) (900 interior, 120 boundary, 120 initial points).
+
+Optimizers: `Optimizer` (`examples/pinn_poisson.make_optimizer`: learning rate and momentum
+from the quadratic model; exact GGN statistics, inverses and damping adaptation at every step),
+`kfac` (the optax chain, fixed learning rates), Adam (a small learning-rate grid) and L-BFGS
+(`optax.lbfgs`, its zoom line search). Each optimizer runs `--steps` steps, the error measured
+at every checkpoint (outside the timing); "equal seconds" gives every optimizer the
+`Optimizer`'s step time for the last checkpoint and reports the error there. `--only` runs a
+subset (by the names' first word).
+
+    python benchmarks/pinn.py --problem poisson --steps 100,1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax  # noqa: E402
+from examples import pinn_poisson as pp  # noqa: E402
+
+KAPPA = 0.25
+
+
+def heat_problem(seed: int = 0):
+  """Points `(t, x)`: interior, boundary (x = 0 or 1) and initial (t = 0)."""
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+  interior = jax.random.uniform(k1, (900, 2), jnp.float64)
+  tb = jax.random.uniform(k2, (120,), jnp.float64)
+  boundary = jnp.stack([tb, (jnp.arange(120) % 2).astype(jnp.float64)], axis=1)
+  x0 = jax.random.uniform(k3, (120,), jnp.float64)
+  initial = jnp.stack([jnp.zeros_like(x0), x0], axis=1)
+  x_eval = jax.random.uniform(k4, (9000, 2), jnp.float64)
+  batch = {"interior": interior, "boundary": boundary, "initial": initial}
+  return pp.Problem(batch, x_eval, heat_solution(x_eval))
+
+
+def heat_solution(p):
+  return jnp.exp(-KAPPA * jnp.pi**2 * p[:, 0]) * jnp.sin(jnp.pi * p[:, 1])
+
+
+def heat_loss(params, batch):
+  """mean((u_t − κ u_xx)²) + mean(u² at x = 0, 1) + mean((u − sin πx)² at t = 0)."""
+  p = batch["interior"]
+  f = lambda q: pp.mlp(params, q)
+  et = jnp.broadcast_to(jnp.array([1.0, 0.0]), p.shape)
+  ex = jnp.broadcast_to(jnp.array([0.0, 1.0]), p.shape)
+  u_t = jax.jvp(f, (p,), (et,))[1]
+  u_xx = jax.jvp(lambda q: jax.jvp(f, (q,), (ex,))[1], (p,), (ex,))[1]
+  residual = (u_t - KAPPA * u_xx)[:, None]
+  kfac_jax.register_squared_error_loss(residual)
+  ub = f(batch["boundary"])[:, None]
+  kfac_jax.register_squared_error_loss(ub)
+  p0 = batch["initial"]
+  u0 = (f(p0) - jnp.sin(jnp.pi * p0[:, 1]))[:, None]
+  kfac_jax.register_squared_error_loss(u0)
+  return jnp.mean(residual**2) + jnp.mean(ub**2) + jnp.mean(u0**2)
+
+
+PROBLEMS = {
+  "poisson": (pp.make_problem, pp.loss_fn),
+  "heat": (heat_problem, heat_loss),
+}
+
+
+def _timed(step, params, state, problem, checkpoints, budget=None, stop=None):
+  """`{step: (seconds, error)}` at the checkpoints; with `budget` (seconds), also the error
+  when the cumulative step time first reaches it."""
+  step = jax.jit(step)
+  error = jax.jit(pp.relative_l2)
+  jax.block_until_ready(step(params, state))  # Compile outside the timing.
+  out, elapsed, at_budget, t = {}, 0.0, None, 0
+  stop = max(checkpoints) if stop is None else stop
+  while t < stop or (budget is not None and at_budget is None and t < 10**6):
+    t += 1
+    start = time.perf_counter()
+    params, state = step(params, state)
+    jax.block_until_ready(params)
+    elapsed += time.perf_counter() - start
+    if t in checkpoints:
+      out[t] = (elapsed, float(error(params, problem)))
+    if budget is not None and at_budget is None and elapsed >= budget:
+      at_budget = (t, float(error(params, problem)))
+  return out, at_budget
+
+
+def optimizer_step(loss_fn, problem, params):
+  opt = pp.make_optimizer(params, problem.batch, loss_fn)
+  rng = jax.random.key(1)
+  return (lambda p, s: opt.step(p, s, problem.batch, rng)[:2]), opt.init
+
+
+def kfac_step(loss_fn, problem, params, lr):
+  reg = kfac_jax.Registration(loss_fn, params, problem.batch, estimation_mode="exact_GGN")
+  tx = kfac_jax.kfac(
+    registration=reg,
+    learning_rate=lr,
+    ema_decay=0.0,
+    damping=1e-3,
+    inverse_every=1,
+    curvature_every=1,
+  )
+  rng = jax.random.key(1)
+
+  def step(params, state):
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, problem.batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  return step, tx.init
+
+
+def optax_step(loss_fn, problem, tx):
+  def step(params, state):
+    value, grads = jax.value_and_grad(loss_fn)(params, problem.batch)
+    kw = {}
+    if isinstance(state, tuple) and any("LBFGS" in type(s).__name__ for s in state):
+      kw = dict(value=value, grad=grads, value_fn=lambda p: loss_fn(p, problem.batch))
+    updates, state = tx.update(grads, state, params, **kw)
+    return optax.apply_updates(params, updates), state
+
+  return step, tx.init
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--problem", choices=sorted(PROBLEMS), default="poisson")
+  p.add_argument("--steps", default="100,1000", help="checkpoints, comma-separated")
+  p.add_argument("--adam-lrs", default="1e-3,3e-3,1e-2")
+  p.add_argument("--kfac-lrs", default="0.1,0.3")
+  p.add_argument(
+    "--lbfgs-steps", type=int, default=100, help="L-BFGS runs to this step at most (slow steps)"
+  )
+  p.add_argument("--only", default="", help="comma-separated subset of optimizer names")
+  args = p.parse_args(argv)
+  checkpoints = sorted(int(s) for s in args.steps.split(","))
+  make, loss_fn = PROBLEMS[args.problem]
+  problem = make(0)
+  params = pp.init_params(0)
+  only = set(args.only.split(",")) - {""}
+  print(
+    f"{args.problem}: jax {jax.__version__}, {os.cpu_count()} CPUs; checkpoints {checkpoints}",
+    flush=True,
+  )
+  runs = {}
+  contestants = [("Optimizer", optimizer_step(loss_fn, problem, params))]
+  for lr in (float(x) for x in args.kfac_lrs.split(",")):
+    contestants.append((f"kfac lr={lr:g}", kfac_step(loss_fn, problem, params, lr)))
+  for lr in (float(x) for x in args.adam_lrs.split(",")):
+    contestants.append((f"Adam lr={lr:g}", optax_step(loss_fn, problem, optax.adam(lr))))
+  contestants.append(("L-BFGS", optax_step(loss_fn, problem, optax.lbfgs())))
+  budget = None
+  for name, (step, init) in contestants:
+    if only and name.split()[0] not in only:
+      continue
+    stop = min(args.lbfgs_steps, max(checkpoints)) if name == "L-BFGS" else None
+    marks = set(checkpoints) | ({stop} if stop else set())
+    out, at_budget = _timed(step, params, init(params), problem, marks, budget, stop)
+    if name == "Optimizer":
+      budget = out[max(checkpoints)][0]
+    runs[name] = (out, at_budget)
+    cells = " | ".join(f"{out[c][1]:.1e}" if c in out else "–" for c in checkpoints)
+    last = max(c for c in out if c <= max(stop or 0, max(checkpoints)))
+    eq = "" if at_budget is None else f" | {at_budget[1]:.1e} ({at_budget[0]} steps)"
+    print(f"| {name} | {cells} | {out[last][0]:.1f} s to step {last}{eq} |", flush=True)
+  if budget is not None:
+    print(f"equal seconds: {budget:.1f} s (the Optimizer's {max(checkpoints)} steps)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

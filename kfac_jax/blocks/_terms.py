@@ -1,0 +1,167 @@
+"""A dense layer shared by two loss terms, as the exact inverse of a sum of two Kronecker products.
+
+A physics-informed network applies each layer to the interior points (and their tangents, for
+the residual) and to the boundary points: its curvature is the sum over the two terms,
+`F ≈ A₁ ⊗ G₁ + A₂ ⊗ G₂`, each term's factors the "kron_indep" statistics of its own uses
+(`_uses`; G with that term's own 1/N). "kron_terms" inverts that sum exactly (Martens & Grosse
+2015, appendix B). With each term damped by half of λ in the factored way
+(`A_t + π_t √(λ/2) I`, `G_t + √(λ/2)/π_t I`), let K_A solve the generalised eigenproblem
+`K_Aᵀ A₁ K_A = I`, `K_Aᵀ A₂ K_A = diag(σ_A)` (likewise K_G); then
+
+    F⁻¹ M = K_A ((K_Aᵀ M K_G) ⊘ (1 + σ_A σ_Gᵀ)) K_Gᵀ      (M the `[in(+1), out]` matrix),
+
+and the factor `C = (A₁ K_A ⊗ G₁ K_G) diag(1 + σ_A ⊗ σ_G)^½` has `C Cᵀ = F` (K⁻ᵀ = A₁ K).
+Only the powers −1 and 1, in "factored" damping mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax.blocks import _kronecker, _uses
+from kfac_jax.blocks._kronecker import LayoutBlock
+from kfac_jax.blocks._state import KroneckerFactors
+
+if TYPE_CHECKING:
+  from kfac_jax._specs import Approximation, Kind
+
+Array = jax.Array
+
+
+class TermsCache(NamedTuple):
+  """Attributes: `ka`, `kg`: `[n, n]` generalised eigenvectors; `qa = A₁ K_A`, `qg = G₁ K_G`
+  (`K⁻ᵀ`); `d: [n_A, n_G]`, 1 + σ_A σ_Gᵀ; `damping: []`."""
+
+  ka: Array
+  kg: Array
+  qa: Array
+  qg: Array
+  d: Array
+  damping: Array
+
+
+def term_of_uses(spec) -> tuple[int, ...]:
+  """Each use's loss term: the rank of its tag among the tags the layer's uses feed."""
+  tags = sorted({inf.term for inf in spec.use_infos})
+  return tuple(tags.index(inf.term) for inf in spec.use_infos)
+
+
+def _generalised(b: Array, a: Array) -> tuple[Array, Array]:
+  """`(K, σ)` with `Kᵀ b K = I` and `Kᵀ a K = diag(σ)`, for b positive definite."""
+  chol = jnp.linalg.cholesky(0.5 * (b + b.T))
+  eye = jnp.eye(b.shape[0], dtype=b.dtype)
+  inv = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)  # L⁻¹
+  sigma, u = jnp.linalg.eigh(inv @ (0.5 * (a + a.T)) @ inv.T)
+  return inv.T @ u, jnp.maximum(sigma, 0.0)
+
+
+class KroneckerSumBlock(LayoutBlock):
+  """A dense layer whose uses feed two loss tags: `A₁ ⊗ G₁ + A₂ ⊗ G₂`, inverted exactly."""
+
+  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset({("dense", "kron_terms")})
+
+  def __init__(self, spec, config):
+    self.spec = spec
+    self.config = config
+    if config.damping_mode != "factored":
+      raise ValueError(
+        f"layer `{spec.name}`: approximation 'kron_terms' needs damping_mode='factored', got "
+        f"{config.damping_mode!r}."
+      )
+    bad = [e for e in config.exps if e not in (-1, 1)]
+    if bad:
+      raise ValueError(
+        f"layer `{spec.name}`: approximation 'kron_terms' defines only the powers -1 and 1, "
+        f'got exps={config.exps}. Use exps=(-1,), or approx="kron_indep" for other powers.'
+      )
+    self.terms = term_of_uses(spec)
+    if sorted(set(self.terms)) != [0, 1]:
+      raise ValueError(
+        f"layer `{spec.name}`: approximation 'kron_terms' needs uses that feed exactly two "
+        f"loss tags; its {spec.num_uses} uses feed {len(set(self.terms))}."
+      )
+
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    """Both terms' A and G, stacked: `[2, in(+1), in(+1)]`, `[2, out, out]`."""
+    sa, sg = _kronecker.kron_shapes(spec)
+    return (2, *sa), (2, *sg)
+
+  def init_factors(self) -> KroneckerFactors:
+    sa, sg = self.factor_shapes
+    dtype = self.config.stats_dtype
+    return KroneckerFactors(a=jnp.zeros(sa, dtype), g=jnp.zeros(sg, dtype))
+
+  def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
+    del cache
+    parts = []
+    for t in (0, 1):
+      uses = [i for i, term in enumerate(self.terms) if term == t]
+      infos = tuple(self.spec.use_infos[i] for i in uses)
+      sub = dataclasses.replace(self.spec, use_infos=infos, num_uses=len(uses), info=infos[0])
+      part = _uses.indep_factors(
+        sub, tuple(data[i] for i in uses), batch_size, self.config.accum_dtype
+      )
+      parts.append(part)
+    return KroneckerFactors(a=jnp.stack([p.a for p in parts]), g=jnp.stack([p.g for p in parts]))
+
+  def init_cache(self) -> TermsCache:
+    sa, sg = self.factor_shapes
+    dtype = self.config.inverse_dtype
+    ea, eg = jnp.eye(sa[-1], dtype=dtype), jnp.eye(sg[-1], dtype=dtype)
+    d = jnp.ones((sa[-1], sg[-1]), dtype)
+    return TermsCache(ka=ea, kg=eg, qa=ea, qg=eg, d=d, damping=jnp.zeros((), dtype))
+
+  def _damped(self, factors: KroneckerFactors, damping):
+    """Each term's factors damped with λ/2 (factored, its own π)."""
+    dtype = self.config.inverse_dtype
+    a, g = factors.a.astype(dtype), factors.g.astype(dtype)
+    half = 0.5 * jnp.asarray(damping, dtype)
+    return [_kronecker.damped_factors(a[t], g[t], half) for t in (0, 1)]
+
+  def compute_cache(self, factors: KroneckerFactors, damping) -> TermsCache:
+    (a1, g1), (a2, g2) = self._damped(factors, damping)
+    ka, sa = _generalised(a1, a2)
+    kg, sg = _generalised(g1, g2)
+    d = 1.0 + sa[:, None] * sg[None, :]
+    return TermsCache(
+      ka=ka,
+      kg=kg,
+      qa=a1 @ ka,
+      qg=g1 @ kg,
+      d=d,
+      damping=jnp.asarray(damping, self.config.inverse_dtype),
+    )
+
+  def multiply_matpower(self, factors, cache: TermsCache, vecs, exp):
+    m = self.to_matrix(vecs)
+    if exp == 1:
+      out = sum(a @ m @ g for a, g in self._damped(factors, cache.damping))
+    else:
+      out = cache.ka @ ((cache.ka.T @ m @ cache.kg) / cache.d) @ cache.kg.T
+    return self.from_matrix(out, vecs)
+
+  def multiply_cholesky(self, factors, cache: TermsCache, vecs, *, transpose, inverse):
+    m = self.to_matrix(vecs)
+    root = jnp.sqrt(cache.d)
+    if inverse:  # C⁻¹ = diag(√d)⁻¹ (K_A ⊗ K_G)ᵀ; C⁻ᵀ = (K_A ⊗ K_G) diag(√d)⁻¹.
+      if transpose:
+        out = cache.ka @ (m / root) @ cache.kg.T
+      else:
+        out = (cache.ka.T @ m @ cache.kg) / root
+    elif transpose:  # Cᵀ = diag(√d) (Q_A ⊗ Q_G)ᵀ.
+      out = (cache.qa.T @ m @ cache.qg) * root
+    else:
+      out = cache.qa @ (m * root) @ cache.qg.T
+    return self.from_matrix(out, vecs)
+
+  def multiply_undamped(self, factors, vecs, cache=None):
+    del cache
+    m = self.to_matrix(vecs)
+    dtype = self.config.inverse_dtype
+    a, g = factors.a.astype(dtype), factors.g.astype(dtype)
+    return self.from_matrix(a[0] @ m @ g[0] + a[1] @ m @ g[1], vecs)
