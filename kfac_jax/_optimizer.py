@@ -328,9 +328,7 @@ class Optimizer:
     config: _config.Config | None = None,
   ):
     config = _config.get(config, "Optimizer")
-    self._deferred = _registration.Deferred.of(
-      loss_fn, example_batch, registration, "Optimizer"
-    )
+    self._deferred = _registration.Deferred.of(loss_fn, example_batch, registration, "Optimizer")
     self._estimator = functools.lru_cache(maxsize=1)(
       functools.partial(
         _estimator.CurvatureEstimator,
