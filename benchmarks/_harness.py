@@ -241,15 +241,24 @@ def first_order(name: str, family: str, loss_fn, tx, **hyperparameters) -> Conte
   return Contestant(name, family, tx.init, ae.make_adam_step(loss_fn, tx), hyperparameters)
 
 
-def kfac_step(loss_fn, tx, *, from_batch: bool, stats_batch: int | None = None):
+def kfac_step(loss_fn, tx, *, from_batch: bool, stats_batch: int | None = None, registration=None):
   """A `kfac` training step `(params, state, batch, rng) -> (params, state, loss)`. Without
   `from_batch`, loss, gradients and statistics come from one `kfac_jax.value_and_grad` pass
   (`examples.autoencoder.make_kfac_step`); with it, the step is `jax.value_and_grad` and the
   transform computes the statistics from `batch=` on its due updates only, from the
   minibatch's first `stats_batch` examples if given (the transform normalises statistics by
-  their own batch size)."""
-  if not from_batch:
+  their own batch size). With `registration`, `value_and_grad` uses it."""
+  if not from_batch and registration is None:
     return ae.make_kfac_step(loss_fn, tx)
+  if not from_batch:
+    vg = kfac_jax.value_and_grad(registration=registration)
+
+    def one_pass(params, state, batch, rng):
+      loss, grads, stats = vg(params, batch, rng)
+      updates, state = tx.update(grads, state, params, curvature_stats=stats)
+      return optax.apply_updates(params, updates), state, loss
+
+    return one_pass
 
   def step(params, state, batch, rng):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -258,6 +267,16 @@ def kfac_step(loss_fn, tx, *, from_batch: bool, stats_batch: int | None = None):
     return optax.apply_updates(params, updates), state, loss
 
   return step
+
+
+REGISTRATION_SETTINGS = (
+  "has_aux",
+  "estimation_mode",
+  "num_samples",
+  "layers",
+  "strict",
+  "check_loss",
+)
 
 
 def with_config(kwargs: dict) -> dict:
@@ -288,6 +307,7 @@ def kfac_transform(
   stats_batch: int | None = None,
   decay_steps: int | None = None,
   name: str | None = None,
+  params=None,
   **kfac_kwargs,
 ) -> Contestant:
   """`kfac_jax.kfac` (the optax transform) with a fixed learning rate, momentum and damping.
@@ -301,13 +321,23 @@ def kfac_transform(
   due steps only: cheaper statistics from fewer rows, as a user can pass a slice of the batch
   (or `kfac`'s `statistics_fraction`, which also makes the step take them from `batch=`).
   `decay_steps=n`: the learning rate follows `optax.cosine_decay_schedule(learning_rate, n)`.
+  Settings of the scan among `kfac_kwargs` (`layers=`, `estimation_mode=`, ...) build a
+  `kfac_jax.Registration` from `params` (the workload's initial parameters).
   """
   momentum_ = momentum if momentum > 0 else None
   if stats_batch is not None:  # Exactly those rows: not cut again by `kfac`'s "auto" default.
     kfac_kwargs.setdefault("statistics_fraction", None)
+  settings = {k: kfac_kwargs[k] for k in REGISTRATION_SETTINGS if k in kfac_kwargs}
+  reg = None
+  if settings:
+    if params is None:
+      raise ValueError(f"kfac_transform: {sorted(settings)} need `params=` for the registration")
+    reg = kfac_jax.Registration(loss_fn, params, example_batch, **settings)
+  front = {"registration": reg} if reg is not None else {}
+  rest = {k: v for k, v in kfac_kwargs.items() if k not in settings}
   tx = kfac_jax.kfac(
-    loss_fn,
-    example_batch,
+    *(() if reg is not None else (loss_fn, example_batch)),
+    **front,
     learning_rate=(
       learning_rate
       if decay_steps is None
@@ -318,11 +348,11 @@ def kfac_transform(
     ema_decay=ema_decay,
     inverse_every=inverse_every,
     curvature_every=curvature_every,
-    **with_config({"estimation_mode": "gradients", "num_samples": 1, **kfac_kwargs}),
+    **with_config(rest),
   )
 
   from_batch = curvature_every > 1 or needs_batch(kfac_kwargs, stats_batch)
-  step = kfac_step(loss_fn, tx, from_batch=from_batch, stats_batch=stats_batch)
+  step = kfac_step(loss_fn, tx, from_batch=from_batch, stats_batch=stats_batch, registration=reg)
   if name is None:
     name = "kfac_jax (optax)" + (
       f", statistics every {curvature_every}" if curvature_every > 1 else ""

@@ -418,6 +418,7 @@ def race_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Con
       )
     )
   common = {
+    "params": workload.params0,
     "learning_rate": wl.kfac_lr,
     "momentum": wl.kfac_momentum,
     "damping": wl.damping,
@@ -489,6 +490,7 @@ def sweep_contestants(workload: _harness.Workload, args, wl) -> list[_harness.Co
           loss_fn,
           example,
           name=f"{'ekfac' if args.sweep_ekfac else 'kfac'} lr={lr:g} damping={damping:g}",
+          params=workload.params0,
           learning_rate=lr,
           momentum=wl.kfac_momentum,
           damping=damping,

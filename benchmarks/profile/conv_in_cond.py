@@ -88,7 +88,7 @@ def statistics_table(repeats: int) -> None:
   params = wl.params0
   est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(wl.loss_fn, params, batch))
   state = est.init(params)
-  scan = est.scan_batch(params, batch)
+  scan = est.registration.scan_batch(params, batch)
   key = jax.random.key(0)
 
   def canonical(s, p, b, k):

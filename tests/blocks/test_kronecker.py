@@ -1175,7 +1175,7 @@ def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
   key = jax.random.key(7)
   got = est.curvature_stats(params, batch, key)
   plain = _curvature.compute(  # The same pass without the canonical pull-back.
-    est.scan_batch(params, batch),
+    est.registration.scan_batch(params, batch),
     params,
     batch,
     key,
@@ -1190,7 +1190,7 @@ def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
     text = jax.jit(fn).lower(params, batch, key).as_text()
     return re.findall(r"dim_numbers = \[[^\]]*\]x\[([^\]]*)\]->", text)
 
-  scan = est.scan_batch(params, batch)
+  scan = est.registration.scan_batch(params, batch)
 
   def plain_stats(p, b, k):
     return _curvature.compute(

@@ -51,10 +51,11 @@ def test_full_step_under_rank_promotion_raise(strict_rank, loss, mode, damping_m
   batch = {"x": x, "y": y, "t": t}
   num_samples = 1 if mode == "exact" else 2
   with pytest.warns(kfac_jax.UncoveredParametersWarning, match="`s`"):
+    reg = kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode=mode, num_samples=num_samples
+    )
     tx = kfac_jax.kfac(
-      registration=kfac_jax.Registration(
-        loss_fn, params, batch, estimation_mode=mode, num_samples=num_samples
-      ),
+      registration=reg,
       learning_rate=0.1,
       config=kfac_jax.Config(damping_mode=damping_mode),
     )
@@ -62,11 +63,7 @@ def test_full_step_under_rank_promotion_raise(strict_rank, loss, mode, damping_m
 
   @jax.jit
   def step(params, state, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(
-        loss_fn, params, batch, estimation_mode=mode, num_samples=num_samples
-      )
-    )(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 
