@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -132,7 +132,11 @@ class Registration:
       `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
       shard_map.
     check_loss: audit the loss tags against the returned loss on `example_batch`
-      (`kfac_jax._audit`); False skips it, for a loss that differs from its tags on purpose.
+      (`kfac_jax._audit`): True runs every check, False none (a loss that differs from its
+      tags on purpose), a collection of check names only those: "shared_prediction" (two
+      tags on one prediction), "dependence" (the loss depends on each tagged prediction),
+      "curvature", "gradient" (the "empirical" mode's targets) and "weights" (the measured
+      fit of the loss to the tags). Each message names its check.
     warn: emit the warnings below (False for a registration an entry point builds on the
       user's behalf).
 
@@ -180,7 +184,7 @@ class Registration:
   layer_config: Any
   strict: bool
   axis_name: Any
-  check_loss: bool
+  check_loss: bool | Collection[str]
   example_batch: Any
   params_shape: Any
   param_paths: tuple[str, ...]
@@ -207,14 +211,14 @@ class Registration:
     layers: _scan.LayerConfig | None = None,
     strict: bool = False,
     axis_name: AxisName = None,
-    check_loss: bool = True,
+    check_loss: bool | Collection[str] = True,
     warn: bool = True,
   ):
     set_ = object.__setattr__
     part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
-    _checks.boolean(check_loss, "check_loss")
+    checks = _audit.checks_from(check_loss)
     config = _scan.check_layer_config(layers)
     names = axis_names(axis_name)
     set_(self, "loss_fn", loss_fn)
@@ -231,7 +235,7 @@ class Registration:
     with _compat.axis_env([(n, 1) for n in names]):
       scan = self._trace(params, example_batch, warn)
     factor = None
-    if check_loss:  # Once per registration: its warning is not repeated by later scans.
+    if checks:  # Once per registration: its warning is not repeated by later scans.
       factor = _audit.audit(
         scan,
         params,
@@ -240,6 +244,7 @@ class Registration:
         axis_names=names,
         strict=strict,
         warn=warn,
+        checks=checks,
       )
     leaves = jax.tree_util.tree_leaves(params)
     set_(self, "example_batch", jax.eval_shape(lambda b: b, example_batch))
