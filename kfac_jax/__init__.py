@@ -18,6 +18,7 @@ from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_t
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
 from kfac_jax._curvature_estimator import CurvatureEstimator
+from kfac_jax._engine import HyperparameterWarning
 from kfac_jax._estimator import EstimatorState
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerState
 from kfac_jax._optimizer import OptimizerConfig as OptimizerConfig  # Raises, naming Config.
@@ -58,6 +59,7 @@ __all__ = [
   "KfacState",
   "LayerConfig",
   "LayerSpec",
+  "HyperparameterWarning",
   "LossMismatchWarning",
   "Optimizer",
   "OptimizerState",

@@ -326,6 +326,7 @@ class Optimizer:
   ):
     config = _config.get(config, "Optimizer")
     self._source = _fronts.for_front(loss_fn, example_batch, registration, config, "Optimizer")
+    self._reporter = _engine.Reporter("Optimizer")
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
@@ -448,11 +449,27 @@ class Optimizer:
       lam = state.damping
     else:
       lam = _schedule_value(self.damping, clock, dtype)
+    scheduled = {
+      "learning_rate": (self.learning_rate, 0.0),
+      "momentum": (self.momentum, None),
+      "damping": (None if self.use_adaptive_damping else self.damping, 0.0),
+    }
+    usable = _engine.hyperparameters_ok(
+      self._reporter,
+      {
+        n: (_schedule_value(f, clock, dtype), low)
+        for n, (f, low) in scheduled.items()
+        if callable(f)
+      },
+      clock,
+      cfg.skip_nonfinite,
+    )
 
     # The engine's step: statistics, inverses (damping λ + η) and −Δ = F̂⁻¹ ∇h.
     ok = None
     if cfg.skip_nonfinite:
       ok = jnp.isfinite(loss) & _storage.all_finite(grads)
+      ok = ok if usable is None else ok & usable
     pre, curv, ok = _engine.step(
       est,
       state.curvature,

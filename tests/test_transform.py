@@ -477,6 +477,7 @@ def _kfac_step(loss_fn, tx):
 
 
 @pytest.mark.parametrize("where", ["gradient", "batch", "update"])
+@pytest.mark.filterwarnings("ignore::kfac_jax.HyperparameterWarning")  # Reported: test_safety.
 def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   """A NaN gradient, a NaN batch (statistics and gradient) or an infinite learning rate (the
   update): params and every state leaf unchanged, momentum trace included, but the counters;
@@ -862,6 +863,7 @@ def test_profile_names_kfac_statistics_inverses_and_products():
 
 
 @pytest.mark.parametrize("front", ["kfac", "Optimizer"])
+@pytest.mark.filterwarnings("ignore::kfac_jax.HyperparameterWarning")  # Reported: test_safety.
 def test_a_schedule_that_is_not_finite_at_one_step_skips_it_and_moves_on(front):
   """The schedules get every update seen (`count + skipped`): a NaN at one count skips that
   update only, instead of returning the same NaN forever (and stalling training)."""
