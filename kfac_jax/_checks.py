@@ -145,3 +145,19 @@ def optional_str(value, name: str) -> None:
 def function(value, name: str) -> None:
   if not callable(value):
     raise TypeError(f"`{name}` must be callable, got {_describe(value)}.")
+
+
+def axis_bound(axis_name, who: str) -> None:
+  """ValueError naming `axis_name` when a name of it is not bound where the front is called:
+  its collectives need the `jax.pmap` / `jax.shard_map` that binds it."""
+  if axis_name is None:
+    return
+  for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+    try:
+      jax.lax.axis_size(name)
+    except NameError:
+      raise ValueError(
+        f"{who}: `axis_name`={name!r} is not bound here, so its means over devices cannot run. "
+        f"Call it inside `jax.pmap(..., axis_name={name!r})` or `jax.shard_map` over a mesh "
+        f"axis named {name!r}; under plain `jax.jit` (sharded arrays) pass axis_name=None."
+      ) from None

@@ -14,6 +14,7 @@ shares; `kfac_jax.CurvatureEstimator` is its public face.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -25,6 +26,7 @@ from kfac_jax import (
   _checks,
   _compat,
   _curvature,
+  _fit,
   _parallel,
   _registration,
   _storage,
@@ -34,10 +36,6 @@ from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
 Array = jax.Array
-
-
-# The `EstimatorState` fields that hold one entry per block (named in checkpoint errors).
-PER_BLOCK_FIELDS = ("factors", "cache")
 
 
 class EstimatorState(NamedTuple):
@@ -138,6 +136,19 @@ class Estimator:
 
   # -- state -----------------------------------------------------------------------------------
 
+  @functools.cached_property
+  def _state_shapes(self):
+    return jax.eval_shape(self.init)
+
+  def check_state(self, state, axis_name=None, who: str | None = None, what: str = "state"):
+    """ValueError naming what differs when `state` is not one this estimator's `init` makes
+    (another model, layer configuration or storage), and when `axis_name` is not bound. A
+    sharded state's buffers are checked by its storage."""
+    who = who or self.who
+    _checks.axis_bound(axis_name, who)
+    if isinstance(self.storage, _storage.ReplicatedStorage):
+      _fit.check(self._state_shapes, state, who, what)
+
   def init(self, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None):
     """Zero statistics and identity caches (see `kfac_jax.CurvatureEstimator.init`)."""
     factors, cache = self.storage.init_state(self.names, self.blocks, axis_name, mesh)
@@ -207,6 +218,7 @@ class Estimator:
   ) -> EstimatorState:
     """The EMA update (see `kfac_jax.CurvatureEstimator.update_curvature_from_stats`)."""
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
+    self.check_state(state, axis_name)
     new = self.batch_factors(stats, axis_name, cache=state.cache)
     acc = self.config.accum_dtype
     decay = jnp.asarray(ema_decay, acc)
@@ -255,6 +267,7 @@ class Estimator:
   ) -> EstimatorState:
     """Recomputes every block's cache for damping λ (see `CurvatureEstimator.update_inverses`)."""
     _checks.number(damping, "damping", low=0.0, schedule=True)
+    self.check_state(state, axis_name)
     if axis_name is not None and mesh is not None:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     damping = jnp.asarray(damping, self.config.inverse_dtype)
@@ -306,6 +319,7 @@ class Estimator:
 
   def multiply_matpower(self, state, vector, exp: float, *, axis_name=None, mesh=None):
     """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`."""
+    self.check_state(state, axis_name)
     exp = float(exp)
     if exp != 1 and exp not in self.config.exps:
       raise ValueError(
@@ -325,6 +339,7 @@ class Estimator:
     self, state, vector, *, transpose=False, inverse=False, axis_name=None, mesh=None
   ):
     """C·v (C⁻¹·v with `inverse`; Cᵀ with `transpose`), C Cᵀ = damped curvature."""
+    self.check_state(state, axis_name)
     return self.apply(
       state,
       vector,
@@ -336,6 +351,7 @@ class Estimator:
 
   def to_dense(self, state: EstimatorState) -> Array:
     """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""
+    self.check_state(state)
     sizes = [int(np.prod(s)) for s, _ in self._sig[1]]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])

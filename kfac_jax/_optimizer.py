@@ -33,6 +33,7 @@ from kfac_jax import (
   _curvature,
   _engine,
   _estimator,
+  _fit,
   _fronts,
   _losses,
   _parallel,
@@ -433,6 +434,9 @@ class Optimizer:
       )
     est = self._source.for_params(params)
     reg, cfg = est.registration, self.config
+    _checks.axis_bound(self.axis_name, "Optimizer")
+    if isinstance(est.storage, _storage.ReplicatedStorage):  # Sharded: checked by the storage.
+      _fit.check(jax.eval_shape(self.init, params), state, "Optimizer")
     dtype = est.config.inverse_dtype
     clock = state.step + state.skipped  # Every step seen: what the schedules are called with.
     in_burn = state.step < cfg.burn_in_steps

@@ -26,6 +26,7 @@ from kfac_jax import (
   _config,
   _engine,
   _estimator,
+  _fit,
   _fronts,
   _registration,
   _storage,
@@ -211,6 +212,7 @@ def _preconditioner(
       raise ValueError(f"{who}: `params` is required: tx.update(grads, state, params, ...).")
     est, kept = _fronts.estimator_for(source, params, who)
     _check_state(state, est, who)
+    est.check_state(state.curvature, axis_name, who, "state.curvature")
     if kept is not None:
       if _fronts.masked_share(updates) != kept:
         raise ValueError(
@@ -441,6 +443,7 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
     v, pre = preconditioner.update(
       updates, old, params, curvature_stats=curvature_stats, batch=batch, rng=rng, kfac_gate=gate
     )
+    _fit.check(jax.eval_shape(rest.init, params), state.rest, "kfac", "state.rest")
 
     def run():
       return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock)
