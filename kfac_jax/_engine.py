@@ -195,4 +195,12 @@ def step(
     )
   if ok is not None:
     ok = ok & _storage.all_finite(pre)
+  if mesh is not None and isinstance(est.storage, _storage.ReplicatedStorage):
+    # Replicated as `init` made it: XLA's propagation would split some inverses the sharded
+    # gradient meets, and a state of other shardings compiles the next step again.
+    every = jax.sharding.NamedSharding(_parallel.mesh_axis(mesh)[0], jax.sharding.PartitionSpec())
+    curv = curv._replace(
+      factors=jax.lax.with_sharding_constraint(curv.factors, every),
+      cache=jax.lax.with_sharding_constraint(curv.cache, every),
+    )
   return pre, curv, ok

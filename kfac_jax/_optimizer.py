@@ -394,7 +394,7 @@ class Optimizer:
     est, _ = _fronts.estimator_for(self._source, params, "Optimizer", self.axis_name)
     dtype = est.config.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
-    return OptimizerState(
+    state = OptimizerState(
       step=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
       curvature=est.init(axis_name=self.axis_name, mesh=self.config.mesh),
@@ -402,6 +402,7 @@ class Optimizer:
       rho=jnp.full([], jnp.nan, dtype),
       velocity=jax.tree_util.tree_map(jnp.zeros_like, params),
     )
+    return _parallel.replicate_on_mesh(state, params, self.config.mesh)
 
   # -- one step --------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from kfac_jax import (
   _estimator,
   _fit,
   _fronts,
+  _parallel,
   _registration,
   _storage,
 )
@@ -190,11 +191,12 @@ def _preconditioner(
   def init_fn(params) -> ScaleByKfacState:
     est, _ = _fronts.estimator_for(source, params, who, axis_name)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
-    return ScaleByKfacState(
+    state = ScaleByKfacState(
       count=jnp.zeros([], jnp.int32),
       curvature=est.init(axis_name=axis_name, mesh=mesh),
       skipped=jnp.zeros([], jnp.int32),
     )
+    return _parallel.replicate_on_mesh(state, params, mesh)
 
   def update_fn(
     updates,
