@@ -6,7 +6,7 @@ the state: zero factors and identity caches, built eagerly, so a factor shape no
 the process pays a small XLA compile per array op, which is why the first flavour of a model
 takes longer); "compile" is lowering and compiling the jitted step (value_and_grad
 with curvature statistics, then the transform's update, inverses included), timed once, cold.
-The recurrent and tied-weight models of tests/test_shared.py follow (a linen LSTM through
+The recurrent and tied-weight models of tests/blocks/test_uses.py follow (a linen LSTM through
 `nn.RNN`, an nnx GRU through `nnx.RNN`, linen and nnx LMs whose embedding is also the output
 projection): their shared layers are listed with the number of uses. Prints a Markdown table.
 

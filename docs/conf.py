@@ -14,3 +14,7 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 html_theme = "alabaster"
 exclude_patterns = ["_build"]
+# A wider text column for the code blocks, and a scroll bar on those still wider than it.
+html_theme_options = {"page_width": "1120px", "body_max_width": "900px"}
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]

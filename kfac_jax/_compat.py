@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
+import glob
+import importlib
+import os
 from typing import Any
 
 import jax
@@ -151,3 +155,49 @@ def source_line(eqn: JaxprEqn, skip_dir: str) -> str | None:
     if not frame.file_name.startswith(skip_dir):
       return f"{frame.file_name}:{frame.start_line}"
   return None
+
+
+_BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+_SET_THREADS = ("scipy_openblas_set_num_threads", "openblas_set_num_threads")
+_lapack_threads_set: list[bool] = []  # Non-empty once `one_lapack_thread` has run.
+
+
+def one_lapack_thread() -> None:
+  """On CPU, scipy's OpenBLAS set to one thread, once per process, unless the environment
+  names a BLAS thread count.
+
+  jaxlib's CPU LAPACK kernels (Cholesky, eigh, triangular solves: the inverse refresh) call
+  scipy's LAPACK, whose OpenBLAS worker threads keep spinning after each call and take the
+  cores from XLA's own threads for the steps that follow. numpy's OpenBLAS is another library
+  and is left alone. Setting `OPENBLAS_NUM_THREADS` (or `GOTO_`/`OMP_NUM_THREADS`) keeps the
+  count it names.
+  """
+  if _lapack_threads_set:
+    return
+  _lapack_threads_set.append(True)
+  if any(os.environ.get(v) for v in _BLAS_THREAD_VARIABLES) or jax.default_backend() != "cpu":
+    return
+  for library in _scipy_openblas():
+    for name in _SET_THREADS:
+      set_threads = getattr(library, name, None)
+      if set_threads is not None:
+        set_threads(1)
+        break
+
+
+def _scipy_openblas() -> list[Any]:
+  """The OpenBLAS libraries scipy's wheel ships (`scipy.libs/`), loaded; [] elsewhere (a
+  distribution's scipy on a shared OpenBLAS is left to the environment)."""
+  try:  # Importing scipy's LAPACK loads its OpenBLAS.
+    lapack = importlib.import_module("scipy.linalg.cython_lapack")
+  except ImportError:  # pragma: no cover - jax requires scipy.
+    return []
+  site = os.path.dirname(os.path.dirname(os.path.dirname(lapack.__file__ or "")))
+  libs = os.path.join(site, "scipy.libs")
+  found = []
+  for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
+    try:
+      found.append(ctypes.CDLL(path))
+    except OSError:  # pragma: no cover - a file that is not a loadable library.
+      continue
+  return found

@@ -86,6 +86,7 @@ class Estimator:
 
   def __post_init__(self):
     self.storage.check_blocks(self.names, self.blocks)
+    _compat.one_lapack_thread()
 
   # -- structure -------------------------------------------------------------------------------
 

@@ -269,7 +269,9 @@ class Optimizer:
       with a loss tag on the model output.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
-    momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule.
+    momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule. The
+      model's μ is not bounded: it is negative when the previous step overshot along
+      `δ_prev` and may exceed 1, since M is minimised over any real (α, μ).
     damping: λ ≥ 0: the initial value with adaptive damping, otherwise a number or a schedule.
     use_adaptive_damping: adapt λ by the Levenberg–Marquardt rule (module docstring).
     l2_reg: η ≥ 0: `h = L + (η/2)‖θ‖²`; η is added to the gradient, to the damping of the

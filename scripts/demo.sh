@@ -7,8 +7,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 kfac_setup_venv examples
 kfac_maybe_install_dataset --update
 kfac_print_versions
-# One OpenBLAS thread: jaxlib's LAPACK calls (K-FAC's inverse refresh) run on scipy's OpenBLAS,
-# whose spinning worker threads otherwise slow the steps after each refresh on a small CPU
-# (docs: choosing hyperparameters, "On CPU"). Adam does not call LAPACK. Yours wins if set.
-export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 exec "$KFAC_PY" "$KFAC_ROOT/examples/autoencoder.py" "$@"

@@ -1,4 +1,5 @@
-"""One process of a multi-process K-FAC run on localhost (tests/test_multihost.py starts two).
+"""One process of a multi-process K-FAC run on localhost (tests/suites/test_multihost.py starts
+two).
 
     python tests/_multihost_worker.py PORT PROCESS_ID NUM_PROCESSES OUT_DIR
 

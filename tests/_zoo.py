@@ -1,5 +1,5 @@
 """The model zoo: small linen and nnx models with their loss functions, batches and the layers
-the scanner must find (shared by tests/test_zoo.py and benchmarks/zoo.py).
+the scanner must find (shared by tests/suites/test_zoo.py and benchmarks/zoo.py).
 
 Each builder returns a `Zoo`: `loss_fn(params, batch)`, `params`, `batch` and `expected`, the
 `(kind, approx, param_paths)` of every layer `kfac_jax.scan_layers` must return, in order.
@@ -420,7 +420,7 @@ MODELS = {
 # ==============================================================================================
 # Structure zoo: Haiku and equinox models, a Gemma-style RMSNorm, a
 # ViT-ish model with a learned positional table, a Flax OptimizedLSTMCell, a 32k-vocabulary head.
-# Builders take no flavour; tests/test_zoo.py runs them through `STRUCTURE_MODELS`.
+# Builders take no flavour; tests/suites/test_zoo.py runs them through `STRUCTURE_MODELS`.
 # ================================================================================================
 
 

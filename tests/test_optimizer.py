@@ -174,6 +174,7 @@ def test_solve_quadratic_model_variants(x64):
   x = np.linalg.solve(c, -b)
   np.testing.assert_allclose([alpha, mu], x, rtol=1e-12)
   np.testing.assert_allclose(change, -0.5 * b @ np.linalg.solve(c, b), rtol=1e-12)
+  assert float(mu) < 0  # The model's μ is not clipped to [0, 1) (the `momentum` docstring).
   # Fixed momentum: α minimises M with μ held.
   alpha, mu, _ = _optimizer.solve_quadratic_model(c, b, momentum=0.9)
   np.testing.assert_allclose(alpha, -(b[0] + 0.9 * c[0, 1]) / c[0, 0], rtol=1e-12)

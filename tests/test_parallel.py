@@ -157,7 +157,7 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
 
 def _mesh():
   # Auto axes: XLA propagates the batch sharding and inserts the reductions (explicit axes and
-  # tensor-parallel kernels: tests/test_meshes.py).
+  # tensor-parallel kernels: tests/suites/test_meshes.py).
   return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
 
 

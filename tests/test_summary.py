@@ -106,7 +106,7 @@ def _projected_latents(p, b):
 
 def _relative_positions(p, b):
   # A table looked up at constant offsets and summed over its columns before it is added to
-  # every example's scores (T5's bias added directly is a layer: tests/test_layers.py).
+  # every example's scores (T5's bias added directly is a layer: tests/blocks/test_kronecker.py).
   offsets = jnp.abs(jnp.arange(D)[:, None] - jnp.arange(D)[None, :])
   bias = p["rel"][offsets].sum(-1)
   scores = jax.nn.softmax(b["x"][:, :, None] * b["x"][:, None, :] + bias)
@@ -259,8 +259,8 @@ def test_a_layer_whose_input_has_no_rows_per_example_is_no_layer(loss_fn, params
   output meets the batch in a product, not through a broadcast (latents projected before a
   batch input multiplies them) has no rows per example: its rows would be taken for examples
   and its output gradient is the batch's sum, so a layer block would be estimated from the wrong
-  rows (the "full" dense block, exact when the rows are examples, averaged 0.68x-0.86x the exact
-  Fisher's trace in `benchmarks/profile/batchless_layers.py`). It gets the generic
+  rows (the "full" dense block, exact when the rows are examples, underestimates the exact
+  Fisher's trace there). It gets the generic
   fallback, whose batch-summed estimate is unbiased for sampled targets; the layer that reads
   the batch stays a layer."""
   with pytest.warns(kfac_jax.UncoveredParametersWarning):

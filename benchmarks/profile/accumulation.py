@@ -7,7 +7,7 @@ updates its statistics and inverse refresh, on every micro-batch, k - 1 of them 
 and a select over every factor and inverse. The alternative is to accumulate in the step: a
 `lax.scan` over the k micro-batches sums the gradients, and one `kfac` update follows, with its
 statistics (when due) from the last micro-batch, which is what `MultiSteps(kfac)` folds too
-(`tests/test_contract.py` checks that the two agree). This script times both on a race
+(`tests/suites/test_contract.py` checks that the two agree). This script times both on a race
 workload, with Adam in `MultiSteps` as the baseline, and prints the time per micro-batch
 (median over `--periods` accumulation periods, each charged in full). Needs a quiet machine.
 

@@ -3,7 +3,7 @@
 `run_worker` writes the inputs, starts `worker.py` in the upstream virtualenv and reads its
 report back (or raises `UpstreamFailed` with the worker's exception line). The rest is pure
 Python + numpy (no JAX, no upstream package), used by `benchmarks/_harness.py` for every
-contestant and unit-tested in `tests/test_benchmark_upstream.py`: per-run summaries, loss
+contestant and unit-tested in `tests/benchmarks/test_upstream.py`: per-run summaries, loss
 smoothing, "time to reach a loss", the curves' time axis and the plot.
 """
 

@@ -8,7 +8,7 @@ parameter tree (Flax names, `[in, out]` kernels), written the way a plain-jax us
 (`attention_to_2d`; the worker converts the parameters on the way in and back on the way out).
 Upstream's graph matcher sees these jaxprs, so what it registers is what it would register for
 such a user.
-`tests/test_benchmark_harness.py` checks them against the Flax models.
+`tests/benchmarks/test_harness.py` checks them against the Flax models.
 
 Imports only jax and numpy: this module is loaded by the worker in upstream's venv and by the
 tests in ours.

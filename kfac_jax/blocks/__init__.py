@@ -31,7 +31,7 @@ from kfac_jax.blocks._state import (
 )
 
 # The block classes that compute layers, each serving its (kind, approximation) pairs
-# (`Block.serves`, unique: tests/test_kinds.py). The wrappers (`ConcatBlock`, `StackedBlock`)
+# (`Block.serves`, unique: tests/scan/test_kinds.py). The wrappers (`ConcatBlock`, `StackedBlock`)
 # are chosen by the spec's shape.
 BLOCK_CLASSES: tuple[type[Block], ...] = (
   KroneckerBlock,

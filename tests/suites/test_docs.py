@@ -5,7 +5,7 @@ The convention for code on a page (`docs/*.rst`): every `.. code-block:: python`
 order of the page, in one namespace per page, in a temporary working directory. A block that
 cannot run in the suite is preceded by a comment `.. not-tested: <reason>` and skipped. The
 recipes page is the exception to the one namespace: each recipe is a complete program, and
-`tests/test_recipes.py` runs each in a fresh namespace and checks what it claims. The other
+`tests/suites/test_recipes.py` runs each in a fresh namespace and checks what it claims. The other
 pages are run here and checked for what their code leaves behind (`CHECKS`).
 """
 
@@ -19,11 +19,11 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
 PAGES = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(DOCS, "*.rst")))
 # Pages whose code has its own test file (with per-recipe checks).
-OWN_TESTS = {"recipes": "tests/test_recipes.py"}
+OWN_TESTS = {"recipes": "tests/suites/test_recipes.py"}
 
 
 def page_blocks(page):
@@ -188,6 +188,9 @@ def test_sphinx_builds_without_warnings(tmp_path):
     assert name in api
   for page in PAGES:
     assert (tmp_path / f"{page}.html").exists(), page
+  # Code blocks scroll inside the text column rather than run past it.
+  assert "custom.css" in (tmp_path / "recipes.html").read_text(encoding="utf-8")
+  assert "overflow-x: auto" in (tmp_path / "_static" / "custom.css").read_text(encoding="utf-8")
 
 
 def test_api_reference_lists_every_public_name():

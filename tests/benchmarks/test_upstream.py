@@ -2,7 +2,7 @@
 
 None of this needs the upstream virtualenv or any network: parameter exchange format, step-time
 summaries, loss smoothing and time-to-reach, and the curve time axis (the table and ratios of the
-benchmarks are tested in tests/test_benchmark_harness.py).
+benchmarks are tested in tests/benchmarks/test_harness.py).
 The last test checks that the worker refuses to run with this project's `kfac_jax`.
 """
 
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 

@@ -17,7 +17,7 @@ from jax.sharding import AxisType
 
 from tests import _multihost_worker as worker
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROCESSES = 2
 TIMEOUT = 240  # Seconds for the whole run; a process left waiting on a dead peer ends here.
 

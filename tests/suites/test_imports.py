@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-_PKG = pathlib.Path(__file__).resolve().parent.parent / "kfac_jax"
+_PKG = pathlib.Path(__file__).resolve().parents[2] / "kfac_jax"
 _SCAN = _PKG / "scan"
 
 

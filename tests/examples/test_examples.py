@@ -16,7 +16,7 @@ import sys
 import jax
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
@@ -26,11 +26,11 @@ from tests import _scripts  # noqa: E402
 pytestmark = pytest.mark.slow  # Every test here trains small models end to end.
 
 
-def _run_fast(main, tmp_path, png_name, monkeypatch, capsys, extra=()):
+def _run_fast(main, tmp_path, png_name, monkeypatch, capsys, extra=(), progress=False):
   """An example's `main` with `--fast` on the digits fallback, its PNG checked; returns
   (stdout, all output)."""
   out = tmp_path / png_name
-  argv = ["--fast", "--no-progress", "--out", str(out), *extra]
+  argv = ["--fast", *([] if progress else ["--no-progress"]), "--out", str(out), *extra]
   stdout, output = _scripts.run_main(main, argv, tmp_path, monkeypatch, capsys)
   assert out.is_file() and out.stat().st_size > 1000, output
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -42,8 +42,11 @@ def test_autoencoder_demo_fast_with_a_time_budget(tmp_path, monkeypatch, capsys)
   """The demo's default mode, small: each optimizer trains for the same timed seconds. (The
   fixed-step mode runs in the adaptive demo's test, which shares `train`.)"""
   stdout, output = _run_fast(
-    autoencoder.main, tmp_path, "ae.png", monkeypatch, capsys, ["--seconds", "1.5"]
+    autoencoder.main, tmp_path, "ae.png", monkeypatch, capsys, ["--seconds", "1.5"], True
   )
+  # Something is printed before each compile, and the bars' postfix reads "s, loss=..., step=".
+  assert "K-FAC: compiling the step" in output and " Adam: compiling the step" in output, output
+  assert "[," not in output and re.search(r" s, loss=[0-9.]+, step=\d+", output), output
   assert "falling back" in output  # the empty KFAC_DATA_DIR forced the digits fallback
   assert "1.5 s of timed steps each" in output, output
   for name in ("K-FAC", "Adam"):
@@ -56,8 +59,9 @@ def test_autoencoder_demo_fast_with_a_time_budget(tmp_path, monkeypatch, capsys)
     assert row is not None, output
     assert float(row.group(1)) < 1e4, output  # finite and not diverged
     steps, seconds = int(row.group(2)), float(row.group(3))
-    # The last step starts below the budget; one step on a loaded machine can take seconds.
-    assert steps >= 2 and 1.5 <= seconds < 6.5, output
+    # Steps start while the timed seconds are below the budget, so the last one ends past it
+    # (how many fit depends on the machine).
+    assert steps >= 1 and seconds >= 1.5, output
 
 
 def test_autoencoder_adaptive_demo_fast(tmp_path, monkeypatch, capsys):

@@ -36,7 +36,7 @@ from flax.training import train_state as flax_train_state
 import kfac_jax
 import kfac_jax.flax
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tiny():

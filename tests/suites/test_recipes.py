@@ -11,7 +11,7 @@ import re
 import jax
 import numpy as np
 
-from tests.test_docs import DOCS, page_blocks
+from tests.suites.test_docs import DOCS, page_blocks
 
 RECIPES = {
   "TrainState": "Flax linen ``TrainState``",
