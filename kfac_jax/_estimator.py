@@ -141,12 +141,16 @@ class Estimator:
   def _state_shapes(self):
     return jax.eval_shape(self.init)
 
-  def check_state(self, state, axis_name=None, who: str | None = None, what: str = "state"):
+  def check_state(
+    self, state, axis_name=None, mesh=None, who: str | None = None, what: str = "state"
+  ):
     """ValueError naming what differs when `state` is not one this estimator's `init` makes
-    (another model, layer configuration or storage), and when `axis_name` is not bound. A
-    sharded state's buffers are checked by its storage."""
+    (another model, layer configuration or storage), and when `axis_name` is not bound (with
+    a `mesh` too, the storage names the conflict). A sharded state's buffers are checked by
+    its storage."""
     who = who or self.who
-    _checks.axis_bound(axis_name, who)
+    if mesh is None:
+      _checks.axis_bound(axis_name, who)
     if isinstance(self.storage, _storage.ReplicatedStorage):
       _fit.check(self._state_shapes, state, who, what)
 
@@ -219,7 +223,7 @@ class Estimator:
   ) -> EstimatorState:
     """The EMA update (see `kfac_jax.CurvatureEstimator.update_curvature_from_stats`)."""
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
-    self.check_state(state, axis_name)
+    self.check_state(state, axis_name, mesh)
     new = self.batch_factors(stats, axis_name, cache=state.cache)
     acc = self.config.accum_dtype
     decay = jnp.asarray(ema_decay, acc)
@@ -268,7 +272,7 @@ class Estimator:
   ) -> EstimatorState:
     """Recomputes every block's cache for damping λ (see `CurvatureEstimator.update_inverses`)."""
     _checks.number(damping, "damping", low=0.0, schedule=True)
-    self.check_state(state, axis_name)
+    self.check_state(state, axis_name, mesh)
     if axis_name is not None and mesh is not None:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     damping = jnp.asarray(damping, self.config.inverse_dtype)
@@ -320,7 +324,7 @@ class Estimator:
 
   def multiply_matpower(self, state, vector, exp: float, *, axis_name=None, mesh=None):
     """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`."""
-    self.check_state(state, axis_name)
+    self.check_state(state, axis_name, mesh)
     exp = float(exp)
     if exp != 1 and exp not in self.config.exps:
       raise ValueError(
@@ -340,7 +344,7 @@ class Estimator:
     self, state, vector, *, transpose=False, inverse=False, axis_name=None, mesh=None
   ):
     """C·v (C⁻¹·v with `inverse`; Cᵀ with `transpose`), C Cᵀ = damped curvature."""
-    self.check_state(state, axis_name)
+    self.check_state(state, axis_name, mesh)
     return self.apply(
       state,
       vector,

@@ -214,7 +214,7 @@ def _preconditioner(
       raise ValueError(f"{who}: `params` is required: tx.update(grads, state, params, ...).")
     est, kept = _fronts.estimator_for(source, params, who)
     _check_state(state, est, who)
-    est.check_state(state.curvature, axis_name, who, "state.curvature")
+    est.check_state(state.curvature, axis_name, mesh, who, "state.curvature")
     if kept is not None:
       if _fronts.masked_share(updates) != kept:
         raise ValueError(
