@@ -1003,7 +1003,7 @@ def run_benchmark(
 def registrations(workload: Workload) -> list[dict]:
   """kfac_jax's layers for the workload, in the worker's format (`{"kind", "params"}`)."""
   example = jax.tree.map(jnp.asarray, workload.batch_at(0))
-  specs = kfac_jax.scan_layers(workload.loss_fn, workload.params0, example)
+  specs = kfac_jax.Registration(workload.loss_fn, workload.params0, example).layers
   return [
     {
       "kind": s.kind + ("" if s.num_uses == 1 else f" ({s.num_uses} uses)"),

@@ -79,7 +79,10 @@ def _nbytes(tree) -> int:
 
 def run(loss_fn, params0, batch_at, lr, block_size, steps):
   layers = kfac_jax.LayerConfig(block_size=block_size)
-  tx = kfac_jax.kfac(loss_fn, batch_at(0), learning_rate=lr, layers=layers)
+  tx = kfac_jax.kfac(
+    registration=kfac_jax.Registration(loss_fn, params0, batch_at(0), layers=layers),
+    learning_rate=lr,
+  )
   state = tx.init(params0)
   ratio = _nbytes(state) / _nbytes(params0)
 

@@ -105,7 +105,7 @@ def main() -> int:
   loss_fn = ae.make_loss_fn(model)
   rng = np.random.default_rng(0)
   batch = jnp.asarray(rng.uniform(size=(1000, 784)).astype(np.float32))
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
   state = est.update_curvature(est.init(params), params, batch, jax.random.key(0), 0.0)
   shapes = [b.spec.factor_shapes for b in est.blocks]
   costs = [_parallel.factorisation_cost(f) for f in shapes]
@@ -117,7 +117,7 @@ def main() -> int:
     sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(c)) for c in cache_shapes
   ]
   sharded = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded")
+    kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(inverse_storage="sharded")
   )
   memory_only = "--memory-only" in sys.argv
   print(
@@ -150,7 +150,7 @@ def main() -> int:
     )
     before = _parallel.packed_layout(cache_shapes, _parallel.assign(cache_bytes, d))  # By bytes.
     old_bytes = factor_bytes + sum(n * np.dtype(t).itemsize for t, n in before.lengths)
-    now = sharded.estimator.storage.layouts(sharded.blocks, d)[1].shares
+    now = sharded.storage.layouts(sharded.blocks, d)[1].shares
     balance = f"{busiest_share(costs, before.shares):.3f} | {busiest_share(costs, now):.3f}"
     mib = f"{state_bytes / 2**20:.1f} | {old_bytes / 2**20:.1f} | {sharded_bytes / 2**20:.1f}"
     if memory_only:

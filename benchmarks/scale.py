@@ -187,7 +187,7 @@ def make_kfac(registration, args) -> optax.GradientTransformationExtraArgs:
     ema_decay=args.ema_decay,
     inverse_every=args.inverse_every,
     curvature_every=args.curvature_every,
-    config=kfac_jax.Config(statistics_fraction=args.statistics_fraction, layers=layer_config(args)),
+    config=kfac_jax.Config(statistics_fraction=args.statistics_fraction),
   )
 
 

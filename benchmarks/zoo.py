@@ -1,12 +1,12 @@
 """Scan and compile time of one K-FAC step for each model of the zoo (tests/_zoo.py).
 
-For each model, in Flax linen and nnx: "scan" is `scan_layers` (tracing `loss_fn` and
-matching the layers); "init" is `scale_by_kfac(...).init(params)` (a second scan plus creating
-the state: zero factors and identity caches, built eagerly, so a factor shape not seen before in
-the process pays a small XLA compile per array op, which is why the first flavour of a model
-takes longer); "compile" is lowering and compiling the jitted step (value_and_grad
-with curvature statistics, then the transform's update, inverses included), timed once, cold.
-The recurrent and tied-weight models of tests/blocks/test_uses.py follow (a linen LSTM through
+For each model, in Flax linen and nnx: "scan" is `Registration(..., check_loss=False)` (tracing
+`loss_fn` and matching the layers); "init" is `scale_by_kfac(...).init(params)` (a second scan plus
+creating the state: zero factors and identity caches, built eagerly, so a factor shape not seen
+before in the process pays a small XLA compile per array op, which is why the first flavour of a
+model takes longer); "compile" is lowering and compiling the jitted step (value_and_grad with
+curvature statistics, then the transform's update, inverses included), timed once, cold. The
+recurrent and tied-weight models of tests/blocks/test_uses.py follow (a linen LSTM through
 `nn.RNN`, an nnx GRU through `nnx.RNN`, linen and nnx LMs whose embedding is also the output
 projection): their shared layers are listed with the number of uses. Prints a Markdown table.
 
@@ -47,10 +47,12 @@ def _unpack(z):
 def measure(make) -> dict:
   loss_fn, params, batch = make()
   t0 = time.perf_counter()
-  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   scan_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3, config=kfac_jax.Config(strict=True))
+  tx = kfac_jax.scale_by_kfac(
+    registration=kfac_jax.Registration(loss_fn, params, batch, strict=True), damping=1e-3
+  )
   state = tx.init(params)
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0

@@ -69,10 +69,9 @@ def train(
   """`steps` steps of `kfac(loss_fn, batch, learning_rate=lr)` on the model's own batch (with
   `preconditioner_dtype` if given; `lr=None`: `kfac`'s own)."""
   tx = kfac_jax.kfac(
-    z.loss_fn,
-    z.batch,
+    registration=kfac_jax.Registration(z.loss_fn, z.params, z.batch, has_aux=z.has_aux),
     learning_rate=lr,
-    config=kfac_jax.Config(has_aux=z.has_aux, preconditioner_dtype=preconditioner_dtype),
+    config=kfac_jax.Config(preconditioner_dtype=preconditioner_dtype),
   )
 
   step = _zoo.train_step(z, tx)

@@ -56,7 +56,9 @@ def tiled(batch):
 def updates(z: _zoo.Zoo, batch, **kwargs):
   """The updates after two `batch=` updates of `kfac` (the first refreshes the inverses)."""
   tx = kfac_jax.kfac(
-    z.loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(has_aux=z.has_aux, **kwargs)
+    registration=kfac_jax.Registration(z.loss_fn, z.params, batch, has_aux=z.has_aux),
+    learning_rate=0.3,
+    config=kfac_jax.Config(**kwargs),
   )
 
   def loss(p):

@@ -132,7 +132,6 @@ def make_kfac(
     ema_decay=ema_decay,
     inverse_every=inverse_every,
     max_norm=max_norm,
-    config=kfac_jax.Config(estimation_mode="gradients", num_samples=1),
   )
 
 

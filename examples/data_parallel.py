@@ -65,16 +65,14 @@ def loss_fn(params, batch):
 MODE = "empirical"
 
 
-def make_tx(example, axis_name=None):
+def make_tx(reg, axis_name=None):
   return kfac_jax.kfac(
-    loss_fn,
-    example,
+    registration=reg,
     learning_rate=0.2,
     momentum=0.9,
     damping=0.1,
     inverse_every=5,
     axis_name=axis_name,
-    config=kfac_jax.Config(estimation_mode=MODE),
   )
 
 
@@ -106,20 +104,23 @@ def main(argv=None) -> int:
     return jax.tree_util.tree_map(lambda x: x.reshape((n, -1) + x.shape[1:]), b)
 
   # pmap: each device sees batch_size / n examples.
-  tx_p = make_tx(jax.tree_util.tree_map(lambda x: x[0], shard(batch_at(0))), axis_name="batch")
+  example = jax.tree_util.tree_map(lambda x: x[0], shard(batch_at(0)))
+  reg_p = kfac_jax.Registration(loss_fn, params0, example, estimation_mode=MODE)
+  tx_p = make_tx(reg_p, axis_name="batch")
 
   def pstep(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode=MODE)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(registration=reg_p)(params, batch, rng)
     grads, loss = jax.lax.pmean((grads, loss), "batch")
     updates, state = tx_p.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 
   # One device, whole batch: the reference.
-  tx_1 = make_tx(batch_at(0))
+  reg_1 = kfac_jax.Registration(loss_fn, params0, batch_at(0), estimation_mode=MODE)
+  tx_1 = make_tx(reg_1)
 
   @jax.jit
   def step1(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode=MODE)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(registration=reg_1)(params, batch, rng)
     updates, state = tx_1.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 

@@ -17,15 +17,14 @@ from kfac_jax._audit import LossMismatchWarning
 from kfac_jax._checkpoint import check_restored_state, state_from_bytes, state_to_bytes
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
-from kfac_jax._curvature_estimator import CurvatureEstimator
 from kfac_jax._engine import HyperparameterWarning
-from kfac_jax._estimator import EstimatorState
+from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerState
 from kfac_jax._optimizer import OptimizerConfig as OptimizerConfig  # Raises, naming Config.
 from kfac_jax._parallel import ShardedCache
 from kfac_jax._registration import Registration, StatsKey, value_and_grad
 from kfac_jax._storage import ReplicatedStorage, ShardedStorage
-from kfac_jax._summary import check_registration, scan_layers, summary
+from kfac_jax._summary import check_registration, summary
 from kfac_jax._tags import (
   register_categorical_predictive_distribution,
   register_conv,
@@ -49,6 +48,17 @@ from kfac_jax.scan import (
 )
 
 __version__ = "0.1.0.dev0"
+
+
+def __getattr__(name: str):
+  if name == "scan_layers":  # Removed: the registration holds the layers.
+    raise AttributeError(
+      "kfac_jax.scan_layers is removed: the layers K-FAC finds are "
+      "`kfac_jax.Registration(loss_fn, params, batch).layers` (its settings, e.g. `layers=`, "
+      "`strict=`, `has_aux=`, are the registration's arguments)."
+    )
+  raise AttributeError(f"module 'kfac_jax' has no attribute {name!r}")
+
 
 __all__ = [
   "Config",
@@ -87,7 +97,6 @@ __all__ = [
   "register_softmax_cross_entropy_loss",
   "register_squared_error_loss",
   "scale_by_kfac",
-  "scan_layers",
   "state_from_bytes",
   "state_to_bytes",
   "summary",

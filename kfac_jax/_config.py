@@ -2,7 +2,9 @@
 `CurvatureEstimator`), in one frozen object validated once.
 
 The fronts keep as parameters only what a user tunes and the data-parallel `axis_name`; every
-other knob has one name, one default and one check here. Defaults that differ between fronts:
+other knob the optimizers and the storage read has one name, one default and one check here,
+beside the list of fronts that read it. The settings of the scan are `kfac_jax.Registration`'s
+alone. Defaults that differ between fronts:
 `damping` is 0.1 for the transforms (a fixed λ) and 1e-3 for `Optimizer` (only the start of its
 adaptation); `curvature_every` is 5 for `kfac`, whose clipping bounds a step preconditioned by
 statistics a few updates old, and 1 for `scale_by_kfac` and `Optimizer`.
@@ -18,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _checks, _curvature, _parallel, _storage
+from kfac_jax import _checks, _parallel, _storage
 from kfac_jax import blocks as _blocks
-from kfac_jax import scan as _scan
 
 _DTYPES = {
   "stats_dtype": ("bfloat16", "float16", "float32", "float64"),
@@ -82,106 +83,92 @@ def _check_mesh(mesh) -> None:
   _parallel.check_auto_axis(*mesh)
 
 
+# The fronts a field is read by (`Config.check_front` refuses the others a value).
+_ALL = ("scale_by_kfac", "kfac", "Optimizer", "CurvatureEstimator")
+_TRAINING = ("scale_by_kfac", "kfac", "Optimizer")
+_TRANSFORMS = ("scale_by_kfac", "kfac")
+
+
+def _field(default, read_by: tuple[str, ...]) -> Any:
+  return dataclasses.field(default=default, metadata={"read_by": read_by})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   """The rare knobs of `scale_by_kfac`, `kfac`, `Optimizer` and `CurvatureEstimator` (validated
   on construction).
 
-  The fields come in groups: the registration (`has_aux` to `check_loss`; with a
-  `registration=` they must agree with it or stay at their defaults), the numerics, the
-  schedule, parallel work, the guard, and fields one front reads (`nesterov` for `kfac`; the
-  damping adaptation's and `weight_decay` for `Optimizer`): a front that does not read a field
-  refuses a value other than its default.
+  Each field declares the fronts that read it (the list in brackets below); a front given a
+  value other than the default for a field it does not read raises a ValueError naming the
+  field. The settings of the scan (`has_aux`, `estimation_mode`, `num_samples`, `layers`,
+  `strict`, `check_loss`) are not here: they are arguments of `kfac_jax.Registration`.
 
   Attributes:
-    has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned (compute the
-      statistics with `value_and_grad(loss_fn, has_aux=True)`). `Optimizer.step` returns the
-      aux in `info["aux"]`.
-    estimation_mode: "gradients" (sampled targets: the Fisher, default), "empirical",
-      "curvature_prop", "curvature_prop_GGN", "exact" or "exact_GGN" (see `CurvatureEstimator`).
-    num_samples: random vectors per example in the random modes (1 for the others); a Python
-      int.
-    strict: raise, instead of warning, for parameters outside every recognised layer.
-    layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
-      pattern, and linked parameter groups (None: the defaults).
-    check_loss: audit the loss tags against the returned loss when the layers are found (see
-      `kfac_jax.Registration`); False for a loss that differs from its tags on purpose.
-    damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower).
+    damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower). [all]
     factor_solve: "auto", "always" or "never": keep a Kronecker factor's damped inverse as its
       Cholesky factor in blocks for block substitution instead of an explicit matrix ("auto":
-      for a factor of size n ≥ 256 whose products have at most n/8 columns).
+      for a factor of size n ≥ 256 whose products have at most n/8 columns). [all]
     stats_dtype: dtype of the stored statistics: None (float32, float64 under x64), "float32",
-      "float64", "bfloat16" or "float16"; they are accumulated in at least float32.
+      "float64", "bfloat16" or "float16"; they are accumulated in at least float32. [all]
     inverse_dtype: dtype of the inverses, the products with them and the Optimizer's
-      quadratic model: None (float32, float64 under x64), "float32" or "float64".
+      quadratic model: None (float32, float64 under x64), "float32" or "float64". [all]
     preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": store the Kronecker factors'
-      inverses in it, the products accumulating in `inverse_dtype` (half the memory).
+      inverses in it, the products accumulating in `inverse_dtype` (half the memory). [all]
+    inverse_storage: "replicated" (default; every device keeps every inverse, the work is
+      split over the devices of `axis_name` or `mesh` and the results summed) or "sharded"
+      (KAISA's memory-optimised strategy: each device keeps, refreshes and applies only its
+      share of the factors and inverses, balanced by refresh cost; needs `axis_name` or
+      `mesh`); or a `kfac_jax.ReplicatedStorage()` / `kfac_jax.ShardedStorage()` object. [all]
     statistics_fraction: when a transform computes the statistics from `batch=`, the fraction f
       in (0, 1] of the batch's N rows they come from: r = ⌈f·N⌉ rows, evenly spaced
       (`x[:r*s:s]` along every leaf's leading axis, s = ⌊N/r⌋), normalised by their own count
       (unbiased, only noisier). "auto" (default): every fourth row of a batch of 256 or more
       rows, every second of 128 or more, else (or when the cut batch cannot be used) every
       row; None or 1: every row; an explicit f raises where "auto" falls back. A Python
-      number. `curvature_stats=` are used as they come; the `Optimizer` refuses f < 1 (its
-      statistics come from its one forward pass over the whole batch).
+      number. `curvature_stats=` are used as they come. [scale_by_kfac, kfac]
     burn_in_steps: the first this many steps only fold statistics (zero updates, no inverse
-      refresh); schedules still count them.
-    inverse_storage: "replicated" (default; every device keeps every inverse, the work is
-      split over the devices of `axis_name` or `mesh` and the results summed) or "sharded"
-      (KAISA's memory-optimised strategy: each device keeps, refreshes and applies only its
-      share of the factors and inverses, balanced by refresh cost; needs `axis_name` or
-      `mesh`); or a `kfac_jax.ReplicatedStorage()` / `kfac_jax.ShardedStorage()` object.
+      refresh); schedules still count them. [scale_by_kfac, kfac, Optimizer]
     mesh: under plain `jit` with data sharded over a mesh (no `axis_name`): `(mesh, axis)`
-      splits the inverse work over that mesh axis (and, sharded, stores the state there).
+      splits the inverse work over that mesh axis (and, sharded, stores the state there); the
+      estimator takes `mesh=` per call. [scale_by_kfac, kfac, Optimizer]
     skip_nonfinite: when the gradient, the statistics or the update is not finite, return zero
       updates and leave the state as it was but for the `skipped` counter. False: the update
       goes through as computed (non-finite statistics are still kept out of the factors).
-    nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`).
-    min_damping, max_damping: `Optimizer`: the clip of the adapted damping λ.
-    damping_adaptation_interval: `Optimizer`: T, adapt λ every T steps.
-    damping_adaptation_decay: `Optimizer`: ω₁ in (0, 1); λ is multiplied or divided by ω₁^T.
-    weight_decay: `Optimizer`: decoupled weight decay d, `θ ← θ + δ − d θ` (for the transforms,
-      chain `optax.add_decayed_weights`).
+      [scale_by_kfac, kfac, Optimizer]
+    nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`). [kfac]
+    min_damping, max_damping: the clip of the adapted damping λ. [Optimizer]
+    damping_adaptation_interval: T, adapt λ every T steps. [Optimizer]
+    damping_adaptation_decay: ω₁ in (0, 1); λ is multiplied or divided by ω₁^T. [Optimizer]
+    weight_decay: decoupled weight decay d, `θ ← θ + δ − d θ` (for the transforms, chain
+      `optax.add_decayed_weights`). [Optimizer]
 
   Raises:
-    TypeError / ValueError: a bad field, named (`config.<field>`) with the value received.
+    TypeError / ValueError: a bad field, named (`config.<field>`) with the value received; a
+      registration setting (e.g. `has_aux=`), naming `kfac_jax.Registration`.
 
   Example:
     >>> tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3,
-    ...                    config=kfac_jax.Config(estimation_mode="exact"))
+    ...                    config=kfac_jax.Config(damping_mode="eigen"))
   """
 
-  has_aux: bool = False
-  estimation_mode: _curvature.EstimationMode = "gradients"
-  num_samples: int = 1
-  strict: bool = False
-  layers: _scan.LayerConfig | None = None
-  check_loss: bool = True
-  damping_mode: _blocks.DampingMode = "factored"
-  factor_solve: _blocks.FactorSolve = "auto"
-  stats_dtype: Any = None
-  inverse_dtype: Any = None
-  preconditioner_dtype: Any = None
-  statistics_fraction: float | Literal["auto"] | None = "auto"
-  burn_in_steps: int = 0
-  inverse_storage: Any = "replicated"
-  mesh: tuple[jax.sharding.Mesh, str] | None = None
-  skip_nonfinite: bool = True
-  nesterov: bool = False
-  min_damping: float = 1e-8
-  max_damping: float = 1e8
-  damping_adaptation_interval: int = 5
-  damping_adaptation_decay: float = 0.95
-  weight_decay: float = 0.0
+  damping_mode: _blocks.DampingMode = _field("factored", _ALL)
+  factor_solve: _blocks.FactorSolve = _field("auto", _ALL)
+  stats_dtype: Any = _field(None, _ALL)
+  inverse_dtype: Any = _field(None, _ALL)
+  preconditioner_dtype: Any = _field(None, _ALL)
+  inverse_storage: Any = _field("replicated", _ALL)
+  statistics_fraction: float | Literal["auto"] | None = _field("auto", _TRANSFORMS)
+  burn_in_steps: int = _field(0, _TRAINING)
+  mesh: tuple[jax.sharding.Mesh, str] | None = _field(None, _TRAINING)
+  skip_nonfinite: bool = _field(True, _TRAINING)
+  nesterov: bool = _field(False, ("kfac",))
+  min_damping: float = _field(1e-8, ("Optimizer",))
+  max_damping: float = _field(1e8, ("Optimizer",))
+  damping_adaptation_interval: int = _field(5, ("Optimizer",))
+  damping_adaptation_decay: float = _field(0.95, ("Optimizer",))
+  weight_decay: float = _field(0.0, ("Optimizer",))
 
   def __post_init__(self):
-    _checks.boolean(self.has_aux, "config.has_aux")
-    _checks.choice(self.estimation_mode, "config.estimation_mode", _curvature.ESTIMATION_MODES)
-    _checks.static_int(self.num_samples, "config.num_samples")
-    _curvature.check_mode(self.estimation_mode, self.num_samples)
-    _checks.boolean(self.strict, "config.strict")
-    _scan.check_layer_config(self.layers)
-    _checks.boolean(self.check_loss, "config.check_loss")
     _checks.choice(self.damping_mode, "config.damping_mode", ("factored", "eigen"))
     _checks.choice(self.factor_solve, "config.factor_solve", ("auto", "always", "never"))
     self.block_config()  # The dtype fields.
@@ -231,20 +218,23 @@ class Config:
       preconditioner_dtype=_preconditioner_dtype(self.preconditioner_dtype, inverse_dtype),
     )
 
-  def registration_settings(self) -> dict[str, Any]:
-    """The `Registration` keyword arguments this config holds."""
-    fields = ("has_aux", "estimation_mode", "num_samples", "strict", "layers", "check_loss")
-    return {f: getattr(self, f) for f in fields}
-
-  def refuse(self, who: str, fields: tuple[str, ...], why: str) -> None:
-    """ValueError when one of `fields`, which `who` does not read, differs from its default."""
-    for f in fields:
-      default = Config.__dataclass_fields__[f].default
-      if getattr(self, f) != default:
+  def check_front(self, who: str) -> None:
+    """ValueError naming the first field `who` does not read that differs from its default."""
+    for f in dataclasses.fields(self):
+      if who not in f.metadata["read_by"] and getattr(self, f.name) != f.default:
         raise ValueError(
-          f"{who}: `config.{f}`={getattr(self, f)!r} is not read here ({why}); leave it at "
-          f"its default {default!r}."
+          f"{who}: `config.{f.name}`={getattr(self, f.name)!r} is not read by {who} (only by "
+          f"{', '.join(f.metadata['read_by'])}); leave it at its default {f.default!r}."
         )
+
+  def read_by(self, who: str) -> Config:
+    """This config with the fields `who` does not read at their defaults."""
+    fields = dataclasses.fields(self)
+    return Config(**{f.name: getattr(self, f.name) for f in fields if who in f.metadata["read_by"]})
+
+
+# A registration setting given to `Config` raises, naming `kfac_jax.Registration`.
+Config.__init__ = _checks.moved_keywords(Config.__init__)  # type: ignore[method-assign]
 
 
 def check_parallel(axis_name, config: Config) -> None:
@@ -268,37 +258,22 @@ def _concrete(value, name: str, **bounds) -> None:
 
 
 def get(config, who: str) -> Config:
-  """`config` (None: the defaults), checked to be a `Config`."""
+  """`config` (None: the defaults), checked to be a `Config` whose fields `who` reads."""
   if config is None:
     return Config()
   if not isinstance(config, Config):
     raise TypeError(
       f"{who}: `config` must be a kfac_jax.Config, got {type(config).__name__}: {config!r}."
     )
+  config.check_front(who)
   return config
 
 
 # Keywords that used to be parameters of the fronts, and where they live now.
-_MOVED = {f: f for f in Config.__dataclass_fields__} | {"inverse_mesh": "mesh"}
+_MOVED = {f: f"config=kfac_jax.Config({f}=...)" for f in Config.__dataclass_fields__} | {
+  "inverse_mesh": "config=kfac_jax.Config(mesh=...)"
+}
 
-
-def moved_keywords(fn=None, *, refused: dict[str, str] | None = None):
-  """Wraps a front so that a keyword now in `Config` raises a TypeError naming its place (and a
-  keyword in `refused` raises its message)."""
-  if fn is None:
-    return functools.partial(moved_keywords, refused=refused)
-
-  @functools.wraps(fn)
-  def wrapper(*args, **kwargs):
-    for k in kwargs:
-      if refused and k in refused:
-        raise TypeError(refused[k].format(kwargs[k]))
-      if k in _MOVED:
-        name = getattr(fn, "__qualname__", "").removesuffix(".__init__")
-        raise TypeError(
-          f"{name}: `{k}` is no longer an argument; it is a field of the config: pass "
-          f"`config=kfac_jax.Config({_MOVED[k]}=...)`."
-        )
-    return fn(*args, **kwargs)
-
-  return wrapper
+# Wraps a front: a registration setting or a keyword now in `Config` raises a TypeError naming
+# its place (`refused=`: keywords with their own message).
+moved_keywords = functools.partial(_checks.moved_keywords, moved=_MOVED)

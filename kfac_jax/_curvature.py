@@ -12,7 +12,6 @@ directions forward through the same linearisation for the quadratic model.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import jax
@@ -83,46 +82,6 @@ def check_rng(estimation_mode: str, rng) -> None:
       f"estimation_mode={estimation_mode!r} draws random vectors (sampled targets or "
       "Rademacher signs): pass `rng`, a jax.random key."
     )
-
-
-class LossPart:
-  """`loss_fn` as the scanner traces it, its output checked against `has_aux` (a mismatch is an
-  error naming `has_aux`, not a shape error); `loss_fn` and `has_aux` are checked when built."""
-
-  def __init__(self, loss_fn: Callable | None, has_aux: bool):
-    if not callable(loss_fn):
-      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
-    if not isinstance(has_aux, bool):
-      raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
-    self.loss_fn = loss_fn
-    self.has_aux = has_aux
-
-  def __call__(self, params, batch):
-    out = self.loss_fn(params, batch)
-    if not self.has_aux:
-      if isinstance(out, (tuple, list)):
-        raise _scan.RegistrationError(
-          f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
-          "not one scalar loss. If it returns `(loss, aux)`, pass has_aux=True."
-        )
-      return out
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-      what = (
-        f"a {type(out).__name__} of {len(out)} values"
-        if isinstance(out, (tuple, list))
-        else f"a single {type(out).__name__} of shape {getattr(out, 'shape', '?')}"
-      )
-      raise _scan.RegistrationError(
-        f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
-        f"returned {what}. Return `(loss, aux)`, or drop has_aux=True."
-      )
-    loss, aux = out
-    if getattr(loss, "shape", None) != ():
-      raise _scan.RegistrationError(
-        "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
-        f"got shape {getattr(loss, 'shape', type(loss).__name__)}."
-      )
-    return loss, aux
 
 
 def _join_exact(cts: list[Array]) -> list[Array]:

@@ -101,7 +101,7 @@ def tree_vdot(a, b) -> Array:
 
 
 def step(
-  est: _estimator.Estimator,
+  est: _estimator.CurvatureEstimator,
   curv: _estimator.EstimatorState,
   vector,
   statistics: Callable[[], _curvature.CurvatureStats],

@@ -6,9 +6,9 @@ predictive distribution(s),
     F = (1/N) Σₙ E_y[∇ log p(y|xₙ) ∇ log p(y|xₙ)ᵀ] = (1/N) Σₙ Jₙᵀ F_z Jₙ,
 
 N the loss tags' leading axis, approximated block-diagonally (one block per layer) and
-averaged over batches with a bias-corrected EMA; the estimation mode chooses how F_z is
-represented (the "_GGN" modes use the loss Hessian H_z). `Estimator` is the engine every front
-shares; `kfac_jax.CurvatureEstimator` is its public face.
+averaged over batches with a bias-corrected EMA; the registration's estimation mode chooses
+how F_z is represented (the "_GGN" modes use the loss Hessian H_z). `CurvatureEstimator`
+mirrors TF K-FAC's FisherEstimator; every front steps one.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 from kfac_jax import (
   _checks,
   _compat,
+  _config,
   _curvature,
   _fit,
   _parallel,
@@ -63,30 +64,91 @@ class EstimatorState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Estimator:
-  """The curvature blocks of one registration, complete and immutable; every method is a pure
-  function of its arguments.
+class CurvatureEstimator:
+  """Block-diagonal K-FAC curvature estimate of a registration, with pure state updates.
 
-  Attributes:
-    registration: the layers and the parameters' signature.
-    config: the blocks' numerics.
-    storage: `ReplicatedStorage()` or `ShardedStorage()`: where the caches live.
+  Built complete from a `kfac_jax.Registration` (its loss function, layers and estimation
+  mode), immutable; every method is a pure function of its arguments.
+
+  Args:
+    registration: a `kfac_jax.Registration`: the layers, the parameters' signature and the
+      estimation mode ("gradients", "empirical", "curvature_prop(_GGN)", "exact(_GGN)").
+    exps: matrix powers `multiply_matpower` must support (1 always is).
+    compute_cholesky: cache Cholesky factors of the damped blocks.
+    compute_cholesky_inverse: cache their inverses.
+    compute_params_stats: `curvature_stats` also returns the first-order statistics
+      (`CurvatureStats.params_stats`, TF K-FAC's `params_stats`).
+    config: a `kfac_jax.Config`; the estimator reads its numerics and `inverse_storage` (the
+      fields a training front reads are refused: the caller chooses the batches, the schedule
+      and the damping, and passes `mesh=` per call).
     active: indices of the registration's layers whose blocks this estimator keeps (None:
-      every one).
+      every one; see `restrict`).
     who: how errors name the consumer of the statistics (e.g. "this kfac transform").
-    compute_params_stats: `curvature_stats` also returns the first-order statistics.
+
+  Statistics are accumulated in at least float32 and stored in `config.stats_dtype`;
+  preconditioned vectors come back in their own dtype. With `config.inverse_storage="sharded"`
+  each device stores, updates and applies only its share of the blocks: every state method
+  then needs `axis_name=` (inside pmap / shard_map, `init` too) or `mesh=(mesh, axis)`.
+
+  Raises:
+    TypeError: an argument of the wrong kind (e.g. `exps=-1`), named with the value received;
+      a loss function instead of a registration, or a registration setting (e.g.
+      `estimation_mode=`), naming `kfac_jax.Registration`.
+    ValueError: an argument out of range, or a config field the estimator does not read set
+      away from its default.
+
+  Example:
+    >>> est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
+    >>> state = est.init(params)
+    >>> state = est.update_curvature(state, params, batch, rng, ema_decay=0.95)
+    >>> state = est.update_inverses(state, damping=1e-3)
+    >>> nat_grads = est.multiply_matpower(state, grads, -1)
   """
 
   registration: _registration.Registration
-  config: _blocks.BlockConfig
-  storage: _storage.Storage = _storage.ReplicatedStorage()
+  _: dataclasses.KW_ONLY
+  exps: Sequence[float] = (-1,)
+  compute_cholesky: bool = False
+  compute_cholesky_inverse: bool = False
+  compute_params_stats: bool = False
+  config: _config.Config | None = None
   active: tuple[int, ...] | None = None
   who: str = "this estimator"
-  compute_params_stats: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.registration, _registration.Registration):
+      raise TypeError(
+        "CurvatureEstimator: the first argument must be a kfac_jax.Registration, got "
+        f"{self.registration!r} ({type(self.registration).__name__}): build one from the loss "
+        "function, `kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))` "
+        "(its settings, e.g. `estimation_mode=`, are the registration's)."
+      )
+    _config.get(self.config, "CurvatureEstimator")
+    for flag in ("compute_cholesky", "compute_cholesky_inverse", "compute_params_stats"):
+      _checks.boolean(getattr(self, flag), flag)
+    exps = self.exps
+    if isinstance(exps, (str, bytes)) or not isinstance(exps, (tuple, list)):
+      raise TypeError(
+        f"`exps` must be a tuple of non-zero numbers (matrix powers, e.g. (-1,)), got {exps!r}."
+      )
+    for e in exps:
+      _checks.number(e, "exps", low=-np.inf)
+      if e == 0:
+        raise ValueError(f"`exps` must be non-zero finite numbers, got {exps!r}.")
     self.storage.check_blocks(self.names, self.blocks)
     _compat.one_lapack_thread()
+
+  @functools.cached_property
+  def numerics(self) -> _blocks.BlockConfig:
+    """The blocks' numerics, from `config`, `exps` and the Cholesky flags."""
+    exps = tuple(float(e) for e in self.exps)
+    config = _config.get(self.config, "CurvatureEstimator")
+    return config.block_config(exps, self.compute_cholesky, self.compute_cholesky_inverse)
+
+  @functools.cached_property
+  def storage(self) -> _storage.Storage:
+    """`ReplicatedStorage()` or `ShardedStorage()`: where the caches live."""
+    return _config.get(self.config, "CurvatureEstimator").storage
 
   # -- structure -------------------------------------------------------------------------------
 
@@ -107,14 +169,14 @@ class Estimator:
   @property
   def blocks(self) -> tuple[_blocks.Block, ...]:
     """One curvature block per kept layer."""
-    every = self.registration.blocks(self.config)
+    every = self.registration.blocks(self.numerics)
     return tuple(every[i] for i in self._active)
 
   @property
   def _sig(self) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]]:
     return self.registration.param_signature
 
-  def restrict(self, kept: Sequence[bool]) -> Estimator:
+  def restrict(self, kept: Sequence[bool]) -> CurvatureEstimator:
     """This estimator keeping only the blocks of the parameter leaves `kept` (one flag per
     registered leaf): for a transform handed a share of the parameters by
     `optax.multi_transform` / `optax.masked`. A block with leaves on both sides raises
@@ -154,13 +216,22 @@ class Estimator:
     if isinstance(self.storage, _storage.ReplicatedStorage):
       _fit.check(self._state_shapes, state, who, what)
 
-  def init(self, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None):
-    """Zero statistics and identity caches (see `kfac_jax.CurvatureEstimator.init`)."""
+  def init(
+    self, params=None, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None
+  ) -> EstimatorState:
+    """Zero statistics and identity caches (`params`, when given, are checked against the
+    registration's signature).
+
+    With sharded storage, call it inside pmap / shard_map with `axis_name`, or pass
+    `mesh=(mesh, axis)` for a cache sharded over that mesh axis.
+    """
+    if params is not None:
+      self.registration.check_params(params)
     factors, cache = self.storage.init_state(self.names, self.blocks, axis_name, mesh)
     return EstimatorState(
       factors=factors,
       cache=cache,
-      ema_weight=jnp.zeros((), self.config.accum_dtype),
+      ema_weight=jnp.zeros((), self.numerics.accum_dtype),
       skipped_batches=jnp.zeros((), jnp.int32),
       failed_inverses=jnp.zeros((), jnp.int32),
     )
@@ -221,11 +292,15 @@ class Estimator:
     axis_name: str | None = None,
     mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
-    """The EMA update (see `kfac_jax.CurvatureEstimator.update_curvature_from_stats`)."""
+    """EMA update of the statistics with this batch's; a non-finite batch is skipped entirely.
+
+    With decay ρ and w ← ρ w + 1, the factors become F ← F + (F_batch − F) / w: a bias-corrected
+    average, exactly F_batch after the first update (and always with ρ = 0).
+    """
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
     self.check_state(state, axis_name, mesh)
     new = self.batch_factors(stats, axis_name, cache=state.cache)
-    acc = self.config.accum_dtype
+    acc = self.numerics.accum_dtype
     decay = jnp.asarray(ema_decay, acc)
     weight = decay * state.ema_weight + 1
 
@@ -234,7 +309,7 @@ class Estimator:
       return (old_acc + (b.astype(acc) - old_acc) / weight).astype(old.dtype)
 
     # Tested in `stats_dtype`, so a statistic that overflows it (float16) skips the batch too.
-    stored = self.config.stats_dtype
+    stored = self.numerics.stats_dtype
     ok = _storage.all_finite(jax.tree_util.tree_map(lambda x: x.astype(stored), new))
     # A cond on the scalar flag, not a `where` over every factor: the average is computed in
     # the taken branch, straight into the new state's buffers.
@@ -261,6 +336,20 @@ class Estimator:
       skipped_batches=state.skipped_batches + (~ok).astype(jnp.int32),
     )
 
+  def update_curvature(
+    self,
+    state: EstimatorState,
+    params,
+    batch,
+    rng,
+    ema_decay,
+    axis_name: str | None = None,
+    mesh: tuple[Any, str] | None = None,
+  ) -> EstimatorState:
+    """`update_curvature_from_stats` with statistics computed from `batch`."""
+    stats = self.curvature_stats(params, batch, rng)
+    return self.update_curvature_from_stats(state, stats, ema_decay, axis_name, mesh)
+
   @jax.named_scope("kfac_inverses")
   def update_inverses(
     self,
@@ -270,12 +359,24 @@ class Estimator:
     axis_name: str | None = None,
     mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
-    """Recomputes every block's cache for damping λ (see `CurvatureEstimator.update_inverses`)."""
+    """Recomputes every block's cache for damping λ; a block whose new cache is not finite
+    keeps its previous one.
+
+    Args:
+      state: the estimator state.
+      damping: λ ≥ 0.
+      axis_name: inside `pmap` / `shard_map`, split the work over this axis: each device
+        factorises its share of the blocks (balanced by cost) and the caches are summed over
+        the axis; the result equals the unsplit one exactly. With sharded storage each device
+        keeps only its own blocks' caches.
+      mesh: under plain `jit` with sharded data, `(mesh, axis)` splits the work over that mesh
+        axis the same way.
+    """
     _checks.number(damping, "damping", low=0.0, schedule=True)
     self.check_state(state, axis_name, mesh)
     if axis_name is not None and mesh is not None:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
-    damping = jnp.asarray(damping, self.config.inverse_dtype)
+    damping = jnp.asarray(damping, self.numerics.inverse_dtype)
     cache, failed = self.storage.refresh(
       self.names,
       self.blocks,
@@ -323,13 +424,17 @@ class Estimator:
       return jax.tree_util.tree_unflatten(treedef, out)
 
   def multiply_matpower(self, state, vector, exp: float, *, axis_name=None, mesh=None):
-    """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`."""
+    """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`.
+
+    With sharded storage each device multiplies its own blocks and the results are summed over
+    `axis_name` or `mesh` (one vector-sized `psum`), as in the other products below.
+    """
     self.check_state(state, axis_name, mesh)
     exp = float(exp)
-    if exp != 1 and exp not in self.config.exps:
+    if exp != 1 and exp not in self.numerics.exps:
       raise ValueError(
         f"matrix power {exp:g} was not prepared: this estimator has exps="
-        f"{self.config.exps} (1 is always available)."
+        f"{self.numerics.exps} (1 is always available)."
       )
     return self.apply(
       state,
@@ -339,6 +444,14 @@ class Estimator:
       mesh,
       "multiply_matpower",
     )
+
+  def multiply(self, state: EstimatorState, vector, *, axis_name=None, mesh=None):
+    """The damped curvature times `vector` (power 1)."""
+    return self.multiply_matpower(state, vector, 1, axis_name=axis_name, mesh=mesh)
+
+  def multiply_inverse(self, state: EstimatorState, vector, *, axis_name=None, mesh=None):
+    """The inverse damped curvature times `vector` (needs -1 in `exps`, the default)."""
+    return self.multiply_matpower(state, vector, -1, axis_name=axis_name, mesh=mesh)
 
   def multiply_cholesky(
     self, state, vector, *, transpose=False, inverse=False, axis_name=None, mesh=None
@@ -354,13 +467,21 @@ class Estimator:
       "multiply_cholesky_inverse" if inverse else "multiply_cholesky",
     )
 
+  def multiply_cholesky_inverse(
+    self, state: EstimatorState, vector, *, transpose=False, axis_name=None, mesh=None
+  ):
+    """C⁻¹·v (or C⁻ᵀ·v)."""
+    return self.multiply_cholesky(
+      state, vector, transpose=transpose, inverse=True, axis_name=axis_name, mesh=mesh
+    )
+
   def to_dense(self, state: EstimatorState) -> Array:
     """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""
     self.check_state(state)
     sizes = [int(np.prod(s)) for s, _ in self._sig[1]]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])
-    out = jnp.zeros((total, total), self.config.inverse_dtype)
+    out = jnp.zeros((total, total), self.numerics.inverse_dtype)
     factors = self.storage.block_factors(self.names, self.blocks, state.factors)
     for n, b in zip(self.names, self.blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
@@ -374,3 +495,25 @@ class Estimator:
       int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._sig[1]
     )
     return _summary.format_table([self.layers[i] for i in self._active], self.blocks, param_bytes)
+
+
+def _front_door(init):
+  """`CurvatureEstimator.__init__`, raising a TypeError that names `kfac_jax.Registration` for
+  a loss function and example batch or a registration setting (e.g. `estimation_mode=`), and
+  `kfac_jax.Config` for one of its fields (e.g. `stats_dtype=`)."""
+  checked = _config.moved_keywords(init)
+
+  @functools.wraps(init)
+  def wrapper(self, *args, **kwargs):
+    if len(args) > 1:
+      raise TypeError(
+        "CurvatureEstimator takes one positional argument, a kfac_jax.Registration, got "
+        f"{len(args)}: build it from the loss function and example batch, "
+        "`kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))`."
+      )
+    checked(self, *args, **kwargs)
+
+  return wrapper
+
+
+CurvatureEstimator.__init__ = _front_door(CurvatureEstimator.__init__)  # type: ignore[method-assign]

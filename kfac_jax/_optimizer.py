@@ -34,7 +34,6 @@ from kfac_jax import (
   _engine,
   _estimator,
   _fit,
-  _fronts,
   _losses,
   _parallel,
   _registration,
@@ -265,8 +264,8 @@ class Optimizer:
   `init` and `step` are pure functions: jit (or pmap / shard_map with `axis_name`) them yourself.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` (or `(scalar, aux)` with `config.has_aux`),
-      with a loss tag on the model output.
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
+      registers it with the default settings (see `kfac_jax.Registration`).
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
     momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule. The
@@ -281,11 +280,13 @@ class Optimizer:
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
     curvature_every: update the curvature statistics every this many steps (and every burn-in
       step).
-    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`.
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`: the
+      settings of the scan are its (with `has_aux`, `loss_fn` returns `(scalar, aux)` and
+      `step` returns the aux in `info["aux"]`).
     axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over,
       and to split the inverse work over.
-    config: a `kfac_jax.Config` with the rarer knobs, shared with the transforms, and the
-      damping adaptation's and `weight_decay`.
+    config: a `kfac_jax.Config` with the rarer knobs (those the Optimizer reads: the
+      numerics, the storage, the schedule, the damping adaptation's and `weight_decay`).
 
   Schedules are called with `state.step + state.skipped` (every step seen, burn-in included),
   so a schedule that returns a non-finite value at one step skips it and moves on.
@@ -297,9 +298,11 @@ class Optimizer:
 
   Raises:
     TypeError / ValueError: a hyperparameter of the wrong kind (e.g. a string for a number) or
-      out of range, named with the value received, before any state is created.
+      out of range, named with the value received, before any state is created; a
+      registration setting (e.g. `has_aux=`), naming `kfac_jax.Registration`; a `Config` field
+      the Optimizer does not read.
     RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
-      match `has_aux`.
+      match the registration's `has_aux`.
 
   Example:
     >>> opt = kfac_jax.Optimizer(loss_fn, batch)
@@ -328,7 +331,14 @@ class Optimizer:
     config: _config.Config | None = None,
   ):
     config = _config.get(config, "Optimizer")
-    self._source = _fronts.for_front(loss_fn, example_batch, registration, config, "Optimizer")
+    self._deferred = _registration.Deferred.of(loss_fn, example_batch, registration, "Optimizer")
+    self._estimator = functools.lru_cache(maxsize=1)(
+      functools.partial(
+        _estimator.CurvatureEstimator,
+        config=config.read_by("CurvatureEstimator"),
+        who="this Optimizer",
+      )
+    )
     self._reporter = _engine.Reporter("Optimizer")
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
@@ -356,13 +366,6 @@ class Optimizer:
     _checks.static_int(inverse_every, "inverse_every")
     _checks.static_int(curvature_every, "curvature_every")
     _config.check_parallel(axis_name, config)
-    if config.fraction not in (1, "auto"):
-      raise ValueError(
-        f"Optimizer: `config.statistics_fraction`={config.statistics_fraction!r} is not read "
-        "here: the Optimizer's statistics come from its one forward pass over the whole batch, "
-        "and a fraction would need a second forward pass. Leave it at its default."
-      )
-    config.refuse("Optimizer", ("nesterov",), "the quadratic model chooses the momentum")
     if use_adaptive_damping and not callable(damping) and config.min_damping > float(damping):
       raise ValueError(
         f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
@@ -382,9 +385,9 @@ class Optimizer:
     self.config = config
 
   @property
-  def estimator(self) -> _estimator.Estimator:
+  def estimator(self) -> _estimator.CurvatureEstimator:
     """The complete estimator (after `init`, or at once with a registration)."""
-    return self._source.only()
+    return self._estimator(self._deferred.only())
 
   # -- state -----------------------------------------------------------------------------------
 
@@ -393,8 +396,8 @@ class Optimizer:
     is not used). With sharded storage, call it inside pmap / shard_map (or pass `config.mesh`).
     """
     del rng
-    est, _ = _fronts.estimator_for(self._source, params, "Optimizer", self.axis_name)
-    dtype = est.config.inverse_dtype
+    est = self._estimator(self._deferred.for_params(params, self.axis_name))
+    dtype = est.numerics.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     state = OptimizerState(
       step=jnp.zeros([], jnp.int32),
@@ -435,12 +438,12 @@ class Optimizer:
         "Optimizer: `state` must be the OptimizerState from this optimizer's init, got "
         f"{type(state).__name__} (a transform's state goes to that transform's update)."
       )
-    est = self._source.for_params(params)
+    est = self._estimator(self._deferred.for_params(params))
     reg, cfg = est.registration, self.config
     _checks.axis_bound(self.axis_name, "Optimizer")
     if isinstance(est.storage, _storage.ReplicatedStorage):  # Sharded: checked by the storage.
       _fit.check(jax.eval_shape(self.init, params), state, "Optimizer")
-    dtype = est.config.inverse_dtype
+    dtype = est.numerics.inverse_dtype
     clock = state.step + state.skipped  # Every step seen: what the schedules are called with.
     in_burn = state.step < cfg.burn_in_steps
 
@@ -509,7 +512,7 @@ class Optimizer:
 
   def _move(self, fp: _Pass, est, curv, pre, state: OptimizerState, lam, clock) -> _Move:
     """δ = α Δ + μ δ_prev with α, μ fixed or from the quadratic model, and the adapted λ."""
-    dtype = est.config.inverse_dtype
+    dtype = est.numerics.inverse_dtype
     delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), pre, fp.params)
     velocity = state.velocity
     alpha = (
@@ -580,7 +583,8 @@ class Optimizer:
     """
 
     def whole(params):
-      if _fronts.masked_share(params) is not None:
+      masked = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+      if any(isinstance(x, optax.MaskedNode) for x in masked):
         raise ValueError(
           "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (optax.multi_transform or "
           "optax.masked hands it only a share of the parameters), but the optimizer steps the "
@@ -592,7 +596,7 @@ class Optimizer:
     def init_fn(params):
       whole(params)
       opt_state = self.init(params)
-      dtype = self.estimator.config.inverse_dtype
+      dtype = self.estimator.numerics.inverse_dtype
       info = {k: jnp.zeros([], dtype) for k in _INFO_KEYS}
       info["loss"] = jnp.zeros([], jnp.result_type(float))
       info["skipped"] = jnp.zeros([], bool)

@@ -40,6 +40,47 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
   return names
 
 
+class LossPart:
+  """`loss_fn` as the scanner traces it, its output checked against `has_aux` (a mismatch is an
+  error naming `has_aux`, not a shape error); `loss_fn` and `has_aux` are checked when built."""
+
+  def __init__(self, loss_fn: Callable | None, has_aux: bool):
+    if not callable(loss_fn):
+      raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
+    if not isinstance(has_aux, bool):
+      raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    self.loss_fn = loss_fn
+    self.has_aux = has_aux
+
+  def __call__(self, params, batch):
+    out = self.loss_fn(params, batch)
+    if not self.has_aux:
+      if isinstance(out, (tuple, list)):
+        raise _scan.RegistrationError(
+          f"loss_fn(params, batch) returned a {type(out).__name__} of {len(out)} values, "
+          "not one scalar loss. If it returns `(loss, aux)`, build the registration with "
+          "has_aux=True: `kfac_jax.Registration(loss_fn, params, batch, has_aux=True)`."
+        )
+      return out
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      what = (
+        f"a {type(out).__name__} of {len(out)} values"
+        if isinstance(out, (tuple, list))
+        else f"a single {type(out).__name__} of shape {getattr(out, 'shape', '?')}"
+      )
+      raise _scan.RegistrationError(
+        f"has_aux=True, so loss_fn(params, batch) must return a pair `(loss, aux)`; it "
+        f"returned {what}. Return `(loss, aux)`, or build the registration without has_aux=True."
+      )
+    loss, aux = out
+    if getattr(loss, "shape", None) != ():
+      raise _scan.RegistrationError(
+        "has_aux=True: the first element of loss_fn's `(loss, aux)` must be the scalar loss, "
+        f"got shape {getattr(loss, 'shape', type(loss).__name__)}."
+      )
+    return loss, aux
+
+
 @dataclasses.dataclass(frozen=True)
 class StatsKey:
   """What a `CurvatureStats` was computed for: static, hashable, compared at trace time.
@@ -79,8 +120,7 @@ def mismatch_message(got: StatsKey, want: StatsKey, who: str) -> str:
   fix = (
     f" Compute them with the registration {who} was built with: "
     "`kfac_jax.value_and_grad(registration=reg)` with `reg = kfac_jax.Registration(loss_fn, "
-    "params, batch, ...)` shared by both (or the same loss_fn, estimation_mode, num_samples and "
-    "layers on both)."
+    "params, batch, ...)` shared by both."
   )
   parts = []
   if (got.estimation_mode, got.num_samples) != (want.estimation_mode, want.num_samples):
@@ -108,12 +148,14 @@ def avals(tree) -> tuple:
 class Registration:
   """`loss_fn` scanned once: its layers, parameter signature and statistics fingerprint.
 
-  Pass it as `registration=` to every entry point that should agree on the layers
-  (`value_and_grad`, `scale_by_kfac`, `kfac`, `Optimizer`, `CurvatureEstimator`, `scan_layers`,
-  `summary`, `check_registration`); they then take `loss_fn`, `example_batch` and the settings
-  below from it (another value given to them is an error), and statistics carry its fingerprint,
-  so statistics of another mode or layer set are an error naming both. Without it, each entry
-  point builds its own from its arguments. The object is immutable; the scan happens here.
+  The one place for the settings of the scan (`has_aux`, `estimation_mode`, `num_samples`,
+  `layers`, `strict`, `check_loss`). Every entry point (`value_and_grad`, `scale_by_kfac`,
+  `kfac`, `Optimizer`, `CurvatureEstimator`, `summary`, `check_registration`) takes it as
+  `registration=` (the estimator as its first argument) and reads them from it; given a bare
+  `loss_fn` instead, an entry point builds one with the defaults. Entry points sharing one
+  agree on the layers, and statistics carry its fingerprint, so statistics of another mode or
+  layer set are an error naming both. The object is immutable; the scan happens here, and
+  `layers` lists what it found.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
@@ -122,10 +164,17 @@ class Registration:
       dtypes are kept).
     example_batch: a batch of the training shapes (arrays or ShapeDtypeStructs).
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned.
-    estimation_mode: "gradients", "empirical", "curvature_prop", "curvature_prop_GGN",
-      "exact" or "exact_GGN" (see `kfac_jax.value_and_grad`).
-    num_samples: random vectors per example for the random modes (1 for the others).
-    layers: a `kfac_jax.LayerConfig` (approximations, linked groups), or None.
+    estimation_mode: "gradients" (targets sampled from the model: the Fisher, default),
+      "empirical" (the data's targets: the empirical Fisher), "curvature_prop" /
+      "curvature_prop_GGN" (Rademacher vectors times a square-root factor of the output Fisher
+      / loss Hessian), or "exact" / "exact_GGN" (every output coordinate: no sampling noise, K
+      backward passes for K outputs per example). The GGN variants estimate Jᵀ (∂²ℓ/∂z²) J,
+      which equals the Fisher for the tags' canonical-link losses. The random modes need an
+      `rng`. Formulas: `kfac_jax._losses`.
+    num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes
+      (a Python int); "empirical" ignores it, the exact modes require it to be 1.
+    layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
+      pattern, and linked parameter groups (None: the defaults).
     strict: raise, instead of warning, when parameters are outside every recognised layer or
       the loss audit measures a mismatch.
     axis_name: a name or a tuple of names of collective axes `loss_fn` uses (e.g. linen
@@ -141,7 +190,11 @@ class Registration:
       user's behalf).
 
   Attributes:
-    layers: the registered layers (a tuple of `LayerSpec`), in parameter order.
+    layers: the registered layers (a tuple of `LayerSpec`), in parameter order: each names the
+      layer, its kind, parameter paths (e.g. `params/Dense_0/kernel`), approximation, factor
+      shapes, `num_uses` (tied weights, the steps of a scan) and `stack_size`. Parameters
+      outside every recognised layer get a diagonal generic block (and one
+      `UncoveredParametersWarning` naming them all, an error with `strict=True`).
     block_names: the layers' names made unique (`name#2` for a repeated name): the keys of the
       curvature state's `factors` and `cache`.
     param_paths, param_shapes, param_dtypes: the parameters' signature; `check_params` holds
@@ -215,7 +268,7 @@ class Registration:
     warn: bool = True,
   ):
     set_ = object.__setattr__
-    part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
+    part = LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
     checks = _audit.checks_from(check_loss)
@@ -414,105 +467,117 @@ def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:
   return names
 
 
-def estimator_settings(
-  has_aux, estimation_mode, num_samples, strict, layers, *, prefix=""
-) -> dict[str, tuple[str, Any, Any]]:
-  """The `settings` table of `resolve` for an entry point's estimator arguments (`prefix`:
-  how the error names them, e.g. "config." for `Config` fields)."""
-  return {
-    "has_aux": ("has_aux", has_aux, False),
-    f"{prefix}estimation_mode": ("estimation_mode", estimation_mode, "gradients"),
-    f"{prefix}num_samples": ("num_samples", num_samples, 1),
-    f"{prefix}strict": ("strict", strict, False),
-    f"{prefix}layers": ("layer_config", layers, None),
-  }
-
-
-def resolve(
-  registration, loss_fn, example_batch, who: str, settings: dict[str, tuple[str, Any, Any]]
-) -> Registration | None:
-  """The `registration=` argument of an entry point (or None), checked against its others.
-
-  `settings` maps an argument's name (as the error shows it) to `(attribute, value, default)`:
-  a value other than the default and the registration's is an error naming both.
-  """
+def shared(registration, loss_fn, who: str, *others: tuple[str, Any]) -> Registration | None:
+  """The `registration=` argument of an entry point (or None), checked: a `Registration`, given
+  without `loss_fn` and the `others` (`(name, value)` pairs its arguments hold instead)."""
   if isinstance(loss_fn, Registration):
     raise TypeError(
       f"{who}: pass the kfac_jax.Registration as `registration=`, not as `loss_fn` "
       "(e.g. kfac_jax.kfac(registration=reg, learning_rate=0.1))."
     )
   if registration is None:
+    if loss_fn is None:
+      raise TypeError(f"{who}: pass `loss_fn`, or `registration=` (a kfac_jax.Registration).")
+    if not callable(loss_fn):
+      raise TypeError(
+        f"{who}: `loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}."
+      )
     return None
   if not isinstance(registration, Registration):
     raise TypeError(
       f"{who}: `registration` must be a kfac_jax.Registration or None, got "
       f"{type(registration).__name__}: {registration!r}."
     )
-  given = [n for n, v in (("loss_fn", loss_fn), ("example_batch", example_batch)) if v is not None]
+  given = [n for n, v in (("loss_fn", loss_fn), *others) if v is not None]
   if given:
     raise ValueError(
-      f"{who}: pass either `loss_fn` and `example_batch` or `registration=`, not both (got "
-      f"{' and '.join(given)} too): the registration holds its loss function and example batch."
+      f"{who}: pass either `loss_fn` or `registration=`, not both (got {' and '.join(given)} "
+      "too): the registration holds its loss function, params signature and example batch."
     )
-  for name, (attr, value, default) in settings.items():
-    have = getattr(registration, attr)
-    if not (value is default or value == default or value == have):
-      raise ValueError(
-        f"{who}: `{name}`={value!r} differs from the registration's {have!r}. Leave `{name}` "
-        "out (the registration's applies), or build the registration with it."
-      )
   return registration
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Deferred:
+  """The registration of a front (a transform or the `Optimizer`): the one given, or one built
+  with the default settings from `loss_fn`, `example_batch` and the first params its `init`
+  sees (kept: later params must have the same signature, an error names the first leaf that
+  differs).
+
+  Attributes:
+    loss_fn, example_batch: what a registration is built from (None with `given`).
+    given: the `registration=` argument, or None.
+  """
+
+  loss_fn: Any
+  example_batch: Any
+  given: Registration | None
+  _built: list[Registration] = dataclasses.field(default_factory=list, repr=False)  # 0 or 1
+
+  @classmethod
+  def of(cls, loss_fn, example_batch, registration, who: str) -> Deferred:
+    """The front's arguments, checked (see `shared`)."""
+    reg = shared(registration, loss_fn, who, ("example_batch", example_batch))
+    return cls(loss_fn, example_batch, reg, [] if reg is None else [reg])
+
+  @property
+  def known(self) -> bool:
+    """Whether the registration exists (given, or built by an `init`)."""
+    return bool(self._built)
+
+  def only(self) -> Registration:
+    """The registration, once known."""
+    if not self._built:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
+    return self._built[0]
+
+  def for_params(self, params, axis_name: AxisName = None) -> Registration:
+    """The registration for `params` (built from them on first use), checked against them. A
+    tree without leaves is `optax.tree_map_params`' placeholder, which asks only for the
+    state's structure: the known registration, unchecked."""
+    if not jax.tree_util.tree_leaves(params) and self._built:
+      return self._built[0]
+    if not self._built:
+      reg = Registration(self.loss_fn, params, self.example_batch, axis_name=axis_name)
+      self._built.append(reg)
+    self._built[0].check_params(params)
+    return self._built[0]
+
+
+@_checks.moved_keywords
 def value_and_grad(
   loss_fn: Callable | None = None,
   *,
-  registration: Any = None,
-  has_aux: bool = False,
-  estimation_mode: _curvature.EstimationMode = "gradients",
-  num_samples: int = 1,
-  strict: bool = False,
-  layers: Any = None,
+  registration: Registration | None = None,
   compute_params_stats: bool = False,
 ) -> Callable:
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
 
   `curvature_stats` is what `scale_by_kfac`'s update takes as `curvature_stats=`. Call the
-  returned function inside your jitted train step, like `jax.value_and_grad`.
+  returned function inside your jitted train step, like `jax.value_and_grad`. The estimation
+  mode, the samples, the layers and whether `loss_fn` returns an aux are the registration's
+  (see `kfac_jax.Registration`).
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output; with
-      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`. Leave it out when passing
-      `registration`.
-    registration: a `kfac_jax.Registration` shared with the transform / optimizer / estimator
-      that consumes the statistics; the arguments below but `compute_params_stats` then take
-      its values (another value is an error). Without it, `fn` registers `loss_fn` once per
-      params / batch signature with the arguments below.
-    has_aux: `loss_fn` returns `(loss, aux)`, aux any pytree of arrays from the same forward
-      pass, not differentiated (like `jax.value_and_grad(has_aux=True)`).
-    estimation_mode: "gradients" (targets sampled from the model: the Fisher), "empirical"
-      (the data's targets: the empirical Fisher), "curvature_prop" / "curvature_prop_GGN"
-      (Rademacher vectors times a square-root factor of the output Fisher / loss Hessian), or
-      "exact" / "exact_GGN" (every output coordinate: no sampling noise, K backward passes for
-      K outputs per example). For the canonical-link losses here the Fisher and the GGN
-      coincide. The random modes need `rng`. Formulas: `kfac_jax._losses`.
-    num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes;
-      "empirical" ignores it, the exact modes require it to be 1.
-    strict: raise instead of warning when parameters are outside every recognised layer.
-    layers: a `kfac_jax.LayerConfig` (linked groups change the layer set, so the transform's
-      must be the same; approximations do not change the statistics).
+    loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output: `fn`
+      registers it with the default settings, once per params / batch signature.
+    registration: a `kfac_jax.Registration` instead of `loss_fn`, shared with the transform /
+      optimizer / estimator that consumes the statistics (its settings apply, e.g. `has_aux`:
+      `loss_fn` returns `(loss, aux)`, aux any pytree of arrays from the same forward pass,
+      not differentiated, as with `jax.value_and_grad(has_aux=True)`).
     compute_params_stats: also return `curvature_stats.params_stats`, the first-order
       statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
 
   Returns:
     `fn(params, batch, rng=None)`, returning `(loss, grads, curvature_stats)`, or
-    `((loss, aux), grads, curvature_stats)` with `has_aux=True`.
+    `((loss, aux), grads, curvature_stats)` with the registration's `has_aux`.
 
   Raises:
     TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
-      called; params of another structure than the registration's, when `fn` is traced.
+      called, or a registration setting (e.g. `has_aux=`), naming `kfac_jax.Registration`;
+      params of another structure than the registration's, when `fn` is traced.
     RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
-      `has_aux`.
+      the registration's `has_aux`.
 
   Example:
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
@@ -526,43 +591,23 @@ def value_and_grad(
     ...   kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
     ...   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
     ...   return loss, new["batch_stats"]
+    >>> reg = kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
     >>> (loss, batch_stats), grads, stats = kfac_jax.value_and_grad(
-    ...     loss_fn, has_aux=True)(params, batch, rng)
+    ...     registration=reg)(params, batch, rng)
   """
   _checks.boolean(compute_params_stats, "compute_params_stats")
-  shared = resolve(
-    registration,
-    loss_fn,
-    None,
-    "value_and_grad",
-    estimator_settings(has_aux, estimation_mode, num_samples, strict, layers),
-  )
-  if shared is None:
-    _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux` now.
-    _curvature.check_mode(estimation_mode, num_samples)
-    _checks.boolean(strict, "strict")
-    _scan.check_layer_config(layers)
+  reg = shared(registration, loss_fn, "value_and_grad")
   own: dict[Any, Any] = {}  # Without `registration`: one per (params, batch) signature.
 
   def registered(params, batch):
-    if shared is not None:
-      shared.check_params(params)
-      return shared
+    if reg is not None:
+      reg.check_params(params)
+      return reg
     key = (avals(params), avals(batch))
     if key not in own:
       if len(own) >= 8:
         own.pop(next(iter(own)))
-      own[key] = Registration(
-        loss_fn,  # type: ignore[arg-type]  # checked callable above
-        params,
-        batch,
-        warn=False,
-        has_aux=has_aux,
-        estimation_mode=estimation_mode,
-        num_samples=num_samples,
-        layers=layers,
-        strict=strict,
-      )
+      own[key] = Registration(loss_fn, params, batch, warn=False)  # type: ignore[arg-type]
     return own[key]
 
   def fn(params, batch, rng=None):

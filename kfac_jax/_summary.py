@@ -11,78 +11,32 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from kfac_jax import _compat, _curvature, _registration
+from kfac_jax import _checks, _compat, _registration
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _tracer
 
-
-def _shared(who, registration, loss_fn, params, batch, strict, layers, axis_name, has_aux):
-  """The registration given as `registration=` (checked against the other arguments), or
-  None; `params` and `batch` belong to `loss_fn` and are left out with a registration."""
-  if registration is not None and params is not None:
-    raise ValueError(
-      f"{who}: pass either `loss_fn, params, batch` or `registration=`, not both: the "
-      "registration holds the params signature and example batch."
-    )
-  settings = {
-    "strict": ("strict", strict, False),
-    "layers": ("layer_config", layers, None),
-    "axis_name": ("axis_name", axis_name, None),
-    "has_aux": ("has_aux", has_aux, False),
-  }
-  return _registration.resolve(registration, loss_fn, batch, who, settings)
+_AXIS_NAME = (
+  "`axis_name` is a setting of the registration (got {!r}): pass "
+  "`registration=kfac_jax.Registration(loss_fn, params, batch, axis_name=...)`."
+)
 
 
-def _scan(loss_fn, params, batch, axis_name, has_aux, **kw) -> _tracer.ScanResult:
-  part = _curvature.LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
-  with _compat.axis_env([(n, 1) for n in _registration.axis_names(axis_name)]):
-    return _tracer.scan(part, params, batch, has_aux=has_aux, **kw)
+def _registration_of(who, registration, loss_fn, params, batch) -> _registration.Registration:
+  """The registration given, or one of `loss_fn` with the default settings (no warnings: the
+  report says the same, in full)."""
+  reg = _registration.shared(registration, loss_fn, who, ("params", params), ("batch", batch))
+  if reg is None:
+    reg = _registration.Registration(loss_fn, params, batch, warn=False)
+  return reg
 
 
-def scan_layers(
-  loss_fn: Callable | None = None,
-  params=None,
-  batch=None,
-  *,
-  registration: _registration.Registration | None = None,
-  strict: bool = False,
-  layers: _tracer.LayerConfig | None = None,
-  axis_name: _registration.AxisName = None,
-  has_aux: bool = False,
-) -> tuple[_tracer.LayerSpec, ...]:
-  """Traces `loss_fn(params, batch)` and returns the layers K-FAC will use, in parameter order.
-
-  Each `LayerSpec` names the layer, its kind, parameter paths (e.g. `params/Dense_0/kernel`),
-  approximation, factor shapes, `num_uses` (tied weights, the steps of a scan) and `stack_size`.
-  Parameters outside every recognised layer get a diagonal generic block and one
-  `UncoveredParametersWarning` naming them all (an error with `strict=True`). `layers` (a
-  `kfac_jax.LayerConfig`) chooses approximations and linked groups as in the estimator.
-  `axis_name` (a name or a tuple of names) binds the collective axes of a model that uses them
-  (e.g. linen `BatchNorm(axis_name="batch")`) with size 1 for the trace. `has_aux=True`:
-  `loss_fn` returns `(loss, aux)`, as in `kfac_jax.value_and_grad`. `registration=` (instead of
-  `loss_fn, params, batch`): the layers of that `kfac_jax.Registration` (no new scan).
-
-  Raises:
-    RegistrationError: no loss tag, a malformed manual tag, or a `layers` entry that does not fit.
-    TypeError: `axis_name` is not a string or a tuple of strings.
-  """
-  args = (loss_fn, params, batch, strict, layers, axis_name, has_aux)
-  reg = _shared("scan_layers", registration, *args)
-  if reg is not None:
-    return reg.layers
-  return _scan(loss_fn, params, batch, axis_name, has_aux, strict=strict, layers=layers).layers
-
-
+@_checks.moved_keywords(refused={"axis_name": _AXIS_NAME})
 def summary(
   loss_fn: Callable | None = None,
   params=None,
   batch=None,
   *,
   registration: _registration.Registration | None = None,
-  strict: bool = False,
-  layers: _tracer.LayerConfig | None = None,
-  axis_name: _registration.AxisName = None,
-  has_aux: bool = False,
 ) -> str:
   """A table of the registered layers and a coverage report.
 
@@ -91,23 +45,20 @@ def summary(
   layer's approximation differs from its kind's default. The report under it gives the share
   of the parameters in structured, non-generic blocks, the curvature state's bytes against the
   parameters', and, for every parameter in a diagonal fallback block, why no layer matched it
-  ("sliced by a scan", "consumed by <primitive> (no matcher)", ...). The arguments as in
-  `scan_layers`.
+  ("sliced by a scan", "consumed by <primitive> (no matcher)", ...).
+
+  Args:
+    loss_fn, params, batch: the loss function, registered with the default settings.
+    registration: a `kfac_jax.Registration` instead (no new scan): the layers it holds, with
+      its settings (`layers`, `has_aux`, `axis_name`, ...).
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))
   """
-  reg = _shared("summary", registration, loss_fn, params, batch, strict, layers, axis_name, has_aux)
-  if reg is not None:
-    specs, blocks, params = reg.layers, reg.blocks(), reg.params_shape
-  else:
-    # No UncoveredParametersWarning: the report below says the same, in full.
-    specs = _scan(
-      loss_fn, params, batch, axis_name, has_aux, strict=strict, warn=False, layers=layers
-    ).layers
-    blocks = [_blocks.make_block(s, _blocks.BlockConfig()) for s in specs]
+  reg = _registration_of("summary", registration, loss_fn, params, batch)
+  specs, blocks = reg.layers, reg.blocks()
   table = format_table(_display_names(specs), blocks)
-  return table + "\n\n" + coverage_report(specs, blocks, params)
+  return table + "\n\n" + coverage_report(specs, blocks, reg.params_shape)
 
 
 def _display_names(specs: Sequence[_tracer.LayerSpec]) -> list[_tracer.LayerSpec]:
@@ -150,28 +101,29 @@ def coverage_report(
   return "\n".join(lines)
 
 
+@_checks.moved_keywords(refused={"axis_name": _AXIS_NAME})
 def check_registration(
   loss_fn: Callable | None = None,
   params=None,
   batch=None,
   *,
   registration: _registration.Registration | None = None,
-  layers: _tracer.LayerConfig | None = None,
-  axis_name: _registration.AxisName = None,
-  has_aux: bool = False,
 ) -> tuple[_tracer.LayerSpec, ...]:
   """Checks that every parameter is in exactly one curvature block; lists every problem at once.
 
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
   layer covers (with why no layer matched it), every parameter registered twice (two manual
   tags, or a tag and a linked group), every manually tagged parameter whose number of tags
-  differs from the number of times `loss_fn` uses it, and every `layers.overrides` /
-  `layers.linked` pattern that matches no parameter. `axis_name` and `has_aux` as in
-  `scan_layers`. `registration=` checks a `kfac_jax.Registration` (instead of `loss_fn, params,
-  batch`).
+  differs from the number of times `loss_fn` uses it. (A `layers.overrides` / `layers.linked`
+  pattern that matches no parameter stops the `Registration` that carries it, naming it.)
+
+  Args:
+    loss_fn, params, batch: the loss function, scanned with the default settings.
+    registration: a `kfac_jax.Registration` instead, scanned again with its settings
+      (`layers`, `has_aux`, `axis_name`).
 
   Returns:
-    The registered layers, as `scan_layers` returns them, when there is no problem.
+    The registered layers, as `Registration.layers` lists them, when there is no problem.
 
   Raises:
     RegistrationCheckError: (a `RegistrationError`) with `.problems`, one line per problem,
@@ -182,14 +134,19 @@ def check_registration(
   Example:
     >>> kfac_jax.check_registration(loss_fn, params, batch)  # raises listing every problem
   """
-  args = (loss_fn, params, batch, False, layers, axis_name, has_aux)
-  reg = _shared("check_registration", registration, *args)
+  reg = _registration.shared(
+    registration, loss_fn, "check_registration", ("params", params), ("batch", batch)
+  )
+  axis_name, has_aux, layers = None, False, None
   if reg is not None:
     loss_fn, params, batch = reg.loss_fn, reg.params_shape, reg.example_batch
     axis_name, has_aux, layers = reg.axis_name, reg.has_aux, reg.layer_config
-  return _scan(
-    loss_fn, params, batch, axis_name, has_aux, warn=False, layers=layers, collect=True
-  ).layers
+  part = _registration.LossPart(loss_fn, has_aux)
+  with _compat.axis_env([(n, 1) for n in _registration.axis_names(axis_name)]):
+    scan = _tracer.scan(
+      part, params, batch, has_aux=has_aux, warn=False, layers=layers, collect=True
+    )
+  return scan.layers
 
 
 def _relative_paths(paths: Sequence[str]) -> str:

@@ -13,6 +13,7 @@ and is reported once per hyperparameter (`HyperparameterWarning`, from the host)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,7 +28,6 @@ from kfac_jax import (
   _engine,
   _estimator,
   _fit,
-  _fronts,
   _parallel,
   _registration,
   _storage,
@@ -111,7 +111,7 @@ def _rows(fraction, batch, who: str) -> tuple[Any, int]:
   return cut, rows
 
 
-def _batch_statistics(est: _estimator.Estimator, fraction, params, batch, rng, who: str):
+def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batch, rng, who: str):
   """This batch's statistics from the rows `fraction` picks (see `Config.statistics_fraction`).
 
   "auto" tries the cut batch at trace time only and falls back to the whole batch when it
@@ -142,7 +142,7 @@ def _batch_statistics(est: _estimator.Estimator, fraction, params, batch, rng, w
     raise
 
 
-def _check_state(state, est: _estimator.Estimator, who: str) -> None:
+def _check_state(state, est: _estimator.CurvatureEstimator, who: str) -> None:
   if not isinstance(state, ScaleByKfacState):
     raise TypeError(
       f"{who}: `state` must be the ScaleByKfacState from this transform's init, got "
@@ -159,6 +159,59 @@ def _check_state(state, est: _estimator.Estimator, who: str) -> None:
     )
 
 
+def _is_masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def masked_share(tree) -> tuple[bool, ...] | None:
+  """Per leaf of `tree`, masked ones included, whether it is not an `optax.MaskedNode` (the share
+  `optax.multi_transform` / `optax.masked` hand a transform); None when none is masked."""
+  kept = tuple(not _is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_masked))
+  return None if all(kept) else kept
+
+
+def _fill(est: _estimator.CurvatureEstimator, share, abstract: bool = False):
+  """`share` with its `optax.MaskedNode` leaves replaced by zeros of the registered shapes and
+  dtypes (`jax.ShapeDtypeStruct`s with `abstract`): the whole params' structure."""
+  flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
+  sig = est.registration.param_signature[1]
+  if len(flat) != len(sig):  # Wrong structure: `check_params` names the leaf.
+    return jax.tree_util.tree_unflatten(treedef, flat)
+  make = jax.ShapeDtypeStruct if abstract else jnp.zeros
+  leaves = [
+    make(shape, jnp.dtype(dtype)) if _is_masked(x) else x for x, (shape, dtype) in zip(flat, sig)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _unfill(full, share):
+  """`full` (the whole params' structure) at `share`'s unmasked leaves, in `share`'s structure."""
+  flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
+  leaves = jax.tree_util.tree_leaves(full)
+  return jax.tree_util.tree_unflatten(
+    treedef, [x if _is_masked(x) else y for x, y in zip(flat, leaves)]
+  )
+
+
+def _estimator_for(deferred: _registration.Deferred, make, params, who: str, axis_name=None):
+  """`(estimator, kept)`: `make(registration)` for `params`, restricted to the share when
+  `params` has `optax.MaskedNode` leaves (`kept`: per registered leaf, whether it is in it)."""
+  kept = masked_share(params)
+  if kept is None:
+    return make(deferred.for_params(params, axis_name)), None
+  if not deferred.known:
+    raise ValueError(
+      f"{who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
+      "optax.masked hands this transform only its share of the parameters, and the model "
+      "cannot be traced without the rest. Build the layers from the whole params, "
+      "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
+      f"to {who} and to kfac_jax.value_and_grad."
+    )
+  est = make(deferred.only())
+  est.registration.check_params(_fill(est, params, abstract=True))
+  return est.restrict(kept), kept
+
+
 def _preconditioner(
   loss_fn,
   example_batch,
@@ -170,26 +223,27 @@ def _preconditioner(
   axis_name,
   config,
   who: str,
-) -> tuple[optax.GradientTransformationExtraArgs, _fronts.Source]:
-  """`scale_by_kfac` named `who` in its errors, and where its estimator comes from."""
+) -> tuple[optax.GradientTransformationExtraArgs, Callable]:
+  """`scale_by_kfac` named `who` in its errors, and `params -> registration`."""
   config = _config.get(config, who)
   _checks.number(damping, "damping", low=0.0, schedule=True)
   _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
   _checks.positive_int(inverse_every, "inverse_every")
   _checks.positive_int(curvature_every, "curvature_every")
   _config.check_parallel(axis_name, config)
-  config.refuse(
-    who,
-    ("min_damping", "max_damping", "damping_adaptation_interval", "damping_adaptation_decay"),
-    "only the Optimizer adapts the damping",
+  deferred = _registration.Deferred.of(loss_fn, example_batch, registration, who)
+  make = functools.lru_cache(maxsize=1)(
+    functools.partial(
+      _estimator.CurvatureEstimator,
+      config=config.read_by("CurvatureEstimator"),
+      who=f"this {who} transform",
+    )
   )
-  config.refuse(who, ("weight_decay",), "chain optax.add_decayed_weights for weight decay")
-  source = _fronts.for_front(loss_fn, example_batch, registration, config, who)
   mesh, guard = config.mesh, config.skip_nonfinite
   reporter = _engine.Reporter(who)
 
   def init_fn(params) -> ScaleByKfacState:
-    est, _ = _fronts.estimator_for(source, params, who, axis_name)
+    est, _ = _estimator_for(deferred, make, params, who, axis_name)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
     state = ScaleByKfacState(
       count=jnp.zeros([], jnp.int32),
@@ -212,11 +266,11 @@ def _preconditioner(
     del extra_args  # Other transforms' extra arguments (optax.chain forwards them all).
     if params is None:
       raise ValueError(f"{who}: `params` is required: tx.update(grads, state, params, ...).")
-    est, kept = _fronts.estimator_for(source, params, who)
+    est, kept = _estimator_for(deferred, make, params, who)
     _check_state(state, est, who)
     est.check_state(state.curvature, axis_name, mesh, who, "state.curvature")
     if kept is not None:
-      if _fronts.masked_share(updates) != kept:
+      if masked_share(updates) != kept:
         raise ValueError(
           f"{who}: `updates` and `params` must be the same share of the parameters "
           "(the same optax.MaskedNode leaves)."
@@ -251,7 +305,7 @@ def _preconditioner(
     pre, curv, ok = _engine.step(
       est,
       state.curvature,
-      updates if kept is None else _fronts.fill(est, updates),
+      updates if kept is None else _fill(est, updates),
       statistics,
       count,
       damping=lam,
@@ -264,7 +318,7 @@ def _preconditioner(
       mesh=mesh,
     )
     if kept is not None:  # The masked leaves' zeros pass through no block; XLA drops them.
-      pre = _fronts.unfill(pre, updates)
+      pre = _unfill(pre, updates)
     if ok is None:
       return pre, ScaleByKfacState(optax.safe_increment(count), curv, state.skipped)
     out = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), pre)
@@ -274,7 +328,10 @@ def _preconditioner(
       skipped=state.skipped + (~ok).astype(state.skipped.dtype),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn), source
+  def registration_for(params) -> _registration.Registration:
+    return _estimator_for(deferred, make, params, who)[0].registration
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn), registration_for
 
 
 @_config.moved_keywords
@@ -297,7 +354,8 @@ def scale_by_kfac(
   update; its inverse is refreshed every `inverse_every` updates (both first at update 0).
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
+      registers it with the default settings (see `kfac_jax.Registration`).
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     damping: λ ≥ 0, a number or a schedule `count -> λ`.
     ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
@@ -306,11 +364,11 @@ def scale_by_kfac(
       `kfac`'s clipping, stale statistics let some models diverge). Above 1 the statistics'
       products (and passes, with `batch=`) are formed on due updates only.
     registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`, shared
-      with `kfac_jax.value_and_grad(registration=...)` (the config's registration fields must
-      agree with it).
+      with `kfac_jax.value_and_grad(registration=...)`: the settings of the scan (`has_aux`,
+      `estimation_mode`, `layers`, ...) are its.
     axis_name: inside `pmap` / `shard_map`: average the statistics over this axis and split
       the inverse work over it.
-    config: a `kfac_jax.Config` with the rare knobs.
+    config: a `kfac_jax.Config` with the rare knobs (those `scale_by_kfac` reads).
 
   With `optax.inject_hyperparams`, declare the non-numeric arguments static:
   `static_args=("loss_fn", "example_batch")`. Inside `optax.multi_transform` / `optax.masked`,
@@ -326,7 +384,8 @@ def scale_by_kfac(
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; a keyword that moved into `Config`, naming its place. In `update` (when
+      is created; a registration setting (e.g. `has_aux=`) or a keyword that moved into
+      `Config`, naming its place; a `Config` field it does not read. In `update` (when
       traced, before any state changes): params of another structure than at `init`, a state
       of another model, or `curvature_stats` of another mode, sample count or layer set.
 
@@ -372,31 +431,28 @@ def default_learning_rate(registration: _registration.Registration) -> float:
   return 0.3 * registration.outputs_per_example**0.25
 
 
-def _reg(source: _fronts.Source, params) -> _registration.Registration:
-  return _fronts.estimator_for(source, params, "kfac")[0].registration
-
-
-def _clip_by_kfac_norm(max_norm, tagged: _fronts.Source | None):
+def _clip_by_kfac_norm(max_norm, tagged: Callable | None):
   """Scales `v` by `clip_coefficient(v, g, max_norm)`, g the raw gradient (`kfac_grads=`); with
-  `tagged`, in the tagged loss's metric (v and g over the loss factor c: `max_norm · c`)."""
+  `tagged` (`params -> registration`), in the tagged loss's metric (v and g over the loss factor
+  c: `max_norm · c`)."""
 
   def update_fn(updates, state, params=None, *, kfac_grads, **extra_args):
     del extra_args
-    r = max_norm if tagged is None else max_norm * (_reg(tagged, params).loss_factor or 1.0)
+    r = max_norm if tagged is None else max_norm * (tagged(params).loss_factor or 1.0)
     coeff = clip_coefficient(updates, kfac_grads, r)
     return jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), updates), state
 
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
-def _scale_by_learning_rate(learning_rate, source: _fronts.Source):
+def _scale_by_learning_rate(learning_rate, registration_for: Callable):
   """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default_learning_rate / c`,
   the tagged loss's step. Multiplied in at least float32, cast back to the update's dtype."""
 
   def update_fn(updates, state, params=None, *, kfac_count, **extra_args):
     del extra_args
     if learning_rate is None:
-      reg = _reg(source, params)
+      reg = registration_for(params)
       step = default_learning_rate(reg) / (reg.loss_factor or 1.0)
     else:
       step = learning_rate(kfac_count) if callable(learning_rate) else learning_rate
@@ -523,7 +579,8 @@ def kfac(
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; a keyword that moved into `Config`, naming its place.
+      is created; a registration setting (e.g. `has_aux=`) or a keyword that moved into
+      `Config`, naming its place; a `Config` field it does not read.
 
   Example:
     >>> tx = kfac_jax.kfac(loss_fn, batch)
@@ -539,7 +596,7 @@ def kfac(
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
   config = _config.get(config, "kfac")
-  preconditioner, source = _preconditioner(
+  preconditioner, registration_for = _preconditioner(
     loss_fn,
     example_batch,
     damping,
@@ -554,8 +611,8 @@ def kfac(
   rest = optax.chain(
     optax.identity()
     if max_norm is None
-    else _clip_by_kfac_norm(max_norm, source if learning_rate is None else None),
+    else _clip_by_kfac_norm(max_norm, registration_for if learning_rate is None else None),
     optax.identity() if momentum is None else optax.trace(momentum, nesterov=config.nesterov),
-    _scale_by_learning_rate(learning_rate, source),
+    _scale_by_learning_rate(learning_rate, registration_for),
   )
   return _guard(preconditioner, rest, (learning_rate, momentum, max_norm), config.skip_nonfinite)

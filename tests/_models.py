@@ -117,6 +117,21 @@ def with_config(kw: dict) -> dict:
   return {**rest, "config": kfac_jax.Config(**moved)}
 
 
+REGISTRATION_KNOBS = ("has_aux", "estimation_mode", "num_samples", "layers", "strict", "check_loss")
+
+
+def front_args(loss_fn, params, batch, kw: dict) -> tuple[tuple, dict]:
+  """`(args, kwargs)` for a front (`scale_by_kfac`, `kfac`, `Optimizer`): `(loss_fn, batch)` and
+  `kw` with its `Config` fields moved into `config=`; with a registration setting in `kw`,
+  `registration=kfac_jax.Registration(loss_fn, params, batch, <settings>)` instead of the
+  positionals."""
+  settings = {k: v for k, v in kw.items() if k in REGISTRATION_KNOBS}
+  rest = with_config({k: v for k, v in kw.items() if k not in REGISTRATION_KNOBS})
+  if not settings:
+    return (loss_fn, batch), rest
+  return (), {"registration": kfac_jax.Registration(loss_fn, params, batch, **settings), **rest}
+
+
 def device_bytes(tree, mesh) -> list[int]:
   """The bytes of `tree`'s arrays each device of `mesh` holds (its addressable shards)."""
   return [

@@ -2,7 +2,7 @@
 the scanner must find (shared by tests/suites/test_zoo.py and benchmarks/zoo.py).
 
 Each builder returns a `Zoo`: `loss_fn(params, batch)`, `params`, `batch` and `expected`, the
-`(kind, approx, param_paths)` of every layer `kfac_jax.scan_layers` must return, in order.
+`(kind, approx, param_paths)` of every layer a `kfac_jax.Registration` must find, in order.
 Non-parameter state (BatchNorm statistics) stays outside `params`: linen's `batch_stats`
 collection is passed through the batch and updated with `mutable=`, nnx's `BatchStat` variables
 are split off by `nnx.split` and merged back inside `loss_fn`.
@@ -46,11 +46,13 @@ class Zoo:
 def train_step(z: Zoo, tx, registration: kfac_jax.Registration | None = None):
   """The jitted K-FAC training step of a zoo model: `step(params, state, batch, rng)` →
   `(params, state, batch, loss)`. With `z.has_aux`, the model state returned as the aux is fed
-  back as `batch["state"]`. With `registration` (of `z`), its layers are used (no new scan)."""
+  back as `batch["state"]`. With `registration` (of `z`), its layers are used (no new scan);
+  without, one of `z` with the default settings."""
   if registration is None:
-    vg = kfac_jax.value_and_grad(z.loss_fn, has_aux=z.has_aux)
-  else:
-    vg = kfac_jax.value_and_grad(registration=registration)
+    registration = kfac_jax.Registration(
+      z.loss_fn, z.params, z.batch, has_aux=z.has_aux, warn=False
+    )
+  vg = kfac_jax.value_and_grad(registration=registration)
 
   @jax.jit
   def step(params, state, batch, rng):

@@ -137,7 +137,8 @@ def test_changed_estimator_options_name_the_block_fields():
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
 
   def state(**kw):
-    return kfac_jax.CurvatureEstimator(loss_fn, batches[0], **kw).init(params)
+    reg = kfac_jax.Registration(loss_fn, params, batches[0])
+    return kfac_jax.CurvatureEstimator(reg, **kw).init(params)
 
   saved, want = state(), state(exps=(-1, -0.5), compute_cholesky=True)
   cache = want.cache["layer0"]

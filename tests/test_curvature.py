@@ -56,7 +56,7 @@ def _setup(kind, model, n=1):
 
 def _dense(loss_fn, params, batch, mode, rng=None, num_samples=1):
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode, num_samples=num_samples)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode, num_samples=num_samples)
   )
   state = est.init(params)
   state = jax.jit(lambda s, r: est.update_curvature(s, params, batch, r, ema_decay=0.0))(state, rng)
@@ -106,7 +106,9 @@ def test_exact_and_exact_ggn_agree_on_a_batch(x64):
   _, fisher = _dense(loss_fn, params, batch, "exact")
   _, ggn = _dense(loss_fn, params, batch, "exact_GGN")
   np.testing.assert_allclose(fisher, ggn, rtol=1e-12, atol=1e-14)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   z = _models.jnp_mlp_apply(params, batch["x"])
   hess = jax.hessian(lambda zz: _tagged("categorical", zz, batch))(z)  # [N, C, N, C]
@@ -181,7 +183,9 @@ def test_sequence_prediction_shared_kernel_factors(x64):
     return jnp.mean(jnp.sum(b["w"] * nll, -1))
 
   loss_fn = lambda p, b: loss_in_z(apply(p, b["x"]), b)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  )
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(est.init(params))
   (factors,) = state.factors.values()
   z = apply(params, batch["x"])
@@ -224,35 +228,51 @@ def test_mode_errors(x64):
   loss_fn, params, batch = _setup("categorical", "linear")
   with pytest.raises(ValueError, match="estimation_mode") as info:
     kfac_jax.CurvatureEstimator(
-      loss_fn, batch, config=kfac_jax.Config(estimation_mode="curvature-prop")
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="curvature-prop")
     )
   for mode in ALL_MODES:
     assert repr(mode) in str(info.value)
   with pytest.raises(ValueError, match="choose one of"):
-    kfac_jax.value_and_grad(loss_fn, estimation_mode="Exact")
+    kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="Exact")
+    )
   for mode in ("exact", "exact_GGN"):
     with pytest.raises(ValueError, match="num_samples does not apply; got num_samples=4"):
       kfac_jax.CurvatureEstimator(
-        loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode, num_samples=4)
+        kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode, num_samples=4)
       )
     with pytest.raises(ValueError, match="num_samples does not apply"):
-      kfac_jax.value_and_grad(loss_fn, estimation_mode=mode, num_samples=2)
+      kfac_jax.value_and_grad(
+        registration=kfac_jax.Registration(
+          loss_fn, params, batch, estimation_mode=mode, num_samples=2
+        )
+      )
     with pytest.raises(ValueError, match="num_samples does not apply"):
       kfac_jax.scale_by_kfac(
-        loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode, num_samples=3)
+        registration=kfac_jax.Registration(
+          loss_fn, params, batch, estimation_mode=mode, num_samples=3
+        )
       )
   for mode in ("gradients", "curvature_prop", "curvature_prop_GGN"):
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode))
+    est = kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+    )
     state = est.init(params)
     with pytest.raises(ValueError, match=f"estimation_mode='{mode}'.*pass `rng`"):
       est.update_curvature(state, params, batch, None, ema_decay=0.5)
     with pytest.raises(ValueError, match="pass `rng`"):
-      kfac_jax.value_and_grad(loss_fn, estimation_mode=mode)(params, batch)
+      kfac_jax.value_and_grad(
+        registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+      )(params, batch)
   # The exact modes and "empirical" need no rng; Config's num_samples=1 suits every mode.
   for mode in ("exact", "exact_GGN", "empirical"):
-    loss, _, _ = kfac_jax.value_and_grad(loss_fn, estimation_mode=mode)(params, batch)
+    loss, _, _ = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+    )(params, batch)
     assert np.isfinite(float(loss))
-    tx = kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode))
+    tx = kfac_jax.scale_by_kfac(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+    )
     state = tx.init(params)
     grads = jax.grad(loss_fn)(params, batch)
     updates, _ = tx.update(grads, state, params, batch=batch)
@@ -262,12 +282,16 @@ def test_mode_errors(x64):
 def test_exact_stack_size_is_the_output_size(x64):
   """The exact stack has K = prod(non-batch prediction shape) vectors, whatever the batch."""
   loss_fn, params, batch = _setup("bernoulli", "linear", n=3)
-  _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="exact")(params, batch)
+  _, _, stats = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  )(params, batch)
   (((x,), g),) = stats.data  # Raw layer input and output gradients (see blocks/_layouts.py).
   assert x.shape == (3, 3) and g.shape == (4, 3, 4)
-  _, _, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="curvature_prop", num_samples=5)(
-    params, batch, jax.random.key(0)
-  )
+  _, _, stats = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="curvature_prop", num_samples=5
+    )
+  )(params, batch, jax.random.key(0))
   assert stats.data[0][1].shape == (5, 3, 4)
 
 
@@ -300,27 +324,31 @@ def test_params_stats_are_the_first_order_statistics(x64):
   loss_fn, params, batch = _setup("categorical", "mlp", n=5)
   batch = dict(batch, w=jnp.ones_like(batch["w"]))  # Unit weights: √w ∇ℓ = w ∇ℓ.
   _, grads, stats = kfac_jax.value_and_grad(
-    loss_fn, estimation_mode="empirical", compute_params_stats=True
+    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+    compute_params_stats=True,
   )(params, batch)
   for a, b in zip(jax.tree_util.tree_leaves(stats.params_stats), jax.tree_util.tree_leaves(grads)):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
   _, _, sampled = kfac_jax.value_and_grad(
-    loss_fn, estimation_mode="gradients", num_samples=4000, compute_params_stats=True
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="gradients", num_samples=4000
+    ),
+    compute_params_stats=True,
   )(params, batch, jax.random.key(0))
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grads))
   for a in jax.tree_util.tree_leaves(sampled.params_stats):
     assert float(jnp.max(jnp.abs(a))) < 0.1 * scale  # E_y[∇ log p(y|x)] = 0.
-  _, _, plain = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
+  _, _, plain = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+  )(params, batch)
   assert plain.params_stats is None
 
 
 def test_estimator_offers_params_stats(x64):
   loss_fn, params, batch = _setup("normal", "linear", n=3)
   est = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
     compute_params_stats=True,
-    config=kfac_jax.Config(estimation_mode="empirical"),
   )
   est.init(params)
   stats = est.curvature_stats(params, batch, None)

@@ -27,7 +27,7 @@ def _update(est, params, batch, rng=None, ema_decay=0.0, state=None):
 def test_batch_of_one_empirical_equals_gradient_outer_product(x64):
   _, loss_fn, params, batch = _linen_setup()
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
   )
   dense = est.to_dense(_update(est, params, batch))
   g = ravel_pytree(jax.grad(loss_fn)(params, batch))[0]
@@ -63,7 +63,7 @@ def test_batch_of_one_empirical_other_losses(x64, loss):
 
   batch = {"x": x, "t": t}
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
   )
   dense = np.asarray(est.to_dense(_update(est, params, batch)))
   g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
@@ -82,7 +82,7 @@ def test_factor_normalisation_on_a_batch(x64):
   batch = _models.classification_batch(jax.random.key(1), n=7, din=3, classes=4, dtype=jnp.float64)
   loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"] + p["b"])
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
   )
   state = _update(est, params, batch)
   (f,) = state.factors.values()
@@ -103,7 +103,9 @@ def test_sampled_fisher_converges_to_exact_fisher(x64):
   batch = {"x": jnp.array([[0.5, -1.0, 2.0]]), "y": jnp.array([1])}
   apply = lambda p, x: x @ p["w"] + p["b"]
   loss_fn = _models.softmax_loss(apply)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(num_samples=40000))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, num_samples=40000)
+  )
   dense = np.asarray(est.to_dense(_update(est, params, batch, jax.random.key(3))))
   flat, unravel = ravel_pytree(params)
   jac = jax.jacobian(lambda v: apply(unravel(v), batch["x"])[0])(flat)
@@ -112,7 +114,7 @@ def test_sampled_fisher_converges_to_exact_fisher(x64):
   rel = np.linalg.norm(dense - exact) / np.linalg.norm(exact)
   assert rel < 0.03, rel
   # A single sample is far off: the test can tell an estimator from the exact matrix.
-  est1 = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(num_samples=1))
+  est1 = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, num_samples=1))
   one = np.asarray(est1.to_dense(_update(est1, params, batch, jax.random.key(3))))
   assert np.linalg.norm(one - exact) / np.linalg.norm(exact) > 0.1
 
@@ -145,8 +147,7 @@ def test_matpower_roundtrip_and_cholesky(x64, damping_mode, factor_solve):
     return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
 
   est = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
+    kfac_jax.Registration(loss_fn, params, batch),
     exps=(-1, -0.5, 2),
     compute_cholesky=True,
     compute_cholesky_inverse=True,
@@ -190,7 +191,9 @@ def test_damped_block_formulas(x64):
   loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"])
   lam = 0.3
   for mode in ("factored", "eigen"):
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(damping_mode=mode))
+    est = kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(damping_mode=mode)
+    )
     state = jax.jit(lambda s: est.update_inverses(s, lam))(
       _update(est, params, batch, jax.random.key(2))
     )
@@ -215,7 +218,9 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
   monkeypatch.setattr(_block_base, "batched_factorisations", lambda: batched)
   params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (4, 4, 4, 3)), jnp.float64)
   batch = _models.classification_batch(jax.random.key(1), n=9, dtype=jnp.float64)
-  est = kfac_jax.CurvatureEstimator(_models.softmax_loss(_models.jnp_mlp_apply), batch)
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(_models.softmax_loss(_models.jnp_mlp_apply), params, batch)
+  )
   state = _update(est, params, batch, jax.random.key(2))
   keys = [b.group_key() for b in est.blocks]
   assert keys[0] == keys[1] != keys[2]
@@ -312,7 +317,7 @@ def test_ema_is_bias_corrected_and_skips_non_finite_batches(x64):
   b1 = {"x": jnp.array([[1.0, 0.0]]), "y": jnp.array([0])}
   b2 = {"x": jnp.array([[0.0, 2.0]]), "y": jnp.array([1])}
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, b1, config=kfac_jax.Config(estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, b1, estimation_mode="empirical")
   )
   s1 = _update(est, params, b1, ema_decay=0.9)
   a1 = np.asarray(s1.factors["w"].a)
@@ -356,12 +361,16 @@ def test_one_forward_pass_flops():
 def test_estimator_errors_leave_state_untouched():
   _, loss_fn, params, batch = _linen_setup(n=4, dtype=jnp.float32)
   with pytest.raises(ValueError, match="estimation_mode.*choose one of"):
-    kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exactish"))
+    kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exactish")
+    )
   with pytest.raises(ValueError, match="num_samples"):
-    kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(num_samples=0))
+    kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, num_samples=0))
   with pytest.raises(ValueError, match="damping_mode"):
-    kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(damping_mode="tikhonov"))
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+    kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(damping_mode="tikhonov")
+    )
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
   state = est.init(params)
   with pytest.raises(ValueError, match="ema_decay"):
     est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=1.0)
@@ -382,7 +391,7 @@ def test_estimator_errors_leave_state_untouched():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   emp = kfac_jax.CurvatureEstimator(
-    no_targets, batch, config=kfac_jax.Config(estimation_mode="empirical")
+    kfac_jax.Registration(no_targets, params, batch, estimation_mode="empirical")
   )
   s = emp.init(params)
   with pytest.raises(ValueError, match="needs the data's targets"):
@@ -394,9 +403,10 @@ def test_failed_factorisation_keeps_the_previous_inverse(factor_solve):
   params = {"w": jnp.ones((3, 2))}
   batch = {"x": jnp.array([[1.0, 2.0, 3.0]]), "y": jnp.array([1])}  # A has rank 1: singular.
   est = kfac_jax.CurvatureEstimator(
-    _models.softmax_loss(lambda p, x: x @ p["w"]),
-    batch,
-    config=kfac_jax.Config(estimation_mode="empirical", factor_solve=factor_solve),
+    kfac_jax.Registration(
+      _models.softmax_loss(lambda p, x: x @ p["w"]), params, batch, estimation_mode="empirical"
+    ),
+    config=kfac_jax.Config(factor_solve=factor_solve),
   )
   state = est.update_inverses(_update(est, params, batch), 0.5)
   assert (state.cache["w"].a.subst is None) == (factor_solve == "never")
@@ -430,7 +440,9 @@ def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inver
   grads = jax.grad(loss_fn)(params, batch)
   kept, nat = {}, {}
   for mode in ("auto", "never", "always"):
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(factor_solve=mode))
+    est = kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(factor_solve=mode)
+    )
     state = _random_state(est, params, batch, jax.random.key(5))
     kept[mode] = {n: (c.a.subst is not None, c.g.subst is not None) for n, c in state.cache.items()}
     for c in state.cache.values():  # A side in substitution form has no explicit inverse.
@@ -455,13 +467,19 @@ def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inver
 def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypatch):
   loss_fn, params, batch = _head_setup()
   # The state's structure depends on shapes only, not on the backend (checkpoints move).
-  here = jax.tree_util.tree_structure(kfac_jax.CurvatureEstimator(loss_fn, batch).init(params))
+  here = jax.tree_util.tree_structure(
+    kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch)).init(params)
+  )
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  there = jax.tree_util.tree_structure(kfac_jax.CurvatureEstimator(loss_fn, batch).init(params))
+  there = jax.tree_util.tree_structure(
+    kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch)).init(params)
+  )
   monkeypatch.undo()
   assert here == there
   with pytest.raises(ValueError, match="unknown config.factor_solve 'cholesky'"):
-    kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(factor_solve="cholesky"))
+    kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(factor_solve="cholesky")
+    )
 
   def stacked(p, x):  # Three 300 -> 300 layers in a scan: the stack's blocks are vmapped.
     h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
@@ -470,7 +488,8 @@ def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypa
   p = {"w": 0.05 * jax.random.normal(jax.random.key(2), (3, 300, 300), jnp.float64)}
   b = {"x": jnp.ones((2, 300), jnp.float64), "y": jnp.array([0, 1])}
   est = kfac_jax.CurvatureEstimator(
-    _models.softmax_loss(stacked), b, config=kfac_jax.Config(factor_solve="always")
+    kfac_jax.Registration(_models.softmax_loss(stacked), p, b),
+    config=kfac_jax.Config(factor_solve="always"),
   )
   est.init(p)
   (block,) = est.blocks
@@ -517,9 +536,9 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
 
 def test_checkpoint_from_another_factor_solve_is_refused_by_name(x64):
   loss_fn, params, batch = _head_setup()
-  auto = kfac_jax.CurvatureEstimator(loss_fn, batch).init(params)
+  auto = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch)).init(params)
   never = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(factor_solve="never")
+    kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(factor_solve="never")
   ).init(params)
   with pytest.raises(ValueError, match=r"(?s)block `w2`: `cache/a/subst/0/0` in the checkpoint"):
     kfac_jax.check_restored_state(never, auto)
@@ -530,11 +549,30 @@ def test_checkpoint_from_another_factor_solve_is_refused_by_name(x64):
   [("estimation_mode", "exact"), ("stats_dtype", "float32"), ("inverse_storage", "sharded")],
 )
 def test_a_config_field_as_a_keyword_raises_naming_its_place(keyword, value):
-  _, loss_fn, _, batch = _linen_setup(dtype=jnp.float32)
+  _, loss_fn, params, batch = _linen_setup(dtype=jnp.float32)
+  reg = kfac_jax.Registration(loss_fn, params, batch)
   with pytest.raises(TypeError) as e:
-    kfac_jax.CurvatureEstimator(loss_fn, batch, **{keyword: value})
-  assert f"CurvatureEstimator: `{keyword}` is no longer an argument" in str(e.value)
-  assert f"config=kfac_jax.Config({keyword}=...)" in str(e.value)
+    kfac_jax.CurvatureEstimator(reg, **{keyword: value})
+  if keyword == "estimation_mode":
+    assert f"CurvatureEstimator: `{keyword}` is a setting of the registration" in str(e.value)
+    assert f"kfac_jax.Registration(loss_fn, params, batch, {keyword}={value!r})" in str(e.value)
+  else:
+    assert f"CurvatureEstimator: `{keyword}` is not an argument" in str(e.value)
+    assert f"config=kfac_jax.Config({keyword}=...)" in str(e.value)
+
+
+def test_a_loss_function_and_batch_name_the_registration():
+  """The estimator is built complete from a registration: the former `(loss_fn, batch)` form
+  raises, showing the call that builds one."""
+  _, loss_fn, _, batch = _linen_setup(dtype=jnp.float32)
+  fix = "kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))"
+  for call in (
+    lambda: kfac_jax.CurvatureEstimator(loss_fn, batch),
+    lambda: kfac_jax.CurvatureEstimator(loss_fn),
+  ):
+    with pytest.raises(TypeError) as e:
+      call()
+    assert fix in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -549,30 +587,31 @@ def test_a_config_field_as_a_keyword_raises_naming_its_place(keyword, value):
   ],
 )
 def test_a_config_field_the_estimator_does_not_read_is_refused(field, value):
-  _, loss_fn, _, batch = _linen_setup(dtype=jnp.float32)
+  _, loss_fn, params, batch = _linen_setup(dtype=jnp.float32)
   config = kfac_jax.Config(**{field: value})
   with pytest.raises(ValueError, match=f"CurvatureEstimator: `config.{field}`={value!r} is not"):
-    kfac_jax.CurvatureEstimator(loss_fn, batch, config=config)
+    kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch), config=config)
   with pytest.raises(TypeError, match="`config` must be a kfac_jax.Config, got dict"):
-    kfac_jax.CurvatureEstimator(loss_fn, batch, config={field: value})
+    kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch), config={field: value}
+    )
 
 
 def test_the_config_fields_reach_the_estimator(x64):
   _, loss_fn, params, batch = _linen_setup()
-  config = kfac_jax.Config(
-    estimation_mode="exact",
-    damping_mode="eigen",
-    stats_dtype="float32",
-    inverse_dtype="float64",
+  config = kfac_jax.Config(damping_mode="eigen", stats_dtype="float32", inverse_dtype="float64")
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact"),
+    exps=(-1, 1),
+    config=config,
   )
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, exps=(-1, 1), config=config)
-  assert est.config.damping_mode == "eigen"
-  assert est.config.stats_dtype == np.float32 and est.config.inverse_dtype == np.float64
+  assert est.numerics.damping_mode == "eigen"
+  assert est.numerics.stats_dtype == np.float32 and est.numerics.inverse_dtype == np.float64
   state = _update(est, params, batch)
   assert est.registration.estimation_mode == "exact"
   # Exact-mode statistics stored in float32 agree with float64 ones to float32 rounding.
   exact = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
   )
   np.testing.assert_allclose(
     est.to_dense(state), exact.to_dense(_update(exact, params, batch)), rtol=1e-6, atol=1e-7

@@ -134,8 +134,9 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
     return loss_of(z1, z2, b), {"z2_mean": z2.mean()}
 
   lam = 0.2
-  cfg = kfac_jax.Config(damping_adaptation_interval=1, has_aux=True)
-  opt = kfac_jax.Optimizer(loss_fn, batch, damping=lam, inverse_every=1, config=cfg)
+  cfg = kfac_jax.Config(damping_adaptation_interval=1)
+  reg = kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
+  opt = kfac_jax.Optimizer(registration=reg, damping=lam, inverse_every=1, config=cfg)
   (p0, _, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
   np.testing.assert_allclose(i1["aux"]["z2_mean"], heads(p1, batch["x"])[1].mean(), rtol=1e-12)
 
@@ -217,11 +218,9 @@ def test_linear_least_squares_lands_on_minimiser(x64):
 
   params = {"w": jnp.zeros((5, 2), jnp.float64), "b": jnp.zeros((2,), jnp.float64)}
   opt = kfac_jax.Optimizer(
-    loss_fn,
-    batch,
+    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact"),
     damping=0.0,
     use_adaptive_damping=False,
-    config=kfac_jax.Config(estimation_mode="exact"),
   )
   state = opt.init(params)
   new_params, _, info = jax.jit(opt.step)(params, state, batch, None)
@@ -307,15 +306,14 @@ def test_weight_decay_l2_and_schedules(x64):
   lr = lambda count: 0.1 / (1.0 + count)
   wd, eta, lam = 0.01, 0.05, 0.2
   opt = kfac_jax.Optimizer(
-    loss_fn,
-    batch,
+    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact"),
     learning_rate=lr,
     momentum=0.0,
     damping=lambda count: lam + 0 * count,
     use_adaptive_damping=False,
     l2_reg=eta,
     inverse_every=1,
-    config=kfac_jax.Config(weight_decay=wd, estimation_mode="exact"),
+    config=kfac_jax.Config(weight_decay=wd),
   )
   history = _run(opt, params, batch, 2)
   for t, (p0, _, p1, s1, info) in enumerate(history):
@@ -478,14 +476,16 @@ def test_pmap_matches_single_device(x64):
   kw = dict(
     damping=0.1,
     inverse_every=1,
-    config=kfac_jax.Config(estimation_mode="exact", damping_adaptation_interval=1),
+    config=kfac_jax.Config(damping_adaptation_interval=1),
   )
-  single = kfac_jax.Optimizer(loss_fn, batch, **_models.with_config(kw))
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  single = kfac_jax.Optimizer(registration=reg, **kw)
   ((_, _, p_ref, s_ref, i_ref),) = _run(single, params, batch, 1)
 
   shards = jax.tree_util.tree_map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
   half = jax.tree_util.tree_map(lambda x: x[0], shards)
-  multi = kfac_jax.Optimizer(loss_fn, half, axis_name="d", **_models.with_config(kw))
+  reg_half = kfac_jax.Registration(loss_fn, params, half, estimation_mode="exact")
+  multi = kfac_jax.Optimizer(registration=reg_half, axis_name="d", **kw)
   state = multi.init(params)
   rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)
   p, s, info = jax.pmap(lambda p, s, b: multi.step(p, s, b, None), axis_name="d")(
@@ -530,7 +530,6 @@ def test_invalid_arguments_are_named(kwargs, match):
 @pytest.mark.parametrize(
   "kwargs, match",
   [
-    (dict(estimation_mode="fisher"), "estimation_mode"),
     (dict(damping_adaptation_interval=0), "config.damping_adaptation_interval"),
     (dict(damping_adaptation_decay=1.0), "config.damping_adaptation_decay"),
     (dict(min_damping=1.0, max_damping=0.5), "config.max_damping"),

@@ -69,7 +69,10 @@ def test_split_inverses_equal_replicated_ones_exactly(num_devices):
   """4 blocks over 3 devices (not a multiple) and over 8 (more devices than blocks)."""
   loss_fn, params, batch = _problem()
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, exps=(-1, -0.5), compute_cholesky=True, compute_cholesky_inverse=True
+    kfac_jax.Registration(loss_fn, params, batch),
+    exps=(-1, -0.5),
+    compute_cholesky=True,
+    compute_cholesky_inverse=True,
   )
   state = est.update_curvature(est.init(params), params, batch, jax.random.key(2), 0.0)
   replicated = jax.jit(lambda s: est.update_inverses(s, 1e-2))(state)
@@ -89,28 +92,25 @@ def test_split_inverses_equal_replicated_ones_exactly(num_devices):
 # -- whole training steps ------------------------------------------------------------------------
 
 
-def _kfac(loss_fn, batch, **kw):
+def _kfac(loss_fn, params, batch, **kw):
   # No KL clipping and no momentum (kfac's defaults have both): the sharded-storage tests compare
   # parameters to round-off, and fewer fused terms keep the sharded and replicated programs'
   # rounding apart by the least.
   kw = {"momentum": None, "max_norm": None, "estimation_mode": "empirical", **kw}
+  args, kwargs = _models.front_args(loss_fn, params, batch, kw)
   return kfac_jax.kfac(
-    loss_fn,
-    batch,
-    learning_rate=0.3,
-    damping=1e-2,
-    ema_decay=0.8,
-    inverse_every=3,
-    **_models.with_config(kw),
+    *args, learning_rate=0.3, damping=1e-2, ema_decay=0.8, inverse_every=3, **kwargs
   )
 
 
 def _reference_run(loss_fn, params, batch, steps):
-  tx = _kfac(loss_fn, batch)
+  tx = _kfac(loss_fn, params, batch)
 
   @jax.jit
   def step(params, state):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, batch)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 
@@ -135,10 +135,12 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
   loss_fn, params, batch = _problem()
   n = jax.local_device_count()
   sharded = _split(batch, n)
-  tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data")
+  tx = _kfac(loss_fn, params, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data")
 
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -166,10 +168,12 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
   mesh = _mesh()
   n = mesh.size
   local = jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch)
-  tx = _kfac(loss_fn, local, axis_name="data")
+  tx = _kfac(loss_fn, params, local, axis_name="data")
 
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -190,11 +194,13 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
 def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
   loss_fn, params, batch = _problem()
   mesh = _mesh()
-  tx = _kfac(loss_fn, batch, inverse_mesh=(mesh, "data"))
+  tx = _kfac(loss_fn, params, batch, inverse_mesh=(mesh, "data"))
 
   @jax.jit
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 
@@ -208,11 +214,13 @@ def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
   # (without `inverse_mesh` the lowered program has no collective: XLA adds only the
   # statistics' reductions later, when it partitions the program).
   assert "all_reduce" in step.lower(p, state, data).as_text()
-  plain = _kfac(loss_fn, batch)
+  plain = _kfac(loss_fn, params, batch)
 
   @jax.jit
   def plain_step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     return plain.update(grads, state, params, curvature_stats=stats)
 
   assert "all_reduce" not in plain_step.lower(p, plain.init(params), data).as_text()
@@ -227,8 +235,8 @@ def test_jit_with_named_sharding_and_statistics_fraction_equals_one_device(x64):
   all-gathers)."""
   loss_fn, params, batch = _problem()
   mesh = _mesh()
-  frac = _kfac(loss_fn, batch, statistics_fraction=0.25)
-  whole = _kfac(loss_fn, batch)
+  frac = _kfac(loss_fn, params, batch, statistics_fraction=0.25)
+  whole = _kfac(loss_fn, params, batch)
   quarter = jax.tree_util.tree_map(lambda x: x[::4], batch)
 
   def make_step(tx):
@@ -269,7 +277,7 @@ def test_statistics_fraction_picks_the_same_rows_under_shard_map_as_under_jit(x6
   mesh = _mesh()
   n = mesh.size
   local = jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch)
-  tx = _kfac(loss_fn, local, axis_name="data", statistics_fraction=0.5)
+  tx = _kfac(loss_fn, params, local, axis_name="data", statistics_fraction=0.5)
 
   def step(params, state, b):
     grads = jax.lax.pmean(jax.grad(loss_fn)(params, b), "data")
@@ -286,7 +294,7 @@ def test_statistics_fraction_picks_the_same_rows_under_shard_map_as_under_jit(x6
   for _ in range(STEPS):
     p, state = sstep(p, state, data)
 
-  one = _kfac(loss_fn, batch)
+  one = _kfac(loss_fn, params, batch)
 
   @jax.jit
   def ref_step(params, state):
@@ -321,10 +329,14 @@ def _pmap_run(loss_fn, params, batch, num_devices, steps, **kw):
   """`steps` pmapped steps on `num_devices` devices; `tx.init` runs inside the pmap too."""
   devices = jax.devices()[:num_devices]
   sharded = _split(batch, num_devices)
-  tx = _kfac(loss_fn, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data", **kw)
+  tx = _kfac(
+    loss_fn, params, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data", **kw
+  )
 
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -370,7 +382,7 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
     (rep.count, rep.curvature.ema_weight, rep.curvature.failed_inverses),
   )
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded")
+    kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(inverse_storage="sharded")
   )
   est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
   layouts = est.storage.layouts(est.blocks, num_devices)
@@ -409,11 +421,13 @@ def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
 
   def run(**kw):
-    tx = _kfac(loss_fn, batch, inverse_mesh=(mesh, "data"), **kw)
+    tx = _kfac(loss_fn, params, batch, inverse_mesh=(mesh, "data"), **kw)
 
     @jax.jit
     def step(params, state, b):
-      _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+      _, grads, stats = kfac_jax.value_and_grad(
+        registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+      )(params, b)
       updates, state = tx.update(grads, state, params, curvature_stats=stats)
       return optax.apply_updates(params, updates), state
 
@@ -428,7 +442,7 @@ def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device
   assert int(_kfac_state(s_sh).curvature.failed_inverses) == 0
   # Memory: each device's share of the factors and caches is at most 1.25 total/D + the
   # largest block's, while with replicated storage every device holds the total.
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
   est.init(params)
   per_block = _block_state_bytes(est)
   total, d = sum(per_block), mesh.size
@@ -447,6 +461,7 @@ def test_sharded_storage_under_shard_map(x64):
   n = mesh.size
   tx = _kfac(
     loss_fn,
+    params,
     jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch),
     axis_name="data",
     inverse_storage="sharded",
@@ -467,7 +482,9 @@ def test_sharded_storage_under_shard_map(x64):
   )(params)
 
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -492,12 +509,11 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
   """A block whose factors are not finite keeps its cache and counts once, on every device."""
   loss_fn, params, batch = _problem()
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
   )
   sest = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
-    config=kfac_jax.Config(estimation_mode="empirical", inverse_storage="sharded"),
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+    config=kfac_jax.Config(inverse_storage="sharded"),
   )
   grads = jax.grad(loss_fn)(params, batch)
   n = 3
@@ -541,6 +557,7 @@ def test_sharded_storage_checkpoint_round_trip(x64):
   # The same transform's state on 3 devices (shapes only): a checkpoint from 8 does not fit.
   tx = _kfac(
     loss_fn,
+    params,
     jax.tree_util.tree_map(lambda x: x[:16], batch),
     axis_name="data",
     inverse_storage="sharded",
@@ -563,7 +580,7 @@ def test_sharded_storage_arguments_are_checked():
   with pytest.raises(ValueError, match="inside pmap/shard_map over 'data'"):
     tx.init(params)  # Outside the pmap: the axis is not bound.
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded")
+    kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(inverse_storage="sharded")
   )
   with pytest.raises(ValueError, match="`init`: .*pass `axis_name=`"):
     est.init(params)
@@ -578,7 +595,9 @@ def test_sharded_storage_arguments_are_checked():
   mesh3 = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
   with pytest.raises(ValueError, match="initialised for another number of devices"):
     est.update_inverses(state, 1e-2, mesh=(mesh3, "data"))
-  replicated = kfac_jax.CurvatureEstimator(loss_fn, batch).init(params)
+  replicated = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch)).init(
+    params
+  )
   with pytest.raises(TypeError, match="not the ShardedCache"):
     est.multiply_matpower(replicated, params, -1, mesh=(_mesh(), "data"))
 
@@ -588,9 +607,8 @@ def test_sharded_storage_orbax_round_trip_keeps_the_sharding(tmp_path, x64):
   loss_fn, params, batch = _problem()
   mesh = (_mesh(), "data")
   est = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
-    config=kfac_jax.Config(estimation_mode="empirical", inverse_storage="sharded"),
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+    config=kfac_jax.Config(inverse_storage="sharded"),
   )
   # Jitted: eager ops compile one by one.
   state = jax.jit(
@@ -630,16 +648,13 @@ def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
 
   def run(storage):
     opt = kfac_jax.Optimizer(
-      loss_fn,
-      local,
+      registration=kfac_jax.Registration(loss_fn, params, local, estimation_mode="empirical"),
       learning_rate=0.1,
       norm_constraint=1e-3,
       damping=0.1,
       inverse_every=2,
       axis_name="data",
-      config=kfac_jax.Config(
-        estimation_mode="empirical", damping_adaptation_interval=1, inverse_storage=storage
-      ),
+      config=kfac_jax.Config(damping_adaptation_interval=1, inverse_storage=storage),
     )
     state = jax.pmap(opt.init, axis_name="data", devices=devices)(p0)
     step = jax.pmap(lambda p, s, b: opt.step(p, s, b)[:2], axis_name="data", devices=devices)

@@ -46,10 +46,14 @@ def test_linked_layers_with_value_and_grad_share_one_registration(x64):
   batch = {**batch, "x": batch["x"].astype(jnp.float64)}
   # Separately, the two scans disagree: the transform's stats check names both layer sets.
   tx_alone = kfac_jax.scale_by_kfac(
-    loss_fn, batch, config=kfac_jax.Config(layers=LINKED, estimation_mode="empirical")
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, layers=LINKED, estimation_mode="empirical"
+    )
   )
   state = tx_alone.init(params)
-  vg_alone = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")
+  vg_alone = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+  )
   _, grads, stats = jax.eval_shape(vg_alone, params, batch)
   with pytest.raises(ValueError, match=r"computed for layers \['layer0', 'layer1'\], but .*"):
     jax.eval_shape(
@@ -75,7 +79,11 @@ def test_linked_layers_with_value_and_grad_share_one_registration(x64):
   np.testing.assert_allclose(g, ravel_pytree(jax.grad(loss_fn)(params, batch))[0], rtol=1e-12)
   np.testing.assert_allclose(loss, loss_fn(params, batch), rtol=1e-12)
   # `value_and_grad(layers=...)` without a shared object registers the same layers too.
-  vg2 = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical", layers=LINKED)
+  vg2 = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="empirical", layers=LINKED
+    )
+  )
   assert jax.eval_shape(vg2, params, batch)[2].fingerprint == reg.fingerprint
 
 
@@ -87,7 +95,8 @@ def test_statistics_of_another_mode_samples_or_layer_set_are_refused():
   grads = jax.tree_util.tree_map(jnp.ones_like, params)
 
   def update(stats_kw):  # Traced only: the checks are static.
-    stats = jax.eval_shape(kfac_jax.value_and_grad(loss_fn, **stats_kw), params, batch, rng)[2]
+    reg = kfac_jax.Registration(loss_fn, params, batch, **stats_kw)
+    stats = jax.eval_shape(kfac_jax.value_and_grad(registration=reg), params, batch, rng)[2]
     return jax.eval_shape(
       lambda s, st: tx.update(grads, s, params, curvature_stats=st), state, stats
     )
@@ -104,7 +113,9 @@ def test_statistics_of_another_mode_samples_or_layer_set_are_refused():
   # The same contents from a separate but equal registration are accepted.
   update({})
   # The estimator names itself.
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  )
   est_state = est.init(params)
   stats = jax.eval_shape(kfac_jax.value_and_grad(loss_fn), params, batch, rng)[2]
   with pytest.raises(ValueError, match="this estimator was built for estimation_mode='exact'"):
@@ -155,7 +166,7 @@ def test_simple_calls_equal_the_shared_registration_calls():
   n = len(calls)
   jax.eval_shape(opt2.step, params, o2, batch, rng)
   assert len(calls) == n
-  assert kfac_jax.scan_layers(registration=reg) == kfac_jax.scan_layers(loss_fn, params, batch)
+  assert reg.layers == kfac_jax.Registration(loss_fn, params, batch).layers
   assert kfac_jax.summary(registration=reg) == kfac_jax.summary(loss_fn, params, batch)
   assert kfac_jax.check_registration(registration=reg) == reg.layers
   est = kfac_jax.CurvatureEstimator(registration=reg)
@@ -183,24 +194,13 @@ def test_params_signature_mismatch_names_the_path():
 def test_registration_arguments_and_immutability():
   loss_fn, params, batch = _problem()
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
-  with pytest.raises(
-    ValueError, match=r"`config.estimation_mode`='empirical'.*registration's 'exact'"
-  ):
-    kfac_jax.CurvatureEstimator(
-      registration=reg, config=kfac_jax.Config(estimation_mode="empirical")
-    )
-  with pytest.raises(ValueError, match=r"`config.layers`=.*differs"):
-    kfac_jax.Optimizer(registration=reg, config=kfac_jax.Config(layers=LINKED))
   with pytest.raises(ValueError, match="not both"):
     kfac_jax.scale_by_kfac(loss_fn, registration=reg)
   with pytest.raises(TypeError, match="as `registration=`"):
     kfac_jax.value_and_grad(reg)
   with pytest.raises(TypeError, match="`registration` must be a kfac_jax.Registration"):
     kfac_jax.kfac(registration="reg", learning_rate=0.1)
-  # Agreeing values are fine; defaults take the registration's.
-  est = kfac_jax.CurvatureEstimator(
-    registration=reg, config=kfac_jax.Config(estimation_mode="exact")
-  )
+  est = kfac_jax.CurvatureEstimator(registration=reg)
   assert est.registration.estimation_mode == "exact"
   with pytest.raises(dataclasses.FrozenInstanceError):
     reg.strict = True

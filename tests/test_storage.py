@@ -91,25 +91,28 @@ def _problem():
   return _models.softmax_loss(_models.jnp_mlp_apply), params, batch
 
 
-def _tx(loss_fn, batch, **config):
+def _tx(loss_fn, params, batch, **config):
   layers = kfac_jax.LayerConfig(block_size=BLOCK)
   return kfac_jax.kfac(
-    loss_fn,
-    batch,
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="empirical", layers=layers
+    ),
     learning_rate=0.3,
     damping=1e-2,
     ema_decay=0.8,
     inverse_every=3,
     momentum=None,
     max_norm=None,
-    config=kfac_jax.Config(estimation_mode="empirical", layers=layers, **config),
+    config=kfac_jax.Config(**config),
   )
 
 
 def _run(tx, loss_fn, params, batch):
   @jax.jit
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 
@@ -129,8 +132,8 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   )
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
 
-  want, _ = _run(_tx(loss_fn, batch), loss_fn, params, batch)
-  tx = _tx(loss_fn, batch, mesh=(mesh, "data"), inverse_storage="sharded")
+  want, _ = _run(_tx(loss_fn, params, batch), loss_fn, params, batch)
+  tx = _tx(loss_fn, params, batch, mesh=(mesh, "data"), inverse_storage="sharded")
   got, state = _run(tx, loss_fn, sharded_params, data)
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)
@@ -142,11 +145,8 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   curv = state[0].curvature
   assert int(curv.failed_inverses) == 0
   est = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
-    config=kfac_jax.Config(
-      layers=kfac_jax.LayerConfig(block_size=BLOCK), inverse_storage="sharded"
-    ),
+    kfac_jax.Registration(loss_fn, params, batch, layers=kfac_jax.LayerConfig(block_size=BLOCK)),
+    config=kfac_jax.Config(inverse_storage="sharded"),
   )
   est.init(params, mesh=(mesh, "data"))
   blocks = est.blocks
@@ -162,13 +162,13 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   assert factors_layout.shares == cache_layout.shares == want_shares
   # Replicated storage on the same mesh: every device holds every block's factors and nearly
   # every cache (XLA's propagation splits a few of the inverses the sharded gradient meets).
-  _, rep = _run(_tx(loss_fn, batch, mesh=(mesh, "data")), loss_fn, sharded_params, data)
+  _, rep = _run(_tx(loss_fn, params, batch, mesh=(mesh, "data")), loss_fn, sharded_params, data)
   rep_curv = rep[0].curvature
   assert min(_models.device_bytes((rep_curv.factors, rep_curv.cache), mesh)) > 0.9 * total
   # The factors gathered from the sharded state are the one-device run's.
-  _, one = _run(_tx(loss_fn, batch), loss_fn, params, batch)
-  gathered = est.estimator.storage.block_factors(est.estimator.names, blocks, curv.factors)
-  for n in est.estimator.names:
+  _, one = _run(_tx(loss_fn, params, batch), loss_fn, params, batch)
+  gathered = est.storage.block_factors(est.names, blocks, curv.factors)
+  for n in est.names:
     for a, b in zip(
       jax.tree_util.tree_leaves(gathered[n]),
       jax.tree_util.tree_leaves(one[0].curvature.factors[n]),
@@ -182,7 +182,7 @@ def test_a_mesh_axis_that_does_not_exist_is_named_before_any_state_changes(x64):
   with pytest.raises(ValueError, match=r"`config.mesh`.*'fsdp'"):
     kfac_jax.Config(mesh=(mesh, "fsdp"), inverse_storage="sharded")
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(inverse_storage="sharded")
+    kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(inverse_storage="sharded")
   )
   with pytest.raises(ValueError, match=r"mesh axis 'fsdp' is not in the mesh"):
     est.init(params, mesh=(mesh, "fsdp"))
@@ -211,11 +211,12 @@ def test_an_eager_init_under_fsdp_compiles_the_step_once(x64, storage):
     lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs
   )
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  tx = _tx(loss_fn, batch, mesh=(mesh, "data"), inverse_storage=storage)
+  tx = _tx(loss_fn, params, batch, mesh=(mesh, "data"), inverse_storage=storage)
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
 
   @jax.jit
   def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, b)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 

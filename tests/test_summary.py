@@ -243,7 +243,7 @@ def test_a_gain_on_a_computed_kernel_is_no_layer_even_when_its_rows_equal_the_ba
   batch = _models.classification_batch(jax.random.key(1), n=N, din=N, classes=C)
   params = {"g": jnp.ones(C), "v": jnp.ones((N, C)) * 0.1}
   with pytest.warns(kfac_jax.UncoveredParametersWarning):
-    layers = kfac_jax.scan_layers(_weight_norm, params, batch)
+    layers = kfac_jax.Registration(_weight_norm, params, batch).layers
   assert [(l.kind, l.param_paths) for l in layers] == [("generic", ("g",)), ("generic", ("v",))]
   reasons = _reasons(kfac_jax.summary(_weight_norm, params, batch))
   assert reasons["g"].startswith("transformed by mul"), reasons
@@ -264,7 +264,7 @@ def test_a_layer_whose_input_has_no_rows_per_example_is_no_layer(loss_fn, params
   fallback, whose batch-summed estimate is unbiased for sampled targets; the layer that reads
   the batch stays a layer."""
   with pytest.warns(kfac_jax.UncoveredParametersWarning):
-    layers = kfac_jax.scan_layers(loss_fn, params, _batch())
+    layers = kfac_jax.Registration(loss_fn, params, _batch()).layers
   kinds = {l.param_paths: l.kind for l in layers}
   assert kinds[(leaf,)] == "generic", kinds
   assert kinds[("head",)] == "dense", kinds
@@ -294,13 +294,15 @@ def test_a_closed_over_constant_with_a_row_per_example_is_a_layer_input(x64):
 
   dense = []
   for loss_fn, b in ((closed, batch), (passed, dict(batch, h0=h0))):
-    layers = kfac_jax.scan_layers(loss_fn, params, b, strict=True)
+    layers = kfac_jax.Registration(loss_fn, params, b, strict=True).layers
     assert [(l.kind, l.param_paths) for l in layers] == [
       ("dense", ("head",)),
       ("dense", ("wh",)),
       ("dense", ("wx",)),
     ]
-    est = kfac_jax.CurvatureEstimator(loss_fn, b, config=kfac_jax.Config(estimation_mode="exact"))
+    est = kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, b, estimation_mode="exact")
+    )
     state = est.update_curvature(est.init(params), params, b, None, ema_decay=0.0)
     dense.append(est.to_dense(state))
   assert float(jnp.abs(dense[0]).max()) > 1e-3
@@ -315,7 +317,7 @@ def test_each_fallback_reason(name, loss_fn, params, leaf, reason):
   assert _reasons(table)[leaf] == reason, table
   # The warning and check_registration say the same for that leaf.
   with pytest.warns(kfac_jax.UncoveredParametersWarning) as record:
-    kfac_jax.scan_layers(loss_fn, params, _batch())
+    kfac_jax.Registration(loss_fn, params, _batch())
   assert f"`{leaf}` ({reason})" in str(record[0].message)
   with pytest.raises(kfac_jax.RegistrationCheckError) as err:
     kfac_jax.check_registration(loss_fn, params, _batch())
@@ -381,7 +383,7 @@ def test_layers_in_one_flat_dict_get_distinct_row_names():
       "b2": jnp.zeros(C),
     }
   }
-  assert [l.name for l in kfac_jax.scan_layers(loss_fn, params, _batch())] == ["params"] * 2
+  assert [l.name for l in kfac_jax.Registration(loss_fn, params, _batch()).layers] == ["params"] * 2
   rows = kfac_jax.summary(loss_fn, params, _batch()).splitlines()[2:4]
   assert [r.split()[0] for r in rows] == ["params/w1", "params/w2"]
 
@@ -406,7 +408,7 @@ def test_a_table_beside_modules_is_named_by_its_path_and_parameters_are_relative
 def test_warning_is_short_and_points_to_summary():
   params = {f"s{i}": jnp.ones(2) for i in range(5)} | {"w": W}
   with pytest.warns(kfac_jax.UncoveredParametersWarning) as record:
-    kfac_jax.scan_layers(_unused, params, _batch())
+    kfac_jax.Registration(_unused, params, _batch())
   msg = str(record[0].message)
   assert msg.startswith("5 parameter(s) are not in any recognised layer")
   assert (
@@ -415,7 +417,7 @@ def test_warning_is_short_and_points_to_summary():
   assert "; and 2 more." in msg and "`s3`" not in msg
   assert "kfac_jax.summary(loss_fn, params, batch)" in msg
   with pytest.raises(kfac_jax.RegistrationError, match="`s4` \\(not used by the loss\\).*strict"):
-    kfac_jax.scan_layers(_unused, params, _batch(), strict=True)  # strict lists every one
+    kfac_jax.Registration(_unused, params, _batch(), strict=True)  # strict lists every one
 
 
 # -- axis_name ----------------------------------------------------------------------------------
@@ -451,21 +453,33 @@ def _batchnorm_problem():
 def test_axis_name_scans_a_model_with_batchnorm_collectives():
   loss_fn, params, batch = _batchnorm_problem()
   with pytest.raises(NameError, match="unbound axis name: batch"):
-    kfac_jax.scan_layers(loss_fn, params, batch)
+    kfac_jax.Registration(loss_fn, params, batch)
   want = [("BatchNorm_0", "scale_and_shift"), ("Dense_0", "dense"), ("Dense_1", "dense")]
   for axis_name in ("batch", ("batch", "model")):
-    layers = kfac_jax.scan_layers(loss_fn, params, batch, axis_name=axis_name)
+    layers = kfac_jax.Registration(loss_fn, params, batch, axis_name=axis_name).layers
     assert [(l.name, l.kind) for l in layers] == want
-  assert kfac_jax.check_registration(loss_fn, params, batch, axis_name="batch") == layers
-  table = kfac_jax.summary(loss_fn, params, batch, axis_name="batch")
+  assert (
+    kfac_jax.check_registration(
+      registration=kfac_jax.Registration(loss_fn, params, batch, axis_name="batch")
+    )
+    == layers
+  )
+  table = kfac_jax.summary(
+    registration=kfac_jax.Registration(loss_fn, params, batch, axis_name="batch")
+  )
   assert "BatchNorm_0  scale_and_shift" in table and "(100.0%)" in table
+  for fn in (kfac_jax.summary, kfac_jax.check_registration):  # A setting of the registration.
+    with pytest.raises(
+      TypeError, match=r"Registration\(loss_fn, params, batch, axis_name=\.\.\.\)"
+    ):
+      fn(loss_fn, params, batch, axis_name="batch")
 
 
 def test_axis_name_layers_equal_those_found_inside_pmap():
   """Inside pmap the estimator scans under the real axis; the inspection agrees with it."""
   loss_fn, params, batch = _batchnorm_problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="batch")
-  names = [l.name for l in kfac_jax.scan_layers(loss_fn, params, batch, axis_name="batch")]
+  names = [l.name for l in kfac_jax.Registration(loss_fn, params, batch, axis_name="batch").layers]
   state = jax.pmap(tx.init, axis_name="batch")(jax.tree_util.tree_map(lambda a: a[None], params))
   assert sorted(state.curvature.factors) == sorted(names)
 
@@ -474,7 +488,7 @@ def test_axis_name_layers_equal_those_found_inside_pmap():
 def test_axis_name_of_the_wrong_type_is_named(bad):
   loss_fn, params, batch = _batchnorm_problem()
   with pytest.raises(TypeError, match="`axis_name` must be a string or a tuple of strings"):
-    kfac_jax.summary(loss_fn, params, batch, axis_name=bad)
+    kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, axis_name=bad))
 
 
 def test_has_aux_scans_the_loss_part_only():
@@ -483,10 +497,17 @@ def test_has_aux_scans_the_loss_part_only():
     return _ce(logits, b["y"]), {"logits": logits, "extra": p["w1"].sum()}
 
   params = {"w1": jnp.ones((D, 5)), "w2": jnp.ones((5, C))}
-  layers = kfac_jax.scan_layers(with_aux, params, _batch(), has_aux=True)
+  layers = kfac_jax.Registration(with_aux, params, _batch(), has_aux=True).layers
   assert [(l.name, l.kind) for l in layers] == [("w1", "dense"), ("w2", "dense")]
-  assert "(100.0%)" in kfac_jax.summary(with_aux, params, _batch(), has_aux=True)
-  assert kfac_jax.check_registration(with_aux, params, _batch(), has_aux=True) == layers
+  assert "(100.0%)" in kfac_jax.summary(
+    registration=kfac_jax.Registration(with_aux, params, _batch(), has_aux=True)
+  )
+  assert (
+    kfac_jax.check_registration(
+      registration=kfac_jax.Registration(with_aux, params, _batch(), has_aux=True)
+    )
+    == layers
+  )
   with pytest.raises(kfac_jax.RegistrationError, match="has_aux=True"):
     kfac_jax.summary(with_aux, params, _batch())
 

@@ -252,11 +252,13 @@ def test_weight_is_a_multiplicity_in_every_mode(x64, kind, wshape, mode):
 
   loss_fn, params, batch = _weight_setup(kind, wshape)
   est = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
-    config=kfac_jax.Config(
-      estimation_mode=mode, layers=kfac_jax.LayerConfig(defaults={"dense": "full"})
-    ),
+    kfac_jax.Registration(
+      loss_fn,
+      params,
+      batch,
+      estimation_mode=mode,
+      layers=kfac_jax.LayerConfig(defaults={"dense": "full"}),
+    )
   )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   dense = np.asarray(est.to_dense(state))

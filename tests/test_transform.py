@@ -2,6 +2,7 @@
 arguments. The optax contract (jit, one compile, chain, inject_hyperparams, nnx, dtypes,
 checkpoints) is in test_contract.py."""
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -63,7 +64,7 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
     curvature_every=3,
     inverse_every=3,
   )
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
 
   @jax.jit
   def step(params, opt_state, b, rng):
@@ -358,7 +359,7 @@ def test_statistics_from_batch_on_every_update_are_formed_outside_the_guard(ever
 def test_update_is_the_inverse_of_the_estimator():
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=0.1, ema_decay=0.0)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
   rng = jax.random.key(3)
   grads = jax.grad(loss_fn)(params, batch)
   updates, _ = tx.update(grads, tx.init(params), params, batch=batch, rng=rng)
@@ -372,26 +373,30 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
   loss_fn, params, batch = _problem(n=32)
   n = jax.local_device_count()
   tx1 = kfac_jax.scale_by_kfac(
-    loss_fn, batch, damping=1e-2, ema_decay=0.5, config=kfac_jax.Config(estimation_mode="empirical")
+    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+    damping=1e-2,
+    ema_decay=0.5,
   )
   sharded = jax.tree_util.tree_map(lambda x: x.reshape((n, -1) + x.shape[1:]), batch)
   local_example = jax.tree_util.tree_map(lambda x: x[0], sharded)
   txp = kfac_jax.scale_by_kfac(
-    loss_fn,
-    local_example,
+    registration=kfac_jax.Registration(loss_fn, params, local_example, estimation_mode="empirical"),
     damping=1e-2,
     ema_decay=0.5,
     axis_name="data",
-    config=kfac_jax.Config(estimation_mode="empirical"),
   )
 
   def pstep(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     grads = jax.lax.pmean(grads, "data")
     return txp.update(grads, state, params, curvature_stats=stats)
 
   def sstep(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, b)
+    _, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    )(params, b)
     return tx1.update(grads, state, params, curvature_stats=stats)
 
   pstate = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), txp.init(params))
@@ -704,25 +709,33 @@ def _args_problem():
   return _problem()
 
 
+def _front(front, kw):
+  def call():
+    args, kwargs = _models.front_args(*_args_problem(), kw)
+    return front(*args, **kwargs)
+
+  return call
+
+
 def _tx(**kw):
-  return lambda: kfac_jax.scale_by_kfac(*_args_problem()[::2], **_models.with_config(kw))
+  return _front(kfac_jax.scale_by_kfac, kw)
 
 
 def _kfac(**kw):
   kw.setdefault("learning_rate", 0.1)
-  return lambda: kfac_jax.kfac(*_args_problem()[::2], **_models.with_config(kw))
+  return _front(kfac_jax.kfac, kw)
 
 
 def _opt(**kw):
-  return lambda: kfac_jax.Optimizer(*_args_problem()[::2], **_models.with_config(kw))
+  return _front(kfac_jax.Optimizer, kw)
 
 
 def _est(**kw):
-  return lambda: kfac_jax.CurvatureEstimator(*_args_problem()[::2], **kw)
+  return lambda: kfac_jax.CurvatureEstimator(kfac_jax.Registration(*_args_problem()), **kw)
 
 
 def _vg(**kw):
-  return lambda: kfac_jax.value_and_grad(_args_problem()[0], **kw)
+  return lambda: kfac_jax.value_and_grad(registration=kfac_jax.Registration(*_args_problem(), **kw))
 
 
 _NAN = float("nan")
@@ -776,11 +789,21 @@ ARG_CASES = [
   (_opt(ema_decay="0.9"), TypeError, "ema_decay", "0.9"),
   (lambda: kfac_jax.Config(min_damping=-1.0), ValueError, "config.min_damping", -1.0),
   (lambda: kfac_jax.Config(burn_in_steps=1.5), ValueError, "config.burn_in_steps", 1.5),
-  (lambda: kfac_jax.Config(strict=None), TypeError, "config.strict", None),
+  (
+    lambda: kfac_jax.Config(strict=None),
+    TypeError,
+    "Registration(loss_fn, params, batch, strict",
+    None,
+  ),
   (_est(exps=(-1, "x")), TypeError, "exps", "x"),
   (_est(exps=-1), TypeError, "exps", -1),
   (_est(compute_cholesky="yes"), TypeError, "compute_cholesky", "yes"),
-  (lambda: kfac_jax.CurvatureEstimator("loss", {}), TypeError, "loss_fn", "loss"),
+  (
+    lambda: kfac_jax.CurvatureEstimator("loss"),
+    TypeError,
+    "must be a kfac_jax.Registration",
+    "loss",
+  ),
   (_vg(estimation_mode="sampled"), ValueError, "estimation_mode", "sampled"),
   (_vg(num_samples=True), TypeError, "num_samples", True),
   (_vg(strict=0), TypeError, "strict", 0),
@@ -802,17 +825,101 @@ def test_argument_errors_name_the_argument_and_show_the_value(call, exc, name, v
 @pytest.mark.parametrize(
   "front, keyword, value, field",
   [
-    (kfac_jax.scale_by_kfac, "estimation_mode", "exact", "estimation_mode"),
     (kfac_jax.kfac, "statistics_fraction", None, "statistics_fraction"),
     (kfac_jax.kfac, "nesterov", True, "nesterov"),
     (kfac_jax.scale_by_kfac, "inverse_mesh", None, "mesh"),
-    (kfac_jax.Optimizer, "has_aux", True, "has_aux"),
+    (kfac_jax.Optimizer, "damping_mode", "eigen", "damping_mode"),
   ],
 )
 def test_a_keyword_that_moved_into_config_names_its_new_place(front, keyword, value, field):
   loss_fn, _, batch = _args_problem()
   with pytest.raises(TypeError, match=rf"`{keyword}`.*config=kfac_jax\.Config\({field}="):
     front(loss_fn, batch, **{keyword: value})
+
+
+_FRONTS = {
+  "scale_by_kfac": lambda loss_fn, batch, **kw: kfac_jax.scale_by_kfac(loss_fn, batch, **kw),
+  "kfac": lambda loss_fn, batch, **kw: kfac_jax.kfac(loss_fn, batch, **kw),
+  "Optimizer": lambda loss_fn, batch, **kw: kfac_jax.Optimizer(loss_fn, batch, **kw),
+  "value_and_grad": lambda loss_fn, batch, **kw: kfac_jax.value_and_grad(loss_fn, **kw),
+  "summary": lambda loss_fn, batch, **kw: kfac_jax.summary(loss_fn, None, batch, **kw),
+  "check_registration": lambda loss_fn, batch, **kw: kfac_jax.check_registration(
+    loss_fn, None, batch, **kw
+  ),
+  "CurvatureEstimator": lambda loss_fn, batch, **kw: kfac_jax.CurvatureEstimator(
+    registration=None, **kw
+  ),
+  "Config": lambda loss_fn, batch, **kw: kfac_jax.Config(**kw),
+}
+_OLD_KEYWORDS = [
+  ("has_aux", True),
+  ("estimation_mode", "exact"),
+  ("num_samples", 2),
+  ("layers", None),
+  ("strict", True),
+  ("check_loss", False),
+]
+
+
+@pytest.mark.parametrize("who", list(_FRONTS))
+@pytest.mark.parametrize("keyword, value", _OLD_KEYWORDS)
+def test_a_registration_setting_given_elsewhere_names_the_registration(who, keyword, value):
+  """The six settings of the scan are arguments of `Registration` only: given to any other
+  entry point (or to `Config`), a TypeError names the front and shows the registration call."""
+  loss_fn, _, batch = _args_problem()
+  want = (
+    rf"^{who}: `{keyword}` is a setting of the registration, not of {who}: pass "
+    rf"`registration=kfac_jax\.Registration\(loss_fn, params, batch, {keyword}={value!r}\)`"
+  )
+  with pytest.raises(TypeError, match=want):
+    _FRONTS[who](loss_fn, batch, **{keyword: value})
+
+
+@pytest.mark.parametrize(
+  "who, field, value",
+  [
+    ("scale_by_kfac", "nesterov", True),
+    ("scale_by_kfac", "weight_decay", 1e-4),
+    ("kfac", "min_damping", 1e-6),
+    ("kfac", "damping_adaptation_interval", 3),
+    ("Optimizer", "nesterov", True),
+    ("Optimizer", "statistics_fraction", 0.5),
+    ("CurvatureEstimator", "burn_in_steps", 2),
+    ("CurvatureEstimator", "mesh", "x"),
+  ],
+)
+def test_a_config_field_a_front_does_not_read_is_refused_by_name(who, field, value):
+  """Each `Config` field declares the fronts that read it; another front refuses a value other
+  than the default, naming the field and its readers."""
+  loss_fn, params, batch = _args_problem()
+  readers = kfac_jax.Config.__dataclass_fields__[field].metadata["read_by"]
+  assert who not in readers
+  config = kfac_jax.Config(**{field: value}) if field != "mesh" else None
+  if config is None:  # A mesh needs a real Mesh; the check does not look inside.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    config = kfac_jax.Config(mesh=(mesh, "d"))
+  build = {
+    "scale_by_kfac": lambda: kfac_jax.scale_by_kfac(loss_fn, batch, config=config),
+    "kfac": lambda: kfac_jax.kfac(loss_fn, batch, config=config),
+    "Optimizer": lambda: kfac_jax.Optimizer(loss_fn, batch, config=config),
+    "CurvatureEstimator": lambda: kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch), config=config
+    ),
+  }[who]
+  with pytest.raises(ValueError, match=rf"^{who}: `config\.{field}`=.* is not read by {who}"):
+    build()
+
+
+def test_every_config_field_declares_its_readers():
+  fronts = {"scale_by_kfac", "kfac", "Optimizer", "CurvatureEstimator"}
+  for f in dataclasses.fields(kfac_jax.Config):
+    assert f.metadata["read_by"] and set(f.metadata["read_by"]) <= fronts, f.name
+  assert not set(_models.REGISTRATION_KNOBS) & set(kfac_jax.Config.__dataclass_fields__)
+
+
+def test_scan_layers_is_the_registrations_layers():
+  with pytest.raises(AttributeError, match=r"Registration\(loss_fn, params, batch\)\.layers"):
+    kfac_jax.scan_layers  # noqa: B018
 
 
 def test_optimizer_config_is_now_config():

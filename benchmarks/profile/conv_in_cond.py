@@ -86,7 +86,7 @@ def statistics_table(repeats: int) -> None:
   wl = cnn.make_workload(cnn.parse_args(["--plot", ""]))
   batch = jax.tree.map(jnp.asarray, wl.batch_at(0))
   params = wl.params0
-  est = kfac_jax.CurvatureEstimator(wl.loss_fn, batch)
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(wl.loss_fn, params, batch))
   state = est.init(params)
   scan = est.scan_batch(params, batch)
   key = jax.random.key(0)

@@ -72,7 +72,7 @@ def workload_table(name: str, repeats: int, rounds: int) -> None:
   for r in range(rounds):
     for mode in ("never", "auto"):
       est = kfac_jax.CurvatureEstimator(
-        wl.loss_fn, batch, config=kfac_jax.Config(factor_solve=mode)
+        kfac_jax.Registration(wl.loss_fn, params, batch), config=kfac_jax.Config(factor_solve=mode)
       )
       state = est.init(params)
       fold = jax.jit(lambda s, p, b, key: est.update_curvature(s, p, b, key, 0.0))

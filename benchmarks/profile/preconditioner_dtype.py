@@ -54,8 +54,7 @@ def main(argv=None) -> int:
   runs = {}
   for dtype in DTYPES:
     est = kfac_jax.CurvatureEstimator(
-      wl.loss_fn,
-      batch,
+      kfac_jax.Registration(wl.loss_fn, params, batch),
       config=kfac_jax.Config(preconditioner_dtype=None if dtype == "float32" else dtype),
     )
     state = est.init(params)

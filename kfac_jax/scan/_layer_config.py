@@ -62,7 +62,8 @@ class LayerConfig:
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
     ...                               overrides={"params/head/*": "kron"})
-    >>> tx = kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(layers=layers))
+    >>> reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+    >>> tx = kfac_jax.scale_by_kfac(registration=reg)
   """
 
   defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)

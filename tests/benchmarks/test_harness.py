@@ -1003,7 +1003,7 @@ def test_family_workloads_register_every_layer(model, monkeypatch):
   wl = families.make_workload(args)
   batch = jax.tree.map(jnp.asarray, wl.batch_at(0))
   assert batch["x"].shape[0] == 32 and batch["y"].shape == (32,)
-  layers = kfac_jax.scan_layers(wl.loss_fn, wl.params0, batch, strict=True)
+  layers = kfac_jax.Registration(wl.loss_fn, wl.params0, batch, strict=True).layers
   kinds = sorted({l.kind for l in layers})
   assert kinds == (["dense", "scale_and_shift"] if model == "vit" else ["dense"]), layers
   assert math.isfinite(wl.eval_fn(wl.params0))

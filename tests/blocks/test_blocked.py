@@ -94,11 +94,10 @@ def _model(kind):
 def _estimator(loss_fn, params, batch, block_size, damping_mode="factored", **layers):
   cfg = kfac_jax.LayerConfig(block_size=block_size, **layers)
   est = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=cfg),
     compute_cholesky=damping_mode == "factored",
     compute_cholesky_inverse=damping_mode == "factored",
-    config=kfac_jax.Config(estimation_mode="exact", layers=cfg, damping_mode=damping_mode),
+    config=kfac_jax.Config(damping_mode=damping_mode),
   )
   state = est.init(params)
   state = est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=0.0)
@@ -239,21 +238,21 @@ def test_bias_row_adds_no_block_and_does_not_tip_the_size_policy():
     (kfac_jax.LayerConfig(block_size=None, max_factor_dim=8), ((9, 9), (8, 8))),
     (kfac_jax.LayerConfig(block_size=None, max_factor_dim=7), ((9,), (8,))),
   ):
-    (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, layers=cfg)
+    (spec,) = kfac_jax.Registration(loss_fn, params, batch, layers=cfg).layers
     assert spec.factor_shapes == want, (cfg, spec.factor_shapes)
 
 
 def test_block_size_per_layer_and_in_summary(x64):
   loss_fn, params, batch, _, _ = _model("dense")
   cfg = kfac_jax.LayerConfig(block_size=4, block_sizes={"head/*": None})
-  specs = {s.name: s for s in kfac_jax.scan_layers(loss_fn, params, batch, layers=cfg)}
+  specs = {s.name: s for s in kfac_jax.Registration(loss_fn, params, batch, layers=cfg).layers}
   assert specs["l"].factor_shapes == ((2, 4, 4), (2, 4, 4))
   assert specs["l"].note == "input side 7 in 2 blocks of 4; output side 7 in 2 blocks of 4"
   assert specs["head"].factor_shapes == ((7, 7), (3, 3)) and specs["head"].note == ""
-  table = kfac_jax.summary(loss_fn, params, batch, layers=cfg)
+  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, layers=cfg))
   assert specs["l"].note in table
   # The default block size leaves these narrow layers whole.
-  specs = {s.name: s for s in kfac_jax.scan_layers(loss_fn, params, batch)}
+  specs = {s.name: s for s in kfac_jax.Registration(loss_fn, params, batch).layers}
   assert {s.block_size for s in specs.values()} == {kfac_jax.LayerConfig().block_size}
   assert specs["l"].factor_shapes == ((7, 7), (7, 7)) and specs["l"].note == ""
 
@@ -275,7 +274,7 @@ def test_bad_block_size_is_named(kwargs, field):
 def test_block_size_pattern_that_matches_nothing_is_an_error(x64):
   loss_fn, params, batch, _, _ = _model("dense")
   with pytest.raises(kfac_jax.RegistrationError, match="block_sizes: pattern 'nope/\\*'"):
-    kfac_jax.scan_layers(
+    kfac_jax.Registration(
       loss_fn, params, batch, layers=kfac_jax.LayerConfig(block_sizes={"nope/*": 4})
     )
 
@@ -299,11 +298,11 @@ def _mlp_state_ratio(d, block_size):
     kfac_jax.register_squared_error_loss(out, b["y"])
     return 0.5 * jnp.mean(jnp.sum((out - b["y"]) ** 2, -1))
 
-  tx = kfac_jax.kfac(  # Momentum included: all the state a training step keeps.
-    loss_fn,
-    batch,
+  tx = kfac_jax.kfac(
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, layers=kfac_jax.LayerConfig(block_size=block_size)
+    ),
     learning_rate=0.1,
-    config=kfac_jax.Config(layers=kfac_jax.LayerConfig(block_size=block_size)),
   )
   state = jax.eval_shape(tx.init, params)
 
@@ -324,17 +323,17 @@ def test_blocked_kfac_trains_under_jit(x64):
   loss_fn, params, batch, _, _ = _model("dense")
   layers = kfac_jax.LayerConfig(block_size=4)
   tx = kfac_jax.kfac(
-    loss_fn,
-    batch,
+    registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers),
     learning_rate=0.3,
     inverse_every=1,
-    config=kfac_jax.Config(layers=layers),
   )
   state = tx.init(params)
 
   @jax.jit
   def step(params, state, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, layers=layers)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+    )(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 

@@ -50,9 +50,8 @@ def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
 def _run(params, batch, layers=None, damping_mode="factored"):
   """Statistics, an inverse update at LAMBDA, statistics again (EKFAC's s in that basis)."""
   est = kfac_jax.CurvatureEstimator(
-    _loss_fn,
-    batch,
-    config=kfac_jax.Config(estimation_mode="empirical", layers=layers, damping_mode=damping_mode),
+    kfac_jax.Registration(_loss_fn, params, batch, estimation_mode="empirical", layers=layers),
+    config=kfac_jax.Config(damping_mode=damping_mode),
   )
   return est, _jit_statistics_inverse_statistics(est, params, batch)
 
@@ -177,7 +176,7 @@ def test_equals_kfac_with_eigen_damping_when_gradients_are_kronecker(x64, same_x
 def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x64):
   params, batch = _setup()
   est = kfac_jax.CurvatureEstimator(
-    _loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=EKFAC)
+    kfac_jax.Registration(_loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
   )
   state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))(
     params, batch
@@ -203,7 +202,7 @@ def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
     return optax.softmax_cross_entropy_with_integer_labels(out, b["y"]).mean()
 
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=EKFAC)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
   )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   state = est.update_inverses(state, LAMBDA)
@@ -240,7 +239,7 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
 
   layers = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=layers)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   )
   state = _jit_statistics_inverse_statistics(est, params, batch)
   assert {(l.kind, l.approx) for l in est.layers} == {("conv", "ekfac"), ("dense", "ekfac")}
@@ -264,7 +263,7 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
   )
   # ... and it is not the plain K-FAC block (which differs from the exact one on a conv).
   kron = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
   )
   kron_dense = np.asarray(
     jax.jit(
@@ -277,13 +276,11 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
 def test_transform_and_optimizer_train_with_ekfac_layers():
   params, batch = _setup(n=64, dtype=jnp.float32)
   tx = kfac_jax.kfac(
-    _loss_fn,
-    batch,
+    registration=kfac_jax.Registration(_loss_fn, params, batch, layers=EKFAC),
     learning_rate=0.1,
     momentum=0.9,
     damping=1e-2,
     inverse_every=3,
-    config=kfac_jax.Config(layers=EKFAC),
   )
   state = tx.init(params)
 
@@ -304,14 +301,12 @@ def test_transform_and_optimizer_train_with_ekfac_layers():
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
 
   opt = kfac_jax.Optimizer(
-    _loss_fn,
-    batch,
+    registration=kfac_jax.Registration(_loss_fn, params, batch, layers=EKFAC),
     learning_rate=None,
     momentum=None,
     damping=1e-2,
     use_adaptive_damping=True,
     inverse_every=3,
-    config=kfac_jax.Config(layers=EKFAC),
   )
   o_state = opt.init(params)
   step_fn = jax.jit(opt.step)
@@ -331,13 +326,14 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
   states = {}
   for approx in ("ekfac", "diagonal"):
     est = kfac_jax.CurvatureEstimator(
-      _loss_fn,
-      batch,
-      config=kfac_jax.Config(
+      kfac_jax.Registration(
+        _loss_fn,
+        params,
+        batch,
         estimation_mode="gradients",
         num_samples=2,
         layers=kfac_jax.LayerConfig(defaults={"dense": approx}),
-      ),
+      )
     )
     states[approx] = (
       est,
@@ -362,12 +358,12 @@ def test_size_policy_turns_a_huge_ekfac_side_diagonal():
   params = _models.jnp_mlp_init(jax.random.key(0), (4, 40), jnp.float32)
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=40)
   cfg = kfac_jax.LayerConfig(defaults={"dense": "ekfac"}, max_factor_dim=16)
-  (spec,) = kfac_jax.scan_layers(_loss_fn, params, batch, layers=cfg)
+  (spec,) = kfac_jax.Registration(_loss_fn, params, batch, layers=cfg).layers
   assert spec.approx == "kron_out_diag", spec
   assert "output side 40 > max_factor_dim 16" in spec.note
-  (small,) = kfac_jax.scan_layers(
+  (small,) = kfac_jax.Registration(
     _loss_fn, params, batch, layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac"})
-  )
+  ).layers
   assert small.approx == "ekfac" and small.note == ""
 
 
@@ -399,7 +395,7 @@ def test_ekfac_on_stacked_layers_equals_the_unrolled_layers(x64):
   for apply, params in ((stacked, p_st), (unrolled, p_un)):
     loss_fn = _models.softmax_loss(apply)
     est = kfac_jax.CurvatureEstimator(
-      loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=EKFAC)
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
     )
     state = est.init(params)
 
@@ -446,7 +442,7 @@ def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
   ):
     loss_fn = _models.softmax_loss(apply)
     est = kfac_jax.CurvatureEstimator(
-      loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=EKFAC)
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
     )
 
     @jax.jit
@@ -465,10 +461,8 @@ def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
   np.testing.assert_allclose(u_c["head"], u_p["head"], rtol=1e-9, atol=1e-12)
 
 
-def test_ekfac_with_sharded_inverses_is_an_error_at_init():
+def test_ekfac_with_sharded_inverses_is_an_error_when_the_estimator_is_built():
   params, batch = _setup(dtype=jnp.float32)
-  est = kfac_jax.CurvatureEstimator(
-    _loss_fn, batch, config=kfac_jax.Config(layers=EKFAC, inverse_storage="sharded")
-  )
+  reg = kfac_jax.Registration(_loss_fn, params, batch, layers=EKFAC)
   with pytest.raises(ValueError, match=r"layer `layer0`: approx='ekfac' needs its cache"):
-    est.init(params, axis_name="data")
+    kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(inverse_storage="sharded"))

@@ -27,7 +27,9 @@ def _per_example_ce(logits, y):
 
 
 def _estimate(loss_fn, params, batch, rng=None, mode="empirical"):
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+  )
   state = est.init(params)
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, rng, ema_decay=0.0))(state)
   return est, state, np.asarray(est.to_dense(state))
@@ -70,7 +72,9 @@ def test_one_by_one_conv_equals_dense(x64):
 
   batch = {"x": x, "y": y}
   conv_p, dense_p = {"w": w.reshape(1, 1, 2, 3), "b": b}, {"w": w, "b": b}
-  assert [l.kind for l in kfac_jax.scan_layers(conv_loss, conv_p, batch, strict=True)] == ["conv"]
+  assert [l.kind for l in kfac_jax.Registration(conv_loss, conv_p, batch, strict=True).layers] == [
+    "conv"
+  ]
   _, _, conv_f = _estimate(conv_loss, conv_p, batch)
   _, _, dense_f = _estimate(dense_loss, dense_p, batch)
   np.testing.assert_allclose(conv_f, dense_f, rtol=1e-12, atol=1e-14)
@@ -153,7 +157,7 @@ def test_conv_single_location_equals_gradient_outer_product(x64, case):
     return _ce(logits, batch["y"])
 
   batch = {"x": x, "y": jnp.array([1])}
-  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert [(l.kind, l.param_paths) for l in layers] == [("conv", ("w", "b"))]
   _, _, dense = _estimate(loss_fn, params, batch)
   g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
@@ -261,7 +265,7 @@ def test_conv_kron_sua_factor_by_definition(x64):
 def test_depthwise_conv_defaults_to_exact_diagonal(x64):
   apply, params, batch = _conv_model(groups=4, cin=4, cout=8, use_tag=False)
   loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
-  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert [(l.kind, l.approx) for l in layers] == [("conv", "diagonal"), ("dense", "kron")]
   _, _, dense = _estimate(loss_fn, params, batch)
   exact = _exact_empirical(lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]), params, batch)
@@ -410,7 +414,7 @@ def test_embedding_equals_dense_block_on_one_hot_inputs(x64):
     return _ce_seq(kfac_jax.register_dense(oh @ p["table"], oh, p["table"]) @ p["w"], b["y"])
 
   params = {"table": table, "w": w}
-  kinds = [l.kind for l in kfac_jax.scan_layers(one_hot_loss, params, batch)]
+  kinds = [l.kind for l in kfac_jax.Registration(one_hot_loss, params, batch).layers]
   assert kinds == ["dense", "dense"]
   est, state, emb = _estimate(gather_loss, params, batch, jax.random.key(0), "gradients")
   assert est.layers[0].kind == "embedding" and est.layers[0].factor_shapes == ((7,), (3, 3))
@@ -429,8 +433,7 @@ def test_embedding_inverse_is_inverse_of_damped_block(x64, damping_mode):
     return _ce_seq(kfac_jax.register_embedding(p["table"][b["ids"]], b["ids"], p["table"]), b["y"])
 
   est = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
+    kfac_jax.Registration(loss_fn, params, batch),
     compute_cholesky=True,
     compute_cholesky_inverse=True,
     config=kfac_jax.Config(damping_mode=damping_mode),
@@ -494,7 +497,7 @@ def test_scanner_finds_linen_layers():
     )
     return _ce(logits, b["y"])
 
-  layers = kfac_jax.scan_layers(loss_fn, variables["params"], batch, strict=True)
+  layers = kfac_jax.Registration(loss_fn, variables["params"], batch, strict=True).layers
   got = [(l.name, l.kind, tuple(p.rsplit("/", 1)[1] for p in l.param_paths)) for l in layers]
   assert sorted(got) == _EXPECTED
   assert {l.name: l.approx for l in layers}["dw"] == "diagonal"  # Depthwise.
@@ -524,7 +527,7 @@ def test_scanner_finds_nnx_layers():
     model = nnx.merge(graphdef, p, rest, copy=True)
     return _ce(model(b["x"], b["ids"]), b["y"])
 
-  layers = kfac_jax.scan_layers(loss_fn, params, _flax_batch(), strict=True)
+  layers = kfac_jax.Registration(loss_fn, params, _flax_batch(), strict=True).layers
   got = [(l.name, l.kind, tuple(p.rsplit("/", 1)[1] for p in l.param_paths)) for l in layers]
   assert sorted(got) == [
     (n, k, tuple("embedding" if p == "embedding" else p for p in ps)) for n, k, ps in _EXPECTED
@@ -560,7 +563,7 @@ def test_jitted_kfac_step_on_small_cnn_is_a_descent_direction():
 
   with jax.numpy_rank_promotion("raise"):  # The library's own code never relies on it.
     loss, grads, updates, state = step(params, state, jax.random.key(2))
-  kinds = sorted(l.kind for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  kinds = sorted(l.kind for l in kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
   assert kinds == ["conv", "conv", "dense", "scale_and_shift"]
   inner = sum(
     jnp.vdot(g, u)
@@ -583,7 +586,7 @@ def test_approx_that_does_not_fit_the_kind_names_the_parameter():
 
   batch = {"ids": jnp.array([0, 1]), "y": jnp.array([0, 1])}
   with pytest.raises(kfac_jax.RegistrationError, match=r"'full'.*embedding.*table.*'kron'"):
-    kfac_jax.scan_layers(loss_fn, params, batch)
+    kfac_jax.Registration(loss_fn, params, batch)
 
   conv_p = {"w": jnp.ones((1, 1, 2, 2))}
 
@@ -603,7 +606,7 @@ def test_approx_that_does_not_fit_the_kind_names_the_parameter():
     return _ce(y.reshape(2, -1), b["y"])
 
   with pytest.raises(kfac_jax.RegistrationError, match=r"'eigen'.*conv.*`?w"):
-    kfac_jax.scan_layers(conv_loss, conv_p, {"x": jnp.ones((2, 1, 1, 2)), "y": jnp.array([0, 1])})
+    kfac_jax.Registration(conv_loss, conv_p, {"x": jnp.ones((2, 1, 1, 2)), "y": jnp.array([0, 1])})
 
 
 def test_malformed_manual_tags():
@@ -637,7 +640,7 @@ def test_malformed_manual_tags():
     return _ce(out.reshape(2, -1) @ p["v"], b["y"])
 
   with pytest.raises(kfac_jax.RegistrationError, match="register_conv: `kernel` is not a param"):
-    kfac_jax.scan_layers(
+    kfac_jax.Registration(
       loss_fn, {"v": jnp.ones((36, 2))}, {"x": x, "w": w, "y": jnp.array([0, 1])}
     )
 
@@ -661,7 +664,7 @@ def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
     return _ce_seq(h, b["y"])
 
   batch = {"x": jax.random.normal(k[1], (2, 5, 3)), "y": jnp.zeros((2, 5), jnp.int32)}
-  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   got = sorted((l.kind, l.param_paths, getattr(l.info, "feature_shape", None)) for l in layers)
   assert got == [
     ("dense", ("w", "b"), None),
@@ -701,8 +704,7 @@ def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
   apply, params, batch = _conv_model(approx, groups=2, cin=4, cout=6)
   loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
   est = kfac_jax.CurvatureEstimator(
-    loss_fn,
-    batch,
+    kfac_jax.Registration(loss_fn, params, batch),
     compute_cholesky=True,
     compute_cholesky_inverse=True,
     config=kfac_jax.Config(damping_mode=damping_mode),
@@ -828,7 +830,7 @@ def test_statistics_of_another_batch_size(x64, kind):
     dense = []
     for example in (big, small):
       est = kfac_jax.CurvatureEstimator(
-        loss_fn, example, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+        kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact", layers=layers)
       )
       state = est.update_curvature(est.init(params), params, small, None, ema_decay=0.0)
       dense.append(np.asarray(est.to_dense(state)))
@@ -858,23 +860,24 @@ def test_entry_points_take_a_partial_batch(x64):
   results = []
   for example in (full, last):  # Built for 8 examples vs for the 5 of the last batch.
     tx = kfac_jax.scale_by_kfac(
-      loss_fn, example, damping=1e-3, config=kfac_jax.Config(estimation_mode="exact")
+      registration=kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact"),
+      damping=1e-3,
     )
     state = tx.init(params)
-    _, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn, estimation_mode="exact"))(
-      params, last, rng
-    )
+    _, grads, stats = jax.jit(
+      kfac_jax.value_and_grad(
+        registration=kfac_jax.Registration(loss_fn, params, last, estimation_mode="exact")
+      )
+    )(params, last, rng)
     u1, s1 = jax.jit(lambda g, s, st, tx=tx: tx.update(g, s, params, curvature_stats=st))(
       grads, state, stats
     )
     u2, _ = jax.jit(lambda g, s, b, tx=tx: tx.update(g, s, params, batch=b))(grads, state, last)
     opt = kfac_jax.Optimizer(
-      loss_fn,
-      example,
+      registration=kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact"),
       learning_rate=0.1,
       momentum=0.0,
       use_adaptive_damping=False,
-      config=kfac_jax.Config(estimation_mode="exact"),
     )
     p3, _, _ = jax.jit(opt.step)(params, opt.init(params), last, rng)
     results.append((u1, u2, p3))
@@ -939,7 +942,7 @@ def test_a_layer_that_depends_on_the_batch_size_is_named_in_the_error():
 def _preconditioned(loss_fn, params, batch, layers=None):
   """(layers, (F̂ + λ)⁻¹ ∇L): exact mode, one batch, float64."""
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
   )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   state = est.update_inverses(state, damping=1e-2)
@@ -1125,7 +1128,7 @@ def test_concatenated_kernels_are_one_dense_layer(x64, how):
     return loss_fn(p, b) + _ce(b["x"] @ p["gate_a"]["kernel"] @ p["head"][:2], b["y"])
 
   with pytest.warns(kfac_jax.UncoveredParametersWarning, match="gate_a/kernel"):
-    specs = kfac_jax.scan_layers(also_used, params, batch)
+    specs = kfac_jax.Registration(also_used, params, batch).layers
   assert not any(len(s.param_paths) == 4 for s in specs)
 
 
@@ -1165,7 +1168,9 @@ def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
   feat = jax.eval_shape(features, params, x).shape
   params["out"] = 0.2 * jax.random.normal(k[3], (math.prod(feat[1:]), 3), jnp.float64)
   batch = {"x": x, "y": jax.random.randint(k[4], (3,), 0, 3)}
-  est = kfac_jax.CurvatureEstimator(lambda p, b: _ce(apply(p, b["x"]), b["y"]), batch)
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(lambda p, b: _ce(apply(p, b["x"]), b["y"]), params, batch)
+  )
   est.init(params)
   key = jax.random.key(7)
   got = est.curvature_stats(params, batch, key)
@@ -1232,7 +1237,9 @@ def _location_of_each_parameter(params):
 
 def test_conv_local_is_found_as_one_layer_with_per_location_factors(x64):
   logits, params, batch, _ = _conv_local_model(2)
-  specs = kfac_jax.scan_layers(lambda p, b: _ce(logits(p, b), b["y"]), params, batch, strict=True)
+  specs = kfac_jax.Registration(
+    lambda p, b: _ce(logits(p, b), b["y"]), params, batch, strict=True
+  ).layers
   ((spec,),) = [specs]
   assert (spec.kind, spec.approx, spec.param_paths) == ("conv_local", "kron", ("kernel", "bias"))
   # 16 locations, each a dense layer with 3·3·2 patch inputs (+ bias) and 3 outputs.
@@ -1258,7 +1265,7 @@ def test_conv_local_full_and_diagonal_equal_exact_fisher(x64, approx):
   logits, params, batch, layers = _conv_local_model(3, approx)
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=layers)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   assert est.layers[0].approx == approx

@@ -44,7 +44,9 @@ def _descent_step(loss_fn, params, batch):
 
   @jax.jit
   def step(params, state, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn, strict=True)(params, batch, rng)
+    loss, grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, strict=True)
+    )(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return loss, grads, updates
 
@@ -128,12 +130,12 @@ RNNS = {
 def test_tied_embedding_lm_is_one_two_use_layer_and_a_step_descends(flavour):
   make, emb_name = TIED[flavour]
   loss_fn, params, batch = make()
-  layers = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  layers = _by_name(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
   emb = layers[emb_name]
   assert (emb.kind, emb.num_uses, emb.approx) == ("embedding", 2, "kron_indep")
   assert emb.factor_shapes == ((V,), (D, D))  # The vocabulary side stays diagonal.
   assert all(l.num_uses == 1 for n, l in layers.items() if n != emb_name)
-  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, strict=True))
   line = next(r for r in table.splitlines() if r.startswith(emb_name + " "))
   assert line.split()[1:4] == ["embedding", "2", "kron_indep"]
   inner, loss, new_loss = _descent_step(loss_fn, params, batch)
@@ -144,12 +146,12 @@ def test_tied_embedding_lm_is_one_two_use_layer_and_a_step_descends(flavour):
 def test_rnn_through_scan_is_found_with_uses_per_step_and_a_step_descends(flavour):
   make, cell_name, expected_layers = RNNS[flavour]
   loss_fn, params, batch = make()
-  layers = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  layers = _by_name(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
   cell = [l for n, l in layers.items() if "Cell" in n or "cell" in n]
   assert len(cell) == expected_layers
   assert all(l.kind == "dense" and l.num_uses == L and l.approx == "kron_indep" for l in cell)
   assert cell_name in layers
-  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, strict=True))
   line = next(r for r in table.splitlines() if r.startswith(cell_name + " "))
   assert line.split()[1:4] == ["dense", str(L), "kron_indep"]
   inner, loss, new_loss = _descent_step(loss_fn, params, batch)
@@ -168,7 +170,7 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
     return h1, h1 @ p["w"] + p["b"] + eps[1]
 
   loss_fn = lambda p, b: _ce(model(p, b["x"])[1], b["y"])
-  (layer,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert (layer.kind, layer.num_uses, layer.param_paths) == ("dense", 2, ("w", "b"))
   scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
@@ -197,7 +199,7 @@ def _single_use_dense():
   params = {"w": jax.random.normal(kw, (D, 3)), "b": jnp.zeros(3)}
   batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, 3)}
   loss_fn = lambda p, b: _ce(b["x"] @ p["w"] + p["b"], b["y"])
-  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
     scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
@@ -259,7 +261,7 @@ def _scan_spec(bias: bool):
     _, ys = jax.lax.scan(step, 0.0, b["x"])
     return _ce(ys.transpose(1, 0, 2), b["y"].T)
 
-  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert spec.num_uses == L and spec.approx == "kron_indep"
   return spec
 
@@ -357,10 +359,10 @@ def _two_use_loss(tags: int, approx=None):
 
 def test_manual_tag_at_each_use_gives_one_multi_use_layer():
   loss_fn, params, batch = _two_use_loss(2, approx="kron_series_1")
-  (layer,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert (layer.num_uses, layer.approx, layer.source) == (2, "kron_series_1", "manual")
   # Without tags the scanner finds the same two uses by itself.
-  (auto,) = kfac_jax.scan_layers(*_two_use_loss(0), strict=True)
+  (auto,) = kfac_jax.Registration(*_two_use_loss(0), strict=True).layers
   assert (auto.num_uses, auto.approx, auto.source) == (2, "kron_indep", "auto")
 
 
@@ -369,7 +371,7 @@ def test_use_count_mismatch_names_the_parameter():
   with pytest.raises(
     kfac_jax.RegistrationError, match=r"`w` is used 2 times .* registered with 1 register_dense"
   ):
-    kfac_jax.scan_layers(loss_fn, params, batch)
+    kfac_jax.Registration(loss_fn, params, batch)
 
 
 def test_series_approx_on_a_single_use_layer_is_refused():
@@ -379,7 +381,7 @@ def test_series_approx_on_a_single_use_layer_is_refused():
 
   _, params, batch = _two_use_loss(0)
   with pytest.raises(kfac_jax.RegistrationError, match=r"'kron_series_2'.*\['w'\] is used once"):
-    kfac_jax.scan_layers(loss_fn, params, batch)
+    kfac_jax.Registration(loss_fn, params, batch)
 
 
 def test_series_block_refuses_other_powers_and_eigen_damping():
@@ -411,7 +413,9 @@ def test_rnn_with_series_tags_inside_the_scan_body_takes_a_descent_step(approx):
     _, hs = jax.lax.scan(step, jnp.zeros((N, 3)), b["x"].transpose(1, 0, 2))
     return _ce(hs.transpose(1, 0, 2) @ p["w_out"], b["y"])
 
-  layers = {l.param_paths: l for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True)}
+  layers = {
+    l.param_paths: l for l in kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  }
   rec = layers[("w_h", "b")]
   assert (rec.num_uses, rec.approx, rec.source) == (L, approx, "manual")
   assert layers[("w_in",)].num_uses == L and layers[("w_in",)].approx == "kron_indep"
@@ -428,7 +432,7 @@ def test_series_approx_on_uses_with_different_rows_is_refused():
 
   _, params, batch = _two_use_loss(0)
   with pytest.raises(kfac_jax.RegistrationError, match=r"equal row counts.*rows \[3, 6\]"):
-    kfac_jax.scan_layers(loss_fn, params, batch)
+    kfac_jax.Registration(loss_fn, params, batch)
 
 
 def test_tied_embedding_factors_match_the_definition(x64):
@@ -442,7 +446,7 @@ def test_tied_embedding_factors_match_the_definition(x64):
     return h, h @ p["t"].T + e_out
 
   loss_fn = lambda p, b: _ce(model(p, b["ids"])[1], b["y"])
-  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
   scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
@@ -489,10 +493,12 @@ def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
     h, ys = jax.lax.scan(step, jnp.zeros((N, D)), (b["x"], p["stack"]), reverse=reverse)
     return _ce(h + ys.sum(), b["y"])
 
-  layers = {l.param_paths: l for l in kfac_jax.scan_layers(loss_fn, params, batch)}
+  layers = {l.param_paths: l for l in kfac_jax.Registration(loss_fn, params, batch).layers}
   assert layers[("w",)].num_uses == L
   assert layers[("stack",)].kind == "scale_and_shift" and layers[("stack",)].stack_size == L
-  loss, grads, _ = kfac_jax.value_and_grad(loss_fn, estimation_mode="empirical")(params, batch)
+  loss, grads, _ = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+  )(params, batch)
   ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
   for k in params:
@@ -535,7 +541,7 @@ def _shared_conv_setup(n):
 
 def test_shared_conv_and_norm_are_found_as_multi_use_layers():
   params, batch, loss_fn = _shared_conv_setup(2)
-  layers = {l.name: l for l in kfac_jax.scan_layers(loss_fn, params, batch, strict=True)}
+  layers = {l.name: l for l in kfac_jax.Registration(loss_fn, params, batch, strict=True).layers}
   assert [(n, l.kind, l.num_uses, l.approx, l.param_paths) for n, l in layers.items()] == [
     ("k", "conv", 2, "kron_indep", ("k", "b")),
     ("s", "scale_and_shift", 2, "full", ("s", "sh")),
@@ -560,7 +566,7 @@ def test_linen_conv_and_layer_norm_called_twice_are_shared_layers():
   batch = {"x": jnp.ones((2, 5, 5, 3)), "y": jnp.array([0, 1])}
   params = model.init(jax.random.key(0), batch["x"])
   loss_fn = lambda p, b: _ce(model.apply(p, b["x"]), b["y"])
-  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, strict=True))
   rows = {r.split()[0]: r.split()[1:] for r in table.splitlines()[2:5]}
   assert rows["params/conv"][:4] == ["conv", "2", "kron_indep", "kernel,"]
   assert rows["params/conv"][5:7] == ["28x28", "3x3"]
@@ -584,7 +590,7 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
   """Batch 1, empirical: A = Σ_uses Σ_rows x̄x̄ᵀ / Σ_uses rows over both uses' patches (the uses
   see different input sizes and paddings), G = Σ_uses (1/N) Σ_rows g gᵀ."""
   params, batch, loss_fn = _shared_conv_setup(1)
-  spec = next(l for l in kfac_jax.scan_layers(loss_fn, params, batch) if l.name == "k")
+  spec = next(l for l in kfac_jax.Registration(loss_fn, params, batch).layers if l.name == "k")
   scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
     scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
@@ -614,7 +620,7 @@ def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, 
   params, batch, loss_fn = _shared_conv_setup(3)
   layers = kfac_jax.LayerConfig(overrides={"k": approx, "s": approx})
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=layers)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   )
   state = est.init(params)
   assert [(l.name, l.num_uses, l.approx) for l in est.layers] == [
@@ -657,7 +663,7 @@ def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
     )
     return _ce(h.mean((1, 2)), b["y"])
 
-  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   scan = _scanner.scan(loss_fn, params, batch)
   _, _, stats = _curvature.compute(
     scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
@@ -682,7 +688,7 @@ def test_shared_shift_alone_and_shared_dense_bias_are_told_apart():
     h = jnp.tanh(h @ p["w"] + p["b"]) + p["t"]
     return _ce(h @ p["w"] + p["b"], b["y"])
 
-  layers = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True))
+  layers = _by_name(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
   assert [(n, l.kind, l.num_uses, l.param_paths) for n, l in layers.items()] == [
     ("w", "dense", 2, ("w", "b")),
     ("t", "scale_and_shift", 2, ("t",)),
@@ -705,7 +711,7 @@ def test_shared_conv_with_different_kernel_layouts_is_not_one_layer():
     return _ce(h.mean((1, 2)), b["y"])
 
   with pytest.warns(_scanner.UncoveredParametersWarning, match="`k`"):
-    (layer,) = kfac_jax.scan_layers(loss_fn, params, batch)
+    (layer,) = kfac_jax.Registration(loss_fn, params, batch).layers
   assert layer.source == "fallback"
 
 
@@ -718,7 +724,7 @@ def test_override_chooses_a_series_approximation_for_a_detected_recurrence():
   layers = kfac_jax.LayerConfig(
     defaults={"dense": "kron_in_diag"}, overrides={"params/LSTMCell_0/h*": "kron_series_2"}
   )
-  specs = _by_name(kfac_jax.scan_layers(loss_fn, params, batch, strict=True, layers=layers))
+  specs = _by_name(kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=layers).layers)
   assert (specs[cell].num_uses, specs[cell].approx, specs[cell].source) == (
     L,
     "kron_series_2",
@@ -727,7 +733,7 @@ def test_override_chooses_a_series_approximation_for_a_detected_recurrence():
   # Defaults name single-use approximations: shared layers keep theirs, single-use ones follow.
   assert specs["params/LSTMCell_0/ii"].approx == "kron_indep"
   assert specs["params/Dense_0"].approx == "kron_in_diag"
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(layers=layers))
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, layers=layers))
   est.init(params)
   assert isinstance(
     est.blocks[[l.name for l in est.layers].index(cell)], kfac_jax.blocks.SeriesKroneckerBlock
@@ -742,4 +748,4 @@ def test_override_that_does_not_fit_a_shared_layer_names_pattern_and_layer():
     match=r"overrides\['params/LSTMCell_0/hi\*'\] = 'kron_in_diag' does not fit "
     r"the dense layer `params/LSTMCell_0/hi` .* used 3 times",
   ):
-    kfac_jax.scan_layers(loss_fn, params, batch, layers=layers)
+    kfac_jax.Registration(loss_fn, params, batch, layers=layers)

@@ -43,7 +43,7 @@ def _stack(trees):
 def _precondition(loss_fn, params, batch):
   """(layers, preconditioned gradient) from the exact-mode estimator, strict registration."""
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", strict=True)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", strict=True)
   )
   state = est.init(params)
   state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
@@ -104,16 +104,22 @@ def test_remat(x64, policy):
   # The program that runs keeps the remat (one checkpoint region per block).
   batch = _batch()
   jaxpr = jax.make_jaxpr(
-    lambda p: kfac_jax.value_and_grad(_mlp_loss(remat), estimation_mode="exact")(p, batch)
+    lambda p: kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(_mlp_loss(remat), params, batch, estimation_mode="exact")
+    )(p, batch)
   )(params)
   assert str(jaxpr).count("remat") >= L
   # The tapped evaluation through the checkpoint regions gives the loss and gradient exactly.
-  loss, grads, _ = kfac_jax.value_and_grad(_mlp_loss(remat), estimation_mode="exact")(params, batch)
+  loss, grads, _ = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(_mlp_loss(remat), params, batch, estimation_mode="exact")
+  )(params, batch)
   ref_loss, ref_grads = jax.value_and_grad(_mlp_loss(_block))(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
   _assert_close(grads, ref_grads)
   plain = jax.make_jaxpr(
-    lambda p: kfac_jax.value_and_grad(_mlp_loss(_block), estimation_mode="exact")(p, batch)
+    lambda p: kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(_mlp_loss(_block), params, batch, estimation_mode="exact")
+    )(p, batch)
   )(params)
   assert "remat" not in str(plain)
 
@@ -326,7 +332,7 @@ def test_closed_over_scan_parameter_stays_shared(x64):
     h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"], jnp.zeros((L, N, D)))
     return _head(p["out"], h, b["y"])
 
-  found = kfac_jax.scan_layers(rnn, {"w": w, "out": out}, _batch())
+  found = kfac_jax.Registration(rnn, {"w": w, "out": out}, _batch()).layers
   rec = next(s for s in found if s.param_paths == ("w",))
   assert rec.num_uses == L and rec.stack_size == 0 and rec.approx == "kron_indep"
 
@@ -343,7 +349,8 @@ def test_stack_in_scale_by_kfac(x64):
   params = {"stack": _stack(layers), "out": out}
   batch = _batch()
   tx = kfac_jax.scale_by_kfac(
-    scanned, batch, damping=1e-2, config=kfac_jax.Config(estimation_mode="exact")
+    registration=kfac_jax.Registration(scanned, params, batch, estimation_mode="exact"),
+    damping=1e-2,
   )
   state = tx.init(params)
   grads = jax.grad(scanned)(params, batch)

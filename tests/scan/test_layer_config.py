@@ -22,8 +22,8 @@ def _setup(n=6):
 
 
 def _estimator(loss_fn, batch, params, layers, damping_mode="factored", **kw):
-  config = kfac_jax.Config(estimation_mode="empirical", layers=layers, damping_mode=damping_mode)
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=config, **kw)
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
+  est = kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(damping_mode=damping_mode), **kw)
   state = est.init(params)
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(state)
   return est, state
@@ -109,9 +109,9 @@ def test_diag_variant_state_is_smaller():
   params, batch, loss_fn = _setup()
   sizes = {}
   for approx in ("kron",) + _VARIANTS:
-    specs = kfac_jax.scan_layers(
+    specs = kfac_jax.Registration(
       loss_fn, params, batch, layers=kfac_jax.LayerConfig(defaults={"dense": approx})
-    )
+    ).layers
     sizes[approx] = specs[0].factor_shapes
   assert sizes["kron"] == ((4, 4), (4, 4))
   assert sizes["kron_in_diag"] == ((4,), (4, 4))
@@ -131,7 +131,7 @@ def test_precedence_manual_tag_then_pattern_then_default():
     return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
 
   def approxes(layers):
-    return [s.approx for s in kfac_jax.scan_layers(loss_fn, params, batch, layers=layers)]
+    return [s.approx for s in kfac_jax.Registration(loss_fn, params, batch, layers=layers).layers]
 
   assert approxes(None) == ["kron", "full"]
   assert approxes(kfac_jax.LayerConfig(defaults={"dense": "diagonal"})) == ["diagonal", "full"]
@@ -147,18 +147,26 @@ def test_precedence_manual_tag_then_pattern_then_default():
 def test_layers_accepted_by_transform_optimizer_and_summary():
   params, batch, loss_fn = _setup()
   layers = kfac_jax.LayerConfig(overrides={"layer1/*": "kron_both_diag"})
-  tx = kfac_jax.kfac(loss_fn, batch, 0.1, config=kfac_jax.Config(layers=layers))
+  tx = kfac_jax.kfac(
+    registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers), learning_rate=0.1
+  )
   state = tx.init(params)
   est_state = state[0].curvature
   assert est_state.factors["layer1"].a.shape == (5,)
   assert est_state.factors["layer0"].a.shape == (4, 4)
-  opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.Config(layers=layers))
+  opt = kfac_jax.Optimizer(
+    registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+  )
   opt.init(params, jax.random.key(0))
   assert [s.approx for s in opt.estimator.layers] == ["kron", "kron_both_diag"]
-  table = kfac_jax.summary(loss_fn, params, batch, layers=layers)
+  table = kfac_jax.summary(
+    registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+  )
   assert "kron_both_diag" in table
   with pytest.raises(TypeError, match="kfac_jax.LayerConfig"):
-    kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(layers={"dense": "kron"}))
+    kfac_jax.scale_by_kfac(
+      registration=kfac_jax.Registration(loss_fn, params, batch, layers={"dense": "kron"})
+    )
 
 
 def test_linked_group_is_one_generic_block(x64):
@@ -181,7 +189,7 @@ def test_linked_group_is_one_generic_block(x64):
   )
   # A "diagonal" group over one whole layer leaves the other layer's Kronecker block alone.
   layers = kfac_jax.LayerConfig(linked={("layer1/*",): "diagonal"})
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, layers=layers)
+  specs = kfac_jax.Registration(loss_fn, params, batch, layers=layers).layers
   assert [(s.kind, s.approx, s.factor_shapes) for s in specs] == [
     ("dense", "kron", ((4, 4), (4, 4))),
     ("generic", "diagonal", ((15,),)),
@@ -200,29 +208,29 @@ def test_bad_layer_config_errors():
   with pytest.raises(
     kfac_jax.RegistrationError, match=r"'kron_sua' does not fit the dense layer `layer0`.*layer0/w"
   ):
-    kfac_jax.scan_layers(
+    kfac_jax.Registration(
       loss_fn, params, batch, layers=kfac_jax.LayerConfig(overrides={"layer0/*": "kron_sua"})
     )
   with pytest.raises(kfac_jax.RegistrationError, match="'encoder/\\*' matches no layer"):
-    kfac_jax.scan_layers(
+    kfac_jax.Registration(
       loss_fn, params, batch, layers=kfac_jax.LayerConfig(overrides={"encoder/*": "kron"})
     )
   with pytest.raises(
     kfac_jax.RegistrationError,
     match=r"splits the dense layer `layer1`.*'layer1/w'.*not \['layer1/b'\]",
   ):
-    kfac_jax.scan_layers(
+    kfac_jax.Registration(
       loss_fn, params, batch, layers=kfac_jax.LayerConfig(linked={("layer1/w",): "full"})
     )
   with pytest.raises(kfac_jax.RegistrationError, match="`layer0/b` is in two linked groups"):
-    kfac_jax.scan_layers(
+    kfac_jax.Registration(
       loss_fn,
       params,
       batch,
       layers=kfac_jax.LayerConfig(linked={("layer0/*",): "full", ("layer0/b",): "full"}),
     )
   with pytest.raises(kfac_jax.RegistrationError, match="'nothing/\\*' of group"):
-    kfac_jax.scan_layers(
+    kfac_jax.Registration(
       loss_fn, params, batch, layers=kfac_jax.LayerConfig(linked={("nothing/*",): "full"})
     )
 
@@ -240,19 +248,22 @@ def test_check_registration_lists_every_problem():
     kfac_jax.register_softmax_cross_entropy_loss(z, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
 
-  layers = kfac_jax.LayerConfig(overrides={"decoder/*": "kron"})
   with pytest.raises(kfac_jax.RegistrationCheckError) as info:
-    kfac_jax.check_registration(loss_fn, params, batch, layers=layers)
+    kfac_jax.check_registration(loss_fn, params, batch)
   problems = info.value.problems
-  assert len(problems) == 4, problems
+  assert len(problems) == 3, problems
   assert "`layer1/b` is registered twice" in problems[0]
-  assert "'decoder/*' matches no layer" in problems[1]
-  assert "`extra` is not in any layer" in problems[2]
-  assert "`extra2` is not in any layer" in problems[3]
+  assert "`extra` is not in any layer" in problems[1]
+  assert "`extra2` is not in any layer" in problems[2]
+  # A `layers` pattern that matches nothing stops the registration that carries it.
+  layers = kfac_jax.LayerConfig(overrides={"decoder/*": "kron"})
+  p2 = {k: v for k, v in params.items() if k.startswith("layer")}
+  mlp = _models.softmax_loss(_models.jnp_mlp_apply)
+  with pytest.raises(kfac_jax.RegistrationError, match="'decoder/\\*' matches no layer"):
+    kfac_jax.Registration(mlp, p2, batch, layers=layers)
   assert isinstance(info.value, kfac_jax.RegistrationError)
   # A clean registration returns the layers.
-  p2 = {k: v for k, v in params.items() if k.startswith("layer")}
-  specs = kfac_jax.check_registration(_models.softmax_loss(_models.jnp_mlp_apply), p2, batch)
+  specs = kfac_jax.check_registration(mlp, p2, batch)
   assert [s.name for s in specs] == ["layer0", "layer1"]
 
 
@@ -298,7 +309,7 @@ def test_check_registration_lists_wrong_use_counts_with_the_other_problems():
   assert "`extra` is not in any layer" in problems[3]
   # Without collect, the scan stops at the first one.
   with pytest.raises(kfac_jax.RegistrationError, match=r"`k` is used 2 times .* 1 register_conv"):
-    kfac_jax.scan_layers(loss_fn, params, batch)
+    kfac_jax.Registration(loss_fn, params, batch)
 
 
 # -- size policy (LayerConfig.max_factor_dim) ----------------------------------------------------
@@ -338,7 +349,7 @@ def test_vocabulary_head_state_fits_next_to_the_model():
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3)
   state = jax.eval_shape(tx.init, params)  # Shapes only: no 16 GiB allocation if it fails.
   assert _nbytes(state) < 3 * _nbytes(params), (_nbytes(state), _nbytes(params))
-  specs = kfac_jax.scan_layers(loss_fn, params, batch)
+  specs = kfac_jax.Registration(loss_fn, params, batch).layers
   head = next(s for s in specs if s.name == "head")
   assert head.approx == "kron_out_diag" and head.factor_shapes == ((17, 17), (65_536,))
   assert "65536 > max_factor_dim 16384" in head.note
@@ -347,12 +358,12 @@ def test_vocabulary_head_state_fits_next_to_the_model():
   # Without the policy the output factor is kept in 64 blocks of 1024 (the default block
   # size), and without blocks it alone is 65,536² floats.
   for block_size, want in ((1024, (64, 1024, 1024)), (None, (65_536, 65_536))):
-    big = kfac_jax.scan_layers(
+    big = kfac_jax.Registration(
       loss_fn,
       params,
       batch,
       layers=kfac_jax.LayerConfig(max_factor_dim=None, block_size=block_size),
-    )
+    ).layers
     assert next(s for s in big if s.name == "head").factor_shapes[1] == want
 
 
@@ -365,7 +376,7 @@ def test_size_policy_equals_the_explicit_approximation(x64):
     ("explicit", kfac_jax.LayerConfig(overrides={"head/*": "kron_out_diag"}, max_factor_dim=None)),
   ]:
     est = kfac_jax.CurvatureEstimator(
-      loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
     )
     state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
     state = est.update_inverses(state, damping=1e-2)
@@ -381,20 +392,20 @@ def test_size_policy_equals_the_explicit_approximation(x64):
 
 def test_explicit_choices_win_over_the_size_policy():
   loss_fn, params, batch = _head_model(7, width=4)
-  specs = kfac_jax.scan_layers(
+  specs = kfac_jax.Registration(
     loss_fn,
     params,
     batch,
     layers=kfac_jax.LayerConfig(overrides={"head/*": "kron"}, max_factor_dim=6),
-  )
+  ).layers
   assert next(s for s in specs if s.name == "head").approx == "kron"
   # defaults are not per-layer choices: the policy still applies to them.
-  specs = kfac_jax.scan_layers(
+  specs = kfac_jax.Registration(
     loss_fn,
     params,
     batch,
     layers=kfac_jax.LayerConfig(defaults={"dense": "kron_in_diag"}, max_factor_dim=6),
-  )
+  ).layers
   assert next(s for s in specs if s.name == "head").approx == "kron_both_diag"
 
   def tagged(p, b):
@@ -409,7 +420,9 @@ def test_explicit_choices_win_over_the_size_policy():
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  specs = kfac_jax.scan_layers(tagged, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=6))
+  specs = kfac_jax.Registration(
+    tagged, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=6)
+  ).layers
   assert next(s for s in specs if s.name == "head").approx == "kron"
   with pytest.raises(ValueError, match="max_factor_dim"):
     kfac_jax.LayerConfig(max_factor_dim=0)
@@ -441,19 +454,19 @@ def test_size_policy_for_conv_embedding_and_full_blocks():
     "ids": jax.random.randint(k[2], (4, 3), 0, 5),
     "y": jax.random.randint(k[3], (4,), 0, 12),
   }
-  specs = kfac_jax.scan_layers(
+  specs = kfac_jax.Registration(
     loss_fn, params, batch, strict=True, layers=kfac_jax.LayerConfig(max_factor_dim=8)
-  )
+  ).layers
   got = {s.name: (s.kind, s.approx, s.factor_shapes) for s in specs}
   assert got["emb"] == ("embedding", "kron_out_diag", ((5,), (9,)))
   assert got["conv"] == ("conv", "kron_both_diag", ((10,), (12,)))
   assert got["norm"] == ("scale_and_shift", "diagonal", ((72,),))
   assert all("max_factor_dim 8" in s.note for s in specs)
   tx = kfac_jax.scale_by_kfac(
-    loss_fn,
-    batch,
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=8)
+    ),
     damping=1e-3,
-    config=kfac_jax.Config(layers=kfac_jax.LayerConfig(max_factor_dim=8)),
   )
   state = tx.init(params)
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
@@ -477,15 +490,15 @@ def test_positional_table_gets_a_diagonal_block():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   batch = {"x": jax.random.normal(k[2], (2, 5, 4)), "y": jnp.array([0, 2])}
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  specs = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   pos = next(s for s in specs if s.param_paths == ("pos",))
   assert (pos.kind, pos.approx, pos.factor_shapes) == ("scale_and_shift", "diagonal", ((20,),))
   assert "positional" in pos.note
   assert pos.note in kfac_jax.summary(loss_fn, params, batch)
   # Asked for by name, the full block is kept.
-  specs = kfac_jax.scan_layers(
+  specs = kfac_jax.Registration(
     loss_fn, params, batch, layers=kfac_jax.LayerConfig(overrides={"pos": "full"})
-  )
+  ).layers
   pos = next(s for s in specs if s.param_paths == ("pos",))
   assert (pos.approx, pos.factor_shapes, pos.note) == ("full", ((20, 20),), "")
 
@@ -505,19 +518,19 @@ def test_size_policy_for_a_shared_layer():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   batch = {"x": jax.random.normal(k[2], (2, 4)), "y": jnp.zeros((2, 3), jnp.int32)}
-  specs = kfac_jax.scan_layers(
+  specs = kfac_jax.Registration(
     loss_fn, params, batch, strict=True, layers=kfac_jax.LayerConfig(max_factor_dim=8)
-  )
+  ).layers
   got = {s.param_paths: (s.num_uses, s.approx, s.factor_shapes) for s in specs}
   assert got[("cell",)] == (3, "kron_indep", ((4, 4), (4, 4)))
   assert got[("out",)] == (3, "diagonal", ((36,),))
   assert "max_factor_dim 8" in next(s.note for s in specs if s.param_paths == ("out",))
-  specs = kfac_jax.scan_layers(
+  specs = kfac_jax.Registration(
     loss_fn,
     params,
     batch,
     layers=kfac_jax.LayerConfig(overrides={"out": "kron_indep"}, max_factor_dim=8),
-  )
+  ).layers
   assert next(s.approx for s in specs if s.param_paths == ("out",)) == "kron_indep"
 
 
@@ -543,7 +556,7 @@ def test_size_policy_from_a_diagonal_side_variant_with_both_sides_over_the_limit
 
   batch = {"x": jax.random.normal(k[1], (2, 4, 4, 4)), "y": jnp.array([0, 7])}
   config = kfac_jax.LayerConfig(defaults={"conv": "kron_out_diag"}, max_factor_dim=3)
-  (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True, layers=config)
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=config).layers
   assert (spec.approx, spec.factor_shapes) == ("kron_both_diag", ((2, 18), (2, 4)))
   assert "input side 18" in spec.note
 
@@ -564,6 +577,6 @@ def test_shared_size_policy_counts_the_bias_row():
   batch = {"x": jax.random.normal(k[1], (2, 4)), "y": jnp.array([0, 3])}
   for max_dim, want in ((5, ("kron_indep", ((5, 5), (4, 4)))), (4, ("diagonal", ((20,),)))):
     config = kfac_jax.LayerConfig(max_factor_dim=max_dim)
-    (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True, layers=config)
+    (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=config).layers
     assert (spec.num_uses, spec.approx, spec.factor_shapes) == (2,) + want
   assert "factor side 5 > max_factor_dim 4 on a layer used 2 times" in spec.note

@@ -61,7 +61,9 @@ def _loss(lookup):
 
 
 def _estimate(loss_fn, params, batch, mode="gradients"):
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode=mode))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+  )
   state = est.init(params)
   state = jax.jit(
     lambda s: est.update_curvature(s, params, batch, jax.random.key(0), ema_decay=0.0)
@@ -72,7 +74,7 @@ def _estimate(loss_fn, params, batch, mode="gradients"):
 @pytest.mark.parametrize("lookup", sorted(set(LOOKUPS) - {"gather"}))
 def test_one_hot_product_is_an_embedding_with_the_gather_block(x64, lookup):
   params, batch = _params(), _seq_batch()
-  layers = kfac_jax.scan_layers(_loss(lookup), params, batch, strict=True)
+  layers = kfac_jax.Registration(_loss(lookup), params, batch, strict=True).layers
   assert [(l.name, l.kind, l.factor_shapes) for l in layers] == [
     ("table", "embedding", ((V,), (D, D))),
     ("w", "dense", ((D, D), (C, C))),
@@ -94,7 +96,7 @@ def test_one_hot_product_in_low_precision_is_an_embedding():
     h = jnp.einsum("nlv,vd->nld", oh, p["table"].astype(jnp.bfloat16)).astype(jnp.float32)
     return _ce_seq(h @ p["w"], b["y"])
 
-  (emb, _) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  (emb, _) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert (emb.kind, emb.factor_shapes) == ("embedding", ((V,), (D, D)))
 
 
@@ -108,7 +110,7 @@ def test_one_hot_product_equals_the_manual_dense_block(x64):
     h = kfac_jax.register_dense(oh @ p["table"], oh, p["table"])
     return _ce_seq(h @ p["w"], b["y"])
 
-  (manual, _) = kfac_jax.scan_layers(dense_loss, params, batch, strict=True)
+  (manual, _) = kfac_jax.Registration(dense_loss, params, batch, strict=True).layers
   assert (manual.kind, manual.factor_shapes) == ("dense", ((V, V), (D, D)))
   _, _, want = _estimate(dense_loss, params, batch)
   _, _, got = _estimate(_loss("one_hot_matmul"), params, batch)
@@ -147,11 +149,13 @@ def test_one_hot_embedding_summary_and_memory_are_linear_in_vocab():
   def loss_fn(p, b):
     return _ce_seq(jax.nn.one_hot(b["ids"], vocab) @ p["table"] @ p["w"], b["y"])
 
-  table = kfac_jax.summary(loss_fn, params, batch, strict=True)
+  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, strict=True))
   line = next(r for r in table.splitlines() if r.startswith("table "))
   assert line.split()[1:6] == ["embedding", "1", "kron", "table", f"{vocab}"]
   assert line.split()[6] == f"{dim}x{dim}"
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, compute_cholesky=True)
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch), compute_cholesky=True
+  )
   state = est.init(params)
   floats = sum(
     x.size for x in jax.tree_util.tree_leaves((state.factors["table"], state.cache["table"]))
@@ -181,7 +185,7 @@ def test_products_that_are_not_lookups_stay_dense(case):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert [(l.name, l.kind) for l in layers] == [("table", "dense"), ("w", "dense")]
 
 
@@ -201,7 +205,7 @@ def test_vmapped_slices_that_are_not_row_lookups_are_not_embeddings(case):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   with pytest.warns(kfac_jax.UncoveredParametersWarning):
-    layers = kfac_jax.scan_layers(loss_fn, params, batch)
+    layers = kfac_jax.Registration(loss_fn, params, batch).layers
   assert [(l.name, l.kind) for l in layers] == [("table", "generic"), ("w", "dense")]
 
 
@@ -234,7 +238,7 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
   factors = {}
   for lookup in ("gather", "one_hot_matmul", "vmap_row"):
     loss_fn = make(lookup)
-    (spec,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+    (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
     assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
     scan = _scanner.scan(loss_fn, params, batch)
     _, _, stats = _curvature.compute(
@@ -281,7 +285,7 @@ def test_gather_lookup_preconditions_like_the_one_hot_product(x64, case):
 
   losses = {"gather": make(lookup), "one_hot": make(LOOKUPS["one_hot_matmul"])}
   for loss_fn in losses.values():
-    layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+    layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
     assert [(l.name, l.kind, l.factor_shapes) for l in layers] == [
       ("table", "embedding", ((V,), (D, D))),
       ("w", "dense", ((D, D), (C, C))),
@@ -292,7 +296,7 @@ def test_gather_lookup_preconditions_like_the_one_hot_product(x64, case):
   nat = {}
   for name, loss_fn in losses.items():
     est = kfac_jax.CurvatureEstimator(
-      loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact")
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
     )
 
     @jax.jit

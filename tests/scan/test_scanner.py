@@ -23,7 +23,7 @@ def test_linen_mlp():
   model = _models.LinenMLP((5, 3))
   batch = _models.classification_batch(jax.random.key(0))
   params = model.init(jax.random.key(1), batch["x"])
-  layers = kfac_jax.scan_layers(_models.softmax_loss(model.apply), params, batch)
+  layers = kfac_jax.Registration(_models.softmax_loss(model.apply), params, batch).layers
   assert _kinds(layers) == [
     ("params/Dense_0", "dense", ("params/Dense_0/kernel", "params/Dense_0/bias")),
     ("params/Dense_1", "dense", ("params/Dense_1/kernel", "params/Dense_1/bias")),
@@ -43,7 +43,7 @@ def test_nnx_mlp():
     return m(x)
 
   batch = _models.classification_batch(jax.random.key(0))
-  layers = kfac_jax.scan_layers(_models.softmax_loss(apply), params, batch)
+  layers = kfac_jax.Registration(_models.softmax_loss(apply), params, batch).layers
   assert _kinds(layers) == [
     ("linear1", "dense", ("linear1/kernel", "linear1/bias")),
     ("linear2", "dense", ("linear2/kernel", "linear2/bias")),
@@ -58,7 +58,7 @@ def test_plain_jnp_mlp_with_l2_term():
   def loss_fn(p, b):  # The L2 term uses every parameter a second time, outside the loss slice.
     return base(p, b) + 1e-4 * optax.tree.norm(p, squared=True)
 
-  layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  layers = kfac_jax.Registration(loss_fn, params, batch).layers
   assert _kinds(layers) == [
     ("layer0", "dense", ("layer0/w", "layer0/b")),
     ("layer1", "dense", ("layer1/w", "layer1/b")),
@@ -78,7 +78,7 @@ def test_leading_batch_dims_and_nested_jit():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   batch = {"x": jnp.ones((2, 5, 4)), "y": jnp.zeros((2, 5), jnp.int32)}
-  layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  layers = kfac_jax.Registration(loss_fn, params, batch).layers
   assert [l.kind for l in layers] == ["dense", "dense"]
   assert layers[0].dense.rows == 10
 
@@ -94,7 +94,7 @@ def test_dense_general_multi_axis_kernels():
   batch = _models.classification_batch(jax.random.key(0), n=6)
   batch["y"] = jnp.zeros((6,), jnp.int32)
   params = model.init(jax.random.key(1), batch["x"])
-  layers = kfac_jax.scan_layers(_models.softmax_loss(model.apply), params, batch)
+  layers = kfac_jax.Registration(_models.softmax_loss(model.apply), params, batch).layers
   assert _kinds(layers) == [
     ("params/out", "dense", ("params/out/kernel", "params/out/bias")),
     ("params/q", "dense", ("params/q/kernel", "params/q/bias")),
@@ -113,7 +113,7 @@ def test_transposed_kernel_and_kernel_as_lhs():
 
   params = {"w_t": jnp.ones((6, 4)), "v": jnp.ones((3, 6))}
   batch = _models.classification_batch(jax.random.key(0))
-  layers = kfac_jax.scan_layers(loss_fn, params, batch)
+  layers = kfac_jax.Registration(loss_fn, params, batch).layers
   assert [(l.param_paths, l.factor_shapes) for l in layers] == [
     (("v",), ((6, 6), (3, 3))),
     (("w_t",), ((4, 4), (6, 6))),
@@ -133,7 +133,7 @@ def test_uncovered_parameters_warn_once_or_raise_when_strict():
 
   batch = _models.classification_batch(jax.random.key(1))
   with pytest.warns(kfac_jax.UncoveredParametersWarning) as record:
-    layers = kfac_jax.scan_layers(loss_fn, params, batch)
+    layers = kfac_jax.Registration(loss_fn, params, batch).layers
   assert len(record) == 1
   assert "`scale`" in str(record[0].message) and "`unused`" in str(record[0].message)
   generic = [l for l in layers if l.kind == "generic"]
@@ -142,7 +142,7 @@ def test_uncovered_parameters_warn_once_or_raise_when_strict():
     (("unused",), "diagonal", "fallback"),
   ]
   with pytest.raises(kfac_jax.RegistrationError, match="`scale`.*`unused`"):
-    kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+    kfac_jax.Registration(loss_fn, params, batch, strict=True)
 
 
 def test_manual_tags_take_precedence():
@@ -158,7 +158,7 @@ def test_manual_tags_take_precedence():
   batch = _models.classification_batch(jax.random.key(1))
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    layers = kfac_jax.scan_layers(loss_fn, params, batch)
+    layers = kfac_jax.Registration(loss_fn, params, batch).layers
   assert [(l.kind, l.param_paths, l.approx, l.source) for l in layers] == [
     ("dense", ("w", "b"), "kron", "manual"),
     ("generic", ("s",), "full", "manual"),
@@ -194,7 +194,7 @@ def test_no_loss_tag_error_says_how_to_add_one():
     return jnp.mean(_models.jnp_mlp_apply(p, b["x"]) ** 2)
 
   with pytest.raises(kfac_jax.RegistrationError, match="register_softmax_cross_entropy_loss"):
-    kfac_jax.scan_layers(loss_fn, params, _models.classification_batch(jax.random.key(1)))
+    kfac_jax.Registration(loss_fn, params, _models.classification_batch(jax.random.key(1)))
 
 
 @pytest.mark.parametrize(
@@ -231,7 +231,7 @@ def test_registration_errors_name_the_parameter(case):
     "bias_mismatch": "no loss tag",
   }[case]
   with pytest.raises(kfac_jax.RegistrationError, match=expected):
-    kfac_jax.scan_layers(loss_fn, params, batch)
+    kfac_jax.Registration(loss_fn, params, batch)
 
 
 def test_channel_first_scale_and_shift_is_exact(x64):
@@ -255,11 +255,13 @@ def test_channel_first_scale_and_shift_is_exact(x64):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  (layer,) = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert (layer.kind, layer.approx, layer.param_paths) == ("scale_and_shift", "full", ("w", "b"))
   assert (layer.info.feature_axis, layer.info.feature_shape) == (1, (3,))
 
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  )
   state0 = est.init(params)
 
   @jax.jit  # One program: eager ops would each compile on their own.
@@ -308,13 +310,15 @@ def test_class_token_is_exact_shift(x64, spread):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert [(l.kind, l.approx, l.param_paths) for l in layers] == [
     ("scale_and_shift", "full", (t,)) for t in tokens
   ] + [("dense", "kron", ("w",))]
   assert all(l.info.feature_shape == (3,) for l in layers[:-1])
 
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  )
   state0 = est.init(params)
   t = 3 * len(tokens)
 
@@ -390,7 +394,7 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   approx = "diagonal" if use in ("mask_token", "embed_arange", "vmapped_arange") else "full"
-  layers = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert [(l.kind, l.approx, l.param_paths) for l in layers] == [
     ("scale_and_shift", approx, ("tok",)),
     ("dense", "kron", ("w",)),
@@ -398,7 +402,9 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   assert layers[0].info.feature_shape == (tok_shape[1:] if use == "scanned" else tok_shape)
   assert layers[0].stack_size == (tok_shape[0] if use == "scanned" else 0)
 
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact"))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  )
   state0 = est.init(params)
   t = int(np.prod(tok_shape))
 
@@ -427,9 +433,13 @@ def _assert_full_blocks_exact(predict, loss_of, params, batch, kinds):
   `loss_of(pred, batch, tag)` registers the loss tag when `tag`."""
   layers = kfac_jax.LayerConfig(overrides={"*": "full"})
   est = kfac_jax.CurvatureEstimator(
-    lambda q, b: loss_of(predict(q, b), b, True),
-    batch,
-    config=kfac_jax.Config(estimation_mode="exact", layers=layers),
+    kfac_jax.Registration(
+      lambda q, b: loss_of(predict(q, b), b, True),
+      params,
+      batch,
+      estimation_mode="exact",
+      layers=layers,
+    )
   )
   state0 = est.init(params)
   assert sorted(s.kind for s in est.layers) == kinds
@@ -586,7 +596,7 @@ def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
 
   layers = kfac_jax.LayerConfig(overrides={"*": approx})
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="exact", layers=layers)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
   )
   state = est.init(params)
   (spec,) = est.layers

@@ -58,9 +58,11 @@ def _assert_trees_close(a, b):
 
 def test_value_and_grad_has_aux_matches_jax(x64):
   loss_fn, params, batch, _ = _problem(jnp.float64)
-  (loss, aux), grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn, has_aux=True))(
-    params, batch, jax.random.key(0)
-  )
+  (loss, aux), grads, stats = jax.jit(
+    kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
+    )
+  )(params, batch, jax.random.key(0))
   (ref_loss, ref_aux), ref_grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-13)
   for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
@@ -78,13 +80,17 @@ def test_value_and_grad_has_aux_matches_jax(x64):
 def test_transform_round_trips_batch_stats_with_one_forward_pass():
   loss_fn, params, batch, calls = _problem()
   tx = kfac_jax.kfac(
-    loss_fn, batch, learning_rate=0.1, damping=1e-2, config=kfac_jax.Config(has_aux=True)
+    registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True),
+    learning_rate=0.1,
+    damping=1e-2,
   )
   opt_state = tx.init(params)
 
   @jax.jit
   def step(params, opt_state, batch, rng):
-    (loss, aux), grads, stats = kfac_jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
+    (loss, aux), grads, stats = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
+    )(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state, loss, aux
 
@@ -105,11 +111,15 @@ def test_transform_round_trips_batch_stats_with_one_forward_pass():
 def test_transform_batch_path_with_has_aux():
   """`tx.update(..., batch=)` computes the statistics from the loss part (the aux unused)."""
   loss_fn, params, batch, _ = _problem()
-  tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, config=kfac_jax.Config(has_aux=True))
+  tx = kfac_jax.scale_by_kfac(
+    registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True), damping=1e-2
+  )
   state = tx.init(params)
   grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
   rng = jax.random.key(3)
-  _, _, stats = kfac_jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
+  _, _, stats = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
+  )(params, batch, rng)
   u1, s1 = jax.jit(lambda g, s, p: tx.update(g, s, p, curvature_stats=stats))(grads, state, params)
   u2, s2 = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch, rng=rng))(grads, state, params)
   for a, b in zip(jax.tree_util.tree_leaves((u1, s1)), jax.tree_util.tree_leaves((u2, s2))):
@@ -120,7 +130,8 @@ def test_transform_batch_path_with_has_aux():
 def test_optimizer_returns_aux_in_info(curvature_every):
   loss_fn, params, batch, calls = _problem()
   opt = kfac_jax.Optimizer(
-    loss_fn, batch, curvature_every=curvature_every, config=kfac_jax.Config(has_aux=True)
+    registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True),
+    curvature_every=curvature_every,
   )
   state = opt.init(params)
   step = jax.jit(opt.step)
@@ -139,7 +150,7 @@ def test_optimizer_returns_aux_in_info(curvature_every):
 
 def test_optimizer_as_optax_keeps_aux_in_state():
   loss_fn, params, batch, _ = _problem()
-  opt = kfac_jax.Optimizer(loss_fn, batch, config=kfac_jax.Config(has_aux=True))
+  opt = kfac_jax.Optimizer(registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True))
   tx = opt.as_optax()
   state = jax.jit(tx.init)(params)
   assert jax.tree_util.tree_structure(state.info["aux"]) == jax.tree_util.tree_structure(
@@ -158,8 +169,8 @@ def test_optimizer_as_optax_keeps_aux_in_state():
 def test_estimator_has_aux_scans_the_loss_part():
   loss_fn, params, batch, _ = _problem()
   plain = lambda p, b: loss_fn(p, b)[0]
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=kfac_jax.Config(has_aux=True))
-  ref = kfac_jax.CurvatureEstimator(plain, batch)
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, has_aux=True))
+  ref = kfac_jax.CurvatureEstimator(kfac_jax.Registration(plain, params, batch))
   s, r = est.init(params), ref.init(params)
   rng = jax.random.key(0)
   s = est.update_curvature(s, params, batch, rng, ema_decay=0.9)
@@ -176,8 +187,14 @@ def test_mismatched_return_names_has_aux():
     kfac_jax.kfac(loss_fn, batch, learning_rate=0.1).init(params)
   plain = lambda p, b: loss_fn(p, b)[0]
   with pytest.raises(kfac_jax.RegistrationError, match=r"has_aux=True.*single"):
-    kfac_jax.value_and_grad(plain, has_aux=True)(params, batch, jax.random.key(0))
+    kfac_jax.value_and_grad(registration=kfac_jax.Registration(plain, params, batch, has_aux=True))(
+      params, batch, jax.random.key(0)
+    )
   with pytest.raises(kfac_jax.RegistrationError, match=r"has_aux=True"):
-    kfac_jax.Optimizer(plain, batch, config=kfac_jax.Config(has_aux=True)).init(params)
+    kfac_jax.Optimizer(registration=kfac_jax.Registration(plain, params, batch, has_aux=True)).init(
+      params
+    )
   with pytest.raises(TypeError, match=r"`has_aux` must be a bool, got 'yes'"):
-    kfac_jax.value_and_grad(loss_fn, has_aux="yes")
+    kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, has_aux="yes")
+    )

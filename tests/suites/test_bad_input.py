@@ -40,17 +40,26 @@ def _batch():
 
 
 def _scan(loss_fn, params=W, batch=None, **kw):
-  return lambda: kfac_jax.scan_layers(loss_fn, params, _batch() if batch is None else batch, **kw)
+  return lambda: (
+    kfac_jax.Registration(loss_fn, params, _batch() if batch is None else batch, **kw).layers
+  )
 
 
 def _tx(**kw):
-  loss_fn, _, batch = _problem()
-  return lambda: kfac_jax.scale_by_kfac(loss_fn, batch, **_models.with_config(kw))
+  def call():
+    args, kwargs = _models.front_args(*_problem(), kw)
+    return kfac_jax.scale_by_kfac(*args, **kwargs)
+
+  return call
 
 
 def _est(**kw):
-  loss_fn, _, batch = _problem()
-  return lambda: kfac_jax.CurvatureEstimator(loss_fn, batch, **_models.with_config(kw))
+  def call():
+    settings = {k: v for k, v in kw.items() if k in _models.REGISTRATION_KNOBS}
+    rest = _models.with_config({k: v for k, v in kw.items() if k not in settings})
+    return kfac_jax.CurvatureEstimator(kfac_jax.Registration(*_problem(), **settings), **rest)
+
+  return call
 
 
 def _update(mutate, jit=False):
@@ -81,7 +90,7 @@ def _update(mutate, jit=False):
 def _multiply(vector_fn, exp=-1):
   def run():
     loss_fn, params, batch = _problem()
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+    est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
     state = est.init(params)
     est.multiply_matpower(state, vector_fn(params), exp)
 
@@ -246,7 +255,7 @@ CASES = [
     "unknown estimation mode",
     _tx(estimation_mode="fisher"),
     ValueError,
-    "unknown config.estimation_mode 'fisher'.*exact_GGN",
+    "unknown estimation_mode 'fisher'.*exact_GGN",
   ),
   (
     "unknown damping mode",
@@ -258,13 +267,13 @@ CASES = [
     "num_samples of zero",
     _est(num_samples=0),
     ValueError,
-    "`config.num_samples` must be an int >= 1, got 0",
+    "`num_samples` must be an int >= 1, got 0",
   ),
   (
     "num_samples as a JAX array",
     _tx(num_samples=jnp.asarray(2)),
     TypeError,
-    "`config.num_samples` fixes array shapes",
+    "`num_samples` fixes array shapes",
   ),
   (
     "num_samples with the exact mode",
@@ -277,7 +286,7 @@ CASES = [
   ("unknown keyword argument", _tx(dampening=1.0), TypeError, "dampening"),
   (
     "a loss_fn that is not callable",
-    lambda: kfac_jax.CurvatureEstimator("loss", {}),
+    lambda: kfac_jax.Registration("loss", W, _batch()),
     TypeError,
     "`loss_fn` must be callable",
   ),
@@ -318,7 +327,9 @@ CASES = [
   ),
   (
     "empirical mode without targets",
-    lambda: kfac_jax.value_and_grad(_sce(), estimation_mode="empirical")(W, _batch()),
+    lambda: kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(_sce(), W, _batch(), estimation_mode="empirical")
+    )(W, _batch()),
     ValueError,
     "empirical.*needs the data's targets",
   ),
@@ -392,8 +403,7 @@ def _wrong_state(front: str, make_state):
     if front == "Optimizer":
       kfac_jax.Optimizer(loss_fn, batch).step(params, state, batch, jax.random.key(0))
     elif front == "estimator":
-      est = kfac_jax.CurvatureEstimator(loss_fn, batch)
-      est.init(params)
+      est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
       est.update_inverses(state, 0.1)
     else:
       make = kfac_jax.kfac if front == "kfac" else kfac_jax.scale_by_kfac
@@ -413,7 +423,8 @@ def _tx_state(make=kfac_jax.scale_by_kfac, problem=_wide, **kw):
 def _diagonal_state():
   loss_fn, params, batch = _problem()
   layers = kfac_jax.LayerConfig(defaults={"dense": "diagonal"})
-  return kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(layers=layers)).init(params)
+  reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+  return kfac_jax.scale_by_kfac(registration=reg).init(params)
 
 
 WRONG_STATES = [
@@ -431,7 +442,7 @@ WRONG_STATES = [
   ),
   (
     "estimator",
-    lambda: kfac_jax.CurvatureEstimator(_wide()[0], _wide()[2]).init(_wide()[1]),
+    lambda: kfac_jax.CurvatureEstimator(kfac_jax.Registration(*_wide())).init(),
     r"(?s)`state` is not a state of this model.*block `layer0`.*\(7, 7\)",
   ),
   # Another LayerConfig: the blocks are of another kind.

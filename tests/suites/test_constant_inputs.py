@@ -26,7 +26,7 @@ def _per_example(logits_fn):
 
 def _estimate(loss_fn, params, batch, layers=None):
   est = kfac_jax.CurvatureEstimator(
-    loss_fn, batch, config=kfac_jax.Config(estimation_mode="empirical", layers=layers)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   )
   state = est.init(params)
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))(state)
@@ -133,7 +133,7 @@ def test_a_tiled_probe_and_its_projection_are_layers_and_kron_is_exact(x64):
   output-gradient statistics."""
   logits, params, batch = _tiled_probe_model()
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True)
+  specs = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert sorted((s.kind, s.approx, s.param_paths) for s in specs) == [
     ("dense", "kron", ("head",)),
     ("dense", "kron", ("q/kernel", "q/bias")),
@@ -173,7 +173,7 @@ def test_a_projection_broadcast_afterwards_is_a_dense_layer_with_shared_rows(x64
   block is the exact Fisher block (1/N) Σ_n j_n j_nᵀ, j_n = Σ_r ā_r ⊗ g_{n,r}."""
   logits, params, batch = _projected_model(how)
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=how == "add")
+  specs = kfac_jax.Registration(loss_fn, params, batch, strict=how == "add").layers
   spec = _spec(specs, "q/kernel")
   assert (spec.kind, spec.approx, spec.param_paths) == ("dense", "kron", ("q/kernel", "q/bias"))
   if how == "broadcast":  # The learned rows are the projection's input: no per-example output.
@@ -268,7 +268,7 @@ def test_t5_relative_bias_is_a_shift_table_exact_in_float64(x64, approx):
   assert len(np.unique(buckets)) < buckets.size  # Repeats: positions share buckets.
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
   layers = kfac_jax.LayerConfig(overrides={"rel": "full"}) if approx == "full" else None
-  specs = kfac_jax.scan_layers(loss_fn, params, batch, strict=True, layers=layers)
+  specs = kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=layers).layers
   spec = _spec(specs, "rel")
   assert (spec.kind, spec.approx, spec.param_paths) == ("scale_and_shift", approx, ("rel",))
   assert spec.info.feature_shape == (H, L, L)
@@ -315,7 +315,7 @@ def test_gpt2_positions_built_inside_are_a_positional_table(x64, n_positions):
   longer than the sequence: its unread rows have zero curvature)."""
   logits, params, batch = _gpt2_model("inside", n_positions)
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
-  spec = _spec(kfac_jax.scan_layers(loss_fn, params, batch, strict=True), "wpe")
+  spec = _spec(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers, "wpe")
   assert (spec.kind, spec.approx) == ("scale_and_shift", "diagonal")
   assert "positional embedding" in spec.note
   _, dense = _estimate(loss_fn, params, batch)
@@ -332,7 +332,7 @@ def test_gpt2_positions_passed_with_the_batch_are_an_embedding(x64):
   read at each example's ids (docs/layers.rst)."""
   logits, params, batch = _gpt2_model("batch")
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
-  spec = _spec(kfac_jax.scan_layers(loss_fn, params, batch, strict=True), "wpe")
+  spec = _spec(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers, "wpe")
   assert (spec.kind, spec.approx) == ("embedding", "kron")
 
 
@@ -359,7 +359,7 @@ def test_summary_names_what_a_shift_table_is(case, label):
     h = jnp.tanh(b["x"]) + p["t"]
     return _ce(jnp.tanh(h).mean(1).reshape(N, -1) @ p["head"], b["y"])
 
-  spec = _spec(kfac_jax.scan_layers(loss_fn, params, batch, strict=True), "t")
+  spec = _spec(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers, "t")
   assert (spec.kind, spec.approx) == ("scale_and_shift", "diagonal")
   assert label in spec.note
   other = "a bias over several axes" if case == "positional" else "positional"

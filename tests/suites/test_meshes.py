@@ -158,7 +158,7 @@ def test_config_mesh_on_an_explicit_axis_is_refused_naming_the_fix(x64):
     ValueError, match="axis 'data' of the mesh is AxisType.Explicit.*AxisType.Auto"
   ):
     kfac_jax.Config(mesh=(mesh, "data"))
-  est = kfac_jax.CurvatureEstimator(loss_fn, batch)
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
   state = est.init(params)
   with pytest.raises(ValueError, match="AxisType.Explicit"):
     est.update_inverses(state, 1e-2, mesh=(mesh, "data"))

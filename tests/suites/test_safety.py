@@ -233,8 +233,9 @@ def test_bfloat16_preconditioner_rounds_the_stored_inverses_and_the_products_inp
   layers = kfac_jax.LayerConfig(overrides={"layer1/*": "kron_out_diag"})
 
   def estimator_state(**kwargs):
-    config = kfac_jax.Config(layers=layers, **kwargs)
-    est = kfac_jax.CurvatureEstimator(loss_fn, batch, config=config)
+    config = kfac_jax.Config(**kwargs)
+    reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+    est = kfac_jax.CurvatureEstimator(reg, config=config)
     state = est.init(params)
     state = est.update_curvature(state, params, batch, jax.random.key(2), ema_decay=0.0)
     return est, est.update_inverses(state, damping=1e-2)

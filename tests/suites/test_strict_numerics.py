@@ -52,19 +52,20 @@ def test_full_step_under_rank_promotion_raise(strict_rank, loss, mode, damping_m
   num_samples = 1 if mode == "exact" else 2
   with pytest.warns(kfac_jax.UncoveredParametersWarning, match="`s`"):
     tx = kfac_jax.kfac(
-      loss_fn,
-      batch,
-      learning_rate=0.1,
-      config=kfac_jax.Config(
-        estimation_mode=mode, num_samples=num_samples, damping_mode=damping_mode
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode=mode, num_samples=num_samples
       ),
+      learning_rate=0.1,
+      config=kfac_jax.Config(damping_mode=damping_mode),
     )
     state = tx.init(params)
 
   @jax.jit
   def step(params, state, rng):
     loss, grads, stats = kfac_jax.value_and_grad(
-      loss_fn, estimation_mode=mode, num_samples=num_samples
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode=mode, num_samples=num_samples
+      )
     )(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss
