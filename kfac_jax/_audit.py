@@ -3,20 +3,37 @@
 K-FAC's curvature is that of the *tagged* loss `T = Σ_t (1/N) Σ_n w ℓ_t(z_t, y_t)`, not of `L`.
 A `Registration` audits the tags once, on the example batch (`check_loss=False` skips it):
 
-  * structure: two tags on one prediction, or a tag `L` does not depend on, is a
-    `RegistrationError`.
-  * numbers (concrete params and batch): with `ε_t` added to each prediction `z_t`, `∂²L/∂ε² v`
-    (a fixed random probe `v`) must be `c_t H_z T v` and, in the "empirical" mode, `∂L/∂ε` must be
-    `c_t ∇_z T`, with one positive least-squares factor `c` for every tag (a mean against a sum
-    is fine). A relative residual above the tolerance is a `LossMismatchWarning` (an error with
-    `strict`): a measurement at one point, which a loss that differs on purpose fails.
+  * structure: two tags on one prediction ("shared_prediction"), or a tag `L` does not depend
+    on ("dependence"), is a `RegistrationError`.
+  * numbers: with `ε_t` added to each prediction `z_t`, `∂²L/∂ε² v` (a fixed random probe `v`)
+    must be `c_t H_z T v` ("curvature") and, in the "empirical" mode, `∂L/∂ε` must be
+    `c_t ∇_z T` ("gradient"), with one positive least-squares factor `c` for every tag (a mean
+    against a sum is fine; "weights"). A relative residual above the tolerance is a
+    `LossMismatchWarning` (an error with `strict`): a measurement at one point, which a loss that
+    differs on purpose fails.
+
+Predictions are compared as values, not as graph variables: an equation that repeats another
+(the same primitive and parameters on the same values: `z.reshape(-1, V)` or
+`logits.astype(jnp.float32)` written twice) gives the same value, so a tag on one copy and a loss
+on the other fit, and `ε_t` is added to every copy.
+
+The numbers are measured on the params and batch where they are concrete, and on fixed stand-ins
+(drawn from their shapes) where they are not (abstract values, or tracers under `jax.jit`), so
+an init traced by `jax.jit` audits too. The loss factor `c` the defaults read is snapped to `1/k`
+or `k` for an integer k where it is one to 1e-3 (a mean over k outputs), else to 3 significant
+digits: the same number from either point.
+
+`check_loss=` on `kfac_jax.Registration` turns the checks on and off: True (all of `CHECKS`),
+False (none) or the names of those to run.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +52,44 @@ _COMPILER_OPTIONS: dict[str, str | bool] = {
   "xla_backend_optimization_level": "0",
   "xla_llvm_disable_expensive_passes": True,
 }
+
+# The audit's checks, by the name `check_loss=` takes (module docstring).
+CHECKS = ("shared_prediction", "dependence", "curvature", "gradient", "weights")
+_MEASURED = frozenset({"curvature", "gradient", "weights"})
+_SNAP = 1e-3  # Relative distance within which the loss factor is snapped to 1/k or k.
+
+
+def checks_from(check_loss: Any) -> frozenset[str]:
+  """The checks `check_loss` turns on: every one for True, none for False, else those named.
+
+  Raises:
+    TypeError: neither a bool nor a collection of names.
+    ValueError: a name that is not one of `CHECKS`.
+  """
+  if isinstance(check_loss, (bool, np.bool_)):
+    return frozenset(CHECKS) if check_loss else frozenset()
+  if isinstance(check_loss, str) or not isinstance(check_loss, Iterable):
+    raise TypeError(
+      "`check_loss` must be True (every loss audit check), False (none) or a collection of "
+      f"check names from {CHECKS}, got {check_loss!r}."
+    )
+  names = tuple(check_loss)
+  bad = [n for n in names if n not in CHECKS]
+  if bad:
+    raise ValueError(
+      f"`check_loss` names unknown loss audit checks {bad}; the checks are {CHECKS}."
+    )
+  return frozenset(names)
+
+
+def switch(check: str, checks: frozenset[str] = frozenset(CHECKS)) -> str:
+  """`[check "X"; ...]`: the check's name and the `check_loss=` that turns it off alone."""
+  others = tuple(c for c in CHECKS if c in checks and c != check)
+  return (
+    f'[loss audit check "{check}"; `kfac_jax.Registration(..., check_loss={others!r})` turns '
+    "it off alone, `check_loss=False` the whole audit]"
+  )
+
 
 CAUSES = (
   "Common causes: the tag is on another value than the loss is computed from (a hidden "
@@ -70,32 +125,39 @@ def _tag_eqns(graph: _scan.FlatGraph) -> list[_scan.FlatEqn]:
   return [fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p]
 
 
-def check_structure(scan) -> None:
-  """RegistrationError for two tags on one prediction or a tag the loss does not depend on."""
+def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
+  """RegistrationError for two tags on one prediction ("shared_prediction") or a tag the loss
+  does not depend on ("dependence"), each where `checks` holds it."""
   graph = scan.graph
   tags = _tag_eqns(graph)
   names = tag_names(graph)
+  value = values(graph)
   tag_input = {fe.outs[0]: fe.ins[0] for fe in tags}  # A tag's output is its prediction.
   first: dict = {}
   for i, fe in enumerate(tags):
+    if "shared_prediction" not in checks:
+      break
     atom = fe.ins[0]
     while _scan.is_key(atom) and atom in tag_input:
       atom = tag_input[atom]
     if not _scan.is_key(atom):
       continue
+    atom = value.get(atom, atom)
     if atom in first:
       raise RegistrationError(
         f"{names[first[atom]]} and {names[i]} tag the same prediction: its curvature would be "
         "counted twice (K-FAC sums the curvatures of the tags). Register each model output "
-        "with one loss tag."
+        f"with one loss tag. {switch('shared_prediction', checks)}"
       )
     first[atom] = i
   const_keys = {k for k, _ in graph.consts}
   for i, fe in enumerate(tags):
+    if "dependence" not in checks:
+      break
     atom = fe.ins[0]
     if not _scan.is_key(atom) or atom in const_keys:
       continue
-    if not _reaches(graph, atom, graph.outvars[0]):
+    if not _reaches(graph, value, atom, graph.outvars[0]):
       raise RegistrationError(
         f"{names[i]}: the loss loss_fn returns does not depend on this prediction (no path "
         "from it to the loss, or only through stop_gradient), so K-FAC would use the curvature "
@@ -104,27 +166,92 @@ def check_structure(scan) -> None:
         "function than the loss (variational Monte Carlo: the Fisher of |psi|^2, a normal tag "
         "on log|psi|, while the loss is the energy), move the tag into that function and pass "
         "it as `kfac_jax.Registration(loss_fn, params, batch, curvature_fn=log_psi_fn)`, or "
-        "register it inside the jax.custom_jvp rule of the loss (FermiNet's form)."
+        "register it inside the jax.custom_jvp rule of the loss (FermiNet's form). "
+        f"{switch('dependence', checks)}"
       )
 
 
-def _reaches(graph: _scan.FlatGraph, start, target) -> bool:
-  """Whether `target` depends on `start` through the graph's equations (not stop_gradient)."""
+def values(graph: _scan.FlatGraph) -> dict:
+  """Key → the first key holding the same value: an equation that repeats an earlier one (the
+  same primitive and parameters, inputs of the same values) computes the same value."""
+  out: dict = {}
+  made: dict = {}
+  for fe in graph.eqns:
+    sig: Any = None
+    if not getattr(fe.eqn, "effects", None):  # An equation with effects is its own.
+      try:
+        sig = (fe.name, _frozen(fe.params), tuple(_value_of(a, out) for a in fe.ins))
+        hash(sig)
+      except TypeError:  # A parameter that cannot be compared by value: its own too.
+        sig = None
+    first = made.setdefault(sig, fe.outs) if sig is not None else fe.outs
+    for k, f in zip(fe.outs, first):
+      out[k] = out.get(f, f)
+  return out
+
+
+def _value_of(atom, value: dict):
+  if isinstance(atom, _compat.Literal):
+    x = np.asarray(atom.val)
+    return ("literal", x.dtype.str, x.shape, x.tobytes())
+  return value.get(atom, atom)
+
+
+def _frozen(params) -> tuple:
+  """`params` as a hashable tuple (arrays by their bytes, sequences and mappings recursively)."""
+
+  def freeze(x):
+    if isinstance(x, np.ndarray):
+      return ("array", x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, (list, tuple)):
+      return (type(x).__name__,) + tuple(freeze(y) for y in x)
+    if isinstance(x, dict):
+      return ("dict",) + tuple((k, freeze(v)) for k, v in sorted(x.items(), key=lambda kv: kv[0]))
+    return x
+
+  return tuple((k, freeze(v)) for k, v in sorted(params.items()))
+
+
+def _reaches(graph: _scan.FlatGraph, value: dict, start, target) -> bool:
+  """Whether `target` depends on the value of `start` through the graph's equations (not
+  stop_gradient)."""
   if not _scan.is_key(target):
     return False
-  reached = {start}
+  reached = {value.get(start, start)}
   for fe in graph.eqns:
     if fe.name == "stop_gradient":
       continue
-    if any(_scan.is_key(a) and a in reached for a in fe.ins):
-      reached.update(fe.outs)
-  return target in reached
+    if any(_scan.is_key(a) and value.get(a, a) in reached for a in fe.ins):
+      reached.update(value.get(k, k) for k in fe.outs)
+  return value.get(target, target) in reached
 
 
-def _concrete(*trees) -> bool:
+def _is_concrete(x) -> bool:
   ok = (jax.Array, np.ndarray, np.generic, int, float, bool)
-  leaves = jax.tree_util.tree_leaves(trees)
-  return all(isinstance(x, ok) and not isinstance(x, jax.core.Tracer) for x in leaves)
+  return isinstance(x, ok) and not isinstance(x, jax.core.Tracer)
+
+
+def stand_ins(tree, seed: int):
+  """`tree` with every leaf that is not a concrete value (a ShapeDtypeStruct, a tracer) replaced
+  by a fixed numpy array of its shape and dtype: a normal draw over the square root of the
+  fan-in for floats of rank 2 or more, ones for other floats, zeros for integers (valid labels
+  and ids), True for booleans."""
+  rng = np.random.default_rng(seed)
+
+  def one(x):
+    if _is_concrete(x):
+      return x
+    shape, dtype = tuple(np.shape(x)), jnp.dtype(x.dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+      if len(shape) < 2:
+        return np.ones(shape, dtype)
+      draw = rng.standard_normal(shape) / math.sqrt(math.prod(shape[:-1]))
+      return np.asarray(draw).astype(dtype)
+    if dtype == jnp.bool_:
+      return np.ones(shape, bool)
+    return np.zeros(shape, dtype)
+
+  return jax.tree_util.tree_map(one, tree)
 
 
 def has_tracer_consts(scan: _scan.ScanResult) -> bool:
@@ -146,7 +273,20 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
     if _scan.is_key(ops[0]) and ops[0] not in const_keys
   ]
   keys = [scan.loss_operands[i][0] for i in live]
+  # Every copy of a prediction (module docstring) takes its perturbation too.
+  in_scan = graph.scan_positions
+  value = values(graph)
+  same: dict = {}
+  for k, v in value.items():
+    same.setdefault(v, []).append(k)
+  copies = [
+    []
+    if k in in_scan
+    else [c for c in same.get(value.get(k, k), []) if c != k and c not in in_scan]
+    for k in keys
+  ]
   watch = frozenset(a for ops in scan.loss_operands for a in ops if _scan.is_key(a))
+  watch = watch | {c for cs in copies for c in cs}
   rng = np.random.default_rng(_SEED)
   # NumPy arrays, not jnp ones: a registration built while a step is traced must not turn the
   # probes into tracers of that step.
@@ -154,12 +294,15 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   flat = jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(batch)
 
   # Scans run as scans unless a tag's operand is made inside one (then step by step).
-  in_scan = graph.scan_positions
   unroll = any(k in in_scan for k in watch)
 
   def run(flat, probes):
     def loss_at(eps):
-      outs, seen = graph.evaluate(flat, dict(zip(keys, eps)), watch, unroll=unroll)
+      perturb: dict = {}
+      for k, cs, e in zip(keys, copies, eps):
+        for c in (k, *cs):  # A value two tags share takes both perturbations.
+          perturb[c] = perturb[c] + e if c in perturb else e
+      outs, seen = graph.evaluate(flat, perturb, watch, unroll=unroll)
       ops = [tuple(read_atom(a, seen) for a in o) for o in scan.loss_operands]
       return outs[0], ops
 
@@ -216,13 +359,34 @@ def loss_factor(numbers) -> float | None:
   of the tags' fitted factors, or None when no tag has a positive one."""
   fits = [_fit(entry[1], entry[2]) for entry in numbers if entry is not None]
   cs = [fit[0] for fit in fits if fit is not None and np.isfinite(fit[0]) and fit[0] > 0]
-  return float(np.mean(cs)) if cs else None
+  return snap(float(np.mean(cs))) if cs else None
 
 
-def problems(scan, numbers, estimation_mode: str) -> list[str]:
-  """The audit's findings from `measure`'s numbers (empty when the tags fit the loss)."""
+def snap(c: float) -> float:
+  """`c` as `1/k` or `k` (k an integer) where it is one within `_SNAP`, else rounded to 3
+  significant digits: the factor measured at two points (the params, or stand-ins) agrees."""
+  for k, value in ((round(1 / c), 1 / max(round(1 / c), 1)), (round(c), float(round(c)))):
+    if k >= 1 and abs(c / value - 1) <= _SNAP:
+      return value
+  return float(f"{c:.3g}")
+
+
+def problems(
+  scan, numbers, estimation_mode: str, checks: frozenset[str] = frozenset(CHECKS)
+) -> list[str]:
+  """The audit's findings from `measure`'s numbers, for the `checks` named (empty when the
+  tags fit the loss); each ends with the check's `switch`."""
+  return [
+    f"{text} {switch(check, checks)}"
+    for check, text in _findings(scan, numbers, estimation_mode)
+    if check in checks
+  ]
+
+
+def _findings(scan, numbers, estimation_mode: str) -> list[tuple[str, str]]:
+  """`(check, finding)` for every check the numbers fail."""
   names = tag_names(scan.graph)
-  found: list[str] = []
+  found: list[tuple[str, str]] = []
   factors: list[tuple[int, float]] = []
   for i, entry in enumerate(numbers):
     if entry is None:
@@ -236,24 +400,36 @@ def problems(scan, numbers, estimation_mode: str) -> list[str]:
     c, r = fit
     if not np.isfinite(c):
       found.append(
-        f"{names[i]}: the tagged {kind} loss has no curvature at the example batch, but the "
-        "returned loss has"
+        (
+          "curvature",
+          f"{names[i]}: the tagged {kind} loss has no curvature at the example batch, but the "
+          "returned loss has",
+        )
       )
     elif np.linalg.norm(h_loss) == 0:
       found.append(
-        f"{names[i]}: the returned loss has no curvature in this prediction at the example "
-        f"batch (its Hessian-vector product is zero), the tagged {kind} loss has"
+        (
+          "curvature",
+          f"{names[i]}: the returned loss has no curvature in this prediction at the example "
+          f"batch (its Hessian-vector product is zero), the tagged {kind} loss has",
+        )
       )
     elif c <= 0:
       found.append(
-        f"{names[i]}: the returned loss's curvature in this prediction is the tagged {kind} "
-        f"loss's times a negative factor ({c:.3g})"
+        (
+          "curvature",
+          f"{names[i]}: the returned loss's curvature in this prediction is the tagged {kind} "
+          f"loss's times a negative factor ({c:.3g})",
+        )
       )
     elif r > tol:
       found.append(
-        f"{names[i]}: the returned loss's curvature in this prediction differs from the tagged "
-        f"{kind} loss's by a relative {r:.3g} after the best constant factor {c:.3g} "
-        f"(tolerance {tol:.3g})"
+        (
+          "curvature",
+          f"{names[i]}: the returned loss's curvature in this prediction differs from the tagged "
+          f"{kind} loss's by a relative {r:.3g} after the best constant factor {c:.3g} "
+          f"(tolerance {tol:.3g})",
+        )
       )
     else:
       factors.append((i, c))
@@ -262,10 +438,13 @@ def problems(scan, numbers, estimation_mode: str) -> list[str]:
         rel = float(np.linalg.norm(g_loss - c * g_tag) / scale) if scale > 0 else 0.0
         if rel > tol:
           found.append(
-            f"{names[i]}: the returned loss's gradient in this prediction differs from the "
-            f"tagged {kind} loss's (with its targets and weights, times {c:.3g}) by a relative "
-            f"{rel:.3g} (tolerance {tol:.3g}); the empirical Fisher is built from the tag's "
-            "targets: pass the targets the loss uses (smoothed labels, say)"
+            (
+              "gradient",
+              f"{names[i]}: the returned loss's gradient in this prediction differs from the "
+              f"tagged {kind} loss's (with its targets and weights, times {c:.3g}) by a relative "
+              f"{rel:.3g} (tolerance {tol:.3g}); the empirical Fisher is built from the tag's "
+              "targets: pass the targets the loss uses (smoothed labels, say)",
+            )
           )
   if len(factors) > 1:
     cs = np.array([c for _, c in factors])
@@ -273,9 +452,12 @@ def problems(scan, numbers, estimation_mode: str) -> list[str]:
     if cs.max() / cs.min() - 1 > tol:
       listed = ", ".join(f"{c:.3g} for {names[i]}" for i, c in factors)
       found.append(
-        "the tags are weighted differently in the returned loss than in the tagged loss: "
-        f"the factor (returned over tagged curvature) is {listed}; K-FAC weighs the tags as "
-        "their `weight` says. Give the tags weights in the proportions the loss uses"
+        (
+          "weights",
+          "the tags are weighted differently in the returned loss than in the tagged loss: "
+          f"the factor (returned over tagged curvature) is {listed}; K-FAC weighs the tags as "
+          "their `weight` says. Give the tags weights in the proportions the loss uses",
+        )
       )
   return found
 
@@ -289,17 +471,20 @@ def audit(
   axis_names: Sequence[str] = (),
   strict: bool = False,
   warn: bool = True,
+  checks: frozenset[str] = frozenset(CHECKS),
 ) -> float | None:
-  """Runs the audit (module docstring) on a fresh scan of the example batch; returns the
-  returned loss over the tagged loss (`loss_factor`) when it measured a fit, else None.
+  """Runs the audit's `checks` (module docstring) on a fresh scan of the example batch (stand-ins
+  for values that are not concrete); returns the returned loss over the tagged loss
+  (`loss_factor`) when it measured a fit, else None.
 
   Raises:
     RegistrationError: two tags on one prediction, a tag the loss does not depend on, or (with
       `strict`) a measured mismatch.
   """
-  check_structure(scan)
-  if not (strict or warn) or not _concrete(params, batch) or has_tracer_consts(scan):
+  check_structure(scan, checks)
+  if not (strict or warn) or not checks & _MEASURED or has_tracer_consts(scan):
     return None
+  params, batch = stand_ins(params, _SEED + 1), stand_ins(batch, _SEED + 2)
   try:
     numbers = measure(scan, params, batch, axis_names)
   except Exception as e:  # noqa: BLE001 - the audit must not stop a loss that trains.
@@ -312,7 +497,7 @@ def audit(
         stacklevel=4,
       )
     return None
-  found = problems(scan, numbers, estimation_mode)
+  found = problems(scan, numbers, estimation_mode, checks)
   if found:
     text = (
       "the loss tags do not describe the loss loss_fn returns, measured on the example batch: "

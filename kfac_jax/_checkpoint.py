@@ -8,41 +8,12 @@ fits the model (every block, factor shape and dtype), naming every block that di
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
-from kfac_jax._estimator import PER_BLOCK_FIELDS
-from kfac_jax._specs import key_name
-
-
-class _Leaf(NamedTuple):
-  shape: tuple[int, ...]
-  dtype: str
-  block: str | None  # The block it belongs to, if any.
-  field: str  # Its place inside the block's state, e.g. `factors/a` (the path if no block).
-
-
-def _describe(path) -> tuple[str, str | None, str]:
-  """`(path string, block name or None, field)` for a leaf path of an optimizer state."""
-  names = [key_name(k) for k in path]
-  block, field = None, "/".join(names)
-  for i, n in enumerate(names[:-1]):
-    if n in PER_BLOCK_FIELDS:  # Estimator-state fields keyed by block name.
-      block, field = names[i + 1], "/".join([n] + names[i + 2 :])
-  if block == "buffers":
-    block = None  # A ShardedCache (inverse_storage="sharded"): no per-block leaves to name.
-  return "/".join(names), block, field
-
-
-def _leaves(tree) -> dict[str, _Leaf]:
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name, block, field = _describe(path)
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-    out[name] = _Leaf(tuple(np.shape(leaf)), str(dtype), block, field)
-  return out
+from kfac_jax import _fit
 
 
 def check_restored_state(expected: Any, restored: Any) -> None:
@@ -58,34 +29,7 @@ def check_restored_state(expected: Any, restored: Any) -> None:
       `damping_mode`, `factor_solve`) or has another shape or dtype, and every other mismatching
       leaf by its path.
   """
-  want, got = _leaves(expected), _leaves(restored)
-  want_blocks = {leaf.block for leaf in want.values() if leaf.block}
-  got_blocks = {leaf.block for leaf in got.values() if leaf.block}
-  problems = []
-  missing, extra = sorted(want_blocks - got_blocks), sorted(got_blocks - want_blocks)
-  if missing:
-    problems.append(f"blocks missing from the checkpoint: {missing}")
-  if extra:
-    problems.append(f"blocks in the checkpoint that this model does not have: {extra}")
-  for p in sorted(set(want) - set(got)):
-    leaf = want[p]
-    if not leaf.block:
-      problems.append(f"`{p}` is missing from the checkpoint")
-    elif leaf.block in got_blocks:
-      problems.append(f"block `{leaf.block}`: `{leaf.field}` is missing from the checkpoint")
-  for p in sorted(set(got) - set(want)):
-    leaf = got[p]
-    if not leaf.block:
-      problems.append(f"`{p}` in the checkpoint is not part of this optimizer's state")
-    elif leaf.block in want_blocks:
-      problems.append(f"block `{leaf.block}`: `{leaf.field}` in the checkpoint is not used here")
-  for p in sorted(set(want) & set(got)):
-    w, g = want[p], got[p]
-    if (w.shape, w.dtype) != (g.shape, g.dtype):
-      where = f"block `{w.block}` `{w.field}` (`{p}`)" if w.block else f"`{p}`"
-      problems.append(
-        f"{where}: checkpoint has {g.shape} {g.dtype}, this model needs {w.shape} {w.dtype}"
-      )
+  problems = _fit.problems(expected, restored, "the checkpoint")
   if problems:
     raise ValueError(
       "the restored optimizer state does not fit this model (did its layers or the estimator's "
@@ -111,7 +55,7 @@ def state_to_bytes(state: Any) -> bytes:
       isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated
     ):
       raise ValueError(
-        f"state_to_bytes: `{_describe(path)[0]}` is split over devices of other processes "
+        f"state_to_bytes: `{_fit.describe(path)[0]}` is split over devices of other processes "
         f"({leaf.sharding}), so no one process can write it whole. Save the state with "
         "orbax-checkpoint, which writes each process's shards: "
         "`ocp.StandardCheckpointer().save(path, opt_state)`, and restore it with "

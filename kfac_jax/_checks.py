@@ -183,3 +183,19 @@ def moved_keywords(fn=None, *, moved: dict[str, str] | None = None, refused=None
     return fn(*args, **kwargs)
 
   return wrapper
+
+
+def axis_bound(axis_name, who: str) -> None:
+  """ValueError naming `axis_name` when a name of it is not bound where the front is called:
+  its collectives need the `jax.pmap` / `jax.shard_map` that binds it."""
+  if axis_name is None:
+    return
+  for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+    try:
+      jax.lax.axis_size(name)
+    except NameError:
+      raise ValueError(
+        f"{who}: `axis_name`={name!r} is not bound here, so its means over devices cannot run. "
+        f"Call it inside `jax.pmap(..., axis_name={name!r})` or `jax.shard_map` over a mesh "
+        f"axis named {name!r}; under plain `jax.jit` (sharded arrays) pass axis_name=None."
+      ) from None

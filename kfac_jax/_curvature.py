@@ -168,7 +168,7 @@ class Linearisation:
     aux: with `has_aux`, the aux `loss_fn` returned; None otherwise.
   """
 
-  def __init__(self, scan: _scan.ScanResult, params, batch, loss_part: Callable | None = None):
+  def __init__(self, scan: _scan.ScanResult, params, batch, loss_part: Any = None):
     leaves = jax.tree_util.tree_leaves(params)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     tapped = [i for i, k in enumerate(scan.layer_outputs) if k is not None]
@@ -309,7 +309,7 @@ def compute(
   with_grads: bool,
   with_params_stats: bool = False,
   fingerprint: Any = None,
-  loss_part: Callable | None = None,
+  loss_part: Any = None,
 ):
   """`(loss, grads or None, CurvatureStats)` from one forward pass; `(loss, aux, grads, stats)`
   when the loss has an aux. `fingerprint`: the registration's `StatsKey`; `loss_part`: the loss

@@ -10,15 +10,82 @@ inputs, so no guard ever has to restore the factors or the caches.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax import _curvature, _estimator, _parallel, _storage
 
 Array = jax.Array
+
+
+class HyperparameterWarning(UserWarning):
+  """A schedule gave a hyperparameter that is not finite, or a negative learning rate or
+  damping: the step it gave it for is skipped (with `Config.skip_nonfinite`)."""
+
+
+class Reporter:
+  """Warns, from the host, the first time each hyperparameter of one front is bad (one warning
+  per name, whichever device or step reports it)."""
+
+  def __init__(self, who: str):
+    self.who = who
+    self._seen: set[str] = set()
+
+  def __call__(self, names: tuple[str, ...], lows: tuple, step, values, goods, skipped: bool):
+    step = np.asarray(step).ravel()
+    for name, low, value, good in zip(names, lows, values, goods):
+      bad = ~np.asarray(good, bool).ravel()
+      if name in self._seen or not bad.any():
+        continue
+      self._seen.add(name)
+      value = np.asarray(value).ravel()[np.argmax(bad)]
+      at = int(step[np.argmax(bad) % step.size])
+      rule = "finite" if low is None else f"finite and >= {low}"
+      warnings.warn(
+        f"{self.who}: the schedule of `{name}` gave {value} at step {at} (it must be {rule}); "
+        + ("the step is skipped. " if skipped else "`Config.skip_nonfinite` is off: it is used. ")
+        + "This warning is given once per hyperparameter.",
+        HyperparameterWarning,
+        stacklevel=2,
+      )
+
+
+def hyperparameters_ok(
+  reporter: Reporter, values: Mapping[str, tuple[Any, float | None]], clock, skipped: bool
+) -> Array | None:
+  """Whether this step's schedule values are usable: `values` maps a name to `(value, low)`,
+  the value finite and, with `low`, at least `low`. Python numbers (checked on construction)
+  are not looked at; None when nothing is. A bad value is reported by `reporter` from the host,
+  inside a `lax.cond` (no callback on a good step)."""
+  names, lows, xs, goods = [], [], [], []
+  for name, (x, low) in values.items():
+    if x is None or isinstance(x, (int, float)):
+      continue
+    x = jnp.asarray(x)
+    good = jnp.isfinite(x) if low is None else jnp.isfinite(x) & (x >= low)
+    names.append(name)
+    lows.append(low)
+    xs.append(x)
+    goods.append(good)
+  if not names:
+    return None
+  ok = jnp.all(jnp.stack([jnp.all(g) for g in goods]))
+
+  def report():
+    jax.debug.callback(
+      lambda step, xs, goods: reporter(tuple(names), tuple(lows), step, xs, goods, skipped),
+      clock,
+      xs,
+      goods,
+    )
+
+  jax.lax.cond(ok, lambda: None, report)
+  return ok
 
 
 def tree_vdot(a, b) -> Array:
@@ -128,4 +195,12 @@ def step(
     )
   if ok is not None:
     ok = ok & _storage.all_finite(pre)
+  if mesh is not None and isinstance(est.storage, _storage.ReplicatedStorage):
+    # Replicated as `init` made it: XLA's propagation would split some inverses the sharded
+    # gradient meets, and a state of other shardings compiles the next step again.
+    every = jax.sharding.NamedSharding(_parallel.mesh_axis(mesh)[0], jax.sharding.PartitionSpec())
+    curv = curv._replace(
+      factors=jax.lax.with_sharding_constraint(curv.factors, every),
+      cache=jax.lax.with_sharding_constraint(curv.cache, every),
+    )
   return pre, curv, ok

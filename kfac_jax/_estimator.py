@@ -27,6 +27,7 @@ from kfac_jax import (
   _compat,
   _config,
   _curvature,
+  _fit,
   _parallel,
   _registration,
   _storage,
@@ -36,10 +37,6 @@ from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
 Array = jax.Array
-
-
-# The `EstimatorState` fields that hold one entry per block (named in checkpoint errors).
-PER_BLOCK_FIELDS = ("factors", "cache")
 
 
 class EstimatorState(NamedTuple):
@@ -202,6 +199,23 @@ class CurvatureEstimator:
 
   # -- state -----------------------------------------------------------------------------------
 
+  @functools.cached_property
+  def _state_shapes(self):
+    return jax.eval_shape(self.init)
+
+  def check_state(
+    self, state, axis_name=None, mesh=None, who: str | None = None, what: str = "state"
+  ):
+    """ValueError naming what differs when `state` is not one this estimator's `init` makes
+    (another model, layer configuration or storage), and when `axis_name` is not bound (with
+    a `mesh` too, the storage names the conflict). A sharded state's buffers are checked by
+    its storage."""
+    who = who or self.who
+    if mesh is None:
+      _checks.axis_bound(axis_name, who)
+    if isinstance(self.storage, _storage.ReplicatedStorage):
+      _fit.check(self._state_shapes, state, who, what)
+
   def init(
     self, params=None, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None
   ) -> EstimatorState:
@@ -284,6 +298,7 @@ class CurvatureEstimator:
     average, exactly F_batch after the first update (and always with ρ = 0).
     """
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
+    self.check_state(state, axis_name, mesh)
     new = self.batch_factors(stats, axis_name, cache=state.cache)
     acc = self.numerics.accum_dtype
     decay = jnp.asarray(ema_decay, acc)
@@ -358,6 +373,7 @@ class CurvatureEstimator:
         axis the same way.
     """
     _checks.number(damping, "damping", low=0.0, schedule=True)
+    self.check_state(state, axis_name, mesh)
     if axis_name is not None and mesh is not None:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     damping = jnp.asarray(damping, self.numerics.inverse_dtype)
@@ -413,6 +429,7 @@ class CurvatureEstimator:
     With sharded storage each device multiplies its own blocks and the results are summed over
     `axis_name` or `mesh` (one vector-sized `psum`), as in the other products below.
     """
+    self.check_state(state, axis_name, mesh)
     exp = float(exp)
     if exp != 1 and exp not in self.numerics.exps:
       raise ValueError(
@@ -440,6 +457,7 @@ class CurvatureEstimator:
     self, state, vector, *, transpose=False, inverse=False, axis_name=None, mesh=None
   ):
     """C·v (C⁻¹·v with `inverse`; Cᵀ with `transpose`), C Cᵀ = damped curvature."""
+    self.check_state(state, axis_name, mesh)
     return self.apply(
       state,
       vector,
@@ -459,6 +477,7 @@ class CurvatureEstimator:
 
   def to_dense(self, state: EstimatorState) -> Array:
     """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""
+    self.check_state(state)
     sizes = [int(np.prod(s)) for s, _ in self._sig[1]]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])

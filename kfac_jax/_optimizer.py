@@ -36,6 +36,7 @@ from kfac_jax import (
   _curvature,
   _engine,
   _estimator,
+  _fit,
   _losses,
   _parallel,
   _registration,
@@ -349,6 +350,7 @@ class Optimizer:
         who="this Optimizer",
       )
     )
+    self._reporter = _engine.Reporter("Optimizer")
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
@@ -408,7 +410,7 @@ class Optimizer:
     est = self._estimator(self._deferred.for_params(params, self.axis_name))
     dtype = est.numerics.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
-    return OptimizerState(
+    state = OptimizerState(
       step=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
       curvature=est.init(axis_name=self.axis_name, mesh=self.config.mesh),
@@ -416,6 +418,7 @@ class Optimizer:
       rho=jnp.zeros([], dtype),
       velocity=jax.tree_util.tree_map(jnp.zeros_like, params),
     )
+    return _parallel.replicate_on_mesh(state, params, self.config.mesh)
 
   # -- one step --------------------------------------------------------------------------------
 
@@ -477,6 +480,9 @@ class Optimizer:
         )
     est = self._estimator(self._deferred.for_params(params))
     reg, cfg = est.registration, self.config
+    _checks.axis_bound(self.axis_name, "Optimizer")
+    if isinstance(est.storage, _storage.ReplicatedStorage):  # Sharded: checked by the storage.
+      _fit.check(jax.eval_shape(self.init, params), state, "Optimizer")
     dtype = est.numerics.inverse_dtype
     clock = state.step + state.skipped  # Every step seen: what the schedules are called with.
     in_burn = state.step < cfg.burn_in_steps
@@ -495,11 +501,27 @@ class Optimizer:
       lam = jnp.asarray(given["damping"], dtype)
     else:
       lam = _schedule_value(self.damping, clock, dtype)
+    scheduled = {
+      "learning_rate": (self.learning_rate, 0.0),
+      "momentum": (self.momentum, None),
+      "damping": (None if self.use_adaptive_damping else self.damping, 0.0),
+    }
+    usable = _engine.hyperparameters_ok(
+      self._reporter,
+      {
+        n: (_schedule_value(f, clock, dtype), low)
+        for n, (f, low) in scheduled.items()
+        if callable(f)
+      },
+      clock,
+      cfg.skip_nonfinite,
+    )
 
     # The engine's step: statistics, inverses (damping λ + η) and −Δ = F̂⁻¹ ∇h.
     ok = None
     if cfg.skip_nonfinite:
       ok = jnp.isfinite(loss) & _storage.all_finite(grads)
+      ok = ok if usable is None else ok & usable
     pre, curv, ok = _engine.step(
       est,
       state.curvature,

@@ -262,3 +262,30 @@ def explicit_axes_as_auto(fn: Callable[..., Any], *args: Any, like: Any = None) 
 def vdot(x: Array, y: Array) -> Array:
   """`jnp.vdot(x, y)`, also for operands sharded over explicit mesh axes (a replicated scalar)."""
   return explicit_axes_as_auto(jnp.vdot, x, y)
+
+
+def replicate_on_mesh(tree, params, mesh) -> Any:
+  """`tree` with each concrete array on one device replicated over a mesh: `mesh`'s
+  (`(Mesh, axis)` or None), else that of a `params` leaf laid out by a `NamedSharding`; as is
+  without one (and under a trace, where the step's program places the values itself).
+
+  A state made eagerly for a sharded model then has the shardings the jitted step returns for
+  it, so the second step runs the first step's program instead of compiling another."""
+  m = mesh[0] if mesh is not None else None
+  if m is None:
+    for leaf in jax.tree_util.tree_leaves(params):
+      sharding = getattr(leaf, "sharding", None)
+      if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(leaf, jax.core.Tracer):
+        m = sharding.mesh
+        break
+  if m is None:
+    return tree
+  replicated = jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec())
+
+  def place(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(x, replicated)
+    return x
+
+  return jax.tree_util.tree_map(place, tree)

@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -181,7 +181,11 @@ class Registration:
       `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
       shard_map.
     check_loss: audit the loss tags against the returned loss on `example_batch`
-      (`kfac_jax._audit`); False skips it, for a loss that differs from its tags on purpose.
+      (`kfac_jax._audit`): True runs every check, False none (a loss that differs from its
+      tags on purpose), a collection of check names only those: "shared_prediction" (two
+      tags on one prediction), "dependence" (the loss depends on each tagged prediction),
+      "curvature", "gradient" (the "empirical" mode's targets) and "weights" (the measured
+      fit of the loss to the tags). Each message names its check.
     warn: emit the warnings below (False for a registration an entry point builds on the
       user's behalf).
     curvature_fn: `curvature_fn(params, batch)`, a function whose loss tags define the
@@ -257,7 +261,7 @@ class Registration:
   layer_config: Any
   strict: bool
   axis_name: Any
-  check_loss: bool
+  check_loss: bool | Collection[str]
   example_batch: Any
   params_shape: Any
   param_paths: tuple[str, ...]
@@ -284,7 +288,7 @@ class Registration:
     layers: _scan.LayerConfig | None = None,
     strict: bool = False,
     axis_name: AxisName = None,
-    check_loss: bool = True,
+    check_loss: bool | Collection[str] = True,
     warn: bool = True,
     curvature_fn: Callable | None = None,
   ):
@@ -293,7 +297,7 @@ class Registration:
     curvature_part = None if curvature_fn is None else _curvature.CurvaturePart(curvature_fn)
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
-    _checks.boolean(check_loss, "check_loss")
+    checks = _audit.checks_from(check_loss)
     config = _scan.check_layer_config(layers)
     names = axis_names(axis_name)
     set_(self, "loss_fn", loss_fn)
@@ -315,7 +319,7 @@ class Registration:
     # and gradient come from `loss_fn` itself, and the audit has nothing to compare.
     set_(self, "separate_loss", curvature_part is not None or bool(scan.rule_calls))
     factor = None
-    if check_loss and not self.separate_loss:  # Once per registration, not per later scan.
+    if checks and not self.separate_loss:  # Once per registration, not per later scan.
       factor = _audit.audit(
         scan,
         params,
@@ -324,6 +328,7 @@ class Registration:
         axis_names=names,
         strict=strict,
         warn=warn,
+        checks=checks,
       )
     leaves = jax.tree_util.tree_leaves(params)
     set_(self, "example_batch", jax.eval_shape(lambda b: b, example_batch))

@@ -7,6 +7,8 @@ step (`kfac_jax._engine.step`) runs inside the caller's `jit` / `pmap`, without 
 With `Config.skip_nonfinite` (the default) a non-finite gradient, batch statistics or
 preconditioned update gives zero updates and leaves the state as it was but for the `skipped`
 counters; `kfac`'s guard also requires finite hyperparameters and keeps the momentum trace.
+A schedule's value that is not finite (or a negative learning rate or damping) skips its step
+and is reported once per hyperparameter (`HyperparameterWarning`, from the host).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from kfac_jax import (
   _config,
   _engine,
   _estimator,
+  _fit,
+  _parallel,
   _registration,
   _storage,
 )
@@ -236,15 +240,17 @@ def _preconditioner(
     )
   )
   mesh, guard = config.mesh, config.skip_nonfinite
+  reporter = _engine.Reporter(who)
 
   def init_fn(params) -> ScaleByKfacState:
     est, _ = _estimator_for(deferred, make, params, who, axis_name)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
-    return ScaleByKfacState(
+    state = ScaleByKfacState(
       count=jnp.zeros([], jnp.int32),
       curvature=est.init(axis_name=axis_name, mesh=mesh),
       skipped=jnp.zeros([], jnp.int32),
     )
+    return _parallel.replicate_on_mesh(state, params, mesh)
 
   def update_fn(
     updates,
@@ -262,6 +268,7 @@ def _preconditioner(
       raise ValueError(f"{who}: `params` is required: tx.update(grads, state, params, ...).")
     est, kept = _estimator_for(deferred, make, params, who)
     _check_state(state, est, who)
+    est.check_state(state.curvature, axis_name, mesh, who, "state.curvature")
     if kept is not None:
       if masked_share(updates) != kept:
         raise ValueError(
@@ -281,25 +288,27 @@ def _preconditioner(
         "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
       )
     count = state.count
+    clock = count + state.skipped
+    lam = damping(clock) if callable(damping) else damping
+    usable = _engine.hyperparameters_ok(reporter, {"damping": (lam, 0.0)}, clock, guard)
     ok = None
     if guard:
       ok = _storage.all_finite(updates)
-      if kfac_gate is not None:
-        ok = ok & kfac_gate
+      for gate in (kfac_gate, usable):
+        ok = ok if gate is None else ok & gate
 
     def statistics():
       if curvature_stats is not None:
         return curvature_stats
       return _batch_statistics(est, config.fraction, params, batch, rng, who)
 
-    clock = count + state.skipped
     pre, curv, ok = _engine.step(
       est,
       state.curvature,
       updates if kept is None else _fill(est, updates),
       statistics,
       count,
-      damping=damping(clock) if callable(damping) else damping,
+      damping=lam,
       ema_decay=ema_decay,
       inverse_every=inverse_every,
       curvature_every=curvature_every,
@@ -458,12 +467,15 @@ def _scale_by_learning_rate(learning_rate, registration_for: Callable):
 def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
   """`preconditioner` then `rest` (optax's `apply_if_finite` pattern, K-FAC-aware).
 
-  It gates the preconditioner on finite `hyperparams` (schedules at this step; Python numbers
-  need no check), reads its verdict from its `skipped` counter and runs `rest` in a `lax.cond`
-  on it (zeros and the old `rest` state on a skip), passing it the raw gradient `kfac_grads=`
-  and the schedules' count `kfac_count=`. It never selects over the preconditioner's state,
+  It gates the preconditioner on usable `hyperparams` (schedules at this step, finite and a
+  learning rate ≥ 0, a bad one reported once; Python numbers need no check), reads its verdict
+  from its `skipped` counter and runs `rest` in a `lax.cond` on it (zeros and the old `rest`
+  state on a skip), passing it the raw gradient `kfac_grads=` and the schedules' count
+  `kfac_count=`. It never selects over the preconditioner's state,
   whose curvature moves only on a finite verdict, so the factors are never copied for it.
   """
+
+  reporter = _engine.Reporter("kfac")
 
   def init_fn(params) -> KfacState:
     return KfacState(preconditioner.init(params), rest.init(params))
@@ -479,18 +491,17 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
       )
     old = state.preconditioner
     clock = old.count + old.skipped
-    gate = None
-    if skip_nonfinite:
-      values = [h(clock) if callable(h) else h for h in hyperparams]
-      finite = [
-        jnp.isfinite(jnp.asarray(x, jnp.float32))
-        for x in values
-        if x is not None and not isinstance(x, (int, float))
-      ]
-      gate = jnp.all(jnp.stack(finite)) if finite else None
+    values = [h(clock) if callable(h) else h for h in hyperparams]
+    lows = (0.0, None, None)  # learning_rate, momentum, max_norm
+    names = ("learning_rate", "momentum", "max_norm")
+    gate = _engine.hyperparameters_ok(
+      reporter, {n: (x, low) for n, x, low in zip(names, values, lows)}, clock, skip_nonfinite
+    )
+    gate = gate if skip_nonfinite else None
     v, pre = preconditioner.update(
       updates, old, params, curvature_stats=curvature_stats, batch=batch, rng=rng, kfac_gate=gate
     )
+    _fit.check(jax.eval_shape(rest.init, params), state.rest, "kfac", "state.rest")
 
     def run():
       return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock)

@@ -1085,6 +1085,25 @@ def pinn_poisson() -> Zoo:
   return Zoo(pp.loss_fn, params, batch, expected)
 
 
+class LinenGroupedLocal(nn.Module):
+  """Every grouped layout: a convolution in two feature groups, then a locally connected layer
+  (one group per output location)."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(4, (3, 3))(x))
+    x = nn.relu(nn.Conv(6, (3, 3), feature_group_count=2)(x))  # 2 groups of 2 -> 3 channels
+    x = nn.max_pool(x, (2, 2), (2, 2))  # [N, 4, 4, 6]
+    x = nn.relu(nn.ConvLocal(4, (3, 3))(x))  # 16 locations
+    return nn.Dense(CLASSES)(x.reshape(x.shape[0], -1))
+
+
+def grouped_local() -> Zoo:
+  f, p, b = _linen(LinenGroupedLocal(), _images(jax.random.key(0)))
+  local = ("conv_local", "kron", ("ConvLocal_0/kernel", "ConvLocal_0/bias"))
+  return Zoo(f, p, b, [local, _conv("Conv_0"), _conv("Conv_1"), _dense("Dense_0")])
+
+
 STRUCTURE_MODELS = {
   "vmc_ferminet": vmc_ferminet,
   "haiku_mlp": haiku_mlp,

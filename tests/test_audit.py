@@ -296,15 +296,27 @@ def test_structural_problems_are_errors_even_for_abstract_params(loss_fn, match)
   kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
 
 
-def test_numbers_need_concrete_values():
-  """Abstract params or a traced init measure nothing (no warning); concrete ones do."""
+def test_abstract_and_traced_values_are_measured_on_stand_ins():
+  """Abstract params and batch, or an init traced by `jax.jit`, are measured at fixed stand-ins:
+  the mismatch is found as with concrete ones, and a fitting loss gets the same loss factor."""
   params, batch = _setup()
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", kfac_jax.LossMismatchWarning)
-    kfac_jax.Registration(_squared_on_logits, *jax.eval_shape(lambda t: t, (params, batch)))
-    jax.jit(kfac_jax.kfac(_squared_on_logits, batch, learning_rate=0.1).init)(params)
-  with pytest.warns(kfac_jax.LossMismatchWarning):
-    kfac_jax.kfac(_squared_on_logits, batch, learning_rate=0.1).init(params)
+  shapes = jax.eval_shape(lambda t: t, (params, batch))
+  for run in (
+    lambda: kfac_jax.Registration(_squared_on_logits, *shapes),
+    lambda: jax.jit(kfac_jax.kfac(_squared_on_logits, batch, learning_rate=0.1).init)(params),
+    lambda: kfac_jax.kfac(_squared_on_logits, batch, learning_rate=0.1).init(params),
+  ):
+    with pytest.warns(kfac_jax.LossMismatchWarning, match="register_squared_error_loss"):
+      run()
+  eager = kfac_jax.Registration(_elementwise_mean, params, batch).loss_factor
+  assert eager == 1 / 2  # A mean over the 2 outputs of the tag's sum of squares / 2 (snapped).
+  assert kfac_jax.Registration(_elementwise_mean, *shapes).loss_factor == eager
+
+
+def test_loss_factor_is_snapped_to_a_whole_ratio():
+  assert _audit.snap(1 / 12 * (1 + 3e-4)) == 1 / 12
+  assert _audit.snap(4.0 * (1 - 5e-4)) == 4.0
+  assert _audit.snap(0.3172) == 0.317  # No whole ratio near: 3 significant digits.
 
 
 def test_collective_axes_are_bound_for_the_measurement():
@@ -321,10 +333,152 @@ def test_collective_axes_are_bound_for_the_measurement():
     kfac_jax.Registration(loss_fn, params, batch, axis_name="batch")
 
 
+# -- a prediction and the loss's input written twice: one value ---------------------------------
+
+
+def _reshaped_twice(p, b):  # A language model's [N, T, V] logits, flattened for each use.
+  _, logits, _ = _net(p, b)
+  z = logits.reshape(N // 2, 2, C)
+  y = b["y"].reshape(N // 2, 2)
+  kfac_jax.register_softmax_cross_entropy_loss(z.reshape(-1, C), y.reshape(-1))
+  return optax.softmax_cross_entropy_with_integer_labels(z.reshape(-1, C), y.reshape(-1)).mean()
+
+
+def _cast_twice(p, b):  # A bfloat16 model's logits, cast to float32 for each use.
+  _, logits, _ = _net(p, b)
+  z = logits.astype(jnp.bfloat16)
+  kfac_jax.register_softmax_cross_entropy_loss(z.astype(jnp.float32), b["y"])
+  return _ce(z.astype(jnp.float32), b).mean()
+
+
+def _sliced_twice(p, b):  # Two heads sliced out of one output, for the tags and for the loss.
+  _, logits, other = _net(p, b)
+  z = jnp.concatenate([logits, other], axis=1)
+  kfac_jax.register_softmax_cross_entropy_loss(z[:, :C], b["y"])
+  kfac_jax.register_squared_error_loss(z[:, C:], b["t"], weight=0.5)
+  return _ce(z[:, :C], b).mean() + 0.5 * _sq(z[:, C:], b).mean()
+
+
+def _transposed_twice(p, b):  # Time-major logits, made batch-major for each use.
+  _, logits, _ = _net(p, b)
+  z = logits.reshape(2, N // 2, C)
+  y = b["y"].reshape(N // 2, 2)
+  kfac_jax.register_softmax_cross_entropy_loss(jnp.transpose(z, (1, 0, 2)), y)
+  return optax.softmax_cross_entropy_with_integer_labels(jnp.transpose(z, (1, 0, 2)), y).mean()
+
+
+def _broadcast_twice(p, b):  # One prediction scored against two sets of targets.
+  _, _, other = _net(p, b)
+  t = jnp.stack([b["t"], -b["t"]])
+  kfac_jax.register_squared_error_loss(jnp.broadcast_to(other, (2, N, 2)), t)
+  return jnp.sum((jnp.broadcast_to(other, (2, N, 2)) - t) ** 2, -1).mean()
+
+
+def _asarray_and_stopped_targets(p, b):
+  _, _, other = _net(p, b)
+  t = jax.lax.stop_gradient(b["t"])
+  kfac_jax.register_squared_error_loss(jnp.asarray(other), t)
+  return _sq(jnp.asarray(other), b).mean()
+
+
+SAME_VALUE = [
+  _reshaped_twice,
+  _cast_twice,
+  _sliced_twice,
+  _transposed_twice,
+  _broadcast_twice,
+  _asarray_and_stopped_targets,
+]
+
+
+@pytest.mark.parametrize("loss_fn", SAME_VALUE, ids=[f.__name__ for f in SAME_VALUE])
+def test_a_prediction_written_twice_is_one_value(loss_fn):
+  """The tag and the loss read two equations that compute the same value: registered, with no
+  measured mismatch and a loss factor."""
+  params, batch = _setup()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", kfac_jax.LossMismatchWarning)
+    reg = kfac_jax.Registration(loss_fn, params, batch)
+  assert reg.loss_factor is not None and reg.loss_factor > 0
+
+
+def _other_slice(p, b):
+  _, logits, other = _net(p, b)
+  z = jnp.concatenate([logits, other], axis=1)
+  kfac_jax.register_softmax_cross_entropy_loss(z[:, :C], b["y"])
+  return _ce(z[:, 1 : C + 1], b).mean()
+
+
+def _other_scale(p, b):
+  _, logits, _ = _net(p, b)
+  y = b["y"].reshape(N // 2, 2)
+  kfac_jax.register_softmax_cross_entropy_loss(logits.reshape(N // 2, 2, C), y)
+  return optax.softmax_cross_entropy_with_integer_labels(
+    (2.0 * logits).reshape(N // 2, 2, C), y
+  ).mean()
+
+
+def _same_copy_tagged_twice(p, b):
+  _, logits, _ = _net(p, b)
+  y = b["y"].reshape(N // 2, 2)
+  kfac_jax.register_softmax_cross_entropy_loss(logits.reshape(N // 2, 2, C), y)
+  kfac_jax.register_softmax_cross_entropy_loss(logits.reshape(N // 2, 2, C), y)
+  return _ce(logits, b).mean()
+
+
+@pytest.mark.parametrize(
+  "loss_fn, match",
+  [
+    (_other_slice, "loss tag #1 .*does not depend on this prediction"),
+    (_other_scale, "loss tag #1 .*does not depend on this prediction"),
+    (_same_copy_tagged_twice, "loss tag #1 .* and loss tag #2 .* tag the same prediction"),
+  ],
+  ids=["other_slice", "other_scale", "same_copy_tagged_twice"],
+)
+def test_another_value_is_still_a_mistake(loss_fn, match):
+  params, batch = _setup()
+  with pytest.raises(kfac_jax.RegistrationError, match=match):
+    kfac_jax.Registration(loss_fn, params, batch)
+
+
+def test_each_check_turns_off_alone_and_is_named():
+  """Every message names the tag, its check and the `check_loss=` that turns that check off
+  alone; turned off, the others still run."""
+  params, batch = _setup()
+  others = lambda name: tuple(c for c in _audit.CHECKS if c != name)  # noqa: E731
+  for loss_fn, name in ((_stopped, "dependence"), (_twice, "shared_prediction")):
+    with pytest.raises(kfac_jax.RegistrationError) as info:
+      kfac_jax.Registration(loss_fn, params, batch)
+    text = str(info.value)
+    assert "loss tag #1" in text and f'check "{name}"' in text, text
+    assert f"check_loss={others(name)!r}" in text, text
+  # Without their structural checks, both are still measured: the doubled curvature, and none.
+  with pytest.warns(kfac_jax.LossMismatchWarning, match="loss tag #2"):
+    kfac_jax.Registration(_twice, params, batch, check_loss=others("shared_prediction"))
+  with pytest.warns(kfac_jax.LossMismatchWarning, match="returned loss has no curvature"):
+    kfac_jax.Registration(_stopped, params, batch, check_loss=others("dependence"))
+  with pytest.warns(kfac_jax.LossMismatchWarning) as record:
+    kfac_jax.Registration(_squared_on_logits, params, batch)
+  (text,) = [str(r.message) for r in record if r.category is kfac_jax.LossMismatchWarning]
+  assert 'check "curvature"' in text and f"check_loss={others('curvature')!r}" in text, text
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", kfac_jax.LossMismatchWarning)
+    kfac_jax.Registration(_squared_on_logits, params, batch, check_loss=others("curvature"))
+    kfac_jax.Registration(
+      _smoothed, params, batch, estimation_mode="empirical", check_loss=others("gradient")
+    )
+  with pytest.raises(kfac_jax.RegistrationError, match='check "dependence"'):
+    kfac_jax.Registration(_stopped, params, batch, check_loss=others("curvature"))
+  with pytest.warns(kfac_jax.LossMismatchWarning, match='check "gradient"'):
+    kfac_jax.Registration(_smoothed, params, batch, estimation_mode="empirical")
+
+
 def test_check_loss_is_validated():
   params, batch = _setup()
   with pytest.raises(TypeError, match="check_loss"):
     kfac_jax.Registration(_mean, params, batch, check_loss="no")
+  with pytest.raises(ValueError, match="unknown loss audit checks \\['curvatur'\\]"):
+    kfac_jax.Registration(_mean, params, batch, check_loss=("curvatur",))
 
 
 # -- warnings once per registration -----------------------------------------------------------

@@ -239,6 +239,78 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-12), new.cache[name], ref)
 
 
+LAPACK_PRIMITIVES = {"cholesky", "eigh", "triangular_solve", "lu", "qr", "svd", "eig", "schur"}
+
+
+@pytest.mark.parametrize(
+  ("layers", "config"),
+  [(None, {}), (None, {"damping_mode": "eigen"}), ({"conv": "ekfac"}, {})],
+  ids=["factored", "eigen", "ekfac"],
+)
+def test_grouped_layouts_factorise_one_matrix_per_call_on_cpu(layers, config):
+  # A grouped convolution (2 feature groups) and an unshared one (16 locations) keep one
+  # factor per group; a batched LAPACK call over the groups can deadlock the CPU thread pool,
+  # so on CPU the step's factorisations all take one matrix.
+  from tests import _zoo
+
+  z = _zoo.grouped_local()
+  layer_config = None if layers is None else kfac_jax.LayerConfig(defaults=layers)
+  reg = kfac_jax.Registration(z.loss_fn, z.params, z.batch, layers=layer_config)
+  grouped = [s for s in reg.layers if s.name in ("Conv_1", "ConvLocal_0")]
+  assert sorted(s.factor_shapes[0][0] for s in grouped) == [2, 16]
+  tx = kfac_jax.scale_by_kfac(registration=reg, inverse_every=1, **_models.with_config(config))
+
+  def step(params, state, batch, rng):
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
+    return tx.update(grads, state, params, curvature_stats=stats)
+
+  state = tx.init(z.params)
+  jaxpr = jax.make_jaxpr(step)(z.params, state, z.batch, jax.random.key(0))
+  ranks = {
+    (e.primitive.name, v.aval.ndim)
+    for e in _models.all_eqns(jaxpr.jaxpr)
+    if e.primitive.name in LAPACK_PRIMITIVES
+    for v in e.invars
+  }
+  assert ranks and {r for _, r in ranks} == {2}, ranks
+
+
+GROUPED_STEPS = """
+import jax, numpy as np, optax, kfac_jax
+from tests import _zoo
+z = _zoo.grouped_local()
+tx = optax.chain(kfac_jax.scale_by_kfac(z.loss_fn, z.batch, inverse_every=1), optax.scale(-0.05))
+step = _zoo.train_step(z, tx)
+params, state, batch = z.params, tx.init(z.params), z.batch
+for i in range(3):
+  params, state, batch, loss = step(params, state, batch, jax.random.key(i))
+  print(float(loss))
+assert np.isfinite(float(loss))
+"""
+
+
+def test_grouped_layouts_step_returns():
+  # The step itself, in a child process a timeout can end: a deadlocked LAPACK call in this
+  # process would hang the suite instead of failing it.
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, "-c", GROUPED_STEPS],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  losses = [float(x) for x in proc.stdout.split()]
+  assert len(losses) == 3 and losses[-1] < losses[0], losses
+
+
 def test_ema_is_bias_corrected_and_skips_non_finite_batches(x64):
   params = {"w": jnp.ones((2, 2), jnp.float64)}
   loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"])

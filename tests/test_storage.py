@@ -197,3 +197,35 @@ def test_a_mesh_axis_that_does_not_exist_is_named_before_any_state_changes(x64):
       call()
   for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(before)):
     np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("storage", ["sharded", "replicated"])
+def test_an_eager_init_under_fsdp_compiles_the_step_once(x64, storage):
+  """The state `tx.init` makes eagerly for FSDP params has the shardings the jitted step returns
+  (its counters replicated over the mesh, a replicated storage's inverses kept replicated), so
+  steps 2 to 4, an inverse refresh among them, run the first step's program."""
+  loss_fn, params, batch = _problem()
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  specs = {k: {"w": P(None, "data"), "b": P("data")} for k in params}
+  params = jax.tree_util.tree_map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs
+  )
+  data = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  tx = _tx(loss_fn, params, batch, mesh=(mesh, "data"), inverse_storage=storage)
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+
+  @jax.jit
+  def step(params, state, b):
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, b)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  first = state
+  for _ in range(STEPS):
+    params, state = step(params, state, data)
+  assert step._cache_size() == 1
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(first), jax.tree_util.tree_leaves(state)
+  ):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), jax.tree_util.keystr(path)

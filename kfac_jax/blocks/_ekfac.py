@@ -107,7 +107,7 @@ class EKFACBlock(LayoutBlock):
     def one(a, g):
       return _linalg.eigh_psd(a)[1], _linalg.eigh_psd(g)[1]
 
-    ua, ug = self.map_groups(one, factors.a, factors.g)
+    ua, ug = self.map_groups(one, factors.a, factors.g, factorises=True)
     return EKFACCache(
       a_evecs=ua, g_evecs=ug, damping=jnp.asarray(damping, self.config.inverse_dtype)
     )

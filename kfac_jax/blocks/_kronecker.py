@@ -207,9 +207,13 @@ class LayoutBlock(Block):
     """`kron_shapes(self.spec)`."""
     return kron_shapes(self.spec)
 
-  def map_groups(self, fn, *args):
-    """`fn` on one group's arrays; vmapped over the leading group axis for grouped layers."""
-    return jax.vmap(fn)(*args) if self.grouped else fn(*args)
+  def map_groups(self, fn, *args, factorises: bool = False):
+    """`fn` on one group's arrays, mapped over the leading group axis for grouped layers: by
+    `jax.vmap`, or where `fn` factorises (a LAPACK call on CPU) by `map_factorisations`, which
+    keeps batched LAPACK calls off the CPU (they can deadlock its thread pool)."""
+    if not self.grouped:
+      return fn(*args)
+    return map_factorisations(fn, *args) if factorises else jax.vmap(fn)(*args)
 
   def to_matrix(self, vecs) -> Array:
     """The leaves as M (`[groups, in(+1), out]` when grouped) in `inverse_dtype`."""
@@ -402,7 +406,7 @@ class KroneckerBlock(LayoutBlock):
         a, g = damped_factors(a, g, damping, self.sides)
       return side(a, solve_a, pads[0]), side(g, solve_g, pads[1])
 
-    ca, cg = self.map_groups(one, factors.a, factors.g)
+    ca, cg = self.map_groups(one, factors.a, factors.g, factorises=True)
     return KroneckerCache(a=ca, g=cg, damping=damping)
 
   # -- products --------------------------------------------------------------------------------

@@ -374,3 +374,119 @@ def test_update_errors_are_raised_at_trace_time_under_jit(name, call, exc, match
 def test_bad_input_raises_a_clear_error(name, call, exc, match):
   with pytest.raises(exc, match=match):
     call()
+
+
+# -- a state that is not this model's -----------------------------------------------------------
+
+
+def _wide():
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 7, 3))
+  return _models.softmax_loss(_models.jnp_mlp_apply), params, _batch()
+
+
+def _sharded_state(loss_fn, params, batch):
+  """A sharded-storage state (one device's share, made under pmap over 1 device)."""
+  tx = kfac_jax.scale_by_kfac(
+    loss_fn, batch, axis_name="data", config=kfac_jax.Config(inverse_storage="sharded")
+  )
+  stacked = jax.pmap(tx.init, axis_name="data")(jax.tree_util.tree_map(lambda x: x[None], params))
+  return jax.tree_util.tree_map(lambda x: x[0], stacked)
+
+
+def _wrong_state(front: str, make_state):
+  """`front`'s update on (params, batch) of `_problem()` with the state `make_state()` built."""
+
+  def run():
+    loss_fn, params, batch = _problem()
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+    state = make_state()
+    if front == "Optimizer":
+      kfac_jax.Optimizer(loss_fn, batch).step(params, state, batch, jax.random.key(0))
+    elif front == "estimator":
+      est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
+      est.update_inverses(state, 0.1)
+    else:
+      make = kfac_jax.kfac if front == "kfac" else kfac_jax.scale_by_kfac
+      make(loss_fn, batch).update(grads, state, params, curvature_stats=stats)
+
+  return run
+
+
+def _tx_state(make=kfac_jax.scale_by_kfac, problem=_wide, **kw):
+  def build():
+    loss_fn, params, batch = problem()
+    return make(loss_fn, batch, **kw).init(params)
+
+  return build
+
+
+def _diagonal_state():
+  loss_fn, params, batch = _problem()
+  layers = kfac_jax.LayerConfig(defaults={"dense": "diagonal"})
+  reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+  return kfac_jax.scale_by_kfac(registration=reg).init(params)
+
+
+WRONG_STATES = [
+  # Another model's state with the same layer names and other widths.
+  (
+    "scale_by_kfac",
+    _tx_state(),
+    r"block `layer0` .*has \(7, 7\) float32, this model needs \(5, 5\)",
+  ),
+  ("kfac", _tx_state(kfac_jax.kfac), r"block `layer0` .*has \(7, 7\) .*needs \(5, 5\)"),
+  (
+    "Optimizer",
+    lambda: kfac_jax.Optimizer(_wide()[0], _wide()[2]).init(_wide()[1]),
+    r"(?s)Optimizer: `state` is not a state of this model.*block `layer0`.*\(7, 7\)",
+  ),
+  (
+    "estimator",
+    lambda: kfac_jax.CurvatureEstimator(kfac_jax.Registration(*_wide())).init(),
+    r"(?s)`state` is not a state of this model.*block `layer0`.*\(7, 7\)",
+  ),
+  # Another LayerConfig: the blocks are of another kind.
+  ("scale_by_kfac", _diagonal_state, r"block `layer0`: `factors/a` is missing from"),
+  # A sharded state into a replicated front.
+  ("scale_by_kfac", lambda: _sharded_state(*_problem()), r"it is sharded \(inverse_storage="),
+  # A kfac state without momentum into a kfac with it.
+  ("kfac", _tx_state(kfac_jax.kfac, _problem, momentum=None), r"built without momentum"),
+]
+
+
+@pytest.mark.parametrize(
+  "front, make_state, match",
+  WRONG_STATES,
+  ids=["widths", "kfac-widths", "Optimizer", "estimator", "layers", "sharded", "momentum"],
+)
+def test_a_state_of_another_model_names_what_differs(front, make_state, match):
+  with pytest.raises(ValueError, match=match):
+    _wrong_state(front, make_state)()
+
+
+def test_an_unbound_axis_name_names_the_argument_and_the_wrapper():
+  loss_fn, params, batch = _problem()
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data")
+  state = kfac_jax.scale_by_kfac(loss_fn, batch).init(params)
+  match = r"`axis_name`='data' is not bound here.*jax.pmap\(\.\.\., axis_name='data'\)"
+  with pytest.raises(ValueError, match="scale_by_kfac: " + match):
+    jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats))(state)
+  opt = kfac_jax.Optimizer(loss_fn, batch, axis_name="data")
+  with pytest.raises(ValueError, match="Optimizer: " + match):
+    opt.step(params, kfac_jax.Optimizer(loss_fn, batch).init(params), batch, jax.random.key(0))
+
+
+def test_check_restored_state_reads_what_nnx_optimizer_holds():
+  nnx = pytest.importorskip("flax.nnx")
+  loss_fn, params, batch = _problem()
+  tx = kfac_jax.scale_by_kfac(loss_fn, batch)
+  # nnx.Optimizer keeps each leaf of the optax state in a variable (its `value`).
+  held = jax.tree_util.tree_map(nnx.OptState, tx.init(params))
+  kfac_jax.check_restored_state(tx.init(params), held)
+  loss_w, params_w, batch_w = _wide()
+  wide = jax.tree_util.tree_map(
+    nnx.OptState, kfac_jax.scale_by_kfac(loss_w, batch_w).init(params_w)
+  )
+  with pytest.raises(ValueError, match=r"block `layer0` .*checkpoint has \(7, 7\)"):
+    kfac_jax.check_restored_state(tx.init(params), wide)

@@ -357,3 +357,72 @@ def test_bfloat16_preconditioner_compiles_where_xla_transposes_the_products():
     losses.append(float(loss))
   assert int(optax.tree_utils.tree_get(state, "skipped")) == 0
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def _schedule_fronts():
+  """(name, front, hyperparameter, run) with `run(schedule)` taking three jitted steps of a
+  front whose `hyperparameter` follows `schedule`; it returns the params and the skip count."""
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 5, 3))
+  batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=3)
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+
+  def transform(make, skipped):
+    def run(schedule):
+      tx = make(schedule)
+      state, p = tx.init(params), params
+
+      @jax.jit
+      def step(p, state, rng):
+        _, g, stats = kfac_jax.value_and_grad(loss_fn)(p, batch, rng)
+        u, state = tx.update(g, state, p, curvature_stats=stats)
+        return optax.apply_updates(p, u), state
+
+      for i in range(3):
+        p, state = step(p, state, jax.random.key(i))
+      return p, int(skipped(state))
+
+    return run
+
+  def optimizer(schedule):
+    opt = kfac_jax.Optimizer(
+      loss_fn, batch, learning_rate=schedule, momentum=0.0, use_adaptive_damping=False
+    )
+    state, p = opt.init(params), params
+    step = jax.jit(opt.step)
+    for i in range(3):
+      p, state, _ = step(p, state, batch, jax.random.key(i))
+    return p, int(state.skipped)
+
+  chain = lambda s: optax.chain(  # noqa: E731
+    kfac_jax.scale_by_kfac(loss_fn, batch, damping=s, inverse_every=1), optax.scale(-0.1)
+  )
+  return [
+    ("scale_by_kfac", "damping", transform(chain, lambda s: s[0].skipped)),
+    (
+      "kfac",
+      "learning_rate",
+      transform(lambda s: kfac_jax.kfac(loss_fn, batch, learning_rate=s), lambda s: s[0].skipped),
+    ),
+    ("Optimizer", "learning_rate", optimizer),
+  ]
+
+
+@pytest.mark.parametrize(
+  ("front", "bad"),
+  [(0, float("nan")), (0, -0.3), (1, float("inf")), (1, -0.3), (2, float("nan"))],
+  ids=["scale_by_kfac-nan", "scale_by_kfac-negative", "kfac-inf", "kfac-negative", "Optimizer"],
+)
+def test_a_bad_schedule_value_skips_its_step_and_is_reported_once(front, bad):
+  """A schedule that gives a non-finite value, or a negative learning rate or damping, at steps
+  1 and 2: those steps are skipped (the params stay finite) and one warning names the front,
+  the hyperparameter, the value and the first step."""
+  who, name, run = _schedule_fronts()[front]
+  schedule = lambda c: jnp.where(c >= 1, bad, 0.05)  # noqa: E731
+  with pytest.warns(kfac_jax.HyperparameterWarning) as record:
+    params, skipped = run(schedule)
+    jax.effects_barrier()
+  texts = [str(r.message) for r in record if r.category is kfac_jax.HyperparameterWarning]
+  assert len(texts) == 1, texts
+  assert f"{who}: the schedule of `{name}` gave {np.float32(bad)} at step 1" in texts[0]
+  assert skipped == 2
+  assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(params))
