@@ -1387,3 +1387,17 @@ def test_envelope_preconditioned_gradient_by_definition(x64):
     g_l = g[m] + np.sqrt(lam) / pi * np.eye(3 * _ORBITALS)
     want[order[m]] = np.linalg.solve(np.kron(a_l, g_l), flat_grad[order[m]])
   np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_envelope_full_block_equals_exact_fisher(x64):
+  # The per-example gradients rebuilt from the per-atom rows (`approx="full"`) are jax's.
+  loss_fn, params, batch, scaled, logits_of = _envelope_model(3)
+  layers = kfac_jax.LayerConfig(defaults={"grouped_dense": "full"})
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
+  )
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  assert est.layers[0].approx == "full"
+  per_example = lambda p, b: _per_example_ce(logits_of(scaled(p["sigma"], b["ae"])), b["y"])  # noqa: E731
+  exact = _exact_empirical(per_example, params, batch)
+  np.testing.assert_allclose(np.asarray(est.to_dense(state)), exact, rtol=1e-10, atol=1e-13)
