@@ -4,8 +4,12 @@ The wave function has FermiNet's parts at a small size: a one-electron stream (f
 electron relative to the nuclei) and a two-electron stream (features of each electron pair),
 mixed at every layer by averages over the electrons of each spin; per spin, orbitals from a
 dense layer, multiplied by an exponential envelope around each nucleus, and a sum of
-determinants. log|ψ| is evaluated for a batch of walkers `[B, n, 3]`, so the dense layers act
-on `[B, n, d]` (electrons) and `[B, n, n, d]` (pairs) inputs.
+determinants. The envelope is isotropic (a decay rate per atom and orbital) or, with
+`--envelope anisotropic`, FermiNet's anisotropic one: per atom and orbital a 3x3 matrix applied
+to the electron's vector to that atom, `einsum("bnai,ijak->bnajk", r - R, sigma)`, which K-FAC
+reads as a dense layer per atom (Kronecker within an atom, block-diagonal over atoms).
+log|ψ| is evaluated for a batch of walkers `[B, n, 3]`, so the dense layers act on `[B, n, d]`
+(electrons) and `[B, n, n, d]` (pairs) inputs.
 
 Training is variational Monte Carlo. Walkers are moved by Metropolis steps that sample |ψ|²;
 the local energy E_L = −½ (∇² log|ψ| + |∇ log|ψ||²) + V uses a Laplacian by forward-over-reverse
@@ -72,6 +76,7 @@ class Net:
   two: int = 4
   layers: int = 2
   determinants: int = 2
+  envelope: str = "isotropic"  # or "anisotropic": `sigma` is [3, 3, atoms, orbitals]
 
 
 # -- the wave function --------------------------------------------------------------------------
@@ -84,7 +89,7 @@ def _dense_init(key, din, dout):
 def init_params(key, system: System, net: Net) -> dict[str, Any]:
   """Parameters: per layer a one-electron and (but the last) a two-electron dense layer; per
   spin an orbital layer and the envelope's decay rates `sigma` and weights `pi`, both
-  `[atoms, orbitals]`."""
+  `[atoms, orbitals]` (`sigma` `[3, 3, atoms, orbitals]`, identities, when anisotropic)."""
   n_atoms, keys = len(system.atoms), iter(jax.random.split(key, 4 * net.layers + 8))
   n_spins = sum(1 for s in system.spins if s)
   one_in, two_in = 4 * n_atoms, 4
@@ -102,14 +107,19 @@ def init_params(key, system: System, net: Net) -> dict[str, Any]:
       k = net.determinants * n
       orbitals[spin] = {
         "dense": _dense_init(next(keys), one_in, k),
-        "sigma": jnp.ones((n_atoms, k)),
+        "sigma": (
+          jnp.ones((n_atoms, k))
+          if net.envelope == "isotropic"
+          else jnp.broadcast_to(jnp.eye(3)[:, :, None, None], (3, 3, n_atoms, k))
+        ),
         "pi": jnp.ones((n_atoms, k)),
       }
   return {"layers": layers, "orbitals": orbitals}
 
 
 def _features(r, atoms):
-  """One-electron `[B, n, 4 atoms]` and two-electron `[B, n, n, 4]` inputs, and `|r - R|`."""
+  """One-electron `[B, n, 4 atoms]` and two-electron `[B, n, n, 4]` inputs, `r - R`
+  `[B, n, A, 3]` and `|r - R|` `[B, n, A]`."""
   ae = r[:, :, None, :] - atoms[None, None]  # [B, n, A, 3]
   r_ae = jnp.linalg.norm(ae, axis=-1, keepdims=True)  # [B, n, A, 1]
   one = jnp.concatenate([ae, r_ae], -1).reshape(r.shape[:2] + (-1,))
@@ -117,7 +127,7 @@ def _features(r, atoms):
   eye = jnp.eye(n)[None, :, :, None]
   ee = r[:, :, None, :] - r[:, None, :, :]  # [B, n, n, 3]
   r_ee = jnp.linalg.norm(ee + eye, axis=-1, keepdims=True) * (1.0 - eye)  # no 0/0 on the diagonal
-  return one, jnp.concatenate([ee, r_ee], -1), r_ae[..., 0]
+  return one, jnp.concatenate([ee, r_ee], -1), ae, r_ae[..., 0]
 
 
 def _mix(one, two, spins):
@@ -135,7 +145,7 @@ def _mix(one, two, spins):
 
 def log_psi(params, r, atoms, spins: tuple[int, int]):
   """log|ψ| of a batch of walkers `r: [B, n, 3]`; `atoms: [A, 3]` is shared by every walker."""
-  one, two, r_ae = _features(r, atoms)
+  one, two, ae, r_ae = _features(r, atoms)
   for layer in params["layers"]:
     mixed = _mix(one, two, spins)
     new_one = jnp.tanh(mixed @ layer["one"]["w"] + layer["one"]["b"])
@@ -150,7 +160,11 @@ def log_psi(params, r, atoms, spins: tuple[int, int]):
     p = params["orbitals"][spin]
     h = one[:, start : start + n]  # [B, n, d]
     orb = h @ p["dense"]["w"] + p["dense"]["b"]  # [B, n, K n]
-    decay = jnp.exp(-r_ae[:, start : start + n, :, None] * p["sigma"])  # [B, n, A, K n]
+    if p["sigma"].ndim == 2:
+      decay = jnp.exp(-r_ae[:, start : start + n, :, None] * p["sigma"])  # [B, n, A, K n]
+    else:  # Per atom and orbital, |Σ_ak (r - R_a)|: [B, n, A, 3, K n] -> [B, n, A, K n].
+      scaled = jnp.einsum("bnai,ijak->bnajk", ae[:, start : start + n], p["sigma"])
+      decay = jnp.exp(-jnp.linalg.norm(scaled, axis=3))
     orb = orb * jnp.sum(decay * p["pi"], axis=2)
     orb = orb.reshape(orb.shape[:2] + (-1, n)).transpose(0, 2, 1, 3)  # [B, K, n, n]
     sign, logdet = jnp.linalg.slogdet(orb)
@@ -350,13 +364,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--walkers", type=int, default=128)
   parser.add_argument("--width", type=int, default=16, help="one-electron stream width")
+  parser.add_argument("--envelope", choices=("isotropic", "anisotropic"), default="isotropic")
   parser.add_argument("--fast", action="store_true", help="a tiny run, for tests")
   args = parser.parse_args(argv)
   system = SYSTEMS[args.system]
-  net = Net(one=args.width)
+  net = Net(one=args.width, envelope=args.envelope)
   steps, walkers = args.steps, args.walkers
   if args.fast:
-    net, steps, walkers = Net(one=8, two=4, layers=1, determinants=1), 6, 16
+    net = Net(one=8, two=4, layers=1, determinants=1, envelope=args.envelope)
+    steps, walkers = 6, 16
   out = train(
     system, net, args.optimizer, steps=steps, walkers=walkers, log_every=max(1, steps // 10)
   )

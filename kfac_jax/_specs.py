@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 import jax
 import numpy as np
 
-Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "conv_local", "generic"]
+Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "grouped_dense", "generic"]
 Approximation = Literal[
   "kron",
   "kron_in_diag",

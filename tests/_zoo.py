@@ -1046,7 +1046,7 @@ class LinenLocallyConnected(nn.Module):
 
 def locally_connected() -> Zoo:
   f, p, b = _linen(LinenLocallyConnected(), _images(jax.random.key(0)))
-  local = ("conv_local", "kron", ("ConvLocal_0/kernel", "ConvLocal_0/bias"))
+  local = ("grouped_dense", "kron", ("ConvLocal_0/kernel", "ConvLocal_0/bias"))
   return Zoo(f, p, b, [local, _conv("Conv_0"), _dense("Dense_0")])
 
 
@@ -1100,12 +1100,32 @@ class LinenGroupedLocal(nn.Module):
 
 def grouped_local() -> Zoo:
   f, p, b = _linen(LinenGroupedLocal(), _images(jax.random.key(0)))
-  local = ("conv_local", "kron", ("ConvLocal_0/kernel", "ConvLocal_0/bias"))
+  local = ("grouped_dense", "kron", ("ConvLocal_0/kernel", "ConvLocal_0/bias"))
   return Zoo(f, p, b, [local, _conv("Conv_0"), _conv("Conv_1"), _dense("Dense_0")])
+
+
+def vmc_ferminet_anisotropic() -> Zoo:
+  """The FermiNet-class wave function on LiH (two atoms) with FermiNet's anisotropic envelope,
+  `einsum("bnai,ijak->bnajk", r - R, sigma)`, `sigma: [3, 3, atoms, orbitals]`: a dense layer
+  per atom (a grouped dense layer, one Kronecker pair per atom)."""
+  from examples import vmc
+
+  system = vmc.SYSTEMS["LiH"]
+  net = vmc.Net(one=8, two=4, layers=2, determinants=2, envelope="anisotropic")
+  params = vmc.init_params(_key(0), system, net)
+  batch = {"r": vmc.init_walkers(_key(1), system, N), "atoms": jnp.asarray(system.atoms)}
+  dense = lambda prefix: ("dense", "kron", (f"{prefix}/w", f"{prefix}/b"))  # noqa: E731
+  expected = [dense("layers/0/one"), dense("layers/0/two"), dense("layers/1/one")]
+  for spin in ("down", "up"):
+    expected.append(dense(f"orbitals/{spin}/dense"))
+    expected.append(("scale_and_shift", "full", (f"orbitals/{spin}/pi",)))
+    expected.append(("grouped_dense", "kron", (f"orbitals/{spin}/sigma",)))
+  return Zoo(vmc.make_loss(system), params, batch, expected)
 
 
 STRUCTURE_MODELS = {
   "vmc_ferminet": vmc_ferminet,
+  "vmc_ferminet_anisotropic": vmc_ferminet_anisotropic,
   "haiku_mlp": haiku_mlp,
   "haiku_cnn": haiku_cnn,
   "equinox_mlp": equinox_mlp,

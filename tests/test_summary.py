@@ -342,7 +342,7 @@ def test_share_and_bytes_against_hand_computed_values():
   table = kfac_jax.summary(loss_fn, params, _batch())
   report = _report(table)
   assert report[0] == (
-    "layer blocks (dense, conv, embedding, scale-and-shift, conv-local) hold 15 of 18 "
+    "layer blocks (dense, conv, embedding, scale-and-shift, grouped-dense) hold 15 of 18 "
     "parameters (83.3%)"
   )
   assert report[1] == "curvature state: 292 B (4.06x the parameters' 72 B)"

@@ -7,8 +7,9 @@ into rows `x: [R, groups, in]` and `g: [S, R, groups, out]` (S sampled targets),
 a bias). Dense: the input as rows, M the kernel as [in, out]. Conv: input patches
 (`lax.conv_general_dilated_patches`, (channel, window) row-major), one row per example and
 output location, M the kernel reshaped alike. Embedding: the ids (one-hot rows, never built), M
-the table. Conv_local: one group per output location. Each layout declares its `kind` and the
-Kronecker approximations it supports; the Kronecker, diagonal and full blocks serve those.
+the table. Grouped dense: one group per output location or atom. Each layout declares its
+`kind` and the Kronecker approximations it supports; the Kronecker, diagonal and full blocks
+serve those.
 """
 
 from __future__ import annotations
@@ -225,15 +226,18 @@ class EmbeddingLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvLocalInfo:
-  """An unshared (locally connected) convolution, `out[n, p] = patch[n, p] @ K[p] (+ b[p])` at
-  every location p of a grid, as one `dot_general` batched over the grid (Flax's `ConvLocal`).
+class GroupedDenseInfo:
+  """A dense map per group, `out[n, p] = x[n, p] @ K[p] (+ b[p])` for every group p of a grid,
+  as one `dot_general` batched over the grid: an unshared convolution (Flax's `ConvLocal`, a
+  group per output location) or a per-atom envelope (a group per atom).
 
-  The kernel leaf is `[*grid, in, out]` (`kernel_view`: casts only), the bias `[*grid, out]`;
-  `x_perm` / `out_perm` order the patches / output as `[rows..., *grid, in]` / `[..., out]`.
+  The kernel leaf (after `kernel_view`: casts only) is transposed by `kernel_perm` to `[*grid,
+  in..., out...]` and read per group as `[in, out]`; the bias is `[*grid, out...]`; `x_perm` /
+  `out_perm` order the input / output as `[rows..., *grid, in...]` / `[rows..., *grid, out...]`.
   """
 
   kernel_view: tuple[_specs.ViewStep, ...]
+  kernel_perm: tuple[int, ...]
   grid: tuple[int, ...]
   in_dim: int
   out_dim: int
@@ -246,18 +250,18 @@ class ConvLocalInfo:
     return math.prod(self.grid)
 
 
-class ConvLocalLayout:
-  """A locally connected layer as one dense layer per output location (the groups, `M: [P,
-  in(+1), out]`): the curvature is block-diagonal over locations, each a dense K-FAC block."""
+class GroupedDenseLayout:
+  """One dense layer per group (`M: [P, in(+1), out]`): the curvature is block-diagonal over
+  the groups, each a dense K-FAC block from that group's inputs and output gradients."""
 
-  kind: ClassVar[Kind] = "conv_local"
-  info_type: ClassVar[type] = ConvLocalInfo
+  kind: ClassVar[Kind] = "grouped_dense"
+  info_type: ClassVar[type] = GroupedDenseInfo
   kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
   per_example: ClassVar[bool] = True
 
   def __init__(self, spec):
     self.spec = spec
-    self.info: ConvLocalInfo = spec.info
+    self.info: GroupedDenseInfo = spec.info
     self.groups = self.info.locations
     self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
 
@@ -266,15 +270,18 @@ class ConvLocalLayout:
 
   def to_matrix(self, vecs, dtype) -> Array:
     k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
-    return _with_bias(self, k.reshape(self.groups, self.in_dim, self.out_dim), vecs, dtype)
+    k = k.transpose(self.info.kernel_perm).reshape(self.groups, self.in_dim, self.out_dim)
+    return _with_bias(self, k, vecs, dtype)
 
   def from_matrix(self, m: Array) -> list[Array]:
+    perm = self.info.kernel_perm
     op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
-    return _kernel_and_bias(self, m[:, : self.in_dim].reshape(op_shape), m)
+    k = m[:, : self.in_dim].reshape(tuple(op_shape[d] for d in perm))
+    return _kernel_and_bias(self, k.transpose(np.argsort(perm)), m)
 
 
-Layout = DenseLayout | ConvLayout | EmbeddingLayout | ConvLocalLayout
-LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout, ConvLocalLayout)
+Layout = DenseLayout | ConvLayout | EmbeddingLayout | GroupedDenseLayout
+LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout, GroupedDenseLayout)
 _BY_INFO: dict[type, type[Layout]] = {lay.info_type: lay for lay in LAYOUTS}
 
 

@@ -4,7 +4,7 @@ The scanner, `LayerConfig` and `summary` read these records and nothing else abo
 blocks declare which `(kind, approximation)` pairs each block class serves (`Block.serves`), one
 block for every pair a record names. Adding a layer kind: its name in `Kind`, its record here
 with its matcher (on the helpers of `_matchers`; a small one sits beside its record, as
-`conv_local`'s does), and its layout in `blocks/_layouts.py` if its layers are products by a
+`grouped_dense`'s does), and its layout in `blocks/_layouts.py` if its layers are products by a
 parameter matrix (the Kronecker, diagonal and full blocks then serve it).
 """
 
@@ -25,7 +25,7 @@ from kfac_jax._specs import (
   Kind,
   ScaleShiftInfo,
 )
-from kfac_jax.blocks._layouts import ConvLocalInfo
+from kfac_jax.blocks._layouts import GroupedDenseInfo
 from kfac_jax.scan import _graph, _matchers, _matchers_embed, _stacked
 
 # The shared-layer approximations that model correlations between successive uses (the steps
@@ -112,57 +112,65 @@ def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | No
   return "diagonal", f"shift-only table {shape} ({what}): diagonal"
 
 
-def match_conv_local(ix, i, claimed):
-  """An unshared convolution (Flax's `nn.ConvLocal`, its block over `ConvLocalLayout`): input
-  patches `[rows..., *grid, in]` times a kernel leaf `[*grid, in, out]` whose leading axes are
-  the product's batch dimensions; then, optionally, the transpose that puts the rows first and
-  a bias `[*grid, out]`. A one-axis grid is taken first, as a stack of dense layers."""
+def match_grouped_dense(ix, i, claimed):
+  """A dense map per group: a `dot_general` of an activation with a kernel leaf (cast only)
+  whose batch dimensions are the groups, read per group as the `[in, out]` matrix of its
+  contracted then free axes. An unshared convolution (Flax's `nn.ConvLocal`: patches `[rows...,
+  *grid, in]` times `[*grid, in, out]`, one group per location) and a per-atom envelope
+  (`einsum("bnai,ijak->bnajk", r, sigma)`: the electron's vector to atom a times atom a's
+  matrices, one group per atom) are two. Then, optionally, the transpose that orders the output
+  as `[rows..., *groups, out...]` and a bias `[*groups, out...]`. A one-axis grid leading the
+  kernel is taken first, as a stack of dense layers."""
   found = _matchers.sole_param_operand(ix, i, "dot_general")
-  if found is None or found[1] != 1 or found[0] >= ix.n_params or found[0] in claimed:
+  if found is None or found[0] >= ix.n_params or found[0] in claimed:
     return None
-  k_leaf, fe = found[0], ix.g.eqns[i]
-  x_atom, k_atom = fe.ins
+  k_leaf, k_pos, fe = found[0], found[1], ix.g.eqns[i]
+  k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
   if any(s.op != "cast" for s in ix.origin[k_atom][1]):
     return None
-  k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], 1)
+  k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
   k_shape = tuple(_graph.aval_of(k_atom).shape)
   x_shape = tuple(_graph.aval_of(x_atom).shape)
   g = len(k_b)
-  if not g or k_b != tuple(range(g)) or k_c != (g,) or len(k_shape) != g + 2 or len(x_c) != 1:
-    return None
+  k_free = tuple(d for d in range(len(k_shape)) if d not in k_b and d not in k_c)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_b and d not in x_c)
-  if not x_free:
+  if not g or not k_c or not k_free or not x_free:
     return None
-  grid, n_free = k_shape[:g], len(x_free)
-  # The product's axes: the grid (batch dimensions), the rows (the patches' free axes), out.
-  labels = [("grid", d) for d in range(g)] + [("row", d) for d in range(n_free)] + [("out", 0)]
+  grid, n_free, n_out = tuple(k_shape[d] for d in k_b), len(x_free), len(k_free)
+  out_shape = tuple(k_shape[d] for d in k_free)
+  # The product's axes: the groups (batch dimensions), then the lhs's and the rhs's free axes.
+  rows = [("row", d) for d in range(n_free)]
+  outs = [("out", d) for d in range(n_out)]
+  labels = [("grid", d) for d in range(g)] + (rows + outs if k_pos == 1 else outs + rows)
   out_key = fe.outs[0]
   use = _matchers.only_consumer(ix, out_key)
   if use is not None and ix.g.eqns[use[0]].name == "transpose":
     t = ix.g.eqns[use[0]]
     labels = [labels[int(d)] for d in t.params["permutation"]]
     out_key = t.outs[0]
-  canonical = [("row", d) for d in range(n_free)] + [("grid", d) for d in range(g)] + [("out", 0)]
+  canonical = rows + [("grid", d) for d in range(g)] + outs
   leaves = [k_leaf]
-  # `[rows..., *grid, out]`: a single-use bias `[*grid, out]` (reshaped, cast) may follow.
+  # `[rows..., *groups, out...]`: a single-use bias `[*groups, out...]` (reshaped, cast) may
+  # follow.
   bias = _matchers.added_leaf(ix, out_key, claimed) if labels == canonical else None
   if (
     bias is not None
     and bias[0] < ix.n_params
-    and tuple(_graph.aval_of(bias[2]).shape) == (1,) * n_free + grid + (k_shape[-1],)
+    and tuple(_graph.aval_of(bias[2]).shape) == (1,) * n_free + grid + out_shape
     and all(s.op in ("cast", "reshape") for s in bias[1])
   ):
     leaves.append(bias[0])
     out_key = bias[3].outs[0]
-  info = ConvLocalInfo(
+  info = GroupedDenseInfo(
     kernel_view=tuple(ix.origin[k_atom][1]),
+    kernel_perm=tuple(k_b) + tuple(k_c) + k_free,
     grid=tuple(int(s) for s in grid),
-    in_dim=int(k_shape[g]),
-    out_dim=int(k_shape[-1]),
+    in_dim=int(np.prod([k_shape[d] for d in k_c])),
+    out_dim=int(np.prod(out_shape)),
     x_perm=x_free + tuple(x_b) + tuple(x_c),
     out_perm=tuple(labels.index(lab) for lab in canonical),
   )
-  return _matchers.Match.single("conv_local", leaves, info, out_key, (x_atom,))
+  return _matchers.Match.single("grouped_dense", leaves, info, out_key, (x_atom,))
 
 
 KINDS: dict[Kind, LayerKind] = {
@@ -219,10 +227,10 @@ KINDS: dict[Kind, LayerKind] = {
       default=_scale_shift_default,
     ),
     LayerKind(
-      name="conv_local",
-      info=ConvLocalInfo,
+      name="grouped_dense",
+      info=GroupedDenseInfo,
       approximations=(*_KRON, "diagonal", "full"),
-      matchers=(MatcherEntry("kernels", 5, match_conv_local),),
+      matchers=(MatcherEntry("kernels", 5, match_grouped_dense),),
       batch_rows=True,
     ),
     LayerKind(

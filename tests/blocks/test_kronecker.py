@@ -1223,7 +1223,7 @@ def _conv_local_model(n, approx=None, bias=True):
   def logits(p, b):
     return layer.apply({"params": p}, b["x"]).reshape(b["x"].shape[0], -1) @ proj
 
-  layers = kfac_jax.LayerConfig(defaults={"conv_local": approx}) if approx else None
+  layers = kfac_jax.LayerConfig(defaults={"grouped_dense": approx}) if approx else None
   return logits, params, batch, layers
 
 
@@ -1241,7 +1241,7 @@ def test_conv_local_is_found_as_one_layer_with_per_location_factors(x64):
     lambda p, b: _ce(logits(p, b), b["y"]), params, batch, strict=True
   ).layers
   ((spec,),) = [specs]
-  assert (spec.kind, spec.approx, spec.param_paths) == ("conv_local", "kron", ("kernel", "bias"))
+  assert (spec.kind, spec.approx, spec.param_paths) == ("grouped_dense", "kron", ("kernel", "bias"))
   # 16 locations, each a dense layer with 3·3·2 patch inputs (+ bias) and 3 outputs.
   assert spec.factor_shapes == ((16, 19, 19), (16, 3, 3))
 
@@ -1252,7 +1252,7 @@ def test_conv_local_kron_equals_per_location_fisher_for_one_example(x64, bias):
   # between locations are left out.
   logits, params, batch, _ = _conv_local_model(1, bias=bias)
   est, _, dense = _estimate(lambda p, b: _ce(logits(p, b), b["y"]), params, batch)
-  assert est.layers[0].kind == "conv_local" and est.layers[0].approx == "kron"
+  assert est.layers[0].kind == "grouped_dense" and est.layers[0].approx == "kron"
   exact = _exact_empirical(lambda p, b: _per_example_ce(logits(p, b), b["y"]), params, batch)
   loc = _location_of_each_parameter(params)
   same = loc[:, None] == loc[None, :]
@@ -1307,3 +1307,97 @@ def test_conv_local_kron_factors_by_definition(x64):
       dense[np.ix_(order, order)], np.kron(a_p[p], g_p[p]), rtol=1e-10, atol=1e-13
     )
   assert est.layers[0].factor_shapes == ((16, 19, 19), (16, 3, 3))
+
+
+# -- per-atom envelopes: a dense layer per atom (grouped dense) ----------------------------------
+
+_ATOMS, _ORBITALS, _ELECTRONS = 2, 2, 3
+
+
+def _envelope_model(n):
+  """FermiNet's anisotropic envelope: `sigma: [3, 3, atoms, orbitals]` applied to each
+  electron's vector to each atom, `einsum("bnai,ijak->bnajk", r - R, sigma)`, then
+  `exp(-|·|)` summed over electrons and atoms into the logits (sigma the only parameter)."""
+  k = jax.random.split(jax.random.key(21), 3)
+  eye = np.broadcast_to(np.eye(3)[:, :, None, None], (3, 3, _ATOMS, _ORBITALS))
+  params = {"sigma": eye + 0.3 * jax.random.normal(k[0], eye.shape, jnp.float64)}
+  ae = jax.random.normal(k[1], (n, _ELECTRONS, _ATOMS, 3), jnp.float64)
+  batch = {"ae": ae, "y": jax.random.randint(k[2], (n,), 0, _ORBITALS)}
+
+  def scaled(sigma, ae):
+    return jnp.einsum("bnai,ijak->bnajk", ae, sigma)  # [N, n, A, 3, K]
+
+  def logits_of(y):
+    return jnp.sum(jnp.exp(-jnp.linalg.norm(y, axis=3)), axis=(1, 2))  # [N, K]
+
+  def loss_fn(p, b):
+    return _ce(logits_of(scaled(p["sigma"], b["ae"])), b["y"])
+
+  return loss_fn, params, batch, scaled, logits_of
+
+
+def _envelope_by_hand(params, batch, scaled, logits_of):
+  """Per atom m: A_m = (1/R) Σ_r x_r x_rᵀ over the R = N·n (walker, electron) rows, x_r the
+  electron's vector to atom m; G_m = (1/N) Σ_r g_r g_rᵀ, g_r = ∂ℓ_n/∂y[n, i, m, :, :] (the
+  (j, k) outputs row-major); and the flat indices of atom m's kernel entries, (i, j, k)
+  row-major, the order of A_m ⊗ G_m."""
+  n = batch["ae"].shape[0]
+  y = scaled(params["sigma"], batch["ae"])
+  g = jax.grad(lambda yy: _per_example_ce(logits_of(yy), batch["y"]).sum())(y)
+  x = np.asarray(batch["ae"]).reshape(-1, _ATOMS, 3)
+  g = np.asarray(g).reshape(-1, _ATOMS, 3 * _ORBITALS)
+  a = np.einsum("rmi,rmj->mij", x, x) / x.shape[0]
+  gg = np.einsum("rmi,rmj->mij", g, g) / n
+  flat = np.arange(params["sigma"].size).reshape(params["sigma"].shape)
+  order = [flat[:, :, m, :].reshape(-1) for m in range(_ATOMS)]
+  return a, gg, order
+
+
+def test_envelope_is_one_kronecker_pair_per_atom_by_definition(x64):
+  loss_fn, params, batch, scaled, logits_of = _envelope_model(4)
+  est, _, dense = _estimate(loss_fn, params, batch)
+  ((spec,),) = [est.layers]
+  assert (spec.kind, spec.approx) == ("grouped_dense", "kron")
+  assert spec.factor_shapes == ((_ATOMS, 3, 3), (_ATOMS, 3 * _ORBITALS, 3 * _ORBITALS))
+  a, g, order = _envelope_by_hand(params, batch, scaled, logits_of)
+  want = np.zeros_like(dense)
+  for m in range(_ATOMS):
+    want[np.ix_(order[m], order[m])] = np.kron(a[m], g[m])
+  assert np.abs(a[0] - a[1]).max() > 1e-3  # Each atom's factors are its own.
+  np.testing.assert_allclose(dense, want, rtol=1e-10, atol=1e-13)
+
+
+def test_envelope_preconditioned_gradient_by_definition(x64):
+  # Per atom, (A_m + π_m√λ I)⁻¹ ⊗ (G_m + √λ/π_m I)⁻¹ on atom m's kernel entries, with
+  # π_m = sqrt((tr A_m / 3) / (tr G_m / 3K)) (factored damping, per atom).
+  loss_fn, params, batch, scaled, logits_of = _envelope_model(4)
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+  )
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  lam = 1e-2
+  state = est.update_inverses(state, lam)
+  grads = jax.grad(loss_fn)(params, batch)
+  got = np.asarray(est.multiply_matpower(state, grads, exp=-1)["sigma"]).reshape(-1)
+  a, g, order = _envelope_by_hand(params, batch, scaled, logits_of)
+  flat_grad, want = np.asarray(grads["sigma"]).reshape(-1), np.zeros(params["sigma"].size)
+  for m in range(_ATOMS):
+    pi = np.sqrt((np.trace(a[m]) / 3) / (np.trace(g[m]) / (3 * _ORBITALS)))
+    a_l = a[m] + pi * np.sqrt(lam) * np.eye(3)
+    g_l = g[m] + np.sqrt(lam) / pi * np.eye(3 * _ORBITALS)
+    want[order[m]] = np.linalg.solve(np.kron(a_l, g_l), flat_grad[order[m]])
+  np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_envelope_full_block_equals_exact_fisher(x64):
+  # The per-example gradients rebuilt from the per-atom rows (`approx="full"`) are jax's.
+  loss_fn, params, batch, scaled, logits_of = _envelope_model(3)
+  layers = kfac_jax.LayerConfig(defaults={"grouped_dense": "full"})
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
+  )
+  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  assert est.layers[0].approx == "full"
+  per_example = lambda p, b: _per_example_ce(logits_of(scaled(p["sigma"], b["ae"])), b["y"])  # noqa: E731
+  exact = _exact_empirical(per_example, params, batch)
+  np.testing.assert_allclose(np.asarray(est.to_dense(state)), exact, rtol=1e-10, atol=1e-13)
