@@ -61,7 +61,7 @@ class LayerConfig:
 
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
-    ...                               overrides={"params/head/*": "kron"})
+    ...                               overrides={"params/Dense_1/*": "kron"})
     >>> reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers)
     >>> tx = kfac_jax.scale_by_kfac(registration=reg)
   """
