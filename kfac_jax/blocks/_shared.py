@@ -63,18 +63,7 @@ class SeriesKroneckerBlock(Block):
   def __init__(self, spec, config):
     self.spec = spec
     self.config = config
-    if config.damping_mode != "factored":
-      raise ValueError(
-        f"layer `{spec.name}`: approximation {spec.approx!r} needs damping_mode='factored', "
-        f"got {config.damping_mode!r}."
-      )
-    bad = [e for e in config.exps if e not in (-1, 1)]
-    if bad:
-      raise ValueError(
-        f"layer `{spec.name}`: approximation {spec.approx!r} defines only the powers -1 and 1 "
-        f"(F = K diag(ζ) Kᵀ with K not orthogonal), got exps={config.exps}. Use exps=(-1,), "
-        'or approx="kron_indep" for other powers.'
-      )
+    _uses.check_factored_powers(spec, config, " (F = K diag(ζ) Kᵀ with K not orthogonal)")
     self.layouts = _uses.use_layouts(spec)
     self.layout = self.layouts[0][0]
 

@@ -67,17 +67,7 @@ class KroneckerSumBlock(LayoutBlock):
   def __init__(self, spec, config):
     self.spec = spec
     self.config = config
-    if config.damping_mode != "factored":
-      raise ValueError(
-        f"layer `{spec.name}`: approximation 'kron_terms' needs damping_mode='factored', got "
-        f"{config.damping_mode!r}."
-      )
-    bad = [e for e in config.exps if e not in (-1, 1)]
-    if bad:
-      raise ValueError(
-        f"layer `{spec.name}`: approximation 'kron_terms' defines only the powers -1 and 1, "
-        f'got exps={config.exps}. Use exps=(-1,), or approx="kron_indep" for other powers.'
-      )
+    _uses.check_factored_powers(spec, config)
     self.terms = term_of_uses(spec)
     if sorted(set(self.terms)) != [0, 1]:
       raise ValueError(

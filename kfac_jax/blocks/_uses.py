@@ -109,3 +109,20 @@ def indep_factors(spec, data, batch_size: int, dtype) -> KroneckerFactors:
       c = jnp.where(ok, jnp.sqrt(jnp.where(ok, ty, 1.0) / jnp.where(ok, tx, 1.0)), 1.0)
       xs[u], ys[u] = xs[u] * c, ys[u] / c
   return KroneckerFactors(a=sum(xs) / len(xs), g=sum(ys))
+
+
+def check_factored_powers(spec, config, note: str = "") -> None:
+  """ValueError unless `config` asks a block that sums Kronecker products (a series over uses,
+  one product per loss term) for what it defines: factored damping and the powers -1 and 1
+  (`note`: why, appended to the message)."""
+  if config.damping_mode != "factored":
+    raise ValueError(
+      f"layer `{spec.name}`: approximation {spec.approx!r} needs damping_mode='factored', "
+      f"got {config.damping_mode!r}."
+    )
+  if any(e not in (-1, 1) for e in config.exps):
+    raise ValueError(
+      f"layer `{spec.name}`: approximation {spec.approx!r} defines only the powers -1 and 1"
+      f'{note}, got exps={config.exps}. Use exps=(-1,), or approx="kron_indep" for other '
+      "powers."
+    )
