@@ -319,8 +319,11 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   fn = run
   for name in axis_names:  # Collectives over a bound axis of size 1.
     fn = _bound(fn, name)
+  # Traced as one program: under `ensure_compile_time_eval` every operation on the graph's
+  # constants would run (and compile) on its own. Only the call runs eagerly, so that inside an
+  # enclosing trace the numbers are concrete.
+  compiled = jax.jit(fn).lower(flat, probes).compile(_COMPILER_OPTIONS)
   with jax.ensure_compile_time_eval():
-    compiled = jax.jit(fn).lower(flat, probes).compile(_COMPILER_OPTIONS)
     g_loss, h_loss, h_tag, g_tag = compiled(flat, probes)
   out: list = [None] * len(scan.losses)
   for n, i in enumerate(live):
