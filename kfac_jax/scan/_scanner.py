@@ -354,6 +354,11 @@ class _Scanner:
     specs = _stacked.merge(ix, specs, claimed, self.claim)  # No virtual leaf is left after this.
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
+    # Leaves no layer covers that a `LayerConfig.blocks` pattern names: a generic layer each.
+    for j in range(ix.n_params):
+      if j not in claimed and self.layer_config.block_for((ix.paths[j],))[0] is not None:
+        specs.append((self.layer_spec("generic", (j,), None, "diagonal", "config"), None, None))
+        self.claim(claimed, (j,), ix.paths[j])
     uncovered = [j for j in range(ix.n_params) if j not in claimed]
     reasons = [fallback_reason(ix, j) for j in uncovered]
     if self.problems is not None:
@@ -377,7 +382,30 @@ class _Scanner:
     for j, reason in zip(uncovered, reasons):
       spec = self.layer_spec("generic", (j,), None, "diagonal", "fallback")
       specs.append((dataclasses.replace(spec, info=FallbackInfo(reason)), None, None))
-    return specs
+    return self._user_blocks(specs)
+
+  def _user_blocks(self, specs):
+    """Each layer a `LayerConfig.blocks` pattern matches, with the user's block (also on the
+    spec its wrapper computes with: one layer of a stack, the layer on concatenations)."""
+    used = set()
+    out = []
+    for spec, outs, ins in specs:
+      cls, pattern = self.layer_config.block_for((spec.name,) + tuple(spec.param_paths))
+      if cls is not None:
+        used.add(pattern)
+        spec = with_block(spec, cls, f"block {cls.__name__} (LayerConfig.blocks[{pattern!r}])")
+      out.append((spec, outs, ins))
+    n = self.ix.n_params
+    for pattern in self.layer_config.blocks:
+      if pattern not in used:
+        self._pattern_problem(
+          f"LayerConfig.blocks: pattern {pattern!r} matches no layer name or parameter path, "
+          f"or only layers an earlier pattern took (paths: {self.ix.paths[: min(8, n)]}"
+          f"{' ...' if n > 8 else ''})"
+        )
+    if self.problems:
+      raise RegistrationCheckError(self.problems)
+    return out
 
   def _accept(self, match: _matchers.Match, claimed, approx=None, source="auto"):
     """`(spec, output key(s), inputs)` of a match, its leaves claimed."""
@@ -710,6 +738,24 @@ class _Scanner:
     spec = dataclasses.replace(spec, block_size=size)
     note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
     return dataclasses.replace(spec, note=note)
+
+
+def with_block(spec: LayerSpec, cls, note: str) -> LayerSpec:
+  """`spec` (and the spec its wrapper computes with) computed by the user's block `cls`."""
+  if spec.stack_inner is not None:
+    spec = dataclasses.replace(spec, stack_inner=with_block(spec.stack_inner, cls, note))
+  if spec.logical is not None:
+    spec = dataclasses.replace(spec, logical=with_block(spec.logical, cls, note))
+  shapes = cls.factor_shapes_for(spec.stack_inner or spec.logical or spec)
+  if not (
+    isinstance(shapes, tuple)
+    and all(isinstance(s, tuple) and all(isinstance(d, int) for d in s) for s in shapes)
+  ):
+    raise RegistrationError(
+      f"layer `{spec.name}`: {cls.__name__}.factor_shapes_for returns {shapes!r}; it must "
+      "return a tuple of shapes (tuples of ints), one per factor."
+    )
+  return sized(dataclasses.replace(spec, block=cls, note=note))
 
 
 def sized(spec: LayerSpec) -> LayerSpec:
