@@ -253,3 +253,67 @@ def test_factors_are_float64_under_x64(x64):
   _, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
   floats = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
   assert floats and all(x.dtype == jnp.float64 for x in floats)
+
+
+# -- complex log psi: the Fisher of the complex mean, Re E[conj(J)ᵀ J] ---------------------
+
+
+def _complex_log_psi(p, r):
+  """psi = u + i v from a two-output network: log psi = log|psi| + i arg psi."""
+  out = jnp.tanh(r @ p["w1"] + p["b1"]) @ p["w2"]
+  return jnp.log(jax.lax.complex(out[:, 0], out[:, 1]))
+
+
+def test_complex_log_psi_gives_the_exact_fisher(x64):
+  k = jax.random.split(jax.random.key(3), 4)
+  params = {
+    "w1": jax.random.normal(k[0], (D, H)),
+    "b1": 0.1 * jax.random.normal(k[1], (H,)),
+    "w2": jax.random.normal(k[2], (H, 2)),
+  }
+  batch = {"r": jax.random.normal(k[3], (N, D))}
+
+  def curvature_fn(p, b):
+    kfac_jax.register_normal_predictive_distribution(_complex_log_psi(p, b["r"])[:, None])
+
+  def energy(p, b):  # Only the gradient's source; the curvature is log psi's.
+    return jnp.mean(jnp.abs(_complex_log_psi(p, b["r"])) ** 2)
+
+  reg = kfac_jax.Registration(
+    energy,
+    params,
+    batch,
+    estimation_mode="exact",
+    curvature_fn=curvature_fn,
+    layers=kfac_jax.LayerConfig(defaults={"dense": "full"}),
+  )
+  assert [(s.kind, s.approx) for s in reg.layers] == [("dense", "full")] * 2
+  est = kfac_jax.CurvatureEstimator(reg)
+  update = lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0)  # noqa: E731
+  dense = np.asarray(jax.jit(lambda s: est.to_dense(update(s)))(est.init(params)))
+  # Reference: (1/N) Σ_n Re(J_n^H J_n) / var, var = 0.5, J = ∂ log psi / ∂θ.
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  jr, ji = (
+    np.asarray(
+      jax.jit(jax.jacobian(lambda v: part(_complex_log_psi(unravel(v), batch["r"]))))(flat)
+    )
+    for part in (jnp.real, jnp.imag)
+  )
+  j = jr + 1j * ji
+  fisher = np.real(j.conj().T @ j) / N / 0.5
+  mask = np.zeros_like(fisher, bool)
+  sizes = np.cumsum([0] + [x.size for x in jax.tree_util.tree_leaves(params)])
+  leaf = {p: i for i, p in enumerate(reg.param_paths)}
+  for s in reg.layers:
+    idx = np.concatenate([np.arange(sizes[leaf[q]], sizes[leaf[q] + 1]) for q in s.param_paths])
+    mask[np.ix_(idx, idx)] = True
+  np.testing.assert_allclose(dense, fisher * mask, rtol=1e-10, atol=1e-12)
+  # The phase counts: the Fisher of log|psi| alone (FermiNet's real-part tag) differs.
+  assert np.abs((jr.T @ jr / N / 0.5 - fisher) * mask).max() > 1e-2
+
+
+def test_complex_mean_targets_must_match():
+  z = jnp.ones((4, 1), jnp.complex64)
+  with pytest.raises(ValueError, match=r"`targets` has shape \(4,\), expected \(4, 1\)"):
+    kfac_jax.register_normal_predictive_distribution(z, jnp.ones((4,), jnp.complex64))
+
