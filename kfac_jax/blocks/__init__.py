@@ -97,6 +97,22 @@ def make_block(spec, config: BlockConfig) -> Block:
   return block
 
 
+def check_class(cls, where: str) -> None:
+  """TypeError unless `cls` is a concrete `Block` subclass a layer can use (`where` names the
+  `LayerConfig.blocks` entry)."""
+  if not (isinstance(cls, type) and issubclass(cls, Block)):
+    raise TypeError(
+      f"{where} must be a subclass of kfac_jax.Block, got {cls!r}; write a class with "
+      "factor_shapes_for, init_factors, batch_factors, init_cache, compute_cache and "
+      "multiply_matpower (see kfac_jax.Block)."
+    )
+  if cls in (ConcatBlock, StackedBlock):
+    raise TypeError(f"{where}: {cls.__name__} wraps another block; name the block it wraps.")
+  missing = sorted(getattr(cls, "__abstractmethods__", ()))
+  if missing:
+    raise TypeError(f"{where}: {cls.__name__} does not implement {missing} (see kfac_jax.Block).")
+
+
 def tree_shapes(tree) -> tuple:
   """`tree`'s structure and its leaves' `(shape, dtype)`, for comparing two pytrees."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -176,6 +192,7 @@ __all__ = [
   "batched_factorisations",
   "block_class",
   "blocked_note",
+  "check_class",
   "check_user_block",
   "tree_shapes",
   "compute_caches",

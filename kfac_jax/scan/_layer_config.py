@@ -17,8 +17,6 @@ import fnmatch
 import types
 from collections.abc import Mapping, Sequence
 
-from kfac_jax import blocks as _blocks
-from kfac_jax.blocks import Block
 from kfac_jax.scan import _kinds
 from kfac_jax.scan._kinds import Approximation
 
@@ -66,8 +64,9 @@ class LayerConfig:
       approximation (the layer's `approx` is kept in its spec, for reading). A pattern may also
       name parameters no layer covers, which then form one generic layer per leaf with the
       user's block instead of the diagonal fallback. Every pattern must match some layer or
-      parameter; each class is checked when the estimator builds its blocks (shapes of its
-      state and products, through `jax.eval_shape`), before any state exists.
+      parameter. Each class is checked by the registration (a `kfac_jax.Block` subclass
+      implementing its abstract methods) and when the estimator builds its blocks (shapes of
+      its state and products, through `jax.eval_shape`), before any state exists.
 
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
@@ -82,7 +81,7 @@ class LayerConfig:
   max_factor_dim: int | None = MAX_FACTOR_DIM
   block_size: int | None = BLOCK_SIZE
   block_sizes: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
-  blocks: Mapping[str, type[Block]] = dataclasses.field(default_factory=dict)
+  blocks: Mapping[str, type] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     kinds = _kinds.KINDS
@@ -140,7 +139,10 @@ class LayerConfig:
     object.__setattr__(self, "linked", types.MappingProxyType(groups))
     object.__setattr__(self, "block_sizes", block_sizes)
     for pattern, cls in blocks.items():
-      check_block_class(cls, f"LayerConfig.blocks[{pattern!r}]")
+      if not isinstance(cls, type):  # The scanner checks the class (`blocks.check_class`).
+        raise TypeError(
+          f"LayerConfig.blocks[{pattern!r}] must be a subclass of kfac_jax.Block, got {cls!r}."
+        )
     object.__setattr__(self, "blocks", blocks)
 
   def _key(self) -> tuple:
@@ -153,7 +155,7 @@ class LayerConfig:
   def __eq__(self, other):
     return isinstance(other, LayerConfig) and self._key() == other._key()
 
-  def block_for(self, names: Sequence[str]) -> tuple[type[Block] | None, str | None]:
+  def block_for(self, names: Sequence[str]) -> tuple[type | None, str | None]:
     """`(class, pattern)` of the first `blocks` pattern matching a layer with these names (its
     name and parameter paths), or `(None, None)`."""
     for pattern, cls in self.blocks.items():
@@ -172,22 +174,6 @@ class LayerConfig:
 def _check_size(name: str, value, none: str) -> None:
   if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
     raise ValueError(f"LayerConfig.{name} must be a positive int or None ({none}), got {value!r}.")
-
-
-def check_block_class(cls, where: str) -> None:
-  """TypeError unless `cls` is a concrete `Block` subclass a layer can use (`where` names the
-  entry)."""
-  if not (isinstance(cls, type) and issubclass(cls, Block)):
-    raise TypeError(
-      f"{where} must be a subclass of kfac_jax.Block, got {cls!r}; write a class with "
-      "factor_shapes_for, init_factors, batch_factors, init_cache, compute_cache and "
-      "multiply_matpower (see kfac_jax.Block)."
-    )
-  if cls in (_blocks.ConcatBlock, _blocks.StackedBlock):
-    raise TypeError(f"{where}: {cls.__name__} wraps another block; name the block it wraps.")
-  missing = sorted(getattr(cls, "__abstractmethods__", ()))
-  if missing:
-    raise TypeError(f"{where}: {cls.__name__} does not implement {missing} (see kfac_jax.Block).")
 
 
 def check(layers) -> LayerConfig:

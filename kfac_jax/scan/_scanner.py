@@ -111,6 +111,8 @@ def scan(
       parameters outside any recognised layer.
   """
   layers = _layer_config.check(layers)
+  for pattern, cls in layers.blocks.items():
+    _blocks.check_class(cls, f"LayerConfig.blocks[{pattern!r}]")
   paths = param_paths(params)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   for path, leaf in zip(paths, leaves):

@@ -188,8 +188,14 @@ def test_bad_blocks_are_named_before_any_state():
   params, batch = _data()
   with pytest.raises(TypeError, match=r"LayerConfig.blocks\['hidden/\*'\] must be a subclass"):
     kfac_jax.LayerConfig(blocks={"hidden/*": "full"})
+  with pytest.raises(TypeError, match=r"LayerConfig.blocks\['hidden/\*'\] must be a subclass"):
+    kfac_jax.Registration(
+      _loss, params, batch, layers=kfac_jax.LayerConfig(blocks={"hidden/*": int})
+    )
   with pytest.raises(TypeError, match=r"_Abstract does not implement \['batch_factors'"):
-    kfac_jax.LayerConfig(blocks={"hidden/*": _Abstract})
+    kfac_jax.Registration(
+      _loss, params, batch, layers=kfac_jax.LayerConfig(blocks={"hidden/*": _Abstract})
+    )
   with pytest.raises(kfac_jax.RegistrationError, match=r"blocks: pattern 'nothing/\*' matches"):
     kfac_jax.Registration(
       _loss, params, batch, layers=kfac_jax.LayerConfig(blocks={"nothing/*": FullFisher})
