@@ -317,3 +317,58 @@ def test_complex_mean_targets_must_match():
   with pytest.raises(ValueError, match=r"`targets` has shape \(4,\), expected \(4, 1\)"):
     kfac_jax.register_normal_predictive_distribution(z, jnp.ones((4,), jnp.complex64))
 
+
+# -- loss tags in a custom_vjp's fwd or bwd ------------------------------------------------
+
+
+def _energy_vjp(where: str):
+  """The VMC energy as a custom_vjp: fwd saves log psi, bwd gives the VMC gradient; the
+  curvature's tag in fwd or in bwd (on the saved log psi)."""
+
+  @jax.custom_vjp
+  def energy(p, r):
+    return jnp.mean(_local_energy(p, r))
+
+  def fwd(p, r):
+    e_l = _local_energy(p, r)
+    lp = _log_psi(p, r)
+    if where == "fwd":
+      kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    return jnp.mean(e_l), (p, r, e_l, lp)
+
+  def bwd(res, ct):
+    p, r, e_l, lp = res
+    if where == "bwd":
+      kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    _, pull = jax.vjp(lambda q: _log_psi(q, r), p)
+    (g,) = pull(2.0 * ct * (e_l - jnp.mean(e_l)) / e_l.shape[0])
+    return g, jnp.zeros_like(r)
+
+  energy.defvjp(fwd, bwd)
+  return lambda p, b: energy(p, b["r"])
+
+
+@pytest.mark.parametrize("where", ["fwd", "bwd"])
+def test_tag_in_custom_vjp_equals_curvature_fn(x64, where):
+  params, batch = _vmc_data()
+  loss_fn = _energy_vjp(where)
+  in_rule = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  apart = kfac_jax.Registration(
+    _energy_rule(False), params, batch, estimation_mode="exact", curvature_fn=_log_psi_tagged
+  )
+  assert in_rule.separate_loss and in_rule.fingerprint == apart.fingerprint
+
+  @jax.jit
+  def step():
+    out = []
+    for reg in (in_rule, apart):
+      tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, ema_decay=0.0, inverse_every=1)
+      loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch)
+      out.append((loss, grads, tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]))
+    return out
+
+  (loss, grads, updates), (want_loss, want_grads, want_updates) = step()
+  _close(loss, want_loss)
+  _close(grads, want_grads)  # The bwd's VMC gradient, as the custom_jvp rule's.
+  _close(grads, jax.grad(loss_fn)(params, batch))
+  _close(updates, want_updates)
