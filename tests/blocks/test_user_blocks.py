@@ -217,3 +217,39 @@ def test_bad_blocks_are_named_before_any_state():
 
   with pytest.raises(ValueError, match=r"layer `hidden`: batch_factors of the block _WrongSt"):
     jax.eval_shape(step)
+
+
+def test_user_block_on_a_scanned_stack(x64):
+  """A stack of layers sliced by a scan: the user's block is vmapped over the layers, and
+  equals the library's "full" block layer by layer."""
+  n_layers = 3
+  k = jax.random.split(jax.random.key(1), 3)
+  params = {
+    "stack": {"w": 0.5 * jax.random.normal(k[0], (n_layers, H, H))},
+    "out": {"w": jax.random.normal(k[1], (H, K))},
+  }
+  batch = {"x": jax.random.normal(k[2], (N, H)), "y": jnp.zeros((N, K))}
+
+  def loss_fn(p, b):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["stack"]["w"])
+    z = h @ p["out"]["w"]
+    kfac_jax.register_normal_predictive_distribution(z, b["y"])
+    return jnp.mean(jnp.sum((z - b["y"]) ** 2, -1))
+
+  out = []
+  for layers in ({"blocks": {"stack/*": FullFisher}}, {"overrides": {"stack/*": "full"}}):
+    reg = kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="exact", layers=kfac_jax.LayerConfig(**layers)
+    )
+    tx = kfac_jax.scale_by_kfac(registration=reg, damping=DAMPING, ema_decay=0.0, inverse_every=1)
+
+    @jax.jit
+    def step(reg=reg, tx=tx):
+      _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch)
+      return tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]
+
+    out.append(step()["stack"])
+    (stack,) = [s for s in reg.layers if s.name == "stack"]
+    assert stack.stack_size == n_layers
+    assert stack.block is (FullFisher if "blocks" in layers else None)
+  _close(out[0], out[1])

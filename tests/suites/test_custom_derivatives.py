@@ -312,10 +312,20 @@ def test_complex_log_psi_gives_the_exact_fisher(x64):
   assert np.abs((jr.T @ jr / N / 0.5 - fisher) * mask).max() > 1e-2
 
 
-def test_complex_mean_targets_must_match():
-  z = jnp.ones((4, 1), jnp.complex64)
+def test_complex_mean_tags_its_parts():
+  z = jax.lax.complex(jnp.arange(4.0).reshape(4, 1), -jnp.ones((4, 1)))
+  t, w = z + 1j, jnp.full((4, 1), 2.0)
+  jaxpr, out = jax.make_jaxpr(
+    lambda z: kfac_jax.register_normal_predictive_distribution(z, t, weight=w), return_shape=True
+  )(z)
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "kfac_loss_tag"]
+  assert [v.aval.shape for v in eqn.invars] == [(4, 1, 2), (4, 1, 2), (4, 1, 1)]
+  assert out.shape == (4, 1) and out.dtype == z.dtype
+  np.testing.assert_array_equal(kfac_jax.register_normal_predictive_distribution(z), z)
   with pytest.raises(ValueError, match=r"`targets` has shape \(4,\), expected \(4, 1\)"):
     kfac_jax.register_normal_predictive_distribution(z, jnp.ones((4,), jnp.complex64))
+  with pytest.raises(ValueError, match=r"`weight` of shape \(4,\) does not broadcast"):
+    kfac_jax.register_normal_predictive_distribution(z, weight=jnp.ones(4))
 
 
 # -- loss tags in a custom_vjp's fwd or bwd ------------------------------------------------
