@@ -156,8 +156,11 @@ class Block(abc.ABC):
     return self.factor_shapes_for(self.spec)
 
   def group_key(self) -> tuple:
-    """Blocks with equal keys have identically shaped state and are batched with vmap."""
-    return (type(self).__name__, self.factor_shapes, self.spec.approx)
+    """Blocks with equal keys have identically shaped state and are batched with vmap: one
+    `compute_cache` call, the group's first block's, over their stacked factors. The default,
+    (class, factor shapes, approximation), fits a `compute_cache` that reads nothing else of
+    `spec`; a user's block whose refresh does overrides this."""
+    return (type(self), self.factor_shapes, self.spec.approx)
 
   def accepts_stacked_uses(self) -> bool:
     """Whether `batch_factors` takes a `StackedUses` (else it gets the unstacked uses)."""

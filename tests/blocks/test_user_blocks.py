@@ -253,3 +253,26 @@ def test_user_block_on_a_scanned_stack(x64):
     assert stack.stack_size == n_layers
     assert stack.block is (FullFisher if "blocks" in layers else None)
   _close(out[0], out[1])
+
+
+def test_blocks_of_two_classes_are_not_batched_together():
+  """Equal factor shapes and a shared class name: still two groups (one `compute_cache` call
+  per class), so neither layer is refreshed by the other's rule."""
+  k = jax.random.split(jax.random.key(5), 3)
+  params = {
+    "hidden": {"w": jax.random.normal(k[0], (H, H))},
+    "out": {"w": jax.random.normal(k[1], (H, H))},
+  }
+  batch = {"x": jax.random.normal(k[2], (N, H)), "y": jnp.zeros((N, H))}
+
+  def loss_fn(p, b):
+    z = jnp.tanh(b["x"] @ p["hidden"]["w"]) @ p["out"]["w"]
+    kfac_jax.register_normal_predictive_distribution(z, b["y"])
+    return jnp.mean(jnp.sum((z - b["y"]) ** 2, axis=-1))
+
+  other = type("FullFisher", (FullFisher,), {})
+  layers = kfac_jax.LayerConfig(blocks={"hidden/*": FullFisher, "out/*": other})
+  reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+  a, b = kfac_jax.CurvatureEstimator(reg).blocks
+  assert (type(a), type(b)) == (FullFisher, other) and a.factor_shapes == b.factor_shapes
+  assert a.group_key() != b.group_key()
