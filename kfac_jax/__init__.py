@@ -44,6 +44,7 @@ from kfac_jax._tags import (
   register_squared_error_loss,
 )
 from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
+from kfac_jax.blocks import Block, BlockConfig
 from kfac_jax.scan import (
   LayerConfig,
   LayerSpec,
@@ -66,6 +67,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+  "Block",
+  "BlockConfig",
   "Config",
   "CurvatureEstimator",
   "CurvatureStats",

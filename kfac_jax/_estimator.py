@@ -266,8 +266,18 @@ class CurvatureEstimator:
       if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
         d = d.unstack()
       if b.needs_cache_for_statistics and cache is not None:
-        return b.batch_factors(d, stats.batch_size, cache=self.storage.block_cache(cache, n))
-      return b.batch_factors(d, stats.batch_size)
+        out = b.batch_factors(d, stats.batch_size, cache=self.storage.block_cache(cache, n))
+      else:
+        out = b.batch_factors(d, stats.batch_size)
+      if b.spec.block is not None:  # A user's block: its statistics fit its factors.
+        got, want = (_blocks.tree_shapes(t) for t in (out, jax.eval_shape(b.init_factors)))
+        if (got[0], [s for s, _ in got[1]]) != (want[0], [s for s, _ in want[1]]):
+          raise ValueError(
+            f"layer `{n}`: batch_factors of the block {type(b).__name__} (LayerConfig.blocks) "
+            f"returns {got}, but init_factors returns {want}; they must have the same "
+            "structure and shapes."
+          )
+      return out
 
     data = [stats.data[i] for i in self._active]
     # The factors contract over the (possibly sharded) batch axis: on a mesh with explicit axes

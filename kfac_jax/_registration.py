@@ -196,8 +196,9 @@ class Registration:
       gradient are `jax.value_and_grad(loss_fn)`'s (custom derivatives kept), so every step
       runs `loss_fn`'s and `curvature_fn`'s forward passes. `loss_fn` then needs no tag, and
       the loss audit does not apply. A `loss_fn` whose tags sit in a `jax.custom_jvp` rule
-      (FermiNet's loss) is treated the same way without this argument: the rule, run with
-      zero tangents, is its curvature function.
+      (FermiNet's loss), or in a `jax.custom_vjp`'s fwd or bwd, is treated the same way
+      without this argument: the rule, run with zero tangents (a custom_vjp's fwd, then its
+      bwd on zero cotangents), is its curvature function.
 
   Attributes:
     layers: the registered layers (a tuple of `LayerSpec`), in parameter order: each names the
@@ -220,7 +221,7 @@ class Registration:
     loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
       check_loss, curvature_fn: the settings it was built with.
     separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom_jvp
-      rule): its value and gradient come from `loss_fn` itself.
+      rule or a custom_vjp's fwd or bwd): its value and gradient come from `loss_fn` itself.
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.

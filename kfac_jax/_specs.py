@@ -249,6 +249,8 @@ class LayerSpec:
       of the output; empty when each layer has its own tap (a scan).
     block_size: the largest factor side a Kronecker block keeps whole (wider sides are kept as
       diagonal blocks of at most this size; `LayerConfig.block_size`); None: every side whole.
+    block: the user's block class that computes this layer (`LayerConfig.blocks`), or None for
+      the library's block of `(kind, approx)`.
   """
 
   name: str
@@ -269,6 +271,7 @@ class LayerSpec:
   stack_inner: LayerSpec | None = None
   stack_axes: tuple[int, ...] = ()
   block_size: int | None = None
+  block: Any = None
 
   @property
   def multi_tap(self) -> bool:

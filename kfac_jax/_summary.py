@@ -174,7 +174,7 @@ def format_table(
         s.name,
         kind + ("" if s.source == "auto" else f" ({s.source})"),
         str(s.num_uses),
-        s.approx,
+        s.approx if s.block is None else s.block.__name__,
         _relative_paths(s.param_paths),
         shapes,
         format_bytes(nbytes),

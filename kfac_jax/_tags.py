@@ -66,6 +66,8 @@ def _check_array(value: Any, arg: str, fn: str) -> Array:
 
 def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float = 1.0) -> Array:
   prediction = _check_array(prediction, "prediction", fn)
+  if kind == "normal" and jnp.iscomplexobj(prediction):
+    return _bind_complex_normal(fn, prediction, targets, weight, var)
   if not jnp.issubdtype(prediction.dtype, jnp.floating):
     raise TypeError(f"{fn}: the prediction must be floating point, got dtype {prediction.dtype}.")
   if prediction.ndim < 1:
@@ -117,6 +119,33 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
   )[0]
 
 
+def _bind_complex_normal(fn: str, prediction, targets, weight, var: float) -> Array:
+  """A complex mean `z` as the normal of its parts `[..., 2] = (Re z, Im z)`, each with
+  variance `var`: for real parameters its Fisher is `Re E[conj(J)ᵀ J] / var`, J = ∂z/∂θ.
+  Returns `z` (rebuilt from the tagged parts)."""
+  parts = lambda z: jnp.stack([jnp.real(z), jnp.imag(z)], axis=-1)  # noqa: E731
+  if targets is not None:
+    targets = _check_array(targets, "targets", fn)
+    if targets.shape != prediction.shape:
+      raise ValueError(
+        f"{fn}: `targets` has shape {targets.shape}, expected {prediction.shape} (the complex "
+        "mean's)."
+      )
+    targets = parts(targets)
+  if weight is not None and not isinstance(weight, (int, float)):
+    weight = _check_array(weight, "weight", fn)
+    if weight.ndim != prediction.ndim and weight.ndim != 0:
+      raise ValueError(
+        f"{fn}: `weight` of shape {weight.shape} does not broadcast to {prediction.shape} "
+        f"axis by axis: give a scalar, or an array of {prediction.ndim} axes each 1 or the size "
+        f"in {prediction.shape}."
+      )
+    if weight.ndim:
+      weight = weight[..., None]  # One weight for both parts.
+  out = _bind_loss("normal", fn, parts(prediction), targets, weight, var)
+  return jax.lax.complex(out[..., 0], out[..., 1])
+
+
 def register_categorical_predictive_distribution(logits, targets=None, weight=None) -> Array:
   """Tags `logits` as the parameters of a categorical distribution (softmax cross-entropy).
 
@@ -162,8 +191,13 @@ def register_normal_predictive_distribution(
   The negative log-likelihood is `|t - mean|² / (2 var)` (+ const), so the default `var=0.5`
   gives the plain squared error `(t - y)²` summed over non-batch axes, whose Fisher is `2 I`.
 
+  A complex `mean` (a complex log ψ in variational Monte Carlo) is the normal of its real and
+  imaginary parts, each with variance `var`: the tag is on `[batch, ..., 2]`, and for real
+  parameters the Fisher is `Re E[conj(J)ᵀ J] / var` with `J = ∂mean/∂θ`, the real part of the
+  Hermitian Fisher `E[J^H J]` of the complex mean.
+
   Args:
-    mean: `[batch, ...]` predictions.
+    mean: `[batch, ...]` predictions, real or complex.
     targets: optional targets of the same shape.
     var: the variance, a positive Python float (static).
     weight: optional non-negative weight: a scalar, `[N, 1, ...]` per example or an array of

@@ -1,5 +1,7 @@
 """Curvature blocks: one per layer, chosen from the layer kind and its approximation."""
 
+import jax
+
 from kfac_jax.blocks import _kronecker
 from kfac_jax.blocks._base import (
   Block,
@@ -52,11 +54,14 @@ def serves(kind: str, approx: str) -> bool:
 
 def block_class(spec) -> type[Block]:
   """The block class of a layer: `ConcatBlock` over concatenated leaves, `StackedBlock` for a
-  stack of layers, else the one of `(spec.kind, spec.approx)`."""
+  stack of layers, else the user's (`LayerConfig.blocks`), else the one of
+  `(spec.kind, spec.approx)`."""
   if spec.concat:
     return ConcatBlock
   if spec.stack_size:
     return StackedBlock
+  if spec.block is not None:
+    return spec.block
   try:
     return _BLOCKS[(spec.kind, spec.approx)]
   except KeyError:
@@ -86,7 +91,74 @@ def make_block(spec, config: BlockConfig) -> Block:
     return ConcatBlock(spec, config, make_block(spec.logical, config))
   if cls is StackedBlock:
     return StackedBlock(spec, config, make_block(spec.stack_inner, config))
-  return cls(spec, config)
+  block = cls(spec, config)
+  if spec.block is not None:
+    check_user_block(block)
+  return block
+
+
+def check_class(cls, where: str) -> None:
+  """TypeError unless `cls` is a concrete `Block` subclass a layer can use (`where` names the
+  `LayerConfig.blocks` entry)."""
+  if not (isinstance(cls, type) and issubclass(cls, Block)):
+    raise TypeError(
+      f"{where} must be a subclass of kfac_jax.Block, got {cls!r}; write a class with "
+      "factor_shapes_for, init_factors, batch_factors, init_cache, compute_cache and "
+      "multiply_matpower (see kfac_jax.Block)."
+    )
+  if cls in (ConcatBlock, StackedBlock):
+    raise TypeError(f"{where}: {cls.__name__} wraps another block; name the block it wraps.")
+  missing = sorted(getattr(cls, "__abstractmethods__", ()))
+  if missing:
+    raise TypeError(f"{where}: {cls.__name__} does not implement {missing} (see kfac_jax.Block).")
+
+
+def tree_shapes(tree) -> tuple:
+  """`tree`'s structure and its leaves' `(shape, dtype)`, for comparing two pytrees."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef, [(tuple(x.shape), str(x.dtype)) for x in leaves]
+
+
+def check_user_block(block: Block) -> None:
+  """ValueError naming the layer unless a user's block (`LayerConfig.blocks`) has state and
+  products of the shapes the estimator needs: its factors and cache are pytrees of arrays,
+  `compute_cache` returns the cache's structure and shapes, and `multiply_matpower` maps the
+  layer's leaves to arrays of the same shapes (checked with `jax.eval_shape`: nothing runs)."""
+  spec, config = block.spec, block.config
+  who = f"layer `{spec.name}`: the block {type(block).__name__} (LayerConfig.blocks)"
+  like = [jax.ShapeDtypeStruct(s, config.inverse_dtype) for s in spec.param_shapes]
+  step = "init_factors"
+  try:
+    factors = jax.eval_shape(block.init_factors)
+    # Cast as `compute_caches` casts them.
+    factors = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, config.inverse_dtype), factors
+    )
+    step = "init_cache"
+    cache = jax.eval_shape(block.init_cache)
+    step = "compute_cache"
+    damping = jax.ShapeDtypeStruct((), config.inverse_dtype)
+    computed = jax.eval_shape(block.compute_cache, factors, damping)
+    step = "multiply_matpower"
+    products = {}
+    for e in (1, *config.cached_exps):
+      fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)  # noqa: E731
+      products[e] = jax.eval_shape(fn, factors, cache, *like)
+  except Exception as err:
+    raise ValueError(f"{who} fails in {step} while tracing: {type(err).__name__}: {err}") from err
+  if tree_shapes(computed) != tree_shapes(cache):
+    raise ValueError(
+      f"{who}: compute_cache returns {tree_shapes(computed)}, but init_cache returns "
+      f"{tree_shapes(cache)}; both must give the same structure, shapes and dtypes."
+    )
+  want = [tuple(s) for s in spec.param_shapes]
+  for e, out in products.items():
+    got = [tuple(x.shape) for x in out] if isinstance(out, (list, tuple)) else out
+    if got != want:
+      raise ValueError(
+        f"{who}: multiply_matpower(..., exp={e}) returns {got}; it must return one array per "
+        f"parameter leaf of the layer, shaped {want} ({list(spec.param_paths)})."
+      )
 
 
 __all__ = [
@@ -120,6 +192,9 @@ __all__ = [
   "batched_factorisations",
   "block_class",
   "blocked_note",
+  "check_class",
+  "check_user_block",
+  "tree_shapes",
   "compute_caches",
   "factor_shapes_for",
   "make_block",

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax._specs import LayerSpec
+from kfac_jax.blocks import _layouts
 
 if TYPE_CHECKING:
   from kfac_jax._specs import Approximation, Kind
@@ -110,6 +111,19 @@ class StackedUses:
 class Block(abc.ABC):
   """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix.
 
+  A user's block for a layer (`LayerConfig.blocks`) subclasses this and implements six methods:
+  `factor_shapes_for` (a classmethod, asked before the block exists), `init_factors` and
+  `batch_factors` (the statistics: pytrees of arrays, which the estimator averages leafwise
+  with its EMA), `init_cache` and `compute_cache` (what the refresh derives from the averaged
+  statistics and the damping λ; `init_cache` acts as the identity) and `multiply_matpower`
+  (the damped block's power times the layer's leaves). `multiply_cholesky` and
+  `multiply_undamped` (`to_dense`) are optional. `gradient_rows` gives the rows every exact
+  block is built from; `to_vector` / `from_vector` flatten the leaves in the same order.
+  The block is built as `cls(spec, config)`: `spec` the layer's `LayerSpec`, `config` the
+  estimator's `BlockConfig` (dtypes, `exps`); factors are kept in `config.stats_dtype`, caches
+  and products in `config.inverse_dtype`. Every method is traced (jit, vmap over a stack of
+  layers), so it is pure and reads only static facts from `spec`.
+
   Attributes:
     serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`);
       wrappers serve none.
@@ -142,8 +156,11 @@ class Block(abc.ABC):
     return self.factor_shapes_for(self.spec)
 
   def group_key(self) -> tuple:
-    """Blocks with equal keys have identically shaped state and are batched with vmap."""
-    return (type(self).__name__, self.factor_shapes, self.spec.approx)
+    """Blocks with equal keys have identically shaped state and are batched with vmap: one
+    `compute_cache` call, the group's first block's, over their stacked factors. The default,
+    (class, factor shapes, approximation), fits a `compute_cache` that reads nothing else of
+    `spec`; a user's block whose refresh does overrides this."""
+    return (type(self), self.factor_shapes, self.spec.approx)
 
   def accepts_stacked_uses(self) -> bool:
     """Whether `batch_factors` takes a `StackedUses` (else it gets the unstacked uses)."""
@@ -176,15 +193,43 @@ class Block(abc.ABC):
   def multiply_matpower(self, factors, cache, vecs: Sequence[Array], exp: float) -> list[Array]:
     """(damped block)^exp · vecs; `exp` is 1 or one of `config.exps`."""
 
-  @abc.abstractmethod
   def multiply_cholesky(
     self, factors, cache, vecs: Sequence[Array], *, transpose: bool, inverse: bool
   ) -> list[Array]:
-    """C·v, Cᵀ·v, C⁻¹·v or C⁻ᵀ·v for a factor C with C Cᵀ = damped block."""
+    """C·v, Cᵀ·v, C⁻¹·v or C⁻ᵀ·v for a factor C with C Cᵀ = damped block (the estimator's
+    `multiply_cholesky`; optional for a user's block)."""
+    del factors, cache, vecs, transpose, inverse
+    raise NotImplementedError(
+      f"block `{self.name}` ({type(self).__name__}) does not implement multiply_cholesky."
+    )
 
-  @abc.abstractmethod
   def multiply_undamped(self, factors, vecs: Sequence[Array], cache: Any = None) -> list[Array]:
-    """The undamped estimate times vecs (used by `to_dense`); `cache` as in `batch_factors`."""
+    """The undamped estimate times vecs (used by `to_dense`); `cache` as in `batch_factors`
+    (optional for a user's block)."""
+    del factors, vecs, cache
+    raise NotImplementedError(
+      f"block `{self.name}` ({type(self).__name__}) does not implement multiply_undamped, "
+      "which `to_dense` needs."
+    )
+
+  def to_vector(self, vecs: Sequence[Array]) -> Array:
+    """The layer's leaves `vecs` as one vector `[n]` in `config.inverse_dtype` (raveled and
+    concatenated in `spec.param_paths` order, the order of `gradient_rows`' columns)."""
+    return flat(vecs, self.config.inverse_dtype)
+
+  def from_vector(self, x: Array, vecs: Sequence[Array]) -> list[Array]:
+    """`to_vector`'s inverse: `x: [n]` as leaves shaped and typed like `vecs`."""
+    return unflat(x, vecs)
+
+  def gradient_rows(self, data: Any, batch_size: int) -> tuple[Array, int]:
+    """`(h, c)`: rows `h: [R, n]` of gradients over the block's parameters (its leaves raveled
+    and concatenated in `spec.param_paths` order) with `hᵀh / c` the layer's exact Fisher
+    block for this batch's vectors (`kfac_jax._curvature`); `data` and `batch_size` as
+    `batch_factors` receives them. Dense, convolution and scale-and-shift layers: one row per
+    example and sample, rebuilt from the recorded inputs and output gradients; generic
+    parameters: each sample's batch-summed gradient, unbiased for sampled targets. The "full"
+    and "diagonal" blocks are `hᵀh / c` and its diagonal."""
+    return _layouts.gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
 
   # -- helpers ---------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ class DiagonalBlock(Block):
 
   def batch_factors(self, data, batch_size, cache=None) -> DiagonalFactors:
     del cache
-    h, c = _layouts.gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
+    h, c = self.gradient_rows(data, batch_size)
     return DiagonalFactors(diag=jnp.sum(h * h, axis=0) / c)
 
   def init_cache(self) -> DiagonalCache:
@@ -87,7 +87,7 @@ class FullBlock(Block):
 
   def batch_factors(self, data, batch_size, cache=None) -> FullFactors:
     del cache
-    h, c = _layouts.gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
+    h, c = self.gradient_rows(data, batch_size)
     return FullFactors(f=h.T @ h / c)
 
   def init_cache(self) -> FullCache:

@@ -419,7 +419,10 @@ class FlatGraph:
     `user(x) + (f(sg(x), ε) − sg(f(sg(x), ε)))`, `f` the inlined primal with the perturbations ε
     inside and `sg` stop_gradient: the value and the derivative in `x` are the user's rule's,
     the derivative in ε the primal's (the rule says nothing about values inside the call).
-    Watched values inside (layer inputs, tagged predictions) come from `f(x, ε)`.
+    Watched values inside (layer inputs, tagged predictions) come from `f(x, ε)`. The call's
+    forward computation is thus traced three times; under jit XLA merges the copies (the
+    compiled pass of a tapped dense layer inside a custom_jvp or custom_vjp has the plain
+    layer's dot products), so they are not worth a bespoke evaluation.
     """
     ins = [_read_atom(a, env) for a in c.ins]
     user = _compat.bind_eqn(c.eqn, ins)

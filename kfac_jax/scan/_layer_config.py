@@ -58,6 +58,15 @@ class LayerConfig:
     block_sizes: glob pattern → block size (or None: sides kept whole) for the matched layers,
       e.g. `{"params/head/*": None}`; the first matching pattern wins over `block_size`. Every
       pattern must match some layer.
+    blocks: glob pattern → a `kfac_jax.Block` subclass that computes the matched layers'
+      curvature instead of the library's block (its interface: `kfac_jax.Block`), e.g.
+      `{"params/envelope/*": MyEnvelopeBlock}`; the first matching pattern wins over every
+      approximation (the layer's `approx` is kept in its spec, for reading). A pattern may also
+      name parameters no layer covers, which then form one generic layer per leaf with the
+      user's block instead of the diagonal fallback. Every pattern must match some layer or
+      parameter. Each class is checked by the registration (a `kfac_jax.Block` subclass
+      implementing its abstract methods) and when the estimator builds its blocks (shapes of
+      its state and products, through `jax.eval_shape`), before any state exists.
 
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
@@ -72,6 +81,7 @@ class LayerConfig:
   max_factor_dim: int | None = MAX_FACTOR_DIM
   block_size: int | None = BLOCK_SIZE
   block_sizes: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+  blocks: Mapping[str, type] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     kinds = _kinds.KINDS
@@ -79,7 +89,12 @@ class LayerConfig:
     _check_size("block_size", self.block_size, "sides kept whole")
     block_sizes = _frozen(self.block_sizes, "block_sizes")
     overrides = _frozen(self.overrides, "overrides")
-    for name, mapping in (("block_sizes", block_sizes), ("overrides", overrides)):
+    blocks = _frozen(self.blocks, "blocks")
+    for name, mapping in (
+      ("block_sizes", block_sizes),
+      ("overrides", overrides),
+      ("blocks", blocks),
+    ):
       for pattern in mapping:
         if not isinstance(pattern, str) or not pattern:
           raise TypeError(
@@ -123,6 +138,12 @@ class LayerConfig:
     object.__setattr__(self, "overrides", overrides)
     object.__setattr__(self, "linked", types.MappingProxyType(groups))
     object.__setattr__(self, "block_sizes", block_sizes)
+    for pattern, cls in blocks.items():
+      if not isinstance(cls, type):  # The scanner checks the class (`blocks.check_class`).
+        raise TypeError(
+          f"LayerConfig.blocks[{pattern!r}] must be a subclass of kfac_jax.Block, got {cls!r}."
+        )
+    object.__setattr__(self, "blocks", blocks)
 
   def _key(self) -> tuple:
     values = (getattr(self, f.name) for f in dataclasses.fields(self))
@@ -133,6 +154,14 @@ class LayerConfig:
 
   def __eq__(self, other):
     return isinstance(other, LayerConfig) and self._key() == other._key()
+
+  def block_for(self, names: Sequence[str]) -> tuple[type | None, str | None]:
+    """`(class, pattern)` of the first `blocks` pattern matching a layer with these names (its
+    name and parameter paths), or `(None, None)`."""
+    for pattern, cls in self.blocks.items():
+      if matches(pattern, names):
+        return cls, pattern
+    return None, None
 
   def block_size_for(self, names: Sequence[str]) -> int | None:
     """The block size of a layer with these names (its name and parameter paths)."""

@@ -69,10 +69,11 @@ class ScanResult:
   extra_uses: tuple[tuple[tuple[_graph.Key, tuple[_graph.Atom, ...]], ...], ...] = ()
   # With `has_aux`: the treedef of the aux, whose leaves are the graph's outputs after the loss.
   aux_tree: Any = None
-  # The custom_jvp functions whose JVP rules hold the loss tags (FermiNet's idiom), when
-  # `loss_fn`'s primal has none: the graph is then `loss_fn` with those calls run through
-  # their rules (`_through_rules`), whose loss output is zero; the loss and its gradient come
-  # from differentiating `loss_fn` itself. Empty otherwise.
+  # The custom_jvp / custom_vjp functions whose rules hold the loss tags (FermiNet's idiom: a
+  # JVP rule; or a custom_vjp's fwd or bwd), when `loss_fn`'s primal has none: the graph is
+  # then `loss_fn` with those calls run through their rules (`_through_rules`), whose loss
+  # output is zero; the loss and its gradient come from differentiating `loss_fn` itself.
+  # Empty otherwise.
   rule_calls: tuple[str, ...] = ()
 
   @property
@@ -111,6 +112,8 @@ def scan(
       parameters outside any recognised layer.
   """
   layers = _layer_config.check(layers)
+  for pattern, cls in layers.blocks.items():
+    _blocks.check_class(cls, f"LayerConfig.blocks[{pattern!r}]")
   paths = param_paths(params)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   for path, leaf in zip(paths, leaves):
@@ -137,7 +140,7 @@ def scan(
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
   if not any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns):
     calls = _rule_tagged_calls(graph)
-    if calls:  # The tags are in custom_jvp rules: scan `loss_fn` run through those rules.
+    if calls:  # The tags are in custom rules: scan `loss_fn` run through those rules.
       derived = _through_rules(graph, calls)
       found = scan(derived, params, batch, strict=strict, warn=warn, layers=layers, collect=collect)
       names = tuple(dict.fromkeys(_graph.call_name(c[0]) for c in calls.values()))
@@ -224,8 +227,8 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
       "labels), register_sigmoid_cross_entropy_loss(logits, targets), "
       "register_squared_error_loss(prediction, targets) or "
       "register_normal_predictive_distribution(mean) on the model output inside "
-      "loss_fn(params, batch), or inside a jax.custom_jvp rule that loss_fn calls (the "
-      "tags in a custom_vjp's fwd or bwd are not seen). When the curvature is that of "
+      "loss_fn(params, batch), or inside a jax.custom_jvp rule or a jax.custom_vjp's fwd or "
+      "bwd function that loss_fn calls. When the curvature is that of "
       "another function than the loss (variational Monte Carlo: a normal tag on "
       "log|psi|), pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
     )
@@ -238,30 +241,36 @@ def _zero_tangent(x):
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def _jvp_of_call(eqn, ins):
-  """The call's primal outputs, evaluated through its JVP rule (zero tangents), so that what
-  the rule registers (loss tags, layer tags) is traced."""
-  outs, _ = jax.jvp(
-    lambda *x: tuple(_compat.bind_eqn(eqn, list(x))),
-    tuple(ins),
-    tuple(_zero_tangent(x) for x in ins),
-  )
+def _through_rule(eqn, ins):
+  """The custom call's primal outputs, evaluated through its rules so that what they register
+  (loss tags, layer tags) is traced: a custom_jvp's JVP rule with zero tangents; a custom_vjp's
+  fwd, then its bwd on zero cotangents (its results unused)."""
+  call = lambda *x: tuple(_compat.bind_eqn(eqn, list(x)))  # noqa: E731
+  if eqn.primitive.name == "custom_jvp_call":
+    outs, _ = jax.jvp(call, tuple(ins), tuple(_zero_tangent(x) for x in ins))
+    return list(outs)
+  outs, pull_back = jax.vjp(call, *ins)
+  pull_back(tuple(_zero_tangent(x) for x in outs))
   return list(outs)
 
 
+# The custom-derivative calls whose rules may hold loss tags.
+_CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
 def _rule_tagged_calls(graph: _graph.FlatGraph) -> dict[int, tuple[Any, tuple, tuple, int]]:
-  """Start index → `(eqn, ins, outs, stop)` of each outermost custom_jvp call whose JVP rule
-  binds a loss tag."""
+  """Start index → `(eqn, ins, outs, stop)` of each outermost custom_jvp call whose JVP rule,
+  or custom_vjp call whose fwd or bwd, binds a loss tag."""
   cands = [(c.start, c.eqn, c.ins, c.outs, c.stop) for c in graph.customs]
   cands += [(i, fe.eqn, fe.ins, fe.outs, i + 1) for i, fe in enumerate(graph.eqns)]
   found: dict[int, tuple[Any, tuple, tuple, int]] = {}
   covered = -1
   for start, eqn, ins, outs, stop in sorted(cands, key=lambda c: (c[0], -c[4])):
-    if start < covered or eqn.primitive.name != "custom_jvp_call":
+    if start < covered or eqn.primitive.name not in _CUSTOM_CALLS:
       continue
     avals = [_graph.aval_of(a) for a in ins]
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    closed = jax.make_jaxpr(lambda *x, e=eqn: _jvp_of_call(e, x))(*structs)
+    closed = jax.make_jaxpr(lambda *x, e=eqn: _through_rule(e, x))(*structs)
     inner = _graph.FlatGraph.from_closed_jaxpr(closed)
     if any(fe.eqn.primitive is _tags.loss_tag_p for fe in inner.eqns):
       found[start] = (eqn, ins, outs, stop)
@@ -283,7 +292,7 @@ def _through_rules(graph: _graph.FlatGraph, calls) -> Callable:
     while i < len(graph.eqns):
       if i in calls:
         eqn, ins, outs, stop = calls[i]
-        env.update(zip(outs, _jvp_of_call(eqn, [read(a) for a in ins])))
+        env.update(zip(outs, _through_rule(eqn, [read(a) for a in ins])))
         i = stop
         continue
       fe = graph.eqns[i]
@@ -354,6 +363,11 @@ class _Scanner:
     specs = _stacked.merge(ix, specs, claimed, self.claim)  # No virtual leaf is left after this.
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
+    # Leaves no layer covers that a `LayerConfig.blocks` pattern names: a generic layer each.
+    for j in range(ix.n_params):
+      if j not in claimed and self.layer_config.block_for((ix.paths[j],))[0] is not None:
+        specs.append((self.layer_spec("generic", (j,), None, "diagonal", "config"), None, None))
+        self.claim(claimed, (j,), ix.paths[j])
     uncovered = [j for j in range(ix.n_params) if j not in claimed]
     reasons = [fallback_reason(ix, j) for j in uncovered]
     if self.problems is not None:
@@ -377,7 +391,30 @@ class _Scanner:
     for j, reason in zip(uncovered, reasons):
       spec = self.layer_spec("generic", (j,), None, "diagonal", "fallback")
       specs.append((dataclasses.replace(spec, info=FallbackInfo(reason)), None, None))
-    return specs
+    return self._user_blocks(specs)
+
+  def _user_blocks(self, specs):
+    """Each layer a `LayerConfig.blocks` pattern matches, with the user's block (also on the
+    spec its wrapper computes with: one layer of a stack, the layer on concatenations)."""
+    used = set()
+    out = []
+    for spec, outs, ins in specs:
+      cls, pattern = self.layer_config.block_for((spec.name,) + tuple(spec.param_paths))
+      if cls is not None:
+        used.add(pattern)
+        spec = with_block(spec, cls, f"block {cls.__name__} (LayerConfig.blocks[{pattern!r}])")
+      out.append((spec, outs, ins))
+    n = self.ix.n_params
+    for pattern in self.layer_config.blocks:
+      if pattern not in used:
+        self._pattern_problem(
+          f"LayerConfig.blocks: pattern {pattern!r} matches no layer name or parameter path, "
+          f"or only layers an earlier pattern took (paths: {self.ix.paths[: min(8, n)]}"
+          f"{' ...' if n > 8 else ''})"
+        )
+    if self.problems:
+      raise RegistrationCheckError(self.problems)
+    return out
 
   def _accept(self, match: _matchers.Match, claimed, approx=None, source="auto"):
     """`(spec, output key(s), inputs)` of a match, its leaves claimed."""
@@ -710,6 +747,24 @@ class _Scanner:
     spec = dataclasses.replace(spec, block_size=size)
     note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
     return dataclasses.replace(spec, note=note)
+
+
+def with_block(spec: LayerSpec, cls, note: str) -> LayerSpec:
+  """`spec` (and the spec its wrapper computes with) computed by the user's block `cls`."""
+  if spec.stack_inner is not None:
+    spec = dataclasses.replace(spec, stack_inner=with_block(spec.stack_inner, cls, note))
+  if spec.logical is not None:
+    spec = dataclasses.replace(spec, logical=with_block(spec.logical, cls, note))
+  shapes = cls.factor_shapes_for(spec.stack_inner or spec.logical or spec)
+  if not (
+    isinstance(shapes, tuple)
+    and all(isinstance(s, tuple) and all(isinstance(d, int) for d in s) for s in shapes)
+  ):
+    raise RegistrationError(
+      f"layer `{spec.name}`: {cls.__name__}.factor_shapes_for returns {shapes!r}; it must "
+      "return a tuple of shapes (tuples of ints), one per factor."
+    )
+  return sized(dataclasses.replace(spec, block=cls, note=note))
 
 
 def sized(spec: LayerSpec) -> LayerSpec:

@@ -253,3 +253,132 @@ def test_factors_are_float64_under_x64(x64):
   _, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
   floats = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
   assert floats and all(x.dtype == jnp.float64 for x in floats)
+
+
+# -- complex log psi: the Fisher of the complex mean, Re E[conj(J)ᵀ J] ---------------------
+
+
+def _complex_log_psi(p, r):
+  """psi = u + i v from a two-output network: log psi = log|psi| + i arg psi."""
+  out = jnp.tanh(r @ p["w1"] + p["b1"]) @ p["w2"]
+  return jnp.log(jax.lax.complex(out[:, 0], out[:, 1]))
+
+
+def test_complex_log_psi_gives_the_exact_fisher(x64):
+  k = jax.random.split(jax.random.key(3), 4)
+  params = {
+    "w1": jax.random.normal(k[0], (D, H)),
+    "b1": 0.1 * jax.random.normal(k[1], (H,)),
+    "w2": jax.random.normal(k[2], (H, 2)),
+  }
+  batch = {"r": jax.random.normal(k[3], (N, D))}
+
+  def curvature_fn(p, b):
+    kfac_jax.register_normal_predictive_distribution(_complex_log_psi(p, b["r"])[:, None])
+
+  def energy(p, b):  # Only the gradient's source; the curvature is log psi's.
+    return jnp.mean(jnp.abs(_complex_log_psi(p, b["r"])) ** 2)
+
+  reg = kfac_jax.Registration(
+    energy,
+    params,
+    batch,
+    estimation_mode="exact",
+    curvature_fn=curvature_fn,
+    layers=kfac_jax.LayerConfig(defaults={"dense": "full"}),
+  )
+  assert [(s.kind, s.approx) for s in reg.layers] == [("dense", "full")] * 2
+  est = kfac_jax.CurvatureEstimator(reg)
+  update = lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0)  # noqa: E731
+  dense = np.asarray(jax.jit(lambda s: est.to_dense(update(s)))(est.init(params)))
+  # Reference: (1/N) Σ_n Re(J_n^H J_n) / var, var = 0.5, J = ∂ log psi / ∂θ.
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  jr, ji = (
+    np.asarray(
+      jax.jit(jax.jacobian(lambda v: part(_complex_log_psi(unravel(v), batch["r"]))))(flat)
+    )
+    for part in (jnp.real, jnp.imag)
+  )
+  j = jr + 1j * ji
+  fisher = np.real(j.conj().T @ j) / N / 0.5
+  mask = np.zeros_like(fisher, bool)
+  sizes = np.cumsum([0] + [x.size for x in jax.tree_util.tree_leaves(params)])
+  leaf = {p: i for i, p in enumerate(reg.param_paths)}
+  for s in reg.layers:
+    idx = np.concatenate([np.arange(sizes[leaf[q]], sizes[leaf[q] + 1]) for q in s.param_paths])
+    mask[np.ix_(idx, idx)] = True
+  np.testing.assert_allclose(dense, fisher * mask, rtol=1e-10, atol=1e-12)
+  # The phase counts: the Fisher of log|psi| alone (FermiNet's real-part tag) differs.
+  assert np.abs((jr.T @ jr / N / 0.5 - fisher) * mask).max() > 1e-2
+
+
+def test_complex_mean_tags_its_parts():
+  z = jax.lax.complex(jnp.arange(4.0).reshape(4, 1), -jnp.ones((4, 1)))
+  t, w = z + 1j, jnp.full((4, 1), 2.0)
+  jaxpr, out = jax.make_jaxpr(
+    lambda z: kfac_jax.register_normal_predictive_distribution(z, t, weight=w), return_shape=True
+  )(z)
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "kfac_loss_tag"]
+  assert [v.aval.shape for v in eqn.invars] == [(4, 1, 2), (4, 1, 2), (4, 1, 1)]
+  assert out.shape == (4, 1) and out.dtype == z.dtype
+  np.testing.assert_array_equal(kfac_jax.register_normal_predictive_distribution(z), z)
+  with pytest.raises(ValueError, match=r"`targets` has shape \(4,\), expected \(4, 1\)"):
+    kfac_jax.register_normal_predictive_distribution(z, jnp.ones((4,), jnp.complex64))
+  with pytest.raises(ValueError, match=r"`weight` of shape \(4,\) does not broadcast"):
+    kfac_jax.register_normal_predictive_distribution(z, weight=jnp.ones(4))
+
+
+# -- loss tags in a custom_vjp's fwd or bwd ------------------------------------------------
+
+
+def _energy_vjp(where: str):
+  """The VMC energy as a custom_vjp: fwd saves log psi, bwd gives the VMC gradient; the
+  curvature's tag in fwd or in bwd (on the saved log psi)."""
+
+  @jax.custom_vjp
+  def energy(p, r):
+    return jnp.mean(_local_energy(p, r))
+
+  def fwd(p, r):
+    e_l = _local_energy(p, r)
+    lp = _log_psi(p, r)
+    if where == "fwd":
+      kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    return jnp.mean(e_l), (p, r, e_l, lp)
+
+  def bwd(res, ct):
+    p, r, e_l, lp = res
+    if where == "bwd":
+      kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    _, pull = jax.vjp(lambda q: _log_psi(q, r), p)
+    (g,) = pull(2.0 * ct * (e_l - jnp.mean(e_l)) / e_l.shape[0])
+    return g, jnp.zeros_like(r)
+
+  energy.defvjp(fwd, bwd)
+  return lambda p, b: energy(p, b["r"])
+
+
+@pytest.mark.parametrize("where", ["fwd", "bwd"])
+def test_tag_in_custom_vjp_equals_curvature_fn(x64, where):
+  params, batch = _vmc_data()
+  loss_fn = _energy_vjp(where)
+  in_rule = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  apart = kfac_jax.Registration(
+    _energy_rule(False), params, batch, estimation_mode="exact", curvature_fn=_log_psi_tagged
+  )
+  assert in_rule.separate_loss and in_rule.fingerprint == apart.fingerprint
+
+  @jax.jit
+  def step():
+    out = []
+    for reg in (in_rule, apart):
+      tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, ema_decay=0.0, inverse_every=1)
+      loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch)
+      out.append((loss, grads, tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]))
+    return out
+
+  (loss, grads, updates), (want_loss, want_grads, want_updates) = step()
+  _close(loss, want_loss)
+  _close(grads, want_grads)  # The bwd's VMC gradient, as the custom_jvp rule's.
+  _close(grads, jax.grad(loss_fn)(params, batch))
+  _close(updates, want_updates)

@@ -133,6 +133,11 @@ def _check_layers(s):
   rel = s["rel_layers"][0]
   assert (rel.kind, rel.approx, rel.param_paths) == ("scale_and_shift", "diagonal", ("rel",))
   assert "gathered at constant positions with repeats" in rel.note
+  # The user's block serves w2: its state is the diagonal the page's class keeps.
+  assert [spec.block for spec in s["own"].layers] == [None, s["DiagonalFisher"]]
+  (state,) = s["own_state"].preconditioner.curvature.factors["w2"]
+  assert state.shape == (32 * 3,) and np.all(np.asarray(state) > 0)
+  assert np.all(np.isfinite(np.asarray(s["updates"]["w2"])))
 
 
 def _check_parallel(s):
