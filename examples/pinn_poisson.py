@@ -18,16 +18,23 @@ zoom line search (`make_kfac`); the run writes a plot of the error against steps
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  # Lets `python examples/pinn_poisson.py` work from a checkout without `pip install -e .`.
+  sys.path.insert(0, _ROOT)
 
-import kfac_jax
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import kfac_jax  # noqa: E402
+from examples import plotting  # noqa: E402
 
 DEFAULT_STEPS = 200
 DEFAULT_ADAM_STEPS = 2000
@@ -233,25 +240,13 @@ def adam_run(problem: Problem, params, steps: int, progress: bool, lr: float = D
 
 
 def plot(runs: list[Run], path: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-  for r in runs:
-    axes[0].loglog(np.maximum(r.steps, 1), r.errors, label=r.name)
-    axes[1].loglog(np.maximum(r.seconds, 1e-3), r.errors, label=r.name)
-  axes[0].set_xlabel("step")
-  axes[1].set_xlabel("seconds (compilation excluded)")
-  axes[0].set_ylabel("relative L2 error")
-  for ax in axes:
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-  fig.suptitle("2-d Poisson, MLP 2-64-1 tanh, 900 + 120 points")
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  plotting.steps_and_seconds(
+    [(r.name, np.maximum(r.steps, 1), np.maximum(r.seconds, 1e-3), r.errors) for r in runs],
+    path,
+    title="2-d Poisson, MLP 2-64-1 tanh, 900 + 120 points",
+    ylabel="relative L2 error",
+    log_x=True,
+  )
 
 
 def parse_args(argv=None):
