@@ -1,6 +1,7 @@
 """PINN benchmark: relative L2 error at fixed steps and at equal seconds, per optimizer.
 
-Problems (float64, MLP d-64-1 tanh, the Laplacian in forward mode, one tag per loss term):
+Problems (float64, MLP d-64-1 tanh, `examples/pinn_poisson.init_params`, derivatives in forward
+mode, one tag per loss term):
 
 - `poisson`: −Δu = 2π² sin(πx) sin(πy) on [0, 1]², u = 0 on the boundary (900 interior and 120
   boundary points; `examples/pinn_poisson.py`);
@@ -9,11 +10,12 @@ Problems (float64, MLP d-64-1 tanh, the Laplacian in forward mode, one tag per l
 
 Optimizers: `Optimizer` (`examples/pinn_poisson.make_optimizer`: learning rate and momentum
 from the quadratic model; exact GGN statistics, inverses and damping adaptation at every step),
-`kfac` (the optax chain, fixed learning rates), Adam (a small learning-rate grid) and L-BFGS
-(`optax.lbfgs`, its zoom line search). Each optimizer runs `--steps` steps, the error measured
-at every checkpoint (outside the timing); "equal seconds" gives every optimizer the
-`Optimizer`'s step time for the last checkpoint and reports the error there. `--only` runs a
-subset (by the names' first word).
+`kfac zoom` (`examples/pinn_poisson.make_kfac`: the optax chain with the paper's K-FAC settings
+and optax's zoom line search), `kfac` (the chain, fixed learning rates), Adam (a small
+learning-rate grid) and L-BFGS (`optax.lbfgs`, its zoom line search). Each optimizer runs
+`--steps` steps, the error measured at every checkpoint (outside the timing); "equal seconds"
+gives every optimizer the `Optimizer`'s step time for the last checkpoint and reports the error
+there. `--only` runs a subset (by the names' first word).
 
     python benchmarks/pinn.py --problem poisson --steps 100,1000
 """
@@ -130,6 +132,12 @@ def kfac_step(loss_fn, problem, params, lr):
   return step, tx.init
 
 
+def kfac_linesearch_step(loss_fn, problem, params):
+  tx, reg = pp.make_kfac(params, problem.batch, loss_fn)
+  step = pp.linesearch_step(tx, reg, problem.batch, loss_fn)
+  return (lambda p, s: step(p, s)[:2]), tx.init
+
+
 def optax_step(loss_fn, problem, tx):
   def step(params, state):
     value, grads = jax.value_and_grad(loss_fn)(params, problem.batch)
@@ -164,7 +172,8 @@ def main(argv=None) -> int:
   )
   runs = {}
   contestants = [("Optimizer", optimizer_step(loss_fn, problem, params))]
-  for lr in (float(x) for x in args.kfac_lrs.split(",")):
+  contestants.append(("kfac zoom", kfac_linesearch_step(loss_fn, problem, params)))
+  for lr in (float(x) for x in args.kfac_lrs.split(",") if x):
     contestants.append((f"kfac lr={lr:g}", kfac_step(loss_fn, problem, params, lr)))
   for lr in (float(x) for x in args.adam_lrs.split(",")):
     contestants.append((f"Adam lr={lr:g}", optax_step(loss_fn, problem, optax.adam(lr))))

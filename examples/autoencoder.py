@@ -43,6 +43,7 @@ import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
 from examples import data as data_lib  # noqa: E402
+from examples import plotting  # noqa: E402
 
 # Encoder widths; the decoder mirrors them (the last one is the linear code layer).
 PAPER_ENCODER = (1000, 500, 250, 30)
@@ -317,33 +318,19 @@ def make_squared_error_fn(model: Autoencoder, images: np.ndarray, chunk: int = 2
 
 
 def plot(results: Sequence[RunResult], out: str, title: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
-  colors = {"K-FAC": "tab:red", "K-FAC (adaptive)": "tab:red", "Adam": "tab:blue"}
+  curves = []
   for r in results:
-    c = colors.get(r.name)
-    steps = np.arange(1, len(r.losses) + 1)
-    ax_steps.plot(steps, r.losses, label=r.name, color=c, lw=1.2)
     # The loss at step t is measured on the parameters available after t-1 steps.
     elapsed = np.concatenate([[0.0], np.cumsum(r.step_times)[:-1]])
-    ax_time.plot(elapsed, r.losses, label=r.name, color=c, lw=1.2)
-  ax_steps.set_xlabel("step")
-  ax_time.set_xlabel("wall-clock seconds (train steps only, compilation excluded)")
-  for ax in (ax_steps, ax_time):
-    ax.set_yscale("log")
-    ax.set_ylabel("training loss (minibatch)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  out_dir = os.path.dirname(os.path.abspath(out))
-  os.makedirs(out_dir, exist_ok=True)
-  fig.savefig(out, dpi=110)
-  plt.close(fig)
+    curves.append((r.name, np.arange(1, len(r.losses) + 1), elapsed, r.losses))
+  plotting.steps_and_seconds(
+    curves,
+    out,
+    title=title,
+    ylabel="training loss (minibatch)",
+    seconds="wall-clock seconds (train steps only, compilation excluded)",
+    colors={"K-FAC": "tab:red", "K-FAC (adaptive)": "tab:red", "Adam": "tab:blue"},
+  )
 
 
 def parse_args(argv=None):

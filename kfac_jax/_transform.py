@@ -59,7 +59,8 @@ class KfacState(NamedTuple):
   Attributes:
     preconditioner: the `scale_by_kfac` state (`state[0]`, as in a chain).
     rest: the states of the chain after it, `(clipping, momentum, learning rate)`; only the
-      momentum's (also `state.momentum`) is not empty.
+      momentum's (also `state.momentum`) and a line search's (in place of the learning rate)
+      are not empty.
   """
 
   preconditioner: ScaleByKfacState
@@ -464,6 +465,20 @@ def _scale_by_learning_rate(learning_rate, registration_for: Callable):
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
+def _along_linesearch(linesearch):
+  """`u ← η (−m)`, η picked by `linesearch` (an optax line search) along the descent direction
+  −m; it reads `value=`, `grad=`, `value_fn=` (and `value_fn`'s keyword arguments) from the
+  update's extra arguments, never the chain's own `kfac_grads=` / `kfac_count=`."""
+
+  def update_fn(updates, state, params=None, *, kfac_grads, kfac_count, **extra_args):
+    del kfac_grads, kfac_count
+    descent = jax.tree_util.tree_map(jnp.negative, updates)
+    return linesearch.update(descent, state, params, **extra_args)
+
+  linesearch = optax.with_extra_args_support(linesearch)
+  return optax.GradientTransformationExtraArgs(linesearch.init, update_fn)
+
+
 def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
   """`preconditioner` then `rest` (optax's `apply_if_finite` pattern, K-FAC-aware).
 
@@ -471,7 +486,8 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
   learning rate ≥ 0, a bad one reported once; Python numbers need no check), reads its verdict
   from its `skipped` counter and runs `rest` in a `lax.cond` on it (zeros and the old `rest`
   state on a skip), passing it the raw gradient `kfac_grads=` and the schedules' count
-  `kfac_count=`. It never selects over the preconditioner's state,
+  `kfac_count=` and the caller's other extra arguments (a line search's `value=`, `grad=`,
+  `value_fn=`). It never selects over the preconditioner's state,
   whose curvature moves only on a finite verdict, so the factors are never copied for it.
   """
 
@@ -483,7 +499,6 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
   def update_fn(
     updates, state: KfacState, params=None, *, curvature_stats=None, batch=None, rng=None, **extra
   ):
-    del extra  # Other transforms' extra arguments.
     if not isinstance(state, KfacState):
       raise TypeError(
         f"kfac: `state` must be the KfacState from this transform's init, got "
@@ -504,7 +519,7 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
     _fit.check(jax.eval_shape(rest.init, params), state.rest, "kfac", "state.rest")
 
     def run():
-      return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock)
+      return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock, **extra)
 
     if skip_nonfinite:
       zeros = jax.tree_util.tree_map(jnp.zeros_like, v)
@@ -539,6 +554,7 @@ def kfac(
   registration: _registration.Registration | None = None,
   axis_name: str | None = None,
   config: _config.Config | None = None,
+  linesearch: optax.GradientTransformationExtraArgs | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with a fixed (or scheduled) learning rate, norm clipping and momentum.
 
@@ -569,13 +585,18 @@ def kfac(
     curvature_every: as in `scale_by_kfac`, but 5 by default: the clipping bounds a step that
       statistics up to 4 updates old precondition (without clipping, prefer 1).
     registration, axis_name, config: as in `scale_by_kfac`.
+    linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
+      `optax.scale_by_zoom_linesearch(...)`) in place of α: the step is `η (−m)` with η its
+      choice along `−m` (1 its usual first guess: the damped Gauss-Newton step), so
+      `learning_rate` must be None; `update` then also takes the line search's `value=`,
+      `grad=` and `value_fn=` (and `value_fn`'s keyword arguments), as in `optax.lbfgs`.
 
   The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`, `curvature_every=5` and the
   learning rate) come from step sweeps on the benchmark models.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes the
-    same extra arguments as `scale_by_kfac`'s.
+    same extra arguments as `scale_by_kfac`'s, and those of `linesearch`.
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
@@ -589,6 +610,17 @@ def kfac(
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     >>> params = optax.apply_updates(params, updates)
   """
+  if linesearch is not None:
+    if not isinstance(linesearch, optax.GradientTransformation):
+      raise TypeError(
+        "kfac: `linesearch` must be an optax line search such as "
+        f"optax.scale_by_backtracking_linesearch(...), got {type(linesearch).__name__}."
+      )
+    if learning_rate is not None:
+      raise ValueError(
+        f"kfac: got both learning_rate={learning_rate!r} and a `linesearch`; the line search "
+        "picks the step along the preconditioned direction, so pass learning_rate=None."
+      )
   if learning_rate is not None:
     _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
   if momentum is not None:
@@ -613,6 +645,8 @@ def kfac(
     if max_norm is None
     else _clip_by_kfac_norm(max_norm, registration_for if learning_rate is None else None),
     optax.identity() if momentum is None else optax.trace(momentum, nesterov=config.nesterov),
-    _scale_by_learning_rate(learning_rate, registration_for),
+    _scale_by_learning_rate(learning_rate, registration_for)
+    if linesearch is None
+    else _along_linesearch(linesearch),
   )
   return _guard(preconditioner, rest, (learning_rate, momentum, max_norm), config.skip_nonfinite)

@@ -1072,8 +1072,8 @@ def vmc_ferminet() -> Zoo:
 
 
 def pinn_poisson() -> Zoo:
-  """A physics-informed network (examples/pinn_poisson.py, smaller): the Laplacian by nested
-  `jax.jvp`, each layer one dense layer shared by the points and their tangents; a residual
+  """A physics-informed network (examples/pinn_poisson.py, smaller): the forward Laplacian,
+  each layer one dense layer shared by the points' value, gradient and Laplacian; a residual
   tag on 16 interior points and a boundary tag on 8 points ("kron_terms": one Kronecker
   product per tag)."""
   from examples import pinn_poisson as pp

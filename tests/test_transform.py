@@ -1041,3 +1041,52 @@ def test_burn_in_folds_statistics_only_then_preconditions():
   assert norms[0] == norms[1] == 0 and norms[2] > 0
   assert weights[0] > 0 and weights[1] > weights[0] and weights[2] > weights[1]
   assert int(state.count) == 3
+
+
+@pytest.mark.parametrize("search", ["backtracking", "zoom"])
+def test_kfac_takes_the_step_an_optax_line_search_picks(search):
+  """`kfac(linesearch=...)` with `curvature_stats=`: the line search reads `value=`, `grad=`,
+  `value_fn=` and scales −v (v the preconditioned gradient; no momentum, no clipping) by the
+  step it picks and keeps in its state; the loss goes down at every step."""
+  loss_fn, params, batch = _problem(n=8)
+  ls = (
+    optax.scale_by_backtracking_linesearch(max_backtracking_steps=30, decrease_factor=0.5)
+    if search == "backtracking"
+    else optax.scale_by_zoom_linesearch(max_linesearch_steps=10)
+  )
+  kw = dict(damping=1e-3, ema_decay=0.0, inverse_every=1, curvature_every=1)
+  reg = kfac_jax.Registration(loss_fn, params, batch)
+  tx = kfac_jax.kfac(registration=reg, linesearch=ls, momentum=None, max_norm=None, **kw)
+  est = kfac_jax.CurvatureEstimator(reg)
+  rng = jax.random.key(2)
+
+  @jax.jit
+  def step(params, state):
+    loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
+    value_fn = lambda p: loss_fn(p, batch)
+    updates, new = tx.update(
+      grads, state, params, curvature_stats=stats, value=loss, grad=grads, value_fn=value_fn
+    )
+    # The preconditioned gradient v from the refreshed curvature, as `scale_by_kfac` gives it.
+    v = est.multiply_matpower(new.preconditioner.curvature, grads, -1)
+    return optax.apply_updates(params, updates), new, updates, v, loss
+
+  state = tx.init(params)
+  losses, etas = [], []
+  for _ in range(3):
+    params, state, updates, v, loss = step(params, state)
+    losses.append(float(loss))
+    etas.append(float(state.rest[2].learning_rate))
+    for u, d in zip(jax.tree.leaves(updates), jax.tree.leaves(v)):
+      np.testing.assert_allclose(u, -etas[-1] * d, rtol=1e-4, atol=1e-7)
+  assert all(e > 0 for e in etas), etas
+  assert np.all(np.diff(losses) < 0), losses
+
+
+def test_kfac_linesearch_and_a_learning_rate_are_refused_together():
+  loss_fn, _, batch = _problem()
+  ls = optax.scale_by_backtracking_linesearch(max_backtracking_steps=5)
+  with pytest.raises(ValueError, match=r"learning_rate=0\.1 and a `linesearch`"):
+    kfac_jax.kfac(loss_fn, batch, 0.1, linesearch=ls)
+  with pytest.raises(TypeError, match="`linesearch` must be an optax line search"):
+    kfac_jax.kfac(loss_fn, batch, linesearch=0.5)

@@ -186,12 +186,13 @@ def test_vmc_fast(optimizer, capsys):
 
 def test_pinn_poisson_fast(tmp_path, monkeypatch, capsys):
   """The Poisson PINN: every parameter in a dense layer shared by the points and tangents,
-  K-FAC and Adam rows with finite errors, and the plot."""
+  K-FAC (the Optimizer, the kfac chain with a line search) and Adam rows with finite errors,
+  and the plot."""
   from examples import pinn_poisson
 
   stdout, output = _run_fast(pinn_poisson.main, tmp_path, "pinn.png", monkeypatch, capsys)
   assert "hold 257 of 257 parameters" in stdout, output
-  for name in ("K-FAC", "Adam"):
+  for name in ("K-FAC", "kfac line search", "Adam"):
     row = re.search(rf"^\| {name} \| \d+ \| [0-9.]+ \| ([0-9.e+-]+) \|", stdout, re.M)
     assert row is not None, output
     assert float(row.group(1)) < 10, output
