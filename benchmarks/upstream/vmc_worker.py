@@ -6,11 +6,11 @@ Runs INSIDE the upstream virtualenv (`benchmarks/upstream/setup_venv.sh`); `benc
     .venv-upstream/bin/python benchmarks/upstream/vmc_worker.py CONFIG.json OUT_DIR
 
 The upstream package is imported first, so the example's own `import kfac_jax` gets it from
-`sys.modules` (the worker checks this); the wave function, the initial parameters and
-burnt-in walkers, the Metropolis sampler, the local energy and the custom_jvp loss with its
-normal tag on log|ψ| are then the example's code, run by `examples.vmc.train` in its own loop
-(the Metropolis keys after the start differ: `train` splits one key off for the optimizer's
-`init`). Only the optimizer differs: upstream's `Optimizer` with FermiNet's settings (`ferminet/train.py` and
+`sys.modules` (the worker checks this); the wave function, the initial parameters and burnt-in
+walkers, the Metropolis sampler, the local energy and the custom_jvp loss with its normal tag on
+log|ψ| are then the example's code, run by `examples.vmc.train` in its own loop (the Metropolis
+keys after the start differ: `train` splits one key off for the optimizer's `init`). Only the
+optimizer differs: upstream's `Optimizer` with FermiNet's settings (`ferminet/train.py` and
 `base_config.py`): exact Fisher of the tag (`estimation_mode="fisher_exact"`), curvature EMA
 0.95, statistics and inverses every step, `norm_constraint` 1e-3, `l2_reg` 0, no burn-in,
 `min_damping` 1e-4, the learning-rate schedule `rate / (1 + t / delay)`, and momentum 0 and a
