@@ -138,7 +138,7 @@ def run(cfg: dict) -> dict:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if len(argv) != 2:
-    print(__doc__.split("\n\n")[1], file=sys.stderr)
+    print("\n\n".join(__doc__.split("\n\n")[1:3]), file=sys.stderr)
     return 2
   with open(argv[0]) as f:
     cfg = json.load(f)
