@@ -1,7 +1,8 @@
 """Parent-side helpers for the upstream kfac-jax contestant of the benchmarks.
 
 `run_worker` writes the inputs, starts `worker.py` in the upstream virtualenv and reads its
-report back (or raises `UpstreamFailed` with the worker's exception line). The rest is pure
+report back (or raises `UpstreamFailed` with the worker's exception line); `run_vmc_worker` does
+the same for `vmc_worker.py` (benchmarks/vmc.py). The rest is pure
 Python + numpy (no JAX, no upstream package), used by `benchmarks/_harness.py` for every
 contestant and unit-tested in `tests/benchmarks/test_upstream.py`: per-run summaries, loss
 smoothing, "time to reach a loss", the curves' time axis and the plot.
@@ -24,6 +25,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "worker.py")
+VMC_WORKER = os.path.join(HERE, "vmc_worker.py")
 SETUP = os.path.join(HERE, "setup_venv.sh")
 DEFAULT_PYTHON = os.path.join(ROOT, ".venv-upstream", "bin", "python")
 
@@ -136,26 +138,41 @@ def run_worker(
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path, "w") as f:
       json.dump(dict(config), f)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run(
-      [python, WORKER, inputs, cfg_path, tmp],
-      cwd=tmp,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-      check=False,
-    )
-    if proc.returncode != 0:
-      tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-      raise UpstreamFailed(
-        proc.returncode, tail, exception_line(proc.stderr), registrations_line(proc.stdout)
-      )
-    with open(os.path.join(tmp, "result.json")) as f:
-      report = json.load(f)
+    report = _run_script(python, [WORKER, inputs, cfg_path, tmp], tmp, timeout)
     with np.load(os.path.join(tmp, "final_params.npz")) as z:
       final = unflatten_params({k: z[k] for k in z.files})
   return report, final
+
+
+def run_vmc_worker(python: str, config: Mapping[str, Any], timeout: float | None = None) -> dict:
+  """Trains examples/vmc.py's wave function with upstream kfac-jax (`vmc_worker.py`, whose
+  docstring lists `config`'s keys) in a subprocess; returns its report."""
+  with tempfile.TemporaryDirectory(prefix="kfac_upstream_vmc_") as tmp:
+    cfg_path = os.path.join(tmp, "config.json")
+    with open(cfg_path, "w") as f:
+      json.dump(dict(config), f)
+    return _run_script(python, [VMC_WORKER, cfg_path, tmp], tmp, timeout)
+
+
+def _run_script(python: str, args: Sequence[str], out_dir: str, timeout: float | None) -> dict:
+  """Runs a worker without this repository on PYTHONPATH; returns `out_dir/result.json`."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  proc = subprocess.run(
+    [python, *args],
+    cwd=out_dir,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
+  if proc.returncode != 0:
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+    raise UpstreamFailed(
+      proc.returncode, tail, exception_line(proc.stderr), registrations_line(proc.stdout)
+    )
+  with open(os.path.join(out_dir, "result.json")) as f:
+    return json.load(f)
 
 
 # -- summaries -------------------------------------------------------------------------------------

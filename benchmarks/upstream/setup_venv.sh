@@ -12,9 +12,9 @@ PY="$VENV/bin/python"
 REQ="$HERE/requirements.txt"
 log() { echo "[upstream-venv] $*" >&2; }
 
-# The check runs from / so that this repository's kfac_jax can never be the one imported.
+# The check runs from / without PYTHONPATH so that this repository's kfac_jax is never imported.
 check() {
-  (cd / && "$PY" -c '
+  (cd / && env -u PYTHONPATH "$PY" -c '
 import sys, jax, kfac_jax, optax, numpy
 ok = kfac_jax.__version__ == "0.0.8" and jax.__version__ == "0.9.1"
 sys.exit(0 if ok else 1)') >/dev/null 2>&1

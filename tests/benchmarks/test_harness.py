@@ -547,11 +547,27 @@ def _upstream_python():
   return python if os.path.isfile(python) else None
 
 
-@pytest.mark.skipif(
+_NEEDS_UPSTREAM = pytest.mark.skipif(
   _upstream_python() is None,
   reason="no upstream venv (bash benchmarks/upstream/setup_venv.sh, or "
   "KFAC_UPSTREAM_PYTHON=/path/to/python)",
 )
+
+
+@_NEEDS_UPSTREAM
+def test_setup_venv_finds_the_venv_ready_with_this_repository_on_pythonpath():
+  """The benchmarks start `setup_venv.sh` from a process whose PYTHONPATH holds this repository;
+  its check still imports upstream's kfac_jax and skips pip (no index is reachable here)."""
+  venv = os.path.dirname(os.path.dirname(_upstream_python()))
+  env = {**os.environ, "PYTHONPATH": _ROOT, "UPSTREAM_VENV": venv, "PIP_NO_INDEX": "1"}
+  proc = subprocess.run(
+    ["bash", compare.SETUP], env=env, capture_output=True, text=True, timeout=120, check=False
+  )
+  assert proc.returncode == 0 and "skipping pip" in proc.stderr, proc.stderr
+  assert proc.stdout.strip().endswith(os.path.join(venv, "bin", "python")), proc.stdout
+
+
+@_NEEDS_UPSTREAM
 @pytest.mark.slow
 def test_transformer_benchmark_with_upstream(tmp_path):
   """Upstream kfac-jax 0.0.8 trains the tied-embedding Transformer beside ours."""
