@@ -75,39 +75,41 @@ class Reporter:
 
   def inputs(self, names: tuple[str, ...], paths: tuple, step, flags, skipped: bool):
     """Warns the first time each input (`names`; `paths` names each one's leaves) has a leaf
-    that is not finite (`flags`: per input, per device and leaf, whether it is finite). With
-    non-finite params only they are named: they make the rest so."""
+    that is not finite (`flags`: per input, per device and leaf, whether it is finite)."""
     step = int(np.asarray(step).ravel()[0])
     goods = {
       n: np.asarray(f, bool).reshape(-1, len(p)).all(axis=0) for n, p, f in zip(names, paths, flags)
     }
-    shown = ["params"] if not goods.get("params", np.ones(1, bool)).all() else list(names)
-    for name, leaves in zip(names, paths):
-      good = goods[name]
-      if name not in shown or good.all() or f"input:{name}" in self._seen:
-        continue
-      self._seen.add(f"input:{name}")
-      bad = [f"`{p}`" for p, g in zip(leaves, good) if not g]
-      where = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-      subject, cause = _INPUTS[name]
-      warnings.warn(
-        f"{self.who}: {subject} not finite at step {step} (in {where}). {cause}"
-        + (_CHAINED if name == "params" and self.chained else "")
-        + (
-          " The step is skipped and the curvature is left as it was."
-          if skipped
-          else " `Config.skip_nonfinite` is off: the update is used (the curvature keeps no "
-          "non-finite statistics)."
-        )
-        + " This warning is given once per input.",
-        NonFiniteWarning,
-        stacklevel=2,
+    # The first bad input in this order is the one named: bad params make the rest so, and a
+    # bad loss comes with a bad gradient.
+    bad_ones = [n for n in ("params", "gradient", "loss") if n in goods and not goods[n].all()]
+    if not bad_ones or f"input:{bad_ones[0]}" in self._seen:
+      return
+    name = bad_ones[0]
+    self._seen.add(f"input:{name}")
+    bad = [f"`{p}`" for p, g in zip(paths[names.index(name)], goods[name]) if not g and p]
+    where = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    subject, cause = _INPUTS[name]
+    warnings.warn(
+      f"{self.who}: {subject} not finite at step {step}"
+      + (f" (in {where}). " if where else ". ")
+      + cause
+      + (_CHAINED if name == "params" and self.chained else "")
+      + (
+        " The step is skipped and the curvature is left as it was."
+        if skipped
+        else " `Config.skip_nonfinite` is off: the update is used (the curvature keeps no "
+        "non-finite statistics)."
       )
+      + " This warning is given once per input.",
+      NonFiniteWarning,
+      stacklevel=2,
+    )
 
 
 def _leaf_names(tree) -> list[str]:
   return [
-    "/".join(_specs.key_name(k) for k in path) or "(the value)"
+    "/".join(_specs.key_name(k) for k in path)
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
   ]
 
