@@ -502,8 +502,8 @@ def test_the_state_check_traces_init_once_per_params_signature(front, monkeypatc
 
     match = "built without momentum"
   inits.clear()
-  for _ in range(3):  # Three traces of the update, as three eager calls would be.
-    jax.make_jaxpr(update)(state)
+  for _ in range(3):  # Three traces of the update (a new function each: no trace cache hit).
+    jax.make_jaxpr(lambda s: update(s))(state)
   assert len(inits) == 1
   with pytest.raises(ValueError, match=match):
     jax.make_jaxpr(update)(other)
