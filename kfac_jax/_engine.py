@@ -77,12 +77,13 @@ class Reporter:
     """Warns the first time each input (`names`; `paths` names each one's leaves) has a leaf
     that is not finite (`flags`: per input, per device and leaf, whether it is finite)."""
     step = int(np.asarray(step).ravel()[0])
-    goods = {
-      n: np.asarray(f, bool).reshape(-1, len(p)).all(axis=0) for n, p, f in zip(names, paths, flags)
-    }
+    goods: dict[str, list[bool]] = {}
+    for n, p, f in zip(names, paths, flags):
+      per_device = np.asarray(f, bool).reshape(-1, len(p))
+      goods[n] = [bool(per_device[:, i].all()) for i in range(len(p))]
     # The first bad input in this order is the one named: bad params make the rest so, and a
     # bad loss comes with a bad gradient.
-    bad_ones = [n for n in ("params", "gradient", "loss") if n in goods and not goods[n].all()]
+    bad_ones = [n for n in ("params", "gradient", "loss") if n in goods and not all(goods[n])]
     if not bad_ones or f"input:{bad_ones[0]}" in self._seen:
       return
     name = bad_ones[0]
