@@ -41,7 +41,8 @@ _INPUTS = {
 }
 _CHAINED = (
   " A transform chained after this one (a schedule, a scale) or the code applying the updates "
-  "can make it so; `optax.apply_if_finite` around the whole chain keeps such an update out."
+  "can make it so: `kfac_jax.kfac(learning_rate=schedule)` checks a schedule's values and skips "
+  "the steps they are not usable for."
 )
 
 

@@ -485,7 +485,7 @@ def test_nan_params_from_outside_are_reported_once_and_keep_the_curvature(front)
   texts = [str(r.message) for r in record if r.category is kfac_jax.NonFiniteWarning]
   assert len(texts) == 1, texts
   assert texts[0].startswith(f"{front}: the params are not finite at step 2 (in `layer0/b`,")
-  assert ("optax.apply_if_finite" in texts[0]) == (front == "scale_by_kfac")
+  assert ("kfac_jax.kfac(learning_rate=schedule)" in texts[0]) == (front == "scale_by_kfac")
   kept = curvatures[1]
   assert _finite(kept)
   for later in curvatures[2:]:
