@@ -34,13 +34,12 @@ def _aval_key(x) -> tuple:
 class StateShapes:
   """`jax.eval_shape(init, params)`, traced once per params signature (treedef, shapes, dtypes,
   shardings): a front's update checks the state it is given against it on every trace, which
-  for an eager step is every call. `traces` counts the traces."""
+  for an eager step is every call."""
 
   def __init__(self, init, size: int = 8):
     self._init = init
     self._size = size
     self._cache: dict[Any, Any] = {}
-    self.traces = 0
 
   def __call__(self, params):
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -49,7 +48,6 @@ class StateShapes:
       if len(self._cache) >= self._size:
         self._cache.pop(next(iter(self._cache)))
       self._cache[key] = jax.eval_shape(self._init, params)
-      self.traces += 1
     return self._cache[key]
 
 
