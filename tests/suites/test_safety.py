@@ -447,16 +447,9 @@ def _nan_params_fronts():
       kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, inverse_every=1),
       optax.scale_by_schedule(lambda c: jnp.where(c == 1, jnp.nan, -0.1)),
     )
-    state, p, out = tx.init(params), params, []
-
-    @jax.jit
-    def step(p, state, rng):
-      _, g, stats = kfac_jax.value_and_grad(loss_fn)(p, batch, rng)
-      u, state = tx.update(g, state, p, curvature_stats=stats)
-      return optax.apply_updates(p, u), state
-
+    state, p, out, step = tx.init(params), params, [], _step_fn(loss_fn, tx)
     for i in range(4):
-      p, state = step(p, state, jax.random.key(i))
+      p, state, _, _ = step(p, state, batch, jax.random.key(i))
       out.append(state[0].curvature)
     return out
 
