@@ -22,7 +22,7 @@ from kfac_jax._checkpoint import (
 )
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
-from kfac_jax._engine import HyperparameterWarning
+from kfac_jax._engine import HyperparameterWarning, NonFiniteWarning
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerState
 from kfac_jax._optimizer import OptimizerConfig as OptimizerConfig  # Raises, naming Config.
@@ -79,6 +79,7 @@ __all__ = [
   "LayerSpec",
   "HyperparameterWarning",
   "LossMismatchWarning",
+  "NonFiniteWarning",
   "Optimizer",
   "OptimizerState",
   "Registration",

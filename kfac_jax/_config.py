@@ -131,9 +131,11 @@ class Config:
     mesh: under plain `jit` with data sharded over a mesh (no `axis_name`): `(mesh, axis)`
       splits the inverse work over that mesh axis (and, sharded, stores the state there); the
       estimator takes `mesh=` per call. [scale_by_kfac, kfac, Optimizer]
-    skip_nonfinite: when the gradient, the statistics or the update is not finite, return zero
-      updates and leave the state as it was but for the `skipped` counter. False: the update
-      goes through as computed (non-finite statistics are still kept out of the factors).
+    skip_nonfinite: when the gradient, the params, the statistics or the update is not
+      finite, return zero updates and leave the state as it was but for the `skipped` counter.
+      False: the update goes through as computed (non-finite statistics are still kept out of
+      the factors). A non-finite gradient or params are reported either way
+      (`NonFiniteWarning`).
       [scale_by_kfac, kfac, Optimizer]
     nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`). [kfac]
     min_damping, max_damping: the clip of the adapted damping λ. [Optimizer]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _curvature, _estimator, _parallel, _storage
+from kfac_jax import _checks, _curvature, _estimator, _parallel, _specs, _storage
 
 Array = jax.Array
 
@@ -28,12 +28,32 @@ class HyperparameterWarning(UserWarning):
   damping: the step it gave it for is skipped (with `Config.skip_nonfinite`)."""
 
 
-class Reporter:
-  """Warns, from the host, the first time each hyperparameter of one front is bad (one warning
-  per name, whichever device or step reports it)."""
+class NonFiniteWarning(UserWarning):
+  """A front was given a gradient, params or (the `Optimizer`) a loss that is not finite: the
+  step is skipped (with `Config.skip_nonfinite`) and the curvature is left as it was."""
 
-  def __init__(self, who: str):
+
+# Each input of a step: how a warning names it and where a non-finite one comes from.
+_INPUTS = {
+  "gradient": ("the gradient is", "A non-finite batch or a loss that overflows gives one."),
+  "loss": ("the loss is", "A non-finite batch or a loss that overflows gives one."),
+  "params": ("the params are", "The update applied before this step was not finite."),
+}
+_CHAINED = (
+  " A transform chained after this one (a schedule, a scale) or the code applying the updates "
+  "can make it so: `kfac_jax.kfac(learning_rate=schedule)` checks a schedule's values and skips "
+  "the steps they are not usable for."
+)
+
+
+class Reporter:
+  """Warns, from the host, the first time each hyperparameter or input of one front is bad (one
+  warning per name, whichever device or step reports it). `chained`: the front is an optax
+  transform, whose updates the rest of a user's chain can make non-finite."""
+
+  def __init__(self, who: str, *, chained: bool = False):
     self.who = who
+    self.chained = chained
     self._seen: set[str] = set()
 
   def __call__(self, names: tuple[str, ...], lows: tuple, step, values, goods, skipped: bool):
@@ -53,6 +73,104 @@ class Reporter:
         HyperparameterWarning,
         stacklevel=2,
       )
+
+  def inputs(self, names: tuple[str, ...], paths: tuple, step, flags, skipped: bool):
+    """Warns the first time each input (`names`; `paths` names each one's leaves) has a leaf
+    that is not finite (`flags`: per input, per device and leaf, whether it is finite)."""
+    step = int(np.asarray(step).ravel()[0])
+    goods: dict[str, list[bool]] = {}
+    for n, p, f in zip(names, paths, flags):
+      per_device = np.asarray(f, bool).reshape(-1, len(p))
+      goods[n] = [bool(per_device[:, i].all()) for i in range(len(p))]
+    # The first bad input in this order is the one named: bad params make the rest so, and a
+    # bad loss comes with a bad gradient.
+    bad_ones = [n for n in ("params", "gradient", "loss") if n in goods and not all(goods[n])]
+    if not bad_ones or f"input:{bad_ones[0]}" in self._seen:
+      return
+    name = bad_ones[0]
+    self._seen.add(f"input:{name}")
+    bad = [f"`{p}`" for p, g in zip(paths[names.index(name)], goods[name]) if not g and p]
+    where = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    subject, cause = _INPUTS[name]
+    warnings.warn(
+      f"{self.who}: {subject} not finite at step {step}"
+      + (f" (in {where}). " if where else ". ")
+      + cause
+      + (_CHAINED if name == "params" and self.chained else "")
+      + (
+        " The step is skipped and the curvature is left as it was."
+        if skipped
+        else " `Config.skip_nonfinite` is off: the update is used (the curvature keeps no "
+        "non-finite statistics)."
+      )
+      + " This warning is given once per input.",
+      NonFiniteWarning,
+      stacklevel=2,
+    )
+
+
+def _leaf_names(tree) -> list[str]:
+  return [
+    "/".join(_specs.key_name(k) for k in path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
+
+
+def _up(x) -> Array:
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: bool) -> Array:
+  """Whether every leaf of `inputs` (name → pytree: "gradient", "params", "loss") is finite.
+
+  Trees of one structure and shapes (the gradient and the params) are added leaf by leaf before
+  `_storage.all_finite`'s sums, so the verdict costs one pass over them (a sum of finite values
+  is finite; an overflow errs on the side of a skip). A non-finite input is reported once per
+  name by `reporter` from the host, naming the step and the leaves, inside a `lax.cond` that
+  runs nothing on a good step.
+  """
+  trees = {n: t for n, t in inputs.items() if jax.tree_util.tree_leaves(t)}
+  groups: list[list[Any]] = []  # Trees whose leaves can be added position by position.
+  for t in trees.values():
+    shapes = [jnp.shape(x) for x in jax.tree_util.tree_leaves(t)]
+    for g in groups:
+      if [jnp.shape(x) for x in jax.tree_util.tree_leaves(g[0])] == shapes:
+        g.append(t)
+        break
+    else:
+      groups.append([t])
+  sums = [
+    [sum(_up(x) for x in xs) for xs in zip(*(jax.tree_util.tree_leaves(t) for t in g))]
+    for g in groups
+  ]
+  ok = _storage.all_finite(sums)
+  names = tuple(trees)
+  paths = tuple(_leaf_names(t) for t in trees.values())
+
+  def flags():
+    return [
+      jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(t)])
+      for t in trees.values()
+    ]
+
+  _when_bad(ok, lambda step, f: reporter.inputs(names, paths, step, f, skipped), clock, flags)
+  return ok
+
+
+def _when_bad(ok: Array, report: Callable, *args) -> None:
+  """`report(*args)` from the host when `ok` is False; an arg may be a function of no arguments
+  that computes it (on a bad step only). Traced: in a `lax.cond`, so that a good step runs no
+  callback; concrete (an eager step): at once, with no cond to compile on every call."""
+
+  def values():
+    return [a() if callable(a) else a for a in args]
+
+  if not _checks.is_traced(ok):
+    if not bool(ok):
+      report(*values())
+    return
+  jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(report, *values()))
 
 
 def hyperparameters_ok(
@@ -76,15 +194,13 @@ def hyperparameters_ok(
     return None
   ok = jnp.all(jnp.stack([jnp.all(g) for g in goods]))
 
-  def report():
-    jax.debug.callback(
-      lambda step, xs, goods: reporter(tuple(names), tuple(lows), step, xs, goods, skipped),
-      clock,
-      xs,
-      goods,
-    )
-
-  jax.lax.cond(ok, lambda: None, report)
+  _when_bad(
+    ok,
+    lambda step, xs, goods: reporter(tuple(names), tuple(lows), step, xs, goods, skipped),
+    clock,
+    xs,
+    goods,
+  )
   return ok
 
 

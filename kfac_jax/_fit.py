@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from kfac_jax import _checks
 from kfac_jax._specs import key_name
 
 # The `EstimatorState` fields that hold one entry per block (named in the messages).
@@ -21,6 +22,33 @@ class _Leaf(NamedTuple):
   dtype: str
   block: str | None  # The block it belongs to, if any.
   field: str  # Its place inside the block's state, e.g. `factors/a` (the path if no block).
+
+
+def _aval_key(x) -> tuple:
+  """A leaf's shape, dtype, weak type and sharding (a concrete array's, else its type's)."""
+  aval = jax.typeof(x)
+  sharding = x.sharding if isinstance(x, jax.Array) and not _checks.is_traced(x) else None
+  return (aval.shape, aval.dtype, aval.weak_type, sharding or getattr(aval, "sharding", None))
+
+
+class StateShapes:
+  """`jax.eval_shape(init, params)`, traced once per params signature (treedef, shapes, dtypes,
+  shardings): a front's update checks the state it is given against it on every trace, which
+  for an eager step is every call."""
+
+  def __init__(self, init, size: int = 8):
+    self._init = init
+    self._size = size
+    self._cache: dict[Any, Any] = {}
+
+  def __call__(self, params):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    key = (treedef, tuple(_aval_key(x) for x in leaves))
+    if key not in self._cache:
+      if len(self._cache) >= self._size:
+        self._cache.pop(next(iter(self._cache)))
+      self._cache[key] = jax.eval_shape(self._init, params)
+    return self._cache[key]
 
 
 def describe(path) -> tuple[str, str | None, str]:

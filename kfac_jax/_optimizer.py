@@ -351,6 +351,7 @@ class Optimizer:
       )
     )
     self._reporter = _engine.Reporter("Optimizer")
+    self._state_shapes = _fit.StateShapes(self.init)
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
@@ -482,7 +483,7 @@ class Optimizer:
     reg, cfg = est.registration, self.config
     _checks.axis_bound(self.axis_name, "Optimizer")
     if isinstance(est.storage, _storage.ReplicatedStorage):  # Sharded: checked by the storage.
-      _fit.check(jax.eval_shape(self.init, params), state, "Optimizer")
+      _fit.check(self._state_shapes(params), state, "Optimizer")
     dtype = est.numerics.inverse_dtype
     clock = state.step + state.skipped  # Every step seen: what the schedules are called with.
     in_burn = state.step < cfg.burn_in_steps
@@ -518,10 +519,15 @@ class Optimizer:
     )
 
     # The engine's step: statistics, inverses (damping λ + η) and −Δ = F̂⁻¹ ∇h.
+    finite = _engine.inputs_ok(
+      self._reporter,
+      {"gradient": grads, "params": params, "loss": loss},
+      clock,
+      cfg.skip_nonfinite,
+    )
     ok = None
     if cfg.skip_nonfinite:
-      ok = jnp.isfinite(loss) & _storage.all_finite(grads)
-      ok = ok if usable is None else ok & usable
+      ok = finite if usable is None else finite & usable
     pre, curv, ok = _engine.step(
       est,
       state.curvature,

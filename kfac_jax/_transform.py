@@ -8,7 +8,8 @@ With `Config.skip_nonfinite` (the default) a non-finite gradient, batch statisti
 preconditioned update gives zero updates and leaves the state as it was but for the `skipped`
 counters; `kfac`'s guard also requires finite hyperparameters and keeps the momentum trace.
 A schedule's value that is not finite (or a negative learning rate or damping) skips its step
-and is reported once per hyperparameter (`HyperparameterWarning`, from the host).
+and is reported once per hyperparameter (`HyperparameterWarning`, from the host); a gradient or
+params that are not finite once per input (`NonFiniteWarning`), guard on or off.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from kfac_jax import (
   _fit,
   _parallel,
   _registration,
-  _storage,
 )
 
 Array = jax.Array
@@ -241,7 +241,7 @@ def _preconditioner(
     )
   )
   mesh, guard = config.mesh, config.skip_nonfinite
-  reporter = _engine.Reporter(who)
+  reporter = _engine.Reporter(who, chained=True)
 
   def init_fn(params) -> ScaleByKfacState:
     est, _ = _estimator_for(deferred, make, params, who, axis_name)
@@ -292,9 +292,10 @@ def _preconditioner(
     clock = count + state.skipped
     lam = damping(clock) if callable(damping) else damping
     usable = _engine.hyperparameters_ok(reporter, {"damping": (lam, 0.0)}, clock, guard)
+    finite = _engine.inputs_ok(reporter, {"gradient": updates, "params": params}, clock, guard)
     ok = None
     if guard:
-      ok = _storage.all_finite(updates)
+      ok = finite
       for gate in (kfac_gate, usable):
         ok = ok if gate is None else ok & gate
 
@@ -492,6 +493,7 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
   """
 
   reporter = _engine.Reporter("kfac")
+  rest_shapes = _fit.StateShapes(rest.init)
 
   def init_fn(params) -> KfacState:
     return KfacState(preconditioner.init(params), rest.init(params))
@@ -516,7 +518,7 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
     v, pre = preconditioner.update(
       updates, old, params, curvature_stats=curvature_stats, batch=batch, rng=rng, kfac_gate=gate
     )
-    _fit.check(jax.eval_shape(rest.init, params), state.rest, "kfac", "state.rest")
+    _fit.check(rest_shapes(params), state.rest, "kfac", "state.rest")
 
     def run():
       return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock, **extra)

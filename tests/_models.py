@@ -143,3 +143,21 @@ def device_bytes(tree, mesh) -> list[int]:
     )
     for dev in mesh.devices.flat
   ]
+
+
+def empirical_run(tx, loss_fn, params, batch, steps: int):
+  """`steps` jitted updates of `tx` on one `batch` from `tx.init(params)`, with the empirical
+  statistics of `kfac_jax.value_and_grad`: the run the data-parallel and storage tests compare
+  with. Returns the last params and state."""
+
+  @jax.jit
+  def step(params, state, batch):
+    reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state = step(params, state, batch)
+  return params, state

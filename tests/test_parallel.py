@@ -103,23 +103,6 @@ def _kfac(loss_fn, params, batch, **kw):
   )
 
 
-def _reference_run(loss_fn, params, batch, steps):
-  tx = _kfac(loss_fn, params, batch)
-
-  @jax.jit
-  def step(params, state):
-    _, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
-    )(params, batch)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    return optax.apply_updates(params, updates), state
-
-  state = tx.init(params)
-  for _ in range(steps):
-    params, state = step(params, state)
-  return params, state
-
-
 def _assert_close(got, want):
   got_leaves = jax.tree_util.tree_leaves_with_path(got)
   for (path, a), b in zip(got_leaves, jax.tree_util.tree_leaves(want)):
@@ -151,7 +134,9 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
   )
   for _ in range(STEPS):
     p, s = pstep(p, s, sharded)
-  want_p, want_s = _reference_run(loss_fn, params, batch, STEPS)
+  want_p, want_s = _models.empirical_run(
+    _kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS
+  )
   _assert_close(jax.tree_util.tree_map(lambda x: x[0], (p, s)), (want_p, want_s))
   for leaf in jax.tree_util.tree_leaves((p, s)):  # Every replica holds the same numbers.
     np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[-1])
@@ -188,7 +173,9 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
   p = params
   for _ in range(STEPS):
     p, state = sstep(p, state, data)
-  _assert_close((p, state), _reference_run(loss_fn, params, batch, STEPS))
+  _assert_close(
+    (p, state), _models.empirical_run(_kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS)
+  )
 
 
 def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
@@ -209,7 +196,9 @@ def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
   state = tx.init(params)
   for _ in range(STEPS):
     p, state = step(p, state, data)
-  _assert_close((p, state), _reference_run(loss_fn, params, batch, STEPS))
+  _assert_close(
+    (p, state), _models.empirical_run(_kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS)
+  )
   # The factorisations are split: each device computes its share, an all-reduce shares them
   # (without `inverse_mesh` the lowered program has no collective: XLA adds only the
   # statistics' reductions later, when it partitions the program).
@@ -502,7 +491,9 @@ def test_sharded_storage_under_shard_map(x64):
   p = params
   for _ in range(STEPS):
     p, state = sstep(p, state, data)
-  _assert_close(p, _reference_run(loss_fn, params, batch, STEPS)[0])
+  _assert_close(
+    p, _models.empirical_run(_kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS)[0]
+  )
 
 
 def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):

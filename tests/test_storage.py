@@ -107,21 +107,6 @@ def _tx(loss_fn, params, batch, **config):
   )
 
 
-def _run(tx, loss_fn, params, batch):
-  @jax.jit
-  def step(params, state, b):
-    _, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
-    )(params, b)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    return optax.apply_updates(params, updates), state
-
-  state = tx.init(params)
-  for _ in range(STEPS):
-    params, state = step(params, state, batch)
-  return params, state
-
-
 def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   loss_fn, params, batch = _problem()
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
@@ -132,9 +117,9 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   )
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
 
-  want, _ = _run(_tx(loss_fn, params, batch), loss_fn, params, batch)
+  want, _ = _models.empirical_run(_tx(loss_fn, params, batch), loss_fn, params, batch, STEPS)
   tx = _tx(loss_fn, params, batch, mesh=(mesh, "data"), inverse_storage="sharded")
-  got, state = _run(tx, loss_fn, sharded_params, data)
+  got, state = _models.empirical_run(tx, loss_fn, sharded_params, data, STEPS)
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)
   ):
@@ -162,11 +147,13 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   assert factors_layout.shares == cache_layout.shares == want_shares
   # Replicated storage on the same mesh: every device holds every block's factors and nearly
   # every cache (XLA's propagation splits a few of the inverses the sharded gradient meets).
-  _, rep = _run(_tx(loss_fn, params, batch, mesh=(mesh, "data")), loss_fn, sharded_params, data)
+  _, rep = _models.empirical_run(
+    _tx(loss_fn, params, batch, mesh=(mesh, "data")), loss_fn, sharded_params, data, STEPS
+  )
   rep_curv = rep[0].curvature
   assert min(_models.device_bytes((rep_curv.factors, rep_curv.cache), mesh)) > 0.9 * total
   # The factors gathered from the sharded state are the one-device run's.
-  _, one = _run(_tx(loss_fn, params, batch), loss_fn, params, batch)
+  _, one = _models.empirical_run(_tx(loss_fn, params, batch), loss_fn, params, batch, STEPS)
   gathered = est.storage.block_factors(est.names, blocks, curv.factors)
   for n in est.names:
     for a, b in zip(

@@ -483,6 +483,7 @@ def _kfac_step(loss_fn, tx):
 
 @pytest.mark.parametrize("where", ["gradient", "batch", "update"])
 @pytest.mark.filterwarnings("ignore::kfac_jax.HyperparameterWarning")  # Reported: test_safety.
+@pytest.mark.filterwarnings("ignore::kfac_jax.NonFiniteWarning")  # Reported: test_safety.
 def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   """A NaN gradient, a NaN batch (statistics and gradient) or an infinite learning rate (the
   update): params and every state leaf unchanged, momentum trace included, but the counters;
@@ -536,6 +537,7 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   assert len(traces) == 1
 
 
+@pytest.mark.filterwarnings("ignore::kfac_jax.NonFiniteWarning")  # Reported: test_safety.
 def test_scale_by_kfac_guard_and_switching_it_off():
   loss_fn, params, batch = _problem()
   grads = jax.grad(loss_fn)(params, batch)

@@ -464,6 +464,52 @@ def test_a_state_of_another_model_names_what_differs(front, make_state, match):
     _wrong_state(front, make_state)()
 
 
+@pytest.mark.parametrize("front", ["kfac", "Optimizer"])
+def test_the_state_check_traces_init_once_per_params_signature(front, monkeypatch):
+  """Every trace of an update (every call of an eager one) checks the state against the
+  front's init as shapes: init is traced for it once per params signature (treedef, shapes,
+  dtypes, shardings), and a state of another model (of other widths; without momentum) is
+  still refused by the cached shapes."""
+  loss_fn, params, batch = _problem()
+  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  inits = []
+
+  def counted(init):
+    return lambda *a, **k: (inits.append(1), init(*a, **k))[1]
+
+  if front == "Optimizer":  # The whole state is checked; `init` makes it.
+    monkeypatch.setattr(kfac_jax.Optimizer, "init", counted(kfac_jax.Optimizer.init))
+    opt = kfac_jax.Optimizer(loss_fn, batch)
+    state, other = opt.init(params), WRONG_STATES[2][1]()
+
+    def update(s):
+      return opt.step(params, s, batch, jax.random.key(0))
+
+    match = WRONG_STATES[2][2]
+  else:  # The rest of the chain's state is checked; its momentum's init is counted.
+    trace = optax.trace
+
+    def counted_trace(*a, **k):
+      tx = trace(*a, **k)
+      return optax.GradientTransformation(counted(tx.init), tx.update)
+
+    monkeypatch.setattr(optax, "trace", counted_trace)
+    tx = kfac_jax.kfac(loss_fn, batch)
+    state, other = tx.init(params), _tx_state(kfac_jax.kfac, _problem, momentum=None)()
+
+    def update(s):
+      return tx.update(grads, s, params, curvature_stats=stats)
+
+    match = "built without momentum"
+  inits.clear()
+  for _ in range(3):  # Three traces of the update (a new function each: no trace cache hit).
+    jax.make_jaxpr(lambda s: update(s))(state)
+  assert len(inits) == 1
+  with pytest.raises(ValueError, match=match):
+    jax.make_jaxpr(update)(other)
+  assert len(inits) == 1
+
+
 def test_an_unbound_axis_name_names_the_argument_and_the_wrapper():
   loss_fn, params, batch = _problem()
   _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))

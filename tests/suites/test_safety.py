@@ -59,7 +59,8 @@ def test_degenerate_statistics_give_finite_updates(case):
 def test_nan_in_the_batch_leaves_the_curvature_state_unchanged(guard):
   """With the guard, the NaN gradient skips the update before any statistics are computed
   (`skipped` +1); without it, the statistics are computed, found non-finite and kept out of the
-  factors (`skipped_batches` +1). Either way every factor and inverse is unchanged."""
+  factors (`skipped_batches` +1). Either way every factor and inverse is unchanged, and the
+  gradient is reported with its step and the leaves it is not finite in."""
   params = _models.jnp_mlp_init(jax.random.key(0), (4, 5, 3))
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=3)
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
@@ -70,7 +71,12 @@ def test_nan_in_the_batch_leaves_the_curvature_state_unchanged(guard):
   step = jax.jit(lambda p, s, b, k: tx.update(jax.grad(loss_fn)(p, b), s, p, batch=b, rng=k))
   _, state = step(params, state, batch, jax.random.key(0))
   bad = {"x": batch["x"].at[3, 1].set(jnp.nan), "y": batch["y"]}
-  _, after = step(params, state, bad, jax.random.key(1))
+  with pytest.warns(kfac_jax.NonFiniteWarning) as record:
+    _, after = step(params, state, bad, jax.random.key(1))
+    jax.effects_barrier()
+  (text,) = [str(r.message) for r in record]
+  assert text.startswith("scale_by_kfac: the gradient is not finite at step 1 (in `layer0/b`")
+  assert ("The step is skipped" if guard else "`Config.skip_nonfinite` is off") in text
   assert int(after.curvature.skipped_batches) == (0 if guard else 1)
   assert int(after.skipped) == (1 if guard else 0)
   same = after.curvature._replace(skipped_batches=state.curvature.skipped_batches)
@@ -426,3 +432,55 @@ def test_a_bad_schedule_value_skips_its_step_and_is_reported_once(front, bad):
   assert f"{who}: the schedule of `{name}` gave {np.float32(bad)} at step 1" in texts[0]
   assert skipped == 2
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(params))
+
+
+def _nan_params_fronts():
+  """(name, run): `run()` takes four jitted steps of a front, the second of which makes the
+  params NaN from outside the library (a schedule chained after `scale_by_kfac`; the
+  `Optimizer`'s returned params poisoned by the caller); it returns the curvature after each."""
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 5, 3))
+  batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=3)
+  loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
+
+  def chain():
+    tx = optax.chain(
+      kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, inverse_every=1),
+      optax.scale_by_schedule(lambda c: jnp.where(c == 1, jnp.nan, -0.1)),
+    )
+    state, p, out, step = tx.init(params), params, [], _step_fn(loss_fn, tx)
+    for i in range(4):
+      p, state, _, _ = step(p, state, batch, jax.random.key(i))
+      out.append(state[0].curvature)
+    return out
+
+  def optimizer():
+    opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=0.1, momentum=0.0, inverse_every=1)
+    state, p, out = opt.init(params), params, []
+    step = jax.jit(opt.step)
+    for i in range(4):
+      p, state, _ = step(p, state, batch, jax.random.key(i))
+      p = jax.tree_util.tree_map(lambda x: x * jnp.nan, p) if i == 1 else p
+      out.append(state.curvature)
+    return out
+
+  return {"scale_by_kfac": chain, "Optimizer": optimizer}
+
+
+@pytest.mark.parametrize("front", ["scale_by_kfac", "Optimizer"])
+def test_nan_params_from_outside_are_reported_once_and_keep_the_curvature(front):
+  """Params made NaN after a step (by a NaN schedule chained after `scale_by_kfac`, by the
+  caller of `Optimizer.step`): the next step names the params, the step and the leaves, once;
+  the curvature (factors and inverses) stays bit-identical and finite on every later step."""
+  run = _nan_params_fronts()[front]
+  with pytest.warns(kfac_jax.NonFiniteWarning) as record:
+    curvatures = run()
+    jax.effects_barrier()
+  texts = [str(r.message) for r in record if r.category is kfac_jax.NonFiniteWarning]
+  assert len(texts) == 1, texts
+  assert texts[0].startswith(f"{front}: the params are not finite at step 2 (in `layer0/b`,")
+  assert ("kfac_jax.kfac(learning_rate=schedule)" in texts[0]) == (front == "scale_by_kfac")
+  kept = curvatures[1]
+  assert _finite(kept)
+  for later in curvatures[2:]:
+    for a, b in zip(jax.tree_util.tree_leaves(later), jax.tree_util.tree_leaves(kept)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
