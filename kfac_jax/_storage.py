@@ -136,12 +136,17 @@ class ReplicatedStorage:
     del names, blocks  # Every block kind keeps its cache here.
 
   def init_state(self, names, blocks, axis_name, mesh) -> tuple[dict, dict]:
-    """`(factors, cache)`: zero statistics and identity caches, per block name."""
+    """`(factors, cache)`: zero statistics and identity caches, per block name, made by one
+    program: made op by op, each zeros and identity of a new shape would compile on its own."""
     del axis_name, mesh
-    return (
-      {n: b.init_factors() for n, b in zip(names, blocks)},
-      {n: b.init_cache() for n, b in zip(names, blocks)},
-    )
+
+    def make():
+      return (
+        {n: b.init_factors() for n, b in zip(names, blocks)},
+        {n: b.init_cache() for n, b in zip(names, blocks)},
+      )
+
+    return jax.jit(make)()
 
   def fold(self, names, blocks, factors, new, weight, average, axis_name, mesh) -> dict:
     """`average(old, batch, weight)` leaf by leaf; `new` has one entry per block, in order."""
