@@ -486,8 +486,21 @@ class CurvatureEstimator:
     )
 
   def to_dense(self, state: EstimatorState) -> Array:
-    """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`."""
+    """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`.
+
+    Called outside a trace it runs as one compiled program: its scatter of every block into
+    the matrix, op by op, would compile each small operation on its own."""
     self.check_state(state)
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(state))
+    if traced or not isinstance(self.storage, _storage.ReplicatedStorage):
+      return self._dense(state)
+    return self._compiled_dense(state)
+
+  @functools.cached_property
+  def _compiled_dense(self):
+    return jax.jit(self._dense)
+
+  def _dense(self, state: EstimatorState) -> Array:
     sizes = [int(np.prod(s)) for s, _ in self._sig[1]]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])

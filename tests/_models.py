@@ -161,3 +161,14 @@ def empirical_run(tx, loss_fn, params, batch, steps: int):
   for _ in range(steps):
     params, state = step(params, state, batch)
   return params, state
+
+
+def jit_jacobian(fn, *args, **kwargs):
+  """`jax.jacobian` compiled as one program: called eagerly, its many small operations would
+  each compile on their own."""
+  return jax.jit(jax.jacobian(fn, *args, **kwargs))
+
+
+def jit_hessian(fn, *args, **kwargs):
+  """`jax.hessian` compiled as one program (see `jit_jacobian`)."""
+  return jax.jit(jax.hessian(fn, *args, **kwargs))

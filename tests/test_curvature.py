@@ -75,7 +75,7 @@ def test_batch_of_one_matches_jacobian_reference(x64, model, kind, mode):
   loss_fn, params, batch = _setup(kind, model)
   flat, unravel = ravel_pytree(params)
   z = _models.jnp_mlp_apply(params, batch["x"])
-  jac = jax.jacobian(lambda v: _models.jnp_mlp_apply(unravel(v), batch["x"]))(flat)
+  jac = _models.jit_jacobian(lambda v: _models.jnp_mlp_apply(unravel(v), batch["x"]))(flat)
   jac = np.asarray(jac).reshape(z.size, -1)
   loss_in_z = lambda zz: _tagged(kind, zz, batch)
   if mode == "empirical":
@@ -87,7 +87,7 @@ def test_batch_of_one_matches_jacobian_reference(x64, model, kind, mode):
     u = np.asarray(jax.grad(loss_in_z)(z)).ravel() / np.sqrt(w.ravel())
     out = np.outer(u, u)
   else:
-    out = np.asarray(jax.hessian(loss_in_z)(z)).reshape(z.size, z.size)
+    out = np.asarray(_models.jit_hessian(loss_in_z)(z)).reshape(z.size, z.size)
   reference = jac.T @ out @ jac
   est, dense = _dense(loss_fn, params, batch, mode)
   mask = _models.block_mask(est, params)
@@ -111,7 +111,7 @@ def test_exact_and_exact_ggn_agree_on_a_batch(x64):
   )
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   z = _models.jnp_mlp_apply(params, batch["x"])
-  hess = jax.hessian(lambda zz: _tagged("categorical", zz, batch))(z)  # [N, C, N, C]
+  hess = _models.jit_hessian(lambda zz: _tagged("categorical", zz, batch))(z)  # [N, C, N, C]
   g_ref = sum(np.asarray(hess[n, :, n, :]) for n in range(5))  # (1/N) Σₙ wₙ F(zₙ)
   (factors,) = state.factors.values()
   np.testing.assert_allclose(factors.g, g_ref, rtol=1e-12, atol=1e-15)
@@ -152,8 +152,10 @@ def test_sequence_prediction_exact_matches_reference(x64):
   loss_fn = lambda p, b: loss_in_z(apply(p, b["x"]), b)
   z = apply(params, batch["x"])
   flat, unravel = ravel_pytree(params)
-  jac = np.asarray(jax.jacobian(lambda v: apply(unravel(v), batch["x"]))(flat)).reshape(z.size, -1)
-  hess = np.asarray(jax.hessian(lambda zz: loss_in_z(zz, batch))(z)).reshape(z.size, z.size)
+  jac = np.asarray(_models.jit_jacobian(lambda v: apply(unravel(v), batch["x"]))(flat)).reshape(
+    z.size, -1
+  )
+  hess = np.asarray(_models.jit_hessian(lambda zz: loss_in_z(zz, batch))(z)).reshape(z.size, z.size)
   for mode in ("exact", "exact_GGN"):
     est, dense = _dense(loss_fn, params, batch, mode)
     assert [b.spec.kind for b in est.blocks] == ["dense"]
@@ -189,7 +191,7 @@ def test_sequence_prediction_shared_kernel_factors(x64):
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(est.init(params))
   (factors,) = state.factors.values()
   z = apply(params, batch["x"])
-  hess = np.asarray(jax.hessian(lambda zz: loss_in_z(zz, batch))(z))  # [N, T, C, N, T, C]
+  hess = np.asarray(_models.jit_hessian(lambda zz: loss_in_z(zz, batch))(z))  # [N, T, C, N, T, C]
   g_ref = sum(hess[i, j, :, i, j, :] for i in range(n) for j in range(t))
   xa = np.concatenate([np.asarray(batch["x"]).reshape(n * t, d), np.ones((n * t, 1))], 1)
   np.testing.assert_allclose(factors.g, g_ref, rtol=1e-12, atol=1e-15)
@@ -216,9 +218,11 @@ def test_exact_with_two_loss_tags(x64):
   loss_fn = lambda p, b: heads(_models.jnp_mlp_apply(p, b["x"]), b)
   z = _models.jnp_mlp_apply(params, batch["x"])
   flat, unravel = ravel_pytree(params)
-  jac = np.asarray(jax.jacobian(lambda v: _models.jnp_mlp_apply(unravel(v), batch["x"]))(flat))
+  jac = np.asarray(
+    _models.jit_jacobian(lambda v: _models.jnp_mlp_apply(unravel(v), batch["x"]))(flat)
+  )
   jac = jac.reshape(z.size, -1)
-  hess = np.asarray(jax.hessian(lambda zz: heads(zz, batch))(z)).reshape(z.size, z.size)
+  hess = np.asarray(_models.jit_hessian(lambda zz: heads(zz, batch))(z)).reshape(z.size, z.size)
   est, dense = _dense(loss_fn, params, batch, "exact")
   expected = jac.T @ hess @ jac * _models.block_mask(est, params)
   assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) < 1e-10
@@ -311,8 +315,10 @@ def test_exact_generic_full_block_batch_of_one(x64, kind):
   loss_fn = lambda p, b: _tagged(kind, apply(p, b["x"]), b)
   flat, unravel = ravel_pytree(params)
   z = apply(params, batch["x"])
-  jac = np.asarray(jax.jacobian(lambda v: apply(unravel(v), batch["x"]))(flat)).reshape(z.size, -1)
-  hess = np.asarray(jax.hessian(lambda zz: _tagged(kind, zz, batch))(z)).reshape(z.size, -1)
+  jac = np.asarray(_models.jit_jacobian(lambda v: apply(unravel(v), batch["x"]))(flat)).reshape(
+    z.size, -1
+  )
+  hess = np.asarray(_models.jit_hessian(lambda zz: _tagged(kind, zz, batch))(z)).reshape(z.size, -1)
   est, dense = _dense(loss_fn, params, batch, "exact")
   assert sorted(blk.spec.kind for blk in est.blocks) == ["dense", "generic"]
   expected = jac.T @ hess @ jac * _models.block_mask(est, params)

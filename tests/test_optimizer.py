@@ -44,14 +44,14 @@ def _ggn(loss_fn, apply_fn, params, batch):
   """Jᵀ H_z J from jax.jacobian / jax.hessian, on raveled params."""
   flat, unravel = ravel_pytree(params)
   logits = apply_fn(params, batch["x"])
-  jac = jax.jacobian(lambda f: apply_fn(unravel(f), batch["x"]).ravel())(flat)
+  jac = _models.jit_jacobian(lambda f: apply_fn(unravel(f), batch["x"]).ravel())(flat)
 
   def loss_of_logits(z):
     return optax.softmax_cross_entropy_with_integer_labels(
       z.reshape(logits.shape), batch["y"]
     ).mean()
 
-  hz = jax.hessian(loss_of_logits)(logits.ravel())
+  hz = _models.jit_hessian(loss_of_logits)(logits.ravel())
   return jac.T @ hz @ jac
 
 
@@ -82,7 +82,7 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
 
   if len(sizes) == 2:
     # A linear model: the loss Hessian is the Gauss-Newton matrix.
-    curv = jax.hessian(lambda f: loss_fn(unravel(f), batch))(flat1)
+    curv = _models.jit_hessian(lambda f: loss_fn(unravel(f), batch))(flat1)
     np.testing.assert_allclose(curv, _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch), atol=1e-12)
   else:
     curv = _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch)

@@ -9,6 +9,7 @@ import pytest
 
 import kfac_jax
 from kfac_jax import _tags
+from tests import _models
 
 
 def _model(params, x, tag):
@@ -68,8 +69,8 @@ def test_jvp_vjp_and_hessian(setup):
   b = jax.jvp(lambda p: _loss(p, x, y, False), (params,), (tangent,))
   _close(a, b)
   _close(
-    jax.hessian(lambda w: _loss({**params, "w2": w}, x, y, True))(params["w2"]),
-    jax.hessian(lambda w: _loss({**params, "w2": w}, x, y, False))(params["w2"]),
+    _models.jit_hessian(lambda w: _loss({**params, "w2": w}, x, y, True))(params["w2"]),
+    _models.jit_hessian(lambda w: _loss({**params, "w2": w}, x, y, False))(params["w2"]),
   )
 
 
@@ -267,18 +268,18 @@ def test_weight_is_a_multiplicity_in_every_mode(x64, kind, wshape, mode):
   apply = lambda v: batch["x"] @ unravel(v)["w"] + unravel(v)["b"]  # noqa: E731
   z = apply(flat)
   if mode == "empirical":
-    per_entry = jax.jacobian(lambda v: _weighted_nll(kind, apply(v), batch))(flat)
+    per_entry = _models.jit_jacobian(lambda v: _weighted_nll(kind, apply(v), batch))(flat)
     w = np.broadcast_to(np.asarray(batch["w"]), per_entry.shape[:-1])
     grads = np.asarray(per_entry)  # [N, P] or [N, K, P]: ∇_θ ℓ per entry, unweighted.
     u = grads * np.sqrt(w)[..., None]
     u = u if u.ndim == 2 else u.sum(1)
     reference = u.T @ u / WN
   else:
-    jac = np.asarray(jax.jacobian(apply)(flat)).reshape(z.size, -1)
+    jac = np.asarray(_models.jit_jacobian(apply)(flat)).reshape(z.size, -1)
     tagged = lambda zz: jnp.mean(  # noqa: E731
       jnp.reshape(batch["w"] * _weighted_nll(kind, zz, batch), (WN, -1)).sum(-1)
     )
-    hess = np.asarray(jax.hessian(tagged)(z)).reshape(z.size, z.size)
+    hess = np.asarray(_models.jit_hessian(tagged)(z)).reshape(z.size, z.size)
     reference = jac.T @ hess @ jac
   np.testing.assert_allclose(dense, reference, rtol=1e-10, atol=1e-13)
 

@@ -207,7 +207,7 @@ def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
   state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   state = est.update_inverses(state, LAMBDA)
   state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  jac = jax.jacobian(
+  jac = _models.jit_jacobian(
     lambda p: optax.softmax_cross_entropy_with_integer_labels(logits(p, batch["x"]), batch["y"])
   )(params)
   j = np.concatenate([np.asarray(jac["w"]), np.asarray(jac["b"])[:, None]], axis=1)
@@ -248,7 +248,7 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
   # Fisher (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ: the definition of the scalings.
   flat, unravel = ravel_pytree(params)
   jac = jax.jit(
-    jax.jacobian(
+    _models.jit_jacobian(
       lambda f: optax.softmax_cross_entropy_with_integer_labels(
         model.apply(unravel(f), batch["x"]), batch["y"]
       )

@@ -15,6 +15,7 @@ from jax.flatten_util import ravel_pytree
 
 import kfac_jax
 from kfac_jax import _curvature
+from tests import _models
 
 
 def _ce(logits, y):
@@ -38,7 +39,7 @@ def _estimate(loss_fn, params, batch, rng=None, mode="empirical"):
 def _exact_empirical(per_example_fn, params, batch):
   """(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ from per-example gradients (jax.jacobian)."""
   flat, unravel = ravel_pytree(params)
-  jac = jax.jacobian(lambda f: per_example_fn(unravel(f), batch))(flat)
+  jac = _models.jit_jacobian(lambda f: per_example_fn(unravel(f), batch))(flat)
   jac = np.asarray(jac)
   return jac.T @ jac / jac.shape[0]
 
@@ -743,7 +744,7 @@ def _exact_fisher(logits_fn, params, batch):
   """(1/N) Σ_n J_nᵀ (diag(p_n) − p_n p_nᵀ) J_n, the exact Fisher of the categorical loss."""
   flat, unravel = ravel_pytree(params)
   logits = np.asarray(logits_fn(params, batch))
-  jac = np.asarray(jax.jacobian(lambda f: logits_fn(unravel(f), batch))(flat))
+  jac = np.asarray(_models.jit_jacobian(lambda f: logits_fn(unravel(f), batch))(flat))
   c = logits.shape[-1]
   logits, jac = logits.reshape(-1, c), jac.reshape(-1, c, flat.size)
   p = np.exp(logits - logits.max(-1, keepdims=True))

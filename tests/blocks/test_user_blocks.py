@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kfac_jax
+from tests import _models
 
 N, D, H, K = 6, 3, 4, 2
 DAMPING = 1e-2
@@ -82,8 +83,8 @@ def _expected(params, batch, grads):
   untouched by the user's pattern is the library's own."""
   flat, unravel = jax.flatten_util.ravel_pytree(params["hidden"])
   z = lambda v: _model({**params, "hidden": unravel(v)}, batch["x"]).ravel()  # noqa: E731
-  j = jax.jacobian(z)(flat)
-  hz = jax.hessian(lambda z: jnp.mean(jnp.sum((z.reshape(N, K) - batch["y"]) ** 2, -1)))(
+  j = _models.jit_jacobian(z)(flat)
+  hz = _models.jit_hessian(lambda z: jnp.mean(jnp.sum((z.reshape(N, K) - batch["y"]) ** 2, -1)))(
     _model(params, batch["x"]).ravel()
   )
   f = j.T @ hz @ j

@@ -15,6 +15,7 @@ import kfac_jax
 from kfac_jax import _curvature
 from kfac_jax.blocks import _shared, _uses
 from kfac_jax.scan import _scanner
+from tests import _models
 
 V, D, N, L = 7, 4, 3, 3
 
@@ -634,7 +635,7 @@ def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, 
   per_example = lambda f: optax.softmax_cross_entropy_with_integer_labels(
     _shared_conv_norm_model(unravel(f), batch["x"])[1], batch["y"]
   )
-  jac = np.asarray(jax.jacobian(per_example)(flat))
+  jac = np.asarray(_models.jit_jacobian(per_example)(flat))
   exact = jac.T @ jac / 3
   sizes = [v.size for v in jax.tree_util.tree_leaves(params)]  # b, k, s, sh, w
   off = np.concatenate([[0], np.cumsum(sizes)])

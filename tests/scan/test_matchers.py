@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import kfac_jax
+from tests import _models
 
 N, C = 4, 3
 
@@ -60,7 +61,7 @@ def _leaf_slices(params, paths):
 def _exact_fisher(logits_fn, params, batch):
   """(1/N) Σ_n J_nᵀ F_z J_n over every parameter (flattened by `ravel_pytree`)."""
   flat, unravel = jax.flatten_util.ravel_pytree(params)
-  jac = jax.jacobian(lambda f: logits_fn(unravel(f), batch))(flat)
+  jac = _models.jit_jacobian(lambda f: logits_fn(unravel(f), batch))(flat)
   logits = logits_fn(params, batch)
   return np.asarray(jnp.einsum("nci,ncd,ndj->ij", jac, _fz(logits), jac) / logits.shape[0])
 
@@ -199,7 +200,7 @@ def test_layer_norm_over_graph_nodes_takes_the_nodes_as_rows(x64, nodes, approx)
     "scale": jnp.broadcast_to(params["ln"]["scale"], (rows, 5)),
   }
   logits_of = lambda ln_rows: _graph_logits(dict(params, ln=ln_rows), batch)
-  jac = jax.jacobian(logits_of)(per_row)  # leaves [N, C, rows, 5]
+  jac = _models.jit_jacobian(logits_of)(per_row)  # leaves [N, C, rows, 5]
   # Node r's parameters as the layer's leaves are ordered (scale, bias).
   j = jnp.concatenate([jac["scale"], jac["bias"]], axis=-1)  # [N, C, rows, 10]
   want = jnp.einsum("ncri,ncd,ndrj->ij", j, _fz(logits_of(per_row)), j) / len(nodes)

@@ -268,7 +268,7 @@ def test_channel_first_scale_and_shift_is_exact(x64):
   def both(params, batch):
     state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
     flat, unravel = jax.flatten_util.ravel_pytree(params)
-    jac = jax.jacobian(lambda f: logits_fn(unravel(f), batch))(flat)  # [N, C, P]
+    jac = _models.jit_jacobian(lambda f: logits_fn(unravel(f), batch))(flat)  # [N, C, P]
     p = jax.nn.softmax(logits_fn(params, batch))
     fz = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
     return est.to_dense(state), jnp.einsum("nci,ncd,ndj->ij", jac, fz, jac) / 5
@@ -327,7 +327,9 @@ def test_class_token_is_exact_shift(x64, spread):
     state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
     tok = {n: params[n] for n in tokens}
     flat, unravel = jax.flatten_util.ravel_pytree(tok)
-    jac = jax.jacobian(lambda f: logits_fn(dict(params, **unravel(f)), batch))(flat)  # [N, C, t]
+    jac = _models.jit_jacobian(lambda f: logits_fn(dict(params, **unravel(f)), batch))(
+      flat
+    )  # [N, C, t]
     p = jax.nn.softmax(logits_fn(params, batch))
     fz = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
     exact = jnp.einsum("nci,ncd,ndj->ij", jac, fz, jac) / 5
@@ -412,7 +414,7 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   def both(params, batch):
     state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
     flat, unravel = jax.flatten_util.ravel_pytree(params["tok"])
-    jac = jax.jacobian(lambda f: logits_fn(dict(params, tok=unravel(f)), batch))(flat)
+    jac = _models.jit_jacobian(lambda f: logits_fn(dict(params, tok=unravel(f)), batch))(flat)
     p = jax.nn.softmax(logits_fn(params, batch))
     fz = jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
     exact = jnp.einsum("nci,ncd,ndj->ij", jac, fz, jac) / 5
@@ -450,8 +452,10 @@ def _assert_full_blocks_exact(predict, loss_of, params, batch, kinds):
     state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
     flat, unravel = jax.flatten_util.ravel_pytree(params)
     pred = predict(params, batch)
-    jac = jax.jacobian(lambda f: predict(unravel(f), batch))(flat).reshape(pred.size, -1)
-    hess = jax.hessian(lambda z: loss_of(z, batch, False))(pred).reshape(pred.size, pred.size)
+    jac = _models.jit_jacobian(lambda f: predict(unravel(f), batch))(flat).reshape(pred.size, -1)
+    hess = _models.jit_hessian(lambda z: loss_of(z, batch, False))(pred).reshape(
+      pred.size, pred.size
+    )
     return est.to_dense(state), jac.T @ hess @ jac
 
   dense, ggn = map(np.asarray, both(params, batch))
@@ -610,7 +614,7 @@ def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
     parts = jnp.split(f, np.cumsum(sizes)[:-1])
     return {m: v.reshape(params[m].shape) for m, v in zip(names, parts)}
 
-  jac = jax.jacobian(lambda f: logits_fn(unflat(f), batch))(flat)
+  jac = _models.jit_jacobian(lambda f: logits_fn(unflat(f), batch))(flat)
   prob = jax.nn.softmax(logits_fn(params, batch))
   fz = jax.vmap(jax.vmap(jnp.diag))(prob) - prob[..., :, None] * prob[..., None, :]
   exact = jnp.einsum("ntci,ntcd,ntdj->ij", jac, fz, jac) / n

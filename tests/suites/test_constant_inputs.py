@@ -11,6 +11,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax
+from tests import _models
 
 N, L, D, C = 5, 4, 3, 4
 
@@ -36,7 +37,7 @@ def _estimate(loss_fn, params, batch, layers=None):
 def _exact_empirical(per_example_fn, params, batch):
   """(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ from per-example gradients (jax.jacobian), in raveled order."""
   flat, unravel = ravel_pytree(params)
-  jac = np.asarray(jax.jacobian(lambda f: per_example_fn(unravel(f), batch))(flat))
+  jac = np.asarray(_models.jit_jacobian(lambda f: per_example_fn(unravel(f), batch))(flat))
   return jac.T @ jac / jac.shape[0]
 
 

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import kfac_jax
+from tests import _models
 
 N, D, H = 12, 3, 5
 pytestmark = pytest.mark.filterwarnings("ignore::kfac_jax.UncoveredParametersWarning")
@@ -92,7 +93,7 @@ _log_psi = jax.vmap(_log_psi_one, (None, 0))
 def _local_energy(p, r):
   def one(r):
     g = jax.grad(_log_psi_one, 1)(p, r)
-    lap = jnp.trace(jax.hessian(_log_psi_one, 1)(p, r))
+    lap = jnp.trace(_models.jit_hessian(_log_psi_one, 1)(p, r))
     return -0.5 * (lap + g @ g) - 1.0 / jnp.sqrt(jnp.sum(r**2) + 1e-2)
 
   return jax.vmap(one)(r)
