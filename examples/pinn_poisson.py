@@ -223,19 +223,25 @@ def fading_damping(decay: float = 0.45, floor: float = 1.5e-12):
   return schedule
 
 
-def make_kfac(params, batch, loss=None):
+def make_kfac(params, batch, loss=None, linesearch: str = "grid"):
   """`kfac_jax.kfac` as the K-FAC of the PINN paper's code: exact Gauss-Newton statistics
-  refreshed at every step (moving average 0.45), a damping that fades from large to near 0
-  with that average (`fading_damping`), momentum 0.51 on the preconditioned direction, and the
-  step along it chosen by `grid_linesearch` (no norm clipping). Returns `(tx, registration)`;
-  `tx.update` takes `value=`, `grad=`, `value_fn=`."""
+  refreshed at every step (moving average 0.45), momentum 0.51 on the preconditioned
+  direction, no norm clipping, and the step along the direction from a line search: with
+  `linesearch="grid"`, `grid_linesearch` and a damping that fades from large to near 0 with the
+  moving average (`fading_damping`); with "zoom", optax's zoom line search and a fixed damping
+  of 1e-10. Returns `(tx, registration)`; `tx.update` takes `value=`, `grad=`, `value_fn=`."""
+  if linesearch not in ("grid", "zoom"):
+    raise ValueError(f"make_kfac: linesearch must be 'grid' or 'zoom', got {linesearch!r}.")
+  grid = linesearch == "grid"
   reg = kfac_jax.Registration(loss or loss_fn, params, batch, estimation_mode="exact_GGN")
   tx = kfac_jax.kfac(
     registration=reg,
-    linesearch=grid_linesearch(),
+    linesearch=grid_linesearch()
+    if grid
+    else optax.scale_by_zoom_linesearch(max_linesearch_steps=20),
     momentum=0.51,
     max_norm=None,
-    damping=fading_damping(0.45),
+    damping=fading_damping(0.45) if grid else 1e-10,
     ema_decay=0.45,
     inverse_every=1,
     curvature_every=1,
