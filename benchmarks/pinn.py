@@ -10,8 +10,9 @@ mode, one tag per loss term):
 
 Optimizers: `Optimizer` (`examples/pinn_poisson.make_optimizer`: learning rate and momentum
 from the quadratic model; exact GGN statistics, inverses and damping adaptation at every step),
-`kfac zoom` (`examples/pinn_poisson.make_kfac`: the optax chain with the paper's K-FAC settings
-and optax's zoom line search), `kfac` (the chain, fixed learning rates), Adam (a small
+`kfac grid` and `kfac zoom` (`examples/pinn_poisson.make_kfac`: the optax chain with the
+paper's K-FAC settings, its grid line search and a fading damping, or optax's zoom line search
+and a fixed damping), `kfac` (the chain, fixed learning rates), Adam (a small
 learning-rate grid) and L-BFGS (`optax.lbfgs`, its zoom line search). Each optimizer runs
 `--steps` steps, the error measured at every checkpoint (outside the timing); "equal seconds"
 gives every optimizer the `Optimizer`'s step time for the last checkpoint and reports the error
@@ -132,8 +133,8 @@ def kfac_step(loss_fn, problem, params, lr):
   return step, tx.init
 
 
-def kfac_linesearch_step(loss_fn, problem, params):
-  tx, reg = pp.make_kfac(params, problem.batch, loss_fn)
+def kfac_linesearch_step(loss_fn, problem, params, linesearch):
+  tx, reg = pp.make_kfac(params, problem.batch, loss_fn, linesearch)
   step = pp.linesearch_step(tx, reg, problem.batch, loss_fn)
   return (lambda p, s: step(p, s)[:2]), tx.init
 
@@ -160,11 +161,12 @@ def main(argv=None) -> int:
     "--lbfgs-steps", type=int, default=100, help="L-BFGS runs to this step at most (slow steps)"
   )
   p.add_argument("--only", default="", help="comma-separated subset of optimizer names")
+  p.add_argument("--seed", type=int, default=0, help="the parameters' seed (`init_params`)")
   args = p.parse_args(argv)
   checkpoints = sorted(int(s) for s in args.steps.split(","))
   make, loss_fn = PROBLEMS[args.problem]
   problem = make(0)
-  params = pp.init_params(0)
+  params = pp.init_params(args.seed)
   only = set(args.only.split(",")) - {""}
   print(
     f"{args.problem}: jax {jax.__version__}, {os.cpu_count()} CPUs; checkpoints {checkpoints}",
@@ -172,7 +174,8 @@ def main(argv=None) -> int:
   )
   runs = {}
   contestants = [("Optimizer", optimizer_step(loss_fn, problem, params))]
-  contestants.append(("kfac zoom", kfac_linesearch_step(loss_fn, problem, params)))
+  for search in ("grid", "zoom"):
+    contestants.append((f"kfac {search}", kfac_linesearch_step(loss_fn, problem, params, search)))
   for lr in (float(x) for x in args.kfac_lrs.split(",") if x):
     contestants.append((f"kfac lr={lr:g}", kfac_step(loss_fn, problem, params, lr)))
   for lr in (float(x) for x in args.adam_lrs.split(",")):

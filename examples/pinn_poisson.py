@@ -8,8 +8,9 @@ mode (the forward Laplacian: value, gradient and Laplacian channels through each
 scanner sees each layer applied to the points and to those channels and registers it as one
 shared layer (the "expand" K-FAC of physics-informed networks). The two loss terms are tagged
 separately, each a mean over its own points. K-FAC runs twice: `kfac_jax.Optimizer` (learning
-rate, momentum and damping from its quadratic model) and the `kfac_jax.kfac` chain with optax's
-zoom line search (`make_kfac`); the run writes a plot of the error against steps and seconds.
+rate, momentum and damping from its quadratic model) and the `kfac_jax.kfac` chain with the
+paper's grid line search (`make_kfac`); the run writes a plot of the error against steps and
+seconds.
 
     python examples/pinn_poisson.py              # 200 steps of each K-FAC, 2,000 of Adam
     python examples/pinn_poisson.py --steps 2000 --adam-steps 20000
@@ -173,18 +174,74 @@ def make_optimizer(params, batch, loss=None, damping: float = 1.0) -> kfac_jax.O
   )
 
 
-def make_kfac(params, batch, loss=None):
-  """`kfac_jax.kfac` as the K-FAC of the PINN paper: exact Gauss-Newton statistics refreshed at
-  every step (moving average 0.45), a damping near 0, momentum 0.51 on the preconditioned
-  direction, and the step along it chosen by optax's zoom line search (no norm clipping).
-  Returns `(tx, registration)`; `tx.update` takes `value=`, `grad=`, `value_fn=`."""
+class GridLinesearchState(NamedTuple):
+  learning_rate: jax.Array  # [], the step size taken at the last update (0: none)
+
+
+def grid_linesearch(
+  log2_min: int = -30, log2_max: int = 0
+) -> optax.GradientTransformationExtraArgs:
+  """The line search of the PINN paper's code: the loss at the step sizes `2^k`, k from
+  `log2_min` to `log2_max`, along the update; the best of them, or no step when none is below
+  the current loss. It reads `value=` and `value_fn=` (as optax's line searches) and evaluates
+  the loss once per step size, one after another (`jax.lax.map`)."""
+  sizes = 2.0 ** np.arange(log2_min, log2_max + 1)
+
+  def init_fn(params):
+    del params
+    return GridLinesearchState(jnp.zeros(()))
+
+  def update_fn(updates, state, params, *, value, value_fn, **extra):
+    del state, extra  # `grad=` and `value_fn`'s keyword arguments are not needed.
+
+    def loss_at(eta):
+      return value_fn(jax.tree_util.tree_map(lambda p, u: p + eta * u, params, updates))
+
+    etas = jnp.asarray(sizes, jnp.result_type(*jax.tree_util.tree_leaves(updates)))
+    losses = jax.lax.map(loss_at, etas)
+    losses = jnp.where(jnp.isnan(losses), jnp.inf, losses)
+    best = jnp.argmin(losses)
+    eta = jnp.where(losses[best] <= value, etas[best], 0.0)
+    scaled = jax.tree_util.tree_map(lambda u: (eta * u).astype(u.dtype), updates)
+    return scaled, GridLinesearchState(eta)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def fading_damping(decay: float = 0.45, floor: float = 1.5e-12):
+  """λ at update k (from 0): `(ρ^(k+1) / (1 − ρ^(k+1)))² + floor`, ρ = `decay`. The paper's
+  code starts each Kronecker factor at the identity and averages without bias correction, so
+  after k+1 updates a factor is `(1 − ρ^(k+1)) (F̄ + ε I)`, F̄ the bias-corrected average and
+  `ε = ρ^(k+1) / (1 − ρ^(k+1))`: a damping that fades with the moving average. The factored
+  damping adds about √λ to each factor, hence the square; the common scale does not change
+  the line search's step."""
+
+  def schedule(count):
+    r = jnp.asarray(decay, jnp.result_type(float)) ** (count + 1)
+    return (r / (1 - r)) ** 2 + floor
+
+  return schedule
+
+
+def make_kfac(params, batch, loss=None, linesearch: str = "grid"):
+  """`kfac_jax.kfac` as the K-FAC of the PINN paper's code: exact Gauss-Newton statistics
+  refreshed at every step (moving average 0.45), momentum 0.51 on the preconditioned
+  direction, no norm clipping, and the step along the direction from a line search: with
+  `linesearch="grid"`, `grid_linesearch` and a damping that fades from large to near 0 with the
+  moving average (`fading_damping`); with "zoom", optax's zoom line search and a fixed damping
+  of 1e-10. Returns `(tx, registration)`; `tx.update` takes `value=`, `grad=`, `value_fn=`."""
+  if linesearch not in ("grid", "zoom"):
+    raise ValueError(f"make_kfac: linesearch must be 'grid' or 'zoom', got {linesearch!r}.")
+  grid = linesearch == "grid"
   reg = kfac_jax.Registration(loss or loss_fn, params, batch, estimation_mode="exact_GGN")
   tx = kfac_jax.kfac(
     registration=reg,
-    linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=20),
+    linesearch=grid_linesearch()
+    if grid
+    else optax.scale_by_zoom_linesearch(max_linesearch_steps=20),
     momentum=0.51,
     max_norm=None,
-    damping=1e-10,
+    damping=fading_damping(0.45) if grid else 1e-10,
     ema_decay=0.45,
     inverse_every=1,
     curvature_every=1,
