@@ -37,6 +37,15 @@ from examples import data as data_lib  # noqa: E402
 PATCH = 7
 
 
+def patch_tokens(module: nn.Module, x, width: int):
+  """Inside `module`'s compact call: the images' PATCH x PATCH patches as `width`-wide tokens
+  (a Dense layer) plus a learned positional table, the parameter "pos"."""
+  b, h, w = x.shape[0], x.shape[1] // PATCH, x.shape[2] // PATCH
+  patches = x.reshape(b, h, PATCH, w, PATCH).transpose(0, 1, 3, 2, 4).reshape(b, h * w, -1)
+  tokens = nn.Dense(width)(patches)
+  return tokens + module.param("pos", nn.initializers.normal(0.02), (1, h * w, width))
+
+
 class ViT(nn.Module):
   """Patches → tokens, positional table, pre-norm blocks, mean pool, classifier."""
 
@@ -47,11 +56,7 @@ class ViT(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    b, h, w = x.shape[0], x.shape[1] // PATCH, x.shape[2] // PATCH
-    patches = x.reshape(b, h, PATCH, w, PATCH).transpose(0, 1, 3, 2, 4).reshape(b, h * w, -1)
-    tokens = nn.Dense(self.width)(patches)
-    pos = self.param("pos", nn.initializers.normal(0.02), (1, h * w, self.width))
-    tokens = tokens + pos
+    tokens = patch_tokens(self, x, self.width)
     for _ in range(self.layers):
       tokens = tokens + nn.MultiHeadDotProductAttention(self.heads)(nn.LayerNorm()(tokens))
       y = nn.gelu(nn.Dense(2 * self.width)(nn.LayerNorm()(tokens)))

@@ -33,8 +33,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-
-PATCH = 7
+from benchmarks.families import patch_tokens  # noqa: E402
 
 
 class Block(nn.Module):
@@ -55,10 +54,7 @@ class ScannedViT(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    b, h, w = x.shape[0], x.shape[1] // PATCH, x.shape[2] // PATCH
-    patches = x.reshape(b, h, PATCH, w, PATCH).transpose(0, 1, 3, 2, 4).reshape(b, h * w, -1)
-    tokens = nn.Dense(self.width)(patches)
-    tokens = tokens + self.param("pos", nn.initializers.normal(0.02), (1, h * w, self.width))
+    tokens = patch_tokens(self, x, self.width)
     blocks = nn.scan(
       Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers
     )
