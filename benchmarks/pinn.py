@@ -63,7 +63,8 @@ def heat_solution(p):
 
 
 def heat_loss(params, batch):
-  """mean((u_t − κ u_xx)²) + mean(u² at x = 0, 1) + mean((u − sin πx)² at t = 0)."""
+  """½ mean((u_t − κ u_xx)²) + ½ mean(u² at x = 0, 1) + ½ mean((u − sin πx)² at t = 0), each
+  term tagged as a normal of variance 1 (as `pinn_poisson.loss_fn`)."""
   p = batch["interior"]
   f = lambda q: pp.mlp(params, q)
   et = jnp.broadcast_to(jnp.array([1.0, 0.0]), p.shape)
@@ -71,13 +72,13 @@ def heat_loss(params, batch):
   u_t = jax.jvp(f, (p,), (et,))[1]
   u_xx = jax.jvp(lambda q: jax.jvp(f, (q,), (ex,))[1], (p,), (ex,))[1]
   residual = (u_t - KAPPA * u_xx)[:, None]
-  kfac_jax.register_squared_error_loss(residual)
+  kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
   ub = f(batch["boundary"])[:, None]
-  kfac_jax.register_squared_error_loss(ub)
+  kfac_jax.register_normal_predictive_distribution(ub, var=1.0)
   p0 = batch["initial"]
   u0 = (f(p0) - jnp.sin(jnp.pi * p0[:, 1]))[:, None]
-  kfac_jax.register_squared_error_loss(u0)
-  return jnp.mean(residual**2) + jnp.mean(ub**2) + jnp.mean(u0**2)
+  kfac_jax.register_normal_predictive_distribution(u0, var=1.0)
+  return 0.5 * (jnp.mean(residual**2) + jnp.mean(ub**2) + jnp.mean(u0**2))
 
 
 PROBLEMS = {

@@ -105,6 +105,9 @@ class Config:
 
   Attributes:
     damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower). [all]
+    damping_split: "pi" (default) or "equal": "factored" damping adds π√λ to a layer's input
+      factor and √λ/π to its output factor, π from their traces, or √λ to each ("equal", the
+      K-FAC for PINNs code's choice). [all]
     factor_solve: "auto", "always" or "never": keep a Kronecker factor's damped inverse as its
       Cholesky factor in blocks for block substitution instead of an explicit matrix ("auto":
       for a factor of size n ≥ 256 whose products have at most n/8 columns). [all]
@@ -154,6 +157,7 @@ class Config:
   """
 
   damping_mode: _blocks.DampingMode = _field("factored", _ALL)
+  damping_split: _blocks.DampingSplit = _field("pi", _ALL)
   factor_solve: _blocks.FactorSolve = _field("auto", _ALL)
   stats_dtype: Any = _field(None, _ALL)
   inverse_dtype: Any = _field(None, _ALL)
@@ -172,6 +176,7 @@ class Config:
 
   def __post_init__(self):
     _checks.choice(self.damping_mode, "config.damping_mode", ("factored", "eigen"))
+    _checks.choice(self.damping_split, "config.damping_split", ("pi", "equal"))
     _checks.choice(self.factor_solve, "config.factor_solve", ("auto", "always", "never"))
     self.block_config()  # The dtype fields.
     f = self.statistics_fraction
@@ -212,6 +217,7 @@ class Config:
     return _blocks.BlockConfig(
       exps=tuple(exps),
       damping_mode=self.damping_mode,
+      damping_split=self.damping_split,
       cholesky=cholesky,
       cholesky_inverse=cholesky_inverse,
       stats_dtype=_dtype(self.stats_dtype, "stats_dtype"),

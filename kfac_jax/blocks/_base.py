@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 Array = jax.Array
 DampingMode = Literal["factored", "eigen"]
+DampingSplit = Literal["pi", "equal"]
 FactorSolve = Literal["auto", "always", "never"]
 
 
@@ -39,6 +40,9 @@ class BlockConfig:
     exps: matrix powers the cache is prepared for (1 is always available).
     damping_mode: "factored" (π-adjusted factored Tikhonov damping, the K-FAC default) or
       "eigen" (exact `A ⊗ G + λ I` through eigen-decompositions of the factors).
+    damping_split: how "factored" damping shares √λ between a layer's two factors: "pi" (π√λ
+      and √λ/π, π from the factors' traces, Martens & Grosse 2015) or "equal" (√λ on each, as
+      the K-FAC for PINNs code does; then the factors' relative scale matters).
     cholesky: also cache Cholesky factors (for `multiply_cholesky`).
     cholesky_inverse: also cache inverse Cholesky factors.
     stats_dtype: dtype in which batch statistics are computed and the factors (their moving
@@ -61,6 +65,7 @@ class BlockConfig:
 
   exps: tuple[float, ...] = (-1.0,)
   damping_mode: DampingMode = "factored"
+  damping_split: DampingSplit = "pi"
   cholesky: bool = False
   cholesky_inverse: bool = False
   stats_dtype: Any = jnp.float32

@@ -18,7 +18,8 @@ over each example's positions first (`_reduce_rows`); "kron_indep" layers used s
 take their statistics from `_uses`.
 
 Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G))
-(over the whole side for a blocked one), and the block multiplies by A_λ^p ⊗ G_λ^p. ("eigen"):
+(over the whole side for a blocked one; π = 1 with `damping_split="equal"`), and the block
+multiplies by A_λ^p ⊗ G_λ^p. ("eigen"):
 exact (A ⊗ G + λ I)^p through the factors' eigen-decompositions.
 """
 
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 
 from kfac_jax import _specs
 from kfac_jax.blocks import _blocked, _layouts, _linalg, _uses
-from kfac_jax.blocks._base import Block, map_factorisations
+from kfac_jax.blocks._base import Block, DampingSplit, map_factorisations
 from kfac_jax.blocks._state import FactorCache, KroneckerCache, KroneckerFactors
 
 if TYPE_CHECKING:
@@ -126,10 +127,18 @@ SOLVE_MIN_RATIO = 8
 
 
 def damped_factors(
-  a: Array, g: Array, damping: Array, sizes: tuple[int, int] | None = None
+  a: Array,
+  g: Array,
+  damping: Array,
+  sizes: tuple[int, int] | None = None,
+  split: DampingSplit = "pi",
 ) -> tuple[Array, Array]:
-  """π-adjusted factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring).
-  `sizes`: the sides (n_A, n_G), needed when a factor is blocked (π from the whole sides)."""
+  """Factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring), π from the
+  traces with `split="pi"`, 1 with "equal". `sizes`: the sides (n_A, n_G), needed when a factor
+  is blocked (π from the whole sides)."""
+  if split == "equal":
+    root = jnp.sqrt(damping)
+    return _add_identity(a, root), _add_identity(g, root)
   na, ng = sizes or (a.shape[-1], g.shape[-1])
   pi = _linalg.pi_from_traces(_mean_diag(a, na), _mean_diag(g, ng))
   root = jnp.sqrt(damping)
@@ -403,7 +412,7 @@ class KroneckerBlock(LayoutBlock):
 
     def one(a, g):
       if config.damping_mode == "factored":
-        a, g = damped_factors(a, g, damping, self.sides)
+        a, g = damped_factors(a, g, damping, self.sides, config.damping_split)
       return side(a, solve_a, pads[0]), side(g, solve_g, pads[1])
 
     ca, cg = self.map_groups(one, factors.a, factors.g, factorises=True)
@@ -440,7 +449,7 @@ class KroneckerBlock(LayoutBlock):
       if exp == 1:
         if eigen:
           return _right(_left(a, m), g) + damping * m
-        a_d, g_d = damped_factors(a, g, damping, self.sides)
+        a_d, g_d = damped_factors(a, g, damping, self.sides, self.config.damping_split)
         return _right(_left(a_d, m), g_d)
       if eigen:
         return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)

@@ -210,7 +210,8 @@ def test_vmc_trains_with_a_callable_optimizer():
 
 def test_pinn_grid_linesearch_and_fading_damping(x64):
   """`grid_linesearch` takes the step 2^k (k in [-30, 0]) of lowest loss along the update, and
-  none when no step lowers the loss; `fading_damping` is (ρ^(k+1)/(1 − ρ^(k+1)))² + floor."""
+  none when no step lowers the loss; `fading_damping` is 2 ((ρ^(k+1) + floor)/(1 − ρ^(k+1)))²;
+  `identity_start` is m ← v / (1 − ρ^(k+1))² + μ m."""
   from examples import pinn_poisson
 
   ls = pinn_poisson.grid_linesearch()
@@ -226,8 +227,16 @@ def test_pinn_grid_linesearch_and_fading_damping(x64):
   assert float(state.learning_rate) == 0.0 and not np.any(np.asarray(up["x"]))
   schedule = pinn_poisson.fading_damping(0.5, floor=1e-12)
   np.testing.assert_allclose(
-    [schedule(jnp.asarray(k)) for k in range(3)], [1.0 + 1e-12, 1 / 9 + 1e-12, 1 / 49 + 1e-12]
+    [schedule(jnp.asarray(k)) for k in range(3)], [2 * (1 + 2e-12) ** 2, 2 / 9, 2 / 49]
   )
+  start = pinn_poisson.identity_start(0.5, momentum=0.5)
+  state, ms, m = start.init(params), [], 0.0
+  for k in range(3):
+    out, state = start.update(direction, state)
+    ms.append(float(out["x"][0]))
+    m = 1 / (1 - 0.5 ** (k + 1)) ** 2 + 0.5 * m
+    np.testing.assert_allclose(ms[-1], m, rtol=1e-12)
+  np.testing.assert_allclose(ms, [4.0, 4 + 16 / 9 - 2, 64 / 49 + 0.5 * (2 + 16 / 9)], rtol=1e-12)
 
 
 def test_pinn_poisson_fast(tmp_path, monkeypatch, capsys):

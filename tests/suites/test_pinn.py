@@ -314,6 +314,33 @@ def test_a_layer_serving_two_terms(x64, approx):
   np.testing.assert_allclose(out, expected, rtol=1e-9)
 
 
+def test_equal_damping_split_adds_the_same_root_to_both_factors(x64):
+  """`damping_split="equal"` damps each term's factors by √(λ/2) I both (no π): the damped
+  inverse is the exact inverse of (A₁ + √(λ/2) I) ⊗ (G₁ + √(λ/2) I) + (A₂ + ...) ⊗ (G₂ + ...),
+  and differs from the π-split one, as the factors' traces differ."""
+  loss_fn, params, batch = _two_terms(_laplacian_forward)
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN")
+  config = kfac_jax.Config(damping_split="equal")
+  est = kfac_jax.CurvatureEstimator(registration=reg, config=config)
+  state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))(
+    est.init(params)
+  )
+  factors, block, lam = state.factors["1"], est.blocks[1], 1e-2
+  a, g = np.asarray(factors.a), np.asarray(factors.g)
+  r = np.sqrt(lam / 2)
+  eye_a, eye_g = np.eye(a.shape[-1]), np.eye(g.shape[-1])
+  f = sum(np.kron(a[t] + r * eye_a, g[t] + r * eye_g) for t in (0, 1))
+  v = [jnp.linspace(-1.0, 2.0, 5).reshape(5, 1), jnp.array([0.5])]
+  rhs = np.asarray(block.to_matrix(v)).reshape(-1)
+  out = block.to_matrix(block.multiply_matpower(factors, block.compute_cache(factors, lam), v, -1))
+  np.testing.assert_allclose(np.asarray(out).reshape(-1), np.linalg.solve(f, rhs), rtol=1e-9)
+  pi_block = kfac_jax.CurvatureEstimator(registration=reg).blocks[1]
+  pi_out = pi_block.multiply_matpower(factors, pi_block.compute_cache(factors, lam), v, -1)
+  assert not np.allclose(np.asarray(pi_block.to_matrix(pi_out)), np.asarray(out), rtol=1e-3)
+  with pytest.raises(ValueError, match="damping_split"):
+    kfac_jax.Config(damping_split="trace")
+
+
 @pytest.mark.parametrize("model", ["pinn_poisson", "mlp"])
 def test_optimizer_rejects_steps_that_raise_the_loss(x64, model):
   """Adaptive damping measuring every step (interval 1) from a tiny damping: a step that
