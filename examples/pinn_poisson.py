@@ -232,11 +232,6 @@ def fading_damping(decay: float = PAPER_EMA, floor: float = PAPER_DAMPING):
   return schedule
 
 
-class IdentityStartState(NamedTuple):
-  count: jax.Array  # [], updates seen
-  trace: optax.Updates  # the momentum buffer
-
-
 def identity_start(
   decay: float = PAPER_EMA, momentum: float = PAPER_MOMENTUM
 ) -> optax.GradientTransformation:
@@ -246,19 +241,10 @@ def identity_start(
   times the bias-corrected one (`fading_damping`) and its early directions are that much
   longer; the momentum adds them up with those weights."""
 
-  def init_fn(params):
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-    return IdentityStartState(jnp.zeros((), jnp.int32), zeros)
+  def weight(count):
+    return 1 / (1 - jnp.asarray(decay, jnp.result_type(float)) ** (count + 1)) ** 2
 
-  def update_fn(updates, state, params=None):
-    del params
-    r = jnp.asarray(decay, jnp.result_type(float)) ** (state.count + 1)
-    trace = jax.tree_util.tree_map(
-      lambda v, m: (v / (1 - r) ** 2 + momentum * m).astype(v.dtype), updates, state.trace
-    )
-    return trace, IdentityStartState(state.count + 1, trace)
-
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.chain(optax.scale_by_schedule(weight), optax.trace(decay=momentum))
 
 
 def make_kfac(params, batch, loss=None, linesearch: str = "grid"):
