@@ -1,6 +1,5 @@
 """Convolution, scale-and-shift and embedding layers against exact Fisher blocks (float64)."""
 
-import functools
 import math
 import re
 
@@ -197,24 +196,15 @@ def _conv_model(approx=None, groups=1, cin=4, cout=4, bias=True, use_tag=True):
       )
     return jnp.tanh(y).reshape(x.shape[0], -1) @ p["out"]["w"]
 
-  @jax.jit
-  def draw():
-    k = jax.random.split(jax.random.key(2), 3)
-    params = {
-      "conv": {"w": 0.5 * jax.random.normal(k[0], (2, 3, cin // groups, cout))},
-      "out": {"w": jax.random.normal(k[1], (2 * 3 * cout, 3)) / 5},
-    }
-    if bias:
-      params["conv"]["b"] = 0.1 * jax.random.normal(k[2], (cout,))
-    params = jax.tree_util.tree_map(lambda v: v.astype(jnp.float64), params)
-    kx, ky = jax.random.split(jax.random.key(3))
-    batch = {
-      "x": jax.random.normal(kx, (3, 4, 3, cin), jnp.float64),
-      "y": jax.random.randint(ky, (3,), 0, 3),
-    }
-    return params, batch
-
-  return apply, *draw()
+  rng = np.random.default_rng(2)  # numpy: a jax.random draw compiles a program per shape.
+  params = {
+    "conv": {"w": 0.5 * rng.standard_normal((2, 3, cin // groups, cout))},
+    "out": {"w": rng.standard_normal((2 * 3 * cout, 3)) / 5},
+  }
+  if bias:
+    params["conv"]["b"] = 0.1 * rng.standard_normal(cout)
+  batch = {"x": rng.standard_normal((3, 4, 3, cin)), "y": rng.integers(0, 3, 3, dtype=np.int32)}
+  return apply, params, batch
 
 
 def _conv_block(params, dense):
@@ -778,25 +768,25 @@ def _exact_fisher(logits_fn, params, batch):
 
 
 def _any_batch_model(kind):
-  """(logits_fn, params, make_batch(n, key)) with one `kind` layer feeding a dense head."""
-  k = jax.random.split(jax.random.key(7), 4)
+  """(logits_fn, params, make_batch(n, seed)) with one `kind` layer feeding a dense head."""
+  rng = np.random.default_rng(7)
   if kind == "dense":
     params = {
-      "w": jax.random.normal(k[0], (3, 4), jnp.float64),
-      "b": jax.random.normal(k[1], (4,), jnp.float64),
-      "h": jax.random.normal(k[2], (4, 3), jnp.float64),
+      "w": rng.standard_normal((3, 4)),
+      "b": rng.standard_normal((4,)),
+      "h": rng.standard_normal((4, 3)),
     }
 
     def logits_fn(p, b):
       return jnp.tanh(b["x"] @ p["w"] + p["b"]) @ p["h"]
 
-    def make(n, key):
-      return {"x": jax.random.normal(key, (n, 3), jnp.float64)}
+    def make(n, rng):
+      return {"x": rng.standard_normal((n, 3))}
   elif kind == "conv":
     params = {
-      "k": 0.5 * jax.random.normal(k[0], (2, 2, 2, 2), jnp.float64),
-      "b": jax.random.normal(k[1], (2,), jnp.float64),
-      "h": jax.random.normal(k[2], (2, 3), jnp.float64),
+      "k": 0.5 * rng.standard_normal((2, 2, 2, 2)),
+      "b": rng.standard_normal((2,)),
+      "h": rng.standard_normal((2, 3)),
     }
 
     def logits_fn(p, b):
@@ -808,36 +798,36 @@ def _any_batch_model(kind):
       )
       return jnp.tanh(y).mean(axis=(1, 2)) @ p["h"]
 
-    def make(n, key):
-      return {"x": jax.random.normal(key, (n, 3, 3, 2), jnp.float64)}
+    def make(n, rng):
+      return {"x": rng.standard_normal((n, 3, 3, 2))}
   elif kind == "embedding":
     params = {
-      "t": jax.random.normal(k[0], (6, 3), jnp.float64),
-      "h": jax.random.normal(k[2], (3, 3), jnp.float64),
+      "t": rng.standard_normal((6, 3)),
+      "h": rng.standard_normal((3, 3)),
     }
 
     def logits_fn(p, b):
       return jnp.tanh(p["t"][b["ids"]]).mean(axis=1) @ p["h"]
 
-    def make(n, key):
-      return {"ids": jax.random.randint(key, (n, 2), 0, 6)}
+    def make(n, rng):
+      return {"ids": rng.integers(0, 6, (n, 2), dtype=np.int32)}
   else:  # scale_and_shift
     params = {
-      "s": jax.random.normal(k[0], (3,), jnp.float64),
-      "o": jax.random.normal(k[1], (3,), jnp.float64),
-      "h": jax.random.normal(k[2], (3, 3), jnp.float64),
+      "s": rng.standard_normal((3,)),
+      "o": rng.standard_normal((3,)),
+      "h": rng.standard_normal((3, 3)),
     }
 
     def logits_fn(p, b):
       return jnp.tanh(b["x"] * p["s"] + p["o"]).mean(axis=1) @ p["h"]
 
-    def make(n, key):
-      return {"x": jax.random.normal(key, (n, 2, 3), jnp.float64)}
+    def make(n, rng):
+      return {"x": rng.standard_normal((n, 2, 3))}
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def make_batch(n, key):
-    b = make(n, key)
-    b["y"] = jax.random.randint(jax.random.fold_in(key, 1), (n,), 0, 3)
+  def make_batch(n, seed):  # numpy: a jax.random draw compiles a program per shape.
+    rng = np.random.default_rng(seed)
+    b = make(n, rng)
+    b["y"] = rng.integers(0, 3, n, dtype=np.int32)
     return b
 
   return logits_fn, params, make_batch
@@ -850,7 +840,7 @@ def test_statistics_of_another_batch_size(x64, kind):
   def loss_fn(p, b):
     return _ce(logits_fn(p, b), b["y"])
 
-  big, small = make_batch(8, jax.random.key(1)), make_batch(17, jax.random.key(2))
+  big, small = make_batch(8, 1), make_batch(17, 2)
   exact = _exact_fisher(logits_fn, params, small)
   for layers in (None, kfac_jax.LayerConfig(defaults={"dense": "full", "conv": "full"})):
     dense = []
@@ -880,7 +870,7 @@ def test_entry_points_take_a_partial_batch(x64):
   def loss_fn(p, b):
     return _ce(logits_fn(p, b), b["y"])
 
-  full, last = make_batch(8, jax.random.key(1)), make_batch(5, jax.random.key(2))
+  full, last = make_batch(8, 1), make_batch(5, 2)
   rng = jax.random.key(3)
   results = []
   for example in (full, last):  # Built for 8 examples vs for the 5 of the last batch.
@@ -1344,15 +1334,11 @@ def _envelope_model(n):
   electron's vector to each atom, `einsum("bnai,ijak->bnajk", r - R, sigma)`, then
   `exp(-|·|)` summed over electrons and atoms into the logits (sigma the only parameter)."""
 
-  @jax.jit
-  def draw():
-    k = jax.random.split(jax.random.key(21), 3)
-    eye = np.broadcast_to(np.eye(3)[:, :, None, None], (3, 3, _ATOMS, _ORBITALS))
-    params = {"sigma": eye + 0.3 * jax.random.normal(k[0], eye.shape, jnp.float64)}
-    ae = jax.random.normal(k[1], (n, _ELECTRONS, _ATOMS, 3), jnp.float64)
-    return params, {"ae": ae, "y": jax.random.randint(k[2], (n,), 0, _ORBITALS)}
-
-  params, batch = draw()
+  rng = np.random.default_rng(21)  # numpy: a jax.random draw compiles a program per shape.
+  eye = np.broadcast_to(np.eye(3)[:, :, None, None], (3, 3, _ATOMS, _ORBITALS))
+  params = {"sigma": eye + 0.3 * rng.standard_normal(eye.shape)}
+  ae = rng.standard_normal((n, _ELECTRONS, _ATOMS, 3))
+  batch = {"ae": ae, "y": rng.integers(0, _ORBITALS, n, dtype=np.int32)}
 
   def scaled(sigma, ae):
     return jnp.einsum("bnai,ijak->bnajk", ae, sigma)  # [N, n, A, 3, K]
