@@ -1,6 +1,7 @@
 """Blocked Kronecker factors (`kfac_jax/blocks/_blocked.py`) against their definition (float64):
 the diagonal blocks of the full factors, and the damped block-diagonal Kronecker matrix."""
 
+import functools
 import math
 import re
 
@@ -25,6 +26,7 @@ def _normal(key, shape, scale=1.0):
   return scale * jax.random.normal(key, shape, jnp.float64)
 
 
+@functools.cache  # Built once per kind for the module (float64: every caller runs under x64).
 def _model(kind):
   """(loss_fn, params, batch, layer name, LayerConfig kwargs) with one `kind` layer whose sides
   are wider than a block size of 4, feeding a dense head."""
@@ -99,9 +101,8 @@ def _estimator(loss_fn, params, batch, block_size, damping_mode="factored", **la
     compute_cholesky_inverse=damping_mode == "factored",
     config=kfac_jax.Config(damping_mode=damping_mode),
   )
-  state = est.init(params)
-  state = est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=0.0)
-  return est, state
+  update = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, jax.random.key(0), 0.0))
+  return est, update(params, batch)
 
 
 def _diag_blocks(f, k, b):
@@ -166,6 +167,7 @@ def test_blocked_factors_are_the_diagonal_blocks_of_the_full_factors(x64, kind):
     np.testing.assert_allclose(fb, _diag_blocks(f, k, b), rtol=1e-12, atol=1e-14)
 
 
+@functools.cache
 def _dense_factors(kind="dense"):
   """The full A, G (float64) of the dense layer `l` and its estimators with block size 4."""
   loss_fn, params, batch, name, extra = _model(kind)
@@ -181,9 +183,20 @@ def test_preconditioned_gradient_equals_the_dense_solve(x64, damping_mode):
   loss_fn, params, batch, name, extra, a, g = _dense_factors()
   est, state = _estimator(loss_fn, params, batch, 4, damping_mode, **extra)
   lam = 0.03
-  state = est.update_inverses(state, lam)
-  grads = jax.grad(loss_fn)(params, batch)
-  got = est.multiply_inverse(state, grads)[name]
+
+  @jax.jit
+  def products(p, b, state):
+    state = est.update_inverses(state, lam)
+    grads = jax.grad(loss_fn)(p, b)
+    return (
+      grads,
+      est.multiply_inverse(state, grads),
+      est.multiply(state, grads),
+      est.to_dense(state),
+    )
+
+  grads, got, back, dense_est = products(params, batch, state)
+  got = got[name]
   a_bd, g_bd = _block_diag(a, 4, 4), _block_diag(g, 4, 4)  # A: 7 = 4 + 3; G: 7 = 4 + 3.
   if damping_mode == "factored":
     pi = math.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
@@ -197,12 +210,12 @@ def test_preconditioned_gradient_equals_the_dense_solve(x64, damping_mode):
   np.testing.assert_allclose(got["w"], want[:-1], rtol=1e-9, atol=1e-12)
   np.testing.assert_allclose(got["b"], want[-1], rtol=1e-9, atol=1e-12)
   # The damped block itself, and `to_dense`: the undamped A_bd ⊗ G_bd.
-  back = est.multiply(state, grads)[name]
+  back = back[name]
   np.testing.assert_allclose(
     np.concatenate([back["w"], back["b"][None]]).reshape(-1), dense @ m.reshape(-1), rtol=1e-10
   )
   flat, unravel = ravel_pytree(grads)
-  undamped = unravel(np.asarray(est.to_dense(state)) @ np.asarray(flat))[name]
+  undamped = unravel(np.asarray(dense_est) @ np.asarray(flat))[name]
   want = np.kron(_block_diag(a, 4, 4), _block_diag(g, 4, 4)) @ m.reshape(-1)
   np.testing.assert_allclose(
     np.concatenate([undamped["w"], undamped["b"][None]]).reshape(-1), want, rtol=1e-10
@@ -212,15 +225,21 @@ def test_preconditioned_gradient_equals_the_dense_solve(x64, damping_mode):
 def test_products_invert_each_other(x64):
   loss_fn, params, batch, name, extra, _, _ = _dense_factors()
   est, state = _estimator(loss_fn, params, batch, 4, **extra)
-  state = est.update_inverses(state, 0.05)
-  v = jax.tree_util.tree_map(lambda p: _normal(jax.random.key(7), p.shape), params)
-  for back in (
-    est.multiply(state, est.multiply_inverse(state, v)),
-    est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v)),
-    est.multiply_cholesky_inverse(
-      state, est.multiply_cholesky(state, v, transpose=True), transpose=True
-    ),
-  ):
+
+  @jax.jit
+  def products(state, v):
+    state = est.update_inverses(state, 0.05)
+    return (
+      est.multiply(state, est.multiply_inverse(state, v)),
+      est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v)),
+      est.multiply_cholesky_inverse(
+        state, est.multiply_cholesky(state, v, transpose=True), transpose=True
+      ),
+    )
+
+  rng = np.random.default_rng(7)
+  v = jax.tree_util.tree_map(lambda p: rng.standard_normal(p.shape), params)
+  for back in products(state, v):
     for x, y in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(v)):
       np.testing.assert_allclose(x, y, rtol=1e-8, atol=1e-10)
 
@@ -299,8 +318,12 @@ def _mlp_state_ratio(d, block_size):
     return 0.5 * jnp.mean(jnp.sum((out - b["y"]) ** 2, -1))
 
   tx = kfac_jax.kfac(
-    registration=kfac_jax.Registration(
-      loss_fn, params, batch, layers=kfac_jax.LayerConfig(block_size=block_size)
+    registration=kfac_jax.Registration(  # No loss audit: it would run the 4096-wide MLP.
+      loss_fn,
+      params,
+      batch,
+      layers=kfac_jax.LayerConfig(block_size=block_size),
+      check_loss=False,
     ),
     learning_rate=0.1,
   )
@@ -327,7 +350,7 @@ def test_blocked_kfac_trains_under_jit(x64):
     learning_rate=0.3,
     inverse_every=1,
   )
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
 
   @jax.jit
   def step(params, state, rng):

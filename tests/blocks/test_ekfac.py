@@ -6,6 +6,8 @@ s = (1/N) Σ_n (U_Aᵀ J_n U_G)² and the preconditioned gradient U_A ((U_Aᵀ �
 The references are computed with numpy from per-example gradients (jax.jacobian).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,7 @@ def _per_example(params, batch):
 _per_example_jacobian = jax.jit(jax.jacobian(_per_example))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))  # One program draws all the data.
 def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
   k = jax.random.split(jax.random.key(seed), 2)
   params = _models.jnp_mlp_init(k[0], SIZES, dtype)
@@ -123,19 +126,23 @@ def test_ekfac_is_registered_and_factors_are_kfacs(x64):
 def test_preconditioned_gradient_equals_the_definition(x64):
   params, batch = _setup()
   est, state = _run(params, batch, EKFAC)
-  grads = jax.grad(_loss_fn)(params, batch)
-  got = est.multiply_inverse(state, grads)
+  kron_est, kron_state = _run(params, batch, None, damping_mode="eigen")
+
+  @jax.jit
+  def products(p, b, state, kron_state):
+    grads = jax.grad(_loss_fn)(p, b)
+    got = est.multiply_inverse(state, grads)
+    return grads, got, kron_est.multiply_inverse(kron_state, grads), est.multiply(state, got)
+
+  grads, got, kron, back = products(params, batch, state, kron_state)
   want, bases = _reference(params, batch, grads)
   for name in want:
     np.testing.assert_allclose(state.factors[name].s, bases[name][2], rtol=1e-8, atol=1e-12)
     for leaf in ("w", "b"):
       np.testing.assert_allclose(got[name][leaf], want[name][leaf], rtol=1e-8, atol=1e-12)
   # Differs from K-FAC here (many examples): the test can tell the two apart.
-  kron_est, kron_state = _run(params, batch, None, damping_mode="eigen")
-  kron = kron_est.multiply_inverse(kron_state, grads)
   assert not np.allclose(ravel_pytree(kron)[0], ravel_pytree(got)[0], rtol=1e-3)
   # exp = 1 is the inverse's inverse.
-  back = est.multiply(state, got)
   np.testing.assert_allclose(ravel_pytree(back)[0], ravel_pytree(grads)[0], rtol=1e-8, atol=1e-12)
 
 
@@ -164,13 +171,17 @@ def test_equals_kfac_with_eigen_damping_when_gradients_are_kronecker(x64, same_x
   params, batch = _setup(n=1 if not same_x else 8, same_x=same_x)
   est, state = _run(params, batch, EKFAC)
   kron_est, kron_state = _run(params, batch, None, damping_mode="eigen")
-  grads = jax.grad(_loss_fn)(params, batch)
-  got = est.multiply_inverse(state, grads)
-  want = kron_est.multiply_inverse(kron_state, grads)
+
+  @jax.jit
+  def products(p, b, state, kron_state):
+    grads = jax.grad(_loss_fn)(p, b)
+    got = est.multiply_inverse(state, grads)
+    want = kron_est.multiply_inverse(kron_state, grads)
+    return got, want, est.to_dense(state), kron_est.to_dense(kron_state)
+
+  got, want, dense, kron_dense = products(params, batch, state, kron_state)
   np.testing.assert_allclose(ravel_pytree(got)[0], ravel_pytree(want)[0], rtol=1e-8, atol=1e-10)
-  np.testing.assert_allclose(
-    est.to_dense(state), kron_est.to_dense(kron_state), rtol=1e-8, atol=1e-10
-  )
+  np.testing.assert_allclose(dense, kron_dense, rtol=1e-8, atol=1e-10)
 
 
 def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x64):
@@ -204,9 +215,7 @@ def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
   )
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
-  state = est.update_inverses(state, LAMBDA)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
+  state = _jit_statistics_inverse_statistics(est, params, batch)
   jac = _models.jit_jacobian(
     lambda p: optax.softmax_cross_entropy_with_integer_labels(logits(p, batch["x"]), batch["y"])
   )(params)
@@ -282,7 +291,7 @@ def test_transform_and_optimizer_train_with_ekfac_layers():
     damping=1e-2,
     inverse_every=3,
   )
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
 
   @jax.jit
   def step(params, state, rng):
@@ -308,7 +317,7 @@ def test_transform_and_optimizer_train_with_ekfac_layers():
     use_adaptive_damping=True,
     inverse_every=3,
   )
-  o_state = opt.init(params)
+  o_state = jax.jit(opt.init)(params)
   step_fn = jax.jit(opt.step)
   p, first = params, None
   for t in range(10):
@@ -335,10 +344,8 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
         layers=kfac_jax.LayerConfig(defaults={"dense": approx}),
       )
     )
-    states[approx] = (
-      est,
-      est.update_curvature(est.init(params), params, batch, rng, ema_decay=0.0),
-    )
+    update = jax.jit(lambda p, b, r, est=est: est.update_curvature(est.init(p), p, b, r, 0.0))
+    states[approx] = (est, update(params, batch, rng))
   est, state = states["ekfac"]
   for block in est.blocks:
     assert [p.rsplit("/", 1)[-1] for p in block.spec.param_paths] == ["w", "b"]

@@ -31,9 +31,21 @@ def _estimate(loss_fn, params, batch, rng=None, mode="empirical"):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
   )
-  state = est.init(params)
-  state = jax.jit(lambda s: est.update_curvature(s, params, batch, rng, ema_decay=0.0))(state)
-  return est, state, np.asarray(est.to_dense(state))
+  state, dense = _fit(est, params, batch, rng, dense=True)
+  return est, state, np.asarray(dense)
+
+
+def _fit(est, params, batch, rng=None, damping=None, dense=False):
+  """`est`'s state after one `update_curvature` (then `update_inverses(damping)`), and with
+  `dense` its `to_dense`, as one program: called eagerly each small operation compiles alone."""
+
+  def run(p, b, r):
+    state = est.update_curvature(est.init(p), p, b, r, ema_decay=0.0)
+    if damping is not None:
+      state = est.update_inverses(state, damping)
+    return (state, est.to_dense(state)) if dense else state
+
+  return jax.jit(run)(params, batch, rng)
 
 
 def _exact_empirical(per_example_fn, params, batch):
@@ -184,19 +196,14 @@ def _conv_model(approx=None, groups=1, cin=4, cout=4, bias=True, use_tag=True):
       )
     return jnp.tanh(y).reshape(x.shape[0], -1) @ p["out"]["w"]
 
-  k = jax.random.split(jax.random.key(2), 3)
+  rng = np.random.default_rng(2)  # numpy: a jax.random draw compiles a program per shape.
   params = {
-    "conv": {"w": 0.5 * jax.random.normal(k[0], (2, 3, cin // groups, cout))},
-    "out": {"w": jax.random.normal(k[1], (2 * 3 * cout, 3)) / 5},
+    "conv": {"w": 0.5 * rng.standard_normal((2, 3, cin // groups, cout))},
+    "out": {"w": rng.standard_normal((2 * 3 * cout, 3)) / 5},
   }
   if bias:
-    params["conv"]["b"] = 0.1 * jax.random.normal(k[2], (cout,))
-  params = jax.tree_util.tree_map(lambda v: v.astype(jnp.float64), params)
-  kx, ky = jax.random.split(jax.random.key(3))
-  batch = {
-    "x": jax.random.normal(kx, (3, 4, 3, cin), jnp.float64),
-    "y": jax.random.randint(ky, (3,), 0, 3),
-  }
+    params["conv"]["b"] = 0.1 * rng.standard_normal(cout)
+  batch = {"x": rng.standard_normal((3, 4, 3, cin)), "y": rng.integers(0, 3, 3, dtype=np.int32)}
   return apply, params, batch
 
 
@@ -439,12 +446,17 @@ def test_embedding_inverse_is_inverse_of_damped_block(x64, damping_mode):
     compute_cholesky_inverse=True,
     config=kfac_jax.Config(damping_mode=damping_mode),
   )
-  state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
-  state = est.update_inverses(state, 0.1)
-  v = {"table": jax.random.normal(jax.random.key(2), (5, 3), jnp.float64)}
-  back = est.multiply(state, est.multiply_inverse(state, v))
+
+  @jax.jit
+  def run(p, b, v):
+    state = est.update_curvature(est.init(p), p, b, jax.random.key(1), 0.0)
+    state = est.update_inverses(state, 0.1)
+    back = est.multiply(state, est.multiply_inverse(state, v))
+    return back, est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v))
+
+  v = {"table": np.random.default_rng(2).standard_normal((5, 3))}
+  back, c = run(params, batch, v)
   np.testing.assert_allclose(back["table"], v["table"], rtol=1e-8)
-  c = est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v))
   np.testing.assert_allclose(c["table"], v["table"], rtol=1e-8)
 
 
@@ -554,24 +566,22 @@ def test_jitted_kfac_step_on_small_cnn_is_a_descent_direction():
   params = model.init(jax.random.key(1), batch["x"])
   loss_fn = lambda p, b: _ce(model.apply(p, b["x"]), b["y"])
   tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, damping=1e-2, inverse_every=1)
-  state = tx.init(params)
 
   @jax.jit
-  def step(params, state, rng):
+  def step(params, rng):
     loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    return loss, grads, updates, state
+    updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+    inner = sum(
+      jnp.vdot(g, u)
+      for g, u in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(updates))
+    )
+    return loss, inner, loss_fn(optax.apply_updates(params, updates), batch)
 
   with jax.numpy_rank_promotion("raise"):  # The library's own code never relies on it.
-    loss, grads, updates, state = step(params, state, jax.random.key(2))
+    loss, inner, new_loss = step(params, jax.random.key(2))
   kinds = sorted(l.kind for l in kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
   assert kinds == ["conv", "conv", "dense", "scale_and_shift"]
-  inner = sum(
-    jnp.vdot(g, u)
-    for g, u in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(updates))
-  )
   assert np.isfinite(float(loss)) and float(inner) < 0
-  new_loss = loss_fn(optax.apply_updates(params, updates), batch)
   assert float(new_loss) < float(loss)
 
 
@@ -710,26 +720,30 @@ def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
     compute_cholesky_inverse=True,
     config=kfac_jax.Config(damping_mode=damping_mode),
   )
-  state = est.update_curvature(est.init(params), params, batch, jax.random.key(1), 0.0)
   assert est.layers[0].factor_shapes[1] == (2, 3, 3)
-  state = est.update_inverses(state, 0.05)
-  v = jax.tree_util.tree_map(
-    lambda p: jax.random.normal(jax.random.key(7), p.shape, p.dtype), params
-  )
-  for back in (
-    est.multiply(state, est.multiply_inverse(state, v)),
-    est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v)),
-    est.multiply_cholesky_inverse(
-      state, est.multiply_cholesky(state, v, transpose=True), transpose=True
-    ),
-  ):
+
+  @jax.jit
+  def run(p, b):
+    state = est.update_curvature(est.init(p), p, b, jax.random.key(1), 0.0)
+    state = est.update_inverses(state, 0.05)
+    v = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.key(7), x.shape, x.dtype), p)
+    backs = (
+      est.multiply(state, est.multiply_inverse(state, v)),
+      est.multiply_cholesky_inverse(state, est.multiply_cholesky(state, v)),
+      est.multiply_cholesky_inverse(
+        state, est.multiply_cholesky(state, v, transpose=True), transpose=True
+      ),
+    )
+    return v, backs, est.multiply(state, v), est.to_dense(state)
+
+  v, backs, damped, dense = run(params, batch)
+  for back in backs:
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(v)):
       np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-9)
   if damping_mode == "eigen":  # The damped block is exactly to_dense + λ I.
-    flat_v = ravel_pytree(v)[0]
-    got = np.asarray(ravel_pytree(est.multiply(state, v))[0])
-    dense = np.asarray(est.to_dense(state))
-    np.testing.assert_allclose(got, dense @ flat_v + 0.05 * flat_v, rtol=1e-9)
+    flat_v = np.asarray(ravel_pytree(v)[0])
+    got = np.asarray(ravel_pytree(damped)[0])
+    np.testing.assert_allclose(got, np.asarray(dense) @ flat_v + 0.05 * flat_v, rtol=1e-9)
 
 
 # -- any batch size ------------------------------------------------------------------------------
@@ -743,8 +757,8 @@ def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
 def _exact_fisher(logits_fn, params, batch):
   """(1/N) Σ_n J_nᵀ (diag(p_n) − p_n p_nᵀ) J_n, the exact Fisher of the categorical loss."""
   flat, unravel = ravel_pytree(params)
-  logits = np.asarray(logits_fn(params, batch))
-  jac = np.asarray(_models.jit_jacobian(lambda f: logits_fn(unravel(f), batch))(flat))
+  logits = np.asarray(jax.jit(logits_fn)(params, batch))
+  jac = np.asarray(_models.jit_jacobian(lambda f, b: logits_fn(unravel(f), b))(flat, batch))
   c = logits.shape[-1]
   logits, jac = logits.reshape(-1, c), jac.reshape(-1, c, flat.size)
   p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -754,25 +768,25 @@ def _exact_fisher(logits_fn, params, batch):
 
 
 def _any_batch_model(kind):
-  """(logits_fn, params, make_batch(n, key)) with one `kind` layer feeding a dense head."""
-  k = jax.random.split(jax.random.key(7), 4)
+  """(logits_fn, params, make_batch(n, seed)) with one `kind` layer feeding a dense head."""
+  rng = np.random.default_rng(7)
   if kind == "dense":
     params = {
-      "w": jax.random.normal(k[0], (3, 4), jnp.float64),
-      "b": jax.random.normal(k[1], (4,), jnp.float64),
-      "h": jax.random.normal(k[2], (4, 3), jnp.float64),
+      "w": rng.standard_normal((3, 4)),
+      "b": rng.standard_normal((4,)),
+      "h": rng.standard_normal((4, 3)),
     }
 
     def logits_fn(p, b):
       return jnp.tanh(b["x"] @ p["w"] + p["b"]) @ p["h"]
 
-    def make(n, key):
-      return {"x": jax.random.normal(key, (n, 3), jnp.float64)}
+    def make(n, rng):
+      return {"x": rng.standard_normal((n, 3))}
   elif kind == "conv":
     params = {
-      "k": 0.5 * jax.random.normal(k[0], (2, 2, 2, 2), jnp.float64),
-      "b": jax.random.normal(k[1], (2,), jnp.float64),
-      "h": jax.random.normal(k[2], (2, 3), jnp.float64),
+      "k": 0.5 * rng.standard_normal((2, 2, 2, 2)),
+      "b": rng.standard_normal((2,)),
+      "h": rng.standard_normal((2, 3)),
     }
 
     def logits_fn(p, b):
@@ -784,35 +798,36 @@ def _any_batch_model(kind):
       )
       return jnp.tanh(y).mean(axis=(1, 2)) @ p["h"]
 
-    def make(n, key):
-      return {"x": jax.random.normal(key, (n, 3, 3, 2), jnp.float64)}
+    def make(n, rng):
+      return {"x": rng.standard_normal((n, 3, 3, 2))}
   elif kind == "embedding":
     params = {
-      "t": jax.random.normal(k[0], (6, 3), jnp.float64),
-      "h": jax.random.normal(k[2], (3, 3), jnp.float64),
+      "t": rng.standard_normal((6, 3)),
+      "h": rng.standard_normal((3, 3)),
     }
 
     def logits_fn(p, b):
       return jnp.tanh(p["t"][b["ids"]]).mean(axis=1) @ p["h"]
 
-    def make(n, key):
-      return {"ids": jax.random.randint(key, (n, 2), 0, 6)}
+    def make(n, rng):
+      return {"ids": rng.integers(0, 6, (n, 2), dtype=np.int32)}
   else:  # scale_and_shift
     params = {
-      "s": jax.random.normal(k[0], (3,), jnp.float64),
-      "o": jax.random.normal(k[1], (3,), jnp.float64),
-      "h": jax.random.normal(k[2], (3, 3), jnp.float64),
+      "s": rng.standard_normal((3,)),
+      "o": rng.standard_normal((3,)),
+      "h": rng.standard_normal((3, 3)),
     }
 
     def logits_fn(p, b):
       return jnp.tanh(b["x"] * p["s"] + p["o"]).mean(axis=1) @ p["h"]
 
-    def make(n, key):
-      return {"x": jax.random.normal(key, (n, 2, 3), jnp.float64)}
+    def make(n, rng):
+      return {"x": rng.standard_normal((n, 2, 3))}
 
-  def make_batch(n, key):
-    b = make(n, key)
-    b["y"] = jax.random.randint(jax.random.fold_in(key, 1), (n,), 0, 3)
+  def make_batch(n, seed):  # numpy: a jax.random draw compiles a program per shape.
+    rng = np.random.default_rng(seed)
+    b = make(n, rng)
+    b["y"] = rng.integers(0, 3, n, dtype=np.int32)
     return b
 
   return logits_fn, params, make_batch
@@ -825,7 +840,7 @@ def test_statistics_of_another_batch_size(x64, kind):
   def loss_fn(p, b):
     return _ce(logits_fn(p, b), b["y"])
 
-  big, small = make_batch(8, jax.random.key(1)), make_batch(17, jax.random.key(2))
+  big, small = make_batch(8, 1), make_batch(17, 2)
   exact = _exact_fisher(logits_fn, params, small)
   for layers in (None, kfac_jax.LayerConfig(defaults={"dense": "full", "conv": "full"})):
     dense = []
@@ -833,8 +848,7 @@ def test_statistics_of_another_batch_size(x64, kind):
       est = kfac_jax.CurvatureEstimator(
         kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact", layers=layers)
       )
-      state = est.update_curvature(est.init(params), params, small, None, ema_decay=0.0)
-      dense.append(np.asarray(est.to_dense(state)))
+      dense.append(np.asarray(_fit(est, params, small, dense=True)[1]))
     np.testing.assert_allclose(dense[0], dense[1], rtol=1e-12, atol=1e-14)
     assert kind in [s.kind for s in est.layers]
     if layers is not None:  # Every "full" block is the exact Fisher's block.
@@ -856,7 +870,7 @@ def test_entry_points_take_a_partial_batch(x64):
   def loss_fn(p, b):
     return _ce(logits_fn(p, b), b["y"])
 
-  full, last = make_batch(8, jax.random.key(1)), make_batch(5, jax.random.key(2))
+  full, last = make_batch(8, 1), make_batch(5, 2)
   rng = jax.random.key(3)
   results = []
   for example in (full, last):  # Built for 8 examples vs for the 5 of the last batch.
@@ -864,23 +878,26 @@ def test_entry_points_take_a_partial_batch(x64):
       registration=kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact"),
       damping=1e-3,
     )
-    state = tx.init(params)
-    _, grads, stats = jax.jit(
-      kfac_jax.value_and_grad(
-        registration=kfac_jax.Registration(loss_fn, params, last, estimation_mode="exact")
-      )
-    )(params, last, rng)
-    u1, s1 = jax.jit(lambda g, s, st, tx=tx: tx.update(g, s, params, curvature_stats=st))(
-      grads, state, stats
+    vg = kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, last, estimation_mode="exact")
     )
-    u2, _ = jax.jit(lambda g, s, b, tx=tx: tx.update(g, s, params, batch=b))(grads, state, last)
     opt = kfac_jax.Optimizer(
       registration=kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact"),
       learning_rate=0.1,
       momentum=0.0,
       use_adaptive_damping=False,
     )
-    p3, _, _ = jax.jit(opt.step)(params, opt.init(params), last, rng)
+
+    @jax.jit
+    def entry_points(params, b, rng, tx=tx, vg=vg, opt=opt):
+      state = tx.init(params)
+      _, grads, stats = vg(params, b, rng)
+      u1, s1 = tx.update(grads, state, params, curvature_stats=stats)
+      u2, _ = tx.update(grads, state, params, batch=b)
+      p3, _, _ = opt.step(params, opt.init(params), b, rng)
+      return state, u1, s1, u2, p3
+
+    state, u1, s1, u2, p3 = entry_points(params, last, rng)
     results.append((u1, u2, p3))
     for a, b in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(state)):
       assert a.shape == b.shape  # The state keeps its shapes.
@@ -945,10 +962,14 @@ def _preconditioned(loss_fn, params, batch, layers=None):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
   )
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
-  state = est.update_inverses(state, damping=1e-2)
-  grads = jax.grad(loss_fn)(params, batch)
-  return est.layers, est.multiply_inverse(state, grads)
+
+  @jax.jit
+  def run(p, b):
+    state = est.update_curvature(est.init(p), p, b, None, ema_decay=0.0)
+    state = est.update_inverses(state, damping=1e-2)
+    return est.multiply_inverse(state, jax.grad(loss_fn)(p, b))
+
+  return est.layers, run(params, batch)
 
 
 def _plain_cnn_loss(p, b):
@@ -1172,31 +1193,24 @@ def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(lambda p, b: _ce(apply(p, b["x"]), b["y"]), params, batch)
   )
-  est.init(params)
+  jax.eval_shape(est.init, params)
   key = jax.random.key(7)
-  got = est.curvature_stats(params, batch, key)
-  plain = _curvature.compute(  # The same pass without the canonical pull-back.
-    est.registration.scan_batch(params, batch),
-    params,
-    batch,
-    key,
-    estimation_mode="gradients",
-    num_samples=1,
-    with_grads=False,
-  )[2]
+  scan = est.registration.scan_batch(params, batch)
+
+  def plain_stats(p, b, k):  # The same pass without the canonical pull-back.
+    return _curvature.compute(
+      scan, p, b, k, estimation_mode="gradients", num_samples=1, with_grads=False
+    )[2]
+
+  got, plain = jax.jit(lambda p, b, k: (est.curvature_stats(p, b, k), plain_stats(p, b, k)))(
+    params, batch, key
+  )
   for a, b in zip(jax.tree_util.tree_leaves(got.data), jax.tree_util.tree_leaves(plain.data)):
     np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
 
   def kernels(fn):  # The kernel dimension orders of the lowered program's convolutions.
     text = jax.jit(fn).lower(params, batch, key).as_text()
     return re.findall(r"dim_numbers = \[[^\]]*\]x\[([^\]]*)\]->", text)
-
-  scan = est.registration.scan_batch(params, batch)
-
-  def plain_stats(p, b, k):
-    return _curvature.compute(
-      scan, p, b, k, estimation_mode="gradients", num_samples=1, with_grads=False
-    )[2]
 
   # Two forward convolutions and the pull-back through c2, the strided / dilated / grouped one
   # (c1's input needs none).
@@ -1268,11 +1282,11 @@ def test_conv_local_full_and_diagonal_equal_exact_fisher(x64, approx):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   )
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  _, dense = _fit(est, params, batch, dense=True)
   assert est.layers[0].approx == approx
   exact = _exact_empirical(lambda p, b: _per_example_ce(logits(p, b), b["y"]), params, batch)
   want = exact if approx == "full" else np.diag(np.diag(exact))
-  np.testing.assert_allclose(np.asarray(est.to_dense(state)), want, rtol=1e-10, atol=1e-13)
+  np.testing.assert_allclose(np.asarray(dense), want, rtol=1e-10, atol=1e-13)
 
 
 def test_conv_local_kron_factors_by_definition(x64):
@@ -1319,11 +1333,12 @@ def _envelope_model(n):
   """FermiNet's anisotropic envelope: `sigma: [3, 3, atoms, orbitals]` applied to each
   electron's vector to each atom, `einsum("bnai,ijak->bnajk", r - R, sigma)`, then
   `exp(-|·|)` summed over electrons and atoms into the logits (sigma the only parameter)."""
-  k = jax.random.split(jax.random.key(21), 3)
+
+  rng = np.random.default_rng(21)  # numpy: a jax.random draw compiles a program per shape.
   eye = np.broadcast_to(np.eye(3)[:, :, None, None], (3, 3, _ATOMS, _ORBITALS))
-  params = {"sigma": eye + 0.3 * jax.random.normal(k[0], eye.shape, jnp.float64)}
-  ae = jax.random.normal(k[1], (n, _ELECTRONS, _ATOMS, 3), jnp.float64)
-  batch = {"ae": ae, "y": jax.random.randint(k[2], (n,), 0, _ORBITALS)}
+  params = {"sigma": eye + 0.3 * rng.standard_normal(eye.shape)}
+  ae = rng.standard_normal((n, _ELECTRONS, _ATOMS, 3))
+  batch = {"ae": ae, "y": rng.integers(0, _ORBITALS, n, dtype=np.int32)}
 
   def scaled(sigma, ae):
     return jnp.einsum("bnai,ijak->bnajk", ae, sigma)  # [N, n, A, 3, K]
@@ -1343,8 +1358,13 @@ def _envelope_by_hand(params, batch, scaled, logits_of):
   (j, k) outputs row-major); and the flat indices of atom m's kernel entries, (i, j, k)
   row-major, the order of A_m ⊗ G_m."""
   n = batch["ae"].shape[0]
-  y = scaled(params["sigma"], batch["ae"])
-  g = jax.grad(lambda yy: _per_example_ce(logits_of(yy), batch["y"]).sum())(y)
+
+  @jax.jit
+  def outputs_and_grads(sigma, b):
+    y = scaled(sigma, b["ae"])
+    return jax.grad(lambda yy: _per_example_ce(logits_of(yy), b["y"]).sum())(y)
+
+  g = outputs_and_grads(params["sigma"], batch)
   x = np.asarray(batch["ae"]).reshape(-1, _ATOMS, 3)
   g = np.asarray(g).reshape(-1, _ATOMS, 3 * _ORBITALS)
   a = np.einsum("rmi,rmj->mij", x, x) / x.shape[0]
@@ -1375,11 +1395,17 @@ def test_envelope_preconditioned_gradient_by_definition(x64):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
   )
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
   lam = 1e-2
-  state = est.update_inverses(state, lam)
-  grads = jax.grad(loss_fn)(params, batch)
-  got = np.asarray(est.multiply_matpower(state, grads, exp=-1)["sigma"]).reshape(-1)
+
+  @jax.jit
+  def run(p, b):
+    state = est.update_curvature(est.init(p), p, b, None, ema_decay=0.0)
+    state = est.update_inverses(state, lam)
+    grads = jax.grad(loss_fn)(p, b)
+    return grads, est.multiply_matpower(state, grads, exp=-1)
+
+  grads, got = run(params, batch)
+  got = np.asarray(got["sigma"]).reshape(-1)
   a, g, order = _envelope_by_hand(params, batch, scaled, logits_of)
   flat_grad, want = np.asarray(grads["sigma"]).reshape(-1), np.zeros(params["sigma"].size)
   for m in range(_ATOMS):
@@ -1397,8 +1423,8 @@ def test_envelope_full_block_equals_exact_fisher(x64):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   )
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  _, dense = _fit(est, params, batch, dense=True)
   assert est.layers[0].approx == "full"
   per_example = lambda p, b: _per_example_ce(logits_of(scaled(p["sigma"], b["ae"])), b["y"])  # noqa: E731
   exact = _exact_empirical(per_example, params, batch)
-  np.testing.assert_allclose(np.asarray(est.to_dense(state)), exact, rtol=1e-10, atol=1e-13)
+  np.testing.assert_allclose(np.asarray(dense), exact, rtol=1e-10, atol=1e-13)

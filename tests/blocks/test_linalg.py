@@ -32,12 +32,18 @@ def test_bucketed_functions_equal_direct_ones(n, x64):
   m = _spd(n, n)
   assert _linalg.bucket_size(n) != n or n <= 8
   ref_inv = np.linalg.inv(np.asarray(m))
-  np.testing.assert_allclose(_linalg.spd_inverse(m), ref_inv, rtol=1e-9, atol=1e-11)
+
+  @jax.jit  # One program: eager ops would each compile on their own.
+  def factorisations(m):
+    chol = _linalg.cholesky(m)
+    return _linalg.spd_inverse(m), _linalg.spd_power(m, -0.5), chol, _linalg.lower_inverse(chol)
+
+  inv, inv_sqrt, chol, chol_inv = factorisations(m)
+  np.testing.assert_allclose(inv, ref_inv, rtol=1e-9, atol=1e-11)
   s, u = np.linalg.eigh(np.asarray(m))
-  np.testing.assert_allclose(_linalg.spd_power(m, -0.5), (u * s**-0.5) @ u.T, rtol=1e-9, atol=1e-11)
-  chol = _linalg.cholesky(m)
+  np.testing.assert_allclose(inv_sqrt, (u * s**-0.5) @ u.T, rtol=1e-9, atol=1e-11)
   np.testing.assert_allclose(chol, np.linalg.cholesky(np.asarray(m)), rtol=1e-9, atol=1e-11)
-  np.testing.assert_allclose(_linalg.lower_inverse(chol) @ chol, np.eye(n), atol=1e-10)
+  np.testing.assert_allclose(chol_inv @ chol, np.eye(n), atol=1e-10)
   assert chol.shape == (n, n)
 
 
@@ -53,7 +59,15 @@ def test_substitution_form_solves_like_the_inverse(n, x64):
   block substitution equals m⁻¹ x, also when the blocks do not split n evenly."""
   m = _spd(n, n)
   chol = np.linalg.cholesky(np.asarray(m))
-  diagonals, panels = _linalg.substitution_form(m)
+  x = np.random.default_rng(0).normal(size=(n, 3))
+  eye = _linalg.substitution_identity(n, jnp.float64)
+
+  @jax.jit  # One program: eager ops would each compile on their own.
+  def solves(m, x, eye):
+    form = _linalg.substitution_form(m)
+    return form, _linalg.substitution_solve(form, x), _linalg.substitution_solve(eye, x)
+
+  (diagonals, panels), got, identity = solves(m, jnp.asarray(x), eye)
   bounds = _linalg.substitution_bounds(n)
   assert len(diagonals) == len(bounds) - 1 == len(panels) + 1
   assert len(diagonals) == min(_linalg.SUBSTITUTION_BLOCKS, -(-n // 8))
@@ -61,11 +75,8 @@ def test_substitution_form_solves_like_the_inverse(n, x64):
     np.testing.assert_allclose(diagonals[i] @ chol[s:e, s:e], np.eye(e - s), atol=1e-10)
     if i < len(panels):
       np.testing.assert_allclose(panels[i], chol[e:, s:e], atol=1e-12)
-  x = np.random.default_rng(0).normal(size=(n, 3))
-  got = _linalg.substitution_solve((diagonals, panels), jnp.asarray(x))
   np.testing.assert_allclose(got, np.linalg.solve(np.asarray(m), x), rtol=1e-9, atol=1e-11)
-  eye = _linalg.substitution_identity(n, jnp.float64)
-  np.testing.assert_array_equal(_linalg.substitution_solve(eye, jnp.asarray(x)), x)
+  np.testing.assert_array_equal(identity, x)
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 8, 11, 1001])

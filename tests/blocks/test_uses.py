@@ -1,6 +1,7 @@
 """Shared (multi-use) parameters: tied embeddings, repeated dense layers, RNNs through lax.scan."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -38,26 +39,35 @@ def _by_name(layers):
   return {l.name: l for l in layers}
 
 
-def _descent_step(loss_fn, params, batch):
-  """One jitted kfac step; returns <grad, update> and the losses before and after."""
+def _descent_step(loss_fn, params, batch, registration):
+  """One kfac step (statistics from the strict `registration`), init to new loss as one
+  program; returns <grad, update> and the losses before and after."""
   tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.05, damping=1e-1, inverse_every=1)
-  state = tx.init(params)
 
   @jax.jit
-  def step(params, state, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, strict=True)
-    )(params, batch, rng)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    return loss, grads, updates
+  def step(params, rng):
+    loss, grads, stats = kfac_jax.value_and_grad(registration=registration)(params, batch, rng)
+    updates, _ = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+    inner = sum(
+      jnp.vdot(g, u)
+      for g, u in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(updates))
+    )
+    return inner, loss, loss_fn(optax.apply_updates(params, updates), batch)
 
-  loss, grads, updates = step(params, state, jax.random.key(3))
-  inner = sum(
-    jnp.vdot(g, u)
-    for g, u in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(updates))
-  )
-  new_loss = loss_fn(optax.apply_updates(params, updates), batch)
-  return float(inner), float(loss), float(new_loss)
+  return tuple(float(v) for v in step(params, jax.random.key(3)))
+
+
+def _stats(loss_fn, params, batch):
+  """The scan and the tagged statistics of one empirical pass, as one program."""
+  scan = _scanner.scan(loss_fn, params, batch)
+
+  @jax.jit
+  def run(p, b):
+    return _curvature.compute(
+      scan, p, b, None, estimation_mode="empirical", num_samples=1, with_grads=False
+    )[2]
+
+  return scan, run(params, batch)
 
 
 # -- models ----------------------------------------------------------------------------------
@@ -131,15 +141,16 @@ RNNS = {
 def test_tied_embedding_lm_is_one_two_use_layer_and_a_step_descends(flavour):
   make, emb_name = TIED[flavour]
   loss_fn, params, batch = make()
-  layers = _by_name(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
+  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True)
+  layers = _by_name(registration.layers)
   emb = layers[emb_name]
   assert (emb.kind, emb.num_uses, emb.approx) == ("embedding", 2, "kron_indep")
   assert emb.factor_shapes == ((V,), (D, D))  # The vocabulary side stays diagonal.
   assert all(l.num_uses == 1 for n, l in layers.items() if n != emb_name)
-  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, strict=True))
+  table = kfac_jax.summary(registration=registration)
   line = next(r for r in table.splitlines() if r.startswith(emb_name + " "))
   assert line.split()[1:4] == ["embedding", "2", "kron_indep"]
-  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch, registration)
   assert inner < 0 and new_loss < loss
 
 
@@ -147,15 +158,16 @@ def test_tied_embedding_lm_is_one_two_use_layer_and_a_step_descends(flavour):
 def test_rnn_through_scan_is_found_with_uses_per_step_and_a_step_descends(flavour):
   make, cell_name, expected_layers = RNNS[flavour]
   loss_fn, params, batch = make()
-  layers = _by_name(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
+  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True)
+  layers = _by_name(registration.layers)
   cell = [l for n, l in layers.items() if "Cell" in n or "cell" in n]
   assert len(cell) == expected_layers
   assert all(l.kind == "dense" and l.num_uses == L and l.approx == "kron_indep" for l in cell)
   assert cell_name in layers
-  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, strict=True))
+  table = kfac_jax.summary(registration=registration)
   line = next(r for r in table.splitlines() if r.startswith(cell_name + " "))
   assert line.split()[1:4] == ["dense", str(L), "kron_indep"]
-  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch, registration)
   assert inner < 0 and new_loss < loss
 
 
@@ -173,22 +185,19 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
   loss_fn = lambda p, b: _ce(model(p, b["x"])[1], b["y"])
   (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert (layer.kind, layer.num_uses, layer.param_paths) == ("dense", 2, ("w", "b"))
-  scan = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(
-    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
-  )
+  scan, stats = _stats(loss_fn, params, batch)
   block = kfac_jax.blocks.make_block(layer, _f64_config())
-  got = block.batch_factors(stats.data[0], N)
+  got = jax.jit(block.batch_factors, static_argnums=1)(stats.data[0], N)
   # Reference: inputs and per-example output gradients from jax.grad of the summed loss.
-  h1 = model(params, x)[0]
+  h1 = jax.jit(model)(params, x)[0]
   per_ex = lambda e0, e1: (
     N
     * optax.softmax_cross_entropy_with_integer_labels(
       model(params, x, (e0, e1))[1], batch["y"]
     ).mean()
   )
-  g0, g1 = jax.grad(per_ex, argnums=(0, 1))(jnp.zeros((N, D)), jnp.zeros((N, D)))
-  xb = [jnp.concatenate([v, jnp.ones((N, 1))], 1) for v in (x, h1)]
+  g0, g1 = jax.jit(jax.grad(per_ex, argnums=(0, 1)))(np.zeros((N, D)), np.zeros((N, D)))
+  xb = [np.concatenate([v, np.ones((N, 1))], 1) for v in (np.asarray(x), np.asarray(h1))]
   a = sum(v.T @ v for v in xb) / (2 * N)
   g = sum(v.T @ v for v in (g0, g1)) / N
   np.testing.assert_allclose(got.a, a, rtol=1e-10, atol=1e-12)
@@ -201,10 +210,7 @@ def _single_use_dense():
   batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, 3)}
   loss_fn = lambda p, b: _ce(b["x"] @ p["w"] + p["b"], b["y"])
   (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
-  scan = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(
-    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
-  )
+  scan, stats = _stats(loss_fn, params, batch)
   return spec, stats.data[0], params, batch, loss_fn
 
 
@@ -267,6 +273,7 @@ def _scan_spec(bias: bool):
   return spec
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _series_data(key, correlated: bool):
   kx, kg = jax.random.split(jax.random.key(key))
   x = jax.random.normal(kx, (L, N * 2, 4))
@@ -294,18 +301,15 @@ def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
   indep = kfac_jax.blocks.make_block(base, config)
   series = kfac_jax.blocks.make_block(dataclasses.replace(base, approx=approx), config)
   assert isinstance(series, kfac_jax.blocks.SeriesKroneckerBlock)
-  v = [jax.random.normal(jax.random.key(9), (4, 3))]
-  for correlated in (False, True):
-    data = _series_data(0, correlated)
+  v = [np.random.default_rng(9).standard_normal((4, 3))]
+
+  @jax.jit
+  def products(data, v):  # Everything the checks read, as one program.
     fi, fs = indep.batch_factors(data, N), series.batch_factors(data, N)
-    np.testing.assert_allclose(fs.a, fi.a, rtol=1e-12)
-    np.testing.assert_allclose(fs.g, fi.g, rtol=1e-12)
     ci, cs = indep.compute_cache(fi, 1e-2), series.compute_cache(fs, 1e-2)
     inv_i = indep.multiply_matpower(fi, ci, v, -1)[0]
     inv_s = series.multiply_matpower(fs, cs, v, -1)[0]
     fwd_s = series.multiply_matpower(fs, cs, series.multiply_matpower(fs, cs, v, -1), 1)[0]
-    np.testing.assert_allclose(fwd_s, v[0], rtol=1e-8, atol=1e-10)  # F_λ F_λ⁻¹ = I.
-    # C Cᵀ = F_λ and C⁻ᵀ C⁻¹ = F_λ⁻¹.
     c = series.multiply_cholesky(
       fs,
       cs,
@@ -313,7 +317,6 @@ def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
       transpose=False,
       inverse=False,
     )[0]
-    np.testing.assert_allclose(c, series.multiply_matpower(fs, cs, v, 1)[0], rtol=1e-8)
     ci_ = series.multiply_cholesky(
       fs,
       cs,
@@ -321,6 +324,16 @@ def test_series_reduce_to_kron_indep_for_uncorrelated_uses(x64, approx):
       transpose=True,
       inverse=True,
     )[0]
+    fwd = series.multiply_matpower(fs, cs, v, 1)[0]
+    return fi, fs, inv_i, inv_s, fwd_s, c, fwd, ci_
+
+  for correlated in (False, True):
+    fi, fs, inv_i, inv_s, fwd_s, c, fwd, ci_ = products(_series_data(0, correlated), v)
+    np.testing.assert_allclose(fs.a, fi.a, rtol=1e-12)
+    np.testing.assert_allclose(fs.g, fi.g, rtol=1e-12)
+    np.testing.assert_allclose(fwd_s, v[0], rtol=1e-8, atol=1e-10)  # F_λ F_λ⁻¹ = I.
+    # C Cᵀ = F_λ and C⁻ᵀ C⁻¹ = F_λ⁻¹.
+    np.testing.assert_allclose(c, fwd, rtol=1e-8)
     np.testing.assert_allclose(ci_, inv_s, rtol=1e-8)
     if correlated:
       assert float(jnp.max(jnp.abs(fs.a1))) > 0.1
@@ -414,13 +427,12 @@ def test_rnn_with_series_tags_inside_the_scan_body_takes_a_descent_step(approx):
     _, hs = jax.lax.scan(step, jnp.zeros((N, 3)), b["x"].transpose(1, 0, 2))
     return _ce(hs.transpose(1, 0, 2) @ p["w_out"], b["y"])
 
-  layers = {
-    l.param_paths: l for l in kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
-  }
+  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True)
+  layers = {l.param_paths: l for l in registration.layers}
   rec = layers[("w_h", "b")]
   assert (rec.num_uses, rec.approx, rec.source) == (L, approx, "manual")
   assert layers[("w_in",)].num_uses == L and layers[("w_in",)].approx == "kron_indep"
-  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch, registration)
   assert inner < 0 and new_loss < loss
 
 
@@ -449,12 +461,11 @@ def test_tied_embedding_factors_match_the_definition(x64):
   loss_fn = lambda p, b: _ce(model(p, b["ids"])[1], b["y"])
   (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
   assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
-  scan = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(
-    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
-  )
+  scan, stats = _stats(loss_fn, params, batch)
   config = _f64_config()
-  got = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], N)
+  got = jax.jit(kfac_jax.blocks.make_block(spec, config).batch_factors, static_argnums=1)(
+    stats.data[0], N
+  )
 
   ce = lambda e1, e2: (
     N
@@ -462,8 +473,8 @@ def test_tied_embedding_factors_match_the_definition(x64):
       model(params, batch["ids"], e1, e2)[1], batch["y"]
     ).mean()
   )
-  g_emb, g_out = jax.grad(ce, argnums=(0, 1))(jnp.zeros((N, D)), jnp.zeros((N, V)))
-  h = model(params, batch["ids"])[0]
+  g_emb, g_out = jax.jit(jax.grad(ce, argnums=(0, 1)))(np.zeros((N, D)), np.zeros((N, V)))
+  h = jax.jit(model)(params, batch["ids"])[0]
   terms = [
     (jnp.zeros(V).at[batch["ids"]].add(1.0) / N, g_emb.T @ g_emb / N),
     (jnp.sum(g_out**2, 0) / N, h.T @ h / N),
@@ -542,14 +553,15 @@ def _shared_conv_setup(n):
 
 def test_shared_conv_and_norm_are_found_as_multi_use_layers():
   params, batch, loss_fn = _shared_conv_setup(2)
-  layers = {l.name: l for l in kfac_jax.Registration(loss_fn, params, batch, strict=True).layers}
+  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True)
+  layers = {l.name: l for l in registration.layers}
   assert [(n, l.kind, l.num_uses, l.approx, l.param_paths) for n, l in layers.items()] == [
     ("k", "conv", 2, "kron_indep", ("k", "b")),
     ("s", "scale_and_shift", 2, "full", ("s", "sh")),
     ("w", "dense", 1, "kron", ("w",)),
   ]
   assert layers["k"].factor_shapes == ((2 * 2 * 2 + 1,) * 2, (2, 2))
-  inner, loss, new_loss = _descent_step(loss_fn, params, batch)
+  inner, loss, new_loss = _descent_step(loss_fn, params, batch, registration)
   assert inner < 0 and new_loss < loss
 
 
@@ -592,22 +604,19 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
   see different input sizes and paddings), G = Σ_uses (1/N) Σ_rows g gᵀ."""
   params, batch, loss_fn = _shared_conv_setup(1)
   spec = next(l for l in kfac_jax.Registration(loss_fn, params, batch).layers if l.name == "k")
-  scan = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(
-    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
-  )
+  scan, stats = _stats(loss_fn, params, batch)
   block = kfac_jax.blocks.make_block(spec, _f64_config())
-  got = block.batch_factors(stats.data[scan.layers.index(spec)], 1)
+  got = jax.jit(block.batch_factors, static_argnums=1)(stats.data[scan.layers.index(spec)], 1)
 
-  x0, x1 = _shared_conv_norm_model(params, batch["x"])[0]
+  x0, x1 = jax.jit(_shared_conv_norm_model)(params, batch["x"])[0]
   patches = [_patches(x0, 2, (0, 0)), _patches(x1, 2, (0, 1))]  # VALID; SAME for an even kernel.
   xb = [np.concatenate([p, np.ones((p.shape[0], 1))], 1) for p in patches]
   a = sum(v.T @ v for v in xb) / sum(v.shape[0] for v in xb)
-  zeros = [jnp.zeros((1, 3, 3, 2)), jnp.zeros((1, 3, 3, 2)), jnp.zeros((1, 2)), jnp.zeros((1, 2))]
+  zeros = [np.zeros((1, 3, 3, 2)), np.zeros((1, 3, 3, 2)), np.zeros((1, 2)), np.zeros((1, 2))]
   ce = lambda *e: optax.softmax_cross_entropy_with_integer_labels(
     _shared_conv_norm_model(params, batch["x"], e)[1], batch["y"]
   ).sum()
-  gs = jax.grad(ce, argnums=(0, 1))(*zeros)
+  gs = jax.jit(jax.grad(ce, argnums=(0, 1)))(*zeros)
   g = sum(np.asarray(v).reshape(-1, 2).T @ np.asarray(v).reshape(-1, 2) for v in gs)
   assert xb[0].shape[0] == 9 and xb[1].shape[0] == 9
   np.testing.assert_allclose(got.a, a, rtol=1e-10, atol=1e-12)
@@ -623,14 +632,16 @@ def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, 
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   )
-  state = est.init(params)
   assert [(l.name, l.num_uses, l.approx) for l in est.layers] == [
     ("k", 2, approx),
     ("s", 2, approx),
     ("w", 1, "kron"),
   ]
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  dense = np.asarray(est.to_dense(state))
+  dense = np.asarray(
+    jax.jit(
+      lambda p, b: est.to_dense(est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))
+    )(params, batch)
+  )
   flat, unravel = ravel_pytree(params)
   per_example = lambda f: optax.softmax_cross_entropy_with_integer_labels(
     _shared_conv_norm_model(unravel(f), batch["x"])[1], batch["y"]
@@ -665,14 +676,15 @@ def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
     return _ce(h.mean((1, 2)), b["y"])
 
   (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
-  scan = _scanner.scan(loss_fn, params, batch)
-  _, _, stats = _curvature.compute(
-    scan, params, batch, None, estimation_mode="empirical", num_samples=1, with_grads=False
-  )
+  scan, stats = _stats(loss_fn, params, batch)
   config = _f64_config()
-  single = kfac_jax.blocks.make_block(spec, config).batch_factors(stats.data[0], 2)
   two = dataclasses.replace(spec, approx="kron_indep", num_uses=2, use_infos=(spec.info,) * 2)
-  got = kfac_jax.blocks.make_block(two, config).batch_factors((stats.data[0],) * 2, 2)
+  single, got = jax.jit(
+    lambda d: (
+      kfac_jax.blocks.make_block(spec, config).batch_factors(d, 2),
+      kfac_jax.blocks.make_block(two, config).batch_factors((d,) * 2, 2),
+    )
+  )(stats.data[0])
   assert got.a.shape == (2, 18, 18) and got.g.shape == (2, 2, 2)
   np.testing.assert_allclose(got.a, single.a, rtol=1e-12)
   np.testing.assert_allclose(got.g, 2 * single.g, rtol=1e-12)

@@ -22,11 +22,13 @@ def _head(w_out, h, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _batch(seed=0):
   kx, ky = jax.random.split(jax.random.key(seed))
   return {"x": jax.random.normal(kx, (N, D)), "y": jax.random.randint(ky, (N,), 0, C)}
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _layers(seed=1, n=L):
   keys = jax.random.split(jax.random.key(seed), 2 * n + 1)
   layers = [
@@ -36,6 +38,7 @@ def _layers(seed=1, n=L):
   return layers, jax.random.normal(keys[-1], (D, C))
 
 
+@jax.jit
 def _stack(trees):
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
 
@@ -45,11 +48,14 @@ def _precondition(loss_fn, params, batch):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", strict=True)
   )
-  state = est.init(params)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
-  state = est.update_inverses(state, damping=1e-2)
-  grads = jax.grad(loss_fn)(params, batch)
-  return est.layers, est.multiply_matpower(state, grads, -1)
+
+  @jax.jit  # One program: called eagerly, each small operation compiles on its own.
+  def run(p, b):
+    state = est.update_curvature(est.init(p), p, b, None, ema_decay=0.0)
+    state = est.update_inverses(state, damping=1e-2)
+    return est.multiply_matpower(state, jax.grad(loss_fn)(p, b), -1)
+
+  return est.layers, run(params, batch)
 
 
 def _signature(layers):
@@ -103,17 +109,14 @@ def test_remat(x64, policy):
   _assert_same((_mlp_loss(remat), params), (_mlp_loss(_block), params), lambda g: g)
   # The program that runs keeps the remat (one checkpoint region per block).
   batch = _batch()
-  jaxpr = jax.make_jaxpr(
-    lambda p: kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(_mlp_loss(remat), params, batch, estimation_mode="exact")
-    )(p, batch)
-  )(params)
+  tapped = kfac_jax.value_and_grad(
+    registration=kfac_jax.Registration(_mlp_loss(remat), params, batch, estimation_mode="exact")
+  )
+  jaxpr = jax.make_jaxpr(lambda p: tapped(p, batch))(params)
   assert str(jaxpr).count("remat") >= L
   # The tapped evaluation through the checkpoint regions gives the loss and gradient exactly.
-  loss, grads, _ = kfac_jax.value_and_grad(
-    registration=kfac_jax.Registration(_mlp_loss(remat), params, batch, estimation_mode="exact")
-  )(params, batch)
-  ref_loss, ref_grads = jax.value_and_grad(_mlp_loss(_block))(params, batch)
+  loss, grads, _ = jax.jit(tapped)(params, batch)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(_mlp_loss(_block)))(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
   _assert_close(grads, ref_grads)
   plain = jax.make_jaxpr(
@@ -352,9 +355,12 @@ def test_stack_in_scale_by_kfac(x64):
     registration=kfac_jax.Registration(scanned, params, batch, estimation_mode="exact"),
     damping=1e-2,
   )
-  state = tx.init(params)
-  grads = jax.grad(scanned)(params, batch)
-  updates, state = jax.jit(functools.partial(tx.update, batch=batch))(grads, state, params)
+
+  @jax.jit
+  def step(params):
+    return tx.update(jax.grad(scanned)(params, batch), tx.init(params), params, batch=batch)
+
+  updates, state = step(params)
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(updates))
   shapes = {x.shape for x in jax.tree_util.tree_leaves(state) if getattr(x, "ndim", 0) == 3}
   assert (L, D + 1, D + 1) in shapes and (L, D, D) in shapes

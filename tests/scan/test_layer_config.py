@@ -1,5 +1,7 @@
 """kron_*_diag approximations, LayerConfig (defaults, patterns, links), check_registration."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,24 +16,29 @@ from tests import _models
 _VARIANTS = ("kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 
-def _setup(n=6):
+@functools.partial(jax.jit, static_argnums=0)
+def _draw(n):
   dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
   params = _models.jnp_mlp_init(jax.random.key(0), (3, 4, 3), dtype)
-  batch = _models.classification_batch(jax.random.key(1), n=n, din=3, classes=3, dtype=dtype)
-  return params, batch, _models.softmax_loss(_models.jnp_mlp_apply)
+  return params, _models.classification_batch(jax.random.key(1), n=n, din=3, classes=3, dtype=dtype)
+
+
+def _setup(n=6):
+  return *_draw(n), _models.softmax_loss(_models.jnp_mlp_apply)
 
 
 def _estimator(loss_fn, batch, params, layers, damping_mode="factored", **kw):
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   est = kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(damping_mode=damping_mode), **kw)
-  state = est.init(params)
-  state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(state)
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, 0.0))(params, batch)
   return est, state
 
 
 def _basis_matrix(fn, params):
+  """The matrix of the linear map `fn` on params-shaped trees, `fn` compiled once."""
   flat, unravel = ravel_pytree(params)
-  return np.stack([ravel_pytree(fn(unravel(e)))[0] for e in np.eye(flat.size)], axis=1)
+  column = jax.jit(lambda e: ravel_pytree(fn(unravel(e)))[0])
+  return np.stack([column(e) for e in np.eye(flat.size)], axis=1)
 
 
 def _param_order(m, n_in, n_out):
@@ -65,7 +72,7 @@ def test_diag_variants_match_their_definition(x64, approx):
     )
     assert [b.spec.approx for b in est.blocks] == [approx, approx]
     assert type(est.blocks[0]) is kfac_jax.blocks.KroneckerBlock
-    state = est.update_inverses(state, lam)
+    state, dense = jax.jit(lambda s: (est.update_inverses(s, lam), est.to_dense(s)))(state)
     blocks, damped_blocks = [], []
     for name in ("layer0", "layer1"):
       a, g = _diag_variant(approx, *(np.asarray(f) for f in ref.factors[name]))
@@ -86,7 +93,7 @@ def test_diag_variants_match_their_definition(x64, approx):
         damped_blocks.append(order(np.kron(a, g) + lam * np.eye(len(a) * len(g))))
     undamped = scipy.linalg.block_diag(*blocks)
     damped = scipy.linalg.block_diag(*damped_blocks)
-    np.testing.assert_allclose(np.asarray(est.to_dense(state)), undamped, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(dense), undamped, rtol=1e-10, atol=1e-12)
     mult = lambda fn: _basis_matrix(lambda v: fn(state, v), params)  # noqa: E731
     np.testing.assert_allclose(mult(est.multiply), damped, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(
@@ -150,14 +157,14 @@ def test_layers_accepted_by_transform_optimizer_and_summary():
   tx = kfac_jax.kfac(
     registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers), learning_rate=0.1
   )
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
   est_state = state[0].curvature
   assert est_state.factors["layer1"].a.shape == (5,)
   assert est_state.factors["layer0"].a.shape == (4, 4)
   opt = kfac_jax.Optimizer(
     registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
   )
-  opt.init(params, jax.random.key(0))
+  jax.jit(opt.init)(params, jax.random.key(0))
   assert [s.approx for s in opt.estimator.layers] == ["kron", "kron_both_diag"]
   table = kfac_jax.summary(
     registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
@@ -183,7 +190,7 @@ def test_linked_group_is_one_generic_block(x64):
   per_example = lambda f: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
     _models.jnp_mlp_apply(unravel(f), batch["x"]), batch["y"]
   )
-  jac = np.asarray(jax.jacobian(per_example)(flat))
+  jac = np.asarray(_models.jit_jacobian(per_example)(flat))
   np.testing.assert_allclose(
     np.asarray(est.to_dense(state)), jac.T @ jac / len(jac), rtol=1e-10, atol=1e-12
   )
@@ -369,7 +376,7 @@ def test_vocabulary_head_state_fits_next_to_the_model():
 
 def test_size_policy_equals_the_explicit_approximation(x64):
   loss_fn, params, batch = _head_model(7, width=4, dtype=jnp.float64)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = jax.jit(jax.grad(loss_fn))(params, batch)
   out = {}
   for name, layers in [
     ("policy", kfac_jax.LayerConfig(max_factor_dim=6)),
@@ -378,9 +385,12 @@ def test_size_policy_equals_the_explicit_approximation(x64):
     est = kfac_jax.CurvatureEstimator(
       kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
     )
-    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
-    state = est.update_inverses(state, damping=1e-2)
-    out[name] = (est.layers, est.multiply_inverse(state, grads))
+
+    def precondition(p, b, g, est=est):
+      state = est.update_curvature(est.init(p), p, b, None, ema_decay=0.0)
+      return est.multiply_inverse(est.update_inverses(state, damping=1e-2), g)
+
+    out[name] = (est.layers, jax.jit(precondition)(params, batch, grads))
   approx = {s.name: (s.approx, s.note) for s in out["policy"][0]}
   assert approx["head"][0] == "kron_out_diag" and "output side 7" in approx["head"][1]
   assert approx["body"] == ("kron", "")  # 4 + 0 and 4: under the limit.
@@ -468,11 +478,13 @@ def test_size_policy_for_conv_embedding_and_full_blocks():
     ),
     damping=1e-3,
   )
-  state = tx.init(params)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
-  updates, _ = jax.jit(lambda g, s, st: tx.update(g, s, params, curvature_stats=st))(
-    grads, state, stats
-  )
+
+  @jax.jit
+  def step(params, rng):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    return tx.update(grads, tx.init(params), params, curvature_stats=stats)[0]
+
+  updates = step(params, jax.random.key(0))
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree_util.tree_leaves(updates))
 
 

@@ -7,6 +7,8 @@ with its definition built from `jax.jacobian` of the logits:
 F = (1/N) Σ_n J_nᵀ (diag p_n − p_n p_nᵀ) J_n for the (scale, shift) of a layer.
 """
 
+import functools
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -17,7 +19,6 @@ import optax
 import pytest
 
 import kfac_jax
-from tests import _models
 
 N, C = 4, 3
 
@@ -38,11 +39,11 @@ def _estimate(loss_fn, params, batch, layers=None):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
   )
-  state0 = est.init(params)
 
   @jax.jit  # One program: eager ops would each compile on their own.
   def dense(params, batch):
-    return est.to_dense(est.update_curvature(state0, params, batch, None, ema_decay=0.0))
+    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+    return est.to_dense(state)
 
   return est, np.asarray(dense(params, batch))
 
@@ -61,9 +62,14 @@ def _leaf_slices(params, paths):
 def _exact_fisher(logits_fn, params, batch):
   """(1/N) Σ_n J_nᵀ F_z J_n over every parameter (flattened by `ravel_pytree`)."""
   flat, unravel = jax.flatten_util.ravel_pytree(params)
-  jac = _models.jit_jacobian(lambda f: logits_fn(unravel(f), batch))(flat)
-  logits = logits_fn(params, batch)
-  return np.asarray(jnp.einsum("nci,ncd,ndj->ij", jac, _fz(logits), jac) / logits.shape[0])
+
+  @jax.jit  # One program: eager ops would each compile on their own.
+  def fisher(flat, batch):
+    jac = jax.jacobian(lambda f: logits_fn(unravel(f), batch))(flat)
+    logits = logits_fn(unravel(flat), batch)
+    return jnp.einsum("nci,ncd,ndj->ij", jac, _fz(logits), jac) / logits.shape[0]
+
+  return np.asarray(fisher(flat, batch))
 
 
 def _f64(tree):
@@ -97,12 +103,9 @@ class _LinenGroupNormNet(nn.Module):
     return nn.Dense(C, name="head")(jnp.tanh(h).mean((1, 2)))
 
 
-@pytest.mark.parametrize("flavour", ["equinox", "linen"])
-@pytest.mark.parametrize("approx", ["full", "diagonal"])
-def test_group_norm_is_an_exact_scale_and_shift_block(x64, flavour, approx):
-  """A group norm's per-channel scale and shift (applied after normalising over groups) is a
-  scale-and-shift layer over the channel axis (axis 1 of equinox's vmapped `[N, C, H, W]`,
-  the last of Flax's `[N, H, W, C]`); its block is the exact Fisher block of (scale, shift)."""
+@functools.cache  # Shared by both approximations (float64: every caller runs under x64).
+def _group_norm_case(flavour):
+  """(params, batch, logits_fn, paths, feature axis, exact Fisher) of the group-norm net."""
   k = jax.random.split(jax.random.key(0), 3)
   if flavour == "equinox":
     model = _EqxGroupNormNet(k[0])
@@ -115,11 +118,21 @@ def test_group_norm_is_an_exact_scale_and_shift_block(x64, flavour, approx):
   else:
     model = _LinenGroupNormNet()
     x = jax.random.normal(k[1], (N, 5, 5, 2), jnp.float64)
-    params = _f64(model.init(k[0], x))
+    params = _f64(jax.jit(model.init)(k[0], x))
     params = jax.tree_util.tree_map(lambda v: v + 0.3, params)
     logits_fn = lambda p, b: model.apply(p, b["x"])
     paths, axis = ("params/gn/scale", "params/gn/bias"), None
   batch = {"x": x, "y": jax.random.randint(k[2], (N,), 0, C)}
+  return params, batch, logits_fn, paths, axis, _exact_fisher(logits_fn, params, batch)
+
+
+@pytest.mark.parametrize("flavour", ["equinox", "linen"])
+@pytest.mark.parametrize("approx", ["full", "diagonal"])
+def test_group_norm_is_an_exact_scale_and_shift_block(x64, flavour, approx):
+  """A group norm's per-channel scale and shift (applied after normalising over groups) is a
+  scale-and-shift layer over the channel axis (axis 1 of equinox's vmapped `[N, C, H, W]`,
+  the last of Flax's `[N, H, W, C]`); its block is the exact Fisher block of (scale, shift)."""
+  params, batch, logits_fn, paths, axis, exact = _group_norm_case(flavour)
 
   def loss_fn(p, b):
     return _ce(logits_fn(p, b), b["y"])
@@ -133,7 +146,7 @@ def test_group_norm_is_an_exact_scale_and_shift_block(x64, flavour, approx):
 
   _, dense = _estimate(loss_fn, params, batch, config)
   idx = _leaf_slices(params, paths)
-  want = _exact_fisher(logits_fn, params, batch)[np.ix_(idx, idx)]
+  want = exact[np.ix_(idx, idx)]
   if approx == "diagonal":
     want = np.diag(np.diag(want))
   np.testing.assert_allclose(dense[np.ix_(idx, idx)], want, rtol=1e-9, atol=1e-12)
@@ -199,12 +212,16 @@ def test_layer_norm_over_graph_nodes_takes_the_nodes_as_rows(x64, nodes, approx)
     "bias": jnp.broadcast_to(params["ln"]["bias"], (rows, 5)),
     "scale": jnp.broadcast_to(params["ln"]["scale"], (rows, 5)),
   }
-  logits_of = lambda ln_rows: _graph_logits(dict(params, ln=ln_rows), batch)
-  jac = _models.jit_jacobian(logits_of)(per_row)  # leaves [N, C, rows, 5]
-  # Node r's parameters as the layer's leaves are ordered (scale, bias).
-  j = jnp.concatenate([jac["scale"], jac["bias"]], axis=-1)  # [N, C, rows, 10]
-  want = jnp.einsum("ncri,ncd,ndrj->ij", j, _fz(logits_of(per_row)), j) / len(nodes)
-  want = np.asarray(want)
+
+  @jax.jit  # One program: eager ops would each compile on their own.
+  def reference(params, batch, per_row):
+    logits_of = lambda ln_rows: _graph_logits(dict(params, ln=ln_rows), batch)  # noqa: E731
+    jac = jax.jacobian(logits_of)(per_row)  # leaves [N, C, rows, 5]
+    # Node r's parameters as the layer's leaves are ordered (scale, bias).
+    j = jnp.concatenate([jac["scale"], jac["bias"]], axis=-1)  # [N, C, rows, 10]
+    return jnp.einsum("ncri,ncd,ndrj->ij", j, _fz(logits_of(per_row)), j) / len(nodes)
+
+  want = np.asarray(reference(params, batch, per_row))
   if approx == "diagonal":
     want = np.diag(np.diag(want))
   idx = _leaf_slices(params, ln.param_paths)
@@ -244,7 +261,7 @@ def test_batch_norm_in_nn_vmap_is_a_stack_of_exact_blocks(x64, approx):
     "x": jax.random.normal(k[0], (N, 3), jnp.float64),
     "y": jax.random.randint(k[1], (N,), 0, C),
   }
-  variables = _f64(model.init(k[2], batch["x"]))
+  variables = _f64(jax.jit(model.init)(k[2], batch["x"]))
   params = jax.tree_util.tree_map(lambda v: v + 0.3, variables["params"])
   stats = variables["batch_stats"]
 

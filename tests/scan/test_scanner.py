@@ -22,7 +22,7 @@ def _kinds(layers):
 def test_linen_mlp():
   model = _models.LinenMLP((5, 3))
   batch = _models.classification_batch(jax.random.key(0))
-  params = model.init(jax.random.key(1), batch["x"])
+  params = jax.jit(model.init)(jax.random.key(1), batch["x"])
   layers = kfac_jax.Registration(_models.softmax_loss(model.apply), params, batch).layers
   assert _kinds(layers) == [
     ("params/Dense_0", "dense", ("params/Dense_0/kernel", "params/Dense_0/bias")),
@@ -93,7 +93,7 @@ def test_dense_general_multi_axis_kernels():
   model = Attn()
   batch = _models.classification_batch(jax.random.key(0), n=6)
   batch["y"] = jnp.zeros((6,), jnp.int32)
-  params = model.init(jax.random.key(1), batch["x"])
+  params = jax.jit(model.init)(jax.random.key(1), batch["x"])
   layers = kfac_jax.Registration(_models.softmax_loss(model.apply), params, batch).layers
   assert _kinds(layers) == [
     ("params/out", "dense", ("params/out/kernel", "params/out/bias")),
@@ -168,7 +168,7 @@ def test_manual_tags_take_precedence():
 def test_summary_table():
   model = _models.LinenMLP((5, 3))
   batch = _models.classification_batch(jax.random.key(0))
-  params = model.init(jax.random.key(1), batch["x"])
+  params = jax.jit(model.init)(jax.random.key(1), batch["x"])
   table = kfac_jax.summary(_models.softmax_loss(model.apply), params, batch)
   lines = table.splitlines()
   assert lines[0].split() == [
@@ -262,11 +262,10 @@ def test_channel_first_scale_and_shift_is_exact(x64):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
   )
-  state0 = est.init(params)
 
   @jax.jit  # One program: eager ops would each compile on their own.
   def both(params, batch):
-    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
     flat, unravel = jax.flatten_util.ravel_pytree(params)
     jac = _models.jit_jacobian(lambda f: logits_fn(unravel(f), batch))(flat)  # [N, C, P]
     p = jax.nn.softmax(logits_fn(params, batch))
@@ -319,12 +318,11 @@ def test_class_token_is_exact_shift(x64, spread):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
   )
-  state0 = est.init(params)
   t = 3 * len(tokens)
 
   @jax.jit  # One program: eager ops would each compile on their own.
   def both(params, batch):
-    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
     tok = {n: params[n] for n in tokens}
     flat, unravel = jax.flatten_util.ravel_pytree(tok)
     jac = _models.jit_jacobian(lambda f: logits_fn(dict(params, **unravel(f)), batch))(
@@ -407,12 +405,11 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
   )
-  state0 = est.init(params)
   t = int(np.prod(tok_shape))
 
   @jax.jit
   def both(params, batch):
-    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
     flat, unravel = jax.flatten_util.ravel_pytree(params["tok"])
     jac = _models.jit_jacobian(lambda f: logits_fn(dict(params, tok=unravel(f)), batch))(flat)
     p = jax.nn.softmax(logits_fn(params, batch))
@@ -443,13 +440,12 @@ def _assert_full_blocks_exact(predict, loss_of, params, batch, kinds):
       layers=layers,
     )
   )
-  state0 = est.init(params)
   assert sorted(s.kind for s in est.layers) == kinds
   assert {s.approx for s in est.layers} == {"full"}
 
   @jax.jit
   def both(params, batch):
-    state = est.update_curvature(state0, params, batch, None, ema_decay=0.0)
+    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
     flat, unravel = jax.flatten_util.ravel_pytree(params)
     pred = predict(params, batch)
     jac = _models.jit_jacobian(lambda f: predict(unravel(f), batch))(flat).reshape(pred.size, -1)
@@ -602,10 +598,8 @@ def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
   )
-  state = est.init(params)
   (spec,) = est.layers
   assert (spec.kind, spec.approx) == (kind, approx)
-  state = est.update_curvature(state, params, batch, None, ema_decay=0.0)
   names = ["w"] if kind == "dense" else ["s", "t"]  # The block's order: scale, then shift.
   flat = jnp.concatenate([params[m].reshape(-1) for m in names])
   sizes = [params[m].size for m in names]
@@ -614,10 +608,16 @@ def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
     parts = jnp.split(f, np.cumsum(sizes)[:-1])
     return {m: v.reshape(params[m].shape) for m, v in zip(names, parts)}
 
-  jac = _models.jit_jacobian(lambda f: logits_fn(unflat(f), batch))(flat)
-  prob = jax.nn.softmax(logits_fn(params, batch))
-  fz = jax.vmap(jax.vmap(jnp.diag))(prob) - prob[..., :, None] * prob[..., None, :]
-  exact = jnp.einsum("ntci,ntcd,ntdj->ij", jac, fz, jac) / n
-  if approx == "diagonal":
-    exact = jnp.diag(jnp.diag(exact))
-  np.testing.assert_allclose(est.to_dense(state), exact, rtol=1e-10, atol=1e-12)
+  @jax.jit  # One program: eager ops would each compile on their own.
+  def both(params, batch, flat):
+    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+    jac = jax.jacobian(lambda f: logits_fn(unflat(f), batch))(flat)
+    prob = jax.nn.softmax(logits_fn(params, batch))
+    fz = jax.vmap(jax.vmap(jnp.diag))(prob) - prob[..., :, None] * prob[..., None, :]
+    exact = jnp.einsum("ntci,ntcd,ntdj->ij", jac, fz, jac) / n
+    if approx == "diagonal":
+      exact = jnp.diag(jnp.diag(exact))
+    return est.to_dense(state), exact
+
+  dense, exact = both(params, batch, flat)
+  np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
