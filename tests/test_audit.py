@@ -21,6 +21,7 @@ import pytest
 import kfac_jax
 from kfac_jax import _audit
 from kfac_jax.scan import _scanner
+from tests import _models
 
 N, D, H, C = 6, 3, 8, 5
 # Most losses leave a head out of the tags' inputs (a diagonal fallback block, warned about).
@@ -205,21 +206,23 @@ def test_measured_mismatch_is_the_reference_residual(x64):
   with H_L, H_T from jax.hessian of the returned and the tagged loss in the logits."""
   params, batch = _setup(jnp.float64)
   scan = _scanner.scan(_squared_on_logits, params, batch, warn=False)
-  ((g_loss, h_loss, h_tag, g_tag),) = _audit.measure(scan, params, batch)
+  measured = _audit.measure(scan, params, batch)
+  ((g_loss, h_loss, h_tag, g_tag),) = measured
   _, logits, _ = _net(params, batch)
   onehot = jax.nn.one_hot(batch["y"], C, dtype=jnp.float64)
   returned = lambda z: _ce(z, batch).mean()  # noqa: E731
   tagged = lambda z: jnp.mean(jnp.sum((z - onehot) ** 2, -1))  # noqa: E731
   v = np.random.default_rng(_audit._SEED).standard_normal(logits.shape)
-  hl = np.asarray(jax.hessian(returned)(logits)).reshape(N * C, N * C) @ v.ravel()
-  ht = np.asarray(jax.hessian(tagged)(logits)).reshape(N * C, N * C) @ v.ravel()
+  hl = np.asarray(_models.jit_hessian(returned)(logits)).reshape(N * C, N * C) @ v.ravel()
+  ht = np.asarray(_models.jit_hessian(tagged)(logits)).reshape(N * C, N * C) @ v.ravel()
   np.testing.assert_allclose(h_loss, hl, rtol=1e-10, atol=1e-14)
   np.testing.assert_allclose(h_tag, ht, rtol=1e-10, atol=1e-14)
-  np.testing.assert_allclose(g_loss, np.ravel(jax.grad(returned)(logits)), rtol=1e-10, atol=1e-14)
-  np.testing.assert_allclose(g_tag, np.ravel(jax.grad(tagged)(logits)), rtol=1e-10, atol=1e-14)
+  grad = lambda f: np.ravel(jax.jit(jax.grad(f))(logits))  # noqa: E731  # One program each.
+  np.testing.assert_allclose(g_loss, grad(returned), rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(g_tag, grad(tagged), rtol=1e-10, atol=1e-14)
   c = hl @ ht / (ht @ ht)
   residual = np.linalg.norm(hl - c * ht) / np.linalg.norm(hl)
-  (problem,) = _audit.problems(scan, _audit.measure(scan, params, batch), "gradients")
+  (problem,) = _audit.problems(scan, measured, "gradients")
   assert f"relative {residual:.3g} after the best constant factor {c:.3g}" in problem
 
 
@@ -526,10 +529,12 @@ def test_each_warning_once_per_registration():
     tx = kfac_jax.kfac(registration=reg, learning_rate=0.1)
     state = tx.init(params)
     opt = kfac_jax.Optimizer(registration=reg, learning_rate=0.1, momentum=0.0)
-    opt_state = opt.init(params)
-    opt.step(params, opt_state, batch, jax.random.key(0))
-    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, jax.random.key(1))
-    tx.update(grads, state, params, curvature_stats=stats)
+    # Jitted: tracing runs the same code as an eager call, without compiling op by op.
+    opt_state = jax.jit(opt.init)(params)
+    jax.jit(opt.step)(params, opt_state, batch, jax.random.key(0))
+    vg = jax.jit(kfac_jax.value_and_grad(registration=reg))
+    _, grads, stats = vg(params, batch, jax.random.key(1))
+    jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st))(grads, state, params, stats)
     assert len(record) == 2, _categories(record)
 
 

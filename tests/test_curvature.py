@@ -1,5 +1,7 @@
 """The six estimation modes against exact Fisher / GGN references on tiny models (float64)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,7 @@ def _tagged(kind, z, b):
   return jnp.mean(jnp.sum(w * (z - b["t"]) ** 2 / (2 * VAR), -1))
 
 
+@functools.cache  # One loss, params and batch per case, shared by the tests.
 def _setup(kind, model, n=1):
   din, dout = 3, 4
   kx, kp, kt, kw = jax.random.split(jax.random.key(0), 4)
@@ -63,6 +66,12 @@ def _dense(loss_fn, params, batch, mode, rng=None, num_samples=1):
   return est, np.asarray(est.to_dense(state))
 
 
+@functools.cache
+def _setup_dense(kind, model, mode):
+  """`_dense` of `_setup(kind, model)` (one example), shared by the tests that read it."""
+  return _dense(*_setup(kind, model), mode)
+
+
 @pytest.mark.parametrize("model", ["linear", "mlp"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", ["exact", "exact_GGN", "empirical"])
@@ -89,7 +98,7 @@ def test_batch_of_one_matches_jacobian_reference(x64, model, kind, mode):
   else:
     out = np.asarray(_models.jit_hessian(loss_in_z)(z)).reshape(z.size, z.size)
   reference = jac.T @ out @ jac
-  est, dense = _dense(loss_fn, params, batch, mode)
+  est, dense = _setup_dense(kind, model, mode)
   mask = _models.block_mask(est, params)
   assert len(est.blocks) == (1 if model == "linear" else 2)
   assert [b.spec.kind for b in est.blocks] == ["dense"] * len(est.blocks)
@@ -109,7 +118,9 @@ def test_exact_and_exact_ggn_agree_on_a_batch(x64):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
   )
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))(
+    params, batch
+  )
   z = _models.jnp_mlp_apply(params, batch["x"])
   hess = _models.jit_hessian(lambda zz: _tagged("categorical", zz, batch))(z)  # [N, C, N, C]
   g_ref = sum(np.asarray(hess[n, :, n, :]) for n in range(5))  # (1/N) Σₙ wₙ F(zₙ)
@@ -122,7 +133,7 @@ def test_exact_and_exact_ggn_agree_on_a_batch(x64):
 def test_random_modes_converge_to_exact(x64, kind, mode):
   """The error against the exact mode shrinks like 1/√S."""
   loss_fn, params, batch = _setup(kind, "mlp")
-  _, exact = _dense(loss_fn, params, batch, "exact")
+  _, exact = _setup_dense(kind, "mlp", "exact")  # Shared with the other modes' tests.
   errs = {}
   for s in (10, 10000):
     _, est = _dense(loss_fn, params, batch, mode, rng=jax.random.key(7), num_samples=s)
@@ -258,20 +269,19 @@ def test_mode_errors(x64):
         )
       )
   for mode in ("gradients", "curvature_prop", "curvature_prop_GGN"):
-    est = kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
-    )
+    reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+    est = kfac_jax.CurvatureEstimator(reg)
     state = est.init(params)
     with pytest.raises(ValueError, match=f"estimation_mode='{mode}'.*pass `rng`"):
       est.update_curvature(state, params, batch, None, ema_decay=0.5)
     with pytest.raises(ValueError, match="pass `rng`"):
-      kfac_jax.value_and_grad(
-        registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
-      )(params, batch)
+      kfac_jax.value_and_grad(registration=reg)(params, batch)
   # The exact modes and "empirical" need no rng; Config's num_samples=1 suits every mode.
   for mode in ("exact", "exact_GGN", "empirical"):
-    loss, _, _ = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+    loss, _, _ = jax.jit(  # One program: eager operations would compile one by one.
+      kfac_jax.value_and_grad(
+        registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+      )
     )(params, batch)
     assert np.isfinite(float(loss))
     tx = kfac_jax.scale_by_kfac(
@@ -286,16 +296,25 @@ def test_mode_errors(x64):
 def test_exact_stack_size_is_the_output_size(x64):
   """The exact stack has K = prod(non-batch prediction shape) vectors, whatever the batch."""
   loss_fn, params, batch = _setup("bernoulli", "linear", n=3)
-  _, _, stats = kfac_jax.value_and_grad(
-    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
-  )(params, batch)
+  _, _, stats = jax.eval_shape(  # Shapes suffice: traced, not compiled.
+    kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+    ),
+    params,
+    batch,
+  )
   (((x,), g),) = stats.data  # Raw layer input and output gradients (see blocks/_layouts.py).
   assert x.shape == (3, 3) and g.shape == (4, 3, 4)
-  _, _, stats = kfac_jax.value_and_grad(
-    registration=kfac_jax.Registration(
-      loss_fn, params, batch, estimation_mode="curvature_prop", num_samples=5
-    )
-  )(params, batch, jax.random.key(0))
+  _, _, stats = jax.eval_shape(
+    kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="curvature_prop", num_samples=5
+      )
+    ),
+    params,
+    batch,
+    jax.random.key(0),
+  )
   assert stats.data[0][1].shape == (5, 3, 4)
 
 
@@ -307,7 +326,7 @@ def test_exact_generic_full_block_batch_of_one(x64, kind):
   terms between examples, as documented in blocks/_generic.py.)
   """
   _, params, batch = _setup(kind, "linear")
-  params["gen"] = jnp.linspace(0.5, 1.5, 4)
+  params = dict(params, gen=jnp.linspace(0.5, 1.5, 4))  # A copy: `_setup`'s is shared.
   apply = lambda p, x: (
     _models.jnp_mlp_apply({"layer0": p["layer0"]}, x)
     * kfac_jax.register_generic(p["gen"], approx="full")
@@ -329,24 +348,32 @@ def test_params_stats_are_the_first_order_statistics(x64):
   """Empirical mode: the loss gradient; sampled modes: mean-zero, S=many averages to ~0."""
   loss_fn, params, batch = _setup("categorical", "mlp", n=5)
   batch = dict(batch, w=jnp.ones_like(batch["w"]))  # Unit weights: √w ∇ℓ = w ∇ℓ.
-  _, grads, stats = kfac_jax.value_and_grad(
-    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
-    compute_params_stats=True,
+  _, grads, stats = jax.jit(  # One program: eager operations would compile one by one.
+    kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+      compute_params_stats=True,
+    )
   )(params, batch)
   for a, b in zip(jax.tree_util.tree_leaves(stats.params_stats), jax.tree_util.tree_leaves(grads)):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
-  _, _, sampled = kfac_jax.value_and_grad(
-    registration=kfac_jax.Registration(
-      loss_fn, params, batch, estimation_mode="gradients", num_samples=4000
-    ),
-    compute_params_stats=True,
+  _, _, sampled = jax.jit(
+    kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="gradients", num_samples=4000
+      ),
+      compute_params_stats=True,
+    )
   )(params, batch, jax.random.key(0))
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grads))
   for a in jax.tree_util.tree_leaves(sampled.params_stats):
     assert float(jnp.max(jnp.abs(a))) < 0.1 * scale  # E_y[∇ log p(y|x)] = 0.
-  _, _, plain = kfac_jax.value_and_grad(
-    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
-  )(params, batch)
+  _, _, plain = jax.eval_shape(  # Shapes suffice: traced, not compiled.
+    kfac_jax.value_and_grad(
+      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    ),
+    params,
+    batch,
+  )
   assert plain.params_stats is None
 
 

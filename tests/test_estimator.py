@@ -125,9 +125,11 @@ def _random_state(est, params, batch, key):
 
 
 def _basis_matrix(est, state, params, fn):
+  """The matrix of `fn(state, ·)`: its columns are the images of the basis vectors (computed
+  in one program)."""
   flat, unravel = ravel_pytree(params)
-  cols = [ravel_pytree(fn(state, unravel(e)))[0] for e in np.eye(flat.size)]
-  return np.stack(cols, axis=1)
+  rows = jax.jit(jax.vmap(lambda e: ravel_pytree(fn(state, unravel(e)))[0]))(np.eye(flat.size))
+  return np.asarray(rows).T
 
 
 @pytest.mark.parametrize(
@@ -156,19 +158,27 @@ def test_matpower_roundtrip_and_cholesky(x64, damping_mode, factor_solve):
   state = _random_state(est, params, batch, jax.random.key(5))
   kept = [c.a.subst is not None for c in state.cache.values() if hasattr(c, "a")]
   assert kept and all(kept) == (factor_solve == "always" and damping_mode == "factored")
-  v = jax.tree_util.tree_map(
-    lambda x: jax.random.normal(jax.random.key(9), x.shape, x.dtype), params
-  )
-  back = est.multiply_matpower(state, est.multiply_matpower(state, v, 1), -1)
+  v = jax.jit(  # One program for the draws.
+    lambda p: jax.tree_util.tree_map(
+      lambda x: jax.random.normal(jax.random.key(9), x.shape, x.dtype), p
+    )
+  )(params)
+
+  @jax.jit  # One program: eager operations would compile one by one.
+  def products(state, v):
+    power = est.multiply_matpower
+    return (
+      power(state, power(state, v, 1), -1),
+      power(state, power(state, v, -0.5), -0.5),
+      est.multiply_inverse(state, v),
+      power(state, v, 2),
+      est.multiply(state, est.multiply(state, v)),
+    )
+
+  back, half, inverse, sq, twice = products(state, v)
   np.testing.assert_allclose(ravel_pytree(back)[0], ravel_pytree(v)[0], rtol=1e-8, atol=1e-10)
-  half = est.multiply_matpower(state, est.multiply_matpower(state, v, -0.5), -0.5)
-  np.testing.assert_allclose(
-    ravel_pytree(half)[0], ravel_pytree(est.multiply_inverse(state, v))[0], rtol=1e-8
-  )
-  sq = est.multiply_matpower(state, v, 2)
-  np.testing.assert_allclose(
-    ravel_pytree(sq)[0], ravel_pytree(est.multiply(state, est.multiply(state, v)))[0], rtol=1e-8
-  )
+  np.testing.assert_allclose(ravel_pytree(half)[0], ravel_pytree(inverse)[0], rtol=1e-8)
+  np.testing.assert_allclose(ravel_pytree(sq)[0], ravel_pytree(twice)[0], rtol=1e-8)
 
   damped = _basis_matrix(est, state, params, est.multiply)
   chol = _basis_matrix(est, state, params, est.multiply_cholesky)
@@ -371,7 +381,7 @@ def test_estimator_errors_leave_state_untouched():
       kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(damping_mode="tikhonov")
     )
   est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
-  state = est.init(params)
+  state = jax.jit(est.init)(params)  # Eager, each operation would compile on its own.
   with pytest.raises(ValueError, match="ema_decay"):
     est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=1.0)
   with pytest.raises(ValueError, match="pass `rng`"):
@@ -393,7 +403,7 @@ def test_estimator_errors_leave_state_untouched():
   emp = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(no_targets, params, batch, estimation_mode="empirical")
   )
-  s = emp.init(params)
+  s = jax.jit(emp.init)(params)
   with pytest.raises(ValueError, match="needs the data's targets"):
     emp.update_curvature(s, params, batch, None, ema_decay=0.5)
 
@@ -437,17 +447,16 @@ def _head_setup():
 
 def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inverse(x64):
   loss_fn, params, batch = _head_setup()
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = jax.jit(jax.grad(loss_fn))(params, batch)
+  reg = kfac_jax.Registration(loss_fn, params, batch)  # One audit for the three estimators.
   kept, nat = {}, {}
   for mode in ("auto", "never", "always"):
-    est = kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(factor_solve=mode)
-    )
+    est = kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(factor_solve=mode))
     state = _random_state(est, params, batch, jax.random.key(5))
     kept[mode] = {n: (c.a.subst is not None, c.g.subst is not None) for n, c in state.cache.items()}
     for c in state.cache.values():  # A side in substitution form has no explicit inverse.
       assert all((side.subst is None) == (side.powers[0] is not None) for side in (c.a, c.g))
-    nat[mode] = est.multiply_inverse(state, grads)
+    nat[mode] = jax.jit(est.multiply_inverse)(state, grads)
     if mode == "auto":
       # The block's product against (A_λ ⊗ G_λ)⁻¹ vec(M) = A_λ⁻¹ M G_λ⁻¹ from the factors.
       f = state.factors["w2"]
@@ -467,19 +476,18 @@ def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inver
 def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypatch):
   loss_fn, params, batch = _head_setup()
   # The state's structure depends on shapes only, not on the backend (checkpoints move).
+  reg = kfac_jax.Registration(loss_fn, params, batch)
   here = jax.tree_util.tree_structure(
-    kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch)).init(params)
+    jax.eval_shape(kfac_jax.CurvatureEstimator(reg).init, params)  # Traced, not compiled.
   )
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   there = jax.tree_util.tree_structure(
-    kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch)).init(params)
+    jax.eval_shape(kfac_jax.CurvatureEstimator(reg).init, params)
   )
   monkeypatch.undo()
   assert here == there
   with pytest.raises(ValueError, match="unknown config.factor_solve 'cholesky'"):
-    kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(factor_solve="cholesky")
-    )
+    kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(factor_solve="cholesky"))
 
   def stacked(p, x):  # Three 300 -> 300 layers in a scan: the stack's blocks are vmapped.
     h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
@@ -513,8 +521,8 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
       curvature_every=1,
       config=kfac_jax.Config(factor_solve=mode),
     )
-    state = tx.init(params)
-    updates, state = tx.update(grads, state, params, batch=batch, rng=jax.random.key(1))
+    update = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p, batch=batch, rng=jax.random.key(1)))
+    updates, state = update(grads, tx.init(params), params)
     cache = state.preconditioner.curvature.cache
     assert (cache["w2"].a.subst is not None) == (mode == "auto")
     out[mode] = updates
@@ -527,7 +535,7 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
     momentum=0.0,
     config=kfac_jax.Config(factor_solve="never"),
   )
-  opt_state = opt.init(params)
+  opt_state = jax.eval_shape(opt.init, params)  # Traced, not compiled: its layout suffices.
   assert opt.estimator.config.factor_solve == "never"
   assert opt_state.curvature.cache["w2"].a.subst is None
   with pytest.raises(ValueError, match="unknown config.factor_solve 'fast'"):

@@ -106,7 +106,8 @@ def test_plain_flax_train_state_misuse_is_a_clear_error():
   missing instead of silently training without curvature."""
   model, loss_fn, params, batch, tx = _problem()
   state = flax_train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  vg = jax.jit(kfac_jax.value_and_grad(loss_fn))  # One program: eager ops compile one by one.
+  _, grads, stats = vg(params, batch, jax.random.key(0))
   with pytest.raises(ValueError, match="curvature_stats="):
     state.apply_gradients(grads=grads, curvature_stats=stats)
 

@@ -8,6 +8,7 @@ import pytest
 import kfac_jax
 from kfac_jax import _losses
 from kfac_jax.scan import _scanner
+from tests import _models
 
 
 def _tagged_loss(kind, y, w):
@@ -45,10 +46,10 @@ def test_output_curvature_product_is_the_loss_hessian(kind, x64):
     "normal": jnp.asarray(rng.normal(size=(3, 4))),
   }[kind]
   loss, rest = _tagged_loss(kind, y, w)
-  hess = jax.hessian(loss)(z).reshape(12, 12)
+  hess = _models.jit_hessian(loss)(z).reshape(12, 12)
   scan = _scanner.scan(lambda p, b: loss(p["z"]), {"z": z}, {}, warn=False)
   v = jnp.asarray(rng.normal(size=(3, 4)))
-  hv = _losses.output_curvature_product(scan.losses[0], (z, *rest), v)
+  hv = jax.jit(lambda z, v: _losses.output_curvature_product(scan.losses[0], (z, *rest), v))(z, v)
   np.testing.assert_allclose(hv.ravel(), hess @ v.ravel(), rtol=1e-12, atol=1e-14)
 
 
@@ -78,9 +79,9 @@ def test_square_root_factors_are_the_per_example_hessian(kind, shape, x64):
     return jnp.sum((zz - y) ** 2 / 0.6)
 
   size = z.size
-  hess = np.asarray(jax.hessian(nll)(z)).reshape(size, size)
+  hess = np.asarray(_models.jit_hessian(nll)(z)).reshape(size, size)
   r0 = jnp.zeros(shape)
-  fisher = np.asarray(jax.jacobian(lambda r: _losses.fisher_sqrt_product(spec, z, r))(r0))
+  fisher = np.asarray(_models.jit_jacobian(lambda r: _losses.fisher_sqrt_product(spec, z, r))(r0))
   fisher = fisher.reshape(size, size)
   np.testing.assert_allclose(fisher @ fisher.T, hess, rtol=1e-12, atol=1e-14)
   if kind == "categorical":  # Columns are √p_c (e_c - p), non-zero only at their own position.
@@ -144,7 +145,7 @@ def test_categorical_samples_follow_the_probabilities(x64):
   z = jnp.log(jnp.asarray(p))  # -inf where p = 0.
   spec = _scanner.LossSpec("categorical", 0.5, False, False, 2, (2, v))
   n = 200_000
-  y = np.asarray(_losses._sample(spec, z, jax.random.key(0), n))
+  y = np.asarray(jax.jit(lambda z, k: _losses._sample(spec, z, k, n))(z, jax.random.key(0)))
   assert y.shape == (n, 2, v)
   np.testing.assert_array_equal(y.sum(-1), 1.0)
   counts = y.sum(0)
@@ -167,8 +168,10 @@ def test_categorical_inverse_cdf_edge_cases(dtype, x64):
   top = np.nextafter(np.asarray(1.0, dtype), 0)  # The largest uniform below 1.
   us = jnp.asarray([[0.0, 0.0], [top, top], [1.0, 1.0], [0.5, top], [top, 0.0]], dtype)[:, None]
 
+  inverse_cdf = jax.jit(_losses.categorical_inverse_cdf)  # One program for every draw.
+
   def draw(p):
-    return np.asarray(_losses.categorical_inverse_cdf(jnp.asarray(p, dtype), us))[:, 0]
+    return np.asarray(inverse_cdf(jnp.asarray(p, dtype), us))[:, 0]
 
   for c in (0, 31, 32, 150, 299):
     np.testing.assert_array_equal(draw(np.eye(v)[c]), c)

@@ -89,8 +89,9 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   g_hat = curv + (lam + eta) * np.eye(flat1.size)
 
   # Second step: Δ from the inverses in the returned state, δ_prev from the first step.
-  g1 = grad_h(flat1)
-  delta = -ravel_pytree(opt.estimator.multiply_matpower(s2.curvature, unravel(g1), -1))[0]
+  g1 = jax.jit(grad_h)(flat1)  # One program each: eager operations compile one by one.
+  precondition = jax.jit(lambda s, g: opt.estimator.multiply_matpower(s, unravel(g), -1))
+  delta = -ravel_pytree(precondition(s2.curvature, g1))[0]
   prev = ravel_pytree(s1.velocity)[0]
   np.testing.assert_allclose(prev, flat1 - flat0, rtol=1e-10, atol=1e-14)
   v = np.stack([delta, prev])
@@ -490,7 +491,7 @@ def test_pmap_matches_single_device(x64):
   half = jax.tree_util.tree_map(lambda x: x[0], shards)
   reg_half = kfac_jax.Registration(loss_fn, params, half, estimation_mode="exact")
   multi = kfac_jax.Optimizer(registration=reg_half, axis_name="d", **kw)
-  state = multi.init(params)
+  state = jax.jit(multi.init)(params)  # Jitted: eager ops compile one by one.
   rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)
   p, s, info = jax.pmap(lambda p, s, b: multi.step(p, s, b, None), axis_name="d")(
     rep(params), rep(state), shards

@@ -1,6 +1,7 @@
 """Data-parallel K-FAC on 8 fake CPU devices: pmap, shard_map, jit + NamedSharding, split
 inverses."""
 
+import functools
 import re
 
 import jax
@@ -20,7 +21,12 @@ SIZES = (6, 10, 10, 10, 3)  # Blocks (in+1, out): (7, 10), (11, 10), (11, 10), (
 
 def _problem(n=32):
   """A 4-layer MLP; float64 when x64 is on (the step tests compare to 1e-6 relative error)."""
-  dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+  return _built_problem(n, bool(jax.config.jax_enable_x64))
+
+
+@functools.cache  # One loss, params and batch per shape and dtype: the tests share compiles.
+def _built_problem(n, x64):
+  dtype = jnp.float64 if x64 else jnp.float32
   params = _models.jnp_mlp_init(jax.random.key(0), SIZES, dtype)
   batch = _models.classification_batch(
     jax.random.key(1), n=n, din=SIZES[0], classes=SIZES[-1], dtype=dtype
@@ -67,15 +73,7 @@ def test_factorisation_cost():
 @pytest.mark.parametrize("num_devices", [3, 8])
 def test_split_inverses_equal_replicated_ones_exactly(num_devices):
   """4 blocks over 3 devices (not a multiple) and over 8 (more devices than blocks)."""
-  loss_fn, params, batch = _problem()
-  est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch),
-    exps=(-1, -0.5),
-    compute_cholesky=True,
-    compute_cholesky_inverse=True,
-  )
-  state = est.update_curvature(est.init(params), params, batch, jax.random.key(2), 0.0)
-  replicated = jax.jit(lambda s: est.update_inverses(s, 1e-2))(state)
+  est, state, replicated = _split_inverses_reference()
   devices = jax.devices()[:num_devices]
   stacked = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), state)
   split = jax.pmap(
@@ -87,6 +85,23 @@ def test_split_inverses_equal_replicated_ones_exactly(num_devices):
   for (path, r), s in zip(leaves_r, leaves_s):
     for d in range(num_devices):
       np.testing.assert_array_equal(np.asarray(s)[d], np.asarray(r), err_msg=str(path))
+
+
+@functools.cache  # Shared by both device counts.
+def _split_inverses_reference():
+  """An estimator, a state with statistics, and its inverses computed on one device."""
+  loss_fn, params, batch = _problem()
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch),
+    exps=(-1, -0.5),
+    compute_cholesky=True,
+    compute_cholesky_inverse=True,
+  )
+  state = jax.jit(  # One program: eager operations would compile one by one.
+    lambda p, b, k: est.update_curvature(est.init(p), p, b, k, 0.0)
+  )(params, batch, jax.random.key(2))
+  replicated = jax.jit(lambda s: est.update_inverses(s, 1e-2))(state)
+  return est, state, replicated
 
 
 # -- whole training steps ------------------------------------------------------------------------
@@ -114,6 +129,19 @@ def _assert_close(got, want):
 STEPS = 7  # Inverse updates at steps 0, 3 and 6.
 
 
+def _one_device_run():
+  """The float64 one-device run on the whole batch that the data-parallel runs must equal
+  (computed once per module)."""
+  assert jax.config.jax_enable_x64
+  return _built_one_device_run()
+
+
+@functools.cache
+def _built_one_device_run():
+  loss_fn, params, batch = _problem()
+  return _models.empirical_run(_kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS)
+
+
 def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
   loss_fn, params, batch = _problem()
   n = jax.local_device_count()
@@ -134,9 +162,7 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
   )
   for _ in range(STEPS):
     p, s = pstep(p, s, sharded)
-  want_p, want_s = _models.empirical_run(
-    _kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS
-  )
+  want_p, want_s = _one_device_run()
   _assert_close(jax.tree_util.tree_map(lambda x: x[0], (p, s)), (want_p, want_s))
   for leaf in jax.tree_util.tree_leaves((p, s)):  # Every replica holds the same numbers.
     np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[-1])
@@ -173,15 +199,21 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
   p = params
   for _ in range(STEPS):
     p, state = sstep(p, state, data)
-  _assert_close(
-    (p, state), _models.empirical_run(_kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS)
-  )
+  _assert_close((p, state), _one_device_run())
 
 
-def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
+def _named_sharding_run(storage):
+  assert jax.config.jax_enable_x64
+  return _built_named_sharding_run(storage)
+
+
+@functools.cache  # The replicated run is shared by two tests.
+def _built_named_sharding_run(storage):
+  """`STEPS` jitted steps on the batch sharded over the mesh, the inverses split over it (with
+  `inverse_storage=storage`). Returns the step, its last params and state, and the data."""
   loss_fn, params, batch = _problem()
   mesh = _mesh()
-  tx = _kfac(loss_fn, params, batch, inverse_mesh=(mesh, "data"))
+  tx = _kfac(loss_fn, params, batch, inverse_mesh=(mesh, "data"), inverse_storage=storage)
 
   @jax.jit
   def step(params, state, b):
@@ -192,13 +224,16 @@ def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
     return optax.apply_updates(params, updates), state
 
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  p = jax.device_put(params, NamedSharding(mesh, P()))
-  state = tx.init(params)
+  p, state = jax.device_put(params, NamedSharding(mesh, P())), tx.init(params)
   for _ in range(STEPS):
     p, state = step(p, state, data)
-  _assert_close(
-    (p, state), _models.empirical_run(_kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS)
-  )
+  return step, p, state, data
+
+
+def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
+  loss_fn, params, batch = _problem()
+  step, p, state, data = _named_sharding_run("replicated")
+  _assert_close((p, state), _one_device_run())
   # The factorisations are split: each device computes its share, an all-reduce shares them
   # (without `inverse_mesh` the lowered program has no collective: XLA adds only the
   # statistics' reductions later, when it partitions the program).
@@ -338,6 +373,19 @@ def _pmap_run(loss_fn, params, batch, num_devices, steps, **kw):
   return tx, p, s
 
 
+def _storage_run(num_devices, storage):
+  assert jax.config.jax_enable_x64
+  return _built_storage_run(num_devices, storage)
+
+
+@functools.cache  # The sharded run on 8 devices is also the checkpoint test's.
+def _built_storage_run(num_devices, storage):
+  """Params and state after `STEPS` pmapped steps on the 48-row batch with `inverse_storage`."""
+  loss_fn, params, batch = _problem(n=48)
+  _, p, s = _pmap_run(loss_fn, params, batch, num_devices, STEPS, inverse_storage=storage)
+  return p, s
+
+
 def _kfac_state(opt_state) -> kfac_jax.ScaleByKfacState:
   return opt_state[0]
 
@@ -356,8 +404,8 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
   field equal, and each device's buffer holds the replicated caches of its own blocks.
   """
   loss_fn, params, batch = _problem(n=48)
-  _, p_rep, s_rep = _pmap_run(loss_fn, params, batch, num_devices, STEPS)
-  _, p_sh, s_sh = _pmap_run(loss_fn, params, batch, num_devices, STEPS, inverse_storage="sharded")
+  p_rep, s_rep = _storage_run(num_devices, "replicated")
+  p_sh, s_sh = _storage_run(num_devices, "sharded")
   got = jax.tree_util.tree_leaves_with_path(p_sh)
   for (path, a), b in zip(got, jax.tree_util.tree_leaves(p_rep)):
     np.testing.assert_allclose(
@@ -407,26 +455,8 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
 def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device(x64):
   loss_fn, params, batch = _problem()
   mesh = _mesh()
-  data = jax.device_put(batch, NamedSharding(mesh, P("data")))
-
-  def run(**kw):
-    tx = _kfac(loss_fn, params, batch, inverse_mesh=(mesh, "data"), **kw)
-
-    @jax.jit
-    def step(params, state, b):
-      _, grads, stats = kfac_jax.value_and_grad(
-        registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
-      )(params, b)
-      updates, state = tx.update(grads, state, params, curvature_stats=stats)
-      return optax.apply_updates(params, updates), state
-
-    p, state = jax.device_put(params, NamedSharding(mesh, P())), tx.init(params)
-    for _ in range(STEPS):
-      p, state = step(p, state, data)
-    return p, state
-
-  p_rep, s_rep = run()
-  p_sh, s_sh = run(inverse_storage="sharded")
+  _, p_rep, s_rep, _ = _named_sharding_run("replicated")
+  _, p_sh, s_sh, _ = _named_sharding_run("sharded")
   _assert_close(p_sh, p_rep)  # (p_rep equals the one-device run: the test above.)
   assert int(_kfac_state(s_sh).curvature.failed_inverses) == 0
   # Memory: each device's share of the factors and caches is at most 1.25 total/D + the
@@ -491,9 +521,7 @@ def test_sharded_storage_under_shard_map(x64):
   p = params
   for _ in range(STEPS):
     p, state = sstep(p, state, data)
-  _assert_close(
-    p, _models.empirical_run(_kfac(loss_fn, params, batch), loss_fn, params, batch, STEPS)[0]
-  )
+  _assert_close(p, _one_device_run()[0])
 
 
 def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
@@ -541,7 +569,7 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
 
 def test_sharded_storage_checkpoint_round_trip(x64):
   loss_fn, params, batch = _problem(n=48)
-  _, _, state = _pmap_run(loss_fn, params, batch, 8, 1, inverse_storage="sharded")
+  _, state = _storage_run(8, "sharded")
   restored = kfac_jax.state_from_bytes(state, kfac_jax.state_to_bytes(state))
   for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -117,7 +117,7 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   )
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
 
-  want, _ = _models.empirical_run(_tx(loss_fn, params, batch), loss_fn, params, batch, STEPS)
+  want, one = _models.empirical_run(_tx(loss_fn, params, batch), loss_fn, params, batch, STEPS)
   tx = _tx(loss_fn, params, batch, mesh=(mesh, "data"), inverse_storage="sharded")
   got, state = _models.empirical_run(tx, loss_fn, sharded_params, data, STEPS)
   for (path, a), b in zip(
@@ -133,7 +133,7 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
     kfac_jax.Registration(loss_fn, params, batch, layers=kfac_jax.LayerConfig(block_size=BLOCK)),
     config=kfac_jax.Config(inverse_storage="sharded"),
   )
-  est.init(params, mesh=(mesh, "data"))
+  jax.eval_shape(lambda p: est.init(p, mesh=(mesh, "data")), params)  # Finds the blocks.
   blocks = est.blocks
   assert any(len(s) == 3 for b in blocks for s in b.factor_shapes)  # Blocked sides exist.
   per_block = [b.state_bytes() for b in blocks]
@@ -153,7 +153,6 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   rep_curv = rep[0].curvature
   assert min(_models.device_bytes((rep_curv.factors, rep_curv.cache), mesh)) > 0.9 * total
   # The factors gathered from the sharded state are the one-device run's.
-  _, one = _models.empirical_run(_tx(loss_fn, params, batch), loss_fn, params, batch, STEPS)
   gathered = est.storage.block_factors(est.names, blocks, curv.factors)
   for n in est.names:
     for a, b in zip(
@@ -173,7 +172,7 @@ def test_a_mesh_axis_that_does_not_exist_is_named_before_any_state_changes(x64):
   )
   with pytest.raises(ValueError, match=r"mesh axis 'fsdp' is not in the mesh"):
     est.init(params, mesh=(mesh, "fsdp"))
-  state = est.init(params, mesh=(mesh, "data"))
+  state = jax.jit(lambda p: est.init(p, mesh=(mesh, "data")))(params)  # Eager: op by op.
   before = jax.tree_util.tree_map(np.asarray, state)
   rng = jax.random.key(0)
   for call in (

@@ -294,16 +294,16 @@ def test_a_closed_over_constant_with_a_row_per_example_is_a_layer_input(x64):
 
   dense = []
   for loss_fn, b in ((closed, batch), (passed, dict(batch, h0=h0))):
-    layers = kfac_jax.Registration(loss_fn, params, b, strict=True).layers
-    assert [(l.kind, l.param_paths) for l in layers] == [
+    reg = kfac_jax.Registration(loss_fn, params, b, strict=True, estimation_mode="exact")
+    assert [(l.kind, l.param_paths) for l in reg.layers] == [
       ("dense", ("head",)),
       ("dense", ("wh",)),
       ("dense", ("wx",)),
     ]
-    est = kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, b, estimation_mode="exact")
-    )
-    state = est.update_curvature(est.init(params), params, b, None, ema_decay=0.0)
+    est = kfac_jax.CurvatureEstimator(reg)
+    state = jax.jit(  # One program: eager operations would compile one by one.
+      lambda p, b, est=est: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0)
+    )(params, b)
     dense.append(est.to_dense(state))
   assert float(jnp.abs(dense[0]).max()) > 1e-3
   np.testing.assert_allclose(dense[0], dense[1], rtol=1e-12, atol=1e-14)
@@ -455,18 +455,13 @@ def test_axis_name_scans_a_model_with_batchnorm_collectives():
   with pytest.raises(NameError, match="unbound axis name: batch"):
     kfac_jax.Registration(loss_fn, params, batch)
   want = [("BatchNorm_0", "scale_and_shift"), ("Dense_0", "dense"), ("Dense_1", "dense")]
+  regs = {}
   for axis_name in ("batch", ("batch", "model")):
-    layers = kfac_jax.Registration(loss_fn, params, batch, axis_name=axis_name).layers
+    regs[axis_name] = kfac_jax.Registration(loss_fn, params, batch, axis_name=axis_name)
+    layers = regs[axis_name].layers
     assert [(l.name, l.kind) for l in layers] == want
-  assert (
-    kfac_jax.check_registration(
-      registration=kfac_jax.Registration(loss_fn, params, batch, axis_name="batch")
-    )
-    == layers
-  )
-  table = kfac_jax.summary(
-    registration=kfac_jax.Registration(loss_fn, params, batch, axis_name="batch")
-  )
+  assert kfac_jax.check_registration(registration=regs["batch"]) == layers
+  table = kfac_jax.summary(registration=regs["batch"])
   assert "BatchNorm_0  scale_and_shift" in table and "(100.0%)" in table
   for fn in (kfac_jax.summary, kfac_jax.check_registration):  # A setting of the registration.
     with pytest.raises(

@@ -261,7 +261,9 @@ def test_weight_is_a_multiplicity_in_every_mode(x64, kind, wshape, mode):
       layers=kfac_jax.LayerConfig(defaults={"dense": "full"}),
     )
   )
-  state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+  state = jax.jit(  # One program: eager operations would compile one by one.
+    lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0)
+  )(params, batch)
   dense = np.asarray(est.to_dense(state))
 
   flat, unravel = ravel_pytree(params)

@@ -17,12 +17,22 @@ import kfac_jax
 from tests import _models
 
 
+@functools.cache  # One loss, params and batch per shape: the tests share their compiles.
 def _problem(n=32, din=4, hidden=8, classes=3, dtype=jnp.float32):
   params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (din, hidden, classes)), dtype)
   batch = _models.classification_batch(
     jax.random.key(1), n=n, din=din, classes=classes, dtype=dtype
   )
   return _models.softmax_loss(_models.jnp_mlp_apply), params, batch
+
+
+@functools.cache
+def _grads_and_stats(seed, dtype=jnp.float32):
+  """`_problem(dtype=dtype)`'s gradient and statistics at `jax.random.key(seed)`, computed in
+  one program (called eagerly, each operation would compile on its own)."""
+  loss_fn, params, batch = _problem(dtype=dtype)
+  _, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn))(params, batch, jax.random.key(seed))
+  return grads, stats
 
 
 def _make_step(loss_fn, tx):
@@ -40,7 +50,7 @@ def test_stats_path_equals_batch_path():
   state = tx.init(params)
   rng = jax.random.key(7)
   grads = jax.grad(loss_fn)(params, batch)
-  _, _, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+  stats = _grads_and_stats(7)[1]
   u1, s1 = jax.jit(lambda g, s, p: tx.update(g, s, p, curvature_stats=stats))(grads, state, params)
   u2, s2 = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch, rng=rng))(grads, state, params)
   for a, b in zip(jax.tree_util.tree_leaves((u1, s1)), jax.tree_util.tree_leaves((u2, s2))):
@@ -111,28 +121,38 @@ def test_statistics_fraction_takes_evenly_spaced_rows_of_the_batch(fraction, row
   """Statistics from ⌈f·N⌉ evenly spaced rows of `batch=`, the gradient from all of it: the
   same updates and state as passing those rows as `batch=` yourself, and not the whole
   batch's."""
+  for front in ("scale_by_kfac", "kfac"):
+    got = _fraction_updates(front, fraction, None)
+    want = _fraction_updates(front, None, tuple(rows))
+    whole = _fraction_updates(front, None, None)  # Shared by the parametrizations.
+    for a, b in zip(got, want, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # float32 round-off.
+    assert not np.allclose(got[1], whole[1], rtol=1e-3)  # Both: layer0's kernel update.
+
+
+@functools.cache
+def _fraction_registration():
   loss_fn, params, batch = _problem(n=32)
   # A scalar leaf passes whole: the loss ignores it, the slicing must not trip on it.
   batch = dict(batch, temperature=jnp.float32(1.0))
-  first = jax.tree_util.tree_map(lambda x: x[rows] if x.ndim else x, batch)
-  grads = jax.grad(loss_fn)(params, batch)
-  rng = jax.random.key(3)
+  return kfac_jax.Registration(loss_fn, params, batch), params, batch
 
-  def update(tx, stats_batch):
-    state = tx.init(params)
-    step = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, rng=rng))  # One compile.
-    for _ in range(2):  # The second update refreshes no inverse: both paths still agree.
-      u, state = step(grads, state, params, stats_batch)
-    return u, state
 
-  for make in (kfac_jax.scale_by_kfac, functools.partial(kfac_jax.kfac, learning_rate=0.3)):
-    cfg = kfac_jax.Config(statistics_fraction=fraction)
-    got = update(make(loss_fn, batch, damping=1e-2, config=cfg), batch)
-    want = update(make(loss_fn, batch, damping=1e-2), first)
-    whole = update(make(loss_fn, batch, damping=1e-2), batch)
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # float32 round-off.
-    assert not np.allclose(got[0]["layer0"]["w"], whole[0]["layer0"]["w"], rtol=1e-3)
+@functools.cache
+def _fraction_updates(front, fraction, rows):
+  """Leaves of the updates and state after two `batch=` updates by `front` (with
+  `statistics_fraction=fraction`, or the default with None) on the rows `rows` of the batch
+  (all rows with None). The second update refreshes no inverse: both paths still agree."""
+  reg, params, batch = _fraction_registration()
+  grads = jax.grad(reg.loss_fn)(params, batch)
+  if rows is not None:
+    batch = jax.tree_util.tree_map(lambda x: x[np.array(rows)] if x.ndim else x, batch)
+  kw = {} if fraction is None else {"config": kfac_jax.Config(statistics_fraction=fraction)}
+  if front == "kfac":
+    tx = kfac_jax.kfac(registration=reg, learning_rate=0.3, damping=1e-2, **kw)
+  else:
+    tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-2, **kw)
+  return _two_updates(tx, params, grads, batch)
 
 
 def test_config_passes_through_inject_hyperparams_unchanged():
@@ -144,7 +164,8 @@ def test_config_passes_through_inject_hyperparams_unchanged():
     config=kfac_jax.Config(statistics_fraction=0.5),
   )
   grads = jax.grad(loss_fn)(params, batch)
-  _, state = tx.update(grads, tx.init(params), params, batch=batch, rng=jax.random.key(0))
+  update = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, rng=jax.random.key(0)))
+  _, state = update(grads, tx.init(params), params, batch)
   assert int(state.inner_state.preconditioner.count) == 1
 
 
@@ -245,10 +266,11 @@ def test_kfac_statistics_fraction_defaults_to_auto(n, fraction):
   ]
   loss_fn, params, batch = _problem(n=n)
   grads = jax.grad(loss_fn)(params, batch)
-  got = _two_updates(kfac_jax.kfac(loss_fn, batch, learning_rate=0.3), params, grads, batch)
+  reg = kfac_jax.Registration(loss_fn, params, batch)  # One audit for every transform.
+  got = _two_updates(kfac_jax.kfac(registration=reg, learning_rate=0.3), params, grads, batch)
   want = _two_updates(
     kfac_jax.kfac(
-      loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=fraction)
+      registration=reg, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=fraction)
     ),
     params,
     grads,
@@ -257,15 +279,17 @@ def test_kfac_statistics_fraction_defaults_to_auto(n, fraction):
   _assert_same(got, want)
   if n != 256:
     return
-  auto = kfac_jax.scale_by_kfac(loss_fn, batch, config=kfac_jax.Config(statistics_fraction="auto"))
+  auto = kfac_jax.scale_by_kfac(
+    registration=reg, config=kfac_jax.Config(statistics_fraction="auto")
+  )
   explicit = kfac_jax.scale_by_kfac(
-    loss_fn, batch, config=kfac_jax.Config(statistics_fraction=fraction)
+    registration=reg, config=kfac_jax.Config(statistics_fraction=fraction)
   )
   _assert_same(
     _two_updates(auto, params, grads, batch), _two_updates(explicit, params, grads, batch)
   )
   whole = kfac_jax.kfac(
-    loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=None)
+    registration=reg, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=None)
   )
   assert not np.allclose(got[0], _two_updates(whole, params, grads, batch)[0], rtol=1e-3)
 
@@ -326,13 +350,14 @@ def test_kfac_statistics_fraction_auto_falls_back_to_every_row(case):
     batch = {"x": batch["x"].reshape(128, 2, 4), "y": batch["y"].reshape(128, 2)}
     loss_fn = _time_major(loss_fn, 4)
   grads = jax.grad(loss_fn)(params, batch)
-  got = _two_updates(kfac_jax.kfac(loss_fn, batch, learning_rate=0.3), params, grads, batch)
+  reg = kfac_jax.Registration(loss_fn, params, batch)  # One audit for every transform.
+  got = _two_updates(kfac_jax.kfac(registration=reg, learning_rate=0.3), params, grads, batch)
   whole = kfac_jax.kfac(
-    loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=None)
+    registration=reg, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=None)
   )
   _assert_same(got, _two_updates(whole, params, grads, batch))
   explicit = kfac_jax.kfac(
-    loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.25)
+    registration=reg, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.25)
   )
   if case == "time-major":  # Cut along time: other statistics, no error.
     assert not np.allclose(_two_updates(explicit, params, grads, batch)[0], got[0], rtol=1e-3)
@@ -362,9 +387,14 @@ def test_update_is_the_inverse_of_the_estimator():
   est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
   rng = jax.random.key(3)
   grads = jax.grad(loss_fn)(params, batch)
-  updates, _ = tx.update(grads, tx.init(params), params, batch=batch, rng=rng)
-  es = est.update_inverses(est.update_curvature(est.init(params), params, batch, rng, 0.0), 0.1)
-  back = est.multiply(es, updates)
+
+  @jax.jit  # One program: eager operations would compile one by one.
+  def back(grads, params, batch):
+    updates, _ = tx.update(grads, tx.init(params), params, batch=batch, rng=rng)
+    es = est.update_inverses(est.update_curvature(est.init(params), params, batch, rng, 0.0), 0.1)
+    return est.multiply(es, updates)
+
+  back = back(grads, params, batch)
   for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(grads)):
     np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
 
@@ -431,8 +461,8 @@ def test_injected_damping_takes_effect_without_recompiling(x64):
   """Larger λ: a strictly smaller update; λ → ∞: (F̂ + λ)⁻¹ g → g / λ."""
   loss_fn, params, batch = _problem(dtype=jnp.float64)
   tx = _inject(kfac_jax.scale_by_kfac, loss_fn, batch, damping=1e-3, inverse_every=1)
-  state0 = tx.init(params)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  state0 = jax.jit(tx.init)(params)
+  grads, stats = _grads_and_stats(0, jnp.float64)
   traces = []  # One trace = one compilation (counted directly: `_cache_size()` reads 0 for
   # this function with most XLA optimisations off, as in the suite).
 
@@ -578,10 +608,12 @@ def test_clip_coefficient_against_numpy(x64):
   assert float(kfac_jax._transform.clip_coefficient(zero, g, 1e-3)) == 1.0
 
 
-def _first_kfac_update(loss_fn, params, batch, grads, stats, **kw):
+def _first_kfac_update(reg, params, grads, stats, **kw):
   kw = {"max_norm": None, "momentum": None, **kw}  # Both are on by default.
-  tx = kfac_jax.kfac(loss_fn, batch, damping=1e-2, **_models.with_config(kw))
-  return jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats)[0])(tx.init(params))
+  tx = kfac_jax.kfac(registration=reg, damping=1e-2, **_models.with_config(kw))
+  return jax.jit(lambda s, g, st: tx.update(g, s, params, curvature_stats=st)[0])(
+    tx.init(params), grads, stats
+  )
 
 
 def test_max_norm_clips_the_preconditioned_gradient_before_the_learning_rate(x64):
@@ -589,10 +621,11 @@ def test_max_norm_clips_the_preconditioned_gradient_before_the_learning_rate(x64
   gradient, computed here in numpy: the learning rate scales the step whether or not the
   clipping binds (optax's clip-then-scale order); a loose bound changes nothing."""
   loss_fn, params, batch = _problem(dtype=jnp.float64)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  grads, stats = _grads_and_stats(0, jnp.float64)
+  reg = kfac_jax.Registration(loss_fn, params, batch)  # One audit for the four transforms.
 
   def update(**kw):
-    return _first_kfac_update(loss_fn, params, batch, grads, stats, **kw)
+    return _first_kfac_update(reg, params, grads, stats, **kw)
 
   free = update(learning_rate=1.0)
   v = [-np.asarray(u) for u in jax.tree_util.tree_leaves(free)]
@@ -607,6 +640,7 @@ def test_max_norm_clips_the_preconditioned_gradient_before_the_learning_rate(x64
     np.testing.assert_allclose(a, -0.5 * b, rtol=1e-12, atol=1e-15)
 
 
+@functools.cache
 def _sequence_problem(reduce):
   """A per-position classifier `[N, T, din] -> [N, T, classes]` (D = T = 5 outputs per example),
   its cross-entropy averaged over examples and `reduce`d over the positions."""
@@ -625,11 +659,16 @@ def _sequence_problem(reduce):
 
 def _three_updates(tx, loss_fn, params, batch, init=None):
   state = (init or tx.init)(params)
+
+  @jax.jit  # One compile for the three steps.
+  def step(params, state, rng):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    u, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, u), state, u
+
   out = []
   for i in range(3):
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(i))
-    u, state = tx.update(grads, state, params, curvature_stats=stats)
-    params = optax.apply_updates(params, u)
+    params, state, u = step(params, state, jax.random.key(i))
     out.append(u)
   return out
 
