@@ -43,11 +43,14 @@ class Zoo:
   damping: float = 1e-2
 
 
-def train_step(z: Zoo, tx, registration: kfac_jax.Registration | None = None):
+def train_step(
+  z: Zoo, tx, registration: kfac_jax.Registration | None = None, *, with_grads: bool = False
+):
   """The jitted K-FAC training step of a zoo model: `step(params, state, batch, rng)` →
-  `(params, state, batch, loss)`. With `z.has_aux`, the model state returned as the aux is fed
-  back as `batch["state"]`. With `registration` (of `z`), its layers are used (no new scan);
-  without, one of `z` with the default settings."""
+  `(params, state, batch, loss)`, and the gradient at `params` last with `with_grads`. With
+  `z.has_aux`, the model state returned as the aux is fed back as `batch["state"]`. With
+  `registration` (of `z`), its layers are used (no new scan); without, one of `z` with the
+  default settings."""
   if registration is None:
     registration = kfac_jax.Registration(
       z.loss_fn, z.params, z.batch, has_aux=z.has_aux, warn=False
@@ -59,9 +62,16 @@ def train_step(z: Zoo, tx, registration: kfac_jax.Registration | None = None):
     out, grads, stats = vg(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     loss, batch = (out[0], dict(batch, state=out[1])) if z.has_aux else (out, batch)
-    return optax.apply_updates(params, updates), state, batch, loss
+    out = optax.apply_updates(params, updates), state, batch, loss
+    return out + (grads,) if with_grads else out
 
   return step
+
+
+def _key(seed):
+  """An "rbg" key: XLA's RngBitGenerator compiles in a fraction of threefry's time (about 5x on
+  CPU), which is most of a small model's init and data compile."""
+  return jax.random.key(seed, impl="rbg")
 
 
 def _ce(logits, y):
@@ -89,7 +99,7 @@ def _norm(prefix):
 
 def _linen(module, batch, extra_vars=(), mutable=False):
   """loss_fn over linen `params`; other collections come in `batch["state"]`."""
-  variables = module.init(jax.random.key(1), batch["x"])
+  variables = jax.jit(module.init)(_key(1), batch["x"])  # One program, not one per initialiser.
   params = variables["params"]
   state = {k: v for k, v in variables.items() if k in extra_vars}
   if state:
@@ -104,6 +114,12 @@ def _linen(module, batch, extra_vars=(), mutable=False):
     return _ce(out, b["y"])
 
   return loss_fn, params, batch
+
+
+def _nnx_build(cls, *args):
+  """`cls(*args, rngs)` from an "rbg" key: its eager initialisers compile faster than threefry's
+  (and faster than the whole build under `nnx.jit`, whose programs no other model shares)."""
+  return cls(*args, nnx.Rngs(_key(0)))
 
 
 def _nnx(model, batch):
@@ -139,11 +155,11 @@ class NnxMLP(nnx.Module):
 
 
 def mlp(flavour: str) -> Zoo:
-  batch = _images(jax.random.key(0))
+  batch = _images(_key(0))
   if flavour == "linen":
     f, p, b = _linen(LinenMLP(), batch)
     return Zoo(f, p, b, [_dense("Dense_0"), _dense("Dense_1")])
-  f, p, b = _nnx(NnxMLP(nnx.Rngs(0)), batch)
+  f, p, b = _nnx(_nnx_build(NnxMLP), batch)
   return Zoo(f, p, b, [_dense("l1"), _dense("l2")])
 
 
@@ -173,11 +189,11 @@ class NnxCNN(nnx.Module):
 
 
 def cnn(flavour: str) -> Zoo:
-  batch = _images(jax.random.key(0))
+  batch = _images(_key(0))
   if flavour == "linen":
     f, p, b = _linen(LinenCNN(), batch)
     return Zoo(f, p, b, [_conv("Conv_0"), _conv("Conv_1"), _dense("Dense_0")])
-  f, p, b = _nnx(NnxCNN(nnx.Rngs(0)), batch)
+  f, p, b = _nnx(_nnx_build(NnxCNN), batch)
   return Zoo(f, p, b, [_conv("c1"), _conv("c2"), _dense("head")])
 
 
@@ -213,7 +229,7 @@ class NnxResNet(nnx.Module):
 
 
 def resnet(flavour: str) -> Zoo:
-  batch = _images(jax.random.key(0))
+  batch = _images(_key(0))
   conv = lambda name: ("conv", "kron", (f"{name}/kernel",))  # noqa: E731
   if flavour == "linen":
     f, p, b = _linen(LinenResNet(), batch, extra_vars=("batch_stats",), mutable=True)
@@ -231,7 +247,7 @@ def resnet(flavour: str) -> Zoo:
         _dense("Dense_0"),
       ],
     )
-  model = NnxResNet(nnx.Rngs(0))
+  model = _nnx_build(NnxResNet)
   model.train()
   f, p, b = _nnx(model, batch)
   return Zoo(
@@ -284,7 +300,7 @@ class NnxLM(nnx.Module):
 
 
 def transformer(flavour: str) -> Zoo:
-  k1, k2 = jax.random.split(jax.random.key(0))
+  k1, k2 = jax.random.split(_key(0))
   batch = {
     "x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
     "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB),
@@ -312,7 +328,7 @@ def transformer(flavour: str) -> Zoo:
         _dense(f"{att}/value"),
       ],
     )
-  f, p, b = _nnx(NnxLM(nnx.Rngs(0)), batch)
+  f, p, b = _nnx(_nnx_build(NnxLM), batch)
   return Zoo(
     f,
     p,
@@ -358,13 +374,13 @@ class NnxSeparable(nnx.Module):
 
 
 def separable(flavour: str) -> Zoo:
-  batch = _images(jax.random.key(0))
+  batch = _images(_key(0))
   if flavour == "linen":
     f, p, b = _linen(LinenSeparable(), batch)
     return Zoo(
       f, p, b, [_conv("Conv_0"), _conv("Conv_1", "diagonal"), _conv("Conv_2"), _dense("Dense_0")]
     )
-  f, p, b = _nnx(NnxSeparable(nnx.Rngs(0)), batch)
+  f, p, b = _nnx(_nnx_build(NnxSeparable), batch)
   return Zoo(
     f, p, b, [_conv("depthwise", "diagonal"), _dense("head"), _conv("pointwise"), _conv("stem")]
   )
@@ -401,10 +417,10 @@ class NnxUNet(nnx.Module):
 
 def unet(flavour: str) -> Zoo:
   """Segmentation: the labels are per pixel, `[N, H, W]`, the loss their mean cross-entropy."""
-  batch = _images(jax.random.key(0))
-  batch["y"] = jax.random.randint(jax.random.key(3), (N, 8, 8), 0, CLASSES)
+  batch = _images(_key(0))
+  batch["y"] = jax.random.randint(_key(3), (N, 8, 8), 0, CLASSES)
   layers = ["down", "enc", "gn", "out", "up"]
-  make = LinenUNet() if flavour == "linen" else NnxUNet(nnx.Rngs(0))
+  make = LinenUNet() if flavour == "linen" else _nnx_build(NnxUNet)
   f, p, b = _linen(make, batch) if flavour == "linen" else _nnx(make, batch)
   return Zoo(f, p, b, [_norm(n) if n == "gn" else _conv(n) for n in layers])
 
@@ -430,7 +446,7 @@ def _hk_zoo(net, batch, expected):
   import haiku as hk  # pylint: disable=g-import-not-at-top (optional test extra)
 
   f = hk.without_apply_rng(hk.transform(net))
-  params = f.init(jax.random.key(1), batch["x"])
+  params = jax.jit(f.init)(_key(1), batch["x"])
 
   def loss_fn(p, b):
     return _ce(f.apply(p, b["x"]), b["y"])
@@ -446,7 +462,7 @@ def haiku_mlp() -> Zoo:
     return hk.Linear(CLASSES)(jnp.tanh(hk.Linear(16)(x)))
 
   paths = lambda m: ("dense", "kron", (f"{m}/w", f"{m}/b"))  # noqa: E731
-  return _hk_zoo(net, _images(jax.random.key(0)), [paths("linear"), paths("linear_1")])
+  return _hk_zoo(net, _images(_key(0)), [paths("linear"), paths("linear_1")])
 
 
 def haiku_cnn() -> Zoo:
@@ -459,7 +475,7 @@ def haiku_cnn() -> Zoo:
 
   return _hk_zoo(
     net,
-    _images(jax.random.key(0)),
+    _images(_key(0)),
     [
       ("conv", "kron", ("conv2_d/w", "conv2_d/b")),
       ("conv", "kron", ("conv2_d_1/w", "conv2_d_1/b")),
@@ -482,8 +498,15 @@ def _eqx_zoo(model, batch, apply, expected):
 def equinox_mlp() -> Zoo:
   import equinox as eqx  # pylint: disable=g-import-not-at-top
 
-  k = jax.random.split(jax.random.key(2))
-  model = {"l1": eqx.nn.Linear(8 * 8 * 3, 16, key=k[0]), "l2": eqx.nn.Linear(16, CLASSES, key=k[1])}
+  @eqx.filter_jit
+  def build(key):
+    k = jax.random.split(key)
+    return {
+      "l1": eqx.nn.Linear(8 * 8 * 3, 16, key=k[0]),
+      "l2": eqx.nn.Linear(16, CLASSES, key=k[1]),
+    }
+
+  model = build(_key(2))
 
   def apply(m, x):
     def one(x):  # One example: the equinox idiom, batched with vmap.
@@ -492,18 +515,22 @@ def equinox_mlp() -> Zoo:
     return jax.vmap(one)(x)
 
   paths = lambda m: ("dense", "kron", (f"{m}/weight", f"{m}/bias"))  # noqa: E731
-  return _eqx_zoo(model, _images(jax.random.key(0)), apply, [paths("l1"), paths("l2")])
+  return _eqx_zoo(model, _images(_key(0)), apply, [paths("l1"), paths("l2")])
 
 
 def equinox_cnn() -> Zoo:
   import equinox as eqx  # pylint: disable=g-import-not-at-top
 
-  k = jax.random.split(jax.random.key(3), 3)
-  model = {
-    "c1": eqx.nn.Conv2d(3, 4, 3, padding=1, key=k[0]),
-    "c2": eqx.nn.Conv2d(4, 6, 3, stride=2, key=k[1]),
-    "head": eqx.nn.Linear(6 * 3 * 3, CLASSES, key=k[2]),
-  }
+  @eqx.filter_jit
+  def build(key):
+    k = jax.random.split(key, 3)
+    return {
+      "c1": eqx.nn.Conv2d(3, 4, 3, padding=1, key=k[0]),
+      "c2": eqx.nn.Conv2d(4, 6, 3, stride=2, key=k[1]),
+      "head": eqx.nn.Linear(6 * 3 * 3, CLASSES, key=k[2]),
+    }
+
+  model = build(_key(3))
 
   def apply(m, x):
     def one(x):  # [H, W, C] -> equinox's channel-first layout.
@@ -515,7 +542,7 @@ def equinox_cnn() -> Zoo:
 
   return _eqx_zoo(
     model,
-    _images(jax.random.key(0)),
+    _images(_key(0)),
     apply,
     [
       ("conv", "kron", ("c1/weight", "c1/bias")),
@@ -543,7 +570,7 @@ def gemma_rmsnorm() -> Zoo:
       x = x + nn.Dense(DIM, use_bias=False)(nn.gelu(h))
       return nn.Dense(VOCAB, use_bias=False)(RMSNorm()(x))
 
-  k1, k2 = jax.random.split(jax.random.key(4))
+  k1, k2 = jax.random.split(_key(4))
   batch = {
     "x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
     "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB),
@@ -580,7 +607,7 @@ def vit_positional() -> Zoo:
       x = x + nn.Dense(DIM)(nn.gelu(h))
       return nn.Dense(CLASSES)(jnp.mean(nn.LayerNorm()(x), axis=1))
 
-  f, p, b = _linen(ViT(), _images(jax.random.key(0)))
+  f, p, b = _linen(ViT(), _images(_key(0)))
   return Zoo(
     f,
     p,
@@ -610,7 +637,7 @@ def lstm() -> Zoo:
         carry, y = cell(carry, x[:, t])
       return nn.Dense(CLASSES)(y)
 
-  k1, k2 = jax.random.split(jax.random.key(5))
+  k1, k2 = jax.random.split(_key(5))
   batch = {"x": jax.random.normal(k1, (N, steps, 4)), "y": jax.random.randint(k2, (N,), 0, CLASSES)}
   f, p, b = _linen(Model(), batch)
   c = "OptimizedLSTMCell_0"
@@ -642,7 +669,7 @@ def lstm_rnn() -> Zoo:
       y = nn.RNN(nn.OptimizedLSTMCell(hidden))(x)
       return nn.Dense(CLASSES)(y[:, -1])
 
-  k1, k2 = jax.random.split(jax.random.key(7))
+  k1, k2 = jax.random.split(_key(7))
   batch = {"x": jax.random.normal(k1, (N, steps, 4)), "y": jax.random.randint(k2, (N,), 0, CLASSES)}
   f, p, b = _linen(Model(), batch)
   c = "OptimizedLSTMCell_0"  # nn.RNN adds no scope of its own to the cell params.
@@ -677,7 +704,7 @@ def vocab_lm() -> Zoo:
       x = x + nn.Dense(16)(nn.gelu(nn.Dense(16)(x)))
       return nn.Dense(LM_VOCAB)(x)
 
-  k1, k2 = jax.random.split(jax.random.key(6))
+  k1, k2 = jax.random.split(_key(6))
   batch = {
     "x": jax.random.randint(k1, (N, 4), 0, LM_VOCAB),
     "y": jax.random.randint(k2, (N, 4), 0, LM_VOCAB),
@@ -697,12 +724,6 @@ def vocab_lm() -> Zoo:
 
 
 # -- VAE, BatchNorm ResNets, mixture of experts, GRU --------------------------------------------
-
-
-def _key(seed):
-  """An "rbg" key: XLA's RngBitGenerator compiles in a fraction of threefry's time (about 5x on
-  CPU), which is most of a small model's init and data compile."""
-  return jax.random.key(seed, impl="rbg")
 
 
 VAE_PIXELS, VAE_LATENT = 16, 3
@@ -1045,7 +1066,7 @@ class LinenLocallyConnected(nn.Module):
 
 
 def locally_connected() -> Zoo:
-  f, p, b = _linen(LinenLocallyConnected(), _images(jax.random.key(0)))
+  f, p, b = _linen(LinenLocallyConnected(), _images(_key(0)))
   local = ("grouped_dense", "kron", ("ConvLocal_0/kernel", "ConvLocal_0/bias"))
   return Zoo(f, p, b, [local, _conv("Conv_0"), _dense("Dense_0")])
 
@@ -1099,7 +1120,7 @@ class LinenGroupedLocal(nn.Module):
 
 
 def grouped_local() -> Zoo:
-  f, p, b = _linen(LinenGroupedLocal(), _images(jax.random.key(0)))
+  f, p, b = _linen(LinenGroupedLocal(), _images(_key(0)))
   local = ("grouped_dense", "kron", ("ConvLocal_0/kernel", "ConvLocal_0/bias"))
   return Zoo(f, p, b, [local, _conv("Conv_0"), _conv("Conv_1"), _dense("Dense_0")])
 
@@ -1254,7 +1275,7 @@ class NnxScannedLM(nnx.Module):
 
 
 def scanned_lm(flavour: str) -> Zoo:
-  k1, k2 = jax.random.split(jax.random.key(0))
+  k1, k2 = jax.random.split(_key(0))
   batch = {
     "x": jax.random.randint(k1, (N, SEQ), 0, VOCAB),
     "y": jax.random.randint(k2, (N, SEQ), 0, VOCAB),
@@ -1265,7 +1286,7 @@ def scanned_lm(flavour: str) -> Zoo:
     f, p, b = _linen(LinenScannedLM(), batch)
     blk = "blocks"
   else:
-    f, p, b = _nnx(NnxScannedLM(nnx.Rngs(0)), batch)
+    f, p, b = _nnx(_nnx_build(NnxScannedLM), batch)
     blk = "blocks"
   per_block = sorted(
     [rms(f"{blk}/attn_norm"), rms(f"{blk}/mlp_norm")]
@@ -1329,11 +1350,11 @@ class NnxStackedMLP(nnx.Module):
 
 
 def stacked_mlp(flavour: str) -> Zoo:
-  batch = _images(jax.random.key(0))
+  batch = _images(_key(0))
   if flavour == "linen":
     f, p, b = _linen(LinenStackedMLP(), batch)
   else:
-    f, p, b = _nnx(NnxStackedMLP(nnx.Rngs(0)), batch)
+    f, p, b = _nnx(_nnx_build(NnxStackedMLP), batch)
   expected = sorted(
     [_dense("head"), _dense("layers/dense"), _norm("layers/norm"), _dense("stem")],
     key=lambda e: e[2],
@@ -1826,7 +1847,7 @@ def vit_linen() -> Zoo:
 def vit_nnx() -> Zoo:
   """The class token is `0 + cls` in its slot of the concatenation: a shift-only layer over D
   ("full", unlike the positional table's "diagonal")."""
-  f, p, b = _nnx(NnxViT(nnx.Rngs(0)), _vit_batch())
+  f, p, b = _nnx(_nnx_build(NnxViT), _vit_batch())
   return Zoo(f, p, b, _vit_expected("", [("scale_and_shift", "full", ("cls",))]))
 
 
@@ -1865,7 +1886,7 @@ class NnxRNNClassifier(nnx.Module):
 
 
 def lstm_nnx() -> Zoo:
-  f, p, b = _nnx(NnxRNNClassifier(nnx.OptimizedLSTMCell, nnx.Rngs(0)), _seq_batch(21))
+  f, p, b = _nnx(_nnx_build(NnxRNNClassifier, nnx.OptimizedLSTMCell), _seq_batch(21))
   c = "rnn/cell"
   z = Zoo(
     f,
@@ -1912,7 +1933,7 @@ def gru_linen() -> Zoo:
 
 
 def lstm_cell_nnx() -> Zoo:
-  f, p, b = _nnx(NnxRNNClassifier(nnx.LSTMCell, nnx.Rngs(0)), _seq_batch(25))
+  f, p, b = _nnx(_nnx_build(NnxRNNClassifier, nnx.LSTMCell), _seq_batch(25))
   c = "rnn/cell"
   gate = lambda g, bias: ("dense", "kron_indep", _dense(f"{c}/{g}", bias)[2])  # noqa: E731
   return Zoo(
@@ -1926,7 +1947,7 @@ def lstm_cell_nnx() -> Zoo:
 
 
 def gru_nnx() -> Zoo:
-  f, p, b = _nnx(NnxRNNClassifier(nnx.GRUCell, nnx.Rngs(0)), _seq_batch(26))
+  f, p, b = _nnx(_nnx_build(NnxRNNClassifier, nnx.GRUCell), _seq_batch(26))
   c = "rnn/cell"
   return Zoo(
     f,
@@ -1983,7 +2004,7 @@ class NnxMoEModel(nnx.Module):
 def moe_nnx() -> Zoo:
   kx, ky = jax.random.split(_key(23))
   batch = {"x": jax.random.normal(kx, (N, 3, 6)), "y": jax.random.randint(ky, (N,), 0, CLASSES)}
-  graphdef, params = nnx.split(NnxMoEModel(nnx.Rngs(0)), nnx.Param)
+  graphdef, params = nnx.split(_nnx_build(NnxMoEModel), nnx.Param)
 
   def loss_fn(p, b):
     logits, balance = nnx.merge(graphdef, p)(b["x"])
@@ -2014,7 +2035,7 @@ def vae_nnx() -> Zoo:
   comes from the batch."""
   kx, kn = jax.random.split(_key(24))
   x = (jax.random.uniform(kx, (N, VAE_PIXELS)) < 0.3).astype(jnp.float32)
-  graphdef, params = nnx.split(NnxVAE(nnx.Rngs(0)), nnx.Param)
+  graphdef, params = nnx.split(_nnx_build(NnxVAE), nnx.Param)
 
   def loss_fn(p, b):
     logits, mean, logvar = nnx.merge(graphdef, p)(b["x"], nnx.Rngs(noise=b["noise"]))
@@ -2149,7 +2170,7 @@ def dit_nnx() -> Zoo:
     "label": jax.random.randint(kl, (N,), 0, DIT_LABELS),
     "eps": eps,
   }
-  graphdef, params = nnx.split(NnxDiT(nnx.Rngs(0)), nnx.Param)
+  graphdef, params = nnx.split(_nnx_build(NnxDiT), nnx.Param)
 
   def loss_fn(p, b):
     pred = nnx.merge(graphdef, p)(b["x"], b["t"], b["label"])
@@ -2254,7 +2275,7 @@ class NnxMixer(nnx.Module):
 
 
 def mixer_nnx() -> Zoo:
-  f, p, b = _nnx(NnxMixer(nnx.Rngs(0)), _images(_key(28)))
+  f, p, b = _nnx(_nnx_build(NnxMixer), _images(_key(28)))
   blk = [_dense(f"blocks/{i}/{n}") for i in range(2) for n in ("ch1", "ch2", "tok1", "tok2")] + [
     _norm(f"blocks/{i}/{n}") for i in range(2) for n in ("ln1", "ln2")
   ]
@@ -2303,7 +2324,7 @@ def gnn_haiku() -> Zoo:
     return hk.Linear(CLASSES, name="readout")(pooled)
 
   f = hk.without_apply_rng(hk.transform(net))
-  params = f.init(jax.random.key(1), batch)
+  params = jax.jit(f.init)(_key(1), batch)
 
   def loss_fn(p, b):
     return _ce(f.apply(p, b), b["y"])
@@ -2508,7 +2529,7 @@ def graphnet_linen() -> Zoo:
     "y": jax.random.randint(k[3], (len(GN_NODES),), 0, CLASSES),
   }
   model = LinenGraphNet()
-  params = model.init(k[4], batch)["params"]
+  params = jax.jit(model.init)(k[4], batch)["params"]
 
   def loss_fn(p, b):
     return _ce(model.apply({"params": p}, b), b["y"])

@@ -114,14 +114,19 @@ def test_transform_batch_path_with_has_aux():
   tx = kfac_jax.scale_by_kfac(
     registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True), damping=1e-2
   )
-  state = tx.init(params)
-  grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
-  rng = jax.random.key(3)
-  _, _, stats = kfac_jax.value_and_grad(
+  vg = kfac_jax.value_and_grad(
     registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
-  )(params, batch, rng)
-  u1, s1 = jax.jit(lambda g, s, p: tx.update(g, s, p, curvature_stats=stats))(grads, state, params)
-  u2, s2 = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch, rng=rng))(grads, state, params)
+  )
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params, batch, rng):
+    state = tx.init(params)
+    grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
+    _, _, stats = vg(params, batch, rng)
+    with_stats = tx.update(grads, state, params, curvature_stats=stats)
+    return with_stats, tx.update(grads, state, params, batch=batch, rng=rng)
+
+  (u1, s1), (u2, s2) = run(params, batch, jax.random.key(3))
   for a, b in zip(jax.tree_util.tree_leaves((u1, s1)), jax.tree_util.tree_leaves((u2, s2))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

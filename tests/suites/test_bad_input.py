@@ -1,9 +1,12 @@
 """Malformed uses, table-driven: each raises an error that names the culprit and hints at the fix.
 
-Every case builds its inputs fresh and calls one public entry point; the expected exception type
+Every case builds its inputs fresh (the gradient and statistics of `_problem()`, computed once,
+in fresh containers) and calls one public entry point; the expected exception type
 and a regular expression over its message are listed beside it. Cases on a transform also check
 that the state passed in is left as it was.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,20 @@ def _problem():
   params = _models.jnp_mlp_init(jax.random.key(0), (4, 5, 3))
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=3)
   return _models.softmax_loss(_models.jnp_mlp_apply), params, batch
+
+
+@functools.cache
+def _cached_grads_and_stats():
+  loss_fn, params, batch = _problem()
+  # One program, once: run eagerly, each op would compile its own.
+  _, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn))(params, batch, jax.random.key(0))
+  return grads, stats
+
+
+def _grads_and_stats():
+  """`_problem()`'s gradient (fresh containers: a test may edit them) and statistics."""
+  grads, stats = _cached_grads_and_stats()
+  return jax.tree_util.tree_map(lambda x: x, grads), stats
 
 
 def _dense_loss(tag):
@@ -71,7 +88,7 @@ def _update(mutate, jit=False):
     tx = kfac_jax.scale_by_kfac(loss_fn, batch)
     state = tx.init(params)
     before = jax.tree_util.tree_map(np.asarray, state)
-    grads = jax.grad(loss_fn)(params, batch)
+    grads, _ = _grads_and_stats()
     args, kwargs = mutate(grads, params, batch)
 
     def update(s):
@@ -398,7 +415,7 @@ def _wrong_state(front: str, make_state):
 
   def run():
     loss_fn, params, batch = _problem()
-    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+    grads, stats = _grads_and_stats()
     state = make_state()
     if front == "Optimizer":
       kfac_jax.Optimizer(loss_fn, batch).step(params, state, batch, jax.random.key(0))
@@ -471,7 +488,7 @@ def test_the_state_check_traces_init_once_per_params_signature(front, monkeypatc
   dtypes, shardings), and a state of another model (of other widths; without momentum) is
   still refused by the cached shapes."""
   loss_fn, params, batch = _problem()
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  grads, stats = _grads_and_stats()
   inits = []
 
   def counted(init):
@@ -512,7 +529,7 @@ def test_the_state_check_traces_init_once_per_params_signature(front, monkeypatc
 
 def test_an_unbound_axis_name_names_the_argument_and_the_wrapper():
   loss_fn, params, batch = _problem()
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  grads, stats = _grads_and_stats()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data")
   state = kfac_jax.scale_by_kfac(loss_fn, batch).init(params)
   match = r"`axis_name`='data' is not bound here.*jax.pmap\(\.\.\., axis_name='data'\)"

@@ -29,8 +29,9 @@ def _estimate(loss_fn, params, batch, layers=None):
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
   )
-  state = est.init(params)
-  state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))(state)
+  # One program: run eagerly, `init`'s ops would each compile their own.
+  update = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))
+  state = update(params, batch)
   return est, np.asarray(est.to_dense(state))
 
 
@@ -154,7 +155,7 @@ def test_a_tiled_probe_and_its_projection_are_layers_and_kron_is_exact(x64):
     )
 
   q_out = probe @ params["q"]["kernel"] + params["q"]["bias"]
-  g = np.asarray(jax.grad(lambda qv: per_example_of_q(qv).sum())(q_out)).reshape(N, D)
+  g = np.asarray(jax.jit(jax.grad(lambda qv: per_example_of_q(qv).sum()))(q_out)).reshape(N, D)
   want = np.kron(np.outer(abar, abar), g.T @ g / N)
   np.testing.assert_allclose(dense[np.ix_(q, q)], want, rtol=1e-10, atol=1e-13)
   np.testing.assert_allclose(dense[np.ix_(q, q)], exact[np.ix_(q, q)], rtol=1e-10, atol=1e-13)
@@ -200,7 +201,7 @@ def test_a_projection_broadcast_afterwards_is_a_dense_layer_with_shared_rows(x64
     return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"])
 
   copies = jnp.broadcast_to(s, (N,) + s.shape)
-  g = np.asarray(jax.grad(lambda c: per_example_of_copies(c).sum())(copies))
+  g = np.asarray(jax.jit(jax.grad(lambda c: per_example_of_copies(c).sum()))(copies))
   gg = np.einsum("nri,nrj->ij", g, g) / N
   q = _indices(params, "q/kernel", "q/bias")
   np.testing.assert_allclose(dense[np.ix_(q, q)], np.kron(a, gg), rtol=1e-10, atol=1e-13)

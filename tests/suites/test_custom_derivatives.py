@@ -48,6 +48,7 @@ def _rev_bwd(res, ct):
 _reversed_dense.defvjp(_rev_fwd, _rev_bwd)
 
 
+@jax.jit  # One program per x64 mode, not one per random draw.
 def _classifier_data():
   k = jax.random.split(jax.random.key(0), 5)
   params = {
@@ -69,8 +70,13 @@ def _classifier(p, b):
 
 def test_straight_through_and_gradient_reversal_keep_their_gradient(x64):
   params, batch = _classifier_data()
-  loss, grads, stats = kfac_jax.value_and_grad(_classifier)(params, batch, jax.random.key(1))
-  want_loss, want = jax.value_and_grad(_classifier)(params, batch)
+
+  @jax.jit  # One program: run eagerly, each op of the loss compiles its own.
+  def run(params, batch):
+    got = kfac_jax.value_and_grad(_classifier)(params, batch, jax.random.key(1))
+    return got, jax.value_and_grad(_classifier)(params, batch)
+
+  (loss, grads, stats), (want_loss, want) = run(params, batch)
   _close(loss, want_loss)
   _close(grads, want)
   # w2's dense layer sits inside the custom_vjp: found, and its statistics taken inside.
@@ -121,6 +127,7 @@ def _log_psi_tagged(p, b):
   kfac_jax.register_normal_predictive_distribution(_log_psi(p, b["r"])[:, None])
 
 
+@jax.jit  # One program per x64 mode, not one per random draw.
 def _vmc_data():
   k = jax.random.split(jax.random.key(2), 3)
   params = {
@@ -137,12 +144,18 @@ def test_vmc_energy_gradient_is_the_rule(x64):
   loss_fn = _energy_rule(tag=True)
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
   assert reg.separate_loss and [s.name for s in reg.layers][:2] == ["a", "w1"]
-  loss, grads, _ = kfac_jax.value_and_grad(registration=reg)(params, batch)
-  want_loss, want = jax.value_and_grad(loss_fn)(params, batch)
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params, batch):
+    loss, grads, _ = kfac_jax.value_and_grad(registration=reg)(params, batch)
+    # The primal's gradient differentiates the Laplacian.
+    primal = jax.grad(lambda p, b: jnp.mean(_local_energy(p, b["r"])))(params, batch)
+    return (loss, grads), jax.value_and_grad(loss_fn)(params, batch), primal
+
+  (loss, grads), (want_loss, want), primal = run(params, batch)
   _close(loss, want_loss)
   _close(grads, want)
-  # The rule's gradient, not the primal's (which differentiates the Laplacian).
-  primal = jax.grad(lambda p, b: jnp.mean(_local_energy(p, b["r"])))(params, batch)
+  # The rule's gradient, not the primal's.
   assert np.abs(np.asarray(primal["w1"] - grads["w1"])).max() > 1e-3
 
 
@@ -155,18 +168,23 @@ def test_tag_in_rule_equals_curvature_fn(x64):
     _energy_rule(False), params, batch, estimation_mode="exact", curvature_fn=_log_psi_tagged
   )
   assert in_rule.fingerprint == apart.fingerprint
-  results = []
-  for reg in (in_rule, apart):
-    tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, ema_decay=0.0, inverse_every=1)
-    state = tx.init(params)
-    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch)
-    updates, _ = tx.update(grads, state, params, curvature_stats=stats)
-    opt = kfac_jax.Optimizer(registration=reg, learning_rate=0.1, momentum=0.0, damping=1e-3)
-    new, _, info = opt.step(params, opt.init(params), batch, jax.random.key(0))
-    results.append((updates, new, info["loss"]))
+
+  @jax.jit  # One program for both registrations: run eagerly, each op compiles its own.
+  def run(params, batch):
+    results, grads = [], None
+    for reg in (in_rule, apart):
+      tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, ema_decay=0.0, inverse_every=1)
+      state = tx.init(params)
+      _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch)
+      updates, _ = tx.update(grads, state, params, curvature_stats=stats)
+      opt = kfac_jax.Optimizer(registration=reg, learning_rate=0.1, momentum=0.0, damping=1e-3)
+      new, _, info = opt.step(params, opt.init(params), batch, jax.random.key(0))
+      results.append((updates, new, info["loss"]))
+    return results, grads  # `apart`'s gradient.
+
+  results, grads = run(params, batch)
   _close(results[0], results[1])
   # Not the identity: the Fisher of |psi|^2 preconditions.
-  _, grads, _ = kfac_jax.value_and_grad(registration=apart)(params, batch)
   assert np.abs(np.asarray(results[0][0]["w1"] - grads["w1"])).max() > 1e-3
 
 
@@ -206,13 +224,19 @@ def test_optimizer_measures_rho_on_the_loss(x64):
     loss_fn, params, batch, estimation_mode="exact", curvature_fn=_log_psi_tagged
   )
   opt = kfac_jax.Optimizer(registration=reg, damping=1e-2)
-  new, state, info = opt.step(params, opt.init(params), batch, jax.random.key(0))
   # The same proposal, taken without adaptation (λ is only adapted after the step).
   fixed = kfac_jax.Optimizer(registration=reg, damping=1e-2, use_adaptive_damping=False)
-  proposed, _, fixed_info = fixed.step(params, fixed.init(params), batch, jax.random.key(0))
-  change = fixed_info["quad_model_change"]
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params, batch):
+    new, state, info = opt.step(params, opt.init(params), batch, jax.random.key(0))
+    proposed, _, fixed_info = fixed.step(params, fixed.init(params), batch, jax.random.key(0))
+    change = fixed_info["quad_model_change"]
+    want = (loss_fn(proposed, batch) - loss_fn(params, batch)) / change
+    return new, state, info, change, want
+
+  new, state, info, change, want = run(params, batch)
   np.testing.assert_allclose(info["quad_model_change"], change, rtol=1e-8)
-  want = (loss_fn(proposed, batch) - loss_fn(params, batch)) / change
   np.testing.assert_allclose(info["rho"], want, rtol=1e-8)
   assert np.isfinite(state.rho)
   # On fixed walkers the energy rises along this step (ρ < 0): the step is not applied.
@@ -250,8 +274,13 @@ def test_factors_are_float64_under_x64(x64):
   batch = {"r": batch["r"].astype(jnp.float32)}
   reg = kfac_jax.Registration(_energy_rule(True), params, batch)
   tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, inverse_every=1)
-  _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, jax.random.key(0))
-  _, state = tx.update(grads, tx.init(params), params, curvature_stats=stats)
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params, batch):
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, jax.random.key(0))
+    return tx.update(grads, tx.init(params), params, curvature_stats=stats)[1]
+
+  state = run(params, batch)
   floats = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
   assert floats and all(x.dtype == jnp.float64 for x in floats)
 
@@ -381,5 +410,5 @@ def test_tag_in_custom_vjp_equals_curvature_fn(x64, where):
   (loss, grads, updates), (want_loss, want_grads, want_updates) = step()
   _close(loss, want_loss)
   _close(grads, want_grads)  # The bwd's VMC gradient, as the custom_jvp rule's.
-  _close(grads, jax.grad(loss_fn)(params, batch))
+  _close(grads, jax.jit(jax.grad(loss_fn))(params, batch))
   _close(updates, want_updates)

@@ -281,8 +281,8 @@ def test_a_layer_serving_two_terms(x64, approx):
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN", layers=layers)
   assert [s.approx for s in reg.layers] == [approx] * 2
   est = kfac_jax.CurvatureEstimator(registration=reg)
-  update = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))
-  state = update(est.init(params))
+  update = jax.jit(lambda p: est.update_curvature(est.init(p), p, batch, None, ema_decay=0.0))
+  state = update(params)
   factors = state.factors["1"]
   inner, bound = _output_layer_rows(params, batch)
   if approx == "kron_indep":
@@ -294,8 +294,8 @@ def test_a_layer_serving_two_terms(x64, approx):
   np.testing.assert_allclose(factors.a, a, rtol=1e-12, atol=1e-15)
   np.testing.assert_allclose(factors.g, [[[2.0]], [[2.0]]], rtol=1e-12)
   flat, unravel = ravel_pytree(params)
-  ji = np.asarray(jax.jacobian(lambda f: _laplacian_forward(unravel(f), batch["x"]))(flat))
-  jb = np.asarray(jax.jacobian(lambda f: _mlp(unravel(f), batch["xb"]))(flat))
+  ji = np.asarray(_models.jit_jacobian(lambda f: _laplacian_forward(unravel(f), batch["x"]))(flat))
+  jb = np.asarray(_models.jit_jacobian(lambda f: _mlp(unravel(f), batch["xb"]))(flat))
   ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
   w = slice(15, 21)  # 1/b, 1/w in ravel order.
   dense = np.asarray(jax.jit(est.to_dense)(state))
@@ -303,14 +303,24 @@ def test_a_layer_serving_two_terms(x64, approx):
   # The damped inverse: each term damped by λ/2 in the factored way.
   lam = 1e-3
   block = est.blocks[1]
-  cache = block.compute_cache(factors, lam)
-  (a1, g1), (a2, g2) = (
-    kfac_jax.blocks._kronecker.damped_factors(factors.a[t], factors.g[t], lam / 2) for t in (0, 1)
-  )
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def inverse_product(factors):
+    cache = block.compute_cache(factors, lam)
+    damped = [
+      kfac_jax.blocks._kronecker.damped_factors(factors.a[t], factors.g[t], lam / 2) for t in (0, 1)
+    ]
+    v = [jnp.linspace(-1.0, 2.0, 5).reshape(5, 1), jnp.array([0.5])]
+    return (
+      damped,
+      block.to_matrix(block.multiply_matpower(factors, cache, v, -1)),
+      block.to_matrix(v),
+    )
+
+  ((a1, g1), (a2, g2)), out, v = inverse_product(factors)
   f = np.kron(a1, g1) + np.kron(a2, g2)
-  v = [jnp.linspace(-1.0, 2.0, 5).reshape(5, 1), jnp.array([0.5])]
-  out = block.to_matrix(block.multiply_matpower(factors, cache, v, -1)).reshape(-1)
-  expected = np.linalg.solve(f, np.asarray(block.to_matrix(v)).reshape(-1))
+  out = np.asarray(out).reshape(-1)
+  expected = np.linalg.solve(f, np.asarray(v).reshape(-1))
   np.testing.assert_allclose(out, expected, rtol=1e-9)
 
 

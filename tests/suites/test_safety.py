@@ -120,8 +120,13 @@ def _one_update(loss_fn, params, batch, **kwargs):
   tx = kfac_jax.scale_by_kfac(
     loss_fn, batch, damping=1e-2, ema_decay=0.5, **_models.with_config(kwargs)
   )
-  state = tx.init(params)
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def prepare(params, batch):
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+    return tx.init(params), grads, stats
+
+  state, grads, stats = prepare(params, batch)
   step = jax.jit(lambda g, s, p, st: tx.update(g, s, p, curvature_stats=st))
   for _ in range(2):  # The second update uses the inverses of the first's statistics.
     updates, state = step(grads, state, params, stats)
@@ -238,16 +243,29 @@ def test_bfloat16_preconditioner_rounds_the_stored_inverses_and_the_products_inp
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
   layers = kfac_jax.LayerConfig(overrides={"layer1/*": "kron_out_diag"})
 
-  def estimator_state(**kwargs):
-    config = kfac_jax.Config(**kwargs)
-    reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers)
-    est = kfac_jax.CurvatureEstimator(reg, config=config)
-    state = est.init(params)
-    state = est.update_curvature(state, params, batch, jax.random.key(2), ema_decay=0.0)
-    return est, est.update_inverses(state, damping=1e-2)
+  reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+  vec = jax.jit(
+    lambda: jax.tree_util.tree_map(
+      lambda x: jax.random.normal(jax.random.key(3), x.shape, jnp.float64), params
+    )
+  )()
 
-  ref_est, ref = estimator_state()
-  est, state = estimator_state(preconditioner_dtype="bfloat16")
+  def estimator_state(**kwargs):
+    """The estimator's state after one update and its inverses, and its product with `vec`, in
+    one program (run eagerly, each op compiles its own)."""
+    est = kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(**kwargs))
+
+    @jax.jit
+    def run(params, batch, vec):
+      state = est.init(params)
+      state = est.update_curvature(state, params, batch, jax.random.key(2), ema_decay=0.0)
+      state = est.update_inverses(state, damping=1e-2)
+      return state, est.multiply_inverse(state, vec)
+
+    return run(params, batch, vec)
+
+  ref, exact = estimator_state()
+  state, out = estimator_state(preconditioner_dtype="bfloat16")
   a0, g0 = state.cache["layer0"].a.powers[0], state.cache["layer0"].g.powers[0]
   assert a0.dtype == g0.dtype == jnp.bfloat16
   g1 = state.cache["layer1"].g.powers[0]  # kron_out_diag: G⁻¹ is a vector
@@ -259,10 +277,6 @@ def test_bfloat16_preconditioner_rounds_the_stored_inverses_and_the_products_inp
   np.testing.assert_array_equal(np.asarray(a0, np.float64), _to_bf16(ref_a0))
   np.testing.assert_array_equal(np.asarray(g0, np.float64), _to_bf16(ref_g0))
 
-  vec = jax.tree_util.tree_map(
-    lambda x: jax.random.normal(jax.random.key(3), x.shape, jnp.float64), params
-  )
-  out = est.multiply_inverse(state, vec)
   assert _leaf_dtypes(out) == {jnp.dtype(jnp.float64)}
   m = np.concatenate([np.asarray(vec["layer0"]["w"]), np.asarray(vec["layer0"]["b"])[None]])
   inner = _to_bf16(_to_bf16(a0) @ _to_bf16(m))
@@ -270,7 +284,6 @@ def test_bfloat16_preconditioner_rounds_the_stored_inverses_and_the_products_inp
   got = np.concatenate([np.asarray(out["layer0"]["w"]), np.asarray(out["layer0"]["b"])[None]])
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
   # Within bfloat16's rounding of the float64 product (the block is well conditioned here).
-  exact = ref_est.multiply_inverse(ref, vec)
   for path in (("layer0", "w"), ("layer0", "b"), ("layer1", "w"), ("layer1", "b")):
     u, r = np.asarray(out[path[0]][path[1]]), np.asarray(exact[path[0]][path[1]])
     assert np.linalg.norm(u - r) < 2e-2 * np.linalg.norm(r), path
@@ -295,6 +308,8 @@ def test_bfloat16_preconditioner_trains_like_float32_with_half_the_inverse_bytes
     return h.reshape(h.shape[0], -1) @ p["head"]["w"] + p["head"]["b"]
 
   loss_fn = _models.softmax_loss(apply)
+  value_and_grad = jax.jit(jax.value_and_grad(loss_fn))  # Eagerly, each op compiles its own.
+  apply_updates = jax.jit(optax.apply_updates)
 
   def run(**kwargs):
     tx = kfac_jax.kfac(
@@ -305,13 +320,13 @@ def test_bfloat16_preconditioner_trains_like_float32_with_half_the_inverse_bytes
       inverse_every=2,
       **_models.with_config(kwargs),
     )
-    state, p = tx.init(params), params
+    state, p = jax.jit(tx.init)(params), params
     step = jax.jit(lambda g, s, p, k: tx.update(g, s, p, batch=batch, rng=k))
     for t in range(6):
-      loss, g = jax.value_and_grad(loss_fn)(p, batch)
+      loss, g = value_and_grad(p, batch)
       u, state = step(g, state, p, jax.random.key(t))
-      p = optax.apply_updates(p, u)
-    return float(loss_fn(p, batch)), state, step, p
+      p = apply_updates(p, u)
+    return float(value_and_grad(p, batch)[0]), state, step, p
 
   ref_loss, ref_state, _, _ = run()
   loss, state, step, p = run(preconditioner_dtype="bfloat16")

@@ -44,12 +44,16 @@ def _registered(z):
   return reg
 
 
-def _preconditioned(grads, direction):
-  """The cosine of a step direction with the gradient: in (0, 0.999), a descent direction
-  that is not a multiple of the gradient (K-FAC, not the identity)."""
-  gu = float(_vdot(grads, direction))
-  cos = gu / np.sqrt(float(_vdot(grads, grads)) * float(_vdot(direction, direction)))
+def _preconditioned(gu, gg, uu):
+  """The cosine of a step direction u with the gradient g, from ⟨g, u⟩, ⟨g, g⟩ and ⟨u, u⟩: in
+  (0, 0.999), a descent direction that is not a multiple of the gradient (K-FAC, not the
+  identity)."""
+  cos = float(gu) / np.sqrt(float(gg) * float(uu))
   assert 0 < cos < 0.999, cos
+
+
+def _all_finite(tree):
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
 
 
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
@@ -58,26 +62,33 @@ def test_zoo_model(name, flavour):
   z = _zoo.MODELS[name](flavour)
   reg = _registered(z)
   tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3)
-  state = tx.init(z.params)
 
   @jax.jit
-  def step(params, state, batch, rng):
+  def step(params, batch, rng):
+    """init, one step, and the checks' reductions, in one program (eager ops compile one by
+    one): the loss after a small step along −u, of norm 1e-3 ‖params‖."""
+    state = tx.init(params)
     loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    return loss, grads, updates, state
+    uu = _vdot(updates, updates)
+    scale = 1e-3 * jnp.sqrt(_vdot(params, params) / uu)
+    moved = jax.tree_util.tree_map(lambda p, d: p - scale * d, params, updates)
+    checks = {
+      "finite": _all_finite(updates),
+      "gu": _vdot(grads, updates),
+      "gg": _vdot(grads, grads),
+      "uu": uu,
+      "moved_loss": z.loss_fn(moved, batch),
+    }
+    return loss, grads, updates, state, checks
 
-  loss, grads, updates, state = step(z.params, state, z.batch, jax.random.key(0))
-  u = jax.tree_util.tree_leaves(updates)
-  g = jax.tree_util.tree_leaves(grads)
-  assert all(bool(jnp.all(jnp.isfinite(x))) for x in u)
+  loss, grads, updates, state, checks = step(z.params, z.batch, jax.random.key(0))
+  assert bool(checks["finite"]), "updates not finite"
   assert int(state.count) == 1
-  _preconditioned(grads, updates)
+  _preconditioned(checks["gu"], checks["gg"], checks["uu"])
   # A small step along −u lowers the loss.
-  norm = np.sqrt(float(_vdot(updates, updates)))
-  scale = 1e-3 * np.sqrt(float(_vdot(z.params, z.params))) / norm
-  moved = jax.tree_util.tree_map(lambda p, d: p - scale * d, z.params, updates)
-  assert float(jax.jit(z.loss_fn)(moved, z.batch)) < float(loss)
-  assert len(g) == len(u)
+  assert float(checks["moved_loss"]) < float(loss), (checks["moved_loss"], loss)
+  assert len(jax.tree_util.tree_leaves(grads)) == len(jax.tree_util.tree_leaves(updates))
 
 
 def _nbytes(tree):
@@ -87,21 +98,21 @@ def _nbytes(tree):
 def _ten_jitted_steps(z, tx, state, reg):
   """10 jitted steps; asserts the losses and params stay finite and the loss decreases. With
   `z.has_aux`, the model state returned as the aux is fed back as `batch["state"]`. The step
-  keys are "rbg" keys (`_zoo._key`), cheap to compile. Returns the params after the first
-  step."""
+  keys are "rbg" keys (`_zoo._key`), cheap to compile. Returns the params after the first step
+  and the gradient at `z.params`."""
 
-  step = _zoo.train_step(z, tx, reg)
+  step = _zoo.train_step(z, tx, reg, with_grads=True)
 
   params, batch, losses = z.params, z.batch, []
   for i in range(11):  # The 11th step's loss is the loss after 10 (no second compile).
-    params, state, batch, loss = step(params, state, batch, _zoo._key(i))
+    params, state, batch, loss, grads = step(params, state, batch, _zoo._key(i))
     losses.append(float(loss))
     if i == 0:
-      first = params
+      first, first_grads = params, grads
   assert all(np.isfinite(losses)), losses
-  assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree_util.tree_leaves(params))
+  assert all(np.all(np.isfinite(p)) for p in jax.tree_util.tree_leaves(params))
   assert losses[-1] < losses[0], losses
-  return first
+  return first, first_grads
 
 
 # The structure models whose 10 training steps run: one per pattern family, the four styles
@@ -197,6 +208,11 @@ def test_stacked_zoo_model_trains(name, flavour):
     kfac_jax.scale_by_kfac(registration=reg, damping=1e-2, inverse_every=1),
     optax.scale_by_learning_rate(0.1),
   )
-  first = _ten_jitted_steps(z, tx, jax.jit(tx.init)(z.params), reg)
-  grads = jax.jit(jax.grad(z.loss_fn))(z.params, z.batch)
-  _preconditioned(grads, jax.tree_util.tree_map(jnp.subtract, z.params, first))
+  first, grads = _ten_jitted_steps(z, tx, jax.jit(tx.init)(z.params), reg)
+  grads = [np.asarray(g, np.float64) for g in jax.tree_util.tree_leaves(grads)]
+  d = [
+    np.asarray(p, np.float64) - np.asarray(q, np.float64)
+    for p, q in zip(jax.tree_util.tree_leaves(z.params), jax.tree_util.tree_leaves(first))
+  ]
+  dot = lambda a, b: sum(float(np.vdot(x, y)) for x, y in zip(a, b))  # noqa: E731
+  _preconditioned(dot(grads, d), dot(grads, grads), dot(d, d))
