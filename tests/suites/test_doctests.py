@@ -8,6 +8,7 @@ that they run is checked (any exception fails the test).
 """
 
 import doctest
+import functools
 import inspect
 
 import flax.linen as nn
@@ -36,7 +37,10 @@ class _Mlp(nn.Module):
     return nn.Dense(3)(jnp.tanh(x))
 
 
-def _namespace(batch_norm: bool) -> dict:
+@functools.cache
+def _built(batch_norm: bool) -> dict:
+  """The names, built once per model for every docstring (the builds compile; `_namespace`
+  hands each docstring its own copy)."""
   model = _Mlp(batch_norm)
   x = jax.random.normal(jax.random.key(0), (16, 5))
   y = jax.random.randint(jax.random.key(1), (16,), 0, 3)
@@ -74,6 +78,12 @@ def _namespace(batch_norm: bool) -> dict:
     "opt_state": tx.init(params),
     "grads": jax.grad(loss_fn)(params, batch),
   }
+
+
+def _namespace(batch_norm: bool) -> dict:
+  """A fresh namespace: new containers (dicts, states) around the shared arrays, so that an
+  example that rebinds or mutates a name leaves the next docstring's names as built."""
+  return {k: jax.tree.map(lambda x: x, v) for k, v in _built(batch_norm).items()}
 
 
 def _public_docstrings():
