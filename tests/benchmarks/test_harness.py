@@ -1204,8 +1204,9 @@ def test_preconditioner_dtype_profile_quick(capsys):
 
 def test_adaptive_damping_prototype_quick(tmp_path, monkeypatch, capsys):
   """`profile/adaptive_damping.py` on the autoencoder's small model: the three rows with steps
-  and finite losses, the first adaptation (update 2 of period 2) traced; the rule raises λ
-  below ρ = 1/8, lowers it above 3/8, keeps it between, and stays in its bounds."""
+  and finite losses, the first adaptation (update 1 of period 1: the second step, which every
+  budget runs) traced; the rule raises λ below ρ = 1/8, lowers it above 3/8, keeps it between,
+  and stays in its bounds."""
   from benchmarks.profile import adaptive_damping as ad
 
   w = 0.5
@@ -1213,14 +1214,14 @@ def test_adaptive_damping_prototype_quick(tmp_path, monkeypatch, capsys):
   assert got == [2.0, 1.0, 0.5]
   assert float(ad.adapt(jnp.float32(8.0), jnp.float32(0.0), w)) == ad.LAMBDA_MAX
   assert float(ad.adapt(jnp.float32(1.5e-4), jnp.float32(1.0), w)) == pytest.approx(ad.LAMBDA_MIN)
-  argv = ["--budget", "0.5", "--period", "2", "--trace", "--quick"]
+  argv = ["--budget", "0.5", "--period", "1", "--trace", "--quick"]
   out, _ = _scripts.run_main(ad.main, argv, tmp_path, monkeypatch, capsys)
   rows = re.findall(
     r"^\| (Adam|kfac, [^|]*) \| (\d+) \| ([0-9.e+-]+) \| ([0-9.e+-]+) \|$", out, re.M
   )
-  assert [r[0] for r in rows] == ["Adam", "kfac, λ 0.03", "kfac, damping adapted every 2 from 0.1"]
+  assert [r[0] for r in rows] == ["Adam", "kfac, λ 0.03", "kfac, damping adapted every 1 from 0.1"]
   assert all(int(r[1]) > 0 and np.isfinite(float(r[2])) and np.isfinite(float(r[3])) for r in rows)
-  assert re.search(r"^update 2: rho -?[0-9.]+, damping [0-9.e+-]+$", out, re.M), out
+  assert re.search(r"^update 1: rho -?[0-9.]+, damping [0-9.e+-]+$", out, re.M), out
 
 
 def test_step_timeline_profile_quick(capsys):
