@@ -1,10 +1,9 @@
 """Scan and compile time of one K-FAC step for each model of the zoo (tests/_zoo.py).
 
 For each model, in Flax linen and nnx: "scan" is `Registration(..., check_loss=False)` (tracing
-`loss_fn` and matching the layers); "init" is `scale_by_kfac(...).init(params)` (a second scan plus
-creating the state: zero factors and identity caches, built eagerly, so a factor shape not seen
-before in the process pays a small XLA compile per array op, which is why the first flavour of a
-model takes longer); "compile" is lowering and compiling the jitted step (value_and_grad with
+`loss_fn` and matching the layers); "init" is `scale_by_kfac(...).init(params)` (a second scan, the
+loss audit's program, and the state's zero factors and identity caches, made by one compiled
+program); "compile" is lowering and compiling the jitted step (value_and_grad with
 curvature statistics, then the transform's update, inverses included), timed once, cold. The
 recurrent and tied-weight models of tests/blocks/test_uses.py follow (a linen LSTM through
 `nn.RNN`, an nnx GRU through `nnx.RNN`, linen and nnx LMs whose embedding is also the output
@@ -25,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import kfac_jax  # noqa: E402
-from tests import _zoo, test_shared  # noqa: E402
+from tests import _zoo  # noqa: E402
+from tests.blocks import test_uses  # noqa: E402  (the tied-embedding and RNN models)
 
 
 def _models():
@@ -33,9 +33,9 @@ def _models():
   for name in _zoo.MODELS:
     for flavour in ("linen", "nnx"):
       yield name, flavour, lambda name=name, flavour=flavour: _unpack(_zoo.MODELS[name](flavour))
-  for flavour, (make, _) in sorted(test_shared.TIED.items()):
+  for flavour, (make, _) in sorted(test_uses.TIED.items()):
     yield "tied-embedding LM", flavour, make
-  for key, (make, _, _) in sorted(test_shared.RNNS.items()):
+  for key, (make, _, _) in sorted(test_uses.RNNS.items()):
     flavour, cell = key.split("_")
     yield cell.upper() + " (scan)", flavour, make
 
