@@ -36,6 +36,13 @@ def _jaxlib_knows(flag: str) -> bool:
 # the fusion emitters, whose cost is per fusion and dominates a program that runs a few times.
 if os.environ.get("KFAC_TEST_XLA_OPT", "0") != "1" and _jaxlib_knows("xla_cpu_use_fusion_emitters"):
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+# One LLVM module per program instead of XLA:CPU's default split into parts compiled on a
+# thread pool: each part repeats the module's fixed work, and the two test processes already
+# keep both cores busy, so the split costs CPU time and gains no wall time.
+if os.environ.get("KFAC_TEST_XLA_OPT", "0") != "1" and _jaxlib_knows(
+  "xla_cpu_parallel_codegen_split_count"
+):
+  os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402

@@ -284,10 +284,11 @@ def _env(tmp_path):
   empty = tmp_path / "no_data"
   empty.mkdir(exist_ok=True)
   env = dict(os.environ, KFAC_DATA_DIR=str(empty), MPLBACKEND="Agg")
-  # Neither the suite's device count nor its compile-speed flag: the upstream interpreter's
+  # Neither the suite's device count nor its compile-speed flags: the upstream interpreter's
   # XLA may not know the latter.
   flags = re.sub(
-    r"--xla_force_host_platform_device_count=8|--xla_cpu_use_fusion_emitters=\S+",
+    r"--xla_force_host_platform_device_count=8"
+    r"|--xla_cpu_(use_fusion_emitters|parallel_codegen_split_count)=\S+",
     "",
     env.get("XLA_FLAGS", ""),
   )
