@@ -58,8 +58,11 @@ def _setup(kind, model, n=1):
 
 
 def _dense(loss_fn, params, batch, mode, rng=None, num_samples=1):
+  # check_loss=False: the audit is tested in tests/test_audit.py; here it only compiles a program.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode, num_samples=num_samples)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode=mode, num_samples=num_samples, check_loss=False
+    )
   )
   state = est.init(params)
   state = jax.jit(lambda s, r: est.update_curvature(s, params, batch, r, ema_decay=0.0))(state, rng)
@@ -116,7 +119,7 @@ def test_exact_and_exact_ggn_agree_on_a_batch(x64):
   _, ggn = _dense(loss_fn, params, batch, "exact_GGN")
   np.testing.assert_allclose(fisher, ggn, rtol=1e-12, atol=1e-14)
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False)
   )
   state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))(
     params, batch
@@ -197,7 +200,7 @@ def test_sequence_prediction_shared_kernel_factors(x64):
 
   loss_fn = lambda p, b: loss_in_z(apply(p, b["x"]), b)
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False)
   )
   state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, 0.0))(est.init(params))
   (factors,) = state.factors.values()
@@ -269,7 +272,7 @@ def test_mode_errors(x64):
         )
       )
   for mode in ("gradients", "curvature_prop", "curvature_prop_GGN"):
-    reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+    reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode, check_loss=False)
     est = kfac_jax.CurvatureEstimator(reg)
     state = est.init(params)
     with pytest.raises(ValueError, match=f"estimation_mode='{mode}'.*pass `rng`"):
@@ -280,12 +283,16 @@ def test_mode_errors(x64):
   for mode in ("exact", "exact_GGN", "empirical"):
     loss, _, _ = jax.jit(  # One program: eager operations would compile one by one.
       kfac_jax.value_and_grad(
-        registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+        registration=kfac_jax.Registration(
+          loss_fn, params, batch, estimation_mode=mode, check_loss=False
+        )
       )
     )(params, batch)
     assert np.isfinite(float(loss))
     tx = kfac_jax.scale_by_kfac(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode=mode, check_loss=False
+      )
     )
     state = tx.init(params)
     grads = jax.grad(loss_fn)(params, batch)
@@ -298,7 +305,9 @@ def test_exact_stack_size_is_the_output_size(x64):
   loss_fn, params, batch = _setup("bernoulli", "linear", n=3)
   _, _, stats = jax.eval_shape(  # Shapes suffice: traced, not compiled.
     kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="exact", check_loss=False
+      )
     ),
     params,
     batch,
@@ -308,7 +317,7 @@ def test_exact_stack_size_is_the_output_size(x64):
   _, _, stats = jax.eval_shape(
     kfac_jax.value_and_grad(
       registration=kfac_jax.Registration(
-        loss_fn, params, batch, estimation_mode="curvature_prop", num_samples=5
+        loss_fn, params, batch, estimation_mode="curvature_prop", num_samples=5, check_loss=False
       )
     ),
     params,
@@ -350,7 +359,9 @@ def test_params_stats_are_the_first_order_statistics(x64):
   batch = dict(batch, w=jnp.ones_like(batch["w"]))  # Unit weights: √w ∇ℓ = w ∇ℓ.
   _, grads, stats = jax.jit(  # One program: eager operations would compile one by one.
     kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+      ),
       compute_params_stats=True,
     )
   )(params, batch)
@@ -359,7 +370,7 @@ def test_params_stats_are_the_first_order_statistics(x64):
   _, _, sampled = jax.jit(
     kfac_jax.value_and_grad(
       registration=kfac_jax.Registration(
-        loss_fn, params, batch, estimation_mode="gradients", num_samples=4000
+        loss_fn, params, batch, estimation_mode="gradients", num_samples=4000, check_loss=False
       ),
       compute_params_stats=True,
     )
@@ -369,7 +380,9 @@ def test_params_stats_are_the_first_order_statistics(x64):
     assert float(jnp.max(jnp.abs(a))) < 0.1 * scale  # E_y[∇ log p(y|x)] = 0.
   _, _, plain = jax.eval_shape(  # Shapes suffice: traced, not compiled.
     kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+      )
     ),
     params,
     batch,
@@ -380,7 +393,7 @@ def test_params_stats_are_the_first_order_statistics(x64):
 def test_estimator_offers_params_stats(x64):
   loss_fn, params, batch = _setup("normal", "linear", n=3)
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False),
     compute_params_stats=True,
   )
   est.init(params)

@@ -26,8 +26,9 @@ def _update(est, params, batch, rng=None, ema_decay=0.0, state=None):
 
 def test_batch_of_one_empirical_equals_gradient_outer_product(x64):
   _, loss_fn, params, batch = _linen_setup()
+  # check_loss=False: the audit is tested in tests/test_audit.py; here it only compiles a program.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False)
   )
   dense = est.to_dense(_update(est, params, batch))
   g = ravel_pytree(jax.grad(loss_fn)(params, batch))[0]
@@ -63,7 +64,7 @@ def test_batch_of_one_empirical_other_losses(x64, loss):
 
   batch = {"x": x, "t": t}
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False)
   )
   dense = np.asarray(est.to_dense(_update(est, params, batch)))
   g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
@@ -82,7 +83,7 @@ def test_factor_normalisation_on_a_batch(x64):
   batch = _models.classification_batch(jax.random.key(1), n=7, din=3, classes=4, dtype=jnp.float64)
   loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"] + p["b"])
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False)
   )
   state = _update(est, params, batch)
   (f,) = state.factors.values()
@@ -104,7 +105,7 @@ def test_sampled_fisher_converges_to_exact_fisher(x64):
   apply = lambda p, x: x @ p["w"] + p["b"]
   loss_fn = _models.softmax_loss(apply)
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, num_samples=40000)
+    kfac_jax.Registration(loss_fn, params, batch, num_samples=40000, check_loss=False)
   )
   dense = np.asarray(est.to_dense(_update(est, params, batch, jax.random.key(3))))
   flat, unravel = ravel_pytree(params)
@@ -114,7 +115,9 @@ def test_sampled_fisher_converges_to_exact_fisher(x64):
   rel = np.linalg.norm(dense - exact) / np.linalg.norm(exact)
   assert rel < 0.03, rel
   # A single sample is far off: the test can tell an estimator from the exact matrix.
-  est1 = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, num_samples=1))
+  est1 = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, num_samples=1, check_loss=False)
+  )
   one = np.asarray(est1.to_dense(_update(est1, params, batch, jax.random.key(3))))
   assert np.linalg.norm(one - exact) / np.linalg.norm(exact) > 0.1
 
@@ -149,7 +152,7 @@ def test_matpower_roundtrip_and_cholesky(x64, damping_mode, factor_solve):
     return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
 
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch),
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
     exps=(-1, -0.5, 2),
     compute_cholesky=True,
     compute_cholesky_inverse=True,
@@ -202,7 +205,8 @@ def test_damped_block_formulas(x64):
   lam = 0.3
   for mode in ("factored", "eigen"):
     est = kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(damping_mode=mode)
+      kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
+      config=kfac_jax.Config(damping_mode=mode),
     )
     state = jax.jit(lambda s: est.update_inverses(s, lam))(
       _update(est, params, batch, jax.random.key(2))
@@ -229,7 +233,9 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
   params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (4, 4, 4, 3)), jnp.float64)
   batch = _models.classification_batch(jax.random.key(1), n=9, dtype=jnp.float64)
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(_models.softmax_loss(_models.jnp_mlp_apply), params, batch)
+    kfac_jax.Registration(
+      _models.softmax_loss(_models.jnp_mlp_apply), params, batch, check_loss=False
+    )
   )
   state = _update(est, params, batch, jax.random.key(2))
   keys = [b.group_key() for b in est.blocks]
@@ -265,7 +271,7 @@ def test_grouped_layouts_factorise_one_matrix_per_call_on_cpu(layers, config):
 
   z = _zoo.grouped_local()
   layer_config = None if layers is None else kfac_jax.LayerConfig(defaults=layers)
-  reg = kfac_jax.Registration(z.loss_fn, z.params, z.batch, layers=layer_config)
+  reg = kfac_jax.Registration(z.loss_fn, z.params, z.batch, layers=layer_config, check_loss=False)
   grouped = [s for s in reg.layers if s.name in ("Conv_1", "ConvLocal_0")]
   assert sorted(s.factor_shapes[0][0] for s in grouped) == [2, 16]
   tx = kfac_jax.scale_by_kfac(registration=reg, inverse_every=1, **_models.with_config(config))
@@ -327,7 +333,7 @@ def test_ema_is_bias_corrected_and_skips_non_finite_batches(x64):
   b1 = {"x": jnp.array([[1.0, 0.0]]), "y": jnp.array([0])}
   b2 = {"x": jnp.array([[0.0, 2.0]]), "y": jnp.array([1])}
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, b1, estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, b1, estimation_mode="empirical", check_loss=False)
   )
   s1 = _update(est, params, b1, ema_decay=0.9)
   a1 = np.asarray(s1.factors["w"].a)
@@ -378,9 +384,10 @@ def test_estimator_errors_leave_state_untouched():
     kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, num_samples=0))
   with pytest.raises(ValueError, match="damping_mode"):
     kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(damping_mode="tikhonov")
+      kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
+      config=kfac_jax.Config(damping_mode="tikhonov"),
     )
-  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, check_loss=False))
   state = jax.jit(est.init)(params)  # Eager, each operation would compile on its own.
   with pytest.raises(ValueError, match="ema_decay"):
     est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=1.0)
@@ -401,7 +408,7 @@ def test_estimator_errors_leave_state_untouched():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   emp = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(no_targets, params, batch, estimation_mode="empirical")
+    kfac_jax.Registration(no_targets, params, batch, estimation_mode="empirical", check_loss=False)
   )
   s = jax.jit(emp.init)(params)
   with pytest.raises(ValueError, match="needs the data's targets"):
@@ -414,7 +421,11 @@ def test_failed_factorisation_keeps_the_previous_inverse(factor_solve):
   batch = {"x": jnp.array([[1.0, 2.0, 3.0]]), "y": jnp.array([1])}  # A has rank 1: singular.
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(
-      _models.softmax_loss(lambda p, x: x @ p["w"]), params, batch, estimation_mode="empirical"
+      _models.softmax_loss(lambda p, x: x @ p["w"]),
+      params,
+      batch,
+      estimation_mode="empirical",
+      check_loss=False,
     ),
     config=kfac_jax.Config(factor_solve=factor_solve),
   )
@@ -448,7 +459,8 @@ def _head_setup():
 def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inverse(x64):
   loss_fn, params, batch = _head_setup()
   grads = jax.jit(jax.grad(loss_fn))(params, batch)
-  reg = kfac_jax.Registration(loss_fn, params, batch)  # One audit for the three estimators.
+  # One registration for the three estimators.
+  reg = kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
   kept, nat = {}, {}
   for mode in ("auto", "never", "always"):
     est = kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(factor_solve=mode))
@@ -476,7 +488,7 @@ def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inver
 def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypatch):
   loss_fn, params, batch = _head_setup()
   # The state's structure depends on shapes only, not on the backend (checkpoints move).
-  reg = kfac_jax.Registration(loss_fn, params, batch)
+  reg = kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
   here = jax.tree_util.tree_structure(
     jax.eval_shape(kfac_jax.CurvatureEstimator(reg).init, params)  # Traced, not compiled.
   )
@@ -496,7 +508,7 @@ def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypa
   p = {"w": 0.05 * jax.random.normal(jax.random.key(2), (3, 300, 300), jnp.float64)}
   b = {"x": jnp.ones((2, 300), jnp.float64), "y": jnp.array([0, 1])}
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(_models.softmax_loss(stacked), p, b),
+    kfac_jax.Registration(_models.softmax_loss(stacked), p, b, check_loss=False),
     config=kfac_jax.Config(factor_solve="always"),
   )
   est.init(p)
@@ -544,9 +556,12 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
 
 def test_checkpoint_from_another_factor_solve_is_refused_by_name(x64):
   loss_fn, params, batch = _head_setup()
-  auto = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch)).init(params)
+  auto = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
+  ).init(params)
   never = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(factor_solve="never")
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
+    config=kfac_jax.Config(factor_solve="never"),
   ).init(params)
   with pytest.raises(ValueError, match=r"(?s)block `w2`: `cache/a/subst/0/0` in the checkpoint"):
     kfac_jax.check_restored_state(never, auto)
@@ -558,7 +573,7 @@ def test_checkpoint_from_another_factor_solve_is_refused_by_name(x64):
 )
 def test_a_config_field_as_a_keyword_raises_naming_its_place(keyword, value):
   _, loss_fn, params, batch = _linen_setup(dtype=jnp.float32)
-  reg = kfac_jax.Registration(loss_fn, params, batch)
+  reg = kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
   with pytest.raises(TypeError) as e:
     kfac_jax.CurvatureEstimator(reg, **{keyword: value})
   if keyword == "estimation_mode":
@@ -598,10 +613,12 @@ def test_a_config_field_the_estimator_does_not_read_is_refused(field, value):
   _, loss_fn, params, batch = _linen_setup(dtype=jnp.float32)
   config = kfac_jax.Config(**{field: value})
   with pytest.raises(ValueError, match=f"CurvatureEstimator: `config.{field}`={value!r} is not"):
-    kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch), config=config)
+    kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch, check_loss=False), config=config
+    )
   with pytest.raises(TypeError, match="`config` must be a kfac_jax.Config, got dict"):
     kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch), config={field: value}
+      kfac_jax.Registration(loss_fn, params, batch, check_loss=False), config={field: value}
     )
 
 
@@ -609,7 +626,7 @@ def test_the_config_fields_reach_the_estimator(x64):
   _, loss_fn, params, batch = _linen_setup()
   config = kfac_jax.Config(damping_mode="eigen", stats_dtype="float32", inverse_dtype="float64")
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact"),
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False),
     exps=(-1, 1),
     config=config,
   )
@@ -619,7 +636,7 @@ def test_the_config_fields_reach_the_estimator(x64):
   assert est.registration.estimation_mode == "exact"
   # Exact-mode statistics stored in float32 agree with float64 ones to float32 rounding.
   exact = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False)
   )
   np.testing.assert_allclose(
     est.to_dense(state), exact.to_dense(_update(exact, params, batch)), rtol=1e-6, atol=1e-7

@@ -95,8 +95,11 @@ def _model(kind):
 
 def _estimator(loss_fn, params, batch, block_size, damping_mode="factored", **layers):
   cfg = kfac_jax.LayerConfig(block_size=block_size, **layers)
+  # check_loss=False: the audit is tested in tests/test_audit.py; here it only compiles a program.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=cfg),
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="exact", layers=cfg, check_loss=False
+    ),
     compute_cholesky=damping_mode == "factored",
     compute_cholesky_inverse=damping_mode == "factored",
     config=kfac_jax.Config(damping_mode=damping_mode),
@@ -257,21 +260,28 @@ def test_bias_row_adds_no_block_and_does_not_tip_the_size_policy():
     (kfac_jax.LayerConfig(block_size=None, max_factor_dim=8), ((9, 9), (8, 8))),
     (kfac_jax.LayerConfig(block_size=None, max_factor_dim=7), ((9,), (8,))),
   ):
-    (spec,) = kfac_jax.Registration(loss_fn, params, batch, layers=cfg).layers
+    (spec,) = kfac_jax.Registration(loss_fn, params, batch, layers=cfg, check_loss=False).layers
     assert spec.factor_shapes == want, (cfg, spec.factor_shapes)
 
 
 def test_block_size_per_layer_and_in_summary(x64):
   loss_fn, params, batch, _, _ = _model("dense")
   cfg = kfac_jax.LayerConfig(block_size=4, block_sizes={"head/*": None})
-  specs = {s.name: s for s in kfac_jax.Registration(loss_fn, params, batch, layers=cfg).layers}
+  specs = {
+    s.name: s
+    for s in kfac_jax.Registration(loss_fn, params, batch, layers=cfg, check_loss=False).layers
+  }
   assert specs["l"].factor_shapes == ((2, 4, 4), (2, 4, 4))
   assert specs["l"].note == "input side 7 in 2 blocks of 4; output side 7 in 2 blocks of 4"
   assert specs["head"].factor_shapes == ((7, 7), (3, 3)) and specs["head"].note == ""
-  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, layers=cfg))
+  table = kfac_jax.summary(
+    registration=kfac_jax.Registration(loss_fn, params, batch, layers=cfg, check_loss=False)
+  )
   assert specs["l"].note in table
   # The default block size leaves these narrow layers whole.
-  specs = {s.name: s for s in kfac_jax.Registration(loss_fn, params, batch).layers}
+  specs = {
+    s.name: s for s in kfac_jax.Registration(loss_fn, params, batch, check_loss=False).layers
+  }
   assert {s.block_size for s in specs.values()} == {kfac_jax.LayerConfig().block_size}
   assert specs["l"].factor_shapes == ((7, 7), (7, 7)) and specs["l"].note == ""
 
@@ -355,7 +365,7 @@ def test_blocked_kfac_trains_under_jit(x64):
   @jax.jit
   def step(params, state, rng):
     loss, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+      registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False)
     )(params, batch, rng)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state, loss

@@ -52,8 +52,11 @@ def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
 
 def _run(params, batch, layers=None, damping_mode="factored"):
   """Statistics, an inverse update at LAMBDA, statistics again (EKFAC's s in that basis)."""
+  # check_loss=False: the audit is tested in tests/test_audit.py; here it only compiles a program.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(_loss_fn, params, batch, estimation_mode="empirical", layers=layers),
+    kfac_jax.Registration(
+      _loss_fn, params, batch, estimation_mode="empirical", layers=layers, check_loss=False
+    ),
     config=kfac_jax.Config(damping_mode=damping_mode),
   )
   return est, _jit_statistics_inverse_statistics(est, params, batch)
@@ -187,7 +190,9 @@ def test_equals_kfac_with_eigen_damping_when_gradients_are_kronecker(x64, same_x
 def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x64):
   params, batch = _setup()
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(_loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
+    kfac_jax.Registration(
+      _loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC, check_loss=False
+    )
   )
   state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))(
     params, batch
@@ -213,7 +218,9 @@ def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
     return optax.softmax_cross_entropy_with_integer_labels(out, b["y"]).mean()
 
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC, check_loss=False
+    )
   )
   state = _jit_statistics_inverse_statistics(est, params, batch)
   jac = _models.jit_jacobian(
@@ -248,7 +255,9 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
 
   layers = kfac_jax.LayerConfig(defaults={"dense": "ekfac", "conv": "ekfac"})
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="empirical", layers=layers, check_loss=False
+    )
   )
   state = _jit_statistics_inverse_statistics(est, params, batch)
   assert {(l.kind, l.approx) for l in est.layers} == {("conv", "ekfac"), ("dense", "ekfac")}
@@ -272,7 +281,7 @@ def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
   )
   # ... and it is not the plain K-FAC block (which differs from the exact one on a conv).
   kron = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False)
   )
   kron_dense = np.asarray(
     jax.jit(
@@ -310,7 +319,7 @@ def test_transform_and_optimizer_train_with_ekfac_layers():
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
 
   opt = kfac_jax.Optimizer(
-    registration=kfac_jax.Registration(_loss_fn, params, batch, layers=EKFAC),
+    registration=kfac_jax.Registration(_loss_fn, params, batch, layers=EKFAC, check_loss=False),
     learning_rate=None,
     momentum=None,
     damping=1e-2,
@@ -342,6 +351,7 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
         estimation_mode="gradients",
         num_samples=2,
         layers=kfac_jax.LayerConfig(defaults={"dense": approx}),
+        check_loss=False,
       )
     )
     update = jax.jit(lambda p, b, r, est=est: est.update_curvature(est.init(p), p, b, r, 0.0))
@@ -365,11 +375,15 @@ def test_size_policy_turns_a_huge_ekfac_side_diagonal():
   params = _models.jnp_mlp_init(jax.random.key(0), (4, 40), jnp.float32)
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=40)
   cfg = kfac_jax.LayerConfig(defaults={"dense": "ekfac"}, max_factor_dim=16)
-  (spec,) = kfac_jax.Registration(_loss_fn, params, batch, layers=cfg).layers
+  (spec,) = kfac_jax.Registration(_loss_fn, params, batch, layers=cfg, check_loss=False).layers
   assert spec.approx == "kron_out_diag", spec
   assert "output side 40 > max_factor_dim 16" in spec.note
   (small,) = kfac_jax.Registration(
-    _loss_fn, params, batch, layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac"})
+    _loss_fn,
+    params,
+    batch,
+    layers=kfac_jax.LayerConfig(defaults={"dense": "ekfac"}),
+    check_loss=False,
   ).layers
   assert small.approx == "ekfac" and small.note == ""
 
@@ -402,7 +416,9 @@ def test_ekfac_on_stacked_layers_equals_the_unrolled_layers(x64):
   for apply, params in ((stacked, p_st), (unrolled, p_un)):
     loss_fn = _models.softmax_loss(apply)
     est = kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
+      kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC, check_loss=False
+      )
     )
     state = est.init(params)
 
@@ -449,7 +465,9 @@ def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
   ):
     loss_fn = _models.softmax_loss(apply)
     est = kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC)
+      kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", layers=EKFAC, check_loss=False
+      )
     )
 
     @jax.jit
@@ -470,6 +488,6 @@ def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
 
 def test_ekfac_with_sharded_inverses_is_an_error_when_the_estimator_is_built():
   params, batch = _setup(dtype=jnp.float32)
-  reg = kfac_jax.Registration(_loss_fn, params, batch, layers=EKFAC)
+  reg = kfac_jax.Registration(_loss_fn, params, batch, layers=EKFAC, check_loss=False)
   with pytest.raises(ValueError, match=r"layer `layer0`: approx='ekfac' needs its cache"):
     kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(inverse_storage="sharded"))

@@ -28,8 +28,9 @@ def _per_example_ce(logits, y):
 
 
 def _estimate(loss_fn, params, batch, rng=None, mode="empirical"):
+  # check_loss=False: the audit is tested in tests/test_audit.py; here it only compiles a program.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode, check_loss=False)
   )
   state, dense = _fit(est, params, batch, rng, dense=True)
   return est, state, np.asarray(dense)
@@ -85,9 +86,10 @@ def test_one_by_one_conv_equals_dense(x64):
 
   batch = {"x": x, "y": y}
   conv_p, dense_p = {"w": w.reshape(1, 1, 2, 3), "b": b}, {"w": w, "b": b}
-  assert [l.kind for l in kfac_jax.Registration(conv_loss, conv_p, batch, strict=True).layers] == [
-    "conv"
-  ]
+  assert [
+    l.kind
+    for l in kfac_jax.Registration(conv_loss, conv_p, batch, strict=True, check_loss=False).layers
+  ] == ["conv"]
   _, _, conv_f = _estimate(conv_loss, conv_p, batch)
   _, _, dense_f = _estimate(dense_loss, dense_p, batch)
   np.testing.assert_allclose(conv_f, dense_f, rtol=1e-12, atol=1e-14)
@@ -170,7 +172,7 @@ def test_conv_single_location_equals_gradient_outer_product(x64, case):
     return _ce(logits, batch["y"])
 
   batch = {"x": x, "y": jnp.array([1])}
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert [(l.kind, l.param_paths) for l in layers] == [("conv", ("w", "b"))]
   _, _, dense = _estimate(loss_fn, params, batch)
   g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
@@ -273,7 +275,7 @@ def test_conv_kron_sua_factor_by_definition(x64):
 def test_depthwise_conv_defaults_to_exact_diagonal(x64):
   apply, params, batch = _conv_model(groups=4, cin=4, cout=8, use_tag=False)
   loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert [(l.kind, l.approx) for l in layers] == [("conv", "diagonal"), ("dense", "kron")]
   _, _, dense = _estimate(loss_fn, params, batch)
   exact = _exact_empirical(lambda p, b: _per_example_ce(apply(p, b["x"]), b["y"]), params, batch)
@@ -422,7 +424,9 @@ def test_embedding_equals_dense_block_on_one_hot_inputs(x64):
     return _ce_seq(kfac_jax.register_dense(oh @ p["table"], oh, p["table"]) @ p["w"], b["y"])
 
   params = {"table": table, "w": w}
-  kinds = [l.kind for l in kfac_jax.Registration(one_hot_loss, params, batch).layers]
+  kinds = [
+    l.kind for l in kfac_jax.Registration(one_hot_loss, params, batch, check_loss=False).layers
+  ]
   assert kinds == ["dense", "dense"]
   est, state, emb = _estimate(gather_loss, params, batch, jax.random.key(0), "gradients")
   assert est.layers[0].kind == "embedding" and est.layers[0].factor_shapes == ((7,), (3, 3))
@@ -441,7 +445,7 @@ def test_embedding_inverse_is_inverse_of_damped_block(x64, damping_mode):
     return _ce_seq(kfac_jax.register_embedding(p["table"][b["ids"]], b["ids"], p["table"]), b["y"])
 
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch),
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
     compute_cholesky=True,
     compute_cholesky_inverse=True,
     config=kfac_jax.Config(damping_mode=damping_mode),
@@ -510,7 +514,9 @@ def test_scanner_finds_linen_layers():
     )
     return _ce(logits, b["y"])
 
-  layers = kfac_jax.Registration(loss_fn, variables["params"], batch, strict=True).layers
+  layers = kfac_jax.Registration(
+    loss_fn, variables["params"], batch, strict=True, check_loss=False
+  ).layers
   got = [(l.name, l.kind, tuple(p.rsplit("/", 1)[1] for p in l.param_paths)) for l in layers]
   assert sorted(got) == _EXPECTED
   assert {l.name: l.approx for l in layers}["dw"] == "diagonal"  # Depthwise.
@@ -540,7 +546,9 @@ def test_scanner_finds_nnx_layers():
     model = nnx.merge(graphdef, p, rest, copy=True)
     return _ce(model(b["x"], b["ids"]), b["y"])
 
-  layers = kfac_jax.Registration(loss_fn, params, _flax_batch(), strict=True).layers
+  layers = kfac_jax.Registration(
+    loss_fn, params, _flax_batch(), strict=True, check_loss=False
+  ).layers
   got = [(l.name, l.kind, tuple(p.rsplit("/", 1)[1] for p in l.param_paths)) for l in layers]
   assert sorted(got) == [
     (n, k, tuple("embedding" if p == "embedding" else p for p in ps)) for n, k, ps in _EXPECTED
@@ -579,7 +587,10 @@ def test_jitted_kfac_step_on_small_cnn_is_a_descent_direction():
 
   with jax.numpy_rank_promotion("raise"):  # The library's own code never relies on it.
     loss, inner, new_loss = step(params, jax.random.key(2))
-  kinds = sorted(l.kind for l in kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
+  kinds = sorted(
+    l.kind
+    for l in kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
+  )
   assert kinds == ["conv", "conv", "dense", "scale_and_shift"]
   assert np.isfinite(float(loss)) and float(inner) < 0
   assert float(new_loss) < float(loss)
@@ -675,7 +686,7 @@ def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
     return _ce_seq(h, b["y"])
 
   batch = {"x": jax.random.normal(k[1], (2, 5, 3)), "y": jnp.zeros((2, 5), jnp.int32)}
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   got = sorted((l.kind, l.param_paths, getattr(l.info, "feature_shape", None)) for l in layers)
   assert got == [
     ("dense", ("w", "b"), None),
@@ -715,7 +726,7 @@ def test_grouped_conv_powers_and_cholesky_invert(x64, damping_mode, approx):
   apply, params, batch = _conv_model(approx, groups=2, cin=4, cout=6)
   loss_fn = lambda p, b: _ce(apply(p, b["x"]), b["y"])
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch),
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
     compute_cholesky=True,
     compute_cholesky_inverse=True,
     config=kfac_jax.Config(damping_mode=damping_mode),
@@ -846,7 +857,9 @@ def test_statistics_of_another_batch_size(x64, kind):
     dense = []
     for example in (big, small):
       est = kfac_jax.CurvatureEstimator(
-        kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact", layers=layers)
+        kfac_jax.Registration(
+          loss_fn, params, example, estimation_mode="exact", layers=layers, check_loss=False
+        )
       )
       dense.append(np.asarray(_fit(est, params, small, dense=True)[1]))
     np.testing.assert_allclose(dense[0], dense[1], rtol=1e-12, atol=1e-14)
@@ -875,14 +888,20 @@ def test_entry_points_take_a_partial_batch(x64):
   results = []
   for example in (full, last):  # Built for 8 examples vs for the 5 of the last batch.
     tx = kfac_jax.scale_by_kfac(
-      registration=kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact"),
+      registration=kfac_jax.Registration(
+        loss_fn, params, example, estimation_mode="exact", check_loss=False
+      ),
       damping=1e-3,
     )
     vg = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, last, estimation_mode="exact")
+      registration=kfac_jax.Registration(
+        loss_fn, params, last, estimation_mode="exact", check_loss=False
+      )
     )
     opt = kfac_jax.Optimizer(
-      registration=kfac_jax.Registration(loss_fn, params, example, estimation_mode="exact"),
+      registration=kfac_jax.Registration(
+        loss_fn, params, example, estimation_mode="exact", check_loss=False
+      ),
       learning_rate=0.1,
       momentum=0.0,
       use_adaptive_damping=False,
@@ -960,7 +979,9 @@ def test_a_layer_that_depends_on_the_batch_size_is_named_in_the_error():
 def _preconditioned(loss_fn, params, batch, layers=None):
   """(layers, (F̂ + λ)⁻¹ ∇L): exact mode, one batch, float64."""
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="exact", layers=layers, check_loss=False
+    )
   )
 
   @jax.jit
@@ -1191,7 +1212,9 @@ def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
   params["out"] = 0.2 * jax.random.normal(k[3], (math.prod(feat[1:]), 3), jnp.float64)
   batch = {"x": x, "y": jax.random.randint(k[4], (3,), 0, 3)}
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(lambda p, b: _ce(apply(p, b["x"]), b["y"]), params, batch)
+    kfac_jax.Registration(
+      lambda p, b: _ce(apply(p, b["x"]), b["y"]), params, batch, check_loss=False
+    )
   )
   jax.eval_shape(est.init, params)
   key = jax.random.key(7)
@@ -1253,7 +1276,7 @@ def _location_of_each_parameter(params):
 def test_conv_local_is_found_as_one_layer_with_per_location_factors(x64):
   logits, params, batch, _ = _conv_local_model(2)
   specs = kfac_jax.Registration(
-    lambda p, b: _ce(logits(p, b), b["y"]), params, batch, strict=True
+    lambda p, b: _ce(logits(p, b), b["y"]), params, batch, strict=True, check_loss=False
   ).layers
   ((spec,),) = [specs]
   assert (spec.kind, spec.approx, spec.param_paths) == ("grouped_dense", "kron", ("kernel", "bias"))
@@ -1280,7 +1303,9 @@ def test_conv_local_full_and_diagonal_equal_exact_fisher(x64, approx):
   logits, params, batch, layers = _conv_local_model(3, approx)
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="empirical", layers=layers, check_loss=False
+    )
   )
   _, dense = _fit(est, params, batch, dense=True)
   assert est.layers[0].approx == approx
@@ -1393,7 +1418,7 @@ def test_envelope_preconditioned_gradient_by_definition(x64):
   # π_m = sqrt((tr A_m / 3) / (tr G_m / 3K)) (factored damping, per atom).
   loss_fn, params, batch, scaled, logits_of = _envelope_model(4)
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False)
   )
   lam = 1e-2
 
@@ -1421,7 +1446,9 @@ def test_envelope_full_block_equals_exact_fisher(x64):
   loss_fn, params, batch, scaled, logits_of = _envelope_model(3)
   layers = kfac_jax.LayerConfig(defaults={"grouped_dense": "full"})
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="empirical", layers=layers, check_loss=False
+    )
   )
   _, dense = _fit(est, params, batch, dense=True)
   assert est.layers[0].approx == "full"

@@ -141,7 +141,8 @@ RNNS = {
 def test_tied_embedding_lm_is_one_two_use_layer_and_a_step_descends(flavour):
   make, emb_name = TIED[flavour]
   loss_fn, params, batch = make()
-  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True)
+  # check_loss=False: the audit is tested in tests/test_audit.py; here it only compiles a program.
+  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False)
   layers = _by_name(registration.layers)
   emb = layers[emb_name]
   assert (emb.kind, emb.num_uses, emb.approx) == ("embedding", 2, "kron_indep")
@@ -158,7 +159,7 @@ def test_tied_embedding_lm_is_one_two_use_layer_and_a_step_descends(flavour):
 def test_rnn_through_scan_is_found_with_uses_per_step_and_a_step_descends(flavour):
   make, cell_name, expected_layers = RNNS[flavour]
   loss_fn, params, batch = make()
-  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True)
+  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False)
   layers = _by_name(registration.layers)
   cell = [l for n, l in layers.items() if "Cell" in n or "cell" in n]
   assert len(cell) == expected_layers
@@ -183,7 +184,7 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
     return h1, h1 @ p["w"] + p["b"] + eps[1]
 
   loss_fn = lambda p, b: _ce(model(p, b["x"])[1], b["y"])
-  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert (layer.kind, layer.num_uses, layer.param_paths) == ("dense", 2, ("w", "b"))
   scan, stats = _stats(loss_fn, params, batch)
   block = kfac_jax.blocks.make_block(layer, _f64_config())
@@ -209,7 +210,7 @@ def _single_use_dense():
   params = {"w": jax.random.normal(kw, (D, 3)), "b": jnp.zeros(3)}
   batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, 3)}
   loss_fn = lambda p, b: _ce(b["x"] @ p["w"] + p["b"], b["y"])
-  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   scan, stats = _stats(loss_fn, params, batch)
   return spec, stats.data[0], params, batch, loss_fn
 
@@ -268,7 +269,7 @@ def _scan_spec(bias: bool):
     _, ys = jax.lax.scan(step, 0.0, b["x"])
     return _ce(ys.transpose(1, 0, 2), b["y"].T)
 
-  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert spec.num_uses == L and spec.approx == "kron_indep"
   return spec
 
@@ -373,10 +374,10 @@ def _two_use_loss(tags: int, approx=None):
 
 def test_manual_tag_at_each_use_gives_one_multi_use_layer():
   loss_fn, params, batch = _two_use_loss(2, approx="kron_series_1")
-  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert (layer.num_uses, layer.approx, layer.source) == (2, "kron_series_1", "manual")
   # Without tags the scanner finds the same two uses by itself.
-  (auto,) = kfac_jax.Registration(*_two_use_loss(0), strict=True).layers
+  (auto,) = kfac_jax.Registration(*_two_use_loss(0), strict=True, check_loss=False).layers
   assert (auto.num_uses, auto.approx, auto.source) == (2, "kron_indep", "auto")
 
 
@@ -427,7 +428,7 @@ def test_rnn_with_series_tags_inside_the_scan_body_takes_a_descent_step(approx):
     _, hs = jax.lax.scan(step, jnp.zeros((N, 3)), b["x"].transpose(1, 0, 2))
     return _ce(hs.transpose(1, 0, 2) @ p["w_out"], b["y"])
 
-  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True)
+  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False)
   layers = {l.param_paths: l for l in registration.layers}
   rec = layers[("w_h", "b")]
   assert (rec.num_uses, rec.approx, rec.source) == (L, approx, "manual")
@@ -459,7 +460,7 @@ def test_tied_embedding_factors_match_the_definition(x64):
     return h, h @ p["t"].T + e_out
 
   loss_fn = lambda p, b: _ce(model(p, b["ids"])[1], b["y"])
-  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
   scan, stats = _stats(loss_fn, params, batch)
   config = _f64_config()
@@ -505,11 +506,15 @@ def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
     h, ys = jax.lax.scan(step, jnp.zeros((N, D)), (b["x"], p["stack"]), reverse=reverse)
     return _ce(h + ys.sum(), b["y"])
 
-  layers = {l.param_paths: l for l in kfac_jax.Registration(loss_fn, params, batch).layers}
+  layers = {
+    l.param_paths: l for l in kfac_jax.Registration(loss_fn, params, batch, check_loss=False).layers
+  }
   assert layers[("w",)].num_uses == L
   assert layers[("stack",)].kind == "scale_and_shift" and layers[("stack",)].stack_size == L
   loss, grads, _ = kfac_jax.value_and_grad(
-    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+    )
   )(params, batch)
   ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
@@ -553,7 +558,7 @@ def _shared_conv_setup(n):
 
 def test_shared_conv_and_norm_are_found_as_multi_use_layers():
   params, batch, loss_fn = _shared_conv_setup(2)
-  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True)
+  registration = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False)
   layers = {l.name: l for l in registration.layers}
   assert [(n, l.kind, l.num_uses, l.approx, l.param_paths) for n, l in layers.items()] == [
     ("k", "conv", 2, "kron_indep", ("k", "b")),
@@ -579,7 +584,9 @@ def test_linen_conv_and_layer_norm_called_twice_are_shared_layers():
   batch = {"x": jnp.ones((2, 5, 5, 3)), "y": jnp.array([0, 1])}
   params = model.init(jax.random.key(0), batch["x"])
   loss_fn = lambda p, b: _ce(model.apply(p, b["x"]), b["y"])
-  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, strict=True))
+  table = kfac_jax.summary(
+    registration=kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False)
+  )
   rows = {r.split()[0]: r.split()[1:] for r in table.splitlines()[2:5]}
   assert rows["params/conv"][:4] == ["conv", "2", "kron_indep", "kernel,"]
   assert rows["params/conv"][5:7] == ["28x28", "3x3"]
@@ -603,7 +610,11 @@ def test_shared_conv_kron_indep_matches_the_definition(x64):
   """Batch 1, empirical: A = Σ_uses Σ_rows x̄x̄ᵀ / Σ_uses rows over both uses' patches (the uses
   see different input sizes and paddings), G = Σ_uses (1/N) Σ_rows g gᵀ."""
   params, batch, loss_fn = _shared_conv_setup(1)
-  spec = next(l for l in kfac_jax.Registration(loss_fn, params, batch).layers if l.name == "k")
+  spec = next(
+    l
+    for l in kfac_jax.Registration(loss_fn, params, batch, check_loss=False).layers
+    if l.name == "k"
+  )
   scan, stats = _stats(loss_fn, params, batch)
   block = kfac_jax.blocks.make_block(spec, _f64_config())
   got = jax.jit(block.batch_factors, static_argnums=1)(stats.data[scan.layers.index(spec)], 1)
@@ -630,7 +641,9 @@ def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, 
   params, batch, loss_fn = _shared_conv_setup(3)
   layers = kfac_jax.LayerConfig(overrides={"k": approx, "s": approx})
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="empirical", layers=layers, check_loss=False
+    )
   )
   assert [(l.name, l.num_uses, l.approx) for l in est.layers] == [
     ("k", 2, approx),
@@ -675,7 +688,7 @@ def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
     )
     return _ce(h.mean((1, 2)), b["y"])
 
-  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   scan, stats = _stats(loss_fn, params, batch)
   config = _f64_config()
   two = dataclasses.replace(spec, approx="kron_indep", num_uses=2, use_infos=(spec.info,) * 2)
@@ -701,7 +714,9 @@ def test_shared_shift_alone_and_shared_dense_bias_are_told_apart():
     h = jnp.tanh(h @ p["w"] + p["b"]) + p["t"]
     return _ce(h @ p["w"] + p["b"], b["y"])
 
-  layers = _by_name(kfac_jax.Registration(loss_fn, params, batch, strict=True).layers)
+  layers = _by_name(
+    kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
+  )
   assert [(n, l.kind, l.num_uses, l.param_paths) for n, l in layers.items()] == [
     ("w", "dense", 2, ("w", "b")),
     ("t", "scale_and_shift", 2, ("t",)),
@@ -737,7 +752,11 @@ def test_override_chooses_a_series_approximation_for_a_detected_recurrence():
   layers = kfac_jax.LayerConfig(
     defaults={"dense": "kron_in_diag"}, overrides={"params/LSTMCell_0/h*": "kron_series_2"}
   )
-  specs = _by_name(kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=layers).layers)
+  specs = _by_name(
+    kfac_jax.Registration(
+      loss_fn, params, batch, strict=True, layers=layers, check_loss=False
+    ).layers
+  )
   assert (specs[cell].num_uses, specs[cell].approx, specs[cell].source) == (
     L,
     "kron_series_2",
@@ -746,7 +765,9 @@ def test_override_chooses_a_series_approximation_for_a_detected_recurrence():
   # Defaults name single-use approximations: shared layers keep theirs, single-use ones follow.
   assert specs["params/LSTMCell_0/ii"].approx == "kron_indep"
   assert specs["params/Dense_0"].approx == "kron_in_diag"
-  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, layers=layers))
+  est = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False)
+  )
   est.init(params)
   assert isinstance(
     est.blocks[[l.name for l in est.layers].index(cell)], kfac_jax.blocks.SeriesKroneckerBlock
