@@ -36,8 +36,12 @@ def _fz(logits):
 
 def _estimate(loss_fn, params, batch, layers=None):
   """The estimator and its dense matrix after one exact-mode update (`ravel_pytree` order)."""
+  # `check_loss=False`: the loss audit is tested in tests/test_audit.py and the zoo; here it
+  # would only compile another program.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="exact", layers=layers, check_loss=False
+    )
   )
 
   @jax.jit  # One program: eager ops would each compile on their own.
@@ -138,7 +142,9 @@ def test_group_norm_is_an_exact_scale_and_shift_block(x64, flavour, approx):
     return _ce(logits_fn(p, b), b["y"])
 
   config = kfac_jax.LayerConfig(overrides={paths[0].rsplit("/", 1)[0]: approx})
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=config).layers
+  layers = kfac_jax.Registration(
+    loss_fn, params, batch, strict=True, layers=config, check_loss=False
+  ).layers
   (gn,) = [l for l in layers if l.kind == "scale_and_shift"]
   assert (gn.param_paths, gn.approx) == (paths, approx)
   assert (gn.info.feature_axis, gn.info.feature_shape) == (axis, (4,))
@@ -200,7 +206,9 @@ def test_layer_norm_over_graph_nodes_takes_the_nodes_as_rows(x64, nodes, approx)
     return _ce(_graph_logits(p, b), b["y"])
 
   config = kfac_jax.LayerConfig(overrides={"ln": approx})
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=config).layers
+  layers = kfac_jax.Registration(
+    loss_fn, params, batch, strict=True, layers=config, check_loss=False
+  ).layers
   (ln,) = [l for l in layers if l.kind == "scale_and_shift"]
   assert (ln.param_paths, ln.approx) == (("ln/scale", "ln/bias"), approx)
   assert not ln.info.example_rows and ln.info.output_shape == (sum(nodes), 5)
@@ -273,7 +281,9 @@ def test_batch_norm_in_nn_vmap_is_a_stack_of_exact_blocks(x64, approx):
     return _ce(logits_fn(p, b), b["y"])
 
   config = kfac_jax.LayerConfig(defaults={"scale_and_shift": approx})
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=config).layers
+  layers = kfac_jax.Registration(
+    loss_fn, params, batch, strict=True, layers=config, check_loss=False
+  ).layers
   assert [(l.kind, l.param_paths, l.stack_size) for l in layers] == [
     ("scale_and_shift", ("bn/scale", "bn/bias"), MEMBERS),
     ("dense", ("fc/kernel", "fc/bias"), MEMBERS),
