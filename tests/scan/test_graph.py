@@ -45,8 +45,12 @@ def _stack(trees):
 
 def _precondition(loss_fn, params, batch):
   """(layers, preconditioned gradient) from the exact-mode estimator, strict registration."""
+  # `check_loss=False`: the loss audit is tested in tests/test_audit.py and the zoo; here it
+  # would only compile another program.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", strict=True)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="exact", strict=True, check_loss=False
+    )
   )
 
   @jax.jit  # One program: called eagerly, each small operation compiles on its own.
@@ -110,7 +114,9 @@ def test_remat(x64, policy):
   # The program that runs keeps the remat (one checkpoint region per block).
   batch = _batch()
   tapped = kfac_jax.value_and_grad(
-    registration=kfac_jax.Registration(_mlp_loss(remat), params, batch, estimation_mode="exact")
+    registration=kfac_jax.Registration(
+      _mlp_loss(remat), params, batch, estimation_mode="exact", check_loss=False
+    )
   )
   jaxpr = jax.make_jaxpr(lambda p: tapped(p, batch))(params)
   assert str(jaxpr).count("remat") >= L
@@ -121,7 +127,9 @@ def test_remat(x64, policy):
   _assert_close(grads, ref_grads)
   plain = jax.make_jaxpr(
     lambda p: kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(_mlp_loss(_block), params, batch, estimation_mode="exact")
+      registration=kfac_jax.Registration(
+        _mlp_loss(_block), params, batch, estimation_mode="exact", check_loss=False
+      )
     )(p, batch)
   )(params)
   assert "remat" not in str(plain)
@@ -335,7 +343,7 @@ def test_closed_over_scan_parameter_stays_shared(x64):
     h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"], jnp.zeros((L, N, D)))
     return _head(p["out"], h, b["y"])
 
-  found = kfac_jax.Registration(rnn, {"w": w, "out": out}, _batch()).layers
+  found = kfac_jax.Registration(rnn, {"w": w, "out": out}, _batch(), check_loss=False).layers
   rec = next(s for s in found if s.param_paths == ("w",))
   assert rec.num_uses == L and rec.stack_size == 0 and rec.approx == "kron_indep"
 
@@ -352,7 +360,9 @@ def test_stack_in_scale_by_kfac(x64):
   params = {"stack": _stack(layers), "out": out}
   batch = _batch()
   tx = kfac_jax.scale_by_kfac(
-    registration=kfac_jax.Registration(scanned, params, batch, estimation_mode="exact"),
+    registration=kfac_jax.Registration(
+      scanned, params, batch, estimation_mode="exact", check_loss=False
+    ),
     damping=1e-2,
   )
 
