@@ -66,8 +66,10 @@ def _loss(lookup):
 
 
 def _estimate(loss_fn, params, batch, mode="gradients"):
+  # `check_loss=False`: the loss audit is tested in tests/test_audit.py and the zoo; here it
+  # would only compile another program.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode)
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode=mode, check_loss=False)
   )
 
   @jax.jit  # One program: called eagerly, each small operation compiles on its own.
@@ -89,7 +91,7 @@ def _gather_estimate():
 @pytest.mark.parametrize("lookup", sorted(set(LOOKUPS) - {"gather"}))
 def test_one_hot_product_is_an_embedding_with_the_gather_block(x64, lookup):
   params, batch = _params(), _seq_batch()
-  layers = kfac_jax.Registration(_loss(lookup), params, batch, strict=True).layers
+  layers = kfac_jax.Registration(_loss(lookup), params, batch, strict=True, check_loss=False).layers
   assert [(l.name, l.kind, l.factor_shapes) for l in layers] == [
     ("table", "embedding", ((V,), (D, D))),
     ("w", "dense", ((D, D), (C, C))),
@@ -111,7 +113,7 @@ def test_one_hot_product_in_low_precision_is_an_embedding():
     h = jnp.einsum("nlv,vd->nld", oh, p["table"].astype(jnp.bfloat16)).astype(jnp.float32)
     return _ce_seq(h @ p["w"], b["y"])
 
-  (emb, _) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  (emb, _) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert (emb.kind, emb.factor_shapes) == ("embedding", ((V,), (D, D)))
 
 
@@ -125,7 +127,9 @@ def test_one_hot_product_equals_the_manual_dense_block(x64):
     h = kfac_jax.register_dense(oh @ p["table"], oh, p["table"])
     return _ce_seq(h @ p["w"], b["y"])
 
-  (manual, _) = kfac_jax.Registration(dense_loss, params, batch, strict=True).layers
+  (manual, _) = kfac_jax.Registration(
+    dense_loss, params, batch, strict=True, check_loss=False
+  ).layers
   assert (manual.kind, manual.factor_shapes) == ("dense", ((V, V), (D, D)))
   _, _, want = _estimate(dense_loss, params, batch)
   _, _, got = _estimate(_loss("one_hot_matmul"), params, batch)
@@ -168,12 +172,14 @@ def test_one_hot_embedding_summary_and_memory_are_linear_in_vocab():
   def loss_fn(p, b):
     return _ce_seq(jax.nn.one_hot(b["ids"], vocab) @ p["table"] @ p["w"], b["y"])
 
-  table = kfac_jax.summary(registration=kfac_jax.Registration(loss_fn, params, batch, strict=True))
+  table = kfac_jax.summary(
+    registration=kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False)
+  )
   line = next(r for r in table.splitlines() if r.startswith("table "))
   assert line.split()[1:6] == ["embedding", "1", "kron", "table", f"{vocab}"]
   assert line.split()[6] == f"{dim}x{dim}"
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch), compute_cholesky=True
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False), compute_cholesky=True
   )
   state = jax.eval_shape(est.init, params)  # Sizes only.
   floats = sum(
@@ -204,7 +210,7 @@ def test_products_that_are_not_lookups_stay_dense(case):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert [(l.name, l.kind) for l in layers] == [("table", "dense"), ("w", "dense")]
 
 
@@ -257,7 +263,7 @@ def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
   factors = {}
   for lookup in ("gather", "one_hot_matmul", "vmap_row"):
     loss_fn = make(lookup)
-    (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+    (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
     assert (spec.kind, spec.num_uses, spec.factor_shapes) == ("embedding", 2, ((V,), (D, D)))
     scan = _scanner.scan(loss_fn, params, batch)
     config = kfac_jax.blocks.BlockConfig(stats_dtype=jnp.float64, inverse_dtype=jnp.float64)
@@ -309,7 +315,7 @@ def test_gather_lookup_preconditions_like_the_one_hot_product(x64, case):
 
   losses = {"gather": make(lookup), "one_hot": make(LOOKUPS["one_hot_matmul"])}
   for loss_fn in losses.values():
-    layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+    layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
     assert [(l.name, l.kind, l.factor_shapes) for l in layers] == [
       ("table", "embedding", ((V,), (D, D))),
       ("w", "dense", ((D, D), (C, C))),
@@ -322,7 +328,7 @@ def test_gather_lookup_preconditions_like_the_one_hot_product(x64, case):
   nat = {}
   for name, loss_fn in losses.items():
     est = kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False)
     )
 
     @jax.jit
