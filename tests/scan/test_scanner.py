@@ -1,5 +1,8 @@
 """The scanner finds dense layers in linen, nnx and plain-jnp models, and reports problems."""
 
+# `check_loss=False` where the test is about the layers found: the loss audit is tested in
+# tests/test_audit.py and the zoo; here it would only compile another program.
+
 import warnings
 
 import flax.linen as nn
@@ -23,7 +26,9 @@ def test_linen_mlp():
   model = _models.LinenMLP((5, 3))
   batch = _models.classification_batch(jax.random.key(0))
   params = jax.jit(model.init)(jax.random.key(1), batch["x"])
-  layers = kfac_jax.Registration(_models.softmax_loss(model.apply), params, batch).layers
+  layers = kfac_jax.Registration(
+    _models.softmax_loss(model.apply), params, batch, check_loss=False
+  ).layers
   assert _kinds(layers) == [
     ("params/Dense_0", "dense", ("params/Dense_0/kernel", "params/Dense_0/bias")),
     ("params/Dense_1", "dense", ("params/Dense_1/kernel", "params/Dense_1/bias")),
@@ -43,7 +48,9 @@ def test_nnx_mlp():
     return m(x)
 
   batch = _models.classification_batch(jax.random.key(0))
-  layers = kfac_jax.Registration(_models.softmax_loss(apply), params, batch).layers
+  layers = kfac_jax.Registration(
+    _models.softmax_loss(apply), params, batch, check_loss=False
+  ).layers
   assert _kinds(layers) == [
     ("linear1", "dense", ("linear1/kernel", "linear1/bias")),
     ("linear2", "dense", ("linear2/kernel", "linear2/bias")),
@@ -58,7 +65,7 @@ def test_plain_jnp_mlp_with_l2_term():
   def loss_fn(p, b):  # The L2 term uses every parameter a second time, outside the loss slice.
     return base(p, b) + 1e-4 * optax.tree.norm(p, squared=True)
 
-  layers = kfac_jax.Registration(loss_fn, params, batch).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, check_loss=False).layers
   assert _kinds(layers) == [
     ("layer0", "dense", ("layer0/w", "layer0/b")),
     ("layer1", "dense", ("layer1/w", "layer1/b")),
@@ -78,7 +85,7 @@ def test_leading_batch_dims_and_nested_jit():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   batch = {"x": jnp.ones((2, 5, 4)), "y": jnp.zeros((2, 5), jnp.int32)}
-  layers = kfac_jax.Registration(loss_fn, params, batch).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, check_loss=False).layers
   assert [l.kind for l in layers] == ["dense", "dense"]
   assert layers[0].dense.rows == 10
 
@@ -94,7 +101,9 @@ def test_dense_general_multi_axis_kernels():
   batch = _models.classification_batch(jax.random.key(0), n=6)
   batch["y"] = jnp.zeros((6,), jnp.int32)
   params = jax.jit(model.init)(jax.random.key(1), batch["x"])
-  layers = kfac_jax.Registration(_models.softmax_loss(model.apply), params, batch).layers
+  layers = kfac_jax.Registration(
+    _models.softmax_loss(model.apply), params, batch, check_loss=False
+  ).layers
   assert _kinds(layers) == [
     ("params/out", "dense", ("params/out/kernel", "params/out/bias")),
     ("params/q", "dense", ("params/q/kernel", "params/q/bias")),
@@ -113,7 +122,7 @@ def test_transposed_kernel_and_kernel_as_lhs():
 
   params = {"w_t": jnp.ones((6, 4)), "v": jnp.ones((3, 6))}
   batch = _models.classification_batch(jax.random.key(0))
-  layers = kfac_jax.Registration(loss_fn, params, batch).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, check_loss=False).layers
   assert [(l.param_paths, l.factor_shapes) for l in layers] == [
     (("v",), ((6, 6), (3, 3))),
     (("w_t",), ((4, 4), (6, 6))),
@@ -255,12 +264,12 @@ def test_channel_first_scale_and_shift_is_exact(x64):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  (layer,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert (layer.kind, layer.approx, layer.param_paths) == ("scale_and_shift", "full", ("w", "b"))
   assert (layer.info.feature_axis, layer.info.feature_shape) == (1, (3,))
 
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False)
   )
 
   @jax.jit  # One program: eager ops would each compile on their own.
@@ -309,14 +318,14 @@ def test_class_token_is_exact_shift(x64, spread):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert [(l.kind, l.approx, l.param_paths) for l in layers] == [
     ("scale_and_shift", "full", (t,)) for t in tokens
   ] + [("dense", "kron", ("w",))]
   assert all(l.info.feature_shape == (3,) for l in layers[:-1])
 
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False)
   )
   t = 3 * len(tokens)
 
@@ -394,7 +403,7 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   approx = "diagonal" if use in ("mask_token", "embed_arange", "vmapped_arange") else "full"
-  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   assert [(l.kind, l.approx, l.param_paths) for l in layers] == [
     ("scale_and_shift", approx, ("tok",)),
     ("dense", "kron", ("w",)),
@@ -403,7 +412,7 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   assert layers[0].stack_size == (tok_shape[0] if use == "scanned" else 0)
 
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False)
   )
   t = int(np.prod(tok_shape))
 
@@ -438,6 +447,7 @@ def _assert_full_blocks_exact(predict, loss_of, params, batch, kinds):
       batch,
       estimation_mode="exact",
       layers=layers,
+      check_loss=False,
     )
   )
   assert sorted(s.kind for s in est.layers) == kinds
@@ -596,7 +606,9 @@ def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
 
   layers = kfac_jax.LayerConfig(overrides={"*": approx})
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
+    kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="exact", layers=layers, check_loss=False
+    )
   )
   (spec,) = est.layers
   assert (spec.kind, spec.approx) == (kind, approx)
