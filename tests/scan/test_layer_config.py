@@ -1,5 +1,9 @@
 """kron_*_diag approximations, LayerConfig (defaults, patterns, links), check_registration."""
 
+# `check_loss=False` where the test is about the layers and blocks: the loss audit is tested in
+# tests/test_audit.py and the zoo; here it would only compile another program. `kfac(...)`
+# keeps it (its defaults read the audit's loss factor).
+
 import functools
 
 import jax
@@ -28,7 +32,9 @@ def _setup(n=6):
 
 
 def _estimator(loss_fn, batch, params, layers, damping_mode="factored", **kw):
-  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", layers=layers)
+  reg = kfac_jax.Registration(
+    loss_fn, params, batch, estimation_mode="empirical", layers=layers, check_loss=False
+  )
   est = kfac_jax.CurvatureEstimator(reg, config=kfac_jax.Config(damping_mode=damping_mode), **kw)
   state = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, 0.0))(params, batch)
   return est, state
@@ -117,7 +123,11 @@ def test_diag_variant_state_is_smaller():
   sizes = {}
   for approx in ("kron",) + _VARIANTS:
     specs = kfac_jax.Registration(
-      loss_fn, params, batch, layers=kfac_jax.LayerConfig(defaults={"dense": approx})
+      loss_fn,
+      params,
+      batch,
+      layers=kfac_jax.LayerConfig(defaults={"dense": approx}),
+      check_loss=False,
     ).layers
     sizes[approx] = specs[0].factor_shapes
   assert sizes["kron"] == ((4, 4), (4, 4))
@@ -138,7 +148,10 @@ def test_precedence_manual_tag_then_pattern_then_default():
     return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
 
   def approxes(layers):
-    return [s.approx for s in kfac_jax.Registration(loss_fn, params, batch, layers=layers).layers]
+    return [
+      s.approx
+      for s in kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False).layers
+    ]
 
   assert approxes(None) == ["kron", "full"]
   assert approxes(kfac_jax.LayerConfig(defaults={"dense": "diagonal"})) == ["diagonal", "full"]
@@ -162,12 +175,12 @@ def test_layers_accepted_by_transform_optimizer_and_summary():
   assert est_state.factors["layer1"].a.shape == (5,)
   assert est_state.factors["layer0"].a.shape == (4, 4)
   opt = kfac_jax.Optimizer(
-    registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+    registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False)
   )
   jax.jit(opt.init)(params, jax.random.key(0))
   assert [s.approx for s in opt.estimator.layers] == ["kron", "kron_both_diag"]
   table = kfac_jax.summary(
-    registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers)
+    registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False)
   )
   assert "kron_both_diag" in table
   with pytest.raises(TypeError, match="kfac_jax.LayerConfig"):
@@ -196,7 +209,7 @@ def test_linked_group_is_one_generic_block(x64):
   )
   # A "diagonal" group over one whole layer leaves the other layer's Kronecker block alone.
   layers = kfac_jax.LayerConfig(linked={("layer1/*",): "diagonal"})
-  specs = kfac_jax.Registration(loss_fn, params, batch, layers=layers).layers
+  specs = kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False).layers
   assert [(s.kind, s.approx, s.factor_shapes) for s in specs] == [
     ("dense", "kron", ((4, 4), (4, 4))),
     ("generic", "diagonal", ((15,),)),
@@ -356,7 +369,7 @@ def test_vocabulary_head_state_fits_next_to_the_model():
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3)
   state = jax.eval_shape(tx.init, params)  # Shapes only: no 16 GiB allocation if it fails.
   assert _nbytes(state) < 3 * _nbytes(params), (_nbytes(state), _nbytes(params))
-  specs = kfac_jax.Registration(loss_fn, params, batch).layers
+  specs = kfac_jax.Registration(loss_fn, params, batch, check_loss=False).layers
   head = next(s for s in specs if s.name == "head")
   assert head.approx == "kron_out_diag" and head.factor_shapes == ((17, 17), (65_536,))
   assert "65536 > max_factor_dim 16384" in head.note
@@ -370,6 +383,7 @@ def test_vocabulary_head_state_fits_next_to_the_model():
       params,
       batch,
       layers=kfac_jax.LayerConfig(max_factor_dim=None, block_size=block_size),
+      check_loss=False,
     ).layers
     assert next(s for s in big if s.name == "head").factor_shapes[1] == want
 
@@ -383,7 +397,9 @@ def test_size_policy_equals_the_explicit_approximation(x64):
     ("explicit", kfac_jax.LayerConfig(overrides={"head/*": "kron_out_diag"}, max_factor_dim=None)),
   ]:
     est = kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", layers=layers)
+      kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="exact", layers=layers, check_loss=False
+      )
     )
 
     def precondition(p, b, g, est=est):
@@ -407,6 +423,7 @@ def test_explicit_choices_win_over_the_size_policy():
     params,
     batch,
     layers=kfac_jax.LayerConfig(overrides={"head/*": "kron"}, max_factor_dim=6),
+    check_loss=False,
   ).layers
   assert next(s for s in specs if s.name == "head").approx == "kron"
   # defaults are not per-layer choices: the policy still applies to them.
@@ -415,6 +432,7 @@ def test_explicit_choices_win_over_the_size_policy():
     params,
     batch,
     layers=kfac_jax.LayerConfig(defaults={"dense": "kron_in_diag"}, max_factor_dim=6),
+    check_loss=False,
   ).layers
   assert next(s for s in specs if s.name == "head").approx == "kron_both_diag"
 
@@ -431,7 +449,7 @@ def test_explicit_choices_win_over_the_size_policy():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   specs = kfac_jax.Registration(
-    tagged, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=6)
+    tagged, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=6), check_loss=False
   ).layers
   assert next(s for s in specs if s.name == "head").approx == "kron"
   with pytest.raises(ValueError, match="max_factor_dim"):
@@ -465,7 +483,12 @@ def test_size_policy_for_conv_embedding_and_full_blocks():
     "y": jax.random.randint(k[3], (4,), 0, 12),
   }
   specs = kfac_jax.Registration(
-    loss_fn, params, batch, strict=True, layers=kfac_jax.LayerConfig(max_factor_dim=8)
+    loss_fn,
+    params,
+    batch,
+    strict=True,
+    layers=kfac_jax.LayerConfig(max_factor_dim=8),
+    check_loss=False,
   ).layers
   got = {s.name: (s.kind, s.approx, s.factor_shapes) for s in specs}
   assert got["emb"] == ("embedding", "kron_out_diag", ((5,), (9,)))
@@ -474,7 +497,7 @@ def test_size_policy_for_conv_embedding_and_full_blocks():
   assert all("max_factor_dim 8" in s.note for s in specs)
   tx = kfac_jax.scale_by_kfac(
     registration=kfac_jax.Registration(
-      loss_fn, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=8)
+      loss_fn, params, batch, layers=kfac_jax.LayerConfig(max_factor_dim=8), check_loss=False
     ),
     damping=1e-3,
   )
@@ -502,14 +525,14 @@ def test_positional_table_gets_a_diagonal_block():
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   batch = {"x": jax.random.normal(k[2], (2, 5, 4)), "y": jnp.array([0, 2])}
-  specs = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  specs = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   pos = next(s for s in specs if s.param_paths == ("pos",))
   assert (pos.kind, pos.approx, pos.factor_shapes) == ("scale_and_shift", "diagonal", ((20,),))
   assert "positional" in pos.note
   assert pos.note in kfac_jax.summary(loss_fn, params, batch)
   # Asked for by name, the full block is kept.
   specs = kfac_jax.Registration(
-    loss_fn, params, batch, layers=kfac_jax.LayerConfig(overrides={"pos": "full"})
+    loss_fn, params, batch, layers=kfac_jax.LayerConfig(overrides={"pos": "full"}), check_loss=False
   ).layers
   pos = next(s for s in specs if s.param_paths == ("pos",))
   assert (pos.approx, pos.factor_shapes, pos.note) == ("full", ((20, 20),), "")
@@ -531,7 +554,12 @@ def test_size_policy_for_a_shared_layer():
 
   batch = {"x": jax.random.normal(k[2], (2, 4)), "y": jnp.zeros((2, 3), jnp.int32)}
   specs = kfac_jax.Registration(
-    loss_fn, params, batch, strict=True, layers=kfac_jax.LayerConfig(max_factor_dim=8)
+    loss_fn,
+    params,
+    batch,
+    strict=True,
+    layers=kfac_jax.LayerConfig(max_factor_dim=8),
+    check_loss=False,
   ).layers
   got = {s.param_paths: (s.num_uses, s.approx, s.factor_shapes) for s in specs}
   assert got[("cell",)] == (3, "kron_indep", ((4, 4), (4, 4)))
@@ -542,6 +570,7 @@ def test_size_policy_for_a_shared_layer():
     params,
     batch,
     layers=kfac_jax.LayerConfig(overrides={"out": "kron_indep"}, max_factor_dim=8),
+    check_loss=False,
   ).layers
   assert next(s.approx for s in specs if s.param_paths == ("out",)) == "kron_indep"
 
@@ -568,7 +597,9 @@ def test_size_policy_from_a_diagonal_side_variant_with_both_sides_over_the_limit
 
   batch = {"x": jax.random.normal(k[1], (2, 4, 4, 4)), "y": jnp.array([0, 7])}
   config = kfac_jax.LayerConfig(defaults={"conv": "kron_out_diag"}, max_factor_dim=3)
-  (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=config).layers
+  (spec,) = kfac_jax.Registration(
+    loss_fn, params, batch, strict=True, layers=config, check_loss=False
+  ).layers
   assert (spec.approx, spec.factor_shapes) == ("kron_both_diag", ((2, 18), (2, 4)))
   assert "input side 18" in spec.note
 
@@ -589,6 +620,8 @@ def test_shared_size_policy_counts_the_bias_row():
   batch = {"x": jax.random.normal(k[1], (2, 4)), "y": jnp.array([0, 3])}
   for max_dim, want in ((5, ("kron_indep", ((5, 5), (4, 4)))), (4, ("diagonal", ((20,),)))):
     config = kfac_jax.LayerConfig(max_factor_dim=max_dim)
-    (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, layers=config).layers
+    (spec,) = kfac_jax.Registration(
+      loss_fn, params, batch, strict=True, layers=config, check_loss=False
+    ).layers
     assert (spec.num_uses, spec.approx, spec.factor_shapes) == (2,) + want
   assert "factor side 5 > max_factor_dim 4 on a layer used 2 times" in spec.note
