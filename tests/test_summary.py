@@ -1,6 +1,9 @@
 """summary: the coverage report (share, bytes, why each fallback leaf matched no layer),
 axis_name for models with collectives, distinguishable row names, the short warning."""
 
+# `check_loss=False` where the test is about the layers found: the loss audit is tested in
+# tests/test_audit.py and the zoo; here it would only compile another program.
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -294,7 +297,9 @@ def test_a_closed_over_constant_with_a_row_per_example_is_a_layer_input(x64):
 
   dense = []
   for loss_fn, b in ((closed, batch), (passed, dict(batch, h0=h0))):
-    reg = kfac_jax.Registration(loss_fn, params, b, strict=True, estimation_mode="exact")
+    reg = kfac_jax.Registration(
+      loss_fn, params, b, strict=True, estimation_mode="exact", check_loss=False
+    )
     assert [(l.kind, l.param_paths) for l in reg.layers] == [
       ("dense", ("head",)),
       ("dense", ("wh",)),
@@ -383,7 +388,9 @@ def test_layers_in_one_flat_dict_get_distinct_row_names():
       "b2": jnp.zeros(C),
     }
   }
-  assert [l.name for l in kfac_jax.Registration(loss_fn, params, _batch()).layers] == ["params"] * 2
+  assert [
+    l.name for l in kfac_jax.Registration(loss_fn, params, _batch(), check_loss=False).layers
+  ] == ["params"] * 2
   rows = kfac_jax.summary(loss_fn, params, _batch()).splitlines()[2:4]
   assert [r.split()[0] for r in rows] == ["params/w1", "params/w2"]
 
@@ -457,7 +464,9 @@ def test_axis_name_scans_a_model_with_batchnorm_collectives():
   want = [("BatchNorm_0", "scale_and_shift"), ("Dense_0", "dense"), ("Dense_1", "dense")]
   regs = {}
   for axis_name in ("batch", ("batch", "model")):
-    regs[axis_name] = kfac_jax.Registration(loss_fn, params, batch, axis_name=axis_name)
+    regs[axis_name] = kfac_jax.Registration(
+      loss_fn, params, batch, axis_name=axis_name, check_loss=False
+    )
     layers = regs[axis_name].layers
     assert [(l.name, l.kind) for l in layers] == want
   assert kfac_jax.check_registration(registration=regs["batch"]) == layers
@@ -474,7 +483,12 @@ def test_axis_name_layers_equal_those_found_inside_pmap():
   """Inside pmap the estimator scans under the real axis; the inspection agrees with it."""
   loss_fn, params, batch = _batchnorm_problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="batch")
-  names = [l.name for l in kfac_jax.Registration(loss_fn, params, batch, axis_name="batch").layers]
+  names = [
+    l.name
+    for l in kfac_jax.Registration(
+      loss_fn, params, batch, axis_name="batch", check_loss=False
+    ).layers
+  ]
   state = jax.pmap(tx.init, axis_name="batch")(jax.tree_util.tree_map(lambda a: a[None], params))
   assert sorted(state.curvature.factors) == sorted(names)
 
@@ -492,14 +506,14 @@ def test_has_aux_scans_the_loss_part_only():
     return _ce(logits, b["y"]), {"logits": logits, "extra": p["w1"].sum()}
 
   params = {"w1": jnp.ones((D, 5)), "w2": jnp.ones((5, C))}
-  layers = kfac_jax.Registration(with_aux, params, _batch(), has_aux=True).layers
+  layers = kfac_jax.Registration(with_aux, params, _batch(), has_aux=True, check_loss=False).layers
   assert [(l.name, l.kind) for l in layers] == [("w1", "dense"), ("w2", "dense")]
   assert "(100.0%)" in kfac_jax.summary(
-    registration=kfac_jax.Registration(with_aux, params, _batch(), has_aux=True)
+    registration=kfac_jax.Registration(with_aux, params, _batch(), has_aux=True, check_loss=False)
   )
   assert (
     kfac_jax.check_registration(
-      registration=kfac_jax.Registration(with_aux, params, _batch(), has_aux=True)
+      registration=kfac_jax.Registration(with_aux, params, _batch(), has_aux=True, check_loss=False)
     )
     == layers
   )
