@@ -1,6 +1,10 @@
 """Data-parallel K-FAC on 8 fake CPU devices: pmap, shard_map, jit + NamedSharding, split
 inverses."""
 
+# `check_loss=False`: the loss audit is tested in tests/test_audit.py and the zoo; here it would
+# only compile another program (`kfac` below is given its learning rate and no norm constraint,
+# so nothing reads the audit's loss factor).
+
 import functools
 import re
 
@@ -92,7 +96,7 @@ def _split_inverses_reference():
   """An estimator, a state with statistics, and its inverses computed on one device."""
   loss_fn, params, batch = _problem()
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch),
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
     exps=(-1, -0.5),
     compute_cholesky=True,
     compute_cholesky_inverse=True,
@@ -111,7 +115,13 @@ def _kfac(loss_fn, params, batch, **kw):
   # No KL clipping and no momentum (kfac's defaults have both): the sharded-storage tests compare
   # parameters to round-off, and fewer fused terms keep the sharded and replicated programs'
   # rounding apart by the least.
-  kw = {"momentum": None, "max_norm": None, "estimation_mode": "empirical", **kw}
+  kw = {
+    "momentum": None,
+    "max_norm": None,
+    "estimation_mode": "empirical",
+    "check_loss": False,
+    **kw,
+  }
   args, kwargs = _models.front_args(loss_fn, params, batch, kw)
   return kfac_jax.kfac(
     *args, learning_rate=0.3, damping=1e-2, ema_decay=0.8, inverse_every=3, **kwargs
@@ -150,7 +160,9 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
 
   def step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+      )
     )(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
@@ -183,7 +195,9 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
 
   def step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+      )
     )(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
@@ -218,7 +232,9 @@ def _built_named_sharding_run(storage):
   @jax.jit
   def step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+      )
     )(params, b)
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
@@ -243,7 +259,9 @@ def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
   @jax.jit
   def plain_step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+      )
     )(params, b)
     return plain.update(grads, state, params, curvature_stats=stats)
 
@@ -359,7 +377,9 @@ def _pmap_run(loss_fn, params, batch, num_devices, steps, **kw):
 
   def step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+      )
     )(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
@@ -419,7 +439,8 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
     (rep.count, rep.curvature.ema_weight, rep.curvature.failed_inverses),
   )
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(inverse_storage="sharded")
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
+    config=kfac_jax.Config(inverse_storage="sharded"),
   )
   est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
   layouts = est.storage.layouts(est.blocks, num_devices)
@@ -461,7 +482,7 @@ def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device
   assert int(_kfac_state(s_sh).curvature.failed_inverses) == 0
   # Memory: each device's share of the factors and caches is at most 1.25 total/D + the
   # largest block's, while with replicated storage every device holds the total.
-  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
+  est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, check_loss=False))
   est.init(params)
   per_block = _block_state_bytes(est)
   total, d = sum(per_block), mesh.size
@@ -502,7 +523,9 @@ def test_sharded_storage_under_shard_map(x64):
 
   def step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(
-      registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+      registration=kfac_jax.Registration(
+        loss_fn, params, batch, estimation_mode="empirical", check_loss=False
+      )
     )(params, b)
     grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
@@ -528,10 +551,10 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
   """A block whose factors are not finite keeps its cache and counts once, on every device."""
   loss_fn, params, batch = _problem()
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical")
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False)
   )
   sest = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False),
     config=kfac_jax.Config(inverse_storage="sharded"),
   )
   grads = jax.grad(loss_fn)(params, batch)
@@ -599,7 +622,8 @@ def test_sharded_storage_arguments_are_checked():
   with pytest.raises(ValueError, match="inside pmap/shard_map over 'data'"):
     tx.init(params)  # Outside the pmap: the axis is not bound.
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch), config=kfac_jax.Config(inverse_storage="sharded")
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
+    config=kfac_jax.Config(inverse_storage="sharded"),
   )
   with pytest.raises(ValueError, match="`init`: .*pass `axis_name=`"):
     est.init(params)
@@ -614,9 +638,9 @@ def test_sharded_storage_arguments_are_checked():
   mesh3 = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
   with pytest.raises(ValueError, match="initialised for another number of devices"):
     est.update_inverses(state, 1e-2, mesh=(mesh3, "data"))
-  replicated = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch)).init(
-    params
-  )
+  replicated = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
+  ).init(params)
   with pytest.raises(TypeError, match="not the ShardedCache"):
     est.multiply_matpower(replicated, params, -1, mesh=(_mesh(), "data"))
 
@@ -626,7 +650,7 @@ def test_sharded_storage_orbax_round_trip_keeps_the_sharding(tmp_path, x64):
   loss_fn, params, batch = _problem()
   mesh = (_mesh(), "data")
   est = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical"),
+    kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False),
     config=kfac_jax.Config(inverse_storage="sharded"),
   )
   # Jitted: eager ops compile one by one.
@@ -667,7 +691,9 @@ def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
 
   def run(storage):
     opt = kfac_jax.Optimizer(
-      registration=kfac_jax.Registration(loss_fn, params, local, estimation_mode="empirical"),
+      registration=kfac_jax.Registration(
+        loss_fn, params, local, estimation_mode="empirical", check_loss=False
+      ),
       learning_rate=0.1,
       norm_constraint=1e-3,
       damping=0.1,
