@@ -32,17 +32,19 @@ def _jaxlib_knows(flag: str) -> bool:
     return m.find(flag.encode()) >= 0
 
 
-# XLA:CPU's older emitters: they compile the suite's small programs several times faster than
-# the fusion emitters, whose cost is per fusion and dominates a program that runs a few times.
-if os.environ.get("KFAC_TEST_XLA_OPT", "0") != "1" and _jaxlib_knows("xla_cpu_use_fusion_emitters"):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
-# One LLVM module per program instead of XLA:CPU's default split into parts compiled on a
-# thread pool: each part repeats the module's fixed work, and the two test processes already
-# keep both cores busy, so the split costs CPU time and gains no wall time.
-if os.environ.get("KFAC_TEST_XLA_OPT", "0") != "1" and _jaxlib_knows(
-  "xla_cpu_parallel_codegen_split_count"
-):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
+# XLA:CPU compile-speed flags, each added where this jaxlib knows it:
+# - the older emitters: they compile the suite's small programs several times faster than the
+#   fusion emitters, whose cost is per fusion and dominates a program that runs a few times;
+# - one LLVM module per program instead of a split into parts compiled on a thread pool: each
+#   part repeats the module's fixed work, and the two test processes already keep both cores
+#   busy, so the split costs CPU time and gains no wall time.
+if os.environ.get("KFAC_TEST_XLA_OPT", "0") != "1":
+  for _flag, _value in (
+    ("xla_cpu_use_fusion_emitters", "false"),
+    ("xla_cpu_parallel_codegen_split_count", "1"),
+  ):
+    if _jaxlib_knows(_flag):
+      os.environ["XLA_FLAGS"] += f" --{_flag}={_value}"
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402
