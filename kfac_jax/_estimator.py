@@ -207,12 +207,14 @@ class CurvatureEstimator:
     self, state, axis_name=None, mesh=None, who: str | None = None, what: str = "state"
   ):
     """ValueError naming what differs when `state` is not one this estimator's `init` makes
-    (another model, layer configuration or storage), and when `axis_name` is not bound (with
-    a `mesh` too, the storage names the conflict). A sharded state's buffers are checked by
-    its storage."""
+    (another model, layer configuration or storage), when `axis_name` is not bound and when
+    `mesh` names an axis its mesh lacks (with both, the storage names the conflict). A sharded
+    state's buffers are checked by its storage."""
     who = who or self.who
     if mesh is None:
       _checks.axis_bound(axis_name, who)
+    else:
+      _parallel.mesh_axis(mesh)
     if isinstance(self.storage, _storage.ReplicatedStorage):
       _fit.check(self._state_shapes, state, who, what)
 
@@ -356,7 +358,10 @@ class CurvatureEstimator:
     axis_name: str | None = None,
     mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
-    """`update_curvature_from_stats` with statistics computed from `batch`."""
+    """`update_curvature_from_stats` with statistics computed from `batch`; the arguments are
+    checked before the statistics are computed (eagerly, a whole forward and backward pass)."""
+    _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
+    self.check_state(state, axis_name, mesh)
     stats = self.curvature_stats(params, batch, rng)
     return self.update_curvature_from_stats(state, stats, ema_decay, axis_name, mesh)
 

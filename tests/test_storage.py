@@ -176,7 +176,8 @@ def test_a_mesh_axis_that_does_not_exist_is_named_before_any_state_changes(x64):
   before = jax.tree_util.tree_map(np.asarray, state)
   rng = jax.random.key(0)
   for call in (
-    lambda: est.update_curvature(state, params, batch, rng, 0.0, mesh=(mesh, "fsdp")),
+    # No batch: the mesh is checked before any statistics are computed.
+    lambda: est.update_curvature(state, params, None, rng, 0.0, mesh=(mesh, "fsdp")),
     lambda: est.update_inverses(state, 1e-2, mesh=(mesh, "fsdp")),
   ):
     with pytest.raises(ValueError, match=r"mesh axis 'fsdp' is not in the mesh"):
