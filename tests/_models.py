@@ -31,13 +31,31 @@ class NnxMLP(nnx.Module):
     return self.linear2(jnp.tanh(self.linear1(x)))
 
 
+def np_rng(seed) -> np.random.Generator:
+  """A NumPy generator from an int or a JAX key. Test inputs are drawn on the host: an eager
+  `jax.random` sampler compiles a program for each new shape."""
+  if isinstance(seed, int):
+    return np.random.default_rng(seed)
+  return np.random.default_rng(np.asarray(jax.random.key_data(seed)))
+
+
+def normal(seed, shape, dtype=jnp.float32, scale=1.0) -> jax.Array:
+  """Standard normal entries times `scale`, drawn on the host (`np_rng`)."""
+  return jax.device_put((scale * np_rng(seed).standard_normal(shape)).astype(dtype))
+
+
+def integers(seed, low, high, shape) -> jax.Array:
+  """Integers in [low, high), drawn on the host (`np_rng`)."""
+  return jax.device_put(np_rng(seed).integers(low, high, shape).astype(np.int32))
+
+
 def jnp_mlp_init(key, sizes, dtype=jnp.float32):
+  rng = np_rng(key)
   params = {}
   for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-    key, k = jax.random.split(key)
     params[f"layer{i}"] = {
-      "w": jax.random.normal(k, (a, b), dtype) / jnp.sqrt(a),
-      "b": jnp.zeros((b,), dtype),
+      "w": jax.device_put((rng.standard_normal((a, b)) / np.sqrt(a)).astype(dtype)),
+      "b": jax.device_put(np.zeros((b,), dtype)),
     }
   return params
 
@@ -62,10 +80,10 @@ def softmax_loss(apply_fn):
 
 
 def classification_batch(key, n=16, din=4, classes=3, dtype=jnp.float32):
-  kx, ky = jax.random.split(key)
-  x = jax.random.normal(kx, (n, din), dtype)
-  y = jax.random.randint(ky, (n,), 0, classes)
-  return {"x": x, "y": y}
+  rng = np_rng(key)
+  x = rng.standard_normal((n, din)).astype(dtype)
+  y = rng.integers(0, classes, (n,)).astype(np.int32)
+  return {"x": jax.device_put(x), "y": jax.device_put(y)}
 
 
 def to_dtype(tree, dtype):
