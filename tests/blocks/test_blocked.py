@@ -15,6 +15,7 @@ from jax.flatten_util import ravel_pytree
 
 import kfac_jax
 from kfac_jax.blocks import _blocked, _linalg
+from tests import _models
 
 
 def _ce(logits, y):
@@ -22,21 +23,20 @@ def _ce(logits, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def _normal(key, shape, scale=1.0):
-  return scale * jax.random.normal(key, shape, jnp.float64)
+def _normal(seed, shape, scale=1.0):
+  return _models.normal(seed, shape, jnp.float64, scale=scale)
 
 
 @functools.cache  # Built once per kind for the module (float64: every caller runs under x64).
 def _model(kind):
   """(loss_fn, params, batch, layer name, LayerConfig kwargs) with one `kind` layer whose sides
   are wider than a block size of 4, feeding a dense head."""
-  k = jax.random.split(jax.random.key(11), 6)
-  y = jax.random.randint(k[5], (5,), 0, 3)
+  y = _models.integers(115, 0, 3, (5,))
   if kind in ("dense", "reduce"):
     seq = kind == "reduce"
-    params = {"l": {"w": _normal(k[0], (6, 7), 0.4), "b": _normal(k[1], (7,), 0.1)}}
-    params["head"] = {"w": _normal(k[2], (7, 3), 0.4)}
-    x = _normal(k[3], (5, 3, 6) if seq else (5, 6))
+    params = {"l": {"w": _normal(110, (6, 7), 0.4), "b": _normal(111, (7,), 0.1)}}
+    params["head"] = {"w": _normal(112, (7, 3), 0.4)}
+    x = _normal(113, (5, 3, 6) if seq else (5, 6))
 
     def loss_fn(p, b):
       h = jnp.tanh(b["x"] @ p["l"]["w"] + p["l"]["b"])
@@ -45,9 +45,9 @@ def _model(kind):
     extra = {"defaults": {"dense": "reduce"}} if seq else {}
     return loss_fn, params, {"x": x, "y": y}, "l", extra
   if kind in ("conv", "kron_sua"):
-    params = {"c": {"w": _normal(k[0], (3, 3, 2, 5), 0.4), "b": _normal(k[1], (5,), 0.1)}}
-    params["head"] = {"w": _normal(k[2], (4 * 4 * 5, 3), 0.1)}
-    x = _normal(k[3], (5, 4, 4, 2))
+    params = {"c": {"w": _normal(110, (3, 3, 2, 5), 0.4), "b": _normal(111, (5,), 0.1)}}
+    params["head"] = {"w": _normal(112, (4 * 4 * 5, 3), 0.1)}
+    x = _normal(113, (5, 4, 4, 2))
 
     def loss_fn(p, b):
       h = lax.conv_general_dilated(
@@ -59,17 +59,17 @@ def _model(kind):
     extra = {"defaults": {"conv": "kron_sua"}} if kind == "kron_sua" else {}
     return loss_fn, params, {"x": x, "y": y}, "c", extra
   if kind == "embedding":
-    params = {"e": {"t": _normal(k[0], (10, 9))}, "head": {"w": _normal(k[2], (9, 3), 0.3)}}
-    ids = jax.random.randint(k[3], (5,), 0, 10)
+    params = {"e": {"t": _normal(110, (10, 9))}, "head": {"w": _normal(112, (9, 3), 0.3)}}
+    ids = _models.integers(113, 0, 10, (5,))
 
     def loss_fn(p, b):
       return _ce(jnp.tanh(p["e"]["t"][b["ids"]]) @ p["head"]["w"], b["y"])
 
     return loss_fn, params, {"ids": ids, "y": y}, "e", {}
   if kind == "stacked":  # Two layers' kernels stacked, applied by a scan.
-    params = {"s": {"w": _normal(k[0], (2, 6, 6), 0.4), "b": _normal(k[1], (2, 6), 0.1)}}
-    params["head"] = {"w": _normal(k[2], (6, 3), 0.4)}
-    x = _normal(k[3], (5, 6))
+    params = {"s": {"w": _normal(110, (2, 6, 6), 0.4), "b": _normal(111, (2, 6), 0.1)}}
+    params["head"] = {"w": _normal(112, (6, 3), 0.4)}
+    x = _normal(113, (5, 6))
 
     def loss_fn(p, b):
       def body(h, wb):
@@ -80,9 +80,9 @@ def _model(kind):
 
     return loss_fn, params, {"x": x, "y": y}, "s", {}
   assert kind == "shared"  # One kernel used twice: "kron_indep".
-  params = {"cell": {"w": _normal(k[0], (6, 6), 0.4), "b": _normal(k[1], (6,), 0.1)}}
-  params["head"] = {"w": _normal(k[2], (6, 3), 0.4)}
-  x = _normal(k[3], (5, 6))
+  params = {"cell": {"w": _normal(110, (6, 6), 0.4), "b": _normal(111, (6,), 0.1)}}
+  params["head"] = {"w": _normal(112, (6, 3), 0.4)}
+  x = _normal(113, (5, 6))
 
   def loss_fn(p, b):
     h = b["x"]
@@ -381,8 +381,8 @@ def test_blocked_kfac_trains_under_jit(x64):
 def test_blocks_are_factorised_without_size_buckets(x64, n):
   """Blocks skip `_linalg`'s size buckets (a power of two is still moved 8 up): the same
   inverse and Cholesky factor."""
-  x = np.asarray(_normal(jax.random.key(n), (2 * n, n)))
-  m = jnp.asarray(x.T @ x / (2 * n) + 0.1 * np.eye(n))
+  x = _models.np_rng(n).standard_normal((2 * n, n))
+  m = jax.device_put(x.T @ x / (2 * n) + 0.1 * np.eye(n))
   np.testing.assert_allclose(
     _linalg.spd_power(m, -1.0, buckets=False) @ m, np.eye(n), rtol=0, atol=1e-10
   )

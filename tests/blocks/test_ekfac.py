@@ -6,8 +6,6 @@ s = (1/N) Σ_n (U_Aᵀ J_n U_G)² and the preconditioned gradient U_A ((U_Aᵀ �
 The references are computed with numpy from per-example gradients (jax.jacobian).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,16 +35,20 @@ def _per_example(params, batch):
 _per_example_jacobian = jax.jit(jax.jacobian(_per_example))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))  # One program draws all the data.
 def _setup(n=32, same_x=False, seed=0, dtype=jnp.float64):
-  k = jax.random.split(jax.random.key(seed), 2)
-  params = _models.jnp_mlp_init(k[0], SIZES, dtype)
+  # On the host: an eager op compiles a program for each new shape.
   params = jax.tree.map(
-    lambda p: p + 0.1 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape) / p.size, params
+    lambda p: jax.device_put(
+      np.asarray(p) + (0.1 * np.arange(p.size) / p.size).astype(p.dtype).reshape(p.shape)
+    ),
+    _models.jnp_mlp_init(2 * seed, SIZES, dtype),
   )  # non-zero biases
-  batch = _models.classification_batch(k[1], n=n, din=SIZES[0], classes=SIZES[-1], dtype=dtype)
+  batch = _models.classification_batch(
+    2 * seed + 1, n=n, din=SIZES[0], classes=SIZES[-1], dtype=dtype
+  )
   if same_x:
-    batch["x"] = jnp.broadcast_to(batch["x"][:1], batch["x"].shape)
+    x = np.asarray(batch["x"])
+    batch["x"] = jax.device_put(np.broadcast_to(x[:1], x.shape))
   return params, batch
 
 
@@ -202,11 +204,10 @@ def test_before_the_first_inverse_update_the_scalings_are_the_diagonal_fisher(x6
 
 
 def test_sequence_inputs_sum_positions_into_the_per_example_gradient(x64):
-  k = jax.random.split(jax.random.key(3), 3)
-  params = {"w": jax.random.normal(k[0], (3, 4), jnp.float64), "b": jnp.ones(4, jnp.float64)}
+  params = {"w": _models.normal(30, (3, 4), jnp.float64), "b": jnp.ones(4, jnp.float64)}
   batch = {
-    "x": jax.random.normal(k[1], (5, 2, 3), jnp.float64),
-    "y": jax.random.randint(k[2], (5,), 0, 4),
+    "x": _models.normal(31, (5, 2, 3), jnp.float64),
+    "y": _models.integers(32, 0, 4, (5,)),
   }
 
   def logits(p, x):
@@ -242,13 +243,14 @@ class _CNN(nn.Module):
 
 
 def test_conv_scalings_are_the_per_example_fisher_in_the_eigenbasis(x64):
-  k = jax.random.split(jax.random.key(1), 3)
   batch = {
-    "x": jax.random.normal(k[0], (6, 3, 3, 2), jnp.float64),
-    "y": jax.random.randint(k[1], (6,), 0, 2),
+    "x": _models.normal(10, (6, 3, 3, 2), jnp.float64),
+    "y": _models.integers(11, 0, 2, (6,)),
   }
   model = _CNN()
-  params = jax.tree.map(lambda p: p.astype(jnp.float64), model.init(k[2], batch["x"]))
+  params = jax.jit(  # Jitted: eager ops compile one by one.
+    lambda k, x: jax.tree.map(lambda p: p.astype(jnp.float64), model.init(k, x))
+  )(jax.random.key(12), batch["x"])
 
   def loss_fn(p, b):
     return _models.softmax_loss(model.apply)(p, b)
@@ -372,8 +374,8 @@ def test_sampled_targets_average_over_samples_as_the_diagonal_fisher(x64):
 
 
 def test_size_policy_turns_a_huge_ekfac_side_diagonal():
-  params = _models.jnp_mlp_init(jax.random.key(0), (4, 40), jnp.float32)
-  batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=40)
+  params = _models.jnp_mlp_init(0, (4, 40), jnp.float32)
+  batch = _models.classification_batch(1, n=8, din=4, classes=40)
   cfg = kfac_jax.LayerConfig(defaults={"dense": "ekfac"}, max_factor_dim=16)
   (spec,) = kfac_jax.Registration(_loss_fn, params, batch, layers=cfg, check_loss=False).layers
   assert spec.approx == "kron_out_diag", spec
@@ -404,14 +406,13 @@ def test_ekfac_on_stacked_layers_equals_the_unrolled_layers(x64):
       x = jnp.tanh(x @ params[f"w{i}"] + params[f"b{i}"])
     return x
 
-  k = jax.random.split(jax.random.key(0), 2)
   p_st = {
-    "w": 0.5 * jax.random.normal(k[0], (depth, d, d), jnp.float64),
-    "b": 0.1 * jax.random.normal(k[1], (depth, d), jnp.float64),
+    "w": _models.normal(0, (depth, d, d), jnp.float64, scale=0.5),
+    "b": _models.normal(1, (depth, d), jnp.float64, scale=0.1),
   }
   # Sorted keys b0 b1 b2 w0 w1 w2 ravel in the stacked leaves' order: one to_dense ordering.
   p_un = {f"{n}{i}": p_st[n][i] for n in ("w", "b") for i in range(depth)}
-  batch = _models.classification_batch(jax.random.key(1), n=8, din=d, classes=d, dtype=jnp.float64)
+  batch = _models.classification_batch(2, n=8, din=d, classes=d, dtype=jnp.float64)
   results = []
   for apply, params in ((stacked, p_st), (unrolled, p_un)):
     loss_fn = _models.softmax_loss(apply)
@@ -449,15 +450,14 @@ def test_ekfac_on_stacked_layers_equals_the_unrolled_layers(x64):
 def test_ekfac_on_concatenated_kernels_equals_ekfac_on_the_concatenation(x64):
   """Two gate kernels concatenated before one product (an LSTM cell's layout: a ConcatBlock
   around an EKFAC block) against the concatenated kernel as one leaf."""
-  k = jax.random.split(jax.random.key(3), 5)
-  gates = {g: jax.random.normal(k[i], (3, 2), jnp.float64) for i, g in enumerate(("ga", "gb"))}
-  head = jax.random.normal(k[2], (4, 3), jnp.float64)
+  gates = {g: _models.normal(30 + i, (3, 2), jnp.float64) for i, g in enumerate(("ga", "gb"))}
+  head = _models.normal(32, (4, 3), jnp.float64)
 
   def apply(p, x):
     kernel = p["kernel"] if "kernel" in p else jnp.concatenate([p["ga"], p["gb"]], axis=-1)
     return jnp.tanh(x @ kernel) @ p["head"]
 
-  batch = _models.classification_batch(k[3], n=6, din=3, classes=3, dtype=jnp.float64)
+  batch = _models.classification_batch(33, n=6, din=3, classes=3, dtype=jnp.float64)
   results = []
   for params in (
     dict(gates, head=head),

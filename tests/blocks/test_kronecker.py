@@ -66,11 +66,10 @@ def _group_mask(sizes_and_groups):
 
 
 def test_one_by_one_conv_equals_dense(x64):
-  k = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(k[0], (3, 4, 5, 2), jnp.float64)
-  y = jax.random.randint(k[1], (3, 4, 5), 0, 3)
-  w = jax.random.normal(k[2], (2, 3), jnp.float64)
-  b = jax.random.normal(k[3], (3,), jnp.float64)
+  x = _models.normal(0, (3, 4, 5, 2), jnp.float64)
+  y = _models.integers(1, 0, 3, (3, 4, 5))
+  w = _models.normal(2, (2, 3), jnp.float64)
+  b = _models.normal(3, (3,), jnp.float64)
 
   def conv_loss(p, batch):
     out = (
@@ -147,11 +146,10 @@ _CONV_CASES = {
 @pytest.mark.parametrize("case", sorted(_CONV_CASES))
 def test_conv_single_location_equals_gradient_outer_product(x64, case):
   c = _CONV_CASES[case]
-  k = jax.random.split(jax.random.key(1), 3)
-  x = jax.random.normal(k[0], c["x"], jnp.float64)
+  x = _models.normal(10, c["x"], jnp.float64)
   params = {
-    "w": jax.random.normal(k[1], c["k"], jnp.float64),
-    "b": jax.random.normal(k[2], (c["k"][c["dn"][1].index("O")],), jnp.float64),
+    "w": _models.normal(11, c["k"], jnp.float64),
+    "b": _models.normal(12, (c["k"][c["dn"][1].index("O")],), jnp.float64),
   }
 
   def loss_fn(p, batch):
@@ -288,12 +286,11 @@ def test_depthwise_conv_defaults_to_exact_diagonal(x64):
 def test_grouped_conv_per_group_kronecker_single_example(x64):
   """Batch 1, one output location: each group's block is that group's exact outer product."""
   groups, cin, cout = 2, 4, 6
-  k = jax.random.split(jax.random.key(5), 3)
   params = {
-    "w": jax.random.normal(k[0], (2, 2, cin // groups, cout), jnp.float64),
-    "b": jax.random.normal(k[1], (cout,), jnp.float64),
+    "w": _models.normal(50, (2, 2, cin // groups, cout), jnp.float64),
+    "b": _models.normal(51, (cout,), jnp.float64),
   }
-  batch = {"x": jax.random.normal(k[2], (1, 2, 2, cin), jnp.float64), "y": jnp.array([2])}
+  batch = {"x": _models.normal(52, (1, 2, 2, cin), jnp.float64), "y": jnp.array([2])}
 
   def loss_fn(p, b):
     y = (
@@ -330,16 +327,17 @@ class _NormMLP(nn.Module):
 
 @pytest.mark.parametrize("approx", ["full", "diagonal"])
 def test_scale_and_shift_equals_exact_fisher_block(x64, approx):
-  kx, ky = jax.random.split(jax.random.key(0))
   batch = {
-    "x": jax.random.normal(kx, (4, 2, 3), jnp.float64),  # A time axis, too.
-    "y": jax.random.randint(ky, (4, 2), 0, 3),
+    "x": _models.normal(0, (4, 2, 3), jnp.float64),  # A time axis, too.
+    "y": _models.integers(1, 0, 3, (4, 2)),
   }
   model = _NormMLP()
-  params = jax.tree_util.tree_map(
-    lambda v: v.astype(jnp.float64), model.init(jax.random.key(1), batch["x"])
-  )
-  params = jax.tree_util.tree_map(lambda v: v + 0.3, params)  # Non-trivial scale and bias.
+  params = jax.jit(  # Jitted: eager ops compile one by one.
+    lambda k, x: jax.tree_util.tree_map(
+      lambda v: v.astype(jnp.float64) + 0.3,
+      model.init(k, x),  # Non-trivial scale and bias.
+    )
+  )(jax.random.key(1), batch["x"])
 
   def per_example(p, b):
     return _per_example_ce(model.apply(p, b["x"]), b["y"]).sum(-1)
@@ -390,10 +388,9 @@ def _ce_seq(logits, y):
 
 
 def test_embedding_one_id_equals_gradient_outer_product(x64):
-  k = jax.random.split(jax.random.key(0), 2)
   params = {
-    "table": jax.random.normal(k[0], (6, 3), jnp.float64),
-    "w": jax.random.normal(k[1], (3, 4), jnp.float64),
+    "table": _models.normal(0, (6, 3), jnp.float64),
+    "w": _models.normal(1, (3, 4), jnp.float64),
   }
 
   def loss_fn(p, b):
@@ -409,11 +406,10 @@ def test_embedding_one_id_equals_gradient_outer_product(x64):
 
 def test_embedding_equals_dense_block_on_one_hot_inputs(x64):
   """Diagonal input factor = the dense block's (diagonal) E[one-hot one-hotᵀ], with sequences."""
-  k = jax.random.split(jax.random.key(1), 3)
   vocab = 7
-  table = jax.random.normal(k[0], (vocab, 3), jnp.float64)
-  w = jax.random.normal(k[1], (3, 4), jnp.float64)
-  batch = {"ids": jax.random.randint(k[2], (5, 3), 0, vocab), "y": jnp.zeros((5, 3), jnp.int32)}
+  table = _models.normal(10, (vocab, 3), jnp.float64)
+  w = _models.normal(11, (3, 4), jnp.float64)
+  batch = {"ids": _models.integers(12, 0, vocab, (5, 3)), "y": jnp.zeros((5, 3), jnp.int32)}
 
   def gather_loss(p, b):
     return _ce_seq(p["table"][b["ids"]] @ p["w"], b["y"])
@@ -438,7 +434,7 @@ def test_embedding_equals_dense_block_on_one_hot_inputs(x64):
 
 @pytest.mark.parametrize("damping_mode", ["factored", "eigen"])
 def test_embedding_inverse_is_inverse_of_damped_block(x64, damping_mode):
-  params = {"table": jax.random.normal(jax.random.key(0), (5, 3), jnp.float64)}
+  params = {"table": _models.normal(0, (5, 3), jnp.float64)}
   batch = {"ids": jnp.array([[0, 1], [1, 3], [4, 4]]), "y": jnp.array([[0, 1], [2, 1], [0, 0]])}
 
   def loss_fn(p, b):
@@ -493,17 +489,16 @@ _EXPECTED = [
 
 
 def _flax_batch():
-  kx, ky = jax.random.split(jax.random.key(0))
   return {
-    "x": jax.random.normal(kx, (2, 5, 5, 3)),
+    "x": _models.normal(0, (2, 5, 5, 3)),
     "ids": jnp.array([3, 7]),
-    "y": jax.random.randint(ky, (2,), 0, 3),
+    "y": _models.integers(1, 0, 3, (2,)),
   }
 
 
 def test_scanner_finds_linen_layers():
   model, batch = _LinenAll(), _flax_batch()
-  variables = model.init(jax.random.key(1), batch["x"], batch["ids"])
+  variables = jax.jit(model.init)(jax.random.key(1), batch["x"], batch["ids"])
 
   def loss_fn(params, b):
     logits, _ = model.apply(
@@ -569,9 +564,8 @@ class _SmallCNN(nn.Module):
 
 def test_jitted_kfac_step_on_small_cnn_is_a_descent_direction():
   model = _SmallCNN()
-  kx, ky = jax.random.split(jax.random.key(0))
-  batch = {"x": jax.random.normal(kx, (8, 6, 6, 2)), "y": jax.random.randint(ky, (8,), 0, 3)}
-  params = model.init(jax.random.key(1), batch["x"])
+  batch = {"x": _models.normal(0, (8, 6, 6, 2)), "y": _models.integers(1, 0, 3, (8,))}
+  params = jax.jit(model.init)(jax.random.key(1), batch["x"])
   loss_fn = lambda p, b: _ce(model.apply(p, b["x"]), b["y"])
   tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1, damping=1e-2, inverse_every=1)
 
@@ -668,9 +662,8 @@ def test_malformed_manual_tags():
 
 
 def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
-  k = jax.random.split(jax.random.key(0), 2)
   params = {
-    "w": jax.random.normal(k[0], (3, 4)),
+    "w": _models.normal(0, (3, 4)),
     "b": jnp.zeros(4),
     "s": jnp.ones(4),
     "t": jnp.zeros(4),
@@ -685,7 +678,7 @@ def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
     h = h * p["alpha"]  # A scalar scale.
     return _ce_seq(h, b["y"])
 
-  batch = {"x": jax.random.normal(k[1], (2, 5, 3)), "y": jnp.zeros((2, 5), jnp.int32)}
+  batch = {"x": _models.normal(1, (2, 5, 3)), "y": jnp.zeros((2, 5), jnp.int32)}
   layers = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   got = sorted((l.kind, l.param_paths, getattr(l.info, "feature_shape", None)) for l in layers)
   assert got == [
@@ -698,14 +691,13 @@ def test_plain_jnp_scale_and_shift_and_conv_bias_are_not_confused():
 
 @pytest.mark.parametrize("approx", ["diagonal", "full"])
 def test_dense_diagonal_and_full_equal_exact_empirical_fisher(x64, approx):
-  k = jax.random.split(jax.random.key(4), 4)
   params = {
-    "w": jax.random.normal(k[0], (3, 4), jnp.float64),
-    "b": jax.random.normal(k[1], (4,), jnp.float64),
+    "w": _models.normal(40, (3, 4), jnp.float64),
+    "b": _models.normal(41, (4,), jnp.float64),
   }
   batch = {
-    "x": jax.random.normal(k[2], (3, 2, 3), jnp.float64),
-    "y": jax.random.randint(k[3], (3, 2), 0, 4),
+    "x": _models.normal(42, (3, 2, 3), jnp.float64),
+    "y": _models.integers(43, 0, 4, (3, 2)),
   }
 
   def apply(p, x):
@@ -940,8 +932,7 @@ def test_a_layer_that_depends_on_the_batch_size_is_named_in_the_error():
     return _ce((p["mix"][:n, :n] @ b["x"]) @ p["w"], b["y"])
 
   def make(n):
-    k = jax.random.split(jax.random.key(n), 2)
-    return {"x": jax.random.normal(k[0], (n, 3)), "y": jax.random.randint(k[1], (n,), 0, 3)}
+    return {"x": _models.normal(10 * n, (n, 3)), "y": _models.integers(10 * n + 1, 0, 3, (n,))}
 
   small, big, rng = make(4), make(8), jax.random.key(0)
   with pytest.warns(kfac_jax.UncoveredParametersWarning):  # `mix` at 4 examples: generic.
@@ -1006,10 +997,9 @@ def _plain_cnn_loss(p, b):
 
 
 def _cnn_batch():
-  k = jax.random.split(jax.random.key(11), 2)
   return {
-    "x": jax.random.normal(k[0], (3, 5, 5, 2), jnp.float64),
-    "y": jax.random.randint(k[1], (3,), 0, 4),
+    "x": _models.normal(110, (3, 5, 5, 2), jnp.float64),
+    "y": _models.integers(111, 0, 4, (3,)),
   }
 
 
@@ -1028,8 +1018,9 @@ def test_haiku_conv_and_linear_keep_their_bias(x64):
 
   f = hk.without_apply_rng(hk.transform(net))
   batch = _cnn_batch()
-  params = f.init(jax.random.key(0), batch["x"])
-  params = jax.tree_util.tree_map(lambda v: v + 0.1, params)  # Non-zero biases.
+  params = jax.jit(  # Jitted: eager ops compile one by one.
+    lambda k, x: jax.tree_util.tree_map(lambda v: v + 0.1, f.init(k, x))  # Non-zero biases.
+  )(jax.random.key(0), batch["x"])
 
   def loss_fn(p, b):
     return _ce(f.apply(p, b["x"]), b["y"])
@@ -1086,7 +1077,6 @@ def test_equinox_layers_under_vmap_keep_their_bias(x64):
 
 
 def test_one_plus_scale_is_a_scale_and_shift_layer(x64):
-  k = jax.random.split(jax.random.key(13), 3)
 
   def rms(x):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
@@ -1098,10 +1088,10 @@ def test_one_plus_scale_is_a_scale_and_shift_layer(x64):
     return _ce((rms(b["x"]) * p["scale"]).mean(1) @ p["head"], b["y"])
 
   params = {
-    "scale": 0.3 * jax.random.normal(k[0], (4,), jnp.float64),
-    "head": jax.random.normal(k[1], (4, 3), jnp.float64),
+    "scale": _models.normal(130, (4,), jnp.float64, scale=0.3),
+    "head": _models.normal(131, (4, 3), jnp.float64),
   }
-  batch = {"x": jax.random.normal(k[2], (3, 2, 4), jnp.float64), "y": jnp.array([0, 2, 1])}
+  batch = {"x": _models.normal(132, (3, 2, 4), jnp.float64), "y": jnp.array([0, 2, 1])}
   layers, u = _preconditioned(gemma_loss, params, batch)
   plain_layers, pu = _preconditioned(plain_loss, dict(params, scale=1 + params["scale"]), batch)
   assert [s.kind for s in layers] == ["dense", "scale_and_shift"]
@@ -1110,17 +1100,16 @@ def test_one_plus_scale_is_a_scale_and_shift_layer(x64):
 
 @pytest.mark.parametrize("how", ["concatenate", "stack"])
 def test_concatenated_kernels_are_one_dense_layer(x64, how):
-  k = jax.random.split(jax.random.key(14), 7)
   params = {
     "gate_a": {
-      "kernel": jax.random.normal(k[0], (3, 2), jnp.float64),
-      "bias": jax.random.normal(k[1], (2,), jnp.float64),
+      "kernel": _models.normal(140, (3, 2), jnp.float64),
+      "bias": _models.normal(141, (2,), jnp.float64),
     },
     "gate_b": {
-      "kernel": jax.random.normal(k[2], (3, 2), jnp.float64),
-      "bias": jax.random.normal(k[3], (2,), jnp.float64),
+      "kernel": _models.normal(142, (3, 2), jnp.float64),
+      "bias": _models.normal(143, (2,), jnp.float64),
     },
-    "head": jax.random.normal(k[4], (4, 3), jnp.float64),
+    "head": _models.normal(144, (4, 3), jnp.float64),
   }
 
   def join(a, b):
@@ -1140,8 +1129,8 @@ def test_concatenated_kernels_are_one_dense_layer(x64, how):
     return _ce(logits(p["kernel"], p["bias"], p["head"], b["x"]), b["y"])
 
   batch = {
-    "x": jax.random.normal(k[5], (5, 3), jnp.float64),
-    "y": jax.random.randint(k[6], (5,), 0, 3),
+    "x": _models.normal(145, (5, 3), jnp.float64),
+    "y": _models.integers(146, 0, 3, (5,)),
   }
   layers, u = _preconditioned(loss_fn, params, batch)
   assert [(s.kind, s.approx, s.param_paths) for s in layers] == [
@@ -1202,15 +1191,14 @@ def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
     h = features(p, x)
     return h.reshape(h.shape[0], -1) @ p["out"]
 
-  k = jax.random.split(jax.random.key(0), 5)
-  x = jax.random.normal(k[0], (3, 6, 5, 4), jnp.float64)
+  x = _models.normal(0, (3, 6, 5, 4), jnp.float64)
   params = {
-    "c1": 0.5 * jax.random.normal(k[1], (3, 2, 4, 4), jnp.float64),
-    "c2": 0.5 * jax.random.normal(k[2], (3, 3, 4 // groups, 4), jnp.float64),
+    "c1": _models.normal(1, (3, 2, 4, 4), jnp.float64, scale=0.5),
+    "c2": _models.normal(2, (3, 3, 4 // groups, 4), jnp.float64, scale=0.5),
   }
   feat = jax.eval_shape(features, params, x).shape
-  params["out"] = 0.2 * jax.random.normal(k[3], (math.prod(feat[1:]), 3), jnp.float64)
-  batch = {"x": x, "y": jax.random.randint(k[4], (3,), 0, 3)}
+  params["out"] = _models.normal(3, (math.prod(feat[1:]), 3), jnp.float64, scale=0.2)
+  batch = {"x": x, "y": _models.integers(4, 0, 3, (3,))}
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(
       lambda p, b: _ce(apply(p, b["x"]), b["y"]), params, batch, check_loss=False
@@ -1245,18 +1233,17 @@ def test_statistics_pull_convs_back_with_canonically_ordered_kernels(
 
 
 def _conv_local_proj(dtype):
-  return jax.random.normal(jax.random.key(12), (4 * 4 * 3, 4), dtype)
+  return _models.normal(12, (4 * 4 * 3, 4), dtype)
 
 
 def _conv_local_model(n, approx=None, bias=True):
   """A Flax `nn.ConvLocal` (3x3 window, 4x4 output grid, 2 -> 3 channels) read by a fixed
   projection, so that its kernel and bias are the only parameters."""
   layer = nn.ConvLocal(3, (3, 3), padding="VALID", use_bias=bias, param_dtype=jnp.float64)
-  k = jax.random.split(jax.random.key(11), 4)
-  x = jax.random.normal(k[0], (n, 6, 6, 2), jnp.float64)
-  params = layer.init(k[1], x)["params"]
+  x = _models.normal(110, (n, 6, 6, 2), jnp.float64)
+  params = jax.jit(layer.init)(jax.random.key(11), x)["params"]
   proj = _conv_local_proj(jnp.float64)
-  batch = {"x": x, "y": jax.random.randint(k[3], (n,), 0, 4)}
+  batch = {"x": x, "y": _models.integers(111, 0, 4, (n,))}
 
   def logits(p, b):
     return layer.apply({"params": p}, b["x"]).reshape(b["x"].shape[0], -1) @ proj

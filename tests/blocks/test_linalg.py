@@ -24,7 +24,7 @@ def test_bucket_sizes_are_eight_per_octave_never_smaller_and_not_powers_of_two()
 def _spd(n, seed):
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(n, n + 3))
-  return jnp.asarray(x @ x.T / n + 0.1 * np.eye(n))
+  return jax.device_put(x @ x.T / n + 0.1 * np.eye(n))
 
 
 @pytest.mark.parametrize("n", [5, 17, 33, 100])
@@ -67,7 +67,7 @@ def test_substitution_form_solves_like_the_inverse(n, x64):
     form = _linalg.substitution_form(m)
     return form, _linalg.substitution_solve(form, x), _linalg.substitution_solve(eye, x)
 
-  (diagonals, panels), got, identity = solves(m, jnp.asarray(x), eye)
+  (diagonals, panels), got, identity = solves(m, jax.device_put(x), eye)
   bounds = _linalg.substitution_bounds(n)
   assert len(diagonals) == len(bounds) - 1 == len(panels) + 1
   assert len(diagonals) == min(_linalg.SUBSTITUTION_BLOCKS, -(-n // 8))
@@ -83,7 +83,7 @@ def test_substitution_form_solves_like_the_inverse(n, x64):
 def test_ordered_sum_and_mean_diag_are_sums_in_a_fixed_order(n):
   rng = np.random.default_rng(n)
   x = rng.normal(size=(3, n)).astype(np.float32)
-  got = np.asarray(_linalg.ordered_sum(jnp.asarray(x)))
+  got = np.asarray(_linalg.ordered_sum(jax.device_put(x)))
   np.testing.assert_allclose(got, x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-5)
   # The pairwise tree, written out in numpy float32: the same adds in the same order, so the
   # same bits, whatever fusion or layout XLA chooses around it.
@@ -92,15 +92,15 @@ def test_ordered_sum_and_mean_diag_are_sums_in_a_fixed_order(n):
     tree = tree[:, : tree.shape[-1] // 2] + tree[:, tree.shape[-1] // 2 :]
   np.testing.assert_array_equal(got, tree[:, 0])
   m = rng.normal(size=(n, n)).astype(np.float32)
-  np.testing.assert_array_equal(_linalg.diagonal(jnp.asarray(m)), np.diagonal(m))
-  np.testing.assert_array_equal(jax.jit(_linalg.diagonal)(jnp.asarray(m)), np.diagonal(m))
+  np.testing.assert_array_equal(_linalg.diagonal(jax.device_put(m)), np.diagonal(m))
+  np.testing.assert_array_equal(jax.jit(_linalg.diagonal)(jax.device_put(m)), np.diagonal(m))
   with pytest.raises(ValueError, match=re.escape(f"square matrix, got shape (2, {n}, {n})")):
     _linalg.diagonal(jnp.zeros((2, n, n)))
   np.testing.assert_allclose(
-    _linalg.mean_diag(jnp.asarray(m)), np.trace(m) / n, rtol=1e-5, atol=1e-6
+    _linalg.mean_diag(jax.device_put(m)), np.trace(m) / n, rtol=1e-5, atol=1e-6
   )
   np.testing.assert_allclose(
-    _linalg.mean_diag(jnp.asarray(x[0])), x[0].mean(), rtol=1e-5, atol=1e-6
+    _linalg.mean_diag(jax.device_put(x[0])), x[0].mean(), rtol=1e-5, atol=1e-6
   )
 
 
@@ -110,6 +110,6 @@ def test_gram_equals_the_rows_outer_products_with_a_ones_column(groups, bias, x6
   x = np.random.default_rng(groups).normal(size=(7, groups, 4))
   rows = np.concatenate([x, np.ones((7, groups, 1))], -1) if bias else x
   want = np.einsum("rgi,rgj->gij", rows, rows)
-  got = _linalg.gram(jnp.asarray(x), bias)
+  got = _linalg.gram(jax.device_put(x), bias)
   assert got.shape == (groups, 5 if bias else 4, 5 if bias else 4)
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -67,12 +67,12 @@ def _loss(p, b):
 
 
 def _data():
-  k = jax.random.split(jax.random.key(0), 5)
+  f = jax.dtypes.canonicalize_dtype(float)  # float64 under x64.
   params = {
-    "hidden": {"w": jax.random.normal(k[0], (D, H)), "b": 0.1 * jax.random.normal(k[1], (H,))},
-    "out": {"w": jax.random.normal(k[2], (H, K))},
+    "hidden": {"w": _models.normal(0, (D, H), f), "b": _models.normal(1, (H,), f, scale=0.1)},
+    "out": {"w": _models.normal(2, (H, K), f)},
   }
-  batch = {"x": jax.random.normal(k[3], (N, D)), "y": jax.random.normal(k[4], (N, K))}
+  batch = {"x": _models.normal(3, (N, D), f), "y": _models.normal(4, (N, K), f)}
   return params, batch
 
 
@@ -224,12 +224,11 @@ def test_user_block_on_a_scanned_stack(x64):
   """A stack of layers sliced by a scan: the user's block is vmapped over the layers, and
   equals the library's "full" block layer by layer."""
   n_layers = 3
-  k = jax.random.split(jax.random.key(1), 3)
   params = {
-    "stack": {"w": 0.5 * jax.random.normal(k[0], (n_layers, H, H))},
-    "out": {"w": jax.random.normal(k[1], (H, K))},
+    "stack": {"w": _models.normal(10, (n_layers, H, H), jnp.float64, scale=0.5)},
+    "out": {"w": _models.normal(11, (H, K), jnp.float64)},
   }
-  batch = {"x": jax.random.normal(k[2], (N, H)), "y": jnp.zeros((N, K))}
+  batch = {"x": _models.normal(12, (N, H), jnp.float64), "y": jnp.zeros((N, K))}
 
   def loss_fn(p, b):
     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["stack"]["w"])
@@ -259,12 +258,11 @@ def test_user_block_on_a_scanned_stack(x64):
 def test_blocks_of_two_classes_are_not_batched_together():
   """Equal factor shapes and a shared class name: still two groups (one `compute_cache` call
   per class), so neither layer is refreshed by the other's rule."""
-  k = jax.random.split(jax.random.key(5), 3)
   params = {
-    "hidden": {"w": jax.random.normal(k[0], (H, H))},
-    "out": {"w": jax.random.normal(k[1], (H, H))},
+    "hidden": {"w": _models.normal(50, (H, H))},
+    "out": {"w": _models.normal(51, (H, H))},
   }
-  batch = {"x": jax.random.normal(k[2], (N, H)), "y": jnp.zeros((N, H))}
+  batch = {"x": _models.normal(52, (N, H)), "y": jnp.zeros((N, H))}
 
   def loss_fn(p, b):
     z = jnp.tanh(b["x"] @ p["hidden"]["w"]) @ p["out"]["w"]

@@ -31,8 +31,10 @@ def _ce(logits, y):
 
 
 def _seq_batch(key=0):
-  kx, ky = jax.random.split(jax.random.key(key))
-  return {"ids": jax.random.randint(kx, (N, L), 0, V), "y": jax.random.randint(ky, (N, L), 0, V)}
+  return {
+    "ids": _models.integers(2 * key, 0, V, (N, L)),
+    "y": _models.integers(2 * key + 1, 0, V, (N, L)),
+  }
 
 
 def _by_name(layers):
@@ -113,7 +115,7 @@ class _NnxGRU(nnx.Module):
 def _linen(model_cls):
   model = model_cls()
   batch = _seq_batch()
-  params = model.init(jax.random.key(1), batch["ids"])
+  params = jax.jit(model.init)(jax.random.key(1), batch["ids"])  # Eager ops compile one by one.
   return (lambda p, b: _ce(model.apply(p, b["ids"]), b["y"])), params, batch
 
 
@@ -174,10 +176,9 @@ def test_rnn_through_scan_is_found_with_uses_per_step_and_a_step_descends(flavou
 
 def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
   """kron_indep: A = mean over uses and rows of x̄x̄ᵀ, G = Σ_uses (1/N) Σ_rows g gᵀ."""
-  kx, ky, kw = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(kx, (N, D))
-  params = {"w": 0.5 * jax.random.normal(kw, (D, D)), "b": jnp.zeros(D)}
-  batch = {"x": x, "y": jax.random.randint(ky, (N,), 0, D)}
+  x = _models.normal(0, (N, D), jnp.float64)
+  params = {"w": _models.normal(1, (D, D), jnp.float64, scale=0.5), "b": jnp.zeros(D)}
+  batch = {"x": x, "y": _models.integers(2, 0, D, (N,))}
 
   def model(p, x, eps=(0.0, 0.0)):
     h1 = jnp.tanh(x @ p["w"] + p["b"] + eps[0])
@@ -206,9 +207,8 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
 
 
 def _single_use_dense():
-  kx, ky, kw = jax.random.split(jax.random.key(1), 3)
-  params = {"w": jax.random.normal(kw, (D, 3)), "b": jnp.zeros(3)}
-  batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, 3)}
+  params = {"w": _models.normal(10, (D, 3), jnp.float64), "b": jnp.zeros(3)}
+  batch = {"x": _models.normal(11, (N, L, D), jnp.float64), "y": _models.integers(12, 0, 3, (N, L))}
   loss_fn = lambda p, b: _ce(b["x"] @ p["w"] + p["b"], b["y"])
   (spec,) = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   scan, stats = _stats(loss_fn, params, batch)
@@ -410,14 +410,13 @@ def test_series_block_refuses_other_powers_and_eigen_damping():
 @pytest.mark.parametrize("approx", ["kron_series_1", "kron_series_2"])
 def test_rnn_with_series_tags_inside_the_scan_body_takes_a_descent_step(approx):
   """register_dense inside a plain lax.scan body: one tag per unrolled step, one layer."""
-  kx, ky, kw, ku = jax.random.split(jax.random.key(4), 4)
   params = {
-    "w_in": 0.5 * jax.random.normal(kw, (D, 3)),
-    "w_h": 0.5 * jax.random.normal(ku, (3, 3)),
+    "w_in": _models.normal(40, (D, 3), scale=0.5),
+    "w_h": _models.normal(41, (3, 3), scale=0.5),
     "b": jnp.zeros(3),
-    "w_out": jax.random.normal(kx, (3, V)),
+    "w_out": _models.normal(42, (3, V)),
   }
-  batch = {"x": jax.random.normal(kx, (N, L, D)), "y": jax.random.randint(ky, (N, L), 0, V)}
+  batch = {"x": _models.normal(43, (N, L, D)), "y": _models.integers(44, 0, V, (N, L))}
 
   def loss_fn(p, b):
     def step(h, x):
@@ -451,9 +450,8 @@ def test_series_approx_on_uses_with_different_rows_is_refused():
 
 def test_tied_embedding_factors_match_the_definition(x64):
   """Lookup term X_e ⊗ Y_e plus logits term X_d ⊗ Y_d, balanced, then mean(X) and sum(Y)."""
-  kt, ki, ky = jax.random.split(jax.random.key(5), 3)
-  params = {"t": jax.random.normal(kt, (V, D))}
-  batch = {"ids": jax.random.randint(ki, (N,), 0, V), "y": jax.random.randint(ky, (N,), 0, V)}
+  params = {"t": _models.normal(50, (V, D), jnp.float64)}
+  batch = {"ids": _models.integers(51, 0, V, (N,)), "y": _models.integers(52, 0, V, (N,))}
 
   def model(p, ids, e_emb=0.0, e_out=0.0):
     h = jnp.tanh(p["t"][ids] + e_emb)
@@ -493,9 +491,11 @@ def test_tied_embedding_factors_match_the_definition(x64):
 def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
   """The flat graph unrolls scans over parameters exactly, also reversed ones and scans whose
   `xs` are stacked parameters (those are a stack of L layers, one per slice)."""
-  kx, ky, kw, ks = jax.random.split(jax.random.key(6), 4)
-  params = {"w": 0.5 * jax.random.normal(kw, (D, D)), "stack": jax.random.normal(ks, (L, D))}
-  batch = {"x": jax.random.normal(kx, (L, N, D)), "y": jax.random.randint(ky, (N,), 0, D)}
+  params = {
+    "w": _models.normal(60, (D, D), jnp.float64, scale=0.5),
+    "stack": _models.normal(61, (L, D), jnp.float64),
+  }
+  batch = {"x": _models.normal(62, (L, N, D), jnp.float64), "y": _models.integers(63, 0, D, (N,))}
 
   def loss_fn(p, b):
     def step(h, xs):
@@ -543,15 +543,15 @@ def _shared_conv_norm_model(params, x, eps=(0.0, 0.0, 0.0, 0.0)):
 
 
 def _shared_conv_setup(n):
-  kk, kx, ky, kw, ks = jax.random.split(jax.random.key(11), 5)
+  f = jax.dtypes.canonicalize_dtype(float)  # float64 under x64.
   params = {
-    "k": 0.5 * jax.random.normal(kk, (2, 2, 2, 2)),
+    "k": _models.normal(110, (2, 2, 2, 2), f, scale=0.5),
     "b": jnp.array([0.1, -0.2]),
-    "s": 1.0 + 0.3 * jax.random.normal(ks, (2,)),
+    "s": jax.device_put((1.0 + 0.3 * _models.np_rng(111).standard_normal(2)).astype(f)),
     "sh": jnp.array([0.2, 0.1]),
-    "w": jax.random.normal(kw, (2, 3)),
+    "w": _models.normal(112, (2, 3), f),
   }
-  batch = {"x": jax.random.normal(kx, (n, 4, 4, 2)), "y": jax.random.randint(ky, (n,), 0, 3)}
+  batch = {"x": _models.normal(113, (n, 4, 4, 2), f), "y": _models.integers(114, 0, 3, (n,))}
   loss_fn = lambda p, b: _ce(_shared_conv_norm_model(p, b["x"])[1], b["y"])
   return params, batch, loss_fn
 
@@ -582,7 +582,7 @@ class _LinenSharedModules(nn.Module):
 def test_linen_conv_and_layer_norm_called_twice_are_shared_layers():
   model = _LinenSharedModules()
   batch = {"x": jnp.ones((2, 5, 5, 3)), "y": jnp.array([0, 1])}
-  params = model.init(jax.random.key(0), batch["x"])
+  params = jax.jit(model.init)(jax.random.key(0), batch["x"])
   loss_fn = lambda p, b: _ce(model.apply(p, b["x"]), b["y"])
   table = kfac_jax.summary(
     registration=kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False)
@@ -674,8 +674,8 @@ def test_shared_conv_and_norm_full_blocks_equal_the_exact_empirical_fisher(x64, 
 
 def test_grouped_conv_kron_indep_keeps_one_factor_pair_per_group(x64):
   """Two uses seeing the same data: A per group unchanged, G per group doubled."""
-  params = {"k": jax.random.normal(jax.random.key(12), (3, 3, 2, 4))}
-  batch = {"x": jax.random.normal(jax.random.key(13), (2, 5, 5, 4)), "y": jnp.array([0, 3])}
+  params = {"k": _models.normal(12, (3, 3, 2, 4), jnp.float64)}
+  batch = {"x": _models.normal(13, (2, 5, 5, 4), jnp.float64), "y": jnp.array([0, 3])}
 
   def loss_fn(p, b):
     h = jax.lax.conv_general_dilated(
