@@ -29,19 +29,19 @@ pytestmark = pytest.mark.filterwarnings("ignore::kfac_jax.UncoveredParametersWar
 
 
 def _setup(dtype=jnp.float32):
-  k = jax.random.split(jax.random.key(0), 4)
+  """Built on the host: each eager op (a `jax.random` draw too) would compile its own program."""
   params = {
-    "w1": jax.random.normal(k[0], (D, H), dtype),
-    "w2": 0.5 * jax.random.normal(k[1], (H, C), dtype),
-    "w3": 0.5 * jax.random.normal(k[3], (H, 2), dtype),
+    "w1": _models.normal(0, (D, H), dtype),
+    "w2": _models.normal(1, (H, C), dtype, scale=0.5),
+    "w3": _models.normal(3, (H, 2), dtype, scale=0.5),
   }
   batch = {
-    "x": jax.random.normal(k[2], (N, D), dtype),
-    "y": jnp.arange(N) % C,
-    "mask": (jnp.arange(N) % 3 != 0).astype(dtype),
-    "t": jnp.ones((N, 2), dtype),
+    "x": _models.normal(2, (N, D), dtype),
+    "y": np.arange(N) % C,
+    "mask": (np.arange(N) % 3 != 0).astype(dtype),
+    "t": np.ones((N, 2), dtype),
   }
-  return params, batch
+  return params, jax.device_put(batch)
 
 
 def _net(p, b):

@@ -1,6 +1,10 @@
 """Tests for kfac_jax.Optimizer: the quadratic model against jax.hessian, damping adaptation,
 one compilation across every period, bit-identical skipping, convergence, the optax form."""
 
+# `check_loss=False` on the registrations the tests build (the Optimizer does not read the loss
+# factor): the loss audit is tested in tests/test_audit.py and the zoo; here it would only
+# compile another program.
+
 import functools
 
 import jax
@@ -111,14 +115,14 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
   """The step's single linearisation serves the gradient, the model's J v products and the aux,
   with two loss tags: α, μ, M(δ) and ρ equal the exact float64 values (jax.jacobian/hessian
   of the two heads, the loss re-evaluated at θ + δ)."""
-  k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
+  normal = functools.partial(_models.normal, dtype=jnp.float64, scale=0.5)
   params = {
-    "h": {"w": jax.random.normal(k1, (4, 5), jnp.float64) / 2, "b": jnp.zeros(5, jnp.float64)},
-    "c": {"w": jax.random.normal(k2, (5, 3), jnp.float64) / 2},
-    "r": {"w": jax.random.normal(k3, (5, 2), jnp.float64) / 2},
+    "h": {"w": normal(31, (4, 5)), "b": jax.device_put(np.zeros(5, np.float64))},
+    "c": {"w": normal(32, (5, 3))},
+    "r": {"w": normal(33, (5, 2))},
   }
-  batch = _models.classification_batch(k4, n=12, din=4, classes=3, dtype=jnp.float64)
-  batch["t"] = jnp.sin(batch["x"][:, :2])
+  batch = _models.classification_batch(34, n=12, din=4, classes=3, dtype=jnp.float64)
+  batch["t"] = jax.device_put(np.sin(np.asarray(batch["x"])[:, :2]))
 
   def heads(p, x):
     h = jnp.tanh(x @ p["h"]["w"] + p["h"]["b"])
@@ -136,7 +140,7 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
 
   lam = 0.2
   cfg = kfac_jax.Config(damping_adaptation_interval=1)
-  reg = kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
+  reg = kfac_jax.Registration(loss_fn, params, batch, has_aux=True, check_loss=False)
   opt = kfac_jax.Optimizer(registration=reg, damping=lam, inverse_every=1, config=cfg)
   (p0, _, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
   np.testing.assert_allclose(i1["aux"]["z2_mean"], heads(p1, batch["x"])[1].mean(), rtol=1e-12)
@@ -203,23 +207,21 @@ def test_solve_quadratic_model_variants(x64):
 
 def test_linear_least_squares_lands_on_minimiser(x64):
   """Exact curvature of a dense layer with a normal loss is Kronecker: K-FAC = Newton."""
-  kx, kw, ky = jax.random.split(jax.random.key(3), 3)
-  x = jax.random.normal(kx, (40, 5), jnp.float64)
-  y = (
-    x @ jax.random.normal(kw, (5, 2), jnp.float64)
-    + 0.3 * jax.random.normal(ky, (40, 2), jnp.float64)
-    + 1.0
-  )
-  batch = {"x": x, "y": y}
+  rng = _models.np_rng(3)  # On the host: each eager op would compile a program of its own.
+  x = rng.standard_normal((40, 5))
+  y = x @ rng.standard_normal((5, 2)) + 0.3 * rng.standard_normal((40, 2)) + 1.0
+  batch = jax.device_put({"x": x, "y": y})
 
   def loss_fn(params, batch):
     pred = batch["x"] @ params["w"] + params["b"]
     kfac_jax.register_squared_error_loss(pred, batch["y"])
     return jnp.mean(jnp.sum((pred - batch["y"]) ** 2, axis=-1))
 
-  params = {"w": jnp.zeros((5, 2), jnp.float64), "b": jnp.zeros((2,), jnp.float64)}
+  params = jax.device_put({"w": np.zeros((5, 2)), "b": np.zeros(2)})
   opt = kfac_jax.Optimizer(
-    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact"),
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="exact", check_loss=False
+    ),
     damping=0.0,
     use_adaptive_damping=False,
   )
@@ -309,7 +311,9 @@ def test_weight_decay_l2_and_schedules(x64):
   lr = lambda count: 0.1 / (1.0 + count)
   wd, eta, lam = 0.01, 0.05, 0.2
   opt = kfac_jax.Optimizer(
-    registration=kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact"),
+    registration=kfac_jax.Registration(
+      loss_fn, params, batch, estimation_mode="exact", check_loss=False
+    ),
     learning_rate=lr,
     momentum=0.0,
     damping=lambda count: lam + 0 * count,
@@ -483,13 +487,13 @@ def test_pmap_matches_single_device(x64):
     inverse_every=1,
     config=kfac_jax.Config(damping_adaptation_interval=1),
   )
-  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact", check_loss=False)
   single = kfac_jax.Optimizer(registration=reg, **kw)
   ((_, _, p_ref, s_ref, i_ref),) = _run(single, params, batch, 1)
 
   shards = jax.tree_util.tree_map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
   half = jax.tree_util.tree_map(lambda x: x[0], shards)
-  reg_half = kfac_jax.Registration(loss_fn, params, half, estimation_mode="exact")
+  reg_half = kfac_jax.Registration(loss_fn, params, half, estimation_mode="exact", check_loss=False)
   multi = kfac_jax.Optimizer(registration=reg_half, axis_name="d", **kw)
   state = jax.jit(multi.init)(params)  # Jitted: eager ops compile one by one.
   rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)

@@ -48,15 +48,14 @@ def _rev_bwd(res, ct):
 _reversed_dense.defvjp(_rev_fwd, _rev_bwd)
 
 
-@jax.jit  # One program per x64 mode, not one per random draw.
+def _normal(seed, shape, scale=1.0):
+  """Drawn on the host; float64 under x64, float32 otherwise (`jax.device_put` converts)."""
+  return _models.normal(seed, shape, jnp.float64, scale)
+
+
 def _classifier_data():
-  k = jax.random.split(jax.random.key(0), 5)
-  params = {
-    "w1": jax.random.normal(k[0], (D, H)),
-    "w2": jax.random.normal(k[1], (H, H)),
-    "w3": jax.random.normal(k[2], (H, 3)),
-  }
-  batch = {"x": jax.random.normal(k[3], (N, D)), "y": jax.random.randint(k[4], (N,), 0, 3)}
+  params = {"w1": _normal(0, (D, H)), "w2": _normal(1, (H, H)), "w3": _normal(2, (H, 3))}
+  batch = {"x": _normal(3, (N, D)), "y": _models.integers(4, 0, 3, (N,))}
   return params, batch
 
 
@@ -127,16 +126,14 @@ def _log_psi_tagged(p, b):
   kfac_jax.register_normal_predictive_distribution(_log_psi(p, b["r"])[:, None])
 
 
-@jax.jit  # One program per x64 mode, not one per random draw.
 def _vmc_data():
-  k = jax.random.split(jax.random.key(2), 3)
   params = {
-    "w1": 0.5 * jax.random.normal(k[0], (D, H)),
-    "b1": jnp.zeros(H),
-    "w2": 0.5 * jax.random.normal(k[1], (H,)),
-    "a": jnp.ones(1),
+    "w1": _normal(20, (D, H), 0.5),
+    "b1": jax.device_put(np.zeros(H)),
+    "w2": _normal(21, (H,), 0.5),
+    "a": jax.device_put(np.ones(1)),
   }
-  return params, {"r": jax.random.normal(k[2], (N, D))}
+  return params, {"r": _normal(22, (N, D))}
 
 
 def test_vmc_energy_gradient_is_the_rule(x64):
@@ -295,13 +292,8 @@ def _complex_log_psi(p, r):
 
 
 def test_complex_log_psi_gives_the_exact_fisher(x64):
-  k = jax.random.split(jax.random.key(3), 4)
-  params = {
-    "w1": jax.random.normal(k[0], (D, H)),
-    "b1": 0.1 * jax.random.normal(k[1], (H,)),
-    "w2": jax.random.normal(k[2], (H, 2)),
-  }
-  batch = {"r": jax.random.normal(k[3], (N, D))}
+  params = {"w1": _normal(30, (D, H)), "b1": _normal(31, (H,), 0.1), "w2": _normal(32, (H, 2))}
+  batch = {"r": _normal(33, (N, D))}
 
   def curvature_fn(p, b):
     kfac_jax.register_normal_predictive_distribution(_complex_log_psi(p, b["r"])[:, None])
