@@ -33,22 +33,24 @@ def _tagged(kind, z, b):
 @functools.cache  # One loss, params and batch per case, shared by the tests.
 def _setup(kind, model, n=1):
   din, dout = 3, 4
-  kx, kp, kt, kw = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(kx, (n, din), jnp.float64)
+  rng = _models.np_rng(0)  # Drawn on the host, float64 (every caller runs under x64).
   # Per-example weights for the categorical, per-coordinate weights for the others.
   wshape = (n,) if kind == "categorical" else (n, dout)
   batch = {
-    "x": x,
-    "y": jnp.arange(n) % dout,
-    "t": (jax.random.uniform(kt, (n, dout), jnp.float64) > 0.5).astype(jnp.float64),
-    "w": jax.random.uniform(kw, wshape, jnp.float64, 0.3, 2.0),
+    "x": rng.standard_normal((n, din)),
+    "y": np.arange(n) % dout,
+    "t": (rng.random((n, dout)) > 0.5).astype(np.float64),
+    "w": rng.uniform(0.3, 2.0, wshape),
   }
   if kind == "normal":
-    batch["t"] = jax.random.normal(kt, (n, dout), jnp.float64)
+    batch["t"] = rng.standard_normal((n, dout))
+  batch = jax.device_put(batch)
   sizes = (din, dout) if model == "linear" else (din, 5, dout)
-  params = _models.to_dtype(_models.jnp_mlp_init(kp, sizes), jnp.float64)
-  params = jax.tree_util.tree_map(
-    lambda p: p + 0.3 * jnp.cos(jnp.arange(p.size)).reshape(p.shape), params
+  params = _models.jnp_mlp_init(1, sizes, jnp.float64)
+  params = jax.device_put(
+    jax.tree_util.tree_map(
+      lambda p: np.asarray(p) + 0.3 * np.cos(np.arange(p.size)).reshape(p.shape), params
+    )
   )  # Non-zero biases.
 
   def loss_fn(p, b):
@@ -149,13 +151,15 @@ def test_random_modes_converge_to_exact(x64, kind, mode):
 def test_sequence_prediction_exact_matches_reference(x64):
   """`[N, T, C]` logits from per-position weights: the exact mode is the full Fisher block."""
   n, d, t, c = 1, 3, 2, 3
-  k = jax.random.split(jax.random.key(1), 4)
-  params = {"w": jax.random.normal(k[0], (d, t, c), jnp.float64)}
-  batch = {
-    "x": jax.random.normal(k[1], (n, d), jnp.float64),
-    "y": jax.random.randint(k[2], (n, t), 0, c),
-    "w": jax.random.uniform(k[3], (n, t), jnp.float64, 0.5, 1.5),
-  }
+  rng = _models.np_rng(1)
+  params = jax.device_put({"w": rng.standard_normal((d, t, c))})
+  batch = jax.device_put(
+    {
+      "x": rng.standard_normal((n, d)),
+      "y": rng.integers(0, c, (n, t)).astype(np.int32),
+      "w": rng.uniform(0.5, 1.5, (n, t)),
+    }
+  )
   apply = lambda p, x: jnp.einsum("nd,dtc->ntc", x, p["w"])
 
   def loss_in_z(z, b):
@@ -181,16 +185,15 @@ def test_sequence_prediction_shared_kernel_factors(x64):
   """`[N, T, C]` logits from a kernel shared over positions: column (t, c) of the exact stack is
   non-zero only at position t, so G = (1/N) Σ_{n,t} w_{nt} F(z_{nt}) and A = mean ā āᵀ."""
   n, t, d, c = 2, 3, 4, 3
-  k = jax.random.split(jax.random.key(2), 5)
-  params = {
-    "w": jax.random.normal(k[0], (d, c), jnp.float64),
-    "b": jax.random.normal(k[4], (c,), jnp.float64),
-  }
-  batch = {
-    "x": jax.random.normal(k[1], (n, t, d), jnp.float64),
-    "y": jax.random.randint(k[2], (n, t), 0, c),
-    "w": jax.random.uniform(k[3], (n, t), jnp.float64, 0.5, 1.5),
-  }
+  rng = _models.np_rng(2)
+  params = jax.device_put({"w": rng.standard_normal((d, c)), "b": rng.standard_normal(c)})
+  batch = jax.device_put(
+    {
+      "x": rng.standard_normal((n, t, d)),
+      "y": rng.integers(0, c, (n, t)).astype(np.int32),
+      "w": rng.uniform(0.5, 1.5, (n, t)),
+    }
+  )
   apply = lambda p, x: x @ p["w"] + p["b"]
 
   def loss_in_z(z, b):
@@ -214,13 +217,11 @@ def test_sequence_prediction_shared_kernel_factors(x64):
 
 def test_exact_with_two_loss_tags(x64):
   """Two tags on two heads: the joint exact stack has no cross terms between the tags."""
-  k = jax.random.split(jax.random.key(3), 3)
-  params = _models.to_dtype(_models.jnp_mlp_init(k[0], (3, 5, 6)), jnp.float64)
-  batch = {
-    "x": jax.random.normal(k[1], (1, 3), jnp.float64),
-    "y": jnp.array([2]),
-    "t": jax.random.normal(k[2], (1, 2), jnp.float64),
-  }
+  params = _models.jnp_mlp_init(3, (3, 5, 6), jnp.float64)
+  rng = _models.np_rng(4)
+  batch = jax.device_put(
+    {"x": rng.standard_normal((1, 3)), "y": np.array([2]), "t": rng.standard_normal((1, 2))}
+  )
 
   def heads(z, b):
     logits, mean = z[:, :4], z[:, 4:]

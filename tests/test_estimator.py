@@ -15,7 +15,8 @@ from tests import _models
 def _linen_setup(n=1, dtype=jnp.float64, sizes=(5, 3), din=4):
   model = _models.LinenMLP(sizes)
   batch = _models.classification_batch(jax.random.key(0), n=n, din=din, dtype=dtype)
-  params = _models.to_dtype(model.init(jax.random.key(1), batch["x"]), dtype)
+  init = jax.jit(lambda k, x: _models.to_dtype(model.init(k, x), dtype))  # One program.
+  params = init(jax.random.key(1), batch["x"])
   return model, _models.softmax_loss(model.apply), params, batch
 
 
@@ -41,10 +42,10 @@ def test_batch_of_one_empirical_equals_gradient_outer_product(x64):
 
 @pytest.mark.parametrize("loss", ["sigmoid", "squared", "normal_var", "weighted_softmax"])
 def test_batch_of_one_empirical_other_losses(x64, loss):
-  params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (3, 4, 2)), jnp.float64)
-  params["gen"] = jnp.linspace(0.5, 1.5, 2)
-  x = jnp.array([[0.3, -1.2, 0.7]])
-  t = jnp.array([[1.0, 0.0]])
+  params = _models.jnp_mlp_init(jax.random.key(0), (3, 4, 2), jnp.float64)
+  params["gen"] = jax.device_put(np.linspace(0.5, 1.5, 2))
+  x = jax.device_put(np.array([[0.3, -1.2, 0.7]]))
+  t = jax.device_put(np.array([[1.0, 0.0]]))
   w, var = 0.3, 2.0
 
   def loss_fn(p, b):
@@ -76,10 +77,7 @@ def test_batch_of_one_empirical_other_losses(x64, loss):
 
 def test_factor_normalisation_on_a_batch(x64):
   """A = mean āāᵀ and G = mean ggᵀ with g the per-example loss gradient at the outputs."""
-  params = {
-    "w": jax.random.normal(jax.random.key(0), (3, 4), jnp.float64),
-    "b": jnp.zeros((4,), jnp.float64),
-  }
+  params = {"w": _models.normal(0, (3, 4), jnp.float64), "b": jax.device_put(np.zeros(4))}
   batch = _models.classification_batch(jax.random.key(1), n=7, din=3, classes=4, dtype=jnp.float64)
   loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"] + p["b"])
   est = kfac_jax.CurvatureEstimator(
@@ -98,10 +96,10 @@ def test_factor_normalisation_on_a_batch(x64):
 def test_sampled_fisher_converges_to_exact_fisher(x64):
   """Linear softmax, one example: E[A ⊗ G] = Jᵀ (diag p − p pᵀ) J."""
   params = {
-    "w": jax.random.normal(jax.random.key(0), (3, 4), jnp.float64) * 0.7,
-    "b": jnp.array([0.1, -0.2, 0.3, 0.0], jnp.float64),
+    "w": _models.normal(0, (3, 4), jnp.float64, scale=0.7),
+    "b": jax.device_put(np.array([0.1, -0.2, 0.3, 0.0])),
   }
-  batch = {"x": jnp.array([[0.5, -1.0, 2.0]]), "y": jnp.array([1])}
+  batch = jax.device_put({"x": np.array([[0.5, -1.0, 2.0]]), "y": np.array([1])})
   apply = lambda p, x: x @ p["w"] + p["b"]
   loss_fn = _models.softmax_loss(apply)
   est = kfac_jax.CurvatureEstimator(
@@ -199,7 +197,7 @@ def test_matpower_roundtrip_and_cholesky(x64, damping_mode, factor_solve):
 
 
 def test_damped_block_formulas(x64):
-  params = {"w": jax.random.normal(jax.random.key(0), (3, 2), jnp.float64)}
+  params = {"w": _models.normal(0, (3, 2), jnp.float64)}
   batch = _models.classification_batch(jax.random.key(1), n=5, din=3, classes=2, dtype=jnp.float64)
   loss_fn = _models.softmax_loss(lambda p, x: x @ p["w"])
   lam = 0.3
@@ -230,7 +228,7 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
   # On CPU equal-shape blocks get one call each (batched LAPACK can deadlock there); the vmapped
   # path that GPU / TPU take is forced here on small matrices.
   monkeypatch.setattr(_block_base, "batched_factorisations", lambda: batched)
-  params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (4, 4, 4, 3)), jnp.float64)
+  params = _models.jnp_mlp_init(jax.random.key(0), (4, 4, 4, 3), jnp.float64)
   batch = _models.classification_batch(jax.random.key(1), n=9, dtype=jnp.float64)
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(
@@ -441,18 +439,19 @@ def test_failed_factorisation_keeps_the_previous_inverse(factor_solve):
 def _head_setup():
   """x [16, 8] -> dense 300 (tanh) -> dense 4: the first layer's G (300) multiplies 9 columns,
   the head's A (301) 4: both sides `factor_solve="auto"` keeps in substitution form."""
-  k = jax.random.split(jax.random.key(0), 4)
-  params = {
-    "w1": 0.3 * jax.random.normal(k[0], (8, 300), jnp.float64),
-    "b1": jnp.zeros(300, jnp.float64),
-    "w2": 0.1 * jax.random.normal(k[1], (300, 4), jnp.float64),
-    "b2": jnp.zeros(4, jnp.float64),
-  }
+  rng = _models.np_rng(0)  # float64: every caller runs under x64.
+  params = jax.device_put(
+    {
+      "w1": 0.3 * rng.standard_normal((8, 300)),
+      "b1": np.zeros(300),
+      "w2": 0.1 * rng.standard_normal((300, 4)),
+      "b2": np.zeros(4),
+    }
+  )
   apply = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-  batch = {
-    "x": jax.random.normal(k[2], (16, 8), jnp.float64),
-    "y": jax.random.randint(k[3], (16,), 0, 4),
-  }
+  batch = jax.device_put(
+    {"x": rng.standard_normal((16, 8)), "y": rng.integers(0, 4, 16).astype(np.int32)}
+  )
   return _models.softmax_loss(apply), params, batch
 
 
@@ -505,8 +504,8 @@ def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypa
     h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
     return h[:, :4]
 
-  p = {"w": 0.05 * jax.random.normal(jax.random.key(2), (3, 300, 300), jnp.float64)}
-  b = {"x": jnp.ones((2, 300), jnp.float64), "y": jnp.array([0, 1])}
+  p = {"w": _models.normal(2, (3, 300, 300), jnp.float64, scale=0.05)}
+  b = jax.device_put({"x": np.ones((2, 300)), "y": np.array([0, 1])})
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(_models.softmax_loss(stacked), p, b, check_loss=False),
     config=kfac_jax.Config(factor_solve="always"),

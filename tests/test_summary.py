@@ -277,13 +277,15 @@ def test_a_closed_over_constant_with_a_row_per_example_is_a_layer_input(x64):
   """An initial state built outside the loss function (`h0` of shape `[N, H]`, closed over) is a
   dense layer's input with one row per example. Its curvature is the same as with `h0` passed in
   the batch (it used to fail with a KeyError when the statistics read the constant)."""
-  k = jax.random.split(jax.random.key(0), 4)
-  h0 = jax.random.normal(k[0], (N, D), jnp.float64)
-  params = {
-    "head": jax.random.normal(k[1], (D, C), jnp.float64),
-    "wh": jax.random.normal(k[2], (D, D), jnp.float64),
-    "wx": jax.random.normal(k[3], (D, D), jnp.float64),
-  }
+  rng = _models.np_rng(0)
+  h0 = jax.device_put(rng.standard_normal((N, D)))
+  params = jax.device_put(
+    {
+      "head": rng.standard_normal((D, C)),
+      "wh": rng.standard_normal((D, D)),
+      "wx": rng.standard_normal((D, D)),
+    }
+  )
   batch = _models.classification_batch(jax.random.key(1), n=N, din=D, classes=C, dtype=jnp.float64)
 
   def logits(p, x, h):
@@ -402,9 +404,9 @@ def test_a_table_beside_modules_is_named_by_its_path_and_parameters_are_relative
       x = x + self.param("pos", nn.initializers.zeros, (1, 3, D))
       return nn.Dense(C)(nn.Dense(5)(x).mean(axis=1))
 
-  x = jax.random.normal(jax.random.key(2), (N, 3, D))
+  x = _models.normal(2, (N, 3, D))
   batch = {"x": x, "y": _batch()["y"]}
-  params = Net().init(jax.random.key(0), x)
+  params = jax.jit(Net().init)(jax.random.key(0), x)  # One program: eager init compiles each op.
   loss_fn = lambda p, b: _ce(Net().apply(p, b["x"]), b["y"])
   rows = {r.split()[0]: r for r in kfac_jax.summary(loss_fn, params, batch).splitlines()[2:5]}
   assert sorted(rows) == ["params/Dense_0", "params/Dense_1", "params/pos"], rows
@@ -441,10 +443,14 @@ class _BatchNormMLP(nn.Module):
 def _batchnorm_problem():
   model = _BatchNormMLP()
   batch = _batch()
-  variables = jax.vmap(
-    lambda x: model.init(jax.random.key(0), x), in_axes=None, axis_size=1, axis_name="batch"
-  )(batch["x"])
-  variables = jax.tree_util.tree_map(lambda a: a[0], variables)
+
+  @jax.jit  # One program: eager init compiles each op.
+  def init(x):
+    init_one = lambda x: model.init(jax.random.key(0), x)  # noqa: E731
+    variables = jax.vmap(init_one, in_axes=None, axis_size=1, axis_name="batch")(x)
+    return jax.tree_util.tree_map(lambda a: a[0], variables)
+
+  variables = init(batch["x"])
 
   def loss_fn(params, batch):
     logits, _ = model.apply(

@@ -35,15 +35,16 @@ def _loss(params, x, y, tag):
 
 @pytest.fixture
 def setup():
-  k = jax.random.split(jax.random.key(0), 4)
+  rng = _models.np_rng(0)
   params = {
-    "w1": jax.random.normal(k[0], (4, 6)),
-    "b1": jnp.zeros((6,)),
-    "s": jnp.ones((6,)),
-    "w2": jax.random.normal(k[1], (6, 3)),
+    "w1": rng.standard_normal((4, 6)),
+    "b1": np.zeros(6),
+    "s": np.ones(6),
+    "w2": rng.standard_normal((6, 3)),
   }
-  x = jax.random.normal(k[2], (8, 4))
-  y = jax.random.randint(k[3], (8,), 0, 3)
+  params = jax.device_put({k: v.astype(np.float32) for k, v in params.items()})
+  x = _models.normal(1, (8, 4))
+  y = _models.integers(2, 0, 3, 8)
   return params, x, y
 
 
@@ -212,19 +213,17 @@ def _weighted_nll(kind, z, b):
 
 
 def _weight_setup(kind, wshape):
-  k = jax.random.split(jax.random.key(5), 5)
-  params = {
-    "w": jax.random.normal(k[0], (WD, WK), jnp.float64),
-    "b": 0.3 * jax.random.normal(k[1], (WK,), jnp.float64),
-  }
+  rng = _models.np_rng(5)  # float64 throughout: every caller runs under x64.
+  params = jax.device_put({"w": rng.standard_normal((WD, WK)), "b": 0.3 * rng.standard_normal(WK)})
   batch = {
-    "x": jax.random.normal(k[2], (WN, WD), jnp.float64),
-    "y": jnp.arange(WN) % WK,
-    "t": (jax.random.uniform(k[3], (WN, WK), jnp.float64) > 0.5).astype(jnp.float64),
-    "w": jax.random.uniform(k[4], wshape, jnp.float64, 0.2, 3.0),
+    "x": rng.standard_normal((WN, WD)),
+    "y": np.arange(WN) % WK,
+    "t": (rng.random((WN, WK)) > 0.5).astype(np.float64),
+    "w": rng.uniform(0.2, 3.0, wshape),
   }
   if kind == "normal":
-    batch["t"] = jax.random.normal(k[3], (WN, WK), jnp.float64)
+    batch["t"] = rng.standard_normal((WN, WK))
+  batch = jax.device_put(batch)
 
   def loss_fn(p, b):
     z = b["x"] @ p["w"] + p["b"]

@@ -2,8 +2,6 @@
 registers the same layers, and gives the same preconditioned gradient (float64, exact mode), as
 the same model written plainly (separate leaves, a Python loop)."""
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +10,7 @@ import optax
 import pytest
 
 import kfac_jax
+from tests import _models
 
 N, D, L, C = 6, 4, 3, 3
 
@@ -22,20 +21,20 @@ def _head(w_out, h, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _batch(seed=0):
-  kx, ky = jax.random.split(jax.random.key(seed))
-  return {"x": jax.random.normal(kx, (N, D)), "y": jax.random.randint(ky, (N,), 0, C)}
+  """Drawn on the host (as `_layers`): float64 under x64, float32 without it (`device_put`)."""
+  rng = _models.np_rng(seed)
+  return jax.device_put(
+    {"x": rng.standard_normal((N, D)), "y": rng.integers(0, C, N).astype(np.int32)}
+  )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
 def _layers(seed=1, n=L):
-  keys = jax.random.split(jax.random.key(seed), 2 * n + 1)
+  rng = _models.np_rng(seed)
   layers = [
-    {"w": 0.7 * jax.random.normal(keys[i], (D, D)), "b": 0.1 * jax.random.normal(keys[n + i], (D,))}
-    for i in range(n)
+    {"w": 0.7 * rng.standard_normal((D, D)), "b": 0.1 * rng.standard_normal(D)} for _ in range(n)
   ]
-  return layers, jax.random.normal(keys[-1], (D, C))
+  return jax.device_put((layers, rng.standard_normal((D, C))))
 
 
 @jax.jit

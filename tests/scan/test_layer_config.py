@@ -4,8 +4,6 @@
 # tests/test_audit.py and the zoo; here it would only compile another program. `kfac(...)`
 # keeps it (its defaults read the audit's loss factor).
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,15 +18,11 @@ from tests import _models
 _VARIANTS = ("kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _draw(n):
-  dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-  params = _models.jnp_mlp_init(jax.random.key(0), (3, 4, 3), dtype)
-  return params, _models.classification_batch(jax.random.key(1), n=n, din=3, classes=3, dtype=dtype)
-
-
 def _setup(n=6):
-  return *_draw(n), _models.softmax_loss(_models.jnp_mlp_apply)
+  dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+  params = _models.jnp_mlp_init(0, (3, 4, 3), dtype)
+  batch = _models.classification_batch(1, n=n, din=3, classes=3, dtype=dtype)
+  return params, batch, _models.softmax_loss(_models.jnp_mlp_apply)
 
 
 def _estimator(loss_fn, batch, params, layers, damping_mode="factored", **kw):
@@ -336,15 +330,13 @@ def test_check_registration_lists_wrong_use_counts_with_the_other_problems():
 
 
 def _head_model(vocab, width=16, dtype=jnp.float32):
-  k = jax.random.split(jax.random.key(3), 3)
+  rng = _models.np_rng(3)
   params = {
-    "emb": {"table": jax.random.normal(k[0], (50, width), dtype)},
-    "body": {"kernel": 0.3 * jax.random.normal(k[1], (width, width), dtype)},
-    "head": {
-      "kernel": 0.3 * jax.random.normal(k[2], (width, vocab), dtype),
-      "bias": jnp.zeros((vocab,), dtype),
-    },
+    "emb": {"table": rng.standard_normal((50, width))},
+    "body": {"kernel": 0.3 * rng.standard_normal((width, width))},
+    "head": {"kernel": 0.3 * rng.standard_normal((width, vocab)), "bias": np.zeros(vocab)},
   }
+  params = jax.device_put(jax.tree.map(lambda x: x.astype(dtype), params))
 
   def loss_fn(p, b):
     h = jnp.tanh(p["emb"]["table"][b["ids"]] @ p["body"]["kernel"])
@@ -352,11 +344,7 @@ def _head_model(vocab, width=16, dtype=jnp.float32):
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  kb = jax.random.split(jax.random.key(4))
-  batch = {
-    "ids": jax.random.randint(kb[0], (6,), 0, 50),
-    "y": jax.random.randint(kb[1], (6,), 0, vocab),
-  }
+  batch = {"ids": _models.integers(4, 0, 50, 6), "y": _models.integers(5, 0, vocab, 6)}
   return loss_fn, params, batch
 
 
@@ -457,12 +445,13 @@ def test_explicit_choices_win_over_the_size_policy():
 
 
 def test_size_policy_for_conv_embedding_and_full_blocks():
-  k = jax.random.split(jax.random.key(5), 4)
+  rng = _models.np_rng(5)
   params = {
-    "emb": jax.random.normal(k[0], (5, 9)),
-    "conv": {"kernel": jax.random.normal(k[1], (1, 1, 9, 12)), "bias": jnp.zeros(12)},
-    "norm": {"scale": jnp.ones((3, 12)), "bias": jnp.zeros((3, 12))},
+    "emb": rng.standard_normal((5, 9)),
+    "conv": {"kernel": rng.standard_normal((1, 1, 9, 12)), "bias": np.zeros(12)},
+    "norm": {"scale": np.ones((3, 12)), "bias": np.zeros((3, 12))},
   }
+  params = jax.device_put(jax.tree.map(lambda x: x.astype(np.float32), params))
 
   def loss_fn(p, b):
     x = p["emb"][b["ids"]][:, :, None, :]  # [N, 3, 1, 9]
@@ -478,10 +467,7 @@ def test_size_policy_for_conv_embedding_and_full_blocks():
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  batch = {
-    "ids": jax.random.randint(k[2], (4, 3), 0, 5),
-    "y": jax.random.randint(k[3], (4,), 0, 12),
-  }
+  batch = {"ids": _models.integers(6, 0, 5, (4, 3)), "y": _models.integers(7, 0, 12, 4)}
   specs = kfac_jax.Registration(
     loss_fn,
     params,
@@ -512,10 +498,9 @@ def test_size_policy_for_conv_embedding_and_full_blocks():
 
 
 def test_positional_table_gets_a_diagonal_block():
-  k = jax.random.split(jax.random.key(6), 3)
   params = {
-    "pos": 0.1 * jax.random.normal(k[0], (1, 5, 4)),
-    "head": {"kernel": jax.random.normal(k[1], (4, 3))},
+    "pos": _models.normal(6, (1, 5, 4), scale=0.1),
+    "head": {"kernel": _models.normal(7, (4, 3))},
   }
 
   def loss_fn(p, b):
@@ -524,7 +509,7 @@ def test_positional_table_gets_a_diagonal_block():
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  batch = {"x": jax.random.normal(k[2], (2, 5, 4)), "y": jnp.array([0, 2])}
+  batch = {"x": _models.normal(8, (2, 5, 4)), "y": jax.device_put(np.array([0, 2], np.int32))}
   specs = kfac_jax.Registration(loss_fn, params, batch, strict=True, check_loss=False).layers
   pos = next(s for s in specs if s.param_paths == ("pos",))
   assert (pos.kind, pos.approx, pos.factor_shapes) == ("scale_and_shift", "diagonal", ((20,),))
@@ -540,8 +525,7 @@ def test_positional_table_gets_a_diagonal_block():
 
 def test_size_policy_for_a_shared_layer():
   """A kernel used at every step of an unrolled recurrence keeps no factor side over the limit."""
-  k = jax.random.split(jax.random.key(7), 3)
-  params = {"cell": jax.random.normal(k[0], (4, 4)), "out": jax.random.normal(k[1], (4, 9))}
+  params = {"cell": _models.normal(7, (4, 4)), "out": _models.normal(8, (4, 9))}
 
   def loss_fn(p, b):
     h, logits = b["x"], []
@@ -552,7 +536,7 @@ def test_size_policy_for_a_shared_layer():
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  batch = {"x": jax.random.normal(k[2], (2, 4)), "y": jnp.zeros((2, 3), jnp.int32)}
+  batch = {"x": _models.normal(9, (2, 4)), "y": jax.device_put(np.zeros((2, 3), np.int32))}
   specs = kfac_jax.Registration(
     loss_fn,
     params,
@@ -579,8 +563,7 @@ def test_size_policy_from_a_diagonal_side_variant_with_both_sides_over_the_limit
   """A grouped conv defaulting to "kron_out_diag" with both sides over the limit becomes
   "kron_both_diag" (it used to raise KeyError: ('kron_both_diag', 'out')): its factor shapes
   keep the group axis, so its diagonal output side is a `[groups, out]` array, not a vector."""
-  k = jax.random.split(jax.random.key(8), 3)
-  params = {"conv": {"kernel": jax.random.normal(k[0], (3, 3, 2, 8))}}  # 2 groups of 2 -> 4.
+  params = {"conv": {"kernel": _models.normal(8, (3, 3, 2, 8))}}  # 2 groups of 2 -> 4.
 
   def loss_fn(p, b):
     y = jax.lax.conv_general_dilated(
@@ -595,7 +578,7 @@ def test_size_policy_from_a_diagonal_side_variant_with_both_sides_over_the_limit
     kfac_jax.register_softmax_cross_entropy_loss(logits, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  batch = {"x": jax.random.normal(k[1], (2, 4, 4, 4)), "y": jnp.array([0, 7])}
+  batch = {"x": _models.normal(9, (2, 4, 4, 4)), "y": jax.device_put(np.array([0, 7], np.int32))}
   config = kfac_jax.LayerConfig(defaults={"conv": "kron_out_diag"}, max_factor_dim=3)
   (spec,) = kfac_jax.Registration(
     loss_fn, params, batch, strict=True, layers=config, check_loss=False
@@ -607,8 +590,9 @@ def test_size_policy_from_a_diagonal_side_variant_with_both_sides_over_the_limit
 def test_shared_size_policy_counts_the_bias_row():
   """A shared dense layer's input side is `in + 1` with a bias, as for a single-use layer: at
   `in == max_factor_dim` the block's A is over the limit and the layer becomes diagonal."""
-  k = jax.random.split(jax.random.key(9), 3)
-  params = {"cell": {"kernel": jax.random.normal(k[0], (4, 4)), "bias": jnp.zeros(4)}}
+  params = {
+    "cell": {"kernel": _models.normal(9, (4, 4)), "bias": jax.device_put(np.zeros(4, np.float32))}
+  }
 
   def loss_fn(p, b):
     h = b["x"]
@@ -617,7 +601,7 @@ def test_shared_size_policy_counts_the_bias_row():
     kfac_jax.register_softmax_cross_entropy_loss(h, b["y"])
     return optax.softmax_cross_entropy_with_integer_labels(h, b["y"]).mean()
 
-  batch = {"x": jax.random.normal(k[1], (2, 4)), "y": jnp.array([0, 3])}
+  batch = {"x": _models.normal(10, (2, 4)), "y": jax.device_put(np.array([0, 3], np.int32))}
   for max_dim, want in ((5, ("kron_indep", ((5, 5), (4, 4)))), (4, ("diagonal", ((20,),)))):
     config = kfac_jax.LayerConfig(max_factor_dim=max_dim)
     (spec,) = kfac_jax.Registration(

@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import kfac_jax
+from tests import _models
 
 N, C = 4, 3
 
@@ -110,23 +111,23 @@ class _LinenGroupNormNet(nn.Module):
 @functools.cache  # Shared by both approximations (float64: every caller runs under x64).
 def _group_norm_case(flavour):
   """(params, batch, logits_fn, paths, feature axis, exact Fisher) of the group-norm net."""
-  k = jax.random.split(jax.random.key(0), 3)
+  key = jax.random.key(0)  # The model's initialisation.
   if flavour == "equinox":
-    model = _EqxGroupNormNet(k[0])
+    model = _EqxGroupNormNet(key)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = _f64(params)
     params = eqx.tree_at(lambda m: (m.gn.weight, m.gn.bias), params, replace_fn=lambda v: v + 0.3)
-    x = jax.random.normal(k[1], (N, 2, 5, 5), jnp.float64)
+    x = _models.normal(1, (N, 2, 5, 5), jnp.float64)
     logits_fn = lambda p, b: jax.vmap(eqx.combine(p, static))(b["x"])
     paths, axis = ("gn/weight", "gn/bias"), 1
   else:
     model = _LinenGroupNormNet()
-    x = jax.random.normal(k[1], (N, 5, 5, 2), jnp.float64)
-    params = _f64(jax.jit(model.init)(k[0], x))
+    x = _models.normal(1, (N, 5, 5, 2), jnp.float64)
+    params = _f64(jax.jit(model.init)(key, x))
     params = jax.tree_util.tree_map(lambda v: v + 0.3, params)
     logits_fn = lambda p, b: model.apply(p, b["x"])
     paths, axis = ("params/gn/scale", "params/gn/bias"), None
-  batch = {"x": x, "y": jax.random.randint(k[2], (N,), 0, C)}
+  batch = {"x": x, "y": _models.integers(2, 0, C, N)}
   return params, batch, logits_fn, paths, axis, _exact_fisher(logits_fn, params, batch)
 
 
@@ -161,15 +162,17 @@ def test_group_norm_is_an_exact_scale_and_shift_block(x64, flavour, approx):
 # -- normalisation over rows that are not examples (graph nodes) ---------------------------------
 
 
-def _graph_batch(key, nodes_per_graph):
-  """A batch of `len(nodes_per_graph)` graphs, their nodes concatenated into one array."""
-  k = jax.random.split(key, 2)
-  graph = jnp.repeat(jnp.arange(len(nodes_per_graph)), jnp.asarray(nodes_per_graph))
-  return {
-    "x": jax.random.normal(k[0], (int(sum(nodes_per_graph)), 3), jnp.float64),
-    "graph": graph,
-    "y": jax.random.randint(k[1], (len(nodes_per_graph),), 0, C),
-  }
+def _graph_batch(rng, nodes_per_graph):
+  """A batch of `len(nodes_per_graph)` graphs, their nodes concatenated into one array; `rng` a
+  NumPy generator."""
+  graph = np.repeat(np.arange(len(nodes_per_graph), dtype=np.int32), nodes_per_graph)
+  return jax.device_put(
+    {
+      "x": rng.standard_normal((sum(nodes_per_graph), 3)),
+      "graph": graph,
+      "y": rng.integers(0, C, len(nodes_per_graph)).astype(np.int32),
+    }
+  )
 
 
 def _graph_logits(p, b):
@@ -191,16 +194,15 @@ def test_layer_norm_over_graph_nodes_takes_the_nodes_as_rows(x64, nodes, approx)
   one row, F = (1/N) Σ_nodes J_rᵀ J_r over the sampled vectors. In the exact mode that is
   (1/N) Σ_n Σ_{r ∈ n} J_{n,r}ᵀ (diag p_n − p_n p_nᵀ) J_{n,r}, J_{n,r} the Jacobian of graph n's
   logits by node r's own copy of (bias, scale)."""
-  k = jax.random.split(jax.random.key(0), 4)
-  batch = _graph_batch(k[0], nodes)
-  params = {
-    "enc": {
-      "bias": jax.random.normal(k[1], (5,), jnp.float64),
-      "kernel": jax.random.normal(k[2], (3, 5), jnp.float64),
-    },
-    "head": {"kernel": jax.random.normal(k[3], (5, C), jnp.float64)},
-    "ln": {"bias": jnp.full((5,), 0.2, jnp.float64), "scale": jnp.linspace(0.5, 1.5, 5)},
-  }
+  rng = _models.np_rng(0)
+  batch = _graph_batch(rng, nodes)
+  params = jax.device_put(
+    {
+      "enc": {"bias": rng.standard_normal(5), "kernel": rng.standard_normal((3, 5))},
+      "head": {"kernel": rng.standard_normal((5, C))},
+      "ln": {"bias": np.full(5, 0.2), "scale": np.linspace(0.5, 1.5, 5)},
+    }
+  )
 
   def loss_fn(p, b):
     return _ce(_graph_logits(p, b), b["y"])
@@ -263,13 +265,9 @@ def test_batch_norm_in_nn_vmap_is_a_stack_of_exact_blocks(x64, approx):
   """An ensemble's BatchNorm under `nn.vmap` (scale and bias `[L, D]`, one row per member) is a
   stack of L scale-and-shift layers, one block per member, not a fallback: the curvature is
   block-diagonal over members, member l's block the exact Fisher block of (scale[l], bias[l])."""
-  k = jax.random.split(jax.random.key(0), 3)
   model = _Ensemble()
-  batch = {
-    "x": jax.random.normal(k[0], (N, 3), jnp.float64),
-    "y": jax.random.randint(k[1], (N,), 0, C),
-  }
-  variables = _f64(jax.jit(model.init)(k[2], batch["x"]))
+  batch = {"x": _models.normal(0, (N, 3), jnp.float64), "y": _models.integers(1, 0, C, N)}
+  variables = _f64(jax.jit(model.init)(jax.random.key(2), batch["x"]))
   params = jax.tree_util.tree_map(lambda v: v + 0.3, variables["params"])
   stats = variables["batch_stats"]
 

@@ -22,19 +22,25 @@ def _ce_seq(logits, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum(-1).mean()
 
 
-@functools.partial(jax.jit, static_argnums=1)  # One program draws them, for any key.
-def _params(key=0, dtype=jnp.float64):
-  kt, kw = jax.random.split(jax.random.key(key))
-  return {"table": jax.random.normal(kt, (V, D), dtype), "w": jax.random.normal(kw, (D, C), dtype)}
+def _params(seed=0, dtype=jnp.float64):
+  rng = _models.np_rng(seed)
+  return jax.device_put(
+    {
+      "table": rng.standard_normal((V, D)).astype(dtype),
+      "w": rng.standard_normal((D, C)).astype(dtype),
+    }
+  )
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _seq_batch(key=1, n=5, length=3):
-  ki, ky = jax.random.split(jax.random.key(key))
-  return {
-    "ids": jax.random.randint(ki, (n, length), 0, V),
-    "y": jax.random.randint(ky, (n, length), 0, C),
-  }
+def _ids_and_labels(seed, shape, classes=C):
+  """`{"ids": [*shape] in [0, V), "y": [*shape] in [0, classes)}`, drawn on the host."""
+  rng = _models.np_rng(seed)
+  ids, y = rng.integers(0, V, shape), rng.integers(0, classes, shape)
+  return jax.device_put({"ids": ids.astype(np.int32), "y": y.astype(np.int32)})
+
+
+def _seq_batch(seed=1, n=5, length=3):
+  return _ids_and_labels(seed, (n, length))
 
 
 # Lookups `h = table[ids]` written in several ways; float64 throughout except where cast.
@@ -139,7 +145,7 @@ def test_one_hot_product_equals_the_manual_dense_block(x64):
 def test_one_hot_embedding_block_equals_the_exact_fisher_for_one_example(x64):
   """One example, one id: F = Jᵀ H J exactly (exact mode), and the K-FAC block is that block."""
   params = _params(4)
-  batch = {"ids": jnp.array([5]), "y": jnp.array([2])}
+  batch = jax.device_put({"ids": np.array([5], np.int32), "y": np.array([2], np.int32)})
 
   def logits_fn(p, ids):
     return jax.nn.one_hot(ids, V, dtype=p["table"].dtype) @ p["table"] @ p["w"]
@@ -246,11 +252,8 @@ def test_ids_outside_the_vocabulary_are_not_counted(x64):
 
 def test_tied_one_hot_embedding_is_one_shared_layer_like_the_gather(x64):
   """One-hot lookup plus logits `h tableᵀ`: one two-use embedding, factors as the gather's."""
-  params = {"table": jax.random.normal(jax.random.key(6), (V, D))}
-  batch = {
-    "ids": jax.random.randint(jax.random.key(7), (4,), 0, V),
-    "y": jax.random.randint(jax.random.key(8), (4,), 0, V),
-  }
+  params = {"table": _models.normal(6, (V, D), jnp.float64)}
+  batch = _ids_and_labels(7, (4,), classes=V)
 
   def make(lookup):
     def loss_fn(p, b):
@@ -299,11 +302,7 @@ def test_gather_lookup_preconditions_like_the_one_hot_product(x64, case):
   the same model written `one_hot(ids) @ table`."""
   lookup, ids_shape = GATHERS[case]
   params = _params(9)
-  ki, ky = jax.random.split(jax.random.key(10))
-  batch = {
-    "ids": jax.random.randint(ki, ids_shape, 0, V),
-    "y": jax.random.randint(ky, ids_shape, 0, C),
-  }
+  batch = _ids_and_labels(10, ids_shape)
 
   def make(h):
     def loss_fn(p, b):

@@ -247,13 +247,11 @@ def test_channel_first_scale_and_shift_is_exact(x64):
   """A per-channel scale and shift over [N, C, H, W] (equinox's BatchNorm: `w[:, None, None]`,
   an inner feature axis) is a scale-and-shift layer, and its "full" block in the exact mode is
   the exact Fisher block (1/N) Σ_n J_nᵀ (diag p_n − p_n p_nᵀ) J_n of (w, b)."""
-  k = jax.random.split(jax.random.key(0), 4)
-  params = {
-    "w": jax.random.normal(k[0], (3,), jnp.float64),
-    "b": jax.random.normal(k[1], (3,), jnp.float64),
-  }
-  batch = {"x": jax.random.normal(k[2], (5, 3, 2, 2), jnp.float64)}
-  batch["y"] = jax.random.randint(k[3], (5,), 0, 3)
+  rng = _models.np_rng(0)
+  params = jax.device_put({"w": rng.standard_normal(3), "b": rng.standard_normal(3)})
+  batch = jax.device_put(
+    {"x": rng.standard_normal((5, 3, 2, 2)), "y": rng.integers(0, 3, 5).astype(np.int32)}
+  )
 
   def logits_fn(p, b):
     y = b["x"] * p["w"][:, None, None] + p["b"][:, None, None]
@@ -291,17 +289,14 @@ def test_class_token_is_exact_shift(x64, spread):
   class token; DeiT's class and distillation tokens, two in one concatenation) is a shift-only
   scale_and_shift layer, not a generic fallback; its "full" block in the exact mode is the
   exact Fisher block of the token."""
-  k = jax.random.split(jax.random.key(0), 5)
-  params = {
-    "cls": jax.random.normal(k[0], (1, 1, 3), jnp.float64),
-    "w": jax.random.normal(k[1], (3, 3), jnp.float64),
-  }
+  rng = _models.np_rng(0)
+  params = {"cls": rng.standard_normal((1, 1, 3)), "w": rng.standard_normal((3, 3))}
+  batch = {"x": rng.standard_normal((5, 2, 3)), "y": rng.integers(0, 3, 5).astype(np.int32)}
   tokens = ("cls",)
   if spread == "two_tokens":
-    params["dist"] = jax.random.normal(k[4], (1, 1, 3), jnp.float64)
+    params["dist"] = rng.standard_normal((1, 1, 3))
     tokens = ("cls", "dist")
-  batch = {"x": jax.random.normal(k[2], (5, 2, 3), jnp.float64)}
-  batch["y"] = jax.random.randint(k[3], (5,), 0, 3)
+  params, batch = jax.device_put((params, batch))
 
   def logits_fn(p, b):
     n = b["x"].shape[0]
@@ -362,15 +357,16 @@ def test_tokens_broadcast_over_the_batch_are_an_exact_shift(x64, use):
   positional table read at every position as an embedding, `jnp.take(table, jnp.arange(T))`
   (GPT-2's `wpe`), or one row per index under `jax.vmap` (equinox), is the table itself: the
   same shift-only layer."""
-  k = jax.random.split(jax.random.key(0), 5)
+  rng = _models.np_rng(0)
   tok_shape = {"norm_and_residual": (3,), "mask_token": (2, 3), "scanned": (4, 3)}.get(use, (2, 3))
-  params = {
-    "tok": jax.random.normal(k[0], tok_shape, jnp.float64),
-    "w": jax.random.normal(k[1], (3, 3), jnp.float64),
-  }
-  batch = {"x": jax.random.normal(k[2], (5, 2, 3), jnp.float64)}
-  batch["y"] = jax.random.randint(k[3], (5,), 0, 3)
-  batch["mask"] = jax.random.bernoulli(k[4], 0.5, (5, 2, 1))
+  params = jax.device_put({"tok": rng.standard_normal(tok_shape), "w": rng.standard_normal((3, 3))})
+  batch = jax.device_put(
+    {
+      "x": rng.standard_normal((5, 2, 3)),
+      "y": rng.integers(0, 3, 5).astype(np.int32),
+      "mask": rng.random((5, 2, 1)) < 0.5,
+    }
+  )
 
   def logits_fn(p, b):
     n = b["x"].shape[0]
@@ -481,19 +477,17 @@ def test_per_example_shuffles_and_mask_tokens_keep_every_layer_exact(x64):
   "full" block is exact (`_assert_full_blocks_exact`): the gathers keep each row with its
   example."""
   n, p, d, h, keep = 3, 5, 2, 3, 2
-  k = jax.random.split(jax.random.key(0), 8)
-  params = {
-    "embed": {"w": jax.random.normal(k[0], (d, h)), "b": 0.1 * jax.random.normal(k[1], (h,))},
-    "pos": 0.3 * jax.random.normal(k[2], (p, h)),
-    "enc": {"w": jax.random.normal(k[3], (h, h)) / 2},
-    "mask_token": 0.3 * jax.random.normal(k[4], (1, 1, h)),
-    "dec": {"w": jax.random.normal(k[5], (h, d)) / 2, "b": jnp.zeros(d)},
-  }
-  params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
-  batch = {
-    "x": jax.random.normal(k[6], (n, p, d), jnp.float64),
-    "noise": jax.random.uniform(k[7], (n, p)),
-  }
+  rng = _models.np_rng(0)
+  params = jax.device_put(
+    {
+      "embed": {"w": rng.standard_normal((d, h)), "b": 0.1 * rng.standard_normal(h)},
+      "pos": 0.3 * rng.standard_normal((p, h)),
+      "enc": {"w": rng.standard_normal((h, h)) / 2},
+      "mask_token": 0.3 * rng.standard_normal((1, 1, h)),
+      "dec": {"w": rng.standard_normal((h, d)) / 2, "b": np.zeros(d)},
+    }
+  )
+  batch = jax.device_put({"x": rng.standard_normal((n, p, d)), "noise": rng.random((n, p))})
 
   def predict(q, b):
     ids = jnp.argsort(b["noise"], axis=1)
@@ -531,20 +525,16 @@ def test_rows_are_grouped_by_the_batch_axis_followed_from_the_inputs(x64, layout
   exact: their rows are grouped by the batch axis `_batch_axes` follows from the inputs (by
   size, the time-major layers took axis 0, and the frames' layers axis 1)."""
   n, d = 3, 2
-  k = jax.random.split(jax.random.key(1), 5)
-  params = {
-    "w": jax.random.normal(k[0], (d, d)),
-    "ln": {
-      "scale": 1 + 0.3 * jax.random.normal(k[1], (d,)),
-      "bias": 0.1 * jax.random.normal(k[2], (d,)),
-    },
-    "out": jax.random.normal(k[3], (d, d)) / 2,
-  }
-  params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
-  if layout != "frames":
-    batch = {"x": jax.random.normal(k[4], (n, n, d), jnp.float64)}
-  else:
-    batch = {"x": jax.random.normal(k[4], (n, 2, n, d), jnp.float64)}  # [B, F, P, D], P = N
+  rng = _models.np_rng(1)
+  params = jax.device_put(
+    {
+      "w": rng.standard_normal((d, d)),
+      "ln": {"scale": 1 + 0.3 * rng.standard_normal(d), "bias": 0.1 * rng.standard_normal(d)},
+      "out": rng.standard_normal((d, d)) / 2,
+    }
+  )
+  x_shape = (n, n, d) if layout != "frames" else (n, 2, n, d)  # frames: [B, F, P, D], P = N
+  batch = jax.device_put({"x": rng.standard_normal(x_shape)})
 
   def predict(q, b):
     x = b["x"]
@@ -581,17 +571,17 @@ def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
   size) and take the rows batch-major. The block is the exact Fisher block of the per-example
   losses (summed over the T positions, averaged over the batch)."""
   n, t, d, c = 3, 4, 2, 3
-  k = jax.random.split(jax.random.key(0), 5)
-  w = jax.random.normal(k[0], (d, c), jnp.float64)
+  rng = _models.np_rng(0)
+  w = jax.device_put(rng.standard_normal((d, c)))
   if kind == "dense":
     params = {"w": w}
   else:
-    params = {"s": 1 + 0.3 * jax.random.normal(k[3], (d,), jnp.float64)}
-    params["t"] = 0.1 * jax.random.normal(k[4], (d,), jnp.float64)
-  batch = {
-    "x": jax.random.normal(k[1], (n, t, d), jnp.float64),
-    "y": jax.random.randint(k[2], (n, t), 0, c),
-  }
+    params = jax.device_put(
+      {"s": 1 + 0.3 * rng.standard_normal(d), "t": 0.1 * rng.standard_normal(d)}
+    )
+  batch = jax.device_put(
+    {"x": rng.standard_normal((n, t, d)), "y": rng.integers(0, c, (n, t)).astype(np.int32)}
+  )
 
   def logits_fn(p, b):
     h = jnp.tanh(jnp.swapaxes(b["x"], 0, 1))  # [T, N, D]
