@@ -358,8 +358,8 @@ class CurvatureEstimator:
     axis_name: str | None = None,
     mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
-    """`update_curvature_from_stats` with statistics computed from `batch`; the arguments are
-    checked before the statistics are computed (eagerly, a whole forward and backward pass)."""
+    """`update_curvature_from_stats` with statistics computed from `batch`; the other arguments
+    are checked first, so a bad one costs no forward and backward pass."""
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
     self.check_state(state, axis_name, mesh)
     stats = self.curvature_stats(params, batch, rng)
