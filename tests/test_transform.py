@@ -207,12 +207,14 @@ def test_statistics_fraction_needs_one_leading_axis_and_names_the_leaves():
   tx = kfac_jax.kfac(
     loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.5)
   )
-  state, grads = jax.jit(tx.init)(params), _problem_grad()
-  bad = dict(batch, mask=jnp.ones((5,)))
+  grads = _problem_grad()
+  # Raised while tracing: under jit, as eagerly, but without compiling the guard's checks first.
+  update = jax.jit(lambda p, b: tx.update(grads, tx.init(p), p, batch=b, rng=jax.random.key(0)))
+  bad = dict(batch, mask=jax.device_put(np.ones((5,), np.float32)))
   with pytest.raises(ValueError, match=r"statistics_fraction=0.5.*\['mask'\]` has 5"):
-    tx.update(grads, state, params, batch=bad, rng=jax.random.key(0))
+    update(params, bad)
   with pytest.raises(ValueError, match="no leaf has a leading axis"):
-    tx.update(grads, state, params, batch={"t": jnp.float32(1)}, rng=jax.random.key(0))
+    update(params, {"t": jnp.float32(1)})
 
 
 def test_statistics_fraction_names_itself_when_a_leaf_is_not_per_example():
@@ -449,12 +451,11 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
     )(params, b)
     return tx1.update(grads, state, params, curvature_stats=stats)
 
-  pstate, sstate = jax.jit(  # One program: eager operations would compile one by one.
-    lambda p: (
-      jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), txp.init(p)),
-      tx1.init(p),
-    )
-  )(params)
+  # Each init in one program (eager operations would compile one by one); the replicas' state
+  # made by pmap, as its steps return it, so that the step compiles once.
+  init = jax.pmap(lambda p, _: txp.init(p), axis_name="data", in_axes=(None, 0))
+  pstate = init(params, np.arange(n))
+  sstate = jax.jit(tx1.init)(params)
   pfn = jax.pmap(pstep, axis_name="data", in_axes=(None, 0, 0))
   sfn = jax.jit(sstep)
   for _ in range(3):  # Crosses an inverse update (step 0) and EMA averaging.
@@ -1003,12 +1004,14 @@ def test_update_errors_are_named():
   with pytest.raises(ValueError, match="curvature_stats="):
     tx.update(grads, state, params)
   with pytest.raises(ValueError, match="params pytree differs"):
-    tx.update(grads, state, {**params, "extra": jnp.ones(2)}, batch=batch, rng=jax.random.key(0))
+    extra = jax.device_put(np.ones(2, np.float32))
+    tx.update(grads, state, {**params, "extra": extra}, batch=batch, rng=jax.random.key(0))
   other = jax.jit(kfac_jax.value_and_grad(_models.softmax_loss(lambda p, x: x @ p["w"])))(
-    {"w": jnp.ones((4, 3))}, batch, jax.random.key(0)
+    {"w": jax.device_put(np.ones((4, 3), np.float32))}, batch, jax.random.key(0)
   )[2]
+  # Raised while tracing: under jit, as eagerly, but without compiling the guard's checks first.
   with pytest.raises(ValueError, match="curvature_stats were computed for layers"):
-    tx.update(grads, state, params, curvature_stats=other)
+    jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=other))(state)
   with pytest.raises(TypeError, match="ScaleByKfacState"):
     tx.update(grads, (state,), params, batch=batch, rng=jax.random.key(0))
 
@@ -1143,7 +1146,8 @@ def test_kfac_takes_the_step_an_optax_line_search_picks(search):
     params, state, updates, v, loss = step(params, state)
     losses.append(float(loss))
     etas.append(float(state.rest[2].learning_rate))
-    for u, d in zip(jax.tree.leaves(updates), jax.tree.leaves(v)):
+    # On the host: an eager product would compile one program per leaf shape.
+    for u, d in zip(jax.tree.leaves(updates), jax.tree.leaves(jax.device_get(v))):
       np.testing.assert_allclose(u, -etas[-1] * d, rtol=1e-4, atol=1e-7)
   assert all(e > 0 for e in etas), etas
   assert np.all(np.diff(losses) < 0), losses
