@@ -19,11 +19,27 @@ from tests import _models
 
 @functools.cache  # One loss, params and batch per shape: the tests share their compiles.
 def _problem(n=32, din=4, hidden=8, classes=3, dtype=jnp.float32):
-  params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (din, hidden, classes)), dtype)
+  params = _models.jnp_mlp_init(jax.random.key(0), (din, hidden, classes))
+  params = jax.tree_util.tree_map(lambda p: jax.device_put(np.asarray(p).astype(dtype)), params)
   batch = _models.classification_batch(
     jax.random.key(1), n=n, din=din, classes=classes, dtype=dtype
   )
   return _models.softmax_loss(_models.jnp_mlp_apply), params, batch
+
+
+def _grad(loss_fn, params, batch):
+  """`jax.grad(loss_fn)(params, batch)` in one program (called eagerly, each operation of the
+  forward and backward pass would compile on its own)."""
+  return jax.jit(jax.grad(loss_fn))(params, batch)
+
+
+@functools.cache
+def _problem_grad(**kw):
+  """The gradient of `_problem(**kw)`'s loss at its params and batch, shared by the tests."""
+  return _grad(*_problem(**kw))
+
+
+_norm = jax.jit(optax.tree.norm)  # The checks' norms, in one program per tree.
 
 
 @functools.cache
@@ -35,24 +51,20 @@ def _grads_and_stats(seed, dtype=jnp.float32):
   return grads, stats
 
 
-def _make_step(loss_fn, tx):
-  def step(params, opt_state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-    updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return jax.jit(step)
-
-
 def test_stats_path_equals_batch_path():
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2)
-  state = tx.init(params)
-  rng = jax.random.key(7)
-  grads = jax.grad(loss_fn)(params, batch)
   stats = _grads_and_stats(7)[1]
-  u1, s1 = jax.jit(lambda g, s, p: tx.update(g, s, p, curvature_stats=stats))(grads, state, params)
-  u2, s2 = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch, rng=rng))(grads, state, params)
+
+  @jax.jit  # One program: eager operations would compile one by one.
+  def both_paths(params):
+    state, grads = tx.init(params), jax.grad(loss_fn)(params, batch)
+    return (
+      tx.update(grads, state, params, curvature_stats=stats),
+      tx.update(grads, state, params, batch=batch, rng=jax.random.key(7)),
+    )
+
+  (u1, s1), (u2, s2) = both_paths(params)
   for a, b in zip(jax.tree_util.tree_leaves((u1, s1)), jax.tree_util.tree_leaves((u2, s2))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # float32 round-off of entries ~60.
 
@@ -62,8 +74,11 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
   """curvature_every=3: the EMA takes the statistics of updates 0, 3, 6 only, each at the
   parameters of that update, exactly as an estimator fed just those batches."""
   loss_fn, params, batch = _problem()
-  batches = [
-    jax.tree_util.tree_map(lambda x, i=i: jnp.roll(x, 5 * i, axis=0), batch) for i in range(7)
+  batches = [  # Rolled on the host, as the inputs are drawn.
+    jax.tree_util.tree_map(
+      lambda x, i=i: jax.device_put(np.roll(np.asarray(x), 5 * i, axis=0)), batch
+    )
+    for i in range(7)
   ]
   tx = kfac_jax.kfac(
     loss_fn,
@@ -88,7 +103,7 @@ def test_curvature_every_folds_statistics_only_on_due_updates(path):
       updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
-  opt_state, ref = tx.init(params), est.init(params)
+  opt_state, ref = jax.jit(lambda p: (tx.init(p), est.init(p)))(params)
   factors = []
   for i, b in enumerate(batches):
     rng = jax.random.key(10 + i)
@@ -137,7 +152,7 @@ def _fraction_registration():
   loss_fn, params, batch = _problem(n=32)
   # A scalar leaf passes whole: the loss ignores it, the slicing must not trip on it.
   batch = dict(batch, temperature=jnp.float32(1.0))
-  return kfac_jax.Registration(loss_fn, params, batch), params, batch
+  return kfac_jax.Registration(loss_fn, params, batch), params, batch, _grad(loss_fn, params, batch)
 
 
 @functools.cache
@@ -145,10 +160,11 @@ def _fraction_updates(front, fraction, rows):
   """Leaves of the updates and state after two `batch=` updates by `front` (with
   `statistics_fraction=fraction`, or the default with None) on the rows `rows` of the batch
   (all rows with None). The second update refreshes no inverse: both paths still agree."""
-  reg, params, batch = _fraction_registration()
-  grads = jax.grad(reg.loss_fn)(params, batch)
-  if rows is not None:
-    batch = jax.tree_util.tree_map(lambda x: x[np.array(rows)] if x.ndim else x, batch)
+  reg, params, batch, grads = _fraction_registration()
+  if rows is not None:  # Cut on the host, as the inputs are drawn.
+    batch = jax.tree_util.tree_map(
+      lambda x: jax.device_put(np.asarray(x)[np.array(rows)]) if x.ndim else x, batch
+    )
   kw = {} if fraction is None else {"config": kfac_jax.Config(statistics_fraction=fraction)}
   if front == "kfac":
     tx = kfac_jax.kfac(registration=reg, learning_rate=0.3, damping=1e-2, **kw)
@@ -165,21 +181,23 @@ def test_config_passes_through_inject_hyperparams_unchanged():
     learning_rate=0.3,
     config=kfac_jax.Config(statistics_fraction=0.5),
   )
-  grads = jax.grad(loss_fn)(params, batch)
-  update = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, rng=jax.random.key(0)))
-  _, state = update(grads, tx.init(params), params, batch)
+  grads = _problem_grad()
+  update = jax.jit(lambda g, p, b: tx.update(g, tx.init(p), p, batch=b, rng=jax.random.key(0)))
+  _, state = update(grads, params, batch)
   assert int(state.inner_state.preconditioner.count) == 1
 
 
 def test_statistics_fraction_leaves_given_curvature_stats_whole():
   loss_fn, params, batch = _problem()
-  _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
+  grads, stats = _grads_and_stats(0)
   outs = []
   for f in (0.25, None):
     tx = kfac_jax.kfac(
       loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=f)
     )
-    outs.append(tx.update(grads, tx.init(params), params, curvature_stats=stats))
+    # One program: eager operations would compile one by one.
+    update = jax.jit(lambda p, g, s, tx=tx: tx.update(g, tx.init(p), p, curvature_stats=s))
+    outs.append(update(params, grads, stats))
   for a, b in zip(*(jax.tree_util.tree_leaves(o) for o in outs)):
     np.testing.assert_array_equal(a, b)
 
@@ -189,13 +207,14 @@ def test_statistics_fraction_needs_one_leading_axis_and_names_the_leaves():
   tx = kfac_jax.kfac(
     loss_fn, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.5)
   )
-  state = tx.init(params)
-  grads = jax.grad(loss_fn)(params, batch)
-  bad = dict(batch, mask=jnp.ones((5,)))
+  grads = _problem_grad()
+  # Raised while tracing: under jit, as eagerly, but without compiling the guard's checks first.
+  update = jax.jit(lambda p, b: tx.update(grads, tx.init(p), p, batch=b, rng=jax.random.key(0)))
+  bad = dict(batch, mask=jax.device_put(np.ones((5,), np.float32)))
   with pytest.raises(ValueError, match=r"statistics_fraction=0.5.*\['mask'\]` has 5"):
-    tx.update(grads, state, params, batch=bad, rng=jax.random.key(0))
+    update(params, bad)
   with pytest.raises(ValueError, match="no leaf has a leading axis"):
-    tx.update(grads, state, params, batch={"t": jnp.float32(1)}, rng=jax.random.key(0))
+    update(params, {"t": jnp.float32(1)})
 
 
 def test_statistics_fraction_names_itself_when_a_leaf_is_not_per_example():
@@ -210,10 +229,10 @@ def test_statistics_fraction_names_itself_when_a_leaf_is_not_per_example():
   tx = kfac_jax.kfac(
     shifted, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.5)
   )
-  grads = jax.grad(shifted)(params, batch)
+  grads = _grad(shifted, params, batch)
   msg = r"statistics_fraction=0.5\. Every leaf .* per-example"
-  with pytest.raises((TypeError, ValueError), match=msg):
-    tx.update(grads, tx.init(params), params, batch=batch, rng=jax.random.key(0))
+  with pytest.raises((TypeError, ValueError), match=msg):  # Raised while tracing the cut batch.
+    jax.jit(lambda p: tx.update(grads, tx.init(p), p, batch=batch, rng=jax.random.key(0)))(params)
 
 
 def test_statistics_fraction_keeps_jax_errors_whole_and_notes_itself():
@@ -230,18 +249,16 @@ def test_statistics_fraction_keeps_jax_errors_whole_and_notes_itself():
   tx = kfac_jax.kfac(
     picky, batch, learning_rate=0.3, config=kfac_jax.Config(statistics_fraction=0.5)
   )
-  grads = jax.grad(picky)(params, batch)
+  grads = _grad(picky, params, batch)
   with pytest.raises(jax.errors.ConcretizationTypeError) as info:
-    jax.jit(lambda s: tx.update(grads, s, params, batch=batch, rng=jax.random.key(0)))(
-      tx.init(params)
-    )
+    jax.jit(lambda p: tx.update(grads, tx.init(p), p, batch=batch, rng=jax.random.key(0)))(params)
   assert any("statistics_fraction=0.5" in n for n in info.value.__notes__), info.value
 
 
 def _two_updates(tx, params, grads, batch):
   """Updates and state after two `batch=` updates (the first refreshes the inverses)."""
   rng = jax.random.key(3)
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)  # Eager, each operation would compile on its own.
   update = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b, rng=rng))
   for _ in range(2):
     u, state = update(grads, state, params, batch)
@@ -267,7 +284,7 @@ def test_kfac_statistics_fraction_defaults_to_auto(n, fraction):
     4,
   ]
   loss_fn, params, batch = _problem(n=n)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = _problem_grad(n=n)
   reg = kfac_jax.Registration(loss_fn, params, batch)  # One audit for every transform.
   got = _two_updates(kfac_jax.kfac(registration=reg, learning_rate=0.3), params, grads, batch)
   want = _two_updates(
@@ -339,19 +356,20 @@ def test_kfac_statistics_fraction_auto_falls_back_to_every_row(case):
   row count (the leading axis is time). An explicit fraction raises in the first three."""
   loss_fn, params, batch = _problem(n=256, din=4)
   if case == "mismatched axes":
-    batch = dict(batch, mask=jnp.ones((5,)))
+    batch = dict(batch, mask=jax.device_put(np.ones((5,), np.float32)))
   elif case == "not per-example":
     loss_fn, params, batch = _problem(n=256, din=256)
-    batch = dict(batch, shift=jnp.linspace(0.0, 1.0, 256))
+    batch = dict(batch, shift=jax.device_put(np.linspace(0.0, 1.0, 256, dtype=np.float32)))
     loss_fn = _shifted(loss_fn)
   elif case == "jax error":
     loss_fn = _picky(loss_fn, 256)
   elif case == "other error":
     loss_fn = _picky(loss_fn, 256, _ShapeError("statistics_fraction: a shape that follows N"))
   else:
-    batch = {"x": batch["x"].reshape(128, 2, 4), "y": batch["y"].reshape(128, 2)}
+    x, y = np.asarray(batch["x"]), np.asarray(batch["y"])  # Reshaped on the host.
+    batch = jax.device_put({"x": x.reshape(128, 2, 4), "y": y.reshape(128, 2)})
     loss_fn = _time_major(loss_fn, 4)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = _grad(loss_fn, params, batch)
   reg = kfac_jax.Registration(loss_fn, params, batch)  # One audit for every transform.
   got = _two_updates(kfac_jax.kfac(registration=reg, learning_rate=0.3), params, grads, batch)
   whole = kfac_jax.kfac(
@@ -375,8 +393,8 @@ def test_statistics_from_batch_on_every_update_are_formed_outside_the_guard(ever
   period they stay in the branch, so that the other updates skip them."""
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, curvature_every=every)
-  state = tx.init(params)
-  grads = jax.grad(loss_fn)(params, batch)
+  state = jax.eval_shape(tx.init, params)  # Traced only: the jaxpr needs its shapes.
+  grads = _problem_grad()
   jaxpr = jax.make_jaxpr(lambda s: tx.update(grads, s, params, batch=batch, rng=jax.random.key(0)))(
     state
   ).jaxpr
@@ -388,7 +406,7 @@ def test_update_is_the_inverse_of_the_estimator():
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=0.1, ema_decay=0.0)
   est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
   rng = jax.random.key(3)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = _problem_grad()
 
   @jax.jit  # One program: eager operations would compile one by one.
   def back(grads, params, batch):
@@ -409,8 +427,10 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
     damping=1e-2,
     ema_decay=0.5,
   )
-  sharded = jax.tree_util.tree_map(lambda x: x.reshape((n, -1) + x.shape[1:]), batch)
-  local_example = jax.tree_util.tree_map(lambda x: x[0], sharded)
+  sharded = jax.tree_util.tree_map(  # Split on the host, as the inputs are drawn.
+    lambda x: jax.device_put(np.asarray(x).reshape((n, -1) + x.shape[1:])), batch
+  )
+  local_example = jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x)[0]), sharded)
   txp = kfac_jax.scale_by_kfac(
     registration=kfac_jax.Registration(loss_fn, params, local_example, estimation_mode="empirical"),
     damping=1e-2,
@@ -431,8 +451,11 @@ def test_pmap_statistics_equal_single_device_on_the_whole_batch():
     )(params, b)
     return tx1.update(grads, state, params, curvature_stats=stats)
 
-  pstate = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), txp.init(params))
-  sstate = tx1.init(params)
+  # Each init in one program (eager operations would compile one by one); the replicas' state
+  # made by pmap, as its steps return it, so that the step compiles once.
+  init = jax.pmap(lambda p, _: txp.init(p), axis_name="data", in_axes=(None, 0))
+  pstate = init(params, np.arange(n))
+  sstate = jax.jit(tx1.init)(params)
   pfn = jax.pmap(pstep, axis_name="data", in_axes=(None, 0, 0))
   sfn = jax.jit(sstep)
   for _ in range(3):  # Crosses an inverse update (step 0) and EMA averaging.
@@ -468,20 +491,21 @@ def test_injected_damping_takes_effect_without_recompiling(x64):
   traces = []  # One trace = one compilation (counted directly: `_cache_size()` reads 0 for
   # this function with most XLA optimisations off, as in the suite).
 
-  @jax.jit
+  @jax.jit  # With the check's norms: eager operations would compile one by one.
   def update(s):
     traces.append(1)
-    return tx.update(grads, s, params, curvature_stats=stats)[0]
+    u = tx.update(grads, s, params, curvature_stats=stats)[0]
+    # ‖λ u − g‖ = O(‖g‖ ‖F̂‖ / √λ) with factored damping (π√λ and √λ/π added to the factors).
+    diff = jax.tree_util.tree_map(lambda a, g: s.hyperparams["damping"] * a - g, u, grads)
+    return optax.tree.norm(u), optax.tree.norm(diff), optax.tree.norm(grads)
 
   norms = []
   for lam in (1e-3, 1e-1, 1.0, 10.0, 1e8):
-    u = update(_set(state0, "damping", lam))
-    norms.append(float(optax.tree.norm(u)))
+    norm, diff, grad_norm = update(_set(state0, "damping", lam))
+    norms.append(float(norm))
   assert len(traces) == 1
   assert all(a > b for a, b in itertools.pairwise(norms)), norms
-  # ‖λ u − g‖ = O(‖g‖ ‖F̂‖ / √λ) with factored damping (π√λ and √λ/π added to the factors).
-  diff = jax.tree_util.tree_map(lambda a, g: 1e8 * a - g, u, grads)
-  assert float(optax.tree.norm(diff)) < 1e-3 * float(optax.tree.norm(grads))
+  assert float(diff) < 1e-3 * float(grad_norm)  # At λ = 1e8.
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,16 +527,6 @@ def _assert_same_but(new, old, counters):
       np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(old[k]), err_msg=k)
 
 
-def _kfac_step(loss_fn, tx):
-  @jax.jit
-  def step(params, state, batch, rng):
-    loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-    updates, state = tx.update(grads, state, params, curvature_stats=stats)
-    return optax.apply_updates(params, updates), state, loss, updates
-
-  return step
-
-
 @pytest.mark.parametrize("where", ["gradient", "batch", "update"])
 @pytest.mark.filterwarnings("ignore::kfac_jax.HyperparameterWarning")  # Reported: test_safety.
 @pytest.mark.filterwarnings("ignore::kfac_jax.NonFiniteWarning")  # Reported: test_safety.
@@ -531,7 +545,7 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
     inverse_every=1,
     curvature_every=1,
   )
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)  # Eager, each operation would compile on its own.
   traces = []  # one trace = one compilation
 
   @jax.jit
@@ -549,7 +563,9 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   if where == "gradient":
     poison = jnp.float32(jnp.nan)
   elif where == "batch":
-    bad_batch = {"x": batch["x"].at[2, 1].set(jnp.nan), "y": batch["y"]}
+    x = np.array(batch["x"])  # Poisoned on the host, as the inputs are drawn.
+    x[2, 1] = np.nan
+    bad_batch = {"x": jax.device_put(x), "y": batch["y"]}
   else:
     bad_state = _set(state, "learning_rate", jnp.inf)
   new_params, new_state, _ = step(params, bad_state, bad_batch, jax.random.key(7), poison)
@@ -557,7 +573,7 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
   # The NaN batch's gradient is NaN too, so its statistics are never folded (nor counted).
   _assert_same_but(inner, old, ["preconditioner.skipped"])
   _assert_same_but(new_params, params, [])
-  assert float(optax.tree.norm(inner.momentum.trace)) > 0
+  assert float(_norm(inner.momentum.trace)) > 0
   losses = []
   state = new_state if where != "update" else _set(new_state, "learning_rate", 0.3)
   for i in range(4):
@@ -572,22 +588,24 @@ def test_kfac_skips_a_nonfinite_update_and_keeps_the_whole_state(where):
 @pytest.mark.filterwarnings("ignore::kfac_jax.NonFiniteWarning")  # Reported: test_safety.
 def test_scale_by_kfac_guard_and_switching_it_off():
   loss_fn, params, batch = _problem()
-  grads = jax.grad(loss_fn)(params, batch)
-  bad = jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
+  grads = _problem_grad()
+  bad = jax.tree_util.tree_map(np.array, grads)  # Poisoned on the host: no eager operation.
+  for g in jax.tree_util.tree_leaves(bad):
+    g[(0,) * g.ndim] = np.inf
   outs = {}
   for skip in (True, False):
     tx = kfac_jax.scale_by_kfac(
       loss_fn, batch, damping=1e-2, config=kfac_jax.Config(skip_nonfinite=skip)
     )
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)  # Eager, each operation would compile on its own.
     upd = jax.jit(lambda g, s, tx=tx: tx.update(g, s, params, batch=batch, rng=jax.random.key(0)))
     _, state = upd(grads, state)
     outs[skip] = upd(bad, state), state
   (u, new), old = outs[True]
-  assert all(bool(jnp.all(x == 0)) for x in jax.tree_util.tree_leaves(u))
+  assert all(bool(np.all(np.asarray(x) == 0)) for x in jax.tree_util.tree_leaves(u))
   _assert_same_but(new, old, ["skipped"])
   (u, new), old = outs[False]
-  assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(u))
+  assert not all(bool(np.all(np.isfinite(x))) for x in jax.tree_util.tree_leaves(u))
   assert int(new.skipped) == 0 and int(new.count) == 2
 
 
@@ -600,21 +618,22 @@ def test_clip_coefficient_against_numpy(x64):
   v = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
   g = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
   vg = abs(np.vdot(v["a"], g["a"]) + np.vdot(v["b"], g["b"]))
+  clip_coefficient = jax.jit(kfac_jax._transform.clip_coefficient)  # One program for the calls.
   for r in (1e-3, 10.0, np.sqrt(vg) * 0.99, np.sqrt(vg) * 1.01):
     want = min(1.0, r / np.sqrt(vg))
-    got = kfac_jax._transform.clip_coefficient(
+    got = clip_coefficient(
       jax.tree_util.tree_map(jnp.asarray, v), jax.tree_util.tree_map(jnp.asarray, g), r
     )
     np.testing.assert_allclose(got, want, rtol=1e-12)
-  zero = jax.tree_util.tree_map(jnp.zeros_like, v)
-  assert float(kfac_jax._transform.clip_coefficient(zero, g, 1e-3)) == 1.0
+  zero = jax.tree_util.tree_map(np.zeros_like, v)
+  assert float(clip_coefficient(zero, g, 1e-3)) == 1.0
 
 
 def _first_kfac_update(reg, params, grads, stats, **kw):
   kw = {"max_norm": None, "momentum": None, **kw}  # Both are on by default.
   tx = kfac_jax.kfac(registration=reg, damping=1e-2, **_models.with_config(kw))
-  return jax.jit(lambda s, g, st: tx.update(g, s, params, curvature_stats=st)[0])(
-    tx.init(params), grads, stats
+  return jax.jit(lambda p, g, st: tx.update(g, tx.init(p), p, curvature_stats=st)[0])(
+    params, grads, stats
   )
 
 
@@ -646,9 +665,15 @@ def test_max_norm_clips_the_preconditioned_gradient_before_the_learning_rate(x64
 def _sequence_problem(reduce):
   """A per-position classifier `[N, T, din] -> [N, T, classes]` (D = T = 5 outputs per example),
   its cross-entropy averaged over examples and `reduce`d over the positions."""
-  k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
-  params = {"w": jax.random.normal(k1, (4, 3)) / 2, "b": jnp.zeros(3)}
-  batch = {"x": jax.random.normal(k2, (16, 5, 4)), "y": jax.random.randint(k3, (16, 5), 0, 3)}
+
+  @jax.jit  # One program: eager operations would compile one by one.
+  def draw():
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    params = {"w": jax.random.normal(k1, (4, 3)) / 2, "b": jnp.zeros(3)}
+    batch = {"x": jax.random.normal(k2, (16, 5, 4)), "y": jax.random.randint(k3, (16, 5), 0, 3)}
+    return params, batch
+
+  params, batch = draw()
 
   def loss_fn(params, batch):
     logits = batch["x"] @ params["w"] + params["b"]
@@ -660,7 +685,7 @@ def _sequence_problem(reduce):
 
 
 def _three_updates(tx, loss_fn, params, batch, init=None):
-  state = (init or tx.init)(params)
+  state = (init or jax.jit(tx.init))(params)  # Eager, each operation would compile on its own.
 
   @jax.jit  # One compile for the three steps.
   def step(params, state, rng):
@@ -732,7 +757,7 @@ def test_init_under_jit_is_the_eager_init():
   for x, y in zip(*map(jax.tree_util.tree_leaves, (state, state_jit))):
     np.testing.assert_array_equal(x, y)
   got = _three_updates(tx_jit, averaged, params, batch, init=jax.jit(tx_jit.init))
-  want = _three_updates(tx, averaged, params, batch)
+  want = _three_updates(tx, averaged, params, batch, init=lambda _: state)  # The eager init's.
   for a, b in zip(got, want):
     for x, z in zip(*map(jax.tree_util.tree_leaves, (a, b))):
       np.testing.assert_array_equal(x, z)
@@ -973,19 +998,20 @@ def test_optimizer_config_is_now_config():
 def test_update_errors_are_named():
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch)
-  state = tx.init(params)
-  grads = jax.grad(loss_fn)(params, batch)
+  state, grads = jax.jit(tx.init)(params), _problem_grad()
   with pytest.raises(ValueError, match="`params` is required"):
     tx.update(grads, state)
   with pytest.raises(ValueError, match="curvature_stats="):
     tx.update(grads, state, params)
   with pytest.raises(ValueError, match="params pytree differs"):
-    tx.update(grads, state, {**params, "extra": jnp.ones(2)}, batch=batch, rng=jax.random.key(0))
-  other = kfac_jax.value_and_grad(_models.softmax_loss(lambda p, x: x @ p["w"]))(
-    {"w": jnp.ones((4, 3))}, batch, jax.random.key(0)
+    extra = jax.device_put(np.ones(2, np.float32))
+    tx.update(grads, state, {**params, "extra": extra}, batch=batch, rng=jax.random.key(0))
+  other = jax.jit(kfac_jax.value_and_grad(_models.softmax_loss(lambda p, x: x @ p["w"])))(
+    {"w": jax.device_put(np.ones((4, 3), np.float32))}, batch, jax.random.key(0)
   )[2]
+  # Raised while tracing: under jit, as eagerly, but without compiling the guard's checks first.
   with pytest.raises(ValueError, match="curvature_stats were computed for layers"):
-    tx.update(grads, state, params, curvature_stats=other)
+    jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=other))(state)
   with pytest.raises(TypeError, match="ScaleByKfacState"):
     tx.update(grads, (state,), params, batch=batch, rng=jax.random.key(0))
 
@@ -996,8 +1022,8 @@ def test_profile_names_kfac_statistics_inverses_and_products():
   step shows), and the scopes are not nested in one another."""
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, curvature_every=2)
-  state = tx.init(params)
-  grads = jax.grad(loss_fn)(params, batch)
+  state = jax.eval_shape(tx.init, params)  # Lowered only: the program needs its shapes.
+  grads = _problem_grad()
 
   def update(g, s, p):
     return tx.update(g, s, p, batch=batch, rng=jax.random.key(0))
@@ -1024,23 +1050,23 @@ def test_a_schedule_that_is_not_finite_at_one_step_skips_it_and_moves_on(front):
 
   if front == "kfac":
     tx = kfac_jax.kfac(loss_fn, batch, learning_rate=bad_at_2, inverse_every=1)
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)  # Eager, each operation would compile on its own.
     grad = jax.grad(loss_fn)
     step = jax.jit(lambda p, s, k: tx.update(grad(p, batch), s, p, batch=batch, rng=k))
   else:
     opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=bad_at_2, momentum=0.5)
-    state = opt.init(params)
+    state = jax.jit(opt.init)(params)  # Eager, each operation would compile on its own.
 
     @jax.jit
     def step(p, s, k):
       new, s, _ = opt.step(p, s, batch, k)
       return jax.tree_util.tree_map(jnp.subtract, new, p), s
 
-  moved = []
+  moved, apply_updates = [], jax.jit(optax.apply_updates)
   for t in range(5):
     updates, state = step(params, state, jax.random.key(t))
-    moved.append(float(optax.tree.norm(updates)) > 0)
-    params = optax.apply_updates(params, updates)
+    moved.append(float(_norm(updates)) > 0)
+    params = apply_updates(params, updates)
   assert moved == [True, True, False, True, True]
   count, skipped = (state[0].count, state[0].skipped) if front == "kfac" else state[:2]
   assert int(skipped) == 1 and int(count) == 4
@@ -1050,14 +1076,14 @@ def test_another_models_state_is_named():
   loss_fn, params, batch = _problem()
   deeper = _models.jnp_mlp_init(jax.random.key(0), (4, 8, 8, 3))
   tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1)
-  other = kfac_jax.kfac(loss_fn, batch, learning_rate=0.1).init(deeper)
-  grads = jax.grad(loss_fn)(params, batch)
+  other = jax.jit(kfac_jax.kfac(loss_fn, batch, learning_rate=0.1).init)(deeper)
+  grads = _problem_grad()
   layers = r"\['layer0', 'layer1', 'layer2'\]"
   with pytest.raises(ValueError, match=rf"`state` holds the curvature of the layers {layers}"):
     tx.update(grads, other, params, batch=batch, rng=jax.random.key(0))
   opt = kfac_jax.Optimizer(loss_fn, batch)
   with pytest.raises(TypeError, match="OptimizerState from this optimizer's init, got KfacState"):
-    opt.step(params, tx.init(params), batch, jax.random.key(0))
+    opt.step(params, jax.jit(tx.init)(params), batch, jax.random.key(0))
 
 
 def test_burn_in_folds_statistics_only_then_preconditions():
@@ -1068,13 +1094,13 @@ def test_burn_in_folds_statistics_only_then_preconditions():
   cfg = kfac_jax.Config(burn_in_steps=2)
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, curvature_every=3, inverse_every=4, config=cfg)
   step = jax.jit(lambda g, s, k: tx.update(g, s, params, batch=batch, rng=k))
-  grads = jax.grad(loss_fn)(params, batch)
-  state = tx.init(params)
+  grads = _problem_grad()
+  state = jax.jit(tx.init)(params)  # Eager, each operation would compile on its own.
   init_cache = state.curvature.cache
   norms, weights = [], []
   for t in range(3):
     updates, state = step(grads, state, jax.random.key(t))
-    norms.append(float(optax.tree.norm(updates)))
+    norms.append(float(_norm(updates)))
     weights.append(float(state.curvature.ema_weight))
     if t == 1:
       for a, b in zip(
@@ -1114,13 +1140,14 @@ def test_kfac_takes_the_step_an_optax_line_search_picks(search):
     v = est.multiply_matpower(new.preconditioner.curvature, grads, -1)
     return optax.apply_updates(params, updates), new, updates, v, loss
 
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)  # Eager, each operation would compile on its own.
   losses, etas = [], []
   for _ in range(3):
     params, state, updates, v, loss = step(params, state)
     losses.append(float(loss))
     etas.append(float(state.rest[2].learning_rate))
-    for u, d in zip(jax.tree.leaves(updates), jax.tree.leaves(v)):
+    # On the host: an eager product would compile one program per leaf shape.
+    for u, d in zip(jax.tree.leaves(updates), jax.tree.leaves(jax.device_get(v))):
       np.testing.assert_allclose(u, -etas[-1] * d, rtol=1e-4, atol=1e-7)
   assert all(e > 0 for e in etas), etas
   assert np.all(np.diff(losses) < 0), losses
