@@ -25,8 +25,10 @@ def _problem(dtype=jnp.float32, n=16):
   kx, ky = jax.random.split(jax.random.key(1))
   x = jax.random.normal(kx, (n, 4), dtype)
   y = jax.random.randint(ky, (n,), 0, 3)
-  variables = model.init(jax.random.key(0), x)
-  variables = jax.tree_util.tree_map(lambda v: v.astype(dtype), variables)
+  # One program: eagerly, each op of the init and each cast compiles its own.
+  variables = jax.jit(
+    lambda key, x: jax.tree_util.tree_map(lambda v: v.astype(dtype), model.init(key, x))
+  )(jax.random.key(0), x)
   calls = []
 
   def loss_fn(params, batch):
@@ -84,7 +86,7 @@ def test_transform_round_trips_batch_stats_with_one_forward_pass():
     learning_rate=0.1,
     damping=1e-2,
   )
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)  # Eagerly, each op compiles its own.
 
   @jax.jit
   def step(params, opt_state, batch, rng):
@@ -138,7 +140,7 @@ def test_optimizer_returns_aux_in_info(curvature_every):
     registration=kfac_jax.Registration(loss_fn, params, batch, has_aux=True),
     curvature_every=curvature_every,
   )
-  state = opt.init(params)
+  state = jax.jit(opt.init)(params)  # Eagerly, each op compiles its own.
   step = jax.jit(opt.step)
   n_before = len(calls)
   for i in range(3):  # With curvature_every=2, step 1 takes the plain value-and-grad branch.
@@ -159,11 +161,11 @@ def test_optimizer_as_optax_keeps_aux_in_state():
   tx = opt.as_optax()
   state = jax.jit(tx.init)(params)
   assert jax.tree_util.tree_structure(state.info["aux"]) == jax.tree_util.tree_structure(
-    loss_fn(params, batch)[1]
+    jax.eval_shape(loss_fn, params, batch)[1]
   )
-  ref_params, ref_state, ref_info = jax.jit(opt.step)(
-    params, opt.init(params), batch, jax.random.key(0)
-  )
+  ref_params, ref_state, ref_info = jax.jit(
+    lambda p, b, rng: opt.step(p, opt.init(p), b, rng)  # One program with the init.
+  )(params, batch, jax.random.key(0))
   updates, state = jax.jit(lambda s, p, b: tx.update(None, s, p, batch=b, rng=jax.random.key(0)))(
     state, params, batch
   )
@@ -176,10 +178,13 @@ def test_estimator_has_aux_scans_the_loss_part():
   plain = lambda p, b: loss_fn(p, b)[0]
   est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, has_aux=True))
   ref = kfac_jax.CurvatureEstimator(kfac_jax.Registration(plain, params, batch))
-  s, r = est.init(params), ref.init(params)
-  rng = jax.random.key(0)
-  s = est.update_curvature(s, params, batch, rng, ema_decay=0.9)
-  r = ref.update_curvature(r, params, batch, rng, ema_decay=0.9)
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def fold(params, batch, rng):
+    s = est.update_curvature(est.init(params), params, batch, rng, ema_decay=0.9)
+    return s, ref.update_curvature(ref.init(params), params, batch, rng, ema_decay=0.9)
+
+  s, r = fold(params, batch, jax.random.key(0))
   assert [l.name for l in est.layers] == [l.name for l in ref.layers]
   _assert_trees_equal(s, r)
 

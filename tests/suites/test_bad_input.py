@@ -91,7 +91,7 @@ def _update(mutate, jit=False):
   def run():
     loss_fn, params, batch = _problem()
     tx = kfac_jax.scale_by_kfac(loss_fn, batch)
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)  # Eagerly, each op compiles its own.
     before = jax.tree_util.tree_map(np.asarray, state)
     grads, _ = _grads_and_stats()
     args, kwargs = mutate(grads, params, batch)
@@ -115,7 +115,7 @@ def _multiply(vector_fn, exp=-1):
     est = kfac_jax.CurvatureEstimator(
       kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
     )
-    state = est.init(params)
+    state = jax.jit(est.init)(params)  # Eagerly, each op compiles its own.
     est.multiply_matpower(state, vector_fn(params), exp)
 
   return run
@@ -426,16 +426,20 @@ def _wrong_state(front: str, make_state):
     loss_fn, params, batch = _problem()
     grads, stats = _grads_and_stats()
     state = make_state()
+    # Under `jax.jit`, as a training step runs it: the state check reads shapes, so the error is
+    # the same at trace time; eagerly, each op run before it (a whole preconditioner step for
+    # the rest of a chain's state) would compile its own.
     if front == "Optimizer":
-      kfac_jax.Optimizer(loss_fn, batch).step(params, state, batch, jax.random.key(0))
+      opt = kfac_jax.Optimizer(loss_fn, batch)
+      jax.jit(lambda s: opt.step(params, s, batch, jax.random.key(0)))(state)
     elif front == "estimator":
       est = kfac_jax.CurvatureEstimator(
         kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
       )
-      est.update_inverses(state, 0.1)
+      jax.jit(lambda s: est.update_inverses(s, 0.1))(state)
     else:
-      make = kfac_jax.kfac if front == "kfac" else kfac_jax.scale_by_kfac
-      make(loss_fn, batch).update(grads, state, params, curvature_stats=stats)
+      tx = (kfac_jax.kfac if front == "kfac" else kfac_jax.scale_by_kfac)(loss_fn, batch)
+      jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats))(state)
 
   return run
 
@@ -443,7 +447,7 @@ def _wrong_state(front: str, make_state):
 def _tx_state(make=kfac_jax.scale_by_kfac, problem=_wide, **kw):
   def build():
     loss_fn, params, batch = problem()
-    return make(loss_fn, batch, **kw).init(params)
+    return jax.jit(make(loss_fn, batch, **kw).init)(params)  # Eagerly, each op compiles its own.
 
   return build
 
@@ -452,7 +456,7 @@ def _diagonal_state():
   loss_fn, params, batch = _problem()
   layers = kfac_jax.LayerConfig(defaults={"dense": "diagonal"})
   reg = kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False)
-  return kfac_jax.scale_by_kfac(registration=reg).init(params)
+  return jax.jit(kfac_jax.scale_by_kfac(registration=reg).init)(params)
 
 
 WRONG_STATES = [
@@ -465,12 +469,14 @@ WRONG_STATES = [
   ("kfac", _tx_state(kfac_jax.kfac), r"block `layer0` .*has \(7, 7\) .*needs \(5, 5\)"),
   (
     "Optimizer",
-    lambda: kfac_jax.Optimizer(_wide()[0], _wide()[2]).init(_wide()[1]),
+    lambda: jax.jit(kfac_jax.Optimizer(_wide()[0], _wide()[2]).init)(_wide()[1]),
     r"(?s)Optimizer: `state` is not a state of this model.*block `layer0`.*\(7, 7\)",
   ),
   (
     "estimator",
-    lambda: kfac_jax.CurvatureEstimator(kfac_jax.Registration(*_wide(), check_loss=False)).init(),
+    lambda: jax.jit(
+      kfac_jax.CurvatureEstimator(kfac_jax.Registration(*_wide(), check_loss=False)).init
+    )(),
     r"(?s)`state` is not a state of this model.*block `layer0`.*\(7, 7\)",
   ),
   # Another LayerConfig: the blocks are of another kind.
@@ -542,25 +548,28 @@ def test_an_unbound_axis_name_names_the_argument_and_the_wrapper():
   loss_fn, params, batch = _problem()
   grads, stats = _grads_and_stats()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch, axis_name="data")
-  state = kfac_jax.scale_by_kfac(loss_fn, batch).init(params)
+  state = jax.jit(kfac_jax.scale_by_kfac(loss_fn, batch).init)(params)  # Eagerly, each op compiles.
   match = r"`axis_name`='data' is not bound here.*jax.pmap\(\.\.\., axis_name='data'\)"
   with pytest.raises(ValueError, match="scale_by_kfac: " + match):
     jax.jit(lambda s: tx.update(grads, s, params, curvature_stats=stats))(state)
   opt = kfac_jax.Optimizer(loss_fn, batch, axis_name="data")
   with pytest.raises(ValueError, match="Optimizer: " + match):
-    opt.step(params, kfac_jax.Optimizer(loss_fn, batch).init(params), batch, jax.random.key(0))
+    opt.step(
+      params, jax.jit(kfac_jax.Optimizer(loss_fn, batch).init)(params), batch, jax.random.key(0)
+    )
 
 
 def test_check_restored_state_reads_what_nnx_optimizer_holds():
   nnx = pytest.importorskip("flax.nnx")
   loss_fn, params, batch = _problem()
   tx = kfac_jax.scale_by_kfac(loss_fn, batch)
+  init = jax.jit(tx.init)  # Eagerly, each op compiles its own.
   # nnx.Optimizer keeps each leaf of the optax state in a variable (its `value`).
-  held = jax.tree_util.tree_map(nnx.OptState, tx.init(params))
-  kfac_jax.check_restored_state(tx.init(params), held)
+  held = jax.tree_util.tree_map(nnx.OptState, init(params))
+  kfac_jax.check_restored_state(init(params), held)
   loss_w, params_w, batch_w = _wide()
   wide = jax.tree_util.tree_map(
-    nnx.OptState, kfac_jax.scale_by_kfac(loss_w, batch_w).init(params_w)
+    nnx.OptState, jax.jit(kfac_jax.scale_by_kfac(loss_w, batch_w).init)(params_w)
   )
   with pytest.raises(ValueError, match=r"block `layer0` .*checkpoint has \(7, 7\)"):
-    kfac_jax.check_restored_state(tx.init(params), wide)
+    kfac_jax.check_restored_state(init(params), wide)

@@ -34,16 +34,22 @@ def _estimate(loss_fn, params, batch, layers=None):
       loss_fn, params, batch, estimation_mode="empirical", layers=layers, check_loss=False
     )
   )
-  # One program: run eagerly, `init`'s ops would each compile their own.
-  update = jax.jit(lambda p, b: est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))
-  state = update(params, batch)
-  return est, np.asarray(est.to_dense(state))
+  # One program: run eagerly, the ops of `init` and `to_dense` would each compile their own.
+  update = jax.jit(
+    lambda p, b: est.to_dense(est.update_curvature(est.init(p), p, b, None, ema_decay=0.0))
+  )
+  return est, np.asarray(update(params, batch))
 
 
 def _exact_empirical(per_example_fn, params, batch):
   """(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ from per-example gradients (jax.jacobian), in raveled order."""
-  flat, unravel = ravel_pytree(params)
-  jac = np.asarray(_models.jit_jacobian(lambda f: per_example_fn(unravel(f), batch))(flat))
+
+  @jax.jit  # Ravelled and differentiated in one program: eagerly, each op compiles its own.
+  def jacobian(params, batch):
+    flat, unravel = ravel_pytree(params)
+    return jax.jacobian(lambda f: per_example_fn(unravel(f), batch))(flat)
+
+  jac = np.asarray(jacobian(params, batch))
   return jac.T @ jac / jac.shape[0]
 
 
@@ -154,15 +160,18 @@ def test_a_tiled_probe_and_its_projection_are_layers_and_kron_is_exact(x64):
   q = _indices(params, "q/kernel", "q/bias")  # [kernel (in, out) row-major; bias] = A ⊗ G.
   # By definition: ā = [probe, 1]; g_n = ∂ℓ_n/∂q_n, the gradient at the projection's output.
   abar = np.append(np.asarray(params["probe"]).reshape(-1), 1.0)
-  probe = jnp.tile(params["probe"], (N, 1, 1))
 
   def per_example_of_q(qv):  # qv: [N, 1, D], the projection's output per example.
     return optax.softmax_cross_entropy_with_integer_labels(
       _attend(qv, batch["x"], params), batch["y"]
     )
 
-  q_out = probe @ params["q"]["kernel"] + params["q"]["bias"]
-  g = np.asarray(jax.jit(jax.grad(lambda qv: per_example_of_q(qv).sum()))(q_out)).reshape(N, D)
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def output_grads(params):
+    q_out = jnp.tile(params["probe"], (N, 1, 1)) @ params["q"]["kernel"] + params["q"]["bias"]
+    return jax.grad(lambda qv: per_example_of_q(qv).sum())(q_out)
+
+  g = np.asarray(output_grads(params)).reshape(N, D)
   want = np.kron(np.outer(abar, abar), g.T @ g / N)
   np.testing.assert_allclose(dense[np.ix_(q, q)], want, rtol=1e-10, atol=1e-13)
   np.testing.assert_allclose(dense[np.ix_(q, q)], exact[np.ix_(q, q)], rtol=1e-10, atol=1e-13)
@@ -198,7 +207,6 @@ def test_a_projection_broadcast_afterwards_is_a_dense_layer_with_shared_rows(x64
   xbar = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
   a = xbar.T @ xbar / rows.shape[0]
   # g_{n,r}: the gradient of ℓ_n at example n's copy of the projection's output row r.
-  s = rows @ params["q"]["kernel"] + params["q"]["bias"]
 
   def per_example_of_copies(copies):  # copies: [N, R, D], one copy of the output per example.
     p = params
@@ -208,8 +216,13 @@ def test_a_projection_broadcast_afterwards_is_a_dense_layer_with_shared_rows(x64
       out = jnp.tanh(batch["x"] + copies).reshape(N, -1) @ p["head"]
     return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"])
 
-  copies = jnp.broadcast_to(s, (N,) + s.shape)
-  g = np.asarray(jax.jit(jax.grad(lambda c: per_example_of_copies(c).sum()))(copies))
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def output_grads(params):
+    s = rows @ params["q"]["kernel"] + params["q"]["bias"]
+    copies = jnp.broadcast_to(s, (N,) + s.shape)
+    return jax.grad(lambda c: per_example_of_copies(c).sum())(copies)
+
+  g = np.asarray(output_grads(params))
   gg = np.einsum("nri,nrj->ij", g, g) / N
   q = _indices(params, "q/kernel", "q/bias")
   np.testing.assert_allclose(dense[np.ix_(q, q)], np.kron(a, gg), rtol=1e-10, atol=1e-13)
@@ -274,7 +287,7 @@ def test_t5_relative_bias_is_a_shift_table_exact_in_float64(x64, approx):
   bucket: "diagonal" (the default, with its note) is the exact diagonal and "full" the exact
   Fisher block."""
   logits, params, batch = _t5_model()
-  buckets = np.asarray(_t5_buckets(L))
+  buckets = np.asarray(jax.jit(_t5_buckets, static_argnums=0)(L))  # Eagerly, an op a program.
   assert len(np.unique(buckets)) < buckets.size  # Repeats: positions share buckets.
   loss_fn = lambda p, b: _ce(logits(p, b), b["y"])
   layers = kfac_jax.LayerConfig(overrides={"rel": "full"}) if approx == "full" else None

@@ -114,7 +114,7 @@ def test_jit_compiles_once_and_converges_on_least_squares(kind):
     losses.append(float(loss))
   # Steps 2..25, across inverse refreshes (every 3), reuse the first step's program.
   assert len(traces) == 1 and len(init_traces) == 1
-  final = float(loss_fn(params, batch))
+  final = float(jax.jit(loss_fn)(params, batch))  # Eagerly, each op compiles its own.
   assert final - best < 1e-2 * (losses[0] - best), (kind, losses[0], final, best)
 
 
@@ -138,7 +138,7 @@ def test_step_donating_params_and_state(kind):
     params, state, loss = step(params, state, batch, jax.random.key(i))
     first = float(loss) if first is None else first
   assert jax.tree_util.tree_leaves(old)[0].is_deleted()  # the buffers were donated
-  assert float(loss_fn(params, batch)) < first
+  assert float(jax.jit(loss_fn)(params, batch)) < first
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -150,17 +150,18 @@ def test_inside_optax_chain(kind):
   chained = optax.chain(
     optax.clip_by_global_norm(1e6), _make(kind, loss_fn, batch), optax.scale(0.5)
   )
-  s_bare, s_chain = bare.init(params), chained.init(params)
+  # Jitted: eagerly, each op of the init compiles its own.
+  s_bare, s_chain = jax.jit(lambda p: (bare.init(p), chained.init(p)))(params)
   traces = []
   step_bare, step_chain = _step_fn(kind, loss_fn, bare), _step_fn(kind, loss_fn, chained, traces)
-  p_bare = params
+  p_bare, apply_updates = params, jax.jit(optax.apply_updates)
   for i in range(3):
     rng = jax.random.key(i)
     _, s_bare, _, u_bare = step_bare(p_bare, s_bare, batch, rng)
     _, s_chain, _, u_chain = step_chain(p_bare, s_chain, batch, rng)
     for a, b in zip(jax.tree_util.tree_leaves(u_chain), jax.tree_util.tree_leaves(u_bare)):
       np.testing.assert_allclose(a, 0.5 * b, rtol=1e-5, atol=1e-7)
-    p_bare = optax.apply_updates(p_bare, u_bare)
+    p_bare = apply_updates(p_bare, u_bare)
   assert len(traces) == 1
 
 
@@ -186,7 +187,7 @@ def test_inside_inject_hyperparams(kind):
       ),
       optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=0.1),
     )
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)  # Eagerly, each op compiles its own.
   traces = []
   step = _step_fn(kind, loss_fn, tx, traces)
 
@@ -242,11 +243,13 @@ def test_in_nnx_optimizer(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bfloat16_params_keep_their_dtype(kind):
-  params = _models.to_dtype(_models.jnp_mlp_init(jax.random.key(0), (4, 8, 3)), jnp.bfloat16)
+  params = jax.jit(lambda t: _models.to_dtype(t, jnp.bfloat16))(  # One program for the casts.
+    _models.jnp_mlp_init(jax.random.key(0), (4, 8, 3))
+  )
   batch = _models.classification_batch(jax.random.key(1), n=32, dtype=jnp.bfloat16)
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
   tx = _make(kind, loss_fn, batch, **({} if kind == "optimizer" else {"learning_rate": 0.1}))
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)  # Eagerly, each op compiles its own.
   step = _step_fn(kind, loss_fn, tx)
   for i in range(3):
     params, state, loss, updates = step(params, state, batch, jax.random.key(i))
@@ -270,11 +273,12 @@ def test_checkpoint_round_trip_continues_identically(kind):
   tx = _make(kind, loss_fn, batch)
   traces = []
   step = _step_fn(kind, loss_fn, tx, traces)
-  state = tx.init(params)
+  init = jax.jit(tx.init)  # Eagerly, each op compiles its own.
+  state = init(params)
   for i in range(2):
     params, state, _, _ = step(params, state, batch, jax.random.key(i))
   data = kfac_jax.state_to_bytes(state)
-  restored = kfac_jax.state_from_bytes(tx.init(params), data)
+  restored = kfac_jax.state_from_bytes(init(params), data)
   _assert_trees_equal(restored, state)
   runs = []
   for s in (state, restored):
@@ -341,11 +345,12 @@ def test_a_share_of_the_parameters_under_multi_transform(kind):
     u = {k: u_adam[k] if k == "layer0" else u_whole[k] for k in p}
     return optax.apply_updates(p, u), s_whole, s_adam, u
 
-  state = tx.init(params)
+  # Jitted: eagerly, each op of the inits compiles its own.
+  state, s_whole, s_adam = jax.jit(lambda p: (tx.init(p), whole.init(p), adam.init(p)))(params)
   inner = state.inner_states["kfac"].inner_state
   curv = (inner.preconditioner if kind == "kfac" else inner[0]).curvature
   assert sorted(curv.factors) == ["layer1", "layer2"]  # No block for Adam's layer.
-  p, p_ref, s_whole, s_adam = params, params, whole.init(params), adam.init(params)
+  p, p_ref = params, params
   for i in range(5):
     p, state, u = step(p, state, jax.random.key(i))
     p_ref, s_whole, s_adam, u_ref = reference(p_ref, s_whole, s_adam, jax.random.key(i))
@@ -416,9 +421,15 @@ def test_inside_optax_multisteps():
     u, s = ms.update(g, s, p, curvature_stats=stats)
     return optax.apply_updates(p, u), s, u
 
-  p, s = params, ms.init(params)
-  q, t = params, ref.init(params)
-  ref_vg = jax.jit(vg)  # Eagerly, each op compiles its own.
+  s, t = jax.jit(lambda p: (ms.init(p), ref.init(p)))(params)  # Eagerly, each op compiles its own.
+  p, q = params, params
+  ref_vg = jax.jit(vg)
+
+  @jax.jit
+  def ref_update(grads, t, q, stats):
+    mean = jax.tree.map(lambda *x: sum(x) / k, *grads)
+    return ref.update(mean, t, q, curvature_stats=stats)
+
   for period in range(2):
     grads = []
     for m in range(k):
@@ -428,9 +439,8 @@ def test_inside_optax_multisteps():
       p, s, u = step(p, s, batches[i], jax.random.key(i))
       if m < k - 1:
         assert all(not np.any(x) for x in jax.tree_util.tree_leaves(u))
-    mean = jax.tree.map(lambda *x: sum(x) / k, *grads)
-    u_ref, t = jax.jit(ref.update)(mean, t, q, curvature_stats=stats)
-    q = optax.apply_updates(q, u_ref)
+    u_ref, t = ref_update(grads, t, q, stats)
+    q = jax.jit(optax.apply_updates)(q, u_ref)
     for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert int(s.inner_opt_state.preconditioner.count) == 2
@@ -443,10 +453,10 @@ def test_optax_tree_map_params_maps_the_parameter_copies(kind):
   (`Optimizer`) are mapped, the curvature is left as it is."""
   loss_fn, params, batch, _ = _least_squares()
   tx = _make(kind, loss_fn, batch)
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)  # Eagerly, each op compiles its own.
   step = _step_fn(kind, loss_fn, tx)
   _, state, _, _ = step(params, state, batch, jax.random.key(0))
-  mapped = optax.tree_map_params(tx, lambda p: p + 1.0, state)
+  mapped = jax.jit(lambda s: optax.tree_map_params(tx, lambda p: p + 1.0, s))(state)
   assert jax.tree_util.tree_structure(mapped) == jax.tree_util.tree_structure(state)
   changed = [
     not np.array_equal(a, b)

@@ -266,9 +266,10 @@ def test_layer_inside_a_custom_function_with_no_reverse_derivative_is_named():
 
 def test_factors_are_float64_under_x64(x64):
   """float32 parameters of a VMC model, x64 on: the factors and inverses are float64."""
-  params, batch = _vmc_data()
-  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
-  batch = {"r": batch["r"].astype(jnp.float32)}
+  # One program for the casts: eagerly, each compiles its own.
+  params, batch = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), t))(
+    _vmc_data()
+  )
   reg = kfac_jax.Registration(_energy_rule(True), params, batch)
   tx = kfac_jax.scale_by_kfac(registration=reg, damping=1e-3, inverse_every=1)
 
@@ -311,16 +312,21 @@ def test_complex_log_psi_gives_the_exact_fisher(x64):
   )
   assert [(s.kind, s.approx) for s in reg.layers] == [("dense", "full")] * 2
   est = kfac_jax.CurvatureEstimator(reg)
-  update = lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0)  # noqa: E731
-  dense = np.asarray(jax.jit(lambda s: est.to_dense(update(s)))(est.init(params)))
-  # Reference: (1/N) Σ_n Re(J_n^H J_n) / var, var = 0.5, J = ∂ log psi / ∂θ.
-  flat, unravel = jax.flatten_util.ravel_pytree(params)
-  jr, ji = (
-    np.asarray(
-      jax.jit(jax.jacobian(lambda v: part(_complex_log_psi(unravel(v), batch["r"]))))(flat)
-    )
-    for part in (jnp.real, jnp.imag)
-  )
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params, batch):
+    state = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+    dense = est.to_dense(state)
+    # Reference: (1/N) Σ_n Re(J_n^H J_n) / var, var = 0.5, J = ∂ log psi / ∂θ.
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    jacobians = [
+      jax.jacobian(lambda v, part=part: part(_complex_log_psi(unravel(v), batch["r"])))(flat)
+      for part in (jnp.real, jnp.imag)
+    ]
+    return dense, jacobians
+
+  dense, (jr, ji) = run(params, batch)
+  dense, jr, ji = np.asarray(dense), np.asarray(jr), np.asarray(ji)
   j = jr + 1j * ji
   fisher = np.real(j.conj().T @ j) / N / 0.5
   mask = np.zeros_like(fisher, bool)
@@ -335,8 +341,13 @@ def test_complex_log_psi_gives_the_exact_fisher(x64):
 
 
 def test_complex_mean_tags_its_parts():
-  z = jax.lax.complex(jnp.arange(4.0).reshape(4, 1), -jnp.ones((4, 1)))
-  t, w = z + 1j, jnp.full((4, 1), 2.0)
+
+  @jax.jit  # One program for the inputs: eagerly, each op compiles its own.
+  def inputs():
+    z = jax.lax.complex(jnp.arange(4.0).reshape(4, 1), -jnp.ones((4, 1)))
+    return z, z + 1j, jnp.full((4, 1), 2.0)
+
+  z, t, w = inputs()
   jaxpr, out = jax.make_jaxpr(
     lambda z: kfac_jax.register_normal_predictive_distribution(z, t, weight=w), return_shape=True
   )(z)

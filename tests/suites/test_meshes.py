@@ -87,7 +87,7 @@ def _train(make, row_out, params, batch, mesh=None, specs=None):
     return optax.apply_updates(params, updates), state
 
   def run(p, b):
-    state = tx.init(p)
+    state = jax.jit(tx.init)(p)  # Eagerly, each op compiles its own.
     for i in range(STEPS):
       p, state = step(p, state, b, jax.random.key(i))
     return p
@@ -159,6 +159,6 @@ def test_config_mesh_on_an_explicit_axis_is_refused_naming_the_fix(x64):
   ):
     kfac_jax.Config(mesh=(mesh, "data"))
   est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
-  state = est.init(params)
+  state = jax.jit(est.init)(params)  # Eagerly, each op compiles its own.
   with pytest.raises(ValueError, match="AxisType.Explicit"):
     est.update_inverses(state, 1e-2, mesh=(mesh, "data"))

@@ -5,6 +5,7 @@ forward Laplacian) is one shared layer whose tangent channels add no bias (homog
 coordinate 0), with the "expand" factors over every channel's rows.
 """
 
+import functools
 import warnings
 
 import jax
@@ -105,6 +106,9 @@ def _interior_loss(laplacian):
   return loss_fn
 
 
+@functools.partial(
+  jax.jit, static_argnums=(0, 1)
+)  # One program: eagerly, each op compiles its own.
 def _problem(sizes=(2, 5, 1), n=7):
   params = _init(jax.random.key(3), sizes)
   batch = {"x": jax.random.uniform(jax.random.key(4), (n, 2), jnp.float64)}
@@ -117,14 +121,25 @@ def _estimate(loss_fn, params, batch, approx):
     loss_fn, params, batch, estimation_mode="exact_GGN", layers=layers, warn=False
   )
   est = kfac_jax.CurvatureEstimator(registration=reg)
-  update = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))
-  return est, update(est.init(params))
+  update = jax.jit(lambda p: est.update_curvature(est.init(p), p, batch, None, ema_decay=0.0))
+  return est, update(params)
+
+
+def _flat_jacobian(fn, params):
+  """The Jacobian of `fn(params)` in the flat parameters (`ravel_pytree` order), ravelled and
+  differentiated in one program: run eagerly, each op would compile on its own."""
+
+  @jax.jit
+  def jac(params):
+    flat, unravel = ravel_pytree(params)
+    return jax.jacobian(lambda f: fn(unravel(f)))(flat)
+
+  return np.asarray(jac(params))
 
 
 def _ggn(laplacian, params, batch):
   """The GGN of mean(r²): 2 Jᵀ J / N, J the residuals' Jacobian (jax.jacobian)."""
-  flat, unravel = ravel_pytree(params)
-  jac = np.asarray(jax.jit(jax.jacobian(lambda f: laplacian(unravel(f), batch["x"])))(flat))
+  jac = _flat_jacobian(lambda p: laplacian(p, batch["x"]), params)
   return 2 * jac.T @ jac / jac.shape[0]
 
 
@@ -168,28 +183,32 @@ def test_expand_factors_are_the_channel_sums(x64):
   (x̄ = [x, 1] for the value, [e_i, 0] for the gradient, [0, 0] for the Laplacian channel), and
   G = (1/N) Σ_n Σ_channels g gᵀ with g the exact GGN's output gradient √2 ∂r_n/∂s."""
   params, batch = _problem()
-  x = batch["x"]
-  n = x.shape[0]
   _, state = _estimate(_interior_loss(_laplacian_forward), params, batch, "kron")
-  rows = [
-    jnp.concatenate([x, jnp.ones((n, 1))], 1),
-    jnp.concatenate([jnp.tile(jnp.eye(2), (n, 1)), jnp.zeros((2 * n, 1))], 1),
-    jnp.zeros((n, 3)),
-  ]
-  a = sum(r.T @ r for r in rows) / (4 * n)
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def expected(params, x):
+    n = x.shape[0]
+    rows = [
+      jnp.concatenate([x, jnp.ones((n, 1))], 1),
+      jnp.concatenate([jnp.tile(jnp.eye(2), (n, 1)), jnp.zeros((2 * n, 1))], 1),
+      jnp.zeros((n, 3)),
+    ]
+    a = sum(r.T @ r for r in rows) / (4 * n)
+
+    def residuals(channels):  # r as a function of the first layer's output channels.
+      z, dz, lz = _tanh_channels(*channels)
+      p = params[1]
+      return (lz @ p["w"])[:, 0] + 2 * jnp.pi**2 * jnp.sin(jnp.pi * x[:, 0]) * jnp.sin(
+        jnp.pi * x[:, 1]
+      )
+
+    # Row n of r depends only on point n: the gradient of Σ r is each point's own.
+    grads = jax.grad(lambda c: jnp.sum(residuals(c)))(_forward_channels(params, x, upto=0))
+    g_rows = [grads[0], grads[1].reshape(-1, grads[1].shape[-1]), grads[2]]
+    return a, 2 * sum(r.T @ r for r in g_rows) / n
+
+  a, g = expected(params, batch["x"])
   np.testing.assert_allclose(state.factors["0"].a, a, rtol=1e-12, atol=1e-15)
-
-  def residuals(channels):  # r as a function of the first layer's output channels.
-    z, dz, lz = _tanh_channels(*channels)
-    p = params[1]
-    return (lz @ p["w"])[:, 0] + 2 * jnp.pi**2 * jnp.sin(jnp.pi * x[:, 0]) * jnp.sin(
-      jnp.pi * x[:, 1]
-    )
-
-  # Row n of r depends only on point n: the gradient of Σ r is each point's own.
-  grads = jax.grad(lambda c: jnp.sum(residuals(c)))(_forward_channels(params, x, upto=0))
-  g_rows = [grads[0], grads[1].reshape(-1, grads[1].shape[-1]), grads[2]]
-  g = 2 * sum(r.T @ r for r in g_rows) / n
   np.testing.assert_allclose(state.factors["0"].g, g, rtol=1e-10, atol=1e-15)
 
 
@@ -247,12 +266,14 @@ def test_loss_terms_on_point_sets_of_different_sizes(x64, how):
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN", layers=layers)
   assert [s.batch_size for s in reg.scan_batch(params, batch).losses] == [7, 3]
   est = kfac_jax.CurvatureEstimator(registration=reg)
-  update = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))
-  dense = np.asarray(jax.jit(est.to_dense)(update(est.init(params))))
-  flat, unravel = ravel_pytree(params)
-  jac = jax.jit(jax.jacobian(lambda f: laplacian(unravel(f), batch["x"])))
-  ji = np.asarray(jac(flat))
-  jb = np.asarray(jax.jit(jax.jacobian(lambda f: _mlp(unravel(f), batch["xb"])))(flat))
+  # One program: run eagerly, each op compiles its own.
+  dense = np.asarray(
+    jax.jit(
+      lambda p: est.to_dense(est.update_curvature(est.init(p), p, batch, None, ema_decay=0.0))
+    )(params)
+  )
+  ji = _flat_jacobian(lambda p: laplacian(p, batch["x"]), params)
+  jb = _flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
   ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
   mask = _models.block_mask(est, params)
   assert len(est.blocks) == 2
@@ -284,18 +305,23 @@ def test_a_layer_serving_two_terms(x64, approx):
   update = jax.jit(lambda p: est.update_curvature(est.init(p), p, batch, None, ema_decay=0.0))
   state = update(params)
   factors = state.factors["1"]
-  inner, bound = _output_layer_rows(params, batch)
-  if approx == "kron_indep":
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def expected_a(params, batch):
+    inner, bound = _output_layer_rows(params, batch)
     rows = jnp.concatenate([inner, bound])
-    np.testing.assert_allclose(factors.a, rows.T @ rows / 10, rtol=1e-12, atol=1e-15)
+    return rows.T @ rows / 10, inner.T @ inner / 7, bound.T @ bound / 3
+
+  pooled, a_inner, a_bound = expected_a(params, batch)
+  if approx == "kron_indep":
+    np.testing.assert_allclose(factors.a, pooled, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(factors.g, [[4.0]], rtol=1e-12)
     return
-  a = np.stack([inner.T @ inner / 7, bound.T @ bound / 3])
+  a = np.stack([a_inner, a_bound])
   np.testing.assert_allclose(factors.a, a, rtol=1e-12, atol=1e-15)
   np.testing.assert_allclose(factors.g, [[[2.0]], [[2.0]]], rtol=1e-12)
-  flat, unravel = ravel_pytree(params)
-  ji = np.asarray(_models.jit_jacobian(lambda f: _laplacian_forward(unravel(f), batch["x"]))(flat))
-  jb = np.asarray(_models.jit_jacobian(lambda f: _mlp(unravel(f), batch["xb"]))(flat))
+  ji = _flat_jacobian(lambda p: _laplacian_forward(p, batch["x"]), params)
+  jb = _flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
   ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
   w = slice(15, 21)  # 1/b, 1/w in ravel order.
   dense = np.asarray(jax.jit(est.to_dense)(state))
@@ -332,21 +358,26 @@ def test_equal_damping_split_adds_the_same_root_to_both_factors(x64):
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN")
   config = kfac_jax.Config(damping_split="equal")
   est = kfac_jax.CurvatureEstimator(registration=reg, config=config)
-  state = jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.0))(
-    est.init(params)
-  )
-  factors, block, lam = state.factors["1"], est.blocks[1], 1e-2
+  block, lam = est.blocks[1], 1e-2
+  pi_block = kfac_jax.CurvatureEstimator(registration=reg).blocks[1]
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params):
+    factors = est.update_curvature(est.init(params), params, batch, None, ema_decay=0.0)
+    factors = factors.factors["1"]
+    v = [jnp.linspace(-1.0, 2.0, 5).reshape(5, 1), jnp.array([0.5])]
+    out = block.multiply_matpower(factors, block.compute_cache(factors, lam), v, -1)
+    pi_out = pi_block.multiply_matpower(factors, pi_block.compute_cache(factors, lam), v, -1)
+    return factors, block.to_matrix(v), block.to_matrix(out), pi_block.to_matrix(pi_out)
+
+  factors, rhs, out, pi_out = run(params)
   a, g = np.asarray(factors.a), np.asarray(factors.g)
   r = np.sqrt(lam / 2)
   eye_a, eye_g = np.eye(a.shape[-1]), np.eye(g.shape[-1])
   f = sum(np.kron(a[t] + r * eye_a, g[t] + r * eye_g) for t in (0, 1))
-  v = [jnp.linspace(-1.0, 2.0, 5).reshape(5, 1), jnp.array([0.5])]
-  rhs = np.asarray(block.to_matrix(v)).reshape(-1)
-  out = block.to_matrix(block.multiply_matpower(factors, block.compute_cache(factors, lam), v, -1))
+  rhs = np.asarray(rhs).reshape(-1)
   np.testing.assert_allclose(np.asarray(out).reshape(-1), np.linalg.solve(f, rhs), rtol=1e-9)
-  pi_block = kfac_jax.CurvatureEstimator(registration=reg).blocks[1]
-  pi_out = pi_block.multiply_matpower(factors, pi_block.compute_cache(factors, lam), v, -1)
-  assert not np.allclose(np.asarray(pi_block.to_matrix(pi_out)), np.asarray(out), rtol=1e-3)
+  assert not np.allclose(np.asarray(pi_out), np.asarray(out), rtol=1e-3)
   with pytest.raises(ValueError, match="damping_split"):
     kfac_jax.Config(damping_split="trace")
 
@@ -359,10 +390,15 @@ def test_optimizer_rejects_steps_that_raise_the_loss(x64, model):
   from tests import _zoo
 
   z = _zoo.MODELS[model]("linen") if model == "mlp" else _zoo.STRUCTURE_MODELS[model]()
-  params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float64), z.params)
-  batch = jax.tree_util.tree_map(
-    lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, z.batch
-  )
+  # One program: run eagerly, each cast compiles its own.
+  params, batch = jax.jit(
+    lambda params, batch: (
+      jax.tree_util.tree_map(lambda p: p.astype(jnp.float64), params),
+      jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, batch
+      ),
+    )
+  )(z.params, z.batch)
   opt = kfac_jax.Optimizer(
     z.loss_fn,
     batch,

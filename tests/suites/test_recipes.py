@@ -61,8 +61,8 @@ def test_flax_train_state_recipe():
   s = _run(RECIPES["TrainState"])
   state, batch = s["state"], s["batch"]
   assert int(state.step) == 10
-  params0 = s["model"].init(jax.random.key(1), s["x"])["params"]
-  assert float(s["loss"]) < 0.5 * float(s["loss_fn"](params0, batch))
+  params0 = jax.jit(s["model"].init)(jax.random.key(1), s["x"])["params"]
+  assert float(s["loss"]) < 0.5 * float(jax.jit(s["loss_fn"])(params0, batch))
 
 
 def test_linen_batch_stats_recipe():
@@ -72,15 +72,19 @@ def test_linen_batch_stats_recipe():
   assert _changed(state.batch_stats, variables["batch_stats"])
   mean = state.batch_stats["BatchNorm_0"]["mean"]
   assert np.all(np.isfinite(mean)) and float(np.abs(mean).max()) > 0
-  loss0, _ = s["loss_fn"](variables["params"], {**batch, "batch_stats": variables["batch_stats"]})
+  loss0, _ = jax.jit(s["loss_fn"])(
+    variables["params"], {**batch, "batch_stats": variables["batch_stats"]}
+  )
   assert float(s["loss"]) < 0.5 * float(loss0)
 
 
 def test_haiku_transform_with_state_recipe():
   s = _run(RECIPES["haiku"])
-  params0, state0 = s["net"].init(jax.random.key(1), s["x"], is_training=True)
+  params0, state0 = jax.jit(s["net"].init, static_argnames="is_training")(
+    jax.random.key(1), s["x"], is_training=True
+  )
   assert _changed(s["net_state"], state0)
-  loss0, _ = s["loss_fn"](params0, {**s["batch"], "net_state": state0})
+  loss0, _ = jax.jit(s["loss_fn"])(params0, {**s["batch"], "net_state": state0})
   assert float(s["loss"]) < 0.5 * float(loss0)
 
 
@@ -102,8 +106,11 @@ def test_nnx_split_merge_recipe():
 
 def test_equinox_recipe():
   s = _run(RECIPES["equinox"])
-  params0 = s["eqx"].partition(s["MLP"](jax.random.key(1)), s["eqx"].is_inexact_array)[0]
-  assert float(s["loss"]) < 0.5 * float(s["loss_fn"](params0, s["batch"]))
+  eqx = s["eqx"]
+  params0 = eqx.filter_jit(lambda k: eqx.partition(s["MLP"](k), eqx.is_inexact_array)[0])(
+    jax.random.key(1)
+  )
+  assert float(s["loss"]) < 0.5 * float(jax.jit(s["loss_fn"])(params0, s["batch"]))
   assert float(s["accuracy"]) > 0.8
 
 
@@ -112,8 +119,8 @@ def test_share_of_the_parameters_recipe():
   state = s["opt_state"].inner_states["kfac"].inner_state
   # Only the share's layers have K-FAC state; the embedding (Adam's) has none.
   assert sorted(state.preconditioner.curvature.factors) == ["params/head", "params/hidden"]
-  params0 = s["model"].init(jax.random.key(1), s["tokens"])
-  assert float(s["loss"]) < 0.1 * float(s["loss_fn"](params0, s["batch"]))
+  params0 = jax.jit(s["model"].init)(jax.random.key(1), s["tokens"])
+  assert float(s["loss"]) < 0.1 * float(jax.jit(s["loss_fn"])(params0, s["batch"]))
   # Adam moved the embedding too.
   assert _changed(s["params"]["params"]["embed"], params0["params"]["embed"])
 
@@ -121,7 +128,7 @@ def test_share_of_the_parameters_recipe():
 def test_gradient_accumulation_recipe():
   s = _run(RECIPES["accumulation"])
   # 20 updates of accumulated gradients: the whole batch's loss is well below its start.
-  loss0 = float(s["loss_fn"](s["params"], s["batch"]))
+  loss0 = float(jax.jit(s["loss_fn"])(s["params"], s["batch"]))
   assert float(s["loss"]) < 0.5 * np.log(3.0)
   assert loss0 < 0.5 * np.log(3.0)
   assert int(s["opt_state"].preconditioner.count) == 20
