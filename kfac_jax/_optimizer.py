@@ -482,6 +482,7 @@ class Optimizer:
     est = self._estimator(self._deferred.for_params(params))
     reg, cfg = est.registration, self.config
     _checks.axis_bound(self.axis_name, "Optimizer")
+    _curvature.check_rng(reg.estimation_mode, rng)  # Before the forward pass runs.
     if isinstance(est.storage, _storage.ReplicatedStorage):  # Sharded: checked by the storage.
       _fit.check(self._state_shapes(params), state, "Optimizer")
     dtype = est.numerics.inverse_dtype

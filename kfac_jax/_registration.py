@@ -444,7 +444,8 @@ class Registration:
 
   def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
     """`_curvature.compute` on the graph of this batch, with this registration's estimation
-    mode, samples and fingerprint."""
+    mode, samples and fingerprint. A missing `rng` is refused before the loss is traced."""
+    _curvature.check_rng(self.estimation_mode, rng)
     return _curvature.compute(
       self.scan_batch(params, batch),
       params,

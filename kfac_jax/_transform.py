@@ -26,6 +26,7 @@ import optax
 from kfac_jax import (
   _checks,
   _config,
+  _curvature,
   _engine,
   _estimator,
   _fit,
@@ -288,6 +289,8 @@ def _preconditioner(
         f"{who}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
         "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
       )
+    if curvature_stats is None:  # Before the step's checks and the forward pass run.
+      _curvature.check_rng(est.registration.estimation_mode, rng)
     count = state.count
     clock = count + state.skipped
     lam = damping(clock) if callable(damping) else damping

@@ -573,3 +573,39 @@ def test_check_restored_state_reads_what_nnx_optimizer_holds():
   )
   with pytest.raises(ValueError, match=r"block `layer0` .*checkpoint has \(7, 7\)"):
     kfac_jax.check_restored_state(init(params), wide)
+
+
+@functools.cache
+def _rng_calls():
+  """Per front, a call that omits `rng` in the default (sampled) estimation mode."""
+  loss_fn, params, batch = _problem()
+  grads, _ = _grads_and_stats()
+  reg = kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
+  tx = kfac_jax.scale_by_kfac(registration=reg)
+  tx_state = jax.jit(tx.init)(params)
+  est = kfac_jax.CurvatureEstimator(reg)
+  est_state = jax.jit(est.init)(params)
+  opt = kfac_jax.Optimizer(registration=reg)
+  opt_state = jax.jit(opt.init)(params)
+  return {
+    "scale_by_kfac": lambda: tx.update(grads, tx_state, params, batch=batch),
+    "estimator": lambda: est.update_curvature(est_state, params, batch, None, ema_decay=0.5),
+    "value_and_grad": lambda: kfac_jax.value_and_grad(registration=reg)(params, batch),
+    "Optimizer": lambda: opt.step(params, opt_state, batch),
+  }
+
+
+@pytest.mark.parametrize("front", ["scale_by_kfac", "estimator", "value_and_grad", "Optimizer"])
+def test_a_missing_rng_is_refused_before_any_pass_runs(front, monkeypatch):
+  """A sampled estimation mode without `rng` is refused before the front traces the loss or
+  checks the gradient (eagerly, those compile a program per operation first)."""
+  call = _rng_calls()[front]
+
+  def ran(*args, **kwargs):
+    raise AssertionError("a pass ran before `rng` was checked")
+
+  for name in ("scan_batch", "linearise"):
+    monkeypatch.setattr(kfac_jax.Registration, name, ran)
+  monkeypatch.setattr(kfac_jax._engine, "inputs_ok", ran)
+  with pytest.raises(ValueError, match="estimation_mode='gradients'.*pass `rng`"):
+    call()
