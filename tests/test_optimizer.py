@@ -56,7 +56,8 @@ def _ggn(loss_fn, apply_fn, params, batch):
     ).mean()
 
   hz = _models.jit_hessian(loss_of_logits)(logits.ravel())
-  return jac.T @ hz @ jac
+  jac = np.asarray(jac)  # The products on the host: eager ones would compile one by one.
+  return jac.T @ np.asarray(hz) @ jac
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   # First step: δ_prev = 0, so the 1-D solve: α = −∇hᵀΔ / ΔᵀĜΔ (and μ = 0 unless fixed).
   assert float(i0["momentum"]) == (momentum or 0.0)
   flat0, unravel = ravel_pytree(p0)
-  flat1, _ = ravel_pytree(p1)
+  flat0, flat1 = np.asarray(flat0), np.asarray(ravel_pytree(p1)[0])  # Host arithmetic below.
   grad_h = lambda f: jax.grad(lambda q: loss_fn(unravel(q), batch))(f) + eta * f
 
   if len(sizes) == 2:
@@ -90,12 +91,14 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
     np.testing.assert_allclose(curv, _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch), atol=1e-12)
   else:
     curv = _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch)
-  g_hat = curv + (lam + eta) * np.eye(flat1.size)
+  g_hat = np.asarray(curv) + (lam + eta) * np.eye(flat1.size)
 
   # Second step: Δ from the inverses in the returned state, δ_prev from the first step.
-  g1 = jax.jit(grad_h)(flat1)  # One program each: eager operations compile one by one.
-  precondition = jax.jit(lambda s, g: opt.estimator.multiply_matpower(s, unravel(g), -1))
-  delta = -ravel_pytree(precondition(s2.curvature, g1))[0]
+  g1 = np.asarray(jax.jit(grad_h)(flat1))  # One program each: eager ops compile one by one.
+  precondition = jax.jit(
+    lambda s, g: ravel_pytree(opt.estimator.multiply_matpower(s, unravel(g), -1))[0]
+  )
+  delta = -np.asarray(precondition(s2.curvature, g1))
   prev = ravel_pytree(s1.velocity)[0]
   np.testing.assert_allclose(prev, flat1 - flat0, rtol=1e-10, atol=1e-14)
   v = np.stack([delta, prev])
@@ -148,6 +151,7 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
   np.testing.assert_allclose(i1["aux"]["z2_mean"], np.asarray(z2).mean(), rtol=1e-12)
 
   flat1, unravel = ravel_pytree(p1)
+  flat1 = np.asarray(flat1)  # Host arithmetic below.
   jac = jax.jit(
     jax.jacobian(lambda f: jnp.concatenate([z.ravel() for z in heads(unravel(f), batch["x"])]))
   )
@@ -156,10 +160,13 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
   hz = jax.jit(
     jax.hessian(lambda z: loss_of(z[:split].reshape(z1.shape), z[split:].reshape(z2.shape), batch))
   )(np.concatenate([np.ravel(z1), np.ravel(z2)]))
-  g_hat = j.T @ hz @ j + float(s1.damping) * np.eye(flat1.size)
-  g1 = jax.jit(jax.grad(lambda f: loss_fn(unravel(f), batch)[0]))(flat1)
-  precondition = jax.jit(lambda s, g: opt.estimator.multiply_matpower(s, unravel(g), -1))
-  delta = -ravel_pytree(precondition(s2.curvature, g1))[0]
+  j = np.asarray(j)  # The products on the host: eager ones would compile one by one.
+  g_hat = j.T @ np.asarray(hz) @ j + float(s1.damping) * np.eye(flat1.size)
+  g1 = np.asarray(jax.jit(jax.grad(lambda f: loss_fn(unravel(f), batch)[0]))(flat1))
+  precondition = jax.jit(
+    lambda s, g: ravel_pytree(opt.estimator.multiply_matpower(s, unravel(g), -1))[0]
+  )
+  delta = -np.asarray(precondition(s2.curvature, g1))
   v = np.stack([delta, ravel_pytree(s1.velocity)[0]])
   c, b = v @ g_hat @ v.T, v @ g1
   x = np.linalg.solve(c, -b)
@@ -514,12 +521,13 @@ def test_pmap_matches_single_device(x64):
   p, s, info = jax.pmap(lambda p, s, b: multi.step(p, s, b, None), axis_name="d")(
     rep(params), rep(state), shards
   )
+  # Indexed on the host: eager slices of the pmapped results would compile one by one.
   for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(p_ref)):
-    np.testing.assert_allclose(a[0], b, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(a[1], b, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(a)[0], b, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(a)[1], b, rtol=1e-9, atol=1e-12)
   for k in ("loss", "learning_rate", "rho", "quad_model_change"):
-    np.testing.assert_allclose(info[k][0], i_ref[k], rtol=1e-8)
-  np.testing.assert_allclose(s.damping[0], s_ref.damping)
+    np.testing.assert_allclose(np.asarray(info[k])[0], i_ref[k], rtol=1e-8)
+  np.testing.assert_allclose(np.asarray(s.damping)[0], s_ref.damping)
 
 
 # --------------------------------------------------------------------------------------------
