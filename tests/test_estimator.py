@@ -21,8 +21,17 @@ def _linen_setup(n=1, dtype=jnp.float64, sizes=(5, 3), din=4):
 
 
 def _update(est, params, batch, rng=None, ema_decay=0.0, state=None):
-  state = est.init(params) if state is None else state
-  return jax.jit(lambda s: est.update_curvature(s, params, batch, rng, ema_decay))(state)
+  @jax.jit  # One program, the init included: eager operations would compile one by one.
+  def update(state, params, batch, rng):
+    state = est.init(params) if state is None else state
+    return est.update_curvature(state, params, batch, rng, ema_decay)
+
+  return update(state, params, batch, rng)
+
+
+def _flat_grad(loss_fn, params, batch):
+  """The raveled gradient, computed in one program."""
+  return jax.jit(lambda p, b: ravel_pytree(jax.grad(loss_fn)(p, b))[0])(params, batch)
 
 
 def test_batch_of_one_empirical_equals_gradient_outer_product(x64):
@@ -32,7 +41,7 @@ def test_batch_of_one_empirical_equals_gradient_outer_product(x64):
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False)
   )
   dense = est.to_dense(_update(est, params, batch))
-  g = ravel_pytree(jax.grad(loss_fn)(params, batch))[0]
+  g = _flat_grad(loss_fn, params, batch)
   mask = _models.block_mask(est, params)
   exact = np.outer(g, g)
   rel = np.abs(np.asarray(dense) - exact * mask).max() / np.abs(exact).max()
@@ -68,7 +77,7 @@ def test_batch_of_one_empirical_other_losses(x64, loss):
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False)
   )
   dense = np.asarray(est.to_dense(_update(est, params, batch)))
-  g = np.asarray(ravel_pytree(jax.grad(loss_fn)(params, batch))[0])
+  g = np.asarray(_flat_grad(loss_fn, params, batch))
   # The empirical Fisher of a weighted loss w·ℓ is w ∇ℓ ∇ℓᵀ = (∇(wℓ))(∇(wℓ))ᵀ / w.
   exact = np.outer(g, g) / (w if loss == "weighted_softmax" else 1.0)
   mask = _models.block_mask(est, params)
@@ -106,10 +115,15 @@ def test_sampled_fisher_converges_to_exact_fisher(x64):
     kfac_jax.Registration(loss_fn, params, batch, num_samples=40000, check_loss=False)
   )
   dense = np.asarray(est.to_dense(_update(est, params, batch, jax.random.key(3))))
-  flat, unravel = ravel_pytree(params)
-  jac = jax.jacobian(lambda v: apply(unravel(v), batch["x"])[0])(flat)
-  p = jax.nn.softmax(apply(params, batch["x"])[0])
-  exact = np.asarray(jac.T @ (jnp.diag(p) - jnp.outer(p, p)) @ jac)
+
+  @jax.jit  # One program for the exact Fisher.
+  def exact_fisher(params, x):
+    flat, unravel = ravel_pytree(params)
+    jac = jax.jacobian(lambda v: apply(unravel(v), x)[0])(flat)
+    p = jax.nn.softmax(apply(params, x)[0])
+    return jac.T @ (jnp.diag(p) - jnp.outer(p, p)) @ jac
+
+  exact = np.asarray(exact_fisher(params, batch["x"]))
   rel = np.linalg.norm(dense - exact) / np.linalg.norm(exact)
   assert rel < 0.03, rel
   # A single sample is far off: the test can tell an estimator from the exact matrix.
@@ -138,8 +152,8 @@ def _basis_matrix(est, state, params, fn):
 )
 def test_matpower_roundtrip_and_cholesky(x64, damping_mode, factor_solve):
   model, _, params, batch = _linen_setup(n=6, sizes=(4, 3), din=3)
-  params["gen"] = jnp.linspace(0.5, 1.5, 3)
-  params["gen_full"] = jnp.linspace(-1.0, 1.0, 3)
+  params["gen"] = jax.device_put(np.linspace(0.5, 1.5, 3))
+  params["gen_full"] = jax.device_put(np.linspace(-1.0, 1.0, 3))
 
   def loss_fn(p, b):
     z = model.apply({"params": p["params"]}, b["x"])
@@ -238,7 +252,14 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
   state = _update(est, params, batch, jax.random.key(2))
   keys = [b.group_key() for b in est.blocks]
   assert keys[0] == keys[1] != keys[2]
-  new = est.update_inverses(state, 0.1)
+  new, refs = jax.jit(  # One program for the step's inverses and the per-block references.
+    lambda s: (
+      est.update_inverses(s, 0.1),
+      [
+        b.compute_cache(s.factors[name], jnp.asarray(0.1)) for name, b in zip(s.factors, est.blocks)
+      ],
+    )
+  )(state)
   jaxpr = jax.make_jaxpr(lambda s: est.update_inverses(s, 0.1))(state)
   ranks = {
     v.aval.ndim
@@ -247,8 +268,7 @@ def test_equal_shape_blocks_are_vmapped_with_identical_results(x64, batched, mon
     for v in e.invars
   }
   assert ranks == ({2, 3} if batched else {2})  # A stack of two blocks' factors, or none.
-  for name, b in zip(state.factors, est.blocks):
-    ref = b.compute_cache(state.factors[name], jnp.asarray(0.1))
+  for name, ref in zip(state.factors, refs):
     assert type(new.cache[name]) is type(ref)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-12), new.cache[name], ref)
 
@@ -389,8 +409,9 @@ def test_estimator_errors_leave_state_untouched():
   state = jax.jit(est.init)(params)  # Eager, each operation would compile on its own.
   with pytest.raises(ValueError, match="ema_decay"):
     est.update_curvature(state, params, batch, jax.random.key(0), ema_decay=1.0)
+  # Raised while the forward pass is traced: under jit, as one program would be compiled.
   with pytest.raises(ValueError, match="pass `rng`"):
-    est.update_curvature(state, params, batch, None, ema_decay=0.5)
+    jax.jit(lambda s: est.update_curvature(s, params, batch, None, ema_decay=0.5))(state)
   with pytest.raises(ValueError, match="damping"):
     est.update_inverses(state, -1.0)
   with pytest.raises(ValueError, match=r"matrix power -0.5 was not prepared"):
@@ -410,13 +431,15 @@ def test_estimator_errors_leave_state_untouched():
   )
   s = jax.jit(emp.init)(params)
   with pytest.raises(ValueError, match="needs the data's targets"):
-    emp.update_curvature(s, params, batch, None, ema_decay=0.5)
+    jax.jit(lambda s: emp.update_curvature(s, params, batch, None, ema_decay=0.5))(s)
 
 
 @pytest.mark.parametrize("factor_solve", ["never", "always"])
 def test_failed_factorisation_keeps_the_previous_inverse(factor_solve):
-  params = {"w": jnp.ones((3, 2))}
-  batch = {"x": jnp.array([[1.0, 2.0, 3.0]]), "y": jnp.array([1])}  # A has rank 1: singular.
+  params = {"w": jax.device_put(np.ones((3, 2), np.float32))}
+  batch = jax.device_put(  # A has rank 1: singular.
+    {"x": np.array([[1.0, 2.0, 3.0]], np.float32), "y": np.array([1], np.int32)}
+  )
   est = kfac_jax.CurvatureEstimator(
     kfac_jax.Registration(
       _models.softmax_loss(lambda p, x: x @ p["w"]),
@@ -427,13 +450,13 @@ def test_failed_factorisation_keeps_the_previous_inverse(factor_solve):
     ),
     config=kfac_jax.Config(factor_solve=factor_solve),
   )
-  state = est.update_inverses(_update(est, params, batch), 0.5)
+  state = jax.jit(lambda s: est.update_inverses(s, 0.5))(_update(est, params, batch))
   assert (state.cache["w"].a.subst is None) == (factor_solve == "never")
   again = jax.jit(lambda s: est.update_inverses(s, 0.0))(state)  # Cholesky of a singular A.
   for a, b in zip(jax.tree_util.tree_leaves(again.cache), jax.tree_util.tree_leaves(state.cache)):
     np.testing.assert_array_equal(a, b)
   assert int(again.failed_inverses) == int(state.failed_inverses) + 1
-  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(again))
+  assert all(bool(np.all(np.isfinite(x))) for x in jax.tree_util.tree_leaves(again))
 
 
 def _head_setup():
@@ -470,9 +493,12 @@ def test_factor_solve_keeps_substitution_forms_and_multiplies_by_the_exact_inver
     nat[mode] = jax.jit(est.multiply_inverse)(state, grads)
     if mode == "auto":
       # The block's product against (A_λ ⊗ G_λ)⁻¹ vec(M) = A_λ⁻¹ M G_λ⁻¹ from the factors.
-      f = state.factors["w2"]
-      a, g = kfac_jax.blocks._kronecker.damped_factors(f.a, f.g, jnp.asarray(0.05))
-      m = jnp.concatenate([grads["w2"], grads["b2"][None]], axis=0)
+      a, g, m = jax.jit(  # One program for the damped factors and the gradient's matrix.
+        lambda f, grads: (
+          *kfac_jax.blocks._kronecker.damped_factors(f.a, f.g, jnp.asarray(0.05)),
+          jnp.concatenate([grads["w2"], grads["b2"][None]], axis=0),
+        )
+      )(state.factors["w2"], grads)
       want = np.linalg.solve(np.asarray(a), np.asarray(m)) @ np.linalg.inv(np.asarray(g))
       got = np.concatenate([nat[mode]["w2"], nat[mode]["b2"][None]], axis=0)
       np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
@@ -510,7 +536,7 @@ def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypa
     kfac_jax.Registration(_models.softmax_loss(stacked), p, b, check_loss=False),
     config=kfac_jax.Config(factor_solve="always"),
   )
-  est.init(p)
+  jax.eval_shape(est.init, p)  # Traced, not compiled.
   (block,) = est.blocks
   assert isinstance(block, kfac_jax.blocks.StackedBlock) and block.inner.solves == (False, False)
   assert block.cache_shapes().a.subst is None and block.cache_shapes().a.powers[0].shape == (
@@ -522,7 +548,7 @@ def test_factor_solve_is_checked_and_stacks_keep_explicit_inverses(x64, monkeypa
 
 def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
   loss_fn, params, batch = _head_setup()
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = jax.jit(jax.grad(loss_fn))(params, batch)
   out = {}
   for mode in ("never", "auto"):
     tx = kfac_jax.kfac(
@@ -532,8 +558,11 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
       curvature_every=1,
       config=kfac_jax.Config(factor_solve=mode),
     )
-    update = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p, batch=batch, rng=jax.random.key(1)))
-    updates, state = update(grads, tx.init(params), params)
+    # One program, the init included: eager operations would compile one by one.
+    update = jax.jit(
+      lambda g, p, tx=tx: tx.update(g, tx.init(p), p, batch=batch, rng=jax.random.key(1))
+    )
+    updates, state = update(grads, params)
     cache = state.preconditioner.curvature.cache
     assert (cache["w2"].a.subst is not None) == (mode == "auto")
     out[mode] = updates
@@ -555,13 +584,17 @@ def test_factor_solve_reaches_the_transform_and_the_optimizer(x64):
 
 def test_checkpoint_from_another_factor_solve_is_refused_by_name(x64):
   loss_fn, params, batch = _head_setup()
-  auto = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
-  ).init(params)
-  never = kfac_jax.CurvatureEstimator(
-    kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
-    config=kfac_jax.Config(factor_solve="never"),
-  ).init(params)
+  auto = jax.jit(  # Jitted: eager, each operation would compile on its own.
+    kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
+    ).init
+  )(params)
+  never = jax.jit(
+    kfac_jax.CurvatureEstimator(
+      kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
+      config=kfac_jax.Config(factor_solve="never"),
+    ).init
+  )(params)
   with pytest.raises(ValueError, match=r"(?s)block `w2`: `cache/a/subst/0/0` in the checkpoint"):
     kfac_jax.check_restored_state(never, auto)
 

@@ -14,6 +14,7 @@ from flax.training import train_state as flax_train_state
 
 import kfac_jax
 import kfac_jax.flax
+from tests import _models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,9 +28,11 @@ class _MLP(nn.Module):
 
 def _problem():
   model = _MLP()
-  x = jax.random.normal(jax.random.key(0), (16, 4))
-  batch = {"x": x, "y": jax.random.randint(jax.random.key(1), (16,), 0, 3)}
-  params = model.init(jax.random.key(2), x)["params"]
+  x = _models.normal(
+    0, (16, 4)
+  )  # Drawn on the host; the init jitted (eager ops compile one by one).
+  batch = {"x": x, "y": _models.integers(1, 0, 3, (16,))}
+  params = jax.jit(model.init)(jax.random.key(2), x)["params"]
 
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch["x"])
@@ -40,6 +43,13 @@ def _problem():
   return model, loss_fn, params, batch, tx
 
 
+def _create(cls, model, params, tx, **fields):
+  """`cls.create(...)`, whose `tx.init` runs in one program (eager ops compile one by one)."""
+  return jax.jit(lambda p, f: cls.create(apply_fn=model.apply, params=p, tx=tx, **f))(
+    params, fields
+  )
+
+
 def _plain_loop(loss_fn, params, batch, tx, steps):
   @jax.jit
   def step(params, opt_state, rng):
@@ -47,7 +57,7 @@ def _plain_loop(loss_fn, params, batch, tx, steps):
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)
   for i in range(steps):
     params, opt_state = step(params, opt_state, jax.random.key(10 + i))
   return params, opt_state
@@ -73,7 +83,7 @@ def test_train_state_equals_plain_loop_bit_for_bit(path):
     grads = jax.grad(loss_fn)(state.params, batch)
     return state.apply_gradients(grads=grads, batch=batch, rng=rng)
 
-  state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  state = _create(kfac_jax.flax.TrainState, model, params, tx)
   for i in range(5):
     state = train_step(state, jax.random.key(10 + i))
   assert int(state.step) == 5
@@ -93,11 +103,16 @@ def test_extra_fields_are_replaced_and_other_transforms_get_no_extra_args():
     note: jax.Array
 
   model, loss_fn, params, batch, _ = _problem()
-  state = State.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1), note=jnp.zeros(()))
-  grads = jax.grad(loss_fn)(params, batch)
-  new = state.apply_gradients(grads=grads, note=jnp.ones(()))  # plain optax: no extra args
+  state = _create(State, model, params, optax.sgd(0.1), note=jnp.zeros(()))
+
+  @jax.jit  # One program: eager operations would compile one by one.
+  def apply(state, params):
+    grads = jax.grad(loss_fn)(params, batch)
+    new = state.apply_gradients(grads=grads, note=jnp.ones(()))  # plain optax: no extra args
+    return new, optax.apply_updates(params, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
+
+  new, want = apply(state, params)
   assert float(new.note) == 1.0
-  want = optax.apply_updates(params, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
   _assert_trees_equal(new.params, want)
 
 
@@ -105,7 +120,7 @@ def test_plain_flax_train_state_misuse_is_a_clear_error():
   """Flax's own apply_gradients does not pass the statistics on: the transform says what is
   missing instead of silently training without curvature."""
   model, loss_fn, params, batch, tx = _problem()
-  state = flax_train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  state = _create(flax_train_state.TrainState, model, params, tx)
   vg = jax.jit(kfac_jax.value_and_grad(loss_fn))  # One program: eager ops compile one by one.
   _, grads, stats = vg(params, batch, jax.random.key(0))
   with pytest.raises(ValueError, match="curvature_stats="):
@@ -114,7 +129,7 @@ def test_plain_flax_train_state_misuse_is_a_clear_error():
 
 def test_overwrite_with_gradient_collection_is_refused():
   model, _, params, batch, tx = _problem()
-  state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  state = _create(kfac_jax.flax.TrainState, model, params, tx)
   grads = {"params": params, flax_train_state.OVERWRITE_WITH_GRADIENT: {}}
   with pytest.raises(ValueError, match="_overwrite_with_gradient"):
     state.apply_gradients(grads=grads, batch=batch, rng=jax.random.key(0))

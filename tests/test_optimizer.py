@@ -47,7 +47,7 @@ def _run(opt, params, batch, steps, seed=2):
 def _ggn(loss_fn, apply_fn, params, batch):
   """Jᵀ H_z J from jax.jacobian / jax.hessian, on raveled params."""
   flat, unravel = ravel_pytree(params)
-  logits = apply_fn(params, batch["x"])
+  logits = jax.jit(apply_fn)(params, batch["x"])
   jac = _models.jit_jacobian(lambda f: apply_fn(unravel(f), batch["x"]).ravel())(flat)
 
   def loss_of_logits(z):
@@ -56,7 +56,8 @@ def _ggn(loss_fn, apply_fn, params, batch):
     ).mean()
 
   hz = _models.jit_hessian(loss_of_logits)(logits.ravel())
-  return jac.T @ hz @ jac
+  jac = np.asarray(jac)  # The products on the host: eager ones would compile one by one.
+  return jac.T @ np.asarray(hz) @ jac
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   # First step: δ_prev = 0, so the 1-D solve: α = −∇hᵀΔ / ΔᵀĜΔ (and μ = 0 unless fixed).
   assert float(i0["momentum"]) == (momentum or 0.0)
   flat0, unravel = ravel_pytree(p0)
-  flat1, _ = ravel_pytree(p1)
+  flat0, flat1 = np.asarray(flat0), np.asarray(ravel_pytree(p1)[0])  # Host arithmetic below.
   grad_h = lambda f: jax.grad(lambda q: loss_fn(unravel(q), batch))(f) + eta * f
 
   if len(sizes) == 2:
@@ -90,12 +91,14 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
     np.testing.assert_allclose(curv, _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch), atol=1e-12)
   else:
     curv = _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch)
-  g_hat = curv + (lam + eta) * np.eye(flat1.size)
+  g_hat = np.asarray(curv) + (lam + eta) * np.eye(flat1.size)
 
   # Second step: Δ from the inverses in the returned state, δ_prev from the first step.
-  g1 = jax.jit(grad_h)(flat1)  # One program each: eager operations compile one by one.
-  precondition = jax.jit(lambda s, g: opt.estimator.multiply_matpower(s, unravel(g), -1))
-  delta = -ravel_pytree(precondition(s2.curvature, g1))[0]
+  g1 = np.asarray(jax.jit(grad_h)(flat1))  # One program each: eager ops compile one by one.
+  precondition = jax.jit(
+    lambda s, g: ravel_pytree(opt.estimator.multiply_matpower(s, unravel(g), -1))[0]
+  )
+  delta = -np.asarray(precondition(s2.curvature, g1))
   prev = ravel_pytree(s1.velocity)[0]
   np.testing.assert_allclose(prev, flat1 - flat0, rtol=1e-10, atol=1e-14)
   v = np.stack([delta, prev])
@@ -143,23 +146,27 @@ def test_one_linearisation_two_heads_aux_and_rho(x64):
   reg = kfac_jax.Registration(loss_fn, params, batch, has_aux=True, check_loss=False)
   opt = kfac_jax.Optimizer(registration=reg, damping=lam, inverse_every=1, config=cfg)
   (p0, _, p1, s1, i0), (_, _, p2, s2, i1) = _run(opt, params, batch, 2)
-  np.testing.assert_allclose(i1["aux"]["z2_mean"], heads(p1, batch["x"])[1].mean(), rtol=1e-12)
+  # The references jitted (op by op, each primitive would compile on its own).
+  z1, z2 = jax.jit(heads)(p1, batch["x"])
+  np.testing.assert_allclose(i1["aux"]["z2_mean"], np.asarray(z2).mean(), rtol=1e-12)
 
   flat1, unravel = ravel_pytree(p1)
-  # The references jitted (op by op, each primitive would compile on its own).
+  flat1 = np.asarray(flat1)  # Host arithmetic below.
   jac = jax.jit(
     jax.jacobian(lambda f: jnp.concatenate([z.ravel() for z in heads(unravel(f), batch["x"])]))
   )
   j = jac(flat1)
-  z1, z2 = heads(p1, batch["x"])
   split = z1.size
   hz = jax.jit(
     jax.hessian(lambda z: loss_of(z[:split].reshape(z1.shape), z[split:].reshape(z2.shape), batch))
-  )(jnp.concatenate([z1.ravel(), z2.ravel()]))
-  g_hat = j.T @ hz @ j + float(s1.damping) * np.eye(flat1.size)
-  g1 = jax.jit(jax.grad(lambda f: loss_fn(unravel(f), batch)[0]))(flat1)
-  precondition = jax.jit(lambda s, g: opt.estimator.multiply_matpower(s, unravel(g), -1))
-  delta = -ravel_pytree(precondition(s2.curvature, g1))[0]
+  )(np.concatenate([np.ravel(z1), np.ravel(z2)]))
+  j = np.asarray(j)  # The products on the host: eager ones would compile one by one.
+  g_hat = j.T @ np.asarray(hz) @ j + float(s1.damping) * np.eye(flat1.size)
+  g1 = np.asarray(jax.jit(jax.grad(lambda f: loss_fn(unravel(f), batch)[0]))(flat1))
+  precondition = jax.jit(
+    lambda s, g: ravel_pytree(opt.estimator.multiply_matpower(s, unravel(g), -1))[0]
+  )
+  delta = -np.asarray(precondition(s2.curvature, g1))
   v = np.stack([delta, ravel_pytree(s1.velocity)[0]])
   c, b = v @ g_hat @ v.T, v @ g1
   x = np.linalg.solve(c, -b)
@@ -225,7 +232,7 @@ def test_linear_least_squares_lands_on_minimiser(x64):
     damping=0.0,
     use_adaptive_damping=False,
   )
-  state = opt.init(params)
+  state = jax.jit(opt.init)(params)  # Jitted: eager ops compile one by one.
   new_params, _, info = jax.jit(opt.step)(params, state, batch, None)
   xb = np.concatenate([x, np.ones((40, 1))], axis=1)
   sol = np.linalg.lstsq(xb, y, rcond=None)[0]
@@ -295,14 +302,19 @@ def test_norm_constraint_caps_the_step():
   ((p0, _, p1, s1, info),) = _run(opt, params, batch, 1)
   alpha = float(info["learning_rate"])
   assert alpha < 10.0
-  step = jax.tree_util.tree_map(lambda a, b: (a - b) / alpha, p1, p0)  # Δ
-  quad = sum(
-    jnp.vdot(a, b)
-    for a, b in zip(
-      jax.tree_util.tree_leaves(step),
-      jax.tree_util.tree_leaves(opt.estimator.multiply_matpower(s1.curvature, step, 1)),
+
+  @jax.jit  # One program: eager operations would compile one by one.
+  def model_curvature(p1, p0, curvature, alpha):
+    step = jax.tree_util.tree_map(lambda a, b: (a - b) / alpha, p1, p0)  # Δ
+    return sum(
+      jnp.vdot(a, b)
+      for a, b in zip(
+        jax.tree_util.tree_leaves(step),
+        jax.tree_util.tree_leaves(opt.estimator.multiply_matpower(curvature, step, 1)),
+      )
     )
-  )
+
+  quad = model_curvature(p1, p0, s1.curvature, alpha)
   np.testing.assert_allclose(alpha**2 * quad, c, rtol=1e-3)
 
 
@@ -323,13 +335,18 @@ def test_weight_decay_l2_and_schedules(x64):
     config=kfac_jax.Config(weight_decay=wd),
   )
   history = _run(opt, params, batch, 2)
+
+  @jax.jit  # One program for the expected step: eager operations would compile one by one.
+  def expected(p0, curvature, lr):
+    g = jax.grad(loss_fn)(p0, batch)
+    grad_h = jax.tree_util.tree_map(lambda a, p: a + eta * p, g, p0)
+    delta = opt.estimator.multiply_matpower(curvature, grad_h, -1)
+    return jax.tree_util.tree_map(lambda p, d: p - lr * d - wd * p, p0, delta)
+
   for t, (p0, _, p1, s1, info) in enumerate(history):
     np.testing.assert_allclose(info["learning_rate"], 0.1 / (1 + t))
     np.testing.assert_allclose(info["damping"], lam)
-    g = jax.grad(loss_fn)(p0, batch)
-    grad_h = jax.tree_util.tree_map(lambda a, p: a + eta * p, g, p0)
-    delta = opt.estimator.multiply_matpower(s1.curvature, grad_h, -1)
-    expect = jax.tree_util.tree_map(lambda p, d, t=t: p - 0.1 / (1 + t) * d - wd * p, p0, delta)
+    expect = expected(p0, s1.curvature, 0.1 / (1 + t))
     for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(expect)):
       np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(s1.curvature.cache["layer0"].damping, lam + eta)
@@ -351,7 +368,7 @@ def test_thirty_steps_compile_once():
   opt = kfac_jax.Optimizer(
     counted_loss, batch, damping=0.1, inverse_every=4, curvature_every=2, config=cfg
   )
-  state = opt.init(params)
+  state = jax.jit(opt.init)(params)  # Jitted: eager ops compile one by one.
   n_init = len(traces)
   step_traces = []
 
@@ -399,7 +416,9 @@ def test_nan_batch_leaves_everything_bit_identical():
   )
   history = _run(opt, params, batch, 3)
   params, state = history[-1][2], history[-1][3]
-  bad = dict(batch, x=batch["x"].at[3, 1].set(jnp.nan))
+  bad_x = np.array(batch["x"])  # On the host: an eager `.at[].set` compiles programs of its own.
+  bad_x[3, 1] = np.nan
+  bad = dict(batch, x=jax.device_put(bad_x))
   with pytest.warns(kfac_jax.NonFiniteWarning, match="Optimizer: the gradient is not finite at"):
     new_params, new_state, info = jax.jit(opt.step)(params, state, bad, jax.random.key(9))
     jax.effects_barrier()
@@ -428,7 +447,7 @@ def test_statistics_on_every_step_are_pulled_back_outside_the_guard(every):
   that other steps skip them."""
   params, batch, loss_fn = _mlp_problem()
   opt = kfac_jax.Optimizer(loss_fn, batch, damping=0.1, curvature_every=every)
-  state = opt.init(params)
+  state = jax.eval_shape(opt.init, params)  # Traced, not compiled: the jaxpr needs its layout.
   jaxpr = jax.make_jaxpr(opt.step)(params, state, batch, jax.random.key(0)).jaxpr
   assert _models.sampling_inside_conds(jaxpr) == (every != 1)
 
@@ -491,21 +510,24 @@ def test_pmap_matches_single_device(x64):
   single = kfac_jax.Optimizer(registration=reg, **kw)
   ((_, _, p_ref, s_ref, i_ref),) = _run(single, params, batch, 1)
 
-  shards = jax.tree_util.tree_map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
-  half = jax.tree_util.tree_map(lambda x: x[0], shards)
+  shards = jax.tree_util.tree_map(  # On the host: eager reshapes compile one by one.
+    lambda x: jax.device_put(np.asarray(x).reshape((2, -1) + x.shape[1:])), batch
+  )
+  half = jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x)[0]), shards)
   reg_half = kfac_jax.Registration(loss_fn, params, half, estimation_mode="exact", check_loss=False)
   multi = kfac_jax.Optimizer(registration=reg_half, axis_name="d", **kw)
   state = jax.jit(multi.init)(params)  # Jitted: eager ops compile one by one.
-  rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)
+  rep = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t))
   p, s, info = jax.pmap(lambda p, s, b: multi.step(p, s, b, None), axis_name="d")(
     rep(params), rep(state), shards
   )
+  # Indexed on the host: eager slices of the pmapped results would compile one by one.
   for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(p_ref)):
-    np.testing.assert_allclose(a[0], b, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(a[1], b, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(a)[0], b, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(a)[1], b, rtol=1e-9, atol=1e-12)
   for k in ("loss", "learning_rate", "rho", "quad_model_change"):
-    np.testing.assert_allclose(info[k][0], i_ref[k], rtol=1e-8)
-  np.testing.assert_allclose(s.damping[0], s_ref.damping)
+    np.testing.assert_allclose(np.asarray(info[k])[0], i_ref[k], rtol=1e-8)
+  np.testing.assert_allclose(np.asarray(s.damping)[0], s_ref.damping)
 
 
 # --------------------------------------------------------------------------------------------
@@ -563,7 +585,7 @@ def test_unknown_keyword_and_bad_types():
     kfac_jax.Optimizer(loss_fn, batch, axis_name=3)
   tx = kfac_jax.Optimizer(loss_fn, batch).as_optax()
   with pytest.raises(ValueError, match="batch="):
-    tx.update(None, tx.init(params), params)
+    tx.update(None, jax.jit(tx.init)(params), params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,8 +599,9 @@ def test_state_is_finite_from_init(adaptive):
   opt = kfac_jax.Optimizer(
     loss_fn, batch, learning_rate=0.1, momentum=0.0, use_adaptive_damping=adaptive
   )
-  for state in [opt.init(params)] + [h[3] for h in _run(opt, params, batch, 2)]:
-    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(state))
+  init = jax.jit(opt.init)(params)  # Jitted: eager ops compile one by one.
+  for state in [init] + [h[3] for h in _run(opt, params, batch, 2)]:
+    assert all(bool(np.isfinite(x).all()) for x in jax.tree_util.tree_leaves(state))
 
 
 def test_per_step_hyperparameters_match_fixed_ones(x64):
@@ -595,7 +618,7 @@ def test_per_step_hyperparameters_match_fixed_ones(x64):
     )
   )
   want = _run(fixed, params, batch, 2)
-  p, s = params, loose.init(params)
+  p, s = params, jax.jit(loose.init)(params)
   rng = jax.random.key(2)
   for old in want:
     rng, sub = jax.random.split(rng)
@@ -608,10 +631,10 @@ def test_per_step_damping_needs_fixed_damping():
   params, batch, loss_fn = _mlp_problem()
   opt = kfac_jax.Optimizer(loss_fn, batch)
   with pytest.raises(ValueError, match="use_adaptive_damping=False"):
-    opt.step(params, opt.init(params), batch, jax.random.key(0), damping=1e-3)
+    opt.step(params, jax.jit(opt.init)(params), batch, jax.random.key(0), damping=1e-3)
   opt = kfac_jax.Optimizer(loss_fn, batch, use_adaptive_damping=False)
   with pytest.raises(ValueError, match="`momentum` must be a scalar"):
-    opt.step(params, opt.init(params), batch, jax.random.key(0), momentum=jnp.ones(2))
+    opt.step(params, jax.jit(opt.init)(params), batch, jax.random.key(0), momentum=jnp.ones(2))
 
 
 def test_state_saved_as_numpy_object_array_restores(tmp_path):
@@ -623,7 +646,8 @@ def test_state_saved_as_numpy_object_array_restores(tmp_path):
   path = tmp_path / "ckpt.npz"
   np.savez(path, opt_state=np.asarray(h[3], dtype=object))
   saved = np.load(path, allow_pickle=True)["opt_state"]
-  restored = kfac_jax.restore_state(opt.init(params), saved)
+  template = jax.jit(opt.init)(params)  # Jitted: eager ops compile one by one.
+  restored = kfac_jax.restore_state(template, saved)
   assert type(restored) is kfac_jax.OptimizerState
   step = jax.jit(opt.step)
   a = step(h[2], h[3], batch, jax.random.key(5))
@@ -631,4 +655,4 @@ def test_state_saved_as_numpy_object_array_restores(tmp_path):
   for x, y in zip(jax.tree_util.tree_leaves(a[:2]), jax.tree_util.tree_leaves(b[:2])):
     assert np.array_equal(x, y)
   with pytest.raises(ValueError, match="holds 2 arrays"):
-    kfac_jax.restore_state(opt.init(params), [np.zeros(1), np.zeros(2)])
+    kfac_jax.restore_state(template, [np.zeros(1), np.zeros(2)])

@@ -55,20 +55,20 @@ def _close(a, b):
 
 def test_jit_and_grad(setup):
   params, x, y = setup
+  # The untagged references in one program; the tagged calls under jit and eagerly.
+  value, grad = jax.jit(jax.value_and_grad(lambda p: _loss(p, x, y, False)))(params)
   for t in (jax.jit, lambda f: f):
-    _close(t(lambda p: _loss(p, x, y, True))(params), _loss(params, x, y, False))
-    _close(
-      t(jax.grad(lambda p: _loss(p, x, y, True)))(params),
-      jax.grad(lambda p: _loss(p, x, y, False))(params),
-    )
+    _close(t(lambda p: _loss(p, x, y, True))(params), value)
+    _close(t(jax.grad(lambda p: _loss(p, x, y, True)))(params), grad)
 
 
 def test_jvp_vjp_and_hessian(setup):
   params, x, y = setup
-  tangent = jax.tree_util.tree_map(jnp.ones_like, params)
-  a = jax.jvp(lambda p: _loss(p, x, y, True), (params,), (tangent,))
-  b = jax.jvp(lambda p: _loss(p, x, y, False), (params,), (tangent,))
-  _close(a, b)
+  tangent = jax.tree_util.tree_map(lambda p: np.ones(p.shape, p.dtype), params)
+  jvp = jax.jit(  # One program each: eager operations would compile one by one.
+    lambda tag: jax.jvp(lambda p: _loss(p, x, y, tag), (params,), (tangent,)), static_argnums=0
+  )
+  _close(jvp(True), jvp(False))
   _close(
     _models.jit_hessian(lambda w: _loss({**params, "w2": w}, x, y, True))(params["w2"]),
     _models.jit_hessian(lambda w: _loss({**params, "w2": w}, x, y, False))(params["w2"]),
@@ -77,22 +77,25 @@ def test_jvp_vjp_and_hessian(setup):
 
 def test_vmap(setup):
   params, x, y = setup
-  f = lambda tag: jax.vmap(lambda xi, yi: _loss(params, xi[None], yi[None], tag))(x, y)
-  _close(f(True), f(False))
-  _close(
-    jax.vmap(jax.grad(lambda p, xi, yi: _loss(p, xi[None], yi[None], True)), in_axes=(None, 0, 0))(
-      params, x, y
-    ),
-    jax.vmap(jax.grad(lambda p, xi, yi: _loss(p, xi[None], yi[None], False)), in_axes=(None, 0, 0))(
-      params, x, y
-    ),
+  # One program per side: eager operations would compile one by one.
+  f = jax.jit(
+    lambda tag: jax.vmap(lambda xi, yi: _loss(params, xi[None], yi[None], tag))(x, y),
+    static_argnums=0,
   )
+  _close(f(True), f(False))
+  grads = jax.jit(
+    lambda tag: jax.vmap(
+      jax.grad(lambda p, xi, yi: _loss(p, xi[None], yi[None], tag)), in_axes=(None, 0, 0)
+    )(params, x, y),
+    static_argnums=0,
+  )
+  _close(grads(True), grads(False))
 
 
 def test_checkpoint(setup):
   params, x, y = setup
   f = lambda tag: jax.grad(jax.checkpoint(lambda p: _loss(p, x, y, tag)))(params)
-  _close(jax.jit(lambda: f(True))(), f(False))
+  _close(jax.jit(lambda: f(True))(), jax.jit(lambda: f(False))())
 
 
 def test_scan(setup):
@@ -107,7 +110,7 @@ def test_scan(setup):
 
   _close(
     jax.jit(jax.value_and_grad(lambda p: total(p, True)))(params),
-    jax.value_and_grad(lambda p: total(p, False))(params),
+    jax.jit(jax.value_and_grad(lambda p: total(p, False)))(params),
   )
 
 
@@ -267,7 +270,7 @@ def test_weight_is_a_multiplicity_in_every_mode(x64, kind, wshape, mode):
 
   flat, unravel = ravel_pytree(params)
   apply = lambda v: batch["x"] @ unravel(v)["w"] + unravel(v)["b"]  # noqa: E731
-  z = apply(flat)
+  z = jax.jit(apply)(flat)
   if mode == "empirical":
     per_entry = _models.jit_jacobian(lambda v: _weighted_nll(kind, apply(v), batch))(flat)
     w = np.broadcast_to(np.asarray(batch["w"]), per_entry.shape[:-1])

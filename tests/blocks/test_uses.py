@@ -232,24 +232,32 @@ def test_kron_indep_on_a_single_use_equals_the_single_use_block(x64):
 
 def test_expand_and_reduce_match_their_definitions(x64):
   spec, data, params, batch, _ = _single_use_dense()
-  x = batch["x"]
-  logits = x @ params["w"] + params["b"]
-  # g[n, l] = ∂(per-example loss of n)/∂s[n, l], per-example loss = Σ_l CE (the tag convention).
-  g = jax.grad(lambda s: optax.softmax_cross_entropy_with_integer_labels(s, batch["y"]).sum())(
-    logits
-  )
-  xb = jnp.concatenate([x, jnp.ones((N, L, 1))], -1)
   config = _f64_config()
   expand = kfac_jax.blocks.make_block(dataclasses.replace(spec, approx="expand"), config)
   reduce = kfac_jax.blocks.make_block(dataclasses.replace(spec, approx="reduce"), config)
-  fe, fr = expand.batch_factors(data, N), reduce.batch_factors(data, N)
-  # Expand: the N·L positions are rows; A averaged over them, G summed per example.
-  np.testing.assert_allclose(fe.a, jnp.einsum("nli,nlj->ij", xb, xb) / (N * L), rtol=1e-10)
-  np.testing.assert_allclose(fe.g, jnp.einsum("nli,nlj->ij", g, g) / N, rtol=1e-10)
-  # Reduce: x̄ averaged over positions, g summed, then one row per example.
-  xm, gs = xb.mean(1), g.sum(1)
-  np.testing.assert_allclose(fr.a, xm.T @ xm / N, rtol=1e-10)
-  np.testing.assert_allclose(fr.g, gs.T @ gs / N, rtol=1e-10)
+
+  @jax.jit  # One program for the factors and their definitions: eager ops compile one by one.
+  def factors_and_definitions(data, params, batch):
+    x = batch["x"]
+    logits = x @ params["w"] + params["b"]
+    # g[n, l] = ∂(per-example loss of n)/∂s[n, l], per-example loss = Σ_l CE (the tag convention).
+    g = jax.grad(lambda s: optax.softmax_cross_entropy_with_integer_labels(s, batch["y"]).sum())(
+      logits
+    )
+    xb = jnp.concatenate([x, jnp.ones((N, L, 1))], -1)
+    # Expand: the N·L positions are rows; A averaged over them, G summed per example.
+    expand_def = (jnp.einsum("nli,nlj->ij", xb, xb) / (N * L), jnp.einsum("nli,nlj->ij", g, g) / N)
+    # Reduce: x̄ averaged over positions, g summed, then one row per example.
+    xm, gs = xb.mean(1), g.sum(1)
+    reduce_def = (xm.T @ xm / N, gs.T @ gs / N)
+    fe, fr = expand.batch_factors(data, N), reduce.batch_factors(data, N)
+    return fe, fr, expand_def, reduce_def
+
+  fe, fr, expand_def, reduce_def = factors_and_definitions(data, params, batch)
+  np.testing.assert_allclose(fe.a, expand_def[0], rtol=1e-10)
+  np.testing.assert_allclose(fe.g, expand_def[1], rtol=1e-10)
+  np.testing.assert_allclose(fr.a, reduce_def[0], rtol=1e-10)
+  np.testing.assert_allclose(fr.g, reduce_def[1], rtol=1e-10)
   assert not np.allclose(fe.g, fr.g)
 
 
@@ -511,12 +519,15 @@ def test_unrolled_scan_computes_the_same_loss_and_gradient(x64, reverse):
   }
   assert layers[("w",)].num_uses == L
   assert layers[("stack",)].kind == "scale_and_shift" and layers[("stack",)].stack_size == L
-  loss, grads, _ = kfac_jax.value_and_grad(
+  vg = kfac_jax.value_and_grad(
     registration=kfac_jax.Registration(
       loss_fn, params, batch, estimation_mode="empirical", check_loss=False
     )
+  )
+  # One program for both: eager operations would compile one by one.
+  (loss, grads, _), (ref_loss, ref_grads) = jax.jit(
+    lambda p, b: (vg(p, b), jax.value_and_grad(loss_fn)(p, b))
   )(params, batch)
-  ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
   for k in params:
     np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-10, atol=1e-12)
