@@ -38,28 +38,8 @@ def _built_problem(n, x64):
   return _models.softmax_loss(_models.jnp_mlp_apply), params, batch
 
 
-# Reshapes and slices of the data on the host, broadcasts in one program: eager operations
-# would compile one by one.
-
-
 def _split(tree, n):
-  return _host(lambda x: x.reshape((n, -1) + x.shape[1:]), tree)
-
-
-def _host(fn, tree):
-  """`fn` of each leaf, on the host."""
-  return jax.tree_util.tree_map(lambda x: jax.device_put(fn(np.asarray(x))), tree)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _replicate(tree, n):
-  """`tree` stacked `n` times along a new leading axis."""
-  return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
-
-
-def _first(tree):
-  """The first device's entries of a pmapped result, as NumPy arrays."""
-  return jax.tree_util.tree_map(lambda x: np.asarray(x)[0], tree)
+  return jax.tree_util.tree_map(lambda x: x.reshape((n, -1) + x.shape[1:]), tree)
 
 
 # -- the assignment ------------------------------------------------------------------------------
@@ -99,7 +79,7 @@ def test_split_inverses_equal_replicated_ones_exactly(num_devices):
   """4 blocks over 3 devices (not a multiple) and over 8 (more devices than blocks)."""
   est, state, replicated = _split_inverses_reference()
   devices = jax.devices()[:num_devices]
-  stacked = _replicate(state, num_devices)
+  stacked = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), state)
   split = jax.pmap(
     lambda s: est.update_inverses(s, 1e-2, axis_name="i"), axis_name="i", devices=devices
   )(stacked)
@@ -176,7 +156,7 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
   loss_fn, params, batch = _problem()
   n = jax.local_device_count()
   sharded = _split(batch, n)
-  tx = _kfac(loss_fn, params, _host(lambda x: x[0], sharded), axis_name="data")
+  tx = _kfac(loss_fn, params, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data")
 
   def step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(
@@ -189,11 +169,13 @@ def test_pmap_equals_one_device_on_the_whole_batch_over_several_steps(x64):
     return optax.apply_updates(params, updates), state
 
   pstep = jax.pmap(step, axis_name="data")
-  p, s = _replicate((params, jax.jit(tx.init)(params)), n)
+  p, s = jax.tree_util.tree_map(
+    lambda x: jnp.broadcast_to(x, (n,) + x.shape), (params, tx.init(params))
+  )
   for _ in range(STEPS):
     p, s = pstep(p, s, sharded)
   want_p, want_s = _one_device_run()
-  _assert_close(_first((p, s)), (want_p, want_s))
+  _assert_close(jax.tree_util.tree_map(lambda x: x[0], (p, s)), (want_p, want_s))
   for leaf in jax.tree_util.tree_leaves((p, s)):  # Every replica holds the same numbers.
     np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[-1])
 
@@ -208,7 +190,7 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
   loss_fn, params, batch = _problem()
   mesh = _mesh()
   n = mesh.size
-  local = _host(lambda x: x[: x.shape[0] // n], batch)
+  local = jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch)
   tx = _kfac(loss_fn, params, local, axis_name="data")
 
   def step(params, state, b):
@@ -221,7 +203,7 @@ def test_shard_map_equals_one_device_on_the_whole_batch(x64):
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 
-  state = jax.jit(tx.init)(params)
+  state = tx.init(params)
   sstep = jax.jit(
     jax.shard_map(
       step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=False
@@ -258,7 +240,7 @@ def _built_named_sharding_run(storage):
     return optax.apply_updates(params, updates), state
 
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  p, state = jax.device_put(params, NamedSharding(mesh, P())), jax.jit(tx.init)(params)
+  p, state = jax.device_put(params, NamedSharding(mesh, P())), tx.init(params)
   for _ in range(STEPS):
     p, state = step(p, state, data)
   return step, p, state, data
@@ -283,7 +265,7 @@ def test_jit_with_named_sharding_equals_one_device_and_splits_inverses(x64):
     )(params, b)
     return plain.update(grads, state, params, curvature_stats=stats)
 
-  assert "all_reduce" not in plain_step.lower(p, jax.eval_shape(plain.init, params), data).as_text()
+  assert "all_reduce" not in plain_step.lower(p, plain.init(params), data).as_text()
 
 
 def test_jit_with_named_sharding_and_statistics_fraction_equals_one_device(x64):
@@ -297,7 +279,7 @@ def test_jit_with_named_sharding_and_statistics_fraction_equals_one_device(x64):
   mesh = _mesh()
   frac = _kfac(loss_fn, params, batch, statistics_fraction=0.25)
   whole = _kfac(loss_fn, params, batch)
-  quarter = _host(lambda x: x[::4], batch)
+  quarter = jax.tree_util.tree_map(lambda x: x[::4], batch)
 
   def make_step(tx):
     @jax.jit
@@ -310,7 +292,7 @@ def test_jit_with_named_sharding_and_statistics_fraction_equals_one_device(x64):
 
   def run(tx, data, stats_batch, p):
     step = make_step(tx)
-    state = jax.jit(tx.init)(params)
+    state = tx.init(params)
     for _ in range(STEPS):
       p, state = step(p, state, data, stats_batch)
     return p, state
@@ -322,7 +304,7 @@ def test_jit_with_named_sharding_and_statistics_fraction_equals_one_device(x64):
   _assert_close(got, run(whole, batch, quarter, params))
 
   def moves(tx):
-    text = make_step(tx).lower(p0, jax.eval_shape(tx.init, params), data, data).compile().as_text()
+    text = make_step(tx).lower(p0, tx.init(params), data, data).compile().as_text()
     return len(re.findall(r"collective-permute|all-gather|all-to-all", text))
 
   assert moves(frac) <= moves(whole), (moves(frac), moves(whole))
@@ -336,7 +318,7 @@ def test_statistics_fraction_picks_the_same_rows_under_shard_map_as_under_jit(x6
   loss_fn, params, batch = _problem()
   mesh = _mesh()
   n = mesh.size
-  local = _host(lambda x: x[: x.shape[0] // n], batch)
+  local = jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch)
   tx = _kfac(loss_fn, params, local, axis_name="data", statistics_fraction=0.5)
 
   def step(params, state, b):
@@ -350,7 +332,7 @@ def test_statistics_fraction_picks_the_same_rows_under_shard_map_as_under_jit(x6
     )
   )
   data = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  p, state = params, jax.jit(tx.init)(params)
+  p, state = params, tx.init(params)
   for _ in range(STEPS):
     p, state = sstep(p, state, data)
 
@@ -363,7 +345,7 @@ def test_statistics_fraction_picks_the_same_rows_under_shard_map_as_under_jit(x6
     updates, state = one.update(grads, state, params, batch=rows)
     return optax.apply_updates(params, updates), state
 
-  want_p, want_s = params, jax.jit(one.init)(params)
+  want_p, want_s = params, one.init(params)
   for _ in range(STEPS):
     want_p, want_s = ref_step(want_p, want_s)
   _assert_close((p, state), (want_p, want_s))
@@ -389,7 +371,9 @@ def _pmap_run(loss_fn, params, batch, num_devices, steps, **kw):
   """`steps` pmapped steps on `num_devices` devices; `tx.init` runs inside the pmap too."""
   devices = jax.devices()[:num_devices]
   sharded = _split(batch, num_devices)
-  tx = _kfac(loss_fn, params, _host(lambda x: x[0], sharded), axis_name="data", **kw)
+  tx = _kfac(
+    loss_fn, params, jax.tree_util.tree_map(lambda x: x[0], sharded), axis_name="data", **kw
+  )
 
   def step(params, state, b):
     _, grads, stats = kfac_jax.value_and_grad(
@@ -401,7 +385,7 @@ def _pmap_run(loss_fn, params, batch, num_devices, steps, **kw):
     updates, state = tx.update(grads, state, params, curvature_stats=stats)
     return optax.apply_updates(params, updates), state
 
-  p = _replicate(params, num_devices)
+  p = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), params)
   s = jax.pmap(tx.init, axis_name="data", devices=devices)(p)
   pstep = jax.pmap(step, axis_name="data", devices=devices)
   for _ in range(steps):
@@ -458,8 +442,7 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
     kfac_jax.Registration(loss_fn, params, batch, check_loss=False),
     config=kfac_jax.Config(inverse_storage="sharded"),
   )
-  # Finds the blocks (traced, not compiled); the mesh only lays them out.
-  jax.eval_shape(lambda p: est.init(p, mesh=(_mesh(), "data")), params)
+  est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
   layouts = est.storage.layouts(est.blocks, num_devices)
   names = [s.name for s in est.layers]
   for field, lay in zip(("factors", "cache"), layouts):
@@ -500,7 +483,7 @@ def test_sharded_storage_under_jit_with_named_sharding_stores_a_share_per_device
   # Memory: each device's share of the factors and caches is at most 1.25 total/D + the
   # largest block's, while with replicated storage every device holds the total.
   est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch, check_loss=False))
-  jax.eval_shape(est.init, params)  # Traced, not compiled.
+  est.init(params)
   per_block = _block_state_bytes(est)
   total, d = sum(per_block), mesh.size
   sh = _kfac_state(s_sh).curvature
@@ -519,7 +502,7 @@ def test_sharded_storage_under_shard_map(x64):
   tx = _kfac(
     loss_fn,
     params,
-    _host(lambda x: x[: x.shape[0] // n], batch),
+    jax.tree_util.tree_map(lambda x: x[: x.shape[0] // n], batch),
     axis_name="data",
     inverse_storage="sharded",
   )
@@ -574,7 +557,7 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
     kfac_jax.Registration(loss_fn, params, batch, estimation_mode="empirical", check_loss=False),
     config=kfac_jax.Config(inverse_storage="sharded"),
   )
-  grads = jax.jit(jax.grad(loss_fn))(params, batch)
+  grads = jax.grad(loss_fn)(params, batch)
   n = 3
 
   def poison(e, factors):
@@ -601,10 +584,10 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
   failed_r, want = jax.jit(lambda: run(est, {}))()
   failed_s, got = jax.pmap(
     lambda _: run(sest, {"axis_name": "i"}), axis_name="i", devices=jax.devices()[:n]
-  )(np.zeros(n))
+  )(jnp.zeros(n))
   assert int(failed_r) == 1
   np.testing.assert_array_equal(np.asarray(failed_s), [1] * n)
-  _assert_close(_first(got), want)
+  _assert_close(jax.tree_util.tree_map(lambda x: x[0], got), want)
 
 
 def test_sharded_storage_checkpoint_round_trip(x64):
@@ -617,11 +600,11 @@ def test_sharded_storage_checkpoint_round_trip(x64):
   tx = _kfac(
     loss_fn,
     params,
-    _host(lambda x: x[:16], batch),
+    jax.tree_util.tree_map(lambda x: x[:16], batch),
     axis_name="data",
     inverse_storage="sharded",
   )
-  p3 = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((3,) + x.shape, x.dtype), params)
+  p3 = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (3,) + x.shape), params)
   other = jax.eval_shape(jax.pmap(tx.init, axis_name="data", devices=jax.devices()[:3]), p3)
   with pytest.raises(ValueError, match="buffers"):
     kfac_jax.check_restored_state(other, state)
@@ -644,7 +627,7 @@ def test_sharded_storage_arguments_are_checked():
   )
   with pytest.raises(ValueError, match="`init`: .*pass `axis_name=`"):
     est.init(params)
-  state = jax.jit(lambda p: est.init(p, mesh=(_mesh(), "data")))(params)
+  state = est.init(params, mesh=(_mesh(), "data"))
   with pytest.raises(ValueError, match="`update_inverses`: .*pass `axis_name=`"):
     est.update_inverses(state, 1e-2)
   with pytest.raises(ValueError, match="`multiply_matpower`: .*pass `axis_name=`"):
@@ -655,11 +638,9 @@ def test_sharded_storage_arguments_are_checked():
   mesh3 = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
   with pytest.raises(ValueError, match="initialised for another number of devices"):
     est.update_inverses(state, 1e-2, mesh=(mesh3, "data"))
-  replicated = jax.jit(
-    kfac_jax.CurvatureEstimator(
-      kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
-    ).init
-  )(params)
+  replicated = kfac_jax.CurvatureEstimator(
+    kfac_jax.Registration(loss_fn, params, batch, check_loss=False)
+  ).init(params)
   with pytest.raises(TypeError, match="not the ShardedCache"):
     est.multiply_matpower(replicated, params, -1, mesh=(_mesh(), "data"))
 
@@ -705,8 +686,8 @@ def test_optimizer_with_sharded_storage_equals_replicated_under_pmap(x64):
   n = 2
   devices = jax.devices()[:n]
   sharded = _split(batch, n)
-  local = _host(lambda x: x[0], sharded)
-  p0 = _replicate(params, n)
+  local = jax.tree_util.tree_map(lambda x: x[0], sharded)
+  p0 = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), params)
 
   def run(storage):
     opt = kfac_jax.Optimizer(
@@ -756,10 +737,9 @@ def test_init_outside_pmap_for_a_model_with_cross_device_batch_norm(kind):
       return nn.Dense(3)(jnp.tanh(x))
 
   net = Net()
-  x = _models.normal(0, (64, 5))
-  y = _models.integers(1, 0, 3, (64,))
-  # (linen's init skips the pmean.) Jitted: eager ops compile one by one.
-  with_stats = jax.jit(lambda k, x: net.init(k, x[:8]))(jax.random.key(2), x)
+  x = jax.random.normal(jax.random.key(0), (64, 5))
+  y = jax.random.randint(jax.random.key(1), (64,), 0, 3)
+  with_stats = net.init(jax.random.key(2), x[:8])  # (linen's init skips the pmean.)
   params, stats0 = with_stats["params"], with_stats["batch_stats"]
 
   def loss_fn(params, batch):
@@ -771,14 +751,12 @@ def test_init_outside_pmap_for_a_model_with_cross_device_batch_norm(kind):
 
   n = jax.local_device_count()
   sharded = _split({"x": x, "y": y}, n)
-  example = _host(lambda a: a[0], sharded)
+  example = jax.tree_util.tree_map(lambda a: a[0], sharded)
   if kind == "kfac":
     tx = kfac_jax.kfac(loss_fn, example, learning_rate=0.1, damping=1e-2, axis_name="data")
   else:
     tx = kfac_jax.Optimizer(loss_fn, example, axis_name="data").as_optax()
-  # Traces the train-mode apply: the axis is bound for that trace. Jitted: eager ops compile
-  # one by one.
-  state = jax.jit(tx.init)(params)
+  state = tx.init(params)  # Traces the train-mode apply: the axis is bound for that trace.
 
   def step(params, state, b, rng):
     loss, grads = jax.value_and_grad(loss_fn)(params, b)
@@ -791,7 +769,7 @@ def test_init_outside_pmap_for_a_model_with_cross_device_batch_norm(kind):
     return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
 
   pstep = jax.pmap(step, axis_name="data")
-  p, s = _replicate((params, state), n)
+  p, s = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), (params, state))
   rngs = jax.random.split(jax.random.key(3), n)
   losses = []
   for _ in range(6):
