@@ -97,12 +97,14 @@ class CurvatureEstimator:
     ValueError: an argument out of range, or a config field the estimator does not read set
       away from its default.
 
-  Example:
+  Example (one jitted program: called eagerly, every operation compiles on its own):
     >>> est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
-    >>> state = est.init(params)
-    >>> state = est.update_curvature(state, params, batch, rng, ema_decay=0.95)
-    >>> state = est.update_inverses(state, damping=1e-3)
-    >>> nat_grads = est.multiply_matpower(state, grads, -1)
+    >>> @jax.jit
+    ... def natural_gradient(state, params, batch, rng, grads):
+    ...   state = est.update_curvature(state, params, batch, rng, ema_decay=0.95)
+    ...   state = est.update_inverses(state, damping=1e-3)
+    ...   return state, est.multiply_matpower(state, grads, -1)
+    >>> state, nat_grads = natural_gradient(est.init(params), params, batch, rng, grads)
   """
 
   registration: _registration.Registration

@@ -624,9 +624,13 @@ def value_and_grad(
     RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
       the registration's `has_aux`.
 
-  Example:
-    >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
-    >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+  Example, a training step:
+    >>> @jax.jit
+    ... def train_step(params, opt_state, batch, rng):
+    ...   loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    ...   updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    ...   return optax.apply_updates(params, updates), opt_state, loss
+    >>> params, opt_state, loss = train_step(params, opt_state, batch, rng)
 
     With BatchNorm statistics (flax linen) coming back through the aux:
 

@@ -19,6 +19,7 @@ import pytest
 
 import kfac_jax
 import kfac_jax.flax
+from tests import _models
 
 
 class _Checker(doctest.OutputChecker):
@@ -42,9 +43,9 @@ def _built(batch_norm: bool) -> dict:
   """The names, built once per model for every docstring (the builds compile; `_namespace`
   hands each docstring its own copy)."""
   model = _Mlp(batch_norm)
-  x = jax.random.normal(jax.random.key(0), (16, 5))
-  y = jax.random.randint(jax.random.key(1), (16,), 0, 3)
-  variables = model.init(jax.random.key(2), x)
+  x = _models.normal(0, (16, 5))  # Drawn on the host, the builds below jitted: eagerly,
+  y = _models.integers(1, 0, 3, (16,))  # each operation would compile a program of its own.
+  variables = jax.jit(model.init)(jax.random.key(2), x)
   if batch_norm:
     params, batch = variables["params"], {"x": x, "y": y, "batch_stats": variables["batch_stats"]}
 
@@ -75,8 +76,8 @@ def _built(batch_norm: bool) -> dict:
     "loss_fn": loss_fn,
     "rng": jax.random.key(3),
     "tx": tx,
-    "opt_state": tx.init(params),
-    "grads": jax.grad(loss_fn)(params, batch),
+    "opt_state": jax.jit(tx.init)(params),
+    "grads": jax.jit(jax.grad(loss_fn))(params, batch),
   }
 
 
