@@ -510,6 +510,13 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
         f"{type(state).__name__}."
       )
     old = state.preconditioner
+    args = dict(curvature_stats=curvature_stats, batch=batch, rng=rng)
+    try:  # Before any pass runs: eagerly, a whole preconditioner step would compile first.
+      _fit.check(rest_shapes(params), state.rest, "kfac", "state.rest")
+    except (TypeError, ValueError):
+      # The preconditioner's own checks name a block of another model: theirs come first.
+      jax.eval_shape(preconditioner.update, updates, old, params, **args)
+      raise
     clock = old.count + old.skipped
     values = [h(clock) if callable(h) else h for h in hyperparams]
     lows = (0.0, None, None)  # learning_rate, momentum, max_norm
@@ -518,10 +525,7 @@ def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
       reporter, {n: (x, low) for n, x, low in zip(names, values, lows)}, clock, skip_nonfinite
     )
     gate = gate if skip_nonfinite else None
-    v, pre = preconditioner.update(
-      updates, old, params, curvature_stats=curvature_stats, batch=batch, rng=rng, kfac_gate=gate
-    )
-    _fit.check(rest_shapes(params), state.rest, "kfac", "state.rest")
+    v, pre = preconditioner.update(updates, old, params, kfac_gate=gate, **args)
 
     def run():
       return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock, **extra)

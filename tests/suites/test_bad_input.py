@@ -609,3 +609,23 @@ def test_a_missing_rng_is_refused_before_any_pass_runs(front, monkeypatch):
   monkeypatch.setattr(kfac_jax._engine, "inputs_ok", ran)
   with pytest.raises(ValueError, match="estimation_mode='gradients'.*pass `rng`"):
     call()
+
+
+def test_a_kfac_state_without_momentum_is_refused_before_any_pass_runs(monkeypatch):
+  """The rest of the chain's state is checked before the preconditioner's step runs (eagerly,
+  its every operation would compile first); a state of another model still names its block."""
+  loss_fn, params, batch = _problem()
+  grads, stats = _grads_and_stats()
+  tx = kfac_jax.kfac(loss_fn, batch)
+  other = _tx_state(kfac_jax.kfac, _problem, momentum=None)()
+
+  inputs_ok = kfac_jax._engine.inputs_ok
+
+  def traced_only(reporter, inputs, *args):  # Traced (to find the block's error) but not run.
+    if not isinstance(jax.tree_util.tree_leaves(inputs)[0], jax.core.Tracer):
+      raise AssertionError("a pass ran before the state was checked")
+    return inputs_ok(reporter, inputs, *args)
+
+  monkeypatch.setattr(kfac_jax._engine, "inputs_ok", traced_only)
+  with pytest.raises(ValueError, match="built without momentum"):
+    tx.update(grads, other, params, curvature_stats=stats)
