@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.flatten_util import ravel_pytree
 
 import kfac_jax
 
@@ -185,6 +186,18 @@ def jit_jacobian(fn, *args, **kwargs):
   """`jax.jacobian` compiled as one program: called eagerly, its many small operations would
   each compile on their own."""
   return jax.jit(jax.jacobian(fn, *args, **kwargs))
+
+
+def flat_jacobian(fn, params) -> np.ndarray:
+  """The Jacobian of `fn(params)` in the flat parameters (`ravel_pytree` order), ravelled and
+  differentiated in one program (see `jit_jacobian`)."""
+
+  @jax.jit
+  def jac(params):
+    flat, unravel = ravel_pytree(params)
+    return jax.jacobian(lambda f: fn(unravel(f)))(flat)
+
+  return np.asarray(jac(params))
 
 
 def jit_hessian(fn, *args, **kwargs):

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.flatten_util import ravel_pytree
 
 import kfac_jax
 from tests import _models
@@ -43,13 +42,7 @@ def _estimate(loss_fn, params, batch, layers=None):
 
 def _exact_empirical(per_example_fn, params, batch):
   """(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ from per-example gradients (jax.jacobian), in raveled order."""
-
-  @jax.jit  # Ravelled and differentiated in one program: eagerly, each op compiles its own.
-  def jacobian(params, batch):
-    flat, unravel = ravel_pytree(params)
-    return jax.jacobian(lambda f: per_example_fn(unravel(f), batch))(flat)
-
-  jac = np.asarray(jacobian(params, batch))
+  jac = _models.flat_jacobian(lambda p: per_example_fn(p, batch), params)
   return jac.T @ jac / jac.shape[0]
 
 

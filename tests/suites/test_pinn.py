@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.flatten_util import ravel_pytree
 
 import kfac_jax
 from tests import _models
@@ -125,21 +124,9 @@ def _estimate(loss_fn, params, batch, approx):
   return est, update(params)
 
 
-def _flat_jacobian(fn, params):
-  """The Jacobian of `fn(params)` in the flat parameters (`ravel_pytree` order), ravelled and
-  differentiated in one program: run eagerly, each op would compile on its own."""
-
-  @jax.jit
-  def jac(params):
-    flat, unravel = ravel_pytree(params)
-    return jax.jacobian(lambda f: fn(unravel(f)))(flat)
-
-  return np.asarray(jac(params))
-
-
 def _ggn(laplacian, params, batch):
   """The GGN of mean(r²): 2 Jᵀ J / N, J the residuals' Jacobian (jax.jacobian)."""
-  jac = _flat_jacobian(lambda p: laplacian(p, batch["x"]), params)
+  jac = _models.flat_jacobian(lambda p: laplacian(p, batch["x"]), params)
   return 2 * jac.T @ jac / jac.shape[0]
 
 
@@ -272,8 +259,8 @@ def test_loss_terms_on_point_sets_of_different_sizes(x64, how):
       lambda p: est.to_dense(est.update_curvature(est.init(p), p, batch, None, ema_decay=0.0))
     )(params)
   )
-  ji = _flat_jacobian(lambda p: laplacian(p, batch["x"]), params)
-  jb = _flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
+  ji = _models.flat_jacobian(lambda p: laplacian(p, batch["x"]), params)
+  jb = _models.flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
   ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
   mask = _models.block_mask(est, params)
   assert len(est.blocks) == 2
@@ -320,8 +307,8 @@ def test_a_layer_serving_two_terms(x64, approx):
   a = np.stack([a_inner, a_bound])
   np.testing.assert_allclose(factors.a, a, rtol=1e-12, atol=1e-15)
   np.testing.assert_allclose(factors.g, [[[2.0]], [[2.0]]], rtol=1e-12)
-  ji = _flat_jacobian(lambda p: _laplacian_forward(p, batch["x"]), params)
-  jb = _flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
+  ji = _models.flat_jacobian(lambda p: _laplacian_forward(p, batch["x"]), params)
+  jb = _models.flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
   ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
   w = slice(15, 21)  # 1/b, 1/w in ravel order.
   dense = np.asarray(jax.jit(est.to_dense)(state))
