@@ -97,7 +97,9 @@ class CurvatureEstimator:
     ValueError: an argument out of range, or a config field the estimator does not read set
       away from its default.
 
-  Example (one jitted program: called eagerly, every operation compiles on its own):
+  Example:
+    One jitted program (called eagerly, every operation would compile on its own):
+
     >>> est = kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))
     >>> @jax.jit
     ... def natural_gradient(state, params, batch, rng, grads):

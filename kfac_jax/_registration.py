@@ -624,7 +624,9 @@ def value_and_grad(
     RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
       the registration's `has_aux`.
 
-  Example, a training step:
+  Example:
+    A training step:
+
     >>> @jax.jit
     ... def train_step(params, opt_state, batch, rng):
     ...   loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
