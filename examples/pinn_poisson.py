@@ -89,25 +89,12 @@ def init_params(seed: int = 0, sizes=SIZES, dtype=jnp.float64) -> list[dict]:
 
 
 def mlp(params, x):
+  """u at the points `x` [N, d] ([N]), or at one point [d] (a scalar)."""
   for i, p in enumerate(params):
     x = x @ p["w"] + p["b"]
     if i < len(params) - 1:
       x = jnp.tanh(x)
-  return x[:, 0]
-
-
-def laplacian(params, x):
-  """The forward Laplacian: each layer carries the value `[N, h]`, the gradient `[N, d, h]`
-  and the Laplacian `[N, h]` of its units; through tanh, Δt = t' Δz + t'' |∇z|²."""
-  n, d = x.shape
-  z, dz, lz = x, jnp.broadcast_to(jnp.eye(d, dtype=x.dtype), (n, d, d)), jnp.zeros_like(x)
-  for i, p in enumerate(params):
-    z, dz, lz = z @ p["w"] + p["b"], dz @ p["w"], lz @ p["w"]
-    if i < len(params) - 1:
-      t = jnp.tanh(z)
-      s = 1 - t**2
-      z, dz, lz = t, s[:, None, :] * dz, s * lz - 2 * t * s * jnp.sum(dz**2, axis=1)
-  return lz[:, 0]
+  return x[..., 0]
 
 
 def loss_fn(params, batch):
@@ -115,7 +102,7 @@ def loss_fn(params, batch):
   each term tagged as a normal of variance 1 (negative log-likelihood ½ r²), so that each
   term's output factor is its Gauss-Newton matrix `Jᵀ J / N`."""
   x = batch["interior"]
-  residual = (laplacian(params, x) + source(x))[:, None]
+  residual = (kfac_jax.pinn.laplacian(lambda y: mlp(params, y), x) + source(x))[:, None]
   kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
   u = mlp(params, batch["boundary"])[:, None]
   kfac_jax.register_normal_predictive_distribution(u, var=1.0)
@@ -162,58 +149,6 @@ def run(name: str, step, state, params, problem: Problem, steps: int, progress: 
       bar.set_postfix(loss=f"{float(loss):.2e}", l2=f"{out_errs[-1]:.2e}", refresh=False)
   bar.close()
   return Run(name, np.asarray(out_steps), np.asarray(out_secs), np.asarray(out_errs))
-
-
-def make_optimizer(params, batch, loss=None, damping: float = 0.5) -> kfac_jax.Optimizer:
-  """`kfac_jax.Optimizer` with the learning rate and momentum from its quadratic model; the
-  exact Gauss-Newton output factor (one output per point: as cheap as a sample), fresh
-  statistics and inverses at every step (no moving average: the batch is the whole problem),
-  and the damping adapted at every step, so that no step that raises the loss is taken. The
-  damping starts high (0.5, on the ½-scaled loss) and falls by 5% a step while the model
-  predicts well: started low, the first steps are rejected and the damping climbs back just as
-  slowly."""
-  reg = kfac_jax.Registration(loss or loss_fn, params, batch, estimation_mode="exact_GGN")
-  return kfac_jax.Optimizer(
-    registration=reg,
-    damping=damping,
-    ema_decay=0.0,
-    inverse_every=1,
-    config=kfac_jax.Config(damping_adaptation_interval=1, min_damping=1e-12),
-  )
-
-
-class GridLinesearchState(NamedTuple):
-  learning_rate: jax.Array  # [], the step size taken at the last update (0: none)
-
-
-def grid_linesearch(
-  log2_min: int = -30, log2_max: int = 0
-) -> optax.GradientTransformationExtraArgs:
-  """The line search of the PINN paper's code: the loss at the step sizes `2^k`, k from
-  `log2_min` to `log2_max`, along the update; the best of them, or no step when none is below
-  the current loss. It reads `value=` and `value_fn=` (as optax's line searches) and evaluates
-  the loss once per step size, one after another (`jax.lax.map`)."""
-  sizes = 2.0 ** np.arange(log2_min, log2_max + 1)
-
-  def init_fn(params):
-    del params
-    return GridLinesearchState(jnp.zeros(()))
-
-  def update_fn(updates, state, params, *, value, value_fn, **extra):
-    del state, extra  # `grad=` and `value_fn`'s keyword arguments are not needed.
-
-    def loss_at(eta):
-      return value_fn(jax.tree_util.tree_map(lambda p, u: p + eta * u, params, updates))
-
-    etas = jnp.asarray(sizes, jnp.result_type(*jax.tree_util.tree_leaves(updates)))
-    losses = jax.lax.map(loss_at, etas)
-    losses = jnp.where(jnp.isnan(losses), jnp.inf, losses)
-    best = jnp.argmin(losses)
-    eta = jnp.where(losses[best] <= value, etas[best], 0.0)
-    scaled = jax.tree_util.tree_map(lambda u: (eta * u).astype(u.dtype), updates)
-    return scaled, GridLinesearchState(eta)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def fading_damping(decay: float = PAPER_EMA, floor: float = PAPER_DAMPING):
@@ -264,7 +199,7 @@ def make_kfac(params, batch, loss=None, linesearch: str = "grid"):
     search = optax.scale_by_zoom_linesearch(max_linesearch_steps=20)
     kw = dict(momentum=0.51, damping=1e-10, ema_decay=0.45)
   else:
-    search = optax.chain(identity_start(), grid_linesearch())
+    search = optax.chain(identity_start(), kfac_jax.pinn.grid_linesearch())
     config = kfac_jax.Config(damping_split="equal")
     kw = dict(momentum=None, damping=fading_damping(), config=config, ema_decay=PAPER_EMA)
   tx = kfac_jax.kfac(
@@ -303,8 +238,8 @@ def kfac_linesearch_run(problem: Problem, params, steps: int, progress: bool):
 
 
 def kfac_run(problem: Problem, params, steps: int, progress: bool, damping: float = 0.5):
-  """`make_optimizer`'s K-FAC for `steps` steps."""
-  opt = make_optimizer(params, problem.batch, damping=damping)
+  """`kfac_jax.pinn.optimizer`'s K-FAC for `steps` steps."""
+  opt = kfac_jax.pinn.optimizer(loss_fn, params, problem.batch, damping=damping)
   rng = jax.random.key(1)
 
   def step(params, state):

@@ -45,6 +45,7 @@ from kfac_jax._tags import (
 )
 from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
 from kfac_jax.blocks import Block, BlockConfig
+from kfac_jax import pinn  # noqa: E402 - a module of its own: `kfac_jax.pinn.laplacian`.
 from kfac_jax.scan import (
   LayerConfig,
   LayerSpec,
@@ -94,6 +95,7 @@ __all__ = [
   "check_registration",
   "check_restored_state",
   "kfac",
+  "pinn",
   "register_categorical_predictive_distribution",
   "register_conv",
   "register_dense",
