@@ -151,64 +151,30 @@ def run(name: str, step, state, params, problem: Problem, steps: int, progress: 
   return Run(name, np.asarray(out_steps), np.asarray(out_secs), np.asarray(out_errs))
 
 
-def fading_damping(decay: float = PAPER_EMA, floor: float = PAPER_DAMPING):
-  """λ at update k (from 0): `2 ((ρ^(k+1) + floor) / (1 − ρ^(k+1)))²`, ρ = `decay`. The paper's
-  code starts each Kronecker factor at the identity, averages without bias correction and adds
-  `floor` to each factor, so after k+1 updates a factor is `(1 − ρ^(k+1)) (F̄ + ε I)`, F̄ the
-  bias-corrected average and `ε = (ρ^(k+1) + floor) / (1 − ρ^(k+1))`: a damping that fades
-  with the moving average. With `Config(damping_split="equal")` a layer serving two loss terms
-  adds √(λ/2) = ε to each factor of each term; `identity_start` restores the scale
-  `(1 − ρ^(k+1))⁻²`."""
-
-  def schedule(count):
-    r = jnp.asarray(decay, jnp.result_type(float)) ** (count + 1)
-    return 2 * ((r + floor) / (1 - r)) ** 2
-
-  return schedule
-
-
-def identity_start(
-  decay: float = PAPER_EMA, momentum: float = PAPER_MOMENTUM
-) -> optax.GradientTransformation:
-  """Heavy-ball momentum on the preconditioned direction as the paper's code takes it:
-  `m ← v / (1 − ρ^(k+1))² + μ m` at update k (from 0). Its Kronecker factors start at the
-  identity and average without bias correction, so its preconditioner is `(1 − ρ^(k+1))²`
-  times the bias-corrected one (`fading_damping`) and its early directions are that much
-  longer; the momentum adds them up with those weights."""
-
-  def weight(count):
-    return 1 / (1 - jnp.asarray(decay, jnp.result_type(float)) ** (count + 1)) ** 2
-
-  return optax.chain(optax.scale_by_schedule(weight), optax.trace(decay=momentum))
-
-
 def make_kfac(params, batch, loss=None, linesearch: str = "grid"):
-  """`kfac_jax.kfac` as the K-FAC of the PINN paper's code (its best 2-d Poisson settings):
-  exact Gauss-Newton statistics refreshed at every step (moving average 0.45), no norm
-  clipping, and the step along the direction from a line search. With `linesearch="grid"`,
-  the code's protocol: `grid_linesearch`, a damping that fades from large to 1.5e-12 with the
-  moving average (`fading_damping`), added to both factors (`damping_split="equal"`), and
-  momentum 0.51 weighted as with identity-started factors (`identity_start`). With "zoom",
-  optax's zoom line search, momentum 0.51 and a fixed damping of 1e-10. (The settings to the
-  digit: `PAPER_EMA`, `PAPER_MOMENTUM`, `PAPER_DAMPING`.) Returns
-  `(tx, registration)`; `tx.update` takes `value=`, `grad=`, `value_fn=`."""
+  """The `kfac_jax.kfac` chain with a line search. With `linesearch="grid"`,
+  `kfac_jax.pinn.kfac`: the K-FAC of the PINN paper's code with its best 2-d Poisson settings
+  to the digit (`PAPER_EMA`, `PAPER_MOMENTUM`, `PAPER_DAMPING`). With "zoom", optax's zoom line
+  search, momentum 0.51, a fixed damping of 1e-10 and the same statistics (exact Gauss-Newton,
+  refreshed at every step, moving average 0.45). Returns `(tx, registration)`; `tx.update`
+  takes `value=`, `grad=`, `value_fn=`."""
   if linesearch not in ("grid", "zoom"):
     raise ValueError(f"make_kfac: linesearch must be 'grid' or 'zoom', got {linesearch!r}.")
   reg = kfac_jax.Registration(loss or loss_fn, params, batch, estimation_mode="exact_GGN")
-  if linesearch == "zoom":
-    search = optax.scale_by_zoom_linesearch(max_linesearch_steps=20)
-    kw = dict(momentum=0.51, damping=1e-10, ema_decay=0.45)
-  else:
-    search = optax.chain(identity_start(), kfac_jax.pinn.grid_linesearch())
-    config = kfac_jax.Config(damping_split="equal")
-    kw = dict(momentum=None, damping=fading_damping(), config=config, ema_decay=PAPER_EMA)
+  if linesearch == "grid":
+    tx = kfac_jax.pinn.kfac(
+      registration=reg, momentum=PAPER_MOMENTUM, ema_decay=PAPER_EMA, damping=PAPER_DAMPING
+    )
+    return tx, reg
   tx = kfac_jax.kfac(
     registration=reg,
-    linesearch=search,
+    linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=20),
+    momentum=0.51,
     max_norm=None,
+    damping=1e-10,
+    ema_decay=0.45,
     inverse_every=1,
     curvature_every=1,
-    **kw,
   )
   return tx, reg
 
