@@ -13,6 +13,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
+from kfac_jax import pinn  # A module of its own: `kfac_jax.pinn.laplacian`.
 from kfac_jax._audit import LossMismatchWarning
 from kfac_jax._checkpoint import (
   check_restored_state,
@@ -45,7 +46,6 @@ from kfac_jax._tags import (
 )
 from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
 from kfac_jax.blocks import Block, BlockConfig
-from kfac_jax import pinn  # noqa: E402 - a module of its own: `kfac_jax.pinn.laplacian`.
 from kfac_jax.scan import (
   LayerConfig,
   LayerSpec,

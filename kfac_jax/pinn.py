@@ -67,24 +67,26 @@ class _Jet(NamedTuple):
 # multiplies, never adds): the derivatives are the primitive applied to the operand's tangents.
 # Applying it directly, rather than through `jax.jvp`, keeps a layer's product the one product
 # per channel that K-FAC registers as a shared layer, with no duplicate of the value's.
-_LINEAR = frozenset({
-  "neg",
-  "reshape",
-  "broadcast_in_dim",
-  "transpose",
-  "squeeze",
-  "expand_dims",
-  "slice",
-  "reduce_sum",
-  "convert_element_type",
-  "copy",
-  "copy_p",
-  "rev",
-  "real",
-  "imag",
-  "conj",
-  "cumsum",
-})
+_LINEAR = frozenset(
+  {
+    "neg",
+    "reshape",
+    "broadcast_in_dim",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "slice",
+    "reduce_sum",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "rev",
+    "real",
+    "imag",
+    "conj",
+    "cumsum",
+  }
+)
 # Linear in one operand when the others are constants (a product, not a sum).
 _BILINEAR = {"mul": (0, 1), "dot_general": (0, 1), "conv_general_dilated": (0, 1), "div": (0,)}
 # Sums: a constant operand shifts the value only.
@@ -379,12 +381,13 @@ def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtra
   """The step size of lowest loss among `1, 1/2, …, 2^-max_halvings` along the update.
 
   The update `u` becomes `η u` with `η = argmin_η L(θ + η u)` over the grid, or 0 (no step)
-  when every grid point's loss is above the current loss `value` (a non-finite loss counts as +∞). Each
-  loss is one evaluation of `value_fn`, one after another (`jax.lax.map`: the memory of one
-  forward pass). It is the line search of the K-FAC for PINNs paper's code (Dangel, Müller &
-  Zeinhofer 2024) and of ENGD: on a full-batch residual loss a damped Gauss-Newton step of
-  length 1 is often right, and a halving grid reaches 1e-9 in 30 evaluations without any
-  curvature condition that a near-converged loss cannot meet.
+  when every grid point's loss is above the current loss `value` (a non-finite loss counts as
+  +∞). Each loss is one evaluation of `value_fn`, one after another (`jax.lax.map`: the memory
+  of one forward pass). It is the line search of the K-FAC for PINNs paper's code (Dangel,
+  Müller & Zeinhofer 2024) and of energy natural gradient descent (Müller & Zeinhofer 2023): on
+  a full-batch residual loss a damped Gauss-Newton step of length 1 is often right, and a
+  halving grid reaches 1e-9 in 30 evaluations without a curvature condition that a nearly
+  converged loss cannot meet.
 
   Args:
     max_halvings: K ≥ 0: the grid is `2^-k`, k = 0..K.
@@ -407,7 +410,9 @@ def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtra
     0.25
   """
   if isinstance(max_halvings, bool) or not isinstance(max_halvings, int) or max_halvings < 0:
-    raise ValueError(f"grid_linesearch: max_halvings must be an integer >= 0, got {max_halvings!r}.")
+    raise ValueError(
+      f"grid_linesearch: max_halvings must be an integer >= 0, got {max_halvings!r}."
+    )
   sizes = 2.0 ** -np.arange(max_halvings + 1)
 
   def init_fn(params):

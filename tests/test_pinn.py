@@ -60,9 +60,7 @@ def _u(params):
 def _exact(params, x, a, b, c):
   """`Σ a_ij ∂_ij u + b·∇u + c u` per point, from `jax.hessian` and `jax.grad`."""
   u = _u(params)
-  return jax.vmap(
-    lambda y: jnp.sum(a * jax.hessian(u)(y)) + b @ jax.grad(u)(y) + c * u(y)
-  )(x)
+  return jax.vmap(lambda y: jnp.sum(a * jax.hessian(u)(y)) + b @ jax.grad(u)(y) + c * u(y))(x)
 
 
 def _problem():
@@ -223,7 +221,9 @@ def test_grid_linesearch_takes_the_grid_point_of_lowest_loss(x64):
 
   step, state = update(direction, params)
   grid = 2.0 ** -np.arange(13)
-  losses = [2.0 * np.sum((eta * np.array([0.9, -0.2]) - np.array([0.3, -0.1])) ** 2) for eta in grid]
+  losses = [
+    2.0 * np.sum((eta * np.array([0.9, -0.2]) - np.array([0.3, -0.1])) ** 2) for eta in grid
+  ]
   best = grid[int(np.argmin(losses))]
   assert best == 0.25 and float(state.learning_rate) == best
   np.testing.assert_array_equal(step["x"], best * direction["x"])
