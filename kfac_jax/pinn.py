@@ -67,26 +67,10 @@ class _Jet(NamedTuple):
 # multiplies, never adds): the derivatives are the primitive applied to the operand's tangents.
 # Applying it directly, rather than through `jax.jvp`, keeps a layer's product the one product
 # per channel that K-FAC registers as a shared layer, with no duplicate of the value's.
-_LINEAR = frozenset(
-  {
-    "neg",
-    "reshape",
-    "broadcast_in_dim",
-    "transpose",
-    "squeeze",
-    "expand_dims",
-    "slice",
-    "reduce_sum",
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "rev",
-    "real",
-    "imag",
-    "conj",
-    "cumsum",
-  }
-)
+_LINEAR = frozenset({
+  "neg", "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+  "reduce_sum", "convert_element_type", "copy", "copy_p", "rev", "real", "imag", "conj", "cumsum",
+})  # fmt: skip
 # Linear in one operand when the others are constants (a product, not a sum).
 _BILINEAR = {"mul": (0, 1), "dot_general": (0, 1), "conv_general_dilated": (0, 1), "div": (0,)}
 # Sums: a constant operand shifts the value only.
@@ -124,78 +108,78 @@ def _push_eqn(eqn, ins: list, signs: np.ndarray) -> list:
     return _push_jaxpr(sub, ins, signs)
   values = [x.value if isinstance(x, _Jet) else x for x in ins]
   outs = _compat.bind_eqn(eqn, values)
-  has_tangents = ins[jets[0]].tangents is not None
 
-  def at(point_inputs):
+  def f(*point_inputs):  # The equation as a function of its point-dependent inputs.
     vals = list(values)
     for i, v in zip(jets, point_inputs):
       vals[i] = v
-    return vals
+    return _compat.bind_eqn(eqn, vals)
 
-  name = eqn.primitive.name
-  linear = name in _LINEAR and jets == [0]
-  linear |= name in _BILINEAR and len(jets) == 1 and jets[0] in _BILINEAR[name]
-  if linear:  # The primitive on each channel: [r, *S] through a vmap over the directions.
-
-    def apply(t):
-      return _compat.bind_eqn(eqn, at([t]))
-
-    (jet,) = (ins[i] for i in jets)
-    tangents = jax.vmap(apply)(jet.tangents) if has_tangents else [None] * len(outs)
-    second = apply(jet.second)
-  elif name in _ELEMENTWISE and len(jets) == 1 and jnp.shape(outs[0]) == jnp.shape(values[jets[0]]):
-    (jet,) = (ins[i] for i in jets)
-    ones = jnp.ones_like(jet.value)
-
-    def g(z):
-      return _compat.bind_eqn(eqn, at([z]))[0]
-
-    d1, d2 = jax.jvp(lambda z: jax.jvp(g, (z,), (ones,))[1], (jet.value,), (ones,))
-    second = d1 * jet.second
-    if has_tangents:
-      tangents = [d1 * jet.tangents]
-      second = second + d2 * _contract(signs, jet.tangents * jet.tangents)
-    else:
-      tangents = [None]
-    second = [second]
-  elif name in _SUMS:  # d(a ± b) = da ± db; a constant operand adds nothing.
-
-    def combine(channel):
-      parts = [getattr(ins[i], channel) for i in jets]
-      if len(parts) == 1:
-        out = parts[0]
-        return -out if name == "sub" and jets == [1] else out
-      return parts[0] - parts[1] if name == "sub" else parts[0] + parts[1]
-
-    tangents = [combine("tangents") if has_tangents else None]
-    second = [combine("second")]
-  else:  # Any other primitive: its first and second derivatives by `jax.jvp`.
-
-    def f(*point_inputs):
-      return _compat.bind_eqn(eqn, at(point_inputs))
-
-    primals = tuple(values[i] for i in jets)
-
-    def push(ts):
-      return jax.jvp(f, primals, ts)[1]
-
-    second = push(tuple(ins[i].second for i in jets))
-    if has_tangents:
-      ts = tuple(ins[i].tangents for i in jets)
-      tangents = jax.vmap(push)(ts)
-
-      def curvature(ts):
-        return jax.jvp(lambda *p: jax.jvp(f, p, ts)[1], primals, ts)[1]
-
-      q = jax.vmap(curvature)(ts)
-      second = [
-        s if not _is_float(o) else s + _contract(signs, qo) for s, o, qo in zip(second, outs, q)
-      ]
-    else:
-      tangents = [None] * len(outs)
+  name, jet_ins = eqn.primitive.name, [ins[i] for i in jets]
+  same_shape = all(jnp.shape(values[i]) == jnp.shape(outs[0]) for i in jets)
+  if (name in _LINEAR and jets == [0]) or (
+    name in _BILINEAR and len(jets) == 1 and jets[0] in _BILINEAR[name]
+  ):
+    tangents, second = _linear_rule(f, jet_ins[0], len(outs))
+  elif name in _ELEMENTWISE and len(jets) == 1 and same_shape:
+    tangents, second = _elementwise_rule(f, jet_ins[0], signs)
+  elif name in _SUMS and same_shape:
+    sign = -1 if name == "sub" else 1
+    tangents, second = _sum_rule(jet_ins, [sign if i == 1 else 1 for i in jets])
+  else:
+    tangents, second = _jvp_rule(f, jet_ins, outs, signs)
   return [
     _Jet(o, t, s) if _is_float(o) else o for o, t, s in zip(outs, tangents, second, strict=True)
   ]
+
+
+def _linear_rule(f, jet: _Jet, num_outs: int) -> tuple[list, list]:
+  """The primitive on each channel (the tangents `[r, *S]` through a vmap over r)."""
+  tangents = jax.vmap(f)(jet.tangents) if jet.tangents is not None else [None] * num_outs
+  return tangents, f(jet.second)
+
+
+def _elementwise_rule(f, jet: _Jet, signs: np.ndarray) -> tuple[list, list]:
+  """`y = f(z)`: `∂y = f'(z) ∂z`, `second(y) = f'(z) second(z) + f''(z) Σ_k σ_k (∂_k z)²`."""
+  ones = jnp.ones_like(jet.value)
+  d1, d2 = jax.jvp(lambda z: jax.jvp(lambda w: f(w)[0], (z,), (ones,))[1], (jet.value,), (ones,))
+  if jet.tangents is None:
+    return [None], [d1 * jet.second]
+  second = d1 * jet.second + d2 * _contract(signs, jet.tangents * jet.tangents)
+  return [d1 * jet.tangents], [second]
+
+
+def _sum_rule(jets: list[_Jet], signs: list[int]) -> tuple[list, list]:
+  """`d(a ± b) = da ± db`; a constant operand adds nothing."""
+
+  def combine(channel):
+    out = None
+    for jet, sign in zip(jets, signs):
+      term = getattr(jet, channel) if sign == 1 else -getattr(jet, channel)
+      out = term if out is None else out + term
+    return out
+
+  return [None if jets[0].tangents is None else combine("tangents")], [combine("second")]
+
+
+def _jvp_rule(f, jets: list[_Jet], outs: list, signs: np.ndarray) -> tuple[list, list]:
+  """Any other primitive: its first and second derivatives along the channels by `jax.jvp`."""
+  primals = tuple(jet.value for jet in jets)
+
+  def push(ts):
+    return jax.jvp(f, primals, ts)[1]
+
+  second = push(tuple(jet.second for jet in jets))
+  if jets[0].tangents is None:
+    return [None] * len(outs), second
+  ts = tuple(jet.tangents for jet in jets)
+
+  def curvature(ts):
+    return jax.jvp(lambda *p: jax.jvp(f, p, ts)[1], primals, ts)[1]
+
+  q = jax.vmap(curvature)(ts)
+  second = [s + _contract(signs, qo) if _is_float(o) else s for s, o, qo in zip(second, outs, q)]
+  return jax.vmap(push)(ts), second
 
 
 def _push_jaxpr(closed, ins: list, signs: np.ndarray) -> list:
@@ -393,10 +377,10 @@ def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtra
     max_halvings: K ≥ 0: the grid is `2^-k`, k = 0..K.
 
   Returns:
-    An optax line search (state `GridLinesearchState`): `update(updates, state, params, *,
-    value, value_fn, **extra)`, `value_fn(params, **kw)` called with the extra keyword
-    arguments it names (`grad=` is accepted and not read). Use it as `kfac_jax.kfac(...,
-    learning_rate=None, linesearch=kfac_jax.pinn.grid_linesearch())`.
+    An optax line search (state `GridLinesearchState`) whose `update` takes the keyword
+    arguments `value=` (the loss at `params`) and `value_fn=`, and calls `value_fn(params,
+    **kw)` with the other keyword arguments it names (`grad=` is accepted and not read).
+    Use it as `kfac_jax.kfac(..., linesearch=kfac_jax.pinn.grid_linesearch())`.
 
   Raises:
     ValueError: `max_halvings` is not an integer ≥ 0.
@@ -488,8 +472,8 @@ def optimizer(
   - `estimation_mode="exact_GGN"` (the registration built from `loss_fn`): a residual is one
     output per point, so the exact Gauss-Newton factor costs what one sampled vector costs and
     has no sampling noise.
-  - `ema_decay=0.0`, `inverse_every=1` (and the default `curvature_every=1`): the batch is the
-    whole problem, so the statistics of the current parameters are exact, not noisy.
+  - `ema_decay=0.0`, `inverse_every=1`, `curvature_every=1`: the batch is the whole problem,
+    so the statistics of the current parameters are exact, not noisy.
   - learning rate and momentum from the quadratic model (the `Optimizer`'s default): no step
     size to tune on a new equation.
   - damping adapted at every step (`Config(damping_adaptation_interval=1)`), starting at
