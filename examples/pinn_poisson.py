@@ -3,14 +3,14 @@
     −Δu = 2π² sin(πx) sin(πy) on [0, 1]²,   u = 0 on the boundary,   solution sin(πx) sin(πy).
 
 An MLP 2-64-1 with tanh (257 parameters, float64) is fitted on 900 interior and 120 boundary
-points; the error is the relative L2 error on 9,000 points. The Laplacian is computed in forward
-mode (the forward Laplacian: value, gradient and Laplacian channels through each layer), so the
-scanner sees each layer applied to the points and to those channels and registers it as one
-shared layer (the "expand" K-FAC of physics-informed networks). The two loss terms are tagged
-separately, each a mean over its own points. K-FAC runs twice: `kfac_jax.Optimizer` (learning
-rate, momentum and damping from its quadratic model) and the `kfac_jax.kfac` chain with the
-paper's grid line search (`make_kfac`); the run writes a plot of the error against steps and
-seconds.
+points; the error is the relative L2 error on 9,000 points. The Laplacian is
+`kfac_jax.pinn.laplacian` (the forward Laplacian: value, gradient and Laplacian channels through
+each layer), so the scanner sees each layer applied to the points and to those channels and
+registers it as one shared layer (the "expand" K-FAC of physics-informed networks). The two
+loss terms are tagged separately, each a mean over its own points. K-FAC runs twice:
+`kfac_jax.pinn.optimizer` (learning rate, momentum and damping from the quadratic model) and
+`kfac_jax.pinn.kfac` (the chain with the paper's grid line search, `make_kfac`); the run writes
+a plot of the error against steps and seconds.
 
     python examples/pinn_poisson.py              # 200 steps of each K-FAC, 2,000 of Adam
     python examples/pinn_poisson.py --steps 2000 --adam-steps 20000
