@@ -22,7 +22,7 @@ fixed damping), `kfac` (the chain, fixed learning rates), Adam (a small learning
 L-BFGS (`optax.lbfgs`, its zoom line search). Each optimizer runs `--steps` steps, the error
 measured at every checkpoint (outside the timing); "equal seconds" gives every optimizer the
 `Optimizer`'s step time for the last checkpoint and reports the error there. `--only` runs a
-subset (by the names' first word).
+subset (by name, or by the names' first word).
 
     python benchmarks/pinn.py --problem poisson --steps 100,1000
 """
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
   contestants.append(("L-BFGS", lambda: optax_step(loss_fn, problem, optax.lbfgs())))
   budget = None
   for name, build in contestants:
-    if only and name.split()[0] not in only:
+    if only and name not in only and name.split()[0] not in only:
       continue
     step, init = build()
     stop = min(args.lbfgs_steps, max(checkpoints)) if name == "L-BFGS" else None
