@@ -13,7 +13,6 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
-from kfac_jax._audit import LossMismatchWarning
 from kfac_jax._checkpoint import (
   check_restored_state,
   restore_state,
@@ -22,10 +21,16 @@ from kfac_jax._checkpoint import (
 )
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
-from kfac_jax._engine import HyperparameterWarning, NonFiniteWarning
+from kfac_jax._errors import (
+  HyperparameterWarning,
+  LossMismatchWarning,
+  NonFiniteWarning,
+  RegistrationCheckError,
+  RegistrationError,
+  UncoveredParametersWarning,
+)
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerState
-from kfac_jax._optimizer import OptimizerConfig as OptimizerConfig  # Raises, naming Config.
 from kfac_jax._parallel import ShardedCache
 from kfac_jax._registration import Registration, StatsKey, value_and_grad
 from kfac_jax._storage import ReplicatedStorage, ShardedStorage
@@ -45,25 +50,9 @@ from kfac_jax._tags import (
 )
 from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
 from kfac_jax.blocks import Block, BlockConfig
-from kfac_jax.scan import (
-  LayerConfig,
-  LayerSpec,
-  RegistrationCheckError,
-  RegistrationError,
-  UncoveredParametersWarning,
-)
+from kfac_jax.scan import LayerConfig, LayerSpec
 
 __version__ = "0.1.0.dev0"
-
-
-def __getattr__(name: str):
-  if name == "scan_layers":  # Removed: the registration holds the layers.
-    raise AttributeError(
-      "kfac_jax.scan_layers is removed: the layers K-FAC finds are "
-      "`kfac_jax.Registration(loss_fn, params, batch).layers` (its settings, e.g. `layers=`, "
-      "`strict=`, `has_aux=`, are the registration's arguments)."
-    )
-  raise AttributeError(f"module 'kfac_jax' has no attribute {name!r}")
 
 
 __all__ = [

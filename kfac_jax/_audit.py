@@ -42,7 +42,7 @@ import numpy as np
 from kfac_jax import _compat, _losses, _tags
 from kfac_jax import scan as _scan
 from kfac_jax._curvature import read_atom
-from kfac_jax._specs import RegistrationError
+from kfac_jax._errors import LossMismatchWarning, RegistrationError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TOLERANCE = 1e-2  # Relative residual allowed in float32 / float64.
@@ -101,11 +101,6 @@ CAUSES = (
   "`Registration(..., curvature_fn=...)`; for another deliberate difference, build the "
   "registration with `check_loss=False`."
 )
-
-
-class LossMismatchWarning(UserWarning):
-  """The loss tags' negative log-likelihood is not (a multiple of) the loss `loss_fn` returns, as
-  measured on the example batch; the curvature is then of another loss than the one trained."""
 
 
 def tag_names(graph: _scan.FlatGraph) -> list[str]:

@@ -36,26 +36,11 @@ Approximation = Literal[
 ]
 
 
-class RegistrationError(ValueError):
-  """A loss or layer registration problem, found while scanning `loss_fn`."""
-
-
-class UncoveredParametersWarning(UserWarning):
-  """Parameters not in any recognised layer; they get a diagonal generic block."""
-
-
-class RegistrationCheckError(RegistrationError):
-  """Every coverage problem of one registration, listed together (`check_registration`).
-
-  Attributes:
-    problems: one line per problem, each naming the parameter path(s).
-  """
-
-  def __init__(self, problems: Sequence[str]):
-    self.problems = tuple(problems)
-    lines = "\n".join(f"  - {p}" for p in self.problems)
-    super().__init__(f"{len(self.problems)} registration problem(s):\n{lines}")
-
+from kfac_jax._errors import (  # noqa: F401  # Re-exported to the scanner.
+  RegistrationCheckError,
+  RegistrationError,
+  UncoveredParametersWarning,
+)
 
 # --------------------------------------------------------------------------------------------
 # Parameter paths and views.
