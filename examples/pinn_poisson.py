@@ -221,8 +221,8 @@ def fading_damping(decay: float = PAPER_EMA, floor: float = PAPER_DAMPING):
   code starts each Kronecker factor at the identity, averages without bias correction and adds
   `floor` to each factor, so after k+1 updates a factor is `(1 − ρ^(k+1)) (F̄ + ε I)`, F̄ the
   bias-corrected average and `ε = (ρ^(k+1) + floor) / (1 − ρ^(k+1))`: a damping that fades
-  with the moving average. With `Config(damping_split="equal")` a layer serving two loss terms
-  adds √(λ/2) = ε to each factor of each term; `identity_start` restores the scale
+  with the moving average. With `Config(damping_mode="factored_equal")` a layer serving two
+  loss terms adds √(λ/2) = ε to each factor of each term; `identity_start` restores the scale
   `(1 − ρ^(k+1))⁻²`."""
 
   def schedule(count):
@@ -252,7 +252,7 @@ def make_kfac(params, batch, loss=None, linesearch: str = "grid"):
   exact Gauss-Newton statistics refreshed at every step (moving average 0.45), no norm
   clipping, and the step along the direction from a line search. With `linesearch="grid"`,
   the code's protocol: `grid_linesearch`, a damping that fades from large to 1.5e-12 with the
-  moving average (`fading_damping`), added to both factors (`damping_split="equal"`), and
+  moving average (`fading_damping`), added to both factors (`damping_mode="factored_equal"`), and
   momentum 0.51 weighted as with identity-started factors (`identity_start`). With "zoom",
   optax's zoom line search, momentum 0.51 and a fixed damping of 1e-10. (The settings to the
   digit: `PAPER_EMA`, `PAPER_MOMENTUM`, `PAPER_DAMPING`.) Returns
@@ -265,7 +265,7 @@ def make_kfac(params, batch, loss=None, linesearch: str = "grid"):
     kw = dict(momentum=0.51, damping=1e-10, ema_decay=0.45)
   else:
     search = optax.chain(identity_start(), grid_linesearch())
-    config = kfac_jax.Config(damping_split="equal")
+    config = kfac_jax.Config(damping_mode="factored_equal")
     kw = dict(momentum=None, damping=fading_damping(), config=config, ema_decay=PAPER_EMA)
   tx = kfac_jax.kfac(
     registration=reg,

@@ -19,22 +19,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _audit, _checks, _compat, _curvature, _losses
+from kfac_jax import _audit, _checks, _compat, _curvature, _fit, _losses
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
 AxisName = str | tuple[str, ...] | None
-_MAX_SCANS = 8  # Evaluation graphs kept per registration (batch shapes x axis environments).
 
 
 def axis_names(axis_name: AxisName) -> tuple[str, ...]:
-  """`axis_name` (a name or a tuple of names) as a tuple; TypeError otherwise."""
+  """`collective_axes` (a name or a tuple of names) as a tuple; TypeError otherwise."""
   if axis_name is None:
     return ()
   names = (axis_name,) if isinstance(axis_name, str) else axis_name
   if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
     raise TypeError(
-      f"`axis_name` must be a string or a tuple of strings (the collective axes the model "
+      f"`collective_axes` must be a string or a tuple of strings (the collective axes the model "
       f'uses, e.g. "batch" for BatchNorm(axis_name="batch")), got {axis_name!r}.'
     )
   return names
@@ -177,8 +176,8 @@ class Registration:
       pattern, and linked parameter groups (None: the defaults).
     strict: raise, instead of warning, when parameters are outside every recognised layer or
       the loss audit measures a mismatch.
-    axis_name: a name or a tuple of names of collective axes `loss_fn` uses (e.g. linen
-      `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
+    collective_axes: a name or a tuple of names of collective axes `loss_fn` itself uses
+      (e.g. linen `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
       shard_map.
     check_loss: audit the loss tags against the returned loss on `example_batch`
       (`kfac_jax._audit`): True runs every check, False none (a loss that differs from its
@@ -218,7 +217,7 @@ class Registration:
     loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss (1/D for a mean over
       the outputs too), as the loss audit fitted it; None where it did not measure or found a
       mismatch.
-    loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
+    loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, collective_axes,
       check_loss, curvature_fn: the settings it was built with.
     separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom_jvp
       rule or a custom_vjp's fwd or bwd): its value and gradient come from `loss_fn` itself.
@@ -261,7 +260,7 @@ class Registration:
   num_samples: int
   layer_config: Any
   strict: bool
-  axis_name: Any
+  collective_axes: Any
   check_loss: bool | Collection[str]
   example_batch: Any
   params_shape: Any
@@ -274,8 +273,8 @@ class Registration:
   outputs_per_example: int
   loss_factor: float | None
   fingerprint: Any
-  _scans: dict[Any, Any]
-  _block_sets: dict[Any, Any]
+  _scans: _fit.Memo
+  _block_sets: _fit.Memo
 
   def __init__(
     self,
@@ -288,7 +287,7 @@ class Registration:
     num_samples: int = 1,
     layers: _scan.LayerConfig | None = None,
     strict: bool = False,
-    axis_name: AxisName = None,
+    collective_axes: AxisName = None,
     check_loss: bool | Collection[str] = True,
     warn: bool = True,
     curvature_fn: Callable | None = None,
@@ -300,7 +299,7 @@ class Registration:
     _checks.boolean(strict, "strict")
     checks = _audit.checks_from(check_loss)
     config = _scan.check_layer_config(layers)
-    names = axis_names(axis_name)
+    names = axis_names(collective_axes)
     set_(self, "loss_fn", loss_fn)
     set_(self, "loss_part", part)
     set_(self, "has_aux", has_aux)
@@ -308,7 +307,7 @@ class Registration:
     set_(self, "num_samples", num_samples)
     set_(self, "layer_config", config)
     set_(self, "strict", strict)
-    set_(self, "axis_name", axis_name)
+    set_(self, "collective_axes", collective_axes)
     set_(self, "check_loss", check_loss)
     set_(self, "curvature_fn", curvature_fn)
     set_(self, "_curvature_part", curvature_part)
@@ -347,10 +346,10 @@ class Registration:
       (s.name, s.kind, tuple(s.param_paths), s.num_uses, s.stack_size) for s in scan.layers
     )
     set_(self, "fingerprint", StatsKey(estimation_mode, key_samples, key_layers))
-    set_(self, "_scans", {})
-    set_(self, "_block_sets", {})
+    set_(self, "_scans", _fit.Memo(8))  # Per batch shapes and axis environment.
+    set_(self, "_block_sets", _fit.Memo(4))
     if not stand_in and not _audit.has_tracer_consts(scan):
-      self._scans[(env, avals(params), avals(example_batch))] = scan
+      self._scans.put((env, avals(params), avals(example_batch)), scan)
 
   def __setattr__(self, name, value):
     raise dataclasses.FrozenInstanceError(
@@ -419,17 +418,18 @@ class Registration:
   def blocks(self, config: _blocks.BlockConfig | None = None) -> tuple[_blocks.Block, ...]:
     """One curvature block per layer for the block options `config` (built once per config)."""
     config = _blocks.BlockConfig() if config is None else config
-    if config not in self._block_sets:
-      self._block_sets[config] = tuple(_blocks.make_block(s, config) for s in self.layers)
-    return self._block_sets[config]
+    return self._block_sets(
+      config, lambda: tuple(_blocks.make_block(s, config) for s in self.layers)
+    )
 
   def scan_batch(self, params, batch) -> _scan.ScanResult:
     """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates (module
     docstring), checked to have the registration's layers."""
     env = _compat.axis_env_key()
     key = None if env is None else (env, avals(params), avals(batch))
-    if key in self._scans:  # A key of None is never stored.
-      return self._scans[key]
+    kept = self._scans.get(key)  # A key of None is never stored.
+    if kept is not None:
+      return kept
     scan = self._trace(params, batch, False)
     self.check_layer_shapes(
       tuple(s.name for s in scan.layers),
@@ -437,9 +437,7 @@ class Registration:
       scan.batch_size,
     )
     if key is not None and not _audit.has_tracer_consts(scan):
-      if len(self._scans) >= _MAX_SCANS:
-        self._scans.pop(next(iter(self._scans)))
-      self._scans[key] = scan
+      self._scans.put(key, scan)
     return scan
 
   def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
@@ -542,54 +540,6 @@ def shared(registration, loss_fn, who: str, *others: tuple[str, Any]) -> Registr
   return registration
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Deferred:
-  """The registration of a front (a transform or the `Optimizer`): the one given, or one built
-  with the default settings from `loss_fn`, `example_batch` and the first params its `init`
-  sees (kept: later params must have the same signature, an error names the first leaf that
-  differs).
-
-  Attributes:
-    loss_fn, example_batch: what a registration is built from (None with `given`).
-    given: the `registration=` argument, or None.
-  """
-
-  loss_fn: Any
-  example_batch: Any
-  given: Registration | None
-  _built: list[Registration] = dataclasses.field(default_factory=list, repr=False)  # 0 or 1
-
-  @classmethod
-  def of(cls, loss_fn, example_batch, registration, who: str) -> Deferred:
-    """The front's arguments, checked (see `shared`)."""
-    reg = shared(registration, loss_fn, who, ("example_batch", example_batch))
-    return cls(loss_fn, example_batch, reg, [] if reg is None else [reg])
-
-  @property
-  def known(self) -> bool:
-    """Whether the registration exists (given, or built by an `init`)."""
-    return bool(self._built)
-
-  def only(self) -> Registration:
-    """The registration, once known."""
-    if not self._built:
-      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
-    return self._built[0]
-
-  def for_params(self, params, axis_name: AxisName = None) -> Registration:
-    """The registration for `params` (built from them on first use), checked against them. A
-    tree without leaves is `optax.tree_map_params`' placeholder, which asks only for the
-    state's structure: the known registration, unchecked."""
-    if not jax.tree_util.tree_leaves(params) and self._built:
-      return self._built[0]
-    if not self._built:
-      reg = Registration(self.loss_fn, params, self.example_batch, axis_name=axis_name)
-      self._built.append(reg)
-    self._built[0].check_params(params)
-    return self._built[0]
-
-
-@_checks.moved_keywords
 def value_and_grad(
   loss_fn: Callable | None = None,
   *,
@@ -648,18 +598,16 @@ def value_and_grad(
   """
   _checks.boolean(compute_params_stats, "compute_params_stats")
   reg = shared(registration, loss_fn, "value_and_grad")
-  own: dict[Any, Any] = {}  # Without `registration`: one per (params, batch) signature.
+  own = _fit.Memo(8)  # Without `registration`: one per (params, batch) signature.
 
   def registered(params, batch):
     if reg is not None:
       reg.check_params(params)
       return reg
-    key = (avals(params), avals(batch))
-    if key not in own:
-      if len(own) >= 8:
-        own.pop(next(iter(own)))
-      own[key] = Registration(loss_fn, params, batch, warn=False)  # type: ignore[arg-type]
-    return own[key]
+    return own(
+      (avals(params), avals(batch)),
+      lambda: Registration(loss_fn, params, batch, warn=False),  # type: ignore[arg-type]
+    )
 
   def fn(params, batch, rng=None):
     r = registered(params, batch)

@@ -1,8 +1,9 @@
 """K-FAC as optax gradient transformations.
 
 `scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates); `kfac` chains it with
-K-FAC norm clipping, `optax.trace` momentum and the learning rate under a guard wrapper. The
-step (`kfac_jax._engine.step`) runs inside the caller's `jit` / `pmap`, without host syncs.
+K-FAC norm clipping, `optax.trace` momentum and the learning rate under the step's verdict.
+Both are configurations of one `kfac_jax._engine.Engine`, whose step runs inside the caller's
+`jit` / `pmap`, without host syncs.
 
 With `Config.skip_nonfinite` (the default) a non-finite gradient, batch statistics or
 preconditioned update gives zero updates and leaves the state as it was but for the `skipped`
@@ -14,7 +15,6 @@ params that are not finite once per input (`NonFiniteWarning`), guard on or off.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -23,16 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import (
-  _checks,
-  _config,
-  _curvature,
-  _engine,
-  _estimator,
-  _fit,
-  _parallel,
-  _registration,
-)
+from kfac_jax import _checks, _config, _engine, _estimator, _fit, _registration
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -144,202 +135,77 @@ def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batc
     raise
 
 
-def _check_state(state, est: _estimator.CurvatureEstimator, who: str) -> None:
-  if not isinstance(state, ScaleByKfacState):
-    raise TypeError(
-      f"{who}: `state` must be the ScaleByKfacState from this transform's init, got "
-      f"{type(state).__name__}."
-    )
-  factors = getattr(state.curvature, "factors", {})
-  # A sharded state's buffers are checked against the layout by the storage.
-  got = tuple(factors) if isinstance(factors, dict) else tuple(est.names)
-  if sorted(got) != sorted(est.names):
-    raise ValueError(
-      f"{who}: `state` holds the curvature of the layers {list(got)}, but this transform has "
-      f"the layers {list(est.names)}: it is another model's state (or another share's). Pass "
-      "the state this transform's init returned."
-    )
+def _transformation(engine: _engine.Engine, hyperparameters: dict, rest=None):
+  """The optax transformation of `engine` (`scale_by_kfac`), or its chain with `rest` (`kfac`:
+  clipping, momentum and the learning rate) run on the preconditioned vector under the step's
+  verdict: on a skipped step `rest` is not run, the updates are zeros and every state but the
+  `skipped` counter is kept (optax's `apply_if_finite` pattern, K-FAC-aware).
 
+  `rest` is given the raw gradient `kfac_grads=`, the schedules' count `kfac_count=` and the
+  caller's other extra arguments (a line search's `value=`, `grad=`, `value_fn=`)."""
 
-def _is_masked(x) -> bool:
-  return isinstance(x, optax.MaskedNode)
-
-
-def masked_share(tree) -> tuple[bool, ...] | None:
-  """Per leaf of `tree`, masked ones included, whether it is not an `optax.MaskedNode` (the share
-  `optax.multi_transform` / `optax.masked` hand a transform); None when none is masked."""
-  kept = tuple(not _is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_masked))
-  return None if all(kept) else kept
-
-
-def _fill(est: _estimator.CurvatureEstimator, share, abstract: bool = False):
-  """`share` with its `optax.MaskedNode` leaves replaced by zeros of the registered shapes and
-  dtypes (`jax.ShapeDtypeStruct`s with `abstract`): the whole params' structure."""
-  flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
-  sig = est.registration.param_signature[1]
-  if len(flat) != len(sig):  # Wrong structure: `check_params` names the leaf.
-    return jax.tree_util.tree_unflatten(treedef, flat)
-  make = jax.ShapeDtypeStruct if abstract else jnp.zeros
-  leaves = [
-    make(shape, jnp.dtype(dtype)) if _is_masked(x) else x for x, (shape, dtype) in zip(flat, sig)
-  ]
-  return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _unfill(full, share):
-  """`full` (the whole params' structure) at `share`'s unmasked leaves, in `share`'s structure."""
-  flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
-  leaves = jax.tree_util.tree_leaves(full)
-  return jax.tree_util.tree_unflatten(
-    treedef, [x if _is_masked(x) else y for x, y in zip(flat, leaves)]
-  )
-
-
-def _estimator_for(deferred: _registration.Deferred, make, params, who: str, axis_name=None):
-  """`(estimator, kept)`: `make(registration)` for `params`, restricted to the share when
-  `params` has `optax.MaskedNode` leaves (`kept`: per registered leaf, whether it is in it)."""
-  kept = masked_share(params)
-  if kept is None:
-    return make(deferred.for_params(params, axis_name)), None
-  if not deferred.known:
-    raise ValueError(
-      f"{who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
-      "optax.masked hands this transform only its share of the parameters, and the model "
-      "cannot be traced without the rest. Build the layers from the whole params, "
-      "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
-      f"to {who} and to kfac_jax.value_and_grad."
-    )
-  est = make(deferred.only())
-  est.registration.check_params(_fill(est, params, abstract=True))
-  return est.restrict(kept), kept
-
-
-def _preconditioner(
-  loss_fn,
-  example_batch,
-  damping,
-  ema_decay,
-  inverse_every,
-  curvature_every,
-  registration,
-  axis_name,
-  config,
-  who: str,
-) -> tuple[optax.GradientTransformationExtraArgs, Callable]:
-  """`scale_by_kfac` named `who` in its errors, and `params -> registration`."""
-  config = _config.get(config, who)
-  _checks.number(damping, "damping", low=0.0, schedule=True)
-  _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
-  _checks.positive_int(inverse_every, "inverse_every")
-  _checks.positive_int(curvature_every, "curvature_every")
-  _config.check_parallel(axis_name, config)
-  deferred = _registration.Deferred.of(loss_fn, example_batch, registration, who)
-  make = functools.lru_cache(maxsize=1)(
-    functools.partial(
-      _estimator.CurvatureEstimator,
-      config=config.read_by("CurvatureEstimator"),
-      who=f"this {who} transform",
-    )
-  )
-  mesh, guard = config.mesh, config.skip_nonfinite
-  reporter = _engine.Reporter(who, chained=True)
-
-  def init_fn(params) -> ScaleByKfacState:
-    est, _ = _estimator_for(deferred, make, params, who, axis_name)
+  def init_fn(params):
+    bound = engine.bind(params)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
-    state = ScaleByKfacState(
-      count=jnp.zeros([], jnp.int32),
-      curvature=est.init(axis_name=axis_name, mesh=mesh),
-      skipped=jnp.zeros([], jnp.int32),
-    )
-    return _parallel.replicate_on_mesh(state, params, mesh)
+    pre = ScaleByKfacState(jnp.zeros([], jnp.int32), engine.init(bound), jnp.zeros([], jnp.int32))
+    state = pre if rest is None else KfacState(pre, rest.init(params))
+    return engine.replicate(state, params)
+
+  shapes = _fit.StateShapes(init_fn)
 
   def update_fn(
-    updates,
-    state: ScaleByKfacState,
-    params=None,
-    *,
-    curvature_stats=None,
-    batch=None,
-    rng=None,
-    kfac_gate=None,
-    **extra_args,
+    updates, state, params=None, *, curvature_stats=None, batch=None, rng=None, **extra
   ):
-    del extra_args  # Other transforms' extra arguments (optax.chain forwards them all).
     if params is None:
-      raise ValueError(f"{who}: `params` is required: tx.update(grads, state, params, ...).")
-    est, kept = _estimator_for(deferred, make, params, who)
-    _check_state(state, est, who)
-    est.check_state(state.curvature, axis_name, mesh, who, "state.curvature")
-    if kept is not None:
-      if masked_share(updates) != kept:
-        raise ValueError(
-          f"{who}: `updates` and `params` must be the same share of the parameters "
-          "(the same optax.MaskedNode leaves)."
-        )
-      if curvature_stats is None:
-        raise ValueError(
-          f"{who}: `params` has optax.MaskedNode leaves (optax.multi_transform or "
-          "optax.masked hands this transform only its share of the parameters), so it cannot "
-          "trace the model on `batch=`: pass `curvature_stats=` from "
-          "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
-        )
-    if curvature_stats is None and batch is None:
-      raise ValueError(
-        f"{who}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
-        "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
-      )
-    if curvature_stats is None:  # Before the step's checks and the forward pass run.
-      _curvature.check_rng(est.registration.estimation_mode, rng)
-    count = state.count
-    clock = count + state.skipped
-    lam = damping(clock) if callable(damping) else damping
-    usable = _engine.hyperparameters_ok(reporter, {"damping": (lam, 0.0)}, clock, guard)
-    finite = _engine.inputs_ok(reporter, {"gradient": updates, "params": params}, clock, guard)
-    ok = None
-    if guard:
-      ok = finite
-      for gate in (kfac_gate, usable):
-        ok = ok if gate is None else ok & gate
+      raise ValueError(f"{engine.who}: `params` is required: tx.update(grads, state, params, ...).")
+    bound = engine.bind(params)
+    engine.check(
+      bound, state, shapes(params), vector=updates, stats=curvature_stats, batch=batch, rng=rng
+    )
+    own = state if rest is None else state.preconditioner
 
     def statistics():
       if curvature_stats is not None:
         return curvature_stats
-      return _batch_statistics(est, config.fraction, params, batch, rng, who)
+      fraction = engine.config.fraction
+      return _batch_statistics(bound.estimator, fraction, params, batch, rng, engine.who)
 
-    pre, curv, ok = _engine.step(
-      est,
-      state.curvature,
-      updates if kept is None else _fill(est, updates),
-      statistics,
-      count,
-      damping=lam,
-      ema_decay=ema_decay,
-      inverse_every=inverse_every,
-      curvature_every=curvature_every,
-      burn_in_steps=config.burn_in_steps,
-      ok=ok,
-      axis_name=axis_name,
-      mesh=mesh,
+    step = engine.step(
+      bound,
+      own.count,
+      own.skipped,
+      own.curvature,
+      _engine.Inputs(updates, statistics, {"gradient": updates, "params": params}, hyperparameters),
     )
-    if kept is not None:  # The masked leaves' zeros pass through no block; XLA drops them.
-      pre = _unfill(pre, updates)
+    ok = step.ok
+    out = step.vector
+    if rest is not None:
+
+      def run():
+        return rest.update(
+          out, state.rest, params, kfac_grads=updates, kfac_count=step.clock, **extra
+        )
+
+      if ok is None:
+        out, rest_state = run()
+      else:
+        zeros = optax.tree_utils.tree_zeros_like(out)
+        out, rest_state = jax.lax.cond(ok, run, lambda: (zeros, state.rest))
     if ok is None:
-      return pre, ScaleByKfacState(optax.safe_increment(count), curv, state.skipped)
-    out = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), pre)
-    return out, ScaleByKfacState(
-      count=count + ok.astype(count.dtype),
-      curvature=curv,
-      skipped=state.skipped + (~ok).astype(state.skipped.dtype),
-    )
+      new = ScaleByKfacState(optax.safe_increment(own.count), step.curvature, own.skipped)
+    else:
+      if rest is None:
+        out = optax.tree_utils.tree_where(ok, out, optax.tree_utils.tree_zeros_like(out))
+      new = ScaleByKfacState(
+        own.count + ok.astype(own.count.dtype),
+        step.curvature,
+        own.skipped + (~ok).astype(own.skipped.dtype),
+      )
+    return out, (new if rest is None else KfacState(new, rest_state))
 
-  def registration_for(params) -> _registration.Registration:
-    return _estimator_for(deferred, make, params, who)[0].registration
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn), registration_for
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@_config.moved_keywords
 def scale_by_kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
@@ -382,17 +248,15 @@ def scale_by_kfac(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `ScaleByKfacState`. Its
-    `update(updates, state, params, *, curvature_stats=None, batch=None, rng=None,
-    kfac_gate=None)` needs `params`, and either `curvature_stats` from
-    `kfac_jax.value_and_grad` (one forward pass for everything) or `batch` and `rng` (an extra
-    forward and backward pass). `kfac_gate`, a scalar bool, skips the update when False.
+    `update(updates, state, params, *, curvature_stats=None, batch=None, rng=None)` needs
+    `params`, and either `curvature_stats` from `kfac_jax.value_and_grad` (one forward pass for
+    everything) or `batch` and `rng` (an extra forward and backward pass).
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; a registration setting (e.g. `has_aux=`) or a keyword that moved into
-      `Config`, naming its place; a `Config` field it does not read. In `update` (when
-      traced, before any state changes): params of another structure than at `init`, a state
-      of another model, or `curvature_stats` of another mode, sample count or layer set.
+      is created; a `Config` field it does not read. In `update` (when traced, before any
+      state changes): params of another structure than at `init`, a state of another model,
+      or `curvature_stats` of another mode, sample count or layer set.
 
   Example:
     >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
@@ -401,18 +265,17 @@ def scale_by_kfac(
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
-  return _preconditioner(
-    loss_fn,
-    example_batch,
-    damping,
-    ema_decay,
-    inverse_every,
-    curvature_every,
-    registration,
-    axis_name,
-    config,
+  _checks.number(damping, "damping", low=0.0, schedule=True)
+  engine = _engine.Engine.build(
     "scale_by_kfac",
-  )[0]
+    (loss_fn, example_batch, registration),
+    _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
+    axis_name=axis_name,
+    config=config,
+    state_type=ScaleByKfacState,
+    transform=True,
+  )
+  return _transformation(engine, {"damping": (damping, 0.0)})
 
 
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:
@@ -483,72 +346,6 @@ def _along_linesearch(linesearch):
   return optax.GradientTransformationExtraArgs(linesearch.init, update_fn)
 
 
-def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
-  """`preconditioner` then `rest` (optax's `apply_if_finite` pattern, K-FAC-aware).
-
-  It gates the preconditioner on usable `hyperparams` (schedules at this step, finite and a
-  learning rate ≥ 0, a bad one reported once; Python numbers need no check), reads its verdict
-  from its `skipped` counter and runs `rest` in a `lax.cond` on it (zeros and the old `rest`
-  state on a skip), passing it the raw gradient `kfac_grads=` and the schedules' count
-  `kfac_count=` and the caller's other extra arguments (a line search's `value=`, `grad=`,
-  `value_fn=`). It never selects over the preconditioner's state,
-  whose curvature moves only on a finite verdict, so the factors are never copied for it.
-  """
-
-  reporter = _engine.Reporter("kfac")
-  rest_shapes = _fit.StateShapes(rest.init)
-
-  def init_fn(params) -> KfacState:
-    return KfacState(preconditioner.init(params), rest.init(params))
-
-  def update_fn(
-    updates, state: KfacState, params=None, *, curvature_stats=None, batch=None, rng=None, **extra
-  ):
-    if not isinstance(state, KfacState):
-      raise TypeError(
-        f"kfac: `state` must be the KfacState from this transform's init, got "
-        f"{type(state).__name__}."
-      )
-    old = state.preconditioner
-    args = dict(curvature_stats=curvature_stats, batch=batch, rng=rng)
-    try:  # Before any pass runs: eagerly, a whole preconditioner step would compile first.
-      _fit.check(rest_shapes(params), state.rest, "kfac", "state.rest")
-    except (TypeError, ValueError):
-      # The preconditioner's own checks name a block of another model: theirs come first.
-      jax.eval_shape(preconditioner.update, updates, old, params, **args)
-      raise
-    clock = old.count + old.skipped
-    values = [h(clock) if callable(h) else h for h in hyperparams]
-    lows = (0.0, None, None)  # learning_rate, momentum, max_norm
-    names = ("learning_rate", "momentum", "max_norm")
-    gate = _engine.hyperparameters_ok(
-      reporter, {n: (x, low) for n, x, low in zip(names, values, lows)}, clock, skip_nonfinite
-    )
-    gate = gate if skip_nonfinite else None
-    v, pre = preconditioner.update(updates, old, params, kfac_gate=gate, **args)
-
-    def run():
-      return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock, **extra)
-
-    if skip_nonfinite:
-      zeros = jax.tree_util.tree_map(jnp.zeros_like, v)
-      out, rest_state = jax.lax.cond(pre.skipped == old.skipped, run, lambda: (zeros, state.rest))
-    else:
-      out, rest_state = run()
-    return out, KfacState(pre, rest_state)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-@_config.moved_keywords(
-  refused={
-    "norm_constraint": (
-      "kfac: `norm_constraint` is not an argument of kfac (got {!r}); use `max_norm`, which "
-      "clips the preconditioned gradient before the learning rate, so that α always scales the "
-      "step. For a fixed learning rate α, TF K-FAC's norm_constraint=C is max_norm=√C / α."
-    )
-  }
-)
 def kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
@@ -609,8 +406,7 @@ def kfac(
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; a registration setting (e.g. `has_aux=`) or a keyword that moved into
-      `Config`, naming its place; a `Config` field it does not read.
+      is created; a `Config` field it does not read.
 
   Example:
     >>> tx = kfac_jax.kfac(loss_fn, batch)
@@ -636,26 +432,35 @@ def kfac(
     _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
-  config = _config.get(config, "kfac")
-  preconditioner, registration_for = _preconditioner(
-    loss_fn,
-    example_batch,
-    damping,
-    ema_decay,
-    inverse_every,
-    curvature_every,
-    registration,
-    axis_name,
-    config,
+  _checks.number(damping, "damping", low=0.0, schedule=True)
+  engine = _engine.Engine.build(
     "kfac",
+    (loss_fn, example_batch, registration),
+    _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
+    axis_name=axis_name,
+    config=config,
+    state_type=KfacState,
+    transform=True,
   )
+
+  def registration_for(params) -> _registration.Registration:
+    return engine.bind(params).registration
+
   rest = optax.chain(
     optax.identity()
     if max_norm is None
     else _clip_by_kfac_norm(max_norm, registration_for if learning_rate is None else None),
-    optax.identity() if momentum is None else optax.trace(momentum, nesterov=config.nesterov),
+    optax.identity()
+    if momentum is None
+    else optax.trace(momentum, nesterov=engine.config.nesterov),
     _scale_by_learning_rate(learning_rate, registration_for)
     if linesearch is None
     else _along_linesearch(linesearch),
   )
-  return _guard(preconditioner, rest, (learning_rate, momentum, max_norm), config.skip_nonfinite)
+  hyperparameters = {
+    "damping": (damping, 0.0),
+    "learning_rate": (learning_rate, 0.0),
+    "momentum": (momentum, None),
+    "max_norm": (max_norm, None),
+  }
+  return _transformation(engine, hyperparameters, rest)

@@ -115,10 +115,10 @@ def check_factored_powers(spec, config, note: str = "") -> None:
   """ValueError unless `config` asks a block that sums Kronecker products (a series over uses,
   one product per loss term) for what it defines: factored damping and the powers -1 and 1
   (`note`: why, appended to the message)."""
-  if config.damping_mode != "factored":
+  if not config.factored:
     raise ValueError(
-      f"layer `{spec.name}`: approximation {spec.approx!r} needs damping_mode='factored', "
-      f"got {config.damping_mode!r}."
+      f"layer `{spec.name}`: approximation {spec.approx!r} needs a factored damping_mode "
+      f"('factored' or 'factored_equal'), got {config.damping_mode!r}."
     )
   if any(e not in (-1, 1) for e in config.exps):
     raise ValueError(

@@ -337,13 +337,13 @@ def test_a_layer_serving_two_terms(x64, approx):
   np.testing.assert_allclose(out, expected, rtol=1e-9)
 
 
-def test_equal_damping_split_adds_the_same_root_to_both_factors(x64):
-  """`damping_split="equal"` damps each term's factors by √(λ/2) I both (no π): the damped
+def test_factored_equal_damping_adds_the_same_root_to_both_factors(x64):
+  """`damping_mode="factored_equal"` damps each term's factors by √(λ/2) I both (no π): the damped
   inverse is the exact inverse of (A₁ + √(λ/2) I) ⊗ (G₁ + √(λ/2) I) + (A₂ + ...) ⊗ (G₂ + ...),
   and differs from the π-split one, as the factors' traces differ."""
   loss_fn, params, batch = _two_terms(_laplacian_forward)
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN")
-  config = kfac_jax.Config(damping_split="equal")
+  config = kfac_jax.Config(damping_mode="factored_equal")
   est = kfac_jax.CurvatureEstimator(registration=reg, config=config)
   block, lam = est.blocks[1], 1e-2
   pi_block = kfac_jax.CurvatureEstimator(registration=reg).blocks[1]
@@ -365,8 +365,8 @@ def test_equal_damping_split_adds_the_same_root_to_both_factors(x64):
   rhs = np.asarray(rhs).reshape(-1)
   np.testing.assert_allclose(np.asarray(out).reshape(-1), np.linalg.solve(f, rhs), rtol=1e-9)
   assert not np.allclose(np.asarray(pi_out), np.asarray(out), rtol=1e-3)
-  with pytest.raises(ValueError, match="damping_split"):
-    kfac_jax.Config(damping_split="trace")
+  with pytest.raises(ValueError, match="damping_mode"):
+    kfac_jax.Config(damping_mode="trace")
 
 
 @pytest.mark.parametrize("model", ["pinn_poisson", "mlp"])
