@@ -423,23 +423,27 @@ class Registration:
       self._block_sets[config] = tuple(_blocks.make_block(s, config) for s in self.layers)
     return self._block_sets[config]
 
-  def scan_batch(self, params, batch) -> _scan.ScanResult:
+  def scan_batch(self, params, batch, *, check_layers: bool = True) -> _scan.ScanResult:
     """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates (module
-    docstring), checked to have the registration's layers."""
+    docstring), checked to have the registration's layers; with `check_layers=False` (the
+    sample-space kernel, which reads only the loss tags) unchecked, and kept apart."""
     env = _compat.axis_env_key()
     key = None if env is None else (env, avals(params), avals(batch))
     if key in self._scans:  # A key of None is never stored.
       return self._scans[key]
+    if not check_layers and key is not None and (key, "unchecked") in self._scans:
+      return self._scans[(key, "unchecked")]
     scan = self._trace(params, batch, False)
-    self.check_layer_shapes(
-      tuple(s.name for s in scan.layers),
-      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-      scan.batch_size,
-    )
+    if check_layers:
+      self.check_layer_shapes(
+        tuple(s.name for s in scan.layers),
+        tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
+        scan.batch_size,
+      )
     if key is not None and not _audit.has_tracer_consts(scan):
       if len(self._scans) >= _MAX_SCANS:
         self._scans.pop(next(iter(self._scans)))
-      self._scans[key] = scan
+      self._scans[key if check_layers else (key, "unchecked")] = scan
     return scan
 
   def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
