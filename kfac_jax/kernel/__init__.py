@@ -32,7 +32,8 @@ space goes through coefficients ε, never through g: `g = Uᵀa + r` with
     exact modes, `√(w / N_ℓ)` in "empirical"; `kfac_jax._losses.whitened_residual`) and c the
     loss factor `L = c T`, fitted by least squares `c = ⟨g, Uᵀε⟩ / ‖Uᵀε‖²` (any c is exact,
     the fit leaves the smallest remainder; the audit's factor, rounded to 3 digits, would leave
-    a row-space remainder that the next step amplifies);
+    a row-space remainder for Woodbury's form to amplify); tags without targets and the
+    random modes give no ε, so their part falls to a₁;
   * `a₁ = K⁺ U (g − Uᵀa₀)`, the least-squares rest (all of g for variational Monte Carlo,
     where the loss is the energy and the tags are log ψ's): K's pseudo-inverse by its
     eigendecomposition, eigenvalues at most R eps λ_max counted as zero, because K is
@@ -51,10 +52,11 @@ split is by F's eigenvectors: g's component in F's null space is r, under the sa
 example, S_p one pass's cost), O(R² P) for K and O(R³) for its eigendecomposition (sample
 space), or O(R P²) and O(P³) (parameter space). Peak memory, in bytes with b the params'
 itemsize and b' = max(b, 4):
-  U: `R P b` (plus the largest tag's `R_ℓ P b` while the tags' rows are joined);
-  the per-example passes: `C S (P b + A)` per chunk, C = `chunk_size` examples, A one
-  example's forward and backward activations;
-  K: `R² b'` and its eigenvectors `R² b'` (sample space), or F: `2 P² b'`.
+  U: `R P b`, written in place chunk by chunk;
+  the per-example passes: about `C S (2 P b + A)` per chunk, C = `chunk_size` examples (all of
+  a tag's without it), S its vectors per example, A one example's forward and backward
+  activations;
+  K and its eigenvectors: `2 R² b'` (sample space), or F and its eigenvectors `2 P² b'`.
 Under `axis_name` each device holds its own `R_d P b` rows, two row blocks during the ring,
 and the whole K.
 
@@ -67,7 +69,8 @@ relative gap between each example's prediction alone and in the batch) shows it.
 computes its rows; K is assembled without gathering U (a ring of `ppermute`s passes the row
 blocks round, each device computes its rows of K, then the small `R_d × R` blocks are
 gathered), the R × R solve is replicated, and `Uᵀy` is a `psum`: every device returns the same
-direction. Under plain `jit` with sharded arrays no axis is needed.
+direction (`shard_map` with `check_vma=False`, as for the library's other collectives). Under
+plain `jit` with arrays sharded over a mesh of automatic axes no axis is needed.
 """
 
 from kfac_jax.kernel._rows import Rows, TagRows, rows

@@ -21,7 +21,9 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _ROUNDING = 1000.0
 
 
-def _dot(a: Array, b: Array, dtype) -> Array:
+def _dot(a: Array, b: Array, dtype=None) -> Array:
+  """`a @ b` at full precision (no reduced-precision passes on accelerators: the solve's
+  accuracy at small damping rests on it), accumulated in `dtype`."""
   return jnp.matmul(a, b, precision=_HIGHEST, preferred_element_type=dtype)
 
 
@@ -102,18 +104,18 @@ def _sample_space(op: _Sharded, eps, g, prev, damping, momentum, tol):
     c = jnp.where(hh > 0, jnp.vdot(g, h) / jnp.where(hh > 0, hh, 1), 0)
     a0, r0 = c * eps, g - c * h
   b = op.times(jnp.stack([r0, prev], axis=1))  # [R, 2]: U r₀, U φ.
-  qb = q.T @ b
+  qb = _dot(q.T, b)
   # The least-squares coefficients of r₀ on the rows (pseudo-inverse of K).
-  a1 = q @ jnp.where(lam > cut, qb[:, 0] / jnp.where(lam > cut, lam, 1), 0)
+  a1 = _dot(q, jnp.where(lam > cut, qb[:, 0] / jnp.where(lam > cut, lam, 1), 0))
   r = r0 - op.transpose_times(a1[:, None])[:, 0]
   a = a0 + a1
   # The rounding scale of g = Σ_i a_i u_i: the root sum of squares of its terms' norms.
   scale = jnp.maximum(jnp.sqrt(jnp.sum(a**2 * jnp.diagonal(k))), jnp.linalg.norm(g))
   r_norm = jnp.linalg.norm(r)
   keep = r_norm > tol * scale
-  ur = b[:, 0] - k @ a1  # U r = U r₀ − K a₁.
+  ur = b[:, 0] - _dot(k, a1)  # U r = U r₀ − K a₁.
   rhs = a - momentum * b[:, 1] - jnp.where(keep, ur / damping, 0)
-  y = q @ ((q.T @ rhs) / (lam + damping))
+  y = _dot(q, _dot(q.T, rhs) / (lam + damping))
   phi = momentum * prev + op.transpose_times(y[:, None])[:, 0] + jnp.where(keep, r / damping, 0)
   info = {
     "kernel_trace": jnp.trace(k),
@@ -131,13 +133,13 @@ def _parameter_space(op: _Sharded, g, prev, damping, momentum, tol):
   """(F + λ)⁻¹(g + λμ φ) through F = UᵀU; g's part in F's null space follows the same rule."""
   f = op.fisher()
   lam, v, cut = _eigh(f)
-  gv, pv = v.T @ g, v.T @ prev
+  gv, pv = _dot(v.T, g), _dot(v.T, prev)
   live = lam > cut
   r_norm = jnp.linalg.norm(jnp.where(live, 0, gv))
   scale = jnp.linalg.norm(g)
   keep = r_norm > tol * scale
   gv = jnp.where(live | keep, gv, 0)
-  phi = v @ ((gv + damping * momentum * pv) / (lam + damping))
+  phi = _dot(v, (gv + damping * momentum * pv) / (lam + damping))
   info = {
     "kernel_trace": jnp.trace(f),
     "kernel_max_eigenvalue": lam[-1],
