@@ -422,22 +422,26 @@ class Registration:
       config, lambda: tuple(_blocks.make_block(s, config) for s in self.layers)
     )
 
-  def scan_batch(self, params, batch) -> _scan.ScanResult:
+  def scan_batch(self, params, batch, *, check_layers: bool = True) -> _scan.ScanResult:
     """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates (module
-    docstring), checked to have the registration's layers."""
+    docstring), checked to have the registration's layers; with `check_layers=False` (the
+    sample-space kernel, which reads only the loss tags) unchecked, and kept apart."""
     env = _compat.axis_env_key()
     key = None if env is None else (env, avals(params), avals(batch))
     kept = self._scans.get(key)  # A key of None is never stored.
+    if kept is None and not check_layers and key is not None:
+      kept = self._scans.get((key, "unchecked"))
     if kept is not None:
       return kept
     scan = self._trace(params, batch, False)
-    self.check_layer_shapes(
-      tuple(s.name for s in scan.layers),
-      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-      scan.batch_size,
-    )
+    if check_layers:
+      self.check_layer_shapes(
+        tuple(s.name for s in scan.layers),
+        tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
+        scan.batch_size,
+      )
     if key is not None and not _audit.has_tracer_consts(scan):
-      self._scans.put(key, scan)
+      self._scans.put(key if check_layers else (key, "unchecked"), scan)
     return scan
 
   def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
