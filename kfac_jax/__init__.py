@@ -50,6 +50,13 @@ from kfac_jax._tags import (
 )
 from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
 from kfac_jax.blocks import Block, BlockConfig
+from kfac_jax.kernel import (
+  KernelNgdState,
+  KernelState,
+  ScaleByKernelNgdState,
+  kernel_ngd,
+  scale_by_kernel_ngd,
+)
 from kfac_jax.scan import LayerConfig, LayerSpec
 
 __version__ = "0.1.0.dev0"
@@ -63,6 +70,8 @@ __all__ = [
   "CurvatureStats",
   "EstimatorState",
   "KfacOptaxState",
+  "KernelNgdState",
+  "KernelState",
   "KfacState",
   "LayerConfig",
   "LayerSpec",
@@ -75,6 +84,7 @@ __all__ = [
   "ReplicatedStorage",
   "RegistrationCheckError",
   "RegistrationError",
+  "ScaleByKernelNgdState",
   "ScaleByKfacState",
   "ShardedCache",
   "ShardedStorage",
@@ -82,6 +92,7 @@ __all__ = [
   "UncoveredParametersWarning",
   "check_registration",
   "check_restored_state",
+  "kernel_ngd",
   "kfac",
   "register_categorical_predictive_distribution",
   "register_conv",
@@ -95,6 +106,7 @@ __all__ = [
   "register_softmax_cross_entropy_loss",
   "register_squared_error_loss",
   "restore_state",
+  "scale_by_kernel_ngd",
   "scale_by_kfac",
   "state_from_bytes",
   "state_to_bytes",

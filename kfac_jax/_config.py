@@ -1,5 +1,5 @@
 """`Config`: the rare knobs of every front (`scale_by_kfac`, `kfac`, `Optimizer`,
-`CurvatureEstimator`), in one frozen object validated once.
+`CurvatureEstimator`, `scale_by_kernel_ngd`, `kernel_ngd`), in one frozen object validated once.
 
 The fronts keep as parameters only what a user tunes and the data-parallel `axis_name`; every
 other knob the optimizers and the storage read has one name, one default and one check here,
@@ -41,6 +41,7 @@ def _check_mesh(mesh) -> None:
 _ALL = ("scale_by_kfac", "kfac", "Optimizer", "CurvatureEstimator")
 _TRAINING = ("scale_by_kfac", "kfac", "Optimizer")
 _TRANSFORMS = ("scale_by_kfac", "kfac")
+_KERNEL = ("scale_by_kernel_ngd", "kernel_ngd")
 
 
 def _field(default, read_by: tuple[str, ...]) -> Any:
@@ -92,13 +93,16 @@ class Config:
       False: the update goes through as computed (non-finite statistics are still kept out of
       the factors). A non-finite gradient or params are reported either way
       (`NonFiniteWarning`).
-      [scale_by_kfac, kfac, Optimizer]
+      [scale_by_kfac, kfac, Optimizer, scale_by_kernel_ngd, kernel_ngd]
     nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`). [kfac]
     min_damping, max_damping: the clip of the adapted damping λ. [Optimizer]
     damping_adaptation_interval: T, adapt λ every T steps. [Optimizer]
     damping_adaptation_decay: ω₁ in (0, 1); λ is multiplied or divided by ω₁^T. [Optimizer]
     weight_decay: decoupled weight decay d, `θ ← θ + δ − d θ` (for the transforms, chain
       `optax.add_decayed_weights`). [Optimizer]
+    chunk_size: the kernel fronts' per-example passes run this many examples at a time (None:
+      each loss tag's examples at once): a bound on their memory (`kfac_jax.kernel`).
+      [scale_by_kernel_ngd, kernel_ngd]
 
   Raises:
     TypeError / ValueError: a bad field, named (`config.<field>`) with the value received; a
@@ -118,13 +122,14 @@ class Config:
   statistics_fraction: float | Literal["auto"] | None = _field("auto", _TRANSFORMS)
   burn_in_steps: int = _field(0, _TRAINING)
   mesh: tuple[jax.sharding.Mesh, str] | None = _field(None, _TRAINING)
-  skip_nonfinite: bool = _field(True, _TRAINING)
+  skip_nonfinite: bool = _field(True, _TRAINING + _KERNEL)
   nesterov: bool = _field(False, ("kfac",))
   min_damping: float = _field(1e-8, ("Optimizer",))
   max_damping: float = _field(1e8, ("Optimizer",))
   damping_adaptation_interval: int = _field(5, ("Optimizer",))
   damping_adaptation_decay: float = _field(0.95, ("Optimizer",))
   weight_decay: float = _field(0.0, ("Optimizer",))
+  chunk_size: int | None = _field(None, _KERNEL)
 
   def __post_init__(self):
     self.block_config()  # The numerics: modes and dtypes.
@@ -147,6 +152,8 @@ class Config:
       high_open=True,
     )
     _concrete(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
+    if self.chunk_size is not None:
+      _checks.static_int(self.chunk_size, "config.chunk_size")
 
   # -- derived, read by the fronts ---------------------------------------------------------
 

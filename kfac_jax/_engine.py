@@ -1,26 +1,26 @@
-"""The contract of a front's step, in one place: `scale_by_kfac`, `kfac` and the `Optimizer`
-only configure an `Engine` and add what is their own.
+"""The contract of a front's step, in one place: `scale_by_kfac`, `kfac`, the `Optimizer`,
+`scale_by_kernel_ngd` and `kernel_ngd` only configure an `Engine` and add what is their own.
 
 An `Engine` is built once from a front's arguments, each checked then: where its registration
-comes from (`Source`), its `Config`, the curvature's `Schedule` and its `Placement` on a
-data-parallel axis or mesh. Each update then runs, in this order:
+comes from (`Source`), its `Config`, its curvature (`Kfac` here; the sample-space kernel in
+`kfac_jax.kernel`) and its `Placement` on a data-parallel axis or mesh. Each update then runs,
+in this order:
 
 - `Engine.bind(params)`: the registration for these params (a front given only `loss_fn`
-  builds it from the first params it sees) and the estimator, restricted to the share of an
-  `optax.multi_transform` / `optax.masked`;
+  builds it from the first params it sees) and the curvature's part for them (K-FAC's
+  estimator, restricted to the share of an `optax.multi_transform` / `optax.masked`);
 - `Engine.check(...)`: one check sequence, cheapest first: the state's type, where the
   statistics come from, the rng, the axis, and last the state's fit to the front's init (once
   per update; the estimator's own methods, called directly, check it again);
 - `Engine.step(...)`: the hyperparameters' values at this step (schedules are called with
   `count + skipped`, every update seen) and their verdict, the inputs' verdict (a non-finite
-  gradient, params or loss), the statistics and inverse schedule, the preconditioned vector and
-  its verdict, with a share's masked leaves filled before and dropped after.
+  gradient, params or loss), then the curvature's step and the verdict on what it gives.
 
-Each schedule decision is a `lax.cond` that carries only what it can change (the fold: the
-factors, the EMA weight and the skipped-batch counter; the refresh: the caches and the failure
-counter): XLA copies an operand that passes through a cond unchanged, and an elementwise
-`where(ok, new, old)` over the state writes a third copy. Both are gated on the verdict on the
-inputs, so no guard ever has to restore the factors or the caches.
+K-FAC's step (`Kfac`): each schedule decision is a `lax.cond` that carries only what it can
+change (the fold: the factors, the EMA weight and the skipped-batch counter; the refresh: the
+caches and the failure counter): XLA copies an operand that passes through a cond unchanged,
+and an elementwise `where(ok, new, old)` over the state writes a third copy. Both are gated on
+the verdict on the inputs, so no guard ever has to restore the factors or the caches.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -283,15 +283,17 @@ class Placement:
 
 class Source:
   """Where a front's registration comes from: the one given (`registration=`), or one built with
-  the default settings from `loss_fn`, `example_batch` and the first params its `init` sees.
+  the front's default settings (`defaults`, e.g. the kernel's exact estimation mode) from
+  `loss_fn`, `example_batch` and the first params its `init` sees.
 
   The built one is kept (the front's state is tied to its layers): later params must have its
   signature, and an error names the first leaf that differs.
   """
 
-  def __init__(self, loss_fn, example_batch, registration, who: str):
+  def __init__(self, loss_fn, example_batch, registration, who: str, defaults=None):
     self.given = _registration.shared(registration, loss_fn, who, ("example_batch", example_batch))
     self.loss_fn, self.example_batch = loss_fn, example_batch
+    self.defaults = dict(defaults or {})
     self._built: _registration.Registration | None = self.given
 
   @property
@@ -308,7 +310,7 @@ class Source:
       return self._built
     if self._built is None:
       self._built = _registration.Registration(
-        self.loss_fn, params, self.example_batch, collective_axes=collective_axes
+        self.loss_fn, params, self.example_batch, collective_axes=collective_axes, **self.defaults
       )
     self._built.check_params(params)
     return self._built
@@ -329,11 +331,12 @@ def masked_share(tree) -> tuple[bool, ...] | None:
 
 
 class Bound(NamedTuple):
-  """A front bound to one params signature: its registration and estimator, and (for a share of
-  the params) per registered leaf whether it is in the share."""
+  """A front bound to one params signature: its registration, the curvature's part for it
+  (K-FAC's estimator; None for the kernel) and, for a share of the params, per registered leaf
+  whether it is in the share."""
 
   registration: _registration.Registration
-  estimator: _estimator.CurvatureEstimator
+  estimator: Any
   kept: tuple[bool, ...] | None
 
   def fill(self, share, abstract: bool = False):
@@ -366,28 +369,39 @@ class Inputs(NamedTuple):
   """What one update hands the engine's step.
 
   Attributes:
-    vector: the params-shaped (or share-shaped) vector to precondition, e.g. the gradient.
-    statistics: a function of no arguments computing this batch's `CurvatureStats` (called
-      inside the fold's branch unless statistics are due on every update).
+    vector: the params-shaped (or share-shaped) vector to precondition: the gradient.
+    statistics: a function of no arguments computing this batch's curvature data (K-FAC's
+      `CurvatureStats`, the kernel's rows), called where the curvature needs them.
     finite: name → pytree, the inputs whose non-finite leaves skip the step ("gradient",
       "params", "loss").
-    hyperparameters: name → `(value or schedule count -> value, low or None)`: "damping" (the
-      refresh's λ) and the front's others; a schedule is called with the step's clock.
+    hyperparameters: name → `(value or schedule count -> value, low or None)`: "damping" and
+      the front's others; a schedule is called with the step's clock.
   """
 
   vector: Any
-  statistics: Callable[[], _curvature.CurvatureStats]
+  statistics: Callable[[], Any]
   finite: Mapping[str, Any]
   hyperparameters: Mapping[str, tuple[Any, float | None]]
+
+
+class Work(NamedTuple):
+  """What a curvature's step is given: the vector, the statistics' thunk, the update counter,
+  this step's hyperparameter values and the verdict so far (None with the guard off)."""
+
+  vector: Any
+  statistics: Callable[[], Any]
+  counter: Array
+  values: dict[str, Any]
+  ok: Array | None
 
 
 class Step(NamedTuple):
   """What the engine's step gives back.
 
   Attributes:
-    vector: F̂_λ⁻¹ v in `v`'s structure and dtypes (zeros during burn-in; as computed on a
+    vector: the preconditioned vector in the input's structure and dtypes (as computed on a
       skipped step: the front zeroes what it returns).
-    curvature: the new estimator state (moved only with a good verdict).
+    curvature: the curvature's new state (moved only with a good verdict).
     ok: `[]` bool, the verdict: usable hyperparameters, finite inputs, statistics and vector;
       None with `Config.skip_nonfinite` off.
     clock: `[]` int, `count + skipped`: what the schedules were called with.
@@ -395,76 +409,27 @@ class Step(NamedTuple):
   """
 
   vector: Any
-  curvature: _estimator.EstimatorState
+  curvature: Any
   ok: Array | None
   clock: Array
   values: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Engine:
-  """A front's step contract, bound to its arguments (see the module docstring).
+class Kfac:
+  """K-FAC's curvature in an engine: the estimator's averaged statistics and damped inverses,
+  folded and refreshed on `schedule` (the module docstring), the refresh's damping the step's
+  "damping" value plus `damping_shift` (the `Optimizer`'s `l2_reg`: an L2 term adds η I)."""
 
-  Attributes:
-    who: the front's name in messages ("scale_by_kfac", "kfac", "Optimizer").
-    source: where its registration comes from.
-    config: its `Config` (fields it does not read refused at construction).
-    schedule: its curvature schedule.
-    placement: its axis or mesh.
-    state_type: the type of the front's state, checked first on every update.
-    transform: whether it is an optax transform: it takes a share of the params
-      (`optax.multi_transform`), and the rest of a user's chain acts on its updates.
-    damping_shift: added to the "damping" value for the refresh (the `Optimizer`'s `l2_reg`,
-      whose term `(η/2)‖θ‖²` adds η I to the curvature).
-    reporter: its warnings (one per hyperparameter or input).
-  """
-
-  who: str
-  source: Source
-  config: _config.Config
   schedule: Schedule
-  placement: Placement
-  state_type: type
-  transform: bool
-  damping_shift: float
-  reporter: Reporter
-  _estimators: _fit.Memo = dataclasses.field(repr=False)
+  config: _config.Config
+  damping_shift: float = 0.0
+  _estimators: _fit.Memo = dataclasses.field(default_factory=lambda: _fit.Memo(4), repr=False)
+  takes_stats: ClassVar[bool] = True
 
-  @classmethod
-  def build(
-    cls,
-    who: str,
-    source: tuple[Any, Any, Any],
-    schedule: Schedule,
-    *,
-    axis_name,
-    config,
-    state_type: type,
-    transform: bool = False,
-    damping_shift: float = 0.0,
-  ) -> Engine:
-    """A front's engine; `source` is its `(loss_fn, example_batch, registration)` arguments.
-    Every argument is checked here, before any state exists."""
-    config = _config.get(config, who)
-    placement = Placement.checked(axis_name, config)
-    schedule = dataclasses.replace(schedule, burn_in_steps=config.burn_in_steps)
-    return cls(
-      who,
-      Source(*source, who),
-      config,
-      schedule,
-      placement,
-      state_type,
-      transform,
-      damping_shift,
-      Reporter(who, chained=transform),
-      _fit.Memo(4),
-    )
-
-  # -- binding and checks ----------------------------------------------------------------------
-
-  def estimator(self, registration, only=None) -> _estimator.CurvatureEstimator:
-    """The estimator of `registration` (restricted to the block names `only`), built once."""
+  def bind(self, registration, kept, who: str) -> _estimator.CurvatureEstimator:
+    """The estimator of `registration` (of the share `kept`'s layers), built once."""
+    only = None if kept is None else _share_layers(registration, kept, who)
     return self._estimators(
       (registration, only),
       lambda: _estimator.CurvatureEstimator(
@@ -472,108 +437,21 @@ class Engine:
       ),
     )
 
-  def bind(self, params) -> Bound:
-    """The front bound to `params` (see `Bound`); `params` are checked against the
-    registration's signature."""
-    kept = masked_share(params) if self.transform else None
-    if kept is None:
-      reg = self.source.for_params(params, self.placement.axis_name)
-      return Bound(reg, self.estimator(reg), None)
-    known = self.source.known
-    if known is None:
-      raise ValueError(
-        f"{self.who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
-        "optax.masked hands this transform only its share of the parameters, and the model "
-        "cannot be traced without the rest. Build the layers from the whole params, "
-        "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
-        f"to {self.who} and to kfac_jax.value_and_grad."
-      )
-    bound = Bound(known, self.estimator(known), kept)
-    known.check_params(bound.fill(params, abstract=True))
-    return bound._replace(estimator=self.estimator(known, _share_layers(known, kept, self.who)))
+  def init(self, bound: Bound, placement: Placement, params) -> _estimator.EstimatorState:
+    del params
+    return bound.estimator.init(axis_name=placement.axis_name, mesh=placement.mesh)
 
-  def check(self, bound: Bound, state, expected, *, vector=None, stats=None, batch=None, rng=None):
-    """The check sequence, cheapest first: the state's type; where the statistics come from
-    (`stats`, else `batch` and, in a sampled estimation mode, `rng`), and for a share that
-    `vector` is the same share; the axis; the state's fit to `expected` (the front's init, as
-    shapes). A sharded state's buffers are checked by its storage."""
-    who = self.who
-    if not isinstance(state, self.state_type):
-      raise TypeError(
-        f"{who}: `state` must be the {self.state_type.__name__} from this "
-        f"{'optimizer' if who == 'Optimizer' else 'transform'}'s init, got "
-        f"{type(state).__name__} (a state saved as a NumPy object array is rebuilt by "
-        "kfac_jax.restore_state)."
-      )
-    if stats is None and batch is None:
-      raise ValueError(
-        f"{who}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or `batch=` (and "
-        "`rng=`) to tx.update, so the curvature can be estimated."
-      )
-    if bound.kept is not None:
-      if masked_share(vector) != bound.kept:
-        raise ValueError(
-          f"{who}: `updates` and `params` must be the same share of the parameters (the same "
-          "optax.MaskedNode leaves)."
-        )
-      if stats is None:
-        raise ValueError(
-          f"{who}: `params` has optax.MaskedNode leaves (optax.multi_transform or "
-          "optax.masked hands this transform only its share of the parameters), so it cannot "
-          "trace the model on `batch=`: pass `curvature_stats=` from "
-          "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
-        )
-    if stats is None:
-      _curvature.check_rng(bound.registration.estimation_mode, rng)
-    else:
-      bound.estimator.check_stats(stats, f"this {who} transform")
-    if self.placement.mesh is None:
-      _checks.axis_bound(self.placement.axis_name, who)
-    else:
-      _parallel.mesh_axis(self.placement.mesh)
-    if isinstance(bound.estimator.storage, _storage.ReplicatedStorage):
-      _fit.check(expected, state, who)
-
-  def init(self, bound: Bound) -> _estimator.EstimatorState:
-    """The curvature's initial state on this front's placement."""
-    return bound.estimator.init(axis_name=self.placement.axis_name, mesh=self.placement.mesh)
-
-  def replicate(self, state, params):
-    """A front's initial state replicated over the mesh its params (or `config.mesh`) use."""
-    return _parallel.replicate_on_mesh(state, params, self.placement.mesh)
-
-  # -- the step ----------------------------------------------------------------------------------
-
-  def step(self, bound: Bound, count, skipped, curvature, inputs: Inputs) -> Step:
-    """One step of the curvature: `F̂_λ⁻¹ inputs.vector`, the new estimator state and the
-    verdict.
-
-    With `k = count - burn_in_steps`: the statistics fold into the EMA when `k < 0` (burn-in)
-    or `k % curvature_every == 0`; the inverses are refreshed with the "damping" value when
-    `k >= 0` and `k % inverse_every == 0`; the vector is preconditioned with the refreshed
-    inverses (zeros during burn-in). The curvature moves only on a good verdict.
-    """
-    clock = count + skipped
-    values = {n: v(clock) if callable(v) else v for n, (v, _) in inputs.hyperparameters.items()}
-    guard = self.config.skip_nonfinite
-    lows = {n: (values[n], low) for n, (_, low) in inputs.hyperparameters.items()}
-    usable = hyperparameters_ok(self.reporter, lows, clock, guard)
-    finite = inputs_ok(self.reporter, inputs.finite, clock, guard)
-    ok = None
-    if guard:
-      ok = finite if usable is None else finite & usable
-    vector = bound.fill(inputs.vector)
-    damping = values["damping"] + self.damping_shift if self.damping_shift else values["damping"]
-    pre, curvature, ok = self._curvature_step(
-      bound.estimator, curvature, vector, inputs.statistics, count, damping, ok
-    )
-    return Step(bound.unfill(pre, inputs.vector), curvature, ok, clock, values)
-
-  def _curvature_step(self, est, curv, vector, statistics, count, damping, ok):
-    schedule, axis, mesh = self.schedule, self.placement.axis_name, self.placement.mesh
-    old = curv
+  def step(self, bound: Bound, placement: Placement, curv, work: Work):
+    """`(F̂_λ⁻¹ vector, the new estimator state, the verdict)`: with `k = count -
+    burn_in_steps`, the statistics fold into the EMA when `k < 0` (burn-in) or `k %
+    curvature_every == 0`; the inverses are refreshed when `k >= 0` and `k % inverse_every ==
+    0`; the vector is preconditioned with the refreshed inverses (zeros during burn-in)."""
+    est, schedule, axis, mesh = bound.estimator, self.schedule, placement.axis_name, placement.mesh
+    vector, ok, old = bound.fill(work.vector), work.ok, curv
+    damping = work.values["damping"]
+    damping = damping + self.damping_shift if self.damping_shift else damping
     burn = schedule.burn_in_steps
-    k = count - burn if burn else count
+    k = work.counter - burn if burn else work.counter
     in_burn = (k < 0) if burn else None
 
     # Statistics due on every step are formed outside any cond (a skipped step forms them for
@@ -584,10 +462,10 @@ class Engine:
       fold_due = fold_due | in_burn
     if ok is not None:
       fold_due = ok if fold_due is None else fold_due & ok
-    now = statistics() if every_step else None
+    now = work.statistics() if every_step else None
 
     def fold():
-      s = now if now is not None else statistics()
+      s = now if now is not None else work.statistics()
       return est._fold(old, s, schedule.ema_decay, axis, mesh)
 
     if fold_due is None:
@@ -636,7 +514,171 @@ class Engine:
         factors=jax.lax.with_sharding_constraint(curv.factors, every),
         cache=jax.lax.with_sharding_constraint(curv.cache, every),
       )
-    return pre, curv, ok
+    return bound.unfill(pre, work.vector), curv, ok
+
+  def check(self, bound: Bound, state, stats, who: str) -> None:
+    """Statistics of another registration, and (sharded storage checks its own buffers) the
+    rest of the state's fit are the engine's; the estimator names another mode or layer set."""
+    if stats is not None:
+      bound.estimator.check_stats(stats, f"this {who} transform")
+
+  def fits_by_shape(self, bound: Bound) -> bool:
+    return isinstance(bound.estimator.storage, _storage.ReplicatedStorage)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Engine:
+  """A front's step contract, bound to its arguments (see the module docstring).
+
+  Attributes:
+    who: the front's name in messages ("scale_by_kfac", "kfac", "Optimizer", ...).
+    source: where its registration comes from.
+    config: its `Config` (fields it does not read refused at construction).
+    placement: its axis or mesh.
+    curvature: what preconditions (`Kfac`, or the kernel's), with its `bind`, `init`,
+      `check`, `step`.
+    state_type: the type of the front's state, checked first on every update.
+    transform: whether it is an optax transform: it takes a share of the params
+      (`optax.multi_transform`), and the rest of a user's chain acts on its updates.
+    reporter: its warnings (one per hyperparameter or input).
+  """
+
+  who: str
+  source: Source
+  config: _config.Config
+  placement: Placement
+  curvature: Any
+  state_type: type
+  transform: bool
+  reporter: Reporter
+
+  @classmethod
+  def build(
+    cls,
+    who: str,
+    source: tuple[Any, Any, Any],
+    curvature,
+    *,
+    axis_name,
+    config,
+    state_type: type,
+    transform: bool = False,
+    defaults=None,
+  ) -> Engine:
+    """A front's engine; `source` is its `(loss_fn, example_batch, registration)` arguments,
+    `curvature` a function `config -> curvature` (the config checked first), `defaults` the
+    settings of a registration it builds itself. Every argument is checked here, before any
+    state exists."""
+    config = _config.get(config, who)
+    placement = Placement.checked(axis_name, config)
+    reporter = Reporter(who, chained=transform)
+    made = Source(*source, who, defaults)
+    return cls(who, made, config, placement, curvature(config), state_type, transform, reporter)
+
+  @classmethod
+  def kfac(cls, who: str, source, schedule: Schedule, *, damping_shift: float = 0.0, **kw):
+    """A K-FAC front's engine (`build` with `Kfac`; `config.burn_in_steps` joins `schedule`)."""
+
+    def curvature(config):
+      burn = dataclasses.replace(schedule, burn_in_steps=config.burn_in_steps)
+      return Kfac(burn, config, damping_shift)
+
+    return cls.build(who, source, curvature, **kw)
+
+  # -- binding and checks ----------------------------------------------------------------------
+
+  def bind(self, params) -> Bound:
+    """The front bound to `params` (see `Bound`); `params` are checked against the
+    registration's signature."""
+    kept = masked_share(params) if self.transform else None
+    if kept is None:
+      reg = self.source.for_params(params, self.placement.axis_name)
+      return Bound(reg, self.curvature.bind(reg, None, self.who), None)
+    known = self.source.known
+    if known is None:
+      raise ValueError(
+        f"{self.who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
+        "optax.masked hands this transform only its share of the parameters, and the model "
+        "cannot be traced without the rest. Build the layers from the whole params, "
+        "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
+        f"to {self.who} and to kfac_jax.value_and_grad."
+      )
+    known.check_params(Bound(known, None, kept).fill(params, abstract=True))
+    return Bound(known, self.curvature.bind(known, kept, self.who), kept)
+
+  def check(self, bound: Bound, state, expected, *, vector=None, stats=None, batch=None, rng=None):
+    """The check sequence, cheapest first: the state's type; where the statistics come from
+    (`stats`, else `batch` and, in a sampled estimation mode, `rng`), and for a share that
+    `vector` is the same share; the axis; the state's fit to `expected` (the front's init, as
+    shapes). A sharded state's buffers are checked by its storage."""
+    who, takes_stats = self.who, self.curvature.takes_stats
+    if not isinstance(state, self.state_type):
+      raise TypeError(
+        f"{who}: `state` must be the {self.state_type.__name__} from this "
+        f"{'optimizer' if who == 'Optimizer' else 'transform'}'s init, got "
+        f"{type(state).__name__} (a state saved as a NumPy object array is rebuilt by "
+        "kfac_jax.restore_state)."
+      )
+    if stats is not None and not takes_stats:
+      raise ValueError(
+        f"{who}: `curvature_stats` are K-FAC's per-layer statistics; this front solves in "
+        "sample space from the batch's per-example rows: pass `batch=` (and `rng=`) instead."
+      )
+    if stats is None and batch is None:
+      raise ValueError(
+        f"{who}: pass "
+        + ("`curvature_stats=` (from kfac_jax.value_and_grad) or " if takes_stats else "")
+        + "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
+      )
+    if bound.kept is not None:
+      if masked_share(vector) != bound.kept:
+        raise ValueError(
+          f"{who}: `updates` and `params` must be the same share of the parameters (the same "
+          "optax.MaskedNode leaves)."
+        )
+      if stats is None and takes_stats:
+        raise ValueError(
+          f"{who}: `params` has optax.MaskedNode leaves (optax.multi_transform or "
+          "optax.masked hands this transform only its share of the parameters), so it cannot "
+          "trace the model on `batch=`: pass `curvature_stats=` from "
+          "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
+        )
+    if stats is None:
+      _curvature.check_rng(bound.registration.estimation_mode, rng)
+    self.curvature.check(bound, state, stats, who)
+    if self.placement.mesh is None:
+      _checks.axis_bound(self.placement.axis_name, who)
+    else:
+      _parallel.mesh_axis(self.placement.mesh)
+    if self.curvature.fits_by_shape(bound):
+      _fit.check(expected, state, who)
+
+  def init(self, bound: Bound, params):
+    """The curvature's initial state on this front's placement."""
+    return self.curvature.init(bound, self.placement, params)
+
+  def replicate(self, state, params):
+    """A front's initial state replicated over the mesh its params (or `config.mesh`) use."""
+    return _parallel.replicate_on_mesh(state, params, self.placement.mesh)
+
+  # -- the step ----------------------------------------------------------------------------------
+
+  def step(self, bound: Bound, count, skipped, curvature, inputs: Inputs) -> Step:
+    """One step: the hyperparameters' values at `count + skipped` and their verdict, the
+    inputs' verdict, then the curvature's step (which moves its state only on a good verdict)
+    and its verdict."""
+    clock = count + skipped
+    values = {n: v(clock) if callable(v) else v for n, (v, _) in inputs.hyperparameters.items()}
+    guard = self.config.skip_nonfinite
+    lows = {n: (values[n], low) for n, (_, low) in inputs.hyperparameters.items()}
+    usable = hyperparameters_ok(self.reporter, lows, clock, guard)
+    finite = inputs_ok(self.reporter, inputs.finite, clock, guard)
+    ok = None
+    if guard:
+      ok = finite if usable is None else finite & usable
+    work = Work(inputs.vector, inputs.statistics, count, values, ok)
+    pre, curvature, ok = self.curvature.step(bound, self.placement, curvature, work)
+    return Step(pre, curvature, ok, clock, values)
 
 
 def _share_layers(reg: _registration.Registration, kept, who: str) -> tuple[str, ...]:

@@ -351,7 +351,7 @@ class Optimizer:
     _check_number(ema_decay, "ema_decay", high=1.0, high_open=True)
     _checks.static_int(inverse_every, "inverse_every")
     _checks.static_int(curvature_every, "curvature_every")
-    self._engine = _engine.Engine.build(
+    self._engine = _engine.Engine.kfac(
       "Optimizer",
       (loss_fn, example_batch, registration),
       _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
@@ -386,7 +386,7 @@ class Optimizer:
     reg = self._engine.source.known
     if reg is None:
       raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
-    return self._engine.estimator(reg)
+    return self._engine.curvature.bind(reg, None, "Optimizer")
 
   # -- state -----------------------------------------------------------------------------------
 
@@ -399,7 +399,7 @@ class Optimizer:
     state = OptimizerState(
       step=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
-      curvature=self._engine.init(bound),
+      curvature=self._engine.init(bound, params),
       damping=jnp.asarray(lam, dtype),
       rho=jnp.zeros([], dtype),
       velocity=optax.tree_utils.tree_zeros_like(params),

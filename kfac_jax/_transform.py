@@ -135,20 +135,35 @@ def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batc
     raise
 
 
-def _transformation(engine: _engine.Engine, hyperparameters: dict, rest=None):
-  """The optax transformation of `engine` (`scale_by_kfac`), or its chain with `rest` (`kfac`:
-  clipping, momentum and the learning rate) run on the preconditioned vector under the step's
-  verdict: on a skipped step `rest` is not run, the updates are zeros and every state but the
-  `skipped` counter is kept (optax's `apply_if_finite` pattern, K-FAC-aware).
+def kfac_statistics(engine: _engine.Engine, bound, params, batch, rng, curvature_stats):
+  """K-FAC's statistics for an update: `curvature_stats` as given, else from `batch`'s rows
+  that `Config.statistics_fraction` picks."""
+  if curvature_stats is not None:
+    return curvature_stats
+  fraction = engine.config.fraction
+  return _batch_statistics(bound.estimator, fraction, params, batch, rng, engine.who)
 
-  `rest` is given the raw gradient `kfac_grads=`, the schedules' count `kfac_count=` and the
-  caller's other extra arguments (a line search's `value=`, `grad=`, `value_fn=`)."""
+
+def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, rest=None, own=None):
+  """The optax transformation of `engine` (`scale_by_kfac`, `scale_by_kernel_ngd`), or its
+  chain with `rest` (`kfac`, `kernel_ngd`: clipping, momentum and the learning rate) run on the
+  preconditioned vector under the step's verdict: on a skipped step `rest` is not run, the
+  updates are zeros and every state but the `skipped` counter is kept (optax's
+  `apply_if_finite` pattern, curvature-aware).
+
+  `statistics(engine, bound, params, batch, rng, curvature_stats)` gives the curvature's data
+  for an update. The preconditioner's state is `engine.state_type` alone, or (with `rest`) the
+  type `own` beside `rest`'s in `engine.state_type`. `rest` is given the raw gradient
+  `kfac_grads=`, the schedules' count `kfac_count=` and the caller's other extra arguments (a
+  line search's `value=`, `grad=`, `value_fn=`)."""
+  own_type = engine.state_type if rest is None else own
 
   def init_fn(params):
     bound = engine.bind(params)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
-    pre = ScaleByKfacState(jnp.zeros([], jnp.int32), engine.init(bound), jnp.zeros([], jnp.int32))
-    state = pre if rest is None else KfacState(pre, rest.init(params))
+    zero = lambda: jnp.zeros([], jnp.int32)  # noqa: E731
+    pre = own_type(zero(), engine.init(bound, params), zero())
+    state = pre if rest is None else engine.state_type(pre, rest.init(params))
     return engine.replicate(state, params)
 
   shapes = _fit.StateShapes(init_fn)
@@ -163,19 +178,14 @@ def _transformation(engine: _engine.Engine, hyperparameters: dict, rest=None):
       bound, state, shapes(params), vector=updates, stats=curvature_stats, batch=batch, rng=rng
     )
     own = state if rest is None else state.preconditioner
-
-    def statistics():
-      if curvature_stats is not None:
-        return curvature_stats
-      fraction = engine.config.fraction
-      return _batch_statistics(bound.estimator, fraction, params, batch, rng, engine.who)
-
+    data = lambda: statistics(engine, bound, params, batch, rng, curvature_stats)  # noqa: E731
+    finite = {"gradient": updates, "params": params}
     step = engine.step(
       bound,
       own.count,
       own.skipped,
       own.curvature,
-      _engine.Inputs(updates, statistics, {"gradient": updates, "params": params}, hyperparameters),
+      _engine.Inputs(updates, data, finite, hyperparameters),
     )
     ok = step.ok
     out = step.vector
@@ -192,16 +202,16 @@ def _transformation(engine: _engine.Engine, hyperparameters: dict, rest=None):
         zeros = optax.tree_utils.tree_zeros_like(out)
         out, rest_state = jax.lax.cond(ok, run, lambda: (zeros, state.rest))
     if ok is None:
-      new = ScaleByKfacState(optax.safe_increment(own.count), step.curvature, own.skipped)
+      new = own_type(optax.safe_increment(own.count), step.curvature, own.skipped)
     else:
       if rest is None:
         out = optax.tree_utils.tree_where(ok, out, optax.tree_utils.tree_zeros_like(out))
-      new = ScaleByKfacState(
+      new = own_type(
         own.count + ok.astype(own.count.dtype),
         step.curvature,
         own.skipped + (~ok).astype(own.skipped.dtype),
       )
-    return out, (new if rest is None else KfacState(new, rest_state))
+    return out, (new if rest is None else engine.state_type(new, rest_state))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -266,7 +276,7 @@ def scale_by_kfac(
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
   _checks.number(damping, "damping", low=0.0, schedule=True)
-  engine = _engine.Engine.build(
+  engine = _engine.Engine.kfac(
     "scale_by_kfac",
     (loss_fn, example_batch, registration),
     _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
@@ -275,7 +285,7 @@ def scale_by_kfac(
     state_type=ScaleByKfacState,
     transform=True,
   )
-  return _transformation(engine, {"damping": (damping, 0.0)})
+  return transformation(engine, {"damping": (damping, 0.0)}, kfac_statistics)
 
 
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:
@@ -313,15 +323,14 @@ def _clip_by_kfac_norm(max_norm, tagged: Callable | None):
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
-def _scale_by_learning_rate(learning_rate, registration_for: Callable):
-  """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default_learning_rate / c`,
-  the tagged loss's step. Multiplied in at least float32, cast back to the update's dtype."""
+def scale_by_learning_rate(learning_rate, default: Callable):
+  """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default(params)`. Multiplied
+  in at least float32, cast back to the update's dtype."""
 
   def update_fn(updates, state, params=None, *, kfac_count, **extra_args):
     del extra_args
     if learning_rate is None:
-      reg = registration_for(params)
-      step = default_learning_rate(reg) / (reg.loss_factor or 1.0)
+      step = default(params)
     else:
       step = learning_rate(kfac_count) if callable(learning_rate) else learning_rate
     return jax.tree_util.tree_map(
@@ -332,7 +341,24 @@ def _scale_by_learning_rate(learning_rate, registration_for: Callable):
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
-def _along_linesearch(linesearch):
+def check_step_size(learning_rate, linesearch, who: str) -> None:
+  """A learning rate (a number > 0 or a schedule) or an optax line search, not both."""
+  if linesearch is not None:
+    if not isinstance(linesearch, optax.GradientTransformation):
+      raise TypeError(
+        f"{who}: `linesearch` must be an optax line search such as "
+        f"optax.scale_by_backtracking_linesearch(...), got {type(linesearch).__name__}."
+      )
+    if learning_rate is not None:
+      raise ValueError(
+        f"{who}: got both learning_rate={learning_rate!r} and a `linesearch`; the line search "
+        "picks the step along the preconditioned direction, so pass learning_rate=None."
+      )
+  if learning_rate is not None:
+    _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
+
+
+def along_linesearch(linesearch):
   """`u ← η (−m)`, η picked by `linesearch` (an optax line search) along the descent direction
   −m; it reads `value=`, `grad=`, `value_fn=` (and `value_fn`'s keyword arguments) from the
   update's extra arguments, never the chain's own `kfac_grads=` / `kfac_count=`."""
@@ -415,25 +441,13 @@ def kfac(
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     >>> params = optax.apply_updates(params, updates)
   """
-  if linesearch is not None:
-    if not isinstance(linesearch, optax.GradientTransformation):
-      raise TypeError(
-        "kfac: `linesearch` must be an optax line search such as "
-        f"optax.scale_by_backtracking_linesearch(...), got {type(linesearch).__name__}."
-      )
-    if learning_rate is not None:
-      raise ValueError(
-        f"kfac: got both learning_rate={learning_rate!r} and a `linesearch`; the line search "
-        "picks the step along the preconditioned direction, so pass learning_rate=None."
-      )
-  if learning_rate is not None:
-    _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
+  check_step_size(learning_rate, linesearch, "kfac")
   if momentum is not None:
     _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
   _checks.number(damping, "damping", low=0.0, schedule=True)
-  engine = _engine.Engine.build(
+  engine = _engine.Engine.kfac(
     "kfac",
     (loss_fn, example_batch, registration),
     _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
@@ -446,6 +460,10 @@ def kfac(
   def registration_for(params) -> _registration.Registration:
     return engine.bind(params).registration
 
+  def tagged_step(params) -> float:  # The tagged loss's step: the default over the factor c.
+    reg = registration_for(params)
+    return default_learning_rate(reg) / (reg.loss_factor or 1.0)
+
   rest = optax.chain(
     optax.identity()
     if max_norm is None
@@ -453,9 +471,9 @@ def kfac(
     optax.identity()
     if momentum is None
     else optax.trace(momentum, nesterov=engine.config.nesterov),
-    _scale_by_learning_rate(learning_rate, registration_for)
+    scale_by_learning_rate(learning_rate, tagged_step)
     if linesearch is None
-    else _along_linesearch(linesearch),
+    else along_linesearch(linesearch),
   )
   hyperparameters = {
     "damping": (damping, 0.0),
@@ -463,4 +481,4 @@ def kfac(
     "momentum": (momentum, None),
     "max_norm": (max_norm, None),
   }
-  return _transformation(engine, hyperparameters, rest)
+  return transformation(engine, hyperparameters, kfac_statistics, rest, ScaleByKfacState)

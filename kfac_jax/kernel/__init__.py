@@ -73,7 +73,24 @@ direction (`shard_map` with `check_vma=False`, as for the library's other collec
 plain `jit` with arrays sharded over a mesh of automatic axes no axis is needed.
 """
 
+from kfac_jax.kernel._front import (
+  KernelNgdState,
+  KernelState,
+  ScaleByKernelNgdState,
+  kernel_ngd,
+  scale_by_kernel_ngd,
+)
 from kfac_jax.kernel._rows import Rows, TagRows, rows
 from kfac_jax.kernel._solve import direction
 
-__all__ = ["Rows", "TagRows", "direction", "rows"]
+__all__ = [
+  "KernelNgdState",
+  "KernelState",
+  "Rows",
+  "ScaleByKernelNgdState",
+  "TagRows",
+  "direction",
+  "kernel_ngd",
+  "rows",
+  "scale_by_kernel_ngd",
+]

@@ -166,6 +166,7 @@ def rows(
   *,
   chunk_size: int | None = None,
   axis_name: AxisName = None,
+  center: bool = False,
 ) -> Rows:
   """The rows U (and the residuals ε) of the registration's curvature on `batch`.
 
@@ -185,6 +186,9 @@ def rows(
       one chunk): bounds their memory (package docstring).
     axis_name: the collective axis the batch is sharded over (pmap / shard_map), which makes
       `N_ℓ` the examples over every device; None under plain jit.
+    center: subtract from each tag's rows their mean over its examples (every device's): the
+      covariance of the scores, the metric stochastic reconfiguration uses, instead of the
+      tag's Fisher. The residuals are then none (the least-squares split takes the gradient).
 
   Returns:
     A `Rows`.
@@ -249,6 +253,15 @@ def rows(
     err = jnp.max(jnp.abs(z1.astype(zf.dtype) - zf))
     mismatch.append(jnp.where(top > 0, err / jnp.where(top > 0, top, 1), err))
 
+  if center:
+    for t in layout:
+      block = u[t.offset : t.offset + t.examples * t.vectors].reshape(t.examples, t.vectors, -1)
+      mean = jnp.mean(block, axis=0, keepdims=True)
+      if axis_name is not None:
+        mean = jax.lax.pmean(mean, axis_name)
+      block = (block - mean).reshape(t.examples * t.vectors, -1)
+      u = jax.lax.dynamic_update_slice_in_dim(u, block, t.offset, 0)
+    residuals = [None] * len(residuals)
   eps = None
   if any(e is not None for e in residuals):
     rdtype = jnp.result_type(*(e for e in residuals if e is not None))
