@@ -87,7 +87,8 @@ class Kernel:
 
   def init(self, bound, placement, params) -> KernelState:
     del bound, placement
-    dtype = jnp.promote_types(jnp.result_type(*jax.tree_util.tree_leaves(params)), jnp.float32)
+    leaves = jax.tree_util.tree_leaves(params)  # None: optax.tree_map_params' placeholder.
+    dtype = jnp.promote_types(jnp.result_type(*leaves) if leaves else jnp.float32, jnp.float32)
     info = {k: jnp.zeros([], dtype) for k in INFO_KEYS}
     return KernelState(optax.tree_utils.tree_zeros_like(params), info)
 
@@ -107,6 +108,7 @@ class Kernel:
       momentum=work.values["momentum"],
       axis_name=placement.axis_name,
     )
+    phi = jax.tree_util.tree_map(lambda d, g: d.astype(g.dtype), phi, work.vector)
     dtype = next(iter(state.info.values())).dtype
     info = {k: jnp.asarray(info[k]).astype(dtype) for k in INFO_KEYS}
     ok = work.ok
