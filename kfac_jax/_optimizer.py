@@ -213,7 +213,7 @@ def reduction_ratio(h_old: Array, h_new: Array, change: Array) -> Array:
 def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
   """A burn-in step: the statistics only, no move."""
   zero = jnp.zeros([], dtype)
-  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  zeros = optax.tree_utils.tree_zeros_like(params)
   return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
 
 
@@ -239,7 +239,7 @@ def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype,
     rho=rho,
     velocity=velocity,
   )
-  update = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), update)
+  update = optax.tree_utils.tree_where(ok, update, optax.tree_utils.tree_zeros_like(update))
   info = {
     "loss": loss,
     "learning_rate": m.learning_rate,
@@ -557,10 +557,10 @@ class Optimizer:
       rejected = due & ~(rho >= 0)
       low = jnp.finfo(rho.dtype).min
       rho = jnp.where(jnp.isnan(rho), state.rho, jnp.clip(rho, low, -low))
-      update = jax.tree_util.tree_map(lambda u: jnp.where(rejected, jnp.zeros_like(u), u), update)
-      velocity = jax.tree_util.tree_map(
-        lambda u, v: jnp.where(rejected, v, u), update, state.velocity
+      update = optax.tree_utils.tree_where(
+        rejected, optax.tree_utils.tree_zeros_like(update), update
       )
+      velocity = optax.tree_utils.tree_where(rejected, state.velocity, update)
       return _Move(update, velocity, new_lam, rho, alpha, mu, change)
     return _Move(update, update, new_lam, rho, alpha, mu, change)
 
