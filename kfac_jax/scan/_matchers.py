@@ -456,8 +456,6 @@ def hoisted_tap(ix, key, info: DenseInfo):
   while todo:
     k, idx = todo.pop()
     readers = ix.readers.get(k, ())
-    if k in outputs or k in ix.g.scan_positions:
-      return None  # A perturbation of another shape would change an output or a scan's step.
     meets = [ix.g.eqns[i].outs[0] in ix.from_batch for i, _ in readers]
     if not any(meets):  # Still computed once for all examples: only layout operations.
       for i, pos in readers:
@@ -466,6 +464,8 @@ def hoisted_tap(ix, key, info: DenseInfo):
           return None
         todo.append((fe.outs[0], _moved(idx, fe)))
       continue
+    if k in outputs or k in ix.g.scan_positions:
+      return None  # A perturbation of another shape would change an output or a scan's step.
     k_shape = tuple(k[1].aval.shape)
     found = set()
     for i, _ in readers:
