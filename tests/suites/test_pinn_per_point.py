@@ -185,6 +185,37 @@ def test_output_layer_read_by_its_backward_seed_is_exactly_kronecker(x64, how):
   np.testing.assert_allclose(dense[w, w], ggn[w, w], rtol=1e-10, atol=1e-14)
 
 
+def test_output_layer_serving_a_residual_and_boundary_values_is_exact(x64):
+  """With boundary values (3 points) beside the residual (7 points), the output layer has two
+  uses, one per loss term: the backward seed's, transposed (A_t over its output gradients,
+  G_t = 1), and the boundary's value, `u = h W₂ + b₂` (g = √2 at every point). Each term's
+  product is exact, so the "kron_terms" block, their sum, is the exact GGN block."""
+  params, batch = _problem()
+  batch["xb"] = jax.random.uniform(jax.random.key(9), (3, 2), jnp.float64)
+  operator = OPERATORS["hessian"]
+
+  def loss_fn(params, batch):
+    r = (operator(params, batch["x"]) + jnp.sin(batch["x"][:, 0]))[:, None]
+    kfac_jax.register_squared_error_loss(r)
+    u = _mlp(params, batch["xb"])[:, None]
+    kfac_jax.register_squared_error_loss(u)
+    return jnp.mean(r**2) + jnp.mean(u**2)
+
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN")
+  head = reg.layers[1]
+  assert (head.param_paths, head.approx) == (("1/w", "1/b"), "kron_terms")
+  assert [(inf.transposed, inf.term) for inf in head.use_infos] == [(True, 0), (False, 1)]
+  est = kfac_jax.CurvatureEstimator(registration=reg)
+  dense = jax.jit(
+    lambda p: est.to_dense(est.update_curvature(est.init(p), p, batch, None, ema_decay=0.0))
+  )(params)
+  ji = _models.flat_jacobian(lambda p: operator(p, batch["x"]), params)
+  jb = _models.flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
+  ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
+  w = slice(15, 21)  # 1/b, 1/w in ravel order.
+  np.testing.assert_allclose(np.asarray(dense)[w, w], ggn[w, w], rtol=1e-10, atol=1e-14)
+
+
 def test_transposed_uses_statistics_are_the_hand_derived_channels(x64):
   """The first layer of `jax.hessian`'s Laplacian (jacfwd of jacrev) has three uses: the value
   z = x W + b (rows [x, 1]), the tangents ż_i = e_i W (rows [e_i, 0], hoisted) and the
