@@ -185,7 +185,11 @@ class Linearisation:
         taps += [(i, k, ins) for k, ins in uses]
     out_keys = {k: n for n, (_, k, _) in enumerate(taps)}
     in_atoms = [ins for _, _, ins in taps]
-    watched = set(out_keys)
+    # A hoisted tap (a value computed once for every example) is perturbed at each key where
+    # the examples read it, with their batch axis inserted (`_scan.HoistedTap`).
+    hoisted = {k: n for k, n in out_keys.items() if isinstance(k, _scan.HoistedTap)}
+    watched = {k for k in out_keys if k not in hoisted}
+    watched.update(key for tap in hoisted for key in tap.keys)
     watched.update(
       a for atoms in in_atoms for a in atoms if _scan.is_key(a) or isinstance(a, tuple)
     )
@@ -194,7 +198,9 @@ class Linearisation:
     watch = frozenset(watched)
 
     def f(p_leaves, eps):
-      perturb = {k: eps[n] for k, n in out_keys.items()}
+      perturb = {k: eps[n] for k, n in out_keys.items() if k not in hoisted}
+      for tap, n in hoisted.items():
+        perturb.update(zip(tap.keys, eps[n]))
       outs, seen = scan.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
       preds = [read_atom(ops[0], seen) for ops in scan.loss_operands]
       xs = [tuple(read_atom(a, seen) for a in atoms) for atoms in in_atoms]
@@ -202,7 +208,9 @@ class Linearisation:
       return (outs[0], preds), (xs, others, outs[1:])
 
     eps0 = [
-      jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype)
+      k.zeros()
+      if isinstance(k, _scan.HoistedTap)
+      else jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype)
       if isinstance(k[0], tuple)
       else jnp.zeros(k[1].aval.shape, k[1].aval.dtype)
       for k in out_keys
@@ -244,7 +252,7 @@ class Linearisation:
 
   def prediction_jvp(self, p_leaves):
     """Per loss tag, `J v`: the predictions' derivative along the param-leaf tangent `v`."""
-    _, preds_dot = self._jvp(list(p_leaves), [jnp.zeros_like(e) for e in self._eps0])
+    _, preds_dot = self._jvp(list(p_leaves), jax.tree_util.tree_map(jnp.zeros_like, self._eps0))
     return preds_dot
 
   def statistics(
@@ -275,7 +283,13 @@ class Linearisation:
     data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
     for i, spec in enumerate(scan.layers):
       if scan.layer_outputs[i] is not None:
-        uses = [(self._xs[n], eps_ct[n]) for n, tap in enumerate(self._taps) if tap[0] == i]
+        uses = [
+          (self._xs[n], tap[1].per_example(eps_ct[n]))
+          if isinstance(tap[1], _scan.HoistedTap)
+          else (self._xs[n], eps_ct[n])
+          for n, tap in enumerate(self._taps)
+          if tap[0] == i
+        ]
         if i in self._stacked:
           data.append(_blocks.StackedUses(*uses[0]))
         else:

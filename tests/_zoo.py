@@ -2752,3 +2752,131 @@ STRUCTURE_MODELS.update(
     "gpt2_positions_linen": gpt2_positions_linen,
   }
 )
+
+
+# -- physics-informed networks written per point ----------------------------------------------
+# The operators as most PINN code writes them: a function of one point, differentiated with
+# `jax.jvp`, `jax.grad` or `jax.hessian` and vmapped over the points. `jax.vmap` hoists a
+# product by a constant tangent direction or seed out of the batch, and a reverse-mode
+# derivative reads each kernel transposed; both are uses of one shared dense layer.
+
+PINN_SIZES = (2, 8, 1)
+
+
+def _pinn_point(params, y):
+  """The network of `examples/pinn_poisson.py` at one point `y: [d]`, a scalar."""
+  for i, p in enumerate(params):
+    y = y @ p["w"] + p["b"]
+    if i < len(params) - 1:
+      y = jnp.tanh(y)
+  return y[0]
+
+
+def _laplacian_vmap_jvp(params, x):
+  """Nested `jax.jvp` along each axis at one point, vmapped."""
+
+  def one(y):
+    u = lambda z: _pinn_point(params, z)  # noqa: E731
+    eye = jnp.eye(y.shape[0], dtype=y.dtype)
+    du = lambda z, e: jax.jvp(u, (z,), (e,))[1]  # noqa: E731
+    return sum(jax.jvp(lambda z, e=e: du(z, e), (y,), (e,))[1] for e in eye)
+
+  return jax.vmap(one)(x)
+
+
+def _laplacian_hessian(params, x):
+  return jax.vmap(lambda y: jnp.trace(jax.hessian(lambda z: _pinn_point(params, z))(y)))(x)
+
+
+def _pinn_poisson_zoo(laplacian, expected_approx="kron_terms") -> Zoo:
+  """The 2-d Poisson problem of `pinn_poisson` (16 interior, 8 boundary points, float32) with
+  the Laplacian `laplacian(params, x)`."""
+  from examples import pinn_poisson as pp
+
+  def loss_fn(params, batch):
+    x = batch["interior"]
+    residual = (laplacian(params, x) + pp.source(x))[:, None]
+    kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
+    u = jax.vmap(lambda y: _pinn_point(params, y))(batch["boundary"])[:, None]
+    kfac_jax.register_normal_predictive_distribution(u, var=1.0)
+    return 0.5 * jnp.mean(residual**2) + 0.5 * jnp.mean(u**2)
+
+  params = pp.init_params(0, PINN_SIZES, jnp.float32)
+  batch = pp.make_problem(0, n_interior=16, n_boundary=8, dtype=jnp.float32).batch
+  expected = [("dense", expected_approx, (f"{i}/w", f"{i}/b")) for i in range(2)]
+  return Zoo(loss_fn, params, batch, expected)
+
+
+def pinn_vmap_jvp() -> Zoo:
+  """The per-point Laplacian by nested `jax.jvp` under `jax.vmap`: the first layer's tangent
+  products are computed once for all points (hoisted), tapped where each point reads them."""
+  return _pinn_poisson_zoo(_laplacian_vmap_jvp)
+
+
+def pinn_hessian() -> Zoo:
+  """The Laplacian as the trace of `jax.hessian` (jacfwd of jacrev) per point: each kernel is
+  also read transposed by the backward pass, and the output layer's backward seed is hoisted."""
+  return _pinn_poisson_zoo(_laplacian_hessian)
+
+
+def pinn_grad_grad() -> Zoo:
+  """The 1-d Poisson problem −u'' = π² sin(πx) on [0, 1], u(0) = u(1) = 0, with u'' by
+  `jax.vmap(jax.grad(jax.grad(u)))` (reverse over reverse)."""
+  from examples import pinn_poisson as pp
+
+  def loss_fn(params, batch):
+    x = batch["interior"]
+    u = lambda t: _pinn_point(params, t[None])  # noqa: E731
+    residual = (jax.vmap(jax.grad(jax.grad(u)))(x) + jnp.pi**2 * jnp.sin(jnp.pi * x))[:, None]
+    kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
+    ub = jax.vmap(u)(batch["boundary"])[:, None]
+    kfac_jax.register_normal_predictive_distribution(ub, var=1.0)
+    return 0.5 * jnp.mean(residual**2) + 0.5 * jnp.mean(ub**2)
+
+  params = pp.init_params(0, (1, 8, 1), jnp.float32)
+  batch = {
+    "interior": jnp.linspace(0.05, 0.95, 16, dtype=jnp.float32),
+    "boundary": jnp.array([0.0, 1.0] * 4, jnp.float32),
+  }
+  expected = [("dense", "kron_terms", (f"{i}/w", f"{i}/b")) for i in range(2)]
+  return Zoo(loss_fn, params, batch, expected)
+
+
+def pinn_heat() -> Zoo:
+  """The heat equation u_t = u_xx on points `(t, x)`, per point: u_t from `jax.grad`, u_xx
+  from `jax.hessian`, vmapped; boundary (x = 0, 1) and initial (t = 0) terms. Three loss
+  tags: the shared layers pool them ("kron_indep")."""
+  from examples import pinn_poisson as pp
+
+  def loss_fn(params, batch):
+    p = batch["interior"]
+    u = lambda y: _pinn_point(params, y)  # noqa: E731
+    residual = jax.vmap(lambda y: jax.grad(u)(y)[0] - jax.hessian(u)(y)[1, 1])(p)[:, None]
+    kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
+    ub = jax.vmap(u)(batch["boundary"])[:, None]
+    kfac_jax.register_normal_predictive_distribution(ub, var=1.0)
+    p0 = batch["initial"]
+    u0 = (jax.vmap(u)(p0) - jnp.sin(jnp.pi * p0[:, 1]))[:, None]
+    kfac_jax.register_normal_predictive_distribution(u0, var=1.0)
+    return 0.5 * (jnp.mean(residual**2) + jnp.mean(ub**2) + jnp.mean(u0**2))
+
+  params = pp.init_params(0, PINN_SIZES, jnp.float32)
+  grid = np.linspace(0.1, 0.9, 4, dtype=np.float32)
+  edge = np.linspace(0.0, 1.0, 8, dtype=np.float32)
+  batch = {
+    "interior": jnp.asarray(np.stack(np.meshgrid(grid, grid), -1).reshape(-1, 2)),
+    "boundary": jnp.asarray(np.stack([edge, np.arange(8) % 2], 1).astype(np.float32)),
+    "initial": jnp.asarray(np.stack([np.zeros(8, np.float32), edge], 1)),
+  }
+  expected = [("dense", "kron_indep", (f"{i}/w", f"{i}/b")) for i in range(2)]
+  return Zoo(loss_fn, params, batch, expected)
+
+
+STRUCTURE_MODELS.update(
+  {
+    "pinn_vmap_jvp": pinn_vmap_jvp,
+    "pinn_hessian": pinn_hessian,
+    "pinn_grad_grad": pinn_grad_grad,
+    "pinn_heat": pinn_heat,
+  }
+)

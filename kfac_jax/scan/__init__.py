@@ -27,7 +27,7 @@ from kfac_jax._specs import (
   UncoveredParametersWarning,
   param_paths,
 )
-from kfac_jax.scan._graph import FlatEqn, FlatGraph, aval_of, is_key
+from kfac_jax.scan._graph import FlatEqn, FlatGraph, HoistedTap, aval_of, is_key
 from kfac_jax.scan._kinds import KINDS, Approximation, Kind, LayerKind
 from kfac_jax.scan._layer_config import LayerConfig
 from kfac_jax.scan._layer_config import check as check_layer_config
@@ -39,6 +39,7 @@ __all__ = [
   "FallbackInfo",
   "FlatEqn",
   "FlatGraph",
+  "HoistedTap",
   "Kind",
   "LayerConfig",
   "LayerKind",

@@ -89,6 +89,39 @@ def is_key(atom: Atom) -> bool:
   return isinstance(atom, tuple)
 
 
+@dataclasses.dataclass(frozen=True)
+class HoistedTap:
+  """The tap of a layer output computed once for every example: a product `jax.vmap` hoisted
+  out of the batch (a tangent direction of `jax.jvp` or `jax.jacfwd`, or a reverse-mode seed,
+  is one constant for every point).
+
+  The value reaches the batched computation through layout operations only, at `keys`, each
+  read only by elementwise equations that broadcast it along their batch axis. The curvature
+  pass adds to each key a zero perturbation of shape `shapes[j]` (the key's shape, its axis
+  `axes[j]` the batch's), so that each example reads a copy of its own; `per_example` joins
+  the perturbations' cotangents into the output gradients `[S, N, entries]`, one example's
+  entries in order (`DenseInfo.shared_tap` says which entry of the product each is).
+  """
+
+  keys: tuple[Key, ...]
+  axes: tuple[int, ...]
+  shapes: tuple[tuple[int, ...], ...]
+
+  def zeros(self) -> tuple[jax.Array, ...]:
+    """The zero perturbations, one per key, in its dtype."""
+    return tuple(jnp.zeros(s, k[1].aval.dtype) for k, s in zip(self.keys, self.shapes))
+
+  def per_example(self, cts: Sequence[jax.Array]) -> jax.Array:
+    """`[S, N, entries]` from the perturbations' cotangents (`[S, *shapes[j]]` each)."""
+    return jnp.concatenate(
+      [
+        jnp.moveaxis(c, a + 1, 1).reshape(c.shape[0], c.shape[a + 1], -1)
+        for c, a in zip(cts, self.axes)
+      ],
+      axis=-1,
+    )
+
+
 def constant_value(const_values: Mapping[Any, Any], atom):
   """The value of a literal or closed-over constant (`const_values`: key -> value) as a numpy
   array; None otherwise (also for a constant that is a tracer, e.g. closed over inside an outer

@@ -180,6 +180,8 @@ def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
   where = {}
   for spec, outs, _ in specs:
     for k in outs if spec.multi_tap else (outs,):
+      if isinstance(k, _graph.HoistedTap):
+        k = k.keys
       for key in k if isinstance(k, tuple) and k and isinstance(k[0], tuple) else (k,):
         where[key] = spec.name
   for call in graph.customs:
@@ -652,7 +654,11 @@ class _Scanner:
       kind,
       leaves,
       source,
-      info=next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0]),
+      # A tied table's lookup, else a use that reads the kernel matrix as the layer does.
+      info=next(
+        (inf for inf in infos if isinstance(inf, EmbeddingInfo)),
+        next(inf for inf in infos if not getattr(inf, "transposed", False)),
+      ),
       num_uses=len(infos),
       use_infos=infos,
     )
@@ -686,6 +692,12 @@ class _Scanner:
       raise RegistrationError(
         f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
         f"{paths}; a {kind} layer used several times takes one of {choices}."
+      )
+    if approx in _kinds.SERIES and any(getattr(inf, "transposed", False) for inf in infos):
+      raise RegistrationError(
+        f"approximation {approx!r} models successive uses of layer {paths} that read its "
+        "kernel the same way round, but some uses read it transposed (the backward pass of a "
+        'reverse-mode derivative); use "kron_indep".'
       )
     if approx in _kinds.SERIES and (kind != "dense" or len({inf.rows for inf in infos}) != 1):
       raise RegistrationError(
@@ -948,44 +960,80 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   return f"consumed by {name} (no matcher)"
 
 
-_FORWARD_MODE = (
-  "K-FAC follows a layer through forward-mode derivatives (the layer shared by the point and "
-  "its tangents); write the differential operator in forward mode on the batched points: "
-  "nested `jax.jvp(f, (x,), (v,))` with `v = jnp.broadcast_to(e, x.shape)`, or a forward "
-  "Laplacian that carries the value, gradient and Laplacian channels through each layer"
+# The sample-space front, for the layers no Kronecker block follows.
+_KERNEL_NGD = (
+  "use the kernel natural gradient, `kfac_jax.kernel_ngd` (SR, ENGD-Woodbury or SPRING in "
+  "sample space), which needs no layer structure"
 )
 
 
 def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
-  """Why a kernel read by derivatives of the model matched no layer, or "": a reverse-mode
-  derivative reads it transposed (`jax.grad`, `jax.hessian` = jacfwd(jacrev)); a forward-mode
-  one under `jax.vmap` multiplies a constant tangent direction by it once for every example."""
-  if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2:
-    mats = []
-    for i, fe in enumerate(ix.g.eqns):
-      for pos, a in enumerate(fe.ins if fe.name == "dot_general" else ()):
-        if _graph.is_key(a) and ix.origin.get(a, (None,))[0] == leaf:
-          d = _matchers.dense_use(ix, i, pos)
-          if d is not None:
-            mats.append(kernel_index_matrix(d[0], ix.shapes[leaf]))
+  """Why a kernel read by derivatives of the model matched no layer, or "".
+
+  K-FAC follows a kernel through derivatives when every use is a dense product by the kernel
+  matrix or by its transpose (a reverse-mode derivative's backward pass, `δa = δz Wᵀ`), and
+  every use whose input is one constant for all examples (a direction or a seed under
+  `jax.vmap`) reaches the examples through layout operations and elementwise broadcasting
+  (`_matchers.hoisted_tap`); the reasons below name what broke that."""
+  dense = []
+  for i, pos in uses:
+    if ix.g.eqns[i].name == "dot_general":
+      d = _matchers.dense_use(ix, i, pos)
+      if d is not None:
+        dense.append((i, d))
+  lost = [
+    (i, x)
+    for i, (info, x, _, _) in dense
+    if _graph.is_key(x)
+    and x in ix.param_only
+    and _matchers.constant_input_tap(ix, ix.g.eqns[i].outs[0], info) is None
+  ]
+  if lost and (len(lost) < len(uses) or all(_from_constants(ix, x) for _, x in lost)):
+    return (
+      f"{len(lost)} of its {len(uses)} uses multiply an input that is one constant for every "
+      "point (a tangent direction or a reverse-mode seed, as `jax.jvp`, `jax.jacfwd`, "
+      "`jax.grad` or `jax.hessian` inside `jax.vmap` make it), and the product reaches the "
+      "points through more than layout changes and elementwise broadcasting (e.g. through "
+      "another layer's product before a nonlinearity), so it has no output gradient per "
+      "point: compute the operator on the batched points, the direction broadcast over them "
+      "(`jax.jvp(f, (x,), (jnp.broadcast_to(e, x.shape),))`, or a forward Laplacian), or "
+      + _KERNEL_NGD
+    )
+  if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2 and len(dense) > 1:
+    mats = [kernel_index_matrix(d[0], ix.shapes[leaf]) for _, d in dense]
     if any(np.array_equal(m.T, m2) and not np.array_equal(m, m2) for m in mats for m2 in mats):
       return (
         "read both ways round, as a reverse-mode derivative inside the loss does (jax.grad, "
-        f"jax.vjp, jax.jacrev, jax.hessian): {_FORWARD_MODE}"
+        "jax.jacrev, jax.hessian), but not only as the kernel matrix and its transpose (K-FAC "
+        "takes a product by the transposed kernel, `δa = δz Wᵀ`, as a use with input and "
+        "output exchanged; here some use reads the kernel in another layout): no Kronecker "
+        f"block fits; {_KERNEL_NGD} (or tag it "
+        'with `kfac_jax.register_generic(param, approx="full")` for a full block)'
       )
-  products = [(i, pos) for i, pos in uses if ix.g.eqns[i].name == "dot_general"]
-  unbatched = [
-    (i, pos)
-    for i, pos in products
-    if _graph.is_key(x := ix.g.eqns[i].ins[1 - pos]) and x in ix.param_only
-  ]
-  if unbatched and len(unbatched) < len(uses):
+  names = {ix.g.eqns[i].name for i, _ in uses}
+  if "rev" in names and names & _PRODUCTS:
     return (
-      f"{len(unbatched)} of its {len(uses)} uses multiply an input with no rows per example "
-      "(a tangent direction that is one constant for every point, as `jax.jvp` or "
-      f"`jax.jacfwd` inside `jax.vmap` make it), so no output gradient per point: {_FORWARD_MODE}"
+      "read flipped (`rev`) besides its products, as the reverse-mode derivative of a "
+      "convolution reads its kernel (jax.grad, jax.jacrev, jax.hessian of a convolutional "
+      f"network): no Kronecker block fits; {_KERNEL_NGD}"
     )
   return ""
+
+
+def _from_constants(ix: _index.GraphIndex, atom) -> bool:
+  """Whether `atom` is computed from constants alone (no parameter, no batch input)."""
+  params = set(ix.g.invars[: ix.n_params])
+  seen, todo = set(), [atom]
+  while todo:
+    a = todo.pop()
+    if not _graph.is_key(a) or a in seen:
+      continue
+    seen.add(a)
+    if a in params or a in ix.from_batch:
+      return False
+    if a in ix.producer:
+      todo.extend(ix.g.eqns[ix.producer[a]].ins)
+  return True
 
 
 def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
