@@ -11,6 +11,8 @@ from kfac_jax.blocks import _terms
 from kfac_jax.blocks._state import KroneckerFactors
 from tests import _models
 
+pytestmark = pytest.mark.numerics  # Run again with XLA's optimizations on.
+
 
 def _spd(seed, n):
   x = _models.np_rng(seed).standard_normal((n, 2 * n))
