@@ -267,7 +267,6 @@ class Linearisation:
     """The estimation mode's output vectors, pulled back (vmapped over the stack);
     `fingerprint`: the registration's `StatsKey`, carried by the statistics."""
     scan, preds, others = self.scan, self.preds, self.others
-    check_rng(estimation_mode, rng)
     keys = jax.random.split(rng, len(scan.losses)) if rng is not None else [None] * len(scan.losses)
     cts = [
       _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)

@@ -446,8 +446,7 @@ class Registration:
 
   def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
     """`_curvature.compute` on the graph of this batch, with this registration's estimation
-    mode, samples and fingerprint. A missing `rng` is refused before the loss is traced."""
-    _curvature.check_rng(self.estimation_mode, rng)
+    mode, samples and fingerprint (the callers have checked `rng`)."""
     return _curvature.compute(
       self.scan_batch(params, batch),
       params,
@@ -615,6 +614,7 @@ def value_and_grad(
 
   def fn(params, batch, rng=None):
     r = registered(params, batch)
+    _curvature.check_rng(r.estimation_mode, rng)  # Before the loss is traced.
     out = r.compute(params, batch, rng, with_grads=True, with_params_stats=compute_params_stats)
     if r.has_aux:
       loss, aux, grads, stats = out

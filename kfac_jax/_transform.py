@@ -112,19 +112,19 @@ def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batc
   with a note on the cause.
   """
   if fraction == 1:
-    return est.curvature_stats(params, batch, rng)
+    return est._curvature_stats(params, batch, rng)
   if fraction == "auto":
     try:
       cut, rows = _rows(fraction, batch, who)
-      stats = est.curvature_stats(params, cut, rng)
+      stats = est._curvature_stats(params, cut, rng)
     except Exception:  # noqa: BLE001  # Flax's shape errors are not ValueErrors.
       stats = None
     if stats is not None and stats.batch_size == rows:
       return stats
-    return est.curvature_stats(params, batch, rng)
+    return est._curvature_stats(params, batch, rng)
   cut = _rows(fraction, batch, who)[0]
   try:
-    return est.curvature_stats(params, cut, rng)
+    return est._curvature_stats(params, cut, rng)
   except (TypeError, ValueError) as e:
     # A note, not a new exception: JAX's own TypeErrors take a tracer, not a message.
     e.add_note(
