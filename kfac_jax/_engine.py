@@ -414,8 +414,8 @@ class Engine:
     state_type: the type of the front's state, checked first on every update.
     transform: whether it is an optax transform: it takes a share of the params
       (`optax.multi_transform`), and the rest of a user's chain acts on its updates.
-    damping_shift: added to the "damping" value for the refresh (the `Optimizer`'s `l2_reg`,
-      whose term `(η/2)‖θ‖²` adds η I to the curvature).
+    damping_shift: added to the "damping" value for the refresh (the `Optimizer`'s `l2_reg` η:
+      the curvature η I of an L2 term `(η/2)‖θ‖²` in the user's loss).
     reporter: its warnings (one per hyperparameter or input).
   """
 
