@@ -494,7 +494,8 @@ class Engine:
 
   def check(self, bound: Bound, state, expected, *, vector=None, stats=None, batch=None, rng=None):
     """The check sequence, cheapest first: the state's type; where the statistics come from
-    (`stats`, else `batch` and, in a sampled estimation mode, `rng`), and for a share that
+    (`stats`, else `batch` and `rng`: a key when given, needed in a sampled estimation mode;
+    a key as `batch` with a non-key `rng` is named as swapped arguments), and for a share that
     `vector` is the same share; the axis; the state's fit to `expected` (the front's init, as
     shapes). A sharded state's buffers are checked by its storage."""
     who = self.who
@@ -524,7 +525,7 @@ class Engine:
           "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
         )
     if stats is None:
-      _curvature.check_rng(bound.registration.estimation_mode, rng)
+      _curvature.check_rng(bound.registration.estimation_mode, rng, batch, who)
     else:
       bound.estimator.check_stats(stats, f"this {who} transform")
     if self.placement.mesh is None:

@@ -43,6 +43,7 @@ from kfac_jax import (
   _estimator,
   _fit,
   _losses,
+  _migrate,
   _parallel,
   _registration,
   _storage,
@@ -315,6 +316,7 @@ class Optimizer:
     >>> params, state, info = step(params, state, batch, jax.random.key(0))
   """
 
+  @_migrate.translated("Optimizer")
   def __init__(
     self,
     loss_fn: Callable | None = None,
@@ -397,6 +399,7 @@ class Optimizer:
 
   # -- state -----------------------------------------------------------------------------------
 
+  @_migrate.translated("Optimizer.init")
   def init(self, params) -> OptimizerState:
     """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0. With
     sharded storage, call it inside pmap / shard_map (or pass `config.mesh`)."""
@@ -415,6 +418,7 @@ class Optimizer:
 
   # -- one step --------------------------------------------------------------------------------
 
+  @_migrate.translated("Optimizer.step")
   def step(
     self,
     params,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _config, _engine, _estimator, _fit, _registration
+from kfac_jax import _checks, _config, _engine, _estimator, _fit, _migrate, _registration
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -206,6 +206,7 @@ def _transformation(engine: _engine.Engine, hyperparameters: dict, rest=None):
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@_migrate.translated("scale_by_kfac")
 def scale_by_kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
@@ -346,6 +347,7 @@ def _along_linesearch(linesearch):
   return optax.GradientTransformationExtraArgs(linesearch.init, update_fn)
 
 
+@_migrate.translated("kfac")
 def kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
