@@ -98,7 +98,7 @@ def _describe(x) -> str:
     return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
   if isinstance(x, dict):
     return f"a dict with keys {sorted(map(str, x))}"
-  return f"a {type(x).__name__}"
+  return f"{x!r} ({type(x).__name__})"
 
 
 def check_rng(estimation_mode: str, rng, batch=None, who: str = "") -> None:
