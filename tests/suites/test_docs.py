@@ -23,7 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DOCS = os.path.join(ROOT, "docs")
 PAGES = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(DOCS, "*.rst")))
 # Pages whose code has its own test file (with per-recipe checks).
-OWN_TESTS = {"recipes": "tests/suites/test_recipes.py"}
+OWN_TESTS = {
+  "recipes": "tests/suites/test_recipes.py",
+  "from_kfac_jax": "tests/suites/test_from_kfac_jax.py",
+}
 
 
 def page_blocks(page):
