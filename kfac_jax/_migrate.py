@@ -37,7 +37,7 @@ def _estimation_mode(args: dict[str, Any]) -> str | None:
 
 def _max_norm(args: dict[str, Any]) -> str | None:
   c, alpha = args.get("norm_constraint"), args.get("learning_rate")
-  if not all(isinstance(x, (int, float)) and x > 0 for x in (c, alpha)):
+  if not (isinstance(c, (int, float)) and isinstance(alpha, (int, float)) and c > 0 < alpha):
     return None
   return f"max_norm=√C / α = {math.sqrt(c) / alpha:.6g}"
 
@@ -357,11 +357,9 @@ def moved_error(front: str, own: tuple[str, ...], args: tuple, kwargs: dict[str,
   A call of `Optimizer.init` / `Optimizer.step` that binds to kfac-jax's parameters
   (`SIGNATURES`) is read by them and also gets the calling convention's entry; other calls are
   read by the callable's own positional parameters."""
-  theirs = SIGNATURES.get(front)
+  theirs = SIGNATURES.get(front, ())
   binds = (
-    theirs is not None
-    and len(args) <= len(theirs)
-    and all(n in theirs[len(args) :] for n in kwargs)
+    bool(theirs) and len(args) <= len(theirs) and all(n in theirs[len(args) :] for n in kwargs)
   )
   names = theirs if binds else own
   given = {**dict(zip(names, args)), **kwargs}
