@@ -226,7 +226,11 @@ MOVED: dict[str, Moved] = {
   "scale_by_kfac.l2_reg": Moved(
     "damping=λ + η", "kfac-jax adds l2_reg to the damping; the L2 term stays in the loss"
   ),
-  # -- init and step -----------------------------------------------------------------------------
+  # -- the calling conventions: the constructor's first argument, init's and step's order ------
+  "Optimizer": Moved(
+    "Optimizer(loss_fn, example_batch, *, ...)",
+    "the first argument is the loss itself, `loss_fn(params, batch)`, not its jax.value_and_grad",
+  ),
   "Optimizer.init": Moved(
     "init(params)",
     "the layers are found from the constructor's loss_fn and example_batch (or registration=); "
@@ -297,8 +301,9 @@ MOVED: dict[str, Moved] = {
   "kfac_jax.HAIKU_BIASES_AND_NORMS": Moved(_NONE, "`l2_reg` covers every parameter"),
 }
 for _name in (
-  "CurvatureBlock ScaledIdentity Diagonal Full KroneckerFactored NaiveDiagonal NaiveFull NaiveTNT "
-  "DenseDiagonal DenseFull DenseTwoKroneckerFactored RepeatedDenseKroneckerFactored DenseTNT "
+  "CurvatureBlock ScaledIdentity Diagonal Full KroneckerFactored TwoKroneckerFactored "
+  "NaiveDiagonal NaiveFull NaiveTNT DenseDiagonal DenseFull DenseTwoKroneckerFactored "
+  "RepeatedDenseKroneckerFactored DenseTNT "
   "Conv2DDiagonal Conv2DFull Conv2DTwoKroneckerFactored Conv2DTNT ScaleAndShiftDiagonal "
   "ScaleAndShiftFull"
 ).split():
@@ -332,12 +337,6 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "global_step_int",
   ),
 }
-# The calling convention's entry when the first positional argument is kfac-jax's
-# `value_and_grad_func`.
-MOVED["Optimizer"] = Moved(
-  "Optimizer(loss_fn, example_batch, *, ...)",
-  "the first argument is the loss itself, `loss_fn(params, batch)`, not its jax.value_and_grad",
-)
 
 
 def lookup(front: str, name: str) -> Moved | None:

@@ -37,9 +37,10 @@ KFAC_JAX_OPTIMIZER = (
 ).split()
 # Keywords with the same name and meaning here.
 SAME = {"l2_reg", "use_adaptive_damping", "norm_constraint"}
-# kfac-jax 0.0.8's `kfac_jax.__all__`.
+# kfac-jax 0.0.8's `kfac_jax.__all__` (and `TwoKroneckerFactored` of earlier versions).
 KFAC_JAX_ALL = (
-  "utils patches_second_moment layers_and_loss_tags loss_functions tag_graph_matcher tracer "
+  "TwoKroneckerFactored utils patches_second_moment layers_and_loss_tags loss_functions "
+  "tag_graph_matcher tracer "
   "curvature_blocks curvature_estimator optimizer patches_moments patches_moments_explicit "
   "LossTag LayerTag register_generic register_dense register_conv2d register_scale_and_shift "
   "auto_register_tags ProcessedJaxpr loss_tags_vjp loss_tags_jvp loss_tags_hvp layer_tags_vjp "
