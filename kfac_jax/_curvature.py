@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from kfac_jax import _checks, _compat, _losses
+from kfac_jax import _checks, _compat, _losses, _migrate
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
@@ -67,6 +67,11 @@ class CurvatureStats:
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
   """Validates the mode and `num_samples` (which the exact modes do not take)."""
+  if estimation_mode in _migrate.ESTIMATION_MODES:
+    raise ValueError(
+      f"estimation_mode={estimation_mode!r} is kfac-jax's name; here it is "
+      f"{_migrate.ESTIMATION_MODES[estimation_mode]!r} (see {_migrate.PAGE})."
+    )
   _checks.choice(estimation_mode, "estimation_mode", ESTIMATION_MODES)
   _checks.static_int(num_samples, "num_samples")
   if estimation_mode in _losses.EXACT_MODES and num_samples != 1:
@@ -77,7 +82,42 @@ def check_mode(estimation_mode: str, num_samples: int) -> None:
     )
 
 
-def check_rng(estimation_mode: str, rng) -> None:
+def is_key(x) -> bool:
+  """Whether `x` is a jax.random key: a typed key array (`jax.random.key`) or raw key data
+  (`jax.random.PRNGKey`: uint32 with a last axis of 2, or 4 for the "rbg" implementations)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return dtype == jnp.uint32 and jnp.ndim(x) >= 1 and jnp.shape(x)[-1] in (2, 4)
+
+
+def _describe(x) -> str:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+  if isinstance(x, dict):
+    return f"a dict with keys {sorted(map(str, x))}"
+  return f"{x!r} ({type(x).__name__})"
+
+
+def check_rng(estimation_mode: str, rng, batch=None, who: str = "") -> None:
+  """`rng`, when given, must be a key (TypeError naming it; when `batch` is one, naming the
+  order of `Optimizer.step`'s arguments, which kfac-jax's step has the other way round); a
+  sampled `estimation_mode` needs one."""
+  if rng is not None and not is_key(rng):
+    text = f"{who}: `rng` must be a jax.random key, got {_describe(rng)}"
+    if is_key(batch) and who == "Optimizer":
+      raise TypeError(
+        f"{text}, and `batch` is a key: the arguments are swapped. The order is "
+        f"`{_migrate.MOVED['Optimizer.step'].spelling}`; kfac-jax's step takes the key before "
+        f"the batch (see {_migrate.PAGE})."
+      )
+    if is_key(batch):
+      raise TypeError(
+        f"{text}, and `batch` is a key: pass the data as `batch=`, the key as `rng=`."
+      )
+    raise TypeError(f"{text} (jax.random.key(seed) or jax.random.PRNGKey(seed)).")
   if estimation_mode in _losses.RANDOM_MODES and rng is None:
     raise ValueError(
       f"estimation_mode={estimation_mode!r} draws random vectors (sampled targets or "

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _config, _engine, _estimator, _fit, _registration
+from kfac_jax import _checks, _config, _engine, _estimator, _fit, _migrate, _registration
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -216,6 +216,7 @@ def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, re
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@_migrate.translated("scale_by_kfac")
 def scale_by_kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
@@ -372,6 +373,7 @@ def along_linesearch(linesearch):
   return optax.GradientTransformationExtraArgs(linesearch.init, update_fn)
 
 
+@_migrate.translated("kfac")
 def kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
