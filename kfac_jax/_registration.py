@@ -318,7 +318,7 @@ class Registration:
       scan = self._trace(params, example_batch, warn)
     # The loss is not the tags' (a curvature function, or tags in a custom_jvp rule): its value
     # and gradient come from `loss_fn` itself, and the audit has nothing to compare.
-    set_(self, "separate_loss", curvature_part is not None or bool(scan.rule_calls))
+    set_(self, "separate_loss", curvature_part is not None or scan.separate_loss)
     factor = None
     if checks and not self.separate_loss:  # Once per registration, not per later scan.
       factor = _audit.audit(
