@@ -1175,13 +1175,15 @@ def _clipped(e_l, scale: float):
   return mean, clipped - mean
 
 
-def vmc_total_energy(log_psi: Callable, local_energy: Callable, clip: float = 5.0) -> Callable:
+def vmc_total_energy(
+  log_psi: Callable, local_energy: Callable, clip: float = 5.0, tag: bool = True
+) -> Callable:
   """`total_energy(params, batch) -> (E, VmcAux)` in FermiNet's form: a `jax.custom_jvp` whose
   rule is the VMC gradient `2 Re E[(E_L - E) conj(∂ log ψ)]` from clipped local energies, and
   registers the curvature of |ψ|² as `register_normal_predictive_distribution(log|ψ|[:, None])`
   (the real part of a complex log ψ). As in FermiNet, the rule's primal outputs are not the
   function's: `aux.clipped_energy` is a scalar there, and a complex energy becomes its real
-  part, which `jax.grad` accepts."""
+  part, which `jax.grad` accepts. Without `tag`, the rule registers nothing."""
 
   @jax.custom_jvp
   def total_energy(params, batch):
@@ -1198,11 +1200,11 @@ def vmc_total_energy(log_psi: Callable, local_energy: Callable, clip: float = 5.
     aux = aux._replace(clipped_energy=centre)
     psi, psi_dot = jax.jvp(lambda p: log_psi(p, batch), (params,), (tangents[0],))
     n = aux.local_energy.shape[0]
-    if jnp.iscomplexobj(psi):
+    if tag:
       kfac_jax.register_normal_predictive_distribution(psi.real[:, None])
+    if jnp.iscomplexobj(psi):
       grad = 2.0 * jnp.real(jnp.dot(diff, jnp.conj(psi_dot))) / n
       return (loss.real, aux), (grad, aux)
-    kfac_jax.register_normal_predictive_distribution(psi[:, None])
     return (loss, aux), (2.0 * jnp.dot(psi_dot, diff) / n, aux)
 
   return total_energy
@@ -1248,10 +1250,11 @@ def _complex_local_energy(log_psi: Callable, system):
   return local_energy
 
 
-def vmc_ferminet_loss(complex_output: bool = False, clip: float = 5.0, walkers: int = N):
+def vmc_ferminet_loss(complex_output: bool = False, tag: bool = True, walkers: int = N):
   """FermiNet's loss on Li with a small FermiNet-class network (examples/vmc.py): `(loss_fn,
   params, batch, log_psi)`, `loss_fn` = `vmc_total_energy` returning `(E, VmcAux)`; with
-  `complex_output`, log ψ has a phase (`_phase_log_psi`)."""
+  `complex_output`, log ψ has a phase (`_phase_log_psi`); without `tag`, the rule registers
+  nothing."""
   from examples import vmc
 
   system = vmc.SYSTEMS["Li"]
@@ -1276,7 +1279,7 @@ def vmc_ferminet_loss(complex_output: bool = False, clip: float = 5.0, walkers: 
     def energy(params, batch):
       return vmc.local_energy(params, batch["r"], batch["atoms"], charges, system.spins)
 
-  return vmc_total_energy(log_psi, energy, clip), params, batch, log_psi
+  return vmc_total_energy(log_psi, energy, tag=tag), params, batch, log_psi
 
 
 def _vmc_expected(extra=()):

@@ -376,7 +376,8 @@ class FlatGraph:
     blocks: list[tuple[int, int, list]] = []  # (start, stop, the span inputs read whole)
     i = k = 0
     while i < len(self.eqns):
-      stop, reads = i + 1, []
+      stop = i + 1
+      reads: list[Atom] = []
       while k < len(spans) and spans[k][0] < stop:  # Spans starting inside the block join it.
         stop = max(stop, spans[k][1])
         reads.extend(spans[k][2])

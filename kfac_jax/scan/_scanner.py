@@ -273,10 +273,18 @@ def _as_differentiated(loss_fn: Callable, has_aux: bool, backward: bool) -> Call
   come from `loss_fn` itself."""
 
   def fn(params, batch):
-    loss, pull, *aux = jax.vjp(lambda p: loss_fn(p, batch), params, has_aux=has_aux)
+    def f(p):
+      return loss_fn(p, batch)
+
+    if has_aux:
+      loss, pull, aux = jax.vjp(f, params, has_aux=True)
+      out = (loss, aux)
+    else:
+      loss, pull = jax.vjp(f, params)
+      out = loss
     if backward:
       pull(jax.numpy.zeros_like(loss))
-    return jax.numpy.zeros((), loss.dtype), ((loss, aux[0]) if has_aux else loss)
+    return jax.numpy.zeros((), loss.dtype), out
 
   return fn
 
@@ -316,7 +324,8 @@ def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, ou
       "the rule's, or delete the rule's tags; for a curvature function apart from the loss, "
       "pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
     )
-  same = jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(out_d) and all(
+  treedef: Any = jax.tree_util.tree_structure(out)
+  same = treedef == jax.tree_util.tree_structure(out_d) and all(
     (a.shape, a.dtype) == (b.shape, b.dtype)
     for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(out_d))
   )
