@@ -558,3 +558,44 @@ def test_tags_in_and_beside_a_rule_give_jax_grad_or_an_error(x64, places, quirk)
   got, want = run(params, batch)
   _close(got, want, tol=1e-12)
   assert _sum_norm(got[1]) > 1e-6  # The energy's aux repeats the loss: not a zero gradient.
+
+
+def test_ferminet_rule_with_collectives_under_pmap(x64):
+  """FermiNet's energy averaged over devices (`pmean` in the function and its rule), its aux
+  FermiNet's: under pmap the rule's own call of the function, which only its tangent reads, is
+  not evaluated (a collective is no effect to keep), and each device gets jax's loss, aux and
+  gradient."""
+  devices = 2
+
+  def pmean(x):
+    return jax.lax.pmean(x, "walkers")
+
+  @jax.custom_jvp
+  def total_energy(p, b):
+    e_l = _local_energy(p, b["r"])
+    loss = pmean(jnp.mean(e_l))
+    return loss, _zoo.VmcAux(loss, pmean(jnp.mean((e_l - loss) ** 2)), e_l, e_l)
+
+  @total_energy.defjvp
+  def total_energy_jvp(primals, tangents):
+    p, b = primals
+    loss, aux = total_energy(p, b)
+    centre, diff = _zoo._clipped(aux.local_energy, 5.0)
+    lp, dlp = jax.jvp(lambda q: _log_psi(q, b["r"]), (p,), (tangents[0],))
+    kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    aux = aux._replace(clipped_energy=centre)
+    return (loss, aux), (pmean(2.0 * jnp.dot(dlp, diff) / N), aux)
+
+  params, batch = _vmc_data()
+  reg = kfac_jax.Registration(
+    total_energy, params, batch, has_aux=True, axis_name="walkers", estimation_mode="exact"
+  )
+
+  def both(p, b):
+    got = kfac_jax.value_and_grad(registration=reg)(p, b)[:2]
+    return got, jax.value_and_grad(total_energy, has_aux=True)(p, b)
+
+  stack = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, 1.1 * x]), t)  # noqa: E731
+  got, want = jax.pmap(both, axis_name="walkers")(stack(params), stack(batch))
+  assert jax.tree_util.tree_leaves(got)[0].shape[0] == devices
+  _close(got, want, tol=1e-12)
