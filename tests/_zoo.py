@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -1144,7 +1144,174 @@ def vmc_ferminet_anisotropic() -> Zoo:
   return Zoo(vmc.make_loss(system), params, batch, expected)
 
 
+# -- FermiNet's loss: a custom_jvp energy returning (loss, aux), its tag in the JVP rule ---------
+
+
+class VmcAux(NamedTuple):
+  """The loss's auxiliary data, FermiNet's fields: the mean energy, its variance, the local
+  energies and the clipped ones (per walker in the function; FermiNet's rule stores the clipped
+  energies' mean there, a scalar)."""
+
+  energy: jax.Array
+  variance: jax.Array
+  local_energy: jax.Array
+  clipped_energy: jax.Array
+
+
+def _clipped(e_l, scale: float):
+  """`(centre, deviations)`: the local energies clipped to the median ± `scale` times their
+  mean absolute deviation from it (a complex energy's parts each in its own window), centred
+  at the clipped mean."""
+
+  def window(x, centre):
+    width = scale * jnp.mean(jnp.abs(x - centre))
+    return jnp.clip(x, centre - width, centre + width)
+
+  centre = jnp.median(e_l.real)
+  clipped = window(e_l.real, centre)
+  if jnp.iscomplexobj(e_l):
+    clipped = clipped + 1j * window(e_l.imag, 0.0)
+  mean = jnp.mean(clipped)
+  return mean, clipped - mean
+
+
+def vmc_total_energy(
+  log_psi: Callable, local_energy: Callable, clip: float = 5.0, tag: bool = True
+) -> Callable:
+  """`total_energy(params, batch) -> (E, VmcAux)` in FermiNet's form: a `jax.custom_jvp` whose
+  rule is the VMC gradient `2 Re E[(E_L - E) conj(∂ log ψ)]` from clipped local energies, and
+  registers the curvature of |ψ|² as `register_normal_predictive_distribution(log|ψ|[:, None])`
+  (the real part of a complex log ψ). As in FermiNet, the rule's primal outputs are not the
+  function's: `aux.clipped_energy` is a scalar there, and a complex energy becomes its real
+  part, which `jax.grad` accepts. Without `tag`, the rule registers nothing."""
+
+  @jax.custom_jvp
+  def total_energy(params, batch):
+    e_l = local_energy(params, batch)
+    loss = jnp.mean(e_l)
+    diff = e_l - loss
+    return loss, VmcAux(loss, jnp.mean(diff * jnp.conj(diff)).real, e_l, e_l)
+
+  @total_energy.defjvp
+  def total_energy_jvp(primals, tangents):
+    params, batch = primals
+    loss, aux = total_energy(params, batch)
+    centre, diff = _clipped(aux.local_energy, clip)
+    aux = aux._replace(clipped_energy=centre)
+    psi, psi_dot = jax.jvp(lambda p: log_psi(p, batch), (params,), (tangents[0],))
+    n = aux.local_energy.shape[0]
+    if tag:
+      kfac_jax.register_normal_predictive_distribution(psi.real[:, None])
+    if jnp.iscomplexobj(psi):
+      grad = 2.0 * jnp.real(jnp.dot(diff, jnp.conj(psi_dot))) / n
+      return (loss.real, aux), (grad, aux)
+    return (loss, aux), (2.0 * jnp.dot(psi_dot, diff) / n, aux)
+
+  return total_energy
+
+
+def _phase_log_psi(vmc, system):
+  """A complex log ψ: FermiNet-class log|ψ| plus `log(u + i v)` from a small dense head on
+  the walkers' coordinates."""
+
+  def log_psi(params, batch):
+    r = batch["r"]
+    head = params["phase"]
+    h = jnp.tanh(r.reshape(r.shape[0], -1) @ head["w1"] + head["b1"])
+    uv = h @ head["w2"] + head["b2"]
+    return vmc.log_psi(params, r, batch["atoms"], system.spins) + jnp.log(
+      jax.lax.complex(uv[:, 0], uv[:, 1])
+    )
+
+  return log_psi
+
+
+def _complex_local_energy(log_psi: Callable, system):
+  """E_L = −½ (∇² log ψ + (∇ log ψ)²) + V of a complex log ψ, by forward-mode derivatives."""
+  charges = jnp.asarray(system.charges)
+
+  def local_energy(params, batch):
+    from examples import vmc
+
+    r, atoms = batch["r"], batch["atoms"]
+    shape = r.shape[1:]
+
+    def one(y):
+      return log_psi(params, {"r": y.reshape((1,) + shape), "atoms": atoms})[0]
+
+    def kinetic(x):
+      grad = jax.jacfwd(one)
+      g = grad(x)
+      cols = jax.vmap(lambda e: jax.jvp(grad, (x,), (e,))[1])(jnp.eye(x.size, dtype=x.dtype))
+      return -0.5 * (jnp.trace(cols) + g @ g)
+
+    return jax.vmap(kinetic)(r.reshape(r.shape[0], -1)) + vmc.potential(r, atoms, charges)
+
+  return local_energy
+
+
+def vmc_ferminet_loss(complex_output: bool = False, tag: bool = True, walkers: int = N):
+  """FermiNet's loss on Li with a small FermiNet-class network (examples/vmc.py): `(loss_fn,
+  params, batch, log_psi)`, `loss_fn` = `vmc_total_energy` returning `(E, VmcAux)`; with
+  `complex_output`, log ψ has a phase (`_phase_log_psi`); without `tag`, the rule registers
+  nothing."""
+  from examples import vmc
+
+  system = vmc.SYSTEMS["Li"]
+  params = vmc.init_params(_key(0), system, vmc.Net(one=8, two=4, layers=2, determinants=2))
+  batch = {"r": vmc.init_walkers(_key(1), system, walkers), "atoms": jnp.asarray(system.atoms)}
+  charges = jnp.asarray(system.charges)
+  if complex_output:
+    k1, k2 = jax.random.split(_key(2))
+    params["phase"] = {
+      "w1": jax.random.normal(k1, (9, 4)) / 3.0,
+      "b1": jnp.zeros(4),
+      "w2": jax.random.normal(k2, (4, 2)) / 2.0,
+      "b2": jnp.asarray([1.0, 0.5]),
+    }
+    log_psi = _phase_log_psi(vmc, system)
+    energy = _complex_local_energy(log_psi, system)
+  else:
+
+    def log_psi(params, batch):
+      return vmc.log_psi(params, batch["r"], batch["atoms"], system.spins)
+
+    def energy(params, batch):
+      return vmc.local_energy(params, batch["r"], batch["atoms"], charges, system.spins)
+
+  return vmc_total_energy(log_psi, energy, tag=tag), params, batch, log_psi
+
+
+def _vmc_expected(extra=()):
+  dense = lambda prefix: ("dense", "kron", (f"{prefix}/w", f"{prefix}/b"))  # noqa: E731
+  expected = [dense("layers/0/one"), dense("layers/0/two"), dense("layers/1/one")]
+  for spin in ("down", "up"):
+    expected.append(dense(f"orbitals/{spin}/dense"))
+    expected += [("scale_and_shift", "full", (f"orbitals/{spin}/{n}",)) for n in ("pi", "sigma")]
+  return expected + list(extra)
+
+
+def vmc_ferminet_aux() -> Zoo:
+  """FermiNet's loss as FermiNet writes it (`vmc_total_energy`): a custom_jvp returning
+  `(E, VmcAux)` with per-walker local energies, clipped around their median in the rule, whose
+  aux differs from the function's (a scalar `clipped_energy`); the tag on log|ψ| in the rule.
+  The aux is FermiNet's diagnostics, not model state: not trained here (`train_step` would feed
+  it back as `batch["state"]`)."""
+  loss_fn, params, batch, _ = vmc_ferminet_loss()
+  return Zoo(loss_fn, params, batch, _vmc_expected(), has_aux=True)
+
+
+def vmc_ferminet_complex() -> Zoo:
+  """`vmc_ferminet_aux` with a complex log ψ (a phase head): the energy and its local values
+  are complex in the function, real in the rule, and the tag is on Re log ψ = log|ψ|."""
+  loss_fn, params, batch, _ = vmc_ferminet_loss(complex_output=True)
+  phase = [("dense", "kron", ("phase/w1", "phase/b1")), ("dense", "kron", ("phase/w2", "phase/b2"))]
+  return Zoo(loss_fn, params, batch, _vmc_expected(phase), has_aux=True)
+
+
 STRUCTURE_MODELS = {
+  "vmc_ferminet_aux": vmc_ferminet_aux,
+  "vmc_ferminet_complex": vmc_ferminet_complex,
   "vmc_ferminet": vmc_ferminet,
   "vmc_ferminet_anisotropic": vmc_ferminet_anisotropic,
   "haiku_mlp": haiku_mlp,
