@@ -5,6 +5,8 @@ Problems (float64, MLP d-64-1 tanh, `examples/pinn_poisson.init_params`, the ope
 
 - `poisson`: −Δu = 2π² sin(πx) sin(πy) on [0, 1]², u = 0 on the boundary (900 interior and 120
   boundary points; `examples/pinn_poisson.py`);
+- `poisson-hessian`: the same, the Laplacian the trace of `jax.hessian` at one point, vmapped
+  (reverse mode, then forward: each kernel also read transposed);
 - `heat`: ∂u/∂t = κ ∂²u/∂x² on [0, 1] × [0, 1], κ = 1/4, u(0, x) = sin(πx), u = 0 at x = 0 and
   x = 1; solution exp(−κπ²t) sin(πx) (900 interior, 120 boundary, 120 initial points);
 - `poisson5d`: −Δu = π² Σ cos(πx_i) on [0, 1]⁵, u = Σ cos(πx_i) on the boundary (3,000 interior
@@ -84,6 +86,19 @@ def heat_loss(params, batch):
   return 0.5 * (jnp.mean(residual**2) + jnp.mean(ub**2) + jnp.mean(u0**2))
 
 
+def hessian_loss(params, batch):
+  """`pinn_poisson.loss_fn` with the Laplacian as most PINN code writes it: the trace of
+  `jax.hessian` (jacfwd of jacrev) of the network at one point, vmapped over the points."""
+  x = batch["interior"]
+  u = lambda y: pp.mlp(params, y[None])[0]  # noqa: E731
+  laplacian = jax.vmap(lambda y: jnp.trace(jax.hessian(u)(y)))(x)
+  residual = (laplacian + pp.source(x))[:, None]
+  kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
+  ub = pp.mlp(params, batch["boundary"])[:, None]
+  kfac_jax.register_normal_predictive_distribution(ub, var=1.0)
+  return 0.5 * jnp.mean(residual**2) + 0.5 * jnp.mean(ub**2)
+
+
 def cos_sum(x):
   return jnp.sum(jnp.cos(jnp.pi * x), axis=-1)
 
@@ -114,6 +129,7 @@ def poisson5d_loss(params, batch):
 
 PROBLEMS = {  # (points, loss, network sizes)
   "poisson": (pp.make_problem, pp.loss_fn, pp.SIZES),
+  "poisson-hessian": (pp.make_problem, hessian_loss, pp.SIZES),
   "heat": (heat_problem, heat_loss, pp.SIZES),
   "poisson5d": (poisson5d_problem, poisson5d_loss, (5, 64, 1)),
 }

@@ -13,8 +13,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
-from kfac_jax import pinn  # A module of its own: `kfac_jax.pinn.laplacian`.
-from kfac_jax._audit import LossMismatchWarning
+from kfac_jax import _migrate, pinn  # `pinn`: a module of its own, `kfac_jax.pinn.laplacian`.
 from kfac_jax._checkpoint import (
   check_restored_state,
   restore_state,
@@ -23,10 +22,16 @@ from kfac_jax._checkpoint import (
 )
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
-from kfac_jax._engine import HyperparameterWarning, NonFiniteWarning
+from kfac_jax._errors import (
+  HyperparameterWarning,
+  LossMismatchWarning,
+  NonFiniteWarning,
+  RegistrationCheckError,
+  RegistrationError,
+  UncoveredParametersWarning,
+)
 from kfac_jax._estimator import CurvatureEstimator, EstimatorState
 from kfac_jax._optimizer import KfacOptaxState, Optimizer, OptimizerState
-from kfac_jax._optimizer import OptimizerConfig as OptimizerConfig  # Raises, naming Config.
 from kfac_jax._parallel import ShardedCache
 from kfac_jax._registration import Registration, StatsKey, value_and_grad
 from kfac_jax._storage import ReplicatedStorage, ShardedStorage
@@ -46,25 +51,22 @@ from kfac_jax._tags import (
 )
 from kfac_jax._transform import KfacState, ScaleByKfacState, kfac, scale_by_kfac
 from kfac_jax.blocks import Block, BlockConfig
-from kfac_jax.scan import (
-  LayerConfig,
-  LayerSpec,
-  RegistrationCheckError,
-  RegistrationError,
-  UncoveredParametersWarning,
+from kfac_jax.kernel import (
+  KernelNgdState,
+  KernelState,
+  ScaleByKernelNgdState,
+  kernel_ngd,
+  scale_by_kernel_ngd,
 )
+from kfac_jax.scan import LayerConfig, LayerSpec
 
 __version__ = "0.1.0.dev0"
 
 
 def __getattr__(name: str):
-  if name == "scan_layers":  # Removed: the registration holds the layers.
-    raise AttributeError(
-      "kfac_jax.scan_layers is removed: the layers K-FAC finds are "
-      "`kfac_jax.Registration(loss_fn, params, batch).layers` (its settings, e.g. `layers=`, "
-      "`strict=`, `has_aux=`, are the registration's arguments)."
-    )
-  raise AttributeError(f"module 'kfac_jax' has no attribute {name!r}")
+  """kfac-jax's module attributes (`kfac_jax.utils`, ...) raise an AttributeError naming their
+  spelling here (`kfac_jax._migrate`)."""
+  raise _migrate.missing_attribute(name)
 
 
 __all__ = [
@@ -75,6 +77,8 @@ __all__ = [
   "CurvatureStats",
   "EstimatorState",
   "KfacOptaxState",
+  "KernelNgdState",
+  "KernelState",
   "KfacState",
   "LayerConfig",
   "LayerSpec",
@@ -87,6 +91,7 @@ __all__ = [
   "ReplicatedStorage",
   "RegistrationCheckError",
   "RegistrationError",
+  "ScaleByKernelNgdState",
   "ScaleByKfacState",
   "ShardedCache",
   "ShardedStorage",
@@ -94,6 +99,7 @@ __all__ = [
   "UncoveredParametersWarning",
   "check_registration",
   "check_restored_state",
+  "kernel_ngd",
   "kfac",
   "pinn",
   "register_categorical_predictive_distribution",
@@ -108,6 +114,7 @@ __all__ = [
   "register_softmax_cross_entropy_loss",
   "register_squared_error_loss",
   "restore_state",
+  "scale_by_kernel_ngd",
   "scale_by_kfac",
   "state_from_bytes",
   "state_to_bytes",

@@ -6,7 +6,6 @@ unchecked, their initial values having been checked when the transform was creat
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -146,43 +145,6 @@ def optional_str(value, name: str) -> None:
 def function(value, name: str) -> None:
   if not callable(value):
     raise TypeError(f"`{name}` must be callable, got {_describe(value)}.")
-
-
-# The settings of the scan every entry point shares; they are arguments of `Registration` only.
-REGISTRATION_KNOBS = ("has_aux", "estimation_mode", "num_samples", "layers", "strict", "check_loss")
-
-
-def moved_keyword(name: str, value: Any, who: str) -> str:
-  """The message for `name=value`, a keyword that is not an argument of `who`, when it is a
-  knob of the registration (empty otherwise)."""
-  if name not in REGISTRATION_KNOBS:
-    return ""
-  return (
-    f"{who}: `{name}` is a setting of the registration, not of {who}: pass "
-    f"`registration=kfac_jax.Registration(loss_fn, params, batch, {name}={value!r})`."
-  )
-
-
-def moved_keywords(fn=None, *, moved: dict[str, str] | None = None, refused=None):
-  """Wraps a front so that a registration knob (`REGISTRATION_KNOBS`) or a keyword in `moved`
-  (name → its place, e.g. `config=kfac_jax.Config(mesh=...)`) raises a TypeError naming where it
-  lives, and a keyword in `refused` raises its message."""
-  if fn is None:
-    return functools.partial(moved_keywords, moved=moved, refused=refused)
-  who = getattr(fn, "__qualname__", "").removesuffix(".__init__")
-
-  @functools.wraps(fn)
-  def wrapper(*args, **kwargs):
-    for k in kwargs:
-      if refused and k in refused:
-        raise TypeError(refused[k].format(kwargs[k]))
-      if moved_keyword(k, kwargs[k], who):
-        raise TypeError(moved_keyword(k, kwargs[k], who))
-      if moved and k in moved:
-        raise TypeError(f"{who}: `{k}` is not an argument of {who}; pass `{moved[k]}`.")
-    return fn(*args, **kwargs)
-
-  return wrapper
 
 
 def axis_bound(axis_name, who: str) -> None:

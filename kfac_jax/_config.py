@@ -1,5 +1,5 @@
 """`Config`: the rare knobs of every front (`scale_by_kfac`, `kfac`, `Optimizer`,
-`CurvatureEstimator`), in one frozen object validated once.
+`CurvatureEstimator`, `scale_by_kernel_ngd`, `kernel_ngd`), in one frozen object validated once.
 
 The fronts keep as parameters only what a user tunes and the data-parallel `axis_name`; every
 other knob the optimizers and the storage read has one name, one default and one check here,
@@ -13,58 +13,12 @@ statistics a few updates old, and 1 for `scale_by_kfac` and `Optimizer`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from kfac_jax import _checks, _parallel, _storage
 from kfac_jax import blocks as _blocks
-
-_DTYPES = {
-  "stats_dtype": ("bfloat16", "float16", "float32", "float64"),
-  "inverse_dtype": ("float32", "float64"),
-  "preconditioner_dtype": ("bfloat16", "float32", "float64"),
-}
-
-
-def _dtype(value, field: str) -> Any:
-  """The dtype field `config.<field>` as a numpy dtype: None → float32 (float64 under x64)."""
-  x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # A flag added at run time.
-  if value is None:
-    return np.dtype(np.float64 if x64 else np.float32)
-  try:
-    dtype = jnp.dtype(value)
-  except TypeError:
-    dtype = None
-  if dtype is None or dtype.name not in _DTYPES[field]:
-    raise ValueError(
-      f"`config.{field}` must be one of {', '.join(_DTYPES[field])} (or None for the default), "
-      f"got {value!r}."
-    )
-  if dtype == np.float64 and not x64:
-    raise ValueError(
-      f"`config.{field}`=float64 needs 64-bit JAX: set "
-      "`jax.config.update('jax_enable_x64', True)` before creating arrays, or use float32."
-    )
-  return dtype
-
-
-def _preconditioner_dtype(value, inverse_dtype):
-  """`config.preconditioner_dtype` as a numpy dtype, or None where it is `inverse_dtype`; a
-  dtype wider than `inverse_dtype` is refused."""
-  if value is None:
-    return None
-  dtype = _dtype(value, "preconditioner_dtype")
-  if dtype.itemsize > inverse_dtype.itemsize:
-    raise ValueError(
-      f"`config.preconditioner_dtype`={dtype.name} is wider than `inverse_dtype`="
-      f"{inverse_dtype.name}: the inverses are computed in `inverse_dtype` and can only be "
-      "stored narrower (e.g. bfloat16)."
-    )
-  return None if dtype == inverse_dtype else dtype
 
 
 def _check_mesh(mesh) -> None:
@@ -87,6 +41,7 @@ def _check_mesh(mesh) -> None:
 _ALL = ("scale_by_kfac", "kfac", "Optimizer", "CurvatureEstimator")
 _TRAINING = ("scale_by_kfac", "kfac", "Optimizer")
 _TRANSFORMS = ("scale_by_kfac", "kfac")
+_KERNEL = ("scale_by_kernel_ngd", "kernel_ngd")
 
 
 def _field(default, read_by: tuple[str, ...]) -> Any:
@@ -104,10 +59,9 @@ class Config:
   `strict`, `check_loss`) are not here: they are arguments of `kfac_jax.Registration`.
 
   Attributes:
-    damping_mode: "factored" (π-adjusted Tikhonov, default) or "eigen" (exact, slower). [all]
-    damping_split: "pi" (default) or "equal": "factored" damping adds π√λ to a layer's input
-      factor and √λ/π to its output factor, π from their traces, or √λ to each ("equal", the
-      K-FAC for PINNs code's choice). [all]
+    damping_mode: "factored" (π-adjusted factored Tikhonov, default), "factored_equal" (√λ
+      added to each of a layer's two factors, as the K-FAC for PINNs code does) or "eigen"
+      (exact, slower); see `blocks.BlockConfig`. [all]
     factor_solve: "auto", "always" or "never": keep a Kronecker factor's damped inverse as its
       Cholesky factor in blocks for block substitution instead of an explicit matrix ("auto":
       for a factor of size n ≥ 256 whose products have at most n/8 columns). [all]
@@ -139,13 +93,16 @@ class Config:
       False: the update goes through as computed (non-finite statistics are still kept out of
       the factors). A non-finite gradient or params are reported either way
       (`NonFiniteWarning`).
-      [scale_by_kfac, kfac, Optimizer]
+      [scale_by_kfac, kfac, Optimizer, scale_by_kernel_ngd, kernel_ngd]
     nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`). [kfac]
     min_damping, max_damping: the clip of the adapted damping λ. [Optimizer]
     damping_adaptation_interval: T, adapt λ every T steps. [Optimizer]
     damping_adaptation_decay: ω₁ in (0, 1); λ is multiplied or divided by ω₁^T. [Optimizer]
     weight_decay: decoupled weight decay d, `θ ← θ + δ − d θ` (for the transforms, chain
       `optax.add_decayed_weights`). [Optimizer]
+    chunk_size: the kernel fronts' per-example passes run this many examples at a time (None:
+      each loss tag's examples at once): a bound on their memory (`kfac_jax.kernel`).
+      [scale_by_kernel_ngd, kernel_ngd]
 
   Raises:
     TypeError / ValueError: a bad field, named (`config.<field>`) with the value received; a
@@ -157,7 +114,6 @@ class Config:
   """
 
   damping_mode: _blocks.DampingMode = _field("factored", _ALL)
-  damping_split: _blocks.DampingSplit = _field("pi", _ALL)
   factor_solve: _blocks.FactorSolve = _field("auto", _ALL)
   stats_dtype: Any = _field(None, _ALL)
   inverse_dtype: Any = _field(None, _ALL)
@@ -166,19 +122,17 @@ class Config:
   statistics_fraction: float | Literal["auto"] | None = _field("auto", _TRANSFORMS)
   burn_in_steps: int = _field(0, _TRAINING)
   mesh: tuple[jax.sharding.Mesh, str] | None = _field(None, _TRAINING)
-  skip_nonfinite: bool = _field(True, _TRAINING)
+  skip_nonfinite: bool = _field(True, _TRAINING + _KERNEL)
   nesterov: bool = _field(False, ("kfac",))
   min_damping: float = _field(1e-8, ("Optimizer",))
   max_damping: float = _field(1e8, ("Optimizer",))
   damping_adaptation_interval: int = _field(5, ("Optimizer",))
   damping_adaptation_decay: float = _field(0.95, ("Optimizer",))
   weight_decay: float = _field(0.0, ("Optimizer",))
+  chunk_size: int | None = _field(None, _KERNEL)
 
   def __post_init__(self):
-    _checks.choice(self.damping_mode, "config.damping_mode", ("factored", "eigen"))
-    _checks.choice(self.damping_split, "config.damping_split", ("pi", "equal"))
-    _checks.choice(self.factor_solve, "config.factor_solve", ("auto", "always", "never"))
-    self.block_config()  # The dtype fields.
+    self.block_config()  # The numerics: modes and dtypes.
     f = self.statistics_fraction
     if f is not None and f != "auto":
       _checks.static_fraction(f, "config.statistics_fraction")
@@ -198,6 +152,8 @@ class Config:
       high_open=True,
     )
     _concrete(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
+    if self.chunk_size is not None:
+      _checks.static_int(self.chunk_size, "config.chunk_size")
 
   # -- derived, read by the fronts ---------------------------------------------------------
 
@@ -213,17 +169,15 @@ class Config:
 
   def block_config(self, exps=(-1.0,), cholesky=False, cholesky_inverse=False):
     """The blocks' numerics (`blocks.BlockConfig`)."""
-    inverse_dtype = _dtype(self.inverse_dtype, "inverse_dtype")
-    return _blocks.BlockConfig(
-      exps=tuple(exps),
+    return _blocks.BlockConfig.of(
       damping_mode=self.damping_mode,
-      damping_split=self.damping_split,
+      factor_solve=self.factor_solve,
+      stats_dtype=self.stats_dtype,
+      inverse_dtype=self.inverse_dtype,
+      preconditioner_dtype=self.preconditioner_dtype,
+      exps=exps,
       cholesky=cholesky,
       cholesky_inverse=cholesky_inverse,
-      stats_dtype=_dtype(self.stats_dtype, "stats_dtype"),
-      inverse_dtype=inverse_dtype,
-      factor_solve=self.factor_solve,
-      preconditioner_dtype=_preconditioner_dtype(self.preconditioner_dtype, inverse_dtype),
     )
 
   def check_front(self, who: str) -> None:
@@ -241,26 +195,6 @@ class Config:
     return Config(**{f.name: getattr(self, f.name) for f in fields if who in f.metadata["read_by"]})
 
 
-# A registration setting given to `Config` raises, naming `kfac_jax.Registration`.
-Config.__init__ = _checks.moved_keywords(Config.__init__)  # type: ignore[method-assign]
-
-
-def check_parallel(axis_name, config: Config) -> None:
-  _checks.optional_str(axis_name, "axis_name")
-  if config.mesh is not None and axis_name is not None:
-    raise ValueError(
-      "pass `axis_name` (inside pmap/shard_map) or `config.mesh` (under jit with sharded "
-      "data), not both: with `axis_name` the inverse work is already split over that axis."
-    )
-  sharded = isinstance(config.storage, _storage.ShardedStorage)
-  if sharded and axis_name is None and config.mesh is None:
-    raise ValueError(
-      "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
-      "axis: pass `axis_name=` (inside pmap/shard_map) or `config.mesh=(mesh, axis)` (under "
-      "jit with sharded data), or keep inverse_storage='replicated' on one device."
-    )
-
-
 def _concrete(value, name: str, **bounds) -> None:
   _checks.concrete_number(value, name, "build the Config", **bounds)
 
@@ -275,13 +209,3 @@ def get(config, who: str) -> Config:
     )
   config.check_front(who)
   return config
-
-
-# Keywords that used to be parameters of the fronts, and where they live now.
-_MOVED = {f: f"config=kfac_jax.Config({f}=...)" for f in Config.__dataclass_fields__} | {
-  "inverse_mesh": "config=kfac_jax.Config(mesh=...)"
-}
-
-# Wraps a front: a registration setting or a keyword now in `Config` raises a TypeError naming
-# its place (`refused=`: keywords with their own message).
-moved_keywords = functools.partial(_checks.moved_keywords, moved=_MOVED)

@@ -1,37 +1,54 @@
-"""The one K-FAC step, shared by `scale_by_kfac` / `kfac` and `Optimizer`: fold the statistics,
-refresh the inverses, precondition, and the guard's verdict.
+"""The contract of a front's step, in one place: `scale_by_kfac`, `kfac`, the `Optimizer`,
+`scale_by_kernel_ngd` and `kernel_ngd` only configure an `Engine` and add what is their own.
 
-Each schedule decision is a `lax.cond` that carries only what it can change (the fold: the
-factors, the EMA weight and the skipped-batch counter; the refresh: the caches and the failure
-counter): XLA copies an operand that passes through a cond unchanged, and an elementwise
-`where(ok, new, old)` over the state writes a third copy. Both are gated on the verdict on the
-inputs, so no guard ever has to restore the factors or the caches.
+An `Engine` is built once from a front's arguments, each checked then: where its registration
+comes from (`Source`), its `Config`, its curvature (`Kfac` here; the sample-space kernel in
+`kfac_jax.kernel`) and its `Placement` on a data-parallel axis or mesh. Each update then runs,
+in this order:
+
+- `Engine.bind(params)`: the registration for these params (a front given only `loss_fn`
+  builds it from the first params it sees) and the curvature's part for them (K-FAC's
+  estimator, restricted to the share of an `optax.multi_transform` / `optax.masked`);
+- `Engine.check(...)`: one check sequence, cheapest first: the state's type, where the
+  statistics come from, the rng, the axis, and last the state's fit to the front's init (once
+  per update; the estimator's own methods, called directly, check it again);
+- `Engine.step(...)`: the hyperparameters' values at this step (schedules are called with
+  `count + skipped`, every update seen) and their verdict, the inputs' verdict (a non-finite
+  gradient, params or loss), then the curvature's step and the verdict on what it gives.
+
+K-FAC's step (`Kfac`): each schedule decision is a `lax.cond` that carries only what it can
+change (the fold: the factors, the EMA weight and the skipped-batch counter; the refresh: the
+caches and the failure counter): XLA copies an operand that passes through a cond unchanged,
+and an elementwise `where(ok, new, old)` over the state writes a third copy. Both are gated on
+the verdict on the inputs, so no guard ever has to restore the factors or the caches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from kfac_jax import _checks, _curvature, _estimator, _parallel, _specs, _storage
+from kfac_jax import (
+  _checks,
+  _config,
+  _curvature,
+  _errors,
+  _estimator,
+  _fit,
+  _parallel,
+  _registration,
+  _specs,
+  _storage,
+)
 
 Array = jax.Array
-
-
-class HyperparameterWarning(UserWarning):
-  """A schedule gave a hyperparameter that is not finite, or a negative learning rate or
-  damping: the step it gave it for is skipped (with `Config.skip_nonfinite`)."""
-
-
-class NonFiniteWarning(UserWarning):
-  """A front was given a gradient, params or (the `Optimizer`) a loss that is not finite: the
-  step is skipped (with `Config.skip_nonfinite`) and the curvature is left as it was."""
-
 
 # Each input of a step: how a warning names it and where a non-finite one comes from.
 _INPUTS = {
@@ -56,7 +73,7 @@ class Reporter:
     self.chained = chained
     self._seen: set[str] = set()
 
-  def __call__(self, names: tuple[str, ...], lows: tuple, step, values, goods, skipped: bool):
+  def hyperparameters(self, names: tuple[str, ...], lows: tuple, step, values, goods, skipped):
     step = np.asarray(step).ravel()
     for name, low, value, good in zip(names, lows, values, goods):
       bad = ~np.asarray(good, bool).ravel()
@@ -70,7 +87,7 @@ class Reporter:
         f"{self.who}: the schedule of `{name}` gave {value} at step {at} (it must be {rule}); "
         + ("the step is skipped. " if skipped else "`Config.skip_nonfinite` is off: it is used. ")
         + "This warning is given once per hyperparameter.",
-        HyperparameterWarning,
+        _errors.HyperparameterWarning,
         stacklevel=2,
       )
 
@@ -104,7 +121,7 @@ class Reporter:
         "non-finite statistics)."
       )
       + " This warning is given once per input.",
-      NonFiniteWarning,
+      _errors.NonFiniteWarning,
       stacklevel=2,
     )
 
@@ -119,6 +136,21 @@ def _leaf_names(tree) -> list[str]:
 def _up(x) -> Array:
   x = jnp.asarray(x)
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _when_bad(ok: Array, report: Callable, *args) -> None:
+  """`report(*args)` from the host when `ok` is False; an arg may be a function of no arguments
+  that computes it (on a bad step only). Traced: in a `lax.cond`, so that a good step runs no
+  callback; concrete (an eager step): at once, with no cond to compile on every call."""
+
+  def values():
+    return [a() if callable(a) else a for a in args]
+
+  if not _checks.is_traced(ok):
+    if not bool(ok):
+      report(*values())
+    return
+  jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(report, *values()))
 
 
 def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: bool) -> Array:
@@ -158,45 +190,29 @@ def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: boo
   return ok
 
 
-def _when_bad(ok: Array, report: Callable, *args) -> None:
-  """`report(*args)` from the host when `ok` is False; an arg may be a function of no arguments
-  that computes it (on a bad step only). Traced: in a `lax.cond`, so that a good step runs no
-  callback; concrete (an eager step): at once, with no cond to compile on every call."""
-
-  def values():
-    return [a() if callable(a) else a for a in args]
-
-  if not _checks.is_traced(ok):
-    if not bool(ok):
-      report(*values())
-    return
-  jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(report, *values()))
-
-
 def hyperparameters_ok(
   reporter: Reporter, values: Mapping[str, tuple[Any, float | None]], clock, skipped: bool
 ) -> Array | None:
-  """Whether this step's schedule values are usable: `values` maps a name to `(value, low)`,
-  the value finite and, with `low`, at least `low`. Python numbers (checked on construction)
-  are not looked at; None when nothing is. A bad value is reported by `reporter` from the host,
-  inside a `lax.cond` (no callback on a good step)."""
-  names, lows, xs, goods = [], [], [], []
-  for name, (x, low) in values.items():
-    if x is None or isinstance(x, (int, float)):
-      continue
-    x = jnp.asarray(x)
-    good = jnp.isfinite(x) if low is None else jnp.isfinite(x) & (x >= low)
-    names.append(name)
-    lows.append(low)
-    xs.append(x)
-    goods.append(good)
-  if not names:
+  """Whether this step's hyperparameter values are usable: `values` maps a name to `(value,
+  low)`, the value finite and, with `low`, at least `low`. Python numbers (checked on
+  construction) are not looked at; None when nothing is. A bad value is reported by `reporter`
+  from the host, inside a `lax.cond` (no callback on a good step)."""
+  checked = {
+    n: (jnp.asarray(x), low)
+    for n, (x, low) in values.items()
+    if x is not None and not isinstance(x, (int, float))
+  }
+  if not checked:
     return None
+  names, lows = tuple(checked), tuple(low for _, low in checked.values())
+  xs = [x for x, _ in checked.values()]
+  goods = [
+    jnp.isfinite(x) if low is None else jnp.isfinite(x) & (x >= low) for x, low in checked.values()
+  ]
   ok = jnp.all(jnp.stack([jnp.all(g) for g in goods]))
-
   _when_bad(
     ok,
-    lambda step, xs, goods: reporter(tuple(names), tuple(lows), step, xs, goods, skipped),
+    lambda step, xs, goods: reporter.hyperparameters(names, lows, step, xs, goods, skipped),
     clock,
     xs,
     goods,
@@ -205,118 +221,481 @@ def hyperparameters_ok(
 
 
 def tree_vdot(a, b) -> Array:
-  """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params)."""
-
-  def up(x):
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
+  """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params), also for
+  leaves sharded over explicit mesh axes."""
   return sum(  # type: ignore[return-value]  # an Array: params have leaves
-    _parallel.vdot(up(x), up(y))
+    _parallel.vdot(_up(x), _up(y))
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
   )
 
 
-def step(
-  est: _estimator.CurvatureEstimator,
-  curv: _estimator.EstimatorState,
-  vector,
-  statistics: Callable[[], _curvature.CurvatureStats],
-  count: Array,
-  *,
-  damping,
-  ema_decay,
-  inverse_every,
-  curvature_every,
-  burn_in_steps: int = 0,
-  ok: Array | None = None,
-  axis_name: str | None = None,
-  mesh: Any = None,
-) -> tuple[Any, _estimator.EstimatorState, Array | None]:
-  """One K-FAC step: `(F̂_λ⁻¹ vector, new estimator state, verdict)`.
+# -- the records a front is built from -----------------------------------------------------------
 
-  With `k = count - burn_in_steps`: the statistics fold into the EMA when `k < 0` (burn-in)
-  or `k % curvature_every == 0`; the inverses are refreshed with `damping` when `k >= 0` and
-  `k % inverse_every == 0`; the vector is preconditioned with the refreshed inverses (zeros
-  during burn-in).
 
-  Args:
-    est, curv: the estimator and its state.
-    vector: a params-shaped pytree (the gradient).
-    statistics: a function computing this batch's `CurvatureStats`, called inside the fold's
-      branch unless statistics are due on every step (`curvature_every` a Python 1).
-    count: `[]` int, the step counter.
-    damping, ema_decay, inverse_every, curvature_every: the schedule's values at this step.
-    burn_in_steps: a Python int.
-    ok: the guard's verdict on the inputs, or None with the guard off; the curvature moves
-      only when it holds.
-    axis_name, mesh: the data-parallel axis (see `CurvatureEstimator.update_inverses`).
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """When the curvature moves: the EMA's decay, and the periods (in updates) of the statistics'
+  fold and of the inverses' refresh, both after `burn_in_steps` updates that only fold. Numbers,
+  or (with `optax.inject_hyperparams`) arrays."""
 
-  Returns:
-    The preconditioned vector (in `vector`'s dtypes), the new estimator state and the verdict
-    (`ok`, finite statistics and a finite preconditioned vector; None with the guard off).
+  ema_decay: Any
+  inverse_every: Any
+  curvature_every: Any
+  burn_in_steps: int = 0
+
+  @classmethod
+  def checked(cls, ema_decay, inverse_every, curvature_every, burn_in_steps: int = 0) -> Schedule:
+    _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
+    _checks.positive_int(inverse_every, "inverse_every")
+    _checks.positive_int(curvature_every, "curvature_every")
+    return cls(ema_decay, inverse_every, curvature_every, burn_in_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a front's step runs: inside `pmap` / `shard_map` over `axis_name` (means over it, the
+  inverse work split over it), or under plain `jit` with data sharded over `mesh`'s axis."""
+
+  axis_name: str | None = None
+  mesh: tuple[jax.sharding.Mesh, str] | None = None
+
+  @classmethod
+  def checked(cls, axis_name, config: _config.Config) -> Placement:
+    _checks.optional_str(axis_name, "axis_name")
+    if config.mesh is not None and axis_name is not None:
+      raise ValueError(
+        "pass `axis_name` (inside pmap/shard_map) or `config.mesh` (under jit with sharded "
+        "data), not both: with `axis_name` the inverse work is already split over that axis."
+      )
+    if isinstance(config.storage, _storage.ShardedStorage) and config.mesh is None:
+      if axis_name is None:
+        raise ValueError(
+          "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
+          "axis: pass `axis_name=` (inside pmap/shard_map) or `config.mesh=(mesh, axis)` (under "
+          "jit with sharded data), or keep inverse_storage='replicated' on one device."
+        )
+    return cls(axis_name, config.mesh)
+
+  def mean(self, tree):
+    """`tree` averaged over `axis_name` (as is without one)."""
+    return tree if self.axis_name is None else jax.lax.pmean(tree, self.axis_name)
+
+
+class Source:
+  """Where a front's registration comes from: the one given (`registration=`), or one built with
+  the front's default settings (`defaults`, e.g. the kernel's exact estimation mode) from
+  `loss_fn`, `example_batch` and the first params its `init` sees.
+
+  The built one is kept (the front's state is tied to its layers): later params must have its
+  signature, and an error names the first leaf that differs.
   """
-  old = curv
-  k = count - burn_in_steps if burn_in_steps else count
-  in_burn = (k < 0) if burn_in_steps else None
 
-  # Statistics due on every step are formed outside any cond (a skipped step forms them for
-  # nothing): inside a cond branch XLA:CPU runs some pull-backs (convolutions) far slower.
-  every_step = type(curvature_every) is int and curvature_every == 1
-  fold_due = None if every_step else k % jnp.asarray(curvature_every, k.dtype) == 0
-  if in_burn is not None and fold_due is not None:
-    fold_due = fold_due | in_burn
-  if ok is not None:
-    fold_due = ok if fold_due is None else fold_due & ok
-  now = statistics() if every_step else None
+  def __init__(self, loss_fn, example_batch, registration, who: str, defaults=None):
+    self.given = _registration.shared(registration, loss_fn, who, ("example_batch", example_batch))
+    self.loss_fn, self.example_batch = loss_fn, example_batch
+    self.defaults = dict(defaults or {})
+    self._built: _registration.Registration | None = self.given
 
-  def fold():
-    s = now if now is not None else statistics()
-    return est.update_curvature_from_stats(old, s, ema_decay, axis_name=axis_name, mesh=mesh)
+  @property
+  def known(self) -> _registration.Registration | None:
+    """The registration, once given or built (else None)."""
+    return self._built
 
-  if fold_due is None:
-    curv = fold()
-  else:
+  def for_params(self, params, collective_axes=None) -> _registration.Registration:
+    """The registration for `params`, built from them on first use (`collective_axes`: the
+    front's data-parallel axis, which the model's own collectives may use too), checked against
+    them. A tree without leaves is `optax.tree_map_params`' placeholder, which asks only for the
+    state's structure: the known registration, unchecked."""
+    if self._built is not None and not jax.tree_util.tree_leaves(params):
+      return self._built
+    if self._built is None:
+      self._built = _registration.Registration(
+        self.loss_fn, params, self.example_batch, collective_axes=collective_axes, **self.defaults
+      )
+    self._built.check_params(params)
+    return self._built
 
-    def parts(c):
-      return c.factors, c.ema_weight, c.skipped_batches
 
-    factors, weight, skipped = jax.lax.cond(fold_due, lambda: parts(fold()), lambda: parts(old))
-    curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
-  if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
-    ok = ok & (curv.skipped_batches == old.skipped_batches)
+# -- a front, bound to its params ------------------------------------------------------------------
 
-  refresh_due = k % jnp.asarray(inverse_every, k.dtype) == 0
-  if in_burn is not None:
-    refresh_due = refresh_due & ~in_burn
-  if ok is not None:
-    refresh_due = refresh_due & ok
-  before = curv
 
-  def refresh():
-    new = est.update_inverses(before, damping, axis_name=axis_name, mesh=mesh)
-    return new.cache, new.failed_inverses
+def _is_masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
 
-  cache, failed = jax.lax.cond(refresh_due, refresh, lambda: (before.cache, before.failed_inverses))
-  curv = curv._replace(cache=cache, failed_inverses=failed)
 
-  def precondition():
-    pre = est.multiply_matpower(curv, vector, -1, axis_name=axis_name, mesh=mesh)
-    return jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, vector)
+def masked_share(tree) -> tuple[bool, ...] | None:
+  """Per leaf of `tree`, masked ones included, whether it is not an `optax.MaskedNode` (the share
+  `optax.multi_transform` / `optax.masked` hand a transform); None when none is masked."""
+  kept = tuple(not _is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_masked))
+  return None if all(kept) else kept
 
-  if in_burn is None:
-    pre = precondition()
-  else:
-    pre = jax.lax.cond(
-      in_burn, lambda: jax.tree_util.tree_map(jnp.zeros_like, vector), precondition
+
+class Bound(NamedTuple):
+  """A front bound to one params signature: its registration, the curvature's part for it
+  (K-FAC's estimator; None for the kernel) and, for a share of the params, per registered leaf
+  whether it is in the share."""
+
+  registration: _registration.Registration
+  estimator: Any
+  kept: tuple[bool, ...] | None
+
+  def fill(self, share, abstract: bool = False):
+    """`share` with its masked leaves replaced by zeros of the registered shapes and dtypes
+    (`jax.ShapeDtypeStruct`s with `abstract`): the whole params' structure."""
+    if self.kept is None:
+      return share
+    flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
+    sig = self.registration.param_signature[1]
+    if len(flat) != len(sig):  # Wrong structure: `check_params` names the leaf.
+      return share
+    make = jax.ShapeDtypeStruct if abstract else jnp.zeros
+    leaves = [
+      make(shape, jnp.dtype(dt)) if _is_masked(x) else x for x, (shape, dt) in zip(flat, sig)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  def unfill(self, full, share):
+    """`full` (the whole params' structure) at `share`'s unmasked leaves, in its structure."""
+    if self.kept is None:
+      return full
+    flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
+    leaves = jax.tree_util.tree_leaves(full)
+    return jax.tree_util.tree_unflatten(
+      treedef, [x if _is_masked(x) else y for x, y in zip(flat, leaves)]
     )
-  if ok is not None:
-    ok = ok & _storage.all_finite(pre)
-  if mesh is not None and isinstance(est.storage, _storage.ReplicatedStorage):
-    # Replicated as `init` made it: XLA's propagation would split some inverses the sharded
-    # gradient meets, and a state of other shardings compiles the next step again.
-    every = jax.sharding.NamedSharding(_parallel.mesh_axis(mesh)[0], jax.sharding.PartitionSpec())
-    curv = curv._replace(
-      factors=jax.lax.with_sharding_constraint(curv.factors, every),
-      cache=jax.lax.with_sharding_constraint(curv.cache, every),
+
+
+class Inputs(NamedTuple):
+  """What one update hands the engine's step.
+
+  Attributes:
+    vector: the params-shaped (or share-shaped) vector to precondition: the gradient.
+    statistics: a function of no arguments computing this batch's curvature data (K-FAC's
+      `CurvatureStats`, the kernel's rows), called where the curvature needs them.
+    finite: name → pytree, the inputs whose non-finite leaves skip the step ("gradient",
+      "params", "loss").
+    hyperparameters: name → `(value or schedule count -> value, low or None)`: "damping" and
+      the front's others; a schedule is called with the step's clock.
+  """
+
+  vector: Any
+  statistics: Callable[[], Any]
+  finite: Mapping[str, Any]
+  hyperparameters: Mapping[str, tuple[Any, float | None]]
+
+
+class Work(NamedTuple):
+  """What a curvature's step is given: the vector, the statistics' thunk, the update counter,
+  this step's hyperparameter values and the verdict so far (None with the guard off)."""
+
+  vector: Any
+  statistics: Callable[[], Any]
+  counter: Array
+  values: dict[str, Any]
+  ok: Array | None
+
+
+class Step(NamedTuple):
+  """What the engine's step gives back.
+
+  Attributes:
+    vector: the preconditioned vector in the input's structure and dtypes (as computed on a
+      skipped step: the front zeroes what it returns).
+    curvature: the curvature's new state (moved only with a good verdict).
+    ok: `[]` bool, the verdict: usable hyperparameters, finite inputs, statistics and vector;
+      None with `Config.skip_nonfinite` off.
+    clock: `[]` int, `count + skipped`: what the schedules were called with.
+    values: the hyperparameters' values at this step.
+  """
+
+  vector: Any
+  curvature: Any
+  ok: Array | None
+  clock: Array
+  values: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Kfac:
+  """K-FAC's curvature in an engine: the estimator's averaged statistics and damped inverses,
+  folded and refreshed on `schedule` (the module docstring), the refresh's damping the step's
+  "damping" value plus `damping_shift` (the `Optimizer`'s `l2_reg` η: the curvature η I of an
+  L2 term `(η/2)‖θ‖²` in the user's loss)."""
+
+  schedule: Schedule
+  config: _config.Config
+  damping_shift: float = 0.0
+  _estimators: _fit.Memo = dataclasses.field(default_factory=lambda: _fit.Memo(4), repr=False)
+  takes_stats: ClassVar[bool] = True
+
+  def bind(self, registration, kept, who: str) -> _estimator.CurvatureEstimator:
+    """The estimator of `registration` (of the share `kept`'s layers), built once."""
+    only = None if kept is None else _share_layers(registration, kept, who)
+    return self._estimators(
+      (registration, only),
+      lambda: _estimator.CurvatureEstimator(
+        registration, config=self.config.read_by("CurvatureEstimator"), only=only
+      ),
     )
-  return pre, curv, ok
+
+  def init(self, bound: Bound, placement: Placement, params) -> _estimator.EstimatorState:
+    del params
+    return bound.estimator.init(axis_name=placement.axis_name, mesh=placement.mesh)
+
+  def step(self, bound: Bound, placement: Placement, curv, work: Work):
+    """`(F̂_λ⁻¹ vector, the new estimator state, the verdict)`: with `k = count -
+    burn_in_steps`, the statistics fold into the EMA when `k < 0` (burn-in) or `k %
+    curvature_every == 0`; the inverses are refreshed when `k >= 0` and `k % inverse_every ==
+    0`; the vector is preconditioned with the refreshed inverses (zeros during burn-in)."""
+    est, schedule, axis, mesh = bound.estimator, self.schedule, placement.axis_name, placement.mesh
+    vector, ok, old = bound.fill(work.vector), work.ok, curv
+    damping = work.values["damping"]
+    damping = damping + self.damping_shift if self.damping_shift else damping
+    burn = schedule.burn_in_steps
+    k = work.counter - burn if burn else work.counter
+    in_burn = (k < 0) if burn else None
+
+    # Statistics due on every step are formed outside any cond (a skipped step forms them for
+    # nothing): inside a cond branch XLA:CPU runs some pull-backs (convolutions) far slower.
+    every_step = type(schedule.curvature_every) is int and schedule.curvature_every == 1
+    fold_due = None if every_step else k % jnp.asarray(schedule.curvature_every, k.dtype) == 0
+    if in_burn is not None and fold_due is not None:
+      fold_due = fold_due | in_burn
+    if ok is not None:
+      fold_due = ok if fold_due is None else fold_due & ok
+    now = work.statistics() if every_step else None
+
+    def fold():
+      s = now if now is not None else work.statistics()
+      return est._fold(old, s, schedule.ema_decay, axis, mesh)
+
+    if fold_due is None:
+      curv = fold()
+    else:
+
+      def parts(c):
+        return c.factors, c.ema_weight, c.skipped_batches
+
+      factors, weight, skipped = jax.lax.cond(fold_due, lambda: parts(fold()), lambda: parts(old))
+      curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
+    if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
+      ok = ok & (curv.skipped_batches == old.skipped_batches)
+
+    refresh_due = k % jnp.asarray(schedule.inverse_every, k.dtype) == 0
+    if in_burn is not None:
+      refresh_due = refresh_due & ~in_burn
+    if ok is not None:
+      refresh_due = refresh_due & ok
+    before = curv
+
+    def refresh():
+      new = est._refresh(before, damping, axis, mesh)
+      return new.cache, new.failed_inverses
+
+    cache, failed = jax.lax.cond(
+      refresh_due, refresh, lambda: (before.cache, before.failed_inverses)
+    )
+    curv = curv._replace(cache=cache, failed_inverses=failed)
+
+    def precondition():
+      pre = est._power(curv, vector, -1.0, axis, mesh)
+      return jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, vector)
+
+    if in_burn is None:
+      pre = precondition()
+    else:
+      pre = jax.lax.cond(in_burn, lambda: optax.tree_utils.tree_zeros_like(vector), precondition)
+    if ok is not None:
+      ok = ok & _storage.all_finite(pre)
+    if mesh is not None and isinstance(est.storage, _storage.ReplicatedStorage):
+      # Replicated as `init` made it: XLA's propagation would split some inverses the sharded
+      # gradient meets, and a state of other shardings compiles the next step again.
+      every = jax.sharding.NamedSharding(_parallel.mesh_axis(mesh)[0], jax.sharding.PartitionSpec())
+      curv = curv._replace(
+        factors=jax.lax.with_sharding_constraint(curv.factors, every),
+        cache=jax.lax.with_sharding_constraint(curv.cache, every),
+      )
+    return bound.unfill(pre, work.vector), curv, ok
+
+  def check(self, bound: Bound, state, stats, who: str) -> None:
+    """Statistics of another registration, and (sharded storage checks its own buffers) the
+    rest of the state's fit are the engine's; the estimator names another mode or layer set."""
+    if stats is not None:
+      bound.estimator.check_stats(stats, f"this {who} transform")
+
+  def fits_by_shape(self, bound: Bound) -> bool:
+    return isinstance(bound.estimator.storage, _storage.ReplicatedStorage)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Engine:
+  """A front's step contract, bound to its arguments (see the module docstring).
+
+  Attributes:
+    who: the front's name in messages ("scale_by_kfac", "kfac", "Optimizer", ...).
+    source: where its registration comes from.
+    config: its `Config` (fields it does not read refused at construction).
+    placement: its axis or mesh.
+    curvature: what preconditions (`Kfac`, or the kernel's), with its `bind`, `init`,
+      `check`, `step`.
+    state_type: the type of the front's state, checked first on every update.
+    transform: whether it is an optax transform: it takes a share of the params
+      (`optax.multi_transform`), and the rest of a user's chain acts on its updates.
+    reporter: its warnings (one per hyperparameter or input).
+  """
+
+  who: str
+  source: Source
+  config: _config.Config
+  placement: Placement
+  curvature: Any
+  state_type: type
+  transform: bool
+  reporter: Reporter
+
+  @classmethod
+  def build(
+    cls,
+    who: str,
+    source: tuple[Any, Any, Any],
+    curvature,
+    *,
+    axis_name,
+    config,
+    state_type: type,
+    transform: bool = False,
+    defaults=None,
+  ) -> Engine:
+    """A front's engine; `source` is its `(loss_fn, example_batch, registration)` arguments,
+    `curvature` a function `config -> curvature` (the config checked first), `defaults` the
+    settings of a registration it builds itself. Every argument is checked here, before any
+    state exists."""
+    config = _config.get(config, who)
+    placement = Placement.checked(axis_name, config)
+    reporter = Reporter(who, chained=transform)
+    made = Source(*source, who, defaults)
+    return cls(who, made, config, placement, curvature(config), state_type, transform, reporter)
+
+  @classmethod
+  def kfac(cls, who: str, source, schedule: Schedule, *, damping_shift: float = 0.0, **kw):
+    """A K-FAC front's engine (`build` with `Kfac`; `config.burn_in_steps` joins `schedule`)."""
+
+    def curvature(config):
+      burn = dataclasses.replace(schedule, burn_in_steps=config.burn_in_steps)
+      return Kfac(burn, config, damping_shift)
+
+    return cls.build(who, source, curvature, **kw)
+
+  # -- binding and checks ----------------------------------------------------------------------
+
+  def bind(self, params) -> Bound:
+    """The front bound to `params` (see `Bound`); `params` are checked against the
+    registration's signature."""
+    kept = masked_share(params) if self.transform else None
+    if kept is None:
+      reg = self.source.for_params(params, self.placement.axis_name)
+      return Bound(reg, self.curvature.bind(reg, None, self.who), None)
+    known = self.source.known
+    if known is None:
+      raise ValueError(
+        f"{self.who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
+        "optax.masked hands this transform only its share of the parameters, and the model "
+        "cannot be traced without the rest. Build the layers from the whole params, "
+        "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
+        f"to {self.who} and to kfac_jax.value_and_grad."
+      )
+    known.check_params(Bound(known, None, kept).fill(params, abstract=True))
+    return Bound(known, self.curvature.bind(known, kept, self.who), kept)
+
+  def check(self, bound: Bound, state, expected, *, vector=None, stats=None, batch=None, rng=None):
+    """The check sequence, cheapest first: the state's type; where the statistics come from
+    (`stats`, else `batch` and, in a sampled estimation mode, `rng`), and for a share that
+    `vector` is the same share; the axis; the state's fit to `expected` (the front's init, as
+    shapes). A sharded state's buffers are checked by its storage."""
+    who, takes_stats = self.who, self.curvature.takes_stats
+    if not isinstance(state, self.state_type):
+      raise TypeError(
+        f"{who}: `state` must be the {self.state_type.__name__} from this "
+        f"{'optimizer' if who == 'Optimizer' else 'transform'}'s init, got "
+        f"{type(state).__name__} (a state saved as a NumPy object array is rebuilt by "
+        "kfac_jax.restore_state)."
+      )
+    if stats is not None and not takes_stats:
+      raise ValueError(
+        f"{who}: `curvature_stats` are K-FAC's per-layer statistics; this front solves in "
+        "sample space from the batch's per-example rows: pass `batch=` (and `rng=`) instead."
+      )
+    if stats is None and batch is None:
+      raise ValueError(
+        f"{who}: pass "
+        + ("`curvature_stats=` (from kfac_jax.value_and_grad) or " if takes_stats else "")
+        + "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
+      )
+    if bound.kept is not None:
+      if masked_share(vector) != bound.kept:
+        raise ValueError(
+          f"{who}: `updates` and `params` must be the same share of the parameters (the same "
+          "optax.MaskedNode leaves)."
+        )
+      if stats is None and takes_stats:
+        raise ValueError(
+          f"{who}: `params` has optax.MaskedNode leaves (optax.multi_transform or "
+          "optax.masked hands this transform only its share of the parameters), so it cannot "
+          "trace the model on `batch=`: pass `curvature_stats=` from "
+          "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
+        )
+    if stats is None:
+      _curvature.check_rng(bound.registration.estimation_mode, rng, batch, who)
+    self.curvature.check(bound, state, stats, who)
+    if self.placement.mesh is None:
+      _checks.axis_bound(self.placement.axis_name, who)
+    else:
+      _parallel.mesh_axis(self.placement.mesh)
+    if self.curvature.fits_by_shape(bound):
+      _fit.check(expected, state, who)
+
+  def init(self, bound: Bound, params):
+    """The curvature's initial state on this front's placement."""
+    return self.curvature.init(bound, self.placement, params)
+
+  def replicate(self, state, params):
+    """A front's initial state replicated over the mesh its params (or `config.mesh`) use."""
+    return _parallel.replicate_on_mesh(state, params, self.placement.mesh)
+
+  # -- the step ----------------------------------------------------------------------------------
+
+  def step(self, bound: Bound, count, skipped, curvature, inputs: Inputs) -> Step:
+    """One step: the hyperparameters' values at `count + skipped` and their verdict, the
+    inputs' verdict, then the curvature's step (which moves its state only on a good verdict)
+    and its verdict."""
+    clock = count + skipped
+    values = {n: v(clock) if callable(v) else v for n, (v, _) in inputs.hyperparameters.items()}
+    guard = self.config.skip_nonfinite
+    lows = {n: (values[n], low) for n, (_, low) in inputs.hyperparameters.items()}
+    usable = hyperparameters_ok(self.reporter, lows, clock, guard)
+    finite = inputs_ok(self.reporter, inputs.finite, clock, guard)
+    ok = None
+    if guard:
+      ok = finite if usable is None else finite & usable
+    work = Work(inputs.vector, inputs.statistics, count, values, ok)
+    pre, curvature, ok = self.curvature.step(bound, self.placement, curvature, work)
+    return Step(pre, curvature, ok, clock, values)
+
+
+def _share_layers(reg: _registration.Registration, kept, who: str) -> tuple[str, ...]:
+  """The block names of the layers wholly inside the share `kept` (per registered leaf); a
+  layer with leaves on both sides raises ValueError naming it and both sets of leaves."""
+  paths, names = reg.param_paths, []
+  for name, spec in zip(reg.block_names, reg.layers):
+    inside = [f"`{paths[j]}`" for j in spec.leaf_indices if kept[j]]
+    outside = [f"`{paths[j]}`" for j in spec.leaf_indices if not kept[j]]
+    if inside and outside:
+      raise ValueError(
+        f"{who}: layer `{name}` has {', '.join(inside)} in this transform's share of the "
+        f"parameters and {', '.join(outside)} outside it (optax.multi_transform / "
+        "optax.masked gave them other labels). Its curvature block spans all of them: give "
+        "the whole layer one label."
+      )
+    if inside:
+      names.append(name)
+  return tuple(names)

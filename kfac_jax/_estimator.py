@@ -81,9 +81,9 @@ class CurvatureEstimator:
     config: a `kfac_jax.Config`; the estimator reads its numerics and `inverse_storage` (the
       fields a training front reads are refused: the caller chooses the batches, the schedule
       and the damping, and passes `mesh=` per call).
-    active: indices of the registration's layers whose blocks this estimator keeps (None:
-      every one; see `restrict`).
-    who: how errors name the consumer of the statistics (e.g. "this kfac transform").
+    only: the block names (`registration.block_names`) of the blocks to keep, None for every
+      one: the estimator of a share of the parameters (`optax.multi_transform` hands a
+      transform one), whose products leave the other parameters' entries as they come.
 
   Statistics are accumulated in at least float32 and stored in `config.stats_dtype`;
   preconditioned vectors come back in their own dtype. With `config.inverse_storage="sharded"`
@@ -116,8 +116,7 @@ class CurvatureEstimator:
   compute_cholesky_inverse: bool = False
   compute_params_stats: bool = False
   config: _config.Config | None = None
-  active: tuple[int, ...] | None = None
-  who: str = "this estimator"
+  only: tuple[str, ...] | None = None
 
   def __post_init__(self):
     if not isinstance(self.registration, _registration.Registration):
@@ -139,6 +138,13 @@ class CurvatureEstimator:
       _checks.number(e, "exps", low=-np.inf)
       if e == 0:
         raise ValueError(f"`exps` must be non-zero finite numbers, got {exps!r}.")
+    if self.only is not None:
+      unknown = [n for n in self.only if n not in self.registration.block_names]
+      if not isinstance(self.only, tuple) or unknown:
+        raise ValueError(
+          "`only` must be a tuple of the registration's block names "
+          f"{list(self.registration.block_names)}, got {self.only!r}."
+        )
     self.storage.check_blocks(self.names, self.blocks)
     _compat.one_lapack_thread()
 
@@ -156,9 +162,10 @@ class CurvatureEstimator:
 
   # -- structure -------------------------------------------------------------------------------
 
-  @property
+  @functools.cached_property
   def _active(self) -> tuple[int, ...]:
-    return tuple(range(len(self.registration.layers))) if self.active is None else self.active
+    names = self.registration.block_names
+    return tuple(i for i, n in enumerate(names) if self.only is None or n in self.only)
 
   @property
   def layers(self) -> tuple[_scan.LayerSpec, ...]:
@@ -180,27 +187,6 @@ class CurvatureEstimator:
   def _sig(self) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]]:
     return self.registration.param_signature
 
-  def restrict(self, kept: Sequence[bool]) -> CurvatureEstimator:
-    """This estimator keeping only the blocks of the parameter leaves `kept` (one flag per
-    registered leaf): for a transform handed a share of the parameters by
-    `optax.multi_transform` / `optax.masked`. A block with leaves on both sides raises
-    ValueError naming its layer and both sets of leaves."""
-    paths = self._sig[0]
-    active = []
-    for i, (n, spec) in enumerate(zip(self.registration.block_names, self.layers)):
-      inside = [f"`{paths[j]}`" for j in spec.leaf_indices if kept[j]]
-      outside = [f"`{paths[j]}`" for j in spec.leaf_indices if not kept[j]]
-      if inside and outside:
-        raise ValueError(
-          f"{self.who}: layer `{n}` has {', '.join(inside)} in this transform's share of the "
-          f"parameters and {', '.join(outside)} outside it (optax.multi_transform / "
-          "optax.masked gave them other labels). Its curvature block spans all of them: give "
-          "the whole layer one label."
-        )
-      if inside:
-        active.append(i)
-    return dataclasses.replace(self, active=tuple(active))
-
   # -- state -----------------------------------------------------------------------------------
 
   @functools.cached_property
@@ -208,13 +194,12 @@ class CurvatureEstimator:
     return jax.eval_shape(self.init)
 
   def check_state(
-    self, state, axis_name=None, mesh=None, who: str | None = None, what: str = "state"
+    self, state, axis_name=None, mesh=None, who: str = "this estimator", what: str = "state"
   ):
     """ValueError naming what differs when `state` is not one this estimator's `init` makes
     (another model, layer configuration or storage), when `axis_name` is not bound and when
     `mesh` names an axis its mesh lacks (with both, the storage names the conflict). A sharded
     state's buffers are checked by its storage."""
-    who = who or self.who
     if mesh is None:
       _checks.axis_bound(axis_name, who)
     else:
@@ -242,11 +227,16 @@ class CurvatureEstimator:
       failed_inverses=jnp.zeros((), jnp.int32),
     )
 
-  @jax.named_scope("kfac_statistics")
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
+    self.registration.check_params(params)
+    _curvature.check_rng(self.registration.estimation_mode, rng)
+    return self._curvature_stats(params, batch, rng)
+
+  @jax.named_scope("kfac_statistics")
+  def _curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
+    """`curvature_stats`, unchecked (the fronts' engine checked its arguments)."""
     reg = self.registration
-    reg.check_params(params)
     # Only pulled back: convolutions transpose with canonically ordered kernels (fast inside
     # the transforms' `lax.cond` on CPU; `_compat.pull_back_convs_canonically`).
     with _compat.pull_back_convs_canonically():
@@ -255,19 +245,25 @@ class CurvatureEstimator:
       )
     return out[-1]
 
+  def check_stats(self, stats: _curvature.CurvatureStats, who: str = "this estimator") -> None:
+    """ValueError when `stats` were computed for another mode or layer set, or (statistics of
+    `value_and_grad`, which scans each batch) for layers that change with the batch size."""
+    reg = self.registration
+    if stats.layer_shapes and stats.layer_names == tuple(s.name for s in self.layers):
+      reg.check_layer_shapes(
+        stats.layer_names, stats.layer_shapes, stats.batch_size, kinds_only=True
+      )
+    reg.check_stats(stats, who)
+
   def batch_factors(
     self, stats: _curvature.CurvatureStats, axis_name: str | None = None, cache=None
   ) -> dict[str, Any]:
     """Per-block statistics of one batch (the block kinds' factors types), averaged over
     `axis_name`; blocks with `needs_cache_for_statistics` (EKFAC) read their entry of `cache`."""
-    reg = self.registration
-    if stats.layer_shapes and stats.layer_names == tuple(s.name for s in self.layers):
-      # value_and_grad scanned this batch: a layer that changed with the batch size is named.
-      reg.check_layer_shapes(
-        stats.layer_names, stats.layer_shapes, stats.batch_size, kinds_only=True
-      )
-    reg.check_stats(stats, self.who)
+    self.check_stats(stats)
+    return self._batch_factors(stats, axis_name, cache)
 
+  def _batch_factors(self, stats, axis_name, cache) -> dict[str, Any]:
     def one(n, b, d, cache):
       if isinstance(d, _blocks.StackedUses) and not b.accepts_stacked_uses():
         d = d.unstack()
@@ -299,7 +295,6 @@ class CurvatureEstimator:
       out = jax.lax.pmean(out, axis_name)
     return out
 
-  @jax.named_scope("kfac_statistics")
   def update_curvature_from_stats(
     self,
     state: EstimatorState,
@@ -315,7 +310,13 @@ class CurvatureEstimator:
     """
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
     self.check_state(state, axis_name, mesh)
-    new = self.batch_factors(stats, axis_name, cache=state.cache)
+    self.check_stats(stats)
+    return self._fold(state, stats, ema_decay, axis_name, mesh)
+
+  @jax.named_scope("kfac_statistics")
+  def _fold(self, state, stats, ema_decay, axis_name, mesh) -> EstimatorState:
+    """`update_curvature_from_stats`, unchecked (the fronts' engine checked its arguments)."""
+    new = self._batch_factors(stats, axis_name, state.cache)
     acc = self.numerics.accum_dtype
     decay = jnp.asarray(ema_decay, acc)
     weight = decay * state.ema_weight + 1
@@ -369,7 +370,6 @@ class CurvatureEstimator:
     stats = self.curvature_stats(params, batch, rng)
     return self.update_curvature_from_stats(state, stats, ema_decay, axis_name, mesh)
 
-  @jax.named_scope("kfac_inverses")
   def update_inverses(
     self,
     state: EstimatorState,
@@ -395,6 +395,11 @@ class CurvatureEstimator:
     self.check_state(state, axis_name, mesh)
     if axis_name is not None and mesh is not None:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
+    return self._refresh(state, damping, axis_name, mesh)
+
+  @jax.named_scope("kfac_inverses")
+  def _refresh(self, state, damping, axis_name, mesh) -> EstimatorState:
+    """`update_inverses`, unchecked (the fronts' engine checked its arguments)."""
     damping = jnp.asarray(damping, self.numerics.inverse_dtype)
     cache, failed = self.storage.refresh(
       self.names,
@@ -455,6 +460,10 @@ class CurvatureEstimator:
         f"matrix power {exp:g} was not prepared: this estimator has exps="
         f"{self.numerics.exps} (1 is always available)."
       )
+    return self._power(state, vector, exp, axis_name, mesh)
+
+  def _power(self, state, vector, exp: float, axis_name, mesh):
+    """`multiply_matpower`, unchecked (the fronts' engine checked its arguments)."""
     return self.apply(
       state,
       vector,
@@ -527,25 +536,3 @@ class CurvatureEstimator:
       int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._sig[1]
     )
     return _summary.format_table([self.layers[i] for i in self._active], self.blocks, param_bytes)
-
-
-def _front_door(init):
-  """`CurvatureEstimator.__init__`, raising a TypeError that names `kfac_jax.Registration` for
-  a loss function and example batch or a registration setting (e.g. `estimation_mode=`), and
-  `kfac_jax.Config` for one of its fields (e.g. `stats_dtype=`)."""
-  checked = _config.moved_keywords(init)
-
-  @functools.wraps(init)
-  def wrapper(self, *args, **kwargs):
-    if len(args) > 1:
-      raise TypeError(
-        "CurvatureEstimator takes one positional argument, a kfac_jax.Registration, got "
-        f"{len(args)}: build it from the loss function and example batch, "
-        "`kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))`."
-      )
-    checked(self, *args, **kwargs)
-
-  return wrapper
-
-
-CurvatureEstimator.__init__ = _front_door(CurvatureEstimator.__init__)  # type: ignore[method-assign]

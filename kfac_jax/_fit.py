@@ -31,6 +31,35 @@ def _aval_key(x) -> tuple:
   return (aval.shape, aval.dtype, aval.weak_type, sharding or getattr(aval, "sharding", None))
 
 
+class Memo:
+  """A bounded memo: `memo(key, make)` is the value kept for `key`, made by `make()` on first
+  use; past `size` keys the oldest is dropped. The one cache helper of the library (traced
+  graphs per batch signature, estimators per registration, state shapes per params)."""
+
+  def __init__(self, size: int):
+    self._size = size
+    self._kept: dict[Any, Any] = {}
+
+  def __call__(self, key, make):
+    if key not in self._kept:
+      self.put(key, make())
+    return self._kept[key]
+
+  def get(self, key, default=None):
+    return self._kept.get(key, default)
+
+  def put(self, key, value) -> None:
+    if key not in self._kept and len(self._kept) >= self._size:
+      self._kept.pop(next(iter(self._kept)))
+    self._kept[key] = value
+
+
+def signature(params) -> tuple:
+  """A hashable key of `params`' treedef, shapes, dtypes, weak types and shardings."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  return treedef, tuple(_aval_key(x) for x in leaves)
+
+
 class StateShapes:
   """`jax.eval_shape(init, params)`, traced once per params signature (treedef, shapes, dtypes,
   shardings): a front's update checks the state it is given against it on every trace, which
@@ -38,17 +67,10 @@ class StateShapes:
 
   def __init__(self, init, size: int = 8):
     self._init = init
-    self._size = size
-    self._cache: dict[Any, Any] = {}
+    self._memo = Memo(size)
 
   def __call__(self, params):
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    key = (treedef, tuple(_aval_key(x) for x in leaves))
-    if key not in self._cache:
-      if len(self._cache) >= self._size:
-        self._cache.pop(next(iter(self._cache)))
-      self._cache[key] = jax.eval_shape(self._init, params)
-    return self._cache[key]
+    return self._memo(signature(params), lambda: jax.eval_shape(self._init, params))
 
 
 def describe(path) -> tuple[str, str | None, str]:

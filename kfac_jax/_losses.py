@@ -128,6 +128,35 @@ def fisher_sqrt_product(spec: LossSpec, z: Array, r: Array) -> Array:
   return r / jnp.sqrt(jnp.asarray(spec.var, z.dtype))
 
 
+def whitened_residual(spec: LossSpec, operands: tuple[Array, ...]) -> Array:
+  """`√w ⊙ e` with `B e = ∇_z ℓ(z, y)` for the square-root factor `B` of `fisher_sqrt_product`
+  (`e` orthogonal to B's null space), at the tag's targets, in z's shape and float32 or wider:
+    categorical:     e = (p - y) / √p,   multi-Bernoulli: e = (p - y) / √(p (1 - p)),
+    normal(var):     e = (z - y) / √var.
+  Stacked over the exact modes' vectors `B e_k` (their weights included), `e` gives the tagged
+  loss's per-example gradient `w ∇_z ℓ = Σ_k (√w ⊙ B e_k) e_k`. Where `p` or `p (1 - p)` has
+  underflowed to 0 the entry is 0 (`B` cannot reach that coordinate)."""
+  z = operands[0]
+  zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+  y = _as_targets(operands[1], zf)
+  if spec.kind == "normal":
+    e = (zf - y) / jnp.sqrt(jnp.asarray(spec.var, zf.dtype))
+  else:
+    if spec.kind == "categorical":
+      if y.shape == zf.shape[:-1]:
+        y = jax.nn.one_hot(y, zf.shape[-1], dtype=zf.dtype)
+      p = jax.nn.softmax(zf, axis=-1)
+      s = p
+    else:
+      p = jax.nn.sigmoid(zf)
+      s = p * (1 - p)
+    live = s > 0
+    e = jnp.where(live, (p - y) / jnp.sqrt(jnp.where(live, s, 1)), 0)
+  if spec.has_weight:
+    e = e * jnp.sqrt(_weight(spec, operands[-1], zf))
+  return e
+
+
 def output_cotangents(
   spec: LossSpec, operands: tuple[Array, ...], mode: str, rng: Array | None, num_samples: int
 ) -> Array:

@@ -1,5 +1,10 @@
 """The full K-FAC optimizer (Martens & Grosse 2015, §6–7): learning rate, momentum and damping
-from an exact quadratic model of `h(θ) = L(θ) + (η/2)‖θ‖²` (L the tagged loss, η `l2_reg`).
+from an exact quadratic model of `h(θ)`, the loss `loss_fn` returns (L2 term included).
+
+`l2_reg` = η is the coefficient of an L2 term `(η/2)‖θ‖²` the loss already holds: it tells the
+optimizer that term's curvature η I, which the Gauss-Newton matrix of the tagged loss does not
+see. It adds to the damping of the preconditioner and of the quadratic model, never to the
+gradient or the loss (both are `loss_fn`'s).
 
 Each step runs the engine (`kfac_jax._engine.step`: statistics on due steps from the step's one
 forward pass, inverses with damping `λ + η` on due steps, the guard), takes the proposal
@@ -38,6 +43,7 @@ from kfac_jax import (
   _estimator,
   _fit,
   _losses,
+  _migrate,
   _parallel,
   _registration,
   _storage,
@@ -60,16 +66,6 @@ _INFO_KEYS = (
 
 def _check_number(value, name: str, **bounds) -> None:
   _checks.concrete_number(value, name, "construct the Optimizer", **bounds)
-
-
-def OptimizerConfig(*args, **kwargs):  # noqa: N802  # The former class's name.
-  """Removed: the rare knobs of every front live in `kfac_jax.Config`."""
-  del args, kwargs
-  raise TypeError(
-    "kfac_jax.OptimizerConfig is now kfac_jax.Config, shared by every front: pass "
-    "`config=kfac_jax.Config(...)` (same field names), and `ema_decay` to the Optimizer itself: "
-    "kfac_jax.Optimizer(loss_fn, batch, ema_decay=0.95, config=kfac_jax.Config(...))."
-  )
 
 
 class OptimizerState(NamedTuple):
@@ -154,10 +150,6 @@ def solve_quadratic_model(
   return alpha, mu, change
 
 
-def _schedule_value(value, count, dtype):
-  return jnp.asarray(value(count) if callable(value) else value, dtype)
-
-
 def _pmean(x, axis_name):
   return x if axis_name is None else jax.lax.pmean(x, axis_name)
 
@@ -168,8 +160,8 @@ class _Pass(NamedTuple):
   lin: _curvature.Linearisation
   params: Any
   batch_leaves: list[Any]
-  loss: Array  # Averaged over `axis_name`.
-  grad_h: Any  # ∇h = ∇L + η θ, averaged over `axis_name`.
+  loss: Array  # h(θ), averaged over `axis_name`.
+  grad_h: Any  # ∇h, averaged over `axis_name`.
 
 
 class _Move(NamedTuple):
@@ -227,7 +219,7 @@ def reduction_ratio(h_old: Array, h_new: Array, change: Array) -> Array:
 def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
   """A burn-in step: the statistics only, no move."""
   zero = jnp.zeros([], dtype)
-  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  zeros = optax.tree_utils.tree_zeros_like(params)
   return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
 
 
@@ -253,7 +245,7 @@ def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype,
     rho=rho,
     velocity=velocity,
   )
-  update = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), update)
+  update = optax.tree_utils.tree_where(ok, update, optax.tree_utils.tree_zeros_like(update))
   info = {
     "loss": loss,
     "learning_rate": m.learning_rate,
@@ -284,8 +276,10 @@ class Optimizer:
       `δ_prev` and may exceed 1, since M is minimised over any real (α, μ).
     damping: λ ≥ 0: the initial value with adaptive damping, otherwise a number or a schedule.
     use_adaptive_damping: adapt λ by the Levenberg–Marquardt rule (module docstring).
-    l2_reg: η ≥ 0: `h = L + (η/2)‖θ‖²`; η is added to the gradient, to the damping of the
-      preconditioner and to the quadratic model.
+    l2_reg: η ≥ 0, the coefficient of an L2 term `(η/2)‖θ‖²` that `loss_fn` already adds (as
+      kfac-jax's `l2_reg`): η I, that term's curvature, is added to the damping of the
+      preconditioner and of the quadratic model; the gradient, the loss and ρ are `loss_fn`'s
+      as it returns them. For decoupled weight decay use `Config(weight_decay=)`.
     norm_constraint: c > 0 for KL clipping `α² Δᵀ F̂_λ Δ ≤ c`; needs a fixed learning rate.
     ema_decay: decay of the curvature statistics' moving average, in [0, 1).
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
@@ -322,7 +316,7 @@ class Optimizer:
     >>> params, state, info = step(params, state, batch, jax.random.key(0))
   """
 
-  @_config.moved_keywords
+  @_migrate.translated("Optimizer")
   def __init__(
     self,
     loss_fn: Callable | None = None,
@@ -341,17 +335,6 @@ class Optimizer:
     axis_name: str | None = None,
     config: _config.Config | None = None,
   ):
-    config = _config.get(config, "Optimizer")
-    self._deferred = _registration.Deferred.of(loss_fn, example_batch, registration, "Optimizer")
-    self._estimator = functools.lru_cache(maxsize=1)(
-      functools.partial(
-        _estimator.CurvatureEstimator,
-        config=config.read_by("CurvatureEstimator"),
-        who="this Optimizer",
-      )
-    )
-    self._reporter = _engine.Reporter("Optimizer")
-    self._state_shapes = _fit.StateShapes(self.init)
     if learning_rate is not None and not callable(learning_rate):
       _check_number(learning_rate, "learning_rate", low_open=True)
     if momentum is not None and not callable(momentum):
@@ -377,12 +360,22 @@ class Optimizer:
     _check_number(ema_decay, "ema_decay", high=1.0, high_open=True)
     _checks.static_int(inverse_every, "inverse_every")
     _checks.static_int(curvature_every, "curvature_every")
-    _config.check_parallel(axis_name, config)
+    self._engine = _engine.Engine.kfac(
+      "Optimizer",
+      (loss_fn, example_batch, registration),
+      _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
+      axis_name=axis_name,
+      config=config,
+      state_type=OptimizerState,
+      damping_shift=float(l2_reg),
+    )
+    config = self._engine.config
     if use_adaptive_damping and not callable(damping) and config.min_damping > float(damping):
       raise ValueError(
         f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
         "damping would be clipped up at once; lower min_damping or raise damping."
       )
+    self._shapes = _fit.StateShapes(self.init)
     self.example_batch = example_batch
     self.learning_rate = learning_rate
     self.momentum = momentum
@@ -399,30 +392,33 @@ class Optimizer:
   @property
   def estimator(self) -> _estimator.CurvatureEstimator:
     """The complete estimator (after `init`, or at once with a registration)."""
-    return self._estimator(self._deferred.only())
+    reg = self._engine.source.known
+    if reg is None:
+      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
+    return self._engine.curvature.bind(reg, None, "Optimizer")
 
   # -- state -----------------------------------------------------------------------------------
 
-  def init(self, params, rng: Array | None = None) -> OptimizerState:
-    """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0 (`rng`
-    is not used). With sharded storage, call it inside pmap / shard_map (or pass `config.mesh`).
-    """
-    del rng
-    est = self._estimator(self._deferred.for_params(params, self.axis_name))
-    dtype = est.numerics.inverse_dtype
+  @_migrate.translated("Optimizer.init")
+  def init(self, params) -> OptimizerState:
+    """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0. With
+    sharded storage, call it inside pmap / shard_map (or pass `config.mesh`)."""
+    bound = self._engine.bind(params)
+    dtype = bound.estimator.numerics.inverse_dtype
     lam = self.damping(jnp.zeros([], jnp.int32)) if callable(self.damping) else self.damping
     state = OptimizerState(
       step=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
-      curvature=est.init(axis_name=self.axis_name, mesh=self.config.mesh),
+      curvature=self._engine.init(bound, params),
       damping=jnp.asarray(lam, dtype),
       rho=jnp.zeros([], dtype),
-      velocity=jax.tree_util.tree_map(jnp.zeros_like, params),
+      velocity=optax.tree_utils.tree_zeros_like(params),
     )
-    return _parallel.replicate_on_mesh(state, params, self.config.mesh)
+    return self._engine.replicate(state, params)
 
   # -- one step --------------------------------------------------------------------------------
 
+  @_migrate.translated("Optimizer.step")
   def step(
     self,
     params,
@@ -458,15 +454,9 @@ class Optimizer:
     )
     return new_params, new_state, info
 
-  def _update(self, params, state: OptimizerState, batch, rng, given=None):
-    """The shared core: `(updates, new_state, info)`; `params + updates` are the new params.
-    `given`: per-step `learning_rate`, `momentum` and `damping` (None: the constructor's)."""
-    if not isinstance(state, OptimizerState):
-      raise TypeError(
-        "Optimizer: `state` must be the OptimizerState from this optimizer's init, got "
-        f"{type(state).__name__} (a transform's state goes to that transform's update; a "
-        "state saved as a NumPy object array is rebuilt by kfac_jax.restore_state)."
-      )
+  def _hyperparameters(self, state: OptimizerState, given) -> dict[str, tuple[Any, float | None]]:
+    """This step's α, μ and λ sources (see `_engine.Inputs`): given for this step, else the
+    constructor's (None: from the quadratic model); λ the adapted one with adaptive damping."""
     given = {k: v for k, v in (given or {}).items() if v is not None}
     if "damping" in given and self.use_adaptive_damping:
       raise ValueError(
@@ -479,74 +469,43 @@ class Optimizer:
           f"Optimizer.step: `{name}` must be a scalar (a number or a 0-d array), got shape "
           f"{jnp.shape(value)}."
         )
-    est = self._estimator(self._deferred.for_params(params))
-    reg, cfg = est.registration, self.config
-    _checks.axis_bound(self.axis_name, "Optimizer")
-    _curvature.check_rng(reg.estimation_mode, rng)  # Before the forward pass runs.
-    if isinstance(est.storage, _storage.ReplicatedStorage):  # Sharded: checked by the storage.
-      _fit.check(self._state_shapes(params), state, "Optimizer")
-    dtype = est.numerics.inverse_dtype
-    clock = state.step + state.skipped  # Every step seen: what the schedules are called with.
-    in_burn = state.step < cfg.burn_in_steps
+    own = {
+      "learning_rate": self.learning_rate,
+      "momentum": self.momentum,
+      "damping": state.damping if self.use_adaptive_damping else self.damping,
+    }
+    lows = {"learning_rate": 0.0, "momentum": None, "damping": 0.0}
+    return {n: (given.get(n, own[n]), lows[n]) for n in own}
+
+  def _update(self, params, state: OptimizerState, batch, rng, given=None):
+    """The shared core: `(updates, new_state, info)`; `params + updates` are the new params.
+    `given`: per-step `learning_rate`, `momentum` and `damping` (None: the constructor's)."""
+    engine = self._engine
+    bound = engine.bind(params)
+    engine.check(bound, state, self._shapes(params), batch=batch, rng=rng)
+    hyperparameters = self._hyperparameters(state, given)
+    reg, cfg = bound.registration, self.config
+    dtype = bound.estimator.numerics.inverse_dtype
 
     # One forward pass, linearised: the loss, its gradient, the statistics' pull-back and the
     # quadratic model's push-forwards all reuse it.
     lin = reg.linearise(params, batch)
-    loss, grads = _pmean((lin.loss, lin.grads()), self.axis_name)
-    grad_h, eta = grads, self.l2_reg
-    if eta:  # ∇h = ∇L + η θ
-      grad_h = jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
-    fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grad_h)
-    if self.use_adaptive_damping:
-      lam = state.damping
-    elif "damping" in given:
-      lam = jnp.asarray(given["damping"], dtype)
-    else:
-      lam = _schedule_value(self.damping, clock, dtype)
-    scheduled = {
-      "learning_rate": (self.learning_rate, 0.0),
-      "momentum": (self.momentum, None),
-      "damping": (None if self.use_adaptive_damping else self.damping, 0.0),
-    }
-    usable = _engine.hyperparameters_ok(
-      self._reporter,
-      {
-        n: (_schedule_value(f, clock, dtype), low)
-        for n, (f, low) in scheduled.items()
-        if callable(f)
-      },
-      clock,
-      cfg.skip_nonfinite,
-    )
+    loss, grads = engine.placement.mean((lin.loss, lin.grads()))
+    fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grads)
+
+    def statistics():
+      return lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples)
 
     # The engine's step: statistics, inverses (damping λ + η) and −Δ = F̂⁻¹ ∇h.
-    finite = _engine.inputs_ok(
-      self._reporter,
-      {"gradient": grads, "params": params, "loss": loss},
-      clock,
-      cfg.skip_nonfinite,
+    inputs = _engine.Inputs(
+      grads, statistics, {"gradient": grads, "params": params, "loss": loss}, hyperparameters
     )
-    ok = None
-    if cfg.skip_nonfinite:
-      ok = finite if usable is None else finite & usable
-    pre, curv, ok = _engine.step(
-      est,
-      state.curvature,
-      grad_h,
-      lambda: lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples),
-      state.step,
-      damping=lam + self.l2_reg,
-      ema_decay=self.ema_decay,
-      inverse_every=self.inverse_every,
-      curvature_every=self.curvature_every,
-      burn_in_steps=cfg.burn_in_steps,
-      ok=ok,
-      axis_name=self.axis_name,
-      mesh=cfg.mesh,
-    )
+    step = engine.step(bound, state.step, state.skipped, state.curvature, inputs)
+    lam = jnp.asarray(step.values["damping"], dtype)
 
     # α, μ and the damping adaptation (nothing but the statistics during burn-in).
-    move = functools.partial(self._move, fp, est, curv, pre, state, lam, clock, given)
+    in_burn = state.step < cfg.burn_in_steps
+    move = functools.partial(self._move, fp, bound.estimator, step, state, lam)
     if cfg.burn_in_steps:
       m = jax.lax.cond(in_burn, functools.partial(_burn_in, params, state, lam, dtype), move)
     else:
@@ -566,27 +525,22 @@ class Optimizer:
         min_damping=cfg.min_damping,
         max_damping=cfg.max_damping,
       ).astype(dtype)
-    return _finish(state, curv, update, m, ok, loss, lam, dtype, lin.aux, raised)
+    return _finish(state, step.curvature, update, m, step.ok, loss, lam, dtype, lin.aux, raised)
 
-  def _move(self, fp: _Pass, est, curv, pre, state: OptimizerState, lam, clock, given) -> _Move:
+  def _move(self, fp: _Pass, est, step: _engine.Step, state: OptimizerState, lam) -> _Move:
     """δ = α Δ + μ δ_prev with α, μ given, fixed or from the quadratic model, and the adapted
     λ."""
     dtype = est.numerics.inverse_dtype
-    delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), pre, fp.params)
+    delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), step.vector, fp.params)
     velocity = state.velocity
-
-    def value(name, own):
-      if name in given:
-        return jnp.asarray(given[name], dtype)
-      return None if own is None else _schedule_value(own, clock, dtype)
-
-    alpha = value("learning_rate", self.learning_rate)
-    mu = value("momentum", self.momentum)
+    alpha, mu = (
+      None if step.values[n] is None else jnp.asarray(step.values[n], dtype)
+      for n in ("learning_rate", "momentum")
+    )
     if self.norm_constraint is not None:
       assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
-      f_delta = est.multiply_matpower(
-        curv, delta, 1, axis_name=self.axis_name, mesh=self.config.mesh
-      )
+      place = self._engine.placement
+      f_delta = est._power(step.curvature, delta, 1.0, place.axis_name, place.mesh)
       quad = _engine.tree_vdot(delta, f_delta).astype(dtype)
       alpha = kl_clip(alpha, quad, jnp.asarray(self.norm_constraint, dtype))
     change, fixed = jnp.full([], jnp.nan, dtype), alpha is not None and mu is not None
@@ -611,10 +565,10 @@ class Optimizer:
       rejected = due & ~(rho >= 0)
       low = jnp.finfo(rho.dtype).min
       rho = jnp.where(jnp.isnan(rho), state.rho, jnp.clip(rho, low, -low))
-      update = jax.tree_util.tree_map(lambda u: jnp.where(rejected, jnp.zeros_like(u), u), update)
-      velocity = jax.tree_util.tree_map(
-        lambda u, v: jnp.where(rejected, v, u), update, state.velocity
+      update = optax.tree_utils.tree_where(
+        rejected, optax.tree_utils.tree_zeros_like(update), update
       )
+      velocity = optax.tree_utils.tree_where(rejected, state.velocity, update)
       return _Move(update, velocity, new_lam, rho, alpha, mu, change)
     return _Move(update, update, new_lam, rho, alpha, mu, change)
 
@@ -627,12 +581,8 @@ class Optimizer:
     new = [
       p + u for p, u in zip(jax.tree_util.tree_leaves(fp.params), jax.tree_util.tree_leaves(update))
     ]
-    h_old = fp.loss
     h_new = _pmean(fp.lin.loss_at(new, fp.batch_leaves), self.axis_name)
-    if eta:
-      h_old = h_old + 0.5 * eta * _engine.tree_vdot(fp.params, fp.params)
-      h_new = h_new + 0.5 * eta * sum(_parallel.vdot(x, x) for x in new)
-    rho = reduction_ratio(h_old, h_new, change)
+    rho = reduction_ratio(fp.loss, h_new, change)
     new_lam = adapt_damping(
       lam,
       rho,

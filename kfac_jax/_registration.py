@@ -19,22 +19,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax import _audit, _checks, _compat, _curvature, _losses
+from kfac_jax import _audit, _checks, _compat, _curvature, _fit, _losses
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
 AxisName = str | tuple[str, ...] | None
-_MAX_SCANS = 8  # Evaluation graphs kept per registration (batch shapes x axis environments).
 
 
 def axis_names(axis_name: AxisName) -> tuple[str, ...]:
-  """`axis_name` (a name or a tuple of names) as a tuple; TypeError otherwise."""
+  """`collective_axes` (a name or a tuple of names) as a tuple; TypeError otherwise."""
   if axis_name is None:
     return ()
   names = (axis_name,) if isinstance(axis_name, str) else axis_name
   if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
     raise TypeError(
-      f"`axis_name` must be a string or a tuple of strings (the collective axes the model "
+      f"`collective_axes` must be a string or a tuple of strings (the collective axes the model "
       f'uses, e.g. "batch" for BatchNorm(axis_name="batch")), got {axis_name!r}.'
     )
   return names
@@ -177,8 +176,8 @@ class Registration:
       pattern, and linked parameter groups (None: the defaults).
     strict: raise, instead of warning, when parameters are outside every recognised layer or
       the loss audit measures a mismatch.
-    axis_name: a name or a tuple of names of collective axes `loss_fn` uses (e.g. linen
-      `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
+    collective_axes: a name or a tuple of names of collective axes `loss_fn` itself uses
+      (e.g. linen `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
       shard_map.
     check_loss: audit the loss tags against the returned loss on `example_batch`
       (`kfac_jax._audit`): True runs every check, False none (a loss that differs from its
@@ -195,10 +194,13 @@ class Registration:
       function computing `log|ψ|`. The layers are those of `curvature_fn`; the loss and its
       gradient are `jax.value_and_grad(loss_fn)`'s (custom derivatives kept), so every step
       runs `loss_fn`'s and `curvature_fn`'s forward passes. `loss_fn` then needs no tag, and
-      the loss audit does not apply. A `loss_fn` whose tags sit in a `jax.custom_jvp` rule
+      the loss audit does not apply; tags `loss_fn` binds itself (in its rules or not) are not
+      read: `curvature_fn` wins. A `loss_fn` whose tags sit in a `jax.custom_jvp` rule
       (FermiNet's loss), or in a `jax.custom_vjp`'s fwd or bwd, is treated the same way
-      without this argument: the rule, run with zero tangents (a custom_vjp's fwd, then its
-      bwd on zero cotangents), is its curvature function.
+      without this argument: `loss_fn` run as `jax.grad` runs it (its rules called by JAX, a
+      custom_vjp's bwd on a zero cotangent) is its curvature function, whatever the rule's
+      primal outputs (FermiNet's rule returns an aux of other shapes). Tags both in such a
+      rule and outside it are a `RegistrationError` naming them.
 
   Attributes:
     layers: the registered layers (a tuple of `LayerSpec`), in parameter order: each names the
@@ -218,7 +220,7 @@ class Registration:
     loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss (1/D for a mean over
       the outputs too), as the loss audit fitted it; None where it did not measure or found a
       mismatch.
-    loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, axis_name,
+    loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, collective_axes,
       check_loss, curvature_fn: the settings it was built with.
     separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom_jvp
       rule or a custom_vjp's fwd or bwd): its value and gradient come from `loss_fn` itself.
@@ -261,7 +263,7 @@ class Registration:
   num_samples: int
   layer_config: Any
   strict: bool
-  axis_name: Any
+  collective_axes: Any
   check_loss: bool | Collection[str]
   example_batch: Any
   params_shape: Any
@@ -274,8 +276,8 @@ class Registration:
   outputs_per_example: int
   loss_factor: float | None
   fingerprint: Any
-  _scans: dict[Any, Any]
-  _block_sets: dict[Any, Any]
+  _scans: _fit.Memo
+  _block_sets: _fit.Memo
 
   def __init__(
     self,
@@ -288,7 +290,7 @@ class Registration:
     num_samples: int = 1,
     layers: _scan.LayerConfig | None = None,
     strict: bool = False,
-    axis_name: AxisName = None,
+    collective_axes: AxisName = None,
     check_loss: bool | Collection[str] = True,
     warn: bool = True,
     curvature_fn: Callable | None = None,
@@ -300,7 +302,7 @@ class Registration:
     _checks.boolean(strict, "strict")
     checks = _audit.checks_from(check_loss)
     config = _scan.check_layer_config(layers)
-    names = axis_names(axis_name)
+    names = axis_names(collective_axes)
     set_(self, "loss_fn", loss_fn)
     set_(self, "loss_part", part)
     set_(self, "has_aux", has_aux)
@@ -308,7 +310,7 @@ class Registration:
     set_(self, "num_samples", num_samples)
     set_(self, "layer_config", config)
     set_(self, "strict", strict)
-    set_(self, "axis_name", axis_name)
+    set_(self, "collective_axes", collective_axes)
     set_(self, "check_loss", check_loss)
     set_(self, "curvature_fn", curvature_fn)
     set_(self, "_curvature_part", curvature_part)
@@ -318,7 +320,7 @@ class Registration:
       scan = self._trace(params, example_batch, warn)
     # The loss is not the tags' (a curvature function, or tags in a custom_jvp rule): its value
     # and gradient come from `loss_fn` itself, and the audit has nothing to compare.
-    set_(self, "separate_loss", curvature_part is not None or bool(scan.rule_calls))
+    set_(self, "separate_loss", curvature_part is not None or scan.separate_loss)
     factor = None
     if checks and not self.separate_loss:  # Once per registration, not per later scan.
       factor = _audit.audit(
@@ -347,10 +349,10 @@ class Registration:
       (s.name, s.kind, tuple(s.param_paths), s.num_uses, s.stack_size) for s in scan.layers
     )
     set_(self, "fingerprint", StatsKey(estimation_mode, key_samples, key_layers))
-    set_(self, "_scans", {})
-    set_(self, "_block_sets", {})
+    set_(self, "_scans", _fit.Memo(8))  # Per batch shapes and axis environment.
+    set_(self, "_block_sets", _fit.Memo(4))
     if not stand_in and not _audit.has_tracer_consts(scan):
-      self._scans[(env, avals(params), avals(example_batch))] = scan
+      self._scans.put((env, avals(params), avals(example_batch)), scan)
 
   def __setattr__(self, name, value):
     raise dataclasses.FrozenInstanceError(
@@ -419,33 +421,35 @@ class Registration:
   def blocks(self, config: _blocks.BlockConfig | None = None) -> tuple[_blocks.Block, ...]:
     """One curvature block per layer for the block options `config` (built once per config)."""
     config = _blocks.BlockConfig() if config is None else config
-    if config not in self._block_sets:
-      self._block_sets[config] = tuple(_blocks.make_block(s, config) for s in self.layers)
-    return self._block_sets[config]
+    return self._block_sets(
+      config, lambda: tuple(_blocks.make_block(s, config) for s in self.layers)
+    )
 
-  def scan_batch(self, params, batch) -> _scan.ScanResult:
+  def scan_batch(self, params, batch, *, check_layers: bool = True) -> _scan.ScanResult:
     """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates (module
-    docstring), checked to have the registration's layers."""
+    docstring), checked to have the registration's layers; with `check_layers=False` (the
+    sample-space kernel, which reads only the loss tags) unchecked, and kept apart."""
     env = _compat.axis_env_key()
     key = None if env is None else (env, avals(params), avals(batch))
-    if key in self._scans:  # A key of None is never stored.
-      return self._scans[key]
+    kept = self._scans.get(key)  # A key of None is never stored.
+    if kept is None and not check_layers and key is not None:
+      kept = self._scans.get((key, "unchecked"))
+    if kept is not None:
+      return kept
     scan = self._trace(params, batch, False)
-    self.check_layer_shapes(
-      tuple(s.name for s in scan.layers),
-      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-      scan.batch_size,
-    )
+    if check_layers:
+      self.check_layer_shapes(
+        tuple(s.name for s in scan.layers),
+        tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
+        scan.batch_size,
+      )
     if key is not None and not _audit.has_tracer_consts(scan):
-      if len(self._scans) >= _MAX_SCANS:
-        self._scans.pop(next(iter(self._scans)))
-      self._scans[key] = scan
+      self._scans.put(key if check_layers else (key, "unchecked"), scan)
     return scan
 
   def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
     """`_curvature.compute` on the graph of this batch, with this registration's estimation
-    mode, samples and fingerprint. A missing `rng` is refused before the loss is traced."""
-    _curvature.check_rng(self.estimation_mode, rng)
+    mode, samples and fingerprint (the callers have checked `rng`)."""
     return _curvature.compute(
       self.scan_batch(params, batch),
       params,
@@ -542,54 +546,6 @@ def shared(registration, loss_fn, who: str, *others: tuple[str, Any]) -> Registr
   return registration
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Deferred:
-  """The registration of a front (a transform or the `Optimizer`): the one given, or one built
-  with the default settings from `loss_fn`, `example_batch` and the first params its `init`
-  sees (kept: later params must have the same signature, an error names the first leaf that
-  differs).
-
-  Attributes:
-    loss_fn, example_batch: what a registration is built from (None with `given`).
-    given: the `registration=` argument, or None.
-  """
-
-  loss_fn: Any
-  example_batch: Any
-  given: Registration | None
-  _built: list[Registration] = dataclasses.field(default_factory=list, repr=False)  # 0 or 1
-
-  @classmethod
-  def of(cls, loss_fn, example_batch, registration, who: str) -> Deferred:
-    """The front's arguments, checked (see `shared`)."""
-    reg = shared(registration, loss_fn, who, ("example_batch", example_batch))
-    return cls(loss_fn, example_batch, reg, [] if reg is None else [reg])
-
-  @property
-  def known(self) -> bool:
-    """Whether the registration exists (given, or built by an `init`)."""
-    return bool(self._built)
-
-  def only(self) -> Registration:
-    """The registration, once known."""
-    if not self._built:
-      raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
-    return self._built[0]
-
-  def for_params(self, params, axis_name: AxisName = None) -> Registration:
-    """The registration for `params` (built from them on first use), checked against them. A
-    tree without leaves is `optax.tree_map_params`' placeholder, which asks only for the
-    state's structure: the known registration, unchecked."""
-    if not jax.tree_util.tree_leaves(params) and self._built:
-      return self._built[0]
-    if not self._built:
-      reg = Registration(self.loss_fn, params, self.example_batch, axis_name=axis_name)
-      self._built.append(reg)
-    self._built[0].check_params(params)
-    return self._built[0]
-
-
-@_checks.moved_keywords
 def value_and_grad(
   loss_fn: Callable | None = None,
   *,
@@ -648,21 +604,20 @@ def value_and_grad(
   """
   _checks.boolean(compute_params_stats, "compute_params_stats")
   reg = shared(registration, loss_fn, "value_and_grad")
-  own: dict[Any, Any] = {}  # Without `registration`: one per (params, batch) signature.
+  own = _fit.Memo(8)  # Without `registration`: one per (params, batch) signature.
 
   def registered(params, batch):
     if reg is not None:
       reg.check_params(params)
       return reg
-    key = (avals(params), avals(batch))
-    if key not in own:
-      if len(own) >= 8:
-        own.pop(next(iter(own)))
-      own[key] = Registration(loss_fn, params, batch, warn=False)  # type: ignore[arg-type]
-    return own[key]
+    return own(
+      (avals(params), avals(batch)),
+      lambda: Registration(loss_fn, params, batch, warn=False),  # type: ignore[arg-type]
+    )
 
   def fn(params, batch, rng=None):
     r = registered(params, batch)
+    _curvature.check_rng(r.estimation_mode, rng)  # Before the loss is traced.
     out = r.compute(params, batch, rng, with_grads=True, with_params_stats=compute_params_stats)
     if r.has_aux:
       loss, aux, grads, stats = out

@@ -36,26 +36,11 @@ Approximation = Literal[
 ]
 
 
-class RegistrationError(ValueError):
-  """A loss or layer registration problem, found while scanning `loss_fn`."""
-
-
-class UncoveredParametersWarning(UserWarning):
-  """Parameters not in any recognised layer; they get a diagonal generic block."""
-
-
-class RegistrationCheckError(RegistrationError):
-  """Every coverage problem of one registration, listed together (`check_registration`).
-
-  Attributes:
-    problems: one line per problem, each naming the parameter path(s).
-  """
-
-  def __init__(self, problems: Sequence[str]):
-    self.problems = tuple(problems)
-    lines = "\n".join(f"  - {p}" for p in self.problems)
-    super().__init__(f"{len(self.problems)} registration problem(s):\n{lines}")
-
+from kfac_jax._errors import (  # noqa: F401  # Re-exported to the scanner.
+  RegistrationCheckError,
+  RegistrationError,
+  UncoveredParametersWarning,
+)
 
 # --------------------------------------------------------------------------------------------
 # Parameter paths and views.
@@ -195,7 +180,10 @@ class DenseInfo:
   shared layer that does not add the layer's bias: a tangent channel of a forward-mode
   derivative (`jax.jvp`, a forward Laplacian), whose input rows get a homogeneous coordinate
   of 0 instead of 1. `term` is the one loss tag a shared layer's use feeds (see
-  `blocks._terms`).
+  `blocks._terms`). `transposed` marks a use of a shared layer that reads the layer's kernel
+  matrix transposed (the backward pass of a reverse-mode derivative: `δa = δz Wᵀ`); the other
+  fields describe that use's own product (`in_dim` is the layer's `out_dim`), and its input
+  and output gradient enter the layer's statistics with their roles exchanged (`blocks._uses`).
   """
 
   kernel_view: tuple[ViewStep, ...]
@@ -208,6 +196,7 @@ class DenseInfo:
   shared_tap: bytes = b""
   adds_bias: bool = True
   term: int = -1  # A shared layer's use: the loss tag it feeds (-1: one tag, or several).
+  transposed: bool = False
   # A kernel, then optionally a bias (`LayerSpec.has_bias`).
   kernel_and_bias: ClassVar[bool] = True
 

@@ -11,14 +11,9 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from kfac_jax import _checks, _compat, _registration
+from kfac_jax import _compat, _registration
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _tracer
-
-_AXIS_NAME = (
-  "`axis_name` is a setting of the registration (got {!r}): pass "
-  "`registration=kfac_jax.Registration(loss_fn, params, batch, axis_name=...)`."
-)
 
 
 def _registration_of(who, registration, loss_fn, params, batch) -> _registration.Registration:
@@ -30,7 +25,6 @@ def _registration_of(who, registration, loss_fn, params, batch) -> _registration
   return reg
 
 
-@_checks.moved_keywords(refused={"axis_name": _AXIS_NAME})
 def summary(
   loss_fn: Callable | None = None,
   params=None,
@@ -50,7 +44,7 @@ def summary(
   Args:
     loss_fn, params, batch: the loss function, registered with the default settings.
     registration: a `kfac_jax.Registration` instead (no new scan): the layers it holds, with
-      its settings (`layers`, `has_aux`, `axis_name`, ...).
+      its settings (`layers`, `has_aux`, `collective_axes`, ...).
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))
@@ -101,7 +95,6 @@ def coverage_report(
   return "\n".join(lines)
 
 
-@_checks.moved_keywords(refused={"axis_name": _AXIS_NAME})
 def check_registration(
   loss_fn: Callable | None = None,
   params=None,
@@ -120,7 +113,7 @@ def check_registration(
   Args:
     loss_fn, params, batch: the loss function, scanned with the default settings.
     registration: a `kfac_jax.Registration` instead, scanned again with its settings
-      (`layers`, `has_aux`, `axis_name`).
+      (`layers`, `has_aux`, `collective_axes`).
 
   Returns:
     The registered layers, as `Registration.layers` lists them, when there is no problem.
@@ -140,7 +133,7 @@ def check_registration(
   axis_name, has_aux, layers = None, False, None
   if reg is not None:
     loss_fn, params, batch = reg.loss_fn, reg.params_shape, reg.example_batch
-    axis_name, has_aux, layers = reg.axis_name, reg.has_aux, reg.layer_config
+    axis_name, has_aux, layers = reg.collective_axes, reg.has_aux, reg.layer_config
   part = _registration.LossPart(loss_fn, has_aux)
   with _compat.axis_env([(n, 1) for n in _registration.axis_names(axis_name)]):
     scan = _tracer.scan(

@@ -1,8 +1,9 @@
 """K-FAC as optax gradient transformations.
 
 `scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates); `kfac` chains it with
-K-FAC norm clipping, `optax.trace` momentum and the learning rate under a guard wrapper. The
-step (`kfac_jax._engine.step`) runs inside the caller's `jit` / `pmap`, without host syncs.
+K-FAC norm clipping, `optax.trace` momentum and the learning rate under the step's verdict.
+Both are configurations of one `kfac_jax._engine.Engine`, whose step runs inside the caller's
+`jit` / `pmap`, without host syncs.
 
 With `Config.skip_nonfinite` (the default) a non-finite gradient, batch statistics or
 preconditioned update gives zero updates and leaves the state as it was but for the `skipped`
@@ -14,7 +15,6 @@ params that are not finite once per input (`NonFiniteWarning`), guard on or off.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -23,16 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import (
-  _checks,
-  _config,
-  _curvature,
-  _engine,
-  _estimator,
-  _fit,
-  _parallel,
-  _registration,
-)
+from kfac_jax import _checks, _config, _engine, _estimator, _fit, _migrate, _registration
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -121,19 +112,19 @@ def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batc
   with a note on the cause.
   """
   if fraction == 1:
-    return est.curvature_stats(params, batch, rng)
+    return est._curvature_stats(params, batch, rng)
   if fraction == "auto":
     try:
       cut, rows = _rows(fraction, batch, who)
-      stats = est.curvature_stats(params, cut, rng)
+      stats = est._curvature_stats(params, cut, rng)
     except Exception:  # noqa: BLE001  # Flax's shape errors are not ValueErrors.
       stats = None
     if stats is not None and stats.batch_size == rows:
       return stats
-    return est.curvature_stats(params, batch, rng)
+    return est._curvature_stats(params, batch, rng)
   cut = _rows(fraction, batch, who)[0]
   try:
-    return est.curvature_stats(params, cut, rng)
+    return est._curvature_stats(params, cut, rng)
   except (TypeError, ValueError) as e:
     # A note, not a new exception: JAX's own TypeErrors take a tracer, not a message.
     e.add_note(
@@ -144,202 +135,88 @@ def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batc
     raise
 
 
-def _check_state(state, est: _estimator.CurvatureEstimator, who: str) -> None:
-  if not isinstance(state, ScaleByKfacState):
-    raise TypeError(
-      f"{who}: `state` must be the ScaleByKfacState from this transform's init, got "
-      f"{type(state).__name__}."
-    )
-  factors = getattr(state.curvature, "factors", {})
-  # A sharded state's buffers are checked against the layout by the storage.
-  got = tuple(factors) if isinstance(factors, dict) else tuple(est.names)
-  if sorted(got) != sorted(est.names):
-    raise ValueError(
-      f"{who}: `state` holds the curvature of the layers {list(got)}, but this transform has "
-      f"the layers {list(est.names)}: it is another model's state (or another share's). Pass "
-      "the state this transform's init returned."
-    )
+def kfac_statistics(engine: _engine.Engine, bound, params, batch, rng, curvature_stats):
+  """K-FAC's statistics for an update: `curvature_stats` as given, else from `batch`'s rows
+  that `Config.statistics_fraction` picks."""
+  if curvature_stats is not None:
+    return curvature_stats
+  fraction = engine.config.fraction
+  return _batch_statistics(bound.estimator, fraction, params, batch, rng, engine.who)
 
 
-def _is_masked(x) -> bool:
-  return isinstance(x, optax.MaskedNode)
+def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, rest=None, own=None):
+  """The optax transformation of `engine` (`scale_by_kfac`, `scale_by_kernel_ngd`), or its
+  chain with `rest` (`kfac`, `kernel_ngd`: clipping, momentum and the learning rate) run on the
+  preconditioned vector under the step's verdict: on a skipped step `rest` is not run, the
+  updates are zeros and every state but the `skipped` counter is kept (optax's
+  `apply_if_finite` pattern, curvature-aware).
 
+  `statistics(engine, bound, params, batch, rng, curvature_stats)` gives the curvature's data
+  for an update. The preconditioner's state is `engine.state_type` alone, or (with `rest`) the
+  type `own` beside `rest`'s in `engine.state_type`. `rest` is given the raw gradient
+  `kfac_grads=`, the schedules' count `kfac_count=` and the caller's other extra arguments (a
+  line search's `value=`, `grad=`, `value_fn=`)."""
+  own_type = engine.state_type if rest is None else own
 
-def masked_share(tree) -> tuple[bool, ...] | None:
-  """Per leaf of `tree`, masked ones included, whether it is not an `optax.MaskedNode` (the share
-  `optax.multi_transform` / `optax.masked` hand a transform); None when none is masked."""
-  kept = tuple(not _is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_masked))
-  return None if all(kept) else kept
-
-
-def _fill(est: _estimator.CurvatureEstimator, share, abstract: bool = False):
-  """`share` with its `optax.MaskedNode` leaves replaced by zeros of the registered shapes and
-  dtypes (`jax.ShapeDtypeStruct`s with `abstract`): the whole params' structure."""
-  flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
-  sig = est.registration.param_signature[1]
-  if len(flat) != len(sig):  # Wrong structure: `check_params` names the leaf.
-    return jax.tree_util.tree_unflatten(treedef, flat)
-  make = jax.ShapeDtypeStruct if abstract else jnp.zeros
-  leaves = [
-    make(shape, jnp.dtype(dtype)) if _is_masked(x) else x for x, (shape, dtype) in zip(flat, sig)
-  ]
-  return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _unfill(full, share):
-  """`full` (the whole params' structure) at `share`'s unmasked leaves, in `share`'s structure."""
-  flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
-  leaves = jax.tree_util.tree_leaves(full)
-  return jax.tree_util.tree_unflatten(
-    treedef, [x if _is_masked(x) else y for x, y in zip(flat, leaves)]
-  )
-
-
-def _estimator_for(deferred: _registration.Deferred, make, params, who: str, axis_name=None):
-  """`(estimator, kept)`: `make(registration)` for `params`, restricted to the share when
-  `params` has `optax.MaskedNode` leaves (`kept`: per registered leaf, whether it is in it)."""
-  kept = masked_share(params)
-  if kept is None:
-    return make(deferred.for_params(params, axis_name)), None
-  if not deferred.known:
-    raise ValueError(
-      f"{who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
-      "optax.masked hands this transform only its share of the parameters, and the model "
-      "cannot be traced without the rest. Build the layers from the whole params, "
-      "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
-      f"to {who} and to kfac_jax.value_and_grad."
-    )
-  est = make(deferred.only())
-  est.registration.check_params(_fill(est, params, abstract=True))
-  return est.restrict(kept), kept
-
-
-def _preconditioner(
-  loss_fn,
-  example_batch,
-  damping,
-  ema_decay,
-  inverse_every,
-  curvature_every,
-  registration,
-  axis_name,
-  config,
-  who: str,
-) -> tuple[optax.GradientTransformationExtraArgs, Callable]:
-  """`scale_by_kfac` named `who` in its errors, and `params -> registration`."""
-  config = _config.get(config, who)
-  _checks.number(damping, "damping", low=0.0, schedule=True)
-  _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
-  _checks.positive_int(inverse_every, "inverse_every")
-  _checks.positive_int(curvature_every, "curvature_every")
-  _config.check_parallel(axis_name, config)
-  deferred = _registration.Deferred.of(loss_fn, example_batch, registration, who)
-  make = functools.lru_cache(maxsize=1)(
-    functools.partial(
-      _estimator.CurvatureEstimator,
-      config=config.read_by("CurvatureEstimator"),
-      who=f"this {who} transform",
-    )
-  )
-  mesh, guard = config.mesh, config.skip_nonfinite
-  reporter = _engine.Reporter(who, chained=True)
-
-  def init_fn(params) -> ScaleByKfacState:
-    est, _ = _estimator_for(deferred, make, params, who, axis_name)
+  def init_fn(params):
+    bound = engine.bind(params)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
-    state = ScaleByKfacState(
-      count=jnp.zeros([], jnp.int32),
-      curvature=est.init(axis_name=axis_name, mesh=mesh),
-      skipped=jnp.zeros([], jnp.int32),
-    )
-    return _parallel.replicate_on_mesh(state, params, mesh)
+    zero = lambda: jnp.zeros([], jnp.int32)  # noqa: E731
+    pre = own_type(zero(), engine.init(bound, params), zero())
+    state = pre if rest is None else engine.state_type(pre, rest.init(params))
+    return engine.replicate(state, params)
+
+  shapes = _fit.StateShapes(init_fn)
 
   def update_fn(
-    updates,
-    state: ScaleByKfacState,
-    params=None,
-    *,
-    curvature_stats=None,
-    batch=None,
-    rng=None,
-    kfac_gate=None,
-    **extra_args,
+    updates, state, params=None, *, curvature_stats=None, batch=None, rng=None, **extra
   ):
-    del extra_args  # Other transforms' extra arguments (optax.chain forwards them all).
     if params is None:
-      raise ValueError(f"{who}: `params` is required: tx.update(grads, state, params, ...).")
-    est, kept = _estimator_for(deferred, make, params, who)
-    _check_state(state, est, who)
-    est.check_state(state.curvature, axis_name, mesh, who, "state.curvature")
-    if kept is not None:
-      if masked_share(updates) != kept:
-        raise ValueError(
-          f"{who}: `updates` and `params` must be the same share of the parameters "
-          "(the same optax.MaskedNode leaves)."
-        )
-      if curvature_stats is None:
-        raise ValueError(
-          f"{who}: `params` has optax.MaskedNode leaves (optax.multi_transform or "
-          "optax.masked hands this transform only its share of the parameters), so it cannot "
-          "trace the model on `batch=`: pass `curvature_stats=` from "
-          "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
-        )
-    if curvature_stats is None and batch is None:
-      raise ValueError(
-        f"{who}: pass `curvature_stats=` (from kfac_jax.value_and_grad) or "
-        "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
-      )
-    if curvature_stats is None:  # Before the step's checks and the forward pass run.
-      _curvature.check_rng(est.registration.estimation_mode, rng)
-    count = state.count
-    clock = count + state.skipped
-    lam = damping(clock) if callable(damping) else damping
-    usable = _engine.hyperparameters_ok(reporter, {"damping": (lam, 0.0)}, clock, guard)
-    finite = _engine.inputs_ok(reporter, {"gradient": updates, "params": params}, clock, guard)
-    ok = None
-    if guard:
-      ok = finite
-      for gate in (kfac_gate, usable):
-        ok = ok if gate is None else ok & gate
-
-    def statistics():
-      if curvature_stats is not None:
-        return curvature_stats
-      return _batch_statistics(est, config.fraction, params, batch, rng, who)
-
-    pre, curv, ok = _engine.step(
-      est,
-      state.curvature,
-      updates if kept is None else _fill(est, updates),
-      statistics,
-      count,
-      damping=lam,
-      ema_decay=ema_decay,
-      inverse_every=inverse_every,
-      curvature_every=curvature_every,
-      burn_in_steps=config.burn_in_steps,
-      ok=ok,
-      axis_name=axis_name,
-      mesh=mesh,
+      raise ValueError(f"{engine.who}: `params` is required: tx.update(grads, state, params, ...).")
+    bound = engine.bind(params)
+    engine.check(
+      bound, state, shapes(params), vector=updates, stats=curvature_stats, batch=batch, rng=rng
     )
-    if kept is not None:  # The masked leaves' zeros pass through no block; XLA drops them.
-      pre = _unfill(pre, updates)
+    own = state if rest is None else state.preconditioner
+    data = lambda: statistics(engine, bound, params, batch, rng, curvature_stats)  # noqa: E731
+    finite = {"gradient": updates, "params": params}
+    step = engine.step(
+      bound,
+      own.count,
+      own.skipped,
+      own.curvature,
+      _engine.Inputs(updates, data, finite, hyperparameters),
+    )
+    ok = step.ok
+    out = step.vector
+    if rest is not None:
+
+      def run():
+        return rest.update(
+          out, state.rest, params, kfac_grads=updates, kfac_count=step.clock, **extra
+        )
+
+      if ok is None:
+        out, rest_state = run()
+      else:
+        zeros = optax.tree_utils.tree_zeros_like(out)
+        out, rest_state = jax.lax.cond(ok, run, lambda: (zeros, state.rest))
     if ok is None:
-      return pre, ScaleByKfacState(optax.safe_increment(count), curv, state.skipped)
-    out = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), pre)
-    return out, ScaleByKfacState(
-      count=count + ok.astype(count.dtype),
-      curvature=curv,
-      skipped=state.skipped + (~ok).astype(state.skipped.dtype),
-    )
+      new = own_type(optax.safe_increment(own.count), step.curvature, own.skipped)
+    else:
+      if rest is None:
+        out = optax.tree_utils.tree_where(ok, out, optax.tree_utils.tree_zeros_like(out))
+      new = own_type(
+        own.count + ok.astype(own.count.dtype),
+        step.curvature,
+        own.skipped + (~ok).astype(own.skipped.dtype),
+      )
+    return out, (new if rest is None else engine.state_type(new, rest_state))
 
-  def registration_for(params) -> _registration.Registration:
-    return _estimator_for(deferred, make, params, who)[0].registration
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn), registration_for
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@_config.moved_keywords
+@_migrate.translated("scale_by_kfac")
 def scale_by_kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
@@ -382,17 +259,15 @@ def scale_by_kfac(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `ScaleByKfacState`. Its
-    `update(updates, state, params, *, curvature_stats=None, batch=None, rng=None,
-    kfac_gate=None)` needs `params`, and either `curvature_stats` from
-    `kfac_jax.value_and_grad` (one forward pass for everything) or `batch` and `rng` (an extra
-    forward and backward pass). `kfac_gate`, a scalar bool, skips the update when False.
+    `update(updates, state, params, *, curvature_stats=None, batch=None, rng=None)` needs
+    `params`, and either `curvature_stats` from `kfac_jax.value_and_grad` (one forward pass for
+    everything) or `batch` and `rng` (an extra forward and backward pass).
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; a registration setting (e.g. `has_aux=`) or a keyword that moved into
-      `Config`, naming its place; a `Config` field it does not read. In `update` (when
-      traced, before any state changes): params of another structure than at `init`, a state
-      of another model, or `curvature_stats` of another mode, sample count or layer set.
+      is created; a `Config` field it does not read. In `update` (when traced, before any
+      state changes): params of another structure than at `init`, a state of another model,
+      or `curvature_stats` of another mode, sample count or layer set.
 
   Example:
     >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
@@ -401,18 +276,17 @@ def scale_by_kfac(
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
-  return _preconditioner(
-    loss_fn,
-    example_batch,
-    damping,
-    ema_decay,
-    inverse_every,
-    curvature_every,
-    registration,
-    axis_name,
-    config,
+  _checks.number(damping, "damping", low=0.0, schedule=True)
+  engine = _engine.Engine.kfac(
     "scale_by_kfac",
-  )[0]
+    (loss_fn, example_batch, registration),
+    _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
+    axis_name=axis_name,
+    config=config,
+    state_type=ScaleByKfacState,
+    transform=True,
+  )
+  return transformation(engine, {"damping": (damping, 0.0)}, kfac_statistics)
 
 
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:
@@ -450,15 +324,14 @@ def _clip_by_kfac_norm(max_norm, tagged: Callable | None):
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
-def _scale_by_learning_rate(learning_rate, registration_for: Callable):
-  """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default_learning_rate / c`,
-  the tagged loss's step. Multiplied in at least float32, cast back to the update's dtype."""
+def scale_by_learning_rate(learning_rate, default: Callable):
+  """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default(params)`. Multiplied
+  in at least float32, cast back to the update's dtype."""
 
   def update_fn(updates, state, params=None, *, kfac_count, **extra_args):
     del extra_args
     if learning_rate is None:
-      reg = registration_for(params)
-      step = default_learning_rate(reg) / (reg.loss_factor or 1.0)
+      step = default(params)
     else:
       step = learning_rate(kfac_count) if callable(learning_rate) else learning_rate
     return jax.tree_util.tree_map(
@@ -469,7 +342,24 @@ def _scale_by_learning_rate(learning_rate, registration_for: Callable):
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
-def _along_linesearch(linesearch):
+def check_step_size(learning_rate, linesearch, who: str) -> None:
+  """A learning rate (a number > 0 or a schedule) or an optax line search, not both."""
+  if linesearch is not None:
+    if not isinstance(linesearch, optax.GradientTransformation):
+      raise TypeError(
+        f"{who}: `linesearch` must be an optax line search such as "
+        f"optax.scale_by_backtracking_linesearch(...), got {type(linesearch).__name__}."
+      )
+    if learning_rate is not None:
+      raise ValueError(
+        f"{who}: got both learning_rate={learning_rate!r} and a `linesearch`; the line search "
+        "picks the step along the preconditioned direction, so pass learning_rate=None."
+      )
+  if learning_rate is not None:
+    _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
+
+
+def along_linesearch(linesearch):
   """`u ← η (−m)`, η picked by `linesearch` (an optax line search) along the descent direction
   −m; it reads `value=`, `grad=`, `value_fn=` (and `value_fn`'s keyword arguments) from the
   update's extra arguments, never the chain's own `kfac_grads=` / `kfac_count=`."""
@@ -483,72 +373,7 @@ def _along_linesearch(linesearch):
   return optax.GradientTransformationExtraArgs(linesearch.init, update_fn)
 
 
-def _guard(preconditioner, rest, hyperparams, skip_nonfinite: bool):
-  """`preconditioner` then `rest` (optax's `apply_if_finite` pattern, K-FAC-aware).
-
-  It gates the preconditioner on usable `hyperparams` (schedules at this step, finite and a
-  learning rate ≥ 0, a bad one reported once; Python numbers need no check), reads its verdict
-  from its `skipped` counter and runs `rest` in a `lax.cond` on it (zeros and the old `rest`
-  state on a skip), passing it the raw gradient `kfac_grads=` and the schedules' count
-  `kfac_count=` and the caller's other extra arguments (a line search's `value=`, `grad=`,
-  `value_fn=`). It never selects over the preconditioner's state,
-  whose curvature moves only on a finite verdict, so the factors are never copied for it.
-  """
-
-  reporter = _engine.Reporter("kfac")
-  rest_shapes = _fit.StateShapes(rest.init)
-
-  def init_fn(params) -> KfacState:
-    return KfacState(preconditioner.init(params), rest.init(params))
-
-  def update_fn(
-    updates, state: KfacState, params=None, *, curvature_stats=None, batch=None, rng=None, **extra
-  ):
-    if not isinstance(state, KfacState):
-      raise TypeError(
-        f"kfac: `state` must be the KfacState from this transform's init, got "
-        f"{type(state).__name__}."
-      )
-    old = state.preconditioner
-    args = dict(curvature_stats=curvature_stats, batch=batch, rng=rng)
-    try:  # Before any pass runs: eagerly, a whole preconditioner step would compile first.
-      _fit.check(rest_shapes(params), state.rest, "kfac", "state.rest")
-    except (TypeError, ValueError):
-      # The preconditioner's own checks name a block of another model: theirs come first.
-      jax.eval_shape(preconditioner.update, updates, old, params, **args)
-      raise
-    clock = old.count + old.skipped
-    values = [h(clock) if callable(h) else h for h in hyperparams]
-    lows = (0.0, None, None)  # learning_rate, momentum, max_norm
-    names = ("learning_rate", "momentum", "max_norm")
-    gate = _engine.hyperparameters_ok(
-      reporter, {n: (x, low) for n, x, low in zip(names, values, lows)}, clock, skip_nonfinite
-    )
-    gate = gate if skip_nonfinite else None
-    v, pre = preconditioner.update(updates, old, params, kfac_gate=gate, **args)
-
-    def run():
-      return rest.update(v, state.rest, params, kfac_grads=updates, kfac_count=clock, **extra)
-
-    if skip_nonfinite:
-      zeros = jax.tree_util.tree_map(jnp.zeros_like, v)
-      out, rest_state = jax.lax.cond(pre.skipped == old.skipped, run, lambda: (zeros, state.rest))
-    else:
-      out, rest_state = run()
-    return out, KfacState(pre, rest_state)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-@_config.moved_keywords(
-  refused={
-    "norm_constraint": (
-      "kfac: `norm_constraint` is not an argument of kfac (got {!r}); use `max_norm`, which "
-      "clips the preconditioned gradient before the learning rate, so that α always scales the "
-      "step. For a fixed learning rate α, TF K-FAC's norm_constraint=C is max_norm=√C / α."
-    )
-  }
-)
+@_migrate.translated("kfac")
 def kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
@@ -567,50 +392,37 @@ def kfac(
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with a fixed (or scheduled) learning rate, norm clipping and momentum.
 
-  `scale_by_kfac` followed by the chain clip → `optax.trace` → learning rate, under a guard:
-  `u = −α m`, with `v = (F̂ + λ)⁻¹ g` from `scale_by_kfac` clipped to length `r = max_norm` in
-  the damped K-FAC metric, `v ← v · min(1, r / √|vᵀg|)` (`clip_coefficient`), and `m ← v + μ m`
-  the heavy-ball trace (Nesterov's with `Config.nesterov`). The clipping comes before α, as
-  `optax.clip_by_global_norm` before `optax.scale`, so a step's length in the metric is at most
-  `α r` (before momentum). The α and λ schedules are called with every update seen (the
-  preconditioner's `count + skipped`), so one that is not finite at one step skips that update
-  and moves on. With `optax.inject_hyperparams` (`static_args=("loss_fn", "example_batch")`),
-  any numeric argument can change between steps without a recompile.
+  `scale_by_kfac`, then clip → `optax.trace` → learning rate, under the step's verdict:
+  `u = −α m`, `m ← v + μ m` (Nesterov's with `Config.nesterov`), v the preconditioned gradient
+  clipped to length `max_norm` in the damped K-FAC metric (`clip_coefficient`) before α, as
+  `optax.clip_by_global_norm` before `optax.scale`: a step's length there is at most
+  `α · max_norm`. Schedules are called with every update seen (`count + skipped`): a value that
+  is not finite skips its update. The defaults come from step sweeps on the benchmark models.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
-    example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
-    learning_rate: α > 0, a number or a schedule `count -> α`; None (the default) takes
-      `default_learning_rate` and steps on the tagged loss's scale (the gradient divided by
-      the registration's `loss_factor`), so a loss averaged over its D outputs takes the
-      summed one's steps.
+    loss_fn, example_batch, damping, ema_decay, inverse_every, registration, axis_name, config:
+      as in `scale_by_kfac`.
+    learning_rate: α > 0, a number or a schedule `count -> α`; None takes
+      `default_learning_rate` on the tagged loss's scale (divided by its `loss_factor`), so a
+      loss averaged over its D outputs takes the summed one's steps.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
-    max_norm: r > 0, the largest length `√(vᵀ F̂_λ v) = √|vᵀg|` of the preconditioned
-      gradient before α and momentum, or None (no clipping); on a share of the parameters
-      (`optax.multi_transform`), of the share's. TF K-FAC's and `Optimizer`'s
-      `norm_constraint=C` bounds the step after α: for a fixed α it is `max_norm=√C / α`.
-    damping: λ, as in `scale_by_kfac`.
-    ema_decay, inverse_every: as in `scale_by_kfac`.
+    max_norm: r > 0, the largest length `√|vᵀg|` of v in the damped metric before α, or None
+      (no clipping); on a share of the parameters, of the share's. TF K-FAC's and the
+      `Optimizer`'s `norm_constraint=C` bounds the step after α: `max_norm=√C / α`.
     curvature_every: as in `scale_by_kfac`, but 5 by default: the clipping bounds a step that
       statistics up to 4 updates old precondition (without clipping, prefer 1).
-    registration, axis_name, config: as in `scale_by_kfac`.
     linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
-      `optax.scale_by_zoom_linesearch(...)`) in place of α: the step is `η (−m)` with η its
-      choice along `−m` (1 its usual first guess: the damped Gauss-Newton step), so
-      `learning_rate` must be None; `update` then also takes the line search's `value=`,
-      `grad=` and `value_fn=` (and `value_fn`'s keyword arguments), as in `optax.lbfgs`.
-
-  The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`, `curvature_every=5` and the
-  learning rate) come from step sweeps on the benchmark models.
+      `optax.scale_by_zoom_linesearch(...)`) in place of α (`learning_rate` None): the step is
+      `η (−m)`, η its choice; `update` then also takes its `value=`, `grad=` and `value_fn=`
+      (and `value_fn`'s keyword arguments), as in `optax.lbfgs`.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes the
-    same extra arguments as `scale_by_kfac`'s, and those of `linesearch`.
+    An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes
+    `scale_by_kfac`'s extra arguments and those of `linesearch`.
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; a registration setting (e.g. `has_aux=`) or a keyword that moved into
-      `Config`, naming its place; a `Config` field it does not read.
+      is created; a `Config` field it does not read.
 
   Example:
     >>> tx = kfac_jax.kfac(loss_fn, batch)
@@ -619,43 +431,44 @@ def kfac(
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
     >>> params = optax.apply_updates(params, updates)
   """
-  if linesearch is not None:
-    if not isinstance(linesearch, optax.GradientTransformation):
-      raise TypeError(
-        "kfac: `linesearch` must be an optax line search such as "
-        f"optax.scale_by_backtracking_linesearch(...), got {type(linesearch).__name__}."
-      )
-    if learning_rate is not None:
-      raise ValueError(
-        f"kfac: got both learning_rate={learning_rate!r} and a `linesearch`; the line search "
-        "picks the step along the preconditioned direction, so pass learning_rate=None."
-      )
-  if learning_rate is not None:
-    _checks.number(learning_rate, "learning_rate", low=0.0, low_open=True, schedule=True)
+  check_step_size(learning_rate, linesearch, "kfac")
   if momentum is not None:
     _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
-  config = _config.get(config, "kfac")
-  preconditioner, registration_for = _preconditioner(
-    loss_fn,
-    example_batch,
-    damping,
-    ema_decay,
-    inverse_every,
-    curvature_every,
-    registration,
-    axis_name,
-    config,
+  _checks.number(damping, "damping", low=0.0, schedule=True)
+  engine = _engine.Engine.kfac(
     "kfac",
+    (loss_fn, example_batch, registration),
+    _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
+    axis_name=axis_name,
+    config=config,
+    state_type=KfacState,
+    transform=True,
   )
+
+  def registration_for(params) -> _registration.Registration:
+    return engine.bind(params).registration
+
+  def tagged_step(params) -> float:  # The tagged loss's step: the default over the factor c.
+    reg = registration_for(params)
+    return default_learning_rate(reg) / (reg.loss_factor or 1.0)
+
   rest = optax.chain(
     optax.identity()
     if max_norm is None
     else _clip_by_kfac_norm(max_norm, registration_for if learning_rate is None else None),
-    optax.identity() if momentum is None else optax.trace(momentum, nesterov=config.nesterov),
-    _scale_by_learning_rate(learning_rate, registration_for)
+    optax.identity()
+    if momentum is None
+    else optax.trace(momentum, nesterov=engine.config.nesterov),
+    scale_by_learning_rate(learning_rate, tagged_step)
     if linesearch is None
-    else _along_linesearch(linesearch),
+    else along_linesearch(linesearch),
   )
-  return _guard(preconditioner, rest, (learning_rate, momentum, max_norm), config.skip_nonfinite)
+  hyperparameters = {
+    "damping": (damping, 0.0),
+    "learning_rate": (learning_rate, 0.0),
+    "momentum": (momentum, None),
+    "max_norm": (max_norm, None),
+  }
+  return transformation(engine, hyperparameters, kfac_statistics, rest, ScaleByKfacState)

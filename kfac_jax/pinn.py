@@ -548,9 +548,9 @@ def kfac(
   - exact Gauss-Newton statistics (the registration built from `loss_fn`), refreshed and
     inverted at every step, averaged with `ema_decay` ρ: the steps along the curvature are long,
     and the average keeps the preconditioner from jumping between steps.
-  - a damping that fades, `ε_k = (ρ^(k+1) + damping) / (1 − ρ^(k+1))` added to both factors of
-    each loss term (`Config(damping_split="equal")`, λ_k = 2 ε_k²): a preconditioner from few
-    statistics is trusted little, a full average down to `damping`.
+  - a damping that fades, `ε_k = (ρ^(k+1) + damping) / (1 − ρ^(k+1))` added to both factors
+    of each loss term (`Config(damping_mode="factored_equal")`, λ_k = 2 ε_k²): a
+    preconditioner from few statistics is trusted little, a full average down to `damping`.
   - heavy-ball momentum μ on the preconditioned direction weighted by `(1 − ρ^(k+1))⁻²`, the
     scale of the identity-started factors: the early directions are that much longer.
   - no clipping and no learning rate: `grid_linesearch` takes the step along the direction.
@@ -608,13 +608,13 @@ def kfac(
     inverse_every=1,
     curvature_every=1,
     axis_name=axis_name,
-    config=_config.Config(damping_split="equal"),
+    config=_config.Config(damping_mode="factored_equal"),
   )
 
 
 def _fading_damping(decay: float, floor: float) -> Callable[[Array], Array]:
   """λ at update k (from 0): `2 ((ρ^(k+1) + floor) / (1 − ρ^(k+1)))²`, ρ = `decay`; with
-  `damping_split="equal"` each factor of each loss term gets √(λ/2)."""
+  `damping_mode="factored_equal"` each factor of each loss term gets √(λ/2)."""
 
   def schedule(count):
     r = jnp.asarray(decay, jnp.result_type(float)) ** (count + 1)

@@ -333,7 +333,7 @@ def test_collective_axes_are_bound_for_the_measurement():
     return _ce(logits, b).mean()
 
   with pytest.warns(kfac_jax.LossMismatchWarning, match="register_squared_error_loss"):
-    kfac_jax.Registration(loss_fn, params, batch, axis_name="batch")
+    kfac_jax.Registration(loss_fn, params, batch, collective_axes="batch")
 
 
 # -- a prediction and the loss's input written twice: one value ---------------------------------

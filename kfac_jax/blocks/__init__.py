@@ -7,7 +7,6 @@ from kfac_jax.blocks._base import (
   Block,
   BlockConfig,
   DampingMode,
-  DampingSplit,
   FactorSolve,
   StackedUses,
   batched_factorisations,
@@ -16,7 +15,7 @@ from kfac_jax.blocks._base import (
 from kfac_jax.blocks._concat import ConcatBlock
 from kfac_jax.blocks._ekfac import EKFACBlock
 from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
-from kfac_jax.blocks._kronecker import KroneckerBlock, KroneckerDenseBlock
+from kfac_jax.blocks._kronecker import KroneckerBlock
 from kfac_jax.blocks._shared import SeriesKroneckerBlock
 from kfac_jax.blocks._stacked import StackedBlock
 from kfac_jax.blocks._state import (
@@ -167,7 +166,6 @@ __all__ = [
   "BlockConfig",
   "ConcatBlock",
   "DampingMode",
-  "DampingSplit",
   "DiagonalBlock",
   "DiagonalCache",
   "DiagonalFactors",
@@ -181,7 +179,6 @@ __all__ = [
   "FullFactors",
   "KroneckerBlock",
   "KroneckerCache",
-  "KroneckerDenseBlock",
   "KroneckerFactors",
   "SeriesCache",
   "SeriesFactors",

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 from kfac_jax._specs import LayerSpec
 from kfac_jax.blocks import _layouts
@@ -27,9 +29,42 @@ if TYPE_CHECKING:
   from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
-DampingMode = Literal["factored", "eigen"]
-DampingSplit = Literal["pi", "equal"]
+DampingMode = Literal["factored", "factored_equal", "eigen"]
 FactorSolve = Literal["auto", "always", "never"]
+_DTYPES = {
+  "stats_dtype": ("bfloat16", "float16", "float32", "float64"),
+  "inverse_dtype": ("float32", "float64"),
+  "preconditioner_dtype": ("bfloat16", "float32", "float64"),
+}
+
+
+def _dtype(value, field: str) -> Any:
+  """The dtype given as `config.<field>` as a numpy dtype: None → float32 (float64 under x64)."""
+  x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # A flag added at run time.
+  if value is None:
+    return np.dtype(np.float64 if x64 else np.float32)
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.name not in _DTYPES[field]:
+    raise ValueError(
+      f"`config.{field}` must be one of {', '.join(_DTYPES[field])} (or None for the default), "
+      f"got {value!r}."
+    )
+  if dtype == np.float64 and not x64:
+    raise ValueError(
+      f"`config.{field}`=float64 needs 64-bit JAX: set "
+      "`jax.config.update('jax_enable_x64', True)` before creating arrays, or use float32."
+    )
+  return dtype
+
+
+def _choice(value, name: str, choices: tuple[str, ...]) -> None:
+  if not isinstance(value, str) or value not in choices:
+    raise (ValueError if isinstance(value, str) else TypeError)(
+      f"unknown {name} {value!r}; choose one of {', '.join(repr(c) for c in choices)}."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +73,11 @@ class BlockConfig:
 
   Attributes:
     exps: matrix powers the cache is prepared for (1 is always available).
-    damping_mode: "factored" (π-adjusted factored Tikhonov damping, the K-FAC default) or
-      "eigen" (exact `A ⊗ G + λ I` through eigen-decompositions of the factors).
-    damping_split: how "factored" damping shares √λ between a layer's two factors: "pi" (π√λ
-      and √λ/π, π from the factors' traces, Martens & Grosse 2015) or "equal" (√λ on each, as
-      the K-FAC for PINNs code does; then the factors' relative scale matters).
+    damping_mode: "factored" (π-adjusted factored Tikhonov damping, the K-FAC default: π√λ
+      on a layer's input factor and √λ/π on its output factor, π from their traces, Martens &
+      Grosse 2015), "factored_equal" (√λ on each, as the K-FAC for PINNs code does; then the
+      factors' relative scale matters) or "eigen" (exact `A ⊗ G + λ I` through
+      eigen-decompositions of the factors).
     cholesky: also cache Cholesky factors (for `multiply_cholesky`).
     cholesky_inverse: also cache inverse Cholesky factors.
     stats_dtype: dtype in which batch statistics are computed and the factors (their moving
@@ -65,13 +100,61 @@ class BlockConfig:
 
   exps: tuple[float, ...] = (-1.0,)
   damping_mode: DampingMode = "factored"
-  damping_split: DampingSplit = "pi"
   cholesky: bool = False
   cholesky_inverse: bool = False
   stats_dtype: Any = jnp.float32
   inverse_dtype: Any = jnp.float32
   factor_solve: FactorSolve = "auto"
   preconditioner_dtype: Any = None
+
+  @classmethod
+  def of(
+    cls,
+    *,
+    damping_mode="factored",
+    factor_solve="auto",
+    stats_dtype=None,
+    inverse_dtype=None,
+    preconditioner_dtype=None,
+    exps=(-1.0,),
+    cholesky=False,
+    cholesky_inverse=False,
+  ) -> BlockConfig:
+    """The numerics from their user spellings (`kfac_jax.Config`'s fields), checked: the modes
+    among their choices, the dtypes as names or dtypes (None: float32, float64 under x64), a
+    `preconditioner_dtype` no wider than `inverse_dtype` (None where equal)."""
+    _choice(damping_mode, "config.damping_mode", ("factored", "factored_equal", "eigen"))
+    _choice(factor_solve, "config.factor_solve", ("auto", "always", "never"))
+    inverse = _dtype(inverse_dtype, "inverse_dtype")
+    narrow = (
+      None if preconditioner_dtype is None else _dtype(preconditioner_dtype, "preconditioner_dtype")
+    )
+    if narrow is not None and narrow.itemsize > inverse.itemsize:
+      raise ValueError(
+        f"`config.preconditioner_dtype`={narrow.name} is wider than `inverse_dtype`="
+        f"{inverse.name}: the inverses are computed in `inverse_dtype` and can only be "
+        "stored narrower (e.g. bfloat16)."
+      )
+    return cls(
+      exps=tuple(exps),
+      damping_mode=damping_mode,
+      cholesky=cholesky,
+      cholesky_inverse=cholesky_inverse,
+      stats_dtype=_dtype(stats_dtype, "stats_dtype"),
+      inverse_dtype=inverse,
+      factor_solve=factor_solve,
+      preconditioner_dtype=None if narrow == inverse else narrow,
+    )
+
+  @property
+  def factored(self) -> bool:
+    """Whether the damping is factored over the Kronecker factors (not "eigen")."""
+    return self.damping_mode != "eigen"
+
+  @property
+  def split(self) -> Literal["pi", "equal"]:
+    """How factored damping shares √λ between two factors: "pi" (π-adjusted) or "equal"."""
+    return "equal" if self.damping_mode == "factored_equal" else "pi"
 
   def stored_power(self, p: Array) -> Array:
     """A cached matrix power as kept in the cache: cast to `preconditioner_dtype` (if set); a
@@ -243,7 +326,7 @@ class Block(abc.ABC):
     (`cache` as in `batch_factors`)."""
     dtype = self.config.inverse_dtype
     like = [jax.ShapeDtypeStruct(s, dtype) for s in self.spec.param_shapes]
-    factors = cast_tree(factors, dtype)
+    factors = optax.tree_utils.tree_cast(factors, dtype)
 
     def column(e):
       return flat(self.multiply_undamped(factors, unflat(e, like), cache), dtype)
@@ -298,11 +381,6 @@ def map_factorisations(fn, *args):
   return jax.lax.map(lambda a: fn(*a), args)
 
 
-def cast_tree(tree, dtype):
-  """Every leaf of `tree` in `dtype` (no-op for leaves already in it)."""
-  return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
-
-
 def compute_caches(
   blocks: Sequence[Block], indices: Sequence[int], factors: Sequence[Any], damping: Array
 ) -> dict[int, Any]:
@@ -315,7 +393,7 @@ def compute_caches(
   out = {}
   for idx in groups.values():
     block = blocks[idx[0]]
-    cast = [cast_tree(factors[i], block.config.inverse_dtype) for i in idx]
+    cast = [optax.tree_utils.tree_cast(factors[i], block.config.inverse_dtype) for i in idx]
     if len(idx) == 1 or not batched_factorisations():
       for i, f in zip(idx, cast):
         out[i] = block.compute_cache(f, damping)

@@ -18,7 +18,7 @@ over each example's positions first (`_reduce_rows`); "kron_indep" layers used s
 take their statistics from `_uses`.
 
 Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G))
-(over the whole side for a blocked one; π = 1 with `damping_split="equal"`), and the block
+(over the whole side for a blocked one; π = 1 with `damping_mode="factored_equal"`), and the block
 multiplies by A_λ^p ⊗ G_λ^p. ("eigen"):
 exact (A ⊗ G + λ I)^p through the factors' eigen-decompositions.
 """
@@ -26,14 +26,14 @@ exact (A ⊗ G + λ I)^p through the factors' eigen-decompositions.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax import _specs
 from kfac_jax.blocks import _blocked, _layouts, _linalg, _uses
-from kfac_jax.blocks._base import Block, DampingSplit, map_factorisations
+from kfac_jax.blocks._base import Block, map_factorisations
 from kfac_jax.blocks._state import FactorCache, KroneckerCache, KroneckerFactors
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ def damped_factors(
   g: Array,
   damping: Array,
   sizes: tuple[int, int] | None = None,
-  split: DampingSplit = "pi",
+  split: Literal["pi", "equal"] = "pi",
 ) -> tuple[Array, Array]:
   """Factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring), π from the
   traces with `split="pi"`, 1 with "equal". `sizes`: the sides (n_A, n_G), needed when a factor
@@ -262,7 +262,7 @@ class KroneckerBlock(LayoutBlock):
     config = self.config
     if (
       config.factor_solve == "never"
-      or config.damping_mode != "factored"
+      or not config.factored
       or -1.0 not in config.cached_exps
       or self.grouped
       or self.vmapped
@@ -411,8 +411,8 @@ class KroneckerBlock(LayoutBlock):
       )
 
     def one(a, g):
-      if config.damping_mode == "factored":
-        a, g = damped_factors(a, g, damping, self.sides, config.damping_split)
+      if config.factored:
+        a, g = damped_factors(a, g, damping, self.sides, config.split)
       return side(a, solve_a, pads[0]), side(g, solve_g, pads[1])
 
     ca, cg = self.map_groups(one, factors.a, factors.g, factorises=True)
@@ -449,7 +449,7 @@ class KroneckerBlock(LayoutBlock):
       if exp == 1:
         if eigen:
           return _right(_left(a, m), g) + damping * m
-        a_d, g_d = damped_factors(a, g, damping, self.sides, self.config.damping_split)
+        a_d, g_d = damped_factors(a, g, damping, self.sides, self.config.split)
         return _right(_left(a_d, m), g_d)
       if eigen:
         return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)
@@ -484,6 +484,3 @@ class KroneckerBlock(LayoutBlock):
     m = self.to_matrix(vecs)
     out = self.map_groups(lambda a, g, m: _right(_left(a, m), g), factors.a, factors.g, m)
     return self.from_matrix(out, vecs)
-
-
-KroneckerDenseBlock = KroneckerBlock  # The dense block's former name.

@@ -103,9 +103,7 @@ class SeriesKroneckerBlock(Block):
     if damping is None:
       a, g = factors.a, factors.g
     else:
-      a, g = _kronecker.damped_factors(
-        factors.a, factors.g, damping, split=self.config.damping_split
-      )
+      a, g = _kronecker.damped_factors(factors.a, factors.g, damping, split=self.config.split)
     qa, pa, psi_a = _whiten(a, factors.a1)
     qg, pg, psi_g = _whiten(g, factors.g1)
     psi = jnp.clip(psi_a[:, None] * psi_g[None, :], -MAX_PSI, MAX_PSI)

@@ -5,7 +5,7 @@ the residual) and to the boundary points: its curvature is the sum over the two 
 `F ≈ A₁ ⊗ G₁ + A₂ ⊗ G₂`, each term's factors the "kron_indep" statistics of its own uses
 (`_uses`; G with that term's own 1/N). "kron_terms" inverts that sum exactly (Martens & Grosse
 2015, appendix B). With each term damped by half of λ in the factored way
-(`A_t + π_t √(λ/2) I`, `G_t + √(λ/2)/π_t I`; π_t = 1 with `damping_split="equal"`), let K_A
+(`A_t + π_t √(λ/2) I`, `G_t + √(λ/2)/π_t I`; π_t = 1 with `damping_mode="factored_equal"`), let K_A
 solve the generalised eigenproblem `K_Aᵀ A₁ K_A = I`, `K_Aᵀ A₂ K_A = diag(σ_A)` (likewise K_G); then
 
     F⁻¹ M = K_A ((K_Aᵀ M K_G) ⊘ (1 + σ_A σ_Gᵀ)) K_Gᵀ      (M the `[in(+1), out]` matrix),
@@ -111,7 +111,7 @@ class KroneckerSumBlock(LayoutBlock):
     dtype = self.config.inverse_dtype
     a, g = factors.a.astype(dtype), factors.g.astype(dtype)
     half = 0.5 * jnp.asarray(damping, dtype)
-    split = self.config.damping_split
+    split = self.config.split
     return [_kronecker.damped_factors(a[t], g[t], half, split=split) for t in (0, 1)]
 
   def compute_cache(self, factors: KroneckerFactors, damping) -> TermsCache:

@@ -69,30 +69,7 @@ def _laplacian_forward(params, x):
   return kfac_jax.pinn.laplacian(lambda y: _mlp(params, y), x)
 
 
-def _laplacian_vmap(params, x):
-  """Nested `jax.jvp` per point under `jax.vmap`: the direction is one constant for all."""
-
-  def one(y):
-    out = 0.0
-    for i in range(y.shape[0]):
-      e = jnp.eye(y.shape[0], dtype=y.dtype)[i]
-      du = lambda z, e=e: jax.jvp(lambda w: _mlp(params, w), (z,), (e,))[1]
-      out = out + jax.jvp(du, (y,), (e,))[1]
-    return out
-
-  return jax.vmap(one)(x)
-
-
-def _laplacian_hessian(params, x):
-  return jax.vmap(lambda y: jnp.trace(jax.hessian(lambda z: _mlp(params, z))(y)))(x)
-
-
-LAPLACIANS = {
-  "jvp": _laplacian_jvp,
-  "forward": _laplacian_forward,
-  "vmap": _laplacian_vmap,
-  "hessian": _laplacian_hessian,
-}
+LAPLACIANS = {"jvp": _laplacian_jvp, "forward": _laplacian_forward}
 
 
 def _interior_loss(laplacian):
@@ -212,23 +189,6 @@ def test_output_layer_of_a_forward_laplacian_is_exactly_kronecker(x64):
   assert np.linalg.norm(dense[:15, :15] - ggn[:15, :15]) > 1e-3  # The hidden layer is not.
 
 
-@pytest.mark.parametrize(
-  "how, says",
-  [
-    ("vmap", "uses multiply an input with no rows per example"),
-    ("hessian", "as a reverse-mode derivative inside the loss does"),
-  ],
-)
-def test_derivatives_k_fac_cannot_follow_say_how_to_write_them(x64, how, says):
-  """A constant tangent under `jax.vmap` and a reverse-mode Laplacian fall back to diagonal
-  blocks, and `summary` says to write the operator in forward mode on the batched points."""
-  params, batch = _problem((2, 8, 1), 6)
-  report = kfac_jax.summary(_interior_loss(LAPLACIANS[how]), params, batch)
-  line = next(l for l in report.splitlines() if l.strip().startswith("0/w:"))
-  assert says in line
-  assert "write the differential operator in forward mode" in line
-
-
 def _two_terms(laplacian):
   """A residual on 7 interior points and the values on 3 boundary points, each a mean."""
 
@@ -338,13 +298,13 @@ def test_a_layer_serving_two_terms(x64, approx):
   np.testing.assert_allclose(out, expected, rtol=1e-9)
 
 
-def test_equal_damping_split_adds_the_same_root_to_both_factors(x64):
-  """`damping_split="equal"` damps each term's factors by √(λ/2) I both (no π): the damped
+def test_factored_equal_damping_adds_the_same_root_to_both_factors(x64):
+  """`damping_mode="factored_equal"` damps each term's factors by √(λ/2) I both (no π): the damped
   inverse is the exact inverse of (A₁ + √(λ/2) I) ⊗ (G₁ + √(λ/2) I) + (A₂ + ...) ⊗ (G₂ + ...),
   and differs from the π-split one, as the factors' traces differ."""
   loss_fn, params, batch = _two_terms(_laplacian_forward)
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN")
-  config = kfac_jax.Config(damping_split="equal")
+  config = kfac_jax.Config(damping_mode="factored_equal")
   est = kfac_jax.CurvatureEstimator(registration=reg, config=config)
   block, lam = est.blocks[1], 1e-2
   pi_block = kfac_jax.CurvatureEstimator(registration=reg).blocks[1]
@@ -366,8 +326,8 @@ def test_equal_damping_split_adds_the_same_root_to_both_factors(x64):
   rhs = np.asarray(rhs).reshape(-1)
   np.testing.assert_allclose(np.asarray(out).reshape(-1), np.linalg.solve(f, rhs), rtol=1e-9)
   assert not np.allclose(np.asarray(pi_out), np.asarray(out), rtol=1e-3)
-  with pytest.raises(ValueError, match="damping_split"):
-    kfac_jax.Config(damping_split="trace")
+  with pytest.raises(ValueError, match="damping_mode"):
+    kfac_jax.Config(damping_mode="trace")
 
 
 @pytest.mark.parametrize("model", ["pinn_poisson", "mlp"])
