@@ -915,6 +915,7 @@ def test_a_config_field_a_front_does_not_read_is_refused_by_name(who, field, val
 
 def test_every_config_field_declares_its_readers():
   fronts = {"scale_by_kfac", "kfac", "Optimizer", "CurvatureEstimator"}
+  fronts |= {"scale_by_kernel_ngd", "kernel_ngd"}
   for f in dataclasses.fields(kfac_jax.Config):
     assert f.metadata["read_by"] and set(f.metadata["read_by"]) <= fronts, f.name
   assert not set(_models.REGISTRATION_KNOBS) & set(kfac_jax.Config.__dataclass_fields__)
