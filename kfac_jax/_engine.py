@@ -643,6 +643,8 @@ class Engine:
           "trace the model on `batch=`: pass `curvature_stats=` from "
           "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
         )
+    if vector is not None:
+      _check_vector(bound, vector, who)
     if stats is None:
       _curvature.check_rng(bound.registration.estimation_mode, rng)
     self.curvature.check(bound, state, stats, who)
@@ -679,6 +681,29 @@ class Engine:
     work = Work(inputs.vector, inputs.statistics, count, values, ok)
     pre, curvature, ok = self.curvature.step(bound, self.placement, curvature, work)
     return Step(pre, curvature, ok, clock, values)
+
+
+def _check_vector(bound: Bound, vector, who: str) -> None:
+  """ValueError naming the first leaf of `vector` (the updates) whose shape or dtype is not its
+  params leaf's: the preconditioned vector comes back in the updates' dtypes, which the rest of
+  a chain (its momentum, kept in the params' dtypes) must match."""
+  reg = bound.registration
+  filled = bound.fill(vector, abstract=True)
+  paths = _specs.param_paths(filled)
+  if paths != reg.param_paths:
+    return  # Another structure: the estimator's products name the leaves that differ.
+  for path, x, shape, dtype in zip(
+    paths, jax.tree_util.tree_leaves(filled), reg.param_shapes, reg.param_dtypes
+  ):
+    got = (tuple(jnp.shape(x)), str(jnp.result_type(x)))
+    if got != (shape, dtype):
+      raise ValueError(
+        f"{who}: `updates` leaf `{path}` has shape {got[0]} and dtype {got[1]}, but the params "
+        f"leaf has shape {shape} and dtype {dtype}: tx.update(updates, state, params) needs "
+        "updates of the params' shapes and dtypes (a gradient of these params has them). Cast "
+        "them, e.g. `optax.tree_utils.tree_cast_like(updates, params)`, or compute the gradient "
+        "at the params as they are."
+      )
 
 
 def _share_layers(reg: _registration.Registration, kept, who: str) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ params that are not finite once per input (`NonFiniteWarning`), guard on or off.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -341,14 +342,64 @@ def scale_by_learning_rate(learning_rate, default: Callable):
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
-def check_step_size(learning_rate, linesearch, who: str) -> None:
-  """A learning rate (a number > 0 or a schedule) or an optax line search, not both."""
-  if linesearch is not None:
-    if not isinstance(linesearch, optax.GradientTransformation):
-      raise TypeError(
-        f"{who}: `linesearch` must be an optax line search such as "
-        f"optax.scale_by_backtracking_linesearch(...), got {type(linesearch).__name__}."
+_LINESEARCHES = (
+  "optax.scale_by_backtracking_linesearch(...), optax.scale_by_zoom_linesearch(...) or "
+  "kfac_jax.pinn.grid_linesearch()"
+)
+
+
+def _check_linesearch(linesearch, who: str) -> None:
+  """TypeError unless `linesearch` is a line search: a transformation whose state keeps the
+  step it chose as a `learning_rate` field (optax's line searches and the grid search do, and
+  `optax.tree_utils.tree_get(state, "learning_rate")` reads it), read from its init on a
+  stand-in params (shapes only: nothing runs). An optimizer such as `optax.adam` has none."""
+  if not isinstance(linesearch, optax.GradientTransformation):
+    raise TypeError(
+      f"{who}: `linesearch` must be an optax line search such as {_LINESEARCHES}, got "
+      f"{type(linesearch).__name__}: {linesearch!r}."
+    )
+  state = jax.eval_shape(linesearch.init, {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+  fields = optax.tree_utils.tree_get_all_with_path(state, "learning_rate")
+  if not any(not isinstance(path[-1], jax.tree_util.DictKey) for path, _ in fields):
+    raise TypeError(
+      f"{who}: `linesearch` must be a line search, which picks the step along the "
+      "preconditioned direction from `value_fn` and keeps it in its state's `learning_rate` "
+      f"field: {_LINESEARCHES}. Got a transformation whose state ({type(state).__name__}) has "
+      "no such field, so it would replace the learning rate with its own update rule. For a "
+      "fixed or scheduled step pass `learning_rate=`; to run another optimizer on the "
+      "preconditioned direction, chain it after the bare preconditioner "
+      "(`kfac_jax.scale_by_kfac`, `kfac_jax.scale_by_kernel_ngd`)."
+    )
+
+
+def _scalar_value_fn(value_fn: Callable) -> Callable:
+  """`value_fn` checked to return one scalar where a line search traces it (its signature is
+  kept: optax's line searches read it to pick `value_fn`'s keyword arguments)."""
+
+  @functools.wraps(value_fn)
+  def checked(*args, **kwargs):
+    out = value_fn(*args, **kwargs)
+    if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
+      got = (
+        f"a {type(out).__name__} of {len(out)} values"
+        if isinstance(out, (tuple, list))
+        else f"an array of shape {jnp.shape(out)}"
       )
+      raise TypeError(
+        f"the line search's `value_fn` must return the scalar loss, got {got}. A `loss_fn` "
+        "returning `(loss, aux)` is passed as `value_fn=lambda params: loss_fn(params, "
+        "batch)[0]`."
+      )
+    return out
+
+  return checked
+
+
+def check_step_size(learning_rate, linesearch, who: str) -> None:
+  """A learning rate (a number > 0 or a schedule) or a line search (`_check_linesearch`), not
+  both."""
+  if linesearch is not None:
+    _check_linesearch(linesearch, who)
     if learning_rate is not None:
       raise ValueError(
         f"{who}: got both learning_rate={learning_rate!r} and a `linesearch`; the line search "
@@ -365,6 +416,15 @@ def along_linesearch(linesearch):
 
   def update_fn(updates, state, params=None, *, kfac_grads, kfac_count, **extra_args):
     del kfac_grads, kfac_count
+    value = extra_args.get("value")
+    if isinstance(value, (tuple, list)) or (value is not None and jnp.shape(value) != ()):
+      raise TypeError(
+        "the line search's `value=` must be the scalar loss at `params`, got "
+        f"{type(value).__name__} {jax.tree_util.tree_map(jnp.shape, value)}; with `has_aux`, "
+        "pass the loss of `(loss, aux)`."
+      )
+    if callable(extra_args.get("value_fn")):
+      extra_args["value_fn"] = _scalar_value_fn(extra_args["value_fn"])
     descent = jax.tree_util.tree_map(jnp.negative, updates)
     return linesearch.update(descent, state, params, **extra_args)
 
@@ -412,7 +472,8 @@ def kfac(
     linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
       `optax.scale_by_zoom_linesearch(...)`) in place of α (`learning_rate` None): the step is
       `η (−m)`, η its choice; `update` then also takes its `value=`, `grad=` and `value_fn=`
-      (and `value_fn`'s keyword arguments), as in `optax.lbfgs`.
+      (and `value_fn`'s keyword arguments), as in `optax.lbfgs`. A transformation whose state
+      keeps no step `learning_rate` (an optimizer such as `optax.adam`) is refused.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes

@@ -1085,3 +1085,39 @@ def test_kfac_linesearch_and_a_learning_rate_are_refused_together():
     kfac_jax.kfac(loss_fn, batch, 0.1, linesearch=ls)
   with pytest.raises(TypeError, match="`linesearch` must be an optax line search"):
     kfac_jax.kfac(loss_fn, batch, linesearch=0.5)
+
+
+@pytest.mark.parametrize(
+  "other",
+  [optax.adam(1e-3), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), optax.identity()],
+  ids=["adam", "injected sgd", "identity"],
+)
+def test_kfac_refuses_a_transformation_that_is_not_a_line_search(other):
+  """Any optax transformation has init and update; a line search also keeps the step it chose
+  as a `learning_rate` field of its state (a hyperparameter named so in a dict does not
+  count)."""
+  loss_fn, _, batch = _problem()
+  with pytest.raises(TypeError, match=r"`linesearch` must be a line search.*scale_by_zoom"):
+    kfac_jax.kfac(loss_fn, batch, linesearch=other)
+  chained = optax.chain(optax.trace(0.5), optax.scale_by_zoom_linesearch(max_linesearch_steps=3))
+  kfac_jax.kfac(loss_fn, batch, linesearch=chained)  # A chain ending in one is one.
+
+
+def test_kfac_linesearch_value_fn_with_an_aux_is_named():
+  """A `value_fn` returning `(loss, aux)` (a `has_aux` loss) is refused where the line search
+  traces it, naming `value_fn` and the fix; a tuple `value=` likewise."""
+  loss_fn, params, batch = _problem(n=8)
+  ls = optax.scale_by_backtracking_linesearch(max_backtracking_steps=3)
+  tx = kfac_jax.kfac(loss_fn, batch, linesearch=ls)
+  state = jax.jit(tx.init)(params)
+  loss, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn))(params, batch, jax.random.key(0))
+
+  def update(value, value_fn):
+    return tx.update(
+      grads, state, params, curvature_stats=stats, value=value, grad=grads, value_fn=value_fn
+    )
+
+  with pytest.raises(TypeError, match=r"`value_fn` must return the scalar loss, got a tuple"):
+    jax.jit(update, static_argnums=1)(loss, lambda p: (loss_fn(p, batch), {"aux": 1.0}))
+  with pytest.raises(TypeError, match=r"`value=` must be the scalar loss"):
+    jax.jit(update, static_argnums=1)((loss, 1.0), lambda p: loss_fn(p, batch))
