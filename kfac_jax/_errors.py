@@ -39,3 +39,9 @@ class HyperparameterWarning(UserWarning):
 class NonFiniteWarning(UserWarning):
   """A front was given a gradient, params or (the `Optimizer`) a loss that is not finite: the
   step is skipped (with `Config.skip_nonfinite`) and the curvature is left as it was."""
+
+
+class FailedInverseWarning(UserWarning):
+  """A block's refreshed inverse (its cache: powers, decompositions) was not finite, so the block
+  keeps its previous one (the identity before its first good refresh) and
+  `curvature.failed_inverses` counts it; given once per layer by a front."""
