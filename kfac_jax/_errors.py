@@ -33,7 +33,9 @@ class LossMismatchWarning(UserWarning):
 
 class HyperparameterWarning(UserWarning):
   """A schedule gave a hyperparameter that is not finite, or a negative learning rate or
-  damping: the step it gave it for is skipped (with `Config.skip_nonfinite`)."""
+  damping: the step it gave it for is skipped (with `Config.skip_nonfinite`). Also `kfac`'s
+  learning rate far outside the range measured on the benchmark models (more than 30 times
+  its default or below 1/1000 of it): the step is taken."""
 
 
 class NonFiniteWarning(UserWarning):

@@ -22,9 +22,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from kfac_jax import _checks, _config, _engine, _estimator, _fit, _registration
+from kfac_jax import _checks, _config, _engine, _errors, _estimator, _fit, _registration
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -324,9 +325,64 @@ def _clip_by_kfac_norm(max_norm, tagged: Callable | None):
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
-def scale_by_learning_rate(learning_rate, default: Callable):
+# A learning rate over `kfac`'s default for the loss outside [_FAR_BELOW, _FAR_ABOVE] is far
+# from those measured: the benchmark models train between 1/6 and 3 times the default.
+_FAR_BELOW, _FAR_ABOVE = 1e-3, 30.0
+
+
+def _report_far_learning_rate(reporter: _engine.Reporter, reg, value, step=None) -> None:
+  """A `HyperparameterWarning` (once per front, by `reporter`) when the learning rate `value`
+  (its value at schedule count `step`; None for a number) over `kfac`'s default for the
+  registration `reg` (`default_learning_rate / c`) is outside [_FAR_BELOW, _FAR_ABOVE]."""
+  c = reg.loss_factor or 1.0
+  default = default_learning_rate(reg) / c
+  value = float(np.asarray(value).ravel()[0])
+  ratio = value / default
+  if _FAR_BELOW <= ratio <= _FAR_ABOVE:
+    return
+  at = "" if step is None else f" (its value at step {int(np.asarray(step).ravel()[0])})"
+  reporter.once(
+    "range:learning_rate",
+    f"{reporter.who}: learning_rate={value:g}{at} is {ratio:.3g} times the default for this "
+    f"loss, 0.3 · D^(1/4) / c = {default:.3g} (D = {reg.outputs_per_example} outputs per "
+    f"example, c = {c:g} the returned loss over the tagged one). The benchmark models train "
+    f"between 1/6 and 3 times the default; beyond {_FAR_ABOVE:g} times it a step overshoots, "
+    f"below {_FAR_BELOW:g} times it barely moves. Pass learning_rate=None for the default. "
+    "This warning is given once.",
+    _errors.HyperparameterWarning,
+  )
+
+
+def _far_learning_rate(reporter: _engine.Reporter, registration_for: Callable) -> Callable:
+  """`check(params, value, count)` for `scale_by_learning_rate`: reports a learning rate far
+  from `kfac`'s default (`_report_far_learning_rate`): a number at once, a traced value from the
+  host on the step that gives it (a `lax.cond` that runs nothing in range)."""
+
+  def check(params, value, count) -> None:
+    reg = registration_for(params)
+    if isinstance(value, (int, float)):
+      _report_far_learning_rate(reporter, reg, value)
+      return
+    ratio = jnp.asarray(value) / (default_learning_rate(reg) / (reg.loss_factor or 1.0))
+    _engine._when_bad(
+      (ratio >= _FAR_BELOW) & (ratio <= _FAR_ABOVE),
+      lambda v, n: _report_far_learning_rate(reporter, reg, v, n),
+      value,
+      count,
+    )
+
+  return check
+
+
+def scale_by_learning_rate(learning_rate, default: Callable, check: Callable | None = None):
   """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default(params)`. Multiplied
-  in at least float32, cast back to the update's dtype."""
+  in at least float32, cast back to the update's dtype. `check(params, α, count)` (optional)
+  looks at a given α: a number at `init`, a schedule's or an injected value in each update."""
+
+  def init_fn(params):
+    if check is not None and isinstance(learning_rate, (int, float)):
+      check(params, learning_rate, None)
+    return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, kfac_count, **extra_args):
     del extra_args
@@ -334,12 +390,14 @@ def scale_by_learning_rate(learning_rate, default: Callable):
       step = default(params)
     else:
       step = learning_rate(kfac_count) if callable(learning_rate) else learning_rate
+      if check is not None and not isinstance(learning_rate, (int, float)):
+        check(params, step, kfac_count)
     return jax.tree_util.tree_map(
       lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
       updates,
     ), state
 
-  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 _LINESEARCHES = (
@@ -462,7 +520,10 @@ def kfac(
       as in `scale_by_kfac`.
     learning_rate: α > 0, a number or a schedule `count -> α`; None takes
       `default_learning_rate` on the tagged loss's scale (divided by its `loss_factor`), so a
-      loss averaged over its D outputs takes the summed one's steps.
+      loss averaged over its D outputs takes the summed one's steps. An α more than 30 times
+      that or below 1/1000 of it gives one `HyperparameterWarning` (at construction with
+      `registration=`, else at `init`; a schedule's value on its step): the benchmark models
+      train between 1/6 and 3 times it, and the bounds sit a decade and more beyond.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√|vᵀg|` of v in the damped metric before α, or None
       (no clipping); on a share of the parameters, of the share's. TF K-FAC's and the
@@ -513,6 +574,9 @@ def kfac(
     reg = registration_for(params)
     return default_learning_rate(reg) / (reg.loss_factor or 1.0)
 
+  if registration is not None and isinstance(learning_rate, (int, float)):
+    _report_far_learning_rate(engine.reporter, registration, learning_rate)
+
   rest = optax.chain(
     optax.identity()
     if max_norm is None
@@ -520,7 +584,9 @@ def kfac(
     optax.identity()
     if momentum is None
     else optax.trace(momentum, nesterov=engine.config.nesterov),
-    scale_by_learning_rate(learning_rate, tagged_step)
+    scale_by_learning_rate(
+      learning_rate, tagged_step, _far_learning_rate(engine.reporter, registration_for)
+    )
     if linesearch is None
     else along_linesearch(linesearch),
   )
