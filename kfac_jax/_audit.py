@@ -12,6 +12,12 @@ A `Registration` audits the tags once, on the example batch (`check_loss=False` 
     `LossMismatchWarning` (an error with `strict`): a measurement at one point, which a loss that
     differs on purpose fails.
 
+A complex prediction (a normal tag on a complex mean tags its parts `(Re z, Im z)`) is
+followed and perturbed through the complex value `z` (`ε_re + i ε_im`), which is what a loss
+is computed from: the checks are in the real terms the tag describes. With a `curvature_fn`
+(or tags in a custom_jvp rule) the loss is not the tags': only "shared_prediction" runs, and
+tags `loss_fn` binds itself, which are not read, are named (`check_overridden_tags`).
+
 Predictions are compared as values, not as graph variables: an equation that repeats another
 (the same primitive and parameters on the same values: `z.reshape(-1, V)` or
 `logits.astype(jnp.float32)` written twice) gives the same value, so a tag on one copy and a loss
