@@ -27,14 +27,17 @@ def _plain(state: Any) -> Any:
   if _nnx_object(state):
     state = nnx.state(state)
 
+  def held(x) -> bool:
+    return isinstance(x, (nnx.State, nnx.Variable))
+
   def one(x):
     if isinstance(x, nnx.State):
       return x.to_pure_dict()
     return x.get_value() if isinstance(x, nnx.Variable) else x
 
-  return jax.tree_util.tree_map(
-    one, state, is_leaf=lambda x: isinstance(x, (nnx.State, nnx.Variable))
-  )
+  if not any(held(x) for x in jax.tree_util.tree_leaves(state, is_leaf=held)):
+    return state
+  return jax.tree_util.tree_map(one, state, is_leaf=held)
 
 
 def _nnx_object(state: Any) -> bool:
@@ -122,10 +125,17 @@ def state_from_bytes(expected: Any, data: bytes) -> Any:
   restored = serialization.from_state_dict(plain, raw)
   if plain is expected:
     return restored
-  # Back into `expected`'s nnx containers: its leaves are the plain tree's arrays.
+  # Back into `expected`'s nnx containers: its leaves are the plain tree's arrays (found by
+  # identity, as a pure dict may order them otherwise).
   position = {id(x): i for i, x in enumerate(jax.tree_util.tree_leaves(plain))}
   leaves, treedef = jax.tree_util.tree_flatten(expected)
   new = jax.tree_util.tree_leaves(restored)
+  if len(position) != len(leaves) or any(id(x) not in position for x in leaves):
+    raise ValueError(
+      "state_from_bytes: `expected` holds one array object at several places, so its leaves "
+      "cannot be matched with the saved ones: pass a freshly initialised state, e.g. "
+      "`nnx.state(optimizer)` of a new `nnx.Optimizer`."
+    )
   return jax.tree_util.tree_unflatten(treedef, [new[position[id(x)]] for x in leaves])
 
 
