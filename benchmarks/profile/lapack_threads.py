@@ -1,15 +1,13 @@
 """The `Optimizer` step with scipy's OpenBLAS (jaxlib's CPU LAPACK) on one thread or on two.
 
 A 64-512-512-64 tanh MLP on scikit-learn's digits (batch 256, sigmoid cross-entropy),
-`kfac_jax.Optimizer` on its defaults (inverses every 5 steps). Five settings, each in its own
+`kfac_jax.Optimizer` on its defaults (inverses every 5 steps). Four settings, each in its own
 process, interleaved over `--rounds` rounds: `library` (no thread variable: the library sets
-scipy's OpenBLAS to one thread), `env1` (`OPENBLAS_NUM_THREADS=1`), `env2`
-(`OPENBLAS_NUM_THREADS=2`: the spinning threads the library avoids), `none` (no variable and
-the library's setting skipped: OpenBLAS's own default, one thread per core) and
-`threadpoolctl` (the library's setting skipped, scipy's OpenBLAS set to one thread by
-`threadpoolctl` instead). Each process reports the
-mean wall and CPU time (`time.process_time`, all threads) of `--steps` steps after 10 warm-up
-steps; CPU time is the steadier number on a shared machine.
+scipy's OpenBLAS to one thread with threadpoolctl), `env1` (`OPENBLAS_NUM_THREADS=1`), `env2`
+(`OPENBLAS_NUM_THREADS=2`: the spinning threads the library avoids) and `none` (no variable
+and the library's setting skipped: OpenBLAS's own default, one thread per core). Each process
+reports the mean wall and CPU time (`time.process_time`, all threads) of `--steps` steps after
+10 warm-up steps; CPU time is the steadier number on a shared machine.
 
     python benchmarks/profile/lapack_threads.py --rounds 3
 """
@@ -24,7 +22,7 @@ import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_SETTINGS = {"library": None, "env1": "1", "env2": "2", "none": None, "threadpoolctl": None}
+_SETTINGS = {"library": None, "env1": "1", "env2": "2", "none": None}
 _THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 
 
@@ -39,15 +37,8 @@ def worker(steps: int, setting: str = "library") -> dict:
   import kfac_jax
   from kfac_jax import _compat
 
-  if setting in ("none", "threadpoolctl"):
+  if setting == "none":
     _compat._lapack_threads_set.append(True)  # noqa: SLF001  # The library's setting skipped.
-  if setting == "threadpoolctl":
-    import threadpoolctl
-    from scipy.linalg import cython_lapack  # noqa: F401  # Loads scipy's OpenBLAS.
-
-    for lib in threadpoolctl.ThreadpoolController().lib_controllers:
-      if "scipy.libs" in lib.filepath:
-        lib.set_num_threads(1)
 
   images = jnp.asarray(load_digits().data / 16.0, jnp.float32)
   model = nn.Sequential([nn.Dense(512), nn.tanh, nn.Dense(512), nn.tanh, nn.Dense(64)])
