@@ -441,6 +441,8 @@ class Step(NamedTuple):
       None with `Config.skip_nonfinite` off.
     clock: `[]` int, `count + skipped`: what the schedules were called with.
     values: the hyperparameters' values at this step.
+    inputs_ok: the verdict on the hyperparameters and inputs alone (None with the guard off):
+      with `ok` False, whether the curvature's own step failed.
   """
 
   vector: Any
@@ -448,6 +450,7 @@ class Step(NamedTuple):
   ok: Array | None
   clock: Array
   values: dict[str, Any]
+  inputs_ok: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -729,7 +732,7 @@ class Engine:
       ok = finite if usable is None else finite & usable
     work = Work(inputs.vector, inputs.statistics, count, values, ok, clock, self.reporter)
     pre, curvature, ok = self.curvature.step(bound, self.placement, curvature, work)
-    return Step(pre, curvature, ok, clock, values)
+    return Step(pre, curvature, ok, clock, values, work.ok)
 
 
 def _check_vector(bound: Bound, vector, who: str) -> None:
