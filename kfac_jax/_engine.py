@@ -26,20 +26,17 @@ the verdict on the inputs, so no guard ever has to restore the factors or the ca
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from kfac_jax import (
   _checks,
   _config,
   _curvature,
-  _errors,
   _estimator,
   _fit,
   _parallel,
@@ -47,219 +44,9 @@ from kfac_jax import (
   _specs,
   _storage,
 )
+from kfac_jax._verdict import Reporter, hyperparameters_ok, inputs_ok
 
 Array = jax.Array
-
-# Each input of a step: how a warning names it and where a non-finite one comes from.
-_INPUTS = {
-  "gradient": ("the gradient is", "A non-finite batch or a loss that overflows gives one."),
-  "loss": ("the loss is", "A non-finite batch or a loss that overflows gives one."),
-  "params": ("the params are", "The update applied before this step was not finite."),
-}
-_CHAINED = (
-  " A transform chained after this one (a schedule, a scale) or the code applying the updates "
-  "can make it so: `kfac_jax.kfac(learning_rate=schedule)` checks a schedule's values and skips "
-  "the steps they are not usable for."
-)
-
-
-class Reporter:
-  """Warns, from the host, the first time each hyperparameter, input or inverse of one front is
-  bad (one warning per name, whichever device or step reports it). `chained`: the front is an
-  optax transform, whose updates the rest of a user's chain can make non-finite. `in_step`
-  (`Config.step_warnings`): a compiled step warns too, through a host callback, which keeps JAX
-  from storing the step in its persistent compilation cache; without it only eager calls warn
-  and the state's counters (`skipped`, `curvature.failed_inverses`) tell."""
-
-  def __init__(self, who: str, *, chained: bool = False, in_step: bool = False):
-    self.who = who
-    self.chained = chained
-    self.in_step = in_step
-    self._seen: set[str] = set()
-
-  def when_bad(self, ok: Array, report: Callable, *args) -> None:
-    """`report(*args)` from the host when `ok` is False; an arg may be a function of no
-    arguments that computes it (on a bad step only). Concrete (an eager step): at once;
-    traced, with `in_step`: a host callback inside a `lax.cond` that runs nothing on a good
-    step; traced without it: nothing."""
-
-    def values():
-      return [a() if callable(a) else a for a in args]
-
-    if not _checks.is_traced(ok):
-      if not bool(ok):
-        report(*values())
-    elif self.in_step:
-      jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(report, *values()))
-
-  def hyperparameters(self, names: tuple[str, ...], lows: tuple, step, values, goods, skipped):
-    step = np.asarray(step).ravel()
-    for name, low, value, good in zip(names, lows, values, goods):
-      bad = ~np.asarray(good, bool).ravel()
-      if name in self._seen or not bad.any():
-        continue
-      self._seen.add(name)
-      value = np.asarray(value).ravel()[np.argmax(bad)]
-      at = int(step[np.argmax(bad) % step.size])
-      rule = "finite" if low is None else f"finite and >= {low}"
-      warnings.warn(
-        f"{self.who}: the schedule of `{name}` gave {value} at step {at} (it must be {rule}); "
-        + ("the step is skipped. " if skipped else "`Config.skip_nonfinite` is off: it is used. ")
-        + "This warning is given once per hyperparameter.",
-        _errors.HyperparameterWarning,
-        stacklevel=2,
-      )
-
-  def inputs(self, names: tuple[str, ...], paths: tuple, step, flags, skipped: bool):
-    """Warns the first time each input (`names`; `paths` names each one's leaves) has a leaf
-    that is not finite (`flags`: per input, per device and leaf, whether it is finite)."""
-    step = int(np.asarray(step).ravel()[0])
-    goods: dict[str, list[bool]] = {}
-    for n, p, f in zip(names, paths, flags):
-      per_device = np.asarray(f, bool).reshape(-1, len(p))
-      goods[n] = [bool(per_device[:, i].all()) for i in range(len(p))]
-    # The first bad input in this order is the one named: bad params make the rest so, and a
-    # bad loss comes with a bad gradient.
-    bad_ones = [n for n in ("params", "gradient", "loss") if n in goods and not all(goods[n])]
-    if not bad_ones or f"input:{bad_ones[0]}" in self._seen:
-      return
-    name = bad_ones[0]
-    self._seen.add(f"input:{name}")
-    bad = [f"`{p}`" for p, g in zip(paths[names.index(name)], goods[name]) if not g and p]
-    where = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-    subject, cause = _INPUTS[name]
-    warnings.warn(
-      f"{self.who}: {subject} not finite at step {step}"
-      + (f" (in {where}). " if where else ". ")
-      + cause
-      + (_CHAINED if name == "params" and self.chained else "")
-      + (
-        " The step is skipped and the curvature is left as it was."
-        if skipped
-        else " `Config.skip_nonfinite` is off: the update is used (the curvature keeps no "
-        "non-finite statistics)."
-      )
-      + " This warning is given once per input.",
-      _errors.NonFiniteWarning,
-      stacklevel=2,
-    )
-
-  def once(self, key: str, message: str, category: type[Warning]) -> None:
-    """Warns `message` unless a warning of `key` was given before."""
-    if key in self._seen:
-      return
-    self._seen.add(key)
-    warnings.warn(message, category, stacklevel=3)
-
-  def inverses(self, blocks: tuple[str, ...], step, failed, damping) -> None:
-    """Warns the first time each block (`blocks`: its layer's name and block class) has a
-    refreshed cache (`failed`: per block, per device) that is not finite."""
-    per_device = np.asarray(failed, bool).reshape(-1, len(blocks))
-    step = int(np.asarray(step).ravel()[0])
-    lam = float(np.asarray(damping).ravel()[0])
-    for i, block in enumerate(blocks):
-      if not per_device[:, i].any():
-        continue
-      self.once(
-        f"inverse:{block}",
-        f"{self.who}: the refreshed inverse of {block} was not finite at step {step} (damping "
-        f"{lam:g}): the layer keeps its previous inverse (the identity before its first good "
-        "refresh, so its update is then its plain gradient's), and "
-        "`curvature.failed_inverses` in the state counts the failures. Raise the damping, or "
-        "for a block of your own (LayerConfig.blocks) make its compute_cache finite on these "
-        "statistics. This warning is given once per layer.",
-        _errors.FailedInverseWarning,
-      )
-
-
-def _leaf_names(tree) -> list[str]:
-  return [
-    "/".join(_specs.key_name(k) for k in path)
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-  ]
-
-
-def _up(x) -> Array:
-  x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: bool) -> Array:
-  """Whether every leaf of `inputs` (name → pytree: "gradient", "params", "loss") is finite.
-
-  Trees of one structure and shapes (the gradient and the params) are added leaf by leaf before
-  `_storage.all_finite`'s sums, so the verdict costs one pass over them (a sum of finite values
-  is finite; an overflow errs on the side of a skip). A non-finite input is reported once per
-  name by `reporter` (`Reporter.when_bad`), naming the step and the leaves.
-  """
-  trees = {n: t for n, t in inputs.items() if jax.tree_util.tree_leaves(t)}
-  groups: list[list[Any]] = []  # Trees whose leaves can be added position by position.
-  for t in trees.values():
-    shapes = [jnp.shape(x) for x in jax.tree_util.tree_leaves(t)]
-    for g in groups:
-      if [jnp.shape(x) for x in jax.tree_util.tree_leaves(g[0])] == shapes:
-        g.append(t)
-        break
-    else:
-      groups.append([t])
-  sums = [
-    [sum(_up(x) for x in xs) for xs in zip(*(jax.tree_util.tree_leaves(t) for t in g))]
-    for g in groups
-  ]
-  ok = _storage.all_finite(sums)
-  names = tuple(trees)
-  paths = tuple(_leaf_names(t) for t in trees.values())
-
-  def flags():  # Per leaf, through its sum (as `_storage.all_finite`): one reduction each.
-    return [
-      jnp.isfinite(jnp.stack([jnp.sum(_up(x)) for x in jax.tree_util.tree_leaves(t)]))
-      for t in trees.values()
-    ]
-
-  reporter.when_bad(
-    ok, lambda step, f: reporter.inputs(names, paths, step, f, skipped), clock, flags
-  )
-  return ok
-
-
-def hyperparameters_ok(
-  reporter: Reporter, values: Mapping[str, tuple[Any, float | None]], clock, skipped: bool
-) -> Array | None:
-  """Whether this step's hyperparameter values are usable: `values` maps a name to `(value,
-  low)`, the value finite and, with `low`, at least `low`. Python numbers (checked on
-  construction) are not looked at; None when nothing is. A bad value is reported by `reporter`
-  (`Reporter.when_bad`)."""
-  checked = {
-    n: (jnp.asarray(x), low)
-    for n, (x, low) in values.items()
-    if x is not None and not isinstance(x, (int, float))
-  }
-  if not checked:
-    return None
-  names, lows = tuple(checked), tuple(low for _, low in checked.values())
-  xs = [x for x, _ in checked.values()]
-  goods = [
-    jnp.isfinite(x) if low is None else jnp.isfinite(x) & (x >= low) for x, low in checked.values()
-  ]
-  ok = jnp.all(jnp.stack([jnp.all(g) for g in goods]))
-  reporter.when_bad(
-    ok,
-    lambda step, xs, goods: reporter.hyperparameters(names, lows, step, xs, goods, skipped),
-    clock,
-    xs,
-    goods,
-  )
-  return ok
-
-
-def tree_vdot(a, b) -> Array:
-  """Σ over leaves of ⟨a, b⟩, accumulated in at least float32 (bfloat16 params), also for
-  leaves sharded over explicit mesh axes."""
-  return sum(  # type: ignore[return-value]  # an Array: params have leaves
-    _parallel.vdot(_up(x), _up(y))
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-  )
-
 
 # -- the records a front is built from -----------------------------------------------------------
 

@@ -47,6 +47,7 @@ from kfac_jax import (
   _parallel,
   _registration,
   _storage,
+  _verdict,
 )
 
 Array = jax.Array
@@ -198,7 +199,7 @@ def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, axis_na
     for n, (i, j) in enumerate(pairs)
   )
   c = jnp.stack([jnp.stack([c00, c01]), jnp.stack([c01, c11])]).astype(dtype)
-  b = jnp.stack([_engine.tree_vdot(fp.grad_h, v) for v in (delta, velocity)]).astype(dtype)
+  b = jnp.stack([_verdict.tree_vdot(fp.grad_h, v) for v in (delta, velocity)]).astype(dtype)
   return solve_quadratic_model(c, b, alpha, mu)
 
 
@@ -258,7 +259,7 @@ def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux
     "damping": jnp.asarray(lam, dtype),
     "rho": rho,
     "quad_model_change": m.change,
-    "update_norm": jnp.sqrt(_engine.tree_vdot(update, update)),
+    "update_norm": jnp.sqrt(_verdict.tree_vdot(update, update)),
     "skipped": ~ok,
   }
   if aux is not None:
@@ -546,7 +547,7 @@ class Optimizer:
       assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
       place = self._engine.placement
       f_delta = est._power(step.curvature, delta, 1.0, place.axis_name, place.mesh)
-      quad = _engine.tree_vdot(delta, f_delta).astype(dtype)
+      quad = _verdict.tree_vdot(delta, f_delta).astype(dtype)
       alpha = kl_clip(alpha, quad, jnp.asarray(self.norm_constraint, dtype))
     change, fixed = jnp.full([], jnp.nan, dtype), alpha is not None and mu is not None
     if alpha is None or mu is None:

@@ -25,7 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kfac_jax import _checks, _config, _engine, _errors, _estimator, _fit, _migrate, _registration
+from kfac_jax import (
+  _checks,
+  _config,
+  _engine,
+  _errors,
+  _estimator,
+  _fit,
+  _migrate,
+  _registration,
+  _verdict,
+)
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -298,7 +308,7 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
   length in the metric that preconditioned it (half its square approximates the KL divergence
   of the step). 1 when `vᵀg = 0`; accumulated in at least float32. `r = max_norm`.
   """
-  vg = jnp.abs(jnp.asarray(_engine.tree_vdot(preconditioned, grads)))
+  vg = jnp.abs(jnp.asarray(_verdict.tree_vdot(preconditioned, grads)))
   r2 = jnp.square(jnp.asarray(max_norm, vg.dtype))
   big = vg > r2
   return jnp.where(big, jnp.sqrt(r2 / jnp.where(big, vg, 1)), jnp.ones_like(vg))
@@ -331,7 +341,7 @@ def _clip_by_kfac_norm(max_norm, tagged: Callable | None):
 _FAR_BELOW, _FAR_ABOVE = 1e-3, 30.0
 
 
-def _report_far_learning_rate(reporter: _engine.Reporter, reg, value, step=None) -> None:
+def _report_far_learning_rate(reporter: _verdict.Reporter, reg, value, step=None) -> None:
   """A `HyperparameterWarning` (once per front, by `reporter`) when the learning rate `value`
   (its value at schedule count `step`; None for a number) over `kfac`'s default for the
   registration `reg` (`default_learning_rate / c`) is outside [_FAR_BELOW, _FAR_ABOVE]."""
@@ -354,7 +364,7 @@ def _report_far_learning_rate(reporter: _engine.Reporter, reg, value, step=None)
   )
 
 
-def _far_learning_rate(reporter: _engine.Reporter, registration_for: Callable) -> Callable:
+def _far_learning_rate(reporter: _verdict.Reporter, registration_for: Callable) -> Callable:
   """`check(params, value, count)` for `scale_by_learning_rate`: reports a learning rate far
   from `kfac`'s default (`_report_far_learning_rate`): a number at once, a traced value from the
   host on the step that gives it (a `lax.cond` that runs nothing in range)."""

@@ -211,38 +211,8 @@ def _fused_all_finite(tree):
   return jnp.isfinite(sum(sums[1:], sums[0]))
 
 
-def _inputs_ok_from_sums(reporter, inputs, clock, skipped):
-  """`_engine.inputs_ok` with the warning's per-leaf flags taken from one sum per leaf and
-  input, computed outside the cond (the verdict is their conjunction), instead of an
-  `all(isfinite(x))` per leaf inside the callback's branch."""
-  trees = {n: t for n, t in inputs.items() if jax.tree_util.tree_leaves(t)}
-  flags = [
-    jnp.isfinite(
-      jnp.stack(
-        [
-          jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
-          for x in jax.tree_util.tree_leaves(t)
-        ]
-      )
-    )
-    for t in trees.values()
-  ]
-  ok = jnp.all(jnp.concatenate(flags))
-  names = tuple(trees)
-  paths = tuple(_engine._leaf_names(t) for t in trees.values())  # noqa: SLF001
-  _engine._when_bad(  # noqa: SLF001
-    ok, lambda step, f: reporter.inputs(names, paths, step, f, skipped), clock, flags
-  )
-  return ok
-
-
-def _none(*a, **k):
-  return None
-
-
 def _all_checks():
   stack = contextlib.ExitStack()
-  stack.enter_context(_patched((_engine, "_when_bad", _none)))
   stack.enter_context(_patched((_engine, "inputs_ok", lambda *a, **k: jnp.asarray(True))))
   stack.enter_context(
     _patched((_storage, "_keep_finite", lambda new, old, keys: (new, jnp.zeros((), jnp.int32))))
@@ -251,25 +221,14 @@ def _all_checks():
   return stack
 
 
-def _callbacks_and_update_checks():
-  stack = contextlib.ExitStack()
-  stack.enter_context(_patched((_engine, "_when_bad", _none)))
-  stack.enter_context(_finite_from(("step", "_finish")))
-  return stack
-
-
 VARIANTS = {
   "as built": (lambda: contextlib.nullcontext(), None),
-  "no host callbacks (`_engine._when_bad` a no-op)": (
-    lambda: _patched((_engine, "_when_bad", _none)),
-    None,
+  "with the warnings' host callbacks (`Config(step_warnings=True)`)": (
+    lambda: contextlib.nullcontext(),
+    {"step_warnings": True},
   ),
   "no input check (`_engine.inputs_ok` True)": (
     lambda: _patched((_engine, "inputs_ok", lambda *a, **k: jnp.asarray(True))),
-    None,
-  ),
-  "input check: the warning's flags from one sum per leaf, outside the cond": (
-    lambda: _patched((_engine, "inputs_ok", _inputs_ok_from_sums)),
     None,
   ),
   "no statistics check (estimator's `all_finite` True)": (
@@ -287,10 +246,6 @@ VARIANTS = {
     None,
   ),
   "every finiteness check removed (all of the above)": (_all_checks, None),
-  "no host callbacks and no check of the update (variants 1 and 5)": (
-    _callbacks_and_update_checks,
-    None,
-  ),
   "guard off (`Config(skip_nonfinite=False)`)": (
     lambda: contextlib.nullcontext(),
     {"skip_nonfinite": False},

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _config, _engine, _registration, _storage, _transform
+from kfac_jax import _checks, _config, _engine, _registration, _storage, _transform, _verdict
 from kfac_jax.kernel._rows import rows
 from kfac_jax.kernel._solve import direction
 
@@ -233,7 +233,7 @@ def constrain_norm(norm_constraint):
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    sq = jnp.asarray(_engine.tree_vdot(updates, updates))
+    sq = jnp.asarray(_verdict.tree_vdot(updates, updates))
     c = jnp.asarray(norm_constraint, sq.dtype)
     big = sq > c
     coeff = jnp.where(big, jnp.sqrt(c / jnp.where(big, sq, 1)), 1)
