@@ -86,7 +86,7 @@ class Reporter:
     per device and leaf, whether it is finite)."""
     step = int(np.asarray(step).ravel()[0])
     goods: dict[str, list[bool]] = {
-      n: [bool(g) for g in np.asarray(f, bool).reshape(-1, len(p)).all(axis=0)]
+      n: [bool(np.all(np.asarray(f, bool).reshape(-1, len(p))[:, i])) for i in range(len(p))]
       for n, p, f in zip(names, paths, flags)
     }
     bad_ones = [n for n in ("params", "gradient", "loss") if n in goods and not all(goods[n])]
