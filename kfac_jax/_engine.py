@@ -1,26 +1,17 @@
 """The contract of a front's step, in one place: `scale_by_kfac`, `kfac`, the `Optimizer`,
-`scale_by_kernel_ngd` and `kernel_ngd` only configure an `Engine` and add what is their own.
+`scale_by_kernel_ngd` and `kernel_ngd` configure an `Engine` and add only what is their own.
 
-An `Engine` is built once from a front's arguments, each checked then: where its registration
-comes from (`Source`), its `Config`, its curvature (`Kfac` here; the sample-space kernel in
-`kfac_jax.kernel`) and its `Placement` on a data-parallel axis or mesh. Each update then runs,
-in this order:
+An `Engine` is built once from a front's checked arguments: its registration's `Source`, its
+`Config`, its curvature (`Kfac`; the sample-space kernel in `kfac_jax.kernel`) and its
+`Placement`. Each update runs `bind` (the registration and the curvature's part for these
+params, restricted to an `optax.multi_transform` share), `check` (one sequence, cheapest first:
+the state's type, the statistics' source, the rng, the axis, the state's fit) and `step` (the
+hyperparameters at `count + skipped` and their verdict, the inputs' verdict, the curvature's
+step and its verdict).
 
-- `Engine.bind(params)`: the registration for these params (a front given only `loss_fn`
-  builds it from the first params it sees) and the curvature's part for them (K-FAC's
-  estimator, restricted to the share of an `optax.multi_transform` / `optax.masked`);
-- `Engine.check(...)`: one check sequence, cheapest first: the state's type, where the
-  statistics come from, the rng, the axis, and last the state's fit to the front's init (once
-  per update; the estimator's own methods, called directly, check it again);
-- `Engine.step(...)`: the hyperparameters' values at this step (schedules are called with
-  `count + skipped`, every update seen) and their verdict, the inputs' verdict (a non-finite
-  gradient, params or loss), then the curvature's step and the verdict on what it gives.
-
-K-FAC's step (`Kfac`): each schedule decision is a `lax.cond` that carries only what it can
-change (the fold: the factors, the EMA weight and the skipped-batch counter; the refresh: the
-caches and the failure counter): XLA copies an operand that passes through a cond unchanged,
-and an elementwise `where(ok, new, old)` over the state writes a third copy. Both are gated on
-the verdict on the inputs, so no guard ever has to restore the factors or the caches.
+K-FAC's fold and refresh are each a `lax.cond` that carries only what it can change: XLA copies
+an operand that passes through a cond unchanged, and a `where(ok, new, old)` over the state
+writes a third copy. Both are gated on the inputs' verdict, so no guard restores the state.
 """
 
 from __future__ import annotations
@@ -53,9 +44,8 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """When the curvature moves: the EMA's decay, and the periods (in updates) of the statistics'
-  fold and of the inverses' refresh, both after `burn_in_steps` updates that only fold. Numbers,
-  or (with `optax.inject_hyperparams`) arrays."""
+  """The EMA's decay, the periods (in updates) of the fold and of the refresh, and the burn-in
+  updates that only fold: numbers, or arrays under `optax.inject_hyperparams`."""
 
   ema_decay: Any
   inverse_every: Any
@@ -72,8 +62,7 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """Where a front's step runs: inside `pmap` / `shard_map` over `axis_name` (means over it, the
-  inverse work split over it), or under plain `jit` with data sharded over `mesh`'s axis."""
+  """Where a step runs: in `pmap` / `shard_map` over `axis_name`, or under `jit` over `mesh`."""
 
   axis_name: str | None = None
   mesh: tuple[jax.sharding.Mesh, str] | None = None
@@ -101,13 +90,9 @@ class Placement:
 
 
 class Source:
-  """Where a front's registration comes from: the one given (`registration=`), or one built with
-  the front's default settings (`defaults`, e.g. the kernel's exact estimation mode) from
-  `loss_fn`, `example_batch` and the first params its `init` sees.
-
-  The built one is kept (the front's state is tied to its layers): later params must have its
-  signature, and an error names the first leaf that differs.
-  """
+  """A front's registration: the one given, or one built with the front's `defaults` from
+  `loss_fn`, `example_batch` and the first params it sees, then kept (the state is tied to its
+  layers: later params must have its signature)."""
 
   def __init__(self, loss_fn, example_batch, registration, who: str, defaults=None):
     self.given = _registration.shared(registration, loss_fn, who, ("example_batch", example_batch))
@@ -121,10 +106,9 @@ class Source:
     return self._built
 
   def for_params(self, params, collective_axes=None) -> _registration.Registration:
-    """The registration for `params`, built from them on first use (`collective_axes`: the
-    front's data-parallel axis, which the model's own collectives may use too), checked against
-    them. A tree without leaves is `optax.tree_map_params`' placeholder, which asks only for the
-    state's structure: the known registration, unchecked."""
+    """The registration for `params` (built on first use, binding `collective_axes`, the
+    front's axis, which the model's own collectives may use), checked against them; a tree
+    without leaves is `optax.tree_map_params`' placeholder: the known one, unchecked."""
     if self._built is not None and not jax.tree_util.tree_leaves(params):
       return self._built
     if self._built is None:
@@ -143,16 +127,14 @@ def _is_masked(x) -> bool:
 
 
 def masked_share(tree) -> tuple[bool, ...] | None:
-  """Per leaf of `tree`, masked ones included, whether it is not an `optax.MaskedNode` (the share
-  `optax.multi_transform` / `optax.masked` hand a transform); None when none is masked."""
+  """Per leaf (masked ones included) whether it is not an `optax.MaskedNode`; None if none is."""
   kept = tuple(not _is_masked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_masked))
   return None if all(kept) else kept
 
 
 class Bound(NamedTuple):
-  """A front bound to one params signature: its registration, the curvature's part for it
-  (K-FAC's estimator; None for the kernel) and, for a share of the params, per registered leaf
-  whether it is in the share."""
+  """A front bound to one params signature: its registration, the curvature's part (K-FAC's
+  estimator; None for the kernel) and, for a share, per registered leaf whether it is in it."""
 
   registration: _registration.Registration
   estimator: Any
@@ -185,17 +167,10 @@ class Bound(NamedTuple):
 
 
 class Inputs(NamedTuple):
-  """What one update hands the engine's step.
-
-  Attributes:
-    vector: the params-shaped (or share-shaped) vector to precondition: the gradient.
-    statistics: a function of no arguments computing this batch's curvature data (K-FAC's
-      `CurvatureStats`, the kernel's rows), called where the curvature needs them.
-    finite: name → pytree, the inputs whose non-finite leaves skip the step ("gradient",
-      "params", "loss").
-    hyperparameters: name → `(value or schedule count -> value, low or None)`: "damping" and
-      the front's others; a schedule is called with the step's clock.
-  """
+  """What an update hands the engine's step: the vector to precondition, a thunk computing the
+  curvature's data (K-FAC's `CurvatureStats`, the kernel's rows), the inputs whose non-finite
+  leaves skip the step (name → pytree), and the hyperparameters (name → `(value or schedule,
+  low or None)`, "damping" among them)."""
 
   vector: Any
   statistics: Callable[[], Any]
@@ -204,9 +179,9 @@ class Inputs(NamedTuple):
 
 
 class Work(NamedTuple):
-  """What a curvature's step is given: the vector, the statistics' thunk, the update counter,
-  this step's hyperparameter values, the verdict so far (None with the guard off), and the
-  step's clock and the front's reporter (for the curvature's own warnings)."""
+  """What a curvature's step is given: `Inputs`' vector and thunk, the update counter, the
+  hyperparameters' values, the verdict so far (None with the guard off), the clock and the
+  front's reporter."""
 
   vector: Any
   statistics: Callable[[], Any]
@@ -218,19 +193,10 @@ class Work(NamedTuple):
 
 
 class Step(NamedTuple):
-  """What the engine's step gives back.
-
-  Attributes:
-    vector: the preconditioned vector in the input's structure and dtypes (as computed on a
-      skipped step: the front zeroes what it returns).
-    curvature: the curvature's new state (moved only with a good verdict).
-    ok: `[]` bool, the verdict: usable hyperparameters, finite inputs, statistics and vector;
-      None with `Config.skip_nonfinite` off.
-    clock: `[]` int, `count + skipped`: what the schedules were called with.
-    values: the hyperparameters' values at this step.
-    inputs_ok: the verdict on the hyperparameters and inputs alone (None with the guard off):
-      with `ok` False, whether the curvature's own step failed.
-  """
+  """The engine's step: the preconditioned vector (as computed even on a skipped step), the
+  curvature's new state (moved only on a good verdict), the verdict `ok` (None with the guard
+  off), the clock `count + skipped`, the hyperparameters' values, and the inputs' own verdict
+  `inputs_ok` (with `ok` False: whether the curvature's step failed)."""
 
   vector: Any
   curvature: Any
@@ -242,10 +208,9 @@ class Step(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kfac:
-  """K-FAC's curvature in an engine: the estimator's averaged statistics and damped inverses,
-  folded and refreshed on `schedule` (the module docstring), the refresh's damping the step's
-  "damping" value plus `damping_shift` (the `Optimizer`'s `l2_reg` η: the curvature η I of an
-  L2 term `(η/2)‖θ‖²` in the user's loss)."""
+  """K-FAC's curvature in an engine: the estimator's averaged statistics and damped inverses on
+  `schedule` (the module docstring); the refresh's damping is the step's "damping" plus
+  `damping_shift` (the `Optimizer`'s `l2_reg` η: the curvature η I of an L2 term in the loss)."""
 
   schedule: Schedule
   config: _config.Config
@@ -256,87 +221,42 @@ class Kfac:
   def bind(self, registration, kept, who: str) -> _estimator.CurvatureEstimator:
     """The estimator of `registration` (of the share `kept`'s layers), built once."""
     only = None if kept is None else _share_layers(registration, kept, who)
+    config = self.config.read_by("CurvatureEstimator")
     return self._estimators(
       (registration, only),
-      lambda: _estimator.CurvatureEstimator(
-        registration, config=self.config.read_by("CurvatureEstimator"), only=only
-      ),
+      lambda: _estimator.CurvatureEstimator(registration, config=config, only=only),
     )
 
   def init(self, bound: Bound, placement: Placement, params) -> _estimator.EstimatorState:
     del params
     return bound.estimator.init(axis_name=placement.axis_name, mesh=placement.mesh)
 
+  def check(self, bound: Bound, state, stats, who: str) -> None:
+    if stats is not None:  # Another mode or layer set, named by the estimator.
+      bound.estimator.check_stats(stats, f"this {who} transform")
+
+  def fits_by_shape(self, bound: Bound) -> bool:
+    """Whether the engine fit-checks the state (a sharded one's storage checks its buffers)."""
+    return isinstance(bound.estimator.storage, _storage.ReplicatedStorage)
+
   def step(self, bound: Bound, placement: Placement, curv, work: Work):
-    """`(F̂_λ⁻¹ vector, the new estimator state, the verdict)`: with `k = count -
-    burn_in_steps`, the statistics fold into the EMA when `k < 0` (burn-in) or `k %
-    curvature_every == 0`; the inverses are refreshed when `k >= 0` and `k % inverse_every ==
-    0`; the vector is preconditioned with the refreshed inverses (zeros during burn-in)."""
-    est, schedule, axis, mesh = bound.estimator, self.schedule, placement.axis_name, placement.mesh
-    vector, ok, old = bound.fill(work.vector), work.ok, curv
-    damping = work.values["damping"]
-    damping = damping + self.damping_shift if self.damping_shift else damping
+    """`(F̂_λ⁻¹ vector, the new estimator state, the verdict)`. With `k = count −
+    burn_in_steps`: the statistics fold into the EMA when `k < 0` or `k % curvature_every ==
+    0`, the inverses are refreshed when `k >= 0` and `k % inverse_every == 0`, and the vector
+    is preconditioned with the refreshed inverses (zeros during burn-in)."""
+    est, schedule, ok = bound.estimator, self.schedule, work.ok
     burn = schedule.burn_in_steps
     k = work.counter - burn if burn else work.counter
     in_burn = (k < 0) if burn else None
-
-    # Statistics due on every step are formed outside any cond (a skipped step forms them for
-    # nothing): inside a cond branch XLA:CPU runs some pull-backs (convolutions) far slower.
-    every_step = type(schedule.curvature_every) is int and schedule.curvature_every == 1
-    fold_due = None if every_step else k % jnp.asarray(schedule.curvature_every, k.dtype) == 0
-    if in_burn is not None and fold_due is not None:
-      fold_due = fold_due | in_burn
-    if ok is not None:
-      fold_due = ok if fold_due is None else fold_due & ok
-    now = work.statistics() if every_step else None
-
-    def fold():
-      s = now if now is not None else work.statistics()
-      return est._fold(old, s, schedule.ema_decay, axis, mesh)
-
-    if fold_due is None:
-      curv = fold()
-    else:
-
-      def parts(c):
-        return c.factors, c.ema_weight, c.skipped_batches
-
-      factors, weight, skipped = jax.lax.cond(fold_due, lambda: parts(fold()), lambda: parts(old))
-      curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
-    if ok is not None:  # The estimator skipped (and counted) non-finite statistics.
-      ok = ok & (curv.skipped_batches == old.skipped_batches)
-
-    refresh_due = k % jnp.asarray(schedule.inverse_every, k.dtype) == 0
-    if in_burn is not None:
-      refresh_due = refresh_due & ~in_burn
-    if ok is not None:
-      refresh_due = refresh_due & ok
-    before = curv
-
-    def refresh():
-      new, flags = est._refresh_flagged(before, damping, axis, mesh)
-      return new.cache, new.failed_inverses, flags
-
-    def keep():
-      return before.cache, before.failed_inverses, jnp.zeros((len(est.names),), bool)
-
-    cache, count, failed = jax.lax.cond(refresh_due, refresh, keep)
-    curv = curv._replace(cache=cache, failed_inverses=count)
-    if work.reporter is not None:  # A block that kept its cache: once per layer, by name.
-      reporter = work.reporter
-      blocks = tuple(
-        f"`{n}` ({(b.spec.block or type(b)).__name__})" for n, b in zip(est.names, est.blocks)
-      )
-      reporter.when_bad(
-        ~jnp.any(failed),
-        lambda step, f, lam: reporter.inverses(blocks, step, f, lam),
-        work.clock,
-        failed,
-        damping,
-      )
+    curv, ok = self._fold(est, placement, curv, work, k, in_burn)
+    due = k % jnp.asarray(schedule.inverse_every, k.dtype) == 0
+    for gate in (None if in_burn is None else ~in_burn, ok):
+      due = due if gate is None else due & gate
+    curv = self._refresh(est, placement, curv, work, due)
+    vector = bound.fill(work.vector)
 
     def precondition():
-      pre = est._power(curv, vector, -1.0, axis, mesh)
+      pre = est._power(curv, vector, -1.0, placement.axis_name, placement.mesh)
       return jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, vector)
 
     if in_burn is None:
@@ -345,42 +265,71 @@ class Kfac:
       pre = jax.lax.cond(in_burn, lambda: optax.tree_utils.tree_zeros_like(vector), precondition)
     if ok is not None:
       ok = ok & _storage.all_finite(pre)
+    mesh = placement.mesh
     if mesh is not None and isinstance(est.storage, _storage.ReplicatedStorage):
       # Replicated as `init` made it: XLA's propagation would split some inverses the sharded
       # gradient meets, and a state of other shardings compiles the next step again.
       every = jax.sharding.NamedSharding(_parallel.mesh_axis(mesh)[0], jax.sharding.PartitionSpec())
-      curv = curv._replace(
-        factors=jax.lax.with_sharding_constraint(curv.factors, every),
-        cache=jax.lax.with_sharding_constraint(curv.cache, every),
-      )
+      constrain = lambda t: jax.lax.with_sharding_constraint(t, every)  # noqa: E731
+      curv = curv._replace(factors=constrain(curv.factors), cache=constrain(curv.cache))
     return bound.unfill(pre, work.vector), curv, ok
 
-  def check(self, bound: Bound, state, stats, who: str) -> None:
-    """Statistics of another registration, and (sharded storage checks its own buffers) the
-    rest of the state's fit are the engine's; the estimator names another mode or layer set."""
-    if stats is not None:
-      bound.estimator.check_stats(stats, f"this {who} transform")
+  def _fold(self, est, placement: Placement, old, work: Work, k, in_burn):
+    """The state after this step's fold (when due and the verdict holds), and the verdict
+    with the statistics' own (the estimator skips and counts non-finite ones)."""
+    every_step = type(self.schedule.curvature_every) is int and self.schedule.curvature_every == 1
+    due = None if every_step else k % jnp.asarray(self.schedule.curvature_every, k.dtype) == 0
+    if in_burn is not None and due is not None:
+      due = due | in_burn
+    if work.ok is not None:
+      due = work.ok if due is None else due & work.ok
+    # Statistics due on every step are formed outside any cond (a skipped step forms them for
+    # nothing): inside a cond branch XLA:CPU runs some pull-backs (convolutions) far slower.
+    now = work.statistics() if every_step else None
 
-  def fits_by_shape(self, bound: Bound) -> bool:
-    return isinstance(bound.estimator.storage, _storage.ReplicatedStorage)
+    def fold():
+      stats = now if now is not None else work.statistics()
+      new = est._fold(old, stats, self.schedule.ema_decay, placement.axis_name, placement.mesh)
+      return new.factors, new.ema_weight, new.skipped_batches
+
+    if due is None:
+      factors, weight, skipped = fold()
+    else:
+      keep = lambda: (old.factors, old.ema_weight, old.skipped_batches)  # noqa: E731
+      factors, weight, skipped = jax.lax.cond(due, fold, keep)
+    curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
+    ok = None if work.ok is None else work.ok & (skipped == old.skipped_batches)
+    return curv, ok
+
+  def _refresh(self, est, placement: Placement, before, work: Work, due):
+    """The state after this step's refresh (when `due`); a block whose new cache is not finite
+    keeps its old one, and is reported once by name."""
+    damping = work.values["damping"]
+    damping = damping + self.damping_shift if self.damping_shift else damping
+
+    def refresh():
+      new, flags = est._refresh_flagged(before, damping, placement.axis_name, placement.mesh)
+      return new.cache, new.failed_inverses, flags
+
+    def keep():
+      return before.cache, before.failed_inverses, jnp.zeros((len(est.names),), bool)
+
+    cache, count, failed = jax.lax.cond(due, refresh, keep)
+    if work.reporter is not None:
+      reporter = work.reporter
+      blocks = tuple(
+        f"`{n}` ({(b.spec.block or type(b)).__name__})" for n, b in zip(est.names, est.blocks)
+      )
+      report = lambda step, f, lam: reporter.inverses(blocks, step, f, lam)  # noqa: E731
+      reporter.when_bad(~jnp.any(failed), report, work.clock, failed, damping)
+    return before._replace(cache=cache, failed_inverses=count)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Engine:
-  """A front's step contract, bound to its arguments (see the module docstring).
-
-  Attributes:
-    who: the front's name in messages ("scale_by_kfac", "kfac", "Optimizer", ...).
-    source: where its registration comes from.
-    config: its `Config` (fields it does not read refused at construction).
-    placement: its axis or mesh.
-    curvature: what preconditions (`Kfac`, or the kernel's), with its `bind`, `init`,
-      `check`, `step`.
-    state_type: the type of the front's state, checked first on every update.
-    transform: whether it is an optax transform: it takes a share of the params
-      (`optax.multi_transform`), and the rest of a user's chain acts on its updates.
-    reporter: its warnings (one per hyperparameter or input).
-  """
+  """A front's step contract (the module docstring). `who` names the front in messages;
+  `curvature` has `bind`, `init`, `check`, `fits_by_shape` and `step`; `transform`: an optax
+  transform, which takes a share of the params and whose updates the rest of a chain acts on."""
 
   who: str
   source: Source
