@@ -1,16 +1,9 @@
-"""K-FAC as optax gradient transformations.
-
-`scale_by_kfac` is the bare preconditioner (updates ← F̂_λ⁻¹ · updates); `kfac` chains it with
-K-FAC norm clipping, `optax.trace` momentum and the learning rate under the step's verdict.
-Both are configurations of one `kfac_jax._engine.Engine`, whose step runs inside the caller's
-`jit` / `pmap`, without host syncs.
-
-With `Config.skip_nonfinite` (the default) a non-finite gradient, batch statistics or
-preconditioned update gives zero updates and leaves the state as it was but for the `skipped`
-counters; `kfac`'s guard also requires finite hyperparameters and keeps the momentum trace.
-A schedule's value that is not finite (or a negative learning rate or damping) skips its step
-and is reported once per hyperparameter (`HyperparameterWarning`, from the host); a gradient or
-params that are not finite once per input (`NonFiniteWarning`), guard on or off.
+"""K-FAC as optax gradient transformations: `scale_by_kfac`, the bare preconditioner
+(updates ← F̂_λ⁻¹ · updates), and `kfac`, which chains it with K-FAC norm clipping, `optax.trace`
+momentum and the learning rate under the step's verdict; both configure one
+`kfac_jax._engine.Engine`. With `Config.skip_nonfinite` (the default) a non-finite gradient,
+statistics, update or schedule value gives zero updates and leaves the state as it was but for
+the `skipped` counter.
 """
 
 from __future__ import annotations
@@ -42,15 +35,9 @@ ScalarOrSchedule = float | Array | Callable[[Array], Array]
 
 
 class ScaleByKfacState(NamedTuple):
-  """State of `scale_by_kfac`.
-
-  Attributes:
-    count: `[]` int32, updates applied so far (not the skipped ones): the statistics' and
-      inverses' periods count it; schedules are called with `count + skipped`.
-    curvature: the estimator's factors, caches and EMA weight.
-    skipped: `[]` int32, updates skipped because the gradient, the statistics or the update
-      were not finite (`Config.skip_nonfinite`).
-  """
+  """State of `scale_by_kfac`: `count` (`[]` int32, updates applied, which the statistics' and
+  inverses' periods count), `curvature` (the estimator's state) and `skipped` (`[]` int32,
+  updates skipped by the guard; schedules are called with `count + skipped`)."""
 
   count: Array  # type: ignore[assignment]  # optax's field name; shadows tuple.count
   curvature: _estimator.EstimatorState
@@ -58,14 +45,8 @@ class ScaleByKfacState(NamedTuple):
 
 
 class KfacState(NamedTuple):
-  """State of `kfac`: its preconditioner's and the rest of its chain's.
-
-  Attributes:
-    preconditioner: the `scale_by_kfac` state (`state[0]`, as in a chain).
-    rest: the states of the chain after it, `(clipping, momentum, learning rate)`; only the
-      momentum's (also `state.momentum`) and a line search's (in place of the learning rate)
-      are not empty.
-  """
+  """State of `kfac`: `preconditioner` (a `ScaleByKfacState`, `state[0]` as in a chain) and
+  `rest`, the states of `(clipping, momentum, learning rate or line search)`."""
 
   preconditioner: ScaleByKfacState
   rest: tuple[Any, ...]
@@ -77,9 +58,8 @@ class KfacState(NamedTuple):
 
 
 def auto_stride(n: int) -> int:
-  """The row stride of `statistics_fraction="auto"` for a batch of n rows: every fourth row from
-  256 rows, every second from 128, else every row, so the statistics keep at least 64 examples.
-  Powers of two keep the rows on their devices for a batch sharded over 2^k devices."""
+  """`statistics_fraction="auto"`'s row stride for n rows: 4 from 256 rows, 2 from 128, else 1,
+  keeping at least 64 examples (powers of two keep rows on their devices, sharded over 2^k)."""
   return 4 if n >= 256 else 2 if n >= 128 else 1
 
 
@@ -117,12 +97,9 @@ def _rows(fraction, batch, who: str) -> tuple[Any, int]:
 
 
 def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batch, rng, who: str):
-  """This batch's statistics from the rows `fraction` picks (see `Config.statistics_fraction`).
-
-  "auto" tries the cut batch at trace time only and falls back to the whole batch when it
-  fails (the abandoned trace leaves nothing in the compiled step); an explicit fraction raises,
-  with a note on the cause.
-  """
+  """This batch's statistics from the rows `fraction` picks (`Config.statistics_fraction`):
+  "auto" falls back to the whole batch where the cut one fails to trace (an abandoned trace
+  leaves nothing in the step); an explicit fraction raises, with a note on the cause."""
   if fraction == 1:
     return est._curvature_stats(params, batch, rng)
   if fraction == "auto":
@@ -302,12 +279,9 @@ def scale_by_kfac(
 
 
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:
-  """`min(1, r / √|vᵀg|)`: the scale that keeps `v`'s norm in the damped K-FAC metric ≤ `r`.
-
-  With `v = F̂_λ⁻¹ g` the preconditioned gradient, `vᵀ F̂_λ v = vᵀ g`, so `√|vᵀg|` is `v`'s
-  length in the metric that preconditioned it (half its square approximates the KL divergence
-  of the step). 1 when `vᵀg = 0`; accumulated in at least float32. `r = max_norm`.
-  """
+  """`min(1, r / √|vᵀg|)`, r = `max_norm`: with `v = F̂_λ⁻¹ g`, `vᵀ F̂_λ v = vᵀ g`, so `√|vᵀg|`
+  is v's length in the metric that preconditioned it (half its square approximates the step's
+  KL divergence). 1 when `vᵀg = 0`; accumulated in at least float32."""
   vg = jnp.abs(jnp.asarray(_verdict.tree_vdot(preconditioned, grads)))
   r2 = jnp.square(jnp.asarray(max_norm, vg.dtype))
   big = vg > r2
