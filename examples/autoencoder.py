@@ -229,11 +229,19 @@ def train(
     steps = len(idx)
   rng = jax.random.key(seed + 1)
   example = jnp.asarray(images[idx[0]])
-  if progress:
-    print(f"{name:>5}: compiling the step...", file=sys.stderr, flush=True)
   t0 = time.perf_counter()
-  compiled = (
-    jax.jit(step_fn, donate_argnums=(0, 1)).lower(params, opt_state, example, rng).compile()
+  log = (
+    (lambda line: print(f"{name:>5}: {line}", file=sys.stderr, flush=True)) if progress else None
+  )
+  compiled = kfac_jax.compile_step(
+    step_fn,
+    params,
+    opt_state,
+    example,
+    rng,
+    name="the step",
+    donate_argnums=(0, 1),
+    log=log if progress else None,
   )
   compile_time = time.perf_counter() - t0
 

@@ -20,6 +20,7 @@ from kfac_jax._checkpoint import (
   state_from_bytes,
   state_to_bytes,
 )
+from kfac_jax._compile import compile_step
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
 from kfac_jax._errors import (
@@ -101,6 +102,7 @@ __all__ = [
   "UncoveredParametersWarning",
   "check_registration",
   "check_restored_state",
+  "compile_step",
   "kernel_ngd",
   "kfac",
   "pinn",

@@ -61,12 +61,13 @@ def kernel_step(p, s, b, r):
   return optax.apply_updates(p, u), s, loss
 
 steps["kernel_ngd"] = (kernel_step, kernel.init(params))
-hits = {}
+hits, said = {}, []
 for name, (step, state) in steps.items():
   jax.block_until_ready(state)
   events.clear()
-  jax.jit(step).lower(params, state, batch, jax.random.key(1)).compile()
+  kfac_jax.compile_step(step, params, state, batch, jax.random.key(1), log=said.append)
   hits[name] = events.count("/jax/compilation_cache/cache_hits")
+print(json.dumps(said))
 print(json.dumps(hits))
 """
 
@@ -82,7 +83,8 @@ def _launch(script, cache) -> dict:
     timeout=600,
   )
   assert out.returncode == 0, out.stderr[-3000:]
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  said, hits = out.stdout.strip().splitlines()[-2:]
+  return json.loads(hits), json.loads(said)
 
 
 @pytest.mark.slow
@@ -90,8 +92,10 @@ def test_a_second_process_reads_every_step_from_the_persistent_cache(tmp_path):
   script = tmp_path / "steps.py"
   script.write_text(_SCRIPT)
   cache = tmp_path / "cache"
-  first = _launch(script, cache)
+  first, said = _launch(script, cache)
   fronts = ("scale_by_kfac", "kfac", "Optimizer", "kernel_ngd")
   assert first == dict.fromkeys(fronts, 0), first  # An empty cache.
-  second = _launch(script, cache)
+  assert all("written to JAX's persistent compilation cache" in s for s in said[1::2]), said
+  second, said = _launch(script, cache)
   assert second == dict.fromkeys(fronts, 1), second
+  assert all("read from JAX's persistent compilation cache" in s for s in said[1::2]), said
