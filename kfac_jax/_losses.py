@@ -66,13 +66,10 @@ def categorical_block_width(num_classes: int) -> int:
 
 
 def categorical_inverse_cdf(p: Array, u: Array) -> Array:
-  """Class indices drawn by inverse-CDF sampling from the rows of `p [..., V]` (non-negative,
-  any positive total), with two uniforms per draw `u [S, ..., 2]` in [0, 1): `[S, ...]` int32.
-
-  Two levels: `u[..., 0]` picks a block of `categorical_block_width(V)` classes from the
-  cumulative block masses, `u[..., 1]` a class from the block's own cumulative masses, so
-  P(class) = p_c / Σ p and each draw costs O(√V) after one pass over `p`.
-  """
+  """Class indices `[S, ...]` drawn by inverse-CDF sampling from the rows of `p [..., V]`
+  (non-negative, any positive total) with two uniforms per draw `u [S, ..., 2]` in [0, 1):
+  `u[..., 0]` picks a block of `categorical_block_width(V)` classes, `u[..., 1]` a class in it,
+  so P(class) = p_c / Σ p and each draw costs O(√V)."""
   v = p.shape[-1]
   width = categorical_block_width(v)
   blocks = -(-v // width)
@@ -132,26 +129,19 @@ def whitened_residual(spec: LossSpec, operands: tuple[Array, ...]) -> Array:
   """`√w ⊙ e` with `B e = ∇_z ℓ(z, y)` for the square-root factor `B` of `fisher_sqrt_product`
   (`e` orthogonal to B's null space), at the tag's targets, in z's shape and float32 or wider:
     categorical:     e = (p - y) / √p,   multi-Bernoulli: e = (p - y) / √(p (1 - p)),
-    normal(var):     e = (z - y) / √var.
-  Stacked over the exact modes' vectors `B e_k` (their weights included), `e` gives the tagged
-  loss's per-example gradient `w ∇_z ℓ = Σ_k (√w ⊙ B e_k) e_k`. Where `p` or `p (1 - p)` has
-  underflowed to 0 the entry is 0 (`B` cannot reach that coordinate)."""
+    normal(var):     e = (z - y) / √var,
+  0 where `p` or `p (1 - p)` has underflowed to 0. With the exact modes' vectors `B e_k`, it
+  gives the tagged loss's per-example gradient `w ∇_z ℓ = Σ_k (√w ⊙ B e_k) e_k`."""
   z = operands[0]
   zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
   y = _as_targets(operands[1], zf)
   if spec.kind == "normal":
     e = (zf - y) / jnp.sqrt(jnp.asarray(spec.var, zf.dtype))
   else:
-    if spec.kind == "categorical":
-      if y.shape == zf.shape[:-1]:
-        y = jax.nn.one_hot(y, zf.shape[-1], dtype=zf.dtype)
-      p = jax.nn.softmax(zf, axis=-1)
-      s = p
-    else:
-      p = jax.nn.sigmoid(zf)
-      s = p * (1 - p)
+    p = jax.nn.softmax(zf, axis=-1) if spec.kind == "categorical" else jax.nn.sigmoid(zf)
+    s = p if spec.kind == "categorical" else p * (1 - p)
     live = s > 0
-    e = jnp.where(live, (p - y) / jnp.sqrt(jnp.where(live, s, 1)), 0)
+    e = jnp.where(live, _grad_nll(spec, zf, y) / jnp.sqrt(jnp.where(live, s, 1)), 0)
   if spec.has_weight:
     e = e * jnp.sqrt(_weight(spec, operands[-1], zf))
   return e
@@ -161,7 +151,7 @@ def output_cotangents(
   spec: LossSpec, operands: tuple[Array, ...], mode: str, rng: Array | None, num_samples: int
 ) -> Array:
   """The stack `[S, *z.shape]` of per-example output vectors for `mode` (module docstring),
-  computed in float32 (or wider) and returned in the prediction's dtype.
+  computed in float32 or wider, returned in the prediction's dtype.
 
   Raises:
     ValueError: "empirical" for a tag registered without targets.
