@@ -168,14 +168,7 @@ def check_overridden_tags(scan, loss_fn, params, batch, *, strict: bool, warn: b
   binds itself when `scan` is a `curvature_fn`'s (they are not read)."""
   if not (strict or warn):
     return
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
-
-  def flat_fn(*flat):
-    p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
-    return loss_fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
-
-  closed = jax.make_jaxpr(flat_fn)(*leaves, *batch_leaves)
+  closed = jax.make_jaxpr(loss_fn)(params, batch)
   ignored = _scan.tag_names(_scan.FlatGraph.from_closed_jaxpr(closed))
   if not ignored:
     return
@@ -186,9 +179,14 @@ def check_overridden_tags(scan, loss_fn, params, batch, *, strict: bool, warn: b
     "loss and its gradient). Remove the tags from `loss_fn`, or build the registration "
     "without `curvature_fn` to use them. `check_loss=False` skips this check."
   )
+  _report(text, strict)
+
+
+def _report(text: str, strict: bool) -> None:
+  """`text` as a RegistrationError with `strict`, else as a `LossMismatchWarning`."""
   if strict:
     raise RegistrationError(text + " (strict=True turns this into an error.)")
-  warnings.warn(text, LossMismatchWarning, stacklevel=4)
+  warnings.warn(text, LossMismatchWarning, stacklevel=5)
 
 
 def values(graph: _scan.FlatGraph) -> dict:
@@ -399,18 +397,14 @@ def problems(
 ) -> list[str]:
   """The audit's findings from `measure`'s numbers, for the `checks` named (empty when the
   tags fit the loss); each ends with the check's `switch`."""
-  return [
-    f"{text} {switch(check, checks)}"
-    for check, text in _findings(scan, numbers, estimation_mode)
-    if check in checks
-  ]
-
-
-def _findings(scan, numbers, estimation_mode: str) -> list[tuple[str, str]]:
-  """`(check, finding)` for every check the numbers fail."""
   names = _scan.tag_names(scan.graph)
-  found: list[tuple[str, str]] = []
+  found: list[str] = []
   factors: list[tuple[int, float]] = []
+
+  def add(check: str, text: str) -> None:
+    if check in checks:
+      found.append(f"{text} {switch(check, checks)}")
+
   for i, entry in enumerate(numbers):
     fit = None if entry is None else _fit(entry[1], entry[2])
     if fit is None:  # No curvature on either side at this point (saturated): nothing to say.
@@ -451,9 +445,9 @@ def _findings(scan, numbers, estimation_mode: str) -> list[tuple[str, str]]:
           f"(tolerance {tol:.3g}); the empirical Fisher is built from the tag's targets: pass "
           "the targets the loss uses (smoothed labels, say)"
         )
-        found.append(("gradient", f"{names[i]}: {text}"))
+        add("gradient", f"{names[i]}: {text}")
       continue
-    found.append(("curvature", f"{names[i]}: {text}"))
+    add("curvature", f"{names[i]}: {text}")
   if len(factors) > 1:
     cs = np.array([c for _, c in factors])
     tol = min(tolerance(_scan.aval_of(scan.loss_operands[i][0]).dtype) for i, _ in factors)
@@ -464,7 +458,7 @@ def _findings(scan, numbers, estimation_mode: str) -> list[tuple[str, str]]:
         f"the factor (returned over tagged curvature) is {listed}; K-FAC weighs the tags as "
         "their `weight` says. Give the tags weights in the proportions the loss uses"
       )
-      found.append(("weights", text))
+      add("weights", text)
   return found
 
 
@@ -510,9 +504,6 @@ def audit(
       + ". K-FAC's curvature is then that of another loss than the one trained. "
       + CAUSES
     )
-    if strict:
-      raise RegistrationError(text + " (strict=True turns this into an error.)")
-    if warn:
-      warnings.warn(text, LossMismatchWarning, stacklevel=4)
+    _report(text, strict)  # `strict or warn` holds here.
     return None
   return loss_factor(numbers)

@@ -148,7 +148,7 @@ def restore_state(expected: Any, saved: Any) -> Any:
     The state, of `expected`'s type and structure.
 
   Raises:
-    ValueError: the number of leaves differs, or a leaf does not fit (`check_restored_state`).
+    ValueError: the number of leaves differs, or a leaf does not fit.
 
   Example:
     >>> import io

@@ -1,28 +1,19 @@
 """Predictive distributions behind the loss tags: the output-space vectors the estimator backprops.
 
-For a tag with prediction `z`, per-example negative log-likelihood `ℓ(z, y)` and weight `w`,
-the per-example loss `w ℓ` has the Fisher `w F_z` in `z`, with
-  categorical:     F_z = diag(p) - p pᵀ,      p = softmax(z),    ∇_z ℓ = p - onehot(y)
-  multi-Bernoulli: F_z = diag(p (1 - p)),     p = sigmoid(z),    ∇_z ℓ = p - y
-  normal(var):     F_z = I / var,                                ∇_z ℓ = (z - y) / var
-(block-diagonal over the positions of a categorical `[..., T, C]`). For these canonical-link
-losses the Hessian `H_z ℓ` (the GGN factor) is `F_z` too, so one square-root factor `B`
-(`B Bᵀ = F_z`) serves the Fisher and the GGN modes:
-  categorical:     B = diag(√p) - p √pᵀ        (column c is √p_c (e_c - p))
-  multi-Bernoulli: B = diag(√(p (1 - p)))
-  normal(var):     B = I / √var
+For a tag with prediction `z`, per-example negative log-likelihood `ℓ(z, y)` and weight `w`, the
+per-example loss `w ℓ` has the Fisher `w F_z` in `z` (also its Hessian: the losses have canonical
+links), with one square-root factor `B` (`B Bᵀ = F_z`) serving the Fisher and the GGN modes:
+  categorical:     F_z = diag(p) - p pᵀ,   p = softmax(z),   B = diag(√p) - p √pᵀ
+  multi-Bernoulli: F_z = diag(p (1 - p)),  p = sigmoid(z),   B = diag(√(p (1 - p)))
+  normal(var):     F_z = I / var,                            B = I / √var
+(block-diagonal over the positions of a categorical `[..., T, C]`).
 
 Each estimation mode builds a stack `v_1 .. v_S` of per-example output vectors (leading axis S,
-then the prediction's shape; *not* divided by the batch size) that is an **average**:
-`(1/S) Σ_s v_s v_sᵀ ≈ w F_z` per example ("≈": in expectation for the random modes), so the
-blocks divide their sums over the leading axis by S.
-  "gradients":          v_s = √w ∇_z ℓ(z, y_s), y_s ~ p(y|z), S = num_samples: the Fisher.
-  "empirical":          v = √w ∇_z ℓ(z, y) with the data's y, S = 1: the empirical Fisher
-                        `w ∇ℓ ∇ℓᵀ` (the weighted loss's own gradients `w ∇ℓ` would give `w²`).
-  "curvature_prop(_GGN)": v_s = √w B r_s, r_s Rademacher, S = num_samples (Martens, Sutskever &
-                        Swersky 2012, "Estimating the Hessian by back-propagating curvature").
-  "exact(_GGN)":        v_k = √K √w B e_k for every non-batch output coordinate k, S = K =
-                        prod(z.shape[1:]): exactly w B Bᵀ, at the cost of K backward passes.
+not divided by the batch size) whose **average** `(1/S) Σ_s v_s v_sᵀ` is `w F_z` (in expectation
+for the random modes; docs/approximations.rst): `√w ∇_z ℓ(z, y_s)` with `y_s ~ p(y|z)`
+("gradients"), `√w ∇_z ℓ(z, y)` with the data's `y` ("empirical": `w ∇ℓ ∇ℓᵀ`, not the `w²` of
+the weighted loss's own gradients), `√w B r_s` with Rademacher `r_s` ("curvature_prop"), or
+`√K √w B e_k` for every non-batch coordinate k, K of them ("exact": K backward passes).
 """
 
 from __future__ import annotations

@@ -544,17 +544,13 @@ def value_and_grad(
   reg = shared(registration, loss_fn, "value_and_grad")
   own = _fit.Memo(8)  # Without `registration`: one per (params, batch) signature.
 
-  def registered(params, batch):
+  def fn(params, batch, rng=None):
     if reg is not None:
       reg.check_params(params)
-      return reg
-    return own(
+    r = reg or own(
       (avals(params), avals(batch)),
       lambda: Registration(loss_fn, params, batch, warn=False),  # type: ignore[arg-type]
     )
-
-  def fn(params, batch, rng=None):
-    r = registered(params, batch)
     _curvature.check_rng(r.estimation_mode, rng)  # Before the loss is traced.
     out = r.compute(params, batch, rng, with_grads=True, with_params_stats=compute_params_stats)
     if r.has_aux:

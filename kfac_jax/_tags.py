@@ -101,15 +101,8 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
     operands.append(weight.astype(prediction.dtype))
   if not (isinstance(var, (int, float)) and var > 0 and math.isfinite(var)):
     raise ValueError(f"{fn}: `var` must be a positive finite Python number, got {var!r}.")
-  return loss_tag_p.bind(
-    *operands,
-    n_out=1,
-    kind=kind,
-    has_targets=targets is not None,
-    has_weight=weight is not None,
-    var=float(var),
-    fn=fn,
-  )[0]
+  has = {"has_targets": targets is not None, "has_weight": weight is not None}
+  return loss_tag_p.bind(*operands, n_out=1, kind=kind, **has, var=float(var), fn=fn)[0]
 
 
 def _bind_complex_normal(fn: str, prediction, targets, weight, var: float) -> Array:
@@ -376,14 +369,11 @@ def _conv_arguments(fn, x, kernel, spatial, padding, dimension_numbers, groups) 
 def register_scale_and_shift(y, x, scale=None, shift=None, approx: str | None = None) -> Array:
   """Tags `y = x * scale + shift` (either parameter optional) as a scale-and-shift layer.
 
-  `scale` and `shift` span the trailing axes of `y` and are broadcast over the leading ones
-  (the first of which is the batch), as in the affine part of LayerNorm / BatchNorm.
-
   Args:
     y: the layer output `[batch, ...]`.
     x: the input the scale multiplies (the normalised activations), broadcastable to `y`.
-    scale: optional parameter leaf whose shape is a trailing part of `y.shape`.
-    shift: optional parameter leaf of the same kind.
+    scale, shift: optional parameter leaves spanning trailing axes of `y` (broadcast over the
+      leading ones, as in the affine part of LayerNorm / BatchNorm).
     approx: "full" (default) or "diagonal".
 
   Returns:

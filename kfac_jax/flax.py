@@ -37,10 +37,9 @@ class TrainState(_train_state.TrainState):
 
     Args:
       grads: gradients with the structure of `params`.
-      curvature_stats: the statistics from `kfac_jax.value_and_grad` (one forward pass), or
-        None to let the transform compute them from `batch` and `rng`.
-      batch: the batch, when `curvature_stats` is None.
-      rng: a PRNG key for the sampled Fisher, with `batch`.
+      curvature_stats: the statistics from `kfac_jax.value_and_grad`, or None to let the
+        transform compute them from `batch` and `rng`.
+      batch, rng: the batch and a key, when `curvature_stats` is None.
       **kwargs: other fields of the state to replace, as in Flax (e.g. `batch_stats=`).
 
     Returns:

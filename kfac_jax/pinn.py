@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from kfac_jax import _compat, _config, _optimizer, _registration, _transform
+from kfac_jax._curvature import read_atom
 
 __all__ = [
   "GridLinesearchState",
@@ -171,16 +172,10 @@ def _jvp_rule(f, jets: list[_Jet], outs: list, signs: np.ndarray) -> tuple[list,
 def _push_jaxpr(closed, ins: list, signs: np.ndarray) -> list:
   """`closed`'s outputs, its operations evaluated by `_push_eqn`."""
   jaxpr = closed.jaxpr
-  env: dict[Any, Any] = {}
-
-  def read(v):
-    return v.val if isinstance(v, _compat.Literal) else env[v]
-
-  env.update(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, ins))
+  env: dict[Any, Any] = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*closed.consts, *ins]))
   for eqn in jaxpr.eqns:
-    env.update(zip(eqn.outvars, _push_eqn(eqn, [read(v) for v in eqn.invars], signs)))
-  return [read(v) for v in jaxpr.outvars]
+    env.update(zip(eqn.outvars, _push_eqn(eqn, [read_atom(v, env) for v in eqn.invars], signs)))
+  return [read_atom(v, env) for v in jaxpr.outvars]
 
 
 def _directions(a, d: int, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -367,10 +362,6 @@ def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtra
     )
   sizes = 2.0 ** -np.arange(max_halvings + 1)
 
-  def init_fn(params):
-    del params
-    return GridLinesearchState(jnp.zeros(()))
-
   def update_fn(updates, state, params, *, value, value_fn, **extra):
     del state
     kwargs = _accepted(value_fn, extra)
@@ -387,7 +378,9 @@ def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtra
     scaled = jax.tree_util.tree_map(lambda u: (eta * u).astype(u.dtype), updates)
     return scaled, GridLinesearchState(eta.astype(jnp.zeros(()).dtype))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    lambda params: GridLinesearchState(jnp.zeros(())), update_fn
+  )
 
 
 def _accepted(fn: Callable, kwargs: dict) -> dict:
