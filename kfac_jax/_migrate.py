@@ -230,7 +230,7 @@ def _max_norm(args: dict[str, Any]) -> str | None:
 
 def _rows() -> dict[str, Moved]:
   rows = (row.split(" | ") for row in re.sub(r"\n +", " ", _TABLE.strip()).splitlines())
-  table = {name: Moved(*(_SHARED.get(c, c) for c in cells)) for name, *cells in rows}
+  table = {name: Moved(_SHARED.get(s, s), _SHARED.get(r, r)) for name, s, r in rows}
   internal = "the tracer's internals are not public: kfac_jax.Registration(...) scans the loss"
   for names, moved in (
     (_BLOCK_CLASSES, Moved(_SHARED["BLOCKS"], "blocks are chosen per layer by approximation")),

@@ -175,8 +175,8 @@ class Registration:
       `jax.value_and_grad(loss_fn)`'s.
 
   Attributes:
-    layers: the registered layers (`LayerSpec`s), in parameter order. Parameters outside every
-      recognised layer get a diagonal generic block.
+    layers: the registered layers (a tuple of `LayerSpec`), in parameter order; parameters
+      outside every recognised layer get a diagonal generic block.
     block_names: the layers' names made unique (`name#2`): the keys of the curvature state.
     param_paths, param_shapes, param_dtypes, params_shape: the parameters' signature.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.

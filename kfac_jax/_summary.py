@@ -40,7 +40,7 @@ def summary(
   """
   reg = _registration.shared(registration, loss_fn, "summary", ("params", params), ("batch", batch))
   if reg is None:  # No warnings: the report says the same, in full.
-    reg = _registration.Registration(loss_fn, params, batch, warn=False)
+    reg = _registration.Registration(loss_fn, params, batch, warn=False)  # type: ignore[arg-type]
   specs, blocks = reg.layers, reg.blocks()
   table = format_table(_display_names(specs), blocks)
   return table + "\n\n" + coverage_report(specs, blocks, reg.params_shape)

@@ -290,8 +290,10 @@ def register_conv(
     kernel: the kernel, a parameter leaf (possibly cast/reshaped), laid out as
       `dimension_numbers` says (Flax: `[*window, in / groups, out]`, i.e. "HWIO").
     bias: optional `[out]` parameter leaf, added along the output feature axis.
-    window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-      feature_group_count: as for `conv_general_dilated` (dilations default to 1).
+    window_strides: strides, one per spatial axis.
+    padding: "SAME", "VALID", "SAME_LOWER" or explicit `(lo, hi)` pairs.
+    lhs_dilation, rhs_dilation: input and kernel dilation (default 1).
+    dimension_numbers, feature_group_count: as for `conv_general_dilated`.
     approx: "kron" (default; "diagonal" for depthwise), "kron_sua", "diagonal" or "full".
 
   Returns:
