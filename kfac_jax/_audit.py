@@ -49,12 +49,8 @@ _SNAP = 1e-3  # Relative distance within which the loss factor is snapped to 1/k
 
 
 def checks_from(check_loss: Any) -> frozenset[str]:
-  """The checks `check_loss` turns on: every one for True, none for False, else those named.
-
-  Raises:
-    TypeError: neither a bool nor a collection of names.
-    ValueError: a name that is not one of `CHECKS`.
-  """
+  """The checks `check_loss` turns on: every one for True, none for False, else those named
+  (a TypeError for another type, a ValueError for a name not in `CHECKS`)."""
   if isinstance(check_loss, (bool, np.bool_)):
     return frozenset(CHECKS) if check_loss else frozenset()
   if isinstance(check_loss, str) or not isinstance(check_loss, Iterable):
@@ -273,11 +269,8 @@ def has_tracer_consts(scan: _scan.ScanResult) -> bool:
 
 
 def measure(scan, params, batch, axis_names: Sequence[str] = ()):
-  """Per tag, float64 numpy `(∂L/∂ε, ∂²L/∂ε² v, H_z T v, ∇_z T or None)`, at the example point.
-
-  Tags whose prediction is a constant give None. Collective axes `axis_names` are bound with
-  size 1.
-  """
+  """Per tag, float64 numpy `(∂L/∂ε, ∂²L/∂ε² v, H_z T v, ∇_z T or None)`, at the example point
+  (None for a constant prediction), `axis_names` bound with size 1."""
   graph = scan.graph
   const_keys = {k for k, _ in graph.consts}
   live = [
@@ -474,12 +467,8 @@ def audit(
   checks: frozenset[str] = frozenset(CHECKS),
 ) -> float | None:
   """Runs the audit's `checks` on a scan of the example batch; returns the loss factor `c`
-  (`loss_factor`) when it measured a fit, else None.
-
-  Raises:
-    RegistrationError: two tags on one prediction, a tag the loss does not depend on, or (with
-      `strict`) a measured mismatch.
-  """
+  (`loss_factor`) when it measured a fit, else None. RegistrationError: a failed structural
+  check, or (with `strict`) a measured mismatch."""
   check_structure(scan, checks)
   if not (strict or warn) or not checks & _MEASURED or has_tracer_consts(scan):
     return None

@@ -141,12 +141,8 @@ def whitened_residual(spec: LossSpec, operands: tuple[Array, ...]) -> Array:
 def output_cotangents(
   spec: LossSpec, operands: tuple[Array, ...], mode: str, rng: Array | None, num_samples: int
 ) -> Array:
-  """The stack `[S, *z.shape]` of per-example output vectors for `mode` (module docstring),
-  computed in float32 or wider, returned in the prediction's dtype.
-
-  Raises:
-    ValueError: "empirical" for a tag registered without targets.
-  """
+  """The stack `[S, *z.shape]` of per-example output vectors for `mode` (module docstring), in
+  the prediction's dtype; a ValueError for "empirical" on a tag without targets."""
   z = operands[0]
   zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
   if mode == "empirical":

@@ -264,12 +264,9 @@ def _line(name: str, moved: Moved, args: dict[str, Any]) -> str:
 
 
 def moved_error(front: str, own: tuple[str, ...], args: tuple, kwargs: dict[str, Any], python):
-  """The TypeError for a call (`args`, `kwargs`) that Python could not bind to the parameters
-  `own` of `front`, naming the kfac-jax spellings in it; None when it has none.
-
-  A call of `Optimizer.init` / `Optimizer.step` that binds to kfac-jax's parameters
-  (`SIGNATURES`) is read by them and also gets the calling convention's entry; other calls are
-  read by the callable's own positional parameters."""
+  """The TypeError for a call that Python could not bind to `front`'s parameters `own`, naming
+  the kfac-jax spellings in it (read by kfac-jax's `SIGNATURES` where the call binds to them);
+  None when it has none."""
   theirs = SIGNATURES.get(front, ())
   binds = (
     bool(theirs) and len(args) <= len(theirs) and all(n in theirs[len(args) :] for n in kwargs)

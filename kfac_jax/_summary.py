@@ -107,10 +107,8 @@ def check_registration(
     The registered layers, as `Registration.layers` lists them, when there is no problem.
 
   Raises:
-    RegistrationCheckError: (a `RegistrationError`) with `.problems`, one line per problem,
-      each naming the parameter path.
-    RegistrationError: a problem that stops the scan itself (no loss tag, a malformed tag, an
-      approximation that does not fit its layer, a linked group that splits a layer).
+    RegistrationCheckError: with `.problems`, one line per problem naming the parameter path.
+    RegistrationError: a problem that stops the scan itself (no loss tag, a malformed tag, ...).
 
   Example:
     >>> kfac_jax.check_registration(loss_fn, params, batch)  # raises listing every problem

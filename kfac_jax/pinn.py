@@ -524,8 +524,8 @@ def kfac(
     TypeError / ValueError: a bad argument, named with the value received.
   """
   reg = _exact_registration("pinn.kfac", loss_fn, params, example_batch, registration)
-  for name, value, high in (("momentum", momentum, 1.0), ("ema_decay", ema_decay, 1.0)):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < high:
+  for name, value in (("momentum", momentum), ("ema_decay", ema_decay)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
       raise ValueError(f"pinn.kfac: `{name}` must be a number in [0, 1), got {value!r}.")
   if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not damping >= 0:
     raise ValueError(f"pinn.kfac: `damping` must be a number >= 0, got {damping!r}.")
