@@ -1,36 +1,21 @@
 """The loss audit: do the loss tags describe the loss `L` that `loss_fn` returns?
 
 K-FAC's curvature is that of the *tagged* loss `T = Σ_t (1/N) Σ_n w ℓ_t(z_t, y_t)`, not of `L`.
-A `Registration` audits the tags once, on the example batch (`check_loss=False` skips it):
+A `Registration` audits the tags once, on the example batch (docs/troubleshooting.rst):
 
   * structure: two tags on one prediction ("shared_prediction"), or a tag `L` does not depend
     on ("dependence"), is a `RegistrationError`.
   * numbers: with `ε_t` added to each prediction `z_t`, `∂²L/∂ε² v` (a fixed random probe `v`)
     must be `c_t H_z T v` ("curvature") and, in the "empirical" mode, `∂L/∂ε` must be
-    `c_t ∇_z T` ("gradient"), with one positive least-squares factor `c` for every tag (a mean
-    against a sum is fine; "weights"). A relative residual above the tolerance is a
-    `LossMismatchWarning` (an error with `strict`): a measurement at one point, which a loss that
-    differs on purpose fails.
+    `c_t ∇_z T` ("gradient"), with one positive least-squares factor `c` for every tag
+    ("weights"). A relative residual above the tolerance is a `LossMismatchWarning` (an error
+    with `strict`).
 
-A complex prediction (a normal tag on a complex mean tags its parts `(Re z, Im z)`) is
-followed and perturbed through the complex value `z` (`ε_re + i ε_im`), which is what a loss
-is computed from: the checks are in the real terms the tag describes. With a `curvature_fn`
-(or tags in a custom_jvp rule) the loss is not the tags': only "shared_prediction" runs, and
-tags `loss_fn` binds itself, which are not read, are named (`check_overridden_tags`).
-
-Predictions are compared as values, not as graph variables: an equation that repeats another
-(the same primitive and parameters on the same values: `z.reshape(-1, V)` or
-`logits.astype(jnp.float32)` written twice) gives the same value, so a tag on one copy and a loss
-on the other fit, and `ε_t` is added to every copy.
-
-The numbers are measured on the params and batch where they are concrete, and on fixed stand-ins
-(drawn from their shapes) where they are not (abstract values, or tracers under `jax.jit`), so
-an init traced by `jax.jit` audits too. The loss factor `c` the defaults read is snapped to `1/k`
-or `k` for an integer k where it is one to 1e-3 (a mean over k outputs), else to 3 significant
-digits: the same number from either point.
-
-`check_loss=` on `kfac_jax.Registration` turns the checks on and off: True (all of `CHECKS`),
-False (none) or the names of those to run.
+A complex prediction is followed and perturbed through the complex value `z` (`ε_re + i ε_im`).
+Predictions are compared as values: an equation that repeats another gives the same value, and
+`ε_t` is added to every copy. Values that are not concrete (abstract, or tracers under
+`jax.jit`) are replaced by fixed stand-ins; the loss factor `c` is snapped to `1/k` or `k` where
+it is one to 1e-3 (a mean over k outputs), else to 3 significant digits.
 """
 
 from __future__ import annotations
@@ -64,12 +49,8 @@ _SNAP = 1e-3  # Relative distance within which the loss factor is snapped to 1/k
 
 
 def checks_from(check_loss: Any) -> frozenset[str]:
-  """The checks `check_loss` turns on: every one for True, none for False, else those named.
-
-  Raises:
-    TypeError: neither a bool nor a collection of names.
-    ValueError: a name that is not one of `CHECKS`.
-  """
+  """The checks `check_loss` turns on: every one for True, none for False, else those named
+  (a TypeError for another type, a ValueError for a name not in `CHECKS`)."""
   if isinstance(check_loss, (bool, np.bool_)):
     return frozenset(CHECKS) if check_loss else frozenset()
   if isinstance(check_loss, str) or not isinstance(check_loss, Iterable):
@@ -107,19 +88,13 @@ CAUSES = (
 )
 
 
-def _tag_eqns(graph: _scan.FlatGraph) -> list[_scan.FlatEqn]:
-  return [fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p]
-
-
 # What may stand between a complex prediction's parts and the stack the tag takes.
 _PASS_THROUGH = frozenset({"broadcast_in_dim", "reshape", "expand_dims"})
 
 
 def complex_source(graph: _scan.FlatGraph, atom) -> Any:
   """The complex value `z` whose parts `stack([real(z), imag(z)], -1)` are the tagged
-  prediction `atom` (a normal tag on a complex mean, `_tags._bind_complex_normal`), else None.
-  A loss is computed from `z`, so `z` is what the audit follows and perturbs (by `ε_re + i
-  ε_im`): the checks are then in the real terms the tag describes."""
+  prediction `atom` (a normal tag on a complex mean), else None."""
   made = {k: fe for fe in graph.eqns for k in fe.outs}
   value = values(graph)
 
@@ -142,9 +117,8 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
   """RegistrationError for two tags on one prediction ("shared_prediction") or a tag the loss
   does not depend on ("dependence"), each where `checks` holds it."""
   graph = scan.graph
-  tags = _tag_eqns(graph)
-  names = _scan.tag_names(graph)
-  value = values(graph)
+  tags = [fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p]
+  names, value = _scan.tag_names(graph), values(graph)
   tag_input = {fe.outs[0]: fe.ins[0] for fe in tags}  # A tag's output is its prediction.
   first: dict = {}
   for i, fe in enumerate(tags):
@@ -187,18 +161,10 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
 
 def check_overridden_tags(scan, loss_fn, params, batch, *, strict: bool, warn: bool) -> None:
   """A `LossMismatchWarning` (with `strict` a RegistrationError) naming the loss tags `loss_fn`
-  binds in its own computation when `scan` is a `curvature_fn`'s: those of `curvature_fn`
-  define the curvature, `loss_fn`'s are not read."""
+  binds itself when `scan` is a `curvature_fn`'s (they are not read)."""
   if not (strict or warn):
     return
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
-
-  def flat_fn(*flat):
-    p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
-    return loss_fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
-
-  closed = jax.make_jaxpr(flat_fn)(*leaves, *batch_leaves)
+  closed = jax.make_jaxpr(loss_fn)(params, batch)
   ignored = _scan.tag_names(_scan.FlatGraph.from_closed_jaxpr(closed))
   if not ignored:
     return
@@ -209,9 +175,14 @@ def check_overridden_tags(scan, loss_fn, params, batch, *, strict: bool, warn: b
     "loss and its gradient). Remove the tags from `loss_fn`, or build the registration "
     "without `curvature_fn` to use them. `check_loss=False` skips this check."
   )
+  _report(text, strict)
+
+
+def _report(text: str, strict: bool) -> None:
+  """`text` as a RegistrationError with `strict`, else as a `LossMismatchWarning`."""
   if strict:
     raise RegistrationError(text + " (strict=True turns this into an error.)")
-  warnings.warn(text, LossMismatchWarning, stacklevel=4)
+  warnings.warn(text, LossMismatchWarning, stacklevel=5)
 
 
 def values(graph: _scan.FlatGraph) -> dict:
@@ -269,20 +240,15 @@ def _reaches(graph: _scan.FlatGraph, value: dict, start, target) -> bool:
   return value.get(target, target) in reached
 
 
-def _is_concrete(x) -> bool:
-  ok = (jax.Array, np.ndarray, np.generic, int, float, bool)
-  return isinstance(x, ok) and not isinstance(x, jax.core.Tracer)
-
-
 def stand_ins(tree, seed: int):
-  """`tree` with every leaf that is not a concrete value (a ShapeDtypeStruct, a tracer) replaced
-  by a fixed numpy array of its shape and dtype: a normal draw over the square root of the
-  fan-in for floats of rank 2 or more, ones for other floats, zeros for integers (valid labels
-  and ids), True for booleans."""
+  """`tree` with every leaf that is not a concrete value replaced by a fixed numpy array: a
+  normal draw over √fan-in for floats of rank 2 or more, ones for other floats and booleans,
+  zeros for integers (valid labels and ids)."""
   rng = np.random.default_rng(seed)
+  concrete = (jax.Array, np.ndarray, np.generic, int, float, bool)
 
   def one(x):
-    if _is_concrete(x):
+    if isinstance(x, concrete) and not isinstance(x, jax.core.Tracer):
       return x
     shape, dtype = tuple(np.shape(x)), jnp.dtype(x.dtype)
     if jnp.issubdtype(dtype, jnp.floating):
@@ -303,11 +269,8 @@ def has_tracer_consts(scan: _scan.ScanResult) -> bool:
 
 
 def measure(scan, params, batch, axis_names: Sequence[str] = ()):
-  """Per tag, float64 numpy `(∂L/∂ε, ∂²L/∂ε² v, H_z T v, ∇_z T or None)`, at the example point.
-
-  Tags whose prediction is a constant give None. Collective axes `axis_names` are bound with
-  size 1.
-  """
+  """Per tag, float64 numpy `(∂L/∂ε, ∂²L/∂ε² v, H_z T v, ∇_z T or None)`, at the example point
+  (None for a constant prediction), `axis_names` bound with size 1."""
   graph = scan.graph
   const_keys = {k for k, _ in graph.consts}
   live = [
@@ -427,89 +390,68 @@ def problems(
 ) -> list[str]:
   """The audit's findings from `measure`'s numbers, for the `checks` named (empty when the
   tags fit the loss); each ends with the check's `switch`."""
-  return [
-    f"{text} {switch(check, checks)}"
-    for check, text in _findings(scan, numbers, estimation_mode)
-    if check in checks
-  ]
-
-
-def _findings(scan, numbers, estimation_mode: str) -> list[tuple[str, str]]:
-  """`(check, finding)` for every check the numbers fail."""
   names = _scan.tag_names(scan.graph)
-  found: list[tuple[str, str]] = []
+  found: list[str] = []
   factors: list[tuple[int, float]] = []
+
+  def add(check: str, text: str) -> None:
+    if check in checks:
+      found.append(f"{text} {switch(check, checks)}")
+
   for i, entry in enumerate(numbers):
-    if entry is None:
-      continue
-    g_loss, h_loss, h_tag, g_tag = entry
-    tol = tolerance(_scan.aval_of(scan.loss_operands[i][0]).dtype)
-    kind = scan.losses[i].kind
-    fit = _fit(h_loss, h_tag)
+    fit = None if entry is None else _fit(entry[1], entry[2])
     if fit is None:  # No curvature on either side at this point (saturated): nothing to say.
       continue
-    c, r = fit
+    (g_loss, h_loss, _, g_tag), (c, r) = entry, fit
+    tol = tolerance(_scan.aval_of(scan.loss_operands[i][0]).dtype)
+    kind = scan.losses[i].kind
     if not np.isfinite(c):
-      found.append(
-        (
-          "curvature",
-          f"{names[i]}: the tagged {kind} loss has no curvature at the example batch, but the "
-          "returned loss has",
-        )
+      text = (
+        f"the tagged {kind} loss has no curvature at the example batch, but the returned loss has"
       )
     elif np.linalg.norm(h_loss) == 0:
-      found.append(
-        (
-          "curvature",
-          f"{names[i]}: the returned loss has no curvature in this prediction at the example "
-          f"batch (its Hessian-vector product is zero), the tagged {kind} loss has",
-        )
+      text = (
+        "the returned loss has no curvature in this prediction at the example batch (its "
+        f"Hessian-vector product is zero), the tagged {kind} loss has"
       )
     elif c <= 0:
-      found.append(
-        (
-          "curvature",
-          f"{names[i]}: the returned loss's curvature in this prediction is the tagged {kind} "
-          f"loss's times a negative factor ({c:.3g})",
-        )
+      text = (
+        f"the returned loss's curvature in this prediction is the tagged {kind} loss's times a "
+        f"negative factor ({c:.3g})"
       )
     elif r > tol:
-      found.append(
-        (
-          "curvature",
-          f"{names[i]}: the returned loss's curvature in this prediction differs from the tagged "
-          f"{kind} loss's by a relative {r:.3g} after the best constant factor {c:.3g} "
-          f"(tolerance {tol:.3g})",
-        )
+      text = (
+        "the returned loss's curvature in this prediction differs from the tagged "
+        f"{kind} loss's by a relative {r:.3g} after the best constant factor {c:.3g} "
+        f"(tolerance {tol:.3g})"
       )
     else:
       factors.append((i, c))
-      if estimation_mode == "empirical" and g_tag is not None:
-        scale = max(np.linalg.norm(g_loss), np.linalg.norm(c * g_tag))
-        rel = float(np.linalg.norm(g_loss - c * g_tag) / scale) if scale > 0 else 0.0
-        if rel > tol:
-          found.append(
-            (
-              "gradient",
-              f"{names[i]}: the returned loss's gradient in this prediction differs from the "
-              f"tagged {kind} loss's (with its targets and weights, times {c:.3g}) by a relative "
-              f"{rel:.3g} (tolerance {tol:.3g}); the empirical Fisher is built from the tag's "
-              "targets: pass the targets the loss uses (smoothed labels, say)",
-            )
-          )
+      if estimation_mode != "empirical" or g_tag is None:
+        continue
+      scale = max(np.linalg.norm(g_loss), np.linalg.norm(c * g_tag))
+      rel = float(np.linalg.norm(g_loss - c * g_tag) / scale) if scale > 0 else 0.0
+      if rel > tol:
+        text = (
+          "the returned loss's gradient in this prediction differs from the tagged "
+          f"{kind} loss's (with its targets and weights, times {c:.3g}) by a relative {rel:.3g} "
+          f"(tolerance {tol:.3g}); the empirical Fisher is built from the tag's targets: pass "
+          "the targets the loss uses (smoothed labels, say)"
+        )
+        add("gradient", f"{names[i]}: {text}")
+      continue
+    add("curvature", f"{names[i]}: {text}")
   if len(factors) > 1:
     cs = np.array([c for _, c in factors])
     tol = min(tolerance(_scan.aval_of(scan.loss_operands[i][0]).dtype) for i, _ in factors)
     if cs.max() / cs.min() - 1 > tol:
       listed = ", ".join(f"{c:.3g} for {names[i]}" for i, c in factors)
-      found.append(
-        (
-          "weights",
-          "the tags are weighted differently in the returned loss than in the tagged loss: "
-          f"the factor (returned over tagged curvature) is {listed}; K-FAC weighs the tags as "
-          "their `weight` says. Give the tags weights in the proportions the loss uses",
-        )
+      text = (
+        "the tags are weighted differently in the returned loss than in the tagged loss: "
+        f"the factor (returned over tagged curvature) is {listed}; K-FAC weighs the tags as "
+        "their `weight` says. Give the tags weights in the proportions the loss uses"
       )
+      add("weights", text)
   return found
 
 
@@ -524,14 +466,9 @@ def audit(
   warn: bool = True,
   checks: frozenset[str] = frozenset(CHECKS),
 ) -> float | None:
-  """Runs the audit's `checks` (module docstring) on a fresh scan of the example batch (stand-ins
-  for values that are not concrete); returns the returned loss over the tagged loss
-  (`loss_factor`) when it measured a fit, else None.
-
-  Raises:
-    RegistrationError: two tags on one prediction, a tag the loss does not depend on, or (with
-      `strict`) a measured mismatch.
-  """
+  """Runs the audit's `checks` on a scan of the example batch; returns the loss factor `c`
+  (`loss_factor`) when it measured a fit, else None. RegistrationError: a failed structural
+  check, or (with `strict`) a measured mismatch."""
   check_structure(scan, checks)
   if not (strict or warn) or not checks & _MEASURED or has_tracer_consts(scan):
     return None
@@ -556,9 +493,6 @@ def audit(
       + ". K-FAC's curvature is then that of another loss than the one trained. "
       + CAUSES
     )
-    if strict:
-      raise RegistrationError(text + " (strict=True turns this into an error.)")
-    if warn:
-      warnings.warn(text, LossMismatchWarning, stacklevel=4)
+    _report(text, strict)  # `strict or warn` holds here.
     return None
   return loss_factor(numbers)

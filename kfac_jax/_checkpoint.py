@@ -1,9 +1,7 @@
-"""Saving and restoring optimizer state.
+"""Saving and restoring optimizer state (docs/checkpoints.rst).
 
-The whole K-FAC state is a pytree of arrays, so any pytree checkpointer stores it (orbax, or
-flax.serialization: `state_to_bytes` / `state_from_bytes`), and restoring continues a run
-bit-for-bit. `check_restored_state` checks what a checkpointer does not: that a restored state
-fits the model (every block, factor shape and dtype), naming every block that differs.
+The state is a pytree of arrays, so any pytree checkpointer stores it; `check_restored_state`
+checks what a checkpointer does not: that a restored state fits the model.
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from kfac_jax import _fit
 
 
 def _plain(state: Any) -> Any:
-  """`state` in plain containers, as flax.serialization writes them: an nnx object (an
-  `nnx.Optimizer`) as its `nnx.state`, an `nnx.State` as its pure dict, an `nnx.Variable` (what
-  `optimizer.opt_state` holds) as its value. Other pytrees come back as they are."""
+  """`state` in plain containers, as flax.serialization writes them: an nnx object as its
+  `nnx.state`, an `nnx.State` as its pure dict, an `nnx.Variable` as its value."""
   nnx = sys.modules.get("flax.nnx")  # Without it imported, there is no nnx object.
   if nnx is None:
     return state
@@ -55,10 +52,9 @@ def check_restored_state(expected: Any, restored: Any) -> None:
     restored: the state read from a checkpoint.
 
   Raises:
-    ValueError: listing the blocks that are missing or unexpected, every field of a block that
-      is missing, unexpected (the estimator's options differ: `exps`, `compute_cholesky`,
-      `damping_mode`, `factor_solve`) or has another shape or dtype, and every other mismatching
-      leaf by its path.
+    ValueError: listing every block that is missing or unexpected, every field of a block that
+      is missing, unexpected (other estimator options) or of another shape or dtype, and every
+      other mismatching leaf, by its path.
   """
   problems = _fit.problems(expected, restored, "the checkpoint")
   if problems:
@@ -73,10 +69,9 @@ def check_restored_state(expected: Any, restored: Any) -> None:
 def state_to_bytes(state: Any) -> bytes:
   """Serialises an optimizer state with flax.serialization (msgpack).
 
-  `state` is a state (a pytree of arrays), or what `nnx.Optimizer` holds: the optimizer itself
-  or `nnx.state(optimizer)` (the same bytes), or `optimizer.opt_state`. The bytes hold every
-  array whole: a state with arrays split over other processes' devices (a multi-process run) is
-  saved with orbax-checkpoint instead, which writes each one's shards.
+  `state` is a state, or what `nnx.Optimizer` holds: the optimizer, `nnx.state(optimizer)` (the
+  same bytes) or `optimizer.opt_state`. A state split over other processes' devices is saved
+  with orbax-checkpoint instead.
 
   Raises:
     ValueError: naming the first array that spans other processes' devices.
@@ -102,9 +97,8 @@ def state_to_bytes(state: Any) -> bytes:
 def state_from_bytes(expected: Any, data: bytes) -> Any:
   """Restores `state_to_bytes` output into the structure of `expected`, checking it first.
 
-  `expected` is a state of the same kind as the one saved; for an `nnx.Optimizer`, pass
-  `nnx.state(optimizer)` and apply the `nnx.State` returned with `nnx.update(optimizer,
-  restored)` (the optimizer itself is not changed here).
+  For an `nnx.Optimizer`, pass `nnx.state(optimizer)` and apply the `nnx.State` returned with
+  `nnx.update(optimizer, restored)`.
 
   Raises:
     ValueError: the saved state does not fit `expected` (see `check_restored_state`).
@@ -142,11 +136,9 @@ def state_from_bytes(expected: Any, data: bytes) -> Any:
 def restore_state(expected: Any, saved: Any) -> Any:
   """Rebuilds a state saved through a generic container into the structure of `expected`.
 
-  NumPy turns a state (a NamedTuple) into an object array of its fields:
-  `np.asarray(opt_state, dtype=object)`, stored with `np.savez` and read back with `np.load(...,
-  allow_pickle=True)`, as FermiNet's checkpoints do. Any such container (an object array, a
-  list or tuple of the fields, or the state itself) holding the state's leaves in order is
-  accepted; the leaves become `jax.Array`s and are checked with `check_restored_state`.
+  Any container holding the state's leaves in order is accepted: an object array of its fields
+  (`np.asarray(opt_state, dtype=object)` through `np.savez`, as FermiNet's checkpoints do), a
+  list or tuple, or the state itself; the leaves are checked with `check_restored_state`.
 
   Args:
     expected: a freshly initialised state (e.g. `opt.init(params)`, or its `jax.eval_shape`).
@@ -156,7 +148,7 @@ def restore_state(expected: Any, saved: Any) -> Any:
     The state, of `expected`'s type and structure.
 
   Raises:
-    ValueError: the number of leaves differs, or a leaf does not fit (`check_restored_state`).
+    ValueError: the number of leaves differs, or a leaf does not fit.
 
   Example:
     >>> import io

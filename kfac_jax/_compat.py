@@ -1,7 +1,6 @@
-"""Every JAX-internal name kfac_jax uses, in one place.
+"""Every JAX-internal name kfac_jax uses, in one place, so a JAX upgrade needs edits only here.
 
-A JAX upgrade that moves or changes an internal API should only need edits here. Supported:
-jax/jaxlib 0.10 (Python 3.11) and 0.11/0.12 (Python 3.12).
+Supported: jax/jaxlib 0.10 (Python 3.11) and 0.11/0.12 (Python 3.12).
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ _TRANSPARENT_KINDS = {
   **dict.fromkeys(("checkpoint", "remat", "remat2"), "remat"),
   **dict.fromkeys(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"), "custom"),
 }
-
-
 _CANONICAL_CONV_PULL_BACK: contextvars.ContextVar[bool] = contextvars.ContextVar(
   "kfac_jax_canonical_conv_pull_back", default=False
 )
@@ -44,8 +41,8 @@ _CANONICAL_CONV_PULL_BACK: contextvars.ContextVar[bool] = contextvars.ContextVar
 
 @contextlib.contextmanager
 def pull_back_convs_canonically():
-  """Within this block, `bind_eqn` evaluates convolutions through
-  `_conv_input_transpose_canonical`: for passes that are only pulled back."""
+  """Within this block `bind_eqn` evaluates convolutions through
+  `_conv_input_transpose_canonical` (for passes that are only pulled back)."""
   token = _CANONICAL_CONV_PULL_BACK.set(True)
   try:
     yield
@@ -68,11 +65,9 @@ def bind_eqn(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
 
 def _conv_input_transpose_canonical(params: dict[str, Any], x, w):
   """`conv_general_dilated(x, w, **params)` whose derivative in `x` reads the kernel with its
-  feature axes swapped in memory (`rhs_spec` adjusted: the same convolution).
-
-  Its transpose, JAX's input-gradient convolution, then reads the kernel in the canonical order,
-  which XLA's CPU backend needs inside a `lax.cond` branch or loop body to avoid a much slower
-  generic loop. The push-forward becomes the slow form instead, hence only for pull-backs."""
+  feature axes swapped in memory, so that its transpose reads the kernel in the canonical order,
+  which XLA's CPU backend needs inside a `lax.cond` branch or loop to avoid a slow generic loop
+  (the push-forward gets the slow form instead)."""
   conv = jax.lax.conv_general_dilated_p
 
   @jax.custom_jvp
@@ -121,9 +116,8 @@ def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
 
 
 def axis_env(axes):
-  """A context binding named axes `[(name, size), ...]` while tracing, as `jax.make_jaxpr(...,
-  axis_env=axes)` does: collectives (`psum`, `pmean`) over them trace outside pmap/shard_map.
-  Names that are already bound are left as they are."""
+  """A context binding named axes `[(name, size), ...]` while tracing (as `jax.make_jaxpr(...,
+  axis_env=axes)`), so that collectives over them trace outside pmap / shard_map."""
   axes = list(axes)
   try:  # Names already bound (inside pmap / shard_map) keep their real size.
     env = _core.get_axis_env()
@@ -150,8 +144,8 @@ def has_effects(eqn: JaxprEqn) -> bool:
 
 
 def source_frames(eqn: JaxprEqn, skip_dir: str) -> tuple[tuple[str, int, str], ...]:
-  """`(file, line, function)` of the user frames that created `eqn`, innermost first, frames under
-  `skip_dir` (the library's own) skipped; () when JAX kept no traceback."""
+  """`(file, line, function)` of the user frames that created `eqn`, innermost first, those under
+  `skip_dir` skipped; () when JAX kept no traceback."""
   try:
     from jax._src import source_info_util
 
@@ -166,9 +160,8 @@ def source_frames(eqn: JaxprEqn, skip_dir: str) -> tuple[tuple[str, int, str], .
 
 
 def source_line(eqn: JaxprEqn, skip_dir: str, with_function: bool = False) -> str | None:
-  """`file:line` (with `with_function`, `file:line in function`) of the innermost user frame
-  that created `eqn`, frames under `skip_dir` (the library's own) skipped; None when JAX kept no
-  traceback."""
+  """`file:line` (with `with_function`, `file:line in function`) of the innermost frame of
+  `source_frames`; None when there is none."""
   for file, line, function in source_frames(eqn, skip_dir)[:1]:
     return f"{file}:{line} in {function}" if with_function else f"{file}:{line}"
   return None
@@ -180,14 +173,9 @@ _lapack_threads_set: list[bool] = []  # Non-empty once `one_lapack_thread` has r
 
 def one_lapack_thread() -> None:
   """On CPU, scipy's OpenBLAS set to one thread, once per process, unless the environment
-  names a BLAS thread count.
-
-  jaxlib's CPU LAPACK kernels (Cholesky, eigh, triangular solves: the inverse refresh) call
-  scipy's LAPACK, whose OpenBLAS worker threads keep spinning after each call and take the
-  cores from XLA's own threads for the steps that follow. numpy's OpenBLAS is another library
-  and is left alone (threadpoolctl finds both; scipy's is the one in the wheel's `scipy.libs/`).
-  Setting `OPENBLAS_NUM_THREADS` (or `GOTO_`/`OMP_NUM_THREADS`) keeps the count it names.
-  """
+  names a BLAS thread count: jaxlib's CPU LAPACK kernels call scipy's LAPACK, whose worker
+  threads keep spinning after each call and take the cores from XLA's threads (numpy's OpenBLAS,
+  another library, is left alone)."""
   if _lapack_threads_set:
     return
   _lapack_threads_set.append(True)

@@ -1,12 +1,10 @@
 """One forward pass for the loss, its gradient and the curvature statistics.
 
 The traced loss is evaluated once with a zero perturbation ε_l added to each structured layer's
-output and the layers' inputs recorded; `jax.linearize` in (params, ε) gives one `Linearisation`,
-whose transpose is pulled back with cotangent 1 on the loss (the gradient) and, vmapped, with the
-estimation mode's stack of output vectors (`kfac_jax._losses`): ∂/∂ε_l are the per-layer output
-gradients g_l. A separate second pull-back lets XLA drop its unread parameter-gradient products,
-so the sampled backward pass computes activation gradients only. The `Optimizer` pushes its step
-directions forward through the same linearisation for the quadratic model.
+output; `jax.linearize` in (params, ε) gives one `Linearisation`, pulled back with cotangent 1
+on the loss (the gradient) and, vmapped, with the estimation mode's stack of output vectors
+(`kfac_jax._losses`): ∂/∂ε_l are the per-layer output gradients g_l. The second pull-back is a
+separate one, so XLA drops its unread parameter-gradient products.
 """
 
 from __future__ import annotations
@@ -34,27 +32,20 @@ ESTIMATION_MODES: tuple[str, ...] = get_args(EstimationMode)
 class CurvatureStats:
   """Raw per-layer data for one batch, as `value_and_grad` returns it.
 
-  The leading `samples` axis S of `g` holds the estimation mode's pulled-back output vectors,
-  whose outer products' average `(1/S) Σ_s` is the curvature (`kfac_jax._losses`).
-
   Attributes:
-    data: one entry per layer, in registration order: `(inputs, g)` for structured layers
-      (a tuple of such pairs, one per use or per layer of a scanned stack), with `inputs` the
-      tuple of raw input operands the scanner recorded (e.g. `(x,)`) and
-      `g: [samples, *output.shape]` the output gradients; each block reshapes them itself. For
-      generic layers, the per-leaf sampled gradients `[samples, *leaf.shape]`.
+    data: one entry per layer, in registration order: `(inputs, g)` for structured layers (a
+      tuple of such pairs, one per use or per layer of a scanned stack), `inputs` the raw input
+      operands the scanner recorded and `g: [S, *output.shape]` the output gradients, whose
+      outer products' average `(1/S) Σ_s` is the curvature; for generic layers, the per-leaf
+      sampled gradients `[S, *leaf.shape]`.
     layer_names: static; the layers the entries belong to.
     batch_size: static; N, the loss tags' leading axis.
-    layer_shapes: static; `(kind, approx, factor_shapes)` of each layer for this batch, which
-      the estimator compares with `example_batch`'s (a layer whose shapes depend on the batch
-      size cannot share its state).
-    params_stats: with `compute_params_stats=True`, the first-order version of the statistics
-      (TF K-FAC's `params_stats`): `(1/(S N)) Σ_s Σ_n J_nᵀ v_sn`, params-shaped, where `v_sn`
-      are the mode's output vectors; for the empirical mode without weights this is the
-      gradient of the loss. None otherwise.
-    fingerprint: static; the registration's `StatsKey` (estimation mode, samples, layer set):
-      a transform or estimator refuses statistics of another one, at trace time, with an
-      error naming both. None for statistics built by hand (only the names are compared).
+    layer_shapes: static; `(kind, approx, factor_shapes)` of each layer for this batch.
+    params_stats: with `compute_params_stats=True`, `(1/(S N)) Σ_s Σ_n J_nᵀ v_sn`,
+      params-shaped, `v_sn` the mode's output vectors (TF K-FAC's `params_stats`); None
+      otherwise.
+    fingerprint: static; the registration's `StatsKey`, checked by the consumers at trace time.
+      None for statistics built by hand (only the names are compared).
   """
 
   data: tuple[Any, ...]
@@ -83,8 +74,8 @@ def check_mode(estimation_mode: str, num_samples: int) -> None:
 
 
 def is_key(x) -> bool:
-  """Whether `x` is a jax.random key: a typed key array (`jax.random.key`) or raw key data
-  (`jax.random.PRNGKey`: uint32 with a last axis of 2, or 4 for the "rbg" implementations)."""
+  """Whether `x` is a jax.random key: typed, or raw key data (uint32 with a last axis of 2, or 4
+  for the "rbg" implementations)."""
   dtype = getattr(x, "dtype", None)
   if dtype is None:
     return False
@@ -102,9 +93,8 @@ def _describe(x) -> str:
 
 
 def check_rng(estimation_mode: str, rng, batch=None, who: str = "") -> None:
-  """`rng`, when given, must be a key (TypeError naming it; when `batch` is one, naming the
-  order of `Optimizer.step`'s arguments, which kfac-jax's step has the other way round); a
-  sampled `estimation_mode` needs one."""
+  """`rng`, when given, must be a key (a TypeError; when `batch` is one, naming the order of
+  `Optimizer.step`'s arguments); a sampled `estimation_mode` needs one."""
   if rng is not None and not is_key(rng):
     text = f"{who}: `rng` must be a jax.random key, got {_describe(rng)}"
     if is_key(batch) and who == "Optimizer":
@@ -126,8 +116,8 @@ def check_rng(estimation_mode: str, rng, batch=None, who: str = "") -> None:
 
 
 class CurvaturePart:
-  """A curvature function `curvature_fn(params, batch)` as the scanner traces it: its loss tags
-  define the curvature; what it returns is ignored (the traced loss is zero)."""
+  """`curvature_fn(params, batch)` as the scanner traces it: its return value is ignored (the
+  traced loss is zero)."""
 
   def __init__(self, curvature_fn: Callable):
     if not callable(curvature_fn):
@@ -144,11 +134,8 @@ class CurvaturePart:
 
 
 def _join_exact(cts: list[Array]) -> list[Array]:
-  """One stack for several loss tags in an exact mode, without cross terms between tags.
-
-  Tag ℓ's K_ℓ vectors sit in their own rows of the K = Σ K_ℓ joint rows, rescaled by √(K / K_ℓ)
-  and zero elsewhere, so the pulled-back average `(1/K) Σ` is `Σ_ℓ Jᵀ F_ℓ J` exactly.
-  """
+  """One stack for several loss tags in an exact mode: tag ℓ's K_ℓ vectors in their own rows of
+  the K = Σ K_ℓ joint rows, rescaled by √(K / K_ℓ), so `(1/K) Σ` is `Σ_ℓ Jᵀ F_ℓ J` exactly."""
   sizes = [c.shape[0] for c in cts]
   total = sum(sizes)
   out, before = [], 0
@@ -161,12 +148,8 @@ def _join_exact(cts: list[Array]) -> list[Array]:
 
 
 def _per_tag_normalisation(cts: list[Array], scan: _scan.ScanResult) -> list[Array]:
-  """Each tag's output vectors scaled by √(N / N_ℓ), N the statistics' `batch_size`.
-
-  Loss tags on point sets of different sizes (a PDE residual on interior points, the boundary
-  values) are each a mean over their own N_ℓ examples; the blocks divide their output
-  statistics by N, so the rescaled vectors give each term its own 1/N_ℓ: Σ_ℓ (1/N_ℓ) Σ g gᵀ.
-  """
+  """Each tag's output vectors scaled by √(N / N_ℓ): tags on point sets of different sizes are
+  each a mean over their own N_ℓ examples, and the blocks divide by N."""
   n = scan.batch_size
   return [
     c if spec.batch_size == n else c * jnp.sqrt(jnp.asarray(n / spec.batch_size, c.dtype))
@@ -194,13 +177,9 @@ def _stacked_tap(graph: _scan.FlatGraph, uses):
 class Linearisation:
   """One forward pass of the tagged loss, linearised in (params, layer-output perturbations).
 
-  Built inside a trace. Every pull-back (`grads`, `statistics`) and push-forward
-  (`prediction_jvp`) reuses the one forward pass's residuals.
-
-  With `loss_part` (a `LossPart`), the graph is that of a curvature function (its tagged
-  outputs define the curvature; `Registration(curvature_fn=...)`, or loss tags in a custom_jvp
-  rule): the loss, aux and gradient are then `jax.value_and_grad(loss_part)`'s, the user's
-  custom derivatives included, and the graph is only pulled back for the statistics.
+  Built inside a trace; every pull-back and push-forward reuses the forward pass's residuals.
+  With `loss_part` (a `LossPart`), the graph is a curvature function's: the loss, aux and
+  gradient are then `jax.value_and_grad(loss_part)`'s, custom derivatives included.
 
   Attributes:
     scan: the `_scan.ScanResult` whose graph was run; loss: the scalar loss.
@@ -281,8 +260,7 @@ class Linearisation:
     return jax.tree_util.tree_unflatten(self.params_treedef, g_leaves)
 
   def loss_at(self, p_leaves, batch_leaves):
-    """The loss at other param leaves (`loss_fn` itself when the graph is a curvature
-    function's)."""
+    """The loss at other param leaves (`loss_fn`'s own with a separate loss)."""
     if self._loss_part is None:
       return self.scan.graph.evaluate(list(p_leaves) + list(batch_leaves))[0][0]
     params = jax.tree_util.tree_unflatten(self.params_treedef, list(p_leaves))
@@ -304,8 +282,7 @@ class Linearisation:
     with_params_stats: bool = False,
     fingerprint: Any = None,
   ) -> CurvatureStats:
-    """The estimation mode's output vectors, pulled back (vmapped over the stack);
-    `fingerprint`: the registration's `StatsKey`, carried by the statistics."""
+    """The estimation mode's output vectors, pulled back (vmapped over the stack)."""
     scan, preds, others = self.scan, self.preds, self.others
     keys = jax.random.split(rng, len(scan.losses)) if rng is not None else [None] * len(scan.losses)
     cts = [
@@ -365,8 +342,7 @@ def compute(
   loss_part: Any = None,
 ):
   """`(loss, grads or None, CurvatureStats)` from one forward pass; `(loss, aux, grads, stats)`
-  when the loss has an aux. `fingerprint`: the registration's `StatsKey`; `loss_part`: the loss
-  when `scan` is a curvature function's (see `Linearisation`)."""
+  when the loss has an aux. `loss_part`: the loss when `scan` is a curvature function's."""
   lin = Linearisation(scan, params, batch, loss_part if with_grads else None)
   grads = lin.grads() if with_grads else None
   stats = lin.statistics(

@@ -1,28 +1,19 @@
 """Predictive distributions behind the loss tags: the output-space vectors the estimator backprops.
 
-For a tag with prediction `z`, per-example negative log-likelihood `ℓ(z, y)` and weight `w`,
-the per-example loss `w ℓ` has the Fisher `w F_z` in `z`, with
-  categorical:     F_z = diag(p) - p pᵀ,      p = softmax(z),    ∇_z ℓ = p - onehot(y)
-  multi-Bernoulli: F_z = diag(p (1 - p)),     p = sigmoid(z),    ∇_z ℓ = p - y
-  normal(var):     F_z = I / var,                                ∇_z ℓ = (z - y) / var
-(block-diagonal over the positions of a categorical `[..., T, C]`). For these canonical-link
-losses the Hessian `H_z ℓ` (the GGN factor) is `F_z` too, so one square-root factor `B`
-(`B Bᵀ = F_z`) serves the Fisher and the GGN modes:
-  categorical:     B = diag(√p) - p √pᵀ        (column c is √p_c (e_c - p))
-  multi-Bernoulli: B = diag(√(p (1 - p)))
-  normal(var):     B = I / √var
+For a tag with prediction `z`, per-example negative log-likelihood `ℓ(z, y)` and weight `w`, the
+per-example loss `w ℓ` has the Fisher `w F_z` in `z` (also its Hessian: the losses have canonical
+links), with one square-root factor `B` (`B Bᵀ = F_z`) serving the Fisher and the GGN modes:
+  categorical:     F_z = diag(p) - p pᵀ,   p = softmax(z),   B = diag(√p) - p √pᵀ
+  multi-Bernoulli: F_z = diag(p (1 - p)),  p = sigmoid(z),   B = diag(√(p (1 - p)))
+  normal(var):     F_z = I / var,                            B = I / √var
+(block-diagonal over the positions of a categorical `[..., T, C]`).
 
 Each estimation mode builds a stack `v_1 .. v_S` of per-example output vectors (leading axis S,
-then the prediction's shape; *not* divided by the batch size) that is an **average**:
-`(1/S) Σ_s v_s v_sᵀ ≈ w F_z` per example ("≈": in expectation for the random modes), so the
-blocks divide their sums over the leading axis by S.
-  "gradients":          v_s = √w ∇_z ℓ(z, y_s), y_s ~ p(y|z), S = num_samples: the Fisher.
-  "empirical":          v = √w ∇_z ℓ(z, y) with the data's y, S = 1: the empirical Fisher
-                        `w ∇ℓ ∇ℓᵀ` (the weighted loss's own gradients `w ∇ℓ` would give `w²`).
-  "curvature_prop(_GGN)": v_s = √w B r_s, r_s Rademacher, S = num_samples (Martens, Sutskever &
-                        Swersky 2012, "Estimating the Hessian by back-propagating curvature").
-  "exact(_GGN)":        v_k = √K √w B e_k for every non-batch output coordinate k, S = K =
-                        prod(z.shape[1:]): exactly w B Bᵀ, at the cost of K backward passes.
+not divided by the batch size) whose **average** `(1/S) Σ_s v_s v_sᵀ` is `w F_z` (in expectation
+for the random modes; docs/approximations.rst): `√w ∇_z ℓ(z, y_s)` with `y_s ~ p(y|z)`
+("gradients"), `√w ∇_z ℓ(z, y)` with the data's `y` ("empirical": `w ∇ℓ ∇ℓᵀ`, not the `w²` of
+the weighted loss's own gradients), `√w B r_s` with Rademacher `r_s` ("curvature_prop"), or
+`√K √w B e_k` for every non-batch coordinate k, K of them ("exact": K backward passes).
 """
 
 from __future__ import annotations
@@ -66,13 +57,10 @@ def categorical_block_width(num_classes: int) -> int:
 
 
 def categorical_inverse_cdf(p: Array, u: Array) -> Array:
-  """Class indices drawn by inverse-CDF sampling from the rows of `p [..., V]` (non-negative,
-  any positive total), with two uniforms per draw `u [S, ..., 2]` in [0, 1): `[S, ...]` int32.
-
-  Two levels: `u[..., 0]` picks a block of `categorical_block_width(V)` classes from the
-  cumulative block masses, `u[..., 1]` a class from the block's own cumulative masses, so
-  P(class) = p_c / Σ p and each draw costs O(√V) after one pass over `p`.
-  """
+  """Class indices `[S, ...]` drawn by inverse-CDF sampling from the rows of `p [..., V]`
+  (non-negative, any positive total) with two uniforms per draw `u [S, ..., 2]` in [0, 1):
+  `u[..., 0]` picks a block of `categorical_block_width(V)` classes, `u[..., 1]` a class in it,
+  so P(class) = p_c / Σ p and each draw costs O(√V)."""
   v = p.shape[-1]
   width = categorical_block_width(v)
   blocks = -(-v // width)
@@ -132,26 +120,19 @@ def whitened_residual(spec: LossSpec, operands: tuple[Array, ...]) -> Array:
   """`√w ⊙ e` with `B e = ∇_z ℓ(z, y)` for the square-root factor `B` of `fisher_sqrt_product`
   (`e` orthogonal to B's null space), at the tag's targets, in z's shape and float32 or wider:
     categorical:     e = (p - y) / √p,   multi-Bernoulli: e = (p - y) / √(p (1 - p)),
-    normal(var):     e = (z - y) / √var.
-  Stacked over the exact modes' vectors `B e_k` (their weights included), `e` gives the tagged
-  loss's per-example gradient `w ∇_z ℓ = Σ_k (√w ⊙ B e_k) e_k`. Where `p` or `p (1 - p)` has
-  underflowed to 0 the entry is 0 (`B` cannot reach that coordinate)."""
+    normal(var):     e = (z - y) / √var,
+  0 where `p` or `p (1 - p)` has underflowed to 0. With the exact modes' vectors `B e_k`, it
+  gives the tagged loss's per-example gradient `w ∇_z ℓ = Σ_k (√w ⊙ B e_k) e_k`."""
   z = operands[0]
   zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
   y = _as_targets(operands[1], zf)
   if spec.kind == "normal":
     e = (zf - y) / jnp.sqrt(jnp.asarray(spec.var, zf.dtype))
   else:
-    if spec.kind == "categorical":
-      if y.shape == zf.shape[:-1]:
-        y = jax.nn.one_hot(y, zf.shape[-1], dtype=zf.dtype)
-      p = jax.nn.softmax(zf, axis=-1)
-      s = p
-    else:
-      p = jax.nn.sigmoid(zf)
-      s = p * (1 - p)
+    p = jax.nn.softmax(zf, axis=-1) if spec.kind == "categorical" else jax.nn.sigmoid(zf)
+    s = p if spec.kind == "categorical" else p * (1 - p)
     live = s > 0
-    e = jnp.where(live, (p - y) / jnp.sqrt(jnp.where(live, s, 1)), 0)
+    e = jnp.where(live, _grad_nll(spec, zf, y) / jnp.sqrt(jnp.where(live, s, 1)), 0)
   if spec.has_weight:
     e = e * jnp.sqrt(_weight(spec, operands[-1], zf))
   return e
@@ -160,12 +141,8 @@ def whitened_residual(spec: LossSpec, operands: tuple[Array, ...]) -> Array:
 def output_cotangents(
   spec: LossSpec, operands: tuple[Array, ...], mode: str, rng: Array | None, num_samples: int
 ) -> Array:
-  """The stack `[S, *z.shape]` of per-example output vectors for `mode` (module docstring),
-  computed in float32 (or wider) and returned in the prediction's dtype.
-
-  Raises:
-    ValueError: "empirical" for a tag registered without targets.
-  """
+  """The stack `[S, *z.shape]` of per-example output vectors for `mode` (module docstring), in
+  the prediction's dtype; a ValueError for "empirical" on a tag without targets."""
   z = operands[0]
   zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
   if mode == "empirical":

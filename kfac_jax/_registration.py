@@ -1,9 +1,8 @@
 """One registration of a loss function, shared by every entry point (`Registration`).
 
-The evaluation graphs (the traced `loss_fn` the curvature pass evaluates) are kept per signature
-of `(params, batch)` and bound collective axes, so a jitted step traced again reuses them. A graph
-whose constants are tracers (a `loss_fn` closing over values of an enclosing trace) is never kept,
-nor is a scan made with collective axes bound only for the scan (a stand-in size 1).
+The traced graphs of `loss_fn` are kept per `(params, batch)` signature and bound collective
+axes, so a jitted step traced again reuses them; never a graph whose constants are tracers, nor
+a scan made with stand-in collective axes.
 """
 
 from __future__ import annotations
@@ -84,14 +83,9 @@ class LossPart:
 class StatsKey:
   """What a `CurvatureStats` was computed for: static, hashable, compared at trace time.
 
-  Two registrations with equal keys produce interchangeable statistics (the same raw data per
-  layer), whatever approximations their blocks use: the approximation is the consumer's
-  choice, the data are not.
-
-  Attributes:
-    estimation_mode: the estimation mode.
-    num_samples: vectors per example (1 for the modes that take no samples).
-    layers: per layer, `(name, kind, param_paths, num_uses, stack_size)`.
+  Equal keys mean interchangeable statistics, whatever approximations the blocks use. `layers`:
+  per layer, `(name, kind, param_paths, num_uses, stack_size)`; `num_samples`: 1 for the modes
+  that take no samples.
   """
 
   estimation_mode: str
@@ -144,17 +138,14 @@ def avals(tree) -> tuple:
   return treedef, tuple(jax.typeof(x) for x in leaves)
 
 
+@dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
 class Registration:
   """`loss_fn` scanned once: its layers, parameter signature and statistics fingerprint.
 
-  The one place for the settings of the scan (`has_aux`, `estimation_mode`, `num_samples`,
-  `layers`, `strict`, `check_loss`). Every entry point (`value_and_grad`, `scale_by_kfac`,
-  `kfac`, `Optimizer`, `CurvatureEstimator`, `summary`, `check_registration`) takes it as
-  `registration=` (the estimator as its first argument) and reads them from it; given a bare
-  `loss_fn` instead, an entry point builds one with the defaults. Entry points sharing one
-  agree on the layers, and statistics carry its fingerprint, so statistics of another mode or
-  layer set are an error naming both. The object is immutable; the scan happens here, and
-  `layers` lists what it found.
+  The one place for the settings of the scan. Every entry point takes it as `registration=`
+  (the estimator as its first argument), or builds one with the defaults from a bare `loss_fn`;
+  statistics carry its fingerprint, so statistics of another mode or layer set are an error
+  naming both (docs/entry_points.rst).
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
@@ -163,74 +154,44 @@ class Registration:
       dtypes are kept).
     example_batch: a batch of the training shapes (arrays or ShapeDtypeStructs).
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned.
-    estimation_mode: "gradients" (targets sampled from the model: the Fisher, default),
-      "empirical" (the data's targets: the empirical Fisher), "curvature_prop" /
-      "curvature_prop_GGN" (Rademacher vectors times a square-root factor of the output Fisher
-      / loss Hessian), or "exact" / "exact_GGN" (every output coordinate: no sampling noise, K
-      backward passes for K outputs per example). The GGN variants estimate Jᵀ (∂²ℓ/∂z²) J,
-      which equals the Fisher for the tags' canonical-link losses. The random modes need an
-      `rng`. Formulas: `kfac_jax._losses`.
-    num_samples: random vectors per example in "gradients" and "curvature_prop(_GGN)" modes
-      (a Python int); "empirical" ignores it, the exact modes require it to be 1.
-    layers: a `kfac_jax.LayerConfig`: approximations per layer kind and per parameter-path
-      pattern, and linked parameter groups (None: the defaults).
+    estimation_mode: "gradients" (sampled targets: the Fisher, default), "empirical" (the
+      data's targets), "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a
+      square-root factor of the output Fisher / loss Hessian), or "exact" / "exact_GGN" (every
+      output coordinate). The random modes need an `rng`; formulas in `kfac_jax._losses`.
+    num_samples: random vectors per example in the random modes (a Python int; the exact modes
+      require 1).
+    layers: a `kfac_jax.LayerConfig` (None: the defaults).
     strict: raise, instead of warning, when parameters are outside every recognised layer or
       the loss audit measures a mismatch.
-    collective_axes: a name or a tuple of names of collective axes `loss_fn` itself uses
-      (e.g. linen `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap /
-      shard_map.
+    collective_axes: a name or a tuple of names of collective axes `loss_fn` itself uses (linen
+      `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap / shard_map.
     check_loss: audit the loss tags against the returned loss on `example_batch`
-      (`kfac_jax._audit`): True runs every check, False none (a loss that differs from its
-      tags on purpose), a collection of check names only those: "shared_prediction" (two
-      tags on one prediction), "dependence" (the loss depends on each tagged prediction),
-      "curvature", "gradient" (the "empirical" mode's targets) and "weights" (the measured
-      fit of the loss to the tags). Each message names its check.
-    warn: emit the warnings below (False for a registration an entry point builds on the
-      user's behalf).
-    curvature_fn: `curvature_fn(params, batch)`, a function whose loss tags define the
-      curvature when that is not the loss's own (its return value is ignored). Variational
-      Monte Carlo is the case in point: the loss is the energy estimator, the curvature the
-      Fisher of `|ψ|²`, i.e. `register_normal_predictive_distribution(log_psi[:, None])` in a
-      function computing `log|ψ|`. The layers are those of `curvature_fn`; the loss and its
-      gradient are `jax.value_and_grad(loss_fn)`'s (custom derivatives kept), so every step
-      runs `loss_fn`'s and `curvature_fn`'s forward passes. `loss_fn` then needs no tag; tags
-      `loss_fn` binds itself (in its rules or not) are not read: `curvature_fn` wins, and a
-      `LossMismatchWarning` names them. Of the loss audit only "shared_prediction" applies. A
-      `loss_fn` whose tags sit in a `jax.custom_jvp` rule
-      (FermiNet's loss), or in a `jax.custom_vjp`'s fwd or bwd, is treated the same way
-      without this argument: `loss_fn` run as `jax.grad` runs it (its rules called by JAX, a
-      custom_vjp's bwd on a zero cotangent) is its curvature function, whatever the rule's
-      primal outputs (FermiNet's rule returns an aux of other shapes). Tags both in such a
-      rule and outside it are a `RegistrationError` naming them.
+      (`kfac_jax._audit`): True every check, False none, or a collection of check names
+      (`_audit.CHECKS`).
+    warn: emit the warnings below (False for a registration built on the user's behalf).
+    curvature_fn: `curvature_fn(params, batch)`, whose loss tags define the curvature when that
+      is not the loss's own (variational Monte Carlo, docs/vmc.rst; tags in a custom derivative
+      rule of `loss_fn` are read the same way); the loss and gradient are then
+      `jax.value_and_grad(loss_fn)`'s.
 
   Attributes:
-    layers: the registered layers (a tuple of `LayerSpec`), in parameter order: each names the
-      layer, its kind, parameter paths (e.g. `params/Dense_0/kernel`), approximation, factor
-      shapes, `num_uses` (tied weights, the steps of a scan) and `stack_size`. Parameters
-      outside every recognised layer get a diagonal generic block (and one
-      `UncoveredParametersWarning` naming them all, an error with `strict=True`).
-    block_names: the layers' names made unique (`name#2` for a repeated name): the keys of the
-      curvature state's `factors` and `cache`.
-    param_paths, param_shapes, param_dtypes: the parameters' signature; `check_params` holds
-      params to it.
-    params_shape: the parameters as ShapeDtypeStructs.
+    layers: the registered layers (a tuple of `LayerSpec`), in parameter order; parameters
+      outside every recognised layer get a diagonal generic block.
+    block_names: the layers' names made unique (`name#2`): the keys of the curvature state.
+    param_paths, param_shapes, param_dtypes, params_shape: the parameters' signature.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
     example_batch_size: the loss tags' leading size in `example_batch`.
-    outputs_per_example: D, the predictive distributions per example the loss tags describe
-      (T for a categorical tag on `[N, T, V]`, H·W for a normal tag on `[N, H, W]`; summed).
-    loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss (1/D for a mean over
-      the outputs too), as the loss audit fitted it; None where it did not measure or found a
-      mismatch.
+    outputs_per_example: D, the predictive distributions per example the loss tags describe.
+    loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss, as the loss audit
+      fitted it; None where it did not measure or found a mismatch.
+    separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom rule).
     loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, collective_axes,
       check_loss, curvature_fn: the settings it was built with.
-    separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom_jvp
-      rule or a custom_vjp's fwd or bwd): its value and gradient come from `loss_fn` itself.
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.
-    RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, two
-      tags on one prediction or a tag the loss does not depend on, or (with `strict`)
-      uncovered parameters or a measured loss mismatch.
+    RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, a
+      failed structural audit check, or (with `strict`) what the warnings below report.
 
   Warns:
     UncoveredParametersWarning, LossMismatchWarning: once, when the registration is built.
@@ -242,23 +203,9 @@ class Registration:
     >>> opt_state = tx.init(params)
     >>> loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
-
-    Variational Monte Carlo: the energy's gradient, the curvature of `log|ψ|` (a stand-in model
-    and energy here):
-
-    >>> def log_psi_fn(params, batch):
-    ...   log_psi = model.apply(params, batch["x"])[:, 0]
-    ...   kfac_jax.register_normal_predictive_distribution(log_psi[:, None])
-    >>> energy_fn = lambda params, batch: jnp.mean(model.apply(params, batch["x"]) ** 2)
-    >>> reg = kfac_jax.Registration(energy_fn, params, batch, curvature_fn=log_psi_fn)
   """
 
-  # Set once in `__init__` (the instance is immutable afterwards).
   loss_fn: Callable
-  loss_part: Any
-  curvature_fn: Callable | None
-  separate_loss: bool
-  _curvature_part: Any
   has_aux: bool
   estimation_mode: Any
   num_samples: int
@@ -266,6 +213,9 @@ class Registration:
   strict: bool
   collective_axes: Any
   check_loss: bool | Collection[str]
+  curvature_fn: Callable | None
+  loss_part: LossPart
+  separate_loss: bool
   example_batch: Any
   params_shape: Any
   param_paths: tuple[str, ...]
@@ -276,8 +226,9 @@ class Registration:
   example_batch_size: int
   outputs_per_example: int
   loss_factor: float | None
-  fingerprint: Any
-  _scans: _fit.Memo
+  fingerprint: StatsKey
+  _curvature_part: Any
+  _scans: _fit.Memo  # Per batch shapes and axis environment.
   _block_sets: _fit.Memo
 
   def __init__(
@@ -296,7 +247,6 @@ class Registration:
     warn: bool = True,
     curvature_fn: Callable | None = None,
   ):
-    set_ = object.__setattr__
     part = LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
     curvature_part = None if curvature_fn is None else _curvature.CurvaturePart(curvature_fn)
     _curvature.check_mode(estimation_mode, num_samples)
@@ -304,29 +254,21 @@ class Registration:
     checks = _audit.checks_from(check_loss)
     config = _scan.check_layer_config(layers)
     names = axis_names(collective_axes)
-    set_(self, "loss_fn", loss_fn)
-    set_(self, "loss_part", part)
-    set_(self, "has_aux", has_aux)
-    set_(self, "estimation_mode", estimation_mode)
-    set_(self, "num_samples", num_samples)
-    set_(self, "layer_config", config)
-    set_(self, "strict", strict)
-    set_(self, "collective_axes", collective_axes)
-    set_(self, "check_loss", check_loss)
-    set_(self, "curvature_fn", curvature_fn)
-    set_(self, "_curvature_part", curvature_part)
+    self._set(loss_fn=loss_fn, loss_part=part, has_aux=has_aux, curvature_fn=curvature_fn)
+    self._set(estimation_mode=estimation_mode, num_samples=num_samples, strict=strict)
+    self._set(layer_config=config, collective_axes=collective_axes, check_loss=check_loss)
+    self._set(_curvature_part=curvature_part, _scans=_fit.Memo(8), _block_sets=_fit.Memo(4))
     env = _compat.axis_env_key()
     stand_in = env is None or any(n not in {e[1] for e in env} for n in names)
     with _compat.axis_env([(n, 1) for n in names]):
       scan = self._trace(params, example_batch, warn)
       if checks and curvature_part is not None:
         _audit.check_overridden_tags(scan, part, params, example_batch, strict=strict, warn=warn)
-    # The loss is not the tags' (a curvature function, or tags in a custom_jvp rule): its value
-    # and gradient come from `loss_fn` itself, and the audit compares nothing with it; two tags
-    # on one prediction still count its curvature twice.
-    set_(self, "separate_loss", curvature_part is not None or scan.separate_loss)
+    # With a separate loss the audit compares nothing with it; two tags on one prediction still
+    # count its curvature twice.
+    separate = curvature_part is not None or scan.separate_loss
     factor = None
-    if self.separate_loss:
+    if separate:
       _audit.check_structure(scan, checks & {"shared_prediction"})
     elif checks:  # Once per registration, not per later scan.
       factor = _audit.audit(
@@ -340,30 +282,26 @@ class Registration:
         checks=checks,
       )
     leaves = jax.tree_util.tree_leaves(params)
-    set_(self, "example_batch", jax.eval_shape(lambda b: b, example_batch))
-    set_(self, "params_shape", jax.eval_shape(lambda p: p, params))
-    set_(self, "param_paths", _scan.param_paths(params))
-    set_(self, "param_shapes", tuple(tuple(np.shape(x)) for x in leaves))
-    set_(self, "param_dtypes", tuple(str(jnp.result_type(x)) for x in leaves))
-    set_(self, "layers", scan.layers)
-    set_(self, "block_names", tuple(_unique_names(scan.layers)))
-    set_(self, "example_batch_size", scan.batch_size)
-    set_(self, "outputs_per_example", sum(_outputs_per_example(spec) for spec in scan.losses))
-    set_(self, "loss_factor", factor)
+    self._set(separate_loss=separate, loss_factor=factor, layers=scan.layers)
+    self._set(example_batch=jax.eval_shape(lambda b: b, example_batch))
+    self._set(params_shape=jax.eval_shape(lambda p: p, params))
+    self._set(param_paths=_scan.param_paths(params), example_batch_size=scan.batch_size)
+    self._set(param_shapes=tuple(tuple(np.shape(x)) for x in leaves))
+    self._set(param_dtypes=tuple(str(jnp.result_type(x)) for x in leaves))
+    self._set(block_names=tuple(_unique_names(scan.layers)))
+    self._set(outputs_per_example=sum(_outputs_per_example(spec) for spec in scan.losses))
     key_samples = num_samples if estimation_mode in _losses.RANDOM_MODES else 1
     key_layers = tuple(
       (s.name, s.kind, tuple(s.param_paths), s.num_uses, s.stack_size) for s in scan.layers
     )
-    set_(self, "fingerprint", StatsKey(estimation_mode, key_samples, key_layers))
-    set_(self, "_scans", _fit.Memo(8))  # Per batch shapes and axis environment.
-    set_(self, "_block_sets", _fit.Memo(4))
+    self._set(fingerprint=StatsKey(estimation_mode, key_samples, key_layers))
     if not stand_in and not _audit.has_tracer_consts(scan):
       self._scans.put((env, avals(params), avals(example_batch)), scan)
 
-  def __setattr__(self, name, value):
-    raise dataclasses.FrozenInstanceError(
-      f"kfac_jax.Registration is immutable (cannot set `{name}`): build a new one."
-    )
+  def _set(self, **fields) -> None:
+    """Sets fields once, in `__init__` (the instance is frozen)."""
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
 
   def __repr__(self) -> str:
     return (
@@ -561,17 +499,14 @@ def value_and_grad(
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
 
   `curvature_stats` is what `scale_by_kfac`'s update takes as `curvature_stats=`. Call the
-  returned function inside your jitted train step, like `jax.value_and_grad`. The estimation
-  mode, the samples, the layers and whether `loss_fn` returns an aux are the registration's
-  (see `kfac_jax.Registration`).
+  returned function inside your jitted train step, like `jax.value_and_grad`.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output: `fn`
       registers it with the default settings, once per params / batch signature.
-    registration: a `kfac_jax.Registration` instead of `loss_fn`, shared with the transform /
-      optimizer / estimator that consumes the statistics (its settings apply, e.g. `has_aux`:
-      `loss_fn` returns `(loss, aux)`, aux any pytree of arrays from the same forward pass,
-      not differentiated, as with `jax.value_and_grad(has_aux=True)`).
+    registration: a `kfac_jax.Registration` instead of `loss_fn`, shared with the consumer of
+      the statistics; its settings apply (with `has_aux`, the aux is not differentiated, as
+      with `jax.value_and_grad(has_aux=True)`).
     compute_params_stats: also return `curvature_stats.params_stats`, the first-order
       statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
 
@@ -580,15 +515,12 @@ def value_and_grad(
     `((loss, aux), grads, curvature_stats)` with the registration's `has_aux`.
 
   Raises:
-    TypeError / ValueError: a bad argument (named, with its value), when `value_and_grad` is
-      called, or a registration setting (e.g. `has_aux=`), naming `kfac_jax.Registration`;
-      params of another structure than the registration's, when `fn` is traced.
+    TypeError / ValueError: a bad argument (named, with its value); params of another structure
+      than the registration's, when `fn` is traced.
     RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
       the registration's `has_aux`.
 
   Example:
-    A training step:
-
     >>> @jax.jit
     ... def train_step(params, opt_state, batch, rng):
     ...   loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
@@ -596,7 +528,7 @@ def value_and_grad(
     ...   return optax.apply_updates(params, updates), opt_state, loss
     >>> params, opt_state, loss = train_step(params, opt_state, batch, rng)
 
-    With BatchNorm statistics (flax linen) coming back through the aux:
+    With BatchNorm statistics coming back through the aux:
 
     >>> def loss_fn(params, batch):
     ...   logits, new = model.apply({"params": params, "batch_stats": batch["batch_stats"]},
@@ -612,17 +544,13 @@ def value_and_grad(
   reg = shared(registration, loss_fn, "value_and_grad")
   own = _fit.Memo(8)  # Without `registration`: one per (params, batch) signature.
 
-  def registered(params, batch):
+  def fn(params, batch, rng=None):
     if reg is not None:
       reg.check_params(params)
-      return reg
-    return own(
+    r = reg or own(
       (avals(params), avals(batch)),
       lambda: Registration(loss_fn, params, batch, warn=False),  # type: ignore[arg-type]
     )
-
-  def fn(params, batch, rng=None):
-    r = registered(params, batch)
     _curvature.check_rng(r.estimation_mode, rng)  # Before the loss is traced.
     out = r.compute(params, batch, rng, with_grads=True, with_params_stats=compute_params_stats)
     if r.has_aux:

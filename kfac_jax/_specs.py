@@ -1,9 +1,8 @@
-"""Static descriptions shared by the scanner, the blocks and the layer configuration.
+"""Static descriptions shared by the scanner, the blocks and the layer configuration: parameter
+paths and views, the layer and loss specs and the kind-specific matching details a block reads.
 
-A leaf module (it imports nothing from `kfac_jax` at run time), so `blocks/*` read the specs
-without importing the tracer: the registration errors, parameter paths and views, the layer and
-loss specs and the kind-specific matching details a block reads. Each kind's record (its
-approximations, matchers) is in `kfac_jax.scan._kinds`; only the names are here.
+A leaf module, so `blocks/*` read the specs without importing the tracer; each kind's record is
+in `kfac_jax.scan._kinds`.
 """
 
 from __future__ import annotations
@@ -19,21 +18,9 @@ import numpy as np
 
 Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "grouped_dense", "generic"]
 Approximation = Literal[
-  "kron",
-  "kron_in_diag",
-  "kron_out_diag",
-  "kron_both_diag",
-  "kron_sua",
-  "expand",
-  "reduce",
-  "ekfac",
-  "diagonal",
-  "full",
-  "kron_indep",
-  "kron_series_1",
-  "kron_series_2",
-  "kron_terms",
-]
+  "kron", "kron_in_diag", "kron_out_diag", "kron_both_diag", "kron_sua", "expand", "reduce",
+  "ekfac", "diagonal", "full", "kron_indep", "kron_series_1", "kron_series_2", "kron_terms",
+]  # fmt: skip
 
 
 from kfac_jax._errors import (  # noqa: F401  # Re-exported to the scanner.
@@ -41,9 +28,6 @@ from kfac_jax._errors import (  # noqa: F401  # Re-exported to the scanner.
   RegistrationError,
   UncoveredParametersWarning,
 )
-
-# --------------------------------------------------------------------------------------------
-# Parameter paths and views.
 
 
 def key_name(key) -> str:
@@ -78,15 +62,11 @@ def common_prefix(paths: Sequence[str]) -> str:
 class ViewStep:
   """One layout operation applied to a parameter on its way to the consuming operation."""
 
-  # "reshape" | "transpose" | "cast" | "broadcast" | "shift" (a constant added) | "gather" (rows
-  # of a `[T, D]` view taken at constant indices, in any order, with repeats)
-  op: str
+  op: str  # reshape, transpose, cast, broadcast, shift (a constant added) or gather (rows)
   in_shape: tuple[int, ...]
   out_shape: tuple[int, ...]
   perm: tuple[int, ...] = ()  # transpose: the permutation; broadcast: broadcast_dimensions.
-  # gather: the row taken by each output row (`out_shape[:-1]`, row-major), as int32 bytes
-  # (compact and hashable: a relative-position table reads L² rows).
-  rows: bytes = b""
+  rows: bytes = b""  # gather: the row each output row takes (int32 bytes: compact, hashable).
 
   def gathered_rows(self) -> np.ndarray:
     """A "gather" step's row indices, shaped `out_shape[:-1]`."""
@@ -121,13 +101,11 @@ def undo_view(chain: Sequence[ViewStep], x):
 
 @dataclasses.dataclass(frozen=True)
 class ConcatView:
-  """Several parameter leaves, each viewed (`chains`), concatenated along `axis` into one operand.
+  """Several parameter leaves, each viewed (`chains`), concatenated along `axis` into one operand
+  (Flax's `OptimizedLSTMCell` gate kernels; a `stack` is a concatenation with a unit axis).
 
-  Flax's `OptimizedLSTMCell` concatenates its four gate kernels (and biases) before one product;
-  a `stack` is read as a concatenation of the operands with a unit axis inserted. The scanner
-  treats the concatenation as one virtual leaf of shape `shape`, matches layers on it, then
-  lists the real leaves in the layer (`LayerSpec.concat`); the block works on the
-  concatenation and splits its results back.
+  The scanner matches layers on the concatenation as one virtual leaf of shape `shape` and lists
+  the real leaves in the layer (`LayerSpec.concat`); the block splits its results back.
   """
 
   leaves: tuple[int, ...]
@@ -151,10 +129,6 @@ def split_pieces(view: ConcatView, x, leaf_shapes):
   return [undo_view(c, p).reshape(shape) for c, p, shape in zip(view.chains, parts, leaf_shapes)]
 
 
-# --------------------------------------------------------------------------------------------
-# Static descriptions.
-
-
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
   """One loss tag: which distribution, and where its operands live in the graph."""
@@ -172,18 +146,14 @@ class DenseInfo:
   """How a dense layer's kernel, input and output map to matrices.
 
   The kernel operand (after `kernel_view`) is transposed by `kernel_perm` and reshaped to
-  `[in, out]`; the input operand by `x_perm` to `[rows, in]`; the output by `out_perm` to
-  `[rows, out]`. A layer whose input is computed from parameters and constants alone reaches
-  the batch through a broadcast, its tap: `shared_tap` then maps one example's tap entries to
-  positions of the `[rows, out]` output (int32 bytes, row-major; entries read twice sum);
-  empty for a layer whose input rows are the batch's. `adds_bias` is False for a use of a
-  shared layer that does not add the layer's bias: a tangent channel of a forward-mode
-  derivative (`jax.jvp`, a forward Laplacian), whose input rows get a homogeneous coordinate
-  of 0 instead of 1. `term` is the one loss tag a shared layer's use feeds (see
-  `blocks._terms`). `transposed` marks a use of a shared layer that reads the layer's kernel
-  matrix transposed (the backward pass of a reverse-mode derivative: `δa = δz Wᵀ`); the other
-  fields describe that use's own product (`in_dim` is the layer's `out_dim`), and its input
-  and output gradient enter the layer's statistics with their roles exchanged (`blocks._uses`).
+  `[in, out]`, the input by `x_perm` to `[rows, in]`, the output by `out_perm` to `[rows, out]`.
+  `shared_tap`, for a layer whose input is computed from parameters and constants alone (its
+  tap a broadcast to the batch): one example's tap entries as positions of the `[rows, out]`
+  output (int32 bytes, row-major; entries read twice sum). For a use of a shared layer:
+  `adds_bias` False where it does not add the bias (a forward-mode tangent channel: homogeneous
+  coordinate 0), `term` the one loss tag it feeds (`blocks._terms`), `transposed` where it
+  reads the kernel transposed (`δa = δz Wᵀ`, roles exchanged in the statistics,
+  `blocks._uses`).
   """
 
   kernel_view: tuple[ViewStep, ...]
@@ -213,33 +183,28 @@ class LayerSpec:
   """A layer the scanner found (or a manual tag registered), as static facts.
 
   Attributes:
-    name: the layer's name, the common prefix of its parameter paths (e.g. `params/Dense_0`).
-    kind: the layer kind (`Kind`: "dense", "conv", "scale_and_shift", "embedding", "generic").
+    name: the common prefix of its parameter paths (e.g. `params/Dense_0`).
+    kind: the layer kind (`Kind`).
     param_paths: the paths of its parameter leaves, e.g. `("params/Dense_0/kernel", ...)`.
     leaf_indices: positions of those leaves in `jax.tree_util.tree_leaves(params)`.
-    approx: the curvature approximation (one its kind's record takes; chosen by `LayerConfig`).
+    approx: the curvature approximation (chosen by `LayerConfig`).
     factor_shapes: shapes of the curvature factors the block keeps.
     source: "auto", "manual", "fallback" or "linked" (a `LayerConfig.linked` group).
-    info: kind-specific matching details (`DenseInfo`, `ConvInfo`, `ScaleShiftInfo`,
-      `EmbeddingInfo`); None for generic layers.
+    info: kind-specific matching details (`DenseInfo`, `ConvInfo`, ...); None for generic.
     param_shapes: shapes of the parameter leaves.
-    num_uses: how many times the layer is applied (tied weights, the T steps of an unrolled
-      scan); each use has its own output and inputs in the registration.
+    num_uses: how many times the layer is applied (tied weights, an unrolled scan's steps).
     use_infos: for `num_uses > 1`, the matching details of every use.
     note: why the approximation differs from the one asked for or the kind's default, or "".
-    concat: for a layer over concatenated leaves, one `ConcatView` (or None for a plain leaf)
-      per logical parameter; () otherwise.
-    logical: with `concat`, the layer as matched on the concatenations: the spec its block
-      computes with.
+    concat: for a layer over concatenated leaves, one `ConcatView` (or None) per logical
+      parameter; () otherwise. `logical`: then the layer as matched on the concatenations.
     stack_size: L > 0 for a stack of L layers whose leaves carry a leading layer axis (a scan
-      over stacked layers, a vmapped ensemble); 0 otherwise. `factor_shapes` then lead with L.
+      over stacked layers, a vmapped ensemble; `factor_shapes` then lead with L); 0 otherwise.
     stack_inner: for a stack, the spec of one layer of it.
     stack_axes: for a stack applied by one vmap, the layer axis of each input operand and then
       of the output; empty when each layer has its own tap (a scan).
-    block_size: the largest factor side a Kronecker block keeps whole (wider sides are kept as
-      diagonal blocks of at most this size; `LayerConfig.block_size`); None: every side whole.
-    block: the user's block class that computes this layer (`LayerConfig.blocks`), or None for
-      the library's block of `(kind, approx)`.
+    block_size: the largest factor side a Kronecker block keeps whole (`LayerConfig.block_size`;
+      wider sides are kept as diagonal blocks); None: every side whole.
+    block: the user's block class for this layer (`LayerConfig.blocks`), or None.
   """
 
   name: str
@@ -286,13 +251,9 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ConvInfo:
-  """A convolution `out = conv_general_dilated(x, kernel, ...)`, as the primitive describes it.
-
-  `lhs_spec`, `rhs_spec`, `out_spec` are `ConvDimensionNumbers` fields: for the input, the
-  positions of (batch, feature, spatial...); for the kernel, (out feature, in feature,
-  spatial...); for the output, (batch, feature, spatial...). `padding` is explicit `(lo, hi)`
-  pairs. The kernel operand is the parameter leaf after `kernel_view`.
-  """
+  """A convolution `out = conv_general_dilated(x, kernel, ...)`, as the primitive describes it
+  (`*_spec`: `ConvDimensionNumbers` fields; `padding`: explicit `(lo, hi)` pairs; the kernel
+  operand is the parameter leaf after `kernel_view`)."""
 
   kernel_view: tuple[Any, ...]
   lhs_spec: tuple[int, ...]
@@ -332,15 +293,12 @@ class ConvInfo:
 class ScaleShiftInfo:
   """`out = x̂ * scale + shift`, the parameters spanning the axes `feature_shape` of `out`.
 
-  x̂ is the product of the layer's input operands, broadcast to `output_shape`; its axis
-  `batch_axis` is the batch (1 for time-major activations), or a leading axis of N·k rows
-  grouped by example. The parameters span the consecutive axes of `out` from `feature_axis` on
-  (None: the trailing axes; 1 for a per-channel scale over `[N, C, H, W]`). `example_rows`
-  False: the rows along `batch_axis` are not grouped by example (the nodes of a batch of
-  graphs); each row's gradient is one row of the statistics, F ≈ (1/N) Σ_rows J_r J_rᵀ.
-  `feature_index`, for a shift-only table read through a gather at constant positions (a
-  relative-position bias): the flat parameter entry each feature entry reads (int32 bytes,
-  row-major, repeats allowed); empty when the features are the parameter's entries in order.
+  x̂, the product of the input operands broadcast to `output_shape`, has the batch (or N·k rows
+  grouped by example) on `batch_axis`; the parameters span the axes of `out` from
+  `feature_axis` on (None: the trailing axes). `example_rows` False: the rows are not grouped
+  by example (graph nodes), each row one row of the statistics. `feature_index`, for a
+  shift-only table read through a constant gather: the flat parameter entry each feature entry
+  reads (int32 bytes, row-major); empty when the features are the parameter's entries in order.
   """
 
   has_scale: bool

@@ -16,15 +16,6 @@ from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _tracer
 
 
-def _registration_of(who, registration, loss_fn, params, batch) -> _registration.Registration:
-  """The registration given, or one of `loss_fn` with the default settings (no warnings: the
-  report says the same, in full)."""
-  reg = _registration.shared(registration, loss_fn, who, ("params", params), ("batch", batch))
-  if reg is None:
-    reg = _registration.Registration(loss_fn, params, batch, warn=False)
-  return reg
-
-
 def summary(
   loss_fn: Callable | None = None,
   params=None,
@@ -34,31 +25,30 @@ def summary(
 ) -> str:
   """A table of the registered layers and a coverage report.
 
-  The table lists each layer's kind, approximation, parameters, factor shapes, memory (the
-  block's state: factors plus the cached inverses for exps=(-1,)) and a note saying why a
-  layer's approximation differs from its kind's default. The report under it gives the share
-  of the parameters in structured, non-generic blocks, the curvature state's bytes against the
-  parameters', and, for every parameter in a diagonal fallback block, why no layer matched it
-  ("sliced by a scan", "consumed by <primitive> (no matcher)", ...).
+  The table lists each layer's kind, approximation, parameters, factor shapes, memory (factors
+  plus the cached inverses for exps=(-1,)) and why its approximation differs from its kind's
+  default. The report gives the share of the parameters in structured blocks, the curvature
+  state's bytes against the parameters', and why no layer matched each parameter in a fallback
+  block.
 
   Args:
     loss_fn, params, batch: the loss function, registered with the default settings.
-    registration: a `kfac_jax.Registration` instead (no new scan): the layers it holds, with
-      its settings (`layers`, `has_aux`, `collective_axes`, ...).
+    registration: a `kfac_jax.Registration` instead (no new scan).
 
   Example:
     >>> print(kfac_jax.summary(loss_fn, params, batch))
   """
-  reg = _registration_of("summary", registration, loss_fn, params, batch)
+  reg = _registration.shared(registration, loss_fn, "summary", ("params", params), ("batch", batch))
+  if reg is None:  # No warnings: the report says the same, in full.
+    reg = _registration.Registration(loss_fn, params, batch, warn=False)  # type: ignore[arg-type]
   specs, blocks = reg.layers, reg.blocks()
   table = format_table(_display_names(specs), blocks)
   return table + "\n\n" + coverage_report(specs, blocks, reg.params_shape)
 
 
 def _display_names(specs: Sequence[_tracer.LayerSpec]) -> list[_tracer.LayerSpec]:
-  """Specs renamed so that every row is distinguishable: a layer whose name is shared (its
-  parameters sit in one dict with others) or a prefix of another's is shown by its first
-  parameter's path."""
+  """Specs renamed so that every row is distinguishable: a layer whose name is shared or a prefix
+  of another's is shown by its first parameter's path."""
   counts = collections.Counter(s.name for s in specs)
   return [
     dataclasses.replace(s, name=s.param_paths[0])
@@ -105,24 +95,20 @@ def check_registration(
   """Checks that every parameter is in exactly one curvature block; lists every problem at once.
 
   Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
-  layer covers (with why no layer matched it), every parameter registered twice (two manual
-  tags, or a tag and a linked group), every manually tagged parameter whose number of tags
-  differs from the number of times `loss_fn` uses it. (A `layers.overrides` / `layers.linked`
-  pattern that matches no parameter stops the `Registration` that carries it, naming it.)
+  layer covers (with why), every parameter registered twice (two manual tags, or a tag and a
+  linked group), and every manually tagged parameter whose number of tags differs from the
+  number of times `loss_fn` uses it.
 
   Args:
     loss_fn, params, batch: the loss function, scanned with the default settings.
-    registration: a `kfac_jax.Registration` instead, scanned again with its settings
-      (`layers`, `has_aux`, `collective_axes`).
+    registration: a `kfac_jax.Registration` instead, scanned again with its settings.
 
   Returns:
     The registered layers, as `Registration.layers` lists them, when there is no problem.
 
   Raises:
-    RegistrationCheckError: (a `RegistrationError`) with `.problems`, one line per problem,
-      each naming the parameter path.
-    RegistrationError: a problem that stops the scan itself (no loss tag, a malformed tag, an
-      approximation that does not fit its layer, a linked group that splits a layer).
+    RegistrationCheckError: with `.problems`, one line per problem naming the parameter path.
+    RegistrationError: a problem that stops the scan itself (no loss tag, a malformed tag, ...).
 
   Example:
     >>> kfac_jax.check_registration(loss_fn, params, batch)  # raises listing every problem
@@ -143,8 +129,7 @@ def check_registration(
 
 
 def _relative_paths(paths: Sequence[str]) -> str:
-  """The parameter paths without the directory they all share (`kernel, bias` for a dense
-  layer; `hi/kernel, hf/kernel, ...` for kernels concatenated from one module's leaves)."""
+  """The parameter paths without the directory they all share (`kernel, bias`)."""
   common = len(os.path.commonprefix([p.split("/")[:-1] for p in paths]))
   return ", ".join("/".join(p.split("/")[common:]) for p in paths)
 

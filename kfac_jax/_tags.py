@@ -1,15 +1,10 @@
 """Tag primitives: no-op JAX primitives that mark losses and layers in a traced function.
 
-A tag returns its first operand(s) unchanged, lowers to nothing, passes tangents through and
-batches trivially, so it survives every JAX transformation and costs nothing outside K-FAC.
-
-Loss tags mark the model's predictive distribution; the tagged loss is the **sum over all
+A tag returns its first operand(s) unchanged and lowers to nothing, so it survives every JAX
+transformation and costs nothing outside K-FAC. The tagged loss is the **sum over all
 non-leading axes and the mean over the leading (batch) axis** of `weight * nll(prediction,
-target)` (as in TF K-FAC), and the loss `loss_fn` returns should be that loss up to a constant
-factor and terms that do not involve the tagged predictions (`kfac_jax._audit` checks it).
-A loss tag's `weight` is a non-negative multiplicity: an entry of weight `w` counts as `w`
-copies of it in every estimation mode (docs/layers.rst gives its shapes and each mode's
-formula). Layer tags mark what the scanner cannot find by itself.
+target)`; `weight` is a non-negative multiplicity (docs/layers.rst). Layer tags mark what the
+scanner cannot find by itself.
 """
 
 from __future__ import annotations
@@ -41,10 +36,8 @@ def _make_tag_primitive(name: str) -> _compat.Primitive:
     return prim.bind(*primals, n_out=n_out, **params), list(tangents[:n_out])
 
   def batch(args, dims, *, n_out, **params):
-    # Marks the tag as bound under `jax.vmap`, so the scanner can reject a loss tag that only
-    # saw one example (a vmapped per-example loss) instead of misreading its axes.
-    params = dict(params, under_vmap=True)
-    return prim.bind(*args, n_out=n_out, **params), list(dims[:n_out])
+    # Marked, so the scanner can reject a loss tag that only saw one example (a vmapped loss).
+    return prim.bind(*args, n_out=n_out, **params, under_vmap=True), list(dims[:n_out])
 
   prim.def_impl(first)
   prim.def_abstract_eval(first)
@@ -108,21 +101,13 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
     operands.append(weight.astype(prediction.dtype))
   if not (isinstance(var, (int, float)) and var > 0 and math.isfinite(var)):
     raise ValueError(f"{fn}: `var` must be a positive finite Python number, got {var!r}.")
-  return loss_tag_p.bind(
-    *operands,
-    n_out=1,
-    kind=kind,
-    has_targets=targets is not None,
-    has_weight=weight is not None,
-    var=float(var),
-    fn=fn,
-  )[0]
+  has = {"has_targets": targets is not None, "has_weight": weight is not None}
+  return loss_tag_p.bind(*operands, n_out=1, kind=kind, **has, var=float(var), fn=fn)[0]
 
 
 def _bind_complex_normal(fn: str, prediction, targets, weight, var: float) -> Array:
-  """A complex mean `z` as the normal of its parts `[..., 2] = (Re z, Im z)`, each with
-  variance `var`: for real parameters its Fisher is `Re E[conj(J)ᵀ J] / var`, J = ∂z/∂θ.
-  Returns `z` (rebuilt from the tagged parts)."""
+  """A complex mean `z` tagged as the normal of its parts `[..., 2] = (Re z, Im z)`; returns `z`
+  rebuilt from the tagged parts."""
   parts = lambda z: jnp.stack([jnp.real(z), jnp.imag(z)], axis=-1)  # noqa: E731
   if targets is not None:
     targets = _check_array(targets, "targets", fn)
@@ -189,12 +174,9 @@ def register_normal_predictive_distribution(
   """Tags `mean` as the mean of a normal with fixed scalar variance `var`.
 
   The negative log-likelihood is `|t - mean|² / (2 var)` (+ const), so the default `var=0.5`
-  gives the plain squared error `(t - y)²` summed over non-batch axes, whose Fisher is `2 I`.
-
-  A complex `mean` (a complex log ψ in variational Monte Carlo) is the normal of its real and
-  imaginary parts, each with variance `var`: the tag is on `[batch, ..., 2]`, and for real
-  parameters the Fisher is `Re E[conj(J)ᵀ J] / var` with `J = ∂mean/∂θ`, the real part of the
-  Hermitian Fisher `E[J^H J]` of the complex mean.
+  gives the squared error `(t - y)²` summed over non-batch axes, whose Fisher is `2 I`. A
+  complex `mean` is the normal of its real and imaginary parts, each with variance `var`: for
+  real parameters the Fisher is `Re E[conj(J)ᵀ J] / var`, `J = ∂mean/∂θ`.
 
   Args:
     mean: `[batch, ...]` predictions, real or complex.
@@ -212,12 +194,8 @@ def register_normal_predictive_distribution(
 
 
 def register_squared_error_loss(prediction, targets=None, weight=None) -> Array:
-  """Tags `prediction` for the squared error `(t - y)²`: a normal with variance 0.5.
-
-  Summed over the non-batch axes and averaged over the batch; a `loss_fn` returning the mean
-  over every element differs by a constant factor, which is fine. `targets` and `weight` as
-  for `register_normal_predictive_distribution`.
-  """
+  """Tags `prediction` for the squared error `(t - y)²`, summed over the non-batch axes: a
+  normal with variance 0.5 (`targets` and `weight` as for that tag)."""
   return _bind_loss("normal", "register_squared_error_loss", prediction, targets, weight, var=0.5)
 
 
@@ -233,9 +211,9 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
     x: the layer input, `[..., in]` (same leading axes as `y`).
     kernel: `[in, out]` (Flax layout), a parameter leaf (possibly cast).
     bias: optional `[out]` parameter leaf.
-    approx: curvature approximation for this layer (default: the estimator's default, "kron").
-      A kernel used several times is tagged at every use, each tag with the same shared-layer
-      `approx` ("kron_indep" by default, `kfac_jax.scan._kinds`).
+    approx: curvature approximation for this layer (default "kron"). A kernel used several times
+      is tagged at every use, each tag with the same shared-layer `approx` ("kron_indep" by
+      default).
 
   Returns:
     `y`, unchanged.
@@ -314,10 +292,8 @@ def register_conv(
     bias: optional `[out]` parameter leaf, added along the output feature axis.
     window_strides: strides, one per spatial axis.
     padding: "SAME", "VALID", "SAME_LOWER" or explicit `(lo, hi)` pairs.
-    lhs_dilation: input dilation (transposed convolutions), default 1.
-    rhs_dilation: kernel (atrous) dilation, default 1.
-    dimension_numbers: as for `conv_general_dilated` (default NCHW / OIHW / NCHW).
-    feature_group_count: groups (`in` channels for a depthwise convolution).
+    lhs_dilation, rhs_dilation: input and kernel dilation (default 1).
+    dimension_numbers, feature_group_count: as for `conv_general_dilated`.
     approx: "kron" (default; "diagonal" for depthwise), "kron_sua", "diagonal" or "full".
 
   Returns:
@@ -325,6 +301,28 @@ def register_conv(
   """
   fn = "register_conv"
   y, x, kernel = (_check_array(v, n, fn) for v, n in ((y, "y"), (x, "x"), (kernel, "kernel")))
+  spatial = (window_strides, lhs_dilation, rhs_dilation)
+  conv = _conv_arguments(fn, x, kernel, spatial, padding, dimension_numbers, feature_group_count)
+  try:
+    expected = jax.eval_shape(lambda a, k: jax.lax.conv_general_dilated(a, k, **conv), x, kernel)
+    expected = expected.shape
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+      f"{fn}: `x` {x.shape} and `kernel` {kernel.shape} do not form a "
+      f"convolution with these arguments: {e}"
+    ) from None
+  if tuple(y.shape) != tuple(expected):
+    raise ValueError(
+      f"{fn}: `y` has shape {y.shape}, but the convolution of x {x.shape} with kernel "
+      f"{kernel.shape} gives {tuple(expected)}; check the strides, padding and layout."
+    )
+  out = kernel.shape[conv["dimension_numbers"].rhs_spec[0]]
+  return _bind_layer(fn, "conv", [y, x, kernel], approx, bias, out, **conv)
+
+
+def _conv_arguments(fn, x, kernel, spatial, padding, dimension_numbers, groups) -> dict:
+  """`conv_general_dilated`'s keyword arguments, checked, as the tag's parameters (explicit
+  padding, `ConvDimensionNumbers`)."""
   if x.ndim < 3 or kernel.ndim != x.ndim:
     raise ValueError(
       f"{fn}: `x` (shape {x.shape}) and `kernel` (shape {kernel.shape}) must have the same "
@@ -336,7 +334,7 @@ def register_conv(
   except (TypeError, ValueError) as e:
     raise ValueError(f"{fn}: bad `dimension_numbers` {dimension_numbers!r}: {e}") from None
   names = ("window_strides", "lhs_dilation", "rhs_dilation")
-  spatial = dict(zip(names, (window_strides, lhs_dilation, rhs_dilation)))
+  spatial = dict(zip(names, spatial))
   for name, value in spatial.items():
     try:
       spatial[name] = tuple(int(v) for v in ((1,) * nsp if value is None else value))
@@ -345,7 +343,7 @@ def register_conv(
     if len(spatial[name]) != nsp or min(spatial[name]) < 1:
       raise ValueError(f"{fn}: `{name}` must be {nsp} positive ints, got {value!r}.")
   strides, lhs_d, rhs_d = spatial.values()
-  _checks.static_int(feature_group_count, "feature_group_count")
+  _checks.static_int(groups, "feature_group_count")
   in_sp = [(x.shape[d] - 1) * s + 1 for d, s in zip(dn.lhs_spec[2:], lhs_d)]
   win = [(kernel.shape[d] - 1) * s + 1 for d, s in zip(dn.rhs_spec[2:], rhs_d)]
   try:
@@ -360,49 +358,24 @@ def register_conv(
       f'{fn}: `padding` must be "SAME", "VALID", "SAME_LOWER" or {nsp} (lo, hi) pairs, got '
       f"{padding!r}."
     )
-
-  def conv(a, k):
-    return jax.lax.conv_general_dilated(a, k, strides, pads, lhs_d, rhs_d, dn, feature_group_count)
-
-  try:
-    expected = jax.eval_shape(conv, x, kernel).shape
-  except (TypeError, ValueError) as e:
-    raise ValueError(
-      f"{fn}: `x` {x.shape} and `kernel` {kernel.shape} do not form a "
-      f"convolution with these arguments: {e}"
-    ) from None
-  if tuple(y.shape) != tuple(expected):
-    raise ValueError(
-      f"{fn}: `y` has shape {y.shape}, but the convolution of x {x.shape} with kernel "
-      f"{kernel.shape} gives {tuple(expected)}; check the strides, padding and layout."
-    )
-  return _bind_layer(
-    fn,
-    "conv",
-    [y, x, kernel],
-    approx,
-    bias,
-    kernel.shape[dn.rhs_spec[0]],
-    window_strides=strides,
-    padding=pads,
-    lhs_dilation=lhs_d,
-    rhs_dilation=rhs_d,
-    dimension_numbers=dn,
-    feature_group_count=feature_group_count,
-  )
+  return {
+    "window_strides": strides,
+    "padding": pads,
+    "lhs_dilation": lhs_d,
+    "rhs_dilation": rhs_d,
+    "dimension_numbers": dn,
+    "feature_group_count": groups,
+  }
 
 
 def register_scale_and_shift(y, x, scale=None, shift=None, approx: str | None = None) -> Array:
   """Tags `y = x * scale + shift` (either parameter optional) as a scale-and-shift layer.
 
-  `scale` and `shift` span the trailing axes of `y` and are broadcast over the leading ones
-  (the first of which is the batch), as in the affine part of LayerNorm / BatchNorm.
-
   Args:
     y: the layer output `[batch, ...]`.
     x: the input the scale multiplies (the normalised activations), broadcastable to `y`.
-    scale: optional parameter leaf whose shape is a trailing part of `y.shape`.
-    shift: optional parameter leaf of the same kind.
+    scale, shift: optional parameter leaves spanning trailing axes of `y` (broadcast over the
+      leading ones, as in the affine part of LayerNorm / BatchNorm).
     approx: "full" (default) or "diagonal".
 
   Returns:

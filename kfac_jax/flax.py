@@ -1,10 +1,8 @@
-"""Optional Flax helpers: K-FAC from the linen `TrainState` training loop.
+"""Optional Flax helpers (`import kfac_jax` never imports Flax; this module does).
 
-`import kfac_jax` never imports Flax; this module does.
-`flax.training.train_state.TrainState.apply_gradients(*, grads, **kwargs)` calls
-`tx.update(grads, opt_state, params)` and takes every other keyword as a field to replace, so
-the statistics never reach K-FAC; `kfac_jax.flax.TrainState`'s forwards `curvature_stats=`,
-`batch=` and `rng=` to `tx.update`.
+`flax.training.train_state.TrainState.apply_gradients(*, grads, **kwargs)` takes every other
+keyword as a field to replace, so the statistics never reach K-FAC; `kfac_jax.flax.TrainState`'s
+forwards `curvature_stats=`, `batch=` and `rng=` to `tx.update`.
 
 Example:
   >>> state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
@@ -29,12 +27,8 @@ __all__ = ["TrainState"]
 
 
 class TrainState(_train_state.TrainState):
-  """`flax.training.train_state.TrainState` whose `apply_gradients` feeds K-FAC.
-
-  Create it as Flax's (`TrainState.create(apply_fn=..., params=..., tx=...)`, extra fields by
-  subclassing); `tx` is `kfac_jax.kfac(...)`, `kfac_jax.scale_by_kfac(...)` in an
-  `optax.chain`, or any optax transformation (extra arguments are passed only when given).
-  """
+  """`flax.training.train_state.TrainState` whose `apply_gradients` feeds K-FAC; `tx` is any
+  optax transformation (the extra arguments are passed only when given)."""
 
   def apply_gradients(
     self, *, grads, curvature_stats: Any = None, batch: Any = None, rng: Any = None, **kwargs
@@ -43,10 +37,9 @@ class TrainState(_train_state.TrainState):
 
     Args:
       grads: gradients with the structure of `params`.
-      curvature_stats: the statistics from `kfac_jax.value_and_grad` (one forward pass), or
-        None to let the transform compute them from `batch` and `rng`.
-      batch: the batch, when `curvature_stats` is None.
-      rng: a PRNG key for the sampled Fisher, with `batch`.
+      curvature_stats: the statistics from `kfac_jax.value_and_grad`, or None to let the
+        transform compute them from `batch` and `rng`.
+      batch, rng: the batch and a key, when `curvature_stats` is None.
       **kwargs: other fields of the state to replace, as in Flax (e.g. `batch_stats=`).
 
     Returns:
@@ -61,11 +54,8 @@ class TrainState(_train_state.TrainState):
         f"{_train_state.OVERWRITE_WITH_GRADIENT!r} collection, which K-FAC does not handle; "
         "keep those variables outside `params`."
       )
-    extra = {
-      k: v
-      for k, v in (("curvature_stats", curvature_stats), ("batch", batch), ("rng", rng))
-      if v is not None
-    }
+    extra = dict(curvature_stats=curvature_stats, batch=batch, rng=rng)
+    extra = {k: v for k, v in extra.items() if v is not None}
     updates, opt_state = self.tx.update(grads, self.opt_state, self.params, **extra)
     params = optax.apply_updates(self.params, updates)
     return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

@@ -1,34 +1,21 @@
-"""Physics-informed networks: forward-mode differential operators, a grid line search, and the
-`Optimizer`'s settings for PINN losses.
+"""Physics-informed networks (docs/pinn.rst): forward-mode differential operators, a grid line
+search, and the `Optimizer`'s settings for PINN losses.
 
-- `laplacian(u, x)`: Δu at each point of `x`, in one forward pass that carries, through every
-  operation of `u`, the value, the first derivatives along the d axes and the summed second
-  derivatives (the forward Laplacian). A dense layer is then applied to the points, to the
-  tangents (without its bias) and to the second-order channel, each batched over the points,
-  and K-FAC registers it as one layer shared by those channels (the "expand" factors of
-  Dangel, Müller & Zeinhofer 2024).
-- `differential_operator(u, x, a, b, c)`: `Σ_ij a_ij ∂²u/∂x_i∂x_j + Σ_i b_i ∂u/∂x_i + c u`
-  with constant coefficients, in the same forward style (the heat equation's `u_t − κ u_xx`,
-  anisotropic diffusion, advection-diffusion).
-- `grid_linesearch()`: the step size `2^-k`, k = 0..K, of lowest loss along an update, as an
-  optax line search for `kfac_jax.kfac(linesearch=...)`.
-- `optimizer(loss_fn, params, example_batch)`: `kfac_jax.Optimizer` with the settings a PINN
-  loss needs; `kfac(...)`: the `kfac_jax.kfac` chain with the grid line search and the
-  schedule of the K-FAC for PINNs paper's code.
-
-Example:
-  >>> def u(params, y):  # One point `y` of shape [d] -> a scalar.
-  ...   h = jnp.tanh(y @ params["w1"] + params["b1"])
-  ...   return h @ params["w2"]
-  >>> x = jnp.linspace(0.0, 1.0, 8).reshape(4, 2)  # 4 points in 2-d.
-  >>> params = {"w1": jnp.ones((2, 3)), "b1": jnp.zeros(3), "w2": jnp.ones(3)}
-  >>> kfac_jax.pinn.laplacian(lambda y: u(params, y), x).shape
-  (4,)
+- `laplacian(u, x)` and `differential_operator(u, x, a, b, c)`: the operator at each point of
+  `x` in one forward pass that carries the value, first derivatives and a summed second
+  derivative through every operation of `u` (the forward Laplacian), so that K-FAC registers
+  each dense layer as one layer shared by those channels (the "expand" factors of Dangel,
+  Müller & Zeinhofer 2024).
+- `grid_linesearch()`: the step size `2^-k`, k = 0..K, of lowest loss along an update.
+- `optimizer(...)`: `kfac_jax.Optimizer` with the settings a PINN loss needs; `kfac(...)`: the
+  `kfac_jax.kfac` chain with the grid line search and the schedule of the paper's code.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,6 +25,7 @@ import numpy as np
 import optax
 
 from kfac_jax import _compat, _config, _optimizer, _registration, _transform
+from kfac_jax._curvature import read_atom
 
 __all__ = [
   "GridLinesearchState",
@@ -153,11 +141,10 @@ def _sum_rule(jets: list[_Jet], signs: list[int]) -> tuple[list, list]:
   """`d(a ± b) = da ± db`; a constant operand adds nothing."""
 
   def combine(channel):
-    out = None
-    for jet, sign in zip(jets, signs):
-      term = getattr(jet, channel) if sign == 1 else -getattr(jet, channel)
-      out = term if out is None else out + term
-    return out
+    terms = [
+      getattr(j, channel) if sign == 1 else -getattr(j, channel) for j, sign in zip(jets, signs)
+    ]
+    return functools.reduce(operator.add, terms)
 
   return [None if jets[0].tangents is None else combine("tangents")], [combine("second")]
 
@@ -185,27 +172,15 @@ def _jvp_rule(f, jets: list[_Jet], outs: list, signs: np.ndarray) -> tuple[list,
 def _push_jaxpr(closed, ins: list, signs: np.ndarray) -> list:
   """`closed`'s outputs, its operations evaluated by `_push_eqn`."""
   jaxpr = closed.jaxpr
-  env: dict[Any, Any] = {}
-
-  def read(v):
-    return v.val if isinstance(v, _compat.Literal) else env[v]
-
-  env.update(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, ins))
+  env: dict[Any, Any] = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*closed.consts, *ins]))
   for eqn in jaxpr.eqns:
-    env.update(zip(eqn.outvars, _push_eqn(eqn, [read(v) for v in eqn.invars], signs)))
-  return [read(v) for v in jaxpr.outvars]
+    env.update(zip(eqn.outvars, _push_eqn(eqn, [read_atom(v, env) for v in eqn.invars], signs)))
+  return [read_atom(v, env) for v in jaxpr.outvars]
 
 
 def _directions(a, d: int, dtype) -> tuple[np.ndarray, np.ndarray]:
   """`(V [r, d], σ [r])` with `Σ_k σ_k v_k v_kᵀ` the symmetric part of `a`: its nonzero
   eigenpairs, `v_k = √|λ_k| e_k`; a diagonal `a` keeps the axes, in order."""
-  a = np.asarray(a, dtype)
-  if a.shape != (d, d):
-    raise ValueError(
-      f"differential_operator: `a` must have shape ({d}, {d}) (points of {d} coordinates), "
-      f"got {a.shape}."
-    )
   a = (a + a.T) / 2
   if np.array_equal(a, np.diag(np.diag(a))):
     lam, vecs = np.diag(a), np.eye(d, dtype=a.dtype)
@@ -266,8 +241,6 @@ def _forward(u, x, directions: np.ndarray, signs: np.ndarray, seed: np.ndarray, 
       return res.value, res.second
     return res, jnp.zeros_like(res)
 
-  if tangents is None:
-    return jax.vmap(lambda xn, sn: one(xn, None, sn))(x, second)
   return jax.vmap(one)(x, tangents, second)
 
 
@@ -275,23 +248,20 @@ def laplacian(u: Callable[[Array], Array], x: Array) -> Array:
   """Δu = Σ_i ∂²u/∂x_i² at each point, in one forward pass (the forward Laplacian).
 
   Every operation of `u` is evaluated on the value, the d first derivatives and the Laplacian
-  of its operand (nested `jax.jit` calls are followed inside; any other operation, a custom
-  derivative included, is differentiated as a whole by `jax.jvp`). A dense layer `h W + b`
-  becomes `h W + b` on the points, `∇h W` on the tangents and `Δh W` on the Laplacian, each
-  batched over the points, so K-FAC registers it as one layer shared by those channels, the
-  tangent and Laplacian uses without the bias (`kfac_jax.summary` lists them).
+  of its operand (nested `jax.jit` calls followed inside, any other operation differentiated as
+  a whole by `jax.jvp`). A dense layer `h W + b` becomes `h W + b`, `∇h W` and `Δh W`, each
+  batched over the points: one layer shared by those channels for K-FAC.
 
   Args:
-    u: `u(y) -> scalar` for one point `y` of shape [d] (the network with its parameters, e.g.
-      `lambda y: mlp(params, y)`); traced once.
+    u: `u(y) -> scalar` for one point `y` of shape [d] (e.g. `lambda y: mlp(params, y)`).
     x: the points, [N, d] (float).
 
   Returns:
     Δu at each point, [N].
 
   Raises:
-    TypeError / ValueError: `u` is not a function of one point to a float scalar, or `x` is not
-      a float array [N, d].
+    TypeError / ValueError: `u` is not a function of one point to a float scalar, or `x` not a
+      float array [N, d].
 
   Example:
     >>> def u(params, y):
@@ -302,8 +272,7 @@ def laplacian(u: Callable[[Array], Array], x: Array) -> Array:
   """
   _check_points(u, x, "laplacian")
   d = x.shape[1]
-  seed = np.zeros(d)
-  return _forward(u, x, np.eye(d), np.ones(d), seed, "laplacian")[1]
+  return _forward(u, x, np.eye(d), np.ones(d), np.zeros(d), "laplacian")[1]
 
 
 def differential_operator(
@@ -311,11 +280,9 @@ def differential_operator(
 ) -> Array:
   """`Σ_ij a_ij ∂²u/∂x_i∂x_j + Σ_i b_i ∂u/∂x_i + c u` at each point, in one forward pass.
 
-  The second-order part is carried as in `laplacian`, along the eigenvectors of the symmetric
-  part of `a` scaled by `√|λ|` (the axes themselves when `a` is diagonal): r channels of first
-  derivatives for a rank-r `a`, and one channel holding `Σ_k sign(λ_k) ∂²u/∂v_k²` plus the
-  derivative along `b` (which seeds it). The heat equation's `u_t − κ u_xx` on points `(t, x)`
-  is `a = diag(0, −κ)`, `b = (1, 0)`: one tangent channel instead of two.
+  Carried as in `laplacian`, along the eigenvectors of the symmetric part of `a` scaled by
+  `√|λ|` (the axes when `a` is diagonal): r tangent channels for a rank-r `a`, and one channel
+  holding `Σ_k sign(λ_k) ∂²u/∂v_k²` plus the derivative along `b`.
 
   Args:
     u: `u(y) -> scalar` for one point `y` of shape [d], as in `laplacian`.
@@ -366,21 +333,17 @@ def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtra
 
   The update `u` becomes `η u` with `η = argmin_η L(θ + η u)` over the grid, or 0 (no step)
   when every grid point's loss is above the current loss `value` (a non-finite loss counts as
-  +∞). Each loss is one evaluation of `value_fn`, one after another (`jax.lax.map`: the memory
-  of one forward pass). It is the line search of the K-FAC for PINNs paper's code (Dangel,
-  Müller & Zeinhofer 2024) and of energy natural gradient descent (Müller & Zeinhofer 2023): on
-  a full-batch residual loss a damped Gauss-Newton step of length 1 is often right, and a
-  halving grid reaches 1e-9 in 30 evaluations without a curvature condition that a nearly
-  converged loss cannot meet.
+  +∞); the losses are evaluated one after another (`jax.lax.map`). A halving grid suits a
+  full-batch residual loss (the line search of the K-FAC for PINNs paper's code): a damped
+  Gauss-Newton step of length 1 is often right, and no curvature condition is needed.
 
   Args:
     max_halvings: K ≥ 0: the grid is `2^-k`, k = 0..K.
 
   Returns:
-    An optax line search (state `GridLinesearchState`) whose `update` takes the keyword
-    arguments `value=` (the loss at `params`) and `value_fn=`, and calls `value_fn(params,
-    **kw)` with the other keyword arguments it names (`grad=` is accepted and not read).
-    Use it as `kfac_jax.kfac(..., linesearch=kfac_jax.pinn.grid_linesearch())`.
+    An optax line search for `kfac_jax.kfac(linesearch=...)` (state `GridLinesearchState`)
+    whose `update` takes `value=` (the loss at `params`) and `value_fn=`, called with the other
+    keyword arguments it names (`grad=` is accepted and not read).
 
   Raises:
     ValueError: `max_halvings` is not an integer ≥ 0.
@@ -399,10 +362,6 @@ def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtra
     )
   sizes = 2.0 ** -np.arange(max_halvings + 1)
 
-  def init_fn(params):
-    del params
-    return GridLinesearchState(jnp.zeros(()))
-
   def update_fn(updates, state, params, *, value, value_fn, **extra):
     del state
     kwargs = _accepted(value_fn, extra)
@@ -419,7 +378,9 @@ def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtra
     scaled = jax.tree_util.tree_map(lambda u: (eta * u).astype(u.dtype), updates)
     return scaled, GridLinesearchState(eta.astype(jnp.zeros(()).dtype))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    lambda params: GridLinesearchState(jnp.zeros(())), update_fn
+  )
 
 
 def _accepted(fn: Callable, kwargs: dict) -> dict:
@@ -465,38 +426,31 @@ def optimizer(
 ) -> _optimizer.Optimizer:
   """`kfac_jax.Optimizer` with the settings of a full-batch PINN loss.
 
-  The loss is a sum of mean squared residuals (the equation's on interior points, the boundary
-  conditions' on boundary points), each tagged as a normal predictive distribution; the points
-  are fixed, so every step sees the whole problem. The settings, each for a reason:
+  The loss is a sum of mean squared residuals, each tagged as a normal predictive
+  distribution, on fixed points. The settings, each for a reason:
 
-  - `estimation_mode="exact_GGN"` (the registration built from `loss_fn`): a residual is one
-    output per point, so the exact Gauss-Newton factor costs what one sampled vector costs and
-    has no sampling noise.
+  - `estimation_mode="exact_GGN"`: a residual is one output per point, so the exact
+    Gauss-Newton factor costs what one sampled vector costs and has no sampling noise.
   - `ema_decay=0.0`, `inverse_every=1`, `curvature_every=1`: the batch is the whole problem,
-    so the statistics of the current parameters are exact, not noisy.
-  - learning rate and momentum from the quadratic model (the `Optimizer`'s default): no step
-    size to tune on a new equation.
-  - damping adapted at every step (`Config(damping_adaptation_interval=1)`), starting at
-    `damping` (0.5 on a loss scaled by ½): a step the adaptation measures as raising the loss
-    is not applied, and the damping falls by 5% a step while the quadratic model predicts well;
-    started too low, the first steps are rejected until it has climbed back.
-  - `Config(min_damping=1e-12)`: the damping falls as far as the float64 residuals allow; the
-    error keeps dropping long after the default floor of 1e-8 would bind.
+    so the statistics of the current parameters are exact.
+  - learning rate and momentum from the quadratic model: no step size to tune.
+  - damping adapted at every step (`Config(damping_adaptation_interval=1)`) from `damping`: a
+    step that raises the loss is not applied, and the damping falls while the model predicts
+    well (started too low, the first steps are rejected until it has climbed back).
+  - `Config(min_damping=1e-12)`: the error keeps dropping long after the default floor of 1e-8
+    would bind.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, one loss tag per residual term (e.g.
       `register_normal_predictive_distribution(residual[:, None], var=1.0)` with the loss
       `0.5 * mean(residual**2)`).
-    params: the parameters (or ShapeDtypeStructs), for the registration.
-    example_batch: the points (the batch every step sees).
-    registration: a `kfac_jax.Registration` instead of the three above (its settings are
-      kept; "exact_GGN" is the one for residual losses).
+    params, example_batch: the parameters and the points, for the registration.
+    registration: a `kfac_jax.Registration` instead of the three above (its settings kept).
     damping: the initial damping λ > 0.
     axis_name: the pmap / shard_map axis, as for `kfac_jax.Optimizer`.
 
   Returns:
-    The `kfac_jax.Optimizer`; `init` and `step` as usual (`step(params, state, batch, rng)`:
-    the exact mode draws nothing, any key will do).
+    The `kfac_jax.Optimizer` (the exact mode draws nothing: `step`'s key is not read).
 
   Raises:
     TypeError / ValueError / RegistrationError: as `kfac_jax.Registration` and
@@ -540,20 +494,16 @@ def kfac(
 ) -> optax.GradientTransformationExtraArgs:
   """`kfac_jax.kfac` with the grid line search, as the K-FAC for PINNs paper's code runs it.
 
-  The code (Dangel, Müller & Zeinhofer 2024) starts each Kronecker factor at the identity and
-  averages it without bias correction; after k + 1 updates of a moving average ρ, such a factor
-  is `(1 − ρ^(k+1)) (F̄ + ε_k I)`, F̄ the bias-corrected average. The settings reproduce that
-  with the bias-corrected average of `kfac_jax.kfac`, each for a reason:
+  The code starts each Kronecker factor at the identity and averages it without bias
+  correction: after k + 1 updates of a moving average ρ, a factor is `(1 − ρ^(k+1)) (F̄ + ε_k
+  I)`, F̄ the bias-corrected average. The settings reproduce that:
 
-  - exact Gauss-Newton statistics (the registration built from `loss_fn`), refreshed and
-    inverted at every step, averaged with `ema_decay` ρ: the steps along the curvature are long,
-    and the average keeps the preconditioner from jumping between steps.
-  - a damping that fades, `ε_k = (ρ^(k+1) + damping) / (1 − ρ^(k+1))` added to both factors
-    of each loss term (`Config(damping_mode="factored_equal")`, λ_k = 2 ε_k²): a
-    preconditioner from few statistics is trusted little, a full average down to `damping`.
-  - heavy-ball momentum μ on the preconditioned direction weighted by `(1 − ρ^(k+1))⁻²`, the
-    scale of the identity-started factors: the early directions are that much longer.
-  - no clipping and no learning rate: `grid_linesearch` takes the step along the direction.
+  - exact Gauss-Newton statistics, refreshed and inverted at every step, averaged with ρ.
+  - a fading damping `ε_k = (ρ^(k+1) + damping) / (1 − ρ^(k+1))` on both factors of each loss
+    term (`Config(damping_mode="factored_equal")`, λ_k = 2 ε_k²).
+  - heavy-ball momentum μ on the direction weighted by `(1 − ρ^(k+1))⁻²`, the scale of the
+    identity-started factors.
+  - no clipping and no learning rate: `grid_linesearch` takes the step.
 
   The defaults are the paper's best settings on the 2-d Poisson equation (a random search).
 
@@ -568,30 +518,14 @@ def kfac(
   Returns:
     The `optax.GradientTransformationExtraArgs` (state `kfac_jax.KfacState`); `update` takes
     `curvature_stats=` (or `batch=` and `rng=`) and the line search's `value=`, `grad=` and
-    `value_fn=`.
+    `value_fn=` (docs/pinn.rst runs it).
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received.
-
-  Example:
-    >>> def loss_fn(params, batch):
-    ...   x = batch["interior"]
-    ...   f = lambda y: (jnp.tanh(y @ params["w"] + params["b"]) @ params["v"])[0]
-    ...   r = (kfac_jax.pinn.laplacian(f, x) + 1.0)[:, None]
-    ...   kfac_jax.register_normal_predictive_distribution(r, var=1.0)
-    ...   return 0.5 * jnp.mean(r**2)
-    >>> params = {"w": jnp.ones((2, 4)) / 2, "b": jnp.arange(4.0) / 4, "v": jnp.ones((4, 1)) / 4}
-    >>> batch = {"interior": jnp.linspace(0.0, 1.0, 16).reshape(8, 2)}
-    >>> reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN")
-    >>> tx = kfac_jax.pinn.kfac(registration=reg)
-    >>> state = tx.init(params)
-    >>> value, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, None)
-    >>> updates, state = tx.update(grads, state, params, curvature_stats=stats, value=value,
-    ...                            grad=grads, value_fn=lambda p: loss_fn(p, batch))
   """
   reg = _exact_registration("pinn.kfac", loss_fn, params, example_batch, registration)
-  for name, value, high in (("momentum", momentum, 1.0), ("ema_decay", ema_decay, 1.0)):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < high:
+  for name, value in (("momentum", momentum), ("ema_decay", ema_decay)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
       raise ValueError(f"pinn.kfac: `{name}` must be a number in [0, 1), got {value!r}.")
   if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not damping >= 0:
     raise ValueError(f"pinn.kfac: `damping` must be a number >= 0, got {damping!r}.")
