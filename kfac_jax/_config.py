@@ -111,8 +111,7 @@ class Config:
       [scale_by_kernel_ngd, kernel_ngd]
 
   Raises:
-    TypeError / ValueError: a bad field, named (`config.<field>`) with the value received; a
-      registration setting (e.g. `has_aux=`), naming `kfac_jax.Registration`.
+    TypeError / ValueError: a bad field, named (`config.<field>`) with the value received.
 
   Example:
     >>> tx = kfac_jax.kfac(loss_fn, batch, learning_rate=0.3,

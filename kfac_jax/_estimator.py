@@ -92,8 +92,7 @@ class CurvatureEstimator:
 
   Raises:
     TypeError: an argument of the wrong kind (e.g. `exps=-1`), named with the value received;
-      a loss function instead of a registration, or a registration setting (e.g.
-      `estimation_mode=`), naming `kfac_jax.Registration`.
+      a loss function instead of a registration, naming `kfac_jax.Registration`.
     ValueError: an argument out of range, or a config field the estimator does not read set
       away from its default.
 

@@ -302,16 +302,14 @@ class Optimizer:
   Schedules are called with `state.step + state.skipped` (every step seen, burn-in included),
   so a schedule that returns a non-finite value at one step skips it and moves on.
 
-  Cost of a step beyond the gradient: the sampled backward pass of the statistics (on curvature
-  steps), two Jacobian-vector products when α or μ comes from the model (with both fixed, on
-  damping-adaptation steps only), and a forward pass for `h(θ + δ)` on damping-adaptation
-  steps.
+  A step costs, beyond the gradient: the statistics' sampled backward pass (on curvature
+  steps), two Jacobian-vector products when α or μ comes from the model, and a forward pass
+  for `h(θ + δ)` on damping-adaptation steps.
 
   Raises:
-    TypeError / ValueError: a hyperparameter of the wrong kind (e.g. a string for a number) or
-      out of range, named with the value received, before any state is created; a
-      registration setting (e.g. `has_aux=`), naming `kfac_jax.Registration`; a `Config` field
-      the Optimizer does not read.
+    TypeError / ValueError: a hyperparameter of the wrong kind or out of range, named with the
+      value received, before any state is created; a kfac-jax keyword, naming its spelling
+      here; a `Config` field the Optimizer does not read.
     RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
       match the registration's `has_aux`.
 
