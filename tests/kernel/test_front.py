@@ -197,3 +197,80 @@ def test_errors_are_named_before_any_state():
   reg = kfac_jax.Registration(loss_fn, params, batch)
   with pytest.raises(ValueError, match="need every parameter"):
     kfac_jax.kernel_ngd(registration=reg, learning_rate=0.1).init(masked)
+
+
+def _wide_problem(dtype=jnp.float64):
+  """16 points of one squared-error term on a 2-8-1 MLP (33 params > 16 rows)."""
+  loss_fn, params, _, _ = _problem(dtype=dtype)
+  rng = _models.np_rng(5)
+  batch = {
+    "interior": jnp.asarray(rng.uniform(-1, 1, (16, 2)), dtype),
+    "boundary": jnp.asarray(rng.uniform(-1, 1, (16, 2)), dtype),
+  }
+  return loss_fn, params, batch
+
+
+def test_pmap_over_the_batch_equals_one_device(x64):
+  """`axis_name=`: 16 points of each term over 8 devices (the gradient averaged by the
+  caller); every device's update equals the single-device one."""
+  loss_fn, params, batch = _wide_problem()
+  one = kfac_jax.scale_by_kernel_ngd(loss_fn, batch, damping=1e-3, momentum=0.5)
+  want = _steps(one, loss_fn, params, batch, 2)
+  local = jax.tree.map(lambda x: x.reshape((8, 2) + x.shape[1:]), batch)
+  example = jax.tree.map(lambda x: x[0], local)  # One device's batch.
+  sharded = kfac_jax.scale_by_kernel_ngd(
+    loss_fn, example, damping=1e-3, momentum=0.5, axis_name="d"
+  )
+  rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (8,) + x.shape), params)
+  state = jax.pmap(sharded.init, axis_name="d")(rep)
+
+  def step(p, s, b):
+    g = jax.lax.pmean(jax.grad(loss_fn)(p, b), "d")
+    return sharded.update(g, s, p, batch=b)
+
+  step = jax.pmap(step, axis_name="d")
+  for _, _, u_want in want:
+    u, state = step(rep, state, local)
+    for i in range(8):
+      np.testing.assert_allclose(
+        ravel_pytree(jax.tree.map(lambda x, i=i: x[i], u))[0], ravel_pytree(u_want)[0], rtol=1e-9
+      )
+
+
+def test_chunks_of_examples_give_the_same_update(x64):
+  loss_fn, params, batch = _wide_problem()
+  whole = kfac_jax.scale_by_kernel_ngd(loss_fn, batch, damping=1e-3)
+  chunked = kfac_jax.scale_by_kernel_ngd(
+    loss_fn, batch, damping=1e-3, config=kfac_jax.Config(chunk_size=5)
+  )
+  ((_, _, want),) = _steps(whole, loss_fn, params, batch, 1)
+  ((_, _, got),) = _steps(chunked, loss_fn, params, batch, 1)
+  np.testing.assert_allclose(ravel_pytree(got)[0], ravel_pytree(want)[0], rtol=1e-10)
+
+
+def test_a_custom_jvp_loss_with_its_tag_in_the_rule(x64):
+  """A loss whose tag sits in its custom_jvp rule (FermiNet's form): the gradient is the rule's
+  and the curvature the tag's, as with the same tag through `curvature_fn`."""
+  loss_fn, params, batch, net = _problem()
+  curvature = lambda p, b: kfac_jax.register_squared_error_loss(net(p, b["interior"]))  # noqa: E731
+
+  @jax.custom_jvp
+  def energy(p, b):
+    return jnp.mean(net(p, b["interior"]) ** 2)
+
+  @energy.defjvp
+  def energy_jvp(primals, tangents):
+    p, b = primals
+    u = net(p, b["interior"])
+    kfac_jax.register_squared_error_loss(u)
+    du = jax.jvp(lambda q: net(q, b["interior"]), (p,), (tangents[0],))[1]
+    return jnp.mean(u**2), jnp.mean(2 * u * du)
+
+  by_rule = kfac_jax.scale_by_kernel_ngd(energy, batch, damping=1e-3)
+  reg = kfac_jax.Registration(
+    energy, params, batch, curvature_fn=curvature, estimation_mode="exact", check_loss=False
+  )
+  by_fn = kfac_jax.scale_by_kernel_ngd(registration=reg, damping=1e-3)
+  ((_, _, a),) = _steps(by_rule, energy, params, batch, 1)
+  ((_, _, b),) = _steps(by_fn, energy, params, batch, 1)
+  np.testing.assert_allclose(ravel_pytree(a)[0], ravel_pytree(b)[0], rtol=1e-10)
