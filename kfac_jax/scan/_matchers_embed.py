@@ -1,18 +1,10 @@
-"""Matchers for tables: embedding lookups and learned tokens (matchers in general: `_matchers`).
+"""Matchers for tables: embedding lookups and learned tokens.
 
-  embedding   whole rows of a 2-d parameter `[vocab, dim]`, read as itself (casts only): a
-              `gather` (`jnp.take`, `table[ids]`, Flax `Embed`; `vmap` of `table[i]`, equinox's
-              `Embedding`), or a product `one_hot(ids, vocab) @ table` with the table on the
-              right (`jax.nn.one_hot` or `ids[..., None] == arange(vocab)`, cast, through `dot`,
-              `einsum` or `@`), tried before `_matchers.match_dense`. Only the ids are
-              recorded, so the block never forms a vocab × vocab factor.
-  tokens      a parameter broadcast over the batch and read as an activation (a ViT's class
-              token, Perceiver latents, learned queries, a mask token in a `where`), or a table
-              gathered at constant positions (T5's relative-position bias, GPT-2's `wpe`): a
-              shift-only scale_and_shift layer whose output is the broadcast itself.
-
-The use readers (`embedding_use`, `one_hot_embedding_use`) also serve
-`_matchers_shared.match_shared` (a tied table).
+An embedding reads whole rows of a `[vocab, dim]` parameter (casts only) by a `gather`
+(`table[ids]`, `vmap` of `table[i]`) or as `one_hot(ids, vocab) @ table`; only the ids are
+recorded, so the block never forms a vocab × vocab factor. Learned tokens are a parameter
+broadcast over the batch (a class token, latents) or a table gathered at constant positions (a
+relative-position bias): a shift-only scale_and_shift layer whose output is the view itself.
 """
 
 from __future__ import annotations
@@ -72,8 +64,7 @@ def embedding_use(ix, i):
 
 def _vmapped_row_use(ix, fe, chain, t_shape):
   """`embedding_use` for `vmap` of `table[i]`: a gather of whole rows at index vectors
-  `concatenate([ids, column start], -1)`, nothing collapsed, then a `squeeze` of the row axis.
-  The column start cannot move a full-width slice (clipped or promised in bounds)."""
+  `concatenate([ids, column start], -1)` (clipped or in bounds), then a `squeeze`."""
   dn = fe.params["dimension_numbers"]
   out_shape = tuple(fe.outs[0][1].aval.shape)
   nd = len(out_shape)
@@ -134,9 +125,8 @@ def one_hot_embedding_use(ix, i):
 
 
 def one_hot_ids(ix, atom, axis: int, vocab: int):
-  """The integer ids atom if `atom` is `cast(ids == iota)`, a one-hot encoding with the
-  vocabulary (`vocab` entries) on `axis`; the ids have the one-hot's shape without `axis` (or with
-  it of size 1). Else None."""
+  """The integer ids if `atom` is `cast(ids == iota)`, a one-hot encoding of `vocab` entries on
+  `axis` (the ids without that axis, or with it of size 1); else None."""
   fe = _producer(ix, atom)
   while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
     fe = _producer(ix, fe.ins[0])
@@ -205,16 +195,10 @@ def _producer(ix, atom):
   return None if i is None else ix.g.eqns[i]
 
 
-# --------------------------------------------------------------------------------------------
-# Learned tokens.
-
-
 def match_batch_tokens(ix, i, claimed):
   """Learned tokens: every use of an unclaimed leaf reads one view of it whose leading axis is
-  the batch, an axis the leaf does not span. The view is `0 + tokens`, a shift-only layer whose
-  output is the view itself, however many operations read it; its output gradient is the
-  per-example gradient of the tokens. Tried last in its pass: it takes what nothing else
-  explains, which would otherwise be a generic block of batch-summed gradients."""
+  the batch, which the leaf does not span: a shift-only layer `0 + tokens` whose output is the
+  view itself. Tried last in its pass."""
   fe = ix.g.eqns[i]
   for leaf, pos in ix.uses_by_eqn.get(i, []):
     atom = fe.ins[pos]
@@ -229,10 +213,9 @@ def match_batch_tokens(ix, i, claimed):
 
 
 def batch_view_info(ix, leaf, atom) -> ScaleShiftInfo | None:
-  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the
-  batch and which is the same for every example; else None. A view that is not a broadcast
-  over leading axes (T5's `table[buckets]` transposed to `[1, heads, q, k]`) records which leaf
-  entry each feature reads (`ScaleShiftInfo.feature_index`)."""
+  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the batch
+  and which is the same for every example (a view other than a broadcast records which leaf
+  entry each feature reads); else None."""
   view_shape = tuple(_graph.aval_of(atom).shape)
   if not view_shape or view_shape[0] != ix.batch_size:
     return None
