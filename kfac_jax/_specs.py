@@ -36,12 +36,6 @@ Approximation = Literal[
 ]
 
 
-from kfac_jax._errors import (  # noqa: F401  # Re-exported to the scanner.
-  RegistrationCheckError,
-  RegistrationError,
-  UncoveredParametersWarning,
-)
-
 # --------------------------------------------------------------------------------------------
 # Parameter paths and views.
 
