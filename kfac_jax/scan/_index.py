@@ -48,8 +48,7 @@ def is_view(fe: _graph.FlatEqn) -> bool:
 
 
 def _view_step(fe: _graph.FlatEqn) -> ViewStep:
-  in_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  in_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
   if fe.name == "tile":  # A broadcast of unit axes (`is_view`).
     return ViewStep("broadcast", in_shape, out_shape, tuple(range(len(in_shape))))
   if fe.name == "transpose":
@@ -89,19 +88,11 @@ class GraphIndex:
   loss_roots: tuple[Any, ...] = ()  # Per loss tag, its prediction operand.
 
 
-def build(
-  graph: _graph.FlatGraph,
-  n_params: int,
-  paths: Sequence[str],
-  shapes: Sequence[tuple[int, ...]],
-  loss_roots: Sequence[Any],
-  batch_size: int,
-) -> GraphIndex:
+def build(graph, n_params: int, paths, shapes, loss_roots: Sequence[Any], batch_size: int):
   """The index of `graph`, whose first `n_params` inputs are the parameter leaves; the loss
   slice is what the tags' predictions `loss_roots` depend on."""
   paths, shapes = list(paths), [tuple(s) for s in shapes]
-  consts = dict(graph.consts)
-  producer = {k: i for i, fe in enumerate(graph.eqns) for k in fe.outs}
+  consts, producer = dict(graph.consts), {k: i for i, fe in enumerate(graph.eqns) for k in fe.outs}
   in_slice, grad_slice = _loss_slice(graph, loss_roots)
   leaf_of_key = {k: i for i, k in enumerate(graph.invars[:n_params])}
   stack_of: dict[int, tuple[int, int]] = {}
@@ -131,10 +122,7 @@ def build(
     if any(_graph.is_key(a) and a in from_batch for a in fe.ins):
       from_batch.update(fe.outs)
   proxy = types.MappingProxyType
-
-  def frozen_lists(d):
-    return proxy({k: tuple(v) for k, v in d.items()})
-
+  frozen_lists = lambda d: proxy({k: tuple(v) for k, v in d.items()})
   return GraphIndex(
     g=graph,
     n_params=n_params,
@@ -294,8 +282,7 @@ def _concat_view(fe, origin, n_params: int) -> ConcatView | None:
   """The view of a concatenation (or stack) of reshaped or cast views of distinct real leaves."""
   if len(fe.ins) < 2 or not all(_graph.is_key(a) and a in origin for a in fe.ins):
     return None
-  leaves = tuple(origin[a][0] for a in fe.ins)
-  chains = [origin[a][1] for a in fe.ins]
+  leaves, chains = tuple(origin[a][0] for a in fe.ins), [origin[a][1] for a in fe.ins]
   if (
     len(set(leaves)) != len(leaves)
     or any(j >= n_params for j in leaves)
@@ -330,8 +317,7 @@ def _gather_view(fe, fold) -> ViewStep | None:
   """The view step when the gather `fe` reads whole rows of a `[T, D]` parameter view at constant
   indices: every row in order is the operand itself (with a unit axis under `jax.vmap`), any
   other in-range rows a "gather" step (`table[buckets]`); else None."""
-  t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  t_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
   dn = fe.params["dimension_numbers"]
   if (
     len(t_shape) != 2

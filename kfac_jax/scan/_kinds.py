@@ -116,8 +116,7 @@ def match_grouped_dense(ix, i, claimed):
   if any(s.op != "cast" for s in ix.origin[k_atom][1]):
     return None
   k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
-  k_shape = tuple(_graph.aval_of(k_atom).shape)
-  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
   g = len(k_b)
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_b and d not in k_c)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_b and d not in x_c)
@@ -126,8 +125,7 @@ def match_grouped_dense(ix, i, claimed):
   grid, n_free, n_out = tuple(k_shape[d] for d in k_b), len(x_free), len(k_free)
   out_shape = tuple(k_shape[d] for d in k_free)
   # The product's axes: the groups (batch dimensions), then the lhs's and the rhs's free axes.
-  rows = [("row", d) for d in range(n_free)]
-  outs = [("out", d) for d in range(n_out)]
+  rows, outs = [("row", d) for d in range(n_free)], [("out", d) for d in range(n_out)]
   labels = [("grid", d) for d in range(g)] + (rows + outs if k_pos == 1 else outs + rows)
   out_key = fe.outs[0]
   use = _matchers.only_consumer(ix, out_key)

@@ -343,8 +343,7 @@ def dense_use(ix, i, k_pos):
   k_contract, x_contract, k_batch, x_batch = dot_dims(fe.params["dimension_numbers"], k_pos)
   if k_batch or x_batch:
     return None  # Batched products (e.g. per-head weights) are not dense layers.
-  k_shape = tuple(_graph.aval_of(k_atom).shape)
-  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
   x_axis = followed_batch_axis(ix, x_atom)
   found = dense_product(
     k_shape, x_shape, k_contract, x_contract, k_pos, k_chain, ix.batch_size, x_axis
@@ -363,8 +362,7 @@ def match_dense(ix, i, claimed):
   if found is None:
     return None
   info, x_atom, k_shape, k_free = found
-  leaves = [k_leaf]
-  out_key = fe.outs[0]
+  leaves, out_key = [k_leaf], fe.outs[0]
   bias = match_dense_bias(ix, out_key, k_pos, k_shape, k_free, claimed)
   if bias is not None:
     leaves.append(bias[0])
@@ -400,8 +398,7 @@ def hoisted_tap(ix, key, info: DenseInfo):
   gradient is taken where that example reads the value."""
   if key in ix.from_batch:
     return None
-  s_shape = tuple(key[1].aval.shape)
-  outputs = {a for a in ix.g.outvars if _graph.is_key(a)}
+  s_shape, outputs = tuple(key[1].aval.shape), {a for a in ix.g.outvars if _graph.is_key(a)}
   todo = [(key, np.arange(math.prod(s_shape)).reshape(s_shape))]
   keys, axes, shapes, entries = [], [], [], []
   size = None
@@ -417,13 +414,11 @@ def hoisted_tap(ix, key, info: DenseInfo):
       continue
     if k in outputs or k in ix.g.scan_positions:
       return None  # A perturbation of another shape would change an output or a scan's step.
-    k_shape = tuple(k[1].aval.shape)
-    found = set()
+    k_shape, found = tuple(k[1].aval.shape), set()
     for i, _ in readers:
       fe = ix.g.eqns[i]
       out = fe.outs[0]
-      tag = ix.batch_axes.get(out)
-      out_shape = tuple(out[1].aval.shape)
+      tag, out_shape = ix.batch_axes.get(out), tuple(out[1].aval.shape)
       if (
         fe.name not in _batch_axes.ELEMENTWISE
         or out not in ix.from_batch
@@ -508,8 +503,7 @@ def _kernel_beside_param(ix, i):
 def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
   """`(bias leaf, output key)` of a parameter added to a dense product's output `s_key` along
   its output features, else None."""
-  free_shape = tuple(k_shape[d] for d in k_free)
-  out_shape = tuple(s_key[1].aval.shape)
+  free_shape, out_shape = tuple(k_shape[d] for d in k_free), tuple(s_key[1].aval.shape)
   found = added_leaf(ix, s_key, claimed, shared) if k_pos == 1 else None
   if found is not None:  # `out + b`, b `[..., *free_shape]` over the leading axes.
     b_leaf, b_chain, other, fe = found
@@ -650,8 +644,7 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   if found is None:
     return None
   leaf, atom, inputs, out_key = found
-  chain = ix.origin[atom][1]
-  out_shape = tuple(out_key[1].aval.shape)
+  chain, out_shape = ix.origin[atom][1], tuple(out_key[1].aval.shape)
   block = feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
   index = b""
   if block is None and ix.g.eqns[i].name == "add":
@@ -706,8 +699,7 @@ def indexed_features(leaf_shape, idx: np.ndarray, out_shape):
   wide = [a for a in range(nd) if view[a] != 1]
   if not wide or view[wide[0] :] != tuple(out_shape[wide[0] :]):
     return None
-  feat = idx.reshape(out_shape[wide[0] :])
-  n = math.prod(leaf_shape)
+  feat, n = idx.reshape(out_shape[wide[0] :]), math.prod(leaf_shape)
   own = feat.size == n and np.array_equal(feat.reshape(-1), np.arange(n))
   return tuple(feat.shape), b"" if own else feat.reshape(-1).astype(np.int32).tobytes()
 

@@ -24,6 +24,16 @@ def _table_match(leaf, use) -> _matchers.Match | None:
   return _matchers.Match.single("embedding", [leaf], info, out_key, (ids,))
 
 
+def _table(ix, atom) -> EmbeddingInfo | None:
+  """The `EmbeddingInfo` of `atom` when it is a 2-d parameter view (casts only), else None."""
+  if not _graph.is_key(atom) or atom not in ix.origin:
+    return None
+  chain, shape = ix.origin[atom][1], _graph.aval_of(atom).shape
+  if any(s.op != "cast" for s in chain) or len(shape) != 2:
+    return None
+  return EmbeddingInfo(tuple(chain), int(shape[0]), int(shape[1]))
+
+
 def match_embedding(ix, i, claimed):
   """A single-use `[vocab, dim]` table whose rows a gather takes (`embedding_use`)."""
   ops = ix.uses_by_eqn.get(i, [])
@@ -37,32 +47,28 @@ def embedding_use(ix, i):
   """`(EmbeddingInfo, ids atom, output key)` if equation i takes whole rows of a [vocab, dim]
   parameter table (its operand 0), else None."""
   fe = ix.g.eqns[i]
-  if fe.name != "gather" or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in ix.origin:
+  info = _table(ix, fe.ins[0]) if fe.name == "gather" else None
+  if info is None:
     return None
-  chain = ix.origin[fe.ins[0]][1]
-  t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
-  if any(s.op != "cast" for s in chain) or len(t_shape) != 2:
-    return None
-  idx_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  idx_shape, out_shape = tuple(_graph.aval_of(fe.ins[1]).shape), tuple(fe.outs[0][1].aval.shape)
   dn = fe.params["dimension_numbers"]
   if tuple(dn.start_index_map) == (0, 1):
-    return _vmapped_row_use(ix, fe, chain, t_shape)
+    return _vmapped_row_use(ix, fe, info)
   if (
     tuple(dn.offset_dims) != (len(out_shape) - 1,)
     or tuple(dn.collapsed_slice_dims) != (0,)
     or tuple(dn.start_index_map) != (0,)
     or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
+    or tuple(fe.params["slice_sizes"]) != (1, info.dim)
     or not idx_shape
     or idx_shape[-1] != 1
-    or out_shape != idx_shape[:-1] + (t_shape[1],)
+    or out_shape != idx_shape[:-1] + (info.dim,)
   ):
     return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
+  return info, fe.ins[1], fe.outs[0]
 
 
-def _vmapped_row_use(ix, fe, chain, t_shape):
+def _vmapped_row_use(ix, fe, info):
   """`embedding_use` for `vmap` of `table[i]`: a gather of whole rows at index vectors
   `concatenate([ids, column start], -1)` (clipped or in bounds), then a `squeeze`."""
   dn = fe.params["dimension_numbers"]
@@ -74,8 +80,8 @@ def _vmapped_row_use(ix, fe, chain, t_shape):
     tuple(dn.offset_dims) != (nd - 2, nd - 1)
     or tuple(dn.collapsed_slice_dims)
     or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
-    or out_shape[-2:] != (1, t_shape[1])
+    or tuple(fe.params["slice_sizes"]) != (1, info.dim)
+    or out_shape[-2:] != (1, info.dim)
     or mode not in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     or cat is None
     or cat.name != "concatenate"
@@ -89,7 +95,7 @@ def _vmapped_row_use(ix, fe, chain, t_shape):
   sq = None if use is None else ix.g.eqns[use[0]]
   if sq is None or sq.name != "squeeze" or tuple(sq.params["dimensions"]) != (nd - 2,):
     return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), cat.ins[0], sq.outs[0]
+  return info, cat.ins[0], sq.outs[0]
 
 
 def match_one_hot_embedding(ix, i, claimed):
@@ -104,24 +110,14 @@ def one_hot_embedding_use(ix, i):
   """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
   `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
   fe = ix.g.eqns[i]
-  if fe.name != "dot_general" or not _graph.is_key(fe.ins[1]) or fe.ins[1] not in ix.origin:
+  info = _table(ix, fe.ins[1]) if fe.name == "dot_general" else None
+  if info is None:
     return None
   (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
-  chain = ix.origin[fe.ins[1]][1]
-  t_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
-  if (
-    lhs_b
-    or rhs_b
-    or len(t_shape) != 2
-    or tuple(rhs_c) != (0,)
-    or len(lhs_c) != 1
-    or any(s.op != "cast" for s in chain)
-  ):
+  if lhs_b or rhs_b or tuple(rhs_c) != (0,) or len(lhs_c) != 1:
     return None
-  ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), t_shape[0])
-  if ids is None:
-    return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), ids, fe.outs[0]
+  ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), info.vocab_size)
+  return None if ids is None else (info, ids, fe.outs[0])
 
 
 def one_hot_ids(ix, atom, axis: int, vocab: int):

@@ -76,8 +76,7 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
     return None
   if b_leaf is not None and b_leaf in claimed:
     return None
-  infos = tuple(f[1] for f in found)
-  shape = ix.shapes[leaf]
+  infos, shape = tuple(f[1] for f in found), ix.shapes[leaf]
   kind: Kind = "embedding" if "embedding" in kinds else found[0][0]
   if kind == "embedding":
     if not kinds <= {"dense", "embedding"} or not _reads_one_table(infos, shape):

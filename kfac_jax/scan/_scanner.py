@@ -183,8 +183,10 @@ def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
   """RegistrationError when a layer's output inside a custom-derivative call reaches the call's
   outputs only through an operation with no reverse-mode derivative (inside the call the
   statistics follow the primal function)."""
+  if not graph.customs:
+    return
   where = {}
-  for spec, outs, _ in specs if graph.customs else ():
+  for spec, outs, _ in specs:
     for k in outs if spec.multi_tap else (outs,):
       k = k.keys if isinstance(k, _graph.HoistedTap) else k
       for key in k if isinstance(k, tuple) and k and isinstance(k[0], tuple) else (k,):
@@ -259,18 +261,10 @@ def _as_differentiated(loss_fn: Callable, has_aux: bool, backward: bool) -> Call
   loss tags. Returns a zero loss beside `loss_fn`'s outputs."""
 
   def fn(params, batch):
-    def f(p):
-      return loss_fn(p, batch)
-
-    if has_aux:
-      loss, pull, aux = jax.vjp(f, params, has_aux=True)
-      out = (loss, aux)
-    else:
-      loss, pull = jax.vjp(f, params)
-      out = loss
+    loss, pull, *aux = jax.vjp(lambda p: loss_fn(p, batch), params, has_aux=has_aux)
     if backward:
       pull(jax.numpy.zeros_like(loss))
-    return jax.numpy.zeros((), loss.dtype), out
+    return jax.numpy.zeros((), loss.dtype), (loss, *aux) if has_aux else loss
 
   return fn
 
@@ -429,8 +423,7 @@ class _Scanner:
 
   def _user_blocks(self, specs):
     """Each layer a `LayerConfig.blocks` pattern matches, with the user's block."""
-    used = set()
-    out = []
+    used, out = set(), []
     for spec, outs, ins in specs:
       cls, pattern = self.layer_config.block_for((spec.name,) + tuple(spec.param_paths))
       if cls is not None:
@@ -524,15 +517,13 @@ class _Scanner:
 
   def _check_patterns(self, specs):
     names = tuple(set(self.ix.paths) | {s[0].name for s in specs})
-    config = self.layer_config
-    for pattern, field in [(p, "overrides") for p in config.overrides] + [
-      (p, "block_sizes") for p in config.block_sizes
-    ]:
-      if not _layer_config.matches(pattern, names):
-        self._pattern_problem(
-          f"LayerConfig.{field}: pattern {pattern!r} matches no layer name or parameter "
-          f"path ({self._some_paths()})"
-        )
+    for field in ("overrides", "block_sizes"):
+      for pattern in getattr(self.layer_config, field):
+        if not _layer_config.matches(pattern, names):
+          self._pattern_problem(
+            f"LayerConfig.{field}: pattern {pattern!r} matches no layer name or parameter "
+            f"path ({self._some_paths()})"
+          )
 
   def _link(self, specs, claimed):
     """Replaces the layers inside each `LayerConfig.linked` group by one generic block."""

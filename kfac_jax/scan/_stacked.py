@@ -123,8 +123,7 @@ def batched_dense_use(ix, i):
   if any(s.op != "cast" for s in chain):
     return None
   k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
-  k_shape = tuple(_graph.aval_of(k_atom).shape)
-  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
   if tuple(k_b) == (0,) and len(x_b) == 1:
     x_axis = int(x_b[0])
     x_c1 = tuple(int(d) - (d > x_axis) for d in x_c)
@@ -178,8 +177,7 @@ def match_batched_dense(ix, i, claimed):
   info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis = found
   if k_leaf in claimed:
     return None
-  leaves = [k_leaf]
-  out_key = ix.g.eqns[i].outs[0]
+  leaves, out_key = [k_leaf], ix.g.eqns[i].outs[0]
   use = _matchers.only_consumer(ix, out_key)
   if use is not None and ix.g.eqns[use[0]].name == "transpose":
     # `jax.vmap` moves the layer axis of the output to the front: tap after the transpose.
