@@ -32,10 +32,9 @@ _OPAQUE = frozenset(
 def batch_axes(
   graph: _graph.FlatGraph, n_params: int, batch_size: int, loss_roots: Sequence[Any] = ()
 ) -> Mapping[Any, BatchAxis]:
-  """`{key: (axis, inner)}` for the values of `graph` whose batch axis is known; the inputs after
-  the first `n_params` are the batch leaves, each batched at `batch_position`. When several axes
-  of a leaf have the batch's size, the others are tried in turn, and the first under which every
-  loss tag's prediction `loss_roots` has its batch leading is kept."""
+  """`{key: (axis, inner)}` for the values whose batch axis is known, from the batch leaves (the
+  inputs after `n_params`); a leaf with several axes of the batch's size takes the first under
+  which every loss tag's prediction has its batch leading."""
   leaves = graph.invars[n_params:]
   shapes = [_shape(key) for key in leaves]
   candidates = [[a for a, s in enumerate(shape) if s == batch_size] for shape in shapes]

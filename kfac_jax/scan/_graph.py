@@ -74,14 +74,9 @@ def is_key(atom: Atom) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class HoistedTap:
-  """The tap of a layer output computed once for every example (a product `jax.vmap` hoisted
-  out of the batch: a tangent direction or a reverse-mode seed is one constant for every point).
-
-  The value reaches the batched computation at `keys`, each read only by elementwise equations
-  that broadcast it along their batch axis; the curvature pass adds to each key a zero
-  perturbation of shape `shapes[j]` (batch axis `axes[j]`), so that each example reads its own
-  copy. `per_example` joins their cotangents into output gradients `[S, N, entries]`.
-  """
+  """The tap of a layer output computed once for every example (hoisted by `jax.vmap`), which
+  reaches the batch at `keys`: each gets a zero perturbation of shape `shapes[j]` (batch axis
+  `axes[j]`), so that each example reads its own copy."""
 
   keys: tuple[Key, ...]
   axes: tuple[int, ...]
@@ -149,15 +144,11 @@ class CustomCall:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScanGroup:
-  """The T unrolled steps of one scan, evaluated again as a `lax.scan`.
-
-  Each step's equations are `[carry identities, xs slices, body...]`, the same in every step;
-  `keys[k][p]` is the p-th value step k computes (execution order; step k has index T-1-k when
-  `reverse`). `carry_out[k]`: the atoms step k+1's carry identities read; `xs`: the scanned
-  arrays; `outside`: `(p, steps)` whose position-p values are read after the steps other than
-  by the recognised stackings `stacks` (`(equation, p)`: stacks exactly position p of every
-  step); `stop`: the index after the steps and their stacking equations.
-  """
+  """The T unrolled steps of one scan (each `[carry identities, xs slices, body...]`, alike),
+  evaluated again as a `lax.scan`. `keys[k][p]`: the p-th value step k computes (in execution
+  order); `carry_out[k]`: what step k+1's carry reads; `outside`: `(p, steps)` read after the
+  steps other than by the `stacks` (`(equation, p)` stacking position p); `stop`: the index
+  after the steps and their stacking equations."""
 
   steps: tuple[tuple[int, int], ...]
   ncar: int
@@ -333,9 +324,8 @@ class FlatGraph:
 
   @functools.cached_property
   def _live_ranges(self) -> tuple[tuple[int, int], ...]:
-    """The ranges `evaluate` runs: the top-level blocks (an equation, or a custom call, region or
-    scan group whole) that the outputs, a tag or an effect need, consecutive ones merged. The
-    rest (a custom rule's own call of its function) must not be differentiated."""
+    """The ranges `evaluate` runs: the top-level blocks (an equation, custom call, region or scan
+    group) that the outputs, a tag or an effect need; the rest must not be differentiated."""
     spans = sorted(
       [(c.start, c.stop, c.ins) for c in self.customs]
       + [(r.start, r.stop, r.ins) for r in self.regions]
@@ -426,11 +416,9 @@ class FlatGraph:
   def _evaluate_custom(self, c: CustomCall, env, seen, perturb, watch, unroll, inside) -> None:
     """Evaluates a custom-derivative call so that its gradient is the user's.
 
-    Nothing inside watched: the call is bound as it is. Otherwise its outputs are
-    `user(x) + (f(sg(x), ε) − sg(f(sg(x), ε)))`, `f` the inlined primal with the perturbations ε
-    inside and `sg` stop_gradient: value and derivative in `x` are the rule's, the derivative
-    in ε the primal's. Watched values inside come from `f(x, ε)`; under jit XLA merges the three
-    traces of the forward computation.
+    With something inside watched, its outputs are `user(x) + (f(sg(x), ε) − sg(f(sg(x), ε)))`,
+    `f` the inlined primal with the perturbations ε, `sg` stop_gradient: value and derivative in
+    `x` are the rule's, in ε the primal's; watched values come from `f(x, ε)`.
     """
     ins = [_read_atom(a, env) for a in c.ins]
     user = _compat.bind_eqn(c.eqn, ins)
@@ -472,7 +460,9 @@ class FlatGraph:
     column = lambda p: tuple(grp.keys[k][p] for k in range(nsteps))
 
     def stacked_pos(t) -> int | None:  # The position whose keys in every step are the tuple `t`.
-      return pos0[t[0]] if _is_key_tuple(t) and t[0] in pos0 and column(pos0[t[0]]) == t else None
+      if not (isinstance(t, tuple) and t and isinstance(t[0], tuple) and t[0] in pos0):
+        return None
+      return pos0[t[0]] if column(pos0[t[0]]) == t else None
 
     tuple_eps = {p: v for t, v in perturb.items() if (p := stacked_pos(t)) is not None}
     tuple_watch = {p: t for t in watch if (p := stacked_pos(t)) is not None}
@@ -540,10 +530,6 @@ def _store(keys, vals, env, seen, watch, perturb=None) -> None:
       v = v + perturb[k] if perturb is not None and k in perturb else v
       seen[k] = v
     env[k] = v
-
-
-def _is_key_tuple(t) -> bool:
-  return isinstance(t, tuple) and bool(t) and isinstance(t[0], tuple)
 
 
 def _as_aval(x, aval):

@@ -183,11 +183,9 @@ def tags_reached(ix: GraphIndex, key) -> frozenset[int]:
     k = frontier.pop()
     if k in roots:
       found.add(roots[k])
-    for i, _ in ix.slice_consumers.get(k, ()):
-      for o in ix.g.eqns[i].outs:
-        if o not in seen:
-          seen.add(o)
-          frontier.append(o)
+    new = [o for i, _ in ix.slice_consumers.get(k, ()) for o in ix.g.eqns[i].outs if o not in seen]
+    seen.update(new)
+    frontier.extend(new)
   return frozenset(found)
 
 
@@ -210,8 +208,7 @@ def _loss_slice(graph, roots) -> tuple[set[int], set[int]]:
 
 def _param_only(graph, leaf_of_key, consts, batch_size: int) -> frozenset:
   """The keys computed from parameter leaves and constants alone, less those whose leading axis
-  may be the batch's (has its size and comes from no same-rank operand, as a zero initial state
-  `zeros((N, H))`): activations with a row per example, though no batch input reaches them."""
+  has the batch's size and comes from no same-rank operand (a zero initial state)."""
   found = set(leaf_of_key)
   found.update(k for k, v in consts.items() if np.ndim(v) == 0 or np.shape(v)[0] != batch_size)
   for fe in graph.eqns:
@@ -256,8 +253,7 @@ def _views(graph, leaf_of_key, consts, n_params: int, first_virtual: int, fold):
 
 def _view_of(fe, origin, consts, fold) -> tuple[Any, ViewStep] | None:
   """`(parameter view read, step)` when `fe` views a parameter view: a layout operation, a
-  gather at constant rows, or a shift by a scalar constant (`1 + scale`: the Jacobian is the
-  identity, so the block is the parameter's own)."""
+  gather at constant rows, or a shift by a scalar constant (its Jacobian is the identity)."""
   src = fe.ins[0] if fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in origin else None
   if src is not None and is_view(fe):
     return src, _view_step(fe)

@@ -75,11 +75,6 @@ class LayerKind:
   batch_rows: bool = False
 
 
-def _conv_default(info: ConvInfo) -> tuple[Approximation, str] | None:
-  # A depthwise kernel's Kronecker factors are per channel; its exact diagonal costs the same.
-  return ("diagonal", "") if info.depthwise else None
-
-
 def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | None:
   # A shift-only table over several axes: its "full" block would be quadratic in L·D.
   if info.has_scale or len(info.feature_shape) < 2:
@@ -104,10 +99,9 @@ def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | No
 
 
 def match_grouped_dense(ix, i, claimed):
-  """A dense map per group: a `dot_general` of an activation with a kernel leaf (cast only)
-  whose batch dimensions are the groups (Flax's `nn.ConvLocal`, a per-atom envelope), each read
-  as the `[in, out]` matrix of its contracted then free axes; then, optionally, the transpose to
-  `[rows..., *groups, out...]` and a bias `[*groups, out...]`."""
+  """A dense map per group: a `dot_general` of an activation with a kernel leaf (cast only) whose
+  batch dimensions are the groups (`nn.ConvLocal`, a per-atom envelope), then optionally the
+  transpose to `[rows..., *groups, out...]` and a bias `[*groups, out...]`."""
   found = _matchers.sole_param_operand(ix, i, "dot_general")
   if found is None or found[0] >= ix.n_params or found[0] in claimed:
     return None
@@ -179,7 +173,8 @@ KINDS: dict[Kind, LayerKind] = {
       shared=("kron_indep", "diagonal", "full"),
       matchers=(MatcherEntry("kernels", 30, _matchers.match_conv),),
       read_tag=_matchers.read_conv_tag,
-      default=_conv_default,
+      # A depthwise kernel's Kronecker factors are per channel; its exact diagonal costs the same.
+      default=lambda info: ("diagonal", "") if info.depthwise else None,
       batch_rows=True,
     ),
     LayerKind(

@@ -12,6 +12,7 @@ import dataclasses
 import fnmatch
 import types
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kfac_jax.scan import _kinds
 from kfac_jax.scan._kinds import Approximation
@@ -45,9 +46,7 @@ class LayerConfig:
       block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
     max_factor_dim: the largest factor side (a bias row not counted) kept as a matrix, whole
       or in blocks, for layers whose approximation is not chosen by name; a wider side is kept
-      as its diagonal, a larger "full" block becomes "diagonal". None: no limit. The default,
-      16384, keeps a 4k-wide model's sides as blocks and a vocabulary head's output side as a
-      vector.
+      as its diagonal, a larger "full" block becomes "diagonal". None: no limit.
     block_size: a factor side with more entries than this (a bias row not counted) is kept as
       the diagonal blocks of its factor, of about this size; None: sides kept whole.
     block_sizes: glob pattern → block size (or None: sides kept whole) for the matched layers,
@@ -146,17 +145,13 @@ class LayerConfig:
   def block_for(self, names: Sequence[str]) -> tuple[type | None, str | None]:
     """`(class, pattern)` of the first `blocks` pattern matching a layer with these names (its
     name and parameter paths), or `(None, None)`."""
-    for pattern, cls in self.blocks.items():
-      if matches(pattern, names):
-        return cls, pattern
-    return None, None
+    pattern, cls = first_match(self.blocks, names)
+    return cls, pattern
 
   def block_size_for(self, names: Sequence[str]) -> int | None:
     """The block size of a layer with these names (its name and parameter paths)."""
-    for pattern, size in self.block_sizes.items():
-      if matches(pattern, names):
-        return size
-    return self.block_size
+    pattern, size = first_match(self.block_sizes, names)
+    return self.block_size if pattern is None else size
 
 
 def _check_size(name: str, value, none: str) -> None:
@@ -178,6 +173,11 @@ def check(layers) -> LayerConfig:
 
 def matches(pattern: str, names: Sequence[str]) -> bool:
   return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+def first_match(mapping: Mapping[str, Any], names: Sequence[str]) -> tuple[str | None, Any]:
+  """`(pattern, value)` of the first pattern in `mapping` matching one of `names`, or None's."""
+  return next(((p, v) for p, v in mapping.items() if matches(p, names)), (None, None))
 
 
 def size_policy(
@@ -239,7 +239,5 @@ def resolve(
   config: LayerConfig, kind: str, names: Sequence[str], builtin: str
 ) -> tuple[str, str | None]:
   """(approximation, the pattern that chose it or None) for a layer named by `names`."""
-  for pattern, approx in config.overrides.items():
-    if matches(pattern, names):
-      return approx, pattern
-  return config.defaults.get(kind, builtin), None
+  pattern, approx = first_match(config.overrides, names)
+  return (approx, pattern) if pattern is not None else (config.defaults.get(kind, builtin), None)

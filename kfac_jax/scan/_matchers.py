@@ -23,12 +23,10 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-  """A layer a matcher found: its leaves in the index (kernel / table / scale first, then bias /
-  shift; virtual leaves are mapped back by the scanner) and, per use, its info (`DenseInfo`,
-  ...), the key where the curvature pass adds its perturbation and the input atoms the block's
-  statistics read. `stack_size` L > 0: a stack of L layers applied by one batched operation,
-  `infos` describing one of them, `stack_axes` the layer axis of each input and the output.
-  """
+  """A layer a matcher found: its leaves (kernel / table / scale first) and, per use, its info,
+  the key where the curvature pass adds its perturbation and the input atoms its statistics
+  read. `stack_size` L > 0: L layers applied by one batched operation, `infos` describing one,
+  `stack_axes` the layer axis of each input and the output."""
 
   kind: Kind
   leaves: tuple[int, ...]
@@ -58,15 +56,6 @@ def _one_use(kind: Kind, found) -> Match | None:
 
 # --------------------------------------------------------------------------------------------
 # Helpers on the scanner's tables.
-
-
-def without_batch_rows(ix, match: Match) -> bool:
-  """Whether some use reads a first input computed from parameters and constants alone, unless
-  its tap is where its output is broadcast over the batch (`DenseInfo.shared_tap`)."""
-  return any(
-    ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
-    for ins, inf in zip(match.inputs, match.infos)
-  )
 
 
 def single_use_leaf(ix, atom, claimed, shared: bool = False):
@@ -138,8 +127,7 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
 
 def feature_block(leaf_shape, chain, view_shape, out_shape):
   """`(feature_axis, feature_shape)`: the consecutive axes of `out_shape` a parameter spans in
-  row-major order, broadcast along all others (`feature_axis` None for trailing axes), as a
-  scale `[C]` viewed as `[1, C, 1, 1]` over `[N, C, H, W]`; else None."""
+  row-major order, broadcast along all others (`feature_axis` None for trailing axes)."""
   feat = _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape)
   if feat is not None:
     return None, feat
@@ -152,9 +140,8 @@ def feature_block(leaf_shape, chain, view_shape, out_shape):
 
 
 def stacked_feature_block(leaf_shape, chain, view_shape, out_shape):
-  """`(stack_axis, feature_axis, feature_shape)` of a parameter `[L, ...]` read as L layers'
-  parameters: its leading axis along one axis of `out_shape` and, per layer, the rest a block
-  as in `feature_block` (`feature_axis` counted without the layer axis); else None."""
+  """`(stack_axis, feature_axis, feature_shape)` of a parameter `[L, ...]` read as L layers':
+  its leading axis along one axis of `out_shape`, per layer a `feature_block`; else None."""
   if len(leaf_shape) < 2 or leaf_shape[0] < 2:
     return None
   idx = _operand_index(leaf_shape, chain, view_shape, out_shape)
@@ -252,9 +239,8 @@ def _view(idx: np.ndarray, chain) -> np.ndarray:
 
 
 def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
-  """`(bias leaf, key of the sum)` if `key`, through layout-only ops each the only use of its
-  input, gets a parameter added whose entry f lands exactly where `feature_of` (`key`'s shape:
-  the output feature of each entry) is f (a broadcast bias, a layer under `jax.vmap`)."""
+  """`(bias leaf, key of the sum)` if `key`, through layout-only ops, gets a parameter added whose
+  entry f lands exactly where `feature_of` (each entry's output feature) is f; else None."""
   idx = feature_of
   for _ in range(16):
     use = only_consumer(ix, key)
@@ -297,14 +283,9 @@ def dot_dims(dimension_numbers, k_pos: int):
 def dense_product(
   k_shape, x_shape, k_contract, x_contract, k_pos, kernel_view=(), batch_size=None, x_batch=None
 ):
-  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None.
-
-  The kernel (operand `k_pos`) is read as the `[in, out]` matrix of its contracted then free
-  axes, the activation as `[rows, in]`; None when the kernel has no free or no contracted axis.
-  The rows keep the activation's axis order but for the batch axis (`x_batch` when it is a
-  free axis, else by `_batch_axes.batch_position`), moved first so that each example's rows
-  are together.
-  """
+  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None: the
+  kernel (operand `k_pos`) read as the `[in, out]` matrix of its contracted then free axes, the
+  activation as `[rows, in]`, its batch axis (`x_batch`, else by size) moved first."""
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
   if not k_free or not k_contract:
@@ -375,8 +356,7 @@ def match_dense(ix, i, claimed):
 
 def constant_input_tap(ix, key, info: DenseInfo):
   """`(tap, info with its shared_tap)` of a dense use whose input comes from parameters and
-  constants alone and whose output `key` reaches the examples through a broadcast
-  (`_batch_broadcast_tap`) or is computed once for all of them (`hoisted_tap`); else None."""
+  constants alone (`_batch_broadcast_tap`, else `hoisted_tap`); else None."""
   found = _batch_broadcast_tap(ix, key, info)
   return found if found is not None else hoisted_tap(ix, key, info)
 
@@ -392,16 +372,13 @@ def _shared_tap_bytes(info: DenseInfo, s_shape, entries: np.ndarray) -> bytes:
 
 def hoisted_tap(ix, key, info: DenseInfo):
   """`(HoistedTap, info with its shared_tap)` of a dense use whose output `key` is computed once
-  for every example (a product `jax.vmap` hoists out of the batch) and reaches the batched
-  computation through layout operations only, each key it arrives at read only by elementwise
-  equations that broadcast it along their batch axis; else None. Each example's output
-  gradient is taken where that example reads the value."""
+  for every example (hoisted by `jax.vmap`) and reaches the batched computation through layout
+  operations, then elementwise equations that broadcast it along their batch axis; else None."""
   if key in ix.from_batch:
     return None
   s_shape, outputs = tuple(key[1].aval.shape), {a for a in ix.g.outvars if _graph.is_key(a)}
   todo = [(key, np.arange(math.prod(s_shape)).reshape(s_shape))]
-  keys, axes, shapes, entries = [], [], [], []
-  size = None
+  taps, size = [], None  # Per key the batch reads: (key, batch axis, shape, entries).
   while todo:
     k, idx = todo.pop()
     readers = ix.readers.get(k, ())
@@ -435,21 +412,18 @@ def hoisted_tap(ix, key, info: DenseInfo):
     if size not in (None, n) or not (idx == idx.take([0], axis=b)).all():
       return None
     size = n
-    keys.append(k)
-    axes.append(b)
-    shapes.append(k_shape[:b] + (n,) + k_shape[b + 1 :])
-    entries.append(idx.take(0, axis=b).reshape(-1))
-  if not keys:
+    taps.append((k, b, k_shape[:b] + (n,) + k_shape[b + 1 :], idx.take(0, axis=b).reshape(-1)))
+  if not taps:
     return None
-  tap = _graph.HoistedTap(tuple(keys), tuple(axes), tuple(shapes))
+  keys, axes, shapes, entries = zip(*taps)
+  tap = _graph.HoistedTap(keys, axes, shapes)
   shared = _shared_tap_bytes(info, s_shape, np.concatenate(entries))
   return tap, dataclasses.replace(info, shared_tap=shared)
 
 
 def _batch_broadcast_tap(ix, key, info: DenseInfo):
   """`(tap key, info with its shared_tap)` of a dense layer whose output `key` reaches the batch
-  only through layout ops and a broadcast over a leading batch axis (`broadcast_to(probe @ w,
-  (N, 1, D))`, `x + table @ w`), every example reading the same output."""
+  only through layout ops and a broadcast over a leading batch axis (`x + table @ w`)."""
   s_shape = tuple(key[1].aval.shape)
   idx = np.arange(math.prod(s_shape)).reshape(s_shape)
   for _ in range(16):
@@ -478,8 +452,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
 
 def _kernel_beside_param(ix, i):
   """`(kernel leaf, operand position)` if equation i is a `dot_general` of a single-use kernel
-  with a view of another leaf: one tiled over the batch, the same for every example (a learned
-  probe), or one projected before such a broadcast (`probe @ kernel`)."""
+  with another leaf tiled over the batch (a learned probe) or projected before it is."""
   fe = ix.g.eqns[i]
   ops = ix.uses_by_eqn.get(i, [])
   if fe.name != "dot_general" or len(ops) != 2 or ops[0][0] == ops[1][0]:
@@ -554,8 +527,7 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
 
 def conv_use(ix, i, claimed, shared: bool = False):
   """`(ConvInfo, kernel leaf, (x atom,), output key, bias leaf or None)` if equation i convolves
-  an activation with a (viewed) parameter kernel, else None. With `shared`, the kernel and the
-  bias may have other uses."""
+  an activation with a (viewed) parameter kernel (with `shared`, used elsewhere too)."""
   fe = ix.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
@@ -636,10 +608,8 @@ def scale_shift_operands(ix, i, claimed, shared: bool = False):
 
 
 def scale_shift_use(ix, i, claimed, shared: bool = False):
-  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` if equation i
-  multiplies an activation by a parameter (the scale; a shift is matched too) or adds one (the
-  shift); else None. Without an axis of examples, a single-use layer over rows of the batch's
-  inputs (`node_rows`) takes those as its statistics' rows."""
+  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` of a scale (and its
+  shift) or shift at equation i; without an axis of examples, rows from `node_rows`."""
   found = scale_shift_operands(ix, i, claimed, shared)
   if found is None:
     return None
@@ -689,9 +659,8 @@ def node_rows(ix, out_shape, feature_axis) -> bool:
 
 
 def indexed_features(leaf_shape, idx: np.ndarray, out_shape):
-  """`(feature_shape, feature_index)` of a parameter view added to `out_shape`: `idx`
-  (`index_of_view`) has unit axes, then the output's trailing axes; `feature_index` is empty
-  when the features are the leaf in order. Else None."""
+  """`(feature_shape, feature_index)` of a parameter view `idx` (unit axes, then the output's
+  trailing axes) added to `out_shape`; the index empty for the leaf in order. Else None."""
   nd = len(out_shape)
   if idx.ndim > nd:
     return None

@@ -193,8 +193,7 @@ def _producer(ix, atom):
 
 def match_batch_tokens(ix, i, claimed):
   """Learned tokens: every use of an unclaimed leaf reads one view of it whose leading axis is
-  the batch, which the leaf does not span: a shift-only layer `0 + tokens` whose output is the
-  view itself. Tried last in its pass."""
+  the batch, which the leaf does not span: a shift-only layer `0 + tokens`."""
   fe = ix.g.eqns[i]
   for leaf, pos in ix.uses_by_eqn.get(i, []):
     atom = fe.ins[pos]
@@ -210,8 +209,7 @@ def match_batch_tokens(ix, i, claimed):
 
 def batch_view_info(ix, leaf, atom) -> ScaleShiftInfo | None:
   """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the batch
-  and which is the same for every example (a view other than a broadcast records which leaf
-  entry each feature reads); else None."""
+  and which is the same for every example; else None."""
   view_shape = tuple(_graph.aval_of(atom).shape)
   if not view_shape or view_shape[0] != ix.batch_size:
     return None

@@ -22,43 +22,15 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
   """A `Match` with one entry per use of a leaf whose uses are all dense products (one shared
   bias), embedding lookups, convolutions (one shared bias) or scales / shifts (the latter only
   with `shifts`, after the scales claimed theirs); else None."""
-  uses = ix.uses[leaf]
   found: list[tuple] = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
   products = {}  # Position in `found` of a dense use -> its product's output key.
-  for i, pos in uses:
-    fe = ix.g.eqns[i]
-    if len(ix.uses_by_eqn.get(i, [])) != 1:
+  for i, pos in ix.uses[leaf]:
+    use = _use(ix, i, pos, claimed, shifts) if len(ix.uses_by_eqn.get(i, [])) == 1 else None
+    if use is None:
       return None
-    emb = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
-    if emb is not None:
-      found.append(("embedding", emb[0], (emb[1],), emb[2], None))
-    elif fe.name == "dot_general":
-      d = _matchers.dense_use(ix, i, pos)
-      if d is None:
-        return None
-      info, x_atom, k_shape, k_free = d
-      bias = _matchers.match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
-      b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
-      products[len(found)] = fe.outs[0]
-      found.append(("dense", info, (x_atom,), out_key, b_leaf))
-    elif fe.name == "gather" and pos == 0:
-      e = _matchers_embed.embedding_use(ix, i)
-      if e is None:
-        return None
-      info, ids, out_key = e
-      found.append(("embedding", info, (ids,), out_key, None))
-    elif fe.name == "conv_general_dilated":
-      c = _matchers.conv_use(ix, i, claimed, shared=True)
-      if c is None:
-        return None
-      found.append(("conv", c[0], *c[2:]))
-    elif fe.name == "mul" or (fe.name == "add" and shifts):
-      m = _matchers.scale_shift_use(ix, i, claimed, shared=True)
-      if m is None:
-        return None
-      found.append(("scale_and_shift", m[0], *m[2:]))
-    else:
-      return None
+    if use[0] == "dense":
+      products[len(found)] = ix.g.eqns[i].outs[0]
+    found.append(use)
   kinds = {f[0] for f in found}
   if kinds == {"dense"}:
     found = _transposed_uses(found, ix.shapes[leaf], products)
@@ -89,6 +61,31 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
   )
 
 
+def _use(ix, i, pos, claimed, shifts):
+  """`(kind, info, inputs, output key, bias / shift leaf or None)` of one use, or None."""
+  fe = ix.g.eqns[i]
+  emb = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
+  if emb is None and fe.name == "gather" and pos == 0:
+    emb = _matchers_embed.embedding_use(ix, i)
+  if emb is not None:
+    return "embedding", emb[0], (emb[1],), emb[2], None
+  if fe.name == "dot_general":
+    d = _matchers.dense_use(ix, i, pos)
+    if d is None:
+      return None
+    info, x_atom, k_shape, k_free = d
+    bias = _matchers.match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
+    b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
+    return "dense", info, (x_atom,), out_key, b_leaf
+  if fe.name == "conv_general_dilated":
+    kind, m = "conv", _matchers.conv_use(ix, i, claimed, shared=True)
+  elif fe.name == "mul" or (fe.name == "add" and shifts):
+    kind, m = "scale_and_shift", _matchers.scale_shift_use(ix, i, claimed, shared=True)
+  else:
+    return None
+  return None if m is None else (kind, m[0], *m[2:])
+
+
 def _tangent_uses(ix, found, kinds):
   """`(found, bias leaf or None)` when the uses agree on the bias, else `(found, False)`. Dense
   uses may add the bias or not: a layer applied to a point and to its tangents (the derivative
@@ -112,11 +109,9 @@ def _tangent_uses(ix, found, kinds):
 
 
 def _transposed_uses(found, shape, products):
-  """`found` with the dense uses that read the kernel matrix (the bias-adding uses', else the
-  first's) transposed marked `DenseInfo.transposed`, or None when a use reads it otherwise. A
-  reverse-mode derivative's backward pass `δa = δz Wᵀ` is such a use, with input and output
-  exchanged; it is tapped at its product (`products`), a leaf added there left to another layer.
-  """
+  """`found` with the uses that read the kernel matrix transposed (a reverse-mode backward pass,
+  `δa = δz Wᵀ`) marked `DenseInfo.transposed` and tapped at their product; None when a use
+  reads it otherwise. The matrix is the bias-adding uses' reading, else the first's."""
   mats = [kernel_index_matrix(f[1], shape) for f in found]
   first = next((n for n, f in enumerate(found) if f[4] is not None), 0)
   canonical = mats[first]

@@ -342,13 +342,10 @@ def _only_in(graph: _graph.FlatGraph, other: _graph.FlatGraph) -> list[str]:
 class _Scanner:
   """One scan over a built index: runs the matchers in order, turns matches into specs.
 
-  Each match's approximation comes from its manual tag, the `LayerConfig` or the size policy,
-  and its leaves are claimed. Order (first claim wins): manual layer tags (the `register_dense`
-  tags of one kernel are one layer); leaves with several uses as one shared layer, kernels,
-  tables and scales before shifts; per equation the passes of `_kinds.PASSES` (kernels claim
-  their biases before the elementwise pass could take them for shifts; an equation is tried
-  again after a match); layers on concatenations mapped to their real leaves, stacks merged,
-  linked groups; leaves left over get a diagonal generic block.
+  First claim wins: manual layer tags; leaves with several uses as one shared layer (shifts
+  last); per equation, the passes of `_kinds.PASSES`; then layers on concatenations are mapped
+  to their real leaves, stacks merged, linked groups formed, and leaves left over get a generic
+  block.
   """
 
   def __init__(self, ix: _index.GraphIndex, layer_config, strict, warn, collect):
@@ -664,25 +661,16 @@ class _Scanner:
     """The spec of a layer used `len(infos)` times. Its approximation: the manual tag's, else an
     `overrides` pattern's (`defaults` name single-use ones), else the kind's shared default after
     the size policy."""
-    spec = self._draft(
-      kind,
-      leaves,
-      source,
-      # A tied table's lookup, else a use that reads the kernel matrix as the layer does.
-      info=next(
-        (inf for inf in infos if isinstance(inf, EmbeddingInfo)),
-        next(inf for inf in infos if not getattr(inf, "transposed", False)),
-      ),
-      num_uses=len(infos),
-      use_infos=infos,
+    # A tied table's lookup, else a use that reads the kernel matrix as the layer does.
+    info = next(
+      (inf for inf in infos if isinstance(inf, EmbeddingInfo)),
+      next(inf for inf in infos if not getattr(inf, "transposed", False)),
     )
+    spec = self._draft(kind, leaves, source, info=info, num_uses=len(infos), use_infos=infos)
     paths, name = list(spec.param_paths), spec.name
-    choices = _kinds.KINDS[kind].shared
-    pattern = None
+    choices, pattern = _kinds.KINDS[kind].shared, None
     if approx is None:
-      overrides = self.layer_config.overrides
-      pattern = next((p for p in overrides if _layer_config.matches(p, (name, *paths))), None)
-      approx = None if pattern is None else overrides[pattern]
+      pattern, approx = _layer_config.first_match(self.layer_config.overrides, (name, *paths))
     explicit = approx is not None
     terms = {getattr(inf, "term", -1) for inf in infos}
     two_terms = len(terms) == 2 and -1 not in terms
@@ -794,8 +782,13 @@ _PASSES = _kinds.passes()
 
 
 def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
-  """A match of a kind estimated from rows of examples whose rows are not examples."""
-  return _kinds.KINDS[match.kind].batch_rows and _matchers.without_batch_rows(ix, match)
+  """A match of a kind estimated from rows of examples some of whose uses read a first input
+  computed from parameters and constants alone, its tap not where the output is broadcast over
+  the batch (`DenseInfo.shared_tap`)."""
+  return _kinds.KINDS[match.kind].batch_rows and any(
+    ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
+    for ins, inf in zip(match.inputs, match.infos)
+  )
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,10 +27,7 @@ def slice_leaves(graph, shapes, in_slice) -> dict[Any, tuple[int, int]]:
   slices: dict[int, dict[int, Any]] = {}
   other: set[int] = set()
   for i, fe in enumerate(graph.eqns):
-    for a in fe.ins:
-      if not _graph.is_key(a) or a not in real:
-        continue
-      j = real[a]
+    for j in [real[a] for a in fe.ins if _graph.is_key(a) and a in real]:
       if fe.name == "scan_slice":
         t = int(fe.params["index"])
         if t in slices.setdefault(j, {}):
@@ -106,13 +103,9 @@ def merge(ix, specs, claimed, claim):
 
 
 def batched_dense_use(ix, i):
-  """A `dot_general` of an activation with a parameter kernel `[L, ...]` (cast only) read as L
-  kernels: its leading axis is the product's only batch dimension (vmapped layers, experts), or
-  a free axis of a 3-d kernel on a shared input (an ensemble on one input).
-
-  Returns `(per-layer DenseInfo, x atom, x stack axis or None, kernel leaf, k_shape, k_pos,
-  output stack axis)` or None.
-  """
+  """`(per-layer DenseInfo, x atom, x stack axis or None, kernel leaf, k_shape, k_pos, output
+  stack axis)` of a `dot_general` reading a kernel `[L, ...]` (cast only) as L kernels: its
+  leading axis the only batch dimension, or a free axis of a 3-d kernel on a shared input."""
   fe = ix.g.eqns[i]
   kernel = _matchers.sole_param_operand(ix, i, "dot_general")
   if kernel is None or kernel[0] >= ix.n_params:
