@@ -315,13 +315,8 @@ def _gather_view(fe, fold) -> ViewStep | None:
   other in-range rows a "gather" step (`table[buckets]`); else None."""
   t_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
   dn = fe.params["dimension_numbers"]
-  if (
-    len(t_shape) != 2
-    or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
-  ):
-    return None
-  ids = fold(fe.ins[1])
+  whole_rows = len(t_shape) == 2 and tuple(fe.params["slice_sizes"]) == (1, t_shape[1])
+  ids = fold(fe.ins[1]) if whole_rows and not tuple(dn.operand_batching_dims) else None
   if ids is None:
     return None
   rows = np.arange(t_shape[0])

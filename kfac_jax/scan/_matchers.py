@@ -200,13 +200,10 @@ def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
 
 # Layout-only operations an output may pass through before its bias (vmap's unit axes).
 _OUTPUT_VIEW_OPS = {
-  "reshape": "reshape",
-  "squeeze": "reshape",
+  **dict.fromkeys(("reshape", "squeeze"), "reshape"),
+  **dict.fromkeys(("convert_element_type", "copy", "copy_p"), "cast"),
   "transpose": "transpose",
   "broadcast_in_dim": "broadcast",
-  "convert_element_type": "cast",
-  "copy": "cast",
-  "copy_p": "cast",
 }
 
 

@@ -101,39 +101,7 @@ def scan(
   paths = param_paths(params)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   _check_dtypes(paths, leaves)
-  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
-
-  def traced(fn):
-    def flat_fn(*flat):
-      p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
-      return fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
-
-    return jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
-
-  closed, out_shape = traced(loss_fn)
-  out_avals = [a.aval for a in closed.jaxpr.outvars]
-  if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
-    raise RegistrationError(
-      "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
-      f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
-      "has_aux=True."
-    )
-  graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
-  aux_tree = jax.tree_util.tree_structure(out_shape[1]) if has_aux else None
-  separate = False
-  tagged = any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns)
-  customs = _custom_calls(closed.jaxpr)
-  # Rules may hold loss tags: trace `loss_fn` as jax.grad runs it, beside tags of the loss only
-  # for a call that reads a parameter itself (not relu's rule: the trace costs a linearisation).
-  if customs and (not tagged or graph.customs):
-    backward = bool(customs - {"custom_jvp_call"})
-    closed_d, (_, out_d) = traced(_as_differentiated(loss_fn, has_aux, backward))
-    outvars = closed_d.jaxpr.outvars[:1]
-    closed_d = _compat.ClosedJaxpr(closed_d.jaxpr.replace(outvars=outvars), closed_d.consts)
-    derived = _graph.FlatGraph.from_closed_jaxpr(closed_d, len(leaves))
-    _check_rule_tags(graph, derived, out_shape, out_d)
-    if not tagged:
-      graph, aux_tree, separate = derived, None, True
+  graph, aux_tree, separate = _trace(loss_fn, leaves, treedef, batch, has_aux)
   losses, loss_operands = _losses(graph)
   shapes = [tuple(np.shape(x)) for x in leaves]
   roots = [ops[0] for ops in loss_operands]
@@ -154,6 +122,42 @@ def scan(
     aux_tree=aux_tree,
     separate_loss=separate,
   )
+
+
+def _trace(loss_fn, leaves, treedef, batch, has_aux):
+  """`(graph, aux treedef, separate_loss)` of `loss_fn` at the parameter `leaves` (`ScanResult`)."""
+  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
+
+  def traced(fn):
+    def flat_fn(*flat):
+      p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
+      return fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
+
+    return jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
+
+  closed, out_shape = traced(loss_fn)
+  out_avals = [a.aval for a in closed.jaxpr.outvars]
+  if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
+    raise RegistrationError(
+      "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
+      f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
+      "has_aux=True."
+    )
+  graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
+  tagged = any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns)
+  customs = _custom_calls(closed.jaxpr)
+  # Rules may hold loss tags: trace `loss_fn` as jax.grad runs it, beside tags of the loss only
+  # for a call that reads a parameter itself (not relu's rule: the trace costs a linearisation).
+  if customs and (not tagged or graph.customs):
+    backward = bool(customs - {"custom_jvp_call"})
+    closed_d, (_, out_d) = traced(_as_differentiated(loss_fn, has_aux, backward))
+    outvars = closed_d.jaxpr.outvars[:1]
+    closed_d = _compat.ClosedJaxpr(closed_d.jaxpr.replace(outvars=outvars), closed_d.consts)
+    derived = _graph.FlatGraph.from_closed_jaxpr(closed_d, len(leaves))
+    _check_rule_tags(graph, derived, out_shape, out_d)
+    if not tagged:
+      return derived, None, True
+  return graph, jax.tree_util.tree_structure(out_shape[1]) if has_aux else None, False
 
 
 def _check_dtypes(paths, leaves) -> None:
