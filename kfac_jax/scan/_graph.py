@@ -182,7 +182,7 @@ class _Flattener:
     self.dep: set[Key] = set(params)  # Keys computed from the parameters.
     self.pview: set[Key] = set(params)  # Parameters and their views (slices, casts, reshapes).
     self.regions: list[tuple[int, int, Mapping[str, Any]]] = []
-    self.scans: list[tuple] = []  # `_scan_group`'s leading arguments.
+    self.scans: list[tuple[tuple, int, int, bool, int, int]] = []  # As `_scan_group` reads them.
     self.customs: list[CustomCall] = []
     self.remat_depth = 0
 

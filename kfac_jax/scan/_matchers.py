@@ -637,7 +637,7 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
     feature_shape=feat,
     output_shape=out_shape,
     feature_axis=axis,
-    batch_axis=batch_axis if example_rows else 0,
+    batch_axis=0 if batch_axis is None else batch_axis,
     example_rows=example_rows,
     feature_index=index,
   )

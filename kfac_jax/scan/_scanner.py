@@ -265,7 +265,8 @@ def _as_differentiated(loss_fn: Callable, has_aux: bool, backward: bool) -> Call
   loss tags. Returns a zero loss beside `loss_fn`'s outputs."""
 
   def fn(params, batch):
-    loss, pull, *aux = jax.vjp(lambda p: loss_fn(p, batch), params, has_aux=has_aux)
+    f = lambda p: loss_fn(p, batch)
+    loss, pull, *aux = jax.vjp(f, params, has_aux=True) if has_aux else jax.vjp(f, params)
     if backward:
       pull(jax.numpy.zeros_like(loss))
     return jax.numpy.zeros((), loss.dtype), (loss, *aux) if has_aux else loss
