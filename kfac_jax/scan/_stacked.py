@@ -210,19 +210,17 @@ def match_stacked_scale_and_shift(ix, i, claimed):
   block = _matchers.stacked_feature_block(
     ix.shapes[leaf], ix.origin[atom][1], tuple(_graph.aval_of(atom).shape), out_shape
   )
-  if block is None:
+  # `jax.vmap` puts the layer axis first (`[T, D]` over `[N, T, D]` is one layer); each input
+  # holds it too.
+  if block is None or block[0] != 0:
     return None
-  s, axis, feat = block
-  if s != 0:  # `jax.vmap` puts the layer axis first; `[T, D]` over `[N, T, D]` is one layer.
+  _, axis, feat = block
+  size, per_out = out_shape[0], out_shape[1:]
+  x_shapes = [tuple(_graph.aval_of(x).shape) for x in inputs]
+  if any(len(x) != len(out_shape) or x[0] != size for x in x_shapes):
     return None
-  size = out_shape[s]
-  for x in inputs:  # Each input holds the layer axis (broadcast only along the others).
-    x_shape = tuple(_graph.aval_of(x).shape)
-    if len(x_shape) != len(out_shape) or x_shape[s] != size:
-      return None
-  per_out = out_shape[:s] + out_shape[s + 1 :]
   followed = _matchers.followed_batch_axis(ix, out_key)
-  followed = None if followed is None or followed == s else followed - (followed > s)
+  followed = None if followed in (None, 0) else followed - 1
   batch_axis = _matchers.batch_axis_of(per_out, axis, len(feat), ix.batch_size, followed)
   if batch_axis is None:
     return None
@@ -244,7 +242,7 @@ def match_stacked_scale_and_shift(ix, i, claimed):
     feature_axis=axis,
     batch_axis=batch_axis,
   )
-  axes = (s,) * len(inputs) + (s,)
+  axes = (0,) * (len(inputs) + 1)
   return _matchers.Match.single(
     "scale_and_shift", leaves, info, out_key, inputs, stack_size=size, stack_axes=axes
   )
