@@ -23,11 +23,8 @@ Approximation = Literal[
 ]  # fmt: skip
 
 
-from kfac_jax._errors import (  # noqa: F401  # Re-exported to the scanner.
-  RegistrationCheckError,
-  RegistrationError,
-  UncoveredParametersWarning,
-)
+# --------------------------------------------------------------------------------------------
+# Parameter paths and views.
 
 
 def key_name(key) -> str:

@@ -1,13 +1,10 @@
 """Where the examples are: each value's batch axis, followed from the batch inputs.
 
-The per-example approximations and the scale-and-shift layers group a layer's rows by example,
-so the matchers must know which axis of an activation holds the examples; sizes alone cannot
-always say (a time-major `[T, N, D]` activation with T = N, `(b t) n d` rows with n = N). A
-value's entry is `(axis, inner)`: its axis `axis` holds the examples, each example's entries
-`inner` consecutive positions along it (1: the axis is the batch itself; k > 1: rows grouped
-example-major, as `(b h) t d`). A value has no entry when it does not depend on the batch, when
-its batch axis was summed over or mixed with other axes (a contraction, `(t b) d`), or after an
-equation this pass does not follow (a loop, a scatter): the matchers then fall back to sizes.
+Sizes alone cannot always say (a time-major `[T, N, D]` activation with T = N). A value's entry
+is `(axis, inner)`: axis `axis` holds the examples, each example's entries `inner` consecutive
+positions along it (k > 1: rows grouped example-major, as `(b h) t d`). A value has none when
+its batch axis was summed over or mixed with other axes, or after an equation this pass does not
+follow (a loop, a scatter): the matchers then fall back to sizes.
 """
 
 from __future__ import annotations
@@ -35,16 +32,11 @@ _OPAQUE = frozenset(
 def batch_axes(
   graph: _graph.FlatGraph, n_params: int, batch_size: int, loss_roots: Sequence[Any] = ()
 ) -> Mapping[Any, BatchAxis]:
-  """`{key: (axis, inner)}` for the values of `graph` whose batch axis is known (module
-  docstring); the inputs after the first `n_params` are the batch leaves.
-
-  A batch leaf's batch axis is its leading axis when that has the batch's size, else its only
-  axis of that size. When several of its axes have the batch's size (a time-major `[T, N, D]`
-  leaf with T = N), the loss tags' predictions `loss_roots` decide: their batch is their
-  leading axis, so the leaf's other candidate axes are tried in turn, and the first under which
-  no prediction comes out with its batch elsewhere is kept."""
+  """`{key: (axis, inner)}` for the values whose batch axis is known, from the batch leaves (the
+  inputs after `n_params`); a leaf with several axes of the batch's size takes the first under
+  which every loss tag's prediction has its batch leading."""
   leaves = graph.invars[n_params:]
-  shapes = [tuple(key[1].aval.shape) for key in leaves]
+  shapes = [_shape(key) for key in leaves]
   candidates = [[a for a, s in enumerate(shape) if s == batch_size] for shape in shapes]
   roots = [a for a in loss_roots if _graph.is_key(a)]
   first = [batch_position(shape, batch_size) for shape in shapes]
@@ -71,28 +63,21 @@ def _follow(graph, leaves, axes, batch_size: int) -> dict[Any, BatchAxis]:
     rule = _RULES.get(fe.name)
     outs = rule(fe, ins) if rule is not None else _same_shape(fe, ins)
     for key, tag in zip(fe.outs, outs):
-      if tag is not None and _fits(key, tag, batch_size):
+      shape = _shape(key)
+      if tag is not None and 0 <= tag[0] < len(shape) and shape[tag[0]] == batch_size * tag[1]:
         tags[key] = tag
   return tags
 
 
 def batch_position(sizes, batch_size) -> int | None:
-  """Which of the axes (their `sizes`, in order) is the batch, found by its size: the leading
-  one when it has the batch's size, else the only other one that has it (time-major
-  `[T, N, D]`); None when none does, when several do, or without a `batch_size`. The fallback
-  where the batch axis was not followed, and a batch leaf's first guess."""
+  """Which of the axes (their `sizes`) is the batch, by its size: the leading one when it has the
+  batch's size, else the only other one that has it; None when none or several do."""
   if batch_size is None or not sizes:
     return None
   if sizes[0] == batch_size:
     return 0
   sized = [t for t, n in enumerate(sizes) if n == batch_size]
   return sized[0] if len(sized) == 1 else None
-
-
-def _fits(key, tag: BatchAxis, batch_size: int) -> bool:
-  shape = tuple(key[1].aval.shape)
-  axis, inner = tag
-  return 0 <= axis < len(shape) and shape[axis] == batch_size * inner
 
 
 def _shape(atom) -> tuple[int, ...]:
@@ -106,23 +91,18 @@ def _one(ins) -> BatchAxis | None:
 
 
 def _same_shape(fe, ins) -> list[BatchAxis | None]:
-  """Elementwise and other shape-keeping equations: an output of a tagged input's shape takes
-  its tag (all tagged inputs of that shape agreeing). An elementwise equation that broadcasts
-  unit axes of an operand (`jax.vmap` multiplies a value computed once for every example,
-  given a unit batch axis, by a batched one) passes the tag of an operand of the output's rank
-  whose batch axis it does not broadcast."""
+  """Shape-keeping equations: an output of a tagged input's shape takes its tag (all tagged
+  inputs of that shape agreeing); an elementwise equation that broadcasts unit axes passes the
+  tag of an operand of the output's rank whose batch axis it does not broadcast."""
   if fe.name in _OPAQUE or fe.name.startswith("scatter"):
     return [None] * len(fe.outs)
   out = []
   for key in fe.outs:
-    shape = tuple(key[1].aval.shape)
-    found = [t for a, t in zip(fe.ins, ins) if t is not None and _shape(a) == shape]
+    shape = _shape(key)
+    tagged = [(_shape(a), t) for a, t in zip(fe.ins, ins) if t is not None]
+    found = [t for a, t in tagged if a == shape]
     if not found and fe.name in ELEMENTWISE:
-      found = [
-        t
-        for a, t in zip(fe.ins, ins)
-        if t is not None and len(_shape(a)) == len(shape) and _shape(a)[t[0]] == shape[t[0]]
-      ]
+      found = [t for a, t in tagged if len(a) == len(shape) and a[t[0]] == shape[t[0]]]
     out.append(_one(found))
   return out
 
@@ -136,8 +116,7 @@ def _broadcast(fe, ins):
 
 
 def _reshape(fe, ins):
-  """By strides: the examples' stride in the operand must fall inside one output axis, as its
-  outermost part."""
+  """By strides: the examples' stride must fall inside one output axis, as its outermost part."""
   axis, inner = ins[0]
   in_shape, out_shape = _shape(fe.ins[0]), tuple(fe.outs[0][1].aval.shape)
   n = in_shape[axis] // inner
@@ -166,8 +145,7 @@ def _transpose(fe, ins):
 
 
 def _along(param: str):
-  """The rule of an equation along the axis `fe.params[param]` (cumulative ops, sort, concatenate,
-  split): the batch axis passes unless it is that one."""
+  """The rule of an equation along the axis `fe.params[param]`: the batch passes unless there."""
 
   def rule(fe, ins):
     tag = _one(ins)
@@ -226,8 +204,8 @@ def _conv(fe, ins):
 
 
 def _gather(fe, ins):
-  """A lookup at per-example indices (`table[ids]`), a per-example gather with batching
-  dimensions (`jnp.take_along_axis`), or constant indices along an axis other than the batch."""
+  """A lookup at per-example indices, a gather with batching dimensions, or constant indices
+  along an axis other than the batch."""
   dn = fe.params["dimension_numbers"]
   operand, indices = ins[0], ins[1]
   out_rank = len(fe.outs[0][1].aval.shape)
@@ -268,8 +246,7 @@ def _scan_stack(fe, ins):
 
 
 _RULES: dict[str, Callable[[Any, list], list]] = {
-  # The synthetic equations of an unrolled scan (`_graph`); its carry, an identity, takes the
-  # shape-keeping default like every elementwise equation.
+  # An unrolled scan's synthetic equations (its carry, an identity, takes the default).
   "scan_slice": _scan_slice,
   "scan_stack": _scan_stack,
   "broadcast_in_dim": _broadcast,

@@ -1,21 +1,11 @@
-"""The graph index: what the scanner knows about a traced loss, built once and then only read.
+"""The graph index: what the matchers read about a traced loss, built once, then read-only.
 
-`build` walks the flattened graph (`_graph.FlatGraph`) and records, for the matchers:
-
-  * each key computed from one parameter leaf by layout-only operations (`origin`: the leaf and
-    its chain of `ViewStep`s);
-  * the real uses of each leaf on the backward slice of the loss tags (`uses`, by leaf;
-    `uses_by_eqn`, by equation), the consumers of each key there (`slice_consumers`) and the
-    producer of each key (`producer`);
-  * *virtual leaves* after the `n_params` real ones: first the slices `leaf[t]` of a stacked leaf
-    read by an unrolled scan (`stack_of`; `_stacked.slice_leaves`), with the leaf's own path;
-    then concatenations of several leaves read as one operand (`virtual`), with a path joining
-    the pieces' names (`prefix/a+b`). A concatenation whose pieces have other uses is
-    `blocked_virtual`: its pieces count as used by it. The scanner maps the layers found on
-    virtual leaves back to the real leaves.
-
-The index is a frozen dataclass of read-only mappings, so a matcher cannot change what the next
-one sees.
+For each key computed from one parameter leaf by layout-only operations, its leaf and chain of
+`ViewStep`s (`origin`); the real uses of each leaf on the loss tags' backward slice. *Virtual
+leaves* follow the `n_params` real ones: the slices `leaf[t]` of a stacked leaf read by an
+unrolled scan (`stack_of`), then concatenations of several leaves read as one operand
+(`virtual`, path `prefix/a+b`; `blocked_virtual` when the pieces have other uses). The scanner
+maps layers found on virtual leaves back to the real leaves.
 """
 
 from __future__ import annotations
@@ -34,8 +24,7 @@ from kfac_jax import _compat, _tags
 from kfac_jax._specs import ConcatView, ViewStep, common_prefix
 from kfac_jax.scan import _batch_axes, _graph, _stacked
 
-# Operations `fold` evaluates on constants (index arithmetic, e.g. T5's log-spaced relative-
-# position buckets), up to `_FOLD_SIZE` values.
+# Operations `fold` evaluates on constants (index arithmetic such as T5's position buckets).
 _FOLDABLE = (
   _graph.VIEW_OPS
   | {"iota", "expand_dims", "concatenate", "slice", "select_n", "clamp"}
@@ -47,9 +36,8 @@ _FOLD_SIZE = 1 << 20
 
 
 def is_view(fe: _graph.FlatEqn) -> bool:
-  """Whether `fe` only moves, reshapes, casts or broadcasts its first operand: a `VIEW_OPS`
-  equation, or a `tile` that only repeats unit axes (`jnp.tile(cls, (n, 1, 1))` of a `[1, 1, D]`
-  token is a broadcast)."""
+  """Whether `fe` only moves, reshapes, casts or broadcasts its first operand (a `tile` of unit
+  axes is a broadcast)."""
   if fe.name in _graph.VIEW_OPS:
     return True
   if fe.name != "tile" or not fe.ins:
@@ -60,8 +48,7 @@ def is_view(fe: _graph.FlatEqn) -> bool:
 
 
 def _view_step(fe: _graph.FlatEqn) -> ViewStep:
-  in_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  in_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
   if fe.name == "tile":  # A broadcast of unit axes (`is_view`).
     return ViewStep("broadcast", in_shape, out_shape, tuple(range(len(in_shape))))
   if fe.name == "transpose":
@@ -77,16 +64,15 @@ def _view_step(fe: _graph.FlatEqn) -> ViewStep:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GraphIndex:
-  """The tables the matchers read (module docstring). Leaves are indices into `paths`."""
+  """The tables the matchers read (module docstring); leaves are indices into `paths`."""
 
   g: _graph.FlatGraph
   n_params: int  # Real parameter leaves: 0 .. n_params - 1; virtual leaves follow.
-  paths: tuple[str, ...]  # Per leaf, real and virtual.
-  shapes: tuple[tuple[int, ...], ...]  # Per leaf, real and virtual.
+  paths: tuple[str, ...]  # Per leaf.
+  shapes: tuple[tuple[int, ...], ...]  # Per leaf.
   batch_size: int  # The loss tags' leading axis.
   const_values: Mapping[Any, Any]  # Closed-over constants by key.
-  # The equations the loss tags reach without crossing a `stop_gradient` (`_loss_slice`).
-  grad_slice: frozenset[int]
+  grad_slice: frozenset[int]  # The equations the tags reach without crossing a stop_gradient.
   origin: Mapping[Any, tuple[int, tuple[ViewStep, ...]]]  # Key -> (leaf, view chain).
   virtual: Mapping[int, ConcatView]  # Concatenation leaf -> its view.
   blocked_virtual: frozenset[int]  # Concatenation leaves whose pieces have other uses.
@@ -95,33 +81,18 @@ class GraphIndex:
   uses: Mapping[int, tuple[tuple[int, int], ...]]  # Leaf -> real uses (equation, operand).
   uses_by_eqn: Mapping[int, tuple[tuple[int, int], ...]]  # Equation -> (leaf, operand).
   slice_consumers: Mapping[Any, tuple[tuple[int, int], ...]]  # Key -> (equation, operand).
-  # Keys computed from parameters and constants alone, never with a leading axis that may be the
-  # batch's (`_param_only`): not activations, no rows per example.
-  param_only: frozenset[Any]
-  # Keys computed from a batch input (the rest are computed from parameters and constants).
-  from_batch: frozenset[Any]
-  # Key -> every equation reading it, on the loss slice or not (equation, operand).
-  readers: Mapping[Any, tuple[tuple[int, int], ...]]
-  # Key -> (axis, inner): the batch axis followed from the batch leaves (`_batch_axes`).
-  batch_axes: Mapping[Any, tuple[int, int]]
+  param_only: frozenset[Any]  # Keys computed from parameters and constants alone (`_param_only`).
+  from_batch: frozenset[Any]  # Keys computed from a batch input.
+  readers: Mapping[Any, tuple[tuple[int, int], ...]]  # Key -> every (equation, operand) reading it.
+  batch_axes: Mapping[Any, tuple[int, int]]  # Key -> (axis, inner), as `_batch_axes` follows it.
   loss_roots: tuple[Any, ...] = ()  # Per loss tag, its prediction operand.
 
 
-def build(
-  graph: _graph.FlatGraph,
-  n_params: int,
-  paths: Sequence[str],
-  shapes: Sequence[tuple[int, ...]],
-  loss_roots: Sequence[Any],
-  batch_size: int,
-) -> GraphIndex:
-  """The index of `graph`, whose first `n_params` inputs are the parameter leaves.
-
-  `loss_roots` are the loss tags' prediction operands: the loss slice is what they depend on.
-  """
+def build(graph, n_params: int, paths, shapes, loss_roots: Sequence[Any], batch_size: int):
+  """The index of `graph`, whose first `n_params` inputs are the parameter leaves; the loss
+  slice is what the tags' predictions `loss_roots` depend on."""
   paths, shapes = list(paths), [tuple(s) for s in shapes]
-  consts = dict(graph.consts)
-  producer = {k: i for i, fe in enumerate(graph.eqns) for k in fe.outs}
+  consts, producer = dict(graph.consts), {k: i for i, fe in enumerate(graph.eqns) for k in fe.outs}
   in_slice, grad_slice = _loss_slice(graph, loss_roots)
   leaf_of_key = {k: i for i, k in enumerate(graph.invars[:n_params])}
   stack_of: dict[int, tuple[int, int]] = {}
@@ -151,10 +122,7 @@ def build(
     if any(_graph.is_key(a) and a in from_batch for a in fe.ins):
       from_batch.update(fe.outs)
   proxy = types.MappingProxyType
-
-  def frozen_lists(d):
-    return proxy({k: tuple(v) for k, v in d.items()})
-
+  frozen_lists = lambda d: proxy({k: tuple(v) for k, v in d.items()})
   return GraphIndex(
     g=graph,
     n_params=n_params,
@@ -180,10 +148,9 @@ def build(
 
 
 def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
-  """`(uses, uses_by_eqn, blocked_virtual)`: the real uses of each leaf on the loss slice (the
-  operands that are parameter views, outside views and tags), by leaf and by equation. A
-  concatenation is one leaf only if its pieces have no other real use; otherwise it is blocked,
-  and a use of each of its pieces (a generic fallback)."""
+  """`(uses, uses_by_eqn, blocked_virtual)`: the real uses of each leaf on the loss slice (view
+  operands outside views and tags), by leaf and by equation. A concatenation whose pieces have
+  other real uses is blocked, and a use of each of its pieces."""
   found = [
     (i, pos, origin[a][0])
     for i in sorted(in_slice - view_eqns - set(concat_eqns))
@@ -208,8 +175,7 @@ def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
 
 
 def tags_reached(ix: GraphIndex, key) -> frozenset[int]:
-  """The loss tags (by position) whose predictions `key` (or a `HoistedTap`'s keys) reaches on
-  the loss slice."""
+  """The loss tags (by position) whose predictions `key` (or a `HoistedTap`'s keys) reaches."""
   roots = {a: t for t, a in enumerate(ix.loss_roots) if _graph.is_key(a)}
   start = list(key.keys) if isinstance(key, _graph.HoistedTap) else [key]
   seen, frontier, found = set(start), list(start), set()
@@ -217,17 +183,15 @@ def tags_reached(ix: GraphIndex, key) -> frozenset[int]:
     k = frontier.pop()
     if k in roots:
       found.add(roots[k])
-    for i, _ in ix.slice_consumers.get(k, ()):
-      for o in ix.g.eqns[i].outs:
-        if o not in seen:
-          seen.add(o)
-          frontier.append(o)
+    new = [o for i, _ in ix.slice_consumers.get(k, ()) for o in ix.g.eqns[i].outs if o not in seen]
+    seen.update(new)
+    frontier.extend(new)
   return frozenset(found)
 
 
 def _loss_slice(graph, roots) -> tuple[set[int], set[int]]:
-  """The equations the loss tags' operands depend on, and those they depend on without a
-  `stop_gradient` in between (what the tags' curvature can reach)."""
+  """The equations the loss tags' operands depend on, and those without a `stop_gradient` in
+  between (what the tags' curvature can reach)."""
   needed = {a for a in roots if _graph.is_key(a)}
   reached = set(needed)
   in_slice, grad_slice = set(), set()
@@ -244,10 +208,7 @@ def _loss_slice(graph, roots) -> tuple[set[int], set[int]]:
 
 def _param_only(graph, leaf_of_key, consts, batch_size: int) -> frozenset:
   """The keys computed from parameter leaves and constants alone, less those whose leading axis
-  may be the batch's: a constant whose leading axis has the batch's size, or a leading axis of
-  that size that no same-rank operand passes on (`broadcast_to(latents, (N, L, D))`, a zero
-  initial state `zeros((N, H))`): activations with one row per example, though no batch input
-  reaches them."""
+  has the batch's size and comes from no same-rank operand (a zero initial state)."""
   found = set(leaf_of_key)
   found.update(k for k, v in consts.items() if np.ndim(v) == 0 or np.shape(v)[0] != batch_size)
   for fe in graph.eqns:
@@ -265,11 +226,9 @@ def _param_only(graph, leaf_of_key, consts, batch_size: int) -> frozenset:
 
 
 def _views(graph, leaf_of_key, consts, n_params: int, first_virtual: int, fold):
-  """`(origin, view_eqns, virtual, concat_eqns)`: for each key computed from one leaf by views
-  only, its (leaf, chain); the equations that view a parameter though not `is_view` (no real
-  uses); the concatenation leaves, numbered from `first_virtual`, and the equations computing
-  them (one leaf per distinct concatenation: the same one at every step of an unrolled scan).
-  """
+  """`(origin, view_eqns, virtual, concat_eqns)`: each key's (leaf, chain); the equations that
+  view a parameter though not `is_view`; the concatenation leaves (one per distinct
+  concatenation, numbered from `first_virtual`) and the equations computing them."""
   origin: dict[Any, tuple[int, tuple[ViewStep, ...]]] = {k: (j, ()) for k, j in leaf_of_key.items()}
   view_eqns: set[int] = set()
   virtual: dict[int, ConcatView] = {}
@@ -293,13 +252,8 @@ def _views(graph, leaf_of_key, consts, n_params: int, first_virtual: int, fold):
 
 
 def _view_of(fe, origin, consts, fold) -> tuple[Any, ViewStep] | None:
-  """`(parameter view read, step)` when `fe` is a view of a parameter view: a layout operation,
-  a gather at constant rows (`_gather_view`), or a shift by a scalar constant.
-
-  Adding a constant (`1 + scale`, Gemma's RMSNorm) is a view: the shifted parameter has the
-  parameter's gradient and Fisher (the Jacobian is the identity), so the layer's block is the
-  same as for the parameter itself ("shift" steps are skipped like casts).
-  """
+  """`(parameter view read, step)` when `fe` views a parameter view: a layout operation, a
+  gather at constant rows, or a shift by a scalar constant (its Jacobian is the identity)."""
   src = fe.ins[0] if fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in origin else None
   if src is not None and is_view(fe):
     return src, _view_step(fe)
@@ -324,8 +278,7 @@ def _concat_view(fe, origin, n_params: int) -> ConcatView | None:
   """The view of a concatenation (or stack) of reshaped or cast views of distinct real leaves."""
   if len(fe.ins) < 2 or not all(_graph.is_key(a) and a in origin for a in fe.ins):
     return None
-  leaves = tuple(origin[a][0] for a in fe.ins)
-  chains = [origin[a][1] for a in fe.ins]
+  leaves, chains = tuple(origin[a][0] for a in fe.ins), [origin[a][1] for a in fe.ins]
   if (
     len(set(leaves)) != len(leaves)
     or any(j >= n_params for j in leaves)
@@ -357,21 +310,13 @@ def _concat_path(paths: Sequence[str]) -> str:
 
 
 def _gather_view(fe, fold) -> ViewStep | None:
-  """The view step when the gather `fe` reads whole rows of a `[T, D]` parameter view at
-  indices computed from constants alone: every row in order is the operand itself
-  (`table[jnp.arange(T)]`), or the operand with a unit axis (`jax.vmap(lambda i: table[i])`
-  over `jnp.arange(T)`, equinox's `Embedding`); any other in-range rows, in any order and
-  shape, with repeats, are a "gather" step (`table[buckets]`); else None."""
-  t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  """The view step when the gather `fe` reads whole rows of a `[T, D]` parameter view at constant
+  indices: every row in order is the operand itself (with a unit axis under `jax.vmap`), any
+  other in-range rows a "gather" step (`table[buckets]`); else None."""
+  t_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
   dn = fe.params["dimension_numbers"]
-  if (
-    len(t_shape) != 2
-    or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
-  ):
-    return None
-  ids = fold(fe.ins[1])
+  whole_rows = len(t_shape) == 2 and tuple(fe.params["slice_sizes"]) == (1, t_shape[1])
+  ids = fold(fe.ins[1]) if whole_rows and not tuple(dn.operand_batching_dims) else None
   if ids is None:
     return None
   rows = np.arange(t_shape[0])
@@ -402,9 +347,8 @@ def _gather_view(fe, fold) -> ViewStep | None:
 
 
 def _folder(graph, consts, producer):
-  """`fold(atom)`: the value of `atom` when it is computed from constants alone by `_FOLDABLE`
-  operations (e.g. `jnp.take`'s index arithmetic on an `arange`, T5's relative-position
-  buckets); None otherwise. Each key is folded once."""
+  """`fold(atom)`: the value of `atom` when `_FOLDABLE` operations compute it from constants
+  alone, else None; each key is folded once."""
   folded: dict[Any, Any] = {}
 
   def fold(atom, depth: int = 64):

@@ -1,11 +1,9 @@
 """The layer vocabulary: each layer kind declared once, as one `LayerKind` record.
 
-The scanner, `LayerConfig` and `summary` read these records and nothing else about kinds; the
-blocks declare which `(kind, approximation)` pairs each block class serves (`Block.serves`), one
-block for every pair a record names. Adding a layer kind: its name in `Kind`, its record here
-with its matcher (on the helpers of `_matchers`; a small one sits beside its record, as
-`grouped_dense`'s does), and its layout in `blocks/_layouts.py` if its layers are products by a
-parameter matrix (the Kronecker, diagonal and full blocks then serve it).
+The scanner, `LayerConfig` and `summary` read these records; each block class declares the
+`(kind, approximation)` pairs it serves (`Block.serves`). Adding a kind: its name in `Kind`, its
+record and matcher here, and its layout in `blocks/_layouts.py` if its layers are products by a
+parameter matrix.
 """
 
 from __future__ import annotations
@@ -28,25 +26,22 @@ from kfac_jax._specs import (
 from kfac_jax.blocks._layouts import GroupedDenseInfo
 from kfac_jax.scan import _graph, _matchers, _matchers_embed, _stacked
 
-# The shared-layer approximations that model correlations between successive uses (the steps
-# of a recurrence); they need several dense uses with equal row counts.
+# Shared-layer approximations of correlations between successive uses (a recurrence's steps).
 SERIES: tuple[Approximation, ...] = ("kron_series_1", "kron_series_2")
 
-# The automatic passes, in order: kernels claim their biases before the elementwise pass could
-# take a bias for a shift.
+# The automatic passes, in order: kernels claim their biases before a shift could take them.
 Pass = Literal["kernels", "gathers", "elementwise"]
 PASSES: tuple[Pass, ...] = get_args(Pass)
 
 # "kron" and its variants that keep one or both factor sides as their diagonal.
-_KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
+KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 Matcher = Callable[[Any, int, dict[int, str]], "_matchers.Match | None"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MatcherEntry:
-  """One automatic matcher of a kind, its pass and its rank there (per equation, the first
-  matcher of a pass that fits wins, lower ranks first)."""
+  """One automatic matcher of a kind, its pass and its rank there (lower ranks tried first)."""
 
   pass_: Pass
   rank: int
@@ -60,16 +55,14 @@ class LayerKind:
   Attributes:
     name: the kind, as `LayerSpec.kind` and `LayerConfig.defaults` spell it.
     info: the type of `LayerSpec.info` for the kind's layers.
-    approximations: what a single-use layer of the kind takes; the first is the default.
-    shared: what a layer used several times takes (the default first; "kron" is read as
+    approximations: what a single-use layer takes; the first is the default.
+    shared: what a layer used several times takes, the default first ("kron" is read as
       "kron_indep"); () when the kind has no shared form.
-    matchers: the automatic matchers (none for a kind only a manual tag declares).
+    matchers: the automatic matchers.
     read_tag: reads the kind's manual tag (`register_<name>`) into a `Match`.
-    default: the shape-dependent default, `info -> (approximation, note) | None` (None: the
-      first of `approximations`); the note says why in `summary`.
-    batch_rows: whether the layer's first input holds rows of examples (its statistics are
-      estimated from them), so that a match whose input is computed from parameters alone is
-      left to the fallback.
+    default: the shape-dependent default, `info -> (approximation, note) | None`.
+    batch_rows: the first input holds rows of examples, so a match whose input is computed from
+      parameters alone is left to the fallback.
   """
 
   name: Kind
@@ -82,15 +75,8 @@ class LayerKind:
   batch_rows: bool = False
 
 
-def _conv_default(info: ConvInfo) -> tuple[Approximation, str] | None:
-  # A depthwise kernel's Kronecker factors are per channel; its exact diagonal costs the same.
-  return ("diagonal", "") if info.depthwise else None
-
-
 def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | None:
-  # A shift-only table spanning several axes (a positional embedding `x + pos`, latents, a table
-  # gathered at constant positions, a bias of several axes): its "full" block would be
-  # quadratic in L·D. The note says which, from the axes the table spans.
+  # A shift-only table over several axes: its "full" block would be quadratic in L·D.
   if info.has_scale or len(info.feature_shape) < 2:
     return None
   nd, nf = len(info.output_shape), len(info.feature_shape)
@@ -113,14 +99,9 @@ def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | No
 
 
 def match_grouped_dense(ix, i, claimed):
-  """A dense map per group: a `dot_general` of an activation with a kernel leaf (cast only)
-  whose batch dimensions are the groups, read per group as the `[in, out]` matrix of its
-  contracted then free axes. An unshared convolution (Flax's `nn.ConvLocal`: patches `[rows...,
-  *grid, in]` times `[*grid, in, out]`, one group per location) and a per-atom envelope
-  (`einsum("bnai,ijak->bnajk", r, sigma)`: the electron's vector to atom a times atom a's
-  matrices, one group per atom) are two. Then, optionally, the transpose that orders the output
-  as `[rows..., *groups, out...]` and a bias `[*groups, out...]`. A one-axis grid leading the
-  kernel is taken first, as a stack of dense layers."""
+  """A dense map per group: a `dot_general` of an activation with a kernel leaf (cast only) whose
+  batch dimensions are the groups (`nn.ConvLocal`, a per-atom envelope), then optionally the
+  transpose to `[rows..., *groups, out...]` and a bias `[*groups, out...]`."""
   found = _matchers.sole_param_operand(ix, i, "dot_general")
   if found is None or found[0] >= ix.n_params or found[0] in claimed:
     return None
@@ -129,8 +110,7 @@ def match_grouped_dense(ix, i, claimed):
   if any(s.op != "cast" for s in ix.origin[k_atom][1]):
     return None
   k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
-  k_shape = tuple(_graph.aval_of(k_atom).shape)
-  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
   g = len(k_b)
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_b and d not in k_c)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_b and d not in x_c)
@@ -139,8 +119,7 @@ def match_grouped_dense(ix, i, claimed):
   grid, n_free, n_out = tuple(k_shape[d] for d in k_b), len(x_free), len(k_free)
   out_shape = tuple(k_shape[d] for d in k_free)
   # The product's axes: the groups (batch dimensions), then the lhs's and the rhs's free axes.
-  rows = [("row", d) for d in range(n_free)]
-  outs = [("out", d) for d in range(n_out)]
+  rows, outs = [("row", d) for d in range(n_free)], [("out", d) for d in range(n_out)]
   labels = [("grid", d) for d in range(g)] + (rows + outs if k_pos == 1 else outs + rows)
   out_key = fe.outs[0]
   use = _matchers.only_consumer(ix, out_key)
@@ -150,8 +129,7 @@ def match_grouped_dense(ix, i, claimed):
     out_key = t.outs[0]
   canonical = rows + [("grid", d) for d in range(g)] + outs
   leaves = [k_leaf]
-  # `[rows..., *groups, out...]`: a single-use bias `[*groups, out...]` (reshaped, cast) may
-  # follow.
+  # `[rows..., *groups, out...]`: a single-use bias `[*groups, out...]` may follow.
   bias = _matchers.added_leaf(ix, out_key, claimed) if labels == canonical else None
   if (
     bias is not None
@@ -179,7 +157,7 @@ KINDS: dict[Kind, LayerKind] = {
     LayerKind(
       name="dense",
       info=DenseInfo,
-      approximations=(*_KRON, "diagonal", "full", "expand", "reduce", "kron_indep", "ekfac"),
+      approximations=(*KRON, "diagonal", "full", "expand", "reduce", "kron_indep", "ekfac"),
       shared=("kron_indep", "kron_series_1", "kron_series_2", "kron_terms", "diagonal", "full"),
       matchers=(
         MatcherEntry("kernels", 0, _stacked.match_batched_dense),
@@ -191,11 +169,12 @@ KINDS: dict[Kind, LayerKind] = {
     LayerKind(
       name="conv",
       info=ConvInfo,
-      approximations=("kron", "kron_sua", *_KRON[1:], "diagonal", "full", "ekfac"),
+      approximations=("kron", "kron_sua", *KRON[1:], "diagonal", "full", "ekfac"),
       shared=("kron_indep", "diagonal", "full"),
       matchers=(MatcherEntry("kernels", 30, _matchers.match_conv),),
       read_tag=_matchers.read_conv_tag,
-      default=_conv_default,
+      # A depthwise kernel's Kronecker factors are per channel; its exact diagonal costs the same.
+      default=lambda info: ("diagonal", "") if info.depthwise else None,
       batch_rows=True,
     ),
     LayerKind(
@@ -229,7 +208,7 @@ KINDS: dict[Kind, LayerKind] = {
     LayerKind(
       name="grouped_dense",
       info=GroupedDenseInfo,
-      approximations=(*_KRON, "diagonal", "full"),
+      approximations=(*KRON, "diagonal", "full"),
       matchers=(MatcherEntry("kernels", 5, match_grouped_dense),),
       batch_rows=True,
     ),
@@ -259,8 +238,7 @@ def every_approximation() -> tuple[Approximation, ...]:
 
 
 def default_approx(name: Kind, info) -> tuple[Approximation, str]:
-  """The library default of a layer of kind `name` with matching details `info`, and the note
-  that says why when it differs from the kind's default."""
+  """The library default of a layer of kind `name` with info `info`, and the note on why."""
   record = KINDS[name]
   found = record.default(info) if record.default is not None and info is not None else None
   return found if found is not None else (record.approximations[0], "")

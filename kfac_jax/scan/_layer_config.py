@@ -1,13 +1,9 @@
 """Choosing each layer's curvature approximation: `LayerConfig` and the size policy.
 
-Precedence, highest first: a manual layer tag's explicit `approx=` (it sits next to the layer's
-code); the first `LayerConfig.overrides` pattern, in mapping order, that matches the layer (a
-shell-style glob, `fnmatch.fnmatchcase`, against its name and each parameter path: globs need no
-escaping of slash-separated paths); `LayerConfig.defaults[kind]`; the library default
-(`_kinds.default_approx`). A shared layer takes no `defaults` (they name single-use
-approximations), else its kind's shared default. Blocked factor sides, the size policy (a side
-above `max_factor_dim`, for an approximation not chosen by name, kept as its diagonal) and
-linked groups are described in `docs/approximations.rst`.
+Precedence, highest first: a manual tag's explicit `approx=`; the first `LayerConfig.overrides`
+glob (`fnmatch.fnmatchcase`) matching the layer's name or a parameter path;
+`LayerConfig.defaults[kind]` (not for shared layers); the library default. The size policy and
+blocked sides: `docs/approximations.rst`.
 """
 
 from __future__ import annotations
@@ -16,12 +12,13 @@ import dataclasses
 import fnmatch
 import types
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kfac_jax.scan import _kinds
 from kfac_jax.scan._kinds import Approximation
 
-# The library defaults. A side of up to MAX_FACTOR_DIM entries is kept as a matrix, in blocks of
-# about BLOCK_SIZE above that; wider sides (vocabulary-size heads) are kept as their diagonal.
+# The library defaults: a factor side is a matrix up to MAX_FACTOR_DIM entries (in blocks of about
+# BLOCK_SIZE), a diagonal above.
 MAX_FACTOR_DIM = 16384
 BLOCK_SIZE = 1024
 
@@ -48,25 +45,19 @@ class LayerConfig:
     linked: tuple of patterns → "full" or "diagonal": the matched leaves share one generic
       block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
     max_factor_dim: the largest factor side (a bias row not counted) kept as a matrix, whole
-      or in blocks, for layers whose approximation comes from `defaults` or the library
-      default; a wider side is kept as its diagonal, a larger "full" block becomes "diagonal".
-      None: no limit. The default, 16384, keeps the hidden sides of models up to 4k wide (a 4x
-      MLP) as blocks and turns a 32k–256k vocabulary head's output side into a vector.
+      or in blocks, for layers whose approximation is not chosen by name; a wider side is kept
+      as its diagonal, a larger "full" block becomes "diagonal". None: no limit.
     block_size: a factor side with more entries than this (a bias row not counted) is kept as
-      the diagonal blocks of its factor, of about this size; None: sides kept whole. The
-      default, 1024, keeps a side of n entries in n·1024 values.
+      the diagonal blocks of its factor, of about this size; None: sides kept whole.
     block_sizes: glob pattern → block size (or None: sides kept whole) for the matched layers,
       e.g. `{"params/head/*": None}`; the first matching pattern wins over `block_size`. Every
       pattern must match some layer.
     blocks: glob pattern → a `kfac_jax.Block` subclass that computes the matched layers'
-      curvature instead of the library's block (its interface: `kfac_jax.Block`), e.g.
-      `{"params/envelope/*": MyEnvelopeBlock}`; the first matching pattern wins over every
-      approximation (the layer's `approx` is kept in its spec, for reading). A pattern may also
-      name parameters no layer covers, which then form one generic layer per leaf with the
-      user's block instead of the diagonal fallback. Every pattern must match some layer or
-      parameter. Each class is checked by the registration (a `kfac_jax.Block` subclass
-      implementing its abstract methods) and when the estimator builds its blocks (shapes of
-      its state and products, through `jax.eval_shape`), before any state exists.
+      curvature instead of the library's block, e.g. `{"params/envelope/*": MyEnvelopeBlock}`;
+      the first matching pattern wins over every approximation. A pattern may also name
+      parameters no layer covers, each then a generic layer with the user's block. Every
+      pattern must match some layer or parameter; each class is checked before any state
+      exists.
 
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
@@ -90,16 +81,12 @@ class LayerConfig:
     block_sizes = _frozen(self.block_sizes, "block_sizes")
     overrides = _frozen(self.overrides, "overrides")
     blocks = _frozen(self.blocks, "blocks")
-    for name, mapping in (
-      ("block_sizes", block_sizes),
-      ("overrides", overrides),
-      ("blocks", blocks),
+    for name, mapping in zip(
+      ("block_sizes", "overrides", "blocks"), (block_sizes, overrides, blocks)
     ):
-      for pattern in mapping:
-        if not isinstance(pattern, str) or not pattern:
-          raise TypeError(
-            f"LayerConfig.{name}: patterns must be non-empty strings, got {pattern!r}."
-          )
+      bad = next((p for p in mapping if not isinstance(p, str) or not p), None)
+      if bad is not None:
+        raise TypeError(f"LayerConfig.{name}: patterns must be non-empty strings, got {bad!r}.")
     for pattern, size in block_sizes.items():
       _check_size(f"block_sizes[{pattern!r}]", size, "sides kept whole")
     defaults = _frozen(self.defaults, "defaults")
@@ -158,17 +145,13 @@ class LayerConfig:
   def block_for(self, names: Sequence[str]) -> tuple[type | None, str | None]:
     """`(class, pattern)` of the first `blocks` pattern matching a layer with these names (its
     name and parameter paths), or `(None, None)`."""
-    for pattern, cls in self.blocks.items():
-      if matches(pattern, names):
-        return cls, pattern
-    return None, None
+    pattern, cls = first_match(self.blocks, names)
+    return cls, pattern
 
   def block_size_for(self, names: Sequence[str]) -> int | None:
     """The block size of a layer with these names (its name and parameter paths)."""
-    for pattern, size in self.block_sizes.items():
-      if matches(pattern, names):
-        return size
-    return self.block_size
+    pattern, size = first_match(self.block_sizes, names)
+    return self.block_size if pattern is None else size
 
 
 def _check_size(name: str, value, none: str) -> None:
@@ -192,12 +175,9 @@ def matches(pattern: str, names: Sequence[str]) -> bool:
   return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
-_KRON_DIAG: dict[tuple[bool, bool], Approximation] = {  # (input, output side diagonal)
-  (False, False): "kron",
-  (True, False): "kron_in_diag",
-  (False, True): "kron_out_diag",
-  (True, True): "kron_both_diag",
-}
+def first_match(mapping: Mapping[str, Any], names: Sequence[str]) -> tuple[str | None, Any]:
+  """`(pattern, value)` of the first pattern in `mapping` matching one of `names`, or None's."""
+  return next(((p, v) for p, v in mapping.items() if matches(p, names)), (None, None))
 
 
 def size_policy(
@@ -207,10 +187,9 @@ def size_policy(
   allowed: Sequence[Approximation],
   bias: bool = False,
 ) -> tuple[Approximation, str]:
-  """`(approximation, note)` after the size policy (`LayerConfig.max_factor_dim`); note "" if
-  unchanged. `factor_shapes` are the layer's factor shapes under `approx`
-  (`blocks.factor_shapes_for`): a matrix's side is its last axis, a vector (a side kept as its
-  diagonal) has none. `bias`: the input side ends with a bias row, not counted."""
+  """`(approximation, note)` after the size policy (`LayerConfig.max_factor_dim`; note "" if
+  unchanged), from the layer's factor shapes under `approx` (a matrix's side is its last axis).
+  `bias`: the input side ends with a bias row, not counted."""
   if max_dim is None:
     return approx, ""
   if approx == "full" and "diagonal" in allowed:
@@ -223,8 +202,7 @@ def size_policy(
     )
   if approx not in ("kron", "kron_in_diag", "kron_out_diag", "ekfac"):
     return approx, ""
-  # EKFAC keeps both full eigenbases: over the limit it becomes the kron variant with the big
-  # side(s) diagonal, as "kron" would.
+  # Over the limit EKFAC becomes the kron variant with the big side(s) diagonal, as "kron" would.
   sa, sg = factor_shapes
   diag = [approx == "kron_in_diag", approx == "kron_out_diag"]
   big = []
@@ -232,7 +210,7 @@ def size_policy(
     if len(shape) >= 2 and shape[-1] - extra > max_dim and not diag[side]:
       diag[side] = True
       big.append(f"{label} side {shape[-1]}")
-  new = _KRON_DIAG[diag[0], diag[1]]
+  new = _kinds.KRON[diag[0] + 2 * diag[1]]  # "kron", then input, output, both sides diagonal.
   if not big or new not in allowed:
     return approx, ""
   return new, (f"{' and '.join(big)} > max_factor_dim {max_dim}: kept as its diagonal")
@@ -245,9 +223,8 @@ def shared_size_policy(
   allowed: Sequence[Approximation],
   num_uses: int,
 ) -> tuple[Approximation, str]:
-  """`size_policy` for a layer used `num_uses` times: "kron_indep" has no diagonal-side
-  variant, so a matrix side above the limit makes the block "diagonal" (the exact per-example
-  diagonal, O(n)) where the kind allows it (`allowed`: the kind's `LayerKind.shared`)."""
+  """`size_policy` for a layer used `num_uses` times: "kron_indep" has no diagonal-side variant,
+  so a side above the limit makes the block "diagonal" where `allowed` has it."""
   if max_dim is None or approx != "kron_indep" or "diagonal" not in allowed:
     return approx, ""
   side = max((s[-1] for s in factor_shapes if len(s) >= 2), default=0)
@@ -261,9 +238,6 @@ def shared_size_policy(
 def resolve(
   config: LayerConfig, kind: str, names: Sequence[str], builtin: str
 ) -> tuple[str, str | None]:
-  """(approximation, the pattern that chose it or None) for a layer without an explicit one,
-  named by `names` (its name and parameter paths)."""
-  for pattern, approx in config.overrides.items():
-    if matches(pattern, names):
-      return approx, pattern
-  return config.defaults.get(kind, builtin), None
+  """(approximation, the pattern that chose it or None) for a layer named by `names`."""
+  pattern, approx = first_match(config.overrides, names)
+  return (approx, pattern) if pattern is not None else (config.defaults.get(kind, builtin), None)

@@ -1,10 +1,8 @@
 """Matchers: pure functions `(index, equation, claimed) -> Match | None`, one per layer kind.
 
 A matcher reads the graph index (`_index.GraphIndex`) at one equation that really uses a
-parameter leaf, and changes nothing: the scanner runs the matchers the kinds' records
-(`_kinds.KINDS`) name, in order, and claims the leaves. The `read_*_tag` functions read the
-manual layer tags the same way. `_stacked`, `_matchers_embed` and `_matchers_shared` build on
-the helpers here, in that order.
+parameter leaf and changes nothing; the scanner runs the matchers the kinds' records name and
+claims the leaves. The `read_*_tag` functions read the manual layer tags.
 """
 
 from __future__ import annotations
@@ -15,14 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kfac_jax._specs import (
-  ConvInfo,
-  DenseInfo,
-  EmbeddingInfo,
-  RegistrationError,
-  ScaleShiftInfo,
-  ViewStep,
-)
+from kfac_jax._errors import RegistrationError
+from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, ScaleShiftInfo, ViewStep
 from kfac_jax.scan import _batch_axes, _graph
 
 if TYPE_CHECKING:
@@ -31,19 +23,10 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-  """A layer a matcher found in the graph: its parameter leaves and, per use, how it is applied.
-
-  Attributes:
-    kind: the layer kind ("generic" only for a manual tag).
-    leaves: the layer's leaves in the index (kernel / table / scale first, then bias / shift);
-      virtual leaves (stack slices, concatenations) are mapped back by the scanner.
-    infos: per use, the kind's matching details (`DenseInfo`, `ConvInfo`, ...).
-    outputs: per use, the key where the curvature pass adds its zero perturbation.
-    inputs: per use, the input atoms the block's statistics need.
-    stack_size: L > 0 for a stack of L layers applied by one batched operation
-      (`_stacked.match_batched_dense`); `infos` then describe one layer of it.
-    stack_axes: with `stack_size`, the layer axis of the input and of the output.
-  """
+  """A layer a matcher found: its leaves (kernel / table / scale first) and, per use, its info,
+  the key where the curvature pass adds its perturbation and the input atoms its statistics
+  read. `stack_size` L > 0: L layers applied by one batched operation, `infos` describing one,
+  `stack_axes` the layer axis of each input and the output."""
 
   kind: Kind
   leaves: tuple[int, ...]
@@ -75,19 +58,9 @@ def _one_use(kind: Kind, found) -> Match | None:
 # Helpers on the scanner's tables.
 
 
-def without_batch_rows(ix, match: Match) -> bool:
-  """Whether some use reads a first input computed from parameters and constants alone
-  (`GraphIndex.param_only`), unless its tap is where its output is broadcast over the batch
-  (`DenseInfo.shared_tap`): its rows are not examples (`LayerKind.batch_rows`)."""
-  return any(
-    ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
-    for ins, inf in zip(match.inputs, match.infos)
-  )
-
-
 def single_use_leaf(ix, atom, claimed, shared: bool = False):
   """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice (or,
-  with `shared`, any number of times: one use of a shared layer)."""
+  with `shared`, any number of times)."""
   if not _graph.is_key(atom) or atom not in ix.origin:
     return None
   leaf, chain = ix.origin[atom]
@@ -128,8 +101,7 @@ def added_leaf(ix, key, claimed, shared: bool = False):
 def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
   """The trailing axes of `out_shape` a parameter spans when broadcast over the leading ones;
   None when it is transposed or broadcast along a trailing axis."""
-  n = math.prod(leaf_shape)
-  nd = len(out_shape)
+  n, nd = math.prod(leaf_shape), len(out_shape)
   if len(view_shape) > nd or any(s.op in ("transpose", "gather") for s in chain):
     return None
   for s in chain:
@@ -154,17 +126,13 @@ def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
 
 
 def feature_block(leaf_shape, chain, view_shape, out_shape):
-  """`(feature_axis, feature_shape)`: the consecutive axes of `out_shape` a parameter spans,
-  broadcast along all others; `feature_axis` None for trailing axes. Else the parameter, in its
-  own row-major order, fills an inner block: a scale `[C]` viewed as `[1, C, 1, 1]` over
-  `[N, C, H, W]` (equinox's BatchNorm) or broadcast to `[C, H, W]` first (its GroupNorm)."""
+  """`(feature_axis, feature_shape)`: the consecutive axes of `out_shape` a parameter spans in
+  row-major order, broadcast along all others (`feature_axis` None for trailing axes)."""
   feat = _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape)
   if feat is not None:
     return None, feat
   idx = _operand_index(leaf_shape, chain, view_shape, out_shape)
-  if idx is None:
-    return None
-  block = _block_of(idx, out_shape, math.prod(leaf_shape))
+  block = None if idx is None else _block_of(idx, out_shape, math.prod(leaf_shape))
   if block is None or block[0] == 0:
     return None
   a, b = block
@@ -172,10 +140,8 @@ def feature_block(leaf_shape, chain, view_shape, out_shape):
 
 
 def stacked_feature_block(leaf_shape, chain, view_shape, out_shape):
-  """`(stack_axis, feature_axis, feature_shape)` of a parameter `[L, ...]` read as L layers'
-  parameters (a normalisation under `jax.vmap`): its leading axis lies along one axis of
-  `out_shape` and, per layer, the rest fills a block as in `feature_block` (`feature_axis`
-  counted without the layer axis); else None."""
+  """`(stack_axis, feature_axis, feature_shape)` of a parameter `[L, ...]` read as L layers':
+  its leading axis along one axis of `out_shape`, per layer a `feature_block`; else None."""
   if len(leaf_shape) < 2 or leaf_shape[0] < 2:
     return None
   idx = _operand_index(leaf_shape, chain, view_shape, out_shape)
@@ -191,17 +157,15 @@ def stacked_feature_block(leaf_shape, chain, view_shape, out_shape):
     return None
   per_out = tuple(out_shape[:s]) + tuple(out_shape[s + 1 :])
   block = _block_of(np.squeeze(feat, s), per_out, per)
-  if block is None:
+  if block is None or block[1] - block[0] == len(per_out):
     return None
   a, b = block
-  if b - a == len(per_out):
-    return None
   return s, (None if b == len(per_out) else a), tuple(per_out[a:b])
 
 
 def _operand_index(leaf_shape, chain, view_shape, out_shape) -> np.ndarray | None:
-  """The leaf entry each entry of the operand reads, padded to `out_shape`'s rank and cut to
-  length 1 along its broadcast axes (`_collapse`); None if it does not broadcast to it."""
+  """The leaf entry each operand entry reads, padded to `out_shape`'s rank and collapsed
+  (`_collapse`); None if it does not broadcast to `out_shape`."""
   idx = index_of_view(leaf_shape, chain)
   nd = len(out_shape)
   if tuple(idx.shape) != tuple(view_shape) or idx.ndim > nd:
@@ -213,8 +177,7 @@ def _operand_index(leaf_shape, chain, view_shape, out_shape) -> np.ndarray | Non
 
 
 def _collapse(idx: np.ndarray) -> np.ndarray:
-  """`idx` cut to length 1 along every axis it is constant along; a broadcast's axes (stride
-  0) are cut before anything is read."""
+  """`idx` cut to length 1 along every axis it is constant along (a broadcast's first)."""
   idx = idx[tuple(slice(0, 1) if st == 0 else slice(None) for st in idx.strides)]
   for d in range(idx.ndim):
     if idx.shape[d] > 1 and not np.ptp(idx, axis=d).any():
@@ -223,8 +186,8 @@ def _collapse(idx: np.ndarray) -> np.ndarray:
 
 
 def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
-  """`(a, b)` if `idx` (collapsed, `_collapse`, over `out_shape`) is `arange(n)` laid over the
-  axes `a..b-1` in row-major order and constant along every other axis; else None."""
+  """`(a, b)` if `idx` (collapsed) is `arange(n)` laid over the axes `a..b-1` of `out_shape` in
+  row-major order and constant along every other axis; else None."""
   axes = [d for d in range(idx.ndim) if idx.shape[d] > 1]
   if not axes:
     return None
@@ -235,16 +198,12 @@ def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
   return (a, b) if np.array_equal(np.broadcast_to(idx, want.shape), want) else None
 
 
-# Layout-only operations an output may pass through between its product and its bias: the
-# unit axes `jax.vmap` leaves around a per-example layer (equinox), transposes, casts.
+# Layout-only operations an output may pass through before its bias (vmap's unit axes).
 _OUTPUT_VIEW_OPS = {
-  "reshape": "reshape",
-  "squeeze": "reshape",
+  **dict.fromkeys(("reshape", "squeeze"), "reshape"),
+  **dict.fromkeys(("convert_element_type", "copy", "copy_p"), "cast"),
   "transpose": "transpose",
   "broadcast_in_dim": "broadcast",
-  "convert_element_type": "cast",
-  "copy": "cast",
-  "copy_p": "cast",
 }
 
 
@@ -256,8 +215,7 @@ def _moved(idx: np.ndarray, fe) -> np.ndarray:
 
 
 def index_of_view(shape, chain) -> np.ndarray:
-  """Which entry of a parameter of `shape` (flat index) each entry of its view by `chain`
-  reads."""
+  """Which entry (flat index) of a parameter of `shape` each entry of its view by `chain` reads."""
   return _view(np.arange(math.prod(shape)).reshape(shape), chain)
 
 
@@ -278,29 +236,24 @@ def _view(idx: np.ndarray, chain) -> np.ndarray:
 
 
 def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
-  """`(bias leaf, key of the sum)` if `key`, through layout-only ops each the only use of its
-  input, gets a parameter added whose entry f lands exactly on the entries where `feature_of`
-  (`key`'s shape: the output feature of each entry) is f; else None. Covers a bias broadcast to
-  the full output (Haiku), a layer under `jax.vmap` (equinox) and plain `out + b`."""
+  """`(bias leaf, key of the sum)` if `key`, through layout-only ops, gets a parameter added whose
+  entry f lands exactly where `feature_of` (each entry's output feature) is f; else None."""
   idx = feature_of
   for _ in range(16):
     use = only_consumer(ix, key)
     if use is None:
       return None
     fe = ix.g.eqns[use[0]]
+    out_shape = tuple(fe.outs[0][1].aval.shape)
     if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
-      out_shape = tuple(fe.outs[0][1].aval.shape)
       if fe.name == "broadcast_in_dim" and math.prod(out_shape) != idx.size:
         return None
       idx, key = _moved(idx, fe), fe.outs[0]
       continue
-    if fe.name != "add" or len(fe.ins) != 2:
-      return None
-    found = single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared)
-    if found is None:
+    found = single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared) if fe.name == "add" else None
+    if found is None or len(fe.ins) != 2:
       return None
     leaf, chain = found
-    out_shape = tuple(fe.outs[0][1].aval.shape)
     b = index_of_view(ix.shapes[leaf], chain)
     if b.ndim == len(out_shape) and all(d in (1, o) for d, o in zip(b.shape, out_shape)):
       b = np.broadcast_to(b, out_shape)  # Unit axes broadcast by the add (vmap's batching).
@@ -312,9 +265,8 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
 
 
 # --------------------------------------------------------------------------------------------
-# Dense layers: `dot_general(x, kernel)` without batch dimensions, the kernel a (reshaped,
-# transposed, cast) leaf read as the `[in, out]` matrix of its contracted then free axes, and an
-# optional bias along the output features.
+# Dense layers: `dot_general(x, kernel)` without batch dimensions, the kernel a (viewed) leaf
+# read as the `[in, out]` matrix of its contracted then free axes, and an optional bias.
 
 
 def dot_dims(dimension_numbers, k_pos: int):
@@ -326,34 +278,19 @@ def dot_dims(dimension_numbers, k_pos: int):
 
 
 def dense_product(
-  k_shape,
-  x_shape,
-  k_contract,
-  x_contract,
-  k_pos: int,
-  kernel_view=(),
-  batch_size=None,
-  x_batch_axis: int | None = None,
+  k_shape, x_shape, k_contract, x_contract, k_pos, kernel_view=(), batch_size=None, x_batch=None
 ):
-  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None.
-
-  The kernel (operand `k_pos`) is read as the `[in, out]` matrix of its contracted then free
-  axes, the activation as `[rows, in]`; None when the kernel has no free or no contracted axis.
-  The rows keep the activation's axis order, but for the batch axis, moved first (a time-major
-  `[T, N, D]` activation), so that the per-example approximations find each example's rows
-  together: `x_batch_axis` when it is a free axis, else by `_batch_axes.batch_position`.
-  """
+  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None: the
+  kernel (operand `k_pos`) read as the `[in, out]` matrix of its contracted then free axes, the
+  activation as `[rows, in]`, its batch axis (`x_batch`, else by size) moved first."""
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
   if not k_free or not k_contract:
     return None
-  in_dim = math.prod(k_shape[d] for d in k_contract)
-  out_dim = math.prod(k_shape[d] for d in k_free)
-  rows = math.prod(x_shape[d] for d in x_free)
   n_xf, n_kf = len(x_free), len(k_free)
   order = list(range(n_xf))  # The row axes' order, as positions in x_free.
-  if x_batch_axis is not None and x_batch_axis in x_free:
-    first: int | None = x_free.index(x_batch_axis)
+  if x_batch is not None and x_batch in x_free:
+    first: int | None = x_free.index(x_batch)
   else:
     first = _batch_axes.batch_position([x_shape[d] for d in x_free], batch_size)
   if first:  # Neither None nor already leading.
@@ -367,9 +304,9 @@ def dense_product(
     kernel_perm=tuple(k_contract) + k_free,
     x_perm=tuple(x_free[t] for t in order) + tuple(x_contract),
     out_perm=out_perm,
-    in_dim=int(in_dim),
-    out_dim=int(out_dim),
-    rows=int(rows),
+    in_dim=int(math.prod(k_shape[d] for d in k_contract)),
+    out_dim=int(math.prod(k_shape[d] for d in k_free)),
+    rows=int(math.prod(x_shape[d] for d in x_free)),
   )
   return info, k_free, x_free
 
@@ -384,21 +321,16 @@ def dense_use(ix, i, k_pos):
   k_contract, x_contract, k_batch, x_batch = dot_dims(fe.params["dimension_numbers"], k_pos)
   if k_batch or x_batch:
     return None  # Batched products (e.g. per-head weights) are not dense layers.
-  k_shape = tuple(_graph.aval_of(k_atom).shape)
-  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
   x_axis = followed_batch_axis(ix, x_atom)
   found = dense_product(
     k_shape, x_shape, k_contract, x_contract, k_pos, k_chain, ix.batch_size, x_axis
   )
-  if found is None:
-    return None
-  info, k_free, _ = found
-  return info, x_atom, k_shape, k_free
+  return None if found is None else (found[0], x_atom, k_shape, found[1])
 
 
 def match_dense(ix, i, claimed):
-  """A single-use kernel in a `dot_general` with an activation (and its bias); a one-hot product
-  is taken first by `_matchers_embed.match_one_hot_embedding`."""
+  """A single-use kernel in a `dot_general` with an activation (and its bias)."""
   fe = ix.g.eqns[i]
   kernel = sole_param_operand(ix, i, "dot_general") or _kernel_beside_param(ix, i)
   if kernel is None or kernel[0] in claimed:
@@ -408,23 +340,20 @@ def match_dense(ix, i, claimed):
   if found is None:
     return None
   info, x_atom, k_shape, k_free = found
-  leaves = [k_leaf]
-  out_key = fe.outs[0]
+  leaves, out_key = [k_leaf], fe.outs[0]
   bias = match_dense_bias(ix, out_key, k_pos, k_shape, k_free, claimed)
   if bias is not None:
-    b_leaf, out_key = bias
-    leaves.append(b_leaf)
+    leaves.append(bias[0])
+    out_key = bias[1]
   if _graph.is_key(x_atom) and x_atom in ix.param_only:
     found = constant_input_tap(ix, out_key, info)
-    if found is not None:
-      out_key, info = found
+    out_key, info = found if found is not None else (out_key, info)
   return Match.single("dense", leaves, info, out_key, (x_atom,))
 
 
 def constant_input_tap(ix, key, info: DenseInfo):
   """`(tap, info with its shared_tap)` of a dense use whose input comes from parameters and
-  constants alone, whose output `key` reaches the examples through a broadcast
-  (`_batch_broadcast_tap`) or is computed once for all of them (`hoisted_tap`); else None."""
+  constants alone (`_batch_broadcast_tap`, else `hoisted_tap`); else None."""
   found = _batch_broadcast_tap(ix, key, info)
   return found if found is not None else hoisted_tap(ix, key, info)
 
@@ -439,26 +368,19 @@ def _shared_tap_bytes(info: DenseInfo, s_shape, entries: np.ndarray) -> bytes:
 
 
 def hoisted_tap(ix, key, info: DenseInfo):
-  """`(HoistedTap, info with its shared_tap)` of a dense use whose output `key` is computed
-  once for every example (`jax.vmap` hoists a product by a constant tangent direction or seed
-  out of the batch) and reaches the batched computation through layout operations only, each
-  key it arrives at read only by elementwise equations that broadcast it along their batch
-  axis, the same for all of them; else None. Its statistics are then those of the batched form
-  (the input broadcast over the examples, `DenseLayout.rows`): each example's output gradient
-  is taken where that example reads the value (`_graph.HoistedTap`)."""
+  """`(HoistedTap, info with its shared_tap)` of a dense use whose output `key` is computed once
+  for every example (hoisted by `jax.vmap`) and reaches the batched computation through layout
+  operations, then elementwise equations that broadcast it along their batch axis; else None."""
   if key in ix.from_batch:
     return None
-  s_shape = tuple(key[1].aval.shape)
-  outputs = {a for a in ix.g.outvars if _graph.is_key(a)}
+  s_shape, outputs = tuple(key[1].aval.shape), {a for a in ix.g.outvars if _graph.is_key(a)}
   todo = [(key, np.arange(math.prod(s_shape)).reshape(s_shape))]
-  keys, axes, shapes, entries = [], [], [], []
-  size = None
+  taps, size = [], None  # Per key the batch reads: (key, batch axis, shape, entries).
   while todo:
     k, idx = todo.pop()
     readers = ix.readers.get(k, ())
-    meets = [ix.g.eqns[i].outs[0] in ix.from_batch for i, _ in readers]
-    if not any(meets):  # Still computed once for all examples: only layout operations.
-      for i, pos in readers:
+    if not any(ix.g.eqns[i].outs[0] in ix.from_batch for i, _ in readers):
+      for i, pos in readers:  # Still computed once for all examples: only layout operations.
         fe = ix.g.eqns[i]
         if fe.name not in _OUTPUT_VIEW_OPS or pos != 0:
           return None
@@ -466,13 +388,11 @@ def hoisted_tap(ix, key, info: DenseInfo):
       continue
     if k in outputs or k in ix.g.scan_positions:
       return None  # A perturbation of another shape would change an output or a scan's step.
-    k_shape = tuple(k[1].aval.shape)
-    found = set()
+    k_shape, found = tuple(k[1].aval.shape), set()
     for i, _ in readers:
       fe = ix.g.eqns[i]
       out = fe.outs[0]
-      tag = ix.batch_axes.get(out)
-      out_shape = tuple(out[1].aval.shape)
+      tag, out_shape = ix.batch_axes.get(out), tuple(out[1].aval.shape)
       if (
         fe.name not in _batch_axes.ELEMENTWISE
         or out not in ix.from_batch
@@ -489,25 +409,20 @@ def hoisted_tap(ix, key, info: DenseInfo):
     if size not in (None, n) or not (idx == idx.take([0], axis=b)).all():
       return None
     size = n
-    keys.append(k)
-    axes.append(b)
-    shapes.append(k_shape[:b] + (n,) + k_shape[b + 1 :])
-    entries.append(idx.take(0, axis=b).reshape(-1))
-  if not keys:
+    taps.append((k, b, k_shape[:b] + (n,) + k_shape[b + 1 :], idx.take(0, axis=b).reshape(-1)))
+  if not taps:
     return None
-  tap = _graph.HoistedTap(tuple(keys), tuple(axes), tuple(shapes))
+  keys, axes, shapes, entries = zip(*taps)
+  tap = _graph.HoistedTap(keys, axes, shapes)
   shared = _shared_tap_bytes(info, s_shape, np.concatenate(entries))
   return tap, dataclasses.replace(info, shared_tap=shared)
 
 
 def _batch_broadcast_tap(ix, key, info: DenseInfo):
-  """`(tap key, info with its shared_tap)` of a dense layer whose input rows come from
-  parameters alone and whose output `key` reaches the batch only through layout ops and a
-  broadcast over a leading batch axis (`broadcast_to(probe @ w, (N, 1, D))`, `x + table @ w`),
-  where every example reads the same output: the gradient there is per example."""
+  """`(tap key, info with its shared_tap)` of a dense layer whose output `key` reaches the batch
+  only through layout ops and a broadcast over a leading batch axis (`x + table @ w`)."""
   s_shape = tuple(key[1].aval.shape)
-  n = math.prod(s_shape)
-  idx = np.arange(n).reshape(s_shape)
+  idx = np.arange(math.prod(s_shape)).reshape(s_shape)
   for _ in range(16):
     shape = tuple(idx.shape)
     if key not in ix.param_only and len(shape) >= 2 and shape[0] == ix.batch_size > 1:
@@ -534,10 +449,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
 
 def _kernel_beside_param(ix, i):
   """`(kernel leaf, operand position)` if equation i is a `dot_general` of a single-use kernel
-  with a view of another leaf: one tiled over the batch, the same for every example (a learned
-  probe, big_vision's MAP head), or one projected before such a broadcast (`probe @ kernel`, a
-  layer if `_batch_broadcast_tap` finds it). The probe is a layer of its own
-  (`_matchers_embed.match_batch_tokens`) or left to the fallback."""
+  with another leaf tiled over the batch (a learned probe) or projected before it is."""
   fe = ix.g.eqns[i]
   ops = ix.uses_by_eqn.get(i, [])
   if fe.name != "dot_general" or len(ops) != 2 or ops[0][0] == ops[1][0]:
@@ -561,24 +473,21 @@ def _kernel_beside_param(ix, i):
 def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
   """`(bias leaf, output key)` of a parameter added to a dense product's output `s_key` along
   its output features, else None."""
-  free_shape = tuple(k_shape[d] for d in k_free)
+  free_shape, out_shape = tuple(k_shape[d] for d in k_free), tuple(s_key[1].aval.shape)
   found = added_leaf(ix, s_key, claimed, shared) if k_pos == 1 else None
   if found is not None:  # `out + b`, b `[..., *free_shape]` over the leading axes.
     b_leaf, b_chain, other, fe = found
     b_shape = tuple(_graph.aval_of(other).shape)
-    s_shape = tuple(s_key[1].aval.shape)
     lead = len(b_shape) - len(free_shape)
     if (
       not any(s.op in ("transpose", "gather") for s in b_chain)
       and math.prod(ix.shapes[b_leaf]) == math.prod(free_shape)
       and lead >= 0
       and b_shape[lead:] == free_shape
-      and math.prod(b_shape[:lead]) in (1, math.prod(s_shape[: len(s_shape) - len(free_shape)]))
+      and math.prod(b_shape[:lead]) in (1, math.prod(out_shape[: len(out_shape) - len(free_shape)]))
     ):
       return b_leaf, fe.outs[0]
-  # A bias behind layout ops (vmap's unit axes, a transposed product) or broadcast to the full
-  # output: matched by where each bias entry lands; the tap stays at the product.
-  out_shape = tuple(s_key[1].aval.shape)
+  # A bias behind layout ops or broadcast to the full output: the tap stays at the product.
   feat = np.arange(math.prod(free_shape)).reshape(free_shape)
   if k_pos != 1:  # out = (k_free..., x_free...)
     feat = feat.reshape(free_shape + (1,) * (len(out_shape) - len(free_shape)))
@@ -587,23 +496,23 @@ def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = 
 
 
 # --------------------------------------------------------------------------------------------
-# Convolutions: `conv_general_dilated(x, kernel)` with the kernel a (viewed) leaf, any spatial
-# rank, strides, padding, dilations, dimension numbers and feature groups (`batch_group_count`
-# 1), and an optional bias along the output feature axis.
+# Convolutions: `conv_general_dilated(x, kernel)`, the kernel a (viewed) leaf, any dimension
+# numbers, feature groups (`batch_group_count` 1), and an optional bias along the out channels.
 
 
 def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
   dn = params["dimension_numbers"]
   lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+  ints = lambda name: tuple(int(s) for s in params[name])
   return ConvInfo(
     kernel_view=tuple(chain),
     lhs_spec=lhs,
     rhs_spec=rhs,
     out_spec=out,
-    window_strides=tuple(int(s) for s in params["window_strides"]),
+    window_strides=ints("window_strides"),
     padding=tuple((int(a), int(b)) for a, b in params["padding"]),
-    lhs_dilation=tuple(int(s) for s in params["lhs_dilation"]),
-    rhs_dilation=tuple(int(s) for s in params["rhs_dilation"]),
+    lhs_dilation=ints("lhs_dilation"),
+    rhs_dilation=ints("rhs_dilation"),
     feature_group_count=int(params["feature_group_count"]),
     in_channels=int(x_shape[lhs[1]]),
     out_channels=int(k_shape[rhs[0]]),
@@ -615,26 +524,21 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
 
 def conv_use(ix, i, claimed, shared: bool = False):
   """`(ConvInfo, kernel leaf, (x atom,), output key, bias leaf or None)` if equation i convolves
-  an activation with a (viewed) parameter kernel, else None. With `shared`, the kernel and the
-  bias may have other uses (one use of a shared layer)."""
+  an activation with a (viewed) parameter kernel (with `shared`, used elsewhere too)."""
   fe = ix.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
   ops = ix.uses_by_eqn.get(i, [])
-  if len(ops) != 1 or ops[0][1] != 1:
-    return None
   found = single_use_leaf(ix, fe.ins[1], claimed, shared)
-  if found is None:
+  if len(ops) != 1 or ops[0][1] != 1 or found is None:
     return None
   k_leaf, chain = found
   if any(s.op not in ("reshape", "transpose", "cast") for s in chain):
     return None
-  x_atom, k_atom = fe.ins[0], fe.ins[1]
-  out_key = fe.outs[0]
+  x_atom, out_key = fe.ins[0], fe.outs[0]
   out_shape = tuple(out_key[1].aval.shape)
-  info = _conv_info(
-    chain, fe.params, _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape, out_shape
-  )
+  x_shape, k_shape = _graph.aval_of(x_atom).shape, _graph.aval_of(fe.ins[1]).shape
+  info = _conv_info(chain, fe.params, x_shape, k_shape, out_shape)
   c = info.out_channels
   bias = added_leaf(ix, out_key, claimed, shared)
   if bias is not None:  # `out + b`, b `[C]` along the output channels.
@@ -662,9 +566,8 @@ def match_conv(ix, i, claimed):
 
 # --------------------------------------------------------------------------------------------
 # Scales and shifts: `x * scale (+ shift)` and `x + shift`, the parameters spanning consecutive
-# axes of the output (trailing, or channel-first as equinox's norms) broadcast along the others;
-# a second multiplication by an activation right after the scale is folded in, which covers
-# Flax's norms (`(x - mean) * (rsqrt(var + eps) * scale) + bias`).
+# axes of the output broadcast along the others; a second multiplication by an activation
+# right after the scale is folded in (Flax's norms: `(x - mean) * (rsqrt(var + eps) * scale)`).
 
 
 def match_scale_and_shift(ix, i, claimed):
@@ -673,13 +576,10 @@ def match_scale_and_shift(ix, i, claimed):
 
 def scale_shift_operands(ix, i, claimed, shared: bool = False):
   """`(leaf, parameter atom, input atoms, output key)` if equation i multiplies an activation by
-  a parameter (a second multiplication by an activation right after it folded in) or adds one
-  to it; else None."""
+  a parameter (a second product by an activation right after it folded in) or adds one to it."""
   fe = ix.g.eqns[i]
-  if fe.name not in ("mul", "add") or len(fe.ins) != 2:
-    return None
   ops = ix.uses_by_eqn.get(i, [])
-  if len(ops) != 1:
+  if fe.name not in ("mul", "add") or len(fe.ins) != 2 or len(ops) != 1:
     return None
   leaf, pos = ops[0]
   other = fe.ins[1 - pos]
@@ -705,17 +605,13 @@ def scale_shift_operands(ix, i, claimed, shared: bool = False):
 
 
 def scale_shift_use(ix, i, claimed, shared: bool = False):
-  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` if equation i
-  multiplies an activation by a parameter (the scale, then a shift is matched too) or adds one
-  (the shift); else None. With `shared`, the parameters may have other uses. Without an axis
-  of examples, a single-use layer over rows of the batch's inputs (`node_rows`) takes those as
-  its statistics' rows."""
+  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` of a scale (and its
+  shift) or shift at equation i; without an axis of examples, rows from `node_rows`."""
   found = scale_shift_operands(ix, i, claimed, shared)
   if found is None:
     return None
   leaf, atom, inputs, out_key = found
-  chain = ix.origin[atom][1]
-  out_shape = tuple(out_key[1].aval.shape)
+  chain, out_shape = ix.origin[atom][1], tuple(out_key[1].aval.shape)
   block = feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
   index = b""
   if block is None and ix.g.eqns[i].name == "add":
@@ -725,27 +621,23 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   if block is None or len(block[1]) == len(out_shape):
     return None
   axis, feat = block
-  batch_axis = batch_axis_of(
-    out_shape, axis, len(feat), ix.batch_size, followed_batch_axis(ix, out_key)
-  )
-  example_rows = True
-  if batch_axis is None:
-    if shared or not node_rows(ix, out_shape, axis):
-      return None
-    batch_axis, example_rows = 0, False
+  followed = followed_batch_axis(ix, out_key)
+  batch_axis = batch_axis_of(out_shape, axis, len(feat), ix.batch_size, followed)
+  example_rows = batch_axis is not None
+  if batch_axis is None and (shared or not node_rows(ix, out_shape, axis)):
+    return None
   shift_leaf = None
   is_mul = ix.g.eqns[i].name == "mul"
-  if is_mul:
-    shift = match_shift(ix, out_key, out_shape, block, claimed, shared)
-    if shift is not None:
-      shift_leaf, out_key = shift
+  shift = match_shift(ix, out_key, out_shape, block, claimed, shared) if is_mul else None
+  if shift is not None:
+    shift_leaf, out_key = shift
   info = ScaleShiftInfo(
     has_scale=is_mul,
     has_shift=not is_mul or shift_leaf is not None,
     feature_shape=feat,
     output_shape=out_shape,
     feature_axis=axis,
-    batch_axis=batch_axis,
+    batch_axis=0 if batch_axis is None else batch_axis,
     example_rows=example_rows,
     feature_index=index,
   )
@@ -754,8 +646,7 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
 
 def node_rows(ix, out_shape, feature_axis) -> bool:
   """Whether the leading axis of `out_shape`, outside the features, has the length of the
-  leading axis of a batch input without a found batch axis: rows of the batch that are not its
-  examples, as the nodes of a batch of graphs in one `[num_nodes, features]` array."""
+  leading axis of a batch input without a found batch axis (the nodes of a batch of graphs)."""
   if len(out_shape) < 2 or feature_axis == 0:
     return False
   return any(
@@ -765,9 +656,8 @@ def node_rows(ix, out_shape, feature_axis) -> bool:
 
 
 def indexed_features(leaf_shape, idx: np.ndarray, out_shape):
-  """`(feature_shape, feature_index)` of a parameter view added to `out_shape`: `idx`
-  (`index_of_view`) has unit axes, then the output's trailing axes; `feature_index` is empty
-  when the features are the leaf in order (`ScaleShiftInfo.feature_index`). Else None."""
+  """`(feature_shape, feature_index)` of a parameter view `idx` (unit axes, then the output's
+  trailing axes) added to `out_shape`; the index empty for the leaf in order. Else None."""
   nd = len(out_shape)
   if idx.ndim > nd:
     return None
@@ -775,15 +665,13 @@ def indexed_features(leaf_shape, idx: np.ndarray, out_shape):
   wide = [a for a in range(nd) if view[a] != 1]
   if not wide or view[wide[0] :] != tuple(out_shape[wide[0] :]):
     return None
-  feat = idx.reshape(out_shape[wide[0] :])
-  n = math.prod(leaf_shape)
+  feat, n = idx.reshape(out_shape[wide[0] :]), math.prod(leaf_shape)
   own = feat.size == n and np.array_equal(feat.reshape(-1), np.arange(n))
   return tuple(feat.shape), b"" if own else feat.reshape(-1).astype(np.int32).tobytes()
 
 
 def followed_batch_axis(ix, atom) -> int | None:
-  """The batch axis of an activation followed from the batch inputs (`ix.batch_axes`), or None
-  where the pass did not follow it (then the matchers go by the axes' sizes)."""
+  """The batch axis of an activation followed from the batch inputs, or None."""
   tag = ix.batch_axes.get(atom) if _graph.is_key(atom) else None
   return None if tag is None else tag[0]
 
@@ -791,9 +679,8 @@ def followed_batch_axis(ix, atom) -> int | None:
 def batch_axis_of(
   out_shape, feature_axis, n_feat: int, batch_size: int, followed: int | None = None
 ) -> int | None:
-  """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs;
-  rows merged example-major into it, as `(b h) t d`, are grouped by example) when it lies
-  outside the features, else `batch_position` over the axes outside the features."""
+  """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs)
+  when it lies outside the features, else `batch_position` over the axes outside them."""
   start = len(out_shape) - n_feat if feature_axis is None else feature_axis
   outside = [a for a in range(len(out_shape)) if not start <= a < start + n_feat]
   if followed is not None and followed in outside:
@@ -874,9 +761,8 @@ def read_conv_tag(ix, fe) -> Match:
   leaves = [k_leaf]
   if len(fe.ins) > 3:
     leaves.append(tag_leaf(ix, fe.ins[3], "bias", "register_conv")[0])
-  info = _conv_info(
-    chain, fe.params, _graph.aval_of(x).shape, _graph.aval_of(kernel).shape, y_shape
-  )
+  x_shape, k_shape = _graph.aval_of(x).shape, _graph.aval_of(kernel).shape
+  info = _conv_info(chain, fe.params, x_shape, k_shape, y_shape)
   return Match.single("conv", leaves, info, y, (x,))
 
 
@@ -906,10 +792,8 @@ def read_scale_and_shift_tag(ix, fe) -> Match:
       f"tags ({ix.batch_size})."
     )
   leaves, feats = [], []
-  for atom, what in zip(
-    fe.ins[2:],
-    [n for n, h in (("scale", fe.params["has_scale"]), ("shift", fe.params["has_shift"])) if h],
-  ):
+  has = [fe.params["has_scale"], fe.params["has_shift"]]
+  for atom, what in zip(fe.ins[2:], [n for n, h in zip(("scale", "shift"), has) if h]):
     j, chain = tag_leaf(ix, atom, what, fn, broadcast=True)
     f = _trailing_feature_shape(ix.shapes[j], chain, tuple(_graph.aval_of(atom).shape), y_shape)
     if f is None or len(f) == len(y_shape):
@@ -922,10 +806,7 @@ def read_scale_and_shift_tag(ix, fe) -> Match:
   if len(set(feats)) > 1:
     raise RegistrationError(f"{fn}: `scale` and `shift` span different axes of y: {feats}.")
   info = ScaleShiftInfo(
-    has_scale=fe.params["has_scale"],
-    has_shift=fe.params["has_shift"],
-    feature_shape=feats[0],
-    output_shape=y_shape,
+    has_scale=has[0], has_shift=has[1], feature_shape=feats[0], output_shape=y_shape
   )
   return Match.single("scale_and_shift", leaves, info, y, (fe.ins[1],) if info.has_scale else ())
 

@@ -1,18 +1,10 @@
-"""Matchers for tables: embedding lookups and learned tokens (matchers in general: `_matchers`).
+"""Matchers for tables: embedding lookups and learned tokens.
 
-  embedding   whole rows of a 2-d parameter `[vocab, dim]`, read as itself (casts only): a
-              `gather` (`jnp.take`, `table[ids]`, Flax `Embed`; `vmap` of `table[i]`, equinox's
-              `Embedding`), or a product `one_hot(ids, vocab) @ table` with the table on the
-              right (`jax.nn.one_hot` or `ids[..., None] == arange(vocab)`, cast, through `dot`,
-              `einsum` or `@`), tried before `_matchers.match_dense`. Only the ids are
-              recorded, so the block never forms a vocab × vocab factor.
-  tokens      a parameter broadcast over the batch and read as an activation (a ViT's class
-              token, Perceiver latents, learned queries, a mask token in a `where`), or a table
-              gathered at constant positions (T5's relative-position bias, GPT-2's `wpe`): a
-              shift-only scale_and_shift layer whose output is the broadcast itself.
-
-The use readers (`embedding_use`, `one_hot_embedding_use`) also serve
-`_matchers_shared.match_shared` (a tied table).
+An embedding reads whole rows of a `[vocab, dim]` parameter (casts only) by a `gather`
+(`table[ids]`, `vmap` of `table[i]`) or as `one_hot(ids, vocab) @ table`; only the ids are
+recorded, so the block never forms a vocab × vocab factor. Learned tokens are a parameter
+broadcast over the batch (a class token, latents) or a table gathered at constant positions (a
+relative-position bias): a shift-only scale_and_shift layer whose output is the view itself.
 """
 
 from __future__ import annotations
@@ -32,6 +24,16 @@ def _table_match(leaf, use) -> _matchers.Match | None:
   return _matchers.Match.single("embedding", [leaf], info, out_key, (ids,))
 
 
+def _table(ix, atom) -> EmbeddingInfo | None:
+  """The `EmbeddingInfo` of `atom` when it is a 2-d parameter view (casts only), else None."""
+  if not _graph.is_key(atom) or atom not in ix.origin:
+    return None
+  chain, shape = ix.origin[atom][1], _graph.aval_of(atom).shape
+  if any(s.op != "cast" for s in chain) or len(shape) != 2:
+    return None
+  return EmbeddingInfo(tuple(chain), int(shape[0]), int(shape[1]))
+
+
 def match_embedding(ix, i, claimed):
   """A single-use `[vocab, dim]` table whose rows a gather takes (`embedding_use`)."""
   ops = ix.uses_by_eqn.get(i, [])
@@ -45,35 +47,30 @@ def embedding_use(ix, i):
   """`(EmbeddingInfo, ids atom, output key)` if equation i takes whole rows of a [vocab, dim]
   parameter table (its operand 0), else None."""
   fe = ix.g.eqns[i]
-  if fe.name != "gather" or not _graph.is_key(fe.ins[0]) or fe.ins[0] not in ix.origin:
+  info = _table(ix, fe.ins[0]) if fe.name == "gather" else None
+  if info is None:
     return None
-  chain = ix.origin[fe.ins[0]][1]
-  t_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
-  if any(s.op != "cast" for s in chain) or len(t_shape) != 2:
-    return None
-  idx_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  idx_shape, out_shape = tuple(_graph.aval_of(fe.ins[1]).shape), tuple(fe.outs[0][1].aval.shape)
   dn = fe.params["dimension_numbers"]
   if tuple(dn.start_index_map) == (0, 1):
-    return _vmapped_row_use(ix, fe, chain, t_shape)
+    return _vmapped_row_use(ix, fe, info)
   if (
     tuple(dn.offset_dims) != (len(out_shape) - 1,)
     or tuple(dn.collapsed_slice_dims) != (0,)
     or tuple(dn.start_index_map) != (0,)
     or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
+    or tuple(fe.params["slice_sizes"]) != (1, info.dim)
     or not idx_shape
     or idx_shape[-1] != 1
-    or out_shape != idx_shape[:-1] + (t_shape[1],)
+    or out_shape != idx_shape[:-1] + (info.dim,)
   ):
     return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), fe.ins[1], fe.outs[0]
+  return info, fe.ins[1], fe.outs[0]
 
 
-def _vmapped_row_use(ix, fe, chain, t_shape):
+def _vmapped_row_use(ix, fe, info):
   """`embedding_use` for `vmap` of `table[i]`: a gather of whole rows at index vectors
-  `concatenate([ids, column start], -1)`, nothing collapsed, then a `squeeze` of the row axis.
-  The column start cannot move a full-width slice (clipped or promised in bounds)."""
+  `concatenate([ids, column start], -1)` (clipped or in bounds), then a `squeeze`."""
   dn = fe.params["dimension_numbers"]
   out_shape = tuple(fe.outs[0][1].aval.shape)
   nd = len(out_shape)
@@ -83,8 +80,8 @@ def _vmapped_row_use(ix, fe, chain, t_shape):
     tuple(dn.offset_dims) != (nd - 2, nd - 1)
     or tuple(dn.collapsed_slice_dims)
     or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, t_shape[1])
-    or out_shape[-2:] != (1, t_shape[1])
+    or tuple(fe.params["slice_sizes"]) != (1, info.dim)
+    or out_shape[-2:] != (1, info.dim)
     or mode not in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     or cat is None
     or cat.name != "concatenate"
@@ -98,7 +95,7 @@ def _vmapped_row_use(ix, fe, chain, t_shape):
   sq = None if use is None else ix.g.eqns[use[0]]
   if sq is None or sq.name != "squeeze" or tuple(sq.params["dimensions"]) != (nd - 2,):
     return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), cat.ins[0], sq.outs[0]
+  return info, cat.ins[0], sq.outs[0]
 
 
 def match_one_hot_embedding(ix, i, claimed):
@@ -113,30 +110,19 @@ def one_hot_embedding_use(ix, i):
   """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
   `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
   fe = ix.g.eqns[i]
-  if fe.name != "dot_general" or not _graph.is_key(fe.ins[1]) or fe.ins[1] not in ix.origin:
+  info = _table(ix, fe.ins[1]) if fe.name == "dot_general" else None
+  if info is None:
     return None
   (lhs_c, rhs_c), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
-  chain = ix.origin[fe.ins[1]][1]
-  t_shape = tuple(_graph.aval_of(fe.ins[1]).shape)
-  if (
-    lhs_b
-    or rhs_b
-    or len(t_shape) != 2
-    or tuple(rhs_c) != (0,)
-    or len(lhs_c) != 1
-    or any(s.op != "cast" for s in chain)
-  ):
+  if lhs_b or rhs_b or tuple(rhs_c) != (0,) or len(lhs_c) != 1:
     return None
-  ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), t_shape[0])
-  if ids is None:
-    return None
-  return EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1])), ids, fe.outs[0]
+  ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), info.vocab_size)
+  return None if ids is None else (info, ids, fe.outs[0])
 
 
 def one_hot_ids(ix, atom, axis: int, vocab: int):
-  """The integer ids atom if `atom` is `cast(ids == iota)`, a one-hot encoding with the
-  vocabulary (`vocab` entries) on `axis`; the ids have the one-hot's shape without `axis` (or with
-  it of size 1). Else None."""
+  """The integer ids if `atom` is `cast(ids == iota)`, a one-hot encoding of `vocab` entries on
+  `axis` (the ids without that axis, or with it of size 1); else None."""
   fe = _producer(ix, atom)
   while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
     fe = _producer(ix, fe.ins[0])
@@ -205,16 +191,9 @@ def _producer(ix, atom):
   return None if i is None else ix.g.eqns[i]
 
 
-# --------------------------------------------------------------------------------------------
-# Learned tokens.
-
-
 def match_batch_tokens(ix, i, claimed):
   """Learned tokens: every use of an unclaimed leaf reads one view of it whose leading axis is
-  the batch, an axis the leaf does not span. The view is `0 + tokens`, a shift-only layer whose
-  output is the view itself, however many operations read it; its output gradient is the
-  per-example gradient of the tokens. Tried last in its pass: it takes what nothing else
-  explains, which would otherwise be a generic block of batch-summed gradients."""
+  the batch, which the leaf does not span: a shift-only layer `0 + tokens`."""
   fe = ix.g.eqns[i]
   for leaf, pos in ix.uses_by_eqn.get(i, []):
     atom = fe.ins[pos]
@@ -229,10 +208,8 @@ def match_batch_tokens(ix, i, claimed):
 
 
 def batch_view_info(ix, leaf, atom) -> ScaleShiftInfo | None:
-  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the
-  batch and which is the same for every example; else None. A view that is not a broadcast
-  over leading axes (T5's `table[buckets]` transposed to `[1, heads, q, k]`) records which leaf
-  entry each feature reads (`ScaleShiftInfo.feature_index`)."""
+  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the batch
+  and which is the same for every example; else None."""
   view_shape = tuple(_graph.aval_of(atom).shape)
   if not view_shape or view_shape[0] != ix.batch_size:
     return None

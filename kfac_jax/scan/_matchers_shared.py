@@ -1,9 +1,6 @@
-"""The shared-layer matcher: one layer for a parameter leaf with several real uses.
-
-Tied weights and unrolled scans use one leaf several times. `match_shared` reads every use with
-the kinds' use readers and makes one layer of them when they agree on how the leaf is read; it
-sits above both matcher modules because a tied embedding mixes lookups with dense products by
-the (transposed) table.
+"""The shared-layer matcher: one layer for a leaf with several real uses (tied weights, a scan's
+steps), when the kinds' use readers agree on how the leaf is read. It sits above both matcher
+modules: a tied embedding mixes lookups with products by the (transposed) table.
 """
 
 from __future__ import annotations
@@ -22,50 +19,18 @@ if TYPE_CHECKING:
 
 
 def match_shared(ix, leaf, claimed, shifts: bool = False):
-  """One layer for a leaf whose uses are all dense products (with one shared bias), embedding
-  lookups, convolutions (with one shared bias) or scales / shifts of activations; a tied
-  embedding mixes lookups with products by the transposed table. Leaves added to activations
-  (shifts) are matched only with `shifts`, after the scales have claimed theirs.
-
-  Returns a `Match` with one entry per use, or None.
-  """
-  uses = ix.uses[leaf]
+  """A `Match` with one entry per use of a leaf whose uses are all dense products (one shared
+  bias), embedding lookups, convolutions (one shared bias) or scales / shifts (the latter only
+  with `shifts`, after the scales claimed theirs); else None."""
   found: list[tuple] = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
   products = {}  # Position in `found` of a dense use -> its product's output key.
-  for i, pos in uses:
-    fe = ix.g.eqns[i]
-    if len(ix.uses_by_eqn.get(i, [])) != 1:
+  for i, pos in ix.uses[leaf]:
+    use = _use(ix, i, pos, claimed, shifts) if len(ix.uses_by_eqn.get(i, [])) == 1 else None
+    if use is None:
       return None
-    emb = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
-    if emb is not None:
-      found.append(("embedding", emb[0], (emb[1],), emb[2], None))
-    elif fe.name == "dot_general":
-      d = _matchers.dense_use(ix, i, pos)
-      if d is None:
-        return None
-      info, x_atom, k_shape, k_free = d
-      bias = _matchers.match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
-      b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
-      products[len(found)] = fe.outs[0]
-      found.append(("dense", info, (x_atom,), out_key, b_leaf))
-    elif fe.name == "gather" and pos == 0:
-      e = _matchers_embed.embedding_use(ix, i)
-      if e is None:
-        return None
-      info, ids, out_key = e
-      found.append(("embedding", info, (ids,), out_key, None))
-    elif fe.name == "conv_general_dilated":
-      c = _matchers.conv_use(ix, i, claimed, shared=True)
-      if c is None:
-        return None
-      found.append(("conv", c[0], *c[2:]))
-    elif fe.name == "mul" or (fe.name == "add" and shifts):
-      m = _matchers.scale_shift_use(ix, i, claimed, shared=True)
-      if m is None:
-        return None
-      found.append(("scale_and_shift", m[0], *m[2:]))
-    else:
-      return None
+    if use[0] == "dense":
+      products[len(found)] = ix.g.eqns[i].outs[0]
+    found.append(use)
   kinds = {f[0] for f in found}
   if kinds == {"dense"}:
     found = _transposed_uses(found, ix.shapes[leaf], products)
@@ -83,8 +48,7 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
     return None
   if b_leaf is not None and b_leaf in claimed:
     return None
-  infos = tuple(f[1] for f in found)
-  shape = ix.shapes[leaf]
+  infos, shape = tuple(f[1] for f in found), ix.shapes[leaf]
   kind: Kind = "embedding" if "embedding" in kinds else found[0][0]
   if kind == "embedding":
     if not kinds <= {"dense", "embedding"} or not _reads_one_table(infos, shape):
@@ -97,15 +61,35 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
   )
 
 
-def _tangent_uses(ix, found, kinds):
-  """`(found, bias leaf or None)` when the uses agree on the bias, else `(found, False)`.
+def _use(ix, i, pos, claimed, shifts):
+  """`(kind, info, inputs, output key, bias / shift leaf or None)` of one use, or None."""
+  fe = ix.g.eqns[i]
+  emb = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
+  if emb is None and fe.name == "gather" and pos == 0:
+    emb = _matchers_embed.embedding_use(ix, i)
+  if emb is not None:
+    return "embedding", emb[0], (emb[1],), emb[2], None
+  if fe.name == "dot_general":
+    d = _matchers.dense_use(ix, i, pos)
+    if d is None:
+      return None
+    info, x_atom, k_shape, k_free = d
+    bias = _matchers.match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
+    b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
+    return "dense", info, (x_atom,), out_key, b_leaf
+  if fe.name == "conv_general_dilated":
+    kind, m = "conv", _matchers.conv_use(ix, i, claimed, shared=True)
+  elif fe.name == "mul" or (fe.name == "add" and shifts):
+    kind, m = "scale_and_shift", _matchers.scale_shift_use(ix, i, claimed, shared=True)
+  else:
+    return None
+  return None if m is None else (kind, m[0], *m[2:])
 
-  Dense uses may differ in one way: some add the bias and the others add none. That is a layer
-  applied to a point and to its tangents (a forward-mode derivative: `jax.jvp`, nested for a
-  Laplacian, or a hand-written forward Laplacian): the derivative of `x W + b` along a tangent
-  `dx` is `dx W`. The uses without the bias are marked `adds_bias=False` (homogeneous coordinate
-  0); the bias must be used exactly where the kernel's uses add it.
-  """
+
+def _tangent_uses(ix, found, kinds):
+  """`(found, bias leaf or None)` when the uses agree on the bias, else `(found, False)`. Dense
+  uses may add the bias or not: a layer applied to a point and to its tangents (the derivative
+  of `x W + b` along `dx` is `dx W`); those without it are marked `adds_bias=False`."""
   biases = {f[4] for f in found}
   mixed = len(biases) == 2 and None in biases and kinds == {"dense"}
   if len(biases) != 1 and not mixed:
@@ -125,16 +109,9 @@ def _tangent_uses(ix, found, kinds):
 
 
 def _transposed_uses(found, shape, products):
-  """`found` with the dense uses that read the kernel matrix transposed marked
-  (`DenseInfo.transposed`), or None when a use reads it otherwise.
-
-  The kernel matrix is the one the uses adding the bias read, else the first use's. A
-  reverse-mode derivative reads it both ways round: the backward pass of `z = a W` computes
-  `δa = δz Wᵀ`, one more use of W with input δz and output δa, whose gradient `δz`-outer-
-  `∂ℓ/∂δa` enters W's statistics with the roles of input and output exchanged. A leaf added
-  to a transposed product (a tied autoencoder's decoder bias, `h Wᵀ + c`) is not the layer's
-  bias: the use is tapped at its product (`products`), the leaf left to another layer.
-  """
+  """`found` with the uses that read the kernel matrix transposed (a reverse-mode backward pass,
+  `δa = δz Wᵀ`) marked `DenseInfo.transposed` and tapped at their product; None when a use
+  reads it otherwise. The matrix is the bias-adding uses' reading, else the first's."""
   mats = [kernel_index_matrix(f[1], shape) for f in found]
   first = next((n for n, f in enumerate(found) if f[4] is not None), 0)
   canonical = mats[first]
@@ -152,8 +129,7 @@ def _transposed_uses(found, shape, products):
 
 def _layout(info, shape) -> tuple:
   """What the uses of a shared dense, conv or scale-and-shift leaf must agree on: the kernel
-  matrix read (transposed back for a transposed use; a convolution's strides, padding and
-  input shapes may differ), or the axes."""
+  matrix read (transposed back if marked), a convolution's kernel and channels, or the axes."""
   if isinstance(info, DenseInfo):
     m = kernel_index_matrix(info, shape)
     m = m.T if info.transposed else m
@@ -171,8 +147,7 @@ def _layout(info, shape) -> tuple:
 
 
 def _reads_one_table(infos, shape) -> bool:
-  """Whether the uses read one table `[vocab, dim]`: one lookup, and products by the table or
-  by its transpose."""
+  """Whether the uses read one `[vocab, dim]` table: one lookup, products by it or its transpose."""
   idx = np.arange(math.prod(shape)).reshape(shape)
   lookups = {inf for inf in infos if isinstance(inf, EmbeddingInfo)}
   products = [kernel_index_matrix(inf, shape) for inf in infos if isinstance(inf, DenseInfo)]

@@ -1,17 +1,10 @@
 """The scanner: trace `loss_fn(params, batch)`, find loss tags and layers, describe them statically.
 
-Every parameter leaf is followed forward through layout-only operations to the operations that
-really use it (`_index`); only uses on the backward slice of the loss tags count, so an L2 term
-in the loss does not make a kernel "used twice". The kinds' matchers (`_kinds`) then claim
-leaves in a fixed order (`_Scanner`): manual tags; leaves with several uses as one shared layer
-(tied embeddings, a recurrent cell's kernels in an unrolled scan: `ScanResult.extra_uses` keeps
-each use's output and inputs); then kernels with their biases, gathers, and elementwise scales
-and shifts, so a bias is never mistaken for a shift. Stacked layers (`_stacked`) become one layer
-with `stack_size = L`. Leaves left over get a diagonal generic block, a warning and a reason
-(`fallback_reason`). A layer's factor shapes are its block class's (`blocks.factor_shapes_for`).
-
-Adding a layer kind: its record in `_kinds` and, if no block computes it yet, a layout in
-`blocks/` (see `blocks._layouts`).
+Each parameter leaf is followed through layout-only operations to its real uses on the loss
+tags' backward slice (`_index`; an L2 term does not make a kernel "used twice"). The kinds'
+matchers (`_kinds`) then claim leaves in the order `_Scanner` gives; stacked layers (`_stacked`)
+become one layer with `stack_size = L`; leaves left over get a diagonal generic block, a warning
+and a reason (`fallback_reason`). A layer's factor shapes are its block class's.
 """
 
 from __future__ import annotations
@@ -28,14 +21,12 @@ import numpy as np
 
 from kfac_jax import _compat, _tags
 from kfac_jax import blocks as _blocks
+from kfac_jax._errors import RegistrationCheckError, RegistrationError, UncoveredParametersWarning
 from kfac_jax._specs import (  # Re-exported: the names other modules and tests use from here.
   EmbeddingInfo,
   FallbackInfo,
   LayerSpec,
   LossSpec,
-  RegistrationCheckError,
-  RegistrationError,
-  UncoveredParametersWarning,
   common_prefix,
   kernel_index_matrix,
   param_paths,
@@ -56,9 +47,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScanResult:
-  """The result of one scan of `loss_fn` for one `(params, batch)` signature: the flat graph,
-  static specs, and the graph keys the curvature pass taps. A `kfac_jax.Registration` keeps
-  one per batch signature (`Registration.scan_batch`)."""
+  """One scan of `loss_fn` for one `(params, batch)` signature: the flat graph, static specs and
+  the graph keys the curvature pass taps (`Registration.scan_batch` keeps one per signature)."""
 
   graph: _graph.FlatGraph
   layers: tuple[LayerSpec, ...]
@@ -71,16 +61,14 @@ class ScanResult:
   extra_uses: tuple[tuple[tuple[_graph.Key, tuple[_graph.Atom, ...]], ...], ...] = ()
   # With `has_aux`: the treedef of the aux, whose leaves are the graph's outputs after the loss.
   aux_tree: Any = None
-  # The loss tags are bound only in custom rules (FermiNet's idiom: a custom_jvp's JVP rule; or
-  # a custom_vjp's fwd or bwd): the graph is then `loss_fn` as jax.grad runs it
-  # (`_as_differentiated`), whose loss output is zero; the loss, aux and gradient come from
-  # differentiating `loss_fn` itself.
+  # Loss tags bound only in custom rules: the graph is `loss_fn` as jax.grad runs it (its loss
+  # output is zero); the loss, aux and gradient come from differentiating `loss_fn` itself.
   separate_loss: bool = False
 
   @property
   def batch_size(self) -> int:
-    """N, the statistics' normalisation: the largest loss tag's batch (each tag's own size is
-    its `LossSpec.batch_size`; the curvature pass rescales the others' output vectors)."""
+    """N, the statistics' normalisation: the largest loss tag's batch (the curvature pass
+    rescales the others' output vectors)."""
     return max(spec.batch_size for spec in self.losses)
 
 
@@ -97,15 +85,10 @@ def scan(
 ) -> ScanResult:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
-  With `has_aux`, `loss_fn` returns `(loss, aux)`: the aux's leaves stay outputs of the graph
-  after the loss (their treedef is `ScanResult.aux_tree`), so one evaluation gives loss and
-  aux, and play no part in the registration (the layers are found on the loss's slice of the
-  graph).
-
-  `layers` chooses approximations and linked groups (see `LayerConfig`). With `collect`, every
-  coverage problem (a parameter uncovered or registered twice, a manual tag whose use count
-  differs from the graph's, a pattern matching nothing) is gathered and raised as one
-  `RegistrationCheckError` at the end.
+  With `has_aux`, `loss_fn` returns `(loss, aux)`: the aux's leaves stay graph outputs after the
+  loss (`ScanResult.aux_tree`) and play no part in the registration. `layers` chooses
+  approximations and linked groups (`LayerConfig`). With `collect`, every coverage problem is
+  gathered and raised as one `RegistrationCheckError` at the end.
 
   Raises:
     RegistrationError: no loss tag, a malformed manual tag, an approximation that does not fit
@@ -117,21 +100,32 @@ def scan(
     _blocks.check_class(cls, f"LayerConfig.blocks[{pattern!r}]")
   paths = param_paths(params)
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  for path, leaf in zip(paths, leaves):
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
-      raise RegistrationError(
-        f"parameter `{path}` has dtype {dtype}; K-FAC's blocks take real parameters (their "
-        "statistics are real Gram matrices of real gradients). Keep the real and imaginary "
-        f"parts as two real leaves and build the complex value in the model, e.g. "
-        "`w = p['w_re'] + 1j * p['w_im']`. A complex output (a complex log psi) of real "
-        "parameters is fine."
-      )
-    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-      raise RegistrationError(
-        f"parameter `{path}` has dtype {dtype}; K-FAC needs floating-point "
-        "parameters. Keep integer state out of `params` (pass it in the batch instead)."
-      )
+  _check_dtypes(paths, leaves)
+  graph, aux_tree, separate = _trace(loss_fn, leaves, treedef, batch, has_aux)
+  losses, loss_operands = _losses(graph)
+  shapes = [tuple(np.shape(x)) for x in leaves]
+  roots = [ops[0] for ops in loss_operands]
+  batch_size = max(spec.batch_size for spec in losses)
+  ix = _index.build(graph, len(leaves), paths, shapes, roots, batch_size)
+  specs = _Scanner(ix, layers, strict, warn, collect).run()
+  specs.sort(key=lambda s: min(s[0].leaf_indices))
+  _check_custom_taps(graph, specs)
+  firsts = [(s[1][0], s[2][0]) if s[0].multi_tap else s[1:] for s in specs]
+  return ScanResult(
+    graph=graph,
+    layers=tuple(s[0] for s in specs),
+    losses=tuple(losses),
+    loss_operands=tuple(loss_operands),
+    layer_outputs=tuple(f[0] for f in firsts),
+    layer_inputs=tuple(f[1] for f in firsts),
+    extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if s[0].multi_tap else () for s in specs),
+    aux_tree=aux_tree,
+    separate_loss=separate,
+  )
+
+
+def _trace(loss_fn, leaves, treedef, batch, has_aux):
+  """`(graph, aux treedef, separate_loss)` of `loss_fn` at the parameter `leaves` (`ScanResult`)."""
   batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
 
   def traced(fn):
@@ -150,43 +144,39 @@ def scan(
       "has_aux=True."
     )
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
-  aux_tree = jax.tree_util.tree_structure(out_shape[1]) if has_aux else None
-  separate = False
   tagged = any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns)
   customs = _custom_calls(closed.jaxpr)
-  # Rules may hold loss tags: trace `loss_fn` as jax.grad runs it. Beside tags of the loss
-  # itself, only for a call that reads a parameter itself (FermiNet's energy, a custom layer),
-  # not for relu's or softplus's rule on activations (the trace costs a linearisation).
+  # Rules may hold loss tags: trace `loss_fn` as jax.grad runs it, beside tags of the loss only
+  # for a call that reads a parameter itself (not relu's rule: the trace costs a linearisation).
   if customs and (not tagged or graph.customs):
     backward = bool(customs - {"custom_jvp_call"})
     closed_d, (_, out_d) = traced(_as_differentiated(loss_fn, has_aux, backward))
-    closed_d = _compat.ClosedJaxpr(
-      closed_d.jaxpr.replace(outvars=closed_d.jaxpr.outvars[:1]), closed_d.consts
-    )
+    outvars = closed_d.jaxpr.outvars[:1]
+    closed_d = _compat.ClosedJaxpr(closed_d.jaxpr.replace(outvars=outvars), closed_d.consts)
     derived = _graph.FlatGraph.from_closed_jaxpr(closed_d, len(leaves))
     _check_rule_tags(graph, derived, out_shape, out_d)
     if not tagged:
-      graph, aux_tree, separate = derived, None, True
-  losses, loss_operands = _losses(graph)
-  shapes = [tuple(np.shape(x)) for x in leaves]
-  roots = [ops[0] for ops in loss_operands]
-  batch_size = max(spec.batch_size for spec in losses)
-  ix = _index.build(graph, len(leaves), paths, shapes, roots, batch_size)
-  specs = _Scanner(ix, layers, strict, warn, collect).run()
-  specs.sort(key=lambda s: min(s[0].leaf_indices))
-  multi = [s[0].multi_tap for s in specs]
-  _check_custom_taps(graph, specs)
-  return ScanResult(
-    graph=graph,
-    layers=tuple(s[0] for s in specs),
-    losses=tuple(losses),
-    loss_operands=tuple(loss_operands),
-    layer_outputs=tuple(s[1][0] if m else s[1] for s, m in zip(specs, multi)),
-    layer_inputs=tuple(s[2][0] if m else s[2] for s, m in zip(specs, multi)),
-    extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
-    aux_tree=aux_tree,
-    separate_loss=separate,
-  )
+      return derived, None, True
+  return graph, jax.tree_util.tree_structure(out_shape[1]) if has_aux else None, False
+
+
+def _check_dtypes(paths, leaves) -> None:
+  """RegistrationError for a parameter leaf that is not real floating-point."""
+  for path, leaf in zip(paths, leaves):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+      raise RegistrationError(
+        f"parameter `{path}` has dtype {dtype}; K-FAC's blocks take real parameters (their "
+        "statistics are real Gram matrices of real gradients). Keep the real and imaginary "
+        f"parts as two real leaves and build the complex value in the model, e.g. "
+        "`w = p['w_re'] + 1j * p['w_im']`. A complex output (a complex log psi) of real "
+        "parameters is fine."
+      )
+    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+      raise RegistrationError(
+        f"parameter `{path}` has dtype {dtype}; K-FAC needs floating-point "
+        "parameters. Keep integer state out of `params` (pass it in the batch instead)."
+      )
 
 
 # Primitives whose derivative cannot be pulled back (reverse mode).
@@ -195,16 +185,14 @@ _NO_REVERSE = frozenset({"while", "pure_callback", "io_callback"})
 
 def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
   """RegistrationError when a layer's output inside a custom-derivative call reaches the call's
-  outputs only through an operation with no reverse-mode derivative: inside the call the
-  statistics follow the primal function (the rule covers only its inputs), which cannot be
-  differentiated there."""
+  outputs only through an operation with no reverse-mode derivative (inside the call the
+  statistics follow the primal function)."""
   if not graph.customs:
     return
   where = {}
   for spec, outs, _ in specs:
     for k in outs if spec.multi_tap else (outs,):
-      if isinstance(k, _graph.HoistedTap):
-        k = k.keys
+      k = k.keys if isinstance(k, _graph.HoistedTap) else k
       for key in k if isinstance(k, tuple) and k and isinstance(k[0], tuple) else (k,):
         where[key] = spec.name
   for call in graph.customs:
@@ -212,9 +200,7 @@ def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
     reached = {k: where[k] for fe in eqns for k in fe.outs if k in where}
     for fe in eqns:
       hit = next((reached[a] for a in fe.ins if _graph.is_key(a) and a in reached), None)
-      if hit is None:
-        continue
-      if fe.name in _NO_REVERSE:
+      if hit is not None and fe.name in _NO_REVERSE:
         raise RegistrationError(
           f"layer `{hit}` sits inside the custom-derivative function `{call.name}`, and its "
           f"output reaches the function's outputs through `{fe.name}`, which has no reverse-"
@@ -224,7 +210,8 @@ def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
           "in), or tag the parameter with kfac_jax.register_generic to use the rule's "
           "parameter gradient."
         )
-      reached.update((k, hit) for k in fe.outs)
+      if hit is not None:
+        reached.update((k, hit) for k in fe.outs)
 
 
 def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.Atom, ...]]]:
@@ -242,8 +229,7 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
         "prediction, e.g. `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss("
         "logits, y)`."
       )
-    spec = LossSpec(p["kind"], p["var"], p["has_targets"], p["has_weight"], shape[0], shape)
-    losses.append(spec)
+    losses.append(LossSpec(p["kind"], p["var"], p["has_targets"], p["has_weight"], shape[0], shape))
     operands.append(fe.ins)
   if not losses:
     raise RegistrationError(
@@ -274,27 +260,16 @@ def _custom_calls(jaxpr) -> set[str]:
 
 
 def _as_differentiated(loss_fn: Callable, has_aux: bool, backward: bool) -> Callable:
-  """`loss_fn` run as `jax.grad` runs it, for the scan of the loss tags in custom rules: under
-  `jax.vjp` in the parameters, each custom_jvp call runs its JVP rule and each custom_vjp call its
-  fwd (and, with `backward`, its bwd on a zero cotangent); only the primal side of the
-  linearisation and the pull-back land in the trace. JAX calls the rules itself here, so a rule
-  whose primal outputs differ from its function's (FermiNet's rule returns an aux of other
-  shapes) is accepted as `jax.grad` accepts it. Returns a zero loss; the loss and its gradient
-  come from `loss_fn` itself."""
+  """`loss_fn` run as `jax.grad` runs it (under `jax.vjp` in the parameters; with `backward`,
+  pulled back on a zero cotangent), so that the custom rules, called by JAX itself, bind their
+  loss tags. Returns a zero loss beside `loss_fn`'s outputs."""
 
   def fn(params, batch):
-    def f(p):
-      return loss_fn(p, batch)
-
-    if has_aux:
-      loss, pull, aux = jax.vjp(f, params, has_aux=True)
-      out = (loss, aux)
-    else:
-      loss, pull = jax.vjp(f, params)
-      out = loss
+    f = lambda p: loss_fn(p, batch)
+    loss, pull, *aux = jax.vjp(f, params, has_aux=True) if has_aux else jax.vjp(f, params)
     if backward:
       pull(jax.numpy.zeros_like(loss))
-    return jax.numpy.zeros((), loss.dtype), out
+    return jax.numpy.zeros((), loss.dtype), (loss, *aux) if has_aux else loss
 
   return fn
 
@@ -317,10 +292,9 @@ def _types(tree) -> str:
 
 
 def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, out_d) -> None:
-  """RegistrationError for loss tags both in custom rules (bound only in `derived`, `loss_fn`
-  run as `jax.grad` runs it) and outside them (in `graph`, the primal trace), and for tags
-  outside the rules when a rule's primal outputs `out_d` differ from the function's `out`
-  (JAX differentiates such a call only from its Python function, not from a traced graph)."""
+  """RegistrationError for loss tags both in custom rules (bound only in `derived`) and outside
+  them (in `graph`), and for tags outside the rules when a rule's primal outputs `out_d` differ
+  from the function's `out`."""
   inside, beside = _only_in(derived, graph), tag_names(graph)
   if inside and beside:
     raise RegistrationError(
@@ -373,19 +347,10 @@ def _only_in(graph: _graph.FlatGraph, other: _graph.FlatGraph) -> list[str]:
 class _Scanner:
   """One scan over a built index: runs the matchers in order, turns matches into specs.
 
-  The matchers are pure functions of the index and of the leaves claimed so far, each returning
-  a `Match` or None; the scanner chooses each match's approximation (manual tag, `LayerConfig`,
-  size policy) and claims its leaves. Order (first claim wins):
-
-    1. manual layer tags (`register_dense` tags of one kernel become one layer, one use each);
-    2. leaves with several uses, as one shared layer (`match_shared`): kernels, tables and
-       scales first, then shifts, so that a scale claims its shift;
-    3. per equation, in graph order, the passes of `_kinds.PASSES`: kernels (each claims its
-       bias), then gathers, then elementwise scales, shifts and learned tokens; an equation is
-       tried again after a match (two tokens in one concatenation);
-    4. layers on concatenations are mapped to their real leaves, per-slice layers of stacked
-       leaves merged (`_stacked.merge`), then `LayerConfig.linked` groups replace their layers;
-    5. leaves left unclaimed get a diagonal generic block (with a warning and a reason).
+  First claim wins: manual layer tags; leaves with several uses as one shared layer (shifts
+  last); per equation, the passes of `_kinds.PASSES`; then layers on concatenations are mapped
+  to their real leaves, stacks merged, linked groups formed, and leaves left over get a generic
+  block.
   """
 
   def __init__(self, ix: _index.GraphIndex, layer_config, strict, warn, collect):
@@ -404,8 +369,7 @@ class _Scanner:
     for fe in ix.g.eqns:
       if fe.eqn.primitive is _tags.layer_tag_p:
         found = self._manual(fe, claimed, manual_dense)
-        if found is not None:
-          specs.append(found)
+        specs.extend([found] if found is not None else [])
     for k_leaf, tags in manual_dense.items():
       specs.append(self._manual_dense_layer(k_leaf, tags, claimed))
     for shifts in (False, True):
@@ -427,7 +391,12 @@ class _Scanner:
     specs = _stacked.merge(ix, specs, claimed, self.claim)  # No virtual leaf is left after this.
     specs = self._link(specs, claimed)
     self._check_patterns(specs)
-    # Leaves no layer covers that a `LayerConfig.blocks` pattern names: a generic layer each.
+    return self._user_blocks(self._cover(specs, claimed))
+
+  def _cover(self, specs, claimed):
+    """`specs` with a generic layer per leaf left over: with the user's block where a
+    `LayerConfig.blocks` pattern names it, else the diagonal fallback (warned about)."""
+    ix = self.ix
     for j in range(ix.n_params):
       if j not in claimed and self.layer_config.block_for((ix.paths[j],))[0] is not None:
         specs.append((self.layer_spec("generic", (j,), None, "diagonal", "config"), None, None))
@@ -441,40 +410,33 @@ class _Scanner:
       )
       if self.problems:
         raise RegistrationCheckError(self.problems)
+    paths = [ix.paths[j] for j in uncovered]
     if uncovered and self.strict:
       raise RegistrationError(
-        uncovered_message([ix.paths[j] for j in uncovered], reasons, len(uncovered))
+        uncovered_message(paths, reasons, len(uncovered))
         + " (strict=True turns this into an error.)"
       )
     if uncovered and self.warn:
-      warnings.warn(
-        uncovered_message([ix.paths[j] for j in uncovered], reasons),
-        UncoveredParametersWarning,
-        stacklevel=4,
-      )
+      warnings.warn(uncovered_message(paths, reasons), UncoveredParametersWarning, stacklevel=5)
     for j, reason in zip(uncovered, reasons):
       spec = self.layer_spec("generic", (j,), None, "diagonal", "fallback")
       specs.append((dataclasses.replace(spec, info=FallbackInfo(reason)), None, None))
-    return self._user_blocks(specs)
+    return specs
 
   def _user_blocks(self, specs):
-    """Each layer a `LayerConfig.blocks` pattern matches, with the user's block (also on the
-    spec its wrapper computes with: one layer of a stack, the layer on concatenations)."""
-    used = set()
-    out = []
+    """Each layer a `LayerConfig.blocks` pattern matches, with the user's block."""
+    used, out = set(), []
     for spec, outs, ins in specs:
       cls, pattern = self.layer_config.block_for((spec.name,) + tuple(spec.param_paths))
       if cls is not None:
         used.add(pattern)
         spec = with_block(spec, cls, f"block {cls.__name__} (LayerConfig.blocks[{pattern!r}])")
       out.append((spec, outs, ins))
-    n = self.ix.n_params
     for pattern in self.layer_config.blocks:
       if pattern not in used:
         self._pattern_problem(
           f"LayerConfig.blocks: pattern {pattern!r} matches no layer name or parameter path, "
-          f"or only layers an earlier pattern took (paths: {self.ix.paths[: min(8, n)]}"
-          f"{' ...' if n > 8 else ''})"
+          f"or only layers an earlier pattern took ({self._some_paths()})"
         )
     if self.problems:
       raise RegistrationCheckError(self.problems)
@@ -498,25 +460,22 @@ class _Scanner:
           dataclasses.replace(inf, term=next(iter(r)) if len(r) == 1 else -1)
           for inf, r in zip(infos, reached)
         )
-      spec = self._shared_spec(kind, leaves, infos, approx, source)
-      return spec, match.outputs, match.inputs
+      return self._shared_spec(kind, leaves, infos, approx, source), match.outputs, match.inputs
     (info,), (out,), (ins,) = match.infos, match.outputs, match.inputs
     if not match.stack_size:
       return self.layer_spec(kind, leaves, info, approx, source), out, ins
-    # The per-layer spec, over per-layer leaf shapes, then the stack.
-    shapes = {j: self.ix.shapes[j][1:] for j in leaves}
+    shapes = {j: self.ix.shapes[j][1:] for j in leaves}  # One layer of the stack.
     inner = self.layer_spec(kind, leaves, info, approx, source, shapes)
-    spec = _stacked.stack_spec(self.ix, inner, leaves, match.stack_size, match.stack_axes)
-    return spec, out, ins
+    return _stacked.stack_spec(self.ix, inner, leaves, match.stack_size, match.stack_axes), out, ins
 
   def _expand_virtual(self, specs, claimed):
     """Layers matched on concatenation leaves list the concatenated real leaves instead."""
     out = []
     for spec, outs, ins in specs:
-      if not any(j in self.ix.virtual for j in spec.leaf_indices):
+      views = [self.ix.virtual.get(j) for j in spec.leaf_indices]
+      if all(v is None for v in views):
         out.append((spec, outs, ins))
         continue
-      views = [self.ix.virtual.get(j) for j in spec.leaf_indices]
       leaves = [
         k for j, view in zip(spec.leaf_indices, views) for k in (view.leaves if view else (j,))
       ]
@@ -542,8 +501,8 @@ class _Scanner:
           f"parameter `{self.ix.paths[j]}` is registered twice: in `{claimed[j]}` and in "
           f"`{name}`. Each parameter belongs to exactly one curvature block."
         )
-        continue
-      claimed[j] = name
+      else:
+        claimed[j] = name
 
   def _problem(self, msg: str) -> None:
     """A coverage problem: raised, or collected with `collect` (raised together at the end)."""
@@ -554,61 +513,59 @@ class _Scanner:
   def _pattern_problem(self, msg):
     self._problem(msg + "; fix the pattern (globs: `*` matches any characters, slashes included).")
 
+  def _some_paths(self) -> str:
+    n = self.ix.n_params
+    return f"paths: {self.ix.paths[: min(8, n)]}{' ...' if n > 8 else ''}"
+
   def _check_patterns(self, specs):
-    n, names = self.ix.n_params, set(self.ix.paths) | {s[0].name for s in specs}
-    for pattern, field in [(p, "overrides") for p in self.layer_config.overrides] + [
-      (p, "block_sizes") for p in self.layer_config.block_sizes
-    ]:
-      if not _layer_config.matches(pattern, tuple(names)):
-        self._pattern_problem(
-          f"LayerConfig.{field}: pattern {pattern!r} matches no layer name or parameter "
-          f"path (paths: {self.ix.paths[: min(8, n)]}{' ...' if n > 8 else ''})"
-        )
+    names = tuple(set(self.ix.paths) | {s[0].name for s in specs})
+    for field in ("overrides", "block_sizes"):
+      for pattern in getattr(self.layer_config, field):
+        if not _layer_config.matches(pattern, names):
+          self._pattern_problem(
+            f"LayerConfig.{field}: pattern {pattern!r} matches no layer name or parameter "
+            f"path ({self._some_paths()})"
+          )
 
   def _link(self, specs, claimed):
     """Replaces the layers inside each `LayerConfig.linked` group by one generic block."""
     owner: dict[int, tuple[str, ...]] = {}
+    paths = self.ix.paths
     for group, approx in self.layer_config.linked.items():
       leaves: list[int] = []
       for pattern in group:
-        found = [
-          j
-          for j, p in enumerate(self.ix.paths[: self.ix.n_params])
-          if _layer_config.matches(pattern, (p,))
-        ]
+        found = [j for j in range(self.ix.n_params) if _layer_config.matches(pattern, (paths[j],))]
         if not found:
           self._pattern_problem(
             f"LayerConfig.linked: pattern {pattern!r} of group {group} matches no parameter path"
           )
         leaves.extend(j for j in found if j not in leaves)
-      if not leaves:
-        continue
       for j in leaves:
         if j in owner:
           raise RegistrationError(
-            f"LayerConfig.linked: parameter `{self.ix.paths[j]}` is in two linked groups, "
+            f"LayerConfig.linked: parameter `{paths[j]}` is in two linked groups, "
             f"{owner[j]} and {group}; each parameter belongs to exactly one block."
           )
         owner[j] = group
-      inside = set(leaves)
+      if not leaves:
+        continue
       kept = []
       for s in specs:
-        overlap = inside.intersection(s[0].leaf_indices)
+        overlap = set(leaves).intersection(s[0].leaf_indices)
         if not overlap:
           kept.append(s)
           continue
-        missing = [self.ix.paths[j] for j in s[0].leaf_indices if j not in inside]
+        missing = [paths[j] for j in s[0].leaf_indices if j not in leaves]
         if missing:
           raise RegistrationError(
             f"LayerConfig.linked group {group} splits the {s[0].kind} layer `{s[0].name}`: it "
-            f"holds {[self.ix.paths[j] for j in sorted(overlap)]} but not {missing}. A linked "
+            f"holds {[paths[j] for j in sorted(overlap)]} but not {missing}. A linked "
             "group must hold whole layers; add the missing parameters to the group."
           )
         for j in s[0].leaf_indices:
           claimed.pop(j, None)
-      leaves = sorted(leaves)
-      spec = self.layer_spec("generic", tuple(leaves), None, approx, "linked")
-      self.claim(claimed, leaves, spec.name)
+      spec = self.layer_spec("generic", tuple(sorted(leaves)), None, approx, "linked")
+      self.claim(claimed, sorted(leaves), spec.name)
       specs = kept + [(spec, None, None)]
     return specs
 
@@ -664,15 +621,13 @@ class _Scanner:
     )
 
   def check_use_count(self, leaf: int, registered: int, tag: str, fix: str) -> None:
-    """A manual tag's use count against the graph's (a leaf the loss does not reach is not
-    counted as a mismatch): raised, or collected with `collect`."""
+    """A manual tag's use count against the graph's (unless the loss does not reach the leaf)."""
     graph_uses = len(self.ix.uses.get(leaf, []))
-    if not graph_uses or graph_uses == registered:
-      return
-    self._problem(
-      f"layer `{self.ix.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
-      f"with {registered} {tag} tag(s); {fix}."
-    )
+    if graph_uses and graph_uses != registered:
+      self._problem(
+        f"layer `{self.ix.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
+        f"with {registered} {tag} tag(s); {fix}."
+      )
 
   def _check_approx(self, kind, approx, paths):
     """A manual tag's `approx=` for a single-use layer, checked (None: chosen by `layer_spec`)."""
@@ -691,9 +646,8 @@ class _Scanner:
     return approx
 
   def _draft(self, kind, leaves, source, leaf_shapes=None, **fields) -> LayerSpec:
-    """A LayerSpec over `leaves`, named by their paths' common prefix (a lone generic leaf by its
-    own path), its approximation still to be chosen ("") and its factor shapes to be asked of
-    its block (`sized`). `leaf_shapes` as in `layer_spec`."""
+    """A LayerSpec over `leaves` named by their paths' common prefix (a lone generic leaf by its
+    own path), its approximation ("") and factor shapes still to be chosen."""
     shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
     paths = tuple(self.ix.paths[j] for j in leaves)
     return LayerSpec(
@@ -701,7 +655,7 @@ class _Scanner:
       kind=kind,
       param_paths=paths,
       leaf_indices=tuple(leaves),
-      approx=cast("Approximation", ""),  # Chosen next, by `layer_spec` / `_shared_spec`.
+      approx=cast("Approximation", ""),
       factor_shapes=(),
       source=source,
       param_shapes=tuple(shape_of[j] for j in leaves),
@@ -709,28 +663,19 @@ class _Scanner:
     )
 
   def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
-    """The spec of a layer used `len(infos)` times. Its approximation: the manual tag's, else a
-    `LayerConfig.overrides` pattern's (`defaults` name single-use approximations, so they do not
-    apply), else the kind's shared default after the size policy."""
-    spec = self._draft(
-      kind,
-      leaves,
-      source,
-      # A tied table's lookup, else a use that reads the kernel matrix as the layer does.
-      info=next(
-        (inf for inf in infos if isinstance(inf, EmbeddingInfo)),
-        next(inf for inf in infos if not getattr(inf, "transposed", False)),
-      ),
-      num_uses=len(infos),
-      use_infos=infos,
+    """The spec of a layer used `len(infos)` times. Its approximation: the manual tag's, else an
+    `overrides` pattern's (`defaults` name single-use ones), else the kind's shared default after
+    the size policy."""
+    # A tied table's lookup, else a use that reads the kernel matrix as the layer does.
+    info = next(
+      (inf for inf in infos if isinstance(inf, EmbeddingInfo)),
+      next(inf for inf in infos if not getattr(inf, "transposed", False)),
     )
+    spec = self._draft(kind, leaves, source, info=info, num_uses=len(infos), use_infos=infos)
     paths, name = list(spec.param_paths), spec.name
-    choices = _kinds.KINDS[kind].shared
-    pattern = None
+    choices, pattern = _kinds.KINDS[kind].shared, None
     if approx is None:
-      overrides = self.layer_config.overrides
-      pattern = next((p for p in overrides if _layer_config.matches(p, (name, *paths))), None)
-      approx = None if pattern is None else overrides[pattern]
+      pattern, approx = _layer_config.first_match(self.layer_config.overrides, (name, *paths))
     explicit = approx is not None
     terms = {getattr(inf, "term", -1) for inf in infos}
     two_terms = len(terms) == 2 and -1 not in terms
@@ -769,31 +714,27 @@ class _Scanner:
       )
     spec = dataclasses.replace(spec, approx=approx or choices[0])
     if not explicit:
+      max_dim, shapes = self.layer_config.max_factor_dim, _blocks.factor_shapes_for(spec)
       approx, note = _layer_config.shared_size_policy(
-        self.layer_config.max_factor_dim,
-        spec.approx,
-        _blocks.factor_shapes_for(spec),
-        choices,
-        len(infos),
+        max_dim, spec.approx, shapes, choices, len(infos)
       )
       spec = dataclasses.replace(spec, approx=approx, note=note)
     return sized(self._blocked(spec))
 
   def layer_spec(self, kind, leaves, info, approx, source, leaf_shapes=None) -> LayerSpec:
     """A single-use LayerSpec, sized. Its approximation: an explicit manual or linked one, else
-    the `LayerConfig`'s, else the kind's default; the size policy applies unless it was chosen
-    for the layer by name. `leaf_shapes` (leaf -> shape) replaces the index's leaf shapes: one
-    layer of a stack."""
+    the `LayerConfig`'s, else the kind's default; the size policy applies unless the layer was
+    named. `leaf_shapes` (leaf -> shape) replaces the index's: one layer of a stack."""
     spec = self._draft(kind, leaves, source, leaf_shapes, info=info)
     paths, name = spec.param_paths, spec.name
     builtin, note = _kinds.default_approx(kind, info)
+    choices = _kinds.KINDS[kind].approximations
     explicit = approx is not None and source in ("manual", "linked")
     if not explicit:
       names = (name,) + tuple(paths)
       chosen, pattern = _layer_config.resolve(
         self.layer_config, kind, names, builtin if approx is None else approx
       )
-      choices = _kinds.KINDS[kind].approximations
       if chosen not in choices:
         raise RegistrationError(
           f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
@@ -803,13 +744,8 @@ class _Scanner:
       approx, explicit = chosen, pattern is not None
     spec = dataclasses.replace(spec, approx=approx, note=note if approx == builtin else "")
     if not explicit:
-      approx, why = _layer_config.size_policy(
-        self.layer_config.max_factor_dim,
-        spec.approx,
-        _blocks.factor_shapes_for(spec),
-        _kinds.KINDS[kind].approximations,
-        spec.has_bias,
-      )
+      max_dim, shapes = self.layer_config.max_factor_dim, _blocks.factor_shapes_for(spec)
+      approx, why = _layer_config.size_policy(max_dim, spec.approx, shapes, choices, spec.has_bias)
       spec = dataclasses.replace(spec, approx=approx, note=why or spec.note)
     return sized(self._blocked(spec))
 
@@ -851,8 +787,13 @@ _PASSES = _kinds.passes()
 
 
 def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
-  """A match of a kind estimated from rows of examples whose rows are not examples."""
-  return _kinds.KINDS[match.kind].batch_rows and _matchers.without_batch_rows(ix, match)
+  """A match of a kind estimated from rows of examples some of whose uses read a first input
+  computed from parameters and constants alone, its tap not where the output is broadcast over
+  the batch (`DenseInfo.shared_tap`)."""
+  return _kinds.KINDS[match.kind].batch_rows and any(
+    ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
+    for ins, inf in zip(match.inputs, match.infos)
+  )
 
 
 # --------------------------------------------------------------------------------------------
@@ -861,17 +802,15 @@ def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
 
 def _constant_operand(ix: _index.GraphIndex, atom) -> float | None:
   """The scalar value of `atom` if it is a constant (a literal, possibly broadcast), else None."""
-  while True:
-    if isinstance(atom, _compat.Literal):
-      val = np.asarray(atom.val)
-    elif atom in ix.const_values:
-      val = np.asarray(ix.const_values[atom])
-    elif atom in ix.producer and ix.g.eqns[ix.producer[atom]].name in _graph.VIEW_OPS:
-      atom = ix.g.eqns[ix.producer[atom]].ins[0]
-      continue
-    else:
+  while _graph.is_key(atom) and atom in ix.producer:
+    fe = ix.g.eqns[ix.producer[atom]]
+    if fe.name not in _graph.VIEW_OPS:
       return None
-    return float(val.reshape(-1)[0]) if val.size and np.all(val == val.reshape(-1)[0]) else None
+    atom = fe.ins[0]
+  val = _graph.constant_value(ix.const_values, atom)
+  if val is None or not val.size or not np.all(val == val.reshape(-1)[0]):
+    return None
+  return float(val.reshape(-1)[0])
 
 
 def _feeds_product(ix: _index.GraphIndex, key, depth: int = 4, within=None) -> bool:
@@ -891,41 +830,38 @@ def _feeds_product(ix: _index.GraphIndex, key, depth: int = 4, within=None) -> b
 
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
-
-
 _NO_ROWS = (
   "an input computed from parameters and constants alone (no rows per example, e.g. latents "
   "projected, then multiplied with the batch's activations rather than broadcast over the batch)"
 )
-
-
-def _no_rows(ix: _index.GraphIndex, fe, pos: int) -> bool:
-  """Whether every other operand of `fe` (a key) is computed from parameters and constants
-  alone (`GraphIndex.param_only`)."""
-  others = [a for j, a in enumerate(fe.ins) if j != pos and _graph.is_key(a)]
-  return bool(others) and all(a in ix.param_only for a in others)
-
-
 # What a user can do for a parameter no layer block reads: a manual generic tag.
 _GENERIC_FIX = (
   'tag it in loss_fn with `kfac_jax.register_generic(param, approx="full")` for a full block '
   "(the fallback is its diagonal)"
 )
-
 # Elementwise functions of one operand: a parameter passed through one is not read as itself.
 _UNARY = frozenset(
   {"exp", "exp2", "log", "log1p", "expm1", "logistic", "tanh", "sqrt", "rsqrt", "sin", "cos"}
   | {"abs", "neg", "square", "integer_pow"}
 )
+# The sample-space front, for the layers no Kronecker block follows.
+_KERNEL_NGD = (
+  "use the kernel natural gradient, `kfac_jax.kernel_ngd` (SR, ENGD-Woodbury or SPRING in "
+  "sample space), which needs no layer structure"
+)
+
+
+def _no_rows(ix: _index.GraphIndex, fe, pos: int) -> bool:
+  """Whether every other operand of `fe` (a key) is computed from parameters and constants."""
+  others = [a for j, a in enumerate(fe.ins) if j != pos and _graph.is_key(a)]
+  return bool(others) and all(a in ix.param_only for a in others)
 
 
 def _ops_before_product(ix: _index.GraphIndex, leaf: int, limit: int = 4) -> list[str]:
   """The primitives (first seen first, at most `limit`) between `leaf` and the products its
   parameters-only values reach: what a weight-standardised kernel goes through."""
-  keys = {k for k, (j, _) in ix.origin.items() if j == leaf}
-  names: list[str] = []
-  frontier = list(keys)
-  seen = set(keys)
+  frontier = [k for k, (j, _) in ix.origin.items() if j == leaf]
+  seen, names = set(frontier), []
   for _ in range(12):
     nxt: list[Any] = []
     for k in frontier:
@@ -945,9 +881,8 @@ def _scale_shift_reason(ix: _index.GraphIndex, fe, pos: int) -> str:
   """Why `mul` / `add` of a parameter and an activation matched no scale and shift."""
   name, atom = fe.name, fe.ins[pos]
   out_shape = tuple(fe.outs[0][1].aval.shape)
-  block = _matchers.feature_block(
-    ix.shapes[ix.origin[atom][0]], ix.origin[atom][1], tuple(_graph.aval_of(atom).shape), out_shape
-  )
+  leaf, chain = ix.origin[atom]
+  block = _matchers.feature_block(ix.shapes[leaf], chain, _graph.aval_of(atom).shape, out_shape)
   if block is None or len(block[1]) == len(out_shape):
     return (
       f"consumed by {name} in a layout no scale-and-shift matcher fits (it does not span "
@@ -963,11 +898,10 @@ def _scale_shift_reason(ix: _index.GraphIndex, fe, pos: int) -> str:
 def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   """Why one use (equation `i`, operand `pos`) of `leaf` matched no layer."""
   fe = ix.g.eqns[i]
-  name = fe.name
+  name, x, chain = fe.name, fe.ins[0], ix.origin[fe.ins[pos]][1]
   if name == "scan_slice":
     return "sliced by a scan (a stacked layer axis)"
   others = [leaf_ for leaf_, _ in ix.uses_by_eqn.get(i, []) if leaf_ != leaf]
-  x = fe.ins[0]
   if name == "dot_general" and pos == 0 and others and _graph.is_key(x) and x in ix.param_only:
     return (
       f"the input of `{ix.paths[others[0]]}` with no rows per example (a learned probe "
@@ -976,13 +910,13 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
     )
   if name in ("gather", "dot_general", "conv_general_dilated") and _no_rows(ix, fe, pos):
     return f"consumed by {name} with {_NO_ROWS}"
-  if any(s.op == "gather" for s in ix.origin[fe.ins[pos]][1]):
+  if any(s.op == "gather" for s in chain):
     return f"gathered at constant positions, then consumed by {name} (no matcher)"
   if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
     return f"indexed by {name} before use (e.g. one slice of a stacked array)"
+  if name == "concatenate" and _feeds_product(ix, fe.outs[0]):
+    return "concatenated before a matmul"
   if name == "concatenate":
-    if _feeds_product(ix, fe.outs[0]):
-      return "concatenated before a matmul"
     return "concatenated with other arrays before use"
   if name in ("add", "sub") and (c := _constant_operand(ix, fe.ins[1 - pos])) is not None:
     if name == "add":
@@ -995,11 +929,11 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
     )
   # An operand computed from parameters alone (weight normalisation's `v / |v| · g`).
   if name not in _PRODUCTS and _feeds_product(ix, fe.outs[0], 10, ix.param_only):
-    ops = ", ".join(_ops_before_product(ix, leaf))
     return (
-      f"transformed by {ops} into a matmul operand computed from parameters and constants "
-      "alone (e.g. a standardised, weight-normalised or masked kernel, or latents before they "
-      f"are broadcast over the batch): no layer block fits; {_GENERIC_FIX}"
+      f"transformed by {', '.join(_ops_before_product(ix, leaf))} into a matmul operand "
+      "computed from parameters and constants alone (e.g. a standardised, weight-normalised "
+      "or masked kernel, or latents before they are broadcast over the batch): no layer block "
+      f"fits; {_GENERIC_FIX}"
     )
   if name in _UNARY:
     return (
@@ -1012,7 +946,7 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
     (_, _), (lhs_b, rhs_b) = fe.params["dimension_numbers"]
     if lhs_b or rhs_b:
       return "consumed by a batched dot_general (batch dimensions, e.g. per-head weights)"
-    if any(s.op == "broadcast" for s in ix.origin[fe.ins[pos]][1]):
+    if any(s.op == "broadcast" for s in chain):
       return "broadcast before a matmul"
     return "consumed by dot_general in a layout no dense matcher fits"
   if name in ("mul", "add"):
@@ -1022,27 +956,15 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   return f"consumed by {name} (no matcher)"
 
 
-# The sample-space front, for the layers no Kronecker block follows.
-_KERNEL_NGD = (
-  "use the kernel natural gradient, `kfac_jax.kernel_ngd` (SR, ENGD-Woodbury or SPRING in "
-  "sample space), which needs no layer structure"
-)
-
-
 def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
-  """Why a kernel read by derivatives of the model matched no layer, or "".
-
-  K-FAC follows a kernel through derivatives when every use is a dense product by the kernel
-  matrix or by its transpose (a reverse-mode derivative's backward pass, `δa = δz Wᵀ`), and
-  every use whose input is one constant for all examples (a direction or a seed under
-  `jax.vmap`) reaches the examples through layout operations and elementwise broadcasting
-  (`_matchers.hoisted_tap`); the reasons below name what broke that."""
-  dense = []
-  for i, pos in uses:
-    if ix.g.eqns[i].name == "dot_general":
-      d = _matchers.dense_use(ix, i, pos)
-      if d is not None:
-        dense.append((i, d))
+  """Why a kernel read by derivatives of the model matched no layer, or "": K-FAC follows it
+  when every use is a product by the kernel matrix or its transpose, and every use whose input
+  is one constant for all examples reaches them as `_matchers.hoisted_tap` requires."""
+  dense = [
+    (i, d)
+    for i, pos in uses
+    if ix.g.eqns[i].name == "dot_general" and (d := _matchers.dense_use(ix, i, pos)) is not None
+  ]
   lost = [
     (i, x)
     for i, (info, x, _, _) in dense
@@ -1093,29 +1015,20 @@ def _from_constants(ix: _index.GraphIndex, atom) -> bool:
     seen.add(a)
     if a in params or a in ix.from_batch:
       return False
-    if a in ix.producer:
-      todo.extend(ix.g.eqns[ix.producer[a]].ins)
+    todo.extend(ix.g.eqns[ix.producer[a]].ins if a in ix.producer else ())
   return True
 
 
 def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
-  """Why the scanner matched no layer for `leaf`, from its uses in the traced graph.
-
-  One short phrase: "not used by the loss", "sliced by a scan (a stacked layer axis)", "used as 1
-  + scale", "concatenated before a matmul", "used 3 times in different ways (dot_general, mul)",
-  "consumed by <primitive> (no matcher)", ...; where a manual tag is the way out (a parameter
-  passed through `exp`, a kernel computed from parameters, a scale over rows that are not
-  examples), the phrase says what was seen and names the tag.
-  """
+  """Why the scanner matched no layer for `leaf`, from its uses in the traced graph: one short
+  phrase ("not used by the loss", "used as 1 + scale", "consumed by <primitive> (no
+  matcher)", ...) that names the manual tag where one is the way out."""
   uses: Sequence[Any] = ix.uses.get(leaf, ())
   if not uses:
     keys = {k for k, (j, _) in ix.origin.items() if j == leaf}
-    read = any(_graph.is_key(a) and a in keys for fe in ix.g.eqns for a in fe.ins)
-    return (
-      "not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)"
-      if read
-      else "not used by the loss"
-    )
+    if any(_graph.is_key(a) and a in keys for fe in ix.g.eqns for a in fe.ins):
+      return "not used by the loss (only outside the loss tags' inputs, e.g. a regulariser)"
+    return "not used by the loss"
   if not any(i in ix.grad_slice for i, _ in uses):
     return (
       "reaches the loss tags only through stop_gradient (no curvature from them; e.g. a "
@@ -1125,11 +1038,10 @@ def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
   if derivative:
     return derivative
   reasons = [_use_reason(ix, leaf, i, pos) for i, pos in uses]
-  for r in reasons:
-    if r.startswith(("sliced by a scan", "indexed by", "transformed by")):
-      return r
-  if len(uses) == 1:
-    return reasons[0]
+  first = ("sliced by a scan", "indexed by", "transformed by")
+  found = next((r for r in reasons if r.startswith(first)), None)
+  if found is not None or len(uses) == 1:
+    return found or reasons[0]
   names = tuple(dict.fromkeys(ix.g.eqns[i].name for i, _ in uses))
   if len(set(reasons)) == 1 and not reasons[0].startswith("consumed by"):
     return f"{reasons[0]} (all {len(uses)} uses)"

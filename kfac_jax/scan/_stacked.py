@@ -1,18 +1,11 @@
 """Stacked layers: a parameter leaf with a leading layer axis is L layers, one block each.
 
-A scan over stacked layers (linen `nn.scan(..., variable_axes={"params": 0})`, `nnx.scan`,
-`lax.scan` over a stacked params pytree) is unrolled by `_graph.FlatGraph`, step t reading
-`leaf[t]` through a `scan_slice` equation. `slice_leaves` makes each slice a virtual leaf with
-the leaf's path, so the ordinary matchers find one layer per slice; `merge` turns the L layers of
-a group of stacked leaves (e.g. `kernel` and `bias`) into one `LayerSpec` with `stack_size = L`
-(its block, `blocks.StackedBlock`, vmaps the per-layer block over factors `[L, d, d]`). Slices
-whose layers disagree get the generic fallback.
-
-A vmapped layer (an ensemble `jax.vmap(layer)(stacked_params, x)`, an expert-stacked
-`einsum("ebd,edf->ebf", x, kernel)`) reads the stacked kernel in one `dot_general`
-(`match_batched_dense`), a vmapped normalisation multiplies by a scale `[L, D]` along the
-output's leading axis (`match_stacked_scale_and_shift`): stacks with `stack_axes`. A parameter
-closed over by a scan (an RNN) stays one shared layer with T uses.
+A scan over stacked layers (`nn.scan`, `nnx.scan`, `lax.scan` over stacked params) is unrolled,
+step t reading `leaf[t]` through a `scan_slice`: `slice_leaves` makes each slice a virtual leaf
+with the leaf's path, and `merge` turns the L per-slice layers of a group of stacked leaves into
+one `LayerSpec` with `stack_size = L` (slices whose layers disagree get the fallback). A vmapped
+layer reads the stacked kernel in one `dot_general` (`match_batched_dense`), a vmapped
+normalisation a scale `[L, D]` along the output's leading axis (`match_stacked_scale_and_shift`).
 """
 
 from __future__ import annotations
@@ -28,17 +21,13 @@ from kfac_jax.scan import _graph, _matchers
 
 
 def slice_leaves(graph, shapes, in_slice) -> dict[Any, tuple[int, int]]:
-  """`{slice key: (leaf, t)}` for each stacked leaf (of the graph's first `len(shapes)` inputs)
-  whose every use on the loss slice (`in_slice`) is a `scan_slice`, at indices 0..L-1 once each:
-  its slices become virtual leaves (`_index.build`)."""
+  """`{slice key: (leaf, t)}` for each leaf (of the graph's first `len(shapes)` inputs) whose
+  every use on the loss slice is a `scan_slice`, at indices 0..L-1 once each."""
   real = {k: j for j, k in enumerate(graph.invars[: len(shapes)])}
   slices: dict[int, dict[int, Any]] = {}
   other: set[int] = set()
   for i, fe in enumerate(graph.eqns):
-    for a in fe.ins:
-      if not _graph.is_key(a) or a not in real:
-        continue
-      j = real[a]
+    for j in [real[a] for a in fe.ins if _graph.is_key(a) and a in real]:
       if fe.name == "scan_slice":
         t = int(fe.params["index"])
         if t in slices.setdefault(j, {}):
@@ -73,9 +62,8 @@ def stack_spec(ix, inner, leaves, size: int, axes: tuple[int, ...] = ()):
 
 
 def merge(ix, specs, claimed, claim):
-  """Replaces the per-slice layers of stacked leaves by one stacked layer per leaf group (after
-  the layers on concatenations are mapped to their real leaves); afterwards no layer and no
-  claim refers to a virtual leaf. `claim(claimed, leaves, name)` claims the stacks' leaves."""
+  """Replaces the per-slice layers of stacked leaves by one stacked layer per leaf group, claimed
+  with `claim(claimed, leaves, name)`; afterwards no layer or claim refers to a virtual leaf."""
   if not ix.stack_of:
     return specs
   kept: list[Any] = []
@@ -115,17 +103,9 @@ def merge(ix, specs, claimed, claim):
 
 
 def batched_dense_use(ix, i):
-  """A `dot_general` of an activation with a parameter kernel `[L, ...]` read as L kernels.
-
-  Either the kernel's leading axis is the product's only batch dimension (`jax.vmap` of a layer
-  over stacked parameters and batched inputs; a mixture-of-experts `einsum("ebd,edf->ebf")`), or
-  it is a free dimension of a 3-d kernel and the input is shared (`jax.vmap` over the parameters
-  only: an ensemble on one input; only taken with a stacked bias, see `match_batched_dense`).
-  The kernel must be read without reshapes or transposes.
-
-  Returns `(per-layer DenseInfo, x atom, x stack axis or None, kernel leaf, k_shape, k_pos,
-  output stack axis)` or None.
-  """
+  """`(per-layer DenseInfo, x atom, x stack axis or None, kernel leaf, k_shape, k_pos, output
+  stack axis)` of a `dot_general` reading a kernel `[L, ...]` (cast only) as L kernels: its
+  leading axis the only batch dimension, or a free axis of a 3-d kernel on a shared input."""
   fe = ix.g.eqns[i]
   kernel = _matchers.sole_param_operand(ix, i, "dot_general")
   if kernel is None or kernel[0] >= ix.n_params:
@@ -136,8 +116,7 @@ def batched_dense_use(ix, i):
   if any(s.op != "cast" for s in chain):
     return None
   k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
-  k_shape = tuple(_graph.aval_of(k_atom).shape)
-  x_shape = tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
   if tuple(k_b) == (0,) and len(x_b) == 1:
     x_axis = int(x_b[0])
     x_c1 = tuple(int(d) - (d > x_axis) for d in x_c)
@@ -163,24 +142,17 @@ def batched_dense_use(ix, i):
 def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
   """A single-use leaf `[L, out]` added to the product's output, spanning its layer axis and its
   last axis (broadcast over the others)."""
-  cons = ix.slice_consumers.get(out_key, [])
-  if len(cons) != 1 or ix.g.eqns[cons[0][0]].name != "add":
+  found = _matchers.added_leaf(ix, out_key, claimed)
+  if found is None:
     return None
-  fe = ix.g.eqns[cons[0][0]]
-  other = fe.ins[1 - cons[0][1]]
-  if not _graph.is_key(other) or other not in ix.origin:
-    return None
-  b_leaf, chain = ix.origin[other]
-  if b_leaf >= ix.n_params or b_leaf in claimed or len(ix.uses.get(b_leaf, [])) != 1:
-    return None
-  if any(s.op not in ("cast", "reshape") for s in chain):
-    return None
+  b_leaf, chain, atom, fe = found
   size, out_shape = k_shape[0], tuple(out_key[1].aval.shape)
-  b_shape = tuple(_graph.aval_of(other).shape)
-  if ix.shapes[b_leaf] != (size, k_shape[-1]) or tuple(fe.outs[0][1].aval.shape) != out_shape:
-    return None
+  b_shape = tuple(_graph.aval_of(atom).shape)
   if (
-    len(b_shape) != len(out_shape)
+    b_leaf >= ix.n_params
+    or any(s.op not in ("cast", "reshape") for s in chain)
+    or ix.shapes[b_leaf] != (size, k_shape[-1])
+    or len(b_shape) != len(out_shape)
     or out_axis == len(out_shape) - 1
     or b_shape[out_axis] != size
     or b_shape[-1] != out_shape[-1]
@@ -191,20 +163,18 @@ def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
 
 
 def match_batched_dense(ix, i, claimed):
-  """A stack of dense layers applied by one `dot_general` (vmapped layers, experts): a `Match`
-  whose info describes one layer (its leaves' shapes without the layer axis)."""
+  """A stack of dense layers applied by one `dot_general`; its info describes one layer."""
   found = batched_dense_use(ix, i)
   if found is None:
     return None
   info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis = found
   if k_leaf in claimed:
     return None
-  leaves = [k_leaf]
-  out_key = ix.g.eqns[i].outs[0]
-  cons = ix.slice_consumers.get(out_key, [])
-  if len(cons) == 1 and ix.g.eqns[cons[0][0]].name == "transpose":
+  leaves, out_key = [k_leaf], ix.g.eqns[i].outs[0]
+  use = _matchers.only_consumer(ix, out_key)
+  if use is not None and ix.g.eqns[use[0]].name == "transpose":
     # `jax.vmap` moves the layer axis of the output to the front: tap after the transpose.
-    fe = ix.g.eqns[cons[0][0]]
+    fe = ix.g.eqns[use[0]]
     perm = tuple(int(d) for d in fe.params["permutation"])
     kept = [d for d in perm if d != out_axis]
     per_layer = [d - (d > out_axis) for d in kept]  # The per-layer axes, as laid out now.
@@ -227,11 +197,9 @@ def match_batched_dense(ix, i, claimed):
 
 
 def match_stacked_scale_and_shift(ix, i, claimed):
-  """A stack of scale-and-shift layers applied by one elementwise operation (a normalisation
-  under `jax.vmap` / `nn.vmap` over stacked parameters, as an ensemble's BatchNorm): a scale
-  `[L, ...]` (and a shift over the same axes) whose leading axis lies along the output's
-  leading axis (where `jax.vmap` puts it), every input holding that axis too. A `Match` whose
-  info describes one layer."""
+  """A stack of scale-and-shift layers applied by one elementwise operation (a vmapped norm): a
+  scale `[L, ...]` (and shift) whose leading axis lies along the output's leading axis, every
+  input holding that axis too; its info describes one layer."""
   found = _matchers.scale_shift_operands(ix, i, claimed)
   if found is None:
     return None
@@ -242,21 +210,17 @@ def match_stacked_scale_and_shift(ix, i, claimed):
   block = _matchers.stacked_feature_block(
     ix.shapes[leaf], ix.origin[atom][1], tuple(_graph.aval_of(atom).shape), out_shape
   )
-  if block is None:
+  # `jax.vmap` puts the layer axis first (`[T, D]` over `[N, T, D]` is one layer); each input
+  # holds it too.
+  if block is None or block[0] != 0:
     return None
-  s, axis, feat = block
-  if s != 0:
-    # `jax.vmap` puts the layer axis first; a table `[T, D]` over `[N, T, D]` (positions) is one
-    # layer whose parameters span two axes.
+  _, axis, feat = block
+  size, per_out = out_shape[0], out_shape[1:]
+  x_shapes = [tuple(_graph.aval_of(x).shape) for x in inputs]
+  if any(len(x) != len(out_shape) or x[0] != size for x in x_shapes):
     return None
-  size = out_shape[s]
-  for x in inputs:  # Each input holds the layer axis (broadcast only along the others).
-    x_shape = tuple(_graph.aval_of(x).shape)
-    if len(x_shape) != len(out_shape) or x_shape[s] != size:
-      return None
-  per_out = out_shape[:s] + out_shape[s + 1 :]
   followed = _matchers.followed_batch_axis(ix, out_key)
-  followed = None if followed is None or followed == s else followed - (followed > s)
+  followed = None if followed in (None, 0) else followed - 1
   batch_axis = _matchers.batch_axis_of(per_out, axis, len(feat), ix.batch_size, followed)
   if batch_axis is None:
     return None
@@ -278,7 +242,7 @@ def match_stacked_scale_and_shift(ix, i, claimed):
     feature_axis=axis,
     batch_axis=batch_axis,
   )
-  axes = (s,) * len(inputs) + (s,)
+  axes = (0,) * (len(inputs) + 1)
   return _matchers.Match.single(
     "scale_and_shift", leaves, info, out_key, inputs, stack_size=size, stack_axes=axes
   )
