@@ -47,15 +47,9 @@ BLOCK_CLASSES: tuple[type[Block], ...] = (
 _BLOCKS = {pair: cls for cls in BLOCK_CLASSES for pair in cls.serves}
 
 
-def serves(kind: str, approx: str) -> bool:
-  """Whether some block class computes layers of `kind` with approximation `approx`."""
-  return (kind, approx) in _BLOCKS
-
-
 def block_class(spec) -> type[Block]:
-  """The block class of a layer: `ConcatBlock` over concatenated leaves, `StackedBlock` for a
-  stack of layers, else the user's (`LayerConfig.blocks`), else the one of
-  `(spec.kind, spec.approx)`."""
+  """The block class of a layer: a wrapper for concatenated leaves or a stack of layers, else
+  the user's (`LayerConfig.blocks`), else the one of `(spec.kind, spec.approx)`."""
   if spec.concat:
     return ConcatBlock
   if spec.stack_size:
@@ -78,14 +72,13 @@ def blocked_note(spec) -> str:
 
 
 def factor_shapes_for(spec) -> tuple[tuple[int, ...], ...]:
-  """The factor shapes the layer's block will keep (`Block.factor_shapes_for`), before any
-  block exists (the scanner sizes `LayerSpec.factor_shapes` with them)."""
+  """The factor shapes the layer's block will keep, before any block exists (the scanner
+  sizes `LayerSpec.factor_shapes` with them)."""
   return block_class(spec).factor_shapes_for(spec)
 
 
 def make_block(spec, config: BlockConfig) -> Block:
-  """The block of a layer (`block_class`), wrapped for concatenated leaves, vmapped over a
-  stack of layers."""
+  """The block of a layer (`block_class`), wrapping its inner block where needed."""
   cls = block_class(spec)
   if cls is ConcatBlock:
     return ConcatBlock(spec, config, make_block(spec.logical, config))
@@ -121,19 +114,14 @@ def tree_shapes(tree) -> tuple:
 
 def check_user_block(block: Block) -> None:
   """ValueError naming the layer unless a user's block (`LayerConfig.blocks`) has state and
-  products of the shapes the estimator needs: its factors and cache are pytrees of arrays,
-  `compute_cache` returns the cache's structure and shapes, and `multiply_matpower` maps the
-  layer's leaves to arrays of the same shapes (checked with `jax.eval_shape`: nothing runs)."""
+  products of the shapes the estimator needs (checked with `jax.eval_shape`: nothing runs)."""
   spec, config = block.spec, block.config
   who = f"layer `{spec.name}`: the block {type(block).__name__} (LayerConfig.blocks)"
   like = [jax.ShapeDtypeStruct(s, config.inverse_dtype) for s in spec.param_shapes]
   step = "init_factors"
   try:
-    factors = jax.eval_shape(block.init_factors)
-    # Cast as `compute_caches` casts them.
-    factors = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, config.inverse_dtype), factors
-    )
+    cast = lambda x: jax.ShapeDtypeStruct(x.shape, config.inverse_dtype)  # As `compute_caches`.
+    factors = jax.tree_util.tree_map(cast, jax.eval_shape(block.init_factors))
     step = "init_cache"
     cache = jax.eval_shape(block.init_cache)
     step = "compute_cache"
@@ -142,7 +130,7 @@ def check_user_block(block: Block) -> None:
     step = "multiply_matpower"
     products = {}
     for e in (1, *config.cached_exps):
-      fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)  # noqa: E731
+      fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)
       products[e] = jax.eval_shape(fn, factors, cache, *like)
   except Exception as err:
     raise ValueError(f"{who} fails in {step} while tracing: {type(err).__name__}: {err}") from err
@@ -197,5 +185,4 @@ __all__ = [
   "compute_caches",
   "factor_shapes_for",
   "make_block",
-  "serves",
 ]

@@ -1,13 +1,11 @@
 """Block-diagonal Kronecker factors: a wide side kept as the diagonal blocks of its factor.
 
 A factor side of n > B entries (B = `LayerSpec.block_size`) is partitioned into k = ⌈n₀/B⌉
-contiguous blocks of b = ⌈n/k⌉ entries, n₀ being the side without a bias row, so a bias row
-never adds a block (n = k·B + 1 gives k blocks of B + 1). The factor F is then kept as its
-diagonal blocks F_bd = diag(F_11, ..., F_kk), stored as `[k, b, b]` with the last block padded
-by k·b − n ≤ k − 1 rows and columns of zeros (Shampoo's partition, applied to K-FAC's A and G).
-Memory is O(n·b), a refresh O(n·b²) and a product with [n, m] O(n·b·m). Padding never reaches
-a result (its rows and columns are zero; products pad their input and slice the output), and
-its diagonal entries are set to one before a factorisation, so a block stays definite.
+contiguous blocks of b = ⌈n/k⌉ entries, n₀ the side without a bias row (which never adds a
+block). F is kept as diag(F_11, ..., F_kk), stored `[k, b, b]` with the last block padded by
+k·b − n zero rows and columns (Shampoo's partition, applied to A and G): memory O(n·b), a refresh
+O(n·b²). The padding's diagonal is set to one before a factorisation (a block stays definite);
+products pad their input and slice the output.
 """
 
 from __future__ import annotations
@@ -82,7 +80,3 @@ def left(p: Array, m: Array) -> Array:
 def right(m: Array, p: Array) -> Array:
   """m · P_bd for m: [r, n] and blocks p: [k, b, b]."""
   return left(jnp.swapaxes(p, -1, -2), m.T).T
-
-
-def transpose(fb: Array) -> Array:
-  return jnp.swapaxes(fb, -1, -2)
