@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
+Shares = tuple[tuple[int, ...], ...]  # Block indices per device.
 
 
 def factorisation_cost(factor_shapes: Sequence[tuple[int, ...]]) -> float:
@@ -31,20 +32,12 @@ def factorisation_cost(factor_shapes: Sequence[tuple[int, ...]]) -> float:
 
 
 def assign(
-  costs: Sequence[float],
-  num_devices: int,
-  *,
-  sizes: Sequence[float] | None = None,
-  keys: Sequence[Any] | None = None,
-  slack: float = 1.25,
-) -> tuple[tuple[int, ...], ...]:
-  """Block indices per device, balanced by cost (longest processing time first).
-
-  Blocks go in decreasing cost (equal `keys` one after another), each to the device with the
-  least cost so far, ties to the lower index (the same on every host). With `sizes` (bytes), a
-  device is eligible only while it stays within `slack · Σ sizes / D + max(sizes)`; the device
-  with the fewest bytes always is, so every block is placed.
-  """
+  costs: Sequence[float], num_devices: int, *, sizes=None, keys=None, slack=1.25
+) -> Shares:
+  """Block indices per device, balanced by cost (longest processing time first): blocks go in
+  decreasing cost (equal `keys` one after another), each to the device with the least cost so
+  far, ties to the lower index. With `sizes` (bytes), a device is eligible only while it stays
+  within `slack · Σ sizes / D + max(sizes)`; the device with the fewest bytes always is."""
   if num_devices < 1:
     raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
   n = len(costs)
@@ -63,11 +56,7 @@ def assign(
   return tuple(tuple(sorted(s)) for s in shares)
 
 
-def refresh_assignment(
-  factor_shapes: Sequence[Sequence[tuple[int, ...]]],
-  num_devices: int,
-  sizes: Sequence[float] | None = None,
-) -> tuple[tuple[int, ...], ...]:
+def refresh_assignment(factor_shapes, num_devices: int, sizes=None) -> Shares:
   """`assign` of blocks with these factor shapes by `factorisation_cost`, identical shapes as
   one key, each device's bytes capped by `sizes` if given."""
   shapes = [tuple(tuple(int(n) for n in s) for s in f) for f in factor_shapes]
@@ -113,13 +102,13 @@ class Slot(NamedTuple):
 class PackedLayout:
   """Static placement of every block's state (factors or cache) on `len(shares)` devices."""
 
-  shares: tuple[tuple[int, ...], ...]  # Block indices per device.
+  shares: Shares
   slots: tuple[tuple[Slot, ...], ...]  # Per device, the `Slot`s of its blocks' arrays.
   lengths: tuple[tuple[str, int], ...]  # Per dtype name, the buffer length L (at least 1).
   treedefs: tuple[Any, ...]  # Per block, the structure of its state.
 
 
-def packed_layout(shapes: Sequence[Any], shares: tuple[tuple[int, ...], ...]) -> PackedLayout:
+def packed_layout(shapes: Sequence[Any], shares: Shares) -> PackedLayout:
   """Places the blocks' arrays (`shapes`: per block, a pytree of `jax.ShapeDtypeStruct`) in
   per-dtype buffers, one per device, the blocks `shares[d]` on d."""
   flat = [jax.tree_util.tree_flatten(c) for c in shapes]

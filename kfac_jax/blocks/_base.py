@@ -171,10 +171,9 @@ class Block(abc.ABC):
   (jit, vmap over a stack of layers), so it is pure and reads only static facts from `spec`.
 
   Attributes:
-    serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`);
-      wrappers serve none.
-    needs_cache_for_statistics: the statistics depend on the cache (EKFAC's eigenbasis):
-      `batch_factors` and `multiply_undamped` then take the block's cache.
+    serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`).
+    needs_cache_for_statistics: `batch_factors` and `multiply_undamped` take the block's cache
+      (EKFAC's eigenbasis).
     vmapped: set by a wrapper that vmaps this block over a leading axis (`StackedBlock`).
   """
 
@@ -234,20 +233,19 @@ class Block(abc.ABC):
   def multiply_cholesky(
     self, factors, cache, vecs: Sequence[Array], *, transpose: bool, inverse: bool
   ) -> list[Array]:
-    """C·v, Cᵀ·v, C⁻¹·v or C⁻ᵀ·v for a factor C with C Cᵀ = damped block (the estimator's
-    `multiply_cholesky`; optional for a user's block)."""
+    """C·v, Cᵀ·v, C⁻¹·v or C⁻ᵀ·v for a factor C with C Cᵀ = damped block (optional)."""
     del factors, cache, vecs, transpose, inverse
     raise NotImplementedError(
       f"block `{self.name}` ({type(self).__name__}) does not implement multiply_cholesky."
     )
 
   def multiply_undamped(self, factors, vecs: Sequence[Array], cache: Any = None) -> list[Array]:
-    """The undamped estimate times vecs (used by `to_dense`); `cache` as in `batch_factors`
-    (optional for a user's block)."""
+    """The undamped estimate times vecs (for `to_dense`; optional); `cache` as in
+    `batch_factors`."""
     del factors, vecs, cache
     raise NotImplementedError(
-      f"block `{self.name}` ({type(self).__name__}) does not implement multiply_undamped, "
-      "which `to_dense` needs."
+      f"block `{self.name}` ({type(self).__name__}) does not implement "
+      "multiply_undamped, which `to_dense` needs."
     )
 
   def to_vector(self, vecs: Sequence[Array]) -> Array:

@@ -15,17 +15,12 @@ cache's basis (`needs_cache_for_statistics`) and averaged with the same EMA.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
-
 import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _linalg
 from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import EKFACCache, EKFACFactors
-
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 
@@ -39,9 +34,7 @@ def _in_basis(rows: Array, u: Array, grouped: bool) -> Array:
 class EKFACBlock(LayoutBlock):
   """EKFAC block of a dense or conv layer (kernel and optional bias)."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    {("dense", "ekfac"), ("conv", "ekfac")}
-  )
+  serves = frozenset({("dense", "ekfac"), ("conv", "ekfac")})
   needs_cache_for_statistics = True
 
   @classmethod

@@ -7,8 +7,6 @@ examples vanishing in expectation), for layers the exact per-example gradients.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
-
 import jax
 import jax.numpy as jnp
 
@@ -16,18 +14,13 @@ from kfac_jax.blocks import _layouts, _linalg
 from kfac_jax.blocks._base import Block, flat, unflat
 from kfac_jax.blocks._state import DiagonalCache, DiagonalFactors, FullCache, FullFactors
 
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
-
 Array = jax.Array
 
 
 class DiagonalBlock(Block):
   """F ≈ diag(E[h²] / N). Any power and Cholesky factor is elementwise."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    (k, "diagonal") for k in _layouts.PER_EXAMPLE_KINDS
-  )
+  serves = frozenset((k, "diagonal") for k in _layouts.PER_EXAMPLE_KINDS)
 
   @classmethod
   def factor_shapes_for(cls, spec):
@@ -66,9 +59,7 @@ class DiagonalBlock(Block):
 class FullBlock(Block):
   """F ≈ E[h hᵀ] / N as a dense matrix; damped block F + λ I."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    (k, "full") for k in _layouts.PER_EXAMPLE_KINDS
-  )
+  serves = frozenset((k, "full") for k in _layouts.PER_EXAMPLE_KINDS)
 
   @classmethod
   def factor_shapes_for(cls, spec):

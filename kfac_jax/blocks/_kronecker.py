@@ -20,7 +20,7 @@ multiplies by A_λ^p ⊗ G_λ^p; ("eigen"): exact (A ⊗ G + λ I)^p through the
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +29,6 @@ from kfac_jax import _specs
 from kfac_jax.blocks import _blocked, _layouts, _linalg, _uses
 from kfac_jax.blocks._base import Block, map_factorisations
 from kfac_jax.blocks._state import FactorCache, KroneckerCache, KroneckerFactors
-
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 
@@ -211,9 +208,7 @@ class LayoutBlock(Block):
 class KroneckerBlock(LayoutBlock):
   """A ⊗ G block of a dense, conv or embedding layer (kernel/table and optional bias)."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    (lay.kind, a) for lay in _layouts.LAYOUTS for a in lay.kronecker
-  )
+  serves = frozenset((lay.kind, a) for lay in _layouts.LAYOUTS for a in lay.kronecker)
 
   @functools.cached_property
   def diag(self) -> tuple[bool, bool]:

@@ -18,17 +18,12 @@ mode; Cholesky factors are C = K diag(√ζ).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
-
 import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _uses
-from kfac_jax.blocks._base import Block
+from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import SeriesCache, SeriesFactors
-
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 MAX_PSI = 0.99
@@ -53,19 +48,17 @@ def _whiten(f: Array, f1: Array) -> tuple[Array, Array, Array]:
   return root @ v, inv_root @ v, psi
 
 
-class SeriesKroneckerBlock(Block):
+class SeriesKroneckerBlock(LayoutBlock):
   """A dense layer shared over T steps with the "kron_series_1" / "kron_series_2" model."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    {("dense", "kron_series_1"), ("dense", "kron_series_2")}
-  )
+  serves = frozenset({("dense", "kron_series_1"), ("dense", "kron_series_2")})
 
   def __init__(self, spec, config):
     self.spec = spec
     self.config = config
     _uses.check_factored_powers(spec, config, " (F = K diag(ζ) Kᵀ with K not orthogonal)")
     self.layouts = _uses.use_layouts(spec)
-    self.layout = self.layouts[0][0]
+    self.layout = self.layouts[0][0]  # The first use's, for the products' matrix view.
 
   @classmethod
   def factor_shapes_for(cls, spec):
@@ -115,13 +108,6 @@ class SeriesKroneckerBlock(Block):
   def compute_cache(self, factors, damping) -> SeriesCache:
     return self._parts(factors, jnp.asarray(damping, self.config.inverse_dtype))
 
-  def _matrix(self, vecs):
-    return self.layout.to_matrix(vecs, self.config.inverse_dtype)[0]
-
-  def _back(self, m, vecs):
-    out = self.layout.from_matrix(m[None])
-    return [o.astype(v.dtype) for o, v in zip(out, vecs)]
-
   @staticmethod
   def _apply(c: SeriesCache, m, exp):
     if exp == 1:  # K diag(ζ) Kᵀ
@@ -129,17 +115,19 @@ class SeriesKroneckerBlock(Block):
     return c.pa @ ((c.pa.T @ m @ c.pg) / c.zeta) @ c.pg.T
 
   def multiply_matpower(self, factors, cache, vecs, exp):
-    return self._back(self._apply(cache, self._matrix(vecs), exp), vecs)
+    return self.on_matrix(lambda m: self._apply(cache, m, exp), vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    m, c = self._matrix(vecs), cache
-    root = jnp.sqrt(c.zeta)
-    if not inverse:  # C = K diag(√ζ)
-      out = (c.qa.T @ m @ c.qg) * root if transpose else c.qa @ (m * root) @ c.qg.T
-    else:  # C⁻¹ = diag(1/√ζ) K⁻¹, K⁻¹ M = P_Aᵀ M P_G.
-      out = c.pa @ (m / root) @ c.pg.T if transpose else (c.pa.T @ m @ c.pg) / root
-    return self._back(out, vecs)
+    c, root = cache, jnp.sqrt(cache.zeta)
+
+    def one(m):
+      if not inverse:  # C = K diag(√ζ)
+        return (c.qa.T @ m @ c.qg) * root if transpose else c.qa @ (m * root) @ c.qg.T
+      # C⁻¹ = diag(1/√ζ) K⁻¹, K⁻¹ M = P_Aᵀ M P_G.
+      return c.pa @ (m / root) @ c.pg.T if transpose else (c.pa.T @ m @ c.pg) / root
+
+    return self.on_matrix(one, vecs)
 
   def multiply_undamped(self, factors, vecs, cache=None):
     del cache
-    return self._back(self._apply(self._parts(factors, None), self._matrix(vecs), 1), vecs)
+    return self.on_matrix(lambda m: self._apply(self._parts(factors, None), m, 1), vecs)

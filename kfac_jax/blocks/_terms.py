@@ -15,7 +15,7 @@ Only the powers −1 and 1, in "factored" damping mode.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +23,6 @@ import jax.numpy as jnp
 from kfac_jax.blocks import _kronecker, _uses
 from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import KroneckerFactors
-
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 
@@ -51,7 +48,7 @@ def _generalised(b: Array, a: Array) -> tuple[Array, Array]:
 class KroneckerSumBlock(LayoutBlock):
   """A dense layer whose uses feed two loss tags: `A₁ ⊗ G₁ + A₂ ⊗ G₂`, inverted exactly."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset({("dense", "kron_terms")})
+  serves = frozenset({("dense", "kron_terms")})
 
   def __init__(self, spec, config):
     self.spec = spec
