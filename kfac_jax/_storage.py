@@ -148,18 +148,6 @@ def _check_sharded(state, method: str, field: str) -> None:
     )
 
 
-def _check_buffers(lay: _parallel.PackedLayout, state, per_device: bool, method: str, field: str):
-  _check_sharded(state, method, field)
-  want = {k: (n * (1 if per_device else len(lay.shares)),) for k, n in lay.lengths}
-  got = {k: tuple(np.shape(v)) for k, v in state.buffers.items()}
-  if got != want:
-    raise ValueError(
-      f"`{method}`: the sharded {field} has buffers {got}, but {len(lay.shares)} devices need "
-      f"{want} ({'each device' if per_device else 'the global arrays'}). Was the state "
-      "initialised for another number of devices? Initialise it on the axis it is used with."
-    )
-
-
 @functools.lru_cache(maxsize=64)
 def _layouts(blocks: tuple[Block, ...], num_devices: int) -> Layouts:
   shares = _parallel.refresh_assignment(
@@ -190,10 +178,11 @@ class ShardedStorage(_Strategy):
     """The blocks' factors and caches laid out on `num_devices` devices (the same shares)."""
     return _layouts(self.blocks, num_devices)
 
-  def _run(self, method, axis_name, mesh, local, args, sharded, out_sharded):
-    """`local(axis, factors layout, cache layout, *args)` on every device of the axis: bound
+  def _run(self, method, axis_name, mesh, run, args, sharded, out_sharded, finish=None):
+    """`run(d, factors layout, cache layout, *args)` on each device d of the axis: bound
     (`axis_name`), or of a `shard_map` over `mesh` splitting the `sharded` arguments and
-    outputs. The state's factors and cache (the first `sharded` arguments) are checked first."""
+    outputs; then `finish(out, axis)` if given. The state's factors and cache (the first
+    `sharded` arguments) are checked first."""
     if axis_name is not None and mesh is not None:
       raise ValueError(
         f"`{method}`: pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both."
@@ -218,42 +207,48 @@ class ShardedStorage(_Strategy):
         ) from None
     lays = self.layouts(size)
     for lay, state, field in zip(lays, args[: sum(sharded)], ("factors", "cache")):
-      _check_buffers(lay, state, axis_name is not None, method, field)
+      _check_sharded(state, method, field)
+      want = {k: (n * (1 if axis_name is not None else size),) for k, n in lay.lengths}
+      got = {k: tuple(np.shape(v)) for k, v in state.buffers.items()}
+      if got != want:
+        raise ValueError(
+          f"`{method}`: the sharded {field} has buffers {got}, but {size} devices need {want} "
+          f"({'the global arrays' if axis_name is None else 'each device'}). Was the state "
+          "initialised for another number of devices? Initialise it on the axis it is used with."
+        )
+
+    def local(axis, *args):
+      out = _parallel.on_own_share(lambda d: run(d, *lays, *args), lays[0].shares, axis)
+      return out if finish is None else finish(out, axis)
+
     if axis_name is not None:
-      return local(axis_name, *lays, *args)
-    run = lambda axis, *a: local(axis, *lays, *a)
-    return _parallel.over_mesh(run, mesh, args, sharded, out_sharded)
+      return local(axis_name, *args)
+    return _parallel.over_mesh(local, mesh, args, sharded, out_sharded)
 
   def init_state(self, axis_name, mesh):
     """`(factors, cache)`: each device's buffers of its blocks' zero factors, identity caches."""
     blocks = self.blocks
 
-    def local(axis, flay, clay):
-      def run(d):
-        share = flay.shares[d]
-        f = _parallel.pack(flay, d, {i: blocks[i].init_factors() for i in share})
-        return f, _parallel.pack(clay, d, {i: blocks[i].init_cache() for i in share})
-
-      f, c = _parallel.on_own_share(run, flay.shares, axis)
+    def run(d, flay, clay):
+      share = flay.shares[d]
+      f = _parallel.pack(flay, d, {i: blocks[i].init_factors() for i in share})
+      c = _parallel.pack(clay, d, {i: blocks[i].init_cache() for i in share})
       return _parallel.ShardedCache(f), _parallel.ShardedCache(c)
 
-    return self._run("init", axis_name, mesh, local, (), (), (True, True))
+    return self._run("init", axis_name, mesh, run, (), (), (True, True))
 
   def fold(self, factors, new, weight, average, axis_name, mesh):
     """Each device folds its blocks' entries of this batch's statistics `new` (by name, the
     same on every device) into its factors, `average(old, batch, weight)` leaf by leaf."""
     names = self.names
 
-    def local(axis, flay, clay, factors, new, weight):
-      def run(d):
-        old = _parallel.unpack(flay, d, factors.buffers)
-        folded = {i: _fold(f, new[names[i]], weight, average) for i, f in old.items()}
-        return _parallel.pack(flay, d, folded)
-
-      return _parallel.ShardedCache(_parallel.on_own_share(run, flay.shares, axis))
+    def run(d, flay, clay, factors, new, weight):
+      old = _parallel.unpack(flay, d, factors.buffers)
+      folded = {i: _fold(f, new[names[i]], weight, average) for i, f in old.items()}
+      return _parallel.ShardedCache(_parallel.pack(flay, d, folded))
 
     args = (factors, new, weight)
-    return self._run("update_curvature", axis_name, mesh, local, args, (True, False, False), True)
+    return self._run("update_curvature", axis_name, mesh, run, args, (True, False, False), True)
 
   def refresh(self, factors, cache, damping, axis_name, mesh):
     """`(new ShardedCache, failed)`: each device refreshes its own blocks from its own factors;
@@ -261,21 +256,18 @@ class ShardedStorage(_Strategy):
     the axis."""
     blocks = self.blocks
 
-    def local(axis, flay, clay, factors, cache, lam):
-      def run(d):
-        share = clay.shares[d]
-        mine = _parallel.unpack(flay, d, factors.buffers)
-        new = _blocks.compute_caches(blocks, share, [mine.get(i) for i in range(len(blocks))], lam)
-        kept, failed = _keep_finite(new, _parallel.unpack(clay, d, cache.buffers), share)
-        at = np.asarray(share, np.int32)
-        flags = jnp.zeros((len(blocks),), jnp.int32).at[at].set(failed.astype(jnp.int32))
-        return _parallel.pack(clay, d, kept), flags
+    def run(d, flay, clay, factors, cache, lam):
+      share = clay.shares[d]
+      mine = _parallel.unpack(flay, d, factors.buffers)
+      new = _blocks.compute_caches(blocks, share, [mine.get(i) for i in range(len(blocks))], lam)
+      kept, failed = _keep_finite(new, _parallel.unpack(clay, d, cache.buffers), share)
+      at = np.asarray(share, np.int32)
+      flags = jnp.zeros((len(blocks),), jnp.int32).at[at].set(failed.astype(jnp.int32))
+      return _parallel.ShardedCache(_parallel.pack(clay, d, kept)), flags
 
-      buffers, failed = _parallel.on_own_share(run, clay.shares, axis)
-      return _parallel.ShardedCache(buffers), jax.lax.psum(failed, axis) > 0
-
+    finish = lambda out, axis: (out[0], jax.lax.psum(out[1], axis) > 0)
     args, sharded = (factors, cache, damping), (True, True, False)
-    return self._run("update_inverses", axis_name, mesh, local, args, sharded, (True, False))
+    return self._run("update_inverses", axis_name, mesh, run, args, sharded, (True, False), finish)
 
   def apply(self, factors, cache, leaves, fn, axis_name, mesh, method) -> list:
     """`fn(block, factors, cache, vecs)` for every block on the device that owns it, into
@@ -290,17 +282,14 @@ class ShardedStorage(_Strategy):
       [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves],
     )
 
-    def local(axis, flay, clay, factors, cache, vecs):
-      def run(d):
-        out = {j: jnp.zeros(shapes[j].shape, shapes[j].dtype) for j in covered}
-        f, c = (_parallel.unpack(lay, d, s.buffers) for lay, s in ((flay, factors), (clay, cache)))
-        out.update(_products(blocks, clay.shares[d], f, c, dict(zip(covered, vecs)), fn))
-        return [out[j] for j in covered]
-
-      return jax.lax.psum(_parallel.on_own_share(run, clay.shares, axis), axis)
+    def run(d, flay, clay, factors, cache, vecs):
+      out = {j: jnp.zeros(shapes[j].shape, shapes[j].dtype) for j in covered}
+      f, c = (_parallel.unpack(lay, d, s.buffers) for lay, s in ((flay, factors), (clay, cache)))
+      out.update(_products(blocks, clay.shares[d], f, c, dict(zip(covered, vecs)), fn))
+      return [out[j] for j in covered]
 
     args = (factors, cache, [leaves[j] for j in covered])
-    res = self._run(method, axis_name, mesh, local, args, (True, True, False), False)
+    res = self._run(method, axis_name, mesh, run, args, (True, True, False), False, jax.lax.psum)
     got = dict(zip(covered, res))
     return [got.get(j, x) for j, x in enumerate(leaves)]
 

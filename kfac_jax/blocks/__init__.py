@@ -3,35 +3,33 @@
 import jax
 
 from kfac_jax.blocks import _kronecker
-from kfac_jax.blocks._base import (
-  Block,
-  BlockConfig,
-  DampingMode,
-  FactorSolve,
-  StackedUses,
-  batched_factorisations,
-  compute_caches,
-)
-from kfac_jax.blocks._concat import ConcatBlock
-from kfac_jax.blocks._ekfac import EKFACBlock
-from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
-from kfac_jax.blocks._kronecker import KroneckerBlock
-from kfac_jax.blocks._shared import SeriesKroneckerBlock
-from kfac_jax.blocks._stacked import StackedBlock
-from kfac_jax.blocks._state import (
-  DiagonalCache,
-  DiagonalFactors,
-  EKFACCache,
-  EKFACFactors,
-  FactorCache,
-  FullCache,
-  FullFactors,
-  KroneckerCache,
-  KroneckerFactors,
-  SeriesCache,
-  SeriesFactors,
-)
-from kfac_jax.blocks._terms import KroneckerSumBlock, TermsCache
+from kfac_jax.blocks._base import Block as Block
+from kfac_jax.blocks._base import BlockConfig as BlockConfig
+from kfac_jax.blocks._base import DampingMode as DampingMode
+from kfac_jax.blocks._base import FactorSolve as FactorSolve
+from kfac_jax.blocks._base import StackedUses as StackedUses
+from kfac_jax.blocks._base import batched_factorisations as batched_factorisations
+from kfac_jax.blocks._base import compute_caches as compute_caches
+from kfac_jax.blocks._concat import ConcatBlock as ConcatBlock
+from kfac_jax.blocks._ekfac import EKFACBlock as EKFACBlock
+from kfac_jax.blocks._generic import DiagonalBlock as DiagonalBlock
+from kfac_jax.blocks._generic import FullBlock as FullBlock
+from kfac_jax.blocks._kronecker import KroneckerBlock as KroneckerBlock
+from kfac_jax.blocks._shared import SeriesKroneckerBlock as SeriesKroneckerBlock
+from kfac_jax.blocks._stacked import StackedBlock as StackedBlock
+from kfac_jax.blocks._state import DiagonalCache as DiagonalCache
+from kfac_jax.blocks._state import DiagonalFactors as DiagonalFactors
+from kfac_jax.blocks._state import EKFACCache as EKFACCache
+from kfac_jax.blocks._state import EKFACFactors as EKFACFactors
+from kfac_jax.blocks._state import FactorCache as FactorCache
+from kfac_jax.blocks._state import FullCache as FullCache
+from kfac_jax.blocks._state import FullFactors as FullFactors
+from kfac_jax.blocks._state import KroneckerCache as KroneckerCache
+from kfac_jax.blocks._state import KroneckerFactors as KroneckerFactors
+from kfac_jax.blocks._state import SeriesCache as SeriesCache
+from kfac_jax.blocks._state import SeriesFactors as SeriesFactors
+from kfac_jax.blocks._terms import KroneckerSumBlock as KroneckerSumBlock
+from kfac_jax.blocks._terms import TermsCache as TermsCache
 
 # The block classes that compute layers, each serving its (kind, approximation) pairs
 # (`Block.serves`, unique: tests/scan/test_kinds.py). The wrappers (`ConcatBlock`, `StackedBlock`)
@@ -147,42 +145,3 @@ def check_user_block(block: Block) -> None:
         f"{who}: multiply_matpower(..., exp={e}) returns {got}; it must return one array per "
         f"parameter leaf of the layer, shaped {want} ({list(spec.param_paths)})."
       )
-
-
-__all__ = [
-  "Block",
-  "BlockConfig",
-  "ConcatBlock",
-  "DampingMode",
-  "DiagonalBlock",
-  "DiagonalCache",
-  "DiagonalFactors",
-  "EKFACBlock",
-  "EKFACCache",
-  "EKFACFactors",
-  "FactorCache",
-  "FactorSolve",
-  "FullBlock",
-  "FullCache",
-  "FullFactors",
-  "KroneckerBlock",
-  "KroneckerCache",
-  "KroneckerFactors",
-  "SeriesCache",
-  "SeriesFactors",
-  "SeriesKroneckerBlock",
-  "KroneckerSumBlock",
-  "TermsCache",
-  "StackedBlock",
-  "StackedUses",
-  "BLOCK_CLASSES",
-  "batched_factorisations",
-  "block_class",
-  "blocked_note",
-  "check_class",
-  "check_user_block",
-  "tree_shapes",
-  "compute_caches",
-  "factor_shapes_for",
-  "make_block",
-]

@@ -25,12 +25,6 @@ from kfac_jax.blocks._state import EKFACCache, EKFACFactors
 Array = jax.Array
 
 
-def _in_basis(rows: Array, u: Array, grouped: bool) -> Array:
-  """`rows [..., groups, n]` times the basis `u` `[groups, n, n]` (one group: `[n, n]`, a plain
-  matrix product, faster on CPU than a batched dot)."""
-  return jnp.einsum("...gi,gij->...gj", rows, u) if grouped else rows @ u
-
-
 class EKFACBlock(LayoutBlock):
   """EKFAC block of a dense or conv layer (kernel and optional bias)."""
 
@@ -60,9 +54,9 @@ class EKFACBlock(LayoutBlock):
     gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (samples * batch_size)
     if self.spec.has_bias:
       x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
-    if cache is not None:
-      ua, ug = cache.a_evecs.astype(dtype), cache.g_evecs.astype(dtype)
-      x, g = _in_basis(x, ua, self.grouped), _in_basis(g, ug, self.grouped)
+    if cache is not None:  # One group: a plain product, faster on CPU than a batched dot.
+      basis = lambda r, u: jnp.einsum("...gi,gij->...gj", r, u) if self.grouped else r @ u
+      x, g = basis(x, cache.a_evecs.astype(dtype)), basis(g, cache.g_evecs.astype(dtype))
     if rows == batch_size:  # One row per example: J = x̄ gᵀ, so (Uᵀ J U)² = (x̃²)(g̃²)ᵀ.
       x2, g2 = x * x, jnp.sum(g * g, axis=0)
       s = (x2[:, 0].T @ g2[:, 0])[None] if x.shape[1] == 1 else jnp.einsum("rgi,rgo->gio", x2, g2)

@@ -86,23 +86,12 @@ def _mean_diag(f: Array, n: int) -> Array:
   return _linalg.mean_diag(f)
 
 
-def _left_power(c: FactorCache, k: int, m: Array) -> Array:
-  """F_λ^e · m for the cached power e = cached_exps[k]; F_λ⁻¹ · m by block substitution when
-  the cache keeps F_λ's substitution form instead of the inverse (`powers[k]` is None)."""
-  p = c.powers[k]
-  if p is not None:
-    return _left(p, m)
-  assert c.subst is not None  # Kept instead of the power (`KroneckerBlock.solves`).
-  return _linalg.substitution_solve(c.subst, m)
-
-
-def _right_power(m: Array, c: FactorCache, k: int) -> Array:
-  """m · F_λ^e, as `_left_power` (F_λ is symmetric)."""
-  p = c.powers[k]
-  if p is not None:
-    return _right(m, p)
-  assert c.subst is not None
-  return _linalg.substitution_solve(c.subst, m.T).T
+def _power_product(ca, cg, k: int, m: Array) -> Array:
+  """A_λ^e · m · G_λ^e for the cached power e = cached_exps[k]; a factor kept in substitution
+  form instead (its power None, `KroneckerBlock.solves`) is solved by block substitution."""
+  pa, pg = ca.powers[k], cg.powers[k]
+  m = _left(pa, m) if pa is not None else _linalg.substitution_solve(ca.subst, m)
+  return _right(m, pg) if pg is not None else _linalg.substitution_solve(cg.subst, m.T).T
 
 
 def damped_factors(a: Array, g: Array, damping, sizes=None, split="pi") -> tuple[Array, Array]:
@@ -390,7 +379,7 @@ class KroneckerBlock(LayoutBlock):
       if eigen:
         return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)
       assert k is not None  # a cached power: exp != 1 under "factored" damping
-      return _right_power(_left_power(ca, k, m), cg, k)
+      return _power_product(ca, cg, k, m)
 
     return self.on_matrix(one, vecs, factors.a, factors.g, cache.a, cache.g)
 

@@ -92,9 +92,7 @@ def cholesky(m: Array, buckets: bool = True) -> Array:
 
 
 def lower_inverse(chol: Array, buckets: bool = True) -> Array:
-  def inv(x):
-    return jsl.solve_triangular(x, jnp.eye(x.shape[-1], dtype=x.dtype), lower=True)
-
+  inv = lambda x: jsl.solve_triangular(x, jnp.eye(x.shape[-1], dtype=x.dtype), lower=True)
   return _bucketed(inv, chol, buckets)
 
 

@@ -16,10 +16,6 @@ from kfac_jax.blocks._base import Block, StackedUses, map_factorisations
 Array = jax.Array
 
 
-def _broadcast(tree, size: int):
-  return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (size,) + x.shape), tree)
-
-
 class StackedBlock(Block):
   """L copies of the block of `spec.stack_inner`, with state stacked on a leading axis."""
 
@@ -40,17 +36,18 @@ class StackedBlock(Block):
 
   @property
   def factor_shapes(self):
-    return tuple((self.size, *s) for s in self.inner.factor_shapes)
+    return tuple((self.spec.stack_size, *s) for s in self.inner.factor_shapes)
 
-  @property
-  def size(self) -> int:
-    return self.spec.stack_size
+  def _stack(self, tree):
+    """`tree` broadcast along a leading stack axis L."""
+    size = self.spec.stack_size
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (size,) + x.shape), tree)
 
   def group_key(self) -> tuple:
-    return ("StackedBlock", self.size) + self.inner.group_key()
+    return ("StackedBlock", self.spec.stack_size) + self.inner.group_key()
 
   def init_factors(self):
-    return _broadcast(self.inner.init_factors(), self.size)
+    return self._stack(self.inner.init_factors())
 
   def accepts_stacked_uses(self) -> bool:
     return True
@@ -75,7 +72,7 @@ class StackedBlock(Block):
     )(inputs, g, cache)
 
   def init_cache(self):
-    return _broadcast(self.inner.init_cache(), self.size)
+    return self._stack(self.inner.init_cache())
 
   def compute_cache(self, factors, damping):
     return map_factorisations(lambda f: self.inner.compute_cache(f, damping), factors)

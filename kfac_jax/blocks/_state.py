@@ -1,11 +1,9 @@
 """The typed state of every block kind: one `NamedTuple` for its factors, one for its cache.
 
-Field names are what a checkpoint stores them under (`factors/<block>/a`). Shapes use `in(+1)`
-for a kernel's input side with the bias row, `out` for its output side, and a leading
-`(groups,)` axis for grouped convolutions only; a stack of L layers (`StackedBlock`) adds a
-leading axis L. Every cache has `damping: []`, the λ it was built with; entries the
-configuration does not ask for are None (no leaves). Factors are stored in
-`BlockConfig.stats_dtype`, caches in `BlockConfig.inverse_dtype`.
+Field names are what a checkpoint stores them under (`factors/<block>/a`). `in(+1)` is a kernel's
+input side with the bias row; grouped convolutions add a leading `(groups,)` axis, a stack of L
+layers a leading L. `damping` is the λ a cache was built with; entries the configuration does
+not ask for are None. Factors are stored in `stats_dtype`, caches in `inverse_dtype`.
 """
 
 from __future__ import annotations
@@ -18,9 +16,7 @@ Array = jax.Array
 
 
 class KroneckerFactors(NamedTuple):
-  """F ≈ A ⊗ G (see `_kronecker`). A side wider than the layer's `block_size` is kept as its
-  diagonal blocks `[k, b, b]` (`_blocked`), and so is its `FactorCache` (eigenvalues `[k, b]`).
-  """
+  """F ≈ A ⊗ G; a side wider than `block_size` is kept as its diagonal blocks `[k, b, b]`."""
 
   a: Array  # [(groups,) in(+1), in(+1)]; a vector for the diagonal variants, [vocab] for tables
   g: Array  # [(groups,) out, out]; a vector `[(groups,) out]` for the diagonal variants
