@@ -57,15 +57,13 @@ def assign(
 
 
 def refresh_assignment(factor_shapes, num_devices: int, sizes=None) -> Shares:
-  """`assign` of blocks with these factor shapes by `factorisation_cost`, identical shapes as
-  one key, each device's bytes capped by `sizes` if given."""
+  """`assign` by `factorisation_cost`, equal shapes one key, bytes capped by `sizes`."""
   shapes = [tuple(tuple(int(n) for n in s) for s in f) for f in factor_shapes]
   return assign([factorisation_cost(f) for f in shapes], num_devices, sizes=sizes, keys=shapes)
 
 
 def check_auto_axis(mesh, axis: str) -> None:
-  """Raises unless `axis` of `mesh` is automatic (the split inverse work is a `shard_map` whose
-  branches differ per device, which an explicit axis does not type)."""
+  """Raises unless `axis` of `mesh` is automatic (an explicit one cannot type the split work)."""
   if mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Explicit:
     raise ValueError(
       f"`config.mesh`: axis {axis!r} of the mesh is AxisType.Explicit; the inverses are split "
@@ -77,8 +75,7 @@ def check_auto_axis(mesh, axis: str) -> None:
 
 class ShardedCache(NamedTuple):
   """Per-block state under `inverse_storage="sharded"` (the factors, or the caches): each
-  device holds only its share, raveled at static offsets and zero-padded to the longest share's
-  length L (one shape on every device).
+  device holds only its share, raveled and zero-padded to the longest share's length L.
 
   Attributes:
     buffers: per dtype name (e.g. "float32"), one flat buffer: `[L]` inside pmap / shard_map,
@@ -109,8 +106,7 @@ class PackedLayout:
 
 
 def packed_layout(shapes: Sequence[Any], shares: Shares) -> PackedLayout:
-  """Places the blocks' arrays (`shapes`: per block, a pytree of `jax.ShapeDtypeStruct`) in
-  per-dtype buffers, one per device, the blocks `shares[d]` on d."""
+  """Places per-block arrays (`jax.ShapeDtypeStruct` trees) in per-dtype device buffers."""
   flat = [jax.tree_util.tree_flatten(c) for c in shapes]
   slots: list[tuple[Slot, ...]] = []
   lengths: dict[str, int] = {np.dtype(s.dtype).name: 1 for leaves, _ in flat for s in leaves}
@@ -149,8 +145,7 @@ def unpack(layout: PackedLayout, device: int, buffers: dict[str, Array]) -> dict
 
 
 def on_own_share(fn: Callable[[int], Any], shares: Sequence[Sequence[int]], axis_name: str) -> Any:
-  """`fn(device)` on each device of `axis_name` (`shares` has one entry per device), with
-  `device` static inside `fn`; devices without blocks share one branch."""
+  """`fn(device)` on each device of `axis_name`, `device` static; idle ones share a branch."""
   busy = [d for d, share in enumerate(shares) if share]
   idle = [d for d, share in enumerate(shares) if not share]
   branches = [lambda d=d: fn(d) for d in busy + idle[:1]]

@@ -34,9 +34,8 @@ Layouts = tuple[_parallel.PackedLayout, _parallel.PackedLayout]
 
 
 def all_finite(tree) -> Array:
-  """True when every entry of every leaf is finite, tested through each leaf's sum (an
-  overflow errs on the safe side): one reduction XLA fuses with the producer, far cheaper to
-  compile than an elementwise `isfinite` over every factor."""
+  """Whether every entry of every leaf is finite, through each leaf's sum (an overflow errs on
+  the safe side): one fused reduction, far cheaper to compile than an elementwise `isfinite`."""
   leaves = jax.tree_util.tree_leaves(tree)
   flags = [jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))) for x in leaves]
   return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
@@ -58,8 +57,7 @@ def _fold(old, new, weight, average):
 
 
 def _products(blocks, indices, factors, caches, leaves, fn) -> dict[int, Any]:
-  """`{leaf index: product}`: `fn(block, factors, cache, vecs)` for the blocks `indices`, each
-  block's factors cast to its `inverse_dtype`."""
+  """`{leaf: fn(block, factors, cache, vecs)}` for the blocks `indices`, factors cast."""
   out: dict[int, Any] = {}
   for i in indices:
     b, idx = blocks[i], blocks[i].spec.leaf_indices
@@ -86,12 +84,10 @@ class _Strategy:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicatedStorage(_Strategy):
-  """Every device keeps every block's factors and cache (`{block name: ...}`) and preconditions
-  the whole gradient; with `axis_name` or `mesh` the refresh is split over the devices."""
+  """Every device keeps every block's state (by name); the refresh may be split over devices."""
 
   def init_state(self, axis_name, mesh) -> tuple[dict, dict]:
-    """`(factors, cache)`: zero statistics and identity caches per block name, made by one
-    program (made op by op, each zeros and identity of a new shape would compile on its own)."""
+    """`(factors, cache)`: zeros and identities by name, one program (op by op, each compiles)."""
     del axis_name, mesh
     pairs = tuple(zip(self.names, self.blocks))
     return jax.jit(
@@ -104,8 +100,7 @@ class ReplicatedStorage(_Strategy):
     return {n: _fold(factors[n], new[n], weight, average) for n in self.names}
 
   def refresh(self, factors, cache, damping, axis_name, mesh) -> tuple[dict, Array]:
-    """`(new cache, failed)`, `failed` `[len(blocks)]` bool: the blocks whose new cache was not
-    finite, each of which keeps its previous one."""
+    """`(new cache, failed)`: `[len(blocks)]` bool, the blocks that kept their old cache."""
     names, blocks = self.names, self.blocks
 
     def compute(indices, factors, lam):
@@ -161,9 +156,8 @@ def _layouts(blocks: tuple[Block, ...], num_devices: int) -> Layouts:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedStorage(_Strategy):
-  """Each device keeps, folds, refreshes and applies only its share of the blocks (two
-  `ShardedCache`s); every call needs `axis_name` (inside pmap / shard_map) or `mesh` (under
-  jit)."""
+  """Each device keeps, folds, refreshes and applies only its share of the blocks; every call
+  needs `axis_name` (inside pmap / shard_map) or `mesh`."""
 
   def __post_init__(self):
     for n, b in zip(self.names, self.blocks):
@@ -238,8 +232,7 @@ class ShardedStorage(_Strategy):
     return self._run("init", axis_name, mesh, run, (), (), (True, True))
 
   def fold(self, factors, new, weight, average, axis_name, mesh):
-    """Each device folds its blocks' entries of this batch's statistics `new` (by name, the
-    same on every device) into its factors, `average(old, batch, weight)` leaf by leaf."""
+    """Each device folds its blocks' entries of this batch's statistics `new` (by name)."""
     names = self.names
 
     def run(d, flay, clay, factors, new, weight):
@@ -251,9 +244,8 @@ class ShardedStorage(_Strategy):
     return self._run("update_curvature", axis_name, mesh, run, args, (True, False, False), True)
 
   def refresh(self, factors, cache, damping, axis_name, mesh):
-    """`(new ShardedCache, failed)`: each device refreshes its own blocks from its own factors;
-    a failure (as `ReplicatedStorage.refresh`'s) is flagged by the block's owner and summed over
-    the axis."""
+    """`(new ShardedCache, failed)`: each device refreshes its own blocks, a failure flagged by
+    the block's owner and summed over the axis."""
     blocks = self.blocks
 
     def run(d, flay, clay, factors, cache, lam):
@@ -270,8 +262,7 @@ class ShardedStorage(_Strategy):
     return self._run("update_inverses", axis_name, mesh, run, args, sharded, (True, False), finish)
 
   def apply(self, factors, cache, leaves, fn, axis_name, mesh, method) -> list:
-    """`fn(block, factors, cache, vecs)` for every block on the device that owns it, into
-    zeros elsewhere, summed over the axis; leaves outside every block pass through."""
+    """`fn` for each block on its owner, zeros elsewhere, summed; other leaves pass through."""
     blocks = self.blocks
     covered = sorted(j for b in blocks for j in b.spec.leaf_indices)
     # The products' shapes and dtypes, which every branch (owner or not) must return.
@@ -294,8 +285,7 @@ class ShardedStorage(_Strategy):
     return [got.get(j, x) for j, x in enumerate(leaves)]
 
   def block_factors(self, factors) -> dict[str, Any]:
-    """Every block's factors by name, gathered from the global buffers (a pmap output
-    `[D, L]`, or a `[D·L]` array under jit with a mesh)."""
+    """Every block's factors by name, from the global buffers (`[D, L]` or `[D·L]`)."""
     _check_sharded(factors, "to_dense", "factors")
     bufs = factors.buffers
     lens = {k: int(np.size(v)) for k, v in bufs.items()}

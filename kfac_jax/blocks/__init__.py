@@ -46,8 +46,7 @@ _BLOCKS = {pair: cls for cls in BLOCK_CLASSES for pair in cls.serves}
 
 
 def block_class(spec) -> type[Block]:
-  """The block class of a layer: a wrapper for concatenated leaves or a stack of layers, else
-  the user's (`LayerConfig.blocks`), else the one of `(spec.kind, spec.approx)`."""
+  """A wrapper for concatenated leaves or a stack, else the user's, else `(kind, approx)`'s."""
   if spec.concat:
     return ConcatBlock
   if spec.stack_size:
@@ -70,8 +69,7 @@ def blocked_note(spec) -> str:
 
 
 def factor_shapes_for(spec) -> tuple[tuple[int, ...], ...]:
-  """The factor shapes the layer's block will keep, before any block exists (the scanner
-  sizes `LayerSpec.factor_shapes` with them)."""
+  """The factor shapes the layer's block will keep, before any block exists."""
   return block_class(spec).factor_shapes_for(spec)
 
 
@@ -89,8 +87,7 @@ def make_block(spec, config: BlockConfig) -> Block:
 
 
 def check_class(cls, where: str) -> None:
-  """TypeError unless `cls` is a concrete `Block` subclass a layer can use (`where` names the
-  `LayerConfig.blocks` entry)."""
+  """TypeError unless `cls` is a concrete `Block` subclass (`where`: its config entry)."""
   if not (isinstance(cls, type) and issubclass(cls, Block)):
     raise TypeError(
       f"{where} must be a subclass of kfac_jax.Block, got {cls!r}; write a class with "

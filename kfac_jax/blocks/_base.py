@@ -34,7 +34,7 @@ _DTYPES = {
 
 
 def _dtype(value, field: str) -> Any:
-  """The dtype given as `config.<field>` as a numpy dtype: None → float32 (float64 under x64)."""
+  """`config.<field>` as a numpy dtype: None → float32 (float64 under x64)."""
   x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # A flag added at run time.
   if value is None:
     return np.dtype(np.float64 if x64 else np.float32)
@@ -63,18 +63,14 @@ class BlockConfig:
     exps: matrix powers the cache is prepared for (1 is always available).
     damping_mode: "factored" (π√λ on a layer's input factor and √λ/π on its output factor, π
       from their traces, Martens & Grosse 2015), "factored_equal" (√λ on each) or "eigen"
-      (exact `A ⊗ G + λ I` through eigen-decompositions of the factors).
-    cholesky: also cache Cholesky factors (for `multiply_cholesky`).
-    cholesky_inverse: also cache inverse Cholesky factors.
-    stats_dtype: dtype of batch statistics and of the stored factors (their moving averages).
-    inverse_dtype: dtype of everything the refresh derives (powers, decompositions, the
-      damping) and of the products; factors are cast to it before they are factorised.
-    preconditioner_dtype: None, or a narrower dtype (bfloat16) the cached matrix powers of
-      Kronecker factors and full blocks are stored in; products round the vector to it and
-      accumulate in `inverse_dtype` (`_linalg.matmul`).
-    factor_solve: how a Kronecker factor's damped inverse is kept under factored damping:
-      "never" an explicit matrix, "always" its substitution form (a cheaper refresh, slower
-      products), "auto" the form where `KroneckerBlock.solves` says so.
+      (exact `A ⊗ G + λ I` through the factors' eigen-decompositions).
+    cholesky, cholesky_inverse: also cache Cholesky factors, their inverses.
+    stats_dtype: dtype of batch statistics and of the stored factors.
+    inverse_dtype: dtype of everything the refresh derives and of the products.
+    preconditioner_dtype: None, or a narrower dtype the cached matrix powers are stored in;
+      products round the vector to it and accumulate in `inverse_dtype` (`_linalg.matmul`).
+    factor_solve: how a Kronecker factor's damped inverse is kept: "never" an explicit matrix,
+      "always" its substitution form, "auto" where `KroneckerBlock.solves` says so.
   """
 
   exps: tuple[float, ...] = (-1.0,)
@@ -124,8 +120,7 @@ class BlockConfig:
     return "equal" if self.damping_mode == "factored_equal" else "pi"
 
   def stored_power(self, p: Array) -> Array:
-    """A cached matrix power as kept in the cache: cast to `preconditioner_dtype` (if set); a
-    diagonal factor's vector of powers stays in `inverse_dtype`."""
+    """A cached matrix power in `preconditioner_dtype` (if set); vectors stay as they are."""
     dtype = self.preconditioner_dtype
     return p if dtype is None or p.ndim < 2 or p.dtype == dtype else p.astype(dtype)
 
@@ -162,13 +157,11 @@ class Block(abc.ABC):
   """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix.
 
   A user's block for a layer (`LayerConfig.blocks`), built as `cls(spec, config)`, implements
-  `factor_shapes_for` (asked before the block exists), `init_factors` and `batch_factors` (the
-  statistics: pytrees the estimator averages leafwise), `init_cache` and `compute_cache` (what
-  the refresh derives from them and λ; `init_cache` acts as the identity) and
-  `multiply_matpower`; `multiply_cholesky` and `multiply_undamped` (`to_dense`) are optional.
-  Vectors are the layer's leaves, in `spec.leaf_indices` order. Factors are kept in
-  `config.stats_dtype`, caches and products in `config.inverse_dtype`. Every method is traced
-  (jit, vmap over a stack of layers), so it is pure and reads only static facts from `spec`.
+  `factor_shapes_for`, `init_factors` and `batch_factors` (the statistics, averaged leafwise),
+  `init_cache` (the identity) and `compute_cache` (from the statistics and λ) and
+  `multiply_matpower`; `multiply_cholesky` and `multiply_undamped` are optional. Vectors are the
+  layer's leaves in `spec.leaf_indices` order. Every method is traced (jit, vmap over a stack of
+  layers), so it is pure and reads only static facts from `spec`.
 
   Attributes:
     serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`).
@@ -201,8 +194,7 @@ class Block(abc.ABC):
     return self.factor_shapes_for(self.spec)
 
   def group_key(self) -> tuple:
-    """Blocks with equal keys share one vmapped `compute_cache` (the group's first block's) over
-    their stacked factors; a user's block whose refresh reads more of `spec` overrides this."""
+    """Blocks of equal keys share one vmapped `compute_cache`; override it if yours reads `spec`."""
     return (type(self), self.factor_shapes, self.spec.approx)
 
   def accepts_stacked_uses(self) -> bool:
@@ -215,8 +207,7 @@ class Block(abc.ABC):
 
   @abc.abstractmethod
   def batch_factors(self, data: Any, batch_size: int, cache: Any = None) -> Any:
-    """This batch's statistics from the curvature pass's raw data for the block; `cache`: the
-    block's cache where `needs_cache_for_statistics` (None before there is one)."""
+    """This batch's statistics; `cache`: where `needs_cache_for_statistics` (None at first)."""
 
   @abc.abstractmethod
   def init_cache(self) -> Any:
@@ -240,8 +231,7 @@ class Block(abc.ABC):
     )
 
   def multiply_undamped(self, factors, vecs: Sequence[Array], cache: Any = None) -> list[Array]:
-    """The undamped estimate times vecs (for `to_dense`; optional); `cache` as in
-    `batch_factors`."""
+    """The undamped estimate times vecs (for `to_dense`; optional)."""
     del factors, vecs, cache
     raise NotImplementedError(
       f"block `{self.name}` ({type(self).__name__}) does not implement "
@@ -249,8 +239,7 @@ class Block(abc.ABC):
     )
 
   def to_vector(self, vecs: Sequence[Array]) -> Array:
-    """The leaves `vecs` raveled and concatenated (`gradient_rows`' column order), `[n]` in
-    `config.inverse_dtype`."""
+    """The leaves raveled and concatenated, `[n]` in `inverse_dtype` (`gradient_rows`' order)."""
     return flat(vecs, self.config.inverse_dtype)
 
   def from_vector(self, x: Array, vecs: Sequence[Array]) -> list[Array]:
@@ -264,8 +253,7 @@ class Block(abc.ABC):
     return _layouts.gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
 
   def to_dense(self, factors, cache: Any = None) -> Array:
-    """The undamped block as a `[n, n]` matrix over its leaves, raveled and concatenated
-    (`cache` as in `batch_factors`)."""
+    """The undamped block as a `[n, n]` matrix over its raveled, concatenated leaves."""
     dtype = self.config.inverse_dtype
     like = [jax.ShapeDtypeStruct(s, dtype) for s in self.spec.param_shapes]
     factors = optax.tree_utils.tree_cast(factors, dtype)
@@ -316,8 +304,7 @@ def unflat(x: Array, like: Sequence[Any]) -> list[Array]:
 
 
 def map_factorisations(fn, *args):
-  """`fn` over the leading axis of `args`, results stacked: one batched call where
-  `batched_factorisations()`, else one unbatched call per slice (`lax.map`)."""
+  """`fn` over the leading axis of `args`: vmapped where `batched_factorisations()`."""
   if batched_factorisations():
     return jax.vmap(fn)(*args)
   return jax.lax.map(lambda a: fn(*a), args)

@@ -5,16 +5,13 @@ g = ∂(per-example loss)/∂s over R rows and N examples (and sampled targets)
 
     F ≈ A ⊗ G,   A = (1/R) Σ_r x̄_r x̄_rᵀ,   G = (1/N) Σ_r g_r g_rᵀ,
 
-and (A ⊗ G) vec(M) = vec(A M G) (row-major). Variants: "kron_sua" convolutions
-(`ConvLayout.sua_input_factor`); embeddings keep A as its diagonal (id counts / R, exact for
-one-hot rows); "kron_in_diag", "kron_out_diag" and "kron_both_diag" keep A, G or both as their
-diagonals. Grouped convolutions keep one (A, G) pair per group, vmapped; a side wider than
-`spec.block_size` is kept as its diagonal blocks `[k, b, b]` (`_blocked`). Sequences: "kron" /
-"expand" take the N·L positions as rows (Eschenhagen et al. 2023), "reduce" averages x and sums
-g over each example's positions first; a layer used several times takes its statistics from
-`_uses`. Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr
-G/dim G)) (over a blocked side's whole side; π = 1 under "factored_equal"), and the block
-multiplies by A_λ^p ⊗ G_λ^p; ("eigen"): exact (A ⊗ G + λ I)^p through the factors' eigenbases.
+and (A ⊗ G) vec(M) = vec(A M G) (row-major). Embeddings keep A as its diagonal (id counts / R),
+"kron_in_diag", "kron_out_diag" and "kron_both_diag" keep A, G or both as their diagonals, a
+side wider than `spec.block_size` its diagonal blocks (`_blocked`). Over sequences "expand" takes
+the N·L positions as rows (Eschenhagen et al. 2023), "reduce" averages x and sums g over each
+example's positions first. Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, with
+π = sqrt((tr A/dim A)/(tr G/dim G)) (1 under "factored_equal"), and the block multiplies by
+A_λ^p ⊗ G_λ^p; ("eigen"): exact (A ⊗ G + λ I)^p through the factors' eigenbases.
 """
 
 from __future__ import annotations
@@ -95,8 +92,7 @@ def _power_product(ca, cg, k: int, m: Array) -> Array:
 
 
 def damped_factors(a: Array, g: Array, damping, sizes=None, split="pi") -> tuple[Array, Array]:
-  """`(A + π√λ I, G + (√λ/π) I)`, π from the traces (`split="pi"`) or 1 ("equal"); `sizes`
-  (n_A, n_G) where a factor is blocked."""
+  """`(A + π√λ I, G + (√λ/π) I)`, π from the traces of sides `sizes` (or 1: `split="equal"`)."""
   root = jnp.sqrt(damping)
   if split == "equal":
     return _add_identity(a, root), _add_identity(g, root)
@@ -120,8 +116,7 @@ def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Arra
 
 
 def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """The full-matrix shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]`,
-  from the layer's layout (`_layouts`)."""
+  """The full shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]`."""
   lay = _layouts.layout_for(spec)
   a = lay.in_dim + (1 if spec.has_bias else 0)
   lead = (lay.groups,) if lay.groups > 1 else ()
@@ -136,8 +131,7 @@ def _diag_sides(spec) -> tuple[bool, bool]:
 
 
 def partitions(spec) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
-  """A's and G's blocks (`_blocked.partition`; None: kept whole), from `spec.block_size`;
-  diagonal sides and grouped convolutions are never blocked."""
+  """A's and G's blocks (None: kept whole); diagonal and grouped sides stay whole."""
   size = spec.block_size
   sa, sg = kron_shapes(spec)
   if size is None or len(sa) > 2:
@@ -159,8 +153,7 @@ def blocked_note(spec) -> str:
 
 
 class LayoutBlock(Block):
-  """A block over a kernel/table and optional bias laid out as one `[in(+1), out]` matrix per
-  feature group (`_layouts`); grouped layers vmap over the leading group axis."""
+  """A block over a layer's `[in(+1), out]` matrix per feature group (`_layouts`)."""
 
   @functools.cached_property
   def layout(self):
@@ -172,8 +165,7 @@ class LayoutBlock(Block):
     return self.layout.groups > 1
 
   def map_groups(self, fn, *args, factorises: bool = False):
-    """`fn` on one group's arrays, mapped over the group axis of grouped layers: by `jax.vmap`,
-    or by `map_factorisations` where `fn` factorises (no batched LAPACK call on CPU)."""
+    """`fn` on one group's arrays, mapped over the groups (`map_factorisations` to factorise)."""
     if not self.grouped:
       return fn(*args)
     return map_factorisations(fn, *args) if factorises else jax.vmap(fn)(*args)
@@ -245,12 +237,9 @@ class KroneckerBlock(LayoutBlock):
     return a, g
 
   def accepts_stacked_uses(self) -> bool:
-    infos = self.spec.use_infos
-    return (
-      self.spec.num_uses > 1
-      and isinstance(self.spec.info, (_specs.DenseInfo, _specs.ConvInfo))
-      and all(inf == infos[0] for inf in infos)
-    )
+    spec, kinds = self.spec, (_specs.DenseInfo, _specs.ConvInfo)
+    equal = all(inf == spec.use_infos[0] for inf in spec.use_infos)
+    return spec.num_uses > 1 and isinstance(spec.info, kinds) and equal
 
   def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
     del cache  # The statistics do not depend on the inverses.

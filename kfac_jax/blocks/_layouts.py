@@ -32,8 +32,7 @@ def _operand_shape(chain, param_shape) -> tuple[int, ...]:
 
 
 def _permuted_rows(lay, data, dtype):
-  """Rows of a product whose operands `x_perm` / `out_perm` order as `[rows..., in]` /
-  `[rows..., out]` (the groups being the last row axes)."""
+  """Rows of operands that `x_perm` / `out_perm` order as `[rows..., in]` / `[rows..., out]`."""
   (x,), g = data
   x = x.astype(dtype).transpose(lay.info.x_perm).reshape(-1, lay.groups, lay.in_dim)
   g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in lay.info.out_perm))
@@ -79,8 +78,7 @@ class Layout:
     return 1, info.in_dim, info.out_dim
 
   def rows(self, data, dtype) -> tuple[Array, Array]:
-    """`(x [R, groups, in], g [S, R, groups, out])` from the curvature pass's `(inputs, g)`, R
-    read from the arrays (a partial last batch has fewer rows than `info.rows`)."""
+    """`(x [R, groups, in], g [S, R, groups, out])` from the curvature pass's `(inputs, g)`."""
     return _permuted_rows(self, data, dtype)
 
   def to_matrix(self, vecs, dtype) -> Array:
@@ -248,8 +246,7 @@ class GroupedDenseInfo:
 
 
 class GroupedDenseLayout(Layout):
-  """One dense layer per group (`M: [P, in(+1), out]`): the curvature is block-diagonal over
-  the groups, each a dense K-FAC block from that group's inputs and output gradients."""
+  """One dense layer per group (`M: [P, in(+1), out]`), block-diagonal over the groups."""
 
   kind = "grouped_dense"
   info_type = GroupedDenseInfo
@@ -276,9 +273,7 @@ PER_EXAMPLE_KINDS: tuple[Kind, ...] = tuple(lay.kind for lay in LAYOUTS if lay.p
 
 
 def _examples_of_use(info, data, batch_size: int) -> int:
-  """The examples one use's rows hold: `batch_size`, or, for a dense use on a smaller loss
-  tag's point set, its rows' leading axis (the batch axis, moved first by `x_perm`; the output
-  gradients' examples for input rows shared by every example, `DenseInfo.shared_tap`)."""
+  """The examples one use's rows hold (fewer for a dense use on a smaller loss tag's points)."""
   if not isinstance(info, _specs.DenseInfo):
     return batch_size
   if info.shared_tap:
@@ -293,9 +288,7 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   """`[S·N, n]`: the gradient of each example's loss for each sampled target, leaves raveled:
   J_n = Σ_{r ∈ n} x̄_r g_rᵀ for layouts, Σ_positions x̂ ⊙ g (scale) and Σ_positions g (shift)
   for scales and shifts, the sum of the uses' for a layer used several times."""
-  if spec.num_uses > 1:
-    # Uses on the same examples sum per example; uses on another loss tag's point set (whose
-    # rows do not split into `batch_size` examples) are examples of their own, stacked below.
+  if spec.num_uses > 1:  # Uses on another loss tag's point set are examples of their own.
     groups: dict[int, Any] = {}
     for info, d in zip(spec.use_infos, data):
       n = _examples_of_use(info, d, batch_size)
@@ -345,8 +338,7 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
       f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
       f"{spec.approx!r} approximation needs them grouped by example."
     )
-  # Sum over the output's axes other than the batch and the features (g's axis 0 is samples),
-  # then put the batch first (after the samples).
+  # Sum over all but the batch and the feature axes (after g's samples), the batch then first.
   axes = tuple(1 + a for a in range(nd) if a != b and not start <= a < start + nf)
   batch_at = 1 + sum(1 for a in range(b) if start <= a < start + nf)
   out = []
@@ -358,8 +350,7 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
   if info.has_shift:
     out.append(jnp.moveaxis(jnp.sum(g, axis=axes), batch_at, 1))
   size = math.prod(info.feature_shape)
-  # `[S, rows, F]` -> `[S·N, F]`, each example's rows summed (rows that are not examples stay
-  # rows: `[S·rows, F]`).
+  # `[S, rows, F]` -> `[S·N, F]`, each example's rows summed (else `[S·rows, F]`).
   per = rows // batch_size if info.example_rows else 1
   out = [o.reshape(o.shape[0], rows // per, per, size).sum(2).reshape(-1, size) for o in out]
   entries = info.feature_entries()

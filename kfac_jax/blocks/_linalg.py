@@ -48,8 +48,7 @@ def bucket_size(n: int) -> int:
 
 
 def _bucketed(fn, m: Array, buckets: bool = True) -> Array:
-  """fn(diag(m, I))[:n, :n] of size `bucket_size(n)`, or without `buckets` n moved 8 up only
-  if a power of two above 64."""
+  """fn(diag(m, I))[:n, :n] at `bucket_size(n)` (without `buckets`: past powers of two)."""
   n = m.shape[-1]
   b = bucket_size(n) if buckets else n + 8 * (n > 64 and n & (n - 1) == 0)
   if b == n:
@@ -86,9 +85,8 @@ def spd_power(m: Array, p: float, buckets: bool = True) -> Array:
 
 
 def cholesky(m: Array, buckets: bool = True) -> Array:
-  return _bucketed(
-    lambda x: jax.lax.linalg.cholesky(x, symmetrize_input=False), symmetrize(m), buckets
-  )
+  chol = lambda x: jax.lax.linalg.cholesky(x, symmetrize_input=False)
+  return _bucketed(chol, symmetrize(m), buckets)
 
 
 def lower_inverse(chol: Array, buckets: bool = True) -> Array:
@@ -134,8 +132,7 @@ def substitution_identity(n: int, dtype) -> tuple[tuple[Array, ...], tuple[Array
 
 
 def substitution_solve(form: tuple[tuple[Array, ...], tuple[Array, ...]], x: Array) -> Array:
-  """`m⁻¹ x` for `form = substitution_form(m)` and x: [n, k]: L y = x forward, then Lᵀ z = y
-  backward, block by block."""
+  """`m⁻¹ x` for `form = substitution_form(m)`: L y = x forward, then Lᵀ z = y backward."""
   diagonals, panels = form
   ys, rest = [], x
   for i, d in enumerate(diagonals):
@@ -188,8 +185,7 @@ def mean_diag(f: Array) -> Array:
 
 
 def diagonal(f: Array) -> Array:
-  """The diagonal of a square matrix (a vector stays as is), as a strided slice (cheaper to
-  compile than `jnp.diagonal`'s gather)."""
+  """The diagonal of a square matrix as a strided slice (a vector stays as it is)."""
   if f.ndim == 1:
     return f
   if f.ndim != 2 or f.shape[0] != f.shape[1]:

@@ -23,8 +23,7 @@ class KroneckerFactors(NamedTuple):
 
 
 class FactorCache(NamedTuple):
-  """The cache of one Kronecker factor F (A or G) with F_λ its damped form; F's shape, or
-  elementwise for a diagonal F (a vector)."""
+  """The cache of one Kronecker factor F with F_λ damped; elementwise for a vector F."""
 
   powers: tuple[Array | None, ...] = ()  # F_λ^e per `cached_exps` ("factored"; None: `subst`)
   chol: Array | None = None  # Cholesky factor L of F_λ (`cholesky=True`, "factored")

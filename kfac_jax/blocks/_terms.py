@@ -89,8 +89,7 @@ class KroneckerSumBlock(LayoutBlock):
     dtype = self.config.inverse_dtype
     a, g = factors.a.astype(dtype), factors.g.astype(dtype)
     half = 0.5 * jnp.asarray(damping, dtype)
-    split = self.config.split
-    return [_kronecker.damped_factors(a[t], g[t], half, split=split) for t in (0, 1)]
+    return [_kronecker.damped_factors(a[t], g[t], half, split=self.config.split) for t in (0, 1)]
 
   def compute_cache(self, factors: KroneckerFactors, damping) -> TermsCache:
     (a1, g1), (a2, g2) = self._damped(factors, damping)

@@ -144,8 +144,7 @@ def _table_factors(layouts, data, batch_size: int, dtype) -> KroneckerFactors:
 
 
 def check_factored_powers(spec, config, note: str = "") -> None:
-  """ValueError unless `config` asks a block that sums Kronecker products only for factored
-  damping and the powers -1 and 1 (`note`: why, in the message)."""
+  """ValueError unless `config` has factored damping and only the powers -1 and 1."""
   if not config.factored:
     raise ValueError(
       f"layer `{spec.name}`: approximation {spec.approx!r} needs a factored damping_mode "
