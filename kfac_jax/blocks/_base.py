@@ -175,8 +175,7 @@ class Block(abc.ABC):
   vmapped: bool = False
 
   def __init__(self, spec: LayerSpec, config: BlockConfig):
-    self.spec = spec
-    self.config = config
+    self.spec, self.config = spec, config
 
   @property
   def name(self) -> str:

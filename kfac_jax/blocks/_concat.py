@@ -13,9 +13,7 @@ class ConcatBlock(Block):
   """The `inner` block of `spec.logical`, acting on `spec`'s real (concatenated) leaves."""
 
   def __init__(self, spec, config, inner: Block):
-    self.spec = spec
-    self.config = config
-    self.inner = inner
+    self.spec, self.config, self.inner = spec, config, inner
     self.needs_cache_for_statistics = inner.needs_cache_for_statistics
 
   @classmethod

@@ -266,10 +266,8 @@ def layout_for(spec) -> Layout:
 
 
 # The kinds with "diagonal" and "full" blocks (`gradient_rows`).
-PER_EXAMPLE_KINDS: tuple[Kind, ...] = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + (
-  "scale_and_shift",
-  "generic",
-)
+_WITHOUT_LAYOUT: tuple[Kind, ...] = ("scale_and_shift", "generic")
+PER_EXAMPLE_KINDS = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + _WITHOUT_LAYOUT
 
 
 def _examples_of_use(info, data, batch_size: int) -> int:

@@ -54,8 +54,7 @@ class SeriesKroneckerBlock(LayoutBlock):
   serves = frozenset({("dense", "kron_series_1"), ("dense", "kron_series_2")})
 
   def __init__(self, spec, config):
-    self.spec = spec
-    self.config = config
+    self.spec, self.config = spec, config
     _uses.check_factored_powers(spec, config, " (F = K diag(ζ) Kᵀ with K not orthogonal)")
     self.layouts = _uses.use_layouts(spec)
     self.layout = self.layouts[0][0]  # The first use's, for the products' matrix view.

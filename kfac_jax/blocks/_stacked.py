@@ -20,9 +20,7 @@ class StackedBlock(Block):
   """L copies of the block of `spec.stack_inner`, with state stacked on a leading axis."""
 
   def __init__(self, spec, config, inner: Block):
-    self.spec = spec
-    self.config = config
-    self.inner = inner
+    self.spec, self.config, self.inner = spec, config, inner
     wrapped: Block | None = inner
     while wrapped is not None:  # The stack vmaps its block and whatever that block wraps.
       wrapped.vmapped = True

@@ -51,8 +51,7 @@ class KroneckerSumBlock(LayoutBlock):
   serves = frozenset({("dense", "kron_terms")})
 
   def __init__(self, spec, config):
-    self.spec = spec
-    self.config = config
+    self.spec, self.config = spec, config
     _uses.check_factored_powers(spec, config)
     tags = sorted({inf.term for inf in spec.use_infos})
     self.terms = tuple(tags.index(inf.term) for inf in spec.use_infos)  # Each use's term.
