@@ -150,7 +150,7 @@ def main() -> int:
     )
     before = _parallel.packed_layout(cache_shapes, _parallel.assign(cache_bytes, d))  # By bytes.
     old_bytes = factor_bytes + sum(n * np.dtype(t).itemsize for t, n in before.lengths)
-    now = sharded.storage.layouts(sharded.blocks, d)[1].shares
+    now = sharded.storage.layouts(d)[1].shares
     balance = f"{busiest_share(costs, before.shares):.3f} | {busiest_share(costs, now):.3f}"
     mib = f"{state_bytes / 2**20:.1f} | {old_bytes / 2**20:.1f} | {sharded_bytes / 2**20:.1f}"
     if memory_only:

@@ -144,7 +144,7 @@ class CurvatureEstimator:
           "`only` must be a tuple of the registration's block names "
           f"{list(self.registration.block_names)}, got {self.only!r}."
         )
-    self.storage.check_blocks(self.names, self.blocks)
+    _ = self.storage  # Binding it raises where the storage cannot keep a block.
     _compat.one_lapack_thread()
 
   @functools.cached_property
@@ -156,8 +156,8 @@ class CurvatureEstimator:
 
   @functools.cached_property
   def storage(self) -> _storage.Storage:
-    """`ReplicatedStorage()` or `ShardedStorage()`: where the caches live."""
-    return _config.get(self.config, "CurvatureEstimator").storage
+    """`ReplicatedStorage` or `ShardedStorage`, bound to the blocks: where the caches live."""
+    return _config.get(self.config, "CurvatureEstimator").storage.bind(self.names, self.blocks)
 
   # -- structure -------------------------------------------------------------------------------
 
@@ -217,7 +217,7 @@ class CurvatureEstimator:
     """
     if params is not None:
       self.registration.check_params(params)
-    factors, cache = self.storage.init_state(self.names, self.blocks, axis_name, mesh)
+    factors, cache = self.storage.init_state(axis_name, mesh)
     return EstimatorState(
       factors=factors,
       cache=cache,
@@ -331,19 +331,7 @@ class CurvatureEstimator:
     # the taken branch, straight into the new state's buffers.
     factors, weight = jax.lax.cond(
       ok,
-      lambda: (
-        self.storage.fold(
-          self.names,
-          self.blocks,
-          state.factors,
-          [new[n] for n in self.names],
-          weight,
-          average,
-          axis_name,
-          mesh,
-        ),
-        weight,
-      ),
+      lambda: (self.storage.fold(state.factors, new, weight, average, axis_name, mesh), weight),
       lambda: (state.factors, state.ema_weight),
     )
     return state._replace(
@@ -405,15 +393,7 @@ class CurvatureEstimator:
     """`_refresh`, and `[len(names)]` bool: the blocks whose new cache was not finite (each kept
     its previous one; `failed_inverses` adds their number)."""
     damping = jnp.asarray(damping, self.numerics.inverse_dtype)
-    cache, failed = self.storage.refresh(
-      self.names,
-      self.blocks,
-      state.factors,
-      state.cache,
-      damping,
-      axis_name,
-      mesh,
-    )
+    cache, failed = self.storage.refresh(state.factors, state.cache, damping, axis_name, mesh)
     count = jnp.sum(failed, dtype=state.failed_inverses.dtype)
     return state._replace(cache=cache, failed_inverses=state.failed_inverses + count), failed
 
@@ -435,15 +415,7 @@ class CurvatureEstimator:
           raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
       out = _parallel.explicit_axes_as_auto(
         lambda factors, cache, leaves: self.storage.apply(
-          self.names,
-          self.blocks,
-          factors,
-          cache,
-          leaves,
-          fn,
-          axis_name,
-          mesh,
-          method,
+          factors, cache, leaves, fn, axis_name, mesh, method
         ),
         state.factors,
         state.cache,
@@ -528,7 +500,7 @@ class CurvatureEstimator:
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])
     out = jnp.zeros((total, total), self.numerics.inverse_dtype)
-    factors = self.storage.block_factors(self.names, self.blocks, state.factors)
+    factors = self.storage.block_factors(state.factors)
     for n, b in zip(self.names, self.blocks):
       idx = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in b.spec.leaf_indices])
       cache = self.storage.block_cache(state.cache, n) if b.needs_cache_for_statistics else None

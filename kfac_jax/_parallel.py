@@ -1,15 +1,10 @@
 """Data parallelism: splitting the inverse work across the devices of a mapped axis.
 
-Statistics are averaged over the data-parallel axis (`lax.pmean`, or by XLA under `jit`). The
-refresh is the expensive, batch-independent part: each device factorises its share of the
-blocks and the results are summed over the axis (`lax.psum`), every other device contributing
-zeros, so the split path gives bit-for-bit the replicated numbers. Shares are balanced by cost
-(Σ n³ over a block's matrix factors) with the longest-processing-time rule; blocks of identical
-shapes are placed one after another, so they spread round-robin and each device factorises its
-blocks of one shape as one stack.
-
-`inverse_storage="sharded"` (`kfac_jax._storage`) keeps each device's share of the state in
-flat per-dtype buffers at static offsets (`packed_layout`, `pack`, `unpack`).
+Each device factorises its share of the blocks and the results are summed over the axis, every
+other device contributing zeros, so the split gives bit-for-bit the replicated numbers. Shares
+are balanced by cost (Σ n³ over a block's matrix factors), blocks of equal shapes placed one
+after another (each device factorises its blocks of one shape as one stack). Sharded storage
+keeps each device's share in flat per-dtype buffers at static offsets (`packed_layout`).
 """
 
 from __future__ import annotations
@@ -24,34 +19,25 @@ import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
+Shares = tuple[tuple[int, ...], ...]  # Block indices per device.
 
 
 def factorisation_cost(factor_shapes: Sequence[tuple[int, ...]]) -> float:
   """Relative cost of refreshing a block's cache: n³ per [..., n, n] factor, n per vector."""
   cost = 0.0
   for s in factor_shapes:
-    if len(s) >= 2 and s[-1] == s[-2]:
-      cost += float(math.prod(s[:-2])) * float(s[-1]) ** 3
-    else:
-      cost += float(math.prod(s))
+    square = len(s) >= 2 and s[-1] == s[-2]
+    cost += float(math.prod(s[:-2])) * float(s[-1]) ** 3 if square else float(math.prod(s))
   return cost
 
 
 def assign(
-  costs: Sequence[float],
-  num_devices: int,
-  *,
-  sizes: Sequence[float] | None = None,
-  keys: Sequence[Any] | None = None,
-  slack: float = 1.25,
-) -> tuple[tuple[int, ...], ...]:
-  """Block indices per device, balanced by cost (longest processing time first).
-
-  Blocks go in decreasing cost (equal `keys` one after another), each to the device with the
-  least cost so far, ties to the lower index (the same on every host). With `sizes` (bytes), a
-  device is eligible only while it stays within `slack · Σ sizes / D + max(sizes)`; the device
-  with the fewest bytes always is, so every block is placed.
-  """
+  costs: Sequence[float], num_devices: int, *, sizes=None, keys=None, slack=1.25
+) -> Shares:
+  """Block indices per device, balanced by cost (longest processing time first): blocks go in
+  decreasing cost (equal `keys` one after another), each to the device with the least cost so
+  far, ties to the lower index. With `sizes` (bytes), a device is eligible only while it stays
+  within `slack · Σ sizes / D + max(sizes)`; the device with the fewest bytes always is."""
   if num_devices < 1:
     raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
   n = len(costs)
@@ -59,8 +45,7 @@ def assign(
   key_rank = [rank.setdefault(k, len(rank)) for k in keys] if keys is not None else [0] * n
   size = [float(x) for x in sizes] if sizes is not None else [0.0] * n
   cap = slack * sum(size) / num_devices + max(size, default=0.0)
-  loads = [0.0] * num_devices
-  held = [0.0] * num_devices
+  loads, held = [0.0] * num_devices, [0.0] * num_devices
   shares: list[list[int]] = [[] for _ in range(num_devices)]
   for i in sorted(range(n), key=lambda i: (-costs[i], key_rank[i], i)):
     fits = [d for d in range(num_devices) if held[d] + size[i] <= cap]
@@ -71,21 +56,14 @@ def assign(
   return tuple(tuple(sorted(s)) for s in shares)
 
 
-def refresh_assignment(
-  factor_shapes: Sequence[Sequence[tuple[int, ...]]],
-  num_devices: int,
-  sizes: Sequence[float] | None = None,
-) -> tuple[tuple[int, ...], ...]:
-  """`assign` of blocks with these factor shapes by `factorisation_cost`, identical shapes as
-  one key, each device's bytes capped by `sizes` if given."""
+def refresh_assignment(factor_shapes, num_devices: int, sizes=None) -> Shares:
+  """`assign` by `factorisation_cost`, equal shapes one key, bytes capped by `sizes`."""
   shapes = [tuple(tuple(int(n) for n in s) for s in f) for f in factor_shapes]
-  costs = [factorisation_cost(f) for f in shapes]
-  return assign(costs, num_devices, sizes=sizes, keys=shapes)
+  return assign([factorisation_cost(f) for f in shapes], num_devices, sizes=sizes, keys=shapes)
 
 
 def check_auto_axis(mesh, axis: str) -> None:
-  """Raises unless `axis` of `mesh` is automatic (the split inverse work is a `shard_map` whose
-  branches differ per device, which an explicit axis does not type)."""
+  """Raises unless `axis` of `mesh` is automatic (an explicit one cannot type the split work)."""
   if mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Explicit:
     raise ValueError(
       f"`config.mesh`: axis {axis!r} of the mesh is AxisType.Explicit; the inverses are split "
@@ -95,28 +73,19 @@ def check_auto_axis(mesh, axis: str) -> None:
     )
 
 
-# -- sharded storage: each device keeps only its own blocks' state -------------------------------
-#
-# SPMD programs need one shape on every device, while the shares differ: each device stores its
-# blocks' arrays raveled, at static offsets, in one flat buffer per dtype, zero-padded to the
-# longest share's length L; the device's index selects (lax.switch) the branch with its offsets.
-
-
 class ShardedCache(NamedTuple):
   """Per-block state under `inverse_storage="sharded"` (the factors, or the caches): each
-  device holds only its share.
+  device holds only its share, raveled and zero-padded to the longest share's length L.
 
   Attributes:
-    buffers: per dtype name (e.g. "float32"), the device's blocks' arrays in one flat buffer:
-      `[L]` inside pmap / shard_map, `[D, L]` as a pmap output, `[D·L]` sharded over the mesh
-      axis under jit (L: the largest share's size).
+    buffers: per dtype name (e.g. "float32"), one flat buffer: `[L]` inside pmap / shard_map,
+      `[D, L]` as a pmap output, `[D·L]` sharded over the mesh axis under jit.
   """
 
   buffers: dict[str, Array]
 
 
-@dataclasses.dataclass(frozen=True)
-class Slot:
+class Slot(NamedTuple):
   """Where leaf `leaf` of block `block`'s state sits in its device's buffer."""
 
   block: int
@@ -128,50 +97,31 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
-  """Static placement of every block's state (factors or cache) on `len(shares)` devices.
+  """Static placement of every block's state (factors or cache) on `len(shares)` devices."""
 
-  Attributes:
-    shares: block indices per device.
-    slots: per device, the `Slot`s of its blocks' arrays.
-    lengths: per dtype name, the buffer length L (the longest share; at least 1).
-    treedefs: per block, the structure of its state.
-  """
-
-  shares: tuple[tuple[int, ...], ...]
-  slots: tuple[tuple[Slot, ...], ...]
-  lengths: tuple[tuple[str, int], ...]
-  treedefs: tuple[Any, ...]
-
-  @property
-  def num_devices(self) -> int:
-    return len(self.shares)
+  shares: Shares
+  slots: tuple[tuple[Slot, ...], ...]  # Per device, the `Slot`s of its blocks' arrays.
+  lengths: tuple[tuple[str, int], ...]  # Per dtype name, the buffer length L (at least 1).
+  treedefs: tuple[Any, ...]  # Per block, the structure of its state.
 
 
-def packed_layout(shapes: Sequence[Any], shares: tuple[tuple[int, ...], ...]) -> PackedLayout:
-  """Places the blocks' arrays (`shapes`: per block, a pytree of `jax.ShapeDtypeStruct`, its
-  leaves in pytree order) in per-dtype buffers, one per device, the blocks `shares[d]` on d."""
+def packed_layout(shapes: Sequence[Any], shares: Shares) -> PackedLayout:
+  """Places per-block arrays (`jax.ShapeDtypeStruct` trees) in per-dtype device buffers."""
   flat = [jax.tree_util.tree_flatten(c) for c in shapes]
   slots: list[tuple[Slot, ...]] = []
-  lengths: dict[str, int] = {}
+  lengths: dict[str, int] = {np.dtype(s.dtype).name: 1 for leaves, _ in flat for s in leaves}
   for share in shares:
     offsets: dict[str, int] = {}
     mine = []
     for i in share:
       for k, s in enumerate(flat[i][0]):
         dtype = np.dtype(s.dtype).name
-        off = offsets.get(dtype, 0)
-        mine.append(Slot(i, k, dtype, off, tuple(s.shape)))
-        offsets[dtype] = off + math.prod(s.shape)
+        mine.append(Slot(i, k, dtype, offsets.get(dtype, 0), tuple(s.shape)))
+        offsets[dtype] = offsets.get(dtype, 0) + math.prod(s.shape)
     slots.append(tuple(mine))
-    for dtype, n in offsets.items():
-      lengths[dtype] = max(lengths.get(dtype, 0), n)
-  dtypes = sorted({np.dtype(s.dtype).name for leaves, _ in flat for s in leaves})
-  return PackedLayout(
-    shares,
-    tuple(slots),
-    tuple((d, max(lengths.get(d, 0), 1)) for d in dtypes),
-    tuple(treedef for _, treedef in flat),
-  )
+    lengths.update((d, max(lengths[d], n)) for d, n in offsets.items())
+  treedefs = tuple(treedef for _, treedef in flat)
+  return PackedLayout(shares, tuple(slots), tuple(sorted(lengths.items())), treedefs)
 
 
 def pack(layout: PackedLayout, device: int, caches: dict[int, Any]) -> dict[str, Array]:
@@ -180,12 +130,9 @@ def pack(layout: PackedLayout, device: int, caches: dict[int, Any]) -> dict[str,
   leaves = {i: jax.tree_util.tree_leaves(c) for i, c in caches.items()}
   for s in layout.slots[device]:
     parts[s.dtype].append(jnp.ravel(leaves[s.block][s.leaf]).astype(s.dtype))
-  out = {}
   for dtype, length in layout.lengths:
-    used = sum(p.size for p in parts[dtype])
-    parts[dtype].append(jnp.zeros((length - used,), dtype))
-    out[dtype] = jnp.concatenate(parts[dtype])
-  return out
+    parts[dtype].append(jnp.zeros((length - sum(p.size for p in parts[dtype]),), dtype))
+  return {dtype: jnp.concatenate(p) for dtype, p in parts.items()}
 
 
 def unpack(layout: PackedLayout, device: int, buffers: dict[str, Array]) -> dict[int, Any]:
@@ -198,16 +145,14 @@ def unpack(layout: PackedLayout, device: int, buffers: dict[str, Array]) -> dict
 
 
 def on_own_share(fn: Callable[[int], Any], shares: Sequence[Sequence[int]], axis_name: str) -> Any:
-  """`fn(device)` on each device of `axis_name` (`shares` has one entry per device), with
-  `device` static inside `fn`; devices without blocks share one branch."""
-  size = len(shares)
-  busy = [d for d in range(size) if shares[d]]
-  idle = [d for d in range(size) if not shares[d]]
+  """`fn(device)` on each device of `axis_name`, `device` static; idle ones share a branch."""
+  busy = [d for d, share in enumerate(shares) if share]
+  idle = [d for d, share in enumerate(shares) if not share]
   branches = [lambda d=d: fn(d) for d in busy + idle[:1]]
-  table = jnp.asarray([busy.index(d) if d in busy else len(busy) for d in range(size)], jnp.int32)
   if len(branches) == 1:
     return branches[0]()
-  return jax.lax.switch(table[jax.lax.axis_index(axis_name)], branches)
+  table = [busy.index(d) if d in busy else len(busy) for d in range(len(shares))]
+  return jax.lax.switch(jnp.asarray(table, jnp.int32)[jax.lax.axis_index(axis_name)], branches)
 
 
 def mesh_axis(mesh) -> tuple[Any, str]:
@@ -224,37 +169,30 @@ def mesh_axis(mesh) -> tuple[Any, str]:
   return m, axis
 
 
-def over_mesh(
-  fn: Callable[..., Any], mesh: tuple[Any, str], args: tuple, sharded: tuple[bool, ...], out_sharded
-) -> Any:
+def over_mesh(fn: Callable[..., Any], mesh, args: tuple, sharded: tuple[bool, ...], out_sharded):
   """`fn(axis, *args)` inside a `shard_map` over one axis of `mesh`; the arguments flagged in
   `sharded` (and outputs in the `out_sharded` prefix tree) split over it, the others replicated."""
   m, axis = mesh_axis(mesh)
   rep, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(axis)
-  in_specs = tuple(split if s else rep for s in sharded)
-  out_specs = jax.tree_util.tree_map(lambda s: split if s else rep, out_sharded)
+  spec = lambda s: split if s else rep
   return jax.shard_map(
     lambda *a: fn(axis, *a),
     mesh=m,
-    in_specs=in_specs,
-    out_specs=out_specs,
+    in_specs=tuple(spec(s) for s in sharded),
+    out_specs=jax.tree_util.tree_map(spec, out_sharded),
     axis_names=frozenset({axis}),
     check_vma=False,
   )(*args)
 
 
 def explicit_axes_as_auto(fn: Callable[..., Any], *args: Any, like: Any = None) -> Any:
-  """`fn(*args)`, also under a mesh with explicit axes: K-FAC's statistics and products
-  contract over sharded axes, so `fn` runs with them made automatic (`jax.sharding.auto_axes`)
-  and XLA places the reductions. The outputs are replicated, or sharded as the leaves of `like`.
-  """
+  """`fn(*args)`, also under a mesh with explicit axes, which it makes automatic (XLA places
+  the reductions over them); the outputs are replicated, or sharded as the leaves of `like`."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not mesh.explicit_axes:
     return fn(*args)
-  rep = jax.sharding.PartitionSpec()
-  if like is None:
-    out = rep
-  else:
+  out = jax.sharding.PartitionSpec()
+  if like is not None:
     out = jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, like)
   return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out)(*args)
 
@@ -265,27 +203,17 @@ def vdot(x: Array, y: Array) -> Array:
 
 
 def replicate_on_mesh(tree, params, mesh) -> Any:
-  """`tree` with each concrete array on one device replicated over a mesh: `mesh`'s
-  (`(Mesh, axis)` or None), else that of a `params` leaf laid out by a `NamedSharding`; as is
-  without one (and under a trace, where the step's program places the values itself).
-
-  A state made eagerly for a sharded model then has the shardings the jitted step returns for
-  it, so the second step runs the first step's program instead of compiling another."""
-  m = mesh[0] if mesh is not None else None
-  if m is None:
-    for leaf in jax.tree_util.tree_leaves(params):
-      sharding = getattr(leaf, "sharding", None)
-      if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(leaf, jax.core.Tracer):
-        m = sharding.mesh
-        break
-  if m is None:
+  """`tree` with each concrete single-device array replicated over `mesh`'s mesh (`(Mesh,
+  axis)`), else over the mesh of a `params` leaf laid out by a `NamedSharding`; as is without
+  one, and under a trace. A state made eagerly for a sharded model then has the shardings the
+  jitted step returns for it, so the second step reuses the first step's program."""
+  concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  if mesh is None:
+    shardings = (x.sharding for x in jax.tree_util.tree_leaves(params) if concrete(x))
+    named = (s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding))
+    mesh = next(((m, None) for m in named), None)
+  if mesh is None:
     return tree
-  replicated = jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec())
-
-  def place(x):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
-        return jax.device_put(x, replicated)
-    return x
-
-  return jax.tree_util.tree_map(place, tree)
+  every = jax.sharding.NamedSharding(mesh[0], jax.sharding.PartitionSpec())
+  single = lambda x: concrete(x) and isinstance(x.sharding, jax.sharding.SingleDeviceSharding)
+  return jax.tree_util.tree_map(lambda x: jax.device_put(x, every) if single(x) else x, tree)

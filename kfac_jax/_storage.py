@@ -1,17 +1,14 @@
-"""Where the block state lives on a data-parallel axis: two strategy objects, one interface.
+"""Where the block state lives on a data-parallel axis: two strategies, one interface.
 
-`ReplicatedStorage` (the default) and `ShardedStorage` take the blocks on every call and
-initialise, fold statistics into, refresh and multiply by their state. Replicated: every device
-holds every block's factors and cache; the refresh may be split over the devices, its results
-summed over the axis (`kfac_jax._parallel`). Sharded (KAISA's "memory-optimised" strategy,
-Pauloski et al., 2021, applied to the factors as well, as FSDP does to the parameters): device
-d keeps, folds and refreshes only its share S_d of the blocks and the update is
+`ReplicatedStorage` (the default): every device holds every block's factors and cache; the
+refresh may be split over the devices (`kfac_jax._parallel`). `ShardedStorage` (KAISA's
+"memory-optimised" strategy, Pauloski et al., 2021, applied to the factors too): device d keeps,
+folds and refreshes only its share S_d of the blocks, and the update is one exact `psum`,
 
-    u = Σ_d  [ (F̂_b + λ)⁻¹ g_b  for b ∈ S_d,  0 elsewhere ],
+    u = Σ_d  [ (F̂_b + λ)⁻¹ g_b  for b ∈ S_d,  0 elsewhere ].
 
-one `psum` of a gradient-sized vector per step, exact (one non-zero term per entry). Shares are
-balanced by refresh cost and capped in bytes (`_parallel.refresh_assignment`), a static
-function of the blocks and the axis size D, identical on every host.
+Shares are balanced by refresh cost and capped in bytes (`_parallel.refresh_assignment`), the
+same on every host. The estimator binds its strategy to its blocks once (`bind`).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -33,77 +30,20 @@ if TYPE_CHECKING:
   from kfac_jax.blocks import Block
 
 Array = jax.Array
-
-
-def check_axis(axis_name: str | None, mesh, method: str) -> None:
-  """Sharded storage needs the axis the caches are split over, on every call."""
-  if axis_name is not None and mesh is not None:
-    raise ValueError(
-      f"`{method}`: pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both."
-    )
-  if axis_name is None and mesh is None:
-    raise ValueError(
-      f"`{method}`: with inverse_storage='sharded' each device holds only its share of the "
-      "factors and caches, so the call needs the device axis: pass `axis_name=` inside "
-      "pmap/shard_map, or `mesh=(mesh, axis)` under jit."
-    )
-
-
-def _bound_size(axis_name: str, method: str) -> int:
-  try:
-    return jax.lax.axis_size(axis_name)
-  except NameError:
-    raise ValueError(
-      f"`{method}` with inverse_storage='sharded' and axis_name={axis_name!r} must run inside "
-      f"pmap/shard_map over {axis_name!r}: each device's state differs. E.g. "
-      f"`jax.pmap(tx.init, axis_name={axis_name!r})(replicated_params)`."
-    ) from None
-
-
-def _check_sharded(state, method: str, field: str) -> None:
-  if not isinstance(state, _parallel.ShardedCache):
-    raise TypeError(
-      f"`{method}`: the state's {field} is a {type(state).__name__}, not the ShardedCache that "
-      "inverse_storage='sharded' keeps; initialise the state with this estimator's `init`."
-    )
-
-
-def _check_buffers(
-  lay: _parallel.PackedLayout, state, per_device: bool, method: str, field: str
-) -> None:
-  _check_sharded(state, method, field)
-  d = 1 if per_device else lay.num_devices
-  want = {k: (n * d,) for k, n in lay.lengths}
-  got = {k: tuple(np.shape(v)) for k, v in state.buffers.items()}
-  if got != want:
-    raise ValueError(
-      f"`{method}`: the sharded {field} has buffers {got}, but {lay.num_devices} devices need "
-      f"{want} ({'each device' if per_device else 'the global arrays'}). Was the state "
-      "initialised for another number of devices? Initialise it on the axis it is used with."
-    )
+Layouts = tuple[_parallel.PackedLayout, _parallel.PackedLayout]
 
 
 def all_finite(tree) -> Array:
-  """True when every entry of every leaf is finite.
-
-  Tested through each leaf's sum (finite exactly when no entry is NaN or ±Inf, barring an
-  overflow, which errs on the safe side): one reduction XLA fuses with the producer, far cheaper
-  to compile than an elementwise `isfinite` over every factor.
-  """
+  """Whether every entry of every leaf is finite, through each leaf's sum (an overflow errs on
+  the safe side): one fused reduction, far cheaper to compile than an elementwise `isfinite`."""
   leaves = jax.tree_util.tree_leaves(tree)
-  if not leaves:
-    return jnp.asarray(True)
-  return jnp.all(
-    jnp.stack(
-      [jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))) for x in leaves]
-    )
-  )
+  flags = [jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))) for x in leaves]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
 
 
 def _keep_finite(new: dict, old: dict, keys) -> tuple[dict, Array]:
-  """Per key, `new[k]` when finite, else `old[k]` (a select on the scalar flag, cheaper to
-  compile than an elementwise `where`); and `[len(keys)]` bool, the keys whose new value was
-  not."""
+  """Per key, `new[k]` if finite, else `old[k]` (a cond on the scalar flag, cheaper to compile
+  than an elementwise `where`); and `[len(keys)]` bool, the keys whose new value was not."""
   kept, failed = {}, []
   for k in keys:
     ok = all_finite(new[k])
@@ -117,62 +57,64 @@ def _fold(old, new, weight, average):
 
 
 def _products(blocks, indices, factors, caches, leaves, fn) -> dict[int, Any]:
-  """`{leaf index: product}`: `fn(block, factors, cache, vecs)` for the blocks `indices`, each
-  block's factors cast to its `inverse_dtype`."""
+  """`{leaf: fn(block, factors, cache, vecs)}` for the blocks `indices`, factors cast."""
   out: dict[int, Any] = {}
   for i in indices:
-    b = blocks[i]
+    b, idx = blocks[i], blocks[i].spec.leaf_indices
     f = optax.tree_utils.tree_cast(factors[i], b.config.inverse_dtype)
-    vecs = [leaves[j] for j in b.spec.leaf_indices]
-    out.update(zip(b.spec.leaf_indices, fn(b, f, caches[i], vecs)))
+    out.update(zip(idx, fn(b, f, caches[i], [leaves[j] for j in idx])))
   return out
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplicatedStorage:
-  """Every device keeps every block's factors and cache (`{block name: ...}`) and preconditions
-  the whole gradient; with `axis_name` or `mesh` the refresh is split over the devices."""
+class _Strategy:
+  """A storage strategy, bound by `bind` to the estimator's blocks and their names."""
 
-  def check_blocks(self, names: Sequence[str], blocks: Sequence[Block]) -> None:
-    del names, blocks  # Every block kind keeps its cache here.
+  names: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+  blocks: tuple[Block, ...] = dataclasses.field(default=(), repr=False)
 
-  def init_state(self, names, blocks, axis_name, mesh) -> tuple[dict, dict]:
-    """`(factors, cache)`: zero statistics and identity caches, per block name, made by one
-    program: made op by op, each zeros and identity of a new shape would compile on its own."""
+  def bind(self, names: Sequence[str], blocks: Sequence[Block]) -> Self:
+    """This strategy for `blocks` (named `names`); raises where it cannot keep one of them."""
+    return dataclasses.replace(self, names=tuple(names), blocks=tuple(blocks))
+
+  def block_cache(self, cache, name: str):
+    """The cache of block `name`, for statistics that need it (no sharded block does)."""
+    return cache[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedStorage(_Strategy):
+  """Every device keeps every block's state (by name); the refresh may be split over devices."""
+
+  def init_state(self, axis_name, mesh) -> tuple[dict, dict]:
+    """`(factors, cache)`: zeros and identities by name, one program (op by op, each compiles)."""
     del axis_name, mesh
+    pairs = tuple(zip(self.names, self.blocks))
+    return jax.jit(
+      lambda: ({n: b.init_factors() for n, b in pairs}, {n: b.init_cache() for n, b in pairs})
+    )()
 
-    def make():
-      return (
-        {n: b.init_factors() for n, b in zip(names, blocks)},
-        {n: b.init_cache() for n, b in zip(names, blocks)},
-      )
+  def fold(self, factors, new, weight, average, axis_name, mesh) -> dict:
+    """`average(old, batch, weight)` leaf by leaf, `new` the batch's statistics by name."""
+    del axis_name, mesh
+    return {n: _fold(factors[n], new[n], weight, average) for n in self.names}
 
-    return jax.jit(make)()
-
-  def fold(self, names, blocks, factors, new, weight, average, axis_name, mesh) -> dict:
-    """`average(old, batch, weight)` leaf by leaf; `new` has one entry per block, in order."""
-    del blocks, axis_name, mesh
-    return {n: _fold(factors[n], x, weight, average) for n, x in zip(names, new)}
-
-  def refresh(self, names, blocks, factors, cache, damping, axis_name, mesh):
-    """`(new cache, failed)`, `failed` `[len(blocks)]` bool: the blocks whose new cache was not
-    finite, each of which keeps its previous one."""
-    by_block = [factors[n] for n in names]
+  def refresh(self, factors, cache, damping, axis_name, mesh) -> tuple[dict, Array]:
+    """`(new cache, failed)`: `[len(blocks)]` bool, the blocks that kept their old cache."""
+    names, blocks = self.names, self.blocks
 
     def compute(indices, factors, lam):
-      new = _blocks.compute_caches(blocks, indices, factors, lam)
-      return {names[i]: c for i, c in new.items()}
+      return {names[i]: c for i, c in _blocks.compute_caches(blocks, indices, factors, lam).items()}
 
     def split(axis, factors, lam):  # Each device its share; the others' entries are zeros.
       shares = _parallel.refresh_assignment(
         [b.factor_shapes for b in blocks], jax.lax.axis_size(axis)
       )
-      mine = _parallel.on_own_share(
-        lambda d: {**zeros, **compute(shares[d], factors, lam)}, shares, axis
-      )
-      return jax.lax.psum(mine, axis)
+      run = lambda d: {**zeros, **compute(shares[d], factors, lam)}
+      return jax.lax.psum(_parallel.on_own_share(run, shares, axis), axis)
 
     zeros = optax.tree_utils.tree_zeros_like(cache)
+    by_block = [factors[n] for n in names]
     if axis_name is not None:
       new = split(axis_name, by_block, damping)
     elif mesh is not None:
@@ -181,29 +123,28 @@ class ReplicatedStorage:
       new = compute(range(len(blocks)), by_block, damping)
     return _keep_finite(new, cache, names)
 
-  def apply(self, names, blocks, factors, cache, leaves, fn, axis_name, mesh, method) -> list:
+  def apply(self, factors, cache, leaves, fn, axis_name, mesh, method) -> list:
     """`fn(block, factors, cache, vecs)` for every block, into a copy of `leaves`."""
     del axis_name, mesh, method
-    out = list(leaves)
-    f, c = [factors[n] for n in names], [cache[n] for n in names]
-    for j, r in _products(blocks, range(len(blocks)), f, c, leaves, fn).items():
-      out[j] = r
-    return out
+    f, c = [factors[n] for n in self.names], [cache[n] for n in self.names]
+    out = _products(self.blocks, range(len(self.blocks)), f, c, leaves, fn)
+    return [out.get(j, x) for j, x in enumerate(leaves)]
 
-  def block_cache(self, cache, name: str):
-    """The cache of block `name` (for statistics that need it, and `to_dense`)."""
-    return cache[name]
-
-  def block_factors(self, names, blocks, factors) -> dict[str, Any]:
+  def block_factors(self, factors) -> dict[str, Any]:
     """Every block's factors by name (for `to_dense`)."""
-    del names, blocks
     return factors
 
 
+def _check_sharded(state, method: str, field: str) -> None:
+  if not isinstance(state, _parallel.ShardedCache):
+    raise TypeError(
+      f"`{method}`: the state's {field} is a {type(state).__name__}, not the ShardedCache that "
+      "inverse_storage='sharded' keeps; initialise the state with this estimator's `init`."
+    )
+
+
 @functools.lru_cache(maxsize=64)
-def _layouts(
-  blocks: tuple[Block, ...], num_devices: int
-) -> tuple[_parallel.PackedLayout, _parallel.PackedLayout]:
+def _layouts(blocks: tuple[Block, ...], num_devices: int) -> Layouts:
   shares = _parallel.refresh_assignment(
     [b.factor_shapes for b in blocks], num_devices, [b.state_bytes() for b in blocks]
   )
@@ -214,13 +155,12 @@ def _layouts(
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardedStorage:
-  """Each device keeps, folds, refreshes and applies only its share of the blocks (two
-  `ShardedCache`s); every call needs `axis_name` (inside pmap / shard_map) or `mesh` (under
-  jit). See the module docstring."""
+class ShardedStorage(_Strategy):
+  """Each device keeps, folds, refreshes and applies only its share of the blocks; every call
+  needs `axis_name` (inside pmap / shard_map) or `mesh`."""
 
-  def check_blocks(self, names: Sequence[str], blocks: Sequence[Block]) -> None:
-    for n, b in zip(names, blocks):
+  def __post_init__(self):
+    for n, b in zip(self.names, self.blocks):
       if b.needs_cache_for_statistics:
         raise ValueError(
           f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, "
@@ -228,163 +168,143 @@ class ShardedStorage:
           "inverse_storage='replicated' or another approximation for it."
         )
 
-  def layouts(
-    self, blocks: Sequence[Block], num_devices: int
-  ) -> tuple[_parallel.PackedLayout, _parallel.PackedLayout]:
+  def layouts(self, num_devices: int) -> Layouts:
     """The blocks' factors and caches laid out on `num_devices` devices (the same shares)."""
-    return _layouts(tuple(blocks), num_devices)
+    return _layouts(self.blocks, num_devices)
 
-  def _run(self, blocks, method, axis_name, mesh, local, args, sharded, out_sharded):
-    """`local(axis, factors layout, cache layout, *args)` on every device of the axis: bound
-    (`axis_name`), or of a `shard_map` over `mesh` with the `sharded` arguments and outputs
-    split over it. The `sharded` arguments (the state's factors, then its cache) are checked
-    against the layouts first."""
-    check_axis(axis_name, mesh, method)
-    if axis_name is not None:
-      size = _bound_size(axis_name, method)
-    else:
+  def _run(self, method, axis_name, mesh, run, args, sharded, out_sharded, finish=None):
+    """`run(d, factors layout, cache layout, *args)` on each device d of the axis: bound
+    (`axis_name`), or of a `shard_map` over `mesh` splitting the `sharded` arguments and
+    outputs; then `finish(out, axis)` if given. The state's factors and cache (the first
+    `sharded` arguments) are checked first."""
+    if axis_name is not None and mesh is not None:
+      raise ValueError(
+        f"`{method}`: pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both."
+      )
+    if axis_name is None and mesh is None:
+      raise ValueError(
+        f"`{method}`: with inverse_storage='sharded' each device holds only its share of the "
+        "factors and caches, so the call needs the device axis: pass `axis_name=` inside "
+        "pmap/shard_map, or `mesh=(mesh, axis)` under jit."
+      )
+    if axis_name is None:
       m, axis = _parallel.mesh_axis(mesh)
       size = int(m.shape[axis])
-    lays = self.layouts(blocks, size)
+    else:
+      try:
+        size = jax.lax.axis_size(axis_name)
+      except NameError:
+        raise ValueError(
+          f"`{method}` with inverse_storage='sharded' and axis_name={axis_name!r} must run "
+          f"inside pmap/shard_map over {axis_name!r}: each device's state differs. E.g. "
+          f"`jax.pmap(tx.init, axis_name={axis_name!r})(replicated_params)`."
+        ) from None
+    lays = self.layouts(size)
     for lay, state, field in zip(lays, args[: sum(sharded)], ("factors", "cache")):
-      _check_buffers(lay, state, axis_name is not None, method, field)
-    if axis_name is not None:
-      return local(axis_name, *lays, *args)
-    return _parallel.over_mesh(
-      lambda axis, *a: local(axis, *lays, *a), mesh, args, sharded, out_sharded
-    )
-
-  def init_state(self, names, blocks, axis_name, mesh):
-    """`(factors, cache)`: each device's buffers of its blocks' zero factors, identity caches."""
-    del names
-
-    def local(axis, flay, clay):
-      def run(d):
-        share = flay.shares[d]
-        return (
-          _parallel.pack(flay, d, {i: blocks[i].init_factors() for i in share}),
-          _parallel.pack(clay, d, {i: blocks[i].init_cache() for i in share}),
+      _check_sharded(state, method, field)
+      want = {k: (n * (1 if axis_name is not None else size),) for k, n in lay.lengths}
+      got = {k: tuple(np.shape(v)) for k, v in state.buffers.items()}
+      if got != want:
+        raise ValueError(
+          f"`{method}`: the sharded {field} has buffers {got}, but {size} devices need {want} "
+          f"({'the global arrays' if axis_name is None else 'each device'}). Was the state "
+          "initialised for another number of devices? Initialise it on the axis it is used with."
         )
 
-      f, c = _parallel.on_own_share(run, flay.shares, axis)
+    def local(axis, *args):
+      out = _parallel.on_own_share(lambda d: run(d, *lays, *args), lays[0].shares, axis)
+      return out if finish is None else finish(out, axis)
+
+    if axis_name is not None:
+      return local(axis_name, *args)
+    return _parallel.over_mesh(local, mesh, args, sharded, out_sharded)
+
+  def init_state(self, axis_name, mesh):
+    """`(factors, cache)`: each device's buffers of its blocks' zero factors, identity caches."""
+    blocks = self.blocks
+
+    def run(d, flay, clay):
+      share = flay.shares[d]
+      f = _parallel.pack(flay, d, {i: blocks[i].init_factors() for i in share})
+      c = _parallel.pack(clay, d, {i: blocks[i].init_cache() for i in share})
       return _parallel.ShardedCache(f), _parallel.ShardedCache(c)
 
-    return self._run(blocks, "init", axis_name, mesh, local, (), (), (True, True))
+    return self._run("init", axis_name, mesh, run, (), (), (True, True))
 
-  def fold(self, names, blocks, factors, new, weight, average, axis_name, mesh):
-    """Each device folds its blocks' entries of this batch's statistics `new` (one entry per
-    block, in order, the same on every device) into its factors: `average(old, batch,
-    weight)` leaf by leaf."""
-    del names
+  def fold(self, factors, new, weight, average, axis_name, mesh):
+    """Each device folds its blocks' entries of this batch's statistics `new` (by name)."""
+    names = self.names
 
-    def local(axis, flay, clay, factors, new, weight):
-      def run(d):
-        old = _parallel.unpack(flay, d, factors.buffers)
-        return _parallel.pack(
-          flay, d, {i: _fold(old[i], new[i], weight, average) for i in flay.shares[d]}
-        )
-
-      return _parallel.ShardedCache(_parallel.on_own_share(run, flay.shares, axis))
+    def run(d, flay, clay, factors, new, weight):
+      old = _parallel.unpack(flay, d, factors.buffers)
+      folded = {i: _fold(f, new[names[i]], weight, average) for i, f in old.items()}
+      return _parallel.ShardedCache(_parallel.pack(flay, d, folded))
 
     args = (factors, new, weight)
-    return self._run(
-      blocks, "update_curvature", axis_name, mesh, local, args, (True, False, False), True
-    )
+    return self._run("update_curvature", axis_name, mesh, run, args, (True, False, False), True)
 
-  def refresh(self, names, blocks, factors, cache, damping, axis_name, mesh):
-    """`(new ShardedCache, failed)`: each device refreshes its own blocks from its own factors;
-    a failure (`failed`, `[len(blocks)]` bool, as `ReplicatedStorage.refresh`'s) is flagged on
-    the device that owns the block and summed over the axis."""
-    del names
+  def refresh(self, factors, cache, damping, axis_name, mesh):
+    """`(new ShardedCache, failed)`: each device refreshes its own blocks, a failure flagged by
+    the block's owner and summed over the axis."""
+    blocks = self.blocks
 
-    def local(axis, flay, clay, factors, cache, lam):
-      def run(d):
-        share = clay.shares[d]
-        old = _parallel.unpack(clay, d, cache.buffers)
-        mine = _parallel.unpack(flay, d, factors.buffers)
-        new = _blocks.compute_caches(blocks, share, [mine.get(i) for i in range(len(blocks))], lam)
-        kept, failed = _keep_finite(new, old, share)
-        flags = jnp.zeros((len(blocks),), jnp.int32)
-        if share:
-          flags = flags.at[np.asarray(share)].set(failed.astype(jnp.int32))
-        return _parallel.pack(clay, d, kept), flags
+    def run(d, flay, clay, factors, cache, lam):
+      share = clay.shares[d]
+      mine = _parallel.unpack(flay, d, factors.buffers)
+      new = _blocks.compute_caches(blocks, share, [mine.get(i) for i in range(len(blocks))], lam)
+      kept, failed = _keep_finite(new, _parallel.unpack(clay, d, cache.buffers), share)
+      at = np.asarray(share, np.int32)
+      flags = jnp.zeros((len(blocks),), jnp.int32).at[at].set(failed.astype(jnp.int32))
+      return _parallel.ShardedCache(_parallel.pack(clay, d, kept)), flags
 
-      buffers, failed = _parallel.on_own_share(run, clay.shares, axis)
-      return _parallel.ShardedCache(buffers), jax.lax.psum(failed, axis) > 0
+    finish = lambda out, axis: (out[0], jax.lax.psum(out[1], axis) > 0)
+    args, sharded = (factors, cache, damping), (True, True, False)
+    return self._run("update_inverses", axis_name, mesh, run, args, sharded, (True, False), finish)
 
-    args = (factors, cache, damping)
-    return self._run(
-      blocks, "update_inverses", axis_name, mesh, local, args, (True, True, False), (True, False)
-    )
-
-  def apply(self, names, blocks, factors, cache, leaves, fn, axis_name, mesh, method) -> list:
-    """`fn(block, factors, cache, vecs)` for every block on the device that owns it, into
-    zeros elsewhere, summed over the axis; leaves outside every block pass through."""
-    del names
+  def apply(self, factors, cache, leaves, fn, axis_name, mesh, method) -> list:
+    """`fn` for each block on its owner, zeros elsewhere, summed; other leaves pass through."""
+    blocks = self.blocks
     covered = sorted(j for b in blocks for j in b.spec.leaf_indices)
-
     # The products' shapes and dtypes, which every branch (owner or not) must return.
-    out_shapes: dict[int, jax.ShapeDtypeStruct] = {}
-    for b in blocks:
-      res = jax.eval_shape(
-        lambda c, v, b=b: fn(
-          b, optax.tree_utils.tree_cast(b.init_factors(), b.config.inverse_dtype), c, v
-        ),
-        b.cache_shapes(),
-        [jax.ShapeDtypeStruct(np.shape(leaves[j]), leaves[j].dtype) for j in b.spec.leaf_indices],
-      )
-      out_shapes.update(zip(b.spec.leaf_indices, res))
+    shapes = jax.eval_shape(
+      lambda f, c, v: _products(blocks, range(len(blocks)), f, c, v, fn),
+      [jax.eval_shape(b.init_factors) for b in blocks],
+      [b.cache_shapes() for b in blocks],
+      [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves],
+    )
 
-    def local(axis, flay, clay, factors, cache, vecs):
-      by_leaf = dict(zip(covered, vecs))
-
-      def run(d):
-        out = {j: jnp.zeros(out_shapes[j].shape, out_shapes[j].dtype) for j in covered}
-        mine = (
-          _parallel.unpack(flay, d, factors.buffers),
-          _parallel.unpack(clay, d, cache.buffers),
-        )
-        out.update(_products(blocks, clay.shares[d], *mine, by_leaf, fn))
-        return [out[j] for j in covered]
-
-      return jax.lax.psum(_parallel.on_own_share(run, clay.shares, axis), axis)
+    def run(d, flay, clay, factors, cache, vecs):
+      out = {j: jnp.zeros(shapes[j].shape, shapes[j].dtype) for j in covered}
+      f, c = (_parallel.unpack(lay, d, s.buffers) for lay, s in ((flay, factors), (clay, cache)))
+      out.update(_products(blocks, clay.shares[d], f, c, dict(zip(covered, vecs)), fn))
+      return [out[j] for j in covered]
 
     args = (factors, cache, [leaves[j] for j in covered])
-    res = self._run(blocks, method, axis_name, mesh, local, args, (True, True, False), False)
-    out: list[Any] = list(leaves)
-    for j, r in zip(covered, res):
-      out[j] = r
-    return out
+    res = self._run(method, axis_name, mesh, run, args, (True, True, False), False, jax.lax.psum)
+    got = dict(zip(covered, res))
+    return [got.get(j, x) for j, x in enumerate(leaves)]
 
-  def block_cache(self, cache, name: str):
-    del cache, name
-    return None
-
-  def block_factors(self, names, blocks, factors) -> dict[str, Any]:
-    """Every block's factors by name, gathered from the global buffers (a pmap output
-    `[D, L]`, or a `[D·L]` array under jit with a mesh)."""
+  def block_factors(self, factors) -> dict[str, Any]:
+    """Every block's factors by name, from the global buffers (`[D, L]` or `[D·L]`)."""
     _check_sharded(factors, "to_dense", "factors")
     bufs = factors.buffers
     lens = {k: int(np.size(v)) for k, v in bufs.items()}
-
-    def fits(d: int) -> bool:
-      return {k: n * d for k, n in self.layouts(blocks, d)[0].lengths} == lens
-
     rows = {int(np.shape(v)[0]) for v in bufs.values() if np.ndim(v) == 2}
     first = min(lens.values())
     candidates = rows or [d for d in range(1, first + 1) if first % d == 0]
-    num = next((d for d in candidates if fits(d)), None)
+    fits = (d for d in candidates if {k: n * d for k, n in self.layouts(d)[0].lengths} == lens)
+    num = next(fits, None)
     if num is None:
       raise ValueError(
         "the sharded factors' buffers fit no number of devices: pass the global state (as "
         "`init` returned it under pmap or with `mesh`), not one device's share of it."
       )
-    flay = self.layouts(blocks, num)[0]
     out: dict[str, Any] = {}
     for d in range(num):
       local = {k: jnp.reshape(v, (num, -1))[d] for k, v in bufs.items()}
-      for i, f in _parallel.unpack(flay, d, local).items():
-        out[names[i]] = f
+      out.update(
+        (self.names[i], f) for i, f in _parallel.unpack(self.layouts(num)[0], d, local).items()
+      )
     return out
 
 

@@ -443,7 +443,7 @@ def test_sharded_storage_equals_replicated_under_pmap(x64, num_devices):
     config=kfac_jax.Config(inverse_storage="sharded"),
   )
   est.init(params, mesh=(_mesh(), "data"))  # Finds the blocks; the mesh only lays them out.
-  layouts = est.storage.layouts(est.blocks, num_devices)
+  layouts = est.storage.layouts(num_devices)
   names = [s.name for s in est.layers]
   for field, lay in zip(("factors", "cache"), layouts):
     seen = []
@@ -566,7 +566,7 @@ def test_sharded_storage_keeps_a_non_finite_blocks_previous_cache(x64):
       bad = dict(factors)
       bad["layer1"] = jax.tree_util.tree_map(lambda x: x.at[0, 0].set(jnp.nan), bad["layer1"])
       return bad
-    lay = e.storage.layouts(e.blocks, n)[0]
+    lay = e.storage.layouts(n)[0]
     ((d, slot),) = [(d, t) for d in range(n) for t in lay.slots[d] if (t.block, t.leaf) == (1, 0)]
     buf = factors.buffers[slot.dtype]
     mine = jax.lax.axis_index("i") == d

@@ -142,7 +142,7 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   assert max(held) <= 1.25 * total / 8 + max(per_block), (held, total, per_block)
   assert max(held) < total / 2
   # The shares are the cost-balanced refresh assignment.
-  factors_layout, cache_layout = est.storage.layouts(blocks, 8)
+  factors_layout, cache_layout = est.storage.layouts(8)
   want_shares = _parallel.refresh_assignment([b.factor_shapes for b in blocks], 8, per_block)
   assert factors_layout.shares == cache_layout.shares == want_shares
   # Replicated storage on the same mesh: every device holds every block's factors and nearly
@@ -154,7 +154,7 @@ def test_fsdp_state_is_sharded_and_training_equals_one_device(x64):
   assert min(_models.device_bytes((rep_curv.factors, rep_curv.cache), mesh)) > 0.9 * total
   # The factors gathered from the sharded state are the one-device run's.
   gathered = jax.jit(  # One program: eager operations would compile one by one.
-    lambda f: est.storage.block_factors(est.names, blocks, f)
+    lambda f: est.storage.block_factors(f)
   )(curv.factors)
   for n in est.names:
     for a, b in zip(

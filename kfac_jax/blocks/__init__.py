@@ -3,35 +3,33 @@
 import jax
 
 from kfac_jax.blocks import _kronecker
-from kfac_jax.blocks._base import (
-  Block,
-  BlockConfig,
-  DampingMode,
-  FactorSolve,
-  StackedUses,
-  batched_factorisations,
-  compute_caches,
-)
-from kfac_jax.blocks._concat import ConcatBlock
-from kfac_jax.blocks._ekfac import EKFACBlock
-from kfac_jax.blocks._generic import DiagonalBlock, FullBlock
-from kfac_jax.blocks._kronecker import KroneckerBlock
-from kfac_jax.blocks._shared import SeriesKroneckerBlock
-from kfac_jax.blocks._stacked import StackedBlock
-from kfac_jax.blocks._state import (
-  DiagonalCache,
-  DiagonalFactors,
-  EKFACCache,
-  EKFACFactors,
-  FactorCache,
-  FullCache,
-  FullFactors,
-  KroneckerCache,
-  KroneckerFactors,
-  SeriesCache,
-  SeriesFactors,
-)
-from kfac_jax.blocks._terms import KroneckerSumBlock, TermsCache
+from kfac_jax.blocks._base import Block as Block
+from kfac_jax.blocks._base import BlockConfig as BlockConfig
+from kfac_jax.blocks._base import DampingMode as DampingMode
+from kfac_jax.blocks._base import FactorSolve as FactorSolve
+from kfac_jax.blocks._base import StackedUses as StackedUses
+from kfac_jax.blocks._base import batched_factorisations as batched_factorisations
+from kfac_jax.blocks._base import compute_caches as compute_caches
+from kfac_jax.blocks._concat import ConcatBlock as ConcatBlock
+from kfac_jax.blocks._ekfac import EKFACBlock as EKFACBlock
+from kfac_jax.blocks._generic import DiagonalBlock as DiagonalBlock
+from kfac_jax.blocks._generic import FullBlock as FullBlock
+from kfac_jax.blocks._kronecker import KroneckerBlock as KroneckerBlock
+from kfac_jax.blocks._shared import SeriesKroneckerBlock as SeriesKroneckerBlock
+from kfac_jax.blocks._stacked import StackedBlock as StackedBlock
+from kfac_jax.blocks._state import DiagonalCache as DiagonalCache
+from kfac_jax.blocks._state import DiagonalFactors as DiagonalFactors
+from kfac_jax.blocks._state import EKFACCache as EKFACCache
+from kfac_jax.blocks._state import EKFACFactors as EKFACFactors
+from kfac_jax.blocks._state import FactorCache as FactorCache
+from kfac_jax.blocks._state import FullCache as FullCache
+from kfac_jax.blocks._state import FullFactors as FullFactors
+from kfac_jax.blocks._state import KroneckerCache as KroneckerCache
+from kfac_jax.blocks._state import KroneckerFactors as KroneckerFactors
+from kfac_jax.blocks._state import SeriesCache as SeriesCache
+from kfac_jax.blocks._state import SeriesFactors as SeriesFactors
+from kfac_jax.blocks._terms import KroneckerSumBlock as KroneckerSumBlock
+from kfac_jax.blocks._terms import TermsCache as TermsCache
 
 # The block classes that compute layers, each serving its (kind, approximation) pairs
 # (`Block.serves`, unique: tests/scan/test_kinds.py). The wrappers (`ConcatBlock`, `StackedBlock`)
@@ -47,15 +45,8 @@ BLOCK_CLASSES: tuple[type[Block], ...] = (
 _BLOCKS = {pair: cls for cls in BLOCK_CLASSES for pair in cls.serves}
 
 
-def serves(kind: str, approx: str) -> bool:
-  """Whether some block class computes layers of `kind` with approximation `approx`."""
-  return (kind, approx) in _BLOCKS
-
-
 def block_class(spec) -> type[Block]:
-  """The block class of a layer: `ConcatBlock` over concatenated leaves, `StackedBlock` for a
-  stack of layers, else the user's (`LayerConfig.blocks`), else the one of
-  `(spec.kind, spec.approx)`."""
+  """A wrapper for concatenated leaves or a stack, else the user's, else `(kind, approx)`'s."""
   if spec.concat:
     return ConcatBlock
   if spec.stack_size:
@@ -78,14 +69,12 @@ def blocked_note(spec) -> str:
 
 
 def factor_shapes_for(spec) -> tuple[tuple[int, ...], ...]:
-  """The factor shapes the layer's block will keep (`Block.factor_shapes_for`), before any
-  block exists (the scanner sizes `LayerSpec.factor_shapes` with them)."""
+  """The factor shapes the layer's block will keep, before any block exists."""
   return block_class(spec).factor_shapes_for(spec)
 
 
 def make_block(spec, config: BlockConfig) -> Block:
-  """The block of a layer (`block_class`), wrapped for concatenated leaves, vmapped over a
-  stack of layers."""
+  """The block of a layer (`block_class`), wrapping its inner block where needed."""
   cls = block_class(spec)
   if cls is ConcatBlock:
     return ConcatBlock(spec, config, make_block(spec.logical, config))
@@ -98,8 +87,7 @@ def make_block(spec, config: BlockConfig) -> Block:
 
 
 def check_class(cls, where: str) -> None:
-  """TypeError unless `cls` is a concrete `Block` subclass a layer can use (`where` names the
-  `LayerConfig.blocks` entry)."""
+  """TypeError unless `cls` is a concrete `Block` subclass (`where`: its config entry)."""
   if not (isinstance(cls, type) and issubclass(cls, Block)):
     raise TypeError(
       f"{where} must be a subclass of kfac_jax.Block, got {cls!r}; write a class with "
@@ -121,19 +109,14 @@ def tree_shapes(tree) -> tuple:
 
 def check_user_block(block: Block) -> None:
   """ValueError naming the layer unless a user's block (`LayerConfig.blocks`) has state and
-  products of the shapes the estimator needs: its factors and cache are pytrees of arrays,
-  `compute_cache` returns the cache's structure and shapes, and `multiply_matpower` maps the
-  layer's leaves to arrays of the same shapes (checked with `jax.eval_shape`: nothing runs)."""
+  products of the shapes the estimator needs (checked with `jax.eval_shape`: nothing runs)."""
   spec, config = block.spec, block.config
   who = f"layer `{spec.name}`: the block {type(block).__name__} (LayerConfig.blocks)"
   like = [jax.ShapeDtypeStruct(s, config.inverse_dtype) for s in spec.param_shapes]
   step = "init_factors"
   try:
-    factors = jax.eval_shape(block.init_factors)
-    # Cast as `compute_caches` casts them.
-    factors = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, config.inverse_dtype), factors
-    )
+    cast = lambda x: jax.ShapeDtypeStruct(x.shape, config.inverse_dtype)  # As `compute_caches`.
+    factors = jax.tree_util.tree_map(cast, jax.eval_shape(block.init_factors))
     step = "init_cache"
     cache = jax.eval_shape(block.init_cache)
     step = "compute_cache"
@@ -142,7 +125,7 @@ def check_user_block(block: Block) -> None:
     step = "multiply_matpower"
     products = {}
     for e in (1, *config.cached_exps):
-      fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)  # noqa: E731
+      fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)
       products[e] = jax.eval_shape(fn, factors, cache, *like)
   except Exception as err:
     raise ValueError(f"{who} fails in {step} while tracing: {type(err).__name__}: {err}") from err
@@ -159,43 +142,3 @@ def check_user_block(block: Block) -> None:
         f"{who}: multiply_matpower(..., exp={e}) returns {got}; it must return one array per "
         f"parameter leaf of the layer, shaped {want} ({list(spec.param_paths)})."
       )
-
-
-__all__ = [
-  "Block",
-  "BlockConfig",
-  "ConcatBlock",
-  "DampingMode",
-  "DiagonalBlock",
-  "DiagonalCache",
-  "DiagonalFactors",
-  "EKFACBlock",
-  "EKFACCache",
-  "EKFACFactors",
-  "FactorCache",
-  "FactorSolve",
-  "FullBlock",
-  "FullCache",
-  "FullFactors",
-  "KroneckerBlock",
-  "KroneckerCache",
-  "KroneckerFactors",
-  "SeriesCache",
-  "SeriesFactors",
-  "SeriesKroneckerBlock",
-  "KroneckerSumBlock",
-  "TermsCache",
-  "StackedBlock",
-  "StackedUses",
-  "BLOCK_CLASSES",
-  "batched_factorisations",
-  "block_class",
-  "blocked_note",
-  "check_class",
-  "check_user_block",
-  "tree_shapes",
-  "compute_caches",
-  "factor_shapes_for",
-  "make_block",
-  "serves",
-]

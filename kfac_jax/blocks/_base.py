@@ -1,13 +1,7 @@
-"""The curvature-block interface.
-
-A block is a static object (its layer spec and configuration); its numbers live in two typed
-pytrees (`_state`) that the estimator keeps per block name: `factors`, the undamped EMA
-statistics, and `cache`, what `update_inverses` derives from them and the damping λ. A block
-states its factor shapes before it exists (`factor_shapes_for(spec)`, for the scanner). Vectors
-are the block's parameter leaves, in `spec.leaf_indices` order; "damped block" is the matrix the
-block multiplies by (`A_λ ⊗ G_λ` in "factored" mode, `F + λ I` otherwise). Concrete blocks are
-final.
-"""
+"""The curvature-block interface: a static object (its layer spec and configuration) whose
+numbers live in two typed pytrees (`_state`), the undamped EMA statistics (`factors`) and what
+the refresh derives from them and the damping λ (`cache`). The "damped block" is the matrix a
+block multiplies by (`A_λ ⊗ G_λ` in "factored" mode, `F + λ I` otherwise)."""
 
 from __future__ import annotations
 
@@ -15,13 +9,14 @@ import abc
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kfac_jax import _checks
 from kfac_jax._specs import LayerSpec
 from kfac_jax.blocks import _layouts
 
@@ -39,7 +34,7 @@ _DTYPES = {
 
 
 def _dtype(value, field: str) -> Any:
-  """The dtype given as `config.<field>` as a numpy dtype: None → float32 (float64 under x64)."""
+  """`config.<field>` as a numpy dtype: None → float32 (float64 under x64)."""
   x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # A flag added at run time.
   if value is None:
     return np.dtype(np.float64 if x64 else np.float32)
@@ -60,42 +55,22 @@ def _dtype(value, field: str) -> Any:
   return dtype
 
 
-def _choice(value, name: str, choices: tuple[str, ...]) -> None:
-  if not isinstance(value, str) or value not in choices:
-    raise (ValueError if isinstance(value, str) else TypeError)(
-      f"unknown {name} {value!r}; choose one of {', '.join(repr(c) for c in choices)}."
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-  """Static options shared by all blocks of one estimator.
+  """Static options shared by all blocks of one estimator (`kfac_jax.Config`'s numerics).
 
   Attributes:
     exps: matrix powers the cache is prepared for (1 is always available).
-    damping_mode: "factored" (π-adjusted factored Tikhonov damping, the K-FAC default: π√λ
-      on a layer's input factor and √λ/π on its output factor, π from their traces, Martens &
-      Grosse 2015), "factored_equal" (√λ on each, as the K-FAC for PINNs code does; then the
-      factors' relative scale matters) or "eigen" (exact `A ⊗ G + λ I` through
-      eigen-decompositions of the factors).
-    cholesky: also cache Cholesky factors (for `multiply_cholesky`).
-    cholesky_inverse: also cache inverse Cholesky factors.
-    stats_dtype: dtype in which batch statistics are computed and the factors (their moving
-      averages) are stored: float32 by default, float64 under x64, or bfloat16 / float16 to
-      halve the factors' memory.
-    inverse_dtype: dtype of everything `update_inverses` derives (powers, eigen-decompositions,
-      Cholesky factors, the damping) and of the products: float32 or float64. Factors are cast
-      to it before they are factorised.
-    preconditioner_dtype: None (`inverse_dtype`), or a narrower dtype (bfloat16) the cached
-      matrix powers of Kronecker factors and full blocks are stored in once computed; products
-      round the vector to it and accumulate in `inverse_dtype` (`_linalg.matmul`). Everything
-      else in the cache stays in `inverse_dtype`.
-    factor_solve: how a Kronecker factor's damped inverse ("factored" damping) is kept. "never":
-      an explicit matrix (products are matmuls). "always": its substitution form
-      (`_linalg.substitution_form`; a cheaper refresh, slower products). "auto" (default): the
-      substitution form for a factor of size n ≥ 256 multiplied by at most n/8 columns (e.g. a
-      classifier head); see `KroneckerBlock.solves`. Vmapped blocks (stacks, grouped
-      convolutions) always keep explicit inverses.
+    damping_mode: "factored" (π√λ on a layer's input factor and √λ/π on its output factor, π
+      from their traces, Martens & Grosse 2015), "factored_equal" (√λ on each) or "eigen"
+      (exact `A ⊗ G + λ I` through the factors' eigen-decompositions).
+    cholesky, cholesky_inverse: also cache Cholesky factors, their inverses.
+    stats_dtype: dtype of batch statistics and of the stored factors.
+    inverse_dtype: dtype of everything the refresh derives and of the products.
+    preconditioner_dtype: None, or a narrower dtype the cached matrix powers are stored in;
+      products round the vector to it and accumulate in `inverse_dtype` (`_linalg.matmul`).
+    factor_solve: how a Kronecker factor's damped inverse is kept: "never" an explicit matrix,
+      "always" its substitution form, "auto" where `KroneckerBlock.solves` says so.
   """
 
   exps: tuple[float, ...] = (-1.0,)
@@ -109,22 +84,14 @@ class BlockConfig:
 
   @classmethod
   def of(
-    cls,
-    *,
-    damping_mode="factored",
-    factor_solve="auto",
-    stats_dtype=None,
-    inverse_dtype=None,
-    preconditioner_dtype=None,
-    exps=(-1.0,),
-    cholesky=False,
-    cholesky_inverse=False,
+    cls, *, exps=(-1.0,), stats_dtype=None, inverse_dtype=None, preconditioner_dtype=None, **rest
   ) -> BlockConfig:
-    """The numerics from their user spellings (`kfac_jax.Config`'s fields), checked: the modes
-    among their choices, the dtypes as names or dtypes (None: float32, float64 under x64), a
-    `preconditioner_dtype` no wider than `inverse_dtype` (None where equal)."""
-    _choice(damping_mode, "config.damping_mode", ("factored", "factored_equal", "eigen"))
-    _choice(factor_solve, "config.factor_solve", ("auto", "always", "never"))
+    """The numerics from `kfac_jax.Config`'s spellings, checked: dtypes as names or dtypes
+    (None: float32, float64 under x64), a `preconditioner_dtype` no wider than `inverse_dtype`
+    (None where equal); `rest`: the other fields."""
+    config = cls(exps=tuple(exps), **rest)
+    _checks.choice(config.damping_mode, "config.damping_mode", get_args(DampingMode))
+    _checks.choice(config.factor_solve, "config.factor_solve", get_args(FactorSolve))
     inverse = _dtype(inverse_dtype, "inverse_dtype")
     narrow = (
       None if preconditioner_dtype is None else _dtype(preconditioner_dtype, "preconditioner_dtype")
@@ -135,14 +102,10 @@ class BlockConfig:
         f"{inverse.name}: the inverses are computed in `inverse_dtype` and can only be "
         "stored narrower (e.g. bfloat16)."
       )
-    return cls(
-      exps=tuple(exps),
-      damping_mode=damping_mode,
-      cholesky=cholesky,
-      cholesky_inverse=cholesky_inverse,
+    return dataclasses.replace(
+      config,
       stats_dtype=_dtype(stats_dtype, "stats_dtype"),
       inverse_dtype=inverse,
-      factor_solve=factor_solve,
       preconditioner_dtype=None if narrow == inverse else narrow,
     )
 
@@ -157,8 +120,7 @@ class BlockConfig:
     return "equal" if self.damping_mode == "factored_equal" else "pi"
 
   def stored_power(self, p: Array) -> Array:
-    """A cached matrix power as kept in the cache: cast to `preconditioner_dtype` (if set); a
-    diagonal factor's vector of powers stays in `inverse_dtype`."""
+    """A cached matrix power in `preconditioner_dtype` (if set); vectors stay as they are."""
     dtype = self.preconditioner_dtype
     return p if dtype is None or p.ndim < 2 or p.dtype == dtype else p.astype(dtype)
 
@@ -180,15 +142,10 @@ class BlockConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StackedUses:
-  """The T taps of one layer inside one scan, stacked along the steps (execution order).
+  """The T taps of one layer inside one scan, stacked along the steps (execution order)."""
 
-  Attributes:
-    inputs: the recorded input operands, each `[T, ...]`.
-    g: the output gradients, `[samples, T, ...]`.
-  """
-
-  inputs: tuple[Any, ...]
-  g: Any
+  inputs: tuple[Any, ...]  # The recorded input operands, each `[T, ...]`.
+  g: Any  # The output gradients, `[samples, T, ...]`.
 
   def unstack(self) -> tuple[tuple[tuple[Any, ...], Any], ...]:
     """The per-use `(inputs, g)` pairs (one slice per step)."""
@@ -199,24 +156,17 @@ class StackedUses:
 class Block(abc.ABC):
   """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix.
 
-  A user's block for a layer (`LayerConfig.blocks`) subclasses this and implements six methods:
-  `factor_shapes_for` (a classmethod, asked before the block exists), `init_factors` and
-  `batch_factors` (the statistics: pytrees of arrays, which the estimator averages leafwise
-  with its EMA), `init_cache` and `compute_cache` (what the refresh derives from the averaged
-  statistics and the damping λ; `init_cache` acts as the identity) and `multiply_matpower`
-  (the damped block's power times the layer's leaves). `multiply_cholesky` and
-  `multiply_undamped` (`to_dense`) are optional. `gradient_rows` gives the rows every exact
-  block is built from; `to_vector` / `from_vector` flatten the leaves in the same order.
-  The block is built as `cls(spec, config)`: `spec` the layer's `LayerSpec`, `config` the
-  estimator's `BlockConfig` (dtypes, `exps`); factors are kept in `config.stats_dtype`, caches
-  and products in `config.inverse_dtype`. Every method is traced (jit, vmap over a stack of
+  A user's block for a layer (`LayerConfig.blocks`), built as `cls(spec, config)`, implements
+  `factor_shapes_for`, `init_factors` and `batch_factors` (the statistics, averaged leafwise),
+  `init_cache` (the identity) and `compute_cache` (from the statistics and λ) and
+  `multiply_matpower`; `multiply_cholesky` and `multiply_undamped` are optional. Vectors are the
+  layer's leaves in `spec.leaf_indices` order. Every method is traced (jit, vmap over a stack of
   layers), so it is pure and reads only static facts from `spec`.
 
   Attributes:
-    serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`);
-      wrappers serve none.
-    needs_cache_for_statistics: the statistics depend on the cache (EKFAC's eigenbasis):
-      `batch_factors` and `multiply_undamped` then take the block's cache.
+    serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`).
+    needs_cache_for_statistics: `batch_factors` and `multiply_undamped` take the block's cache
+      (EKFAC's eigenbasis).
     vmapped: set by a wrapper that vmaps this block over a leading axis (`StackedBlock`).
   """
 
@@ -225,8 +175,7 @@ class Block(abc.ABC):
   vmapped: bool = False
 
   def __init__(self, spec: LayerSpec, config: BlockConfig):
-    self.spec = spec
-    self.config = config
+    self.spec, self.config = spec, config
 
   @property
   def name(self) -> str:
@@ -235,8 +184,8 @@ class Block(abc.ABC):
   @classmethod
   @abc.abstractmethod
   def factor_shapes_for(cls, spec: LayerSpec) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the factors this class keeps for the layer `spec`, e.g. `((in+1, in+1),
-    (out, out))`; `spec.factor_shapes` is not read (the scanner asks while building it)."""
+    """The factor shapes this class keeps for the layer `spec`, e.g. `((in+1, in+1), (out,
+    out))` (the scanner asks while building `spec.factor_shapes`)."""
 
   @property
   def factor_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -244,17 +193,12 @@ class Block(abc.ABC):
     return self.factor_shapes_for(self.spec)
 
   def group_key(self) -> tuple:
-    """Blocks with equal keys have identically shaped state and are batched with vmap: one
-    `compute_cache` call, the group's first block's, over their stacked factors. The default,
-    (class, factor shapes, approximation), fits a `compute_cache` that reads nothing else of
-    `spec`; a user's block whose refresh does overrides this."""
+    """Blocks of equal keys share one vmapped `compute_cache`; override it if yours reads `spec`."""
     return (type(self), self.factor_shapes, self.spec.approx)
 
   def accepts_stacked_uses(self) -> bool:
     """Whether `batch_factors` takes a `StackedUses` (else it gets the unstacked uses)."""
     return False
-
-  # -- statistics ------------------------------------------------------------------------------
 
   @abc.abstractmethod
   def init_factors(self) -> Any:
@@ -262,10 +206,7 @@ class Block(abc.ABC):
 
   @abc.abstractmethod
   def batch_factors(self, data: Any, batch_size: int, cache: Any = None) -> Any:
-    """This batch's statistics from the curvature pass's raw data for the block; `cache`: the
-    block's cache where `needs_cache_for_statistics` (None before there is one)."""
-
-  # -- inverses --------------------------------------------------------------------------------
+    """This batch's statistics; `cache`: where `needs_cache_for_statistics` (None at first)."""
 
   @abc.abstractmethod
   def init_cache(self) -> Any:
@@ -275,8 +216,6 @@ class Block(abc.ABC):
   def compute_cache(self, factors: Any, damping: Array) -> Any:
     """Powers / decompositions of the damped block. Pure; vmapped over blocks of a group."""
 
-  # -- products --------------------------------------------------------------------------------
-
   @abc.abstractmethod
   def multiply_matpower(self, factors, cache, vecs: Sequence[Array], exp: float) -> list[Array]:
     """(damped block)^exp · vecs; `exp` is 1 or one of `config.exps`."""
@@ -284,25 +223,22 @@ class Block(abc.ABC):
   def multiply_cholesky(
     self, factors, cache, vecs: Sequence[Array], *, transpose: bool, inverse: bool
   ) -> list[Array]:
-    """C·v, Cᵀ·v, C⁻¹·v or C⁻ᵀ·v for a factor C with C Cᵀ = damped block (the estimator's
-    `multiply_cholesky`; optional for a user's block)."""
+    """C·v, Cᵀ·v, C⁻¹·v or C⁻ᵀ·v for a factor C with C Cᵀ = damped block (optional)."""
     del factors, cache, vecs, transpose, inverse
     raise NotImplementedError(
       f"block `{self.name}` ({type(self).__name__}) does not implement multiply_cholesky."
     )
 
   def multiply_undamped(self, factors, vecs: Sequence[Array], cache: Any = None) -> list[Array]:
-    """The undamped estimate times vecs (used by `to_dense`); `cache` as in `batch_factors`
-    (optional for a user's block)."""
+    """The undamped estimate times vecs (for `to_dense`; optional)."""
     del factors, vecs, cache
     raise NotImplementedError(
-      f"block `{self.name}` ({type(self).__name__}) does not implement multiply_undamped, "
-      "which `to_dense` needs."
+      f"block `{self.name}` ({type(self).__name__}) does not implement "
+      "multiply_undamped, which `to_dense` needs."
     )
 
   def to_vector(self, vecs: Sequence[Array]) -> Array:
-    """The layer's leaves `vecs` as one vector `[n]` in `config.inverse_dtype` (raveled and
-    concatenated in `spec.param_paths` order, the order of `gradient_rows`' columns)."""
+    """The leaves raveled and concatenated, `[n]` in `inverse_dtype` (`gradient_rows`' order)."""
     return flat(vecs, self.config.inverse_dtype)
 
   def from_vector(self, x: Array, vecs: Sequence[Array]) -> list[Array]:
@@ -310,20 +246,13 @@ class Block(abc.ABC):
     return unflat(x, vecs)
 
   def gradient_rows(self, data: Any, batch_size: int) -> tuple[Array, int]:
-    """`(h, c)`: rows `h: [R, n]` of gradients over the block's parameters (its leaves raveled
-    and concatenated in `spec.param_paths` order) with `hᵀh / c` the layer's exact Fisher
-    block for this batch's vectors (`kfac_jax._curvature`); `data` and `batch_size` as
-    `batch_factors` receives them. Dense, convolution and scale-and-shift layers: one row per
-    example and sample, rebuilt from the recorded inputs and output gradients; generic
-    parameters: each sample's batch-summed gradient, unbiased for sampled targets. The "full"
-    and "diagonal" blocks are `hᵀh / c` and its diagonal."""
+    """`(h, c)`: rows `h: [R, n]` of gradients over the block's raveled leaves with `hᵀh / c`
+    the layer's exact Fisher block for this batch (`_layouts.gradient_rows`); the "full" and
+    "diagonal" blocks are `hᵀh / c` and its diagonal."""
     return _layouts.gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
 
-  # -- helpers ---------------------------------------------------------------------------------
-
   def to_dense(self, factors, cache: Any = None) -> Array:
-    """The undamped block as a `[n, n]` matrix over its leaves, raveled and concatenated
-    (`cache` as in `batch_factors`)."""
+    """The undamped block as a `[n, n]` matrix over its raveled, concatenated leaves."""
     dtype = self.config.inverse_dtype
     like = [jax.ShapeDtypeStruct(s, dtype) for s in self.spec.param_shapes]
     factors = optax.tree_utils.tree_cast(factors, dtype)
@@ -374,8 +303,7 @@ def unflat(x: Array, like: Sequence[Any]) -> list[Array]:
 
 
 def map_factorisations(fn, *args):
-  """`fn` over the leading axis of `args`, results stacked: one batched call where
-  `batched_factorisations()`, else one unbatched call per slice (`lax.map`)."""
+  """`fn` over the leading axis of `args`: vmapped where `batched_factorisations()`."""
   if batched_factorisations():
     return jax.vmap(fn)(*args)
   return jax.lax.map(lambda a: fn(*a), args)

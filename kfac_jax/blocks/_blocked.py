@@ -1,13 +1,11 @@
 """Block-diagonal Kronecker factors: a wide side kept as the diagonal blocks of its factor.
 
 A factor side of n > B entries (B = `LayerSpec.block_size`) is partitioned into k = ⌈n₀/B⌉
-contiguous blocks of b = ⌈n/k⌉ entries, n₀ being the side without a bias row, so a bias row
-never adds a block (n = k·B + 1 gives k blocks of B + 1). The factor F is then kept as its
-diagonal blocks F_bd = diag(F_11, ..., F_kk), stored as `[k, b, b]` with the last block padded
-by k·b − n ≤ k − 1 rows and columns of zeros (Shampoo's partition, applied to K-FAC's A and G).
-Memory is O(n·b), a refresh O(n·b²) and a product with [n, m] O(n·b·m). Padding never reaches
-a result (its rows and columns are zero; products pad their input and slice the output), and
-its diagonal entries are set to one before a factorisation, so a block stays definite.
+contiguous blocks of b = ⌈n/k⌉ entries, n₀ the side without a bias row (which never adds a
+block). F is kept as diag(F_11, ..., F_kk), stored `[k, b, b]` with the last block padded by
+k·b − n zero rows and columns (Shampoo's partition, applied to A and G): memory O(n·b), a refresh
+O(n·b²). The padding's diagonal is set to one before a factorisation (a block stays definite);
+products pad their input and slice the output.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ Partition = tuple[int, int]  # (k blocks, b entries per block)
 
 
 def partition(n: int, bias: bool, block_size: int | None) -> Partition | None:
-  """`(k, b)` for a side of n entries (its last one a bias row when `bias`), or None when the
-  side is kept whole: no `block_size`, or at most `block_size` entries besides the bias row."""
+  """`(k, b)` for a side of n entries (a bias row last when `bias`), None when kept whole."""
   core = n - (1 if bias else 0)
   if block_size is None or core <= block_size:
     return None
@@ -32,15 +29,8 @@ def partition(n: int, bias: bool, block_size: int | None) -> Partition | None:
   return k, -(-n // k)
 
 
-def _pad_rows(m: Array, k: int, b: int) -> Array:
-  """m: [n, ...] zero-padded to [k, b, ...]."""
-  n = m.shape[0]
-  return jnp.pad(m, [(0, k * b - n)] + [(0, 0)] * (m.ndim - 1)).reshape((k, b) + m.shape[1:])
-
-
 def gram(x: Array, part: Partition, bias: bool) -> Array:
-  """The diagonal blocks `[k, b, b]` of Σ_r x̄_r x̄_rᵀ for rows x: [R, n₀] (x̄ = [x, 1] when
-  `bias`), without the full n×n matrix: O(R·n·b) flops."""
+  """The diagonal blocks `[k, b, b]` of Σ_r x̄_r x̄_rᵀ for rows x: [R, n₀], in O(R·n·b)."""
   k, b = part
   if bias:
     x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), x.dtype)], axis=1)
@@ -66,23 +56,18 @@ def diagonal(fb: Array, n: int) -> Array:
 def padding_eye(part: Partition, n: int, dtype) -> Array:
   """`[k, b, b]`: ones on the padded diagonal entries, zeros elsewhere (a constant)."""
   k, b = part
-  mask = np.zeros((k * b,), np.float64)
-  mask[n:] = 1.0
-  return jnp.asarray(np.einsum("ki,ij->kij", mask.reshape(k, b), np.eye(b)), dtype)
+  mask = (np.arange(k * b) >= n).astype(np.float64).reshape(k, b)
+  return jnp.asarray(np.einsum("ki,ij->kij", mask, np.eye(b)), dtype)
 
 
 def left(p: Array, m: Array) -> Array:
   """P_bd · m for blocks p: [k, b, b] and m: [n, c]."""
-  k, b = p.shape[0], p.shape[-1]
-  n = m.shape[0]
-  out = _linalg.matmul(p, _pad_rows(m, k, b))  # [k, b, c]
+  k, b, n = p.shape[0], p.shape[-1], m.shape[0]
+  padded = jnp.pad(m, [(0, k * b - n)] + [(0, 0)] * (m.ndim - 1)).reshape((k, b) + m.shape[1:])
+  out = _linalg.matmul(p, padded)  # [k, b, c]
   return out.reshape((k * b,) + out.shape[2:])[:n]
 
 
 def right(m: Array, p: Array) -> Array:
   """m · P_bd for m: [r, n] and blocks p: [k, b, b]."""
   return left(jnp.swapaxes(p, -1, -2), m.T).T
-
-
-def transpose(fb: Array) -> Array:
-  return jnp.swapaxes(fb, -1, -2)

@@ -1,11 +1,7 @@
-"""A layer over concatenated parameter leaves: the block of the concatenation, split back.
-
-Flax's `OptimizedLSTMCell` concatenates its gate kernels `[in, H]` (and their biases) into one
-`[in, 4H]` kernel before a single product, so the four leaves are one dense layer over the
-concatenation (`_specs.ConcatView`). The concatenation is a linear, invertible relayout of the
-leaves, so the block of the concatenated kernel is the block of the leaves: products join the
-pieces into the concatenated operand, multiply with the inner block, and split the result back.
-"""
+"""A layer over concatenated parameter leaves (Flax's `OptimizedLSTMCell` concatenates its gate
+kernels into one before a single product, `_specs.ConcatView`): the concatenation is a linear,
+invertible relayout of the leaves, so the block of the concatenated kernel is the leaves' block,
+its products joining the pieces and splitting the result back."""
 
 from __future__ import annotations
 
@@ -17,9 +13,7 @@ class ConcatBlock(Block):
   """The `inner` block of `spec.logical`, acting on `spec`'s real (concatenated) leaves."""
 
   def __init__(self, spec, config, inner: Block):
-    self.spec = spec
-    self.config = config
-    self.inner = inner
+    self.spec, self.config, self.inner = spec, config, inner
     self.needs_cache_for_statistics = inner.needs_cache_for_statistics
 
   @classmethod
@@ -42,15 +36,13 @@ class ConcatBlock(Block):
     ]
 
   def _split(self, logical):
-    out, k = [], 0
+    out: list = []
+    k = 0
     for view, x in zip(self.spec.concat, logical):
-      if view is None:
-        out.append(x)
-        k += 1
-      else:
-        shapes = self.spec.param_shapes[k : k + len(view.leaves)]
-        out.extend(_specs.split_pieces(view, x, shapes))
-        k += len(view.leaves)
+      n = 1 if view is None else len(view.leaves)
+      shapes = self.spec.param_shapes[k : k + n]
+      out.extend([x] if view is None else _specs.split_pieces(view, x, shapes))
+      k += n
     return out
 
   def init_factors(self):
@@ -69,11 +61,9 @@ class ConcatBlock(Block):
     return self._split(self.inner.multiply_matpower(factors, cache, self._join(vecs), exp))
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    return self._split(
-      self.inner.multiply_cholesky(
-        factors, cache, self._join(vecs), transpose=transpose, inverse=inverse
-      )
-    )
+    joined = self._join(vecs)
+    out = self.inner.multiply_cholesky(factors, cache, joined, transpose=transpose, inverse=inverse)
+    return self._split(out)
 
   def multiply_undamped(self, factors, vecs, cache=None):
     return self._split(self.inner.multiply_undamped(factors, self._join(vecs), cache))

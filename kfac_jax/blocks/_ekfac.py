@@ -1,27 +1,19 @@
 """EKFAC: K-FAC's Kronecker eigenbasis with per-coordinate scalings re-estimated every step.
 
-George, Laurent, Bouthillier, Ballas & Vincent (2018), "Fast Approximate Natural Gradient Descent
-in a Kronecker-factored Eigenbasis". With the layer's matrix view `M: [in(+1), out]` (see
-`_layouts`; the bias is the last row) and the per-example gradient of example n under sampled
-target s, `J_sn = Σ_{r ∈ n} x̄_r g_rᵀ` (rows r of that example),
+George, Laurent, Bouthillier, Ballas & Vincent (2018). With the layer's matrix view
+`M: [in(+1), out]` (`_layouts`) and the gradient of example n under sampled target s,
+`J_sn = Σ_{r ∈ n} x̄_r g_rᵀ`,
 
     A = (1/R) Σ_r x̄_r x̄_rᵀ = U_A diag(·) U_Aᵀ,   G = (1/N) Σ_r g_r g_rᵀ = U_G diag(·) U_Gᵀ,
     s = (1/(S N)) Σ_{s,n} (U_Aᵀ J_sn U_G)²          (elementwise square, [in(+1), out]),
     F ≈ (U_A ⊗ U_G) diag(vec s) (U_A ⊗ U_G)ᵀ,
 
-so `F^p M = U_A ((U_Aᵀ M U_G) ⊙ (s + λ)^p) U_Gᵀ` (damping λ added to every scaling, i.e.
-`F + λ I`). A and G are the K-FAC factors (the same statistics and EMA as "kron"); their
-eigenbases U_A, U_G are refreshed by `update_inverses` (the cache); s is recomputed from every
-curvature batch in the basis of the current cache and averaged with the same EMA as A and G
-(`needs_cache_for_statistics`; the identity before the first refresh). With exactly Kronecker
-per-example gradients s = eig(A) ⊗ eig(G): K-FAC with "eigen" damping. Dense and conv layers,
-grouped convolutions per group; sequence inputs sum an example's positions into J.
+so `(F + λ I)^p M = U_A ((U_Aᵀ M U_G) ⊙ (s + λ)^p) U_Gᵀ`. A and G are "kron"'s factors; the
+refresh keeps their eigenbases (the cache), and s is computed from each batch in the current
+cache's basis (`needs_cache_for_statistics`) and averaged with the same EMA.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -30,26 +22,13 @@ from kfac_jax.blocks import _kronecker, _linalg
 from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import EKFACCache, EKFACFactors
 
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
-
 Array = jax.Array
-
-
-def _in_basis(rows: Array, u: Array, grouped: bool) -> Array:
-  """`rows [..., groups, n]` times the basis `u` ([groups, n, n], or [n, n] for one group: a
-  plain matrix product, faster on CPU than a batched dot)."""
-  if not grouped:
-    return rows @ u
-  return jnp.einsum("...gi,gij->...gj", rows, u)
 
 
 class EKFACBlock(LayoutBlock):
   """EKFAC block of a dense or conv layer (kernel and optional bias)."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    {("dense", "ekfac"), ("conv", "ekfac")}
-  )
+  serves = frozenset({("dense", "ekfac"), ("conv", "ekfac")})
   needs_cache_for_statistics = True
 
   @classmethod
@@ -57,12 +36,9 @@ class EKFACBlock(LayoutBlock):
     """A and G as full matrices, as "kron" (`_kronecker.kron_shapes`)."""
     return _kronecker.kron_shapes(spec)
 
-  # -- statistics ------------------------------------------------------------------------------
-
   def init_factors(self) -> EKFACFactors:
-    sa, sg = self.kron_shapes()
-    z = functools.partial(jnp.zeros, dtype=self.config.stats_dtype)
-    return EKFACFactors(a=z(sa), g=z(sg), s=z(sa[:-1] + sg[-1:]))
+    (sa, sg), dtype = self.factor_shapes, self.config.stats_dtype
+    return EKFACFactors(*(jnp.zeros(s, dtype) for s in (sa, sg, sa[:-1] + sg[-1:])))
 
   def batch_factors(self, data, batch_size, cache: EKFACCache | None = None) -> EKFACFactors:
     """A, G as the Kronecker block; s in the eigenbasis of `cache` (the identity if None)."""
@@ -78,9 +54,9 @@ class EKFACBlock(LayoutBlock):
     gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (samples * batch_size)
     if self.spec.has_bias:
       x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
-    if cache is not None:
-      ua, ug = cache.a_evecs.astype(dtype), cache.g_evecs.astype(dtype)
-      x, g = _in_basis(x, ua, self.grouped), _in_basis(g, ug, self.grouped)
+    if cache is not None:  # One group: a plain product, faster on CPU than a batched dot.
+      basis = lambda r, u: jnp.einsum("...gi,gij->...gj", r, u) if self.grouped else r @ u
+      x, g = basis(x, cache.a_evecs.astype(dtype)), basis(g, cache.g_evecs.astype(dtype))
     if rows == batch_size:  # One row per example: J = x̄ gᵀ, so (Uᵀ J U)² = (x̃²)(g̃²)ᵀ.
       x2, g2 = x * x, jnp.sum(g * g, axis=0)
       s = (x2[:, 0].T @ g2[:, 0])[None] if x.shape[1] == 1 else jnp.einsum("rgi,rgo->gio", x2, g2)
@@ -95,11 +71,8 @@ class EKFACBlock(LayoutBlock):
       a, gg, s = a[0], gg[0], s[0]
     return EKFACFactors(a=a, g=gg, s=s)
 
-  # -- inverses --------------------------------------------------------------------------------
-
   def init_cache(self) -> EKFACCache:
-    sa, sg = self.kron_shapes()
-    dtype = self.config.inverse_dtype
+    (sa, sg), dtype = self.factor_shapes, self.config.inverse_dtype
     eye = _kronecker.identity
     return EKFACCache(a_evecs=eye(sa, dtype), g_evecs=eye(sg, dtype), damping=jnp.zeros((), dtype))
 
@@ -108,31 +81,23 @@ class EKFACBlock(LayoutBlock):
       return _linalg.eigh_psd(a)[1], _linalg.eigh_psd(g)[1]
 
     ua, ug = self.map_groups(one, factors.a, factors.g, factorises=True)
-    return EKFACCache(
-      a_evecs=ua, g_evecs=ug, damping=jnp.asarray(damping, self.config.inverse_dtype)
-    )
-
-  # -- products --------------------------------------------------------------------------------
+    return EKFACCache(ua, ug, jnp.asarray(damping, self.config.inverse_dtype))
 
   def _scaled(self, factors, cache, vecs, fn, damped: bool = True):
     """U_A ((U_Aᵀ M U_G) ⊙ fn(s (+ λ))) U_Gᵀ for the matrix view M of `vecs`."""
     dtype = self.config.inverse_dtype
-    m = self.to_matrix(vecs)
     lam = cache.damping.astype(dtype) if damped else 0.0
 
     def one(ua, ug, s, m):
-      inner = ua.T @ m @ ug
-      return ua @ (inner * fn(s.astype(dtype) + lam)) @ ug.T
+      return ua @ ((ua.T @ m @ ug) * fn(s.astype(dtype) + lam)) @ ug.T
 
-    out = self.map_groups(one, cache.a_evecs, cache.g_evecs, factors.s, m)
-    return self.from_matrix(out, vecs)
+    return self.on_matrix(one, vecs, cache.a_evecs, cache.g_evecs, factors.s)
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     return self._scaled(factors, cache, vecs, lambda d: d if exp == 1 else d**exp)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    # The symmetric square root: C = Cᵀ = F_λ^½ (as Kronecker blocks in "eigen" mode).
-    del transpose
+    del transpose  # The symmetric square root: C = Cᵀ = F_λ^½.
     return self._scaled(factors, cache, vecs, (lambda d: d**-0.5) if inverse else jnp.sqrt)
 
   def multiply_undamped(self, factors, vecs, cache=None):

@@ -1,16 +1,11 @@
 """Diagonal and full blocks: generic parameters, and the "diagonal"/"full" layer approximations.
 
-Statistics are F = Σ hᵀh / c over the rows of `_layouts.gradient_rows`. Generic parameters: h is
-each sample's batch-summed gradient (one backward pass), unbiased for the Fisher of the mean
-loss under sampled targets (the cross terms between examples vanish in expectation), exact for
-the empirical Fisher and the exact modes only at batch size 1. Dense, conv and scale-and-shift
-layers: per-example gradients rebuilt exactly from the recorded inputs and output gradients,
-so F is the exact Fisher block of the mode's vectors for any batch size.
+Statistics are F = Σ hᵀh / c over the rows of `_layouts.gradient_rows`: for generic parameters
+each sample's batch-summed gradient (unbiased for sampled targets, the cross terms between
+examples vanishing in expectation), for layers the exact per-example gradients.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,18 +14,13 @@ from kfac_jax.blocks import _layouts, _linalg
 from kfac_jax.blocks._base import Block, flat, unflat
 from kfac_jax.blocks._state import DiagonalCache, DiagonalFactors, FullCache, FullFactors
 
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
-
 Array = jax.Array
 
 
 class DiagonalBlock(Block):
   """F ≈ diag(E[h²] / N). Any power and Cholesky factor is elementwise."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    (k, "diagonal") for k in _layouts.PER_EXAMPLE_KINDS
-  )
+  serves = frozenset((k, "diagonal") for k in _layouts.PER_EXAMPLE_KINDS)
 
   @classmethod
   def factor_shapes_for(cls, spec):
@@ -51,17 +41,13 @@ class DiagonalBlock(Block):
   def compute_cache(self, factors, damping) -> DiagonalCache:
     return DiagonalCache(damping=jnp.asarray(damping, self.config.inverse_dtype))
 
-  @staticmethod
-  def _damped(factors: DiagonalFactors, cache: DiagonalCache):
-    return factors.diag + cache.damping
-
   def multiply_matpower(self, factors, cache, vecs, exp):
-    d = self._damped(factors, cache)
+    d = factors.diag + cache.damping
     return unflat(d**exp * flat(vecs, d.dtype), vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
     del transpose  # Diagonal: C = Cᵀ.
-    d = jnp.sqrt(self._damped(factors, cache))
+    d = jnp.sqrt(factors.diag + cache.damping)
     v = flat(vecs, d.dtype)
     return unflat(v / d if inverse else v * d, vecs)
 
@@ -73,9 +59,7 @@ class DiagonalBlock(Block):
 class FullBlock(Block):
   """F ≈ E[h hᵀ] / N as a dense matrix; damped block F + λ I."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    (k, "full") for k in _layouts.PER_EXAMPLE_KINDS
-  )
+  serves = frozenset((k, "full") for k in _layouts.PER_EXAMPLE_KINDS)
 
   @classmethod
   def factor_shapes_for(cls, spec):
@@ -93,26 +77,18 @@ class FullBlock(Block):
   def init_cache(self) -> FullCache:
     config = self.config
     eye = jnp.eye(self.spec.num_params, dtype=config.inverse_dtype)
-    return FullCache(
-      powers=tuple(config.stored_power(eye) for _ in config.cached_exps),
-      chol=eye if config.cholesky else None,
-      chol_inv=eye if config.cholesky_inverse else None,
-      damping=jnp.zeros((), config.inverse_dtype),
-    )
+    powers = tuple(config.stored_power(eye) for _ in config.cached_exps)
+    chol, chol_inv = (eye if c else None for c in (config.cholesky, config.cholesky_inverse))
+    return FullCache(powers, chol, chol_inv, jnp.zeros((), config.inverse_dtype))
 
   def compute_cache(self, factors: FullFactors, damping) -> FullCache:
     config = self.config
     damping = jnp.asarray(damping, config.inverse_dtype)
     m = factors.f + damping * jnp.eye(self.spec.num_params, dtype=config.inverse_dtype)
     chol = _linalg.cholesky(m) if config.cholesky or config.cholesky_inverse else None
-    return FullCache(
-      powers=tuple(config.stored_power(_linalg.spd_power(m, e)) for e in config.cached_exps),
-      chol=chol if config.cholesky else None,
-      chol_inv=_linalg.lower_inverse(chol)
-      if chol is not None and config.cholesky_inverse
-      else None,
-      damping=damping,
-    )
+    inv = _linalg.lower_inverse(chol) if chol is not None and config.cholesky_inverse else None
+    powers = tuple(config.stored_power(_linalg.spd_power(m, e)) for e in config.cached_exps)
+    return FullCache(powers, chol if config.cholesky else None, inv, damping)
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     v = flat(vecs, self.config.inverse_dtype)

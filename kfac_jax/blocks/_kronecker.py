@@ -1,32 +1,23 @@
 """Kronecker-factored blocks: dense (K-FAC), convolution (KFC) and embedding layers.
 
-Every such layer is a product `s = x̄ M` per row (`_layouts`): dense layers with `M = [W; b]`
-(Flax kernel `[in, out]`, bias as the last row), one row per example or position;
-convolutions with input patches as rows (Grosse & Martens 2016), one per example and output
-location; embeddings with one-hot rows and the table as M. With g = ∂(per-example loss)/∂s,
+Every such layer is a product `s = x̄ M` per row (`_layouts`; a bias is M's last row), so with
+g = ∂(per-example loss)/∂s over R rows and N examples (and sampled targets)
 
-    F ≈ A ⊗ G,   A = (1/R) Σ_r x̄_r x̄_rᵀ,   G = (1/N) Σ_r g_r g_rᵀ
+    F ≈ A ⊗ G,   A = (1/R) Σ_r x̄_r x̄_rᵀ,   G = (1/N) Σ_r g_r g_rᵀ,
 
-over R rows and N examples (and sampled targets), and (A ⊗ G) vec(M) = vec(A M G) (row-major).
-Variants: "kron_sua" convolutions (`ConvLayout.sua_input_factor`); embeddings keep A as its
-diagonal (id counts / R, exact for one-hot rows); "kron_in_diag", "kron_out_diag" and
-"kron_both_diag" keep A, G or both as their diagonals (vectors, elementwise powers). Grouped
-convolutions keep one (A, G) pair per group, vmapped. A side wider than `spec.block_size` is
-kept as its diagonal blocks `[k, b, b]` (`_blocked`). Sequences: "kron" / "expand" take the
-N·L positions as rows (K-FAC-expand, Eschenhagen et al. 2023), "reduce" averages x and sums g
-over each example's positions first (`_reduce_rows`); "kron_indep" layers used several times
-take their statistics from `_uses`.
-
-Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, π = sqrt((tr A/dim A)/(tr G/dim G))
-(over the whole side for a blocked one; π = 1 with `damping_mode="factored_equal"`), and the block
-multiplies by A_λ^p ⊗ G_λ^p. ("eigen"):
-exact (A ⊗ G + λ I)^p through the factors' eigen-decompositions.
+and (A ⊗ G) vec(M) = vec(A M G) (row-major). Embeddings keep A as its diagonal (id counts / R),
+"kron_in_diag", "kron_out_diag" and "kron_both_diag" keep A, G or both as their diagonals, a
+side wider than `spec.block_size` its diagonal blocks (`_blocked`). Over sequences "expand" takes
+the N·L positions as rows (Eschenhagen et al. 2023), "reduce" averages x and sums g over each
+example's positions first. Damping ("factored"): A_λ = A + π√λ I, G_λ = G + (√λ/π) I, with
+π = sqrt((tr A/dim A)/(tr G/dim G)) (1 under "factored_equal"), and the block multiplies by
+A_λ^p ⊗ G_λ^p; ("eigen"): exact (A ⊗ G + λ I)^p through the factors' eigenbases.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,16 +27,7 @@ from kfac_jax.blocks import _blocked, _layouts, _linalg, _uses
 from kfac_jax.blocks._base import Block, map_factorisations
 from kfac_jax.blocks._state import FactorCache, KroneckerCache, KroneckerFactors
 
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
-
 Array = jax.Array
-
-# Approximations that keep only the diagonal of the input factor A / the output factor G.
-DIAG_A = frozenset({"kron_in_diag", "kron_both_diag"})
-DIAG_G = frozenset({"kron_out_diag", "kron_both_diag"})
-
-# -- one factor: a matrix, a vector (a diagonal factor) or `[k, b, b]` blocks (`_blocked`) -----
 
 
 def identity(shape, dtype) -> Array:
@@ -101,47 +83,21 @@ def _mean_diag(f: Array, n: int) -> Array:
   return _linalg.mean_diag(f)
 
 
-def _left_power(c: FactorCache, k: int, m: Array) -> Array:
-  """F_λ^e · m for the cached power e = cached_exps[k]; F_λ⁻¹ · m by block substitution when
-  the cache keeps F_λ's substitution form instead of the inverse (`powers[k]` is None)."""
-  p = c.powers[k]
-  if p is not None:
-    return _left(p, m)
-  assert c.subst is not None  # Kept instead of the power (`KroneckerBlock.solves`).
-  return _linalg.substitution_solve(c.subst, m)
+def _power_product(ca, cg, k: int, m: Array) -> Array:
+  """A_λ^e · m · G_λ^e for the cached power e = cached_exps[k]; a factor kept in substitution
+  form instead (its power None, `KroneckerBlock.solves`) is solved by block substitution."""
+  pa, pg = ca.powers[k], cg.powers[k]
+  m = _left(pa, m) if pa is not None else _linalg.substitution_solve(ca.subst, m)
+  return _right(m, pg) if pg is not None else _linalg.substitution_solve(cg.subst, m.T).T
 
 
-def _right_power(m: Array, c: FactorCache, k: int) -> Array:
-  """m · F_λ^e, as `_left_power` (F_λ is symmetric)."""
-  p = c.powers[k]
-  if p is not None:
-    return _right(m, p)
-  assert c.subst is not None
-  return _linalg.substitution_solve(c.subst, m.T).T
-
-
-# `factor_solve="auto"`: a factor of size n is kept in substitution form instead of as its
-# inverse when n ≥ SOLVE_MIN_SIZE and its products have at most n / SOLVE_MIN_RATIO columns.
-SOLVE_MIN_SIZE = 256
-SOLVE_MIN_RATIO = 8
-
-
-def damped_factors(
-  a: Array,
-  g: Array,
-  damping: Array,
-  sizes: tuple[int, int] | None = None,
-  split: Literal["pi", "equal"] = "pi",
-) -> tuple[Array, Array]:
-  """Factored Tikhonov damping: `(A + π√λ I, G + (√λ/π) I)` (module docstring), π from the
-  traces with `split="pi"`, 1 with "equal". `sizes`: the sides (n_A, n_G), needed when a factor
-  is blocked (π from the whole sides)."""
+def damped_factors(a: Array, g: Array, damping, sizes=None, split="pi") -> tuple[Array, Array]:
+  """`(A + π√λ I, G + (√λ/π) I)`, π from the traces of sides `sizes` (or 1: `split="equal"`)."""
+  root = jnp.sqrt(damping)
   if split == "equal":
-    root = jnp.sqrt(damping)
     return _add_identity(a, root), _add_identity(g, root)
   na, ng = sizes or (a.shape[-1], g.shape[-1])
   pi = _linalg.pi_from_traces(_mean_diag(a, na), _mean_diag(g, ng))
-  root = jnp.sqrt(damping)
   return _add_identity(a, pi * root), _add_identity(g, root / pi)
 
 
@@ -160,8 +116,7 @@ def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Arra
 
 
 def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """The full-matrix shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]`,
-  from the layer's layout (`_layouts`)."""
+  """The full shapes of A `[(groups,) in(+1), in(+1)]` and G `[(groups,) out, out]`."""
   lay = _layouts.layout_for(spec)
   a = lay.in_dim + (1 if spec.has_bias else 0)
   lead = (lay.groups,) if lay.groups > 1 else ()
@@ -170,15 +125,13 @@ def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _diag_sides(spec) -> tuple[bool, bool]:
   """Whether A and G are kept as vectors (an embedding's one-hot rows make its A diagonal)."""
-  return (
-    isinstance(spec.info, _specs.EmbeddingInfo) or spec.approx in DIAG_A,
-    spec.approx in DIAG_G,
-  )
+  diag_a = spec.approx in ("kron_in_diag", "kron_both_diag")
+  diag_g = spec.approx in ("kron_out_diag", "kron_both_diag")
+  return isinstance(spec.info, _specs.EmbeddingInfo) or diag_a, diag_g
 
 
 def partitions(spec) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
-  """A's and G's blocks (`_blocked.partition`; None: kept whole), from `spec.block_size`;
-  diagonal sides and grouped convolutions are never blocked."""
+  """A's and G's blocks (None: kept whole); diagonal and grouped sides stay whole."""
   size = spec.block_size
   sa, sg = kron_shapes(spec)
   if size is None or len(sa) > 2:
@@ -200,8 +153,7 @@ def blocked_note(spec) -> str:
 
 
 class LayoutBlock(Block):
-  """A block over a kernel/table and optional bias laid out as one `[in(+1), out]` matrix per
-  feature group (`_layouts`); grouped layers vmap over the leading group axis."""
+  """A block over a layer's `[in(+1), out]` matrix per feature group (`_layouts`)."""
 
   @functools.cached_property
   def layout(self):
@@ -212,14 +164,8 @@ class LayoutBlock(Block):
     """Whether the state has a leading feature-group axis (grouped convolutions)."""
     return self.layout.groups > 1
 
-  def kron_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """`kron_shapes(self.spec)`."""
-    return kron_shapes(self.spec)
-
   def map_groups(self, fn, *args, factorises: bool = False):
-    """`fn` on one group's arrays, mapped over the leading group axis for grouped layers: by
-    `jax.vmap`, or where `fn` factorises (a LAPACK call on CPU) by `map_factorisations`, which
-    keeps batched LAPACK calls off the CPU (they can deadlock its thread pool)."""
+    """`fn` on one group's arrays, mapped over the groups (`map_factorisations` to factorise)."""
     if not self.grouped:
       return fn(*args)
     return map_factorisations(fn, *args) if factorises else jax.vmap(fn)(*args)
@@ -229,19 +175,21 @@ class LayoutBlock(Block):
     m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
     return m if self.grouped else m[0]
 
-  def from_matrix(self, m: Array, like) -> list[Array]:
-    """`to_matrix`'s inverse, each leaf in the dtype of its counterpart in `like`."""
-    out = self.layout.from_matrix(m if self.grouped else m[None])
-    return [o.astype(v.dtype) for o, v in zip(out, like)]
+  def on_matrix(self, fn, vecs, *args) -> list[Array]:
+    """`fn(*args, M)` per group for M = `to_matrix(vecs)`, back as leaves like `vecs`."""
+    out = self.map_groups(fn, *args, self.to_matrix(vecs))
+    leaves = self.layout.from_matrix(out if self.grouped else out[None])
+    return [o.astype(v.dtype) for o, v in zip(leaves, vecs)]
+
+  def init_factors(self) -> Any:
+    """Zero `KroneckerFactors` of the block's factor shapes."""
+    return KroneckerFactors(*(jnp.zeros(s, self.config.stats_dtype) for s in self.factor_shapes))
 
 
 class KroneckerBlock(LayoutBlock):
   """A ⊗ G block of a dense, conv or embedding layer (kernel/table and optional bias)."""
 
-  # The Kronecker approximations each layout supports.
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    (lay.kind, a) for lay in _layouts.LAYOUTS for a in lay.kronecker
-  )
+  serves = frozenset((lay.kind, a) for lay in _layouts.LAYOUTS for a in lay.kronecker)
 
   @functools.cached_property
   def diag(self) -> tuple[bool, bool]:
@@ -250,42 +198,30 @@ class KroneckerBlock(LayoutBlock):
 
   @functools.cached_property
   def solves(self) -> tuple[bool, bool]:
-    """Whether A's and G's damped inverse is kept in substitution form (`FactorCache.subst`)
-    instead of as an explicit inverse (`BlockConfig.factor_solve`).
-
-    The explicit inverse of an n×n factor costs ~7n³/3 flops, the substitution form ~7n³/12;
-    a product with the m columns the factor multiplies then costs ~1.5x the flops, so "auto"
-    keeps the form for n ≥ 256 and m ≤ n/8. The choice depends only on the shapes, so the
-    state has one structure on every backend. Diagonal and blocked factors, "eigen" damping
-    and vmapped blocks keep explicit inverses.
-    """
+    """Whether A's and G's damped inverse is kept in substitution form (`FactorCache.subst`,
+    `BlockConfig.factor_solve`): it costs ~7n³/12 flops to build against the inverse's ~7n³/3,
+    and ~1.5x the flops per product with the m columns the factor multiplies, so "auto" keeps
+    it for n ≥ 256 and m ≤ n/8 (from the shapes only: one state structure on every backend)."""
     config = self.config
-    if (
-      config.factor_solve == "never"
-      or not config.factored
-      or -1.0 not in config.cached_exps
-      or self.grouped
-      or self.vmapped
-    ):
+    solve = config.factor_solve != "never" and config.factored and -1.0 in config.cached_exps
+    if not solve or self.grouped or self.vmapped:
       return False, False
     (na, ng), (da, dg), (pa, pg) = self.sides, self.diag, self.partitions
 
-    def side(n: int, partner: int, whole: bool) -> bool:
-      if not whole:  # A vector, or blocks (each at most `block_size`): an explicit inverse.
-        return False
-      return config.factor_solve == "always" or n >= max(SOLVE_MIN_SIZE, SOLVE_MIN_RATIO * partner)
+    def side(n: int, partner: int, whole: bool) -> bool:  # Vectors and blocks: inverses.
+      return whole and (config.factor_solve == "always" or n >= max(256, 8 * partner))
 
     return side(na, ng, not da and pa is None), side(ng, na, not dg and pg is None)
 
   @functools.cached_property
   def partitions(self) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
-    """`partitions(self.spec)`: A's and G's blocks `(k, b)`, None for a side kept whole."""
+    """`partitions(self.spec)`."""
     return partitions(self.spec)
 
   @property
   def sides(self) -> tuple[int, int]:
     """The sides (n_A, n_G) of the full factors (`kron_shapes`)."""
-    sa, sg = self.kron_shapes()
+    sa, sg = kron_shapes(self.spec)
     return sa[-1], sg[-1]
 
   def group_key(self) -> tuple:
@@ -293,28 +229,17 @@ class KroneckerBlock(LayoutBlock):
 
   @classmethod
   def factor_shapes_for(cls, spec):
-    """`kron_shapes(spec)`, a side kept as its diagonal a vector (embeddings' A, the "kron_*_diag"
-    variants), a blocked side `[k, b, b]` (`partitions`)."""
+    """`kron_shapes(spec)`, a diagonal side a vector, a blocked side `[k, b, b]`."""
     sa, sg = kron_shapes(spec)
     (pa, pg), (diag_a, diag_g) = partitions(spec), _diag_sides(spec)
     a = sa[:-1] if diag_a else (pa[0], pa[1], pa[1]) if pa else sa
     g = sg[:-1] if diag_g else (pg[0], pg[1], pg[1]) if pg else sg
     return a, g
 
-  # -- statistics ------------------------------------------------------------------------------
-
   def accepts_stacked_uses(self) -> bool:
-    infos = self.spec.use_infos
-    return (
-      self.spec.num_uses > 1
-      and isinstance(self.spec.info, (_specs.DenseInfo, _specs.ConvInfo))
-      and all(inf == infos[0] for inf in infos)
-    )
-
-  def init_factors(self) -> KroneckerFactors:
-    sa, sg = self.factor_shapes
-    dtype = self.config.stats_dtype
-    return KroneckerFactors(a=jnp.zeros(sa, dtype), g=jnp.zeros(sg, dtype))
+    spec, kinds = self.spec, (_specs.DenseInfo, _specs.ConvInfo)
+    equal = all(inf == spec.use_infos[0] for inf in spec.use_infos)
+    return spec.num_uses > 1 and isinstance(spec.info, kinds) and equal
 
   def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
     del cache  # The statistics do not depend on the inverses.
@@ -343,17 +268,16 @@ class KroneckerBlock(LayoutBlock):
       a = _blocked.gram(x[:, 0], pa, self.spec.has_bias)[None] / x.shape[0]
     else:
       a = _linalg.gram(x, self.spec.has_bias) / x.shape[0]
+    n = g.shape[0] * batch_size
     if self.diag[1]:
-      gg = jnp.einsum("srgi,srgi->gi", g, g) / (g.shape[0] * batch_size)
+      gg = jnp.einsum("srgi,srgi->gi", g, g) / n
     elif pg is not None:
-      gg = _blocked.gram(g.reshape(-1, g.shape[-1]), pg, False)[None] / (g.shape[0] * batch_size)
+      gg = _blocked.gram(g.reshape(-1, g.shape[-1]), pg, False)[None] / n
     else:
-      gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
+      gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / n
     if not self.grouped:
       a, gg = a[0], gg[0]
     return KroneckerFactors(a=a, g=gg)
-
-  # -- inverses --------------------------------------------------------------------------------
 
   def init_cache(self) -> KroneckerCache:
     config, dtype = self.config, self.config.inverse_dtype
@@ -371,18 +295,12 @@ class KroneckerBlock(LayoutBlock):
         subst=_linalg.substitution_identity(shape[-1], dtype) if solve else None,
       )
 
-    sa, sg = self.factor_shapes
-    solve_a, solve_g = self.solves
-    return KroneckerCache(
-      a=side(sa, self.diag[0], solve_a),
-      g=side(sg, self.diag[1], solve_g),
-      damping=jnp.zeros((), dtype),
-    )
+    a, g = (side(*args) for args in zip(self.factor_shapes, self.diag, self.solves))
+    return KroneckerCache(a=a, g=g, damping=jnp.zeros((), dtype))
 
   def compute_cache(self, factors: KroneckerFactors, damping) -> KroneckerCache:
-    damping = jnp.asarray(damping, self.config.inverse_dtype)
     config = self.config
-
+    damping = jnp.asarray(damping, config.inverse_dtype)
     solve_a, solve_g = self.solves
     pads = [
       None if p is None else _blocked.padding_eye(p, n, config.inverse_dtype)
@@ -418,8 +336,6 @@ class KroneckerBlock(LayoutBlock):
     ca, cg = self.map_groups(one, factors.a, factors.g, factorises=True)
     return KroneckerCache(a=ca, g=cg, damping=damping)
 
-  # -- products --------------------------------------------------------------------------------
-
   @staticmethod
   def _eigen_scaled(ca: FactorCache, cg: FactorCache, damping, m, fn):
     """U_a ((U_aᵀ M U_g) ⊙ fn(s_a s_gᵀ + λ)) U_gᵀ for one group (U = I for a diagonal factor)."""
@@ -440,9 +356,7 @@ class KroneckerBlock(LayoutBlock):
     return out[:na, :ng]
 
   def multiply_matpower(self, factors, cache, vecs, exp):
-    m = self.to_matrix(vecs)
-    damping = cache.damping
-    eigen = self.config.damping_mode == "eigen"
+    damping, eigen = cache.damping, self.config.damping_mode == "eigen"
     k = None if exp == 1 or eigen else self.config.power_index(exp)
 
     def one(a, g, ca, cg, m):
@@ -454,33 +368,23 @@ class KroneckerBlock(LayoutBlock):
       if eigen:
         return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)
       assert k is not None  # a cached power: exp != 1 under "factored" damping
-      return _right_power(_left_power(ca, k, m), cg, k)
+      return _power_product(ca, cg, k, m)
 
-    out = self.map_groups(one, factors.a, factors.g, cache.a, cache.g, m)
-    return self.from_matrix(out, vecs)
+    return self.on_matrix(one, vecs, factors.a, factors.g, cache.a, cache.g)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    m = self.to_matrix(vecs)
-    damping = cache.damping
-    if self.config.damping_mode == "eigen":
-      # The symmetric square root: C = Cᵀ = (A ⊗ G + λ I)^½.
+    if self.config.damping_mode == "eigen":  # The symmetric root C = Cᵀ = (A ⊗ G + λ I)^½.
       fn = (lambda s: s**-0.5) if inverse else jnp.sqrt
-      out = self.map_groups(
-        lambda ca, cg, m: self._eigen_scaled(ca, cg, damping, m, fn), cache.a, cache.g, m
-      )
-      return self.from_matrix(out, vecs)
+      scaled = lambda ca, cg, m: self._eigen_scaled(ca, cg, cache.damping, m, fn)
+      return self.on_matrix(scaled, vecs, cache.a, cache.g)
     la, lg = (cache.a.chol_inv, cache.g.chol_inv) if inverse else (cache.a.chol, cache.g.chol)
     self.cholesky_factor(la, inverse)
 
-    def one(la, lg, m):
-      # C = La ⊗ Lg acts as M ↦ La M Lgᵀ; Cᵀ as M ↦ Laᵀ M Lg.
+    def one(la, lg, m):  # C = La ⊗ Lg acts as M ↦ La M Lgᵀ; Cᵀ as M ↦ Laᵀ M Lg.
       return _right(_left(_t(la), m), lg) if transpose else _right(_left(la, m), _t(lg))
 
-    out = self.map_groups(one, la, lg, m)
-    return self.from_matrix(out, vecs)
+    return self.on_matrix(one, vecs, la, lg)
 
   def multiply_undamped(self, factors, vecs, cache=None):
     del cache
-    m = self.to_matrix(vecs)
-    out = self.map_groups(lambda a, g, m: _right(_left(a, m), g), factors.a, factors.g, m)
-    return self.from_matrix(out, vecs)
+    return self.on_matrix(lambda a, g, m: _right(_left(a, m), g), vecs, factors.a, factors.g)

@@ -1,15 +1,10 @@
 """How each layer kind's parameters, inputs and output gradients map to matrices.
 
-A layout turns a layer's leaves into matrices `M: [groups, in(+1), out]` (one group except for
-grouped convolutions and locally connected layers) and the curvature pass's data `(inputs, g)`
-into rows `x: [R, groups, in]` and `g: [S, R, groups, out]` (S sampled targets), so that
-`s_r = x_r M` per group and the per-example gradient is `Σ_{r ∈ n} x̄_r g_rᵀ` (x̄ = [x, 1] with
-a bias). Dense: the input as rows, M the kernel as [in, out]. Conv: input patches
-(`lax.conv_general_dilated_patches`, (channel, window) row-major), one row per example and
-output location, M the kernel reshaped alike. Embedding: the ids (one-hot rows, never built), M
-the table. Grouped dense: one group per output location or atom. Each layout declares its
-`kind` and the Kronecker approximations it supports; the Kronecker, diagonal and full blocks
-serve those.
+A layout turns a layer's leaves into `M: [groups, in(+1), out]` and the curvature pass's data
+`(inputs, g)` into rows `x: [R, groups, in]` and `g: [S, R, groups, out]` (S sampled targets),
+so that `s_r = x_r M` per group and the per-example gradient is `Σ_{r ∈ n} x̄_r g_rᵀ` (x̄ = [x, 1]
+with a bias). Dense: the input as rows. Conv: input patches ((channel, window) row-major), one
+row per example and output location. Embedding: the ids (one-hot rows, never built).
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ def _operand_shape(chain, param_shape) -> tuple[int, ...]:
 
 
 def _permuted_rows(lay, data, dtype):
-  """Rows of a product whose operands `x_perm` / `out_perm` order as `[rows..., in]` /
-  `[rows..., out]` (the groups being the last row axes)."""
+  """Rows of operands that `x_perm` / `out_perm` order as `[rows..., in]` / `[rows..., out]`."""
   (x,), g = data
   x = x.astype(dtype).transpose(lay.info.x_perm).reshape(-1, lay.groups, lay.in_dim)
   g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in lay.info.out_perm))
@@ -64,24 +58,52 @@ def _kernel_and_bias(lay, k: Array, m: Array) -> list[Array]:
 _KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 
-class DenseLayout:
-  """`s = x W (+ b)` with W viewed as [in, out] (see `DenseInfo`)."""
+class Layout:
+  """A layout: the layer `kind` it serves, the type of its matching details, its Kronecker
+  approximations and whether its rows give per-example gradients ("diagonal", "full"). The
+  methods read a kernel per group as `[in, out]` (dense layers); other layouts override them."""
 
-  kind: ClassVar[Kind] = "dense"
-  info_type: ClassVar[type] = _specs.DenseInfo
-  # Also over sequences: positions as rows ("expand") or averaged per example ("reduce"); and
-  # "kron_indep", which equals "kron" for one use.
-  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON + ("expand", "reduce", "kron_indep")
-  per_example: ClassVar[bool] = True  # `per_example_grads` applies ("diagonal", "full").
+  kind: ClassVar[Kind]
+  info_type: ClassVar[type]
+  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
+  per_example: ClassVar[bool] = True
 
   def __init__(self, spec):
-    self.spec = spec
-    self.info: _specs.DenseInfo = spec.info
-    self.groups = 1
-    self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
+    self.spec, self.info = spec, spec.info
+    self.groups, self.in_dim, self.out_dim = self.dims(spec.info)
+
+  @staticmethod
+  def dims(info) -> tuple[int, int, int]:
+    """`(groups, in, out)`: the number and the shape of the layer's matrices."""
+    return 1, info.in_dim, info.out_dim
+
+  def rows(self, data, dtype) -> tuple[Array, Array]:
+    """`(x [R, groups, in], g [S, R, groups, out])` from the curvature pass's `(inputs, g)`."""
+    return _permuted_rows(self, data, dtype)
+
+  def to_matrix(self, vecs, dtype) -> Array:
+    """The leaves as `M: [groups, in(+1), out]` in `dtype`."""
+    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
+    m = k.transpose(self.info.kernel_perm).reshape(self.groups, self.in_dim, self.out_dim)
+    return _with_bias(self, m, vecs, dtype)
+
+  def from_matrix(self, m: Array) -> list[Array]:
+    """`to_matrix`'s inverse."""
+    perm = self.info.kernel_perm
+    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
+    k = m[:, : self.in_dim].reshape(tuple(op_shape[d] for d in perm))
+    return _kernel_and_bias(self, k.transpose(np.argsort(perm)), m)
+
+
+class DenseLayout(Layout):
+  """`s = x W (+ b)` with W viewed as [in, out] (see `DenseInfo`); over sequences the positions
+  are rows ("expand") or averaged per example ("reduce"); "kron_indep" is "kron" for one use."""
+
+  kind = "dense"
+  info_type = _specs.DenseInfo
+  kronecker = _KRON + ("expand", "reduce", "kron_indep")
 
   def rows(self, data, dtype):
-    # Row counts come from the arrays, not `info.rows` (a partial last batch has fewer).
     info = self.info
     if not info.shared_tap:
       return _permuted_rows(self, data, dtype)
@@ -95,35 +117,22 @@ class DenseLayout:
     x = jnp.tile(x, (n, 1, 1))  # Rows grouped by example, as the batch's are.
     return x, g.reshape(s, n * info.rows, 1, info.out_dim)
 
-  def to_matrix(self, vecs, dtype) -> Array:
-    info = self.info
-    k = _specs.apply_view(info.kernel_view, vecs[0].astype(dtype))
-    m = k.transpose(info.kernel_perm).reshape(1, info.in_dim, info.out_dim)
-    return _with_bias(self, m, vecs, dtype)
 
-  def from_matrix(self, m: Array) -> list[Array]:
-    info = self.info
-    op_shape = _operand_shape(info.kernel_view, self.spec.param_shapes[0])
-    permuted = tuple(op_shape[d] for d in info.kernel_perm)
-    k = m[0, : info.in_dim].reshape(permuted).transpose(np.argsort(info.kernel_perm))
-    return _kernel_and_bias(self, k, m)
-
-
-class ConvLayout:
+class ConvLayout(Layout):
   """A convolution as a product of input patches with the kernel matrix (see module doc)."""
 
-  kind: ClassVar[Kind] = "conv"
-  info_type: ClassVar[type] = _specs.ConvInfo
-  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON + ("kron_sua", "kron_indep")
-  per_example: ClassVar[bool] = True
+  kind = "conv"
+  info_type = _specs.ConvInfo
+  kronecker = _KRON + ("kron_sua", "kron_indep")
 
-  def __init__(self, spec):
-    self.spec = spec
-    self.info: _specs.ConvInfo = spec.info
-    self.groups = self.info.groups
-    self.in_dim, self.out_dim = self.info.patch_dim, self.info.out_per_group
+  @staticmethod
+  def dims(info) -> tuple[int, int, int]:
+    return info.groups, info.patch_dim, info.out_per_group
+
+  @property
+  def _kernel_perm(self) -> tuple[int, ...]:  # operand -> (in, window..., out)
     rhs = self.info.rhs_spec
-    self._kernel_perm = (rhs[1], *rhs[2:], rhs[0])  # operand -> (in, window..., out)
+    return (rhs[1], *rhs[2:], rhs[0])
 
   def _input_nc(self, x):
     """The input as [N, C, *spatial]."""
@@ -148,18 +157,10 @@ class ConvLayout:
     return x_rows, g.reshape(g.shape[0], -1, self.groups, self.out_dim)
 
   def sua_input_factor(self, data, dtype, has_bias: bool) -> Array:
-    """The input factor under spatially uncorrelated activations (Grosse & Martens 2016, §3).
-
-    With a_t the input channels (of one group) at spatial location t, M = mean_t a_t a_tᵀ and
-    μ = mean_t a_t over all examples and input locations, and activations assumed uncorrelated
-    across distinct locations (and homogeneous in space), the second moment of a patch, indexed
-    by (channel c, window offset δ), is
-
-        Ω[(c, δ), (c', δ')] = M[c, c'] if δ = δ' else μ_c μ_c',
-
-    i.e. Ω = (M − μμᵀ) ⊗ I_W + μμᵀ ⊗ 1_W 1_Wᵀ, with the homogeneous row [μ ⊗ 1_W, 1] when
-    there is a bias. Boundary (padding) and input-dilation zeros are ignored.
-    """
+    """The input factor under spatially uncorrelated activations (Grosse & Martens 2016, §3):
+    with a_t a group's input channels at location t, M = mean_t a_t a_tᵀ and μ = mean_t a_t,
+    a patch's second moment is Ω = (M − μμᵀ) ⊗ I_W + μμᵀ ⊗ 1_W 1_Wᵀ (the row [μ ⊗ 1_W, 1]
+    appended with a bias); padding and input-dilation zeros are ignored."""
     (x,), _ = data
     info = self.info
     a = jnp.moveaxis(self._input_nc(x.astype(dtype)), 1, -1)
@@ -191,20 +192,18 @@ class ConvLayout:
     return _kernel_and_bias(self, k.transpose(np.argsort(self._kernel_perm)), m)
 
 
-class EmbeddingLayout:
-  """`s = onehot(id) T` with the table T: [vocab, dim]; x holds the ids, not one-hot rows."""
+class EmbeddingLayout(Layout):
+  """`s = onehot(id) T` with the table T: [vocab, dim]; x holds the ids, not one-hot rows. The
+  input side is always diagonal, so "kron" and "kron_in_diag" are one block."""
 
-  kind: ClassVar[Kind] = "embedding"
-  info_type: ClassVar[type] = _specs.EmbeddingInfo
-  # The input side is always diagonal (one-hot rows): "kron" and "kron_in_diag" are one block.
-  kronecker: ClassVar[tuple[Approximation, ...]] = ("kron", "kron_out_diag", "kron_indep")
-  per_example: ClassVar[bool] = False  # Its rows are ids, not input rows.
+  kind = "embedding"
+  info_type = _specs.EmbeddingInfo
+  kronecker = ("kron", "kron_out_diag", "kron_indep")
+  per_example = False  # Its rows are ids, not input rows.
 
-  def __init__(self, spec):
-    self.spec = spec
-    self.info: _specs.EmbeddingInfo = spec.info
-    self.groups = 1
-    self.in_dim, self.out_dim = self.info.vocab_size, self.info.dim
+  @staticmethod
+  def dims(info) -> tuple[int, int, int]:
+    return 1, info.vocab_size, info.dim
 
   def rows(self, data, dtype):
     (ids,), g = data
@@ -227,14 +226,10 @@ class EmbeddingLayout:
 
 @dataclasses.dataclass(frozen=True)
 class GroupedDenseInfo:
-  """A dense map per group, `out[n, p] = x[n, p] @ K[p] (+ b[p])` for every group p of a grid,
-  as one `dot_general` batched over the grid: an unshared convolution (Flax's `ConvLocal`, a
-  group per output location) or a per-atom envelope (a group per atom).
-
-  The kernel leaf (after `kernel_view`: casts only) is transposed by `kernel_perm` to `[*grid,
-  in..., out...]` and read per group as `[in, out]`; the bias is `[*grid, out...]`; `x_perm` /
-  `out_perm` order the input / output as `[rows..., *grid, in...]` / `[rows..., *grid, out...]`.
-  """
+  """A dense map per group p of a grid, `out[n, p] = x[n, p] @ K[p] (+ b[p])`, as one batched
+  `dot_general` (Flax's `ConvLocal`, a per-atom envelope). `kernel_perm` transposes the kernel
+  to `[*grid, in..., out...]`; `x_perm` / `out_perm` order the input / output as
+  `[rows..., *grid, in...]` / `[rows..., *grid, out...]`."""
 
   kernel_view: tuple[_specs.ViewStep, ...]
   kernel_perm: tuple[int, ...]
@@ -250,37 +245,17 @@ class GroupedDenseInfo:
     return math.prod(self.grid)
 
 
-class GroupedDenseLayout:
-  """One dense layer per group (`M: [P, in(+1), out]`): the curvature is block-diagonal over
-  the groups, each a dense K-FAC block from that group's inputs and output gradients."""
+class GroupedDenseLayout(Layout):
+  """One dense layer per group (`M: [P, in(+1), out]`), block-diagonal over the groups."""
 
-  kind: ClassVar[Kind] = "grouped_dense"
-  info_type: ClassVar[type] = GroupedDenseInfo
-  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
-  per_example: ClassVar[bool] = True
+  kind = "grouped_dense"
+  info_type = GroupedDenseInfo
 
-  def __init__(self, spec):
-    self.spec = spec
-    self.info: GroupedDenseInfo = spec.info
-    self.groups = self.info.locations
-    self.in_dim, self.out_dim = self.info.in_dim, self.info.out_dim
-
-  def rows(self, data, dtype):
-    return _permuted_rows(self, data, dtype)
-
-  def to_matrix(self, vecs, dtype) -> Array:
-    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
-    k = k.transpose(self.info.kernel_perm).reshape(self.groups, self.in_dim, self.out_dim)
-    return _with_bias(self, k, vecs, dtype)
-
-  def from_matrix(self, m: Array) -> list[Array]:
-    perm = self.info.kernel_perm
-    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
-    k = m[:, : self.in_dim].reshape(tuple(op_shape[d] for d in perm))
-    return _kernel_and_bias(self, k.transpose(np.argsort(perm)), m)
+  @staticmethod
+  def dims(info) -> tuple[int, int, int]:
+    return info.locations, info.in_dim, info.out_dim
 
 
-Layout = DenseLayout | ConvLayout | EmbeddingLayout | GroupedDenseLayout
 LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout, GroupedDenseLayout)
 _BY_INFO: dict[type, type[Layout]] = {lay.info_type: lay for lay in LAYOUTS}
 
@@ -290,19 +265,13 @@ def layout_for(spec) -> Layout:
   return _BY_INFO[type(spec.info)](spec)
 
 
-# The kinds whose "diagonal" and "full" blocks are exact per-example Fisher blocks: those of
-# the layouts with per-example gradients, scales and shifts, and generic parameters (whose
-# statistics come from the batch-summed gradient).
-PER_EXAMPLE_KINDS: tuple[Kind, ...] = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + (
-  "scale_and_shift",
-  "generic",
-)
+# The kinds with "diagonal" and "full" blocks (`gradient_rows`).
+_WITHOUT_LAYOUT: tuple[Kind, ...] = ("scale_and_shift", "generic")
+PER_EXAMPLE_KINDS = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + _WITHOUT_LAYOUT
 
 
 def _examples_of_use(info, data, batch_size: int) -> int:
-  """The examples one use's rows hold: `batch_size`, or, for a dense use on a smaller loss
-  tag's point set, its rows' leading axis (the batch axis, moved first by `x_perm`; the output
-  gradients' examples for input rows shared by every example, `DenseInfo.shared_tap`)."""
+  """The examples one use's rows hold (fewer for a dense use on a smaller loss tag's points)."""
   if not isinstance(info, _specs.DenseInfo):
     return batch_size
   if info.shared_tap:
@@ -314,16 +283,10 @@ def _examples_of_use(info, data, batch_size: int) -> int:
 
 
 def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
-  """`[S·N, n]`: the gradient of each example's loss for each sampled target, leaves raveled.
-
-  Rebuilt from the recorded inputs and output gradients: J_n = Σ_{r ∈ n} x̄_r g_rᵀ for layouts
-  (the batch the rows' leading axis); Σ_positions x̂ ⊙ g (scale) and Σ_positions g (shift) for
-  scales and shifts (a gathered table: summed per entry over the features that read it); the
-  sum of the uses' for a layer used several times.
-  """
-  if spec.num_uses > 1:
-    # Uses on the same examples sum per example; uses on another loss tag's point set (whose
-    # rows do not split into `batch_size` examples) are examples of their own, stacked below.
+  """`[S·N, n]`: the gradient of each example's loss for each sampled target, leaves raveled:
+  J_n = Σ_{r ∈ n} x̄_r g_rᵀ for layouts, Σ_positions x̂ ⊙ g (scale) and Σ_positions g (shift)
+  for scales and shifts, the sum of the uses' for a layer used several times."""
+  if spec.num_uses > 1:  # Uses on another loss tag's point set are examples of their own.
     groups: dict[int, Any] = {}
     for info, d in zip(spec.use_infos, data):
       n = _examples_of_use(info, d, batch_size)
@@ -373,8 +336,7 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
       f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
       f"{spec.approx!r} approximation needs them grouped by example."
     )
-  # Sum over the output's axes other than the batch and the features (g's axis 0 is samples),
-  # then put the batch first (after the samples).
+  # Sum over all but the batch and the feature axes (after g's samples), the batch then first.
   axes = tuple(1 + a for a in range(nd) if a != b and not start <= a < start + nf)
   batch_at = 1 + sum(1 for a in range(b) if start <= a < start + nf)
   out = []
@@ -386,8 +348,7 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
   if info.has_shift:
     out.append(jnp.moveaxis(jnp.sum(g, axis=axes), batch_at, 1))
   size = math.prod(info.feature_shape)
-  # `[S, rows, F]` -> `[S·N, F]`, each example's rows summed (rows that are not examples stay
-  # rows: `[S·rows, F]`).
+  # `[S, rows, F]` -> `[S·N, F]`, each example's rows summed (else `[S·rows, F]`).
   per = rows // batch_size if info.example_rows else 1
   out = [o.reshape(o.shape[0], rows // per, per, size).sum(2).reshape(-1, size) for o in out]
   entries = info.feature_entries()
@@ -398,12 +359,9 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
 
 
 def gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
-  """`(h, c)`, the rows of a layer's "diagonal" / "full" statistics F = Σ hᵀh / c, c = S·N.
-
-  Generic parameters: each sample's batch-summed gradient. Layouts with `per_example` and
-  scales and shifts: the per-example gradients (`per_example_grads`), or one per row for rows
-  that are not examples (`ScaleShiftInfo.example_rows` False; the loss is a mean over examples).
-  """
+  """`(h, c)`, the rows of a layer's "diagonal" / "full" statistics F = Σ hᵀh / c, c = S·N:
+  each sample's batch-summed gradient for generic parameters, else `per_example_grads` (one
+  per row for rows that are not examples, `ScaleShiftInfo.example_rows` False)."""
   info = spec.info
   lay = _BY_INFO.get(type(info))
   if not ((lay is not None and lay.per_example) or isinstance(info, _specs.ScaleShiftInfo)):

@@ -1,9 +1,8 @@
 """Small, robust linear algebra for symmetric positive (semi-)definite factors.
 
-Size buckets: XLA compiles a factorisation once per matrix size, so the factorisations below
-run on `diag(M, I)` of a bucket size (8 per octave, at most (9/8)³ ≈ 1.4x the flops) and slice
-the answer, exact since f(diag(M, I)) = diag(f(M), I). The blocks of a blocked factor (one
-size) use `buckets=False`: only a power-of-two size is moved 8 up.
+XLA compiles a factorisation once per matrix size, so the factorisations run on `diag(M, I)` of
+a bucket size (8 per octave, at most (9/8)³ ≈ 1.4x the flops) and slice the answer, exact since
+f(diag(M, I)) = diag(f(M), I); the blocks of a blocked factor (one size) use `buckets=False`.
 """
 
 from __future__ import annotations
@@ -27,10 +26,8 @@ def eigh_psd(m: Array) -> tuple[Array, Array]:
 
 def matmul(x: Array, y: Array) -> Array:
   """x @ y; with operands of two float dtypes, both rounded to the narrower one and the product
-  accumulated in the wider one (`BlockConfig.preconditioner_dtype`).
-
-  `optimization_barrier`s keep XLA from folding transposes into the dot: XLA:CPU runs a
-  bfloat16 × bfloat16 → float32 dot only with its operands in canonical order."""
+  accumulated in the wider one (`optimization_barrier`s keep transposes out of the dot, which
+  XLA:CPU runs in mixed precision only with canonically ordered operands)."""
   if x.dtype == y.dtype:
     return x @ y
   lo, hi = (x.dtype, y.dtype) if x.dtype.itemsize < y.dtype.itemsize else (y.dtype, x.dtype)
@@ -51,8 +48,7 @@ def bucket_size(n: int) -> int:
 
 
 def _bucketed(fn, m: Array, buckets: bool = True) -> Array:
-  """fn(diag(m, I))[:n, :n], for functions f with f(diag(M, I)) = diag(f(M), f(I)); the size
-  is `bucket_size(n)`, or without `buckets` n moved 8 up only if a power of two above 64."""
+  """fn(diag(m, I))[:n, :n] at `bucket_size(n)` (without `buckets`: past powers of two)."""
   n = m.shape[-1]
   b = bucket_size(n) if buckets else n + 8 * (n > 64 and n & (n - 1) == 0)
   if b == n:
@@ -89,15 +85,12 @@ def spd_power(m: Array, p: float, buckets: bool = True) -> Array:
 
 
 def cholesky(m: Array, buckets: bool = True) -> Array:
-  return _bucketed(
-    lambda x: jax.lax.linalg.cholesky(x, symmetrize_input=False), symmetrize(m), buckets
-  )
+  chol = lambda x: jax.lax.linalg.cholesky(x, symmetrize_input=False)
+  return _bucketed(chol, symmetrize(m), buckets)
 
 
 def lower_inverse(chol: Array, buckets: bool = True) -> Array:
-  def inv(x):
-    return jsl.solve_triangular(x, jnp.eye(x.shape[-1], dtype=x.dtype), lower=True)
-
+  inv = lambda x: jsl.solve_triangular(x, jnp.eye(x.shape[-1], dtype=x.dtype), lower=True)
   return _bucketed(inv, chol, buckets)
 
 
@@ -114,18 +107,14 @@ def substitution_bounds(n: int) -> list[int]:
 
 def substitution_form(m: Array) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
   """`(diagonals, panels)` of an SPD `m` for `substitution_solve`: with L its Cholesky factor
-  and blocks at `substitution_bounds`, `diagonals[i]` = L_ii⁻¹ and `panels[i]` = the column
-  of L below it, `L[e_i:, s_i:e_i]` (one fewer panel than blocks).
-
-  `m⁻¹ x` is then two block substitutions of plain matmuls (~3n²k flops for x: [n, k], no
-  LAPACK call), while the refresh skips the explicit inverse's triangular solves (~7n³/3 flops
-  become ~7n³/12). A matrix that is not numerically positive definite gives non-finite blocks.
-  """
+  and blocks at `substitution_bounds`, `diagonals[i]` = L_ii⁻¹ and `panels[i]` = the column of
+  L below it, `L[e_i:, s_i:e_i]`. `m⁻¹ x` is then two block substitutions of plain matmuls
+  (~3n²k flops for x: [n, k]). A matrix not numerically positive definite gives non-finite
+  blocks."""
   n = m.shape[-1]
   chol = cholesky(m)
   bounds = substitution_bounds(n)
-  # One unbatched triangular solve per block (a batched LAPACK call can deadlock the CPU
-  # pool: `_base.batched_factorisations`).
+  # One unbatched solve per block (`_base.batched_factorisations`).
   diagonals = tuple(
     jsl.solve_triangular(chol[s:e, s:e], jnp.eye(e - s, dtype=m.dtype), lower=True)
     for s, e in zip(bounds[:-1], bounds[1:])
@@ -143,12 +132,9 @@ def substitution_identity(n: int, dtype) -> tuple[tuple[Array, ...], tuple[Array
 
 
 def substitution_solve(form: tuple[tuple[Array, ...], tuple[Array, ...]], x: Array) -> Array:
-  """`m⁻¹ x` for `form = substitution_form(m)` and x: [n, k]: L y = x forward (block i's rows
-  from its inverse, then the rows below updated through its panel), then Lᵀ z = y backward
-  (block i's rows less its panel's transpose times the rows below, then its inverse)."""
+  """`m⁻¹ x` for `form = substitution_form(m)`: L y = x forward, then Lᵀ z = y backward."""
   diagonals, panels = form
-  ys = []
-  rest = x
+  ys, rest = [], x
   for i, d in enumerate(diagonals):
     size = d.shape[0]
     y = d @ rest[:size]
@@ -165,10 +151,8 @@ def substitution_solve(form: tuple[tuple[Array, ...], tuple[Array, ...]], x: Arr
 
 def gram(x: Array, bias: bool, coord: float = 1.0) -> Array:
   """Σ_r x_r x_rᵀ per group for rows `x` [R, groups, n]: [groups, n, n], or [groups, n+1, n+1]
-  for the rows `[x_r, coord]` when `bias` (the column sums and the row count around `xᵀx`,
-  without copying the rows; `coord` 0 for a tangent channel, which adds no bias). One group is
-  a plain `xᵀx`, which XLA:CPU runs faster than a batched dot.
-  """
+  for the rows `[x_r, coord]` when `bias` (built around `xᵀx` without copying the rows). One
+  group is a plain `xᵀx`, which XLA:CPU runs faster than a batched dot."""
   if x.shape[1] == 1:
     x2 = x[:, 0, :]
     m = (x2.T @ x2)[None]
@@ -201,8 +185,7 @@ def mean_diag(f: Array) -> Array:
 
 
 def diagonal(f: Array) -> Array:
-  """The diagonal of a square matrix (a vector stays as is), as a strided slice of the
-  flattened matrix (cheaper to compile than `jnp.diagonal`'s gather)."""
+  """The diagonal of a square matrix as a strided slice (a vector stays as it is)."""
   if f.ndim == 1:
     return f
   if f.ndim != 2 or f.shape[0] != f.shape[1]:

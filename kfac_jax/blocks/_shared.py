@@ -1,9 +1,9 @@
 """A dense layer applied at the T steps of a recurrence, with correlated steps.
 
-"kron_series_1" / "kron_series_2" (Martens, Ba & Johnson 2018) model the per-step gradient
-terms of T dense uses with equal rows as a stationary process with Kronecker-factored lag-1
-statistics, A_1 = mean_t x̄_t x̄_{t+1}ᵀ / R and G_1 = Σ_t (1/N) Σ_r g_t g_{t+1}ᵀ · T/(T−1), A and
-G being "kron_indep"'s (`_uses`). With the damped factors A_λ, G_λ, the whitened lag-1 factors
+"kron_series_1" / "kron_series_2" (Martens, Ba & Johnson 2018) model the per-step gradients of
+T dense uses as a stationary process with Kronecker-factored lag-1 statistics,
+A_1 = mean_t x̄_t x̄_{t+1}ᵀ / R and G_1 = Σ_t (1/N) Σ_r g_t g_{t+1}ᵀ · T/(T−1), A and G being
+"kron_indep"'s (`_uses`). With the damped factors A_λ, G_λ, the whitened lag-1 factors
 A_λ^{-½} sym(A_1) A_λ^{-½} = V_A diag(ψ_A) V_Aᵀ (and G's), K = A_λ^{½} V_A ⊗ G_λ^{½} V_G and
 ψ = ψ_A ⊗ ψ_G (clipped to |ψ| ≤ 0.99):
 
@@ -12,23 +12,18 @@ A_λ^{-½} sym(A_1) A_λ^{-½} = V_A diag(ψ_A) V_Aᵀ (and G's), K = A_λ^{½} 
     series_1 (T → ∞):    ζ(ψ) = (1 + ψ) / (1 − ψ)
     series_2 (finite T): ζ(ψ) = (1 + ψ) / (1 − ψ) − 2ψ(1 − ψ^T) / (T (1 − ψ)²)
 
-(ζ = (1/T) Σ_{|d|<T} (T − |d|) ψ^{|d|}; ψ = 0 gives "kron_indep"). K is not orthogonal: only
-the powers −1 and 1, in "factored" damping mode; Cholesky factors are C = K diag(√ζ).
+(ψ = 0 gives "kron_indep"). K is not orthogonal: only the powers −1 and 1, in "factored" damping
+mode; Cholesky factors are C = K diag(√ζ).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _uses
-from kfac_jax.blocks._base import Block
+from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import SeriesCache, SeriesFactors
-
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 MAX_PSI = 0.99
@@ -53,19 +48,16 @@ def _whiten(f: Array, f1: Array) -> tuple[Array, Array, Array]:
   return root @ v, inv_root @ v, psi
 
 
-class SeriesKroneckerBlock(Block):
+class SeriesKroneckerBlock(LayoutBlock):
   """A dense layer shared over T steps with the "kron_series_1" / "kron_series_2" model."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset(
-    {("dense", "kron_series_1"), ("dense", "kron_series_2")}
-  )
+  serves = frozenset({("dense", "kron_series_1"), ("dense", "kron_series_2")})
 
   def __init__(self, spec, config):
-    self.spec = spec
-    self.config = config
+    self.spec, self.config = spec, config
     _uses.check_factored_powers(spec, config, " (F = K diag(ζ) Kᵀ with K not orthogonal)")
     self.layouts = _uses.use_layouts(spec)
-    self.layout = self.layouts[0][0]
+    self.layout = self.layouts[0][0]  # The first use's, for the products' matrix view.
 
   @classmethod
   def factor_shapes_for(cls, spec):
@@ -73,11 +65,8 @@ class SeriesKroneckerBlock(Block):
     return _kronecker.kron_shapes(spec)
 
   def init_factors(self) -> SeriesFactors:
-    sa, sg = self.factor_shapes
-    z = self.config.stats_dtype
-    return SeriesFactors(
-      a=jnp.zeros(sa, z), g=jnp.zeros(sg, z), a1=jnp.zeros(sa, z), g1=jnp.zeros(sg, z)
-    )
+    (sa, sg), dtype = self.factor_shapes, self.config.stats_dtype
+    return SeriesFactors(*(jnp.zeros(s, dtype) for s in (sa, sg, sa, sg)))
 
   def batch_factors(self, data, batch_size, cache=None) -> SeriesFactors:
     del cache
@@ -107,37 +96,16 @@ class SeriesKroneckerBlock(Block):
     qa, pa, psi_a = _whiten(a, factors.a1)
     qg, pg, psi_g = _whiten(g, factors.g1)
     psi = jnp.clip(psi_a[:, None] * psi_g[None, :], -MAX_PSI, MAX_PSI)
-    return SeriesCache(
-      qa=qa,
-      pa=pa,
-      qg=qg,
-      pg=pg,
-      zeta=_zeta(psi, self.spec.approx, self.spec.num_uses),
-      damping=jnp.zeros((), a.dtype) if damping is None else damping,
-    )
+    zeta = _zeta(psi, self.spec.approx, self.spec.num_uses)
+    return SeriesCache(qa, pa, qg, pg, zeta, jnp.zeros((), a.dtype) if damping is None else damping)
 
   def init_cache(self) -> SeriesCache:
-    sa, sg = self.factor_shapes
-    dtype = self.config.inverse_dtype
-    eye_a, eye_g = jnp.eye(sa[0], dtype=dtype), jnp.eye(sg[0], dtype=dtype)
-    return SeriesCache(
-      qa=eye_a,
-      pa=eye_a,
-      qg=eye_g,
-      pg=eye_g,
-      zeta=jnp.ones((sa[0], sg[0]), dtype),
-      damping=jnp.zeros((), dtype),
-    )
+    (sa, sg), dtype = self.factor_shapes, self.config.inverse_dtype
+    ea, eg = jnp.eye(sa[0], dtype=dtype), jnp.eye(sg[0], dtype=dtype)
+    return SeriesCache(ea, ea, eg, eg, jnp.ones((sa[0], sg[0]), dtype), jnp.zeros((), dtype))
 
   def compute_cache(self, factors, damping) -> SeriesCache:
     return self._parts(factors, jnp.asarray(damping, self.config.inverse_dtype))
-
-  def _matrix(self, vecs):
-    return self.layout.to_matrix(vecs, self.config.inverse_dtype)[0]
-
-  def _back(self, m, vecs):
-    out = self.layout.from_matrix(m[None])
-    return [o.astype(v.dtype) for o, v in zip(out, vecs)]
 
   @staticmethod
   def _apply(c: SeriesCache, m, exp):
@@ -146,17 +114,19 @@ class SeriesKroneckerBlock(Block):
     return c.pa @ ((c.pa.T @ m @ c.pg) / c.zeta) @ c.pg.T
 
   def multiply_matpower(self, factors, cache, vecs, exp):
-    return self._back(self._apply(cache, self._matrix(vecs), exp), vecs)
+    return self.on_matrix(lambda m: self._apply(cache, m, exp), vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    m, c = self._matrix(vecs), cache
-    root = jnp.sqrt(c.zeta)
-    if not inverse:  # C = K diag(√ζ)
-      out = (c.qa.T @ m @ c.qg) * root if transpose else c.qa @ (m * root) @ c.qg.T
-    else:  # C⁻¹ = diag(1/√ζ) K⁻¹, K⁻¹ M = P_Aᵀ M P_G.
-      out = c.pa @ (m / root) @ c.pg.T if transpose else (c.pa.T @ m @ c.pg) / root
-    return self._back(out, vecs)
+    c, root = cache, jnp.sqrt(cache.zeta)
+
+    def one(m):
+      if not inverse:  # C = K diag(√ζ)
+        return (c.qa.T @ m @ c.qg) * root if transpose else c.qa @ (m * root) @ c.qg.T
+      # C⁻¹ = diag(1/√ζ) K⁻¹, K⁻¹ M = P_Aᵀ M P_G.
+      return c.pa @ (m / root) @ c.pg.T if transpose else (c.pa.T @ m @ c.pg) / root
+
+    return self.on_matrix(one, vecs)
 
   def multiply_undamped(self, factors, vecs, cache=None):
     del cache
-    return self._back(self._apply(self._parts(factors, None), self._matrix(vecs), 1), vecs)
+    return self.on_matrix(lambda m: self._apply(self._parts(factors, None), m, 1), vecs)

@@ -1,8 +1,7 @@
-"""A stack of L layers of one kind (see `kfac_jax.scan._stacked`): the per-layer block, vmapped.
+"""A stack of L layers of one kind (`kfac_jax.scan._stacked`): the per-layer block, vmapped.
 
 Every statistic, cache entry and product of the layer's own block (`spec.stack_inner`) gains a
-leading axis L, as do the parameter leaves: layer l's block acts on `leaf[l]`, and the
-curvature is block-diagonal over the stack.
+leading axis L, as do the parameter leaves; the curvature is block-diagonal over the stack.
 """
 
 from __future__ import annotations
@@ -17,21 +16,11 @@ from kfac_jax.blocks._base import Block, StackedUses, map_factorisations
 Array = jax.Array
 
 
-def _broadcast(tree, size: int):
-  return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (size,) + x.shape), tree)
-
-
-def stacked_shapes(size: int, shapes) -> tuple[tuple[int, ...], ...]:
-  return tuple((size,) + tuple(s) for s in shapes)
-
-
 class StackedBlock(Block):
   """L copies of the block of `spec.stack_inner`, with state stacked on a leading axis."""
 
   def __init__(self, spec, config, inner: Block):
-    self.spec = spec
-    self.config = config
-    self.inner = inner
+    self.spec, self.config, self.inner = spec, config, inner
     wrapped: Block | None = inner
     while wrapped is not None:  # The stack vmaps its block and whatever that block wraps.
       wrapped.vmapped = True
@@ -41,23 +30,22 @@ class StackedBlock(Block):
   @classmethod
   def factor_shapes_for(cls, spec):
     """The factor shapes of one layer (`spec.stack_inner`) with a leading stack axis L."""
-    return stacked_shapes(spec.stack_size, spec.stack_inner.factor_shapes)
+    return tuple((spec.stack_size, *s) for s in spec.stack_inner.factor_shapes)
 
   @property
   def factor_shapes(self):
-    return stacked_shapes(self.size, self.inner.factor_shapes)
+    return tuple((self.spec.stack_size, *s) for s in self.inner.factor_shapes)
 
-  @property
-  def size(self) -> int:
-    return self.spec.stack_size
+  def _stack(self, tree):
+    """`tree` broadcast along a leading stack axis L."""
+    size = self.spec.stack_size
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (size,) + x.shape), tree)
 
   def group_key(self) -> tuple:
-    return ("StackedBlock", self.size) + self.inner.group_key()
-
-  # -- statistics ------------------------------------------------------------------------------
+    return ("StackedBlock", self.spec.stack_size) + self.inner.group_key()
 
   def init_factors(self):
-    return _broadcast(self.inner.init_factors(), self.size)
+    return self._stack(self.inner.init_factors())
 
   def accepts_stacked_uses(self) -> bool:
     return True
@@ -81,15 +69,11 @@ class StackedBlock(Block):
       lambda x, gg, c: self.inner.batch_factors((x, gg), batch_size, c), in_axes=(vmap_axes, 0, 0)
     )(inputs, g, cache)
 
-  # -- inverses --------------------------------------------------------------------------------
-
   def init_cache(self):
-    return _broadcast(self.inner.init_cache(), self.size)
+    return self._stack(self.inner.init_cache())
 
   def compute_cache(self, factors, damping):
     return map_factorisations(lambda f: self.inner.compute_cache(f, damping), factors)
-
-  # -- products --------------------------------------------------------------------------------
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     fn = functools.partial(self.inner.multiply_matpower, exp=exp)

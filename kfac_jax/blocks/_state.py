@@ -1,11 +1,9 @@
 """The typed state of every block kind: one `NamedTuple` for its factors, one for its cache.
 
-Field names are what a checkpoint stores them under (`factors/<block>/a`). Shapes use `in(+1)`
-for a kernel's input side with the bias row, `out` for its output side, and a leading
-`(groups,)` axis for grouped convolutions only; a stack of L layers (`StackedBlock`) adds a
-leading axis L. Every cache has `damping: []`, the λ it was built with; entries the
-configuration does not ask for are None (no leaves). Factors are stored in
-`BlockConfig.stats_dtype`, caches in `BlockConfig.inverse_dtype`.
+Field names are what a checkpoint stores them under (`factors/<block>/a`). `in(+1)` is a kernel's
+input side with the bias row; grouped convolutions add a leading `(groups,)` axis, a stack of L
+layers a leading L. `damping` is the λ a cache was built with; entries the configuration does
+not ask for are None. Factors are stored in `stats_dtype`, caches in `inverse_dtype`.
 """
 
 from __future__ import annotations
@@ -18,122 +16,74 @@ Array = jax.Array
 
 
 class KroneckerFactors(NamedTuple):
-  """F ≈ A ⊗ G (see `_kronecker`).
+  """F ≈ A ⊗ G; a side wider than `block_size` is kept as its diagonal blocks `[k, b, b]`."""
 
-  Attributes:
-    a: the input factor A, `[(groups,) in(+1), in(+1)]`; its diagonal `[(groups,) in(+1)]` for
-      "kron_in_diag" / "kron_both_diag", and `[vocab]` (id counts / rows) for embeddings.
-    g: the output factor G, `[(groups,) out, out]`; its diagonal `[(groups,) out]` for
-      "kron_out_diag" / "kron_both_diag".
-
-  A side wider than the layer's `block_size` is kept as its diagonal blocks `[k, b, b]`
-  (`_blocked`), and so is its `FactorCache` (eigenvalues `[k, b]`).
-  """
-
-  a: Array
-  g: Array
+  a: Array  # [(groups,) in(+1), in(+1)]; a vector for the diagonal variants, [vocab] for tables
+  g: Array  # [(groups,) out, out]; a vector `[(groups,) out]` for the diagonal variants
 
 
 class FactorCache(NamedTuple):
-  """The cache of one Kronecker factor F (A or G), with F_λ its damped form; F's shape, or
-  elementwise for a diagonal F (a vector).
+  """The cache of one Kronecker factor F with F_λ damped; elementwise for a vector F."""
 
-  Attributes:
-    powers: `(F_λ)^e` for each e of `BlockConfig.cached_exps`, in that order ("factored"
-      damping; () under "eigen").
-    chol: the Cholesky factor L of F_λ (`cholesky=True`, "factored"), else None.
-    chol_inv: L⁻¹ (`cholesky_inverse=True`, "factored"), else None.
-    subst: `_linalg.substitution_form(F_λ)`, kept instead of the power -1 (whose `powers`
-      entry is then None) where `KroneckerBlock.solves` says so; else None.
-    evals: F's eigenvalues clipped at 0, `[(groups,) n]` ("eigen" damping), else None.
-    evecs: F's eigenvectors as columns, F's shape ("eigen" damping, a matrix F), else None.
-  """
-
-  powers: tuple[Array | None, ...] = ()
-  chol: Array | None = None
-  chol_inv: Array | None = None
+  powers: tuple[Array | None, ...] = ()  # F_λ^e per `cached_exps` ("factored"; None: `subst`)
+  chol: Array | None = None  # Cholesky factor L of F_λ (`cholesky=True`, "factored")
+  chol_inv: Array | None = None  # L⁻¹ (`cholesky_inverse=True`, "factored")
+  # `_linalg.substitution_form(F_λ)`, kept instead of the power -1 (`KroneckerBlock.solves`).
   subst: tuple[tuple[Array, ...], tuple[Array, ...]] | None = None
-  evals: Array | None = None
-  evecs: Array | None = None
+  evals: Array | None = None  # [(groups,) n]: F's eigenvalues clipped at 0 ("eigen")
+  evecs: Array | None = None  # F's shape: its eigenvectors as columns ("eigen", a matrix F)
 
 
 class KroneckerCache(NamedTuple):
-  """Attributes: `a`, `g`: the two factors' caches; `damping: []`."""
-
   a: FactorCache
   g: FactorCache
-  damping: Array
+  damping: Array  # []
 
 
 class EKFACFactors(NamedTuple):
-  """Attributes: `a`, `g`: as `KroneckerFactors` (always full matrices); `s`: the scalings in the
-  cache's eigenbasis, `[(groups,) in(+1), out]`."""
-
-  a: Array
+  a: Array  # as `KroneckerFactors` (always full matrices)
   g: Array
-  s: Array
+  s: Array  # [(groups,) in(+1), out]: the scalings in the cache's eigenbasis
 
 
 class EKFACCache(NamedTuple):
-  """Attributes: `a_evecs: [(groups,) in(+1), in(+1)]`, `g_evecs: [(groups,) out, out]`: the
-  eigenbases of A and G; `damping: []`."""
-
-  a_evecs: Array
-  g_evecs: Array
-  damping: Array
+  a_evecs: Array  # [(groups,) in(+1), in(+1)]: A's eigenbasis
+  g_evecs: Array  # [(groups,) out, out]: G's eigenbasis
+  damping: Array  # []
 
 
 class DiagonalFactors(NamedTuple):
-  """Attributes: `diag: [n]`, the diagonal of F over the layer's n raveled parameters."""
-
-  diag: Array
+  diag: Array  # [n]: the diagonal of F over the layer's n raveled parameters
 
 
 class DiagonalCache(NamedTuple):
-  """Attributes: `damping: []` (every power of a diagonal is elementwise)."""
-
-  damping: Array
+  damping: Array  # [] (every power of a diagonal is elementwise)
 
 
 class FullFactors(NamedTuple):
-  """Attributes: `f: [n, n]`, F over the raveled, concatenated leaves."""
-
-  f: Array
+  f: Array  # [n, n]: F over the raveled, concatenated leaves
 
 
 class FullCache(NamedTuple):
-  """Attributes (each `[n, n]`, None when not asked for): `powers`: `(F + λI)^e` per
-  `BlockConfig.cached_exps`; `chol`: its Cholesky factor L; `chol_inv`: L⁻¹; `damping: []`."""
-
-  powers: tuple[Array, ...]
-  chol: Array | None
-  chol_inv: Array | None
-  damping: Array
+  powers: tuple[Array, ...]  # [n, n] each: (F + λI)^e per `BlockConfig.cached_exps`
+  chol: Array | None  # [n, n]: its Cholesky factor L
+  chol_inv: Array | None  # [n, n]: L⁻¹
+  damping: Array  # []
 
 
 class SeriesFactors(NamedTuple):
-  """Attributes: `a: [in(+1), in(+1)]`, `g: [out, out]` as "kron_indep"; `a1`, `g1` (same
-  shapes): the lag-1 statistics of successive uses."""
-
-  a: Array
-  g: Array
-  a1: Array
-  g1: Array
+  a: Array  # [in(+1), in(+1)], as "kron_indep"
+  g: Array  # [out, out], as "kron_indep"
+  a1: Array  # as `a`: the lag-1 statistics of successive uses
+  g1: Array  # as `g`
 
 
 class SeriesCache(NamedTuple):
-  """F_λ = K diag(ζ) Kᵀ with K = Q_A ⊗ Q_G (see `_shared`).
+  """F_λ = K diag(ζ) Kᵀ with K = Q_A ⊗ Q_G (see `_shared`); K⁻¹ acts through P_Aᵀ, P_G."""
 
-  Attributes:
-    qa: `[in(+1), in(+1)]`, A_λ^{½} V_A; pa: A_λ^{-½} V_A (so K⁻¹ acts through P_Aᵀ, P_G).
-    qg: `[out, out]`, G_λ^{½} V_G; pg: G_λ^{-½} V_G.
-    zeta: `[in(+1), out]`, ζ(ψ_A ⊗ ψ_G).
-    damping: `[]`.
-  """
-
-  qa: Array
-  pa: Array
-  qg: Array
-  pg: Array
-  zeta: Array
-  damping: Array
+  qa: Array  # [in(+1), in(+1)]: A_λ^{½} V_A
+  pa: Array  # A_λ^{-½} V_A
+  qg: Array  # [out, out]: G_λ^{½} V_G
+  pg: Array  # G_λ^{-½} V_G
+  zeta: Array  # [in(+1), out]: ζ(ψ_A ⊗ ψ_G)
+  damping: Array  # []

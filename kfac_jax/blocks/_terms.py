@@ -1,12 +1,10 @@
 """A dense layer shared by two loss terms, as the exact inverse of a sum of two Kronecker products.
 
-A physics-informed network applies each layer to the interior points (and their tangents, for
-the residual) and to the boundary points: its curvature is the sum over the two terms,
-`F ≈ A₁ ⊗ G₁ + A₂ ⊗ G₂`, each term's factors the "kron_indep" statistics of its own uses
-(`_uses`; G with that term's own 1/N). "kron_terms" inverts that sum exactly (Martens & Grosse
-2015, appendix B). With each term damped by half of λ in the factored way
-(`A_t + π_t √(λ/2) I`, `G_t + √(λ/2)/π_t I`; π_t = 1 with `damping_mode="factored_equal"`), let K_A
-solve the generalised eigenproblem `K_Aᵀ A₁ K_A = I`, `K_Aᵀ A₂ K_A = diag(σ_A)` (likewise K_G); then
+A physics-informed network applies each layer to the interior points (and their tangents) and
+to the boundary points: its curvature is `F ≈ A₁ ⊗ G₁ + A₂ ⊗ G₂`, each term's factors the
+"kron_indep" statistics of its own uses (`_uses`). "kron_terms" inverts that sum exactly (Martens
+& Grosse 2015, appendix B): with each term damped by λ/2 in the factored way, let K_A solve
+`K_Aᵀ A₁ K_A = I`, `K_Aᵀ A₂ K_A = diag(σ_A)` (likewise K_G); then
 
     F⁻¹ M = K_A ((K_Aᵀ M K_G) ⊘ (1 + σ_A σ_Gᵀ)) K_Gᵀ      (M the `[in(+1), out]` matrix),
 
@@ -17,7 +15,7 @@ Only the powers −1 and 1, in "factored" damping mode.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,28 +24,16 @@ from kfac_jax.blocks import _kronecker, _uses
 from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import KroneckerFactors
 
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
-
 Array = jax.Array
 
 
 class TermsCache(NamedTuple):
-  """Attributes: `ka`, `kg`: `[n, n]` generalised eigenvectors; `qa = A₁ K_A`, `qg = G₁ K_G`
-  (`K⁻ᵀ`); `d: [n_A, n_G]`, 1 + σ_A σ_Gᵀ; `damping: []`."""
-
-  ka: Array
-  kg: Array
-  qa: Array
-  qg: Array
-  d: Array
-  damping: Array
-
-
-def term_of_uses(spec) -> tuple[int, ...]:
-  """Each use's loss term: the rank of its tag among the tags the layer's uses feed."""
-  tags = sorted({inf.term for inf in spec.use_infos})
-  return tuple(tags.index(inf.term) for inf in spec.use_infos)
+  ka: Array  # [n_A, n_A]: generalised eigenvectors
+  kg: Array  # [n_G, n_G]
+  qa: Array  # A₁ K_A (K⁻ᵀ)
+  qg: Array  # G₁ K_G
+  d: Array  # [n_A, n_G]: 1 + σ_A σ_Gᵀ
+  damping: Array  # []
 
 
 def _generalised(b: Array, a: Array) -> tuple[Array, Array]:
@@ -62,13 +48,13 @@ def _generalised(b: Array, a: Array) -> tuple[Array, Array]:
 class KroneckerSumBlock(LayoutBlock):
   """A dense layer whose uses feed two loss tags: `A₁ ⊗ G₁ + A₂ ⊗ G₂`, inverted exactly."""
 
-  serves: ClassVar[frozenset[tuple[Kind, Approximation]]] = frozenset({("dense", "kron_terms")})
+  serves = frozenset({("dense", "kron_terms")})
 
   def __init__(self, spec, config):
-    self.spec = spec
-    self.config = config
+    self.spec, self.config = spec, config
     _uses.check_factored_powers(spec, config)
-    self.terms = term_of_uses(spec)
+    tags = sorted({inf.term for inf in spec.use_infos})
+    self.terms = tuple(tags.index(inf.term) for inf in spec.use_infos)  # Each use's term.
     if sorted(set(self.terms)) != [0, 1]:
       raise ValueError(
         f"layer `{spec.name}`: approximation 'kron_terms' needs uses that feed exactly two "
@@ -81,11 +67,6 @@ class KroneckerSumBlock(LayoutBlock):
     sa, sg = _kronecker.kron_shapes(spec)
     return (2, *sa), (2, *sg)
 
-  def init_factors(self) -> KroneckerFactors:
-    sa, sg = self.factor_shapes
-    dtype = self.config.stats_dtype
-    return KroneckerFactors(a=jnp.zeros(sa, dtype), g=jnp.zeros(sg, dtype))
-
   def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
     del cache
     parts = []
@@ -93,66 +74,50 @@ class KroneckerSumBlock(LayoutBlock):
       uses = [i for i, term in enumerate(self.terms) if term == t]
       infos = tuple(self.spec.use_infos[i] for i in uses)
       sub = dataclasses.replace(self.spec, use_infos=infos, num_uses=len(uses), info=infos[0])
-      part = _uses.indep_factors(
-        sub, tuple(data[i] for i in uses), batch_size, self.config.accum_dtype
-      )
-      parts.append(part)
+      dtype = self.config.accum_dtype
+      parts.append(_uses.indep_factors(sub, tuple(data[i] for i in uses), batch_size, dtype))
     return KroneckerFactors(a=jnp.stack([p.a for p in parts]), g=jnp.stack([p.g for p in parts]))
 
   def init_cache(self) -> TermsCache:
-    sa, sg = self.factor_shapes
-    dtype = self.config.inverse_dtype
+    (sa, sg), dtype = self.factor_shapes, self.config.inverse_dtype
     ea, eg = jnp.eye(sa[-1], dtype=dtype), jnp.eye(sg[-1], dtype=dtype)
-    d = jnp.ones((sa[-1], sg[-1]), dtype)
-    return TermsCache(ka=ea, kg=eg, qa=ea, qg=eg, d=d, damping=jnp.zeros((), dtype))
+    return TermsCache(ea, eg, ea, eg, jnp.ones((sa[-1], sg[-1]), dtype), jnp.zeros((), dtype))
 
   def _damped(self, factors: KroneckerFactors, damping):
     """Each term's factors damped with λ/2 (factored, its own π or 1)."""
     dtype = self.config.inverse_dtype
     a, g = factors.a.astype(dtype), factors.g.astype(dtype)
     half = 0.5 * jnp.asarray(damping, dtype)
-    split = self.config.split
-    return [_kronecker.damped_factors(a[t], g[t], half, split=split) for t in (0, 1)]
+    return [_kronecker.damped_factors(a[t], g[t], half, split=self.config.split) for t in (0, 1)]
 
   def compute_cache(self, factors: KroneckerFactors, damping) -> TermsCache:
     (a1, g1), (a2, g2) = self._damped(factors, damping)
     ka, sa = _generalised(a1, a2)
     kg, sg = _generalised(g1, g2)
     d = 1.0 + sa[:, None] * sg[None, :]
-    return TermsCache(
-      ka=ka,
-      kg=kg,
-      qa=a1 @ ka,
-      qg=g1 @ kg,
-      d=d,
-      damping=jnp.asarray(damping, self.config.inverse_dtype),
-    )
+    return TermsCache(ka, kg, a1 @ ka, g1 @ kg, d, jnp.asarray(damping, self.config.inverse_dtype))
 
   def multiply_matpower(self, factors, cache: TermsCache, vecs, exp):
-    m = self.to_matrix(vecs)
-    if exp == 1:
-      out = sum(a @ m @ g for a, g in self._damped(factors, cache.damping))
-    else:
-      out = cache.ka @ ((cache.ka.T @ m @ cache.kg) / cache.d) @ cache.kg.T
-    return self.from_matrix(out, vecs)
+    def one(m):
+      if exp == 1:
+        return sum(a @ m @ g for a, g in self._damped(factors, cache.damping))
+      return cache.ka @ ((cache.ka.T @ m @ cache.kg) / cache.d) @ cache.kg.T
+
+    return self.on_matrix(one, vecs)
 
   def multiply_cholesky(self, factors, cache: TermsCache, vecs, *, transpose, inverse):
-    m = self.to_matrix(vecs)
-    root = jnp.sqrt(cache.d)
-    if inverse:  # C⁻¹ = diag(√d)⁻¹ (K_A ⊗ K_G)ᵀ; C⁻ᵀ = (K_A ⊗ K_G) diag(√d)⁻¹.
-      if transpose:
-        out = cache.ka @ (m / root) @ cache.kg.T
-      else:
-        out = (cache.ka.T @ m @ cache.kg) / root
-    elif transpose:  # Cᵀ = diag(√d) (Q_A ⊗ Q_G)ᵀ.
-      out = (cache.qa.T @ m @ cache.qg) * root
-    else:
-      out = cache.qa @ (m * root) @ cache.qg.T
-    return self.from_matrix(out, vecs)
+    c, root = cache, jnp.sqrt(cache.d)
+
+    def one(m):
+      if inverse:  # C⁻¹ = diag(√d)⁻¹ (K_A ⊗ K_G)ᵀ; C⁻ᵀ = (K_A ⊗ K_G) diag(√d)⁻¹.
+        return c.ka @ (m / root) @ c.kg.T if transpose else (c.ka.T @ m @ c.kg) / root
+      # Cᵀ = diag(√d) (Q_A ⊗ Q_G)ᵀ.
+      return (c.qa.T @ m @ c.qg) * root if transpose else c.qa @ (m * root) @ c.qg.T
+
+    return self.on_matrix(one, vecs)
 
   def multiply_undamped(self, factors, vecs, cache=None):
     del cache
-    m = self.to_matrix(vecs)
     dtype = self.config.inverse_dtype
     a, g = factors.a.astype(dtype), factors.g.astype(dtype)
-    return self.from_matrix(a[0] @ m @ g[0] + a[1] @ m @ g[1], vecs)
+    return self.on_matrix(lambda m: a[0] @ m @ g[0] + a[1] @ m @ g[1], vecs)

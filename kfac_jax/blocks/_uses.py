@@ -7,23 +7,13 @@ independent and homogeneous:
 
     F ≈ A ⊗ G,   A = (Σ_u Σ_r x̄ x̄ᵀ) / (Σ_u R_u),   G = (1/N) Σ_u Σ_r g gᵀ,
 
-exactly the single-use block for k = 1. A use that does not add the layer's bias (a tangent
-channel of a forward-mode derivative, `DenseInfo.adds_bias`) has rows `x̄ = [x, 0]`: this is
-the "expand" K-FAC of physics-informed networks (Dangel, Müller & Zeinhofer 2024), every row of
-every channel one outer product, A normalised by the number of rows over all channels and G by
-the number of examples. When uses see a table in different orientations (a
-tied embedding: `onehot(id) M` and `h Mᵀ`), use u contributes `X_u ⊗ Y_u` in M's own layout
-(lookup: X = id counts / R, Y = its G; transposed product: X = diag of its G, Y = its A), each
-rescaled to equal mean diagonals (X_u c_u, Y_u / c_u), then X = mean_u X_u, Y = Σ_u Y_u; the
-vocabulary side stays diagonal. The series blocks (`_shared`) use these A and G too.
-
-A dense layer read transposed by a reverse-mode derivative (`DenseInfo.transposed`: the
-backward pass of `z = a W` computes `δa = δz Wᵀ`) contributes `(∂ℓ/∂δa) δzᵀ` to W's gradient:
-its output gradients take the input side and its inputs the output side, A_t = (1/N) Σ ḡ ḡᵀ
-(ḡ = [∂ℓ/∂δa, 0]) and G_t = Σ δz δzᵀ / R_t, the "expand" normalisations with the roles
-exchanged; exact for one use at one point. The uses that read W as the layer does give
-(A_n, G_n) as above, and the two products, on different scales, are pooled as the tied
-table's uses are: each rescaled to equal mean diagonals, A averaged, G summed.
+the single-use block for k = 1. A use that does not add the bias (a forward-mode tangent
+channel, `DenseInfo.adds_bias`) has rows `x̄ = [x, 0]`: the "expand" K-FAC of physics-informed
+networks (Dangel, Müller & Zeinhofer 2024). Uses that see a matrix in other orientations (a tied
+embedding's `onehot(id) M` and `h Mᵀ`; a dense layer read transposed by a reverse-mode
+derivative, `DenseInfo.transposed`, whose output gradients take the input side) each give a
+product `X_u ⊗ Y_u` in M's own layout; the products are rescaled to equal mean diagonals
+(X_u c_u, Y_u / c_u), then X averaged and Y summed. The series blocks (`_shared`) use these too.
 """
 
 from __future__ import annotations
@@ -73,23 +63,15 @@ def indep_factors(spec, data, batch_size: int, dtype) -> KroneckerFactors:
   parts = []
   kept = [u for u, f in enumerate(flipped) if not f]
   if kept:
-    a, g = _expand(
-      spec,
-      [layouts[u] for u in kept],
-      [spec.use_infos[u] for u in kept],
-      [data[u] for u in kept],
-      batch_size,
-      dtype,
-    )
+    pick = lambda xs: [xs[u] for u in kept]
+    a, g = _expand(spec, pick(layouts), pick(spec.use_infos), pick(data), batch_size, dtype)
     parts.append((a[0], g[0]))
   parts.append(_transposed_factors(spec, layouts, flipped, data, batch_size, dtype))
   return _pooled(parts)
 
 
 def _expand(spec, layouts, infos, data, batch_size: int, dtype):
-  """`(A, G)` per feature group of uses that read the parameter matrix as the layer does: A
-  over the rows of every use (homogeneous coordinate 0 for a use without the bias), G summed
-  over the uses."""
+  """`(A, G)` per group of uses that read the parameter matrix as the layer does."""
 
   def output_factor(g):  # Σ g gᵀ / (S N) per group.
     return _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
@@ -103,57 +85,37 @@ def _expand(spec, layouts, infos, data, batch_size: int, dtype):
     rows = [(x.reshape((-1,) + x.shape[2:]), g.reshape((g.shape[0], -1) + g.shape[3:]))]
   else:
     rows = [layout.rows(d, dtype) for (layout, _), d in zip(layouts, data)]
-  if spec.has_bias and not all(getattr(inf, "adds_bias", True) for inf in infos):
-    # Tangent channels: the uses without the bias get a homogeneous coordinate of 0.
-    a_sum: Any = sum(
-      _linalg.gram(x, True, 1.0 if inf.adds_bias else 0.0) for (x, _), inf in zip(rows, infos)
-    )
-    return a_sum / sum(x.shape[0] for x, _ in rows), sum(output_factor(g) for _, g in rows)
-  if len({(x.shape[1:], g.shape[0], g.shape[2:]) for x, g in rows}) == 1:
-    # Rows of every use in one matrix: one product per factor, however many uses (the T
-    # steps of a scan), instead of one per use.
+  # Tangent channels (uses without the bias) get a homogeneous coordinate of 0.
+  coords = [1.0 if getattr(inf, "adds_bias", True) else 0.0 for inf in infos]
+  tangents = spec.has_bias and 0.0 in coords
+  if not tangents and len({(x.shape[1:], g.shape[0], g.shape[2:]) for x, g in rows}) == 1:
+    # Rows of every use in one matrix: one product per factor, however many uses.
     x = jnp.concatenate([x for x, _ in rows])
-    return (
-      _linalg.gram(x, spec.has_bias) / x.shape[0],
-      output_factor(jnp.concatenate([g for _, g in rows], axis=1)),
-    )
-  a_sum = sum(_linalg.gram(x, spec.has_bias) for x, _ in rows)
+    g = jnp.concatenate([g for _, g in rows], axis=1)
+    return _linalg.gram(x, spec.has_bias) / x.shape[0], output_factor(g)
+  a_sum: Any = sum(_linalg.gram(x, spec.has_bias, c) for (x, _), c in zip(rows, coords))
   return a_sum / sum(x.shape[0] for x, _ in rows), sum(output_factor(g) for _, g in rows)
 
 
 def _transposed_factors(spec, layouts, flipped, data, batch_size: int, dtype):
-  """`(A, G)` of the uses that read the kernel matrix transposed, `δa = δz Wᵀ`: the gradient
-  of W is `(∂ℓ/∂δa) δzᵀ`, so the output gradient takes the input's place,
-  A = (1/(S N)) Σ ḡ ḡᵀ (ḡ = [∂ℓ/∂δa, 0]: the bias is not used), and the input the output
-  gradient's, G = Σ δz δzᵀ / R over the R rows of these uses."""
-  a_sum: Any = 0.0
-  g_sum: Any = 0.0
-  rows = 0
-  for (layout, _), d, f in zip(layouts, data, flipped):
-    if not f:
-      continue
-    x, g = layout.rows(d, dtype)  # x: [R, 1, out]; g: [S, R, 1, in]
-    a_sum = a_sum + _linalg.gram(g.reshape(-1, 1, g.shape[-1]), spec.has_bias, 0.0)[0] / (
-      g.shape[0] * batch_size
-    )
-    g_sum = g_sum + _linalg.gram(x, False)[0]
-    rows += x.shape[0]
-  return a_sum, g_sum / rows
+  """`(A, G)` of the uses that read the kernel transposed, `δa = δz Wᵀ`: W's gradient is
+  `(∂ℓ/∂δa) δzᵀ`, so A = (1/(S N)) Σ ḡ ḡᵀ (ḡ = [∂ℓ/∂δa, 0]) and G = Σ δz δzᵀ / R."""
+  # x: [R, 1, out]; g: [S, R, 1, in]
+  used = [lay.rows(d, dtype) for (lay, _), d, f in zip(layouts, data, flipped) if f]
+  gram = lambda g: _linalg.gram(g.reshape(-1, 1, g.shape[-1]), spec.has_bias, 0.0)[0]
+  a: Any = sum(gram(g) / (g.shape[0] * batch_size) for _, g in used)
+  g_sum: Any = sum(_linalg.gram(x, False)[0] for x, _ in used)
+  return a, g_sum / sum(x.shape[0] for x, _ in used)
 
 
-def _pooled(parts) -> KroneckerFactors:
-  """One Kronecker product for the sum `Σ_k A_k ⊗ G_k` of products on different scales (the
-  uses that read a matrix as the layer does, and those that read it transposed): each pair
-  rescaled to equal mean diagonals (`A_k c_k`, `G_k / c_k`), then A averaged and G summed, as
-  "kron_indep" pools its uses."""
+def _pooled(parts, balance: bool = True) -> KroneckerFactors:
+  """One Kronecker product for `Σ_k A_k ⊗ G_k`: each pair rescaled to equal mean diagonals
+  (`A_k c_k`, `G_k / c_k`, with `balance`), then A averaged and G summed."""
   if len(parts) == 1:
-    return KroneckerFactors(a=parts[0][0], g=parts[0][1])
-  xs, ys = [], []
-  for a, g in parts:
-    c = _balance(a, g)
-    xs.append(a * c)
-    ys.append(g / c)
-  return KroneckerFactors(a=sum(xs) / len(xs), g=sum(ys))
+    return KroneckerFactors(*parts[0])
+  if balance:
+    parts = [(a * c, g / c) for a, g in parts for c in [_balance(a, g)]]
+  return KroneckerFactors(a=sum(a for a, _ in parts) / len(parts), g=sum(g for _, g in parts))
 
 
 def _balance(x, y):
@@ -164,7 +126,7 @@ def _balance(x, y):
 
 
 def _table_factors(layouts, data, batch_size: int, dtype) -> KroneckerFactors:
-  # Embedding table [vocab, dim], possibly tied with products by the (transposed) table.
+  """An embedding table [vocab, dim], possibly tied with products by the (transposed) table."""
   xs, ys = [], []
   for (layout, transposed), d in zip(layouts, data):
     x, g = layout.rows(d, dtype)
@@ -178,17 +140,11 @@ def _table_factors(layouts, data, batch_size: int, dtype) -> KroneckerFactors:
     else:  # one-hot-like rows times M.
       xs.append(jnp.einsum("rgi,rgi->i", x, x) / x.shape[0])
       ys.append(gg)
-  if any(t for _, t in layouts):
-    for u in range(len(xs)):
-      c = _balance(xs[u], ys[u])
-      xs[u], ys[u] = xs[u] * c, ys[u] / c
-  return KroneckerFactors(a=sum(xs) / len(xs), g=sum(ys))
+  return _pooled(list(zip(xs, ys)), balance=any(t for _, t in layouts))
 
 
 def check_factored_powers(spec, config, note: str = "") -> None:
-  """ValueError unless `config` asks a block that sums Kronecker products (a series over uses,
-  one product per loss term) for what it defines: factored damping and the powers -1 and 1
-  (`note`: why, appended to the message)."""
+  """ValueError unless `config` has factored damping and only the powers -1 and 1."""
   if not config.factored:
     raise ValueError(
       f"layer `{spec.name}`: approximation {spec.approx!r} needs a factored damping_mode "
