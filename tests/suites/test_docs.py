@@ -157,9 +157,12 @@ def _check_checkpoints(s):
 
 # What the code of each page leaves behind, beyond running without an error.
 def _check_vmc(scope):
-  """The hydrogen-like atom reached the exact a = Z and E = -Z^2/2."""
-  np.testing.assert_allclose(np.asarray(scope["params"]["a"]), [3.0], atol=1e-3)
+  """The hydrogen-like atom reached the exact a = Z and E = -Z^2/2 with K-FAC (`info`) and
+  then, from a = 1 again, with SPRING (`params`, `e`), which skipped no update."""
   np.testing.assert_allclose(float(scope["info"]["loss"]), -4.5, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(scope["params"]["a"]), [3.0], atol=1e-3)
+  np.testing.assert_allclose(float(scope["e"]), -4.5, atol=1e-3)
+  assert int(scope["spring_state"].preconditioner.skipped) == 0
 
 
 CHECKS = {
