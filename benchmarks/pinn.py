@@ -5,6 +5,8 @@ mode, one tag per loss term):
 
 - `poisson`: −Δu = 2π² sin(πx) sin(πy) on [0, 1]², u = 0 on the boundary (900 interior and 120
   boundary points; `examples/pinn_poisson.py`);
+- `poisson-hessian`: the same, the Laplacian the trace of `jax.hessian` at one point, vmapped
+  (reverse mode, then forward: each kernel also read transposed);
 - `heat`: ∂u/∂t = κ ∂²u/∂x² on [0, 1] × [0, 1], κ = 1/4, u(0, x) = sin(πx), u = 0 at x = 0 and
   x = 1; solution exp(−κπ²t) sin(πx) (900 interior, 120 boundary, 120 initial points).
 
@@ -81,8 +83,23 @@ def heat_loss(params, batch):
   return 0.5 * (jnp.mean(residual**2) + jnp.mean(ub**2) + jnp.mean(u0**2))
 
 
+def hessian_loss(params, batch):
+  """`pinn_poisson.loss_fn` with the Laplacian as most PINN code writes it: the trace of
+  `jax.hessian` (jacfwd of jacrev) of the network at one point, vmapped over the points."""
+  x = batch["interior"]
+  u = lambda y: pp.mlp(params, y[None])[0]  # noqa: E731
+  laplacian = jax.vmap(lambda y: jnp.trace(jax.hessian(u)(y)))(x)
+  residual = (laplacian + pp.source(x))[:, None]
+  kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
+  ub = pp.mlp(params, batch["boundary"])[:, None]
+  kfac_jax.register_normal_predictive_distribution(ub, var=1.0)
+  return 0.5 * jnp.mean(residual**2) + 0.5 * jnp.mean(ub**2)
+
+
 PROBLEMS = {
   "poisson": (pp.make_problem, pp.loss_fn),
+  # The same problem, its Laplacian by `jax.hessian` per point (reverse mode, then forward).
+  "poisson-hessian": (pp.make_problem, hessian_loss),
   "heat": (heat_problem, heat_loss),
 }
 

@@ -13,6 +13,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
+from kfac_jax import _migrate
 from kfac_jax._checkpoint import (
   check_restored_state,
   restore_state,
@@ -60,6 +61,12 @@ from kfac_jax.kernel import (
 from kfac_jax.scan import LayerConfig, LayerSpec
 
 __version__ = "0.1.0.dev0"
+
+
+def __getattr__(name: str):
+  """kfac-jax's module attributes (`kfac_jax.utils`, ...) raise an AttributeError naming their
+  spelling here (`kfac_jax._migrate`)."""
+  raise _migrate.missing_attribute(name)
 
 
 __all__ = [

@@ -30,7 +30,6 @@ False (none) or the names of those to run.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -44,7 +43,6 @@ from kfac_jax import scan as _scan
 from kfac_jax._curvature import read_atom
 from kfac_jax._errors import LossMismatchWarning, RegistrationError
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TOLERANCE = 1e-2  # Relative residual allowed in float32 / float64.
 _SEED = 0  # The probe `v` is fixed: the audit gives the same verdict every time.
 # Compiled once and run once: XLA's backend optimisations would cost more than they save.
@@ -103,19 +101,6 @@ CAUSES = (
 )
 
 
-def tag_names(graph: _scan.FlatGraph) -> list[str]:
-  """Per loss tag, in registration order: `loss tag #i (register_..., prediction f32[4, 5], at
-  file:line)`."""
-  names = []
-  for i, fe in enumerate(_tag_eqns(graph)):
-    aval = _scan.aval_of(fe.ins[0])
-    fn = fe.params.get("fn", f"a {fe.params['kind']} loss tag")
-    where = _compat.source_line(fe.eqn, _PACKAGE_DIR)
-    at = f", at {where}" if where else ""
-    names.append(f"loss tag #{i + 1} ({fn}, prediction {aval.str_short()}{at})")
-  return names
-
-
 def _tag_eqns(graph: _scan.FlatGraph) -> list[_scan.FlatEqn]:
   return [fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p]
 
@@ -125,7 +110,7 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
   does not depend on ("dependence"), each where `checks` holds it."""
   graph = scan.graph
   tags = _tag_eqns(graph)
-  names = tag_names(graph)
+  names = _scan.tag_names(graph)
   value = values(graph)
   tag_input = {fe.outs[0]: fe.ins[0] for fe in tags}  # A tag's output is its prediction.
   first: dict = {}
@@ -383,7 +368,7 @@ def problems(
 
 def _findings(scan, numbers, estimation_mode: str) -> list[tuple[str, str]]:
   """`(check, finding)` for every check the numbers fail."""
-  names = tag_names(scan.graph)
+  names = _scan.tag_names(scan.graph)
   found: list[tuple[str, str]] = []
   factors: list[tuple[int, float]] = []
   for i, entry in enumerate(numbers):

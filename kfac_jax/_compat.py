@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 from jax._src import core as _core
+from jax._src.interpreters import partial_eval as _pe
 from jax.extend import core as _jex_core
 from jax.interpreters import ad as ad  # Re-exported, as are the names below.
 from jax.interpreters import batching as batching
@@ -25,6 +26,7 @@ Primitive = _jex_core.Primitive
 ClosedJaxpr = _jex_core.ClosedJaxpr
 JaxprEqn = _jex_core.JaxprEqn
 Literal = _jex_core.Literal
+subjaxprs = _jex_core.subjaxprs
 
 # Primitives that only call a closed sub-jaxpr with the same inputs and outputs (nested `jax.jit`,
 # `closed_call`), which the scanner inlines; and those that evaluate a sub-jaxpr under a
@@ -142,18 +144,34 @@ def axis_env_key() -> tuple | None:
   return tuple(sorted(((str(n), n, s) for n, s in sizes.items()), key=lambda t: t[0]))
 
 
-def source_line(eqn: JaxprEqn, skip_dir: str) -> str | None:
-  """`file:line` of the innermost user frame that created `eqn`, frames under `skip_dir` (the
-  library's own) skipped; None when JAX kept no traceback."""
+def has_effects(eqn: JaxprEqn) -> bool:
+  """Whether `eqn` has an effect that dead-code elimination must keep (a collective's named-axis
+  effect is none)."""
+  return _pe.has_effects(eqn)
+
+
+def source_frames(eqn: JaxprEqn, skip_dir: str) -> tuple[tuple[str, int, str], ...]:
+  """`(file, line, function)` of the user frames that created `eqn`, innermost first, frames under
+  `skip_dir` (the library's own) skipped; () when JAX kept no traceback."""
   try:
     from jax._src import source_info_util
 
     frames = list(source_info_util.user_frames(eqn.source_info.traceback))
   except Exception:  # noqa: BLE001 - a diagnostic only; an internal API that moved gives none.
-    return None
-  for frame in frames:
-    if not frame.file_name.startswith(skip_dir):
-      return f"{frame.file_name}:{frame.start_line}"
+    return ()
+  return tuple(
+    (f.file_name, f.start_line, f.function_name)
+    for f in frames
+    if not f.file_name.startswith(skip_dir)
+  )
+
+
+def source_line(eqn: JaxprEqn, skip_dir: str, with_function: bool = False) -> str | None:
+  """`file:line` (with `with_function`, `file:line in function`) of the innermost user frame
+  that created `eqn`, frames under `skip_dir` (the library's own) skipped; None when JAX kept no
+  traceback."""
+  for file, line, function in source_frames(eqn, skip_dir)[:1]:
+    return f"{file}:{line} in {function}" if with_function else f"{file}:{line}"
   return None
 
 

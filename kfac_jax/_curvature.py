@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from kfac_jax import _checks, _compat, _losses
+from kfac_jax import _checks, _compat, _losses, _migrate
 from kfac_jax import blocks as _blocks
 from kfac_jax import scan as _scan
 
@@ -67,6 +67,11 @@ class CurvatureStats:
 
 def check_mode(estimation_mode: str, num_samples: int) -> None:
   """Validates the mode and `num_samples` (which the exact modes do not take)."""
+  if estimation_mode in _migrate.ESTIMATION_MODES:
+    raise ValueError(
+      f"estimation_mode={estimation_mode!r} is kfac-jax's name; here it is "
+      f"{_migrate.ESTIMATION_MODES[estimation_mode]!r} (see {_migrate.PAGE})."
+    )
   _checks.choice(estimation_mode, "estimation_mode", ESTIMATION_MODES)
   _checks.static_int(num_samples, "num_samples")
   if estimation_mode in _losses.EXACT_MODES and num_samples != 1:
@@ -77,7 +82,42 @@ def check_mode(estimation_mode: str, num_samples: int) -> None:
     )
 
 
-def check_rng(estimation_mode: str, rng) -> None:
+def is_key(x) -> bool:
+  """Whether `x` is a jax.random key: a typed key array (`jax.random.key`) or raw key data
+  (`jax.random.PRNGKey`: uint32 with a last axis of 2, or 4 for the "rbg" implementations)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return dtype == jnp.uint32 and jnp.ndim(x) >= 1 and jnp.shape(x)[-1] in (2, 4)
+
+
+def _describe(x) -> str:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+  if isinstance(x, dict):
+    return f"a dict with keys {sorted(map(str, x))}"
+  return f"{x!r} ({type(x).__name__})"
+
+
+def check_rng(estimation_mode: str, rng, batch=None, who: str = "") -> None:
+  """`rng`, when given, must be a key (TypeError naming it; when `batch` is one, naming the
+  order of `Optimizer.step`'s arguments, which kfac-jax's step has the other way round); a
+  sampled `estimation_mode` needs one."""
+  if rng is not None and not is_key(rng):
+    text = f"{who}: `rng` must be a jax.random key, got {_describe(rng)}"
+    if is_key(batch) and who == "Optimizer":
+      raise TypeError(
+        f"{text}, and `batch` is a key: the arguments are swapped. The order is "
+        f"`{_migrate.MOVED['Optimizer.step'].spelling}`; kfac-jax's step takes the key before "
+        f"the batch (see {_migrate.PAGE})."
+      )
+    if is_key(batch):
+      raise TypeError(
+        f"{text}, and `batch` is a key: pass the data as `batch=`, the key as `rng=`."
+      )
+    raise TypeError(f"{text} (jax.random.key(seed) or jax.random.PRNGKey(seed)).")
   if estimation_mode in _losses.RANDOM_MODES and rng is None:
     raise ValueError(
       f"estimation_mode={estimation_mode!r} draws random vectors (sampled targets or "
@@ -185,7 +225,11 @@ class Linearisation:
         taps += [(i, k, ins) for k, ins in uses]
     out_keys = {k: n for n, (_, k, _) in enumerate(taps)}
     in_atoms = [ins for _, _, ins in taps]
-    watched = set(out_keys)
+    # A hoisted tap (a value computed once for every example) is perturbed at each key where
+    # the examples read it, with their batch axis inserted (`_scan.HoistedTap`).
+    hoisted = {k: n for k, n in out_keys.items() if isinstance(k, _scan.HoistedTap)}
+    watched = {k for k in out_keys if k not in hoisted}
+    watched.update(key for tap in hoisted for key in tap.keys)
     watched.update(
       a for atoms in in_atoms for a in atoms if _scan.is_key(a) or isinstance(a, tuple)
     )
@@ -194,7 +238,9 @@ class Linearisation:
     watch = frozenset(watched)
 
     def f(p_leaves, eps):
-      perturb = {k: eps[n] for k, n in out_keys.items()}
+      perturb = {k: eps[n] for k, n in out_keys.items() if k not in hoisted}
+      for tap, n in hoisted.items():
+        perturb.update(zip(tap.keys, eps[n]))
       outs, seen = scan.graph.evaluate(list(p_leaves) + batch_leaves, perturb, watch)
       preds = [read_atom(ops[0], seen) for ops in scan.loss_operands]
       xs = [tuple(read_atom(a, seen) for a in atoms) for atoms in in_atoms]
@@ -202,7 +248,9 @@ class Linearisation:
       return (outs[0], preds), (xs, others, outs[1:])
 
     eps0 = [
-      jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype)
+      k.zeros()
+      if isinstance(k, _scan.HoistedTap)
+      else jnp.zeros((len(k),) + k[0][1].aval.shape, k[0][1].aval.dtype)
       if isinstance(k[0], tuple)
       else jnp.zeros(k[1].aval.shape, k[1].aval.dtype)
       for k in out_keys
@@ -244,7 +292,7 @@ class Linearisation:
 
   def prediction_jvp(self, p_leaves):
     """Per loss tag, `J v`: the predictions' derivative along the param-leaf tangent `v`."""
-    _, preds_dot = self._jvp(list(p_leaves), [jnp.zeros_like(e) for e in self._eps0])
+    _, preds_dot = self._jvp(list(p_leaves), jax.tree_util.tree_map(jnp.zeros_like, self._eps0))
     return preds_dot
 
   def statistics(
@@ -259,7 +307,6 @@ class Linearisation:
     """The estimation mode's output vectors, pulled back (vmapped over the stack);
     `fingerprint`: the registration's `StatsKey`, carried by the statistics."""
     scan, preds, others = self.scan, self.preds, self.others
-    check_rng(estimation_mode, rng)
     keys = jax.random.split(rng, len(scan.losses)) if rng is not None else [None] * len(scan.losses)
     cts = [
       _losses.output_cotangents(spec, (p, *o), estimation_mode, key, num_samples)
@@ -275,7 +322,13 @@ class Linearisation:
     data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
     for i, spec in enumerate(scan.layers):
       if scan.layer_outputs[i] is not None:
-        uses = [(self._xs[n], eps_ct[n]) for n, tap in enumerate(self._taps) if tap[0] == i]
+        uses = [
+          (self._xs[n], tap[1].per_example(eps_ct[n]))
+          if isinstance(tap[1], _scan.HoistedTap)
+          else (self._xs[n], eps_ct[n])
+          for n, tap in enumerate(self._taps)
+          if tap[0] == i
+        ]
         if i in self._stacked:
           data.append(_blocks.StackedUses(*uses[0]))
         else:

@@ -419,7 +419,8 @@ class Step(NamedTuple):
 class Kfac:
   """K-FAC's curvature in an engine: the estimator's averaged statistics and damped inverses,
   folded and refreshed on `schedule` (the module docstring), the refresh's damping the step's
-  "damping" value plus `damping_shift` (the `Optimizer`'s `l2_reg`: an L2 term adds η I)."""
+  "damping" value plus `damping_shift` (the `Optimizer`'s `l2_reg` η: the curvature η I of an
+  L2 term `(η/2)‖θ‖²` in the user's loss)."""
 
   schedule: Schedule
   config: _config.Config
@@ -644,7 +645,7 @@ class Engine:
           "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
         )
     if stats is None:
-      _curvature.check_rng(bound.registration.estimation_mode, rng)
+      _curvature.check_rng(bound.registration.estimation_mode, rng, batch, who)
     self.curvature.check(bound, state, stats, who)
     if self.placement.mesh is None:
       _checks.axis_bound(self.placement.axis_name, who)

@@ -227,11 +227,16 @@ class CurvatureEstimator:
       failed_inverses=jnp.zeros((), jnp.int32),
     )
 
-  @jax.named_scope("kfac_statistics")
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
+    self.registration.check_params(params)
+    _curvature.check_rng(self.registration.estimation_mode, rng)
+    return self._curvature_stats(params, batch, rng)
+
+  @jax.named_scope("kfac_statistics")
+  def _curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
+    """`curvature_stats`, unchecked (the fronts' engine checked its arguments)."""
     reg = self.registration
-    reg.check_params(params)
     # Only pulled back: convolutions transpose with canonically ordered kernels (fast inside
     # the transforms' `lax.cond` on CPU; `_compat.pull_back_convs_canonically`).
     with _compat.pull_back_convs_canonically():

@@ -1,5 +1,10 @@
 """The full K-FAC optimizer (Martens & Grosse 2015, §6–7): learning rate, momentum and damping
-from an exact quadratic model of `h(θ) = L(θ) + (η/2)‖θ‖²` (L the tagged loss, η `l2_reg`).
+from an exact quadratic model of `h(θ)`, the loss `loss_fn` returns (L2 term included).
+
+`l2_reg` = η is the coefficient of an L2 term `(η/2)‖θ‖²` the loss already holds: it tells the
+optimizer that term's curvature η I, which the Gauss-Newton matrix of the tagged loss does not
+see. It adds to the damping of the preconditioner and of the quadratic model, never to the
+gradient or the loss (both are `loss_fn`'s).
 
 Each step runs the engine (`kfac_jax._engine.step`: statistics on due steps from the step's one
 forward pass, inverses with damping `λ + η` on due steps, the guard), takes the proposal
@@ -38,6 +43,7 @@ from kfac_jax import (
   _estimator,
   _fit,
   _losses,
+  _migrate,
   _parallel,
   _registration,
   _storage,
@@ -154,8 +160,8 @@ class _Pass(NamedTuple):
   lin: _curvature.Linearisation
   params: Any
   batch_leaves: list[Any]
-  loss: Array  # Averaged over `axis_name`.
-  grad_h: Any  # ∇h = ∇L + η θ, averaged over `axis_name`.
+  loss: Array  # h(θ), averaged over `axis_name`.
+  grad_h: Any  # ∇h, averaged over `axis_name`.
 
 
 class _Move(NamedTuple):
@@ -213,7 +219,7 @@ def reduction_ratio(h_old: Array, h_new: Array, change: Array) -> Array:
 def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
   """A burn-in step: the statistics only, no move."""
   zero = jnp.zeros([], dtype)
-  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  zeros = optax.tree_utils.tree_zeros_like(params)
   return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
 
 
@@ -239,7 +245,7 @@ def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype,
     rho=rho,
     velocity=velocity,
   )
-  update = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), update)
+  update = optax.tree_utils.tree_where(ok, update, optax.tree_utils.tree_zeros_like(update))
   info = {
     "loss": loss,
     "learning_rate": m.learning_rate,
@@ -270,8 +276,10 @@ class Optimizer:
       `δ_prev` and may exceed 1, since M is minimised over any real (α, μ).
     damping: λ ≥ 0: the initial value with adaptive damping, otherwise a number or a schedule.
     use_adaptive_damping: adapt λ by the Levenberg–Marquardt rule (module docstring).
-    l2_reg: η ≥ 0: `h = L + (η/2)‖θ‖²`; η is added to the gradient, to the damping of the
-      preconditioner and to the quadratic model.
+    l2_reg: η ≥ 0, the coefficient of an L2 term `(η/2)‖θ‖²` that `loss_fn` already adds (as
+      kfac-jax's `l2_reg`): η I, that term's curvature, is added to the damping of the
+      preconditioner and of the quadratic model; the gradient, the loss and ρ are `loss_fn`'s
+      as it returns them. For decoupled weight decay use `Config(weight_decay=)`.
     norm_constraint: c > 0 for KL clipping `α² Δᵀ F̂_λ Δ ≤ c`; needs a fixed learning rate.
     ema_decay: decay of the curvature statistics' moving average, in [0, 1).
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
@@ -308,6 +316,7 @@ class Optimizer:
     >>> params, state, info = step(params, state, batch, jax.random.key(0))
   """
 
+  @_migrate.translated("Optimizer")
   def __init__(
     self,
     loss_fn: Callable | None = None,
@@ -390,6 +399,7 @@ class Optimizer:
 
   # -- state -----------------------------------------------------------------------------------
 
+  @_migrate.translated("Optimizer.init")
   def init(self, params) -> OptimizerState:
     """The initial state: zero statistics, identity inverses, λ = `damping`, δ_prev = 0. With
     sharded storage, call it inside pmap / shard_map (or pass `config.mesh`)."""
@@ -408,6 +418,7 @@ class Optimizer:
 
   # -- one step --------------------------------------------------------------------------------
 
+  @_migrate.translated("Optimizer.step")
   def step(
     self,
     params,
@@ -480,17 +491,14 @@ class Optimizer:
     # quadratic model's push-forwards all reuse it.
     lin = reg.linearise(params, batch)
     loss, grads = engine.placement.mean((lin.loss, lin.grads()))
-    grad_h, eta = grads, self.l2_reg
-    if eta:  # ∇h = ∇L + η θ
-      grad_h = jax.tree_util.tree_map(lambda g, p: g + jnp.asarray(eta, g.dtype) * p, grads, params)
-    fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grad_h)
+    fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grads)
 
     def statistics():
       return lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples)
 
     # The engine's step: statistics, inverses (damping λ + η) and −Δ = F̂⁻¹ ∇h.
     inputs = _engine.Inputs(
-      grad_h, statistics, {"gradient": grads, "params": params, "loss": loss}, hyperparameters
+      grads, statistics, {"gradient": grads, "params": params, "loss": loss}, hyperparameters
     )
     step = engine.step(bound, state.step, state.skipped, state.curvature, inputs)
     lam = jnp.asarray(step.values["damping"], dtype)
@@ -557,10 +565,10 @@ class Optimizer:
       rejected = due & ~(rho >= 0)
       low = jnp.finfo(rho.dtype).min
       rho = jnp.where(jnp.isnan(rho), state.rho, jnp.clip(rho, low, -low))
-      update = jax.tree_util.tree_map(lambda u: jnp.where(rejected, jnp.zeros_like(u), u), update)
-      velocity = jax.tree_util.tree_map(
-        lambda u, v: jnp.where(rejected, v, u), update, state.velocity
+      update = optax.tree_utils.tree_where(
+        rejected, optax.tree_utils.tree_zeros_like(update), update
       )
+      velocity = optax.tree_utils.tree_where(rejected, state.velocity, update)
       return _Move(update, velocity, new_lam, rho, alpha, mu, change)
     return _Move(update, update, new_lam, rho, alpha, mu, change)
 
@@ -573,12 +581,8 @@ class Optimizer:
     new = [
       p + u for p, u in zip(jax.tree_util.tree_leaves(fp.params), jax.tree_util.tree_leaves(update))
     ]
-    h_old = fp.loss
     h_new = _pmean(fp.lin.loss_at(new, fp.batch_leaves), self.axis_name)
-    if eta:
-      h_old = h_old + 0.5 * eta * _engine.tree_vdot(fp.params, fp.params)
-      h_new = h_new + 0.5 * eta * sum(_parallel.vdot(x, x) for x in new)
-    rho = reduction_ratio(h_old, h_new, change)
+    rho = reduction_ratio(fp.loss, h_new, change)
     new_lam = adapt_damping(
       lam,
       rho,

@@ -194,10 +194,13 @@ class Registration:
       function computing `log|ψ|`. The layers are those of `curvature_fn`; the loss and its
       gradient are `jax.value_and_grad(loss_fn)`'s (custom derivatives kept), so every step
       runs `loss_fn`'s and `curvature_fn`'s forward passes. `loss_fn` then needs no tag, and
-      the loss audit does not apply. A `loss_fn` whose tags sit in a `jax.custom_jvp` rule
+      the loss audit does not apply; tags `loss_fn` binds itself (in its rules or not) are not
+      read: `curvature_fn` wins. A `loss_fn` whose tags sit in a `jax.custom_jvp` rule
       (FermiNet's loss), or in a `jax.custom_vjp`'s fwd or bwd, is treated the same way
-      without this argument: the rule, run with zero tangents (a custom_vjp's fwd, then its
-      bwd on zero cotangents), is its curvature function.
+      without this argument: `loss_fn` run as `jax.grad` runs it (its rules called by JAX, a
+      custom_vjp's bwd on a zero cotangent) is its curvature function, whatever the rule's
+      primal outputs (FermiNet's rule returns an aux of other shapes). Tags both in such a
+      rule and outside it are a `RegistrationError` naming them.
 
   Attributes:
     layers: the registered layers (a tuple of `LayerSpec`), in parameter order: each names the
@@ -317,7 +320,7 @@ class Registration:
       scan = self._trace(params, example_batch, warn)
     # The loss is not the tags' (a curvature function, or tags in a custom_jvp rule): its value
     # and gradient come from `loss_fn` itself, and the audit has nothing to compare.
-    set_(self, "separate_loss", curvature_part is not None or bool(scan.rule_calls))
+    set_(self, "separate_loss", curvature_part is not None or scan.separate_loss)
     factor = None
     if checks and not self.separate_loss:  # Once per registration, not per later scan.
       factor = _audit.audit(
@@ -446,8 +449,7 @@ class Registration:
 
   def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
     """`_curvature.compute` on the graph of this batch, with this registration's estimation
-    mode, samples and fingerprint. A missing `rng` is refused before the loss is traced."""
-    _curvature.check_rng(self.estimation_mode, rng)
+    mode, samples and fingerprint (the callers have checked `rng`)."""
     return _curvature.compute(
       self.scan_batch(params, batch),
       params,
@@ -615,6 +617,7 @@ def value_and_grad(
 
   def fn(params, batch, rng=None):
     r = registered(params, batch)
+    _curvature.check_rng(r.estimation_mode, rng)  # Before the loss is traced.
     out = r.compute(params, batch, rng, with_grads=True, with_params_stats=compute_params_stats)
     if r.has_aux:
       loss, aux, grads, stats = out

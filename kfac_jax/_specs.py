@@ -180,7 +180,10 @@ class DenseInfo:
   shared layer that does not add the layer's bias: a tangent channel of a forward-mode
   derivative (`jax.jvp`, a forward Laplacian), whose input rows get a homogeneous coordinate
   of 0 instead of 1. `term` is the one loss tag a shared layer's use feeds (see
-  `blocks._terms`).
+  `blocks._terms`). `transposed` marks a use of a shared layer that reads the layer's kernel
+  matrix transposed (the backward pass of a reverse-mode derivative: `δa = δz Wᵀ`); the other
+  fields describe that use's own product (`in_dim` is the layer's `out_dim`), and its input
+  and output gradient enter the layer's statistics with their roles exchanged (`blocks._uses`).
   """
 
   kernel_view: tuple[ViewStep, ...]
@@ -193,6 +196,7 @@ class DenseInfo:
   shared_tap: bytes = b""
   adds_bias: bool = True
   term: int = -1  # A shared layer's use: the loss tag it feeds (-1: one tag, or several).
+  transposed: bool = False
   # A kernel, then optionally a bias (`LayerSpec.has_bias`).
   kernel_and_bias: ClassVar[bool] = True
 

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from kfac_jax import _checks, _parallel
 from kfac_jax import blocks as _blocks
-from kfac_jax.blocks._base import cast_tree
 
 if TYPE_CHECKING:
   from kfac_jax.blocks import Block
@@ -121,7 +121,7 @@ def _products(blocks, indices, factors, caches, leaves, fn) -> dict[int, Any]:
   out: dict[int, Any] = {}
   for i in indices:
     b = blocks[i]
-    f = cast_tree(factors[i], b.config.inverse_dtype)
+    f = optax.tree_utils.tree_cast(factors[i], b.config.inverse_dtype)
     vecs = [leaves[j] for j in b.spec.leaf_indices]
     out.update(zip(b.spec.leaf_indices, fn(b, f, caches[i], vecs)))
   return out
@@ -171,7 +171,7 @@ class ReplicatedStorage:
       )
       return jax.lax.psum(mine, axis)
 
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, cache)
+    zeros = optax.tree_utils.tree_zeros_like(cache)
     if axis_name is not None:
       new = split(axis_name, by_block, damping)
     elif mesh is not None:
@@ -323,7 +323,9 @@ class ShardedStorage:
     out_shapes: dict[int, jax.ShapeDtypeStruct] = {}
     for b in blocks:
       res = jax.eval_shape(
-        lambda c, v, b=b: fn(b, cast_tree(b.init_factors(), b.config.inverse_dtype), c, v),
+        lambda c, v, b=b: fn(
+          b, optax.tree_utils.tree_cast(b.init_factors(), b.config.inverse_dtype), c, v
+        ),
         b.cache_shapes(),
         [jax.ShapeDtypeStruct(np.shape(leaves[j]), leaves[j].dtype) for j in b.spec.leaf_indices],
       )

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax import _checks, _config, _engine, _estimator, _fit, _registration
+from kfac_jax import _checks, _config, _engine, _estimator, _fit, _migrate, _registration
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -112,19 +112,19 @@ def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batc
   with a note on the cause.
   """
   if fraction == 1:
-    return est.curvature_stats(params, batch, rng)
+    return est._curvature_stats(params, batch, rng)
   if fraction == "auto":
     try:
       cut, rows = _rows(fraction, batch, who)
-      stats = est.curvature_stats(params, cut, rng)
+      stats = est._curvature_stats(params, cut, rng)
     except Exception:  # noqa: BLE001  # Flax's shape errors are not ValueErrors.
       stats = None
     if stats is not None and stats.batch_size == rows:
       return stats
-    return est.curvature_stats(params, batch, rng)
+    return est._curvature_stats(params, batch, rng)
   cut = _rows(fraction, batch, who)[0]
   try:
-    return est.curvature_stats(params, cut, rng)
+    return est._curvature_stats(params, cut, rng)
   except (TypeError, ValueError) as e:
     # A note, not a new exception: JAX's own TypeErrors take a tracer, not a message.
     e.add_note(
@@ -216,6 +216,7 @@ def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, re
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@_migrate.translated("scale_by_kfac")
 def scale_by_kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
@@ -372,6 +373,7 @@ def along_linesearch(linesearch):
   return optax.GradientTransformationExtraArgs(linesearch.init, update_fn)
 
 
+@_migrate.translated("kfac")
 def kfac(
   loss_fn: Callable | None = None,
   example_batch: Any = None,
@@ -390,45 +392,33 @@ def kfac(
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with a fixed (or scheduled) learning rate, norm clipping and momentum.
 
-  `scale_by_kfac` followed by the chain clip → `optax.trace` → learning rate, under a guard:
-  `u = −α m`, with `v = (F̂ + λ)⁻¹ g` from `scale_by_kfac` clipped to length `r = max_norm` in
-  the damped K-FAC metric, `v ← v · min(1, r / √|vᵀg|)` (`clip_coefficient`), and `m ← v + μ m`
-  the heavy-ball trace (Nesterov's with `Config.nesterov`). The clipping comes before α, as
-  `optax.clip_by_global_norm` before `optax.scale`, so a step's length in the metric is at most
-  `α r` (before momentum). The α and λ schedules are called with every update seen (the
-  preconditioner's `count + skipped`), so one that is not finite at one step skips that update
-  and moves on. With `optax.inject_hyperparams` (`static_args=("loss_fn", "example_batch")`),
-  any numeric argument can change between steps without a recompile.
+  `scale_by_kfac`, then clip → `optax.trace` → learning rate, under the step's verdict:
+  `u = −α m`, `m ← v + μ m` (Nesterov's with `Config.nesterov`), v the preconditioned gradient
+  clipped to length `max_norm` in the damped K-FAC metric (`clip_coefficient`) before α, as
+  `optax.clip_by_global_norm` before `optax.scale`: a step's length there is at most
+  `α · max_norm`. Schedules are called with every update seen (`count + skipped`): a value that
+  is not finite skips its update. The defaults come from step sweeps on the benchmark models.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
-    example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
-    learning_rate: α > 0, a number or a schedule `count -> α`; None (the default) takes
-      `default_learning_rate` and steps on the tagged loss's scale (the gradient divided by
-      the registration's `loss_factor`), so a loss averaged over its D outputs takes the
-      summed one's steps.
+    loss_fn, example_batch, damping, ema_decay, inverse_every, registration, axis_name, config:
+      as in `scale_by_kfac`.
+    learning_rate: α > 0, a number or a schedule `count -> α`; None takes
+      `default_learning_rate` on the tagged loss's scale (divided by its `loss_factor`), so a
+      loss averaged over its D outputs takes the summed one's steps.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
-    max_norm: r > 0, the largest length `√(vᵀ F̂_λ v) = √|vᵀg|` of the preconditioned
-      gradient before α and momentum, or None (no clipping); on a share of the parameters
-      (`optax.multi_transform`), of the share's. TF K-FAC's and `Optimizer`'s
-      `norm_constraint=C` bounds the step after α: for a fixed α it is `max_norm=√C / α`.
-    damping: λ, as in `scale_by_kfac`.
-    ema_decay, inverse_every: as in `scale_by_kfac`.
+    max_norm: r > 0, the largest length `√|vᵀg|` of v in the damped metric before α, or None
+      (no clipping); on a share of the parameters, of the share's. TF K-FAC's and the
+      `Optimizer`'s `norm_constraint=C` bounds the step after α: `max_norm=√C / α`.
     curvature_every: as in `scale_by_kfac`, but 5 by default: the clipping bounds a step that
       statistics up to 4 updates old precondition (without clipping, prefer 1).
-    registration, axis_name, config: as in `scale_by_kfac`.
     linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
-      `optax.scale_by_zoom_linesearch(...)`) in place of α: the step is `η (−m)` with η its
-      choice along `−m` (1 its usual first guess: the damped Gauss-Newton step), so
-      `learning_rate` must be None; `update` then also takes the line search's `value=`,
-      `grad=` and `value_fn=` (and `value_fn`'s keyword arguments), as in `optax.lbfgs`.
-
-  The defaults (`momentum=0.7`, `max_norm=0.3`, `damping=0.1`, `curvature_every=5` and the
-  learning rate) come from step sweeps on the benchmark models.
+      `optax.scale_by_zoom_linesearch(...)`) in place of α (`learning_rate` None): the step is
+      `η (−m)`, η its choice; `update` then also takes its `value=`, `grad=` and `value_fn=`
+      (and `value_fn`'s keyword arguments), as in `optax.lbfgs`.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes the
-    same extra arguments as `scale_by_kfac`'s, and those of `linesearch`.
+    An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes
+    `scale_by_kfac`'s extra arguments and those of `linesearch`.
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -1144,7 +1144,174 @@ def vmc_ferminet_anisotropic() -> Zoo:
   return Zoo(vmc.make_loss(system), params, batch, expected)
 
 
+# -- FermiNet's loss: a custom_jvp energy returning (loss, aux), its tag in the JVP rule ---------
+
+
+class VmcAux(NamedTuple):
+  """The loss's auxiliary data, FermiNet's fields: the mean energy, its variance, the local
+  energies and the clipped ones (per walker in the function; FermiNet's rule stores the clipped
+  energies' mean there, a scalar)."""
+
+  energy: jax.Array
+  variance: jax.Array
+  local_energy: jax.Array
+  clipped_energy: jax.Array
+
+
+def _clipped(e_l, scale: float):
+  """`(centre, deviations)`: the local energies clipped to the median ± `scale` times their
+  mean absolute deviation from it (a complex energy's parts each in its own window), centred
+  at the clipped mean."""
+
+  def window(x, centre):
+    width = scale * jnp.mean(jnp.abs(x - centre))
+    return jnp.clip(x, centre - width, centre + width)
+
+  centre = jnp.median(e_l.real)
+  clipped = window(e_l.real, centre)
+  if jnp.iscomplexobj(e_l):
+    clipped = clipped + 1j * window(e_l.imag, 0.0)
+  mean = jnp.mean(clipped)
+  return mean, clipped - mean
+
+
+def vmc_total_energy(
+  log_psi: Callable, local_energy: Callable, clip: float = 5.0, tag: bool = True
+) -> Callable:
+  """`total_energy(params, batch) -> (E, VmcAux)` in FermiNet's form: a `jax.custom_jvp` whose
+  rule is the VMC gradient `2 Re E[(E_L - E) conj(∂ log ψ)]` from clipped local energies, and
+  registers the curvature of |ψ|² as `register_normal_predictive_distribution(log|ψ|[:, None])`
+  (the real part of a complex log ψ). As in FermiNet, the rule's primal outputs are not the
+  function's: `aux.clipped_energy` is a scalar there, and a complex energy becomes its real
+  part, which `jax.grad` accepts. Without `tag`, the rule registers nothing."""
+
+  @jax.custom_jvp
+  def total_energy(params, batch):
+    e_l = local_energy(params, batch)
+    loss = jnp.mean(e_l)
+    diff = e_l - loss
+    return loss, VmcAux(loss, jnp.mean(diff * jnp.conj(diff)).real, e_l, e_l)
+
+  @total_energy.defjvp
+  def total_energy_jvp(primals, tangents):
+    params, batch = primals
+    loss, aux = total_energy(params, batch)
+    centre, diff = _clipped(aux.local_energy, clip)
+    aux = aux._replace(clipped_energy=centre)
+    psi, psi_dot = jax.jvp(lambda p: log_psi(p, batch), (params,), (tangents[0],))
+    n = aux.local_energy.shape[0]
+    if tag:
+      kfac_jax.register_normal_predictive_distribution(psi.real[:, None])
+    if jnp.iscomplexobj(psi):
+      grad = 2.0 * jnp.real(jnp.dot(diff, jnp.conj(psi_dot))) / n
+      return (loss.real, aux), (grad, aux)
+    return (loss, aux), (2.0 * jnp.dot(psi_dot, diff) / n, aux)
+
+  return total_energy
+
+
+def _phase_log_psi(vmc, system):
+  """A complex log ψ: FermiNet-class log|ψ| plus `log(u + i v)` from a small dense head on
+  the walkers' coordinates."""
+
+  def log_psi(params, batch):
+    r = batch["r"]
+    head = params["phase"]
+    h = jnp.tanh(r.reshape(r.shape[0], -1) @ head["w1"] + head["b1"])
+    uv = h @ head["w2"] + head["b2"]
+    return vmc.log_psi(params, r, batch["atoms"], system.spins) + jnp.log(
+      jax.lax.complex(uv[:, 0], uv[:, 1])
+    )
+
+  return log_psi
+
+
+def _complex_local_energy(log_psi: Callable, system):
+  """E_L = −½ (∇² log ψ + (∇ log ψ)²) + V of a complex log ψ, by forward-mode derivatives."""
+  charges = jnp.asarray(system.charges)
+
+  def local_energy(params, batch):
+    from examples import vmc
+
+    r, atoms = batch["r"], batch["atoms"]
+    shape = r.shape[1:]
+
+    def one(y):
+      return log_psi(params, {"r": y.reshape((1,) + shape), "atoms": atoms})[0]
+
+    def kinetic(x):
+      grad = jax.jacfwd(one)
+      g = grad(x)
+      cols = jax.vmap(lambda e: jax.jvp(grad, (x,), (e,))[1])(jnp.eye(x.size, dtype=x.dtype))
+      return -0.5 * (jnp.trace(cols) + g @ g)
+
+    return jax.vmap(kinetic)(r.reshape(r.shape[0], -1)) + vmc.potential(r, atoms, charges)
+
+  return local_energy
+
+
+def vmc_ferminet_loss(complex_output: bool = False, tag: bool = True, walkers: int = N):
+  """FermiNet's loss on Li with a small FermiNet-class network (examples/vmc.py): `(loss_fn,
+  params, batch, log_psi)`, `loss_fn` = `vmc_total_energy` returning `(E, VmcAux)`; with
+  `complex_output`, log ψ has a phase (`_phase_log_psi`); without `tag`, the rule registers
+  nothing."""
+  from examples import vmc
+
+  system = vmc.SYSTEMS["Li"]
+  params = vmc.init_params(_key(0), system, vmc.Net(one=8, two=4, layers=2, determinants=2))
+  batch = {"r": vmc.init_walkers(_key(1), system, walkers), "atoms": jnp.asarray(system.atoms)}
+  charges = jnp.asarray(system.charges)
+  if complex_output:
+    k1, k2 = jax.random.split(_key(2))
+    params["phase"] = {
+      "w1": jax.random.normal(k1, (9, 4)) / 3.0,
+      "b1": jnp.zeros(4),
+      "w2": jax.random.normal(k2, (4, 2)) / 2.0,
+      "b2": jnp.asarray([1.0, 0.5]),
+    }
+    log_psi = _phase_log_psi(vmc, system)
+    energy = _complex_local_energy(log_psi, system)
+  else:
+
+    def log_psi(params, batch):
+      return vmc.log_psi(params, batch["r"], batch["atoms"], system.spins)
+
+    def energy(params, batch):
+      return vmc.local_energy(params, batch["r"], batch["atoms"], charges, system.spins)
+
+  return vmc_total_energy(log_psi, energy, tag=tag), params, batch, log_psi
+
+
+def _vmc_expected(extra=()):
+  dense = lambda prefix: ("dense", "kron", (f"{prefix}/w", f"{prefix}/b"))  # noqa: E731
+  expected = [dense("layers/0/one"), dense("layers/0/two"), dense("layers/1/one")]
+  for spin in ("down", "up"):
+    expected.append(dense(f"orbitals/{spin}/dense"))
+    expected += [("scale_and_shift", "full", (f"orbitals/{spin}/{n}",)) for n in ("pi", "sigma")]
+  return expected + list(extra)
+
+
+def vmc_ferminet_aux() -> Zoo:
+  """FermiNet's loss as FermiNet writes it (`vmc_total_energy`): a custom_jvp returning
+  `(E, VmcAux)` with per-walker local energies, clipped around their median in the rule, whose
+  aux differs from the function's (a scalar `clipped_energy`); the tag on log|ψ| in the rule.
+  The aux is FermiNet's diagnostics, not model state: not trained here (`train_step` would feed
+  it back as `batch["state"]`)."""
+  loss_fn, params, batch, _ = vmc_ferminet_loss()
+  return Zoo(loss_fn, params, batch, _vmc_expected(), has_aux=True)
+
+
+def vmc_ferminet_complex() -> Zoo:
+  """`vmc_ferminet_aux` with a complex log ψ (a phase head): the energy and its local values
+  are complex in the function, real in the rule, and the tag is on Re log ψ = log|ψ|."""
+  loss_fn, params, batch, _ = vmc_ferminet_loss(complex_output=True)
+  phase = [("dense", "kron", ("phase/w1", "phase/b1")), ("dense", "kron", ("phase/w2", "phase/b2"))]
+  return Zoo(loss_fn, params, batch, _vmc_expected(phase), has_aux=True)
+
+
 STRUCTURE_MODELS = {
+  "vmc_ferminet_aux": vmc_ferminet_aux,
+  "vmc_ferminet_complex": vmc_ferminet_complex,
   "vmc_ferminet": vmc_ferminet,
   "vmc_ferminet_anisotropic": vmc_ferminet_anisotropic,
   "haiku_mlp": haiku_mlp,
@@ -2750,5 +2917,133 @@ STRUCTURE_MODELS.update(
     "map_head_linen": map_head_linen,
     "t5_relative_bias_linen": t5_relative_bias_linen,
     "gpt2_positions_linen": gpt2_positions_linen,
+  }
+)
+
+
+# -- physics-informed networks written per point ----------------------------------------------
+# The operators as most PINN code writes them: a function of one point, differentiated with
+# `jax.jvp`, `jax.grad` or `jax.hessian` and vmapped over the points. `jax.vmap` hoists a
+# product by a constant tangent direction or seed out of the batch, and a reverse-mode
+# derivative reads each kernel transposed; both are uses of one shared dense layer.
+
+PINN_SIZES = (2, 8, 1)
+
+
+def _pinn_point(params, y):
+  """The network of `examples/pinn_poisson.py` at one point `y: [d]`, a scalar."""
+  for i, p in enumerate(params):
+    y = y @ p["w"] + p["b"]
+    if i < len(params) - 1:
+      y = jnp.tanh(y)
+  return y[0]
+
+
+def _laplacian_vmap_jvp(params, x):
+  """Nested `jax.jvp` along each axis at one point, vmapped."""
+
+  def one(y):
+    u = lambda z: _pinn_point(params, z)  # noqa: E731
+    eye = jnp.eye(y.shape[0], dtype=y.dtype)
+    du = lambda z, e: jax.jvp(u, (z,), (e,))[1]  # noqa: E731
+    return sum(jax.jvp(lambda z, e=e: du(z, e), (y,), (e,))[1] for e in eye)
+
+  return jax.vmap(one)(x)
+
+
+def _laplacian_hessian(params, x):
+  return jax.vmap(lambda y: jnp.trace(jax.hessian(lambda z: _pinn_point(params, z))(y)))(x)
+
+
+def _pinn_poisson_zoo(laplacian, expected_approx="kron_terms") -> Zoo:
+  """The 2-d Poisson problem of `pinn_poisson` (16 interior, 8 boundary points, float32) with
+  the Laplacian `laplacian(params, x)`."""
+  from examples import pinn_poisson as pp
+
+  def loss_fn(params, batch):
+    x = batch["interior"]
+    residual = (laplacian(params, x) + pp.source(x))[:, None]
+    kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
+    u = jax.vmap(lambda y: _pinn_point(params, y))(batch["boundary"])[:, None]
+    kfac_jax.register_normal_predictive_distribution(u, var=1.0)
+    return 0.5 * jnp.mean(residual**2) + 0.5 * jnp.mean(u**2)
+
+  params = pp.init_params(0, PINN_SIZES, jnp.float32)
+  batch = pp.make_problem(0, n_interior=16, n_boundary=8, dtype=jnp.float32).batch
+  expected = [("dense", expected_approx, (f"{i}/w", f"{i}/b")) for i in range(2)]
+  return Zoo(loss_fn, params, batch, expected)
+
+
+def pinn_vmap_jvp() -> Zoo:
+  """The per-point Laplacian by nested `jax.jvp` under `jax.vmap`: the first layer's tangent
+  products are computed once for all points (hoisted), tapped where each point reads them."""
+  return _pinn_poisson_zoo(_laplacian_vmap_jvp)
+
+
+def pinn_hessian() -> Zoo:
+  """The Laplacian as the trace of `jax.hessian` (jacfwd of jacrev) per point: each kernel is
+  also read transposed by the backward pass, and the output layer's backward seed is hoisted."""
+  return _pinn_poisson_zoo(_laplacian_hessian)
+
+
+def pinn_grad_grad() -> Zoo:
+  """The 1-d Poisson problem −u'' = π² sin(πx) on [0, 1], u(0) = u(1) = 0, with u'' by
+  `jax.vmap(jax.grad(jax.grad(u)))` (reverse over reverse)."""
+  from examples import pinn_poisson as pp
+
+  def loss_fn(params, batch):
+    x = batch["interior"]
+    u = lambda t: _pinn_point(params, t[None])  # noqa: E731
+    residual = (jax.vmap(jax.grad(jax.grad(u)))(x) + jnp.pi**2 * jnp.sin(jnp.pi * x))[:, None]
+    kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
+    ub = jax.vmap(u)(batch["boundary"])[:, None]
+    kfac_jax.register_normal_predictive_distribution(ub, var=1.0)
+    return 0.5 * jnp.mean(residual**2) + 0.5 * jnp.mean(ub**2)
+
+  params = pp.init_params(0, (1, 8, 1), jnp.float32)
+  batch = {
+    "interior": jnp.linspace(0.05, 0.95, 16, dtype=jnp.float32),
+    "boundary": jnp.array([0.0, 1.0] * 4, jnp.float32),
+  }
+  expected = [("dense", "kron_terms", (f"{i}/w", f"{i}/b")) for i in range(2)]
+  return Zoo(loss_fn, params, batch, expected)
+
+
+def pinn_heat() -> Zoo:
+  """The heat equation u_t = u_xx on points `(t, x)`, per point: u_t from `jax.grad`, u_xx
+  from `jax.hessian`, vmapped; boundary (x = 0, 1) and initial (t = 0) terms. Three loss
+  tags: the shared layers pool them ("kron_indep")."""
+  from examples import pinn_poisson as pp
+
+  def loss_fn(params, batch):
+    p = batch["interior"]
+    u = lambda y: _pinn_point(params, y)  # noqa: E731
+    residual = jax.vmap(lambda y: jax.grad(u)(y)[0] - jax.hessian(u)(y)[1, 1])(p)[:, None]
+    kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
+    ub = jax.vmap(u)(batch["boundary"])[:, None]
+    kfac_jax.register_normal_predictive_distribution(ub, var=1.0)
+    p0 = batch["initial"]
+    u0 = (jax.vmap(u)(p0) - jnp.sin(jnp.pi * p0[:, 1]))[:, None]
+    kfac_jax.register_normal_predictive_distribution(u0, var=1.0)
+    return 0.5 * (jnp.mean(residual**2) + jnp.mean(ub**2) + jnp.mean(u0**2))
+
+  params = pp.init_params(0, PINN_SIZES, jnp.float32)
+  grid = np.linspace(0.1, 0.9, 4, dtype=np.float32)
+  edge = np.linspace(0.0, 1.0, 8, dtype=np.float32)
+  batch = {
+    "interior": jnp.asarray(np.stack(np.meshgrid(grid, grid), -1).reshape(-1, 2)),
+    "boundary": jnp.asarray(np.stack([edge, np.arange(8) % 2], 1).astype(np.float32)),
+    "initial": jnp.asarray(np.stack([np.zeros(8, np.float32), edge], 1)),
+  }
+  expected = [("dense", "kron_indep", (f"{i}/w", f"{i}/b")) for i in range(2)]
+  return Zoo(loss_fn, params, batch, expected)
+
+
+STRUCTURE_MODELS.update(
+  {
+    "pinn_vmap_jvp": pinn_vmap_jvp,
+    "pinn_hessian": pinn_hessian,
+    "pinn_grad_grad": pinn_grad_grad,
+    "pinn_heat": pinn_heat,
   }
 )

@@ -12,6 +12,8 @@ from jax.flatten_util import ravel_pytree
 import kfac_jax
 from tests import _models
 
+pytestmark = pytest.mark.numerics  # Run again with XLA's optimizations on.
+
 KINDS = ["categorical", "bernoulli", "normal"]
 VAR = 0.3
 ALL_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")

@@ -154,7 +154,14 @@ def test_check_sequence_cheapest_first():
     engine.check(bound, state, expected)
   with pytest.raises(ValueError, match="pass `rng`"):
     engine.check(bound, state, expected, batch=batch)
+  with pytest.raises(
+    TypeError, match=r"`rng` must be a jax.random key, got an array of shape \(3,\)"
+  ):
+    engine.check(bound, state, expected, batch=batch, rng=jnp.ones(3))
+  with pytest.raises(TypeError, match="`batch` is a key: pass the data as `batch=`"):
+    engine.check(bound, state, expected, batch=jax.random.key(0), rng=batch)
   engine.check(bound, state, expected, batch=batch, rng=jax.random.key(0))  # Fits.
+  engine.check(bound, state, expected, batch=batch, rng=jax.random.PRNGKey(0))  # A raw key.
   with pytest.raises(ValueError, match="is not a state of this model"):
     other = state._replace(curvature=state.curvature._replace(factors={}))
     engine.check(bound, other, expected, batch=batch, rng=jax.random.key(0))

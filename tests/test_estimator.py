@@ -11,6 +11,8 @@ import kfac_jax
 from kfac_jax.blocks import _base as _block_base
 from tests import _models
 
+pytestmark = pytest.mark.numerics  # Run again with XLA's optimizations on.
+
 
 def _linen_setup(n=1, dtype=jnp.float64, sizes=(5, 3), din=4):
   model = _models.LinenMLP(sizes)

@@ -10,6 +10,8 @@ from kfac_jax import _losses
 from kfac_jax.scan import _scanner
 from tests import _models
 
+pytestmark = pytest.mark.numerics  # Run again with XLA's optimizations on.
+
 
 def _tagged_loss(kind, y, w):
   if kind == "softmax":

@@ -66,8 +66,15 @@ def _ggn(loss_fn, apply_fn, params, batch):
   ids=["linear", "mlp", "linear-fixed-momentum"],
 )
 def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
+  """A loss with an L2 term `(η/2)‖θ‖²` and `l2_reg=η` (kfac-jax's meaning): the gradient is the
+  loss's, the model's curvature `G + (λ + η) I`."""
   params, batch, loss_fn = _mlp_problem(jnp.float64, sizes)
   eta, lam = 0.01, 0.3
+  tagged_loss = loss_fn
+
+  def loss_fn(p, b):
+    return tagged_loss(p, b) + 0.5 * eta * sum(jnp.sum(x**2) for x in jax.tree_util.tree_leaves(p))
+
   opt = kfac_jax.Optimizer(
     loss_fn,
     batch,
@@ -83,14 +90,13 @@ def test_alpha_mu_match_closed_form_2x2(x64, sizes, momentum):
   assert float(i0["momentum"]) == (momentum or 0.0)
   flat0, unravel = ravel_pytree(p0)
   flat0, flat1 = np.asarray(flat0), np.asarray(ravel_pytree(p1)[0])  # Host arithmetic below.
-  grad_h = lambda f: jax.grad(lambda q: loss_fn(unravel(q), batch))(f) + eta * f
+  grad_h = jax.grad(lambda f: loss_fn(unravel(f), batch))
 
+  curv = _ggn(tagged_loss, _models.jnp_mlp_apply, p1, batch)
   if len(sizes) == 2:
-    # A linear model: the loss Hessian is the Gauss-Newton matrix.
-    curv = _models.jit_hessian(lambda f: loss_fn(unravel(f), batch))(flat1)
-    np.testing.assert_allclose(curv, _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch), atol=1e-12)
-  else:
-    curv = _ggn(loss_fn, _models.jnp_mlp_apply, p1, batch)
+    # A linear model: the loss Hessian is the Gauss-Newton matrix plus the L2 term's η I.
+    hess = _models.jit_hessian(lambda f: loss_fn(unravel(f), batch))(flat1)
+    np.testing.assert_allclose(hess, curv + eta * np.eye(flat1.size), atol=1e-12)
   g_hat = np.asarray(curv) + (lam + eta) * np.eye(flat1.size)
 
   # Second step: Δ from the inverses in the returned state, δ_prev from the first step.
@@ -242,6 +248,43 @@ def test_linear_least_squares_lands_on_minimiser(x64):
   assert float(info["momentum"]) == 0.0
 
 
+def test_l2_reg_is_the_curvature_of_the_losss_l2_term(x64):
+  """A script migrated from kfac-jax: the loss adds `(η/2)‖θ‖²` and `l2_reg=η` tells the
+  optimizer its curvature η I, nothing more. On ridge regression (exact statistics and damping:
+  K-FAC is Newton's method) one step from any θ lands on the ridge minimiser with α = 1 and
+  ρ = 1; η counted twice (in the gradient, or in h for ρ) lands elsewhere."""
+  rng = _models.np_rng(4)  # On the host: each eager op would compile a program of its own.
+  x = rng.standard_normal((40, 5))
+  y = x @ rng.standard_normal((5, 2)) + 0.3 * rng.standard_normal((40, 2)) + 1.0
+  batch = jax.device_put({"x": x, "y": y})
+  eta = 0.3
+
+  def loss_fn(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"]
+    kfac_jax.register_squared_error_loss(pred, batch["y"])
+    l2 = sum(jnp.sum(p**2) for p in jax.tree_util.tree_leaves(params))
+    return jnp.mean(jnp.sum((pred - batch["y"]) ** 2, axis=-1)) + 0.5 * eta * l2
+
+  params = jax.device_put({"w": rng.standard_normal((5, 2)), "b": rng.standard_normal(2)})
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  cfg = kfac_jax.Config(damping_mode="eigen", damping_adaptation_interval=1)
+  opt = kfac_jax.Optimizer(registration=reg, damping=1e-8, l2_reg=eta, config=cfg)
+  state = jax.jit(opt.init)(params)  # Jitted: eager ops compile one by one.
+  new_params, new_state, info = jax.jit(opt.step)(params, state, batch, None)
+
+  # argmin (1/n) Σ ‖[x 1] θ − y‖² + (η/2)‖θ‖²  =  (2/n XᵀX + η I)⁻¹ (2/n) Xᵀy.
+  xb = np.concatenate([x, np.ones((40, 1))], axis=1)
+  ridge = np.linalg.solve(2 / 40 * xb.T @ xb + eta * np.eye(6), 2 / 40 * xb.T @ y)
+  np.testing.assert_allclose(new_params["w"], ridge[:5], rtol=1e-6, atol=1e-8)
+  np.testing.assert_allclose(new_params["b"], ridge[5], rtol=1e-6, atol=1e-8)
+  np.testing.assert_allclose(info["learning_rate"], 1.0, rtol=1e-6)
+  np.testing.assert_allclose(info["rho"], 1.0, rtol=1e-6)
+  np.testing.assert_allclose(info["loss"], float(jax.jit(loss_fn)(params, batch)), rtol=1e-12)
+  assert int(new_state.skipped) == 0
+  (cache,) = new_state.curvature.cache.values()
+  np.testing.assert_allclose(cache.damping, 1e-8 + eta)
+
+
 # --------------------------------------------------------------------------------------------
 # Damping, norm constraint, weight decay, schedules.
 
@@ -319,9 +362,13 @@ def test_norm_constraint_caps_the_step():
 
 
 def test_weight_decay_l2_and_schedules(x64):
-  params, batch, loss_fn = _mlp_problem(jnp.float64)
+  params, batch, tagged_loss = _mlp_problem(jnp.float64)
   lr = lambda count: 0.1 / (1.0 + count)
   wd, eta, lam = 0.01, 0.05, 0.2
+
+  def loss_fn(p, b):  # The L2 term `l2_reg` describes, in the loss (as with kfac-jax).
+    return tagged_loss(p, b) + 0.5 * eta * sum(jnp.sum(x**2) for x in jax.tree_util.tree_leaves(p))
+
   opt = kfac_jax.Optimizer(
     registration=kfac_jax.Registration(
       loss_fn, params, batch, estimation_mode="exact", check_loss=False
@@ -338,9 +385,7 @@ def test_weight_decay_l2_and_schedules(x64):
 
   @jax.jit  # One program for the expected step: eager operations would compile one by one.
   def expected(p0, curvature, lr):
-    g = jax.grad(loss_fn)(p0, batch)
-    grad_h = jax.tree_util.tree_map(lambda a, p: a + eta * p, g, p0)
-    delta = opt.estimator.multiply_matpower(curvature, grad_h, -1)
+    delta = opt.estimator.multiply_matpower(curvature, jax.grad(loss_fn)(p0, batch), -1)
     return jax.tree_util.tree_map(lambda p, d: p - lr * d - wd * p, p0, delta)
 
   for t, (p0, _, p1, s1, info) in enumerate(history):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from kfac_jax._specs import LayerSpec
 from kfac_jax.blocks import _layouts
@@ -325,7 +326,7 @@ class Block(abc.ABC):
     (`cache` as in `batch_factors`)."""
     dtype = self.config.inverse_dtype
     like = [jax.ShapeDtypeStruct(s, dtype) for s in self.spec.param_shapes]
-    factors = cast_tree(factors, dtype)
+    factors = optax.tree_utils.tree_cast(factors, dtype)
 
     def column(e):
       return flat(self.multiply_undamped(factors, unflat(e, like), cache), dtype)
@@ -380,11 +381,6 @@ def map_factorisations(fn, *args):
   return jax.lax.map(lambda a: fn(*a), args)
 
 
-def cast_tree(tree, dtype):
-  """Every leaf of `tree` in `dtype` (no-op for leaves already in it)."""
-  return jax.tree_util.tree_map(lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
-
-
 def compute_caches(
   blocks: Sequence[Block], indices: Sequence[int], factors: Sequence[Any], damping: Array
 ) -> dict[int, Any]:
@@ -397,7 +393,7 @@ def compute_caches(
   out = {}
   for idx in groups.values():
     block = blocks[idx[0]]
-    cast = [cast_tree(factors[i], block.config.inverse_dtype) for i in idx]
+    cast = [optax.tree_utils.tree_cast(factors[i], block.config.inverse_dtype) for i in idx]
     if len(idx) == 1 or not batched_factorisations():
       for i, f in zip(idx, cast):
         out[i] = block.compute_cache(f, damping)

@@ -301,9 +301,12 @@ PER_EXAMPLE_KINDS: tuple[Kind, ...] = tuple(lay.kind for lay in LAYOUTS if lay.p
 
 def _examples_of_use(info, data, batch_size: int) -> int:
   """The examples one use's rows hold: `batch_size`, or, for a dense use on a smaller loss
-  tag's point set, its rows' leading axis (the batch axis, moved first by `x_perm`)."""
-  if not isinstance(info, _specs.DenseInfo) or info.shared_tap:
+  tag's point set, its rows' leading axis (the batch axis, moved first by `x_perm`; the output
+  gradients' examples for input rows shared by every example, `DenseInfo.shared_tap`)."""
+  if not isinstance(info, _specs.DenseInfo):
     return batch_size
+  if info.shared_tap:
+    return data[1].shape[1]
   x = data[0][0]
   if (x.size // info.in_dim) % batch_size == 0:
     return batch_size
@@ -325,7 +328,14 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
     for info, d in zip(spec.use_infos, data):
       n = _examples_of_use(info, d, batch_size)
       one = dataclasses.replace(spec, info=info, num_uses=1, use_infos=())
+      flipped = getattr(info, "transposed", False) and spec.has_bias
+      if flipped:  # A use of the transposed kernel (its own layout says so) adds no bias.
+        one = dataclasses.replace(
+          one, leaf_indices=spec.leaf_indices[:1], param_shapes=spec.param_shapes[:1]
+        )
       h = per_example_grads(one, d, n, dtype)
+      if flipped:
+        h = jnp.pad(h, ((0, 0), (0, math.prod(spec.param_shapes[1]))))
       groups[n] = h if n not in groups else groups[n] + h
     return jnp.concatenate(list(groups.values()), axis=0)
   if isinstance(spec.info, _specs.ScaleShiftInfo):

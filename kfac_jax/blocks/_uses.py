@@ -16,6 +16,14 @@ tied embedding: `onehot(id) M` and `h Mᵀ`), use u contributes `X_u ⊗ Y_u` in
 (lookup: X = id counts / R, Y = its G; transposed product: X = diag of its G, Y = its A), each
 rescaled to equal mean diagonals (X_u c_u, Y_u / c_u), then X = mean_u X_u, Y = Σ_u Y_u; the
 vocabulary side stays diagonal. The series blocks (`_shared`) use these A and G too.
+
+A dense layer read transposed by a reverse-mode derivative (`DenseInfo.transposed`: the
+backward pass of `z = a W` computes `δa = δz Wᵀ`) contributes `(∂ℓ/∂δa) δzᵀ` to W's gradient:
+its output gradients take the input side and its inputs the output side, A_t = (1/N) Σ ḡ ḡᵀ
+(ḡ = [∂ℓ/∂δa, 0]) and G_t = Σ δz δzᵀ / R_t, the "expand" normalisations with the roles
+exchanged; exact for one use at one point. The uses that read W as the layer does give
+(A_n, G_n) as above, and the two products, on different scales, are pooled as the tied
+table's uses are: each rescaled to equal mean diagonals, A averaged, G summed.
 """
 
 from __future__ import annotations
@@ -53,41 +61,109 @@ def use_layouts(spec) -> list[tuple[_layouts.Layout, bool]]:
 def indep_factors(spec, data, batch_size: int, dtype) -> KroneckerFactors:
   """The "kron_indep" statistics of one batch (see the module docstring)."""
   layouts = use_layouts(spec)
+  if isinstance(spec.info, _specs.EmbeddingInfo):
+    return _table_factors(layouts, data, batch_size, dtype)
+  flipped = [getattr(inf, "transposed", False) for inf in spec.use_infos]
+  if isinstance(data, StackedUses) or not any(flipped):
+    a, g = _expand(spec, layouts, spec.use_infos, data, batch_size, dtype)
+    if layouts[0][0].groups == 1:  # One group: no group axis.
+      a, g = a[0], g[0]
+    return KroneckerFactors(a=a, g=g)
+  # A reverse-mode derivative's uses read the kernel transposed (dense layers: one group).
+  parts = []
+  kept = [u for u, f in enumerate(flipped) if not f]
+  if kept:
+    a, g = _expand(
+      spec,
+      [layouts[u] for u in kept],
+      [spec.use_infos[u] for u in kept],
+      [data[u] for u in kept],
+      batch_size,
+      dtype,
+    )
+    parts.append((a[0], g[0]))
+  parts.append(_transposed_factors(spec, layouts, flipped, data, batch_size, dtype))
+  return _pooled(parts)
+
+
+def _expand(spec, layouts, infos, data, batch_size: int, dtype):
+  """`(A, G)` per feature group of uses that read the parameter matrix as the layer does: A
+  over the rows of every use (homogeneous coordinate 0 for a use without the bias), G summed
+  over the uses."""
 
   def output_factor(g):  # Σ g gᵀ / (S N) per group.
     return _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
 
-  if not isinstance(spec.info, _specs.EmbeddingInfo):  # Per feature group (grouped convs).
-    if isinstance(data, StackedUses):  # T equal uses inside one scan: every step's rows at once.
-      layout = layouts[0][0]
-      x, g = jax.vmap(lambda xs, gg: layout.rows((xs, gg), dtype), in_axes=(0, 1))(
-        data.inputs, data.g
-      )  # x: [T, R, groups, in]; g: [T, S, R, groups, out]
-      g = jnp.moveaxis(g, 0, 1)
-      rows = [(x.reshape((-1,) + x.shape[2:]), g.reshape((g.shape[0], -1) + g.shape[3:]))]
-    else:
-      rows = [layout.rows(d, dtype) for (layout, _), d in zip(layouts, data)]
-    if spec.has_bias and not all(getattr(inf, "adds_bias", True) for inf in spec.use_infos):
-      # Tangent channels: the uses without the bias get a homogeneous coordinate of 0.
-      a_sum: Any = sum(
-        _linalg.gram(x, True, 1.0 if inf.adds_bias else 0.0)
-        for (x, _), inf in zip(rows, spec.use_infos)
-      )
-      a = a_sum / sum(x.shape[0] for x, _ in rows)
-      g = sum(output_factor(g) for _, g in rows)
-    elif len({(x.shape[1:], g.shape[0], g.shape[2:]) for x, g in rows}) == 1:
-      # Rows of every use in one matrix: one product per factor, however many uses (the T
-      # steps of a scan), instead of one per use.
-      x = jnp.concatenate([x for x, _ in rows])
-      a = _linalg.gram(x, spec.has_bias) / x.shape[0]
-      g = output_factor(jnp.concatenate([g for _, g in rows], axis=1))
-    else:
-      a_sum = sum(_linalg.gram(x, spec.has_bias) for x, _ in rows)
-      a = a_sum / sum(x.shape[0] for x, _ in rows)
-      g = sum(output_factor(g) for _, g in rows)
-    if layouts[0][0].groups == 1:  # One group: no group axis.
-      a, g = a[0], g[0]
-    return KroneckerFactors(a=a, g=g)
+  if isinstance(data, StackedUses):  # T equal uses inside one scan: every step's rows at once.
+    layout = layouts[0][0]
+    x, g = jax.vmap(lambda xs, gg: layout.rows((xs, gg), dtype), in_axes=(0, 1))(
+      data.inputs, data.g
+    )  # x: [T, R, groups, in]; g: [T, S, R, groups, out]
+    g = jnp.moveaxis(g, 0, 1)
+    rows = [(x.reshape((-1,) + x.shape[2:]), g.reshape((g.shape[0], -1) + g.shape[3:]))]
+  else:
+    rows = [layout.rows(d, dtype) for (layout, _), d in zip(layouts, data)]
+  if spec.has_bias and not all(getattr(inf, "adds_bias", True) for inf in infos):
+    # Tangent channels: the uses without the bias get a homogeneous coordinate of 0.
+    a_sum: Any = sum(
+      _linalg.gram(x, True, 1.0 if inf.adds_bias else 0.0) for (x, _), inf in zip(rows, infos)
+    )
+    return a_sum / sum(x.shape[0] for x, _ in rows), sum(output_factor(g) for _, g in rows)
+  if len({(x.shape[1:], g.shape[0], g.shape[2:]) for x, g in rows}) == 1:
+    # Rows of every use in one matrix: one product per factor, however many uses (the T
+    # steps of a scan), instead of one per use.
+    x = jnp.concatenate([x for x, _ in rows])
+    return (
+      _linalg.gram(x, spec.has_bias) / x.shape[0],
+      output_factor(jnp.concatenate([g for _, g in rows], axis=1)),
+    )
+  a_sum = sum(_linalg.gram(x, spec.has_bias) for x, _ in rows)
+  return a_sum / sum(x.shape[0] for x, _ in rows), sum(output_factor(g) for _, g in rows)
+
+
+def _transposed_factors(spec, layouts, flipped, data, batch_size: int, dtype):
+  """`(A, G)` of the uses that read the kernel matrix transposed, `δa = δz Wᵀ`: the gradient
+  of W is `(∂ℓ/∂δa) δzᵀ`, so the output gradient takes the input's place,
+  A = (1/(S N)) Σ ḡ ḡᵀ (ḡ = [∂ℓ/∂δa, 0]: the bias is not used), and the input the output
+  gradient's, G = Σ δz δzᵀ / R over the R rows of these uses."""
+  a_sum: Any = 0.0
+  g_sum: Any = 0.0
+  rows = 0
+  for (layout, _), d, f in zip(layouts, data, flipped):
+    if not f:
+      continue
+    x, g = layout.rows(d, dtype)  # x: [R, 1, out]; g: [S, R, 1, in]
+    a_sum = a_sum + _linalg.gram(g.reshape(-1, 1, g.shape[-1]), spec.has_bias, 0.0)[0] / (
+      g.shape[0] * batch_size
+    )
+    g_sum = g_sum + _linalg.gram(x, False)[0]
+    rows += x.shape[0]
+  return a_sum, g_sum / rows
+
+
+def _pooled(parts) -> KroneckerFactors:
+  """One Kronecker product for the sum `Σ_k A_k ⊗ G_k` of products on different scales (the
+  uses that read a matrix as the layer does, and those that read it transposed): each pair
+  rescaled to equal mean diagonals (`A_k c_k`, `G_k / c_k`), then A averaged and G summed, as
+  "kron_indep" pools its uses."""
+  if len(parts) == 1:
+    return KroneckerFactors(a=parts[0][0], g=parts[0][1])
+  xs, ys = [], []
+  for a, g in parts:
+    c = _balance(a, g)
+    xs.append(a * c)
+    ys.append(g / c)
+  return KroneckerFactors(a=sum(xs) / len(xs), g=sum(ys))
+
+
+def _balance(x, y):
+  """c with `x c` and `y / c` of equal mean diagonals (1 when either is 0)."""
+  tx, ty = _linalg.mean_diag(x), _linalg.mean_diag(y)
+  ok = (tx > 0) & (ty > 0)
+  return jnp.where(ok, jnp.sqrt(jnp.where(ok, ty, 1.0) / jnp.where(ok, tx, 1.0)), 1.0)
+
+
+def _table_factors(layouts, data, batch_size: int, dtype) -> KroneckerFactors:
   # Embedding table [vocab, dim], possibly tied with products by the (transposed) table.
   xs, ys = [], []
   for (layout, transposed), d in zip(layouts, data):
@@ -104,9 +180,7 @@ def indep_factors(spec, data, batch_size: int, dtype) -> KroneckerFactors:
       ys.append(gg)
   if any(t for _, t in layouts):
     for u in range(len(xs)):
-      tx, ty = _linalg.mean_diag(xs[u]), _linalg.mean_diag(ys[u])
-      ok = (tx > 0) & (ty > 0)
-      c = jnp.where(ok, jnp.sqrt(jnp.where(ok, ty, 1.0) / jnp.where(ok, tx, 1.0)), 1.0)
+      c = _balance(xs[u], ys[u])
       xs[u], ys[u] = xs[u] * c, ys[u] / c
   return KroneckerFactors(a=sum(xs) / len(xs), g=sum(ys))
 

@@ -178,8 +178,8 @@ def scale_by_kernel_ngd(
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
-      registers it with the default settings but `estimation_mode="exact"` (every output of
-      every example: no sampling noise; see `kfac_jax.Registration`).
+      registers it in the exact estimation mode (every output of every example: no sampling
+      noise), the other settings the defaults (see `kfac_jax.Registration`).
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     damping: λ > 0, a number or a schedule `count -> λ`.
     momentum: μ in [0, 1), a number or a schedule: SPRING's decay of the previous direction
@@ -200,8 +200,8 @@ def scale_by_kernel_ngd(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `ScaleByKernelNgdState`. Its
-    `update(updates, state, params, *, batch, rng=None)` takes the gradient as `updates`
-    and the batch it was computed on (`rng` for a sampled estimation mode).
+    `update` takes the gradient as `updates`, the `params`, and the batch it was computed on
+    as `batch=` (with `rng=` for a sampled estimation mode).
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state

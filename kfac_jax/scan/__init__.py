@@ -27,11 +27,11 @@ from kfac_jax._specs import (
   UncoveredParametersWarning,
   param_paths,
 )
-from kfac_jax.scan._graph import FlatEqn, FlatGraph, aval_of, is_key
+from kfac_jax.scan._graph import FlatEqn, FlatGraph, HoistedTap, aval_of, is_key
 from kfac_jax.scan._kinds import KINDS, Approximation, Kind, LayerKind
 from kfac_jax.scan._layer_config import LayerConfig
 from kfac_jax.scan._layer_config import check as check_layer_config
-from kfac_jax.scan._scanner import ScanResult, scan
+from kfac_jax.scan._scanner import ScanResult, scan, tag_names
 
 __all__ = [
   "KINDS",
@@ -39,6 +39,7 @@ __all__ = [
   "FallbackInfo",
   "FlatEqn",
   "FlatGraph",
+  "HoistedTap",
   "Kind",
   "LayerConfig",
   "LayerKind",
@@ -53,4 +54,5 @@ __all__ = [
   "is_key",
   "param_paths",
   "scan",
+  "tag_names",
 ]

@@ -20,6 +20,12 @@ from kfac_jax.scan import _graph
 
 BatchAxis = tuple[int, int]  # (axis, inner)
 
+# Elementwise equations of several operands, which broadcast their operands' unit axes.
+ELEMENTWISE = frozenset(
+  {"add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "select_n"}
+  | {"nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge"}
+)
+
 # Equations whose outputs are not followed even when a shape matches an input's (and scatters).
 _OPAQUE = frozenset(
   {"while", "cond", "scan", "fft", "all_gather", "all_to_all", "psum", "pmean", "ppermute"}
@@ -101,13 +107,23 @@ def _one(ins) -> BatchAxis | None:
 
 def _same_shape(fe, ins) -> list[BatchAxis | None]:
   """Elementwise and other shape-keeping equations: an output of a tagged input's shape takes
-  its tag (all tagged inputs of that shape agreeing)."""
+  its tag (all tagged inputs of that shape agreeing). An elementwise equation that broadcasts
+  unit axes of an operand (`jax.vmap` multiplies a value computed once for every example,
+  given a unit batch axis, by a batched one) passes the tag of an operand of the output's rank
+  whose batch axis it does not broadcast."""
   if fe.name in _OPAQUE or fe.name.startswith("scatter"):
     return [None] * len(fe.outs)
   out = []
   for key in fe.outs:
     shape = tuple(key[1].aval.shape)
-    out.append(_one([t for a, t in zip(fe.ins, ins) if t is not None and _shape(a) == shape]))
+    found = [t for a, t in zip(fe.ins, ins) if t is not None and _shape(a) == shape]
+    if not found and fe.name in ELEMENTWISE:
+      found = [
+        t
+        for a, t in zip(fe.ins, ins)
+        if t is not None and len(_shape(a)) == len(shape) and _shape(a)[t[0]] == shape[t[0]]
+      ]
+    out.append(_one(found))
   return out
 
 

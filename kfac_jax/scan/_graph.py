@@ -83,10 +83,45 @@ class _SynthEqn:
 _SCAN_SLICE = _SynthPrimitive("scan_slice")
 _SCAN_CARRY = _SynthPrimitive("scan_carry")
 _SCAN_STACK = _SynthPrimitive("scan_stack")
+# A custom call's output that repeats another (`return loss, Aux(energy=loss)`): its own key.
+_OUTPUT_COPY = _SynthPrimitive("copy")
 
 
 def is_key(atom: Atom) -> bool:
   return isinstance(atom, tuple)
+
+
+@dataclasses.dataclass(frozen=True)
+class HoistedTap:
+  """The tap of a layer output computed once for every example: a product `jax.vmap` hoisted
+  out of the batch (a tangent direction of `jax.jvp` or `jax.jacfwd`, or a reverse-mode seed,
+  is one constant for every point).
+
+  The value reaches the batched computation through layout operations only, at `keys`, each
+  read only by elementwise equations that broadcast it along their batch axis. The curvature
+  pass adds to each key a zero perturbation of shape `shapes[j]` (the key's shape, its axis
+  `axes[j]` the batch's), so that each example reads a copy of its own; `per_example` joins
+  the perturbations' cotangents into the output gradients `[S, N, entries]`, one example's
+  entries in order (`DenseInfo.shared_tap` says which entry of the product each is).
+  """
+
+  keys: tuple[Key, ...]
+  axes: tuple[int, ...]
+  shapes: tuple[tuple[int, ...], ...]
+
+  def zeros(self) -> tuple[jax.Array, ...]:
+    """The zero perturbations, one per key, in its dtype."""
+    return tuple(jnp.zeros(s, k[1].aval.dtype) for k, s in zip(self.keys, self.shapes))
+
+  def per_example(self, cts: Sequence[jax.Array]) -> jax.Array:
+    """`[S, N, entries]` from the perturbations' cotangents (`[S, *shapes[j]]` each)."""
+    return jnp.concatenate(
+      [
+        jnp.moveaxis(c, a + 1, 1).reshape(c.shape[0], c.shape[a + 1], -1)
+        for c, a in zip(cts, self.axes)
+      ],
+      axis=-1,
+    )
 
 
 def constant_value(const_values: Mapping[Any, Any], atom):
@@ -190,6 +225,8 @@ class ScanGroup:
   stop: int
 
 
+# Equations kept whatever reads their outputs: the loss and layer tags.
+_ROOTS = frozenset({"kfac_loss_tag", "kfac_layer_tag"})
 # Operations that only move, reshape or cast their first operand.
 VIEW_OPS = frozenset(
   {"convert_element_type", "copy", "copy_p", "reshape", "transpose", "broadcast_in_dim", "squeeze"}
@@ -297,6 +334,10 @@ class FlatGraph:
             del eqns[start:], regions[sizes[0] :], scans[sizes[1] :], customs[sizes[2] :]
             record(FlatEqn(eqn, ins, tuple((instance, v) for v in eqn.outvars)))
             continue
+          for n, k in enumerate(outs):
+            if k in outs[:n]:  # The rule may give each of them another derivative.
+              outs[n] = (instance, eqn.outvars[n])
+              record(FlatEqn(_SynthEqn(_OUTPUT_COPY, {}), (k,), (outs[n],), fn=_identity_fn))
           customs.append(CustomCall(start, len(eqns), eqn, ins, tuple(outs)))
         alias.update(zip(eqn.outvars, outs))
         if kind == "remat" and not remat_depth[0] and len(eqns) > start:
@@ -350,8 +391,49 @@ class FlatGraph:
         v = v + perturb[k] if k in perturb else v
         seen[k] = v
       env[k] = v
-    self._run(0, len(self.eqns), env, seen, perturb, watch, unroll)
+    for lo, hi in self._live_ranges:
+      self._run(lo, hi, env, seen, perturb, watch, unroll)
     return [_read_atom(a, env) for a in self.outvars], seen
+
+  @functools.cached_property
+  def _live_ranges(self) -> tuple[tuple[int, int], ...]:
+    """The equation ranges `evaluate` runs: the top-level blocks (an equation, or a custom call,
+    remat region or scan group whole) that the outputs, a tag or an effect need, consecutive
+    ones merged. The rest is dead code (in a custom rule's trace, the rule's own call of its
+    function, which only its tangent reads), which JAX must not be asked to differentiate."""
+    spans = sorted(
+      [(c.start, c.stop, c.ins) for c in self.customs]
+      + [(r.start, r.stop, r.ins) for r in self.regions]
+      + [(g.steps[0][0], g.stop, g.xs) for g in self.scans]
+    )
+    blocks: list[tuple[int, int, list]] = []  # (start, stop, the span inputs read whole)
+    i = k = 0
+    while i < len(self.eqns):
+      stop = i + 1
+      reads: list[Atom] = []
+      while k < len(spans) and spans[k][0] < stop:  # Spans starting inside the block join it.
+        stop = max(stop, spans[k][1])
+        reads.extend(spans[k][2])
+        k += 1
+      blocks.append((i, stop, reads))
+      i = stop
+    needed = {a for a in self.outvars if is_key(a)}
+    live: list[tuple[int, int]] = []
+    for lo, hi, reads in reversed(blocks):
+      eqns = self.eqns[lo:hi]
+      if any(
+        fe.name in _ROOTS
+        or (fe.fn is None and _compat.has_effects(fe.eqn))
+        or any(k in needed for k in fe.outs)
+        for fe in eqns
+      ):
+        needed.update(a for fe in eqns for a in fe.ins if is_key(a))
+        needed.update(a for a in reads if is_key(a))
+        if live and live[-1][0] == hi:
+          live[-1] = (lo, live[-1][1])
+        else:
+          live.append((lo, hi))
+    return tuple(reversed(live))
 
   @functools.cached_property
   def scan_positions(self) -> dict[Key, tuple[int, int, int]]:

@@ -98,6 +98,10 @@ class GraphIndex:
   # Keys computed from parameters and constants alone, never with a leading axis that may be the
   # batch's (`_param_only`): not activations, no rows per example.
   param_only: frozenset[Any]
+  # Keys computed from a batch input (the rest are computed from parameters and constants).
+  from_batch: frozenset[Any]
+  # Key -> every equation reading it, on the loss slice or not (equation, operand).
+  readers: Mapping[Any, tuple[tuple[int, int], ...]]
   # Key -> (axis, inner): the batch axis followed from the batch leaves (`_batch_axes`).
   batch_axes: Mapping[Any, tuple[int, int]]
   loss_roots: tuple[Any, ...] = ()  # Per loss tag, its prediction operand.
@@ -136,10 +140,16 @@ def build(
     shapes.append(view.shape)
   uses, uses_by_eqn, blocked = _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns)
   consumers: dict[Any, list[tuple[int, int]]] = {}
-  for i in sorted(in_slice):
-    for pos, a in enumerate(graph.eqns[i].ins):
+  readers: dict[Any, list[tuple[int, int]]] = {}
+  from_batch = set(graph.invars[n_params:])
+  for i, fe in enumerate(graph.eqns):
+    for pos, a in enumerate(fe.ins):
       if _graph.is_key(a):
-        consumers.setdefault(a, []).append((i, pos))
+        readers.setdefault(a, []).append((i, pos))
+        if i in in_slice:
+          consumers.setdefault(a, []).append((i, pos))
+    if any(_graph.is_key(a) and a in from_batch for a in fe.ins):
+      from_batch.update(fe.outs)
   proxy = types.MappingProxyType
 
   def frozen_lists(d):
@@ -162,6 +172,8 @@ def build(
     uses_by_eqn=frozen_lists(uses_by_eqn),
     slice_consumers=frozen_lists(consumers),
     param_only=_param_only(graph, leaf_of_key, consts, batch_size),
+    from_batch=frozenset(from_batch),
+    readers=frozen_lists(readers),
     batch_axes=proxy(_batch_axes.batch_axes(graph, n_params, batch_size, loss_roots)),
     loss_roots=tuple(loss_roots),
   )
@@ -196,9 +208,11 @@ def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
 
 
 def tags_reached(ix: GraphIndex, key) -> frozenset[int]:
-  """The loss tags (by position) whose predictions `key` reaches on the loss slice."""
+  """The loss tags (by position) whose predictions `key` (or a `HoistedTap`'s keys) reaches on
+  the loss slice."""
   roots = {a: t for t, a in enumerate(ix.loss_roots) if _graph.is_key(a)}
-  seen, frontier, found = {key}, [key], set()
+  start = list(key.keys) if isinstance(key, _graph.HoistedTap) else [key]
+  seen, frontier, found = set(start), list(start), set()
   while frontier:
     k = frontier.pop()
     if k in roots:

@@ -415,10 +415,89 @@ def match_dense(ix, i, claimed):
     b_leaf, out_key = bias
     leaves.append(b_leaf)
   if _graph.is_key(x_atom) and x_atom in ix.param_only:
-    found = _batch_broadcast_tap(ix, out_key, info)
+    found = constant_input_tap(ix, out_key, info)
     if found is not None:
       out_key, info = found
   return Match.single("dense", leaves, info, out_key, (x_atom,))
+
+
+def constant_input_tap(ix, key, info: DenseInfo):
+  """`(tap, info with its shared_tap)` of a dense use whose input comes from parameters and
+  constants alone, whose output `key` reaches the examples through a broadcast
+  (`_batch_broadcast_tap`) or is computed once for all of them (`hoisted_tap`); else None."""
+  found = _batch_broadcast_tap(ix, key, info)
+  return found if found is not None else hoisted_tap(ix, key, info)
+
+
+def _shared_tap_bytes(info: DenseInfo, s_shape, entries: np.ndarray) -> bytes:
+  """`DenseInfo.shared_tap` for a tap whose entries read the product-output entries `entries`
+  (flat indices into `s_shape`): their positions in the `[rows, out]` matrix (`out_perm`)."""
+  n = math.prod(s_shape)
+  where = np.empty(n, np.int64)
+  where[np.arange(n).reshape(s_shape).transpose(info.out_perm).reshape(-1)] = np.arange(n)
+  return where[entries.reshape(-1)].astype(np.int32).tobytes()
+
+
+def hoisted_tap(ix, key, info: DenseInfo):
+  """`(HoistedTap, info with its shared_tap)` of a dense use whose output `key` is computed
+  once for every example (`jax.vmap` hoists a product by a constant tangent direction or seed
+  out of the batch) and reaches the batched computation through layout operations only, each
+  key it arrives at read only by elementwise equations that broadcast it along their batch
+  axis, the same for all of them; else None. Its statistics are then those of the batched form
+  (the input broadcast over the examples, `DenseLayout.rows`): each example's output gradient
+  is taken where that example reads the value (`_graph.HoistedTap`)."""
+  if key in ix.from_batch:
+    return None
+  s_shape = tuple(key[1].aval.shape)
+  outputs = {a for a in ix.g.outvars if _graph.is_key(a)}
+  todo = [(key, np.arange(math.prod(s_shape)).reshape(s_shape))]
+  keys, axes, shapes, entries = [], [], [], []
+  size = None
+  while todo:
+    k, idx = todo.pop()
+    readers = ix.readers.get(k, ())
+    meets = [ix.g.eqns[i].outs[0] in ix.from_batch for i, _ in readers]
+    if not any(meets):  # Still computed once for all examples: only layout operations.
+      for i, pos in readers:
+        fe = ix.g.eqns[i]
+        if fe.name not in _OUTPUT_VIEW_OPS or pos != 0:
+          return None
+        todo.append((fe.outs[0], _moved(idx, fe)))
+      continue
+    if k in outputs or k in ix.g.scan_positions:
+      return None  # A perturbation of another shape would change an output or a scan's step.
+    k_shape = tuple(k[1].aval.shape)
+    found = set()
+    for i, _ in readers:
+      fe = ix.g.eqns[i]
+      out = fe.outs[0]
+      tag = ix.batch_axes.get(out)
+      out_shape = tuple(out[1].aval.shape)
+      if (
+        fe.name not in _batch_axes.ELEMENTWISE
+        or out not in ix.from_batch
+        or tag is None
+        or tag[1] != 1
+        or len(out_shape) != len(k_shape)
+        or k_shape[tag[0]] not in (1, out_shape[tag[0]])
+      ):
+        return None
+      found.add((tag[0], out_shape[tag[0]]))
+    if len(found) != 1:
+      return None
+    ((b, n),) = found
+    if size not in (None, n) or not (idx == idx.take([0], axis=b)).all():
+      return None
+    size = n
+    keys.append(k)
+    axes.append(b)
+    shapes.append(k_shape[:b] + (n,) + k_shape[b + 1 :])
+    entries.append(idx.take(0, axis=b).reshape(-1))
+  if not keys:
+    return None
+  tap = _graph.HoistedTap(tuple(keys), tuple(axes), tuple(shapes))
+  shared = _shared_tap_bytes(info, s_shape, np.concatenate(entries))
+  return tap, dataclasses.replace(info, shared_tap=shared)
 
 
 def _batch_broadcast_tap(ix, key, info: DenseInfo):
@@ -434,10 +513,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
     if key not in ix.param_only and len(shape) >= 2 and shape[0] == ix.batch_size > 1:
       if not (idx == idx[:1]).all():
         return None
-      # Position of each product-output entry in the `[rows, out]` matrix (`out_perm`).
-      where = np.empty(n, np.int64)
-      where[np.arange(n).reshape(s_shape).transpose(info.out_perm).reshape(-1)] = np.arange(n)
-      tap = where[idx[0].reshape(-1)].astype(np.int32).tobytes()
+      tap = _shared_tap_bytes(info, s_shape, idx[0])
       return key, dataclasses.replace(info, shared_tap=tap)
     use = only_consumer(ix, key)
     if use is None:

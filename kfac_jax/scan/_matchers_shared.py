@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, kernel_index_matrix
-from kfac_jax.scan import _matchers, _matchers_embed
+from kfac_jax.scan import _graph, _matchers, _matchers_embed
 
 if TYPE_CHECKING:
   from kfac_jax._specs import Kind
@@ -31,6 +31,7 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
   """
   uses = ix.uses[leaf]
   found: list[tuple] = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
+  products = {}  # Position in `found` of a dense use -> its product's output key.
   for i, pos in uses:
     fe = ix.g.eqns[i]
     if len(ix.uses_by_eqn.get(i, [])) != 1:
@@ -45,6 +46,7 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
       info, x_atom, k_shape, k_free = d
       bias = _matchers.match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
       b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
+      products[len(found)] = fe.outs[0]
       found.append(("dense", info, (x_atom,), out_key, b_leaf))
     elif fe.name == "gather" and pos == 0:
       e = _matchers_embed.embedding_use(ix, i)
@@ -65,6 +67,17 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
     else:
       return None
   kinds = {f[0] for f in found}
+  if kinds == {"dense"}:
+    found = _transposed_uses(found, ix.shapes[leaf], products)
+    if found is None:
+      return None
+  for n in products:  # A dense use whose input is the same for every example.
+    x_atom, out_key, info = found[n][2][0], found[n][3], found[n][1]
+    if _graph.is_key(x_atom) and x_atom in ix.param_only:
+      tap = _matchers.constant_input_tap(ix, out_key, info)
+      if tap is None:
+        return None  # No output gradient per example.
+      found[n] = (found[n][0], tap[1], found[n][2], tap[0], found[n][4])
   found, b_leaf = _tangent_uses(ix, found, kinds)
   if b_leaf is False:
     return None
@@ -111,11 +124,39 @@ def _tangent_uses(ix, found, kinds):
   return marked, b_leaf
 
 
+def _transposed_uses(found, shape, products):
+  """`found` with the dense uses that read the kernel matrix transposed marked
+  (`DenseInfo.transposed`), or None when a use reads it otherwise.
+
+  The kernel matrix is the one the uses adding the bias read, else the first use's. A
+  reverse-mode derivative reads it both ways round: the backward pass of `z = a W` computes
+  `δa = δz Wᵀ`, one more use of W with input δz and output δa, whose gradient `δz`-outer-
+  `∂ℓ/∂δa` enters W's statistics with the roles of input and output exchanged. A leaf added
+  to a transposed product (a tied autoencoder's decoder bias, `h Wᵀ + c`) is not the layer's
+  bias: the use is tapped at its product (`products`), the leaf left to another layer.
+  """
+  mats = [kernel_index_matrix(f[1], shape) for f in found]
+  first = next((n for n, f in enumerate(found) if f[4] is not None), 0)
+  canonical = mats[first]
+  out = []
+  for n, (f, m) in enumerate(zip(found, mats)):
+    if np.array_equal(m, canonical):
+      out.append(f)
+    elif m.shape == canonical.T.shape and np.array_equal(m, canonical.T):
+      info = dataclasses.replace(f[1], transposed=True)
+      out.append((f[0], info, f[2], products[n], None))
+    else:
+      return None
+  return out
+
+
 def _layout(info, shape) -> tuple:
   """What the uses of a shared dense, conv or scale-and-shift leaf must agree on: the kernel
-  matrix read (a convolution's strides, padding and input shapes may differ), or the axes."""
+  matrix read (transposed back for a transposed use; a convolution's strides, padding and
+  input shapes may differ), or the axes."""
   if isinstance(info, DenseInfo):
     m = kernel_index_matrix(info, shape)
+    m = m.T if info.transposed else m
     return m.shape, m.tobytes()
   if isinstance(info, ConvInfo):
     return (

@@ -16,7 +16,9 @@ Adding a layer kind: its record in `_kinds` and, if no block computes it yet, a 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -69,12 +71,11 @@ class ScanResult:
   extra_uses: tuple[tuple[tuple[_graph.Key, tuple[_graph.Atom, ...]], ...], ...] = ()
   # With `has_aux`: the treedef of the aux, whose leaves are the graph's outputs after the loss.
   aux_tree: Any = None
-  # The custom_jvp / custom_vjp functions whose rules hold the loss tags (FermiNet's idiom: a
-  # JVP rule; or a custom_vjp's fwd or bwd), when `loss_fn`'s primal has none: the graph is
-  # then `loss_fn` with those calls run through their rules (`_through_rules`), whose loss
-  # output is zero; the loss and its gradient come from differentiating `loss_fn` itself.
-  # Empty otherwise.
-  rule_calls: tuple[str, ...] = ()
+  # The loss tags are bound only in custom rules (FermiNet's idiom: a custom_jvp's JVP rule; or
+  # a custom_vjp's fwd or bwd): the graph is then `loss_fn` as jax.grad runs it
+  # (`_as_differentiated`), whose loss output is zero; the loss, aux and gradient come from
+  # differentiating `loss_fn` itself.
+  separate_loss: bool = False
 
   @property
   def batch_size(self) -> int:
@@ -125,11 +126,14 @@ def scan(
       )
   batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
 
-  def flat_fn(*flat):
-    p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
-    return loss_fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
+  def traced(fn):
+    def flat_fn(*flat):
+      p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
+      return fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
 
-  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
+    return jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
+
+  closed, out_shape = traced(loss_fn)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
   if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
     raise RegistrationError(
@@ -138,13 +142,23 @@ def scan(
       "has_aux=True."
     )
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
-  if not any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns):
-    calls = _rule_tagged_calls(graph)
-    if calls:  # The tags are in custom rules: scan `loss_fn` run through those rules.
-      derived = _through_rules(graph, calls)
-      found = scan(derived, params, batch, strict=strict, warn=warn, layers=layers, collect=collect)
-      names = tuple(dict.fromkeys(_graph.call_name(c[0]) for c in calls.values()))
-      return dataclasses.replace(found, rule_calls=names)
+  aux_tree = jax.tree_util.tree_structure(out_shape[1]) if has_aux else None
+  separate = False
+  tagged = any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns)
+  customs = _custom_calls(closed.jaxpr)
+  # Rules may hold loss tags: trace `loss_fn` as jax.grad runs it. Beside tags of the loss
+  # itself, only for a call that reads a parameter itself (FermiNet's energy, a custom layer),
+  # not for relu's or softplus's rule on activations (the trace costs a linearisation).
+  if customs and (not tagged or graph.customs):
+    backward = bool(customs - {"custom_jvp_call"})
+    closed_d, (_, out_d) = traced(_as_differentiated(loss_fn, has_aux, backward))
+    closed_d = _compat.ClosedJaxpr(
+      closed_d.jaxpr.replace(outvars=closed_d.jaxpr.outvars[:1]), closed_d.consts
+    )
+    derived = _graph.FlatGraph.from_closed_jaxpr(closed_d, len(leaves))
+    _check_rule_tags(graph, derived, out_shape, out_d)
+    if not tagged:
+      graph, aux_tree, separate = derived, None, True
   losses, loss_operands = _losses(graph)
   shapes = [tuple(np.shape(x)) for x in leaves]
   roots = [ops[0] for ops in loss_operands]
@@ -162,7 +176,8 @@ def scan(
     layer_outputs=tuple(s[1][0] if m else s[1] for s, m in zip(specs, multi)),
     layer_inputs=tuple(s[2][0] if m else s[2] for s, m in zip(specs, multi)),
     extra_uses=tuple(tuple(zip(s[1][1:], s[2][1:])) if m else () for s, m in zip(specs, multi)),
-    aux_tree=jax.tree_util.tree_structure(out_shape[1]) if has_aux else None,
+    aux_tree=aux_tree,
+    separate_loss=separate,
   )
 
 
@@ -180,6 +195,8 @@ def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
   where = {}
   for spec, outs, _ in specs:
     for k in outs if spec.multi_tap else (outs,):
+      if isinstance(k, _graph.HoistedTap):
+        k = k.keys
       for key in k if isinstance(k, tuple) and k and isinstance(k[0], tuple) else (k,):
         where[key] = spec.name
   for call in graph.customs:
@@ -235,75 +252,114 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
   return losses, operands
 
 
-def _zero_tangent(x):
-  if jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact):
-    return jax.numpy.zeros_like(x)
-  return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-def _through_rule(eqn, ins):
-  """The custom call's primal outputs, evaluated through its rules so that what they register
-  (loss tags, layer tags) is traced: a custom_jvp's JVP rule with zero tangents; a custom_vjp's
-  fwd, then its bwd on zero cotangents (its results unused)."""
-  call = lambda *x: tuple(_compat.bind_eqn(eqn, list(x)))  # noqa: E731
-  if eqn.primitive.name == "custom_jvp_call":
-    outs, _ = jax.jvp(call, tuple(ins), tuple(_zero_tangent(x) for x in ins))
-    return list(outs)
-  outs, pull_back = jax.vjp(call, *ins)
-  pull_back(tuple(_zero_tangent(x) for x in outs))
-  return list(outs)
-
-
-# The custom-derivative calls whose rules may hold loss tags.
+# The custom-derivative calls, whose rules may hold loss tags.
 _CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _rule_tagged_calls(graph: _graph.FlatGraph) -> dict[int, tuple[Any, tuple, tuple, int]]:
-  """Start index → `(eqn, ins, outs, stop)` of each outermost custom_jvp call whose JVP rule,
-  or custom_vjp call whose fwd or bwd, binds a loss tag."""
-  cands = [(c.start, c.eqn, c.ins, c.outs, c.stop) for c in graph.customs]
-  cands += [(i, fe.eqn, fe.ins, fe.outs, i + 1) for i, fe in enumerate(graph.eqns)]
-  found: dict[int, tuple[Any, tuple, tuple, int]] = {}
-  covered = -1
-  for start, eqn, ins, outs, stop in sorted(cands, key=lambda c: (c[0], -c[4])):
-    if start < covered or eqn.primitive.name not in _CUSTOM_CALLS:
-      continue
-    avals = [_graph.aval_of(a) for a in ins]
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    closed = jax.make_jaxpr(lambda *x, e=eqn: _through_rule(e, x))(*structs)
-    inner = _graph.FlatGraph.from_closed_jaxpr(closed)
-    if any(fe.eqn.primitive is _tags.loss_tag_p for fe in inner.eqns):
-      found[start] = (eqn, ins, outs, stop)
-      covered = stop
+def _custom_calls(jaxpr) -> set[str]:
+  """The custom-derivative primitives `jaxpr` binds, at any depth."""
+  found = {e.primitive.name for e in jaxpr.eqns if e.primitive.name in _CUSTOM_CALLS}
+  for sub in _compat.subjaxprs(jaxpr):
+    found |= _custom_calls(sub)
   return found
 
 
-def _through_rules(graph: _graph.FlatGraph, calls) -> Callable:
-  """`loss_fn(params, batch)` as `graph` computes it, with `calls` (`_rule_tagged_calls`) run
-  through their JVP rules; returns a zero loss (the loss is not the tags': its gradient is
-  taken from `loss_fn` itself)."""
+def _as_differentiated(loss_fn: Callable, has_aux: bool, backward: bool) -> Callable:
+  """`loss_fn` run as `jax.grad` runs it, for the scan of the loss tags in custom rules: under
+  `jax.vjp` in the parameters, each custom_jvp call runs its JVP rule and each custom_vjp call its
+  fwd (and, with `backward`, its bwd on a zero cotangent); only the primal side of the
+  linearisation and the pull-back land in the trace. JAX calls the rules itself here, so a rule
+  whose primal outputs differ from its function's (FermiNet's rule returns an aux of other
+  shapes) is accepted as `jax.grad` accepts it. Returns a zero loss; the loss and its gradient
+  come from `loss_fn` itself."""
 
   def fn(params, batch):
-    flat = jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(batch)
-    env = dict(graph.consts)
-    env.update(zip(graph.invars, flat))
-    read = lambda a: a.val if isinstance(a, _compat.Literal) else env[a]
-    i = 0
-    while i < len(graph.eqns):
-      if i in calls:
-        eqn, ins, outs, stop = calls[i]
-        env.update(zip(outs, _through_rule(eqn, [read(a) for a in ins])))
-        i = stop
-        continue
-      fe = graph.eqns[i]
-      vals = [read(a) for a in fe.ins]
-      env.update(
-        zip(fe.outs, fe.fn(*vals) if fe.fn is not None else _compat.bind_eqn(fe.eqn, vals))
-      )
-      i += 1
-    return jax.numpy.zeros((), _graph.aval_of(graph.outvars[0]).dtype)
+    def f(p):
+      return loss_fn(p, batch)
+
+    if has_aux:
+      loss, pull, aux = jax.vjp(f, params, has_aux=True)
+      out = (loss, aux)
+    else:
+      loss, pull = jax.vjp(f, params)
+      out = loss
+    if backward:
+      pull(jax.numpy.zeros_like(loss))
+    return jax.numpy.zeros((), loss.dtype), out
 
   return fn
+
+
+def tag_names(graph: _graph.FlatGraph) -> list[str]:
+  """Per loss tag, in graph order: `loss tag #i (register_..., prediction f32[4, 5], at
+  file:line in fn)`."""
+  names = []
+  for i, fe in enumerate(fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p):
+    fn = fe.params.get("fn", f"a {fe.params['kind']} loss tag")
+    where = _compat.source_line(fe.eqn, _PACKAGE_DIR, with_function=True)
+    at = f", at {where}" if where else ""
+    aval = _graph.aval_of(fe.ins[0]).str_short()
+    names.append(f"loss tag #{i + 1} ({fn}, prediction {aval}{at})")
+  return names
+
+
+def _types(tree) -> str:
+  return str(jax.tree_util.tree_map(lambda x: f"{x.dtype}{list(x.shape)}", tree)).replace("'", "")
+
+
+def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, out_d) -> None:
+  """RegistrationError for loss tags both in custom rules (bound only in `derived`, `loss_fn`
+  run as `jax.grad` runs it) and outside them (in `graph`, the primal trace), and for tags
+  outside the rules when a rule's primal outputs `out_d` differ from the function's `out`
+  (JAX differentiates such a call only from its Python function, not from a traced graph)."""
+  inside, beside = _only_in(derived, graph), tag_names(graph)
+  if inside and beside:
+    raise RegistrationError(
+      f"loss_fn binds loss tags both inside custom-derivative rules ({'; '.join(inside)}: "
+      "bound when JAX differentiates loss_fn, in a jax.custom_jvp rule or a jax.custom_vjp's "
+      f"fwd or bwd) and outside them ({'; '.join(beside)}). The two places mean different "
+      "things: tags outside the rules describe the loss itself (its value and gradient are "
+      "taken from the tagged graph in one pass), tags in a rule describe the curvature of "
+      "another function than the loss (FermiNet's form: the loss and gradient are "
+      "jax.value_and_grad(loss_fn)'s). Keep one place: delete the tags outside the rule to use "
+      "the rule's, or delete the rule's tags; for a curvature function apart from the loss, "
+      "pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
+    )
+  treedef: Any = jax.tree_util.tree_structure(out)
+  same = treedef == jax.tree_util.tree_structure(out_d) and all(
+    (a.shape, a.dtype) == (b.shape, b.dtype)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(out_d))
+  )
+  if beside and not same:
+    raise RegistrationError(
+      "a custom-derivative rule in loss_fn returns primal outputs of other shapes or dtypes "
+      f"than its function: loss_fn returns {_types(out)} as traced, {_types(out_d)} as "
+      "jax.grad runs it. JAX differentiates such a call only from its Python function "
+      "(jax.value_and_grad(loss_fn) works, jax.grad(jax.jit(loss_fn)) fails), while the loss "
+      f"tags outside the rule ({'; '.join(beside)}) make K-FAC differentiate the traced "
+      "graph. Make the rule return the function's outputs (e.g. keep an aux field's "
+      "per-example shape), or move the tags into the rule or into `curvature_fn=`, so that "
+      "the loss and gradient are jax.value_and_grad(loss_fn)'s."
+    )
+
+
+def _only_in(graph: _graph.FlatGraph, other: _graph.FlatGraph) -> list[str]:
+  """The names (`tag_names`) of `graph`'s loss tags that `other` does not bind: the same kind,
+  prediction type and user call stack, counted."""
+
+  def sig(fe):
+    where = _compat.source_frames(fe.eqn, _PACKAGE_DIR)
+    return fe.params["kind"], str(_graph.aval_of(fe.ins[0])), where
+
+  left = collections.Counter(sig(fe) for fe in other.eqns if fe.eqn.primitive is _tags.loss_tag_p)
+  names, out = tag_names(graph), []
+  for name, fe in zip(names, (fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p)):
+    if left[sig(fe)]:
+      left[sig(fe)] -= 1
+    else:
+      out.append(name)
+  return out
 
 
 class _Scanner:
@@ -652,7 +708,11 @@ class _Scanner:
       kind,
       leaves,
       source,
-      info=next((inf for inf in infos if isinstance(inf, EmbeddingInfo)), infos[0]),
+      # A tied table's lookup, else a use that reads the kernel matrix as the layer does.
+      info=next(
+        (inf for inf in infos if isinstance(inf, EmbeddingInfo)),
+        next(inf for inf in infos if not getattr(inf, "transposed", False)),
+      ),
       num_uses=len(infos),
       use_infos=infos,
     )
@@ -686,6 +746,12 @@ class _Scanner:
       raise RegistrationError(
         f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
         f"{paths}; a {kind} layer used several times takes one of {choices}."
+      )
+    if approx in _kinds.SERIES and any(getattr(inf, "transposed", False) for inf in infos):
+      raise RegistrationError(
+        f"approximation {approx!r} models successive uses of layer {paths} that read its "
+        "kernel the same way round, but some uses read it transposed (the backward pass of a "
+        'reverse-mode derivative); use "kron_indep".'
       )
     if approx in _kinds.SERIES and (kind != "dense" or len({inf.rows for inf in infos}) != 1):
       raise RegistrationError(
@@ -948,44 +1014,80 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   return f"consumed by {name} (no matcher)"
 
 
-_FORWARD_MODE = (
-  "K-FAC follows a layer through forward-mode derivatives (the layer shared by the point and "
-  "its tangents); write the differential operator in forward mode on the batched points: "
-  "nested `jax.jvp(f, (x,), (v,))` with `v = jnp.broadcast_to(e, x.shape)`, or a forward "
-  "Laplacian that carries the value, gradient and Laplacian channels through each layer"
+# The sample-space front, for the layers no Kronecker block follows.
+_KERNEL_NGD = (
+  "use the kernel natural gradient, `kfac_jax.kernel_ngd` (SR, ENGD-Woodbury or SPRING in "
+  "sample space), which needs no layer structure"
 )
 
 
 def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
-  """Why a kernel read by derivatives of the model matched no layer, or "": a reverse-mode
-  derivative reads it transposed (`jax.grad`, `jax.hessian` = jacfwd(jacrev)); a forward-mode
-  one under `jax.vmap` multiplies a constant tangent direction by it once for every example."""
-  if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2:
-    mats = []
-    for i, fe in enumerate(ix.g.eqns):
-      for pos, a in enumerate(fe.ins if fe.name == "dot_general" else ()):
-        if _graph.is_key(a) and ix.origin.get(a, (None,))[0] == leaf:
-          d = _matchers.dense_use(ix, i, pos)
-          if d is not None:
-            mats.append(kernel_index_matrix(d[0], ix.shapes[leaf]))
+  """Why a kernel read by derivatives of the model matched no layer, or "".
+
+  K-FAC follows a kernel through derivatives when every use is a dense product by the kernel
+  matrix or by its transpose (a reverse-mode derivative's backward pass, `δa = δz Wᵀ`), and
+  every use whose input is one constant for all examples (a direction or a seed under
+  `jax.vmap`) reaches the examples through layout operations and elementwise broadcasting
+  (`_matchers.hoisted_tap`); the reasons below name what broke that."""
+  dense = []
+  for i, pos in uses:
+    if ix.g.eqns[i].name == "dot_general":
+      d = _matchers.dense_use(ix, i, pos)
+      if d is not None:
+        dense.append((i, d))
+  lost = [
+    (i, x)
+    for i, (info, x, _, _) in dense
+    if _graph.is_key(x)
+    and x in ix.param_only
+    and _matchers.constant_input_tap(ix, ix.g.eqns[i].outs[0], info) is None
+  ]
+  if lost and (len(lost) < len(uses) or all(_from_constants(ix, x) for _, x in lost)):
+    return (
+      f"{len(lost)} of its {len(uses)} uses multiply an input that is one constant for every "
+      "point (a tangent direction or a reverse-mode seed, as `jax.jvp`, `jax.jacfwd`, "
+      "`jax.grad` or `jax.hessian` inside `jax.vmap` make it), and the product reaches the "
+      "points through more than layout changes and elementwise broadcasting (e.g. through "
+      "another layer's product before a nonlinearity), so it has no output gradient per "
+      "point: compute the operator on the batched points, the direction broadcast over them "
+      "(`jax.jvp(f, (x,), (jnp.broadcast_to(e, x.shape),))`, or a forward Laplacian), or "
+      + _KERNEL_NGD
+    )
+  if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2 and len(dense) > 1:
+    mats = [kernel_index_matrix(d[0], ix.shapes[leaf]) for _, d in dense]
     if any(np.array_equal(m.T, m2) and not np.array_equal(m, m2) for m in mats for m2 in mats):
       return (
         "read both ways round, as a reverse-mode derivative inside the loss does (jax.grad, "
-        f"jax.vjp, jax.jacrev, jax.hessian): {_FORWARD_MODE}"
+        "jax.jacrev, jax.hessian), but not only as the kernel matrix and its transpose (K-FAC "
+        "takes a product by the transposed kernel, `δa = δz Wᵀ`, as a use with input and "
+        "output exchanged; here some use reads the kernel in another layout): no Kronecker "
+        f"block fits; {_KERNEL_NGD} (or tag it "
+        'with `kfac_jax.register_generic(param, approx="full")` for a full block)'
       )
-  products = [(i, pos) for i, pos in uses if ix.g.eqns[i].name == "dot_general"]
-  unbatched = [
-    (i, pos)
-    for i, pos in products
-    if _graph.is_key(x := ix.g.eqns[i].ins[1 - pos]) and x in ix.param_only
-  ]
-  if unbatched and len(unbatched) < len(uses):
+  names = {ix.g.eqns[i].name for i, _ in uses}
+  if "rev" in names and names & _PRODUCTS:
     return (
-      f"{len(unbatched)} of its {len(uses)} uses multiply an input with no rows per example "
-      "(a tangent direction that is one constant for every point, as `jax.jvp` or "
-      f"`jax.jacfwd` inside `jax.vmap` make it), so no output gradient per point: {_FORWARD_MODE}"
+      "read flipped (`rev`) besides its products, as the reverse-mode derivative of a "
+      "convolution reads its kernel (jax.grad, jax.jacrev, jax.hessian of a convolutional "
+      f"network): no Kronecker block fits; {_KERNEL_NGD}"
     )
   return ""
+
+
+def _from_constants(ix: _index.GraphIndex, atom) -> bool:
+  """Whether `atom` is computed from constants alone (no parameter, no batch input)."""
+  params = set(ix.g.invars[: ix.n_params])
+  seen, todo = set(), [atom]
+  while todo:
+    a = todo.pop()
+    if not _graph.is_key(a) or a in seen:
+      continue
+    seen.add(a)
+    if a in params or a in ix.from_batch:
+      return False
+    if a in ix.producer:
+      todo.extend(ix.g.eqns[ix.producer[a]].ins)
+  return True
 
 
 def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:

@@ -17,6 +17,8 @@ import kfac_jax
 from kfac_jax import _curvature
 from tests import _models
 
+pytestmark = pytest.mark.numerics  # Run again with XLA's optimizations on.
+
 
 def _ce(logits, y):
   kfac_jax.register_softmax_cross_entropy_loss(logits, y)

@@ -206,6 +206,68 @@ def test_same_dense_applied_twice_is_one_layer_and_matches_the_definition(x64):
   np.testing.assert_allclose(got.g, g, rtol=1e-10, atol=1e-12)
 
 
+def _tied_autoencoder(p, x, eps=(0.0, 0.0)):
+  """`y = tanh(x W + b) Wᵀ + c`; `eps` perturbs the encoder's output and the decoder product."""
+  h = jnp.tanh(x @ p["w"] + p["b"] + eps[0])
+  return h, h @ p["w"].T + eps[1] + p["c"]
+
+
+def test_tied_autoencoder_decoder_is_a_transposed_use(x64):
+  """A tied autoencoder: W is one dense layer of two uses, the decoder reading it transposed
+  (its bias c a layer of its own). The decoder's gradient is `(∂ℓ/∂y) hᵀ`: its output
+  gradients take the input side, its inputs the output side, A_t = (1/N) Σ [g_y, 0][g_y, 0]ᵀ
+  and G_t = Σ h hᵀ / N, beside the encoder's A_n = Σ [x, 1][x, 1]ᵀ / N and G_n = (1/N) Σ g_z
+  g_zᵀ; the two products are scaled to equal mean diagonals, A averaged and G summed. "full"
+  blocks from the same uses are the exact empirical Fisher."""
+  x = _models.normal(20, (N, D), jnp.float64)
+  params = {"w": _models.normal(21, (D, 3), jnp.float64, 0.5), "b": jnp.zeros(3)}
+  params["c"] = 0.1 * jnp.ones(D)
+  batch = {"x": x}
+
+  def loss_fn(p, b):
+    y = _tied_autoencoder(p, b["x"])[1]
+    kfac_jax.register_squared_error_loss(y, b["x"])
+    return jnp.mean(jnp.sum((y - b["x"]) ** 2, -1))
+
+  layers = kfac_jax.Registration(loss_fn, params, batch, strict=True).layers
+  assert [(s.kind, s.num_uses, s.param_paths) for s in layers] == [
+    ("dense", 2, ("w", "b")),
+    ("scale_and_shift", 1, ("c",)),
+  ]
+  assert [inf.transposed for inf in layers[0].use_infos] == [False, True]
+  _, stats = _stats(loss_fn, params, batch)
+  got = jax.jit(
+    kfac_jax.blocks.make_block(layers[0], _f64_config()).batch_factors, static_argnums=1
+  )(stats.data[0], N)
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def expected(params, x):
+    def total(e0, e1):  # Σ_n ℓ_n: its gradient in a perturbation is each example's own.
+      return jnp.sum((_tied_autoencoder(params, x, (e0, e1))[1] - x) ** 2)
+
+    gz, gy = jax.grad(total, argnums=(0, 1))(jnp.zeros((N, 3)), jnp.zeros((N, D)))
+    h = _tied_autoencoder(params, x)[0]
+    xb = jnp.concatenate([x, jnp.ones((N, 1))], 1)
+    yb = jnp.concatenate([gy, jnp.zeros((N, 1))], 1)
+    pairs = [(xb.T @ xb / N, gz.T @ gz / N), (yb.T @ yb / N, h.T @ h / N)]
+    cs = [jnp.sqrt(jnp.mean(jnp.diag(g)) / jnp.mean(jnp.diag(a))) for a, g in pairs]
+    return sum(a * c for (a, _), c in zip(pairs, cs)) / 2, sum(
+      g / c for (_, g), c in zip(pairs, cs)
+    )
+
+  a, g = expected(params, x)
+  np.testing.assert_allclose(got.a, a, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(got.g, g, rtol=1e-12, atol=1e-15)
+  full = kfac_jax.blocks.make_block(dataclasses.replace(layers[0], approx="full"), _f64_config())
+  h_rows, count = jax.jit(full.gradient_rows, static_argnums=1)(stats.data[0], N)
+  per_example = jax.jit(jax.vmap(jax.grad(lambda p, xn: loss_fn(p, {"x": xn[None]}))))
+  grads = per_example(
+    jax.tree_util.tree_map(lambda v: jnp.broadcast_to(v, (N, *v.shape)), params), x
+  )
+  rows = np.concatenate([np.asarray(grads["w"]).reshape(N, -1), np.asarray(grads["b"])], 1)
+  np.testing.assert_allclose(np.asarray(h_rows).T @ h_rows / count, rows.T @ rows / N, atol=1e-13)
+
+
 def _single_use_dense():
   params = {"w": _models.normal(10, (D, 3), jnp.float64), "b": jnp.zeros(3)}
   batch = {"x": _models.normal(11, (N, L, D), jnp.float64), "y": _models.integers(12, 0, 3, (N, L))}
@@ -411,7 +473,7 @@ def test_series_block_refuses_other_powers_and_eigen_damping():
   spec = dataclasses.replace(_scan_spec(bias=True), approx="kron_series_1")
   with pytest.raises(ValueError, match=r"only the powers -1 and 1.*exps=\(-0.5,\)"):
     kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(exps=(-0.5,)))
-  with pytest.raises(ValueError, match="damping_mode='factored'"):
+  with pytest.raises(ValueError, match="needs a factored damping_mode"):
     kfac_jax.blocks.make_block(spec, kfac_jax.blocks.BlockConfig(damping_mode="eigen"))
 
 

@@ -16,7 +16,10 @@ from kfac_jax import kernel as kn
 from kfac_jax.kernel import _solve
 from tests import _models
 
-pytestmark = pytest.mark.filterwarnings("ignore::kfac_jax.UncoveredParametersWarning")
+pytestmark = [
+  pytest.mark.numerics,
+  pytest.mark.filterwarnings("ignore::kfac_jax.UncoveredParametersWarning"),
+]
 MODES = ("exact", "exact_GGN", "empirical", "gradients", "curvature_prop", "curvature_prop_GGN")
 
 
@@ -486,14 +489,14 @@ def test_sharded_rows_equal_one_device(x64, how):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     data = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
     _, d, _ = _run(reg, params, data, grads, prev=prev, momentum=0.5)
-    _close(d, _flat(want), 1e-12)
+    _close(d, _flat(want), 1e-10)
     return
   if how == "pmap":
     local = jax.tree_util.tree_map(lambda x: x.reshape((8, 2) + x.shape[1:]), batch)
     rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (8,) + x.shape), t)  # noqa: E731
     d, trace, k, u = jax.pmap(step, axis_name="data")(rep(params), local, rep(grads), rep(prev))
     for i in range(8):
-      _close(jax.tree_util.tree_map(lambda x, i=i: x[i], d), _flat(want), 1e-12)
+      _close(jax.tree_util.tree_map(lambda x, i=i: x[i], d), _flat(want), 1e-10)
     k, u = k[0], u.reshape(-1, u.shape[-1])
   else:
     mesh = jax.make_mesh((8,), ("data",))
@@ -506,7 +509,7 @@ def test_sharded_rows_equal_one_device(x64, how):
     )
     data = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
     d, trace, k, u = jax.jit(fn)(params, data, grads, prev)
-    _close(d, _flat(want), 1e-12)
+    _close(d, _flat(want), 1e-10)
   u = np.asarray(u)
   np.testing.assert_allclose(np.asarray(k), u @ u.T, rtol=1e-13, atol=1e-14)
   np.testing.assert_allclose(np.ravel(trace)[0], want_info["kernel_trace"], rtol=1e-13)

@@ -85,3 +85,16 @@ def test_a_time_major_batch_leaf_and_an_unrolled_scan_over_it():
     return lax.scan(step, jnp.zeros((N, D)), b["x"])
 
   assert _tags(fn, params, batch) == [(0, 1), (1, 1)]
+
+
+def test_elementwise_broadcasting_keeps_the_batched_operands_axis():
+  """`jax.vmap` gives a value computed once for all examples a unit batch axis and lets an
+  elementwise equation broadcast it against a batched operand (a tangent direction times the
+  derivative at each point): the result has that operand's batch axis."""
+  params = {"v": jnp.ones((T, D))}
+  batch = {"x": jnp.ones((N, D))}
+
+  def fn(p, b):
+    return (b["x"][:, None, :] * p["v"][None], p["v"][None] - b["x"][:, None, :])
+
+  assert _tags(fn, params, batch) == [(0, 1), (0, 1)]

@@ -171,7 +171,7 @@ def test_layers_accepted_by_transform_optimizer_and_summary():
   opt = kfac_jax.Optimizer(
     registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False)
   )
-  jax.jit(opt.init)(params, jax.random.key(0))
+  jax.jit(opt.init)(params)
   assert [s.approx for s in opt.estimator.layers] == ["kron", "kron_both_diag"]
   table = kfac_jax.summary(
     registration=kfac_jax.Registration(loss_fn, params, batch, layers=layers, check_loss=False)

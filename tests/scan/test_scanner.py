@@ -623,3 +623,33 @@ def test_a_time_major_layer_groups_its_rows_by_example(x64, kind, approx):
 
   dense, exact = both(params, batch, flat)
   np.testing.assert_allclose(dense, exact, rtol=1e-10, atol=1e-12)
+
+
+def test_a_product_hoisted_out_of_vmap_is_tapped_where_each_example_reads_it():
+  """`jax.vmap` of a `jax.jvp` computes the tangent product `e W` once for all examples and
+  broadcasts it where the derivative at each example multiplies it: the use's tap is at those
+  broadcasts with the batch axis inserted (`HoistedTap`), its input the direction, one row per
+  example; a kernel read transposed by `jax.grad` is a use marked `transposed`."""
+  params = {"w": _models.normal(0, (3, 4)), "b": jnp.zeros(4)}
+  batch = {"x": _models.normal(1, (5, 3))}
+  e = jnp.array([1.0, 0.0, 0.0])
+
+  def loss_fn(p, b, grad=False):
+    u = lambda y: jnp.sum(jnp.tanh(y @ p["w"] + p["b"]) ** 2)  # noqa: E731
+    op = (lambda y: jax.grad(u)(y)[0]) if grad else (lambda y: jax.jvp(u, (y,), (e,))[1])
+    r = jax.vmap(op)(b["x"])[:, None]
+    kfac_jax.register_squared_error_loss(r)
+    return jnp.mean(r**2)
+
+  scan = kfac_jax.scan.scan(loss_fn, params, batch)
+  (layer,) = scan.layers
+  assert (layer.kind, layer.num_uses, layer.param_paths) == ("dense", 2, ("w", "b"))
+  tap = scan.extra_uses[0][0][0]
+  assert isinstance(tap, kfac_jax.scan.HoistedTap)
+  assert set(tap.axes) == {0} and all(s == (5, 4) for s in tap.shapes)
+  assert [(i.adds_bias, i.rows, bool(i.shared_tap)) for i in layer.use_infos] == [
+    (True, 5, False),
+    (False, 1, True),
+  ]
+  grad_layer = kfac_jax.scan.scan(lambda p, b: loss_fn(p, b, True), params, batch).layers[0]
+  assert [i.transposed for i in grad_layer.use_infos] == [False, True]

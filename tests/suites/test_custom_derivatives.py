@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import kfac_jax
-from tests import _models
+from tests import _models, _zoo
 
 N, D, H = 12, 3, 5
 pytestmark = pytest.mark.filterwarnings("ignore::kfac_jax.UncoveredParametersWarning")
@@ -415,3 +415,187 @@ def test_tag_in_custom_vjp_equals_curvature_fn(x64, where):
   _close(grads, want_grads)  # The bwd's VMC gradient, as the custom_jvp rule's.
   _close(grads, jax.jit(jax.grad(loss_fn))(params, batch))
   _close(updates, want_updates)
+
+
+# -- FermiNet's loss as FermiNet writes it: (E, aux), clipping, the tag in the JVP rule --------
+
+
+def _sum_norm(tree):
+  return float(sum(jnp.sum(jnp.abs(x) ** 2) for x in jax.tree_util.tree_leaves(tree)))
+
+
+@pytest.mark.parametrize("complex_output", [False, True], ids=["real", "complex"])
+def test_ferminet_loss_keeps_jax_value_aux_and_gradient(x64, complex_output):
+  """The rule's aux differs from the function's (a scalar `clipped_energy` for a per-walker
+  one; a complex energy made real): the registration finds the tag in the rule, and
+  value_and_grad gives jax.value_and_grad's loss, aux and gradient."""
+  loss_fn, params, batch, _ = _zoo.vmc_ferminet_loss(complex_output)
+  reg = kfac_jax.Registration(loss_fn, params, batch, has_aux=True, estimation_mode="exact")
+  assert reg.separate_loss
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params, batch):
+    got = kfac_jax.value_and_grad(registration=reg)(params, batch)
+    return got, jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+
+  ((loss, aux), grads, stats), ((want_loss, want_aux), want) = run(params, batch)
+  _close((loss, aux, grads), (want_loss, want_aux, want), tol=1e-12)
+  assert aux.clipped_energy.shape == () and aux.local_energy.shape == (_zoo.N,)
+  assert _sum_norm(grads) > 1e-6
+  assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(stats.data))
+
+
+def test_ferminet_statistics_equal_curvature_fn(x64):
+  """The tag in the rule gives the statistics of the same tag in `curvature_fn`; with both,
+  `curvature_fn` wins: one on 2 log|psi| doubles every layer's output gradients, the rule's tag
+  on log|psi| is not read."""
+  loss_fn, params, batch, log_psi = _zoo.vmc_ferminet_loss()
+  plain, *_ = _zoo.vmc_ferminet_loss(tag=False)
+
+  def curvature(scale):
+    def fn(p, b):
+      kfac_jax.register_normal_predictive_distribution(scale * log_psi(p, b)[:, None])
+
+    return fn
+
+  kw = dict(has_aux=True, estimation_mode="exact")
+  regs = [
+    kfac_jax.Registration(loss_fn, params, batch, **kw),
+    kfac_jax.Registration(plain, params, batch, curvature_fn=curvature(1.0), **kw),
+    kfac_jax.Registration(loss_fn, params, batch, curvature_fn=curvature(2.0), **kw),
+  ]
+  assert len({r.fingerprint for r in regs}) == 1
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params, batch):
+    return [kfac_jax.value_and_grad(registration=r)(params, batch) for r in regs]
+
+  outs = run(params, batch)
+  for out in outs[1:]:
+    _close(out[:2], outs[0][:2], tol=1e-12)  # The loss, aux and gradient are loss_fn's.
+  in_rule, apart, both = (o[2].data for o in outs)
+  _close(in_rule, apart, tol=1e-12)
+  for (x, g), (x2, g2) in zip(in_rule, both):
+    _close(x2, x, tol=1e-12)
+    _close(g2, 2 * g, tol=1e-10)
+
+
+# Every placement of the curvature's tag around a FermiNet-style rule on the small model: in
+# the rule, in the custom function's primal, in loss_fn beside the call; with the rule's aux
+# equal to the function's or FermiNet's (a scalar `clipped_energy`).
+
+
+def _placed(places: frozenset, quirk: bool):
+  def tag(p, b):
+    kfac_jax.register_normal_predictive_distribution(_log_psi(p, b["r"])[:, None])
+
+  @jax.custom_jvp
+  def total_energy(p, b):
+    e_l = _local_energy(p, b["r"])
+    if "primal" in places:
+      tag(p, b)
+    loss = jnp.mean(e_l)
+    return loss, _zoo.VmcAux(loss, jnp.var(e_l), e_l, e_l)
+
+  @total_energy.defjvp
+  def total_energy_jvp(primals, tangents):
+    p, b = primals
+    loss, aux = total_energy(p, b)
+    centre, diff = _zoo._clipped(aux.local_energy, 5.0)
+    if quirk:
+      aux = aux._replace(clipped_energy=centre)
+    lp, dlp = jax.jvp(lambda q: _log_psi(q, b["r"]), (p,), (tangents[0],))
+    if "rule" in places:
+      kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    return (loss, aux), (2.0 * jnp.dot(dlp, diff) / N, aux)
+
+  def loss_fn(p, b):
+    if "beside" in places:
+      tag(p, b)
+    return total_energy(p, b)
+
+  return loss_fn
+
+
+_BOTH = "both inside custom-derivative rules .*register_normal.* and outside them"
+_OTHER = "returns primal outputs of other shapes .*clipped_energy=float64\\[\\].* tags outside"
+PLACES = {  # places -> (FermiNet's aux, an aux equal to the function's): None or an error
+  ("rule",): (None, None),
+  ("beside",): (_OTHER, None),
+  ("primal",): (_OTHER, None),
+  ("primal", "beside"): (_OTHER, None),
+  ("rule", "beside"): (_BOTH, _BOTH),
+  ("rule", "primal"): (_BOTH, _BOTH),
+  ("rule", "primal", "beside"): (_BOTH, _BOTH),
+  (): ("no loss tag found", "no loss tag found"),
+}
+
+
+@pytest.mark.parametrize("quirk", [True, False], ids=["ferminet_aux", "same_aux"])
+@pytest.mark.parametrize("places", sorted(PLACES), ids="+".join)
+def test_tags_in_and_beside_a_rule_give_jax_grad_or_an_error(x64, places, quirk):
+  """Never a silent zero or another gradient: each placement registers and gives
+  jax.value_and_grad's loss, aux and gradient (custom rule kept), or is a RegistrationError
+  that names the tags and the fix (`check_loss=False`: the audit would refuse a tag the energy
+  does not depend on)."""
+  params, batch = _vmc_data()
+  loss_fn = _placed(frozenset(places), quirk)
+  error = PLACES[places][0 if quirk else 1]
+  if error is not None:
+    with pytest.raises(kfac_jax.RegistrationError, match=error):
+      kfac_jax.Registration(loss_fn, params, batch, has_aux=True, check_loss=False)
+    return
+  reg = kfac_jax.Registration(
+    loss_fn, params, batch, has_aux=True, check_loss=False, estimation_mode="exact"
+  )
+  assert reg.separate_loss == ("rule" in places)
+
+  @jax.jit  # One program: run eagerly, each op compiles its own.
+  def run(params, batch):
+    got = kfac_jax.value_and_grad(registration=reg)(params, batch)[:2]
+    return got, jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+
+  got, want = run(params, batch)
+  _close(got, want, tol=1e-12)
+  assert _sum_norm(got[1]) > 1e-6  # The energy's aux repeats the loss: not a zero gradient.
+
+
+def test_ferminet_rule_with_collectives_under_pmap(x64):
+  """FermiNet's energy averaged over devices (`pmean` in the function and its rule), its aux
+  FermiNet's: under pmap the rule's own call of the function, which only its tangent reads, is
+  not evaluated (a collective is no effect to keep), and each device gets jax's loss, aux and
+  gradient."""
+  devices = 2
+
+  def pmean(x):
+    return jax.lax.pmean(x, "walkers")
+
+  @jax.custom_jvp
+  def total_energy(p, b):
+    e_l = _local_energy(p, b["r"])
+    loss = pmean(jnp.mean(e_l))
+    return loss, _zoo.VmcAux(loss, pmean(jnp.mean((e_l - loss) ** 2)), e_l, e_l)
+
+  @total_energy.defjvp
+  def total_energy_jvp(primals, tangents):
+    p, b = primals
+    loss, aux = total_energy(p, b)
+    centre, diff = _zoo._clipped(aux.local_energy, 5.0)
+    lp, dlp = jax.jvp(lambda q: _log_psi(q, b["r"]), (p,), (tangents[0],))
+    kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    aux = aux._replace(clipped_energy=centre)
+    return (loss, aux), (pmean(2.0 * jnp.dot(dlp, diff) / N), aux)
+
+  params, batch = _vmc_data()
+  reg = kfac_jax.Registration(
+    total_energy, params, batch, has_aux=True, collective_axes="walkers", estimation_mode="exact"
+  )
+
+  def both(p, b):
+    got = kfac_jax.value_and_grad(registration=reg)(p, b)[:2]
+    return got, jax.value_and_grad(total_energy, has_aux=True)(p, b)
+
+  stack = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, 1.1 * x]), t)  # noqa: E731
+  got, want = jax.pmap(both, axis_name="walkers")(stack(params), stack(batch))
+  assert jax.tree_util.tree_leaves(got)[0].shape[0] == devices
+  _close(got, want, tol=1e-12)

@@ -9,21 +9,29 @@ recipes page is the exception to the one namespace: each recipe is a complete pr
 pages are run here and checked for what their code leaves behind (`CHECKS`).
 """
 
+import ast
 import glob
+import importlib.metadata
+import json
 import os
 import re
 import subprocess
 import sys
+import tomllib
 
 import jax
 import numpy as np
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
 PAGES = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(DOCS, "*.rst")))
 # Pages whose code has its own test file (with per-recipe checks).
-OWN_TESTS = {"recipes": "tests/suites/test_recipes.py"}
+OWN_TESTS = {
+  "recipes": "tests/suites/test_recipes.py",
+  "from_kfac_jax": "tests/suites/test_from_kfac_jax.py",
+}
 
 
 def page_blocks(page):
@@ -218,3 +226,92 @@ def test_api_reference_lists_every_public_name():
   missing = sorted(set(kfac_jax.__all__) - documented)
   assert not missing, f"docs/api.rst does not document {missing}"
   assert ".. autoclass:: kfac_jax.flax.TrainState" in text
+
+
+# Run in a fresh interpreter: the modules a docs build imports (conf.py's extensions and theme,
+# and every module an autodoc directive names); prints those names and the files of the
+# package's modules they loaded.
+_IMPORTS = """
+import importlib, json, re, runpy, sys
+conf = runpy.run_path("docs/conf.py")
+named = list(conf["extensions"]) + [conf["html_theme"]]
+for page in sys.argv[1:]:
+  text = open(page, encoding="utf-8").read()
+  for target in re.findall(r"^\\.\\. auto\\w+:: ([\\w.]+)", text, re.M):
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):  # The longest prefix that is a module.
+      try:
+        importlib.import_module(".".join(parts[:i]))
+        break
+      except ImportError:
+        continue
+for name in named:
+  importlib.import_module(name)
+files = [m.__file__ for n, m in list(sys.modules.items()) if n.split(".")[0] == "kfac_jax"]
+print(json.dumps({"named": named, "files": files}))
+"""
+
+
+def _closure(names):
+  """The installed distributions `names` need, with their dependencies (extras not taken)."""
+  seen, todo = set(), [Requirement(n).name for n in names]
+  while todo:
+    name = todo.pop().lower().replace("_", "-")
+    if name in seen:
+      continue
+    seen.add(name)
+    try:
+      requires = importlib.metadata.requires(name) or []
+    except importlib.metadata.PackageNotFoundError:
+      continue
+    for line in requires:
+      req = Requirement(line)
+      if req.marker is None or req.marker.evaluate({"extra": ""}):
+        todo.append(req.name)
+  return seen
+
+
+def _imported_by(path):
+  """The top-level names of a source file's absolute imports."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      out.add(node.module.split(".")[0])
+  return out
+
+
+def test_the_docs_extra_has_what_the_build_imports():
+  """`pip install ".[docs]"` installs what the docs build imports: conf.py's extensions and
+  theme, and the third-party modules that the package's modules loaded by the autodoc
+  directives import, each come from a runtime dependency, the `docs` extra, or theirs. (The
+  real check, a build in a fresh virtualenv with only that extra, needs a package index.)"""
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  allowed = _closure(project["dependencies"] + project["optional-dependencies"]["docs"])
+  pages = sorted(glob.glob(os.path.join(DOCS, "*.rst")))
+  proc = subprocess.run(
+    [sys.executable, "-c", _IMPORTS, *pages],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=ROOT,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == 0, proc.stderr
+  loaded = json.loads(proc.stdout)
+  modules = {n.split(".")[0] for n in loaded["named"]}
+  for path in loaded["files"]:
+    modules |= _imported_by(path)
+  modules -= set(sys.stdlib_module_names) | {"kfac_jax"}
+  assert {"flax", "sphinx", "jax"} <= modules  # Seen: autodoc imports kfac_jax.flax.
+  by_module = importlib.metadata.packages_distributions()
+  missing = {
+    m: by_module.get(m)
+    for m in sorted(modules)
+    if not any(d.lower().replace("_", "-") in allowed for d in by_module.get(m, ()))
+  }
+  assert not missing, f"imported by the docs build, not installed by the docs extra: {missing}"

@@ -68,30 +68,7 @@ def _laplacian_forward(params, x):
   return _forward_channels(params, x)[2][:, 0]
 
 
-def _laplacian_vmap(params, x):
-  """Nested `jax.jvp` per point under `jax.vmap`: the direction is one constant for all."""
-
-  def one(y):
-    out = 0.0
-    for i in range(y.shape[0]):
-      e = jnp.eye(y.shape[0], dtype=y.dtype)[i]
-      du = lambda z, e=e: jax.jvp(lambda w: _mlp(params, w), (z,), (e,))[1]
-      out = out + jax.jvp(du, (y,), (e,))[1]
-    return out
-
-  return jax.vmap(one)(x)
-
-
-def _laplacian_hessian(params, x):
-  return jax.vmap(lambda y: jnp.trace(jax.hessian(lambda z: _mlp(params, z))(y)))(x)
-
-
-LAPLACIANS = {
-  "jvp": _laplacian_jvp,
-  "forward": _laplacian_forward,
-  "vmap": _laplacian_vmap,
-  "hessian": _laplacian_hessian,
-}
+LAPLACIANS = {"jvp": _laplacian_jvp, "forward": _laplacian_forward}
 
 
 def _interior_loss(laplacian):
@@ -209,23 +186,6 @@ def test_output_layer_of_a_forward_laplacian_is_exactly_kronecker(x64):
   w = slice(15, 20)  # 0/b, 0/w, 1/b, 1/w in ravel order: 5 + 10 + 1, then 1/w.
   np.testing.assert_allclose(dense[w, w], ggn[w, w], rtol=1e-10, atol=1e-14)
   assert np.linalg.norm(dense[:15, :15] - ggn[:15, :15]) > 1e-3  # The hidden layer is not.
-
-
-@pytest.mark.parametrize(
-  "how, says",
-  [
-    ("vmap", "uses multiply an input with no rows per example"),
-    ("hessian", "as a reverse-mode derivative inside the loss does"),
-  ],
-)
-def test_derivatives_k_fac_cannot_follow_say_how_to_write_them(x64, how, says):
-  """A constant tangent under `jax.vmap` and a reverse-mode Laplacian fall back to diagonal
-  blocks, and `summary` says to write the operator in forward mode on the batched points."""
-  params, batch = _problem((2, 8, 1), 6)
-  report = kfac_jax.summary(_interior_loss(LAPLACIANS[how]), params, batch)
-  line = next(l for l in report.splitlines() if l.strip().startswith("0/w:"))
-  assert says in line
-  assert "write the differential operator in forward mode" in line
 
 
 def _two_terms(laplacian):

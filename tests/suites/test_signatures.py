@@ -445,7 +445,7 @@ def test_signatures_and_defaults_in_the_docs():
     ("docs/entry_points.rst", "signature", "kfac"),
     ("docs/entry_points.rst", "signature", "scale_by_kfac"),
     ("docs/entry_points.rst", "signature", "value_and_grad"),
-    ("docs/entry_points.rst", "signature", "_transformation.<locals>.update_fn"),
+    ("docs/entry_points.rst", "signature", "transformation.<locals>.update_fn"),
     ("docs/entry_points.rst", "momentum", "kfac"),
     ("docs/hyperparameters.rst", "max_norm", "kfac"),
     ("docs/hyperparameters.rst", "statistics_fraction", "Config"),
@@ -462,8 +462,7 @@ def test_signatures_and_defaults_in_docstrings():
     problems += check_text(text, where, owner, "md") + check_code_comments(text, where)
   assert not problems, "\n".join(problems)
   for claim in [
-    ("kfac_jax._transform.kfac", "damping", "kfac"),
-    ("kfac_jax._transform.scale_by_kfac", "signature", "_transformation.<locals>.update_fn"),
+    ("kfac_jax._transform.scale_by_kfac", "signature", "transformation.<locals>.update_fn"),
     (
       "kfac_jax._optimizer.Optimizer.as_optax",
       "signature",

@@ -130,8 +130,10 @@ def _ten_jitted_steps(z, tx, state, reg):
 # connected layers, and the architectures with a statistics path of their own: per-step labels
 # over dilated convolutions (tcn_linen), a squared-error loss (dit_nnx), LayerNorms over graph
 # rows (graphnet_linen) and attention over merged batch axes (timesformer_linen; perceiver_linen,
-# mixer_nnx, gnn_haiku, gpt2_linen and equinox_unet not trained). vocab_lm is checked by its
-# state's bytes, not trained.
+# mixer_nnx, gnn_haiku, gpt2_linen and equinox_unet not trained), and PINNs (pinn_poisson's
+# forward Laplacian; pinn_hessian's per-point operator, whose hoisted taps and transposed uses
+# are their own statistics path; pinn_vmap_jvp, pinn_grad_grad and pinn_heat not trained).
+# vocab_lm is checked by its state's bytes, not trained.
 TRAINED = {
   "haiku_cnn",
   "equinox_cnn",
@@ -153,6 +155,7 @@ TRAINED = {
   "graphnet_linen",
   "timesformer_linen",
   "pinn_poisson",
+  "pinn_hessian",
 }
 assert TRAINED <= set(_zoo.STRUCTURE_MODELS), TRAINED - set(_zoo.STRUCTURE_MODELS)
 
