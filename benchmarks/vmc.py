@@ -2,15 +2,16 @@
 
 Trains examples/vmc.py's FermiNet-class wave function from the same initial parameters and
 walkers with `kfac_jax.Optimizer`, the optax chain `kfac_jax.kfac`, SPRING (`kfac_jax.kernel_ngd`
-with momentum 0.99 and the norm constraint 1e-3, on the scores' covariance, "spring", or on the
-uncentred Fisher of |ψ|², "spring-raw"), Adam and, with `--with-upstream`, DeepMind's kfac-jax
-0.0.8 configured as FermiNet configures it (`benchmarks/upstream/vmc_worker.py`, in the upstream
-virtualenv, on the example's own code), and prints a markdown table: the energy as the mean ±
-standard error of the per-step energies over the last 20% of the steps, after `--steps` steps
-and after the Optimizer's charged seconds (`examples.vmc.charged_seconds`: compiling steps at
-the median; the others run on until they have spent it), its distance to the exact energy, the
-median time of an iteration (sampling included) and of the optimizer's update alone, and the
-update's time over kfac-jax 0.0.8's (or, without it, over the Optimizer's).
+with `examples.vmc.Spring`'s settings on the scores' covariance, "spring", or on the uncentred
+Fisher of |ψ|², "spring-raw", or with its paper's settings, "spring-paper"), Adam and, with
+`--with-upstream`, DeepMind's kfac-jax 0.0.8 configured as FermiNet configures it
+(`benchmarks/upstream/vmc_worker.py`, in the upstream virtualenv, on the example's own code), and
+prints a markdown table: the energy as the mean ± standard error of the per-step energies over
+the last 20% of the steps, after `--steps` steps and after the Optimizer's charged seconds
+(`examples.vmc.charged_seconds`: compiling steps at the median; the others run on until they
+have spent it), its distance to the exact energy, the median time of an iteration (sampling
+included) and of the optimizer's update alone, and the update's time over kfac-jax 0.0.8's (or,
+without it, over the Optimizer's).
 
     python benchmarks/vmc.py --system He --steps 1000 --walkers 512
     python benchmarks/vmc.py --system Li --steps 400 --walkers 256 --optimizers optimizer spring
@@ -19,6 +20,7 @@ update's time over kfac-jax 0.0.8's (or, without it, over the Optimizer's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -35,8 +37,9 @@ from examples import vmc  # noqa: E402
 NAMES = {
   "optimizer": "kfac_jax.Optimizer",
   "kfac": "kfac_jax.kfac",
-  "spring": "SPRING (kernel_ngd, centred)",
-  "spring-raw": "SPRING (kernel_ngd, Fisher)",
+  "spring": "SPRING (kernel_ngd)",
+  "spring-raw": "SPRING, uncentred",
+  "spring-paper": "SPRING, paper's settings",
   "adam": "Adam 3e-3",
   "upstream": "kfac-jax 0.0.8",
 }
@@ -107,13 +110,15 @@ def main(argv=None) -> list[dict]:
   parser.add_argument(
     "--optimizers",
     nargs="+",
-    choices=("optimizer", "kfac", "spring", "spring-raw", "adam"),
+    choices=("optimizer", "kfac", "spring", "spring-raw", "spring-paper", "adam"),
     default=["optimizer", "spring", "spring-raw", "adam"],
     help="the Optimizer runs first: its charged seconds are the others' equal-seconds budget",
   )
-  parser.add_argument("--spring-lr", type=float, default=0.02, help="SPRING's initial rate")
-  parser.add_argument("--spring-momentum", type=float, default=0.99)
-  parser.add_argument("--damping", type=float, default=1e-3)
+  defaults = vmc.Spring()
+  parser.add_argument("--spring-lr", type=float, default=defaults.learning_rate)
+  parser.add_argument("--spring-momentum", type=float, default=defaults.momentum)
+  parser.add_argument("--spring-damping", type=float, default=defaults.damping)
+  parser.add_argument("--spring-norm", type=float, default=defaults.norm_constraint)
   parser.add_argument(
     "--with-upstream", action="store_true", help="add kfac-jax 0.0.8 (benchmarks/upstream)"
   )
@@ -143,18 +148,28 @@ def main(argv=None) -> list[dict]:
     print(f"{NAMES['upstream']}: {upstream}", flush=True)
   budget = None
   order = sorted(args.optimizers, key=lambda n: n != "optimizer")
+  tuned = vmc.Spring(
+    args.spring_lr, args.spring_momentum, args.spring_damping, args.spring_norm, center=True
+  )
+  springs = {
+    "spring": tuned,
+    "spring-raw": dataclasses.replace(tuned, center=False),
+    "spring-paper": vmc.PAPER_SPRING,
+  }
   for name in order:
-    kw: dict = {"damping": args.damping, "seconds": budget}
-    if name.startswith("spring"):
-      kw.update(learning_rate=args.spring_lr, momentum=args.spring_momentum)
-      kw.update(center=name == "spring")
-    optimizer = "spring" if name.startswith("spring") else name
     out = vmc.train(
-      system, net, optimizer, steps=args.steps, walkers=args.walkers, seed=args.seed, **kw
+      system,
+      net,
+      "spring" if name in springs else name,
+      spring=springs.get(name),
+      steps=args.steps,
+      walkers=args.walkers,
+      seed=args.seed,
+      seconds=budget,
     )
-    rows.append(row(name, out["energies"], out["times"], out["update_times"], args.steps, budget))
     if name == "optimizer":
       budget = float(vmc.charged_seconds(out["times"])[-1])
+    rows.append(row(name, out["energies"], out["times"], out["update_times"], args.steps, budget))
     print(f"{NAMES[name]}: {rows[-1]}", flush=True)
   if upstream and "report" in upstream:
     report = upstream.pop("report")
@@ -165,7 +180,7 @@ def main(argv=None) -> list[dict]:
   print(
     f"\n{args.system}, {args.steps} steps, {args.walkers} walkers, one-electron width "
     f"{net.one}, {net.layers} layers, {net.determinants} determinants; exact {system.exact} Ha; "
-    f"equal seconds: {budget or 0:.0f} s (the Optimizer's); "
+    f"equal seconds: {f'{budget:.1f} s' if budget else 'none'} (the Optimizer's); "
     f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
     f"{os.getloadavg()[0]:.1f}\n"
   )
