@@ -23,6 +23,7 @@ from kfac_jax._checkpoint import (
 from kfac_jax._config import Config
 from kfac_jax._curvature import CurvatureStats
 from kfac_jax._errors import (
+  FailedInverseWarning,
   HyperparameterWarning,
   LossMismatchWarning,
   NonFiniteWarning,
@@ -82,6 +83,7 @@ __all__ = [
   "KfacState",
   "LayerConfig",
   "LayerSpec",
+  "FailedInverseWarning",
   "HyperparameterWarning",
   "LossMismatchWarning",
   "NonFiniteWarning",

@@ -12,6 +12,12 @@ A `Registration` audits the tags once, on the example batch (`check_loss=False` 
     `LossMismatchWarning` (an error with `strict`): a measurement at one point, which a loss that
     differs on purpose fails.
 
+A complex prediction (a normal tag on a complex mean tags its parts `(Re z, Im z)`) is
+followed and perturbed through the complex value `z` (`ε_re + i ε_im`), which is what a loss
+is computed from: the checks are in the real terms the tag describes. With a `curvature_fn`
+(or tags in a custom_jvp rule) the loss is not the tags': only "shared_prediction" runs, and
+tags `loss_fn` binds itself, which are not read, are named (`check_overridden_tags`).
+
 Predictions are compared as values, not as graph variables: an equation that repeats another
 (the same primitive and parameters on the same values: `z.reshape(-1, V)` or
 `logits.astype(jnp.float32)` written twice) gives the same value, so a tag on one copy and a loss
@@ -105,6 +111,33 @@ def _tag_eqns(graph: _scan.FlatGraph) -> list[_scan.FlatEqn]:
   return [fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p]
 
 
+# What may stand between a complex prediction's parts and the stack the tag takes.
+_PASS_THROUGH = frozenset({"broadcast_in_dim", "reshape", "expand_dims"})
+
+
+def complex_source(graph: _scan.FlatGraph, atom) -> Any:
+  """The complex value `z` whose parts `stack([real(z), imag(z)], -1)` are the tagged
+  prediction `atom` (a normal tag on a complex mean, `_tags._bind_complex_normal`), else None.
+  A loss is computed from `z`, so `z` is what the audit follows and perturbs (by `ε_re + i
+  ε_im`): the checks are then in the real terms the tag describes."""
+  made = {k: fe for fe in graph.eqns for k in fe.outs}
+  value = values(graph)
+
+  def part(a):
+    fe = made.get(a) if _scan.is_key(a) else None
+    while fe is not None and fe.name in _PASS_THROUGH and len(fe.ins) == 1:
+      fe = made.get(fe.ins[0]) if _scan.is_key(fe.ins[0]) else None
+    return (fe.name, value.get(fe.ins[0], fe.ins[0])) if fe is not None and fe.ins else None
+
+  fe = made.get(atom) if _scan.is_key(atom) else None
+  if fe is None or fe.name not in ("stack", "concatenate") or len(fe.ins) != 2:
+    return None
+  re, im = part(fe.ins[0]), part(fe.ins[1])
+  if re is None or im is None or (re[0], im[0]) != ("real", "imag") or re[1] != im[1]:
+    return None
+  return re[1]
+
+
 def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
   """RegistrationError for two tags on one prediction ("shared_prediction") or a tag the loss
   does not depend on ("dependence"), each where `checks` holds it."""
@@ -137,6 +170,7 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
     atom = fe.ins[0]
     if not _scan.is_key(atom) or atom in const_keys:
       continue
+    atom = complex_source(graph, atom) or atom
     if not _reaches(graph, value, atom, graph.outvars[0]):
       raise RegistrationError(
         f"{names[i]}: the loss loss_fn returns does not depend on this prediction (no path "
@@ -149,6 +183,35 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
         "register it inside the jax.custom_jvp rule of the loss (FermiNet's form). "
         f"{switch('dependence', checks)}"
       )
+
+
+def check_overridden_tags(scan, loss_fn, params, batch, *, strict: bool, warn: bool) -> None:
+  """A `LossMismatchWarning` (with `strict` a RegistrationError) naming the loss tags `loss_fn`
+  binds in its own computation when `scan` is a `curvature_fn`'s: those of `curvature_fn`
+  define the curvature, `loss_fn`'s are not read."""
+  if not (strict or warn):
+    return
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
+
+  def flat_fn(*flat):
+    p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
+    return loss_fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
+
+  closed = jax.make_jaxpr(flat_fn)(*leaves, *batch_leaves)
+  ignored = _scan.tag_names(_scan.FlatGraph.from_closed_jaxpr(closed))
+  if not ignored:
+    return
+  text = (
+    f"`loss_fn` has its own loss tag(s), {'; '.join(ignored)}, and the registration has a "
+    "`curvature_fn`: the curvature is that of `curvature_fn`'s tags, "
+    f"{'; '.join(_scan.tag_names(scan.graph))}, and `loss_fn`'s are not read (`loss_fn` gives the "
+    "loss and its gradient). Remove the tags from `loss_fn`, or build the registration "
+    "without `curvature_fn` to use them. `check_loss=False` skips this check."
+  )
+  if strict:
+    raise RegistrationError(text + " (strict=True turns this into an error.)")
+  warnings.warn(text, LossMismatchWarning, stacklevel=4)
 
 
 def values(graph: _scan.FlatGraph) -> dict:
@@ -253,8 +316,11 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
     if _scan.is_key(ops[0]) and ops[0] not in const_keys
   ]
   keys = [scan.loss_operands[i][0] for i in live]
-  # Every copy of a prediction (module docstring) takes its perturbation too.
   in_scan = graph.scan_positions
+  # A complex mean's parts are perturbed through the complex value (`complex_source`).
+  sources = [None if k in in_scan else complex_source(graph, k) for k in keys]
+  targets = [k if z is None else z for k, z in zip(keys, sources)]
+  # Every copy of a prediction (module docstring) takes its perturbation too.
   value = values(graph)
   same: dict = {}
   for k, v in value.items():
@@ -263,10 +329,10 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
     []
     if k in in_scan
     else [c for c in same.get(value.get(k, k), []) if c != k and c not in in_scan]
-    for k in keys
+    for k in targets
   ]
   watch = frozenset(a for ops in scan.loss_operands for a in ops if _scan.is_key(a))
-  watch = watch | {c for cs in copies for c in cs}
+  watch = watch | {c for cs in copies for c in cs} | {z for z in sources if z is not None}
   rng = np.random.default_rng(_SEED)
   # NumPy arrays, not jnp ones: a registration built while a step is traced must not turn the
   # probes into tracers of that step.
@@ -279,7 +345,9 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   def run(flat, probes):
     def loss_at(eps):
       perturb: dict = {}
-      for k, cs, e in zip(keys, copies, eps):
+      for k, z, cs, e in zip(targets, sources, copies, eps):
+        if z is not None:  # `ε_re + i ε_im` on the complex value.
+          e = jax.lax.complex(e[..., 0], e[..., 1])
         for c in (k, *cs):  # A value two tags share takes both perturbations.
           perturb[c] = perturb[c] + e if c in perturb else e
       outs, seen = graph.evaluate(flat, perturb, watch, unroll=unroll)

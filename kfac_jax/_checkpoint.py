@@ -8,12 +8,43 @@ fits the model (every block, factor shape and dtype), naming every block that di
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
 import numpy as np
 
 from kfac_jax import _fit
+
+
+def _plain(state: Any) -> Any:
+  """`state` in plain containers, as flax.serialization writes them: an nnx object (an
+  `nnx.Optimizer`) as its `nnx.state`, an `nnx.State` as its pure dict, an `nnx.Variable` (what
+  `optimizer.opt_state` holds) as its value. Other pytrees come back as they are."""
+  nnx = sys.modules.get("flax.nnx")  # Without it imported, there is no nnx object.
+  if nnx is None:
+    return state
+  if _nnx_object(state):
+    state = nnx.state(state)
+
+  def held(x) -> bool:
+    return isinstance(x, (nnx.State, nnx.Variable))
+
+  def one(x):
+    if isinstance(x, nnx.State):
+      return x.to_pure_dict()
+    return x.get_value() if isinstance(x, nnx.Variable) else x
+
+  if not any(held(x) for x in jax.tree_util.tree_leaves(state, is_leaf=held)):
+    return state
+  return jax.tree_util.tree_map(one, state, is_leaf=held)
+
+
+def _nnx_object(state: Any) -> bool:
+  """Whether `state` is an nnx object (a module, an `nnx.Optimizer`), not a pytree of arrays."""
+  nnx = sys.modules.get("flax.nnx")
+  base = getattr(nnx, "Pytree", getattr(nnx, "Object", None))
+  return base is not None and isinstance(state, base)
 
 
 def check_restored_state(expected: Any, restored: Any) -> None:
@@ -42,13 +73,17 @@ def check_restored_state(expected: Any, restored: Any) -> None:
 def state_to_bytes(state: Any) -> bytes:
   """Serialises an optimizer state with flax.serialization (msgpack).
 
-  The bytes hold every array whole: a state with arrays split over other processes' devices
-  (a multi-process run) is saved with orbax-checkpoint instead, which writes each one's shards.
+  `state` is a state (a pytree of arrays), or what `nnx.Optimizer` holds: the optimizer itself
+  or `nnx.state(optimizer)` (the same bytes), or `optimizer.opt_state`. The bytes hold every
+  array whole: a state with arrays split over other processes' devices (a multi-process run) is
+  saved with orbax-checkpoint instead, which writes each one's shards.
 
   Raises:
     ValueError: naming the first array that spans other processes' devices.
   """
   from flax import serialization  # flax is an optional dependency.
+
+  state = _plain(state)
 
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     if (
@@ -67,15 +102,41 @@ def state_to_bytes(state: Any) -> bytes:
 def state_from_bytes(expected: Any, data: bytes) -> Any:
   """Restores `state_to_bytes` output into the structure of `expected`, checking it first.
 
+  `expected` is a state of the same kind as the one saved; for an `nnx.Optimizer`, pass
+  `nnx.state(optimizer)` and apply the `nnx.State` returned with `nnx.update(optimizer,
+  restored)` (the optimizer itself is not changed here).
+
   Raises:
     ValueError: the saved state does not fit `expected` (see `check_restored_state`).
+    TypeError: `expected` is an nnx object (pass its `nnx.state`).
   """
   from flax import serialization  # flax is an optional dependency.
 
+  if _nnx_object(expected):
+    raise TypeError(
+      f"state_from_bytes: `expected` is an nnx object ({type(expected).__name__}), which a "
+      "restore would change in place: pass its state, `restored = kfac_jax.state_from_bytes("
+      "nnx.state(optimizer), data)`, then `nnx.update(optimizer, restored)`."
+    )
+  plain = _plain(expected)
   raw = serialization.msgpack_restore(data)
-  template = serialization.to_state_dict(expected)
+  template = serialization.to_state_dict(plain)
   check_restored_state(template, raw)
-  return serialization.from_state_dict(expected, raw)
+  restored = serialization.from_state_dict(plain, raw)
+  if plain is expected:
+    return restored
+  # Back into `expected`'s nnx containers: its leaves are the plain tree's arrays (found by
+  # identity, as a pure dict may order them otherwise).
+  position = {id(x): i for i, x in enumerate(jax.tree_util.tree_leaves(plain))}
+  leaves, treedef = jax.tree_util.tree_flatten(expected)
+  new = jax.tree_util.tree_leaves(restored)
+  if len(position) != len(leaves) or any(id(x) not in position for x in leaves):
+    raise ValueError(
+      "state_from_bytes: `expected` holds one array object at several places, so its leaves "
+      "cannot be matched with the saved ones: pass a freshly initialised state, e.g. "
+      "`nnx.state(optimizer)` of a new `nnx.Optimizer`."
+    )
+  return jax.tree_util.tree_unflatten(treedef, [new[position[id(x)]] for x in leaves])
 
 
 def restore_state(expected: Any, saved: Any) -> Any:

@@ -125,6 +125,33 @@ class Reporter:
       stacklevel=2,
     )
 
+  def once(self, key: str, message: str, category: type[Warning]) -> None:
+    """Warns `message` unless a warning of `key` was given before."""
+    if key in self._seen:
+      return
+    self._seen.add(key)
+    warnings.warn(message, category, stacklevel=3)
+
+  def inverses(self, blocks: tuple[str, ...], step, failed, damping) -> None:
+    """Warns the first time each block (`blocks`: its layer's name and block class) has a
+    refreshed cache (`failed`: per block, per device) that is not finite."""
+    per_device = np.asarray(failed, bool).reshape(-1, len(blocks))
+    step = int(np.asarray(step).ravel()[0])
+    lam = float(np.asarray(damping).ravel()[0])
+    for i, block in enumerate(blocks):
+      if not per_device[:, i].any():
+        continue
+      self.once(
+        f"inverse:{block}",
+        f"{self.who}: the refreshed inverse of {block} was not finite at step {step} (damping "
+        f"{lam:g}): the layer keeps its previous inverse (the identity before its first good "
+        "refresh, so its update is then its plain gradient's), and "
+        "`curvature.failed_inverses` in the state counts the failures. Raise the damping, or "
+        "for a block of your own (LayerConfig.blocks) make its compute_cache finite on these "
+        "statistics. This warning is given once per layer.",
+        _errors.FailedInverseWarning,
+      )
+
 
 def _leaf_names(tree) -> list[str]:
   return [
@@ -386,13 +413,16 @@ class Inputs(NamedTuple):
 
 class Work(NamedTuple):
   """What a curvature's step is given: the vector, the statistics' thunk, the update counter,
-  this step's hyperparameter values and the verdict so far (None with the guard off)."""
+  this step's hyperparameter values, the verdict so far (None with the guard off), and the
+  step's clock and the front's reporter (for the curvature's own warnings)."""
 
   vector: Any
   statistics: Callable[[], Any]
   counter: Array
   values: dict[str, Any]
   ok: Array | None
+  clock: Array | None = None
+  reporter: Reporter | None = None
 
 
 class Step(NamedTuple):
@@ -489,13 +519,26 @@ class Kfac:
     before = curv
 
     def refresh():
-      new = est._refresh(before, damping, axis, mesh)
-      return new.cache, new.failed_inverses
+      new, flags = est._refresh_flagged(before, damping, axis, mesh)
+      return new.cache, new.failed_inverses, flags
 
-    cache, failed = jax.lax.cond(
-      refresh_due, refresh, lambda: (before.cache, before.failed_inverses)
-    )
-    curv = curv._replace(cache=cache, failed_inverses=failed)
+    def keep():
+      return before.cache, before.failed_inverses, jnp.zeros((len(est.names),), bool)
+
+    cache, count, failed = jax.lax.cond(refresh_due, refresh, keep)
+    curv = curv._replace(cache=cache, failed_inverses=count)
+    if work.reporter is not None:  # A block that kept its cache: once per layer, by name.
+      reporter = work.reporter
+      blocks = tuple(
+        f"`{n}` ({(b.spec.block or type(b)).__name__})" for n, b in zip(est.names, est.blocks)
+      )
+      _when_bad(
+        ~jnp.any(failed),
+        lambda step, f, lam: reporter.inverses(blocks, step, f, lam),
+        work.clock,
+        failed,
+        damping,
+      )
 
     def precondition():
       pre = est._power(curv, vector, -1.0, axis, mesh)
@@ -644,6 +687,8 @@ class Engine:
           "trace the model on `batch=`: pass `curvature_stats=` from "
           "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
         )
+    if vector is not None:
+      _check_vector(bound, vector, who)
     if stats is None:
       _curvature.check_rng(bound.registration.estimation_mode, rng, batch, who)
     self.curvature.check(bound, state, stats, who)
@@ -677,9 +722,32 @@ class Engine:
     ok = None
     if guard:
       ok = finite if usable is None else finite & usable
-    work = Work(inputs.vector, inputs.statistics, count, values, ok)
+    work = Work(inputs.vector, inputs.statistics, count, values, ok, clock, self.reporter)
     pre, curvature, ok = self.curvature.step(bound, self.placement, curvature, work)
     return Step(pre, curvature, ok, clock, values)
+
+
+def _check_vector(bound: Bound, vector, who: str) -> None:
+  """ValueError naming the first leaf of `vector` (the updates) whose shape or dtype is not its
+  params leaf's: the preconditioned vector comes back in the updates' dtypes, which the rest of
+  a chain (its momentum, kept in the params' dtypes) must match."""
+  reg = bound.registration
+  filled = bound.fill(vector, abstract=True)
+  paths = _specs.param_paths(filled)
+  if paths != reg.param_paths:
+    return  # Another structure: the estimator's products name the leaves that differ.
+  for path, x, shape, dtype in zip(
+    paths, jax.tree_util.tree_leaves(filled), reg.param_shapes, reg.param_dtypes
+  ):
+    got = (tuple(jnp.shape(x)), str(jnp.result_type(x)))
+    if got != (shape, dtype):
+      raise ValueError(
+        f"{who}: `updates` leaf `{path}` has shape {got[0]} and dtype {got[1]}, but the params "
+        f"leaf has shape {shape} and dtype {dtype}: tx.update(updates, state, params) needs "
+        "updates of the params' shapes and dtypes (a gradient of these params has them). Cast "
+        "them, e.g. `optax.tree_utils.tree_cast_like(updates, params)`, or compute the gradient "
+        "at the params as they are."
+      )
 
 
 def _share_layers(reg: _registration.Registration, kept, who: str) -> tuple[str, ...]:

@@ -33,9 +33,17 @@ class LossMismatchWarning(UserWarning):
 
 class HyperparameterWarning(UserWarning):
   """A schedule gave a hyperparameter that is not finite, or a negative learning rate or
-  damping: the step it gave it for is skipped (with `Config.skip_nonfinite`)."""
+  damping: the step it gave it for is skipped (with `Config.skip_nonfinite`). Also `kfac`'s
+  learning rate far outside the range measured on the benchmark models (more than 30 times
+  its default or below 1/1000 of it): the step is taken."""
 
 
 class NonFiniteWarning(UserWarning):
   """A front was given a gradient, params or (the `Optimizer`) a loss that is not finite: the
   step is skipped (with `Config.skip_nonfinite`) and the curvature is left as it was."""
+
+
+class FailedInverseWarning(UserWarning):
+  """A block's refreshed inverse (its cache: powers, decompositions) was not finite, so the block
+  keeps its previous one (the identity before its first good refresh) and
+  `curvature.failed_inverses` counts it; given once per layer by a front."""

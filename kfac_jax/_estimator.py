@@ -397,9 +397,14 @@ class CurvatureEstimator:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
     return self._refresh(state, damping, axis_name, mesh)
 
-  @jax.named_scope("kfac_inverses")
   def _refresh(self, state, damping, axis_name, mesh) -> EstimatorState:
     """`update_inverses`, unchecked (the fronts' engine checked its arguments)."""
+    return self._refresh_flagged(state, damping, axis_name, mesh)[0]
+
+  @jax.named_scope("kfac_inverses")
+  def _refresh_flagged(self, state, damping, axis_name, mesh) -> tuple[EstimatorState, Array]:
+    """`_refresh`, and `[len(names)]` bool: the blocks whose new cache was not finite (each kept
+    its previous one; `failed_inverses` adds their number)."""
     damping = jnp.asarray(damping, self.numerics.inverse_dtype)
     cache, failed = self.storage.refresh(
       self.names,
@@ -410,7 +415,8 @@ class CurvatureEstimator:
       axis_name,
       mesh,
     )
-    return state._replace(cache=cache, failed_inverses=state.failed_inverses + failed)
+    count = jnp.sum(failed, dtype=state.failed_inverses.dtype)
+    return state._replace(cache=cache, failed_inverses=state.failed_inverses + count), failed
 
   # -- products --------------------------------------------------------------------------------
 

@@ -193,9 +193,10 @@ class Registration:
       Fisher of `|ψ|²`, i.e. `register_normal_predictive_distribution(log_psi[:, None])` in a
       function computing `log|ψ|`. The layers are those of `curvature_fn`; the loss and its
       gradient are `jax.value_and_grad(loss_fn)`'s (custom derivatives kept), so every step
-      runs `loss_fn`'s and `curvature_fn`'s forward passes. `loss_fn` then needs no tag, and
-      the loss audit does not apply; tags `loss_fn` binds itself (in its rules or not) are not
-      read: `curvature_fn` wins. A `loss_fn` whose tags sit in a `jax.custom_jvp` rule
+      runs `loss_fn`'s and `curvature_fn`'s forward passes. `loss_fn` then needs no tag; tags
+      `loss_fn` binds itself (in its rules or not) are not read: `curvature_fn` wins, and a
+      `LossMismatchWarning` names them. Of the loss audit only "shared_prediction" applies. A
+      `loss_fn` whose tags sit in a `jax.custom_jvp` rule
       (FermiNet's loss), or in a `jax.custom_vjp`'s fwd or bwd, is treated the same way
       without this argument: `loss_fn` run as `jax.grad` runs it (its rules called by JAX, a
       custom_vjp's bwd on a zero cotangent) is its curvature function, whatever the rule's
@@ -318,11 +319,16 @@ class Registration:
     stand_in = env is None or any(n not in {e[1] for e in env} for n in names)
     with _compat.axis_env([(n, 1) for n in names]):
       scan = self._trace(params, example_batch, warn)
+      if checks and curvature_part is not None:
+        _audit.check_overridden_tags(scan, part, params, example_batch, strict=strict, warn=warn)
     # The loss is not the tags' (a curvature function, or tags in a custom_jvp rule): its value
-    # and gradient come from `loss_fn` itself, and the audit has nothing to compare.
+    # and gradient come from `loss_fn` itself, and the audit compares nothing with it; two tags
+    # on one prediction still count its curvature twice.
     set_(self, "separate_loss", curvature_part is not None or scan.separate_loss)
     factor = None
-    if checks and not self.separate_loss:  # Once per registration, not per later scan.
+    if self.separate_loss:
+      _audit.check_structure(scan, checks & {"shared_prediction"})
+    elif checks:  # Once per registration, not per later scan.
       factor = _audit.audit(
         scan,
         params,

@@ -102,13 +102,14 @@ def all_finite(tree) -> Array:
 
 def _keep_finite(new: dict, old: dict, keys) -> tuple[dict, Array]:
   """Per key, `new[k]` when finite, else `old[k]` (a select on the scalar flag, cheaper to
-  compile than an elementwise `where`); and the count of non-finite ones."""
-  kept, failed = {}, jnp.zeros((), jnp.int32)
+  compile than an elementwise `where`); and `[len(keys)]` bool, the keys whose new value was
+  not."""
+  kept, failed = {}, []
   for k in keys:
     ok = all_finite(new[k])
     kept[k] = jax.lax.cond(ok, lambda k=k: new[k], lambda k=k: old[k])
-    failed = failed + (~ok).astype(jnp.int32)
-  return kept, failed
+    failed.append(~ok)
+  return kept, jnp.stack(failed) if failed else jnp.zeros((0,), bool)
 
 
 def _fold(old, new, weight, average):
@@ -154,8 +155,8 @@ class ReplicatedStorage:
     return {n: _fold(factors[n], x, weight, average) for n, x in zip(names, new)}
 
   def refresh(self, names, blocks, factors, cache, damping, axis_name, mesh):
-    """`(new cache, number of failed blocks)`; a block whose new cache is not finite keeps its
-    previous one."""
+    """`(new cache, failed)`, `failed` `[len(blocks)]` bool: the blocks whose new cache was not
+    finite, each of which keeps its previous one."""
     by_block = [factors[n] for n in names]
 
     def compute(indices, factors, lam):
@@ -291,9 +292,9 @@ class ShardedStorage:
     )
 
   def refresh(self, names, blocks, factors, cache, damping, axis_name, mesh):
-    """`(new ShardedCache, number of failed blocks)`: each device refreshes its own blocks from
-    its own factors; the failures are counted on the device that owns the block and summed over
-    the axis."""
+    """`(new ShardedCache, failed)`: each device refreshes its own blocks from its own factors;
+    a failure (`failed`, `[len(blocks)]` bool, as `ReplicatedStorage.refresh`'s) is flagged on
+    the device that owns the block and summed over the axis."""
     del names
 
     def local(axis, flay, clay, factors, cache, lam):
@@ -303,10 +304,13 @@ class ShardedStorage:
         mine = _parallel.unpack(flay, d, factors.buffers)
         new = _blocks.compute_caches(blocks, share, [mine.get(i) for i in range(len(blocks))], lam)
         kept, failed = _keep_finite(new, old, share)
-        return _parallel.pack(clay, d, kept), failed
+        flags = jnp.zeros((len(blocks),), jnp.int32)
+        if share:
+          flags = flags.at[np.asarray(share)].set(failed.astype(jnp.int32))
+        return _parallel.pack(clay, d, kept), flags
 
       buffers, failed = _parallel.on_own_share(run, clay.shares, axis)
-      return _parallel.ShardedCache(buffers), jax.lax.psum(failed, axis)
+      return _parallel.ShardedCache(buffers), jax.lax.psum(failed, axis) > 0
 
     args = (factors, cache, damping)
     return self._run(

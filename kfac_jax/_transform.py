@@ -15,15 +15,17 @@ params that are not finite once per input (`NonFiniteWarning`), guard on or off.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from kfac_jax import _checks, _config, _engine, _estimator, _fit, _migrate, _registration
+from kfac_jax import _checks, _config, _engine, _errors, _estimator, _fit, _migrate, _registration
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | Callable[[Array], Array]
@@ -324,9 +326,64 @@ def _clip_by_kfac_norm(max_norm, tagged: Callable | None):
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
-def scale_by_learning_rate(learning_rate, default: Callable):
+# A learning rate over `kfac`'s default for the loss outside [_FAR_BELOW, _FAR_ABOVE] is far
+# from those measured: the benchmark models train between 1/6 and 3 times the default.
+_FAR_BELOW, _FAR_ABOVE = 1e-3, 30.0
+
+
+def _report_far_learning_rate(reporter: _engine.Reporter, reg, value, step=None) -> None:
+  """A `HyperparameterWarning` (once per front, by `reporter`) when the learning rate `value`
+  (its value at schedule count `step`; None for a number) over `kfac`'s default for the
+  registration `reg` (`default_learning_rate / c`) is outside [_FAR_BELOW, _FAR_ABOVE]."""
+  c = reg.loss_factor or 1.0
+  default = default_learning_rate(reg) / c
+  value = float(np.asarray(value).ravel()[0])
+  ratio = value / default
+  if _FAR_BELOW <= ratio <= _FAR_ABOVE:
+    return
+  at = "" if step is None else f" (its value at step {int(np.asarray(step).ravel()[0])})"
+  reporter.once(
+    "range:learning_rate",
+    f"{reporter.who}: learning_rate={value:g}{at} is {ratio:.3g} times the default for this "
+    f"loss, 0.3 · D^(1/4) / c = {default:.3g} (D = {reg.outputs_per_example} outputs per "
+    f"example, c = {c:g} the returned loss over the tagged one). The benchmark models train "
+    f"between 1/6 and 3 times the default; beyond {_FAR_ABOVE:g} times it a step overshoots, "
+    f"below {_FAR_BELOW:g} times it barely moves. Pass learning_rate=None for the default. "
+    "This warning is given once.",
+    _errors.HyperparameterWarning,
+  )
+
+
+def _far_learning_rate(reporter: _engine.Reporter, registration_for: Callable) -> Callable:
+  """`check(params, value, count)` for `scale_by_learning_rate`: reports a learning rate far
+  from `kfac`'s default (`_report_far_learning_rate`): a number at once, a traced value from the
+  host on the step that gives it (a `lax.cond` that runs nothing in range)."""
+
+  def check(params, value, count) -> None:
+    reg = registration_for(params)
+    if isinstance(value, (int, float)):
+      _report_far_learning_rate(reporter, reg, value)
+      return
+    ratio = jnp.asarray(value) / (default_learning_rate(reg) / (reg.loss_factor or 1.0))
+    _engine._when_bad(
+      (ratio >= _FAR_BELOW) & (ratio <= _FAR_ABOVE),
+      lambda v, n: _report_far_learning_rate(reporter, reg, v, n),
+      value,
+      count,
+    )
+
+  return check
+
+
+def scale_by_learning_rate(learning_rate, default: Callable, check: Callable | None = None):
   """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default(params)`. Multiplied
-  in at least float32, cast back to the update's dtype."""
+  in at least float32, cast back to the update's dtype. `check(params, α, count)` (optional)
+  looks at a given α: a number at `init`, a schedule's or an injected value in each update."""
+
+  def init_fn(params):
+    if check is not None and isinstance(learning_rate, (int, float)):
+      check(params, learning_rate, None)
+    return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, kfac_count, **extra_args):
     del extra_args
@@ -334,22 +391,74 @@ def scale_by_learning_rate(learning_rate, default: Callable):
       step = default(params)
     else:
       step = learning_rate(kfac_count) if callable(learning_rate) else learning_rate
+      if check is not None and not isinstance(learning_rate, (int, float)):
+        check(params, step, kfac_count)
     return jax.tree_util.tree_map(
       lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
       updates,
     ), state
 
-  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_LINESEARCHES = (
+  "optax.scale_by_backtracking_linesearch(...), optax.scale_by_zoom_linesearch(...) or "
+  "kfac_jax.pinn.grid_linesearch()"
+)
+
+
+def _check_linesearch(linesearch, who: str) -> None:
+  """TypeError unless `linesearch` is a line search: a transformation whose state keeps the
+  step it chose as a `learning_rate` field (optax's line searches and the grid search do, and
+  `optax.tree_utils.tree_get(state, "learning_rate")` reads it), read from its init on a
+  stand-in params (shapes only: nothing runs). An optimizer such as `optax.adam` has none."""
+  if not isinstance(linesearch, optax.GradientTransformation):
+    raise TypeError(
+      f"{who}: `linesearch` must be an optax line search such as {_LINESEARCHES}, got "
+      f"{type(linesearch).__name__}: {linesearch!r}."
+    )
+  state = jax.eval_shape(linesearch.init, {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+  fields = optax.tree_utils.tree_get_all_with_path(state, "learning_rate")
+  if not any(not isinstance(path[-1], jax.tree_util.DictKey) for path, _ in fields):
+    raise TypeError(
+      f"{who}: `linesearch` must be a line search, which picks the step along the "
+      "preconditioned direction from `value_fn` and keeps it in its state's `learning_rate` "
+      f"field: {_LINESEARCHES}. Got a transformation whose state ({type(state).__name__}) has "
+      "no such field, so it would replace the learning rate with its own update rule. For a "
+      "fixed or scheduled step pass `learning_rate=`; to run another optimizer on the "
+      "preconditioned direction, chain it after the bare preconditioner "
+      "(`kfac_jax.scale_by_kfac`, `kfac_jax.scale_by_kernel_ngd`)."
+    )
+
+
+def _scalar_value_fn(value_fn: Callable) -> Callable:
+  """`value_fn` checked to return one scalar where a line search traces it (its signature is
+  kept: optax's line searches read it to pick `value_fn`'s keyword arguments)."""
+
+  @functools.wraps(value_fn)
+  def checked(*args, **kwargs):
+    out = value_fn(*args, **kwargs)
+    if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
+      got = (
+        f"a {type(out).__name__} of {len(out)} values"
+        if isinstance(out, (tuple, list))
+        else f"an array of shape {jnp.shape(out)}"
+      )
+      raise TypeError(
+        f"the line search's `value_fn` must return the scalar loss, got {got}. A `loss_fn` "
+        "returning `(loss, aux)` is passed as `value_fn=lambda params: loss_fn(params, "
+        "batch)[0]`."
+      )
+    return out
+
+  return checked
 
 
 def check_step_size(learning_rate, linesearch, who: str) -> None:
-  """A learning rate (a number > 0 or a schedule) or an optax line search, not both."""
+  """A learning rate (a number > 0 or a schedule) or a line search (`_check_linesearch`), not
+  both."""
   if linesearch is not None:
-    if not isinstance(linesearch, optax.GradientTransformation):
-      raise TypeError(
-        f"{who}: `linesearch` must be an optax line search such as "
-        f"optax.scale_by_backtracking_linesearch(...), got {type(linesearch).__name__}."
-      )
+    _check_linesearch(linesearch, who)
     if learning_rate is not None:
       raise ValueError(
         f"{who}: got both learning_rate={learning_rate!r} and a `linesearch`; the line search "
@@ -366,6 +475,15 @@ def along_linesearch(linesearch):
 
   def update_fn(updates, state, params=None, *, kfac_grads, kfac_count, **extra_args):
     del kfac_grads, kfac_count
+    value = extra_args.get("value")
+    if isinstance(value, (tuple, list)) or (value is not None and jnp.shape(value) != ()):
+      raise TypeError(
+        "the line search's `value=` must be the scalar loss at `params`, got "
+        f"{type(value).__name__} {jax.tree_util.tree_map(jnp.shape, value)}; with `has_aux`, "
+        "pass the loss of `(loss, aux)`."
+      )
+    if callable(extra_args.get("value_fn")):
+      extra_args["value_fn"] = _scalar_value_fn(extra_args["value_fn"])
     descent = jax.tree_util.tree_map(jnp.negative, updates)
     return linesearch.update(descent, state, params, **extra_args)
 
@@ -404,7 +522,10 @@ def kfac(
       as in `scale_by_kfac`.
     learning_rate: α > 0, a number or a schedule `count -> α`; None takes
       `default_learning_rate` on the tagged loss's scale (divided by its `loss_factor`), so a
-      loss averaged over its D outputs takes the summed one's steps.
+      loss averaged over its D outputs takes the summed one's steps. An α more than 30 times
+      that or below 1/1000 of it gives one `HyperparameterWarning` (at construction with
+      `registration=`, else at `init`; a schedule's value on its step): the benchmark models
+      train between 1/6 and 3 times it, and the bounds sit a decade and more beyond.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√|vᵀg|` of v in the damped metric before α, or None
       (no clipping); on a share of the parameters, of the share's. TF K-FAC's and the
@@ -414,7 +535,8 @@ def kfac(
     linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
       `optax.scale_by_zoom_linesearch(...)`) in place of α (`learning_rate` None): the step is
       `η (−m)`, η its choice; `update` then also takes its `value=`, `grad=` and `value_fn=`
-      (and `value_fn`'s keyword arguments), as in `optax.lbfgs`.
+      (and `value_fn`'s keyword arguments), as in `optax.lbfgs`. A transformation whose state
+      keeps no step `learning_rate` (an optimizer such as `optax.adam`) is refused.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes
@@ -454,6 +576,9 @@ def kfac(
     reg = registration_for(params)
     return default_learning_rate(reg) / (reg.loss_factor or 1.0)
 
+  if registration is not None and isinstance(learning_rate, (int, float)):
+    _report_far_learning_rate(engine.reporter, registration, learning_rate)
+
   rest = optax.chain(
     optax.identity()
     if max_norm is None
@@ -461,7 +586,9 @@ def kfac(
     optax.identity()
     if momentum is None
     else optax.trace(momentum, nesterov=engine.config.nesterov),
-    scale_by_learning_rate(learning_rate, tagged_step)
+    scale_by_learning_rate(
+      learning_rate, tagged_step, _far_learning_rate(engine.reporter, registration_for)
+    )
     if linesearch is None
     else along_linesearch(linesearch),
   )

@@ -286,6 +286,86 @@ STRUCTURE = [
 ]
 
 
+def _complex(p, b):
+  """A complex prediction `[N, 1]` of real parameters (a complex log psi)."""
+  other = jnp.tanh(b["x"] @ p["w1"]) @ p["w3"]
+  return jax.lax.complex(other[:, 0], other[:, 1])[:, None]
+
+
+def _complex_squared(p, b):  # |z - t|², the squared error of the two parts.
+  z = _complex(p, b)
+  t = jax.lax.complex(b["t"][:, 0], b["t"][:, 1])[:, None]
+  kfac_jax.register_squared_error_loss(z, t)
+  return jnp.mean(jnp.abs(z - t) ** 2)
+
+
+def _complex_normal(p, b):  # A normal tag on a complex log psi, its negative log-likelihood.
+  log_psi = _complex(p, b)
+  kfac_jax.register_normal_predictive_distribution(log_psi, jnp.zeros_like(log_psi), var=2.0)
+  return jnp.mean(jnp.real(log_psi * jnp.conj(log_psi))) / 4
+
+
+def _complex_quartic(p, b):  # Not the tag's loss: measured as a mismatch.
+  z = _complex(p, b)
+  kfac_jax.register_squared_error_loss(z)
+  return jnp.mean(jnp.abs(z) ** 4)
+
+
+def _complex_unreached(p, b):
+  _, logits, _ = _net(p, b)
+  kfac_jax.register_squared_error_loss(_complex(p, b))
+  return _ce(logits, b).mean()
+
+
+@pytest.mark.parametrize("loss_fn", [_complex_squared, _complex_normal])
+def test_a_complex_prediction_is_audited_in_its_parts_and_trains(loss_fn):
+  """A complex tag takes the parts `(Re z, Im z)` of a value the loss computes from `z`: the
+  audit follows and perturbs `z` (no "does not depend"; the fit in real terms: the loss is
+  the tag's sum over the two parts, c = 1), and `kfac` trains it."""
+  params, batch = _setup()
+  params = {k: params[k] for k in ("w1", "w3")}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    reg = kfac_jax.Registration(loss_fn, params, batch)
+  assert reg.loss_factor == pytest.approx(1.0)
+  tx = kfac_jax.kfac(registration=reg, learning_rate=0.3)
+
+  @jax.jit
+  def step(params, state, rng):
+    loss, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  state = jax.jit(tx.init)(params)
+  losses = []
+  for i in range(8):
+    params, state, loss = step(params, state, jax.random.key(i))
+    losses.append(float(loss))
+  assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_complex_prediction_is_measured_in_real_terms(x64):
+  """The measured `∂L/∂ε` and `∂²L/∂ε² v` are those of the loss as a function of the parts
+  `[N, 1, 2]` (jax.grad / jax.hessian in float64); a loss that is not the tag's is a measured
+  mismatch, a complex prediction the loss does not use the structural error."""
+  params, batch = _setup(jnp.float64)
+  scan = _scanner.scan(_complex_quartic, params, batch, warn=False)
+  ((g_loss, h_loss, _, _),) = _audit.measure(scan, params, batch)
+  parts = jnp.stack([jnp.real(_complex(params, batch)), jnp.imag(_complex(params, batch))], -1)
+
+  def returned(x):
+    return jnp.mean(jnp.abs(jax.lax.complex(x[..., 0], x[..., 1])) ** 4)
+
+  v = np.random.default_rng(_audit._SEED).standard_normal(parts.shape)
+  hl = np.asarray(_models.jit_hessian(returned)(parts)).reshape(2 * N, 2 * N) @ v.ravel()
+  np.testing.assert_allclose(h_loss, hl, rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(g_loss, np.ravel(jax.jit(jax.grad(returned))(parts)), rtol=1e-10)
+  with pytest.warns(kfac_jax.LossMismatchWarning, match="register_squared_error_loss.*differs"):
+    kfac_jax.Registration(_complex_quartic, params, batch)
+  with pytest.raises(kfac_jax.RegistrationError, match="loss tag #1 .*does not depend"):
+    kfac_jax.Registration(_complex_unreached, params, batch)
+
+
 @pytest.mark.parametrize("loss_fn, match", STRUCTURE, ids=[f.__name__ for f, _ in STRUCTURE])
 def test_structural_problems_are_errors_even_for_abstract_params(loss_fn, match):
   params, batch = _setup()

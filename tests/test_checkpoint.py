@@ -117,6 +117,56 @@ def test_orbax_round_trip_continues_bit_identically(tmp_path):
   _assert_bit_identical(_run(p_r, s_r, batches, step, 3, 6), want)
 
 
+def test_nnx_optimizer_round_trip_continues_bit_identically():
+  """`state_to_bytes` takes what `nnx.Optimizer` holds (the optimizer, `nnx.state` of it, or its
+  `opt_state`); `state_from_bytes` restores into `nnx.state(optimizer)`, applied with
+  `nnx.update`, and refuses the optimizer itself, naming what to pass."""
+  nnx = pytest.importorskip("flax.nnx")
+  batches = [
+    _models.classification_batch(jax.random.key(10 + i), n=16, din=4, classes=3) for i in range(4)
+  ]
+  graphdef, _ = nnx.split(_models.NnxMLP(4, 5, 3, nnx.Rngs(0)))
+
+  def loss_fn(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["x"])
+    kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  tx = kfac_jax.kfac(loss_fn, batches[0], learning_rate=0.2, inverse_every=2)
+
+  def fresh():
+    model = _models.NnxMLP(4, 5, 3, nnx.Rngs(0))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, batch, rng):
+    params = nnx.state(model, nnx.Param)
+    _, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    optimizer.update(model, grads, curvature_stats=stats)
+
+  def run(model, optimizer, start, stop):
+    for i in range(start, stop):
+      step(model, optimizer, batches[i], jax.random.key(100 + i))
+
+  want_model, want = fresh()
+  run(want_model, want, 0, 4)
+  model, optimizer = fresh()
+  run(model, optimizer, 0, 2)
+  data = kfac_jax.state_to_bytes(optimizer)
+  assert data == kfac_jax.state_to_bytes(nnx.state(optimizer))
+  assert kfac_jax.state_to_bytes(optimizer.opt_state)
+  with pytest.raises(TypeError, match=r"pass its state.*nnx.state\(optimizer\).*nnx.update"):
+    kfac_jax.state_from_bytes(optimizer, data)
+  params = nnx.state(model, nnx.Param)
+  restored_model, restored = fresh()
+  nnx.update(restored_model, params)
+  nnx.update(restored, kfac_jax.state_from_bytes(nnx.state(restored), data))
+  _assert_bit_identical(nnx.state(restored), nnx.state(optimizer))
+  run(restored_model, restored, 2, 4)
+  _assert_bit_identical(nnx.state(restored), nnx.state(want))
+  _assert_bit_identical(nnx.state(restored_model), nnx.state(want_model))
+
+
 def test_restoring_into_a_changed_model_names_the_blocks():
   params, batches, tx, step = _setup(hidden=5)
   _, saved = _run(params, tx.init(params), batches, step, 0, 1)

@@ -745,6 +745,33 @@ def test_default_learning_rate_steps_alike_for_a_summed_and_an_averaged_loss(max
       np.testing.assert_allclose(5 * x, z, rtol=1e-4, atol=1e-7)
 
 
+def test_a_learning_rate_far_from_the_default_is_reported_once():
+  """A mean over D = 5 outputs (c = 1/5): the default is 0.3 · 5^(1/4) / c ≈ 2.24. A number
+  more than 30 times it, or below 1/1000 of it, warns once: at construction with a
+  registration, else at init; a schedule's value at the step it is given for, once. Rates in
+  the measured range (1/6 to 3 times the default, and far beyond) say nothing."""
+  loss_fn, params, batch = _sequence_problem(jnp.mean)
+  reg = kfac_jax.Registration(loss_fn, params, batch)
+  default = kfac_jax._transform.default_learning_rate(reg) / reg.loss_factor
+  assert default == pytest.approx(0.3 * 5**0.25 * 5, rel=1e-5)
+  with pytest.warns(kfac_jax.HyperparameterWarning, match=r"learning_rate=100 is 44\.\d times"):
+    kfac_jax.kfac(registration=reg, learning_rate=100.0)
+  tx = kfac_jax.kfac(loss_fn, batch, learning_rate=1e-3)  # Not known yet: no word.
+  with pytest.warns(kfac_jax.HyperparameterWarning, match=r"= 2\.24 \(D = 5 outputs.*c = 0\.2"):
+    jax.eval_shape(tx.init, params)
+  for fine in (0.3, 20.0, default / 300):
+    kfac_jax.kfac(registration=reg, learning_rate=fine).init(params)  # Warnings are errors.
+
+  def schedule(count):
+    return jnp.where(count >= 1, 1e3, 0.3)
+
+  tx = kfac_jax.kfac(registration=reg, learning_rate=schedule)
+  with pytest.warns(kfac_jax.HyperparameterWarning) as record:
+    _three_updates(tx, loss_fn, params, batch)
+  (message,) = [str(w.message) for w in record]
+  assert "learning_rate=1000 (its value at step 1) is 446 times the default" in message, message
+
+
 def test_init_under_jit_is_the_eager_init():
   """`init` traced by `jax.jit` audits the loss on stand-ins for the traced params: the loss
   factor the default learning rate reads (1/D for a mean over D = 5 outputs) is the eager one,
@@ -915,6 +942,7 @@ def test_a_config_field_a_front_does_not_read_is_refused_by_name(who, field, val
 
 def test_every_config_field_declares_its_readers():
   fronts = {"scale_by_kfac", "kfac", "Optimizer", "CurvatureEstimator"}
+  fronts |= {"scale_by_kernel_ngd", "kernel_ngd"}
   for f in dataclasses.fields(kfac_jax.Config):
     assert f.metadata["read_by"] and set(f.metadata["read_by"]) <= fronts, f.name
   assert not set(_models.REGISTRATION_KNOBS) & set(kfac_jax.Config.__dataclass_fields__)
@@ -1085,3 +1113,39 @@ def test_kfac_linesearch_and_a_learning_rate_are_refused_together():
     kfac_jax.kfac(loss_fn, batch, 0.1, linesearch=ls)
   with pytest.raises(TypeError, match="`linesearch` must be an optax line search"):
     kfac_jax.kfac(loss_fn, batch, linesearch=0.5)
+
+
+@pytest.mark.parametrize(
+  "other",
+  [optax.adam(1e-3), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), optax.identity()],
+  ids=["adam", "injected sgd", "identity"],
+)
+def test_kfac_refuses_a_transformation_that_is_not_a_line_search(other):
+  """Any optax transformation has init and update; a line search also keeps the step it chose
+  as a `learning_rate` field of its state (a hyperparameter named so in a dict does not
+  count)."""
+  loss_fn, _, batch = _problem()
+  with pytest.raises(TypeError, match=r"`linesearch` must be a line search.*scale_by_zoom"):
+    kfac_jax.kfac(loss_fn, batch, linesearch=other)
+  chained = optax.chain(optax.trace(0.5), optax.scale_by_zoom_linesearch(max_linesearch_steps=3))
+  kfac_jax.kfac(loss_fn, batch, linesearch=chained)  # A chain ending in one is one.
+
+
+def test_kfac_linesearch_value_fn_with_an_aux_is_named():
+  """A `value_fn` returning `(loss, aux)` (a `has_aux` loss) is refused where the line search
+  traces it, naming `value_fn` and the fix; a tuple `value=` likewise."""
+  loss_fn, params, batch = _problem(n=8)
+  ls = optax.scale_by_backtracking_linesearch(max_backtracking_steps=3)
+  tx = kfac_jax.kfac(loss_fn, batch, linesearch=ls)
+  state = jax.jit(tx.init)(params)
+  loss, grads, stats = jax.jit(kfac_jax.value_and_grad(loss_fn))(params, batch, jax.random.key(0))
+
+  def update(value, value_fn):
+    return tx.update(
+      grads, state, params, curvature_stats=stats, value=value, grad=grads, value_fn=value_fn
+    )
+
+  with pytest.raises(TypeError, match=r"`value_fn` must return the scalar loss, got a tuple"):
+    jax.jit(update, static_argnums=1)(loss, lambda p: (loss_fn(p, batch), {"aux": 1.0}))
+  with pytest.raises(TypeError, match=r"`value=` must be the scalar loss"):
+    jax.jit(update, static_argnums=1)((loss, 1.0), lambda p: loss_fn(p, batch))

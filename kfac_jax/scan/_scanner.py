@@ -119,7 +119,15 @@ def scan(
   leaves, treedef = jax.tree_util.tree_flatten(params)
   for path, leaf in zip(paths, leaves):
     dtype = getattr(leaf, "dtype", None)
-    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+    if dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+      raise RegistrationError(
+        f"parameter `{path}` has dtype {dtype}; K-FAC's blocks take real parameters (their "
+        "statistics are real Gram matrices of real gradients). Keep the real and imaginary "
+        f"parts as two real leaves and build the complex value in the model, e.g. "
+        "`w = p['w_re'] + 1j * p['w_im']`. A complex output (a complex log psi) of real "
+        "parameters is fine."
+      )
+    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
       raise RegistrationError(
         f"parameter `{path}` has dtype {dtype}; K-FAC needs floating-point "
         "parameters. Keep integer state out of `params` (pass it in the batch instead)."

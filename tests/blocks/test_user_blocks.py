@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import kfac_jax
@@ -185,6 +186,51 @@ class _WrongStats(FullFisher):
     return _F(jnp.zeros((2, 2)))
 
 
+class _NoShapes(FullFisher):
+  @classmethod
+  def factor_shapes_for(cls, spec):
+    return None
+
+
+class _NaNCache(FullFisher):
+  """A refresh that is never finite: the layer keeps its first (identity) cache."""
+
+  def compute_cache(self, factors, damping):
+    cache = super().compute_cache(factors, damping)
+    return cache._replace(inv=cache.inv * jnp.nan)
+
+
+def test_a_user_block_whose_refresh_is_not_finite_is_reported_once_by_name():
+  """Its layer keeps the identity cache (the plain gradient), `failed_inverses` counts every
+  failed refresh, and the front warns once, from the host, naming the layer and its class; the
+  library's block on the other layer refreshes normally."""
+  params, batch = _data()
+  reg = kfac_jax.Registration(
+    _loss, params, batch, layers=kfac_jax.LayerConfig(blocks={"hidden/*": _NaNCache})
+  )
+  tx = kfac_jax.kfac(
+    registration=reg, learning_rate=0.1, momentum=None, max_norm=None, inverse_every=1
+  )
+
+  @jax.jit
+  def step(params, state, rng):
+    _, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, rng)
+    updates, state = tx.update(grads, state, params, curvature_stats=stats)
+    return optax.apply_updates(params, updates), state, grads, updates
+
+  state = jax.jit(tx.init)(params)
+  with pytest.warns(kfac_jax.FailedInverseWarning) as record:
+    for i in range(3):
+      params, state, grads, updates = step(params, state, jax.random.key(i))
+  messages = [str(w.message) for w in record]
+  assert len(messages) == 1, messages
+  assert "inverse of `hidden` (_NaNCache) was not finite at step 0" in messages[0]
+  assert "failed_inverses" in messages[0] and "`out`" not in messages[0]
+  assert int(state.preconditioner.curvature.failed_inverses) == 3
+  _close(updates["hidden"], jax.tree_util.tree_map(lambda g: -0.1 * g, grads["hidden"]), 1e-6)
+  assert np.isfinite(np.asarray(state.preconditioner.curvature.cache["out"].g.powers[0])).all()
+
+
 def test_bad_blocks_are_named_before_any_state():
   params, batch = _data()
   with pytest.raises(TypeError, match=r"LayerConfig.blocks\['hidden/\*'\] must be a subclass"):
@@ -196,6 +242,10 @@ def test_bad_blocks_are_named_before_any_state():
   with pytest.raises(TypeError, match=r"_Abstract does not implement \['batch_factors'"):
     kfac_jax.Registration(
       _loss, params, batch, layers=kfac_jax.LayerConfig(blocks={"hidden/*": _Abstract})
+    )
+  with pytest.raises(kfac_jax.RegistrationError, match=r"_NoShapes.factor_shapes_for returns N"):
+    kfac_jax.Registration(
+      _loss, params, batch, layers=kfac_jax.LayerConfig(blocks={"hidden/*": _NoShapes})
     )
   with pytest.raises(kfac_jax.RegistrationError, match=r"blocks: pattern 'nothing/\*' matches"):
     kfac_jax.Registration(

@@ -418,7 +418,10 @@ def test_row_space_gradient_is_stable_in_float64_at_damping_1e_12(x64, separate)
     def tags(p, b):
       kfac_jax.register_squared_error_loss(_mlp(p, b["x"]), b["y"])
 
-    reg = kfac_jax.Registration(loss, params, batch, curvature_fn=tags, estimation_mode="exact")
+    def untagged(p, b):  # The same loss; its tags would not be read beside `curvature_fn`.
+      return jnp.mean(jnp.sum((_mlp(p, b["x"]) - b["y"]) ** 2, 1))
+
+    reg = kfac_jax.Registration(untagged, params, batch, curvature_fn=tags, estimation_mode="exact")
   else:
     reg = kfac_jax.Registration(loss, params, batch, estimation_mode="exact")
   grads = jax.jit(jax.grad(loss))(params, batch)

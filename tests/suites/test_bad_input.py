@@ -231,6 +231,12 @@ CASES = [
     "parameter `w` has dtype int32.*floating-point",
   ),
   (
+    "complex parameter",
+    _scan(_sce(targets=None), params={"w": jnp.ones((4, 3), jnp.complex64)}),
+    kfac_jax.RegistrationError,
+    "parameter `w` has dtype complex64.*real parameters.*two real leaves",
+  ),
+  (
     "manual kernel that is not a parameter",
     _scan(_dense_tag(kw=lambda p, b: dict(kernel=jnp.ones((4, 3))))),
     kfac_jax.RegistrationError,
@@ -307,6 +313,12 @@ CASES = [
   ),
   ("a zero matrix power", _est(exps=(0,)), ValueError, "`exps` must be non-zero"),
   ("axis_name that is not a string", _tx(axis_name=3), TypeError, "`axis_name` must be a string"),
+  (
+    "an optimizer as the line search",
+    lambda: kfac_jax.kfac(_problem()[0], _batch(), linesearch=optax.adam(1e-3)),
+    TypeError,
+    "`linesearch` must be a line search.*learning_rate",
+  ),
   ("unknown keyword argument", _tx(dampening=1.0), TypeError, "dampening"),
   (
     "a loss_fn that is not callable",
@@ -342,6 +354,15 @@ CASES = [
     ),
     ValueError,
     "params pytree differs",
+  ),
+  (
+    "updates of another dtype than the params",
+    _update(
+      lambda g, p, b: ((_models.to_dtype(g, jnp.float16), p), dict(batch=b, rng=jax.random.key(0)))
+    ),
+    ValueError,
+    "`updates` leaf `layer0/b` has shape \\(5,\\) and dtype float16, but the params leaf has "
+    "shape \\(5,\\) and dtype float32",
   ),
   (
     "sampled mode without rng",

@@ -206,6 +206,67 @@ def test_audit_points_a_vmc_loss_to_curvature_fn():
     kfac_jax.Registration(loss_fn, params, batch)
 
 
+def _log_psi_tagged_twice(p, b):
+  log_psi = _log_psi(p, b["r"])[:, None]
+  kfac_jax.register_normal_predictive_distribution(log_psi)
+  kfac_jax.register_squared_error_loss(log_psi)
+
+
+def _energy_rule_tagged_twice(p, b):
+  @jax.custom_jvp
+  def energy(p, r):
+    return jnp.mean(_local_energy(p, r))
+
+  @energy.defjvp
+  def energy_jvp(primals, tangents):
+    p, r = primals
+    e_l = _local_energy(p, r)
+    lp, dlp = jax.jvp(lambda q: _log_psi(q, r), (p,), (tangents[0],))
+    kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    kfac_jax.register_normal_predictive_distribution(lp[:, None])
+    return jnp.mean(e_l), 2.0 * jnp.mean((e_l - jnp.mean(e_l)) * dlp)
+
+  return energy(p, b["r"])
+
+
+def test_two_tags_on_one_log_psi_of_a_curvature_function_are_refused():
+  """The loss is not the tags' (a `curvature_fn`, or tags in a custom_jvp rule), yet two tags
+  on one prediction would count its curvature twice: refused naming both (the audit's
+  "shared_prediction" check, which `check_loss` turns off)."""
+  params, batch = _vmc_data()
+  match = r"loss tag #1 \(register_normal_predictive_distribution.* and loss tag #2 .*same pred"
+  with pytest.raises(kfac_jax.RegistrationError, match=match):
+    kfac_jax.Registration(_energy_rule(False), params, batch, curvature_fn=_log_psi_tagged_twice)
+  with pytest.raises(kfac_jax.RegistrationError, match=match):
+    kfac_jax.Registration(_energy_rule_tagged_twice, params, batch)
+  reg = kfac_jax.Registration(
+    _energy_rule(False), params, batch, curvature_fn=_log_psi_tagged_twice, check_loss=False
+  )
+  assert len(reg.fingerprint.layers) == len(reg.layers)
+
+
+def test_tags_in_loss_fn_beside_a_curvature_fn_are_named_as_not_read():
+  """With `curvature_fn`, `loss_fn`'s own tags are not read: a LossMismatchWarning names them
+  and the tags that define the curvature (an error with `strict`, nothing with
+  `check_loss=False`); the curvature is `curvature_fn`'s."""
+  params, batch = _vmc_data()
+
+  def loss_fn(p, b):
+    kfac_jax.register_squared_error_loss(_log_psi(p, b["r"])[:, None])
+    return jnp.mean(_local_energy(p, b["r"]))
+
+  with pytest.warns(kfac_jax.LossMismatchWarning) as record:
+    reg = kfac_jax.Registration(loss_fn, params, batch, curvature_fn=_log_psi_tagged)
+  (message,) = [str(w.message) for w in record if w.category is kfac_jax.LossMismatchWarning]
+  assert "`loss_fn` has its own loss tag(s), loss tag #1 (register_squared_error_loss" in message
+  assert "curvature is that of `curvature_fn`'s tags, loss tag #1 (register_normal_" in message
+  want = kfac_jax.Registration(_energy_rule(False), params, batch, curvature_fn=_log_psi_tagged)
+  assert reg.fingerprint == want.fingerprint
+  with pytest.raises(kfac_jax.RegistrationError, match="strict=True"):
+    kfac_jax.Registration(loss_fn, params, batch, curvature_fn=_log_psi_tagged, strict=True)
+  kfac_jax.Registration(loss_fn, params, batch, curvature_fn=_log_psi_tagged, check_loss=False)
+
+
 def test_curvature_fn_must_be_callable():
   params, batch = _vmc_data()
   with pytest.raises(TypeError, match="`curvature_fn` must be callable"):
