@@ -173,7 +173,15 @@ def _check_vmc(scope):
   assert int(scope["spring_state"].preconditioner.skipped) == 0
 
 
+def _check_curvatures(scope):
+  """Both curvatures from one registration trained the regression; the kernel's exact
+  Gauss-Newton steps fitted its 64 points (160 parameters) far below K-FAC's loss."""
+  assert float(scope["kernel_loss"]) < 1e-4 < float(scope["kfac_loss"]) < 0.05
+  assert int(scope["s_kernel"].preconditioner.skipped) == 0
+
+
 CHECKS = {
+  "curvatures": _check_curvatures,
   "vmc": _check_vmc,
   "getting_started": _check_getting_started,
   "entry_points": _check_entry_points,
