@@ -47,17 +47,20 @@ WARMUP = vmc.WARMUP  # The first steps compile; medians are over the steps after
 
 
 def row(name: str, energies, times, update_times, steps=None, budget=None) -> dict:
-  """One contestant's summary: the energy estimate after `steps` steps (all by default), after
-  `budget` charged seconds (`vmc.charged_seconds`; None where it ran out first), and median
-  iteration / update times (ms)."""
+  """One contestant's summary: the energy estimate after `steps` steps (all by default) and
+  after a quarter of them, after `budget` charged seconds (`vmc.charged_seconds`; None where it
+  ran out first), and median iteration / update times (ms)."""
   energies = np.asarray(energies)
   steps = len(energies) if steps is None else min(steps, len(energies))
   mean, err = vmc.estimate(energies[:steps])
+  early, early_err = vmc.estimate(energies[: max(2, steps // 4)])
   out = {
     "name": name,
     "steps": steps,
     "energy": mean,
     "err": err,
+    "early": early,
+    "early_err": early_err,
     "step_ms": float(np.median(np.asarray(times)[WARMUP:])) * 1e3,
     "update_ms": float(np.median(np.asarray(update_times)[WARMUP:])) * 1e3,
   }
@@ -71,31 +74,31 @@ def row(name: str, energies, times, update_times, steps=None, budget=None) -> di
 
 
 def table(rows: list[dict], exact: float) -> str:
-  """The markdown table: ΔE in mHa (mean of the last 20% of steps ± standard error) at equal
-  steps and at equal seconds (steps taken there); the ratio column is over kfac-jax 0.0.8's
-  update if it ran, else over the Optimizer's (else the first row's)."""
+  """The markdown table: ΔE in mHa (mean of the last 20% of steps ± standard error) after a
+  quarter of the steps, at equal steps and at equal seconds (steps taken there); the ratio
+  column is over kfac-jax 0.0.8's update if it ran, else over the Optimizer's (else the first
+  row's)."""
   ran = [r for r in rows if "error" not in r]
   base = next((r for n in ("upstream", "optimizer") for r in ran if r["name"] == n), ran[0])
   base_name = base["name"]
+  mha = lambda e, s: f"{(e - exact) * 1e3:+.1f} ± {s * 1e3:.1f}"  # noqa: E731
   lines = [
-    f"| optimizer | energy (Ha) | ΔE (mHa) | ΔE, equal seconds (steps) | step (ms) | "
-    f"update (ms) | update / {NAMES[base_name]} |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    f"| optimizer | energy (Ha) | ΔE, ¼ steps (mHa) | ΔE (mHa) | ΔE, equal seconds (steps) | "
+    f"step (ms) | update (ms) | update / {NAMES[base_name]} |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     if "error" in r:
-      lines.append(f"| {NAMES[r['name']]} | failed: {r['error']} | | | | | |")
+      lines.append(f"| {NAMES[r['name']]} | failed: {r['error']} | | | | | | |")
       continue
     equal = "–"
     if "budget_energy" in r:
-      equal = (
-        f"{(r['budget_energy'] - exact) * 1e3:+.1f} ± {r['budget_err'] * 1e3:.1f} "
-        f"({r['budget_steps']})"
-      )
+      equal = f"{mha(r['budget_energy'], r['budget_err'])} ({r['budget_steps']})"
+    early = mha(r["early"], r["early_err"]) if "early" in r else "–"
     lines.append(
-      f"| {NAMES[r['name']]} | {r['energy']:.4f} ± {r['err']:.4f} | "
-      f"{(r['energy'] - exact) * 1e3:+.1f} ± {r['err'] * 1e3:.1f} | {equal} | "
-      f"{r['step_ms']:.0f} | {r['update_ms']:.0f} | {r['update_ms'] / base['update_ms']:.2f} |"
+      f"| {NAMES[r['name']]} | {r['energy']:.4f} ± {r['err']:.4f} | {early} | "
+      f"{mha(r['energy'], r['err'])} | {equal} | {r['step_ms']:.0f} | {r['update_ms']:.0f} | "
+      f"{r['update_ms'] / base['update_ms']:.2f} |"
     )
   return "\n".join(lines)
 

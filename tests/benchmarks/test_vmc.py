@@ -23,6 +23,7 @@ def test_row_takes_the_last_fifth_and_medians_after_the_compiling_steps():
   r = bench.row("kfac", energies, times, np.asarray(times) / 2)
   assert r["energy"] == pytest.approx(-2.5) and r["err"] == pytest.approx(0.5)
   assert r["step_ms"] == pytest.approx(3.0) and r["update_ms"] == pytest.approx(1.5)
+  assert r["early"] == pytest.approx(-1.0)  # The first quarter's (two steps) last fifth.
   assert "budget_steps" not in r
 
 
@@ -46,14 +47,14 @@ def test_table_ratios_are_over_upstream_when_it_ran_and_a_failure_is_a_row():
   lines = bench.table([ours, up], exact=-2.90372).splitlines()
   assert lines[0].endswith("| update / kfac-jax 0.0.8 |"), lines
   assert lines[2] == (
-    "| kfac_jax.Optimizer | -2.9035 ± 0.0002 | +0.2 ± 0.2 | +0.2 ± 0.2 (400) | 90 | 30 | 0.50 |"
+    "| kfac_jax.Optimizer | -2.9035 ± 0.0002 | – | +0.2 ± 0.2 | +0.2 ± 0.2 (400) | 90 | 30 | 0.50 |"
   ), lines
-  assert lines[3].endswith("| – | 100 | 60 | 1.00 |"), lines
+  assert lines[3].endswith("| – | +3.7 ± 0.3 | – | 100 | 60 | 1.00 |"), lines
   # Without upstream the Optimizer is the reference; a failed upstream run says why.
   failed = {"name": "upstream", "error": "ValueError: no"}
   lines = bench.table([ours, failed], exact=-2.90372).splitlines()
   assert lines[0].endswith("| update / kfac_jax.Optimizer |"), lines
-  assert lines[3] == "| kfac-jax 0.0.8 | failed: ValueError: no | | | | | |", lines
+  assert lines[3] == "| kfac-jax 0.0.8 | failed: ValueError: no | | | | | | |", lines
 
 
 def test_the_kernel_rows_train_beside_the_optimizer(monkeypatch, capsys):
