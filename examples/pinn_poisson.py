@@ -3,14 +3,14 @@
     −Δu = 2π² sin(πx) sin(πy) on [0, 1]²,   u = 0 on the boundary,   solution sin(πx) sin(πy).
 
 An MLP 2-64-1 with tanh (257 parameters, float64) is fitted on 900 interior and 120 boundary
-points; the error is the relative L2 error on 9,000 points. The Laplacian is computed in forward
-mode (the forward Laplacian: value, gradient and Laplacian channels through each layer), so the
-scanner sees each layer applied to the points and to those channels and registers it as one
-shared layer (the "expand" K-FAC of physics-informed networks). The two loss terms are tagged
-separately, each a mean over its own points. K-FAC runs twice: `kfac_jax.Optimizer` (learning
-rate, momentum and damping from its quadratic model) and the `kfac_jax.kfac` chain with the
-paper's grid line search (`make_kfac`); the run writes a plot of the error against steps and
-seconds.
+points; the error is the relative L2 error on 9,000 points. The Laplacian is
+`kfac_jax.pinn.laplacian` (the forward Laplacian: value, gradient and Laplacian channels through
+each layer), so the scanner sees each layer applied to the points and to those channels and
+registers it as one shared layer (the "expand" K-FAC of physics-informed networks). The two
+loss terms are tagged separately, each a mean over its own points. K-FAC runs twice:
+`kfac_jax.pinn.optimizer` (learning rate, momentum and damping from the quadratic model) and
+`kfac_jax.pinn.kfac` (the chain with the paper's grid line search, `make_kfac`); the run writes
+a plot of the error against steps and seconds.
 
     python examples/pinn_poisson.py              # 200 steps of each K-FAC, 2,000 of Adam
     python examples/pinn_poisson.py --steps 2000 --adam-steps 20000
@@ -89,25 +89,12 @@ def init_params(seed: int = 0, sizes=SIZES, dtype=jnp.float64) -> list[dict]:
 
 
 def mlp(params, x):
+  """u at the points `x` [N, d] ([N]), or at one point [d] (a scalar)."""
   for i, p in enumerate(params):
     x = x @ p["w"] + p["b"]
     if i < len(params) - 1:
       x = jnp.tanh(x)
-  return x[:, 0]
-
-
-def laplacian(params, x):
-  """The forward Laplacian: each layer carries the value `[N, h]`, the gradient `[N, d, h]`
-  and the Laplacian `[N, h]` of its units; through tanh, Δt = t' Δz + t'' |∇z|²."""
-  n, d = x.shape
-  z, dz, lz = x, jnp.broadcast_to(jnp.eye(d, dtype=x.dtype), (n, d, d)), jnp.zeros_like(x)
-  for i, p in enumerate(params):
-    z, dz, lz = z @ p["w"] + p["b"], dz @ p["w"], lz @ p["w"]
-    if i < len(params) - 1:
-      t = jnp.tanh(z)
-      s = 1 - t**2
-      z, dz, lz = t, s[:, None, :] * dz, s * lz - 2 * t * s * jnp.sum(dz**2, axis=1)
-  return lz[:, 0]
+  return x[..., 0]
 
 
 def loss_fn(params, batch):
@@ -115,7 +102,7 @@ def loss_fn(params, batch):
   each term tagged as a normal of variance 1 (negative log-likelihood ½ r²), so that each
   term's output factor is its Gauss-Newton matrix `Jᵀ J / N`."""
   x = batch["interior"]
-  residual = (laplacian(params, x) + source(x))[:, None]
+  residual = (kfac_jax.pinn.laplacian(lambda y: mlp(params, y), x) + source(x))[:, None]
   kfac_jax.register_normal_predictive_distribution(residual, var=1.0)
   u = mlp(params, batch["boundary"])[:, None]
   kfac_jax.register_normal_predictive_distribution(u, var=1.0)
@@ -164,116 +151,30 @@ def run(name: str, step, state, params, problem: Problem, steps: int, progress: 
   return Run(name, np.asarray(out_steps), np.asarray(out_secs), np.asarray(out_errs))
 
 
-def make_optimizer(params, batch, loss=None, damping: float = 0.5) -> kfac_jax.Optimizer:
-  """`kfac_jax.Optimizer` with the learning rate and momentum from its quadratic model; the
-  exact Gauss-Newton output factor (one output per point: as cheap as a sample), fresh
-  statistics and inverses at every step (no moving average: the batch is the whole problem),
-  and the damping adapted at every step, so that no step that raises the loss is taken. The
-  damping starts high (0.5, on the ½-scaled loss) and falls by 5% a step while the model
-  predicts well: started low, the first steps are rejected and the damping climbs back just as
-  slowly."""
-  reg = kfac_jax.Registration(loss or loss_fn, params, batch, estimation_mode="exact_GGN")
-  return kfac_jax.Optimizer(
-    registration=reg,
-    damping=damping,
-    ema_decay=0.0,
-    inverse_every=1,
-    config=kfac_jax.Config(damping_adaptation_interval=1, min_damping=1e-12),
-  )
-
-
-class GridLinesearchState(NamedTuple):
-  learning_rate: jax.Array  # [], the step size taken at the last update (0: none)
-
-
-def grid_linesearch(
-  log2_min: int = -30, log2_max: int = 0
-) -> optax.GradientTransformationExtraArgs:
-  """The line search of the PINN paper's code: the loss at the step sizes `2^k`, k from
-  `log2_min` to `log2_max`, along the update; the best of them, or no step when none is below
-  the current loss. It reads `value=` and `value_fn=` (as optax's line searches) and evaluates
-  the loss once per step size, one after another (`jax.lax.map`)."""
-  sizes = 2.0 ** np.arange(log2_min, log2_max + 1)
-
-  def init_fn(params):
-    del params
-    return GridLinesearchState(jnp.zeros(()))
-
-  def update_fn(updates, state, params, *, value, value_fn, **extra):
-    del state, extra  # `grad=` and `value_fn`'s keyword arguments are not needed.
-
-    def loss_at(eta):
-      return value_fn(jax.tree_util.tree_map(lambda p, u: p + eta * u, params, updates))
-
-    etas = jnp.asarray(sizes, jnp.result_type(*jax.tree_util.tree_leaves(updates)))
-    losses = jax.lax.map(loss_at, etas)
-    losses = jnp.where(jnp.isnan(losses), jnp.inf, losses)
-    best = jnp.argmin(losses)
-    eta = jnp.where(losses[best] <= value, etas[best], 0.0)
-    scaled = jax.tree_util.tree_map(lambda u: (eta * u).astype(u.dtype), updates)
-    return scaled, GridLinesearchState(eta)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def fading_damping(decay: float = PAPER_EMA, floor: float = PAPER_DAMPING):
-  """λ at update k (from 0): `2 ((ρ^(k+1) + floor) / (1 − ρ^(k+1)))²`, ρ = `decay`. The paper's
-  code starts each Kronecker factor at the identity, averages without bias correction and adds
-  `floor` to each factor, so after k+1 updates a factor is `(1 − ρ^(k+1)) (F̄ + ε I)`, F̄ the
-  bias-corrected average and `ε = (ρ^(k+1) + floor) / (1 − ρ^(k+1))`: a damping that fades
-  with the moving average. With `Config(damping_mode="factored_equal")` a layer serving two
-  loss terms adds √(λ/2) = ε to each factor of each term; `identity_start` restores the scale
-  `(1 − ρ^(k+1))⁻²`."""
-
-  def schedule(count):
-    r = jnp.asarray(decay, jnp.result_type(float)) ** (count + 1)
-    return 2 * ((r + floor) / (1 - r)) ** 2
-
-  return schedule
-
-
-def identity_start(
-  decay: float = PAPER_EMA, momentum: float = PAPER_MOMENTUM
-) -> optax.GradientTransformation:
-  """Heavy-ball momentum on the preconditioned direction as the paper's code takes it:
-  `m ← v / (1 − ρ^(k+1))² + μ m` at update k (from 0). Its Kronecker factors start at the
-  identity and average without bias correction, so its preconditioner is `(1 − ρ^(k+1))²`
-  times the bias-corrected one (`fading_damping`) and its early directions are that much
-  longer; the momentum adds them up with those weights."""
-
-  def weight(count):
-    return 1 / (1 - jnp.asarray(decay, jnp.result_type(float)) ** (count + 1)) ** 2
-
-  return optax.chain(optax.scale_by_schedule(weight), optax.trace(decay=momentum))
-
-
 def make_kfac(params, batch, loss=None, linesearch: str = "grid"):
-  """`kfac_jax.kfac` as the K-FAC of the PINN paper's code (its best 2-d Poisson settings):
-  exact Gauss-Newton statistics refreshed at every step (moving average 0.45), no norm
-  clipping, and the step along the direction from a line search. With `linesearch="grid"`,
-  the code's protocol: `grid_linesearch`, a damping that fades from large to 1.5e-12 with the
-  moving average (`fading_damping`), added to both factors (`damping_mode="factored_equal"`), and
-  momentum 0.51 weighted as with identity-started factors (`identity_start`). With "zoom",
-  optax's zoom line search, momentum 0.51 and a fixed damping of 1e-10. (The settings to the
-  digit: `PAPER_EMA`, `PAPER_MOMENTUM`, `PAPER_DAMPING`.) Returns
-  `(tx, registration)`; `tx.update` takes `value=`, `grad=`, `value_fn=`."""
+  """The `kfac_jax.kfac` chain with a line search. With `linesearch="grid"`,
+  `kfac_jax.pinn.kfac`: the K-FAC of the PINN paper's code with its best 2-d Poisson settings
+  to the digit (`PAPER_EMA`, `PAPER_MOMENTUM`, `PAPER_DAMPING`). With "zoom", optax's zoom line
+  search, momentum 0.51, a fixed damping of 1e-10 and the same statistics (exact Gauss-Newton,
+  refreshed at every step, moving average 0.45). Returns `(tx, registration)`; `tx.update`
+  takes `value=`, `grad=`, `value_fn=`."""
   if linesearch not in ("grid", "zoom"):
     raise ValueError(f"make_kfac: linesearch must be 'grid' or 'zoom', got {linesearch!r}.")
   reg = kfac_jax.Registration(loss or loss_fn, params, batch, estimation_mode="exact_GGN")
-  if linesearch == "zoom":
-    search = optax.scale_by_zoom_linesearch(max_linesearch_steps=20)
-    kw = dict(momentum=0.51, damping=1e-10, ema_decay=0.45)
-  else:
-    search = optax.chain(identity_start(), grid_linesearch())
-    config = kfac_jax.Config(damping_mode="factored_equal")
-    kw = dict(momentum=None, damping=fading_damping(), config=config, ema_decay=PAPER_EMA)
+  if linesearch == "grid":
+    tx = kfac_jax.pinn.kfac(
+      registration=reg, momentum=PAPER_MOMENTUM, ema_decay=PAPER_EMA, damping=PAPER_DAMPING
+    )
+    return tx, reg
   tx = kfac_jax.kfac(
     registration=reg,
-    linesearch=search,
+    linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=20),
+    momentum=0.51,
     max_norm=None,
+    damping=1e-10,
+    ema_decay=0.45,
     inverse_every=1,
     curvature_every=1,
-    **kw,
   )
   return tx, reg
 
@@ -303,8 +204,8 @@ def kfac_linesearch_run(problem: Problem, params, steps: int, progress: bool):
 
 
 def kfac_run(problem: Problem, params, steps: int, progress: bool, damping: float = 0.5):
-  """`make_optimizer`'s K-FAC for `steps` steps."""
-  opt = make_optimizer(params, problem.batch, damping=damping)
+  """`kfac_jax.pinn.optimizer`'s K-FAC for `steps` steps."""
+  opt = kfac_jax.pinn.optimizer(loss_fn, params, problem.batch, damping=damping)
   rng = jax.random.key(1)
 
   def step(params, state):

@@ -13,7 +13,7 @@ Mark the loss with a tag inside your ordinary loss function; layers are found au
     updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
 """
 
-from kfac_jax import _migrate
+from kfac_jax import _migrate, pinn  # `pinn`: a module of its own, `kfac_jax.pinn.laplacian`.
 from kfac_jax._checkpoint import (
   check_restored_state,
   restore_state,
@@ -103,6 +103,7 @@ __all__ = [
   "check_restored_state",
   "kernel_ngd",
   "kfac",
+  "pinn",
   "register_categorical_predictive_distribution",
   "register_conv",
   "register_dense",

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
-import glob
 import importlib
 import os
 from typing import Any
 
 import jax
+import threadpoolctl
 from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
 from jax.extend import core as _jex_core
@@ -176,7 +175,6 @@ def source_line(eqn: JaxprEqn, skip_dir: str, with_function: bool = False) -> st
 
 
 _BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
-_SET_THREADS = ("scipy_openblas_set_num_threads", "openblas_set_num_threads")
 _lapack_threads_set: list[bool] = []  # Non-empty once `one_lapack_thread` has run.
 
 
@@ -187,35 +185,17 @@ def one_lapack_thread() -> None:
   jaxlib's CPU LAPACK kernels (Cholesky, eigh, triangular solves: the inverse refresh) call
   scipy's LAPACK, whose OpenBLAS worker threads keep spinning after each call and take the
   cores from XLA's own threads for the steps that follow. numpy's OpenBLAS is another library
-  and is left alone. Setting `OPENBLAS_NUM_THREADS` (or `GOTO_`/`OMP_NUM_THREADS`) keeps the
-  count it names.
+  and is left alone (threadpoolctl finds both; scipy's is the one in the wheel's `scipy.libs/`).
+  Setting `OPENBLAS_NUM_THREADS` (or `GOTO_`/`OMP_NUM_THREADS`) keeps the count it names.
   """
   if _lapack_threads_set:
     return
   _lapack_threads_set.append(True)
   if any(os.environ.get(v) for v in _BLAS_THREAD_VARIABLES) or jax.default_backend() != "cpu":
     return
-  for library in _scipy_openblas():
-    for name in _SET_THREADS:
-      set_threads = getattr(library, name, None)
-      if set_threads is not None:
-        set_threads(1)
-        break
-
-
-def _scipy_openblas() -> list[Any]:
-  """The OpenBLAS libraries scipy's wheel ships (`scipy.libs/`), loaded; [] elsewhere (a
-  distribution's scipy on a shared OpenBLAS is left to the environment)."""
-  try:  # Importing scipy's LAPACK loads its OpenBLAS.
-    lapack = importlib.import_module("scipy.linalg.cython_lapack")
-  except ImportError:  # pragma: no cover - jax requires scipy.
-    return []
+  lapack = importlib.import_module("scipy.linalg.cython_lapack")  # Loads scipy's OpenBLAS.
   site = os.path.dirname(os.path.dirname(os.path.dirname(lapack.__file__ or "")))
-  libs = os.path.join(site, "scipy.libs")
-  found = []
-  for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
-    try:
-      found.append(ctypes.CDLL(path))
-    except OSError:  # pragma: no cover - a file that is not a loadable library.
-      continue
-  return found
+  scipy_libs = os.path.join(site, "scipy.libs")
+  for lib in threadpoolctl.ThreadpoolController().select(internal_api="openblas").lib_controllers:
+    if os.path.dirname(lib.filepath) == scipy_libs:
+      lib.set_num_threads(1)

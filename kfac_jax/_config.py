@@ -91,9 +91,15 @@ class Config:
     skip_nonfinite: when the gradient, the params, the statistics or the update is not
       finite, return zero updates and leave the state as it was but for the `skipped` counter.
       False: the update goes through as computed (non-finite statistics are still kept out of
-      the factors). A non-finite gradient or params are reported either way
-      (`NonFiniteWarning`).
+      the factors). A non-finite gradient or params are reported either way (a
+      `NonFiniteWarning`; from a compiled step with `step_warnings`).
       [scale_by_kfac, kfac, Optimizer, scale_by_kernel_ngd, kernel_ngd]
+    step_warnings: a compiled step warns too (`NonFiniteWarning`, `HyperparameterWarning`,
+      `FailedInverseWarning`, once per name) through a host callback, which keeps JAX from
+      storing the step in its persistent compilation cache (each launch then compiles it
+      again). Off (the default), eager calls warn and a compiled step only counts: the
+      state's `skipped` and `curvature.failed_inverses` (`info["skipped"]` for the
+      `Optimizer`). [scale_by_kfac, kfac, Optimizer, scale_by_kernel_ngd, kernel_ngd]
     nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`). [kfac]
     min_damping, max_damping: the clip of the adapted damping λ. [Optimizer]
     damping_adaptation_interval: T, adapt λ every T steps. [Optimizer]
@@ -123,6 +129,7 @@ class Config:
   burn_in_steps: int = _field(0, _TRAINING)
   mesh: tuple[jax.sharding.Mesh, str] | None = _field(None, _TRAINING)
   skip_nonfinite: bool = _field(True, _TRAINING + _KERNEL)
+  step_warnings: bool = _field(False, _TRAINING + _KERNEL)
   nesterov: bool = _field(False, ("kfac",))
   min_damping: float = _field(1e-8, ("Optimizer",))
   max_damping: float = _field(1e8, ("Optimizer",))
@@ -140,6 +147,7 @@ class Config:
     _storage.strategy(self.inverse_storage, "config.inverse_storage")
     _check_mesh(self.mesh)
     _checks.boolean(self.skip_nonfinite, "config.skip_nonfinite")
+    _checks.boolean(self.step_warnings, "config.step_warnings")
     _checks.boolean(self.nesterov, "config.nesterov")
     _concrete(self.min_damping, "config.min_damping")
     _concrete(self.max_damping, "config.max_damping", low=self.min_damping)

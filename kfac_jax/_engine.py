@@ -64,14 +64,33 @@ _CHAINED = (
 
 
 class Reporter:
-  """Warns, from the host, the first time each hyperparameter or input of one front is bad (one
-  warning per name, whichever device or step reports it). `chained`: the front is an optax
-  transform, whose updates the rest of a user's chain can make non-finite."""
+  """Warns, from the host, the first time each hyperparameter, input or inverse of one front is
+  bad (one warning per name, whichever device or step reports it). `chained`: the front is an
+  optax transform, whose updates the rest of a user's chain can make non-finite. `in_step`
+  (`Config.step_warnings`): a compiled step warns too, through a host callback, which keeps JAX
+  from storing the step in its persistent compilation cache; without it only eager calls warn
+  and the state's counters (`skipped`, `curvature.failed_inverses`) tell."""
 
-  def __init__(self, who: str, *, chained: bool = False):
+  def __init__(self, who: str, *, chained: bool = False, in_step: bool = False):
     self.who = who
     self.chained = chained
+    self.in_step = in_step
     self._seen: set[str] = set()
+
+  def when_bad(self, ok: Array, report: Callable, *args) -> None:
+    """`report(*args)` from the host when `ok` is False; an arg may be a function of no
+    arguments that computes it (on a bad step only). Concrete (an eager step): at once;
+    traced, with `in_step`: a host callback inside a `lax.cond` that runs nothing on a good
+    step; traced without it: nothing."""
+
+    def values():
+      return [a() if callable(a) else a for a in args]
+
+    if not _checks.is_traced(ok):
+      if not bool(ok):
+        report(*values())
+    elif self.in_step:
+      jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(report, *values()))
 
   def hyperparameters(self, names: tuple[str, ...], lows: tuple, step, values, goods, skipped):
     step = np.asarray(step).ravel()
@@ -165,29 +184,13 @@ def _up(x) -> Array:
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _when_bad(ok: Array, report: Callable, *args) -> None:
-  """`report(*args)` from the host when `ok` is False; an arg may be a function of no arguments
-  that computes it (on a bad step only). Traced: in a `lax.cond`, so that a good step runs no
-  callback; concrete (an eager step): at once, with no cond to compile on every call."""
-
-  def values():
-    return [a() if callable(a) else a for a in args]
-
-  if not _checks.is_traced(ok):
-    if not bool(ok):
-      report(*values())
-    return
-  jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(report, *values()))
-
-
 def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: bool) -> Array:
   """Whether every leaf of `inputs` (name → pytree: "gradient", "params", "loss") is finite.
 
   Trees of one structure and shapes (the gradient and the params) are added leaf by leaf before
   `_storage.all_finite`'s sums, so the verdict costs one pass over them (a sum of finite values
   is finite; an overflow errs on the side of a skip). A non-finite input is reported once per
-  name by `reporter` from the host, naming the step and the leaves, inside a `lax.cond` that
-  runs nothing on a good step.
+  name by `reporter` (`Reporter.when_bad`), naming the step and the leaves.
   """
   trees = {n: t for n, t in inputs.items() if jax.tree_util.tree_leaves(t)}
   groups: list[list[Any]] = []  # Trees whose leaves can be added position by position.
@@ -207,13 +210,15 @@ def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: boo
   names = tuple(trees)
   paths = tuple(_leaf_names(t) for t in trees.values())
 
-  def flags():
+  def flags():  # Per leaf, through its sum (as `_storage.all_finite`): one reduction each.
     return [
-      jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(t)])
+      jnp.isfinite(jnp.stack([jnp.sum(_up(x)) for x in jax.tree_util.tree_leaves(t)]))
       for t in trees.values()
     ]
 
-  _when_bad(ok, lambda step, f: reporter.inputs(names, paths, step, f, skipped), clock, flags)
+  reporter.when_bad(
+    ok, lambda step, f: reporter.inputs(names, paths, step, f, skipped), clock, flags
+  )
   return ok
 
 
@@ -223,7 +228,7 @@ def hyperparameters_ok(
   """Whether this step's hyperparameter values are usable: `values` maps a name to `(value,
   low)`, the value finite and, with `low`, at least `low`. Python numbers (checked on
   construction) are not looked at; None when nothing is. A bad value is reported by `reporter`
-  from the host, inside a `lax.cond` (no callback on a good step)."""
+  (`Reporter.when_bad`)."""
   checked = {
     n: (jnp.asarray(x), low)
     for n, (x, low) in values.items()
@@ -237,7 +242,7 @@ def hyperparameters_ok(
     jnp.isfinite(x) if low is None else jnp.isfinite(x) & (x >= low) for x, low in checked.values()
   ]
   ok = jnp.all(jnp.stack([jnp.all(g) for g in goods]))
-  _when_bad(
+  reporter.when_bad(
     ok,
     lambda step, xs, goods: reporter.hyperparameters(names, lows, step, xs, goods, skipped),
     clock,
@@ -436,6 +441,8 @@ class Step(NamedTuple):
       None with `Config.skip_nonfinite` off.
     clock: `[]` int, `count + skipped`: what the schedules were called with.
     values: the hyperparameters' values at this step.
+    inputs_ok: the verdict on the hyperparameters and inputs alone (None with the guard off):
+      with `ok` False, whether the curvature's own step failed.
   """
 
   vector: Any
@@ -443,6 +450,7 @@ class Step(NamedTuple):
   ok: Array | None
   clock: Array
   values: dict[str, Any]
+  inputs_ok: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -532,7 +540,7 @@ class Kfac:
       blocks = tuple(
         f"`{n}` ({(b.spec.block or type(b)).__name__})" for n, b in zip(est.names, est.blocks)
       )
-      _when_bad(
+      reporter.when_bad(
         ~jnp.any(failed),
         lambda step, f, lam: reporter.inverses(blocks, step, f, lam),
         work.clock,
@@ -615,7 +623,7 @@ class Engine:
     state exists."""
     config = _config.get(config, who)
     placement = Placement.checked(axis_name, config)
-    reporter = Reporter(who, chained=transform)
+    reporter = Reporter(who, chained=transform, in_step=config.step_warnings)
     made = Source(*source, who, defaults)
     return cls(who, made, config, placement, curvature(config), state_type, transform, reporter)
 
@@ -724,7 +732,7 @@ class Engine:
       ok = finite if usable is None else finite & usable
     work = Work(inputs.vector, inputs.statistics, count, values, ok, clock, self.reporter)
     pre, curvature, ok = self.curvature.step(bound, self.placement, curvature, work)
-    return Step(pre, curvature, ok, clock, values)
+    return Step(pre, curvature, ok, clock, values, work.ok)
 
 
 def _check_vector(bound: Bound, vector, who: str) -> None:

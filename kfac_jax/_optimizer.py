@@ -223,13 +223,18 @@ def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
   return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
 
 
-def _finish(state: OptimizerState, curv, update, m: _Move, ok, loss, lam, dtype, aux, raised):
-  """`(update, new_state, info)` under the guard: a non-finite loss, gradient or update changes
-  nothing but the skip counter (the curvature moved only on finite inputs, `_engine.step`);
-  `raised` (adaptive damping): the damping after a non-finite update from finite inputs."""
-  inputs_ok = jnp.asarray(True) if ok is None else ok
-  finite = _storage.all_finite(update)
-  ok = inputs_ok & finite
+def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux, raised):
+  """`(update, new_state, info)` under the engine's verdict (`step`): a non-finite loss,
+  gradient or preconditioned gradient changes nothing but the skip counter (the curvature
+  moved only on finite inputs); `raised` (adaptive damping): the damping after a
+  preconditioned gradient that overflowed from finite inputs. The update `α Δ + μ δ_prev` is
+  finite with Δ (α, μ and δ_prev are), so the guard checks it only when off."""
+  curv = step.curvature
+  if step.ok is None:
+    inputs_ok, ok = jnp.asarray(True), _storage.all_finite(update)
+  else:
+    inputs_ok, ok = step.inputs_ok, step.ok
+  finite = ok
   velocity, new_lam, rho = jax.lax.cond(
     ok,
     lambda: (m.velocity, jnp.asarray(m.damping, dtype), m.rho),
@@ -525,7 +530,7 @@ class Optimizer:
         min_damping=cfg.min_damping,
         max_damping=cfg.max_damping,
       ).astype(dtype)
-    return _finish(state, step.curvature, update, m, step.ok, loss, lam, dtype, lin.aux, raised)
+    return _finish(state, step, update, m, loss, lam, dtype, lin.aux, raised)
 
   def _move(self, fp: _Pass, est, step: _engine.Step, state: OptimizerState, lam) -> _Move:
     """δ = α Δ + μ δ_prev with α, μ given, fixed or from the quadratic model, and the adapted

@@ -365,7 +365,7 @@ def _far_learning_rate(reporter: _engine.Reporter, registration_for: Callable) -
       _report_far_learning_rate(reporter, reg, value)
       return
     ratio = jnp.asarray(value) / (default_learning_rate(reg) / (reg.loss_factor or 1.0))
-    _engine._when_bad(
+    reporter.when_bad(
       (ratio >= _FAR_BELOW) & (ratio <= _FAR_ABOVE),
       lambda v, n: _report_far_learning_rate(reporter, reg, v, n),
       value,

@@ -243,7 +243,7 @@ def test_periods_fold_and_refresh_on_due_counts_only():
 def test_a_bad_input_or_schedule_value_gives_a_false_verdict_and_keeps_the_curvature():
   loss_fn, params, batch = _problem()
   grads = _grads(loss_fn, params, batch)
-  engine = _engine_for(loss_fn, batch)
+  engine = _engine_for(loss_fn, batch, config=kfac_jax.Config(step_warnings=True))
   bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
   with pytest.warns(kfac_jax.NonFiniteWarning, match=r"the gradient is not finite at step 0"):
     (s,) = _run(engine, params, batch, bad, {"damping": (0.1, 0.0)}, 1)

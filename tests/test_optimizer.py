@@ -457,7 +457,7 @@ def test_nan_batch_leaves_everything_bit_identical():
     batch,
     damping=0.1,
     inverse_every=2,
-    config=kfac_jax.Config(damping_adaptation_interval=1),
+    config=kfac_jax.Config(damping_adaptation_interval=1, step_warnings=True),
   )
   history = _run(opt, params, batch, 3)
   params, state = history[-1][2], history[-1][3]

@@ -765,7 +765,9 @@ def test_a_learning_rate_far_from_the_default_is_reported_once():
   def schedule(count):
     return jnp.where(count >= 1, 1e3, 0.3)
 
-  tx = kfac_jax.kfac(registration=reg, learning_rate=schedule)
+  tx = kfac_jax.kfac(
+    registration=reg, learning_rate=schedule, config=kfac_jax.Config(step_warnings=True)
+  )
   with pytest.warns(kfac_jax.HyperparameterWarning) as record:
     _three_updates(tx, loss_fn, params, batch)
   (message,) = [str(w.message) for w in record]

@@ -1,12 +1,13 @@
 """The `Optimizer` step with scipy's OpenBLAS (jaxlib's CPU LAPACK) on one thread or on two.
 
 A 64-512-512-64 tanh MLP on scikit-learn's digits (batch 256, sigmoid cross-entropy),
-`kfac_jax.Optimizer` on its defaults (inverses every 5 steps). Three settings, each in its own
+`kfac_jax.Optimizer` on its defaults (inverses every 5 steps). Four settings, each in its own
 process, interleaved over `--rounds` rounds: `library` (no thread variable: the library sets
-scipy's OpenBLAS to one thread), `env1` (`OPENBLAS_NUM_THREADS=1`) and `env2`
-(`OPENBLAS_NUM_THREADS=2`: the spinning threads the library avoids). Each process reports the
-mean wall and CPU time (`time.process_time`, all threads) of `--steps` steps after 10 warm-up
-steps; CPU time is the steadier number on a shared machine.
+scipy's OpenBLAS to one thread with threadpoolctl), `env1` (`OPENBLAS_NUM_THREADS=1`), `env2`
+(`OPENBLAS_NUM_THREADS=2`: the spinning threads the library avoids) and `none` (no variable
+and the library's setting skipped: OpenBLAS's own default, one thread per core). Each process
+reports the mean wall and CPU time (`time.process_time`, all threads) of `--steps` steps after
+10 warm-up steps; CPU time is the steadier number on a shared machine.
 
     python benchmarks/profile/lapack_threads.py --rounds 3
 """
@@ -21,11 +22,11 @@ import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_SETTINGS = {"library": None, "env1": "1", "env2": "2"}
+_SETTINGS = {"library": None, "env1": "1", "env2": "2", "none": None}
 _THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 
 
-def worker(steps: int) -> dict:
+def worker(steps: int, setting: str = "library") -> dict:
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
@@ -34,6 +35,10 @@ def worker(steps: int) -> dict:
   from sklearn.datasets import load_digits
 
   import kfac_jax
+  from kfac_jax import _compat
+
+  if setting == "none":
+    _compat._lapack_threads_set.append(True)  # noqa: SLF001  # The library's setting skipped.
 
   images = jnp.asarray(load_digits().data / 16.0, jnp.float32)
   model = nn.Sequential([nn.Dense(512), nn.tanh, nn.Dense(512), nn.tanh, nn.Dense(64)])
@@ -65,10 +70,10 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=50)
-  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
-    print(json.dumps(worker(args.steps)))
+    print(json.dumps(worker(args.steps, args.worker)))
     return
   results: dict[str, list[dict]] = {name: [] for name in _SETTINGS}
   for r in range(args.rounds):
@@ -77,7 +82,8 @@ def main() -> None:
       env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
       if threads is not None:
         env["OPENBLAS_NUM_THREADS"] = threads
-      cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--steps", str(args.steps)]
+      cmd = [sys.executable, os.path.abspath(__file__), "--worker", name]
+      cmd += ["--steps", str(args.steps)]
       out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
       got = json.loads(out.stdout.strip().splitlines()[-1])
       results[name].append(got)

@@ -21,7 +21,7 @@ def symmetrize(m: Array) -> Array:
 
 def eigh_psd(m: Array) -> tuple[Array, Array]:
   """Eigen-decomposition of a PSD matrix, eigenvalues clipped at zero (round-off negatives)."""
-  s, u = jnp.linalg.eigh(symmetrize(m))
+  s, u = jnp.linalg.eigh(symmetrize(m), symmetrize_input=False)
   return jnp.maximum(s, 0.0), u
 
 
@@ -67,7 +67,7 @@ def spd_inverse(m: Array, buckets: bool = True) -> Array:
   positive definite gives a non-finite result (the estimator then keeps the previous one)."""
 
   def inv(x):
-    chol = jnp.linalg.cholesky(x)
+    chol = jax.lax.linalg.cholesky(x, symmetrize_input=False)  # Symmetrized below.
     return jsl.cho_solve((chol, True), jnp.eye(x.shape[-1], dtype=x.dtype))
 
   return _bucketed(inv, symmetrize(m), buckets)
@@ -81,7 +81,7 @@ def spd_power(m: Array, p: float, buckets: bool = True) -> Array:
     return m
 
   def power(x):
-    s, u = jnp.linalg.eigh(x)
+    s, u = jnp.linalg.eigh(x, symmetrize_input=False)  # Symmetrized below.
     floor = jnp.maximum(jnp.max(jnp.abs(s)), 1.0) * jnp.finfo(x.dtype).eps
     return (u * (jnp.maximum(s, floor) ** p)[None, :]) @ u.T
 
@@ -89,7 +89,9 @@ def spd_power(m: Array, p: float, buckets: bool = True) -> Array:
 
 
 def cholesky(m: Array, buckets: bool = True) -> Array:
-  return _bucketed(jnp.linalg.cholesky, symmetrize(m), buckets)
+  return _bucketed(
+    lambda x: jax.lax.linalg.cholesky(x, symmetrize_input=False), symmetrize(m), buckets
+  )
 
 
 def lower_inverse(chol: Array, buckets: bool = True) -> Array:

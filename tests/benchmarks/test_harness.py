@@ -1146,24 +1146,6 @@ def test_zoo_statistics_rows_smoke(capsys):
     zoo_statistics_rows.main(["--models", "no_such_model"])
 
 
-def test_compile_cache_quick():
-  """`profile/compile_cache.py --quick`: two processes, the cache empty, then filled (the
-  full script also runs one with the cache off). The first writes the cache entries and the
-  second finds them and adds none (times are printed, not asserted)."""
-  res = subprocess.run(
-    [sys.executable, "benchmarks/profile/compile_cache.py", "--workload", "autoencoder"]
-    + ["--quick"],
-    cwd=_ROOT,
-    capture_output=True,
-    text=True,
-    check=True,
-  )
-  rows = re.findall(r"^\| (off|on, empty|on, filled) \|.* \| (\d+) \|$", res.stdout, re.M)
-  assert [r[0] for r in rows] == ["on, empty", "on, filled"], res.stdout
-  entries = [int(r[1]) for r in rows]
-  assert entries[0] > 0 and entries[1] == entries[0], res.stdout
-
-
 def test_accumulation_profile_quick(capsys):
   """`profile/accumulation.py` on the autoencoder's small model: the four rows, and each
   optimizer reaches the same loss in `MultiSteps` and accumulated in the step (the two forms

@@ -1,5 +1,6 @@
 """`kfac_jax.blocks._terms`: the exact inverse of a sum of two Kronecker products, tested on the
-block with random positive-definite factors (its statistics on a PINN: suites/test_pinn.py)."""
+block with random positive-definite factors (its statistics on a PINN:
+suites/test_pinn_curvature.py)."""
 
 import jax
 import jax.numpy as jnp

@@ -209,7 +209,12 @@ def test_a_user_block_whose_refresh_is_not_finite_is_reported_once_by_name():
     _loss, params, batch, layers=kfac_jax.LayerConfig(blocks={"hidden/*": _NaNCache})
   )
   tx = kfac_jax.kfac(
-    registration=reg, learning_rate=0.1, momentum=None, max_norm=None, inverse_every=1
+    registration=reg,
+    learning_rate=0.1,
+    momentum=None,
+    max_norm=None,
+    inverse_every=1,
+    config=kfac_jax.Config(step_warnings=True),
   )
 
   @jax.jit

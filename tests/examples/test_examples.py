@@ -209,37 +209,6 @@ def test_vmc_trains_with_a_callable_optimizer():
   assert np.all(out["update_times"] > 0) and np.all(out["update_times"] < out["times"])
 
 
-def test_pinn_grid_linesearch_and_fading_damping(x64):
-  """`grid_linesearch` takes the step 2^k (k in [-30, 0]) of lowest loss along the update, and
-  none when no step lowers the loss; `fading_damping` is 2 ((ρ^(k+1) + floor)/(1 − ρ^(k+1)))²;
-  `identity_start` is m ← v / (1 − ρ^(k+1))² + μ m."""
-  from examples import pinn_poisson
-
-  ls = pinn_poisson.grid_linesearch()
-  value_fn = lambda p: jnp.sum((p["x"] - 0.3) ** 2)  # noqa: E731
-  params, direction = {"x": jnp.zeros(2)}, {"x": jnp.ones(2)}
-  state = ls.init(params)
-  kw = dict(value=value_fn(params), value_fn=value_fn, grad=direction)
-  step, state = jax.jit(lambda s: ls.update(direction, s, params, **kw))(state)
-  np.testing.assert_allclose(step["x"], [0.25, 0.25], rtol=0, atol=0)  # 0.25 is closest to 0.3.
-  assert float(state.learning_rate) == 0.25
-  kw = dict(value=value_fn(params), value_fn=value_fn, grad=direction)
-  up, state = ls.update(jax.tree_util.tree_map(jnp.negative, direction), state, params, **kw)
-  assert float(state.learning_rate) == 0.0 and not np.any(np.asarray(up["x"]))
-  schedule = pinn_poisson.fading_damping(0.5, floor=1e-12)
-  np.testing.assert_allclose(
-    [schedule(jnp.asarray(k)) for k in range(3)], [2 * (1 + 2e-12) ** 2, 2 / 9, 2 / 49]
-  )
-  start = pinn_poisson.identity_start(0.5, momentum=0.5)
-  state, ms, m = start.init(params), [], 0.0
-  for k in range(3):
-    out, state = start.update(direction, state)
-    ms.append(float(out["x"][0]))
-    m = 1 / (1 - 0.5 ** (k + 1)) ** 2 + 0.5 * m
-    np.testing.assert_allclose(ms[-1], m, rtol=1e-12)
-  np.testing.assert_allclose(ms, [4.0, 4 + 16 / 9 - 2, 64 / 49 + 0.5 * (2 + 16 / 9)], rtol=1e-12)
-
-
 def test_pinn_poisson_fast(tmp_path, monkeypatch, capsys):
   """The Poisson PINN: every parameter in a dense layer shared by the points and tangents,
   K-FAC (the Optimizer, the kfac chain with a line search) and Adam rows with finite errors,

@@ -115,7 +115,8 @@ def test_the_default_step_is_gauss_newton_on_the_tagged_loss(x64):
 
 def test_a_non_finite_gradient_skips_the_update_and_keeps_the_state(x64):
   loss_fn, params, batch, _ = _problem()
-  tx = kfac_jax.kernel_ngd(loss_fn, batch, learning_rate=0.5, momentum=0.5)
+  config = kfac_jax.Config(step_warnings=True)
+  tx = kfac_jax.kernel_ngd(loss_fn, batch, learning_rate=0.5, momentum=0.5, config=config)
   state = jax.jit(tx.init)(params)
   grads = jax.grad(loss_fn)(params, batch)
   bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)

@@ -180,8 +180,18 @@ def _check_curvatures(scope):
   assert int(scope["s_kernel"].preconditioner.skipped) == 0
 
 
+def _check_pinn(scope):
+  """The Optimizer preset cut the Poisson loss a hundredfold, the kfac preset's steps did not
+  raise it (the grid line search takes no step that does), the error is small."""
+  loss0 = float(scope["loss_fn"](scope["init_params"](scope["k1"], (2, 32, 1)), scope["batch"]))
+  assert float(scope["info"]["loss"]) < 0.01 * loss0
+  assert float(scope["value"]) <= float(scope["info"]["loss"])
+  assert float(scope["rel_l2"]) < 0.5
+
+
 CHECKS = {
   "curvatures": _check_curvatures,
+  "pinn": _check_pinn,
   "vmc": _check_vmc,
   "getting_started": _check_getting_started,
   "entry_points": _check_entry_points,

@@ -103,6 +103,9 @@ def _public_docstrings():
       for attr, member in vars(obj).items():
         if not attr.startswith("_"):
           add(f"{name}.{attr}", member)
+    if inspect.ismodule(obj):  # `kfac_jax.pinn`: its public names.
+      for attr in obj.__all__:
+        add(f"{name}.{attr}", getattr(obj, attr))
   add("kfac_jax.flax", kfac_jax.flax)
   return out
 
@@ -121,6 +124,10 @@ def test_the_public_api_has_examples():
     "CurvatureEstimator",
     "summary",
     "kfac_jax.flax",
+    "pinn.laplacian",
+    "pinn.differential_operator",
+    "pinn.grid_linesearch",
+    "pinn.optimizer",
   } <= names, sorted(names)
 
 

@@ -12,6 +12,9 @@ import pytest
 import kfac_jax
 from tests import _models, _zoo
 
+# The tests of warnings from compiled steps opt in (a host callback in the step).
+WARN = kfac_jax.Config(step_warnings=True)
+
 
 def _step_fn(loss_fn, tx):
   @jax.jit
@@ -68,7 +71,11 @@ def test_nan_in_the_batch_leaves_the_curvature_state_unchanged(guard):
   batch = _models.classification_batch(jax.random.key(1), n=8, din=4, classes=3)
   loss_fn = _models.softmax_loss(_models.jnp_mlp_apply)
   tx = kfac_jax.scale_by_kfac(
-    loss_fn, batch, damping=1e-2, inverse_every=2, config=kfac_jax.Config(skip_nonfinite=guard)
+    loss_fn,
+    batch,
+    damping=1e-2,
+    inverse_every=2,
+    config=kfac_jax.Config(skip_nonfinite=guard, step_warnings=True),
   )
   state = tx.init(params)
   step = jax.jit(lambda p, s, b, k: tx.update(jax.grad(loss_fn)(p, b), s, p, batch=b, rng=k))
@@ -327,7 +334,7 @@ def test_bfloat16_preconditioner_trains_like_float32_with_half_the_inverse_bytes
     return float(value_and_grad(p, batch)[0]), state, step, p
 
   ref_loss, ref_state, _, _ = run()
-  loss, state, step, p = run(preconditioner_dtype="bfloat16")
+  loss, state, step, p = run(preconditioner_dtype="bfloat16", step_warnings=True)
   cache, ref_cache = state.preconditioner.curvature.cache, ref_state.preconditioner.curvature.cache
   assert _leaf_dtypes(cache) == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
   nbytes = lambda t: sum(x.nbytes for x in jax.tree_util.tree_leaves(t))  # noqa: E731
@@ -406,7 +413,12 @@ def _schedule_fronts():
 
   def optimizer(schedule):
     opt = kfac_jax.Optimizer(
-      loss_fn, batch, learning_rate=schedule, momentum=0.0, use_adaptive_damping=False
+      loss_fn,
+      batch,
+      learning_rate=schedule,
+      momentum=0.0,
+      use_adaptive_damping=False,
+      config=WARN,
     )
     state, p = opt.init(params), params
     step = jax.jit(opt.step)
@@ -415,14 +427,18 @@ def _schedule_fronts():
     return p, int(state.skipped)
 
   chain = lambda s: optax.chain(  # noqa: E731
-    kfac_jax.scale_by_kfac(loss_fn, batch, damping=s, inverse_every=1), optax.scale(-0.1)
+    kfac_jax.scale_by_kfac(loss_fn, batch, damping=s, inverse_every=1, config=WARN),
+    optax.scale(-0.1),
   )
   return [
     ("scale_by_kfac", "damping", transform(chain, lambda s: s[0].skipped)),
     (
       "kfac",
       "learning_rate",
-      transform(lambda s: kfac_jax.kfac(loss_fn, batch, learning_rate=s), lambda s: s[0].skipped),
+      transform(
+        lambda s: kfac_jax.kfac(loss_fn, batch, learning_rate=s, config=WARN),
+        lambda s: s[0].skipped,
+      ),
     ),
     ("Optimizer", "learning_rate", optimizer),
   ]
@@ -459,7 +475,7 @@ def _nan_params_fronts():
 
   def chain():
     tx = optax.chain(
-      kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, inverse_every=1),
+      kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-2, inverse_every=1, config=WARN),
       optax.scale_by_schedule(lambda c: jnp.where(c == 1, jnp.nan, -0.1)),
     )
     state, p, out, step = tx.init(params), params, [], _step_fn(loss_fn, tx)
@@ -469,7 +485,9 @@ def _nan_params_fronts():
     return out
 
   def optimizer():
-    opt = kfac_jax.Optimizer(loss_fn, batch, learning_rate=0.1, momentum=0.0, inverse_every=1)
+    opt = kfac_jax.Optimizer(
+      loss_fn, batch, learning_rate=0.1, momentum=0.0, inverse_every=1, config=WARN
+    )
     state, p, out = opt.init(params), params, []
     step = jax.jit(opt.step)
     for i in range(4):
