@@ -187,6 +187,9 @@ def _check_pinn(scope):
   assert float(scope["info"]["loss"]) < 0.01 * loss0
   assert float(scope["value"]) <= float(scope["info"]["loss"])
   assert float(scope["rel_l2"]) < 0.5
+  # The kernel natural gradient (ENGD) took 40 steps, none skipped, below the Optimizer's loss.
+  assert float(scope["kernel_value"]) < float(scope["info"]["loss"])
+  assert int(scope["kernel_state"].preconditioner.skipped) == 0
 
 
 CHECKS = {
