@@ -17,12 +17,15 @@ differentiation; the loss is the mean local energy, a `jax.custom_jvp` whose rul
 gradient 2 E[(E_L − E) ∇ log|ψ|] (local energies clipped at 5 mean absolute deviations) and
 which registers the curvature there, `register_normal_predictive_distribution(log_psi[:, None])`
 (the Fisher of |ψ|²). That is FermiNet's loss written as is: K-FAC finds the tag in the rule,
-takes the gradient from the rule and the layers from log|ψ|.
+takes the gradient from the rule and the layers from log|ψ|. SPRING (`kfac_jax.kernel_ngd`)
+takes the same gradient and the exact natural gradient over the walkers from a `curvature_fn`
+that tags log|ψ|.
 
     python examples/vmc.py                         # He, K-FAC (the Optimizer), ~1 minute on a CPU
     python examples/vmc.py --steps 1000 --walkers 512   # He within 1 mHa of exact
     python examples/vmc.py --system Li --optimizer kfac --steps 300
     python examples/vmc.py --system LiH --optimizer adam
+    python examples/vmc.py --optimizer spring     # SPRING, the kernel natural gradient
 
 Energies are in Hartree; the printed estimate is the mean ± standard error of the loss over the
 last 20% of the steps (the walkers are correlated from step to step: the error is a lower
@@ -261,6 +264,25 @@ def mcmc(key, params, r, atoms, spins, width, steps: int):
 # -- training -----------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Spring:
+  """SPRING's settings (`kfac_jax.kernel_ngd`): the initial learning rate (decayed by the
+  schedule), the momentum μ, the damping λ, the cap on the step's squared length and the
+  metric (the scores' covariance when `center`, else the uncentred Fisher of |ψ|²). The
+  defaults suit runs of hundreds of steps on He and Li (LiH at width 32 wants less momentum:
+  its walkers see a twentieth of the parameters, and the rest carries the last direction);
+  `PAPER_SPRING` is the paper's setting, made for runs of 10⁵ steps."""
+
+  learning_rate: float = 0.3
+  momentum: float = 0.9
+  damping: float = 1e-2
+  norm_constraint: float | None = 0.1
+  center: bool = True
+
+
+PAPER_SPRING = Spring(learning_rate=0.02, momentum=0.99, damping=1e-3, norm_constraint=1e-3)
+
+
 def train(
   system: System,
   net: Net,
@@ -272,18 +294,26 @@ def train(
   learning_rate: float = 0.05,
   decay: float = 1000.0,
   damping: float = 1e-3,
+  spring: Spring | None = None,
+  seconds: float | None = None,
   seed: int = 0,
   log_every: int = 0,
 ) -> dict[str, Any]:
   """Trains with `optimizer` and returns the per-step energies and times.
 
-  `optimizer` is "optimizer" (`kfac_jax.Optimizer`), "kfac" (the optax chain), "adam", or a
+  `optimizer` is "optimizer" (`kfac_jax.Optimizer`), "kfac" (the optax chain), "spring"
+  (`kfac_jax.kernel_ngd` with the settings `spring`, `Spring()` by default), "adam", or a
   callable `make(loss_fn, params, batch, schedule, damping, key) -> (step, state)` whose
   `step(params, state, batch, key) -> (params, state, energy)` is called once per iteration,
   so that another optimizer trains in this same loop (benchmarks/upstream/vmc_worker.py). The
-  learning rate is `learning_rate / (1 + t / decay)`, FermiNet's schedule. `times` are whole
-  iterations (sampling included), `update_times` the optimizer's step alone.
+  learning rate is `learning_rate / (1 + t / decay)`, FermiNet's schedule (SPRING's initial
+  rate and damping are its own). With `seconds`, the loop goes on past `steps` until the
+  iterations' time (`charged_seconds`) reaches it. `times` are whole iterations (sampling
+  included), `update_times` the optimizer's step alone.
   """
+  if optimizer == "spring":
+    spring = spring or Spring()
+    learning_rate, damping = spring.learning_rate, spring.damping
   key = jax.random.key(seed)
   k_params, k_walkers, key = jax.random.split(key, 3)
   params = init_params(k_params, system, net)
@@ -319,6 +349,32 @@ def train(
       params, state, info = opt.step(params, state, batch, key, damping=damping)
       return params, state, info["loss"]
 
+  elif optimizer == "spring":
+
+    def curvature_fn(params, batch):  # The Fisher of |ψ|², from log|ψ| alone.
+      log_abs_psi = log_psi(params, batch["r"], batch["atoms"], system.spins)
+      kfac_jax.register_normal_predictive_distribution(log_abs_psi[:, None])
+
+    reg = kfac_jax.Registration(
+      loss_fn, params, batch, curvature_fn=curvature_fn, estimation_mode="exact"
+    )
+    tx = kfac_jax.kernel_ngd(
+      registration=reg,
+      learning_rate=schedule,
+      momentum=spring.momentum,
+      damping=damping,
+      norm_constraint=spring.norm_constraint,
+      center=spring.center,
+    )
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, batch, key):
+      del key  # The exact mode draws nothing.
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch)
+      return optax.apply_updates(params, updates), state, loss
+
   elif optimizer in ("kfac", "adam"):
     if optimizer == "kfac":
       reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="gradients")
@@ -346,11 +402,12 @@ def train(
 
   else:
     raise ValueError(
-      f"`optimizer` must be 'optimizer', 'kfac', 'adam' or a callable, got {optimizer!r}."
+      f"`optimizer` must be 'optimizer', 'kfac', 'spring', 'adam' or a callable, got {optimizer!r}."
     )
 
   energies, times, update_times, accept = [], [], [], 0.0
-  for t in range(steps):
+  t = 0
+  while t < steps or (seconds is not None and charged_seconds(times)[-1] < seconds):
     key, k_mcmc, k_step = jax.random.split(key, 3)
     start = time.perf_counter()
     r, accept = jax.block_until_ready(sample(k_mcmc, params, batch["r"], atoms, width=width))
@@ -365,12 +422,26 @@ def train(
     width = width * 1.1 if accept > 0.55 else width / 1.1 if accept < 0.45 else width
     if log_every and (t % log_every == 0 or t == steps - 1):
       print(f"step {t:5d}  energy {loss:+.5f}  acceptance {float(accept):.2f}", flush=True)
+    t += 1
   return {
     "energies": np.asarray(energies),
     "times": np.asarray(times),
     "update_times": np.asarray(update_times),
     "params": params,
   }
+
+
+WARMUP = 5  # The first iterations compile.
+
+
+def charged_seconds(times) -> np.ndarray:
+  """The cumulative time of the iterations, the first `WARMUP` (which compile) charged at the
+  median of the others."""
+  times = np.asarray(times, float)
+  if times.size == 0:
+    return np.zeros(1)
+  rest = times[WARMUP:] if times.size > WARMUP else times
+  return np.cumsum(np.where(np.arange(times.size) < WARMUP, np.median(rest), times))
 
 
 def estimate(energies: np.ndarray, fraction: float = 0.2) -> tuple[float, float]:
@@ -382,7 +453,9 @@ def estimate(energies: np.ndarray, fraction: float = 0.2) -> tuple[float, float]
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--system", choices=sorted(SYSTEMS), default="He")
-  parser.add_argument("--optimizer", choices=("optimizer", "kfac", "adam"), default="optimizer")
+  parser.add_argument(
+    "--optimizer", choices=("optimizer", "kfac", "spring", "adam"), default="optimizer"
+  )
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--walkers", type=int, default=128)
   parser.add_argument("--width", type=int, default=16, help="one-electron stream width")

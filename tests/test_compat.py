@@ -28,12 +28,17 @@ def loss_fn(p, x):
   return 0.5 * jnp.sum(y**2) / x.shape[0]
 
 before = threads()
-kfac_jax.kfac(loss_fn, batch).init(params)
+if FRONT == "kernel":  # The kernel's solve, traced (not built by an estimator).
+  reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact")
+  rows = kfac_jax.kernel.rows(reg, params, batch)
+  jax.eval_shape(lambda r: kfac_jax.kernel.direction(r, params, damping=1.0), rows)
+else:
+  kfac_jax.kfac(loss_fn, batch).init(params)
 print(json.dumps({"before": before, "after": threads()}))
 """
 
 
-def _probe(**env_vars):
+def _probe(front="kfac", **env_vars):
   env = {
     k: v
     for k, v in os.environ.items()
@@ -41,15 +46,21 @@ def _probe(**env_vars):
   }
   env.update(env_vars, JAX_PLATFORMS="cpu")
   out = subprocess.run(
-    [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
+    [sys.executable, "-c", f"FRONT = {front!r}\n" + _PROBE],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
   )
   assert out.returncode == 0, out.stderr[-2000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_cpu_lapack_runs_on_one_openblas_thread_without_an_environment_variable():
+@pytest.mark.parametrize("front", ["kfac", "kernel"])
+def test_cpu_lapack_runs_on_one_openblas_thread_without_an_environment_variable(front):
+  """K-FAC's estimator and the kernel's eigendecomposition both run jaxlib's CPU LAPACK."""
   pytest.importorskip("threadpoolctl")
-  got = _probe()
+  got = _probe(front)
   if "scipy" not in got["after"]:
     pytest.skip("scipy here does not ship its own OpenBLAS")
   assert got["after"]["scipy"] == 1, got

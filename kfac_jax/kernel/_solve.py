@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from kfac_jax import _compat
 from kfac_jax.kernel._rows import AxisName, Rows, axis_size
 
 Array = jax.Array
@@ -187,6 +188,9 @@ def direction(
     ValueError: `grads` or `previous` not of the rows' parameter count, or an `axis_name`
       whose size differs from the one `rows` was computed under.
   """
+  # The eigendecompositions run on jaxlib's CPU LAPACK, whose spinning OpenBLAS threads would
+  # take the cores from XLA's (`kfac_jax._compat.one_lapack_thread`), as for K-FAC's refresh.
+  _compat.one_lapack_thread()
   devices = axis_size(axis_name)
   if devices != rows.num_devices:
     raise ValueError(

@@ -165,9 +165,19 @@ def _check_checkpoints(s):
 
 # What the code of each page leaves behind, beyond running without an error.
 def _check_vmc(scope):
-  """The hydrogen-like atom reached the exact a = Z and E = -Z^2/2."""
-  np.testing.assert_allclose(np.asarray(scope["params"]["a"]), [3.0], atol=1e-3)
+  """The hydrogen-like atom reached the exact a = Z and E = -Z^2/2 with K-FAC (`info`) and
+  then, from a = 1 again, with SPRING (`params`, `e`), which skipped no update."""
   np.testing.assert_allclose(float(scope["info"]["loss"]), -4.5, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(scope["params"]["a"]), [3.0], atol=1e-3)
+  np.testing.assert_allclose(float(scope["e"]), -4.5, atol=1e-3)
+  assert int(scope["spring_state"].preconditioner.skipped) == 0
+
+
+def _check_curvatures(scope):
+  """Both curvatures from one registration trained the regression; the kernel's exact
+  Gauss-Newton steps fitted its 64 points (160 parameters) far below K-FAC's loss."""
+  assert float(scope["kernel_loss"]) < 1e-4 < float(scope["kfac_loss"]) < 0.05
+  assert int(scope["s_kernel"].preconditioner.skipped) == 0
 
 
 def _check_pinn(scope):
@@ -177,9 +187,13 @@ def _check_pinn(scope):
   assert float(scope["info"]["loss"]) < 0.01 * loss0
   assert float(scope["value"]) <= float(scope["info"]["loss"])
   assert float(scope["rel_l2"]) < 0.5
+  # The kernel natural gradient (ENGD) took 40 steps, none skipped, below the Optimizer's loss.
+  assert float(scope["kernel_value"]) < float(scope["info"]["loss"])
+  assert int(scope["kernel_state"].preconditioner.skipped) == 0
 
 
 CHECKS = {
+  "curvatures": _check_curvatures,
   "pinn": _check_pinn,
   "vmc": _check_vmc,
   "getting_started": _check_getting_started,
