@@ -33,8 +33,13 @@ def compile_step(
     The compiled step (`jax.stages.Compiled`), called with arguments like `args`.
 
   Example:
-    >>> train = kfac_jax.compile_step(step, params, opt_state, batch, rng, name="K-FAC step",
-    ...                               log=None)
+    >>> def step(params, opt_state, batch, rng):
+    ...   loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
+    ...   updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
+    ...   return optax.apply_updates(params, updates), opt_state, loss
+    >>> train = kfac_jax.compile_step(step, params, opt_state, batch, rng, name="K-FAC step")
+    compiling K-FAC step...
+    compiled K-FAC step in ... s (...).
     >>> params, opt_state, loss = train(params, opt_state, batch, rng)
   """
   say = log or (lambda _: None)
