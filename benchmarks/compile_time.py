@@ -110,7 +110,7 @@ def build(
     return c.step, (params, c.init(params), batch, rng)
   if front == "optimizer":
     if workload == "pinn":
-      opt = pinn.make_optimizer(params, batch)
+      opt = kfac_jax.pinn.optimizer(pinn.loss_fn, params, batch)
     else:
       opt = kfac_jax.Optimizer(
         loss_fn,

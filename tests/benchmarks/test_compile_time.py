@@ -10,9 +10,10 @@ from benchmarks.profile import compile_parts
 from kfac_jax import _storage
 
 
+@pytest.mark.parametrize("workload", ["zoo:mlp", "pinn"])
 @pytest.mark.parametrize("front", compile_time.FRONTS)
-def test_every_front_builds_a_training_step_of_a_zoo_model(front):
-  step, (params, state, batch, rng) = compile_time.build("zoo:mlp", front)
+def test_every_front_builds_a_training_step(front, workload):
+  step, (params, state, batch, rng) = compile_time.build(workload, front, pinn_sizes=(2, 8, 1))
   new_params, new_state, loss = jax.eval_shape(step, params, state, batch, rng)
   assert jax.tree.structure(new_params) == jax.tree.structure(params)
   assert jax.tree.structure(new_state) == jax.tree.structure(state)
