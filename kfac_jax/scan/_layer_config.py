@@ -121,16 +121,14 @@ class LayerConfig:
           f"block; choose one of {kinds['generic'].approximations}."
         )
       groups[group] = approx
-    object.__setattr__(self, "defaults", defaults)
-    object.__setattr__(self, "overrides", overrides)
-    object.__setattr__(self, "linked", types.MappingProxyType(groups))
-    object.__setattr__(self, "block_sizes", block_sizes)
     for pattern, cls in blocks.items():
       if not isinstance(cls, type):  # The scanner checks the class (`blocks.check_class`).
         raise TypeError(
           f"LayerConfig.blocks[{pattern!r}] must be a subclass of kfac_jax.Block, got {cls!r}."
         )
-    object.__setattr__(self, "blocks", blocks)
+    frozen = (defaults, overrides, types.MappingProxyType(groups), block_sizes, blocks)
+    for name, value in zip(("defaults", "overrides", "linked", "block_sizes", "blocks"), frozen):
+      object.__setattr__(self, name, value)
 
   def _key(self) -> tuple:
     values = (getattr(self, f.name) for f in dataclasses.fields(self))
@@ -194,12 +192,8 @@ def size_policy(
     return approx, ""
   if approx == "full" and "diagonal" in allowed:
     ((n, _),) = factor_shapes
-    if n <= max_dim:
-      return approx, ""
-    return (
-      "diagonal",
-      f"{n} parameters > max_factor_dim {max_dim}: diagonal instead of a full block",
-    )
+    note = f"{n} parameters > max_factor_dim {max_dim}: diagonal instead of a full block"
+    return ("diagonal", note) if n > max_dim else (approx, "")
   if approx not in ("kron", "kron_in_diag", "kron_out_diag", "ekfac"):
     return approx, ""
   # Over the limit EKFAC becomes the kron variant with the big side(s) diagonal, as "kron" would.
