@@ -222,11 +222,3 @@ def shared_size_policy(
   return "diagonal", (
     f"factor side {side} > max_factor_dim {max_dim} on a layer used {num_uses} times: diagonal"
   )
-
-
-def resolve(
-  config: LayerConfig, kind: str, names: Sequence[str], builtin: str
-) -> tuple[str, str | None]:
-  """(approximation, the pattern that chose it or None) for a layer named by `names`."""
-  pattern, approx = first_match(config.overrides, names)
-  return (approx, pattern) if pattern is not None else (config.defaults.get(kind, builtin), None)

@@ -720,10 +720,9 @@ class _Scanner:
     choices = _kinds.KINDS[kind].approximations
     explicit = approx is not None and source in ("manual", "linked")
     if not explicit:
-      names = (name,) + tuple(paths)
-      chosen, pattern = _layer_config.resolve(
-        self.layer_config, kind, names, builtin if approx is None else approx
-      )
+      pattern, chosen = _layer_config.first_match(self.layer_config.overrides, (name, *paths))
+      if pattern is None:
+        chosen = self.layer_config.defaults.get(kind, builtin if approx is None else approx)
       if chosen not in choices:
         raise RegistrationError(
           f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
