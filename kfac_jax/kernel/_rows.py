@@ -1,12 +1,9 @@
 """The rows of U: per-example pull-backs of the estimation mode's output vectors, in chunks.
 
 Each loss tag's examples are evaluated one at a time on the registration's graph traced for a
-batch of one example (`Registration.scan_batch`), vmapped over the examples of a chunk and over
-the mode's vectors, and mapped over the chunks with `jax.lax.map`: the cost is one forward and
-S backward passes per example, O(R) in all, and the per-example passes' memory is that of one
-chunk. The mode's vectors come from one full-batch forward pass, drawn exactly as the K-FAC
-statistics draw them for the same `rng` (`_curvature.Linearisation.statistics`), so `UᵀU` is the
-Fisher / GGN estimate K-FAC's blocks approximate.
+batch of one example, vmapped over a chunk's examples and the mode's vectors, the chunks in a
+loop. The vectors come from one full-batch forward pass, drawn as the K-FAC statistics draw them
+for the same `rng`, so `UᵀU` is the estimate K-FAC's blocks approximate.
 """
 
 from __future__ import annotations
@@ -48,16 +45,13 @@ class Rows:
   """The per-example rows of the registration's curvature, `F = UᵀU` (package docstring).
 
   Attributes:
-    matrix: U, `[R, P]` in the params' dtype: row `(ℓ, n, s)` is `J_nᵀ v_s / √(N_ℓ S_ℓ)`
-      with `J_n` the Jacobian of tag ℓ's prediction for example n in the params (raveled as
-      `jax.flatten_util.ravel_pytree(params)` orders them) and `N_ℓ` the tag's examples over
-      every device. Under `axis_name`, this device's rows.
-    residuals: ε, `[R]` in float32 or wider, with `Uᵀε` the tagged loss's gradient (entries
-      0 for tags whose mode gives no such ε), or None when the loss is not the tags' or no tag
-      gives one (package docstring).
-    example_mismatch: `max |z_n − z[n]| / max |z|` over the tags: how far each example's
-      prediction evaluated alone is from the batch's; rounding-level unless an output depends
-      on other examples (BatchNorm in training mode), which makes the rows wrong.
+    matrix: U, `[R, P]` in the params' dtype: row `(ℓ, n, s)` is `J_nᵀ v_s / √(N_ℓ S_ℓ)`, the
+      params raveled as `jax.flatten_util.ravel_pytree` orders them, `N_ℓ` over every device;
+      under `axis_name`, this device's rows.
+    residuals: ε, `[R]` in float32 or wider, with `Uᵀε` the tagged loss's gradient (0 for tags
+      without), or None when the loss is not the tags' or no tag gives one.
+    example_mismatch: `max |z_n − z[n]| / max |z|` over the tags: each example's prediction
+      alone against the batch's; above rounding an output depends on other examples.
     layout: static; one `TagRows` per loss tag, in the registration's order.
     num_devices: static; the size of the axis the rows were computed under (1 without one).
   """
@@ -117,12 +111,11 @@ def _residual(spec, pred, others, mode: str, vectors: int, scale) -> Array | Non
 def _fill_tag_rows(
   u, offset: int, scan1, index: int, p_leaves, template, own, xs, cts, pred, chunk
 ):
-  """U with tag `index`'s rows written from row `offset` on, and its per-example predictions
-  `[N, *z.shape[1:]]`: `xs` are the batch leaves at positions `own` (leading axis N), `cts` the
-  vectors `[N, S, 1, ...]`, `pred` the batch's predictions. Chunks of `chunk` examples are
-  written into U in place (a loop's `dynamic_update_slice`); the last chunk ends at example N,
-  overlapping its predecessor, so no chunk is padded and no remainder is joined (a copy of U).
-  """
+  """U with tag `index`'s rows written from row `offset` on, and the relative gap between its
+  per-example predictions and `pred`, the batch's: `xs` are the batch leaves at positions `own`
+  (leading axis N), `cts` the vectors `[N, S, 1, ...]`. Chunks of `chunk` examples are written
+  into U in place; the last chunk ends at example N, overlapping its predecessor, so no chunk
+  is padded and no remainder is joined (a copy of U)."""
   op = scan1.loss_operands[index][0]
   watch = frozenset([op]) if _scan.is_key(op) else frozenset()
   dtype = u.dtype
@@ -155,7 +148,67 @@ def _fill_tag_rows(
     u = jax.lax.dynamic_update_slice_in_dim(u, m.reshape(chunk * s, -1), offset + start * s, 0)
     return u, jax.lax.dynamic_update_slice_in_dim(zs, z, start, 0)
 
-  return jax.lax.fori_loop(0, -(-n // chunk), body, (u, jnp.zeros_like(pred)))
+  u, z1 = jax.lax.fori_loop(0, -(-n // chunk), body, (u, jnp.zeros_like(pred)))
+  zf = pred.astype(jnp.promote_types(pred.dtype, jnp.float32))
+  top = jnp.max(jnp.abs(zf))
+  err = jnp.max(jnp.abs(z1.astype(zf.dtype) - zf))
+  return u, jnp.where(top > 0, err / jnp.where(top > 0, top, 1), err)
+
+
+def _plan(registration, scan, scan1, values, lead, rng, devices):
+  """Per loss tag: `(batch positions of its examples, its scaled vectors [N, S, 1, ...], first
+  row)`, its residuals (`_residual`) and its `TagRows`."""
+  mode = registration.estimation_mode
+  keys = jax.random.split(rng, len(scan.losses)) if rng is not None else [None] * len(values)
+  plans, residuals, layout, offset = [], [], [], 0
+  for i, (spec, (pred, others), key) in enumerate(zip(scan.losses, values, keys)):
+    n = spec.batch_size
+    own = [j for j, m in enumerate(lead) if m == n]
+    if not own or scan1.losses[i].batch_size != 1:
+      raise ValueError(
+        f"loss tag #{i} ({spec.kind}, prediction shape {spec.prediction_shape}): the kernel "
+        f"natural gradient evaluates each example alone, but no batch leaf has the tag's "
+        f"{n} examples on its leading axis (leading sizes {lead}), or its prediction does "
+        "not follow them. Put the tag's examples on the leading axis of the batch leaves its "
+        "prediction is computed from."
+      )
+    cts = _losses.output_cotangents(spec, (pred, *others), mode, key, registration.num_samples)
+    s = cts.shape[0]
+    scale = 1.0 / math.sqrt(n * devices * s)
+    cts = jnp.moveaxis(cts * jnp.asarray(scale, cts.dtype), 0, 1)[:, :, None]  # [N, S, 1, ...]
+    plans.append((own, cts, offset))
+    rscale = jnp.asarray(scale, jnp.promote_types(pred.dtype, jnp.float32))
+    residuals.append(
+      None if registration.separate_loss else _residual(spec, pred, others, mode, s, rscale)
+    )
+    layout.append(TagRows(spec.kind, n, s, offset))
+    offset += n * s
+  return plans, residuals, tuple(layout)
+
+
+def _centered(u, layout, axis_name):
+  """U with each tag's mean row (over its examples on every device) subtracted."""
+  for t in layout:
+    block = u[t.offset : t.offset + t.examples * t.vectors].reshape(t.examples, t.vectors, -1)
+    mean = jnp.mean(block, axis=0, keepdims=True)
+    if axis_name is not None:
+      mean = jax.lax.pmean(mean, axis_name)
+    block = (block - mean).reshape(t.examples * t.vectors, -1)
+    u = jax.lax.dynamic_update_slice_in_dim(u, block, t.offset, 0)
+  return u
+
+
+def _joined(residuals, layout) -> Array | None:
+  """The tags' residuals as one `[R]` vector (zeros for tags without), or None if none has."""
+  if all(e is None for e in residuals):
+    return None
+  rdtype = jnp.result_type(*(e for e in residuals if e is not None))
+  return jnp.concatenate(
+    [
+      (jnp.zeros((t.examples * t.vectors,), rdtype) if e is None else e.reshape(-1))
+      for e, t in zip(residuals, layout)
+    ]
+  ).astype(rdtype)
 
 
 def rows(
@@ -172,8 +225,7 @@ def rows(
 
   Pure and jit-compatible: call it inside the jitted, pmapped or shard_mapped step, on this
   device's batch. Each tag's examples are the batch leaves whose leading axis has the tag's
-  size N_ℓ (several tags on point sets of different sizes each take their own); each tagged
-  output must depend on its own example only (`Rows.example_mismatch` measures it).
+  size N_ℓ; each tagged output must depend on its own example only (`Rows.example_mismatch`).
 
   Args:
     registration: the `kfac_jax.Registration` (its loss tags or `curvature_fn`, estimation
@@ -202,14 +254,13 @@ def rows(
       raise ValueError(
         f"`chunk_size` must be a positive int (examples per chunk) or None, got {chunk_size!r}."
       )
-  mode = registration.estimation_mode
-  _curvature.check_rng(mode, rng)
+  _curvature.check_rng(registration.estimation_mode, rng)
   registration.check_params(params)
   p_leaves = jax.tree_util.tree_leaves(params)
   dtype = _check_params(p_leaves)
   b_leaves, b_def = jax.tree_util.tree_flatten(batch)
   devices = axis_size(axis_name)
-
+  # The graph for the batch, and for a batch of one example of every tag's leaves.
   scan = registration.scan_batch(params, batch, check_layers=False)
   sizes = {spec.batch_size for spec in scan.losses}
   lead = [x.shape[0] if getattr(x, "ndim", 0) else None for x in b_leaves]
@@ -218,60 +269,16 @@ def rows(
   scan1 = registration.scan_batch(params, one, check_layers=False)
 
   values = _tag_values(scan, p_leaves, b_leaves)
-  keys = jax.random.split(rng, len(scan.losses)) if rng is not None else [None] * len(values)
-  plans, residuals, layout, offset = [], [], [], 0
-  for i, (spec, (pred, others), key) in enumerate(zip(scan.losses, values, keys)):
-    n = spec.batch_size
-    own = [j for j, m in enumerate(lead) if m == n]
-    if not own or scan1.losses[i].batch_size != 1:
-      raise ValueError(
-        f"loss tag #{i} ({spec.kind}, prediction shape {spec.prediction_shape}): the kernel "
-        f"natural gradient evaluates each example alone, but no batch leaf has the tag's "
-        f"{n} examples on its leading axis (leading sizes {lead}), or its prediction does "
-        "not follow them. Put the tag's examples on the leading axis of the batch leaves its "
-        "prediction is computed from."
-      )
-    cts = _losses.output_cotangents(spec, (pred, *others), mode, key, registration.num_samples)
-    s = cts.shape[0]
-    scale = 1.0 / math.sqrt(n * devices * s)
-    cts = jnp.moveaxis(cts * jnp.asarray(scale, cts.dtype), 0, 1)[:, :, None]  # [N, S, 1, ...]
-    plans.append((own, cts, offset))
-    rscale = jnp.asarray(scale, jnp.promote_types(pred.dtype, jnp.float32))
-    residuals.append(
-      None if registration.separate_loss else _residual(spec, pred, others, mode, s, rscale)
-    )
-    layout.append(TagRows(spec.kind, n, s, offset))
-    offset += n * s
-
-  u = jnp.zeros((offset, sum(x.size for x in p_leaves)), dtype)
+  plans, residuals, layout = _plan(registration, scan, scan1, values, lead, rng, devices)
+  u = jnp.zeros((sum(t.examples * t.vectors for t in layout), sum(x.size for x in p_leaves)), dtype)
   mismatch = []
   for i, ((own, cts, start), (pred, _)) in enumerate(zip(plans, values)):
     xs = [b_leaves[j] for j in own]
-    u, z1 = _fill_tag_rows(u, start, scan1, i, p_leaves, one_batch, own, xs, cts, pred, chunk_size)
-    zf = pred.astype(jnp.promote_types(pred.dtype, jnp.float32))
-    top = jnp.max(jnp.abs(zf))
-    err = jnp.max(jnp.abs(z1.astype(zf.dtype) - zf))
-    mismatch.append(jnp.where(top > 0, err / jnp.where(top > 0, top, 1), err))
-
+    u, gap = _fill_tag_rows(u, start, scan1, i, p_leaves, one_batch, own, xs, cts, pred, chunk_size)
+    mismatch.append(gap)
   if center:
-    for t in layout:
-      block = u[t.offset : t.offset + t.examples * t.vectors].reshape(t.examples, t.vectors, -1)
-      mean = jnp.mean(block, axis=0, keepdims=True)
-      if axis_name is not None:
-        mean = jax.lax.pmean(mean, axis_name)
-      block = (block - mean).reshape(t.examples * t.vectors, -1)
-      u = jax.lax.dynamic_update_slice_in_dim(u, block, t.offset, 0)
-    residuals = [None] * len(residuals)
-  eps = None
-  if any(e is not None for e in residuals):
-    rdtype = jnp.result_type(*(e for e in residuals if e is not None))
-    eps = jnp.concatenate(
-      [
-        (jnp.zeros((t.examples * t.vectors,), rdtype) if e is None else e.reshape(-1))
-        for e, t in zip(residuals, layout)
-      ]
-    ).astype(rdtype)
+    u, residuals = _centered(u, layout, axis_name), [None] * len(residuals)
   mism = jnp.max(jnp.stack(mismatch))
   if axis_name is not None:
     mism = jax.lax.pmax(mism, axis_name)
-  return Rows(u, eps, mism, tuple(layout), devices)
+  return Rows(u, _joined(residuals, layout), mism, layout, devices)
