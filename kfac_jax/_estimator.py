@@ -66,8 +66,8 @@ class CurvatureEstimator:
     registration: a `kfac_jax.Registration`: the layers, the parameters' signature and the
       estimation mode.
     exps: matrix powers `multiply_matpower` must support (1 always is).
-    compute_cholesky: cache Cholesky factors of the damped blocks.
-    compute_cholesky_inverse: cache their inverses.
+    compute_cholesky, compute_cholesky_inverse: cache Cholesky factors of the damped blocks,
+      their inverses.
     compute_params_stats: `curvature_stats` also returns the first-order statistics
       (`CurvatureStats.params_stats`).
     config: a `kfac_jax.Config`; the estimator reads its numerics and `inverse_storage` (the
@@ -168,10 +168,6 @@ class CurvatureEstimator:
     """One curvature block per kept layer."""
     every = self.registration.blocks(self.numerics)
     return tuple(every[i] for i in self._active)
-
-  @property
-  def _sig(self) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]]:
-    return self.registration.param_signature
 
   @functools.cached_property
   def _state_shapes(self):
@@ -368,12 +364,13 @@ class CurvatureEstimator:
     with jax.named_scope(f"kfac_{method}"):
       leaves, treedef = jax.tree_util.tree_flatten(vector)
       paths = _scan.param_paths(vector)
-      if paths != self._sig[0]:
+      want = self.registration.param_paths
+      if paths != want:
         raise ValueError(
           "the vector's pytree structure differs from the params this estimator was built "
-          f"for: got leaves {list(paths)}, expected {list(self._sig[0])}."
+          f"for: got leaves {list(paths)}, expected {list(want)}."
         )
-      for (shape, _), x, path in zip(self._sig[1], leaves, paths):
+      for shape, x, path in zip(self.registration.param_shapes, leaves, paths):
         if tuple(np.shape(x)) != shape:
           raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
       out = _parallel.explicit_axes_as_auto(
@@ -454,7 +451,7 @@ class CurvatureEstimator:
     return jax.jit(self._dense)
 
   def _dense(self, state: EstimatorState) -> Array:
-    sizes = [int(np.prod(s)) for s, _ in self._sig[1]]
+    sizes = [int(np.prod(s)) for s in self.registration.param_shapes]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])
     out = jnp.zeros((total, total), self.numerics.inverse_dtype)
@@ -468,6 +465,7 @@ class CurvatureEstimator:
   def summary(self) -> str:
     """The kept layers as a table (see `kfac_jax.summary`)."""
     param_bytes = sum(
-      int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._sig[1]
+      int(np.prod(shape)) * np.dtype(dtype).itemsize
+      for shape, dtype in self.registration.param_signature[1]
     )
     return _summary.format_table([self.layers[i] for i in self._active], self.blocks, param_bytes)

@@ -365,18 +365,11 @@ class Optimizer:
         "damping would be clipped up at once; lower min_damping or raise damping."
       )
     self._shapes = _fit.StateShapes(self.init)
-    self.example_batch = example_batch
-    self.learning_rate = learning_rate
-    self.momentum = momentum
-    self.damping = damping
-    self.use_adaptive_damping = use_adaptive_damping
-    self.l2_reg = float(l2_reg)
-    self.norm_constraint = norm_constraint
-    self.ema_decay = ema_decay
-    self.inverse_every = int(inverse_every)
-    self.curvature_every = int(curvature_every)
-    self.axis_name = axis_name
-    self.config = config
+    self.example_batch, self.axis_name, self.config = example_batch, axis_name, config
+    self.learning_rate, self.momentum, self.damping = learning_rate, momentum, damping
+    self.use_adaptive_damping, self.l2_reg = use_adaptive_damping, float(l2_reg)
+    self.norm_constraint, self.ema_decay = norm_constraint, ema_decay
+    self.inverse_every, self.curvature_every = int(inverse_every), int(curvature_every)
 
   @property
   def estimator(self) -> _estimator.CurvatureEstimator:
@@ -423,9 +416,8 @@ class Optimizer:
 
     `info` holds scalars: loss (at the old params), learning_rate (α), momentum (μ), damping
     (the λ used), rho (the latest ρ), quad_model_change (M(δ); NaN when not computed),
-    update_norm (‖θ_new − θ‖), skipped (bool). A skipped step returns `params` and `state`
-    bit-identical but `state.skipped` + 1. With `has_aux`, `info["aux"]` is the aux of the
-    step's forward pass at the old params (per device under `axis_name`).
+    update_norm (‖θ_new − θ‖), skipped (bool: `params` and `state` kept but `state.skipped`),
+    and with `has_aux` the aux at the old params, `info["aux"]`.
     """
     given = {"learning_rate": learning_rate, "momentum": momentum, "damping": damping}
     updates, new_state, info = self._update(params, state, batch, rng, given)
@@ -467,8 +459,7 @@ class Optimizer:
     reg, cfg = bound.registration, self.config
     dtype = bound.estimator.numerics.inverse_dtype
 
-    # One forward pass, linearised: the loss, its gradient, the statistics' pull-back and the
-    # quadratic model's push-forwards all reuse it.
+    # One forward pass, linearised: the loss, gradient, statistics and quadratic model reuse it.
     lin = reg.linearise(params, batch)
     loss, grads = engine.placement.mean((lin.loss, lin.grads()))
     fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grads)
@@ -476,14 +467,12 @@ class Optimizer:
     def statistics():
       return lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples)
 
-    # The engine's step: statistics, inverses (damping λ + η) and −Δ = F̂⁻¹ ∇h.
     inputs = _engine.Inputs(
       grads, statistics, {"gradient": grads, "params": params, "loss": loss}, hyperparameters
     )
     step = engine.step(bound, state.step, state.skipped, state.curvature, inputs)
     lam = jnp.asarray(step.values["damping"], dtype)
 
-    # α, μ and the damping adaptation (nothing but the statistics during burn-in).
     in_burn = state.step < cfg.burn_in_steps
     move = functools.partial(self._move, fp, bound.estimator, step, state, lam)
     if cfg.burn_in_steps:
@@ -502,8 +491,7 @@ class Optimizer:
     return _finish(state, step, update, m, loss, lam, dtype, lin.aux, raised)
 
   def _move(self, fp: _Pass, est, step: _engine.Step, state: OptimizerState, lam) -> _Move:
-    """δ = α Δ + μ δ_prev with α, μ given, fixed or from the quadratic model, and the adapted
-    λ."""
+    """δ = α Δ + μ δ_prev with α, μ given, fixed or from the quadratic model; the adapted λ."""
     dtype = est.numerics.inverse_dtype
     delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), step.vector, fp.params)
     velocity = state.velocity
@@ -526,7 +514,6 @@ class Optimizer:
     update = jax.tree_util.tree_map(
       lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, velocity
     )
-    new_lam, rho = lam, state.rho
     if self.use_adaptive_damping:
       cfg = self.config
       adapt = functools.partial(
@@ -544,7 +531,7 @@ class Optimizer:
       )
       velocity = optax.tree_utils.tree_where(rejected, state.velocity, update)
       return _Move(update, velocity, new_lam, rho, alpha, mu, change)
-    return _Move(update, update, new_lam, rho, alpha, mu, change)
+    return _Move(update, update, lam, state.rho, alpha, mu, change)
 
   def _adapt(self, fp: _Pass, delta, velocity, update, alpha, mu, change, lam):
     """`(λ, ρ, M(δ))` after one Levenberg–Marquardt update (one forward pass for h(θ + δ));

@@ -145,10 +145,8 @@ class Registration:
   or builds one with the defaults from a bare `loss_fn` (docs/entry_points.rst).
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
-      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
-    params: the parameters (arrays or ShapeDtypeStructs; only their structure, shapes and
-      dtypes are kept).
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
+    params: the parameters (arrays or ShapeDtypeStructs: only their signature is kept).
     example_batch: a batch of the training shapes (arrays or ShapeDtypeStructs).
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned.
     estimation_mode: "gradients" (sampled targets: the Fisher, default), "empirical" (the
@@ -157,8 +155,7 @@ class Registration:
       modes need an `rng`.
     num_samples: random vectors per example in the random modes (the exact modes require 1).
     layers: a `kfac_jax.LayerConfig` (None: the defaults).
-    strict: raise, instead of warning, when parameters are outside every recognised layer or
-      the loss audit measures a mismatch.
+    strict: raise instead of the warnings below.
     collective_axes: a name or a tuple of names of collective axes `loss_fn` itself uses (linen
       `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap / shard_map.
     check_loss: audit the loss tags against the returned loss on `example_batch`
@@ -174,18 +171,17 @@ class Registration:
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
     example_batch_size: the loss tags' leading size in `example_batch`.
     outputs_per_example: D, the predictive distributions per example the loss tags describe.
-    loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss, as the loss audit
-      fitted it; None where it did not measure or found a mismatch.
-    separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom rule).
+    loss_factor: `c` with the returned loss `L ≈ c T` (T the tagged loss) as the loss audit
+      fitted it, else None; `separate_loss`: the loss is not the tags'.
     The other arguments are kept as attributes (`layers` as `layer_config`).
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.
     RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, a
-      failed structural audit check, or (with `strict`) what the warnings below report.
+      failed structural audit check, or (with `strict`) what the warnings report.
 
   Warns:
-    UncoveredParametersWarning, LossMismatchWarning: once, when the registration is built.
+    UncoveredParametersWarning (parameters outside every layer), LossMismatchWarning: once.
 
   Example:
     >>> reg = kfac_jax.Registration(loss_fn, params, batch,
@@ -316,10 +312,7 @@ class Registration:
     """One forward pass of this batch's graph, linearised (`_curvature.Linearisation`); its
     loss and gradient are `loss_fn`'s own when the curvature is another function's."""
     return _curvature.Linearisation(
-      self.scan_batch(params, batch),
-      params,
-      batch,
-      self.loss_part if self.separate_loss else None,
+      self.scan_batch(params, batch), params, batch, self.loss_part if self.separate_loss else None
     )
 
   @property

@@ -493,27 +493,24 @@ def kfac(
 
   `scale_by_kfac`, then clip → `optax.trace` → learning rate, under the step's verdict:
   `u = −α m`, `m ← v + μ m` (Nesterov's with `Config.nesterov`), v the preconditioned gradient
-  clipped to length `max_norm` in the damped K-FAC metric (`clip_coefficient`), as
-  `optax.clip_by_global_norm` before `optax.scale`: a step's length there is at most
-  `α · max_norm`. Schedules are called with every update seen (`count + skipped`): a value that
-  is not finite skips its update. The defaults come from sweeps (docs/hyperparameters.rst).
+  clipped to length `max_norm` in the damped K-FAC metric (`clip_coefficient`), so a step's
+  length there is at most `α · max_norm`. Schedules see every update (`count + skipped`); a
+  value that is not finite skips its update. Defaults: docs/hyperparameters.rst.
 
   Args:
     loss_fn, example_batch, damping, ema_decay, inverse_every, registration, axis_name, config:
       as in `scale_by_kfac`.
     learning_rate: α > 0, a number or a schedule `count -> α`; None takes
-      `default_learning_rate` over the loss factor c (the tagged loss's scale, so a mean over D
-      outputs steps as their sum). An α over 30 times that or below 1/1000 of it gives one
-      `HyperparameterWarning` (the benchmark models train between 1/6 and 3 times it).
+      `default_learning_rate` over the loss factor c (the tagged loss's scale). An α over 30
+      times that or below 1/1000 of it gives one `HyperparameterWarning`.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√|vᵀg|` of v in the damped metric before α, or None
       (no clipping). TF K-FAC's `norm_constraint=C` bounds the step after α: `max_norm=√C / α`.
     curvature_every: as in `scale_by_kfac`, but 5 by default: the clipping bounds a step that
       statistics up to 4 updates old precondition (without clipping, prefer 1).
-    linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
-      `optax.scale_by_zoom_linesearch(...)`) in place of α (`learning_rate` None): the step is
-      `η (−m)`, η its choice; `update` then also takes its `value=`, `grad=` and `value_fn=`, as
-      in `optax.lbfgs`. A transformation that keeps no step (`optax.adam`) is refused.
+    linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`, ...) in
+      place of α: the step is `η (−m)`, η its choice; `update` then also takes its `value=`,
+      `grad=` and `value_fn=`, as in `optax.lbfgs`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes
@@ -534,21 +531,14 @@ def kfac(
   source = (loss_fn, example_batch, registration)
   numbers = {"momentum": momentum, "max_norm": max_norm, "damping": damping}
   engine = _kfac_engine("kfac", KfacState, source, schedule, axis_name, config, **numbers)
+  tagged, nesterov = (engine if learning_rate is None else None), engine.config.nesterov
   rest = optax.chain(
-    optax.identity()
-    if max_norm is None
-    else _clip_by_kfac_norm(max_norm, engine if learning_rate is None else None),
-    optax.identity()
-    if momentum is None
-    else optax.trace(momentum, nesterov=engine.config.nesterov),
+    optax.identity() if max_norm is None else _clip_by_kfac_norm(max_norm, tagged),
+    optax.identity() if momentum is None else optax.trace(momentum, nesterov=nesterov),
     _kfac_learning_rate(learning_rate, engine, registration)
     if linesearch is None
     else along_linesearch(linesearch),
   )
-  hyperparameters = {
-    "damping": (damping, 0.0),
-    "learning_rate": (learning_rate, 0.0),
-    "momentum": (momentum, None),
-    "max_norm": (max_norm, None),
-  }
+  hyperparameters = {"damping": (damping, 0.0), "learning_rate": (learning_rate, 0.0)}
+  hyperparameters |= {"momentum": (momentum, None), "max_norm": (max_norm, None)}
   return transformation(engine, hyperparameters, kfac_statistics, rest, ScaleByKfacState)

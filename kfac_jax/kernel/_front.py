@@ -116,7 +116,7 @@ class Kernel:
     return phi, KernelState(keep(ok, phi, state.previous), keep(ok, info, state.info)), ok
 
 
-def _engine_of(who, source, state_type, *, damping, momentum, center, axis_name, config):
+def _engine_of(who, state_type, source, damping, momentum, center, axis_name, config):
   """`(engine, hyperparameters)` of a kernel front, its arguments checked first."""
   _checks.number(damping, "damping", low=0.0, low_open=True, schedule=True)
   _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True, schedule=True)
@@ -136,15 +136,9 @@ def _engine_of(who, source, state_type, *, damping, momentum, center, axis_name,
 
 def _statistics(engine: _engine.Engine, bound, params, batch, rng, curvature_stats):
   del curvature_stats  # Refused by the engine's check.
-  curvature, axis_name = engine.curvature, engine.placement.axis_name
+  kernel, axis, reg = engine.curvature, engine.placement.axis_name, bound.registration
   return rows(
-    bound.registration,
-    params,
-    batch,
-    rng,
-    chunk_size=curvature.chunk_size,
-    axis_name=axis_name,
-    center=curvature.center,
+    reg, params, batch, rng, chunk_size=kernel.chunk_size, axis_name=axis, center=kernel.center
   )
 
 
@@ -168,8 +162,8 @@ def scale_by_kernel_ngd(
   ENGD-Woodbury; μ > 0 is SPRING (Goldshlager, Abrahamsen & Lin 2024).
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
-      registers it in the exact estimation mode, the other settings the defaults.
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output (each
+      tagged output depending on its own example only); `init` registers it in "exact" mode.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     damping: λ > 0, a number or a schedule `count -> λ`.
     momentum: μ in [0, 1), a number or a schedule: SPRING's decay of the previous direction
@@ -182,9 +176,6 @@ def scale_by_kernel_ngd(
       assembled across its devices and every device gets the same direction.
     config: a `kfac_jax.Config` with the rare knobs it reads (`skip_nonfinite`, `chunk_size`).
 
-  Each update evaluates every example alone (`Config.chunk_size` at a time): a tagged output
-  must depend on its own example only (`info["example_mismatch"]` in the state shows it).
-
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `ScaleByKernelNgdState`. Its
     `update` takes the gradient as `updates`, the `params`, and the batch it was computed on
@@ -192,8 +183,8 @@ def scale_by_kernel_ngd(
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; in `update`: a state of another front or model, `curvature_stats=` (K-FAC's),
-      a missing `batch` or `rng`, params with `optax.MaskedNode` leaves.
+      is created; in `update`: a state of another front or model, `curvature_stats=`, a
+      missing `batch` or `rng`, params with `optax.MaskedNode` leaves.
 
   Example:
     >>> tx = optax.chain(kfac_jax.scale_by_kernel_ngd(loss_fn, batch, damping=1e-3),
@@ -202,15 +193,16 @@ def scale_by_kernel_ngd(
     >>> grads = jax.grad(loss_fn)(params, batch)
     >>> updates, opt_state = tx.update(grads, opt_state, params, batch=batch)
   """
+  source = (loss_fn, example_batch, registration)
   engine, hyperparameters = _engine_of(
     "scale_by_kernel_ngd",
-    (loss_fn, example_batch, registration),
     ScaleByKernelNgdState,
-    damping=damping,
-    momentum=momentum,
-    center=center,
-    axis_name=axis_name,
-    config=config,
+    source,
+    damping,
+    momentum,
+    center,
+    axis_name,
+    config,
   )
   return _transform.transformation(engine, hyperparameters, _statistics)
 
@@ -252,11 +244,9 @@ def kernel_ngd(
     loss_fn, example_batch, damping, momentum, center, registration, axis_name, config: as in
       `scale_by_kernel_ngd` (SPRING: `momentum=0.99, damping=1e-3, norm_constraint=1e-3`
       with a learning rate near 0.02 is its paper's variational Monte Carlo setting).
-    learning_rate: α > 0, a number or a schedule `count -> α`; None (the default) takes the
-      damped Gauss-Newton step on the tagged loss's scale, `1 / c` with c the registration's
-      `loss_factor` (1 where it is not measured).
-    norm_constraint: C > 0: the step's squared Euclidean length `‖α φ‖²` is capped at C; None
-      for none.
+    learning_rate: α > 0, a number or a schedule `count -> α`; None takes the damped
+      Gauss-Newton step on the tagged loss's scale, `1 / c` (c the registration's `loss_factor`).
+    norm_constraint: C > 0 caps the step's squared Euclidean length `‖α φ‖²`; None for none.
     linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
       `kfac_jax.pinn.grid_linesearch(...)`, ...) in place of α (`learning_rate` None):
       `update` also takes its `value=`, `grad=` and `value_fn=`, as in `optax.lbfgs`.
@@ -278,15 +268,9 @@ def kernel_ngd(
   _transform.check_step_size(learning_rate, linesearch, "kernel_ngd")
   if norm_constraint is not None:
     _checks.number(norm_constraint, "norm_constraint", low=0.0, low_open=True)
+  source = (loss_fn, example_batch, registration)
   engine, hyperparameters = _engine_of(
-    "kernel_ngd",
-    (loss_fn, example_batch, registration),
-    KernelNgdState,
-    damping=damping,
-    momentum=momentum,
-    center=center,
-    axis_name=axis_name,
-    config=config,
+    "kernel_ngd", KernelNgdState, source, damping, momentum, center, axis_name, config
   )
 
   def gauss_newton_step(params) -> float:

@@ -24,14 +24,9 @@ AxisName = str | tuple[str, ...] | None
 
 @dataclasses.dataclass(frozen=True)
 class TagRows:
-  """Where one loss tag's rows sit in U (static).
-
-  Attributes:
-    kind: the tag's distribution ("normal", "categorical", "bernoulli").
-    examples: N_ℓ, the tag's examples on this device.
-    vectors: S_ℓ, the estimation mode's vectors per example (rows per example).
-    offset: the tag's first row; its rows are `offset + n S_ℓ + s`, example-major.
-  """
+  """Where one loss tag's rows sit in U (static): its distribution `kind`, its `examples` N_ℓ
+  on this device, its `vectors` S_ℓ per example and its first row `offset` (its rows are
+  `offset + n S_ℓ + s`, example-major)."""
 
   kind: str
   examples: int
@@ -223,13 +218,11 @@ def rows(
 ) -> Rows:
   """The rows U (and the residuals ε) of the registration's curvature on `batch`.
 
-  Pure and jit-compatible: call it inside the jitted, pmapped or shard_mapped step, on this
-  device's batch. Each tag's examples are the batch leaves whose leading axis has the tag's
-  size N_ℓ; each tagged output must depend on its own example only (`Rows.example_mismatch`).
+  Pure and jit-compatible: call it inside the step, on this device's batch. Each tag's examples
+  are the batch leaves whose leading axis has the tag's size N_ℓ.
 
   Args:
-    registration: the `kfac_jax.Registration` (its loss tags or `curvature_fn`, estimation
-      mode and samples).
+    registration: the `kfac_jax.Registration`.
     params: the parameters, of the registration's signature.
     batch: this device's batch.
     rng: a key for the random estimation modes; the draws are those of
@@ -239,8 +232,7 @@ def rows(
     axis_name: the collective axis the batch is sharded over (pmap / shard_map), which makes
       `N_ℓ` the examples over every device; None under plain jit.
     center: subtract from each tag's rows their mean over its examples (every device's): the
-      covariance of the scores, the metric stochastic reconfiguration uses, instead of the
-      tag's Fisher. The residuals are then none (the least-squares split takes the gradient).
+      scores' covariance (stochastic reconfiguration's metric), with no residuals.
 
   Returns:
     A `Rows`.

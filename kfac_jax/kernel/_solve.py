@@ -152,13 +152,7 @@ def _parameter_space(op: _Sharded, g, prev, damping, momentum, tol):
 
 
 def direction(
-  rows: Rows,
-  grads,
-  previous=None,
-  *,
-  damping,
-  momentum=0.0,
-  axis_name: AxisName = None,
+  rows: Rows, grads, previous=None, *, damping, momentum=0.0, axis_name: AxisName = None
 ):
   """φ = (F + λI)⁻¹(g + λμ φ_prev), F = UᵀU the rows' curvature (package docstring).
 
@@ -168,8 +162,7 @@ def direction(
 
   Args:
     rows: `rows(...)`'s result for this step's batch.
-    grads: g, the loss's gradient (params-shaped; under `axis_name` already averaged over the
-      devices, the same on each).
+    grads: g, the loss's gradient (params-shaped; under `axis_name` the same on each device).
     previous: φ_prev, the last direction (params-shaped), or None (zeros).
     damping: λ > 0 (a scalar, may be traced).
     momentum: μ, SPRING's decay of the previous direction (0: MinSR / ENGD-Woodbury).
@@ -211,8 +204,7 @@ def direction(
         f"`previous` has {prev.size} entries, expected {p} (a direction shaped like the params)."
       )
   g, prev = g.astype(dtype), prev.astype(dtype)
-  damping = jnp.asarray(damping, dtype)
-  momentum = jnp.asarray(momentum, dtype)
+  damping, momentum = jnp.asarray(damping, dtype), jnp.asarray(momentum, dtype)
   tol = _ROUNDING * jnp.finfo(dtype).eps
   op = _Sharded(u, axis_name, dtype)
   if u.shape[0] * devices <= p:
