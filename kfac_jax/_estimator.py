@@ -45,7 +45,7 @@ class EstimatorState(NamedTuple):
     factors: per block name, the EMA statistics as the block kind's factors type (e.g.
       `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`).
     cache: per block name, the block kind's powers / decompositions and the damping `[]` they
-      were built with. With sharded storage, both are `ShardedCache`s of this device's blocks.
+      were built with. With sharded storage, both are `ShardedCache` objects (this device's blocks).
     ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
     skipped_batches: `[]` int32, statistics updates skipped as not finite (factors kept).
     failed_inverses: `[]` int32, block factorisations that were not finite (cache kept).

@@ -445,9 +445,9 @@ class Optimizer:
           f"{jnp.shape(value)}."
         )
     damping = state.damping if self.use_adaptive_damping else self.damping
-    own = {"learning_rate": (self.learning_rate, 0.0), "momentum": (self.momentum, None)}
-    own["damping"] = (damping, 0.0)
-    return {n: (given.get(n, value), low) for n, (value, low) in own.items()}
+    own = {"learning_rate": self.learning_rate, "momentum": self.momentum, "damping": damping}
+    lows = {"learning_rate": 0.0, "momentum": None, "damping": 0.0}
+    return {n: (given.get(n, own[n]), lows[n]) for n in own}
 
   def _update(self, params, state: OptimizerState, batch, rng, given=None):
     """The shared core: `(updates, new_state, info)`; `params + updates` are the new params.

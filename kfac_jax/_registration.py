@@ -165,7 +165,7 @@ class Registration:
       is not the loss's own (docs/vmc.rst); the loss and gradient stay `loss_fn`'s.
 
   Attributes:
-    layers: the registered layers (`LayerSpec`s) in parameter order; `block_names` their
+    layers: the registered layers (`LayerSpec` objects) in parameter order; `block_names` their
       names made unique (`name#2`), the keys of the curvature state.
     param_paths, param_shapes, param_dtypes, params_shape: the parameters' signature.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.

@@ -539,6 +539,7 @@ def kfac(
     if linesearch is None
     else along_linesearch(linesearch),
   )
-  hyperparameters = {"damping": (damping, 0.0), "learning_rate": (learning_rate, 0.0)}
+  hyperparameters: dict[str, tuple[Any, float | None]] = {"damping": (damping, 0.0)}
+  hyperparameters["learning_rate"] = (learning_rate, 0.0)
   hyperparameters |= {"momentum": (momentum, None), "max_norm": (max_norm, None)}
   return transformation(engine, hyperparameters, kfac_statistics, rest, ScaleByKfacState)
