@@ -260,14 +260,10 @@ def has_tracer_consts(scan: _scan.ScanResult) -> bool:
 def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   """Per tag, float64 numpy `(∂L/∂ε, ∂²L/∂ε² v, H_z T v, ∇_z T or None)`, at the example point
   (None for a constant prediction), `axis_names` bound with size 1."""
-  graph = scan.graph
+  graph, operands = scan.graph, scan.loss_operands
   const_keys = {k for k, _ in graph.consts}
-  live = [
-    i
-    for i, ops in enumerate(scan.loss_operands)
-    if _scan.is_key(ops[0]) and ops[0] not in const_keys
-  ]
-  keys = [scan.loss_operands[i][0] for i in live]
+  live = [i for i, ops in enumerate(operands) if _scan.is_key(ops[0]) and ops[0] not in const_keys]
+  keys = [operands[i][0] for i in live]
   in_scan = graph.scan_positions
   # A complex mean's parts are perturbed through the complex value (`complex_source`).
   sources = [None if k in in_scan else complex_source(graph, k) for k in keys]
@@ -278,9 +274,7 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   for k, v in value.items():
     same.setdefault(v, []).append(k)
   copies = [
-    []
-    if k in in_scan
-    else [c for c in same.get(value.get(k, k), []) if c != k and c not in in_scan]
+    [c for c in same.get(value.get(k, k), []) if k not in in_scan and c != k and c not in in_scan]
     for k in targets
   ]
   watch = frozenset(a for ops in scan.loss_operands for a in ops if _scan.is_key(a))

@@ -220,11 +220,8 @@ def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
 
 
 def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux, raised):
-  """`(update, new_state, info)` under the engine's verdict (`step`): a non-finite loss,
-  gradient or preconditioned gradient changes nothing but the skip counter (the curvature
-  moved only on finite inputs); `raised` (adaptive damping): the damping after a
-  preconditioned gradient that overflowed from finite inputs. The update `α Δ + μ δ_prev` is
-  finite with Δ (α, μ and δ_prev are), so the guard checks it only when off."""
+  """`(update, new_state, info)` under the engine's verdict (a skip changes only the counter);
+  `raised`: the damping after a preconditioned gradient that overflowed from finite inputs."""
   if step.ok is None:
     inputs_ok, ok = jnp.asarray(True), _storage.all_finite(update)
   else:

@@ -83,9 +83,8 @@ def _tag_values(scan: _scan.ScanResult, p_leaves, b_leaves):
 
 
 def _residual(spec, pred, others, mode: str, vectors: int, scale) -> Array | None:
-  """Tag ℓ's ε `[N_ℓ, S_ℓ]` (rows' order) with `Σ_s ε_ns u_ns = ∇_θ` of its mean loss, or None
-  where the mode's vectors do not span the gradient (the random modes; weights varying within
-  an example in the "empirical" mode)."""
+  """Tag ℓ's ε `[N_ℓ, S_ℓ]` with `Σ_s ε_ns u_ns = ∇_θ` of its mean loss, or None where the mode's
+  vectors do not span the gradient (random modes; weights varying within an example)."""
   if not spec.has_targets or mode in _losses.RANDOM_MODES:
     return None
   n = pred.shape[0]
@@ -106,11 +105,10 @@ def _residual(spec, pred, others, mode: str, vectors: int, scale) -> Array | Non
 def _fill_tag_rows(
   u, offset: int, scan1, index: int, p_leaves, template, own, xs, cts, pred, chunk
 ):
-  """U with tag `index`'s rows written from row `offset` on, and the relative gap between its
-  per-example predictions and `pred`, the batch's: `xs` are the batch leaves at positions `own`
-  (leading axis N), `cts` the vectors `[N, S, 1, ...]`. Chunks of `chunk` examples are written
-  into U in place; the last chunk ends at example N, overlapping its predecessor, so no chunk
-  is padded and no remainder is joined (a copy of U)."""
+  """U with tag `index`'s rows (from `xs`, the batch leaves at `own`, and `cts`, the vectors
+  `[N, S, 1, ...]`) written from row `offset` on, and the relative gap between its per-example
+  predictions and the batch's `pred`. The last of the chunks written in place ends at example
+  N, overlapping its predecessor: no chunk is padded, no remainder joined (a copy of U)."""
   op = scan1.loss_operands[index][0]
   watch = frozenset([op]) if _scan.is_key(op) else frozenset()
   dtype = u.dtype

@@ -55,9 +55,8 @@ class _Sharded:
     return out if self.axis is None else jax.lax.psum(out, self.axis)
 
   def kernel(self) -> Array:
-    """K = U Uᵀ `[R, R]`, without gathering U: a ring of `ppermute`s passes the devices' row
-    blocks round, each device computes its `[R_d, R]` rows of K block by block, and the
-    small row blocks are gathered."""
+    """K = U Uᵀ `[R, R]` without gathering U: the row blocks go round a ring of `ppermute` calls,
+    each device computes its `[R_d, R]` rows of K, and those are gathered."""
     u, dtype = self.u, self.dtype
     own = _dot(u, u.T, dtype)
     d = self.devices
