@@ -1,8 +1,7 @@
 """Optional Flax helpers (`import kfac_jax` never imports Flax; this module does).
 
-`flax.training.train_state.TrainState.apply_gradients(*, grads, **kwargs)` takes every other
-keyword as a field to replace, so the statistics never reach K-FAC; `kfac_jax.flax.TrainState`'s
-forwards `curvature_stats=`, `batch=` and `rng=` to `tx.update`.
+Flax's `TrainState.apply_gradients` takes every other keyword as a field to replace, so the
+statistics never reach K-FAC; `kfac_jax.flax.TrainState`'s forwards them to `tx.update`.
 
 Example:
   >>> state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
