@@ -47,9 +47,7 @@ def check_restored_state(expected: Any, restored: Any) -> None:
     restored: the state read from a checkpoint.
 
   Raises:
-    ValueError: listing every block that is missing or unexpected, every field of a block that
-      is missing, unexpected (other estimator options) or of another shape or dtype, and every
-      other mismatching leaf, by its path.
+    ValueError: listing every missing, unexpected or mismatching block, field or leaf by path.
   """
   problems = _fit.problems(expected, restored, "the checkpoint")
   if problems:

@@ -221,10 +221,13 @@ def _max_norm(args: dict[str, Any]) -> str | None:
   return f"max_norm=√C / α = {math.sqrt(c) / alpha:.6g}"
 
 
+def _spelling(cell: str) -> str:
+  return _REG.format(cell[4:]) if cell.startswith("REG ") else _SHARED.get(cell, cell)
+
+
 def _rows() -> dict[str, Moved]:
   rows = (row.split(" | ") for row in re.sub(r"\n +", " ", _TABLE.strip()).splitlines())
-  spelling = lambda s: _REG.format(s[4:]) if s.startswith("REG ") else _SHARED.get(s, s)
-  table = {name: Moved(spelling(s), _SHARED.get(r, r)) for name, s, r in rows}
+  table = {name: Moved(_spelling(s), _SHARED.get(r, r)) for name, s, r in rows}
   internal = "the tracer's internals are not public: kfac_jax.Registration(...) scans the loss"
   for names, moved in (
     (_BLOCK_CLASSES, Moved(_SHARED["BLOCKS"], "blocks are chosen per layer by approximation")),

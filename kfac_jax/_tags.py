@@ -171,8 +171,8 @@ def register_normal_predictive_distribution(
   """Tags `mean` as the mean of a normal with fixed scalar variance `var`.
 
   The negative log-likelihood is `|t - mean|² / (2 var)` (+ const); the default `var=0.5`
-  gives the squared error, Fisher `2 I`. A complex `mean` is the normal of its real and imaginary parts: for real
-  parameters the Fisher is `Re E[conj(J)ᵀ J] / var`, `J = ∂mean/∂θ`.
+  gives the squared error, Fisher `2 I`. A complex `mean` is the normal of its real and
+  imaginary parts: for real parameters the Fisher is `Re E[conj(J)ᵀ J] / var`, `J = ∂mean/∂θ`.
 
   Args:
     mean: `[batch, ...]` predictions, real or complex.
@@ -203,10 +203,8 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
   """Tags `y = x @ kernel (+ bias)` as a dense layer the scanner cannot find by itself.
 
   Args:
-    y: the layer output, `[..., out]`.
-    x: the layer input, `[..., in]` (same leading axes as `y`).
-    kernel: `[in, out]` (Flax layout), a parameter leaf (possibly cast).
-    bias: optional `[out]` parameter leaf.
+    y, x: the layer output `[..., out]` and input `[..., in]`.
+    kernel, bias: `[in, out]` (Flax layout) and optional `[out]` parameter leaves.
     approx: curvature approximation (default "kron"; for a kernel tagged at each of several
       uses, the same shared-layer approximation at each, default "kron_indep").
 
@@ -277,13 +275,11 @@ def register_conv(
   """Tags `y = lax.conv_general_dilated(x, kernel, ...) (+ bias)` as a convolution layer.
 
   Args:
-    y: the layer output (bias included, if any).
-    x: the layer input.
-    kernel: the kernel, a parameter leaf (possibly cast/reshaped), laid out as
-      `dimension_numbers` says (Flax: `[*window, in / groups, out]`, i.e. "HWIO").
+    y, x: the layer output (bias included, if any) and input.
+    kernel: a parameter leaf laid out as `dimension_numbers` says (Flax: "HWIO").
     bias: optional `[out]` parameter leaf, added along the output feature axis.
-    window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-      feature_group_count: as for `conv_general_dilated` (checked to reproduce `y.shape`).
+    window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers, feature_group_count:
+      as for `conv_general_dilated` (checked to reproduce `y.shape`).
     approx: "kron" (default; "diagonal" for depthwise), "kron_sua", "diagonal" or "full".
 
   Returns:
@@ -402,10 +398,9 @@ def register_embedding(y, ids, table, approx: str | None = None) -> Array:
   """Tags `y = table[ids]` as an embedding lookup.
 
   Args:
-    y: `[*ids.shape, dim]`, the looked-up rows.
-    ids: integer ids of any shape (leading axis the batch).
+    y, ids: the looked-up rows `[*ids.shape, dim]` and the integer ids (leading axis the batch).
     table: `[vocab, dim]` parameter leaf (possibly cast).
-    approx: "kron" (the default and only choice: diagonal input factor, full output factor).
+    approx: "kron" (the default: diagonal input factor, full output factor).
 
   Returns:
     `y`, unchanged.

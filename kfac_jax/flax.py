@@ -1,7 +1,8 @@
 """Optional Flax helpers (`import kfac_jax` never imports Flax; this module does).
 
-Flax's `TrainState.apply_gradients` takes every other keyword as a field to replace, so the
-statistics never reach K-FAC; `kfac_jax.flax.TrainState`'s forwards them to `tx.update`.
+`flax.training.train_state.TrainState.apply_gradients(*, grads, **kwargs)` takes every other
+keyword as a field to replace, so the statistics never reach K-FAC; `kfac_jax.flax.TrainState`'s
+forwards `curvature_stats=`, `batch=` and `rng=` to `tx.update`.
 
 Example:
   >>> state = kfac_jax.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
