@@ -228,9 +228,8 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ConvInfo:
-  """A convolution `out = conv_general_dilated(x, kernel, ...)`, as the primitive describes it
-  (`*_spec`: `ConvDimensionNumbers` fields; `padding`: explicit `(lo, hi)` pairs; the kernel
-  operand is the parameter leaf after `kernel_view`)."""
+  """A convolution `out = conv_general_dilated(x, kernel, ...)` as the primitive describes it
+  (`*_spec`: `ConvDimensionNumbers` fields), the kernel operand the leaf after `kernel_view`."""
 
   kernel_view: tuple[Any, ...]
   lhs_spec: tuple[int, ...]
