@@ -1,12 +1,6 @@
-"""DeepMind kfac-jax's spellings, for those who move a script over: one table (`MOVED`: a
-kfac-jax name → its spelling here and why).
-
-`translated` wraps a public callable: when Python cannot bind a call's arguments, the names
-kfac-jax's callable of that role would have bound are looked up, and a TypeError gives each one's
-spelling here; any other error is Python's own. `missing_attribute` does the same for the
-package's attributes. The library's own former spellings are not in the table: they are plain
-TypeErrors and lines in docs/changes.rst.
-"""
+"""DeepMind kfac-jax's spellings, for those who move a script over (docs/from_kfac_jax.rst): one
+table (`MOVED`: a kfac-jax name → its spelling here and why), read by the TypeError of a call
+Python cannot bind (`translated`) and the AttributeError of a missing attribute."""
 
 from __future__ import annotations
 
@@ -261,9 +255,8 @@ def _line(name: str, moved: Moved, args: dict[str, Any]) -> str:
 
 
 def moved_error(front: str, own: tuple[str, ...], args: tuple, kwargs: dict[str, Any], python):
-  """The TypeError for a call that Python could not bind to `front`'s parameters `own`, naming
-  the kfac-jax spellings in it (read by kfac-jax's `SIGNATURES` where the call binds to them);
-  None when it has none."""
+  """The TypeError for a call Python could not bind to `front`'s parameters `own`, naming the
+  kfac-jax spellings in it; None when it has none."""
   theirs = SIGNATURES.get(front, ())
   binds = (
     bool(theirs) and len(args) <= len(theirs) and all(n in theirs[len(args) :] for n in kwargs)
@@ -290,8 +283,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def translated(front: str) -> Callable[[F], F]:
   """Wraps a callable so that a call Python cannot bind raises `moved_error` when it uses
-  kfac-jax's spellings (`front`: the role, "Optimizer", "Optimizer.step", "kfac", ...); the
-  wrapper shows the callable's own signature (`inspect.signature`, `help()`)."""
+  kfac-jax's spellings (`front`: the role, "Optimizer", "Optimizer.step", "kfac", ...)."""
 
   def wrap(fn: F) -> F:
     @functools.wraps(fn)
