@@ -20,9 +20,13 @@ from kfac_jax import _compat, _config, _optimizer, _registration, _transform
 from kfac_jax._curvature import read_atom
 
 __all__ = [
-  "GridLinesearchState", "differential_operator", "grid_linesearch", "kfac", "laplacian",
+  "GridLinesearchState",
+  "differential_operator",
+  "grid_linesearch",
+  "kfac",
+  "laplacian",
   "optimizer",
-]  # fmt: skip
+]
 
 Array = jax.Array
 
