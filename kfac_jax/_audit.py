@@ -1,21 +1,13 @@
 """The loss audit: do the loss tags describe the loss `L` that `loss_fn` returns?
 
 K-FAC's curvature is that of the *tagged* loss `T = Σ_t (1/N) Σ_n w ℓ_t(z_t, y_t)`, not of `L`.
-A `Registration` audits the tags once, on the example batch (docs/troubleshooting.rst):
-
-  * structure: two tags on one prediction ("shared_prediction"), or a tag `L` does not depend
-    on ("dependence"), is a `RegistrationError`.
-  * numbers: with `ε_t` added to each prediction `z_t`, `∂²L/∂ε² v` (a fixed random probe `v`)
-    must be `c_t H_z T v` ("curvature") and, in the "empirical" mode, `∂L/∂ε` must be
-    `c_t ∇_z T` ("gradient"), with one positive least-squares factor `c` for every tag
-    ("weights"). A relative residual above the tolerance is a `LossMismatchWarning` (an error
-    with `strict`).
-
-A complex prediction is followed and perturbed through the complex value `z` (`ε_re + i ε_im`).
-Predictions are compared as values: an equation that repeats another gives the same value, and
-`ε_t` is added to every copy. Values that are not concrete (abstract, or tracers under
-`jax.jit`) are replaced by fixed stand-ins; the loss factor `c` is snapped to `1/k` or `k` where
-it is one to 1e-3 (a mean over k outputs), else to 3 significant digits.
+A `Registration` audits the tags once, on the example batch (docs/troubleshooting.rst): the
+structure ("shared_prediction", "dependence": a `RegistrationError`), then, with `ε_t` added to
+each prediction `z_t` (and every copy of its value; through `z` for a complex one), that
+`∂²L/∂ε² v = c_t H_z T v` for a fixed probe `v` ("curvature"), in the "empirical" mode
+`∂L/∂ε = c_t ∇_z T` ("gradient"), with one positive factor `c` for every tag ("weights"). Values
+that are not concrete are replaced by fixed stand-ins; `c` is snapped to `1/k` or `k` where it
+is one to 1e-3, else to 3 significant digits.
 """
 
 from __future__ import annotations
@@ -49,8 +41,7 @@ _SNAP = 1e-3  # Relative distance within which the loss factor is snapped to 1/k
 
 
 def checks_from(check_loss: Any) -> frozenset[str]:
-  """The checks `check_loss` turns on: every one for True, none for False, else those named
-  (a TypeError for another type, a ValueError for a name not in `CHECKS`)."""
+  """The checks `check_loss` turns on: every one for True, none for False, else those named."""
   if isinstance(check_loss, (bool, np.bool_)):
     return frozenset(CHECKS) if check_loss else frozenset()
   if isinstance(check_loss, str) or not isinstance(check_loss, Iterable):
@@ -160,8 +151,7 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
 
 
 def check_overridden_tags(scan, loss_fn, params, batch, *, strict: bool, warn: bool) -> None:
-  """A `LossMismatchWarning` (with `strict` a RegistrationError) naming the loss tags `loss_fn`
-  binds itself when `scan` is a `curvature_fn`'s (they are not read)."""
+  """Reports (`_report`) the loss tags `loss_fn` binds itself when `scan` is a `curvature_fn`'s."""
   if not (strict or warn):
     return
   closed = jax.make_jaxpr(loss_fn)(params, batch)
@@ -186,8 +176,8 @@ def _report(text: str, strict: bool) -> None:
 
 
 def values(graph: _scan.FlatGraph) -> dict:
-  """Key → the first key holding the same value: an equation that repeats an earlier one (the
-  same primitive and parameters, inputs of the same values) computes the same value."""
+  """Key → the first key holding the same value (an equation repeating an earlier one: the
+  same primitive, parameters and input values)."""
   out: dict = {}
   made: dict = {}
   for fe in graph.eqns:
@@ -241,9 +231,8 @@ def _reaches(graph: _scan.FlatGraph, value: dict, start, target) -> bool:
 
 
 def stand_ins(tree, seed: int):
-  """`tree` with every leaf that is not a concrete value replaced by a fixed numpy array: a
-  normal draw over √fan-in for floats of rank 2 or more, ones for other floats and booleans,
-  zeros for integers (valid labels and ids)."""
+  """`tree` with every leaf that is not concrete replaced by a fixed numpy array: a normal draw
+  over √fan-in for floats of rank ≥ 2, ones for other floats and bools, zeros for integers."""
   rng = np.random.default_rng(seed)
   concrete = (jax.Array, np.ndarray, np.generic, int, float, bool)
 
@@ -271,14 +260,10 @@ def has_tracer_consts(scan: _scan.ScanResult) -> bool:
 def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   """Per tag, float64 numpy `(∂L/∂ε, ∂²L/∂ε² v, H_z T v, ∇_z T or None)`, at the example point
   (None for a constant prediction), `axis_names` bound with size 1."""
-  graph = scan.graph
+  graph, operands = scan.graph, scan.loss_operands
   const_keys = {k for k, _ in graph.consts}
-  live = [
-    i
-    for i, ops in enumerate(scan.loss_operands)
-    if _scan.is_key(ops[0]) and ops[0] not in const_keys
-  ]
-  keys = [scan.loss_operands[i][0] for i in live]
+  live = [i for i, ops in enumerate(operands) if _scan.is_key(ops[0]) and ops[0] not in const_keys]
+  keys = [operands[i][0] for i in live]
   in_scan = graph.scan_positions
   # A complex mean's parts are perturbed through the complex value (`complex_source`).
   sources = [None if k in in_scan else complex_source(graph, k) for k in keys]
@@ -289,9 +274,7 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   for k, v in value.items():
     same.setdefault(v, []).append(k)
   copies = [
-    []
-    if k in in_scan
-    else [c for c in same.get(value.get(k, k), []) if c != k and c not in in_scan]
+    [c for c in same.get(value.get(k, k), []) if k not in in_scan and c != k and c not in in_scan]
     for k in targets
   ]
   watch = frozenset(a for ops in scan.loss_operands for a in ops if _scan.is_key(a))
@@ -369,16 +352,15 @@ def _fit(a, b):
 
 
 def loss_factor(numbers) -> float | None:
-  """The returned loss over the tagged loss, `c` (`L ≈ c T`), from `measure`'s numbers: the mean
-  of the tags' fitted factors, or None when no tag has a positive one."""
+  """`c` (`L ≈ c T`) from `measure`'s numbers: the tags' mean positive factor, else None."""
   fits = [_fit(entry[1], entry[2]) for entry in numbers if entry is not None]
   cs = [fit[0] for fit in fits if fit is not None and np.isfinite(fit[0]) and fit[0] > 0]
   return snap(float(np.mean(cs))) if cs else None
 
 
 def snap(c: float) -> float:
-  """`c` as `1/k` or `k` (k an integer) where it is one within `_SNAP`, else rounded to 3
-  significant digits: the factor measured at two points (the params, or stand-ins) agrees."""
+  """`c` as `1/k` or `k` where it is one within `_SNAP`, else to 3 significant digits, so the
+  factor measured at two points (the params, or stand-ins) agrees."""
   for k, value in ((round(1 / c), 1 / max(round(1 / c), 1)), (round(c), float(round(c)))):
     if k >= 1 and abs(c / value - 1) <= _SNAP:
       return value
@@ -466,9 +448,9 @@ def audit(
   warn: bool = True,
   checks: frozenset[str] = frozenset(CHECKS),
 ) -> float | None:
-  """Runs the audit's `checks` on a scan of the example batch; returns the loss factor `c`
-  (`loss_factor`) when it measured a fit, else None. RegistrationError: a failed structural
-  check, or (with `strict`) a measured mismatch."""
+  """Runs the audit's `checks` on a scan of the example batch; the loss factor `c` when it
+  measured a fit, else None. RegistrationError: a failed structural check, or with `strict` a
+  measured mismatch."""
   check_structure(scan, checks)
   if not (strict or warn) or not checks & _MEASURED or has_tracer_consts(scan):
     return None

@@ -1,8 +1,4 @@
-"""Saving and restoring optimizer state (docs/checkpoints.rst).
-
-The state is a pytree of arrays, so any pytree checkpointer stores it; `check_restored_state`
-checks what a checkpointer does not: that a restored state fits the model.
-"""
+"""Saving and restoring optimizer state (docs/checkpoints.rst)."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ from kfac_jax import _fit
 
 
 def _plain(state: Any) -> Any:
-  """`state` in plain containers, as flax.serialization writes them: an nnx object as its
-  `nnx.state`, an `nnx.State` as its pure dict, an `nnx.Variable` as its value."""
+  """`state` in plain containers, as flax.serialization writes them (nnx objects unwrapped)."""
   nnx = sys.modules.get("flax.nnx")  # Without it imported, there is no nnx object.
   if nnx is None:
     return state
@@ -52,9 +47,7 @@ def check_restored_state(expected: Any, restored: Any) -> None:
     restored: the state read from a checkpoint.
 
   Raises:
-    ValueError: listing every block that is missing or unexpected, every field of a block that
-      is missing, unexpected (other estimator options) or of another shape or dtype, and every
-      other mismatching leaf, by its path.
+    ValueError: listing every missing, unexpected or mismatching block, field or leaf by path.
   """
   problems = _fit.problems(expected, restored, "the checkpoint")
   if problems:
@@ -67,11 +60,7 @@ def check_restored_state(expected: Any, restored: Any) -> None:
 
 
 def state_to_bytes(state: Any) -> bytes:
-  """Serialises an optimizer state with flax.serialization (msgpack).
-
-  `state` is a state, or what `nnx.Optimizer` holds: the optimizer, `nnx.state(optimizer)` (the
-  same bytes) or `optimizer.opt_state`. A state split over other processes' devices is saved
-  with orbax-checkpoint instead.
+  """Serialises an optimizer state (or an `nnx.Optimizer`, its `nnx.state`) with flax's msgpack.
 
   Raises:
     ValueError: naming the first array that spans other processes' devices.
@@ -97,9 +86,6 @@ def state_to_bytes(state: Any) -> bytes:
 def state_from_bytes(expected: Any, data: bytes) -> Any:
   """Restores `state_to_bytes` output into the structure of `expected`, checking it first.
 
-  For an `nnx.Optimizer`, pass `nnx.state(optimizer)` and apply the `nnx.State` returned with
-  `nnx.update(optimizer, restored)`.
-
   Raises:
     ValueError: the saved state does not fit `expected` (see `check_restored_state`).
     TypeError: `expected` is an nnx object (pass its `nnx.state`).
@@ -119,8 +105,7 @@ def state_from_bytes(expected: Any, data: bytes) -> Any:
   restored = serialization.from_state_dict(plain, raw)
   if plain is expected:
     return restored
-  # Back into `expected`'s nnx containers: its leaves are the plain tree's arrays (found by
-  # identity, as a pure dict may order them otherwise).
+  # Back into `expected`'s nnx containers, leaves matched by identity (pure dicts reorder).
   position = {id(x): i for i, x in enumerate(jax.tree_util.tree_leaves(plain))}
   leaves, treedef = jax.tree_util.tree_flatten(expected)
   new = jax.tree_util.tree_leaves(restored)
@@ -137,8 +122,7 @@ def restore_state(expected: Any, saved: Any) -> Any:
   """Rebuilds a state saved through a generic container into the structure of `expected`.
 
   Any container holding the state's leaves in order is accepted: an object array of its fields
-  (`np.asarray(opt_state, dtype=object)` through `np.savez`, as FermiNet's checkpoints do), a
-  list or tuple, or the state itself; the leaves are checked with `check_restored_state`.
+  (`np.asarray(opt_state, dtype=object)` through `np.savez`), a list or tuple, or the state.
 
   Args:
     expected: a freshly initialised state (e.g. `opt.init(params)`, or its `jax.eval_shape`).

@@ -1,7 +1,5 @@
-"""Argument checks shared by the public constructors: each names the argument, shows the value
-received and what is expected, before any state exists. A wrong kind of value raises
-`TypeError`, one out of range `ValueError`; traced values (injected hyperparameters) pass
-unchecked, their initial values having been checked when the transform was created.
+"""Argument checks shared by the public constructors: a wrong kind of value raises `TypeError`,
+one out of range `ValueError`, naming the argument; traced values (injected hyperparameters) pass.
 """
 
 from __future__ import annotations
@@ -99,8 +97,7 @@ def positive_int(value, name: str) -> None:
 
 
 def _static(value, name: str, what: str, kinds: tuple[type, ...]) -> bool:
-  """Raises TypeError unless `value` is a Python (or numpy scalar) number of `kinds`, which
-  fixes array shapes; False for a number of another kind (a wrong value)."""
+  """TypeError unless `value` is a Python (or numpy scalar) number; whether it is of `kinds`."""
   if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
     raise TypeError(
       f"`{name}` fixes array shapes and must be a Python number, got a "
@@ -148,8 +145,7 @@ def function(value, name: str) -> None:
 
 
 def axis_bound(axis_name, who: str) -> None:
-  """ValueError naming `axis_name` when a name of it is not bound where the front is called:
-  its collectives need the `jax.pmap` / `jax.shard_map` that binds it."""
+  """ValueError naming `axis_name` when a name of it is not bound where the front is called."""
   if axis_name is None:
     return
   for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):

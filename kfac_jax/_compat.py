@@ -26,9 +26,7 @@ JaxprEqn = _jex_core.JaxprEqn
 Literal = _jex_core.Literal
 subjaxprs = _jex_core.subjaxprs
 
-# Primitives that only call a closed sub-jaxpr with the same inputs and outputs (nested `jax.jit`,
-# `closed_call`), which the scanner inlines; and those that evaluate a sub-jaxpr under a
-# differentiation rule of their own: rematerialisation and custom derivatives.
+# Calls the scanner inlines; and sub-jaxprs under a differentiation rule of their own.
 _INLINE_CALL_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _TRANSPARENT_KINDS = {
   **dict.fromkeys(("checkpoint", "remat", "remat2"), "remat"),
@@ -41,8 +39,7 @@ _CANONICAL_CONV_PULL_BACK: contextvars.ContextVar[bool] = contextvars.ContextVar
 
 @contextlib.contextmanager
 def pull_back_convs_canonically():
-  """Within this block `bind_eqn` evaluates convolutions through
-  `_conv_input_transpose_canonical` (for passes that are only pulled back)."""
+  """Within this block `bind_eqn` evaluates convolutions for passes only pulled back."""
   token = _CANONICAL_CONV_PULL_BACK.set(True)
   try:
     yield
@@ -65,9 +62,8 @@ def bind_eqn(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
 
 def _conv_input_transpose_canonical(params: dict[str, Any], x, w):
   """`conv_general_dilated(x, w, **params)` whose derivative in `x` reads the kernel with its
-  feature axes swapped in memory, so that its transpose reads the kernel in the canonical order,
-  which XLA's CPU backend needs inside a `lax.cond` branch or loop to avoid a slow generic loop
-  (the push-forward gets the slow form instead)."""
+  feature axes swapped, so that its transpose reads it in the canonical order (which XLA's CPU
+  backend needs inside a `lax.cond` or loop to avoid a slow generic loop)."""
   conv = jax.lax.conv_general_dilated_p
 
   @jax.custom_jvp
@@ -116,8 +112,7 @@ def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
 
 
 def axis_env(axes):
-  """A context binding named axes `[(name, size), ...]` while tracing (as `jax.make_jaxpr(...,
-  axis_env=axes)`), so that collectives over them trace outside pmap / shard_map."""
+  """A context binding named axes `[(name, size), ...]` while tracing, outside pmap."""
   axes = list(axes)
   try:  # Names already bound (inside pmap / shard_map) keep their real size.
     env = _core.get_axis_env()
@@ -128,8 +123,7 @@ def axis_env(axes):
 
 
 def axis_env_key() -> tuple | None:
-  """The named axes bound right now, as a hashable `((name, size), ...)`; None when the private
-  API is unavailable (callers then assume nothing about the environment)."""
+  """The named axes bound right now, hashable; None when the private API is unavailable."""
   try:
     sizes = _core.get_axis_env().axis_sizes
   except AttributeError:  # pragma: no cover - older/newer private API.
@@ -138,14 +132,12 @@ def axis_env_key() -> tuple | None:
 
 
 def has_effects(eqn: JaxprEqn) -> bool:
-  """Whether `eqn` has an effect that dead-code elimination must keep (a collective's named-axis
-  effect is none)."""
+  """Whether `eqn` has an effect that dead-code elimination must keep."""
   return _pe.has_effects(eqn)
 
 
 def source_frames(eqn: JaxprEqn, skip_dir: str) -> tuple[tuple[str, int, str], ...]:
-  """`(file, line, function)` of the user frames that created `eqn`, innermost first, those under
-  `skip_dir` skipped; () when JAX kept no traceback."""
+  """`(file, line, function)` of the user frames that created `eqn` (not under `skip_dir`)."""
   try:
     from jax._src import source_info_util
 
@@ -160,8 +152,7 @@ def source_frames(eqn: JaxprEqn, skip_dir: str) -> tuple[tuple[str, int, str], .
 
 
 def source_line(eqn: JaxprEqn, skip_dir: str, with_function: bool = False) -> str | None:
-  """`file:line` (with `with_function`, `file:line in function`) of the innermost frame of
-  `source_frames`; None when there is none."""
+  """`file:line` (`in function`) of the innermost frame of `source_frames`, or None."""
   for file, line, function in source_frames(eqn, skip_dir)[:1]:
     return f"{file}:{line} in {function}" if with_function else f"{file}:{line}"
   return None
@@ -172,10 +163,8 @@ _lapack_threads_set: list[bool] = []  # Non-empty once `one_lapack_thread` has r
 
 
 def one_lapack_thread() -> None:
-  """On CPU, scipy's OpenBLAS set to one thread, once per process, unless the environment
-  names a BLAS thread count: jaxlib's CPU LAPACK kernels call scipy's LAPACK, whose worker
-  threads keep spinning after each call and take the cores from XLA's threads (numpy's OpenBLAS,
-  another library, is left alone)."""
+  """On CPU, scipy's OpenBLAS set to one thread once per process (unless the environment names a
+  BLAS thread count): jaxlib's LAPACK kernels call it, and its spinning workers starve XLA."""
   if _lapack_threads_set:
     return
   _lapack_threads_set.append(True)

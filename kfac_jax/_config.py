@@ -1,14 +1,5 @@
-"""`Config`: the rare knobs of every front (`scale_by_kfac`, `kfac`, `Optimizer`,
-`CurvatureEstimator`, `scale_by_kernel_ngd`, `kernel_ngd`), in one frozen object validated once.
-
-The fronts keep as parameters only what a user tunes and the data-parallel `axis_name`; every
-other knob the optimizers and the storage read has one name, one default and one check here,
-beside the list of fronts that read it. The settings of the scan are `kfac_jax.Registration`'s
-alone. Defaults that differ between fronts:
-`damping` is 0.1 for the transforms (a fixed λ) and 1e-3 for `Optimizer` (only the start of its
-adaptation); `curvature_every` is 5 for `kfac`, whose clipping bounds a step preconditioned by
-statistics a few updates old, and 1 for `scale_by_kfac` and `Optimizer`.
-"""
+"""`Config`: the rare knobs of every front, in one frozen object validated once
+(docs/entry_points.rst, docs/hyperparameters.rst)."""
 
 from __future__ import annotations
 
@@ -24,12 +15,8 @@ from kfac_jax import blocks as _blocks
 def _check_mesh(mesh) -> None:
   if mesh is None:
     return
-  if (
-    not isinstance(mesh, tuple)
-    or len(mesh) != 2
-    or not isinstance(mesh[0], jax.sharding.Mesh)
-    or mesh[1] not in mesh[0].axis_names
-  ):
+  pair = isinstance(mesh, tuple) and len(mesh) == 2 and isinstance(mesh[0], jax.sharding.Mesh)
+  if not pair or mesh[1] not in mesh[0].axis_names:
     raise ValueError(
       "`config.mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the mesh's axes, "
       f"got {mesh!r}."
@@ -50,65 +37,48 @@ def _field(default, read_by: tuple[str, ...]) -> Any:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-  """The rare knobs of `scale_by_kfac`, `kfac`, `Optimizer` and `CurvatureEstimator` (validated
-  on construction).
+  """The rare knobs of the fronts, validated on construction (docs/hyperparameters.rst).
 
-  Each field declares the fronts that read it (the list in brackets below); a front given a
-  value other than the default for a field it does not read raises a ValueError naming the
-  field. The settings of the scan (`has_aux`, `estimation_mode`, `num_samples`, `layers`,
-  `strict`, `check_loss`) are not here: they are arguments of `kfac_jax.Registration`.
+  Each field declares the fronts that read it (in brackets); a front given a non-default value
+  for a field it does not read raises a ValueError naming the field. The scan's settings are
+  `kfac_jax.Registration`'s.
 
   Attributes:
-    damping_mode: "factored" (π-adjusted factored Tikhonov, default), "factored_equal" (√λ
-      added to each of a layer's two factors, as the K-FAC for PINNs code does) or "eigen"
-      (exact, slower); see `blocks.BlockConfig`. [all]
-    factor_solve: "auto", "always" or "never": keep a Kronecker factor's damped inverse as its
-      Cholesky factor in blocks for block substitution instead of an explicit matrix ("auto":
-      for a factor of size n ≥ 256 whose products have at most n/8 columns). [all]
+    damping_mode: "factored" (π-adjusted, default), "factored_equal" (√λ on each of a layer's
+      two factors) or "eigen" (exact, slower); see `blocks.BlockConfig`. [all]
+    factor_solve: "auto", "always" or "never": keep a Kronecker factor's damped inverse as a
+      blocked Cholesky factor ("auto": size n ≥ 256 with at most n/8 columns). [all]
     stats_dtype: dtype of the stored statistics: None (float32, float64 under x64), "float32",
-      "float64", "bfloat16" or "float16"; they are accumulated in at least float32. [all]
-    inverse_dtype: dtype of the inverses, the products with them and the Optimizer's
-      quadratic model: None (float32, float64 under x64), "float32" or "float64". [all]
-    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": store the Kronecker factors'
-      inverses in it, the products accumulating in `inverse_dtype` (half the memory). [all]
-    inverse_storage: "replicated" (default; every device keeps every inverse, the work is
-      split over the devices of `axis_name` or `mesh` and the results summed) or "sharded"
-      (KAISA's memory-optimised strategy: each device keeps, refreshes and applies only its
-      share of the factors and inverses, balanced by refresh cost; needs `axis_name` or
-      `mesh`); or a `kfac_jax.ReplicatedStorage()` / `kfac_jax.ShardedStorage()` object. [all]
+      "float64", "bfloat16" or "float16"; accumulated in at least float32. [all]
+    inverse_dtype: dtype of the inverses, their products and the Optimizer's quadratic model:
+      None (float32, float64 under x64), "float32" or "float64". [all]
+    preconditioner_dtype: None (`inverse_dtype`) or "bfloat16": the dtype the Kronecker
+      factors' inverses are stored in, the products accumulating in `inverse_dtype`. [all]
+    inverse_storage: "replicated" (default; every device keeps every inverse, the work split
+      over the devices) or "sharded" (each device keeps, refreshes and applies only its share;
+      needs `axis_name` or `mesh`); or a `ReplicatedStorage()` / `ShardedStorage()`. [all]
     statistics_fraction: when a transform computes the statistics from `batch=`, the fraction f
-      in (0, 1] of the batch's N rows they come from: r = ⌈f·N⌉ rows, evenly spaced
-      (`x[:r*s:s]` along every leaf's leading axis, s = ⌊N/r⌋), normalised by their own count
-      (unbiased, only noisier). "auto" (default): every fourth row of a batch of 256 or more
-      rows, every second of 128 or more, else (or when the cut batch cannot be used) every
-      row; None or 1: every row; an explicit f raises where "auto" falls back. A Python
-      number. `curvature_stats=` are used as they come. [scale_by_kfac, kfac]
+      in (0, 1] of the batch's N rows they come from: ⌈f·N⌉ evenly spaced rows, normalised by
+      their count. "auto" (default): every fourth row of a batch of 256 or more, every second
+      of 128 or more, else (or where the cut batch cannot be used) every row; None or 1: every
+      row; an explicit f raises where "auto" falls back. [scale_by_kfac, kfac]
     burn_in_steps: the first this many steps only fold statistics (zero updates, no inverse
       refresh); schedules still count them. [scale_by_kfac, kfac, Optimizer]
-    mesh: under plain `jit` with data sharded over a mesh (no `axis_name`): `(mesh, axis)`
-      splits the inverse work over that mesh axis (and, sharded, stores the state there); the
-      estimator takes `mesh=` per call. [scale_by_kfac, kfac, Optimizer]
-    skip_nonfinite: when the gradient, the params, the statistics or the update is not
-      finite, return zero updates and leave the state as it was but for the `skipped` counter.
-      False: the update goes through as computed (non-finite statistics are still kept out of
-      the factors). A non-finite gradient or params are reported either way (a
-      `NonFiniteWarning`; from a compiled step with `step_warnings`).
-      [scale_by_kfac, kfac, Optimizer, scale_by_kernel_ngd, kernel_ngd]
-    step_warnings: a compiled step warns too (`NonFiniteWarning`, `HyperparameterWarning`,
-      `FailedInverseWarning`, once per name) through a host callback, which keeps JAX from
-      storing the step in its persistent compilation cache (each launch then compiles it
-      again). Off (the default), eager calls warn and a compiled step only counts: the
-      state's `skipped` and `curvature.failed_inverses` (`info["skipped"]` for the
-      `Optimizer`). [scale_by_kfac, kfac, Optimizer, scale_by_kernel_ngd, kernel_ngd]
+    mesh: under plain `jit` with data sharded over a mesh: `(mesh, axis)` splits the inverse
+      work (and, sharded, the state) over that axis. [scale_by_kfac, kfac, Optimizer]
+    skip_nonfinite: a non-finite gradient, params, statistics or update gives zero updates and
+      the state unchanged but for its `skipped` counter; False: the update goes through
+      (non-finite statistics still kept out). [scale_by_kfac, kfac, Optimizer, kernel fronts]
+    step_warnings: a compiled step warns too, through a host callback that keeps JAX from
+      caching the step's compilation; off, a compiled step only counts (`skipped`,
+      `curvature.failed_inverses`). [scale_by_kfac, kfac, Optimizer, kernel fronts]
     nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`). [kfac]
     min_damping, max_damping: the clip of the adapted damping λ. [Optimizer]
     damping_adaptation_interval: T, adapt λ every T steps. [Optimizer]
     damping_adaptation_decay: ω₁ in (0, 1); λ is multiplied or divided by ω₁^T. [Optimizer]
-    weight_decay: decoupled weight decay d, `θ ← θ + δ − d θ` (for the transforms, chain
-      `optax.add_decayed_weights`). [Optimizer]
-    chunk_size: the kernel fronts' per-example passes run this many examples at a time (None:
-      each loss tag's examples at once): a bound on their memory (`kfac_jax.kernel`).
-      [scale_by_kernel_ngd, kernel_ngd]
+    weight_decay: decoupled weight decay d, `θ ← θ + δ − d θ`. [Optimizer]
+    chunk_size: the kernel fronts' per-example passes take this many examples at a time (None:
+      all), bounding their memory. [scale_by_kernel_ngd, kernel_ngd]
 
   Raises:
     TypeError / ValueError: a bad field, named (`config.<field>`) with the value received.
@@ -151,18 +121,11 @@ class Config:
     _concrete(self.min_damping, "config.min_damping")
     _concrete(self.max_damping, "config.max_damping", low=self.min_damping)
     _checks.static_int(self.damping_adaptation_interval, "config.damping_adaptation_interval")
-    _concrete(
-      self.damping_adaptation_decay,
-      "config.damping_adaptation_decay",
-      low_open=True,
-      high=1.0,
-      high_open=True,
-    )
+    decay = self.damping_adaptation_decay
+    _concrete(decay, "config.damping_adaptation_decay", low_open=True, high=1.0, high_open=True)
     _concrete(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
     if self.chunk_size is not None:
       _checks.static_int(self.chunk_size, "config.chunk_size")
-
-  # -- derived, read by the fronts ---------------------------------------------------------
 
   @property
   def fraction(self) -> float | str:

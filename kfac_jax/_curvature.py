@@ -1,11 +1,7 @@
-"""One forward pass for the loss, its gradient and the curvature statistics.
-
-The traced loss is evaluated once with a zero perturbation ε_l added to each structured layer's
-output; `jax.linearize` in (params, ε) gives one `Linearisation`, pulled back with cotangent 1
-on the loss (the gradient) and, vmapped, with the estimation mode's stack of output vectors
-(`kfac_jax._losses`): ∂/∂ε_l are the per-layer output gradients g_l. The second pull-back is a
-separate one, so XLA drops its unread parameter-gradient products.
-"""
+"""One forward pass for the loss, its gradient and the curvature statistics: the loss with a
+zero perturbation ε_l on each structured layer's output, linearised in (params, ε) and pulled
+back with cotangent 1 (the gradient) and with the estimation mode's output vectors (∂/∂ε_l: the
+per-layer output gradients g_l)."""
 
 from __future__ import annotations
 
@@ -33,19 +29,16 @@ class CurvatureStats:
   """Raw per-layer data for one batch, as `value_and_grad` returns it.
 
   Attributes:
-    data: one entry per layer, in registration order: `(inputs, g)` for structured layers (a
-      tuple of such pairs, one per use or per layer of a scanned stack), `inputs` the raw input
-      operands the scanner recorded and `g: [S, *output.shape]` the output gradients, whose
-      outer products' average `(1/S) Σ_s` is the curvature; for generic layers, the per-leaf
-      sampled gradients `[S, *leaf.shape]`.
+    data: per layer, in registration order: `(inputs, g)` for a structured layer (a tuple of
+      such pairs for several uses or a scanned stack), `inputs` its recorded input operands and
+      `g: [S, *output.shape]` the output gradients, the curvature `(1/S) Σ_s` of their outer
+      products; for a generic layer, the per-leaf sampled gradients `[S, *leaf.shape]`.
     layer_names: static; the layers the entries belong to.
     batch_size: static; N, the loss tags' leading axis.
     layer_shapes: static; `(kind, approx, factor_shapes)` of each layer for this batch.
     params_stats: with `compute_params_stats=True`, `(1/(S N)) Σ_s Σ_n J_nᵀ v_sn`,
-      params-shaped, `v_sn` the mode's output vectors (TF K-FAC's `params_stats`); None
-      otherwise.
-    fingerprint: static; the registration's `StatsKey`, checked by the consumers at trace time.
-      None for statistics built by hand (only the names are compared).
+      params-shaped, `v_sn` the mode's output vectors; None otherwise.
+    fingerprint: static; the registration's `StatsKey` (None for statistics built by hand).
   """
 
   data: tuple[Any, ...]
@@ -177,9 +170,8 @@ def _stacked_tap(graph: _scan.FlatGraph, uses):
 class Linearisation:
   """One forward pass of the tagged loss, linearised in (params, layer-output perturbations).
 
-  Built inside a trace; every pull-back and push-forward reuses the forward pass's residuals.
   With `loss_part` (a `LossPart`), the graph is a curvature function's: the loss, aux and
-  gradient are then `jax.value_and_grad(loss_part)`'s, custom derivatives included.
+  gradient are then `jax.value_and_grad(loss_part)`'s.
 
   Attributes:
     scan: the `_scan.ScanResult` whose graph was run; loss: the scalar loss.

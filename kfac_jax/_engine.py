@@ -1,17 +1,14 @@
 """The contract of a front's step, in one place: `scale_by_kfac`, `kfac`, the `Optimizer`,
 `scale_by_kernel_ngd` and `kernel_ngd` configure an `Engine` and add only what is their own.
 
-An `Engine` is built once from a front's checked arguments: its registration's `Source`, its
-`Config`, its curvature (`Kfac`; the sample-space kernel in `kfac_jax.kernel`) and its
-`Placement`. Each update runs `bind` (the registration and the curvature's part for these
-params, restricted to an `optax.multi_transform` share), `check` (one sequence, cheapest first:
-the state's type, the statistics' source, the rng, the axis, the state's fit) and `step` (the
-hyperparameters at `count + skipped` and their verdict, the inputs' verdict, the curvature's
-step and its verdict).
+An `Engine` is built once from a front's checked arguments (its registration's `Source`, its
+`Config`, its curvature and its `Placement`). Each update runs `bind` (the registration and the
+curvature's part for these params or their `optax.multi_transform` share), `check` (cheapest
+first) and `step` (the hyperparameters' and the inputs' verdicts, then the curvature's step).
 
-K-FAC's fold and refresh are each a `lax.cond` that carries only what it can change: XLA copies
-an operand that passes through a cond unchanged, and a `where(ok, new, old)` over the state
-writes a third copy. Both are gated on the inputs' verdict, so no guard restores the state.
+K-FAC's fold and refresh are each a `lax.cond` that carries only what it can change (XLA copies
+an operand passed through a cond unchanged), gated on the inputs' verdict, so no guard restores
+the state.
 """
 
 from __future__ import annotations
@@ -38,8 +35,6 @@ from kfac_jax import (
 from kfac_jax._verdict import Reporter, hyperparameters_ok, inputs_ok
 
 Array = jax.Array
-
-# -- the records a front is built from -----------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +70,13 @@ class Placement:
         "pass `axis_name` (inside pmap/shard_map) or `config.mesh` (under jit with sharded "
         "data), not both: with `axis_name` the inverse work is already split over that axis."
       )
-    if isinstance(config.storage, _storage.ShardedStorage) and config.mesh is None:
-      if axis_name is None:
-        raise ValueError(
-          "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
-          "axis: pass `axis_name=` (inside pmap/shard_map) or `config.mesh=(mesh, axis)` (under "
-          "jit with sharded data), or keep inverse_storage='replicated' on one device."
-        )
+    sharded = isinstance(config.storage, _storage.ShardedStorage)
+    if sharded and config.mesh is None and axis_name is None:
+      raise ValueError(
+        "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
+        "axis: pass `axis_name=` (inside pmap/shard_map) or `config.mesh=(mesh, axis)` (under "
+        "jit with sharded data), or keep inverse_storage='replicated' on one device."
+      )
     return cls(axis_name, config.mesh)
 
   def mean(self, tree):
@@ -91,35 +86,26 @@ class Placement:
 
 class Source:
   """A front's registration: the one given, or one built with the front's `defaults` from
-  `loss_fn`, `example_batch` and the first params it sees, then kept (the state is tied to its
-  layers: later params must have its signature)."""
+  `loss_fn`, `example_batch` and the first params it sees, then kept."""
 
   def __init__(self, loss_fn, example_batch, registration, who: str, defaults=None):
-    self.given = _registration.shared(registration, loss_fn, who, ("example_batch", example_batch))
+    given = _registration.shared(registration, loss_fn, who, ("example_batch", example_batch))
     self.loss_fn, self.example_batch = loss_fn, example_batch
     self.defaults = dict(defaults or {})
-    self._built: _registration.Registration | None = self.given
-
-  @property
-  def known(self) -> _registration.Registration | None:
-    """The registration, once given or built (else None)."""
-    return self._built
+    self.known: _registration.Registration | None = given  # Once given or built.
 
   def for_params(self, params, collective_axes=None) -> _registration.Registration:
-    """The registration for `params` (built on first use, binding `collective_axes`, the
-    front's axis, which the model's own collectives may use), checked against them; a tree
-    without leaves is `optax.tree_map_params`' placeholder: the known one, unchecked."""
-    if self._built is not None and not jax.tree_util.tree_leaves(params):
-      return self._built
-    if self._built is None:
-      self._built = _registration.Registration(
+    """The registration for `params` (built on first use, binding the front's axis as
+    `collective_axes`), checked against them; a tree without leaves is `optax.tree_map_params`'
+    placeholder: the known one, unchecked."""
+    if self.known is not None and not jax.tree_util.tree_leaves(params):
+      return self.known
+    if self.known is None:
+      self.known = _registration.Registration(
         self.loss_fn, params, self.example_batch, collective_axes=collective_axes, **self.defaults
       )
-    self._built.check_params(params)
-    return self._built
-
-
-# -- a front, bound to its params ------------------------------------------------------------------
+    self.known.check_params(params)
+    return self.known
 
 
 def _is_masked(x) -> bool:
@@ -134,15 +120,15 @@ def masked_share(tree) -> tuple[bool, ...] | None:
 
 class Bound(NamedTuple):
   """A front bound to one params signature: its registration, the curvature's part (K-FAC's
-  estimator; None for the kernel) and, for a share, per registered leaf whether it is in it."""
+  estimator) and, for a share, per registered leaf whether it is in it."""
 
   registration: _registration.Registration
   estimator: Any
   kept: tuple[bool, ...] | None
 
   def fill(self, share, abstract: bool = False):
-    """`share` with its masked leaves replaced by zeros of the registered shapes and dtypes
-    (`jax.ShapeDtypeStruct`s with `abstract`): the whole params' structure."""
+    """`share` with its masked leaves replaced by zeros (`jax.ShapeDtypeStruct`s with
+    `abstract`) of the registered shapes and dtypes."""
     if self.kept is None:
       return share
     flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
@@ -167,10 +153,9 @@ class Bound(NamedTuple):
 
 
 class Inputs(NamedTuple):
-  """What an update hands the engine's step: the vector to precondition, a thunk computing the
-  curvature's data (K-FAC's `CurvatureStats`, the kernel's rows), the inputs whose non-finite
-  leaves skip the step (name → pytree), and the hyperparameters (name → `(value or schedule,
-  low or None)`, "damping" among them)."""
+  """An update's vector to precondition, a thunk computing the curvature's data, the inputs
+  whose non-finite leaves skip the step (name → pytree), and the hyperparameters (name →
+  `(value or schedule, low or None)`)."""
 
   vector: Any
   statistics: Callable[[], Any]
@@ -179,9 +164,8 @@ class Inputs(NamedTuple):
 
 
 class Work(NamedTuple):
-  """What a curvature's step is given: `Inputs`' vector and thunk, the update counter, the
-  hyperparameters' values, the verdict so far (None with the guard off), the clock and the
-  front's reporter."""
+  """A curvature step's `Inputs` vector and thunk, update counter, hyperparameters' values,
+  verdict so far (None with the guard off), clock and reporter."""
 
   vector: Any
   statistics: Callable[[], Any]
@@ -193,10 +177,9 @@ class Work(NamedTuple):
 
 
 class Step(NamedTuple):
-  """The engine's step: the preconditioned vector (as computed even on a skipped step), the
-  curvature's new state (moved only on a good verdict), the verdict `ok` (None with the guard
-  off), the clock `count + skipped`, the hyperparameters' values, and the inputs' own verdict
-  `inputs_ok` (with `ok` False: whether the curvature's step failed)."""
+  """The engine's step: the preconditioned vector (even on a skipped step), the curvature's
+  new state (moved only on a good verdict), the verdict `ok` (None with the guard off), the
+  clock `count + skipped`, the hyperparameters' values and the inputs' own verdict."""
 
   vector: Any
   curvature: Any
@@ -208,9 +191,8 @@ class Step(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kfac:
-  """K-FAC's curvature in an engine: the estimator's averaged statistics and damped inverses on
-  `schedule` (the module docstring); the refresh's damping is the step's "damping" plus
-  `damping_shift` (the `Optimizer`'s `l2_reg` η: the curvature η I of an L2 term in the loss)."""
+  """K-FAC's curvature in an engine: the estimator's statistics and inverses on `schedule`; the
+  refresh's damping is the step's plus `damping_shift` (the `Optimizer`'s `l2_reg`)."""
 
   schedule: Schedule
   config: _config.Config
@@ -276,7 +258,7 @@ class Kfac:
 
   def _fold(self, est, placement: Placement, old, work: Work, k, in_burn):
     """The state after this step's fold (when due and the verdict holds), and the verdict
-    with the statistics' own (the estimator skips and counts non-finite ones)."""
+    with the statistics' own."""
     every_step = type(self.schedule.curvature_every) is int and self.schedule.curvature_every == 1
     due = None if every_step else k % jnp.asarray(self.schedule.curvature_every, k.dtype) == 0
     if in_burn is not None and due is not None:
@@ -303,7 +285,7 @@ class Kfac:
 
   def _refresh(self, est, placement: Placement, before, work: Work, due):
     """The state after this step's refresh (when `due`); a block whose new cache is not finite
-    keeps its old one, and is reported once by name."""
+    keeps its old one, reported once by name."""
     damping = work.values["damping"]
     damping = damping + self.damping_shift if self.damping_shift else damping
 
@@ -327,9 +309,8 @@ class Kfac:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Engine:
-  """A front's step contract (the module docstring). `who` names the front in messages;
-  `curvature` has `bind`, `init`, `check`, `fits_by_shape` and `step`; `transform`: an optax
-  transform, which takes a share of the params and whose updates the rest of a chain acts on."""
+  """A front's step contract. `who` names the front in messages; `curvature` has `bind`,
+  `init`, `check`, `fits_by_shape` and `step`; `transform`: an optax transform (takes a share)."""
 
   who: str
   source: Source
@@ -353,10 +334,9 @@ class Engine:
     transform: bool = False,
     defaults=None,
   ) -> Engine:
-    """A front's engine; `source` is its `(loss_fn, example_batch, registration)` arguments,
-    `curvature` a function `config -> curvature` (the config checked first), `defaults` the
-    settings of a registration it builds itself. Every argument is checked here, before any
-    state exists."""
+    """A front's engine, every argument checked; `source` is `(loss_fn, example_batch,
+    registration)`, `curvature` a function `config -> curvature`, `defaults` the settings of a
+    registration it builds itself."""
     config = _config.get(config, who)
     placement = Placement.checked(axis_name, config)
     reporter = Reporter(who, chained=transform, in_step=config.step_warnings)
@@ -372,8 +352,6 @@ class Engine:
       return Kfac(burn, config, damping_shift)
 
     return cls.build(who, source, curvature, **kw)
-
-  # -- binding and checks ----------------------------------------------------------------------
 
   def bind(self, params) -> Bound:
     """The front bound to `params` (see `Bound`); `params` are checked against the
@@ -395,10 +373,8 @@ class Engine:
     return Bound(known, self.curvature.bind(known, kept, self.who), kept)
 
   def check(self, bound: Bound, state, expected, *, vector=None, stats=None, batch=None, rng=None):
-    """The check sequence, cheapest first: the state's type; where the statistics come from
-    (`stats`, else `batch` and, in a sampled estimation mode, `rng`), and for a share that
-    `vector` is the same share; the axis; the state's fit to `expected` (the front's init, as
-    shapes). A sharded state's buffers are checked by its storage."""
+    """The checks, cheapest first: the state's type; the statistics' source (`stats`, else
+    `batch` and `rng`) and a share's `vector`; the axis; the state's fit to `expected`."""
     who, takes_stats = self.who, self.curvature.takes_stats
     if not isinstance(state, self.state_type):
       raise TypeError(
@@ -451,12 +427,9 @@ class Engine:
     """A front's initial state replicated over the mesh its params (or `config.mesh`) use."""
     return _parallel.replicate_on_mesh(state, params, self.placement.mesh)
 
-  # -- the step ----------------------------------------------------------------------------------
-
   def step(self, bound: Bound, count, skipped, curvature, inputs: Inputs) -> Step:
-    """One step: the hyperparameters' values at `count + skipped` and their verdict, the
-    inputs' verdict, then the curvature's step (which moves its state only on a good verdict)
-    and its verdict."""
+    """One step: the hyperparameters' values at `count + skipped`, their and the inputs'
+    verdict, then the curvature's step and its verdict."""
     clock = count + skipped
     values = {n: v(clock) if callable(v) else v for n, (v, _) in inputs.hyperparameters.items()}
     guard = self.config.skip_nonfinite
@@ -472,9 +445,8 @@ class Engine:
 
 
 def _check_vector(bound: Bound, vector, who: str) -> None:
-  """ValueError naming the first leaf of `vector` (the updates) whose shape or dtype is not its
-  params leaf's: the preconditioned vector comes back in the updates' dtypes, which the rest of
-  a chain (its momentum, kept in the params' dtypes) must match."""
+  """ValueError naming the first leaf of the updates whose shape or dtype is not its params
+  leaf's (the rest of a chain keeps the params' dtypes)."""
   reg = bound.registration
   filled = bound.fill(vector, abstract=True)
   paths = _specs.param_paths(filled)

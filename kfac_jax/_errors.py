@@ -27,15 +27,13 @@ class UncoveredParametersWarning(UserWarning):
 
 
 class LossMismatchWarning(UserWarning):
-  """The loss tags' negative log-likelihood is not (a multiple of) the loss `loss_fn` returns, as
-  measured on the example batch; the curvature is then of another loss than the one trained."""
+  """The loss tags' negative log-likelihood is not (a multiple of) the loss `loss_fn` returns on
+  the example batch."""
 
 
 class HyperparameterWarning(UserWarning):
-  """A schedule gave a hyperparameter that is not finite, or a negative learning rate or
-  damping: the step it gave it for is skipped (with `Config.skip_nonfinite`). Also `kfac`'s
-  learning rate far outside the range measured on the benchmark models (more than 30 times
-  its default or below 1/1000 of it): the step is taken."""
+  """A schedule gave a non-finite hyperparameter or a negative learning rate or damping (the step
+  is skipped), or `kfac`'s learning rate is over 30x or under 1/1000 of its default."""
 
 
 class NonFiniteWarning(UserWarning):
@@ -44,6 +42,5 @@ class NonFiniteWarning(UserWarning):
 
 
 class FailedInverseWarning(UserWarning):
-  """A block's refreshed inverse (its cache: powers, decompositions) was not finite, so the block
-  keeps its previous one (the identity before its first good refresh) and
+  """A block's refreshed inverse was not finite, so the block keeps its previous one and
   `curvature.failed_inverses` counts it; given once per layer by a front."""

@@ -5,10 +5,9 @@ predictive distribution(s),
 
     F = (1/N) Σₙ E_y[∇ log p(y|xₙ) ∇ log p(y|xₙ)ᵀ] = (1/N) Σₙ Jₙᵀ F_z Jₙ,
 
-N the loss tags' leading axis, approximated block-diagonally (one block per layer) and
-averaged over batches with a bias-corrected EMA; the registration's estimation mode chooses
-how F_z is represented (the "_GGN" modes use the loss Hessian H_z). `CurvatureEstimator`
-mirrors TF K-FAC's FisherEstimator; every front steps one.
+N the loss tags' leading axis (the "_GGN" estimation modes use the loss Hessian H_z for F_z),
+approximated block-diagonally (one block per layer) and averaged over batches with a
+bias-corrected EMA. Every front steps a `CurvatureEstimator`.
 """
 
 from __future__ import annotations
@@ -44,16 +43,12 @@ class EstimatorState(NamedTuple):
 
   Attributes:
     factors: per block name, the EMA statistics as the block kind's factors type (e.g.
-      `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`; shapes in
-      `kfac_jax.blocks._state`).
-    cache: per block name, the block kind's cache type: powers / decompositions and the
-      damping `[]` they were built with. With sharded storage, both are `ShardedCache`
-      objects holding only this device's blocks.
+      `blocks.KroneckerFactors(a: [in+1, in+1], g: [out, out])`).
+    cache: per block name, the block kind's powers / decompositions and the damping `[]` they
+      were built with. With sharded storage, both are `ShardedCache` objects (this device's blocks).
     ema_weight: `[]` float, Σ decay^k over updates so far (0 before the first update).
-    skipped_batches: `[]` int32, statistics updates skipped because the batch's statistics
-      were not finite (the factors were left as they were).
-    failed_inverses: `[]` int32, block factorisations that were not finite (the block kept its
-      previous cache).
+    skipped_batches: `[]` int32, statistics updates skipped as not finite (factors kept).
+    failed_inverses: `[]` int32, block factorisations that were not finite (cache kept).
   """
 
   factors: dict[str, Any] | _parallel.ShardedCache
@@ -67,32 +62,26 @@ class EstimatorState(NamedTuple):
 class CurvatureEstimator:
   """Block-diagonal K-FAC curvature estimate of a registration, with pure state updates.
 
-  Built complete from a `kfac_jax.Registration` (its loss function, layers and estimation
-  mode), immutable; every method is a pure function of its arguments.
-
   Args:
     registration: a `kfac_jax.Registration`: the layers, the parameters' signature and the
-      estimation mode ("gradients", "empirical", "curvature_prop(_GGN)", "exact(_GGN)").
+      estimation mode.
     exps: matrix powers `multiply_matpower` must support (1 always is).
-    compute_cholesky: cache Cholesky factors of the damped blocks.
-    compute_cholesky_inverse: cache their inverses.
+    compute_cholesky, compute_cholesky_inverse: cache Cholesky factors of the damped blocks,
+      their inverses.
     compute_params_stats: `curvature_stats` also returns the first-order statistics
-      (`CurvatureStats.params_stats`, TF K-FAC's `params_stats`).
+      (`CurvatureStats.params_stats`).
     config: a `kfac_jax.Config`; the estimator reads its numerics and `inverse_storage` (the
-      fields a training front reads are refused: the caller chooses the batches, the schedule
-      and the damping, and passes `mesh=` per call).
-    only: the block names (`registration.block_names`) of the blocks to keep, None for every
-      one: the estimator of a share of the parameters (`optax.multi_transform` hands a
-      transform one), whose products leave the other parameters' entries as they come.
+      caller chooses the batches, the schedule and the damping, and passes `mesh=` per call).
+    only: the names of the blocks to keep (None: all): the estimator of a share of the
+      parameters, whose products leave the other parameters' entries as they come.
 
   Statistics are accumulated in at least float32 and stored in `config.stats_dtype`;
-  preconditioned vectors come back in their own dtype. With `config.inverse_storage="sharded"`
-  each device stores, updates and applies only its share of the blocks: every state method
-  then needs `axis_name=` (inside pmap / shard_map, `init` too) or `mesh=(mesh, axis)`.
+  preconditioned vectors come back in their own dtype. With `inverse_storage="sharded"` every
+  state method needs `axis_name=` (inside pmap / shard_map, `init` too) or `mesh=(mesh, axis)`.
 
   Raises:
-    TypeError: an argument of the wrong kind (e.g. `exps=-1`), named with the value received;
-      a loss function instead of a registration, naming `kfac_jax.Registration`.
+    TypeError: an argument of the wrong kind, named with the value received (a loss function
+      instead of a registration names `kfac_jax.Registration`).
     ValueError: an argument out of range, or a config field the estimator does not read set
       away from its default.
 
@@ -159,8 +148,6 @@ class CurvatureEstimator:
     """`ReplicatedStorage` or `ShardedStorage`, bound to the blocks: where the caches live."""
     return _config.get(self.config, "CurvatureEstimator").storage.bind(self.names, self.blocks)
 
-  # -- structure -------------------------------------------------------------------------------
-
   @functools.cached_property
   def _active(self) -> tuple[int, ...]:
     names = self.registration.block_names
@@ -181,12 +168,6 @@ class CurvatureEstimator:
     """One curvature block per kept layer."""
     every = self.registration.blocks(self.numerics)
     return tuple(every[i] for i in self._active)
-
-  @property
-  def _sig(self) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], str], ...]]:
-    return self.registration.param_signature
-
-  # -- state -----------------------------------------------------------------------------------
 
   @functools.cached_property
   def _state_shapes(self):
@@ -209,12 +190,8 @@ class CurvatureEstimator:
   def init(
     self, params=None, *, axis_name: str | None = None, mesh: tuple[Any, str] | None = None
   ) -> EstimatorState:
-    """Zero statistics and identity caches (`params`, when given, are checked against the
-    registration's signature).
-
-    With sharded storage, call it inside pmap / shard_map with `axis_name`, or pass
-    `mesh=(mesh, axis)` for a cache sharded over that mesh axis.
-    """
+    """Zero statistics and identity caches (`params`, when given, are checked). With sharded
+    storage, call it inside pmap / shard_map with `axis_name`, or pass `mesh=(mesh, axis)`."""
     if params is not None:
       self.registration.check_params(params)
     factors, cache = self.storage.init_state(axis_name, mesh)
@@ -303,10 +280,8 @@ class CurvatureEstimator:
     mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
     """EMA update of the statistics with this batch's; a non-finite batch is skipped entirely.
-
-    With decay ρ and w ← ρ w + 1, the factors become F ← F + (F_batch − F) / w: a bias-corrected
-    average, exactly F_batch after the first update (and always with ρ = 0).
-    """
+    With decay ρ and w ← ρ w + 1, F ← F + (F_batch − F) / w: bias-corrected, exactly F_batch
+    after the first update."""
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
     self.check_state(state, axis_name, mesh)
     self.check_stats(stats)
@@ -365,39 +340,23 @@ class CurvatureEstimator:
     axis_name: str | None = None,
     mesh: tuple[Any, str] | None = None,
   ) -> EstimatorState:
-    """Recomputes every block's cache for damping λ; a block whose new cache is not finite
-    keeps its previous one.
-
-    Args:
-      state: the estimator state.
-      damping: λ ≥ 0.
-      axis_name: inside `pmap` / `shard_map`, split the work over this axis: each device
-        factorises its share of the blocks (balanced by cost) and the caches are summed over
-        the axis; the result equals the unsplit one exactly. With sharded storage each device
-        keeps only its own blocks' caches.
-      mesh: under plain `jit` with sharded data, `(mesh, axis)` splits the work over that mesh
-        axis the same way.
-    """
+    """Recomputes every block's cache for damping λ ≥ 0; a block whose new cache is not finite
+    keeps its previous one. `axis_name` (pmap / shard_map) or `mesh=(mesh, axis)` (jit) split
+    the work over the devices, blocks balanced by cost, with the unsplit result exactly."""
     _checks.number(damping, "damping", low=0.0, schedule=True)
     self.check_state(state, axis_name, mesh)
     if axis_name is not None and mesh is not None:
       raise ValueError("pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both.")
-    return self._refresh(state, damping, axis_name, mesh)
-
-  def _refresh(self, state, damping, axis_name, mesh) -> EstimatorState:
-    """`update_inverses`, unchecked (the fronts' engine checked its arguments)."""
     return self._refresh_flagged(state, damping, axis_name, mesh)[0]
 
   @jax.named_scope("kfac_inverses")
   def _refresh_flagged(self, state, damping, axis_name, mesh) -> tuple[EstimatorState, Array]:
-    """`_refresh`, and `[len(names)]` bool: the blocks whose new cache was not finite (each kept
-    its previous one; `failed_inverses` adds their number)."""
+    """`update_inverses`, unchecked, and `[len(names)]` bool: the blocks whose new cache was not
+    finite (each kept its previous one)."""
     damping = jnp.asarray(damping, self.numerics.inverse_dtype)
     cache, failed = self.storage.refresh(state.factors, state.cache, damping, axis_name, mesh)
     count = jnp.sum(failed, dtype=state.failed_inverses.dtype)
     return state._replace(cache=cache, failed_inverses=state.failed_inverses + count), failed
-
-  # -- products --------------------------------------------------------------------------------
 
   def apply(self, state: EstimatorState, vector, fn, axis_name=None, mesh=None, method=""):
     """`fn(block, factors, cache, vecs)` for every block; the leaves outside every block pass
@@ -405,12 +364,13 @@ class CurvatureEstimator:
     with jax.named_scope(f"kfac_{method}"):
       leaves, treedef = jax.tree_util.tree_flatten(vector)
       paths = _scan.param_paths(vector)
-      if paths != self._sig[0]:
+      want = self.registration.param_paths
+      if paths != want:
         raise ValueError(
           "the vector's pytree structure differs from the params this estimator was built "
-          f"for: got leaves {list(paths)}, expected {list(self._sig[0])}."
+          f"for: got leaves {list(paths)}, expected {list(want)}."
         )
-      for (shape, _), x, path in zip(self._sig[1], leaves, paths):
+      for shape, x, path in zip(self.registration.param_shapes, leaves, paths):
         if tuple(np.shape(x)) != shape:
           raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
       out = _parallel.explicit_axes_as_auto(
@@ -425,11 +385,8 @@ class CurvatureEstimator:
       return jax.tree_util.tree_unflatten(treedef, out)
 
   def multiply_matpower(self, state, vector, exp: float, *, axis_name=None, mesh=None):
-    """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`.
-
-    With sharded storage each device multiplies its own blocks and the results are summed over
-    `axis_name` or `mesh` (one vector-sized `psum`), as in the other products below.
-    """
+    """(damped curvature)^exp · vector, block by block. `exp` must be 1 or in `exps`. With
+    sharded storage each device multiplies its own blocks, summed over the axis (one `psum`)."""
     self.check_state(state, axis_name, mesh)
     exp = float(exp)
     if exp != 1 and exp not in self.numerics.exps:
@@ -481,10 +438,8 @@ class CurvatureEstimator:
     )
 
   def to_dense(self, state: EstimatorState) -> Array:
-    """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`.
-
-    Called outside a trace it runs as one compiled program: its scatter of every block into
-    the matrix, op by op, would compile each small operation on its own."""
+    """The undamped block-diagonal estimate as one matrix, ordered like `ravel_pytree(params)`
+    (outside a trace one compiled program: op by op, each small scatter would compile)."""
     self.check_state(state)
     traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(state))
     if traced or not isinstance(self.storage, _storage.ReplicatedStorage):
@@ -496,7 +451,7 @@ class CurvatureEstimator:
     return jax.jit(self._dense)
 
   def _dense(self, state: EstimatorState) -> Array:
-    sizes = [int(np.prod(s)) for s, _ in self._sig[1]]
+    sizes = [int(np.prod(s)) for s in self.registration.param_shapes]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     total = int(offsets[-1])
     out = jnp.zeros((total, total), self.numerics.inverse_dtype)
@@ -510,6 +465,7 @@ class CurvatureEstimator:
   def summary(self) -> str:
     """The kept layers as a table (see `kfac_jax.summary`)."""
     param_bytes = sum(
-      int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._sig[1]
+      int(np.prod(shape)) * np.dtype(dtype).itemsize
+      for shape, dtype in self.registration.param_signature[1]
     )
     return _summary.format_table([self.layers[i] for i in self._active], self.blocks, param_bytes)

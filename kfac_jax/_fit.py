@@ -61,9 +61,8 @@ def signature(params) -> tuple:
 
 
 class StateShapes:
-  """`jax.eval_shape(init, params)`, traced once per params signature (treedef, shapes, dtypes,
-  shardings): a front's update checks the state it is given against it on every trace, which
-  for an eager step is every call."""
+  """`jax.eval_shape(init, params)`, traced once per params `signature`: a front's update checks
+  its state against it on every trace (every call of an eager step)."""
 
   def __init__(self, init, size: int = 8):
     self._init = init

@@ -1,12 +1,6 @@
-"""DeepMind kfac-jax's spellings, for those who move a script over: one table (`MOVED`: a
-kfac-jax name → its spelling here and why).
-
-`translated` wraps a public callable: when Python cannot bind a call's arguments, the names
-kfac-jax's callable of that role would have bound are looked up, and a TypeError gives each one's
-spelling here; any other error is Python's own. `missing_attribute` does the same for the
-package's attributes. The library's own former spellings are not in the table: they are plain
-TypeErrors and lines in docs/changes.rst.
-"""
+"""DeepMind kfac-jax's spellings, for those who move a script over (docs/from_kfac_jax.rst): one
+table (`MOVED`: a kfac-jax name → its spelling here and why), read by the TypeError of a call
+Python cannot bind (`translated`) and the AttributeError of a missing attribute."""
 
 from __future__ import annotations
 
@@ -63,17 +57,15 @@ _SHARED = {
 # "front.name" is that front's own entry (a keyword of `Optimizer.step`, kfac's
 # `norm_constraint`); a bare name is a keyword of kfac-jax's `Optimizer` as every front here
 # reads it; "kfac_jax.name" is a module attribute; "Optimizer.init" / "Optimizer.step" the
-# calling convention.
+# calling convention. A spelling "REG args" is `_REG` with those arguments.
 _TABLE = """
 value_and_grad_func | loss_fn (the loss itself, `loss_fn(params, batch) -> scalar`) or
   `registration=` | the optimizer traces the loss and takes its gradient in the pass that gives
   the statistics
 regularized_parameters_path_exclusions | NONE | `l2_reg` is the curvature η I of the L2 term your
   loss adds, on every parameter; the loss's own term decides which parameters it regularises
-value_func_has_aux | kfac_jax.Registration(loss_fn, params, batch, has_aux=True) passed as
-  `registration=` | SCAN
-value_func_for_estimator | kfac_jax.Registration(loss_fn, params, batch, curvature_fn=...) passed
-  as `registration=` | SCAN
+value_func_has_aux | REG has_aux=True | SCAN
+value_func_for_estimator | REG curvature_fn=... | SCAN
 value_func_has_state | the state in `batch`, the new one returned as aux
   (`Registration(..., has_aux=True)`, read from `info["aux"]`) | SIGNATURE
 value_func_has_rng | the key in `batch`: `loss_fn(params, (key, data))` | the loss signature is
@@ -105,8 +97,7 @@ num_burnin_steps | config=kfac_jax.Config(burn_in_steps=...) | the first steps f
 estimation_mode | kfac_jax.Registration(loss_fn, params, batch, estimation_mode=...) passed as
   `registration=` (fisher_gradients is 'gradients', ggn_exact 'exact_GGN', ...:
   kfac_jax._migrate.ESTIMATION_MODES) | SCAN
-num_estimator_samples | kfac_jax.Registration(loss_fn, params, batch, num_samples=...) passed as
-  `registration=` | SCAN
+num_estimator_samples | REG num_samples=... | SCAN
 should_vmap_estimator_samples | NONE | the samples are drawn in one batched pass
 custom_estimator_ctor | BLOCKS | the estimator is built from the registration
 curvature_ema | ema_decay= | renamed
@@ -117,18 +108,14 @@ use_exact_inverses | config=kfac_jax.Config(damping_mode="eigen") | exact dampin
   Kronecker factors
 batch_process_func | process the batch before `step` (inside your jitted function) | `step` is a
   pure function of the batch it is given
-register_only_generic | kfac_jax.Registration(loss_fn, params, batch,
-  layers=kfac_jax.LayerConfig(defaults={"dense": "diagonal", ...})) passed as `registration=` |
+register_only_generic | REG layers=kfac_jax.LayerConfig(defaults={"dense": "diagonal", ...}) |
   SCAN
-patterns_to_skip | kfac_jax.Registration(loss_fn, params, batch,
-  layers=kfac_jax.LayerConfig(overrides={"params/Dense_0/*": "diagonal"})) passed as
-  `registration=` | layers are chosen by parameter path, not by pattern name
+patterns_to_skip | REG layers=kfac_jax.LayerConfig(overrides={"params/Dense_0/*": "diagonal"}) |
+  layers are chosen by parameter path, not by pattern name
 use_automatic_registration | NONE | the scanner always runs; a manual tag (register_dense, ...)
   wins over it
-auto_register_kwargs | kfac_jax.Registration(loss_fn, params, batch,
-  layers=kfac_jax.LayerConfig(...)) passed as `registration=` | SCAN
-layer_tag_to_block_ctor | kfac_jax.Registration(loss_fn, params, batch,
-  layers=kfac_jax.LayerConfig(blocks=...)) passed as `registration=` | BLOCKS
+auto_register_kwargs | REG layers=kfac_jax.LayerConfig(...) | SCAN
+layer_tag_to_block_ctor | REG layers=kfac_jax.LayerConfig(blocks=...) | BLOCKS
 multi_device | jax.pmap(opt.step, axis_name="batch") with Optimizer(..., axis_name="batch") |
   init and step are pure functions: you jit, pmap or shard_map them
 debug | call `step` without jax.jit | the Optimizer never jits itself
@@ -195,8 +182,8 @@ kfac_jax.BlockDiagonalCurvature | kfac_jax.CurvatureEstimator(kfac_jax.Registrat
   params, batch)) | one estimator, built from the registration
 kfac_jax.ExplicitExactCurvature | kfac_jax.CurvatureEstimator(...).to_dense(state) | the
   block-diagonal matrix, for tests
-kfac_jax.set_default_tag_to_block_ctor | kfac_jax.Registration(loss_fn, params, batch,
-  layers=kfac_jax.LayerConfig(blocks=...)) passed as `registration=` | no process-wide settings
+kfac_jax.set_default_tag_to_block_ctor | REG layers=kfac_jax.LayerConfig(blocks=...) | no
+  process-wide settings
 kfac_jax.HAIKU_BIASES | NONE | `l2_reg` covers every parameter
 kfac_jax.HAIKU_BIASES_AND_NORMS | NONE | `l2_reg` covers every parameter
 """
@@ -228,9 +215,13 @@ def _max_norm(args: dict[str, Any]) -> str | None:
   return f"max_norm=√C / α = {math.sqrt(c) / alpha:.6g}"
 
 
+def _spelling(cell: str) -> str:
+  return _REG.format(cell[4:]) if cell.startswith("REG ") else _SHARED.get(cell, cell)
+
+
 def _rows() -> dict[str, Moved]:
   rows = (row.split(" | ") for row in re.sub(r"\n +", " ", _TABLE.strip()).splitlines())
-  table = {name: Moved(_SHARED.get(s, s), _SHARED.get(r, r)) for name, s, r in rows}
+  table = {name: Moved(_spelling(s), _SHARED.get(r, r)) for name, s, r in rows}
   internal = "the tracer's internals are not public: kfac_jax.Registration(...) scans the loss"
   for names, moved in (
     (_BLOCK_CLASSES, Moved(_SHARED["BLOCKS"], "blocks are chosen per layer by approximation")),
@@ -264,9 +255,8 @@ def _line(name: str, moved: Moved, args: dict[str, Any]) -> str:
 
 
 def moved_error(front: str, own: tuple[str, ...], args: tuple, kwargs: dict[str, Any], python):
-  """The TypeError for a call that Python could not bind to `front`'s parameters `own`, naming
-  the kfac-jax spellings in it (read by kfac-jax's `SIGNATURES` where the call binds to them);
-  None when it has none."""
+  """The TypeError for a call Python could not bind to `front`'s parameters `own`, naming the
+  kfac-jax spellings in it; None when it has none."""
   theirs = SIGNATURES.get(front, ())
   binds = (
     bool(theirs) and len(args) <= len(theirs) and all(n in theirs[len(args) :] for n in kwargs)
@@ -293,8 +283,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def translated(front: str) -> Callable[[F], F]:
   """Wraps a callable so that a call Python cannot bind raises `moved_error` when it uses
-  kfac-jax's spellings (`front`: the role, "Optimizer", "Optimizer.step", "kfac", ...); the
-  wrapper shows the callable's own signature (`inspect.signature`, `help()`)."""
+  kfac-jax's spellings (`front`: the role, "Optimizer", "Optimizer.step", "kfac", ...)."""
 
   def wrap(fn: F) -> F:
     @functools.wraps(fn)

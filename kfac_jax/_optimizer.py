@@ -1,14 +1,13 @@
 """The full K-FAC optimizer (Martens & Grosse 2015, §6–7): learning rate, momentum and damping
 from an exact quadratic model of `h(θ)`, the loss `loss_fn` returns (L2 term included).
 
-`l2_reg` = η is the coefficient of an L2 term `(η/2)‖θ‖²` the loss already holds: it tells the
-optimizer that term's curvature η I, which the Gauss-Newton matrix of the tagged loss does not
-see. It adds to the damping of the preconditioner and of the quadratic model, never to the
-gradient or the loss (both are `loss_fn`'s).
+`l2_reg` = η is the coefficient of an L2 term `(η/2)‖θ‖²` the loss already holds: its curvature
+η I, which the tagged loss's Gauss-Newton matrix does not see, adds to the damping of the
+preconditioner and of the quadratic model, never to the gradient or the loss.
 
-Each step runs the engine (`kfac_jax._engine.step`: statistics on due steps from the step's one
-forward pass, inverses with damping `λ + η` on due steps, the guard), takes the proposal
-`Δ = −(F̂ + (λ + η) I)⁻¹ ∇h` and the step `δ = α Δ + μ δ_prev`, with α, μ minimising
+Each step runs the engine (statistics and inverses with damping `λ + η` on due steps, the
+guard), takes the proposal `Δ = −(F̂ + (λ + η) I)⁻¹ ∇h` and the step `δ = α Δ + μ δ_prev`, with
+α, μ minimising
 
     M(δ) = ∇hᵀ δ + ½ δᵀ (G + (λ + η) I) δ,      G = Σ_losses Jᵀ H_z J
 
@@ -17,8 +16,7 @@ forward pass, inverses with damping `λ + η` on due steps, the guard), takes th
 (the 1-D solve `α = −b_1 / C_11, μ = 0` when δ_prev = 0 or C is singular); a fixed α or μ is
 kept and the other minimises M along its vector; `J v_i` are push-forwards through the step's
 own linearisation. Every `damping_adaptation_interval` steps, Levenberg–Marquardt with
-`ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass; `reduction_ratio`) adapts λ
-(`adapt_damping`, ω `damping_adaptation_decay` to the power of the interval). A step so
+`ρ = (h(θ + δ) − h(θ)) / M(δ)` (one extra forward pass) adapts λ (`adapt_damping`). A step so
 measured to raise h (ρ < 0, or h(θ + δ) not finite) is rejected: not applied, δ_prev kept, λ
 raised; a non-finite update from a finite loss and gradient raises λ the same way. With a fixed
 learning rate, `norm_constraint=c` rescales α so that `α² Δᵀ F̂_λ Δ ≤ c` (Ba et al. 2017).
@@ -73,15 +71,12 @@ class OptimizerState(NamedTuple):
   """State of `Optimizer`.
 
   Attributes:
-    step: `[]` int32, steps taken (burn-in included, skipped steps not); schedules get
-      `step + skipped`.
+    step: `[]` int32, steps taken (burn-in included, skipped steps not).
     skipped: `[]` int32, steps skipped because the loss, gradient or update was not finite.
     curvature: the estimator's factors, inverses and EMA weight.
     damping: `[]` float, λ: the adapted value with adaptive damping, else the last one used.
-    rho: `[]` float, the latest reduction ratio ρ, kept finite so the whole state is: 0 before
-      the first adaptation, the previous value when a model predicting no change leaves ρ
-      undefined, the dtype's lowest finite number for ρ = −∞ (a step that increased the
-      model or made the loss non-finite).
+    rho: `[]` float, the latest reduction ratio ρ, kept finite: 0 before the first adaptation,
+      the previous value where ρ is undefined, the dtype's lowest finite number for ρ = −∞.
     velocity: the previous step δ_prev (params-shaped, params dtypes).
   """
 
@@ -225,28 +220,23 @@ def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
 
 
 def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux, raised):
-  """`(update, new_state, info)` under the engine's verdict (`step`): a non-finite loss,
-  gradient or preconditioned gradient changes nothing but the skip counter (the curvature
-  moved only on finite inputs); `raised` (adaptive damping): the damping after a
-  preconditioned gradient that overflowed from finite inputs. The update `α Δ + μ δ_prev` is
-  finite with Δ (α, μ and δ_prev are), so the guard checks it only when off."""
-  curv = step.curvature
+  """`(update, new_state, info)` under the engine's verdict (a skip changes only the counter);
+  `raised`: the damping after a preconditioned gradient that overflowed from finite inputs."""
   if step.ok is None:
     inputs_ok, ok = jnp.asarray(True), _storage.all_finite(update)
   else:
     inputs_ok, ok = step.inputs_ok, step.ok
-  finite = ok
   velocity, new_lam, rho = jax.lax.cond(
     ok,
     lambda: (m.velocity, jnp.asarray(m.damping, dtype), m.rho),
     lambda: (state.velocity, state.damping, state.rho),
   )
   if raised is not None:  # The preconditioner overflowed at this damping: raise it.
-    new_lam = jnp.where(inputs_ok & ~finite, raised, new_lam)
+    new_lam = jnp.where(inputs_ok & ~ok, raised, new_lam)
   new_state = OptimizerState(
     step=state.step + ok.astype(state.step.dtype),
     skipped=state.skipped + (~ok).astype(state.skipped.dtype),
-    curvature=curv,
+    curvature=step.curvature,
     damping=new_lam,
     rho=rho,
     velocity=velocity,
@@ -277,41 +267,33 @@ class Optimizer:
       registers it with the default settings (see `kfac_jax.Registration`).
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
-    momentum: μ: None (from the quadratic model), a number in [0, 1) or a schedule. The
-      model's μ is not bounded: it is negative when the previous step overshot along
-      `δ_prev` and may exceed 1, since M is minimised over any real (α, μ).
+    momentum: μ: None (from the quadratic model, over any real μ), a number in [0, 1) or a
+      schedule.
     damping: λ ≥ 0: the initial value with adaptive damping, otherwise a number or a schedule.
     use_adaptive_damping: adapt λ by the Levenberg–Marquardt rule (module docstring).
     l2_reg: η ≥ 0, the coefficient of an L2 term `(η/2)‖θ‖²` that `loss_fn` already adds (as
-      kfac-jax's `l2_reg`): η I, that term's curvature, is added to the damping of the
-      preconditioner and of the quadratic model; the gradient, the loss and ρ are `loss_fn`'s
-      as it returns them. For decoupled weight decay use `Config(weight_decay=)`.
+      kfac-jax's `l2_reg`; module docstring). For decoupled weight decay use
+      `Config(weight_decay=)`.
     norm_constraint: c > 0 for KL clipping `α² Δᵀ F̂_λ Δ ≤ c`; needs a fixed learning rate.
     ema_decay: decay of the curvature statistics' moving average, in [0, 1).
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
-    curvature_every: update the curvature statistics every this many steps (and every burn-in
-      step).
-    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`: the
-      settings of the scan are its (with `has_aux`, `loss_fn` returns `(scalar, aux)` and
-      `step` returns the aux in `info["aux"]`).
+    curvature_every: update the statistics every this many steps (and every burn-in step).
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch` (with
+      `has_aux`, `step` returns the aux in `info["aux"]`).
     axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over,
       and to split the inverse work over.
-    config: a `kfac_jax.Config` with the rarer knobs (those the Optimizer reads: the
-      numerics, the storage, the schedule, the damping adaptation's and `weight_decay`).
+    config: a `kfac_jax.Config` with the rarer knobs (those the Optimizer reads).
 
-  Schedules are called with `state.step + state.skipped` (every step seen, burn-in included),
-  so a schedule that returns a non-finite value at one step skips it and moves on.
-
-  A step costs, beyond the gradient: the statistics' sampled backward pass (on curvature
-  steps), two Jacobian-vector products when α or μ comes from the model, and a forward pass
-  for `h(θ + δ)` on damping-adaptation steps.
+  Schedules are called with `state.step + state.skipped` (every step seen, burn-in included):
+  a non-finite value skips its step. A step costs, beyond the gradient: the statistics'
+  backward pass (on curvature steps), two Jacobian-vector products when α or μ comes from the
+  model, and a forward pass for `h(θ + δ)` on damping-adaptation steps.
 
   Raises:
-    TypeError / ValueError: a hyperparameter of the wrong kind or out of range, named with the
-      value received, before any state is created; a kfac-jax keyword, naming its spelling
-      here; a `Config` field the Optimizer does not read.
-    RegistrationError: (at `init`) no loss tag in `loss_fn`, or a return value that does not
-      match the registration's `has_aux`.
+    TypeError / ValueError: a bad hyperparameter, named with the value received, before any
+      state is created; a kfac-jax keyword, naming its spelling here; a `Config` field the
+      Optimizer does not read.
+    RegistrationError: (at `init`) no loss tag in `loss_fn`, or an output not fitting `has_aux`.
 
   Example:
     >>> opt = kfac_jax.Optimizer(loss_fn, batch)
@@ -380,18 +362,11 @@ class Optimizer:
         "damping would be clipped up at once; lower min_damping or raise damping."
       )
     self._shapes = _fit.StateShapes(self.init)
-    self.example_batch = example_batch
-    self.learning_rate = learning_rate
-    self.momentum = momentum
-    self.damping = damping
-    self.use_adaptive_damping = use_adaptive_damping
-    self.l2_reg = float(l2_reg)
-    self.norm_constraint = norm_constraint
-    self.ema_decay = ema_decay
-    self.inverse_every = int(inverse_every)
-    self.curvature_every = int(curvature_every)
-    self.axis_name = axis_name
-    self.config = config
+    self.example_batch, self.axis_name, self.config = example_batch, axis_name, config
+    self.learning_rate, self.momentum, self.damping = learning_rate, momentum, damping
+    self.use_adaptive_damping, self.l2_reg = use_adaptive_damping, float(l2_reg)
+    self.norm_constraint, self.ema_decay = norm_constraint, ema_decay
+    self.inverse_every, self.curvature_every = int(inverse_every), int(curvature_every)
 
   @property
   def estimator(self) -> _estimator.CurvatureEstimator:
@@ -400,8 +375,6 @@ class Optimizer:
     if reg is None:
       raise RuntimeError("call `init(params)` first: the layers are found when params are known.")
     return self._engine.curvature.bind(reg, None, "Optimizer")
-
-  # -- state -----------------------------------------------------------------------------------
 
   @_migrate.translated("Optimizer.init")
   def init(self, params) -> OptimizerState:
@@ -420,8 +393,6 @@ class Optimizer:
     )
     return self._engine.replicate(state, params)
 
-  # -- one step --------------------------------------------------------------------------------
-
   @_migrate.translated("Optimizer.step")
   def step(
     self,
@@ -436,17 +407,14 @@ class Optimizer:
   ):
     """One K-FAC step. Returns `(new_params, new_state, info)`.
 
-    `learning_rate`, `momentum` and `damping` given here are this step's α, μ and λ (numbers
-    or traced scalars, as a training loop that computes them each step passes them), in place
-    of the constructor's; `damping` needs `use_adaptive_damping=False`.
+    `learning_rate`, `momentum` and `damping` given here (numbers or traced scalars) are this
+    step's α, μ and λ in place of the constructor's; `damping` needs
+    `use_adaptive_damping=False`.
 
     `info` holds scalars: loss (at the old params), learning_rate (α), momentum (μ), damping
     (the λ used), rho (the latest ρ), quad_model_change (M(δ); NaN when not computed),
-    update_norm (‖θ_new − θ‖), skipped (bool). A skipped step returns `params` and `state`
-    bit-identical but `state.skipped` + 1 (an update that alone was not finite keeps this
-    step's finite statistics and inverses). With `has_aux`, `info["aux"]` is the aux of the
-    step's forward pass at the old params (per device under `axis_name`), e.g. updated
-    BatchNorm statistics for the next step's batch.
+    update_norm (‖θ_new − θ‖), skipped (bool: `params` and `state` kept but `state.skipped`),
+    and with `has_aux` the aux at the old params, `info["aux"]`.
     """
     given = {"learning_rate": learning_rate, "momentum": momentum, "damping": damping}
     updates, new_state, info = self._update(params, state, batch, rng, given)
@@ -473,11 +441,8 @@ class Optimizer:
           f"Optimizer.step: `{name}` must be a scalar (a number or a 0-d array), got shape "
           f"{jnp.shape(value)}."
         )
-    own = {
-      "learning_rate": self.learning_rate,
-      "momentum": self.momentum,
-      "damping": state.damping if self.use_adaptive_damping else self.damping,
-    }
+    damping = state.damping if self.use_adaptive_damping else self.damping
+    own = {"learning_rate": self.learning_rate, "momentum": self.momentum, "damping": damping}
     lows = {"learning_rate": 0.0, "momentum": None, "damping": 0.0}
     return {n: (given.get(n, own[n]), lows[n]) for n in own}
 
@@ -491,8 +456,7 @@ class Optimizer:
     reg, cfg = bound.registration, self.config
     dtype = bound.estimator.numerics.inverse_dtype
 
-    # One forward pass, linearised: the loss, its gradient, the statistics' pull-back and the
-    # quadratic model's push-forwards all reuse it.
+    # One forward pass, linearised: the loss, gradient, statistics and quadratic model reuse it.
     lin = reg.linearise(params, batch)
     loss, grads = engine.placement.mean((lin.loss, lin.grads()))
     fp = _Pass(lin, params, jax.tree_util.tree_leaves(batch), loss, grads)
@@ -500,14 +464,12 @@ class Optimizer:
     def statistics():
       return lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples)
 
-    # The engine's step: statistics, inverses (damping λ + η) and −Δ = F̂⁻¹ ∇h.
     inputs = _engine.Inputs(
       grads, statistics, {"gradient": grads, "params": params, "loss": loss}, hyperparameters
     )
     step = engine.step(bound, state.step, state.skipped, state.curvature, inputs)
     lam = jnp.asarray(step.values["damping"], dtype)
 
-    # α, μ and the damping adaptation (nothing but the statistics during burn-in).
     in_burn = state.step < cfg.burn_in_steps
     move = functools.partial(self._move, fp, bound.estimator, step, state, lam)
     if cfg.burn_in_steps:
@@ -522,18 +484,11 @@ class Optimizer:
       )
     raised = None
     if self.use_adaptive_damping:
-      raised = adapt_damping(
-        lam,
-        jnp.asarray(-jnp.inf, dtype),
-        omega=cfg.damping_adaptation_decay**cfg.damping_adaptation_interval,
-        min_damping=cfg.min_damping,
-        max_damping=cfg.max_damping,
-      ).astype(dtype)
+      raised = self._adapt_damping(lam, jnp.asarray(-jnp.inf, dtype)).astype(dtype)
     return _finish(state, step, update, m, loss, lam, dtype, lin.aux, raised)
 
   def _move(self, fp: _Pass, est, step: _engine.Step, state: OptimizerState, lam) -> _Move:
-    """δ = α Δ + μ δ_prev with α, μ given, fixed or from the quadratic model, and the adapted
-    λ."""
+    """δ = α Δ + μ δ_prev with α, μ given, fixed or from the quadratic model; the adapted λ."""
     dtype = est.numerics.inverse_dtype
     delta = jax.tree_util.tree_map(lambda d, p: (-d).astype(p.dtype), step.vector, fp.params)
     velocity = state.velocity
@@ -556,7 +511,6 @@ class Optimizer:
     update = jax.tree_util.tree_map(
       lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, velocity
     )
-    new_lam, rho = lam, state.rho
     if self.use_adaptive_damping:
       cfg = self.config
       adapt = functools.partial(
@@ -574,44 +528,41 @@ class Optimizer:
       )
       velocity = optax.tree_utils.tree_where(rejected, state.velocity, update)
       return _Move(update, velocity, new_lam, rho, alpha, mu, change)
-    return _Move(update, update, new_lam, rho, alpha, mu, change)
+    return _Move(update, update, lam, state.rho, alpha, mu, change)
 
   def _adapt(self, fp: _Pass, delta, velocity, update, alpha, mu, change, lam):
     """`(λ, ρ, M(δ))` after one Levenberg–Marquardt update (one forward pass for h(θ + δ));
     `change` None: M(δ) is computed here (α and μ both fixed)."""
-    cfg, eta, dtype = self.config, self.l2_reg, lam.dtype
+    dtype = lam.dtype
     if change is None:
-      change = quadratic_model(fp, delta, velocity, lam + eta, alpha, mu, dtype, self.axis_name)[2]
+      shift = lam + self.l2_reg
+      change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name)[2]
     new = [
       p + u for p, u in zip(jax.tree_util.tree_leaves(fp.params), jax.tree_util.tree_leaves(update))
     ]
     h_new = _pmean(fp.lin.loss_at(new, fp.batch_leaves), self.axis_name)
     rho = reduction_ratio(fp.loss, h_new, change)
-    new_lam = adapt_damping(
-      lam,
-      rho,
-      omega=cfg.damping_adaptation_decay**cfg.damping_adaptation_interval,
-      min_damping=cfg.min_damping,
-      max_damping=cfg.max_damping,
-    )
-    return new_lam.astype(dtype), rho.astype(dtype), change.astype(dtype)
+    return self._adapt_damping(lam, rho).astype(dtype), rho.astype(dtype), change.astype(dtype)
 
-  # -- optax form ------------------------------------------------------------------------------
+  def _adapt_damping(self, lam, rho):
+    """`adapt_damping` with ω = `damping_adaptation_decay` to the power of the interval."""
+    cfg = self.config
+    omega = cfg.damping_adaptation_decay**cfg.damping_adaptation_interval
+    return adapt_damping(
+      lam, rho, omega=omega, min_damping=cfg.min_damping, max_damping=cfg.max_damping
+    )
 
   def as_optax(self) -> optax.GradientTransformationExtraArgs:
     """This optimizer as an optax transformation.
 
     `update(updates, state, params, *, batch, rng=None)` runs `step` and returns its
-    `new_params − params` exactly (zeros on a skipped step). The incoming `updates` are not
-    read (the step computes loss, gradient and statistics from `batch`): pass the gradients or
-    None. The state is a `KfacOptaxState`: the `OptimizerState` and the latest `info` (with
-    `has_aux`, `info["aux"]` is zeros of the aux's shapes after `init`). Transforms chained
-    after it change the step the model chose.
+    `new_params − params` exactly (zeros on a skipped step); `updates` are not read (pass the
+    gradients or None). The state is a `KfacOptaxState` (`info["aux"]`, with `has_aux`, zeros
+    after `init`). Transforms chained after it change the step the model chose.
     """
 
     def whole(params):
-      masked = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-      if any(isinstance(x, optax.MaskedNode) for x in masked):
+      if _engine.masked_share(params) is not None:
         raise ValueError(
           "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (optax.multi_transform or "
           "optax.masked hands it only a share of the parameters), but the optimizer steps the "

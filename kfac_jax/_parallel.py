@@ -1,11 +1,6 @@
-"""Data parallelism: splitting the inverse work across the devices of a mapped axis.
-
-Each device factorises its share of the blocks and the results are summed over the axis, every
-other device contributing zeros, so the split gives bit-for-bit the replicated numbers. Shares
-are balanced by cost (Σ n³ over a block's matrix factors), blocks of equal shapes placed one
-after another (each device factorises its blocks of one shape as one stack). Sharded storage
-keeps each device's share in flat per-dtype buffers at static offsets (`packed_layout`).
-"""
+"""Data parallelism: each device factorises its share of the blocks (balanced by cost) and the
+results are summed over the axis, the others contributing zeros, so the split gives the
+replicated numbers bit for bit. Sharded storage packs each share in per-dtype flat buffers."""
 
 from __future__ import annotations
 
@@ -34,10 +29,9 @@ def factorisation_cost(factor_shapes: Sequence[tuple[int, ...]]) -> float:
 def assign(
   costs: Sequence[float], num_devices: int, *, sizes=None, keys=None, slack=1.25
 ) -> Shares:
-  """Block indices per device, balanced by cost (longest processing time first): blocks go in
-  decreasing cost (equal `keys` one after another), each to the device with the least cost so
-  far, ties to the lower index. With `sizes` (bytes), a device is eligible only while it stays
-  within `slack · Σ sizes / D + max(sizes)`; the device with the fewest bytes always is."""
+  """Block indices per device, balanced by cost (longest processing time first, equal `keys`
+  one after another); with `sizes` (bytes), a device takes a block only while it stays within
+  `slack · Σ sizes / D + max(sizes)`, or when no device can."""
   if num_devices < 1:
     raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
   n = len(costs)
@@ -74,12 +68,12 @@ def check_auto_axis(mesh, axis: str) -> None:
 
 
 class ShardedCache(NamedTuple):
-  """Per-block state under `inverse_storage="sharded"` (the factors, or the caches): each
-  device holds only its share, raveled and zero-padded to the longest share's length L.
+  """Per-block state under `inverse_storage="sharded"`: each device's share, raveled and
+  zero-padded to the longest share's length L.
 
   Attributes:
-    buffers: per dtype name (e.g. "float32"), one flat buffer: `[L]` inside pmap / shard_map,
-      `[D, L]` as a pmap output, `[D·L]` sharded over the mesh axis under jit.
+    buffers: per dtype name, one flat buffer: `[L]` inside pmap / shard_map, `[D, L]` as a pmap
+      output, `[D·L]` sharded over the mesh axis under jit.
   """
 
   buffers: dict[str, Array]
@@ -203,10 +197,8 @@ def vdot(x: Array, y: Array) -> Array:
 
 
 def replicate_on_mesh(tree, params, mesh) -> Any:
-  """`tree` with each concrete single-device array replicated over `mesh`'s mesh (`(Mesh,
-  axis)`), else over the mesh of a `params` leaf laid out by a `NamedSharding`; as is without
-  one, and under a trace. A state made eagerly for a sharded model then has the shardings the
-  jitted step returns for it, so the second step reuses the first step's program."""
+  """`tree` with each concrete single-device array replicated over `mesh` (or the mesh of a
+  `params` leaf's `NamedSharding`), so that the second jitted step reuses the first's program."""
   concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
   if mesh is None:
     shardings = (x.sharding for x in jax.tree_util.tree_leaves(params) if concrete(x))

@@ -40,7 +40,7 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
 
 class LossPart:
   """`loss_fn` as the scanner traces it, its output checked against `has_aux` (a mismatch is an
-  error naming `has_aux`, not a shape error); `loss_fn` and `has_aux` are checked when built."""
+  error naming `has_aux`, not a shape error)."""
 
   def __init__(self, loss_fn: Callable | None, has_aux: bool):
     if not callable(loss_fn):
@@ -81,11 +81,10 @@ class LossPart:
 
 @dataclasses.dataclass(frozen=True)
 class StatsKey:
-  """What a `CurvatureStats` was computed for: static, hashable, compared at trace time.
+  """What a `CurvatureStats` was computed for: equal keys mean interchangeable statistics.
 
-  Equal keys mean interchangeable statistics, whatever approximations the blocks use. `layers`:
-  per layer, `(name, kind, param_paths, num_uses, stack_size)`; `num_samples`: 1 for the modes
-  that take no samples.
+  `layers`: per layer, `(name, kind, param_paths, num_uses, stack_size)`; `num_samples`: 1 for
+  the modes that take no samples.
   """
 
   estimation_mode: str
@@ -142,59 +141,47 @@ def avals(tree) -> tuple:
 class Registration:
   """`loss_fn` scanned once: its layers, parameter signature and statistics fingerprint.
 
-  The one place for the settings of the scan. Every entry point takes it as `registration=`
-  (the estimator as its first argument), or builds one with the defaults from a bare `loss_fn`;
-  statistics carry its fingerprint, so statistics of another mode or layer set are an error
-  naming both (docs/entry_points.rst).
+  The one place for the settings of the scan; every entry point takes it as `registration=`,
+  or builds one with the defaults from a bare `loss_fn` (docs/entry_points.rst).
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; with
-      `has_aux=True`, `loss_fn(params, batch) -> (scalar, aux)`.
-    params: the parameters (arrays or ShapeDtypeStructs; only their structure, shapes and
-      dtypes are kept).
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
+    params: the parameters (arrays or ShapeDtypeStructs: only their signature is kept).
     example_batch: a batch of the training shapes (arrays or ShapeDtypeStructs).
     has_aux: `loss_fn` returns `(loss, aux)`; only the loss part is scanned.
     estimation_mode: "gradients" (sampled targets: the Fisher, default), "empirical" (the
-      data's targets), "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors times a
-      square-root factor of the output Fisher / loss Hessian), or "exact" / "exact_GGN" (every
-      output coordinate). The random modes need an `rng`; formulas in `kfac_jax._losses`.
-    num_samples: random vectors per example in the random modes (a Python int; the exact modes
-      require 1).
+      data's targets), "curvature_prop" / "curvature_prop_GGN" (Rademacher vectors), or
+      "exact" / "exact_GGN" (every output coordinate); docs/approximations.rst. The random
+      modes need an `rng`.
+    num_samples: random vectors per example in the random modes (the exact modes require 1).
     layers: a `kfac_jax.LayerConfig` (None: the defaults).
-    strict: raise, instead of warning, when parameters are outside every recognised layer or
-      the loss audit measures a mismatch.
+    strict: raise instead of the warnings below.
     collective_axes: a name or a tuple of names of collective axes `loss_fn` itself uses (linen
       `BatchNorm(axis_name="batch")`), bound with size 1 for the scan outside pmap / shard_map.
     check_loss: audit the loss tags against the returned loss on `example_batch`
-      (`kfac_jax._audit`): True every check, False none, or a collection of check names
-      (`_audit.CHECKS`).
+      (`kfac_jax._audit`): True every check, False none, or a collection of check names.
     warn: emit the warnings below (False for a registration built on the user's behalf).
     curvature_fn: `curvature_fn(params, batch)`, whose loss tags define the curvature when that
-      is not the loss's own (variational Monte Carlo, docs/vmc.rst; tags in a custom derivative
-      rule of `loss_fn` are read the same way); the loss and gradient are then
-      `jax.value_and_grad(loss_fn)`'s.
+      is not the loss's own (docs/vmc.rst); the loss and gradient stay `loss_fn`'s.
 
   Attributes:
-    layers: the registered layers (a tuple of `LayerSpec`), in parameter order; parameters
-      outside every recognised layer get a diagonal generic block.
-    block_names: the layers' names made unique (`name#2`): the keys of the curvature state.
+    layers: the registered layers (`LayerSpec` objects) in parameter order; `block_names` their
+      names made unique (`name#2`), the keys of the curvature state.
     param_paths, param_shapes, param_dtypes, params_shape: the parameters' signature.
     fingerprint: the `StatsKey` every `CurvatureStats` of this registration carries.
     example_batch_size: the loss tags' leading size in `example_batch`.
     outputs_per_example: D, the predictive distributions per example the loss tags describe.
-    loss_factor: `c` with the returned loss `L ≈ c T`, T the tagged loss, as the loss audit
-      fitted it; None where it did not measure or found a mismatch.
-    separate_loss: the loss is not the tags' (a `curvature_fn`, or tags in a custom rule).
-    loss_fn, has_aux, estimation_mode, num_samples, layer_config, strict, collective_axes,
-      check_loss, curvature_fn: the settings it was built with.
+    loss_factor: `c` with the returned loss `L ≈ c T` (T the tagged loss) as the loss audit
+      fitted it, else None; `separate_loss`: the loss is not the tags'.
+    The other arguments are kept as attributes (`layers` as `layer_config`).
 
   Raises:
     TypeError / ValueError: a bad argument, named with its value.
     RegistrationError: no loss tag, a malformed tag, a `layers` entry that does not fit, a
-      failed structural audit check, or (with `strict`) what the warnings below report.
+      failed structural audit check, or (with `strict`) what the warnings report.
 
   Warns:
-    UncoveredParametersWarning, LossMismatchWarning: once, when the registration is built.
+    UncoveredParametersWarning (parameters outside every layer), LossMismatchWarning: once.
 
   Example:
     >>> reg = kfac_jax.Registration(loss_fn, params, batch,
@@ -325,10 +312,7 @@ class Registration:
     """One forward pass of this batch's graph, linearised (`_curvature.Linearisation`); its
     loss and gradient are `loss_fn`'s own when the curvature is another function's."""
     return _curvature.Linearisation(
-      self.scan_batch(params, batch),
-      params,
-      batch,
-      self.loss_part if self.separate_loss else None,
+      self.scan_batch(params, batch), params, batch, self.loss_part if self.separate_loss else None
     )
 
   @property
@@ -370,9 +354,8 @@ class Registration:
     )
 
   def scan_batch(self, params, batch, *, check_layers: bool = True) -> _scan.ScanResult:
-    """The traced graph of `loss_fn(params, batch)` the curvature pass evaluates (module
-    docstring), checked to have the registration's layers; with `check_layers=False` (the
-    sample-space kernel, which reads only the loss tags) unchecked, and kept apart."""
+    """The traced graph of `loss_fn(params, batch)`, checked to have the registration's layers
+    (`check_layers=False`, for the kernel, which reads only the loss tags: unchecked)."""
     env = _compat.axis_env_key()
     key = None if env is None else (env, avals(params), avals(batch))
     kept = self._scans.get(key)  # A key of None is never stored.
@@ -392,8 +375,8 @@ class Registration:
     return scan
 
   def compute(self, params, batch, rng, *, with_grads: bool, with_params_stats: bool = False):
-    """`_curvature.compute` on the graph of this batch, with this registration's estimation
-    mode, samples and fingerprint (the callers have checked `rng`)."""
+    """`_curvature.compute` on this batch's graph with this registration's settings (the
+    callers have checked `rng`)."""
     return _curvature.compute(
       self.scan_batch(params, batch),
       params,
@@ -408,9 +391,8 @@ class Registration:
     )
 
   def check_layer_shapes(self, names, shapes, batch_size: int, *, kinds_only: bool = False) -> None:
-    """`names` and `(kind, approx, factor_shapes)` of the layers found for a batch of
-    `batch_size` examples must be those of `example_batch` (with `kinds_only`, their kinds: for
-    statistics of a `value_and_grad` with another `LayerConfig`)."""
+    """ValueError unless the `names` and `(kind, approx, factor_shapes)` of the layers found for
+    a batch of `batch_size` examples are `example_batch`'s (with `kinds_only`, their kinds)."""
     if tuple(names) != tuple(s.name for s in self.layers):
       raise ValueError(
         "loss_fn registers different layers for this batch than for `example_batch`: "
@@ -498,27 +480,25 @@ def value_and_grad(
 ) -> Callable:
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
 
-  `curvature_stats` is what `scale_by_kfac`'s update takes as `curvature_stats=`. Call the
-  returned function inside your jitted train step, like `jax.value_and_grad`.
+  Call it inside your jitted train step, like `jax.value_and_grad`; `curvature_stats` is what
+  `scale_by_kfac`'s update takes.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output: `fn`
       registers it with the default settings, once per params / batch signature.
     registration: a `kfac_jax.Registration` instead of `loss_fn`, shared with the consumer of
-      the statistics; its settings apply (with `has_aux`, the aux is not differentiated, as
-      with `jax.value_and_grad(has_aux=True)`).
+      the statistics; its settings apply.
     compute_params_stats: also return `curvature_stats.params_stats`, the first-order
-      statistics (see `CurvatureStats`); costs the sampled pass's weight-gradient products.
+      statistics (see `CurvatureStats`).
 
   Returns:
     `fn(params, batch, rng=None)`, returning `(loss, grads, curvature_stats)`, or
     `((loss, aux), grads, curvature_stats)` with the registration's `has_aux`.
 
   Raises:
-    TypeError / ValueError: a bad argument (named, with its value); params of another structure
-      than the registration's, when `fn` is traced.
-    RegistrationError: (when `fn` is traced) no loss tag, or a return value that does not match
-      the registration's `has_aux`.
+    TypeError / ValueError: a bad argument (named, with its value); when `fn` is traced, params
+      of another structure than the registration's.
+    RegistrationError: (when `fn` is traced) no loss tag, or an output not fitting `has_aux`.
 
   Example:
     >>> @jax.jit

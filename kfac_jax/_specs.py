@@ -1,9 +1,5 @@
-"""Static descriptions shared by the scanner, the blocks and the layer configuration: parameter
-paths and views, the layer and loss specs and the kind-specific matching details a block reads.
-
-A leaf module, so `blocks/*` read the specs without importing the tracer; each kind's record is
-in `kfac_jax.scan._kinds`.
-"""
+"""Static layer and loss specs shared by the scanner and the blocks (a leaf module, so the blocks
+read them without importing the tracer): parameter paths and views, kind-specific details."""
 
 from __future__ import annotations
 
@@ -23,10 +19,6 @@ Approximation = Literal[
 ]  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------
-# Parameter paths and views.
-
-
 def key_name(key) -> str:
   """One pytree path entry as text: a dict key, an attribute name or an index."""
   for attr in ("key", "name", "idx"):
@@ -37,9 +29,8 @@ def key_name(key) -> str:
 
 def path_to_str(path) -> str:
   parts = [key_name(k) for k in path]
-  # nnx.State leaves end in a `value` attribute: drop it from the human-readable name.
   if len(parts) > 1 and parts[-1] == "value":
-    parts = parts[:-1]
+    parts = parts[:-1]  # An nnx.State leaf's trailing `value` attribute.
   return "/".join(parts) if parts else "<root>"
 
 
@@ -99,11 +90,7 @@ def undo_view(chain: Sequence[ViewStep], x):
 @dataclasses.dataclass(frozen=True)
 class ConcatView:
   """Several parameter leaves, each viewed (`chains`), concatenated along `axis` into one operand
-  (Flax's `OptimizedLSTMCell` gate kernels; a `stack` is a concatenation with a unit axis).
-
-  The scanner matches layers on the concatenation as one virtual leaf of shape `shape` and lists
-  the real leaves in the layer (`LayerSpec.concat`); the block splits its results back.
-  """
+  (Flax's `OptimizedLSTMCell` gate kernels), matched as one virtual leaf of shape `shape`."""
 
   leaves: tuple[int, ...]
   chains: tuple[tuple[ViewStep, ...], ...]
@@ -144,13 +131,10 @@ class DenseInfo:
 
   The kernel operand (after `kernel_view`) is transposed by `kernel_perm` and reshaped to
   `[in, out]`, the input by `x_perm` to `[rows, in]`, the output by `out_perm` to `[rows, out]`.
-  `shared_tap`, for a layer whose input is computed from parameters and constants alone (its
-  tap a broadcast to the batch): one example's tap entries as positions of the `[rows, out]`
-  output (int32 bytes, row-major; entries read twice sum). For a use of a shared layer:
-  `adds_bias` False where it does not add the bias (a forward-mode tangent channel: homogeneous
-  coordinate 0), `term` the one loss tag it feeds (`blocks._terms`), `transposed` where it
-  reads the kernel transposed (`δa = δz Wᵀ`, roles exchanged in the statistics,
-  `blocks._uses`).
+  `shared_tap`: for an input computed from parameters and constants alone, one example's tap
+  entries as positions of the `[rows, out]` output (int32 bytes). For a use of a shared layer:
+  `adds_bias` False for a forward-mode tangent channel, `term` the one loss tag it feeds,
+  `transposed` where it reads the kernel transposed (`δa = δz Wᵀ`, `blocks._uses`).
   """
 
   kernel_view: tuple[ViewStep, ...]
@@ -162,10 +146,9 @@ class DenseInfo:
   rows: int
   shared_tap: bytes = b""
   adds_bias: bool = True
-  term: int = -1  # A shared layer's use: the loss tag it feeds (-1: one tag, or several).
+  term: int = -1  # -1: one tag, or several.
   transposed: bool = False
-  # A kernel, then optionally a bias (`LayerSpec.has_bias`).
-  kernel_and_bias: ClassVar[bool] = True
+  kernel_and_bias: ClassVar[bool] = True  # A kernel, then optionally a bias.
 
 
 def kernel_index_matrix(info: DenseInfo, param_shape) -> np.ndarray:
@@ -192,15 +175,13 @@ class LayerSpec:
     num_uses: how many times the layer is applied (tied weights, an unrolled scan's steps).
     use_infos: for `num_uses > 1`, the matching details of every use.
     note: why the approximation differs from the one asked for or the kind's default, or "".
-    concat: for a layer over concatenated leaves, one `ConcatView` (or None) per logical
-      parameter; () otherwise. `logical`: then the layer as matched on the concatenations.
-    stack_size: L > 0 for a stack of L layers whose leaves carry a leading layer axis (a scan
-      over stacked layers, a vmapped ensemble; `factor_shapes` then lead with L); 0 otherwise.
-    stack_inner: for a stack, the spec of one layer of it.
+    concat, logical: for a layer over concatenated leaves, one `ConcatView` (or None) per
+      logical parameter, and the layer as matched on the concatenations.
+    stack_size: L > 0 for a stack of L layers whose leaves carry a leading layer axis
+      (`factor_shapes` then lead with L); 0 otherwise. `stack_inner`: one layer's spec.
     stack_axes: for a stack applied by one vmap, the layer axis of each input operand and then
       of the output; empty when each layer has its own tap (a scan).
-    block_size: the largest factor side a Kronecker block keeps whole (`LayerConfig.block_size`;
-      wider sides are kept as diagonal blocks); None: every side whole.
+    block_size: the largest factor side a Kronecker block keeps whole (None: every side).
     block: the user's block class for this layer (`LayerConfig.blocks`), or None.
   """
 
@@ -235,8 +216,7 @@ class LayerSpec:
 
   @property
   def has_bias(self) -> bool:
-    """Layers that multiply by a kernel (their info says `kernel_and_bias`): whether a bias
-    leaf follows the kernel."""
+    """Whether a bias leaf follows the kernel (layers whose info says `kernel_and_bias`)."""
     if self.logical is not None:
       return self.logical.has_bias
     return getattr(self.info, "kernel_and_bias", False) and len(self.leaf_indices) == 2
@@ -248,9 +228,8 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ConvInfo:
-  """A convolution `out = conv_general_dilated(x, kernel, ...)`, as the primitive describes it
-  (`*_spec`: `ConvDimensionNumbers` fields; `padding`: explicit `(lo, hi)` pairs; the kernel
-  operand is the parameter leaf after `kernel_view`)."""
+  """A convolution `out = conv_general_dilated(x, kernel, ...)` as the primitive describes it
+  (`*_spec`: `ConvDimensionNumbers` fields), the kernel operand the leaf after `kernel_view`."""
 
   kernel_view: tuple[Any, ...]
   lhs_spec: tuple[int, ...]
@@ -290,12 +269,10 @@ class ConvInfo:
 class ScaleShiftInfo:
   """`out = x̂ * scale + shift`, the parameters spanning the axes `feature_shape` of `out`.
 
-  x̂, the product of the input operands broadcast to `output_shape`, has the batch (or N·k rows
-  grouped by example) on `batch_axis`; the parameters span the axes of `out` from
-  `feature_axis` on (None: the trailing axes). `example_rows` False: the rows are not grouped
-  by example (graph nodes), each row one row of the statistics. `feature_index`, for a
-  shift-only table read through a constant gather: the flat parameter entry each feature entry
-  reads (int32 bytes, row-major); empty when the features are the parameter's entries in order.
+  x̂ (the input operands' product, of `output_shape`) has the batch on `batch_axis`; the
+  parameters span `out`'s axes from `feature_axis` on (None: the trailing ones). `example_rows`
+  False: rows not grouped by example. `feature_index`: for a shift-only table read through a
+  constant gather, the parameter entry each feature reads (int32 bytes; empty: in order).
   """
 
   has_scale: bool

@@ -1,15 +1,7 @@
-"""Where the block state lives on a data-parallel axis: two strategies, one interface.
-
-`ReplicatedStorage` (the default): every device holds every block's factors and cache; the
-refresh may be split over the devices (`kfac_jax._parallel`). `ShardedStorage` (KAISA's
-"memory-optimised" strategy, Pauloski et al., 2021, applied to the factors too): device d keeps,
-folds and refreshes only its share S_d of the blocks, and the update is one exact `psum`,
-
-    u = Σ_d  [ (F̂_b + λ)⁻¹ g_b  for b ∈ S_d,  0 elsewhere ].
-
-Shares are balanced by refresh cost and capped in bytes (`_parallel.refresh_assignment`), the
-same on every host. The estimator binds its strategy to its blocks once (`bind`).
-"""
+"""Where the block state lives on a data-parallel axis (docs/parallel.rst): `ReplicatedStorage`
+(every device holds every block) or `ShardedStorage` (KAISA's memory-optimised strategy, the
+factors sharded too: device d keeps its share S_d and the update is one exact `psum`,
+`u = Σ_d [(F̂_b + λ)⁻¹ g_b for b ∈ S_d, 0 elsewhere]`)."""
 
 from __future__ import annotations
 
@@ -34,16 +26,15 @@ Layouts = tuple[_parallel.PackedLayout, _parallel.PackedLayout]
 
 
 def all_finite(tree) -> Array:
-  """Whether every entry of every leaf is finite, through each leaf's sum (an overflow errs on
-  the safe side): one fused reduction, far cheaper to compile than an elementwise `isfinite`."""
+  """Whether every leaf is finite, through its sum (one fused reduction, cheap to compile; an
+  overflow errs on the safe side)."""
   leaves = jax.tree_util.tree_leaves(tree)
   flags = [jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))) for x in leaves]
   return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
 
 
 def _keep_finite(new: dict, old: dict, keys) -> tuple[dict, Array]:
-  """Per key, `new[k]` if finite, else `old[k]` (a cond on the scalar flag, cheaper to compile
-  than an elementwise `where`); and `[len(keys)]` bool, the keys whose new value was not."""
+  """Per key, `new[k]` if finite, else `old[k]`; and `[len(keys)]` bool, the keys that failed."""
   kept, failed = {}, []
   for k in keys:
     ok = all_finite(new[k])
@@ -173,10 +164,8 @@ class ShardedStorage(_Strategy):
     return _layouts(self.blocks, num_devices)
 
   def _run(self, method, axis_name, mesh, run, args, sharded, out_sharded, finish=None):
-    """`run(d, factors layout, cache layout, *args)` on each device d of the axis: bound
-    (`axis_name`), or of a `shard_map` over `mesh` splitting the `sharded` arguments and
-    outputs; then `finish(out, axis)` if given. The state's factors and cache (the first
-    `sharded` arguments) are checked first."""
+    """`run(d, factors layout, cache layout, *args)` on each device d of `axis_name` or of a
+    `shard_map` over `mesh` (splitting the `sharded` arguments), then `finish(out, axis)`."""
     if axis_name is not None and mesh is not None:
       raise ValueError(
         f"`{method}`: pass `axis_name` (inside pmap/shard_map) or `mesh` (under jit), not both."
@@ -244,8 +233,7 @@ class ShardedStorage(_Strategy):
     return self._run("update_curvature", axis_name, mesh, run, args, (True, False, False), True)
 
   def refresh(self, factors, cache, damping, axis_name, mesh):
-    """`(new ShardedCache, failed)`: each device refreshes its own blocks, a failure flagged by
-    the block's owner and summed over the axis."""
+    """`(new ShardedCache, failed)`: each device refreshes its own blocks."""
     blocks = self.blocks
 
     def run(d, flay, clay, factors, cache, lam):

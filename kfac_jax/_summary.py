@@ -23,13 +23,8 @@ def summary(
   *,
   registration: _registration.Registration | None = None,
 ) -> str:
-  """A table of the registered layers and a coverage report.
-
-  The table lists each layer's kind, approximation, parameters, factor shapes, memory (factors
-  plus the cached inverses for exps=(-1,)) and why its approximation differs from its kind's
-  default. The report gives the share of the parameters in structured blocks, the curvature
-  state's bytes against the parameters', and why no layer matched each parameter in a fallback
-  block.
+  """A table of the registered layers (kind, approximation, parameters, factor shapes, memory,
+  notes) and a coverage report (the share in layer blocks, the state's bytes, the fallbacks).
 
   Args:
     loss_fn, params, batch: the loss function, registered with the default settings.
@@ -47,8 +42,7 @@ def summary(
 
 
 def _display_names(specs: Sequence[_tracer.LayerSpec]) -> list[_tracer.LayerSpec]:
-  """Specs renamed so that every row is distinguishable: a layer whose name is shared or a prefix
-  of another's is shown by its first parameter's path."""
+  """Specs renamed by their first parameter's path where a name is shared or a prefix."""
   counts = collections.Counter(s.name for s in specs)
   return [
     dataclasses.replace(s, name=s.param_paths[0])
@@ -94,10 +88,8 @@ def check_registration(
 ) -> tuple[_tracer.LayerSpec, ...]:
   """Checks that every parameter is in exactly one curvature block; lists every problem at once.
 
-  Scans `loss_fn(params, batch)` as the estimator would and collects every parameter that no
-  layer covers (with why), every parameter registered twice (two manual tags, or a tag and a
-  linked group), and every manually tagged parameter whose number of tags differs from the
-  number of times `loss_fn` uses it.
+  Collects every parameter no layer covers, every parameter registered twice, and every
+  manually tagged parameter whose number of tags differs from its number of uses.
 
   Args:
     loss_fn, params, batch: the loss function, scanned with the default settings.
@@ -147,18 +139,10 @@ def format_table(
     total += nbytes
     shapes = " ".join("x".join(map(str, f)) for f in b.factor_shapes)
     kind = s.kind + (f" (stack of {s.stack_size})" if s.stack_size else "")
-    rows.append(
-      (
-        s.name,
-        kind + ("" if s.source == "auto" else f" ({s.source})"),
-        str(s.num_uses),
-        s.approx if s.block is None else s.block.__name__,
-        _relative_paths(s.param_paths),
-        shapes,
-        format_bytes(nbytes),
-        s.note,
-      )
-    )
+    kind += "" if s.source == "auto" else f" ({s.source})"
+    approx = s.approx if s.block is None else s.block.__name__
+    row = (s.name, kind, str(s.num_uses), approx, _relative_paths(s.param_paths), shapes)
+    rows.append(row + (format_bytes(nbytes), s.note))
   ratio = (
     f"{total / param_bytes:.2f}x the parameters' {format_bytes(param_bytes)}" if param_bytes else ""
   )

@@ -1,10 +1,7 @@
-"""Tag primitives: no-op JAX primitives that mark losses and layers in a traced function.
+"""Tags: no-op JAX primitives that mark losses and layers in a traced function (docs/layers.rst).
 
-A tag returns its first operand(s) unchanged and lowers to nothing, so it survives every JAX
-transformation and costs nothing outside K-FAC. The tagged loss is the **sum over all
-non-leading axes and the mean over the leading (batch) axis** of `weight * nll(prediction,
-target)`; `weight` is a non-negative multiplicity (docs/layers.rst). Layer tags mark what the
-scanner cannot find by itself.
+The tagged loss is the sum over the non-leading axes and the mean over the leading (batch) axis
+of `weight * nll(prediction, target)`.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ def _make_tag_primitive(name: str) -> _compat.Primitive:
   prim = _compat.Primitive(name)
   prim.multiple_results = True
 
-  def first(*args, n_out, **_):  # The value, the abstract value and the lowering.
+  def first(*args, n_out, **_):
     return list(args[:n_out])
 
   def jvp(primals, tangents, *, n_out, **params):
@@ -136,10 +133,10 @@ def register_categorical_predictive_distribution(logits, targets=None, weight=No
 
   Args:
     logits: `[batch, ..., num_classes]` unnormalised log-probabilities.
-    targets: optional class indices `[batch, ...]` (integers) or probabilities/one-hot of the
-      same shape as `logits`; needed only for the empirical Fisher.
-    weight: optional non-negative weight: a scalar, `[N]` per example or `[N, ...]` per
-      position (the rank of `logits.shape[:-1]`, each axis 1 or its size); a multiplicity.
+    targets: optional class indices `[batch, ...]` or probabilities of `logits`' shape; needed
+      only for the empirical Fisher.
+    weight: optional non-negative multiplicity: a scalar, or of `logits.shape[:-1]`'s rank with
+      each axis 1 or its size.
 
   Returns:
     `logits`, unchanged.
@@ -159,8 +156,8 @@ def register_multi_bernoulli_predictive_distribution(logits, targets=None, weigh
   Args:
     logits: `[batch, ...]` logits.
     targets: optional `{0, 1}` (or probability) targets of the same shape.
-    weight: optional non-negative weight: a scalar, `[N, 1, ...]` per example or an array of
-      `logits`' rank with each axis 1 or its size (per unit); a multiplicity.
+    weight: optional non-negative multiplicity: a scalar, or of `logits`' rank with each axis 1
+      or its size.
 
   Returns:
     `logits`, unchanged.
@@ -173,17 +170,16 @@ def register_normal_predictive_distribution(
 ) -> Array:
   """Tags `mean` as the mean of a normal with fixed scalar variance `var`.
 
-  The negative log-likelihood is `|t - mean|² / (2 var)` (+ const), so the default `var=0.5`
-  gives the squared error `(t - y)²` summed over non-batch axes, whose Fisher is `2 I`. A
-  complex `mean` is the normal of its real and imaginary parts, each with variance `var`: for
-  real parameters the Fisher is `Re E[conj(J)ᵀ J] / var`, `J = ∂mean/∂θ`.
+  The negative log-likelihood is `|t - mean|² / (2 var)` (+ const); the default `var=0.5`
+  gives the squared error, Fisher `2 I`. A complex `mean` is the normal of its real and
+  imaginary parts: for real parameters the Fisher is `Re E[conj(J)ᵀ J] / var`, `J = ∂mean/∂θ`.
 
   Args:
     mean: `[batch, ...]` predictions, real or complex.
     targets: optional targets of the same shape.
     var: the variance, a positive Python float (static).
-    weight: optional non-negative weight: a scalar, `[N, 1, ...]` per example or an array of
-      `mean`'s rank with each axis 1 or its size (per coordinate); a multiplicity.
+    weight: optional non-negative multiplicity: a scalar, or of `mean`'s rank with each axis 1
+      or its size.
 
   Returns:
     `mean`, unchanged.
@@ -207,13 +203,10 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
   """Tags `y = x @ kernel (+ bias)` as a dense layer the scanner cannot find by itself.
 
   Args:
-    y: the layer output, `[..., out]`.
-    x: the layer input, `[..., in]` (same leading axes as `y`).
-    kernel: `[in, out]` (Flax layout), a parameter leaf (possibly cast).
-    bias: optional `[out]` parameter leaf.
-    approx: curvature approximation for this layer (default "kron"). A kernel used several times
-      is tagged at every use, each tag with the same shared-layer `approx` ("kron_indep" by
-      default).
+    y, x: the layer output `[..., out]` and input `[..., in]`.
+    kernel, bias: `[in, out]` (Flax layout) and optional `[out]` parameter leaves.
+    approx: curvature approximation (default "kron"; for a kernel tagged at each of several
+      uses, the same shared-layer approximation at each, default "kron_indep").
 
   Returns:
     `y`, unchanged.
@@ -281,19 +274,12 @@ def register_conv(
 ) -> Array:
   """Tags `y = lax.conv_general_dilated(x, kernel, ...) (+ bias)` as a convolution layer.
 
-  The keyword arguments are those of `jax.lax.conv_general_dilated` for the same call; the tag
-  checks that they reproduce `y.shape`.
-
   Args:
-    y: the layer output (bias included, if any).
-    x: the layer input.
-    kernel: the kernel, a parameter leaf (possibly cast/reshaped), laid out as
-      `dimension_numbers` says (Flax: `[*window, in / groups, out]`, i.e. "HWIO").
+    y, x: the layer output (bias included, if any) and input.
+    kernel: a parameter leaf laid out as `dimension_numbers` says (Flax: "HWIO").
     bias: optional `[out]` parameter leaf, added along the output feature axis.
-    window_strides: strides, one per spatial axis.
-    padding: "SAME", "VALID", "SAME_LOWER" or explicit `(lo, hi)` pairs.
-    lhs_dilation, rhs_dilation: input and kernel dilation (default 1).
-    dimension_numbers, feature_group_count: as for `conv_general_dilated`.
+    window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers, feature_group_count:
+      as for `conv_general_dilated` (checked to reproduce `y.shape`).
     approx: "kron" (default; "diagonal" for depthwise), "kron_sua", "diagonal" or "full".
 
   Returns:
@@ -321,8 +307,7 @@ def register_conv(
 
 
 def _conv_arguments(fn, x, kernel, spatial, padding, dimension_numbers, groups) -> dict:
-  """`conv_general_dilated`'s keyword arguments, checked, as the tag's parameters (explicit
-  padding, `ConvDimensionNumbers`)."""
+  """`conv_general_dilated`'s keyword arguments, checked, padding made explicit."""
   if x.ndim < 3 or kernel.ndim != x.ndim:
     raise ValueError(
       f"{fn}: `x` (shape {x.shape}) and `kernel` (shape {kernel.shape}) must have the same "
@@ -413,10 +398,9 @@ def register_embedding(y, ids, table, approx: str | None = None) -> Array:
   """Tags `y = table[ids]` as an embedding lookup.
 
   Args:
-    y: `[*ids.shape, dim]`, the looked-up rows.
-    ids: integer ids of any shape (leading axis the batch).
+    y, ids: the looked-up rows `[*ids.shape, dim]` and the integer ids (leading axis the batch).
     table: `[vocab, dim]` parameter leaf (possibly cast).
-    approx: "kron" (the default and only choice: diagonal input factor, full output factor).
+    approx: "kron" (the default: diagonal input factor, full output factor).
 
   Returns:
     `y`, unchanged.

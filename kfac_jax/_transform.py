@@ -35,9 +35,8 @@ ScalarOrSchedule = float | Array | Callable[[Array], Array]
 
 
 class ScaleByKfacState(NamedTuple):
-  """State of `scale_by_kfac`: `count` (`[]` int32, updates applied, which the statistics' and
-  inverses' periods count), `curvature` (the estimator's state) and `skipped` (`[]` int32,
-  updates skipped by the guard; schedules are called with `count + skipped`)."""
+  """State of `scale_by_kfac`: `count` (`[]` int32, updates applied), `curvature` (the
+  estimator's state), `skipped` (`[]` int32, updates skipped; schedules see `count + skipped`)."""
 
   count: Array  # type: ignore[assignment]  # optax's field name; shadows tuple.count
   curvature: _estimator.EstimatorState
@@ -58,15 +57,14 @@ class KfacState(NamedTuple):
 
 
 def auto_stride(n: int) -> int:
-  """`statistics_fraction="auto"`'s row stride for n rows: 4 from 256 rows, 2 from 128, else 1,
-  keeping at least 64 examples (powers of two keep rows on their devices, sharded over 2^k)."""
+  """`statistics_fraction="auto"`'s row stride for n rows, keeping at least 64 (powers of two
+  keep rows on their devices, sharded over 2^k)."""
   return 4 if n >= 256 else 2 if n >= 128 else 1
 
 
 def _rows(fraction, batch, who: str) -> tuple[Any, int]:
   """`(rows of batch, their number)`: the strided slice `x[: rows * stride : stride]` of every
-  leaf's leading axis that `fraction` picks, so a sharded batch keeps rows on every device.
-  Leaves without one shared leading axis raise."""
+  leaf's leading axis, so a sharded batch keeps rows on every device."""
   sized = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(batch)[0] if jnp.ndim(x) >= 1]
   if not sized:
     raise ValueError(
@@ -96,10 +94,13 @@ def _rows(fraction, batch, who: str) -> tuple[Any, int]:
   return cut, rows
 
 
-def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batch, rng, who: str):
-  """This batch's statistics from the rows `fraction` picks (`Config.statistics_fraction`):
-  "auto" falls back to the whole batch where the cut one fails to trace (an abandoned trace
-  leaves nothing in the step); an explicit fraction raises, with a note on the cause."""
+def kfac_statistics(engine: _engine.Engine, bound, params, batch, rng, curvature_stats):
+  """`curvature_stats` as given, else `batch`'s statistics from the rows that
+  `Config.statistics_fraction` picks: "auto" falls back to the whole batch where the cut one
+  fails to trace (an abandoned trace leaves nothing in the step); a number raises, noted."""
+  if curvature_stats is not None:
+    return curvature_stats
+  est, fraction, who = bound.estimator, engine.config.fraction, engine.who
   if fraction == 1:
     return est._curvature_stats(params, batch, rng)
   if fraction == "auto":
@@ -124,27 +125,14 @@ def _batch_statistics(est: _estimator.CurvatureEstimator, fraction, params, batc
     raise
 
 
-def kfac_statistics(engine: _engine.Engine, bound, params, batch, rng, curvature_stats):
-  """K-FAC's statistics for an update: `curvature_stats` as given, else from `batch`'s rows
-  that `Config.statistics_fraction` picks."""
-  if curvature_stats is not None:
-    return curvature_stats
-  fraction = engine.config.fraction
-  return _batch_statistics(bound.estimator, fraction, params, batch, rng, engine.who)
-
-
 def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, rest=None, own=None):
-  """The optax transformation of `engine` (`scale_by_kfac`, `scale_by_kernel_ngd`), or its
-  chain with `rest` (`kfac`, `kernel_ngd`: clipping, momentum and the learning rate) run on the
-  preconditioned vector under the step's verdict: on a skipped step `rest` is not run, the
-  updates are zeros and every state but the `skipped` counter is kept (optax's
-  `apply_if_finite` pattern, curvature-aware).
+  """The optax transformation of `engine`, or its chain with `rest` (clipping, momentum, the
+  learning rate) run on the preconditioned vector under the step's verdict: a skipped step runs
+  no `rest`, gives zeros and keeps every state but `skipped` (optax's `apply_if_finite`).
 
-  `statistics(engine, bound, params, batch, rng, curvature_stats)` gives the curvature's data
-  for an update. The preconditioner's state is `engine.state_type` alone, or (with `rest`) the
-  type `own` beside `rest`'s in `engine.state_type`. `rest` is given the raw gradient
-  `kfac_grads=`, the schedules' count `kfac_count=` and the caller's other extra arguments (a
-  line search's `value=`, `grad=`, `value_fn=`)."""
+  `statistics(engine, bound, params, batch, rng, curvature_stats)` gives the curvature's data.
+  The state is `engine.state_type`, or with `rest` the type `own` beside `rest`'s, which gets
+  `kfac_grads=` (the raw gradient), `kfac_count=` and the caller's other extra arguments."""
   own_type = engine.state_type if rest is None else own
 
   def init_fn(params):
@@ -169,15 +157,9 @@ def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, re
     own = state if rest is None else state.preconditioner
     data = lambda: statistics(engine, bound, params, batch, rng, curvature_stats)  # noqa: E731
     finite = {"gradient": updates, "params": params}
-    step = engine.step(
-      bound,
-      own.count,
-      own.skipped,
-      own.curvature,
-      _engine.Inputs(updates, data, finite, hyperparameters),
-    )
-    ok = step.ok
-    out = step.vector
+    inputs = _engine.Inputs(updates, data, finite, hyperparameters)
+    step = engine.step(bound, own.count, own.skipped, own.curvature, inputs)
+    ok, out = step.ok, step.vector
     if rest is not None:
 
       def run():
@@ -220,9 +202,9 @@ def scale_by_kfac(
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions updates with the damped K-FAC curvature: `u ← (F̂ + λ)⁻¹ u`.
 
-  `F̂` is the block-diagonal Kronecker-factored Fisher of the tagged loss (see
-  `CurvatureEstimator`), a bias-corrected EMA of the statistics of every `curvature_every`-th
-  update; its inverse is refreshed every `inverse_every` updates (both first at update 0).
+  `F̂` is the block-diagonal Kronecker-factored Fisher of the tagged loss (`CurvatureEstimator`),
+  a bias-corrected EMA of the statistics of every `curvature_every`-th update; its inverse is
+  refreshed every `inverse_every` updates (both first at update 0).
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
@@ -232,19 +214,13 @@ def scale_by_kfac(
     ema_decay: decay of the statistics' moving average, in [0, 1) (0 keeps the newest batch).
     inverse_every: refresh the inverses every this many updates.
     curvature_every: fold the statistics into the EMA every this many updates (1 here: without
-      `kfac`'s clipping, stale statistics let some models diverge). Above 1 the statistics'
-      products (and passes, with `batch=`) are formed on due updates only.
+      `kfac`'s clipping, stale statistics let some models diverge).
     registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`, shared
-      with `kfac_jax.value_and_grad(registration=...)`: the settings of the scan (`has_aux`,
-      `estimation_mode`, `layers`, ...) are its.
+      with `kfac_jax.value_and_grad(registration=...)`; inside `optax.multi_transform`, built
+      from the whole params, with `curvature_stats=` (docs/recipes.rst).
     axis_name: inside `pmap` / `shard_map`: average the statistics over this axis and split
       the inverse work over it.
     config: a `kfac_jax.Config` with the rare knobs (those `scale_by_kfac` reads).
-
-  With `optax.inject_hyperparams`, declare the non-numeric arguments static:
-  `static_args=("loss_fn", "example_batch")`. Inside `optax.multi_transform` / `optax.masked`,
-  pass `registration=` built from the whole params and `curvature_stats=`: the state then
-  holds only the share's blocks, and every layer must lie wholly inside or outside it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `ScaleByKfacState`. Its
@@ -253,10 +229,9 @@ def scale_by_kfac(
     everything) or `batch` and `rng` (an extra forward and backward pass).
 
   Raises:
-    TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; a `Config` field it does not read. In `update` (when traced, before any
-      state changes): params of another structure than at `init`, a state of another model,
-      or `curvature_stats` of another mode, sample count or layer set.
+    TypeError / ValueError: a bad argument (or a `Config` field it does not read), named with
+      the value received, before any state is created; in `update`, before any state changes:
+      params, a state or `curvature_stats` of another model, mode or layer set.
 
   Example:
     >>> tx = optax.chain(kfac_jax.scale_by_kfac(loss_fn, batch, damping=1e-3),
@@ -265,23 +240,37 @@ def scale_by_kfac(
     >>> loss, grads, stats = kfac_jax.value_and_grad(loss_fn)(params, batch, rng)
     >>> updates, opt_state = tx.update(grads, opt_state, params, curvature_stats=stats)
   """
-  _checks.number(damping, "damping", low=0.0, schedule=True)
-  engine = _engine.Engine.kfac(
-    "scale_by_kfac",
-    (loss_fn, example_batch, registration),
-    _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
-    axis_name=axis_name,
-    config=config,
-    state_type=ScaleByKfacState,
-    transform=True,
+  schedule = (ema_decay, inverse_every, curvature_every)
+  source = (loss_fn, example_batch, registration)
+  engine = _kfac_engine(
+    "scale_by_kfac", ScaleByKfacState, source, schedule, axis_name, config, damping=damping
   )
   return transformation(engine, {"damping": (damping, 0.0)}, kfac_statistics)
 
 
+def _kfac_engine(
+  who, state_type, source, schedule, axis_name, config, *, damping, momentum=None, max_norm=None
+) -> _engine.Engine:
+  """A K-FAC transform's engine, its numeric arguments checked first (None: not taken)."""
+  if momentum is not None:
+    _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+  if max_norm is not None:
+    _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
+  _checks.number(damping, "damping", low=0.0, schedule=True)
+  return _engine.Engine.kfac(
+    who,
+    source,
+    _engine.Schedule.checked(*schedule),
+    axis_name=axis_name,
+    config=config,
+    state_type=state_type,
+    transform=True,
+  )
+
+
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:
   """`min(1, r / √|vᵀg|)`, r = `max_norm`: with `v = F̂_λ⁻¹ g`, `vᵀ F̂_λ v = vᵀ g`, so `√|vᵀg|`
-  is v's length in the metric that preconditioned it (half its square approximates the step's
-  KL divergence). 1 when `vᵀg = 0`; accumulated in at least float32."""
+  is v's length in its own metric. 1 when `vᵀg = 0`; accumulated in at least float32."""
   vg = jnp.abs(jnp.asarray(_verdict.tree_vdot(preconditioned, grads)))
   r2 = jnp.square(jnp.asarray(max_norm, vg.dtype))
   big = vg > r2
@@ -290,24 +279,34 @@ def clip_coefficient(preconditioned, grads, max_norm) -> Array:
 
 def default_learning_rate(registration: _registration.Registration) -> float:
   """`kfac`'s learning rate when none is given: `0.3 · D^(1/4)`, D the registration's
-  `outputs_per_example`: the clipped step's length `α · max_norm` is spread over D outputs, and
-  D^(1/4) lies between a budget per example (D^0) and one per output (D^(1/2), which overshot).
-  """
+  `outputs_per_example` (docs/hyperparameters.rst gives the reason)."""
   return 0.3 * registration.outputs_per_example**0.25
 
 
-def _clip_by_kfac_norm(max_norm, tagged: Callable | None):
+def _clip_by_kfac_norm(max_norm, tagged: _engine.Engine | None):
   """Scales `v` by `clip_coefficient(v, g, max_norm)`, g the raw gradient (`kfac_grads=`); with
-  `tagged` (`params -> registration`), in the tagged loss's metric (v and g over the loss factor
-  c: `max_norm · c`)."""
+  the engine `tagged`, in the tagged loss's metric (`max_norm · c`, c the loss factor)."""
 
   def update_fn(updates, state, params=None, *, kfac_grads, **extra_args):
     del extra_args
-    r = max_norm if tagged is None else max_norm * (tagged(params).loss_factor or 1.0)
+    r = (
+      max_norm
+      if tagged is None
+      else max_norm * (_registration_of(tagged, params).loss_factor or 1.0)
+    )
     coeff = clip_coefficient(updates, kfac_grads, r)
     return jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), updates), state
 
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
+
+
+def _registration_of(engine: _engine.Engine, params) -> _registration.Registration:
+  return engine.bind(params).registration
+
+
+def _tagged_default(reg: _registration.Registration) -> float:
+  """`kfac`'s default learning rate on the tagged loss's scale: over the loss factor c."""
+  return default_learning_rate(reg) / (reg.loss_factor or 1.0)
 
 
 # A learning rate over `kfac`'s default for the loss outside [_FAR_BELOW, _FAR_ABOVE] is far
@@ -316,11 +315,10 @@ _FAR_BELOW, _FAR_ABOVE = 1e-3, 30.0
 
 
 def _report_far_learning_rate(reporter: _verdict.Reporter, reg, value, step=None) -> None:
-  """A `HyperparameterWarning` (once per front, by `reporter`) when the learning rate `value`
-  (its value at schedule count `step`; None for a number) over `kfac`'s default for the
-  registration `reg` (`default_learning_rate / c`) is outside [_FAR_BELOW, _FAR_ABOVE]."""
+  """A `HyperparameterWarning` (once per front) when the learning rate `value` (at schedule
+  count `step`) over `_tagged_default(reg)` is outside [_FAR_BELOW, _FAR_ABOVE]."""
   c = reg.loss_factor or 1.0
-  default = default_learning_rate(reg) / c
+  default = _tagged_default(reg)
   value = float(np.asarray(value).ravel()[0])
   ratio = value / default
   if _FAR_BELOW <= ratio <= _FAR_ABOVE:
@@ -338,17 +336,20 @@ def _report_far_learning_rate(reporter: _verdict.Reporter, reg, value, step=None
   )
 
 
-def _far_learning_rate(reporter: _verdict.Reporter, registration_for: Callable) -> Callable:
-  """`check(params, value, count)` for `scale_by_learning_rate`: reports a learning rate far
-  from `kfac`'s default (`_report_far_learning_rate`): a number at once, a traced value from the
-  host on the step that gives it (a `lax.cond` that runs nothing in range)."""
+def _kfac_learning_rate(learning_rate, engine: _engine.Engine, registration):
+  """`scale_by_learning_rate` with `_tagged_default` and a warning of a learning rate far from
+  it: a number at once (with `registration`) or at `init`, a traced value from the host on the
+  step that gives it (a `lax.cond` that runs nothing in range)."""
+  reporter = engine.reporter
+  if registration is not None and isinstance(learning_rate, (int, float)):
+    _report_far_learning_rate(reporter, registration, learning_rate)
 
   def check(params, value, count) -> None:
-    reg = registration_for(params)
+    reg = _registration_of(engine, params)
     if isinstance(value, (int, float)):
       _report_far_learning_rate(reporter, reg, value)
       return
-    ratio = jnp.asarray(value) / (default_learning_rate(reg) / (reg.loss_factor or 1.0))
+    ratio = jnp.asarray(value) / _tagged_default(reg)
     reporter.when_bad(
       (ratio >= _FAR_BELOW) & (ratio <= _FAR_ABOVE),
       lambda v, n: _report_far_learning_rate(reporter, reg, v, n),
@@ -356,13 +357,13 @@ def _far_learning_rate(reporter: _verdict.Reporter, registration_for: Callable) 
       count,
     )
 
-  return check
+  default = lambda params: _tagged_default(_registration_of(engine, params))  # noqa: E731
+  return scale_by_learning_rate(learning_rate, default, check)
 
 
 def scale_by_learning_rate(learning_rate, default: Callable, check: Callable | None = None):
-  """`u ← −α u`, α at the schedule's count `kfac_count=`; α None: `default(params)`. Multiplied
-  in at least float32, cast back to the update's dtype. `check(params, α, count)` (optional)
-  looks at a given α: a number at `init`, a schedule's or an injected value in each update."""
+  """`u ← −α u` in at least float32, α at the count `kfac_count=` (None: `default(params)`);
+  `check(params, α, count)` sees a number at `init`, a schedule's or injected α each update."""
 
   def init_fn(params):
     if check is not None and isinstance(learning_rate, (int, float)):
@@ -392,10 +393,8 @@ _LINESEARCHES = (
 
 
 def _check_linesearch(linesearch, who: str) -> None:
-  """TypeError unless `linesearch` is a line search: a transformation whose state keeps the
-  step it chose as a `learning_rate` field (optax's line searches and the grid search do, and
-  `optax.tree_utils.tree_get(state, "learning_rate")` reads it), read from its init on a
-  stand-in params (shapes only: nothing runs). An optimizer such as `optax.adam` has none."""
+  """TypeError unless `linesearch`'s state (from its init on stand-in shapes: nothing runs)
+  keeps its chosen step in a `learning_rate` field, as optax's line searches do."""
   if not isinstance(linesearch, optax.GradientTransformation):
     raise TypeError(
       f"{who}: `linesearch` must be an optax line search such as {_LINESEARCHES}, got "
@@ -439,8 +438,7 @@ def _scalar_value_fn(value_fn: Callable) -> Callable:
 
 
 def check_step_size(learning_rate, linesearch, who: str) -> None:
-  """A learning rate (a number > 0 or a schedule) or a line search (`_check_linesearch`), not
-  both."""
+  """A learning rate (a number > 0 or a schedule) or a line search, not both."""
   if linesearch is not None:
     _check_linesearch(linesearch, who)
     if learning_rate is not None:
@@ -453,9 +451,8 @@ def check_step_size(learning_rate, linesearch, who: str) -> None:
 
 
 def along_linesearch(linesearch):
-  """`u ← η (−m)`, η picked by `linesearch` (an optax line search) along the descent direction
-  −m; it reads `value=`, `grad=`, `value_fn=` (and `value_fn`'s keyword arguments) from the
-  update's extra arguments, never the chain's own `kfac_grads=` / `kfac_count=`."""
+  """`u ← η (−m)`, η picked by the optax line search along −m from the update's extra
+  arguments (`value=`, `grad=`, `value_fn=`), not the chain's `kfac_grads=` / `kfac_count=`."""
 
   def update_fn(updates, state, params=None, *, kfac_grads, kfac_count, **extra_args):
     del kfac_grads, kfac_count
@@ -492,43 +489,35 @@ def kfac(
   config: _config.Config | None = None,
   linesearch: optax.GradientTransformationExtraArgs | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """K-FAC with a fixed (or scheduled) learning rate, norm clipping and momentum.
+  """K-FAC with a learning rate (or a line search), norm clipping and momentum.
 
   `scale_by_kfac`, then clip → `optax.trace` → learning rate, under the step's verdict:
   `u = −α m`, `m ← v + μ m` (Nesterov's with `Config.nesterov`), v the preconditioned gradient
-  clipped to length `max_norm` in the damped K-FAC metric (`clip_coefficient`) before α, as
-  `optax.clip_by_global_norm` before `optax.scale`: a step's length there is at most
-  `α · max_norm`. Schedules are called with every update seen (`count + skipped`): a value that
-  is not finite skips its update. The defaults come from step sweeps on the benchmark models.
+  clipped to length `max_norm` in the damped K-FAC metric (`clip_coefficient`), so a step's
+  length there is at most `α · max_norm`. Schedules see every update (`count + skipped`); a
+  value that is not finite skips its update. Defaults: docs/hyperparameters.rst.
 
   Args:
     loss_fn, example_batch, damping, ema_decay, inverse_every, registration, axis_name, config:
       as in `scale_by_kfac`.
     learning_rate: α > 0, a number or a schedule `count -> α`; None takes
-      `default_learning_rate` on the tagged loss's scale (divided by its `loss_factor`), so a
-      loss averaged over its D outputs takes the summed one's steps. An α more than 30 times
-      that or below 1/1000 of it gives one `HyperparameterWarning` (at construction with
-      `registration=`, else at `init`; a schedule's value on its step): the benchmark models
-      train between 1/6 and 3 times it, and the bounds sit a decade and more beyond.
+      `default_learning_rate` over the loss factor c (the tagged loss's scale). An α over 30
+      times that or below 1/1000 of it gives one `HyperparameterWarning`.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√|vᵀg|` of v in the damped metric before α, or None
-      (no clipping); on a share of the parameters, of the share's. TF K-FAC's and the
-      `Optimizer`'s `norm_constraint=C` bounds the step after α: `max_norm=√C / α`.
+      (no clipping). TF K-FAC's `norm_constraint=C` bounds the step after α: `max_norm=√C / α`.
     curvature_every: as in `scale_by_kfac`, but 5 by default: the clipping bounds a step that
       statistics up to 4 updates old precondition (without clipping, prefer 1).
-    linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
-      `optax.scale_by_zoom_linesearch(...)`) in place of α (`learning_rate` None): the step is
-      `η (−m)`, η its choice; `update` then also takes its `value=`, `grad=` and `value_fn=`
-      (and `value_fn`'s keyword arguments), as in `optax.lbfgs`. A transformation whose state
-      keeps no step `learning_rate` (an optimizer such as `optax.adam`) is refused.
+    linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`, ...) in
+      place of α: the step is `η (−m)`, η its choice; `update` then also takes its `value=`,
+      `grad=` and `value_fn=`, as in `optax.lbfgs`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KfacState`; `update` takes
     `scale_by_kfac`'s extra arguments and those of `linesearch`.
 
   Raises:
-    TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; a `Config` field it does not read.
+    TypeError / ValueError: as `scale_by_kfac`.
 
   Example:
     >>> tx = kfac_jax.kfac(loss_fn, batch)
@@ -538,48 +527,19 @@ def kfac(
     >>> params = optax.apply_updates(params, updates)
   """
   check_step_size(learning_rate, linesearch, "kfac")
-  if momentum is not None:
-    _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
-  if max_norm is not None:
-    _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
-  _checks.number(damping, "damping", low=0.0, schedule=True)
-  engine = _engine.Engine.kfac(
-    "kfac",
-    (loss_fn, example_batch, registration),
-    _engine.Schedule.checked(ema_decay, inverse_every, curvature_every),
-    axis_name=axis_name,
-    config=config,
-    state_type=KfacState,
-    transform=True,
-  )
-
-  def registration_for(params) -> _registration.Registration:
-    return engine.bind(params).registration
-
-  def tagged_step(params) -> float:  # The tagged loss's step: the default over the factor c.
-    reg = registration_for(params)
-    return default_learning_rate(reg) / (reg.loss_factor or 1.0)
-
-  if registration is not None and isinstance(learning_rate, (int, float)):
-    _report_far_learning_rate(engine.reporter, registration, learning_rate)
-
+  schedule = (ema_decay, inverse_every, curvature_every)
+  source = (loss_fn, example_batch, registration)
+  numbers = {"momentum": momentum, "max_norm": max_norm, "damping": damping}
+  engine = _kfac_engine("kfac", KfacState, source, schedule, axis_name, config, **numbers)
+  tagged, nesterov = (engine if learning_rate is None else None), engine.config.nesterov
   rest = optax.chain(
-    optax.identity()
-    if max_norm is None
-    else _clip_by_kfac_norm(max_norm, registration_for if learning_rate is None else None),
-    optax.identity()
-    if momentum is None
-    else optax.trace(momentum, nesterov=engine.config.nesterov),
-    scale_by_learning_rate(
-      learning_rate, tagged_step, _far_learning_rate(engine.reporter, registration_for)
-    )
+    optax.identity() if max_norm is None else _clip_by_kfac_norm(max_norm, tagged),
+    optax.identity() if momentum is None else optax.trace(momentum, nesterov=nesterov),
+    _kfac_learning_rate(learning_rate, engine, registration)
     if linesearch is None
     else along_linesearch(linesearch),
   )
-  hyperparameters = {
-    "damping": (damping, 0.0),
-    "learning_rate": (learning_rate, 0.0),
-    "momentum": (momentum, None),
-    "max_norm": (max_norm, None),
-  }
+  hyperparameters: dict[str, tuple[Any, float | None]] = {"damping": (damping, 0.0)}
+  hyperparameters["learning_rate"] = (learning_rate, 0.0)
+  hyperparameters |= {"momentum": (momentum, None), "max_norm": (max_norm, None)}
   return transformation(engine, hyperparameters, kfac_statistics, rest, ScaleByKfacState)

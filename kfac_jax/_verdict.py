@@ -136,22 +136,14 @@ def _up(x) -> Array:
 
 
 def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: bool) -> Array:
-  """Whether every leaf of `inputs` (name → pytree: "gradient", "params", "loss") is finite.
-
-  Trees of one structure and shapes (the gradient and the params) are added leaf by leaf before
-  `_storage.all_finite`'s sums: one pass over them (an overflow errs on the side of a skip).
-  """
+  """Whether every leaf of `inputs` (name → pytree: "gradient", "params", "loss") is finite;
+  trees of one shape (the gradient and the params) are added first, for one pass over them (an
+  overflow errs on the side of a skip)."""
   trees = {n: t for n, t in inputs.items() if jax.tree_util.tree_leaves(t)}
-  groups: list[list[Any]] = []  # Trees whose leaves can be added position by position.
+  groups: dict[tuple, list[Any]] = {}  # Trees whose leaves can be added position by position.
   for t in trees.values():
-    shapes = [jnp.shape(x) for x in jax.tree_util.tree_leaves(t)]
-    for g in groups:
-      if [jnp.shape(x) for x in jax.tree_util.tree_leaves(g[0])] == shapes:
-        g.append(t)
-        break
-    else:
-      groups.append([t])
-  leaves = [[jax.tree_util.tree_leaves(t) for t in g] for g in groups]
+    groups.setdefault(tuple(jnp.shape(x) for x in jax.tree_util.tree_leaves(t)), []).append(t)
+  leaves = [[jax.tree_util.tree_leaves(t) for t in g] for g in groups.values()]
   ok = _storage.all_finite([[sum(_up(x) for x in xs) for xs in zip(*g)] for g in leaves])
   names = tuple(trees)
   paths = tuple(

@@ -1,14 +1,6 @@
-"""Physics-informed networks (docs/pinn.rst): forward-mode differential operators, a grid line
-search, and the `Optimizer`'s settings for PINN losses.
-
-- `laplacian(u, x)` and `differential_operator(u, x, a, b, c)`: the operator at each point of
-  `x` in one forward pass that carries the value, first derivatives and a summed second
-  derivative through every operation of `u` (the forward Laplacian), so that K-FAC registers
-  each dense layer as one layer shared by those channels (the "expand" factors of Dangel,
-  Müller & Zeinhofer 2024).
-- `grid_linesearch()`: the step size `2^-k`, k = 0..K, of lowest loss along an update.
-- `optimizer(...)`: `kfac_jax.Optimizer` with the settings a PINN loss needs; `kfac(...)`: the
-  `kfac_jax.kfac` chain with the grid line search and the schedule of the paper's code.
+"""Physics-informed networks (docs/pinn.rst): forward-mode differential operators whose dense
+layers K-FAC registers as one layer shared by the value and derivative channels (the "expand"
+factors of Dangel, Müller & Zeinhofer 2024), a grid line search, and two optimizer presets.
 """
 
 from __future__ import annotations
@@ -39,10 +31,6 @@ __all__ = [
 Array = jax.Array
 
 
-# ==============================================================================================
-# Forward-mode operators.
-
-
 class _Jet(NamedTuple):
   """A quantity that depends on the point, with its derivatives (one point; S its shape)."""
 
@@ -51,10 +39,8 @@ class _Jet(NamedTuple):
   second: Array  # [*S], Σ_k σ_k ∂²/∂v_k² plus the derivative along the first-order seed
 
 
-# Primitives linear in their point-dependent operands (each other operand a constant that
-# multiplies, never adds): the derivatives are the primitive applied to the operand's tangents.
-# Applying it directly, rather than through `jax.jvp`, keeps a layer's product the one product
-# per channel that K-FAC registers as a shared layer, with no duplicate of the value's.
+# Primitives linear in their point-dependent operands, applied to the tangents directly (not
+# through `jax.jvp`) so that a layer's product stays the one product per channel K-FAC registers.
 _LINEAR = frozenset({
   "neg", "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
   "reduce_sum", "convert_element_type", "copy", "copy_p", "rev", "real", "imag", "conj", "cumsum",
@@ -63,8 +49,7 @@ _LINEAR = frozenset({
 _BILINEAR = {"mul": (0, 1), "dot_general": (0, 1), "conv_general_dilated": (0, 1), "div": (0,)}
 # Sums: a constant operand shifts the value only.
 _SUMS = frozenset({"add", "sub", "add_any"})
-# Elementwise primitives: with one point-dependent operand, their first and second derivatives
-# are two arrays of the value's shape (one nested `jax.jvp`), multiplied into the channels.
+# Elementwise primitives: first and second derivatives from one nested `jax.jvp`.
 _ELEMENTWISE = frozenset({
   "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
   "acosh", "atanh", "exp", "exp2", "expm1", "log", "log1p", "sqrt", "rsqrt", "cbrt", "square",
@@ -141,9 +126,7 @@ def _sum_rule(jets: list[_Jet], signs: list[int]) -> tuple[list, list]:
   """`d(a ± b) = da ± db`; a constant operand adds nothing."""
 
   def combine(channel):
-    terms = [
-      getattr(j, channel) if sign == 1 else -getattr(j, channel) for j, sign in zip(jets, signs)
-    ]
+    terms = [getattr(j, channel) if s == 1 else -getattr(j, channel) for j, s in zip(jets, signs)]
     return functools.reduce(operator.add, terms)
 
   return [None if jets[0].tangents is None else combine("tangents")], [combine("second")]
@@ -247,10 +230,8 @@ def _forward(u, x, directions: np.ndarray, signs: np.ndarray, seed: np.ndarray, 
 def laplacian(u: Callable[[Array], Array], x: Array) -> Array:
   """Δu = Σ_i ∂²u/∂x_i² at each point, in one forward pass (the forward Laplacian).
 
-  Every operation of `u` is evaluated on the value, the d first derivatives and the Laplacian
-  of its operand (nested `jax.jit` calls followed inside, any other operation differentiated as
-  a whole by `jax.jvp`). A dense layer `h W + b` becomes `h W + b`, `∇h W` and `Δh W`, each
-  batched over the points: one layer shared by those channels for K-FAC.
+  Every operation of `u` carries the value, the d first derivatives and the Laplacian: a dense
+  layer `h W + b` becomes `h W + b`, `∇h W` and `Δh W`, one layer shared by those channels.
 
   Args:
     u: `u(y) -> scalar` for one point `y` of shape [d] (e.g. `lambda y: mlp(params, y)`).
@@ -318,10 +299,6 @@ def differential_operator(
   return out if coef_c is None else out + coef_c * value
 
 
-# ==============================================================================================
-# The grid line search.
-
-
 class GridLinesearchState(NamedTuple):
   """State of `grid_linesearch`."""
 
@@ -331,11 +308,9 @@ class GridLinesearchState(NamedTuple):
 def grid_linesearch(max_halvings: int = 30) -> optax.GradientTransformationExtraArgs:
   """The step size of lowest loss among `1, 1/2, …, 2^-max_halvings` along the update.
 
-  The update `u` becomes `η u` with `η = argmin_η L(θ + η u)` over the grid, or 0 (no step)
-  when every grid point's loss is above the current loss `value` (a non-finite loss counts as
-  +∞); the losses are evaluated one after another (`jax.lax.map`). A halving grid suits a
-  full-batch residual loss (the line search of the K-FAC for PINNs paper's code): a damped
-  Gauss-Newton step of length 1 is often right, and no curvature condition is needed.
+  The update `u` becomes `η u` with `η = argmin_η L(θ + η u)` over the grid, or 0 when every
+  grid point's loss is above `value` (a non-finite loss counts as +∞). A halving grid suits a
+  full-batch residual loss, where a damped Gauss-Newton step of length 1 is often right.
 
   Args:
     max_halvings: K ≥ 0: the grid is `2^-k`, k = 0..K.
@@ -396,10 +371,6 @@ def _accepted(fn: Callable, kwargs: dict) -> dict:
   return {k: v for k, v in kwargs.items() if k in names}
 
 
-# ==============================================================================================
-# The Optimizer's settings.
-
-
 def _exact_registration(who, loss_fn, params, example_batch, registration):
   reg = _registration.shared(
     registration, loss_fn, who, ("params", params), ("example_batch", example_batch)
@@ -426,19 +397,13 @@ def optimizer(
 ) -> _optimizer.Optimizer:
   """`kfac_jax.Optimizer` with the settings of a full-batch PINN loss.
 
-  The loss is a sum of mean squared residuals, each tagged as a normal predictive
-  distribution, on fixed points. The settings, each for a reason:
+  The settings, each for a reason:
 
-  - `estimation_mode="exact_GGN"`: a residual is one output per point, so the exact
-    Gauss-Newton factor costs what one sampled vector costs and has no sampling noise.
-  - `ema_decay=0.0`, `inverse_every=1`, `curvature_every=1`: the batch is the whole problem,
-    so the statistics of the current parameters are exact.
+  - `estimation_mode="exact_GGN"`: one output per point, so exact costs what a sample costs.
+  - `ema_decay=0.0`, `inverse_every=1`, `curvature_every=1`: the batch is the whole problem.
   - learning rate and momentum from the quadratic model: no step size to tune.
-  - damping adapted at every step (`Config(damping_adaptation_interval=1)`) from `damping`: a
-    step that raises the loss is not applied, and the damping falls while the model predicts
-    well (started too low, the first steps are rejected until it has climbed back).
-  - `Config(min_damping=1e-12)`: the error keeps dropping long after the default floor of 1e-8
-    would bind.
+  - damping adapted at every step from `damping`: a step that raises the loss is not applied.
+  - `Config(min_damping=1e-12)`: the error keeps dropping long after 1e-8 would bind.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, one loss tag per residual term (e.g.
@@ -495,17 +460,12 @@ def kfac(
   """`kfac_jax.kfac` with the grid line search, as the K-FAC for PINNs paper's code runs it.
 
   The code starts each Kronecker factor at the identity and averages it without bias
-  correction: after k + 1 updates of a moving average ρ, a factor is `(1 − ρ^(k+1)) (F̄ + ε_k
-  I)`, F̄ the bias-corrected average. The settings reproduce that:
-
-  - exact Gauss-Newton statistics, refreshed and inverted at every step, averaged with ρ.
-  - a fading damping `ε_k = (ρ^(k+1) + damping) / (1 − ρ^(k+1))` on both factors of each loss
-    term (`Config(damping_mode="factored_equal")`, λ_k = 2 ε_k²).
-  - heavy-ball momentum μ on the direction weighted by `(1 − ρ^(k+1))⁻²`, the scale of the
-    identity-started factors.
-  - no clipping and no learning rate: `grid_linesearch` takes the step.
-
-  The defaults are the paper's best settings on the 2-d Poisson equation (a random search).
+  correction, so after k + 1 updates a factor is `(1 − ρ^(k+1)) (F̄ + ε_k I)`, F̄ the
+  bias-corrected average. Reproduced by: exact Gauss-Newton statistics refreshed and inverted at
+  every step; the damping `ε_k = (ρ^(k+1) + damping) / (1 − ρ^(k+1))` on both factors of each
+  loss term (`damping_mode="factored_equal"`); heavy-ball momentum on the direction weighted by
+  `(1 − ρ^(k+1))⁻²`; `grid_linesearch` for the step. The defaults are the paper's best on the
+  2-d Poisson equation.
 
   Args:
     loss_fn, params, example_batch, registration: as for `optimizer`.
@@ -547,8 +507,7 @@ def kfac(
 
 
 def _fading_damping(decay: float, floor: float) -> Callable[[Array], Array]:
-  """λ at update k (from 0): `2 ((ρ^(k+1) + floor) / (1 − ρ^(k+1)))²`, ρ = `decay`; with
-  `damping_mode="factored_equal"` each factor of each loss term gets √(λ/2)."""
+  """λ at update k (from 0): `2 ((ρ^(k+1) + floor) / (1 − ρ^(k+1)))²`, ρ = `decay`."""
 
   def schedule(count):
     r = jnp.asarray(decay, jnp.result_type(float)) ** (count + 1)

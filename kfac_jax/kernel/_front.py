@@ -38,10 +38,7 @@ class KernelState(NamedTuple):
 
   Attributes:
     previous: φ_{k−1}, the last direction (params-shaped): SPRING's momentum carries it.
-    info: the last solve's diagnostics (scalars, `INFO_KEYS`): the kernel's trace, largest
-      and smallest eigenvalues and numerical rank, the fitted loss factor, the gradient's
-      remainder outside the rows' span relative to its scale, and `example_mismatch` (how far
-      an example's prediction alone is from the batch's: above rounding, the rows are wrong).
+    info: the last solve's diagnostics (scalars, `INFO_KEYS`; see `kfac_jax.kernel.direction`).
   """
 
   previous: Any
@@ -119,9 +116,12 @@ class Kernel:
     return phi, KernelState(keep(ok, phi, state.previous), keep(ok, info, state.info)), ok
 
 
-def _engine_of(who, source, state_type, *, center, axis_name, config) -> _engine.Engine:
+def _engine_of(who, state_type, source, damping, momentum, center, axis_name, config):
+  """`(engine, hyperparameters)` of a kernel front, its arguments checked first."""
+  _checks.number(damping, "damping", low=0.0, low_open=True, schedule=True)
+  _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True, schedule=True)
   _checks.boolean(center, "center")
-  return _engine.Engine.build(
+  engine = _engine.Engine.build(
     who,
     source,
     lambda config: Kernel(config.chunk_size, center),
@@ -131,26 +131,15 @@ def _engine_of(who, source, state_type, *, center, axis_name, config) -> _engine
     transform=True,
     defaults={"estimation_mode": "exact"},
   )
+  return engine, {"damping": (damping, 0.0), "momentum": (momentum, 0.0)}
 
 
 def _statistics(engine: _engine.Engine, bound, params, batch, rng, curvature_stats):
   del curvature_stats  # Refused by the engine's check.
-  curvature = engine.curvature
+  kernel, axis, reg = engine.curvature, engine.placement.axis_name, bound.registration
   return rows(
-    bound.registration,
-    params,
-    batch,
-    rng,
-    chunk_size=curvature.chunk_size,
-    axis_name=engine.placement.axis_name,
-    center=curvature.center,
+    reg, params, batch, rng, chunk_size=kernel.chunk_size, axis_name=axis, center=kernel.center
   )
-
-
-def _check_hyperparameters(damping, momentum) -> dict:
-  _checks.number(damping, "damping", low=0.0, low_open=True, schedule=True)
-  _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True, schedule=True)
-  return {"damping": (damping, 0.0), "momentum": (momentum, 0.0)}
 
 
 def scale_by_kernel_ngd(
@@ -167,36 +156,25 @@ def scale_by_kernel_ngd(
   """The damped natural gradient, solved in sample space: `u ← (F + λI)⁻¹(g + λμ φ_{k−1})`.
 
   F is the registration's Fisher / GGN of the tagged outputs, exactly (not block-diagonal):
-  `F = UᵀU` with U the per-example rows `J_nᵀ v / √N` (the estimation mode's output vectors v
-  pulled back through each example's Jacobian), and the solve runs through the N × N kernel
-  `K = U Uᵀ` (Woodbury), or through F itself when the rows outnumber the parameters. μ = 0 is
-  MinSR / ENGD-Woodbury; μ > 0 is SPRING (Goldshlager, Abrahamsen & Lin 2024), which carries
-  the previous direction φ_{k−1} through the rows' null space. It needs no layer structure, so
-  it works where K-FAC finds none (a PINN operator by `jax.hessian`), and it is exact in the
-  rows' span, so it suits batches smaller than the network. The numerics and their stability
-  at small λ: `kfac_jax.kernel`.
+  `F = UᵀU` with U the per-example rows `J_nᵀ v / √N`, solved through the N × N kernel
+  `K = U Uᵀ` (Woodbury), or through F when the rows outnumber the parameters (the numerics:
+  `kfac_jax.kernel`; when to choose it: docs/curvatures.rst). μ = 0 is MinSR /
+  ENGD-Woodbury; μ > 0 is SPRING (Goldshlager, Abrahamsen & Lin 2024).
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
-      registers it in the exact estimation mode (every output of every example: no sampling
-      noise), the other settings the defaults (see `kfac_jax.Registration`).
+    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output (each
+      tagged output depending on its own example only); `init` registers it in "exact" mode.
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     damping: λ > 0, a number or a schedule `count -> λ`.
     momentum: μ in [0, 1), a number or a schedule: SPRING's decay of the previous direction
       (the paper's 0.99 for variational Monte Carlo; 0: MinSR / ENGD-Woodbury).
     center: subtract each tag's mean row over the batch (the scores' covariance, the metric of
       stochastic reconfiguration and of SPRING as published) instead of the tag's Fisher.
-    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch` (its
-      estimation mode, `curvature_fn`, ...: a variational Monte Carlo energy with
-      `curvature_fn` tagging log ψ is the case in point).
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch` (a
+      variational Monte Carlo energy with `curvature_fn` tagging log ψ, say).
     axis_name: inside `pmap` / `shard_map` with the batch sharded over this axis: the kernel is
       assembled across its devices and every device gets the same direction.
     config: a `kfac_jax.Config` with the rare knobs it reads (`skip_nonfinite`, `chunk_size`).
-
-  Each update evaluates every example alone (`Config.chunk_size` examples at a time): a
-  tagged output must depend on its own example only (not BatchNorm in training mode; the
-  state's `info["example_mismatch"]` shows it). Memory: the rows `N S P` numbers (S vectors
-  per example) and the kernel's `N² S²`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `ScaleByKernelNgdState`. Its
@@ -205,8 +183,8 @@ def scale_by_kernel_ngd(
 
   Raises:
     TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created; in `update`: a state of another front or model, `curvature_stats=` (K-FAC's),
-      a missing `batch` or `rng`, params with `optax.MaskedNode` leaves.
+      is created; in `update`: a state of another front or model, `curvature_stats=`, a
+      missing `batch` or `rng`, params with `optax.MaskedNode` leaves.
 
   Example:
     >>> tx = optax.chain(kfac_jax.scale_by_kernel_ngd(loss_fn, batch, damping=1e-3),
@@ -215,14 +193,16 @@ def scale_by_kernel_ngd(
     >>> grads = jax.grad(loss_fn)(params, batch)
     >>> updates, opt_state = tx.update(grads, opt_state, params, batch=batch)
   """
-  hyperparameters = _check_hyperparameters(damping, momentum)
-  engine = _engine_of(
+  source = (loss_fn, example_batch, registration)
+  engine, hyperparameters = _engine_of(
     "scale_by_kernel_ngd",
-    (loss_fn, example_batch, registration),
     ScaleByKernelNgdState,
-    center=center,
-    axis_name=axis_name,
-    config=config,
+    source,
+    damping,
+    momentum,
+    center,
+    axis_name,
+    config,
   )
   return _transform.transformation(engine, hyperparameters, _statistics)
 
@@ -257,31 +237,26 @@ def kernel_ngd(
   linesearch: optax.GradientTransformationExtraArgs | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The natural gradient in sample space with a learning rate or a line search: `u = −α φ`,
-  φ from `scale_by_kernel_ngd`, α a number, a schedule or a line search's choice, the step then
-  capped in length (`norm_constraint`), all under the step's verdict (a non-finite input,
-  direction or schedule value skips the update and keeps every state but `skipped`).
+  φ from `scale_by_kernel_ngd`, the step then capped in length (`norm_constraint`), all under
+  the step's verdict (a non-finite input, direction or schedule value skips the update).
 
   Args:
     loss_fn, example_batch, damping, momentum, center, registration, axis_name, config: as in
       `scale_by_kernel_ngd` (SPRING: `momentum=0.99, damping=1e-3, norm_constraint=1e-3`
       with a learning rate near 0.02 is its paper's variational Monte Carlo setting).
-    learning_rate: α > 0, a number or a schedule `count -> α`; None (the default) takes the
-      damped Gauss-Newton step on the tagged loss's scale, `1 / c` with c the registration's
-      `loss_factor` (1 where it is not measured).
-    norm_constraint: C > 0: the step's squared Euclidean length `‖α φ‖²` is capped at C; None
-      for none.
+    learning_rate: α > 0, a number or a schedule `count -> α`; None takes the damped
+      Gauss-Newton step on the tagged loss's scale, `1 / c` (c the registration's `loss_factor`).
+    norm_constraint: C > 0 caps the step's squared Euclidean length `‖α φ‖²`; None for none.
     linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`,
-      `optax.scale_by_zoom_linesearch(...)`, `kfac_jax.pinn.grid_linesearch(...)`) in place
-      of α (then `learning_rate` must be None): `update` also takes its `value=`, `grad=` and
-      `value_fn=` (and `value_fn`'s keyword arguments), as in `optax.lbfgs`.
+      `kfac_jax.pinn.grid_linesearch(...)`, ...) in place of α (`learning_rate` None):
+      `update` also takes its `value=`, `grad=` and `value_fn=`, as in `optax.lbfgs`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `KernelNgdState`; `update` takes
     `scale_by_kernel_ngd`'s extra arguments and those of `linesearch`.
 
   Raises:
-    TypeError / ValueError: a bad argument, named with the value received, before any state
-      is created (and as `scale_by_kernel_ngd`'s update).
+    TypeError / ValueError: as `scale_by_kernel_ngd`.
 
   Example:
     >>> tx = kfac_jax.kernel_ngd(loss_fn, batch, learning_rate=0.5)
@@ -293,14 +268,9 @@ def kernel_ngd(
   _transform.check_step_size(learning_rate, linesearch, "kernel_ngd")
   if norm_constraint is not None:
     _checks.number(norm_constraint, "norm_constraint", low=0.0, low_open=True)
-  hyperparameters = _check_hyperparameters(damping, momentum)
-  engine = _engine_of(
-    "kernel_ngd",
-    (loss_fn, example_batch, registration),
-    KernelNgdState,
-    center=center,
-    axis_name=axis_name,
-    config=config,
+  source = (loss_fn, example_batch, registration)
+  engine, hyperparameters = _engine_of(
+    "kernel_ngd", KernelNgdState, source, damping, momentum, center, axis_name, config
   )
 
   def gauss_newton_step(params) -> float:

@@ -1,12 +1,9 @@
 """The rows of U: per-example pull-backs of the estimation mode's output vectors, in chunks.
 
 Each loss tag's examples are evaluated one at a time on the registration's graph traced for a
-batch of one example (`Registration.scan_batch`), vmapped over the examples of a chunk and over
-the mode's vectors, and mapped over the chunks with `jax.lax.map`: the cost is one forward and
-S backward passes per example, O(R) in all, and the per-example passes' memory is that of one
-chunk. The mode's vectors come from one full-batch forward pass, drawn exactly as the K-FAC
-statistics draw them for the same `rng` (`_curvature.Linearisation.statistics`), so `UᵀU` is the
-Fisher / GGN estimate K-FAC's blocks approximate.
+batch of one example, vmapped over a chunk's examples and the mode's vectors, the chunks in a
+loop. The vectors come from one full-batch forward pass, drawn as the K-FAC statistics draw them
+for the same `rng`, so `UᵀU` is the estimate K-FAC's blocks approximate.
 """
 
 from __future__ import annotations
@@ -27,14 +24,9 @@ AxisName = str | tuple[str, ...] | None
 
 @dataclasses.dataclass(frozen=True)
 class TagRows:
-  """Where one loss tag's rows sit in U (static).
-
-  Attributes:
-    kind: the tag's distribution ("normal", "categorical", "bernoulli").
-    examples: N_ℓ, the tag's examples on this device.
-    vectors: S_ℓ, the estimation mode's vectors per example (rows per example).
-    offset: the tag's first row; its rows are `offset + n S_ℓ + s`, example-major.
-  """
+  """Where one loss tag's rows sit in U (static): its distribution `kind`, its `examples` N_ℓ
+  on this device, its `vectors` S_ℓ per example and its first row `offset` (its rows are
+  `offset + n S_ℓ + s`, example-major)."""
 
   kind: str
   examples: int
@@ -48,16 +40,13 @@ class Rows:
   """The per-example rows of the registration's curvature, `F = UᵀU` (package docstring).
 
   Attributes:
-    matrix: U, `[R, P]` in the params' dtype: row `(ℓ, n, s)` is `J_nᵀ v_s / √(N_ℓ S_ℓ)`
-      with `J_n` the Jacobian of tag ℓ's prediction for example n in the params (raveled as
-      `jax.flatten_util.ravel_pytree(params)` orders them) and `N_ℓ` the tag's examples over
-      every device. Under `axis_name`, this device's rows.
-    residuals: ε, `[R]` in float32 or wider, with `Uᵀε` the tagged loss's gradient (entries
-      0 for tags whose mode gives no such ε), or None when the loss is not the tags' or no tag
-      gives one (package docstring).
-    example_mismatch: `max |z_n − z[n]| / max |z|` over the tags: how far each example's
-      prediction evaluated alone is from the batch's; rounding-level unless an output depends
-      on other examples (BatchNorm in training mode), which makes the rows wrong.
+    matrix: U, `[R, P]` in the params' dtype: row `(ℓ, n, s)` is `J_nᵀ v_s / √(N_ℓ S_ℓ)`, the
+      params raveled as `jax.flatten_util.ravel_pytree` orders them, `N_ℓ` over every device;
+      under `axis_name`, this device's rows.
+    residuals: ε, `[R]` in float32 or wider, with `Uᵀε` the tagged loss's gradient (0 for tags
+      without), or None when the loss is not the tags' or no tag gives one.
+    example_mismatch: `max |z_n − z[n]| / max |z|` over the tags: each example's prediction
+      alone against the batch's; above rounding an output depends on other examples.
     layout: static; one `TagRows` per loss tag, in the registration's order.
     num_devices: static; the size of the axis the rows were computed under (1 without one).
   """
@@ -94,9 +83,8 @@ def _tag_values(scan: _scan.ScanResult, p_leaves, b_leaves):
 
 
 def _residual(spec, pred, others, mode: str, vectors: int, scale) -> Array | None:
-  """Tag ℓ's ε `[N_ℓ, S_ℓ]` (rows' order) with `Σ_s ε_ns u_ns = ∇_θ` of its mean loss, or None
-  where the mode's vectors do not span the gradient (the random modes; weights varying within
-  an example in the "empirical" mode)."""
+  """Tag ℓ's ε `[N_ℓ, S_ℓ]` with `Σ_s ε_ns u_ns = ∇_θ` of its mean loss, or None where the mode's
+  vectors do not span the gradient (random modes; weights varying within an example)."""
   if not spec.has_targets or mode in _losses.RANDOM_MODES:
     return None
   n = pred.shape[0]
@@ -117,12 +105,10 @@ def _residual(spec, pred, others, mode: str, vectors: int, scale) -> Array | Non
 def _fill_tag_rows(
   u, offset: int, scan1, index: int, p_leaves, template, own, xs, cts, pred, chunk
 ):
-  """U with tag `index`'s rows written from row `offset` on, and its per-example predictions
-  `[N, *z.shape[1:]]`: `xs` are the batch leaves at positions `own` (leading axis N), `cts` the
-  vectors `[N, S, 1, ...]`, `pred` the batch's predictions. Chunks of `chunk` examples are
-  written into U in place (a loop's `dynamic_update_slice`); the last chunk ends at example N,
-  overlapping its predecessor, so no chunk is padded and no remainder is joined (a copy of U).
-  """
+  """U with tag `index`'s rows (from `xs`, the batch leaves at `own`, and `cts`, the vectors
+  `[N, S, 1, ...]`) written from row `offset` on, and the relative gap between its per-example
+  predictions and the batch's `pred`. The last of the chunks written in place ends at example
+  N, overlapping its predecessor: no chunk is padded, no remainder joined (a copy of U)."""
   op = scan1.loss_operands[index][0]
   watch = frozenset([op]) if _scan.is_key(op) else frozenset()
   dtype = u.dtype
@@ -155,69 +141,17 @@ def _fill_tag_rows(
     u = jax.lax.dynamic_update_slice_in_dim(u, m.reshape(chunk * s, -1), offset + start * s, 0)
     return u, jax.lax.dynamic_update_slice_in_dim(zs, z, start, 0)
 
-  return jax.lax.fori_loop(0, -(-n // chunk), body, (u, jnp.zeros_like(pred)))
+  u, z1 = jax.lax.fori_loop(0, -(-n // chunk), body, (u, jnp.zeros_like(pred)))
+  zf = pred.astype(jnp.promote_types(pred.dtype, jnp.float32))
+  top = jnp.max(jnp.abs(zf))
+  err = jnp.max(jnp.abs(z1.astype(zf.dtype) - zf))
+  return u, jnp.where(top > 0, err / jnp.where(top > 0, top, 1), err)
 
 
-def rows(
-  registration,
-  params,
-  batch,
-  rng: Array | None = None,
-  *,
-  chunk_size: int | None = None,
-  axis_name: AxisName = None,
-  center: bool = False,
-) -> Rows:
-  """The rows U (and the residuals ε) of the registration's curvature on `batch`.
-
-  Pure and jit-compatible: call it inside the jitted, pmapped or shard_mapped step, on this
-  device's batch. Each tag's examples are the batch leaves whose leading axis has the tag's
-  size N_ℓ (several tags on point sets of different sizes each take their own); each tagged
-  output must depend on its own example only (`Rows.example_mismatch` measures it).
-
-  Args:
-    registration: the `kfac_jax.Registration` (its loss tags or `curvature_fn`, estimation
-      mode and samples).
-    params: the parameters, of the registration's signature.
-    batch: this device's batch.
-    rng: a key for the random estimation modes; the draws are those of
-      `kfac_jax.value_and_grad(registration=...)`'s statistics for the same key.
-    chunk_size: examples per chunk of the per-example passes (None: each tag's examples in
-      one chunk): bounds their memory (package docstring).
-    axis_name: the collective axis the batch is sharded over (pmap / shard_map), which makes
-      `N_ℓ` the examples over every device; None under plain jit.
-    center: subtract from each tag's rows their mean over its examples (every device's): the
-      covariance of the scores, the metric stochastic reconfiguration uses, instead of the
-      tag's Fisher. The residuals are then none (the least-squares split takes the gradient).
-
-  Returns:
-    A `Rows`.
-
-  Raises:
-    TypeError / ValueError: a bad argument, named with its value; a loss tag whose examples
-      no batch leaf holds (its prediction does not come from a batch leaf of its leading size).
-  """
-  if chunk_size is not None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-      raise ValueError(
-        f"`chunk_size` must be a positive int (examples per chunk) or None, got {chunk_size!r}."
-      )
+def _plan(registration, scan, scan1, values, lead, rng, devices):
+  """Per loss tag: `(batch positions of its examples, its scaled vectors [N, S, 1, ...], first
+  row)`, its residuals (`_residual`) and its `TagRows`."""
   mode = registration.estimation_mode
-  _curvature.check_rng(mode, rng)
-  registration.check_params(params)
-  p_leaves = jax.tree_util.tree_leaves(params)
-  dtype = _check_params(p_leaves)
-  b_leaves, b_def = jax.tree_util.tree_flatten(batch)
-  devices = axis_size(axis_name)
-
-  scan = registration.scan_batch(params, batch, check_layers=False)
-  sizes = {spec.batch_size for spec in scan.losses}
-  lead = [x.shape[0] if getattr(x, "ndim", 0) else None for x in b_leaves]
-  one_batch = [x[:1] if n in sizes else x for x, n in zip(b_leaves, lead)]
-  one = jax.tree_util.tree_unflatten(b_def, one_batch)
-  scan1 = registration.scan_batch(params, one, check_layers=False)
-
-  values = _tag_values(scan, p_leaves, b_leaves)
   keys = jax.random.split(rng, len(scan.losses)) if rng is not None else [None] * len(values)
   plans, residuals, layout, offset = [], [], [], 0
   for i, (spec, (pred, others), key) in enumerate(zip(scan.losses, values, keys)):
@@ -242,36 +176,99 @@ def rows(
     )
     layout.append(TagRows(spec.kind, n, s, offset))
     offset += n * s
+  return plans, residuals, tuple(layout)
 
-  u = jnp.zeros((offset, sum(x.size for x in p_leaves)), dtype)
+
+def _centered(u, layout, axis_name):
+  """U with each tag's mean row (over its examples on every device) subtracted."""
+  for t in layout:
+    block = u[t.offset : t.offset + t.examples * t.vectors].reshape(t.examples, t.vectors, -1)
+    mean = jnp.mean(block, axis=0, keepdims=True)
+    if axis_name is not None:
+      mean = jax.lax.pmean(mean, axis_name)
+    block = (block - mean).reshape(t.examples * t.vectors, -1)
+    u = jax.lax.dynamic_update_slice_in_dim(u, block, t.offset, 0)
+  return u
+
+
+def _joined(residuals, layout) -> Array | None:
+  """The tags' residuals as one `[R]` vector (zeros for tags without), or None if none has."""
+  if all(e is None for e in residuals):
+    return None
+  rdtype = jnp.result_type(*(e for e in residuals if e is not None))
+  return jnp.concatenate(
+    [
+      (jnp.zeros((t.examples * t.vectors,), rdtype) if e is None else e.reshape(-1))
+      for e, t in zip(residuals, layout)
+    ]
+  ).astype(rdtype)
+
+
+def rows(
+  registration,
+  params,
+  batch,
+  rng: Array | None = None,
+  *,
+  chunk_size: int | None = None,
+  axis_name: AxisName = None,
+  center: bool = False,
+) -> Rows:
+  """The rows U (and the residuals ε) of the registration's curvature on `batch`.
+
+  Pure and jit-compatible: call it inside the step, on this device's batch. Each tag's examples
+  are the batch leaves whose leading axis has the tag's size N_ℓ.
+
+  Args:
+    registration: the `kfac_jax.Registration`.
+    params: the parameters, of the registration's signature.
+    batch: this device's batch.
+    rng: a key for the random estimation modes; the draws are those of
+      `kfac_jax.value_and_grad(registration=...)`'s statistics for the same key.
+    chunk_size: examples per chunk of the per-example passes (None: each tag's examples in
+      one chunk): bounds their memory (package docstring).
+    axis_name: the collective axis the batch is sharded over (pmap / shard_map), which makes
+      `N_ℓ` the examples over every device; None under plain jit.
+    center: subtract from each tag's rows their mean over its examples (every device's): the
+      scores' covariance (stochastic reconfiguration's metric), with no residuals.
+
+  Returns:
+    A `Rows`.
+
+  Raises:
+    TypeError / ValueError: a bad argument, named with its value; a loss tag whose examples
+      no batch leaf holds (its prediction does not come from a batch leaf of its leading size).
+  """
+  if chunk_size is not None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+      raise ValueError(
+        f"`chunk_size` must be a positive int (examples per chunk) or None, got {chunk_size!r}."
+      )
+  _curvature.check_rng(registration.estimation_mode, rng)
+  registration.check_params(params)
+  p_leaves = jax.tree_util.tree_leaves(params)
+  dtype = _check_params(p_leaves)
+  b_leaves, b_def = jax.tree_util.tree_flatten(batch)
+  devices = axis_size(axis_name)
+  # The graph for the batch, and for a batch of one example of every tag's leaves.
+  scan = registration.scan_batch(params, batch, check_layers=False)
+  sizes = {spec.batch_size for spec in scan.losses}
+  lead = [x.shape[0] if getattr(x, "ndim", 0) else None for x in b_leaves]
+  one_batch = [x[:1] if n in sizes else x for x, n in zip(b_leaves, lead)]
+  one = jax.tree_util.tree_unflatten(b_def, one_batch)
+  scan1 = registration.scan_batch(params, one, check_layers=False)
+
+  values = _tag_values(scan, p_leaves, b_leaves)
+  plans, residuals, layout = _plan(registration, scan, scan1, values, lead, rng, devices)
+  u = jnp.zeros((sum(t.examples * t.vectors for t in layout), sum(x.size for x in p_leaves)), dtype)
   mismatch = []
   for i, ((own, cts, start), (pred, _)) in enumerate(zip(plans, values)):
     xs = [b_leaves[j] for j in own]
-    u, z1 = _fill_tag_rows(u, start, scan1, i, p_leaves, one_batch, own, xs, cts, pred, chunk_size)
-    zf = pred.astype(jnp.promote_types(pred.dtype, jnp.float32))
-    top = jnp.max(jnp.abs(zf))
-    err = jnp.max(jnp.abs(z1.astype(zf.dtype) - zf))
-    mismatch.append(jnp.where(top > 0, err / jnp.where(top > 0, top, 1), err))
-
+    u, gap = _fill_tag_rows(u, start, scan1, i, p_leaves, one_batch, own, xs, cts, pred, chunk_size)
+    mismatch.append(gap)
   if center:
-    for t in layout:
-      block = u[t.offset : t.offset + t.examples * t.vectors].reshape(t.examples, t.vectors, -1)
-      mean = jnp.mean(block, axis=0, keepdims=True)
-      if axis_name is not None:
-        mean = jax.lax.pmean(mean, axis_name)
-      block = (block - mean).reshape(t.examples * t.vectors, -1)
-      u = jax.lax.dynamic_update_slice_in_dim(u, block, t.offset, 0)
-    residuals = [None] * len(residuals)
-  eps = None
-  if any(e is not None for e in residuals):
-    rdtype = jnp.result_type(*(e for e in residuals if e is not None))
-    eps = jnp.concatenate(
-      [
-        (jnp.zeros((t.examples * t.vectors,), rdtype) if e is None else e.reshape(-1))
-        for e, t in zip(residuals, layout)
-      ]
-    ).astype(rdtype)
+    u, residuals = _centered(u, layout, axis_name), [None] * len(residuals)
   mism = jnp.max(jnp.stack(mismatch))
   if axis_name is not None:
     mism = jax.lax.pmax(mism, axis_name)
-  return Rows(u, eps, mism, tuple(layout), devices)
+  return Rows(u, _joined(residuals, layout), mism, layout, devices)

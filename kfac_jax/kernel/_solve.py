@@ -1,9 +1,7 @@
 """The damped natural-gradient direction from the rows: in sample space or in parameter space.
 
-Both spaces factorise their Gram matrix by a symmetric eigendecomposition: it gives the
-pseudo-inverse the row-space split needs on a singular kernel (an exact-mode categorical tag's
-rows are linearly dependent per example, walkers may repeat), `(· + λI)⁻¹` for any damping, and
-the spectrum the info reports, from one factorisation.
+Both factorise their Gram matrix by a symmetric eigendecomposition, which gives the
+pseudo-inverse of a singular kernel, `(· + λI)⁻¹` for any damping and the info's spectrum.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ _ROUNDING = 1000.0
 
 
 def _dot(a: Array, b: Array, dtype=None) -> Array:
-  """`a @ b` at full precision (no reduced-precision passes on accelerators: the solve's
-  accuracy at small damping rests on it), accumulated in `dtype`."""
+  """`a @ b` at full precision (the solve's accuracy at small damping rests on it), accumulated
+  in `dtype`."""
   return jnp.matmul(a, b, precision=_HIGHEST, preferred_element_type=dtype)
 
 
@@ -57,9 +55,8 @@ class _Sharded:
     return out if self.axis is None else jax.lax.psum(out, self.axis)
 
   def kernel(self) -> Array:
-    """K = U Uᵀ `[R, R]`, without gathering U: a ring of `ppermute`s passes the devices' row
-    blocks round, each device computes its `[R_d, R]` rows of K block by block, and the
-    small row blocks are gathered."""
+    """K = U Uᵀ `[R, R]` without gathering U: the row blocks go round a ring of `ppermute` calls,
+    each device computes its `[R_d, R]` rows of K, and those are gathered."""
     u, dtype = self.u, self.dtype
     own = _dot(u, u.T, dtype)
     d = self.devices
@@ -154,43 +151,34 @@ def _parameter_space(op: _Sharded, g, prev, damping, momentum, tol):
 
 
 def direction(
-  rows: Rows,
-  grads,
-  previous=None,
-  *,
-  damping,
-  momentum=0.0,
-  axis_name: AxisName = None,
+  rows: Rows, grads, previous=None, *, damping, momentum=0.0, axis_name: AxisName = None
 ):
   """φ = (F + λI)⁻¹(g + λμ φ_prev), F = UᵀU the rows' curvature (package docstring).
 
-  Solved in sample space (R × R) when the rows number at most the parameters, in parameter
-  space (P × P) otherwise; R counts every device's rows. Pure and jit-compatible, no host
-  synchronisation; a non-finite result is left to the caller's guard.
+  Solved in sample space (R × R) when the rows (every device's) number at most the parameters,
+  else in parameter space (P × P). Pure and jit-compatible; a non-finite result is left to the
+  caller's guard.
 
   Args:
     rows: `rows(...)`'s result for this step's batch.
-    grads: g, the loss's gradient (params-shaped; under `axis_name` already averaged over the
-      devices, the same on each).
+    grads: g, the loss's gradient (params-shaped; under `axis_name` the same on each device).
     previous: φ_prev, the last direction (params-shaped), or None (zeros).
     damping: λ > 0 (a scalar, may be traced).
     momentum: μ, SPRING's decay of the previous direction (0: MinSR / ENGD-Woodbury).
     axis_name: the axis `rows` was computed under (the same one), or None.
 
   Returns:
-    `(direction, info)`: the direction shaped and typed like `grads`; a dict of scalars:
-    `kernel_trace`, `kernel_max_eigenvalue`, `kernel_min_eigenvalue` (of K, or of F's
-    resolved part in parameter space), `kernel_rank` (eigenvalues above the pseudo-inverse's
-    cutoff), `loss_factor` (the fitted c, 0 without residuals), `remainder_norm` (‖r‖ over
-    the gradient's rounding scale), `remainder_kept`, `example_mismatch` (from `rows`).
+    `(direction, info)`: the direction shaped and typed like `grads`; scalars `kernel_trace`,
+    `kernel_max_eigenvalue`, `kernel_min_eigenvalue` (of K, or F's resolved part),
+    `kernel_rank` (eigenvalues above the cutoff), `loss_factor` (the fitted c, 0 without
+    residuals), `remainder_norm` (‖r‖ over its rounding scale), `remainder_kept` and
+    `example_mismatch` (from `rows`).
 
   Raises:
     ValueError: `grads` or `previous` not of the rows' parameter count, or an `axis_name`
       whose size differs from the one `rows` was computed under.
   """
-  # The eigendecompositions run on jaxlib's CPU LAPACK, whose spinning OpenBLAS threads would
-  # take the cores from XLA's (`kfac_jax._compat.one_lapack_thread`), as for K-FAC's refresh.
-  _compat.one_lapack_thread()
+  _compat.one_lapack_thread()  # OpenBLAS's spinning threads would take XLA's cores.
   devices = axis_size(axis_name)
   if devices != rows.num_devices:
     raise ValueError(
@@ -215,8 +203,7 @@ def direction(
         f"`previous` has {prev.size} entries, expected {p} (a direction shaped like the params)."
       )
   g, prev = g.astype(dtype), prev.astype(dtype)
-  damping = jnp.asarray(damping, dtype)
-  momentum = jnp.asarray(momentum, dtype)
+  damping, momentum = jnp.asarray(damping, dtype), jnp.asarray(momentum, dtype)
   tol = _ROUNDING * jnp.finfo(dtype).eps
   op = _Sharded(u, axis_name, dtype)
   if u.shape[0] * devices <= p:

@@ -1,10 +1,7 @@
 """The tracer: from `loss_fn(params, batch)` to static layer and loss descriptions.
 
-One face, `scan(loss_fn, params, batch, ...) -> ScanResult`. Behind it, each module importing
-only those before it: `_graph` (the flat traced program), `_batch_axes`, `_index` (a frozen
-index of the graph), the matchers (`_matchers`, `_stacked`, `_matchers_embed`,
-`_matchers_shared`), `_kinds` (one record per layer kind), `_layer_config` and `_scanner`. The
-static descriptions the blocks read live in `kfac_jax._specs`, so the blocks never import this.
+One face, `scan(loss_fn, params, batch, ...) -> ScanResult`; the static descriptions the blocks
+read live in `kfac_jax._specs`, so the blocks never import this.
 """
 
 from kfac_jax._errors import RegistrationError

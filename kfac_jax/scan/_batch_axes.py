@@ -2,9 +2,8 @@
 
 Sizes alone cannot always say (a time-major `[T, N, D]` activation with T = N). A value's entry
 is `(axis, inner)`: axis `axis` holds the examples, each example's entries `inner` consecutive
-positions along it (k > 1: rows grouped example-major, as `(b h) t d`). A value has none when
-its batch axis was summed over or mixed with other axes, or after an equation this pass does not
-follow (a loop, a scatter): the matchers then fall back to sizes.
+positions along it (`inner` > 1: rows grouped example-major, as `(b h) t d`). Values without
+one (summed over, mixed, after a loop or a scatter) leave the matchers to sizes.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ _OPAQUE = frozenset(
 def batch_axes(
   graph: _graph.FlatGraph, n_params: int, batch_size: int, loss_roots: Sequence[Any] = ()
 ) -> Mapping[Any, BatchAxis]:
-  """`{key: (axis, inner)}` for the values whose batch axis is known, from the batch leaves (the
-  inputs after `n_params`); a leaf with several axes of the batch's size takes the first under
-  which every loss tag's prediction has its batch leading."""
+  """`{key: (axis, inner)}` followed from the batch leaves (the inputs after `n_params`); a leaf
+  with several batch-sized axes takes the first under which every loss prediction's batch leads."""
   leaves = graph.invars[n_params:]
   shapes = [_shape(key) for key in leaves]
   candidates = [[a for a, s in enumerate(shape) if s == batch_size] for shape in shapes]
@@ -91,9 +89,8 @@ def _one(ins) -> BatchAxis | None:
 
 
 def _same_shape(fe, ins) -> list[BatchAxis | None]:
-  """Shape-keeping equations: an output of a tagged input's shape takes its tag (all tagged
-  inputs of that shape agreeing); an elementwise equation that broadcasts unit axes passes the
-  tag of an operand of the output's rank whose batch axis it does not broadcast."""
+  """An output takes the agreeing tag of the tagged inputs of its shape, or for an elementwise
+  equation, of the operands of its rank whose batch axis it does not broadcast."""
   if fe.name in _OPAQUE or fe.name.startswith("scatter"):
     return [None] * len(fe.outs)
   out = []

@@ -1,21 +1,12 @@
 """A flat view of a traced function: calls inlined into one equation list.
 
-The scanner matches layers on this list; the curvature pass evaluates it with taps (a zero
-perturbation added to each layer output, the layer inputs recorded). Inlined:
-
-  * nested `jit` / `pjit` / `closed_call`;
-  * remat and `custom_jvp` / `custom_vjp` calls that read a parameter (or a view of one). A
-    remat call is a `Region`, evaluated again under `jax.checkpoint` with its policy; a custom
-    call is a `CustomCall`, evaluated so that its outputs keep the user's derivative
-    (`FlatGraph._evaluate_custom`): the gradient is always `jax.grad`'s;
-  * `lax.scan` whose operands depend on the parameters: unrolled into T steps that read their
-    carry and `xs` slice through synthetic `scan_carry` / `scan_slice` equations, the `ys`
-    stacked by `scan_stack`, and evaluated again as one `lax.scan` (`ScanGroup`), so compile
-    time does not grow with T. A parameter closed over by the body has T uses; a stacked one in
-    `xs` is T slices.
-
-Anything else stays an opaque equation. Values are keyed by `(instance, Var)`, one instance per
-inlined call, since JAX may reuse one inner jaxpr for several calls.
+The scanner matches layers on this list; the curvature pass evaluates it with taps. Inlined:
+nested `jit` / `pjit` / `closed_call`; remat calls (a `Region`, evaluated again under
+`jax.checkpoint`) and `custom_jvp` / `custom_vjp` calls (a `CustomCall`, evaluated with the
+user's derivative) that read a parameter; a `lax.scan` reading the parameters, unrolled into T
+steps (synthetic `scan_carry` / `scan_slice` / `scan_stack` equations) and evaluated again as one
+`lax.scan` (`ScanGroup`). Anything else stays opaque. Values are keyed by `(instance, Var)`, one
+instance per inlined call, since JAX may reuse one inner jaxpr for several calls.
 """
 
 from __future__ import annotations
@@ -162,6 +153,7 @@ class ScanGroup:
   stop: int
 
 
+_IDENTITY = lambda x: [x]
 # Equations kept whatever reads their outputs: the loss and layer tags.
 _ROOTS = frozenset({"kfac_loss_tag", "kfac_layer_tag"})
 # Operations that only move, reshape or cast their first operand.
@@ -203,10 +195,10 @@ class _Flattener:
       start, step_ins = len(self.eqns), []
       for c in carry:  # Each step reads its carry through an identity, then its `xs` slices.
         step_ins.append((instance, _SynthVar(aval_of(c))))
-        self.record(FlatEqn(_synth("scan_carry"), (c,), (step_ins[-1],), fn=_identity_fn))
+        self.record(FlatEqn(_synth("scan_carry"), (c,), (step_ins[-1],), fn=_IDENTITY))
       for x in xs:
         step_ins.append((instance, _SynthVar(aval_of(x).update(shape=aval_of(x).shape[1:]))))
-        fn = functools.partial(_slice_fn, t)
+        fn = lambda v, t=t: [v[t]]
         self.record(FlatEqn(_synth("scan_slice", index=t), (x,), (step_ins[-1],), fn=fn))
       outs = self.walk(p["jaxpr"], list(ins[:nc]) + step_ins)
       carry, ys_steps[t] = outs[:ncar], outs[ncar:]
@@ -258,7 +250,7 @@ class _Flattener:
         for n, k in enumerate(outs):
           if k in outs[:n]:  # A repeated output gets its own key: the rule may differ for it.
             outs[n] = (instance, eqn.outvars[n])
-            self.record(FlatEqn(_synth("copy"), (k,), (outs[n],), fn=_identity_fn))
+            self.record(FlatEqn(_synth("copy"), (k,), (outs[n],), fn=_IDENTITY))
         self.customs.append(CustomCall(start, len(self.eqns), eqn, ins, tuple(outs)))
       alias.update(zip(eqn.outvars, outs))
       if kind == "remat" and not self.remat_depth and len(self.eqns) > start:
@@ -414,12 +406,10 @@ class FlatGraph:
         i += 1
 
   def _evaluate_custom(self, c: CustomCall, env, seen, perturb, watch, unroll, inside) -> None:
-    """Evaluates a custom-derivative call so that its gradient is the user's.
-
-    With something inside watched, its outputs are `user(x) + (f(sg(x), ε) − sg(f(sg(x), ε)))`,
-    `f` the inlined primal with the perturbations ε, `sg` stop_gradient: value and derivative in
-    `x` are the rule's, in ε the primal's; watched values come from `f(x, ε)`.
-    """
+    """Evaluates a custom call with the user's gradient: with something inside watched, its
+    outputs are `user(x) + (f(sg(x), ε) − sg(f(sg(x), ε)))`, `f` the inlined primal with the
+    perturbations ε, `sg` stop_gradient (value and derivative in `x` are the rule's, in ε the
+    primal's); watched values come from `f(x, ε)`."""
     ins = [_read_atom(a, env) for a in c.ins]
     user = _compat.bind_eqn(c.eqn, ins)
     if any(k in watch for fe in self.eqns[c.start : c.stop] for k in fe.outs):
@@ -615,11 +605,7 @@ def _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars, con
   stacked = {i for i, _ in stacks}
   after = [a for i in range(steps[-1][1], len(eqns)) if i not in stacked for a in eqns[i].ins]
   read = {a for a in after + list(outvars) if is_key(a)}
-  outside = []
-  for p in range(len(keys0)):
-    needed = tuple(k for k in order if keys[k][p] in read)
-    if needed:
-      outside.append((p, needed))
+  needed = [tuple(k for k in order if keys[k][p] in read) for p in range(len(keys0))]
   return ScanGroup(
     steps=tuple((s, e) for s, e, _ in steps),
     ncar=ncar,
@@ -628,18 +614,10 @@ def _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars, con
     keys=tuple(keys),
     carry_out=carry_out,
     xs=tuple(eqns[s0 + ncar + j].ins[0] for j in range(nxs)),
-    outside=tuple(outside),
+    outside=tuple((p, n) for p, n in enumerate(needed) if n),
     stacks=tuple(stacks),
     stop=stop,
   )
-
-
-def _identity_fn(x):
-  return [x]
-
-
-def _slice_fn(t: int, x):
-  return [x[t]]
 
 
 def _stack_fn(aval, *parts):

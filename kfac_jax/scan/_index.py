@@ -148,9 +148,8 @@ def build(graph, n_params: int, paths, shapes, loss_roots: Sequence[Any], batch_
 
 
 def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
-  """`(uses, uses_by_eqn, blocked_virtual)`: the real uses of each leaf on the loss slice (view
-  operands outside views and tags), by leaf and by equation. A concatenation whose pieces have
-  other real uses is blocked, and a use of each of its pieces."""
+  """`(uses, uses_by_eqn, blocked_virtual)`: each leaf's real uses on the loss slice, by leaf and
+  by equation; a concatenation whose pieces have other uses is blocked, a use of each piece."""
   found = [
     (i, pos, origin[a][0])
     for i in sorted(in_slice - view_eqns - set(concat_eqns))
@@ -226,9 +225,8 @@ def _param_only(graph, leaf_of_key, consts, batch_size: int) -> frozenset:
 
 
 def _views(graph, leaf_of_key, consts, n_params: int, first_virtual: int, fold):
-  """`(origin, view_eqns, virtual, concat_eqns)`: each key's (leaf, chain); the equations that
-  view a parameter though not `is_view`; the concatenation leaves (one per distinct
-  concatenation, numbered from `first_virtual`) and the equations computing them."""
+  """`(origin, view_eqns, virtual, concat_eqns)`: each key's (leaf, chain), the non-`is_view`
+  equations viewing a parameter, the concatenation leaves (from `first_virtual`), their eqns."""
   origin: dict[Any, tuple[int, tuple[ViewStep, ...]]] = {k: (j, ()) for k, j in leaf_of_key.items()}
   view_eqns: set[int] = set()
   virtual: dict[int, ConcatView] = {}

@@ -1,9 +1,7 @@
 """The layer vocabulary: each layer kind declared once, as one `LayerKind` record.
 
-The scanner, `LayerConfig` and `summary` read these records; each block class declares the
-`(kind, approximation)` pairs it serves (`Block.serves`). Adding a kind: its name in `Kind`, its
-record and matcher here, and its layout in `blocks/_layouts.py` if its layers are products by a
-parameter matrix.
+Adding a kind: its name in `Kind`, its record and matcher here, and its layout in
+`blocks/_layouts.py` if its layers are products by a parameter matrix.
 """
 
 from __future__ import annotations
@@ -50,28 +48,18 @@ class MatcherEntry:
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-  """Everything the tracer knows about one layer kind.
+  """Everything the tracer knows about one layer kind."""
 
-  Attributes:
-    name: the kind, as `LayerSpec.kind` and `LayerConfig.defaults` spell it.
-    info: the type of `LayerSpec.info` for the kind's layers.
-    approximations: what a single-use layer takes; the first is the default.
-    shared: what a layer used several times takes, the default first ("kron" is read as
-      "kron_indep"); () when the kind has no shared form.
-    matchers: the automatic matchers.
-    read_tag: reads the kind's manual tag (`register_<name>`) into a `Match`.
-    default: the shape-dependent default, `info -> (approximation, note) | None`.
-    batch_rows: the first input holds rows of examples, so a match whose input is computed from
-      parameters alone is left to the fallback.
-  """
-
-  name: Kind
-  info: type
-  approximations: tuple[Approximation, ...]
+  name: Kind  # As `LayerSpec.kind` and `LayerConfig.defaults` spell it.
+  info: type  # The type of `LayerSpec.info` for the kind's layers.
+  approximations: tuple[Approximation, ...]  # A single-use layer's; the first is the default.
+  # A layer used several times: the default first ("kron" read as "kron_indep"); () for none.
   shared: tuple[Approximation, ...] = ()
   matchers: tuple[MatcherEntry, ...] = ()
-  read_tag: Callable[[Any, Any], _matchers.Match] | None = None
-  default: Callable[[Any], tuple[Approximation, str] | None] | None = None
+  read_tag: Callable[[Any, Any], _matchers.Match] | None = None  # Reads `register_<name>`.
+  default: Callable[[Any], tuple[Approximation, str] | None] | None = None  # By shape, or None.
+  # The first input holds rows of examples: a match whose input comes from parameters and
+  # constants alone is left to the fallback.
   batch_rows: bool = False
 
 
@@ -99,9 +87,8 @@ def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | No
 
 
 def match_grouped_dense(ix, i, claimed):
-  """A dense map per group: a `dot_general` of an activation with a kernel leaf (cast only) whose
-  batch dimensions are the groups (`nn.ConvLocal`, a per-atom envelope), then optionally the
-  transpose to `[rows..., *groups, out...]` and a bias `[*groups, out...]`."""
+  """A dense map per group (`nn.ConvLocal`, a per-atom envelope): a `dot_general` whose batch
+  dimensions are the groups, optionally a transpose to `[rows..., *groups, out...]` and a bias."""
   found = _matchers.sole_param_operand(ix, i, "dot_general")
   if found is None or found[0] >= ix.n_params or found[0] in claimed:
     return None

@@ -78,19 +78,15 @@ class LayerConfig:
     kinds = _kinds.KINDS
     _check_size("max_factor_dim", self.max_factor_dim, "no limit")
     _check_size("block_size", self.block_size, "sides kept whole")
-    block_sizes = _frozen(self.block_sizes, "block_sizes")
-    overrides = _frozen(self.overrides, "overrides")
-    blocks = _frozen(self.blocks, "blocks")
-    for name, mapping in zip(
-      ("block_sizes", "overrides", "blocks"), (block_sizes, overrides, blocks)
-    ):
-      bad = next((p for p in mapping if not isinstance(p, str) or not p), None)
+    names = ("block_sizes", "overrides", "blocks", "defaults", "linked")
+    frozen: dict[str, Mapping] = {name: _frozen(getattr(self, name), name) for name in names}
+    for name in names[:3]:
+      bad = next((p for p in frozen[name] if not isinstance(p, str) or not p), None)
       if bad is not None:
         raise TypeError(f"LayerConfig.{name}: patterns must be non-empty strings, got {bad!r}.")
-    for pattern, size in block_sizes.items():
+    for pattern, size in frozen["block_sizes"].items():
       _check_size(f"block_sizes[{pattern!r}]", size, "sides kept whole")
-    defaults = _frozen(self.defaults, "defaults")
-    for kind, approx in defaults.items():
+    for kind, approx in frozen["defaults"].items():
       if kind not in kinds:
         raise ValueError(
           f"LayerConfig.defaults: unknown layer kind {kind!r}; choose from {sorted(kinds)}."
@@ -101,15 +97,14 @@ class LayerConfig:
           f"of {kinds[kind].approximations}."
         )
     every = sorted(_kinds.every_approximation())
-    for pattern, approx in overrides.items():
+    for pattern, approx in frozen["overrides"].items():
       if approx not in every:
         raise ValueError(
           f"LayerConfig.overrides[{pattern!r}] = {approx!r} is not an approximation; choose "
           f"one of {every}."
         )
-    linked = _frozen(self.linked, "linked")
     groups = {}
-    for patterns, approx in linked.items():
+    for patterns, approx in frozen["linked"].items():
       group = (patterns,) if isinstance(patterns, str) else tuple(patterns)
       if not group or not all(isinstance(p, str) and p for p in group):
         raise TypeError(
@@ -121,16 +116,14 @@ class LayerConfig:
           f"block; choose one of {kinds['generic'].approximations}."
         )
       groups[group] = approx
-    object.__setattr__(self, "defaults", defaults)
-    object.__setattr__(self, "overrides", overrides)
-    object.__setattr__(self, "linked", types.MappingProxyType(groups))
-    object.__setattr__(self, "block_sizes", block_sizes)
-    for pattern, cls in blocks.items():
+    for pattern, cls in frozen["blocks"].items():
       if not isinstance(cls, type):  # The scanner checks the class (`blocks.check_class`).
         raise TypeError(
           f"LayerConfig.blocks[{pattern!r}] must be a subclass of kfac_jax.Block, got {cls!r}."
         )
-    object.__setattr__(self, "blocks", blocks)
+    frozen["linked"] = types.MappingProxyType(groups)
+    for name, value in frozen.items():
+      object.__setattr__(self, name, value)
 
   def _key(self) -> tuple:
     values = (getattr(self, f.name) for f in dataclasses.fields(self))
@@ -194,12 +187,8 @@ def size_policy(
     return approx, ""
   if approx == "full" and "diagonal" in allowed:
     ((n, _),) = factor_shapes
-    if n <= max_dim:
-      return approx, ""
-    return (
-      "diagonal",
-      f"{n} parameters > max_factor_dim {max_dim}: diagonal instead of a full block",
-    )
+    note = f"{n} parameters > max_factor_dim {max_dim}: diagonal instead of a full block"
+    return ("diagonal", note) if n > max_dim else (approx, "")
   if approx not in ("kron", "kron_in_diag", "kron_out_diag", "ekfac"):
     return approx, ""
   # Over the limit EKFAC becomes the kron variant with the big side(s) diagonal, as "kron" would.
@@ -233,11 +222,3 @@ def shared_size_policy(
   return "diagonal", (
     f"factor side {side} > max_factor_dim {max_dim} on a layer used {num_uses} times: diagonal"
   )
-
-
-def resolve(
-  config: LayerConfig, kind: str, names: Sequence[str], builtin: str
-) -> tuple[str, str | None]:
-  """(approximation, the pattern that chose it or None) for a layer named by `names`."""
-  pattern, approx = first_match(config.overrides, names)
-  return (approx, pattern) if pattern is not None else (config.defaults.get(kind, builtin), None)

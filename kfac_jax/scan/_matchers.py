@@ -1,8 +1,5 @@
-"""Matchers: pure functions `(index, equation, claimed) -> Match | None`, one per layer kind.
-
-A matcher reads the graph index (`_index.GraphIndex`) at one equation that really uses a
-parameter leaf and changes nothing; the scanner runs the matchers the kinds' records name and
-claims the leaves. The `read_*_tag` functions read the manual layer tags.
+"""Matchers: pure functions `(index, equation, claimed) -> Match | None`, one per layer kind,
+and the `read_*_tag` readers of the manual layer tags.
 """
 
 from __future__ import annotations
@@ -626,11 +623,9 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   example_rows = batch_axis is not None
   if batch_axis is None and (shared or not node_rows(ix, out_shape, axis)):
     return None
-  shift_leaf = None
   is_mul = ix.g.eqns[i].name == "mul"
   shift = match_shift(ix, out_key, out_shape, block, claimed, shared) if is_mul else None
-  if shift is not None:
-    shift_leaf, out_key = shift
+  shift_leaf, out_key = shift if shift is not None else (None, out_key)
   info = ScaleShiftInfo(
     has_scale=is_mul,
     has_shift=not is_mul or shift_leaf is not None,
@@ -676,9 +671,7 @@ def followed_batch_axis(ix, atom) -> int | None:
   return None if tag is None else tag[0]
 
 
-def batch_axis_of(
-  out_shape, feature_axis, n_feat: int, batch_size: int, followed: int | None = None
-) -> int | None:
+def batch_axis_of(out_shape, feature_axis, n_feat: int, batch_size: int, followed) -> int | None:
   """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs)
   when it lies outside the features, else `batch_position` over the axes outside them."""
   start = len(out_shape) - n_feat if feature_axis is None else feature_axis
@@ -826,14 +819,6 @@ def read_dense_tag(ix, fe) -> Match:
         f"not match the {k_shape[1]} outputs of kernel `{ix.paths[k_leaf]}`."
       )
     leaves.append(b_leaf)
-  x_aval = _graph.aval_of(x)
-  info = DenseInfo(
-    kernel_view=k_chain,
-    kernel_perm=(0, 1),
-    x_perm=tuple(range(x_aval.ndim)),
-    out_perm=tuple(range(x_aval.ndim)),
-    in_dim=int(k_shape[0]),
-    out_dim=int(k_shape[1]),
-    rows=int(math.prod(x_aval.shape[:-1])),
-  )
-  return Match.single("dense", leaves, info, y, (x,))
+  x_shape = tuple(_graph.aval_of(x).shape)  # `[rows..., in]` times the `[in, out]` kernel.
+  info = dense_product(k_shape, x_shape, (0,), (len(x_shape) - 1,), 1, k_chain)
+  return Match.single("dense", leaves, info[0], y, (x,))

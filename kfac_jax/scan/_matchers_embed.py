@@ -1,10 +1,8 @@
 """Matchers for tables: embedding lookups and learned tokens.
 
-An embedding reads whole rows of a `[vocab, dim]` parameter (casts only) by a `gather`
-(`table[ids]`, `vmap` of `table[i]`) or as `one_hot(ids, vocab) @ table`; only the ids are
-recorded, so the block never forms a vocab × vocab factor. Learned tokens are a parameter
-broadcast over the batch (a class token, latents) or a table gathered at constant positions (a
-relative-position bias): a shift-only scale_and_shift layer whose output is the view itself.
+An embedding reads whole rows of a `[vocab, dim]` parameter by a `gather` or as
+`one_hot(ids, vocab) @ table`; only the ids are recorded. Learned tokens (a parameter broadcast
+over the batch, or gathered at constant positions) are a shift-only scale_and_shift layer.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ if TYPE_CHECKING:
 
 
 def match_shared(ix, leaf, claimed, shifts: bool = False):
-  """A `Match` with one entry per use of a leaf whose uses are all dense products (one shared
-  bias), embedding lookups, convolutions (one shared bias) or scales / shifts (the latter only
-  with `shifts`, after the scales claimed theirs); else None."""
+  """A `Match` with one entry per use of a leaf used only by dense products, lookups,
+  convolutions (one shared bias) or scales (shifts with `shifts`, after the scales); else None."""
   found: list[tuple] = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
   products = {}  # Position in `found` of a dense use -> its product's output key.
   for i, pos in ix.uses[leaf]:

@@ -1,10 +1,8 @@
 """The scanner: trace `loss_fn(params, batch)`, find loss tags and layers, describe them statically.
 
-Each parameter leaf is followed through layout-only operations to its real uses on the loss
-tags' backward slice (`_index`; an L2 term does not make a kernel "used twice"). The kinds'
-matchers (`_kinds`) then claim leaves in the order `_Scanner` gives; stacked layers (`_stacked`)
-become one layer with `stack_size = L`; leaves left over get a diagonal generic block, a warning
-and a reason (`fallback_reason`). A layer's factor shapes are its block class's.
+The kinds' matchers (`_kinds`) claim leaves by their real uses on the loss tags' backward slice
+(`_index`) in the order `_Scanner` gives; leaves left over get a diagonal generic block, a
+warning and a reason (`fallback_reason`).
 """
 
 from __future__ import annotations
@@ -185,8 +183,7 @@ _NO_REVERSE = frozenset({"while", "pure_callback", "io_callback"})
 
 def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
   """RegistrationError when a layer's output inside a custom-derivative call reaches the call's
-  outputs only through an operation with no reverse-mode derivative (inside the call the
-  statistics follow the primal function)."""
+  outputs through an operation with no reverse-mode derivative."""
   if not graph.customs:
     return
   where = {}
@@ -345,13 +342,8 @@ def _only_in(graph: _graph.FlatGraph, other: _graph.FlatGraph) -> list[str]:
 
 
 class _Scanner:
-  """One scan over a built index: runs the matchers in order, turns matches into specs.
-
-  First claim wins: manual layer tags; leaves with several uses as one shared layer (shifts
-  last); per equation, the passes of `_kinds.PASSES`; then layers on concatenations are mapped
-  to their real leaves, stacks merged, linked groups formed, and leaves left over get a generic
-  block.
-  """
+  """One scan over a built index: runs the matchers in order (first claim wins: manual tags,
+  shared leaves, the passes of `_kinds.PASSES`), turns matches into specs."""
 
   def __init__(self, ix: _index.GraphIndex, layer_config, strict, warn, collect):
     self.ix = ix
@@ -584,13 +576,10 @@ class _Scanner:
       return None
     approx = self._check_approx(kind, fe.params["approx"], [self.ix.paths[j] for j in match.leaves])
     spec, y, inputs = self._spec_of(match, approx, "manual")
-    for j in match.leaves if kind != "generic" else ():
-      self.check_use_count(  # One tag registers one use: a parameter used again is miscounted.
-        j,
-        1,
-        f"register_{kind}",
-        "remove the tag so that the scanner registers the uses together as one "
-        "shared layer, or cover the parameter with register_generic",
+    fix = "remove the tag so that the scanner registers the uses together as one shared layer, "
+    for j in match.leaves if kind != "generic" else ():  # One tag registers one use.
+      self.check_use_count(
+        j, 1, f"register_{kind}", fix + "or cover the parameter with register_generic"
       )
     self.claim(claimed, match.leaves, spec.name)
     return spec, y, inputs
@@ -731,10 +720,9 @@ class _Scanner:
     choices = _kinds.KINDS[kind].approximations
     explicit = approx is not None and source in ("manual", "linked")
     if not explicit:
-      names = (name,) + tuple(paths)
-      chosen, pattern = _layer_config.resolve(
-        self.layer_config, kind, names, builtin if approx is None else approx
-      )
+      pattern, chosen = _layer_config.first_match(self.layer_config.overrides, (name, *paths))
+      if pattern is None:
+        chosen = self.layer_config.defaults.get(kind, builtin if approx is None else approx)
       if chosen not in choices:
         raise RegistrationError(
           f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
@@ -787,9 +775,8 @@ _PASSES = _kinds.passes()
 
 
 def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
-  """A match of a kind estimated from rows of examples some of whose uses read a first input
-  computed from parameters and constants alone, its tap not where the output is broadcast over
-  the batch (`DenseInfo.shared_tap`)."""
+  """A match of a `batch_rows` kind with a use whose first input comes from parameters and
+  constants alone, its tap not where the output is broadcast over the batch (`shared_tap`)."""
   return _kinds.KINDS[match.kind].batch_rows and any(
     ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
     for ins, inf in zip(match.inputs, match.infos)
@@ -1020,9 +1007,8 @@ def _from_constants(ix: _index.GraphIndex, atom) -> bool:
 
 
 def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
-  """Why the scanner matched no layer for `leaf`, from its uses in the traced graph: one short
-  phrase ("not used by the loss", "used as 1 + scale", "consumed by <primitive> (no
-  matcher)", ...) that names the manual tag where one is the way out."""
+  """Why the scanner matched no layer for `leaf`: one short phrase ("used as 1 + scale",
+  "consumed by <primitive> (no matcher)", ...) naming the manual tag where one is the way out."""
   uses: Sequence[Any] = ix.uses.get(leaf, ())
   if not uses:
     keys = {k for k, (j, _) in ix.origin.items() if j == leaf}

@@ -1,11 +1,8 @@
 """Stacked layers: a parameter leaf with a leading layer axis is L layers, one block each.
 
-A scan over stacked layers (`nn.scan`, `nnx.scan`, `lax.scan` over stacked params) is unrolled,
-step t reading `leaf[t]` through a `scan_slice`: `slice_leaves` makes each slice a virtual leaf
-with the leaf's path, and `merge` turns the L per-slice layers of a group of stacked leaves into
-one `LayerSpec` with `stack_size = L` (slices whose layers disagree get the fallback). A vmapped
-layer reads the stacked kernel in one `dot_general` (`match_batched_dense`), a vmapped
-normalisation a scale `[L, D]` along the output's leading axis (`match_stacked_scale_and_shift`).
+An unrolled scan reads `leaf[t]` through a `scan_slice` (`slice_leaves`: one virtual leaf per
+slice; `merge`: the L per-slice layers become one `LayerSpec` with `stack_size = L`); a vmapped
+layer reads the whole stack in one operation (`match_batched_dense`, the stacked scale).
 """
 
 from __future__ import annotations
@@ -132,10 +129,8 @@ def batched_dense_use(ix, i):
   if found is None:
     return None
   info, _, x_free = found
-  if x_axis is not None:
-    out_axis = 0  # dot_general puts batch dimensions first.
-  else:  # The kernel's free axes, in order, after (k_pos == 1) or before the input's.
-    out_axis = len(x_free) if k_pos == 1 else 0
+  # dot_general's output: its batch dimensions, then the lhs's free axes, then the rhs's.
+  out_axis = len(x_free) if x_axis is None and k_pos == 1 else 0
   return info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis
 
 
@@ -182,9 +177,8 @@ def match_batched_dense(ix, i, claimed):
       info, out_perm=tuple(per_layer.index(info.out_perm[d]) for d in range(len(per_layer)))
     )
     out_axis, out_key = perm.index(out_axis), fe.outs[0]
-  bias = None
-  if k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]:
-    bias = _stacked_bias(ix, out_key, out_axis, k_shape, claimed)
+  fits = k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]
+  bias = _stacked_bias(ix, out_key, out_axis, k_shape, claimed) if fits else None
   if bias is not None:
     leaves.append(bias[0])
     out_key = bias[1]
@@ -197,9 +191,8 @@ def match_batched_dense(ix, i, claimed):
 
 
 def match_stacked_scale_and_shift(ix, i, claimed):
-  """A stack of scale-and-shift layers applied by one elementwise operation (a vmapped norm): a
-  scale `[L, ...]` (and shift) whose leading axis lies along the output's leading axis, every
-  input holding that axis too; its info describes one layer."""
+  """A stack of scale-and-shift layers in one elementwise operation (a vmapped norm): a scale
+  `[L, ...]` along the leading axis of the output and of every input; its info is one layer's."""
   found = _matchers.scale_shift_operands(ix, i, claimed)
   if found is None:
     return None
@@ -210,8 +203,7 @@ def match_stacked_scale_and_shift(ix, i, claimed):
   block = _matchers.stacked_feature_block(
     ix.shapes[leaf], ix.origin[atom][1], tuple(_graph.aval_of(atom).shape), out_shape
   )
-  # `jax.vmap` puts the layer axis first (`[T, D]` over `[N, T, D]` is one layer); each input
-  # holds it too.
+  # `jax.vmap` puts the layer axis first (`[T, D]` over `[N, T, D]` is one layer).
   if block is None or block[0] != 0:
     return None
   _, axis, feat = block
@@ -224,19 +216,15 @@ def match_stacked_scale_and_shift(ix, i, claimed):
   batch_axis = _matchers.batch_axis_of(per_out, axis, len(feat), ix.batch_size, followed)
   if batch_axis is None:
     return None
-  leaves = [leaf]
-  is_mul = ix.g.eqns[i].name == "mul"
-  has_shift = not is_mul
-  if is_mul:
-    shift = _matchers.match_shift(
-      ix, out_key, out_shape, block, claimed, how=_matchers.stacked_feature_block
-    )
-    if shift is not None and ix.shapes[shift[0]][0] == size:
-      leaves.append(shift[0])
-      out_key, has_shift = shift[1], True
+  leaves, is_mul = [leaf], ix.g.eqns[i].name == "mul"
+  how = _matchers.stacked_feature_block
+  shift = _matchers.match_shift(ix, out_key, out_shape, block, claimed, how=how) if is_mul else None
+  if shift is not None and ix.shapes[shift[0]][0] == size:
+    leaves.append(shift[0])
+    out_key = shift[1]
   info = ScaleShiftInfo(
     has_scale=is_mul,
-    has_shift=has_shift,
+    has_shift=len(leaves) > 1 or not is_mul,
     feature_shape=feat,
     output_shape=per_out,
     feature_axis=axis,
