@@ -221,6 +221,11 @@ def _all_checks():
   return stack
 
 
+def _no_refresh(self, state, *args):
+  """The estimator's refresh replaced by its input state, no block flagged."""
+  return state, jnp.zeros((len(self.names),), bool)
+
+
 VARIANTS = {
   "as built": (lambda: contextlib.nullcontext(), None),
   "with the warnings' host callbacks (`Config(step_warnings=True)`)": (
@@ -269,16 +274,16 @@ VARIANTS = {
     lambda: _patched((_linalg, "ordered_sum", lambda x: jnp.sum(x, axis=-1))),
     None,
   ),
-  "stage removed: the refresh (`update_inverses` returns its state)": (
-    lambda: _patched((_Est, "update_inverses", lambda self, state, damping, **kw: state)),
+  "stage removed: the refresh (the estimator's `_refresh_flagged` returns its state)": (
+    lambda: _patched((_Est, "_refresh_flagged", _no_refresh)),
     None,
   ),
-  "stage removed: statistics and fold (`update_curvature_from_stats` returns its state)": (
-    lambda: _patched((_Est, "update_curvature_from_stats", lambda self, state, *a, **k: state)),
+  "stage removed: the fold (the estimator's `_fold` returns its state)": (
+    lambda: _patched((_Est, "_fold", lambda self, state, *a, **k: state)),
     None,
   ),
-  "stage removed: the products (`multiply_matpower` returns the vector)": (
-    lambda: _patched((_Est, "multiply_matpower", lambda self, state, v, exp, **kw: v)),
+  "stage removed: the products (the estimator's `_power` returns the vector)": (
+    lambda: _patched((_Est, "_power", lambda self, state, v, *a, **k: v)),
     None,
   ),
   "pull-back by jax.vjp (not linearize + linear_transpose)": (_vjp_linearisation, None),
