@@ -215,9 +215,11 @@ def _all_checks():
   stack = contextlib.ExitStack()
   stack.enter_context(_patched((_engine, "inputs_ok", lambda *a, **k: jnp.asarray(True))))
   stack.enter_context(
-    _patched((_storage, "_keep_finite", lambda new, old, keys: (new, jnp.zeros((), jnp.int32))))
+    _patched(
+      (_storage, "_keep_finite", lambda new, old, keys: (new, jnp.zeros((len(keys),), bool)))
+    )
   )
-  stack.enter_context(_finite_from(("update_curvature_from_stats", "step", "_finish")))
+  stack.enter_context(_finite_from(("_fold", "step", "_finish")))
   return stack
 
 
@@ -237,7 +239,7 @@ VARIANTS = {
     None,
   ),
   "no statistics check (estimator's `all_finite` True)": (
-    lambda: _finite_from(("update_curvature_from_stats",)),
+    lambda: _finite_from(("_fold",)),
     None,
   ),
   "no check of the preconditioned update (`all_finite(pre)`)": (
@@ -246,7 +248,7 @@ VARIANTS = {
   ),
   "no per-block cache check (`_storage._keep_finite` keeps all)": (
     lambda: _patched(
-      (_storage, "_keep_finite", lambda new, old, keys: (new, jnp.zeros((), jnp.int32)))
+      (_storage, "_keep_finite", lambda new, old, keys: (new, jnp.zeros((len(keys),), bool)))
     ),
     None,
   ),
@@ -257,7 +259,7 @@ VARIANTS = {
   ),
   "per-block cache check: select, not cond": (lambda: _select_conds("_keep_finite"), None),
   "statistics check: select, not cond": (
-    lambda: _select_conds("update_curvature_from_stats"),
+    lambda: _select_conds("_fold"),
     None,
   ),
   "schedule conds (fold, refresh, burn-in): select": (lambda: _select_conds("step"), None),
