@@ -71,6 +71,25 @@ def jnp_mlp_apply(params, x):
   return x
 
 
+def pinn_mlp_init(key, sizes) -> list[dict]:
+  """A float64 tanh MLP `[{"w", "b"}, ...]` for PINN tests: weights 1/√fan_in, biases 0.3."""
+  params = []
+  for a, b in zip(sizes[:-1], sizes[1:]):
+    key, k1, k2 = jax.random.split(key, 3)
+    w = jax.random.normal(k1, (a, b), jnp.float64) / np.sqrt(a)
+    params.append({"w": w, "b": 0.3 * jax.random.normal(k2, (b,), jnp.float64)})
+  return params
+
+
+def pinn_mlp(params, x):
+  """The network on points `[..., d]`; one point `[d]` gives a scalar."""
+  for i, p in enumerate(params):
+    x = x @ p["w"] + p["b"]
+    if i < len(params) - 1:
+      x = jnp.tanh(x)
+  return x[..., 0]
+
+
 def softmax_loss(apply_fn):
   def loss_fn(params, batch):
     logits = apply_fn(params, batch["x"])

@@ -10,23 +10,11 @@ import pytest
 
 import kfac_jax
 from kfac_jax import pinn
+from tests import _models
 
 
 def _params(key, sizes=(3, 6, 1)):
-  params = []
-  for a, b in zip(sizes[:-1], sizes[1:]):
-    key, k1, k2 = jax.random.split(key, 3)
-    w = jax.random.normal(k1, (a, b), jnp.float64) / np.sqrt(a)
-    params.append({"w": w, "b": 0.3 * jax.random.normal(k2, (b,), jnp.float64)})
-  return params
-
-
-def _mlp(params, x):
-  for i, p in enumerate(params):
-    x = x @ p["w"] + p["b"]
-    if i < len(params) - 1:
-      x = jnp.tanh(x)
-  return x[..., 0]
+  return _models.pinn_mlp_init(key, sizes)
 
 
 @jax.jit  # A nested jit: the operators follow it inside.
@@ -112,9 +100,9 @@ def _poisson_loss(operator):
 
   def loss_fn(params, batch):
     x = batch["x"]
-    r = (operator(lambda y: _mlp(params, y), x) + jnp.sin(x[:, 0]))[:, None]
+    r = (operator(lambda y: _models.pinn_mlp(params, y), x) + jnp.sin(x[:, 0]))[:, None]
     kfac_jax.register_normal_predictive_distribution(r, var=1.0)
-    ub = _mlp(params, batch["xb"])[:, None]
+    ub = _models.pinn_mlp(params, batch["xb"])[:, None]
     kfac_jax.register_normal_predictive_distribution(ub, var=1.0)
     return 0.5 * jnp.mean(r**2) + 0.5 * jnp.mean(ub**2)
 

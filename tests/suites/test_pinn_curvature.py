@@ -17,29 +17,12 @@ import kfac_jax
 from tests import _models
 
 
-def _init(key, sizes):
-  params = []
-  for a, b in zip(sizes[:-1], sizes[1:]):
-    key, k1, k2 = jax.random.split(key, 3)
-    w = jax.random.normal(k1, (a, b), jnp.float64) / np.sqrt(a)
-    params.append({"w": w, "b": 0.3 * jax.random.normal(k2, (b,), jnp.float64)})
-  return params
-
-
-def _mlp(params, x):
-  for i, p in enumerate(params):
-    x = x @ p["w"] + p["b"]
-    if i < len(params) - 1:
-      x = jnp.tanh(x)
-  return x[..., 0]
-
-
 def _laplacian_jvp(params, x):
   """Σ_i ∂²u/∂x_i² by nested `jax.jvp` on the batched points, one direction per axis."""
   out = 0.0
   for i in range(x.shape[1]):
     e = jnp.broadcast_to(jnp.eye(x.shape[1], dtype=x.dtype)[i], x.shape)
-    du = lambda y, e=e: jax.jvp(lambda z: _mlp(params, z), (y,), (e,))[1]
+    du = lambda y, e=e: jax.jvp(lambda z: _models.pinn_mlp(params, z), (y,), (e,))[1]
     out = out + jax.jvp(du, (x,), (e,))[1]
   return out
 
@@ -66,7 +49,7 @@ def _tanh_channels(z, dz, lz):
 
 def _laplacian_forward(params, x):
   """`kfac_jax.pinn.laplacian`: the channels of `_forward_channels` through each layer."""
-  return kfac_jax.pinn.laplacian(lambda y: _mlp(params, y), x)
+  return kfac_jax.pinn.laplacian(lambda y: _models.pinn_mlp(params, y), x)
 
 
 LAPLACIANS = {"jvp": _laplacian_jvp, "forward": _laplacian_forward}
@@ -87,7 +70,7 @@ def _interior_loss(laplacian):
   jax.jit, static_argnums=(0, 1)
 )  # One program: eagerly, each op compiles its own.
 def _problem(sizes=(2, 5, 1), n=7):
-  params = _init(jax.random.key(3), sizes)
+  params = _models.pinn_mlp_init(jax.random.key(3), sizes)
   batch = {"x": jax.random.uniform(jax.random.key(4), (n, 2), jnp.float64)}
   return params, batch
 
@@ -195,7 +178,7 @@ def _two_terms(laplacian):
   def loss_fn(params, batch):
     r = (laplacian(params, batch["x"]) + jnp.sin(batch["x"][:, 0]))[:, None]
     kfac_jax.register_squared_error_loss(r)
-    u = _mlp(params, batch["xb"])[:, None]
+    u = _models.pinn_mlp(params, batch["xb"])[:, None]
     kfac_jax.register_squared_error_loss(u)
     return jnp.mean(r**2) + jnp.mean(u**2)
 
@@ -221,7 +204,7 @@ def test_loss_terms_on_point_sets_of_different_sizes(x64, how):
     )(params)
   )
   ji = _models.flat_jacobian(lambda p: laplacian(p, batch["x"]), params)
-  jb = _models.flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
+  jb = _models.flat_jacobian(lambda p: _models.pinn_mlp(p, batch["xb"]), params)
   ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
   mask = _models.block_mask(est, params)
   assert len(est.blocks) == 2
@@ -269,7 +252,7 @@ def test_a_layer_serving_two_terms(x64, approx):
   np.testing.assert_allclose(factors.a, a, rtol=1e-12, atol=1e-15)
   np.testing.assert_allclose(factors.g, [[[2.0]], [[2.0]]], rtol=1e-12)
   ji = _models.flat_jacobian(lambda p: _laplacian_forward(p, batch["x"]), params)
-  jb = _models.flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
+  jb = _models.flat_jacobian(lambda p: _models.pinn_mlp(p, batch["xb"]), params)
   ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
   w = slice(15, 21)  # 1/b, 1/w in ravel order.
   dense = np.asarray(jax.jit(est.to_dense)(state))

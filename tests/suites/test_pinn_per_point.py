@@ -21,27 +21,9 @@ import kfac_jax
 from tests import _models
 
 
-def _init(key, sizes):
-  params = []
-  for a, b in zip(sizes[:-1], sizes[1:]):
-    key, k1, k2 = jax.random.split(key, 3)
-    w = jax.random.normal(k1, (a, b), jnp.float64) / np.sqrt(a)
-    params.append({"w": w, "b": 0.3 * jax.random.normal(k2, (b,), jnp.float64)})
-  return params
-
-
-def _mlp(params, x):
-  """The network on points `[..., d]`; one point `[d]` gives a scalar."""
-  for i, p in enumerate(params):
-    x = x @ p["w"] + p["b"]
-    if i < len(params) - 1:
-      x = jnp.tanh(x)
-  return x[..., 0]
-
-
 def _per_point(op):
   """`op(u, y)` of the network `u` at one point `y`, vmapped over the points `x`."""
-  return lambda params, x: jax.vmap(lambda y: op(lambda z: _mlp(params, z), y))(x)
+  return lambda params, x: jax.vmap(lambda y: op(lambda z: _models.pinn_mlp(params, z), y))(x)
 
 
 def _nested_jvp(u, y):
@@ -51,7 +33,7 @@ def _nested_jvp(u, y):
 
 
 def _grad_grad(params, t):
-  return jax.vmap(jax.grad(jax.grad(lambda s: _mlp(params, s[None]))))(t)
+  return jax.vmap(jax.grad(jax.grad(lambda s: _models.pinn_mlp(params, s[None]))))(t)
 
 
 OPERATORS = {
@@ -71,7 +53,7 @@ def _batched_jvp(params, batch):
   x = batch["x"]
   out = 0.0
   for e in batch["dirs"].transpose(1, 0, 2):  # [N, d] per direction
-    du = lambda y, e=e: jax.jvp(lambda z: _mlp(params, z), (y,), (e,))[1]
+    du = lambda y, e=e: jax.jvp(lambda z: _models.pinn_mlp(params, z), (y,), (e,))[1]
     out = out + jax.jvp(du, (x,), (e,))[1]
   return out
 
@@ -80,7 +62,7 @@ def _batched_jacfwd(params, batch):
   """jacfwd's channels on the batched points: the basis broadcast over them (`dirs`,
   `[N, d, d]`), vmapped over as `jax.jacfwd` vmaps over the basis."""
   dirs = batch["dirs"]
-  u = lambda z: _mlp(params, z)  # noqa: E731
+  u = lambda z: _models.pinn_mlp(params, z)  # noqa: E731
 
   def grad(y):
     return jax.vmap(lambda e: jax.jvp(u, (y,), (e,))[1], in_axes=1, out_axes=1)(dirs)
@@ -105,7 +87,7 @@ def _loss(operator, batched=False):
 # One program: eagerly, each op compiles its own.
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _problem(sizes=(2, 5, 1), n=7):
-  params = _init(jax.random.key(3), sizes)
+  params = _models.pinn_mlp_init(jax.random.key(3), sizes)
   x = jax.random.uniform(jax.random.key(4), (n, sizes[0]), jnp.float64)
   dirs = jnp.broadcast_to(jnp.eye(sizes[0], dtype=jnp.float64), (n, sizes[0], sizes[0]))
   return params, {"x": x, "dirs": dirs}
@@ -197,7 +179,7 @@ def test_output_layer_serving_a_residual_and_boundary_values_is_exact(x64):
   def loss_fn(params, batch):
     r = (operator(params, batch["x"]) + jnp.sin(batch["x"][:, 0]))[:, None]
     kfac_jax.register_squared_error_loss(r)
-    u = _mlp(params, batch["xb"])[:, None]
+    u = _models.pinn_mlp(params, batch["xb"])[:, None]
     kfac_jax.register_squared_error_loss(u)
     return jnp.mean(r**2) + jnp.mean(u**2)
 
@@ -210,7 +192,7 @@ def test_output_layer_serving_a_residual_and_boundary_values_is_exact(x64):
     lambda p: est.to_dense(est.update_curvature(est.init(p), p, batch, None, ema_decay=0.0))
   )(params)
   ji = _models.flat_jacobian(lambda p: operator(p, batch["x"]), params)
-  jb = _models.flat_jacobian(lambda p: _mlp(p, batch["xb"]), params)
+  jb = _models.flat_jacobian(lambda p: _models.pinn_mlp(p, batch["xb"]), params)
   ggn = 2 * ji.T @ ji / 7 + 2 * jb.T @ jb / 3
   w = slice(15, 21)  # 1/b, 1/w in ravel order.
   np.testing.assert_allclose(np.asarray(dense)[w, w], ggn[w, w], rtol=1e-10, atol=1e-14)
@@ -285,7 +267,7 @@ def _linear_input(params, x):
 
   def u(y):
     y = y @ params[0]["w"]
-    return _mlp(params[1:], y)
+    return _models.pinn_mlp(params[1:], y)
 
   return jax.vmap(lambda y: _nested_jvp(u, y))(x)
 
