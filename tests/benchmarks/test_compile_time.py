@@ -10,9 +10,17 @@ from benchmarks.profile import compile_parts
 from kfac_jax import _storage
 
 
+@pytest.fixture
+def x64_restored():
+  """The PINN build turns on float64 for its process; the worker's other tests run without."""
+  previous = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+  yield
+  jax.config.update("jax_enable_x64", previous)
+
+
 @pytest.mark.parametrize("workload", ["zoo:mlp", "pinn"])
 @pytest.mark.parametrize("front", compile_time.FRONTS)
-def test_every_front_builds_a_training_step(front, workload):
+def test_every_front_builds_a_training_step(front, workload, x64_restored):
   step, (params, state, batch, rng) = compile_time.build(workload, front, pinn_sizes=(2, 8, 1))
   new_params, new_state, loss = jax.eval_shape(step, params, state, batch, rng)
   assert jax.tree.structure(new_params) == jax.tree.structure(params)
