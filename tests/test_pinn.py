@@ -57,6 +57,22 @@ def _problem():
   return params, x
 
 
+def _linesearch_step(reg, tx, loss_fn, batch):
+  """A jitted step of a K-FAC chain with a line search: `(params, state) -> (params, state,
+  loss)`."""
+
+  @jax.jit
+  def step(params, state):
+    value, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, None)
+    value_fn = lambda p: loss_fn(p, batch)  # noqa: E731
+    updates, state = tx.update(
+      grads, state, params, curvature_stats=stats, value=value, grad=grads, value_fn=value_fn
+    )
+    return optax.apply_updates(params, updates), state, value
+
+  return step
+
+
 def test_laplacian_equals_the_trace_of_the_hessian(x64):
   params, x = _problem()
   lap = jax.jit(lambda p, x: pinn.laplacian(_u(p), x))(params, x)
@@ -246,14 +262,7 @@ def test_grid_linesearch_inside_kfac_in_a_jitted_step(x64):
     curvature_every=1,
   )
 
-  @jax.jit
-  def step(params, state):
-    value, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, None)
-    value_fn = lambda p: loss_fn(p, batch)  # noqa: E731
-    updates, state = tx.update(
-      grads, state, params, curvature_stats=stats, value=value, grad=grads, value_fn=value_fn
-    )
-    return optax.apply_updates(params, updates), state, value
+  step = _linesearch_step(reg, tx, loss_fn, batch)
 
   state = tx.init(params)
   losses, sizes = [], []
@@ -320,14 +329,7 @@ def test_kfac_preset_trains_a_tiny_pinn(x64):
   reg = kfac_jax.Registration(loss_fn, params, batch, estimation_mode="exact_GGN")
   tx = pinn.kfac(registration=reg)
 
-  @jax.jit
-  def step(params, state):
-    value, grads, stats = kfac_jax.value_and_grad(registration=reg)(params, batch, None)
-    value_fn = lambda p: loss_fn(p, batch)  # noqa: E731
-    updates, state = tx.update(
-      grads, state, params, curvature_stats=stats, value=value, grad=grads, value_fn=value_fn
-    )
-    return optax.apply_updates(params, updates), state, value
+  step = _linesearch_step(reg, tx, loss_fn, batch)
 
   state, losses = tx.init(params), []
   for _ in range(3):
