@@ -330,17 +330,7 @@ def test_spring_follows_its_recursion_over_three_steps(x64):
 def test_more_rows_than_parameters_solves_in_parameter_space(x64):
   """R = 2 N = 60 > P = 17: the parameter-space solve, equal to the dense one and to the
   sample-space solve of the same rows."""
-  params = _init(30, (2, 3, 2))
-  batch = {
-    "x": _models.normal(31, (30, 2), jnp.float64),
-    "y": _models.normal(32, (30, 2), jnp.float64),
-  }
-
-  def loss(p, b):
-    z = _mlp(p, b["x"])
-    kfac_jax.register_squared_error_loss(z, b["y"])
-    return jnp.mean(jnp.sum((z - b["y"]) ** 2, 1)) + 1e-3 * _flat_sq(p)
-
+  loss, params, batch = _regression(30, (2, 3, 2), 30, l2=1e-3)
   reg = kfac_jax.Registration(loss, params, batch, estimation_mode="exact", warn=False)
   grads = jax.jit(jax.grad(loss))(params, batch)
   prev = jax.tree_util.tree_map(jnp.ones_like, params)
@@ -381,18 +371,27 @@ def test_chunks_equal_one_pass(x64):
 # -- stability: the gradient in the row space, λ near the precision ---------------------------
 
 
-def _ls_problem(dtype):
-  """A least-squares fit, R = 2 N = 16 rows < P = 3·24 + 24 + 24·2 + 2 = 146, K well
-  conditioned (κ ≈ 320); its residual ε = √(2/N) (z − y)."""
-  params = _init(40, (3, 24, 2), dtype)
-  batch = {"x": _models.normal(41, (8, 3), dtype), "y": _models.normal(42, (8, 2), dtype)}
+def _regression(seed, sizes, n, l2=0.0, dtype=jnp.float64):
+  """`(loss, params, batch)`: the MLP `sizes` fitted to n normal targets by squared error, plus
+  `l2 · |params|²`; the inputs and targets are drawn with seeds `seed + 1`, `seed + 2`."""
+  params = _init(seed, sizes, dtype)
+  batch = {
+    "x": _models.normal(seed + 1, (n, sizes[0]), dtype),
+    "y": _models.normal(seed + 2, (n, sizes[-1]), dtype),
+  }
 
   def loss(p, b):
     z = _mlp(p, b["x"])
     kfac_jax.register_squared_error_loss(z, b["y"])
-    return jnp.mean(jnp.sum((z - b["y"]) ** 2, 1))
+    return jnp.mean(jnp.sum((z - b["y"]) ** 2, 1)) + l2 * _flat_sq(p)
 
   return loss, params, batch
+
+
+def _ls_problem(dtype):
+  """A least-squares fit, R = 2 N = 16 rows < P = 3·24 + 24 + 24·2 + 2 = 146, K well
+  conditioned (κ ≈ 320); its residual ε = √(2/N) (z − y)."""
+  return _regression(40, (3, 24, 2), 8, dtype=dtype)
 
 
 def _ls_reference(damping):
@@ -457,18 +456,7 @@ def test_row_space_gradient_is_stable_in_float32_at_damping_1e_3():
 
 
 def _parallel_problem():
-  params = _init(50, (3, 6, 2))
-  batch = {
-    "x": _models.normal(51, (16, 3), jnp.float64),
-    "y": _models.normal(52, (16, 2), jnp.float64),
-  }
-
-  def loss(p, b):
-    z = _mlp(p, b["x"])
-    kfac_jax.register_squared_error_loss(z, b["y"])
-    return jnp.mean(jnp.sum((z - b["y"]) ** 2, 1)) + 1e-2 * _flat_sq(p)
-
-  return loss, params, batch
+  return _regression(50, (3, 6, 2), 16, l2=1e-2)
 
 
 @pytest.mark.parametrize("how", ["shard_map", "pmap", "jit"])
