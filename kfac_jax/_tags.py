@@ -82,24 +82,28 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
   if weight is not None:
     if isinstance(weight, (int, float)) and not isinstance(weight, bool):
       weight = np.asarray(weight, prediction.dtype)
-    weight = _check_array(weight, "weight", fn)
     event_shape = prediction.shape[:-1] if kind == "categorical" else prediction.shape
-    ok = weight.ndim == 0 or (
-      weight.ndim == len(event_shape)
-      and all(w in (1, e) for w, e in zip(weight.shape, event_shape))
-    )
-    if not ok:
-      per_example = (event_shape[0],) + (1,) * (len(event_shape) - 1)
-      raise ValueError(
-        f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape} axis by "
-        f"axis: give a scalar, {per_example} for a weight per example, or an array of "
-        f"{len(event_shape)} axes each 1 or the size in {event_shape}."
-      )
-    operands.append(weight.astype(prediction.dtype))
+    operands.append(_check_weight(weight, event_shape, fn).astype(prediction.dtype))
   if not (isinstance(var, (int, float)) and var > 0 and math.isfinite(var)):
     raise ValueError(f"{fn}: `var` must be a positive finite Python number, got {var!r}.")
   has = {"has_targets": targets is not None, "has_weight": weight is not None}
   return loss_tag_p.bind(*operands, n_out=1, kind=kind, **has, var=float(var), fn=fn)[0]
+
+
+def _check_weight(weight, event_shape: tuple[int, ...], fn: str) -> Array:
+  """`weight` as an array, checked to broadcast to `event_shape` axis by axis."""
+  weight = _check_array(weight, "weight", fn)
+  ok = weight.ndim == 0 or (
+    weight.ndim == len(event_shape) and all(w in (1, e) for w, e in zip(weight.shape, event_shape))
+  )
+  if not ok:
+    per_example = event_shape[:1] + (1,) * (len(event_shape) - 1)
+    raise ValueError(
+      f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape} axis by "
+      f"axis: give a scalar, {per_example} for a weight per example, or an array of "
+      f"{len(event_shape)} axes each 1 or the size in {event_shape}."
+    )
+  return weight
 
 
 def _bind_complex_normal(fn: str, prediction, targets, weight, var: float) -> Array:
@@ -115,13 +119,7 @@ def _bind_complex_normal(fn: str, prediction, targets, weight, var: float) -> Ar
       )
     targets = parts(targets)
   if weight is not None and not isinstance(weight, (int, float)):
-    weight = _check_array(weight, "weight", fn)
-    if weight.ndim != prediction.ndim and weight.ndim != 0:
-      raise ValueError(
-        f"{fn}: `weight` of shape {weight.shape} does not broadcast to {prediction.shape} "
-        f"axis by axis: give a scalar, or an array of {prediction.ndim} axes each 1 or the size "
-        f"in {prediction.shape}."
-      )
+    weight = _check_weight(weight, prediction.shape, fn)
     if weight.ndim:
       weight = weight[..., None]  # One weight for both parts.
   out = _bind_loss("normal", fn, parts(prediction), targets, weight, var)
@@ -327,14 +325,13 @@ def _conv_arguments(fn, x, kernel, spatial, padding, dimension_numbers, groups) 
       raise TypeError(f"{fn}: `{name}` must be a sequence of ints, got {value!r}.") from None
     if len(spatial[name]) != nsp or min(spatial[name]) < 1:
       raise ValueError(f"{fn}: `{name}` must be {nsp} positive ints, got {value!r}.")
-  strides, lhs_d, rhs_d = spatial.values()
   _checks.static_int(groups, "feature_group_count")
-  in_sp = [(x.shape[d] - 1) * s + 1 for d, s in zip(dn.lhs_spec[2:], lhs_d)]
-  win = [(kernel.shape[d] - 1) * s + 1 for d, s in zip(dn.rhs_spec[2:], rhs_d)]
+  in_sp = [(x.shape[d] - 1) * s + 1 for d, s in zip(dn.lhs_spec[2:], spatial["lhs_dilation"])]
+  win = [(kernel.shape[d] - 1) * s + 1 for d, s in zip(dn.rhs_spec[2:], spatial["rhs_dilation"])]
   try:
     pads = padding
     if isinstance(padding, str):
-      pads = jax.lax.padtype_to_pads(in_sp, win, strides, padding)
+      pads = jax.lax.padtype_to_pads(in_sp, win, spatial["window_strides"], padding)
     pads = tuple((int(lo), int(hi)) for lo, hi in pads)
   except (TypeError, ValueError, RuntimeError):
     pads = ()
@@ -343,14 +340,7 @@ def _conv_arguments(fn, x, kernel, spatial, padding, dimension_numbers, groups) 
       f'{fn}: `padding` must be "SAME", "VALID", "SAME_LOWER" or {nsp} (lo, hi) pairs, got '
       f"{padding!r}."
     )
-  return {
-    "window_strides": strides,
-    "padding": pads,
-    "lhs_dilation": lhs_d,
-    "rhs_dilation": rhs_d,
-    "dimension_numbers": dn,
-    "feature_group_count": groups,
-  }
+  return dict(spatial, padding=pads, dimension_numbers=dn, feature_group_count=groups)
 
 
 def register_scale_and_shift(y, x, scale=None, shift=None, approx: str | None = None) -> Array:

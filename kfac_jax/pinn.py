@@ -93,7 +93,9 @@ def _push_eqn(eqn, ins: list, signs: np.ndarray) -> list:
   if (name in _LINEAR and jets == [0]) or (
     name in _BILINEAR and len(jets) == 1 and jets[0] in _BILINEAR[name]
   ):
-    tangents, second = _linear_rule(f, jet_ins[0], len(outs))
+    jet = jet_ins[0]  # The primitive on each channel (the tangents through a vmap over r).
+    tangents = jax.vmap(f)(jet.tangents) if jet.tangents is not None else [None] * len(outs)
+    second = f(jet.second)
   elif name in _ELEMENTWISE and len(jets) == 1 and same_shape:
     tangents, second = _elementwise_rule(f, jet_ins[0], signs)
   elif name in _SUMS and same_shape:
@@ -104,12 +106,6 @@ def _push_eqn(eqn, ins: list, signs: np.ndarray) -> list:
   return [
     _Jet(o, t, s) if _is_float(o) else o for o, t, s in zip(outs, tangents, second, strict=True)
   ]
-
-
-def _linear_rule(f, jet: _Jet, num_outs: int) -> tuple[list, list]:
-  """The primitive on each channel (the tangents `[r, *S]` through a vmap over r)."""
-  tangents = jax.vmap(f)(jet.tangents) if jet.tangents is not None else [None] * num_outs
-  return tangents, f(jet.second)
 
 
 def _elementwise_rule(f, jet: _Jet, signs: np.ndarray) -> tuple[list, list]:
@@ -190,7 +186,7 @@ def _concrete(value, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
   return out
 
 
-def _check_points(u, x, who: str):
+def _check_points(u, x, who: str) -> int:
   if not callable(u):
     raise TypeError(f"{who}: `u` must be a function of one point, got {type(u).__name__}.")
   if jnp.ndim(x) != 2 or not _is_float(x):
@@ -198,6 +194,7 @@ def _check_points(u, x, who: str):
       f"{who}: `x` must be the points, a float array [N, d], got shape {jnp.shape(x)} and dtype "
       f"{jnp.result_type(x)}; for a single point pass `x[None]`."
     )
+  return x.shape[1]
 
 
 def _forward(u, x, directions: np.ndarray, signs: np.ndarray, seed: np.ndarray, who: str):
@@ -251,8 +248,7 @@ def laplacian(u: Callable[[Array], Array], x: Array) -> Array:
     >>> x = jnp.full((3, 2), 0.5)
     >>> lap = kfac_jax.pinn.laplacian(lambda y: u(params, y), x)  # [3]
   """
-  _check_points(u, x, "laplacian")
-  d = x.shape[1]
+  d = _check_points(u, x, "laplacian")
   return _forward(u, x, np.eye(d), np.ones(d), np.zeros(d), "laplacian")[1]
 
 
@@ -286,8 +282,7 @@ def differential_operator(
     >>> residual = kfac_jax.pinn.differential_operator(  # u_t − u_xx / 4
     ...   lambda y: u(params, y), tx, a=jnp.diag(jnp.array([0.0, -0.25])), b=jnp.array([1.0, 0.0]))
   """
-  _check_points(u, x, "differential_operator")
-  d = x.shape[1]
+  d = _check_points(u, x, "differential_operator")
   dtype = np.dtype(jnp.result_type(x))
   if a is None:
     directions, signs = np.zeros((0, d), dtype), np.zeros(0, dtype)

@@ -37,19 +37,12 @@ through coefficients, never through g: `g = Uᵀa + r` with
 Then `φ = μ φ_prev + Uᵀ(K + λI)⁻¹(a − μ U φ_prev − U r / λ) + r / λ`. In parameter space g's
 component in F's null space is r, under the same rule with `s = ‖g‖`.
 
-**Cost and memory.** Time: one forward and S backward passes per example for the rows, O(R² P)
-for K and O(R³) for its eigendecomposition (or O(R P²) and O(P³) in parameter space). Memory,
-b the params' itemsize, b' = max(b, 4): U `R P b`, written in place chunk by chunk; the
-per-example passes about `C S (2 P b + A)` per chunk of C = `chunk_size` examples (A one
-example's activations); K and its eigenvectors `2 R² b'` (or F's `2 P² b'`).
-
-**Assumptions.** Each tagged output depends on its own example only: a tag's examples are the
-batch leaves whose leading axis has its size N_ℓ, each evaluated alone (BatchNorm in training
-mode breaks it; `Rows.example_mismatch` shows it).
-
 **Data parallel.** Under pmap / shard_map over `axis_name` each device computes its rows; K is
 assembled by a ring of `ppermute`s without gathering U, the R × R solve is replicated and `Uᵀy`
 is a `psum`, so every device returns the same direction. Under plain `jit` no axis is needed.
+
+Cost, memory and the assumption that each tagged output depends on its own example only:
+docs/curvatures.rst.
 """
 
 from kfac_jax.kernel._front import (

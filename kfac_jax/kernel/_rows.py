@@ -225,8 +225,9 @@ def rows(
     batch: this device's batch.
     rng: a key for the random estimation modes; the draws are those of
       `kfac_jax.value_and_grad(registration=...)`'s statistics for the same key.
-    chunk_size: examples per chunk of the per-example passes (None: each tag's examples in
-      one chunk): bounds their memory (package docstring).
+    chunk_size: examples C per chunk of the per-example passes (None: each tag's examples in
+      one chunk): their memory is about `C S (2 P b + A)`, b the params' itemsize, A one
+      example's activations.
     axis_name: the collective axis the batch is sharded over (pmap / shard_map), which makes
       `N_ℓ` the examples over every device; None under plain jit.
     center: subtract from each tag's rows their mean over its examples (every device's): the

@@ -38,20 +38,16 @@ class _Sharded:
     """This device's `[R_d, ...]` entries → the `[R, ...]` of every device."""
     return x if self.axis is None else jax.lax.all_gather(x, self.axis, tiled=True)
 
-  def own(self, y: Array) -> Array:
-    """A global `[R, ...]` vector → this device's entries."""
-    if self.axis is None:
-      return y
-    r = self.u.shape[0]
-    return jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(self.axis) * r, r)
-
   def times(self, v: Array) -> Array:
     """U v, `[P, k]` → `[R, k]`."""
     return self.gather(_dot(self.u, v.astype(self.u.dtype), self.dtype))
 
   def transpose_times(self, y: Array) -> Array:
-    """Uᵀ y, `[R, k]` → `[P, k]`."""
-    out = _dot(self.own(y).astype(self.u.dtype).T, self.u, self.dtype).T
+    """Uᵀ y, `[R, k]` → `[P, k]`: this device's entries of y times its rows, summed."""
+    if self.axis is not None:
+      r = self.u.shape[0]
+      y = jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(self.axis) * r, r)
+    out = _dot(y.astype(self.u.dtype).T, self.u, self.dtype).T
     return out if self.axis is None else jax.lax.psum(out, self.axis)
 
   def kernel(self) -> Array:
