@@ -112,9 +112,7 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
   names, value = _scan.tag_names(graph), values(graph)
   tag_input = {fe.outs[0]: fe.ins[0] for fe in tags}  # A tag's output is its prediction.
   first: dict = {}
-  for i, fe in enumerate(tags):
-    if "shared_prediction" not in checks:
-      break
+  for i, fe in enumerate(tags if "shared_prediction" in checks else ()):
     atom = fe.ins[0]
     while _scan.is_key(atom) and atom in tag_input:
       atom = tag_input[atom]
@@ -129,9 +127,7 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
       )
     first[atom] = i
   const_keys = {k for k, _ in graph.consts}
-  for i, fe in enumerate(tags):
-    if "dependence" not in checks:
-      break
+  for i, fe in enumerate(tags if "dependence" in checks else ()):
     atom = fe.ins[0]
     if not _scan.is_key(atom) or atom in const_keys:
       continue
@@ -184,7 +180,8 @@ def values(graph: _scan.FlatGraph) -> dict:
     sig: Any = None
     if not getattr(fe.eqn, "effects", None):  # An equation with effects is its own.
       try:
-        sig = (fe.name, _frozen(fe.params), tuple(_value_of(a, out) for a in fe.ins))
+        ins = tuple(_frozen(a) if isinstance(a, _compat.Literal) else out.get(a, a) for a in fe.ins)
+        sig = (fe.name, _frozen(fe.params), ins)
         hash(sig)
       except TypeError:  # A parameter that cannot be compared by value: its own too.
         sig = None
@@ -194,26 +191,18 @@ def values(graph: _scan.FlatGraph) -> dict:
   return out
 
 
-def _value_of(atom, value: dict):
-  if isinstance(atom, _compat.Literal):
-    x = np.asarray(atom.val)
-    return ("literal", x.dtype.str, x.shape, x.tobytes())
-  return value.get(atom, atom)
-
-
-def _frozen(params) -> tuple:
-  """`params` as a hashable tuple (arrays by their bytes, sequences and mappings recursively)."""
-
-  def freeze(x):
-    if isinstance(x, np.ndarray):
-      return ("array", x.dtype.str, x.shape, x.tobytes())
-    if isinstance(x, (list, tuple)):
-      return (type(x).__name__,) + tuple(freeze(y) for y in x)
-    if isinstance(x, dict):
-      return ("dict",) + tuple((k, freeze(v)) for k, v in sorted(x.items(), key=lambda kv: kv[0]))
-    return x
-
-  return tuple((k, freeze(v)) for k, v in sorted(params.items()))
+def _frozen(x) -> Any:
+  """`x` hashable by value (literals and arrays by their bytes, sequences and mappings
+  recursively)."""
+  if isinstance(x, _compat.Literal):
+    x = np.asarray(x.val)
+  if isinstance(x, np.ndarray):
+    return ("array", x.dtype.str, x.shape, x.tobytes())
+  if isinstance(x, (list, tuple)):
+    return (type(x).__name__,) + tuple(_frozen(y) for y in x)
+  if isinstance(x, dict):
+    return ("dict",) + tuple((k, _frozen(v)) for k, v in sorted(x.items(), key=lambda kv: kv[0]))
+  return x
 
 
 def _reaches(graph: _scan.FlatGraph, value: dict, start, target) -> bool:

@@ -25,6 +25,7 @@ ClosedJaxpr = _jex_core.ClosedJaxpr
 JaxprEqn = _jex_core.JaxprEqn
 Literal = _jex_core.Literal
 subjaxprs = _jex_core.subjaxprs
+has_effects = _pe.has_effects  # Whether an equation has an effect dead-code elimination keeps.
 
 # Calls the scanner inlines; and sub-jaxprs under a differentiation rule of their own.
 _INLINE_CALL_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -129,11 +130,6 @@ def axis_env_key() -> tuple | None:
   except AttributeError:  # pragma: no cover - older/newer private API.
     return None
   return tuple(sorted(((str(n), n, s) for n, s in sizes.items()), key=lambda t: t[0]))
-
-
-def has_effects(eqn: JaxprEqn) -> bool:
-  """Whether `eqn` has an effect that dead-code elimination must keep."""
-  return _pe.has_effects(eqn)
 
 
 def source_frames(eqn: JaxprEqn, skip_dir: str) -> tuple[tuple[str, int, str], ...]:

@@ -228,11 +228,8 @@ def _rows() -> dict[str, Moved]:
     (_INTERNALS, Moved("no equivalent", internal)),
   ):
     table.update({f"kfac_jax.{name}": moved for name in names.split()})
-  for name, computed in (
-    ("estimation_mode", _estimation_mode),
-    ("kfac.norm_constraint", _max_norm),
-  ):
-    table[name] = table[name]._replace(computed=computed)
+  table["estimation_mode"] = table["estimation_mode"]._replace(computed=_estimation_mode)
+  table["kfac.norm_constraint"] = table["kfac.norm_constraint"]._replace(computed=_max_norm)
   return table
 
 

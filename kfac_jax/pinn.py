@@ -257,9 +257,8 @@ def differential_operator(
 ) -> Array:
   """`Σ_ij a_ij ∂²u/∂x_i∂x_j + Σ_i b_i ∂u/∂x_i + c u` at each point, in one forward pass.
 
-  Carried as in `laplacian`, along the eigenvectors of the symmetric part of `a` scaled by
-  `√|λ|` (the axes when `a` is diagonal): r tangent channels for a rank-r `a`, and one channel
-  holding `Σ_k sign(λ_k) ∂²u/∂v_k²` plus the derivative along `b`.
+  Carried as in `laplacian`, along `√|λ_k| e_k` for the eigenpairs of the symmetric part of
+  `a` (docs/pinn.rst): a rank-r `a` costs r tangent channels.
 
   Args:
     u: `u(y) -> scalar` for one point `y` of shape [d], as in `laplacian`.

@@ -155,10 +155,8 @@ def scale_by_kernel_ngd(
 ) -> optax.GradientTransformationExtraArgs:
   """The damped natural gradient, solved in sample space: `u ← (F + λI)⁻¹(g + λμ φ_{k−1})`.
 
-  F is the registration's Fisher / GGN of the tagged outputs, exactly (not block-diagonal):
-  `F = UᵀU` with U the per-example rows `J_nᵀ v / √N`, solved through the N × N kernel
-  `K = U Uᵀ` (Woodbury), or through F when the rows outnumber the parameters (the numerics:
-  `kfac_jax.kernel`; when to choose it: docs/curvatures.rst). μ = 0 is MinSR /
+  F = UᵀU is the registration's Fisher / GGN of the tagged outputs on the batch, exactly (the
+  numerics: `kfac_jax.kernel`; when to choose it: docs/curvatures.rst). μ = 0 is MinSR /
   ENGD-Woodbury; μ > 0 is SPRING (Goldshlager, Abrahamsen & Lin 2024).
 
   Args:

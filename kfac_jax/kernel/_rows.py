@@ -196,12 +196,11 @@ def _joined(residuals, layout) -> Array | None:
   if all(e is None for e in residuals):
     return None
   rdtype = jnp.result_type(*(e for e in residuals if e is not None))
-  return jnp.concatenate(
-    [
-      (jnp.zeros((t.examples * t.vectors,), rdtype) if e is None else e.reshape(-1))
-      for e, t in zip(residuals, layout)
-    ]
-  ).astype(rdtype)
+  parts = [
+    jnp.zeros((t.examples * t.vectors,), rdtype) if e is None else e.reshape(-1)
+    for e, t in zip(residuals, layout)
+  ]
+  return jnp.concatenate(parts).astype(rdtype)
 
 
 def rows(
