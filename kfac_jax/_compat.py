@@ -73,8 +73,7 @@ def _conv_input_transpose_canonical(params: dict[str, Any], x, w):
 
   @f.defjvp
   def f_jvp(primals, tangents):
-    x, w = primals
-    dx, dw = tangents
+    (x, w), (dx, dw) = primals, tangents
     dn = params["dimension_numbers"]
     o, i = dn.rhs_spec[0], dn.rhs_spec[1]
     swapped = dict(params, dimension_numbers=dn._replace(rhs_spec=(i, o, *dn.rhs_spec[2:])))

@@ -283,6 +283,10 @@ def translated(front: str) -> Callable[[F], F]:
   kfac-jax's spellings (`front`: the role, "Optimizer", "Optimizer.step", "kfac", ...)."""
 
   def wrap(fn: F) -> F:
+    signature = inspect.signature(fn).parameters.values()
+    params = [p.name for p in signature if p.kind is p.POSITIONAL_OR_KEYWORD]
+    method = bool(params) and params[0] == "self"
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
       try:
@@ -291,12 +295,6 @@ def translated(front: str) -> Callable[[F], F]:
         # Raised while binding the arguments: no frame of `fn` was entered.
         if e.__traceback__ is None or e.__traceback__.tb_next is not None:
           raise
-        params = [
-          p.name
-          for p in inspect.signature(fn).parameters.values()
-          if p.kind is p.POSITIONAL_OR_KEYWORD
-        ]
-        method = bool(params) and params[0] == "self"
         error = moved_error(front, tuple(params[method:]), args[method:], kwargs, e)
         if error is None:
           raise

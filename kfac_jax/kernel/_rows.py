@@ -105,10 +105,9 @@ def _residual(spec, pred, others, mode: str, vectors: int, scale) -> Array | Non
 def _fill_tag_rows(
   u, offset: int, scan1, index: int, p_leaves, template, own, xs, cts, pred, chunk
 ):
-  """U with tag `index`'s rows (from `xs`, the batch leaves at `own`, and `cts`, the vectors
-  `[N, S, 1, ...]`) written from row `offset` on, and the relative gap between its per-example
-  predictions and the batch's `pred`. The last of the chunks written in place ends at example
-  N, overlapping its predecessor: no chunk is padded, no remainder joined (a copy of U)."""
+  """U with tag `index`'s rows (from `xs`, the batch leaves at `own`, and `cts [N, S, 1, ...]`)
+  written from row `offset` on, and the relative gap of its per-example predictions to `pred`.
+  The last chunk ends at example N, overlapping its predecessor, so none is padded or joined."""
   op = scan1.loss_operands[index][0]
   watch = frozenset([op]) if _scan.is_key(op) else frozenset()
   dtype = u.dtype
