@@ -316,8 +316,7 @@ def _conv_arguments(fn, x, kernel, spatial, padding, dimension_numbers, groups) 
     dn = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, dimension_numbers)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{fn}: bad `dimension_numbers` {dimension_numbers!r}: {e}") from None
-  names = ("window_strides", "lhs_dilation", "rhs_dilation")
-  spatial = dict(zip(names, spatial))
+  spatial = dict(zip(("window_strides", "lhs_dilation", "rhs_dilation"), spatial))
   for name, value in spatial.items():
     try:
       spatial[name] = tuple(int(v) for v in ((1,) * nsp if value is None else value))

@@ -157,7 +157,7 @@ def _push_jaxpr(closed, ins: list, signs: np.ndarray) -> list:
   return [read_atom(v, env) for v in jaxpr.outvars]
 
 
-def _directions(a, d: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+def _directions(a, d: int) -> tuple[np.ndarray, np.ndarray]:
   """`(V [r, d], σ [r])` with `Σ_k σ_k v_k v_kᵀ` the symmetric part of `a`: its nonzero
   eigenpairs, `v_k = √|λ_k| e_k`; a diagonal `a` keeps the axes, in order."""
   a = (a + a.T) / 2
@@ -286,7 +286,7 @@ def differential_operator(
   if a is None:
     directions, signs = np.zeros((0, d), dtype), np.zeros(0, dtype)
   else:
-    directions, signs = _directions(_concrete(a, "a", (d, d), dtype), d, dtype)
+    directions, signs = _directions(_concrete(a, "a", (d, d), dtype), d)
   seed = np.zeros(d, dtype) if b is None else _concrete(b, "b", (d,), dtype)
   coef_c = None if c is None else _concrete(c, "c", (), dtype)
   value, out = _forward(u, x, directions, signs, seed, "differential_operator")
