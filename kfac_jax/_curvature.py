@@ -140,16 +140,6 @@ def _join_exact(cts: list[Array]) -> list[Array]:
   return out
 
 
-def _per_tag_normalisation(cts: list[Array], scan: _scan.ScanResult) -> list[Array]:
-  """Each tag's output vectors scaled by √(N / N_ℓ): tags on point sets of different sizes are
-  each a mean over their own N_ℓ examples, and the blocks divide by N."""
-  n = scan.batch_size
-  return [
-    c if spec.batch_size == n else c * jnp.sqrt(jnp.asarray(n / spec.batch_size, c.dtype))
-    for c, spec in zip(cts, scan.losses)
-  ]
-
-
 def read_atom(atom, seen):
   """An equation operand's value: a literal's, or the one `seen` holds."""
   return atom.val if isinstance(atom, _compat.Literal) else seen[atom]
@@ -283,9 +273,14 @@ class Linearisation:
     ]
     if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
       cts = _join_exact(cts)
-    cts = _per_tag_normalisation(cts, scan)
+    # Each tag's vectors times √(N / N_ℓ): a tag on N_ℓ points is a mean over its own points,
+    # and the blocks divide by N.
+    size = scan.batch_size
+    cts = [
+      c if spec.batch_size == size else c * jnp.sqrt(jnp.asarray(size / spec.batch_size, c.dtype))
+      for c, spec in zip(cts, scan.losses)
+    ]
     zero = jnp.zeros_like(self._graph_loss)
-    # Param-leaf and per-tap output-gradient cotangents.
     p_ct, eps_ct = jax.vmap(lambda ct: self._vjp((zero, ct)))(cts)
 
     data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
@@ -306,9 +301,8 @@ class Linearisation:
         data.append(tuple(p_ct[j] for j in spec.leaf_indices))
     params_stats = None
     if with_params_stats:
-      n = scan.batch_size
       params_stats = jax.tree_util.tree_unflatten(
-        self.params_treedef, [jnp.mean(x, axis=0) / n for x in p_ct]
+        self.params_treedef, [jnp.mean(x, axis=0) / size for x in p_ct]
       )
     return CurvatureStats(
       tuple(data),

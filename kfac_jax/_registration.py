@@ -107,31 +107,6 @@ def _layer_text(entry) -> str:
   return f"{name} ({kind}: {', '.join(paths)}{extra})"
 
 
-def mismatch_message(got: StatsKey, want: StatsKey, who: str) -> str:
-  """Why statistics of key `got` do not fit `who`, built for `want` (both sides named)."""
-  fix = (
-    f" Compute them with the registration {who} was built with: "
-    "`kfac_jax.value_and_grad(registration=reg)` with `reg = kfac_jax.Registration(loss_fn, "
-    "params, batch, ...)` shared by both."
-  )
-  parts = []
-  if (got.estimation_mode, got.num_samples) != (want.estimation_mode, want.num_samples):
-    parts.append(
-      f"curvature_stats were computed for {got.mode_text()}, but {who} was built for "
-      f"{want.mode_text()}."
-    )
-  if got.layers != want.layers:
-    names_got, names_want = [e[0] for e in got.layers], [e[0] for e in want.layers]
-    only_got = [_layer_text(e) for e in got.layers if e not in want.layers]
-    only_want = [_layer_text(e) for e in want.layers if e not in got.layers]
-    parts.append(
-      f"curvature_stats were computed for layers {names_got}, but {who} has layers "
-      f"{names_want}. Only in the statistics: {only_got or 'none'}; only in {who}: "
-      f"{only_want or 'none'}."
-    )
-  return " ".join(parts) + f" (statistics fingerprint {got.digest}, expected {want.digest}.)" + fix
-
-
 def avals(tree) -> tuple:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   return treedef, tuple(jax.typeof(x) for x in leaves)
@@ -140,9 +115,6 @@ def avals(tree) -> tuple:
 @dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
 class Registration:
   """`loss_fn` scanned once: its layers, parameter signature and statistics fingerprint.
-
-  The one place for the settings of the scan; every entry point takes it as `registration=`,
-  or builds one with the defaults from a bare `loss_fn` (docs/entry_points.rst).
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
@@ -276,7 +248,9 @@ class Registration:
     self._set(param_shapes=tuple(tuple(np.shape(x)) for x in leaves))
     self._set(param_dtypes=tuple(str(jnp.result_type(x)) for x in leaves))
     self._set(block_names=tuple(_unique_names(scan.layers)))
-    self._set(outputs_per_example=sum(_outputs_per_example(spec) for spec in scan.losses))
+    # Per loss tag, its prediction's axes after the example one (a categorical's class axis out).
+    shapes = [s.prediction_shape[1 : -1 if s.kind == "categorical" else None] for s in scan.losses]
+    self._set(outputs_per_example=sum(math.prod(shape) for shape in shapes))
     key_samples = num_samples if estimation_mode in _losses.RANDOM_MODES else 1
     key_layers = tuple(
       (s.name, s.kind, tuple(s.param_paths), s.num_uses, s.stack_size) for s in scan.layers
@@ -412,7 +386,7 @@ class Registration:
         )
 
   def check_stats(self, stats: _curvature.CurvatureStats, who: str) -> None:
-    """ValueError when `stats` were computed for another mode or layer set."""
+    """ValueError when `stats` were computed for another mode or layer set (both sides named)."""
     key = getattr(stats, "fingerprint", None)
     if key is None:  # Built by hand: only the layer names can be compared.
       if stats.layer_names != tuple(s.name for s in self.layers):
@@ -422,15 +396,29 @@ class Registration:
           "same registration."
         )
       return
-    if key != self.fingerprint:
-      raise ValueError(mismatch_message(key, self.fingerprint, who))
-
-
-def _outputs_per_example(spec) -> int:
-  """The distributions per example of one loss tag: the prediction's axes after the leading
-  (example) one, without a categorical tag's last (class) axis."""
-  shape = spec.prediction_shape[1:]
-  return math.prod(shape[:-1] if spec.kind == "categorical" else shape)
+    if key == self.fingerprint:
+      return
+    got, want, parts = key, self.fingerprint, []
+    if (got.estimation_mode, got.num_samples) != (want.estimation_mode, want.num_samples):
+      parts.append(
+        f"curvature_stats were computed for {got.mode_text()}, but {who} was built for "
+        f"{want.mode_text()}."
+      )
+    if got.layers != want.layers:
+      names_got, names_want = [e[0] for e in got.layers], [e[0] for e in want.layers]
+      only_got = [_layer_text(e) for e in got.layers if e not in want.layers]
+      only_want = [_layer_text(e) for e in want.layers if e not in got.layers]
+      parts.append(
+        f"curvature_stats were computed for layers {names_got}, but {who} has layers "
+        f"{names_want}. Only in the statistics: {only_got or 'none'}; only in {who}: "
+        f"{only_want or 'none'}."
+      )
+    raise ValueError(
+      " ".join(parts)
+      + f" (statistics fingerprint {got.digest}, expected {want.digest}.) Compute them with the "
+      f"registration {who} was built with: `kfac_jax.value_and_grad(registration=reg)` with "
+      "`reg = kfac_jax.Registration(loss_fn, params, batch, ...)` shared by both."
+    )
 
 
 def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:
@@ -508,17 +496,7 @@ def value_and_grad(
     ...   return optax.apply_updates(params, updates), opt_state, loss
     >>> params, opt_state, loss = train_step(params, opt_state, batch, rng)
 
-    With BatchNorm statistics coming back through the aux:
-
-    >>> def loss_fn(params, batch):
-    ...   logits, new = model.apply({"params": params, "batch_stats": batch["batch_stats"]},
-    ...                             batch["x"], mutable=["batch_stats"])
-    ...   kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
-    ...   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    ...   return loss, new["batch_stats"]
-    >>> reg = kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
-    >>> (loss, batch_stats), grads, stats = kfac_jax.value_and_grad(
-    ...     registration=reg)(params, batch, rng)
+    With `has_aux` (e.g. BatchNorm statistics), see docs/recipes.rst.
   """
   _checks.boolean(compute_params_stats, "compute_params_stats")
   reg = shared(registration, loss_fn, "value_and_grad")
