@@ -128,11 +128,6 @@ class Config:
       _checks.static_int(self.chunk_size, "config.chunk_size")
 
   @property
-  def fraction(self) -> float | str:
-    """`statistics_fraction` with None as 1."""
-    return 1 if self.statistics_fraction is None else self.statistics_fraction
-
-  @property
   def storage(self) -> _storage.Storage:
     """The inverse storage strategy object."""
     return _storage.strategy(self.inverse_storage, "config.inverse_storage")

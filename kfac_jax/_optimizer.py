@@ -51,16 +51,7 @@ from kfac_jax import (
 Array = jax.Array
 ScalarOrSchedule = float | Callable[[Array], Array]
 
-_INFO_KEYS = (
-  "loss",
-  "learning_rate",
-  "momentum",
-  "damping",
-  "rho",
-  "quad_model_change",
-  "update_norm",
-  "skipped",
-)
+_INFO_KEYS = "loss learning_rate momentum damping rho quad_model_change update_norm skipped".split()
 
 
 def _check_number(value, name: str, **bounds) -> None:
@@ -146,10 +137,6 @@ def solve_quadratic_model(
   return alpha, mu, change
 
 
-def _pmean(x, axis_name):
-  return x if axis_name is None else jax.lax.pmean(x, axis_name)
-
-
 class _Pass(NamedTuple):
   """The step's one forward pass and what it gave (read by the quadratic model and by ρ)."""
 
@@ -172,10 +159,9 @@ class _Move(NamedTuple):
   change: Array  # M(δ), NaN when not computed
 
 
-def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, axis_name=None):
-  """`(α, μ, M(α Δ + μ δ_prev))`, the coefficients left None chosen to minimise M (see
-  `solve_quadratic_model`); `shift = λ + η`. The products `J v` in `C` are push-forwards
-  through the step's own linearisation, `H_z u` each loss tag's curvature product."""
+def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, place: _engine.Placement):
+  """`(α, μ, M(α Δ + μ δ_prev))`, the coefficients left None minimising M, `shift = λ + η`; `J v`
+  are push-forwards through the step's linearisation, `H_z u` each loss tag's products."""
 
   def dot(a, b):
     return _parallel.vdot(a.astype(dtype), b.astype(dtype))
@@ -187,7 +173,7 @@ def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, axis_na
   for t, (spec, z, o) in enumerate(zip(fp.lin.scan.losses, fp.lin.preds, fp.lin.others)):
     hu = [_losses.output_curvature_product(spec, (z, *o), u[t]) for u in jv]
     g = [x + dot(jv[i][t], hu[j]) for x, (i, j) in zip(g, pairs)]
-  g = _pmean(jnp.stack(g), axis_name)
+  g = place.mean(jnp.stack(g))
   # The shift term from inner products of the (replicated) vectors: no concatenated copies.
   c00, c01, c11 = (
     g[n] + shift * sum(dot(a, b) for a, b in zip(vecs[i], vecs[j]))
@@ -210,13 +196,6 @@ def reduction_ratio(h_old: Array, h_new: Array, change: Array) -> Array:
   ratio = (h_new - h_old).astype(change.dtype) / jnp.where(change < 0, change, -1)
   rho = jnp.where(jnp.isfinite(h_new), ratio, -jnp.inf)
   return jnp.where(change < 0, rho, jnp.where(change > 0, -jnp.inf, jnp.nan))
-
-
-def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
-  """A burn-in step: the statistics only, no move."""
-  zero = jnp.zeros([], dtype)
-  zeros = optax.tree_utils.tree_zeros_like(params)
-  return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
 
 
 def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux, raised):
@@ -260,8 +239,6 @@ def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux
 class Optimizer:
   """K-FAC with learning rate, momentum and damping adapted from the quadratic model.
 
-  `init` and `step` are pure functions: jit (or pmap / shard_map with `axis_name`) them yourself.
-
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
       registers it with the default settings (see `kfac_jax.Registration`).
@@ -285,9 +262,7 @@ class Optimizer:
     config: a `kfac_jax.Config` with the rarer knobs (those the Optimizer reads).
 
   Schedules are called with `state.step + state.skipped` (every step seen, burn-in included):
-  a non-finite value skips its step. A step costs, beyond the gradient: the statistics'
-  backward pass (on curvature steps), two Jacobian-vector products when α or μ comes from the
-  model, and a forward pass for `h(θ + δ)` on damping-adaptation steps.
+  a non-finite value skips its step.
 
   Raises:
     TypeError / ValueError: a bad hyperparameter, named with the value received, before any
@@ -361,7 +336,7 @@ class Optimizer:
         f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
         "damping would be clipped up at once; lower min_damping or raise damping."
       )
-    self._shapes = _fit.StateShapes(self.init)
+    self._shapes = _fit.state_shapes(self.init)
     self.example_batch, self.axis_name, self.config = example_batch, axis_name, config
     self.learning_rate, self.momentum, self.damping = learning_rate, momentum, damping
     self.use_adaptive_damping, self.l2_reg = use_adaptive_damping, float(l2_reg)
@@ -386,12 +361,12 @@ class Optimizer:
     state = OptimizerState(
       step=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
-      curvature=self._engine.init(bound, params),
+      curvature=self._engine.curvature.init(bound, self._engine.placement, params),
       damping=jnp.asarray(lam, dtype),
       rho=jnp.zeros([], dtype),
       velocity=optax.tree_utils.tree_zeros_like(params),
     )
-    return self._engine.replicate(state, params)
+    return _parallel.replicate_on_mesh(state, params, self._engine.placement.mesh)
 
   @_migrate.translated("Optimizer.step")
   def step(
@@ -472,10 +447,12 @@ class Optimizer:
 
     in_burn = state.step < cfg.burn_in_steps
     move = functools.partial(self._move, fp, bound.estimator, step, state, lam)
-    if cfg.burn_in_steps:
-      m = jax.lax.cond(in_burn, functools.partial(_burn_in, params, state, lam, dtype), move)
-    else:
-      m = move()
+
+    def burn_in():  # The statistics only, no move.
+      zero, zeros = jnp.zeros([], dtype), optax.tree_utils.tree_zeros_like(params)
+      return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
+
+    m = jax.lax.cond(in_burn, burn_in, move) if cfg.burn_in_steps else move()
     update = m.update
     if cfg.weight_decay:  # Decoupled: `δ − d θ`.
       d = jnp.where(in_burn, 0, cfg.weight_decay)
@@ -496,18 +473,16 @@ class Optimizer:
       None if step.values[n] is None else jnp.asarray(step.values[n], dtype)
       for n in ("learning_rate", "momentum")
     )
+    place = self._engine.placement
     if self.norm_constraint is not None:
       assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
-      place = self._engine.placement
       f_delta = est._power(step.curvature, delta, 1.0, place.axis_name, place.mesh)
       quad = _verdict.tree_vdot(delta, f_delta).astype(dtype)
       alpha = kl_clip(alpha, quad, jnp.asarray(self.norm_constraint, dtype))
     change, fixed = jnp.full([], jnp.nan, dtype), alpha is not None and mu is not None
     if alpha is None or mu is None:
       shift = lam + self.l2_reg
-      alpha, mu, change = quadratic_model(
-        fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name
-      )
+      alpha, mu, change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, place)
     update = jax.tree_util.tree_map(
       lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, velocity
     )
@@ -536,11 +511,12 @@ class Optimizer:
     dtype = lam.dtype
     if change is None:
       shift = lam + self.l2_reg
-      change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name)[2]
+      place = self._engine.placement
+      change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, place)[2]
     new = [
       p + u for p, u in zip(jax.tree_util.tree_leaves(fp.params), jax.tree_util.tree_leaves(update))
     ]
-    h_new = _pmean(fp.lin.loss_at(new, fp.batch_leaves), self.axis_name)
+    h_new = self._engine.placement.mean(fp.lin.loss_at(new, fp.batch_leaves))
     rho = reduction_ratio(fp.loss, h_new, change)
     return self._adapt_damping(lam, rho).astype(dtype), rho.astype(dtype), change.astype(dtype)
 
