@@ -75,10 +75,6 @@ class CurvatureEstimator:
     only: the names of the blocks to keep (None: all): the estimator of a share of the
       parameters, whose products leave the other parameters' entries as they come.
 
-  Statistics are accumulated in at least float32 and stored in `config.stats_dtype`;
-  preconditioned vectors come back in their own dtype. With `inverse_storage="sharded"` every
-  state method needs `axis_name=` (inside pmap / shard_map, `init` too) or `mesh=(mesh, axis)`.
-
   Raises:
     TypeError: an argument of the wrong kind, named with the value received (a loss function
       instead of a registration names `kfac_jax.Registration`).
