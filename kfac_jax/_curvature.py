@@ -108,22 +108,18 @@ def check_rng(estimation_mode: str, rng, batch=None, who: str = "") -> None:
     )
 
 
-class CurvaturePart:
+def curvature_part(curvature_fn: Callable) -> Callable:
   """`curvature_fn(params, batch)` as the scanner traces it: its return value is ignored (the
   traced loss is zero)."""
+  _checks.function(curvature_fn, "curvature_fn")
 
-  def __init__(self, curvature_fn: Callable):
-    if not callable(curvature_fn):
-      raise TypeError(
-        f"`curvature_fn` must be callable, got {type(curvature_fn).__name__}: {curvature_fn!r}."
-      )
-    self.curvature_fn = curvature_fn
-
-  def __call__(self, params, batch):
-    out = self.curvature_fn(params, batch)
+  def part(params, batch):
+    out = curvature_fn(params, batch)
     dtype = next((x.dtype for x in jax.tree_util.tree_leaves(out) if hasattr(x, "dtype")), None)
     dtype = dtype if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else jnp.float32
     return jnp.zeros((), dtype)
+
+  return part
 
 
 def _join_exact(cts: list[Array]) -> list[Array]:
@@ -158,16 +154,10 @@ def _stacked_tap(graph: _scan.FlatGraph, uses):
 
 
 class Linearisation:
-  """One forward pass of the tagged loss, linearised in (params, layer-output perturbations).
-
-  With `loss_part` (a `LossPart`), the graph is a curvature function's: the loss, aux and
-  gradient are then `jax.value_and_grad(loss_part)`'s.
-
-  Attributes:
-    scan: the `_scan.ScanResult` whose graph was run; loss: the scalar loss.
-    preds, others: per loss tag, its prediction and its further operands (targets, weights).
-    aux: with `has_aux`, the aux `loss_fn` returned; None otherwise.
-  """
+  """One forward pass of `scan`'s graph, linearised in (params, layer-output perturbations);
+  with `loss_part` (the graph is a curvature function's) `loss`, `aux` and the gradient are
+  `jax.value_and_grad(loss_part)`'s. `preds`, `others`: per loss tag, its prediction and its
+  further operands (targets, weights); `aux`: None without `has_aux`."""
 
   def __init__(self, scan: _scan.ScanResult, params, batch, loss_part: Any = None):
     leaves = jax.tree_util.tree_leaves(params)
@@ -304,40 +294,20 @@ class Linearisation:
       params_stats = jax.tree_util.tree_unflatten(
         self.params_treedef, [jnp.mean(x, axis=0) / size for x in p_ct]
       )
-    return CurvatureStats(
-      tuple(data),
-      tuple(s.name for s in scan.layers),
-      scan.batch_size,
-      params_stats,
-      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-      fingerprint,
-    )
+    names = tuple(s.name for s in scan.layers)
+    shapes = tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers)
+    return CurvatureStats(tuple(data), names, size, params_stats, shapes, fingerprint)
 
 
 def compute(
-  scan: _scan.ScanResult,
-  params,
-  batch,
-  rng: Array | None,
-  *,
-  estimation_mode: str,
-  num_samples: int,
-  with_grads: bool,
-  with_params_stats: bool = False,
-  fingerprint: Any = None,
-  loss_part: Any = None,
+  scan: _scan.ScanResult, params, batch, rng, *, with_grads: bool, loss_part: Any = None, **settings
 ):
   """`(loss, grads or None, CurvatureStats)` from one forward pass; `(loss, aux, grads, stats)`
-  when the loss has an aux. `loss_part`: the loss when `scan` is a curvature function's."""
+  when the loss has an aux. `loss_part`: the loss when `scan` is a curvature function's;
+  `settings`: `Linearisation.statistics`' (`estimation_mode`, `num_samples`, ...)."""
   lin = Linearisation(scan, params, batch, loss_part if with_grads else None)
   grads = lin.grads() if with_grads else None
-  stats = lin.statistics(
-    rng,
-    estimation_mode=estimation_mode,
-    num_samples=num_samples,
-    with_params_stats=with_params_stats,
-    fingerprint=fingerprint,
-  )
+  stats = lin.statistics(rng, **settings)
   if scan.aux_tree is not None or (loss_part is not None and loss_part.has_aux):
     return lin.loss, lin.aux, grads, stats
   return lin.loss, grads, stats

@@ -172,10 +172,9 @@ class CurvatureEstimator:
   def check_state(
     self, state, axis_name=None, mesh=None, who: str = "this estimator", what: str = "state"
   ):
-    """ValueError naming what differs when `state` is not one this estimator's `init` makes
-    (another model, layer configuration or storage), when `axis_name` is not bound and when
-    `mesh` names an axis its mesh lacks (with both, the storage names the conflict). A sharded
-    state's buffers are checked by its storage."""
+    """ValueError naming what differs when `state` is not one this estimator's `init` makes (a
+    sharded one's storage checks its buffers), when `axis_name` is not bound and when `mesh`
+    names an axis its mesh lacks."""
     if mesh is None:
       _checks.axis_bound(axis_name, who)
     else:
@@ -254,15 +253,13 @@ class CurvatureEstimator:
       return out
 
     data = [stats.data[i] for i in self._active]
+
     # The factors contract over the (possibly sharded) batch axis: on a mesh with explicit axes
     # that contraction runs with them made automatic.
-    out = _parallel.explicit_axes_as_auto(
-      lambda data, cache: {
-        n: one(n, b, d, cache) for n, b, d in zip(self.names, self.blocks, data)
-      },
-      data,
-      cache,
-    )
+    def every(data, cache):
+      return {n: one(n, b, d, cache) for n, b, d in zip(self.names, self.blocks, data)}
+
+    out = _parallel.explicit_axes_as_auto(every, data, cache)
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out
@@ -369,15 +366,11 @@ class CurvatureEstimator:
       for shape, x, path in zip(self.registration.param_shapes, leaves, paths):
         if tuple(np.shape(x)) != shape:
           raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
-      out = _parallel.explicit_axes_as_auto(
-        lambda factors, cache, leaves: self.storage.apply(
-          factors, cache, leaves, fn, axis_name, mesh, method
-        ),
-        state.factors,
-        state.cache,
-        leaves,
-        like=leaves,
-      )
+
+      def run(factors, cache, leaves):
+        return self.storage.apply(factors, cache, leaves, fn, axis_name, mesh, method)
+
+      out = _parallel.explicit_axes_as_auto(run, state.factors, state.cache, leaves, like=leaves)
       return jax.tree_util.tree_unflatten(treedef, out)
 
   def multiply_matpower(self, state, vector, exp: float, *, axis_name=None, mesh=None):
@@ -394,14 +387,8 @@ class CurvatureEstimator:
 
   def _power(self, state, vector, exp: float, axis_name, mesh):
     """`multiply_matpower`, unchecked (the fronts' engine checked its arguments)."""
-    return self.apply(
-      state,
-      vector,
-      lambda b, f, c, v: b.multiply_matpower(f, c, v, exp),
-      axis_name,
-      mesh,
-      "multiply_matpower",
-    )
+    power = lambda b, f, c, v: b.multiply_matpower(f, c, v, exp)
+    return self.apply(state, vector, power, axis_name, mesh, "multiply_matpower")
 
   def multiply(self, state: EstimatorState, vector, *, axis_name=None, mesh=None):
     """The damped curvature times `vector` (power 1)."""
@@ -416,14 +403,9 @@ class CurvatureEstimator:
   ):
     """C·v (C⁻¹·v with `inverse`; Cᵀ with `transpose`), C Cᵀ = damped curvature."""
     self.check_state(state, axis_name, mesh)
-    return self.apply(
-      state,
-      vector,
-      lambda b, f, c, v: b.multiply_cholesky(f, c, v, transpose=transpose, inverse=inverse),
-      axis_name,
-      mesh,
-      "multiply_cholesky_inverse" if inverse else "multiply_cholesky",
-    )
+    cholesky = lambda b, f, c, v: b.multiply_cholesky(f, c, v, transpose=transpose, inverse=inverse)
+    method = "multiply_cholesky_inverse" if inverse else "multiply_cholesky"
+    return self.apply(state, vector, cholesky, axis_name, mesh, method)
 
   def multiply_cholesky_inverse(
     self, state: EstimatorState, vector, *, transpose=False, axis_name=None, mesh=None

@@ -7,11 +7,10 @@ a scan made with stand-in collective axes.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -207,7 +206,7 @@ class Registration:
     curvature_fn: Callable | None = None,
   ):
     part = LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
-    curvature_part = None if curvature_fn is None else _curvature.CurvaturePart(curvature_fn)
+    curvature_part = None if curvature_fn is None else _curvature.curvature_part(curvature_fn)
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
     checks = _audit.checks_from(check_loss)
@@ -247,7 +246,9 @@ class Registration:
     self._set(param_paths=_scan.param_paths(params), example_batch_size=scan.batch_size)
     self._set(param_shapes=tuple(tuple(np.shape(x)) for x in leaves))
     self._set(param_dtypes=tuple(str(jnp.result_type(x)) for x in leaves))
-    self._set(block_names=tuple(_unique_names(scan.layers)))
+    own = [s.name for s in scan.layers]  # The k-th layer of a name is `name#k` (k > 1).
+    unique = [n if own.index(n) == i else f"{n}#{own[: i + 1].count(n)}" for i, n in enumerate(own)]
+    self._set(block_names=tuple(unique))
     # Per loss tag, its prediction's axes after the example one (a categorical's class axis out).
     shapes = [s.prediction_shape[1 : -1 if s.kind == "categorical" else None] for s in scan.losses]
     self._set(outputs_per_example=sum(math.prod(shape) for shape in shapes))
@@ -419,15 +420,6 @@ class Registration:
       f"registration {who} was built with: `kfac_jax.value_and_grad(registration=reg)` with "
       "`reg = kfac_jax.Registration(loss_fn, params, batch, ...)` shared by both."
     )
-
-
-def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:
-  names: list[str] = []
-  seen: collections.Counter[str] = collections.Counter()
-  for s in specs:
-    seen[s.name] += 1
-    names.append(s.name if seen[s.name] == 1 else f"{s.name}#{seen[s.name]}")
-  return names
 
 
 def shared(registration, loss_fn, who: str, *others: tuple[str, Any]) -> Registration | None:
