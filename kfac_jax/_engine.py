@@ -196,10 +196,8 @@ class Kfac:
     """The estimator of `registration` (of the share `kept`'s layers), built once."""
     only = None if kept is None else _share_layers(registration, kept, who)
     config = self.config.read_by("CurvatureEstimator")
-    return self._estimators(
-      (registration, only),
-      lambda: _estimator.CurvatureEstimator(registration, config=config, only=only),
-    )
+    make = lambda: _estimator.CurvatureEstimator(registration, config=config, only=only)
+    return self._estimators((registration, only), make)
 
   def init(self, bound: Bound, placement: Placement, params) -> _estimator.EstimatorState:
     del params
@@ -233,10 +231,8 @@ class Kfac:
       pre = est._power(curv, vector, -1.0, placement.axis_name, placement.mesh)
       return jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, vector)
 
-    if in_burn is None:
-      pre = precondition()
-    else:
-      pre = jax.lax.cond(in_burn, lambda: optax.tree_utils.tree_zeros_like(vector), precondition)
+    zeros = lambda: optax.tree_utils.tree_zeros_like(vector)  # noqa: E731
+    pre = precondition() if in_burn is None else jax.lax.cond(in_burn, zeros, precondition)
     if ok is not None:
       ok = ok & _storage.all_finite(pre)
     mesh = placement.mesh
@@ -266,11 +262,8 @@ class Kfac:
       new = est._fold(old, stats, self.schedule.ema_decay, placement.axis_name, placement.mesh)
       return new.factors, new.ema_weight, new.skipped_batches
 
-    if due is None:
-      factors, weight, skipped = fold()
-    else:
-      keep = lambda: (old.factors, old.ema_weight, old.skipped_batches)  # noqa: E731
-      factors, weight, skipped = jax.lax.cond(due, fold, keep)
+    keep = lambda: (old.factors, old.ema_weight, old.skipped_batches)  # noqa: E731
+    factors, weight, skipped = fold() if due is None else jax.lax.cond(due, fold, keep)
     curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
     ok = None if work.ok is None else work.ok & (skipped == old.skipped_batches)
     return curv, ok
@@ -289,8 +282,7 @@ class Kfac:
       return before.cache, before.failed_inverses, jnp.zeros((len(est.names),), bool)
 
     cache, count, failed = jax.lax.cond(due, refresh, keep)
-    if work.reporter is not None:
-      reporter = work.reporter
+    if (reporter := work.reporter) is not None:
       blocks = tuple(
         f"`{n}` ({(b.spec.block or type(b)).__name__})" for n, b in zip(est.names, est.blocks)
       )

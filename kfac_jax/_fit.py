@@ -14,9 +14,6 @@ import numpy as np
 from kfac_jax import _checks
 from kfac_jax._specs import key_name
 
-# The `EstimatorState` fields that hold one entry per block (named in the messages).
-PER_BLOCK_FIELDS = ("factors", "cache")
-
 
 class _Leaf(NamedTuple):
   shape: tuple[int, ...]
@@ -75,7 +72,7 @@ def describe(path) -> tuple[str, str | None, str]:
   names = [key_name(k) for k in path]
   block, field = None, "/".join(names)
   for i, n in enumerate(names[:-1]):
-    if n in PER_BLOCK_FIELDS:  # Estimator-state fields keyed by block name.
+    if n in ("factors", "cache"):  # Estimator-state fields keyed by block name.
       block, field = names[i + 1], "/".join([n] + names[i + 2 :])
   if block == "buffers":
     block = None  # A ShardedCache (inverse_storage="sharded"): no per-block leaves to name.

@@ -89,10 +89,8 @@ class KfacOptaxState(NamedTuple):
 def adapt_damping(
   damping: Array, rho: Array, *, omega: float, min_damping: float, max_damping: float
 ) -> Array:
-  """One Levenberg–Marquardt update: `λω` if ρ > 3/4, `λ/ω` if ρ < 1/4, clipped.
-
-  A NaN ρ (no model decrease to compare with) leaves λ unchanged, apart from the clip.
-  """
+  """One Levenberg–Marquardt update: `λω` if ρ > 3/4, `λ/ω` if ρ < 1/4, clipped; a NaN ρ (no
+  model decrease to compare with) leaves λ unchanged but for the clip."""
   new = jnp.where(rho > 0.75, damping * omega, jnp.where(rho < 0.25, damping / omega, damping))
   return jnp.clip(new, min_damping, max_damping)
 
@@ -100,11 +98,9 @@ def adapt_damping(
 def solve_quadratic_model(
   c: Array, b: Array, learning_rate: Array | None = None, momentum: Array | None = None
 ) -> tuple[Array, Array, Array]:
-  """`(α, μ, M(α, μ))` minimising `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)`, for C `[2, 2]` and
-  b `[2]` (see the module docstring); a fixed `learning_rate` α or `momentum` μ is kept. The
-  joint solve falls back to the 1-D one (`μ = 0`) when C is singular to working precision; a
-  non-positive curvature along a vector gives it a zero coefficient.
-  """
+  """`(α, μ, M(α, μ))` minimising `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)` (C `[2, 2]`, b `[2]`),
+  keeping a fixed α or μ. The joint solve falls back to the 1-D one (`μ = 0`) when C is singular
+  to working precision; a non-positive curvature along a vector gives it a zero coefficient."""
   c00, c01, c11 = c[0, 0], c[0, 1], c[1, 1]
   b0, b1 = b[0], b[1]
   zero = jnp.zeros_like(c00)
@@ -337,6 +333,10 @@ class Optimizer:
         "damping would be clipped up at once; lower min_damping or raise damping."
       )
     self._shapes = _fit.state_shapes(self.init)
+    omega = config.damping_adaptation_decay**config.damping_adaptation_interval  # ω₁^T
+    self._adapt_damping = functools.partial(
+      adapt_damping, omega=omega, min_damping=config.min_damping, max_damping=config.max_damping
+    )
     self.example_batch, self.axis_name, self.config = example_batch, axis_name, config
     self.learning_rate, self.momentum, self.damping = learning_rate, momentum, damping
     self.use_adaptive_damping, self.l2_reg = use_adaptive_damping, float(l2_reg)
@@ -394,12 +394,8 @@ class Optimizer:
     given = {"learning_rate": learning_rate, "momentum": momentum, "damping": damping}
     updates, new_state, info = self._update(params, state, batch, rng, given)
     ok = ~info["skipped"]
-    new_params = jax.tree_util.tree_map(
-      lambda p, u: jnp.where(ok, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p),
-      params,
-      updates,
-    )
-    return new_params, new_state, info
+    apply = lambda p, u: jnp.where(ok, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p)
+    return jax.tree_util.tree_map(apply, params, updates), new_state, info
 
   def _hyperparameters(self, state: OptimizerState, given) -> dict[str, tuple[Any, float | None]]:
     """This step's α, μ and λ sources (see `_engine.Inputs`): given for this step, else the
@@ -456,9 +452,8 @@ class Optimizer:
     update = m.update
     if cfg.weight_decay:  # Decoupled: `δ − d θ`.
       d = jnp.where(in_burn, 0, cfg.weight_decay)
-      update = jax.tree_util.tree_map(
-        lambda u, p: (u - d.astype(p.dtype) * p).astype(p.dtype), update, params
-      )
+      decay = lambda u, p: (u - d.astype(p.dtype) * p).astype(p.dtype)
+      update = jax.tree_util.tree_map(decay, update, params)
     raised = None
     if self.use_adaptive_damping:
       raised = self._adapt_damping(lam, jnp.asarray(-jnp.inf, dtype)).astype(dtype)
@@ -483,9 +478,8 @@ class Optimizer:
     if alpha is None or mu is None:
       shift = lam + self.l2_reg
       alpha, mu, change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, place)
-    update = jax.tree_util.tree_map(
-      lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, velocity
-    )
+    combine = lambda d, v: (alpha * d + mu * v).astype(d.dtype)
+    update = jax.tree_util.tree_map(combine, delta, velocity)
     if self.use_adaptive_damping:
       cfg = self.config
       adapt = functools.partial(
@@ -498,9 +492,8 @@ class Optimizer:
       rejected = due & ~(rho >= 0)
       low = jnp.finfo(rho.dtype).min
       rho = jnp.where(jnp.isnan(rho), state.rho, jnp.clip(rho, low, -low))
-      update = optax.tree_utils.tree_where(
-        rejected, optax.tree_utils.tree_zeros_like(update), update
-      )
+      zeros = optax.tree_utils.tree_zeros_like(update)
+      update = optax.tree_utils.tree_where(rejected, zeros, update)
       velocity = optax.tree_utils.tree_where(rejected, state.velocity, update)
       return _Move(update, velocity, new_lam, rho, alpha, mu, change)
     return _Move(update, update, lam, state.rho, alpha, mu, change)
@@ -519,14 +512,6 @@ class Optimizer:
     h_new = self._engine.placement.mean(fp.lin.loss_at(new, fp.batch_leaves))
     rho = reduction_ratio(fp.loss, h_new, change)
     return self._adapt_damping(lam, rho).astype(dtype), rho.astype(dtype), change.astype(dtype)
-
-  def _adapt_damping(self, lam, rho):
-    """`adapt_damping` with ω = `damping_adaptation_decay` to the power of the interval."""
-    cfg = self.config
-    omega = cfg.damping_adaptation_decay**cfg.damping_adaptation_interval
-    return adapt_damping(
-      lam, rho, omega=omega, min_damping=cfg.min_damping, max_damping=cfg.max_damping
-    )
 
   def as_optax(self) -> optax.GradientTransformationExtraArgs:
     """This optimizer as an optax transformation.

@@ -161,11 +161,8 @@ def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, re
           out, state.rest, params, kfac_grads=updates, kfac_count=step.clock, **extra
         )
 
-      if ok is None:
-        out, rest_state = run()
-      else:
-        zeros = optax.tree_utils.tree_zeros_like(out)
-        out, rest_state = jax.lax.cond(ok, run, lambda: (zeros, state.rest))
+      skip = lambda: (optax.tree_utils.tree_zeros_like(out), state.rest)  # noqa: E731
+      out, rest_state = run() if ok is None else jax.lax.cond(ok, run, skip)
     if ok is None:
       new = own_type(optax.safe_increment(own.count), step.curvature, own.skipped)
     else:
@@ -283,12 +280,8 @@ def _clip_by_kfac_norm(max_norm, tagged: _engine.Engine | None):
 
   def update_fn(updates, state, params=None, *, kfac_grads, **extra_args):
     del extra_args
-    r = (
-      max_norm
-      if tagged is None
-      else max_norm * (tagged.bind(params).registration.loss_factor or 1.0)
-    )
-    coeff = clip_coefficient(updates, kfac_grads, r)
+    c = 1.0 if tagged is None else (tagged.bind(params).registration.loss_factor or 1.0)
+    coeff = clip_coefficient(updates, kfac_grads, max_norm * c)
     return jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), updates), state
 
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
@@ -339,12 +332,8 @@ def _kfac_learning_rate(learning_rate, engine: _engine.Engine, registration):
       _report_far_learning_rate(reporter, reg, value)
       return
     ratio = jnp.asarray(value) / _tagged_default(reg)
-    reporter.when_bad(
-      (ratio >= _FAR_BELOW) & (ratio <= _FAR_ABOVE),
-      lambda v, n: _report_far_learning_rate(reporter, reg, v, n),
-      value,
-      count,
-    )
+    report = lambda v, n: _report_far_learning_rate(reporter, reg, v, n)
+    reporter.when_bad((ratio >= _FAR_BELOW) & (ratio <= _FAR_ABOVE), report, value, count)
 
   default = lambda params: _tagged_default(engine.bind(params).registration)  # noqa: E731
   return scale_by_learning_rate(learning_rate, default, check)
@@ -367,10 +356,8 @@ def scale_by_learning_rate(learning_rate, default: Callable, check: Callable | N
       step = learning_rate(kfac_count) if callable(learning_rate) else learning_rate
       if check is not None and not isinstance(learning_rate, (int, float)):
         check(params, step, kfac_count)
-    return jax.tree_util.tree_map(
-      lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
-      updates,
-    ), state
+    scale = lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype)
+    return jax.tree_util.tree_map(scale, updates), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

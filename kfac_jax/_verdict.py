@@ -34,11 +34,9 @@ _CHAINED = (
 
 
 class Reporter:
-  """One front's warnings, each given once per name whichever device or step reports it.
-
-  `chained`: the front is an optax transform, whose updates the rest of a user's chain can make
-  non-finite; `in_step`: a compiled step warns too (`Config.step_warnings`).
-  """
+  """One front's warnings, each given once per name whichever device or step reports it;
+  `chained`: an optax transform (the rest of a chain can make its updates non-finite);
+  `in_step`: a compiled step warns too (`Config.step_warnings`)."""
 
   def __init__(self, who: str, *, chained: bool = False, in_step: bool = False):
     self.who, self.chained, self.in_step = who, chained, in_step
