@@ -242,8 +242,7 @@ class Linearisation:
 
   def prediction_jvp(self, p_leaves):
     """Per loss tag, `J v`: the predictions' derivative along the param-leaf tangent `v`."""
-    _, preds_dot = self._jvp(list(p_leaves), jax.tree_util.tree_map(jnp.zeros_like, self._eps0))
-    return preds_dot
+    return self._jvp(list(p_leaves), jax.tree_util.tree_map(jnp.zeros_like, self._eps0))[1]
 
   def statistics(
     self,

@@ -140,10 +140,8 @@ class Bound(NamedTuple):
     if self.kept is None:
       return full
     flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
-    leaves = jax.tree_util.tree_leaves(full)
-    return jax.tree_util.tree_unflatten(
-      treedef, [x if _is_masked(x) else y for x, y in zip(flat, leaves)]
-    )
+    merged = [x if _is_masked(x) else y for x, y in zip(flat, jax.tree_util.tree_leaves(full))]
+    return jax.tree_util.tree_unflatten(treedef, merged)
 
 
 class Inputs(NamedTuple):
@@ -406,9 +404,7 @@ class Engine:
     lows = {n: (values[n], low) for n, (_, low) in inputs.hyperparameters.items()}
     usable = hyperparameters_ok(self.reporter, lows, clock, guard)
     finite = inputs_ok(self.reporter, inputs.finite, clock, guard)
-    ok = None
-    if guard:
-      ok = finite if usable is None else finite & usable
+    ok = (finite if usable is None else finite & usable) if guard else None
     work = Work(inputs.vector, inputs.statistics, count, values, ok, clock, self.reporter)
     pre, curvature, ok = self.curvature.step(bound, self.placement, curvature, work)
     return Step(pre, curvature, ok, clock, values, work.ok)
@@ -422,9 +418,8 @@ def _check_vector(bound: Bound, vector, who: str) -> None:
   paths = _specs.param_paths(filled)
   if paths != reg.param_paths:
     return  # Another structure: the estimator's products name the leaves that differ.
-  for path, x, shape, dtype in zip(
-    paths, jax.tree_util.tree_leaves(filled), reg.param_shapes, reg.param_dtypes
-  ):
+  leaves = jax.tree_util.tree_leaves(filled)
+  for path, x, shape, dtype in zip(paths, leaves, reg.param_shapes, reg.param_dtypes):
     got = (tuple(jnp.shape(x)), str(jnp.result_type(x)))
     if got != (shape, dtype):
       raise ValueError(

@@ -190,12 +190,9 @@ class CurvatureEstimator:
     if params is not None:
       self.registration.check_params(params)
     factors, cache = self.storage.init_state(axis_name, mesh)
+    count = lambda: jnp.zeros((), jnp.int32)  # Distinct arrays: a state can be donated.
     return EstimatorState(
-      factors=factors,
-      cache=cache,
-      ema_weight=jnp.zeros((), self.numerics.accum_dtype),
-      skipped_batches=jnp.zeros((), jnp.int32),
-      failed_inverses=jnp.zeros((), jnp.int32),
+      factors, cache, jnp.zeros((), self.numerics.accum_dtype), count(), count()
     )
 
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
@@ -297,16 +294,10 @@ class CurvatureEstimator:
     ok = _storage.all_finite(jax.tree_util.tree_map(lambda x: x.astype(stored), new))
     # A cond on the scalar flag, not a `where` over every factor: the average is computed in
     # the taken branch, straight into the new state's buffers.
-    factors, weight = jax.lax.cond(
-      ok,
-      lambda: (self.storage.fold(state.factors, new, weight, average, axis_name, mesh), weight),
-      lambda: (state.factors, state.ema_weight),
-    )
-    return state._replace(
-      factors=factors,
-      ema_weight=weight,
-      skipped_batches=state.skipped_batches + (~ok).astype(jnp.int32),
-    )
+    fold = lambda: (self.storage.fold(state.factors, new, weight, average, axis_name, mesh), weight)
+    factors, weight = jax.lax.cond(ok, fold, lambda: (state.factors, state.ema_weight))
+    skipped = state.skipped_batches + (~ok).astype(jnp.int32)
+    return state._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
 
   def update_curvature(
     self,

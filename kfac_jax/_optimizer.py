@@ -129,8 +129,7 @@ def solve_quadratic_model(
     alpha = jnp.asarray(learning_rate, c.dtype)
     mu = jnp.asarray(momentum, c.dtype)
   x = jnp.stack([alpha, mu])
-  change = b @ x + 0.5 * x @ (c @ x)
-  return alpha, mu, change
+  return alpha, mu, b @ x + 0.5 * x @ (c @ x)
 
 
 class _Pass(NamedTuple):
@@ -159,9 +158,7 @@ def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, place: 
   """`(α, μ, M(α Δ + μ δ_prev))`, the coefficients left None minimising M, `shift = λ + η`; `J v`
   are push-forwards through the step's linearisation, `H_z u` each loss tag's products."""
 
-  def dot(a, b):
-    return _parallel.vdot(a.astype(dtype), b.astype(dtype))
-
+  dot = lambda a, b: _parallel.vdot(a.astype(dtype), b.astype(dtype))
   vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(velocity)]
   pairs = [(0, 0), (0, 1), (1, 1)]
   jv = [fp.lin.prediction_jvp(v) for v in vecs]  # per vector, per loss tag: [*prediction.shape]
@@ -208,14 +205,9 @@ def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux
   )
   if raised is not None:  # The preconditioner overflowed at this damping: raise it.
     new_lam = jnp.where(inputs_ok & ~ok, raised, new_lam)
-  new_state = OptimizerState(
-    step=state.step + ok.astype(state.step.dtype),
-    skipped=state.skipped + (~ok).astype(state.skipped.dtype),
-    curvature=step.curvature,
-    damping=new_lam,
-    rho=rho,
-    velocity=velocity,
-  )
+  steps = state.step + ok.astype(state.step.dtype)
+  skipped = state.skipped + (~ok).astype(state.skipped.dtype)
+  new_state = OptimizerState(steps, skipped, step.curvature, new_lam, rho, velocity)
   update = optax.tree_utils.tree_where(ok, update, optax.tree_utils.tree_zeros_like(update))
   info = {
     "loss": loss,
@@ -435,9 +427,8 @@ class Optimizer:
     def statistics():
       return lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples)
 
-    inputs = _engine.Inputs(
-      grads, statistics, {"gradient": grads, "params": params, "loss": loss}, hyperparameters
-    )
+    finite = {"gradient": grads, "params": params, "loss": loss}
+    inputs = _engine.Inputs(grads, statistics, finite, hyperparameters)
     step = engine.step(bound, state.step, state.skipped, state.curvature, inputs)
     lam = jnp.asarray(step.values["damping"], dtype)
 

@@ -324,9 +324,8 @@ class Registration:
   def blocks(self, config: _blocks.BlockConfig | None = None) -> tuple[_blocks.Block, ...]:
     """One curvature block per layer for the block options `config` (built once per config)."""
     config = _blocks.BlockConfig() if config is None else config
-    return self._block_sets(
-      config, lambda: tuple(_blocks.make_block(s, config) for s in self.layers)
-    )
+    make = lambda: tuple(_blocks.make_block(s, config) for s in self.layers)
+    return self._block_sets(config, make)
 
   def scan_batch(self, params, batch, *, check_layers: bool = True) -> _scan.ScanResult:
     """The traced graph of `loss_fn(params, batch)`, checked to have the registration's layers
@@ -340,11 +339,8 @@ class Registration:
       return kept
     scan = self._trace(params, batch, False)
     if check_layers:
-      self.check_layer_shapes(
-        tuple(s.name for s in scan.layers),
-        tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-        scan.batch_size,
-      )
+      shapes = tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers)
+      self.check_layer_shapes(tuple(s.name for s in scan.layers), shapes, scan.batch_size)
     if key is not None and not _audit.has_tracer_consts(scan):
       self._scans.put(key if check_layers else (key, "unchecked"), scan)
     return scan
@@ -459,9 +455,6 @@ def value_and_grad(
   compute_params_stats: bool = False,
 ) -> Callable:
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
-
-  Call it inside your jitted train step, like `jax.value_and_grad`; `curvature_stats` is what
-  `scale_by_kfac`'s update takes.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output: `fn`

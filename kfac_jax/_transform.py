@@ -87,10 +87,8 @@ def _rows(fraction, batch, who: str) -> tuple[Any, int]:
     stride = n // rows
   if rows == n:
     return batch, rows
-  cut = jax.tree_util.tree_map(
-    lambda x: x[: rows * stride : stride] if jnp.ndim(x) >= 1 else x, batch
-  )
-  return cut, rows
+  take = lambda x: x[: rows * stride : stride] if jnp.ndim(x) >= 1 else x
+  return jax.tree_util.tree_map(take, batch), rows
 
 
 def kfac_statistics(engine: _engine.Engine, bound, params, batch, rng, curvature_stats):
@@ -168,11 +166,8 @@ def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, re
     else:
       if rest is None:
         out = optax.tree_utils.tree_where(ok, out, optax.tree_utils.tree_zeros_like(out))
-      new = own_type(
-        own.count + ok.astype(own.count.dtype),
-        step.curvature,
-        own.skipped + (~ok).astype(own.skipped.dtype),
-      )
+      count = own.count + ok.astype(own.count.dtype)
+      new = own_type(count, step.curvature, own.skipped + (~ok).astype(own.skipped.dtype))
     return out, (new if rest is None else engine.state_type(new, rest_state))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -248,15 +243,8 @@ def _kfac_engine(
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
   _checks.number(damping, "damping", low=0.0, schedule=True)
-  return _engine.Engine.kfac(
-    who,
-    source,
-    _engine.Schedule.checked(*schedule),
-    axis_name=axis_name,
-    config=config,
-    state_type=state_type,
-    transform=True,
-  )
+  front = {"axis_name": axis_name, "config": config, "state_type": state_type, "transform": True}
+  return _engine.Engine.kfac(who, source, _engine.Schedule.checked(*schedule), **front)
 
 
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:

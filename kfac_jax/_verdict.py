@@ -153,9 +153,8 @@ def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: boo
       for t in trees.values()
     ]
 
-  reporter.when_bad(
-    ok, lambda step, f: reporter.inputs(names, paths, step, f, skipped), clock, flags
-  )
+  report = functools.partial(reporter.inputs, names, paths, skipped=skipped)
+  reporter.when_bad(ok, report, clock, flags)
   return ok
 
 
