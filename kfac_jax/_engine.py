@@ -4,7 +4,7 @@
 Each update runs `bind` (the registration and the curvature's part for these params or their
 `optax.multi_transform` share), `check` (cheapest first) and `step` (the verdicts, then the
 curvature's step). K-FAC's fold and refresh are each a `lax.cond` that carries only what it can
-change (XLA copies an operand passed through a cond), gated on the verdict: no guard restores.
+change (XLA copies what a cond passes through unchanged), gated on the verdict: no guard restores.
 """
 
 from __future__ import annotations
