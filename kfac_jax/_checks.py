@@ -90,9 +90,7 @@ def positive_int(value, name: str) -> None:
   """An integer >= 1 (a Python int, a numpy integer or a 0-d integer-valued array)."""
   expected = "a positive integer"
   v = _as_float(value, name, expected)
-  if v is None:
-    return
-  if not math.isfinite(v) or v != int(v) or v < 1:
+  if v is not None and (not math.isfinite(v) or v != int(v) or v < 1):
     raise ValueError(f"`{name}` must be {expected}, got {_describe(value)}.")
 
 

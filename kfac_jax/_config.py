@@ -11,19 +11,6 @@ import jax
 from kfac_jax import _checks, _parallel, _storage
 from kfac_jax import blocks as _blocks
 
-
-def _check_mesh(mesh) -> None:
-  if mesh is None:
-    return
-  pair = isinstance(mesh, tuple) and len(mesh) == 2 and isinstance(mesh[0], jax.sharding.Mesh)
-  if not pair or mesh[1] not in mesh[0].axis_names:
-    raise ValueError(
-      "`config.mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the mesh's axes, "
-      f"got {mesh!r}."
-    )
-  _parallel.check_auto_axis(*mesh)
-
-
 # The fronts a field is read by (`Config.check_front` refuses the others a value).
 _ALL = ("scale_by_kfac", "kfac", "Optimizer", "CurvatureEstimator")
 _TRAINING = ("scale_by_kfac", "kfac", "Optimizer")
@@ -114,7 +101,15 @@ class Config:
       _checks.static_fraction(f, "config.statistics_fraction")
     _checks.static_int(self.burn_in_steps, "config.burn_in_steps", low=0)
     _storage.strategy(self.inverse_storage, "config.inverse_storage")
-    _check_mesh(self.mesh)
+    mesh = self.mesh
+    if mesh is not None:
+      pair = isinstance(mesh, tuple) and len(mesh) == 2 and isinstance(mesh[0], jax.sharding.Mesh)
+      if not pair or mesh[1] not in mesh[0].axis_names:
+        raise ValueError(
+          "`config.mesh` must be a (jax.sharding.Mesh, axis_name) pair naming one of the mesh's "
+          f"axes, got {mesh!r}."
+        )
+      _parallel.check_auto_axis(*mesh)
     _checks.boolean(self.skip_nonfinite, "config.skip_nonfinite")
     _checks.boolean(self.step_warnings, "config.step_warnings")
     _checks.boolean(self.nesterov, "config.nesterov")
@@ -126,11 +121,6 @@ class Config:
     _concrete(self.weight_decay, "config.weight_decay", high=1.0, high_open=True)
     if self.chunk_size is not None:
       _checks.static_int(self.chunk_size, "config.chunk_size")
-
-  @property
-  def fraction(self) -> float | str:
-    """`statistics_fraction` with None as 1."""
-    return 1 if self.statistics_fraction is None else self.statistics_fraction
 
   @property
   def storage(self) -> _storage.Storage:

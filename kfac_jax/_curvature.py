@@ -108,22 +108,18 @@ def check_rng(estimation_mode: str, rng, batch=None, who: str = "") -> None:
     )
 
 
-class CurvaturePart:
+def curvature_part(curvature_fn: Callable) -> Callable:
   """`curvature_fn(params, batch)` as the scanner traces it: its return value is ignored (the
   traced loss is zero)."""
+  _checks.function(curvature_fn, "curvature_fn")
 
-  def __init__(self, curvature_fn: Callable):
-    if not callable(curvature_fn):
-      raise TypeError(
-        f"`curvature_fn` must be callable, got {type(curvature_fn).__name__}: {curvature_fn!r}."
-      )
-    self.curvature_fn = curvature_fn
-
-  def __call__(self, params, batch):
-    out = self.curvature_fn(params, batch)
+  def part(params, batch):
+    out = curvature_fn(params, batch)
     dtype = next((x.dtype for x in jax.tree_util.tree_leaves(out) if hasattr(x, "dtype")), None)
     dtype = dtype if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else jnp.float32
     return jnp.zeros((), dtype)
+
+  return part
 
 
 def _join_exact(cts: list[Array]) -> list[Array]:
@@ -138,16 +134,6 @@ def _join_exact(cts: list[Array]) -> list[Array]:
     out.append(jnp.pad(c, pad))
     before += k
   return out
-
-
-def _per_tag_normalisation(cts: list[Array], scan: _scan.ScanResult) -> list[Array]:
-  """Each tag's output vectors scaled by √(N / N_ℓ): tags on point sets of different sizes are
-  each a mean over their own N_ℓ examples, and the blocks divide by N."""
-  n = scan.batch_size
-  return [
-    c if spec.batch_size == n else c * jnp.sqrt(jnp.asarray(n / spec.batch_size, c.dtype))
-    for c, spec in zip(cts, scan.losses)
-  ]
 
 
 def read_atom(atom, seen):
@@ -168,16 +154,10 @@ def _stacked_tap(graph: _scan.FlatGraph, uses):
 
 
 class Linearisation:
-  """One forward pass of the tagged loss, linearised in (params, layer-output perturbations).
-
-  With `loss_part` (a `LossPart`), the graph is a curvature function's: the loss, aux and
-  gradient are then `jax.value_and_grad(loss_part)`'s.
-
-  Attributes:
-    scan: the `_scan.ScanResult` whose graph was run; loss: the scalar loss.
-    preds, others: per loss tag, its prediction and its further operands (targets, weights).
-    aux: with `has_aux`, the aux `loss_fn` returned; None otherwise.
-  """
+  """One forward pass of `scan`'s graph, linearised in (params, layer-output perturbations);
+  with `loss_part` (the graph is a curvature function's) `loss`, `aux` and the gradient are
+  `jax.value_and_grad(loss_part)`'s. `preds`, `others`: per loss tag, its prediction and its
+  further operands (targets, weights); `aux`: None without `has_aux`."""
 
   def __init__(self, scan: _scan.ScanResult, params, batch, loss_part: Any = None):
     leaves = jax.tree_util.tree_leaves(params)
@@ -262,8 +242,7 @@ class Linearisation:
 
   def prediction_jvp(self, p_leaves):
     """Per loss tag, `J v`: the predictions' derivative along the param-leaf tangent `v`."""
-    _, preds_dot = self._jvp(list(p_leaves), jax.tree_util.tree_map(jnp.zeros_like, self._eps0))
-    return preds_dot
+    return self._jvp(list(p_leaves), jax.tree_util.tree_map(jnp.zeros_like, self._eps0))[1]
 
   def statistics(
     self,
@@ -283,9 +262,14 @@ class Linearisation:
     ]
     if estimation_mode in _losses.EXACT_MODES and len(cts) > 1:
       cts = _join_exact(cts)
-    cts = _per_tag_normalisation(cts, scan)
+    # Each tag's vectors times √(N / N_ℓ): a tag on N_ℓ points is a mean over its own points,
+    # and the blocks divide by N.
+    size = scan.batch_size
+    cts = [
+      c if spec.batch_size == size else c * jnp.sqrt(jnp.asarray(size / spec.batch_size, c.dtype))
+      for c, spec in zip(cts, scan.losses)
+    ]
     zero = jnp.zeros_like(self._graph_loss)
-    # Param-leaf and per-tap output-gradient cotangents.
     p_ct, eps_ct = jax.vmap(lambda ct: self._vjp((zero, ct)))(cts)
 
     data: list[Any] = []  # per layer: one use's (inputs, g), a tuple of uses, or StackedUses
@@ -306,44 +290,23 @@ class Linearisation:
         data.append(tuple(p_ct[j] for j in spec.leaf_indices))
     params_stats = None
     if with_params_stats:
-      n = scan.batch_size
       params_stats = jax.tree_util.tree_unflatten(
-        self.params_treedef, [jnp.mean(x, axis=0) / n for x in p_ct]
+        self.params_treedef, [jnp.mean(x, axis=0) / size for x in p_ct]
       )
-    return CurvatureStats(
-      tuple(data),
-      tuple(s.name for s in scan.layers),
-      scan.batch_size,
-      params_stats,
-      tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-      fingerprint,
-    )
+    names = tuple(s.name for s in scan.layers)
+    shapes = tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers)
+    return CurvatureStats(tuple(data), names, size, params_stats, shapes, fingerprint)
 
 
 def compute(
-  scan: _scan.ScanResult,
-  params,
-  batch,
-  rng: Array | None,
-  *,
-  estimation_mode: str,
-  num_samples: int,
-  with_grads: bool,
-  with_params_stats: bool = False,
-  fingerprint: Any = None,
-  loss_part: Any = None,
+  scan: _scan.ScanResult, params, batch, rng, *, with_grads: bool, loss_part: Any = None, **settings
 ):
   """`(loss, grads or None, CurvatureStats)` from one forward pass; `(loss, aux, grads, stats)`
-  when the loss has an aux. `loss_part`: the loss when `scan` is a curvature function's."""
+  when the loss has an aux. `loss_part`: the loss when `scan` is a curvature function's;
+  `settings`: `Linearisation.statistics`' (`estimation_mode`, `num_samples`, ...)."""
   lin = Linearisation(scan, params, batch, loss_part if with_grads else None)
   grads = lin.grads() if with_grads else None
-  stats = lin.statistics(
-    rng,
-    estimation_mode=estimation_mode,
-    num_samples=num_samples,
-    with_params_stats=with_params_stats,
-    fingerprint=fingerprint,
-  )
+  stats = lin.statistics(rng, **settings)
   if scan.aux_tree is not None or (loss_part is not None and loss_part.has_aux):
     return lin.loss, lin.aux, grads, stats
   return lin.loss, grads, stats

@@ -1,14 +1,10 @@
 """The contract of a front's step, in one place: `scale_by_kfac`, `kfac`, the `Optimizer`,
 `scale_by_kernel_ngd` and `kernel_ngd` configure an `Engine` and add only what is their own.
 
-An `Engine` is built once from a front's checked arguments (its registration's `Source`, its
-`Config`, its curvature and its `Placement`). Each update runs `bind` (the registration and the
-curvature's part for these params or their `optax.multi_transform` share), `check` (cheapest
-first) and `step` (the hyperparameters' and the inputs' verdicts, then the curvature's step).
-
-K-FAC's fold and refresh are each a `lax.cond` that carries only what it can change (XLA copies
-an operand passed through a cond unchanged), gated on the inputs' verdict, so no guard restores
-the state.
+Each update runs `bind` (the registration and the curvature's part for these params or their
+`optax.multi_transform` share), `check` (cheapest first) and `step` (the verdicts, then the
+curvature's step). K-FAC's fold and refresh are each a `lax.cond` that carries only what it can
+change (XLA copies what a cond passes through unchanged), gated on the verdict: no guard restores.
 """
 
 from __future__ import annotations
@@ -39,20 +35,19 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """The EMA's decay, the periods (in updates) of the fold and of the refresh, and the burn-in
-  updates that only fold: numbers, or arrays under `optax.inject_hyperparams`."""
+  """The EMA's decay and the periods (in updates) of the fold and of the refresh: numbers, or
+  arrays under `optax.inject_hyperparams`."""
 
   ema_decay: Any
   inverse_every: Any
   curvature_every: Any
-  burn_in_steps: int = 0
 
   @classmethod
-  def checked(cls, ema_decay, inverse_every, curvature_every, burn_in_steps: int = 0) -> Schedule:
+  def checked(cls, ema_decay, inverse_every, curvature_every) -> Schedule:
     _checks.number(ema_decay, "ema_decay", low=0.0, high=1.0, high_open=True)
     _checks.positive_int(inverse_every, "inverse_every")
     _checks.positive_int(curvature_every, "curvature_every")
-    return cls(ema_decay, inverse_every, curvature_every, burn_in_steps)
+    return cls(ema_decay, inverse_every, curvature_every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +90,8 @@ class Source:
     self.known: _registration.Registration | None = given  # Once given or built.
 
   def for_params(self, params, collective_axes=None) -> _registration.Registration:
-    """The registration for `params` (built on first use, binding the front's axis as
-    `collective_axes`), checked against them; a tree without leaves is `optax.tree_map_params`'
-    placeholder: the known one, unchecked."""
+    """The registration for `params` (built on first use), checked against them; a tree without
+    leaves (`optax.tree_map_params`' placeholder) gets the known one unchecked."""
     if self.known is not None and not jax.tree_util.tree_leaves(params):
       return self.known
     if self.known is None:
@@ -146,16 +140,13 @@ class Bound(NamedTuple):
     if self.kept is None:
       return full
     flat, treedef = jax.tree_util.tree_flatten(share, is_leaf=_is_masked)
-    leaves = jax.tree_util.tree_leaves(full)
-    return jax.tree_util.tree_unflatten(
-      treedef, [x if _is_masked(x) else y for x, y in zip(flat, leaves)]
-    )
+    merged = [x if _is_masked(x) else y for x, y in zip(flat, jax.tree_util.tree_leaves(full))]
+    return jax.tree_util.tree_unflatten(treedef, merged)
 
 
 class Inputs(NamedTuple):
-  """An update's vector to precondition, a thunk computing the curvature's data, the inputs
-  whose non-finite leaves skip the step (name → pytree), and the hyperparameters (name →
-  `(value or schedule, low or None)`)."""
+  """An update's vector, a thunk computing the curvature's data, the inputs whose non-finite
+  leaves skip the step and the hyperparameters (name → `(value or schedule, low or None)`)."""
 
   vector: Any
   statistics: Callable[[], Any]
@@ -177,9 +168,8 @@ class Work(NamedTuple):
 
 
 class Step(NamedTuple):
-  """The engine's step: the preconditioned vector (even on a skipped step), the curvature's
-  new state (moved only on a good verdict), the verdict `ok` (None with the guard off), the
-  clock `count + skipped`, the hyperparameters' values and the inputs' own verdict."""
+  """The preconditioned vector, the curvature's new state (moved only on a good verdict), the
+  verdict (None with the guard off), `count + skipped`, the values and the inputs' verdict."""
 
   vector: Any
   curvature: Any
@@ -191,8 +181,8 @@ class Step(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kfac:
-  """K-FAC's curvature in an engine: the estimator's statistics and inverses on `schedule`; the
-  refresh's damping is the step's plus `damping_shift` (the `Optimizer`'s `l2_reg`)."""
+  """K-FAC's curvature in an engine: the estimator's statistics and inverses on `schedule` after
+  `config.burn_in_steps`; the refresh's damping is the step's plus `damping_shift` (`l2_reg`)."""
 
   schedule: Schedule
   config: _config.Config
@@ -204,10 +194,8 @@ class Kfac:
     """The estimator of `registration` (of the share `kept`'s layers), built once."""
     only = None if kept is None else _share_layers(registration, kept, who)
     config = self.config.read_by("CurvatureEstimator")
-    return self._estimators(
-      (registration, only),
-      lambda: _estimator.CurvatureEstimator(registration, config=config, only=only),
-    )
+    make = lambda: _estimator.CurvatureEstimator(registration, config=config, only=only)
+    return self._estimators((registration, only), make)
 
   def init(self, bound: Bound, placement: Placement, params) -> _estimator.EstimatorState:
     del params
@@ -227,7 +215,7 @@ class Kfac:
     0`, the inverses are refreshed when `k >= 0` and `k % inverse_every == 0`, and the vector
     is preconditioned with the refreshed inverses (zeros during burn-in)."""
     est, schedule, ok = bound.estimator, self.schedule, work.ok
-    burn = schedule.burn_in_steps
+    burn = self.config.burn_in_steps
     k = work.counter - burn if burn else work.counter
     in_burn = (k < 0) if burn else None
     curv, ok = self._fold(est, placement, curv, work, k, in_burn)
@@ -241,10 +229,8 @@ class Kfac:
       pre = est._power(curv, vector, -1.0, placement.axis_name, placement.mesh)
       return jax.tree_util.tree_map(lambda n, u: n.astype(u.dtype), pre, vector)
 
-    if in_burn is None:
-      pre = precondition()
-    else:
-      pre = jax.lax.cond(in_burn, lambda: optax.tree_utils.tree_zeros_like(vector), precondition)
+    zeros = lambda: optax.tree_utils.tree_zeros_like(vector)  # noqa: E731
+    pre = precondition() if in_burn is None else jax.lax.cond(in_burn, zeros, precondition)
     if ok is not None:
       ok = ok & _storage.all_finite(pre)
     mesh = placement.mesh
@@ -274,11 +260,8 @@ class Kfac:
       new = est._fold(old, stats, self.schedule.ema_decay, placement.axis_name, placement.mesh)
       return new.factors, new.ema_weight, new.skipped_batches
 
-    if due is None:
-      factors, weight, skipped = fold()
-    else:
-      keep = lambda: (old.factors, old.ema_weight, old.skipped_batches)  # noqa: E731
-      factors, weight, skipped = jax.lax.cond(due, fold, keep)
+    keep = lambda: (old.factors, old.ema_weight, old.skipped_batches)  # noqa: E731
+    factors, weight, skipped = fold() if due is None else jax.lax.cond(due, fold, keep)
     curv = old._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
     ok = None if work.ok is None else work.ok & (skipped == old.skipped_batches)
     return curv, ok
@@ -297,8 +280,7 @@ class Kfac:
       return before.cache, before.failed_inverses, jnp.zeros((len(est.names),), bool)
 
     cache, count, failed = jax.lax.cond(due, refresh, keep)
-    if work.reporter is not None:
-      reporter = work.reporter
+    if (reporter := work.reporter) is not None:
       blocks = tuple(
         f"`{n}` ({(b.spec.block or type(b)).__name__})" for n, b in zip(est.names, est.blocks)
       )
@@ -334,9 +316,8 @@ class Engine:
     transform: bool = False,
     defaults=None,
   ) -> Engine:
-    """A front's engine, every argument checked; `source` is `(loss_fn, example_batch,
-    registration)`, `curvature` a function `config -> curvature`, `defaults` the settings of a
-    registration it builds itself."""
+    """A front's engine, every argument checked; `source`: `(loss_fn, example_batch,
+    registration)`; `curvature`: `config -> curvature`; `defaults`: a built registration's."""
     config = _config.get(config, who)
     placement = Placement.checked(axis_name, config)
     reporter = Reporter(who, chained=transform, in_step=config.step_warnings)
@@ -345,13 +326,8 @@ class Engine:
 
   @classmethod
   def kfac(cls, who: str, source, schedule: Schedule, *, damping_shift: float = 0.0, **kw):
-    """A K-FAC front's engine (`build` with `Kfac`; `config.burn_in_steps` joins `schedule`)."""
-
-    def curvature(config):
-      burn = dataclasses.replace(schedule, burn_in_steps=config.burn_in_steps)
-      return Kfac(burn, config, damping_shift)
-
-    return cls.build(who, source, curvature, **kw)
+    """A K-FAC front's engine (`build` with `Kfac`)."""
+    return cls.build(who, source, lambda config: Kfac(schedule, config, damping_shift), **kw)
 
   def bind(self, params) -> Bound:
     """The front bound to `params` (see `Bound`); `params` are checked against the
@@ -419,14 +395,6 @@ class Engine:
     if self.curvature.fits_by_shape(bound):
       _fit.check(expected, state, who)
 
-  def init(self, bound: Bound, params):
-    """The curvature's initial state on this front's placement."""
-    return self.curvature.init(bound, self.placement, params)
-
-  def replicate(self, state, params):
-    """A front's initial state replicated over the mesh its params (or `config.mesh`) use."""
-    return _parallel.replicate_on_mesh(state, params, self.placement.mesh)
-
   def step(self, bound: Bound, count, skipped, curvature, inputs: Inputs) -> Step:
     """One step: the hyperparameters' values at `count + skipped`, their and the inputs'
     verdict, then the curvature's step and its verdict."""
@@ -436,9 +404,7 @@ class Engine:
     lows = {n: (values[n], low) for n, (_, low) in inputs.hyperparameters.items()}
     usable = hyperparameters_ok(self.reporter, lows, clock, guard)
     finite = inputs_ok(self.reporter, inputs.finite, clock, guard)
-    ok = None
-    if guard:
-      ok = finite if usable is None else finite & usable
+    ok = (finite if usable is None else finite & usable) if guard else None
     work = Work(inputs.vector, inputs.statistics, count, values, ok, clock, self.reporter)
     pre, curvature, ok = self.curvature.step(bound, self.placement, curvature, work)
     return Step(pre, curvature, ok, clock, values, work.ok)
@@ -452,9 +418,8 @@ def _check_vector(bound: Bound, vector, who: str) -> None:
   paths = _specs.param_paths(filled)
   if paths != reg.param_paths:
     return  # Another structure: the estimator's products name the leaves that differ.
-  for path, x, shape, dtype in zip(
-    paths, jax.tree_util.tree_leaves(filled), reg.param_shapes, reg.param_dtypes
-  ):
+  leaves = jax.tree_util.tree_leaves(filled)
+  for path, x, shape, dtype in zip(paths, leaves, reg.param_shapes, reg.param_dtypes):
     got = (tuple(jnp.shape(x)), str(jnp.result_type(x)))
     if got != (shape, dtype):
       raise ValueError(

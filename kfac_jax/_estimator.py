@@ -75,10 +75,6 @@ class CurvatureEstimator:
     only: the names of the blocks to keep (None: all): the estimator of a share of the
       parameters, whose products leave the other parameters' entries as they come.
 
-  Statistics are accumulated in at least float32 and stored in `config.stats_dtype`;
-  preconditioned vectors come back in their own dtype. With `inverse_storage="sharded"` every
-  state method needs `axis_name=` (inside pmap / shard_map, `init` too) or `mesh=(mesh, axis)`.
-
   Raises:
     TypeError: an argument of the wrong kind, named with the value received (a loss function
       instead of a registration names `kfac_jax.Registration`).
@@ -176,10 +172,9 @@ class CurvatureEstimator:
   def check_state(
     self, state, axis_name=None, mesh=None, who: str = "this estimator", what: str = "state"
   ):
-    """ValueError naming what differs when `state` is not one this estimator's `init` makes
-    (another model, layer configuration or storage), when `axis_name` is not bound and when
-    `mesh` names an axis its mesh lacks (with both, the storage names the conflict). A sharded
-    state's buffers are checked by its storage."""
+    """ValueError naming what differs when `state` is not one this estimator's `init` makes (a
+    sharded one's storage checks its buffers), when `axis_name` is not bound and when `mesh`
+    names an axis its mesh lacks."""
     if mesh is None:
       _checks.axis_bound(axis_name, who)
     else:
@@ -195,12 +190,9 @@ class CurvatureEstimator:
     if params is not None:
       self.registration.check_params(params)
     factors, cache = self.storage.init_state(axis_name, mesh)
+    count = lambda: jnp.zeros((), jnp.int32)  # Distinct arrays: a state can be donated.
     return EstimatorState(
-      factors=factors,
-      cache=cache,
-      ema_weight=jnp.zeros((), self.numerics.accum_dtype),
-      skipped_batches=jnp.zeros((), jnp.int32),
-      failed_inverses=jnp.zeros((), jnp.int32),
+      factors, cache, jnp.zeros((), self.numerics.accum_dtype), count(), count()
     )
 
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
@@ -258,15 +250,13 @@ class CurvatureEstimator:
       return out
 
     data = [stats.data[i] for i in self._active]
+
     # The factors contract over the (possibly sharded) batch axis: on a mesh with explicit axes
     # that contraction runs with them made automatic.
-    out = _parallel.explicit_axes_as_auto(
-      lambda data, cache: {
-        n: one(n, b, d, cache) for n, b, d in zip(self.names, self.blocks, data)
-      },
-      data,
-      cache,
-    )
+    def every(data, cache):
+      return {n: one(n, b, d, cache) for n, b, d in zip(self.names, self.blocks, data)}
+
+    out = _parallel.explicit_axes_as_auto(every, data, cache)
     if axis_name is not None:
       out = jax.lax.pmean(out, axis_name)
     return out
@@ -304,16 +294,10 @@ class CurvatureEstimator:
     ok = _storage.all_finite(jax.tree_util.tree_map(lambda x: x.astype(stored), new))
     # A cond on the scalar flag, not a `where` over every factor: the average is computed in
     # the taken branch, straight into the new state's buffers.
-    factors, weight = jax.lax.cond(
-      ok,
-      lambda: (self.storage.fold(state.factors, new, weight, average, axis_name, mesh), weight),
-      lambda: (state.factors, state.ema_weight),
-    )
-    return state._replace(
-      factors=factors,
-      ema_weight=weight,
-      skipped_batches=state.skipped_batches + (~ok).astype(jnp.int32),
-    )
+    fold = lambda: (self.storage.fold(state.factors, new, weight, average, axis_name, mesh), weight)
+    factors, weight = jax.lax.cond(ok, fold, lambda: (state.factors, state.ema_weight))
+    skipped = state.skipped_batches + (~ok).astype(jnp.int32)
+    return state._replace(factors=factors, ema_weight=weight, skipped_batches=skipped)
 
   def update_curvature(
     self,
@@ -373,15 +357,11 @@ class CurvatureEstimator:
       for shape, x, path in zip(self.registration.param_shapes, leaves, paths):
         if tuple(np.shape(x)) != shape:
           raise ValueError(f"vector leaf `{path}` has shape {np.shape(x)}, expected {shape}.")
-      out = _parallel.explicit_axes_as_auto(
-        lambda factors, cache, leaves: self.storage.apply(
-          factors, cache, leaves, fn, axis_name, mesh, method
-        ),
-        state.factors,
-        state.cache,
-        leaves,
-        like=leaves,
-      )
+
+      def run(factors, cache, leaves):
+        return self.storage.apply(factors, cache, leaves, fn, axis_name, mesh, method)
+
+      out = _parallel.explicit_axes_as_auto(run, state.factors, state.cache, leaves, like=leaves)
       return jax.tree_util.tree_unflatten(treedef, out)
 
   def multiply_matpower(self, state, vector, exp: float, *, axis_name=None, mesh=None):
@@ -398,14 +378,8 @@ class CurvatureEstimator:
 
   def _power(self, state, vector, exp: float, axis_name, mesh):
     """`multiply_matpower`, unchecked (the fronts' engine checked its arguments)."""
-    return self.apply(
-      state,
-      vector,
-      lambda b, f, c, v: b.multiply_matpower(f, c, v, exp),
-      axis_name,
-      mesh,
-      "multiply_matpower",
-    )
+    power = lambda b, f, c, v: b.multiply_matpower(f, c, v, exp)
+    return self.apply(state, vector, power, axis_name, mesh, "multiply_matpower")
 
   def multiply(self, state: EstimatorState, vector, *, axis_name=None, mesh=None):
     """The damped curvature times `vector` (power 1)."""
@@ -420,14 +394,9 @@ class CurvatureEstimator:
   ):
     """C·v (C⁻¹·v with `inverse`; Cᵀ with `transpose`), C Cᵀ = damped curvature."""
     self.check_state(state, axis_name, mesh)
-    return self.apply(
-      state,
-      vector,
-      lambda b, f, c, v: b.multiply_cholesky(f, c, v, transpose=transpose, inverse=inverse),
-      axis_name,
-      mesh,
-      "multiply_cholesky_inverse" if inverse else "multiply_cholesky",
-    )
+    cholesky = lambda b, f, c, v: b.multiply_cholesky(f, c, v, transpose=transpose, inverse=inverse)
+    method = "multiply_cholesky_inverse" if inverse else "multiply_cholesky"
+    return self.apply(state, vector, cholesky, axis_name, mesh, method)
 
   def multiply_cholesky_inverse(
     self, state: EstimatorState, vector, *, transpose=False, axis_name=None, mesh=None

@@ -5,6 +5,7 @@ another model, layer configuration, storage or momentum setting is named before 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -12,9 +13,6 @@ import numpy as np
 
 from kfac_jax import _checks
 from kfac_jax._specs import key_name
-
-# The `EstimatorState` fields that hold one entry per block (named in the messages).
-PER_BLOCK_FIELDS = ("factors", "cache")
 
 
 class _Leaf(NamedTuple):
@@ -32,9 +30,8 @@ def _aval_key(x) -> tuple:
 
 
 class Memo:
-  """A bounded memo: `memo(key, make)` is the value kept for `key`, made by `make()` on first
-  use; past `size` keys the oldest is dropped. The one cache helper of the library (traced
-  graphs per batch signature, estimators per registration, state shapes per params)."""
+  """A bounded memo, the library's one cache: `memo(key, make)` is the value kept for `key`,
+  made by `make()` on first use; past `size` keys the oldest is dropped."""
 
   def __init__(self, size: int):
     self._size = size
@@ -60,16 +57,11 @@ def signature(params) -> tuple:
   return treedef, tuple(_aval_key(x) for x in leaves)
 
 
-class StateShapes:
-  """`jax.eval_shape(init, params)`, traced once per params `signature`: a front's update checks
-  its state against it on every trace (every call of an eager step)."""
-
-  def __init__(self, init, size: int = 8):
-    self._init = init
-    self._memo = Memo(size)
-
-  def __call__(self, params):
-    return self._memo(signature(params), lambda: jax.eval_shape(self._init, params))
+def state_shapes(init, size: int = 8) -> Callable:
+  """`params -> jax.eval_shape(init, params)`, traced once per params `signature`: a front's
+  update checks its state against it on every trace (every call of an eager step)."""
+  memo = Memo(size)
+  return lambda params: memo(signature(params), lambda: jax.eval_shape(init, params))
 
 
 def describe(path) -> tuple[str, str | None, str]:
@@ -80,7 +72,7 @@ def describe(path) -> tuple[str, str | None, str]:
   names = [key_name(k) for k in path]
   block, field = None, "/".join(names)
   for i, n in enumerate(names[:-1]):
-    if n in PER_BLOCK_FIELDS:  # Estimator-state fields keyed by block name.
+    if n in ("factors", "cache"):  # Estimator-state fields keyed by block name.
       block, field = names[i + 1], "/".join([n] + names[i + 2 :])
   if block == "buffers":
     block = None  # A ShardedCache (inverse_storage="sharded"): no per-block leaves to name.

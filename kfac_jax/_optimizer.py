@@ -51,16 +51,7 @@ from kfac_jax import (
 Array = jax.Array
 ScalarOrSchedule = float | Callable[[Array], Array]
 
-_INFO_KEYS = (
-  "loss",
-  "learning_rate",
-  "momentum",
-  "damping",
-  "rho",
-  "quad_model_change",
-  "update_norm",
-  "skipped",
-)
+_INFO_KEYS = "loss learning_rate momentum damping rho quad_model_change update_norm skipped".split()
 
 
 def _check_number(value, name: str, **bounds) -> None:
@@ -98,10 +89,8 @@ class KfacOptaxState(NamedTuple):
 def adapt_damping(
   damping: Array, rho: Array, *, omega: float, min_damping: float, max_damping: float
 ) -> Array:
-  """One Levenberg–Marquardt update: `λω` if ρ > 3/4, `λ/ω` if ρ < 1/4, clipped.
-
-  A NaN ρ (no model decrease to compare with) leaves λ unchanged, apart from the clip.
-  """
+  """One Levenberg–Marquardt update: `λω` if ρ > 3/4, `λ/ω` if ρ < 1/4, clipped; a NaN ρ (no
+  model decrease to compare with) leaves λ unchanged but for the clip."""
   new = jnp.where(rho > 0.75, damping * omega, jnp.where(rho < 0.25, damping / omega, damping))
   return jnp.clip(new, min_damping, max_damping)
 
@@ -109,11 +98,9 @@ def adapt_damping(
 def solve_quadratic_model(
   c: Array, b: Array, learning_rate: Array | None = None, momentum: Array | None = None
 ) -> tuple[Array, Array, Array]:
-  """`(α, μ, M(α, μ))` minimising `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)`, for C `[2, 2]` and
-  b `[2]` (see the module docstring); a fixed `learning_rate` α or `momentum` μ is kept. The
-  joint solve falls back to the 1-D one (`μ = 0`) when C is singular to working precision; a
-  non-positive curvature along a vector gives it a zero coefficient.
-  """
+  """`(α, μ, M(α, μ))` minimising `M(x) = bᵀx + ½ xᵀ C x` over `x = (α, μ)` (C `[2, 2]`, b `[2]`),
+  keeping a fixed α or μ. The joint solve falls back to the 1-D one (`μ = 0`) when C is singular
+  to working precision; a non-positive curvature along a vector gives it a zero coefficient."""
   c00, c01, c11 = c[0, 0], c[0, 1], c[1, 1]
   b0, b1 = b[0], b[1]
   zero = jnp.zeros_like(c00)
@@ -142,12 +129,7 @@ def solve_quadratic_model(
     alpha = jnp.asarray(learning_rate, c.dtype)
     mu = jnp.asarray(momentum, c.dtype)
   x = jnp.stack([alpha, mu])
-  change = b @ x + 0.5 * x @ (c @ x)
-  return alpha, mu, change
-
-
-def _pmean(x, axis_name):
-  return x if axis_name is None else jax.lax.pmean(x, axis_name)
+  return alpha, mu, b @ x + 0.5 * x @ (c @ x)
 
 
 class _Pass(NamedTuple):
@@ -172,14 +154,11 @@ class _Move(NamedTuple):
   change: Array  # M(δ), NaN when not computed
 
 
-def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, axis_name=None):
-  """`(α, μ, M(α Δ + μ δ_prev))`, the coefficients left None chosen to minimise M (see
-  `solve_quadratic_model`); `shift = λ + η`. The products `J v` in `C` are push-forwards
-  through the step's own linearisation, `H_z u` each loss tag's curvature product."""
+def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, place: _engine.Placement):
+  """`(α, μ, M(α Δ + μ δ_prev))`, the coefficients left None minimising M, `shift = λ + η`; `J v`
+  are push-forwards through the step's linearisation, `H_z u` each loss tag's products."""
 
-  def dot(a, b):
-    return _parallel.vdot(a.astype(dtype), b.astype(dtype))
-
+  dot = lambda a, b: _parallel.vdot(a.astype(dtype), b.astype(dtype))
   vecs = [jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(velocity)]
   pairs = [(0, 0), (0, 1), (1, 1)]
   jv = [fp.lin.prediction_jvp(v) for v in vecs]  # per vector, per loss tag: [*prediction.shape]
@@ -187,7 +166,7 @@ def quadratic_model(fp: _Pass, delta, velocity, shift, alpha, mu, dtype, axis_na
   for t, (spec, z, o) in enumerate(zip(fp.lin.scan.losses, fp.lin.preds, fp.lin.others)):
     hu = [_losses.output_curvature_product(spec, (z, *o), u[t]) for u in jv]
     g = [x + dot(jv[i][t], hu[j]) for x, (i, j) in zip(g, pairs)]
-  g = _pmean(jnp.stack(g), axis_name)
+  g = place.mean(jnp.stack(g))
   # The shift term from inner products of the (replicated) vectors: no concatenated copies.
   c00, c01, c11 = (
     g[n] + shift * sum(dot(a, b) for a, b in zip(vecs[i], vecs[j]))
@@ -212,13 +191,6 @@ def reduction_ratio(h_old: Array, h_new: Array, change: Array) -> Array:
   return jnp.where(change < 0, rho, jnp.where(change > 0, -jnp.inf, jnp.nan))
 
 
-def _burn_in(params, state: OptimizerState, lam, dtype) -> _Move:
-  """A burn-in step: the statistics only, no move."""
-  zero = jnp.zeros([], dtype)
-  zeros = optax.tree_utils.tree_zeros_like(params)
-  return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
-
-
 def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux, raised):
   """`(update, new_state, info)` under the engine's verdict (a skip changes only the counter);
   `raised`: the damping after a preconditioned gradient that overflowed from finite inputs."""
@@ -233,14 +205,9 @@ def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux
   )
   if raised is not None:  # The preconditioner overflowed at this damping: raise it.
     new_lam = jnp.where(inputs_ok & ~ok, raised, new_lam)
-  new_state = OptimizerState(
-    step=state.step + ok.astype(state.step.dtype),
-    skipped=state.skipped + (~ok).astype(state.skipped.dtype),
-    curvature=step.curvature,
-    damping=new_lam,
-    rho=rho,
-    velocity=velocity,
-  )
+  steps = state.step + ok.astype(state.step.dtype)
+  skipped = state.skipped + (~ok).astype(state.skipped.dtype)
+  new_state = OptimizerState(steps, skipped, step.curvature, new_lam, rho, velocity)
   update = optax.tree_utils.tree_where(ok, update, optax.tree_utils.tree_zeros_like(update))
   info = {
     "loss": loss,
@@ -259,8 +226,6 @@ def _finish(state: OptimizerState, step, update, m: _Move, loss, lam, dtype, aux
 
 class Optimizer:
   """K-FAC with learning rate, momentum and damping adapted from the quadratic model.
-
-  `init` and `step` are pure functions: jit (or pmap / shard_map with `axis_name`) them yourself.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
@@ -285,9 +250,7 @@ class Optimizer:
     config: a `kfac_jax.Config` with the rarer knobs (those the Optimizer reads).
 
   Schedules are called with `state.step + state.skipped` (every step seen, burn-in included):
-  a non-finite value skips its step. A step costs, beyond the gradient: the statistics'
-  backward pass (on curvature steps), two Jacobian-vector products when α or μ comes from the
-  model, and a forward pass for `h(θ + δ)` on damping-adaptation steps.
+  a non-finite value skips its step.
 
   Raises:
     TypeError / ValueError: a bad hyperparameter, named with the value received, before any
@@ -361,7 +324,11 @@ class Optimizer:
         f"`damping`={damping!r} is below config.min_damping={config.min_damping!r}: the adapted "
         "damping would be clipped up at once; lower min_damping or raise damping."
       )
-    self._shapes = _fit.StateShapes(self.init)
+    self._shapes = _fit.state_shapes(self.init)
+    omega = config.damping_adaptation_decay**config.damping_adaptation_interval  # ω₁^T
+    self._adapt_damping = functools.partial(
+      adapt_damping, omega=omega, min_damping=config.min_damping, max_damping=config.max_damping
+    )
     self.example_batch, self.axis_name, self.config = example_batch, axis_name, config
     self.learning_rate, self.momentum, self.damping = learning_rate, momentum, damping
     self.use_adaptive_damping, self.l2_reg = use_adaptive_damping, float(l2_reg)
@@ -386,12 +353,12 @@ class Optimizer:
     state = OptimizerState(
       step=jnp.zeros([], jnp.int32),
       skipped=jnp.zeros([], jnp.int32),
-      curvature=self._engine.init(bound, params),
+      curvature=self._engine.curvature.init(bound, self._engine.placement, params),
       damping=jnp.asarray(lam, dtype),
       rho=jnp.zeros([], dtype),
       velocity=optax.tree_utils.tree_zeros_like(params),
     )
-    return self._engine.replicate(state, params)
+    return _parallel.replicate_on_mesh(state, params, self._engine.placement.mesh)
 
   @_migrate.translated("Optimizer.step")
   def step(
@@ -419,12 +386,8 @@ class Optimizer:
     given = {"learning_rate": learning_rate, "momentum": momentum, "damping": damping}
     updates, new_state, info = self._update(params, state, batch, rng, given)
     ok = ~info["skipped"]
-    new_params = jax.tree_util.tree_map(
-      lambda p, u: jnp.where(ok, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p),
-      params,
-      updates,
-    )
-    return new_params, new_state, info
+    apply = lambda p, u: jnp.where(ok, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p)
+    return jax.tree_util.tree_map(apply, params, updates), new_state, info
 
   def _hyperparameters(self, state: OptimizerState, given) -> dict[str, tuple[Any, float | None]]:
     """This step's α, μ and λ sources (see `_engine.Inputs`): given for this step, else the
@@ -464,24 +427,24 @@ class Optimizer:
     def statistics():
       return lin.statistics(rng, estimation_mode=reg.estimation_mode, num_samples=reg.num_samples)
 
-    inputs = _engine.Inputs(
-      grads, statistics, {"gradient": grads, "params": params, "loss": loss}, hyperparameters
-    )
+    finite = {"gradient": grads, "params": params, "loss": loss}
+    inputs = _engine.Inputs(grads, statistics, finite, hyperparameters)
     step = engine.step(bound, state.step, state.skipped, state.curvature, inputs)
     lam = jnp.asarray(step.values["damping"], dtype)
 
     in_burn = state.step < cfg.burn_in_steps
     move = functools.partial(self._move, fp, bound.estimator, step, state, lam)
-    if cfg.burn_in_steps:
-      m = jax.lax.cond(in_burn, functools.partial(_burn_in, params, state, lam, dtype), move)
-    else:
-      m = move()
+
+    def burn_in():  # The statistics only, no move.
+      zero, zeros = jnp.zeros([], dtype), optax.tree_utils.tree_zeros_like(params)
+      return _Move(zeros, state.velocity, lam, state.rho, zero, zero, jnp.full([], jnp.nan, dtype))
+
+    m = jax.lax.cond(in_burn, burn_in, move) if cfg.burn_in_steps else move()
     update = m.update
     if cfg.weight_decay:  # Decoupled: `δ − d θ`.
       d = jnp.where(in_burn, 0, cfg.weight_decay)
-      update = jax.tree_util.tree_map(
-        lambda u, p: (u - d.astype(p.dtype) * p).astype(p.dtype), update, params
-      )
+      decay = lambda u, p: (u - d.astype(p.dtype) * p).astype(p.dtype)
+      update = jax.tree_util.tree_map(decay, update, params)
     raised = None
     if self.use_adaptive_damping:
       raised = self._adapt_damping(lam, jnp.asarray(-jnp.inf, dtype)).astype(dtype)
@@ -496,21 +459,18 @@ class Optimizer:
       None if step.values[n] is None else jnp.asarray(step.values[n], dtype)
       for n in ("learning_rate", "momentum")
     )
+    place = self._engine.placement
     if self.norm_constraint is not None:
       assert alpha is not None  # __init__ rejects norm_constraint with learning_rate=None.
-      place = self._engine.placement
       f_delta = est._power(step.curvature, delta, 1.0, place.axis_name, place.mesh)
       quad = _verdict.tree_vdot(delta, f_delta).astype(dtype)
       alpha = kl_clip(alpha, quad, jnp.asarray(self.norm_constraint, dtype))
     change, fixed = jnp.full([], jnp.nan, dtype), alpha is not None and mu is not None
     if alpha is None or mu is None:
       shift = lam + self.l2_reg
-      alpha, mu, change = quadratic_model(
-        fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name
-      )
-    update = jax.tree_util.tree_map(
-      lambda d, v: (alpha * d + mu * v).astype(d.dtype), delta, velocity
-    )
+      alpha, mu, change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, place)
+    combine = lambda d, v: (alpha * d + mu * v).astype(d.dtype)
+    update = jax.tree_util.tree_map(combine, delta, velocity)
     if self.use_adaptive_damping:
       cfg = self.config
       adapt = functools.partial(
@@ -523,9 +483,8 @@ class Optimizer:
       rejected = due & ~(rho >= 0)
       low = jnp.finfo(rho.dtype).min
       rho = jnp.where(jnp.isnan(rho), state.rho, jnp.clip(rho, low, -low))
-      update = optax.tree_utils.tree_where(
-        rejected, optax.tree_utils.tree_zeros_like(update), update
-      )
+      zeros = optax.tree_utils.tree_zeros_like(update)
+      update = optax.tree_utils.tree_where(rejected, zeros, update)
       velocity = optax.tree_utils.tree_where(rejected, state.velocity, update)
       return _Move(update, velocity, new_lam, rho, alpha, mu, change)
     return _Move(update, update, lam, state.rho, alpha, mu, change)
@@ -536,21 +495,14 @@ class Optimizer:
     dtype = lam.dtype
     if change is None:
       shift = lam + self.l2_reg
-      change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, self.axis_name)[2]
+      place = self._engine.placement
+      change = quadratic_model(fp, delta, velocity, shift, alpha, mu, dtype, place)[2]
     new = [
       p + u for p, u in zip(jax.tree_util.tree_leaves(fp.params), jax.tree_util.tree_leaves(update))
     ]
-    h_new = _pmean(fp.lin.loss_at(new, fp.batch_leaves), self.axis_name)
+    h_new = self._engine.placement.mean(fp.lin.loss_at(new, fp.batch_leaves))
     rho = reduction_ratio(fp.loss, h_new, change)
     return self._adapt_damping(lam, rho).astype(dtype), rho.astype(dtype), change.astype(dtype)
-
-  def _adapt_damping(self, lam, rho):
-    """`adapt_damping` with ω = `damping_adaptation_decay` to the power of the interval."""
-    cfg = self.config
-    omega = cfg.damping_adaptation_decay**cfg.damping_adaptation_interval
-    return adapt_damping(
-      lam, rho, omega=omega, min_damping=cfg.min_damping, max_damping=cfg.max_damping
-    )
 
   def as_optax(self) -> optax.GradientTransformationExtraArgs:
     """This optimizer as an optax transformation.

@@ -7,11 +7,10 @@ a scan made with stand-in collective axes.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -107,31 +106,6 @@ def _layer_text(entry) -> str:
   return f"{name} ({kind}: {', '.join(paths)}{extra})"
 
 
-def mismatch_message(got: StatsKey, want: StatsKey, who: str) -> str:
-  """Why statistics of key `got` do not fit `who`, built for `want` (both sides named)."""
-  fix = (
-    f" Compute them with the registration {who} was built with: "
-    "`kfac_jax.value_and_grad(registration=reg)` with `reg = kfac_jax.Registration(loss_fn, "
-    "params, batch, ...)` shared by both."
-  )
-  parts = []
-  if (got.estimation_mode, got.num_samples) != (want.estimation_mode, want.num_samples):
-    parts.append(
-      f"curvature_stats were computed for {got.mode_text()}, but {who} was built for "
-      f"{want.mode_text()}."
-    )
-  if got.layers != want.layers:
-    names_got, names_want = [e[0] for e in got.layers], [e[0] for e in want.layers]
-    only_got = [_layer_text(e) for e in got.layers if e not in want.layers]
-    only_want = [_layer_text(e) for e in want.layers if e not in got.layers]
-    parts.append(
-      f"curvature_stats were computed for layers {names_got}, but {who} has layers "
-      f"{names_want}. Only in the statistics: {only_got or 'none'}; only in {who}: "
-      f"{only_want or 'none'}."
-    )
-  return " ".join(parts) + f" (statistics fingerprint {got.digest}, expected {want.digest}.)" + fix
-
-
 def avals(tree) -> tuple:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   return treedef, tuple(jax.typeof(x) for x in leaves)
@@ -140,9 +114,6 @@ def avals(tree) -> tuple:
 @dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
 class Registration:
   """`loss_fn` scanned once: its layers, parameter signature and statistics fingerprint.
-
-  The one place for the settings of the scan; every entry point takes it as `registration=`,
-  or builds one with the defaults from a bare `loss_fn` (docs/entry_points.rst).
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output.
@@ -235,7 +206,7 @@ class Registration:
     curvature_fn: Callable | None = None,
   ):
     part = LossPart(loss_fn, has_aux)  # Checks `loss_fn` and `has_aux`.
-    curvature_part = None if curvature_fn is None else _curvature.CurvaturePart(curvature_fn)
+    curvature_part = None if curvature_fn is None else _curvature.curvature_part(curvature_fn)
     _curvature.check_mode(estimation_mode, num_samples)
     _checks.boolean(strict, "strict")
     checks = _audit.checks_from(check_loss)
@@ -275,8 +246,12 @@ class Registration:
     self._set(param_paths=_scan.param_paths(params), example_batch_size=scan.batch_size)
     self._set(param_shapes=tuple(tuple(np.shape(x)) for x in leaves))
     self._set(param_dtypes=tuple(str(jnp.result_type(x)) for x in leaves))
-    self._set(block_names=tuple(_unique_names(scan.layers)))
-    self._set(outputs_per_example=sum(_outputs_per_example(spec) for spec in scan.losses))
+    own = [s.name for s in scan.layers]  # The k-th layer of a name is `name#k` (k > 1).
+    unique = [n if own.index(n) == i else f"{n}#{own[: i + 1].count(n)}" for i, n in enumerate(own)]
+    self._set(block_names=tuple(unique))
+    # Per loss tag, its prediction's axes after the example one (a categorical's class axis out).
+    shapes = [s.prediction_shape[1 : -1 if s.kind == "categorical" else None] for s in scan.losses]
+    self._set(outputs_per_example=sum(math.prod(shape) for shape in shapes))
     key_samples = num_samples if estimation_mode in _losses.RANDOM_MODES else 1
     key_layers = tuple(
       (s.name, s.kind, tuple(s.param_paths), s.num_uses, s.stack_size) for s in scan.layers
@@ -349,9 +324,8 @@ class Registration:
   def blocks(self, config: _blocks.BlockConfig | None = None) -> tuple[_blocks.Block, ...]:
     """One curvature block per layer for the block options `config` (built once per config)."""
     config = _blocks.BlockConfig() if config is None else config
-    return self._block_sets(
-      config, lambda: tuple(_blocks.make_block(s, config) for s in self.layers)
-    )
+    make = lambda: tuple(_blocks.make_block(s, config) for s in self.layers)
+    return self._block_sets(config, make)
 
   def scan_batch(self, params, batch, *, check_layers: bool = True) -> _scan.ScanResult:
     """The traced graph of `loss_fn(params, batch)`, checked to have the registration's layers
@@ -365,11 +339,8 @@ class Registration:
       return kept
     scan = self._trace(params, batch, False)
     if check_layers:
-      self.check_layer_shapes(
-        tuple(s.name for s in scan.layers),
-        tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers),
-        scan.batch_size,
-      )
+      shapes = tuple((s.kind, s.approx, s.factor_shapes) for s in scan.layers)
+      self.check_layer_shapes(tuple(s.name for s in scan.layers), shapes, scan.batch_size)
     if key is not None and not _audit.has_tracer_consts(scan):
       self._scans.put(key if check_layers else (key, "unchecked"), scan)
     return scan
@@ -412,7 +383,7 @@ class Registration:
         )
 
   def check_stats(self, stats: _curvature.CurvatureStats, who: str) -> None:
-    """ValueError when `stats` were computed for another mode or layer set."""
+    """ValueError when `stats` were computed for another mode or layer set (both sides named)."""
     key = getattr(stats, "fingerprint", None)
     if key is None:  # Built by hand: only the layer names can be compared.
       if stats.layer_names != tuple(s.name for s in self.layers):
@@ -422,24 +393,29 @@ class Registration:
           "same registration."
         )
       return
-    if key != self.fingerprint:
-      raise ValueError(mismatch_message(key, self.fingerprint, who))
-
-
-def _outputs_per_example(spec) -> int:
-  """The distributions per example of one loss tag: the prediction's axes after the leading
-  (example) one, without a categorical tag's last (class) axis."""
-  shape = spec.prediction_shape[1:]
-  return math.prod(shape[:-1] if spec.kind == "categorical" else shape)
-
-
-def _unique_names(specs: Sequence[_scan.LayerSpec]) -> list[str]:
-  names: list[str] = []
-  seen: collections.Counter[str] = collections.Counter()
-  for s in specs:
-    seen[s.name] += 1
-    names.append(s.name if seen[s.name] == 1 else f"{s.name}#{seen[s.name]}")
-  return names
+    if key == self.fingerprint:
+      return
+    got, want, parts = key, self.fingerprint, []
+    if (got.estimation_mode, got.num_samples) != (want.estimation_mode, want.num_samples):
+      parts.append(
+        f"curvature_stats were computed for {got.mode_text()}, but {who} was built for "
+        f"{want.mode_text()}."
+      )
+    if got.layers != want.layers:
+      names_got, names_want = [e[0] for e in got.layers], [e[0] for e in want.layers]
+      only_got = [_layer_text(e) for e in got.layers if e not in want.layers]
+      only_want = [_layer_text(e) for e in want.layers if e not in got.layers]
+      parts.append(
+        f"curvature_stats were computed for layers {names_got}, but {who} has layers "
+        f"{names_want}. Only in the statistics: {only_got or 'none'}; only in {who}: "
+        f"{only_want or 'none'}."
+      )
+    raise ValueError(
+      " ".join(parts)
+      + f" (statistics fingerprint {got.digest}, expected {want.digest}.) Compute them with the "
+      f"registration {who} was built with: `kfac_jax.value_and_grad(registration=reg)` with "
+      "`reg = kfac_jax.Registration(loss_fn, params, batch, ...)` shared by both."
+    )
 
 
 def shared(registration, loss_fn, who: str, *others: tuple[str, Any]) -> Registration | None:
@@ -480,9 +456,6 @@ def value_and_grad(
 ) -> Callable:
   """Returns `fn(params, batch, rng) -> (loss, grads, curvature_stats)` from one forward pass.
 
-  Call it inside your jitted train step, like `jax.value_and_grad`; `curvature_stats` is what
-  `scale_by_kfac`'s update takes.
-
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, with a loss tag on the model output: `fn`
       registers it with the default settings, once per params / batch signature.
@@ -508,17 +481,7 @@ def value_and_grad(
     ...   return optax.apply_updates(params, updates), opt_state, loss
     >>> params, opt_state, loss = train_step(params, opt_state, batch, rng)
 
-    With BatchNorm statistics coming back through the aux:
-
-    >>> def loss_fn(params, batch):
-    ...   logits, new = model.apply({"params": params, "batch_stats": batch["batch_stats"]},
-    ...                             batch["x"], mutable=["batch_stats"])
-    ...   kfac_jax.register_softmax_cross_entropy_loss(logits, batch["y"])
-    ...   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    ...   return loss, new["batch_stats"]
-    >>> reg = kfac_jax.Registration(loss_fn, params, batch, has_aux=True)
-    >>> (loss, batch_stats), grads, stats = kfac_jax.value_and_grad(
-    ...     registration=reg)(params, batch, rng)
+    With `has_aux` (e.g. BatchNorm statistics), see docs/recipes.rst.
   """
   _checks.boolean(compute_params_stats, "compute_params_stats")
   reg = shared(registration, loss_fn, "value_and_grad")

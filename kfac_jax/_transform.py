@@ -1,9 +1,7 @@
 """K-FAC as optax gradient transformations: `scale_by_kfac`, the bare preconditioner
 (updates ← F̂_λ⁻¹ · updates), and `kfac`, which chains it with K-FAC norm clipping, `optax.trace`
-momentum and the learning rate under the step's verdict; both configure one
-`kfac_jax._engine.Engine`. With `Config.skip_nonfinite` (the default) a non-finite gradient,
-statistics, update or schedule value gives zero updates and leaves the state as it was but for
-the `skipped` counter.
+momentum and the learning rate under the step's verdict (`Config.skip_nonfinite`); both
+configure one `kfac_jax._engine.Engine`.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from kfac_jax import (
   _estimator,
   _fit,
   _migrate,
+  _parallel,
   _registration,
   _verdict,
 )
@@ -88,29 +87,26 @@ def _rows(fraction, batch, who: str) -> tuple[Any, int]:
     stride = n // rows
   if rows == n:
     return batch, rows
-  cut = jax.tree_util.tree_map(
-    lambda x: x[: rows * stride : stride] if jnp.ndim(x) >= 1 else x, batch
-  )
-  return cut, rows
+  take = lambda x: x[: rows * stride : stride] if jnp.ndim(x) >= 1 else x
+  return jax.tree_util.tree_map(take, batch), rows
 
 
 def kfac_statistics(engine: _engine.Engine, bound, params, batch, rng, curvature_stats):
-  """`curvature_stats` as given, else `batch`'s statistics from the rows that
-  `Config.statistics_fraction` picks: "auto" falls back to the whole batch where the cut one
-  fails to trace (an abandoned trace leaves nothing in the step); a number raises, noted."""
+  """`curvature_stats`, else those of `Config.statistics_fraction`'s rows of `batch`: "auto" falls
+  back to the whole batch where the cut one fails to trace; a number raises, noted."""
   if curvature_stats is not None:
     return curvature_stats
-  est, fraction, who = bound.estimator, engine.config.fraction, engine.who
+  est, fraction, who = bound.estimator, engine.config.statistics_fraction or 1, engine.who
   if fraction == 1:
     return est._curvature_stats(params, batch, rng)
   if fraction == "auto":
     try:
       cut, rows = _rows(fraction, batch, who)
       stats = est._curvature_stats(params, cut, rng)
+      if stats.batch_size == rows:
+        return stats
     except Exception:  # noqa: BLE001  # Flax's shape errors are not ValueErrors.
-      stats = None
-    if stats is not None and stats.batch_size == rows:
-      return stats
+      pass
     return est._curvature_stats(params, batch, rng)
   cut = _rows(fraction, batch, who)[0]
   try:
@@ -126,24 +122,20 @@ def kfac_statistics(engine: _engine.Engine, bound, params, batch, rng, curvature
 
 
 def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, rest=None, own=None):
-  """The optax transformation of `engine`, or its chain with `rest` (clipping, momentum, the
-  learning rate) run on the preconditioned vector under the step's verdict: a skipped step runs
-  no `rest`, gives zeros and keeps every state but `skipped` (optax's `apply_if_finite`).
-
-  `statistics(engine, bound, params, batch, rng, curvature_stats)` gives the curvature's data.
-  The state is `engine.state_type`, or with `rest` the type `own` beside `rest`'s, which gets
-  `kfac_grads=` (the raw gradient), `kfac_count=` and the caller's other extra arguments."""
+  """The optax transformation of `engine`, or with `rest` (taking `kfac_grads=`, `kfac_count=`)
+  its chain `engine.state_type(own, rest's)`: a skipped step runs no `rest` and gives zeros;
+  `statistics(engine, bound, params, batch, rng, curvature_stats)` gives the curvature's data."""
   own_type = engine.state_type if rest is None else own
 
   def init_fn(params):
     bound = engine.bind(params)
     # Distinct arrays: a state whose leaves share one buffer cannot be donated.
     zero = lambda: jnp.zeros([], jnp.int32)  # noqa: E731
-    pre = own_type(zero(), engine.init(bound, params), zero())
+    pre = own_type(zero(), engine.curvature.init(bound, engine.placement, params), zero())
     state = pre if rest is None else engine.state_type(pre, rest.init(params))
-    return engine.replicate(state, params)
+    return _parallel.replicate_on_mesh(state, params, engine.placement.mesh)
 
-  shapes = _fit.StateShapes(init_fn)
+  shapes = _fit.state_shapes(init_fn)
 
   def update_fn(
     updates, state, params=None, *, curvature_stats=None, batch=None, rng=None, **extra
@@ -167,21 +159,15 @@ def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, re
           out, state.rest, params, kfac_grads=updates, kfac_count=step.clock, **extra
         )
 
-      if ok is None:
-        out, rest_state = run()
-      else:
-        zeros = optax.tree_utils.tree_zeros_like(out)
-        out, rest_state = jax.lax.cond(ok, run, lambda: (zeros, state.rest))
+      skip = lambda: (optax.tree_utils.tree_zeros_like(out), state.rest)  # noqa: E731
+      out, rest_state = run() if ok is None else jax.lax.cond(ok, run, skip)
     if ok is None:
       new = own_type(optax.safe_increment(own.count), step.curvature, own.skipped)
     else:
       if rest is None:
         out = optax.tree_utils.tree_where(ok, out, optax.tree_utils.tree_zeros_like(out))
-      new = own_type(
-        own.count + ok.astype(own.count.dtype),
-        step.curvature,
-        own.skipped + (~ok).astype(own.skipped.dtype),
-      )
+      count = own.count + ok.astype(own.count.dtype)
+      new = own_type(count, step.curvature, own.skipped + (~ok).astype(own.skipped.dtype))
     return out, (new if rest is None else engine.state_type(new, rest_state))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -257,15 +243,8 @@ def _kfac_engine(
   if max_norm is not None:
     _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
   _checks.number(damping, "damping", low=0.0, schedule=True)
-  return _engine.Engine.kfac(
-    who,
-    source,
-    _engine.Schedule.checked(*schedule),
-    axis_name=axis_name,
-    config=config,
-    state_type=state_type,
-    transform=True,
-  )
+  front = {"axis_name": axis_name, "config": config, "state_type": state_type, "transform": True}
+  return _engine.Engine.kfac(who, source, _engine.Schedule.checked(*schedule), **front)
 
 
 def clip_coefficient(preconditioned, grads, max_norm) -> Array:
@@ -289,19 +268,11 @@ def _clip_by_kfac_norm(max_norm, tagged: _engine.Engine | None):
 
   def update_fn(updates, state, params=None, *, kfac_grads, **extra_args):
     del extra_args
-    r = (
-      max_norm
-      if tagged is None
-      else max_norm * (_registration_of(tagged, params).loss_factor or 1.0)
-    )
-    coeff = clip_coefficient(updates, kfac_grads, r)
+    c = 1.0 if tagged is None else (tagged.bind(params).registration.loss_factor or 1.0)
+    coeff = clip_coefficient(updates, kfac_grads, max_norm * c)
     return jax.tree_util.tree_map(lambda x: x * coeff.astype(x.dtype), updates), state
 
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
-
-
-def _registration_of(engine: _engine.Engine, params) -> _registration.Registration:
-  return engine.bind(params).registration
 
 
 def _tagged_default(reg: _registration.Registration) -> float:
@@ -337,27 +308,22 @@ def _report_far_learning_rate(reporter: _verdict.Reporter, reg, value, step=None
 
 
 def _kfac_learning_rate(learning_rate, engine: _engine.Engine, registration):
-  """`scale_by_learning_rate` with `_tagged_default` and a warning of a learning rate far from
-  it: a number at once (with `registration`) or at `init`, a traced value from the host on the
-  step that gives it (a `lax.cond` that runs nothing in range)."""
+  """`scale_by_learning_rate` with `_tagged_default`, warning of a learning rate far from it: a
+  number at once (with `registration`) or at `init`, a traced one from the step that gives it."""
   reporter = engine.reporter
   if registration is not None and isinstance(learning_rate, (int, float)):
     _report_far_learning_rate(reporter, registration, learning_rate)
 
   def check(params, value, count) -> None:
-    reg = _registration_of(engine, params)
+    reg = engine.bind(params).registration
     if isinstance(value, (int, float)):
       _report_far_learning_rate(reporter, reg, value)
       return
     ratio = jnp.asarray(value) / _tagged_default(reg)
-    reporter.when_bad(
-      (ratio >= _FAR_BELOW) & (ratio <= _FAR_ABOVE),
-      lambda v, n: _report_far_learning_rate(reporter, reg, v, n),
-      value,
-      count,
-    )
+    report = lambda v, n: _report_far_learning_rate(reporter, reg, v, n)
+    reporter.when_bad((ratio >= _FAR_BELOW) & (ratio <= _FAR_ABOVE), report, value, count)
 
-  default = lambda params: _tagged_default(_registration_of(engine, params))  # noqa: E731
+  default = lambda params: _tagged_default(engine.bind(params).registration)  # noqa: E731
   return scale_by_learning_rate(learning_rate, default, check)
 
 
@@ -378,10 +344,8 @@ def scale_by_learning_rate(learning_rate, default: Callable, check: Callable | N
       step = learning_rate(kfac_count) if callable(learning_rate) else learning_rate
       if check is not None and not isinstance(learning_rate, (int, float)):
         check(params, step, kfac_count)
-    return jax.tree_util.tree_map(
-      lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype),
-      updates,
-    ), state
+    scale = lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * -step).astype(x.dtype)
+    return jax.tree_util.tree_map(scale, updates), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -505,7 +469,7 @@ def kfac(
       times that or below 1/1000 of it gives one `HyperparameterWarning`.
     momentum: μ in [0, 1) for heavy-ball momentum on the preconditioned update, or None.
     max_norm: r > 0, the largest length `√|vᵀg|` of v in the damped metric before α, or None
-      (no clipping). TF K-FAC's `norm_constraint=C` bounds the step after α: `max_norm=√C / α`.
+      (no clipping; `norm_constraint`'s equivalent: docs/hyperparameters.rst).
     curvature_every: as in `scale_by_kfac`, but 5 by default: the clipping bounds a step that
       statistics up to 4 updates old precondition (without clipping, prefer 1).
     linesearch: an optax line search (`optax.scale_by_backtracking_linesearch(...)`, ...) in

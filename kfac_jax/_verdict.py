@@ -7,6 +7,7 @@ a host callback, which keeps JAX from storing the step in its persistent compila
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,20 +34,17 @@ _CHAINED = (
 
 
 class Reporter:
-  """One front's warnings, each given once per name whichever device or step reports it.
-
-  `chained`: the front is an optax transform, whose updates the rest of a user's chain can make
-  non-finite; `in_step`: a compiled step warns too (`Config.step_warnings`).
-  """
+  """One front's warnings, each given once per name whichever device or step reports it;
+  `chained`: an optax transform (the rest of a chain can make its updates non-finite);
+  `in_step`: a compiled step warns too (`Config.step_warnings`)."""
 
   def __init__(self, who: str, *, chained: bool = False, in_step: bool = False):
     self.who, self.chained, self.in_step = who, chained, in_step
     self._seen: set[str] = set()
 
   def when_bad(self, ok: Array, report: Callable, *args) -> None:
-    """`report(*args)` on the host when `ok` is False (an arg may be a function of no arguments
-    computing it): at once when concrete, in a `lax.cond`'s host callback when traced and
-    `in_step`, else not at all."""
+    """`report(*args)` (a thunk arg is called) when `ok` is False: at once when concrete, from
+    a `lax.cond`'s host callback when traced and `in_step`, else not at all."""
 
     def values():
       return [a() if callable(a) else a for a in args]
@@ -81,9 +79,8 @@ class Reporter:
       )
 
   def inputs(self, names: tuple[str, ...], paths: tuple, step, flags, skipped: bool):
-    """Warns about the first bad input in the order params, gradient, loss (bad params make the
-    rest so, a bad loss comes with a bad gradient), naming its bad leaves (`flags`: per input,
-    per device and leaf, whether it is finite)."""
+    """Warns about the first bad input of params, gradient, loss (the later follow from it),
+    naming its bad leaves (`flags`: per input, device and leaf, whether it is finite)."""
     step = int(np.asarray(step).ravel()[0])
     goods: dict[str, list[bool]] = {
       n: [bool(np.all(np.asarray(f, bool).reshape(-1, len(p))[:, i])) for i in range(len(p))]
@@ -136,9 +133,8 @@ def _up(x) -> Array:
 
 
 def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: bool) -> Array:
-  """Whether every leaf of `inputs` (name → pytree: "gradient", "params", "loss") is finite;
-  trees of one shape (the gradient and the params) are added first, for one pass over them (an
-  overflow errs on the side of a skip)."""
+  """Whether every leaf of `inputs` (name → pytree) is finite; trees of one shape are added
+  first, for one pass over them (an overflow errs on the side of a skip)."""
   trees = {n: t for n, t in inputs.items() if jax.tree_util.tree_leaves(t)}
   groups: dict[tuple, list[Any]] = {}  # Trees whose leaves can be added position by position.
   for t in trees.values():
@@ -157,9 +153,8 @@ def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: boo
       for t in trees.values()
     ]
 
-  reporter.when_bad(
-    ok, lambda step, f: reporter.inputs(names, paths, step, f, skipped), clock, flags
-  )
+  report = functools.partial(reporter.inputs, names, paths, skipped=skipped)
+  reporter.when_bad(ok, report, clock, flags)
   return ok
 
 
@@ -179,9 +174,7 @@ def hyperparameters_ok(
   xs = [x for x, _ in checked.values()]
   goods = [jnp.isfinite(x) & (True if low is None else x >= low) for x, low in checked.values()]
   ok = jnp.all(jnp.stack([jnp.all(g) for g in goods]))
-  report = lambda step, xs, goods: reporter.hyperparameters(  # noqa: E731
-    names, lows, step, xs, goods, skipped
-  )
+  report = functools.partial(reporter.hyperparameters, names, lows, skipped=skipped)
   reporter.when_bad(ok, report, clock, xs, goods)
   return ok
 

@@ -145,7 +145,11 @@ def test_check_sequence_cheapest_first():
   loss_fn, params, batch = _problem()
   engine = _engine_for(loss_fn, batch)
   bound = engine.bind(params)
-  init = jax.jit(lambda p: _transform.ScaleByKfacState(0, engine.init(engine.bind(p), p), 0))
+  init = jax.jit(
+    lambda p: _transform.ScaleByKfacState(
+      0, engine.curvature.init(engine.bind(p), engine.placement, p), 0
+    )
+  )
   state = init(params)
   expected = jax.eval_shape(init, params)
   with pytest.raises(TypeError, match="must be the ScaleByKfacState"):
@@ -183,7 +187,7 @@ def _run(engine, params, batch, grads, hyper, steps, count0=0):
     inputs = _engine.Inputs(grads, lambda: stats, {"gradient": grads, "params": params}, hyper)
     return engine.step(bound, count, skipped, curv, inputs)
 
-  curv = jax.jit(lambda: engine.init(bound, params))()
+  curv = jax.jit(lambda: engine.curvature.init(bound, engine.placement, params))()
   out = []
   for t in range(steps):
     s = one(jnp.int32(count0 + t), jnp.int32(0), curv, grads, jax.random.key(t))

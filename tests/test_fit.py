@@ -40,7 +40,7 @@ def test_state_shapes_trace_init_once_per_signature():
     calls.append(1)
     return {"m": jnp.zeros_like(params["w"])}
 
-  shapes = _fit.StateShapes(init)
+  shapes = _fit.state_shapes(init)
   p = {"w": jnp.zeros((2, 3))}
   for _ in range(3):
     out = shapes(p)
