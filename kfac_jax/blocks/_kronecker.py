@@ -83,14 +83,6 @@ def _mean_diag(f: Array, n: int) -> Array:
   return _linalg.mean_diag(f)
 
 
-def _power_product(ca, cg, k: int, m: Array) -> Array:
-  """A_λ^e · m · G_λ^e for the cached power e = cached_exps[k]; a factor kept in substitution
-  form instead (its power None, `KroneckerBlock.solves`) is solved by block substitution."""
-  pa, pg = ca.powers[k], cg.powers[k]
-  m = _left(pa, m) if pa is not None else _linalg.substitution_solve(ca.subst, m)
-  return _right(m, pg) if pg is not None else _linalg.substitution_solve(cg.subst, m.T).T
-
-
 def damped_factors(a: Array, g: Array, damping, sizes=None, split="pi") -> tuple[Array, Array]:
   """`(A + π√λ I, G + (√λ/π) I)`, π from the traces of sides `sizes` (or 1: `split="equal"`)."""
   root = jnp.sqrt(damping)
@@ -99,20 +91,6 @@ def damped_factors(a: Array, g: Array, damping, sizes=None, split="pi") -> tuple
   na, ng = sizes or (a.shape[-1], g.shape[-1])
   pi = _linalg.pi_from_traces(_mean_diag(a, na), _mean_diag(g, ng))
   return _add_identity(a, pi * root), _add_identity(g, root / pi)
-
-
-def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]:
-  """K-FAC-reduce rows: one row per example, x averaged and g summed over its positions."""
-  rows = x.shape[0]
-  if rows % batch_size:
-    raise ValueError(
-      f"layer `{spec.name}`: approx='reduce' needs rows = batch x positions, but the input has "
-      f"{rows} rows for a batch of {batch_size}."
-    )
-  n_pos = rows // batch_size
-  x = x.reshape(batch_size, n_pos, *x.shape[1:]).mean(axis=1)
-  g = g.reshape(g.shape[0], batch_size, n_pos, *g.shape[2:]).sum(axis=2)
-  return x, g
 
 
 def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -170,14 +148,10 @@ class LayoutBlock(Block):
       return fn(*args)
     return map_factorisations(fn, *args) if factorises else jax.vmap(fn)(*args)
 
-  def to_matrix(self, vecs) -> Array:
-    """The leaves as M (`[groups, in(+1), out]` when grouped) in `inverse_dtype`."""
-    m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
-    return m if self.grouped else m[0]
-
   def on_matrix(self, fn, vecs, *args) -> list[Array]:
-    """`fn(*args, M)` per group for M = `to_matrix(vecs)`, back as leaves like `vecs`."""
-    out = self.map_groups(fn, *args, self.to_matrix(vecs))
+    """`fn(*args, M)` per group for the leaves as M (`inverse_dtype`), back as leaves like vecs."""
+    m = self.layout.to_matrix(vecs, self.config.inverse_dtype)  # [groups, in(+1), out]
+    out = self.map_groups(fn, *args, m if self.grouped else m[0])
     leaves = self.layout.from_matrix(out if self.grouped else out[None])
     return [o.astype(v.dtype) for o, v in zip(leaves, vecs)]
 
@@ -252,9 +226,15 @@ class KroneckerBlock(LayoutBlock):
         g=f.g if pg is None else _blocked.from_full(f.g, pg),
       )
     x, g = self.layout.rows(data, dtype)
-    if self.spec.approx == "reduce":
-      # x: [R, groups, in] (ids [R]); g: [S, R, groups, out].
-      x, g = _reduce_rows(self.spec, x, g, batch_size)
+    if self.spec.approx == "reduce":  # One row per example: x averaged, g summed over positions.
+      rows = x.shape[0]  # x: [R, groups, in]; g: [S, R, groups, out].
+      if rows % batch_size:
+        raise ValueError(
+          f"layer `{self.spec.name}`: approx='reduce' needs rows = batch x positions, but the "
+          f"input has {rows} rows for a batch of {batch_size}."
+        )
+      x = x.reshape(batch_size, rows // batch_size, *x.shape[1:]).mean(axis=1)
+      g = g.reshape(g.shape[0], batch_size, rows // batch_size, *g.shape[2:]).sum(axis=2)
     if isinstance(self.layout, _layouts.EmbeddingLayout):
       a = self.layout.id_counts(x, dtype)[None] / x.shape[0]
     elif self.spec.approx == "kron_sua":
@@ -357,7 +337,6 @@ class KroneckerBlock(LayoutBlock):
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     damping, eigen = cache.damping, self.config.damping_mode == "eigen"
-    k = None if exp == 1 or eigen else self.config.power_index(exp)
 
     def one(a, g, ca, cg, m):
       if exp == 1:
@@ -367,8 +346,11 @@ class KroneckerBlock(LayoutBlock):
         return _right(_left(a_d, m), g_d)
       if eigen:
         return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)
-      assert k is not None  # a cached power: exp != 1 under "factored" damping
-      return _power_product(ca, cg, k, m)
+      # A_λ^e · m · G_λ^e; a factor in substitution form (power None, `solves`) is solved.
+      k = self.config.power_index(exp)
+      pa, pg = ca.powers[k], cg.powers[k]
+      m = _left(pa, m) if pa is not None else _linalg.substitution_solve(ca.subst, m)
+      return _right(m, pg) if pg is not None else _linalg.substitution_solve(cg.subst, m.T).T
 
     return self.on_matrix(one, vecs, factors.a, factors.g, cache.a, cache.g)
 
