@@ -31,14 +31,6 @@ def _operand_shape(chain, param_shape) -> tuple[int, ...]:
   return tuple(chain[-1].out_shape) if chain else tuple(param_shape)
 
 
-def _permuted_rows(lay, data, dtype):
-  """Rows of operands that `x_perm` / `out_perm` order as `[rows..., in]` / `[rows..., out]`."""
-  (x,), g = data
-  x = x.astype(dtype).transpose(lay.info.x_perm).reshape(-1, lay.groups, lay.in_dim)
-  g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in lay.info.out_perm))
-  return x, g.reshape(g.shape[0], x.shape[0], lay.groups, lay.out_dim)
-
-
 def _with_bias(lay, m: Array, vecs, dtype) -> Array:
   """M `[groups, in, out]` with the bias leaf appended as its last row, if the layer has one."""
   if not lay.spec.has_bias:
@@ -78,8 +70,12 @@ class Layout:
     return 1, info.in_dim, info.out_dim
 
   def rows(self, data, dtype) -> tuple[Array, Array]:
-    """`(x [R, groups, in], g [S, R, groups, out])` from the curvature pass's `(inputs, g)`."""
-    return _permuted_rows(self, data, dtype)
+    """`(x [R, groups, in], g [S, R, groups, out])` from the curvature pass's `(inputs, g)`,
+    whose operands `x_perm` / `out_perm` order as `[rows..., in]` / `[rows..., out]`."""
+    (x,), g = data
+    x = x.astype(dtype).transpose(self.info.x_perm).reshape(-1, self.groups, self.in_dim)
+    g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in self.info.out_perm))
+    return x, g.reshape(g.shape[0], x.shape[0], self.groups, self.out_dim)
 
   def to_matrix(self, vecs, dtype) -> Array:
     """The leaves as `M: [groups, in(+1), out]` in `dtype`."""
@@ -106,7 +102,7 @@ class DenseLayout(Layout):
   def rows(self, data, dtype):
     info = self.info
     if not info.shared_tap:
-      return _permuted_rows(self, data, dtype)
+      return Layout.rows(self, data, dtype)
     # The same input rows for every example: g is the broadcast's.
     (x,), g = data
     x = x.astype(dtype).transpose(info.x_perm).reshape(-1, 1, info.in_dim)
@@ -127,22 +123,19 @@ class ConvLayout(Layout):
 
   @staticmethod
   def dims(info) -> tuple[int, int, int]:
-    return info.groups, info.patch_dim, info.out_per_group
+    patch = info.in_channels // info.groups * math.prod(info.kernel_spatial)  # (C/groups)·window
+    return info.groups, patch, info.out_channels // info.groups
 
   @property
   def _kernel_perm(self) -> tuple[int, ...]:  # operand -> (in, window..., out)
     rhs = self.info.rhs_spec
     return (rhs[1], *rhs[2:], rhs[0])
 
-  def _input_nc(self, x):
-    """The input as [N, C, *spatial]."""
-    return x.transpose(self.info.lhs_spec)
-
   def rows(self, data, dtype):
     (x,), g = data
     info = self.info
     p = lax.conv_general_dilated_patches(
-      self._input_nc(x.astype(dtype)),
+      x.astype(dtype).transpose(info.lhs_spec),  # [N, C, *spatial]
       info.kernel_spatial,
       info.window_strides,
       info.padding,
@@ -163,7 +156,7 @@ class ConvLayout(Layout):
     appended with a bias); padding and input-dilation zeros are ignored."""
     (x,), _ = data
     info = self.info
-    a = jnp.moveaxis(self._input_nc(x.astype(dtype)), 1, -1)
+    a = jnp.moveaxis(x.astype(dtype).transpose(info.lhs_spec), 1, -1)
     a = a.reshape(-1, self.groups, info.in_channels // self.groups)  # [N·T, G, Cg]
     m2 = _linalg.gram(a, False) / a.shape[0]
     mu = jnp.mean(a, axis=0)
@@ -240,10 +233,6 @@ class GroupedDenseInfo:
   out_perm: tuple[int, ...]
   kernel_and_bias: ClassVar[bool] = True
 
-  @property
-  def locations(self) -> int:
-    return math.prod(self.grid)
-
 
 class GroupedDenseLayout(Layout):
   """One dense layer per group (`M: [P, in(+1), out]`), block-diagonal over the groups."""
@@ -253,7 +242,7 @@ class GroupedDenseLayout(Layout):
 
   @staticmethod
   def dims(info) -> tuple[int, int, int]:
-    return info.locations, info.in_dim, info.out_dim
+    return math.prod(info.grid), info.in_dim, info.out_dim
 
 
 LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout, GroupedDenseLayout)
