@@ -19,8 +19,7 @@ def _plain(state: Any) -> Any:
   if _nnx_object(state):
     state = nnx.state(state)
 
-  def held(x) -> bool:
-    return isinstance(x, (nnx.State, nnx.Variable))
+  held = lambda x: isinstance(x, (nnx.State, nnx.Variable))
 
   def one(x):
     if isinstance(x, nnx.State):

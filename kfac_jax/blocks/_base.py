@@ -294,12 +294,8 @@ def flat(vecs: Sequence[Array], dtype) -> Array:
 
 def unflat(x: Array, like: Sequence[Any]) -> list[Array]:
   """`flat`'s inverse: leaves with the shapes and dtypes of `like`."""
-  out, off = [], 0
-  for v in like:
-    size = math.prod(v.shape)
-    out.append(x[off : off + size].reshape(v.shape).astype(v.dtype))
-    off += size
-  return out
+  parts = jnp.split(x, np.cumsum([math.prod(v.shape) for v in like])[:-1])
+  return [p.reshape(v.shape).astype(v.dtype) for p, v in zip(parts, like)]
 
 
 def map_factorisations(fn, *args):
