@@ -227,14 +227,8 @@ class KroneckerBlock(LayoutBlock):
       )
     x, g = self.layout.rows(data, dtype)
     if self.spec.approx == "reduce":  # One row per example: x averaged, g summed over positions.
-      rows = x.shape[0]  # x: [R, groups, in]; g: [S, R, groups, out].
-      if rows % batch_size:
-        raise ValueError(
-          f"layer `{self.spec.name}`: approx='reduce' needs rows = batch x positions, but the "
-          f"input has {rows} rows for a batch of {batch_size}."
-        )
-      x = x.reshape(batch_size, rows // batch_size, *x.shape[1:]).mean(axis=1)
-      g = g.reshape(g.shape[0], batch_size, rows // batch_size, *g.shape[2:]).sum(axis=2)
+      x, g = _layouts.by_example(self.spec, x, g, batch_size)
+      x, g = x.mean(axis=1), g.sum(axis=2)
     if isinstance(self.layout, _layouts.EmbeddingLayout):
       a = self.layout.id_counts(x, dtype)[None] / x.shape[0]
     elif self.spec.approx == "kron_sua":

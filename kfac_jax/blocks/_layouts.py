@@ -27,25 +27,6 @@ if TYPE_CHECKING:
 Array = jax.Array
 
 
-def _operand_shape(chain, param_shape) -> tuple[int, ...]:
-  return tuple(chain[-1].out_shape) if chain else tuple(param_shape)
-
-
-def _with_bias(lay, m: Array, vecs, dtype) -> Array:
-  """M `[groups, in, out]` with the bias leaf appended as its last row, if the layer has one."""
-  if not lay.spec.has_bias:
-    return m
-  return jnp.concatenate([m, vecs[1].astype(dtype).reshape(lay.groups, 1, lay.out_dim)], axis=1)
-
-
-def _kernel_and_bias(lay, k: Array, m: Array) -> list[Array]:
-  """The kernel leaf from its operand `k` (`kernel_view` undone) and the bias from M's last row."""
-  out = [_specs.undo_view(lay.info.kernel_view, k).reshape(lay.spec.param_shapes[0])]
-  if lay.spec.has_bias:
-    out.append(m[:, lay.in_dim].reshape(lay.spec.param_shapes[1]))
-  return out
-
-
 # The Kronecker approximations every layout supports: A ⊗ G, and either side kept as its diagonal.
 _KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
@@ -78,17 +59,29 @@ class Layout:
     return x, g.reshape(g.shape[0], x.shape[0], self.groups, self.out_dim)
 
   def to_matrix(self, vecs, dtype) -> Array:
-    """The leaves as `M: [groups, in(+1), out]` in `dtype`."""
-    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
-    m = k.transpose(self.info.kernel_perm).reshape(self.groups, self.in_dim, self.out_dim)
-    return _with_bias(self, m, vecs, dtype)
+    """The leaves as `M: [groups, in(+1), out]` in `dtype`, the bias (if any) its last row."""
+    m = self._kernel_matrix(_specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype)))
+    if not self.spec.has_bias:
+      return m
+    return jnp.concatenate([m, vecs[1].astype(dtype).reshape(self.groups, 1, self.out_dim)], axis=1)
 
   def from_matrix(self, m: Array) -> list[Array]:
     """`to_matrix`'s inverse."""
+    chain, shapes = self.info.kernel_view, self.spec.param_shapes
+    k = self._kernel_operand(m[:, : self.in_dim], chain[-1].out_shape if chain else shapes[0])
+    out = [_specs.undo_view(chain, k).reshape(shapes[0])]
+    if self.spec.has_bias:
+      out.append(m[:, self.in_dim].reshape(shapes[1]))
+    return out
+
+  def _kernel_matrix(self, k: Array) -> Array:
+    """The kernel operand as `[groups, in, out]`."""
+    return k.transpose(self.info.kernel_perm).reshape(self.groups, self.in_dim, self.out_dim)
+
+  def _kernel_operand(self, k: Array, shape) -> Array:
+    """`_kernel_matrix`'s inverse, for an operand of `shape`."""
     perm = self.info.kernel_perm
-    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
-    k = m[:, : self.in_dim].reshape(tuple(op_shape[d] for d in perm))
-    return _kernel_and_bias(self, k.transpose(np.argsort(perm)), m)
+    return k.reshape(tuple(shape[d] for d in perm)).transpose(np.argsort(perm))
 
 
 class DenseLayout(Layout):
@@ -173,16 +166,13 @@ class ConvLayout(Layout):
 
     return jax.vmap(one_group)(m2, mu)
 
-  def to_matrix(self, vecs, dtype) -> Array:
-    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
+  def _kernel_matrix(self, k: Array) -> Array:
     k = k.transpose(self._kernel_perm).reshape(self.in_dim, self.groups, self.out_dim)
-    return _with_bias(self, k.transpose(1, 0, 2), vecs, dtype)
+    return k.transpose(1, 0, 2)
 
-  def from_matrix(self, m: Array) -> list[Array]:
-    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
-    permuted = tuple(op_shape[d] for d in self._kernel_perm)
-    k = m[:, : self.in_dim].transpose(1, 0, 2).reshape(permuted)
-    return _kernel_and_bias(self, k.transpose(np.argsort(self._kernel_perm)), m)
+  def _kernel_operand(self, k: Array, shape) -> Array:
+    permuted = tuple(shape[d] for d in self._kernel_perm)
+    return k.transpose(1, 0, 2).reshape(permuted).transpose(np.argsort(self._kernel_perm))
 
 
 class EmbeddingLayout(Layout):
@@ -271,6 +261,19 @@ def _examples_of_use(info, data, batch_size: int) -> int:
   return x.shape[info.x_perm[0]]
 
 
+def by_example(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]:
+  """Rows `x: [R, ...]`, `g: [S, R, ...]` as `[N, R/N, ...]`, `[S, N, R/N, ...]`; a ValueError
+  naming the layer unless the R rows split into the batch's N examples."""
+  rows = x.shape[0]
+  if rows % batch_size:
+    raise ValueError(
+      f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
+      f"{spec.approx!r} approximation needs the batch as the leading axis of the input."
+    )
+  x = x.reshape(batch_size, rows // batch_size, *x.shape[1:])
+  return x, g.reshape(g.shape[0], *x.shape[:2], *g.shape[2:])
+
+
 def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   """`[S·N, n]`: the gradient of each example's loss for each sampled target, leaves raveled:
   J_n = Σ_{r ∈ n} x̄_r g_rᵀ for layouts, Σ_positions x̂ ⊙ g (scale) and Σ_positions g (shift)
@@ -294,17 +297,10 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
     return _scale_shift_grads(spec, data, batch_size, dtype)
   layout = layout_for(spec)
   x, g = layout.rows(data, dtype)
-  rows = x.shape[0]
-  if rows % batch_size:
-    raise ValueError(
-      f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
-      f"{spec.approx!r} approximation needs the batch as the leading axis of the input."
-    )
   if spec.has_bias:  # The homogeneous coordinate: 0 for a tangent channel (no bias added).
     coord = 1.0 if getattr(spec.info, "adds_bias", True) else 0.0
     x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (1,), coord, dtype)], axis=-1)
-  x = x.reshape(batch_size, rows // batch_size, *x.shape[1:])
-  g = g.reshape(g.shape[0], batch_size, rows // batch_size, *g.shape[2:])
+  x, g = by_example(spec, x, g, batch_size)
   j = jnp.einsum("nlgi,snlgo->sngio", x, g, precision=lax.Precision.HIGHEST)
   j = j.reshape(-1, *j.shape[2:])
   leaves = jax.vmap(layout.from_matrix)(j)
