@@ -69,9 +69,8 @@ def state_to_bytes(state: Any) -> bytes:
   state = _plain(state)
 
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if (
-      isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated
-    ):
+    split = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+    if split and not leaf.is_fully_replicated:
       raise ValueError(
         f"state_to_bytes: `{_fit.describe(path)[0]}` is split over devices of other processes "
         f"({leaf.sharding}), so no one process can write it whole. Save the state with "

@@ -245,12 +245,8 @@ class ConvInfo:
   kernel_and_bias: ClassVar[bool] = True
 
   @property
-  def groups(self) -> int:
-    return self.feature_group_count
-
-  @property
   def depthwise(self) -> bool:
-    return self.groups > 1 and self.groups == self.in_channels
+    return 1 < self.feature_group_count == self.in_channels
 
 
 @dataclasses.dataclass(frozen=True)

@@ -290,9 +290,8 @@ class ShardedStorage(_Strategy):
     out: dict[str, Any] = {}
     for d in range(num):
       local = {k: jnp.reshape(v, (num, -1))[d] for k, v in bufs.items()}
-      out.update(
-        (self.names[i], f) for i, f in _parallel.unpack(self.layouts(num)[0], d, local).items()
-      )
+      unpacked = _parallel.unpack(self.layouts(num)[0], d, local)
+      out.update((self.names[i], f) for i, f in unpacked.items())
     return out
 
 

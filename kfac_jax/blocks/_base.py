@@ -156,12 +156,10 @@ class StackedUses:
 class Block(abc.ABC):
   """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix.
 
-  A user's block for a layer (`LayerConfig.blocks`), built as `cls(spec, config)`, implements
-  `factor_shapes_for`, `init_factors` and `batch_factors` (the statistics, averaged leafwise),
-  `init_cache` (the identity) and `compute_cache` (from the statistics and λ) and
-  `multiply_matpower`; `multiply_cholesky` and `multiply_undamped` are optional. Vectors are the
-  layer's leaves in `spec.leaf_indices` order. Every method is traced (jit, vmap over a stack of
-  layers), so it is pure and reads only static facts from `spec`.
+  A user's block for a layer (`LayerConfig.blocks`, docs/layers.rst) is built as
+  `cls(spec, config)`; vectors are the layer's leaves in `spec.leaf_indices` order. Every method
+  is traced (jit, vmap over a stack of layers), so it is pure and reads only static facts from
+  `spec`.
 
   Attributes:
     serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`).

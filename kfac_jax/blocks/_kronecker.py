@@ -148,10 +148,14 @@ class LayoutBlock(Block):
       return fn(*args)
     return map_factorisations(fn, *args) if factorises else jax.vmap(fn)(*args)
 
+  def to_matrix(self, vecs) -> Array:
+    """The leaves as M (`[groups, in(+1), out]` when grouped) in `inverse_dtype`."""
+    m = self.layout.to_matrix(vecs, self.config.inverse_dtype)
+    return m if self.grouped else m[0]
+
   def on_matrix(self, fn, vecs, *args) -> list[Array]:
-    """`fn(*args, M)` per group for the leaves as M (`inverse_dtype`), back as leaves like vecs."""
-    m = self.layout.to_matrix(vecs, self.config.inverse_dtype)  # [groups, in(+1), out]
-    out = self.map_groups(fn, *args, m if self.grouped else m[0])
+    """`fn(*args, M)` per group for M = `to_matrix(vecs)`, back as leaves like `vecs`."""
+    out = self.map_groups(fn, *args, self.to_matrix(vecs))
     leaves = self.layout.from_matrix(out if self.grouped else out[None])
     return [o.astype(v.dtype) for o, v in zip(leaves, vecs)]
 

@@ -116,8 +116,9 @@ class ConvLayout(Layout):
 
   @staticmethod
   def dims(info) -> tuple[int, int, int]:
-    patch = info.in_channels // info.groups * math.prod(info.kernel_spatial)  # (C/groups)·window
-    return info.groups, patch, info.out_channels // info.groups
+    groups = info.feature_group_count
+    patch = info.in_channels // groups * math.prod(info.kernel_spatial)  # (C/groups)·window
+    return groups, patch, info.out_channels // groups
 
   @property
   def _kernel_perm(self) -> tuple[int, ...]:  # operand -> (in, window..., out)
@@ -249,18 +250,6 @@ _WITHOUT_LAYOUT: tuple[Kind, ...] = ("scale_and_shift", "generic")
 PER_EXAMPLE_KINDS = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + _WITHOUT_LAYOUT
 
 
-def _examples_of_use(info, data, batch_size: int) -> int:
-  """The examples one use's rows hold (fewer for a dense use on a smaller loss tag's points)."""
-  if not isinstance(info, _specs.DenseInfo):
-    return batch_size
-  if info.shared_tap:
-    return data[1].shape[1]
-  x = data[0][0]
-  if (x.size // info.in_dim) % batch_size == 0:
-    return batch_size
-  return x.shape[info.x_perm[0]]
-
-
 def by_example(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]:
   """Rows `x: [R, ...]`, `g: [S, R, ...]` as `[N, R/N, ...]`, `[S, N, R/N, ...]`; a ValueError
   naming the layer unless the R rows split into the batch's N examples."""
@@ -281,7 +270,11 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   if spec.num_uses > 1:  # Uses on another loss tag's point set are examples of their own.
     groups: dict[int, Any] = {}
     for info, d in zip(spec.use_infos, data):
-      n = _examples_of_use(info, d, batch_size)
+      n = batch_size  # The examples its rows hold (fewer for a dense use on fewer points).
+      if isinstance(info, _specs.DenseInfo) and info.shared_tap:
+        n = d[1].shape[1]
+      elif isinstance(info, _specs.DenseInfo) and (d[0][0].size // info.in_dim) % batch_size:
+        n = d[0][0].shape[info.x_perm[0]]
       one = dataclasses.replace(spec, info=info, num_uses=1, use_infos=())
       flipped = getattr(info, "transposed", False) and spec.has_bias
       if flipped:  # A use of the transposed kernel (its own layout says so) adds no bias.
