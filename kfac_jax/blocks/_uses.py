@@ -121,20 +121,17 @@ def _pooled(parts, balance: bool = True) -> KroneckerFactors:
 
 def _table_factors(layouts, data, batch_size: int, dtype) -> KroneckerFactors:
   """An embedding table [vocab, dim], possibly tied with products by the (transposed) table."""
-  xs, ys = [], []
+  parts = []
   for (layout, transposed), d in zip(layouts, data):
     x, g = layout.rows(d, dtype)
     gg = jnp.einsum("srgi,srgj->ij", g, g) / (g.shape[0] * batch_size)
     if isinstance(layout, _layouts.EmbeddingLayout):
-      xs.append(layout.id_counts(x, dtype) / x.shape[0])
-      ys.append(gg)
+      parts.append((layout.id_counts(x, dtype) / x.shape[0], gg))
     elif transposed:  # logits = h Mᵀ: rows of M are its outputs.
-      xs.append(_linalg.diagonal(gg))
-      ys.append(jnp.einsum("rgi,rgj->ij", x, x) / x.shape[0])
+      parts.append((_linalg.diagonal(gg), jnp.einsum("rgi,rgj->ij", x, x) / x.shape[0]))
     else:  # one-hot-like rows times M.
-      xs.append(jnp.einsum("rgi,rgi->i", x, x) / x.shape[0])
-      ys.append(gg)
-  return _pooled(list(zip(xs, ys)), balance=any(t for _, t in layouts))
+      parts.append((jnp.einsum("rgi,rgi->i", x, x) / x.shape[0], gg))
+  return _pooled(parts, balance=any(t for _, t in layouts))
 
 
 def scaled_cholesky(q, p, scale, m, transpose: bool, inverse: bool):
