@@ -15,14 +15,11 @@ cache's basis (`needs_cache_for_statistics`) and averaged with the same EMA.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _layouts, _linalg
 from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import EKFACCache, EKFACFactors
-
-Array = jax.Array
 
 
 class EKFACBlock(LayoutBlock):
