@@ -31,9 +31,7 @@ from kfac_jax.blocks._state import SeriesFactors as SeriesFactors
 from kfac_jax.blocks._terms import KroneckerSumBlock as KroneckerSumBlock
 from kfac_jax.blocks._terms import TermsCache as TermsCache
 
-# The block classes that compute layers, each serving its (kind, approximation) pairs
-# (`Block.serves`, unique: tests/scan/test_kinds.py). The wrappers (`ConcatBlock`, `StackedBlock`)
-# are chosen by the spec's shape.
+# The block classes that compute layers, each serving its (kind, approximation) pairs (unique).
 BLOCK_CLASSES: tuple[type[Block], ...] = (
   KroneckerBlock,
   EKFACBlock,

@@ -184,17 +184,12 @@ class KroneckerBlock(LayoutBlock):
     solve = config.factor_solve != "never" and config.factored and -1.0 in config.cached_exps
     if not solve or self.grouped or self.vmapped:
       return False, False
-    (na, ng), (da, dg), (pa, pg) = self.sides, self.diag, self.partitions
+    (na, ng), (da, dg), (pa, pg) = self.sides, self.diag, partitions(self.spec)
 
     def side(n: int, partner: int, whole: bool) -> bool:  # Vectors and blocks: inverses.
       return whole and (config.factor_solve == "always" or n >= max(256, 8 * partner))
 
     return side(na, ng, not da and pa is None), side(ng, na, not dg and pg is None)
-
-  @functools.cached_property
-  def partitions(self) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
-    """`partitions(self.spec)`."""
-    return partitions(self.spec)
 
   @property
   def sides(self) -> tuple[int, int]:
@@ -203,7 +198,7 @@ class KroneckerBlock(LayoutBlock):
     return sa[-1], sg[-1]
 
   def group_key(self) -> tuple:
-    return (type(self).__name__, self.factor_shapes, self.spec.approx, self.partitions)
+    return (type(self).__name__, self.factor_shapes, self.spec.approx, partitions(self.spec))
 
   @classmethod
   def factor_shapes_for(cls, spec):
@@ -222,7 +217,7 @@ class KroneckerBlock(LayoutBlock):
   def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
     del cache  # The statistics do not depend on the inverses.
     dtype = self.config.accum_dtype
-    pa, pg = self.partitions
+    pa, pg = partitions(self.spec)
     if self.spec.num_uses > 1:
       f = _uses.indep_factors(self.spec, data, batch_size, dtype)
       return KroneckerFactors(
@@ -282,7 +277,7 @@ class KroneckerBlock(LayoutBlock):
     solve_a, solve_g = self.solves
     pads = [
       None if p is None else _blocked.padding_eye(p, n, config.inverse_dtype)
-      for p, n in zip(self.partitions, self.sides)
+      for p, n in zip(partitions(self.spec), self.sides)
     ]
 
     def side(m, solve, pad):  # One group's factor, damped ("factored") or not ("eigen").
