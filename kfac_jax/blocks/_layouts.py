@@ -32,14 +32,13 @@ _KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kr
 
 
 class Layout:
-  """A layout: the layer `kind` it serves, the type of its matching details, its Kronecker
-  approximations and whether its rows give per-example gradients ("diagonal", "full"). The
-  methods read a kernel per group as `[in, out]` (dense layers); other layouts override them."""
+  """A layer kind's matrix view (the module docstring); the methods read a kernel per group as
+  `[in, out]` (dense layers), other layouts override them."""
 
   kind: ClassVar[Kind]
   info_type: ClassVar[type]
   kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
-  per_example: ClassVar[bool] = True
+  per_example: ClassVar[bool] = True  # Its rows give per-example gradients ("diagonal", "full").
 
   def __init__(self, spec):
     self.spec, self.info = spec, spec.info
