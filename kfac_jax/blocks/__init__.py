@@ -123,17 +123,15 @@ def check_user_block(block: Block) -> None:
   cache = shapes("init_cache", block.init_cache)
   damping = jax.ShapeDtypeStruct((), config.inverse_dtype)
   computed = shapes("compute_cache", block.compute_cache, factors, damping)
-  products = {}
-  for e in (1, *config.cached_exps):
-    fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)
-    products[e] = shapes("multiply_matpower", fn, factors, cache, *like)
   if tree_shapes(computed) != tree_shapes(cache):
     raise ValueError(
       f"{who}: compute_cache returns {tree_shapes(computed)}, but init_cache returns "
       f"{tree_shapes(cache)}; both must give the same structure, shapes and dtypes."
     )
   want = [tuple(s) for s in spec.param_shapes]
-  for e, out in products.items():
+  for e in (1, *config.cached_exps):
+    fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)
+    out = shapes("multiply_matpower", fn, factors, cache, *like)
     got = [tuple(x.shape) for x in out] if isinstance(out, (list, tuple)) else out
     if got != want:
       raise ValueError(
