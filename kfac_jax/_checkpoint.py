@@ -19,8 +19,7 @@ def _plain(state: Any) -> Any:
   if _nnx_object(state):
     state = nnx.state(state)
 
-  def held(x) -> bool:
-    return isinstance(x, (nnx.State, nnx.Variable))
+  held = lambda x: isinstance(x, (nnx.State, nnx.Variable))
 
   def one(x):
     if isinstance(x, nnx.State):
@@ -70,9 +69,8 @@ def state_to_bytes(state: Any) -> bytes:
   state = _plain(state)
 
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if (
-      isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated
-    ):
+    split = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+    if split and not leaf.is_fully_replicated:
       raise ValueError(
         f"state_to_bytes: `{_fit.describe(path)[0]}` is split over devices of other processes "
         f"({leaf.sharding}), so no one process can write it whole. Save the state with "

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 Kind = Literal["dense", "conv", "embedding", "scale_and_shift", "grouped_dense", "generic"]
@@ -27,16 +28,14 @@ def key_name(key) -> str:
   return str(key)
 
 
-def path_to_str(path) -> str:
-  parts = [key_name(k) for k in path]
-  if len(parts) > 1 and parts[-1] == "value":
-    parts = parts[:-1]  # An nnx.State leaf's trailing `value` attribute.
-  return "/".join(parts) if parts else "<root>"
-
-
 def param_paths(params) -> tuple[str, ...]:
-  leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
-  return tuple(path_to_str(p) for p, _ in leaves_with_paths)
+  out = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    parts = [key_name(k) for k in path]
+    if len(parts) > 1 and parts[-1] == "value":
+      parts = parts[:-1]  # An nnx.State leaf's trailing `value` attribute.
+    out.append("/".join(parts) if parts else "<root>")
+  return tuple(out)
 
 
 def common_prefix(paths: Sequence[str]) -> str:
@@ -101,15 +100,13 @@ class ConcatView:
 
 def join_pieces(view: ConcatView, pieces):
   """The concatenation of parameter-shaped `pieces` (casts skipped)."""
-  return jax.numpy.concatenate(
-    [apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis
-  )
+  return jnp.concatenate([apply_view(c, x) for c, x in zip(view.chains, pieces)], axis=view.axis)
 
 
 def split_pieces(view: ConcatView, x, leaf_shapes):
   """Inverse of `join_pieces`: the parameter-shaped pieces of a concatenation-shaped `x`."""
   sizes = np.cumsum([s[view.axis] for s in view.piece_shapes])[:-1]
-  parts = jax.numpy.split(x, [int(k) for k in sizes], axis=view.axis)
+  parts = jnp.split(x, [int(k) for k in sizes], axis=view.axis)
   return [undo_view(c, p).reshape(shape) for c, p, shape in zip(view.chains, parts, leaf_shapes)]
 
 
@@ -248,21 +245,8 @@ class ConvInfo:
   kernel_and_bias: ClassVar[bool] = True
 
   @property
-  def groups(self) -> int:
-    return self.feature_group_count
-
-  @property
   def depthwise(self) -> bool:
-    return self.groups > 1 and self.groups == self.in_channels
-
-  @property
-  def patch_dim(self) -> int:
-    """Inputs of one group's patch: (C / groups) · prod(kernel_spatial)."""
-    return self.in_channels // self.groups * math.prod(self.kernel_spatial)
-
-  @property
-  def out_per_group(self) -> int:
-    return self.out_channels // self.groups
+    return 1 < self.feature_group_count == self.in_channels
 
 
 @dataclasses.dataclass(frozen=True)

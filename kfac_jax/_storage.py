@@ -210,23 +210,21 @@ class ShardedStorage(_Strategy):
 
   def init_state(self, axis_name, mesh):
     """`(factors, cache)`: each device's buffers of its blocks' zero factors, identity caches."""
-    blocks = self.blocks
 
     def run(d, flay, clay):
       share = flay.shares[d]
-      f = _parallel.pack(flay, d, {i: blocks[i].init_factors() for i in share})
-      c = _parallel.pack(clay, d, {i: blocks[i].init_cache() for i in share})
+      f = _parallel.pack(flay, d, {i: self.blocks[i].init_factors() for i in share})
+      c = _parallel.pack(clay, d, {i: self.blocks[i].init_cache() for i in share})
       return _parallel.ShardedCache(f), _parallel.ShardedCache(c)
 
     return self._run("init", axis_name, mesh, run, (), (), (True, True))
 
   def fold(self, factors, new, weight, average, axis_name, mesh):
     """Each device folds its blocks' entries of this batch's statistics `new` (by name)."""
-    names = self.names
 
     def run(d, flay, clay, factors, new, weight):
       old = _parallel.unpack(flay, d, factors.buffers)
-      folded = {i: _fold(f, new[names[i]], weight, average) for i, f in old.items()}
+      folded = {i: _fold(f, new[self.names[i]], weight, average) for i, f in old.items()}
       return _parallel.ShardedCache(_parallel.pack(flay, d, folded))
 
     args = (factors, new, weight)
@@ -290,9 +288,8 @@ class ShardedStorage(_Strategy):
     out: dict[str, Any] = {}
     for d in range(num):
       local = {k: jnp.reshape(v, (num, -1))[d] for k, v in bufs.items()}
-      out.update(
-        (self.names[i], f) for i, f in _parallel.unpack(self.layouts(num)[0], d, local).items()
-      )
+      unpacked = _parallel.unpack(self.layouts(num)[0], d, local)
+      out.update((self.names[i], f) for i, f in unpacked.items())
     return out
 
 

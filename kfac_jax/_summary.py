@@ -120,12 +120,6 @@ def check_registration(
   return scan.layers
 
 
-def _relative_paths(paths: Sequence[str]) -> str:
-  """The parameter paths without the directory they all share (`kernel, bias`)."""
-  common = len(os.path.commonprefix([p.split("/")[:-1] for p in paths]))
-  return ", ".join("/".join(p.split("/")[common:]) for p in paths)
-
-
 def format_table(
   layers: Sequence[_tracer.LayerSpec],
   blocks: Sequence[_blocks.Block],
@@ -141,7 +135,9 @@ def format_table(
     kind = s.kind + (f" (stack of {s.stack_size})" if s.stack_size else "")
     kind += "" if s.source == "auto" else f" ({s.source})"
     approx = s.approx if s.block is None else s.block.__name__
-    row = (s.name, kind, str(s.num_uses), approx, _relative_paths(s.param_paths), shapes)
+    common = len(os.path.commonprefix([p.split("/")[:-1] for p in s.param_paths]))
+    paths = ", ".join("/".join(p.split("/")[common:]) for p in s.param_paths)  # kernel, bias
+    row = (s.name, kind, str(s.num_uses), approx, paths, shapes)
     rows.append(row + (format_bytes(nbytes), s.note))
   ratio = (
     f"{total / param_bytes:.2f}x the parameters' {format_bytes(param_bytes)}" if param_bytes else ""

@@ -31,9 +31,7 @@ from kfac_jax.blocks._state import SeriesFactors as SeriesFactors
 from kfac_jax.blocks._terms import KroneckerSumBlock as KroneckerSumBlock
 from kfac_jax.blocks._terms import TermsCache as TermsCache
 
-# The block classes that compute layers, each serving its (kind, approximation) pairs
-# (`Block.serves`, unique: tests/scan/test_kinds.py). The wrappers (`ConcatBlock`, `StackedBlock`)
-# are chosen by the spec's shape.
+# The block classes that compute layers, each serving its (kind, approximation) pairs (unique).
 BLOCK_CLASSES: tuple[type[Block], ...] = (
   KroneckerBlock,
   EKFACBlock,
@@ -113,29 +111,27 @@ def check_user_block(block: Block) -> None:
   spec, config = block.spec, block.config
   who = f"layer `{spec.name}`: the block {type(block).__name__} (LayerConfig.blocks)"
   like = [jax.ShapeDtypeStruct(s, config.inverse_dtype) for s in spec.param_shapes]
-  step = "init_factors"
-  try:
-    cast = lambda x: jax.ShapeDtypeStruct(x.shape, config.inverse_dtype)  # As `compute_caches`.
-    factors = jax.tree_util.tree_map(cast, jax.eval_shape(block.init_factors))
-    step = "init_cache"
-    cache = jax.eval_shape(block.init_cache)
-    step = "compute_cache"
-    damping = jax.ShapeDtypeStruct((), config.inverse_dtype)
-    computed = jax.eval_shape(block.compute_cache, factors, damping)
-    step = "multiply_matpower"
-    products = {}
-    for e in (1, *config.cached_exps):
-      fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)
-      products[e] = jax.eval_shape(fn, factors, cache, *like)
-  except Exception as err:
-    raise ValueError(f"{who} fails in {step} while tracing: {type(err).__name__}: {err}") from err
+
+  def shapes(step, fn, *args):
+    try:
+      return jax.eval_shape(fn, *args)
+    except Exception as err:
+      raise ValueError(f"{who} fails in {step} while tracing: {type(err).__name__}: {err}") from err
+
+  cast = lambda x: jax.ShapeDtypeStruct(x.shape, config.inverse_dtype)  # As `compute_caches`.
+  factors = jax.tree_util.tree_map(cast, shapes("init_factors", block.init_factors))
+  cache = shapes("init_cache", block.init_cache)
+  damping = jax.ShapeDtypeStruct((), config.inverse_dtype)
+  computed = shapes("compute_cache", block.compute_cache, factors, damping)
   if tree_shapes(computed) != tree_shapes(cache):
     raise ValueError(
       f"{who}: compute_cache returns {tree_shapes(computed)}, but init_cache returns "
       f"{tree_shapes(cache)}; both must give the same structure, shapes and dtypes."
     )
   want = [tuple(s) for s in spec.param_shapes]
-  for e, out in products.items():
+  for e in (1, *config.cached_exps):
+    fn = lambda f, c, *v, e=e: block.multiply_matpower(f, c, list(v), e)
+    out = shapes("multiply_matpower", fn, factors, cache, *like)
     got = [tuple(x.shape) for x in out] if isinstance(out, (list, tuple)) else out
     if got != want:
       raise ValueError(

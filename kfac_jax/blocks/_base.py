@@ -156,12 +156,10 @@ class StackedUses:
 class Block(abc.ABC):
   """Abstract curvature block: statistics, damped powers, Cholesky products, dense matrix.
 
-  A user's block for a layer (`LayerConfig.blocks`), built as `cls(spec, config)`, implements
-  `factor_shapes_for`, `init_factors` and `batch_factors` (the statistics, averaged leafwise),
-  `init_cache` (the identity) and `compute_cache` (from the statistics and λ) and
-  `multiply_matpower`; `multiply_cholesky` and `multiply_undamped` are optional. Vectors are the
-  layer's leaves in `spec.leaf_indices` order. Every method is traced (jit, vmap over a stack of
-  layers), so it is pure and reads only static facts from `spec`.
+  A user's block for a layer (`LayerConfig.blocks`, docs/layers.rst) is built as
+  `cls(spec, config)`; vectors are the layer's leaves in `spec.leaf_indices` order. Every method
+  is traced (jit, vmap over a stack of layers), so it is pure and reads only static facts from
+  `spec`.
 
   Attributes:
     serves: the (layer kind, approximation) pairs this class computes (`blocks.block_class`).
@@ -294,12 +292,8 @@ def flat(vecs: Sequence[Array], dtype) -> Array:
 
 def unflat(x: Array, like: Sequence[Any]) -> list[Array]:
   """`flat`'s inverse: leaves with the shapes and dtypes of `like`."""
-  out, off = [], 0
-  for v in like:
-    size = math.prod(v.shape)
-    out.append(x[off : off + size].reshape(v.shape).astype(v.dtype))
-    off += size
-  return out
+  parts = jnp.split(x, np.cumsum([math.prod(v.shape) for v in like])[:-1])
+  return [p.reshape(v.shape).astype(v.dtype) for p, v in zip(parts, like)]
 
 
 def map_factorisations(fn, *args):

@@ -15,14 +15,11 @@ cache's basis (`needs_cache_for_statistics`) and averaged with the same EMA.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from kfac_jax.blocks import _kronecker, _linalg
+from kfac_jax.blocks import _kronecker, _layouts, _linalg
 from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import EKFACCache, EKFACFactors
-
-Array = jax.Array
 
 
 class EKFACBlock(LayoutBlock):
@@ -45,11 +42,6 @@ class EKFACBlock(LayoutBlock):
     dtype = self.config.accum_dtype
     x, g = self.layout.rows(data, dtype)  # x: [R, groups, in]; g: [S, R, groups, out]
     rows, samples = x.shape[0], g.shape[0]
-    if rows % batch_size:
-      raise ValueError(
-        f"layer `{self.spec.name}`: approx='ekfac' needs the batch as the leading axis of the "
-        f"input, but the input has {rows} rows for a batch of {batch_size}."
-      )
     a = _linalg.gram(x, self.spec.has_bias) / rows
     gg = _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (samples * batch_size)
     if self.spec.has_bias:
@@ -61,9 +53,7 @@ class EKFACBlock(LayoutBlock):
       x2, g2 = x * x, jnp.sum(g * g, axis=0)
       s = (x2[:, 0].T @ g2[:, 0])[None] if x.shape[1] == 1 else jnp.einsum("rgi,rgo->gio", x2, g2)
     else:
-      per = rows // batch_size
-      x = x.reshape(batch_size, per, *x.shape[1:])
-      g = g.reshape(samples, batch_size, per, *g.shape[2:])
+      x, g = _layouts.by_example(self.spec, x, g, batch_size)
       j = jnp.einsum("nlgi,snlgo->sngio", x, g)
       s = jnp.sum(j * j, axis=(0, 1))
     s = s / (samples * batch_size)

@@ -7,14 +7,11 @@ examples vanishing in expectation), for layers the exact per-example gradients.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _layouts, _linalg
 from kfac_jax.blocks._base import Block, flat, unflat
 from kfac_jax.blocks._state import DiagonalCache, DiagonalFactors, FullCache, FullFactors
-
-Array = jax.Array
 
 
 class DiagonalBlock(Block):

@@ -83,14 +83,6 @@ def _mean_diag(f: Array, n: int) -> Array:
   return _linalg.mean_diag(f)
 
 
-def _power_product(ca, cg, k: int, m: Array) -> Array:
-  """A_λ^e · m · G_λ^e for the cached power e = cached_exps[k]; a factor kept in substitution
-  form instead (its power None, `KroneckerBlock.solves`) is solved by block substitution."""
-  pa, pg = ca.powers[k], cg.powers[k]
-  m = _left(pa, m) if pa is not None else _linalg.substitution_solve(ca.subst, m)
-  return _right(m, pg) if pg is not None else _linalg.substitution_solve(cg.subst, m.T).T
-
-
 def damped_factors(a: Array, g: Array, damping, sizes=None, split="pi") -> tuple[Array, Array]:
   """`(A + π√λ I, G + (√λ/π) I)`, π from the traces of sides `sizes` (or 1: `split="equal"`)."""
   root = jnp.sqrt(damping)
@@ -99,20 +91,6 @@ def damped_factors(a: Array, g: Array, damping, sizes=None, split="pi") -> tuple
   na, ng = sizes or (a.shape[-1], g.shape[-1])
   pi = _linalg.pi_from_traces(_mean_diag(a, na), _mean_diag(g, ng))
   return _add_identity(a, pi * root), _add_identity(g, root / pi)
-
-
-def _reduce_rows(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]:
-  """K-FAC-reduce rows: one row per example, x averaged and g summed over its positions."""
-  rows = x.shape[0]
-  if rows % batch_size:
-    raise ValueError(
-      f"layer `{spec.name}`: approx='reduce' needs rows = batch x positions, but the input has "
-      f"{rows} rows for a batch of {batch_size}."
-    )
-  n_pos = rows // batch_size
-  x = x.reshape(batch_size, n_pos, *x.shape[1:]).mean(axis=1)
-  g = g.reshape(g.shape[0], batch_size, n_pos, *g.shape[2:]).sum(axis=2)
-  return x, g
 
 
 def kron_shapes(spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -206,17 +184,12 @@ class KroneckerBlock(LayoutBlock):
     solve = config.factor_solve != "never" and config.factored and -1.0 in config.cached_exps
     if not solve or self.grouped or self.vmapped:
       return False, False
-    (na, ng), (da, dg), (pa, pg) = self.sides, self.diag, self.partitions
+    (na, ng), (da, dg), (pa, pg) = self.sides, self.diag, partitions(self.spec)
 
     def side(n: int, partner: int, whole: bool) -> bool:  # Vectors and blocks: inverses.
       return whole and (config.factor_solve == "always" or n >= max(256, 8 * partner))
 
     return side(na, ng, not da and pa is None), side(ng, na, not dg and pg is None)
-
-  @functools.cached_property
-  def partitions(self) -> tuple[_blocked.Partition | None, _blocked.Partition | None]:
-    """`partitions(self.spec)`."""
-    return partitions(self.spec)
 
   @property
   def sides(self) -> tuple[int, int]:
@@ -225,7 +198,7 @@ class KroneckerBlock(LayoutBlock):
     return sa[-1], sg[-1]
 
   def group_key(self) -> tuple:
-    return (type(self).__name__, self.factor_shapes, self.spec.approx, self.partitions)
+    return (type(self).__name__, self.factor_shapes, self.spec.approx, partitions(self.spec))
 
   @classmethod
   def factor_shapes_for(cls, spec):
@@ -244,7 +217,7 @@ class KroneckerBlock(LayoutBlock):
   def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
     del cache  # The statistics do not depend on the inverses.
     dtype = self.config.accum_dtype
-    pa, pg = self.partitions
+    pa, pg = partitions(self.spec)
     if self.spec.num_uses > 1:
       f = _uses.indep_factors(self.spec, data, batch_size, dtype)
       return KroneckerFactors(
@@ -252,9 +225,9 @@ class KroneckerBlock(LayoutBlock):
         g=f.g if pg is None else _blocked.from_full(f.g, pg),
       )
     x, g = self.layout.rows(data, dtype)
-    if self.spec.approx == "reduce":
-      # x: [R, groups, in] (ids [R]); g: [S, R, groups, out].
-      x, g = _reduce_rows(self.spec, x, g, batch_size)
+    if self.spec.approx == "reduce":  # One row per example: x averaged, g summed over positions.
+      x, g = _layouts.by_example(self.spec, x, g, batch_size)
+      x, g = x.mean(axis=1), g.sum(axis=2)
     if isinstance(self.layout, _layouts.EmbeddingLayout):
       a = self.layout.id_counts(x, dtype)[None] / x.shape[0]
     elif self.spec.approx == "kron_sua":
@@ -304,7 +277,7 @@ class KroneckerBlock(LayoutBlock):
     solve_a, solve_g = self.solves
     pads = [
       None if p is None else _blocked.padding_eye(p, n, config.inverse_dtype)
-      for p, n in zip(self.partitions, self.sides)
+      for p, n in zip(partitions(self.spec), self.sides)
     ]
 
     def side(m, solve, pad):  # One group's factor, damped ("factored") or not ("eigen").
@@ -357,7 +330,6 @@ class KroneckerBlock(LayoutBlock):
 
   def multiply_matpower(self, factors, cache, vecs, exp):
     damping, eigen = cache.damping, self.config.damping_mode == "eigen"
-    k = None if exp == 1 or eigen else self.config.power_index(exp)
 
     def one(a, g, ca, cg, m):
       if exp == 1:
@@ -367,8 +339,11 @@ class KroneckerBlock(LayoutBlock):
         return _right(_left(a_d, m), g_d)
       if eigen:
         return self._eigen_scaled(ca, cg, damping, m, lambda s: s**exp)
-      assert k is not None  # a cached power: exp != 1 under "factored" damping
-      return _power_product(ca, cg, k, m)
+      # A_λ^e · m · G_λ^e; a factor in substitution form (power None, `solves`) is solved.
+      k = self.config.power_index(exp)
+      pa, pg = ca.powers[k], cg.powers[k]
+      m = _left(pa, m) if pa is not None else _linalg.substitution_solve(ca.subst, m)
+      return _right(m, pg) if pg is not None else _linalg.substitution_solve(cg.subst, m.T).T
 
     return self.on_matrix(one, vecs, factors.a, factors.g, cache.a, cache.g)
 

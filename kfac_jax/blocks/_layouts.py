@@ -27,46 +27,18 @@ if TYPE_CHECKING:
 Array = jax.Array
 
 
-def _operand_shape(chain, param_shape) -> tuple[int, ...]:
-  return tuple(chain[-1].out_shape) if chain else tuple(param_shape)
-
-
-def _permuted_rows(lay, data, dtype):
-  """Rows of operands that `x_perm` / `out_perm` order as `[rows..., in]` / `[rows..., out]`."""
-  (x,), g = data
-  x = x.astype(dtype).transpose(lay.info.x_perm).reshape(-1, lay.groups, lay.in_dim)
-  g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in lay.info.out_perm))
-  return x, g.reshape(g.shape[0], x.shape[0], lay.groups, lay.out_dim)
-
-
-def _with_bias(lay, m: Array, vecs, dtype) -> Array:
-  """M `[groups, in, out]` with the bias leaf appended as its last row, if the layer has one."""
-  if not lay.spec.has_bias:
-    return m
-  return jnp.concatenate([m, vecs[1].astype(dtype).reshape(lay.groups, 1, lay.out_dim)], axis=1)
-
-
-def _kernel_and_bias(lay, k: Array, m: Array) -> list[Array]:
-  """The kernel leaf from its operand `k` (`kernel_view` undone) and the bias from M's last row."""
-  out = [_specs.undo_view(lay.info.kernel_view, k).reshape(lay.spec.param_shapes[0])]
-  if lay.spec.has_bias:
-    out.append(m[:, lay.in_dim].reshape(lay.spec.param_shapes[1]))
-  return out
-
-
 # The Kronecker approximations every layout supports: A ⊗ G, and either side kept as its diagonal.
 _KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 
 class Layout:
-  """A layout: the layer `kind` it serves, the type of its matching details, its Kronecker
-  approximations and whether its rows give per-example gradients ("diagonal", "full"). The
-  methods read a kernel per group as `[in, out]` (dense layers); other layouts override them."""
+  """A layer kind's matrix view (the module docstring); the methods read a kernel per group as
+  `[in, out]` (dense layers), other layouts override them."""
 
   kind: ClassVar[Kind]
   info_type: ClassVar[type]
   kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
-  per_example: ClassVar[bool] = True
+  per_example: ClassVar[bool] = True  # Its rows give per-example gradients ("diagonal", "full").
 
   def __init__(self, spec):
     self.spec, self.info = spec, spec.info
@@ -78,21 +50,37 @@ class Layout:
     return 1, info.in_dim, info.out_dim
 
   def rows(self, data, dtype) -> tuple[Array, Array]:
-    """`(x [R, groups, in], g [S, R, groups, out])` from the curvature pass's `(inputs, g)`."""
-    return _permuted_rows(self, data, dtype)
+    """`(x [R, groups, in], g [S, R, groups, out])` from the curvature pass's `(inputs, g)`,
+    whose operands `x_perm` / `out_perm` order as `[rows..., in]` / `[rows..., out]`."""
+    (x,), g = data
+    x = x.astype(dtype).transpose(self.info.x_perm).reshape(-1, self.groups, self.in_dim)
+    g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in self.info.out_perm))
+    return x, g.reshape(g.shape[0], x.shape[0], self.groups, self.out_dim)
 
   def to_matrix(self, vecs, dtype) -> Array:
-    """The leaves as `M: [groups, in(+1), out]` in `dtype`."""
-    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
-    m = k.transpose(self.info.kernel_perm).reshape(self.groups, self.in_dim, self.out_dim)
-    return _with_bias(self, m, vecs, dtype)
+    """The leaves as `M: [groups, in(+1), out]` in `dtype`, the bias (if any) its last row."""
+    m = self._kernel_matrix(_specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype)))
+    if not self.spec.has_bias:
+      return m
+    return jnp.concatenate([m, vecs[1].astype(dtype).reshape(self.groups, 1, self.out_dim)], axis=1)
 
   def from_matrix(self, m: Array) -> list[Array]:
     """`to_matrix`'s inverse."""
+    chain, shapes = self.info.kernel_view, self.spec.param_shapes
+    k = self._kernel_operand(m[:, : self.in_dim], chain[-1].out_shape if chain else shapes[0])
+    out = [_specs.undo_view(chain, k).reshape(shapes[0])]
+    if self.spec.has_bias:
+      out.append(m[:, self.in_dim].reshape(shapes[1]))
+    return out
+
+  def _kernel_matrix(self, k: Array) -> Array:
+    """The kernel operand as `[groups, in, out]`."""
+    return k.transpose(self.info.kernel_perm).reshape(self.groups, self.in_dim, self.out_dim)
+
+  def _kernel_operand(self, k: Array, shape) -> Array:
+    """`_kernel_matrix`'s inverse, for an operand of `shape`."""
     perm = self.info.kernel_perm
-    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
-    k = m[:, : self.in_dim].reshape(tuple(op_shape[d] for d in perm))
-    return _kernel_and_bias(self, k.transpose(np.argsort(perm)), m)
+    return k.reshape(tuple(shape[d] for d in perm)).transpose(np.argsort(perm))
 
 
 class DenseLayout(Layout):
@@ -106,7 +94,7 @@ class DenseLayout(Layout):
   def rows(self, data, dtype):
     info = self.info
     if not info.shared_tap:
-      return _permuted_rows(self, data, dtype)
+      return Layout.rows(self, data, dtype)
     # The same input rows for every example: g is the broadcast's.
     (x,), g = data
     x = x.astype(dtype).transpose(info.x_perm).reshape(-1, 1, info.in_dim)
@@ -127,22 +115,20 @@ class ConvLayout(Layout):
 
   @staticmethod
   def dims(info) -> tuple[int, int, int]:
-    return info.groups, info.patch_dim, info.out_per_group
+    groups = info.feature_group_count
+    patch = info.in_channels // groups * math.prod(info.kernel_spatial)  # (C/groups)·window
+    return groups, patch, info.out_channels // groups
 
   @property
   def _kernel_perm(self) -> tuple[int, ...]:  # operand -> (in, window..., out)
     rhs = self.info.rhs_spec
     return (rhs[1], *rhs[2:], rhs[0])
 
-  def _input_nc(self, x):
-    """The input as [N, C, *spatial]."""
-    return x.transpose(self.info.lhs_spec)
-
   def rows(self, data, dtype):
     (x,), g = data
     info = self.info
     p = lax.conv_general_dilated_patches(
-      self._input_nc(x.astype(dtype)),
+      x.astype(dtype).transpose(info.lhs_spec),  # [N, C, *spatial]
       info.kernel_spatial,
       info.window_strides,
       info.padding,
@@ -163,7 +149,7 @@ class ConvLayout(Layout):
     appended with a bias); padding and input-dilation zeros are ignored."""
     (x,), _ = data
     info = self.info
-    a = jnp.moveaxis(self._input_nc(x.astype(dtype)), 1, -1)
+    a = jnp.moveaxis(x.astype(dtype).transpose(info.lhs_spec), 1, -1)
     a = a.reshape(-1, self.groups, info.in_channels // self.groups)  # [N·T, G, Cg]
     m2 = _linalg.gram(a, False) / a.shape[0]
     mu = jnp.mean(a, axis=0)
@@ -180,16 +166,13 @@ class ConvLayout(Layout):
 
     return jax.vmap(one_group)(m2, mu)
 
-  def to_matrix(self, vecs, dtype) -> Array:
-    k = _specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype))
+  def _kernel_matrix(self, k: Array) -> Array:
     k = k.transpose(self._kernel_perm).reshape(self.in_dim, self.groups, self.out_dim)
-    return _with_bias(self, k.transpose(1, 0, 2), vecs, dtype)
+    return k.transpose(1, 0, 2)
 
-  def from_matrix(self, m: Array) -> list[Array]:
-    op_shape = _operand_shape(self.info.kernel_view, self.spec.param_shapes[0])
-    permuted = tuple(op_shape[d] for d in self._kernel_perm)
-    k = m[:, : self.in_dim].transpose(1, 0, 2).reshape(permuted)
-    return _kernel_and_bias(self, k.transpose(np.argsort(self._kernel_perm)), m)
+  def _kernel_operand(self, k: Array, shape) -> Array:
+    permuted = tuple(shape[d] for d in self._kernel_perm)
+    return k.transpose(1, 0, 2).reshape(permuted).transpose(np.argsort(self._kernel_perm))
 
 
 class EmbeddingLayout(Layout):
@@ -240,10 +223,6 @@ class GroupedDenseInfo:
   out_perm: tuple[int, ...]
   kernel_and_bias: ClassVar[bool] = True
 
-  @property
-  def locations(self) -> int:
-    return math.prod(self.grid)
-
 
 class GroupedDenseLayout(Layout):
   """One dense layer per group (`M: [P, in(+1), out]`), block-diagonal over the groups."""
@@ -253,7 +232,7 @@ class GroupedDenseLayout(Layout):
 
   @staticmethod
   def dims(info) -> tuple[int, int, int]:
-    return info.locations, info.in_dim, info.out_dim
+    return math.prod(info.grid), info.in_dim, info.out_dim
 
 
 LAYOUTS: tuple[type[Layout], ...] = (DenseLayout, ConvLayout, EmbeddingLayout, GroupedDenseLayout)
@@ -270,16 +249,17 @@ _WITHOUT_LAYOUT: tuple[Kind, ...] = ("scale_and_shift", "generic")
 PER_EXAMPLE_KINDS = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + _WITHOUT_LAYOUT
 
 
-def _examples_of_use(info, data, batch_size: int) -> int:
-  """The examples one use's rows hold (fewer for a dense use on a smaller loss tag's points)."""
-  if not isinstance(info, _specs.DenseInfo):
-    return batch_size
-  if info.shared_tap:
-    return data[1].shape[1]
-  x = data[0][0]
-  if (x.size // info.in_dim) % batch_size == 0:
-    return batch_size
-  return x.shape[info.x_perm[0]]
+def by_example(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]:
+  """Rows `x: [R, ...]`, `g: [S, R, ...]` as `[N, R/N, ...]`, `[S, N, R/N, ...]`; a ValueError
+  naming the layer unless the R rows split into the batch's N examples."""
+  rows = x.shape[0]
+  if rows % batch_size:
+    raise ValueError(
+      f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
+      f"{spec.approx!r} approximation needs the batch as the leading axis of the input."
+    )
+  x = x.reshape(batch_size, rows // batch_size, *x.shape[1:])
+  return x, g.reshape(g.shape[0], *x.shape[:2], *g.shape[2:])
 
 
 def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
@@ -289,7 +269,11 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   if spec.num_uses > 1:  # Uses on another loss tag's point set are examples of their own.
     groups: dict[int, Any] = {}
     for info, d in zip(spec.use_infos, data):
-      n = _examples_of_use(info, d, batch_size)
+      n = batch_size  # The examples its rows hold (fewer for a dense use on fewer points).
+      if isinstance(info, _specs.DenseInfo) and info.shared_tap:
+        n = d[1].shape[1]
+      elif isinstance(info, _specs.DenseInfo) and (d[0][0].size // info.in_dim) % batch_size:
+        n = d[0][0].shape[info.x_perm[0]]
       one = dataclasses.replace(spec, info=info, num_uses=1, use_infos=())
       flipped = getattr(info, "transposed", False) and spec.has_bias
       if flipped:  # A use of the transposed kernel (its own layout says so) adds no bias.
@@ -305,17 +289,10 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
     return _scale_shift_grads(spec, data, batch_size, dtype)
   layout = layout_for(spec)
   x, g = layout.rows(data, dtype)
-  rows = x.shape[0]
-  if rows % batch_size:
-    raise ValueError(
-      f"layer `{spec.name}`: {rows} rows do not split into {batch_size} examples; the "
-      f"{spec.approx!r} approximation needs the batch as the leading axis of the input."
-    )
   if spec.has_bias:  # The homogeneous coordinate: 0 for a tangent channel (no bias added).
     coord = 1.0 if getattr(spec.info, "adds_bias", True) else 0.0
     x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (1,), coord, dtype)], axis=-1)
-  x = x.reshape(batch_size, rows // batch_size, *x.shape[1:])
-  g = g.reshape(g.shape[0], batch_size, rows // batch_size, *g.shape[2:])
+  x, g = by_example(spec, x, g, batch_size)
   j = jnp.einsum("nlgi,snlgo->sngio", x, g, precision=lax.Precision.HIGHEST)
   j = j.reshape(-1, *j.shape[2:])
   leaves = jax.vmap(layout.from_matrix)(j)

@@ -98,9 +98,8 @@ SUBSTITUTION_BLOCKS = 2
 
 
 def substitution_bounds(n: int) -> list[int]:
-  """The block boundaries `[0, ..., n]` of an n×n substitution form: SUBSTITUTION_BLOCKS
-  diagonal blocks of n / SUBSTITUTION_BLOCKS rounded up to a multiple of 8 (the last one cut
-  at n)."""
+  """The block boundaries `[0, ..., n]`: SUBSTITUTION_BLOCKS blocks of n / SUBSTITUTION_BLOCKS
+  rounded up to a multiple of 8 (the last one cut at n)."""
   step = -(-n // (8 * SUBSTITUTION_BLOCKS)) * 8
   return list(range(0, n, step)) + [n]
 
@@ -150,9 +149,8 @@ def substitution_solve(form: tuple[tuple[Array, ...], tuple[Array, ...]], x: Arr
 
 
 def gram(x: Array, bias: bool, coord: float = 1.0) -> Array:
-  """Σ_r x_r x_rᵀ per group for rows `x` [R, groups, n]: [groups, n, n], or [groups, n+1, n+1]
-  for the rows `[x_r, coord]` when `bias` (built around `xᵀx` without copying the rows). One
-  group is a plain `xᵀx`, which XLA:CPU runs faster than a batched dot."""
+  """Σ_r x̄_r x̄_rᵀ per group for rows `x: [R, groups, n]`, x̄_r = `[x_r, coord]` with `bias`, built
+  around `xᵀx` without copying rows; one group as a plain `xᵀx` (faster on XLA:CPU)."""
   if x.shape[1] == 1:
     x2 = x[:, 0, :]
     m = (x2.T @ x2)[None]

@@ -87,12 +87,12 @@ class SeriesKroneckerBlock(LayoutBlock):
     g1 = jnp.einsum("tsri,tsrj->ij", g[:-1], g[1:]) / (s * batch_size) * t / (t - 1)
     return SeriesFactors(a=a, g=gg, a1=a1, g1=g1)
 
-  def _parts(self, factors: SeriesFactors, damping) -> SeriesCache:
-    """The cache for the damped factors, or the undamped ones (damping None, stored as 0)."""
-    if damping is None:
-      a, g = factors.a, factors.g
-    else:
-      a, g = _kronecker.damped_factors(factors.a, factors.g, damping, split=self.config.split)
+  def compute_cache(self, factors: SeriesFactors, damping) -> SeriesCache:
+    """The cache of the damped factors, or of the undamped ones (damping None, stored as 0)."""
+    a, g = factors.a, factors.g
+    if damping is not None:
+      damping = jnp.asarray(damping, self.config.inverse_dtype)
+      a, g = _kronecker.damped_factors(a, g, damping, split=self.config.split)
     qa, pa, psi_a = _whiten(a, factors.a1)
     qg, pg, psi_g = _whiten(g, factors.g1)
     psi = jnp.clip(psi_a[:, None] * psi_g[None, :], -MAX_PSI, MAX_PSI)
@@ -104,9 +104,6 @@ class SeriesKroneckerBlock(LayoutBlock):
     ea, eg = jnp.eye(sa[0], dtype=dtype), jnp.eye(sg[0], dtype=dtype)
     return SeriesCache(ea, ea, eg, eg, jnp.ones((sa[0], sg[0]), dtype), jnp.zeros((), dtype))
 
-  def compute_cache(self, factors, damping) -> SeriesCache:
-    return self._parts(factors, jnp.asarray(damping, self.config.inverse_dtype))
-
   @staticmethod
   def _apply(c: SeriesCache, m, exp):
     if exp == 1:  # K diag(ζ) Kᵀ
@@ -117,16 +114,10 @@ class SeriesKroneckerBlock(LayoutBlock):
     return self.on_matrix(lambda m: self._apply(cache, m, exp), vecs)
 
   def multiply_cholesky(self, factors, cache, vecs, *, transpose, inverse):
-    c, root = cache, jnp.sqrt(cache.zeta)
-
-    def one(m):
-      if not inverse:  # C = K diag(√ζ)
-        return (c.qa.T @ m @ c.qg) * root if transpose else c.qa @ (m * root) @ c.qg.T
-      # C⁻¹ = diag(1/√ζ) K⁻¹, K⁻¹ M = P_Aᵀ M P_G.
-      return c.pa @ (m / root) @ c.pg.T if transpose else (c.pa.T @ m @ c.pg) / root
-
+    q, p = (cache.qa, cache.qg), (cache.pa, cache.pg)  # C = K diag(√ζ); K⁻¹ M = P_Aᵀ M P_G.
+    one = lambda m: _uses.scaled_cholesky(q, p, cache.zeta, m, transpose, inverse)
     return self.on_matrix(one, vecs)
 
   def multiply_undamped(self, factors, vecs, cache=None):
     del cache
-    return self.on_matrix(lambda m: self._apply(self._parts(factors, None), m, 1), vecs)
+    return self.on_matrix(lambda m: self._apply(self.compute_cache(factors, None), m, 1), vecs)

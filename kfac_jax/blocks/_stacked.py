@@ -13,8 +13,6 @@ import jax.numpy as jnp
 
 from kfac_jax.blocks._base import Block, StackedUses, map_factorisations
 
-Array = jax.Array
-
 
 class StackedBlock(Block):
   """L copies of the block of `spec.stack_inner`, with state stacked on a leading axis."""

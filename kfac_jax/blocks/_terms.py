@@ -106,14 +106,8 @@ class KroneckerSumBlock(LayoutBlock):
     return self.on_matrix(one, vecs)
 
   def multiply_cholesky(self, factors, cache: TermsCache, vecs, *, transpose, inverse):
-    c, root = cache, jnp.sqrt(cache.d)
-
-    def one(m):
-      if inverse:  # C⁻¹ = diag(√d)⁻¹ (K_A ⊗ K_G)ᵀ; C⁻ᵀ = (K_A ⊗ K_G) diag(√d)⁻¹.
-        return c.ka @ (m / root) @ c.kg.T if transpose else (c.ka.T @ m @ c.kg) / root
-      # Cᵀ = diag(√d) (Q_A ⊗ Q_G)ᵀ.
-      return (c.qa.T @ m @ c.qg) * root if transpose else c.qa @ (m * root) @ c.qg.T
-
+    q, p = (cache.qa, cache.qg), (cache.ka, cache.kg)  # C⁻¹ = diag(√d)⁻¹ (K_A ⊗ K_G)ᵀ.
+    one = lambda m: _uses.scaled_cholesky(q, p, cache.d, m, transpose, inverse)
     return self.on_matrix(one, vecs)
 
   def multiply_undamped(self, factors, vecs, cache=None):

@@ -113,34 +113,34 @@ def _pooled(parts, balance: bool = True) -> KroneckerFactors:
   (`A_k c_k`, `G_k / c_k`, with `balance`), then A averaged and G summed."""
   if len(parts) == 1:
     return KroneckerFactors(*parts[0])
-  if balance:
-    parts = [(a * c, g / c) for a, g in parts for c in [_balance(a, g)]]
+  if balance:  # c = sqrt(tr G / tr A), as π of the factored damping.
+    mean = _linalg.mean_diag
+    parts = [(a * c, g / c) for a, g in parts for c in [_linalg.pi_from_traces(mean(g), mean(a))]]
   return KroneckerFactors(a=sum(a for a, _ in parts) / len(parts), g=sum(g for _, g in parts))
-
-
-def _balance(x, y):
-  """c with `x c` and `y / c` of equal mean diagonals (1 when either is 0)."""
-  tx, ty = _linalg.mean_diag(x), _linalg.mean_diag(y)
-  ok = (tx > 0) & (ty > 0)
-  return jnp.where(ok, jnp.sqrt(jnp.where(ok, ty, 1.0) / jnp.where(ok, tx, 1.0)), 1.0)
 
 
 def _table_factors(layouts, data, batch_size: int, dtype) -> KroneckerFactors:
   """An embedding table [vocab, dim], possibly tied with products by the (transposed) table."""
-  xs, ys = [], []
+  parts = []
   for (layout, transposed), d in zip(layouts, data):
     x, g = layout.rows(d, dtype)
     gg = jnp.einsum("srgi,srgj->ij", g, g) / (g.shape[0] * batch_size)
     if isinstance(layout, _layouts.EmbeddingLayout):
-      xs.append(layout.id_counts(x, dtype) / x.shape[0])
-      ys.append(gg)
+      parts.append((layout.id_counts(x, dtype) / x.shape[0], gg))
     elif transposed:  # logits = h Mᵀ: rows of M are its outputs.
-      xs.append(_linalg.diagonal(gg))
-      ys.append(jnp.einsum("rgi,rgj->ij", x, x) / x.shape[0])
+      parts.append((_linalg.diagonal(gg), jnp.einsum("rgi,rgj->ij", x, x) / x.shape[0]))
     else:  # one-hot-like rows times M.
-      xs.append(jnp.einsum("rgi,rgi->i", x, x) / x.shape[0])
-      ys.append(gg)
-  return _pooled(list(zip(xs, ys)), balance=any(t for _, t in layouts))
+      parts.append((jnp.einsum("rgi,rgi->i", x, x) / x.shape[0], gg))
+  return _pooled(parts, balance=any(t for _, t in layouts))
+
+
+def scaled_cholesky(q, p, scale, m, transpose: bool, inverse: bool):
+  """C·M, Cᵀ·M, C⁻¹·M or C⁻ᵀ·M for C = (Q_A ⊗ Q_G) diag(√scale) with C⁻¹ = diag(1/√scale)
+  (P_A ⊗ P_G)ᵀ, `q = (Q_A, Q_G)` and `p = (P_A, P_G)` (the series and two-term blocks)."""
+  (qa, qg), (pa, pg), root = q, p, jnp.sqrt(scale)
+  if inverse:
+    return pa @ (m / root) @ pg.T if transpose else (pa.T @ m @ pg) / root
+  return (qa.T @ m @ qg) * root if transpose else qa @ (m * root) @ qg.T
 
 
 def check_factored_powers(spec, config, note: str = "") -> None:
