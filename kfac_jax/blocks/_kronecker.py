@@ -259,7 +259,7 @@ class KroneckerBlock(LayoutBlock):
       if config.damping_mode == "eigen":  # Eigenvalues ones; a diagonal factor is its own basis.
         evals = jnp.ones(shape if diag else shape[:-1], dtype)
         return FactorCache(evals=evals, evecs=None if diag else identity(shape, dtype))
-      eye = identity(shape, dtype)
+      eye = jnp.ones(shape, dtype) if diag else identity(shape, dtype)
       power = eye if diag else config.stored_power(eye)
       return FactorCache(
         powers=tuple(None if solve and e == -1 else power for e in config.cached_exps),

@@ -609,3 +609,34 @@ def test_shared_size_policy_counts_the_bias_row():
     ).layers
     assert (spec.num_uses, spec.approx, spec.factor_shapes) == (2,) + want
   assert "factor side 5 > max_factor_dim 4 on a layer used 2 times" in spec.note
+
+
+@pytest.mark.parametrize("approx", _VARIANTS)
+def test_diag_variants_on_a_grouped_conv(x64, approx):
+  """A grouped convolution keeps one factor per group; a diagonal side is a vector per group."""
+  key = jax.random.PRNGKey(0)
+  params = {"w": 0.3 * jax.random.normal(key, (3, 3, 2, 4)), "d": jax.random.normal(key, (4, 3))}
+  batch = (jax.random.normal(key, (8, 5, 5, 4)), jnp.arange(8) % 3)
+
+  def loss_fn(p, b):
+    y = jax.lax.conv_general_dilated(
+      b[0],
+      p["w"],
+      (1, 1),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=2,
+    )
+    logits = y.mean((1, 2)) @ p["d"]
+    kfac_jax.register_softmax_cross_entropy_loss(logits, b[1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b[1]).mean()
+
+  layers = kfac_jax.LayerConfig(defaults={"conv": approx})
+  for mode in ("factored", "eigen"):
+    est, state = _estimator(loss_fn, batch, params, layers, damping_mode=mode)
+    assert approx in [b.spec.approx for b in est.blocks]
+    state = jax.jit(lambda s: est.update_inverses(s, 0.1))(state)
+    v = jax.tree_util.tree_map(jnp.ones_like, params)
+    back = jax.jit(lambda s, v: est.multiply_inverse(s, est.multiply(s, v)))(state, v)
+    for got in jax.tree_util.tree_leaves(back):
+      np.testing.assert_allclose(np.asarray(got), 1.0, rtol=1e-9)
