@@ -43,14 +43,6 @@ class Match:
     return len(self.infos)
 
 
-def _one_use(kind: Kind, found) -> Match | None:
-  """The `Match` of a use reader's `(info, leaf, inputs, output key, bias / shift leaf or None)`."""
-  if found is None:
-    return None
-  info, leaf, inputs, out_key, extra = found
-  return Match.single(kind, [leaf] if extra is None else [leaf, extra], info, out_key, inputs)
-
-
 # --------------------------------------------------------------------------------------------
 # Helpers on the scanner's tables.
 
@@ -519,9 +511,9 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
   )
 
 
-def conv_use(ix, i, claimed, shared: bool = False):
-  """`(ConvInfo, kernel leaf, (x atom,), output key, bias leaf or None)` if equation i convolves
-  an activation with a (viewed) parameter kernel (with `shared`, used elsewhere too)."""
+def match_conv(ix, i, claimed, shared: bool = False):
+  """Equation i convolving an activation with a (viewed) kernel leaf used once (with `shared`,
+  used elsewhere too), and its bias."""
   fe = ix.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
@@ -548,27 +540,20 @@ def conv_use(ix, i, claimed, shared: bool = False):
       and len(b_shape) == len(out_shape)
       and b_shape[info.out_spec[1]] == c
     ):
-      return info, k_leaf, (x_atom,), add.outs[0], b_leaf
+      return Match.single("conv", [k_leaf, b_leaf], info, add.outs[0], (x_atom,))
   # A broadcast bias, or one behind layout ops; the tap stays at the conv.
   shape = [1] * len(out_shape)
   shape[info.out_spec[1]] = c
   channel = np.broadcast_to(np.arange(c).reshape(shape), out_shape)
   bias = follow_bias(ix, out_key, channel, claimed, shared)
-  return info, k_leaf, (x_atom,), out_key, None if bias is None else bias[0]
-
-
-def match_conv(ix, i, claimed):
-  return _one_use("conv", conv_use(ix, i, claimed))
+  leaves = [k_leaf] if bias is None else [k_leaf, bias[0]]
+  return Match.single("conv", leaves, info, out_key, (x_atom,))
 
 
 # --------------------------------------------------------------------------------------------
 # Scales and shifts: `x * scale (+ shift)` and `x + shift`, the parameters spanning consecutive
 # axes of the output broadcast along the others; a second multiplication by an activation
 # right after the scale is folded in (Flax's norms: `(x - mean) * (rsqrt(var + eps) * scale)`).
-
-
-def match_scale_and_shift(ix, i, claimed):
-  return _one_use("scale_and_shift", scale_shift_use(ix, i, claimed))
 
 
 def scale_shift_operands(ix, i, claimed, shared: bool = False):
@@ -601,9 +586,9 @@ def scale_shift_operands(ix, i, claimed, shared: bool = False):
   return leaf, fe.ins[pos], inputs, out_key
 
 
-def scale_shift_use(ix, i, claimed, shared: bool = False):
-  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` of a scale (and its
-  shift) or shift at equation i; without an axis of examples, rows from `node_rows`."""
+def match_scale_and_shift(ix, i, claimed, shared: bool = False):
+  """A scale (and its shift) or a shift at equation i; without an axis of examples, rows from
+  `node_rows`."""
   found = scale_shift_operands(ix, i, claimed, shared)
   if found is None:
     return None
@@ -636,7 +621,8 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
     example_rows=example_rows,
     feature_index=index,
   )
-  return info, leaf, inputs, out_key, shift_leaf
+  leaves = [leaf] if shift_leaf is None else [leaf, shift_leaf]
+  return Match.single("scale_and_shift", leaves, info, out_key, inputs)
 
 
 def node_rows(ix, out_shape, feature_axis) -> bool:

@@ -77,12 +77,15 @@ def _use(ix, i, pos, claimed, shifts):
     b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
     return "dense", info, (x_atom,), out_key, b_leaf
   if fe.name == "conv_general_dilated":
-    kind, m = "conv", _matchers.conv_use(ix, i, claimed, shared=True)
+    m = _matchers.match_conv(ix, i, claimed, shared=True)
   elif fe.name == "mul" or (fe.name == "add" and shifts):
-    kind, m = "scale_and_shift", _matchers.scale_shift_use(ix, i, claimed, shared=True)
+    m = _matchers.match_scale_and_shift(ix, i, claimed, shared=True)
   else:
     return None
-  return None if m is None else (kind, m[0], *m[2:])
+  if m is None:
+    return None
+  extra = m.leaves[1] if len(m.leaves) > 1 else None
+  return m.kind, m.infos[0], m.inputs[0], m.outputs[0], extra
 
 
 def _tangent_uses(ix, found, kinds):
