@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import math
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax import _compat
+from kfac_jax._specs import ViewStep
 
 Key = tuple[int, Any]  # (instance, Var)
 Atom = Any  # Key or _compat.Literal
@@ -99,6 +101,22 @@ def constant_value(const_values: Mapping[Any, Any], atom):
 
 def aval_of(atom: Atom):
   return atom.aval if isinstance(atom, _compat.Literal) else atom[1].aval
+
+
+def view_step(fe: FlatEqn) -> ViewStep:
+  """The `ViewStep` of a `VIEW_OPS` equation or a `tile` of unit axes (a broadcast)."""
+  in_shape, out_shape = tuple(aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
+  if fe.name == "tile":
+    return ViewStep("broadcast", in_shape, out_shape, tuple(range(len(in_shape))))
+  if fe.name == "transpose":
+    return ViewStep("transpose", in_shape, out_shape, tuple(fe.params["permutation"]))
+  if fe.name in ("reshape", "squeeze"):
+    return ViewStep("reshape", in_shape, out_shape)
+  if fe.name == "broadcast_in_dim":
+    if math.prod(in_shape) == math.prod(out_shape):
+      return ViewStep("reshape", in_shape, out_shape)  # Only inserts unit dimensions.
+    return ViewStep("broadcast", in_shape, out_shape, tuple(fe.params["broadcast_dimensions"]))
+  return ViewStep("cast", in_shape, out_shape)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -47,21 +47,6 @@ def is_view(fe: _graph.FlatEqn) -> bool:
   return len(reps) == len(in_shape) and all(r == 1 or s == 1 for r, s in zip(reps, in_shape))
 
 
-def _view_step(fe: _graph.FlatEqn) -> ViewStep:
-  in_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
-  if fe.name == "tile":  # A broadcast of unit axes (`is_view`).
-    return ViewStep("broadcast", in_shape, out_shape, tuple(range(len(in_shape))))
-  if fe.name == "transpose":
-    return ViewStep("transpose", in_shape, out_shape, tuple(fe.params["permutation"]))
-  if fe.name in ("reshape", "squeeze"):
-    return ViewStep("reshape", in_shape, out_shape)
-  if fe.name == "broadcast_in_dim":
-    if math.prod(in_shape) == math.prod(out_shape):
-      return ViewStep("reshape", in_shape, out_shape)  # Only inserts unit dimensions.
-    return ViewStep("broadcast", in_shape, out_shape, tuple(fe.params["broadcast_dimensions"]))
-  return ViewStep("cast", in_shape, out_shape)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class GraphIndex:
   """The tables the matchers read (module docstring); leaves are indices into `paths`."""
@@ -254,7 +239,7 @@ def _view_of(fe, origin, consts, fold) -> tuple[Any, ViewStep] | None:
   gather at constant rows, or a shift by a scalar constant (its Jacobian is the identity)."""
   src = fe.ins[0] if fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in origin else None
   if src is not None and is_view(fe):
-    return src, _view_step(fe)
+    return src, _graph.view_step(fe)
   if src is not None and fe.name == "gather" and len(fe.ins) == 2:
     step = _gather_view(fe, fold)
     return None if step is None else (src, step)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kfac_jax._errors import RegistrationError
-from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, ScaleShiftInfo, ViewStep
+from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, ScaleShiftInfo, ViewStep, apply_view
 from kfac_jax.scan import _batch_axes, _graph
 
 if TYPE_CHECKING:
@@ -37,14 +37,6 @@ class Match:
   def single(cls, kind, leaves, info, output, inputs, **stack) -> Match:
     """A layer with one use."""
     return cls(kind, tuple(leaves), (info,), (output,), (inputs,), **stack)
-
-  @property
-  def num_uses(self) -> int:
-    return len(self.infos)
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers on the scanner's tables.
 
 
 def single_use_leaf(ix, atom, claimed, shared: bool = False):
@@ -187,20 +179,9 @@ def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
   return (a, b) if np.array_equal(np.broadcast_to(idx, want.shape), want) else None
 
 
-# Layout-only operations an output may pass through before its bias (vmap's unit axes).
-_OUTPUT_VIEW_OPS = {
-  **dict.fromkeys(("reshape", "squeeze"), "reshape"),
-  **dict.fromkeys(("convert_element_type", "copy", "copy_p"), "cast"),
-  "transpose": "transpose",
-  "broadcast_in_dim": "broadcast",
-}
-
-
 def _moved(idx: np.ndarray, fe) -> np.ndarray:
-  """`idx` moved by the layout-only equation `fe` (`_OUTPUT_VIEW_OPS`)."""
-  perm = fe.params.get("permutation", fe.params.get("broadcast_dimensions", ()))
-  step = ViewStep(_OUTPUT_VIEW_OPS[fe.name], (), tuple(fe.outs[0][1].aval.shape), tuple(perm))
-  return _view(idx, (step,))
+  """`idx` moved by the layout-only equation `fe` (`_graph.VIEW_OPS`)."""
+  return _view(idx, (_graph.view_step(fe),))
 
 
 def index_of_view(shape, chain) -> np.ndarray:
@@ -209,18 +190,13 @@ def index_of_view(shape, chain) -> np.ndarray:
 
 
 def _view(idx: np.ndarray, chain) -> np.ndarray:
+  """`apply_view`, broadcasts included."""
   for st in chain:
-    if st.op == "transpose":
-      idx = idx.transpose(st.perm)
-    elif st.op == "broadcast":
-      expanded = idx.reshape(
-        [idx.shape[st.perm.index(d)] if d in st.perm else 1 for d in range(len(st.out_shape))]
-      )
-      idx = np.broadcast_to(expanded, st.out_shape)
-    elif st.op == "reshape":
-      idx = idx.reshape(st.out_shape)
-    elif st.op == "gather":
-      idx = idx[st.gathered_rows()]
+    if st.op != "broadcast":
+      idx = apply_view((st,), idx)
+      continue
+    shape = [idx.shape[st.perm.index(d)] if d in st.perm else 1 for d in range(len(st.out_shape))]
+    idx = np.broadcast_to(idx.reshape(shape), st.out_shape)
   return idx
 
 
@@ -234,7 +210,7 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
       return None
     fe = ix.g.eqns[use[0]]
     out_shape = tuple(fe.outs[0][1].aval.shape)
-    if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
+    if fe.name in _graph.VIEW_OPS and use[1] == 0:
       if fe.name == "broadcast_in_dim" and math.prod(out_shape) != idx.size:
         return None
       idx, key = _moved(idx, fe), fe.outs[0]
@@ -253,7 +229,6 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
   return None
 
 
-# --------------------------------------------------------------------------------------------
 # Dense layers: `dot_general(x, kernel)` without batch dimensions, the kernel a (viewed) leaf
 # read as the `[in, out]` matrix of its contracted then free axes, and an optional bias.
 
@@ -371,7 +346,7 @@ def hoisted_tap(ix, key, info: DenseInfo):
     if not any(ix.g.eqns[i].outs[0] in ix.from_batch for i, _ in readers):
       for i, pos in readers:  # Still computed once for all examples: only layout operations.
         fe = ix.g.eqns[i]
-        if fe.name not in _OUTPUT_VIEW_OPS or pos != 0:
+        if fe.name not in _graph.VIEW_OPS or pos != 0:
           return None
         todo.append((fe.outs[0], _moved(idx, fe)))
       continue
@@ -424,7 +399,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
       return None
     fe = ix.g.eqns[use[0]]
     out_shape = tuple(fe.outs[0][1].aval.shape)
-    if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
+    if fe.name in _graph.VIEW_OPS and use[1] == 0:
       idx = _moved(idx, fe)
     elif fe.name == "add" and len(fe.ins) == 2 and len(out_shape) == idx.ndim:
       if any(a not in (1, b) for a, b in zip(idx.shape, out_shape)):
@@ -484,7 +459,6 @@ def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = 
   return None if bias is None else (bias[0], s_key)
 
 
-# --------------------------------------------------------------------------------------------
 # Convolutions: `conv_general_dilated(x, kernel)`, the kernel a (viewed) leaf, any dimension
 # numbers, feature groups (`batch_group_count` 1), and an optional bias along the out channels.
 
@@ -550,7 +524,6 @@ def match_conv(ix, i, claimed, shared: bool = False):
   return Match.single("conv", leaves, info, out_key, (x_atom,))
 
 
-# --------------------------------------------------------------------------------------------
 # Scales and shifts: `x * scale (+ shift)` and `x + shift`, the parameters spanning consecutive
 # axes of the output broadcast along the others; a second multiplication by an activation
 # right after the scale is folded in (Flax's norms: `(x - mean) * (rsqrt(var + eps) * scale)`).
@@ -681,7 +654,6 @@ def match_shift(ix, key, out_shape, block, claimed, shared: bool = False, how=No
   return leaf, fe.outs[0]
 
 
-# --------------------------------------------------------------------------------------------
 # Manual tags.
 
 

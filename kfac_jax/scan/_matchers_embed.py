@@ -14,14 +14,6 @@ from kfac_jax._specs import EmbeddingInfo, ScaleShiftInfo
 from kfac_jax.scan import _graph, _matchers
 
 
-def _table_match(leaf, use) -> _matchers.Match | None:
-  """The `Match` of a table `leaf` read by `use`, `(EmbeddingInfo, ids atom, output key)`."""
-  if use is None:
-    return None
-  info, ids, out_key = use
-  return _matchers.Match.single("embedding", [leaf], info, out_key, (ids,))
-
-
 def _table(ix, atom) -> EmbeddingInfo | None:
   """The `EmbeddingInfo` of `atom` when it is a 2-d parameter view (casts only), else None."""
   if not _graph.is_key(atom) or atom not in ix.origin:
@@ -32,18 +24,22 @@ def _table(ix, atom) -> EmbeddingInfo | None:
   return EmbeddingInfo(tuple(chain), int(shape[0]), int(shape[1]))
 
 
+def _lookup(ix, table, info, ids, out_key) -> _matchers.Match:
+  """The embedding layer of the table view `table` looked up at `ids`."""
+  return _matchers.Match.single("embedding", [ix.origin[table][0]], info, out_key, (ids,))
+
+
 def match_embedding(ix, i, claimed):
   """A single-use `[vocab, dim]` table whose rows a gather takes (`embedding_use`)."""
   ops = ix.uses_by_eqn.get(i, [])
   if ix.g.eqns[i].name != "gather" or len(ops) != 1 or ops[0][1] != 0:
     return None
   found = _matchers.single_use_leaf(ix, ix.g.eqns[i].ins[0], claimed)
-  return None if found is None else _table_match(found[0], embedding_use(ix, i))
+  return None if found is None else embedding_use(ix, i)
 
 
-def embedding_use(ix, i):
-  """`(EmbeddingInfo, ids atom, output key)` if equation i takes whole rows of a [vocab, dim]
-  parameter table (its operand 0), else None."""
+def embedding_use(ix, i) -> _matchers.Match | None:
+  """The lookup if equation i takes whole rows of a [vocab, dim] parameter table (operand 0)."""
   fe = ix.g.eqns[i]
   info = _table(ix, fe.ins[0]) if fe.name == "gather" else None
   if info is None:
@@ -63,7 +59,7 @@ def embedding_use(ix, i):
     or out_shape != idx_shape[:-1] + (info.dim,)
   ):
     return None
-  return info, fe.ins[1], fe.outs[0]
+  return _lookup(ix, fe.ins[0], info, fe.ins[1], fe.outs[0])
 
 
 def _vmapped_row_use(ix, fe, info):
@@ -93,7 +89,7 @@ def _vmapped_row_use(ix, fe, info):
   sq = None if use is None else ix.g.eqns[use[0]]
   if sq is None or sq.name != "squeeze" or tuple(sq.params["dimensions"]) != (nd - 2,):
     return None
-  return info, cat.ins[0], sq.outs[0]
+  return _lookup(ix, fe.ins[0], info, cat.ins[0], sq.outs[0])
 
 
 def match_one_hot_embedding(ix, i, claimed):
@@ -101,12 +97,12 @@ def match_one_hot_embedding(ix, i, claimed):
   table = _matchers.sole_param_operand(ix, i, "dot_general")
   if table is None or table[1] != 1 or table[0] in claimed:
     return None
-  return _table_match(table[0], one_hot_embedding_use(ix, i))
+  return one_hot_embedding_use(ix, i)
 
 
-def one_hot_embedding_use(ix, i):
-  """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
-  `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
+def one_hot_embedding_use(ix, i) -> _matchers.Match | None:
+  """The lookup if equation i is `one_hot(ids, vocab) @ table`, `table` a (cast) `[vocab, dim]`
+  parameter on the right."""
   fe = ix.g.eqns[i]
   info = _table(ix, fe.ins[1]) if fe.name == "dot_general" else None
   if info is None:
@@ -115,7 +111,7 @@ def one_hot_embedding_use(ix, i):
   if lhs_b or rhs_b or tuple(rhs_c) != (0,) or len(lhs_c) != 1:
     return None
   ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), info.vocab_size)
-  return None if ids is None else (info, ids, fe.outs[0])
+  return None if ids is None else _lookup(ix, fe.ins[1], info, ids, fe.outs[0])
 
 
 def one_hot_ids(ix, atom, axis: int, vocab: int):

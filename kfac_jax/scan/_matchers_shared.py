@@ -63,12 +63,10 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
 def _use(ix, i, pos, claimed, shifts):
   """`(kind, info, inputs, output key, bias / shift leaf or None)` of one use, or None."""
   fe = ix.g.eqns[i]
-  emb = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
-  if emb is None and fe.name == "gather" and pos == 0:
-    emb = _matchers_embed.embedding_use(ix, i)
-  if emb is not None:
-    return "embedding", emb[0], (emb[1],), emb[2], None
-  if fe.name == "dot_general":
+  m = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
+  if m is None and fe.name == "gather" and pos == 0:
+    m = _matchers_embed.embedding_use(ix, i)
+  if m is None and fe.name == "dot_general":
     d = _matchers.dense_use(ix, i, pos)
     if d is None:
       return None
@@ -76,12 +74,10 @@ def _use(ix, i, pos, claimed, shifts):
     bias = _matchers.match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
     b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
     return "dense", info, (x_atom,), out_key, b_leaf
-  if fe.name == "conv_general_dilated":
+  if m is None and fe.name == "conv_general_dilated":
     m = _matchers.match_conv(ix, i, claimed, shared=True)
-  elif fe.name == "mul" or (fe.name == "add" and shifts):
+  elif m is None and (fe.name == "mul" or (fe.name == "add" and shifts)):
     m = _matchers.match_scale_and_shift(ix, i, claimed, shared=True)
-  else:
-    return None
   if m is None:
     return None
   extra = m.leaves[1] if len(m.leaves) > 1 else None

@@ -370,7 +370,7 @@ class _Scanner:
           match = _matchers_shared.match_shared(ix, leaf, claimed, shifts)
           if match is not None and not _without_batch_rows(ix, match):
             specs.append(self._accept(match, claimed))
-    for matchers in _PASSES:
+    for matchers in _kinds.passes():
       for i in sorted(ix.uses_by_eqn):
         for _ in ix.uses_by_eqn[i]:  # At most once per leaf the equation uses.
           # A match without rows per example is left to the fallback, with its reason.
@@ -444,7 +444,7 @@ class _Scanner:
     """`(spec, output key(s), inputs)` of a match: one key and one input tuple for a single-use
     layer, one per use for a shared one."""
     kind, leaves = match.kind, list(match.leaves)
-    if match.num_uses > 1:
+    if len(match.infos) > 1:
       infos = match.infos
       if kind == "dense" and len(self.ix.loss_roots) > 1:  # Which tag each use feeds.
         reached = [_index.tags_reached(self.ix, k) for k in match.outputs]
@@ -770,10 +770,6 @@ def sized(spec: LayerSpec) -> LayerSpec:
   return dataclasses.replace(spec, factor_shapes=_blocks.factor_shapes_for(spec))
 
 
-# The automatic matchers, pass by pass, as the kinds' records declare them.
-_PASSES = _kinds.passes()
-
-
 def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
   """A match of a `batch_rows` kind with a use whose first input comes from parameters and
   constants alone, its tap not where the output is broadcast over the batch (`shared_tap`)."""
@@ -783,7 +779,6 @@ def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
   )
 
 
-# --------------------------------------------------------------------------------------------
 # Why a parameter got a fallback block (the warning, `summary`, `check_registration`).
 
 

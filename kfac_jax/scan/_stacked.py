@@ -99,18 +99,16 @@ def merge(ix, specs, claimed, claim):
   return kept
 
 
-def batched_dense_use(ix, i):
-  """`(per-layer DenseInfo, x atom, x stack axis or None, kernel leaf, k_shape, k_pos, output
-  stack axis)` of a `dot_general` reading a kernel `[L, ...]` (cast only) as L kernels: its
-  leading axis the only batch dimension, or a free axis of a 3-d kernel on a shared input."""
+def match_batched_dense(ix, i, claimed):
+  """L dense layers in one `dot_general` of a kernel `[L, ...]` (cast only), its leading axis the
+  only batch dimension or a free axis of a 3-d kernel on a shared input; info of one layer."""
   fe = ix.g.eqns[i]
   kernel = _matchers.sole_param_operand(ix, i, "dot_general")
-  if kernel is None or kernel[0] >= ix.n_params:
+  if kernel is None or kernel[0] >= ix.n_params or kernel[0] in claimed:
     return None
   k_leaf, k_pos = kernel
   k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
-  _, chain = ix.origin[k_atom]
-  if any(s.op != "cast" for s in chain):
+  if any(s.op != "cast" for s in ix.origin[k_atom][1]):
     return None
   k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
   k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
@@ -131,7 +129,29 @@ def batched_dense_use(ix, i):
   info, _, x_free = found
   # dot_general's output: its batch dimensions, then the lhs's free axes, then the rhs's.
   out_axis = len(x_free) if x_axis is None and k_pos == 1 else 0
-  return info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis
+  leaves, out_key = [k_leaf], fe.outs[0]
+  use = _matchers.only_consumer(ix, out_key)
+  if use is not None and ix.g.eqns[use[0]].name == "transpose":
+    # `jax.vmap` moves the layer axis of the output to the front: tap after the transpose.
+    t = ix.g.eqns[use[0]]
+    perm = tuple(int(d) for d in t.params["permutation"])
+    kept = [d for d in perm if d != out_axis]
+    per_layer = [d - (d > out_axis) for d in kept]  # The per-layer axes, as laid out now.
+    info = dataclasses.replace(
+      info, out_perm=tuple(per_layer.index(info.out_perm[d]) for d in range(len(per_layer)))
+    )
+    out_axis, out_key = perm.index(out_axis), t.outs[0]
+  fits = k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]
+  bias = _stacked_bias(ix, out_key, out_axis, k_shape, claimed) if fits else None
+  if bias is not None:
+    leaves.append(bias[0])
+    out_key = bias[1]
+  elif x_axis is None:
+    return None  # A shared input and no stacked bias: one dense layer over all outputs.
+  axes = (-1 if x_axis is None else x_axis, out_axis)
+  return _matchers.Match.single(
+    "dense", leaves, info, out_key, (x_atom,), stack_size=k_shape[0], stack_axes=axes
+  )
 
 
 def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
@@ -155,39 +175,6 @@ def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
   ):
     return None
   return b_leaf, fe.outs[0]
-
-
-def match_batched_dense(ix, i, claimed):
-  """A stack of dense layers applied by one `dot_general`; its info describes one layer."""
-  found = batched_dense_use(ix, i)
-  if found is None:
-    return None
-  info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis = found
-  if k_leaf in claimed:
-    return None
-  leaves, out_key = [k_leaf], ix.g.eqns[i].outs[0]
-  use = _matchers.only_consumer(ix, out_key)
-  if use is not None and ix.g.eqns[use[0]].name == "transpose":
-    # `jax.vmap` moves the layer axis of the output to the front: tap after the transpose.
-    fe = ix.g.eqns[use[0]]
-    perm = tuple(int(d) for d in fe.params["permutation"])
-    kept = [d for d in perm if d != out_axis]
-    per_layer = [d - (d > out_axis) for d in kept]  # The per-layer axes, as laid out now.
-    info = dataclasses.replace(
-      info, out_perm=tuple(per_layer.index(info.out_perm[d]) for d in range(len(per_layer)))
-    )
-    out_axis, out_key = perm.index(out_axis), fe.outs[0]
-  fits = k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]
-  bias = _stacked_bias(ix, out_key, out_axis, k_shape, claimed) if fits else None
-  if bias is not None:
-    leaves.append(bias[0])
-    out_key = bias[1]
-  elif x_axis is None:
-    return None  # A shared input and no stacked bias: one dense layer over all outputs.
-  axes = (-1 if x_axis is None else x_axis, out_axis)
-  return _matchers.Match.single(
-    "dense", leaves, info, out_key, (x_atom,), stack_size=k_shape[0], stack_axes=axes
-  )
 
 
 def match_stacked_scale_and_shift(ix, i, claimed):
