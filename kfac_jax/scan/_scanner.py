@@ -65,8 +65,7 @@ class ScanResult:
 
   @property
   def batch_size(self) -> int:
-    """N, the statistics' normalisation: the largest loss tag's batch (the curvature pass
-    rescales the others' output vectors)."""
+    """N, the statistics' normalisation: the largest loss tag's batch."""
     return max(spec.batch_size for spec in self.losses)
 
 
@@ -101,10 +100,8 @@ def scan(
   _check_dtypes(paths, leaves)
   graph, aux_tree, separate = _trace(loss_fn, leaves, treedef, batch, has_aux)
   losses, loss_operands = _losses(graph)
-  shapes = [tuple(np.shape(x)) for x in leaves]
-  roots = [ops[0] for ops in loss_operands]
-  batch_size = max(spec.batch_size for spec in losses)
-  ix = _index.build(graph, len(leaves), paths, shapes, roots, batch_size)
+  roots, shapes = [ops[0] for ops in loss_operands], [np.shape(x) for x in leaves]
+  ix = _index.build(graph, len(leaves), paths, shapes, roots, max(s.batch_size for s in losses))
   specs = _Scanner(ix, layers, strict, warn, collect).run()
   specs.sort(key=lambda s: min(s[0].leaf_indices))
   _check_custom_taps(graph, specs)
@@ -182,8 +179,8 @@ _NO_REVERSE = frozenset({"while", "pure_callback", "io_callback"})
 
 
 def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
-  """RegistrationError when a layer's output inside a custom-derivative call reaches the call's
-  outputs through an operation with no reverse-mode derivative."""
+  """RegistrationError for a layer output in a custom call that reaches its outputs only through
+  an operation with no reverse-mode derivative."""
   if not graph.customs:
     return
   where = {}
@@ -257,9 +254,8 @@ def _custom_calls(jaxpr) -> set[str]:
 
 
 def _as_differentiated(loss_fn: Callable, has_aux: bool, backward: bool) -> Callable:
-  """`loss_fn` run as `jax.grad` runs it (under `jax.vjp` in the parameters; with `backward`,
-  pulled back on a zero cotangent), so that the custom rules, called by JAX itself, bind their
-  loss tags. Returns a zero loss beside `loss_fn`'s outputs."""
+  """`loss_fn` under `jax.vjp` (pulled back on zeros with `backward`), so that the custom rules
+  bind their loss tags; returns a zero loss beside `loss_fn`'s outputs."""
 
   def fn(params, batch):
     f = lambda p: loss_fn(p, batch)
@@ -289,9 +285,8 @@ def _types(tree) -> str:
 
 
 def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, out_d) -> None:
-  """RegistrationError for loss tags both in custom rules (bound only in `derived`) and outside
-  them (in `graph`), and for tags outside the rules when a rule's primal outputs `out_d` differ
-  from the function's `out`."""
+  """RegistrationError for loss tags both in and outside custom rules, or outside them when a
+  rule's primal outputs `out_d` differ from the function's `out`."""
   inside, beside = _only_in(derived, graph), tag_names(graph)
   if inside and beside:
     raise RegistrationError(
@@ -342,8 +337,7 @@ def _only_in(graph: _graph.FlatGraph, other: _graph.FlatGraph) -> list[str]:
 
 
 class _Scanner:
-  """One scan over a built index: runs the matchers in order (first claim wins: manual tags,
-  shared leaves, the passes of `_kinds.PASSES`), turns matches into specs."""
+  """Runs the matchers in order (first claim wins: manual tags, shared leaves, the passes)."""
 
   def __init__(self, ix: _index.GraphIndex, layer_config, strict, warn, collect):
     self.ix = ix
@@ -360,8 +354,7 @@ class _Scanner:
     manual_dense: dict[int, list[Any]] = {}
     for fe in ix.g.eqns:
       if fe.eqn.primitive is _tags.layer_tag_p:
-        found = self._manual(fe, claimed, manual_dense)
-        specs.extend([found] if found is not None else [])
+        specs.extend(self._manual(fe, claimed, manual_dense))
     for k_leaf, tags in manual_dense.items():
       specs.append(self._manual_dense_layer(k_leaf, tags, claimed))
     for shifts in (False, True):
@@ -386,8 +379,7 @@ class _Scanner:
     return self._user_blocks(self._cover(specs, claimed))
 
   def _cover(self, specs, claimed):
-    """`specs` with a generic layer per leaf left over: with the user's block where a
-    `LayerConfig.blocks` pattern names it, else the diagonal fallback (warned about)."""
+    """`specs` and a generic layer per leftover leaf: a `LayerConfig.blocks` one or a fallback."""
     ix = self.ix
     for j in range(ix.n_params):
       if j not in claimed and self.layer_config.block_for((ix.paths[j],))[0] is not None:
@@ -441,8 +433,7 @@ class _Scanner:
     return spec, outs, ins
 
   def _spec_of(self, match: _matchers.Match, approx=None, source="auto"):
-    """`(spec, output key(s), inputs)` of a match: one key and one input tuple for a single-use
-    layer, one per use for a shared one."""
+    """`(spec, output key(s), inputs)` of a match (keys and inputs per use if shared)."""
     kind, leaves = match.kind, list(match.leaves)
     if len(match.infos) > 1:
       infos = match.infos
@@ -561,9 +552,8 @@ class _Scanner:
       specs = kept + [(spec, None, None)]
     return specs
 
-  def _manual(self, fe, claimed, manual_dense):
-    """The layer of a manual tag, its approximation checked and its leaves claimed; None for a
-    `register_dense` tag, collected in `manual_dense` (one layer per kernel, after the loop)."""
+  def _manual(self, fe, claimed, manual_dense) -> list:
+    """The layer of a manual tag, claimed; none for `register_dense`, kept in `manual_dense`."""
     record = _kinds.KINDS.get(fe.params["kind"])
     if record is None or record.read_tag is None:
       raise RegistrationError(f"a layer tag of unknown kind {fe.params['kind']!r}.")
@@ -573,7 +563,7 @@ class _Scanner:
       (info,), (y,), (inputs,) = match.infos, match.outputs, match.inputs
       entry = (match.leaves, info, fe.params["approx"], y, inputs)
       manual_dense.setdefault(match.leaves[0], []).append(entry)
-      return None
+      return []
     approx = self._check_approx(kind, fe.params["approx"], [self.ix.paths[j] for j in match.leaves])
     spec, y, inputs = self._spec_of(match, approx, "manual")
     fix = "remove the tag so that the scanner registers the uses together as one shared layer, "
@@ -582,7 +572,7 @@ class _Scanner:
         j, 1, f"register_{kind}", fix + "or cover the parameter with register_generic"
       )
     self.claim(claimed, match.leaves, spec.name)
-    return spec, y, inputs
+    return [(spec, y, inputs)]
 
   def _manual_dense_layer(self, k_leaf, tags, claimed):
     """One dense layer from the `register_dense` tags of kernel `k_leaf` (one use per tag)."""
@@ -635,8 +625,7 @@ class _Scanner:
     return approx
 
   def _draft(self, kind, leaves, source, leaf_shapes=None, **fields) -> LayerSpec:
-    """A LayerSpec over `leaves` named by their paths' common prefix (a lone generic leaf by its
-    own path), its approximation ("") and factor shapes still to be chosen."""
+    """A LayerSpec over `leaves`, its approximation ("") and factor shapes still to be chosen."""
     shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
     paths = tuple(self.ix.paths[j] for j in leaves)
     return LayerSpec(
@@ -652,9 +641,8 @@ class _Scanner:
     )
 
   def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
-    """The spec of a layer used `len(infos)` times. Its approximation: the manual tag's, else an
-    `overrides` pattern's (`defaults` name single-use ones), else the kind's shared default after
-    the size policy."""
+    """The spec of a layer used `len(infos)` times. Its approximation: the tag's, else an
+    `overrides` pattern's, else the kind's shared default after the size policy."""
     # A tied table's lookup, else a use that reads the kernel matrix as the layer does.
     info = next(
       (inf for inf in infos if isinstance(inf, EmbeddingInfo)),
@@ -711,9 +699,8 @@ class _Scanner:
     return sized(self._blocked(spec))
 
   def layer_spec(self, kind, leaves, info, approx, source, leaf_shapes=None) -> LayerSpec:
-    """A single-use LayerSpec, sized. Its approximation: an explicit manual or linked one, else
-    the `LayerConfig`'s, else the kind's default; the size policy applies unless the layer was
-    named. `leaf_shapes` (leaf -> shape) replaces the index's: one layer of a stack."""
+    """A single-use LayerSpec: an explicit manual or linked approximation, else the config's, else
+    the default (then the size policy). `leaf_shapes`: one layer of a stack's."""
     spec = self._draft(kind, leaves, source, leaf_shapes, info=info)
     paths, name = spec.param_paths, spec.name
     builtin, note = _kinds.default_approx(kind, info)
@@ -771,8 +758,7 @@ def sized(spec: LayerSpec) -> LayerSpec:
 
 
 def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
-  """A match of a `batch_rows` kind with a use whose first input comes from parameters and
-  constants alone, its tap not where the output is broadcast over the batch (`shared_tap`)."""
+  """A `batch_rows` match whose first input is made of parameters and constants (no shared tap)."""
   return _kinds.KINDS[match.kind].batch_rows and any(
     ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
     for ins, inf in zip(match.inputs, match.infos)
@@ -796,8 +782,7 @@ def _constant_operand(ix: _index.GraphIndex, atom) -> float | None:
 
 
 def _feeds_product(ix: _index.GraphIndex, key, depth: int = 4, within=None) -> bool:
-  """Whether `key` reaches a `_PRODUCTS` equation through a few operations; with `within` (a
-  set of keys), only through keys in it, from a `key` in it."""
+  """Whether `key` reaches a `_PRODUCTS` equation within `depth` steps (through `within` keys)."""
   frontier = [key] if within is None or key in within else []
   for _ in range(depth):
     nxt: list[Any] = []
@@ -816,7 +801,6 @@ _NO_ROWS = (
   "an input computed from parameters and constants alone (no rows per example, e.g. latents "
   "projected, then multiplied with the batch's activations rather than broadcast over the batch)"
 )
-# What a user can do for a parameter no layer block reads: a manual generic tag.
 _GENERIC_FIX = (
   'tag it in loss_fn with `kfac_jax.register_generic(param, approx="full")` for a full block '
   "(the fallback is its diagonal)"
@@ -826,7 +810,6 @@ _UNARY = frozenset(
   {"exp", "exp2", "log", "log1p", "expm1", "logistic", "tanh", "sqrt", "rsqrt", "sin", "cos"}
   | {"abs", "neg", "square", "integer_pow"}
 )
-# The sample-space front, for the layers no Kronecker block follows.
 _KERNEL_NGD = (
   "use the kernel natural gradient, `kfac_jax.kernel_ngd` (SR, ENGD-Woodbury or SPRING in "
   "sample space), which needs no layer structure"
@@ -840,8 +823,7 @@ def _no_rows(ix: _index.GraphIndex, fe, pos: int) -> bool:
 
 
 def _ops_before_product(ix: _index.GraphIndex, leaf: int, limit: int = 4) -> list[str]:
-  """The primitives (first seen first, at most `limit`) between `leaf` and the products its
-  parameters-only values reach: what a weight-standardised kernel goes through."""
+  """The first `limit` primitives from `leaf` to the products its parameter-only values reach."""
   frontier = [k for k, (j, _) in ix.origin.items() if j == leaf]
   seen, names = set(frontier), []
   for _ in range(12):
@@ -939,9 +921,8 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
 
 
 def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
-  """Why a kernel read by derivatives of the model matched no layer, or "": K-FAC follows it
-  when every use is a product by the kernel matrix or its transpose, and every use whose input
-  is one constant for all examples reaches them as `_matchers.hoisted_tap` requires."""
+  """Why a kernel read by derivatives of the model (products by it or its transpose, inputs
+  constant over the examples tapped by `_matchers.hoisted_tap`) matched no layer, or ""."""
   dense = [
     (i, d)
     for i, pos in uses
@@ -1002,8 +983,7 @@ def _from_constants(ix: _index.GraphIndex, atom) -> bool:
 
 
 def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
-  """Why the scanner matched no layer for `leaf`: one short phrase ("used as 1 + scale",
-  "consumed by <primitive> (no matcher)", ...) naming the manual tag where one is the way out."""
+  """Why the scanner matched no layer for `leaf`: one short phrase (e.g. "used as 1 + scale")."""
   uses: Sequence[Any] = ix.uses.get(leaf, ())
   if not uses:
     keys = {k for k, (j, _) in ix.origin.items() if j == leaf}
