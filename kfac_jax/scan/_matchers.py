@@ -20,10 +20,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-  """A layer a matcher found: its leaves (kernel / table / scale first) and, per use, its info,
-  the key where the curvature pass adds its perturbation and the input atoms its statistics
-  read. `stack_size` L > 0: L layers applied by one batched operation, `infos` describing one,
-  `stack_axes` the layer axis of each input and the output."""
+  """A layer found: its leaves (kernel / table / scale first); per use, its info, tap key and
+  inputs. `stack_size` L > 0: L layers in one operation, `stack_axes` their axis per operand."""
 
   kind: Kind
   leaves: tuple[int, ...]
@@ -40,8 +38,7 @@ class Match:
 
 
 def single_use_leaf(ix, atom, claimed, shared: bool = False):
-  """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice (or,
-  with `shared`, any number of times)."""
+  """(leaf, chain) if `atom` views an unclaimed leaf used once (any number of times if `shared`)."""
   if not _graph.is_key(atom) or atom not in ix.origin:
     return None
   leaf, chain = ix.origin[atom]
@@ -51,8 +48,7 @@ def single_use_leaf(ix, atom, claimed, shared: bool = False):
 
 
 def sole_param_operand(ix, i, prim: str):
-  """`(leaf, operand position)` if equation i is a `prim` with exactly one parameter operand,
-  a leaf used once on the loss slice; else None."""
+  """`(leaf, operand position)` if equation i is a `prim` whose one parameter is used once."""
   ops = ix.uses_by_eqn.get(i, [])
   if ix.g.eqns[i].name != prim or len(ops) != 1:  # No parameter, or a product of two.
     return None
@@ -80,8 +76,7 @@ def added_leaf(ix, key, claimed, shared: bool = False):
 
 
 def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
-  """The trailing axes of `out_shape` a parameter spans when broadcast over the leading ones;
-  None when it is transposed or broadcast along a trailing axis."""
+  """The trailing axes of `out_shape` a parameter spans, broadcast over the leading ones."""
   n, nd = math.prod(leaf_shape), len(out_shape)
   if len(view_shape) > nd or any(s.op in ("transpose", "gather") for s in chain):
     return None
@@ -145,8 +140,7 @@ def stacked_feature_block(leaf_shape, chain, view_shape, out_shape):
 
 
 def _operand_index(leaf_shape, chain, view_shape, out_shape) -> np.ndarray | None:
-  """The leaf entry each operand entry reads, padded to `out_shape`'s rank and collapsed
-  (`_collapse`); None if it does not broadcast to `out_shape`."""
+  """The leaf entry each operand entry reads, padded to `out_shape`'s rank and `_collapse`d."""
   idx = index_of_view(leaf_shape, chain)
   nd = len(out_shape)
   if tuple(idx.shape) != tuple(view_shape) or idx.ndim > nd:
@@ -167,8 +161,7 @@ def _collapse(idx: np.ndarray) -> np.ndarray:
 
 
 def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
-  """`(a, b)` if `idx` (collapsed) is `arange(n)` laid over the axes `a..b-1` of `out_shape` in
-  row-major order and constant along every other axis; else None."""
+  """`(a, b)` if `idx` (collapsed) is `arange(n)` laid over the axes `a..b-1` of `out_shape`."""
   axes = [d for d in range(idx.ndim) if idx.shape[d] > 1]
   if not axes:
     return None
@@ -177,11 +170,6 @@ def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
     return None
   want = np.arange(n).reshape([out_shape[d] if a <= d < b else 1 for d in range(len(out_shape))])
   return (a, b) if np.array_equal(np.broadcast_to(idx, want.shape), want) else None
-
-
-def _moved(idx: np.ndarray, fe) -> np.ndarray:
-  """`idx` moved by the layout-only equation `fe` (`_graph.VIEW_OPS`)."""
-  return _view(idx, (_graph.view_step(fe),))
 
 
 def index_of_view(shape, chain) -> np.ndarray:
@@ -213,7 +201,7 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
     if fe.name in _graph.VIEW_OPS and use[1] == 0:
       if fe.name == "broadcast_in_dim" and math.prod(out_shape) != idx.size:
         return None
-      idx, key = _moved(idx, fe), fe.outs[0]
+      idx, key = _view(idx, (_graph.view_step(fe),)), fe.outs[0]
       continue
     found = single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared) if fe.name == "add" else None
     if found is None or len(fe.ins) != 2:
@@ -234,8 +222,7 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
 
 
 def dot_dims(dimension_numbers, k_pos: int):
-  """`(k_contract, x_contract, k_batch, x_batch)` of a `dot_general` whose kernel is operand
-  `k_pos` (0: lhs, 1: rhs) and whose activation is the other operand."""
+  """`(k_contract, x_contract, k_batch, x_batch)` of a `dot_general`, the kernel operand `k_pos`."""
   (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
   k_c, x_c, k_b, x_b = (rhs_c, lhs_c, rhs_b, lhs_b) if k_pos == 1 else (lhs_c, rhs_c, lhs_b, rhs_b)
   return tuple(map(int, k_c)), tuple(map(int, x_c)), tuple(map(int, k_b)), tuple(map(int, x_b))
@@ -244,9 +231,9 @@ def dot_dims(dimension_numbers, k_pos: int):
 def dense_product(
   k_shape, x_shape, k_contract, x_contract, k_pos, kernel_view=(), batch_size=None, x_batch=None
 ):
-  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None: the
-  kernel (operand `k_pos`) read as the `[in, out]` matrix of its contracted then free axes, the
-  activation as `[rows, in]`, its batch axis (`x_batch`, else by size) moved first."""
+  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions: the kernel as
+  `[contracted, free]`, the activation as `[rows, in]`, its batch axis (`x_batch`, else by size)
+  first."""
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
   if not k_free or not k_contract:
@@ -316,15 +303,13 @@ def match_dense(ix, i, claimed):
 
 
 def constant_input_tap(ix, key, info: DenseInfo):
-  """`(tap, info with its shared_tap)` of a dense use whose input comes from parameters and
-  constants alone (`_batch_broadcast_tap`, else `hoisted_tap`); else None."""
+  """`(tap, info with its shared_tap)` of a dense use whose input is made of parameters alone."""
   found = _batch_broadcast_tap(ix, key, info)
   return found if found is not None else hoisted_tap(ix, key, info)
 
 
 def _shared_tap_bytes(info: DenseInfo, s_shape, entries: np.ndarray) -> bytes:
-  """`DenseInfo.shared_tap` for a tap whose entries read the product-output entries `entries`
-  (flat indices into `s_shape`): their positions in the `[rows, out]` matrix (`out_perm`)."""
+  """`DenseInfo.shared_tap`: the positions in `[rows, out]` of product-output entries `entries`."""
   n = math.prod(s_shape)
   where = np.empty(n, np.int64)
   where[np.arange(n).reshape(s_shape).transpose(info.out_perm).reshape(-1)] = np.arange(n)
@@ -332,9 +317,8 @@ def _shared_tap_bytes(info: DenseInfo, s_shape, entries: np.ndarray) -> bytes:
 
 
 def hoisted_tap(ix, key, info: DenseInfo):
-  """`(HoistedTap, info with its shared_tap)` of a dense use whose output `key` is computed once
-  for every example (hoisted by `jax.vmap`) and reaches the batched computation through layout
-  operations, then elementwise equations that broadcast it along their batch axis; else None."""
+  """`(HoistedTap, info with its shared_tap)` of a dense output `key` computed once for every
+  example (hoisted by `jax.vmap`), then broadcast along the batch by elementwise equations."""
   if key in ix.from_batch:
     return None
   s_shape, outputs = tuple(key[1].aval.shape), {a for a in ix.g.outvars if _graph.is_key(a)}
@@ -348,7 +332,7 @@ def hoisted_tap(ix, key, info: DenseInfo):
         fe = ix.g.eqns[i]
         if fe.name not in _graph.VIEW_OPS or pos != 0:
           return None
-        todo.append((fe.outs[0], _moved(idx, fe)))
+        todo.append((fe.outs[0], _view(idx, (_graph.view_step(fe),))))
       continue
     if k in outputs or k in ix.g.scan_positions:
       return None  # A perturbation of another shape would change an output or a scan's step.
@@ -383,8 +367,7 @@ def hoisted_tap(ix, key, info: DenseInfo):
 
 
 def _batch_broadcast_tap(ix, key, info: DenseInfo):
-  """`(tap key, info with its shared_tap)` of a dense layer whose output `key` reaches the batch
-  only through layout ops and a broadcast over a leading batch axis (`x + table @ w`)."""
+  """`(tap key, info with its shared_tap)` of a dense output broadcast over the batch."""
   s_shape = tuple(key[1].aval.shape)
   idx = np.arange(math.prod(s_shape)).reshape(s_shape)
   for _ in range(16):
@@ -400,7 +383,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
     fe = ix.g.eqns[use[0]]
     out_shape = tuple(fe.outs[0][1].aval.shape)
     if fe.name in _graph.VIEW_OPS and use[1] == 0:
-      idx = _moved(idx, fe)
+      idx = _view(idx, (_graph.view_step(fe),))
     elif fe.name == "add" and len(fe.ins) == 2 and len(out_shape) == idx.ndim:
       if any(a not in (1, b) for a, b in zip(idx.shape, out_shape)):
         return None
@@ -412,8 +395,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
 
 
 def _kernel_beside_param(ix, i):
-  """`(kernel leaf, operand position)` if equation i is a `dot_general` of a single-use kernel
-  with another leaf tiled over the batch (a learned probe) or projected before it is."""
+  """`(kernel leaf, position)` of a single-use kernel times a learned probe (tiled or projected)."""
   fe = ix.g.eqns[i]
   ops = ix.uses_by_eqn.get(i, [])
   if fe.name != "dot_general" or len(ops) != 2 or ops[0][0] == ops[1][0]:
@@ -435,8 +417,7 @@ def _kernel_beside_param(ix, i):
 
 
 def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
-  """`(bias leaf, output key)` of a parameter added to a dense product's output `s_key` along
-  its output features, else None."""
+  """`(bias leaf, output key)` of a parameter added to the product `s_key` along its features."""
   free_shape, out_shape = tuple(k_shape[d] for d in k_free), tuple(s_key[1].aval.shape)
   found = added_leaf(ix, s_key, claimed, shared) if k_pos == 1 else None
   if found is not None:  # `out + b`, b `[..., *free_shape]` over the leading axes.
@@ -486,8 +467,7 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
 
 
 def match_conv(ix, i, claimed, shared: bool = False):
-  """Equation i convolving an activation with a (viewed) kernel leaf used once (with `shared`,
-  used elsewhere too), and its bias."""
+  """A convolution of an activation by a kernel leaf used once (any times if `shared`), its bias."""
   fe = ix.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
@@ -530,8 +510,8 @@ def match_conv(ix, i, claimed, shared: bool = False):
 
 
 def scale_shift_operands(ix, i, claimed, shared: bool = False):
-  """`(leaf, parameter atom, input atoms, output key)` if equation i multiplies an activation by
-  a parameter (a second product by an activation right after it folded in) or adds one to it."""
+  """`(leaf, parameter atom, input atoms, output key)` of `x * p` (a next `* y` folded in) or
+  `x + p` at equation i."""
   fe = ix.g.eqns[i]
   ops = ix.uses_by_eqn.get(i, [])
   if fe.name not in ("mul", "add") or len(fe.ins) != 2 or len(ops) != 1:
@@ -560,8 +540,7 @@ def scale_shift_operands(ix, i, claimed, shared: bool = False):
 
 
 def match_scale_and_shift(ix, i, claimed, shared: bool = False):
-  """A scale (and its shift) or a shift at equation i; without an axis of examples, rows from
-  `node_rows`."""
+  """A scale (and its shift) or a shift at equation i, its rows examples or `node_rows`."""
   found = scale_shift_operands(ix, i, claimed, shared)
   if found is None:
     return None
@@ -578,7 +557,6 @@ def match_scale_and_shift(ix, i, claimed, shared: bool = False):
   axis, feat = block
   followed = followed_batch_axis(ix, out_key)
   batch_axis = batch_axis_of(out_shape, axis, len(feat), ix.batch_size, followed)
-  example_rows = batch_axis is not None
   if batch_axis is None and (shared or not node_rows(ix, out_shape, axis)):
     return None
   is_mul = ix.g.eqns[i].name == "mul"
@@ -591,7 +569,7 @@ def match_scale_and_shift(ix, i, claimed, shared: bool = False):
     output_shape=out_shape,
     feature_axis=axis,
     batch_axis=0 if batch_axis is None else batch_axis,
-    example_rows=example_rows,
+    example_rows=batch_axis is not None,
     feature_index=index,
   )
   leaves = [leaf] if shift_leaf is None else [leaf, shift_leaf]
@@ -599,8 +577,7 @@ def match_scale_and_shift(ix, i, claimed, shared: bool = False):
 
 
 def node_rows(ix, out_shape, feature_axis) -> bool:
-  """Whether the leading axis of `out_shape`, outside the features, has the length of the
-  leading axis of a batch input without a found batch axis (the nodes of a batch of graphs)."""
+  """Whether `out_shape` leads with a batch input's unfollowed leading axis (a graph's nodes)."""
   if len(out_shape) < 2 or feature_axis == 0:
     return False
   return any(
@@ -631,8 +608,7 @@ def followed_batch_axis(ix, atom) -> int | None:
 
 
 def batch_axis_of(out_shape, feature_axis, n_feat: int, batch_size: int, followed) -> int | None:
-  """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs)
-  when it lies outside the features, else `batch_position` over the axes outside them."""
+  """The batch axis outside a scale's features: `followed` if there, else by `batch_position`."""
   start = len(out_shape) - n_feat if feature_axis is None else feature_axis
   outside = [a for a in range(len(out_shape)) if not start <= a < start + n_feat]
   if followed is not None and followed in outside:
@@ -641,14 +617,12 @@ def batch_axis_of(out_shape, feature_axis, n_feat: int, batch_size: int, followe
   return None if found is None else outside[found]
 
 
-def match_shift(ix, key, out_shape, block, claimed, shared: bool = False, how=None):
-  """`(shift leaf, key of the sum)` of a parameter added to `key` over the same axes as the
-  scale (`block`, as `how` reads it: `feature_block` unless given); else None."""
+def match_shift(ix, key, out_shape, block, claimed, shared: bool = False, how=feature_block):
+  """`(shift leaf, key of the sum)` of a parameter added to `key` over the scale's `block`."""
   found = added_leaf(ix, key, claimed, shared)
   if found is None:
     return None
   leaf, chain, atom, fe = found
-  how = feature_block if how is None else how
   if how(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
     return None  # The shift must span the scale's axes.
   return leaf, fe.outs[0]
