@@ -67,9 +67,8 @@ def is_key(atom: Atom) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class HoistedTap:
-  """The tap of a layer output computed once for every example (hoisted by `jax.vmap`), which
-  reaches the batch at `keys`: each gets a zero perturbation of shape `shapes[j]` (batch axis
-  `axes[j]`), so that each example reads its own copy."""
+  """The tap of a layer output computed once for all examples (hoisted by `jax.vmap`): a zero
+  perturbation of shape `shapes[j]` (batch axis `axes[j]`) at each of the `keys` the batch reads."""
 
   keys: tuple[Key, ...]
   axes: tuple[int, ...]
@@ -121,9 +120,8 @@ def view_step(fe: FlatEqn) -> ViewStep:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Region:
-  """Equations `eqns[start:stop]` inlined from one outermost remat call: its `jax.checkpoint`
-  `options`, the keys it reads but does not compute (`ins`, constants excluded) and the keys it
-  computes that are read after it (`outs`)."""
+  """Equations `eqns[start:stop]` inlined from one outermost remat call, its `jax.checkpoint`
+  `options`, the keys it reads (`ins`, constants excluded) and those read after it (`outs`)."""
 
   start: int
   stop: int
@@ -153,11 +151,9 @@ class CustomCall:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScanGroup:
-  """The T unrolled steps of one scan (each `[carry identities, xs slices, body...]`, alike),
-  evaluated again as a `lax.scan`. `keys[k][p]`: the p-th value step k computes (in execution
-  order); `carry_out[k]`: what step k+1's carry reads; `outside`: `(p, steps)` read after the
-  steps other than by the `stacks` (`(equation, p)` stacking position p); `stop`: the index
-  after the steps and their stacking equations."""
+  """The T alike unrolled steps of one scan, evaluated again as a `lax.scan`. `keys[k][p]`: the
+  p-th value step k computes; `carry_out[k]`: step k+1's carry; `outside`: `(p, steps)` read after
+  the steps but not by the `stacks` (`(equation, p)`); `stop`: the index after the stackings."""
 
   steps: tuple[tuple[int, int], ...]
   ncar: int
@@ -381,8 +377,7 @@ class FlatGraph:
     return out
 
   def scan_stacked(self, keys: Sequence[Atom]) -> bool:
-    """Whether `keys` are one position of every step of one scan, in execution order (then they
-    can be watched and perturbed as one stacked `[T, ...]` value)."""
+    """Whether `keys` are one position of every step of one scan, in order (one stacked value)."""
     found = [self.scan_positions.get(k) if is_key(k) else None for k in keys]
     if not found or any(f is None for f in found):
       return False
@@ -400,8 +395,7 @@ class FlatGraph:
     return {i: tuple(sorted(cs, key=lambda c: -c.stop)) for i, cs in out.items()}
 
   def _run(self, lo, hi, env, seen, perturb, watch, unroll=False, inside=frozenset()) -> None:
-    """Evaluates `eqns[lo:hi]` into `env`; `inside`: the regions and custom calls being
-    evaluated (not entered again)."""
+    """Evaluates `eqns[lo:hi]` into `env` (`inside`: the regions and calls not entered again)."""
     regions = {r.start: r for r in self.regions}
     scans = {} if unroll else {g.steps[0][0]: g for g in self.scans}
     i = lo
@@ -448,8 +442,7 @@ class FlatGraph:
     _store(c.outs, user, env, seen, watch)
 
   def _evaluate_region(self, r: Region, env, seen, perturb, watch, unroll, inside) -> None:
-    """Evaluates a remat region under `jax.checkpoint` with its options. The closure returns the
-    values read after it and the watched values it makes (after their perturbation)."""
+    """Evaluates a remat region under `jax.checkpoint`, returning its read and watched values."""
     made = [k for fe in self.eqns[r.start : r.stop] for k in fe.outs]
     out_keys = list(dict.fromkeys(list(r.outs) + [k for k in made if k in watch]))
 

@@ -36,8 +36,7 @@ _FOLD_SIZE = 1 << 20
 
 
 def is_view(fe: _graph.FlatEqn) -> bool:
-  """Whether `fe` only moves, reshapes, casts or broadcasts its first operand (a `tile` of unit
-  axes is a broadcast)."""
+  """Whether `fe` only moves, reshapes, casts or broadcasts its first operand (unit `tile`s too)."""
   if fe.name in _graph.VIEW_OPS:
     return True
   if fe.name != "tile" or not fe.ins:
@@ -133,8 +132,8 @@ def build(graph, n_params: int, paths, shapes, loss_roots: Sequence[Any], batch_
 
 
 def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
-  """`(uses, uses_by_eqn, blocked_virtual)`: each leaf's real uses on the loss slice, by leaf and
-  by equation; a concatenation whose pieces have other uses is blocked, a use of each piece."""
+  """`(uses, uses_by_eqn, blocked_virtual)` on the loss slice; a blocked concatenation (its pieces
+  used elsewhere) is a use of each piece."""
   found = [
     (i, pos, origin[a][0])
     for i in sorted(in_slice - view_eqns - set(concat_eqns))
@@ -174,8 +173,7 @@ def tags_reached(ix: GraphIndex, key) -> frozenset[int]:
 
 
 def _loss_slice(graph, roots) -> tuple[set[int], set[int]]:
-  """The equations the loss tags' operands depend on, and those without a `stop_gradient` in
-  between (what the tags' curvature can reach)."""
+  """The equations the loss tags' operands depend on, and those not behind a `stop_gradient`."""
   needed = {a for a in roots if _graph.is_key(a)}
   reached = set(needed)
   in_slice, grad_slice = set(), set()
@@ -235,8 +233,8 @@ def _views(graph, leaf_of_key, consts, n_params: int, first_virtual: int, fold):
 
 
 def _view_of(fe, origin, consts, fold) -> tuple[Any, ViewStep] | None:
-  """`(parameter view read, step)` when `fe` views a parameter view: a layout operation, a
-  gather at constant rows, or a shift by a scalar constant (its Jacobian is the identity)."""
+  """`(parameter view read, step)` when `fe` is a layout operation, a gather at constant rows or
+  a shift by a scalar constant (an identity Jacobian) of a parameter view."""
   src = fe.ins[0] if fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in origin else None
   if src is not None and is_view(fe):
     return src, _graph.view_step(fe)
@@ -293,9 +291,8 @@ def _concat_path(paths: Sequence[str]) -> str:
 
 
 def _gather_view(fe, fold) -> ViewStep | None:
-  """The view step when the gather `fe` reads whole rows of a `[T, D]` parameter view at constant
-  indices: every row in order is the operand itself (with a unit axis under `jax.vmap`), any
-  other in-range rows a "gather" step (`table[buckets]`); else None."""
+  """The step of a gather of whole rows of a `[T, D]` view at constant ids: every row in order is
+  the view itself (a unit axis under `jax.vmap`), other rows a "gather" (`table[buckets]`)."""
   t_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
   dn = fe.params["dimension_numbers"]
   whole_rows = len(t_shape) == 2 and tuple(fe.params["slice_sizes"]) == (1, t_shape[1])
@@ -330,8 +327,7 @@ def _gather_view(fe, fold) -> ViewStep | None:
 
 
 def _folder(graph, consts, producer):
-  """`fold(atom)`: the value of `atom` when `_FOLDABLE` operations compute it from constants
-  alone, else None; each key is folded once."""
+  """`fold(atom)`: `atom`'s value when `_FOLDABLE` operations compute it from constants, or None."""
   folded: dict[Any, Any] = {}
 
   def fold(atom, depth: int = 64):
