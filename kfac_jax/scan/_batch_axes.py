@@ -89,8 +89,7 @@ def _one(ins) -> BatchAxis | None:
 
 
 def _same_shape(fe, ins) -> list[BatchAxis | None]:
-  """An output takes the agreeing tag of the tagged inputs of its shape, or for an elementwise
-  equation, of the operands of its rank whose batch axis it does not broadcast."""
+  """An output's tag: that of its inputs of its shape (elementwise: of its rank, not broadcast)."""
   if fe.name in _OPAQUE or fe.name.startswith("scatter"):
     return [None] * len(fe.outs)
   out = []
@@ -201,8 +200,7 @@ def _conv(fe, ins):
 
 
 def _gather(fe, ins):
-  """A lookup at per-example indices, a gather with batching dimensions, or constant indices
-  along an axis other than the batch."""
+  """A lookup at per-example indices (or batching dimensions), or constant ones off the batch."""
   dn = fe.params["dimension_numbers"]
   operand, indices = ins[0], ins[1]
   out_rank = len(fe.outs[0][1].aval.shape)

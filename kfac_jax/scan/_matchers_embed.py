@@ -63,8 +63,7 @@ def embedding_use(ix, i) -> _matchers.Match | None:
 
 
 def _vmapped_row_use(ix, fe, info):
-  """`embedding_use` for `vmap` of `table[i]`: a gather of whole rows at index vectors
-  `concatenate([ids, column start], -1)` (clipped or in bounds), then a `squeeze`."""
+  """`embedding_use` for `vmap` of `table[i]`: rows at `concatenate([ids, 0], -1)`, squeezed."""
   dn = fe.params["dimension_numbers"]
   out_shape = tuple(fe.outs[0][1].aval.shape)
   nd = len(out_shape)
@@ -115,8 +114,7 @@ def one_hot_embedding_use(ix, i) -> _matchers.Match | None:
 
 
 def one_hot_ids(ix, atom, axis: int, vocab: int):
-  """The integer ids if `atom` is `cast(ids == iota)`, a one-hot encoding of `vocab` entries on
-  `axis` (the ids without that axis, or with it of size 1); else None."""
+  """The integer ids if `atom` is `cast(ids == iota)`, a one-hot of `vocab` entries on `axis`."""
   fe = _producer(ix, atom)
   while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
     fe = _producer(ix, fe.ins[0])
@@ -149,8 +147,7 @@ def one_hot_ids(ix, atom, axis: int, vocab: int):
 
 
 def _iota_axis(ix, atom) -> tuple[int, int] | None:
-  """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others:
-  an `iota` or a constant such as `np.arange`, through casts and `broadcast_in_dim`."""
+  """`(axis, n)` if `atom` is 0, ..., n-1 along `axis` (an `iota`, `np.arange`, cast, broadcast)."""
   value = _graph.constant_value(ix.const_values, atom)
   if value is not None:
     if not np.issubdtype(value.dtype, np.number):
@@ -186,8 +183,7 @@ def _producer(ix, atom):
 
 
 def match_batch_tokens(ix, i, claimed):
-  """Learned tokens: every use of an unclaimed leaf reads one view of it whose leading axis is
-  the batch, which the leaf does not span: a shift-only layer `0 + tokens`."""
+  """Learned tokens: an unclaimed leaf read only as one view broadcast over the batch (`0 + t`)."""
   fe = ix.g.eqns[i]
   for leaf, pos in ix.uses_by_eqn.get(i, []):
     atom = fe.ins[pos]
@@ -202,8 +198,7 @@ def match_batch_tokens(ix, i, claimed):
 
 
 def batch_view_info(ix, leaf, atom) -> ScaleShiftInfo | None:
-  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the batch
-  and which is the same for every example; else None."""
+  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` the same for every example."""
   view_shape = tuple(_graph.aval_of(atom).shape)
   if not view_shape or view_shape[0] != ix.batch_size:
     return None

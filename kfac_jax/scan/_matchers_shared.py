@@ -85,9 +85,8 @@ def _use(ix, i, pos, claimed, shifts):
 
 
 def _tangent_uses(ix, found, kinds):
-  """`(found, bias leaf or None)` when the uses agree on the bias, else `(found, False)`. Dense
-  uses may add the bias or not: a layer applied to a point and to its tangents (the derivative
-  of `x W + b` along `dx` is `dx W`); those without it are marked `adds_bias=False`."""
+  """`(found, bias leaf or None)` when the uses agree on the bias, else `(found, False)`; dense
+  uses without it (tangents: `x W + b` along `dx` is `dx W`) are marked `adds_bias=False`."""
   biases = {f[4] for f in found}
   mixed = len(biases) == 2 and None in biases and kinds == {"dense"}
   if len(biases) != 1 and not mixed:
@@ -107,9 +106,8 @@ def _tangent_uses(ix, found, kinds):
 
 
 def _transposed_uses(found, shape, products):
-  """`found` with the uses that read the kernel matrix transposed (a reverse-mode backward pass,
-  `δa = δz Wᵀ`) marked `DenseInfo.transposed` and tapped at their product; None when a use
-  reads it otherwise. The matrix is the bias-adding uses' reading, else the first's."""
+  """`found` with the uses reading the kernel matrix (the bias-adding uses' reading) transposed
+  (`δa = δz Wᵀ`) marked `transposed`, tapped at their product; None for any other reading."""
   mats = [kernel_index_matrix(f[1], shape) for f in found]
   first = next((n for n, f in enumerate(found) if f[4] is not None), 0)
   canonical = mats[first]
@@ -126,8 +124,7 @@ def _transposed_uses(found, shape, products):
 
 
 def _layout(info, shape) -> tuple:
-  """What the uses of a shared dense, conv or scale-and-shift leaf must agree on: the kernel
-  matrix read (transposed back if marked), a convolution's kernel and channels, or the axes."""
+  """What the uses of a shared dense, conv or scale-and-shift leaf must agree on."""
   if isinstance(info, DenseInfo):
     m = kernel_index_matrix(info, shape)
     m = m.T if info.transposed else m

@@ -59,8 +59,8 @@ def stack_spec(ix, inner, leaves, size: int, axes: tuple[int, ...] = ()):
 
 
 def merge(ix, specs, claimed, claim):
-  """Replaces the per-slice layers of stacked leaves by one stacked layer per leaf group, claimed
-  with `claim(claimed, leaves, name)`; afterwards no layer or claim refers to a virtual leaf."""
+  """The per-slice layers of stacked leaves as one stacked layer per leaf group, claimed with
+  `claim`; no layer or claim then refers to a virtual leaf."""
   if not ix.stack_of:
     return specs
   kept: list[Any] = []
@@ -155,8 +155,7 @@ def match_batched_dense(ix, i, claimed):
 
 
 def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
-  """A single-use leaf `[L, out]` added to the product's output, spanning its layer axis and its
-  last axis (broadcast over the others)."""
+  """A single-use leaf `[L, out]` added along the output's layer axis and last axis."""
   found = _matchers.added_leaf(ix, out_key, claimed)
   if found is None:
     return None
@@ -178,8 +177,8 @@ def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
 
 
 def match_stacked_scale_and_shift(ix, i, claimed):
-  """A stack of scale-and-shift layers in one elementwise operation (a vmapped norm): a scale
-  `[L, ...]` along the leading axis of the output and of every input; its info is one layer's."""
+  """L scale-and-shift layers in one elementwise operation (a vmapped norm), the scale `[L, ...]`
+  along every operand's leading axis; info of one layer."""
   found = _matchers.scale_shift_operands(ix, i, claimed)
   if found is None:
     return None
