@@ -8,6 +8,7 @@ one (summed over, mixed, after a loop or a scatter) leave the matchers to sizes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -124,15 +125,11 @@ def _reshape(fe, ins):
   return [None]
 
 
-def _drops(param: str):
-  """The rule of an equation that removes the axes `fe.params[param]` (squeeze, reductions)."""
-
-  def rule(fe, ins):
-    axis, inner = ins[0]
-    dims = tuple(fe.params[param])
-    return [None if axis in dims else (axis - sum(d < axis for d in dims), inner)] * len(fe.outs)
-
-  return rule
+def _drops(param: str, fe, ins):
+  """An equation that removes the axes `fe.params[param]` (squeeze, reductions)."""
+  axis, inner = ins[0]
+  dims = tuple(fe.params[param])
+  return [None if axis in dims else (axis - sum(d < axis for d in dims), inner)] * len(fe.outs)
 
 
 def _transpose(fe, ins):
@@ -140,14 +137,10 @@ def _transpose(fe, ins):
   return [(tuple(fe.params["permutation"]).index(axis), inner)]
 
 
-def _along(param: str):
-  """The rule of an equation along the axis `fe.params[param]`: the batch passes unless there."""
-
-  def rule(fe, ins):
-    tag = _one(ins)
-    return [None if tag is None or tag[0] == fe.params[param] else tag] * len(fe.outs)
-
-  return rule
+def _along(param: str, fe, ins):
+  """An equation along the axis `fe.params[param]`: the batch passes unless it is there."""
+  tag = _one(ins)
+  return [None if tag is None or tag[0] == fe.params[param] else tag] * len(fe.outs)
 
 
 def _pad(fe, ins):
@@ -246,11 +239,11 @@ _RULES: dict[str, Callable[[Any, list], list]] = {
   "scan_stack": _scan_stack,
   "broadcast_in_dim": _broadcast,
   "reshape": _reshape,
-  "squeeze": _drops("dimensions"),
+  "squeeze": functools.partial(_drops, "dimensions"),
   "transpose": _transpose,
-  "concatenate": _along("dimension"),
-  "sort": _along("dimension"),
-  "split": _along("axis"),
+  "concatenate": functools.partial(_along, "dimension"),
+  "sort": functools.partial(_along, "dimension"),
+  "split": functools.partial(_along, "axis"),
   "pad": _pad,
   "slice": _slice,
   "dynamic_slice": _slice,
@@ -261,7 +254,9 @@ _RULES: dict[str, Callable[[Any, list], list]] = {
   **dict.fromkeys(
     [f"reduce_{op}" for op in ("sum", "max", "min", "prod", "and", "or", "xor")]
     + ["argmax", "argmin"],
-    _drops("axes"),
+    functools.partial(_drops, "axes"),
   ),
-  **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"), _along("axis")),
+  **dict.fromkeys(
+    ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"), functools.partial(_along, "axis")
+  ),
 }

@@ -269,14 +269,12 @@ def dense_use(ix, i, k_pos):
   _, k_chain = ix.origin[k_atom]
   if any(s.op not in ("reshape", "transpose", "cast") for s in k_chain):
     return None
-  k_contract, x_contract, k_batch, x_batch = dot_dims(fe.params["dimension_numbers"], k_pos)
-  if k_batch or x_batch:
+  k_c, x_c, k_b, x_b = dot_dims(fe.params["dimension_numbers"], k_pos)
+  if k_b or x_b:
     return None  # Batched products (e.g. per-head weights) are not dense layers.
   k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
   x_axis = followed_batch_axis(ix, x_atom)
-  found = dense_product(
-    k_shape, x_shape, k_contract, x_contract, k_pos, k_chain, ix.batch_size, x_axis
-  )
+  found = dense_product(k_shape, x_shape, k_c, x_c, k_pos, k_chain, ix.batch_size, x_axis)
   return None if found is None else (found[0], x_atom, k_shape, found[1])
 
 
