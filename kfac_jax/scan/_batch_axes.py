@@ -69,8 +69,7 @@ def _follow(graph, leaves, axes, batch_size: int) -> dict[Any, BatchAxis]:
 
 
 def batch_position(sizes, batch_size) -> int | None:
-  """Which of the axes (their `sizes`) is the batch, by its size: the leading one when it has the
-  batch's size, else the only other one that has it; None when none or several do."""
+  """The batch among axes of `sizes`: the leading one if batch-sized, else the only batch-sized."""
   if batch_size is None or not sizes:
     return None
   if sizes[0] == batch_size:

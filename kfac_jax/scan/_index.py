@@ -132,8 +132,7 @@ def build(graph, n_params: int, paths, shapes, loss_roots: Sequence[Any], batch_
 
 
 def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
-  """`(uses, uses_by_eqn, blocked_virtual)` on the loss slice; a blocked concatenation (its pieces
-  used elsewhere) is a use of each piece."""
+  """`(uses, uses_by_eqn, blocked_virtual)` on the loss slice; a blocked concat uses each piece."""
   found = [
     (i, pos, origin[a][0])
     for i in sorted(in_slice - view_eqns - set(concat_eqns))

@@ -87,8 +87,7 @@ def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | No
 
 
 def match_grouped_dense(ix, i, claimed):
-  """A dense map per group (`nn.ConvLocal`): a `dot_general` batched over the groups, then maybe
-  a transpose to `[rows..., *groups, out...]` and a bias."""
+  """A dense map per group (`nn.ConvLocal`): a `dot_general` batched over the groups, its bias."""
   found = _matchers.sole_param_operand(ix, i, "dot_general")
   if found is None or found[0] >= ix.n_params or found[0] in claimed:
     return None

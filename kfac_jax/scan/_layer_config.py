@@ -204,8 +204,7 @@ def shared_size_policy(
   allowed: Sequence[Approximation],
   num_uses: int,
 ) -> tuple[Approximation, str]:
-  """`size_policy` for a shared layer: "kron_indep" has no diagonal-side variant, so a side
-  above the limit makes it "diagonal"."""
+  """`size_policy` for a shared layer: "kron_indep" over the limit becomes "diagonal"."""
   if max_dim is None or approx != "kron_indep" or "diagonal" not in allowed:
     return approx, ""
   side = max((s[-1] for s in factor_shapes if len(s) >= 2), default=0)

@@ -62,8 +62,7 @@ def only_consumer(ix, key):
 
 
 def added_leaf(ix, key, claimed, shared: bool = False):
-  """`(leaf, chain, operand atom, add equation)` if the only use of `key` adds to it, without
-  broadcasting it, a view of an unclaimed leaf used once (any number of times with `shared`)."""
+  """`(leaf, chain, atom, add)` if `key`'s only use adds a `single_use_leaf` view, not broadcast."""
   use = only_consumer(ix, key)
   if use is None or ix.g.eqns[use[0]].name != "add":
     return None
@@ -508,8 +507,7 @@ def match_conv(ix, i, claimed, shared: bool = False):
 
 
 def scale_shift_operands(ix, i, claimed, shared: bool = False):
-  """`(leaf, parameter atom, input atoms, output key)` of `x * p` (a next `* y` folded in) or
-  `x + p` at equation i."""
+  """`(leaf, parameter atom, inputs, output key)` of `x * p` (a next `* y` folded in) or `x + p`."""
   fe = ix.g.eqns[i]
   ops = ix.uses_by_eqn.get(i, [])
   if fe.name not in ("mul", "add") or len(fe.ins) != 2 or len(ops) != 1:

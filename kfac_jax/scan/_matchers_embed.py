@@ -100,8 +100,7 @@ def match_one_hot_embedding(ix, i, claimed):
 
 
 def one_hot_embedding_use(ix, i) -> _matchers.Match | None:
-  """The lookup if equation i is `one_hot(ids, vocab) @ table`, `table` a (cast) `[vocab, dim]`
-  parameter on the right."""
+  """The lookup if equation i is `one_hot(ids, vocab) @ table` (a cast `[vocab, dim]` table)."""
   fe = ix.g.eqns[i]
   info = _table(ix, fe.ins[1]) if fe.name == "dot_general" else None
   if info is None:

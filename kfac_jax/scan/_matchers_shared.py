@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 
 def match_shared(ix, leaf, claimed, shifts: bool = False):
-  """A `Match` with one entry per use of a leaf used only by dense products, lookups,
-  convolutions (one shared bias) or scales (shifts with `shifts`, after the scales); else None."""
+  """A `Match` per use of a leaf used only by dense products, lookups, convolutions or scales."""
   found: list[tuple] = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
   products = {}  # Position in `found` of a dense use -> its product's output key.
   for i, pos in ix.uses[leaf]:

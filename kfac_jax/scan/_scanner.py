@@ -179,8 +179,7 @@ _NO_REVERSE = frozenset({"while", "pure_callback", "io_callback"})
 
 
 def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
-  """RegistrationError for a layer output in a custom call that reaches its outputs only through
-  an operation with no reverse-mode derivative."""
+  """RegistrationError for a layer output in a custom call reaching its outputs by `_NO_REVERSE`."""
   if not graph.customs:
     return
   where = {}
@@ -319,8 +318,7 @@ def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, ou
 
 
 def _only_in(graph: _graph.FlatGraph, other: _graph.FlatGraph) -> list[str]:
-  """The names (`tag_names`) of `graph`'s loss tags that `other` does not bind: the same kind,
-  prediction type and user call stack, counted."""
+  """The `tag_names` of `graph`'s loss tags `other` lacks (by kind, prediction and call stack)."""
 
   def sig(fe):
     where = _compat.source_frames(fe.eqn, _PACKAGE_DIR)

@@ -18,8 +18,7 @@ from kfac_jax.scan import _graph, _matchers
 
 
 def slice_leaves(graph, shapes, in_slice) -> dict[Any, tuple[int, int]]:
-  """`{slice key: (leaf, t)}` for each leaf (of the graph's first `len(shapes)` inputs) whose
-  every use on the loss slice is a `scan_slice`, at indices 0..L-1 once each."""
+  """`{slice key: (leaf, t)}` of each leaf the loss slice reads only by `scan_slice`s, 0..L-1."""
   real = {k: j for j, k in enumerate(graph.invars[: len(shapes)])}
   slices: dict[int, dict[int, Any]] = {}
   other: set[int] = set()
@@ -59,8 +58,7 @@ def stack_spec(ix, inner, leaves, size: int, axes: tuple[int, ...] = ()):
 
 
 def merge(ix, specs, claimed, claim):
-  """The per-slice layers of stacked leaves as one stacked layer per leaf group, claimed with
-  `claim`; no layer or claim then refers to a virtual leaf."""
+  """The per-slice layers of each stacked leaf group as one stacked layer, claimed by `claim`."""
   if not ix.stack_of:
     return specs
   kept: list[Any] = []
@@ -177,8 +175,7 @@ def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
 
 
 def match_stacked_scale_and_shift(ix, i, claimed):
-  """L scale-and-shift layers in one elementwise operation (a vmapped norm), the scale `[L, ...]`
-  along every operand's leading axis; info of one layer."""
+  """L scale-and-shift layers in one operation (a vmapped norm), the scale `[L, ...]` leading."""
   found = _matchers.scale_shift_operands(ix, i, claimed)
   if found is None:
     return None
