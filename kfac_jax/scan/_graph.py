@@ -308,10 +308,10 @@ class FlatGraph:
 
     Args:
       args: one value (array or tracer) per input variable.
-      perturb: key → array added to the value computed there (the key must be in `watch`). A
-        tuple of keys for which `scan_stacked` holds maps to one stacked `[T, ...]` array.
-      watch: the keys whose final values (after the perturbation) are returned; a tuple of keys
-        for which `scan_stacked` holds is returned as one stacked value.
+      perturb: key → array added to the value computed there (the key must be in `watch`); a
+        `scan_stacked` tuple of keys maps to one stacked `[T, ...]` array.
+      watch: the keys whose values (after the perturbation) are returned, a `scan_stacked`
+        tuple as one stacked value.
       unroll: evaluate the unrolled steps instead of a `lax.scan` (for tests and debugging).
 
     Returns:

@@ -441,7 +441,8 @@ def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = 
 # numbers, feature groups (`batch_group_count` 1), and an optional bias along the out channels.
 
 
-def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
+def _conv_info(chain, params, x_atom, k_atom, out_shape) -> ConvInfo:
+  x_shape, k_shape = _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape
   dn = params["dimension_numbers"]
   lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
   ints = lambda name: tuple(int(s) for s in params[name])
@@ -477,8 +478,7 @@ def match_conv(ix, i, claimed, shared: bool = False):
     return None
   x_atom, out_key = fe.ins[0], fe.outs[0]
   out_shape = tuple(out_key[1].aval.shape)
-  x_shape, k_shape = _graph.aval_of(x_atom).shape, _graph.aval_of(fe.ins[1]).shape
-  info = _conv_info(chain, fe.params, x_shape, k_shape, out_shape)
+  info = _conv_info(chain, fe.params, x_atom, fe.ins[1], out_shape)
   c = info.out_channels
   bias = added_leaf(ix, out_key, claimed, shared)
   if bias is not None:  # `out + b`, b `[C]` along the output channels.
@@ -682,8 +682,7 @@ def read_conv_tag(ix, fe) -> Match:
   leaves = [k_leaf]
   if len(fe.ins) > 3:
     leaves.append(tag_leaf(ix, fe.ins[3], "bias", "register_conv")[0])
-  x_shape, k_shape = _graph.aval_of(x).shape, _graph.aval_of(kernel).shape
-  info = _conv_info(chain, fe.params, x_shape, k_shape, y_shape)
+  info = _conv_info(chain, fe.params, x, kernel, y_shape)
   return Match.single("conv", leaves, info, y, (x,))
 
 

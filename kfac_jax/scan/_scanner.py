@@ -558,9 +558,7 @@ class _Scanner:
     match = record.read_tag(self.ix, fe)
     kind = match.kind
     if kind == "dense":
-      (info,), (y,), (inputs,) = match.infos, match.outputs, match.inputs
-      entry = (match.leaves, info, fe.params["approx"], y, inputs)
-      manual_dense.setdefault(match.leaves[0], []).append(entry)
+      manual_dense.setdefault(match.leaves[0], []).append((match, fe.params["approx"]))
       return []
     approx = self._check_approx(kind, fe.params["approx"], [self.ix.paths[j] for j in match.leaves])
     spec, y, inputs = self._spec_of(match, approx, "manual")
@@ -573,14 +571,15 @@ class _Scanner:
     return [(spec, y, inputs)]
 
   def _manual_dense_layer(self, k_leaf, tags, claimed):
-    """One dense layer from the `register_dense` tags of kernel `k_leaf` (one use per tag)."""
-    leaves = tags[0][0]
-    approxes = {t[2] for t in tags}
-    if any(t[0] != leaves for t in tags) or len(approxes) > 1:
+    """One dense layer from the `register_dense` tags (match, approx) of kernel `k_leaf`."""
+    uses = [m for m, _ in tags]
+    leaves, approxes = uses[0].leaves, {a for _, a in tags}
+    if any(m.leaves != leaves for m in uses) or len(approxes) > 1:
       raise RegistrationError(
         f"register_dense: kernel `{self.ix.paths[k_leaf]}` is registered {len(tags)} times with "
-        f"different biases or approximations ({[[self.ix.paths[j] for j in t[0]] for t in tags]}"
-        f", {sorted(map(str, approxes))}); register every use with the same bias and `approx`."
+        "different biases or approximations "
+        f"({[[self.ix.paths[j] for j in m.leaves] for m in uses]}, {sorted(map(str, approxes))}); "
+        "register every use with the same bias and `approx`."
       )
     self.check_use_count(
       k_leaf,
@@ -589,10 +588,11 @@ class _Scanner:
       "call register_dense at every use of the kernel (each with the same `approx`, e.g. "
       'approx="kron_indep"), or let the scanner detect the shared use by removing the tags',
     )
-    approx = tags[0][2]
+    approx = tags[0][1]
     if len(tags) == 1:
       approx = self._check_approx("dense", approx, [self.ix.paths[j] for j in leaves])
-    infos, outs, ins = (tuple(t[k] for t in tags) for k in (1, 3, 4))
+    infos = tuple(m.infos[0] for m in uses)
+    outs, ins = tuple(m.outputs[0] for m in uses), tuple(m.inputs[0] for m in uses)
     return self._accept(
       _matchers.Match("dense", leaves, infos, outs, ins), claimed, approx, "manual"
     )
