@@ -35,7 +35,7 @@ def batch_axes(
   """`{key: (axis, inner)}` followed from the batch leaves (the inputs after `n_params`); a leaf
   with several batch-sized axes takes the first under which every loss prediction's batch leads."""
   leaves = graph.invars[n_params:]
-  shapes = [_shape(key) for key in leaves]
+  shapes = [_graph.shape_of(key) for key in leaves]
   candidates = [[a for a, s in enumerate(shape) if s == batch_size] for shape in shapes]
   roots = [a for a in loss_roots if _graph.is_key(a)]
   first = [batch_position(shape, batch_size) for shape in shapes]
@@ -62,7 +62,7 @@ def _follow(graph, leaves, axes, batch_size: int) -> dict[Any, BatchAxis]:
     rule = _RULES.get(fe.name)
     outs = rule(fe, ins) if rule is not None else _same_shape(fe, ins)
     for key, tag in zip(fe.outs, outs):
-      shape = _shape(key)
+      shape = _graph.shape_of(key)
       if tag is not None and 0 <= tag[0] < len(shape) and shape[tag[0]] == batch_size * tag[1]:
         tags[key] = tag
   return tags
@@ -78,10 +78,6 @@ def batch_position(sizes, batch_size) -> int | None:
   return sized[0] if len(sized) == 1 else None
 
 
-def _shape(atom) -> tuple[int, ...]:
-  return tuple(_graph.aval_of(atom).shape)
-
-
 def _one(ins) -> BatchAxis | None:
   """The single tag among the inputs, or None when none or several differ."""
   found = {t for t in ins if t is not None}
@@ -94,8 +90,8 @@ def _same_shape(fe, ins) -> list[BatchAxis | None]:
     return [None] * len(fe.outs)
   out = []
   for key in fe.outs:
-    shape = _shape(key)
-    tagged = [(_shape(a), t) for a, t in zip(fe.ins, ins) if t is not None]
+    shape = _graph.shape_of(key)
+    tagged = [(_graph.shape_of(a), t) for a, t in zip(fe.ins, ins) if t is not None]
     found = [t for a, t in tagged if a == shape]
     if not found and fe.name in ELEMENTWISE:
       found = [t for a, t in tagged if len(a) == len(shape) and a[t[0]] == shape[t[0]]]
@@ -106,7 +102,7 @@ def _same_shape(fe, ins) -> list[BatchAxis | None]:
 def _broadcast(fe, ins):
   axis, inner = ins[0]
   dims = tuple(fe.params["broadcast_dimensions"])
-  if _shape(fe.ins[0])[axis] != fe.outs[0][1].aval.shape[dims[axis]]:
+  if _graph.shape_of(fe.ins[0])[axis] != _graph.shape_of(fe.outs[0])[dims[axis]]:
     return [None]
   return [(dims[axis], inner)]
 
@@ -114,7 +110,7 @@ def _broadcast(fe, ins):
 def _reshape(fe, ins):
   """By strides: the examples' stride must fall inside one output axis, as its outermost part."""
   axis, inner = ins[0]
-  in_shape, out_shape = _shape(fe.ins[0]), tuple(fe.outs[0][1].aval.shape)
+  in_shape, out_shape = _graph.shape_of(fe.ins[0]), _graph.shape_of(fe.outs[0])
   n = in_shape[axis] // inner
   stride = inner * math.prod(in_shape[axis + 1 :])  # Flat distance between two examples.
   for j in range(len(out_shape)):
@@ -148,8 +144,8 @@ def _pad(fe, ins):
 
 def _slice(fe, ins):
   """Slices (static or dynamic) that keep the whole batch axis keep it."""
-  (axis, _), out_shape = ins[0], fe.outs[0][1].aval.shape
-  return [ins[0] if _shape(fe.ins[0])[axis] == out_shape[axis] else None] * len(fe.outs)
+  (axis, _), out_shape = ins[0], _graph.shape_of(fe.outs[0])
+  return [ins[0] if _graph.shape_of(fe.ins[0])[axis] == out_shape[axis] else None] * len(fe.outs)
 
 
 def _reduce_window(fe, ins):
@@ -164,7 +160,7 @@ def _reduce_window(fe, ins):
 
 def _dot_general(fe, ins):
   (lc, rc), (lb, rb) = fe.params["dimension_numbers"]
-  nl, nr = len(_shape(fe.ins[0])), len(_shape(fe.ins[1]))
+  nl, nr = len(_graph.shape_of(fe.ins[0])), len(_graph.shape_of(fe.ins[1]))
   l_free = [d for d in range(nl) if d not in lc and d not in lb]
   r_free = [d for d in range(nr) if d not in rc and d not in rb]
   found = []
@@ -195,11 +191,11 @@ def _gather(fe, ins):
   """A lookup at per-example indices (or batching dimensions), or constant ones off the batch."""
   dn = fe.params["dimension_numbers"]
   operand, indices = ins[0], ins[1]
-  out_rank = len(fe.outs[0][1].aval.shape)
+  out_rank = len(_graph.shape_of(fe.outs[0]))
   batch_dims = [d for d in range(out_rank) if d not in dn.offset_dims]  # Indices' dims, in order.
   op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
   idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
-  n_idx = len(_shape(fe.ins[1]))
+  n_idx = len(_graph.shape_of(fe.ins[1]))
   if indices is not None:
     axis, inner = indices
     if axis == n_idx - 1:  # The index vector's axis.
@@ -213,9 +209,9 @@ def _gather(fe, ins):
   axis, inner = operand
   if axis in dn.collapsed_slice_dims or axis in op_batching:
     return [None]
-  if fe.params["slice_sizes"][axis] != _shape(fe.ins[0])[axis]:
+  if fe.params["slice_sizes"][axis] != _graph.shape_of(fe.ins[0])[axis]:
     return [None]
-  kept = [d for d in range(len(_shape(fe.ins[0]))) if d not in dn.collapsed_slice_dims]
+  kept = [d for d in range(len(_graph.shape_of(fe.ins[0]))) if d not in dn.collapsed_slice_dims]
   kept = [d for d in kept if d not in op_batching]
   return [(dn.offset_dims[kept.index(axis)], inner)]
 

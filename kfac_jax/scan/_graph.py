@@ -102,9 +102,13 @@ def aval_of(atom: Atom):
   return atom.aval if isinstance(atom, _compat.Literal) else atom[1].aval
 
 
+def shape_of(atom: Atom) -> tuple[int, ...]:
+  return tuple(aval_of(atom).shape)
+
+
 def view_step(fe: FlatEqn) -> ViewStep:
   """The `ViewStep` of a `VIEW_OPS` equation or a `tile` of unit axes (a broadcast)."""
-  in_shape, out_shape = tuple(aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
+  in_shape, out_shape = shape_of(fe.ins[0]), shape_of(fe.outs[0])
   if fe.name == "tile":
     return ViewStep("broadcast", in_shape, out_shape, tuple(range(len(in_shape))))
   if fe.name == "transpose":
@@ -485,7 +489,7 @@ class FlatGraph:
     ]
     xs = [_read_atom(a, env) for a in grp.xs]
     xs = [x[::-1] for x in xs] if grp.reverse else xs
-    zero = lambda k: jnp.zeros(k[1].aval.shape, k[1].aval.dtype)
+    zero = lambda k: jnp.zeros(shape_of(k), k[1].aval.dtype)
     eps = [
       tuple_eps[p]
       if p in tuple_eps

@@ -41,7 +41,7 @@ def is_view(fe: _graph.FlatEqn) -> bool:
     return True
   if fe.name != "tile" or not fe.ins:
     return False
-  in_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
+  in_shape = _graph.shape_of(fe.ins[0])
   reps = tuple(fe.params["reps"])
   return len(reps) == len(in_shape) and all(r == 1 or s == 1 for r, s in zip(reps, in_shape))
 
@@ -197,9 +197,9 @@ def _param_only(graph, leaf_of_key, consts, batch_size: int) -> frozenset:
     if any(a not in found for a in keys):
       continue
     for o in fe.outs:
-      shape = tuple(o[1].aval.shape)
+      shape = _graph.shape_of(o)
       if shape and shape[0] == batch_size:
-        same = [tuple(_graph.aval_of(a).shape) for a in keys]
+        same = [_graph.shape_of(a) for a in keys]
         if not any(len(t) == len(shape) and t[0] == shape[0] for t in same):
           continue  # A leading axis of the batch's size, made here: may be the batch.
       found.add(o)
@@ -242,10 +242,10 @@ def _view_of(fe, origin, consts, fold) -> tuple[Any, ViewStep] | None:
     return None if step is None else (src, step)
   if fe.name not in ("add", "sub"):
     return None
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  out_shape = _graph.shape_of(fe.outs[0])
   for pos in (0, 1) if fe.name == "add" else (0,):  # `view + c`, `c + view`, `view - c`.
     a, c = fe.ins[pos], fe.ins[1 - pos]
-    if not _graph.is_key(a) or a not in origin or _graph.aval_of(a).shape != out_shape:
+    if not _graph.is_key(a) or a not in origin or _graph.shape_of(a) != out_shape:
       continue
     if (isinstance(c, _compat.Literal) and np.ndim(c.val) == 0) or (
       _graph.is_key(c) and c in consts and np.size(consts[c]) == 1
@@ -265,7 +265,7 @@ def _concat_view(fe, origin, n_params: int) -> ConcatView | None:
     or any(st.op not in ("reshape", "transpose", "cast") for c in chains for st in c)
   ):
     return None
-  shapes = [tuple(_graph.aval_of(a).shape) for a in fe.ins]
+  shapes = [_graph.shape_of(a) for a in fe.ins]
   if fe.name == "stack":  # A concatenation of the operands with a unit axis inserted.
     axis = int(fe.params["axis"])
     unit = [sh[:axis] + (1,) + sh[axis:] for sh in shapes]
@@ -278,7 +278,7 @@ def _concat_view(fe, origin, n_params: int) -> ConcatView | None:
     chains=tuple(chains),
     axis=axis,
     piece_shapes=tuple(shapes),
-    shape=tuple(fe.outs[0][1].aval.shape),
+    shape=_graph.shape_of(fe.outs[0]),
   )
 
 
@@ -292,7 +292,7 @@ def _concat_path(paths: Sequence[str]) -> str:
 def _gather_view(fe, fold) -> ViewStep | None:
   """The step of a gather of whole rows of a `[T, D]` view at constant ids: every row in order is
   the view itself (a unit axis under `jax.vmap`), other rows a "gather" (`table[buckets]`)."""
-  t_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
+  t_shape, out_shape = _graph.shape_of(fe.ins[0]), _graph.shape_of(fe.outs[0])
   dn = fe.params["dimension_numbers"]
   whole_rows = len(t_shape) == 2 and tuple(fe.params["slice_sizes"]) == (1, t_shape[1])
   ids = fold(fe.ins[1]) if whole_rows and not tuple(dn.operand_batching_dims) else None
@@ -342,7 +342,7 @@ def _folder(graph, consts, producer):
     fe = graph.eqns[producer[atom]] if atom in producer else None
     if fe is None or fe.fn is not None or fe.name not in _FOLDABLE or len(fe.outs) != 1:
       return None
-    if math.prod(fe.outs[0][1].aval.shape) > _FOLD_SIZE:
+    if math.prod(_graph.shape_of(fe.outs[0])) > _FOLD_SIZE:
       return None
     vals = [fold(a, depth - 1) for a in fe.ins]
     if any(v is None for v in vals):

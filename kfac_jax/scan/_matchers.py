@@ -69,7 +69,7 @@ def added_leaf(ix, key, claimed, shared: bool = False):
   fe = ix.g.eqns[use[0]]
   atom = fe.ins[1 - use[1]]
   found = single_use_leaf(ix, atom, claimed, shared)
-  if found is None or fe.outs[0][1].aval.shape != key[1].aval.shape:
+  if found is None or _graph.shape_of(fe.outs[0]) != _graph.shape_of(key):
     return None
   return *found, atom, fe
 
@@ -196,7 +196,7 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
     if use is None:
       return None
     fe = ix.g.eqns[use[0]]
-    out_shape = tuple(fe.outs[0][1].aval.shape)
+    out_shape = _graph.shape_of(fe.outs[0])
     if fe.name in _graph.VIEW_OPS and use[1] == 0:
       if fe.name == "broadcast_in_dim" and math.prod(out_shape) != idx.size:
         return None
@@ -271,7 +271,7 @@ def dense_use(ix, i, k_pos):
   k_c, x_c, k_b, x_b = dot_dims(fe.params["dimension_numbers"], k_pos)
   if k_b or x_b:
     return None  # Batched products (e.g. per-head weights) are not dense layers.
-  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = _graph.shape_of(k_atom), _graph.shape_of(x_atom)
   x_axis = followed_batch_axis(ix, x_atom)
   found = dense_product(k_shape, x_shape, k_c, x_c, k_pos, k_chain, ix.batch_size, x_axis)
   return None if found is None else (found[0], x_atom, k_shape, found[1])
@@ -318,7 +318,7 @@ def hoisted_tap(ix, key, info: DenseInfo):
   example (hoisted by `jax.vmap`), then broadcast along the batch by elementwise equations."""
   if key in ix.from_batch:
     return None
-  s_shape, outputs = tuple(key[1].aval.shape), {a for a in ix.g.outvars if _graph.is_key(a)}
+  s_shape, outputs = _graph.shape_of(key), {a for a in ix.g.outvars if _graph.is_key(a)}
   todo = [(key, np.arange(math.prod(s_shape)).reshape(s_shape))]
   taps, size = [], None  # Per key the batch reads: (key, batch axis, shape, entries).
   while todo:
@@ -333,11 +333,11 @@ def hoisted_tap(ix, key, info: DenseInfo):
       continue
     if k in outputs or k in ix.g.scan_positions:
       return None  # A perturbation of another shape would change an output or a scan's step.
-    k_shape, found = tuple(k[1].aval.shape), set()
+    k_shape, found = _graph.shape_of(k), set()
     for i, _ in readers:
       fe = ix.g.eqns[i]
       out = fe.outs[0]
-      tag, out_shape = ix.batch_axes.get(out), tuple(out[1].aval.shape)
+      tag, out_shape = ix.batch_axes.get(out), _graph.shape_of(out)
       if (
         fe.name not in _batch_axes.ELEMENTWISE
         or out not in ix.from_batch
@@ -365,7 +365,7 @@ def hoisted_tap(ix, key, info: DenseInfo):
 
 def _batch_broadcast_tap(ix, key, info: DenseInfo):
   """`(tap key, info with its shared_tap)` of a dense output broadcast over the batch."""
-  s_shape = tuple(key[1].aval.shape)
+  s_shape = _graph.shape_of(key)
   idx = np.arange(math.prod(s_shape)).reshape(s_shape)
   for _ in range(16):
     shape = tuple(idx.shape)
@@ -378,7 +378,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
     if use is None:
       return None
     fe = ix.g.eqns[use[0]]
-    out_shape = tuple(fe.outs[0][1].aval.shape)
+    out_shape = _graph.shape_of(fe.outs[0])
     if fe.name in _graph.VIEW_OPS and use[1] == 0:
       idx = _view(idx, (_graph.view_step(fe),))
     elif fe.name == "add" and len(fe.ins) == 2 and len(out_shape) == idx.ndim:
@@ -401,7 +401,7 @@ def _kernel_beside_param(ix, i):
     x_atom = fe.ins[x_pos]
     if len(ix.uses.get(k_leaf, [])) != 1 or x_atom in ix.param_only:
       continue
-    x_shape = tuple(_graph.aval_of(x_atom).shape)
+    x_shape = _graph.shape_of(x_atom)
     if len(x_shape) < 2 or x_shape[0] != ix.batch_size or ix.batch_size < 2:
       continue
     idx = index_of_view(ix.shapes[ix.origin[x_atom][0]], ix.origin[x_atom][1])
@@ -415,11 +415,11 @@ def _kernel_beside_param(ix, i):
 
 def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
   """`(bias leaf, output key)` of a parameter added to the product `s_key` along its features."""
-  free_shape, out_shape = tuple(k_shape[d] for d in k_free), tuple(s_key[1].aval.shape)
+  free_shape, out_shape = tuple(k_shape[d] for d in k_free), _graph.shape_of(s_key)
   found = added_leaf(ix, s_key, claimed, shared) if k_pos == 1 else None
   if found is not None:  # `out + b`, b `[..., *free_shape]` over the leading axes.
     b_leaf, b_chain, other, fe = found
-    b_shape = tuple(_graph.aval_of(other).shape)
+    b_shape = _graph.shape_of(other)
     lead = len(b_shape) - len(free_shape)
     if (
       not any(s.op in ("transpose", "gather") for s in b_chain)
@@ -442,7 +442,7 @@ def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = 
 
 
 def _conv_info(chain, params, x_atom, k_atom, out_shape) -> ConvInfo:
-  x_shape, k_shape = _graph.aval_of(x_atom).shape, _graph.aval_of(k_atom).shape
+  x_shape, k_shape = _graph.shape_of(x_atom), _graph.shape_of(k_atom)
   dn = params["dimension_numbers"]
   lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
   ints = lambda name: tuple(int(s) for s in params[name])
@@ -477,13 +477,13 @@ def match_conv(ix, i, claimed, shared: bool = False):
   if any(s.op not in ("reshape", "transpose", "cast") for s in chain):
     return None
   x_atom, out_key = fe.ins[0], fe.outs[0]
-  out_shape = tuple(out_key[1].aval.shape)
+  out_shape = _graph.shape_of(out_key)
   info = _conv_info(chain, fe.params, x_atom, fe.ins[1], out_shape)
   c = info.out_channels
   bias = added_leaf(ix, out_key, claimed, shared)
   if bias is not None:  # `out + b`, b `[C]` along the output channels.
     b_leaf, b_chain, atom, add = bias
-    b_shape = tuple(_graph.aval_of(atom).shape)
+    b_shape = _graph.shape_of(atom)
     b_shape = (1,) * (len(out_shape) - len(b_shape)) + b_shape
     if (
       math.prod(ix.shapes[b_leaf]) == c
@@ -528,9 +528,9 @@ def scale_shift_operands(ix, i, claimed, shared: bool = False):
       y = nxt.ins[1 - use[1]]
       if _graph.is_key(y) and y not in ix.origin:
         inputs, out_key = (other, y), nxt.outs[0]
-  elif tuple(_graph.aval_of(other).shape) != tuple(out_key[1].aval.shape):
+  elif _graph.shape_of(other) != _graph.shape_of(out_key):
     return None  # A shift must not broadcast the activation.
-  if not tuple(out_key[1].aval.shape):
+  if not _graph.shape_of(out_key):
     return None
   return leaf, fe.ins[pos], inputs, out_key
 
@@ -541,8 +541,8 @@ def match_scale_and_shift(ix, i, claimed, shared: bool = False):
   if found is None:
     return None
   leaf, atom, inputs, out_key = found
-  chain, out_shape = ix.origin[atom][1], tuple(out_key[1].aval.shape)
-  block = feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
+  chain, out_shape = ix.origin[atom][1], _graph.shape_of(out_key)
+  block = feature_block(ix.shapes[leaf], chain, _graph.shape_of(atom), out_shape)
   index = b""
   if block is None and ix.g.eqns[i].name == "add":
     rows = indexed_features(ix.shapes[leaf], index_of_view(ix.shapes[leaf], chain), out_shape)
@@ -577,7 +577,7 @@ def node_rows(ix, out_shape, feature_axis) -> bool:
   if len(out_shape) < 2 or feature_axis == 0:
     return False
   return any(
-    tuple(key[1].aval.shape[:1]) == out_shape[:1] and ix.batch_axes.get(key) is None
+    _graph.shape_of(key)[:1] == out_shape[:1] and ix.batch_axes.get(key) is None
     for key in ix.g.invars[ix.n_params :]
   )
 
@@ -619,7 +619,7 @@ def match_shift(ix, key, out_shape, block, claimed, shared: bool = False, how=fe
   if found is None:
     return None
   leaf, chain, atom, fe = found
-  if how(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
+  if how(ix.shapes[leaf], chain, _graph.shape_of(atom), out_shape) != block:
     return None  # The shift must span the scale's axes.
   return leaf, fe.outs[0]
 
@@ -656,7 +656,7 @@ def tag_output(ix, fe, fn: str) -> tuple[Any, tuple[int, ...]]:
     raise RegistrationError(
       f"{fn}: the layer output `y` is a constant, not computed from the input."
     )
-  return y, tuple(_graph.aval_of(y).shape)
+  return y, _graph.shape_of(y)
 
 
 def tag_leaf(ix, atom, what: str, fn: str, broadcast: bool = False):
@@ -697,7 +697,7 @@ def read_embedding_tag(ix, fe) -> Match:
       f"{fn}: `table` (`{ix.paths[t_leaf]}`) is reshaped or transposed before "
       "the tag; pass the [vocab, dim] parameter itself."
     )
-  t_shape = _graph.aval_of(table).shape
+  t_shape = _graph.shape_of(table)
   info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
   return Match.single("embedding", [t_leaf], info, y, (ids,))
 
@@ -715,7 +715,7 @@ def read_scale_and_shift_tag(ix, fe) -> Match:
   has = [fe.params["has_scale"], fe.params["has_shift"]]
   for atom, what in zip(fe.ins[2:], [n for n, h in zip(("scale", "shift"), has) if h]):
     j, chain = tag_leaf(ix, atom, what, fn, broadcast=True)
-    f = _trailing_feature_shape(ix.shapes[j], chain, tuple(_graph.aval_of(atom).shape), y_shape)
+    f = _trailing_feature_shape(ix.shapes[j], chain, _graph.shape_of(atom), y_shape)
     if f is None or len(f) == len(y_shape):
       raise RegistrationError(
         f"{fn}: `{what}` (`{ix.paths[j]}`, shape {ix.shapes[j]}) does not span "
@@ -737,7 +737,7 @@ def read_dense_tag(ix, fe) -> Match:
   x, kernel = fe.ins[1], fe.ins[2]
   k_leaf, k_chain = tag_leaf(ix, kernel, "kernel", "register_dense")
   leaves = [k_leaf]
-  k_shape = _graph.aval_of(kernel).shape
+  k_shape = _graph.shape_of(kernel)
   if len(fe.ins) > 3:
     b_leaf, _ = leaf_for_operand(ix, fe.ins[3], "bias", "register_dense")
     if math.prod(ix.shapes[b_leaf]) != k_shape[1]:
@@ -746,6 +746,6 @@ def read_dense_tag(ix, fe) -> Match:
         f"not match the {k_shape[1]} outputs of kernel `{ix.paths[k_leaf]}`."
       )
     leaves.append(b_leaf)
-  x_shape = tuple(_graph.aval_of(x).shape)  # `[rows..., in]` times the `[in, out]` kernel.
+  x_shape = _graph.shape_of(x)  # `[rows..., in]` times the `[in, out]` kernel.
   info = dense_product(k_shape, x_shape, (0,), (len(x_shape) - 1,), 1, k_chain)
   return Match.single("dense", leaves, info[0], y, (x,))

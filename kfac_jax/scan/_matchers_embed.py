@@ -18,7 +18,7 @@ def _table(ix, atom) -> EmbeddingInfo | None:
   """The `EmbeddingInfo` of `atom` when it is a 2-d parameter view (casts only), else None."""
   if not _graph.is_key(atom) or atom not in ix.origin:
     return None
-  chain, shape = ix.origin[atom][1], _graph.aval_of(atom).shape
+  chain, shape = ix.origin[atom][1], _graph.shape_of(atom)
   if any(s.op != "cast" for s in chain) or len(shape) != 2:
     return None
   return EmbeddingInfo(tuple(chain), int(shape[0]), int(shape[1]))
@@ -44,7 +44,7 @@ def embedding_use(ix, i) -> _matchers.Match | None:
   info = _table(ix, fe.ins[0]) if fe.name == "gather" else None
   if info is None:
     return None
-  idx_shape, out_shape = tuple(_graph.aval_of(fe.ins[1]).shape), tuple(fe.outs[0][1].aval.shape)
+  idx_shape, out_shape = _graph.shape_of(fe.ins[1]), _graph.shape_of(fe.outs[0])
   dn = fe.params["dimension_numbers"]
   if tuple(dn.start_index_map) == (0, 1):
     return _vmapped_row_use(ix, fe, info)
@@ -65,7 +65,7 @@ def embedding_use(ix, i) -> _matchers.Match | None:
 def _vmapped_row_use(ix, fe, info):
   """`embedding_use` for `vmap` of `table[i]`: rows at `concatenate([ids, 0], -1)`, squeezed."""
   dn = fe.params["dimension_numbers"]
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  out_shape = _graph.shape_of(fe.outs[0])
   nd = len(out_shape)
   mode = fe.params.get("mode")
   cat = _producer(ix, fe.ins[1])
@@ -81,7 +81,7 @@ def _vmapped_row_use(ix, fe, info):
     or not _graph.is_key(cat.ins[0])
     or cat.params["dimension"] != nd - 2
     or len(cat.ins) != 2
-    or tuple(_graph.aval_of(cat.ins[0]).shape) != out_shape[:-2] + (1,)
+    or _graph.shape_of(cat.ins[0]) != out_shape[:-2] + (1,)
   ):
     return None
   use = _matchers.only_consumer(ix, fe.outs[0])
@@ -119,7 +119,7 @@ def one_hot_ids(ix, atom, axis: int, vocab: int):
     fe = _producer(ix, fe.ins[0])
   if fe is None or fe.name != "eq":
     return None
-  shape = tuple(fe.outs[0][1].aval.shape)
+  shape = _graph.shape_of(fe.outs[0])
   if axis >= len(shape) or shape[axis] != vocab:
     return None
   squeezed = shape[:axis] + (1,) + shape[axis + 1 :]
@@ -127,7 +127,7 @@ def one_hot_ids(ix, atom, axis: int, vocab: int):
     if _iota_axis(ix, fe.ins[pos]) != (axis, vocab):
       continue
     ids = fe.ins[1 - pos]
-    ids_shape = tuple(_graph.aval_of(ids).shape)
+    ids_shape = _graph.shape_of(ids)
     if ids_shape != squeezed:  # Broadcast along the vocabulary: look through the broadcast.
       b = _producer(ix, ids)
       if (
@@ -198,7 +198,7 @@ def match_batch_tokens(ix, i, claimed):
 
 def batch_view_info(ix, leaf, atom) -> ScaleShiftInfo | None:
   """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` the same for every example."""
-  view_shape = tuple(_graph.aval_of(atom).shape)
+  view_shape = _graph.shape_of(atom)
   if not view_shape or view_shape[0] != ix.batch_size:
     return None
   chain = ix.origin[atom][1]

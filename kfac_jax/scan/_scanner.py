@@ -213,7 +213,7 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
   for fe in graph.eqns:
     if fe.eqn.primitive is not _tags.loss_tag_p:
       continue
-    p, shape = fe.params, tuple(_graph.aval_of(fe.ins[0]).shape)
+    p, shape = fe.params, _graph.shape_of(fe.ins[0])
     if p.get("under_vmap"):
       raise RegistrationError(
         f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
@@ -842,9 +842,9 @@ def _ops_before_product(ix: _index.GraphIndex, leaf: int, limit: int = 4) -> lis
 def _scale_shift_reason(ix: _index.GraphIndex, fe, pos: int) -> str:
   """Why `mul` / `add` of a parameter and an activation matched no scale and shift."""
   name, atom = fe.name, fe.ins[pos]
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  out_shape = _graph.shape_of(fe.outs[0])
   leaf, chain = ix.origin[atom]
-  block = _matchers.feature_block(ix.shapes[leaf], chain, _graph.aval_of(atom).shape, out_shape)
+  block = _matchers.feature_block(ix.shapes[leaf], chain, _graph.shape_of(atom), out_shape)
   if block is None or len(block[1]) == len(out_shape):
     return (
       f"consumed by {name} in a layout no scale-and-shift matcher fits (it does not span "

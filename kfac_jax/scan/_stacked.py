@@ -109,7 +109,7 @@ def match_batched_dense(ix, i, claimed):
   if any(s.op != "cast" for s in ix.origin[k_atom][1]):
     return None
   k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
-  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = _graph.shape_of(k_atom), _graph.shape_of(x_atom)
   if tuple(k_b) == (0,) and len(x_b) == 1:
     x_axis = int(x_b[0])
     x_c1 = tuple(int(d) - (d > x_axis) for d in x_c)
@@ -158,8 +158,8 @@ def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
   if found is None:
     return None
   b_leaf, chain, atom, fe = found
-  size, out_shape = k_shape[0], tuple(out_key[1].aval.shape)
-  b_shape = tuple(_graph.aval_of(atom).shape)
+  size, out_shape = k_shape[0], _graph.shape_of(out_key)
+  b_shape = _graph.shape_of(atom)
   if (
     b_leaf >= ix.n_params
     or any(s.op not in ("cast", "reshape") for s in chain)
@@ -182,16 +182,16 @@ def match_stacked_scale_and_shift(ix, i, claimed):
   leaf, atom, inputs, out_key = found
   if leaf >= ix.n_params:
     return None
-  out_shape = tuple(out_key[1].aval.shape)
+  out_shape = _graph.shape_of(out_key)
   block = _matchers.stacked_feature_block(
-    ix.shapes[leaf], ix.origin[atom][1], tuple(_graph.aval_of(atom).shape), out_shape
+    ix.shapes[leaf], ix.origin[atom][1], _graph.shape_of(atom), out_shape
   )
   # `jax.vmap` puts the layer axis first (`[T, D]` over `[N, T, D]` is one layer).
   if block is None or block[0] != 0:
     return None
   _, axis, feat = block
   size, per_out = out_shape[0], out_shape[1:]
-  x_shapes = [tuple(_graph.aval_of(x).shape) for x in inputs]
+  x_shapes = [_graph.shape_of(x) for x in inputs]
   if any(len(x) != len(out_shape) or x[0] != size for x in x_shapes):
     return None
   followed = _matchers.followed_batch_axis(ix, out_key)
