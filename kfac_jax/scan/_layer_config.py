@@ -172,11 +172,19 @@ def size_policy(
   factor_shapes,
   allowed: Sequence[Approximation],
   bias: bool = False,
+  num_uses: int = 1,
 ) -> tuple[Approximation, str]:
   """`(approximation, note)` after the size policy (note "" if unchanged), from the factor shapes
   under `approx`; with `bias`, the input side ends with a bias row, not counted."""
   if max_dim is None:
     return approx, ""
+  if num_uses > 1:  # "kron_indep" has no diagonal-side variant: over the limit, "diagonal".
+    side = max((s[-1] for s in factor_shapes if len(s) >= 2), default=0)
+    if approx != "kron_indep" or "diagonal" not in allowed or side <= max_dim:
+      return approx, ""
+    return "diagonal", (
+      f"factor side {side} > max_factor_dim {max_dim} on a layer used {num_uses} times: diagonal"
+    )
   if approx == "full" and "diagonal" in allowed:
     ((n, _),) = factor_shapes
     note = f"{n} parameters > max_factor_dim {max_dim}: diagonal instead of a full block"
@@ -195,21 +203,3 @@ def size_policy(
   if not big or new not in allowed:
     return approx, ""
   return new, (f"{' and '.join(big)} > max_factor_dim {max_dim}: kept as its diagonal")
-
-
-def shared_size_policy(
-  max_dim: int | None,
-  approx: Approximation,
-  factor_shapes,
-  allowed: Sequence[Approximation],
-  num_uses: int,
-) -> tuple[Approximation, str]:
-  """`size_policy` for a shared layer: "kron_indep" over the limit becomes "diagonal"."""
-  if max_dim is None or approx != "kron_indep" or "diagonal" not in allowed:
-    return approx, ""
-  side = max((s[-1] for s in factor_shapes if len(s) >= 2), default=0)
-  if side <= max_dim:
-    return approx, ""
-  return "diagonal", (
-    f"factor side {side} > max_factor_dim {max_dim} on a layer used {num_uses} times: diagonal"
-  )

@@ -687,14 +687,7 @@ class _Scanner:
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
         f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
       )
-    spec = dataclasses.replace(spec, approx=approx or choices[0])
-    if not explicit:
-      max_dim, shapes = self.layer_config.max_factor_dim, _blocks.factor_shapes_for(spec)
-      approx, note = _layer_config.shared_size_policy(
-        max_dim, spec.approx, shapes, choices, len(infos)
-      )
-      spec = dataclasses.replace(spec, approx=approx, note=note)
-    return sized(self._blocked(spec))
+    return self._finish(dataclasses.replace(spec, approx=approx or choices[0]), choices, explicit)
 
   def layer_spec(self, kind, leaves, info, approx, source, leaf_shapes=None) -> LayerSpec:
     """A single-use LayerSpec: an explicit manual or linked approximation, else the config's, else
@@ -716,20 +709,22 @@ class _Scanner:
         )
       approx, explicit = chosen, pattern is not None
     spec = dataclasses.replace(spec, approx=approx, note=note if approx == builtin else "")
+    return self._finish(spec, choices, explicit)
+
+  def _finish(self, spec: LayerSpec, choices, explicit: bool) -> LayerSpec:
+    """`spec` after the size policy (unless `explicit`), with its block size, sized."""
     if not explicit:
       max_dim, shapes = self.layer_config.max_factor_dim, _blocks.factor_shapes_for(spec)
-      approx, why = _layer_config.size_policy(max_dim, spec.approx, shapes, choices, spec.has_bias)
+      approx, why = _layer_config.size_policy(
+        max_dim, spec.approx, shapes, choices, spec.has_bias, spec.num_uses
+      )
       spec = dataclasses.replace(spec, approx=approx, note=why or spec.note)
-    return sized(self._blocked(spec))
-
-  def _blocked(self, spec: LayerSpec) -> LayerSpec:
-    """`spec` with its block size (`LayerConfig.block_size_for`), its blocked sides noted."""
-    if spec.kind not in ("dense", "conv", "embedding"):
-      return spec
-    size = self.layer_config.block_size_for((spec.name,) + tuple(spec.param_paths))
-    spec = dataclasses.replace(spec, block_size=size)
-    note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
-    return dataclasses.replace(spec, note=note)
+    if spec.kind in ("dense", "conv", "embedding"):
+      size = self.layer_config.block_size_for((spec.name,) + tuple(spec.param_paths))
+      spec = dataclasses.replace(spec, block_size=size)
+      note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
+      spec = dataclasses.replace(spec, note=note)
+    return sized(spec)
 
 
 def with_block(spec: LayerSpec, cls, note: str) -> LayerSpec:
