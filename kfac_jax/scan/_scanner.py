@@ -776,17 +776,25 @@ def _constant_operand(ix: _index.GraphIndex, atom) -> float | None:
 
 def _feeds_product(ix: _index.GraphIndex, key, depth: int = 4, within=None) -> bool:
   """Whether `key` reaches a `_PRODUCTS` equation within `depth` steps (through `within` keys)."""
-  frontier = [key] if within is None or key in within else []
+  keep = lambda k: within is None or k in within
+  found = _downstream(ix, [key] if keep(key) else [], depth, keep)
+  return any(fe.name in _PRODUCTS for fe in found)
+
+
+def _downstream(ix: _index.GraphIndex, keys, depth: int, keep):
+  """The equations reading `keys`, then the outputs `keep` accepts, for `depth` levels (products'
+  outputs not followed)."""
+  seen = set(keys)
   for _ in range(depth):
     nxt: list[Any] = []
-    for k in frontier:
+    for k in keys:
       for j, _ in ix.slice_consumers.get(k, []):
         fe = ix.g.eqns[j]
-        if fe.name in _PRODUCTS:
-          return True
-        nxt.extend(o for o in fe.outs if within is None or o in within)
-    frontier = nxt
-  return False
+        yield fe
+        if fe.name not in _PRODUCTS:
+          nxt.extend(o for o in fe.outs if keep(o) and o not in seen)
+          seen.update(fe.outs)
+    keys = nxt
 
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -817,20 +825,10 @@ def _no_rows(ix: _index.GraphIndex, fe, pos: int) -> bool:
 
 def _ops_before_product(ix: _index.GraphIndex, leaf: int, limit: int = 4) -> list[str]:
   """The first `limit` primitives from `leaf` to the products its parameter-only values reach."""
-  frontier = [k for k, (j, _) in ix.origin.items() if j == leaf]
-  seen, names = set(frontier), []
-  for _ in range(12):
-    nxt: list[Any] = []
-    for k in frontier:
-      for j, _ in ix.slice_consumers.get(k, []):
-        fe = ix.g.eqns[j]
-        if fe.name in _PRODUCTS:
-          continue
-        if fe.name not in _graph.VIEW_OPS and fe.name not in names:
-          names.append(fe.name)
-        nxt.extend(o for o in fe.outs if o in ix.param_only and o not in seen)
-        seen.update(fe.outs)
-    frontier = nxt
+  keys = [k for k, (j, _) in ix.origin.items() if j == leaf]
+  found = _downstream(ix, keys, 12, lambda k: k in ix.param_only)
+  skip = _PRODUCTS | _graph.VIEW_OPS
+  names = list(dict.fromkeys(fe.name for fe in found if fe.name not in skip))
   return names[:limit] + (["..."] if len(names) > limit else [])
 
 
