@@ -179,7 +179,7 @@ _NO_REVERSE = frozenset({"while", "pure_callback", "io_callback"})
 
 
 def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
-  """RegistrationError for a layer output in a custom call reaching its outputs by `_NO_REVERSE`."""
+  """RegistrationError: a layer output in a custom call reaches its outputs via `_NO_REVERSE`."""
   if not graph.customs:
     return
   where = {}
