@@ -299,12 +299,8 @@ def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, ou
       "the rule's, or delete the rule's tags; for a curvature function apart from the loss, "
       "pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
     )
-  treedef: Any = jax.tree_util.tree_structure(out)
-  same = treedef == jax.tree_util.tree_structure(out_d) and all(
-    (a.shape, a.dtype) == (b.shape, b.dtype)
-    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(out_d))
-  )
-  if beside and not same:
+  layout = lambda t: (jax.tree.structure(t), [(x.shape, x.dtype) for x in jax.tree.leaves(t)])
+  if beside and layout(out) != layout(out_d):
     raise RegistrationError(
       "a custom-derivative rule in loss_fn returns primal outputs of other shapes or dtypes "
       f"than its function: loss_fn returns {_types(out)} as traced, {_types(out_d)} as "
@@ -353,8 +349,7 @@ class _Scanner:
     for fe in ix.g.eqns:
       if fe.eqn.primitive is _tags.layer_tag_p:
         specs.extend(self._manual(fe, claimed, manual_dense))
-    for k_leaf, tags in manual_dense.items():
-      specs.append(self._manual_dense_layer(k_leaf, tags, claimed))
+    specs.extend(self._manual_dense_layer(k, tags, claimed) for k, tags in manual_dense.items())
     for shifts in (False, True):
       for leaf in sorted(ix.uses):
         if leaf not in claimed and len(ix.uses[leaf]) > 1:
