@@ -96,9 +96,9 @@ def scan(
   for pattern, cls in layers.blocks.items():
     _blocks.check_class(cls, f"LayerConfig.blocks[{pattern!r}]")
   paths = param_paths(params)
-  leaves, treedef = jax.tree_util.tree_flatten(params)
+  leaves = jax.tree.leaves(params)
   _check_dtypes(paths, leaves)
-  graph, aux_tree, separate = _trace(loss_fn, leaves, treedef, batch, has_aux)
+  graph, aux_tree, separate = _trace(loss_fn, params, batch, len(leaves), has_aux)
   losses, loss_operands = _losses(graph)
   roots, shapes = [ops[0] for ops in loss_operands], [np.shape(x) for x in leaves]
   ix = _index.build(graph, len(leaves), paths, shapes, roots, max(s.batch_size for s in losses))
@@ -119,17 +119,9 @@ def scan(
   )
 
 
-def _trace(loss_fn, leaves, treedef, batch, has_aux):
-  """`(graph, aux treedef, separate_loss)` of `loss_fn` at the parameter `leaves` (`ScanResult`)."""
-  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
-
-  def traced(fn):
-    def flat_fn(*flat):
-      p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
-      return fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
-
-    return jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
-
+def _trace(loss_fn, params, batch, n_params: int, has_aux):
+  """`(graph, aux treedef, separate_loss)` of `loss_fn` at `(params, batch)` (`ScanResult`)."""
+  traced = lambda fn: jax.make_jaxpr(fn, return_shape=True)(params, batch)
   closed, out_shape = traced(loss_fn)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
   if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
@@ -138,7 +130,7 @@ def _trace(loss_fn, leaves, treedef, batch, has_aux):
       f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
       "has_aux=True."
     )
-  graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
+  graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
   tagged = any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns)
   customs = _custom_calls(closed.jaxpr)
   # Rules may hold loss tags: trace `loss_fn` as jax.grad runs it, beside tags of the loss only
@@ -148,7 +140,7 @@ def _trace(loss_fn, leaves, treedef, batch, has_aux):
     closed_d, (_, out_d) = traced(_as_differentiated(loss_fn, has_aux, backward))
     outvars = closed_d.jaxpr.outvars[:1]
     closed_d = _compat.ClosedJaxpr(closed_d.jaxpr.replace(outvars=outvars), closed_d.consts)
-    derived = _graph.FlatGraph.from_closed_jaxpr(closed_d, len(leaves))
+    derived = _graph.FlatGraph.from_closed_jaxpr(closed_d, n_params)
     _check_rule_tags(graph, derived, out_shape, out_d)
     if not tagged:
       return derived, None, True
