@@ -6,7 +6,7 @@ read live in `kfac_jax._specs`, so the blocks never import this.
 
 from kfac_jax._errors import RegistrationError
 from kfac_jax._specs import FallbackInfo, LayerSpec, param_paths
-from kfac_jax.scan._graph import FlatEqn, FlatGraph, HoistedTap, aval_of, is_key
+from kfac_jax.scan._graph import FlatGraph, HoistedTap, aval_of, is_key
 from kfac_jax.scan._kinds import KINDS
 from kfac_jax.scan._layer_config import LayerConfig
 from kfac_jax.scan._layer_config import check as check_layer_config
@@ -15,7 +15,6 @@ from kfac_jax.scan._scanner import ScanResult, scan, tag_names
 __all__ = [
   "KINDS",
   "FallbackInfo",
-  "FlatEqn",
   "FlatGraph",
   "HoistedTap",
   "LayerConfig",

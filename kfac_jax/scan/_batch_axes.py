@@ -8,6 +8,7 @@ one (summed over, mixed, after a loop or a scatter) leave the matchers to sizes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,7 +35,7 @@ def batch_axes(
   """`{key: (axis, inner)}` followed from the batch leaves (the inputs after `n_params`); a leaf
   with several batch-sized axes takes the first under which every loss prediction's batch leads."""
   leaves = graph.invars[n_params:]
-  shapes = [_shape(key) for key in leaves]
+  shapes = [_graph.shape_of(key) for key in leaves]
   candidates = [[a for a, s in enumerate(shape) if s == batch_size] for shape in shapes]
   roots = [a for a in loss_roots if _graph.is_key(a)]
   first = [batch_position(shape, batch_size) for shape in shapes]
@@ -61,25 +62,20 @@ def _follow(graph, leaves, axes, batch_size: int) -> dict[Any, BatchAxis]:
     rule = _RULES.get(fe.name)
     outs = rule(fe, ins) if rule is not None else _same_shape(fe, ins)
     for key, tag in zip(fe.outs, outs):
-      shape = _shape(key)
+      shape = _graph.shape_of(key)
       if tag is not None and 0 <= tag[0] < len(shape) and shape[tag[0]] == batch_size * tag[1]:
         tags[key] = tag
   return tags
 
 
 def batch_position(sizes, batch_size) -> int | None:
-  """Which of the axes (their `sizes`) is the batch, by its size: the leading one when it has the
-  batch's size, else the only other one that has it; None when none or several do."""
+  """The batch among axes of `sizes`: the leading one if batch-sized, else the only batch-sized."""
   if batch_size is None or not sizes:
     return None
   if sizes[0] == batch_size:
     return 0
   sized = [t for t, n in enumerate(sizes) if n == batch_size]
   return sized[0] if len(sized) == 1 else None
-
-
-def _shape(atom) -> tuple[int, ...]:
-  return tuple(_graph.aval_of(atom).shape)
 
 
 def _one(ins) -> BatchAxis | None:
@@ -89,14 +85,13 @@ def _one(ins) -> BatchAxis | None:
 
 
 def _same_shape(fe, ins) -> list[BatchAxis | None]:
-  """An output takes the agreeing tag of the tagged inputs of its shape, or for an elementwise
-  equation, of the operands of its rank whose batch axis it does not broadcast."""
+  """An output's tag: that of its inputs of its shape (elementwise: of its rank, not broadcast)."""
   if fe.name in _OPAQUE or fe.name.startswith("scatter"):
     return [None] * len(fe.outs)
   out = []
   for key in fe.outs:
-    shape = _shape(key)
-    tagged = [(_shape(a), t) for a, t in zip(fe.ins, ins) if t is not None]
+    shape = _graph.shape_of(key)
+    tagged = [(_graph.shape_of(a), t) for a, t in zip(fe.ins, ins) if t is not None]
     found = [t for a, t in tagged if a == shape]
     if not found and fe.name in ELEMENTWISE:
       found = [t for a, t in tagged if len(a) == len(shape) and a[t[0]] == shape[t[0]]]
@@ -107,7 +102,7 @@ def _same_shape(fe, ins) -> list[BatchAxis | None]:
 def _broadcast(fe, ins):
   axis, inner = ins[0]
   dims = tuple(fe.params["broadcast_dimensions"])
-  if _shape(fe.ins[0])[axis] != fe.outs[0][1].aval.shape[dims[axis]]:
+  if _graph.shape_of(fe.ins[0])[axis] != _graph.shape_of(fe.outs[0])[dims[axis]]:
     return [None]
   return [(dims[axis], inner)]
 
@@ -115,7 +110,7 @@ def _broadcast(fe, ins):
 def _reshape(fe, ins):
   """By strides: the examples' stride must fall inside one output axis, as its outermost part."""
   axis, inner = ins[0]
-  in_shape, out_shape = _shape(fe.ins[0]), tuple(fe.outs[0][1].aval.shape)
+  in_shape, out_shape = _graph.shape_of(fe.ins[0]), _graph.shape_of(fe.outs[0])
   n = in_shape[axis] // inner
   stride = inner * math.prod(in_shape[axis + 1 :])  # Flat distance between two examples.
   for j in range(len(out_shape)):
@@ -125,15 +120,11 @@ def _reshape(fe, ins):
   return [None]
 
 
-def _drops(param: str):
-  """The rule of an equation that removes the axes `fe.params[param]` (squeeze, reductions)."""
-
-  def rule(fe, ins):
-    axis, inner = ins[0]
-    dims = tuple(fe.params[param])
-    return [None if axis in dims else (axis - sum(d < axis for d in dims), inner)] * len(fe.outs)
-
-  return rule
+def _drops(param: str, fe, ins):
+  """An equation that removes the axes `fe.params[param]` (squeeze, reductions)."""
+  axis, inner = ins[0]
+  dims = tuple(fe.params[param])
+  return [None if axis in dims else (axis - sum(d < axis for d in dims), inner)] * len(fe.outs)
 
 
 def _transpose(fe, ins):
@@ -141,14 +132,10 @@ def _transpose(fe, ins):
   return [(tuple(fe.params["permutation"]).index(axis), inner)]
 
 
-def _along(param: str):
-  """The rule of an equation along the axis `fe.params[param]`: the batch passes unless there."""
-
-  def rule(fe, ins):
-    tag = _one(ins)
-    return [None if tag is None or tag[0] == fe.params[param] else tag] * len(fe.outs)
-
-  return rule
+def _along(param: str, fe, ins):
+  """An equation along the axis `fe.params[param]`: the batch passes unless it is there."""
+  tag = _one(ins)
+  return [None if tag is None or tag[0] == fe.params[param] else tag] * len(fe.outs)
 
 
 def _pad(fe, ins):
@@ -157,8 +144,8 @@ def _pad(fe, ins):
 
 def _slice(fe, ins):
   """Slices (static or dynamic) that keep the whole batch axis keep it."""
-  (axis, _), out_shape = ins[0], fe.outs[0][1].aval.shape
-  return [ins[0] if _shape(fe.ins[0])[axis] == out_shape[axis] else None] * len(fe.outs)
+  (axis, _), out_shape = ins[0], _graph.shape_of(fe.outs[0])
+  return [ins[0] if _graph.shape_of(fe.ins[0])[axis] == out_shape[axis] else None] * len(fe.outs)
 
 
 def _reduce_window(fe, ins):
@@ -173,7 +160,7 @@ def _reduce_window(fe, ins):
 
 def _dot_general(fe, ins):
   (lc, rc), (lb, rb) = fe.params["dimension_numbers"]
-  nl, nr = len(_shape(fe.ins[0])), len(_shape(fe.ins[1]))
+  nl, nr = len(_graph.shape_of(fe.ins[0])), len(_graph.shape_of(fe.ins[1]))
   l_free = [d for d in range(nl) if d not in lc and d not in lb]
   r_free = [d for d in range(nr) if d not in rc and d not in rb]
   found = []
@@ -201,15 +188,14 @@ def _conv(fe, ins):
 
 
 def _gather(fe, ins):
-  """A lookup at per-example indices, a gather with batching dimensions, or constant indices
-  along an axis other than the batch."""
+  """A lookup at per-example indices (or batching dimensions), or constant ones off the batch."""
   dn = fe.params["dimension_numbers"]
   operand, indices = ins[0], ins[1]
-  out_rank = len(fe.outs[0][1].aval.shape)
+  out_rank = len(_graph.shape_of(fe.outs[0]))
   batch_dims = [d for d in range(out_rank) if d not in dn.offset_dims]  # Indices' dims, in order.
   op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
   idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
-  n_idx = len(_shape(fe.ins[1]))
+  n_idx = len(_graph.shape_of(fe.ins[1]))
   if indices is not None:
     axis, inner = indices
     if axis == n_idx - 1:  # The index vector's axis.
@@ -223,9 +209,9 @@ def _gather(fe, ins):
   axis, inner = operand
   if axis in dn.collapsed_slice_dims or axis in op_batching:
     return [None]
-  if fe.params["slice_sizes"][axis] != _shape(fe.ins[0])[axis]:
+  if fe.params["slice_sizes"][axis] != _graph.shape_of(fe.ins[0])[axis]:
     return [None]
-  kept = [d for d in range(len(_shape(fe.ins[0]))) if d not in dn.collapsed_slice_dims]
+  kept = [d for d in range(len(_graph.shape_of(fe.ins[0]))) if d not in dn.collapsed_slice_dims]
   kept = [d for d in kept if d not in op_batching]
   return [(dn.offset_dims[kept.index(axis)], inner)]
 
@@ -248,11 +234,11 @@ _RULES: dict[str, Callable[[Any, list], list]] = {
   "scan_stack": _scan_stack,
   "broadcast_in_dim": _broadcast,
   "reshape": _reshape,
-  "squeeze": _drops("dimensions"),
+  "squeeze": functools.partial(_drops, "dimensions"),
   "transpose": _transpose,
-  "concatenate": _along("dimension"),
-  "sort": _along("dimension"),
-  "split": _along("axis"),
+  "concatenate": functools.partial(_along, "dimension"),
+  "sort": functools.partial(_along, "dimension"),
+  "split": functools.partial(_along, "axis"),
   "pad": _pad,
   "slice": _slice,
   "dynamic_slice": _slice,
@@ -263,7 +249,9 @@ _RULES: dict[str, Callable[[Any, list], list]] = {
   **dict.fromkeys(
     [f"reduce_{op}" for op in ("sum", "max", "min", "prod", "and", "or", "xor")]
     + ["argmax", "argmin"],
-    _drops("axes"),
+    functools.partial(_drops, "axes"),
   ),
-  **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"), _along("axis")),
+  **dict.fromkeys(
+    ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"), functools.partial(_along, "axis")
+  ),
 }

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import math
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax import _compat
+from kfac_jax._specs import ViewStep
 
 Key = tuple[int, Any]  # (instance, Var)
 Atom = Any  # Key or _compat.Literal
@@ -65,9 +67,8 @@ def is_key(atom: Atom) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class HoistedTap:
-  """The tap of a layer output computed once for every example (hoisted by `jax.vmap`), which
-  reaches the batch at `keys`: each gets a zero perturbation of shape `shapes[j]` (batch axis
-  `axes[j]`), so that each example reads its own copy."""
+  """The tap of a layer output computed once for all examples (hoisted by `jax.vmap`): a zero
+  perturbation of shape `shapes[j]` (batch axis `axes[j]`) at each of the `keys` the batch reads."""
 
   keys: tuple[Key, ...]
   axes: tuple[int, ...]
@@ -101,11 +102,30 @@ def aval_of(atom: Atom):
   return atom.aval if isinstance(atom, _compat.Literal) else atom[1].aval
 
 
+def shape_of(atom: Atom) -> tuple[int, ...]:
+  return tuple(aval_of(atom).shape)
+
+
+def view_step(fe: FlatEqn) -> ViewStep:
+  """The `ViewStep` of a `VIEW_OPS` equation or a `tile` of unit axes (a broadcast)."""
+  in_shape, out_shape = shape_of(fe.ins[0]), shape_of(fe.outs[0])
+  if fe.name == "tile":
+    return ViewStep("broadcast", in_shape, out_shape, tuple(range(len(in_shape))))
+  if fe.name == "transpose":
+    return ViewStep("transpose", in_shape, out_shape, tuple(fe.params["permutation"]))
+  if fe.name in ("reshape", "squeeze"):
+    return ViewStep("reshape", in_shape, out_shape)
+  if fe.name == "broadcast_in_dim":
+    if math.prod(in_shape) == math.prod(out_shape):
+      return ViewStep("reshape", in_shape, out_shape)  # Only inserts unit dimensions.
+    return ViewStep("broadcast", in_shape, out_shape, tuple(fe.params["broadcast_dimensions"]))
+  return ViewStep("cast", in_shape, out_shape)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Region:
-  """Equations `eqns[start:stop]` inlined from one outermost remat call: its `jax.checkpoint`
-  `options`, the keys it reads but does not compute (`ins`, constants excluded) and the keys it
-  computes that are read after it (`outs`)."""
+  """Equations `eqns[start:stop]` inlined from one outermost remat call, its `jax.checkpoint`
+  `options`, the keys it reads (`ins`, constants excluded) and those read after it (`outs`)."""
 
   start: int
   stop: int
@@ -135,11 +155,9 @@ class CustomCall:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScanGroup:
-  """The T unrolled steps of one scan (each `[carry identities, xs slices, body...]`, alike),
-  evaluated again as a `lax.scan`. `keys[k][p]`: the p-th value step k computes (in execution
-  order); `carry_out[k]`: what step k+1's carry reads; `outside`: `(p, steps)` read after the
-  steps other than by the `stacks` (`(equation, p)` stacking position p); `stop`: the index
-  after the steps and their stacking equations."""
+  """The T alike unrolled steps of one scan, evaluated again as a `lax.scan`. `keys[k][p]`: the
+  p-th value step k computes; `carry_out[k]`: step k+1's carry; `outside`: `(p, steps)` read after
+  the steps but not by the `stacks` (`(equation, p)`); `stop`: the index after the stackings."""
 
   steps: tuple[tuple[int, int], ...]
   ncar: int
@@ -294,10 +312,10 @@ class FlatGraph:
 
     Args:
       args: one value (array or tracer) per input variable.
-      perturb: key → array added to the value computed there (the key must be in `watch`). A
-        tuple of keys for which `scan_stacked` holds maps to one stacked `[T, ...]` array.
-      watch: the keys whose final values (after the perturbation) are returned; a tuple of keys
-        for which `scan_stacked` holds is returned as one stacked value.
+      perturb: key → array added to the value computed there (the key must be in `watch`); a
+        `scan_stacked` tuple of keys maps to one stacked `[T, ...]` array.
+      watch: the keys whose values (after the perturbation) are returned, a `scan_stacked`
+        tuple as one stacked value.
       unroll: evaluate the unrolled steps instead of a `lax.scan` (for tests and debugging).
 
     Returns:
@@ -363,8 +381,7 @@ class FlatGraph:
     return out
 
   def scan_stacked(self, keys: Sequence[Atom]) -> bool:
-    """Whether `keys` are one position of every step of one scan, in execution order (then they
-    can be watched and perturbed as one stacked `[T, ...]` value)."""
+    """Whether `keys` are one position of every step of one scan, in order (one stacked value)."""
     found = [self.scan_positions.get(k) if is_key(k) else None for k in keys]
     if not found or any(f is None for f in found):
       return False
@@ -382,8 +399,7 @@ class FlatGraph:
     return {i: tuple(sorted(cs, key=lambda c: -c.stop)) for i, cs in out.items()}
 
   def _run(self, lo, hi, env, seen, perturb, watch, unroll=False, inside=frozenset()) -> None:
-    """Evaluates `eqns[lo:hi]` into `env`; `inside`: the regions and custom calls being
-    evaluated (not entered again)."""
+    """Evaluates `eqns[lo:hi]` into `env` (`inside`: the regions and calls not entered again)."""
     regions = {r.start: r for r in self.regions}
     scans = {} if unroll else {g.steps[0][0]: g for g in self.scans}
     i = lo
@@ -430,8 +446,7 @@ class FlatGraph:
     _store(c.outs, user, env, seen, watch)
 
   def _evaluate_region(self, r: Region, env, seen, perturb, watch, unroll, inside) -> None:
-    """Evaluates a remat region under `jax.checkpoint` with its options. The closure returns the
-    values read after it and the watched values it makes (after their perturbation)."""
+    """Evaluates a remat region under `jax.checkpoint`, returning its read and watched values."""
     made = [k for fe in self.eqns[r.start : r.stop] for k in fe.outs]
     out_keys = list(dict.fromkeys(list(r.outs) + [k for k in made if k in watch]))
 
@@ -474,7 +489,7 @@ class FlatGraph:
     ]
     xs = [_read_atom(a, env) for a in grp.xs]
     xs = [x[::-1] for x in xs] if grp.reverse else xs
-    zero = lambda k: jnp.zeros(k[1].aval.shape, k[1].aval.dtype)
+    zero = lambda k: jnp.zeros(shape_of(k), k[1].aval.dtype)
     eps = [
       tuple_eps[p]
       if p in tuple_eps

@@ -36,30 +36,14 @@ _FOLD_SIZE = 1 << 20
 
 
 def is_view(fe: _graph.FlatEqn) -> bool:
-  """Whether `fe` only moves, reshapes, casts or broadcasts its first operand (a `tile` of unit
-  axes is a broadcast)."""
+  """Whether `fe` only moves, reshapes, casts or broadcasts its first operand (unit `tile`s too)."""
   if fe.name in _graph.VIEW_OPS:
     return True
   if fe.name != "tile" or not fe.ins:
     return False
-  in_shape = tuple(_graph.aval_of(fe.ins[0]).shape)
+  in_shape = _graph.shape_of(fe.ins[0])
   reps = tuple(fe.params["reps"])
   return len(reps) == len(in_shape) and all(r == 1 or s == 1 for r, s in zip(reps, in_shape))
-
-
-def _view_step(fe: _graph.FlatEqn) -> ViewStep:
-  in_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
-  if fe.name == "tile":  # A broadcast of unit axes (`is_view`).
-    return ViewStep("broadcast", in_shape, out_shape, tuple(range(len(in_shape))))
-  if fe.name == "transpose":
-    return ViewStep("transpose", in_shape, out_shape, tuple(fe.params["permutation"]))
-  if fe.name in ("reshape", "squeeze"):
-    return ViewStep("reshape", in_shape, out_shape)
-  if fe.name == "broadcast_in_dim":
-    if math.prod(in_shape) == math.prod(out_shape):
-      return ViewStep("reshape", in_shape, out_shape)  # Only inserts unit dimensions.
-    return ViewStep("broadcast", in_shape, out_shape, tuple(fe.params["broadcast_dimensions"]))
-  return ViewStep("cast", in_shape, out_shape)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -148,8 +132,7 @@ def build(graph, n_params: int, paths, shapes, loss_roots: Sequence[Any], batch_
 
 
 def _uses(graph, in_slice, origin, view_eqns, virtual, concat_eqns):
-  """`(uses, uses_by_eqn, blocked_virtual)`: each leaf's real uses on the loss slice, by leaf and
-  by equation; a concatenation whose pieces have other uses is blocked, a use of each piece."""
+  """`(uses, uses_by_eqn, blocked_virtual)` on the loss slice; a blocked concat uses each piece."""
   found = [
     (i, pos, origin[a][0])
     for i in sorted(in_slice - view_eqns - set(concat_eqns))
@@ -189,8 +172,7 @@ def tags_reached(ix: GraphIndex, key) -> frozenset[int]:
 
 
 def _loss_slice(graph, roots) -> tuple[set[int], set[int]]:
-  """The equations the loss tags' operands depend on, and those without a `stop_gradient` in
-  between (what the tags' curvature can reach)."""
+  """The equations the loss tags' operands depend on, and those not behind a `stop_gradient`."""
   needed = {a for a in roots if _graph.is_key(a)}
   reached = set(needed)
   in_slice, grad_slice = set(), set()
@@ -215,9 +197,9 @@ def _param_only(graph, leaf_of_key, consts, batch_size: int) -> frozenset:
     if any(a not in found for a in keys):
       continue
     for o in fe.outs:
-      shape = tuple(o[1].aval.shape)
+      shape = _graph.shape_of(o)
       if shape and shape[0] == batch_size:
-        same = [tuple(_graph.aval_of(a).shape) for a in keys]
+        same = [_graph.shape_of(a) for a in keys]
         if not any(len(t) == len(shape) and t[0] == shape[0] for t in same):
           continue  # A leading axis of the batch's size, made here: may be the batch.
       found.add(o)
@@ -250,20 +232,20 @@ def _views(graph, leaf_of_key, consts, n_params: int, first_virtual: int, fold):
 
 
 def _view_of(fe, origin, consts, fold) -> tuple[Any, ViewStep] | None:
-  """`(parameter view read, step)` when `fe` views a parameter view: a layout operation, a
-  gather at constant rows, or a shift by a scalar constant (its Jacobian is the identity)."""
+  """`(parameter view read, step)` when `fe` is a layout operation, a gather at constant rows or
+  a shift by a scalar constant (an identity Jacobian) of a parameter view."""
   src = fe.ins[0] if fe.ins and _graph.is_key(fe.ins[0]) and fe.ins[0] in origin else None
   if src is not None and is_view(fe):
-    return src, _view_step(fe)
+    return src, _graph.view_step(fe)
   if src is not None and fe.name == "gather" and len(fe.ins) == 2:
     step = _gather_view(fe, fold)
     return None if step is None else (src, step)
   if fe.name not in ("add", "sub"):
     return None
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  out_shape = _graph.shape_of(fe.outs[0])
   for pos in (0, 1) if fe.name == "add" else (0,):  # `view + c`, `c + view`, `view - c`.
     a, c = fe.ins[pos], fe.ins[1 - pos]
-    if not _graph.is_key(a) or a not in origin or _graph.aval_of(a).shape != out_shape:
+    if not _graph.is_key(a) or a not in origin or _graph.shape_of(a) != out_shape:
       continue
     if (isinstance(c, _compat.Literal) and np.ndim(c.val) == 0) or (
       _graph.is_key(c) and c in consts and np.size(consts[c]) == 1
@@ -283,7 +265,7 @@ def _concat_view(fe, origin, n_params: int) -> ConcatView | None:
     or any(st.op not in ("reshape", "transpose", "cast") for c in chains for st in c)
   ):
     return None
-  shapes = [tuple(_graph.aval_of(a).shape) for a in fe.ins]
+  shapes = [_graph.shape_of(a) for a in fe.ins]
   if fe.name == "stack":  # A concatenation of the operands with a unit axis inserted.
     axis = int(fe.params["axis"])
     unit = [sh[:axis] + (1,) + sh[axis:] for sh in shapes]
@@ -296,7 +278,7 @@ def _concat_view(fe, origin, n_params: int) -> ConcatView | None:
     chains=tuple(chains),
     axis=axis,
     piece_shapes=tuple(shapes),
-    shape=tuple(fe.outs[0][1].aval.shape),
+    shape=_graph.shape_of(fe.outs[0]),
   )
 
 
@@ -308,10 +290,9 @@ def _concat_path(paths: Sequence[str]) -> str:
 
 
 def _gather_view(fe, fold) -> ViewStep | None:
-  """The view step when the gather `fe` reads whole rows of a `[T, D]` parameter view at constant
-  indices: every row in order is the operand itself (with a unit axis under `jax.vmap`), any
-  other in-range rows a "gather" step (`table[buckets]`); else None."""
-  t_shape, out_shape = tuple(_graph.aval_of(fe.ins[0]).shape), tuple(fe.outs[0][1].aval.shape)
+  """The step of a gather of whole rows of a `[T, D]` view at constant ids: every row in order is
+  the view itself (a unit axis under `jax.vmap`), other rows a "gather" (`table[buckets]`)."""
+  t_shape, out_shape = _graph.shape_of(fe.ins[0]), _graph.shape_of(fe.outs[0])
   dn = fe.params["dimension_numbers"]
   whole_rows = len(t_shape) == 2 and tuple(fe.params["slice_sizes"]) == (1, t_shape[1])
   ids = fold(fe.ins[1]) if whole_rows and not tuple(dn.operand_batching_dims) else None
@@ -345,8 +326,7 @@ def _gather_view(fe, fold) -> ViewStep | None:
 
 
 def _folder(graph, consts, producer):
-  """`fold(atom)`: the value of `atom` when `_FOLDABLE` operations compute it from constants
-  alone, else None; each key is folded once."""
+  """`fold(atom)`: `atom`'s value when `_FOLDABLE` operations compute it from constants, or None."""
   folded: dict[Any, Any] = {}
 
   def fold(atom, depth: int = 64):
@@ -362,7 +342,7 @@ def _folder(graph, consts, producer):
     fe = graph.eqns[producer[atom]] if atom in producer else None
     if fe is None or fe.fn is not None or fe.name not in _FOLDABLE or len(fe.outs) != 1:
       return None
-    if math.prod(fe.outs[0][1].aval.shape) > _FOLD_SIZE:
+    if math.prod(_graph.shape_of(fe.outs[0])) > _FOLD_SIZE:
       return None
     vals = [fold(a, depth - 1) for a in fe.ins]
     if any(v is None for v in vals):

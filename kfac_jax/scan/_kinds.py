@@ -87,8 +87,7 @@ def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | No
 
 
 def match_grouped_dense(ix, i, claimed):
-  """A dense map per group (`nn.ConvLocal`, a per-atom envelope): a `dot_general` whose batch
-  dimensions are the groups, optionally a transpose to `[rows..., *groups, out...]` and a bias."""
+  """A dense map per group (`nn.ConvLocal`): a `dot_general` batched over the groups, its bias."""
   found = _matchers.sole_param_operand(ix, i, "dot_general")
   if found is None or found[0] >= ix.n_params or found[0] in claimed:
     return None
@@ -97,7 +96,7 @@ def match_grouped_dense(ix, i, claimed):
   if any(s.op != "cast" for s in ix.origin[k_atom][1]):
     return None
   k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
-  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = _graph.shape_of(k_atom), _graph.shape_of(x_atom)
   g = len(k_b)
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_b and d not in k_c)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_b and d not in x_c)
@@ -121,7 +120,7 @@ def match_grouped_dense(ix, i, claimed):
   if (
     bias is not None
     and bias[0] < ix.n_params
-    and tuple(_graph.aval_of(bias[2]).shape) == (1,) * n_free + grid + out_shape
+    and _graph.shape_of(bias[2]) == (1,) * n_free + grid + out_shape
     and all(s.op in ("cast", "reshape") for s in bias[1])
   ):
     leaves.append(bias[0])

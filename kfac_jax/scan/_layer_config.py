@@ -35,29 +35,23 @@ def _frozen(mapping, name: str) -> Mapping[str, str]:
 class LayerConfig:
   """Which curvature approximation each layer gets; accepted as `layers=` everywhere.
 
+  Patterns are globs over a layer's name and parameter paths; in each mapping the first matching
+  pattern wins, and every pattern must match some layer (docs: approximations, layers).
+
   Attributes:
     defaults: per layer kind ("dense", "conv", "embedding", "scale_and_shift", "generic"), the
       approximation used when nothing more specific is said, e.g. `{"dense": "kron_in_diag"}`.
-    overrides: glob pattern → approximation, e.g. `{"params/Dense_0/*": "full"}`; the first
-      matching pattern wins. Every pattern must match some layer. A manual tag's explicit
-      `approx=` wins over patterns. Patterns also choose the approximation of shared layers,
-      e.g. `{"params/RNN_0/*": "kron_series_2"}`.
+    overrides: pattern → approximation, of single-use or shared layers, e.g.
+      `{"params/Dense_0/*": "full"}`; a manual tag's explicit `approx=` wins over patterns.
     linked: tuple of patterns → "full" or "diagonal": the matched leaves share one generic
       block, e.g. `{("params/enc/*", "params/dec/*"): "full"}`.
-    max_factor_dim: the largest factor side (a bias row not counted) kept as a matrix, whole
-      or in blocks, for layers whose approximation is not chosen by name; a wider side is kept
-      as its diagonal, a larger "full" block becomes "diagonal". None: no limit.
-    block_size: a factor side with more entries than this (a bias row not counted) is kept as
-      the diagonal blocks of its factor, of about this size; None: sides kept whole.
-    block_sizes: glob pattern → block size (or None: sides kept whole) for the matched layers,
-      e.g. `{"params/head/*": None}`; the first matching pattern wins over `block_size`. Every
-      pattern must match some layer.
-    blocks: glob pattern → a `kfac_jax.Block` subclass that computes the matched layers'
-      curvature instead of the library's block, e.g. `{"params/envelope/*": MyEnvelopeBlock}`;
-      the first matching pattern wins over every approximation. A pattern may also name
-      parameters no layer covers, each then a generic layer with the user's block. Every
-      pattern must match some layer or parameter; each class is checked before any state
-      exists.
+    max_factor_dim: the largest factor side (a bias row not counted) kept as a matrix where the
+      approximation is not chosen by name; wider sides become diagonal. None: no limit.
+    block_size: a wider factor side (a bias row not counted) is kept as diagonal blocks of about
+      this size; None: sides kept whole.
+    block_sizes: pattern → block size (or None) for the matched layers, over `block_size`.
+    blocks: pattern → a `kfac_jax.Block` subclass computing the matched layers' (or uncovered
+      parameters') curvature instead of the library's block; it wins over every approximation.
 
   Example:
     >>> layers = kfac_jax.LayerConfig(defaults={"dense": "kron_out_diag"},
@@ -136,8 +130,7 @@ class LayerConfig:
     return isinstance(other, LayerConfig) and self._key() == other._key()
 
   def block_for(self, names: Sequence[str]) -> tuple[type | None, str | None]:
-    """`(class, pattern)` of the first `blocks` pattern matching a layer with these names (its
-    name and parameter paths), or `(None, None)`."""
+    """`(class, pattern)` of the first `blocks` pattern matching these names, or `(None, None)`."""
     pattern, cls = first_match(self.blocks, names)
     return cls, pattern
 
@@ -179,12 +172,19 @@ def size_policy(
   factor_shapes,
   allowed: Sequence[Approximation],
   bias: bool = False,
+  num_uses: int = 1,
 ) -> tuple[Approximation, str]:
-  """`(approximation, note)` after the size policy (`LayerConfig.max_factor_dim`; note "" if
-  unchanged), from the layer's factor shapes under `approx` (a matrix's side is its last axis).
-  `bias`: the input side ends with a bias row, not counted."""
+  """`(approximation, note)` after the size policy (note "" if unchanged), from the factor shapes
+  under `approx`; with `bias`, the input side ends with a bias row, not counted."""
   if max_dim is None:
     return approx, ""
+  if num_uses > 1:  # "kron_indep" has no diagonal-side variant: over the limit, "diagonal".
+    side = max((s[-1] for s in factor_shapes if len(s) >= 2), default=0)
+    if approx != "kron_indep" or "diagonal" not in allowed or side <= max_dim:
+      return approx, ""
+    return "diagonal", (
+      f"factor side {side} > max_factor_dim {max_dim} on a layer used {num_uses} times: diagonal"
+    )
   if approx == "full" and "diagonal" in allowed:
     ((n, _),) = factor_shapes
     note = f"{n} parameters > max_factor_dim {max_dim}: diagonal instead of a full block"
@@ -203,22 +203,3 @@ def size_policy(
   if not big or new not in allowed:
     return approx, ""
   return new, (f"{' and '.join(big)} > max_factor_dim {max_dim}: kept as its diagonal")
-
-
-def shared_size_policy(
-  max_dim: int | None,
-  approx: Approximation,
-  factor_shapes,
-  allowed: Sequence[Approximation],
-  num_uses: int,
-) -> tuple[Approximation, str]:
-  """`size_policy` for a layer used `num_uses` times: "kron_indep" has no diagonal-side variant,
-  so a side above the limit makes the block "diagonal" where `allowed` has it."""
-  if max_dim is None or approx != "kron_indep" or "diagonal" not in allowed:
-    return approx, ""
-  side = max((s[-1] for s in factor_shapes if len(s) >= 2), default=0)
-  if side <= max_dim:
-    return approx, ""
-  return "diagonal", (
-    f"factor side {side} > max_factor_dim {max_dim} on a layer used {num_uses} times: diagonal"
-  )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kfac_jax._errors import RegistrationError
-from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, ScaleShiftInfo, ViewStep
+from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, ScaleShiftInfo, ViewStep, apply_view
 from kfac_jax.scan import _batch_axes, _graph
 
 if TYPE_CHECKING:
@@ -20,10 +20,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-  """A layer a matcher found: its leaves (kernel / table / scale first) and, per use, its info,
-  the key where the curvature pass adds its perturbation and the input atoms its statistics
-  read. `stack_size` L > 0: L layers applied by one batched operation, `infos` describing one,
-  `stack_axes` the layer axis of each input and the output."""
+  """A layer found: its leaves (kernel / table / scale first); per use, its info, tap key and
+  inputs. `stack_size` L > 0: L layers in one operation, `stack_axes` their axis per operand."""
 
   kind: Kind
   leaves: tuple[int, ...]
@@ -38,26 +36,9 @@ class Match:
     """A layer with one use."""
     return cls(kind, tuple(leaves), (info,), (output,), (inputs,), **stack)
 
-  @property
-  def num_uses(self) -> int:
-    return len(self.infos)
-
-
-def _one_use(kind: Kind, found) -> Match | None:
-  """The `Match` of a use reader's `(info, leaf, inputs, output key, bias / shift leaf or None)`."""
-  if found is None:
-    return None
-  info, leaf, inputs, out_key, extra = found
-  return Match.single(kind, [leaf] if extra is None else [leaf, extra], info, out_key, inputs)
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers on the scanner's tables.
-
 
 def single_use_leaf(ix, atom, claimed, shared: bool = False):
-  """(leaf, chain) if `atom` is a view of an unclaimed leaf used once on the loss slice (or,
-  with `shared`, any number of times)."""
+  """(leaf, chain) if `atom` views an unclaimed leaf used once (any number of times if `shared`)."""
   if not _graph.is_key(atom) or atom not in ix.origin:
     return None
   leaf, chain = ix.origin[atom]
@@ -67,8 +48,7 @@ def single_use_leaf(ix, atom, claimed, shared: bool = False):
 
 
 def sole_param_operand(ix, i, prim: str):
-  """`(leaf, operand position)` if equation i is a `prim` with exactly one parameter operand,
-  a leaf used once on the loss slice; else None."""
+  """`(leaf, operand position)` if equation i is a `prim` whose one parameter is used once."""
   ops = ix.uses_by_eqn.get(i, [])
   if ix.g.eqns[i].name != prim or len(ops) != 1:  # No parameter, or a product of two.
     return None
@@ -82,22 +62,20 @@ def only_consumer(ix, key):
 
 
 def added_leaf(ix, key, claimed, shared: bool = False):
-  """`(leaf, chain, operand atom, add equation)` if the only use of `key` adds to it, without
-  broadcasting it, a view of an unclaimed leaf used once (any number of times with `shared`)."""
+  """`(leaf, chain, atom, add)` if `key`'s only use adds a `single_use_leaf` view, not broadcast."""
   use = only_consumer(ix, key)
   if use is None or ix.g.eqns[use[0]].name != "add":
     return None
   fe = ix.g.eqns[use[0]]
   atom = fe.ins[1 - use[1]]
   found = single_use_leaf(ix, atom, claimed, shared)
-  if found is None or fe.outs[0][1].aval.shape != key[1].aval.shape:
+  if found is None or _graph.shape_of(fe.outs[0]) != _graph.shape_of(key):
     return None
   return *found, atom, fe
 
 
 def _trailing_feature_shape(leaf_shape, chain, view_shape, out_shape):
-  """The trailing axes of `out_shape` a parameter spans when broadcast over the leading ones;
-  None when it is transposed or broadcast along a trailing axis."""
+  """The trailing axes of `out_shape` a parameter spans, broadcast over the leading ones."""
   n, nd = math.prod(leaf_shape), len(out_shape)
   if len(view_shape) > nd or any(s.op in ("transpose", "gather") for s in chain):
     return None
@@ -161,8 +139,7 @@ def stacked_feature_block(leaf_shape, chain, view_shape, out_shape):
 
 
 def _operand_index(leaf_shape, chain, view_shape, out_shape) -> np.ndarray | None:
-  """The leaf entry each operand entry reads, padded to `out_shape`'s rank and collapsed
-  (`_collapse`); None if it does not broadcast to `out_shape`."""
+  """The leaf entry each operand entry reads, padded to `out_shape`'s rank and `_collapse`d."""
   idx = index_of_view(leaf_shape, chain)
   nd = len(out_shape)
   if tuple(idx.shape) != tuple(view_shape) or idx.ndim > nd:
@@ -183,8 +160,7 @@ def _collapse(idx: np.ndarray) -> np.ndarray:
 
 
 def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
-  """`(a, b)` if `idx` (collapsed) is `arange(n)` laid over the axes `a..b-1` of `out_shape` in
-  row-major order and constant along every other axis; else None."""
+  """`(a, b)` if `idx` (collapsed) is `arange(n)` laid over the axes `a..b-1` of `out_shape`."""
   axes = [d for d in range(idx.ndim) if idx.shape[d] > 1]
   if not axes:
     return None
@@ -195,40 +171,19 @@ def _block_of(idx: np.ndarray, out_shape, n: int) -> tuple[int, int] | None:
   return (a, b) if np.array_equal(np.broadcast_to(idx, want.shape), want) else None
 
 
-# Layout-only operations an output may pass through before its bias (vmap's unit axes).
-_OUTPUT_VIEW_OPS = {
-  **dict.fromkeys(("reshape", "squeeze"), "reshape"),
-  **dict.fromkeys(("convert_element_type", "copy", "copy_p"), "cast"),
-  "transpose": "transpose",
-  "broadcast_in_dim": "broadcast",
-}
-
-
-def _moved(idx: np.ndarray, fe) -> np.ndarray:
-  """`idx` moved by the layout-only equation `fe` (`_OUTPUT_VIEW_OPS`)."""
-  perm = fe.params.get("permutation", fe.params.get("broadcast_dimensions", ()))
-  step = ViewStep(_OUTPUT_VIEW_OPS[fe.name], (), tuple(fe.outs[0][1].aval.shape), tuple(perm))
-  return _view(idx, (step,))
-
-
 def index_of_view(shape, chain) -> np.ndarray:
   """Which entry (flat index) of a parameter of `shape` each entry of its view by `chain` reads."""
   return _view(np.arange(math.prod(shape)).reshape(shape), chain)
 
 
 def _view(idx: np.ndarray, chain) -> np.ndarray:
+  """`apply_view`, broadcasts included."""
   for st in chain:
-    if st.op == "transpose":
-      idx = idx.transpose(st.perm)
-    elif st.op == "broadcast":
-      expanded = idx.reshape(
-        [idx.shape[st.perm.index(d)] if d in st.perm else 1 for d in range(len(st.out_shape))]
-      )
-      idx = np.broadcast_to(expanded, st.out_shape)
-    elif st.op == "reshape":
-      idx = idx.reshape(st.out_shape)
-    elif st.op == "gather":
-      idx = idx[st.gathered_rows()]
+    if st.op != "broadcast":
+      idx = apply_view((st,), idx)
+      continue
+    shape = [idx.shape[st.perm.index(d)] if d in st.perm else 1 for d in range(len(st.out_shape))]
+    idx = np.broadcast_to(idx.reshape(shape), st.out_shape)
   return idx
 
 
@@ -241,11 +196,11 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
     if use is None:
       return None
     fe = ix.g.eqns[use[0]]
-    out_shape = tuple(fe.outs[0][1].aval.shape)
-    if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
+    out_shape = _graph.shape_of(fe.outs[0])
+    if fe.name in _graph.VIEW_OPS and use[1] == 0:
       if fe.name == "broadcast_in_dim" and math.prod(out_shape) != idx.size:
         return None
-      idx, key = _moved(idx, fe), fe.outs[0]
+      idx, key = _view(idx, (_graph.view_step(fe),)), fe.outs[0]
       continue
     found = single_use_leaf(ix, fe.ins[1 - use[1]], claimed, shared) if fe.name == "add" else None
     if found is None or len(fe.ins) != 2:
@@ -261,14 +216,12 @@ def follow_bias(ix, key, feature_of: np.ndarray, claimed, shared: bool = False):
   return None
 
 
-# --------------------------------------------------------------------------------------------
 # Dense layers: `dot_general(x, kernel)` without batch dimensions, the kernel a (viewed) leaf
 # read as the `[in, out]` matrix of its contracted then free axes, and an optional bias.
 
 
 def dot_dims(dimension_numbers, k_pos: int):
-  """`(k_contract, x_contract, k_batch, x_batch)` of a `dot_general` whose kernel is operand
-  `k_pos` (0: lhs, 1: rhs) and whose activation is the other operand."""
+  """`(k_contract, x_contract, k_batch, x_batch)` of a `dot_general`, the kernel operand `k_pos`."""
   (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
   k_c, x_c, k_b, x_b = (rhs_c, lhs_c, rhs_b, lhs_b) if k_pos == 1 else (lhs_c, rhs_c, lhs_b, rhs_b)
   return tuple(map(int, k_c)), tuple(map(int, x_c)), tuple(map(int, k_b)), tuple(map(int, x_b))
@@ -277,9 +230,9 @@ def dot_dims(dimension_numbers, k_pos: int):
 def dense_product(
   k_shape, x_shape, k_contract, x_contract, k_pos, kernel_view=(), batch_size=None, x_batch=None
 ):
-  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions, else None: the
-  kernel (operand `k_pos`) read as the `[in, out]` matrix of its contracted then free axes, the
-  activation as `[rows, in]`, its batch axis (`x_batch`, else by size) moved first."""
+  """`(DenseInfo, k_free, x_free)` of a `dot_general` without batch dimensions: the kernel as
+  `[contracted, free]`, the activation as `[rows, in]`, its batch axis (`x_batch`, else by size)
+  first."""
   k_free = tuple(d for d in range(len(k_shape)) if d not in k_contract)
   x_free = tuple(d for d in range(len(x_shape)) if d not in x_contract)
   if not k_free or not k_contract:
@@ -315,14 +268,12 @@ def dense_use(ix, i, k_pos):
   _, k_chain = ix.origin[k_atom]
   if any(s.op not in ("reshape", "transpose", "cast") for s in k_chain):
     return None
-  k_contract, x_contract, k_batch, x_batch = dot_dims(fe.params["dimension_numbers"], k_pos)
-  if k_batch or x_batch:
+  k_c, x_c, k_b, x_b = dot_dims(fe.params["dimension_numbers"], k_pos)
+  if k_b or x_b:
     return None  # Batched products (e.g. per-head weights) are not dense layers.
-  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = _graph.shape_of(k_atom), _graph.shape_of(x_atom)
   x_axis = followed_batch_axis(ix, x_atom)
-  found = dense_product(
-    k_shape, x_shape, k_contract, x_contract, k_pos, k_chain, ix.batch_size, x_axis
-  )
+  found = dense_product(k_shape, x_shape, k_c, x_c, k_pos, k_chain, ix.batch_size, x_axis)
   return None if found is None else (found[0], x_atom, k_shape, found[1])
 
 
@@ -349,15 +300,13 @@ def match_dense(ix, i, claimed):
 
 
 def constant_input_tap(ix, key, info: DenseInfo):
-  """`(tap, info with its shared_tap)` of a dense use whose input comes from parameters and
-  constants alone (`_batch_broadcast_tap`, else `hoisted_tap`); else None."""
+  """`(tap, info with its shared_tap)` of a dense use whose input is made of parameters alone."""
   found = _batch_broadcast_tap(ix, key, info)
   return found if found is not None else hoisted_tap(ix, key, info)
 
 
 def _shared_tap_bytes(info: DenseInfo, s_shape, entries: np.ndarray) -> bytes:
-  """`DenseInfo.shared_tap` for a tap whose entries read the product-output entries `entries`
-  (flat indices into `s_shape`): their positions in the `[rows, out]` matrix (`out_perm`)."""
+  """`DenseInfo.shared_tap`: the positions in `[rows, out]` of product-output entries `entries`."""
   n = math.prod(s_shape)
   where = np.empty(n, np.int64)
   where[np.arange(n).reshape(s_shape).transpose(info.out_perm).reshape(-1)] = np.arange(n)
@@ -365,12 +314,11 @@ def _shared_tap_bytes(info: DenseInfo, s_shape, entries: np.ndarray) -> bytes:
 
 
 def hoisted_tap(ix, key, info: DenseInfo):
-  """`(HoistedTap, info with its shared_tap)` of a dense use whose output `key` is computed once
-  for every example (hoisted by `jax.vmap`) and reaches the batched computation through layout
-  operations, then elementwise equations that broadcast it along their batch axis; else None."""
+  """`(HoistedTap, info with its shared_tap)` of a dense output `key` computed once for every
+  example (hoisted by `jax.vmap`), then broadcast along the batch by elementwise equations."""
   if key in ix.from_batch:
     return None
-  s_shape, outputs = tuple(key[1].aval.shape), {a for a in ix.g.outvars if _graph.is_key(a)}
+  s_shape, outputs = _graph.shape_of(key), {a for a in ix.g.outvars if _graph.is_key(a)}
   todo = [(key, np.arange(math.prod(s_shape)).reshape(s_shape))]
   taps, size = [], None  # Per key the batch reads: (key, batch axis, shape, entries).
   while todo:
@@ -379,17 +327,17 @@ def hoisted_tap(ix, key, info: DenseInfo):
     if not any(ix.g.eqns[i].outs[0] in ix.from_batch for i, _ in readers):
       for i, pos in readers:  # Still computed once for all examples: only layout operations.
         fe = ix.g.eqns[i]
-        if fe.name not in _OUTPUT_VIEW_OPS or pos != 0:
+        if fe.name not in _graph.VIEW_OPS or pos != 0:
           return None
-        todo.append((fe.outs[0], _moved(idx, fe)))
+        todo.append((fe.outs[0], _view(idx, (_graph.view_step(fe),))))
       continue
     if k in outputs or k in ix.g.scan_positions:
       return None  # A perturbation of another shape would change an output or a scan's step.
-    k_shape, found = tuple(k[1].aval.shape), set()
+    k_shape, found = _graph.shape_of(k), set()
     for i, _ in readers:
       fe = ix.g.eqns[i]
       out = fe.outs[0]
-      tag, out_shape = ix.batch_axes.get(out), tuple(out[1].aval.shape)
+      tag, out_shape = ix.batch_axes.get(out), _graph.shape_of(out)
       if (
         fe.name not in _batch_axes.ELEMENTWISE
         or out not in ix.from_batch
@@ -416,9 +364,8 @@ def hoisted_tap(ix, key, info: DenseInfo):
 
 
 def _batch_broadcast_tap(ix, key, info: DenseInfo):
-  """`(tap key, info with its shared_tap)` of a dense layer whose output `key` reaches the batch
-  only through layout ops and a broadcast over a leading batch axis (`x + table @ w`)."""
-  s_shape = tuple(key[1].aval.shape)
+  """`(tap key, info with its shared_tap)` of a dense output broadcast over the batch."""
+  s_shape = _graph.shape_of(key)
   idx = np.arange(math.prod(s_shape)).reshape(s_shape)
   for _ in range(16):
     shape = tuple(idx.shape)
@@ -431,9 +378,9 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
     if use is None:
       return None
     fe = ix.g.eqns[use[0]]
-    out_shape = tuple(fe.outs[0][1].aval.shape)
-    if fe.name in _OUTPUT_VIEW_OPS and use[1] == 0:
-      idx = _moved(idx, fe)
+    out_shape = _graph.shape_of(fe.outs[0])
+    if fe.name in _graph.VIEW_OPS and use[1] == 0:
+      idx = _view(idx, (_graph.view_step(fe),))
     elif fe.name == "add" and len(fe.ins) == 2 and len(out_shape) == idx.ndim:
       if any(a not in (1, b) for a, b in zip(idx.shape, out_shape)):
         return None
@@ -445,8 +392,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
 
 
 def _kernel_beside_param(ix, i):
-  """`(kernel leaf, operand position)` if equation i is a `dot_general` of a single-use kernel
-  with another leaf tiled over the batch (a learned probe) or projected before it is."""
+  """`(kernel leaf, position)` of a single-use kernel times a learned probe (tiled or projected)."""
   fe = ix.g.eqns[i]
   ops = ix.uses_by_eqn.get(i, [])
   if fe.name != "dot_general" or len(ops) != 2 or ops[0][0] == ops[1][0]:
@@ -455,7 +401,7 @@ def _kernel_beside_param(ix, i):
     x_atom = fe.ins[x_pos]
     if len(ix.uses.get(k_leaf, [])) != 1 or x_atom in ix.param_only:
       continue
-    x_shape = tuple(_graph.aval_of(x_atom).shape)
+    x_shape = _graph.shape_of(x_atom)
     if len(x_shape) < 2 or x_shape[0] != ix.batch_size or ix.batch_size < 2:
       continue
     idx = index_of_view(ix.shapes[ix.origin[x_atom][0]], ix.origin[x_atom][1])
@@ -468,13 +414,12 @@ def _kernel_beside_param(ix, i):
 
 
 def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = False):
-  """`(bias leaf, output key)` of a parameter added to a dense product's output `s_key` along
-  its output features, else None."""
-  free_shape, out_shape = tuple(k_shape[d] for d in k_free), tuple(s_key[1].aval.shape)
+  """`(bias leaf, output key)` of a parameter added to the product `s_key` along its features."""
+  free_shape, out_shape = tuple(k_shape[d] for d in k_free), _graph.shape_of(s_key)
   found = added_leaf(ix, s_key, claimed, shared) if k_pos == 1 else None
   if found is not None:  # `out + b`, b `[..., *free_shape]` over the leading axes.
     b_leaf, b_chain, other, fe = found
-    b_shape = tuple(_graph.aval_of(other).shape)
+    b_shape = _graph.shape_of(other)
     lead = len(b_shape) - len(free_shape)
     if (
       not any(s.op in ("transpose", "gather") for s in b_chain)
@@ -492,12 +437,12 @@ def match_dense_bias(ix, s_key, k_pos, k_shape, k_free, claimed, shared: bool = 
   return None if bias is None else (bias[0], s_key)
 
 
-# --------------------------------------------------------------------------------------------
 # Convolutions: `conv_general_dilated(x, kernel)`, the kernel a (viewed) leaf, any dimension
 # numbers, feature groups (`batch_group_count` 1), and an optional bias along the out channels.
 
 
-def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
+def _conv_info(chain, params, x_atom, k_atom, out_shape) -> ConvInfo:
+  x_shape, k_shape = _graph.shape_of(x_atom), _graph.shape_of(k_atom)
   dn = params["dimension_numbers"]
   lhs, rhs, out = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
   ints = lambda name: tuple(int(s) for s in params[name])
@@ -519,9 +464,8 @@ def _conv_info(chain, params, x_shape, k_shape, out_shape) -> ConvInfo:
   )
 
 
-def conv_use(ix, i, claimed, shared: bool = False):
-  """`(ConvInfo, kernel leaf, (x atom,), output key, bias leaf or None)` if equation i convolves
-  an activation with a (viewed) parameter kernel (with `shared`, used elsewhere too)."""
+def match_conv(ix, i, claimed, shared: bool = False):
+  """A convolution of an activation by a kernel leaf used once (any times if `shared`), its bias."""
   fe = ix.g.eqns[i]
   if fe.name != "conv_general_dilated" or fe.params.get("batch_group_count", 1) != 1:
     return None
@@ -533,14 +477,13 @@ def conv_use(ix, i, claimed, shared: bool = False):
   if any(s.op not in ("reshape", "transpose", "cast") for s in chain):
     return None
   x_atom, out_key = fe.ins[0], fe.outs[0]
-  out_shape = tuple(out_key[1].aval.shape)
-  x_shape, k_shape = _graph.aval_of(x_atom).shape, _graph.aval_of(fe.ins[1]).shape
-  info = _conv_info(chain, fe.params, x_shape, k_shape, out_shape)
+  out_shape = _graph.shape_of(out_key)
+  info = _conv_info(chain, fe.params, x_atom, fe.ins[1], out_shape)
   c = info.out_channels
   bias = added_leaf(ix, out_key, claimed, shared)
   if bias is not None:  # `out + b`, b `[C]` along the output channels.
     b_leaf, b_chain, atom, add = bias
-    b_shape = tuple(_graph.aval_of(atom).shape)
+    b_shape = _graph.shape_of(atom)
     b_shape = (1,) * (len(out_shape) - len(b_shape)) + b_shape
     if (
       math.prod(ix.shapes[b_leaf]) == c
@@ -548,32 +491,23 @@ def conv_use(ix, i, claimed, shared: bool = False):
       and len(b_shape) == len(out_shape)
       and b_shape[info.out_spec[1]] == c
     ):
-      return info, k_leaf, (x_atom,), add.outs[0], b_leaf
+      return Match.single("conv", [k_leaf, b_leaf], info, add.outs[0], (x_atom,))
   # A broadcast bias, or one behind layout ops; the tap stays at the conv.
   shape = [1] * len(out_shape)
   shape[info.out_spec[1]] = c
   channel = np.broadcast_to(np.arange(c).reshape(shape), out_shape)
   bias = follow_bias(ix, out_key, channel, claimed, shared)
-  return info, k_leaf, (x_atom,), out_key, None if bias is None else bias[0]
+  leaves = [k_leaf] if bias is None else [k_leaf, bias[0]]
+  return Match.single("conv", leaves, info, out_key, (x_atom,))
 
 
-def match_conv(ix, i, claimed):
-  return _one_use("conv", conv_use(ix, i, claimed))
-
-
-# --------------------------------------------------------------------------------------------
 # Scales and shifts: `x * scale (+ shift)` and `x + shift`, the parameters spanning consecutive
 # axes of the output broadcast along the others; a second multiplication by an activation
 # right after the scale is folded in (Flax's norms: `(x - mean) * (rsqrt(var + eps) * scale)`).
 
 
-def match_scale_and_shift(ix, i, claimed):
-  return _one_use("scale_and_shift", scale_shift_use(ix, i, claimed))
-
-
 def scale_shift_operands(ix, i, claimed, shared: bool = False):
-  """`(leaf, parameter atom, input atoms, output key)` if equation i multiplies an activation by
-  a parameter (a second product by an activation right after it folded in) or adds one to it."""
+  """`(leaf, parameter atom, inputs, output key)` of `x * p` (a next `* y` folded in) or `x + p`."""
   fe = ix.g.eqns[i]
   ops = ix.uses_by_eqn.get(i, [])
   if fe.name not in ("mul", "add") or len(fe.ins) != 2 or len(ops) != 1:
@@ -594,22 +528,21 @@ def scale_shift_operands(ix, i, claimed, shared: bool = False):
       y = nxt.ins[1 - use[1]]
       if _graph.is_key(y) and y not in ix.origin:
         inputs, out_key = (other, y), nxt.outs[0]
-  elif tuple(_graph.aval_of(other).shape) != tuple(out_key[1].aval.shape):
+  elif _graph.shape_of(other) != _graph.shape_of(out_key):
     return None  # A shift must not broadcast the activation.
-  if not tuple(out_key[1].aval.shape):
+  if not _graph.shape_of(out_key):
     return None
   return leaf, fe.ins[pos], inputs, out_key
 
 
-def scale_shift_use(ix, i, claimed, shared: bool = False):
-  """`(ScaleShiftInfo, leaf, input atoms, output key, shift leaf or None)` of a scale (and its
-  shift) or shift at equation i; without an axis of examples, rows from `node_rows`."""
+def match_scale_and_shift(ix, i, claimed, shared: bool = False):
+  """A scale (and its shift) or a shift at equation i, its rows examples or `node_rows`."""
   found = scale_shift_operands(ix, i, claimed, shared)
   if found is None:
     return None
   leaf, atom, inputs, out_key = found
-  chain, out_shape = ix.origin[atom][1], tuple(out_key[1].aval.shape)
-  block = feature_block(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape)
+  chain, out_shape = ix.origin[atom][1], _graph.shape_of(out_key)
+  block = feature_block(ix.shapes[leaf], chain, _graph.shape_of(atom), out_shape)
   index = b""
   if block is None and ix.g.eqns[i].name == "add":
     rows = indexed_features(ix.shapes[leaf], index_of_view(ix.shapes[leaf], chain), out_shape)
@@ -620,7 +553,6 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
   axis, feat = block
   followed = followed_batch_axis(ix, out_key)
   batch_axis = batch_axis_of(out_shape, axis, len(feat), ix.batch_size, followed)
-  example_rows = batch_axis is not None
   if batch_axis is None and (shared or not node_rows(ix, out_shape, axis)):
     return None
   is_mul = ix.g.eqns[i].name == "mul"
@@ -633,19 +565,19 @@ def scale_shift_use(ix, i, claimed, shared: bool = False):
     output_shape=out_shape,
     feature_axis=axis,
     batch_axis=0 if batch_axis is None else batch_axis,
-    example_rows=example_rows,
+    example_rows=batch_axis is not None,
     feature_index=index,
   )
-  return info, leaf, inputs, out_key, shift_leaf
+  leaves = [leaf] if shift_leaf is None else [leaf, shift_leaf]
+  return Match.single("scale_and_shift", leaves, info, out_key, inputs)
 
 
 def node_rows(ix, out_shape, feature_axis) -> bool:
-  """Whether the leading axis of `out_shape`, outside the features, has the length of the
-  leading axis of a batch input without a found batch axis (the nodes of a batch of graphs)."""
+  """Whether `out_shape` leads with a batch input's unfollowed leading axis (a graph's nodes)."""
   if len(out_shape) < 2 or feature_axis == 0:
     return False
   return any(
-    tuple(key[1].aval.shape[:1]) == out_shape[:1] and ix.batch_axes.get(key) is None
+    _graph.shape_of(key)[:1] == out_shape[:1] and ix.batch_axes.get(key) is None
     for key in ix.g.invars[ix.n_params :]
   )
 
@@ -672,8 +604,7 @@ def followed_batch_axis(ix, atom) -> int | None:
 
 
 def batch_axis_of(out_shape, feature_axis, n_feat: int, batch_size: int, followed) -> int | None:
-  """The batch axis of a scale-and-shift output, or None: `followed` (from the batch inputs)
-  when it lies outside the features, else `batch_position` over the axes outside them."""
+  """The batch axis outside a scale's features: `followed` if there, else by `batch_position`."""
   start = len(out_shape) - n_feat if feature_axis is None else feature_axis
   outside = [a for a in range(len(out_shape)) if not start <= a < start + n_feat]
   if followed is not None and followed in outside:
@@ -682,20 +613,17 @@ def batch_axis_of(out_shape, feature_axis, n_feat: int, batch_size: int, followe
   return None if found is None else outside[found]
 
 
-def match_shift(ix, key, out_shape, block, claimed, shared: bool = False, how=None):
-  """`(shift leaf, key of the sum)` of a parameter added to `key` over the same axes as the
-  scale (`block`, as `how` reads it: `feature_block` unless given); else None."""
+def match_shift(ix, key, out_shape, block, claimed, shared: bool = False, how=feature_block):
+  """`(shift leaf, key of the sum)` of a parameter added to `key` over the scale's `block`."""
   found = added_leaf(ix, key, claimed, shared)
   if found is None:
     return None
   leaf, chain, atom, fe = found
-  how = feature_block if how is None else how
-  if how(ix.shapes[leaf], chain, tuple(_graph.aval_of(atom).shape), out_shape) != block:
+  if how(ix.shapes[leaf], chain, _graph.shape_of(atom), out_shape) != block:
     return None  # The shift must span the scale's axes.
   return leaf, fe.outs[0]
 
 
-# --------------------------------------------------------------------------------------------
 # Manual tags.
 
 
@@ -728,7 +656,7 @@ def tag_output(ix, fe, fn: str) -> tuple[Any, tuple[int, ...]]:
     raise RegistrationError(
       f"{fn}: the layer output `y` is a constant, not computed from the input."
     )
-  return y, tuple(_graph.aval_of(y).shape)
+  return y, _graph.shape_of(y)
 
 
 def tag_leaf(ix, atom, what: str, fn: str, broadcast: bool = False):
@@ -754,8 +682,7 @@ def read_conv_tag(ix, fe) -> Match:
   leaves = [k_leaf]
   if len(fe.ins) > 3:
     leaves.append(tag_leaf(ix, fe.ins[3], "bias", "register_conv")[0])
-  x_shape, k_shape = _graph.aval_of(x).shape, _graph.aval_of(kernel).shape
-  info = _conv_info(chain, fe.params, x_shape, k_shape, y_shape)
+  info = _conv_info(chain, fe.params, x, kernel, y_shape)
   return Match.single("conv", leaves, info, y, (x,))
 
 
@@ -770,7 +697,7 @@ def read_embedding_tag(ix, fe) -> Match:
       f"{fn}: `table` (`{ix.paths[t_leaf]}`) is reshaped or transposed before "
       "the tag; pass the [vocab, dim] parameter itself."
     )
-  t_shape = _graph.aval_of(table).shape
+  t_shape = _graph.shape_of(table)
   info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
   return Match.single("embedding", [t_leaf], info, y, (ids,))
 
@@ -788,7 +715,7 @@ def read_scale_and_shift_tag(ix, fe) -> Match:
   has = [fe.params["has_scale"], fe.params["has_shift"]]
   for atom, what in zip(fe.ins[2:], [n for n, h in zip(("scale", "shift"), has) if h]):
     j, chain = tag_leaf(ix, atom, what, fn, broadcast=True)
-    f = _trailing_feature_shape(ix.shapes[j], chain, tuple(_graph.aval_of(atom).shape), y_shape)
+    f = _trailing_feature_shape(ix.shapes[j], chain, _graph.shape_of(atom), y_shape)
     if f is None or len(f) == len(y_shape):
       raise RegistrationError(
         f"{fn}: `{what}` (`{ix.paths[j]}`, shape {ix.shapes[j]}) does not span "
@@ -810,7 +737,7 @@ def read_dense_tag(ix, fe) -> Match:
   x, kernel = fe.ins[1], fe.ins[2]
   k_leaf, k_chain = tag_leaf(ix, kernel, "kernel", "register_dense")
   leaves = [k_leaf]
-  k_shape = _graph.aval_of(kernel).shape
+  k_shape = _graph.shape_of(kernel)
   if len(fe.ins) > 3:
     b_leaf, _ = leaf_for_operand(ix, fe.ins[3], "bias", "register_dense")
     if math.prod(ix.shapes[b_leaf]) != k_shape[1]:
@@ -819,6 +746,6 @@ def read_dense_tag(ix, fe) -> Match:
         f"not match the {k_shape[1]} outputs of kernel `{ix.paths[k_leaf]}`."
       )
     leaves.append(b_leaf)
-  x_shape = tuple(_graph.aval_of(x).shape)  # `[rows..., in]` times the `[in, out]` kernel.
+  x_shape = _graph.shape_of(x)  # `[rows..., in]` times the `[in, out]` kernel.
   info = dense_product(k_shape, x_shape, (0,), (len(x_shape) - 1,), 1, k_chain)
   return Match.single("dense", leaves, info[0], y, (x,))

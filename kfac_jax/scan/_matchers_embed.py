@@ -14,22 +14,19 @@ from kfac_jax._specs import EmbeddingInfo, ScaleShiftInfo
 from kfac_jax.scan import _graph, _matchers
 
 
-def _table_match(leaf, use) -> _matchers.Match | None:
-  """The `Match` of a table `leaf` read by `use`, `(EmbeddingInfo, ids atom, output key)`."""
-  if use is None:
-    return None
-  info, ids, out_key = use
-  return _matchers.Match.single("embedding", [leaf], info, out_key, (ids,))
-
-
 def _table(ix, atom) -> EmbeddingInfo | None:
   """The `EmbeddingInfo` of `atom` when it is a 2-d parameter view (casts only), else None."""
   if not _graph.is_key(atom) or atom not in ix.origin:
     return None
-  chain, shape = ix.origin[atom][1], _graph.aval_of(atom).shape
+  chain, shape = ix.origin[atom][1], _graph.shape_of(atom)
   if any(s.op != "cast" for s in chain) or len(shape) != 2:
     return None
   return EmbeddingInfo(tuple(chain), int(shape[0]), int(shape[1]))
+
+
+def _lookup(ix, table, info, ids, out_key) -> _matchers.Match:
+  """The embedding layer of the table view `table` looked up at `ids`."""
+  return _matchers.Match.single("embedding", [ix.origin[table][0]], info, out_key, (ids,))
 
 
 def match_embedding(ix, i, claimed):
@@ -38,17 +35,16 @@ def match_embedding(ix, i, claimed):
   if ix.g.eqns[i].name != "gather" or len(ops) != 1 or ops[0][1] != 0:
     return None
   found = _matchers.single_use_leaf(ix, ix.g.eqns[i].ins[0], claimed)
-  return None if found is None else _table_match(found[0], embedding_use(ix, i))
+  return None if found is None else embedding_use(ix, i)
 
 
-def embedding_use(ix, i):
-  """`(EmbeddingInfo, ids atom, output key)` if equation i takes whole rows of a [vocab, dim]
-  parameter table (its operand 0), else None."""
+def embedding_use(ix, i) -> _matchers.Match | None:
+  """The lookup if equation i takes whole rows of a [vocab, dim] parameter table (operand 0)."""
   fe = ix.g.eqns[i]
   info = _table(ix, fe.ins[0]) if fe.name == "gather" else None
   if info is None:
     return None
-  idx_shape, out_shape = tuple(_graph.aval_of(fe.ins[1]).shape), tuple(fe.outs[0][1].aval.shape)
+  idx_shape, out_shape = _graph.shape_of(fe.ins[1]), _graph.shape_of(fe.outs[0])
   dn = fe.params["dimension_numbers"]
   if tuple(dn.start_index_map) == (0, 1):
     return _vmapped_row_use(ix, fe, info)
@@ -63,14 +59,13 @@ def embedding_use(ix, i):
     or out_shape != idx_shape[:-1] + (info.dim,)
   ):
     return None
-  return info, fe.ins[1], fe.outs[0]
+  return _lookup(ix, fe.ins[0], info, fe.ins[1], fe.outs[0])
 
 
 def _vmapped_row_use(ix, fe, info):
-  """`embedding_use` for `vmap` of `table[i]`: a gather of whole rows at index vectors
-  `concatenate([ids, column start], -1)` (clipped or in bounds), then a `squeeze`."""
+  """`embedding_use` for `vmap` of `table[i]`: rows at `concatenate([ids, 0], -1)`, squeezed."""
   dn = fe.params["dimension_numbers"]
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  out_shape = _graph.shape_of(fe.outs[0])
   nd = len(out_shape)
   mode = fe.params.get("mode")
   cat = _producer(ix, fe.ins[1])
@@ -86,14 +81,14 @@ def _vmapped_row_use(ix, fe, info):
     or not _graph.is_key(cat.ins[0])
     or cat.params["dimension"] != nd - 2
     or len(cat.ins) != 2
-    or tuple(_graph.aval_of(cat.ins[0]).shape) != out_shape[:-2] + (1,)
+    or _graph.shape_of(cat.ins[0]) != out_shape[:-2] + (1,)
   ):
     return None
   use = _matchers.only_consumer(ix, fe.outs[0])
   sq = None if use is None else ix.g.eqns[use[0]]
   if sq is None or sq.name != "squeeze" or tuple(sq.params["dimensions"]) != (nd - 2,):
     return None
-  return info, cat.ins[0], sq.outs[0]
+  return _lookup(ix, fe.ins[0], info, cat.ins[0], sq.outs[0])
 
 
 def match_one_hot_embedding(ix, i, claimed):
@@ -101,12 +96,11 @@ def match_one_hot_embedding(ix, i, claimed):
   table = _matchers.sole_param_operand(ix, i, "dot_general")
   if table is None or table[1] != 1 or table[0] in claimed:
     return None
-  return _table_match(table[0], one_hot_embedding_use(ix, i))
+  return one_hot_embedding_use(ix, i)
 
 
-def one_hot_embedding_use(ix, i):
-  """`(EmbeddingInfo, ids atom, output key)` if equation i is `one_hot(ids, vocab) @ table` with
-  `table` a (cast) `[vocab, dim]` parameter on the right; else None."""
+def one_hot_embedding_use(ix, i) -> _matchers.Match | None:
+  """The lookup if equation i is `one_hot(ids, vocab) @ table` (a cast `[vocab, dim]` table)."""
   fe = ix.g.eqns[i]
   info = _table(ix, fe.ins[1]) if fe.name == "dot_general" else None
   if info is None:
@@ -115,18 +109,17 @@ def one_hot_embedding_use(ix, i):
   if lhs_b or rhs_b or tuple(rhs_c) != (0,) or len(lhs_c) != 1:
     return None
   ids = one_hot_ids(ix, fe.ins[0], int(lhs_c[0]), info.vocab_size)
-  return None if ids is None else (info, ids, fe.outs[0])
+  return None if ids is None else _lookup(ix, fe.ins[1], info, ids, fe.outs[0])
 
 
 def one_hot_ids(ix, atom, axis: int, vocab: int):
-  """The integer ids if `atom` is `cast(ids == iota)`, a one-hot encoding of `vocab` entries on
-  `axis` (the ids without that axis, or with it of size 1); else None."""
+  """The integer ids if `atom` is `cast(ids == iota)`, a one-hot of `vocab` entries on `axis`."""
   fe = _producer(ix, atom)
   while fe is not None and fe.name in ("convert_element_type", "copy", "copy_p"):
     fe = _producer(ix, fe.ins[0])
   if fe is None or fe.name != "eq":
     return None
-  shape = tuple(fe.outs[0][1].aval.shape)
+  shape = _graph.shape_of(fe.outs[0])
   if axis >= len(shape) or shape[axis] != vocab:
     return None
   squeezed = shape[:axis] + (1,) + shape[axis + 1 :]
@@ -134,7 +127,7 @@ def one_hot_ids(ix, atom, axis: int, vocab: int):
     if _iota_axis(ix, fe.ins[pos]) != (axis, vocab):
       continue
     ids = fe.ins[1 - pos]
-    ids_shape = tuple(_graph.aval_of(ids).shape)
+    ids_shape = _graph.shape_of(ids)
     if ids_shape != squeezed:  # Broadcast along the vocabulary: look through the broadcast.
       b = _producer(ix, ids)
       if (
@@ -153,8 +146,7 @@ def one_hot_ids(ix, atom, axis: int, vocab: int):
 
 
 def _iota_axis(ix, atom) -> tuple[int, int] | None:
-  """`(axis, n)` if `atom` holds 0, 1, ..., n-1 along `axis` and is constant along the others:
-  an `iota` or a constant such as `np.arange`, through casts and `broadcast_in_dim`."""
+  """`(axis, n)` if `atom` is 0, ..., n-1 along `axis` (an `iota`, `np.arange`, cast, broadcast)."""
   value = _graph.constant_value(ix.const_values, atom)
   if value is not None:
     if not np.issubdtype(value.dtype, np.number):
@@ -190,8 +182,7 @@ def _producer(ix, atom):
 
 
 def match_batch_tokens(ix, i, claimed):
-  """Learned tokens: every use of an unclaimed leaf reads one view of it whose leading axis is
-  the batch, which the leaf does not span: a shift-only layer `0 + tokens`."""
+  """Learned tokens: an unclaimed leaf read only as one view broadcast over the batch (`0 + t`)."""
   fe = ix.g.eqns[i]
   for leaf, pos in ix.uses_by_eqn.get(i, []):
     atom = fe.ins[pos]
@@ -206,9 +197,8 @@ def match_batch_tokens(ix, i, claimed):
 
 
 def batch_view_info(ix, leaf, atom) -> ScaleShiftInfo | None:
-  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` whose leading axis is the batch
-  and which is the same for every example; else None."""
-  view_shape = tuple(_graph.aval_of(atom).shape)
+  """The shift-only `ScaleShiftInfo` of `atom`, a view of `leaf` the same for every example."""
+  view_shape = _graph.shape_of(atom)
   if not view_shape or view_shape[0] != ix.batch_size:
     return None
   chain = ix.origin[atom][1]

@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 
 def match_shared(ix, leaf, claimed, shifts: bool = False):
-  """A `Match` with one entry per use of a leaf used only by dense products, lookups,
-  convolutions (one shared bias) or scales (shifts with `shifts`, after the scales); else None."""
+  """A `Match` per use of a leaf used only by dense products, lookups, convolutions or scales."""
   found: list[tuple] = []  # (kind, info, inputs, out_key, bias / shift leaf or None)
   products = {}  # Position in `found` of a dense use -> its product's output key.
   for i, pos in ix.uses[leaf]:
@@ -63,12 +62,10 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
 def _use(ix, i, pos, claimed, shifts):
   """`(kind, info, inputs, output key, bias / shift leaf or None)` of one use, or None."""
   fe = ix.g.eqns[i]
-  emb = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
-  if emb is None and fe.name == "gather" and pos == 0:
-    emb = _matchers_embed.embedding_use(ix, i)
-  if emb is not None:
-    return "embedding", emb[0], (emb[1],), emb[2], None
-  if fe.name == "dot_general":
+  m = _matchers_embed.one_hot_embedding_use(ix, i) if pos == 1 else None
+  if m is None and fe.name == "gather" and pos == 0:
+    m = _matchers_embed.embedding_use(ix, i)
+  if m is None and fe.name == "dot_general":
     d = _matchers.dense_use(ix, i, pos)
     if d is None:
       return None
@@ -76,19 +73,19 @@ def _use(ix, i, pos, claimed, shifts):
     bias = _matchers.match_dense_bias(ix, fe.outs[0], pos, k_shape, k_free, claimed, shared=True)
     b_leaf, out_key = bias if bias is not None else (None, fe.outs[0])
     return "dense", info, (x_atom,), out_key, b_leaf
-  if fe.name == "conv_general_dilated":
-    kind, m = "conv", _matchers.conv_use(ix, i, claimed, shared=True)
-  elif fe.name == "mul" or (fe.name == "add" and shifts):
-    kind, m = "scale_and_shift", _matchers.scale_shift_use(ix, i, claimed, shared=True)
-  else:
+  if m is None and fe.name == "conv_general_dilated":
+    m = _matchers.match_conv(ix, i, claimed, shared=True)
+  elif m is None and (fe.name == "mul" or (fe.name == "add" and shifts)):
+    m = _matchers.match_scale_and_shift(ix, i, claimed, shared=True)
+  if m is None:
     return None
-  return None if m is None else (kind, m[0], *m[2:])
+  extra = m.leaves[1] if len(m.leaves) > 1 else None
+  return m.kind, m.infos[0], m.inputs[0], m.outputs[0], extra
 
 
 def _tangent_uses(ix, found, kinds):
-  """`(found, bias leaf or None)` when the uses agree on the bias, else `(found, False)`. Dense
-  uses may add the bias or not: a layer applied to a point and to its tangents (the derivative
-  of `x W + b` along `dx` is `dx W`); those without it are marked `adds_bias=False`."""
+  """`(found, bias leaf or None)` when the uses agree on the bias, else `(found, False)`; dense
+  uses without it (tangents: `x W + b` along `dx` is `dx W`) are marked `adds_bias=False`."""
   biases = {f[4] for f in found}
   mixed = len(biases) == 2 and None in biases and kinds == {"dense"}
   if len(biases) != 1 and not mixed:
@@ -108,9 +105,8 @@ def _tangent_uses(ix, found, kinds):
 
 
 def _transposed_uses(found, shape, products):
-  """`found` with the uses that read the kernel matrix transposed (a reverse-mode backward pass,
-  `δa = δz Wᵀ`) marked `DenseInfo.transposed` and tapped at their product; None when a use
-  reads it otherwise. The matrix is the bias-adding uses' reading, else the first's."""
+  """`found` with the uses reading the kernel matrix (the bias-adding uses' reading) transposed
+  (`δa = δz Wᵀ`) marked `transposed`, tapped at their product; None for any other reading."""
   mats = [kernel_index_matrix(f[1], shape) for f in found]
   first = next((n for n, f in enumerate(found) if f[4] is not None), 0)
   canonical = mats[first]
@@ -127,8 +123,7 @@ def _transposed_uses(found, shape, products):
 
 
 def _layout(info, shape) -> tuple:
-  """What the uses of a shared dense, conv or scale-and-shift leaf must agree on: the kernel
-  matrix read (transposed back if marked), a convolution's kernel and channels, or the axes."""
+  """What the uses of a shared dense, conv or scale-and-shift leaf must agree on."""
   if isinstance(info, DenseInfo):
     m = kernel_index_matrix(info, shape)
     m = m.T if info.transposed else m

@@ -65,8 +65,7 @@ class ScanResult:
 
   @property
   def batch_size(self) -> int:
-    """N, the statistics' normalisation: the largest loss tag's batch (the curvature pass
-    rescales the others' output vectors)."""
+    """N, the statistics' normalisation: the largest loss tag's batch."""
     return max(spec.batch_size for spec in self.losses)
 
 
@@ -97,14 +96,12 @@ def scan(
   for pattern, cls in layers.blocks.items():
     _blocks.check_class(cls, f"LayerConfig.blocks[{pattern!r}]")
   paths = param_paths(params)
-  leaves, treedef = jax.tree_util.tree_flatten(params)
+  leaves = jax.tree.leaves(params)
   _check_dtypes(paths, leaves)
-  graph, aux_tree, separate = _trace(loss_fn, leaves, treedef, batch, has_aux)
+  graph, aux_tree, separate = _trace(loss_fn, params, batch, len(leaves), has_aux)
   losses, loss_operands = _losses(graph)
-  shapes = [tuple(np.shape(x)) for x in leaves]
-  roots = [ops[0] for ops in loss_operands]
-  batch_size = max(spec.batch_size for spec in losses)
-  ix = _index.build(graph, len(leaves), paths, shapes, roots, batch_size)
+  roots, shapes = [ops[0] for ops in loss_operands], [np.shape(x) for x in leaves]
+  ix = _index.build(graph, len(leaves), paths, shapes, roots, max(s.batch_size for s in losses))
   specs = _Scanner(ix, layers, strict, warn, collect).run()
   specs.sort(key=lambda s: min(s[0].leaf_indices))
   _check_custom_taps(graph, specs)
@@ -122,17 +119,9 @@ def scan(
   )
 
 
-def _trace(loss_fn, leaves, treedef, batch, has_aux):
-  """`(graph, aux treedef, separate_loss)` of `loss_fn` at the parameter `leaves` (`ScanResult`)."""
-  batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
-
-  def traced(fn):
-    def flat_fn(*flat):
-      p = jax.tree_util.tree_unflatten(treedef, flat[: len(leaves)])
-      return fn(p, jax.tree_util.tree_unflatten(batch_def, flat[len(leaves) :]))
-
-    return jax.make_jaxpr(flat_fn, return_shape=True)(*leaves, *batch_leaves)
-
+def _trace(loss_fn, params, batch, n_params: int, has_aux):
+  """`(graph, aux treedef, separate_loss)` of `loss_fn` at `(params, batch)` (`ScanResult`)."""
+  traced = lambda fn: jax.make_jaxpr(fn, return_shape=True)(params, batch)
   closed, out_shape = traced(loss_fn)
   out_avals = [a.aval for a in closed.jaxpr.outvars]
   if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
@@ -141,7 +130,7 @@ def _trace(loss_fn, leaves, treedef, batch, has_aux):
       f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
       "has_aux=True."
     )
-  graph = _graph.FlatGraph.from_closed_jaxpr(closed, len(leaves))
+  graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
   tagged = any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns)
   customs = _custom_calls(closed.jaxpr)
   # Rules may hold loss tags: trace `loss_fn` as jax.grad runs it, beside tags of the loss only
@@ -151,7 +140,7 @@ def _trace(loss_fn, leaves, treedef, batch, has_aux):
     closed_d, (_, out_d) = traced(_as_differentiated(loss_fn, has_aux, backward))
     outvars = closed_d.jaxpr.outvars[:1]
     closed_d = _compat.ClosedJaxpr(closed_d.jaxpr.replace(outvars=outvars), closed_d.consts)
-    derived = _graph.FlatGraph.from_closed_jaxpr(closed_d, len(leaves))
+    derived = _graph.FlatGraph.from_closed_jaxpr(closed_d, n_params)
     _check_rule_tags(graph, derived, out_shape, out_d)
     if not tagged:
       return derived, None, True
@@ -182,8 +171,7 @@ _NO_REVERSE = frozenset({"while", "pure_callback", "io_callback"})
 
 
 def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
-  """RegistrationError when a layer's output inside a custom-derivative call reaches the call's
-  outputs through an operation with no reverse-mode derivative."""
+  """RegistrationError: a layer output in a custom call reaches its outputs via `_NO_REVERSE`."""
   if not graph.customs:
     return
   where = {}
@@ -217,7 +205,7 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
   for fe in graph.eqns:
     if fe.eqn.primitive is not _tags.loss_tag_p:
       continue
-    p, shape = fe.params, tuple(_graph.aval_of(fe.ins[0]).shape)
+    p, shape = fe.params, _graph.shape_of(fe.ins[0])
     if p.get("under_vmap"):
       raise RegistrationError(
         f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
@@ -257,9 +245,8 @@ def _custom_calls(jaxpr) -> set[str]:
 
 
 def _as_differentiated(loss_fn: Callable, has_aux: bool, backward: bool) -> Callable:
-  """`loss_fn` run as `jax.grad` runs it (under `jax.vjp` in the parameters; with `backward`,
-  pulled back on a zero cotangent), so that the custom rules, called by JAX itself, bind their
-  loss tags. Returns a zero loss beside `loss_fn`'s outputs."""
+  """`loss_fn` under `jax.vjp` (pulled back on zeros with `backward`), so that the custom rules
+  bind their loss tags; returns a zero loss beside `loss_fn`'s outputs."""
 
   def fn(params, batch):
     f = lambda p: loss_fn(p, batch)
@@ -289,9 +276,8 @@ def _types(tree) -> str:
 
 
 def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, out_d) -> None:
-  """RegistrationError for loss tags both in custom rules (bound only in `derived`) and outside
-  them (in `graph`), and for tags outside the rules when a rule's primal outputs `out_d` differ
-  from the function's `out`."""
+  """RegistrationError for loss tags both in and outside custom rules, or outside them when a
+  rule's primal outputs `out_d` differ from the function's `out`."""
   inside, beside = _only_in(derived, graph), tag_names(graph)
   if inside and beside:
     raise RegistrationError(
@@ -305,12 +291,8 @@ def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, ou
       "the rule's, or delete the rule's tags; for a curvature function apart from the loss, "
       "pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
     )
-  treedef: Any = jax.tree_util.tree_structure(out)
-  same = treedef == jax.tree_util.tree_structure(out_d) and all(
-    (a.shape, a.dtype) == (b.shape, b.dtype)
-    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(out_d))
-  )
-  if beside and not same:
+  layout = lambda t: (jax.tree.structure(t), [(x.shape, x.dtype) for x in jax.tree.leaves(t)])
+  if beside and layout(out) != layout(out_d):
     raise RegistrationError(
       "a custom-derivative rule in loss_fn returns primal outputs of other shapes or dtypes "
       f"than its function: loss_fn returns {_types(out)} as traced, {_types(out_d)} as "
@@ -324,8 +306,7 @@ def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, ou
 
 
 def _only_in(graph: _graph.FlatGraph, other: _graph.FlatGraph) -> list[str]:
-  """The names (`tag_names`) of `graph`'s loss tags that `other` does not bind: the same kind,
-  prediction type and user call stack, counted."""
+  """The `tag_names` of `graph`'s loss tags `other` lacks (by kind, prediction and call stack)."""
 
   def sig(fe):
     where = _compat.source_frames(fe.eqn, _PACKAGE_DIR)
@@ -342,8 +323,7 @@ def _only_in(graph: _graph.FlatGraph, other: _graph.FlatGraph) -> list[str]:
 
 
 class _Scanner:
-  """One scan over a built index: runs the matchers in order (first claim wins: manual tags,
-  shared leaves, the passes of `_kinds.PASSES`), turns matches into specs."""
+  """Runs the matchers in order (first claim wins: manual tags, shared leaves, the passes)."""
 
   def __init__(self, ix: _index.GraphIndex, layer_config, strict, warn, collect):
     self.ix = ix
@@ -360,17 +340,15 @@ class _Scanner:
     manual_dense: dict[int, list[Any]] = {}
     for fe in ix.g.eqns:
       if fe.eqn.primitive is _tags.layer_tag_p:
-        found = self._manual(fe, claimed, manual_dense)
-        specs.extend([found] if found is not None else [])
-    for k_leaf, tags in manual_dense.items():
-      specs.append(self._manual_dense_layer(k_leaf, tags, claimed))
+        specs.extend(self._manual(fe, claimed, manual_dense))
+    specs.extend(self._manual_dense_layer(k, tags, claimed) for k, tags in manual_dense.items())
     for shifts in (False, True):
       for leaf in sorted(ix.uses):
         if leaf not in claimed and len(ix.uses[leaf]) > 1:
           match = _matchers_shared.match_shared(ix, leaf, claimed, shifts)
           if match is not None and not _without_batch_rows(ix, match):
             specs.append(self._accept(match, claimed))
-    for matchers in _PASSES:
+    for matchers in _kinds.passes():
       for i in sorted(ix.uses_by_eqn):
         for _ in ix.uses_by_eqn[i]:  # At most once per leaf the equation uses.
           # A match without rows per example is left to the fallback, with its reason.
@@ -386,8 +364,7 @@ class _Scanner:
     return self._user_blocks(self._cover(specs, claimed))
 
   def _cover(self, specs, claimed):
-    """`specs` with a generic layer per leaf left over: with the user's block where a
-    `LayerConfig.blocks` pattern names it, else the diagonal fallback (warned about)."""
+    """`specs` and a generic layer per leftover leaf: a `LayerConfig.blocks` one or a fallback."""
     ix = self.ix
     for j in range(ix.n_params):
       if j not in claimed and self.layer_config.block_for((ix.paths[j],))[0] is not None:
@@ -441,10 +418,9 @@ class _Scanner:
     return spec, outs, ins
 
   def _spec_of(self, match: _matchers.Match, approx=None, source="auto"):
-    """`(spec, output key(s), inputs)` of a match: one key and one input tuple for a single-use
-    layer, one per use for a shared one."""
+    """`(spec, output key(s), inputs)` of a match (keys and inputs per use if shared)."""
     kind, leaves = match.kind, list(match.leaves)
-    if match.num_uses > 1:
+    if len(match.infos) > 1:
       infos = match.infos
       if kind == "dense" and len(self.ix.loss_roots) > 1:  # Which tag each use feeds.
         reached = [_index.tags_reached(self.ix, k) for k in match.outputs]
@@ -561,19 +537,16 @@ class _Scanner:
       specs = kept + [(spec, None, None)]
     return specs
 
-  def _manual(self, fe, claimed, manual_dense):
-    """The layer of a manual tag, its approximation checked and its leaves claimed; None for a
-    `register_dense` tag, collected in `manual_dense` (one layer per kernel, after the loop)."""
+  def _manual(self, fe, claimed, manual_dense) -> list:
+    """The layer of a manual tag, claimed; none for `register_dense`, kept in `manual_dense`."""
     record = _kinds.KINDS.get(fe.params["kind"])
     if record is None or record.read_tag is None:
       raise RegistrationError(f"a layer tag of unknown kind {fe.params['kind']!r}.")
     match = record.read_tag(self.ix, fe)
     kind = match.kind
     if kind == "dense":
-      (info,), (y,), (inputs,) = match.infos, match.outputs, match.inputs
-      entry = (match.leaves, info, fe.params["approx"], y, inputs)
-      manual_dense.setdefault(match.leaves[0], []).append(entry)
-      return None
+      manual_dense.setdefault(match.leaves[0], []).append((match, fe.params["approx"]))
+      return []
     approx = self._check_approx(kind, fe.params["approx"], [self.ix.paths[j] for j in match.leaves])
     spec, y, inputs = self._spec_of(match, approx, "manual")
     fix = "remove the tag so that the scanner registers the uses together as one shared layer, "
@@ -582,17 +555,18 @@ class _Scanner:
         j, 1, f"register_{kind}", fix + "or cover the parameter with register_generic"
       )
     self.claim(claimed, match.leaves, spec.name)
-    return spec, y, inputs
+    return [(spec, y, inputs)]
 
   def _manual_dense_layer(self, k_leaf, tags, claimed):
-    """One dense layer from the `register_dense` tags of kernel `k_leaf` (one use per tag)."""
-    leaves = tags[0][0]
-    approxes = {t[2] for t in tags}
-    if any(t[0] != leaves for t in tags) or len(approxes) > 1:
+    """One dense layer from the `register_dense` tags (match, approx) of kernel `k_leaf`."""
+    uses = [m for m, _ in tags]
+    leaves, approxes = uses[0].leaves, {a for _, a in tags}
+    if any(m.leaves != leaves for m in uses) or len(approxes) > 1:
       raise RegistrationError(
         f"register_dense: kernel `{self.ix.paths[k_leaf]}` is registered {len(tags)} times with "
-        f"different biases or approximations ({[[self.ix.paths[j] for j in t[0]] for t in tags]}"
-        f", {sorted(map(str, approxes))}); register every use with the same bias and `approx`."
+        "different biases or approximations "
+        f"({[[self.ix.paths[j] for j in m.leaves] for m in uses]}, {sorted(map(str, approxes))}); "
+        "register every use with the same bias and `approx`."
       )
     self.check_use_count(
       k_leaf,
@@ -601,10 +575,11 @@ class _Scanner:
       "call register_dense at every use of the kernel (each with the same `approx`, e.g. "
       'approx="kron_indep"), or let the scanner detect the shared use by removing the tags',
     )
-    approx = tags[0][2]
+    approx = tags[0][1]
     if len(tags) == 1:
       approx = self._check_approx("dense", approx, [self.ix.paths[j] for j in leaves])
-    infos, outs, ins = (tuple(t[k] for t in tags) for k in (1, 3, 4))
+    infos = tuple(m.infos[0] for m in uses)
+    outs, ins = tuple(m.outputs[0] for m in uses), tuple(m.inputs[0] for m in uses)
     return self._accept(
       _matchers.Match("dense", leaves, infos, outs, ins), claimed, approx, "manual"
     )
@@ -635,8 +610,7 @@ class _Scanner:
     return approx
 
   def _draft(self, kind, leaves, source, leaf_shapes=None, **fields) -> LayerSpec:
-    """A LayerSpec over `leaves` named by their paths' common prefix (a lone generic leaf by its
-    own path), its approximation ("") and factor shapes still to be chosen."""
+    """A LayerSpec over `leaves`, its approximation ("") and factor shapes still to be chosen."""
     shape_of = self.ix.shapes if leaf_shapes is None else leaf_shapes
     paths = tuple(self.ix.paths[j] for j in leaves)
     return LayerSpec(
@@ -652,9 +626,8 @@ class _Scanner:
     )
 
   def _shared_spec(self, kind, leaves, infos, approx, source) -> LayerSpec:
-    """The spec of a layer used `len(infos)` times. Its approximation: the manual tag's, else an
-    `overrides` pattern's (`defaults` name single-use ones), else the kind's shared default after
-    the size policy."""
+    """The spec of a layer used `len(infos)` times. Its approximation: the tag's, else an
+    `overrides` pattern's, else the kind's shared default after the size policy."""
     # A tied table's lookup, else a use that reads the kernel matrix as the layer does.
     info = next(
       (inf for inf in infos if isinstance(inf, EmbeddingInfo)),
@@ -701,19 +674,11 @@ class _Scanner:
         f"with equal row counts (the steps of a recurrence); got {kind} uses with rows "
         f'{[getattr(inf, "rows", None) for inf in infos]}. Use "kron_indep".'
       )
-    spec = dataclasses.replace(spec, approx=approx or choices[0])
-    if not explicit:
-      max_dim, shapes = self.layer_config.max_factor_dim, _blocks.factor_shapes_for(spec)
-      approx, note = _layer_config.shared_size_policy(
-        max_dim, spec.approx, shapes, choices, len(infos)
-      )
-      spec = dataclasses.replace(spec, approx=approx, note=note)
-    return sized(self._blocked(spec))
+    return self._finish(dataclasses.replace(spec, approx=approx or choices[0]), choices, explicit)
 
   def layer_spec(self, kind, leaves, info, approx, source, leaf_shapes=None) -> LayerSpec:
-    """A single-use LayerSpec, sized. Its approximation: an explicit manual or linked one, else
-    the `LayerConfig`'s, else the kind's default; the size policy applies unless the layer was
-    named. `leaf_shapes` (leaf -> shape) replaces the index's: one layer of a stack."""
+    """A single-use LayerSpec: an explicit manual or linked approximation, else the config's, else
+    the default (then the size policy). `leaf_shapes`: one layer of a stack's."""
     spec = self._draft(kind, leaves, source, leaf_shapes, info=info)
     paths, name = spec.param_paths, spec.name
     builtin, note = _kinds.default_approx(kind, info)
@@ -731,20 +696,22 @@ class _Scanner:
         )
       approx, explicit = chosen, pattern is not None
     spec = dataclasses.replace(spec, approx=approx, note=note if approx == builtin else "")
+    return self._finish(spec, choices, explicit)
+
+  def _finish(self, spec: LayerSpec, choices, explicit: bool) -> LayerSpec:
+    """`spec` after the size policy (unless `explicit`), with its block size, sized."""
     if not explicit:
       max_dim, shapes = self.layer_config.max_factor_dim, _blocks.factor_shapes_for(spec)
-      approx, why = _layer_config.size_policy(max_dim, spec.approx, shapes, choices, spec.has_bias)
+      approx, why = _layer_config.size_policy(
+        max_dim, spec.approx, shapes, choices, spec.has_bias, spec.num_uses
+      )
       spec = dataclasses.replace(spec, approx=approx, note=why or spec.note)
-    return sized(self._blocked(spec))
-
-  def _blocked(self, spec: LayerSpec) -> LayerSpec:
-    """`spec` with its block size (`LayerConfig.block_size_for`), its blocked sides noted."""
-    if spec.kind not in ("dense", "conv", "embedding"):
-      return spec
-    size = self.layer_config.block_size_for((spec.name,) + tuple(spec.param_paths))
-    spec = dataclasses.replace(spec, block_size=size)
-    note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
-    return dataclasses.replace(spec, note=note)
+    if spec.kind in ("dense", "conv", "embedding"):
+      size = self.layer_config.block_size_for((spec.name,) + tuple(spec.param_paths))
+      spec = dataclasses.replace(spec, block_size=size)
+      note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
+      spec = dataclasses.replace(spec, note=note)
+    return sized(spec)
 
 
 def with_block(spec: LayerSpec, cls, note: str) -> LayerSpec:
@@ -770,20 +737,14 @@ def sized(spec: LayerSpec) -> LayerSpec:
   return dataclasses.replace(spec, factor_shapes=_blocks.factor_shapes_for(spec))
 
 
-# The automatic matchers, pass by pass, as the kinds' records declare them.
-_PASSES = _kinds.passes()
-
-
 def _without_batch_rows(ix: _index.GraphIndex, match: _matchers.Match) -> bool:
-  """A match of a `batch_rows` kind with a use whose first input comes from parameters and
-  constants alone, its tap not where the output is broadcast over the batch (`shared_tap`)."""
+  """A `batch_rows` match whose first input is made of parameters and constants (no shared tap)."""
   return _kinds.KINDS[match.kind].batch_rows and any(
     ins and _graph.is_key(ins[0]) and ins[0] in ix.param_only and not getattr(inf, "shared_tap", 0)
     for ins, inf in zip(match.inputs, match.infos)
   )
 
 
-# --------------------------------------------------------------------------------------------
 # Why a parameter got a fallback block (the warning, `summary`, `check_registration`).
 
 
@@ -801,19 +762,26 @@ def _constant_operand(ix: _index.GraphIndex, atom) -> float | None:
 
 
 def _feeds_product(ix: _index.GraphIndex, key, depth: int = 4, within=None) -> bool:
-  """Whether `key` reaches a `_PRODUCTS` equation through a few operations; with `within` (a
-  set of keys), only through keys in it, from a `key` in it."""
-  frontier = [key] if within is None or key in within else []
+  """Whether `key` reaches a `_PRODUCTS` equation within `depth` steps (through `within` keys)."""
+  keep = lambda k: within is None or k in within
+  found = _downstream(ix, [key] if keep(key) else [], depth, keep)
+  return any(fe.name in _PRODUCTS for fe in found)
+
+
+def _downstream(ix: _index.GraphIndex, keys, depth: int, keep):
+  """The equations reading `keys`, then the outputs `keep` accepts, for `depth` levels (products'
+  outputs not followed)."""
+  seen = set(keys)
   for _ in range(depth):
     nxt: list[Any] = []
-    for k in frontier:
+    for k in keys:
       for j, _ in ix.slice_consumers.get(k, []):
         fe = ix.g.eqns[j]
-        if fe.name in _PRODUCTS:
-          return True
-        nxt.extend(o for o in fe.outs if within is None or o in within)
-    frontier = nxt
-  return False
+        yield fe
+        if fe.name not in _PRODUCTS:
+          nxt.extend(o for o in fe.outs if keep(o) and o not in seen)
+          seen.update(fe.outs)
+    keys = nxt
 
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -821,7 +789,6 @@ _NO_ROWS = (
   "an input computed from parameters and constants alone (no rows per example, e.g. latents "
   "projected, then multiplied with the batch's activations rather than broadcast over the batch)"
 )
-# What a user can do for a parameter no layer block reads: a manual generic tag.
 _GENERIC_FIX = (
   'tag it in loss_fn with `kfac_jax.register_generic(param, approx="full")` for a full block '
   "(the fallback is its diagonal)"
@@ -831,7 +798,6 @@ _UNARY = frozenset(
   {"exp", "exp2", "log", "log1p", "expm1", "logistic", "tanh", "sqrt", "rsqrt", "sin", "cos"}
   | {"abs", "neg", "square", "integer_pow"}
 )
-# The sample-space front, for the layers no Kronecker block follows.
 _KERNEL_NGD = (
   "use the kernel natural gradient, `kfac_jax.kernel_ngd` (SR, ENGD-Woodbury or SPRING in "
   "sample space), which needs no layer structure"
@@ -845,31 +811,20 @@ def _no_rows(ix: _index.GraphIndex, fe, pos: int) -> bool:
 
 
 def _ops_before_product(ix: _index.GraphIndex, leaf: int, limit: int = 4) -> list[str]:
-  """The primitives (first seen first, at most `limit`) between `leaf` and the products its
-  parameters-only values reach: what a weight-standardised kernel goes through."""
-  frontier = [k for k, (j, _) in ix.origin.items() if j == leaf]
-  seen, names = set(frontier), []
-  for _ in range(12):
-    nxt: list[Any] = []
-    for k in frontier:
-      for j, _ in ix.slice_consumers.get(k, []):
-        fe = ix.g.eqns[j]
-        if fe.name in _PRODUCTS:
-          continue
-        if fe.name not in _graph.VIEW_OPS and fe.name not in names:
-          names.append(fe.name)
-        nxt.extend(o for o in fe.outs if o in ix.param_only and o not in seen)
-        seen.update(fe.outs)
-    frontier = nxt
+  """The first `limit` primitives from `leaf` to the products its parameter-only values reach."""
+  keys = [k for k, (j, _) in ix.origin.items() if j == leaf]
+  found = _downstream(ix, keys, 12, lambda k: k in ix.param_only)
+  skip = _PRODUCTS | _graph.VIEW_OPS
+  names = list(dict.fromkeys(fe.name for fe in found if fe.name not in skip))
   return names[:limit] + (["..."] if len(names) > limit else [])
 
 
 def _scale_shift_reason(ix: _index.GraphIndex, fe, pos: int) -> str:
   """Why `mul` / `add` of a parameter and an activation matched no scale and shift."""
   name, atom = fe.name, fe.ins[pos]
-  out_shape = tuple(fe.outs[0][1].aval.shape)
+  out_shape = _graph.shape_of(fe.outs[0])
   leaf, chain = ix.origin[atom]
-  block = _matchers.feature_block(ix.shapes[leaf], chain, _graph.aval_of(atom).shape, out_shape)
+  block = _matchers.feature_block(ix.shapes[leaf], chain, _graph.shape_of(atom), out_shape)
   if block is None or len(block[1]) == len(out_shape):
     return (
       f"consumed by {name} in a layout no scale-and-shift matcher fits (it does not span "
@@ -944,9 +899,8 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
 
 
 def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
-  """Why a kernel read by derivatives of the model matched no layer, or "": K-FAC follows it
-  when every use is a product by the kernel matrix or its transpose, and every use whose input
-  is one constant for all examples reaches them as `_matchers.hoisted_tap` requires."""
+  """Why a kernel read by derivatives of the model (products by it or its transpose, inputs
+  constant over the examples tapped by `_matchers.hoisted_tap`) matched no layer, or ""."""
   dense = [
     (i, d)
     for i, pos in uses
@@ -1007,8 +961,7 @@ def _from_constants(ix: _index.GraphIndex, atom) -> bool:
 
 
 def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
-  """Why the scanner matched no layer for `leaf`: one short phrase ("used as 1 + scale",
-  "consumed by <primitive> (no matcher)", ...) naming the manual tag where one is the way out."""
+  """Why the scanner matched no layer for `leaf`: one short phrase (e.g. "used as 1 + scale")."""
   uses: Sequence[Any] = ix.uses.get(leaf, ())
   if not uses:
     keys = {k for k, (j, _) in ix.origin.items() if j == leaf}

@@ -18,8 +18,7 @@ from kfac_jax.scan import _graph, _matchers
 
 
 def slice_leaves(graph, shapes, in_slice) -> dict[Any, tuple[int, int]]:
-  """`{slice key: (leaf, t)}` for each leaf (of the graph's first `len(shapes)` inputs) whose
-  every use on the loss slice is a `scan_slice`, at indices 0..L-1 once each."""
+  """`{slice key: (leaf, t)}` of each leaf the loss slice reads only by `scan_slice`s, 0..L-1."""
   real = {k: j for j, k in enumerate(graph.invars[: len(shapes)])}
   slices: dict[int, dict[int, Any]] = {}
   other: set[int] = set()
@@ -59,8 +58,7 @@ def stack_spec(ix, inner, leaves, size: int, axes: tuple[int, ...] = ()):
 
 
 def merge(ix, specs, claimed, claim):
-  """Replaces the per-slice layers of stacked leaves by one stacked layer per leaf group, claimed
-  with `claim(claimed, leaves, name)`; afterwards no layer or claim refers to a virtual leaf."""
+  """The per-slice layers of each stacked leaf group as one stacked layer, claimed by `claim`."""
   if not ix.stack_of:
     return specs
   kept: list[Any] = []
@@ -99,21 +97,19 @@ def merge(ix, specs, claimed, claim):
   return kept
 
 
-def batched_dense_use(ix, i):
-  """`(per-layer DenseInfo, x atom, x stack axis or None, kernel leaf, k_shape, k_pos, output
-  stack axis)` of a `dot_general` reading a kernel `[L, ...]` (cast only) as L kernels: its
-  leading axis the only batch dimension, or a free axis of a 3-d kernel on a shared input."""
+def match_batched_dense(ix, i, claimed):
+  """L dense layers in one `dot_general` of a kernel `[L, ...]` (cast only), its leading axis the
+  only batch dimension or a free axis of a 3-d kernel on a shared input; info of one layer."""
   fe = ix.g.eqns[i]
   kernel = _matchers.sole_param_operand(ix, i, "dot_general")
-  if kernel is None or kernel[0] >= ix.n_params:
+  if kernel is None or kernel[0] >= ix.n_params or kernel[0] in claimed:
     return None
   k_leaf, k_pos = kernel
   k_atom, x_atom = fe.ins[k_pos], fe.ins[1 - k_pos]
-  _, chain = ix.origin[k_atom]
-  if any(s.op != "cast" for s in chain):
+  if any(s.op != "cast" for s in ix.origin[k_atom][1]):
     return None
   k_c, x_c, k_b, x_b = _matchers.dot_dims(fe.params["dimension_numbers"], k_pos)
-  k_shape, x_shape = tuple(_graph.aval_of(k_atom).shape), tuple(_graph.aval_of(x_atom).shape)
+  k_shape, x_shape = _graph.shape_of(k_atom), _graph.shape_of(x_atom)
   if tuple(k_b) == (0,) and len(x_b) == 1:
     x_axis = int(x_b[0])
     x_c1 = tuple(int(d) - (d > x_axis) for d in x_c)
@@ -131,18 +127,39 @@ def batched_dense_use(ix, i):
   info, _, x_free = found
   # dot_general's output: its batch dimensions, then the lhs's free axes, then the rhs's.
   out_axis = len(x_free) if x_axis is None and k_pos == 1 else 0
-  return info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis
+  leaves, out_key = [k_leaf], fe.outs[0]
+  use = _matchers.only_consumer(ix, out_key)
+  if use is not None and ix.g.eqns[use[0]].name == "transpose":
+    # `jax.vmap` moves the layer axis of the output to the front: tap after the transpose.
+    t = ix.g.eqns[use[0]]
+    perm = tuple(int(d) for d in t.params["permutation"])
+    kept = [d for d in perm if d != out_axis]
+    per_layer = [d - (d > out_axis) for d in kept]  # The per-layer axes, as laid out now.
+    info = dataclasses.replace(
+      info, out_perm=tuple(per_layer.index(info.out_perm[d]) for d in range(len(per_layer)))
+    )
+    out_axis, out_key = perm.index(out_axis), t.outs[0]
+  fits = k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]
+  bias = _stacked_bias(ix, out_key, out_axis, k_shape, claimed) if fits else None
+  if bias is not None:
+    leaves.append(bias[0])
+    out_key = bias[1]
+  elif x_axis is None:
+    return None  # A shared input and no stacked bias: one dense layer over all outputs.
+  axes = (-1 if x_axis is None else x_axis, out_axis)
+  return _matchers.Match.single(
+    "dense", leaves, info, out_key, (x_atom,), stack_size=k_shape[0], stack_axes=axes
+  )
 
 
 def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
-  """A single-use leaf `[L, out]` added to the product's output, spanning its layer axis and its
-  last axis (broadcast over the others)."""
+  """A single-use leaf `[L, out]` added along the output's layer axis and last axis."""
   found = _matchers.added_leaf(ix, out_key, claimed)
   if found is None:
     return None
   b_leaf, chain, atom, fe = found
-  size, out_shape = k_shape[0], tuple(out_key[1].aval.shape)
-  b_shape = tuple(_graph.aval_of(atom).shape)
+  size, out_shape = k_shape[0], _graph.shape_of(out_key)
+  b_shape = _graph.shape_of(atom)
   if (
     b_leaf >= ix.n_params
     or any(s.op not in ("cast", "reshape") for s in chain)
@@ -157,58 +174,24 @@ def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
   return b_leaf, fe.outs[0]
 
 
-def match_batched_dense(ix, i, claimed):
-  """A stack of dense layers applied by one `dot_general`; its info describes one layer."""
-  found = batched_dense_use(ix, i)
-  if found is None:
-    return None
-  info, x_atom, x_axis, k_leaf, k_shape, k_pos, out_axis = found
-  if k_leaf in claimed:
-    return None
-  leaves, out_key = [k_leaf], ix.g.eqns[i].outs[0]
-  use = _matchers.only_consumer(ix, out_key)
-  if use is not None and ix.g.eqns[use[0]].name == "transpose":
-    # `jax.vmap` moves the layer axis of the output to the front: tap after the transpose.
-    fe = ix.g.eqns[use[0]]
-    perm = tuple(int(d) for d in fe.params["permutation"])
-    kept = [d for d in perm if d != out_axis]
-    per_layer = [d - (d > out_axis) for d in kept]  # The per-layer axes, as laid out now.
-    info = dataclasses.replace(
-      info, out_perm=tuple(per_layer.index(info.out_perm[d]) for d in range(len(per_layer)))
-    )
-    out_axis, out_key = perm.index(out_axis), fe.outs[0]
-  fits = k_pos == 1 and len(k_shape) == 3 and info.out_dim == k_shape[-1]
-  bias = _stacked_bias(ix, out_key, out_axis, k_shape, claimed) if fits else None
-  if bias is not None:
-    leaves.append(bias[0])
-    out_key = bias[1]
-  elif x_axis is None:
-    return None  # A shared input and no stacked bias: one dense layer over all outputs.
-  axes = (-1 if x_axis is None else x_axis, out_axis)
-  return _matchers.Match.single(
-    "dense", leaves, info, out_key, (x_atom,), stack_size=k_shape[0], stack_axes=axes
-  )
-
-
 def match_stacked_scale_and_shift(ix, i, claimed):
-  """A stack of scale-and-shift layers in one elementwise operation (a vmapped norm): a scale
-  `[L, ...]` along the leading axis of the output and of every input; its info is one layer's."""
+  """L scale-and-shift layers in one operation (a vmapped norm), the scale `[L, ...]` leading."""
   found = _matchers.scale_shift_operands(ix, i, claimed)
   if found is None:
     return None
   leaf, atom, inputs, out_key = found
   if leaf >= ix.n_params:
     return None
-  out_shape = tuple(out_key[1].aval.shape)
+  out_shape = _graph.shape_of(out_key)
   block = _matchers.stacked_feature_block(
-    ix.shapes[leaf], ix.origin[atom][1], tuple(_graph.aval_of(atom).shape), out_shape
+    ix.shapes[leaf], ix.origin[atom][1], _graph.shape_of(atom), out_shape
   )
   # `jax.vmap` puts the layer axis first (`[T, D]` over `[N, T, D]` is one layer).
   if block is None or block[0] != 0:
     return None
   _, axis, feat = block
   size, per_out = out_shape[0], out_shape[1:]
-  x_shapes = [tuple(_graph.aval_of(x).shape) for x in inputs]
+  x_shapes = [_graph.shape_of(x) for x in inputs]
   if any(len(x) != len(out_shape) or x[0] != size for x in x_shapes):
     return None
   followed = _matchers.followed_batch_axis(ix, out_key)
