@@ -134,15 +134,12 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
     atom = complex_source(graph, atom) or atom
     if not _reaches(graph, value, atom, graph.outvars[0]):
       raise RegistrationError(
-        f"{names[i]}: the loss loss_fn returns does not depend on this prediction (no path "
-        "from it to the loss, or only through stop_gradient), so K-FAC would use the curvature "
-        "of a loss that is not trained. Tag the value the loss is computed from (e.g. the "
-        "logits passed to the cross-entropy). If the curvature is meant to be that of another "
-        "function than the loss (variational Monte Carlo: the Fisher of |psi|^2, a normal tag "
-        "on log|psi|, while the loss is the energy), move the tag into that function and pass "
-        "it as `kfac_jax.Registration(loss_fn, params, batch, curvature_fn=log_psi_fn)`, or "
-        "register it inside the jax.custom_jvp rule of the loss (FermiNet's form). "
-        f"{switch('dependence', checks)}"
+        f"{names[i]}: the loss loss_fn returns does not depend on this prediction (no path, or "
+        "only through stop_gradient): K-FAC would use the curvature of a loss not trained. Tag "
+        "the value the loss is computed from (the logits of the cross-entropy, say). For another "
+        "function's curvature (variational Monte Carlo: a normal tag on log|psi|), move the tag "
+        "there and pass `kfac_jax.Registration(loss_fn, params, batch, curvature_fn=log_psi_fn)`,"
+        f" or tag inside the loss's jax.custom_jvp rule. {switch('dependence', checks)}"
       )
 
 
@@ -449,9 +446,8 @@ def audit(
   except Exception as e:  # noqa: BLE001 - the audit must not stop a loss that trains.
     if warn:
       warnings.warn(
-        "the loss audit could not evaluate the second derivative of the loss in the tagged "
-        f"predictions ({type(e).__name__}: {e}), so it did not check the tags against the "
-        "loss. `check_loss=False` skips the audit without this warning.",
+        "the loss audit could not evaluate the loss's second derivative in the tagged predictions "
+        f"({type(e).__name__}: {e}); `check_loss=False` skips the audit without this warning.",
         LossMismatchWarning,
         stacklevel=4,
       )

@@ -73,10 +73,9 @@ def state_to_bytes(state: Any) -> bytes:
     if split and not leaf.is_fully_replicated:
       raise ValueError(
         f"state_to_bytes: `{_fit.describe(path)[0]}` is split over devices of other processes "
-        f"({leaf.sharding}), so no one process can write it whole. Save the state with "
-        "orbax-checkpoint, which writes each process's shards: "
-        "`ocp.StandardCheckpointer().save(path, opt_state)`, and restore it with "
-        "`.restore(path, target)` into a target with the same shardings."
+        f"({leaf.sharding}), so no one process can write it whole: save the state with "
+        "orbax-checkpoint (`ocp.StandardCheckpointer().save(path, opt_state)`), which writes "
+        "each process's shards, and restore it into a target with the same shardings."
       )
   return serialization.to_bytes(state)
 
@@ -109,9 +108,8 @@ def state_from_bytes(expected: Any, data: bytes) -> Any:
   new = jax.tree_util.tree_leaves(restored)
   if len(position) != len(leaves) or any(id(x) not in position for x in leaves):
     raise ValueError(
-      "state_from_bytes: `expected` holds one array object at several places, so its leaves "
-      "cannot be matched with the saved ones: pass a freshly initialised state, e.g. "
-      "`nnx.state(optimizer)` of a new `nnx.Optimizer`."
+      "state_from_bytes: `expected` holds one array object at several places: pass a freshly "
+      "initialised state, e.g. `nnx.state(optimizer)` of a new `nnx.Optimizer`."
     )
   return jax.tree_util.tree_unflatten(treedef, [new[position[id(x)]] for x in leaves])
 
@@ -151,9 +149,8 @@ def restore_state(expected: Any, saved: Any) -> Any:
   want, treedef = jax.tree_util.tree_flatten(expected)
   if len(got) != len(want):
     raise ValueError(
-      f"restore_state: the saved value holds {len(got)} arrays, the state {len(want)}: it was "
-      "saved from another optimizer or model. Restore into a state initialised for the same "
-      "model, or start the optimizer afresh."
+      f"restore_state: the saved value holds {len(got)} arrays, the state {len(want)}: restore "
+      "into a state initialised for the optimizer and model it was saved from."
     )
   rebuilt = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(x) for x in got])
   check_restored_state(expected, rebuilt)

@@ -62,8 +62,7 @@ def check_auto_axis(mesh, axis: str) -> None:
     raise ValueError(
       f"`config.mesh`: axis {axis!r} of the mesh is AxisType.Explicit; the inverses are split "
       "over an automatic axis only. Build the mesh with AxisType.Auto for that axis, or drop "
-      "`config.mesh` (and inverse_storage='sharded'): every device then computes every "
-      "inverse, which explicit meshes support."
+      "`config.mesh` (and inverse_storage='sharded') to compute every inverse on every device."
     )
 
 

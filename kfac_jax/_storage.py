@@ -154,9 +154,8 @@ class ShardedStorage(_Strategy):
     for n, b in zip(self.names, self.blocks):
       if b.needs_cache_for_statistics:
         raise ValueError(
-          f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, "
-          "which inverse_storage='sharded' keeps on one device; use "
-          "inverse_storage='replicated' or another approximation for it."
+          f"layer `{n}`: approx={b.spec.approx!r} needs its cache for the statistics, which "
+          "inverse_storage='sharded' keeps on one device; use 'replicated' or another approx."
         )
 
   def layouts(self, num_devices: int) -> Layouts:
@@ -172,9 +171,8 @@ class ShardedStorage(_Strategy):
       )
     if axis_name is None and mesh is None:
       raise ValueError(
-        f"`{method}`: with inverse_storage='sharded' each device holds only its share of the "
-        "factors and caches, so the call needs the device axis: pass `axis_name=` inside "
-        "pmap/shard_map, or `mesh=(mesh, axis)` under jit."
+        f"`{method}`: inverse_storage='sharded' splits the state over devices: pass `axis_name=` "
+        "inside pmap/shard_map, or `mesh=(mesh, axis)` under jit."
       )
     if axis_name is None:
       m, axis = _parallel.mesh_axis(mesh)
@@ -184,9 +182,8 @@ class ShardedStorage(_Strategy):
         size = jax.lax.axis_size(axis_name)
       except NameError:
         raise ValueError(
-          f"`{method}` with inverse_storage='sharded' and axis_name={axis_name!r} must run "
-          f"inside pmap/shard_map over {axis_name!r}: each device's state differs. E.g. "
-          f"`jax.pmap(tx.init, axis_name={axis_name!r})(replicated_params)`."
+          f"`{method}` with inverse_storage='sharded' and axis_name={axis_name!r} must run inside "
+          f"pmap/shard_map over {axis_name!r}, e.g. `jax.pmap(tx.init, axis_name={axis_name!r})`."
         ) from None
     lays = self.layouts(size)
     for lay, state, field in zip(lays, args[: sum(sharded)], ("factors", "cache")):

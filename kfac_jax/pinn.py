@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kfac_jax import _compat, _config, _optimizer, _registration, _transform
+from kfac_jax import _checks, _compat, _config, _optimizer, _registration, _transform
 from kfac_jax._curvature import read_atom
 
 __all__ = [
@@ -177,9 +177,8 @@ def _concrete(value, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise TypeError(
       f"differential_operator: `{name}` must be a constant known while tracing, got "
-      f"{type(value).__name__}: the coefficients fix the derivatives carried through the "
-      "network. Build it with NumPy (e.g. `np.diag([0.0, -0.25])`) or outside the jitted "
-      "function; a `jnp` operation inside it gives a traced value."
+      f"{type(value).__name__}: build it with NumPy (e.g. `np.diag([0.0, -0.25])`), not `jnp`, "
+      "or outside the jitted function."
     ) from e
   if out.shape != shape:
     raise ValueError(f"differential_operator: `{name}` must have shape {shape}, got {out.shape}.")
@@ -479,10 +478,8 @@ def kfac(
   """
   reg = _exact_registration("pinn.kfac", loss_fn, params, example_batch, registration)
   for name, value in (("momentum", momentum), ("ema_decay", ema_decay)):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-      raise ValueError(f"pinn.kfac: `{name}` must be a number in [0, 1), got {value!r}.")
-  if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not damping >= 0:
-    raise ValueError(f"pinn.kfac: `damping` must be a number >= 0, got {damping!r}.")
+    _checks.number(value, name, low=0.0, high=1.0, high_open=True)
+  _checks.number(damping, "damping", low=0.0)
   search = optax.chain(
     _identity_start(ema_decay, momentum), grid_linesearch(max_halvings=max_halvings)
   )

@@ -75,11 +75,9 @@ class Kernel:
   def bind(self, registration, kept, who: str) -> None:
     if kept is not None:
       raise ValueError(
-        f"{who}: `params` has optax.MaskedNode leaves (optax.multi_transform or optax.masked "
-        "hands this transform a share of the parameters), but the rows are Jacobians of the "
-        "model's outputs, which need every parameter to evaluate. Apply it to the whole "
-        "params, and chain `optax.masked(optax.set_to_zero(), frozen)` after it to hold some "
-        "fixed."
+        f"{who}: `params` has optax.MaskedNode leaves (from optax.multi_transform or "
+        "optax.masked), but the rows are Jacobians, which need every parameter. Apply it to the "
+        "whole params and chain `optax.masked(optax.set_to_zero(), frozen)` after it."
       )
 
   def init(self, bound, placement, params) -> KernelState:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kfac_jax import _curvature, _losses
+from kfac_jax import _checks, _curvature, _losses
 from kfac_jax import scan as _scan
 
 Array = jax.Array
@@ -158,11 +158,9 @@ def _plan(registration, scan, scan1, values, lead, rng, devices):
     own = [j for j, m in enumerate(lead) if m == n]
     if not own or scan1.losses[i].batch_size != 1:
       raise ValueError(
-        f"loss tag #{i} ({spec.kind}, prediction shape {spec.prediction_shape}): the kernel "
-        f"natural gradient evaluates each example alone, but no batch leaf has the tag's "
-        f"{n} examples on its leading axis (leading sizes {lead}), or its prediction does "
-        "not follow them. Put the tag's examples on the leading axis of the batch leaves its "
-        "prediction is computed from."
+        f"loss tag #{i} ({spec.kind}, prediction shape {spec.prediction_shape}): no batch leaf "
+        f"has its {n} examples on the leading axis (leading sizes {lead}), or its prediction "
+        "does not follow them: put them on the leading axis of the leaves it is computed from."
       )
     cts = _losses.output_cotangents(spec, (pred, *others), mode, key, registration.num_samples)
     s = cts.shape[0]
@@ -239,10 +237,7 @@ def rows(
       no batch leaf holds (its prediction does not come from a batch leaf of its leading size).
   """
   if chunk_size is not None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-      raise ValueError(
-        f"`chunk_size` must be a positive int (examples per chunk) or None, got {chunk_size!r}."
-      )
+    _checks.static_int(chunk_size, "chunk_size")
   _curvature.check_rng(registration.estimation_mode, rng)
   registration.check_params(params)
   p_leaves = jax.tree_util.tree_leaves(params)
