@@ -88,11 +88,11 @@ def _sample(spec: LossSpec, z: Array, rng: Array, num_samples: int) -> Array:
   return z[None] + jnp.sqrt(spec.var).astype(z.dtype) * jax.random.normal(rng, shape, z.dtype)
 
 
-def _weight(spec: LossSpec, weight: Array | None, z: Array) -> Array | float:
+def _weight(spec: LossSpec, operands: tuple[Array, ...], z: Array) -> Array | float:
   """w (negative entries as 0) broadcastable to `z.shape` at equal rank; 1 without a weight."""
-  if weight is None:
+  if not spec.has_weight:
     return 1.0
-  w = jnp.maximum(weight.astype(z.dtype), 0.0)
+  w = jnp.maximum(operands[-1].astype(z.dtype), 0.0)
   if spec.kind == "categorical":
     return jnp.broadcast_to(w, z.shape[:-1])[..., None]
   return jnp.broadcast_to(w, z.shape)
@@ -134,7 +134,7 @@ def whitened_residual(spec: LossSpec, operands: tuple[Array, ...]) -> Array:
     live = s > 0
     e = jnp.where(live, _grad_nll(spec, zf, y) / jnp.sqrt(jnp.where(live, s, 1)), 0)
   if spec.has_weight:
-    e = e * jnp.sqrt(_weight(spec, operands[-1], zf))
+    e = e * jnp.sqrt(_weight(spec, operands, zf))
   return e
 
 
@@ -167,7 +167,7 @@ def output_cotangents(
     r = jax.random.rademacher(rng, (num_samples,) + zf.shape, zf.dtype)
     vec = jax.vmap(lambda rr: fisher_sqrt_product(spec, zf, rr))(r)
   if spec.has_weight:
-    vec = vec * jnp.sqrt(_weight(spec, operands[-1], zf))[None]
+    vec = vec * jnp.sqrt(_weight(spec, operands, zf))[None]
   return vec.astype(z.dtype)
 
 
@@ -176,7 +176,6 @@ def output_curvature_product(spec: LossSpec, operands: tuple[Array, ...], v: Arr
   `v` (`z`'s shape): `(1/N) w F_z v` per example, the output factor of the Gauss-Newton matrix
   `Jᵀ H_z J` (the optimizer's quadratic model)."""
   z = operands[0]
-  weight = operands[-1] if spec.has_weight else None
   zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
   vf = v.astype(zf.dtype)
   if spec.kind == "categorical":
@@ -187,7 +186,7 @@ def output_curvature_product(spec: LossSpec, operands: tuple[Array, ...], v: Arr
     out = p * (1 - p) * vf
   else:
     out = vf / spec.var
-  out = out * _weight(spec, weight, zf) / spec.batch_size
+  out = out * _weight(spec, operands, zf) / spec.batch_size
   return out.astype(v.dtype)
 
 
@@ -195,7 +194,6 @@ def output_gradient(spec: LossSpec, operands: tuple[Array, ...]) -> Array:
   """∇_z of the tagged loss with the tag's targets (a tag registered with them):
   `(1/N) w ∇_z ℓ`, which the loss audit compares with the returned loss's gradient."""
   z = operands[0]
-  weight = operands[2] if spec.has_weight else None
   zf = z.astype(jnp.promote_types(z.dtype, jnp.float32))
-  out = _grad_nll(spec, zf, _as_targets(operands[1], zf)) * _weight(spec, weight, zf)
+  out = _grad_nll(spec, zf, _as_targets(operands[1], zf)) * _weight(spec, operands, zf)
   return (out / spec.batch_size).astype(z.dtype)
