@@ -60,10 +60,9 @@ _SHARED = {
 # calling convention. A spelling "REG args" is `_REG` with those arguments.
 _TABLE = """
 value_and_grad_func | loss_fn (the loss itself, `loss_fn(params, batch) -> scalar`) or
-  `registration=` | the optimizer traces the loss and takes its gradient in the pass that gives
-  the statistics
-regularized_parameters_path_exclusions | NONE | `l2_reg` is the curvature η I of the L2 term your
-  loss adds, on every parameter; the loss's own term decides which parameters it regularises
+  `registration=` | its gradient comes from the pass that gives the statistics
+regularized_parameters_path_exclusions | NONE | `l2_reg` is the L2 term's curvature η I, on
+  every parameter; your loss's own term picks the parameters it regularises
 value_func_has_aux | REG has_aux=True | SCAN
 value_func_for_estimator | REG curvature_fn=... | SCAN
 value_func_has_state | the state in `batch`, the new one returned as aux
@@ -83,17 +82,14 @@ damping_adaptation_interval | config=kfac_jax.Config(damping_adaptation_interval
 damping_adaptation_decay | config=kfac_jax.Config(damping_adaptation_decay=...) | CONFIG
 damping_lower_threshold | NONE | LM
 damping_upper_threshold | NONE | LM
-include_damping_in_quad_change | NONE | the quadratic model M(δ), and so ρ, includes the damping
-  λ + l2_reg
+include_damping_in_quad_change | NONE | the quadratic model M(δ), and so ρ, includes λ + l2_reg
 always_use_exact_qmodel_for_damping_adjustment | NONE | ρ always uses the exact quadratic model
 precon_damping_mult | NONE | DAMPING
 precon_damping_schedule | NONE | DAMPING
-use_step_rejection | use_adaptive_damping=True | a step its adaptation measures as raising the
-  loss is never applied
+use_step_rejection | use_adaptive_damping=True | a step measured to raise the loss is not applied
 reject_damping_increase_factor | config=kfac_jax.Config(damping_adaptation_decay=...) | a rejected
   step raises λ as any poor step does
-num_burnin_steps | config=kfac_jax.Config(burn_in_steps=...) | the first steps fold the
-  statistics of their own batches (no data_iterator)
+num_burnin_steps | config=kfac_jax.Config(burn_in_steps=...) | early steps fold their own batches
 estimation_mode | kfac_jax.Registration(loss_fn, params, batch, estimation_mode=...) passed as
   `registration=` (fisher_gradients is 'gradients', ggn_exact 'exact_GGN', ...:
   kfac_jax._migrate.ESTIMATION_MODES) | SCAN
@@ -104,16 +100,13 @@ curvature_ema | ema_decay= | renamed
 curvature_update_period | curvature_every= | renamed
 inverse_update_period | inverse_every= | renamed
 pmap_axis_name | axis_name= | renamed
-use_exact_inverses | config=kfac_jax.Config(damping_mode="eigen") | exact damping of the
-  Kronecker factors
-batch_process_func | process the batch before `step` (inside your jitted function) | `step` is a
-  pure function of the batch it is given
+use_exact_inverses | config=kfac_jax.Config(damping_mode="eigen") | exact damping of the factors
+batch_process_func | process the batch before `step` (inside your jitted function) | `step` is pure
 register_only_generic | REG layers=kfac_jax.LayerConfig(defaults={"dense": "diagonal", ...}) |
   SCAN
 patterns_to_skip | REG layers=kfac_jax.LayerConfig(overrides={"params/Dense_0/*": "diagonal"}) |
   layers are chosen by parameter path, not by pattern name
-use_automatic_registration | NONE | the scanner always runs; a manual tag (register_dense, ...)
-  wins over it
+use_automatic_registration | NONE | the scanner always runs; a manual tag wins over it
 auto_register_kwargs | REG layers=kfac_jax.LayerConfig(...) | SCAN
 layer_tag_to_block_ctor | REG layers=kfac_jax.LayerConfig(blocks=...) | BLOCKS
 multi_device | jax.pmap(opt.step, axis_name="batch") with Optimizer(..., axis_name="batch") |
@@ -126,21 +119,17 @@ modifiable_attribute_exceptions | NONE | UNPROTECTED
 include_norms_in_stats | info["update_norm"]; other norms from params | INFO
 include_per_param_norms_in_stats | jax.tree.map(jnp.linalg.norm, params) | INFO
 include_registered_loss_in_stats | info["loss"] (the loss `loss_fn` returns) | INFO
-distributed_precon_apply | SPLIT | the inverse work is split over the devices of the
-  data-parallel axis
-distributed_inverses | SPLIT | the inverse work is split over the devices of the data-parallel
-  axis
+distributed_precon_apply | SPLIT | the inverse work is split over the data-parallel devices
+distributed_inverses | SPLIT | the inverse work is split over the data-parallel devices
 norm_to_scale_identity_weight_per_block | config=kfac_jax.Config(damping_mode="factored") |
   π-adjusted damping per layer (the default)
 precon_power | kfac_jax.CurvatureEstimator(registration,
   exps=(...)).multiply_matpower(state, v, exp) | the fronts precondition with the inverse (power
   −1)
-exact_quad_model_matrix_type | NONE | the quadratic model uses the tagged losses' Gauss-Newton
-  matrix
+exact_quad_model_matrix_type | NONE | the quadratic model uses the tagged losses' GGN
 kfac.norm_constraint | max_norm=√C / α | kfac clips the preconditioned gradient's K-FAC norm
   before the learning rate α scales it; kfac-jax's C bounds the squared norm of the step after α
-scale_by_kfac.norm_constraint | kfac_jax.kfac(..., max_norm=√C / α) | the clipping is a piece of
-  kfac's chain
+scale_by_kfac.norm_constraint | kfac_jax.kfac(..., max_norm=√C / α) | the clipping is in kfac
 kfac.l2_reg | damping=λ + η | L2
 scale_by_kfac.l2_reg | damping=λ + η | L2
 Optimizer | Optimizer(loss_fn, example_batch, *, ...) | the first argument is the loss itself,
@@ -148,20 +137,16 @@ Optimizer | Optimizer(loss_fn, example_batch, *, ...) | the first argument is th
 Optimizer.init | init(params) | the layers are found from the constructor's loss_fn and
   example_batch (or registration=); init takes no key or batch
 Optimizer.init.rng | init(params) | init draws nothing
-Optimizer.init.batch | Optimizer(loss_fn, example_batch) (or registration=) | the layers are found
-  at construction
+Optimizer.init.batch | Optimizer(loss_fn, example_batch) (or registration=) | the constructor scans
 Optimizer.init.func_state | the state in `batch` | SIGNATURE
 Optimizer.step | step(params, state, batch, rng, *, learning_rate=None, momentum=None,
-  damping=None) | the batch comes third and the key fourth; kfac-jax's step(params, state, rng,
-  batch=...) takes the key third
+  damping=None) | the batch comes third and the key fourth (kfac-jax: the key third)
 Optimizer.step.data_iterator | batch=next(data_iterator) | step is a pure function of one batch
   (burn-in: config=kfac_jax.Config(burn_in_steps=...))
 Optimizer.step.func_state | the state in `batch`, the new one from `info["aux"]` (has_aux=True) |
   SIGNATURE
-Optimizer.step.global_step_int | nothing: the state counts the steps (state.step) | no
-  Python-side counter is needed
-kfac_jax.utils | plain JAX (the page's table of the pmap helpers) | the parallel helpers are a few
-  lines of JAX each
+Optimizer.step.global_step_int | nothing: the state counts the steps (state.step) | none needed
+kfac_jax.utils | plain JAX (the page's table of the pmap helpers) | each is a few lines of JAX
 kfac_jax.optimizer | kfac_jax.Optimizer | one flat namespace
 kfac_jax.curvature_blocks | kfac_jax.blocks | renamed
 kfac_jax.curvature_estimator | kfac_jax.CurvatureEstimator | one flat namespace
@@ -170,18 +155,15 @@ kfac_jax.layers_and_loss_tags | kfac_jax.register_dense, register_conv, register
 kfac_jax.loss_functions | kfac_jax.register_*_loss and register_*_predictive_distribution | a
   loss is a tag on the model's output; its class is not public
 kfac_jax.tag_graph_matcher | kfac_jax.Registration(loss_fn, params, batch,
-  layers=kfac_jax.LayerConfig(...)) | the scanner finds layers by following each parameter, not
-  by graph patterns
+  layers=kfac_jax.LayerConfig(...)) | the scanner follows each parameter, not graph patterns
 kfac_jax.auto_register_tags | kfac_jax.Registration(loss_fn, params, batch).layers | the
   registration runs the scanner
 kfac_jax.register_conv2d | kfac_jax.register_conv | one tag for 1-, 2- and 3-D
-kfac_jax.OptaxPreconditioner | kfac_jax.scale_by_kfac (an optax transformation) | the curvature
-  state is optax state
+kfac_jax.OptaxPreconditioner | kfac_jax.scale_by_kfac (an optax transformation) | optax state
 kfac_jax.OptaxPreconditionState | kfac_jax.ScaleByKfacState | optax state
 kfac_jax.BlockDiagonalCurvature | kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn,
   params, batch)) | one estimator, built from the registration
-kfac_jax.ExplicitExactCurvature | kfac_jax.CurvatureEstimator(...).to_dense(state) | the
-  block-diagonal matrix, for tests
+kfac_jax.ExplicitExactCurvature | kfac_jax.CurvatureEstimator(...).to_dense(state) | block-diagonal
 kfac_jax.set_default_tag_to_block_ctor | REG layers=kfac_jax.LayerConfig(blocks=...) | no
   process-wide settings
 kfac_jax.HAIKU_BIASES | NONE | `l2_reg` covers every parameter
