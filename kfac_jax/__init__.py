@@ -66,8 +66,7 @@ __version__ = "0.1.0.dev0"
 
 
 def __getattr__(name: str):
-  """kfac-jax's module attributes (`kfac_jax.utils`, ...) raise an AttributeError naming their
-  spelling here (`kfac_jax._migrate`)."""
+  """kfac-jax's module attributes raise an AttributeError naming their spelling here."""
   raise _migrate.missing_attribute(name)
 
 

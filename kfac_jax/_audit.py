@@ -68,14 +68,9 @@ def switch(check: str, checks: frozenset[str] = frozenset(CHECKS)) -> str:
 
 
 CAUSES = (
-  "Common causes: the tag is on another value than the loss is computed from (a hidden "
-  "activation, logits before a temperature); another distribution than the loss's (a squared "
-  "error on cross-entropy logits); a mask or per-example weight the loss applies and the tag "
-  "lacks (pass it as `weight=`); a loss term on the prediction the tag does not describe (a "
-  "z-loss, an entropy penalty). If the curvature is another function's on purpose (variational "
-  "Monte Carlo: log|psi| tagged, the energy returned), give that function as "
-  "`Registration(..., curvature_fn=...)`; for another deliberate difference, build the "
-  "registration with `check_loss=False`."
+  "Common causes and their fixes: docs/troubleshooting.rst. If the curvature is another "
+  "function's on purpose, give that function as `Registration(..., curvature_fn=...)`; for "
+  "another deliberate difference, build the registration with `check_loss=False`."
 )
 
 
@@ -154,9 +149,8 @@ def check_overridden_tags(scan, loss_fn, params, batch, *, strict: bool, warn: b
   text = (
     f"`loss_fn` has its own loss tag(s), {'; '.join(ignored)}, and the registration has a "
     "`curvature_fn`: the curvature is that of `curvature_fn`'s tags, "
-    f"{'; '.join(_scan.tag_names(scan.graph))}, and `loss_fn`'s are not read (`loss_fn` gives the "
-    "loss and its gradient). Remove the tags from `loss_fn`, or build the registration "
-    "without `curvature_fn` to use them. `check_loss=False` skips this check."
+    f"{'; '.join(_scan.tag_names(scan.graph))}, and `loss_fn`'s are not read. Remove them from "
+    "`loss_fn`, or drop `curvature_fn` to use them. `check_loss=False` skips this check."
   )
   _report(text, strict)
 
@@ -169,8 +163,7 @@ def _report(text: str, strict: bool) -> None:
 
 
 def values(graph: _scan.FlatGraph) -> dict:
-  """Key → the first key holding the same value (an equation repeating an earlier one: the
-  same primitive, parameters and input values)."""
+  """Key → the first key holding the same value (the same primitive, parameters and inputs)."""
   out: dict = {}
   made: dict = {}
   for fe in graph.eqns:
@@ -189,8 +182,7 @@ def values(graph: _scan.FlatGraph) -> dict:
 
 
 def _frozen(x) -> Any:
-  """`x` hashable by value (literals and arrays by their bytes, sequences and mappings
-  recursively)."""
+  """`x` hashable by value (literals and arrays by their bytes, containers recursively)."""
   if isinstance(x, _compat.Literal):
     x = np.asarray(x.val)
   if isinstance(x, np.ndarray):
@@ -203,8 +195,7 @@ def _frozen(x) -> Any:
 
 
 def _reaches(graph: _scan.FlatGraph, value: dict, start, target) -> bool:
-  """Whether `target` depends on the value of `start` through the graph's equations (not
-  stop_gradient)."""
+  """Whether `target` depends on the value of `start` through the graph (not stop_gradient)."""
   if not _scan.is_key(target):
     return False
   reached = {value.get(start, start)}
@@ -287,8 +278,7 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
       return outs[0], ops
 
     eps0 = [jnp.zeros_like(p) for p in probes]
-    grad_fn = jax.grad(loss_at, has_aux=True)
-    g_loss, h_loss, ops = jax.jvp(grad_fn, (eps0,), (probes,), has_aux=True)
+    g_loss, h_loss, ops = jax.jvp(jax.grad(loss_at, has_aux=True), (eps0,), (probes,), has_aux=True)
     h_tag, g_tag = [], []
     for n, i in enumerate(live):
       spec = scan.losses[i]
@@ -356,8 +346,7 @@ def snap(c: float) -> float:
 def problems(
   scan, numbers, estimation_mode: str, checks: frozenset[str] = frozenset(CHECKS)
 ) -> list[str]:
-  """The audit's findings from `measure`'s numbers, for the `checks` named (empty when the
-  tags fit the loss); each ends with the check's `switch`."""
+  """The audit's findings for `checks` from `measure`'s numbers, each ending with its `switch`."""
   names = _scan.tag_names(scan.graph)
   found: list[str] = []
   factors: list[tuple[int, float]] = []
@@ -403,8 +392,7 @@ def problems(
         text = (
           "the returned loss's gradient in this prediction differs from the tagged "
           f"{kind} loss's (with its targets and weights, times {c:.3g}) by a relative {rel:.3g} "
-          f"(tolerance {tol:.3g}); the empirical Fisher is built from the tag's targets: pass "
-          "the targets the loss uses (smoothed labels, say)"
+          f"(tolerance {tol:.3g}); pass the tag the targets the loss uses (smoothed labels, say)"
         )
         add("gradient", f"{names[i]}: {text}")
       continue
@@ -415,9 +403,8 @@ def problems(
     if cs.max() / cs.min() - 1 > tol:
       listed = ", ".join(f"{c:.3g} for {names[i]}" for i, c in factors)
       text = (
-        "the tags are weighted differently in the returned loss than in the tagged loss: "
-        f"the factor (returned over tagged curvature) is {listed}; K-FAC weighs the tags as "
-        "their `weight` says. Give the tags weights in the proportions the loss uses"
+        "the tags are weighted differently in the returned loss than in the tagged loss (the "
+        f"factor, returned over tagged curvature: {listed}); give them `weight`s in its proportions"
       )
       add("weights", text)
   return found

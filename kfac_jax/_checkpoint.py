@@ -117,8 +117,7 @@ def state_from_bytes(expected: Any, data: bytes) -> Any:
 def restore_state(expected: Any, saved: Any) -> Any:
   """Rebuilds a state saved through a generic container into the structure of `expected`.
 
-  Any container holding the state's leaves in order is accepted: an object array of its fields
-  (`np.asarray(opt_state, dtype=object)` through `np.savez`), a list or tuple, or the state.
+  Any container of the state's leaves in order is accepted (docs/checkpoints.rst).
 
   Args:
     expected: a freshly initialised state (e.g. `opt.init(params)`, or its `jax.eval_shape`).

@@ -61,10 +61,7 @@ def _bind_loss(kind: LossKind, fn: str, prediction, targets, weight, var: float 
   if not jnp.issubdtype(prediction.dtype, jnp.floating):
     raise TypeError(f"{fn}: the prediction must be floating point, got dtype {prediction.dtype}.")
   if prediction.ndim < 1:
-    raise ValueError(
-      f"{fn}: the prediction needs a leading batch axis, got a scalar; the tagged loss is the "
-      "mean over the leading axis."
-    )
+    raise ValueError(f"{fn}: the prediction needs a leading batch axis, got a scalar.")
   if kind == "categorical" and prediction.ndim < 2:
     raise ValueError(
       f"{fn}: logits must have shape [batch, ..., num_classes], got {prediction.shape}."
@@ -99,24 +96,19 @@ def _check_weight(weight, event_shape: tuple[int, ...], fn: str) -> Array:
   if not ok:
     per_example = event_shape[:1] + (1,) * (len(event_shape) - 1)
     raise ValueError(
-      f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape} axis by "
-      f"axis: give a scalar, {per_example} for a weight per example, or an array of "
-      f"{len(event_shape)} axes each 1 or the size in {event_shape}."
+      f"{fn}: `weight` of shape {weight.shape} does not broadcast to {event_shape} axis by axis: "
+      f"give a scalar, {per_example} for a weight per example, or each axis 1 or its size."
     )
   return weight
 
 
 def _bind_complex_normal(fn: str, prediction, targets, weight, var: float) -> Array:
-  """A complex mean `z` tagged as the normal of its parts `[..., 2] = (Re z, Im z)`; returns `z`
-  rebuilt from the tagged parts."""
+  """A complex mean `z` tagged as the normal of `[..., 2] = (Re z, Im z)`; `z` from the tag."""
   parts = lambda z: jnp.stack([jnp.real(z), jnp.imag(z)], axis=-1)  # noqa: E731
   if targets is not None:
     targets = _check_array(targets, "targets", fn)
     if targets.shape != prediction.shape:
-      raise ValueError(
-        f"{fn}: `targets` has shape {targets.shape}, expected {prediction.shape} (the complex "
-        "mean's)."
-      )
+      raise ValueError(f"{fn}: `targets` has shape {targets.shape}, expected {prediction.shape}.")
     targets = parts(targets)
   if weight is not None and not isinstance(weight, (int, float)):
     weight = _check_weight(weight, prediction.shape, fn)
@@ -220,8 +212,7 @@ def register_dense(y, x, kernel, bias=None, approx: str | None = None) -> Array:
     )
   if y.shape != x.shape[:-1] + (kernel.shape[1],):
     raise ValueError(
-      f"{fn}: `y` has shape {y.shape}, expected {x.shape[:-1] + (kernel.shape[1],)} from x "
-      f"{x.shape} and kernel {kernel.shape}."
+      f"{fn}: `y` has shape {y.shape}, expected {x.shape[:-1] + (kernel.shape[1],)}."
     )
   return _bind_layer(fn, "dense", [y, x, kernel], approx, bias, kernel.shape[1])
 
@@ -292,8 +283,7 @@ def register_conv(
     expected = expected.shape
   except (TypeError, ValueError) as e:
     raise ValueError(
-      f"{fn}: `x` {x.shape} and `kernel` {kernel.shape} do not form a "
-      f"convolution with these arguments: {e}"
+      f"{fn}: `x` {x.shape} and `kernel` {kernel.shape} do not convolve with these arguments: {e}"
     ) from None
   if tuple(y.shape) != tuple(expected):
     raise ValueError(

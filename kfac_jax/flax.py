@@ -50,9 +50,8 @@ class TrainState(_train_state.TrainState):
     """
     if isinstance(grads, Mapping) and _train_state.OVERWRITE_WITH_GRADIENT in grads:
       raise ValueError(
-        f"kfac_jax.flax.TrainState.apply_gradients: `grads` has the "
-        f"{_train_state.OVERWRITE_WITH_GRADIENT!r} collection, which K-FAC does not handle; "
-        "keep those variables outside `params`."
+        f"TrainState.apply_gradients: `grads` has the {_train_state.OVERWRITE_WITH_GRADIENT!r} "
+        "collection, which K-FAC does not handle; keep those variables outside `params`."
       )
     extra = dict(curvature_stats=curvature_stats, batch=batch, rng=rng)
     extra = {k: v for k, v in extra.items() if v is not None}

@@ -177,8 +177,7 @@ def _concrete(value, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise TypeError(
       f"differential_operator: `{name}` must be a constant known while tracing, got "
-      f"{type(value).__name__}: build it with NumPy (e.g. `np.diag([0.0, -0.25])`), not `jnp`, "
-      "or outside the jitted function."
+      f"{type(value).__name__}: build it with NumPy (`np.diag([0.0, -0.25])`) or outside jit."
     ) from e
   if out.shape != shape:
     raise ValueError(f"differential_operator: `{name}` must have shape {shape}, got {out.shape}.")
@@ -227,7 +226,7 @@ def laplacian(u: Callable[[Array], Array], x: Array) -> Array:
   """Δu = Σ_i ∂²u/∂x_i² at each point, in one forward pass (the forward Laplacian).
 
   Every operation of `u` carries the value, the d first derivatives and the Laplacian: a dense
-  layer `h W + b` becomes `h W + b`, `∇h W` and `Δh W`, one layer shared by those channels.
+  layer is one layer shared by those channels (docs/pinn.rst).
 
   Args:
     u: `u(y) -> scalar` for one point `y` of shape [d] (e.g. `lambda y: mlp(params, y)`).
@@ -256,8 +255,7 @@ def differential_operator(
 ) -> Array:
   """`Σ_ij a_ij ∂²u/∂x_i∂x_j + Σ_i b_i ∂u/∂x_i + c u` at each point, in one forward pass.
 
-  Carried as in `laplacian`, along `√|λ_k| e_k` for the eigenpairs of the symmetric part of
-  `a` (docs/pinn.rst): a rank-r `a` costs r tangent channels.
+  Carried as in `laplacian`, along the eigenvectors of `a`'s symmetric part (docs/pinn.rst).
 
   Args:
     u: `u(y) -> scalar` for one point `y` of shape [d], as in `laplacian`.

@@ -163,13 +163,12 @@ def scale_by_kernel_ngd(
     example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
     damping: λ > 0, a number or a schedule `count -> λ`.
     momentum: μ in [0, 1), a number or a schedule: SPRING's decay of the previous direction
-      (the paper's 0.99 for variational Monte Carlo; 0: MinSR / ENGD-Woodbury).
+      (the paper's 0.99 for variational Monte Carlo).
     center: subtract each tag's mean row over the batch (the scores' covariance, the metric of
       stochastic reconfiguration and of SPRING as published) instead of the tag's Fisher.
     registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch` (a
       variational Monte Carlo energy with `curvature_fn` tagging log ψ, say).
-    axis_name: inside `pmap` / `shard_map` with the batch sharded over this axis: the kernel is
-      assembled across its devices and every device gets the same direction.
+    axis_name: the `pmap` / `shard_map` axis the batch is sharded over (None under plain jit).
     config: a `kfac_jax.Config` with the rare knobs it reads (`skip_nonfinite`, `chunk_size`).
 
   Returns:

@@ -21,14 +21,12 @@ _ROUNDING = 1000.0
 
 
 def _dot(a: Array, b: Array, dtype=None) -> Array:
-  """`a @ b` at full precision (the solve's accuracy at small damping rests on it), accumulated
-  in `dtype`."""
+  """`a @ b` at full precision (small damping's accuracy rests on it), accumulated in `dtype`."""
   return jnp.matmul(a, b, precision=_HIGHEST, preferred_element_type=dtype)
 
 
 class _Sharded:
-  """The products with U whose rows are split over `axis_name` (one device's rows `u`), each
-  returning what every device holds alike."""
+  """Products with U, its rows split over `axis_name` (this device's: `u`), the same on each."""
 
   def __init__(self, u: Array, axis_name: AxisName, dtype):
     self.u, self.axis, self.dtype = u, axis_name, dtype
@@ -190,14 +188,11 @@ def direction(
       f"`grads` has {g.size} entries, but the rows have {p} columns (the registration's "
       "params, raveled): pass the gradient of the registered params."
     )
-  if previous is None:
-    prev = jnp.zeros((p,), dtype)
-  else:
-    prev = ravel_pytree(previous)[0]
-    if prev.shape != (p,):
-      raise ValueError(
-        f"`previous` has {prev.size} entries, expected {p} (a direction shaped like the params)."
-      )
+  prev = jnp.zeros((p,), dtype) if previous is None else ravel_pytree(previous)[0]
+  if prev.shape != (p,):
+    raise ValueError(
+      f"`previous` has {prev.size} entries, expected {p} (a direction shaped like the params)."
+    )
   g, prev = g.astype(dtype), prev.astype(dtype)
   damping, momentum = jnp.asarray(damping, dtype), jnp.asarray(momentum, dtype)
   tol = _ROUNDING * jnp.finfo(dtype).eps
