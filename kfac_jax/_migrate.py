@@ -46,9 +46,8 @@ _SHARED = {
   "SPLIT": "always, with `axis_name` (config=kfac_jax.Config(inverse_storage=...) for the storage)",
   "L2": "kfac-jax adds l2_reg to the damping; the L2 term stays in the loss",
   "BLOCKS": (
-    "kfac_jax.Block (kfac_jax.blocks) for a block of your own, given by "
-    "`LayerConfig(blocks={pattern: cls})`; a layer's approximation is a string "
-    '(`LayerConfig(overrides={"params/Dense_0/*": "diagonal"})`)'
+    "kfac_jax.Block for a block of your own, `LayerConfig(blocks={pattern: cls})`; a layer's "
+    'approximation is a string (`LayerConfig(overrides={"params/Dense_0/*": "diagonal"})`)'
   ),
   "SCAN": "a setting of the scan: the registration's, shared by every front",
 }
@@ -67,8 +66,7 @@ value_func_has_aux | REG has_aux=True | SCAN
 value_func_for_estimator | REG curvature_fn=... | SCAN
 value_func_has_state | the state in `batch`, the new one returned as aux
   (`Registration(..., has_aux=True)`, read from `info["aux"]`) | SIGNATURE
-value_func_has_rng | the key in `batch`: `loss_fn(params, (key, data))` | the loss signature is
-  `loss_fn(params, batch)`; `rng` of `step` is the curvature's
+value_func_has_rng | the key in `batch`: `loss_fn(params, (key, data))` | `rng` feeds the curvature
 use_adaptive_learning_rate | learning_rate=None (the Optimizer's default) | HYPER
 learning_rate_schedule | learning_rate= (a number or a schedule `step -> α`) | HYPER
 use_adaptive_momentum | momentum=None (the Optimizer's default) | HYPER
@@ -90,9 +88,7 @@ use_step_rejection | use_adaptive_damping=True | a step measured to raise the lo
 reject_damping_increase_factor | config=kfac_jax.Config(damping_adaptation_decay=...) | a rejected
   step raises λ as any poor step does
 num_burnin_steps | config=kfac_jax.Config(burn_in_steps=...) | early steps fold their own batches
-estimation_mode | kfac_jax.Registration(loss_fn, params, batch, estimation_mode=...) passed as
-  `registration=` (fisher_gradients is 'gradients', ggn_exact 'exact_GGN', ...:
-  kfac_jax._migrate.ESTIMATION_MODES) | SCAN
+estimation_mode | REG estimation_mode=... | renamed modes: kfac_jax._migrate.ESTIMATION_MODES
 num_estimator_samples | REG num_samples=... | SCAN
 should_vmap_estimator_samples | NONE | the samples are drawn in one batched pass
 custom_estimator_ctor | BLOCKS | the estimator is built from the registration
@@ -124,25 +120,21 @@ distributed_inverses | SPLIT | the inverse work is split over the data-parallel 
 norm_to_scale_identity_weight_per_block | config=kfac_jax.Config(damping_mode="factored") |
   π-adjusted damping per layer (the default)
 precon_power | kfac_jax.CurvatureEstimator(registration,
-  exps=(...)).multiply_matpower(state, v, exp) | the fronts precondition with the inverse (power
-  −1)
+  exps=(...)).multiply_matpower(state, v, exp) | the fronts use the inverse (power −1)
 exact_quad_model_matrix_type | NONE | the quadratic model uses the tagged losses' GGN
 kfac.norm_constraint | max_norm=√C / α | kfac clips the preconditioned gradient's K-FAC norm
   before the learning rate α scales it; kfac-jax's C bounds the squared norm of the step after α
 scale_by_kfac.norm_constraint | kfac_jax.kfac(..., max_norm=√C / α) | the clipping is in kfac
 kfac.l2_reg | damping=λ + η | L2
 scale_by_kfac.l2_reg | damping=λ + η | L2
-Optimizer | Optimizer(loss_fn, example_batch, *, ...) | the first argument is the loss itself,
-  `loss_fn(params, batch)`, not its jax.value_and_grad
-Optimizer.init | init(params) | the layers are found from the constructor's loss_fn and
-  example_batch (or registration=); init takes no key or batch
+Optimizer | Optimizer(loss_fn, example_batch, *, ...) | the loss itself, not its jax.value_and_grad
+Optimizer.init | init(params) | the constructor finds the layers; init takes no key or batch
 Optimizer.init.rng | init(params) | init draws nothing
 Optimizer.init.batch | Optimizer(loss_fn, example_batch) (or registration=) | the constructor scans
 Optimizer.init.func_state | the state in `batch` | SIGNATURE
 Optimizer.step | step(params, state, batch, rng, *, learning_rate=None, momentum=None,
   damping=None) | the batch comes third and the key fourth (kfac-jax: the key third)
-Optimizer.step.data_iterator | batch=next(data_iterator) | step is a pure function of one batch
-  (burn-in: config=kfac_jax.Config(burn_in_steps=...))
+Optimizer.step.data_iterator | batch=next(data_iterator) | burn-in: Config(burn_in_steps=...)
 Optimizer.step.func_state | the state in `batch`, the new one from `info["aux"]` (has_aux=True) |
   SIGNATURE
 Optimizer.step.global_step_int | nothing: the state counts the steps (state.step) | none needed
@@ -150,10 +142,8 @@ kfac_jax.utils | plain JAX (the page's table of the pmap helpers) | each is a fe
 kfac_jax.optimizer | kfac_jax.Optimizer | one flat namespace
 kfac_jax.curvature_blocks | kfac_jax.blocks | renamed
 kfac_jax.curvature_estimator | kfac_jax.CurvatureEstimator | one flat namespace
-kfac_jax.layers_and_loss_tags | kfac_jax.register_dense, register_conv, register_generic, ...
-  (one flat namespace) | the tags are functions of the package
-kfac_jax.loss_functions | kfac_jax.register_*_loss and register_*_predictive_distribution | a
-  loss is a tag on the model's output; its class is not public
+kfac_jax.layers_and_loss_tags | kfac_jax.register_dense, register_conv, ... | one flat namespace
+kfac_jax.loss_functions | kfac_jax.register_*_loss / *_predictive_distribution | a loss is a tag
 kfac_jax.tag_graph_matcher | kfac_jax.Registration(loss_fn, params, batch,
   layers=kfac_jax.LayerConfig(...)) | the scanner follows each parameter, not graph patterns
 kfac_jax.auto_register_tags | kfac_jax.Registration(loss_fn, params, batch).layers | the
@@ -161,8 +151,7 @@ kfac_jax.auto_register_tags | kfac_jax.Registration(loss_fn, params, batch).laye
 kfac_jax.register_conv2d | kfac_jax.register_conv | one tag for 1-, 2- and 3-D
 kfac_jax.OptaxPreconditioner | kfac_jax.scale_by_kfac (an optax transformation) | optax state
 kfac_jax.OptaxPreconditionState | kfac_jax.ScaleByKfacState | optax state
-kfac_jax.BlockDiagonalCurvature | kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn,
-  params, batch)) | one estimator, built from the registration
+kfac_jax.BlockDiagonalCurvature | kfac_jax.CurvatureEstimator(registration) | one estimator
 kfac_jax.ExplicitExactCurvature | kfac_jax.CurvatureEstimator(...).to_dense(state) | block-diagonal
 kfac_jax.set_default_tag_to_block_ctor | REG layers=kfac_jax.LayerConfig(blocks=...) | no
   process-wide settings
