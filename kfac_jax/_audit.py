@@ -5,9 +5,7 @@ A `Registration` audits the tags once, on the example batch (docs/troubleshootin
 structure ("shared_prediction", "dependence": a `RegistrationError`), then, with `ε_t` added to
 each prediction `z_t` (and every copy of its value; through `z` for a complex one), that
 `∂²L/∂ε² v = c_t H_z T v` for a fixed probe `v` ("curvature"), in the "empirical" mode
-`∂L/∂ε = c_t ∇_z T` ("gradient"), with one positive factor `c` for every tag ("weights"). Values
-that are not concrete are replaced by fixed stand-ins; `c` is snapped to `1/k` or `k` where it
-is one to 1e-3, else to 3 significant digits.
+`∂L/∂ε = c_t ∇_z T` ("gradient"), with one positive factor `c` for every tag ("weights").
 """
 
 from __future__ import annotations
@@ -131,10 +129,9 @@ def check_structure(scan, checks: frozenset[str] = frozenset(CHECKS)) -> None:
       raise RegistrationError(
         f"{names[i]}: the loss loss_fn returns does not depend on this prediction (no path, or "
         "only through stop_gradient): K-FAC would use the curvature of a loss not trained. Tag "
-        "the value the loss is computed from (the logits of the cross-entropy, say). For another "
-        "function's curvature (variational Monte Carlo: a normal tag on log|psi|), move the tag "
-        "there and pass `kfac_jax.Registration(loss_fn, params, batch, curvature_fn=log_psi_fn)`,"
-        f" or tag inside the loss's jax.custom_jvp rule. {switch('dependence', checks)}"
+        "the value the loss is computed from. For another function's curvature (variational Monte "
+        "Carlo: log|psi|), move the tag there, pass `Registration(..., curvature_fn=log_psi_fn)`"
+        f", or tag inside the loss's jax.custom_jvp rule. {switch('dependence', checks)}"
       )
 
 
@@ -257,8 +254,7 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   watch = frozenset(a for ops in scan.loss_operands for a in ops if _scan.is_key(a))
   watch = watch | {c for cs in copies for c in cs} | {z for z in sources if z is not None}
   rng = np.random.default_rng(_SEED)
-  # NumPy arrays, not jnp ones: a registration built while a step is traced must not turn the
-  # probes into tracers of that step.
+  # NumPy probes: a registration built inside a traced step must not make them its tracers.
   probes = [np.asarray(rng.standard_normal(k[1].aval.shape)).astype(k[1].aval.dtype) for k in keys]
   flat = jax.tree_util.tree_leaves(params) + jax.tree_util.tree_leaves(batch)
 
@@ -289,9 +285,8 @@ def measure(scan, params, batch, axis_names: Sequence[str] = ()):
   fn = run
   for name in axis_names:  # Collectives over a bound axis of size 1.
     fn = _bound(fn, name)
-  # Traced as one program: under `ensure_compile_time_eval` every operation on the graph's
-  # constants would run (and compile) on its own. Only the call runs eagerly, so that inside an
-  # enclosing trace the numbers are concrete.
+  # One program (under `ensure_compile_time_eval` each operation would compile on its own); only
+  # the call runs eagerly, so that inside an enclosing trace the numbers are concrete.
   compiled = jax.jit(fn).lower(flat, probes).compile(_COMPILER_OPTIONS)
   with jax.ensure_compile_time_eval():
     g_loss, h_loss, h_tag, g_tag = compiled(flat, probes)
@@ -421,9 +416,8 @@ def audit(
   warn: bool = True,
   checks: frozenset[str] = frozenset(CHECKS),
 ) -> float | None:
-  """Runs the audit's `checks` on a scan of the example batch; the loss factor `c` when it
-  measured a fit, else None. RegistrationError: a failed structural check, or with `strict` a
-  measured mismatch."""
+  """Runs the audit's `checks` on a scan of the example batch: the loss factor `c`, or None
+  without a fit. RegistrationError: a failed structural check, or with `strict` a mismatch."""
   check_structure(scan, checks)
   if not (strict or warn) or not checks & _MEASURED or has_tracer_consts(scan):
     return None

@@ -51,9 +51,8 @@ def check_restored_state(expected: Any, restored: Any) -> None:
   problems = _fit.problems(expected, restored, "the checkpoint")
   if problems:
     raise ValueError(
-      "the restored optimizer state does not fit this model (did its layers or the estimator's "
-      "options change?):\n  "
-      + "\n  ".join(problems)
+      "the restored optimizer state does not fit this model (did its layers or options change?):"
+      + "".join(f"\n  {p}" for p in problems)
       + "\nRestore into a state initialised for the same model, or start the optimizer afresh."
     )
 

@@ -19,8 +19,7 @@ def compile_step(
   log: Callable[[str], None] | None = print,
 ):
   """`jax.jit(step)` compiled for `args` now, not at its first call, telling `log` what it waits
-  for: a K-FAC step compiles for seconds where Adam's takes a fraction of one, once per
-  launch unless JAX's persistent compilation cache holds it.
+  for and whether JAX's persistent compilation cache held it.
 
   Args:
     step: the training step, e.g. `lambda params, state, batch, rng: ...`.

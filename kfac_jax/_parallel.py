@@ -60,9 +60,8 @@ def check_auto_axis(mesh, axis: str) -> None:
   """Raises unless `axis` of `mesh` is automatic (an explicit one cannot type the split work)."""
   if mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Explicit:
     raise ValueError(
-      f"`config.mesh`: axis {axis!r} of the mesh is AxisType.Explicit; the inverses are split "
-      "over an automatic axis only. Build the mesh with AxisType.Auto for that axis, or drop "
-      "`config.mesh` (and inverse_storage='sharded') to compute every inverse on every device."
+      f"`config.mesh`: axis {axis!r} of the mesh is AxisType.Explicit; the inverses split over "
+      "an AxisType.Auto axis only: make it Auto, or drop `config.mesh` (and sharded storage)."
     )
 
 

@@ -26,8 +26,7 @@ Layouts = tuple[_parallel.PackedLayout, _parallel.PackedLayout]
 
 
 def all_finite(tree) -> Array:
-  """Whether every leaf is finite, through its sum (one fused reduction, cheap to compile; an
-  overflow errs on the safe side)."""
+  """Whether every leaf is finite, through its sum (one cheap fused reduction; errs safe)."""
   leaves = jax.tree_util.tree_leaves(tree)
   flags = [jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))) for x in leaves]
   return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)

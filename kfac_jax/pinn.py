@@ -208,8 +208,7 @@ def _forward(u, x, directions: np.ndarray, signs: np.ndarray, seed: np.ndarray, 
       "network with one output, index it (e.g. `lambda y: net(params, y)[0]`)."
     )
   r = directions.shape[0]
-  # The directions and the seed broadcast over the points, so that every channel has a row per
-  # point (a constant direction would meet each kernel once for all points).
+  # Broadcast over the points: a constant direction would meet each kernel once for all points.
   tangents = jnp.broadcast_to(jnp.asarray(directions, x.dtype), (n, r, d)) if r else None
   second = jnp.broadcast_to(jnp.asarray(seed, x.dtype), (n, d))
 

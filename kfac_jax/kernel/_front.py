@@ -64,9 +64,8 @@ class KernelNgdState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """The sample-space natural gradient as an engine's curvature (`kfac_jax.kernel`): the rows of
-  each update's batch, the direction `(F + λI)⁻¹(g + λμ φ_{k−1})`, SPRING's φ kept in the state
-  (moved only on a good verdict)."""
+  """The sample-space natural gradient `(F + λI)⁻¹(g + λμ φ_{k−1})` as an engine's curvature
+  (`kfac_jax.kernel`), SPRING's φ kept in the state (moved only on a good verdict)."""
 
   chunk_size: int | None
   center: bool
@@ -75,9 +74,8 @@ class Kernel:
   def bind(self, registration, kept, who: str) -> None:
     if kept is not None:
       raise ValueError(
-        f"{who}: `params` has optax.MaskedNode leaves (from optax.multi_transform or "
-        "optax.masked), but the rows are Jacobians, which need every parameter. Apply it to the "
-        "whole params and chain `optax.masked(optax.set_to_zero(), frozen)` after it."
+        f"{who}: `params` has optax.MaskedNode leaves, but the rows need every parameter: apply "
+        "it to the whole params and chain `optax.masked(optax.set_to_zero(), frozen)` after it."
       )
 
   def init(self, bound, placement, params) -> KernelState:

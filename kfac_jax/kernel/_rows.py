@@ -2,8 +2,7 @@
 
 Each loss tag's examples are evaluated one at a time on the registration's graph traced for a
 batch of one example, vmapped over a chunk's examples and the mode's vectors, the chunks in a
-loop. The vectors come from one full-batch forward pass, drawn as the K-FAC statistics draw them
-for the same `rng`, so `UᵀU` is the estimate K-FAC's blocks approximate.
+loop. The vectors come from one full-batch forward pass, drawn as the K-FAC statistics draw them.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ AxisName = str | tuple[str, ...] | None
 
 @dataclasses.dataclass(frozen=True)
 class TagRows:
-  """Where one loss tag's rows sit in U (static): its distribution `kind`, its `examples` N_ℓ
-  on this device, its `vectors` S_ℓ per example and its first row `offset` (its rows are
-  `offset + n S_ℓ + s`, example-major)."""
+  """Where one loss tag's rows sit in U (static): rows `offset + n S_ℓ + s` for its `examples`
+  N_ℓ on this device and its `vectors` S_ℓ per example; `kind`, its distribution."""
 
   kind: str
   examples: int

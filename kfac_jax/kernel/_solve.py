@@ -15,8 +15,7 @@ from kfac_jax.kernel._rows import AxisName, Rows, axis_size
 
 Array = jax.Array
 _HIGHEST = jax.lax.Precision.HIGHEST
-# A remainder `r` no larger than `_ROUNDING` eps times the gradient's scale is its rounding
-# error (package docstring), dropped instead of amplified by 1/λ.
+# A remainder within `_ROUNDING` eps of g's scale is rounding error, dropped (package docstring).
 _ROUNDING = 1000.0
 
 
