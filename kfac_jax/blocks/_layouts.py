@@ -28,7 +28,7 @@ Array = jax.Array
 
 
 # The Kronecker approximations every layout supports: A ⊗ G, and either side kept as its diagonal.
-_KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
+KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 
 class Layout:
@@ -37,7 +37,7 @@ class Layout:
 
   kind: ClassVar[Kind]
   info_type: ClassVar[type]
-  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
+  kronecker: ClassVar[tuple[Approximation, ...]] = KRON
   per_example: ClassVar[bool] = True  # Its rows give per-example gradients ("diagonal", "full").
 
   def __init__(self, spec):
@@ -89,7 +89,7 @@ class DenseLayout(Layout):
 
   kind = "dense"
   info_type = _specs.DenseInfo
-  kronecker = _KRON + ("expand", "reduce", "kron_indep")
+  kronecker = KRON + ("expand", "reduce", "kron_indep")
 
   def rows(self, data, dtype):
     info = self.info
@@ -111,7 +111,7 @@ class ConvLayout(Layout):
 
   kind = "conv"
   info_type = _specs.ConvInfo
-  kronecker = _KRON + ("kron_sua", "kron_indep")
+  kronecker = KRON + ("kron_sua", "kron_indep")
 
   @staticmethod
   def dims(info) -> tuple[int, int, int]:

@@ -21,7 +21,7 @@ from kfac_jax._specs import (
   Kind,
   ScaleShiftInfo,
 )
-from kfac_jax.blocks._layouts import GroupedDenseInfo
+from kfac_jax.blocks._layouts import KRON, GroupedDenseInfo
 from kfac_jax.scan import _graph, _matchers, _matchers_embed, _stacked
 
 # Shared-layer approximations of correlations between successive uses (a recurrence's steps).
@@ -30,9 +30,6 @@ SERIES: tuple[Approximation, ...] = ("kron_series_1", "kron_series_2")
 # The automatic passes, in order: kernels claim their biases before a shift could take them.
 Pass = Literal["kernels", "gathers", "elementwise"]
 PASSES: tuple[Pass, ...] = get_args(Pass)
-
-# "kron" and its variants that keep one or both factor sides as their diagonal.
-KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 Matcher = Callable[[Any, int, dict[int, str]], "_matchers.Match | None"]
 

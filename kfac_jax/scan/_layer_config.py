@@ -1,9 +1,5 @@
-"""Choosing each layer's curvature approximation: `LayerConfig` and the size policy.
-
-Precedence, highest first: a manual tag's explicit `approx=`; the first `LayerConfig.overrides`
-glob (`fnmatch.fnmatchcase`) matching the layer's name or a parameter path;
-`LayerConfig.defaults[kind]` (not for shared layers); the library default. The size policy and
-blocked sides: `docs/approximations.rst`.
+"""Choosing each layer's curvature approximation: `LayerConfig` and the size policy (precedence,
+globs, blocked sides: docs/approximations.rst; `defaults` do not apply to shared layers).
 """
 
 from __future__ import annotations

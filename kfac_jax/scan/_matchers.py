@@ -662,15 +662,12 @@ def tag_output(ix, fe, fn: str) -> tuple[Any, tuple[int, ...]]:
 def tag_leaf(ix, atom, what: str, fn: str, broadcast: bool = False):
   """`(leaf, view chain)` of a manual tag's parameter operand, not broadcast unless allowed."""
   j, chain = leaf_for_operand(ix, atom, what, fn)
-  if any(s.op == "gather" for s in chain):
-    raise RegistrationError(
-      f"{fn}: `{what}` (`{ix.paths[j]}`) is gathered at constant indices before the tag; pass "
-      "the parameter itself."
-    )
-  if not broadcast and any(s.op == "broadcast" for s in chain):
-    raise RegistrationError(
-      f"{fn}: `{what}` (`{ix.paths[j]}`) is broadcast before the tag; pass the parameter itself."
-    )
+  done = {"gather": "gathered at constant indices", "broadcast": "broadcast"}
+  for op in ("gather",) if broadcast else ("gather", "broadcast"):
+    if any(s.op == op for s in chain):
+      raise RegistrationError(
+        f"{fn}: `{what}` (`{ix.paths[j]}`) is {done[op]} before the tag; pass the parameter itself."
+      )
   return j, chain
 
 
