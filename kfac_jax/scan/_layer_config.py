@@ -81,18 +81,11 @@ class LayerConfig:
         raise ValueError(
           f"LayerConfig.defaults: unknown layer kind {kind!r}; choose from {sorted(kinds)}."
         )
-      if approx not in kinds[kind].approximations:
-        raise ValueError(
-          f"LayerConfig.defaults[{kind!r}] = {approx!r} does not fit {kind} layers; choose one "
-          f"of {kinds[kind].approximations}."
-        )
+      allowed = kinds[kind].approximations
+      _check_approx(f"defaults[{kind!r}]", approx, allowed, f" does not fit {kind} layers")
     every = sorted(_kinds.every_approximation())
     for pattern, approx in frozen["overrides"].items():
-      if approx not in every:
-        raise ValueError(
-          f"LayerConfig.overrides[{pattern!r}] = {approx!r} is not an approximation; choose "
-          f"one of {every}."
-        )
+      _check_approx(f"overrides[{pattern!r}]", approx, every, " is not an approximation")
     groups = {}
     for patterns, approx in frozen["linked"].items():
       group = (patterns,) if isinstance(patterns, str) else tuple(patterns)
@@ -100,11 +93,8 @@ class LayerConfig:
         raise TypeError(
           f"LayerConfig.linked: each key must be a tuple of glob patterns, got {patterns!r}."
         )
-      if approx not in kinds["generic"].approximations:
-        raise ValueError(
-          f"LayerConfig.linked[{patterns!r}] = {approx!r}: a linked group is one generic "
-          f"block; choose one of {kinds['generic'].approximations}."
-        )
+      allowed, why = kinds["generic"].approximations, ": a linked group is one generic block"
+      _check_approx(f"linked[{patterns!r}]", approx, allowed, why)
       groups[group] = approx
     for pattern, cls in frozen["blocks"].items():
       if not isinstance(cls, type):  # The scanner checks the class (`blocks.check_class`).
@@ -134,6 +124,11 @@ class LayerConfig:
     """The block size of a layer with these names (its name and parameter paths)."""
     pattern, size = first_match(self.block_sizes, names)
     return self.block_size if pattern is None else size
+
+
+def _check_approx(where: str, approx, choices, why: str) -> None:
+  if approx not in choices:
+    raise ValueError(f"LayerConfig.{where} = {approx!r}{why}; choose one of {choices}.")
 
 
 def _check_size(name: str, value, none: str) -> None:
