@@ -56,8 +56,7 @@ def block_class(spec) -> type[Block]:
   except KeyError:
     choices = sorted(a for k, a in _BLOCKS if k == spec.kind)
     raise ValueError(
-      f"layer `{spec.name}` ({spec.kind}) has no block for approximation {spec.approx!r}; "
-      f"choose one of {choices}."
+      f"layer `{spec.name}` ({spec.kind}) has no {spec.approx!r} block; choose one of {choices}."
     ) from None
 
 

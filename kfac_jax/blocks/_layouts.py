@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -21,20 +21,17 @@ from jax import lax
 from kfac_jax import _specs
 from kfac_jax.blocks import _linalg
 
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
-
 # The Kronecker approximations every layout supports: A ⊗ G, and either side kept as its diagonal.
-KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
+KRON: tuple[_specs.Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 
 class Layout:
   """A layer kind's matrix view (the module docstring); the methods read a kernel per group as
   `[in, out]` (dense layers), other layouts override them."""
 
-  kind: ClassVar[Kind]
+  kind: ClassVar[_specs.Kind]
   info_type: ClassVar[type]
-  kronecker: ClassVar[tuple[Approximation, ...]] = KRON
+  kronecker: ClassVar[tuple[_specs.Approximation, ...]] = KRON
   per_example: ClassVar[bool] = True  # Its rows give per-example gradients ("diagonal", "full").
 
   def __init__(self, spec):
@@ -187,8 +184,7 @@ class EmbeddingLayout(Layout):
 
   def rows(self, data, dtype):
     (ids,), g = data
-    g = g.astype(dtype)
-    return ids.reshape(-1), g.reshape(g.shape[0], -1, 1, self.out_dim)
+    return ids.reshape(-1), g.astype(dtype).reshape(g.shape[0], -1, 1, self.out_dim)
 
   def id_counts(self, ids: jax.Array, dtype) -> jax.Array:
     """`[vocab]`: how many rows hold each id (the diagonal of Σ_r onehot_r onehot_rᵀ); ids
@@ -242,7 +238,7 @@ def layout_for(spec) -> Layout:
 
 
 # The kinds with "diagonal" and "full" blocks (`gradient_rows`).
-_WITHOUT_LAYOUT: tuple[Kind, ...] = ("scale_and_shift", "generic")
+_WITHOUT_LAYOUT: tuple[_specs.Kind, ...] = ("scale_and_shift", "generic")
 PER_EXAMPLE_KINDS = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + _WITHOUT_LAYOUT
 
 

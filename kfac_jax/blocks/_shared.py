@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _uses
-from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import SeriesCache, SeriesFactors
 
 MAX_PSI = 0.99
@@ -47,7 +46,7 @@ def _whiten(f: jax.Array, f1: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
   return root @ v, inv_root @ v, psi
 
 
-class SeriesKroneckerBlock(LayoutBlock):
+class SeriesKroneckerBlock(_kronecker.LayoutBlock):
   """A dense layer shared over T steps with the "kron_series_1" / "kron_series_2" model."""
 
   serves = frozenset({("dense", "kron_series_1"), ("dense", "kron_series_2")})

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _uses
-from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import KroneckerFactors
 
 
@@ -43,7 +42,7 @@ def _generalised(b: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
   return inv.T @ u, jnp.maximum(sigma, 0.0)
 
 
-class KroneckerSumBlock(LayoutBlock):
+class KroneckerSumBlock(_kronecker.LayoutBlock):
   """A dense layer whose uses feed two loss tags: `A₁ ⊗ G₁ + A₂ ⊗ G₂`, inverted exactly."""
 
   serves = frozenset({("dense", "kron_terms")})

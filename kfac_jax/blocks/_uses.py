@@ -153,6 +153,5 @@ def check_factored_powers(spec, config, note: str = "") -> None:
   if any(e not in (-1, 1) for e in config.exps):
     raise ValueError(
       f"layer `{spec.name}`: approximation {spec.approx!r} defines only the powers -1 and 1"
-      f'{note}, got exps={config.exps}. Use exps=(-1,), or approx="kron_indep" for other '
-      "powers."
+      f'{note}, got exps={config.exps}; use exps=(-1,), or approx="kron_indep".'
     )

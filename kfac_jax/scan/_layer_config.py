@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kfac_jax.scan import _kinds
-from kfac_jax.scan._kinds import Approximation
 
 # The library defaults: a factor side is a matrix up to MAX_FACTOR_DIM entries (in blocks of about
 # BLOCK_SIZE), a diagonal above.
@@ -20,11 +19,9 @@ BLOCK_SIZE = 1024
 
 
 def _frozen(mapping, name: str) -> Mapping[str, str]:
-  if mapping is None:
-    return types.MappingProxyType({})
-  if not isinstance(mapping, Mapping):
+  if mapping is not None and not isinstance(mapping, Mapping):
     raise TypeError(f"LayerConfig: `{name}` must be a mapping, got {type(mapping).__name__}.")
-  return types.MappingProxyType(dict(mapping))
+  return types.MappingProxyType(dict(mapping or {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,12 +156,12 @@ def first_match(mapping: Mapping[str, Any], names: Sequence[str]) -> tuple[str |
 
 def size_policy(
   max_dim: int | None,
-  approx: Approximation,
+  approx: _kinds.Approximation,
   factor_shapes,
-  allowed: Sequence[Approximation],
+  allowed: Sequence[_kinds.Approximation],
   bias: bool = False,
   num_uses: int = 1,
-) -> tuple[Approximation, str]:
+) -> tuple[_kinds.Approximation, str]:
   """`(approximation, note)` after the size policy (note "" if unchanged), from the factor shapes
   under `approx`; with `bias`, the input side ends with a bias row, not counted."""
   if max_dim is None:
