@@ -239,8 +239,7 @@ class Block(abc.ABC):
 
   def gradient_rows(self, data: Any, batch_size: int) -> tuple[Array, int]:
     """`(h, c)`: rows `h: [R, n]` of gradients over the block's raveled leaves with `hᵀh / c`
-    the layer's exact Fisher block for this batch (`_layouts.gradient_rows`); the "full" and
-    "diagonal" blocks are `hᵀh / c` and its diagonal."""
+    the layer's exact Fisher block for this batch (`_layouts.gradient_rows`)."""
     return _layouts.gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
 
   def to_dense(self, factors, cache: Any = None) -> Array:

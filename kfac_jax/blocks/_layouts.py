@@ -294,8 +294,7 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> jax.Array:
 
 def _scale_shift_grads(spec, data, batch_size: int, dtype) -> jax.Array:
   info: _specs.ScaleShiftInfo = spec.info
-  inputs, g = data
-  g = g.astype(dtype)
+  inputs, g = data[0], data[1].astype(dtype)
   out_shape = g.shape[1:]  # This batch's output shape (`info.output_shape` is example_batch's).
   nd, nf = len(out_shape), len(info.feature_shape)
   start = nd - nf if info.feature_axis is None else info.feature_axis
