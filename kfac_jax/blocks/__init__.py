@@ -56,8 +56,7 @@ def block_class(spec) -> type[Block]:
   except KeyError:
     choices = sorted(a for k, a in _BLOCKS if k == spec.kind)
     raise ValueError(
-      f"layer `{spec.name}` ({spec.kind}) has no block for approximation {spec.approx!r}; "
-      f"choose one of {choices}."
+      f"layer `{spec.name}` ({spec.kind}) has no {spec.approx!r} block; choose one of {choices}."
     ) from None
 
 
@@ -88,9 +87,7 @@ def check_class(cls, where: str) -> None:
   """TypeError unless `cls` is a concrete `Block` subclass (`where`: its config entry)."""
   if not (isinstance(cls, type) and issubclass(cls, Block)):
     raise TypeError(
-      f"{where} must be a subclass of kfac_jax.Block, got {cls!r}; write a class with "
-      "factor_shapes_for, init_factors, batch_factors, init_cache, compute_cache and "
-      "multiply_matpower (see kfac_jax.Block)."
+      f"{where} must be a subclass of kfac_jax.Block (see its abstract methods), got {cls!r}."
     )
   if cls in (ConcatBlock, StackedBlock):
     raise TypeError(f"{where}: {cls.__name__} wraps another block; name the block it wraps.")

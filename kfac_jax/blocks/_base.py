@@ -9,7 +9,7 @@ import abc
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +17,8 @@ import numpy as np
 import optax
 
 from kfac_jax import _checks
-from kfac_jax._specs import LayerSpec
+from kfac_jax._specs import Approximation, Kind, LayerSpec
 from kfac_jax.blocks import _layouts
-
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
 
 Array = jax.Array
 DampingMode = Literal["factored", "factored_equal", "eigen"]
@@ -99,8 +96,7 @@ class BlockConfig:
     if narrow is not None and narrow.itemsize > inverse.itemsize:
       raise ValueError(
         f"`config.preconditioner_dtype`={narrow.name} is wider than `inverse_dtype`="
-        f"{inverse.name}: the inverses are computed in `inverse_dtype` and can only be "
-        "stored narrower (e.g. bfloat16)."
+        f"{inverse.name}, in which the inverses are computed; choose a narrower one (bfloat16)."
       )
     return dataclasses.replace(
       config,
@@ -149,8 +145,7 @@ class StackedUses:
 
   def unstack(self) -> tuple[tuple[tuple[Any, ...], Any], ...]:
     """The per-use `(inputs, g)` pairs (one slice per step)."""
-    steps = self.g.shape[1]
-    return tuple((tuple(x[t] for x in self.inputs), self.g[:, t]) for t in range(steps))
+    return tuple((tuple(x[t] for x in self.inputs), self.g[:, t]) for t in range(self.g.shape[1]))
 
 
 class Block(abc.ABC):
@@ -231,8 +226,7 @@ class Block(abc.ABC):
     """The undamped estimate times vecs (for `to_dense`; optional)."""
     del factors, vecs, cache
     raise NotImplementedError(
-      f"block `{self.name}` ({type(self).__name__}) does not implement "
-      "multiply_undamped, which `to_dense` needs."
+      f"block `{self.name}` ({type(self).__name__}) lacks multiply_undamped, which to_dense needs."
     )
 
   def to_vector(self, vecs: Sequence[Array]) -> Array:
@@ -245,8 +239,7 @@ class Block(abc.ABC):
 
   def gradient_rows(self, data: Any, batch_size: int) -> tuple[Array, int]:
     """`(h, c)`: rows `h: [R, n]` of gradients over the block's raveled leaves with `hᵀh / c`
-    the layer's exact Fisher block for this batch (`_layouts.gradient_rows`); the "full" and
-    "diagonal" blocks are `hᵀh / c` and its diagonal."""
+    the layer's exact Fisher block for this batch (`_layouts.gradient_rows`)."""
     return _layouts.gradient_rows(self.spec, data, batch_size, self.config.accum_dtype)
 
   def to_dense(self, factors, cache: Any = None) -> Array:
@@ -255,18 +248,16 @@ class Block(abc.ABC):
     like = [jax.ShapeDtypeStruct(s, dtype) for s in self.spec.param_shapes]
     factors = optax.tree_utils.tree_cast(factors, dtype)
 
-    def column(e):
-      return flat(self.multiply_undamped(factors, unflat(e, like), cache), dtype)
-
+    column = lambda e: flat(self.multiply_undamped(factors, unflat(e, like), cache), dtype)
     n = sum(math.prod(s) for s in self.spec.param_shapes)
     return jax.vmap(column, out_axes=1)(jnp.eye(n, dtype=dtype))
 
   def cholesky_factor(self, c, inverse: bool):
     """`c`, a cached Cholesky factor (inverse), or an error naming the option it needs."""
     if c is None:
+      option = "compute_cholesky_inverse" if inverse else "compute_cholesky"
       raise ValueError(
-        f"block `{self.name}`: Cholesky{' inverse' if inverse else ''} products need "
-        f"compute_cholesky{'_inverse' if inverse else ''}=True in the estimator."
+        f"block `{self.name}`: Cholesky products need {option}=True in the estimator."
       )
     return c
 

@@ -16,7 +16,6 @@ import numpy as np
 
 from kfac_jax.blocks import _linalg
 
-Array = jax.Array
 Partition = tuple[int, int]  # (k blocks, b entries per block)
 
 
@@ -29,7 +28,7 @@ def partition(n: int, bias: bool, block_size: int | None) -> Partition | None:
   return k, -(-n // k)
 
 
-def gram(x: Array, part: Partition, bias: bool) -> Array:
+def gram(x: jax.Array, part: Partition, bias: bool) -> jax.Array:
   """The diagonal blocks `[k, b, b]` of Σ_r x̄_r x̄_rᵀ for rows x: [R, n₀], in O(R·n·b)."""
   k, b = part
   if bias:
@@ -38,7 +37,7 @@ def gram(x: Array, part: Partition, bias: bool) -> Array:
   return jnp.einsum("rki,rkj->kij", xb, xb)
 
 
-def from_full(f: Array, part: Partition) -> Array:
+def from_full(f: jax.Array, part: Partition) -> jax.Array:
   """The diagonal blocks `[k, b, b]` of a full [n, n] factor, zero padded."""
   k, b = part
   n = f.shape[-1]
@@ -46,21 +45,21 @@ def from_full(f: Array, part: Partition) -> Array:
   return jnp.stack([f[i * b : (i + 1) * b, i * b : (i + 1) * b] for i in range(k)])
 
 
-def diagonal(fb: Array, n: int) -> Array:
+def diagonal(fb: jax.Array, n: int) -> jax.Array:
   """The diagonal `[n]` of the block-diagonal factor (padding dropped)."""
   k, b = fb.shape[0], fb.shape[-1]
   d = fb.reshape(k, b * b)[:, :: b + 1]
   return d.reshape(k * b)[:n]
 
 
-def padding_eye(part: Partition, n: int, dtype) -> Array:
+def padding_eye(part: Partition, n: int, dtype) -> jax.Array:
   """`[k, b, b]`: ones on the padded diagonal entries, zeros elsewhere (a constant)."""
   k, b = part
   mask = (np.arange(k * b) >= n).astype(np.float64).reshape(k, b)
   return jnp.asarray(np.einsum("ki,ij->kij", mask, np.eye(b)), dtype)
 
 
-def left(p: Array, m: Array) -> Array:
+def left(p: jax.Array, m: jax.Array) -> jax.Array:
   """P_bd · m for blocks p: [k, b, b] and m: [n, c]."""
   k, b, n = p.shape[0], p.shape[-1], m.shape[0]
   padded = jnp.pad(m, [(0, k * b - n)] + [(0, 0)] * (m.ndim - 1)).reshape((k, b) + m.shape[1:])
@@ -68,6 +67,6 @@ def left(p: Array, m: Array) -> Array:
   return out.reshape((k * b,) + out.shape[2:])[:n]
 
 
-def right(m: Array, p: Array) -> Array:
+def right(m: jax.Array, p: jax.Array) -> jax.Array:
   """m · P_bd for m: [r, n] and blocks p: [k, b, b]."""
   return left(jnp.swapaxes(p, -1, -2), m.T).T

@@ -21,10 +21,6 @@ class ConcatBlock(Block):
     """The factor shapes of the layer as matched on the concatenations (`spec.logical`)."""
     return spec.logical.factor_shapes
 
-  @property
-  def factor_shapes(self):
-    return self.inner.factor_shapes
-
   def group_key(self) -> tuple:
     return self.inner.group_key()
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _layouts, _linalg
-from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import EKFACCache, EKFACFactors
 
 
-class EKFACBlock(LayoutBlock):
+class EKFACBlock(_kronecker.LayoutBlock):
   """EKFAC block of a dense or conv layer (kernel and optional bias)."""
 
   serves = frozenset({("dense", "ekfac"), ("conv", "ekfac")})
@@ -67,9 +66,7 @@ class EKFACBlock(LayoutBlock):
     return EKFACCache(a_evecs=eye(sa, dtype), g_evecs=eye(sg, dtype), damping=jnp.zeros((), dtype))
 
   def compute_cache(self, factors: EKFACFactors, damping) -> EKFACCache:
-    def one(a, g):
-      return _linalg.eigh_psd(a)[1], _linalg.eigh_psd(g)[1]
-
+    one = lambda a, g: (_linalg.eigh_psd(a)[1], _linalg.eigh_psd(g)[1])
     ua, ug = self.map_groups(one, factors.a, factors.g, factorises=True)
     return EKFACCache(ua, ug, jnp.asarray(damping, self.config.inverse_dtype))
 
@@ -78,9 +75,7 @@ class EKFACBlock(LayoutBlock):
     dtype = self.config.inverse_dtype
     lam = cache.damping.astype(dtype) if damped else 0.0
 
-    def one(ua, ug, s, m):
-      return ua @ ((ua.T @ m @ ug) * fn(s.astype(dtype) + lam)) @ ug.T
-
+    one = lambda ua, ug, s, m: ua @ ((ua.T @ m @ ug) * fn(s.astype(dtype) + lam)) @ ug.T
     return self.on_matrix(one, vecs, cache.a_evecs, cache.g_evecs, factors.s)
 
   def multiply_matpower(self, factors, cache, vecs, exp):

@@ -170,11 +170,6 @@ class KroneckerBlock(LayoutBlock):
   serves = frozenset((lay.kind, a) for lay in _layouts.LAYOUTS for a in lay.kronecker)
 
   @functools.cached_property
-  def diag(self) -> tuple[bool, bool]:
-    """Whether A and G are kept as vectors (their diagonals)."""
-    return _diag_sides(self.spec)
-
-  @functools.cached_property
   def solves(self) -> tuple[bool, bool]:
     """Whether A's and G's damped inverse is kept in substitution form (`FactorCache.subst`,
     `BlockConfig.factor_solve`): it costs ~7n³/12 flops to build against the inverse's ~7n³/3,
@@ -184,7 +179,7 @@ class KroneckerBlock(LayoutBlock):
     solve = config.factor_solve != "never" and config.factored and -1.0 in config.cached_exps
     if not solve or self.grouped or self.vmapped:
       return False, False
-    (na, ng), (da, dg), (pa, pg) = self.sides, self.diag, partitions(self.spec)
+    (na, ng), (da, dg), (pa, pg) = self.sides, _diag_sides(self.spec), partitions(self.spec)
 
     def side(n: int, partner: int, whole: bool) -> bool:  # Vectors and blocks: inverses.
       return whole and (config.factor_solve == "always" or n >= max(256, 8 * partner))
@@ -217,7 +212,7 @@ class KroneckerBlock(LayoutBlock):
   def batch_factors(self, data, batch_size, cache=None) -> KroneckerFactors:
     del cache  # The statistics do not depend on the inverses.
     dtype = self.config.accum_dtype
-    pa, pg = partitions(self.spec)
+    (pa, pg), (diag_a, diag_g) = partitions(self.spec), _diag_sides(self.spec)
     if self.spec.num_uses > 1:
       f = _uses.indep_factors(self.spec, data, batch_size, dtype)
       return KroneckerFactors(
@@ -233,7 +228,7 @@ class KroneckerBlock(LayoutBlock):
     elif self.spec.approx == "kron_sua":
       a = self.layout.sua_input_factor(data, dtype, self.spec.has_bias)
       a = a if pa is None else _blocked.from_full(a[0], pa)[None]
-    elif self.diag[0]:
+    elif diag_a:
       if self.spec.has_bias:
         x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), dtype)], axis=-1)
       a = jnp.einsum("rgi,rgi->gi", x, x) / x.shape[0]
@@ -242,7 +237,7 @@ class KroneckerBlock(LayoutBlock):
     else:
       a = _linalg.gram(x, self.spec.has_bias) / x.shape[0]
     n = g.shape[0] * batch_size
-    if self.diag[1]:
+    if diag_g:
       gg = jnp.einsum("srgi,srgi->gi", g, g) / n
     elif pg is not None:
       gg = _blocked.gram(g.reshape(-1, g.shape[-1]), pg, False)[None] / n
@@ -268,7 +263,7 @@ class KroneckerBlock(LayoutBlock):
         subst=_linalg.substitution_identity(shape[-1], dtype) if solve else None,
       )
 
-    a, g = (side(*args) for args in zip(self.factor_shapes, self.diag, self.solves))
+    a, g = (side(*args) for args in zip(self.factor_shapes, _diag_sides(self.spec), self.solves))
     return KroneckerCache(a=a, g=g, damping=jnp.zeros((), dtype))
 
   def compute_cache(self, factors: KroneckerFactors, damping) -> KroneckerCache:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -21,23 +21,17 @@ from jax import lax
 from kfac_jax import _specs
 from kfac_jax.blocks import _linalg
 
-if TYPE_CHECKING:
-  from kfac_jax._specs import Approximation, Kind
-
-Array = jax.Array
-
-
 # The Kronecker approximations every layout supports: A ⊗ G, and either side kept as its diagonal.
-_KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
+KRON: tuple[_specs.Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 
 class Layout:
   """A layer kind's matrix view (the module docstring); the methods read a kernel per group as
   `[in, out]` (dense layers), other layouts override them."""
 
-  kind: ClassVar[Kind]
+  kind: ClassVar[_specs.Kind]
   info_type: ClassVar[type]
-  kronecker: ClassVar[tuple[Approximation, ...]] = _KRON
+  kronecker: ClassVar[tuple[_specs.Approximation, ...]] = KRON
   per_example: ClassVar[bool] = True  # Its rows give per-example gradients ("diagonal", "full").
 
   def __init__(self, spec):
@@ -49,7 +43,7 @@ class Layout:
     """`(groups, in, out)`: the number and the shape of the layer's matrices."""
     return 1, info.in_dim, info.out_dim
 
-  def rows(self, data, dtype) -> tuple[Array, Array]:
+  def rows(self, data, dtype) -> tuple[jax.Array, jax.Array]:
     """`(x [R, groups, in], g [S, R, groups, out])` from the curvature pass's `(inputs, g)`,
     whose operands `x_perm` / `out_perm` order as `[rows..., in]` / `[rows..., out]`."""
     (x,), g = data
@@ -57,14 +51,14 @@ class Layout:
     g = g.astype(dtype).transpose((0,) + tuple(d + 1 for d in self.info.out_perm))
     return x, g.reshape(g.shape[0], x.shape[0], self.groups, self.out_dim)
 
-  def to_matrix(self, vecs, dtype) -> Array:
+  def to_matrix(self, vecs, dtype) -> jax.Array:
     """The leaves as `M: [groups, in(+1), out]` in `dtype`, the bias (if any) its last row."""
     m = self._kernel_matrix(_specs.apply_view(self.info.kernel_view, vecs[0].astype(dtype)))
     if not self.spec.has_bias:
       return m
     return jnp.concatenate([m, vecs[1].astype(dtype).reshape(self.groups, 1, self.out_dim)], axis=1)
 
-  def from_matrix(self, m: Array) -> list[Array]:
+  def from_matrix(self, m: jax.Array) -> list[jax.Array]:
     """`to_matrix`'s inverse."""
     chain, shapes = self.info.kernel_view, self.spec.param_shapes
     k = self._kernel_operand(m[:, : self.in_dim], chain[-1].out_shape if chain else shapes[0])
@@ -73,11 +67,11 @@ class Layout:
       out.append(m[:, self.in_dim].reshape(shapes[1]))
     return out
 
-  def _kernel_matrix(self, k: Array) -> Array:
+  def _kernel_matrix(self, k: jax.Array) -> jax.Array:
     """The kernel operand as `[groups, in, out]`."""
     return k.transpose(self.info.kernel_perm).reshape(self.groups, self.in_dim, self.out_dim)
 
-  def _kernel_operand(self, k: Array, shape) -> Array:
+  def _kernel_operand(self, k: jax.Array, shape) -> jax.Array:
     """`_kernel_matrix`'s inverse, for an operand of `shape`."""
     perm = self.info.kernel_perm
     return k.reshape(tuple(shape[d] for d in perm)).transpose(np.argsort(perm))
@@ -89,7 +83,7 @@ class DenseLayout(Layout):
 
   kind = "dense"
   info_type = _specs.DenseInfo
-  kronecker = _KRON + ("expand", "reduce", "kron_indep")
+  kronecker = KRON + ("expand", "reduce", "kron_indep")
 
   def rows(self, data, dtype):
     info = self.info
@@ -111,7 +105,7 @@ class ConvLayout(Layout):
 
   kind = "conv"
   info_type = _specs.ConvInfo
-  kronecker = _KRON + ("kron_sua", "kron_indep")
+  kronecker = KRON + ("kron_sua", "kron_indep")
 
   @staticmethod
   def dims(info) -> tuple[int, int, int]:
@@ -142,7 +136,7 @@ class ConvLayout(Layout):
     g = g.astype(dtype).transpose((0, o[0] + 1, *(d + 1 for d in o[2:]), o[1] + 1))
     return x_rows, g.reshape(g.shape[0], -1, self.groups, self.out_dim)
 
-  def sua_input_factor(self, data, dtype, has_bias: bool) -> Array:
+  def sua_input_factor(self, data, dtype, has_bias: bool) -> jax.Array:
     """The input factor under spatially uncorrelated activations (Grosse & Martens 2016, §3):
     with a_t a group's input channels at location t, M = mean_t a_t a_tᵀ and μ = mean_t a_t,
     a patch's second moment is Ω = (M − μμᵀ) ⊗ I_W + μμᵀ ⊗ 1_W 1_Wᵀ (the row [μ ⊗ 1_W, 1]
@@ -166,11 +160,11 @@ class ConvLayout(Layout):
 
     return jax.vmap(one_group)(m2, mu)
 
-  def _kernel_matrix(self, k: Array) -> Array:
+  def _kernel_matrix(self, k: jax.Array) -> jax.Array:
     k = k.transpose(self._kernel_perm).reshape(self.in_dim, self.groups, self.out_dim)
     return k.transpose(1, 0, 2)
 
-  def _kernel_operand(self, k: Array, shape) -> Array:
+  def _kernel_operand(self, k: jax.Array, shape) -> jax.Array:
     permuted = tuple(shape[d] for d in self._kernel_perm)
     return k.transpose(1, 0, 2).reshape(permuted).transpose(np.argsort(self._kernel_perm))
 
@@ -190,20 +184,19 @@ class EmbeddingLayout(Layout):
 
   def rows(self, data, dtype):
     (ids,), g = data
-    g = g.astype(dtype)
-    return ids.reshape(-1), g.reshape(g.shape[0], -1, 1, self.out_dim)
+    return ids.reshape(-1), g.astype(dtype).reshape(g.shape[0], -1, 1, self.out_dim)
 
-  def id_counts(self, ids: Array, dtype) -> Array:
+  def id_counts(self, ids: jax.Array, dtype) -> jax.Array:
     """`[vocab]`: how many rows hold each id (the diagonal of Σ_r onehot_r onehot_rᵀ); ids
     outside `[0, vocab)` select no row (gathers do not wrap negative ones) and are not counted."""
     ids = jnp.where(ids < 0, self.in_dim, ids)
     return jnp.zeros((self.in_dim,), dtype).at[ids].add(1.0, mode="drop")
 
-  def to_matrix(self, vecs, dtype) -> Array:
+  def to_matrix(self, vecs, dtype) -> jax.Array:
     t = _specs.apply_view(self.info.table_view, vecs[0].astype(dtype))
     return t.reshape(1, self.in_dim, self.out_dim)
 
-  def from_matrix(self, m: Array) -> list[Array]:
+  def from_matrix(self, m: jax.Array) -> list[jax.Array]:
     return [m[0].reshape(self.spec.param_shapes[0])]
 
 
@@ -245,11 +238,11 @@ def layout_for(spec) -> Layout:
 
 
 # The kinds with "diagonal" and "full" blocks (`gradient_rows`).
-_WITHOUT_LAYOUT: tuple[Kind, ...] = ("scale_and_shift", "generic")
+_WITHOUT_LAYOUT: tuple[_specs.Kind, ...] = ("scale_and_shift", "generic")
 PER_EXAMPLE_KINDS = tuple(lay.kind for lay in LAYOUTS if lay.per_example) + _WITHOUT_LAYOUT
 
 
-def by_example(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]:
+def by_example(spec, x: jax.Array, g: jax.Array, batch_size: int) -> tuple[jax.Array, jax.Array]:
   """Rows `x: [R, ...]`, `g: [S, R, ...]` as `[N, R/N, ...]`, `[S, N, R/N, ...]`; a ValueError
   naming the layer unless the R rows split into the batch's N examples."""
   rows = x.shape[0]
@@ -262,7 +255,7 @@ def by_example(spec, x: Array, g: Array, batch_size: int) -> tuple[Array, Array]
   return x, g.reshape(g.shape[0], *x.shape[:2], *g.shape[2:])
 
 
-def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
+def per_example_grads(spec, data, batch_size: int, dtype) -> jax.Array:
   """`[S·N, n]`: the gradient of each example's loss for each sampled target, leaves raveled:
   J_n = Σ_{r ∈ n} x̄_r g_rᵀ for layouts, Σ_positions x̂ ⊙ g (scale) and Σ_positions g (shift)
   for scales and shifts, the sum of the uses' for a layer used several times."""
@@ -299,10 +292,9 @@ def per_example_grads(spec, data, batch_size: int, dtype) -> Array:
   return jnp.concatenate([v.reshape(v.shape[0], -1) for v in leaves], axis=1)
 
 
-def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
+def _scale_shift_grads(spec, data, batch_size: int, dtype) -> jax.Array:
   info: _specs.ScaleShiftInfo = spec.info
-  inputs, g = data
-  g = g.astype(dtype)
+  inputs, g = data[0], data[1].astype(dtype)
   out_shape = g.shape[1:]  # This batch's output shape (`info.output_shape` is example_batch's).
   nd, nf = len(out_shape), len(info.feature_shape)
   start = nd - nf if info.feature_axis is None else info.feature_axis
@@ -335,7 +327,7 @@ def _scale_shift_grads(spec, data, batch_size: int, dtype) -> Array:
   return jnp.concatenate(out, axis=1)
 
 
-def gradient_rows(spec, data, batch_size: int, dtype) -> tuple[Array, int]:
+def gradient_rows(spec, data, batch_size: int, dtype) -> tuple[jax.Array, int]:
   """`(h, c)`, the rows of a layer's "diagonal" / "full" statistics F = Σ hᵀh / c, c = S·N:
   each sample's batch-summed gradient for generic parameters, else `per_example_grads` (one
   per row for rows that are not examples, `ScaleShiftInfo.example_rows` False)."""

@@ -105,11 +105,10 @@ def substitution_bounds(n: int) -> list[int]:
 
 
 def substitution_form(m: Array) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
-  """`(diagonals, panels)` of an SPD `m` for `substitution_solve`: with L its Cholesky factor
-  and blocks at `substitution_bounds`, `diagonals[i]` = L_ii⁻¹ and `panels[i]` = the column of
-  L below it, `L[e_i:, s_i:e_i]`. `m⁻¹ x` is then two block substitutions of plain matmuls
-  (~3n²k flops for x: [n, k]). A matrix not numerically positive definite gives non-finite
-  blocks."""
+  """`(diagonals, panels)` of an SPD `m` for `substitution_solve`: with L its Cholesky factor and
+  blocks at `substitution_bounds`, `diagonals[i]` = L_ii⁻¹ and `panels[i]` = the column of L below
+  it, `L[e_i:, s_i:e_i]`. `m⁻¹ x` is then two block substitutions of plain matmuls (~3n²k flops
+  for x: [n, k]). A matrix not numerically positive definite gives non-finite blocks."""
   n = m.shape[-1]
   chol = cholesky(m)
   bounds = substitution_bounds(n)
@@ -188,8 +187,7 @@ def diagonal(f: Array) -> Array:
     return f
   if f.ndim != 2 or f.shape[0] != f.shape[1]:
     raise ValueError(f"diagonal: expected a vector or a square matrix, got shape {f.shape}")
-  n = f.shape[-1]
-  return f.reshape(-1)[:: n + 1]
+  return f.reshape(-1)[:: f.shape[-1] + 1]
 
 
 def pi_from_traces(ta: Array, tg: Array) -> Array:

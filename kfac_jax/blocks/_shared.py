@@ -22,21 +22,19 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _uses
-from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import SeriesCache, SeriesFactors
 
-Array = jax.Array
 MAX_PSI = 0.99
 
 
-def _zeta(psi: Array, approx: str, t: int) -> Array:
+def _zeta(psi: jax.Array, approx: str, t: int) -> jax.Array:
   z = (1.0 + psi) / (1.0 - psi)
   if approx == "kron_series_2":
     z = z - 2.0 * psi * (1.0 - psi**t) / (t * (1.0 - psi) ** 2)
   return z
 
 
-def _whiten(f: Array, f1: Array) -> tuple[Array, Array, Array]:
+def _whiten(f: jax.Array, f1: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(F^{½} V, F^{-½} V, ψ) with F^{-½} sym(F1) F^{-½} = V diag(ψ) Vᵀ (pseudo-inverse root)."""
   s, u = jnp.linalg.eigh(0.5 * (f + f.T))
   s = jnp.maximum(s, 0.0)
@@ -48,7 +46,7 @@ def _whiten(f: Array, f1: Array) -> tuple[Array, Array, Array]:
   return root @ v, inv_root @ v, psi
 
 
-class SeriesKroneckerBlock(LayoutBlock):
+class SeriesKroneckerBlock(_kronecker.LayoutBlock):
   """A dense layer shared over T steps with the "kron_series_1" / "kron_series_2" model."""
 
   serves = frozenset({("dense", "kron_series_1"), ("dense", "kron_series_2")})

@@ -30,10 +30,6 @@ class StackedBlock(Block):
     """The factor shapes of one layer (`spec.stack_inner`) with a leading stack axis L."""
     return tuple((spec.stack_size, *s) for s in spec.stack_inner.factor_shapes)
 
-  @property
-  def factor_shapes(self):
-    return tuple((self.spec.stack_size, *s) for s in self.inner.factor_shapes)
-
   def _stack(self, tree):
     """`tree` broadcast along a leading stack axis L."""
     size = self.spec.stack_size

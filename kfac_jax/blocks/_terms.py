@@ -21,22 +21,19 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax.blocks import _kronecker, _uses
-from kfac_jax.blocks._kronecker import LayoutBlock
 from kfac_jax.blocks._state import KroneckerFactors
-
-Array = jax.Array
 
 
 class TermsCache(NamedTuple):
-  ka: Array  # [n_A, n_A]: generalised eigenvectors
-  kg: Array  # [n_G, n_G]
-  qa: Array  # A₁ K_A (K⁻ᵀ)
-  qg: Array  # G₁ K_G
-  d: Array  # [n_A, n_G]: 1 + σ_A σ_Gᵀ
-  damping: Array  # []
+  ka: jax.Array  # [n_A, n_A]: generalised eigenvectors
+  kg: jax.Array  # [n_G, n_G]
+  qa: jax.Array  # A₁ K_A (K⁻ᵀ)
+  qg: jax.Array  # G₁ K_G
+  d: jax.Array  # [n_A, n_G]: 1 + σ_A σ_Gᵀ
+  damping: jax.Array  # []
 
 
-def _generalised(b: Array, a: Array) -> tuple[Array, Array]:
+def _generalised(b: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
   """`(K, σ)` with `Kᵀ b K = I` and `Kᵀ a K = diag(σ)`, for b positive definite."""
   chol = jnp.linalg.cholesky(0.5 * (b + b.T))
   eye = jnp.eye(b.shape[0], dtype=b.dtype)
@@ -45,7 +42,7 @@ def _generalised(b: Array, a: Array) -> tuple[Array, Array]:
   return inv.T @ u, jnp.maximum(sigma, 0.0)
 
 
-class KroneckerSumBlock(LayoutBlock):
+class KroneckerSumBlock(_kronecker.LayoutBlock):
   """A dense layer whose uses feed two loss tags: `A₁ ⊗ G₁ + A₂ ⊗ G₂`, inverted exactly."""
 
   serves = frozenset({("dense", "kron_terms")})

@@ -77,11 +77,9 @@ def _expand(spec, layouts, infos, data, batch_size: int, dtype):
     return _linalg.gram(g.reshape((-1,) + g.shape[2:]), False) / (g.shape[0] * batch_size)
 
   if isinstance(data, StackedUses):  # T equal uses inside one scan: every step's rows at once.
-    layout = layouts[0][0]
-    x, g = jax.vmap(lambda xs, gg: layout.rows((xs, gg), dtype), in_axes=(0, 1))(
-      data.inputs, data.g
-    )  # x: [T, R, groups, in]; g: [T, S, R, groups, out]
-    g = jnp.moveaxis(g, 0, 1)
+    rows_of = lambda xs, gg: layouts[0][0].rows((xs, gg), dtype)
+    # x: [T, R, groups, in]; g: [S, T, R, groups, out]
+    x, g = jax.vmap(rows_of, in_axes=(0, 1), out_axes=(0, 1))(data.inputs, data.g)
     rows = [(x.reshape((-1,) + x.shape[2:]), g.reshape((g.shape[0], -1) + g.shape[3:]))]
   else:
     rows = [layout.rows(d, dtype) for (layout, _), d in zip(layouts, data)]
@@ -153,6 +151,5 @@ def check_factored_powers(spec, config, note: str = "") -> None:
   if any(e not in (-1, 1) for e in config.exps):
     raise ValueError(
       f"layer `{spec.name}`: approximation {spec.approx!r} defines only the powers -1 and 1"
-      f'{note}, got exps={config.exps}. Use exps=(-1,), or approx="kron_indep" for other '
-      "powers."
+      f'{note}, got exps={config.exps}; use exps=(-1,), or approx="kron_indep".'
     )

@@ -12,16 +12,9 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from kfac_jax._specs import (
-  Approximation,
-  ConvInfo,
-  DenseInfo,
-  EmbeddingInfo,
-  FallbackInfo,
-  Kind,
-  ScaleShiftInfo,
-)
-from kfac_jax.blocks._layouts import GroupedDenseInfo
+from kfac_jax import _specs
+from kfac_jax._specs import Approximation, Kind
+from kfac_jax.blocks._layouts import KRON, GroupedDenseInfo
 from kfac_jax.scan import _graph, _matchers, _matchers_embed, _stacked
 
 # Shared-layer approximations of correlations between successive uses (a recurrence's steps).
@@ -30,9 +23,6 @@ SERIES: tuple[Approximation, ...] = ("kron_series_1", "kron_series_2")
 # The automatic passes, in order: kernels claim their biases before a shift could take them.
 Pass = Literal["kernels", "gathers", "elementwise"]
 PASSES: tuple[Pass, ...] = get_args(Pass)
-
-# "kron" and its variants that keep one or both factor sides as their diagonal.
-KRON: tuple[Approximation, ...] = ("kron", "kron_in_diag", "kron_out_diag", "kron_both_diag")
 
 Matcher = Callable[[Any, int, dict[int, str]], "_matchers.Match | None"]
 
@@ -63,7 +53,7 @@ class LayerKind:
   batch_rows: bool = False
 
 
-def _scale_shift_default(info: ScaleShiftInfo) -> tuple[Approximation, str] | None:
+def _scale_shift_default(info: _specs.ScaleShiftInfo) -> tuple[Approximation, str] | None:
   # A shift-only table over several axes: its "full" block would be quadratic in L·D.
   if info.has_scale or len(info.feature_shape) < 2:
     return None
@@ -142,7 +132,7 @@ KINDS: dict[Kind, LayerKind] = {
   for k in (
     LayerKind(
       name="dense",
-      info=DenseInfo,
+      info=_specs.DenseInfo,
       approximations=(*KRON, "diagonal", "full", "expand", "reduce", "kron_indep", "ekfac"),
       shared=("kron_indep", "kron_series_1", "kron_series_2", "kron_terms", "diagonal", "full"),
       matchers=(
@@ -154,7 +144,7 @@ KINDS: dict[Kind, LayerKind] = {
     ),
     LayerKind(
       name="conv",
-      info=ConvInfo,
+      info=_specs.ConvInfo,
       approximations=("kron", "kron_sua", *KRON[1:], "diagonal", "full", "ekfac"),
       shared=("kron_indep", "diagonal", "full"),
       matchers=(MatcherEntry("kernels", 30, _matchers.match_conv),),
@@ -165,7 +155,7 @@ KINDS: dict[Kind, LayerKind] = {
     ),
     LayerKind(
       name="embedding",
-      info=EmbeddingInfo,
+      info=_specs.EmbeddingInfo,
       approximations=("kron", "kron_indep", "kron_out_diag"),
       shared=("kron_indep",),
       matchers=(
@@ -178,7 +168,7 @@ KINDS: dict[Kind, LayerKind] = {
     ),
     LayerKind(
       name="scale_and_shift",
-      info=ScaleShiftInfo,
+      info=_specs.ScaleShiftInfo,
       approximations=("full", "diagonal"),
       shared=("full", "diagonal"),
       matchers=(
@@ -200,7 +190,7 @@ KINDS: dict[Kind, LayerKind] = {
     ),
     LayerKind(
       name="generic",
-      info=FallbackInfo,
+      info=_specs.FallbackInfo,
       approximations=("diagonal", "full"),
       read_tag=_matchers.read_generic_tag,
     ),

@@ -1,9 +1,5 @@
-"""Choosing each layer's curvature approximation: `LayerConfig` and the size policy.
-
-Precedence, highest first: a manual tag's explicit `approx=`; the first `LayerConfig.overrides`
-glob (`fnmatch.fnmatchcase`) matching the layer's name or a parameter path;
-`LayerConfig.defaults[kind]` (not for shared layers); the library default. The size policy and
-blocked sides: `docs/approximations.rst`.
+"""Choosing each layer's curvature approximation: `LayerConfig` and the size policy (precedence,
+globs, blocked sides: docs/approximations.rst; `defaults` do not apply to shared layers).
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kfac_jax.scan import _kinds
-from kfac_jax.scan._kinds import Approximation
 
 # The library defaults: a factor side is a matrix up to MAX_FACTOR_DIM entries (in blocks of about
 # BLOCK_SIZE), a diagonal above.
@@ -24,11 +19,9 @@ BLOCK_SIZE = 1024
 
 
 def _frozen(mapping, name: str) -> Mapping[str, str]:
-  if mapping is None:
-    return types.MappingProxyType({})
-  if not isinstance(mapping, Mapping):
+  if mapping is not None and not isinstance(mapping, Mapping):
     raise TypeError(f"LayerConfig: `{name}` must be a mapping, got {type(mapping).__name__}.")
-  return types.MappingProxyType(dict(mapping))
+  return types.MappingProxyType(dict(mapping or {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +78,11 @@ class LayerConfig:
         raise ValueError(
           f"LayerConfig.defaults: unknown layer kind {kind!r}; choose from {sorted(kinds)}."
         )
-      if approx not in kinds[kind].approximations:
-        raise ValueError(
-          f"LayerConfig.defaults[{kind!r}] = {approx!r} does not fit {kind} layers; choose one "
-          f"of {kinds[kind].approximations}."
-        )
+      allowed = kinds[kind].approximations
+      _check_approx(f"defaults[{kind!r}]", approx, allowed, f" does not fit {kind} layers")
     every = sorted(_kinds.every_approximation())
     for pattern, approx in frozen["overrides"].items():
-      if approx not in every:
-        raise ValueError(
-          f"LayerConfig.overrides[{pattern!r}] = {approx!r} is not an approximation; choose "
-          f"one of {every}."
-        )
+      _check_approx(f"overrides[{pattern!r}]", approx, every, " is not an approximation")
     groups = {}
     for patterns, approx in frozen["linked"].items():
       group = (patterns,) if isinstance(patterns, str) else tuple(patterns)
@@ -104,11 +90,8 @@ class LayerConfig:
         raise TypeError(
           f"LayerConfig.linked: each key must be a tuple of glob patterns, got {patterns!r}."
         )
-      if approx not in kinds["generic"].approximations:
-        raise ValueError(
-          f"LayerConfig.linked[{patterns!r}] = {approx!r}: a linked group is one generic "
-          f"block; choose one of {kinds['generic'].approximations}."
-        )
+      allowed, why = kinds["generic"].approximations, ": a linked group is one generic block"
+      _check_approx(f"linked[{patterns!r}]", approx, allowed, why)
       groups[group] = approx
     for pattern, cls in frozen["blocks"].items():
       if not isinstance(cls, type):  # The scanner checks the class (`blocks.check_class`).
@@ -140,6 +123,11 @@ class LayerConfig:
     return self.block_size if pattern is None else size
 
 
+def _check_approx(where: str, approx, choices, why: str) -> None:
+  if approx not in choices:
+    raise ValueError(f"LayerConfig.{where} = {approx!r}{why}; choose one of {choices}.")
+
+
 def _check_size(name: str, value, none: str) -> None:
   if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
     raise ValueError(f"LayerConfig.{name} must be a positive int or None ({none}), got {value!r}.")
@@ -168,12 +156,12 @@ def first_match(mapping: Mapping[str, Any], names: Sequence[str]) -> tuple[str |
 
 def size_policy(
   max_dim: int | None,
-  approx: Approximation,
+  approx: _kinds.Approximation,
   factor_shapes,
-  allowed: Sequence[Approximation],
+  allowed: Sequence[_kinds.Approximation],
   bias: bool = False,
   num_uses: int = 1,
-) -> tuple[Approximation, str]:
+) -> tuple[_kinds.Approximation, str]:
   """`(approximation, note)` after the size policy (note "" if unchanged), from the factor shapes
   under `approx`; with `bias`, the input side ends with a bias row, not counted."""
   if max_dim is None:

@@ -294,23 +294,22 @@ def match_dense(ix, i, claimed):
     leaves.append(bias[0])
     out_key = bias[1]
   if _graph.is_key(x_atom) and x_atom in ix.param_only:
-    found = constant_input_tap(ix, out_key, info)
-    out_key, info = found if found is not None else (out_key, info)
+    out_key, info = constant_input_tap(ix, out_key, info) or (out_key, info)
   return Match.single("dense", leaves, info, out_key, (x_atom,))
 
 
 def constant_input_tap(ix, key, info: DenseInfo):
   """`(tap, info with its shared_tap)` of a dense use whose input is made of parameters alone."""
-  found = _batch_broadcast_tap(ix, key, info)
-  return found if found is not None else hoisted_tap(ix, key, info)
+  return _batch_broadcast_tap(ix, key, info) or hoisted_tap(ix, key, info)
 
 
-def _shared_tap_bytes(info: DenseInfo, s_shape, entries: np.ndarray) -> bytes:
-  """`DenseInfo.shared_tap`: the positions in `[rows, out]` of product-output entries `entries`."""
+def _with_shared_tap(info: DenseInfo, s_shape, entries: np.ndarray) -> DenseInfo:
+  """`info` with its `shared_tap`: the positions in `[rows, out]` of product-output `entries`."""
   n = math.prod(s_shape)
   where = np.empty(n, np.int64)
   where[np.arange(n).reshape(s_shape).transpose(info.out_perm).reshape(-1)] = np.arange(n)
-  return where[entries.reshape(-1)].astype(np.int32).tobytes()
+  tap = where[entries.reshape(-1)].astype(np.int32).tobytes()
+  return dataclasses.replace(info, shared_tap=tap)
 
 
 def hoisted_tap(ix, key, info: DenseInfo):
@@ -359,8 +358,7 @@ def hoisted_tap(ix, key, info: DenseInfo):
     return None
   keys, axes, shapes, entries = zip(*taps)
   tap = _graph.HoistedTap(keys, axes, shapes)
-  shared = _shared_tap_bytes(info, s_shape, np.concatenate(entries))
-  return tap, dataclasses.replace(info, shared_tap=shared)
+  return tap, _with_shared_tap(info, s_shape, np.concatenate(entries))
 
 
 def _batch_broadcast_tap(ix, key, info: DenseInfo):
@@ -372,8 +370,7 @@ def _batch_broadcast_tap(ix, key, info: DenseInfo):
     if key not in ix.param_only and len(shape) >= 2 and shape[0] == ix.batch_size > 1:
       if not (idx == idx[:1]).all():
         return None
-      tap = _shared_tap_bytes(info, s_shape, idx[0])
-      return key, dataclasses.replace(info, shared_tap=tap)
+      return key, _with_shared_tap(info, s_shape, idx[0])
     use = only_consumer(ix, key)
     if use is None:
       return None
@@ -631,8 +628,8 @@ def leaf_for_operand(ix, atom, what: str, tag: str) -> tuple[int, tuple[ViewStep
   """`(leaf, view chain)` of a manual tag's parameter operand; an error if it is no view of one."""
   if not _graph.is_key(atom) or atom not in ix.origin:
     raise RegistrationError(
-      f"{tag}: `{what}` is not a parameter leaf of `params` (nor a cast/reshape of one). "
-      "Pass the parameter array itself, as read from the params pytree inside loss_fn."
+      f"{tag}: `{what}` is not a parameter leaf of `params` (nor a cast/reshape of one); pass "
+      "the parameter itself."
     )
   return ix.origin[atom]
 
@@ -653,24 +650,19 @@ def tag_output(ix, fe, fn: str) -> tuple[Any, tuple[int, ...]]:
   """A manual tag's layer output `y` (operand 0) and its shape; an error if it is a constant."""
   y = fe.ins[0]
   if not _graph.is_key(y):
-    raise RegistrationError(
-      f"{fn}: the layer output `y` is a constant, not computed from the input."
-    )
+    raise RegistrationError(f"{fn}: the layer output `y` is a constant, not computed from x.")
   return y, _graph.shape_of(y)
 
 
 def tag_leaf(ix, atom, what: str, fn: str, broadcast: bool = False):
   """`(leaf, view chain)` of a manual tag's parameter operand, not broadcast unless allowed."""
   j, chain = leaf_for_operand(ix, atom, what, fn)
-  if any(s.op == "gather" for s in chain):
-    raise RegistrationError(
-      f"{fn}: `{what}` (`{ix.paths[j]}`) is gathered at constant indices before the tag; pass "
-      "the parameter itself."
-    )
-  if not broadcast and any(s.op == "broadcast" for s in chain):
-    raise RegistrationError(
-      f"{fn}: `{what}` (`{ix.paths[j]}`) is broadcast before the tag; pass the parameter itself."
-    )
+  done = {"gather": "gathered at constant indices", "broadcast": "broadcast"}
+  for op in ("gather",) if broadcast else ("gather", "broadcast"):
+    if any(s.op == op for s in chain):
+      raise RegistrationError(
+        f"{fn}: `{what}` (`{ix.paths[j]}`) is {done[op]} before the tag; pass the parameter itself."
+      )
   return j, chain
 
 
@@ -694,8 +686,7 @@ def read_embedding_tag(ix, fe) -> Match:
   t_leaf, chain = tag_leaf(ix, table, "table", fn)
   if any(s.op != "cast" for s in chain):
     raise RegistrationError(
-      f"{fn}: `table` (`{ix.paths[t_leaf]}`) is reshaped or transposed before "
-      "the tag; pass the [vocab, dim] parameter itself."
+      f"{fn}: `table` (`{ix.paths[t_leaf]}`) is reshaped or transposed; pass it as [vocab, dim]."
     )
   t_shape = _graph.shape_of(table)
   info = EmbeddingInfo(tuple(chain), int(t_shape[0]), int(t_shape[1]))
@@ -708,8 +699,7 @@ def read_scale_and_shift_tag(ix, fe) -> Match:
   y, y_shape = tag_output(ix, fe, fn)
   if y_shape[0] != ix.batch_size:
     raise RegistrationError(
-      f"{fn}: `y` has shape {y_shape}, but its leading axis must be the batch of the loss "
-      f"tags ({ix.batch_size})."
+      f"{fn}: `y` has shape {y_shape}; its leading axis must be the batch ({ix.batch_size})."
     )
   leaves, feats = [], []
   has = [fe.params["has_scale"], fe.params["has_shift"]]
@@ -718,8 +708,7 @@ def read_scale_and_shift_tag(ix, fe) -> Match:
     f = _trailing_feature_shape(ix.shapes[j], chain, _graph.shape_of(atom), y_shape)
     if f is None or len(f) == len(y_shape):
       raise RegistrationError(
-        f"{fn}: `{what}` (`{ix.paths[j]}`, shape {ix.shapes[j]}) does not span "
-        f"trailing axes of y {y_shape}."
+        f"{fn}: `{what}` (`{ix.paths[j]}`, {ix.shapes[j]}) spans no trailing axes of y {y_shape}."
       )
     leaves.append(j)
     feats.append(f)

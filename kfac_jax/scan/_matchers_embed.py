@@ -46,14 +46,14 @@ def embedding_use(ix, i) -> _matchers.Match | None:
     return None
   idx_shape, out_shape = _graph.shape_of(fe.ins[1]), _graph.shape_of(fe.outs[0])
   dn = fe.params["dimension_numbers"]
+  if tuple(dn.operand_batching_dims) or tuple(fe.params["slice_sizes"]) != (1, info.dim):
+    return None
   if tuple(dn.start_index_map) == (0, 1):
     return _vmapped_row_use(ix, fe, info)
   if (
     tuple(dn.offset_dims) != (len(out_shape) - 1,)
     or tuple(dn.collapsed_slice_dims) != (0,)
     or tuple(dn.start_index_map) != (0,)
-    or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, info.dim)
     or not idx_shape
     or idx_shape[-1] != 1
     or out_shape != idx_shape[:-1] + (info.dim,)
@@ -72,8 +72,6 @@ def _vmapped_row_use(ix, fe, info):
   if (
     tuple(dn.offset_dims) != (nd - 2, nd - 1)
     or tuple(dn.collapsed_slice_dims)
-    or tuple(dn.operand_batching_dims)
-    or tuple(fe.params["slice_sizes"]) != (1, info.dim)
     or out_shape[-2:] != (1, info.dim)
     or mode not in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     or cat is None

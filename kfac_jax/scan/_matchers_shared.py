@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, kernel_index_matrix
+from kfac_jax._specs import ConvInfo, DenseInfo, EmbeddingInfo, Kind, kernel_index_matrix
 from kfac_jax.scan import _graph, _matchers, _matchers_embed
-
-if TYPE_CHECKING:
-  from kfac_jax._specs import Kind
 
 
 def match_shared(ix, leaf, claimed, shifts: bool = False):
@@ -42,9 +38,7 @@ def match_shared(ix, leaf, claimed, shifts: bool = False):
         return None  # No output gradient per example.
       found[n] = (found[n][0], tap[1], found[n][2], tap[0], found[n][4])
   found, b_leaf = _tangent_uses(ix, found, kinds)
-  if b_leaf is False:
-    return None
-  if b_leaf is not None and b_leaf in claimed:
+  if b_leaf is False or b_leaf in claimed:  # Disagreeing uses, or a bias claimed already.
     return None
   infos, shape = tuple(f[1] for f in found), ix.shapes[leaf]
   kind: Kind = "embedding" if "embedding" in kinds else found[0][0]
@@ -129,14 +123,8 @@ def _layout(info, shape) -> tuple:
     m = m.T if info.transposed else m
     return m.shape, m.tobytes()
   if isinstance(info, ConvInfo):
-    return (
-      info.kernel_view,
-      info.rhs_spec,
-      info.feature_group_count,
-      info.kernel_spatial,
-      info.in_channels,
-      info.out_channels,
-    )
+    names = "kernel_view rhs_spec feature_group_count kernel_spatial in_channels out_channels"
+    return tuple(getattr(info, name) for name in names.split())
   return info.has_scale, info.has_shift, info.feature_shape, info.feature_axis, info.batch_axis
 
 

@@ -158,8 +158,7 @@ def _stacked_bias(ix, out_key, out_axis, k_shape, claimed):
   if found is None:
     return None
   b_leaf, chain, atom, fe = found
-  size, out_shape = k_shape[0], _graph.shape_of(out_key)
-  b_shape = _graph.shape_of(atom)
+  size, out_shape, b_shape = k_shape[0], _graph.shape_of(out_key), _graph.shape_of(atom)
   if (
     b_leaf >= ix.n_params
     or any(s.op not in ("cast", "reshape") for s in chain)
@@ -191,8 +190,7 @@ def match_stacked_scale_and_shift(ix, i, claimed):
     return None
   _, axis, feat = block
   size, per_out = out_shape[0], out_shape[1:]
-  x_shapes = [_graph.shape_of(x) for x in inputs]
-  if any(len(x) != len(out_shape) or x[0] != size for x in x_shapes):
+  if any(len(s) != len(out_shape) or s[0] != size for s in map(_graph.shape_of, inputs)):
     return None
   followed = _matchers.followed_batch_axis(ix, out_key)
   followed = None if followed in (None, 0) else followed - 1
