@@ -154,6 +154,5 @@ def check(expected: Any, got: Any, who: str, what: str = "state") -> None:
     + (f" ({'; '.join(hints)})" if hints else "")
     + ":\n  "
     + "\n  ".join(shown)
-    + "\nPass the state this front's init returned for these params (another model's, another "
-    "layer configuration's, another storage's or another momentum setting's state does not fit)."
+    + "\nPass the state this front's init returned for these params."
   )

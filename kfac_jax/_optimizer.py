@@ -292,8 +292,8 @@ class Optimizer:
     if callable(damping):
       if use_adaptive_damping:
         raise ValueError(
-          "`damping` is a schedule, but use_adaptive_damping=True adapts λ itself from an "
-          "initial number: pass a number, or use_adaptive_damping=False to follow the schedule."
+          "`damping` is a schedule, but use_adaptive_damping=True adapts λ from a number: pass "
+          "one, or use_adaptive_damping=False."
         )
     else:
       _check_number(damping, "damping")
@@ -302,9 +302,8 @@ class Optimizer:
       _check_number(norm_constraint, "norm_constraint", low_open=True)
       if learning_rate is None:
         raise ValueError(
-          "`norm_constraint` (KL clipping) rescales a fixed learning rate, but "
-          "learning_rate=None chooses it from the quadratic model: pass a learning_rate, or "
-          "norm_constraint=None."
+          "`norm_constraint` rescales a fixed learning rate, got learning_rate=None (from the "
+          "quadratic model): pass a learning_rate, or norm_constraint=None."
         )
     _check_number(ema_decay, "ema_decay", high=1.0, high_open=True)
     _checks.static_int(inverse_every, "inverse_every")
@@ -395,8 +394,8 @@ class Optimizer:
     given = {k: v for k, v in (given or {}).items() if v is not None}
     if "damping" in given and self.use_adaptive_damping:
       raise ValueError(
-        "Optimizer.step: `damping` was given for this step, but use_adaptive_damping=True "
-        "adapts λ itself; build the Optimizer with use_adaptive_damping=False to pass λ per step."
+        "Optimizer.step: `damping` was given, but use_adaptive_damping=True adapts λ itself: "
+        "build the Optimizer with use_adaptive_damping=False."
       )
     for name, value in given.items():
       if jnp.ndim(value) != 0:
@@ -516,11 +515,9 @@ class Optimizer:
     def whole(params):
       if _engine.masked_share(params) is not None:
         raise ValueError(
-          "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (optax.multi_transform or "
-          "optax.masked hands it only a share of the parameters), but the optimizer steps the "
-          "whole model: its quadratic model and damping take every parameter. For K-FAC on a "
-          "share, use kfac_jax.kfac(registration=reg, ...) with curvature_stats= from "
-          "kfac_jax.value_and_grad(registration=reg)."
+          "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (a share), but the "
+          "optimizer steps the whole model. For K-FAC on a share, use "
+          "kfac_jax.kfac(registration=reg, ...) with kfac_jax.value_and_grad(registration=reg)."
         )
 
     def init_fn(params):

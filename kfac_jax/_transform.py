@@ -74,10 +74,9 @@ def _rows(fraction, batch, who: str) -> tuple[Any, int]:
   for path, x in sized[1:]:
     if jnp.shape(x)[0] != n:
       raise ValueError(
-        f"{who}: statistics_fraction={fraction!r} takes the same rows of every `batch=` "
-        f"leaf, so their leading axes must agree: `batch{jax.tree_util.keystr(sized[0][0])}` "
-        f"has {n} rows, `batch{jax.tree_util.keystr(path)}` has {jnp.shape(x)[0]}. Pass "
-        "statistics_fraction=None and slice the batch yourself."
+        f"{who}: statistics_fraction={fraction!r} takes the same rows of every `batch=` leaf, "
+        f"but `batch{jax.tree_util.keystr(sized[0][0])}` has {n} rows and "
+        f"`batch{jax.tree_util.keystr(path)}` {jnp.shape(x)[0]}: pass statistics_fraction=None."
       )
   if fraction == "auto":
     stride = auto_stride(n)
@@ -280,8 +279,7 @@ def _tagged_default(reg: _registration.Registration) -> float:
   return default_learning_rate(reg) / (reg.loss_factor or 1.0)
 
 
-# A learning rate over `kfac`'s default for the loss outside [_FAR_BELOW, _FAR_ABOVE] is far
-# from those measured: the benchmark models train between 1/6 and 3 times the default.
+# Far from `kfac`'s default: the benchmark models train between 1/6 and 3 times it.
 _FAR_BELOW, _FAR_ABOVE = 1e-3, 30.0
 
 
@@ -299,10 +297,9 @@ def _report_far_learning_rate(reporter: _verdict.Reporter, reg, value, step=None
     "range:learning_rate",
     f"{reporter.who}: learning_rate={value:g}{at} is {ratio:.3g} times the default for this "
     f"loss, 0.3 · D^(1/4) / c = {default:.3g} (D = {reg.outputs_per_example} outputs per "
-    f"example, c = {c:g} the returned loss over the tagged one). The benchmark models train "
-    f"between 1/6 and 3 times the default; beyond {_FAR_ABOVE:g} times it a step overshoots, "
-    f"below {_FAR_BELOW:g} times it barely moves. Pass learning_rate=None for the default. "
-    "This warning is given once.",
+    f"example, c = {c:g} the returned loss over the tagged one), outside [{_FAR_BELOW:g}, "
+    f"{_FAR_ABOVE:g}] times it, where a step overshoots or barely moves. Pass "
+    "learning_rate=None for the default. This warning is given once.",
     _errors.HyperparameterWarning,
   )
 
@@ -368,14 +365,25 @@ def _check_linesearch(linesearch, who: str) -> None:
   fields = optax.tree_utils.tree_get_all_with_path(state, "learning_rate")
   if not any(not isinstance(path[-1], jax.tree_util.DictKey) for path, _ in fields):
     raise TypeError(
-      f"{who}: `linesearch` must be a line search, which picks the step along the "
-      "preconditioned direction from `value_fn` and keeps it in its state's `learning_rate` "
-      f"field: {_LINESEARCHES}. Got a transformation whose state ({type(state).__name__}) has "
-      "no such field, so it would replace the learning rate with its own update rule. For a "
-      "fixed or scheduled step pass `learning_rate=`; to run another optimizer on the "
-      "preconditioned direction, chain it after the bare preconditioner "
-      "(`kfac_jax.scale_by_kfac`, `kfac_jax.scale_by_kernel_ngd`)."
+      f"{who}: `linesearch` must be a line search, which keeps its step in its state's "
+      f"`learning_rate` field: {_LINESEARCHES}; got one whose state ({type(state).__name__}) "
+      "has none. Pass `learning_rate=` instead, or chain another optimizer after the bare "
+      "preconditioner (`kfac_jax.scale_by_kfac`, `kfac_jax.scale_by_kernel_ngd`)."
     )
+
+
+def _check_scalar_loss(out, what: str) -> None:
+  """TypeError unless `out` is one scalar; `what` says what it is, e.g. "`value=` must be"."""
+  if isinstance(out, (tuple, list)):
+    got = f"a {type(out).__name__} of {len(out)} values"
+  elif jnp.shape(out) != ():
+    got = f"an array of shape {jnp.shape(out)}"
+  else:
+    return
+  raise TypeError(
+    f"the line search's {what} the scalar loss, got {got}. For a `loss_fn` returning "
+    "`(loss, aux)`, pass `value_fn=lambda params: loss_fn(params, batch)[0]` and `value=loss`."
+  )
 
 
 def _scalar_value_fn(value_fn: Callable) -> Callable:
@@ -385,17 +393,7 @@ def _scalar_value_fn(value_fn: Callable) -> Callable:
   @functools.wraps(value_fn)
   def checked(*args, **kwargs):
     out = value_fn(*args, **kwargs)
-    if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
-      got = (
-        f"a {type(out).__name__} of {len(out)} values"
-        if isinstance(out, (tuple, list))
-        else f"an array of shape {jnp.shape(out)}"
-      )
-      raise TypeError(
-        f"the line search's `value_fn` must return the scalar loss, got {got}. A `loss_fn` "
-        "returning `(loss, aux)` is passed as `value_fn=lambda params: loss_fn(params, "
-        "batch)[0]`."
-      )
+    _check_scalar_loss(out, "`value_fn` must return")
     return out
 
   return checked
@@ -420,13 +418,8 @@ def along_linesearch(linesearch):
 
   def update_fn(updates, state, params=None, *, kfac_grads, kfac_count, **extra_args):
     del kfac_grads, kfac_count
-    value = extra_args.get("value")
-    if isinstance(value, (tuple, list)) or (value is not None and jnp.shape(value) != ()):
-      raise TypeError(
-        "the line search's `value=` must be the scalar loss at `params`, got "
-        f"{type(value).__name__} {jax.tree_util.tree_map(jnp.shape, value)}; with `has_aux`, "
-        "pass the loss of `(loss, aux)`."
-      )
+    if extra_args.get("value") is not None:
+      _check_scalar_loss(extra_args["value"], "`value=` must be")
     if callable(extra_args.get("value_fn")):
       extra_args["value_fn"] = _scalar_value_fn(extra_args["value_fn"])
     descent = jax.tree_util.tree_map(jnp.negative, updates)

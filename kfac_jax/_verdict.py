@@ -28,8 +28,7 @@ _INPUTS = {
 }
 _CHAINED = (
   " A transform chained after this one (a schedule, a scale) or the code applying the updates "
-  "can make it so: `kfac_jax.kfac(learning_rate=schedule)` checks a schedule's values and skips "
-  "the steps they are not usable for."
+  "can make it so: `kfac_jax.kfac(learning_rate=schedule)` skips a schedule's unusable steps."
 )
 
 
@@ -102,8 +101,7 @@ class Reporter:
       + (
         " The step is skipped and the curvature is left as it was."
         if skipped
-        else " `Config.skip_nonfinite` is off: the update is used (the curvature keeps no "
-        "non-finite statistics)."
+        else " `Config.skip_nonfinite` is off: the update is used (not the statistics)."
       )
       + " This warning is given once per input.",
       _errors.NonFiniteWarning,
@@ -118,11 +116,9 @@ class Reporter:
       self.once(
         f"inverse:{block}",
         f"{self.who}: the refreshed inverse of {block} was not finite at step {step} (damping "
-        f"{lam:g}): the layer keeps its previous inverse (the identity before its first good "
-        "refresh, so its update is then its plain gradient's), and "
-        "`curvature.failed_inverses` in the state counts the failures. Raise the damping, or "
-        "for a block of your own (LayerConfig.blocks) make its compute_cache finite on these "
-        "statistics. This warning is given once per layer.",
+        f"{lam:g}): the layer keeps its previous one (`curvature.failed_inverses` counts). Raise "
+        "the damping, or make your block's compute_cache finite on these statistics. This "
+        "warning is given once per layer.",
         _errors.FailedInverseWarning,
       )
 
