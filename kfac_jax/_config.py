@@ -107,9 +107,8 @@ class Config:
           f"axes, got {mesh!r}."
         )
       _parallel.check_auto_axis(*mesh)
-    _checks.boolean(self.skip_nonfinite, "config.skip_nonfinite")
-    _checks.boolean(self.step_warnings, "config.step_warnings")
-    _checks.boolean(self.nesterov, "config.nesterov")
+    for flag in ("skip_nonfinite", "step_warnings", "nesterov"):
+      _checks.boolean(getattr(self, flag), f"config.{flag}")
     _concrete(self.min_damping, "config.min_damping")
     _concrete(self.max_damping, "config.max_damping", low=self.min_damping)
     _checks.static_int(self.damping_adaptation_interval, "config.damping_adaptation_interval")

@@ -239,13 +239,7 @@ class Linearisation:
     return self._jvp(list(p_leaves), jax.tree_util.tree_map(jnp.zeros_like, self._eps0))[1]
 
   def statistics(
-    self,
-    rng,
-    *,
-    estimation_mode: str,
-    num_samples: int,
-    with_params_stats: bool = False,
-    fingerprint: Any = None,
+    self, rng, *, estimation_mode: str, num_samples: int, with_params_stats=False, fingerprint=None
   ) -> CurvatureStats:
     """The estimation mode's output vectors, pulled back (vmapped over the stack)."""
     scan, preds, others = self.scan, self.preds, self.others

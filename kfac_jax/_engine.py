@@ -360,11 +360,8 @@ class Engine:
         f"{who}: `curvature_stats` are K-FAC's per-layer statistics: pass `batch=` (and `rng=`)."
       )
     if stats is None and batch is None:
-      raise ValueError(
-        f"{who}: pass "
-        + ("`curvature_stats=` (from kfac_jax.value_and_grad) or " if takes_stats else "")
-        + "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
-      )
+      stats_or = "`curvature_stats=` (from kfac_jax.value_and_grad) or " if takes_stats else ""
+      raise ValueError(f"{who}: pass {stats_or}`batch=` (and `rng=`) to tx.update.")
     if bound.kept is not None:
       if masked_share(vector) != bound.kept:
         raise ValueError(f"{who}: `updates` and `params` must share their MaskedNode leaves.")

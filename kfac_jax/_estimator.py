@@ -188,9 +188,8 @@ class CurvatureEstimator:
       self.registration.check_params(params)
     factors, cache = self.storage.init_state(axis_name, mesh)
     count = lambda: jnp.zeros((), jnp.int32)  # Distinct arrays: a state can be donated.
-    return EstimatorState(
-      factors, cache, jnp.zeros((), self.numerics.accum_dtype), count(), count()
-    )
+    weight = jnp.zeros((), self.numerics.accum_dtype)
+    return EstimatorState(factors, cache, weight, count(), count())
 
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
@@ -213,11 +212,9 @@ class CurvatureEstimator:
   def check_stats(self, stats: _curvature.CurvatureStats, who: str = "this estimator") -> None:
     """ValueError when `stats` were computed for another mode or layer set, or (statistics of
     `value_and_grad`, which scans each batch) for layers that change with the batch size."""
-    reg = self.registration
-    if stats.layer_shapes and stats.layer_names == tuple(s.name for s in self.layers):
-      reg.check_layer_shapes(
-        stats.layer_names, stats.layer_shapes, stats.batch_size, kinds_only=True
-      )
+    reg, names = self.registration, stats.layer_names
+    if stats.layer_shapes and names == tuple(s.name for s in self.layers):
+      reg.check_layer_shapes(names, stats.layer_shapes, stats.batch_size, kinds_only=True)
     reg.check_stats(stats, who)
 
   def batch_factors(

@@ -228,9 +228,7 @@ class Optimizer:
   """K-FAC with learning rate, momentum and damping adapted from the quadratic model.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
-      registers it with the default settings (see `kfac_jax.Registration`).
-    example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    loss_fn, example_batch, ema_decay: as in `kfac_jax.scale_by_kfac`.
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
     momentum: μ: None (from the quadratic model, over any real μ), a number in [0, 1) or a
       schedule.
@@ -240,11 +238,9 @@ class Optimizer:
       kfac-jax's `l2_reg`; module docstring). For decoupled weight decay use
       `Config(weight_decay=)`.
     norm_constraint: c > 0 for KL clipping `α² Δᵀ F̂_λ Δ ≤ c`; needs a fixed learning rate.
-    ema_decay: decay of the curvature statistics' moving average, in [0, 1).
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
     curvature_every: update the statistics every this many steps (and every burn-in step).
-    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch` (with
-      `has_aux`, `step` returns the aux in `info["aux"]`).
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`.
     axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over,
       and to split the inverse work over.
     config: a `kfac_jax.Config` with the rarer knobs (those the Optimizer reads).
@@ -400,8 +396,7 @@ class Optimizer:
     for name, value in given.items():
       if jnp.ndim(value) != 0:
         raise ValueError(
-          f"Optimizer.step: `{name}` must be a scalar (a number or a 0-d array), got shape "
-          f"{jnp.shape(value)}."
+          f"Optimizer.step: `{name}` must be a scalar, got shape {jnp.shape(value)}."
         )
     damping = state.damping if self.use_adaptive_damping else self.damping
     own = {"learning_rate": self.learning_rate, "momentum": self.momentum, "damping": damping}

@@ -229,16 +229,8 @@ class Registration:
     if separate:
       _audit.check_structure(scan, checks & {"shared_prediction"})
     elif checks:  # Once per registration, not per later scan.
-      factor = _audit.audit(
-        scan,
-        params,
-        example_batch,
-        estimation_mode=estimation_mode,
-        axis_names=names,
-        strict=strict,
-        warn=warn,
-        checks=checks,
-      )
+      kw: dict[str, Any] = {"axis_names": names, "strict": strict, "warn": warn, "checks": checks}
+      factor = _audit.audit(scan, params, example_batch, estimation_mode=estimation_mode, **kw)
     leaves = jax.tree_util.tree_leaves(params)
     self._set(separate_loss=separate, loss_factor=factor, layers=scan.layers)
     self._set(example_batch=jax.eval_shape(lambda b: b, example_batch))

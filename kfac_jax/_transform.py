@@ -152,12 +152,8 @@ def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, re
     step = engine.step(bound, own.count, own.skipped, own.curvature, inputs)
     ok, out = step.ok, step.vector
     if rest is not None:
-
-      def run():
-        return rest.update(
-          out, state.rest, params, kfac_grads=updates, kfac_count=step.clock, **extra
-        )
-
+      chained = {"kfac_grads": updates, "kfac_count": step.clock, **extra}
+      run = functools.partial(rest.update, out, state.rest, params, **chained)
       skip = lambda: (optax.tree_utils.tree_zeros_like(out), state.rest)  # noqa: E731
       out, rest_state = run() if ok is None else jax.lax.cond(ok, run, skip)
     if ok is None:
@@ -228,19 +224,13 @@ def scale_by_kfac(
   schedule = (ema_decay, inverse_every, curvature_every)
   source = (loss_fn, example_batch, registration)
   engine = _kfac_engine(
-    "scale_by_kfac", ScaleByKfacState, source, schedule, axis_name, config, damping=damping
+    "scale_by_kfac", ScaleByKfacState, source, schedule, axis_name, config, damping
   )
   return transformation(engine, {"damping": (damping, 0.0)}, kfac_statistics)
 
 
-def _kfac_engine(
-  who, state_type, source, schedule, axis_name, config, *, damping, momentum=None, max_norm=None
-) -> _engine.Engine:
-  """A K-FAC transform's engine, its numeric arguments checked first (None: not taken)."""
-  if momentum is not None:
-    _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
-  if max_norm is not None:
-    _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
+def _kfac_engine(who, state_type, source, schedule, axis_name, config, damping) -> _engine.Engine:
+  """A K-FAC transform's engine, `damping` and the `schedule` checked first."""
   _checks.number(damping, "damping", low=0.0, schedule=True)
   front = {"axis_name": axis_name, "config": config, "state_type": state_type, "transform": True}
   return _engine.Engine.kfac(who, source, _engine.Schedule.checked(*schedule), **front)
@@ -486,8 +476,11 @@ def kfac(
   check_step_size(learning_rate, linesearch, "kfac")
   schedule = (ema_decay, inverse_every, curvature_every)
   source = (loss_fn, example_batch, registration)
-  numbers = {"momentum": momentum, "max_norm": max_norm, "damping": damping}
-  engine = _kfac_engine("kfac", KfacState, source, schedule, axis_name, config, **numbers)
+  if momentum is not None:
+    _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+  if max_norm is not None:
+    _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
+  engine = _kfac_engine("kfac", KfacState, source, schedule, axis_name, config, damping)
   tagged, nesterov = (engine if learning_rate is None else None), engine.config.nesterov
   rest = optax.chain(
     optax.identity() if max_norm is None else _clip_by_kfac_norm(max_norm, tagged),

@@ -89,7 +89,8 @@ class Reporter:
     if not bad_ones:
       return
     name = bad_ones[0]
-    bad = [f"`{p}`" for p, g in zip(paths[names.index(name)], goods[name]) if not g and p]
+    leaf_paths = paths[names.index(name)]
+    bad = [f"`{p}`" for p, g in zip(leaf_paths, goods[name]) if not g and p != "<root>"]
     where = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
     subject, cause = _INPUTS[name]
     self.once(
@@ -138,10 +139,7 @@ def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: boo
   leaves = [[jax.tree_util.tree_leaves(t) for t in g] for g in groups.values()]
   ok = _storage.all_finite([[sum(_up(x) for x in xs) for xs in zip(*g)] for g in leaves])
   names = tuple(trees)
-  paths = tuple(
-    ["/".join(_specs.key_name(k) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
-    for t in trees.values()
-  )
+  paths = tuple(_specs.param_paths(t) for t in trees.values())
 
   def flags():  # Per leaf, through its sum: one reduction each.
     return [
