@@ -16,7 +16,7 @@ def is_traced(value) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
-def _describe(value) -> str:
+def describe(value) -> str:
   if isinstance(value, (jax.Array, np.ndarray)):
     return f"{value!r}"
   return f"{value!r} ({type(value).__name__})"
@@ -27,7 +27,7 @@ def _as_float(value, name: str, expected: str) -> float | None:
   if is_traced(value):
     return None
   if isinstance(value, (bool, np.bool_)) or value is None or isinstance(value, (str, bytes)):
-    raise TypeError(f"`{name}` must be {expected}, got {_describe(value)}.")
+    raise TypeError(f"`{name}` must be {expected}, got {describe(value)}.")
   if isinstance(value, (int, float, np.integer, np.floating)):
     return float(value)
   if isinstance(value, (jax.Array, np.ndarray)):
@@ -41,7 +41,7 @@ def _as_float(value, name: str, expected: str) -> float | None:
         f"and dtype {value.dtype}: {value!r}."
       )
     return float(value)
-  raise TypeError(f"`{name}` must be {expected}, got {_describe(value)}.")
+  raise TypeError(f"`{name}` must be {expected}, got {describe(value)}.")
 
 
 def number(
@@ -73,7 +73,7 @@ def number(
     and (v < high if high_open else v <= high)
   )
   if not ok:
-    raise ValueError(f"`{name}` must be {expected}, got {_describe(value)}.")
+    raise ValueError(f"`{name}` must be {expected}, got {describe(value)}.")
 
 
 def concrete_number(value, name: str, where: str, **bounds) -> None:
@@ -91,7 +91,7 @@ def positive_int(value, name: str) -> None:
   expected = "a positive integer"
   v = _as_float(value, name, expected)
   if v is not None and (not math.isfinite(v) or v != int(v) or v < 1):
-    raise ValueError(f"`{name}` must be {expected}, got {_describe(value)}.")
+    raise ValueError(f"`{name}` must be {expected}, got {describe(value)}.")
 
 
 def _static(value, name: str, what: str, kinds: tuple[type, ...]) -> bool:
@@ -102,7 +102,7 @@ def _static(value, name: str, what: str, kinds: tuple[type, ...]) -> bool:
       f"{type(value).__name__}: {value!r}."
     )
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-    raise TypeError(f"`{name}` must be {what}, got {_describe(value)}.")
+    raise TypeError(f"`{name}` must be {what}, got {describe(value)}.")
   return isinstance(value, kinds)
 
 
@@ -110,7 +110,7 @@ def static_int(value, name: str, *, low: int = 1) -> None:
   """A Python int >= `low` that fixes array shapes (never traced)."""
   what = f"an int >= {low}"
   if not _static(value, name, what, (int, np.integer)) or value < low:
-    raise ValueError(f"`{name}` must be {what}, got {_describe(value)}.")
+    raise ValueError(f"`{name}` must be {what}, got {describe(value)}.")
 
 
 def static_fraction(value, name: str) -> None:
@@ -122,7 +122,7 @@ def static_fraction(value, name: str) -> None:
 
 def boolean(value, name: str) -> None:
   if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"`{name}` must be a bool (True or False), got {_describe(value)}.")
+    raise TypeError(f"`{name}` must be a bool (True or False), got {describe(value)}.")
 
 
 def choice(value, name: str, choices: Sequence[Any]) -> None:
@@ -134,12 +134,12 @@ def choice(value, name: str, choices: Sequence[Any]) -> None:
 
 def optional_str(value, name: str) -> None:
   if value is not None and not isinstance(value, str):
-    raise TypeError(f"`{name}` must be a string or None, got {_describe(value)}.")
+    raise TypeError(f"`{name}` must be a string or None, got {describe(value)}.")
 
 
 def function(value, name: str) -> None:
   if not callable(value):
-    raise TypeError(f"`{name}` must be callable, got {_describe(value)}.")
+    raise TypeError(f"`{name}` must be callable, got {describe(value)}.")
 
 
 def axis_bound(axis_name, who: str) -> None:
@@ -151,7 +151,6 @@ def axis_bound(axis_name, who: str) -> None:
       jax.lax.axis_size(name)
     except NameError:
       raise ValueError(
-        f"{who}: `axis_name`={name!r} is not bound here, so its means over devices cannot run. "
-        f"Call it inside `jax.pmap(..., axis_name={name!r})` or `jax.shard_map` over a mesh "
-        f"axis named {name!r}; under plain `jax.jit` (sharded arrays) pass axis_name=None."
+        f"{who}: `axis_name`={name!r} is not bound here: call it inside `jax.pmap(..., "
+        f"axis_name={name!r})` or `jax.shard_map` over mesh axis {name!r}, or pass None (jit)."
       ) from None

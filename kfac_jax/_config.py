@@ -45,10 +45,8 @@ class Config:
       over the devices) or "sharded" (each device keeps, refreshes and applies only its share;
       needs `axis_name` or `mesh`); or a `ReplicatedStorage()` / `ShardedStorage()`. [all]
     statistics_fraction: when a transform computes the statistics from `batch=`, the fraction f
-      in (0, 1] of the batch's N rows they come from: ⌈f·N⌉ evenly spaced rows, normalised by
-      their count. "auto" (default): every fourth row of a batch of 256 or more, every second
-      of 128 or more, else (or where the cut batch cannot be used) every row; None or 1: every
-      row; an explicit f raises where "auto" falls back. [scale_by_kfac, kfac]
+      in (0, 1] of the batch's N rows they come from (⌈f·N⌉ evenly spaced rows); "auto"
+      (default) or None (every row): docs/hyperparameters.rst. [scale_by_kfac, kfac]
     burn_in_steps: the first this many steps only fold statistics (zero updates, no inverse
       refresh); schedules still count them. [scale_by_kfac, kfac, Optimizer]
     mesh: under plain `jit` with data sharded over a mesh: `(mesh, axis)` splits the inverse
@@ -57,8 +55,7 @@ class Config:
       the state unchanged but for its `skipped` counter; False: the update goes through
       (non-finite statistics still kept out). [scale_by_kfac, kfac, Optimizer, kernel fronts]
     step_warnings: a compiled step warns too, through a host callback that keeps JAX from
-      caching the step's compilation; off, a compiled step only counts (`skipped`,
-      `curvature.failed_inverses`). [scale_by_kfac, kfac, Optimizer, kernel fronts]
+      caching the step's compilation. [scale_by_kfac, kfac, Optimizer, kernel fronts]
     nesterov: `kfac`'s momentum is Nesterov's (`optax.trace(nesterov=True)`). [kfac]
     min_damping, max_damping: the clip of the adapted damping λ. [Optimizer]
     damping_adaptation_interval: T, adapt λ every T steps. [Optimizer]
@@ -110,9 +107,8 @@ class Config:
           f"axes, got {mesh!r}."
         )
       _parallel.check_auto_axis(*mesh)
-    _checks.boolean(self.skip_nonfinite, "config.skip_nonfinite")
-    _checks.boolean(self.step_warnings, "config.step_warnings")
-    _checks.boolean(self.nesterov, "config.nesterov")
+    for flag in ("skip_nonfinite", "step_warnings", "nesterov"):
+      _checks.boolean(getattr(self, flag), f"config.{flag}")
     _concrete(self.min_damping, "config.min_damping")
     _concrete(self.max_damping, "config.max_damping", low=self.min_damping)
     _checks.static_int(self.damping_adaptation_interval, "config.damping_adaptation_interval")

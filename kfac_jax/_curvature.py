@@ -61,8 +61,7 @@ def check_mode(estimation_mode: str, num_samples: int) -> None:
   if estimation_mode in _losses.EXACT_MODES and num_samples != 1:
     raise ValueError(
       f"estimation_mode={estimation_mode!r} uses every output coordinate, not samples, so "
-      f"num_samples does not apply; got num_samples={num_samples}. Leave it at 1, or use "
-      "'curvature_prop' to trade exactness for fewer backward passes."
+      f"num_samples does not apply; got num_samples={num_samples}: leave it at 1."
     )
 
 
@@ -90,22 +89,17 @@ def check_rng(estimation_mode: str, rng, batch=None, who: str = "") -> None:
   `Optimizer.step`'s arguments); a sampled `estimation_mode` needs one."""
   if rng is not None and not is_key(rng):
     text = f"{who}: `rng` must be a jax.random key, got {_describe(rng)}"
-    if is_key(batch) and who == "Optimizer":
-      raise TypeError(
-        f"{text}, and `batch` is a key: the arguments are swapped. The order is "
-        f"`{_migrate.MOVED['Optimizer.step'].spelling}`; kfac-jax's step takes the key before "
-        f"the batch (see {_migrate.PAGE})."
-      )
     if is_key(batch):
-      raise TypeError(
-        f"{text}, and `batch` is a key: pass the data as `batch=`, the key as `rng=`."
+      spelling = _migrate.MOVED["Optimizer.step"].spelling
+      fix = (
+        f"the arguments are swapped. The order is `{spelling}` (see {_migrate.PAGE})"
+        if who == "Optimizer"
+        else "pass the data as `batch=`, the key as `rng=`"
       )
+      raise TypeError(f"{text}, and `batch` is a key: {fix}.")
     raise TypeError(f"{text} (jax.random.key(seed) or jax.random.PRNGKey(seed)).")
   if estimation_mode in _losses.RANDOM_MODES and rng is None:
-    raise ValueError(
-      f"estimation_mode={estimation_mode!r} draws random vectors (sampled targets or "
-      "Rademacher signs): pass `rng`, a jax.random key."
-    )
+    raise ValueError(f"estimation_mode={estimation_mode!r} draws random vectors: pass `rng`.")
 
 
 def curvature_part(curvature_fn: Callable) -> Callable:
@@ -245,13 +239,7 @@ class Linearisation:
     return self._jvp(list(p_leaves), jax.tree_util.tree_map(jnp.zeros_like, self._eps0))[1]
 
   def statistics(
-    self,
-    rng,
-    *,
-    estimation_mode: str,
-    num_samples: int,
-    with_params_stats: bool = False,
-    fingerprint: Any = None,
+    self, rng, *, estimation_mode: str, num_samples: int, with_params_stats=False, fingerprint=None
   ) -> CurvatureStats:
     """The estimation mode's output vectors, pulled back (vmapped over the stack)."""
     scan, preds, others = self.scan, self.preds, self.others

@@ -62,15 +62,14 @@ class Placement:
     _checks.optional_str(axis_name, "axis_name")
     if config.mesh is not None and axis_name is not None:
       raise ValueError(
-        "pass `axis_name` (inside pmap/shard_map) or `config.mesh` (under jit with sharded "
-        "data), not both: with `axis_name` the inverse work is already split over that axis."
+        f"pass `axis_name` (inside pmap/shard_map) or `config.mesh` (under jit), not both; got "
+        f"axis_name={axis_name!r} and config.mesh={config.mesh!r}."
       )
     sharded = isinstance(config.storage, _storage.ShardedStorage)
     if sharded and config.mesh is None and axis_name is None:
       raise ValueError(
-        "inverse_storage='sharded' splits the inverses over the devices of a data-parallel "
-        "axis: pass `axis_name=` (inside pmap/shard_map) or `config.mesh=(mesh, axis)` (under "
-        "jit with sharded data), or keep inverse_storage='replicated' on one device."
+        "inverse_storage='sharded' splits the inverses over a device axis: pass `axis_name=` "
+        "(inside pmap/shard_map) or `config.mesh=(mesh, axis)` (under jit), or keep 'replicated'."
       )
     return cls(axis_name, config.mesh)
 
@@ -339,11 +338,9 @@ class Engine:
     known = self.source.known
     if known is None:
       raise ValueError(
-        f"{self.who}: `params` has optax.MaskedNode leaves: optax.multi_transform or "
-        "optax.masked hands this transform only its share of the parameters, and the model "
-        "cannot be traced without the rest. Build the layers from the whole params, "
-        "`reg = kfac_jax.Registration(loss_fn, params, batch)`, and pass `registration=reg` "
-        f"to {self.who} and to kfac_jax.value_and_grad."
+        f"{self.who}: `params` has optax.MaskedNode leaves (a share from optax.multi_transform "
+        "or optax.masked), without which the model cannot be traced: pass `registration=reg`, "
+        "reg = kfac_jax.Registration(loss_fn, whole_params, batch), to it and to value_and_grad."
       )
     known.check_params(Bound(known, None, kept).fill(params, abstract=True))
     return Bound(known, self.curvature.bind(known, kept, self.who), kept)
@@ -353,35 +350,25 @@ class Engine:
     `batch` and `rng`) and a share's `vector`; the axis; the state's fit to `expected`."""
     who, takes_stats = self.who, self.curvature.takes_stats
     if not isinstance(state, self.state_type):
+      kind = "optimizer" if who == "Optimizer" else "transform"
       raise TypeError(
-        f"{who}: `state` must be the {self.state_type.__name__} from this "
-        f"{'optimizer' if who == 'Optimizer' else 'transform'}'s init, got "
-        f"{type(state).__name__} (a state saved as a NumPy object array is rebuilt by "
-        "kfac_jax.restore_state)."
+        f"{who}: `state` must be the {self.state_type.__name__} from this {kind}'s init, got "
+        f"{type(state).__name__} (kfac_jax.restore_state rebuilds one saved as an object array)."
       )
     if stats is not None and not takes_stats:
       raise ValueError(
-        f"{who}: `curvature_stats` are K-FAC's per-layer statistics; this front solves in "
-        "sample space from the batch's per-example rows: pass `batch=` (and `rng=`) instead."
+        f"{who}: `curvature_stats` are K-FAC's per-layer statistics: pass `batch=` (and `rng=`)."
       )
     if stats is None and batch is None:
-      raise ValueError(
-        f"{who}: pass "
-        + ("`curvature_stats=` (from kfac_jax.value_and_grad) or " if takes_stats else "")
-        + "`batch=` (and `rng=`) to tx.update, so the curvature can be estimated."
-      )
+      stats_or = "`curvature_stats=` (from kfac_jax.value_and_grad) or " if takes_stats else ""
+      raise ValueError(f"{who}: pass {stats_or}`batch=` (and `rng=`) to tx.update.")
     if bound.kept is not None:
       if masked_share(vector) != bound.kept:
-        raise ValueError(
-          f"{who}: `updates` and `params` must be the same share of the parameters (the same "
-          "optax.MaskedNode leaves)."
-        )
+        raise ValueError(f"{who}: `updates` and `params` must share their MaskedNode leaves.")
       if stats is None and takes_stats:
         raise ValueError(
-          f"{who}: `params` has optax.MaskedNode leaves (optax.multi_transform or "
-          "optax.masked hands this transform only its share of the parameters), so it cannot "
-          "trace the model on `batch=`: pass `curvature_stats=` from "
-          "kfac_jax.value_and_grad(registration=reg)(params, batch, rng) on the whole params."
+          f"{who}: `params` is a share (optax.MaskedNode leaves), so it cannot trace the model on "
+          "`batch=`: pass `curvature_stats=` from value_and_grad(registration=reg) of all params."
         )
     if vector is not None:
       _check_vector(bound, vector, who)
@@ -424,10 +411,8 @@ def _check_vector(bound: Bound, vector, who: str) -> None:
     if got != (shape, dtype):
       raise ValueError(
         f"{who}: `updates` leaf `{path}` has shape {got[0]} and dtype {got[1]}, but the params "
-        f"leaf has shape {shape} and dtype {dtype}: tx.update(updates, state, params) needs "
-        "updates of the params' shapes and dtypes (a gradient of these params has them). Cast "
-        "them, e.g. `optax.tree_utils.tree_cast_like(updates, params)`, or compute the gradient "
-        "at the params as they are."
+        f"leaf has shape {shape} and dtype {dtype}: cast the updates "
+        "(`optax.tree_utils.tree_cast_like(updates, params)`) or differentiate at the params."
       )
 
 
@@ -441,9 +426,8 @@ def _share_layers(reg: _registration.Registration, kept, who: str) -> tuple[str,
     if inside and outside:
       raise ValueError(
         f"{who}: layer `{name}` has {', '.join(inside)} in this transform's share of the "
-        f"parameters and {', '.join(outside)} outside it (optax.multi_transform / "
-        "optax.masked gave them other labels). Its curvature block spans all of them: give "
-        "the whole layer one label."
+        f"parameters and {', '.join(outside)} outside it, but one curvature block spans them: "
+        "give the whole layer one optax.multi_transform / optax.masked label."
       )
     if inside:
       names.append(name)

@@ -76,10 +76,8 @@ class CurvatureEstimator:
       parameters, whose products leave the other parameters' entries as they come.
 
   Raises:
-    TypeError: an argument of the wrong kind, named with the value received (a loss function
-      instead of a registration names `kfac_jax.Registration`).
-    ValueError: an argument out of range, or a config field the estimator does not read set
-      away from its default.
+    TypeError / ValueError: a bad argument, named with the value received, or a `Config` field
+      the estimator does not read set away from its default.
 
   Example:
     One jitted program (called eagerly, every operation would compile on its own):
@@ -106,9 +104,8 @@ class CurvatureEstimator:
     if not isinstance(self.registration, _registration.Registration):
       raise TypeError(
         "CurvatureEstimator: the first argument must be a kfac_jax.Registration, got "
-        f"{self.registration!r} ({type(self.registration).__name__}): build one from the loss "
-        "function, `kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))` "
-        "(its settings, e.g. `estimation_mode=`, are the registration's)."
+        f"{self.registration!r} ({type(self.registration).__name__}): pass "
+        "`kfac_jax.CurvatureEstimator(kfac_jax.Registration(loss_fn, params, batch))`."
       )
     _config.get(self.config, "CurvatureEstimator")
     for flag in ("compute_cholesky", "compute_cholesky_inverse", "compute_params_stats"):
@@ -191,9 +188,8 @@ class CurvatureEstimator:
       self.registration.check_params(params)
     factors, cache = self.storage.init_state(axis_name, mesh)
     count = lambda: jnp.zeros((), jnp.int32)  # Distinct arrays: a state can be donated.
-    return EstimatorState(
-      factors, cache, jnp.zeros((), self.numerics.accum_dtype), count(), count()
-    )
+    weight = jnp.zeros((), self.numerics.accum_dtype)
+    return EstimatorState(factors, cache, weight, count(), count())
 
   def curvature_stats(self, params, batch, rng) -> _curvature.CurvatureStats:
     """This batch's raw curvature data (one forward pass, one sampled backward pass)."""
@@ -216,11 +212,9 @@ class CurvatureEstimator:
   def check_stats(self, stats: _curvature.CurvatureStats, who: str = "this estimator") -> None:
     """ValueError when `stats` were computed for another mode or layer set, or (statistics of
     `value_and_grad`, which scans each batch) for layers that change with the batch size."""
-    reg = self.registration
-    if stats.layer_shapes and stats.layer_names == tuple(s.name for s in self.layers):
-      reg.check_layer_shapes(
-        stats.layer_names, stats.layer_shapes, stats.batch_size, kinds_only=True
-      )
+    reg, names = self.registration, stats.layer_names
+    if stats.layer_shapes and names == tuple(s.name for s in self.layers):
+      reg.check_layer_shapes(names, stats.layer_shapes, stats.batch_size, kinds_only=True)
     reg.check_stats(stats, who)
 
   def batch_factors(
@@ -244,8 +238,7 @@ class CurvatureEstimator:
         if (got[0], [s for s, _ in got[1]]) != (want[0], [s for s, _ in want[1]]):
           raise ValueError(
             f"layer `{n}`: batch_factors of the block {type(b).__name__} (LayerConfig.blocks) "
-            f"returns {got}, but init_factors returns {want}; they must have the same "
-            "structure and shapes."
+            f"returns {got}, but init_factors {want}: make their structures and shapes agree."
           )
       return out
 
@@ -348,11 +341,10 @@ class CurvatureEstimator:
     with jax.named_scope(f"kfac_{method}"):
       leaves, treedef = jax.tree_util.tree_flatten(vector)
       paths = _scan.param_paths(vector)
-      want = self.registration.param_paths
-      if paths != want:
+      if paths != self.registration.param_paths:
         raise ValueError(
           "the vector's pytree structure differs from the params this estimator was built "
-          f"for: got leaves {list(paths)}, expected {list(want)}."
+          f"for: got leaves {list(paths)}, expected {list(self.registration.param_paths)}."
         )
       for shape, x, path in zip(self.registration.param_shapes, leaves, paths):
         if tuple(np.shape(x)) != shape:

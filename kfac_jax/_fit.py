@@ -100,18 +100,16 @@ def problems(expected: Any, got: Any, source: str) -> list[str]:
     found.append(f"blocks missing from {source}: {missing}")
   if extra:
     found.append(f"blocks in {source} that this model does not have: {extra}")
-  for p in sorted(set(want) - set(have)):
-    leaf = want[p]
-    if not leaf.block:
-      found.append(f"`{p}` is missing from {source}")
-    elif leaf.block in got_blocks:
-      found.append(f"block `{leaf.block}`: `{leaf.field}` is missing from {source}")
-  for p in sorted(set(have) - set(want)):
-    leaf = have[p]
-    if not leaf.block:
-      found.append(f"`{p}` in {source} is not part of this optimizer's state")
-    elif leaf.block in want_blocks:
-      found.append(f"block `{leaf.block}`: `{leaf.field}` in {source} is not used here")
+  # A leaf on one side only, unless its whole block is (named above).
+  for one, other, blocks, says in (
+    (want, have, got_blocks, f"is missing from {source}"),
+    (have, want, want_blocks, f"in {source} is not part of this optimizer's state"),
+  ):
+    for p in sorted(set(one) - set(other)):
+      leaf = one[p]
+      if not leaf.block or leaf.block in blocks:
+        where = f"block `{leaf.block}`: `{leaf.field}`" if leaf.block else f"`{p}`"
+        found.append(f"{where} {says}")
   for p in sorted(set(want) & set(have)):
     w, g = want[p], have[p]
     if (w.shape, w.dtype) != (g.shape, g.dtype):
@@ -154,6 +152,5 @@ def check(expected: Any, got: Any, who: str, what: str = "state") -> None:
     + (f" ({'; '.join(hints)})" if hints else "")
     + ":\n  "
     + "\n  ".join(shown)
-    + "\nPass the state this front's init returned for these params (another model's, another "
-    "layer configuration's, another storage's or another momentum setting's state does not fit)."
+    + "\nPass the state this front's init returned for these params."
   )

@@ -228,9 +228,7 @@ class Optimizer:
   """K-FAC with learning rate, momentum and damping adapted from the quadratic model.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar` with a loss tag on the model output; `init`
-      registers it with the default settings (see `kfac_jax.Registration`).
-    example_batch: a batch of the training shapes; `init` scans `loss_fn` with it.
+    loss_fn, example_batch, ema_decay: as in `kfac_jax.scale_by_kfac`.
     learning_rate: α: None (from the quadratic model), a number > 0 or a schedule `step -> α`.
     momentum: μ: None (from the quadratic model, over any real μ), a number in [0, 1) or a
       schedule.
@@ -240,11 +238,9 @@ class Optimizer:
       kfac-jax's `l2_reg`; module docstring). For decoupled weight decay use
       `Config(weight_decay=)`.
     norm_constraint: c > 0 for KL clipping `α² Δᵀ F̂_λ Δ ≤ c`; needs a fixed learning rate.
-    ema_decay: decay of the curvature statistics' moving average, in [0, 1).
     inverse_every: rebuild the inverses every this many (post burn-in) steps, first at step 0.
     curvature_every: update the statistics every this many steps (and every burn-in step).
-    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch` (with
-      `has_aux`, `step` returns the aux in `info["aux"]`).
+    registration: a `kfac_jax.Registration` instead of `loss_fn` and `example_batch`.
     axis_name: pmap / shard_map axis to average loss, gradients, statistics and the model over,
       and to split the inverse work over.
     config: a `kfac_jax.Config` with the rarer knobs (those the Optimizer reads).
@@ -292,8 +288,8 @@ class Optimizer:
     if callable(damping):
       if use_adaptive_damping:
         raise ValueError(
-          "`damping` is a schedule, but use_adaptive_damping=True adapts λ itself from an "
-          "initial number: pass a number, or use_adaptive_damping=False to follow the schedule."
+          "`damping` is a schedule, but use_adaptive_damping=True adapts λ from a number: pass "
+          "one, or use_adaptive_damping=False."
         )
     else:
       _check_number(damping, "damping")
@@ -302,9 +298,8 @@ class Optimizer:
       _check_number(norm_constraint, "norm_constraint", low_open=True)
       if learning_rate is None:
         raise ValueError(
-          "`norm_constraint` (KL clipping) rescales a fixed learning rate, but "
-          "learning_rate=None chooses it from the quadratic model: pass a learning_rate, or "
-          "norm_constraint=None."
+          "`norm_constraint` rescales a fixed learning rate, got learning_rate=None (from the "
+          "quadratic model): pass a learning_rate, or norm_constraint=None."
         )
     _check_number(ema_decay, "ema_decay", high=1.0, high_open=True)
     _checks.static_int(inverse_every, "inverse_every")
@@ -395,14 +390,13 @@ class Optimizer:
     given = {k: v for k, v in (given or {}).items() if v is not None}
     if "damping" in given and self.use_adaptive_damping:
       raise ValueError(
-        "Optimizer.step: `damping` was given for this step, but use_adaptive_damping=True "
-        "adapts λ itself; build the Optimizer with use_adaptive_damping=False to pass λ per step."
+        "Optimizer.step: `damping` was given, but use_adaptive_damping=True adapts λ itself: "
+        "build the Optimizer with use_adaptive_damping=False."
       )
     for name, value in given.items():
       if jnp.ndim(value) != 0:
         raise ValueError(
-          f"Optimizer.step: `{name}` must be a scalar (a number or a 0-d array), got shape "
-          f"{jnp.shape(value)}."
+          f"Optimizer.step: `{name}` must be a scalar, got shape {jnp.shape(value)}."
         )
     damping = state.damping if self.use_adaptive_damping else self.damping
     own = {"learning_rate": self.learning_rate, "momentum": self.momentum, "damping": damping}
@@ -516,11 +510,9 @@ class Optimizer:
     def whole(params):
       if _engine.masked_share(params) is not None:
         raise ValueError(
-          "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (optax.multi_transform or "
-          "optax.masked hands it only a share of the parameters), but the optimizer steps the "
-          "whole model: its quadratic model and damping take every parameter. For K-FAC on a "
-          "share, use kfac_jax.kfac(registration=reg, ...) with curvature_stats= from "
-          "kfac_jax.value_and_grad(registration=reg)."
+          "Optimizer.as_optax(): `params` has optax.MaskedNode leaves (a share), but the "
+          "optimizer steps the whole model. For K-FAC on a share, use "
+          "kfac_jax.kfac(registration=reg, ...) with kfac_jax.value_and_grad(registration=reg)."
         )
 
     def init_fn(params):

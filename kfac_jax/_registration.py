@@ -31,8 +31,8 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
   names = (axis_name,) if isinstance(axis_name, str) else axis_name
   if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
     raise TypeError(
-      f"`collective_axes` must be a string or a tuple of strings (the collective axes the model "
-      f'uses, e.g. "batch" for BatchNorm(axis_name="batch")), got {axis_name!r}.'
+      f'`collective_axes` must be a string or a tuple of strings (e.g. "batch" for linen\'s '
+      f'BatchNorm(axis_name="batch")), got {axis_name!r}.'
     )
   return names
 
@@ -229,16 +229,8 @@ class Registration:
     if separate:
       _audit.check_structure(scan, checks & {"shared_prediction"})
     elif checks:  # Once per registration, not per later scan.
-      factor = _audit.audit(
-        scan,
-        params,
-        example_batch,
-        estimation_mode=estimation_mode,
-        axis_names=names,
-        strict=strict,
-        warn=warn,
-        checks=checks,
-      )
+      kw: dict[str, Any] = {"axis_names": names, "strict": strict, "warn": warn, "checks": checks}
+      factor = _audit.audit(scan, params, example_batch, estimation_mode=estimation_mode, **kw)
     leaves = jax.tree_util.tree_leaves(params)
     self._set(separate_loss=separate, loss_factor=factor, layers=scan.layers)
     self._set(example_batch=jax.eval_shape(lambda b: b, example_batch))
@@ -316,9 +308,8 @@ class Registration:
       problem = f"leaf `{want[len(paths)]}` is missing"
     if problem is not None:
       raise ValueError(
-        f"the {what} pytree differs from the one the registration (the estimator / "
-        f"optimizer) was built for: {problem}. Create a new registration or transform for the "
-        "new model, or pass params with the original structure, shapes and dtypes."
+        f"the {what} pytree differs from the one the registration was built for: {problem}. "
+        "Build a new registration (or front) for a new model, or pass params as registered."
       )
 
   def blocks(self, config: _blocks.BlockConfig | None = None) -> tuple[_blocks.Block, ...]:
@@ -373,13 +364,11 @@ class Registration:
       same = (kind, approx, factor_shapes) == (old.kind, old.approx, old.factor_shapes)
       if not same and not (kinds_only and kind == old.kind):
         raise ValueError(
-          f"layer `{old.name}` changes with the batch size: for this batch of "
-          f"{batch_size} examples it is a {kind} layer ({approx!r}) "
-          f"with factor shapes {list(factor_shapes)}, for `example_batch` "
-          f"({self.example_batch_size} examples) a {old.kind} layer ({old.approx!r}) with "
-          f"{list(old.factor_shapes)}. Its curvature state cannot be shared across batch "
-          f"sizes: feed batches of {self.example_batch_size} examples (pad the last one), "
-          "or register the layer with a manual tag whose shapes do not involve the batch."
+          f"layer `{old.name}` changes with the batch size: for this batch of {batch_size} "
+          f"examples it is a {kind} layer ({approx!r}) with factor shapes {list(factor_shapes)}, "
+          f"for `example_batch` ({self.example_batch_size} examples) a {old.kind} layer "
+          f"({old.approx!r}) with {list(old.factor_shapes)}. Feed batches of "
+          f"{self.example_batch_size} examples, or tag the layer by hand with batch-free shapes."
         )
 
   def check_stats(self, stats: _curvature.CurvatureStats, who: str) -> None:
@@ -389,8 +378,7 @@ class Registration:
       if stats.layer_names != tuple(s.name for s in self.layers):
         raise ValueError(
           f"curvature_stats were computed for layers {list(stats.layer_names)}, but {who} has "
-          f"{[s.name for s in self.layers]}. Compute them with kfac_jax.value_and_grad of the "
-          "same registration."
+          f"{[s.name for s in self.layers]}: compute them with value_and_grad of its registration."
         )
       return
     if key == self.fingerprint:
@@ -412,9 +400,8 @@ class Registration:
       )
     raise ValueError(
       " ".join(parts)
-      + f" (statistics fingerprint {got.digest}, expected {want.digest}.) Compute them with the "
-      f"registration {who} was built with: `kfac_jax.value_and_grad(registration=reg)` with "
-      "`reg = kfac_jax.Registration(loss_fn, params, batch, ...)` shared by both."
+      + f" (statistics fingerprint {got.digest}, expected {want.digest}.) Compute them with "
+      f"`kfac_jax.value_and_grad(registration=reg)`, `reg` the registration {who} was built with."
     )
 
 
@@ -422,28 +409,22 @@ def shared(registration, loss_fn, who: str, *others: tuple[str, Any]) -> Registr
   """The `registration=` argument of an entry point (or None), checked: a `Registration`, given
   without `loss_fn` and the `others` (`(name, value)` pairs its arguments hold instead)."""
   if isinstance(loss_fn, Registration):
-    raise TypeError(
-      f"{who}: pass the kfac_jax.Registration as `registration=`, not as `loss_fn` "
-      "(e.g. kfac_jax.kfac(registration=reg, learning_rate=0.1))."
-    )
+    raise TypeError(f"{who}: pass the kfac_jax.Registration as `registration=`, not `loss_fn`.")
   if registration is None:
     if loss_fn is None:
       raise TypeError(f"{who}: pass `loss_fn`, or `registration=` (a kfac_jax.Registration).")
     if not callable(loss_fn):
-      raise TypeError(
-        f"{who}: `loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}."
-      )
+      raise TypeError(f"{who}: `loss_fn` must be callable, got {_checks.describe(loss_fn)}.")
     return None
   if not isinstance(registration, Registration):
     raise TypeError(
       f"{who}: `registration` must be a kfac_jax.Registration or None, got "
-      f"{type(registration).__name__}: {registration!r}."
+      f"{_checks.describe(registration)}."
     )
   given = [n for n, v in (("loss_fn", loss_fn), *others) if v is not None]
   if given:
     raise ValueError(
-      f"{who}: pass either `loss_fn` or `registration=`, not both (got {' and '.join(given)} "
-      "too): the registration holds its loss function, params signature and example batch."
+      f"{who}: pass either `loss_fn` or `registration=`, not both (got {' and '.join(given)} too)."
     )
   return registration
 

@@ -74,10 +74,9 @@ def _rows(fraction, batch, who: str) -> tuple[Any, int]:
   for path, x in sized[1:]:
     if jnp.shape(x)[0] != n:
       raise ValueError(
-        f"{who}: statistics_fraction={fraction!r} takes the same rows of every `batch=` "
-        f"leaf, so their leading axes must agree: `batch{jax.tree_util.keystr(sized[0][0])}` "
-        f"has {n} rows, `batch{jax.tree_util.keystr(path)}` has {jnp.shape(x)[0]}. Pass "
-        "statistics_fraction=None and slice the batch yourself."
+        f"{who}: statistics_fraction={fraction!r} takes the same rows of every `batch=` leaf, "
+        f"but `batch{jax.tree_util.keystr(sized[0][0])}` has {n} rows and "
+        f"`batch{jax.tree_util.keystr(path)}` {jnp.shape(x)[0]}: pass statistics_fraction=None."
       )
   if fraction == "auto":
     stride = auto_stride(n)
@@ -153,12 +152,8 @@ def transformation(engine: _engine.Engine, hyperparameters: dict, statistics, re
     step = engine.step(bound, own.count, own.skipped, own.curvature, inputs)
     ok, out = step.ok, step.vector
     if rest is not None:
-
-      def run():
-        return rest.update(
-          out, state.rest, params, kfac_grads=updates, kfac_count=step.clock, **extra
-        )
-
+      chained = {"kfac_grads": updates, "kfac_count": step.clock, **extra}
+      run = functools.partial(rest.update, out, state.rest, params, **chained)
       skip = lambda: (optax.tree_utils.tree_zeros_like(out), state.rest)  # noqa: E731
       out, rest_state = run() if ok is None else jax.lax.cond(ok, run, skip)
     if ok is None:
@@ -229,19 +224,13 @@ def scale_by_kfac(
   schedule = (ema_decay, inverse_every, curvature_every)
   source = (loss_fn, example_batch, registration)
   engine = _kfac_engine(
-    "scale_by_kfac", ScaleByKfacState, source, schedule, axis_name, config, damping=damping
+    "scale_by_kfac", ScaleByKfacState, source, schedule, axis_name, config, damping
   )
   return transformation(engine, {"damping": (damping, 0.0)}, kfac_statistics)
 
 
-def _kfac_engine(
-  who, state_type, source, schedule, axis_name, config, *, damping, momentum=None, max_norm=None
-) -> _engine.Engine:
-  """A K-FAC transform's engine, its numeric arguments checked first (None: not taken)."""
-  if momentum is not None:
-    _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
-  if max_norm is not None:
-    _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
+def _kfac_engine(who, state_type, source, schedule, axis_name, config, damping) -> _engine.Engine:
+  """A K-FAC transform's engine, `damping` and the `schedule` checked first."""
   _checks.number(damping, "damping", low=0.0, schedule=True)
   front = {"axis_name": axis_name, "config": config, "state_type": state_type, "transform": True}
   return _engine.Engine.kfac(who, source, _engine.Schedule.checked(*schedule), **front)
@@ -280,8 +269,7 @@ def _tagged_default(reg: _registration.Registration) -> float:
   return default_learning_rate(reg) / (reg.loss_factor or 1.0)
 
 
-# A learning rate over `kfac`'s default for the loss outside [_FAR_BELOW, _FAR_ABOVE] is far
-# from those measured: the benchmark models train between 1/6 and 3 times the default.
+# Far from `kfac`'s default: the benchmark models train between 1/6 and 3 times it.
 _FAR_BELOW, _FAR_ABOVE = 1e-3, 30.0
 
 
@@ -299,10 +287,9 @@ def _report_far_learning_rate(reporter: _verdict.Reporter, reg, value, step=None
     "range:learning_rate",
     f"{reporter.who}: learning_rate={value:g}{at} is {ratio:.3g} times the default for this "
     f"loss, 0.3 · D^(1/4) / c = {default:.3g} (D = {reg.outputs_per_example} outputs per "
-    f"example, c = {c:g} the returned loss over the tagged one). The benchmark models train "
-    f"between 1/6 and 3 times the default; beyond {_FAR_ABOVE:g} times it a step overshoots, "
-    f"below {_FAR_BELOW:g} times it barely moves. Pass learning_rate=None for the default. "
-    "This warning is given once.",
+    f"example, c = {c:g} the returned loss over the tagged one), outside [{_FAR_BELOW:g}, "
+    f"{_FAR_ABOVE:g}] times it, where a step overshoots or barely moves. Pass "
+    "learning_rate=None for the default. This warning is given once.",
     _errors.HyperparameterWarning,
   )
 
@@ -368,14 +355,25 @@ def _check_linesearch(linesearch, who: str) -> None:
   fields = optax.tree_utils.tree_get_all_with_path(state, "learning_rate")
   if not any(not isinstance(path[-1], jax.tree_util.DictKey) for path, _ in fields):
     raise TypeError(
-      f"{who}: `linesearch` must be a line search, which picks the step along the "
-      "preconditioned direction from `value_fn` and keeps it in its state's `learning_rate` "
-      f"field: {_LINESEARCHES}. Got a transformation whose state ({type(state).__name__}) has "
-      "no such field, so it would replace the learning rate with its own update rule. For a "
-      "fixed or scheduled step pass `learning_rate=`; to run another optimizer on the "
-      "preconditioned direction, chain it after the bare preconditioner "
-      "(`kfac_jax.scale_by_kfac`, `kfac_jax.scale_by_kernel_ngd`)."
+      f"{who}: `linesearch` must be a line search, which keeps its step in its state's "
+      f"`learning_rate` field: {_LINESEARCHES}; got one whose state ({type(state).__name__}) "
+      "has none. Pass `learning_rate=` instead, or chain another optimizer after the bare "
+      "preconditioner (`kfac_jax.scale_by_kfac`, `kfac_jax.scale_by_kernel_ngd`)."
     )
+
+
+def _check_scalar_loss(out, what: str) -> None:
+  """TypeError unless `out` is one scalar; `what` says what it is, e.g. "`value=` must be"."""
+  if isinstance(out, (tuple, list)):
+    got = f"a {type(out).__name__} of {len(out)} values"
+  elif jnp.shape(out) != ():
+    got = f"an array of shape {jnp.shape(out)}"
+  else:
+    return
+  raise TypeError(
+    f"the line search's {what} the scalar loss, got {got}. For a `loss_fn` returning "
+    "`(loss, aux)`, pass `value_fn=lambda params: loss_fn(params, batch)[0]` and `value=loss`."
+  )
 
 
 def _scalar_value_fn(value_fn: Callable) -> Callable:
@@ -385,17 +383,7 @@ def _scalar_value_fn(value_fn: Callable) -> Callable:
   @functools.wraps(value_fn)
   def checked(*args, **kwargs):
     out = value_fn(*args, **kwargs)
-    if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
-      got = (
-        f"a {type(out).__name__} of {len(out)} values"
-        if isinstance(out, (tuple, list))
-        else f"an array of shape {jnp.shape(out)}"
-      )
-      raise TypeError(
-        f"the line search's `value_fn` must return the scalar loss, got {got}. A `loss_fn` "
-        "returning `(loss, aux)` is passed as `value_fn=lambda params: loss_fn(params, "
-        "batch)[0]`."
-      )
+    _check_scalar_loss(out, "`value_fn` must return")
     return out
 
   return checked
@@ -420,13 +408,8 @@ def along_linesearch(linesearch):
 
   def update_fn(updates, state, params=None, *, kfac_grads, kfac_count, **extra_args):
     del kfac_grads, kfac_count
-    value = extra_args.get("value")
-    if isinstance(value, (tuple, list)) or (value is not None and jnp.shape(value) != ()):
-      raise TypeError(
-        "the line search's `value=` must be the scalar loss at `params`, got "
-        f"{type(value).__name__} {jax.tree_util.tree_map(jnp.shape, value)}; with `has_aux`, "
-        "pass the loss of `(loss, aux)`."
-      )
+    if extra_args.get("value") is not None:
+      _check_scalar_loss(extra_args["value"], "`value=` must be")
     if callable(extra_args.get("value_fn")):
       extra_args["value_fn"] = _scalar_value_fn(extra_args["value_fn"])
     descent = jax.tree_util.tree_map(jnp.negative, updates)
@@ -493,8 +476,11 @@ def kfac(
   check_step_size(learning_rate, linesearch, "kfac")
   schedule = (ema_decay, inverse_every, curvature_every)
   source = (loss_fn, example_batch, registration)
-  numbers = {"momentum": momentum, "max_norm": max_norm, "damping": damping}
-  engine = _kfac_engine("kfac", KfacState, source, schedule, axis_name, config, **numbers)
+  if momentum is not None:
+    _checks.number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+  if max_norm is not None:
+    _checks.number(max_norm, "max_norm", low=0.0, low_open=True)
+  engine = _kfac_engine("kfac", KfacState, source, schedule, axis_name, config, damping)
   tagged, nesterov = (engine if learning_rate is None else None), engine.config.nesterov
   rest = optax.chain(
     optax.identity() if max_norm is None else _clip_by_kfac_norm(max_norm, tagged),

@@ -28,8 +28,7 @@ _INPUTS = {
 }
 _CHAINED = (
   " A transform chained after this one (a schedule, a scale) or the code applying the updates "
-  "can make it so: `kfac_jax.kfac(learning_rate=schedule)` checks a schedule's values and skips "
-  "the steps they are not usable for."
+  "can make it so: `kfac_jax.kfac(learning_rate=schedule)` skips a schedule's unusable steps."
 )
 
 
@@ -90,7 +89,8 @@ class Reporter:
     if not bad_ones:
       return
     name = bad_ones[0]
-    bad = [f"`{p}`" for p, g in zip(paths[names.index(name)], goods[name]) if not g and p]
+    leaf_paths = paths[names.index(name)]
+    bad = [f"`{p}`" for p, g in zip(leaf_paths, goods[name]) if not g and p != "<root>"]
     where = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
     subject, cause = _INPUTS[name]
     self.once(
@@ -102,8 +102,7 @@ class Reporter:
       + (
         " The step is skipped and the curvature is left as it was."
         if skipped
-        else " `Config.skip_nonfinite` is off: the update is used (the curvature keeps no "
-        "non-finite statistics)."
+        else " `Config.skip_nonfinite` is off: the update is used (not the statistics)."
       )
       + " This warning is given once per input.",
       _errors.NonFiniteWarning,
@@ -118,11 +117,9 @@ class Reporter:
       self.once(
         f"inverse:{block}",
         f"{self.who}: the refreshed inverse of {block} was not finite at step {step} (damping "
-        f"{lam:g}): the layer keeps its previous inverse (the identity before its first good "
-        "refresh, so its update is then its plain gradient's), and "
-        "`curvature.failed_inverses` in the state counts the failures. Raise the damping, or "
-        "for a block of your own (LayerConfig.blocks) make its compute_cache finite on these "
-        "statistics. This warning is given once per layer.",
+        f"{lam:g}): the layer keeps its previous one (`curvature.failed_inverses` counts). Raise "
+        "the damping, or make your block's compute_cache finite on these statistics. This "
+        "warning is given once per layer.",
         _errors.FailedInverseWarning,
       )
 
@@ -142,10 +139,7 @@ def inputs_ok(reporter: Reporter, inputs: Mapping[str, Any], clock, skipped: boo
   leaves = [[jax.tree_util.tree_leaves(t) for t in g] for g in groups.values()]
   ok = _storage.all_finite([[sum(_up(x) for x in xs) for xs in zip(*g)] for g in leaves])
   names = tuple(trees)
-  paths = tuple(
-    ["/".join(_specs.key_name(k) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
-    for t in trees.values()
-  )
+  paths = tuple(_specs.param_paths(t) for t in trees.values())
 
   def flags():  # Per leaf, through its sum: one reduction each.
     return [
