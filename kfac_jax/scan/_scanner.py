@@ -153,11 +153,9 @@ def _check_dtypes(paths, leaves) -> None:
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
       raise RegistrationError(
-        f"parameter `{path}` has dtype {dtype}; K-FAC's blocks take real parameters (their "
-        "statistics are real Gram matrices of real gradients). Keep the real and imaginary "
-        f"parts as two real leaves and build the complex value in the model, e.g. "
-        "`w = p['w_re'] + 1j * p['w_im']`. A complex output (a complex log psi) of real "
-        "parameters is fine."
+        f"parameter `{path}` has dtype {dtype}; K-FAC's blocks take real parameters. Keep the "
+        "real and imaginary parts as two real leaves and build the complex value in the model "
+        "(`w = p['w_re'] + 1j * p['w_im']`); a complex output of real parameters is fine."
       )
     if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
       raise RegistrationError(
@@ -187,13 +185,10 @@ def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
       hit = next((reached[a] for a in fe.ins if _graph.is_key(a) and a in reached), None)
       if hit is not None and fe.name in _NO_REVERSE:
         raise RegistrationError(
-          f"layer `{hit}` sits inside the custom-derivative function `{call.name}`, and its "
-          f"output reaches the function's outputs through `{fe.name}`, which has no reverse-"
-          "mode derivative: K-FAC takes a layer's output gradients inside a custom function "
-          "through its primal computation (the rule only covers the function's inputs), so "
-          f"they cannot be taken here. Apply the layer outside `{call.name}` (pass its output "
-          "in), or tag the parameter with kfac_jax.register_generic to use the rule's "
-          "parameter gradient."
+          f"layer `{hit}` sits inside the custom-derivative function `{call.name}` and reaches "
+          f"its outputs through `{fe.name}`, which has no reverse-mode derivative, so K-FAC "
+          f"cannot take the layer's output gradients. Apply the layer outside `{call.name}` "
+          "(pass its output in), or tag the parameter with kfac_jax.register_generic."
         )
       if hit is not None:
         reached.update((k, hit) for k in fe.outs)
@@ -208,25 +203,20 @@ def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.
     p, shape = fe.params, _graph.shape_of(fe.ins[0])
     if p.get("under_vmap"):
       raise RegistrationError(
-        f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
-        f"batch (the tagged loss is the mean over its leading axis), but it saw one vmapped "
-        f"slice. Call the register_*_loss function outside the vmap, on the batched "
-        "prediction, e.g. `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss("
-        "logits, y)`."
+        f"a {p['kind']} loss tag was called inside jax.vmap, where it sees one slice, not the "
+        "whole batch. Call the register_*_loss function outside the vmap, on the batched "
+        "prediction: `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss(logits, y)`."
       )
     losses.append(LossSpec(p["kind"], p["var"], p["has_targets"], p["has_weight"], shape[0], shape))
     operands.append(fe.ins)
   if not losses:
     raise RegistrationError(
-      "no loss tag found in loss_fn: K-FAC needs to know the model's predictive "
-      "distribution. Call one of kfac_jax.register_softmax_cross_entropy_loss(logits, "
-      "labels), register_sigmoid_cross_entropy_loss(logits, targets), "
-      "register_squared_error_loss(prediction, targets) or "
-      "register_normal_predictive_distribution(mean) on the model output inside "
-      "loss_fn(params, batch), or inside a jax.custom_jvp rule or a jax.custom_vjp's fwd or "
-      "bwd function that loss_fn calls. When the curvature is that of "
-      "another function than the loss (variational Monte Carlo: a normal tag on "
-      "log|psi|), pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
+      "no loss tag found in loss_fn: K-FAC needs the model's predictive distribution. Call "
+      "kfac_jax.register_softmax_cross_entropy_loss, register_sigmoid_cross_entropy_loss, "
+      "register_squared_error_loss or register_normal_predictive_distribution on the model "
+      "output in loss_fn (or in a jax.custom_jvp rule or custom_vjp fwd / bwd it calls); for "
+      "the curvature of another function (VMC: log|psi|), pass "
+      "`kfac_jax.Registration(..., curvature_fn=...)`."
     )
   return losses, operands
 
@@ -281,27 +271,20 @@ def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, ou
   inside, beside = _only_in(derived, graph), tag_names(graph)
   if inside and beside:
     raise RegistrationError(
-      f"loss_fn binds loss tags both inside custom-derivative rules ({'; '.join(inside)}: "
-      "bound when JAX differentiates loss_fn, in a jax.custom_jvp rule or a jax.custom_vjp's "
-      f"fwd or bwd) and outside them ({'; '.join(beside)}). The two places mean different "
-      "things: tags outside the rules describe the loss itself (its value and gradient are "
-      "taken from the tagged graph in one pass), tags in a rule describe the curvature of "
-      "another function than the loss (FermiNet's form: the loss and gradient are "
-      "jax.value_and_grad(loss_fn)'s). Keep one place: delete the tags outside the rule to use "
-      "the rule's, or delete the rule's tags; for a curvature function apart from the loss, "
-      "pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
+      f"loss_fn binds loss tags both inside custom-derivative rules ({'; '.join(inside)}) "
+      f"and outside them ({'; '.join(beside)}): tags outside describe the loss itself, tags in "
+      "a rule the curvature of another function (FermiNet's form). Keep one place: delete "
+      "the tags outside the rule or the rule's tags; pass a separate curvature function as "
+      "`kfac_jax.Registration(..., curvature_fn=...)`."
     )
   layout = lambda t: (jax.tree.structure(t), [(x.shape, x.dtype) for x in jax.tree.leaves(t)])
   if beside and layout(out) != layout(out_d):
     raise RegistrationError(
       "a custom-derivative rule in loss_fn returns primal outputs of other shapes or dtypes "
-      f"than its function: loss_fn returns {_types(out)} as traced, {_types(out_d)} as "
-      "jax.grad runs it. JAX differentiates such a call only from its Python function "
-      "(jax.value_and_grad(loss_fn) works, jax.grad(jax.jit(loss_fn)) fails), while the loss "
-      f"tags outside the rule ({'; '.join(beside)}) make K-FAC differentiate the traced "
-      "graph. Make the rule return the function's outputs (e.g. keep an aux field's "
-      "per-example shape), or move the tags into the rule or into `curvature_fn=`, so that "
-      "the loss and gradient are jax.value_and_grad(loss_fn)'s."
+      f"than its function ({_types(out)} as traced, {_types(out_d)} under jax.grad); the loss "
+      f"tags outside the rule ({'; '.join(beside)}) make K-FAC differentiate the traced graph, "
+      "which JAX cannot do for such a call. Make the rule return the function's outputs, or "
+      "move the tags into the rule or into `curvature_fn=`."
     )
 
 
@@ -916,24 +899,18 @@ def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
   if lost and (len(lost) < len(uses) or all(_from_constants(ix, x) for _, x in lost)):
     return (
       f"{len(lost)} of its {len(uses)} uses multiply an input that is one constant for every "
-      "point (a tangent direction or a reverse-mode seed, as `jax.jvp`, `jax.jacfwd`, "
-      "`jax.grad` or `jax.hessian` inside `jax.vmap` make it), and the product reaches the "
-      "points through more than layout changes and elementwise broadcasting (e.g. through "
-      "another layer's product before a nonlinearity), so it has no output gradient per "
-      "point: compute the operator on the batched points, the direction broadcast over them "
-      "(`jax.jvp(f, (x,), (jnp.broadcast_to(e, x.shape),))`, or a forward Laplacian), or "
-      + _KERNEL_NGD
+      "point (a direction or reverse-mode seed under `jax.vmap`), and the product reaches the "
+      "points through more than layout changes and elementwise broadcasting, so it has no "
+      "output gradient per point: compute the operator on the batched points, the direction "
+      "broadcast over them (`jax.jvp(f, (x,), (jnp.broadcast_to(e, x.shape),))`), or " + _KERNEL_NGD
     )
   if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2 and len(dense) > 1:
     mats = [kernel_index_matrix(d[0], ix.shapes[leaf]) for _, d in dense]
     if any(np.array_equal(m.T, m2) and not np.array_equal(m, m2) for m in mats for m2 in mats):
       return (
-        "read both ways round, as a reverse-mode derivative inside the loss does (jax.grad, "
-        "jax.jacrev, jax.hessian), but not only as the kernel matrix and its transpose (K-FAC "
-        "takes a product by the transposed kernel, `δa = δz Wᵀ`, as a use with input and "
-        "output exchanged; here some use reads the kernel in another layout): no Kronecker "
-        f"block fits; {_KERNEL_NGD} (or tag it "
-        'with `kfac_jax.register_generic(param, approx="full")` for a full block)'
+        "read both ways round, as a reverse-mode derivative inside the loss does, but not only "
+        "as the kernel matrix and its transpose (`δa = δz Wᵀ`): no Kronecker block fits; "
+        f"{_KERNEL_NGD}, or {_GENERIC_FIX}"
       )
   names = {ix.g.eqns[i].name for i, _ in uses}
   if "rev" in names and names & _PRODUCTS:
