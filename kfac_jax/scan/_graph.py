@@ -18,7 +18,7 @@ import itertools
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -382,13 +382,11 @@ class FlatGraph:
 
   def scan_stacked(self, keys: Sequence[Atom]) -> bool:
     """Whether `keys` are one position of every step of one scan, in order (one stacked value)."""
-    found = [self.scan_positions.get(k) if is_key(k) else None for k in keys]
-    if not found or any(f is None for f in found):
+    first = self.scan_positions.get(keys[0]) if keys and is_key(keys[0]) else None
+    if first is None:
       return False
-    n, _, p = cast(tuple[int, int, int], found[0])  # not None: checked above
-    return len(found) == len(self.scans[n].keys) and all(
-      f == (n, k, p) for k, f in enumerate(found)
-    )
+    n, _, p = first
+    return list(keys) == [step[p] for step in self.scans[n].keys]
 
   @functools.cached_property
   def _customs_at(self) -> dict[int, tuple[CustomCall, ...]]:
@@ -553,13 +551,10 @@ def _regions(ranges, eqns, outvars, const_keys) -> tuple[Region, ...]:
   last_read.update((a, len(eqns)) for a in outvars if is_key(a))
   out = []
   for start, stop, options in ranges:
-    made: set[Key] = set()
-    ins: dict[Key, None] = {}
-    outs: dict[Key, None] = {}
-    for fe in eqns[start:stop]:
-      ins.update((a, None) for a in fe.ins if is_key(a) and a not in made and a not in const_keys)
-      made.update(fe.outs)
-      outs.update((k, None) for k in fe.outs if last_read.get(k, -1) >= stop)
+    made = [k for fe in eqns[start:stop] for k in fe.outs]
+    skip = const_keys.union(made)
+    ins = dict.fromkeys(a for fe in eqns[start:stop] for a in fe.ins if is_key(a) and a not in skip)
+    outs = [k for k in made if last_read.get(k, -1) >= stop]
     out.append(Region(start, stop, options, tuple(ins), tuple(outs)))
   return tuple(out)
 
@@ -575,11 +570,9 @@ def _same_step(eqns, s0, s, n, ncar, pos0, pos_k, const_keys) -> bool:
   """Whether the n equations from `s` repeat those from `s0` (step 0), position by position."""
   for i in range(n):
     f0, fk = eqns[s0 + i], eqns[s + i]
-    if len(f0.ins) != len(fk.ins) or len(f0.outs) != len(fk.outs):
-      return False
-    if (f0.fn is None) != (fk.fn is None) or (f0.fn is None and f0.eqn is not fk.eqn):
-      return False
-    if f0.fn is not None and f0.name != fk.name:
+    # The same jaxpr equation, or synthetic ones of one name.
+    same = f0.eqn is fk.eqn if f0.fn is None else fk.fn is not None and f0.name == fk.name
+    if not same or len(f0.ins) != len(fk.ins) or len(f0.outs) != len(fk.outs):
       return False
     for a0, ak in zip(f0.ins, fk.ins):
       if is_key(a0) and a0 in pos0:
