@@ -86,9 +86,8 @@ def build(graph, n_params: int, paths, shapes, loss_roots: Sequence[Any], batch_
     stack_of[len(paths)] = (j, t)
     paths.append(paths[j])
     shapes.append(shapes[j][1:])
-  fold = _folder(graph, consts, producer)
   origin, view_eqns, virtual, concat_eqns = _views(
-    graph, leaf_of_key, consts, n_params, len(paths), fold
+    graph, leaf_of_key, consts, n_params, len(paths), _folder(graph, consts, producer)
   )
   for view in virtual.values():
     paths.append(_concat_path([paths[j] for j in view.leaves]))
