@@ -265,11 +265,10 @@ def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, ou
   inside, beside = _only_in(derived, graph), tag_names(graph)
   if inside and beside:
     raise RegistrationError(
-      f"loss_fn binds loss tags both inside custom-derivative rules ({'; '.join(inside)}) "
-      f"and outside them ({'; '.join(beside)}): tags outside describe the loss itself, tags in "
-      "a rule the curvature of another function (FermiNet's form). Keep one place: delete "
-      "the tags outside the rule or the rule's tags; pass a separate curvature function as "
-      "`kfac_jax.Registration(..., curvature_fn=...)`."
+      f"loss_fn binds loss tags both inside custom-derivative rules ({'; '.join(inside)}) and "
+      f"outside them ({'; '.join(beside)}): tags outside describe the loss, tags in a rule the "
+      "curvature of another function (FermiNet's form). Keep tags in one place only; pass a "
+      "separate curvature function as `kfac_jax.Registration(..., curvature_fn=...)`."
     )
   layout = lambda t: (jax.tree.structure(t), [(x.shape, x.dtype) for x in jax.tree.leaves(t)])
   if beside and layout(out) != layout(out_d):
@@ -802,10 +801,9 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
     return f"gathered at constant positions, then consumed by {name} (no matcher)"
   if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
     return f"indexed by {name} before use (e.g. one slice of a stacked array)"
-  if name == "concatenate" and _feeds_product(ix, fe.outs[0]):
-    return "concatenated before a matmul"
   if name == "concatenate":
-    return "concatenated with other arrays before use"
+    matmul = _feeds_product(ix, fe.outs[0])
+    return "concatenated before a matmul" if matmul else "concatenated with other arrays before use"
   if name in ("add", "sub") and (c := _constant_operand(ix, fe.ins[1 - pos])) is not None:
     if name == "add":
       return f"used as {c:g} + scale"
