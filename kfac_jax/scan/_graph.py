@@ -18,7 +18,7 @@ import itertools
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,14 +86,11 @@ class HoistedTap:
 
 def constant_value(const_values: Mapping[Any, Any], atom):
   """The numpy value of a literal or closed-over constant; None otherwise (or for a tracer)."""
-  if isinstance(atom, _compat.Literal):
-    value = atom.val
-  elif is_key(atom) and atom in const_values:
-    value = const_values[atom]
-  else:
+  literal = isinstance(atom, _compat.Literal)
+  if not literal and not (is_key(atom) and atom in const_values):
     return None
   try:
-    return np.asarray(value)
+    return np.asarray(atom.val if literal else const_values[atom])
   except jax.errors.JAXTypeError:  # A tracer.
     return None
 
@@ -161,7 +158,6 @@ class ScanGroup:
 
   steps: tuple[tuple[int, int], ...]
   ncar: int
-  nxs: int
   reverse: bool
   keys: tuple[tuple[Key, ...], ...]
   carry_out: tuple[tuple[Atom, ...], ...]
@@ -382,13 +378,11 @@ class FlatGraph:
 
   def scan_stacked(self, keys: Sequence[Atom]) -> bool:
     """Whether `keys` are one position of every step of one scan, in order (one stacked value)."""
-    found = [self.scan_positions.get(k) if is_key(k) else None for k in keys]
-    if not found or any(f is None for f in found):
+    first = self.scan_positions.get(keys[0]) if keys and is_key(keys[0]) else None
+    if first is None:
       return False
-    n, _, p = cast(tuple[int, int, int], found[0])  # not None: checked above
-    return len(found) == len(self.scans[n].keys) and all(
-      f == (n, k, p) for k, f in enumerate(found)
-    )
+    n, _, p = first
+    return list(keys) == [step[p] for step in self.scans[n].keys]
 
   @functools.cached_property
   def _customs_at(self) -> dict[int, tuple[CustomCall, ...]]:
@@ -465,9 +459,8 @@ class FlatGraph:
     column = lambda p: tuple(grp.keys[k][p] for k in range(nsteps))
 
     def stacked_pos(t) -> int | None:  # The position whose keys in every step are the tuple `t`.
-      if not (isinstance(t, tuple) and t and isinstance(t[0], tuple) and t[0] in pos0):
-        return None
-      return pos0[t[0]] if column(pos0[t[0]]) == t else None
+      found = isinstance(t, tuple) and t and isinstance(t[0], tuple) and t[0] in pos0
+      return pos0[t[0]] if found and column(pos0[t[0]]) == t else None
 
     tuple_eps = {p: v for t, v in perturb.items() if (p := stacked_pos(t)) is not None}
     tuple_watch = {p: t for t in watch if (p := stacked_pos(t)) is not None}
@@ -501,7 +494,7 @@ class FlatGraph:
       x_t, eps_t = step_in
       local = collections.ChainMap(dict(zip(keys0, [*carry, *x_t])), env)
       local_perturb = {keys0[p]: e for p, e in zip(eps_pos, eps_t)}
-      self._run(s0 + grp.ncar + grp.nxs, e0, local, {}, local_perturb, watch0)
+      self._run(s0 + grp.ncar + len(grp.xs), e0, local, {}, local_perturb, watch0)
       new_carry = [
         _as_aval(_read_atom(a, local), av) for a, av in zip(grp.carry_out[0], carry_avals)
       ]
@@ -553,13 +546,10 @@ def _regions(ranges, eqns, outvars, const_keys) -> tuple[Region, ...]:
   last_read.update((a, len(eqns)) for a in outvars if is_key(a))
   out = []
   for start, stop, options in ranges:
-    made: set[Key] = set()
-    ins: dict[Key, None] = {}
-    outs: dict[Key, None] = {}
-    for fe in eqns[start:stop]:
-      ins.update((a, None) for a in fe.ins if is_key(a) and a not in made and a not in const_keys)
-      made.update(fe.outs)
-      outs.update((k, None) for k in fe.outs if last_read.get(k, -1) >= stop)
+    made = [k for fe in eqns[start:stop] for k in fe.outs]
+    skip = const_keys.union(made)
+    ins = dict.fromkeys(a for fe in eqns[start:stop] for a in fe.ins if is_key(a) and a not in skip)
+    outs = [k for k in made if last_read.get(k, -1) >= stop]
     out.append(Region(start, stop, options, tuple(ins), tuple(outs)))
   return tuple(out)
 
@@ -575,11 +565,9 @@ def _same_step(eqns, s0, s, n, ncar, pos0, pos_k, const_keys) -> bool:
   """Whether the n equations from `s` repeat those from `s0` (step 0), position by position."""
   for i in range(n):
     f0, fk = eqns[s0 + i], eqns[s + i]
-    if len(f0.ins) != len(fk.ins) or len(f0.outs) != len(fk.outs):
-      return False
-    if (f0.fn is None) != (fk.fn is None) or (f0.fn is None and f0.eqn is not fk.eqn):
-      return False
-    if f0.fn is not None and f0.name != fk.name:
+    # The same jaxpr equation, or synthetic ones of one name.
+    same = f0.eqn is fk.eqn if f0.fn is None else fk.fn is not None and f0.name == fk.name
+    if not same or len(f0.ins) != len(fk.ins) or len(f0.outs) != len(fk.outs):
       return False
     for a0, ak in zip(f0.ins, fk.ins):
       if is_key(a0) and a0 in pos0:
@@ -609,22 +597,19 @@ def _scan_group(steps, ncar, nxs, reverse, stack_start, stop, eqns, outvars, con
   if any(is_key(c) and c not in pos0 and c not in const_keys for c in carry_out[0]):
     return None  # A carry out computed before the scan: kept unrolled (rare).
   stacks = []
-  order = list(range(len(steps)))
   for i in range(stack_start, stop):
-    parts = eqns[i].ins
-    first = parts[order[-1] if reverse else 0] if parts else None
-    p = pos0.get(first) if is_key(first) else None
-    if p is not None and list(parts) == [keys[k][p] for k in order[:: -1 if reverse else 1]]:
+    parts = list(eqns[i].ins)[:: -1 if reverse else 1]  # In step order.
+    p = pos0.get(parts[0]) if parts and is_key(parts[0]) else None
+    if p is not None and parts == [step[p] for step in keys]:
       stacks.append((i, p))
   # Which step values are read after the steps, other than by the recognised stackings.
   stacked = {i for i, _ in stacks}
   after = [a for i in range(steps[-1][1], len(eqns)) if i not in stacked for a in eqns[i].ins]
   read = {a for a in after + list(outvars) if is_key(a)}
-  needed = [tuple(k for k in order if keys[k][p] in read) for p in range(len(keys0))]
+  needed = [tuple(k for k, step in enumerate(keys) if step[p] in read) for p in range(len(keys0))]
   return ScanGroup(
     steps=tuple((s, e) for s, e, _ in steps),
     ncar=ncar,
-    nxs=nxs,
     reverse=reverse,
     keys=tuple(keys),
     carry_out=carry_out,

@@ -86,9 +86,8 @@ def build(graph, n_params: int, paths, shapes, loss_roots: Sequence[Any], batch_
     stack_of[len(paths)] = (j, t)
     paths.append(paths[j])
     shapes.append(shapes[j][1:])
-  fold = _folder(graph, consts, producer)
   origin, view_eqns, virtual, concat_eqns = _views(
-    graph, leaf_of_key, consts, n_params, len(paths), fold
+    graph, leaf_of_key, consts, n_params, len(paths), _folder(graph, consts, producer)
   )
   for view in virtual.values():
     paths.append(_concat_path([paths[j] for j in view.leaves]))
@@ -160,15 +159,13 @@ def tags_reached(ix: GraphIndex, key) -> frozenset[int]:
   """The loss tags (by position) whose predictions `key` (or a `HoistedTap`'s keys) reaches."""
   roots = {a: t for t, a in enumerate(ix.loss_roots) if _graph.is_key(a)}
   start = list(key.keys) if isinstance(key, _graph.HoistedTap) else [key]
-  seen, frontier, found = set(start), list(start), set()
+  seen, frontier = set(start), list(start)
   while frontier:
-    k = frontier.pop()
-    if k in roots:
-      found.add(roots[k])
-    new = [o for i, _ in ix.slice_consumers.get(k, ()) for o in ix.g.eqns[i].outs if o not in seen]
+    consumers = ix.slice_consumers.get(frontier.pop(), ())
+    new = [o for i, _ in consumers for o in ix.g.eqns[i].outs if o not in seen]
     seen.update(new)
     frontier.extend(new)
-  return frozenset(found)
+  return frozenset(roots[k] for k in seen if k in roots)
 
 
 def _loss_slice(graph, roots) -> tuple[set[int], set[int]]:

@@ -82,10 +82,9 @@ def scan(
 ) -> ScanResult:
   """Traces `loss_fn(params, batch)` and registers its loss tags and layers.
 
-  With `has_aux`, `loss_fn` returns `(loss, aux)`: the aux's leaves stay graph outputs after the
-  loss (`ScanResult.aux_tree`) and play no part in the registration. `layers` chooses
-  approximations and linked groups (`LayerConfig`). With `collect`, every coverage problem is
-  gathered and raised as one `RegistrationCheckError` at the end.
+  With `has_aux`, `loss_fn` returns `(loss, aux)`, whose aux leaves stay graph outputs after the
+  loss (`ScanResult.aux_tree`); with `collect`, the coverage problems are raised together as one
+  `RegistrationCheckError`.
 
   Raises:
     RegistrationError: no loss tag, a malformed manual tag, an approximation that does not fit
@@ -95,8 +94,7 @@ def scan(
   layers = _layer_config.check(layers)
   for pattern, cls in layers.blocks.items():
     _blocks.check_class(cls, f"LayerConfig.blocks[{pattern!r}]")
-  paths = param_paths(params)
-  leaves = jax.tree.leaves(params)
+  paths, leaves = param_paths(params), jax.tree.leaves(params)
   _check_dtypes(paths, leaves)
   graph, aux_tree, separate = _trace(loss_fn, params, batch, len(leaves), has_aux)
   losses, loss_operands = _losses(graph)
@@ -127,8 +125,7 @@ def _trace(loss_fn, params, batch, n_params: int, has_aux):
   if (len(out_avals) != 1 and not has_aux) or not out_avals or out_avals[0].shape != ():
     raise RegistrationError(
       "loss_fn(params, batch) must return one scalar loss, got outputs of shapes "
-      f"{[tuple(a.shape) for a in out_avals]}. A loss_fn returning `(loss, aux)` needs "
-      "has_aux=True."
+      f"{[tuple(a.shape) for a in out_avals]}; for `(loss, aux)`, pass has_aux=True."
     )
   graph = _graph.FlatGraph.from_closed_jaxpr(closed, n_params)
   tagged = any(fe.eqn.primitive is _tags.loss_tag_p for fe in graph.eqns)
@@ -153,11 +150,9 @@ def _check_dtypes(paths, leaves) -> None:
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
       raise RegistrationError(
-        f"parameter `{path}` has dtype {dtype}; K-FAC's blocks take real parameters (their "
-        "statistics are real Gram matrices of real gradients). Keep the real and imaginary "
-        f"parts as two real leaves and build the complex value in the model, e.g. "
-        "`w = p['w_re'] + 1j * p['w_im']`. A complex output (a complex log psi) of real "
-        "parameters is fine."
+        f"parameter `{path}` has dtype {dtype}; K-FAC's blocks take real parameters. Keep the "
+        "real and imaginary parts as two real leaves and build the complex value in the model "
+        "(`w = p['w_re'] + 1j * p['w_im']`); a complex output of real parameters is fine."
       )
     if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
       raise RegistrationError(
@@ -187,13 +182,10 @@ def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
       hit = next((reached[a] for a in fe.ins if _graph.is_key(a) and a in reached), None)
       if hit is not None and fe.name in _NO_REVERSE:
         raise RegistrationError(
-          f"layer `{hit}` sits inside the custom-derivative function `{call.name}`, and its "
-          f"output reaches the function's outputs through `{fe.name}`, which has no reverse-"
-          "mode derivative: K-FAC takes a layer's output gradients inside a custom function "
-          "through its primal computation (the rule only covers the function's inputs), so "
-          f"they cannot be taken here. Apply the layer outside `{call.name}` (pass its output "
-          "in), or tag the parameter with kfac_jax.register_generic to use the rule's "
-          "parameter gradient."
+          f"layer `{hit}` sits inside the custom-derivative function `{call.name}` and reaches "
+          f"its outputs through `{fe.name}`, which has no reverse-mode derivative, so K-FAC "
+          f"cannot take the layer's output gradients. Apply the layer outside `{call.name}` "
+          "(pass its output in), or tag the parameter with kfac_jax.register_generic."
         )
       if hit is not None:
         reached.update((k, hit) for k in fe.outs)
@@ -202,31 +194,23 @@ def _check_custom_taps(graph: _graph.FlatGraph, specs) -> None:
 def _losses(graph: _graph.FlatGraph) -> tuple[list[LossSpec], list[tuple[_graph.Atom, ...]]]:
   """The loss tags' specs and operands."""
   losses, operands = [], []
-  for fe in graph.eqns:
-    if fe.eqn.primitive is not _tags.loss_tag_p:
-      continue
+  for fe in (fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p):
     p, shape = fe.params, _graph.shape_of(fe.ins[0])
     if p.get("under_vmap"):
       raise RegistrationError(
-        f"a {p['kind']} loss tag was called inside jax.vmap: the tag must see the whole "
-        f"batch (the tagged loss is the mean over its leading axis), but it saw one vmapped "
-        f"slice. Call the register_*_loss function outside the vmap, on the batched "
-        "prediction, e.g. `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss("
-        "logits, y)`."
+        f"a {p['kind']} loss tag was called inside jax.vmap, where it sees one slice, not the "
+        "whole batch. Call the register_*_loss function outside the vmap, on the batched "
+        "prediction: `logits = jax.vmap(model)(x); register_softmax_cross_entropy_loss(logits, y)`."
       )
     losses.append(LossSpec(p["kind"], p["var"], p["has_targets"], p["has_weight"], shape[0], shape))
     operands.append(fe.ins)
   if not losses:
     raise RegistrationError(
-      "no loss tag found in loss_fn: K-FAC needs to know the model's predictive "
-      "distribution. Call one of kfac_jax.register_softmax_cross_entropy_loss(logits, "
-      "labels), register_sigmoid_cross_entropy_loss(logits, targets), "
-      "register_squared_error_loss(prediction, targets) or "
-      "register_normal_predictive_distribution(mean) on the model output inside "
-      "loss_fn(params, batch), or inside a jax.custom_jvp rule or a jax.custom_vjp's fwd or "
-      "bwd function that loss_fn calls. When the curvature is that of "
-      "another function than the loss (variational Monte Carlo: a normal tag on "
-      "log|psi|), pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
+      "no loss tag found in loss_fn: K-FAC needs the model's predictive distribution. Call "
+      "kfac_jax.register_softmax_cross_entropy_loss (or another register_*_loss, or "
+      "register_normal_predictive_distribution) on the model output in loss_fn (or in a "
+      "jax.custom_jvp rule or custom_vjp fwd / bwd it calls); for the curvature of another "
+      "function, pass `kfac_jax.Registration(..., curvature_fn=...)`."
     )
   return losses, operands
 
@@ -281,27 +265,19 @@ def _check_rule_tags(graph: _graph.FlatGraph, derived: _graph.FlatGraph, out, ou
   inside, beside = _only_in(derived, graph), tag_names(graph)
   if inside and beside:
     raise RegistrationError(
-      f"loss_fn binds loss tags both inside custom-derivative rules ({'; '.join(inside)}: "
-      "bound when JAX differentiates loss_fn, in a jax.custom_jvp rule or a jax.custom_vjp's "
-      f"fwd or bwd) and outside them ({'; '.join(beside)}). The two places mean different "
-      "things: tags outside the rules describe the loss itself (its value and gradient are "
-      "taken from the tagged graph in one pass), tags in a rule describe the curvature of "
-      "another function than the loss (FermiNet's form: the loss and gradient are "
-      "jax.value_and_grad(loss_fn)'s). Keep one place: delete the tags outside the rule to use "
-      "the rule's, or delete the rule's tags; for a curvature function apart from the loss, "
-      "pass it as `kfac_jax.Registration(..., curvature_fn=...)`."
+      f"loss_fn binds loss tags both inside custom-derivative rules ({'; '.join(inside)}) and "
+      f"outside them ({'; '.join(beside)}): tags outside describe the loss, tags in a rule the "
+      "curvature of another function (FermiNet's form). Keep tags in one place only; pass a "
+      "separate curvature function as `kfac_jax.Registration(..., curvature_fn=...)`."
     )
   layout = lambda t: (jax.tree.structure(t), [(x.shape, x.dtype) for x in jax.tree.leaves(t)])
   if beside and layout(out) != layout(out_d):
     raise RegistrationError(
       "a custom-derivative rule in loss_fn returns primal outputs of other shapes or dtypes "
-      f"than its function: loss_fn returns {_types(out)} as traced, {_types(out_d)} as "
-      "jax.grad runs it. JAX differentiates such a call only from its Python function "
-      "(jax.value_and_grad(loss_fn) works, jax.grad(jax.jit(loss_fn)) fails), while the loss "
-      f"tags outside the rule ({'; '.join(beside)}) make K-FAC differentiate the traced "
-      "graph. Make the rule return the function's outputs (e.g. keep an aux field's "
-      "per-example shape), or move the tags into the rule or into `curvature_fn=`, so that "
-      "the loss and gradient are jax.value_and_grad(loss_fn)'s."
+      f"than its function ({_types(out)} as traced, {_types(out_d)} under jax.grad); the loss "
+      f"tags outside the rule ({'; '.join(beside)}) make K-FAC differentiate the traced graph, "
+      "which JAX cannot do for such a call. Make the rule return the function's outputs, or "
+      "move the tags into the rule or into `curvature_fn=`."
     )
 
 
@@ -381,10 +357,8 @@ class _Scanner:
         raise RegistrationCheckError(self.problems)
     paths = [ix.paths[j] for j in uncovered]
     if uncovered and self.strict:
-      raise RegistrationError(
-        uncovered_message(paths, reasons, len(uncovered))
-        + " (strict=True turns this into an error.)"
-      )
+      message = uncovered_message(paths, reasons, len(uncovered))
+      raise RegistrationError(message + " (strict=True turns this into an error.)")
     if uncovered and self.warn:
       warnings.warn(uncovered_message(paths, reasons), UncoveredParametersWarning, stacklevel=5)
     for j, reason in zip(uncovered, reasons):
@@ -527,8 +501,7 @@ class _Scanner:
         if missing:
           raise RegistrationError(
             f"LayerConfig.linked group {group} splits the {s[0].kind} layer `{s[0].name}`: it "
-            f"holds {[paths[j] for j in sorted(overlap)]} but not {missing}. A linked "
-            "group must hold whole layers; add the missing parameters to the group."
+            f"holds {[paths[j] for j in sorted(overlap)]} but not {missing}; add them to the group."
           )
         for j in s[0].leaf_indices:
           claimed.pop(j, None)
@@ -547,13 +520,10 @@ class _Scanner:
     if kind == "dense":
       manual_dense.setdefault(match.leaves[0], []).append((match, fe.params["approx"]))
       return []
-    approx = self._check_approx(kind, fe.params["approx"], [self.ix.paths[j] for j in match.leaves])
-    spec, y, inputs = self._spec_of(match, approx, "manual")
-    fix = "remove the tag so that the scanner registers the uses together as one shared layer, "
+    spec, y, inputs = self._spec_of(match, fe.params["approx"], "manual")
+    fix = "remove the tag (the scanner finds the shared layer) or use register_generic"
     for j in match.leaves if kind != "generic" else ():  # One tag registers one use.
-      self.check_use_count(
-        j, 1, f"register_{kind}", fix + "or cover the parameter with register_generic"
-      )
+      self.check_use_count(j, 1, f"register_{kind}", fix)
     self.claim(claimed, match.leaves, spec.name)
     return [(spec, y, inputs)]
 
@@ -568,21 +538,12 @@ class _Scanner:
         f"({[[self.ix.paths[j] for j in m.leaves] for m in uses]}, {sorted(map(str, approxes))}); "
         "register every use with the same bias and `approx`."
       )
-    self.check_use_count(
-      k_leaf,
-      len(tags),
-      "register_dense",
-      "call register_dense at every use of the kernel (each with the same `approx`, e.g. "
-      'approx="kron_indep"), or let the scanner detect the shared use by removing the tags',
-    )
-    approx = tags[0][1]
-    if len(tags) == 1:
-      approx = self._check_approx("dense", approx, [self.ix.paths[j] for j in leaves])
+    fix = "tag every use with the same `approx`, or remove the tags to let the scanner find them"
+    self.check_use_count(k_leaf, len(tags), "register_dense", fix)
     infos = tuple(m.infos[0] for m in uses)
     outs, ins = tuple(m.outputs[0] for m in uses), tuple(m.inputs[0] for m in uses)
-    return self._accept(
-      _matchers.Match("dense", leaves, infos, outs, ins), claimed, approx, "manual"
-    )
+    match = _matchers.Match("dense", leaves, infos, outs, ins)
+    return self._accept(match, claimed, tags[0][1], "manual")
 
   def check_use_count(self, leaf: int, registered: int, tag: str, fix: str) -> None:
     """A manual tag's use count against the graph's (unless the loss does not reach the leaf)."""
@@ -592,22 +553,6 @@ class _Scanner:
         f"layer `{self.ix.paths[leaf]}` is used {graph_uses} times in loss_fn but registered "
         f"with {registered} {tag} tag(s); {fix}."
       )
-
-  def _check_approx(self, kind, approx, paths):
-    """A manual tag's `approx=` for a single-use layer, checked (None: chosen by `layer_spec`)."""
-    if approx in _kinds.SERIES:
-      raise RegistrationError(
-        f"approximation {approx!r} models correlations between successive uses of a shared "
-        f'layer, but the layer with parameters {paths} is used once; use "kron" (or '
-        '"kron_indep", which equals it for one use).'
-      )
-    choices = _kinds.KINDS[kind].approximations
-    if approx is not None and approx not in choices:
-      raise RegistrationError(
-        f"approximation {approx!r} does not fit the {kind} layer with parameters {paths}; "
-        f"choose one of {choices}."
-      )
-    return approx
 
   def _draft(self, kind, leaves, source, leaf_shapes=None, **fields) -> LayerSpec:
     """A LayerSpec over `leaves`, its approximation ("") and factor shapes still to be chosen."""
@@ -650,23 +595,12 @@ class _Scanner:
       )
     if approx == "kron" and "kron_indep" in choices:
       approx = "kron_indep"
-    if approx is not None and approx not in choices and pattern is not None:
-      raise RegistrationError(
-        f"LayerConfig.overrides[{pattern!r}] = {approx!r} does not fit the {kind} layer "
-        f"`{name}` (parameters {paths}), which is used {len(infos)} times; a shared "
-        f"{kind} layer takes one of {choices}. Choose one of those, or narrow the pattern "
-        "so that it does not match this layer."
-      )
     if approx is not None and approx not in choices:
-      raise RegistrationError(
-        f"approximation {approx!r} does not fit the shared {kind} layer with parameters "
-        f"{paths}; a {kind} layer used several times takes one of {choices}."
-      )
+      raise _misfit(approx, spec, choices, pattern)
     if approx in _kinds.SERIES and any(getattr(inf, "transposed", False) for inf in infos):
       raise RegistrationError(
-        f"approximation {approx!r} models successive uses of layer {paths} that read its "
-        "kernel the same way round, but some uses read it transposed (the backward pass of a "
-        'reverse-mode derivative); use "kron_indep".'
+        f"approximation {approx!r} needs the uses of layer {paths} to read its kernel one way "
+        'round, but some read it transposed (a reverse-mode derivative); use "kron_indep".'
       )
     if approx in _kinds.SERIES and (kind != "dense" or len({inf.rows for inf in infos}) != 1):
       raise RegistrationError(
@@ -683,18 +617,19 @@ class _Scanner:
     paths, name = spec.param_paths, spec.name
     builtin, note = _kinds.default_approx(kind, info)
     choices = _kinds.KINDS[kind].approximations
-    explicit = approx is not None and source in ("manual", "linked")
+    explicit, pattern = approx is not None and source in ("manual", "linked"), None
+    if explicit and approx in _kinds.SERIES:
+      raise RegistrationError(
+        f"approximation {approx!r} models successive uses of a shared layer, but the layer "
+        f'with parameters {list(paths)} is used once; use "kron".'
+      )
     if not explicit:
       pattern, chosen = _layer_config.first_match(self.layer_config.overrides, (name, *paths))
       if pattern is None:
         chosen = self.layer_config.defaults.get(kind, builtin if approx is None else approx)
-      if chosen not in choices:
-        raise RegistrationError(
-          f"LayerConfig.overrides[{pattern!r}] = {chosen!r} does not fit the {kind} layer "
-          f"`{name}` (parameters {list(paths)}); choose one of {choices}, or "
-          "narrow the pattern so that it does not match this layer."
-        )
       approx, explicit = chosen, pattern is not None
+    if approx not in choices:
+      raise _misfit(approx, spec, choices, pattern)
     spec = dataclasses.replace(spec, approx=approx, note=note if approx == builtin else "")
     return self._finish(spec, choices, explicit)
 
@@ -712,6 +647,17 @@ class _Scanner:
       note = "; ".join(n for n in (spec.note, _blocks.blocked_note(spec)) if n)
       spec = dataclasses.replace(spec, note=note)
     return sized(spec)
+
+
+def _misfit(approx, spec: LayerSpec, choices, pattern: str | None) -> RegistrationError:
+  """The error for an approximation (`LayerConfig.overrides[pattern]`'s if given) `spec` lacks."""
+  where = "approximation" if pattern is None else f"LayerConfig.overrides[{pattern!r}] ="
+  uses = f", which is used {spec.num_uses} times" if spec.num_uses > 1 else ""
+  fix = "" if pattern is None else ", or narrow the pattern so that it misses this layer"
+  return RegistrationError(
+    f"{where} {approx!r} does not fit the {spec.kind} layer `{spec.name}` (parameters "
+    f"{list(spec.param_paths)}){uses}; choose one of {choices}{fix}."
+  )
 
 
 def with_block(spec: LayerSpec, cls, note: str) -> LayerSpec:
@@ -847,8 +793,7 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
   if name == "dot_general" and pos == 0 and others and _graph.is_key(x) and x in ix.param_only:
     return (
       f"the input of `{ix.paths[others[0]]}` with no rows per example (a learned probe "
-      "projected before it is broadcast over the batch; broadcast it first and it is a layer "
-      "of learned tokens)"
+      "projected before it is broadcast over the batch: broadcast it first)"
     )
   if name in ("gather", "dot_general", "conv_general_dilated") and _no_rows(ix, fe, pos):
     return f"consumed by {name} with {_NO_ROWS}"
@@ -856,10 +801,9 @@ def _use_reason(ix: _index.GraphIndex, leaf: int, i: int, pos: int) -> str:
     return f"gathered at constant positions, then consumed by {name} (no matcher)"
   if name in ("slice", "dynamic_slice", "gather", "dynamic_update_slice"):
     return f"indexed by {name} before use (e.g. one slice of a stacked array)"
-  if name == "concatenate" and _feeds_product(ix, fe.outs[0]):
-    return "concatenated before a matmul"
   if name == "concatenate":
-    return "concatenated with other arrays before use"
+    matmul = _feeds_product(ix, fe.outs[0])
+    return "concatenated before a matmul" if matmul else "concatenated with other arrays before use"
   if name in ("add", "sub") and (c := _constant_operand(ix, fe.ins[1 - pos])) is not None:
     if name == "add":
       return f"used as {c:g} + scale"
@@ -916,31 +860,24 @@ def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
   if lost and (len(lost) < len(uses) or all(_from_constants(ix, x) for _, x in lost)):
     return (
       f"{len(lost)} of its {len(uses)} uses multiply an input that is one constant for every "
-      "point (a tangent direction or a reverse-mode seed, as `jax.jvp`, `jax.jacfwd`, "
-      "`jax.grad` or `jax.hessian` inside `jax.vmap` make it), and the product reaches the "
-      "points through more than layout changes and elementwise broadcasting (e.g. through "
-      "another layer's product before a nonlinearity), so it has no output gradient per "
-      "point: compute the operator on the batched points, the direction broadcast over them "
-      "(`jax.jvp(f, (x,), (jnp.broadcast_to(e, x.shape),))`, or a forward Laplacian), or "
-      + _KERNEL_NGD
+      "point (a direction or reverse-mode seed under `jax.vmap`), and the product reaches the "
+      "points through more than layout changes and elementwise broadcasting, so it has no "
+      "output gradient per point: compute the operator on the batched points, the direction "
+      "broadcast over them (`jax.jvp(f, (x,), (jnp.broadcast_to(e, x.shape),))`), or " + _KERNEL_NGD
     )
   if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2 and len(dense) > 1:
     mats = [kernel_index_matrix(d[0], ix.shapes[leaf]) for _, d in dense]
     if any(np.array_equal(m.T, m2) and not np.array_equal(m, m2) for m in mats for m2 in mats):
       return (
-        "read both ways round, as a reverse-mode derivative inside the loss does (jax.grad, "
-        "jax.jacrev, jax.hessian), but not only as the kernel matrix and its transpose (K-FAC "
-        "takes a product by the transposed kernel, `δa = δz Wᵀ`, as a use with input and "
-        "output exchanged; here some use reads the kernel in another layout): no Kronecker "
-        f"block fits; {_KERNEL_NGD} (or tag it "
-        'with `kfac_jax.register_generic(param, approx="full")` for a full block)'
+        "read both ways round, as a reverse-mode derivative inside the loss does, but not only "
+        "as the kernel matrix and its transpose (`δa = δz Wᵀ`): no Kronecker block fits; "
+        f"{_KERNEL_NGD}, or {_GENERIC_FIX}"
       )
   names = {ix.g.eqns[i].name for i, _ in uses}
   if "rev" in names and names & _PRODUCTS:
     return (
-      "read flipped (`rev`) besides its products, as the reverse-mode derivative of a "
-      "convolution reads its kernel (jax.grad, jax.jacrev, jax.hessian of a convolutional "
-      f"network): no Kronecker block fits; {_KERNEL_NGD}"
+      "read flipped (`rev`) besides its products, as a convolution's reverse-mode derivative "
+      f"reads its kernel: no Kronecker block fits; {_KERNEL_NGD}"
     )
   return ""
 
@@ -973,8 +910,7 @@ def fallback_reason(ix: _index.GraphIndex, leaf: int) -> str:
       "reaches the loss tags only through stop_gradient (no curvature from them; e.g. a "
       "VQ-VAE codebook trained by an untagged term)"
     )
-  derivative = _derivative_reason(ix, leaf, uses)
-  if derivative:
+  if derivative := _derivative_reason(ix, leaf, uses):
     return derivative
   reasons = [_use_reason(ix, leaf, i, pos) for i, pos in uses]
   first = ("sliced by a scan", "indexed by", "transformed by")
@@ -999,6 +935,5 @@ def uncovered_message(paths: Sequence[str], reasons: Sequence[str], limit: int =
   return (
     f"{len(paths)} parameter(s) are not in any recognised layer and get a diagonal "
     f"curvature block: {shown}{more}. `kfac_jax.summary(loss_fn, params, batch)` lists "
-    "each with its reason; a manual layer tag (kfac_jax.register_dense / register_conv / "
-    "register_scale_and_shift / register_embedding / register_generic) chooses its block."
+    "each with its reason; a manual layer tag (kfac_jax.register_dense, ...) chooses its block."
   )
