@@ -211,6 +211,26 @@ def test_lax_scan_over_stacked_pytree(x64):
   assert stacked.factor_shapes == ((L, D + 1, D + 1), (L, D, D))
 
 
+def test_reverse_lax_scan_over_stacked_pytree(x64):
+  """`lax.scan(reverse=True)` reads the stack from its end: the last slice is the first layer."""
+  layers, out = _layers()
+
+  def scanned(p, b):
+    step = lambda h, l: (_block(l["w"], l["b"], h), None)  # noqa: E731
+    h, _ = jax.lax.scan(step, b["x"], p["stack"], reverse=True)
+    return _head(p["out"], h, b["y"])
+
+  found = _assert_same(
+    (scanned, {"stack": _stack(layers), "out": out}),
+    (_mlp_loss(_block), {"layers": layers[::-1], "out": out}),
+    lambda g: {
+      "layers": [jax.tree_util.tree_map(lambda x, i=i: x[i], g["stack"]) for i in range(L)][::-1],
+      "out": g["out"],
+    },
+  )
+  assert any(s.stack_size == L for s in found)
+
+
 def test_linen_scan_with_remat(x64):
   class Block(nn.Module):
     @nn.compact
