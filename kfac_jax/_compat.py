@@ -146,10 +146,10 @@ def source_frames(eqn: JaxprEqn, skip_dir: str) -> tuple[tuple[str, int, str], .
   )
 
 
-def source_line(eqn: JaxprEqn, skip_dir: str, with_function: bool = False) -> str | None:
-  """`file:line` (`in function`) of the innermost frame of `source_frames`, or None."""
+def source_line(eqn: JaxprEqn, skip_dir: str) -> str | None:
+  """`file:line in function` of the innermost frame of `source_frames`, or None."""
   for file, line, function in source_frames(eqn, skip_dir)[:1]:
-    return f"{file}:{line} in {function}" if with_function else f"{file}:{line}"
+    return f"{file}:{line} in {function}"
   return None
 
 

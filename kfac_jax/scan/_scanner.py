@@ -248,7 +248,7 @@ def tag_names(graph: _graph.FlatGraph) -> list[str]:
   names = []
   for i, fe in enumerate(fe for fe in graph.eqns if fe.eqn.primitive is _tags.loss_tag_p):
     fn = fe.params.get("fn", f"a {fe.params['kind']} loss tag")
-    where = _compat.source_line(fe.eqn, _PACKAGE_DIR, with_function=True)
+    where = _compat.source_line(fe.eqn, _PACKAGE_DIR)
     at = f", at {where}" if where else ""
     aval = _graph.aval_of(fe.ins[0]).str_short()
     names.append(f"loss tag #{i + 1} ({fn}, prediction {aval}{at})")
@@ -865,7 +865,7 @@ def _derivative_reason(ix: _index.GraphIndex, leaf: int, uses) -> str:
       "output gradient per point: compute the operator on the batched points, the direction "
       "broadcast over them (`jax.jvp(f, (x,), (jnp.broadcast_to(e, x.shape),))`), or " + _KERNEL_NGD
     )
-  if ix.shapes[leaf] and len(ix.shapes[leaf]) == 2 and len(dense) > 1:
+  if len(ix.shapes[leaf]) == 2 and len(dense) > 1:
     mats = [kernel_index_matrix(d[0], ix.shapes[leaf]) for _, d in dense]
     if any(np.array_equal(m.T, m2) and not np.array_equal(m, m2) for m in mats for m2 in mats):
       return (
