@@ -102,7 +102,8 @@ class Reporter:
       + (
         " The step is skipped and the curvature is left as it was."
         if skipped
-        else " `Config.skip_nonfinite` is off: the update is used (not the statistics)."
+        else " `Config.skip_nonfinite` is off: the update is used (the curvature keeps no "
+        "non-finite statistics)."
       )
       + " This warning is given once per input.",
       _errors.NonFiniteWarning,
