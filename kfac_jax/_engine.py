@@ -357,7 +357,8 @@ class Engine:
       )
     if stats is not None and not takes_stats:
       raise ValueError(
-        f"{who}: `curvature_stats` are K-FAC's per-layer statistics: pass `batch=` (and `rng=`)."
+        f"{who}: `curvature_stats` are K-FAC's per-layer statistics, and this front needs the "
+        "batch's per-example rows: pass `batch=` (and `rng=`)."
       )
     if stats is None and batch is None:
       stats_or = "`curvature_stats=` (from kfac_jax.value_and_grad) or " if takes_stats else ""

@@ -76,7 +76,8 @@ def _rows(fraction, batch, who: str) -> tuple[Any, int]:
       raise ValueError(
         f"{who}: statistics_fraction={fraction!r} takes the same rows of every `batch=` leaf, "
         f"but `batch{jax.tree_util.keystr(sized[0][0])}` has {n} rows and "
-        f"`batch{jax.tree_util.keystr(path)}` {jnp.shape(x)[0]}: pass statistics_fraction=None."
+        f"`batch{jax.tree_util.keystr(path)}` {jnp.shape(x)[0]}: pass statistics_fraction=None "
+        "and slice the batch yourself."
       )
   if fraction == "auto":
     stride = auto_stride(n)
